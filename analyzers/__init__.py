@@ -1,0 +1,28 @@
+"""Analyzers: one module per pathology, each a pure function `analyze(run) -> [Finding]`.
+
+Registered here, in one place. An analyzer that raises is reported as a finding about traindx
+itself, never as a crash of the whole analysis.
+"""
+import importlib
+
+from traindx.findings import Finding, rank_findings
+
+# module names under traindx.analyzers; each exposes analyze(run) -> list[Finding]
+REGISTRY = [
+    "steps",
+]
+
+
+def analyze(run, only=None):
+    findings = []
+    for name in REGISTRY:
+        if only and name not in only:
+            continue
+        try:
+            module = importlib.import_module(f"traindx.analyzers.{name}")
+            findings.extend(module.analyze(run))
+        except Exception as exc:  # one broken analyzer must not hide the others' findings
+            findings.append(Finding(
+                id=f"traindx.analyzer_failed.{name}", title=f"analyzer '{name}' failed",
+                severity="info", analyzer=name, summary=f"{type(exc).__name__}: {exc}"))
+    return rank_findings(findings)

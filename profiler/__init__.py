@@ -1,0 +1,1 @@
+"""Evidence collection: the launcher, the in-process shim, py-spy and NVML samplers, log parsers."""

@@ -1,0 +1,171 @@
+"""py-spy evidence for each rank process: an `--idle` and a `--gil` recorder (both
+`--nonblocking`, so the job is never paused) and a low-rate `dump --json` for a GIL timeline."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+
+
+def find_pyspy():
+    """The py-spy binary: beside this interpreter first (a venv's scripts), then on PATH."""
+    beside = os.path.join(os.path.dirname(sys.executable), "py-spy")
+    if os.access(beside, os.X_OK):
+        return beside
+    return shutil.which("py-spy")
+
+
+class RankSampler:
+    """Both recorders and the dump loop of one process."""
+
+    def __init__(self, pyspy, pid, rank, out_dir, rate_hz, dump_interval_s):
+        self.pyspy, self.pid, self.rank = pyspy, pid, rank
+        self.out_dir = out_dir
+        self.rate_hz = rate_hz
+        self.dump_interval_s = dump_interval_s
+        self.recorders = []
+        self.errors = []
+        self._stop = threading.Event()
+        self._dump_thread = None
+
+    def start(self):
+        for flavour, flag in (("all", "--idle"), ("gil", "--gil")):
+            out = os.path.join(self.out_dir, f"{self.rank}-{flavour}.speedscope.json")
+            log = open(os.path.join(self.out_dir, f"{self.rank}-{flavour}.log"), "w")
+            cmd = [self.pyspy, "record", "--pid", str(self.pid), flag, "--nonblocking",
+                   "--threads", "-r", str(self.rate_hz), "-f", "speedscope", "-o", out]
+            # own session: a Ctrl-C meant for the job must not stop the recorder first
+            self.recorders.append((flavour, subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                start_new_session=True), log))
+        if self.dump_interval_s > 0:
+            self._dump_thread = threading.Thread(target=self._dump_loop, daemon=True,
+                                                 name=f"traindx-pyspy-dump-{self.rank}")
+            self._dump_thread.start()
+
+    def _dump_loop(self):
+        path = os.path.join(self.out_dir, f"{self.rank}-dump.jsonl")
+        with open(path, "a", encoding="utf-8") as out:
+            while not self._stop.wait(self.dump_interval_s):
+                t = time.time_ns()
+                try:
+                    proc = subprocess.run([self.pyspy, "dump", "--pid", str(self.pid), "--json",
+                                           "--nonblocking"], capture_output=True, text=True,
+                                          timeout=10)
+                except (subprocess.TimeoutExpired, OSError):
+                    continue
+                if proc.returncode != 0:
+                    if not os.path.exists(f"/proc/{self.pid}"):
+                        return
+                    self.errors.append(proc.stderr.strip()[-300:])
+                    continue
+                try:
+                    threads = json.loads(proc.stdout)
+                except ValueError:
+                    continue
+                out.write(json.dumps({"t": t, "pid": self.pid, "threads": [
+                    {"thread_id": th.get("thread_id"), "thread_name": th.get("thread_name"),
+                     "os_thread_id": th.get("os_thread_id"), "active": th.get("active"),
+                     "owns_gil": th.get("owns_gil"),
+                     "frames": [{"name": f.get("name"), "filename": f.get("filename"),
+                                 "line": f.get("line")} for f in th.get("frames", [])[:40]]}
+                    for th in threads]}) + "\n")
+                out.flush()
+
+    def stop(self, timeout=20):
+        self._stop.set()
+        for flavour, proc, log in self.recorders:
+            if proc.poll() is None:
+                # the target is gone or going: py-spy writes its file when it sees that; nudge it
+                try:
+                    proc.wait(timeout=3)
+                except subprocess.TimeoutExpired:
+                    proc.send_signal(2)
+                    try:
+                        proc.wait(timeout=timeout)
+                    except subprocess.TimeoutExpired:
+                        proc.kill()
+            log.close()
+            if proc.returncode not in (0, None, -2):
+                with open(log.name) as f:
+                    tail = f.read().strip().splitlines()[-1:] or ["no output"]
+                self.errors.append(f"py-spy {flavour} recorder exited {proc.returncode}: {tail[0]}")
+        if self._dump_thread is not None:
+            self._dump_thread.join(timeout=12)
+
+
+class PySpyManager:
+    """Watches the job's process tree and starts a RankSampler for every new rank process."""
+
+    def __init__(self, out_dir, rate_hz=20, dump_interval_s=2.0, poll_s=0.2):
+        self.out_dir = out_dir
+        self.rate_hz = rate_hz
+        self.dump_interval_s = dump_interval_s
+        self.poll_s = poll_s
+        self.samplers = {}
+        self.ranks = {}
+        self.error = None
+        self.pyspy = find_pyspy()
+        self._stop = threading.Event()
+        self._thread = None
+
+    def start(self, root_pid):
+        if self.pyspy is None:
+            self.error = "py-spy not found (pip install py-spy)"
+            return False
+        os.makedirs(self.out_dir, exist_ok=True)
+        self._root = root_pid
+        self._thread = threading.Thread(target=self._watch, name="traindx-pyspy", daemon=True)
+        self._thread.start()
+        return True
+
+    def _watch(self):
+        from .proctree import rank_processes
+
+        while not self._stop.is_set():
+            try:
+                found = rank_processes(self._root)
+            except Exception:
+                found = {}
+            for pid, rank in found.items():
+                if pid in self.samplers:
+                    continue
+                label = rank if rank not in self.ranks.values() else f"{rank}-{pid}"
+                self.ranks[pid] = label
+                sampler = RankSampler(self.pyspy, pid, label, self.out_dir, self.rate_hz,
+                                      self.dump_interval_s)
+                try:
+                    sampler.start()
+                except OSError as exc:
+                    self.error = f"py-spy could not start: {exc}"
+                    return
+                self.samplers[pid] = sampler
+            self._stop.wait(self.poll_s)
+
+    def attach(self, pid, rank="0"):
+        """attach mode: sample one given process."""
+        if self.pyspy is None:
+            self.error = "py-spy not found (pip install py-spy)"
+            return False
+        os.makedirs(self.out_dir, exist_ok=True)
+        self.ranks[pid] = rank
+        sampler = RankSampler(self.pyspy, pid, rank, self.out_dir, self.rate_hz,
+                              self.dump_interval_s)
+        sampler.start()
+        self.samplers[pid] = sampler
+        return True
+
+    def stop(self):
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        for sampler in self.samplers.values():
+            sampler.stop()
+
+    def errors(self):
+        out = [self.error] if self.error else []
+        for sampler in self.samplers.values():
+            out.extend(sampler.errors)
+        return out

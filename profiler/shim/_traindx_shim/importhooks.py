@@ -1,0 +1,66 @@
+"""Run a callback right after the job imports a given module (never importing it ourselves)."""
+import importlib.abc
+import sys
+
+_callbacks = {}  # module name -> [callback(module)]
+_done = set()
+
+
+def on_import(name, callback):
+    module = sys.modules.get(name)
+    if module is not None and getattr(module, "__spec__", None) is not None and name not in _finder.pending:
+        _run(name, callback, module)
+    else:
+        _callbacks.setdefault(name, []).append(callback)
+
+
+def _run(name, callback, module):
+    from . import report_error
+    try:
+        callback(module)
+    except Exception as exc:
+        report_error(f"import hook for {name}", exc)
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+    def __init__(self):
+        self.pending = set()
+
+    def find_spec(self, name, path=None, target=None):
+        if name not in _callbacks or name in self.pending:
+            return None
+        self.pending.add(name)
+        try:
+            for finder in sys.meta_path:
+                if finder is self or not hasattr(finder, "find_spec"):
+                    continue
+                spec = finder.find_spec(name, path, target)
+                if spec is not None:
+                    break
+            else:
+                return None
+        finally:
+            self.pending.discard(name)
+        loader = spec.loader
+        if loader is None or not hasattr(loader, "exec_module"):
+            return spec
+        original = loader.exec_module
+
+        def exec_module(module):
+            original(module)
+            for callback in _callbacks.pop(name, []):
+                _run(name, callback, module)
+
+        try:
+            loader.exec_module = exec_module
+        except Exception:
+            return spec
+        return spec
+
+
+_finder = _Finder()
+
+
+def install():
+    if _finder not in sys.meta_path:
+        sys.meta_path.insert(0, _finder)

@@ -1,0 +1,5 @@
+import sys
+
+from traindx.cli import main
+
+sys.exit(main())

@@ -1,0 +1,1 @@
+"""One module per `diagnose` subcommand: prepare_parser(parser) and run(args, parser) -> int."""

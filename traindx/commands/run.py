@@ -1,0 +1,95 @@
+"""Run a training command unchanged, record why it is slow, and say what to change.
+
+usage: diagnose [options] -- <command> [args...]
+"""
+import argparse
+import os
+import sys
+import time
+
+from traindx.errors import UserError
+
+
+def prepare_parser(parser):
+    parser.add_argument("--steps", type=int, default=0, metavar="N",
+                        help="stop the job cleanly after N optimizer steps")
+    parser.add_argument("--out", default="runs", metavar="DIR",
+                        help="folder the run folder is created in (default: ./runs)")
+    parser.add_argument("--run-dir", default=None, metavar="DIR",
+                        help="write the run into exactly this folder")
+    parser.add_argument("--no-pyspy", action="store_true", help="do not sample with py-spy")
+    parser.add_argument("--no-shim", action="store_true", help="do not load the in-process shim")
+    parser.add_argument("--no-nvml", action="store_true", help="do not sample GPUs through NVML")
+    parser.add_argument("--pyspy-rate", type=int, default=20, metavar="HZ",
+                        help="samples per second of each py-spy recorder (default 20)")
+    parser.add_argument("--dump-interval", type=float, default=2.0, metavar="S",
+                        help="seconds between py-spy GIL snapshots (0: none; default 2)")
+    parser.add_argument("--fix", action="store_true",
+                        help="apply the automatic prescriptions, re-run and compare")
+    parser.add_argument("--quiet", action="store_true", help="no live status line")
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="the training command, after --")
+
+
+def _command(args, parser):
+    command = list(args.command)
+    if command and command[0] == "--":
+        command = command[1:]
+    if not command:
+        raise UserError("no command given: diagnose [options] -- <command>")
+    if args.steps < 0:
+        raise UserError("--steps must be a positive number")
+    return command
+
+
+def options_from(args, extra_env=None):
+    from traindx.profiler.launcher import Options
+
+    return Options(steps=args.steps, pyspy=not args.no_pyspy, shim=not args.no_shim,
+                   nvml=not args.no_nvml, pyspy_rate_hz=args.pyspy_rate,
+                   dump_interval_s=args.dump_interval, extra_env=extra_env)
+
+
+def record_job(command, run_dir, options, quiet=False):
+    """Run the job under the collectors; returns its raw return code."""
+    from traindx.profiler.launcher import CommandNotFound, Job
+    from traindx.report.terminal import LiveStatus
+
+    status = LiveStatus(run_dir, enabled=not quiet and sys.stderr.isatty())
+    job = Job(command, run_dir, options, on_line=status.print_line)
+    with status:
+        try:
+            return job.run()
+        except CommandNotFound as exc:
+            raise UserError(str(exc)) from None
+
+
+def run(args, parser):
+    from traindx.profiler.launcher import exit_status, new_run_dir
+    from traindx.record import load_run
+    from traindx.outputs import analyze_and_write
+    from traindx.report.terminal import print_summary
+
+    command = _command(args, parser)
+    if args.fix:
+        from traindx.fixloop import run_fix_loop
+
+        return run_fix_loop(command, args)
+    from traindx.profiler.launcher import resolve_command, CommandNotFound
+    try:
+        resolve_command(command)
+    except CommandNotFound as exc:
+        raise UserError(str(exc)) from None
+    run_dir = args.run_dir or new_run_dir(args.out)
+    os.makedirs(run_dir, exist_ok=True)
+    returncode = record_job(command, run_dir, options_from(args), quiet=args.quiet)
+    try:
+        record = load_run(run_dir)
+        findings, report_path = analyze_and_write(record)
+        print_summary(record, findings, report_path)
+    except UserError as exc:
+        print(f"diagnose: analysis failed: {exc} (the raw evidence is kept in {run_dir})",
+              file=sys.stderr)
+    except Exception as exc:  # traindx's own bug must not hide the job's exit code
+        print(f"diagnose: internal error during analysis: {type(exc).__name__}: {exc} "
+              f"(the raw evidence is kept in {run_dir})", file=sys.stderr)
+    return exit_status(returncode)

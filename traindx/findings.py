@@ -1,0 +1,56 @@
+"""What analyzers return: findings with their evidence and prescriptions."""
+from dataclasses import asdict, dataclass, field
+from typing import Optional
+
+SEVERITIES = ("info", "low", "medium", "high", "critical")
+
+
+@dataclass(frozen=True)
+class Prescription:
+    """One concrete change. kind: env | arg | code | upgrade | precompile | config."""
+
+    kind: str
+    summary: str                       # one line a user reads
+    change: dict = field(default_factory=dict)   # machine-readable: {"env": {...}} / {"arg": ...} / ...
+    expected_gain_s_per_step: Optional[float] = None
+    automatic: bool = False            # can `diagnose --fix` apply it by itself
+    command: Optional[str] = None      # a copyable command or diff, when there is one
+
+
+@dataclass(frozen=True)
+class Finding:
+    id: str                            # stable: "<analyzer>.<what>", e.g. "jit.fa4_steady_recompile"
+    title: str
+    severity: str
+    analyzer: str
+    summary: str = ""
+    steps_affected: tuple = ()
+    seconds_lost_per_step: Optional[float] = None
+    share_of_step: Optional[float] = None
+    evidence: dict = field(default_factory=dict)
+    prescriptions: tuple = ()
+    ranks: tuple = ()
+
+    def __post_init__(self):
+        if self.severity not in SEVERITIES:
+            raise ValueError(f"unknown severity {self.severity!r}")
+
+    @property
+    def rank_key(self):
+        """Ranking: severity first, then seconds lost per step."""
+        return (SEVERITIES.index(self.severity), self.seconds_lost_per_step or 0.0)
+
+    def to_dict(self):
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data):
+        data = dict(data)
+        data["prescriptions"] = tuple(Prescription(**p) for p in data.get("prescriptions", ()))
+        data["steps_affected"] = tuple(data.get("steps_affected", ()))
+        data["ranks"] = tuple(data.get("ranks", ()))
+        return cls(**data)
+
+
+def rank_findings(findings):
+    return sorted(findings, key=lambda f: f.rank_key, reverse=True)

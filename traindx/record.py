@@ -1,0 +1,214 @@
+"""The run record: everything one `diagnose` run collected, loaded into one immutable object.
+
+Raw evidence stays as written in the run folder; this module derives per-rank pandas DataFrames
+from it (one `rank` column each, HTA-style) on a single wall-clock-ns time axis. Analyzers,
+reports and comparisons read only this object and never change it.
+"""
+import glob
+import json
+import os
+import warnings
+from dataclasses import dataclass, field
+from functools import cached_property
+
+import pandas as pd
+
+from traindx.errors import UserError
+
+STEP_COLUMNS = ["rank", "step", "start_ns", "end_ns", "duration_s"]
+COMPILE_COLUMNS = ["rank", "kind", "kernel", "start_ns", "end_ns", "duration_s", "thread",
+                   "is_main_thread", "step", "caller", "key", "key_fields", "detail"]
+
+
+class TruncatedEvidenceWarning(UserWarning):
+    pass
+
+
+def _read_jsonl(path):
+    """Events of one JSONL file; a cut-off last line (a killed job) is dropped with a warning,
+    a corrupt line elsewhere is an error."""
+    events = []
+    with open(path, encoding="utf-8", errors="replace") as f:
+        lines = f.read().split("\n")
+    last = len(lines) - 1
+    while last >= 0 and not lines[last].strip():
+        last -= 1
+    for n, line in enumerate(lines[: last + 1]):
+        if not line.strip():
+            continue
+        try:
+            events.append(json.loads(line))
+        except ValueError:
+            if n == last:
+                warnings.warn(f"{path}: last line is truncated (the job was killed mid-write); "
+                              "it was skipped", TruncatedEvidenceWarning, stacklevel=3)
+            else:
+                raise UserError(f"{path}:{n + 1}: corrupt event line") from None
+    return events
+
+
+def _rank_of(path, suffix):
+    return os.path.basename(path)[: -len(suffix)]
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    path: str
+    manifest: dict
+    events: pd.DataFrame = field(repr=False)  # every shim event, one row each, `rank` column
+
+    # -- the derived tables --------------------------------------------------------------------
+    @cached_property
+    def ranks(self):
+        ranks = set(self.events["rank"].unique()) if len(self.events) else set()
+        ranks |= set(self.manifest.get("ranks", {}).keys())
+        return sorted(ranks, key=lambda r: (len(str(r)), str(r)))
+
+    def _of_type(self, type_):
+        if not len(self.events):
+            return pd.DataFrame()
+        return self.events[self.events["type"] == type_].dropna(axis=1, how="all")
+
+    @cached_property
+    def steps(self):
+        """One row per completed optimizer step of each rank."""
+        rows = []
+        for rank, ev in self.events.groupby("rank") if len(self.events) else []:
+            begins = {}
+            for e in ev[ev["type"].isin(["step_begin", "step_end"])].itertuples():
+                if e.type == "step_begin":
+                    begins[int(e.step)] = int(e.t)
+                else:
+                    start = begins.get(int(e.step))
+                    rows.append({"rank": rank, "step": int(e.step), "start_ns": start,
+                                 "end_ns": int(e.t),
+                                 "duration_s": None if start is None else (int(e.t) - start) / 1e9})
+        return pd.DataFrame(rows, columns=STEP_COLUMNS)
+
+    @cached_property
+    def compiles(self):
+        df = self._of_type("compile")
+        if not len(df):
+            return pd.DataFrame(columns=COMPILE_COLUMNS)
+        df = df.rename(columns={"t": "end_ns", "start": "start_ns"}).reset_index(drop=True)
+        for col in COMPILE_COLUMNS:
+            if col not in df:
+                df[col] = None
+        return df
+
+    @cached_property
+    def gc(self):
+        return self._of_type("gc").reset_index(drop=True)
+
+    @cached_property
+    def alloc(self):
+        return self._of_type("alloc").reset_index(drop=True)
+
+    @cached_property
+    def gpu(self):
+        path = os.path.join(self.path, "nvml.csv")
+        if not os.path.exists(path) or os.path.getsize(path) == 0:
+            return pd.DataFrame(columns=["t", "gpu", "util", "mem_util", "sm_clock_mhz",
+                                         "mem_used_bytes", "power_w", "clock_event_reasons"])
+        df = pd.read_csv(path, on_bad_lines="skip")
+        return df.apply(pd.to_numeric, errors="coerce").dropna(subset=["t"])
+
+    @cached_property
+    def log(self):
+        """The job's output: t (ns), stream ('o'|'e'), text."""
+        path = os.path.join(self.path, "log.txt")
+        rows = []
+        if os.path.exists(path):
+            with open(path, encoding="utf-8", errors="replace") as f:
+                for line in f:
+                    t, _, rest = line.rstrip("\n").partition(" ")
+                    stream, _, text = rest.partition(" ")
+                    if t.isdigit():
+                        rows.append((int(t), stream, text))
+        return pd.DataFrame(rows, columns=["t", "stream", "text"])
+
+    @cached_property
+    def log_steps(self):
+        """Steps and losses the job printed itself (Megatron, torchtitan, HF, ms-swift, slime)."""
+        from traindx.profiler.logparse import parse_line
+
+        rows = []
+        for t, text in zip(self.log["t"], self.log["text"]):
+            parsed = parse_line(text)
+            if parsed:
+                parsed["t"] = t
+                rows.append(parsed)
+        return pd.DataFrame(rows, columns=["t", "step", "loss", "step_time_s", "format"])
+
+    @cached_property
+    def pyspy(self):
+        """{(rank, 'all'|'gil'): {thread: ThreadSamples}} for every recording present."""
+        from traindx.profiler import speedscope
+
+        out = {}
+        for path in sorted(glob.glob(os.path.join(self.path, "pyspy", "*.speedscope.json"))):
+            name = os.path.basename(path)[: -len(".speedscope.json")]
+            rank, _, source = name.rpartition("-")
+            try:
+                out[(rank, source)] = speedscope.load(path)
+            except UserError as exc:
+                warnings.warn(str(exc), TruncatedEvidenceWarning, stacklevel=2)
+        return out
+
+    @cached_property
+    def dumps(self):
+        """py-spy dump snapshots: t, rank, thread_name, thread_id, active, owns_gil, top frame."""
+        rows = []
+        for path in sorted(glob.glob(os.path.join(self.path, "pyspy", "*-dump.jsonl"))):
+            rank = _rank_of(path, "-dump.jsonl")
+            for snap in _read_jsonl(path):
+                for th in snap.get("threads", []):
+                    frames = th.get("frames") or []
+                    rows.append({"t": snap["t"], "rank": rank, "thread_name": th.get("thread_name"),
+                                 "thread_id": th.get("thread_id"), "active": th.get("active"),
+                                 "owns_gil": th.get("owns_gil"), "frames": frames})
+        return pd.DataFrame(rows, columns=["t", "rank", "thread_name", "thread_id", "active",
+                                           "owns_gil", "frames"])
+
+    # -- conveniences --------------------------------------------------------------------------
+    @property
+    def command(self):
+        return self.manifest.get("command", [])
+
+    @property
+    def missing(self):
+        return self.manifest.get("missing", {})
+
+    def rank_steps(self, rank):
+        return self.steps[self.steps["rank"] == rank]
+
+
+def is_run_dir(path):
+    return os.path.isfile(os.path.join(path, "manifest.json"))
+
+
+def load_run(path):
+    """Load a run folder written by `diagnose`. Raises UserError for anything that is not one."""
+    path = os.path.abspath(os.fspath(path))
+    if not os.path.isdir(path):
+        raise UserError(f"no such run folder: {path}")
+    manifest_path = os.path.join(path, "manifest.json")
+    if not os.path.isfile(manifest_path):
+        raise UserError(f"{path} is not a traindx run (no manifest.json)")
+    try:
+        with open(manifest_path, encoding="utf-8") as f:
+            manifest = json.load(f)
+    except ValueError:
+        raise UserError(f"{manifest_path} is corrupt (not JSON)") from None
+    if not isinstance(manifest, dict) or "command" not in manifest:
+        raise UserError(f"{manifest_path} is not a traindx manifest")
+    rows = []
+    for events_path in sorted(glob.glob(os.path.join(path, "events", "*.jsonl"))):
+        rank = _rank_of(events_path, ".jsonl")
+        for event in _read_jsonl(events_path):
+            event["rank"] = str(event.get("rank", rank)) if event.get("type") == "process_start" else rank
+            rows.append(event)
+    events = pd.DataFrame(rows)
+    if len(events):
+        events = events.sort_values("t", kind="stable").reset_index(drop=True)
+    return RunRecord(path=path, manifest=manifest, events=events)
