@@ -7,7 +7,17 @@ SEVERITIES = ("info", "low", "medium", "high", "critical")
 
 @dataclass(frozen=True)
 class Prescription:
-    """One concrete change. kind: env | arg | code | upgrade | precompile | config."""
+    """One concrete change. kind: env | arg | code | upgrade | precompile | backend.
+
+    `change` is what `diagnose --fix` reads (traindx.fixloop); its keys, any combination:
+      {"env": {"NAME": "value", ...}}                         set environment variables
+      {"arg": {"framework": "megatron"|"ms-swift"|"example"|..., "set": {"--flag": "value"}}}
+                                                              set (or add) command-line flags
+      {"precompile": {"from_run": "<run dir>"}}               kernel-cache warm --from-run first
+      {"upgrade": {"package": "flash-attn-4", "min_version": "4.0.0b26"}}   printed, not applied
+      {"code": {"file": ..., "line": ..., "before": ..., "after": ...}}       printed, not applied
+    `automatic` says whether --fix may apply it by itself.
+    """
 
     kind: str
     summary: str                       # one line a user reads
