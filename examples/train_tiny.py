@@ -9,7 +9,10 @@ import sys
 import time
 from datetime import datetime
 
+import os
+
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -27,6 +30,9 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: default)")
     p.add_argument("--exit-code", type=int, default=0, help="exit with this code at the end (tests)")
+    p.add_argument("--slow-rank", type=int, default=-1,
+                   help="under torchrun: this rank sleeps --slow-seconds every step (a straggler)")
+    p.add_argument("--slow-seconds", type=float, default=0.2)
     return p.parse_args(argv)
 
 
@@ -91,17 +97,28 @@ def main(argv=None):
     gen = torch.Generator().manual_seed(args.seed + 1)
     table = torch.randint(args.vocab, (4096,), generator=gen)
     model = TinyLM(args.vocab, args.d_model, args.layers, args.heads, args.seq_len)
+    rank, world = 0, 1
+    if "RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1:  # under torchrun
+        dist.init_process_group("gloo")
+        rank, world = dist.get_rank(), dist.get_world_size()
+        gen.manual_seed(args.seed + 1 + rank)  # each rank its own data
+        model = nn.parallel.DistributedDataParallel(model)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     for step in range(1, args.steps + 1):
         t0 = time.perf_counter()
         x, y = make_batch(gen, table, args.batch_size, args.seq_len, args.vocab)
         logits = model(x)
         loss = F.cross_entropy(logits.reshape(-1, args.vocab), y.reshape(-1))
+        if rank == args.slow_rank:
+            time.sleep(args.slow_seconds)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-        log_line(step, args.steps, (time.perf_counter() - t0) * 1000, args.lr, args.batch_size,
-                 loss.item(), args.batch_size * args.seq_len)
+        if rank == 0:
+            log_line(step, args.steps, (time.perf_counter() - t0) * 1000, args.lr,
+                     args.batch_size * world, loss.item(), args.batch_size * args.seq_len * world)
+    if world > 1:
+        dist.destroy_process_group()
     return args.exit_code
 
 

@@ -27,6 +27,8 @@ class RankSampler:
         self.dump_interval_s = dump_interval_s
         self.recorders = []
         self.errors = []
+        self.dumps_ok = 0
+        self.dump_errors = []
         self._stop = threading.Event()
         self._dump_thread = None
 
@@ -59,8 +61,11 @@ class RankSampler:
                 if proc.returncode != 0:
                     if not os.path.exists(f"/proc/{self.pid}"):
                         return
-                    self.errors.append(proc.stderr.strip()[-300:])
+                    # a dump can fail while the target starts or exits; only all failing matters
+                    lines = [l for l in proc.stderr.splitlines() if l.strip()]
+                    self.dump_errors.append(lines[0][:300] if lines else f"exit {proc.returncode}")
                     continue
+                self.dumps_ok += 1
                 try:
                     threads = json.loads(proc.stdout)
                 except ValueError:
@@ -94,6 +99,8 @@ class RankSampler:
                 self.errors.append(f"py-spy {flavour} recorder exited {proc.returncode}: {tail[0]}")
         if self._dump_thread is not None:
             self._dump_thread.join(timeout=12)
+        if self.dump_errors and not self.dumps_ok:
+            self.errors.append(f"py-spy dump failed: {self.dump_errors[0]}")
 
 
 class PySpyManager:

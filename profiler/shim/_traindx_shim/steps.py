@@ -42,12 +42,20 @@ def _end(source):
     _emit_alloc(step)
     _state["step"] = step + 1
     if MAX_STEPS and step + 1 >= MAX_STEPS:
+        # stop at the job's next zero_grad or optimizer step, so the job's own end-of-step
+        # code (its log line, its loss) still runs for the last step
+        _state["stop_pending"] = True
         emit("stop_requested", step=step, reason=f"--steps {MAX_STEPS}")
+    _begin(time.time_ns())
+
+
+def _stop_if_pending():
+    if _state.get("stop_pending"):
+        _state["stop_pending"] = False
         w = get_writer()
         if w is not None:
             w.flush()
         raise SystemExit(0)
-    _begin(time.time_ns())
 
 
 def _emit_alloc(step):
@@ -80,9 +88,18 @@ def _torch_post_hook(optimizer, args, kwargs):
 @guarded("torch import hook")
 def _on_torch(torch):
     _state["torch"] = torch
-    from torch.optim.optimizer import Optimizer, register_optimizer_step_post_hook
+    from torch.optim.optimizer import (Optimizer, register_optimizer_step_post_hook,
+                                       register_optimizer_step_pre_hook)
 
     register_optimizer_step_post_hook(_torch_post_hook)
+    register_optimizer_step_pre_hook(lambda optimizer, args, kwargs: _stop_if_pending())
+    original_zero_grad = Optimizer.zero_grad
+
+    def zero_grad(self, *args, **kwargs):
+        _stop_if_pending()
+        return original_zero_grad(self, *args, **kwargs)
+
+    Optimizer.zero_grad = zero_grad
     original_init = Optimizer.__init__
 
     def __init__(self, *args, **kwargs):
@@ -108,6 +125,8 @@ def _on_megatron_optimizer(module):
 
 def _wrap_megatron_step(step_fn):
     def step(self, *args, **kwargs):
+        if _state["megatron_depth"] == 0:
+            _stop_if_pending()
         if _state["begin"] is None:
             _begin(time.time_ns())
         _state["megatron_depth"] += 1

@@ -1,0 +1,185 @@
+"""`diagnose -- <cmd>` on real jobs: the run record, exit codes, signals, the shim's manners."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import warnings
+
+import pytest
+
+import traindx
+from traindx.errors import UserError
+from traindx.record import TruncatedEvidenceWarning
+
+from helpers import PY, ROOT, diagnose, example, only_run_dir
+
+TINY = example("train_tiny.py")
+
+
+def test_records_the_steps_of_the_example(tmp_path):
+    proc = diagnose(["--out", "runs", "--steps", "6", "--", PY, TINY, "--steps", "50"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    run = traindx.load_run(only_run_dir(tmp_path / "runs"))
+    steps = run.steps
+    # --steps 6 stops the job cleanly after six optimizer steps
+    assert list(steps["step"]) == [0, 1, 2, 3, 4, 5]
+    assert steps["duration_s"].between(0.001, 30).all()
+    # the job's own log agrees with the shim on the number of steps it made
+    assert list(run.log_steps["step"]) == [1, 2, 3, 4, 5, 6]
+    assert run.log_steps["loss"].notna().all()
+    assert run.manifest["exit_code"] == 0
+    assert run.manifest["packages"]["torch"].startswith("2.")
+    # py-spy evidence of the rank, unless py-spy is missing on this machine
+    if "pyspy" not in run.missing:
+        assert ("0", "all") in run.pyspy and ("0", "gil") in run.pyspy
+        main = [t for t in run.pyspy[("0", "all")].values() if len(t.stacks) > 5]
+        assert main, "py-spy recorded no samples"
+    # the summary names the run folder and the step count
+    assert "6 steps recorded" in proc.stderr
+
+
+def test_job_exit_code_passes_through(tmp_path):
+    proc = diagnose(["--out", "runs", "--no-pyspy", "--", PY, TINY, "--steps", "2",
+                     "--exit-code", "3"], cwd=tmp_path)
+    assert proc.returncode == 3
+    run = traindx.load_run(only_run_dir(tmp_path / "runs"))
+    assert run.manifest["exit_code"] == 3
+    assert len(run.steps) == 2
+
+
+def test_sigterm_leaves_a_loadable_partial_run(tmp_path):
+    env = dict(os.environ)
+    proc = subprocess.Popen([PY, "-m", "traindx", "--out", "runs", "--", PY, TINY, "--steps",
+                             "100000"], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    events = tmp_path / "runs"
+    # wait until the job has made a few steps
+    while time.time() < deadline:
+        files = list(events.glob("*/events/0.jsonl"))
+        if files and files[0].read_text().count('"step_end"') >= 3:
+            break
+        time.sleep(0.3)
+    else:
+        proc.kill()
+        pytest.fail("the job never made 3 steps")
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM
+    run = traindx.load_run(only_run_dir(events))
+    assert len(run.steps) >= 3
+    assert run.manifest["signals_forwarded"] == ["SIGTERM"]
+    assert run.manifest["end_ns"] is not None
+    assert os.path.exists(os.path.join(run.path, "findings.json"))
+
+
+def test_existing_sitecustomize_still_runs(tmp_path):
+    site = tmp_path / "site"
+    site.mkdir()
+    marker = tmp_path / "marker"
+    (site / "sitecustomize.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\n")
+    proc = diagnose(["--out", "runs", "--no-pyspy", "--", PY, TINY, "--steps", "2"], cwd=tmp_path,
+                    env={"PYTHONPATH": str(site)})
+    assert proc.returncode == 0, proc.stderr
+    assert marker.read_text() == "ran"
+    run = traindx.load_run(only_run_dir(tmp_path / "runs"))
+    assert len(run.steps) == 2  # and the shim ran too
+
+
+def test_torchrun_two_ranks_yield_events_for_both(tmp_path):
+    torchrun = os.path.join(os.path.dirname(PY), "torchrun")
+    proc = diagnose(["--out", "runs", "--", torchrun, "--nproc-per-node", "2", TINY, "--steps",
+                     "4"], cwd=tmp_path, env={"OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr
+    run = traindx.load_run(only_run_dir(tmp_path / "runs"))
+    assert sorted(run.steps["rank"].unique()) == ["0", "1"]
+    assert (run.steps.groupby("rank").size() == 4).all()
+    if "pyspy" not in run.missing:
+        assert sorted(run.manifest["ranks"]) == ["0", "1"]  # one sampler per worker, none for torchrun
+
+
+def test_unknown_command_is_a_one_line_error(tmp_path):
+    proc = diagnose(["--", "no-such-trainer-xyz", "--steps", "1"], cwd=tmp_path)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == "diagnose: error: command not found: no-such-trainer-xyz"
+    assert not (tmp_path / "runs").exists()
+
+
+def test_no_command_is_a_one_line_error(tmp_path):
+    proc = diagnose([], cwd=tmp_path)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr and "no command given" in proc.stderr
+
+
+def test_secrets_are_redacted_in_the_manifest(tmp_path):
+    proc = diagnose(["--out", "runs", "--no-pyspy", "--", PY, TINY, "--steps", "1"], cwd=tmp_path,
+                    env={"HF_TOKEN": "hf_abc123", "MY_API_KEY": "k-999", "DB_PASSWORD": "pw",
+                         "PLAIN_SETTING": "visible"})
+    assert proc.returncode == 0, proc.stderr
+    run_dir = only_run_dir(tmp_path / "runs")
+    text = open(os.path.join(run_dir, "manifest.json")).read()
+    for secret in ("hf_abc123", "k-999", '"pw"'):
+        assert secret not in text
+    env = json.loads(text)["env"]
+    assert env["HF_TOKEN"] == env["MY_API_KEY"] == env["DB_PASSWORD"] == "<redacted>"
+    assert env["PLAIN_SETTING"] == "visible"
+
+
+def test_missing_evidence_is_recorded_not_fatal(tmp_path):
+    # no NVML on a CPU machine; py-spy switched off: the job still runs to its end
+    proc = diagnose(["--out", "runs", "--no-pyspy", "--", PY, TINY, "--steps", "2"], cwd=tmp_path,
+                    env={"PATH": os.path.dirname(PY) + os.pathsep + "/usr/bin:/bin"})
+    assert proc.returncode == 0
+    run = traindx.load_run(only_run_dir(tmp_path / "runs"))
+    assert "pyspy" in run.missing
+    if not run.manifest["gpus"]:
+        assert "nvml" in run.missing
+
+
+def test_a_failing_shim_hook_does_not_harm_the_job(tmp_path):
+    # a job whose import of a hooked module makes our hook fail: the job runs on and the
+    # failure lands in the events as a shim_error
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent("""
+        import sys, types
+        import _traindx_shim
+        from _traindx_shim import importhooks
+        importhooks.on_import("json.tool", lambda m: 1 / 0)
+        import json.tool
+        print("job finished")
+    """))
+    proc = diagnose(["--out", "runs", "--no-pyspy", "--", PY, str(script)], cwd=tmp_path)
+    assert proc.returncode == 0
+    assert "job finished" in proc.stdout
+    run = traindx.load_run(only_run_dir(tmp_path / "runs"))
+    errors = run.events[run.events["type"] == "shim_error"]
+    assert "ZeroDivisionError" in errors["error"].iloc[0]
+
+
+def test_load_run_rejects_a_folder_that_is_not_a_run(tmp_path):
+    with pytest.raises(UserError, match="not a traindx run"):
+        traindx.load_run(tmp_path)
+    proc = diagnose(["report", str(tmp_path)], cwd=tmp_path)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+
+
+def test_truncated_last_event_line_is_a_warning(tmp_path):
+    proc = diagnose(["--out", "runs", "--no-pyspy", "--", PY, TINY, "--steps", "3"], cwd=tmp_path)
+    run_dir = only_run_dir(tmp_path / "runs")
+    events = os.path.join(run_dir, "events", "0.jsonl")
+    with open(events, "a") as f:
+        f.write('{"type": "step_end", "step": 3, "t": 17')  # what a killed job leaves
+    with pytest.warns(TruncatedEvidenceWarning):
+        run = traindx.load_run(run_dir)
+    assert len(run.steps) == 3
+    # a corrupt line in the middle is an error, not a guess
+    with open(events) as f:
+        lines = f.read().splitlines()
+    lines.insert(1, "{garbage")
+    with open(events, "w") as f:
+        f.write("\n".join(lines[:-1]) + "\n")
+    with pytest.raises(UserError, match="corrupt event line"):
+        traindx.load_run(run_dir)
