@@ -9,14 +9,18 @@ _MEGATRON = re.compile(
 _TORCHTITAN = re.compile(r"step:\s*(?P<step>\d+)\s+loss:\s*(?P<loss>[-+\d.eE]+)")
 _SLIME = re.compile(r"step (?P<step>\d+): \{'train/loss': (?P<loss>[-+\d.eE]+)")
 _DICT = re.compile(r"(\{'loss': .*\})")
+# not a Megatron field: traindx's examples add it to their Megatron-format line
+_TOKENS = re.compile(r"tokens per step:\s*(?P<tokens>\d+)")
 
 
 def parse_line(text):
     """{'step', 'loss', 'step_time_s'} for a line that reports a step, else None."""
     m = _MEGATRON.search(text)
     if m:
+        tokens = _TOKENS.search(text)
         return {"step": int(m["step"]), "step_time_s": float(m["ms"]) / 1000.0,
-                "loss": float(m["loss"]) if m["loss"] else None, "format": "megatron"}
+                "loss": float(m["loss"]) if m["loss"] else None, "format": "megatron",
+                "tokens": int(tokens["tokens"]) if tokens else None}
     m = _TORCHTITAN.search(text)
     if m:
         return {"step": int(m["step"]), "loss": float(m["loss"]), "step_time_s": None,

@@ -138,7 +138,7 @@ class RunRecord:
             if parsed:
                 parsed["t"] = t
                 rows.append(parsed)
-        return pd.DataFrame(rows, columns=["t", "step", "loss", "step_time_s", "format"])
+        return pd.DataFrame(rows, columns=["t", "step", "loss", "step_time_s", "format", "tokens"])
 
     @cached_property
     def pyspy(self):

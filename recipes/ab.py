@@ -1,0 +1,164 @@
+"""The A/B comparison of two recorded runs: what changed, how fast each arm was over its steady
+window, the speedup with a bootstrap interval, throughput, step-time CV, loss parity, a verdict.
+
+Reads only the run records (traindx.load_run); the result is a plain dict (JSON-ready) that the
+terminal, comparison.json and the HTML report render.
+"""
+import difflib
+import shlex
+
+import numpy as np
+
+from . import stats
+
+# variables traindx itself sets per run, not part of the change between two arms
+_OWN_ENV = ("TRAINDX_RUN_DIR", "TRAINDX_MAX_STEPS", "TRAINDX_RANK_PID", "PYTHONUNBUFFERED")
+
+
+def step_times(run):
+    """Step durations in seconds, in step order: the shim's optimizer steps (the slowest rank's
+    duration per step, since a synchronous job waits for it), else the job's own log."""
+    steps = run.steps.dropna(subset=["duration_s"])
+    if len(steps):
+        per_step = steps.groupby("step")["duration_s"].max().sort_index()
+        return per_step.to_numpy(dtype=float), "shim"
+    log = run.log_steps.dropna(subset=["step_time_s"]) if len(run.log_steps) else run.log_steps
+    if len(log):
+        per_step = log.groupby("step")["step_time_s"].last().sort_index()
+        return per_step.to_numpy(dtype=float), "log"
+    return np.array([], dtype=float), None
+
+
+def losses(run):
+    """{step: loss} from the job's log (the last value printed for a step)."""
+    log = run.log_steps
+    if not len(log):
+        return {}
+    log = log.dropna(subset=["loss", "step"])
+    return {int(s): float(v) for s, v in log.groupby("step")["loss"].last().items()}
+
+
+def tokens_per_step(run):
+    """Tokens of one optimizer step, as the job reports them ('tokens per step: N' in its
+    log line, or a `tokens` field on the shim's step_end events); None when unknown."""
+    ev = run.events
+    if len(ev) and "tokens" in ev.columns:
+        ends = ev[(ev["type"] == "step_end")]["tokens"].dropna()
+        if len(ends):
+            return float(ends.median())
+    log = run.log_steps
+    if len(log) and "tokens" in log.columns:
+        tokens = log["tokens"].dropna()
+        if len(tokens):
+            return float(tokens.median())
+    return None
+
+
+def compile_counts(run, window=None):
+    """(all compile events, those inside the step window) of a run."""
+    compiles = run.compiles
+    total = int(len(compiles))
+    if window is None or not total:
+        return total, 0 if window is not None else None
+    steps = compiles["step"].dropna()
+    in_window = int(((steps >= window[0]) & (steps <= window[1])).sum())
+    return total, in_window
+
+
+def command_diff(before, after):
+    """Token-level diff of two commands: removed and added tokens, with both command lines."""
+    removed, added = [], []
+    matcher = difflib.SequenceMatcher(a=list(before), b=list(after), autojunk=False)
+    for op, a0, a1, b0, b1 in matcher.get_opcodes():
+        if op in ("replace", "delete"):
+            removed.extend(before[a0:a1])
+        if op in ("replace", "insert"):
+            added.extend(after[b0:b1])
+    return {"before": shlex.join(before), "after": shlex.join(after),
+            "removed": removed, "added": added, "same": list(before) == list(after)}
+
+
+def env_diff(before, after):
+    """Environment variables added, removed or changed between two manifests' environments."""
+    before = {k: v for k, v in (before or {}).items() if k not in _OWN_ENV}
+    after = {k: v for k, v in (after or {}).items() if k not in _OWN_ENV}
+    return {
+        "added": {k: after[k] for k in sorted(after) if k not in before},
+        "removed": {k: before[k] for k in sorted(before) if k not in after},
+        "changed": {k: [before[k], after[k]] for k in sorted(before)
+                    if k in after and before[k] != after[k]},
+    }
+
+
+def measure_arm(run, window=None, tokens_override=None):
+    times, source = step_times(run)
+    tokens = tokens_override or tokens_per_step(run)
+    summary, window_times = stats.summarize_arm(times, window, tokens)
+    total, in_window = compile_counts(run, summary.window)
+    out = summary.to_dict()
+    out.update({
+        "run": run.path,
+        "command": list(run.command),
+        "exit_code": run.manifest.get("exit_code"),
+        "step_source": source,
+        "step_times_s": [round(float(x), 6) for x in times],
+        "compiles": total,
+        "compiles_in_window": in_window,
+        "window": list(summary.window) if summary.window else None,
+    })
+    return out, window_times
+
+
+def compare_runs(baseline, candidate, window=None, tokens_per_step=None, change=None):
+    """The comparison dict of two loaded runs (baseline = the reference arm)."""
+    base, base_w = measure_arm(baseline, window, tokens_per_step)
+    cand, cand_w = measure_arm(candidate, window, tokens_per_step)
+    problems = []
+    speedup = ci = None
+    if len(base_w) and len(cand_w):
+        point, low, high = stats.bootstrap_speedup(base_w, cand_w)
+        speedup, ci = point, [low, high]
+    else:
+        for name, arm in (("baseline", base), ("candidate", cand)):
+            if not arm["window_steps"]:
+                problems.append(f"the {name} arm recorded no completed step")
+
+    base_losses, cand_losses = losses(baseline), losses(candidate)
+    common = sorted(set(base_losses) & set(cand_losses))
+    parity = None
+    if common:
+        parity = stats.loss_parity([base_losses[s] for s in common],
+                                   [cand_losses[s] for s in common]).to_dict()
+        parity["steps"] = [common[0], common[-1]]
+        parity["baseline_losses"] = [base_losses[s] for s in common]
+        parity["candidate_losses"] = [cand_losses[s] for s in common]
+    elif base_losses or cand_losses:
+        problems.append("the two arms logged losses for different steps: no parity check")
+
+    result = {
+        "baseline": base,
+        "candidate": cand,
+        "change": {
+            "command": command_diff(list(baseline.command), list(candidate.command)),
+            "env": env_diff(baseline.manifest.get("env"), candidate.manifest.get("env")),
+        },
+        "speedup": speedup,
+        "speedup_ci95": ci,
+        "tokens_per_s_gain": (cand["tokens_per_s"] / base["tokens_per_s"]
+                              if base["tokens_per_s"] and cand["tokens_per_s"] else None),
+        "loss_parity": parity,
+        "verdict": stats.verdict(speedup, ci[0] if ci else None,
+                                 None if parity is None else parity["passed"]),
+        "problems": problems,
+        "thresholds": {
+            "min_speedup": stats.MIN_SPEEDUP,
+            "min_correlation": stats.MIN_CORRELATION,
+            "pointwise_tolerance": {"golden > 2.0": 0.10, "golden > 0.5": 0.05, "else": 0.02},
+            "max_failed_point_share": stats.MAX_FAILED_POINT_SHARE,
+            "max_final_loss_difference": stats.MAX_FINAL_LOSS_DIFFERENCE,
+            "skip_first_share": stats.SKIP_FIRST_SHARE,
+        },
+    }
+    if change:
+        result["change"].update(change)
+    return result

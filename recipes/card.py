@@ -1,0 +1,392 @@
+"""Recipe cards: the YAML format of the reference cards (reference/003_*.txt), as a model.
+
+A card has the sections schema_version, model, gpu, author, status, stack, workload, layout,
+result, correctness, env, patches, run and notes. `gpu`, `author` and `result` are typed
+(dataclasses); the free-form sections stay mappings, checked by the schema where they have
+known fields. `RecipeCard.from_yaml(text)` validates and raises CardError with every problem,
+one per line, each naming the field path; `to_yaml()` writes the same format back (the
+reference cards round-trip: same data, same section order, the leading comment kept).
+"""
+import datetime
+import io
+import os
+from dataclasses import dataclass, field, fields
+from importlib import resources
+
+import yaml
+
+from traindx.errors import UserError
+
+SCHEMA_VERSION = 1
+STATUSES = ("verified", "measured", "draft", "unverified")
+CHECK_RESULTS = ("pass", "fail", "not run", "skipped")
+
+
+class CardError(UserError):
+    """A card that does not follow the schema: every problem, one per line."""
+
+    def __init__(self, problems, source=None):
+        self.problems = list(problems)
+        where = f"{source}: " if source else ""
+        lines = "; ".join(self.problems)
+        super().__init__(f"{where}invalid recipe card: {lines}")
+
+
+# -- the schema --------------------------------------------------------------------------------
+# A spec is a type name, or a dict of {field: (spec, required)} for a mapping, or
+# ("list", spec) / ("map", spec) / ("enum", values) / ("nullable", spec).
+NUM = "number"
+INT = "integer"
+STR = "string"
+BOOL = "boolean"
+DATE = "date"
+ANY = "any"
+SCALAR = "scalar"
+
+_CONVERGENCE = {
+    "steps": (INT, True), "result": (("enum", CHECK_RESULTS), True),
+    "correlation": (("nullable", NUM), False), "final_loss_difference": (("nullable", NUM), False),
+    "pointwise_failures": (("nullable", INT), False), "note": (("nullable", STR), False),
+}
+_COMPONENT_TEST = {
+    "test": (STR, True), "shape": (STR, False), "gpu": (STR, False), "date": (DATE, False),
+    "result": (("enum", CHECK_RESULTS), True), "detail": (STR, False), "note": (STR, False),
+}
+SCHEMA = {
+    "schema_version": (INT, True),
+    "model": (STR, True),
+    "gpu": ({"type": (STR, True), "memory_gb": (("nullable", NUM), False), "count": (INT, True),
+             "per_node": (("nullable", INT), False), "instance": (("nullable", STR), False)}, True),
+    "author": ({"name": (STR, True), "url": (("nullable", STR), False)}, True),
+    "status": (("enum", STATUSES), False),
+    "stack": (("map", ("nullable", SCALAR)), True),
+    "workload": (("map", ANY), True),
+    "layout": ({"label": (STR, False), "summary": (STR, False), "highlights": (STR, False),
+                "tp": (INT, False), "pp": (INT, False), "vpp": (INT, False), "cp": (INT, False),
+                "ep": (INT, False), "etp": (INT, False), "dp": (INT, False),
+                "sequence_parallel": (BOOL, False)}, True),
+    "result": ({
+        "tokens_per_s_per_gpu": (NUM, True),
+        "usd_per_million_tokens": (("nullable", NUM), False),
+        "step_time_cv_percent": (("nullable", NUM), False),
+        "mfu": (("nullable", NUM), False),
+        "mfu_note": (("nullable", STR), False),
+        "active_params": (("nullable", {"count": (INT, True), "source": (("nullable", STR), False),
+                                        "revision": (("nullable", STR), False)}), False),
+        "measured": (DATE, True),
+        "steps_per_run": (INT, False),
+        "window": (("list", INT), False),
+        "window_tokens": (("nullable", INT), False),
+        "runs": (INT, False),
+        "profiler": (BOOL, False),
+        "gpu_hours": (("nullable", NUM), False),
+        "gpu_hours_note": (("nullable", STR), False),
+    }, True),
+    "correctness": ({"result": (("enum", CHECK_RESULTS), True), "summary": (STR, False),
+                     "reference": (("nullable", STR), False), "configuration": (("nullable", STR), False),
+                     "component_tests": (("list", _COMPONENT_TEST), False),
+                     "convergence": (("nullable", _CONVERGENCE), False),
+                     "rules": (("nullable", STR), False)}, True),
+    "env": (("map", ("nullable", SCALAR)), False),
+    "patches": (("list", STR), False),
+    "run": (STR, True),
+    "notes": (("nullable", STR), False),
+}
+
+
+def _type_name(value):
+    return type(value).__name__ if value is not None else "null"
+
+
+def _check(value, spec, path, problems):
+    if isinstance(spec, dict):
+        if not isinstance(value, dict):
+            problems.append(f"{path}: expected a mapping, got {_type_name(value)}")
+            return
+        for key, (sub, required) in spec.items():
+            if key not in value:
+                if required:
+                    problems.append(f"{path}.{key}: required" if path else f"{key}: required")
+                continue
+            _check(value[key], sub, f"{path}.{key}" if path else key, problems)
+        return
+    if isinstance(spec, tuple):
+        kind, sub = spec
+        if kind == "nullable":
+            if value is not None:
+                _check(value, sub, path, problems)
+        elif kind == "enum":
+            if value not in sub:
+                problems.append(f"{path}: {value!r} is not one of {', '.join(sub)}")
+        elif kind == "list":
+            if not isinstance(value, list):
+                problems.append(f"{path}: expected a list, got {_type_name(value)}")
+            else:
+                for i, item in enumerate(value):
+                    _check(item, sub, f"{path}[{i}]", problems)
+        elif kind == "map":
+            if not isinstance(value, dict):
+                problems.append(f"{path}: expected a mapping, got {_type_name(value)}")
+            else:
+                for key, item in value.items():
+                    _check(item, sub, f"{path}.{key}", problems)
+        return
+    ok = {
+        NUM: isinstance(value, (int, float)) and not isinstance(value, bool),
+        INT: isinstance(value, int) and not isinstance(value, bool),
+        STR: isinstance(value, str),
+        BOOL: isinstance(value, bool),
+        DATE: isinstance(value, datetime.date) or (isinstance(value, str) and _is_iso_date(value)),
+        SCALAR: isinstance(value, (str, int, float, bool)),
+        ANY: True,
+    }[spec]
+    if not ok:
+        want = {DATE: "a date (YYYY-MM-DD)", SCALAR: "a scalar"}.get(spec, f"a {spec}")
+        problems.append(f"{path}: expected {want}, got {_type_name(value)} ({value!r})"[:200])
+
+
+def _is_iso_date(text):
+    try:
+        datetime.date.fromisoformat(text)
+        return True
+    except ValueError:
+        return False
+
+
+def validate(data):
+    """Every problem of a card's data (a dict), as 'path: what is wrong' lines; [] when valid."""
+    if not isinstance(data, dict):
+        return [f"a card is a mapping of sections, got {_type_name(data)}"]
+    problems = []
+    _check(data, SCHEMA, "", problems)
+    if data.get("schema_version") not in (None, SCHEMA_VERSION) and isinstance(
+            data.get("schema_version"), int):
+        problems.append(f"schema_version: {data['schema_version']} is not supported "
+                        f"(this traindx reads {SCHEMA_VERSION})")
+    result = data.get("result") if isinstance(data.get("result"), dict) else {}
+    window = result.get("window")
+    if isinstance(window, list) and (len(window) != 2 or (
+            all(isinstance(x, int) for x in window) and window[0] > window[1])):
+        problems.append(f"result.window: expected [FIRST, LAST] with FIRST <= LAST, got {window}")
+    mfu = result.get("mfu")
+    if isinstance(mfu, (int, float)) and not 0 <= mfu <= 1:
+        problems.append(f"result.mfu: {mfu} is a fraction between 0 and 1 (27.4 % is 0.274)")
+    gpu = data.get("gpu") if isinstance(data.get("gpu"), dict) else {}
+    if isinstance(gpu.get("count"), int) and gpu["count"] < 1:
+        problems.append(f"gpu.count: must be at least 1, got {gpu['count']}")
+    return problems
+
+
+# -- the model ---------------------------------------------------------------------------------
+def _split(data, cls):
+    """Known fields of a dataclass from a mapping, and the rest (kept, in order)."""
+    names = [f.name for f in fields(cls) if f.name not in ("extra", "present")]
+    known = {k: data[k] for k in names if k in data}
+    extra = {k: v for k, v in data.items() if k not in names}
+    return known, extra, [k for k in data]
+
+
+def _join(obj, canonical):
+    """Back to a mapping: the keys read from the file first, in their order (an explicit null
+    stays), then the other fields in the canonical order, None ones left out."""
+    out = {}
+    values = {f.name: getattr(obj, f.name) for f in fields(obj)
+              if f.name not in ("extra", "present", "header")}
+    values.update(obj.extra)
+    keys = list(obj.present) + [k for k in list(canonical) + list(values) if k not in obj.present]
+    for key in dict.fromkeys(keys):
+        if key not in values:
+            continue
+        value = values[key]
+        if value is not None or key in obj.present:
+            out[key] = value.to_dict() if hasattr(value, "to_dict") else value
+    return out
+
+
+@dataclass
+class Gpu:
+    type: str
+    count: int
+    memory_gb: float = None
+    per_node: int = None
+    instance: str = None
+    extra: dict = field(default_factory=dict)
+    present: list = field(default_factory=list)   # keys as read, in order (round trip)
+
+    @classmethod
+    def from_dict(cls, data):
+        known, extra, order = _split(data, cls)
+        return cls(**known, extra=extra, present=order)
+
+    def to_dict(self):
+        return _join(self, ["type", "memory_gb", "count", "per_node", "instance"])
+
+
+@dataclass
+class Author:
+    name: str
+    url: str = None
+    extra: dict = field(default_factory=dict)
+    present: list = field(default_factory=list)
+
+    @classmethod
+    def from_dict(cls, data):
+        known, extra, order = _split(data, cls)
+        return cls(**known, extra=extra, present=order)
+
+    def to_dict(self):
+        return _join(self, ["name", "url"])
+
+
+RESULT_ORDER = ["tokens_per_s_per_gpu", "usd_per_million_tokens", "step_time_cv_percent", "mfu",
+                "mfu_note", "active_params", "measured", "steps_per_run", "window",
+                "window_tokens", "runs", "profiler", "gpu_hours", "gpu_hours_note"]
+
+
+@dataclass
+class Result:
+    tokens_per_s_per_gpu: float
+    measured: object                     # datetime.date
+    usd_per_million_tokens: float = None
+    step_time_cv_percent: float = None
+    mfu: float = None                    # a fraction
+    mfu_note: str = None
+    active_params: dict = None           # {count, source, revision}
+    steps_per_run: int = None
+    window: list = None                  # [first, last], inclusive, 0-based steps
+    window_tokens: int = None
+    runs: int = None
+    profiler: bool = None
+    gpu_hours: float = None
+    gpu_hours_note: str = None
+    extra: dict = field(default_factory=dict)
+    present: list = field(default_factory=list)
+
+    @classmethod
+    def from_dict(cls, data):
+        known, extra, order = _split(data, cls)
+        return cls(**known, extra=extra, present=order)
+
+    def to_dict(self):
+        return _join(self, RESULT_ORDER)
+
+    @property
+    def active_param_count(self):
+        return (self.active_params or {}).get("count")
+
+
+CARD_ORDER = ["schema_version", "model", "gpu", "author", "status", "stack", "workload",
+              "layout", "result", "correctness", "env", "patches", "run", "notes"]
+
+
+@dataclass
+class RecipeCard:
+    model: str
+    gpu: Gpu
+    author: Author
+    stack: dict
+    workload: dict
+    layout: dict
+    result: Result
+    correctness: dict
+    run: str
+    schema_version: int = SCHEMA_VERSION
+    status: str = None
+    env: dict = None
+    patches: list = None
+    notes: str = None
+    header: str = ""                     # leading comment lines of the file, kept verbatim
+    extra: dict = field(default_factory=dict)
+    present: list = field(default_factory=list)
+
+    # -- reading -------------------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, data, source=None, header=""):
+        problems = validate(data)
+        if problems:
+            raise CardError(problems, source)
+        names = [f.name for f in fields(cls) if f.name not in ("extra", "present", "header")]
+        known = {k: data[k] for k in names if k in data}
+        known["gpu"] = Gpu.from_dict(data["gpu"])
+        known["author"] = Author.from_dict(data["author"])
+        known["result"] = Result.from_dict(data["result"])
+        extra = {k: v for k, v in data.items() if k not in names}
+        return cls(**known, extra=extra, present=list(data), header=header)
+
+    @classmethod
+    def from_yaml(cls, text, source=None):
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            where = f" at line {mark.line + 1}" if mark else ""
+            raise CardError([f"not YAML{where}: {getattr(exc, 'problem', exc)}"], source) from None
+        header = []
+        for line in text.splitlines():
+            if line.startswith("#"):
+                header.append(line)
+            elif line.strip():
+                break
+        return cls.from_dict(data, source, "\n".join(header))
+
+    @classmethod
+    def load(cls, path):
+        try:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+        except OSError as exc:
+            raise UserError(f"cannot read recipe card {path}: {exc.strerror}") from None
+        return cls.from_yaml(text, source=path)
+
+    # -- writing -------------------------------------------------------------------------------
+    def to_dict(self):
+        return _join(self, CARD_ORDER)
+
+    def to_yaml(self):
+        data = self.to_dict()
+        problems = validate(data)
+        if problems:
+            raise CardError(problems, "card to write")
+        stream = io.StringIO()
+        if self.header:
+            stream.write(self.header.rstrip("\n") + "\n")
+        yaml.dump(data, stream, Dumper=_CardDumper, sort_keys=False, allow_unicode=True,
+                  width=116, default_flow_style=False)
+        return stream.getvalue()
+
+    def save(self, path):
+        text = self.to_yaml()
+        tmp = f"{path}.tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+        return path
+
+    # -- conveniences --------------------------------------------------------------------------
+    @property
+    def convergence(self):
+        return (self.correctness or {}).get("convergence")
+
+
+class _CardDumper(yaml.SafeDumper):
+    """Multi-line strings as literal blocks (`run: |`), as in the reference cards."""
+
+
+def _str_representer(dumper, value):
+    if "\n" in value:
+        return dumper.represent_scalar("tag:yaml.org,2002:str", value, style="|")
+    return dumper.represent_scalar("tag:yaml.org,2002:str", value)
+
+
+_CardDumper.add_representer(str, _str_representer)
+
+
+def reference_cards():
+    """The reference cards shipped with traindx: {file name: RecipeCard}."""
+    out = {}
+    folder = resources.files("traindx.recipes").joinpath("cards")
+    for entry in sorted(folder.iterdir(), key=lambda e: e.name):
+        if entry.name.endswith(".yaml"):
+            out[entry.name] = RecipeCard.from_yaml(entry.read_text(encoding="utf-8"),
+                                                   source=entry.name)
+    return out

@@ -1,0 +1,195 @@
+"""A/B statistics: the steady window, medians, a bootstrap interval on the speedup, and the
+loss-parity (convergence) check of Megatron-Bridge's `validate_convergence`.
+
+Thresholds (reference/FACTS.md §6): Pearson correlation >= 0.95; pointwise relative tolerance
+10 % where the golden loss > 2.0, 5 % where > 0.5, else 2 %, failing when more than 10 % of the
+points fail; final-loss relative difference <= 5 %; the first 20 % of the points skipped.
+"""
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Optional
+
+import numpy as np
+
+MIN_CORRELATION = 0.95
+MAX_FAILED_POINT_SHARE = 0.10
+MAX_FINAL_LOSS_DIFFERENCE = 0.05
+SKIP_FIRST_SHARE = 0.20
+# an arm is "faster" when the speedup is at least this and its 95 % interval excludes 1
+MIN_SPEEDUP = 1.05
+
+
+def steady_window(n_steps, window=None):
+    """(first, last) step indices, inclusive, of the steady part of a run of n_steps.
+
+    Default: skip the first quarter (at least one step, the warm-up step that compiles and
+    allocates), as the recipe cards do (steps 5-19 of 20). `window` overrides it.
+    """
+    if n_steps <= 0:
+        return None
+    if window is not None:
+        first, last = window
+        last = min(last, n_steps - 1)
+        if first > last:
+            raise ValueError(f"window {first}:{window[1]} holds no step of a {n_steps}-step run")
+        return first, last
+    skip = min(max(1, n_steps // 4), n_steps - 1)
+    return skip, n_steps - 1
+
+
+def parse_window(text):
+    """'5:19' -> (5, 19); both ends inclusive, 0-based step numbers."""
+    try:
+        first, last = (int(x) for x in str(text).split(":"))
+    except ValueError:
+        raise ValueError(f"window {text!r} is not FIRST:LAST (e.g. 5:19)") from None
+    if first < 0 or last < first:
+        raise ValueError(f"window {text!r}: need 0 <= FIRST <= LAST")
+    return first, last
+
+
+def coefficient_of_variation(values):
+    """Sample standard deviation / mean (a fraction, not percent); None for fewer than 2."""
+    values = np.asarray(values, dtype=float)
+    if len(values) < 2 or values.mean() == 0:
+        return None
+    return float(values.std(ddof=1) / values.mean())
+
+
+def bootstrap_speedup(baseline_s, candidate_s, n_resamples=5000, confidence=0.95, seed=0):
+    """Speedup = median(baseline) / median(candidate), with a percentile bootstrap interval
+    (each arm resampled with replacement, independently). Seeded: the same runs give the
+    same interval."""
+    base = np.asarray(baseline_s, dtype=float)
+    cand = np.asarray(candidate_s, dtype=float)
+    if not len(base) or not len(cand):
+        raise ValueError("both arms need at least one step in the window")
+    point = float(np.median(base) / np.median(cand))
+    rng = np.random.default_rng(seed)
+    base_medians = np.median(rng.choice(base, size=(n_resamples, len(base))), axis=1)
+    cand_medians = np.median(rng.choice(cand, size=(n_resamples, len(cand))), axis=1)
+    ratios = base_medians / cand_medians
+    alpha = (1 - confidence) / 2
+    low, high = np.quantile(ratios, [alpha, 1 - alpha])
+    return point, float(low), float(high)
+
+
+def pointwise_tolerance(golden_loss):
+    """Relative tolerance for one point, by the golden (reference) loss level."""
+    if golden_loss > 2.0:
+        return 0.10
+    if golden_loss > 0.5:
+        return 0.05
+    return 0.02
+
+
+@dataclass
+class LossParity:
+    passed: bool
+    points: int                       # aligned points compared (after the skip)
+    skipped: int                      # leading points skipped
+    correlation: Optional[float]
+    correlation_passed: bool
+    pointwise_failures: int
+    pointwise_failed_share: float
+    pointwise_passed: bool
+    final_loss_difference: Optional[float]
+    final_loss_passed: bool
+    reasons: list = field(default_factory=list)   # why it failed, one line each
+    note: str = ""
+
+    def to_dict(self):
+        return asdict(self)
+
+
+def loss_parity(golden, candidate):
+    """Compare two loss curves, aligned point by point (same steps); golden = the reference arm.
+
+    Returns a LossParity. Too few points, or a NaN/inf loss in the candidate, fail.
+    """
+    golden = np.asarray(golden, dtype=float)
+    candidate = np.asarray(candidate, dtype=float)
+    if golden.shape != candidate.shape:
+        raise ValueError("loss curves must be aligned (same steps)")
+    n = len(golden)
+    skip = int(math.floor(n * SKIP_FIRST_SHARE))
+    g, c = golden[skip:], candidate[skip:]
+    reasons = []
+    if len(g) < 2:
+        return LossParity(False, len(g), skip, None, False, 0, 0.0, False, None, False,
+                          [f"only {len(g)} comparable loss point(s): need at least 2"])
+    if not np.all(np.isfinite(c)) or not np.all(np.isfinite(g)):
+        bad = "candidate" if not np.all(np.isfinite(c)) else "reference"
+        return LossParity(False, len(g), skip, None, False, len(g), 1.0, False, None, False,
+                          [f"the {bad} arm has NaN/inf losses"])
+
+    # Pearson is undefined on a flat curve: then the pointwise check decides alone
+    note = ""
+    if np.std(g) == 0 or np.std(c) == 0:
+        correlation = None
+        correlation_passed = bool(np.allclose(g, c, rtol=1e-6, atol=0))
+        note = "a flat loss curve: correlation undefined"
+    else:
+        correlation = float(np.corrcoef(g, c)[0, 1])
+        correlation_passed = correlation >= MIN_CORRELATION
+    if not correlation_passed:
+        reasons.append(f"correlation {correlation if correlation is None else round(correlation, 4)}"
+                       f" < {MIN_CORRELATION}")
+
+    tolerance = np.array([pointwise_tolerance(x) for x in g])
+    relative = np.abs(c - g) / np.maximum(np.abs(g), 1e-12)
+    failures = int(np.sum(relative > tolerance))
+    failed_share = failures / len(g)
+    pointwise_passed = failed_share <= MAX_FAILED_POINT_SHARE
+    if not pointwise_passed:
+        reasons.append(f"{failures} of {len(g)} points outside the pointwise tolerance "
+                       f"(> {MAX_FAILED_POINT_SHARE:.0%})")
+
+    final_difference = float(abs(c[-1] - g[-1]) / max(abs(g[-1]), 1e-12))
+    final_passed = final_difference <= MAX_FINAL_LOSS_DIFFERENCE
+    if not final_passed:
+        reasons.append(f"final loss differs by {final_difference:.1%} "
+                       f"(> {MAX_FINAL_LOSS_DIFFERENCE:.0%})")
+    return LossParity(correlation_passed and pointwise_passed and final_passed, len(g), skip,
+                      correlation, correlation_passed, failures, failed_share, pointwise_passed,
+                      final_difference, final_passed, reasons, note)
+
+
+@dataclass
+class ArmSummary:
+    steps: int                        # steps recorded
+    window: Optional[tuple]           # (first, last) step, inclusive
+    window_steps: int
+    median_step_s: Optional[float]
+    mean_step_s: Optional[float]
+    step_time_cv: Optional[float]     # fraction
+    tokens_per_step: Optional[float]
+    tokens_per_s: Optional[float]     # of the whole job, over the window
+
+    def to_dict(self):
+        return asdict(self)
+
+
+def summarize_arm(step_times, window=None, tokens_per_step=None):
+    """Median / mean / CV of the steady window of one arm's step times (seconds, in order)."""
+    times = np.asarray(step_times, dtype=float)
+    bounds = steady_window(len(times), window)
+    if bounds is None:
+        return ArmSummary(0, None, 0, None, None, None, tokens_per_step, None), times[:0]
+    w = times[bounds[0]: bounds[1] + 1]
+    w = w[np.isfinite(w)]
+    median = float(np.median(w)) if len(w) else None
+    mean = float(np.mean(w)) if len(w) else None
+    tokens_per_s = (tokens_per_step / mean) if (tokens_per_step and mean) else None
+    return (ArmSummary(len(times), bounds, len(w), median, mean, coefficient_of_variation(w),
+                       tokens_per_step, tokens_per_s), w)
+
+
+def verdict(speedup, ci_low, parity_passed):
+    """The one-line verdict of an A/B comparison."""
+    faster = speedup is not None and speedup >= MIN_SPEEDUP and ci_low is not None and ci_low > 1.0
+    if not faster:
+        return "no gain"
+    if parity_passed is None:  # neither arm logged losses: say so rather than guess
+        return "faster, numerics not checked (no losses in the log)"
+    return "faster and numerically equivalent" if parity_passed else "faster but numerics differ"

@@ -1,0 +1,166 @@
+"""Compare two recorded runs: what changed, step time over the steady window, the speedup with a
+bootstrap 95 % interval, tokens/s, step-time CV, loss parity and a verdict.
+
+usage: diagnose compare RUN_A RUN_B          (RUN_A is the baseline)
+       diagnose compare FIX_RUN              (a `diagnose --fix` folder: its baseline/candidate)
+"""
+import json
+import os
+import sys
+
+from traindx.errors import UserError
+
+
+def prepare_parser(parser):
+    parser.add_argument("run_a", metavar="RUN_A", help="baseline run folder (or a --fix folder)")
+    parser.add_argument("run_b", metavar="RUN_B", nargs="?", help="candidate run folder")
+    parser.add_argument("--window", default=None, metavar="FIRST:LAST",
+                        help="steps to compare, inclusive, 0-based (default: skip the first "
+                             "quarter of the steps, the warm-up)")
+    parser.add_argument("--tokens-per-step", type=float, default=None, metavar="N",
+                        help="tokens of one optimizer step, when the job's log does not say")
+    parser.add_argument("--json", default=None, metavar="PATH",
+                        help="also write the comparison as JSON to PATH")
+
+
+def resolve_arms(run_a, run_b):
+    """(baseline path, candidate path); a single --fix folder stands for its two arms."""
+    if run_b is None:
+        base, cand = os.path.join(run_a, "baseline"), os.path.join(run_a, "candidate")
+        if not (os.path.isdir(base) and os.path.isdir(cand)):
+            raise UserError(f"{run_a} is not a `diagnose --fix` folder (no baseline/ and "
+                            "candidate/): give two run folders, RUN_A RUN_B")
+        return base, cand
+    return run_a, run_b
+
+
+def run(args, parser):
+    from rich.console import Console
+
+    from traindx.recipes.ab import compare_runs
+    from traindx.recipes.stats import parse_window
+    from traindx.record import load_run
+
+    window = None
+    if args.window:
+        try:
+            window = parse_window(args.window)
+        except ValueError as exc:
+            raise UserError(str(exc)) from None
+    path_a, path_b = resolve_arms(args.run_a, args.run_b)
+    baseline, candidate = load_run(path_a), load_run(path_b)
+    try:
+        comparison = compare_runs(baseline, candidate, window=window,
+                                  tokens_per_step=args.tokens_per_step)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+    print_comparison(comparison, Console(file=sys.stdout))
+    if args.json:
+        write_comparison(comparison, args.json)
+    return 0
+
+
+def write_comparison(comparison, path):
+    tmp = f"{path}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(comparison, f, indent=2, default=str)
+    os.replace(tmp, path)
+    return path
+
+
+# -- rendering ---------------------------------------------------------------------------------
+VERDICT_STYLE = {"faster and numerically equivalent": "bold green",
+                 "faster but numerics differ": "bold yellow", "no gain": "bold red"}
+
+
+def _seconds(x):
+    if x is None:
+        return "-"
+    return f"{x * 1000:.1f} ms" if x < 1 else f"{x:.3f} s"
+
+
+def _percent(x):
+    return "-" if x is None else f"{x * 100:.2f} %"
+
+
+def _number(x, fmt="{:,.0f}"):
+    return "-" if x is None else fmt.format(x)
+
+
+def print_comparison(comparison, console=None):
+    """The comparison as a user reads it in the terminal (rich)."""
+    from rich.console import Console
+    from rich.table import Table
+    from rich.text import Text
+
+    console = console or Console(file=sys.stderr)
+    console.rule("traindx: A/B comparison")
+    change = comparison["change"]
+    cmd = change["command"]
+    if cmd["same"]:
+        console.print("command: unchanged", markup=False)
+    else:
+        console.print(Text("command:", style="bold"))
+        console.print(Text("  - " + cmd["before"], style="red"))
+        console.print(Text("  + " + cmd["after"], style="green"))
+    env = change["env"]
+    if any(env.values()):
+        console.print(Text("environment:", style="bold"))
+        for k, v in env["added"].items():
+            console.print(Text(f"  + {k}={v}", style="green"))
+        for k, v in env["removed"].items():
+            console.print(Text(f"  - {k}={v}", style="red"))
+        for k, (a, b) in env["changed"].items():
+            console.print(Text(f"  ~ {k}: {a} -> {b}", style="yellow"))
+    else:
+        console.print("environment: unchanged", markup=False)
+    for line in change.get("applied", []):
+        console.print(Text(f"applied: {line}"))
+    for step in change.get("precompiled", []):
+        console.print(Text(f"precompiled: {step}"))
+
+    table = Table(show_header=True, header_style="bold")
+    table.add_column("")
+    table.add_column("baseline", justify="right")
+    table.add_column("candidate", justify="right")
+    base, cand = comparison["baseline"], comparison["candidate"]
+
+    def window(arm):
+        return "-" if not arm["window"] else f"{arm['window'][0]}-{arm['window'][1]} ({arm['window_steps']})"
+
+    table.add_row("steps recorded", str(base["steps"]), str(cand["steps"]))
+    table.add_row("steady window (steps)", window(base), window(cand))
+    table.add_row("median step time", _seconds(base["median_step_s"]), _seconds(cand["median_step_s"]))
+    table.add_row("step-time CV", _percent(base["step_time_cv"]), _percent(cand["step_time_cv"]))
+    table.add_row("tokens/s", _number(base["tokens_per_s"]), _number(cand["tokens_per_s"]))
+    table.add_row("compile events (in window)",
+                  f"{base['compiles']} ({base['compiles_in_window']})",
+                  f"{cand['compiles']} ({cand['compiles_in_window']})")
+    console.print(table)
+
+    if comparison["speedup"] is not None:
+        low, high = comparison["speedup_ci95"]
+        console.print(Text(f"speedup: {comparison['speedup']:.2f}× "
+                           f"(95 % bootstrap interval {low:.2f}–{high:.2f}×)", style="bold"))
+    parity = comparison["loss_parity"]
+    if parity is None:
+        console.print("loss parity: not checked (no losses in the job's log)", markup=False)
+    else:
+        corr = "n/a" if parity["correlation"] is None else f"{parity['correlation']:.4f}"
+        final = ("-" if parity["final_loss_difference"] is None
+                 else f"{parity['final_loss_difference']:.2%}")
+        status = Text("pass" if parity["passed"] else "FAIL",
+                      style="green" if parity["passed"] else "bold red")
+        line = Text("loss parity: ").append(status).append(
+            f" (correlation {corr}, {parity['pointwise_failures']} of {parity['points']} points "
+            f"outside tolerance, final-loss difference {final}; first {parity['skipped']} "
+            "points skipped)")
+        console.print(line)
+        for reason in parity["reasons"]:
+            console.print(Text(f"  ✗ {reason}", style="red"))
+    for problem in comparison.get("problems", []):
+        console.print(Text(f"note: {problem}", style="yellow"))
+    for line in comparison["change"].get("instructions", []):
+        console.print(Text(f"to do by hand: {line}", style="cyan"))
+    console.print(Text(f"verdict: {comparison['verdict']}",
+                       style=VERDICT_STYLE.get(comparison["verdict"], "bold")))
