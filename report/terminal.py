@@ -82,39 +82,73 @@ class LiveStatus:
 
 SEVERITY_STYLE = {"critical": "bold red", "high": "red", "medium": "yellow", "low": "cyan",
                   "info": "dim"}
+SUMMARY_ROWS = 6
+
+
+def _fmt_s(seconds):
+    from traindx.report.charts import fmt_s
+
+    return fmt_s(seconds)
 
 
 def print_summary(run, findings, report_path=None, console=None):
+    """The verdict and the top findings, from the same report data as the HTML report."""
+    from traindx.report.data import build_summary
+
     console = console or Console(file=sys.stderr)
-    steps = run.steps
+    data = build_summary(run, findings)
+    v, st = data["verdict"], data["stats"]
     console.rule("traindx")
-    if len(steps):
-        med = steps["duration_s"].median()
-        console.print(f"{len(steps)} steps recorded on {len(run.ranks)} rank(s); "
-                      f"median step {med:.3f} s", markup=False)
+    if st["steps"]:
+        line = (f"{st['steps']} steps on {st['ranks']} rank(s) · median {_fmt_s(st['steady_median_s'])}"
+                f" · p90 {_fmt_s(st['p90_step_s'])}")
+        w = st["worst_step"]
+        if w:
+            line += f" · slowest step {w['step']} {_fmt_s(w['duration_s'])}"
+            if w["cause"] != "normal":
+                line += f" ({data['causes'].get(w['cause'], w['cause'])})"
+        if st["compiles"]:
+            line += f" · {st['compiles']} JIT compiles, {_fmt_s(st['compile_s'])}"
+        console.print(line, markup=False, highlight=False)
     else:
         console.print("no optimizer steps were recorded", markup=False)
-    shown = [f for f in findings if f.severity != "info"] or findings[:3]
-    if not shown:
-        console.print("No problems found.", style="green")
+    if v["kind"] == "change":
+        console.print(Text("Verdict: ", style="bold") + Text(v["headline"], style="bold green"))
+        if v["gain_s"]:
+            gain = f"  expected gain −{_fmt_s(v['gain_s'])} per step"
+            if v["speedup"]:
+                gain += (f" (≈ {v['speedup']:.1f}× faster: {_fmt_s(v['median_step_s'])} → "
+                         f"{_fmt_s(v['after_step_s'])} per step)")
+            console.print(gain, markup=False, highlight=False)
+        if v["text"]:
+            for line in v["text"].splitlines()[:6]:
+                console.print(Text("  " + line, style="cyan"))
+        console.print(Text(f"  why: {v['finding_title']}", style="dim"))
+    elif v["kind"] == "problem":
+        console.print(Text("Main problem: ", style="bold") + Text(v["headline"], style="bold yellow"))
     else:
-        top = shown[0]
-        if top.prescriptions:
-            p = top.prescriptions[0]
-            gain = (f" (expected gain ≈ {p.expected_gain_s_per_step:.2f} s/step)"
-                    if p.expected_gain_s_per_step else "")
-            console.print(Text("Verdict: " + p.summary + gain, style="bold"))
+        console.print(Text(v["headline"], style="green"))
+    problems = [f for f in data["findings"] if f["severity"] != "info"]
+    if problems:
         table = Table(show_header=True, header_style="bold")
         table.add_column("severity")
         table.add_column("finding")
         table.add_column("lost/step", justify="right")
         table.add_column("first prescription")
-        for f in shown[:8]:
-            lost = "-" if f.seconds_lost_per_step is None else f"{f.seconds_lost_per_step:.3f} s"
-            table.add_row(Text(f.severity, style=SEVERITY_STYLE.get(f.severity, "")),
-                          Text(f.title), lost,
-                          Text(f.prescriptions[0].summary if f.prescriptions else ""))
+        for f in problems[:SUMMARY_ROWS]:
+            lost = "-" if f["seconds_lost_per_step"] is None else _fmt_s(f["seconds_lost_per_step"])
+            table.add_row(Text(f["severity"], style=SEVERITY_STYLE.get(f["severity"], "")),
+                          Text(f["title"]), lost,
+                          Text(f["prescriptions"][0]["summary"] if f["prescriptions"] else ""))
         console.print(table)
+        if len(problems) > SUMMARY_ROWS:
+            console.print(f"… and {len(problems) - SUMMARY_ROWS} more in the report", markup=False)
+    notes = [f for f in data["findings"] if f["severity"] == "info" and f["id"] != "evidence.missing"]
+    for f in notes[:3]:
+        console.print(Text(f"note: {f['title']}", style="dim"))
+    if data["missing"]:
+        console.print(Text("not collected: " + "; ".join(f"{m['what']} ({m['why']})" for m in data["missing"]),
+                           style="dim"))
     if report_path:
-        console.print(f"report: {report_path}", markup=False)
-    console.print(f"run: {run.path}", markup=False)
+        console.print(f"report: {report_path}", markup=False, highlight=False)
+    console.print(f"run: {run.path}", markup=False, highlight=False)

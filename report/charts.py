@@ -1,0 +1,298 @@
+"""Inline SVG charts for the HTML report, drawn in Python from the report data (no JS, no CDN).
+
+Every string that reaches the SVG goes through markupsafe.escape: frame names, thread names and
+kernel names come from the job. Tooltips are SVG <title> elements, which browsers show natively.
+"""
+import math
+
+from markupsafe import Markup, escape
+
+WIDTH = 1000          # viewBox units; the SVG scales to the page width
+LEFT = 56             # room for the y axis labels
+RIGHT = 12
+
+CAUSE_COLOURS = {
+    "normal": "#5b8def", "compile": "#e4572e", "autotune": "#9c51b6", "dynamo": "#d6428f",
+    "gc": "#e3a21a", "warmup": "#9aa5b1", "unexplained": "#6c757d",
+}
+COMPILE_COLOURS = {"cute_dsl": "#e4572e", "triton": "#f08a24", "triton_autotune": "#9c51b6",
+                   "dynamo": "#d6428f"}
+STATE_COLOURS = {"gil": "#e4572e", "active": "#f2b33d", "idle": "#dde2e8"}
+FRAME_COLOURS = {"user": "#f4a259", "library": "#8ab6d6", "python": "#c5cbd3", "native": "#b8c1cc",
+                 "thread": "#7d8a99", "root": "#5c6773"}
+GPU_COLOURS = ["#2b7de9", "#e4572e", "#2ca58d", "#9c51b6", "#f2b33d", "#d6428f", "#6c757d", "#17a2b8"]
+
+
+def fmt_s(seconds):
+    """Seconds for people: 280 s, 12.3 s, 1.23 s, 45.6 ms, 12 µs."""
+    if seconds is None or (isinstance(seconds, float) and math.isnan(seconds)):
+        return "–"
+    s = float(seconds)
+    if abs(s) >= 100:
+        return f"{s:.0f} s"
+    if abs(s) >= 10:
+        return f"{s:.1f} s"
+    if abs(s) >= 1:
+        return f"{s:.2f} s"
+    if abs(s) >= 1e-3:
+        return f"{s * 1e3:.3g} ms"
+    if s == 0:
+        return "0 s"
+    return f"{s * 1e6:.3g} µs"
+
+
+def _f(x):
+    return f"{x:.2f}".rstrip("0").rstrip(".")
+
+
+def _nice_ticks(lo, hi, count=5):
+    if hi <= lo:
+        return [lo]
+    raw = (hi - lo) / count
+    mag = 10 ** math.floor(math.log10(raw))
+    step = min((m * mag for m in (1, 2, 2.5, 5, 10) if m * mag >= raw), default=raw)
+    first = math.ceil(lo / step) * step
+    ticks, t = [], first
+    while t <= hi + 1e-12:
+        ticks.append(round(t, 12))
+        t += step
+    return ticks
+
+
+class _Scale:
+    def __init__(self, d0, d1, r0, r1):
+        self.d0, self.d1, self.r0, self.r1 = d0, d1, r0, r1
+
+    def __call__(self, v):
+        if self.d1 == self.d0:
+            return self.r0
+        return self.r0 + (v - self.d0) / (self.d1 - self.d0) * (self.r1 - self.r0)
+
+
+def _time_axis(x, y, t0, t1):
+    parts = [f'<line x1="{LEFT}" y1="{_f(y)}" x2="{WIDTH - RIGHT}" y2="{_f(y)}" class="axis"/>']
+    for t in _nice_ticks(t0, t1, 8):
+        px = x(t)
+        parts.append(f'<line x1="{_f(px)}" y1="{_f(y)}" x2="{_f(px)}" y2="{_f(y + 4)}" class="axis"/>'
+                     f'<text x="{_f(px)}" y="{_f(y + 15)}" class="tick" text-anchor="middle">{escape(fmt_s(t))}</text>')
+    return "".join(parts)
+
+
+def step_chart(timeline, compiles, stats, causes):
+    """Bars from each step's start to its end, as tall as the step took; slow ones coloured by
+    cause. Under them a lane of compile events and GC. x = seconds since the run started."""
+    ranks = timeline["ranks"]
+    if not ranks:
+        return Markup("")
+    rank = next(iter(ranks))
+    steps = ranks[rank]
+    end = max(timeline["end_s"], max((s["end_s"] for s in steps), default=0))
+    height, top, bottom = 260, 10, 200
+    lane_y = bottom + 28
+    x = _Scale(0.0, end, LEFT, WIDTH - RIGHT)
+    ymax = max(s["duration_s"] for s in steps) * 1.08
+    y = _Scale(0.0, ymax, bottom, top)
+    out = [f'<svg class="chart" id="step-chart" viewBox="0 0 {WIDTH} {height}" role="img" '
+           f'aria-label="step time over the run">']
+    for t in _nice_ticks(0, ymax, 4):
+        py = y(t)
+        out.append(f'<line x1="{LEFT}" y1="{_f(py)}" x2="{WIDTH - RIGHT}" y2="{_f(py)}" class="grid"/>'
+                   f'<text x="{LEFT - 6}" y="{_f(py + 4)}" class="tick" text-anchor="end">{escape(fmt_s(t))}</text>')
+    first_start = min(s["start_s"] for s in steps)
+    if first_start > 0:
+        out.append(f'<rect x="{LEFT}" y="{top}" width="{_f(x(first_start) - LEFT)}" height="{bottom - top}" '
+                   f'class="startup"><title>{escape("before the first step (start-up, imports, model build): " + fmt_s(first_start))}</title></rect>'
+                   f'<text x="{_f((LEFT + x(first_start)) / 2)}" y="{top + 14}" class="band-label" text-anchor="middle">start-up</text>')
+    for s in steps:
+        x0, x1 = x(s["start_s"]), x(s["end_s"])
+        w = max(x1 - x0 - (1 if x1 - x0 > 4 else 0), 0.8)
+        py = min(y(s["duration_s"]), bottom - 1.5)
+        colour = CAUSE_COLOURS.get(s["cause"], CAUSE_COLOURS["normal"])
+        label = s.get("label") or f"step {s['step']}"
+        tip = f"{label}: {fmt_s(s['duration_s'])}"
+        if s["cause"] != "normal":
+            tip += f" — {causes.get(s['cause'], s['cause'])}"
+        if s.get("compile_s"):
+            tip += f"; compiling {fmt_s(s['compile_s'])}"
+        if s.get("gc_s"):
+            tip += f"; GC {fmt_s(s['gc_s'])}"
+        out.append(f'<rect class="step" data-cause="{escape(s["cause"])}" x="{_f(x0)}" y="{_f(py)}" '
+                   f'width="{_f(w)}" height="{_f(bottom - py)}" fill="{colour}"><title>{escape(tip)}</title></rect>')
+    med = stats.get("steady_median_s")
+    if med:
+        out.append(f'<line x1="{LEFT}" y1="{_f(y(med))}" x2="{WIDTH - RIGHT}" y2="{_f(y(med))}" class="median"/>'
+                   f'<text x="{WIDTH - RIGHT - 2}" y="{_f(y(med) - 4)}" class="median-label" text-anchor="end">'
+                   f'median {escape(fmt_s(med))}</text>')
+    # event lane: compiles as bars over their real duration, GC as ticks on steps that collected
+    out.append(f'<text x="{LEFT - 6}" y="{lane_y + 4}" class="tick" text-anchor="end">events</text>'
+               f'<line x1="{LEFT}" y1="{lane_y}" x2="{WIDTH - RIGHT}" y2="{lane_y}" class="lane"/>')
+    for c in compiles:
+        if c["rank"] != rank:
+            continue
+        x0 = x(c["start_s"])
+        w = max(x(c["end_s"]) - x0, 2)
+        tip = (f"{c['kind']} compile of {c['kernel']} on thread {c['thread'] or '?'}: "
+               f"{fmt_s(c['duration_s'])} (step {c['step']})")
+        if c.get("key_diff"):
+            tip += "; key changed: " + ", ".join(f"{d['field']}: {d['before']} → {d['after']}" for d in c["key_diff"][:3])
+        out.append(f'<rect class="compile-mark" data-kind="{escape(c["kind"])}" x="{_f(x0)}" y="{lane_y - 7}" '
+                   f'width="{_f(w)}" height="14" fill="{COMPILE_COLOURS.get(c["kind"], "#e4572e")}">'
+                   f'<title>{escape(tip)}</title></rect>')
+    for s in steps:
+        if s.get("gc_s") and s["gc_s"] >= 0.1 * s["duration_s"]:
+            px = x((s["start_s"] + s["end_s"]) / 2)
+            tip = f"step {s['step']}: garbage collection {fmt_s(s['gc_s'])}"
+            out.append(f'<circle class="gc-mark" cx="{_f(px)}" cy="{lane_y}" r="4" fill="{CAUSE_COLOURS["gc"]}">'
+                       f'<title>{escape(tip)}</title></circle>')
+    out.append(_time_axis(x, bottom, 0.0, end))
+    out.append("</svg>")
+    return Markup("".join(out))
+
+
+def gpu_charts(gpu, timeline):
+    """One small chart per metric (utilization, SM clock, power), every GPU a line, on the step
+    chart's time axis, with slow steps shaded so the two line up by eye."""
+    if not gpu or not gpu.get("available"):
+        return []
+    end = timeline["end_s"]
+    x = _Scale(0.0, end, LEFT, WIDTH - RIGHT)
+    ranks = timeline["ranks"]
+    slow = [s for s in (ranks[next(iter(ranks))] if ranks else []) if s["slow"]]
+    charts = []
+    for metric in ("util", "sm_clock_mhz", "power_w"):
+        lines = [(g["gpu"], g["metrics"][metric]) for g in gpu["series"] if metric in g["metrics"]]
+        if not lines:
+            continue
+        label, unit = lines[0][1]["label"], lines[0][1]["unit"]
+        vmax = max((v for _, m in lines for v in m["values"] if v is not None), default=1.0)
+        vmax = 100.0 if metric == "util" else vmax * 1.1 or 1.0
+        height, top, bottom = 120, 8, 96
+        y = _Scale(0.0, vmax, bottom, top)
+        out = [f'<svg class="chart gpu-chart" data-metric="{metric}" viewBox="0 0 {WIDTH} {height}" role="img" '
+               f'aria-label="GPU {escape(label)}">']
+        for s in slow:
+            out.append(f'<rect x="{_f(x(s["start_s"]))}" y="{top}" width="{_f(max(x(s["end_s"]) - x(s["start_s"]), 1))}" '
+                       f'height="{bottom - top}" fill="{CAUSE_COLOURS.get(s["cause"], "#999")}" opacity="0.12"/>')
+        for t in _nice_ticks(0, vmax, 2):
+            out.append(f'<line x1="{LEFT}" y1="{_f(y(t))}" x2="{WIDTH - RIGHT}" y2="{_f(y(t))}" class="grid"/>'
+                       f'<text x="{LEFT - 6}" y="{_f(y(t) + 4)}" class="tick" text-anchor="end">{t:g}</text>')
+        out.append(f'<text x="{LEFT + 4}" y="{top + 10}" class="chart-title">{escape(label)} ({escape(unit)})</text>')
+        for i, (index, m) in enumerate(lines):
+            pts = " ".join(f"{_f(x(t))},{_f(y(v))}" for t, v in zip(m["t_s"], m["values"]) if v is not None)
+            out.append(f'<polyline points="{pts}" fill="none" stroke="{GPU_COLOURS[i % len(GPU_COLOURS)]}" '
+                       f'stroke-width="1.5"><title>GPU {escape(index)} {escape(label)}</title></polyline>')
+        out.append(_time_axis(x, bottom, 0.0, end))
+        out.append("</svg>")
+        charts.append(Markup("".join(out)))
+    return charts
+
+
+def icicle(tree, height_per_row=18, max_rows=40):
+    """The GIL holder's stacks, root on top: a frame's width is its share of the GIL samples."""
+    total = tree["value"] or 1
+    rows = []
+
+    def depth(node, d=0):
+        return max([d] + [depth(c, d + 1) for c in node["children"]]) if d < max_rows else d
+
+    n_rows = depth(tree) + 1
+    height = n_rows * height_per_row + 4
+    inner = WIDTH - 2
+
+    def walk(node, x0, d):
+        w = node["value"] / total * inner
+        if w < 0.5 or d >= max_rows:
+            return
+        share = node["value"] / total
+        where = f"{node['file']}:{node['line']}" if node["file"] else ""
+        tip = f"{node['name']}{'  ' + where if where else ''}\n{share:.1%} of GIL samples ({fmt_s(node['value'])})"
+        colour = FRAME_COLOURS.get(node["kind"], "#c5cbd3")
+        yy = d * height_per_row + 2
+        label = ""
+        chars = int((w - 6) / 6.6)
+        if chars >= 3:
+            text = node["name"] if len(node["name"]) <= chars else node["name"][: chars - 1] + "…"
+            label = f'<text x="{_f(x0 + 3)}" y="{yy + 13}" class="frame-label">{escape(text)}</text>'
+        rows.append(f'<g class="frame" data-kind="{escape(node["kind"])}"><rect x="{_f(x0 + 1)}" y="{yy}" '
+                    f'width="{_f(max(w - 1, 0.5))}" height="{height_per_row - 2}" rx="2" fill="{colour}"/>'
+                    f'{label}<title>{escape(tip)}</title></g>')
+        cx = x0
+        for child in node["children"]:
+            walk(child, cx, d + 1)
+            cx += child["value"] / total * inner
+
+    walk(tree, 0.0, 0)
+    return Markup(f'<svg class="chart icicle" viewBox="0 0 {WIDTH} {height}" role="img" '
+                  f'aria-label="stacks of the thread holding the GIL">{"".join(rows)}</svg>')
+
+
+def thread_lanes(lanes):
+    """One row per thread: red while it held the GIL, amber while running without it, grey idle;
+    compile events as outlined bars on the thread that ran them; the worst step highlighted."""
+    if not lanes or not lanes["threads"]:
+        return Markup("")
+    label_w = 170
+    row_h = 22
+    threads = lanes["threads"]
+    height = len(threads) * row_h + 34
+    x = _Scale(lanes["start_s"], lanes["end_s"], label_w, WIDTH - RIGHT)
+    out = [f'<svg class="chart lanes" viewBox="0 0 {WIDTH} {height}" role="img" aria-label="thread lanes">']
+    sx0, sx1 = x(max(lanes["step_start_s"], lanes["start_s"])), x(min(lanes["step_end_s"], lanes["end_s"]))
+    out.append(f'<rect x="{_f(sx0)}" y="0" width="{_f(max(sx1 - sx0, 1))}" height="{len(threads) * row_h + 4}" '
+               f'class="worst-step"><title>{escape("step " + str(lanes["step"]) + " (the slowest)")}</title></rect>')
+    for i, th in enumerate(threads):
+        yy = i * row_h + 4
+        name = th["name"] if len(th["name"]) <= 24 else th["name"][:23] + "…"
+        out.append(f'<text x="{label_w - 6}" y="{yy + 14}" class="tick" text-anchor="end">{escape(name)}'
+                   f'<title>{escape(th["name"])}</title></text>')
+        for seg in th["segments"]:
+            a, b = x(max(seg["start_s"], lanes["start_s"])), x(min(seg["end_s"], lanes["end_s"]))
+            state = {"gil": "holds the GIL", "active": "running, without the GIL", "idle": "idle / waiting"}[seg["state"]]
+            tip = f"{th['name']}: {state}\n" + "\n".join(seg["stack"] or [seg["frame"]])
+            out.append(f'<rect class="seg" data-state="{seg["state"]}" x="{_f(a)}" y="{yy}" width="{_f(max(b - a, 1))}" '
+                       f'height="{row_h - 6}" fill="{STATE_COLOURS[seg["state"]]}"><title>{escape(tip)}</title></rect>')
+        for c in lanes["compiles"]:
+            if c["thread"] and c["thread"] == th["name"]:
+                a, b = x(max(c["start_s"], lanes["start_s"])), x(min(c["end_s"], lanes["end_s"]))
+                out.append(f'<rect x="{_f(a)}" y="{yy - 1}" width="{_f(max(b - a, 1))}" height="{row_h - 4}" '
+                           f'class="lane-compile"><title>{escape("compiling " + c["kernel"] + ": " + fmt_s(c["end_s"] - c["start_s"]))}</title></rect>')
+    out.append(_time_axis(x, len(threads) * row_h + 8, lanes["start_s"], lanes["end_s"]).replace(
+        f'x1="{LEFT}"', f'x1="{label_w}"'))
+    out.append("</svg>")
+    return Markup("".join(out))
+
+
+def rank_heatmap(timeline, max_cols=300):
+    """Ranks as rows, steps as columns, colour = step time relative to the median of all ranks:
+    one straggler rank or one bad step stands out at a glance."""
+    ranks = timeline["ranks"]
+    if len(ranks) < 2:
+        return Markup("")
+    all_steps = sorted({s["step"] for rows in ranks.values() for s in rows})
+    if not all_steps:
+        return Markup("")
+    cols = all_steps if len(all_steps) <= max_cols else all_steps[:: math.ceil(len(all_steps) / max_cols)]
+    col_of = {st: i for i, st in enumerate(cols)}
+    durations = sorted(s["duration_s"] for rows in ranks.values() for s in rows)
+    med = durations[len(durations) // 2] or 1e-9
+    label_w, row_h = 70, 16
+    cw = (WIDTH - RIGHT - label_w) / len(cols)
+    height = len(ranks) * row_h + 20
+    out = [f'<svg class="chart heatmap" viewBox="0 0 {WIDTH} {height}" role="img" aria-label="step time per rank">']
+    for i, (rank, rows) in enumerate(ranks.items()):
+        yy = i * row_h
+        out.append(f'<text x="{label_w - 6}" y="{yy + 12}" class="tick" text-anchor="end">rank {escape(rank)}</text>')
+        for s in rows:
+            if s["step"] not in col_of:
+                continue
+            ratio = s["duration_s"] / med
+            # 1× median: pale; 2× and more: full red
+            level = max(0.0, min(1.0, (ratio - 1.0)))
+            colour = f"rgb(235,{int(240 - 180 * level)},{int(245 - 200 * level)})"
+            tip = f"rank {rank}, step {s['step']}: {fmt_s(s['duration_s'])} ({ratio:.2g}× the median)"
+            out.append(f'<rect x="{_f(label_w + col_of[s["step"]] * cw)}" y="{yy}" width="{_f(max(cw - 0.5, 0.5))}" '
+                       f'height="{row_h - 2}" fill="{colour}"><title>{escape(tip)}</title></rect>')
+    out.append(f'<text x="{label_w}" y="{height - 4}" class="tick">step {cols[0]}</text>'
+               f'<text x="{WIDTH - RIGHT}" y="{height - 4}" class="tick" text-anchor="end">step {cols[-1]}</text>')
+    out.append("</svg>")
+    return Markup("".join(out))

@@ -1,0 +1,774 @@
+"""The report's data: everything the HTML report and the terminal summary show, built once from a
+RunRecord and its findings as plain JSON-able values (pure: no I/O beyond the record itself).
+
+Times are seconds since the run's start (manifest start_ns), so every chart shares one x axis.
+Large evidence is reduced here (steps binned, samples merged into a pruned tree, metrics
+downsampled) so a 10-minute run renders to a few megabytes at most.
+"""
+import json
+import math
+import os
+import re
+import shlex
+from datetime import datetime, timezone
+
+from traindx.findings import SEVERITIES
+
+# a step slower than this many times the median is "slow" and gets a cause
+SLOW_FACTOR = 1.5
+MAX_STEP_BARS = 1500          # more steps than this are binned (the slowest step of a bin is kept)
+MAX_GPU_POINTS = 600          # per GPU and metric
+MAX_COMPILE_ROWS = 200
+MAX_LOG_LINES = 40
+FLAME_MIN_SHARE = 0.004       # icicle nodes smaller than this share of the samples are pruned
+FLAME_MAX_DEPTH = 80
+MAX_LANE_SNAPSHOTS = 400
+MAX_EVIDENCE_ROWS = 25
+MAX_TEXT = 2000
+
+# Environment variables worth showing: they change how training runs. Anything else in the
+# (already redacted) manifest env stays out of the report.
+RELEVANT_ENV = re.compile(
+    r"^(CUDA_|NCCL_|TORCH|PYTORCH_|FLASH_ATTENTION|CUTE_DSL|TRITON_|OMP_NUM_THREADS|MKL_NUM_THREADS|"
+    r"RANK$|LOCAL_RANK$|WORLD_SIZE$|LOCAL_WORLD_SIZE$|MASTER_ADDR$|MASTER_PORT$|NVTE_|"
+    r"MEGATRON|HF_HUB_OFFLINE|TOKENIZERS_PARALLELISM|PYTHONPATH$|TRAINDX_)")
+SECRET_NAME = re.compile(r"TOKEN|SECRET|PASSW|API_?KEY|ACCESS_KEY|PRIVATE|CREDENTIAL|AUTH",
+                         re.IGNORECASE)
+SECRET_VALUE = re.compile(r"(hf_[A-Za-z0-9]{20,}|sk-[A-Za-z0-9_-]{20,}|ghp_[A-Za-z0-9]{20,}|"
+                          r"AKIA[0-9A-Z]{16}|xox[bp]-[A-Za-z0-9-]{10,})")
+REDACTED = "***redacted***"
+
+# causes of a slow step, in the order they win ties; colours live in the template
+CAUSES = {
+    "compile": "JIT compile",
+    "autotune": "autotuning",
+    "dynamo": "torch.compile recompile",
+    "gc": "garbage collection",
+    "warmup": "first step",
+    "unexplained": "slow, cause not recorded",
+    "normal": "normal",
+}
+COMPILE_CAUSE = {"cute_dsl": "compile", "triton": "compile", "triton_autotune": "autotune",
+                 "dynamo": "dynamo"}
+
+
+def redact_text(text):
+    return SECRET_VALUE.sub(REDACTED, text)
+
+
+def _clip(text, limit=MAX_TEXT):
+    text = redact_text(str(text))
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _num(value):
+    """A float, or None for missing/NaN (pandas hands both)."""
+    if value is None:
+        return None
+    try:
+        f = float(value)
+    except (TypeError, ValueError):
+        return None
+    return None if math.isnan(f) or math.isinf(f) else f
+
+
+def _median(values):
+    values = sorted(v for v in values if v is not None)
+    if not values:
+        return None
+    mid = len(values) // 2
+    return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
+
+
+def _quantile(values, q):
+    values = sorted(v for v in values if v is not None)
+    if not values:
+        return None
+    pos = (len(values) - 1) * q
+    lo, hi = int(math.floor(pos)), int(math.ceil(pos))
+    return values[lo] + (values[hi] - values[lo]) * (pos - lo)
+
+
+def _ranges(numbers):
+    """[0, 1, 2, 5, 7, 8] -> '0–2, 5, 7–8' (short for long runs)."""
+    numbers = sorted({int(n) for n in numbers})
+    if not numbers:
+        return ""
+    parts, start, prev = [], numbers[0], numbers[0]
+    for n in numbers[1:] + [None]:
+        if n is not None and n == prev + 1:
+            prev = n
+            continue
+        parts.append(str(start) if start == prev else f"{start}–{prev}")
+        if n is not None:
+            start = prev = n
+    if len(parts) > 12:
+        parts = parts[:10] + [f"… ({len(numbers)} steps)"]
+    return ", ".join(parts)
+
+
+def _frame_label(frame):
+    if not isinstance(frame, dict):
+        return _clip(frame, 300) if frame else ""
+    where = frame.get("file") or frame.get("filename") or ""
+    line = frame.get("line")
+    func = frame.get("function") or frame.get("name") or ""
+    loc = f"{where}:{line}" if where and line else where
+    return _clip(f"{loc} ({func})" if func and loc else (loc or func), 400)
+
+
+# -- run metadata ----------------------------------------------------------------------------------
+def run_meta(run):
+    m = run.manifest
+    start_ns, end_ns = m.get("start_ns"), m.get("end_ns")
+    env = {}
+    for name, value in sorted((m.get("env") or {}).items()):
+        if RELEVANT_ENV.match(name):
+            env[name] = REDACTED if SECRET_NAME.search(name) else _clip(value, 400)
+    command = m.get("command") or []
+    return {
+        "id": os.path.basename(run.path.rstrip(os.sep)),
+        "path": run.path,
+        "command": _clip(shlex.join(str(c) for c in command) if isinstance(command, list)
+                         else command, 4000),
+        "cwd": _clip(m.get("cwd") or "", 400),
+        "started": (datetime.fromtimestamp(start_ns / 1e9, timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+                    if start_ns else None),
+        "duration_s": (end_ns - start_ns) / 1e9 if start_ns and end_ns else None,
+        "exit_code": m.get("exit_code"),
+        "signal": m.get("signal"),
+        "status": m.get("status"),
+        "host": {k: _clip(v, 300) for k, v in (m.get("host") or {}).items()},
+        "gpus": [_gpu_label(g) for g in m.get("gpus") or []],
+        "packages": {k: v for k, v in (m.get("packages") or {}).items() if v},
+        "env": env,
+        "ranks": list(run.ranks),
+        "options": {k: v for k, v in (m.get("options") or {}).items() if k != "extra_env"},
+    }
+
+
+def _gpu_label(gpu):
+    if isinstance(gpu, dict):
+        name = gpu.get("name") or "GPU"
+        mem = gpu.get("memory_total_bytes") or gpu.get("memory_bytes")
+        extra = f", {mem / 2**30:.0f} GiB" if isinstance(mem, (int, float)) else ""
+        return _clip(f"{gpu.get('index', '')} {name}{extra}".strip(), 200)
+    return _clip(gpu, 200)
+
+
+def missing_evidence(run):
+    """What could not be collected, one short line each (a py-spy backtrace is cut to its gist)."""
+    out = []
+    for what, why in sorted((run.missing or {}).items()):
+        lines = [l.strip() for l in str(why).splitlines() if l.strip()]
+        gist = next((l for l in lines if not re.match(r"^\d+:", l)), lines[0] if lines else "")
+        out.append({"what": _clip(what, 100), "why": _clip(gist, 300), "full": _clip(why, 2000)})
+    return out
+
+
+# -- steps and what made them slow ----------------------------------------------------------------
+def _step_rows(run, t0):
+    """Per rank, steps as dicts; from the shim, else from the job's log lines."""
+    rows = {}
+    steps = run.steps
+    if len(steps):
+        for s in steps.itertuples():
+            if s.start_ns is None or _num(s.start_ns) is None:
+                continue
+            rows.setdefault(str(s.rank), []).append({
+                "step": int(s.step), "start_s": (int(s.start_ns) - t0) / 1e9,
+                "end_s": (int(s.end_ns) - t0) / 1e9, "duration_s": float(s.duration_s)})
+        source = "shim"
+    else:
+        ls = run.log_steps
+        ls = ls[ls["step_time_s"].notna()] if len(ls) else ls
+        for s in ls.itertuples():
+            end = (int(s.t) - t0) / 1e9
+            rows.setdefault("0", []).append({"step": int(s.step), "start_s": end - s.step_time_s,
+                                             "end_s": end, "duration_s": float(s.step_time_s)})
+        source = "log" if rows else None
+    return rows, source
+
+
+def _compile_events(run, t0):
+    out = []
+    df = run.compiles
+    for c in df.itertuples() if len(df) else []:
+        start, end = _num(c.start_ns), _num(c.end_ns)
+        if start is None and end is not None:
+            start = end - (_num(c.duration_s) or 0) * 1e9
+        if start is None:
+            continue
+        end = end if end is not None else start
+        out.append({"rank": str(c.rank), "kind": str(c.kind), "kernel": _clip(c.kernel or "?", 300),
+                    "start_s": (start - t0) / 1e9, "end_s": (end - t0) / 1e9,
+                    "duration_s": _num(c.duration_s) or (end - start) / 1e9,
+                    "thread": _clip(c.thread or "", 100),
+                    "is_main_thread": bool(c.is_main_thread) if c.is_main_thread is not None
+                    and not (isinstance(c.is_main_thread, float) and math.isnan(c.is_main_thread))
+                    else None,
+                    "step": int(c.step) if _num(c.step) is not None else None,
+                    "caller": _frame_label(c.caller) if isinstance(c.caller, dict) else "",
+                    "key_fields": c.key_fields if isinstance(c.key_fields, dict) else None,
+                    "key": _clip(c.key, 600) if isinstance(c.key, str) else None,
+                    "call_site": _frame_label(getattr(c, "fa4_call_site", None))
+                    if isinstance(getattr(c, "fa4_call_site", None), dict) else ""})
+    out.sort(key=lambda e: e["start_s"])
+    # the key diff against the previous compile of the same kernel on the same rank: the field
+    # that changes between recompiles is what a user has to fix
+    previous = {}
+    for e in out:
+        prev = previous.get((e["rank"], e["kernel"]))
+        e["first"] = prev is None
+        e["key_diff"] = []
+        if prev is not None and prev["key_fields"] and e["key_fields"]:
+            for name in list(dict.fromkeys(list(prev["key_fields"]) + list(e["key_fields"]))):
+                before, after = prev["key_fields"].get(name), e["key_fields"].get(name)
+                if before != after:
+                    e["key_diff"].append({"field": _clip(name, 100), "before": _clip(before, 200),
+                                          "after": _clip(after, 200)})
+        elif prev is not None and prev["key"] and e["key"] and prev["key"] != e["key"]:
+            e["key_diff"].append({"field": "key", "before": prev["key"], "after": e["key"]})
+        previous[(e["rank"], e["kernel"])] = e
+    for e in out:
+        e.pop("key_fields")
+    return out
+
+
+def _gc_by_step(run):
+    """{(rank, step): seconds in GC}."""
+    out = {}
+    gc = run.gc
+    if len(gc) and "total_s" in gc:
+        for g in gc.itertuples():
+            if _num(g.step) is None:
+                continue
+            key = (str(g.rank), int(g.step))
+            out[key] = out.get(key, 0.0) + (_num(g.total_s) or 0.0)
+    return out
+
+
+def _overlap(a0, a1, b0, b1):
+    return max(0.0, min(a1, b1) - max(a0, b0))
+
+
+def classify_steps(step_rows, compiles, gc_by_step):
+    """Mark slow steps and name their cause: the recorded event that covers most of the step."""
+    all_durations = [s["duration_s"] for rows in step_rows.values() for s in rows]
+    median = _median(all_durations)
+    threshold = median * SLOW_FACTOR if median else None
+    by_rank = {}
+    for e in compiles:
+        by_rank.setdefault(e["rank"], []).append(e)
+    for rank, rows in step_rows.items():
+        events = by_rank.get(rank) or (by_rank.get(next(iter(by_rank)), []) if len(by_rank) == 1 else [])
+        first_step = min(s["step"] for s in rows) if rows else None
+        for s in rows:
+            seconds = {}
+            for e in events:
+                ov = _overlap(s["start_s"], s["end_s"], e["start_s"], e["end_s"])
+                if ov > 0:
+                    cause = COMPILE_CAUSE.get(e["kind"], "compile")
+                    seconds[cause] = seconds.get(cause, 0.0) + ov
+            # the first GC aggregate also holds collections from before step 0: clamp to the step
+            gc_s = min(gc_by_step.get((rank, s["step"]), 0.0), s["duration_s"])
+            if gc_s:
+                seconds["gc"] = gc_s
+            s["compile_s"] = sum(v for k, v in seconds.items() if k != "gc")
+            s["gc_s"] = gc_s
+            s["slow"] = bool(threshold and s["duration_s"] > threshold)
+            cause = "normal"
+            if s["slow"]:
+                excess = s["duration_s"] - median
+                best = max(seconds.items(), key=lambda kv: kv[1], default=(None, 0.0))
+                if best[0] and best[1] >= 0.25 * excess:
+                    cause = best[0]
+                elif s["step"] == first_step:
+                    cause = "warmup"
+                else:
+                    cause = "unexplained"
+            s["cause"] = cause
+    return median, threshold
+
+
+def _bin_steps(rows, limit=MAX_STEP_BARS):
+    """Keeps at most `limit` bars: consecutive steps are merged, the slowest of a bin stands for it."""
+    if len(rows) <= limit:
+        return rows
+    size = math.ceil(len(rows) / limit)
+    out = []
+    for i in range(0, len(rows), size):
+        chunk = rows[i: i + size]
+        worst = dict(max(chunk, key=lambda s: s["duration_s"]))
+        worst.update(start_s=chunk[0]["start_s"], end_s=chunk[-1]["end_s"],
+                     label=f"steps {chunk[0]['step']}–{chunk[-1]['step']} (slowest shown)")
+        out.append(worst)
+    return out
+
+
+def _losses(run):
+    ls = run.log_steps
+    if not len(ls) or "loss" not in ls:
+        return {}
+    return {int(s.step): float(s.loss) for s in ls.itertuples() if _num(s.loss) is not None}
+
+
+# -- py-spy: the GIL holder's stacks as an icicle tree, and per-thread GIL shares -----------------
+def _frame_kind(frame):
+    f = frame.file or ""
+    if "site-packages" in f or "dist-packages" in f:
+        return "library"
+    if "/lib/python" in f or f.startswith("<"):
+        return "python"
+    return "user" if f else "native"
+
+
+_SPEEDSCOPE_THREAD = re.compile(r'^Thread (\d+) "(.*)"$')
+_THREAD_ROOT_FRAME = re.compile(r"^thread \(\d+\)|^process \d+:")
+
+
+def thread_label(name):
+    """py-spy's 'Thread 6263 "MainThread"' -> 'MainThread (6263)'."""
+    m = _SPEEDSCOPE_THREAD.match(str(name))
+    if not m:
+        return str(name)
+    return f"{m[2]} ({m[1]})" if m[2] else f"thread {m[1]}"
+
+
+def flame_tree(threads, min_share=FLAME_MIN_SHARE, max_depth=FLAME_MAX_DEPTH):
+    """{thread: ThreadSamples} -> a tree {name, file, line, kind, value, children}, threads at the
+    first level; nodes under min_share of all samples are dropped (their weight stays in the parent)."""
+    root = {"name": "all samples", "file": "", "line": 0, "kind": "root", "value": 0, "children": {}}
+    for thread, ts in threads.items():
+        tnode = root["children"].setdefault(("thread", thread), {
+            "name": thread_label(thread), "file": "", "line": 0, "kind": "thread", "value": 0,
+            "children": {}})
+        for stack, weight in zip(ts.stacks, ts.weights):
+            root["value"] += weight
+            tnode["value"] += weight
+            node = tnode
+            for frame in stack[:max_depth]:
+                if not frame.file and _THREAD_ROOT_FRAME.match(frame.name):
+                    continue  # py-spy's own "thread (id): name" root
+                key = (frame.name, frame.file, frame.line)
+                child = node["children"].get(key)
+                if child is None:
+                    child = node["children"][key] = {"name": frame.name, "file": frame.file,
+                                                     "line": frame.line, "kind": _frame_kind(frame),
+                                                     "value": 0, "children": {}}
+                child["value"] += weight
+                node = child
+    total = root["value"]
+
+    def finish(node):
+        kids = [c for c in node["children"].values() if total and c["value"] / total >= min_share]
+        kids.sort(key=lambda c: -c["value"])
+        return {"name": _clip(node["name"], 300), "file": _clip(node["file"], 300),
+                "line": node["line"], "kind": node["kind"], "value": node["value"],
+                "children": [finish(c) for c in kids]}
+
+    return finish(root)
+
+
+def _hottest_path(tree):
+    """The heaviest chain of user/library frames under the heaviest thread: the one-line answer to
+    'what held the GIL'."""
+    path, node = [], tree
+    while node["children"]:
+        node = node["children"][0]
+        if node["kind"] != "thread":
+            path.append(node)
+    return path
+
+
+def gil_view(run):
+    """Per rank: the --gil recording as a tree and each thread's share of GIL samples."""
+    out = []
+    recordings = run.pyspy
+    for rank in sorted({r for r, _ in recordings}, key=lambda r: (len(r), r)):
+        gil = recordings.get((rank, "gil"))
+        idle = recordings.get((rank, "all"))
+        if not gil:
+            continue
+        total_gil = sum(sum(ts.weights) for ts in gil.values())
+        threads = []
+        for name, ts in gil.items():
+            held = sum(ts.weights)
+            all_samples = sum(idle[name].weights) if idle and name in idle else None
+            threads.append({"thread": _clip(thread_label(name), 100), "gil_s": held,
+                            "share_of_gil": held / total_gil if total_gil else 0.0,
+                            "held_while_sampled": held / all_samples if all_samples else None})
+        threads.sort(key=lambda t: -t["gil_s"])
+        tree = flame_tree(gil)
+        hot = _hottest_path(tree)
+        out.append({"rank": rank, "total_s": total_gil, "threads": threads, "tree": tree,
+                    "hottest": [{"name": n["name"], "where": f"{n['file']}:{n['line']}" if n["file"] else "",
+                                 "kind": n["kind"]} for n in hot][-6:]})
+    return out
+
+
+# -- thread lanes: which thread ran, which held the GIL, around the worst step -------------------
+def thread_lanes(run, t0, worst, compiles):
+    dumps = run.dumps
+    if not len(dumps) or worst is None:
+        return None
+    rank = worst["rank"]
+    d = dumps[dumps["rank"] == rank] if rank in set(dumps["rank"]) else dumps
+    times = sorted(set(int(t) for t in d["t"]))
+    if not times:
+        return None
+    w0, w1 = t0 + worst["start_s"] * 1e9, t0 + worst["end_s"] * 1e9
+    inside = [t for t in times if w0 <= t <= w1]
+    if len(inside) >= 3:
+        chosen, zoom = inside, "step"
+    else:
+        # the step is shorter than the snapshot interval: show the whole run, step highlighted
+        chosen, zoom = times, "run"
+    if len(chosen) > MAX_LANE_SNAPSHOTS:
+        stride = math.ceil(len(chosen) / MAX_LANE_SNAPSHOTS)
+        chosen = chosen[::stride]
+    chosen_set = set(chosen)
+    d = d[d["t"].isin(chosen_set)]
+    interval = (chosen[-1] - chosen[0]) / max(1, len(chosen) - 1) if len(chosen) > 1 else 1e9
+    lanes = {}
+    for r in d.itertuples():
+        name = r.thread_name if isinstance(r.thread_name, str) and r.thread_name else f"thread {r.thread_id}"
+        frames = r.frames if isinstance(r.frames, list) else []
+        state = "gil" if r.owns_gil else ("active" if r.active else "idle")
+        top = frames[0] if frames else {}
+        lanes.setdefault(name, []).append({
+            "t_s": (int(r.t) - t0) / 1e9, "state": state,
+            "frame": _clip(f"{top.get('name', '?')} ({top.get('filename', '')}:{top.get('line', '')})", 300)
+            if top else "",
+            "stack": [_clip(f"{f.get('name', '?')} ({os.path.basename(str(f.get('filename', '')))}:{f.get('line', '')})", 200)
+                      for f in frames[:8]]})
+    threads = []
+    for name, snaps in lanes.items():
+        segments = []
+        for s in snaps:
+            if segments and segments[-1]["state"] == s["state"] and segments[-1]["frame"] == s["frame"]:
+                segments[-1]["end_s"] = s["t_s"] + interval / 2e9
+                continue
+            segments.append({"start_s": s["t_s"] - interval / 2e9, "end_s": s["t_s"] + interval / 2e9,
+                             "state": s["state"], "frame": s["frame"], "stack": s["stack"]})
+        held = sum(1 for s in snaps if s["state"] == "gil")
+        threads.append({"name": _clip(name, 100), "segments": segments, "gil_snapshots": held,
+                        "active_snapshots": sum(1 for s in snaps if s["state"] != "idle")})
+    # busiest first: the GIL holder on top, idle helper threads at the bottom
+    threads.sort(key=lambda t: (-t["gil_snapshots"], -t["active_snapshots"], t["name"]))
+    lo = chosen[0] / 1e9 - t0 / 1e9 - interval / 2e9
+    hi = chosen[-1] / 1e9 - t0 / 1e9 + interval / 2e9
+    if zoom == "step":
+        lo, hi = min(lo, worst["start_s"]), max(hi, worst["end_s"])
+    window_compiles = [c for c in compiles if c["rank"] == rank and c["end_s"] >= lo and c["start_s"] <= hi]
+    return {"rank": rank, "zoom": zoom, "step": worst["step"], "step_start_s": worst["start_s"],
+            "step_end_s": worst["end_s"], "start_s": lo, "end_s": hi,
+            "snapshots": len(chosen), "interval_s": interval / 1e9, "threads": threads[:24],
+            "compiles": [{"thread": c["thread"], "start_s": c["start_s"], "end_s": c["end_s"],
+                          "kernel": c["kernel"]} for c in window_compiles[:200]]}
+
+
+# -- GPU metrics ---------------------------------------------------------------------------------
+def _downsample(xs, ys, limit=MAX_GPU_POINTS):
+    """Min/max per bucket so spikes and dips survive the reduction."""
+    if len(xs) <= limit:
+        return list(xs), list(ys)
+    size = math.ceil(len(xs) / (limit // 2))
+    ox, oy = [], []
+    for i in range(0, len(xs), size):
+        cx, cy = xs[i: i + size], ys[i: i + size]
+        pairs = [(x, y) for x, y in zip(cx, cy) if y is not None]
+        if not pairs:
+            continue
+        lo = min(pairs, key=lambda p: p[1])
+        hi = max(pairs, key=lambda p: p[1])
+        for p in sorted({lo, hi}):
+            ox.append(p[0])
+            oy.append(p[1])
+    return ox, oy
+
+
+CLOCK_REASONS = {0x1: "idle", 0x4: "power cap", 0x8: "HW slowdown", 0x20: "SW thermal",
+                 0x40: "HW thermal", 0x80: "power brake"}
+
+
+def gpu_view(run, t0):
+    gpu = run.gpu
+    if not len(gpu):
+        why = (run.missing or {}).get("nvml") or (run.missing or {}).get("gpus")
+        return {"available": False,
+                "reason": _clip(str(why).splitlines()[0], 300) if why else "no GPU samples were recorded"}
+    series = []
+    for index, g in gpu.groupby("gpu") if "gpu" in gpu else [(0, gpu)]:
+        g = g.sort_values("t")
+        ts = [(int(t) - t0) / 1e9 for t in g["t"]]
+        entry = {"gpu": int(index) if _num(index) is not None else str(index), "metrics": {}}
+        for col, label, unit in (("util", "utilization", "%"), ("sm_clock_mhz", "SM clock", "MHz"),
+                                 ("power_w", "power", "W")):
+            if col in g:
+                xs, ys = _downsample(ts, [_num(v) for v in g[col]])
+                if any(y is not None for y in ys):
+                    entry["metrics"][col] = {"label": label, "unit": unit, "t_s": xs, "values": ys}
+        reasons = {}
+        if "clock_event_reasons" in g:
+            for v in g["clock_event_reasons"]:
+                v = _num(v)
+                for bit, name in CLOCK_REASONS.items():
+                    if v is not None and int(v) & bit:
+                        reasons[name] = reasons.get(name, 0) + 1
+        entry["throttle"] = {k: v / len(g) for k, v in reasons.items()}
+        util = [_num(v) for v in g["util"]] if "util" in g else []
+        entry["mean_util"] = sum(u for u in util if u is not None) / max(1, sum(u is not None for u in util)) if util else None
+        series.append(entry)
+    return {"available": True, "series": series}
+
+
+# -- findings -------------------------------------------------------------------------------------
+def rank_for_report(findings):
+    """Problems before information, then by seconds lost per step, then by severity."""
+    return sorted(findings, key=lambda f: (f.severity == "info", -(f.seconds_lost_per_step or 0.0),
+                                           -SEVERITIES.index(f.severity)))
+
+
+def prescription_text(p):
+    """A copyable command or diff for a prescription, from its `change` when it has no command."""
+    if p.command:
+        return p.command, "command"
+    change = p.change or {}
+    lines = []
+    kind = "command"
+    if "env" in change:
+        lines += [f"export {k}={shlex.quote(str(v))}" for k, v in change["env"].items()]
+    if "arg" in change:
+        arg = change["arg"] or {}
+        flags = " ".join(f"{k} {shlex.quote(str(v))}" if v not in (None, "", True) else k
+                         for k, v in (arg.get("set") or {}).items())
+        lines.append(f"# {arg.get('framework', 'job')} arguments: {flags}")
+    if "upgrade" in change:
+        up = change["upgrade"] or {}
+        spec = f"{up.get('package')}>={up['min_version']}" if up.get("min_version") else up.get("package")
+        lines.append(f"pip install -U {shlex.quote(str(spec))}")
+    if "precompile" in change:
+        pre = change["precompile"] or {}
+        lines.append(f"kernel-cache warm --from-run {shlex.quote(str(pre.get('from_run', '<run>')))}")
+    if "code" in change:
+        code = change["code"] or {}
+        kind = "diff"
+        lines.append(f"--- {code.get('file', '?')}:{code.get('line', '?')}")
+        lines.append(f"+++ {code.get('file', '?')}:{code.get('line', '?')}")
+        lines += [f"-{l}" for l in str(code.get("before", "")).splitlines()]
+        lines += [f"+{l}" for l in str(code.get("after", "")).splitlines()]
+    return ("\n".join(lines), kind) if lines else (None, None)
+
+
+def _evidence_items(evidence):
+    """A finding's evidence dict as render-ready items: text, key/value, table or preformatted."""
+    items = []
+    for key, value in (evidence or {}).items():
+        label = str(key).replace("_", " ")
+        if isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+            columns = list(dict.fromkeys(k for v in value[:MAX_EVIDENCE_ROWS] for k in v))[:8]
+            rows = [[_cell(v.get(c)) for c in columns] for v in value[:MAX_EVIDENCE_ROWS]]
+            items.append({"label": label, "type": "table", "columns": [c.replace("_", " ") for c in columns],
+                          "rows": rows, "more": max(0, len(value) - MAX_EVIDENCE_ROWS)})
+        elif isinstance(value, dict) and value and all(not isinstance(v, (dict, list)) for v in value.values()):
+            items.append({"label": label, "type": "kv",
+                          "pairs": [[_clip(k, 200), _cell(v)] for k, v in list(value.items())[:40]]})
+        elif isinstance(value, (dict, list)):
+            items.append({"label": label, "type": "pre",
+                          "text": _clip(json.dumps(value, indent=1, default=str), 4000)})
+        elif isinstance(value, str) and ("\n" in value or len(value) > 160):
+            items.append({"label": label, "type": "pre", "text": _clip(value, 4000)})
+        else:
+            items.append({"label": label, "type": "text", "text": _cell(value)})
+    return items
+
+
+def _cell(value):
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    if isinstance(value, dict) and ("file" in value or "filename" in value):
+        return _frame_label(value)
+    if isinstance(value, (dict, list)):
+        return _clip(json.dumps(value, default=str), 400)
+    return _clip("" if value is None else value, 400)
+
+
+def _finding_view(f, compiles):
+    prescriptions = []
+    for p in f.prescriptions:
+        text, kind = prescription_text(p)
+        prescriptions.append({"kind": p.kind, "summary": _clip(p.summary, 600), "text": text and _clip(text, 4000),
+                              "text_kind": kind, "expected_gain_s": p.expected_gain_s_per_step,
+                              "automatic": p.automatic})
+    related = []
+    if f.analyzer in ("jit", "compile", "autotune", "dynamo") or "compile" in f.id:
+        kernels = set()
+        for key in ("kernel", "kernels"):
+            v = (f.evidence or {}).get(key)
+            if isinstance(v, str):
+                kernels.add(v)
+            elif isinstance(v, list):
+                kernels |= {str(k) for k in v}
+        related = [c for c in compiles if not kernels or c["kernel"] in kernels
+                   or any(k in c["kernel"] for k in kernels)]
+        steps = set(f.steps_affected)
+        if steps and not kernels:
+            related = [c for c in related if c["step"] in steps] or related
+    return {
+        "id": _clip(f.id, 200), "anchor": re.sub(r"[^a-zA-Z0-9_-]", "-", f.id),
+        "title": _clip(f.title, 300), "severity": f.severity, "analyzer": _clip(f.analyzer, 100),
+        "summary": _clip(f.summary, 3000), "seconds_lost_per_step": f.seconds_lost_per_step,
+        "share_of_step": f.share_of_step, "steps_affected": _ranges(f.steps_affected),
+        "n_steps_affected": len(f.steps_affected), "ranks": [str(r) for r in f.ranks],
+        "prescriptions": prescriptions, "evidence": _evidence_items(f.evidence),
+        "compiles": related[:MAX_COMPILE_ROWS],
+        "shows_gil": f.analyzer in ("gil", "jit") or "gil" in f.id,
+    }
+
+
+def verdict(findings_view, median_step):
+    """The one change to make: the first finding (ranked) with a prescription and a loss."""
+    for f in findings_view:
+        if f["severity"] == "info" or not f["prescriptions"]:
+            continue
+        p = f["prescriptions"][0]
+        gain = p["expected_gain_s"] if p["expected_gain_s"] is not None else f["seconds_lost_per_step"]
+        speedup = None
+        if gain and median_step and 0 < gain < median_step:
+            speedup = median_step / (median_step - gain)
+        return {"kind": "change", "headline": p["summary"], "finding_title": f["title"],
+                "finding_anchor": f["anchor"], "severity": f["severity"], "gain_s": gain,
+                "speedup": speedup, "median_step_s": median_step,
+                "after_step_s": (median_step - gain) if speedup else None,
+                "text": p["text"], "text_kind": p["text_kind"], "automatic": p["automatic"]}
+    problems = [f for f in findings_view if f["severity"] != "info"]
+    if problems:
+        f = problems[0]
+        return {"kind": "problem", "headline": f["title"], "finding_title": f["title"],
+                "finding_anchor": f["anchor"], "severity": f["severity"],
+                "gain_s": f["seconds_lost_per_step"], "speedup": None, "median_step_s": median_step,
+                "after_step_s": None, "text": None, "text_kind": None, "automatic": False}
+    return {"kind": "healthy", "headline": "No slowdown found: nothing to change",
+            "finding_title": None, "finding_anchor": None, "severity": "info", "gain_s": None,
+            "speedup": None, "median_step_s": median_step, "after_step_s": None, "text": None,
+            "text_kind": None, "automatic": False}
+
+
+# -- before/after ---------------------------------------------------------------------------------
+def comparison_view(comparison):
+    """Any mapping the --fix loop passes: arms side by side, other keys as facts. Generic on
+    purpose: whatever keys are present are shown."""
+    if not comparison:
+        return None
+    comparison = dict(comparison)
+    arms = comparison.pop("arms", None)
+    if arms is None and isinstance(comparison.get("baseline"), dict) and isinstance(comparison.get("candidate"), dict):
+        arms = {"baseline": comparison.pop("baseline"), "candidate": comparison.pop("candidate")}
+    if isinstance(arms, list):
+        arms = {str(a.get("name", f"arm {i}")): a for i, a in enumerate(arms) if isinstance(a, dict)}
+    arm_names = list(arms or {})
+    rows = []
+    if arms:
+        keys = list(dict.fromkeys(k for a in arms.values() for k in a if k != "name"))
+        for k in keys:
+            rows.append({"label": str(k).replace("_", " "),
+                         "values": [_fmt_value(arms[n].get(k)) for n in arm_names]})
+    headline = comparison.pop("verdict", None)
+    facts = []
+    for k, v in comparison.items():
+        if isinstance(v, dict):
+            facts.append({"label": str(k).replace("_", " "), "pairs":
+                          [[str(kk).replace("_", " "), _fmt_value(vv)] for kk, vv in v.items()]})
+        else:
+            facts.append({"label": str(k).replace("_", " "), "value": _fmt_value(v)})
+    return {"arms": [_clip(n, 100) for n in arm_names], "rows": rows, "facts": facts,
+            "verdict": _clip(headline, 500) if headline is not None else None}
+
+
+def _fmt_value(v):
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    if isinstance(v, (list, tuple)) and len(v) == 2 and all(isinstance(x, (int, float)) for x in v):
+        return f"[{v[0]:.4g}, {v[1]:.4g}]"
+    if isinstance(v, (dict, list)):
+        return _clip(json.dumps(v, default=str), 400)
+    return _clip("" if v is None else v, 400)
+
+
+# -- everything -----------------------------------------------------------------------------------
+def _core(run, findings):
+    """What both the terminal summary and the HTML report need."""
+    meta = run_meta(run)
+    t0 = run.manifest.get("start_ns") or (int(run.events["t"].min()) if len(run.events) else 0)
+    step_rows, step_source = _step_rows(run, t0)
+    compiles = _compile_events(run, t0)
+    median, threshold = classify_steps(step_rows, compiles, _gc_by_step(run))
+    all_steps = [dict(s, rank=rank) for rank, rows in step_rows.items() for s in rows]
+    durations = [s["duration_s"] for s in all_steps]
+    worst = max(all_steps, key=lambda s: s["duration_s"]) if all_steps else None
+    # steady state: skip the first step of each rank (warm-up) when there is more than one
+    steady = [s["duration_s"] for rank, rows in step_rows.items() for s in rows[1:]] or durations
+    steady_median = _median(steady)
+    mean = sum(steady) / len(steady) if steady else None
+    cv = (math.sqrt(sum((d - mean) ** 2 for d in steady) / len(steady)) / mean) if steady and mean else None
+    cause_counts = {}
+    for s in all_steps:
+        if s["slow"]:
+            cause_counts[s["cause"]] = cause_counts.get(s["cause"], 0) + 1
+    losses = _losses(run)
+    findings_view = [_finding_view(f, compiles) for f in rank_for_report(findings)]
+    stats = {"steps": max((len(r) for r in step_rows.values()), default=0),
+             "ranks": len(step_rows) or len(meta["ranks"]),
+             "step_source": step_source, "median_step_s": median, "steady_median_s": steady_median,
+             "p90_step_s": _quantile(durations, 0.9), "max_step_s": max(durations) if durations else None,
+             "cv": cv, "slow_steps": sum(cause_counts.values()), "slow_threshold_s": threshold,
+             "compiles": len(compiles), "compile_s": sum(c["duration_s"] for c in compiles),
+             "worst_step": {"rank": worst["rank"], "step": worst["step"], "duration_s": worst["duration_s"],
+                            "cause": worst["cause"]} if worst else None,
+             "final_loss": losses[max(losses)] if losses else None}
+    core = {"run": meta, "missing": missing_evidence(run),
+            "verdict": verdict(findings_view, steady_median), "stats": stats,
+            "findings": findings_view, "causes": CAUSES}
+    return core, {"t0": t0, "step_rows": step_rows, "compiles": compiles, "worst": worst,
+                  "all_steps": all_steps, "cause_counts": cause_counts, "losses": losses}
+
+
+def build_summary(run, findings):
+    """The verdict, headline numbers and ranked findings: what the terminal prints."""
+    return _core(run, findings)[0]
+
+
+def build_report_data(run, findings, comparison=None):
+    """Everything the HTML report shows, as plain JSON-able values."""
+    data, x = _core(run, findings)
+    t0, step_rows, compiles, all_steps = x["t0"], x["step_rows"], x["compiles"], x["all_steps"]
+    ranks_summary = []
+    for rank, rows in step_rows.items():
+        d = [s["duration_s"] for s in rows]
+        ranks_summary.append({"rank": rank, "steps": len(rows), "median_s": _median(d),
+                              "p90_s": _quantile(d, 0.9), "max_s": max(d) if d else None,
+                              "compile_s": sum(c["duration_s"] for c in compiles if c["rank"] == rank),
+                              "compiles": sum(1 for c in compiles if c["rank"] == rank),
+                              "slow_steps": sum(1 for s in rows if s["slow"])})
+    end_s = max([data["run"]["duration_s"] or 0.0] + [s["end_s"] for s in all_steps]
+                + [c["end_s"] for c in compiles])
+    log = run.log
+    log_tail = [{"t_s": (int(r.t) - t0) / 1e9, "stream": r.stream, "text": _clip(r.text, 500)}
+                for r in log.tail(MAX_LOG_LINES).itertuples()] if len(log) else []
+    data.update({
+        "timeline": {"end_s": end_s, "ranks": {r: _bin_steps(rows) for r, rows in step_rows.items()},
+                     "cause_counts": x["cause_counts"],
+                     "losses": x["losses"] if len(x["losses"]) <= MAX_STEP_BARS else {}},
+        "compiles": compiles[:MAX_COMPILE_ROWS],
+        "compiles_total": len(compiles),
+        "gil": gil_view(run),
+        "lanes": thread_lanes(run, t0, x["worst"], compiles),
+        "gpu": gpu_view(run, t0),
+        "ranks_summary": ranks_summary,
+        "log_tail": log_tail,
+        "comparison": comparison_view(comparison),
+    })
+    return data

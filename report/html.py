@@ -1,0 +1,72 @@
+"""The HTML report: one self-contained file (inline CSS, JS and SVG; no network), rendered with
+Jinja2 from report.data. Autoescape is on for every value; a Content-Security-Policy lets only
+the report's own script run, so even an escaping bug could not run a job's string as code."""
+import base64
+import hashlib
+import os
+from functools import lru_cache
+
+from jinja2 import Environment, FileSystemLoader, StrictUndefined, select_autoescape
+from markupsafe import Markup
+
+from traindx.report import charts
+from traindx.report.data import build_report_data
+
+TEMPLATES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "templates")
+
+
+@lru_cache(maxsize=1)
+def _environment():
+    env = Environment(loader=FileSystemLoader(TEMPLATES),
+                      autoescape=select_autoescape(default=True, default_for_string=True),
+                      undefined=StrictUndefined, trim_blocks=False, lstrip_blocks=False)
+    env.filters["fmt_s"] = charts.fmt_s
+    return env
+
+
+def _asset(name):
+    with open(os.path.join(TEMPLATES, name), encoding="utf-8") as f:
+        return f.read()
+
+
+def _version():
+    try:
+        from importlib.metadata import version
+
+        return version("traindx")
+    except Exception:
+        return "?"
+
+
+def render_html(data):
+    """The report page for report data (from build_report_data)."""
+    js = _asset("report.js")
+    script_hash = "sha256-" + base64.b64encode(hashlib.sha256(js.encode("utf-8")).digest()).decode()
+    drawn = {
+        "steps": charts.step_chart(data["timeline"], data["compiles"], data["stats"], data["causes"]),
+        "icicles": [charts.icicle(g["tree"]) for g in data["gil"]],
+        "lanes": charts.thread_lanes(data["lanes"]),
+        "gpu": charts.gpu_charts(data["gpu"], data["timeline"]),
+        "heatmap": charts.rank_heatmap(data["timeline"]),
+    }
+    template = _environment().get_template("report.html.j2")
+    # CSS and JS are ours, not the job's: inserted verbatim (Markup), so the hash stays exact
+    return template.render(data=data, charts=drawn, css=Markup(_asset("report.css")), js=Markup(js),
+                           script_hash=script_hash, colours=charts.CAUSE_COLOURS,
+                           frame_colours=charts.FRAME_COLOURS, state_colours=charts.STATE_COLOURS,
+                           version=_version())
+
+
+def write_report(run, findings, path=None, comparison=None):
+    """Render runs/<id>/report.html (or `path`); returns the path written.
+
+    comparison: an optional mapping from the --fix loop (arms side by side, speedup, parity…);
+    whatever keys it has are shown in a 'Before and after' section."""
+    data = build_report_data(run, findings, comparison=comparison)
+    html = render_html(data)
+    path = path or os.path.join(run.path, "report.html")
+    tmp = f"{path}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(html)
+    os.replace(tmp, path)
+    return path

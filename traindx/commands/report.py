@@ -1,0 +1,87 @@
+"""Re-render a run's HTML report (and export its timeline for Perfetto) from the run folder.
+
+usage: diagnose report RUN [--open] [--perfetto OUT] [--reanalyze] [--comparison FILE] [-o PATH]
+
+The findings come from RUN/findings.json when it exists (--reanalyze runs the analyzers again);
+a before/after section is drawn from --comparison, or RUN/comparison.json when present.
+"""
+import json
+import os
+import sys
+
+from traindx.errors import UserError
+
+
+def prepare_parser(parser):
+    parser.add_argument("run_dir", metavar="RUN", help="a run folder written by diagnose")
+    parser.add_argument("-o", "--output", metavar="PATH", default=None,
+                        help="write the HTML here (default: RUN/report.html)")
+    parser.add_argument("--open", action="store_true", help="open the report in a web browser")
+    parser.add_argument("--perfetto", metavar="OUT", default=None,
+                        help="also write the merged timeline as Chrome/Perfetto trace JSON "
+                             "(.json or .json.gz)")
+    parser.add_argument("--reanalyze", action="store_true",
+                        help="run the analyzers again instead of reading findings.json")
+    parser.add_argument("--comparison", metavar="FILE", default=None,
+                        help="a JSON mapping to show as 'before and after' (default: "
+                             "RUN/comparison.json when present)")
+    parser.add_argument("--quiet", action="store_true", help="print only the report's path")
+
+
+def _comparison(args, run_path):
+    path = args.comparison or os.path.join(run_path, "comparison.json")
+    if not os.path.exists(path):
+        if args.comparison:
+            raise UserError(f"no such comparison file: {path}")
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise UserError(f"{path} is not readable JSON ({type(exc).__name__})") from None
+    if not isinstance(data, dict):
+        raise UserError(f"{path} must hold a JSON object")
+    return data
+
+
+def run(args, parser):
+    from traindx.outputs import read_findings, write_findings
+    from traindx.record import load_run
+    from traindx.report.html import write_report
+
+    record = load_run(args.run_dir)
+    findings_path = os.path.join(record.path, "findings.json")
+    if args.reanalyze or not os.path.exists(findings_path):
+        from traindx.analyzers import analyze
+
+        findings = analyze(record)
+        write_findings(record, findings)
+    else:
+        try:
+            findings = read_findings(record.path)
+        except (ValueError, TypeError, KeyError) as exc:
+            raise UserError(f"{findings_path} is corrupt ({type(exc).__name__}); "
+                            "use --reanalyze to rebuild it") from None
+    if args.output and os.path.isdir(args.output):
+        raise UserError(f"--output {args.output} is a folder; give a file path")
+    if args.output and not os.path.isdir(os.path.dirname(os.path.abspath(args.output))):
+        raise UserError(f"cannot write {args.output}: its folder does not exist")
+    path = write_report(record, findings, path=args.output, comparison=_comparison(args, record.path))
+    if args.perfetto:
+        from traindx.report.perfetto import export_trace
+
+        trace_path = export_trace(record, args.perfetto)
+        print(f"perfetto trace: {trace_path} (open it in ui.perfetto.dev or chrome://tracing)",
+              file=sys.stderr)
+    if args.quiet:
+        print(path)
+    else:
+        from traindx.report.terminal import print_summary
+
+        print_summary(record, findings, path)
+    if args.open:
+        import webbrowser
+
+        if not webbrowser.open("file://" + os.path.abspath(path)):
+            print(f"diagnose: no web browser found; open {path} yourself", file=sys.stderr)
+    return 0
