@@ -1,0 +1,415 @@
+"""kernel-cache: precompile FlashAttention-4 kernels into FA4's own persistent cache, and manage it.
+
+  kernel-cache warm --spec hd=128,hq=16,hkv=4,causal,varlen --arch sm_90   compile before training
+  kernel-cache warm --model path/config.json --varlen --arch sm_100
+  kernel-cache warm --from-run runs/<id>                 replay the FA4 compiles a run recorded
+  kernel-cache env                                       the two exports a job needs
+  kernel-cache ls | verify | pack FILE | unpack FILE | clear
+
+On a machine without a GPU, compiles run under torch's FakeTensorMode for the --arch given; on a
+GPU, for that GPU. A job uses the cache with FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1 (and the
+same FLASH_ATTENTION_CUTE_DSL_CACHE_DIR, if one was given here).
+"""
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from traindx.errors import UserError
+from traindx.kernel_cache import spec as specs
+from traindx.kernel_cache import store
+
+PROG = "kernel-cache"
+
+
+def _console(stderr=False):
+    from rich.console import Console
+
+    stream = sys.stderr if stderr else sys.stdout
+    # piped output (logs, CI) gets a wide fixed width instead of rich's 80-column fallback
+    return Console(stderr=stderr, highlight=False, width=None if stream.isatty() else 200)
+
+
+# -- warm ------------------------------------------------------------------------------------------
+def prepare_warm(p):
+    src = p.add_argument_group("what to compile (any combination)")
+    src.add_argument("--from-run", metavar="RUN", help="replay the FA4 compiles a `diagnose` run recorded")
+    src.add_argument("--spec", action="append", default=[], metavar="FIELDS",
+                     help="attention shape, e.g. hd=128,hq=16,hkv=4,dtype=bf16,causal,varlen (repeatable; see below)")
+    src.add_argument("--model", metavar="CONFIG", help="an HF config.json (Llama, Qwen3, Qwen3-MoE, Qwen3.5 hybrid, ...)")
+    shp = p.add_argument_group("shape options")
+    shp.add_argument("--seqlens", metavar="N,N", help="sequence-length buckets (default 4096; see below)")
+    shp.add_argument("--varlen", action="store_true", help="--model: packed sequences (varlen)")
+    shp.add_argument("--no-causal", action="store_true", help="--model: bidirectional attention")
+    shp.add_argument("--dtype", choices=["bf16", "fp16"], help="--model: attention dtype (default: the config's)")
+    shp.add_argument("--deterministic", action="store_true", help="--model: deterministic backward")
+    shp.add_argument("--batch", type=int, metavar="N", help="--model: sequences per (packed) batch")
+    shp.add_argument("--tp", type=int, default=1, metavar="N", help="--model: tensor-parallel size (splits heads)")
+    shp.add_argument("--fwd-only", action="store_true", help="--model: forward kernels only (inference)")
+    tgt = p.add_argument_group("target")
+    tgt.add_argument("--arch", help="GPU arch the cache is for: sm_90 (H100/H200), sm_100 (B200), sm_103 (B300), ... "
+                                     "(default: the run's, else this machine's GPU)")
+    tgt.add_argument("--num-sms", type=int, metavar="N", help="SM count of the target GPU (default: by arch/GPU)")
+    tgt.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                     help="cpu: compile under FakeTensorMode; cuda: with real tensors on this GPU "
+                          "(auto: cuda when a GPU of the target arch is visible)")
+    tgt.add_argument("--jobs", "-j", type=int, metavar="N", help="compiler processes (default: CPUs, at most 8)")
+    p.epilog = specs.SPEC_HELP + "\n\n" + specs.__doc__.split("\n\n", 2)[2]
+
+
+def _plan(args):
+    """Work items plus a description of where they came from."""
+    items, sources, run_info = [], [], None
+    seqlens = specs.parse_seqlens(args.seqlens)
+    if args.spec:
+        parsed = [specs.parse_spec(s) for s in args.spec]
+        items += specs.shape_items(parsed, seqlens)
+        sources.append(f"{len(parsed)} --spec")
+    if args.model:
+        if args.tp < 1:
+            raise UserError("--tp must be at least 1")
+        model_specs, notes = specs.model_specs(
+            args.model, varlen=args.varlen, causal=not args.no_causal, dtype=args.dtype,
+            deterministic=args.deterministic, batch=args.batch, tp=args.tp, fwd_only=args.fwd_only)
+        items += [i for i in specs.shape_items(model_specs, seqlens)
+                  if i["label"] not in {x["label"] for x in items}]
+        sources.append(f"{args.model}: " + "; ".join(notes))
+    if args.from_run:
+        replay, run_info = specs.run_items(args.from_run)
+        items += replay
+        sources.append(f"{len(replay)} distinct FA4 compiles recorded in {run_info['run']}")
+    if not items:
+        raise UserError("nothing to compile: give --spec, --model or --from-run")
+    return items, sources, run_info
+
+
+def _target(args, run_info):
+    """(arch vars for the workers, fake mode?, arch number, num_sms, a note)."""
+    arch = specs.arch_number(args.arch) if args.arch else None
+    if arch is None and run_info and run_info["archs"]:
+        if len(run_info["archs"]) > 1:
+            raise UserError(f"the run compiled for several archs {run_info['archs']}: pick one with --arch")
+        arch = run_info["archs"][0]
+    gpu = None if args.device == "cpu" else _gpu()
+    if arch is None:
+        if gpu is None:
+            raise UserError("no GPU here: say which GPU the cache is for with --arch "
+                            "(sm_90: H100/H200, sm_100: B200, sm_103: B300)")
+        arch = gpu[0]
+    real = gpu is not None and gpu[0] == arch
+    if args.device == "cuda" and not real:
+        raise UserError("--device cuda: " + ("no GPU visible" if gpu is None else
+                                             f"the GPU here is sm_{gpu[0]}, not sm_{arch}"))
+    num_sms = args.num_sms or (run_info or {}).get("num_sms") or (gpu[1] if real else None) \
+        or specs.NUM_SMS_BY_ARCH.get(arch, 132)
+    if real:
+        arch_vars = {"FLASH_ATTENTION_NUM_SMS": str(num_sms)} if args.num_sms else {}
+        note = f"on this GPU (sm_{arch}, {num_sms} SMs), real tensors"
+    else:
+        arch_vars = specs.arch_env(arch, num_sms)
+        note = f"for sm_{arch} with {num_sms} SMs, under FakeTensorMode (no kernel runs)"
+    return arch_vars, not real, arch, num_sms, note
+
+
+def _gpu():
+    from traindx.kernel_cache.warm import gpu_arch
+
+    return gpu_arch()
+
+
+def run_warm(args):
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from traindx.kernel_cache import warm
+
+    env = store.require_fa4()
+    items, sources, run_info = _plan(args)
+    arch_vars, fake, arch, num_sms, note = _target(args, run_info)
+    cache_dir = store.resolve_cache_dir(args.cache_dir)
+    extra_env = dict((run_info or {}).get("env") or {})
+    err = _console(stderr=True)
+    if run_info:
+        ran = (run_info.get("versions") or {}).get("flash-attn-4")
+        if ran and env.fa4 and ran != env.fa4:
+            err.print(f"note: the run used flash-attn-4 {ran}; this environment has {env.fa4}: "
+                      "the cache only serves jobs that use this one")
+    if os.environ.get("FA_LOG_LEVEL") and "FA_LOG_LEVEL" not in extra_env:
+        err.print("note: FA_LOG_LEVEL is part of FA4's compile key: warm with the value the job uses")
+    jobs = args.jobs or warm.default_jobs(len(items))
+    if jobs < 1:
+        raise UserError("--jobs must be at least 1")
+    for line in sources:
+        err.print(f"[bold]kernel-cache[/] warm: {line}")
+    err.print(f"  {len(items)} work items {note}; {min(jobs, len(items))} processes; "
+              f"cache {cache_dir}/{env.fingerprint[:12]}…")
+
+    first = [i for i in items if i["kind"] == "shape" or i["function"] in specs.REPLAY_FIRST]
+    later = [i for i in items if i not in first]
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    results = []
+    with Progress(*columns, console=err, transient=False) as progress:
+        task = progress.add_task("compiling", total=len(items))
+
+        def on_result(result):
+            mark = "[green]ok[/]" if result["ok"] else "[red]failed[/]"
+            progress.console.print(f"  {mark} {result['label']} ({result.get('seconds', 0):.1f} s)",
+                                   markup=True)
+            progress.advance(task)
+
+        report = None
+        for batch in (first, later):
+            if batch is later and later:
+                # the pre/post kernels of a backward are usually compiled by its replay already
+                produced = {k["key"] for r in results for k in r["kernels"] if k["status"] != "not compiled"}
+                covered = [i for i in later if i.get("expect_key") in produced]
+                for item in covered:
+                    results.append({"label": item["label"], "ok": True, "rejected": False, "error": None,
+                                    "kernels": [], "covered": True, "key_match": True, "key_diff": [],
+                                    "seconds": 0.0, "item": item})
+                    progress.advance(task)
+                batch = [i for i in later if i not in covered]
+            if not batch:
+                continue
+            part = warm.run_warm(batch, cache_dir, arch_vars, jobs=jobs, fake=fake,
+                                 extra_env=extra_env, progress=on_result)
+            results += part.results
+            report = part if report is None else report
+    order = {item["label"]: i for i, item in enumerate(items)}
+    results.sort(key=lambda r: order.get(r["label"], 0))
+    if any(k["status"] == "written" for r in results for k in r["kernels"]):
+        store.write_metadata(cache_dir / env.fingerprint, arch=f"sm_{arch}", num_sms=num_sms,
+                             source="; ".join(sources))
+    return _summarize(results, items, cache_dir, env, report)
+
+
+def _summarize(results, items, cache_dir, env, report):
+    from rich.table import Table
+
+    failed = [r for r in results if not r["ok"]]
+    if failed and len(failed) == len(results) and all(r["rejected"] for r in failed):
+        first = failed[0]
+        more = f" (and {len(failed) - 1} more work items)" if len(failed) > 1 else ""
+        raise UserError(f"FA4 {env.fa4} rejects {first['label']}: {first['error']}{more}")
+    table = Table(title="kernel-cache warm", title_justify="left")
+    table.add_column("work item", no_wrap=True)
+    table.add_column("written", justify="right")
+    table.add_column("already present", justify="right")
+    table.add_column("seconds", justify="right")
+    table.add_column("result")
+    totals = {"written": 0, "present": 0}
+    for r in results:
+        counts = {s: sum(1 for k in r["kernels"] if k["status"] == s) for s in ("written", "present")}
+        for s in totals:
+            totals[s] += counts[s]
+        if not r["ok"]:
+            outcome = ("[red]rejected by FA4:[/] " if r["rejected"] else "[red]failed:[/] ") + str(r["error"])
+        elif r.get("covered"):
+            outcome = "compiled by the replays above"
+        elif r.get("key_match") is False:
+            outcome = "[yellow]compiled, key differs from the run's:[/] " + "; ".join(r["key_diff"][:3])
+        elif r.get("key_match"):
+            outcome = "ok, key matches the run's"
+        else:
+            outcome = "ok"
+        table.add_row(r["label"], str(counts["written"]), str(counts["present"]),
+                      f"{r.get('seconds', 0):.1f}", outcome)
+    table.add_section()
+    table.add_row(f"{len(results)} items, {len(failed)} failed", str(totals["written"]),
+                  str(totals["present"]), f"{report.seconds:.1f}" if report else "", "")
+    out = _console()
+    out.print(table)
+    folder = cache_dir / env.fingerprint
+    entries = store.entry_paths(cache_dir)
+    out.print(f"cache: {folder} ({len(entries)} entries, {store.human_size(sum(entries.values()))}) "
+              f"for {env.describe()}", soft_wrap=True)
+    out.print("a job uses it with:")
+    for line in _exports(cache_dir):
+        out.print(f"  {line}")
+    if failed:
+        print(f"{PROG}: error: {len(failed)} of {len(results)} work items failed (see the table)",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+# -- env / ls / verify / pack / unpack / clear ------------------------------------------------------
+def _exports(cache_dir):
+    return [f"export {store.ENABLE_VAR}=1", f"export {store.DIR_VAR}={cache_dir}"]
+
+
+def run_env(args):
+    for line in _exports(store.resolve_cache_dir(args.cache_dir)):
+        print(line)
+    return 0
+
+
+def _folders_table(folders, title):
+    from rich.table import Table
+
+    table = Table(title=title, title_justify="left")
+    table.add_column("fingerprint folder")
+    table.add_column("entries", justify="right")
+    table.add_column("size", justify="right")
+    table.add_column("kernels")
+    table.add_column("serves")
+    table.add_column("here")
+    for f in folders:
+        fams = ", ".join(f"{name} {n}" for name, (n, _) in f.families().items()) or "-"
+        here = "[green]usable[/]" if f.usable else f"[red]unusable:[/] {f.reason}"
+        if f.stale_files:
+            here += f" ({f.stale_files} leftover temp files)"
+        table.add_row(f.fingerprint[:16] + "…", str(len(f.entries)), store.human_size(f.size), fams,
+                      f.served(), here)
+    return table
+
+
+def run_ls(args):
+    cache_dir = store.resolve_cache_dir(args.cache_dir)
+    env = store.current_environment()
+    folders = store.scan(cache_dir)
+    out = _console()
+    out.print(f"cache dir: {cache_dir}" + ("" if os.environ.get(store.ENABLE_VAR) == "1" else
+              f"  (note: {store.ENABLE_VAR}=1 is not set in this shell)"))
+    out.print(f"this environment: {env.describe()}; fingerprint "
+              f"{env.fingerprint[:16] + '…' if env.fingerprint else '(FA4 not installed)'}")
+    if not folders:
+        out.print("no FA4 cache entries here")
+        return 0
+    out.print(_folders_table(folders, f"{len(folders)} fingerprint folders"))
+    if args.entries:
+        for f in folders:
+            for e in f.entries:
+                out.print(f"{e.path}  {store.human_size(e.size)}")
+    return 0
+
+
+def run_verify(args):
+    env = store.require_fa4()
+    cache_dir = store.resolve_cache_dir(args.cache_dir)
+    folders = store.scan(cache_dir)
+    out = _console()
+    fa4_fp = store.fa4_fingerprint()
+    if fa4_fp != env.fingerprint:
+        # our reading of the fingerprint no longer matches FA4's: trust FA4's, and say so
+        out.print(f"[yellow]warning:[/] FA4's fingerprint {fa4_fp[:12]}… differs from kernel-cache's "
+                  f"{env.fingerprint[:12]}…; checking FA4's")
+        for f in folders:
+            f.usable = f.fingerprint == fa4_fp
+            f.reason = "" if f.usable else "fingerprint differs from FA4's for this environment"
+    usable = [f for f in folders if f.usable]
+    bad, good = [], 0
+    for folder in folders:
+        if not folder.usable:
+            out.print(f"[yellow]skipped[/] {folder.path}: unusable here: {folder.reason}")
+    for folder in usable:
+        for entry in folder.entries:
+            try:
+                if entry.size == 0:
+                    raise OSError("empty file")
+                store.load_entry(entry.path)
+                good += 1
+            except Exception as exc:
+                message = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
+                bad.append((entry, f"{type(exc).__name__}: {message}"))
+    for entry, why in bad:
+        out.print(f"[red]bad[/] {entry.path}: {why}")
+        if args.delete_bad:
+            entry.path.unlink(missing_ok=True)
+    total = sum(len(f.entries) for f in usable)
+    out.print(f"{good} of {total} entries load" + (f"; {len(bad)} bad" if bad else "")
+              + (" (deleted: FA4 recompiles them on first use)" if bad and args.delete_bad else ""))
+    if not usable:
+        out.print(f"no cache for this environment ({env.describe()}) in {cache_dir}")
+    return 1 if bad else 0
+
+
+def run_pack(args):
+    cache_dir = store.resolve_cache_dir(args.cache_dir)
+    folders = store.scan(cache_dir)
+    if not args.all:
+        folders = [f for f in folders if f.usable]
+    if not folders or not any(f.entries for f in folders):
+        raise UserError(f"nothing to pack: no entries for this environment in {cache_dir}"
+                        + ("" if args.all else " (--all packs every folder)"))
+    count = store.pack(cache_dir, args.tarball, folders)
+    print(f"packed {count} entries from {len(folders)} folder(s) into {args.tarball} "
+          f"({store.human_size(Path(args.tarball).stat().st_size)})")
+    return 0
+
+
+def run_unpack(args):
+    cache_dir = store.resolve_cache_dir(args.cache_dir)
+    touched = store.unpack(args.tarball, cache_dir)
+    out = _console()
+    folders = [f for f in store.scan(cache_dir) if f.fingerprint in touched]
+    out.print(_folders_table(folders, f"unpacked into {cache_dir}"))
+    if not any(f.usable for f in folders):
+        out.print(f"[red]none of it serves this environment[/] ({store.current_environment().describe()})")
+        return 1
+    for line in _exports(cache_dir):
+        out.print(line)
+    return 0
+
+
+def run_clear(args):
+    cache_dir = store.resolve_cache_dir(args.cache_dir)
+    folders = store.scan(cache_dir)
+    if args.stale:
+        folders = [f for f in folders if not f.usable]
+    removed = store.clear(folders)
+    print(f"removed {removed} entries in {len(folders)} folder(s) from {cache_dir}")
+    return 0
+
+
+COMMANDS = {
+    "warm": (prepare_warm, run_warm, "precompile FA4 kernels into FA4's persistent cache"),
+    "env": (None, run_env, "print the exports that make a job use the cache"),
+    "ls": (lambda p: p.add_argument("--entries", action="store_true", help="list every entry"),
+           run_ls, "list cache folders, entries, sizes and which environment each serves"),
+    "verify": (lambda p: p.add_argument("--delete-bad", action="store_true",
+                                        help="delete entries that do not load"),
+               run_verify, "load every entry the way FA4 does; report the bad ones"),
+    "pack": (lambda p: (p.add_argument("tarball", help="output .tar.gz"),
+                        p.add_argument("--all", action="store_true",
+                                       help="also folders for other environments")),
+             run_pack, "write the cache for this environment into a tarball"),
+    "unpack": (lambda p: p.add_argument("tarball"), run_unpack,
+               "extract a tarball from `pack` into the cache dir"),
+    "clear": (lambda p: p.add_argument("--stale", action="store_true",
+                                       help="only folders that do not serve this environment"),
+              run_clear, "delete cache folders"),
+}
+
+
+def build_parser():
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (prepare, _, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        p.add_argument("--cache-dir", metavar="DIR",
+                       help=f"the cache dir (default: ${store.DIR_VAR}, else FA4's default)")
+        if prepare:
+            prepare(p)
+    return parser
+
+
+def main(argv=None):
+    parser = build_parser()
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    if not args.command:
+        parser.print_help()
+        return 2
+    try:
+        return COMMANDS[args.command][1](args)
+    except UserError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

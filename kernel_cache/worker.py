@@ -1,0 +1,271 @@
+"""The compiler process: runs FA4's own forward/backward entry points with its persistent cache
+enabled, so FA4 itself writes the entries an unmodified job loads later.
+
+Runs in a spawned process (a CuTe DSL compile holds the GIL: threads would not overlap). Nothing
+here is imported by the parent: torch and FA4 are imported after `init` has set the environment,
+because FA4 reads its cache switches at import time.
+"""
+import os
+import sys
+import time
+import traceback
+
+_state = {"ready": False, "lookups": [], "exports": {}, "fake": True}
+REJECT_TYPES = (AssertionError, ValueError, NotImplementedError, TypeError)
+
+
+def init(env, log_path=None, fake=True):
+    os.environ.update(env)
+    _state["fake"] = fake
+    if log_path:
+        # CuTe DSL and torch print warnings from C++ and Python; keep them off the progress bar
+        fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
+
+
+def _setup():
+    if _state["ready"]:
+        return
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    import flash_attn.cute.cache_utils as cache_utils
+    import flash_attn.cute.interface  # noqa: F401
+
+    if not cache_utils.CUTE_DSL_CACHE_ENABLED:
+        raise RuntimeError("FA4's persistent cache is not enabled in the worker")
+    _instrument(cache_utils)
+    _state["ready"] = True
+
+
+def _instrument(cache_utils):
+    """Observe FA4's persistent cache: which keys each call looked up, and what each export did."""
+    cls = cache_utils.JITPersistentCache
+    base_contains = cache_utils.JITCache.__contains__
+    original_contains = cls.__contains__
+    original_export = cls._try_export_to_storage
+
+    def __contains__(self, key):
+        in_memory = base_contains(self, key)
+        found = original_contains(self, key)
+        _state["lookups"].append((self.cache_path.name, self._key_to_hash(key), key,
+                                  "memory" if in_memory else ("disk" if found else "miss")))
+        return found
+
+    def _try_export_to_storage(self, key, fn):
+        digest = self._key_to_hash(key)
+        path = self.cache_path / f"{digest}.o"
+        existed = digest not in self._unloadable and path.exists() and path.stat().st_size > 0
+        original_export(self, key, fn)
+        if existed:
+            status = "present"  # another worker exported the same key first
+        elif path.exists() and path.stat().st_size > 0:
+            status = "written"
+        else:
+            status = "export failed"
+        _state["exports"][(self.cache_path.name, digest)] = status
+
+    cls.__contains__ = __contains__
+    cls._try_export_to_storage = _try_export_to_storage
+
+
+# -- tensors ---------------------------------------------------------------------------------------
+def _torch_dtype(name):
+    import torch
+
+    name = str(name).replace("torch.", "")
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise Unreplayable(f"unknown dtype {name!r}")
+    return dtype
+
+
+class Unreplayable(Exception):
+    """A recorded argument that cannot be rebuilt (a callable, a custom object)."""
+
+
+def _empty(shape, dtype, requires_grad=False):
+    import torch
+
+    t = torch.zeros(tuple(shape), dtype=dtype, device="cuda")
+    if requires_grad:
+        t.requires_grad_(True)
+    return t
+
+
+def _cu_seqlens(batch, total, device="cuda"):
+    import torch
+
+    # even split of `total` tokens into `batch` sequences (real mode needs valid offsets)
+    bounds = [round(i * total / batch) for i in range(batch + 1)]
+    return torch.tensor(bounds, dtype=torch.int32, device=device)
+
+
+def _rebuild(name, value, args):
+    if isinstance(value, dict):
+        if value.get("tensor"):
+            shape = value.get("shape") or []
+            dtype = _torch_dtype(value.get("dtype", "float32"))
+            if not _state["fake"] and name.startswith("cu_seqlens") and len(shape) == 1:
+                ref = args.get("q" if name.endswith("_q") else "k") or {}
+                total = (ref.get("shape") or [shape[0] - 1])[0]
+                return _cu_seqlens(shape[0] - 1, total)
+            if not _state["fake"] and name.startswith("max_seqlen") and not shape:
+                import torch
+                return torch.tensor(_max_seqlen_guess(name, args), dtype=dtype, device="cuda")
+            return _empty(shape, dtype, requires_grad=bool(value.get("requires_grad")))
+        if "callable" in value:
+            raise Unreplayable(f"argument {name} is a function ({value['callable']}): "
+                               "score/mask mods cannot be rebuilt from a recording")
+        raise Unreplayable(f"argument {name} is a {value.get('type', 'custom object')}, "
+                           "which cannot be rebuilt from a recording")
+    if isinstance(value, list):
+        return [_rebuild(name, v, args) for v in value]
+    return value
+
+
+def _max_seqlen_guess(name, args):
+    ref = args.get("q" if name.endswith("_q") else "k") or {}
+    cu = args.get("cu_seqlens_q" if name.endswith("_q") else "cu_seqlens_k") or {}
+    total = (ref.get("shape") or [1])[0]
+    batch = max(1, (cu.get("shape") or [2])[0] - 1)
+    return -(-total // batch)
+
+
+# -- the two kinds of work ---------------------------------------------------------------------------
+def _run_shape(item):
+    import torch
+    from flash_attn.cute import interface as fa
+
+    dtype = torch.bfloat16 if item["dtype"] == "bf16" else torch.float16
+    seqlen, batch = item["seqlen"], item["batch"]
+    hq, hkv, hd, hdv = item["hq"], item["hkv"], item["hd"], item["hdv"]
+    grad = not item["fwd"]
+    if item["varlen"]:
+        total = seqlen * batch
+        q, k, v = (_empty((total, h, d), dtype, grad) for h, d in ((hq, hd), (hkv, hd), (hkv, hdv)))
+        cu = _cu_seqlens(batch, total)
+        max_seqlen = (torch.tensor(seqlen, dtype=torch.int32, device="cuda")
+                      if item["tensor_maxseqlen"] else seqlen)
+        varlen = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max_seqlen,
+                      max_seqlen_k=max_seqlen)
+    else:
+        q, k, v = (_empty((batch, seqlen, h, d), dtype, grad)
+                   for h, d in ((hq, hd), (hkv, hd), (hkv, hdv)))
+        varlen = {}
+    left, right = item["window"] or (None, None)
+    # the arguments FlashAttnFunc / FlashAttnVarlenFunc pass (flash_attn/cute/interface.py)
+    out, lse, *_ = fa._flash_attn_fwd(
+        q, k, v, softmax_scale=None, causal=item["causal"], window_size_left=left,
+        window_size_right=right, learnable_sink=None, softcap=item["softcap"], num_splits=1,
+        pack_gqa=None, score_mod=None, mask_mod=None, aux_tensors=None, aux_scalars=None,
+        return_lse=False, **varlen)
+    if not grad:
+        return None
+    dout = torch.zeros_like(out)
+    fa._flash_attn_bwd(
+        q, k, v, out, dout, lse, None, item["causal"], item["softcap"], window_size_left=left,
+        window_size_right=right, deterministic=item["deterministic"], score_mod=None,
+        score_mod_bwd=None, mask_mod=None, aux_tensors=None, aux_scalars=None, dlse=None,
+        learnable_sink=None, **varlen)
+    return None
+
+
+def _run_replay(item):
+    from flash_attn.cute import interface as fa
+
+    function = getattr(fa, item["function"], None)
+    if function is None or not hasattr(function, "compile_cache"):
+        raise Unreplayable(f"this FA4 has no {item['function']} to replay")
+    recorded = item.get("args") or {}
+    kwargs = {name: _rebuild(name, value, recorded) for name, value in recorded.items()}
+    if "fake_mode" in kwargs:
+        kwargs["fake_mode"] = _state["fake"]
+    function(**kwargs)
+    return item["function"]
+
+
+def _key_check(item, lookups):
+    """Compare the key this replay produced with the recorded one (field by field if it differs)."""
+    expect = item.get("expect_key")
+    if not expect:
+        return None, []
+    from flash_attn.cute import interface as fa
+
+    family = getattr(fa, item["function"]).compile_cache.cache_path.name
+    produced = next((key for fam, _, key, _ in lookups if fam == family), None)
+    if produced is None:
+        return False, ["no compile key was looked up"]
+    if repr(produced)[:4000] == expect:
+        return True, []
+    names = list((item.get("expect_fields") or {}).keys())
+    fields = item.get("expect_fields") or {}
+    diffs = []
+    if isinstance(produced, tuple) and len(names) == len(produced):
+        for name, value in zip(names, produced):
+            if repr(value)[:300] != fields.get(name):
+                diffs.append(f"{name}: recorded {fields.get(name)}, replayed {repr(value)[:80]}")
+    return False, diffs or ["key differs"]
+
+
+def _reason(exc):
+    frames = traceback.extract_tb(exc.__traceback__)
+    last = frames[-1] if frames else None
+    message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    if not message and last is not None:
+        message = f"{os.path.basename(last.filename)}:{last.lineno}: {last.line}"
+    in_fa4 = any("flash_attn" in f.filename for f in frames[-3:])
+    rejected = isinstance(exc, REJECT_TYPES) and in_fa4 and not any(
+        "cutlass" in f.filename for f in frames)
+    return rejected, f"{type(exc).__name__}: {message}" if not rejected else message
+
+
+def run_item(item):
+    """Compile one work item; returns what happened to each kernel it needed."""
+    start = time.perf_counter()
+    result = {"label": item["label"], "ok": False, "rejected": False, "error": None,
+              "kernels": [], "key_match": None, "key_diff": [], "pid": os.getpid()}
+    try:
+        _setup()
+        start = time.perf_counter()  # the FA4 import (once per process) is not this item's time
+        _state["lookups"] = []
+        _state["exports"] = {}
+        if _state["fake"]:
+            from torch._subclasses.fake_tensor import FakeTensorMode
+
+            with FakeTensorMode():
+                _run_replay(item) if item["kind"] == "replay" else _run_shape(item)
+        else:
+            _run_replay(item) if item["kind"] == "replay" else _run_shape(item)
+        result["ok"] = True
+    except Unreplayable as exc:
+        result["error"] = f"cannot replay: {exc}"
+    except Exception as exc:  # FA4 refusing the input, or a compile failure: reported per item
+        result["rejected"], result["error"] = _reason(exc)
+    lookups = _state["lookups"]
+    seen, keys = {}, {}
+    for family, digest, key, status in lookups:
+        if (family, digest) in seen:
+            continue
+        keys[(family, digest)] = repr(key)[:4000]
+        export = _state["exports"].get((family, digest))
+        if export is not None:
+            status = export
+        elif status in ("disk", "memory"):
+            status = "present"
+        else:
+            status = "not compiled"  # the call failed before compiling this kernel
+        seen[(family, digest)] = status
+    result["kernels"] = [{"family": f, "hash": h, "status": s, "key": keys[(f, h)]}
+                         for (f, h), s in seen.items()]
+    if item["kind"] == "replay" and result["ok"]:
+        result["key_match"], result["key_diff"] = _key_check(item, lookups)
+    if any(k["status"] == "export failed" for k in result["kernels"]) and result["ok"]:
+        result["ok"] = False
+        result["error"] = "compiled, but FA4 could not write the entry (see FA_LOG_LEVEL=1)"
+    result["seconds"] = time.perf_counter() - start
+    return result
