@@ -141,7 +141,8 @@ def _check(value, spec, path, problems):
         ANY: True,
     }[spec]
     if not ok:
-        want = {DATE: "a date (YYYY-MM-DD)", SCALAR: "a scalar"}.get(spec, f"a {spec}")
+        want = {DATE: "a date (YYYY-MM-DD)", SCALAR: "a scalar", INT: "an integer"}.get(
+            spec, f"a {spec}")
         problems.append(f"{path}: expected {want}, got {_type_name(value)} ({value!r})"[:200])
 
 

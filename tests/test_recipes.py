@@ -1,0 +1,245 @@
+"""Recipe cards and the numbers on them: the reference cards round-trip through the model, the
+schema names what is wrong, MFU and $/1M tokens reproduce the cards' figures, and the A/B
+statistics (steady window, bootstrap interval, loss parity) follow FACTS.md §6."""
+import json
+
+import numpy as np
+import pytest
+import yaml
+
+from traindx.errors import UserError
+from traindx.recipes import stats, throughput
+from traindx.recipes.card import CardError, RecipeCard, reference_cards, validate
+
+from helpers import PY, diagnose, example
+
+REFERENCE = ("qwen3.8-27b-b200-attune-tp1-pp4-split17-rb14.yaml",
+             "qwen3.8-27b-b200-attune-tp1-pp2.yaml")
+# AWS p6-b200.48xlarge (8 × B200), on demand, us-east-1: $113.9328 per hour
+P6_B200_PER_GPU_HOUR = 113.9328 / 8
+
+
+# -- the cards -----------------------------------------------------------------------------------
+def test_reference_cards_ship_as_package_data():
+    cards = reference_cards()
+    assert set(REFERENCE) <= set(cards)
+    card = cards[REFERENCE[0]]
+    assert card.model == "Qwen3.8-27B"
+    assert card.gpu.type == "B200" and card.gpu.count == 8
+    assert card.result.tokens_per_s_per_gpu == 4011.42
+    assert card.result.active_param_count == 25_623_920_640
+    assert card.convergence["correlation"] == 0.9999988
+
+
+@pytest.mark.parametrize("name", REFERENCE)
+def test_reference_cards_round_trip(name):
+    import importlib.resources
+
+    text = importlib.resources.files("traindx.recipes").joinpath("cards", name).read_text()
+    card = RecipeCard.from_yaml(text, source=name)
+    written = card.to_yaml()
+    # the same data, section by section and in the same order, and the file's comment header
+    assert yaml.safe_load(written) == yaml.safe_load(text)
+    assert list(yaml.safe_load(written)) == list(yaml.safe_load(text))
+    assert written.splitlines()[0] == text.splitlines()[0].strip()
+    assert "run: |" in written  # the run script stays a literal block
+    again = RecipeCard.from_yaml(written)
+    assert again.to_dict() == card.to_dict()
+
+
+def test_schema_names_every_problem():
+    data = yaml.safe_load(reference_cards()[REFERENCE[0]].to_yaml())
+    assert validate(data) == []
+    del data["result"]["tokens_per_s_per_gpu"]
+    data["result"]["mfu"] = "27.4%"
+    data["gpu"]["count"] = "eight"
+    data["correctness"]["convergence"]["result"] = "ok"
+    data["result"]["window"] = [19, 5]
+    problems = validate(data)
+    joined = "\n".join(problems)
+    assert "result.tokens_per_s_per_gpu: required" in joined
+    assert "result.mfu: expected a number" in joined
+    assert "gpu.count: expected an integer" in joined
+    assert "correctness.convergence.result: 'ok' is not one of" in joined
+    assert "result.window" in joined
+    with pytest.raises(CardError) as err:
+        RecipeCard.from_dict(data, source="bad.yaml")
+    assert str(err.value).startswith("bad.yaml: invalid recipe card: ")
+    assert isinstance(err.value, UserError)  # the CLI prints it as one line
+
+
+def test_mfu_as_a_percentage_is_caught():
+    data = yaml.safe_load(reference_cards()[REFERENCE[1]].to_yaml())
+    data["result"]["mfu"] = 26.4
+    assert any("fraction" in p for p in validate(data))
+
+
+def test_not_yaml_is_a_one_line_error():
+    with pytest.raises(CardError) as err:
+        RecipeCard.from_yaml("model: [unclosed\n", source="x.yaml")
+    assert "not YAML at line" in str(err.value)
+    with pytest.raises(CardError):
+        RecipeCard.from_yaml("- a list\n- not a card\n")
+
+
+# -- the numbers on the cards --------------------------------------------------------------------
+@pytest.mark.parametrize("name", REFERENCE)
+def test_mfu_and_cost_reproduce_the_reference_cards(name):
+    card = reference_cards()[name]
+    r = card.result
+    mfu = throughput.mfu(r.tokens_per_s_per_gpu, card.gpu.type, r.active_param_count)
+    assert round(mfu, 4) == r.mfu
+    usd = throughput.usd_per_million_tokens(P6_B200_PER_GPU_HOUR, r.tokens_per_s_per_gpu)
+    assert round(usd, 2) == r.usd_per_million_tokens
+    # the window: steps 5-19 of 20, 128 rows of 8,192 tokens each
+    first, last = r.window
+    assert (first, last) == stats.steady_window(r.steps_per_run)
+    assert r.window_tokens == (last - first + 1) * card.workload["global_batch"] * card.workload["row_tokens"]
+
+
+def test_one_price_explains_both_cards():
+    cards = reference_cards()
+    a, b = (cards[n].result for n in REFERENCE)
+    # price = $/1M × tokens/s × 3600 / 1e6: both cards ran on the same instance type
+    price_a = a.usd_per_million_tokens * a.tokens_per_s_per_gpu * 3600 / 1e6
+    price_b = b.usd_per_million_tokens * b.tokens_per_s_per_gpu * 3600 / 1e6
+    assert price_a == pytest.approx(price_b, rel=0.01)
+
+
+def test_peak_table_and_gpu_names():
+    assert throughput.peak_flops("NVIDIA H200") == 989e12
+    assert throughput.normalize_gpu("NVIDIA GB200") == "GB200"
+    assert throughput.normalize_gpu("NVIDIA B200") == "B200"
+    assert throughput.normalize_gpu("NVIDIA H100 80GB HBM3") == "H100"
+    with pytest.raises(ValueError, match="no peak FLOP/s known"):
+        throughput.peak_flops("MI300X")
+
+
+def test_attention_term_of_mfu():
+    # nanoGPT's GPT-2 124M at T=1024: 6N + 12·L·H·Q·T
+    n, L, H, Q, T = 124e6, 12, 12, 64, 1024
+    assert throughput.flops_per_token(n, L, H, Q, T) == 6 * n + 12 * L * H * Q * T
+    assert throughput.flops_per_token(n) == 6 * n  # shape unknown: 6N only
+
+
+LLAMA2_7B = {"hidden_size": 4096, "intermediate_size": 11008, "num_attention_heads": 32,
+             "num_hidden_layers": 32, "num_key_value_heads": 32, "vocab_size": 32000,
+             "model_type": "llama"}
+QWEN3_30B_A3B = {"hidden_size": 2048, "num_hidden_layers": 48, "num_attention_heads": 32,
+                 "num_key_value_heads": 4, "head_dim": 128, "intermediate_size": 6144,
+                 "moe_intermediate_size": 768, "num_experts": 128, "num_experts_per_tok": 8,
+                 "vocab_size": 151936, "model_type": "qwen3_moe"}
+
+
+def test_active_params_from_hf_configs():
+    # Llama-2-7B has 6,738,415,616 parameters; without the input embedding (32000 × 4096)
+    # and the norms (65 × 4096) that is the matmul count
+    assert throughput.active_params_from_config(LLAMA2_7B) == 6_738_415_616 - 32000 * 4096 - 65 * 4096
+    # Qwen3-30B-A3B: "3.3B activated" (its model card, embeddings included)
+    active = throughput.active_params_from_config(QWEN3_30B_A3B) + 151936 * 2048
+    assert active == pytest.approx(3.3e9, rel=0.03)
+    assert throughput.model_shape(QWEN3_30B_A3B)["head_dim"] == 128
+
+
+# -- statistics ----------------------------------------------------------------------------------
+def test_steady_window():
+    assert stats.steady_window(20) == (5, 19)   # as the reference cards: steps 5-19 of 20
+    assert stats.steady_window(4) == (1, 3)     # at least the warm-up step goes
+    assert stats.steady_window(1) == (0, 0)
+    assert stats.steady_window(10, (2, 50)) == (2, 9)
+    with pytest.raises(ValueError):
+        stats.steady_window(5, (7, 9))
+    assert stats.parse_window("5:19") == (5, 19)
+    with pytest.raises(ValueError):
+        stats.parse_window("19:5")
+
+
+def test_bootstrap_interval_brackets_the_speedup_and_is_reproducible():
+    rng = np.random.default_rng(1)
+    base = 2.0 + 0.05 * rng.standard_normal(30)
+    cand = 0.25 + 0.01 * rng.standard_normal(30)
+    point, low, high = stats.bootstrap_speedup(base, cand)
+    assert low < point < high
+    assert 7 < low and high < 9
+    assert stats.bootstrap_speedup(base, cand) == (point, low, high)
+    # two samples of the same distribution: the interval holds 1
+    same = 1.0 + 0.05 * rng.standard_normal(30)
+    _, low, high = stats.bootstrap_speedup(base / 2, same)
+    assert low < 1 < high
+    assert stats.verdict(1.0, low, True) == "no gain"
+    assert stats.verdict(8.0, 7.5, True) == "faster and numerically equivalent"
+    assert stats.verdict(8.0, 7.5, False) == "faster but numerics differ"
+
+
+def test_loss_parity_thresholds():
+    golden = np.linspace(6.0, 3.0, 20) + 0.05 * np.sin(np.arange(20))
+    same = stats.loss_parity(golden, golden)
+    assert same.passed and same.correlation == pytest.approx(1.0) and same.skipped == 4
+    # 4 % off everywhere: inside the 10 % pointwise tolerance and the 5 % final-loss limit
+    assert stats.loss_parity(golden, golden * 1.04).passed
+    # 8 % off: pointwise fine at loss > 2, the final loss 8 % off fails
+    off = stats.loss_parity(golden, golden * 1.08)
+    assert not off.passed and not off.final_loss_passed and off.pointwise_passed
+    # 12 % off: every point fails the 10 % tolerance
+    far = stats.loss_parity(golden, golden * 1.12)
+    assert far.pointwise_failures == far.points and not far.pointwise_passed
+    # the tolerance tightens with the loss level
+    assert stats.pointwise_tolerance(2.5) == 0.10
+    assert stats.pointwise_tolerance(1.0) == 0.05
+    assert stats.pointwise_tolerance(0.3) == 0.02
+
+
+def test_more_than_ten_percent_of_points_failing_fails():
+    golden = np.linspace(5.0, 4.0, 25)          # 20 points after skipping 5
+    cand = golden.copy()
+    cand[6] *= 1.2                              # 1 of 20 points off: 5 %, passes
+    cand[8] *= 1.2                              # 2 of 20: 10 %, still passes (> 10 % fails)
+    r = stats.loss_parity(golden, cand)
+    assert r.pointwise_failures == 2 and r.pointwise_passed
+    cand[10] *= 1.2                             # 3 of 20: 15 %, fails
+    r = stats.loss_parity(golden, cand)
+    assert r.pointwise_failures == 3 and not r.pointwise_passed and not r.passed
+
+
+def test_anticorrelated_losses_fail():
+    golden = np.linspace(5.0, 4.5, 20) + 0.02 * np.sin(np.arange(20) * 1.7)
+    cand = golden.mean() - (golden - golden.mean())  # mirrored: small differences, wrong shape
+    r = stats.loss_parity(golden, cand)
+    assert r.correlation < 0 and not r.correlation_passed and not r.passed
+
+
+def test_nan_losses_fail():
+    golden = np.linspace(5.0, 4.0, 10)
+    cand = golden.copy()
+    cand[-1] = np.nan
+    r = stats.loss_parity(golden, cand)
+    assert not r.passed and "NaN" in r.reasons[0]
+
+
+# -- a card from a real run ----------------------------------------------------------------------
+def test_card_from_a_measured_run(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = diagnose(["--no-pyspy", "--quiet", "--steps", "8", "--run-dir", str(run_dir), "--",
+                     PY, example("train_tiny.py"), "--steps", "20", "--threads", "1"],
+                    cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    out = tmp_path / "card.yaml"
+    proc = diagnose(["card", str(run_dir), "--active-params", "1.5e6", "--gpu", "H200",
+                     "--price-per-gpu-hour", "3.5", "--window", "2:7", "-o", str(out)],
+                    cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    card = RecipeCard.load(str(out))
+    # recompute from the raw step events of the run folder
+    events = [json.loads(l) for l in open(run_dir / "events" / "0.jsonl")]
+    durations = {e["step"]: e["duration_s"] for e in events if e["type"] == "step_end"}
+    window_s = sum(durations[s] for s in range(2, 8))
+    tps = 6 * 1024 / window_s
+    assert card.result.tokens_per_s_per_gpu == pytest.approx(tps, rel=1e-3)
+    assert card.result.window == [2, 7] and card.result.window_tokens == 6 * 1024
+    assert card.result.mfu == pytest.approx(tps * 6 * 1.5e6 / 989e12, rel=1e-3)
+    assert card.result.usd_per_million_tokens == pytest.approx(3.5 / (tps * 3600) * 1e6, rel=1e-3)
+    assert card.correctness["result"] == "not run"
+    assert "train_tiny.py" in card.run
+    # a folder that is not a run: a one-line error, no traceback
+    proc = diagnose(["card", str(tmp_path)], cwd=tmp_path)
+    assert proc.returncode != 0 and "not a traindx run" in proc.stderr
