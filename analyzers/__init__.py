@@ -10,6 +10,7 @@ from traindx.findings import Finding, rank_findings
 # module names under traindx.analyzers; each exposes analyze(run) -> list[Finding]
 REGISTRY = [
     "steps",
+    "gil", "dataloader", "gc_pauses", "stability",
 ]
 
 

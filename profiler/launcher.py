@@ -57,7 +57,7 @@ def write_json_atomic(path, data):
 
 class Options:
     def __init__(self, steps=0, pyspy=True, shim=True, nvml=True, pyspy_rate_hz=20,
-                 dump_interval_s=2.0, nvml_interval_s=0.5, extra_env=None):
+                 dump_interval_s=2.0, nvml_interval_s=0.5, extra_env=None, torch_profile=None):
         self.steps = steps
         self.pyspy = pyspy
         self.shim = shim
@@ -66,6 +66,7 @@ class Options:
         self.dump_interval_s = dump_interval_s
         self.nvml_interval_s = nvml_interval_s
         self.extra_env = extra_env or {}
+        self.torch_profile = torch_profile  # None: the shim's default window; "off"; "N"; "A-B"
 
     def as_dict(self):
         return dict(vars(self))
@@ -80,6 +81,8 @@ def job_environment(run_dir, options, base=None):
         env["TRAINDX_RUN_DIR"] = os.path.abspath(run_dir)
         if options.steps:
             env["TRAINDX_MAX_STEPS"] = str(options.steps)
+        if options.torch_profile is not None:
+            env["TRAINDX_TORCH_PROFILE"] = str(options.torch_profile)
     env.pop("TRAINDX_RANK_PID", None)
     return env
 

@@ -170,6 +170,16 @@ class RunRecord:
         return pd.DataFrame(rows, columns=["t", "rank", "thread_name", "thread_id", "active",
                                            "owns_gil", "frames"])
 
+    @cached_property
+    def torch_trace(self):
+        """The torch.profiler window of every rank (trace/<rank>.json.gz): one row per event."""
+        from traindx.profiler.torchtrace import load_traces
+
+        table, errors = load_traces(self.path)
+        for message in errors.values():
+            warnings.warn(message, TruncatedEvidenceWarning, stacklevel=2)
+        return table
+
     # -- conveniences --------------------------------------------------------------------------
     @property
     def command(self):

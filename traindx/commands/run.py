@@ -4,6 +4,7 @@ usage: diagnose [options] -- <command> [args...]
 """
 import argparse
 import os
+import re
 import sys
 import time
 
@@ -24,6 +25,10 @@ def prepare_parser(parser):
                         help="samples per second of each py-spy recorder (default 20)")
     parser.add_argument("--dump-interval", type=float, default=2.0, metavar="S",
                         help="seconds between py-spy GIL snapshots (0: none; default 2)")
+    parser.add_argument("--torch-profile", default=None, metavar="STEPS",
+                        help="torch.profiler window stored as trace/<rank>.json.gz: N steps from "
+                             "step 3, or A-B, or off (default: steps 3-4, skipped when steps "
+                             "take over 5 s)")
     parser.add_argument("--fix", action="store_true",
                         help="apply the automatic prescriptions, re-run and compare")
     parser.add_argument("--quiet", action="store_true", help="no live status line")
@@ -38,6 +43,10 @@ def _command(args, parser):
         raise UserError("no command given: diagnose [options] -- <command>")
     if args.steps < 0:
         raise UserError("--steps must be a positive number")
+    window = re.fullmatch(r"(\d+)(?:-(\d+))?|off|default", str(args.torch_profile or "default"))
+    if not window or (window[2] and int(window[2]) < int(window[1])):
+        raise UserError(f"--torch-profile {args.torch_profile}: give N (steps from step 3), "
+                        "A-B (steps A to B) or off")
     return command
 
 
@@ -46,7 +55,8 @@ def options_from(args, extra_env=None):
 
     return Options(steps=args.steps, pyspy=not args.no_pyspy, shim=not args.no_shim,
                    nvml=not args.no_nvml, pyspy_rate_hz=args.pyspy_rate,
-                   dump_interval_s=args.dump_interval, extra_env=extra_env)
+                   dump_interval_s=args.dump_interval, extra_env=extra_env,
+                   torch_profile=getattr(args, "torch_profile", None))
 
 
 def record_job(command, run_dir, options, quiet=False):

@@ -92,9 +92,11 @@ def activate():
          local_rank=os.environ.get("LOCAL_RANK"), world_size=os.environ.get("WORLD_SIZE"),
          argv=sys.argv, python=sys.version.split()[0], main_thread=threading.get_ident())
     _install_sigterm_flush()
-    from . import gcstats, steps, compiles
+    from . import gcstats, steps, compiles, torchcalls, torchprof
 
     gcstats.install()
     steps.register()
     compiles.register()
+    torchcalls.register()
+    torchprof.register()
     importhooks.install()

@@ -25,7 +25,19 @@ def in_step_since():
     return _state["begin"]
 
 
+# called at each step boundary with the step about to begin (the torch.profiler window)
+boundary_hooks = []
+
+
 def _begin(t):
+    if boundary_hooks:
+        for hook in boundary_hooks:
+            try:
+                hook(_state["step"])
+            except Exception as exc:
+                from . import report_error
+                report_error("step boundary hook", exc)
+        t = time.time_ns()  # what a hook costs (a trace export) falls between steps, not in one
     _state["begin"] = t
     emit("step_begin", step=_state["step"], t=t)
 

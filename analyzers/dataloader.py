@@ -1,0 +1,183 @@
+"""DataLoader starvation: the step waits for the next batch.
+
+Evidence, best first: py-spy (share of the main thread's samples inside DataLoader.__next__, the
+whole run, unperturbed); the torch.profiler window (DataLoader's own record_function
+`enumerate(DataLoader)#...__next__`, exact per step, slowed by the profiler's Python tracing).
+The shim's `dataloader` event gives the line that builds the loader and its settings.
+"""
+import re
+
+from traindx.findings import Finding, Prescription
+
+from . import evidence as ev
+
+MIN_SHARE = 0.10
+DATALOADER_FILE = "torch/utils/data/dataloader.py"
+TRACE_PREFIX = "enumerate(DataLoader)#"
+
+
+def _in_next(stack):
+    return any(f.file.endswith(DATALOADER_FILE) and f.name.endswith("__next__") for f in stack)
+
+
+def _from_pyspy(run, rank):
+    recording_all = run.pyspy.get((rank, "all"))
+    if not recording_all:
+        return None
+    main = ev.main_thread_id(recording_all, run.pyspy.get((rank, "gil")))
+    threads = ev.merge_threads(recording_all)
+    if main not in threads:
+        return None
+    samples = threads[main][1]
+    total = ev.training_weight(samples)
+    waiting = ev.training_weight(samples, keep=_in_next)
+    if total <= 0:
+        return None
+    return {"source": "py-spy", "share": waiting / total, "seconds": waiting,
+            "hot": ev.frames_evidence(ev.hottest_frames(samples, keep=_in_next)),
+            "method": "main-thread py-spy samples inside DataLoader.__next__ / all its samples "
+                      "(start-up imports excluded)"}
+
+
+def _from_trace(run, rank):
+    trace = run.torch_trace
+    if not len(trace):
+        return None
+    trace = trace[trace["rank"] == rank]
+    steps = ev.trace_steps(run, rank)
+    loads = trace[trace["name"].str.startswith(TRACE_PREFIX)]
+    if not len(steps) or not len(loads):
+        return None
+    start, end = steps["start_ns"].min(), steps["end_ns"].max()
+    loads = loads[(loads["start_ns"] >= start) & (loads["end_ns"] <= end)]
+    step_s = float(steps["duration_s"].sum())
+    waiting = float(loads["dur_s"].sum())
+    # the job's own function that takes the time inside __next__ (its collate, its dataset)
+    py = trace[trace["cat"] == "python_function"]
+    own = {}
+    for load in loads.itertuples():
+        inside = py[(py["tid"] == load.tid) & (py["start_ns"] >= load.start_ns)
+                    & (py["end_ns"] <= load.end_ns)]
+        for row in inside.itertuples():
+            parsed = ev.parse_trace_frame(row.name)
+            if parsed and not ev.is_library_trace_file(parsed[0]):
+                own[parsed] = own.get(parsed, 0.0) + row.dur_s
+    hot = sorted(own.items(), key=lambda kv: -kv[1])[:5]
+    return {"source": "torch.profiler", "share": waiting / step_s if step_s else 0.0,
+            "seconds": waiting, "steps": [int(s) for s in steps["step"]],
+            "per_step_s": waiting / len(steps),
+            "hot": [{"function": f, "file": file, "line": line, "seconds": round(s, 4),
+                     "frame": f"{f} ({file}:{line})"} for (file, line, f), s in hot],
+            "method": "DataLoader.__next__ record_function time / step time in the "
+                      "torch.profiler window"}
+
+
+def _rewrite_call(source, settings):
+    """The construction line with the given keyword arguments set (or added)."""
+    if not source:
+        return None
+    out = source
+    for name, value in settings.items():
+        pattern = re.compile(rf"\b{name}\s*=\s*[^,)]+")
+        if pattern.search(out):
+            out = pattern.sub(f"{name}={value}", out, count=1)
+        elif out.rstrip().endswith(")"):
+            head = out.rstrip()[:-1].rstrip()
+            out = f"{head}, {name}={value})"
+        else:
+            return None  # a call over several lines: say what to set instead of rewriting it
+    return out
+
+
+def _pick_loader(run, rank):
+    loaders = ev.events_of_type(run, "dataloader")
+    if not len(loaders):
+        return None
+    loaders = loaders[loaders["rank"] == rank]
+    if not len(loaders):
+        return None
+    starving = loaders[loaders["num_workers"] == 0]
+    row = (starving if len(starving) else loaders).iloc[-1]
+    return {k: _plain(v) for k, v in row.to_dict().items()}
+
+
+def _plain(value):
+    """pandas' NaN -> None, 4.0 -> 4 (event columns shared with other types become floats)."""
+    if isinstance(value, float):
+        if value != value:
+            return None
+        if value.is_integer():
+            return int(value)
+    return value
+
+
+def _prescriptions(run, loader, lost, hot_function):
+    cpus = (run.manifest.get("host") or {}).get("cpus") or 4
+    gpus = bool(run.manifest.get("gpus"))
+    ranks = max(1, len([r for r in run.ranks if r in set(run.steps["rank"])]))
+    workers = max(2, min(8, (cpus // ranks) - 1))
+    settings = {"num_workers": workers, "persistent_workers": True, "prefetch_factor": 4}
+    if gpus:
+        settings["pin_memory"] = True
+    out = []
+    caller = (loader or {}).get("caller") or {}
+    current = (loader or {}).get("num_workers")
+    if current is not None and current > 0:
+        settings["num_workers"] = max(workers, 2 * int(current))
+    after = _rewrite_call((loader or {}).get("source"), settings)
+    setting_text = ", ".join(f"{k}={v}" for k, v in settings.items())
+    where = f" at {caller.get('file')}:{caller.get('line')}" if caller else ""
+    out.append(Prescription(
+        kind="code",
+        summary=f"load batches in worker processes: DataLoader({setting_text}){where}",
+        change={"code": {"file": caller.get("file"), "line": caller.get("line"),
+                         "before": (loader or {}).get("source"),
+                         "after": after or f"DataLoader(..., {setting_text})"}},
+        expected_gain_s_per_step=lost))
+    if hot_function:
+        out.append(Prescription(
+            kind="code",
+            summary=f"make {hot_function} cheaper or move it into Dataset.__getitem__ so the "
+                    "workers run it (vectorise the per-sample Python loop)",
+            change={"code": {"before": hot_function, "after": "the same work, vectorised or in "
+                             "the workers"}},
+            expected_gain_s_per_step=lost))
+    return out
+
+
+def analyze(run):
+    findings = []
+    ranks = sorted(set(run.steps["rank"])) if len(run.steps) else []
+    for rank in ranks:
+        measured = _from_pyspy(run, rank) or _from_trace(run, rank)
+        trace_view = _from_trace(run, rank)
+        if measured is None or measured["share"] < MIN_SHARE:
+            continue
+        step_s = ev.median_step_s(run, rank)
+        share = measured["share"]
+        lost = share * step_s if step_s else None
+        loader = _pick_loader(run, rank)
+        hot = measured["hot"] or (trace_view or {}).get("hot") or []
+        hot_function = hot[0]["frame"] if hot else None
+        evidence = {"rank": rank, "share_in_dataloader": round(share, 3),
+                    "seconds_in_dataloader": round(measured["seconds"], 3),
+                    "source": measured["source"], "method": measured["method"],
+                    "hottest_frames_inside": hot}
+        if trace_view and measured["source"] != "torch.profiler":
+            evidence["torch_profiler"] = {k: trace_view[k] for k in ("share", "per_step_s", "steps")}
+        if loader:
+            evidence["dataloader"] = {k: loader.get(k) for k in (
+                "caller", "source", "num_workers", "batch_size", "pin_memory", "prefetch_factor",
+                "persistent_workers", "dataset", "collate_fn")}
+        workers = (loader or {}).get("num_workers")
+        settings = "" if workers is None else f" (num_workers={int(workers)})"
+        findings.append(Finding(
+            id="dataloader.starvation",
+            title=f"The step waits for the DataLoader {share:.0%} of the time on rank {rank}",
+            severity=ev.severity_for_share(share), analyzer="dataloader",
+            summary=(f"The main thread spends {share:.0%} of its time in DataLoader.__next__"
+                     f"{settings}; the batches are made on the training process, between "
+                     f"steps. Hottest code inside: {hot_function or 'unknown'}."),
+            seconds_lost_per_step=lost, share_of_step=share, evidence=evidence,
+            prescriptions=tuple(_prescriptions(run, loader, lost, hot_function)), ranks=(rank,)))
+    return findings

@@ -1,0 +1,94 @@
+"""GC pauses: full (generation-2) collections inside steps.
+
+A gen-2 collection walks every tracked object the process holds; with a large object graph
+(datasets, caches, metadata kept in Python objects) one pause costs tens to hundreds of ms and
+lands in whatever step allocated the object that crossed the threshold. The shim aggregates the
+collections per step (count, total and longest pause per generation).
+"""
+from traindx.findings import Finding, Prescription
+
+from . import evidence as ev
+
+MIN_SHARE = 0.03
+
+
+def _is_megatron(command):
+    text = " ".join(command or [])
+    return "megatron" in text.lower() or "pretrain_gpt" in text or "pretrain_mamba" in text
+
+
+def analyze(run):
+    findings = []
+    gc = run.gc
+    if not len(gc) or "generation" not in gc:
+        return findings
+    for rank in sorted(set(run.steps["rank"])) if len(run.steps) else []:
+        steady = ev.steady_steps(run, rank)
+        if not len(steady):
+            continue
+        steady_ids = set(int(s) for s in steady["step"])
+        events = gc[(gc["rank"] == rank) & gc["step"].isin(steady_ids)]
+        full = events[events["generation"] == 2]
+        if not len(full):
+            continue
+        n_steps = len(steady)
+        step_s = float(steady["duration_s"].median())
+        mean_step_s = float(steady["duration_s"].mean())
+        lost = float(full["total_s"].sum()) / n_steps
+        share = lost / mean_step_s if mean_step_s else 0.0
+        if share < MIN_SHARE:
+            continue
+        steps_hit = sorted(int(s) for s in full["step"])
+        by_generation = {
+            int(g): {"collections": int(rows["count"].sum()), "total_s": round(float(rows["total_s"].sum()), 4),
+                     "longest_s": round(float(rows["max_s"].max()), 4)}
+            for g, rows in events.groupby("generation")}
+        # how much slower the steps with a full collection are than the others
+        hit = steady[steady["step"].isin(steps_hit)]["duration_s"]
+        clean = steady[~steady["step"].isin(steps_hit)]["duration_s"]
+        evidence = {
+            "rank": rank, "steady_steps": n_steps, "steps_with_gen2": steps_hit,
+            "gen2_collections": int(full["count"].sum()),
+            "gen2_seconds": round(float(full["total_s"].sum()), 4),
+            "longest_gen2_pause_s": round(float(full["max_s"].max()), 4),
+            "by_generation": by_generation,
+            "median_step_with_gen2_s": round(float(hit.median()), 4) if len(hit) else None,
+            "median_step_without_s": round(float(clean.median()), 4) if len(clean) else None,
+        }
+        prescriptions = []
+        if _is_megatron(run.command):
+            prescriptions.append(Prescription(
+                kind="arg",
+                summary="Megatron: --manual-gc --manual-gc-interval 100 (collect on all ranks "
+                        "together, every 100 steps, instead of inside random steps)",
+                change={"arg": {"framework": "megatron",
+                                "set": {"--manual-gc": True, "--manual-gc-interval": "100"}}},
+                expected_gain_s_per_step=lost, automatic=True))
+        prescriptions.append(Prescription(
+            kind="code",
+            summary="call gc.collect(); gc.freeze() once after the model, data and caches are "
+                    "built (before the training loop): the long-lived graph leaves the "
+                    "collector's view and a full collection walks only new objects",
+            change={"code": {"before": "for step in ...:  # the training loop",
+                             "after": "gc.collect(); gc.freeze()\nfor step in ...:"}},
+            expected_gain_s_per_step=lost))
+        prescriptions.append(Prescription(
+            kind="code",
+            summary="or collect between steps: gc.disable() after setup and gc.collect() every N "
+                    "steps at the step end; or raise the gen-2 threshold "
+                    "(gc.set_threshold(700, 10, 1000))",
+            change={"code": {"before": "automatic collections inside steps",
+                             "after": "gc.disable(); ... if step % 100 == 0: gc.collect()"}},
+            expected_gain_s_per_step=lost))
+        findings.append(Finding(
+            id="gc.gen2_in_step",
+            title=f"Full garbage collections inside steps cost {lost * 1000:.0f} ms per step "
+                  f"on rank {rank}",
+            severity=ev.severity_for_share(share), analyzer="gc_pauses",
+            summary=(f"{evidence['gen2_collections']} generation-2 collections in "
+                     f"{len(steps_hit)} of {n_steps} steady steps, {evidence['gen2_seconds']:.2f} s "
+                     f"in all (longest {evidence['longest_gen2_pause_s'] * 1000:.0f} ms); median "
+                     f"step {step_s * 1000:.0f} ms."),
+            steps_affected=tuple(steps_hit), seconds_lost_per_step=lost, share_of_step=share,
+            evidence=evidence, prescriptions=tuple(prescriptions), ranks=(rank,)))
+    return findings

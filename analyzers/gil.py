@@ -1,0 +1,114 @@
+"""GIL contention: a thread other than the main one holds the GIL for a large share of the time,
+so the main thread (which drives the steps) waits for it.
+
+Per-thread GIL share = seconds in py-spy's --gil recording ÷ wall seconds of the main thread in
+the --idle recording (FACTS §4). py-spy's speedscope has no timestamps, so the window is the
+whole recording minus start-up (samples inside imports); py-spy dump snapshots, which are
+timestamped, confirm it inside the steps.
+"""
+from traindx.findings import Finding, Prescription
+
+from . import evidence as ev
+
+MIN_SHARE = 0.10          # a helper thread holding the GIL 10 % of the time is worth a look
+MIN_SAMPLES = 10
+COMPILER_MARKERS = ("cutlass/base_dsl", "triton/compiler", "torch/_inductor", "torch/_dynamo")
+
+
+def _dump_confirmation(run, rank, thread_name):
+    """(snapshots inside steps where the holder owned the GIL, snapshots inside steps)."""
+    dumps = run.dumps
+    if not len(dumps) or not thread_name:
+        return None
+    dumps = dumps[dumps["rank"] == rank]
+    steps = run.rank_steps(rank).dropna(subset=["start_ns"])
+    inside = held = 0
+    for t, snap in dumps.groupby("t"):
+        if not ((steps["start_ns"] <= t) & (steps["end_ns"] >= t)).any():
+            continue
+        inside += 1
+        holder = snap[(snap["thread_name"] == thread_name) & (snap["owns_gil"] == True)]  # noqa: E712
+        held += bool(len(holder))
+    return held, inside
+
+
+def _analyze_rank(run, rank, recording_all, recording_gil):
+    findings = []
+    threads_all = ev.merge_threads(recording_all)
+    threads_gil = ev.merge_threads(recording_gil)
+    main = ev.main_thread_id(recording_all, recording_gil)
+    if main is None or main not in threads_all:
+        return findings
+    wall_s = ev.training_weight(threads_all[main][1])
+    if wall_s <= 0:
+        return findings
+    main_held_s = ev.training_weight(threads_gil[main][1]) if main in threads_gil else 0.0
+    step_s = ev.median_step_s(run, rank)
+    for tid, (name, samples) in threads_gil.items():
+        if tid == main or ev.own_thread(name):
+            continue
+        held_s = ev.training_weight(samples)
+        n_samples = sum(1 for s in samples.stacks if not ev.is_import_sample(s))
+        share = held_s / wall_s
+        if share < MIN_SHARE or n_samples < MIN_SAMPLES:
+            continue
+        hot = ev.hottest_frames(samples)
+        leaves = ev.hottest_leaves(samples)
+        label = name or f"thread {tid}"
+        top = hot[0][0] if hot else None
+        where = ev.frame_label(top) if top else "?"
+        compiling = any(m in f.file for s in samples.stacks[:500] for f in s
+                        for m in COMPILER_MARKERS)
+        lost = share * step_s if step_s else None
+        confirm = _dump_confirmation(run, rank, name)
+        evidence = {
+            "rank": rank, "thread": label, "thread_id": tid,
+            "gil_seconds": round(held_s, 3), "wall_seconds": round(wall_s, 3),
+            "gil_share": round(share, 3),
+            "main_thread_gil_share": round(main_held_s / wall_s, 3),
+            "hottest_frames": ev.frames_evidence(hot),
+            "hottest_leaf_frames": ev.frames_evidence(leaves),
+            "method": "py-spy --gil seconds of the thread / --idle seconds of the main thread, "
+                      "start-up imports excluded",
+        }
+        if confirm:
+            evidence["dump_snapshots_in_steps_holding_gil"] = {"holding": confirm[0],
+                                                                "in_steps": confirm[1]}
+        prescriptions = []
+        if compiling:
+            prescriptions.append(Prescription(
+                kind="precompile",
+                summary=f"{label} holds the GIL while compiling kernels: precompile them before "
+                        "training or fix the recompile (see the jit finding)",
+                expected_gain_s_per_step=lost))
+        prescriptions.append(Prescription(
+            kind="code",
+            summary=f"take the pure-Python work of {where} off the training process (a "
+                    "DataLoader worker or a subprocess), run it less often, or make it release "
+                    "the GIL (vectorise it with numpy/torch)",
+            change={"code": {"file": top.file if top else None, "line": top.line if top else None,
+                             "before": f"{top.name if top else '?'} running on thread '{label}'",
+                             "after": "the same work outside the training process, or in "
+                                      "calls that release the GIL"}},
+            expected_gain_s_per_step=lost))
+        findings.append(Finding(
+            id="gil.contention",
+            title=f"Thread '{label}' holds the GIL {share:.0%} of the time on rank {rank}",
+            severity=ev.severity_for_share(share), analyzer="gil",
+            summary=(f"'{label}' held the GIL for {held_s:.1f} s of {wall_s:.1f} s "
+                     f"({share:.0%}); the main thread held it {main_held_s / wall_s:.0%}. "
+                     f"Its hottest code: {where}. The main thread waits for the GIL whenever it "
+                     "needs Python while this thread has it."),
+            seconds_lost_per_step=lost, share_of_step=share, evidence=evidence,
+            prescriptions=tuple(prescriptions), ranks=(rank,)))
+    return findings
+
+
+def analyze(run):
+    findings = []
+    pyspy = run.pyspy
+    for (rank, source), recording in sorted(pyspy.items()):
+        if source != "all" or (rank, "gil") not in pyspy:
+            continue
+        findings.extend(_analyze_rank(run, rank, recording, pyspy[(rank, "gil")]))
+    return findings

@@ -1,0 +1,193 @@
+"""Step-time stability over the steady window: periodic slow steps (a checkpoint or a log every k
+steps), named with their period and what the job did in them; and the coefficient of variation
+of what remains."""
+import re
+from collections import Counter
+
+import pandas as pd
+
+from traindx.findings import Finding, Prescription
+from traindx.profiler.logparse import parse_line
+
+from . import evidence as ev
+
+MIN_STEPS = 8
+SLOW_FACTOR = 1.5          # a step this much slower than the median is a slow step
+MIN_EXCESS_S = 0.005       # ...and at least this much slower in absolute terms
+MIN_OCCURRENCES = 3
+MIN_PRECISION = 0.75       # of the slow steps, the share that fall on the period
+MIN_RECALL = 0.75          # of the steps on the period, the share that are slow
+CV_INFO = 0.20
+CV_LOW = 0.50
+
+
+def find_period(steps, durations):
+    """(period, residue, slow step numbers) of the best periodic pattern, or None."""
+    median = float(pd.Series(durations).median())
+    slow = {s for s, d in zip(steps, durations)
+            if d > SLOW_FACTOR * median and d - median > MIN_EXCESS_S}
+    if len(slow) < MIN_OCCURRENCES:
+        return None
+    best = None
+    for period in range(2, len(steps) // MIN_OCCURRENCES + 1):
+        for residue in range(period):
+            on = [s for s in steps if s % period == residue]
+            hits = [s for s in on if s in slow]
+            if len(hits) < MIN_OCCURRENCES:
+                continue
+            precision, recall = len(hits) / len(slow), len(hits) / len(on)
+            if precision < MIN_PRECISION or recall < MIN_RECALL:
+                continue
+            score = (2 * precision * recall / (precision + recall), -period)
+            if best is None or score > best[0]:
+                best = (score, period, residue, hits)
+    if best is None:
+        return None
+    return best[1], best[2], best[3]
+
+
+def _normalise(text):
+    return re.sub(r"\d+", "N", text.strip())[:160]
+
+
+def _log_in_steps(run, step_rows):
+    """Lines the job printed inside the given steps, other than its per-step log line."""
+    log = run.log
+    if not len(log):
+        return Counter()
+    found = Counter()
+    for row in step_rows.itertuples():
+        lines = log[(log["t"] >= row.start_ns) & (log["t"] <= row.end_ns)]
+        seen = set()
+        for text in lines["text"]:
+            if not text.strip() or parse_line(text):
+                continue
+            key = _normalise(text)
+            if key not in seen:
+                seen.add(key)
+                found[key] += 1
+    return found
+
+
+def _causes(run, rank, slow_rows, normal_rows):
+    """What the slow steps have that the others do not: log lines, gen-2 collections."""
+    causes = {}
+    in_slow = _log_in_steps(run, slow_rows)
+    in_normal = _log_in_steps(run, normal_rows)
+    lines = [(text, n) for text, n in in_slow.most_common()
+             if n >= max(2, 0.6 * len(slow_rows)) and in_normal.get(text, 0) <= 0.2 * len(normal_rows)]
+    if lines:
+        causes["log_lines_in_slow_steps"] = [{"text": t, "steps": n} for t, n in lines[:3]]
+    gc = run.gc
+    if len(gc) and "generation" in gc:
+        full = gc[(gc["rank"] == rank) & (gc["generation"] == 2)]
+        with_gc = set(int(s) for s in full["step"])
+        n = sum(1 for s in slow_rows["step"] if int(s) in with_gc)
+        if n >= 0.6 * len(slow_rows):
+            causes["gen2_gc_in_slow_steps"] = n
+    return causes
+
+
+def _periodic_prescriptions(run, causes, lost, period):
+    text = " ".join(c["text"] for c in causes.get("log_lines_in_slow_steps", [])).lower()
+    out = []
+    if "checkpoint" in text or "saving" in text or "save" in text:
+        if any("megatron" in a.lower() or "pretrain_" in a for a in run.command):
+            out.append(Prescription(
+                kind="arg", summary="Megatron: --async-save (with --ckpt-format torch_dist) writes "
+                                    "checkpoints in the background",
+                change={"arg": {"framework": "megatron", "set": {"--async-save": True}}},
+                expected_gain_s_per_step=lost))
+        out.append(Prescription(
+            kind="code",
+            summary=f"the job writes a checkpoint every {period} steps on the critical path: save "
+                    "asynchronously (torch.distributed.checkpoint.async_save, or a background "
+                    "thread that writes a CPU copy), or less often",
+            change={"code": {"before": "torch.save(...) inside the training loop",
+                             "after": "torch.distributed.checkpoint.async_save(...)"}},
+            expected_gain_s_per_step=lost))
+    if causes.get("gen2_gc_in_slow_steps"):
+        out.append(Prescription(
+            kind="code", summary="the slow steps hold full garbage collections: see gc.gen2_in_step "
+                                 "(gc.freeze() after setup)",
+            expected_gain_s_per_step=lost))
+    out.append(Prescription(
+        kind="code",
+        summary=f"move the work done every {period} steps (evaluation, logging, checkpointing) off "
+                "the training loop's critical path or do it less often",
+        expected_gain_s_per_step=lost))
+    return out
+
+
+def _analyze_rank(run, rank):
+    findings = []
+    steady = ev.steady_steps(run, rank).sort_values("step")
+    if len(steady) < MIN_STEPS:
+        return findings
+    steps = [int(s) for s in steady["step"]]
+    durations = [float(d) for d in steady["duration_s"]]
+    median = float(pd.Series(durations).median())
+    mean = float(pd.Series(durations).mean())
+    periodic = find_period(steps, durations)
+    rest = steady
+    if periodic:
+        period, residue, hits = periodic
+        slow_rows = steady[steady["step"].isin(hits)]
+        normal_rows = steady[~steady["step"].isin(hits)]
+        normal_median = float(normal_rows["duration_s"].median())
+        excess = float((slow_rows["duration_s"] - normal_median).sum())
+        lost = excess / len(steady)
+        share = lost / mean if mean else 0.0
+        causes = _causes(run, rank, slow_rows, normal_rows)
+        cause_text = ""
+        if causes.get("log_lines_in_slow_steps"):
+            cause_text = f" In them the job printed: '{causes['log_lines_in_slow_steps'][0]['text']}'."
+        elif causes.get("gen2_gc_in_slow_steps"):
+            cause_text = " They hold full (gen-2) garbage collections."
+        findings.append(Finding(
+            id="steps.periodic_slow",
+            title=f"Every {period}th step is slow on rank {rank} "
+                  f"(+{float(slow_rows['duration_s'].median()) - normal_median:.2f} s)",
+            severity=ev.severity_for_share(share), analyzer="stability",
+            summary=(f"Steps {', '.join(map(str, hits[:8]))}{'…' if len(hits) > 8 else ''} (period "
+                     f"{period}) take {float(slow_rows['duration_s'].median()):.3f} s against "
+                     f"{normal_median:.3f} s for the others.{cause_text}"),
+            steps_affected=tuple(hits), seconds_lost_per_step=lost, share_of_step=share,
+            evidence={"rank": rank, "period": period, "residue": residue, "slow_steps": hits,
+                      "median_slow_s": round(float(slow_rows["duration_s"].median()), 4),
+                      "median_other_s": round(normal_median, 4), **causes},
+            prescriptions=tuple(_periodic_prescriptions(run, causes, lost, period)),
+            ranks=(rank,)))
+        rest = normal_rows
+    d = rest["duration_s"]
+    cv = float(d.std(ddof=0) / d.mean()) if len(d) and d.mean() else 0.0
+    if cv >= CV_INFO:
+        lost = float(d.mean() - d.median())
+        slowest = rest.sort_values("duration_s", ascending=False).head(5)
+        slow_rows = rest[rest["duration_s"] > SLOW_FACTOR * float(d.median())]
+        causes = _causes(run, rank, slow_rows, rest.drop(slow_rows.index)) if len(slow_rows) else {}
+        cause_text = ("The slowest steps hold full (gen-2) garbage collections (see "
+                      "gc.gen2_in_step). " if causes.get("gen2_gc_in_slow_steps") else "")
+        findings.append(Finding(
+            id="steps.instability",
+            title=f"Step time varies (CV {cv:.2f}) on rank {rank}",
+            # without a cause in the record, the machine (other processes) may be the reason:
+            # say it, but do not rank it as the job's problem
+            severity="low" if cv >= CV_LOW and causes else "info", analyzer="stability",
+            summary=(f"Over {len(rest)} steady steps: median {d.median():.3f} s, p90 "
+                     f"{d.quantile(0.9):.3f} s, max {d.max():.3f} s. {cause_text}Variation "
+                     "without a period; on a shared machine other processes cause it too."),
+            seconds_lost_per_step=max(0.0, lost), share_of_step=max(0.0, lost) / float(d.mean()),
+            evidence={"rank": rank, "cv": round(cv, 3), "median_s": round(float(d.median()), 4),
+                      "p90_s": round(float(d.quantile(0.9)), 4), "max_s": round(float(d.max()), 4),
+                      "slowest_steps": [{"step": int(r.step), "duration_s": round(float(r.duration_s), 4)}
+                                        for r in slowest.itertuples()], **causes},
+            ranks=(rank,)))
+    return findings
+
+
+def analyze(run):
+    findings = []
+    for rank in sorted(set(run.steps["rank"])) if len(run.steps) else []:
+        findings.extend(_analyze_rank(run, rank))
+    return findings
