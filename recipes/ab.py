@@ -12,7 +12,12 @@ import numpy as np
 from . import stats
 
 # variables traindx itself sets per run, not part of the change between two arms
-_OWN_ENV = ("TRAINDX_RUN_DIR", "TRAINDX_MAX_STEPS", "TRAINDX_RANK_PID", "PYTHONUNBUFFERED")
+_OWN_ENV = ("TRAINDX_RUN_DIR", "TRAINDX_MAX_STEPS", "TRAINDX_RANK_PID", "PYTHONUNBUFFERED",
+            # the shell's bookkeeping, not a setting of the job
+            "OLDPWD", "PWD", "SHLVL", "_")
+# traindx options that change what the job pays for being measured
+_MEASUREMENT_OPTIONS = ("pyspy", "shim", "nvml", "pyspy_rate_hz", "dump_interval_s",
+                        "torch_profile")
 
 
 def step_times(run):
@@ -123,6 +128,17 @@ def compare_runs(baseline, candidate, window=None, tokens_per_step=None, change=
             if not arm["window_steps"]:
                 problems.append(f"the {name} arm recorded no completed step")
 
+    if base["steps"] and cand["steps"] and base["steps"] != cand["steps"]:
+        problems.append(f"the arms ran a different number of steps ({base['steps']} and "
+                        f"{cand['steps']}): their steady windows differ")
+    base_opts = baseline.manifest.get("options") or {}
+    cand_opts = candidate.manifest.get("options") or {}
+    differing = [k for k in _MEASUREMENT_OPTIONS if base_opts.get(k) != cand_opts.get(k)]
+    if differing:
+        problems.append("the arms were recorded with different traindx options ("
+                        + ", ".join(f"{k}: {base_opts.get(k)} vs {cand_opts.get(k)}"
+                                    for k in differing)
+                        + "): part of the difference is the measurement's own overhead")
     base_losses, cand_losses = losses(baseline), losses(candidate)
     common = sorted(set(base_losses) & set(cand_losses))
     parity = None
@@ -162,3 +178,58 @@ def compare_runs(baseline, candidate, window=None, tokens_per_step=None, change=
     if change:
         result["change"].update(change)
     return result
+
+
+def report_view(comparison):
+    """The comparison as the HTML report shows it: the two arms side by side (measures only,
+    not the raw step lists) and the change, speedup, parity and verdict as short facts."""
+    def arm(a):
+        window = a.get("window")
+        return {
+            "median step (s)": a.get("median_step_s"),
+            "steady window": f"steps {window[0]}-{window[1]} ({a.get('window_steps')})" if window else None,
+            "step-time CV": None if a.get("step_time_cv") is None else f"{a['step_time_cv']:.2%}",
+            "tokens/s": None if a.get("tokens_per_s") is None else round(a["tokens_per_s"], 1),
+            "compile events (in window)": f"{a.get('compiles')} ({a.get('compiles_in_window')})",
+            "steps recorded": a.get("steps"),
+            "run": a.get("run"),
+        }
+
+    change = comparison.get("change", {})
+    cmd = change.get("command", {})
+    env = change.get("env", {})
+    view = {"baseline": arm(comparison["baseline"]), "candidate": arm(comparison["candidate"])}
+    view["command change"] = ("unchanged" if cmd.get("same") else
+                              {"before": cmd.get("before"), "after": cmd.get("after")})
+    env_lines = {**{f"+ {k}": v for k, v in env.get("added", {}).items()},
+                 **{f"- {k}": v for k, v in env.get("removed", {}).items()},
+                 **{f"~ {k}": f"{a} → {b}" for k, (a, b) in env.get("changed", {}).items()}}
+    view["environment change"] = env_lines or "unchanged"
+    if change.get("applied"):
+        view["applied"] = "; ".join(change["applied"])
+    if change.get("precompiled"):
+        view["precompiled"] = "; ".join(change["precompiled"])
+    if change.get("instructions"):
+        view["to do by hand"] = "; ".join(change["instructions"])
+    if comparison.get("speedup") is not None:
+        low, high = comparison["speedup_ci95"]
+        view["speedup"] = (f"{comparison['speedup']:.2f}× (95 % bootstrap interval "
+                           f"{low:.2f}–{high:.2f}×)")
+    parity = comparison.get("loss_parity")
+    if parity:
+        view["loss parity"] = {
+            "result": "pass" if parity["passed"] else "fail",
+            "correlation": parity["correlation"],
+            "points outside tolerance": f"{parity['pointwise_failures']} of {parity['points']}",
+            "final-loss difference": parity["final_loss_difference"],
+            "why": "; ".join(parity["reasons"]) or "every threshold met",
+        }
+    else:
+        view["loss parity"] = "not checked (no losses in the job's log)"
+    for problem in comparison.get("problems", []):
+        view.setdefault("notes", [])
+        view["notes"].append(problem)
+    if "notes" in view:
+        view["notes"] = "; ".join(view["notes"])
+    view["verdict"] = comparison["verdict"]
+    return view

@@ -239,7 +239,9 @@ def _analyze(run_dir, comparison=None):
         except ImportError:
             write_report = None
         if write_report is not None:
-            report_path = write_report(record, findings, comparison=comparison)
+            from traindx.recipes.ab import report_view
+
+            report_path = write_report(record, findings, comparison=report_view(comparison))
     return record, findings, report_path
 
 

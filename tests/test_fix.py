@@ -1,0 +1,140 @@
+"""`diagnose --fix` and `diagnose compare`: prescriptions turned into a rewritten command and
+environment, two real arms, and a comparison that calls a numerics change what it is."""
+import importlib.util
+import json
+import os
+
+import pytest
+
+import traindx
+from traindx.findings import Finding, Prescription
+from traindx.fixloop import plan_fixes, program_args_start, set_flags
+
+from helpers import PY, diagnose, example
+
+TINY = example("train_tiny.py")
+FA4_SEED = example("fa4_seed.py")
+
+
+# -- rewriting flags -----------------------------------------------------------------------------
+def test_set_flags_replaces_the_programs_flag_not_the_launchers():
+    cmd = ["torchrun", "--nproc-per-node", "2", "pretrain_gpt.py", "--lr", "1e-4",
+           "--attention-backend", "flash", "--seq-length=4096"]
+    out = set_flags(cmd, {"--attention-backend": "fused", "--seq-length": "8192",
+                          "--nproc-per-node": "8"})
+    assert out[:4] == cmd[:4]  # torchrun's own --nproc-per-node is never touched
+    assert out[4:] == ["--lr", "1e-4", "--attention-backend", "fused", "--seq-length=8192",
+                       "--nproc-per-node", "8"]
+
+
+def test_set_flags_styles():
+    # ms-swift / HF: underscores and dashes are one flag; the command's spelling is kept
+    assert set_flags(["megatron", "sft", "--attention_backend", "flash"],
+                     {"--attention-backend": "fused"}) == ["megatron", "sft", "--attention_backend", "fused"]
+    # HF booleans with a value, argparse switches without, removal, appending
+    assert set_flags(["python", "-m", "train", "--bf16", "False"], {"--bf16": True}) == \
+        ["python", "-m", "train", "--bf16", "True"]
+    assert set_flags(["python", "t.py", "--manual-gc", "--lr", "1"], {"--manual-gc": False}) == \
+        ["python", "t.py", "--lr", "1"]
+    assert set_flags(["python", "t.py"], {"--manual-gc": True, "--manual-gc-interval": "100"}) == \
+        ["python", "t.py", "--manual-gc", "--manual-gc-interval", "100"]
+    # every occurrence (argparse keeps the last one)
+    assert set_flags(["python", "t.py", "--x", "1", "--x", "2"], {"--x": "3"}) == \
+        ["python", "t.py", "--x", "3", "--x", "3"]
+    # negative numbers are values, not flags
+    assert set_flags(["python", "t.py", "--shift", "-1"], {"--shift": "2"}) == ["python", "t.py", "--shift", "2"]
+    assert program_args_start(["bash", "train.sh", "--a"]) == 2
+
+
+# -- the plan ------------------------------------------------------------------------------------
+def _finding(id_, *prescriptions, severity="high"):
+    return Finding(id=id_, title=id_, severity=severity, analyzer="test",
+                   prescriptions=tuple(prescriptions))
+
+
+def test_plan_applies_the_first_automatic_fix_of_each_finding(tmp_path):
+    int_path = Prescription(kind="arg", summary="pass max_seqlen as an int", automatic=True,
+                            change={"arg": {"framework": "example",
+                                            "set": {"--max-seqlen-as": "int"}}})
+    sdpa = Prescription(kind="backend", summary="switch to sdpa", automatic=True,
+                        change={"arg": {"framework": "example",
+                                        "set": {"--attention-backend": "sdpa"}}})
+    upgrade = Prescription(kind="upgrade", summary="upgrade FA4",
+                           change={"upgrade": {"package": "flash-attn-4", "min_version": "4.0.0b26"}})
+    warm = Prescription(kind="precompile", summary="precompile", automatic=True,
+                        change={"precompile": {"from_run": "runs/x/baseline"}})
+    env = Prescription(kind="env", summary="expandable segments", automatic=True,
+                       change={"env": {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}})
+    unknown = Prescription(kind="arg", summary="a flag of a tool we do not know", automatic=True,
+                           change={"arg": {"framework": "colossal", "set": {"--x": "1"}}})
+    findings = [_finding("jit.recompile", int_path, sdpa, upgrade, warm),
+                _finding("alloc.fragmentation", env), _finding("other", unknown, severity="low")]
+    cmd = [PY, FA4_SEED, "--steps", "4", "--max-seqlen-as", "tensor"]
+    plan = plan_fixes(cmd, findings, "runs/x/baseline", environ={"FLASH_ATTENTION_CUTE_DSL_CACHE_DIR": str(tmp_path)})
+    assert plan.command == [PY, FA4_SEED, "--steps", "4", "--max-seqlen-as", "int"]
+    assert plan.env == {"FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED": "1",
+                        "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR": str(tmp_path),
+                        "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    assert plan.precompile == ["runs/x/baseline"]
+    assert any("switch to sdpa" in a for a in plan.alternatives)      # an alternative, not applied
+    assert any("flash-attn-4>=4.0.0b26" in i for i in plan.instructions)  # upgrades: by hand
+    assert any("colossal" in i for i in plan.instructions)
+    assert len(plan.applied) == 3
+
+
+def test_conflicting_prescriptions_keep_the_higher_ranked_one():
+    a = Prescription(kind="env", summary="a", automatic=True, change={"env": {"X": "1"}})
+    b = Prescription(kind="env", summary="b", automatic=True, change={"env": {"X": "2"}})
+    plan = plan_fixes(["python", "t.py"], [_finding("first", a), _finding("second", b)], "r")
+    assert plan.env == {"X": "1"} and "second" in plan.warnings[0]
+
+
+# -- two real arms -------------------------------------------------------------------------------
+def _tiny_run(tmp_path, name, *extra):
+    run_dir = tmp_path / name
+    proc = diagnose(["--no-pyspy", "--quiet", "--steps", "12", "--run-dir", str(run_dir), "--",
+                     PY, TINY, "--steps", "40", "--threads", "1", *extra], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    return run_dir
+
+
+def test_compare_calls_a_learning_rate_change_not_equivalent(tmp_path):
+    base = _tiny_run(tmp_path, "base")
+    same = _tiny_run(tmp_path, "same")
+    high_lr = _tiny_run(tmp_path, "high-lr", "--lr", "0.1")
+
+    proc = diagnose(["compare", str(base), str(high_lr), "--json", str(tmp_path / "c.json")],
+                    cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    comparison = json.loads((tmp_path / "c.json").read_text())
+    parity = comparison["loss_parity"]
+    assert parity["passed"] is False
+    assert comparison["verdict"] != "faster and numerically equivalent"
+    assert comparison["change"]["command"]["added"] == ["--lr", "0.1"]
+    assert "loss parity: FAIL" in proc.stdout and "verdict:" in proc.stdout
+
+    # the same command twice: identical losses (seeded CPU training), no gain
+    proc = diagnose(["compare", str(base), str(same), "--json", str(tmp_path / "s.json")], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    comparison = json.loads((tmp_path / "s.json").read_text())
+    assert comparison["loss_parity"]["passed"] is True
+    assert comparison["loss_parity"]["correlation"] == pytest.approx(1.0)
+    assert comparison["verdict"] == "no gain"
+    assert comparison["baseline"]["tokens_per_step"] == 8 * 128
+    assert comparison["change"]["command"]["same"] is True
+
+    # a folder that is not a run: one line, no traceback
+    proc = diagnose(["compare", str(base), str(tmp_path)], cwd=tmp_path)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+
+
+def test_fix_without_automatic_prescriptions_runs_one_arm(tmp_path):
+    proc = diagnose(["--fix", "--no-pyspy", "--quiet", "--steps", "4", "--run-dir",
+                     str(tmp_path / "fix"), "--", PY, TINY, "--steps", "10", "--threads", "1"],
+                    cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    fix = json.loads((tmp_path / "fix" / "fix.json").read_text())
+    assert fix["status"] == "nothing to apply"
+    assert os.path.isfile(tmp_path / "fix" / "baseline" / "manifest.json")
+    assert not os.path.exists(tmp_path / "fix" / "candidate")
+    assert "nothing to apply automatically" in proc.stderr
