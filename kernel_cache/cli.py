@@ -20,6 +20,7 @@ from traindx.kernel_cache import spec as specs
 from traindx.kernel_cache import store
 
 PROG = "kernel-cache"
+COLLAPSE_ABOVE = 12  # work items; above this the table folds the ones that compiled nothing
 
 
 def _console(stderr=False):
@@ -38,7 +39,8 @@ def prepare_warm(p):
                      help="attention shape, e.g. hd=128,hq=16,hkv=4,dtype=bf16,causal,varlen (repeatable; see below)")
     src.add_argument("--model", metavar="CONFIG", help="an HF config.json (Llama, Qwen3, Qwen3-MoE, Qwen3.5 hybrid, ...)")
     shp = p.add_argument_group("shape options")
-    shp.add_argument("--seqlens", metavar="N,N", help="sequence-length buckets (default 4096; see below)")
+    shp.add_argument("--seqlens", metavar="N,LO-HI",
+                     help="sequence lengths and ranges (default 4096; varlen: 8-4096; see below)")
     shp.add_argument("--varlen", action="store_true", help="--model: packed sequences (varlen)")
     shp.add_argument("--no-causal", action="store_true", help="--model: bidirectional attention")
     shp.add_argument("--dtype", choices=["bf16", "fp16"], help="--model: attention dtype (default: the config's)")
@@ -60,10 +62,10 @@ def prepare_warm(p):
 def _plan(args):
     """Work items plus a description of where they came from."""
     items, sources, run_info = [], [], None
-    seqlens = specs.parse_seqlens(args.seqlens)
+    specs.parse_seqlens(args.seqlens)  # a bad --seqlens fails before anything else
     if args.spec:
         parsed = [specs.parse_spec(s) for s in args.spec]
-        items += specs.shape_items(parsed, seqlens)
+        items += specs.shape_items(parsed, args.seqlens)
         sources.append(f"{len(parsed)} --spec")
     if args.model:
         if args.tp < 1:
@@ -71,7 +73,7 @@ def _plan(args):
         model_specs, notes = specs.model_specs(
             args.model, varlen=args.varlen, causal=not args.no_causal, dtype=args.dtype,
             deterministic=args.deterministic, batch=args.batch, tp=args.tp, fwd_only=args.fwd_only)
-        items += [i for i in specs.shape_items(model_specs, seqlens)
+        items += [i for i in specs.shape_items(model_specs, args.seqlens)
                   if i["label"] not in {x["label"] for x in items}]
         sources.append(f"{args.model}: " + "; ".join(notes))
     if args.from_run:
@@ -196,11 +198,16 @@ def _summarize(results, items, cache_dir, env, report):
     table.add_column("already present", justify="right")
     table.add_column("seconds", justify="right")
     table.add_column("result")
-    totals = {"written": 0, "present": 0}
+    quiet = {"items": 0, "present": 0, "seconds": 0.0}
     for r in results:
         counts = {s: sum(1 for k in r["kernels"] if k["status"] == s) for s in ("written", "present")}
-        for s in totals:
-            totals[s] += counts[s]
+        if len(results) > COLLAPSE_ABOVE and r["ok"] and not counts["written"] \
+                and r.get("key_match") is not False:
+            # a length sweep: most items only meet kernels compiled by another item
+            quiet["items"] += 1
+            quiet["present"] += counts["present"]
+            quiet["seconds"] += r.get("seconds", 0)
+            continue
         if not r["ok"]:
             outcome = ("[red]rejected by FA4:[/] " if r["rejected"] else "[red]failed:[/] ") + str(r["error"])
         elif r.get("covered"):
@@ -213,9 +220,20 @@ def _summarize(results, items, cache_dir, env, report):
             outcome = "ok"
         table.add_row(r["label"], str(counts["written"]), str(counts["present"]),
                       f"{r.get('seconds', 0):.1f}", outcome)
+    if quiet["items"]:
+        table.add_row(f"{quiet['items']} more work items", "0", str(quiet["present"]),
+                      f"{quiet['seconds']:.1f}", "ok, nothing new to compile")
+    # distinct kernels: several work items often share one (a length sweep, fwd+bwd replays)
+    status = {}
+    for r in results:
+        for k in r["kernels"]:
+            if k["status"] in ("written", "present"):
+                ident = (k["family"], k["hash"])
+                status[ident] = "written" if "written" in (status.get(ident), k["status"]) else "present"
+    n_written = sum(1 for s in status.values() if s == "written")
     table.add_section()
-    table.add_row(f"{len(results)} items, {len(failed)} failed", str(totals["written"]),
-                  str(totals["present"]), f"{report.seconds:.1f}" if report else "", "")
+    table.add_row(f"{len(results)} items, {len(failed)} failed; distinct kernels", str(n_written),
+                  str(len(status) - n_written), f"{report.seconds:.1f}" if report else "", "")
     out = _console()
     out.print(table)
     folder = cache_dir / env.fingerprint

@@ -8,10 +8,13 @@ A *work item* is a plain dict (it crosses a process boundary):
 
 Which sequence lengths to compile: FA4's compile keys do not hold the sequence length itself,
 only whether it fits in one tile (`single_q_block`/`single_k_block` in backward; forward's
-`is_static_persistent` and, on sm_100, `q_stage`), so one long length (default 4096) covers every
-length above ~128 tokens (×GQA ratio). Add a short length only if the job really runs sequences
-that fit in one tile. With varlen, a pack of more than 256 sequences switches FA4 to another
-scheduler hint (`BIN_BATCH_SEARCH_THRESH`): set `batch=` above 256 if the job packs that many.
+`is_static_persistent` and, on sm_100, `q_stage`), compared after multiplying by the GQA ratio.
+So one long length covers every length above 256 tokens, and a few short ones the rest. Fixed-length
+batches: give the job's length (default 4096). Packed (varlen) batches: max_seqlen changes from
+batch to batch, so the default is the range 8-4096, which compiles each distinct key of the range
+once (items whose keys are already compiled cost milliseconds). `--seqlens 16-2048` takes a range.
+With varlen, a pack of more than 256 sequences switches FA4 to another scheduler hint
+(`BIN_BATCH_SEARCH_THRESH`): set `batch=` above 256 if the job packs that many.
 A `max_seqlen` passed as a tensor instead of a Python int selects other keys (and in FA4 ≤ b21
 a new key per call, which no cache can fix); `--spec ...,tensor_maxseqlen` warms that variant.
 """
@@ -119,16 +122,42 @@ def parse_spec(text):
     return spec
 
 
-def parse_seqlens(text):
+def expand_range(lo, hi):
+    """The lengths that stand for every length in [lo, hi]: FA4's keys change only where a length
+    crosses a tile size (<= 256 rows, divided by the GQA ratio), so every multiple of 8 up to 256
+    plus the powers of two above it and `hi` itself hit each distinct key of the range."""
+    values = {v for v in range(8, min(hi, 256) + 1, 8) if v >= lo} | {lo, hi}
+    p = 512
+    while p < hi:
+        values.add(p)
+        p *= 2
+    return {v for v in values if lo <= v <= hi}
+
+
+def parse_seqlens(text, varlen=False):
+    """'2048,4096' or a range '16-4096' (see expand_range). Default: 4096; for varlen the range
+    8-4096, since a pack's max_seqlen changes from batch to batch."""
     if text is None:
-        return list(DEFAULT_SEQLENS)
+        return sorted(expand_range(8, DEFAULT_SEQLENS[0])) if varlen else list(DEFAULT_SEQLENS)
+    values = set()
     try:
-        values = [int(v) for v in str(text).replace(" ", "").split(",") if v]
+        for part in str(text).replace(" ", "").split(","):
+            if not part:
+                continue
+            lo, dash, hi = part.partition("-")
+            if dash:
+                lo, hi = int(lo), int(hi)
+                if lo <= 0 or hi < lo:
+                    raise ValueError
+                values |= expand_range(lo, hi)
+            else:
+                values.add(int(part))
     except ValueError:
-        raise UserError(f"--seqlens {text!r}: expected comma-separated integers") from None
+        raise UserError(f"--seqlens {text!r}: expected comma-separated lengths or ranges "
+                        "(e.g. 4096 or 16-4096)") from None
     if not values or any(v <= 0 for v in values):
         raise UserError(f"--seqlens {text!r}: expected positive integers")
-    return sorted(set(values))
+    return sorted(values)
 
 
 def spec_label(spec, seqlen):
@@ -147,11 +176,28 @@ def spec_label(spec, seqlen):
     return ",".join(parts)
 
 
-def shape_items(specs, seqlens):
+def spread_order(values):
+    """Longest, shortest, then midpoints: lengths likely to need different kernels come first, so
+    parallel processes rarely compile the same key at the same time."""
+    values = sorted(values)
+    if len(values) <= 2:
+        return values[::-1]
+    out, spans = [values[-1], values[0]], [(0, len(values) - 1)]
+    while spans:
+        lo, hi = spans.pop(0)
+        if hi - lo < 2:
+            continue
+        mid = (lo + hi) // 2
+        out.append(values[mid])
+        spans += [(lo, mid), (mid, hi)]
+    return out
+
+
+def shape_items(specs, seqlens_text=None):
     """One work item per (spec, sequence length); duplicates dropped."""
     items, seen = [], set()
     for spec in specs:
-        for seqlen in seqlens:
+        for seqlen in spread_order(parse_seqlens(seqlens_text, varlen=spec["varlen"])):
             item = dict(spec, kind="shape", seqlen=seqlen)
             item["label"] = spec_label(spec, seqlen)
             if item["label"] not in seen:

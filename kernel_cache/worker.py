@@ -10,7 +10,7 @@ import sys
 import time
 import traceback
 
-_state = {"ready": False, "lookups": [], "exports": {}, "fake": True}
+_state = {"ready": False, "lookups": [], "exports": {}, "fake": True, "held": {}}
 REJECT_TYPES = (AssertionError, ValueError, NotImplementedError, TypeError)
 
 
@@ -43,7 +43,9 @@ def _setup():
 
 
 def _instrument(cache_utils):
-    """Observe FA4's persistent cache: which keys each call looked up, and what each export did."""
+    """Observe FA4's persistent cache (which keys each call looked up, what each export did), and
+    make parallel workers take turns on a key: the second one waits, then loads the first's entry
+    instead of compiling the same kernel again."""
     cls = cache_utils.JITPersistentCache
     base_contains = cache_utils.JITCache.__contains__
     original_contains = cls.__contains__
@@ -52,17 +54,37 @@ def _instrument(cache_utils):
     def __contains__(self, key):
         in_memory = base_contains(self, key)
         found = original_contains(self, key)
-        _state["lookups"].append((self.cache_path.name, self._key_to_hash(key), key,
-                                  "memory" if in_memory else ("disk" if found else "miss")))
+        digest = self._key_to_hash(key)
+        status = "memory" if in_memory else ("disk" if found else "miss")
+        if status == "miss" and (self.cache_path.name, digest) not in _state["held"]:
+            lock = _take_turn(self.cache_path / f"{digest}.warming.lock")
+            if lock is not None:
+                _state["held"][(self.cache_path.name, digest)] = lock
+                if original_contains(self, key):  # another worker compiled it meanwhile
+                    _release(self.cache_path.name, digest)
+                    found, status = True, "disk"
+        _state["lookups"].append((self.cache_path.name, digest, key, status))
         return found
 
     def _try_export_to_storage(self, key, fn):
         digest = self._key_to_hash(key)
         path = self.cache_path / f"{digest}.o"
-        existed = digest not in self._unloadable and path.exists() and path.stat().st_size > 0
-        original_export(self, key, fn)
-        if existed:
-            status = "present"  # another worker exported the same key first
+        exported = []
+
+        class Probe:  # sees whether FA4 exports or finds the entry already written
+            def __getattr__(self, name):
+                return getattr(fn, name)
+
+            def export_to_c(self, *args, **kwargs):
+                exported.append(True)
+                return fn.export_to_c(*args, **kwargs)
+
+        try:
+            original_export(self, key, Probe())
+        finally:
+            _release(self.cache_path.name, digest)
+        if not exported:
+            status = "present"  # another process exported the same key first
         elif path.exists() and path.stat().st_size > 0:
             status = "written"
         else:
@@ -71,6 +93,42 @@ def _instrument(cache_utils):
 
     cls.__contains__ = __contains__
     cls._try_export_to_storage = _try_export_to_storage
+
+
+TURN_TIMEOUT_S = 900  # longer than any single compile; after it, compile anyway
+
+
+def _take_turn(path):
+    import fcntl
+
+    try:
+        fd = os.open(str(path), os.O_WRONLY | os.O_CREAT, 0o644)
+    except OSError:
+        return None
+    deadline = time.monotonic() + TURN_TIMEOUT_S
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return fd
+        except OSError:
+            if time.monotonic() > deadline:
+                os.close(fd)
+                return None
+            time.sleep(0.1)
+
+
+def _release(family, digest):
+    import fcntl
+
+    fd = _state["held"].pop((family, digest), None)
+    if fd is not None:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+
+
+def _release_all():
+    for family, digest in list(_state["held"]):
+        _release(family, digest)
 
 
 # -- tensors ---------------------------------------------------------------------------------------
@@ -246,6 +304,8 @@ def run_item(item):
         result["error"] = f"cannot replay: {exc}"
     except Exception as exc:  # FA4 refusing the input, or a compile failure: reported per item
         result["rejected"], result["error"] = _reason(exc)
+    finally:
+        _release_all()  # a compile that failed never reached the export
     lookups = _state["lookups"]
     seen, keys = {}, {}
     for family, digest, key, status in lookups:
