@@ -1,15 +1,21 @@
-"""Locating the job's own code in a stack: the first frame outside Python, site-packages and traindx."""
+"""Locating the job's own code in a stack: the first frame outside Python itself and the
+low-level libraries (torch, FlashAttention, CuTe DSL, Triton, traindx).
+
+Frameworks such as Megatron or ms-swift count as the job's code on purpose: in the seed case the
+line to fix (`max_seqlen` passed as a tensor) is in the framework, installed in site-packages.
+Library folders are recognised by name, not by site-packages, because clusters install packages
+in many places (the H200 test machine keeps them in /opt/gpu-site/site).
+"""
 import os
 import sys
 import sysconfig
 
-_LIBRARY_ROOTS = tuple(
-    os.path.realpath(p) + os.sep
-    for p in {sysconfig.get_paths().get(k) for k in ("stdlib", "platstdlib", "purelib", "platlib")}
-    if p
-)
-_SHIM_DIR = os.path.dirname(os.path.dirname(os.path.realpath(__file__))) + os.sep
-_LIBRARY_MARKERS = (os.sep + "site-packages" + os.sep, os.sep + "dist-packages" + os.sep)
+LOW_LEVEL_PACKAGES = frozenset({
+    "torch", "torchgen", "functorch", "flash_attn", "cutlass", "nvidia_cutlass_dsl", "tvm_ffi",
+    "triton", "numpy", "einops", "_traindx_shim", "traindx", "importlib", "concurrent",
+})
+_STDLIB = tuple(os.path.realpath(p) + os.sep
+                for p in {sysconfig.get_paths().get(k) for k in ("stdlib", "platstdlib")} if p)
 _cache = {}
 
 
@@ -20,8 +26,10 @@ def is_library_file(filename):
             verdict = True
         else:
             real = os.path.realpath(filename)
-            verdict = (real.startswith(_LIBRARY_ROOTS) or real.startswith(_SHIM_DIR)
-                       or any(m in real for m in _LIBRARY_MARKERS))
+            parts = real.split(os.sep)
+            in_site = "site-packages" in parts or "dist-packages" in parts
+            verdict = (any(p in LOW_LEVEL_PACKAGES for p in parts[:-1])
+                       or (real.startswith(_STDLIB) and not in_site))
         _cache[filename] = verdict
     return verdict
 
