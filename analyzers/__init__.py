@@ -10,7 +10,8 @@ from traindx.findings import Finding, rank_findings
 # module names under traindx.analyzers; each exposes analyze(run) -> list[Finding]
 REGISTRY = [
     "steps",
-    "gil", "dataloader", "gc_pauses", "stability",
+    "gil", "dataloader", "gc_pauses", "host_sync", "allocator", "launch_bound", "gpu_clocks",
+    "ranks", "stability",
 ]
 
 

@@ -230,6 +230,13 @@ def enclosing_user_function(py_events, thread, t_ns):
     return None if best is None else best[1]
 
 
+def enclosing_frames(py_events, thread, t_ns):
+    """Names of the python_function events on `thread` that enclose t_ns, innermost first."""
+    rows = py_events[(py_events["tid"] == thread) & (py_events["start_ns"] <= t_ns)
+                     & (py_events["end_ns"] >= t_ns)]
+    return list(rows.sort_values("start_ns", ascending=False)["name"])
+
+
 def step_of(run, rank, t_ns):
     steps = run.rank_steps(rank)
     hit = steps[(steps["start_ns"] <= t_ns) & (steps["end_ns"] >= t_ns)]

@@ -1,0 +1,132 @@
+"""CUDA caching-allocator retries and fragmentation (GPU only).
+
+When a cudaMalloc fails, the allocator frees every cached block (a device-wide sync) and tries
+again: `num_alloc_retries` in torch.cuda.memory_stats() counts those. The shim samples the
+stats at every step end (`alloc` events); retries that keep growing in the steady window cost a
+sync and a free/malloc storm each. Fragmentation shows as reserved memory far above allocated
+memory with large inactive split blocks. Explicit torch.cuda.empty_cache() calls (shim
+`empty_cache` events, with their line) throw the cache away and cause the same storm.
+"""
+import pandas as pd
+
+from traindx.findings import Finding, Prescription
+
+from . import evidence as ev
+
+EXPANDABLE = "expandable_segments:True"
+
+
+def _alloc_conf(run):
+    env = run.manifest.get("env") or {}
+    return env.get("PYTORCH_CUDA_ALLOC_CONF") or env.get("PYTORCH_ALLOC_CONF") or ""
+
+
+def _with_expandable(current):
+    parts = [p for p in current.split(",") if p and not p.startswith("expandable_segments")]
+    return ",".join(parts + [EXPANDABLE])
+
+
+def _empty_cache_sites(run, rank, steady_ids):
+    calls = ev.events_of_type(run, "empty_cache")
+    if not len(calls):
+        return []
+    calls = calls[calls["rank"] == rank]
+    sites = {}
+    for row in calls.itertuples():
+        caller = row.caller if isinstance(row.caller, dict) else {}
+        key = (caller.get("file"), caller.get("line"), caller.get("function"))
+        entry = sites.setdefault(key, {"file": key[0], "line": key[1], "function": key[2],
+                                       "source": getattr(row, "source", None), "calls": 0,
+                                       "in_steady_steps": 0})
+        entry["calls"] += 1
+        entry["in_steady_steps"] += int(row.step) in steady_ids
+    return sorted(sites.values(), key=lambda e: -e["calls"])
+
+
+def _analyze_rank(run, rank, alloc):
+    steady = ev.steady_steps(run, rank)
+    steady_ids = set(int(s) for s in steady["step"])
+    rows = alloc[(alloc["rank"] == rank)].sort_values("step")
+    if not len(rows) or "num_alloc_retries" not in rows:
+        return []
+    retries = pd.to_numeric(rows["num_alloc_retries"], errors="coerce").fillna(0)
+    grew = rows.assign(new_retries=retries.diff().fillna(retries.iloc[0]))
+    in_window = grew[grew["step"].isin(steady_ids)]
+    new_retries = int(in_window["new_retries"].sum())
+    empty_cache = _empty_cache_sites(run, rank, steady_ids)
+    empties_in_steps = sum(s["in_steady_steps"] for s in empty_cache)
+    if new_retries <= 0 and not empties_in_steps:
+        return []
+    # cost: how much slower the steps with a retry are than the steps without
+    hit_ids = set(int(s) for s in in_window[in_window["new_retries"] > 0]["step"])
+    durations = steady.set_index("step")["duration_s"]
+    with_retry = durations[durations.index.isin(hit_ids)]
+    without = durations[~durations.index.isin(hit_ids)]
+    lost = None
+    if len(with_retry) and len(without):
+        lost = max(0.0, float(with_retry.median() - without.median())) * len(with_retry) / len(durations)
+    mean_step = float(durations.mean()) if len(durations) else None
+    share = lost / mean_step if lost is not None and mean_step else None
+    last = rows.iloc[-1]
+    reserved = float(last.get("reserved_bytes_all_current") or 0)
+    allocated = float(last.get("allocated_bytes_all_current") or 0)
+    inactive = float(last.get("inactive_split_bytes_all_current") or 0)
+    evidence = {
+        "rank": rank, "alloc_retries_in_steady_steps": new_retries,
+        "steps_with_retries": sorted(hit_ids),
+        "num_ooms": int(pd.to_numeric(rows["num_ooms"], errors="coerce").fillna(0).max()) if "num_ooms" in rows else None,
+        "reserved_gib": round(reserved / 2**30, 2), "allocated_gib": round(allocated / 2**30, 2),
+        "inactive_split_gib": round(inactive / 2**30, 2),
+        "fragmentation": round(1 - allocated / reserved, 3) if reserved else None,
+        "median_step_with_retry_s": round(float(with_retry.median()), 4) if len(with_retry) else None,
+        "median_step_without_s": round(float(without.median()), 4) if len(without) else None,
+        "empty_cache_calls": empty_cache[:5],
+        "PYTORCH_CUDA_ALLOC_CONF": _alloc_conf(run) or None,
+    }
+    severity = ev.severity_for_share(share) if share is not None else "low"
+    if new_retries and severity == "info":
+        severity = "low"  # every retry is a device-wide sync: worth fixing even when cheap here
+    prescriptions = []
+    current = _alloc_conf(run)
+    if EXPANDABLE not in current.replace(" ", ""):
+        prescriptions.append(Prescription(
+            kind="env",
+            summary=f"PYTORCH_CUDA_ALLOC_CONF={_with_expandable(current)}: segments grow in place "
+                    "instead of failing and retrying; fragmentation drops",
+            change={"env": {"PYTORCH_CUDA_ALLOC_CONF": _with_expandable(current)}},
+            expected_gain_s_per_step=lost, automatic=True))
+    for site in empty_cache[:3]:
+        prescriptions.append(Prescription(
+            kind="code",
+            summary=f"remove torch.cuda.empty_cache() at {site['file']}:{site['line']} "
+                    f"({site['calls']} calls): it throws the allocator's cache away and the next "
+                    "allocations go to cudaMalloc again",
+            change={"code": {"file": site["file"], "line": site["line"], "before": site["source"],
+                             "after": ""}},
+            expected_gain_s_per_step=lost))
+    what = []
+    if new_retries:
+        what.append(f"{new_retries} allocator retries in {len(hit_ids)} steady steps")
+    if empties_in_steps:
+        what.append(f"{empties_in_steps} torch.cuda.empty_cache() calls inside steps")
+    return [Finding(
+        id="alloc.retries" if new_retries else "alloc.empty_cache",
+        title=f"CUDA allocator: {'; '.join(what)} on rank {rank}",
+        severity=severity, analyzer="allocator",
+        summary=(f"{'; '.join(what)}. Reserved {evidence['reserved_gib']} GiB, allocated "
+                 f"{evidence['allocated_gib']} GiB at the end"
+                 + (f"; steps with a retry take {evidence['median_step_with_retry_s']} s against "
+                    f"{evidence['median_step_without_s']} s." if len(with_retry) and len(without) else ".")),
+        steps_affected=tuple(sorted(hit_ids)), seconds_lost_per_step=lost, share_of_step=share,
+        evidence=evidence, prescriptions=tuple(prescriptions), ranks=(rank,))]
+
+
+def analyze(run):
+    alloc = run.alloc
+    if not len(alloc) or "num_alloc_retries" not in alloc:
+        # empty_cache calls alone still matter on a GPU run; on a CPU run there is no alloc
+        return []
+    findings = []
+    for rank in sorted(set(alloc["rank"])):
+        findings.extend(_analyze_rank(run, rank, alloc))
+    return findings

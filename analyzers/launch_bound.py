@@ -1,0 +1,110 @@
+"""Launch-bound steps (GPU): the GPU idles between many short kernels because the CPU cannot
+launch them fast enough. From the torch.profiler window (kernel events, cudaLaunchKernel calls),
+with NVML utilisation as a second witness."""
+import pandas as pd
+
+from traindx.findings import Finding, Prescription
+
+from . import evidence as ev
+
+MIN_IDLE_SHARE = 0.30
+MAX_MEDIAN_KERNEL_S = 20e-6
+MIN_KERNELS_PER_STEP = 200
+LAUNCH_CALLS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx",
+                "cudaGraphLaunch")
+
+
+def _union_s(starts, ends):
+    total, end = 0, None
+    for s, e in sorted(zip(starts, ends)):
+        if end is None or s > end:
+            total += e - s
+            end = e
+        elif e > end:
+            total += e - end
+            end = e
+    return total / 1e9
+
+
+def _framework(command):
+    text = " ".join(command or []).lower()
+    if "megatron" in text or "pretrain_gpt" in text:
+        return "megatron"
+    return None
+
+
+def _analyze_rank(run, rank, trace):
+    rows = trace[trace["rank"] == rank]
+    kernels = rows[rows["cat"] == "kernel"]
+    steps = ev.trace_steps(run, rank)
+    if not len(kernels) or not len(steps):
+        return []
+    per_step = []
+    for step in steps.itertuples():
+        k = kernels[(kernels["start_ns"] >= step.start_ns) & (kernels["start_ns"] <= step.end_ns)]
+        launches = rows[(rows["cat"] == "cuda_runtime") & rows["name"].isin(LAUNCH_CALLS)
+                        & (rows["start_ns"] >= step.start_ns) & (rows["end_ns"] <= step.end_ns)]
+        busy = _union_s(k["start_ns"], k["end_ns"])
+        per_step.append({"step": int(step.step), "duration_s": float(step.duration_s),
+                         "kernels": len(k), "gpu_busy_s": busy, "launch_calls": len(launches),
+                         "median_kernel_s": float(k["dur_s"].median()) if len(k) else None})
+    table = pd.DataFrame(per_step)
+    step_s = float(table["duration_s"].mean())
+    busy_s = float(table["gpu_busy_s"].mean())
+    idle_share = 1 - busy_s / step_s if step_s else 0.0
+    kernels_per_step = float(table["kernels"].mean())
+    median_kernel = float(kernels["dur_s"].median())
+    if (idle_share < MIN_IDLE_SHARE or median_kernel > MAX_MEDIAN_KERNEL_S
+            or kernels_per_step < MIN_KERNELS_PER_STEP):
+        return []
+    lost = step_s - busy_s
+    evidence = {"rank": rank, "profiled_steps": per_step, "gpu_busy_share": round(1 - idle_share, 3),
+                "kernels_per_step": round(kernels_per_step), "median_kernel_us": round(median_kernel * 1e6, 1),
+                "launch_calls_per_step": round(float(table["launch_calls"].mean()))}
+    gpu = run.gpu
+    if len(gpu):
+        span = (int(steps["start_ns"].min()), int(steps["end_ns"].max()))
+        util = pd.to_numeric(gpu[(gpu["t"] >= span[0]) & (gpu["t"] <= span[1])]["util"], errors="coerce")
+        if len(util.dropna()):
+            evidence["nvml_util_mean"] = round(float(util.mean()), 1)
+    prescriptions = [
+        Prescription(kind="code",
+                     summary="capture the step (or its forward/backward) in a CUDA graph: "
+                             "torch.compile(model, mode=\"reduce-overhead\") or "
+                             "torch.cuda.make_graphed_callables; one launch replaces hundreds",
+                     change={"code": {"before": "model", "after": "torch.compile(model, mode=\"reduce-overhead\")"}},
+                     expected_gain_s_per_step=lost),
+        Prescription(kind="code",
+                     summary="a larger micro-batch per launch (fewer, longer kernels), memory "
+                             "permitting; fuse elementwise ops (torch.compile)",
+                     expected_gain_s_per_step=lost),
+    ]
+    if _framework(run.command) == "megatron":
+        prescriptions.insert(0, Prescription(
+            kind="arg",
+            summary="Megatron: enable its CUDA graphs (--cuda-graph-impl local in recent "
+                    "releases, --enable-cuda-graph in older ones) and the fused kernels "
+                    "(--bias-swiglu-fusion, --cross-entropy-loss-fusion); or raise "
+                    "--micro-batch-size",
+            expected_gain_s_per_step=lost))
+    return [Finding(
+        id="gpu.launch_bound",
+        title=f"Launch-bound: the GPU is busy {1 - idle_share:.0%} of the step on rank {rank} "
+              f"({kernels_per_step:.0f} kernels of median {median_kernel * 1e6:.0f} µs)",
+        severity=ev.severity_for_share(idle_share), analyzer="launch_bound",
+        summary=(f"In the profiled steps the GPU ran kernels {busy_s * 1000:.1f} ms of "
+                 f"{step_s * 1000:.1f} ms; {kernels_per_step:.0f} kernels per step with a median of "
+                 f"{median_kernel * 1e6:.0f} µs: the CPU's launches, not the GPU, set the pace."),
+        steps_affected=tuple(int(s) for s in table["step"]), seconds_lost_per_step=lost,
+        share_of_step=idle_share, evidence=evidence, prescriptions=tuple(prescriptions),
+        ranks=(rank,))]
+
+
+def analyze(run):
+    trace = run.torch_trace
+    if not len(trace) or not (trace["cat"] == "kernel").any():
+        return []
+    findings = []
+    for rank in sorted(set(trace["rank"])):
+        findings.extend(_analyze_rank(run, rank, trace))
+    return findings
