@@ -128,6 +128,9 @@ def compare_runs(baseline, candidate, window=None, tokens_per_step=None, change=
             if not arm["window_steps"]:
                 problems.append(f"the {name} arm recorded no completed step")
 
+    for name, arm in (("baseline", base), ("candidate", cand)):
+        if arm["exit_code"] not in (0, None):
+            problems.append(f"the {name} arm exited with {arm['exit_code']}")
     if base["steps"] and cand["steps"] and base["steps"] != cand["steps"]:
         problems.append(f"the arms ran a different number of steps ({base['steps']} and "
                         f"{cand['steps']}): their steady windows differ")

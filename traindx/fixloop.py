@@ -344,6 +344,10 @@ def run_fix_loop(command, args):
                               for p in precompiled]}
     comparison = compare_runs(baseline, candidate, change=change)
     comparison["precompile_runs"] = precompiled
+    if exit_status(cand_code) != 0:
+        # a candidate that crashed (an unknown flag, a broken env) proves nothing but that
+        comparison["verdict"] = (f"candidate failed (exit {exit_status(cand_code)}): the change "
+                                 "does not work as applied")
     _write_json(os.path.join(cand_dir, "comparison.json"), comparison)
     candidate, cand_findings, cand_report = _analyze(cand_dir, comparison=comparison)
     print_summary(candidate, cand_findings, cand_report, console=console)

@@ -226,7 +226,12 @@ def build_card(run, args):
 def run(args, parser):
     from traindx.record import load_run
 
-    record = load_run(args.run_dir)
+    path = args.run_dir
+    candidate = os.path.join(path, "candidate")
+    if not os.path.isfile(os.path.join(path, "manifest.json")) and os.path.isfile(
+            os.path.join(candidate, "manifest.json")):
+        path = candidate  # a `diagnose --fix` folder: the card is the candidate's
+    record = load_run(path)
     card = build_card(record, args)
     if args.output:
         card.save(args.output)

@@ -163,4 +163,4 @@ def print_comparison(comparison, console=None):
     for line in comparison["change"].get("instructions", []):
         console.print(Text(f"to do by hand: {line}", style="cyan"))
     console.print(Text(f"verdict: {comparison['verdict']}",
-                       style=VERDICT_STYLE.get(comparison["verdict"], "bold")))
+                       style=VERDICT_STYLE.get(comparison["verdict"], "bold red")))
