@@ -6,7 +6,10 @@ and the call's arguments, so a recompile can be explained and replayed (`kernel-
 """
 import ast
 import inspect
+import linecache
+import re
 import sys
+import textwrap
 import threading
 import time
 
@@ -50,30 +53,56 @@ def describe_value(value):
     return {"type": type_name, "repr": repr(value)[:200]}
 
 
-def _key_field_names(func_code, lineno):
-    """Names of the elements of the `compile_key = (...)` tuple that precedes `lineno` in FA4's
-    source, parsed once per function: FA4 builds its keys from named locals."""
-    cache_key = (func_code, lineno)
+# FA4 builds some key elements from expressions; these are their names in newer releases
+_KEY_EXPRESSION_NAMES = (
+    (re.compile(r"^\(?seqlen_q\w*\s*//\s*\w+\s*==\s*1\)?$"), "single_q_block"),
+    (re.compile(r"^\(?seqlen_k\w*\s*//\s*\w+\s*==\s*1\)?$"), "single_k_block"),
+)
+
+
+def _canonical_key_name(expression):
+    for pattern, name in _KEY_EXPRESSION_NAMES:
+        if pattern.match(expression):
+            return name
+    return expression
+
+
+def _key_field_names(func_code, lineno, length):
+    """Names of the elements of the `compile_key = (...)` tuple built before `lineno` in FA4's
+    source, parsed once per function: FA4 builds its keys from named locals. A function may build
+    its key in several branches (per architecture): the nearest one of the right length wins."""
+    cache_key = (func_code, lineno, length)
     if cache_key in _key_names_cache:
         return _key_names_cache[cache_key]
     names = None
     try:
         lines, first = inspect.getsourcelines(func_code)
-        tree = ast.parse(inspect.cleandoc("\n".join(l.rstrip("\n") for l in lines))
-                         if lines[0].startswith((" ", "\t")) else "".join(lines))
+        source = "".join(lines)
+        if lines[0].startswith((" ", "\t")):
+            source = textwrap.dedent(source)
         best = None
-        for node in ast.walk(tree):
+        for node in ast.walk(ast.parse(source)):
             if (isinstance(node, ast.Assign) and isinstance(node.value, ast.Tuple)
+                    and len(node.value.elts) == length
                     and any(isinstance(t, ast.Name) and t.id == "compile_key" for t in node.targets)):
                 abs_line = first + node.lineno - 1
                 if abs_line <= lineno and (best is None or abs_line > best[0]):
                     best = (abs_line, node)
         if best is not None:
-            names = [ast.unparse(elt) for elt in best[1].value.elts]
+            names = [_canonical_key_name(ast.unparse(elt)) for elt in best[1].value.elts]
+            if len(set(names)) != len(names):  # two identical expressions: keep them apart
+                names = [f"{n}#{i}" if names.count(n) > 1 else n for i, n in enumerate(names)]
     except Exception:
         names = None
     _key_names_cache[cache_key] = names
     return names
+
+
+def _type_label(value):
+    """'Tensor' for any torch tensor (FakeTensor, Parameter, ...): the analyzer's word for it."""
+    if hasattr(value, "shape") and hasattr(value, "dtype") and hasattr(value, "device"):
+        return "Tensor"
+    return type(value).__name__
 
 
 def _fa4_context():
@@ -89,16 +118,20 @@ def _fa4_context():
         return None
     local = f.f_locals
     key = local.get("compile_key")
-    names = _key_field_names(f.f_code, f.f_lineno)
-    fields = None
+    fields = types = None
     if isinstance(key, tuple):
-        labels = names if names and len(names) == len(key) else [f"key[{i}]" for i in range(len(key))]
+        names = _key_field_names(f.f_code, f.f_lineno, len(key))
+        labels = names or [f"key[{i}]" for i in range(len(key))]
         fields = {label: repr(v)[:300] for label, v in zip(labels, key)}
+        types = {label: _type_label(v) for label, v in zip(labels, key)}
     code = f.f_code
     argnames = code.co_varnames[: code.co_argcount + code.co_kwonlyargcount]
     args = {name: describe_value(local.get(name)) for name in argnames if name in local}
+    max_seqlen = {name: {"type": _type_label(local[name]),
+                         "value": local[name] if isinstance(local[name], int) else None}
+                  for name in ("max_seqlen_q", "max_seqlen_k") if name in argnames and name in local}
     return {"function": code.co_name, "line": f.f_lineno, "key": repr(key)[:4000],
-            "key_fields": fields, "args": args}
+            "key_fields": fields, "key_types": types, "args": args, "max_seqlen": max_seqlen}
 
 
 # -- CuTe DSL ------------------------------------------------------------------------------------
@@ -139,7 +172,8 @@ def _record_cute(func, start, end, ok):
     module = getattr(type(getattr(func, "__self__", None) or func), "__module__", "")
     fields = {"ok": ok, "caller": first_user_frame(2), "module": module}
     if fa4 is not None:
-        fields.update(key=fa4.pop("key"), key_fields=fa4.pop("key_fields"), fa4=fa4,
+        fields.update(key=fa4.pop("key"), key_fields=fa4.pop("key_fields"),
+                      key_types=fa4.pop("key_types"), fa4=fa4,
                       fa4_call_site=_last_fa4_site.get("site"))
         kernel = f"{fa4['function']}:{kernel}"
     _emit_compile("cute_dsl", kernel, start, end, **fields)
@@ -149,8 +183,8 @@ def _record_cute(func, start, end, ok):
 _last_fa4_site = {}
 
 
-def _fa4_signature(kwargs, args):
-    return tuple(sorted((k, type(v).__name__) for k, v in kwargs.items()
+def _fa4_signature(kwargs):
+    return tuple(sorted((k, _type_label(v)) for k, v in kwargs.items()
                         if k.startswith("max_seqlen") or k.startswith("cu_seqlens")))
 
 
@@ -161,26 +195,67 @@ def _on_fa4_interface(module):
         if original is None:
             continue
         setattr(module, name, _wrap_fa4_entry(name, original))
+    # `from flash_attn.cute import flash_attn_varlen_func` binds the package's name: wrap it too
+    package = sys.modules.get("flash_attn.cute")
+    if package is not None:
+        _wrap_package_names(package, module)
+    else:
+        importhooks.on_import("flash_attn.cute", lambda pkg: _wrap_package_names(pkg, module))
+
+
+def _wrap_package_names(package, interface):
+    for name in ("flash_attn_varlen_func", "flash_attn_func"):
+        wrapped = getattr(interface, name, None)
+        current = getattr(package, name, None)
+        if wrapped is not None and current is getattr(wrapped, "__wrapped__", None):
+            setattr(package, name, wrapped)
 
 
 def _wrap_fa4_entry(name, original):
     def entry(*args, **kwargs):
+        sample = None
         try:
-            sig = (name, _fa4_signature(kwargs, args))
+            sig = (name, _fa4_signature(kwargs))
             seen = _fa4_calls.get(sig, 0)
             _fa4_calls[sig] = seen + 1
             if seen < FA4_CALL_SAMPLES:
                 caller = first_user_frame(1)
                 _last_fa4_site["site"] = caller
-                emit("fa4_call", function=name, caller=caller, call_index=seen,
-                     arg_types=dict(sig[1]), **_thread_fields())
+                sample = (seen, sig, caller, time.time_ns())
         except Exception as exc:
             report_error("fa4 call hook", exc)
-        return original(*args, **kwargs)
+        if sample is None:
+            return original(*args, **kwargs)
+        ok = False
+        try:
+            result = original(*args, **kwargs)
+            ok = True
+            return result
+        finally:
+            _emit_fa4_call(name, kwargs, sample, ok)
 
     entry.__wrapped__ = original
     entry.__name__ = name
     return entry
+
+
+def _emit_fa4_call(name, kwargs, sample, ok):
+    try:
+        seen, sig, caller, start = sample
+        end = time.time_ns()
+        max_seqlen = {k: {"type": _type_label(v), "value": v if isinstance(v, int) else None}
+                      for k, v in kwargs.items() if k.startswith("max_seqlen")}
+        emit("fa4_call", function=name, caller=caller, source=_source_line(caller), call_index=seen, arg_types=dict(sig[1]),
+             max_seqlen=max_seqlen, start=start, t=end, duration_s=(end - start) / 1e9,
+             step=steps.current_step(), ok=ok, **_thread_fields())
+    except Exception as exc:
+        report_error("fa4 call hook", exc)
+
+
+def _source_line(where):
+    if not where:
+        return None
+    return linecache.getline(where["file"], where["line"]).strip()[:300] or None
 
 
 # -- Triton --------------------------------------------------------------------------------------
