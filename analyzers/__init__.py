@@ -12,6 +12,7 @@ REGISTRY = [
     "steps",
     "gil", "dataloader", "gc_pauses", "host_sync", "allocator", "launch_bound", "gpu_clocks",
     "ranks", "stability",
+    "jit",
 ]
 
 
