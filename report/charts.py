@@ -18,7 +18,7 @@ CAUSE_COLOURS = {
 COMPILE_COLOURS = {"cute_dsl": "#e4572e", "triton": "#f08a24", "triton_autotune": "#9c51b6",
                    "dynamo": "#d6428f"}
 STATE_COLOURS = {"gil": "#e4572e", "active": "#f2b33d", "idle": "#dde2e8"}
-FRAME_COLOURS = {"user": "#f4a259", "library": "#8ab6d6", "python": "#c5cbd3", "native": "#b8c1cc",
+FRAME_COLOURS = {"user": "#f4a259", "traindx": "#d9c7ef", "library": "#8ab6d6", "python": "#c5cbd3", "native": "#b8c1cc",
                  "thread": "#7d8a99", "root": "#5c6773"}
 GPU_COLOURS = ["#2b7de9", "#e4572e", "#2ca58d", "#9c51b6", "#f2b33d", "#d6428f", "#6c757d", "#17a2b8"]
 
@@ -39,6 +39,18 @@ def fmt_s(seconds):
     if s == 0:
         return "0 s"
     return f"{s * 1e6:.3g} µs"
+
+
+def fmt_tick(seconds):
+    """Axis labels: as short as they can be (5 s, 2.5 s, 500 ms, 1.5 min)."""
+    s = float(seconds)
+    if s == 0:
+        return "0"
+    if abs(s) >= 120:
+        return f"{s / 60:g} min"
+    if abs(s) >= 1:
+        return f"{s:g} s"
+    return f"{s * 1e3:g} ms"
 
 
 def _f(x):
@@ -74,7 +86,7 @@ def _time_axis(x, y, t0, t1):
     for t in _nice_ticks(t0, t1, 8):
         px = x(t)
         parts.append(f'<line x1="{_f(px)}" y1="{_f(y)}" x2="{_f(px)}" y2="{_f(y + 4)}" class="axis"/>'
-                     f'<text x="{_f(px)}" y="{_f(y + 15)}" class="tick" text-anchor="middle">{escape(fmt_s(t))}</text>')
+                     f'<text x="{_f(px)}" y="{_f(y + 15)}" class="tick" text-anchor="middle">{escape(fmt_tick(t))}</text>')
     return "".join(parts)
 
 
@@ -90,25 +102,50 @@ def step_chart(timeline, compiles, stats, causes):
     height, top, bottom = 260, 10, 200
     lane_y = bottom + 28
     x = _Scale(0.0, end, LEFT, WIDTH - RIGHT)
-    ymax = max(s["duration_s"] for s in steps) * 1.08
+    ymax = max(s.get("max_s", s["duration_s"]) for s in steps) * 1.08
     y = _Scale(0.0, ymax, bottom, top)
     out = [f'<svg class="chart" id="step-chart" viewBox="0 0 {WIDTH} {height}" role="img" '
            f'aria-label="step time over the run">']
     for t in _nice_ticks(0, ymax, 4):
         py = y(t)
         out.append(f'<line x1="{LEFT}" y1="{_f(py)}" x2="{WIDTH - RIGHT}" y2="{_f(py)}" class="grid"/>'
-                   f'<text x="{LEFT - 6}" y="{_f(py + 4)}" class="tick" text-anchor="end">{escape(fmt_s(t))}</text>')
+                   f'<text x="{LEFT - 6}" y="{_f(py + 4)}" class="tick" text-anchor="end">{escape(fmt_tick(t))}</text>')
     first_start = min(s["start_s"] for s in steps)
     if first_start > 0:
         out.append(f'<rect x="{LEFT}" y="{top}" width="{_f(x(first_start) - LEFT)}" height="{bottom - top}" '
                    f'class="startup"><title>{escape("before the first step (start-up, imports, model build): " + fmt_s(first_start))}</title></rect>'
-                   f'<text x="{_f((LEFT + x(first_start)) / 2)}" y="{top + 14}" class="band-label" text-anchor="middle">start-up</text>')
+                   f'<text x="{_f((LEFT + x(first_start)) / 2)}" y="{top + 14}" class="band-label" text-anchor="middle">'
+                   f'{"start-up " + escape(fmt_s(first_start)) if x(first_start) - LEFT > 90 else ""}</text>')
+    for g in timeline.get("gaps", []):
+        if g["rank"] != rank:
+            continue
+        gx0, gx1 = x(g["start_s"]), x(g["end_s"])
+        tip = (f"{fmt_s(g['duration_s'])} between step {g['after_step']} and step {g['before_step']}: "
+               "outside any step (evaluation, checkpointing, a profiler export, …)")
+        out.append(f'<rect x="{_f(gx0)}" y="{top}" width="{_f(max(gx1 - gx0, 1))}" height="{bottom - top}" '
+                   f'class="gap"><title>{escape(tip)}</title></rect>')
+        if gx1 - gx0 > 60:
+            out.append(f'<text x="{_f((gx0 + gx1) / 2)}" y="{top + 14}" class="band-label" text-anchor="middle">'
+                       f'{escape(fmt_s(g["duration_s"]))} between steps</text>')
     for s in steps:
         x0, x1 = x(s["start_s"]), x(s["end_s"])
         w = max(x1 - x0 - (1 if x1 - x0 > 4 else 0), 0.8)
         py = min(y(s["duration_s"]), bottom - 1.5)
-        colour = CAUSE_COLOURS.get(s["cause"], CAUSE_COLOURS["normal"])
         label = s.get("label") or f"step {s['step']}"
+        if s.get("binned"):
+            # a bin of steps: its median as a normal bar, its slowest step on top in its cause's colour
+            tip = f"{label}: median {fmt_s(s['duration_s'])}, slowest {fmt_s(s['max_s'])}"
+            if s["slow_count"]:
+                tip += f"; {s['slow_count']} slow ({causes.get(s['cause'], s['cause'])})"
+            top_y = min(y(s["max_s"]), bottom - 1.5)
+            out.append(f'<rect class="step" data-cause="normal" x="{_f(x0)}" y="{_f(py)}" width="{_f(w)}" '
+                       f'height="{_f(bottom - py)}" fill="{CAUSE_COLOURS["normal"]}"><title>{escape(tip)}</title></rect>')
+            if s["slow_count"] and py - top_y > 0.5:
+                out.append(f'<rect class="step-top" data-cause="{escape(s["cause"])}" x="{_f(x0)}" y="{_f(top_y)}" '
+                           f'width="{_f(w)}" height="{_f(py - top_y)}" fill="{CAUSE_COLOURS.get(s["cause"], "#999")}">'
+                           f'<title>{escape(tip)}</title></rect>')
+            continue
+        colour = CAUSE_COLOURS.get(s["cause"], CAUSE_COLOURS["normal"])
         tip = f"{label}: {fmt_s(s['duration_s'])}"
         if s["cause"] != "normal":
             tip += f" — {causes.get(s['cause'], s['cause'])}"
@@ -116,8 +153,19 @@ def step_chart(timeline, compiles, stats, causes):
             tip += f"; compiling {fmt_s(s['compile_s'])}"
         if s.get("gc_s"):
             tip += f"; GC {fmt_s(s['gc_s'])}"
-        out.append(f'<rect class="step" data-cause="{escape(s["cause"])}" x="{_f(x0)}" y="{_f(py)}" '
-                   f'width="{_f(w)}" height="{_f(bottom - py)}" fill="{colour}"><title>{escape(tip)}</title></rect>')
+        # the part of the step its cause explains at the bottom, in the cause's colour; the
+        # rest in the normal colour: how much a fix could take off is visible at once
+        explained = {"compile": "compile_s", "autotune": "compile_s", "dynamo": "compile_s", "gc": "gc_s"}
+        part = min(s.get(explained.get(s["cause"], ""), 0.0) or 0.0, s["duration_s"])
+        split_y = y(part) if part else bottom
+        if part and split_y - py > 1:
+            out.append(f'<rect class="step" data-cause="{escape(s["cause"])}" x="{_f(x0)}" y="{_f(py)}" '
+                       f'width="{_f(w)}" height="{_f(bottom - py)}" fill="{CAUSE_COLOURS["normal"]}"><title>{escape(tip)}</title></rect>'
+                       f'<rect class="step-part" x="{_f(x0)}" y="{_f(split_y)}" width="{_f(w)}" height="{_f(bottom - split_y)}" '
+                       f'fill="{colour}"><title>{escape(tip)}</title></rect>')
+        else:
+            out.append(f'<rect class="step" data-cause="{escape(s["cause"])}" x="{_f(x0)}" y="{_f(py)}" '
+                       f'width="{_f(w)}" height="{_f(bottom - py)}" fill="{colour}"><title>{escape(tip)}</title></rect>')
     med = stats.get("steady_median_s")
     if med:
         out.append(f'<line x1="{LEFT}" y1="{_f(y(med))}" x2="{WIDTH - RIGHT}" y2="{_f(y(med))}" class="median"/>'
@@ -138,7 +186,7 @@ def step_chart(timeline, compiles, stats, causes):
         out.append(f'<rect class="compile-mark" data-kind="{escape(c["kind"])}" x="{_f(x0)}" y="{lane_y - 7}" '
                    f'width="{_f(w)}" height="14" fill="{COMPILE_COLOURS.get(c["kind"], "#e4572e")}">'
                    f'<title>{escape(tip)}</title></rect>')
-    for s in steps:
+    for s in steps if len(steps) <= 300 else []:  # denser than that, the bars' colours say it
         if s.get("gc_s") and s["gc_s"] >= 0.1 * s["duration_s"]:
             px = x((s["start_s"] + s["end_s"]) / 2)
             tip = f"step {s['step']}: garbage collection {fmt_s(s['gc_s'])}"
@@ -158,6 +206,8 @@ def gpu_charts(gpu, timeline):
     x = _Scale(0.0, end, LEFT, WIDTH - RIGHT)
     ranks = timeline["ranks"]
     slow = [s for s in (ranks[next(iter(ranks))] if ranks else []) if s["slow"]]
+    if len(slow) > 60:
+        slow = []  # shading that many steps would hide the lines it is meant to explain
     charts = []
     for metric in ("util", "sm_clock_mhz", "power_w"):
         lines = [(g["gpu"], g["metrics"][metric]) for g in gpu["series"] if metric in g["metrics"]]
@@ -177,6 +227,11 @@ def gpu_charts(gpu, timeline):
             out.append(f'<line x1="{LEFT}" y1="{_f(y(t))}" x2="{WIDTH - RIGHT}" y2="{_f(y(t))}" class="grid"/>'
                        f'<text x="{LEFT - 6}" y="{_f(y(t) + 4)}" class="tick" text-anchor="end">{t:g}</text>')
         out.append(f'<text x="{LEFT + 4}" y="{top + 10}" class="chart-title">{escape(label)} ({escape(unit)})</text>')
+        if len(lines) > 1:
+            for i, (index, _) in enumerate(lines):
+                lx = WIDTH - RIGHT - (len(lines) - i) * 52
+                out.append(f'<rect x="{lx}" y="{top + 2}" width="10" height="10" fill="{GPU_COLOURS[i % len(GPU_COLOURS)]}"/>'
+                           f'<text x="{lx + 13}" y="{top + 11}" class="tick">GPU {escape(index)}</text>')
         for i, (index, m) in enumerate(lines):
             pts = " ".join(f"{_f(x(t))},{_f(y(v))}" for t, v in zip(m["t_s"], m["values"]) if v is not None)
             out.append(f'<polyline points="{pts}" fill="none" stroke="{GPU_COLOURS[i % len(GPU_COLOURS)]}" '
@@ -187,7 +242,7 @@ def gpu_charts(gpu, timeline):
     return charts
 
 
-def icicle(tree, height_per_row=18, max_rows=40):
+def icicle(tree, height_per_row=17, max_rows=32):
     """The GIL holder's stacks, root on top: a frame's width is its share of the GIL samples."""
     total = tree["value"] or 1
     rows = []
@@ -234,14 +289,23 @@ def thread_lanes(lanes):
     label_w = 170
     row_h = 22
     threads = lanes["threads"]
-    height = len(threads) * row_h + 34
+    rows = len(threads) + (1 if lanes.get("steps") else 0)
+    height = rows * row_h + 34
     x = _Scale(lanes["start_s"], lanes["end_s"], label_w, WIDTH - RIGHT)
     out = [f'<svg class="chart lanes" viewBox="0 0 {WIDTH} {height}" role="img" aria-label="thread lanes">']
     sx0, sx1 = x(max(lanes["step_start_s"], lanes["start_s"])), x(min(lanes["step_end_s"], lanes["end_s"]))
-    out.append(f'<rect x="{_f(sx0)}" y="0" width="{_f(max(sx1 - sx0, 1))}" height="{len(threads) * row_h + 4}" '
+    out.append(f'<rect x="{_f(sx0)}" y="0" width="{_f(max(sx1 - sx0, 1))}" height="{rows * row_h + 4}" '
                f'class="worst-step"><title>{escape("step " + str(lanes["step"]) + " (the slowest)")}</title></rect>')
+    step_row = bool(lanes.get("steps"))
+    if step_row:
+        out.append(f'<text x="{label_w - 6}" y="16" class="tick" text-anchor="end">steps</text>')
+        for n, s in enumerate(lanes["steps"]):
+            a, b = x(max(s["start_s"], lanes["start_s"])), x(min(s["end_s"], lanes["end_s"]))
+            colour = CAUSE_COLOURS.get(s["cause"], CAUSE_COLOURS["normal"])
+            out.append(f'<rect x="{_f(a)}" y="6" width="{_f(max(b - a - 0.5, 0.5))}" height="12" fill="{colour}" '
+                       f'opacity="{0.95 if n % 2 else 0.7}"><title>{escape("step " + str(s["step"]))}</title></rect>')
     for i, th in enumerate(threads):
-        yy = i * row_h + 4
+        yy = i * row_h + 4 + (row_h if step_row else 0)
         name = th["name"] if len(th["name"]) <= 24 else th["name"][:23] + "…"
         out.append(f'<text x="{label_w - 6}" y="{yy + 14}" class="tick" text-anchor="end">{escape(name)}'
                    f'<title>{escape(th["name"])}</title></text>')
@@ -256,7 +320,7 @@ def thread_lanes(lanes):
                 a, b = x(max(c["start_s"], lanes["start_s"])), x(min(c["end_s"], lanes["end_s"]))
                 out.append(f'<rect x="{_f(a)}" y="{yy - 1}" width="{_f(max(b - a, 1))}" height="{row_h - 4}" '
                            f'class="lane-compile"><title>{escape("compiling " + c["kernel"] + ": " + fmt_s(c["end_s"] - c["start_s"]))}</title></rect>')
-    out.append(_time_axis(x, len(threads) * row_h + 8, lanes["start_s"], lanes["end_s"]).replace(
+    out.append(_time_axis(x, rows * row_h + 8, lanes["start_s"], lanes["end_s"]).replace(
         f'x1="{LEFT}"', f'x1="{label_w}"'))
     out.append("</svg>")
     return Markup("".join(out))

@@ -16,7 +16,8 @@ from traindx.findings import SEVERITIES
 
 # a step slower than this many times the median is "slow" and gets a cause
 SLOW_FACTOR = 1.5
-MAX_STEP_BARS = 1500          # more steps than this are binned (the slowest step of a bin is kept)
+CAUSE_SHARE = 0.3             # an event covering this share of a step names the step's cause
+MAX_STEP_BARS = 800           # more steps than this are binned (about one bar per pixel)
 MAX_GPU_POINTS = 600          # per GPU and metric
 MAX_COMPILE_ROWS = 200
 MAX_LOG_LINES = 40
@@ -229,6 +230,14 @@ def _compile_events(run, t0):
                                           "after": _clip(after, 200)})
         elif prev is not None and prev["key"] and e["key"] and prev["key"] != e["key"]:
             e["key_diff"].append({"field": "key", "before": prev["key"], "after": e["key"]})
+        if prev is not None and not e["key_diff"]:
+            # the same key text compiled again: the key holds objects compared by identity, such
+            # as a tensor (a new one every call), so the in-memory cache can never hit
+            for name, value in (e["key_fields"] or {}).items():
+                if "Tensor(" in str(value):
+                    e["key_diff"].append({"field": _clip(name, 100), "before": _clip(value, 200),
+                                          "after": "another tensor object (same text; keys with "
+                                                   "tensors never match)"})
         previous[(e["rank"], e["kernel"])] = e
     for e in out:
         e.pop("key_fields")
@@ -277,32 +286,56 @@ def classify_steps(step_rows, compiles, gc_by_step):
             s["compile_s"] = sum(v for k, v in seconds.items() if k != "gc")
             s["gc_s"] = gc_s
             s["slow"] = bool(threshold and s["duration_s"] > threshold)
+            # a cause when an event covers a good part of the step (every step compiling is as much
+            # a finding as one slow step), or when a slow step's excess is mostly that event
+            best = max(seconds.items(), key=lambda kv: kv[1], default=(None, 0.0))
+            excess = s["duration_s"] - (median or 0.0)
             cause = "normal"
-            if s["slow"]:
-                excess = s["duration_s"] - median
-                best = max(seconds.items(), key=lambda kv: kv[1], default=(None, 0.0))
-                if best[0] and best[1] >= 0.25 * excess:
-                    cause = best[0]
-                elif s["step"] == first_step:
-                    cause = "warmup"
-                else:
-                    cause = "unexplained"
+            if best[0] and (best[1] >= CAUSE_SHARE * s["duration_s"] or (s["slow"] and best[1] >= 0.25 * excess)):
+                cause = best[0]
+            elif s["slow"]:
+                cause = "warmup" if s["step"] == first_step else "unexplained"
             s["cause"] = cause
     return median, threshold
 
 
+def step_gaps(step_rows, median):
+    """Wall time between one step's end and the next one's start that is long enough to matter
+    (evaluation, checkpointing, a profiler export): no step's duration counts it."""
+    gaps = []
+    if not median:
+        return gaps
+    floor = max(1.0, 2 * median)
+    for rank, rows in step_rows.items():
+        for a, b in zip(rows, rows[1:]):
+            gap = b["start_s"] - a["end_s"]
+            if gap >= floor:
+                gaps.append({"rank": rank, "after_step": a["step"], "before_step": b["step"],
+                             "start_s": a["end_s"], "end_s": b["start_s"], "duration_s": gap})
+    return gaps
+
+
 def _bin_steps(rows, limit=MAX_STEP_BARS):
-    """Keeps at most `limit` bars: consecutive steps are merged, the slowest of a bin stands for it."""
+    """At most `limit` bars: consecutive steps are merged; a bin's bar is its median step, and its
+    slowest step (with the most common slow cause) rides on top, so outliers stay visible."""
     if len(rows) <= limit:
         return rows
     size = math.ceil(len(rows) / limit)
     out = []
     for i in range(0, len(rows), size):
         chunk = rows[i: i + size]
-        worst = dict(max(chunk, key=lambda s: s["duration_s"]))
-        worst.update(start_s=chunk[0]["start_s"], end_s=chunk[-1]["end_s"],
-                     label=f"steps {chunk[0]['step']}–{chunk[-1]['step']} (slowest shown)")
-        out.append(worst)
+        slow = [s for s in chunk if s["slow"]]
+        causes = {}
+        for s in slow:
+            causes[s["cause"]] = causes.get(s["cause"], 0) + 1
+        out.append({"step": chunk[0]["step"], "start_s": chunk[0]["start_s"], "end_s": chunk[-1]["end_s"],
+                    "duration_s": _median([s["duration_s"] for s in chunk]),
+                    "max_s": max(s["duration_s"] for s in chunk),
+                    "cause": max(causes, key=causes.get) if causes else "normal",
+                    "slow": bool(slow), "slow_count": len(slow), "binned": len(chunk),
+                    "compile_s": sum(s.get("compile_s", 0.0) for s in chunk),
+                    "gc_s": sum(s.get("gc_s", 0.0) for s in chunk),
+                    "label": f"steps {chunk[0]['step']}–{chunk[-1]['step']}"})
     return out
 
 
@@ -316,6 +349,8 @@ def _losses(run):
 # -- py-spy: the GIL holder's stacks as an icicle tree, and per-thread GIL shares -----------------
 def _frame_kind(frame):
     f = frame.file or ""
+    if "_traindx_shim" in f or "/traindx/" in f:
+        return "traindx"  # the profiler's own hooks: not the user's code
     if "site-packages" in f or "dist-packages" in f:
         return "library"
     if "/lib/python" in f or f.startswith("<"):
@@ -347,14 +382,25 @@ def flame_tree(threads, min_share=FLAME_MIN_SHARE, max_depth=FLAME_MAX_DEPTH):
             root["value"] += weight
             tnode["value"] += weight
             node = tnode
+            in_import = False
             for frame in stack[:max_depth]:
                 if not frame.file and _THREAD_ROOT_FRAME.match(frame.name):
                     continue  # py-spy's own "thread (id): name" root
-                key = (frame.name, frame.file, frame.line)
+                if frame.file.startswith("<frozen importlib"):
+                    # a chain of importlib frames says one thing: "importing"; keep one node
+                    if in_import:
+                        continue
+                    in_import = True
+                    key = ("(import machinery)", "", 0)
+                    kind = "python"
+                else:
+                    in_import = False
+                    key = (frame.name, frame.file, frame.line)
+                    kind = _frame_kind(frame)
                 child = node["children"].get(key)
                 if child is None:
-                    child = node["children"][key] = {"name": frame.name, "file": frame.file,
-                                                     "line": frame.line, "kind": _frame_kind(frame),
+                    child = node["children"][key] = {"name": key[0], "file": key[1],
+                                                     "line": key[2], "kind": kind,
                                                      "value": 0, "children": {}}
                 child["value"] += weight
                 node = child
@@ -408,7 +454,7 @@ def gil_view(run):
 
 
 # -- thread lanes: which thread ran, which held the GIL, around the worst step -------------------
-def thread_lanes(run, t0, worst, compiles):
+def thread_lanes(run, t0, worst, compiles, step_rows):
     dumps = run.dumps
     if not len(dumps) or worst is None:
         return None
@@ -461,7 +507,9 @@ def thread_lanes(run, t0, worst, compiles):
     if zoom == "step":
         lo, hi = min(lo, worst["start_s"]), max(hi, worst["end_s"])
     window_compiles = [c for c in compiles if c["rank"] == rank and c["end_s"] >= lo and c["start_s"] <= hi]
-    return {"rank": rank, "zoom": zoom, "step": worst["step"], "step_start_s": worst["start_s"],
+    steps_in_window = [{"step": s["step"], "start_s": s["start_s"], "end_s": s["end_s"], "cause": s["cause"]}
+                       for s in step_rows.get(rank, []) if s["end_s"] >= lo and s["start_s"] <= hi]
+    return {"rank": rank, "zoom": zoom, "step": worst["step"], "steps": steps_in_window[:MAX_STEP_BARS], "step_start_s": worst["start_s"],
             "step_end_s": worst["end_s"], "start_s": lo, "end_s": hi,
             "snapshots": len(chosen), "interval_s": interval / 1e9, "threads": threads[:24],
             "compiles": [{"thread": c["thread"], "start_s": c["start_s"], "end_s": c["end_s"],
@@ -520,7 +568,14 @@ def gpu_view(run, t0):
         util = [_num(v) for v in g["util"]] if "util" in g else []
         entry["mean_util"] = sum(u for u in util if u is not None) / max(1, sum(u is not None for u in util)) if util else None
         series.append(entry)
-    return {"available": True, "series": series}
+    # clock throttling, one line per distinct pattern rather than one per GPU
+    throttle = {}
+    for e in series:
+        for reason, share in e["throttle"].items():
+            throttle.setdefault((reason, round(share, 2)), []).append(e["gpu"])
+    notes = [{"reason": reason, "share": share, "gpus": _ranges(g) if all(isinstance(x, int) for x in g)
+              else ", ".join(map(str, g))} for (reason, share), g in sorted(throttle.items(), key=lambda kv: -kv[0][1])]
+    return {"available": True, "series": series, "throttle": notes}
 
 
 # -- findings -------------------------------------------------------------------------------------
@@ -627,7 +682,7 @@ def _finding_view(f, compiles):
     }
 
 
-def verdict(findings_view, median_step):
+def verdict(findings_view, median_step, cause_counts=None, steps=()):
     """The one change to make: the first finding (ranked) with a prescription and a loss."""
     for f in findings_view:
         if f["severity"] == "info" or not f["prescriptions"]:
@@ -649,10 +704,25 @@ def verdict(findings_view, median_step):
                 "finding_anchor": f["anchor"], "severity": f["severity"],
                 "gain_s": f["seconds_lost_per_step"], "speedup": None, "median_step_s": median_step,
                 "after_step_s": None, "text": None, "text_kind": None, "automatic": False}
+    # no analyzer flagged anything, yet the evidence may still show where the time went
+    explained = {c: n for c, n in (cause_counts or {}).items() if c not in ("normal", "warmup", "unexplained")}
+    if explained:
+        cause = max(explained, key=explained.get)
+        n_steps = len({(s["rank"], s["step"]) for s in steps}) or 1
+        seconds = sum(s["compile_s"] if cause != "gc" else s["gc_s"] for s in steps if s["cause"] == cause)
+        return {"kind": "evidence", "headline": f"{explained[cause]} of {n_steps} steps spent most of their "
+                f"time in {CAUSES[cause]} ({_seconds_text(seconds)} in all)",
+                "finding_title": None, "finding_anchor": None, "severity": "medium",
+                "gain_s": None, "speedup": None, "median_step_s": median_step, "after_step_s": None,
+                "text": None, "text_kind": None, "automatic": False}
     return {"kind": "healthy", "headline": "No slowdown found: nothing to change",
             "finding_title": None, "finding_anchor": None, "severity": "info", "gain_s": None,
             "speedup": None, "median_step_s": median_step, "after_step_s": None, "text": None,
             "text_kind": None, "automatic": False}
+
+
+def _seconds_text(seconds):
+    return f"{seconds:.1f} s" if seconds >= 1 else f"{seconds * 1e3:.0f} ms"
 
 
 # -- before/after ---------------------------------------------------------------------------------
@@ -716,24 +786,35 @@ def _core(run, findings):
     cv = (math.sqrt(sum((d - mean) ** 2 for d in steady) / len(steady)) / mean) if steady and mean else None
     cause_counts = {}
     for s in all_steps:
-        if s["slow"]:
+        if s["cause"] != "normal":
             cause_counts[s["cause"]] = cause_counts.get(s["cause"], 0) + 1
     losses = _losses(run)
-    findings_view = [_finding_view(f, compiles) for f in rank_for_report(findings)]
+    gaps = step_gaps(step_rows, median)
+    first_rank = next(iter(step_rows), None)
+    first_start = step_rows[first_rank][0]["start_s"] if first_rank is not None and step_rows[first_rank] else None
+    # missing evidence has its own notice (from the manifest); not repeated as a finding
+    findings_view = [_finding_view(f, compiles) for f in rank_for_report(findings)
+                     if f.id != "evidence.missing"]
     stats = {"steps": max((len(r) for r in step_rows.values()), default=0),
              "ranks": len(step_rows) or len(meta["ranks"]),
              "step_source": step_source, "median_step_s": median, "steady_median_s": steady_median,
              "p90_step_s": _quantile(durations, 0.9), "max_step_s": max(durations) if durations else None,
-             "cv": cv, "slow_steps": sum(cause_counts.values()), "slow_threshold_s": threshold,
+             "cv": cv, "slow_steps": sum(1 for s in all_steps if s["slow"]), "slow_threshold_s": threshold,
+             "unexplained_steps": cause_counts.get("unexplained", 0),
              "compiles": len(compiles), "compile_s": sum(c["duration_s"] for c in compiles),
              "worst_step": {"rank": worst["rank"], "step": worst["step"], "duration_s": worst["duration_s"],
                             "cause": worst["cause"]} if worst else None,
-             "final_loss": losses[max(losses)] if losses else None}
+             "final_loss": losses[max(losses)] if losses else None,
+             "startup_s": first_start,
+             "gap_s": sum(g["duration_s"] for g in gaps if g["rank"] == first_rank),
+             "longest_gap": max((g for g in gaps if g["rank"] == first_rank),
+                                key=lambda g: g["duration_s"], default=None)}
     core = {"run": meta, "missing": missing_evidence(run),
-            "verdict": verdict(findings_view, steady_median), "stats": stats,
+            "verdict": verdict(findings_view, steady_median, cause_counts, all_steps), "stats": stats,
             "findings": findings_view, "causes": CAUSES}
     return core, {"t0": t0, "step_rows": step_rows, "compiles": compiles, "worst": worst,
-                  "all_steps": all_steps, "cause_counts": cause_counts, "losses": losses}
+                  "all_steps": all_steps, "cause_counts": cause_counts, "losses": losses,
+                  "gaps": gaps}
 
 
 def build_summary(run, findings):
@@ -760,12 +841,13 @@ def build_report_data(run, findings, comparison=None):
                 for r in log.tail(MAX_LOG_LINES).itertuples()] if len(log) else []
     data.update({
         "timeline": {"end_s": end_s, "ranks": {r: _bin_steps(rows) for r, rows in step_rows.items()},
-                     "cause_counts": x["cause_counts"],
+                     "cause_counts": x["cause_counts"], "gaps": x["gaps"][:200],
+                     "bin_size": max((math.ceil(len(r) / MAX_STEP_BARS) for r in step_rows.values()), default=1),
                      "losses": x["losses"] if len(x["losses"]) <= MAX_STEP_BARS else {}},
         "compiles": compiles[:MAX_COMPILE_ROWS],
         "compiles_total": len(compiles),
         "gil": gil_view(run),
-        "lanes": thread_lanes(run, t0, x["worst"], compiles),
+        "lanes": thread_lanes(run, t0, x["worst"], compiles, step_rows),
         "gpu": gpu_view(run, t0),
         "ranks_summary": ranks_summary,
         "log_tail": log_tail,

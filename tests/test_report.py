@@ -1,0 +1,321 @@
+"""The report: its data for real runs, escaping of the job's strings, the Perfetto export, the
+`diagnose report` command, and the page itself opened in a real headless Chromium."""
+import gzip
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from traindx.findings import Finding, Prescription
+from traindx.outputs import read_findings
+from traindx.record import load_run
+from traindx.report.data import build_report_data, build_summary, comparison_view, prescription_text
+from traindx.report.html import write_report
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PYTHON = sys.executable
+ARTIFACTS = os.path.join(ROOT, "test-artifacts")
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+ESCAPING_JOB = os.path.join(ROOT, "tests", "data", "report_escaping_job.py")
+MARKUP = ("<script>window.__pwned=1</script>", "<img src=x onerror=window.__pwned=2>",
+          "<b onmouseover=window.__pwned=3>worker</b>", "<script>document.title='pwned'</script>")
+
+
+def diagnose(run_dir, *job, options=()):
+    cmd = [PYTHON, "-m", "traindx", "--quiet", "--run-dir", str(run_dir), *options, "--", *job]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return load_run(run_dir), proc
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    run, _ = diagnose(tmp_path_factory.mktemp("runs") / "tiny", PYTHON, "examples/train_tiny.py",
+                      "--steps", "6", options=("--dump-interval", "0.5"))
+    return run
+
+
+@pytest.fixture(scope="module")
+def escaping_run(tmp_path_factory):
+    run, _ = diagnose(tmp_path_factory.mktemp("runs") / "markup", PYTHON, ESCAPING_JOB, "5",
+                      options=("--dump-interval", "0.5"))
+    return run
+
+
+def _jit_findings(run):
+    """Findings shaped like the JIT analyzer's, built on this run's real steps (no JIT analyzer
+    runs on a CPU job without FA4), so the ranking and the verdict have something to rank."""
+    steps = [int(s) for s in run.steps["step"]]
+    return [
+        Finding(id="gc.gen2_in_steps", title="Generation-2 GC pauses inside steps", severity="low",
+                analyzer="gc", seconds_lost_per_step=0.01, steps_affected=tuple(steps[:2]),
+                prescriptions=(Prescription(kind="code", summary="call gc.freeze() after building the model",
+                                            change={"code": {"file": "train.py", "line": 12, "before": "model = build()",
+                                                             "after": "model = build()\ngc.freeze()"}}),)),
+        Finding(id="jit.fa4_steady_recompile", title="FA4 recompiles its backward kernel every step",
+                severity="high", analyzer="jit", seconds_lost_per_step=0.05, share_of_step=0.2,
+                steps_affected=tuple(steps[1:]), summary="max_seqlen reaches the compile key as a tensor",
+                evidence={"key_field": "single_q_block", "compiles": [{"step": s, "duration_s": 0.05} for s in steps]},
+                prescriptions=(Prescription(kind="upgrade", summary="upgrade flash-attn-4 to 4.0.0b26 or newer",
+                                            change={"upgrade": {"package": "flash-attn-4", "min_version": "4.0.0b26"}},
+                                            expected_gain_s_per_step=0.05),)),
+        Finding(id="evidence.note", title="a note", severity="info", analyzer="steps"),
+    ]
+
+
+# -- report data ---------------------------------------------------------------------------------
+def test_report_data_of_a_real_run_matches_its_record(tiny_run):
+    findings = read_findings(tiny_run.path)
+    data = build_report_data(tiny_run, findings)
+    steps = data["timeline"]["ranks"]["0"]
+    recorded = tiny_run.rank_steps("0")
+    assert [s["step"] for s in steps] == list(recorded["step"]) == list(range(6))
+    assert [round(s["duration_s"], 9) for s in steps] == [round(d, 9) for d in recorded["duration_s"]]
+    # steps lie inside the run, in order, each with a cause
+    assert all(0 <= s["start_s"] < s["end_s"] <= data["timeline"]["end_s"] for s in steps)
+    assert all(a["end_s"] <= b["start_s"] for a, b in zip(steps, steps[1:]))
+    assert {s["cause"] for s in steps} <= set(data["causes"])
+    slow = [s for s in steps if s["duration_s"] > data["stats"]["slow_threshold_s"]]
+    assert [s["slow"] for s in steps] == [s in slow for s in steps]
+    assert data["stats"]["steps"] == 6 and data["stats"]["ranks"] == 1
+    assert data["stats"]["steady_median_s"] == pytest.approx(sorted(recorded["duration_s"][1:])[2])
+    assert "examples/train_tiny.py" in data["run"]["command"]
+    assert data["run"]["packages"]["torch"].startswith("2.")
+    # this machine has no GPU: said so, with NVML's reason
+    assert data["gpu"]["available"] is False and "NVML" in data["gpu"]["reason"]
+    assert any(m["what"] == "nvml" for m in data["missing"])
+    # py-spy: the main thread held the GIL, and the tree's weights add up
+    gil = data["gil"][0]
+    assert gil["threads"][0]["share_of_gil"] > 0.5
+    tree = gil["tree"]
+    assert tree["value"] == pytest.approx(sum(c["value"] for c in tree["children"]))
+    assert data["lanes"]["threads"] and data["lanes"]["snapshots"] >= 3
+    assert data["log_tail"] and "iteration" in data["log_tail"][-1]["text"]
+    json.dumps(data)  # plain data, ready for any renderer
+
+
+def test_findings_ranked_by_seconds_lost_and_verdict_is_the_top_change(tiny_run):
+    findings = _jit_findings(tiny_run)
+    data = build_report_data(tiny_run, findings)
+    assert [f["id"] for f in data["findings"]] == ["jit.fa4_steady_recompile", "gc.gen2_in_steps", "evidence.note"]
+    v = data["verdict"]
+    assert v["kind"] == "change" and v["headline"] == "upgrade flash-attn-4 to 4.0.0b26 or newer"
+    assert v["gain_s"] == 0.05 and v["text"] == "pip install -U 'flash-attn-4>=4.0.0b26'"
+    median = data["stats"]["steady_median_s"]
+    assert v["speedup"] == pytest.approx(median / (median - 0.05))
+    # the terminal summary is built from the same data
+    assert build_summary(tiny_run, findings)["verdict"] == v
+
+
+def test_prescriptions_become_copyable_commands_and_diffs():
+    env = Prescription(kind="env", summary="s", change={"env": {"FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED": "1"}})
+    assert prescription_text(env) == ("export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1", "command")
+    code = Prescription(kind="code", summary="s", change={"code": {"file": "a.py", "line": 3,
+                                                                  "before": "x = t.max()", "after": "x = int(t.max())"}})
+    text, kind = prescription_text(code)
+    assert kind == "diff" and "-x = t.max()" in text.splitlines() and "+x = int(t.max())" in text.splitlines()
+    pre = Prescription(kind="precompile", summary="s", change={"precompile": {"from_run": "runs/x y"}})
+    assert prescription_text(pre)[0] == "kernel-cache warm --from-run 'runs/x y'"
+    given = Prescription(kind="arg", summary="s", command="swift sft --attn_impl flash_attn")
+    assert prescription_text(given) == ("swift sft --attn_impl flash_attn", "command")
+
+
+def test_comparison_renders_whatever_keys_are_present():
+    view = comparison_view({"verdict": "1.9× faster, loss parity holds",
+                            "arms": {"baseline": {"median_step_s": 0.52, "tokens_per_s": 1969.0},
+                                     "candidate": {"median_step_s": 0.27, "cv": 0.03}},
+                            "speedup": 1.93, "speedup_ci": [1.81, 2.05],
+                            "loss_parity": {"pearson": 0.998, "passed": True}})
+    assert view["arms"] == ["baseline", "candidate"]
+    rows = {r["label"]: r["values"] for r in view["rows"]}
+    assert rows == {"median step s": ["0.52", "0.27"], "tokens per s": ["1969", ""], "cv": ["", "0.03"]}
+    facts = {f["label"]: f for f in view["facts"]}
+    assert facts["speedup ci"]["value"] == "[1.81, 2.05]"
+    assert ["passed", "yes"] in facts["loss parity"]["pairs"]
+    assert comparison_view(None) is None
+
+
+# -- escaping -------------------------------------------------------------------------------------
+def test_markup_from_the_job_is_escaped_everywhere(escaping_run):
+    run = escaping_run
+    # the markup really is in the evidence: py-spy saw the frame and file, the log has the line
+    frames = {f.name for ts in run.pyspy[("0", "gil")].values() for st in ts.stacks for f in st}
+    assert MARKUP[0] in frames
+    assert any(MARKUP[3] in t for t in run.log["text"])
+    hot = next(f for f in frames if "<script>" in f)
+    findings = [Finding(id="gil.helper_thread", title=f"{MARKUP[2]} holds the GIL in {hot}", severity="high",
+                        analyzer="gil", seconds_lost_per_step=0.2, summary=hot,
+                        evidence={"frame": hot, "stack": [{"name": hot, "file": MARKUP[1], "line": 1}]},
+                        prescriptions=(Prescription(kind="code", summary=f"stop {hot}", command=f"echo '{hot}'"),))]
+    path = write_report(run, findings, comparison={"verdict": MARKUP[0], "arms": {MARKUP[2]: {MARKUP[1]: MARKUP[3]}}})
+    html = open(path, encoding="utf-8").read()
+    # exactly one script element: the report's own
+    assert len(re.findall(r"<script\b", html, flags=re.I)) == 1
+    for text in MARKUP:
+        assert text not in html
+    assert "&lt;script&gt;window.__pwned=1&lt;/script&gt;" in html
+    assert "&lt;img src=x onerror=window.__pwned=2&gt;" in html
+    assert not re.search(r"<img\b|<[^>]*\bon[a-z]+=", html, flags=re.I)  # no tag, no handler attribute
+    _chromium_check(path, "report-escaping.png", expect_text=[MARKUP[0], MARKUP[3]])
+
+
+def test_secrets_in_the_environment_stay_out(tiny_run, tmp_path):
+    run_dir = tmp_path / "run"
+    shutil.copytree(tiny_run.path, run_dir)
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    manifest["env"].update({"HF_TOKEN": "hf_abcdefghijklmnopqrstuvwxyz123456", "NCCL_DEBUG": "INFO",
+                            "AWS_SECRET_ACCESS_KEY": "abc", "TORCH_SECRET_TOKEN": "zz-do-not-show"})
+    (run_dir / "manifest.json").write_text(json.dumps(manifest))
+    html = open(write_report(load_run(run_dir), []), encoding="utf-8").read()
+    assert "NCCL_DEBUG" in html
+    for secret in ("hf_abcdefghijklmnopqrstuvwxyz123456", "zz-do-not-show", "AWS_SECRET_ACCESS_KEY", "HF_TOKEN"):
+        assert secret not in html
+
+
+# -- Perfetto, size, command ----------------------------------------------------------------------
+def test_perfetto_export_holds_the_merged_timeline(tiny_run, tmp_path):
+    out = tmp_path / "trace.json.gz"
+    proc = subprocess.run([PYTHON, "-m", "traindx", "report", tiny_run.path, "--quiet", "--perfetto", str(out),
+                           "-o", str(tmp_path / "r.html")], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == str(tmp_path / "r.html") and os.path.getsize(tmp_path / "r.html") > 10_000
+    trace = json.load(gzip.open(out, "rt"))
+    events = trace["traceEvents"]
+    steps = [e for e in events if e.get("cat") == "step"]
+    assert [e["name"] for e in steps] == [f"step {i}" for i in range(6)]
+    duration_us = (tiny_run.manifest["end_ns"] - tiny_run.manifest["start_ns"]) / 1000
+    assert all(0 <= e["ts"] and e["ts"] + e["dur"] <= duration_us for e in steps)
+    recorded = list(tiny_run.rank_steps("0")["duration_s"])
+    assert [e["dur"] / 1e6 for e in steps] == pytest.approx(recorded)
+    snapshots = [e for e in events if e.get("cat") == "py-spy"]
+    assert snapshots and any(e["args"]["owns_gil"] for e in snapshots)
+    names = {e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "thread_name"}
+    assert "optimizer steps" in names and "thread MainThread" in names
+
+
+def test_report_command_errors_are_one_line(tmp_path):
+    proc = subprocess.run([PYTHON, "-m", "traindx", "report", str(tmp_path / "nope")], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and proc.stderr.strip().startswith("diagnose: error: no such run folder")
+    assert "Traceback" not in proc.stderr
+
+
+def test_a_ten_minute_run_renders_under_five_megabytes(tiny_run, tmp_path):
+    """The tiny run's real evidence stretched to a 10-minute run: its steps repeated at 0.1 s
+    per step (6000 steps), py-spy snapshots every 0.5 s, 12000 py-spy samples, and 8 GPUs of
+    NVML rows every 0.5 s: the report stays under 5 MB."""
+    run_dir = tmp_path / "long"
+    shutil.copytree(tiny_run.path, run_dir)
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    start = manifest["start_ns"]
+    span = 600 * 10**9
+    events = [json.loads(l) for l in (run_dir / "events" / "0.jsonl").read_text().splitlines() if l.strip()]
+    step_events = [e for e in events if e["type"] in ("step_begin", "step_end", "gc")]
+    others = [e for e in events if e not in step_events]
+    first = min(e["t"] for e in step_events)
+    # 0.1 s per step whatever this machine's speed: 6000 steps, the worst case for the chart
+    period = 6 * 10**8
+    scale = period / (max(e["t"] for e in step_events) - first + 1)
+    with open(run_dir / "events" / "0.jsonl", "w") as f:
+        for e in others:
+            f.write(json.dumps(e) + "\n")
+        for k in range(span // period):
+            for e in step_events:
+                e2 = dict(e, t=first + k * period + int((e["t"] - first) * scale), step=e["step"] + k * 6)
+                f.write(json.dumps(e2) + "\n")
+    snaps = (run_dir / "pyspy" / "0-dump.jsonl").read_text().splitlines()
+    with open(run_dir / "pyspy" / "0-dump.jsonl", "w") as f:
+        for i in range(1200):  # one every 0.5 s
+            snap = json.loads(snaps[i % len(snaps)])
+            snap["t"] = start + i * 5 * 10**8
+            f.write(json.dumps(snap) + "\n")
+    for source in ("all", "gil"):
+        p = run_dir / "pyspy" / f"0-{source}.speedscope.json"
+        doc = json.loads(p.read_text())
+        for prof in doc["profiles"]:
+            reps = max(1, 12000 // max(1, len(prof["samples"])))
+            prof["samples"] = prof["samples"] * reps
+            prof["weights"] = prof["weights"] * reps
+        p.write_text(json.dumps(doc))
+    with open(run_dir / "nvml.csv", "w") as f:
+        f.write("t,gpu,util,mem_util,sm_clock_mhz,mem_used_bytes,power_w,clock_event_reasons\n")
+        for i in range(1200):
+            for g in range(8):
+                f.write(f"{start + i * 5 * 10**8},{g},{(i * 7 + g) % 100},{i % 50},{1500 + i % 300},{2**34},{300 + i % 400},{4 if i % 3 else 0}\n")
+    manifest["end_ns"] = start + span
+    (run_dir / "manifest.json").write_text(json.dumps(manifest))
+    run = load_run(run_dir)
+    assert len(run.steps) >= 5000
+    path = write_report(run, _jit_findings(tiny_run))
+    size = os.path.getsize(path)
+    assert size <= 5 * 2**20, f"{size / 2**20:.1f} MB"
+    data = build_report_data(run, [])
+    assert data["gpu"]["available"] and len(data["gpu"]["series"]) == 8
+
+
+# -- a real browser -------------------------------------------------------------------------------
+def _chromium_check(path, screenshot, expect_text=(), checks=None):
+    """Open the report in headless Chromium: no console errors, the page's script ran, the key
+    elements are drawn; keeps a full-page screenshot under test-artifacts/."""
+    if not CHROMIUM:
+        pytest.skip("chromium is not installed (.ci/run installs Debian's chromium)")
+    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright (the dev extra) drives Chromium")
+    os.makedirs(ARTIFACTS, exist_ok=True)
+    problems = []
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=[
+            "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+            "--disable-sync", "--no-first-run"])
+        try:
+            page = browser.new_page(viewport={"width": 1280, "height": 900})
+            page.on("console", lambda m: m.type in ("error", "warning") and problems.append(f"{m.type}: {m.text}"))
+            page.on("pageerror", lambda e: problems.append(f"pageerror: {e}"))
+            page.on("dialog", lambda d: (problems.append(f"dialog: {d.message}"), d.dismiss()))
+            requests = []
+            page.on("request", lambda r: r.url.startswith("file://") or requests.append(r.url))
+            page.goto("file://" + os.path.abspath(path))
+            page.wait_for_selector("html[data-ready='1']", timeout=10_000)
+            assert page.evaluate("window.__pwned") is None
+            assert page.title() != "pwned" and page.title().startswith("traindx")
+            assert page.inner_text("#verdict-headline").strip()
+            assert page.locator("#step-chart rect.step").count() >= 1
+            body = page.inner_text("body")
+            for text in expect_text:
+                assert text in body
+            if checks:
+                checks(page)
+            page.screenshot(path=os.path.join(ARTIFACTS, screenshot), full_page=True)
+        finally:
+            browser.close()
+    assert not problems, problems
+    assert not requests, f"the report reached for the network: {requests}"
+
+
+def test_report_in_chromium(tiny_run):
+    findings = _jit_findings(tiny_run)
+    comparison = {"verdict": "candidate 1.9× faster; loss parity holds",
+                  "arms": {"baseline": {"median_step_s": 0.52}, "candidate": {"median_step_s": 0.27}},
+                  "speedup": 1.93}
+    path = write_report(tiny_run, findings, comparison=comparison)
+    n_steps = len(tiny_run.steps)
+
+    def checks(page):
+        assert page.locator("#step-chart rect.step").count() == n_steps
+        assert "upgrade flash-attn-4" in page.inner_text("#verdict")
+        assert page.inner_text("#verdict-command") == "pip install -U 'flash-attn-4>=4.0.0b26'"
+        ids = page.eval_on_selector_all("#findings .finding", "els => els.map(e => e.dataset.id)")
+        assert ids == ["jit.fa4_steady_recompile", "gc.gen2_in_steps", "evidence.note"]
+        assert page.locator("#gil svg g.frame").count() > 5
+        assert page.locator("#lanes svg rect.seg").count() >= 1
+        assert "No GPU metrics" in page.inner_text("#gpu")
+        assert "1.9× faster" in page.inner_text("#comparison")
+        assert page.locator("#findings .copyable button.copy").count() >= 2
+        # the charts are laid out at a readable size
+        box = page.locator("#step-chart").bounding_box()
+        assert box["width"] > 800 and box["height"] > 150
+
+    _chromium_check(path, "report.png", checks=checks)
