@@ -38,15 +38,20 @@ class Compile:
     """One compile seen in the samples of one thread."""
     thread: str
     kind: str
-    site: object                  # the Frame that asked for the compile (just above the compiler)
+    site: tuple                   # the frames that asked for the compile (innermost last)
     first_sample: int
     samples: int = 0
     seconds: float = 0.0
     kernel_files: collections.Counter = field(default_factory=collections.Counter)
 
     @property
+    def site_frame(self):
+        return _site_frame(self.site)
+
+    @property
     def site_label(self):
-        return f"{self.site.name} ({_short(self.site.file)}:{self.site.line})" if self.site else "?"
+        frame = self.site_frame
+        return f"{frame.name} ({_short(frame.file)}:{frame.line})" if frame else "?"
 
     @property
     def kernel_file(self):
@@ -54,7 +59,8 @@ class Compile:
 
     @property
     def function(self):
-        return self.site.name if self.site else None
+        frame = self.site_frame
+        return frame.name if frame else None
 
 
 def _short(path):
@@ -87,12 +93,23 @@ def classify(stack):
     return None
 
 
+SITE_DEPTH = 4  # frames above the compiler that tell one call site from another
+
+
 def _site(stack, entry):
-    """The frame that called into the compiler: the innermost non-compiler frame above it."""
-    for frame in reversed(stack[:entry]):
-        if not COMPILER_PATH.search(frame.file or ""):
+    """The frames that called into the compiler (innermost last), up to SITE_DEPTH: two calls
+    of one helper from different lines of its caller are different kernels."""
+    callers = [f for f in stack[:entry] if not COMPILER_PATH.search(f.file or "")]
+    return tuple(callers[-SITE_DEPTH:])
+
+
+def _site_frame(site):
+    """The frame to name a site by: FA4's interface function (_flash_attn_fwd/_flash_attn_bwd)
+    when it is on the stack, else the direct caller of the compiler."""
+    for frame in site:
+        if frame.name.startswith("_flash_attn_") and FA4_PATH.search(frame.file or ""):
             return frame
-    return None
+    return site[-1] if site else None
 
 
 PIPELINE_DEPTH = 8  # frames below the compiler's entry that run its stages once per compile
@@ -205,15 +222,15 @@ def summarize(recording):
     for label, samples in recording.items():
         by_site = collections.OrderedDict()
         for c in compiles_of_thread(names[label], samples):
-            by_site.setdefault((c.kind, c.site_label), []).append(c)
+            by_site.setdefault((c.kind, c.site), []).append(c)
         thread_s = ev.training_weight(samples)
-        for (kind, site_label), group in by_site.items():
+        for (kind, _), group in by_site.items():
             files = collections.Counter()
             for c in group:
                 files.update(c.kernel_files)
             out.append(SiteSummary(
                 thread=names[label], is_main_thread=label == main, kind=kind,
-                site_label=site_label, function=group[0].function,
+                site_label=group[0].site_label, function=group[0].function,
                 kernel_file=files.most_common(1)[0][0] if files else None, compiles=group,
                 total_seconds=sum(c.seconds for c in group), thread_seconds=thread_s,
                 recording_seconds=recording_s))
