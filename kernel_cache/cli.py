@@ -124,9 +124,9 @@ def run_warm(args):
 
     from traindx.kernel_cache import warm
 
-    env = store.require_fa4()
     items, sources, run_info = _plan(args)
     arch_vars, fake, arch, num_sms, note = _target(args, run_info)
+    env = store.require_fa4()
     cache_dir = store.resolve_cache_dir(args.cache_dir)
     extra_env = dict((run_info or {}).get("env") or {})
     err = _console(stderr=True)
@@ -330,7 +330,7 @@ def run_verify(args):
                 message = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
                 bad.append((entry, f"{type(exc).__name__}: {message}"))
     for entry, why in bad:
-        out.print(f"[red]bad[/] {entry.path}: {why}")
+        out.print(f"[red]bad[/] {entry.path}: {why}", soft_wrap=True)
         if args.delete_bad:
             entry.path.unlink(missing_ok=True)
     total = sum(len(f.entries) for f in usable)

@@ -1,0 +1,255 @@
+"""kernel-cache: precompiling FA4 kernels on a CPU (real FA4 under FakeTensorMode) so that a job
+compiles nothing, replaying a recorded run's compiles, and managing the cache folder."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from traindx.errors import UserError
+from traindx.kernel_cache import cli, spec, store
+
+ROOT = Path(__file__).resolve().parent.parent
+DATA = ROOT / "tests" / "data" / "kernel_cache"
+EXAMPLE = ROOT / "examples" / "fa4_seed.py"
+# a small packed-varlen job: 2 q heads / 1 kv head of dim 64, sequences of 16-64 tokens, sm_90
+EXAMPLE_ARGS = ["--arch", "sm_90", "--steps", "2", "--min-len", "16", "--max-len", "64"]
+EXAMPLE_SPEC = "hd=64,hq=2,hkv=1,dtype=bf16,causal,varlen"
+HAVE_FA4 = store.current_environment().fingerprint is not None
+needs_fa4 = pytest.mark.skipif(not HAVE_FA4, reason="flash-attn-4 / nvidia-cutlass-dsl not installed")
+
+
+def kernel_cache(*args, env=None, timeout=600):
+    return subprocess.run([sys.executable, "-m", "traindx.kernel_cache.cli", *map(str, args)],
+                          capture_output=True, text=True, env=env, timeout=timeout, cwd=ROOT)
+
+
+def job_env(cache_dir=None):
+    env = dict(os.environ)
+    for name in ("FLASH_ATTENTION_ARCH", "CUTE_DSL_ARCH", "FLASH_ATTENTION_NUM_SMS", "FA_LOG_LEVEL"):
+        env.pop(name, None)
+    env.pop(store.DIR_VAR, None)
+    env[store.ENABLE_VAR] = "0"
+    if cache_dir is not None:
+        env[store.ENABLE_VAR] = "1"
+        env[store.DIR_VAR] = str(cache_dir)
+    return env
+
+
+def diagnose_example(run_dir, cache_dir):
+    """The FA4 example under `diagnose`, with FA4's persistent cache in cache_dir."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "traindx", "--no-pyspy", "--no-nvml", "--quiet", "--run-dir",
+         str(run_dir), "--", sys.executable, str(EXAMPLE), *EXAMPLE_ARGS],
+        capture_output=True, text=True, env=job_env(cache_dir), timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    from traindx import load_run
+
+    return load_run(run_dir)
+
+
+def entries(cache_dir):
+    return sorted(str(p.relative_to(cache_dir)) for p in Path(cache_dir).glob("*/*/*.o"))
+
+
+def fa4_compiles(run):
+    c = run.compiles
+    return c[c["kind"] == "cute_dsl"] if len(c) else c
+
+
+# -- what to compile (no FA4 needed) ---------------------------------------------------------------
+def test_spec_syntax():
+    s = spec.parse_spec("hd=128,hq=16,hkv=4,dtype=bf16,causal,varlen,window=256:0,deterministic")
+    assert (s["hd"], s["hdv"], s["hq"], s["hkv"]) == (128, 128, 16, 4)
+    assert s["causal"] and s["varlen"] and s["deterministic"] and s["window"] == [256, 0]
+    for bad, why in [("hq=16", "hd="), ("hd=128,hq=16,hkv=5", "multiple"),
+                     ("hd=128,bogus", "unknown flag"), ("hd=abc", "bad value"),
+                     ("hd=128,dtype=fp64", "bad value")]:
+        with pytest.raises(UserError, match=why):
+            spec.parse_spec(bad)
+
+
+def test_seqlen_ranges_cover_every_tile_boundary():
+    assert spec.parse_seqlens("2048,4096") == [2048, 4096]
+    swept = spec.parse_seqlens("16-4096")
+    assert swept[0] == 16 and swept[-1] == 4096
+    assert all(v in swept for v in range(16, 257, 8)) and 1024 in swept
+    assert spec.parse_seqlens(None, varlen=True)[0] == 8  # varlen default: a sweep
+    with pytest.raises(UserError):
+        spec.parse_seqlens("64-16")
+    # the longest and the shortest length go first, so parallel workers start on different keys
+    assert spec.spread_order([16, 32, 48, 64])[:2] == [64, 16]
+
+
+@pytest.mark.parametrize("config, expected", [
+    ("llama3_8b.json", [(128, 32, 8)]),
+    ("qwen3_8b.json", [(128, 32, 8)]),
+    ("qwen3_30b_a3b.json", [(128, 32, 4)]),
+    ("qwen3_5_35b_a3b.json", [(256, 16, 2)]),      # text_config + layer_types
+    ("qwen3_next_80b_a3b.json", [(256, 16, 2)]),   # full_attention_interval only
+])
+def test_model_configs_give_the_attention_shapes(config, expected):
+    specs, notes = spec.model_specs(DATA / config, varlen=True)
+    assert [(s["hd"], s["hq"], s["hkv"]) for s in specs] == expected
+    assert all(s["varlen"] and s["causal"] and s["dtype"] == "bf16" and s["window"] is None
+               for s in specs)
+    if "qwen3_5" in config:
+        assert notes == ["full_attention (10 layers)"]  # the 30 linear-attention layers are not FA4
+
+
+def test_model_tensor_parallel_splits_heads():
+    specs, _ = spec.model_specs(DATA / "qwen3_5_35b_a3b.json", tp=4)
+    assert (specs[0]["hq"], specs[0]["hkv"]) == (4, 1)  # 2 kv heads replicated over 4 ranks
+
+
+def test_arch_env():
+    assert spec.arch_env("sm_90") == {"FLASH_ATTENTION_ARCH": "sm_90", "CUTE_DSL_ARCH": "sm_90a",
+                                      "FLASH_ATTENTION_NUM_SMS": "132"}
+    assert spec.arch_env("sm100", 148)["CUTE_DSL_ARCH"] == "sm_100a"
+    with pytest.raises(UserError):
+        spec.arch_number("hopper")
+
+
+# -- the cache folder (no compile) -----------------------------------------------------------------
+def fake_folder(cache_dir, fingerprint, versions=None, n=2):
+    folder = Path(cache_dir) / fingerprint
+    for i in range(n):
+        (folder / "fwd").mkdir(parents=True, exist_ok=True)
+        (folder / "fwd" / f"{i:064x}.o").write_bytes(b"\x7fELF" + bytes(100))
+        (folder / "fwd" / f"{i:064x}.lock").write_bytes(b"")
+    if versions:
+        (folder / store.METADATA_FILE).write_text(json.dumps({"versions": versions}))
+    return folder
+
+
+@needs_fa4
+def test_foreign_cache_is_unusable_with_reason(tmp_path):
+    env = store.current_environment()
+    fake_folder(tmp_path, env.fingerprint)
+    other = dict(env.versions(), python="3.12")
+    other["flash-attn-4"] = "4.0.0b17"
+    fake_folder(tmp_path, "a" * 64, versions=other)
+    fake_folder(tmp_path, "b" * 64)
+    folders = {f.fingerprint: f for f in store.scan(tmp_path)}
+    assert folders[env.fingerprint].usable
+    reason = folders["a" * 64].reason
+    assert "Python 3.12 (here" in reason and "flash-attn-4 4.0.0b17" in reason
+    assert not folders["b" * 64].usable and "fingerprint differs" in folders["b" * 64].reason
+    proc = kernel_cache("ls", "--cache-dir", tmp_path)
+    assert proc.returncode == 0 and "unusable: built for Python 3.12" in proc.stdout
+
+
+@needs_fa4
+def test_pack_unpack_clear(tmp_path):
+    env = store.current_environment()
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    fake_folder(src, env.fingerprint, n=3)
+    fake_folder(src, "c" * 64, versions=dict(env.versions(), python="3.99"))
+    tarball = tmp_path / "cache.tar.gz"
+    assert kernel_cache("pack", tarball, "--cache-dir", src).returncode == 0
+    with tarfile.open(tarball) as tar:
+        names = tar.getnames()
+    assert len([n for n in names if n.endswith(".o")]) == 3  # only this environment's folder
+    assert not any(n.endswith(".lock") for n in names)
+    proc = kernel_cache("unpack", tarball, "--cache-dir", dst)
+    assert proc.returncode == 0, proc.stderr
+    assert entries(dst) == [e for e in entries(src) if e.startswith(env.fingerprint)]
+    assert f"export {store.DIR_VAR}={dst}" in proc.stdout
+    # a pack for another environment unpacks, but is reported unusable
+    foreign = tmp_path / "foreign.tar.gz"
+    assert kernel_cache("pack", foreign, "--all", "--cache-dir", src).returncode == 0
+    proc = kernel_cache("unpack", foreign, "--cache-dir", tmp_path / "other")
+    assert "Python 3.99" in proc.stdout
+    proc = kernel_cache("clear", "--stale", "--cache-dir", src)
+    assert proc.returncode == 0 and not (src / ("c" * 64)).exists() and (src / env.fingerprint).exists()
+    bad = tmp_path / "bad.tar.gz"
+    with tarfile.open(bad, "w:gz") as tar:
+        tar.add(__file__, arcname="../evil.o")
+    proc = kernel_cache("unpack", bad, "--cache-dir", dst)
+    assert proc.returncode == 2 and "not a kernel-cache pack" in proc.stderr
+
+
+def test_env_prints_the_two_exports(tmp_path):
+    proc = kernel_cache("env", "--cache-dir", tmp_path)
+    assert proc.stdout.splitlines() == [f"export {store.ENABLE_VAR}=1",
+                                        f"export {store.DIR_VAR}={tmp_path}"]
+
+
+def test_bad_input_is_one_line(tmp_path):
+    for args, why in [(["warm", "--spec", "hd=128,hkv=3", "--arch", "sm_90"], "multiple of"),
+                      (["warm", "--from-run", tmp_path, "--arch", "sm_90"], "not a traindx run"),
+                      (["warm", "--spec", "hd=64", "--arch", "sm_42"], "--arch"),
+                      (["warm"], "nothing to compile")]:
+        proc = kernel_cache(*args, "--cache-dir", tmp_path / "c")
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2 and len(lines) == 1 and why in lines[0], proc.stderr
+
+
+# -- real FA4 compiles (CPU, FakeTensorMode) -----------------------------------------------------------
+@pytest.fixture(scope="module")
+def seed_run(tmp_path_factory):
+    """The example run cold under diagnose; FA4 itself writes its entries into job_cache."""
+    base = tmp_path_factory.mktemp("seed")
+    run = diagnose_example(base / "run", base / "job_cache")
+    return run, base / "job_cache"
+
+
+@pytest.mark.fa4
+@needs_fa4
+def test_from_run_replays_the_keys_of_a_recorded_run(seed_run, tmp_path):
+    run, job_cache = seed_run
+    recorded = fa4_compiles(run)
+    assert len(recorded) >= 3  # forward, backward and its pre/post kernels compiled in step 0
+    proc = kernel_cache("warm", "--from-run", run.path, "--cache-dir", tmp_path, "--jobs", "2")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("key matches the run's") == 2  # forward and backward
+    # the replay wrote exactly the entries the job itself wrote, by FA4's own key hashes
+    assert entries(tmp_path) and entries(tmp_path) == entries(job_cache)
+
+
+@pytest.mark.fa4
+@needs_fa4
+def test_warm_spec_then_the_job_compiles_nothing(seed_run, tmp_path):
+    _, job_cache = seed_run
+    cache = tmp_path / "cache"
+    proc = kernel_cache("warm", "--spec", EXAMPLE_SPEC, "--seqlens", "16-64", "--arch", "sm_90",
+                        "--cache-dir", cache, "--jobs", "2")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    families = {Path(e).parts[1] for e in entries(cache)}
+    assert {"fwd", "bwd", "bwd_pre", "bwd_post"} <= families
+    assert set(entries(job_cache)) <= set(entries(cache))
+    run = diagnose_example(tmp_path / "run", cache)
+    assert len(run.steps) == 2
+    assert len(fa4_compiles(run)) == 0
+
+
+@pytest.mark.fa4
+@needs_fa4
+def test_verify_reports_a_corrupted_entry(seed_run, tmp_path):
+    _, job_cache = seed_run
+    cache = tmp_path / "cache"
+    shutil.copytree(job_cache, cache)
+    proc = kernel_cache("verify", "--cache-dir", cache)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    victim = cache / entries(cache)[0]
+    victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
+    proc = kernel_cache("verify", "--cache-dir", cache)
+    assert proc.returncode == 1
+    bad = [line for line in proc.stdout.splitlines() if line.startswith("bad ")]
+    assert len(bad) == 1 and victim.name in bad[0]
+
+
+@pytest.mark.fa4
+@needs_fa4
+def test_spec_fa4_rejects_gives_one_line_error(tmp_path):
+    proc = kernel_cache("warm", "--spec", "hd=512,hq=8", "--seqlens", "1024", "--arch", "sm_90",
+                        "--cache-dir", tmp_path)
+    assert proc.returncode == 2
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("kernel-cache: error: FA4") and "rejects hd=512" in last
+    assert "not supported on SM90" in last
+    assert "Traceback" not in proc.stderr and not entries(tmp_path)
