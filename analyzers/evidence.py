@@ -84,9 +84,19 @@ KNOWN_LIBRARIES = {
 }
 
 
+LOW_LEVEL_PACKAGES = frozenset({
+    "torch", "torchgen", "functorch", "flash_attn", "cutlass", "nvidia_cutlass_dsl", "tvm_ffi",
+    "triton", "numpy", "einops", "_traindx_shim", "traindx", "importlib", "concurrent",
+})
+
+
 def is_library_path(path):
-    """py-spy paths are absolute: the interpreter's lib and site-packages are libraries."""
-    return not path or bool(_LIBRARY_PATH.search(path)) or "/_traindx_shim/" in path
+    """py-spy paths are absolute: the interpreter's lib, site-packages, and the low-level
+    packages wherever a cluster installs them (the H200 machine: /opt/gpu-site/site)."""
+    if not path or _LIBRARY_PATH.search(path):
+        return True
+    parts = re.split(r"[/\\]", path)[:-1]
+    return any(p in LOW_LEVEL_PACKAGES for p in parts)
 
 
 def parse_trace_frame(name):

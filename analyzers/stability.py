@@ -12,7 +12,8 @@ from traindx.profiler.logparse import parse_line
 from . import evidence as ev
 
 MIN_STEPS = 8
-SLOW_FACTOR = 1.5          # a step this much slower than the median is a slow step
+SLOW_FACTOR = 2.0          # a step this much slower than the median is a slow step (1.5-1.9x
+                           # recurs by chance on a busy machine, and then looks periodic)
 MIN_EXCESS_S = 0.005       # ...and at least this much slower in absolute terms
 MIN_OCCURRENCES = 3
 MIN_PRECISION = 0.75       # of the slow steps, the share that fall on the period

@@ -11,6 +11,7 @@
 Real AdamW on a small MLP regression task; one Megatron-format log line per step.
 """
 import argparse
+import gc
 import os
 import sys
 import tempfile
@@ -39,6 +40,10 @@ def parse_args(argv=None):
                    help="periodic: extra seconds the (slow) storage takes per checkpoint")
     p.add_argument("--slow-seconds", type=float, default=0.25,
                    help="straggler: seconds rank 1 spends outside the collective each step")
+    p.add_argument("--gc-freeze", action="store_true",
+                   help="the GC prescription: gc.collect(); gc.freeze() after setup")
+    p.add_argument("--index-size", type=int, default=150_000,
+                   help="gc: objects in the long-lived index")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
@@ -118,7 +123,7 @@ def build_index(n):
     return [{"id": i, "tags": [i, str(i)], "parent": None} for i in range(n)]
 
 
-def record_step_metadata(history, step, n=40_000):
+def record_step_metadata(history, step, n=25_000):
     """Per-step records with reference cycles, kept for a few steps: they survive the young
     generations, get promoted, die there and pile up until a full (gen-2) collection."""
     records = []
@@ -164,8 +169,11 @@ def main(argv=None):
     if args.pathology == "gil":
         threading.Thread(target=count_words_in_python, args=(stop,), name="word-counter",
                          daemon=True).start()
-    index = build_index(400_000) if args.pathology == "gc" else None
+    index = build_index(args.index_size) if args.pathology == "gc" else None
     history = []
+    if args.gc_freeze:
+        gc.collect()
+        gc.freeze()
 
     for step in range(1, args.steps + 1):
         t0 = time.perf_counter()

@@ -1,0 +1,299 @@
+"""The analyzers of the usual suspects, each on a real job that has the problem (examples/
+pathologies.py) and on the healthy example, which must stay silent (nothing above 'info').
+
+The GPU-only analyzers (allocator retries, launch-bound steps, clock throttling) cannot see a GPU
+here: they are checked for silence on real CPU runs, and their logic on copies of a real run
+folder into which GPU evidence was WRITTEN BY THE TEST in the recorded formats (nvml.csv columns
+of the NVML sampler, the shim's `alloc` events, a kineto-shaped trace). Those tests say so in
+their names (`synthetic_gpu_evidence`).
+"""
+import gzip
+import json
+import os
+import re
+import shutil
+
+import pytest
+
+import traindx
+from traindx.analyzers import analyze
+from traindx.profiler.nvml import COLUMNS as NVML_COLUMNS
+
+from helpers import PY, diagnose, example, only_run_dir
+
+PATHOLOGIES = example("pathologies.py")
+TINY = example("train_tiny.py")
+MY_ANALYZERS = {"gil", "dataloader", "gc_pauses", "host_sync", "allocator", "launch_bound",
+                "gpu_clocks", "ranks", "stability"}
+TORCHRUN = os.path.join(os.path.dirname(PY), "torchrun")
+
+
+def _record(tmp_path_factory, name, diagnose_args, job):
+    out = tmp_path_factory.mktemp(name)
+    proc = diagnose(["--out", "runs", "--quiet", *diagnose_args, "--", *job], cwd=out)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return traindx.load_run(only_run_dir(out / "runs"))
+
+
+def _pathology(tmp_path_factory, pathology, diagnose_args=("--no-pyspy",), *job_args):
+    return _record(tmp_path_factory, pathology, list(diagnose_args),
+                   [PY, PATHOLOGIES, "--pathology", pathology, *job_args])
+
+
+def _mine(findings):
+    return [f for f in findings if f.analyzer in MY_ANALYZERS]
+
+
+def _one(findings, finding_id):
+    hits = [f for f in findings if f.id == finding_id]
+    assert len(hits) == 1, [(f.id, f.severity, f.summary) for f in findings]
+    return hits[0]
+
+
+def _above_info(findings):
+    return [(f.id, f.severity, f.summary) for f in _mine(findings) if f.severity != "info"]
+
+
+# -- the healthy example: every analyzer silent, with py-spy and the torch.profiler window ------
+@pytest.fixture(scope="module")
+def healthy(tmp_path_factory):
+    return _record(tmp_path_factory, "healthy", [], [PY, TINY, "--steps", "14", "--threads", "1"])
+
+
+def test_healthy_example_is_silent(healthy):
+    assert len(healthy.steps) == 14
+    assert ("0", "gil") in healthy.pyspy or "pyspy" in healthy.missing
+    assert len(healthy.torch_trace), "the default torch.profiler window recorded nothing"
+    assert _above_info(analyze(healthy)) == []
+
+
+def test_default_torch_profile_window_is_stored_for_perfetto_and_left_out_of_the_statistics(healthy):
+    path = os.path.join(healthy.path, "trace", "0.json.gz")
+    with gzip.open(path, "rt") as f:
+        doc = json.load(f)  # Perfetto and chrome://tracing read this Chrome-trace JSON as is
+    assert doc["traceEvents"] and doc["baseTimeNanoseconds"] > 0
+    windows = healthy.events[healthy.events["type"] == "torch_profile"]
+    assert list(windows["first_step"]) == [3] and list(windows["last_step"]) == [4]
+    from traindx.analyzers.evidence import steady_steps
+    assert not steady_steps(healthy)["step"].isin([3, 4]).any()
+    # the trace lies on the run's clock: its ops fall inside the profiled steps
+    ops = healthy.torch_trace[healthy.torch_trace["cat"] == "cpu_op"]
+    steps = healthy.steps.set_index("step")
+    assert ops["start_ns"].min() >= steps.loc[3, "start_ns"] - 50_000_000
+    assert ops["end_ns"].max() <= steps.loc[4, "end_ns"] + 50_000_000
+
+
+def test_bad_torch_profile_window_is_a_one_line_error(tmp_path):
+    proc = diagnose(["--out", "runs", "--torch-profile", "5-2", "--", PY, TINY], cwd=tmp_path)
+    assert proc.returncode != 0
+    assert "--torch-profile" in proc.stderr and "Traceback" not in proc.stderr
+
+
+# -- GIL --------------------------------------------------------------------------------------
+def test_gil_burning_thread_is_named_with_its_function(tmp_path_factory):
+    run = _pathology(tmp_path_factory, "gil", ("--pyspy-rate", "100", "--torch-profile", "off"),
+                     "--steps", "40")
+    finding = _one(analyze(run), "gil.contention")
+    assert finding.evidence["thread"] == "word-counter"
+    assert finding.evidence["hottest_frames"][0]["function"] == "count_words_in_python"
+    assert finding.evidence["hottest_frames"][0]["file"].endswith("pathologies.py")
+    assert finding.evidence["gil_share"] >= 0.3
+    assert finding.severity in ("medium", "high")
+    assert finding.prescriptions[-1].change["code"]["file"].endswith("pathologies.py")
+
+
+# -- DataLoader -------------------------------------------------------------------------------
+def _line_of(path, text):
+    with open(path) as f:
+        return next(n for n, line in enumerate(f, 1) if text in line)
+
+
+def test_dataloader_starvation_prescribes_workers_at_the_construction_line(tmp_path_factory):
+    run = _pathology(tmp_path_factory, "dataloader", ("--no-pyspy",), "--steps", "10")
+    finding = _one(analyze(run), "dataloader.starvation")
+    assert finding.share_of_step >= 0.2 and finding.severity in ("medium", "high")
+    assert finding.evidence["dataloader"]["num_workers"] == 0
+    assert finding.evidence["hottest_frames_inside"][0]["function"] == "slow_collate"
+    code = finding.prescriptions[0].change["code"]
+    assert code["file"] == PATHOLOGIES
+    assert code["line"] == _line_of(PATHOLOGIES, "num_workers=0, collate_fn=slow_collate")
+    assert "num_workers=0" in code["before"]
+    workers = int(re.search(r"num_workers=(\d+)", code["after"])[1])
+    assert workers >= 2 and "persistent_workers=True" in code["after"]
+    # its scalar reads are CPU data in a collate, not host-device syncs
+    assert not [f for f in analyze(run) if f.id == "sync.host_device"]
+
+
+# -- GC ---------------------------------------------------------------------------------------
+def test_gen2_collections_in_steps_and_gc_freeze_cuts_them(tmp_path_factory):
+    run = _pathology(tmp_path_factory, "gc", ("--no-pyspy",), "--steps", "16")
+    finding = _one(analyze(run), "gc.gen2_in_step")
+    assert finding.evidence["gen2_collections"] >= 1 and finding.steps_affected
+    assert finding.evidence["longest_gen2_pause_s"] > 0.05
+    assert finding.severity in ("medium", "high")
+    assert any("gc.freeze()" in p.summary for p in finding.prescriptions)
+    # the prescription applied (examples/pathologies.py --gc-freeze): the long-lived index leaves
+    # the collector's view; what is left is the per-step churn of the example, far cheaper
+    fixed = _pathology(tmp_path_factory, "gc", ("--no-pyspy",), "--steps", "16", "--gc-freeze")
+    after = [f for f in analyze(fixed) if f.id == "gc.gen2_in_step"]
+    if after:
+        assert after[0].evidence["longest_gen2_pause_s"] < 0.5 * finding.evidence["longest_gen2_pause_s"]
+        assert after[0].seconds_lost_per_step < 0.6 * finding.seconds_lost_per_step
+
+
+# -- host-device syncs ------------------------------------------------------------------------
+def test_item_inside_the_forward_is_found_in_the_profiler_window(tmp_path_factory):
+    run = _pathology(tmp_path_factory, "sync", ("--no-pyspy", "--torch-profile", "2-3"),
+                     "--steps", "6")
+    windows = run.events[run.events["type"] == "torch_profile"]
+    assert (int(windows["first_step"].iloc[0]), int(windows["last_step"].iloc[0])) == (2, 3)
+    finding = _one(analyze(run), "sync.host_device")
+    top = finding.evidence["call_sites"][0]
+    assert top["function"] == "forward" and top["file"].endswith("pathologies.py")
+    assert top["per_step"] == 4  # one .item() per layer, --layers 4
+    assert finding.severity == "low" and finding.seconds_lost_per_step is None  # no GPU here
+
+
+# -- periodic slow steps ----------------------------------------------------------------------
+def test_periodic_checkpoint_is_found_with_its_period(tmp_path_factory):
+    run = _pathology(tmp_path_factory, "periodic", ("--no-pyspy",), "--steps", "22", "--every",
+                     "4", "--checkpoint-seconds", "0.25")
+    finding = _one(analyze(run), "steps.periodic_slow")
+    assert finding.evidence["period"] == 4
+    assert "saving checkpoint" in finding.evidence["log_lines_in_slow_steps"][0]["text"]
+    assert finding.severity in ("medium", "high")
+    assert any("async_save" in p.summary for p in finding.prescriptions)
+
+
+def test_period_detection_ignores_noise_without_a_period():
+    from traindx.analyzers.stability import find_period
+
+    steps = list(range(2, 30))
+    noisy = [0.02, 0.09, 0.02, 0.02, 0.03, 0.02, 0.11, 0.02, 0.02, 0.02, 0.02, 0.08, 0.02, 0.02,
+             0.02, 0.02, 0.02, 0.02, 0.10, 0.02, 0.03, 0.02, 0.02, 0.02, 0.02, 0.02, 0.02, 0.09]
+    assert find_period(steps, noisy) is None
+    every_five = [0.5 if s % 5 == 0 else 0.02 for s in steps]
+    assert find_period(steps, every_five)[0] == 5
+
+
+# -- ranks ------------------------------------------------------------------------------------
+def test_two_rank_gloo_job_names_the_rank_that_stalls_the_other(tmp_path_factory):
+    run = _record(tmp_path_factory, "straggler", ["--no-pyspy"],
+                  [TORCHRUN, "--nproc-per-node", "2", PATHOLOGIES, "--pathology", "straggler",
+                   "--steps", "10", "--slow-seconds", "0.2"])
+    assert set(run.steps["rank"]) == {"0", "1"}
+    finding = _one(analyze(run), "ranks.straggler")
+    assert finding.evidence["straggler"] == "1"
+    waits = finding.evidence["wait_in_collectives_per_step_s"]
+    assert waits["0"] - waits["1"] > 0.1
+    assert 0.1 < finding.seconds_lost_per_step < 0.4
+    assert "sleep" in finding.evidence["straggler_does"]["call"]
+
+
+# -- GPU-only analyzers: silence on real CPU runs, logic on synthetic GPU evidence ---------------
+def _copy_run(run, tmp_path):
+    dest = tmp_path / "run"
+    shutil.copytree(run.path, dest)
+    return dest
+
+
+def test_synthetic_gpu_evidence_thermal_throttle_is_found_power_cap_is_only_info(healthy, tmp_path):
+    dest = _copy_run(healthy, tmp_path)
+    steps = healthy.steps
+    t0, t1 = int(steps["start_ns"].min()), int(steps["end_ns"].max())
+    rows = []
+    n = 200
+    for i in range(n):
+        t = t0 + (t1 - t0) * i // n
+        # shape of a real H200 under load (FACTS §4): 100 % util, ~690 W, reason 0x4 power cap;
+        # the second half also thermally throttled (0x20 SwThermal | 0x40 HwThermal) at 1100 MHz
+        throttled = i >= n // 2
+        rows.append([t, 0, 100, 40, 1100 if throttled else 1455, 60 * 2**30, 690.0,
+                     0x4 | (0x60 if throttled else 0)])
+    with open(dest / "nvml.csv", "w") as f:
+        f.write(",".join(NVML_COLUMNS) + "\n")
+        f.writelines(",".join(map(str, r)) + "\n" for r in rows)
+    findings = analyze(traindx.load_run(dest))
+    throttle = _one(findings, "gpu.throttle")
+    assert set(throttle.evidence["reasons"]) == {"SwThermalSlowdown", "HwThermalSlowdown"}
+    assert throttle.evidence["median_throttled_sm_clock_mhz"] == 1100
+    assert throttle.severity in ("medium", "high")
+    assert _one(findings, "gpu.power_cap").severity == "info"
+    # power cap alone (a GPU at full load) is never above info
+    for r in rows:
+        r[4], r[7] = 1455, 0x4
+    with open(dest / "nvml.csv", "w") as f:
+        f.write(",".join(NVML_COLUMNS) + "\n")
+        f.writelines(",".join(map(str, r)) + "\n" for r in rows)
+    assert _above_info(analyze(traindx.load_run(dest))) == []
+
+
+def test_synthetic_gpu_evidence_allocator_retries_prescribe_expandable_segments(healthy, tmp_path):
+    dest = _copy_run(healthy, tmp_path)
+    retries = 0
+    with open(dest / "events" / "0.jsonl", "a") as f:
+        for row in healthy.steps.itertuples():
+            retries += 2 if row.step % 3 == 0 else 0
+            # the keys the shim writes from torch.cuda.memory_stats() (steps._emit_alloc)
+            f.write(json.dumps({"type": "alloc", "t": int(row.end_ns) + 1, "step": int(row.step),
+                                "num_alloc_retries": retries, "num_ooms": 0,
+                                "num_sync_all_streams": retries, "num_device_alloc": 100 + retries,
+                                "num_device_free": retries,
+                                "allocated_bytes_all_current": 50 * 2**30,
+                                "allocated_bytes_all_peak": 70 * 2**30,
+                                "reserved_bytes_all_current": 78 * 2**30,
+                                "reserved_bytes_all_peak": 79 * 2**30,
+                                "inactive_split_bytes_all_current": 12 * 2**30}) + "\n")
+        f.write(json.dumps({"type": "empty_cache", "t": int(healthy.steps["end_ns"].iloc[6]) - 1000,
+                            "step": int(healthy.steps["step"].iloc[6]),
+                            "caller": {"file": "/job/train.py", "line": 88, "function": "train_step"},
+                            "source": "torch.cuda.empty_cache()"}) + "\n")
+    finding = _one(analyze(traindx.load_run(dest)), "alloc.retries")
+    assert finding.evidence["alloc_retries_in_steady_steps"] > 0
+    env = [p for p in finding.prescriptions if p.kind == "env"]
+    assert env[0].change == {"env": {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}}
+    assert env[0].automatic
+    code = [p for p in finding.prescriptions if p.kind == "code"]
+    assert code[0].change["code"]["file"] == "/job/train.py" and code[0].change["code"]["line"] == 88
+    # already set: not prescribed again
+    manifest = json.loads((dest / "manifest.json").read_text())
+    manifest["env"]["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+    (dest / "manifest.json").write_text(json.dumps(manifest))
+    again = _one(analyze(traindx.load_run(dest)), "alloc.retries")
+    assert not [p for p in again.prescriptions if p.kind == "env"]
+
+
+def _kineto_trace(path, base_ns, steps, kernel_us, gap_us, per_step):
+    """A trace in kineto's Chrome-trace shape: cpu_op/cuda_runtime on the host, kernels on a
+    device stream, µs relative to baseTimeNanoseconds."""
+    events = []
+    for row in steps.itertuples():
+        t = (int(row.start_ns) - base_ns) / 1000 + 100
+        for k in range(per_step):
+            events.append({"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "pid": 1,
+                           "tid": 1, "ts": t, "dur": 4.0, "args": {}})
+            events.append({"ph": "X", "cat": "kernel", "name": f"void elementwise_kernel<{k % 7}>",
+                           "pid": 0, "tid": 7, "ts": t + 5, "dur": kernel_us,
+                           "args": {"device": 0, "stream": 7}})
+            t += kernel_us + gap_us
+    with gzip.open(path, "wt") as f:
+        json.dump({"schemaVersion": 1, "baseTimeNanoseconds": base_ns, "traceEvents": events}, f)
+
+
+def test_synthetic_gpu_evidence_launch_bound_steps(healthy, tmp_path):
+    dest = _copy_run(healthy, tmp_path)
+    profiled = healthy.steps[healthy.steps["step"].isin([3, 4])]
+    base = int(profiled["start_ns"].min()) - 10**9
+    step_us = float(profiled["duration_s"].min()) * 1e6
+    per_step = 400
+    # many 6 µs kernels spread over the whole step: the GPU is busy a small share of it
+    _kineto_trace(dest / "trace" / "0.json.gz", base, profiled, 6.0,
+                  max(1.0, step_us * 0.9 / per_step - 6.0), per_step)
+    finding = _one(analyze(traindx.load_run(dest)), "gpu.launch_bound")
+    assert finding.evidence["kernels_per_step"] == per_step
+    assert finding.evidence["gpu_busy_share"] < 0.5
+    assert any("CUDA graph" in p.summary for p in finding.prescriptions)
+    # the same kernel count, but long kernels that fill the step: not launch-bound
+    _kineto_trace(dest / "trace" / "0.json.gz", base, profiled, step_us * 0.9 / per_step, 0.1,
+                  per_step)
+    assert not [f for f in analyze(traindx.load_run(dest)) if f.id == "gpu.launch_bound"]
