@@ -157,14 +157,31 @@ def _gpu_label(gpu):
     return _clip(gpu, 200)
 
 
+EVIDENCE_NAMES = {"nvml": "GPU metrics (NVML)", "gpus": "GPU inventory", "pyspy": "py-spy stacks",
+                  "shim": "in-process events (shim)", "trace": "torch.profiler window",
+                  "torch_profiler": "torch.profiler window"}
+
+
 def missing_evidence(run):
     """What could not be collected, one short line each (a py-spy backtrace is cut to its gist)."""
     out = []
     for what, why in sorted((run.missing or {}).items()):
         lines = [l.strip() for l in str(why).splitlines() if l.strip()]
         gist = next((l for l in lines if not re.match(r"^\d+:", l)), lines[0] if lines else "")
-        out.append({"what": _clip(what, 100), "why": _clip(gist, 300), "full": _clip(why, 2000)})
+        # "NVML unavailable: NVMLError_LibraryNotFound: NVML Shared Library Not Found" -> the last part
+        last = gist.rsplit(": ", 1)[-1]
+        short = last if len(last) >= 12 else gist
+        out.append({"what": _clip(what, 100), "name": EVIDENCE_NAMES.get(what, what.replace("_", " ")),
+                    "why": _clip(gist, 300), "short": _clip(short, 200), "full": _clip(why, 2000)})
     return out
+
+
+def missing_summary(missing):
+    """'GPU inventory, GPU metrics (NVML) (NVML Shared Library Not Found)': one entry per reason."""
+    by_reason = {}
+    for m in missing:
+        by_reason.setdefault(m["short"], []).append(m["name"])
+    return "; ".join(f"{', '.join(names)}: {reason}" for reason, names in by_reason.items())
 
 
 # -- steps and what made them slow ----------------------------------------------------------------
@@ -236,8 +253,7 @@ def _compile_events(run, t0):
             for name, value in (e["key_fields"] or {}).items():
                 if "Tensor(" in str(value):
                     e["key_diff"].append({"field": _clip(name, 100), "before": _clip(value, 200),
-                                          "after": "another tensor object (same text; keys with "
-                                                   "tensors never match)"})
+                                          "after": "a new tensor object: the key never matches"})
         previous[(e["rank"], e["kernel"])] = e
     for e in out:
         e.pop("key_fields")
@@ -809,12 +825,19 @@ def _core(run, findings):
              "gap_s": sum(g["duration_s"] for g in gaps if g["rank"] == first_rank),
              "longest_gap": max((g for g in gaps if g["rank"] == first_rank),
                                 key=lambda g: g["duration_s"], default=None)}
-    core = {"run": meta, "missing": missing_evidence(run),
+    missing = missing_evidence(run)
+    core = {"run": meta, "missing": missing, "missing_summary": missing_summary(missing),
             "verdict": verdict(findings_view, steady_median, cause_counts, all_steps), "stats": stats,
             "findings": findings_view, "causes": CAUSES}
     return core, {"t0": t0, "step_rows": step_rows, "compiles": compiles, "worst": worst,
                   "all_steps": all_steps, "cause_counts": cause_counts, "losses": losses,
                   "gaps": gaps}
+
+
+def _worst_rank_first(per_rank, worst):
+    if not worst:
+        return per_rank
+    return sorted(per_rank, key=lambda g: g["rank"] != worst["rank"])
 
 
 def build_summary(run, findings):
@@ -846,7 +869,7 @@ def build_report_data(run, findings, comparison=None):
                      "losses": x["losses"] if len(x["losses"]) <= MAX_STEP_BARS else {}},
         "compiles": compiles[:MAX_COMPILE_ROWS],
         "compiles_total": len(compiles),
-        "gil": gil_view(run),
+        "gil": _worst_rank_first(gil_view(run), x["worst"]),
         "lanes": thread_lanes(run, t0, x["worst"], compiles, step_rows),
         "gpu": gpu_view(run, t0),
         "ranks_summary": ranks_summary,

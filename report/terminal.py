@@ -132,14 +132,15 @@ def print_summary(run, findings, report_path=None, console=None):
     if problems:
         table = Table(show_header=True, header_style="bold")
         table.add_column("severity")
-        table.add_column("finding")
-        table.add_column("lost/step", justify="right")
-        table.add_column("first prescription")
+        table.add_column("finding", ratio=3)
+        table.add_column("lost/step", justify="right", no_wrap=True)
+        table.add_column("first prescription", ratio=2, overflow="ellipsis", max_width=48)
         for f in problems[:SUMMARY_ROWS]:
             lost = "-" if f["seconds_lost_per_step"] is None else _fmt_s(f["seconds_lost_per_step"])
             table.add_row(Text(f["severity"], style=SEVERITY_STYLE.get(f["severity"], "")),
                           Text(f["title"]), lost,
-                          Text(f["prescriptions"][0]["summary"] if f["prescriptions"] else ""))
+                          Text(f["prescriptions"][0]["summary"] if f["prescriptions"] else "",
+                               no_wrap=True, overflow="ellipsis"))
         console.print(table)
         if len(problems) > SUMMARY_ROWS:
             console.print(f"… and {len(problems) - SUMMARY_ROWS} more in the report", markup=False)
@@ -147,8 +148,7 @@ def print_summary(run, findings, report_path=None, console=None):
     for f in notes[:3]:
         console.print(Text(f"note: {f['title']}", style="dim"))
     if data["missing"]:
-        console.print(Text("not collected: " + "; ".join(f"{m['what']} ({m['why']})" for m in data["missing"]),
-                           style="dim"))
+        console.print(Text("not collected: " + data["missing_summary"], style="dim"))
     if report_path:
         console.print(f"report: {report_path}", markup=False, highlight=False)
     console.print(f"run: {run.path}", markup=False, highlight=False)
