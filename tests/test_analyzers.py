@@ -89,6 +89,25 @@ def test_bad_torch_profile_window_is_a_one_line_error(tmp_path):
     assert "--torch-profile" in proc.stderr and "Traceback" not in proc.stderr
 
 
+def test_profiler_window_cut_short_by_the_job_end_is_still_written(tmp_path_factory):
+    run = _record(tmp_path_factory, "short", ["--no-pyspy", "--torch-profile", "2-50"],
+                  [PY, TINY, "--steps", "4", "--threads", "1"])
+    window = run.events[run.events["type"] == "torch_profile"].iloc[0]
+    assert window["ended_by"] == "job exit" and int(window["first_step"]) == 2
+    assert len(run.torch_trace)
+
+
+def test_default_window_stands_down_on_long_steps(tmp_path_factory):
+    out = tmp_path_factory.mktemp("long")
+    proc = diagnose(["--out", "runs", "--quiet", "--no-pyspy", "--", PY, TINY, "--steps", "6",
+                     "--threads", "1"], cwd=out, env={"TRAINDX_TORCH_PROFILE_MAX_STEP_S": "0.0001"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    run = traindx.load_run(only_run_dir(out / "runs"))
+    skipped = run.events[run.events["type"] == "torch_profile_skipped"]
+    assert len(skipped) == 1 and "--torch-profile" in skipped["reason"].iloc[0]
+    assert not os.path.exists(os.path.join(run.path, "trace"))
+
+
 # -- GIL --------------------------------------------------------------------------------------
 def test_gil_burning_thread_is_named_with_its_function(tmp_path_factory):
     run = _pathology(tmp_path_factory, "gil", ("--pyspy-rate", "100", "--torch-profile", "off"),

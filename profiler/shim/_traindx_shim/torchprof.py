@@ -6,6 +6,7 @@ TRAINDX_TORCH_PROFILE: unset = the default window; "off" = none; "N" = N steps f
 DEFAULT_START; "A-B" = steps A to B. The default window stands down when steps are long
 (with_stack traces every Python call; a long step is usually a Python-heavy one, such as a JIT
 compile, where the trace would cost seconds and grow to gigabytes); an explicit window does not.
+TRAINDX_TORCH_PROFILE_MAX_STEP_S sets that limit (default 5 s).
 """
 import atexit
 import os
@@ -16,7 +17,7 @@ from . import steps
 
 DEFAULT_START = 3
 DEFAULT_STEPS = 2
-LONG_STEP_S = 5.0
+LONG_STEP_S = float(os.environ.get("TRAINDX_TORCH_PROFILE_MAX_STEP_S") or 5.0)
 _state = {"window": None, "explicit": False, "profiler": None, "first": None, "torch": None,
           "last_boundary_ns": None, "done": False}
 
