@@ -145,8 +145,10 @@ def run_warm(args):
     err.print(f"  {len(items)} work items {note}; {min(jobs, len(items))} processes; "
               f"cache {cache_dir}/{env.fingerprint[:12]}…")
 
-    first = [i for i in items if i["kind"] == "shape" or i["function"] in specs.REPLAY_FIRST]
-    later = [i for i in items if i not in first]
+    uncacheable = [i for i in items if i.get("tensor_fields")]
+    items_to_run = [i for i in items if not i.get("tensor_fields")]
+    first = [i for i in items_to_run if i["kind"] == "shape" or i["function"] in specs.REPLAY_FIRST]
+    later = [i for i in items_to_run if i not in first]
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     results = []
     with Progress(*columns, console=err, transient=False) as progress:
@@ -159,6 +161,15 @@ def run_warm(args):
             progress.advance(task)
 
         report = None
+        for item in uncacheable:
+            results.append({
+                "label": item["label"], "ok": False, "rejected": False, "kernels": [], "item": item,
+                "key_match": None, "key_diff": [], "seconds": 0.0,
+                "error": f"cannot be cached: its key holds a tensor ({', '.join(item['tensor_fields'])}; "
+                         f"compiled {item['times_compiled']}x in the run): a max_seqlen tensor leaking "
+                         "into FA4's key (FA4 <= 4.0.0b21) makes a new key every call. Pass max_seqlen "
+                         "as a Python int, or upgrade flash-attn-4 (>= 4.0.0b26)"})
+            progress.advance(task)
         for batch in (first, later):
             if batch is later and later:
                 # the pre/post kernels of a backward are usually compiled by its replay already
@@ -214,6 +225,7 @@ def _summarize(results, items, cache_dir, env, report):
             outcome = "compiled by the replays above"
         elif r.get("key_match") is False:
             outcome = "[yellow]compiled, key differs from the run's:[/] " + "; ".join(r["key_diff"][:3])
+
         elif r.get("key_match"):
             outcome = "ok, key matches the run's"
         else:

@@ -305,6 +305,9 @@ def model_specs(path, varlen=False, causal=True, dtype=None, deterministic=False
 
 # -- --from-run ----------------------------------------------------------------------------------------
 REPLAY_FIRST = ("_flash_attn_fwd", "_flash_attn_bwd")
+# a tensor inside a compile key (FA4 <= 4.0.0b21 with max_seqlen passed as a tensor): the key is new
+# on every call, so no cache can serve it
+TENSOR_IN_KEY = re.compile(r"\b(?:Fake)?Tensor\(|\btensor\(")
 
 
 def run_items(run_path):
@@ -320,7 +323,7 @@ def run_items(run_path):
     fa4 = compiles[(compiles["kind"] == "cute_dsl") & compiles["fa4"].map(lambda v: isinstance(v, dict))]
     if not len(fa4):
         raise UserError(f"{run.path}: the run recorded no FA4 (CuTe DSL) compiles to replay")
-    items, seen, archs = [], set(), set()
+    items, seen, archs = [], {}, set()
     for row in fa4.itertuples():
         info = row.fa4
         function = info.get("function")
@@ -332,13 +335,19 @@ def run_items(run_path):
             except ValueError:
                 pass
         ident = (function, key)
-        if ident in seen or not function:
+        if not function:
             continue
-        seen.add(ident)
-        items.append({"kind": "replay", "function": function, "args": info.get("args") or {},
-                      "expect_key": key, "expect_fields": fields, "step": _int_or_none(row.step),
+        if ident in seen:
+            seen[ident]["times_compiled"] += 1
+            continue
+        tensor_fields = [name for name, value in fields.items() if TENSOR_IN_KEY.search(str(value))]
+        item = {"kind": "replay", "function": function, "args": info.get("args") or {},
+                "expect_key": key, "expect_fields": fields, "step": _int_or_none(row.step),
+                "times_compiled": 1, "tensor_fields": tensor_fields,
                       "label": f"{function} #{len([i for i in items if i['function'] == function]) + 1}"
-                               + (f" (step {int(row.step)})" if _int_or_none(row.step) is not None else "")})
+                               + (f" (step {int(row.step)})" if _int_or_none(row.step) is not None else "")}
+        seen[ident] = item
+        items.append(item)
     items.sort(key=lambda it: 0 if it["function"] in REPLAY_FIRST else 1)
     env = run.manifest.get("environment") or run.manifest.get("env") or {}
     fa4_env = {k: v for k, v in env.items() if isinstance(v, str) and v != "<redacted>" and (

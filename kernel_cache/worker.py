@@ -146,10 +146,10 @@ class Unreplayable(Exception):
     """A recorded argument that cannot be rebuilt (a callable, a custom object)."""
 
 
-def _empty(shape, dtype, requires_grad=False):
+def _empty(shape, dtype, requires_grad=False, device="cuda"):
     import torch
 
-    t = torch.zeros(tuple(shape), dtype=dtype, device="cuda")
+    t = torch.zeros(tuple(shape), dtype=dtype, device=device)
     if requires_grad:
         t.requires_grad_(True)
     return t
@@ -175,8 +175,13 @@ def _rebuild(name, value, args):
             if not _state["fake"] and name.startswith("max_seqlen") and not shape:
                 import torch
                 return torch.tensor(_max_seqlen_guess(name, args), dtype=dtype, device="cuda")
-            return _empty(shape, dtype, requires_grad=bool(value.get("requires_grad")))
+            # a host tensor stays on the host (e.g. a max_seqlen some frameworks keep on the CPU)
+            device = "cpu" if str(value.get("device", "")).startswith("cpu") else "cuda"
+            return _empty(shape, dtype, requires_grad=bool(value.get("requires_grad")), device=device)
         if "callable" in value:
+            numeric = _cutlass_type(value["callable"])
+            if numeric is not None:  # FA4's pre/post kernels take cutlass dtypes (BFloat16, ...)
+                return numeric
             raise Unreplayable(f"argument {name} is a function ({value['callable']}): "
                                "score/mask mods cannot be rebuilt from a recording")
         raise Unreplayable(f"argument {name} is a {value.get('type', 'custom object')}, "
@@ -184,6 +189,13 @@ def _rebuild(name, value, args):
     if isinstance(value, list):
         return [_rebuild(name, v, args) for v in value]
     return value
+
+
+def _cutlass_type(name):
+    import cutlass
+
+    value = getattr(cutlass, str(name), None)
+    return value if isinstance(value, type) else None
 
 
 def _max_seqlen_guess(name, args):
@@ -233,18 +245,32 @@ def _run_shape(item):
     return None
 
 
-def _run_replay(item):
+def _run_replay(item, variant=None):
     from flash_attn.cute import interface as fa
 
     function = getattr(fa, item["function"], None)
     if function is None or not hasattr(function, "compile_cache"):
         raise Unreplayable(f"this FA4 has no {item['function']} to replay")
-    recorded = item.get("args") or {}
+    recorded = dict(item.get("args") or {}, **(variant or {}))
     kwargs = {name: _rebuild(name, value, recorded) for name, value in recorded.items()}
     if "fake_mode" in kwargs:
         kwargs["fake_mode"] = _state["fake"]
     function(**kwargs)
     return item["function"]
+
+
+def replay_variants(item):
+    """Other readings of a recorded call. The shim records FA4's locals when the compile starts;
+    on sm_100 varlen, forward has by then replaced a tensor (or missing) max_seqlen by the token
+    count, which as an int can select another key. Tried only when the key differs."""
+    args = item.get("args") or {}
+    if item["function"] != "_flash_attn_fwd" or args.get("cu_seqlens_q") is None:
+        return []
+    variants = []
+    for names in (("max_seqlen_q",), ("max_seqlen_k",), ("max_seqlen_q", "max_seqlen_k")):
+        if all(isinstance(args.get(n), int) for n in names):
+            variants.append({n: None for n in names})
+    return variants
 
 
 def _key_check(item, lookups):
@@ -282,31 +308,68 @@ def _reason(exc):
     return rejected, f"{type(exc).__name__}: {message}" if not rejected else message
 
 
+def _mode():
+    if _state["fake"]:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        return FakeTensorMode()
+    import contextlib
+
+    return contextlib.nullcontext()
+
+
 def run_item(item):
     """Compile one work item; returns what happened to each kernel it needed."""
     start = time.perf_counter()
     result = {"label": item["label"], "ok": False, "rejected": False, "error": None,
               "kernels": [], "key_match": None, "key_diff": [], "pid": os.getpid()}
+    lookups = []
     try:
         _setup()
         start = time.perf_counter()  # the FA4 import (once per process) is not this item's time
-        _state["lookups"] = []
         _state["exports"] = {}
-        if _state["fake"]:
-            from torch._subclasses.fake_tensor import FakeTensorMode
-
-            with FakeTensorMode():
-                _run_replay(item) if item["kind"] == "replay" else _run_shape(item)
-        else:
-            _run_replay(item) if item["kind"] == "replay" else _run_shape(item)
+        lookups = _attempt(item)
         result["ok"] = True
     except Unreplayable as exc:
         result["error"] = f"cannot replay: {exc}"
     except Exception as exc:  # FA4 refusing the input, or a compile failure: reported per item
         result["rejected"], result["error"] = _reason(exc)
+        lookups = _state["lookups"]
+    if item["kind"] == "replay" and result["ok"]:
+        result["key_match"], result["key_diff"] = _key_check(item, lookups)
+        for variant in replay_variants(item) if result["key_match"] is False else []:
+            try:
+                more = _attempt(item, variant)
+            except Exception:
+                continue
+            lookups += more
+            if _key_check(item, more)[0]:
+                result["key_match"], result["key_diff"] = True, []
+                result["replayed_as"] = variant
+                break
+    result["kernels"] = _kernel_statuses(lookups)
+    if any(k["status"] == "export failed" for k in result["kernels"]) and result["ok"]:
+        result["ok"] = False
+        result["error"] = "compiled, but FA4 could not write the entry (see FA_LOG_LEVEL=1)"
+    result["seconds"] = time.perf_counter() - start
+    return result
+
+
+def _attempt(item, variant=None):
+    """Run the item's FA4 calls once; returns the cache lookups they made."""
+    _state["lookups"] = []
+    try:
+        with _mode():
+            if item["kind"] == "replay":
+                _run_replay(item, variant)
+            else:
+                _run_shape(item)
     finally:
         _release_all()  # a compile that failed never reached the export
-    lookups = _state["lookups"]
+    return _state["lookups"]
+
+
+def _kernel_statuses(lookups):
     seen, keys = {}, {}
     for family, digest, key, status in lookups:
         if (family, digest) in seen:
@@ -320,12 +383,4 @@ def run_item(item):
         else:
             status = "not compiled"  # the call failed before compiling this kernel
         seen[(family, digest)] = status
-    result["kernels"] = [{"family": f, "hash": h, "status": s, "key": keys[(f, h)]}
-                         for (f, h), s in seen.items()]
-    if item["kind"] == "replay" and result["ok"]:
-        result["key_match"], result["key_diff"] = _key_check(item, lookups)
-    if any(k["status"] == "export failed" for k in result["kernels"]) and result["ok"]:
-        result["ok"] = False
-        result["error"] = "compiled, but FA4 could not write the entry (see FA_LOG_LEVEL=1)"
-    result["seconds"] = time.perf_counter() - start
-    return result
+    return [{"family": f, "hash": h, "status": s, "key": keys[(f, h)]} for (f, h), s in seen.items()]
