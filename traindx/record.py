@@ -166,9 +166,10 @@ class RunRecord:
                     frames = th.get("frames") or []
                     rows.append({"t": snap["t"], "rank": rank, "thread_name": th.get("thread_name"),
                                  "thread_id": th.get("thread_id"), "active": th.get("active"),
-                                 "owns_gil": th.get("owns_gil"), "frames": frames})
+                                 "owns_gil": th.get("owns_gil"), "frames": frames,
+                                 "os_thread_id": th.get("os_thread_id")})
         return pd.DataFrame(rows, columns=["t", "rank", "thread_name", "thread_id", "active",
-                                           "owns_gil", "frames"])
+                                           "owns_gil", "frames", "os_thread_id"])
 
     @cached_property
     def torch_trace(self):
