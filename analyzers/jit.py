@@ -517,9 +517,30 @@ _SIZE_MISMATCH = re.compile(r"tensor '(?P<name>[^']+)' (size|stride) mismatch at
                             r"(\. expected (?P<expected>\d+), actual (?P<actual>\d+))?")
 
 
+_COMPILE_ID = re.compile(r"(?P<frame>\d+)/(?P<count>\d+)")
+
+
+def is_dynamo_recompile(row):
+    """A dynamo compile of a frame it compiled before: compile id 'F/N' with N > 0, or a
+    recompile reason."""
+    reason = _col(row, "recompile_reason")
+    if isinstance(reason, str) and reason:
+        return True
+    m = _COMPILE_ID.search(str(_col(row, "compile_id") or _col(row, "key") or ""))
+    return bool(m and int(m["count"]) > 0)
+
+
+_VALUES = re.compile(r"\. expected \d+, actual \d+")
+
+
+def _strip_compile_id(reason):
+    """"0/1: tensor 'x' size mismatch ..." -> "tensor 'x' size mismatch ..." (first line)."""
+    return re.sub(r"^\s*\[?[\d/!]+\]?:\s*", "", str(reason).strip().splitlines()[0])
+
+
 def _dynamo_finding(run, rank, group, steps):
-    recompiles = group[group["recompile_reason"].map(lambda r: isinstance(r, str) and bool(r))] \
-        if "recompile_reason" in group else group.iloc[0:0]
+    mask = [is_dynamo_recompile(r) for r in group.itertuples()]
+    recompiles = group[mask]
     if not len(recompiles):
         return None
     first_step = int(_col(next(group.itertuples()), "step") or 0)
@@ -529,9 +550,14 @@ def _dynamo_finding(run, rank, group, steps):
     lost = float(later["duration_s"].sum()) / n_after if len(later) else 0.0
     median_after = float(after["duration_s"].median()) if len(after) else None
     share = min(lost / median_after, 1.0) if median_after else None
-    reasons = collections.Counter(str(r).strip().splitlines()[0] for r in recompiles["recompile_reason"])
+    raw = [_strip_compile_id(r) for r in recompiles["recompile_reason"] if isinstance(r, str) and r]
+    reasons = collections.Counter(_VALUES.sub("", r) for r in raw)
+    if not reasons:
+        reasons["(no reason recorded)"] = len(recompiles)
     top_reason = reasons.most_common(1)[0][0]
-    m = _SIZE_MISMATCH.search(top_reason)
+    m = next((_SIZE_MISMATCH.search(r) for r in raw if _SIZE_MISMATCH.search(r)), None)
+    changes = [f"{x['expected']} → {x['actual']}" for x in (_SIZE_MISMATCH.search(r) for r in raw)
+               if x and x["expected"]]
     caller = next((_col(r, "caller") for r in recompiles.itertuples()
                    if isinstance(_col(r, "caller"), dict)), None)
     where = _where(caller, run)
@@ -569,7 +595,8 @@ def _dynamo_finding(run, rank, group, steps):
         severity = "low"
     return Finding(
         id="jit.dynamo_recompile",
-        title=f"torch.compile recompiles {len(recompiles)} time(s): {top_reason[:90]}",
+        title=(f"torch.compile recompiles {', '.join(functions)} {len(recompiles)} time(s): "
+               f"{top_reason[:90]}" + (f" ({', '.join(changes[:4])})" if changes else "")),
         severity=severity, analyzer="jit",
         summary=(f"{', '.join(functions)} recompiled {len(recompiles)} time(s) on rank {rank}"
                  + (f" ({where})" if where else "") + f"; reason: {top_reason}"
@@ -577,6 +604,7 @@ def _dynamo_finding(run, rank, group, steps):
         steps_affected=tuple(sorted(int(s) for s in set(recompiles["step"].dropna()))),
         seconds_lost_per_step=lost if len(later) else None, share_of_step=share,
         evidence={"rank": rank, "recompiles": int(len(recompiles)), "reasons": dict(reasons),
+                  "reasons_each": raw[:20], "size_changes": changes[:20],
                   "functions": dict(functions), "caller": caller,
                   "seconds_each": [round(float(x), 3) for x in recompiles["duration_s"]]},
         prescriptions=tuple(prescriptions), ranks=(rank,))
@@ -600,8 +628,7 @@ def _analyze_rank(run, rank, compiles):
             findings.append(found)
     dynamo = compiles[compiles["kind"] == "dynamo"].sort_values("start_ns")
     if len(dynamo):
-        firsts.append(dynamo[~dynamo["recompile_reason"].map(lambda r: isinstance(r, str) and bool(r))]
-                      if "recompile_reason" in dynamo else dynamo.iloc[:1])
+        firsts.append(dynamo[[not is_dynamo_recompile(r) for r in dynamo.itertuples()]])
         found = _dynamo_finding(run, rank, dynamo, steps)
         if found:
             findings.append(found)

@@ -310,7 +310,7 @@ def _on_triton_autotuner(module):
 
 
 # -- torch.compile -------------------------------------------------------------------------------
-_dynamo = {"seen": 0, "utils": None, "starts": {}}
+_dynamo = {"seen": 0, "utils": None, "starts": {}, "frames": {}}
 
 
 @guarded("dynamo import hook")
@@ -342,13 +342,22 @@ def harvest_dynamo():
             continue
         start = int(start_us * 1000)
         cid = str(getattr(m, "compile_id", ""))
-        started = _dynamo["starts"].pop(cid, (None, None))
-        code = f"{getattr(m, 'co_name', '?')}"
-        _emit_compile("dynamo", code, start, start + int(dur_us * 1000), compile_id=cid,
-                      recompile_reason=getattr(m, "recompile_reason", None),
-                      caller={"file": getattr(m, "co_filename", None),
-                              "line": getattr(m, "co_firstlineno", None), "function": code},
-                      key=cid, fail_type=getattr(m, "fail_type", None))
+        _dynamo["starts"].pop(cid, None)
+        name = getattr(m, "co_name", None)
+        reason = getattr(m, "recompile_reason", None)
+        caller = {"file": getattr(m, "co_filename", None),
+                  "line": getattr(m, "co_firstlineno", None), "function": name}
+        graph = "forward"
+        if name is None and cid in _dynamo["frames"]:
+            # AOTAutograd compiles the backward graph at the first backward: same compile id
+            graph = "backward"
+            name, caller, reason = _dynamo["frames"][cid]
+        elif name is not None:
+            _dynamo["frames"][cid] = (name, caller, reason)
+        kernel = f"{name}" if graph == "forward" else f"{name} (backward graph)"
+        _emit_compile("dynamo", kernel, start, start + int(dur_us * 1000), compile_id=cid,
+                      recompile_reason=reason, graph=graph, caller=caller, key=cid,
+                      fail_type=getattr(m, "fail_type", None))
     _dynamo["seen"] = len(metrics)
 
 

@@ -1,0 +1,218 @@
+"""The JIT analyzer end to end: the seed case (FA4 recompiling its backward because max_seqlen
+is a tensor) reproduced on the CPU with the real flash-attn-4 4.0.0b17 and the newest release,
+torch.compile recompiles, a py-spy recording from an H200 alone, and the healthy example.
+
+Every case runs the real `diagnose` on a real example, as a user does."""
+import json
+import os
+import re
+
+import pytest
+
+from conftest import fa4_available
+from helpers import PY, ROOT, diagnose, example
+
+import traindx
+from traindx.outputs import read_findings
+
+FA4_SEED = example("fa4_seed.py")
+FIXTURE = os.path.join(ROOT, "tests", "data", "h200-fa4-b17-tensor-maxseqlen.speedscope.json")
+# small and quick: one layer, short sequences; the compile time is what costs
+SEED_ARGS = ["--min-len", "16", "--max-len", "160", "--tokens", "384", "--threads", "1"]
+requires_fa4 = pytest.mark.skipif(not fa4_available(), reason="flash-attn-4 is not installed")
+
+
+def _call_line():
+    """The line of examples/fa4_seed.py that passes max_seqlen to flash_attn_varlen_func."""
+    with open(FA4_SEED, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if "flash_attn_varlen_func(" in line and "max_seqlen_q=max_seqlen" in line:
+                return n
+    raise AssertionError("no flash_attn_varlen_func call passing max_seqlen in the example")
+
+
+def _record(tmp_path_factory, name, command, env=None, steps=3, pyspy=False):
+    cwd = tmp_path_factory.mktemp(name)
+    run_dir = cwd / "run"
+    options = ["--quiet", "--steps", str(steps), "--run-dir", str(run_dir)]
+    if not pyspy:
+        options.insert(0, "--no-pyspy")
+    proc = diagnose([*options, "--", *command], cwd=ROOT, env=env, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return traindx.load_run(run_dir), read_findings(str(run_dir)), proc
+
+
+def _jit(findings):
+    return {f.id: f for f in findings if f.analyzer == "jit"}
+
+
+# -- the seed case: 4.0.0b17, max_seqlen as a tensor -----------------------------------------------
+@pytest.fixture(scope="module")
+def b17_tensor(tmp_path_factory, fa4_b17_path):
+    # py-spy on: the compiling thread's hold on the GIL is part of the finding
+    return _record(tmp_path_factory, "b17-tensor",
+                   [PY, FA4_SEED, "--max-seqlen-as", "tensor", *SEED_ARGS],
+                   env={"PYTHONPATH": fa4_b17_path}, steps=3, pyspy=True)
+
+
+@pytest.mark.fa4
+@requires_fa4
+def test_b17_tensor_backward_recompiles_every_step_names_field_and_line(b17_tensor):
+    run, findings, proc = b17_tensor
+    assert run.manifest["packages"]["flash-attn-4"] == "4.0.0b17"
+    found = _jit(findings)
+    assert "jit.fa4_steady_recompile" in found, [(f.id, f.title) for f in findings]
+    f = found["jit.fa4_steady_recompile"]
+    assert f.severity in ("high", "critical")
+    assert f.evidence["fa4_function"] == "_flash_attn_bwd"
+    assert set(f.steps_affected) == {1, 2}  # every step after the first
+    assert {"single_q_block", "single_k_block"} & set(f.evidence["changing_key_fields"])
+    assert f.evidence["tensor_key_fields"]
+    # compiled on the backward thread while the main thread waited
+    assert f.evidence["on_main_thread"] is False
+    assert "pt_autograd_0" in f.evidence["threads"]
+    assert f.seconds_lost_per_step > 0.5 and f.share_of_step > 0.3
+    line = _call_line()
+    caller = f.evidence["caller"]
+    assert caller["file"].endswith(os.path.join("examples", "fa4_seed.py")) and caller["line"] == line
+    assert f"examples/fa4_seed.py:{line}" in f.summary
+    first = f.prescriptions[0]
+    assert first.automatic and first.change["arg"] == {"framework": "example",
+                                                       "set": {"--max-seqlen-as": "int"}}
+    assert f"examples/fa4_seed.py:{line}" in first.summary
+    assert "max_seqlen_q=int(" in first.change["code"]["after"]
+    upgrade = [p for p in f.prescriptions if p.kind == "upgrade"]
+    assert upgrade and upgrade[0].change["upgrade"] == {"package": "flash-attn-4",
+                                                        "min_version": "4.0.0b26"}
+    assert any(p.change.get("arg", {}).get("set") == {"--attention-backend": "sdpa"}
+               for p in f.prescriptions)
+    # the terminal summary leads with it
+    assert f"examples/fa4_seed.py:{line}" in proc.stderr
+
+
+@pytest.mark.fa4
+@requires_fa4
+def test_b17_tensor_shim_compile_events(b17_tensor):
+    run, _, _ = b17_tensor
+    compiles = run.compiles
+    bwd = compiles[compiles["kernel"].str.startswith("_flash_attn_bwd:")]
+    assert len(bwd) == 3 and list(bwd["step"]) == [0, 1, 2]
+    assert set(bwd["thread"]) == {"pt_autograd_0"} and not bwd["is_main_thread"].any()
+    fields = bwd.iloc[-1]["key_fields"]
+    assert "single_q_block" in fields and "arch" in fields and "head_dim" in fields
+    assert bwd.iloc[-1]["key_types"]["single_q_block"] == "Tensor"
+    assert bwd.iloc[-1]["fa4"]["max_seqlen"]["max_seqlen_q"]["type"] == "Tensor"
+    assert (bwd["duration_s"] > 0.1).all()
+    calls = run.events[run.events["type"] == "fa4_call"]
+    assert len(calls) >= 3
+    call = calls.iloc[0]
+    assert call["arg_types"]["max_seqlen_q"] == "Tensor" and call["is_main_thread"]
+    assert call["caller"]["line"] == _call_line() and call["duration_s"] > 0
+    assert list(calls["step"])[:3] == [0, 1, 2]
+
+
+@pytest.mark.fa4
+@requires_fa4
+def test_b17_tensor_gil_evidence_from_pyspy(b17_tensor):
+    run, findings, _ = b17_tensor
+    if "pyspy" in run.missing:
+        pytest.skip(f"py-spy could not sample here: {run.missing['pyspy']}")
+    f = _jit(findings)["jit.fa4_steady_recompile"]
+    assert f.evidence["gil_share_compiling"] > 0.2
+
+
+# -- 4.0.0b17 with an int: only the cold start ----------------------------------------------------
+@pytest.mark.fa4
+@requires_fa4
+def test_b17_int_only_cold_start_prescribes_kernel_cache(tmp_path_factory, fa4_b17_path):
+    run, findings, _ = _record(tmp_path_factory, "b17-int",
+                               [PY, FA4_SEED, "--max-seqlen-as", "int", *SEED_ARGS],
+                               env={"PYTHONPATH": fa4_b17_path}, steps=3)
+    found = _jit(findings)
+    assert set(found) == {"jit.cold_start"}, [(f.id, f.title) for f in found.values()]
+    bwd = run.compiles[run.compiles["kernel"].str.startswith("_flash_attn_bwd:")]
+    assert len(bwd) == 1 and int(bwd.iloc[0]["step"]) == 0
+    cold = found["jit.cold_start"]
+    warm = [p for p in cold.prescriptions if p.kind == "precompile"]
+    assert warm and warm[0].automatic
+    assert warm[0].change["precompile"] == {"from_run": run.path}
+    assert warm[0].change["env"]["FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"] == "1"
+    assert "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR" in warm[0].change["env"]
+    assert f"kernel-cache warm --from-run {run.path}" in warm[0].summary
+
+
+# -- the newest release with a tensor: fixed upstream ---------------------------------------------
+@pytest.mark.fa4
+@requires_fa4
+def test_newest_fa4_tensor_no_steady_recompile(tmp_path_factory):
+    run, findings, _ = _record(tmp_path_factory, "new-tensor",
+                               [PY, FA4_SEED, "--max-seqlen-as", "tensor", *SEED_ARGS], steps=3)
+    version = run.manifest["packages"]["flash-attn-4"]
+    assert re.match(r"4\.0\.0b(\d+)$", version) and int(version.split("b")[-1]) >= 26, version
+    found = _jit(findings)
+    assert "jit.fa4_steady_recompile" not in found, found
+    assert "jit.cold_start" in found
+    bwd = run.compiles[run.compiles["kernel"].str.startswith("_flash_attn_bwd:")]
+    assert len(bwd) == 1
+
+
+# -- py-spy alone: the H200 recording --------------------------------------------------------------
+def test_h200_pyspy_file_alone_finds_backward_recompiling_on_autograd_thread(tmp_path):
+    out = tmp_path / "findings.json"
+    proc = diagnose(["analyze", FIXTURE, "-o", str(out)], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    findings = json.loads(out.read_text())
+    steady = [f for f in findings if f["id"] == "jit.fa4_steady_recompile"]
+    assert len(steady) == 1, [f["title"] for f in findings]
+    f = steady[0]
+    ev = f["evidence"]
+    assert ev["call_site"].startswith("_flash_attn_bwd (flash_attn/cute/interface.py:")
+    assert ev["is_main_thread"] is False and ev["thread"] != "MainThread"
+    # the first backward call compiles cold; each of the 3 later calls compiles again
+    assert ev["compiles"] == 4 and ev["calls_that_recompiled"] == [1, 2, 3]
+    assert all(2.0 < s < 3.2 for s in ev["seconds_each"][1:])  # FACTS §1: 2.4-2.7 s each
+    assert ev["kernel_source"].endswith("flash_bwd_sm90.py")
+    assert f["severity"] == "critical"
+    kinds = [p["kind"] for p in f["prescriptions"]]
+    assert kinds[:2] == ["code", "upgrade"]
+    assert "_flash_attn_bwd" in proc.stderr and "every call after the first" in proc.stderr
+    # the forward compiled once: not a finding
+    assert not [x for x in findings if "_flash_attn_fwd" in x["evidence"].get("call_site", "")]
+
+
+def test_analyze_rejects_what_is_not_evidence(tmp_path):
+    bad = tmp_path / "notes.txt"
+    bad.write_text("this is not a py-spy file\n")
+    proc = diagnose(["analyze", str(bad)], cwd=tmp_path)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    assert "diagnose: error:" in proc.stderr
+    proc = diagnose(["analyze", str(tmp_path / "missing")], cwd=tmp_path)
+    assert proc.returncode != 0 and "no such run folder or file" in proc.stderr
+
+
+# -- torch.compile on changing shapes -------------------------------------------------------------
+def test_dynamo_recompiles_on_changing_shapes_with_reason(tmp_path_factory):
+    run, findings, _ = _record(tmp_path_factory, "dynamo",
+                               [PY, example("compile_dynamic.py"), "--threads", "1"], steps=3)
+    found = _jit(findings)
+    assert "jit.dynamo_recompile" in found, [(f.id, f.title) for f in findings]
+    f = found["jit.dynamo_recompile"]
+    assert any("size mismatch at index 1" in r for r in f.evidence["reasons"])
+    assert f.evidence["recompiles"] >= 2 and {1, 2} <= set(f.steps_affected)
+    assert f.seconds_lost_per_step > 0
+    assert f.prescriptions[0].change["arg"]["set"] == {"--dynamic": "true"}
+    assert any("mark_dynamic" in p.summary and "dynamic=True" in p.summary for p in f.prescriptions)
+    # the re-analysis of the same folder gives the same finding
+    proc = diagnose(["analyze", run.path, "--json"], cwd=run.path)
+    assert proc.returncode == 0, proc.stderr
+    again = [d for d in json.loads(proc.stdout) if d["id"] == "jit.dynamo_recompile"]
+    assert again and again[0]["evidence"]["reasons"] == f.evidence["reasons"]
+    assert os.path.exists(os.path.join(run.path, "findings.json"))
+
+
+# -- the healthy example: nothing --------------------------------------------------------------------
+def test_healthy_example_has_no_jit_finding(tmp_path_factory):
+    _, findings, _ = _record(tmp_path_factory, "healthy",
+                             [PY, example("train_tiny.py"), "--steps", "4", "--threads", "1"], steps=4)
+    assert [(f.id, f.severity) for f in findings if f.analyzer == "jit"] == []
+    assert [(f.id, f.severity) for f in findings if f.analyzer == "jit" and f.severity != "info"] == []
