@@ -8,6 +8,7 @@ import difflib
 import shlex
 
 import numpy as np
+import pandas as pd
 
 from . import stats
 
@@ -21,17 +22,26 @@ _MEASUREMENT_OPTIONS = ("pyspy", "shim", "nvml", "pyspy_rate_hz", "dump_interval
 
 
 def step_times(run):
-    """Step durations in seconds, in step order: the shim's optimizer steps (the slowest rank's
-    duration per step, since a synchronous job waits for it), else the job's own log."""
+    """Step durations in seconds, in step order (a Series indexed by step number): the shim's
+    optimizer steps (the slowest rank's duration per step, since a synchronous job waits for
+    it), else the job's own log; and where they came from."""
     steps = run.steps.dropna(subset=["duration_s"])
     if len(steps):
-        per_step = steps.groupby("step")["duration_s"].max().sort_index()
-        return per_step.to_numpy(dtype=float), "shim"
+        return steps.groupby("step")["duration_s"].max().sort_index().astype(float), "shim"
     log = run.log_steps.dropna(subset=["step_time_s"]) if len(run.log_steps) else run.log_steps
     if len(log):
-        per_step = log.groupby("step")["step_time_s"].last().sort_index()
-        return per_step.to_numpy(dtype=float), "log"
-    return np.array([], dtype=float), None
+        return log.groupby("step")["step_time_s"].last().sort_index().astype(float), "log"
+    return pd.Series([], dtype=float), None
+
+
+def profiled_positions(run, series):
+    """Positions in `series` of the steps a torch.profiler window slowed down on purpose."""
+    try:
+        from traindx.analyzers.evidence import profiled_steps
+    except ImportError:
+        return []
+    profiled = set().union(*profiled_steps(run).values()) if len(run.events) else set()
+    return [i for i, step in enumerate(series.index) if step in profiled]
 
 
 def losses(run):
@@ -96,11 +106,15 @@ def env_diff(before, after):
 
 
 def measure_arm(run, window=None, tokens_override=None):
-    times, source = step_times(run)
+    series, source = step_times(run)
+    times = series.to_numpy(dtype=float)
     tokens = tokens_override or tokens_per_step(run)
-    summary, window_times = stats.summarize_arm(times, window, tokens)
+    profiled = profiled_positions(run, series) if source == "shim" else []
+    summary, window_times = stats.summarize_arm(times, window, tokens, exclude=profiled)
     total, in_window = compile_counts(run, summary.window)
     out = summary.to_dict()
+    out["profiled_steps_excluded"] = [int(series.index[i]) for i in profiled
+                                      if summary.window and summary.window[0] <= i <= summary.window[1]]
     out.update({
         "run": run.path,
         "command": list(run.command),

@@ -170,14 +170,27 @@ class ArmSummary:
         return asdict(self)
 
 
-def summarize_arm(step_times, window=None, tokens_per_step=None):
-    """Median / mean / CV of the steady window of one arm's step times (seconds, in order)."""
+def window_values(step_times, window=None, exclude=()):
+    """(the step times inside the steady window, minus the positions in `exclude`; bounds).
+    Nothing is excluded when that would leave the window empty."""
     times = np.asarray(step_times, dtype=float)
     bounds = steady_window(len(times), window)
     if bounds is None:
-        return ArmSummary(0, None, 0, None, None, None, tokens_per_step, None), times[:0]
-    w = times[bounds[0]: bounds[1] + 1]
-    w = w[np.isfinite(w)]
+        return times[:0], None
+    positions = [i for i in range(bounds[0], bounds[1] + 1) if i not in set(exclude)]
+    if not positions:
+        positions = list(range(bounds[0], bounds[1] + 1))
+    w = times[positions]
+    return w[np.isfinite(w)], bounds
+
+
+def summarize_arm(step_times, window=None, tokens_per_step=None, exclude=()):
+    """Median / mean / CV of the steady window of one arm's step times (seconds, in order);
+    `exclude`: positions left out of the window (steps slowed by a profiler on purpose)."""
+    times = np.asarray(step_times, dtype=float)
+    w, bounds = window_values(times, window, exclude)
+    if bounds is None:
+        return ArmSummary(0, None, 0, None, None, None, tokens_per_step, None), w
     median = float(np.median(w)) if len(w) else None
     mean = float(np.mean(w)) if len(w) else None
     tokens_per_s = (tokens_per_step / mean) if (tokens_per_step and mean) else None

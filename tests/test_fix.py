@@ -72,14 +72,20 @@ def test_plan_applies_the_first_automatic_fix_of_each_finding(tmp_path):
     cmd = [PY, FA4_SEED, "--steps", "4", "--max-seqlen-as", "tensor"]
     plan = plan_fixes(cmd, findings, "runs/x/baseline", environ={"FLASH_ATTENTION_CUTE_DSL_CACHE_DIR": str(tmp_path)})
     assert plan.command == [PY, FA4_SEED, "--steps", "4", "--max-seqlen-as", "int"]
-    assert plan.env == {"FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED": "1",
-                        "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR": str(tmp_path),
-                        "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
-    assert plan.precompile == ["runs/x/baseline"]
+    assert plan.env == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    # the command changes, so the baseline's kernels are not the candidate's: warm up later
+    assert plan.precompile == [] and "kernel-cache warm" in plan.deferred[0]
     assert any("switch to sdpa" in a for a in plan.alternatives)      # an alternative, not applied
     assert any("flash-attn-4>=4.0.0b26" in i for i in plan.instructions)  # upgrades: by hand
     assert any("colossal" in i for i in plan.instructions)
-    assert len(plan.applied) == 3
+    assert len(plan.applied) == 2
+
+    # a cold start alone: warm the cache from the baseline and enable it for the candidate
+    plan = plan_fixes(cmd, [_finding("jit.cold_start", warm)], "runs/x/baseline",
+                      environ={"FLASH_ATTENTION_CUTE_DSL_CACHE_DIR": str(tmp_path)})
+    assert plan.command == cmd and plan.precompile == ["runs/x/baseline"]
+    assert plan.env == {"FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED": "1",
+                        "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR": str(tmp_path)}
 
 
 def test_conflicting_prescriptions_keep_the_higher_ranked_one():

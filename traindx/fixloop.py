@@ -99,6 +99,7 @@ class Plan:
     applied: list = field(default_factory=list)         # one line per applied prescription
     alternatives: list = field(default_factory=list)    # automatic, not applied (see the finding)
     instructions: list = field(default_factory=list)    # code changes, upgrades: by hand
+    deferred: list = field(default_factory=list)        # automatic, but only after this fix
     warnings: list = field(default_factory=list)
 
     @property
@@ -110,7 +111,8 @@ class Plan:
     def to_dict(self):
         return {"command": self.command, "env": self.env, "precompile": self.precompile,
                 "applied": self.applied, "alternatives": self.alternatives,
-                "instructions": self.instructions, "warnings": self.warnings}
+                "instructions": self.instructions, "deferred": self.deferred,
+                "warnings": self.warnings}
 
 
 def _instruction(finding, p):
@@ -120,7 +122,7 @@ def _instruction(finding, p):
         c = change["code"]
         where = f"{c.get('file')}:{c.get('line')}" if c.get("file") else ""
         text += f" ({where}: `{c.get('before', '')}` → `{c.get('after', '')}`)" if where else ""
-    if "upgrade" in change:
+    if "upgrade" in change and not p.command:
         u = change["upgrade"]
         text += f" (pip install -U '{u.get('package')}>={u.get('min_version')}')"
     if p.command:
@@ -133,10 +135,19 @@ def _is_precompile(p):
 
 
 def plan_fixes(command, findings, baseline_path, environ=None):
-    """What `--fix` will do to the command, from the baseline's ranked findings."""
+    """What `--fix` will do to the command, from the baseline's ranked findings.
+
+    A precompile step replays the kernels the baseline compiled. When another fix rewrites the
+    command, the candidate compiles other kernels (e.g. an int max_seqlen gives other compile
+    keys than a tensor one), so the warm-up would be wasted: it is left for after the fix, as
+    an instruction naming the candidate run.
+    """
     environ = os.environ if environ is None else environ
     plan = Plan(command=list(command))
     flags_set = {}      # normalized flag -> (value, finding id)
+    changes_command = any(
+        (p.change or {}).get("arg") for f in findings for p in f.prescriptions
+        if p.automatic and not _is_precompile(p))
     for finding in findings:
         automatic = [p for p in finding.prescriptions if p.automatic]
         first_fix = next((p for p in automatic if not _is_precompile(p)), None)
@@ -148,6 +159,12 @@ def plan_fixes(command, findings, baseline_path, environ=None):
                 plan.alternatives.append(f"[{finding.id}] {p.summary}")
                 continue
             change = p.change or {}
+            if _is_precompile(p) and changes_command:
+                plan.deferred.append(
+                    f"[{finding.id}] after this fix: kernel-cache warm --from-run <the candidate "
+                    "run>, then train with FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1 (the "
+                    "baseline's kernels are not the ones the changed command compiles)")
+                continue
             applied = []
             for name, value in (change.get("env") or {}).items():
                 if value is None:
@@ -301,6 +318,8 @@ def run_fix_loop(command, args):
         console.print(f"alternative (not applied): {line}", markup=False)
     for line in plan.instructions:
         console.print(f"by hand: {line}", markup=False)
+    for line in plan.deferred:
+        console.print(f"later: {line}", markup=False)
     for line in plan.warnings:
         console.print(f"warning: {line}", style="yellow", markup=False)
     if not plan.changes_anything:
@@ -338,8 +357,9 @@ def run_fix_loop(command, args):
     from traindx.record import load_run
 
     candidate = load_run(cand_dir)
+    deferred = [line.replace("<the candidate run>", cand_dir) for line in plan.deferred]
     change = {"applied": plan.applied, "alternatives": plan.alternatives,
-              "instructions": plan.instructions, "warnings": plan.warnings,
+              "instructions": plan.instructions + deferred, "warnings": plan.warnings,
               "precompiled": [f"kernel-cache warm --from-run {p['from_run']} (exit {p['exit_code']})"
                               for p in precompiled]}
     comparison = compare_runs(baseline, candidate, change=change)
