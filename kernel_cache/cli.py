@@ -268,7 +268,11 @@ def _exports(cache_dir):
 
 
 def run_env(args):
-    for line in _exports(store.resolve_cache_dir(args.cache_dir)):
+    cache_dir = store.resolve_cache_dir(args.cache_dir)
+    if args.dir:  # for $(kernel-cache env --dir)
+        print(cache_dir)
+        return 0
+    for line in _exports(cache_dir):
         print(line)
     return 0
 
@@ -393,7 +397,8 @@ def run_clear(args):
 
 COMMANDS = {
     "warm": (prepare_warm, run_warm, "precompile FA4 kernels into FA4's persistent cache"),
-    "env": (None, run_env, "print the exports that make a job use the cache"),
+    "env": (lambda p: p.add_argument("--dir", action="store_true", help="print only the cache dir"),
+            run_env, "print the exports that make a job use the cache"),
     "ls": (lambda p: p.add_argument("--entries", action="store_true", help="list every entry"),
            run_ls, "list cache folders, entries, sizes and which environment each serves"),
     "verify": (lambda p: p.add_argument("--delete-bad", action="store_true",

@@ -177,6 +177,7 @@ def test_env_prints_the_two_exports(tmp_path):
     proc = kernel_cache("env", "--cache-dir", tmp_path)
     assert proc.stdout.splitlines() == [f"export {store.ENABLE_VAR}=1",
                                         f"export {store.DIR_VAR}={tmp_path}"]
+    assert kernel_cache("env", "--dir", "--cache-dir", tmp_path).stdout.strip() == str(tmp_path)
 
 
 def test_bad_input_is_one_line(tmp_path):
