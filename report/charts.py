@@ -205,7 +205,7 @@ def gpu_charts(gpu, timeline):
     end = timeline["end_s"]
     x = _Scale(0.0, end, LEFT, WIDTH - RIGHT)
     ranks = timeline["ranks"]
-    slow = [s for s in (ranks[next(iter(ranks))] if ranks else []) if s["slow"]]
+    slow = [s for s in (ranks[next(iter(ranks))] if ranks else []) if s["cause"] != "normal"]
     if len(slow) > 60:
         slow = []  # shading that many steps would hide the lines it is meant to explain
     charts = []
@@ -216,7 +216,7 @@ def gpu_charts(gpu, timeline):
         label, unit = lines[0][1]["label"], lines[0][1]["unit"]
         vmax = max((v for _, m in lines for v in m["values"] if v is not None), default=1.0)
         vmax = 100.0 if metric == "util" else vmax * 1.1 or 1.0
-        height, top, bottom = 120, 8, 96
+        height, top, bottom = 128, 20, 104
         y = _Scale(0.0, vmax, bottom, top)
         out = [f'<svg class="chart gpu-chart" data-metric="{metric}" viewBox="0 0 {WIDTH} {height}" role="img" '
                f'aria-label="GPU {escape(label)}">']
@@ -226,12 +226,12 @@ def gpu_charts(gpu, timeline):
         for t in _nice_ticks(0, vmax, 2):
             out.append(f'<line x1="{LEFT}" y1="{_f(y(t))}" x2="{WIDTH - RIGHT}" y2="{_f(y(t))}" class="grid"/>'
                        f'<text x="{LEFT - 6}" y="{_f(y(t) + 4)}" class="tick" text-anchor="end">{t:g}</text>')
-        out.append(f'<text x="{LEFT + 4}" y="{top + 10}" class="chart-title">{escape(label)} ({escape(unit)})</text>')
+        out.append(f'<text x="{LEFT}" y="{top - 7}" class="chart-title">{escape(label)} ({escape(unit)})</text>')
         if len(lines) > 1:
             for i, (index, _) in enumerate(lines):
                 lx = WIDTH - RIGHT - (len(lines) - i) * 52
-                out.append(f'<rect x="{lx}" y="{top + 2}" width="10" height="10" fill="{GPU_COLOURS[i % len(GPU_COLOURS)]}"/>'
-                           f'<text x="{lx + 13}" y="{top + 11}" class="tick">GPU {escape(index)}</text>')
+                out.append(f'<rect x="{lx}" y="{top - 16}" width="10" height="10" fill="{GPU_COLOURS[i % len(GPU_COLOURS)]}"/>'
+                           f'<text x="{lx + 13}" y="{top - 7}" class="tick">GPU {escape(index)}</text>')
         for i, (index, m) in enumerate(lines):
             pts = " ".join(f"{_f(x(t))},{_f(y(v))}" for t, v in zip(m["t_s"], m["values"]) if v is not None)
             out.append(f'<polyline points="{pts}" fill="none" stroke="{GPU_COLOURS[i % len(GPU_COLOURS)]}" '

@@ -251,7 +251,7 @@ def _compile_events(run, t0):
             # the same key text compiled again: the key holds objects compared by identity, such
             # as a tensor (a new one every call), so the in-memory cache can never hit
             for name, value in (e["key_fields"] or {}).items():
-                if "Tensor(" in str(value):
+                if re.search(r"(?:\b|Fake|Functional)[Tt]ensor\(", str(value)):
                     e["key_diff"].append({"field": _clip(name, 100), "before": _clip(value, 200),
                                           "after": "a new tensor object: the key never matches"})
         previous[(e["rank"], e["kernel"])] = e
@@ -363,36 +363,53 @@ def _losses(run):
 
 
 # -- py-spy: the GIL holder's stacks as an icicle tree, and per-thread GIL shares -----------------
-def _frame_kind(frame):
+def _frame_kind(frame, cwd=""):
+    """user (the job's own files), library, python (stdlib), traindx (our hooks) or native."""
     f = frame.file or ""
+    if not f:
+        return "native"
     if "_traindx_shim" in f or "/traindx/" in f:
         return "traindx"  # the profiler's own hooks: not the user's code
+    if f.startswith("<"):
+        return "python"
     if "site-packages" in f or "dist-packages" in f:
         return "library"
-    if "/lib/python" in f or f.startswith("<"):
+    parts = f.split("/")
+    if not f.startswith("/") or (cwd and f.startswith(cwd.rstrip("/") + "/")):
+        # under the job's folder, except packages unpacked into hidden folders (.venv, .fa4-b17)
+        inside = parts[len(cwd.rstrip("/").split("/")):] if f.startswith("/") else parts
+        return "library" if any(p.startswith(".") and p not in (".", "..") for p in inside[:-1]) else "user"
+    if re.search(r"/lib/python3\.\d+/", f):
         return "python"
-    return "user" if f else "native"
+    return "library"  # elsewhere on the machine: an installed package (e.g. /opt/…/site)
 
 
 _SPEEDSCOPE_THREAD = re.compile(r'^Thread (\d+) "(.*)"$')
 _THREAD_ROOT_FRAME = re.compile(r"^thread \(\d+\)|^process \d+:")
 
 
-def thread_label(name):
-    """py-spy's 'Thread 6263 "MainThread"' -> 'MainThread (6263)'."""
+def _native_tid(name):
+    m = _SPEEDSCOPE_THREAD.match(str(name))
+    return m[1] if m else None
+
+
+def thread_label(name, names=None):
+    """py-spy's 'Thread 6263 "MainThread"' -> 'MainThread (6263)'; an empty name is looked up in
+    `names` ({native thread id: Python thread name}, from py-spy's dumps)."""
     m = _SPEEDSCOPE_THREAD.match(str(name))
     if not m:
         return str(name)
-    return f"{m[2]} ({m[1]})" if m[2] else f"thread {m[1]}"
+    label = m[2] or (names or {}).get(m[1])
+    return f"{label} ({m[1]})" if label else f"thread {m[1]}"
 
 
-def flame_tree(threads, min_share=FLAME_MIN_SHARE, max_depth=FLAME_MAX_DEPTH):
+def flame_tree(threads, min_share=FLAME_MIN_SHARE, max_depth=FLAME_MAX_DEPTH, names=None, cwd=""):
     """{thread: ThreadSamples} -> a tree {name, file, line, kind, value, children}, threads at the
     first level; nodes under min_share of all samples are dropped (their weight stays in the parent)."""
     root = {"name": "all samples", "file": "", "line": 0, "kind": "root", "value": 0, "children": {}}
     for thread, ts in threads.items():
         tnode = root["children"].setdefault(("thread", thread), {
-            "name": thread_label(thread), "file": "", "line": 0, "kind": "thread", "value": 0,
+            "name": thread_label(thread, names), "file": "", "line": 0, "kind": "thread", "value": 0,
             "children": {}})
         for stack, weight in zip(ts.stacks, ts.weights):
             root["value"] += weight
@@ -412,7 +429,7 @@ def flame_tree(threads, min_share=FLAME_MIN_SHARE, max_depth=FLAME_MAX_DEPTH):
                 else:
                     in_import = False
                     key = (frame.name, frame.file, frame.line)
-                    kind = _frame_kind(frame)
+                    kind = _frame_kind(frame, cwd)
                 child = node["children"].get(key)
                 if child is None:
                     child = node["children"][key] = {"name": key[0], "file": key[1],
@@ -443,29 +460,68 @@ def _hottest_path(tree):
     return path
 
 
+_PACKAGE = re.compile(r"/(?:site-packages|dist-packages|site)/([^/]+)/(?:dsl_packages/([^/]+)/)?")
+
+
+def _package_of(file):
+    """'…/site-packages/torch/autograd/function.py' -> 'torch' (the hand-overs worth showing)."""
+    m = _PACKAGE.search(file or "")
+    return (m[2] or m[1]) if m else ""
+
+
+def _condensed(path, keep_last=2):
+    """The hottest path for reading: where it starts, every hand-over between the job's code,
+    libraries and the stdlib, and where it ends; the rest elided."""
+    keep = set(range(len(path) - keep_last, len(path))) | {0}
+    owners = [(n["kind"], _package_of(n["file"])) for n in path]
+    for i in range(1, len(path)):
+        if owners[i] != owners[i - 1]:
+            keep |= {i - 1, i}
+    out, last = [], -1
+    for i in sorted(k for k in keep if 0 <= k < len(path)):
+        if i > last + 1:
+            out.append({"name": f"… {i - last - 1} frame{'s' if i - last - 1 > 1 else ''}", "where": "", "kind": "elided"})
+        n = path[i]
+        out.append({"name": n["name"], "where": f"{n['file']}:{n['line']}" if n["file"] else "", "kind": n["kind"]})
+        last = i
+    return out
+
+
+def _thread_names(run, rank):
+    """{native thread id: Python thread name} from py-spy's dumps of one rank."""
+    d = run.dumps
+    if not len(d) or "os_thread_id" not in d:
+        return {}
+    d = d[(d["rank"] == rank) & d["os_thread_id"].notna()]
+    return {str(int(tid)): name for tid, name in zip(d["os_thread_id"], d["thread_name"])
+            if isinstance(name, str) and name}
+
+
 def gil_view(run):
     """Per rank: the --gil recording as a tree and each thread's share of GIL samples."""
     out = []
     recordings = run.pyspy
+    cwd = str(run.manifest.get("cwd") or "")
     for rank in sorted({r for r, _ in recordings}, key=lambda r: (len(r), r)):
         gil = recordings.get((rank, "gil"))
-        idle = recordings.get((rank, "all"))
+        idle = recordings.get((rank, "all")) or {}
         if not gil:
             continue
+        names = _thread_names(run, rank)
+        idle_by_tid = {_native_tid(n) or n: sum(ts.weights) for n, ts in idle.items()}
         total_gil = sum(sum(ts.weights) for ts in gil.values())
         threads = []
         for name, ts in gil.items():
             held = sum(ts.weights)
-            all_samples = sum(idle[name].weights) if idle and name in idle else None
-            threads.append({"thread": _clip(thread_label(name), 100), "gil_s": held,
+            all_samples = idle_by_tid.get(_native_tid(name) or name)
+            threads.append({"thread": _clip(thread_label(name, names), 100), "gil_s": held,
                             "share_of_gil": held / total_gil if total_gil else 0.0,
-                            "held_while_sampled": held / all_samples if all_samples else None})
+                            # two recorders sample independently: clamp their noise at 100 %
+                            "held_while_sampled": min(1.0, held / all_samples) if all_samples else None})
         threads.sort(key=lambda t: -t["gil_s"])
-        tree = flame_tree(gil)
-        hot = _hottest_path(tree)
+        tree = flame_tree(gil, names=names, cwd=cwd)
         out.append({"rank": rank, "total_s": total_gil, "threads": threads, "tree": tree,
-                    "hottest": [{"name": n["name"], "where": f"{n['file']}:{n['line']}" if n["file"] else "",
-                                 "kind": n["kind"]} for n in hot][-6:]})
+                    "hottest": _condensed(_hottest_path(tree))})
     return out
 
 
@@ -552,8 +608,22 @@ def _downsample(xs, ys, limit=MAX_GPU_POINTS):
     return ox, oy
 
 
-CLOCK_REASONS = {0x1: "idle", 0x4: "power cap", 0x8: "HW slowdown", 0x20: "SW thermal",
+CLOCK_REASONS = {0x1: "GPU idle", 0x4: "power cap", 0x8: "HW slowdown", 0x20: "SW thermal",
                  0x40: "HW thermal", 0x80: "power brake"}
+
+
+def gpu_util_in_steps(run, t0, step_rows):
+    """Mean NVML utilization over the samples taken while a step ran (start-up excluded)."""
+    gpu = run.gpu
+    if not len(gpu) or "util" not in gpu or not step_rows:
+        return None
+    windows = sorted((s["start_s"], s["end_s"]) for rows in step_rows.values() for s in rows)
+    values = []
+    for t, u in zip(gpu["t"], gpu["util"]):
+        ts, u = (int(t) - t0) / 1e9, _num(u)
+        if u is not None and any(a <= ts <= b for a, b in windows):
+            values.append(u)
+    return sum(values) / len(values) if values else None
 
 
 def gpu_view(run, t0):
@@ -708,7 +778,9 @@ def verdict(findings_view, median_step, cause_counts=None, steps=()):
         speedup = None
         if gain and median_step and 0 < gain < median_step:
             speedup = median_step / (median_step - gain)
+        share = f["share_of_step"]
         return {"kind": "change", "headline": p["summary"], "finding_title": f["title"],
+                "share_of_step": share,
                 "finding_anchor": f["anchor"], "severity": f["severity"], "gain_s": gain,
                 "speedup": speedup, "median_step_s": median_step,
                 "after_step_s": (median_step - gain) if speedup else None,
@@ -822,6 +894,7 @@ def _core(run, findings):
                             "cause": worst["cause"]} if worst else None,
              "final_loss": losses[max(losses)] if losses else None,
              "startup_s": first_start,
+             "gpu_util_in_steps": gpu_util_in_steps(run, t0, step_rows),
              "gap_s": sum(g["duration_s"] for g in gaps if g["rank"] == first_rank),
              "longest_gap": max((g for g in gaps if g["rank"] == first_rank),
                                 key=lambda g: g["duration_s"], default=None)}
