@@ -13,6 +13,7 @@ same FLASH_ATTENTION_CUTE_DSL_CACHE_DIR, if one was given here).
 import argparse
 import os
 import sys
+import time
 from pathlib import Path
 
 from traindx.errors import UserError
@@ -88,10 +89,13 @@ def _plan(args):
 def _target(args, run_info):
     """(arch vars for the workers, fake mode?, arch number, num_sms, a note)."""
     arch = specs.arch_number(args.arch) if args.arch else None
+    run_env = (run_info or {}).get("env") or {}
     if arch is None and run_info and run_info["archs"]:
         if len(run_info["archs"]) > 1:
             raise UserError(f"the run compiled for several archs {run_info['archs']}: pick one with --arch")
         arch = run_info["archs"][0]
+    if arch is None and run_env.get("FLASH_ATTENTION_ARCH"):
+        arch = specs.arch_number(run_env["FLASH_ATTENTION_ARCH"])
     gpu = None if args.device == "cpu" else _gpu()
     if arch is None:
         if gpu is None:
@@ -102,7 +106,9 @@ def _target(args, run_info):
     if args.device == "cuda" and not real:
         raise UserError("--device cuda: " + ("no GPU visible" if gpu is None else
                                              f"the GPU here is sm_{gpu[0]}, not sm_{arch}"))
-    num_sms = args.num_sms or (run_info or {}).get("num_sms") or (gpu[1] if real else None) \
+    run_sms = run_env.get("FLASH_ATTENTION_NUM_SMS")
+    num_sms = args.num_sms or (int(run_sms) if str(run_sms or "").isdigit() else None) \
+        or (run_info or {}).get("num_sms") or (gpu[1] if real else None) \
         or specs.NUM_SMS_BY_ARCH.get(arch, 132)
     if real:
         arch_vars = {"FLASH_ATTENTION_NUM_SMS": str(num_sms)} if args.num_sms else {}
@@ -147,6 +153,7 @@ def run_warm(args):
 
     uncacheable = [i for i in items if i.get("tensor_fields")]
     items_to_run = [i for i in items if not i.get("tensor_fields")]
+    started = time.perf_counter()
     first = [i for i in items_to_run if i["kind"] == "shape" or i["function"] in specs.REPLAY_FIRST]
     later = [i for i in items_to_run if i not in first]
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
@@ -160,7 +167,6 @@ def run_warm(args):
                                    markup=True)
             progress.advance(task)
 
-        report = None
         for item in uncacheable:
             results.append({
                 "label": item["label"], "ok": False, "rejected": False, "kernels": [], "item": item,
@@ -186,16 +192,15 @@ def run_warm(args):
             part = warm.run_warm(batch, cache_dir, arch_vars, jobs=jobs, fake=fake,
                                  extra_env=extra_env, progress=on_result)
             results += part.results
-            report = part if report is None else report
     order = {item["label"]: i for i, item in enumerate(items)}
     results.sort(key=lambda r: order.get(r["label"], 0))
     if any(k["status"] == "written" for r in results for k in r["kernels"]):
         store.write_metadata(cache_dir / env.fingerprint, arch=f"sm_{arch}", num_sms=num_sms,
                              source="; ".join(sources))
-    return _summarize(results, items, cache_dir, env, report)
+    return _summarize(results, items, cache_dir, env, time.perf_counter() - started)
 
 
-def _summarize(results, items, cache_dir, env, report):
+def _summarize(results, items, cache_dir, env, seconds):
     from rich.table import Table
 
     failed = [r for r in results if not r["ok"]]
@@ -245,7 +250,7 @@ def _summarize(results, items, cache_dir, env, report):
     n_written = sum(1 for s in status.values() if s == "written")
     table.add_section()
     table.add_row(f"{len(results)} items, {len(failed)} failed; distinct kernels", str(n_written),
-                  str(len(status) - n_written), f"{report.seconds:.1f}" if report else "", "")
+                  str(len(status) - n_written), f"{seconds:.1f}", "")
     out = _console()
     out.print(table)
     folder = cache_dir / env.fingerprint

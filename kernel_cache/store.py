@@ -164,9 +164,11 @@ class CacheFolder:
         meta = self.metadata or {}
         versions = meta.get("versions") or {}
         if versions:
+            archs = sorted({w.get("arch") for w in meta.get("warmed") or [] if w.get("arch")})
             return (f"flash-attn-4 {versions.get('flash-attn-4')}, nvidia-cutlass-dsl "
                     f"{versions.get('nvidia-cutlass-dsl')}, tvm_ffi {versions.get('apache-tvm-ffi')}, "
-                    f"Python {versions.get('python')}")
+                    f"Python {versions.get('python')}"
+                    + (f"; warmed for {', '.join(archs)}" if archs else ""))
         if self.usable:
             return current_environment().describe() + " (this environment)"
         return "unknown (not written by kernel-cache; FA4 keeps no record)"
