@@ -20,6 +20,7 @@ CAUSE_SHARE = 0.3             # an event covering this share of a step names the
 MAX_STEP_BARS = 800           # more steps than this are binned (about one bar per pixel)
 MAX_GPU_POINTS = 600          # per GPU and metric
 MAX_COMPILE_ROWS = 200
+FINDING_COMPILE_ROWS = 5      # a finding shows its first compiles; the rest are summed up per kernel
 MAX_LOG_LINES = 40
 FLAME_MIN_SHARE = 0.004       # icicle nodes smaller than this share of the samples are pruned
 FLAME_MAX_DEPTH = 80
@@ -257,6 +258,32 @@ def _compile_events(run, t0):
         previous[(e["rank"], e["kernel"])] = e
     for e in out:
         e.pop("key_fields")
+    return out
+
+
+def compile_groups(compiles):
+    """Compile events per kernel: how often, how long, in which steps and threads, and which key
+    fields changed between its compiles (what a user has to fix)."""
+    groups = {}
+    for c in compiles:
+        g = groups.setdefault((c["rank"], c["kernel"]), {
+            "rank": c["rank"], "kernel": c["kernel"], "kind": c["kind"], "count": 0, "total_s": 0.0,
+            "steps": [], "threads": [], "changed": {}, "call_site": c["call_site"] or c["caller"]})
+        g["count"] += 1
+        g["total_s"] += c["duration_s"]
+        if c["step"] is not None:
+            g["steps"].append(c["step"])
+        if c["thread"] and c["thread"] not in g["threads"]:
+            g["threads"].append(c["thread"])
+        for d in c["key_diff"]:
+            g["changed"].setdefault(d["field"], d["after"])
+    out = []
+    for g in groups.values():
+        g["steps"] = _ranges(g["steps"])
+        g["changed"] = [{"field": k, "example": v} for k, v in list(g["changed"].items())[:6]]
+        g["mean_s"] = g["total_s"] / g["count"]
+        out.append(g)
+    out.sort(key=lambda g: -g["total_s"])
     return out
 
 
@@ -763,7 +790,9 @@ def _finding_view(f, compiles):
         "share_of_step": f.share_of_step, "steps_affected": _ranges(f.steps_affected),
         "n_steps_affected": len(f.steps_affected), "ranks": [str(r) for r in f.ranks],
         "prescriptions": prescriptions, "evidence": _evidence_items(f.evidence),
-        "compiles": related[:MAX_COMPILE_ROWS],
+        "compiles": related[:FINDING_COMPILE_ROWS],
+        "compiles_more": max(0, len(related) - FINDING_COMPILE_ROWS),
+        "compile_groups": compile_groups(related) if len(related) > FINDING_COMPILE_ROWS else [],
         "shows_gil": f.analyzer in ("gil", "jit") or "gil" in f.id,
     }
 
@@ -942,6 +971,7 @@ def build_report_data(run, findings, comparison=None):
                      "losses": x["losses"] if len(x["losses"]) <= MAX_STEP_BARS else {}},
         "compiles": compiles[:MAX_COMPILE_ROWS],
         "compiles_total": len(compiles),
+        "compile_groups": compile_groups(compiles),
         "gil": _worst_rank_first(gil_view(run), x["worst"]),
         "lanes": thread_lanes(run, t0, x["worst"], compiles, step_rows),
         "gpu": gpu_view(run, t0),

@@ -41,6 +41,14 @@ def _comparison(args, run_path):
         raise UserError(f"{path} is not readable JSON ({type(exc).__name__})") from None
     if not isinstance(data, dict):
         raise UserError(f"{path} must hold a JSON object")
+    if isinstance(data.get("baseline"), dict) and "median_step_s" in data["baseline"]:
+        # the raw comparison the --fix loop writes: shown as the fix loop's own report shows it
+        try:
+            from traindx.recipes.ab import report_view
+
+            return report_view(data)
+        except (ImportError, KeyError, TypeError, ValueError):
+            return data
     return data
 
 
