@@ -5,12 +5,14 @@ Times are seconds since the run's start (manifest start_ns), so every chart shar
 Large evidence is reduced here (steps binned, samples merged into a pruned tree, metrics
 downsampled) so a 10-minute run renders to a few megabytes at most.
 """
+import bisect
 import json
 import math
 import os
 import re
 import shlex
 from datetime import datetime, timezone
+from functools import lru_cache
 
 from traindx.findings import SEVERITIES
 
@@ -390,6 +392,7 @@ def _losses(run):
 
 
 # -- py-spy: the GIL holder's stacks as an icicle tree, and per-thread GIL shares -----------------
+@lru_cache(maxsize=65536)
 def _frame_kind(frame, cwd=""):
     """user (the job's own files), library, python (stdlib), traindx (our hooks) or native."""
     f = frame.file or ""
@@ -496,7 +499,7 @@ def _package_of(file):
     return (m[2] or m[1]) if m else ""
 
 
-def _condensed(path, keep_last=2):
+def _condensed(path, keep_last=2, max_lines=12):
     """The hottest path for reading: where it starts, every hand-over between the job's code,
     libraries and the stdlib, and where it ends; the rest elided."""
     keep = set(range(len(path) - keep_last, len(path))) | {0}
@@ -511,6 +514,12 @@ def _condensed(path, keep_last=2):
         n = path[i]
         out.append({"name": n["name"], "where": f"{n['file']}:{n['line']}" if n["file"] else "", "kind": n["kind"]})
         last = i
+    if len(out) > max_lines:
+        # deep import chains hand over at every level: keep the start and the innermost end
+        head, tail = out[:3], out[-(max_lines - 4):]
+        skipped = len(path) - sum(1 for n in head + tail if n["kind"] != "elided")
+        out = head + [{"name": f"… {skipped} frames", "where": "", "kind": "elided"}] + \
+            [n for n in tail if n["kind"] != "elided" or n is not tail[0]]
     return out
 
 
@@ -645,10 +654,17 @@ def gpu_util_in_steps(run, t0, step_rows):
     if not len(gpu) or "util" not in gpu or not step_rows:
         return None
     windows = sorted((s["start_s"], s["end_s"]) for rows in step_rows.values() for s in rows)
+    starts = [a for a, _ in windows]
+    # the latest end among windows starting at or before each one (ranks' steps overlap)
+    reach, furthest = [], float("-inf")
+    for _, b in windows:
+        furthest = max(furthest, b)
+        reach.append(furthest)
     values = []
     for t, u in zip(gpu["t"], gpu["util"]):
         ts, u = (int(t) - t0) / 1e9, _num(u)
-        if u is not None and any(a <= ts <= b for a, b in windows):
+        i = bisect.bisect_right(starts, ts) - 1
+        if u is not None and i >= 0 and reach[i] >= ts:
             values.append(u)
     return sum(values) / len(values) if values else None
 

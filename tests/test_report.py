@@ -379,3 +379,22 @@ def test_h200_report_in_chromium(h200_run):
         assert "Dummy-1" in page.inner_text("#lanes")
 
     _chromium_check(path, "report-h200-seed.png", checks=checks)
+
+
+def test_report_command_shows_a_fix_comparison_from_the_run_folder(tiny_run, h200_run, tmp_path):
+    """A --fix candidate folder holds comparison.json (recipes.ab.compare_runs); re-rendering it
+    shows the arms side by side."""
+    from traindx.recipes.ab import compare_runs
+
+    run_dir = tmp_path / "candidate"
+    shutil.copytree(tiny_run.path, run_dir)
+    comparison = compare_runs(h200_run, load_run(run_dir))
+    (run_dir / "comparison.json").write_text(json.dumps(comparison, default=str))
+    proc = subprocess.run([PYTHON, "-m", "traindx", "report", str(run_dir), "--quiet"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    html = open(run_dir / "report.html", encoding="utf-8").read()
+    section = html[html.index('id="comparison"'):]
+    assert "Before and after" in html and "baseline" in section and "candidate" in section
+    assert f"{comparison['speedup']:.2f}×" in section
+    assert "loss parity" in section
