@@ -10,6 +10,8 @@ import traindx
 from traindx.findings import Finding, Prescription
 from traindx.fixloop import plan_fixes, program_args_start, set_flags
 
+from traindx.recipes.card import RecipeCard
+
 from helpers import PY, diagnose, example
 
 TINY = example("train_tiny.py")
@@ -144,3 +146,69 @@ def test_fix_without_automatic_prescriptions_runs_one_arm(tmp_path):
     assert os.path.isfile(tmp_path / "fix" / "baseline" / "manifest.json")
     assert not os.path.exists(tmp_path / "fix" / "candidate")
     assert "nothing to apply automatically" in proc.stderr
+
+
+# -- the seed case, end to end (real FA4 compiling in fake mode on the CPU) -----------------------
+def _fix(tmp_path, env, *job):
+    fix_dir = tmp_path / "fix"
+    proc = diagnose(["--fix", "--no-pyspy", "--quiet", *job[:2], "--run-dir", str(fix_dir), "--",
+                     *job[2:]], cwd=tmp_path, env=env)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    comparison = json.loads((fix_dir / "candidate" / "comparison.json").read_text())
+    return fix_dir, comparison, proc
+
+
+@pytest.mark.fa4
+def test_fix_turns_the_recompiling_seed_job_into_the_int_path(tmp_path, fa4_b17_path):
+    env = {"PYTHONPATH": fa4_b17_path,
+           "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR": str(tmp_path / "fa4-cache")}
+    fix_dir, comparison, proc = _fix(
+        tmp_path, env, "--steps", "3",
+        PY, FA4_SEED, "--steps", "20", "--max-seqlen-as", "tensor", "--threads", "1")
+    # the change: the example's own flag, tensor -> int; the backend switch is only offered
+    cmd = comparison["change"]["command"]
+    assert cmd["removed"] == ["tensor"] and cmd["added"] == ["int"]
+    assert "--attention-backend" not in cmd["after"]
+    assert any("sdpa" in a for a in comparison["change"]["alternatives"])
+    assert any("flash-attn-4" in i and "4.0.0b26" in i for i in comparison["change"]["instructions"])
+    # before: the backward compiles in every step; after: only at step 0
+    base, cand = comparison["baseline"], comparison["candidate"]
+    assert base["compiles_in_window"] >= 2 and cand["compiles_in_window"] == 0
+    assert comparison["speedup"] > 5 and comparison["speedup_ci95"][0] > 5
+    assert cand["tokens_per_s"] > 5 * base["tokens_per_s"]
+    # identical numerics: same seed, same data, the int path only changes compile keys
+    parity = comparison["loss_parity"]
+    assert parity["passed"] and parity["points"] >= 2
+    assert comparison["verdict"] == "faster and numerically equivalent"
+    assert "verdict: faster and numerically equivalent" in proc.stderr
+    # the candidate's report shows the before/after; fix.json keeps the plan
+    report = (fix_dir / "candidate" / "report.html").read_text()
+    assert "Before and after" in report and "faster and numerically equivalent" in report
+    fix = json.loads((fix_dir / "fix.json").read_text())
+    assert fix["status"] == "done" and fix["plan"]["command"][-3:] == ["int", "--threads", "1"]
+    # a card of the fix folder carries the convergence check
+    proc = diagnose(["card", str(fix_dir), "--gpu", "H200", "--active-params", "1e6"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    card = RecipeCard.from_yaml(proc.stdout)
+    assert card.convergence["result"] == "pass" and card.correctness["result"] == "pass"
+
+
+@pytest.mark.fa4
+def test_fix_warms_the_cache_for_a_cold_start(tmp_path):
+    if importlib.util.find_spec("flash_attn") is None:
+        pytest.skip("flash-attn-4 is not installed (pip install '.[fa4]')")
+    env = {"FLASH_ATTENTION_CUTE_DSL_CACHE_DIR": str(tmp_path / "fa4-cache")}
+    fix_dir, comparison, proc = _fix(
+        tmp_path, env, "--steps", "2",
+        PY, FA4_SEED, "--steps", "20", "--max-seqlen-as", "int", "--threads", "1")
+    assert comparison["baseline"]["compiles"] >= 2          # first use: fwd and bwd compile
+    assert comparison["change"]["command"]["same"]          # nothing to change in the command
+    assert comparison["change"]["env"]["added"] == {"FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED": "1"}
+    warmed = comparison["precompile_runs"]
+    assert warmed and warmed[0]["exit_code"] == 0
+    assert os.listdir(tmp_path / "fa4-cache")                # the warm-up wrote FA4's cache
+    candidate = traindx.load_run(fix_dir / "candidate")
+    assert len(candidate.compiles) == 0                      # every kernel came from the cache
+    base_first = comparison["baseline"]["step_times_s"][0]
+    cand_first = comparison["candidate"]["step_times_s"][0]
+    assert cand_first < base_first / 3

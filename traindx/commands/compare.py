@@ -70,6 +70,7 @@ def write_comparison(comparison, path):
 
 # -- rendering ---------------------------------------------------------------------------------
 VERDICT_STYLE = {"faster and numerically equivalent": "bold green",
+                 "faster start": "bold green",
                  "faster but numerics differ": "bold yellow", "no gain": "bold red"}
 
 
@@ -133,6 +134,9 @@ def print_comparison(comparison, console=None):
     table.add_row("median step time", _seconds(base["median_step_s"]), _seconds(cand["median_step_s"]))
     table.add_row("step-time CV", _percent(base["step_time_cv"]), _percent(cand["step_time_cv"]))
     table.add_row("tokens/s", _number(base["tokens_per_s"]), _number(cand["tokens_per_s"]))
+    table.add_row("step 0 (warm-up)", _seconds(base.get("first_step_s")),
+                  _seconds(cand.get("first_step_s")))
+    table.add_row("wall time of the run", _seconds(base.get("wall_s")), _seconds(cand.get("wall_s")))
     table.add_row("compile events (in window)",
                   f"{base['compiles']} ({base['compiles_in_window']})",
                   f"{cand['compiles']} ({cand['compiles_in_window']})")
@@ -163,4 +167,4 @@ def print_comparison(comparison, console=None):
     for line in comparison["change"].get("instructions", []):
         console.print(Text(f"to do by hand: {line}", style="cyan"))
     console.print(Text(f"verdict: {comparison['verdict']}",
-                       style=VERDICT_STYLE.get(comparison["verdict"], "bold red")))
+                       style=VERDICT_STYLE.get(comparison["verdict"].split(" (")[0], "bold red")))
