@@ -20,6 +20,29 @@ def _in_next(stack):
     return any(f.file.endswith(DATALOADER_FILE) and f.name.endswith("__next__") for f in stack)
 
 
+def _hottest_inside_next(samples, limit=5):
+    """[(Frame, seconds)] of the job's outermost function called from DataLoader.__next__ (its
+    collate_fn or its Dataset.__getitem__), hottest first."""
+    counts, line_of = {}, {}
+    for stack, weight in zip(samples.stacks, samples.weights):
+        if ev.is_import_sample(stack):
+            continue
+        inside = None
+        for i, f in enumerate(stack):
+            if f.file.endswith(DATALOADER_FILE) and f.name.endswith("__next__"):
+                inside = stack[i + 1:]
+        if inside is None:
+            continue
+        own = ev.user_frames(inside)
+        if not own:
+            continue
+        key = (own[0].name, own[0].file)
+        counts[key] = counts.get(key, 0.0) + weight
+        line_of.setdefault(key, own[0])
+    ranked = sorted(counts.items(), key=lambda kv: -kv[1])[:limit]
+    return [(line_of[key], seconds) for key, seconds in ranked]
+
+
 def _from_pyspy(run, rank):
     recording_all = run.pyspy.get((rank, "all"))
     if not recording_all:
@@ -29,14 +52,15 @@ def _from_pyspy(run, rank):
     if main not in threads:
         return None
     samples = threads[main][1]
-    total = ev.training_weight(samples)
     waiting = ev.training_weight(samples, keep=_in_next)
+    total, method = ev.steps_seconds(run, rank), "/ the rank's step time (shim)"
+    if not total:
+        total, method = ev.training_weight(samples), "/ all its samples (imports excluded)"
     if total <= 0:
         return None
-    return {"source": "py-spy", "share": waiting / total, "seconds": waiting,
-            "hot": ev.frames_evidence(ev.hottest_frames(samples, keep=_in_next)),
-            "method": "main-thread py-spy samples inside DataLoader.__next__ / all its samples "
-                      "(start-up imports excluded)"}
+    return {"source": "py-spy", "share": min(1.0, waiting / total), "seconds": waiting,
+            "hot": ev.frames_evidence(_hottest_inside_next(samples)),
+            "method": f"main-thread py-spy seconds inside DataLoader.__next__ {method}"}
 
 
 def _from_trace(run, rank):

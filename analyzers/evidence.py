@@ -62,6 +62,13 @@ def steady_steps(run, rank=None, keep_profiled=False):
     return pd.concat(parts)
 
 
+def steps_seconds(run, rank):
+    """Total seconds of all the completed steps of a rank: what py-spy seconds spent in the
+    training loop compare against (py-spy has no timestamps; set-up and exit are not steps)."""
+    steps = run.rank_steps(rank).dropna(subset=["duration_s"])
+    return float(steps["duration_s"].sum()) if len(steps) else 0.0
+
+
 def median_step_s(run, rank=None):
     steady = steady_steps(run, rank)
     if len(steady):

@@ -384,7 +384,7 @@ def _steady_finding(run, rank, kind, kernel, group, steps):
                    f"{thread_text}, {lost:.2f} s per step. Key field(s) that change: "
                    f"{field_text}" + (f" (e.g. {example})" if example else "") + ".")
         prescriptions = _generic_recompile_prescriptions(run, kind, kernel, fields, lost)
-        finding_id = "jit.fa4_steady_recompile" if fa4 else f"jit.{kind}_steady_recompile"
+        finding_id = "jit.steady_recompile"  # the FA4 id is kept for the tensor leak
     return Finding(
         id=finding_id, title=title, severity=_severity(share, steady=True), analyzer="jit",
         summary=summary, steps_affected=steps_affected, seconds_lost_per_step=lost,

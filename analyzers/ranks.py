@@ -69,9 +69,9 @@ def _pyspy_waits(run, ranks):
         if main not in threads:
             continue
         samples = threads[main][1]
-        total = ev.training_weight(samples)
+        total = ev.steps_seconds(run, rank) or ev.training_weight(samples)
         if total > 0:
-            out[rank] = (ev.training_weight(samples, keep=_in_collective) / total, samples)
+            out[rank] = (min(1.0, ev.training_weight(samples, keep=_in_collective) / total), samples)
     return out
 
 

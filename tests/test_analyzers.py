@@ -128,8 +128,12 @@ def _line_of(path, text):
 
 
 def test_dataloader_starvation_prescribes_workers_at_the_construction_line(tmp_path_factory):
-    run = _pathology(tmp_path_factory, "dataloader", ("--no-pyspy",), "--steps", "10")
+    # py-spy (the whole run) and the torch.profiler window (steps 3-4) both see it
+    run = _pathology(tmp_path_factory, "dataloader", ("--pyspy-rate", "50"), "--steps", "16")
     finding = _one(analyze(run), "dataloader.starvation")
+    if "pyspy" not in run.missing:
+        assert finding.evidence["source"] == "py-spy"
+        assert finding.evidence["torch_profiler"]["share"] >= 0.2
     assert finding.share_of_step >= 0.2 and finding.severity in ("medium", "high")
     assert finding.evidence["dataloader"]["num_workers"] == 0
     assert finding.evidence["hottest_frames_inside"][0]["function"] == "slow_collate"
