@@ -39,6 +39,9 @@ def prepare_warm(p):
     src.add_argument("--spec", action="append", default=[], metavar="FIELDS",
                      help="attention shape, e.g. hd=128,hq=16,hkv=4,dtype=bf16,causal,varlen (repeatable; see below)")
     src.add_argument("--model", metavar="CONFIG", help="an HF config.json (Llama, Qwen3, Qwen3-MoE, Qwen3.5 hybrid, ...)")
+    src.add_argument("--int-max-seqlen", action="store_true",
+                     help="--from-run: replay a max_seqlen the run passed as a tensor as a Python int "
+                          "(tokens / sequences), i.e. compile for the job once it is fixed")
     shp = p.add_argument_group("shape options")
     shp.add_argument("--seqlens", metavar="N,LO-HI",
                      help="sequence lengths and ranges (default 4096; varlen: 8-4096; see below)")
@@ -137,10 +140,24 @@ def run_warm(args):
     extra_env = dict((run_info or {}).get("env") or {})
     err = _console(stderr=True)
     if run_info:
-        ran = (run_info.get("versions") or {}).get("flash-attn-4")
-        if ran and env.fa4 and ran != env.fa4:
-            err.print(f"note: the run used flash-attn-4 {ran}; this environment has {env.fa4}: "
-                      "the cache only serves jobs that use this one")
+        ran = run_info.get("versions") or {}
+        other = [f"{name} {ran[name]} (here {here})" for name, here in
+                 (("flash-attn-4", env.fa4), ("nvidia-cutlass-dsl", env.cutlass))
+                 if ran.get(name) and here and ran[name] != here]
+        if other:
+            # e.g. the run showed FA4 <= b21 recompiling; the fix upgrades FA4, then precompiles
+            # the same calls: compile them with this FA4; its keys are not the run's to compare
+            err.print(f"note: the run used {', '.join(other)}: compiling the run's calls with "
+                      "this environment's FA4 (its cache serves jobs that use this one); the "
+                      "keys cannot be compared with the run's")
+            for item in items:
+                if item["kind"] == "replay":
+                    item["expect_key"], item["tensor_fields"] = None, []
+                    item["other_version"] = True
+    for item in items:
+        if item["kind"] == "replay" and args.int_max_seqlen:
+            item["int_max_seqlen"] = True
+            item["tensor_fields"] = []
     if os.environ.get("FA_LOG_LEVEL") and "FA_LOG_LEVEL" not in extra_env:
         err.print("note: FA_LOG_LEVEL is part of FA4's compile key: warm with the value the job uses")
     jobs = args.jobs or warm.default_jobs(len(items))
@@ -180,7 +197,10 @@ def run_warm(args):
             if batch is later and later:
                 # the pre/post kernels of a backward are usually compiled by its replay already
                 produced = {k["key"] for r in results for k in r["kernels"] if k["status"] != "not compiled"}
-                covered = [i for i in later if i.get("expect_key") in produced]
+                bwd_ok = any(r["ok"] for r in results
+                             if (r.get("item") or {}).get("function") == "_flash_attn_bwd")
+                covered = [i for i in later if i.get("expect_key") in produced
+                           or (i.get("other_version") and bwd_ok)]
                 for item in covered:
                     results.append({"label": item["label"], "ok": True, "rejected": False, "error": None,
                                     "kernels": [], "covered": True, "key_match": True, "key_diff": [],
@@ -226,13 +246,21 @@ def _summarize(results, items, cache_dir, env, seconds):
             continue
         if not r["ok"]:
             outcome = ("[red]rejected by FA4:[/] " if r["rejected"] else "[red]failed:[/] ") + str(r["error"])
+            args_ = (r.get("item") or {}).get("args") or {}
+            if any(isinstance(v, dict) and v.get("tensor") for k, v in args_.items()
+                   if k.startswith("max_seqlen")) and not (r.get("item") or {}).get("int_max_seqlen"):
+                outcome += (" (the run passed max_seqlen as a tensor: --int-max-seqlen compiles "
+                            "what the job needs once it passes an int)")
         elif r.get("covered"):
-            outcome = "compiled by the replays above"
+            outcome = ("left to the replays above (this FA4 compiles its own pre/post kernels)"
+                       if (r.get("item") or {}).get("other_version") else "compiled by the replays above")
         elif r.get("key_match") is False:
             outcome = "[yellow]compiled, key differs from the run's:[/] " + "; ".join(r["key_diff"][:3])
 
         elif r.get("key_match"):
             outcome = "ok, key matches the run's"
+        elif (r.get("item") or {}).get("other_version"):
+            outcome = "ok (for this FA4)"
         else:
             outcome = "ok"
         table.add_row(r["label"], str(counts["written"]), str(counts["present"]),

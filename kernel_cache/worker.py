@@ -5,6 +5,7 @@ Runs in a spawned process (a CuTe DSL compile holds the GIL: threads would not o
 here is imported by the parent: torch and FA4 are imported after `init` has set the environment,
 because FA4 reads its cache switches at import time.
 """
+import inspect
 import os
 import sys
 import time
@@ -252,11 +253,31 @@ def _run_replay(item, variant=None):
     if function is None or not hasattr(function, "compile_cache"):
         raise Unreplayable(f"this FA4 has no {item['function']} to replay")
     recorded = dict(item.get("args") or {}, **(variant or {}))
+    recorded = _fit_signature(function, recorded)
+    if item.get("int_max_seqlen"):
+        # as if the job passed max_seqlen as a Python int (the fix for FA4 <= b21's tensor keys)
+        recorded.update({name: _max_seqlen_guess(name, recorded) for name, value in recorded.items()
+                         if name.startswith("max_seqlen") and isinstance(value, dict)
+                         and value.get("tensor")})
     kwargs = {name: _rebuild(name, value, recorded) for name, value in recorded.items()}
-    if "fake_mode" in kwargs:
+    if "fake_mode" in inspect.signature(function).parameters:  # b36's pre/post kernels ask
         kwargs["fake_mode"] = _state["fake"]
     function(**kwargs)
     return item["function"]
+
+
+def _fit_signature(function, recorded):
+    """A run recorded with another FA4 release may name arguments this one lacks: unset ones
+    (None/False/0) are dropped; one that carries a value cannot be replayed faithfully."""
+    params = inspect.signature(function).parameters
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return recorded
+    unknown = {k: v for k, v in recorded.items() if k not in params}
+    meaningful = [k for k, v in unknown.items() if v not in (None, False, 0, 0.0, [], {})]
+    if meaningful:
+        raise Unreplayable(f"this FA4's {function.__name__} has no argument "
+                           f"{', '.join(meaningful)} (recorded with another release)")
+    return {k: v for k, v in recorded.items() if k in params}
 
 
 def replay_variants(item):

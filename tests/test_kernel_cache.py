@@ -254,3 +254,23 @@ def test_spec_fa4_rejects_gives_one_line_error(tmp_path):
     assert last.startswith("kernel-cache: error: FA4") and "rejects hd=512" in last
     assert "not supported on SM90" in last
     assert "Traceback" not in proc.stderr and not entries(tmp_path)
+
+
+def test_run_items_of_the_h200_seed_run():
+    """The real H200 recording (FA4 4.0.0b17, max_seqlen as a tensor): 28 compiles are 5 distinct
+    calls; the backward one compiled 24 times because its key holds tensors."""
+    run_dir = ROOT / "tests" / "data" / "h200-seed-b17-tensor"
+    if not run_dir.is_dir():
+        pytest.skip("the H200 seed run record is not in this checkout")
+    items, info = spec.run_items(run_dir)
+    assert info["archs"] == [90] and info["num_sms"] == 132  # from the key and the GPU's name
+    assert info["versions"]["flash-attn-4"] == "4.0.0b17"
+    by_function = {}
+    for item in items:
+        by_function.setdefault(item["function"], []).append(item)
+    assert [i["function"] for i in items[:2]] == ["_flash_attn_fwd", "_flash_attn_bwd"]
+    (bwd,) = by_function["_flash_attn_bwd"]
+    assert bwd["times_compiled"] == 24
+    assert bwd["tensor_fields"] == ["single_q_block", "single_k_block"]
+    assert bwd["args"]["max_seqlen_q"]["tensor"] and bwd["args"]["q"]["shape"] == [16384, 16, 128]
+    assert not by_function["_flash_attn_fwd"][0]["tensor_fields"]
