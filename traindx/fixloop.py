@@ -101,12 +101,11 @@ class Plan:
     instructions: list = field(default_factory=list)    # code changes, upgrades: by hand
     deferred: list = field(default_factory=list)        # automatic, but only after this fix
     warnings: list = field(default_factory=list)
+    command_changed: bool = False
 
     @property
     def changes_anything(self):
         return bool(self.env or self.precompile or self.command_changed)
-
-    command_changed: bool = False
 
     def to_dict(self):
         return {"command": self.command, "env": self.env, "precompile": self.precompile,
@@ -145,80 +144,89 @@ def plan_fixes(command, findings, baseline_path, environ=None):
     environ = os.environ if environ is None else environ
     plan = Plan(command=list(command))
     flags_set = {}      # normalized flag -> (value, finding id)
-    changes_command = any(
-        (p.change or {}).get("arg") for f in findings for p in f.prescriptions
-        if p.automatic and not _is_precompile(p))
+    precompiles = []    # (finding, prescription): planned once the command is known
     for finding in findings:
         automatic = [p for p in finding.prescriptions if p.automatic]
         first_fix = next((p for p in automatic if not _is_precompile(p)), None)
         for p in finding.prescriptions:
             if not p.automatic:
                 plan.instructions.append(_instruction(finding, p))
-                continue
-            if not _is_precompile(p) and p is not first_fix:
+            elif _is_precompile(p):
+                precompiles.append((finding, p))
+            elif p is not first_fix:
                 plan.alternatives.append(f"[{finding.id}] {p.summary}")
-                continue
-            change = p.change or {}
-            if _is_precompile(p) and changes_command:
-                plan.deferred.append(
-                    f"[{finding.id}] after this fix: kernel-cache warm --from-run <the candidate "
-                    "run>, then train with FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1 (the "
-                    "baseline's kernels are not the ones the changed command compiles)")
-                continue
-            applied = []
-            for name, value in (change.get("env") or {}).items():
-                if value is None:
-                    plan.instructions.append(f"[{finding.id}] unset {name}")
-                    continue
-                if name in plan.env and plan.env[name] != str(value):
-                    plan.warnings.append(f"[{finding.id}] wants {name}={value}; kept "
-                                         f"{name}={plan.env[name]} from a higher-ranked finding")
-                    continue
-                plan.env[name] = str(value)
-                applied.append(f"{name}={value}")
-            arg = change.get("arg")
-            if arg:
-                framework = str(arg.get("framework", "")).lower()
-                if framework not in KNOWN_FRAMEWORKS:
-                    plan.instructions.append(f"[{finding.id}] {p.summary} (flags of "
-                                             f"{framework or 'an unknown framework'}: by hand)")
-                else:
-                    wanted = {}
-                    for flag, value in (arg.get("set") or {}).items():
-                        key = _flag_name(flag if flag.startswith("-") else "--" + flag)
-                        if key in flags_set and flags_set[key][0] != value:
-                            plan.warnings.append(f"[{finding.id}] wants {flag} {value}; kept "
-                                                 f"{flags_set[key][0]} from [{flags_set[key][1]}]")
-                            continue
-                        flags_set[key] = (value, finding.id)
-                        wanted[flag] = value
-                    for flag in arg.get("remove") or ():
-                        wanted[flag] = None
-                    new = set_flags(plan.command, wanted)
-                    if new != plan.command:
-                        plan.command = new
-                        plan.command_changed = True
-                        applied.append(" ".join(f"{f} {v}" if v not in (None, True, False) else f
-                                                for f, v in wanted.items()))
-                    if _is_shell_script(command) and wanted:
-                        plan.warnings.append(
-                            "the command is a shell script: its flags were appended to the "
-                            "script's arguments; they take effect only if it passes them on "
-                            "(\"$@\") to the training program")
-            if _is_precompile(p):
-                source = (change.get("precompile") or {}).get("from_run") or baseline_path
-                if source not in plan.precompile:
-                    plan.precompile.append(source)
-                plan.env.setdefault(CACHE_ENABLE_VAR, "1")
-                applied.append(f"kernel-cache warm --from-run {source}")
-            if applied:
-                plan.applied.append(f"[{finding.id}] {p.summary}: " + "; ".join(applied))
+            else:
+                applied = _apply_env(plan, finding, p) + _apply_args(plan, finding, p, flags_set)
+                if applied:
+                    plan.applied.append(f"[{finding.id}] {p.summary}: " + "; ".join(applied))
+    for finding, p in precompiles:
+        if plan.command_changed:
+            plan.deferred.append(
+                f"[{finding.id}] after this fix: kernel-cache warm --from-run <the candidate "
+                "run>, then train with FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1 (the "
+                "baseline's kernels are not the ones the changed command compiles)")
+            continue
+        applied = _apply_env(plan, finding, p)
+        source = ((p.change or {}).get("precompile") or {}).get("from_run") or baseline_path
+        if source not in plan.precompile:
+            plan.precompile.append(source)
+        plan.env.setdefault(CACHE_ENABLE_VAR, "1")
+        applied.append(f"kernel-cache warm --from-run {source}")
+        plan.applied.append(f"[{finding.id}] {p.summary}: " + "; ".join(applied))
     if plan.precompile and CACHE_DIR_VAR not in plan.env:
         # explicit, so the warm-up and the candidate agree and the card records it
         from traindx.kernel_cache.store import default_cache_dir
 
         plan.env[CACHE_DIR_VAR] = str(default_cache_dir(environ))
+    if plan.command_changed and _is_shell_script(command):
+        plan.warnings.append(
+            "the command is a shell script: the flags were appended to the script's arguments; "
+            "they take effect only if it passes them on (\"$@\") to the training program")
     return plan
+
+
+def _apply_env(plan, finding, p):
+    applied = []
+    for name, value in ((p.change or {}).get("env") or {}).items():
+        if value is None:
+            plan.instructions.append(f"[{finding.id}] unset {name}")
+            continue
+        if name in plan.env and plan.env[name] != str(value):
+            plan.warnings.append(f"[{finding.id}] wants {name}={value}; kept "
+                                 f"{name}={plan.env[name]} from a higher-ranked finding")
+            continue
+        plan.env[name] = str(value)
+        applied.append(f"{name}={value}")
+    return applied
+
+
+def _apply_args(plan, finding, p, flags_set):
+    arg = (p.change or {}).get("arg")
+    if not arg:
+        return []
+    framework = str(arg.get("framework", "")).lower()
+    if framework not in KNOWN_FRAMEWORKS:
+        plan.instructions.append(f"[{finding.id}] {p.summary} (flags of "
+                                 f"{framework or 'an unknown framework'}: by hand)")
+        return []
+    wanted = {}
+    for flag, value in (arg.get("set") or {}).items():
+        key = _flag_name(flag if flag.startswith("-") else "--" + flag)
+        if key in flags_set and flags_set[key][0] != value:
+            plan.warnings.append(f"[{finding.id}] wants {flag} {value}; kept "
+                                 f"{flags_set[key][0]} from [{flags_set[key][1]}]")
+            continue
+        flags_set[key] = (value, finding.id)
+        wanted[flag] = value
+    for flag in arg.get("remove") or ():
+        wanted[flag] = None
+    new = set_flags(plan.command, wanted)
+    if new == plan.command:
+        return []
+    plan.command = new
+    plan.command_changed = True
+    return [" ".join(f if v is None or v is True or v is False else f"{f} {v}"
+                     for f, v in wanted.items())]
 
 
 def _is_shell_script(command):
