@@ -12,6 +12,7 @@ same FLASH_ATTENTION_CUTE_DSL_CACHE_DIR, if one was given here).
 """
 import argparse
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -137,6 +138,13 @@ def run_warm(args):
     arch_vars, fake, arch, num_sms, note = _target(args, run_info)
     env = store.require_fa4()
     cache_dir = store.resolve_cache_dir(args.cache_dir)
+    try:  # fail here, in one line, rather than in every compiler process
+        (cache_dir / env.fingerprint).mkdir(parents=True, exist_ok=True)
+        probe = cache_dir / env.fingerprint / f".write-test.{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise UserError(f"cannot write to the cache dir {cache_dir}: {exc.strerror}") from None
     extra_env = dict((run_info or {}).get("env") or {})
     err = _console(stderr=True)
     if run_info:
@@ -174,7 +182,7 @@ def run_warm(args):
     first = [i for i in items_to_run if i["kind"] == "shape" or i["function"] in specs.REPLAY_FIRST]
     later = [i for i in items_to_run if i not in first]
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    results = []
+    results, logs = [], []
     with Progress(*columns, console=err, transient=False) as progress:
         task = progress.add_task("compiling", total=len(items))
 
@@ -212,12 +220,22 @@ def run_warm(args):
             part = warm.run_warm(batch, cache_dir, arch_vars, jobs=jobs, fake=fake,
                                  extra_env=extra_env, progress=on_result)
             results += part.results
+            if part.log_dir:
+                logs.append(os.path.join(part.log_dir, "workers.log"))
     order = {item["label"]: i for i, item in enumerate(items)}
     results.sort(key=lambda r: order.get(r["label"], 0))
     if any(k["status"] == "written" for r in results for k in r["kernels"]):
         store.write_metadata(cache_dir / env.fingerprint, arch=f"sm_{arch}", num_sms=num_sms,
                              source="; ".join(sources))
-    return _summarize(results, items, cache_dir, env, time.perf_counter() - started)
+    try:
+        code = _summarize(results, items, cache_dir, env, time.perf_counter() - started)
+    except UserError:  # FA4 rejected every item: the one-line reason is all there is to say
+        for log in logs:
+            shutil.rmtree(os.path.dirname(log), ignore_errors=True)
+        raise
+    if logs:
+        print(f"{PROG}: compiler output and tracebacks: {', '.join(logs)}", file=sys.stderr)
+    return code
 
 
 def _summarize(results, items, cache_dir, env, seconds):

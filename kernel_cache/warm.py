@@ -7,6 +7,7 @@ file lock, to a temporary name renamed into place.
 """
 import multiprocessing
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -83,6 +84,9 @@ def run_warm(items, cache_dir, arch_vars, jobs=1, fake=True, extra_env=None, pro
     order = {item["label"]: i for i, item in enumerate(items)}
     report.results.sort(key=lambda r: order.get(r["label"], 0))
     report.seconds = time.perf_counter() - start
+    if not report.failed:
+        shutil.rmtree(log_dir, ignore_errors=True)
+        report.log_dir = ""
     return report
 
 

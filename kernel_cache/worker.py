@@ -356,6 +356,9 @@ def run_item(item):
     except Exception as exc:  # FA4 refusing the input, or a compile failure: reported per item
         result["rejected"], result["error"] = _reason(exc)
         lookups = _state["lookups"]
+        print(f"--- {item['label']}: {result['error']}", file=sys.stderr)  # into the worker log
+        traceback.print_exc()
+        sys.stderr.flush()
     if item["kind"] == "replay" and result["ok"]:
         result["key_match"], result["key_diff"] = _key_check(item, lookups)
         for variant in replay_variants(item) if result["key_match"] is False else []:
