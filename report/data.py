@@ -848,6 +848,11 @@ def verdict(findings_view, median_step, cause_counts=None, steps=()):
                 "finding_title": None, "finding_anchor": None, "severity": "medium",
                 "gain_s": None, "speedup": None, "median_step_s": median_step, "after_step_s": None,
                 "text": None, "text_kind": None, "automatic": False}
+    if not steps:
+        return {"kind": "nosteps", "headline": "No training steps were recorded: nothing to measure",
+                "finding_title": None, "finding_anchor": None, "severity": "info", "gain_s": None,
+                "speedup": None, "median_step_s": None, "after_step_s": None, "text": None,
+                "text_kind": None, "automatic": False}
     return {"kind": "healthy", "headline": "No slowdown found: nothing to change",
             "finding_title": None, "finding_anchor": None, "severity": "info", "gain_s": None,
             "speedup": None, "median_step_s": median_step, "after_step_s": None, "text": None,

@@ -398,3 +398,34 @@ def test_report_command_shows_a_fix_comparison_from_the_run_folder(tiny_run, h20
     assert "Before and after" in html and "baseline" in section and "candidate" in section
     assert f"{comparison['speedup']:.2f}×" in section
     assert "loss parity" in section
+
+
+def test_terminal_summary_says_what_the_html_verdict_says(tiny_run):
+    import io
+
+    from rich.console import Console
+
+    from traindx.report.terminal import print_summary
+
+    findings = _jit_findings(tiny_run)
+    out = io.StringIO()
+    print_summary(tiny_run, findings, "report.html", console=Console(file=out, width=200))
+    text = out.getvalue()
+    html = open(write_report(tiny_run, findings), encoding="utf-8").read()
+    headline = build_summary(tiny_run, findings)["verdict"]["headline"]
+    assert f"Verdict: {headline}" in text and headline in html
+    assert "pip install -U 'flash-attn-4>=4.0.0b26'" in text
+    # the same ranking: the JIT finding before the GC one, the info finding as a note after the table
+    assert text.index("FA4 recompiles") < text.index("Generation-2 GC") < text.index("note: a note")
+
+
+def test_a_job_that_fails_before_any_step_gets_an_honest_report(tmp_path):
+    proc = subprocess.run([PYTHON, "-m", "traindx", "--quiet", "--no-pyspy", "--run-dir", str(tmp_path / "r"),
+                           "--", PYTHON, "-c", "print('<i>loading</i>'); raise SystemExit(3)"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 3
+    assert "No training steps were recorded" in proc.stderr
+    data = build_report_data(load_run(tmp_path / "r"), [])
+    assert data["verdict"]["kind"] == "nosteps" and data["run"]["exit_code"] == 3
+    html = (tmp_path / "r" / "report.html").read_text()
+    assert "exited with code 3" in html and "&lt;i&gt;loading&lt;/i&gt;" in html
