@@ -45,6 +45,12 @@ fix)  # (b) --fix on the seed case
   log fix
   FA4_VERSION=b17 timeout 400 diagnose --quiet --fix --steps 6 --out runs/fix -- \
     $PY $EX --steps 6 --max-seqlen-as tensor 2>&1 | tail -40 ;;
+pathologies)  # issue 7's GPU analyzers on real GPU evidence
+  log pathologies
+  for p in none launch_bound alloc_retries power sync; do
+    timeout 120 diagnose --quiet --run-dir runs/gpu-$p -- $PY examples/gpu_pathologies.py \
+      --pathology $p --steps 25 2>&1 | sed -n '/traindx/,$p' | head -14
+  done ;;
 cache)  # (c) cold vs warm first step, GPU-warmed and CPU-warmed (sm_90) caches
   log cache
   bash bench/gpu_cache.sh 2>&1 | tail -40 ;;

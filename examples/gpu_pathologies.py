@@ -1,0 +1,104 @@
+"""GPU training jobs that each reproduce a GPU-side reason a step is slow (run on a GPU).
+
+    python examples/gpu_pathologies.py --pathology launch_bound  # hundreds of tiny kernels per step
+    python examples/gpu_pathologies.py --pathology alloc_retries # a capped, fragmented allocator
+    python examples/gpu_pathologies.py --pathology power         # large bf16 GEMMs at the power cap
+    python examples/gpu_pathologies.py --pathology sync          # .item() after every layer
+    python examples/gpu_pathologies.py --pathology none          # healthy: a few large GEMMs
+
+Real AdamW on an MLP regression task; one Megatron-format log line per step.
+"""
+import argparse
+import sys
+import time
+from datetime import datetime
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+PATHOLOGIES = ("none", "launch_bound", "alloc_retries", "power", "sync")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--pathology", choices=PATHOLOGIES, default="none")
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lr", type=float, default=1e-4)
+    return p.parse_args(argv)
+
+
+def shape_for(pathology):
+    """(width, layers, batch): tiny layers make the launch-bound job; wide ones the others."""
+    if pathology == "launch_bound":
+        return 64, 400, 32
+    if pathology == "power":
+        return 8192, 8, 16384
+    return 4096, 8, 8192
+
+
+class MLP(nn.Module):
+    def __init__(self, width, layers, sync=False):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(layers))
+        self.head = nn.Linear(width, 1)
+        self.sync = sync
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = F.gelu(layer(x))
+            if self.sync and not torch.isfinite(x).all().item():  # a host-device sync per layer
+                raise FloatingPointError("non-finite activations")
+        return self.head(x)
+
+
+def fragment(step, device):
+    """Allocations of changing sizes that outlive the step: the caching allocator runs out of
+    fitting blocks under the memory cap and frees its cache and retries (num_alloc_retries)."""
+    keep = []
+    for i in range(24):
+        n = (1 + (step * 7 + i * 13) % 23) * (16 << 20)
+        keep.append(torch.empty(n, dtype=torch.uint8, device=device))
+        if i % 3:
+            keep[-2:-1] = []
+    return keep
+
+
+def main(argv=None):
+    a = parse_args(argv)
+    torch.manual_seed(a.seed)
+    device = "cuda"
+    if a.pathology == "alloc_retries":
+        torch.cuda.set_per_process_memory_fraction(0.05)  # ~7 GiB of an H200
+    width, layers, batch = shape_for(a.pathology)
+    dtype = torch.bfloat16
+    model = MLP(width, layers, sync=a.pathology == "sync").to(device, dtype)
+    opt = torch.optim.AdamW(model.parameters(), lr=a.lr)
+    target_w = torch.randn(width, 1, device=device, dtype=dtype) / width ** 0.5
+    held = []
+    for step in range(1, a.steps + 1):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        x = torch.randn(batch, width, device=device, dtype=dtype)
+        y = x @ target_w
+        if a.pathology == "alloc_retries":
+            held = fragment(step, device)
+        loss = F.mse_loss(model(x).float(), y.float())
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        value = loss.item()
+        torch.cuda.synchronize()
+        ms = (time.perf_counter() - t0) * 1000
+        stamp = datetime.now().strftime("%Y-%m-%d %H:%M:%S")
+        print(f" [{stamp}] iteration {step:8d}/{a.steps:8d} | consumed samples: {step * batch:12d} | "
+              f"elapsed time per iteration (ms): {ms:.1f} | learning rate: {a.lr:.6E} | "
+              f"global batch size: {batch:5d} | lm loss: {value:.6E} |", flush=True)
+    del held
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
