@@ -24,7 +24,8 @@ CACHE_DIR_VAR = "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR"
 SINGLE_BLOCK_FIELDS = ("single_q_block", "single_k_block")
 _TENSOR_REPR = re.compile(r"\b(Fake)?Tensor\(|\btensor\(")
 # the example's own switches (examples/fa4_seed.py, examples/compile_dynamic.py)
-SEED_EXAMPLE = "fa4_seed.py"
+# the examples whose own flags (--max-seqlen-as, --attention-backend fa4|sdpa) --fix may rewrite
+SEED_EXAMPLE = ("fa4_seed.py", "gpu_qwen_fa4.py")
 DYNAMIC_EXAMPLE = "compile_dynamic.py"
 
 
