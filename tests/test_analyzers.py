@@ -320,3 +320,30 @@ def test_synthetic_gpu_evidence_launch_bound_steps(healthy, tmp_path):
     _kineto_trace(dest / "trace" / "0.json.gz", base, profiled, step_us * 0.9 / per_step, 0.1,
                   per_step)
     assert not [f for f in analyze(traindx.load_run(dest)) if f.id == "gpu.launch_bound"]
+
+
+def test_synthetic_gpu_evidence_syncs_cost_the_gpu_idle_after_them(healthy, tmp_path):
+    """kineto shape on a GPU: the job's forward (a python_function) calls .item() per layer; each
+    cudaStreamSynchronize holds the CPU 3 ms and is followed by 2 ms without a kernel (the last
+    one of a step by more: its cost is bounded by the 3 ms it held the CPU back)."""
+    dest = _copy_run(healthy, tmp_path)
+    profiled = healthy.steps[healthy.steps["step"].isin([3, 4])]
+    base = int(profiled["start_ns"].min()) - 10**9
+    events = []
+    for row in profiled.itertuples():
+        t = (int(row.start_ns) - base) / 1000 + 50          # µs
+        events.append({"ph": "X", "cat": "python_function", "name": "model.py(40): forward",
+                       "pid": 1, "tid": 1, "ts": t, "dur": 4 * 5010.0, "args": {"Python id": 1}})
+        for layer in range(4):
+            events.append({"ph": "X", "cat": "kernel", "name": "gemm", "pid": 0, "tid": 7,
+                           "ts": t, "dur": 500.0, "args": {"device": 0, "stream": 7}})
+            events.append({"ph": "X", "cat": "cuda_runtime", "name": "cudaStreamSynchronize",
+                           "pid": 1, "tid": 1, "ts": t + 10, "dur": 3000.0, "args": {}})
+            t += 3010 + 2000                                  # 2 ms of GPU idle after the sync
+    with gzip.open(dest / "trace" / "0.json.gz", "wt") as f:
+        json.dump({"schemaVersion": 1, "baseTimeNanoseconds": base, "traceEvents": events}, f)
+    finding = _one(analyze(traindx.load_run(dest)), "sync.host_device")
+    top = finding.evidence["call_sites"][0]
+    assert (top["function"], top["file"], top["per_step"]) == ("forward", "model.py", 4)
+    assert finding.seconds_lost_per_step == pytest.approx(3 * 0.002 + 0.003, rel=0.02)
+    assert finding.prescriptions[0].change["code"]["file"] == "model.py"
