@@ -257,7 +257,19 @@ def _analyze(run_dir, comparison=None):
     from traindx.record import load_run
 
     record = load_run(run_dir)
-    findings, report_path = analyze_and_write(record)
+    try:
+        findings, report_path = analyze_and_write(record)
+    except UserError:
+        raise
+    except Exception as exc:  # a broken report must not stop the loop: the findings decide
+        from traindx.analyzers import analyze
+        from traindx.outputs import write_findings
+
+        print(f"diagnose: internal error writing the report of {run_dir}: "
+              f"{type(exc).__name__}: {exc}", file=sys.stderr)
+        findings, report_path = analyze(record), None
+        write_findings(record, findings)
+        return record, findings, report_path
     if comparison is not None:
         try:
             from traindx.report.html import write_report
@@ -266,7 +278,11 @@ def _analyze(run_dir, comparison=None):
         if write_report is not None:
             from traindx.recipes.ab import report_view
 
-            report_path = write_report(record, findings, comparison=report_view(comparison))
+            try:
+                report_path = write_report(record, findings, comparison=report_view(comparison))
+            except Exception as exc:  # the comparison is already in comparison.json
+                print(f"diagnose: internal error drawing the comparison into the report: "
+                      f"{type(exc).__name__}: {exc}", file=sys.stderr)
     return record, findings, report_path
 
 
