@@ -746,16 +746,25 @@ def prescription_text(p):
 
 
 def _evidence_items(evidence):
-    """A finding's evidence dict as render-ready items: text, key/value, table or preformatted."""
+    """A finding's evidence dict as render-ready items: text, key/value, table or preformatted.
+    Empty values are left out; lists of numbers are shown inline."""
     items = []
     for key, value in (evidence or {}).items():
         label = str(key).replace("_", " ")
-        if isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+        if value is None or value == "" or value == [] or value == {}:
+            continue
+        if isinstance(value, list) and all(isinstance(v, dict) for v in value):
             columns = list(dict.fromkeys(k for v in value[:MAX_EVIDENCE_ROWS] for k in v))[:8]
             rows = [[_cell(v.get(c)) for c in columns] for v in value[:MAX_EVIDENCE_ROWS]]
             items.append({"label": label, "type": "table", "columns": [c.replace("_", " ") for c in columns],
                           "rows": rows, "more": max(0, len(value) - MAX_EVIDENCE_ROWS)})
-        elif isinstance(value, dict) and value and all(not isinstance(v, (dict, list)) for v in value.values()):
+        elif isinstance(value, (list, tuple)) and all(not isinstance(v, (dict, list)) for v in value):
+            shown = ", ".join(_cell(v) for v in value[:MAX_EVIDENCE_ROWS])
+            more = f" … ({len(value)} values)" if len(value) > MAX_EVIDENCE_ROWS else ""
+            items.append({"label": label, "type": "text", "text": _clip(shown + more, 2000)})
+        elif isinstance(value, dict) and ("file" in value or "filename" in value) and "line" in value:
+            items.append({"label": label, "type": "text", "text": _frame_label(value)})
+        elif isinstance(value, dict) and all(not isinstance(v, (dict, list)) for v in value.values()):
             items.append({"label": label, "type": "kv",
                           "pairs": [[_clip(k, 200), _cell(v)] for k, v in list(value.items())[:40]]})
         elif isinstance(value, (dict, list)):
