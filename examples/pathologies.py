@@ -8,6 +8,10 @@
     torchrun --nproc-per-node 2 examples/pathologies.py --pathology straggler   # rank 1 is slow
     python examples/pathologies.py --pathology none         # healthy
 
+On a GPU (--device cuda), two more that only a GPU shows:
+    python examples/pathologies.py --device cuda --pathology launch   # many tiny kernels: launch-bound
+    python examples/pathologies.py --device cuda --pathology alloc    # allocator retries, empty_cache
+
 Real AdamW on a small MLP regression task; one Megatron-format log line per step.
 """
 import argparse
@@ -25,7 +29,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
 
-PATHOLOGIES = ("none", "gil", "dataloader", "gc", "sync", "periodic", "straggler")
+PATHOLOGIES = ("none", "gil", "dataloader", "gc", "sync", "periodic", "straggler", "launch",
+               "alloc")
 
 
 def parse_args(argv=None):
@@ -45,6 +50,9 @@ def parse_args(argv=None):
     p.add_argument("--index-size", type=int, default=150_000,
                    help="gc: objects in the long-lived index")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (launch and alloc need cuda)")
+    p.add_argument("--alloc-fill", type=float, default=0.92,
+                   help="alloc: share of free GPU memory the varying blocks fill")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 
@@ -136,6 +144,29 @@ def record_step_metadata(history, step, n=25_000):
         history.pop(0)
 
 
+_budget = {}
+
+
+def churn_gpu_memory(device, step, fill):
+    """Blocks of a different size every step that together fill most of the GPU: the cached
+    blocks of the last step do not fit this step's sizes, cudaMalloc fails, the allocator frees
+    its cache and retries (num_alloc_retries); and every 5th step the job empties the cache
+    itself (a common 'fix' that makes it worse)."""
+    if "bytes" not in _budget:
+        _budget["bytes"] = int(torch.cuda.mem_get_info(device)[0] * fill)
+    unit = _budget["bytes"] // 40
+    blocks = []
+    for i in range(5):
+        try:
+            blocks.append(torch.empty((1 + (step * 7 + i * 13) % 9) * unit, dtype=torch.uint8,
+                                      device=device))
+        except torch.OutOfMemoryError:
+            break
+    del blocks
+    if step % 5 == 0:
+        torch.cuda.empty_cache()
+
+
 def write_checkpoint(model, step, seconds):
     print(f"saving checkpoint at iteration {step} ...", flush=True)
     with tempfile.NamedTemporaryFile(suffix=".pt") as f:
@@ -160,7 +191,10 @@ def main(argv=None):
     if args.pathology == "straggler" or int(os.environ.get("WORLD_SIZE", "1")) > 1:
         dist.init_process_group("gloo")
         rank, world = dist.get_rank(), dist.get_world_size()
-    model = MLP(args.width, args.layers, check_nan=args.pathology == "sync")
+    device = torch.device(args.device)
+    if args.pathology == "launch":  # a deep, narrow model on a tiny batch: µs-long kernels
+        args.width, args.layers, args.batch_size = 64, max(args.layers, 48), 4
+    model = MLP(args.width, args.layers, check_nan=args.pathology == "sync").to(device)
     samples = Samples(4096, args.width, args.seed + rank)
     data = batches(args, samples)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -178,6 +212,9 @@ def main(argv=None):
     for step in range(1, args.steps + 1):
         t0 = time.perf_counter()
         x, y = next(data)
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        if args.pathology == "alloc" and device.type == "cuda":
+            churn_gpu_memory(device, step, args.alloc_fill)
         loss = F.mse_loss(model(x), y)
         opt.zero_grad(set_to_none=True)
         loss.backward()

@@ -149,7 +149,7 @@ def test_dataloader_starvation_prescribes_workers_at_the_construction_line(tmp_p
 
 # -- GC ---------------------------------------------------------------------------------------
 def test_gen2_collections_in_steps_and_gc_freeze_cuts_them(tmp_path_factory):
-    run = _pathology(tmp_path_factory, "gc", ("--no-pyspy",), "--steps", "16")
+    run = _pathology(tmp_path_factory, "gc", ("--no-pyspy", "--torch-profile", "off"), "--steps", "16")
     finding = _one(analyze(run), "gc.gen2_in_step")
     assert finding.evidence["gen2_collections"] >= 1 and finding.steps_affected
     assert finding.evidence["longest_gen2_pause_s"] > 0.05
@@ -157,7 +157,8 @@ def test_gen2_collections_in_steps_and_gc_freeze_cuts_them(tmp_path_factory):
     assert any("gc.freeze()" in p.summary for p in finding.prescriptions)
     # the prescription applied (examples/pathologies.py --gc-freeze): the long-lived index leaves
     # the collector's view; what is left is the per-step churn of the example, far cheaper
-    fixed = _pathology(tmp_path_factory, "gc", ("--no-pyspy",), "--steps", "16", "--gc-freeze")
+    fixed = _pathology(tmp_path_factory, "gc", ("--no-pyspy", "--torch-profile", "off"), "--steps", "16",
+                       "--gc-freeze")
     after = [f for f in analyze(fixed) if f.id == "gc.gen2_in_step"]
     if after:
         assert after[0].evidence["longest_gen2_pause_s"] < 0.5 * finding.evidence["longest_gen2_pause_s"]
@@ -179,7 +180,7 @@ def test_item_inside_the_forward_is_found_in_the_profiler_window(tmp_path_factor
 
 # -- periodic slow steps ----------------------------------------------------------------------
 def test_periodic_checkpoint_is_found_with_its_period(tmp_path_factory):
-    run = _pathology(tmp_path_factory, "periodic", ("--no-pyspy",), "--steps", "22", "--every",
+    run = _pathology(tmp_path_factory, "periodic", ("--no-pyspy", "--torch-profile", "off"), "--steps", "22", "--every",
                      "4", "--checkpoint-seconds", "0.25")
     finding = _one(analyze(run), "steps.periodic_slow")
     assert finding.evidence["period"] == 4
@@ -324,26 +325,30 @@ def test_synthetic_gpu_evidence_launch_bound_steps(healthy, tmp_path):
 
 def test_synthetic_gpu_evidence_syncs_cost_the_gpu_idle_after_them(healthy, tmp_path):
     """kineto shape on a GPU: the job's forward (a python_function) calls .item() per layer; each
-    cudaStreamSynchronize holds the CPU 3 ms and is followed by 2 ms without a kernel (the last
-    one of a step by more: its cost is bounded by the 3 ms it held the CPU back)."""
+    cudaStreamSynchronize holds the CPU 1.5 gaps and is followed by one gap (5 % of the step)
+    without a kernel; the last one of a step by more, but its cost is bounded by the time it held
+    the CPU back."""
     dest = _copy_run(healthy, tmp_path)
     profiled = healthy.steps[healthy.steps["step"].isin([3, 4])]
     base = int(profiled["start_ns"].min()) - 10**9
+    gap = float(profiled["duration_s"].min()) * 1e6 * 0.05    # µs
+    block = 1.5 * gap
     events = []
     for row in profiled.itertuples():
-        t = (int(row.start_ns) - base) / 1000 + 50          # µs
+        t = (int(row.start_ns) - base) / 1000 + 50            # µs
         events.append({"ph": "X", "cat": "python_function", "name": "model.py(40): forward",
-                       "pid": 1, "tid": 1, "ts": t, "dur": 4 * 5010.0, "args": {"Python id": 1}})
+                       "pid": 1, "tid": 1, "ts": t, "dur": 4 * (block + gap + 20),
+                       "args": {"Python id": 1}})
         for layer in range(4):
             events.append({"ph": "X", "cat": "kernel", "name": "gemm", "pid": 0, "tid": 7,
-                           "ts": t, "dur": 500.0, "args": {"device": 0, "stream": 7}})
+                           "ts": t, "dur": block / 2, "args": {"device": 0, "stream": 7}})
             events.append({"ph": "X", "cat": "cuda_runtime", "name": "cudaStreamSynchronize",
-                           "pid": 1, "tid": 1, "ts": t + 10, "dur": 3000.0, "args": {}})
-            t += 3010 + 2000                                  # 2 ms of GPU idle after the sync
+                           "pid": 1, "tid": 1, "ts": t + 10, "dur": block, "args": {}})
+            t += 10 + block + gap + 10
     with gzip.open(dest / "trace" / "0.json.gz", "wt") as f:
         json.dump({"schemaVersion": 1, "baseTimeNanoseconds": base, "traceEvents": events}, f)
     finding = _one(analyze(traindx.load_run(dest)), "sync.host_device")
     top = finding.evidence["call_sites"][0]
     assert (top["function"], top["file"], top["per_step"]) == ("forward", "model.py", 4)
-    assert finding.seconds_lost_per_step == pytest.approx(3 * 0.002 + 0.003, rel=0.02)
+    assert finding.seconds_lost_per_step == pytest.approx((3 * (gap + 10) + block) / 1e6, rel=0.02)
     assert finding.prescriptions[0].change["code"]["file"] == "model.py"
