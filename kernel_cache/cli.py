@@ -61,6 +61,7 @@ def prepare_warm(p):
                      help="cpu: compile under FakeTensorMode; cuda: with real tensors on this GPU "
                           "(auto: cuda when a GPU of the target arch is visible)")
     tgt.add_argument("--jobs", "-j", type=int, metavar="N", help="compiler processes (default: CPUs, at most 8)")
+    tgt.add_argument("--dry-run", action="store_true", help="list the work items and the target; compile nothing")
     p.epilog = specs.SPEC_HELP + "\n\n" + specs.__doc__.split("\n\n", 2)[2]
 
 
@@ -138,13 +139,6 @@ def run_warm(args):
     arch_vars, fake, arch, num_sms, note = _target(args, run_info)
     env = store.require_fa4()
     cache_dir = store.resolve_cache_dir(args.cache_dir)
-    try:  # fail here, in one line, rather than in every compiler process
-        (cache_dir / env.fingerprint).mkdir(parents=True, exist_ok=True)
-        probe = cache_dir / env.fingerprint / f".write-test.{os.getpid()}"
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as exc:
-        raise UserError(f"cannot write to the cache dir {cache_dir}: {exc.strerror}") from None
     extra_env = dict((run_info or {}).get("env") or {})
     err = _console(stderr=True)
     if run_info:
@@ -176,6 +170,19 @@ def run_warm(args):
     err.print(f"  {len(items)} work items {note}; {min(jobs, len(items))} processes; "
               f"cache {cache_dir}/{env.fingerprint[:12]}…")
 
+    if args.dry_run:
+        for item in items:
+            print(item["label"] if item["kind"] == "shape" else
+                  f"{item['label']}: replay {item['function']}"
+                  + (f" (compiled {item['times_compiled']}x)" if item.get("times_compiled", 1) > 1 else ""))
+        return 0
+    try:  # fail here, in one line, rather than in every compiler process
+        (cache_dir / env.fingerprint).mkdir(parents=True, exist_ok=True)
+        probe = cache_dir / env.fingerprint / f".write-test.{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise UserError(f"cannot write to the cache dir {cache_dir}: {exc.strerror}") from None
     uncacheable = [i for i in items if i.get("tensor_fields")]
     items_to_run = [i for i in items if not i.get("tensor_fields")]
     started = time.perf_counter()
@@ -403,8 +410,10 @@ def run_verify(args):
     total = sum(len(f.entries) for f in usable)
     out.print(f"{good} of {total} entries load" + (f"; {len(bad)} bad" if bad else "")
               + (" (deleted: FA4 recompiles them on first use)" if bad and args.delete_bad else ""))
-    if not usable:
-        out.print(f"no cache for this environment ({env.describe()}) in {cache_dir}")
+    if not usable or not total:
+        out.print(f"no cache entries for this environment ({env.describe()}) in {cache_dir}: "
+                  "a job would compile every kernel")
+        return 1
     return 1 if bad else 0
 
 
