@@ -369,6 +369,12 @@ def _steady_finding(run, rank, kind, kernel, group, steps):
             why.append(f"{'/'.join(single_block)} change on every call")
         if tensor_call or tensor_in_args:
             why.append("max_seqlen reaches FA4 as a Tensor")
+        if "gil_share_compiling" in evidence:
+            why.append(f"py-spy: '{thread_name}' held the GIL in "
+                       f"{evidence['gil_share_compiling']:.0%} of the GIL samples while compiling"
+                       + (f", the main thread waiting in {evidence['dump_snapshots_main_thread_waiting']}"
+                          f" of {evidence['dump_snapshots_compiling_with_gil']} snapshots"
+                          if evidence.get("dump_snapshots_compiling_with_gil") else ""))
         title = (f"FA4 {fa4_function} recompiles every step: max_seqlen passed as a tensor "
                  f"leaks into its compile key ({field_text})")
         summary = (f"{kernel} compiled {len(later)} more time(s) after step {first_step} "

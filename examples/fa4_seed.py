@@ -84,8 +84,25 @@ def parse_args(argv=None):
 
 
 # -- data: packed variable-length sequences ------------------------------------------------------
+class Packing:
+    """Where the packed sequences start and end, built once per batch on the host (as a data
+    loader does): cu_seqlens (int32), each token's position in its sequence, and the causal
+    block-diagonal mask of the reference attention. Nothing here reads tensor data back."""
+
+    def __init__(self, lengths):
+        self.lengths = list(lengths)
+        self.cu_list = [0, *itertools.accumulate(self.lengths)]
+        self.cu_seqlens = torch.tensor(self.cu_list, dtype=torch.int32)
+        total = self.cu_list[-1]
+        seq_id = torch.repeat_interleave(torch.arange(len(self.lengths)),
+                                         torch.tensor(self.lengths), output_size=total)
+        self.positions = torch.cat([torch.arange(n) for n in self.lengths])
+        self.mask = (seq_id[:, None] == seq_id[None, :]) & \
+            (self.positions[:, None] >= self.positions[None, :])
+
+
 def packed_batch(gen, table, tokens, min_len, max_len, vocab):
-    """Token ids of several sequences packed into one row, and their cu_seqlens (int32)."""
+    """Token ids of several sequences packed into one row, and their Packing."""
     lengths = []
     while sum(lengths) < tokens:
         lengths.append(int(torch.randint(min_len, max_len + 1, (1,), generator=gen)))
@@ -96,27 +113,16 @@ def packed_batch(gen, table, tokens, min_len, max_len, vocab):
     for t in range(3, tokens + 1):  # a noisy order-3 Markov chain: something to learn
         if float(torch.rand(1, generator=gen)) > 0.1:
             ids[t] = table[(ids[t - 1] * 31 + ids[t - 2] * 7 + ids[t - 3]) % table.numel()]
-    cu_seqlens = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
-    return ids[:-1], ids[1:], cu_seqlens
-
-
-def positions(cu_seqlens):
-    lengths = cu_seqlens.diff().long()
-    starts = torch.repeat_interleave(cu_seqlens[:-1].long(), lengths)
-    return torch.arange(int(cu_seqlens[-1])) - starts
+    return ids[:-1], ids[1:], Packing(lengths)
 
 
 # -- attention -----------------------------------------------------------------------------------
-def varlen_attention_reference(q, k, v, cu_seqlens):
+def varlen_attention_reference(q, k, v, packing):
     """Causal attention within each packed sequence: (tokens, heads, dim) in and out."""
-    lengths = cu_seqlens.diff().long()
-    seq_id = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
-    pos = positions(cu_seqlens)
-    mask = (seq_id[:, None] == seq_id[None, :]) & (pos[:, None] >= pos[None, :])
     group = q.shape[1] // k.shape[1]
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1), k.repeat_interleave(group, 1).transpose(0, 1),
-        v.repeat_interleave(group, 1).transpose(0, 1), attn_mask=mask)
+        v.repeat_interleave(group, 1).transpose(0, 1), attn_mask=packing.mask)
     return out.transpose(0, 1)
 
 
@@ -135,12 +141,13 @@ class FakeGPU:
     def like(self, t, dtype=torch.bfloat16):
         return torch.empty(t.shape, dtype=dtype, device="cuda")
 
-    def on_device(self, value):
-        """A real CPU value as the job would hold it on the GPU. A 0-dim tensor becomes a tensor
-        whose value fake mode can read (as a GPU would, after a sync): FA4 reads it on the host."""
+    def on_device(self, value, data=None):
+        """A real CPU value as the job would hold it on the GPU (`data`: its values, when the
+        caller has them on the host). A 0-dim tensor becomes a tensor whose value fake mode can
+        read, as a GPU would after a sync: FA4 reads it on the host."""
         if not torch.is_tensor(value):
             return value
-        data = value.tolist()
+        data = value.tolist() if data is None else data
         with self.mode:
             if value.dim() == 0:
                 return torch.tensor(data, dtype=value.dtype)
@@ -178,9 +185,9 @@ class FA4VarlenAttention(torch.autograd.Function):
     PyTorch reference so the training numbers are real and identical to the sdpa backend."""
 
     @staticmethod
-    def forward(ctx, q, k, v, cu_seqlens, max_seqlen, runtime):
+    def forward(ctx, q, k, v, packing, max_seqlen, runtime):
         gpu, backward_thread = runtime
-        fcu = gpu.on_device(cu_seqlens)
+        fcu = gpu.on_device(packing.cu_seqlens, packing.cu_list)
         max_seqlen = gpu.on_device(max_seqlen)
         with gpu.mode:
             fq, fk, fv = gpu.like(q), gpu.like(k), gpu.like(v)
@@ -188,7 +195,7 @@ class FA4VarlenAttention(torch.autograd.Function):
                                                     cu_seqlens_q=fcu, cu_seqlens_k=fcu, causal=True, return_lse=True)
         with torch.enable_grad():
             inputs = tuple(t.detach().requires_grad_() for t in (q, k, v))
-            out = varlen_attention_reference(*inputs, cu_seqlens)
+            out = varlen_attention_reference(*inputs, packing)
         ctx.fake = (fq, fk, fv, fout, flse, fcu, max_seqlen)
         ctx.graph = (inputs, out)
         ctx.runtime = runtime
@@ -226,14 +233,14 @@ class Block(nn.Module):
         self.ln2 = nn.LayerNorm(d)
         self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
 
-    def forward(self, x, cu_seqlens, max_seqlen, runtime):
+    def forward(self, x, packing, max_seqlen, runtime):
         h = self.ln1(x)
         q = self.q(h).view(-1, self.heads, self.head_dim)
         k, v = self.kv(h).view(-1, 2, self.kv_heads, self.head_dim).unbind(1)
         if runtime is None:
-            a = varlen_attention_reference(q, k, v, cu_seqlens)
+            a = varlen_attention_reference(q, k, v, packing)
         else:
-            a = FA4VarlenAttention.apply(q, k, v, cu_seqlens, max_seqlen, runtime)
+            a = FA4VarlenAttention.apply(q, k, v, packing, max_seqlen, runtime)
         x = x + self.proj(a.reshape(x.shape[0], -1))
         return x + self.mlp(self.ln2(x))
 
@@ -249,10 +256,10 @@ class PackedLM(nn.Module):
         self.ln = nn.LayerNorm(d)
         self.head = nn.Linear(d, args.vocab, bias=False)
 
-    def forward(self, ids, cu_seqlens, max_seqlen, runtime):
-        x = self.tok(ids) + self.pos(positions(cu_seqlens))
+    def forward(self, ids, packing, max_seqlen, runtime):
+        x = self.tok(ids) + self.pos(packing.positions)
         for block in self.blocks:
-            x = block(x, cu_seqlens, max_seqlen, runtime)
+            x = block(x, packing, max_seqlen, runtime)
         return self.head(self.ln(x))
 
 
@@ -292,13 +299,14 @@ def main(argv=None):
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     for step in range(1, args.steps + 1):
         t0 = time.perf_counter()
-        ids, labels, cu_seqlens = packed_batch(gen, table, args.tokens, args.min_len,
-                                               args.max_len, args.vocab)
+        ids, labels, packing = packed_batch(gen, table, args.tokens, args.min_len,
+                                            args.max_len, args.vocab)
+        cu_seqlens = packing.cu_seqlens
         if args.max_seqlen_as == "tensor":
             max_seqlen = cu_seqlens.diff().max()  # the framework bug: a 0-dim tensor, no .item()
         else:
             max_seqlen = int(cu_seqlens.diff().max())
-        logits = model(ids, cu_seqlens, max_seqlen, runtime)
+        logits = model(ids, packing, max_seqlen, runtime)
         loss = F.cross_entropy(logits, labels)
         opt.zero_grad(set_to_none=True)
         loss.backward()
