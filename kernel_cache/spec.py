@@ -19,7 +19,6 @@ A `max_seqlen` passed as a tensor instead of a Python int selects other keys (an
 a new key per call, which no cache can fix); `--spec ...,tensor_maxseqlen` warms that variant.
 """
 import json
-import os
 import re
 
 from traindx.errors import UserError
@@ -215,7 +214,7 @@ def _text_config(config):
     return config
 
 
-def attention_layers(config, window_flag=None):
+def attention_layers(config):
     """[(description, attention fields)] of the softmax-attention layers FA4 runs for a model.
 
     Hybrid models (Qwen3-Next, Qwen3.5 family) interleave linear-attention layers (Gated DeltaNet,
@@ -371,7 +370,3 @@ def _int_or_none(v):
         return None if v is None or v != v else int(v)
     except (TypeError, ValueError):
         return None
-
-
-def describe_spec_source(path):
-    return os.path.basename(os.path.dirname(os.path.abspath(path))) or path
