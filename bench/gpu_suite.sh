@@ -47,9 +47,10 @@ fix)  # (b) --fix on the seed case
     $PY $EX --steps 6 --max-seqlen-as tensor 2>&1 | tail -40 ;;
 pathologies)  # issue 7's GPU analyzers on real GPU evidence
   log pathologies
-  for p in none launch_bound alloc_retries power sync; do
+  for p in ${PATHOLOGIES:-none launch_bound alloc_retries power sync}; do
+    steps=25; [ $p = power ] && steps=150  # NVML samples at 2 Hz: the power run must last
     timeout 120 diagnose --quiet --run-dir runs/gpu-$p -- $PY examples/gpu_pathologies.py \
-      --pathology $p --steps 25 2>&1 | sed -n '/traindx/,$p' | head -14
+      --pathology $p --steps $steps 2>&1 | sed -n '/traindx/,$p' | head -14
   done ;;
 cache)  # (c) cold vs warm first step, GPU-warmed and CPU-warmed (sm_90) caches
   log cache

@@ -55,15 +55,11 @@ class MLP(nn.Module):
 
 
 def fragment(step, device):
-    """Allocations of changing sizes that outlive the step: the caching allocator runs out of
-    fitting blocks under the memory cap and frees its cache and retries (num_alloc_retries)."""
-    keep = []
-    for i in range(24):
-        n = (1 + (step * 7 + i * 13) % 23) * (16 << 20)
-        keep.append(torch.empty(n, dtype=torch.uint8, device=device))
-        if i % 3:
-            keep[-2:-1] = []
-    return keep
+    """A scratch buffer a little larger every step under a memory cap: the cached block of the
+    last step is too small, and cached plus new exceed the cap, so the caching allocator frees
+    its cache and retries cudaMalloc (num_alloc_retries grows every step)."""
+    size = int((1.0 + 0.05 * (step % 20)) * 2 ** 30)
+    return torch.empty(size, dtype=torch.uint8, device=device)
 
 
 def main(argv=None):
@@ -71,7 +67,7 @@ def main(argv=None):
     torch.manual_seed(a.seed)
     device = "cuda"
     if a.pathology == "alloc_retries":
-        torch.cuda.set_per_process_memory_fraction(0.05)  # ~7 GiB of an H200
+        torch.cuda.set_per_process_memory_fraction(0.025)  # ~3.5 GiB of an H200
     width, layers, batch = shape_for(a.pathology)
     dtype = torch.bfloat16
     model = MLP(width, layers, sync=a.pathology == "sync").to(device, dtype)
@@ -84,6 +80,7 @@ def main(argv=None):
         x = torch.randn(batch, width, device=device, dtype=dtype)
         y = x @ target_w
         if a.pathology == "alloc_retries":
+            held = None  # last step's scratch goes back to the allocator's cache
             held = fragment(step, device)
         loss = F.mse_loss(model(x).float(), y.float())
         opt.zero_grad(set_to_none=True)

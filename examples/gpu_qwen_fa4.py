@@ -16,6 +16,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+try:  # imported up front, as training frameworks do: the import costs seconds
+    from flash_attn.cute import flash_attn_varlen_func
+except ImportError:  # --attention-backend sdpa needs no FA4
+    flash_attn_varlen_func = None
+
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__)
@@ -58,8 +63,6 @@ def rope(x, positions, base=10000.0):
 
 def attention(q, k, v, cu_seqlens, max_seqlen, backend):
     if backend == "fa4":
-        from flash_attn.cute import flash_attn_varlen_func
-
         out = flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens,
                                      max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen, causal=True)
         return out[0] if isinstance(out, tuple) else out
