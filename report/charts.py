@@ -90,9 +90,11 @@ def _time_axis(x, y, t0, t1):
     return "".join(parts)
 
 
-def step_chart(timeline, compiles, stats, causes):
-    """Bars from each step's start to its end, as tall as the step took; slow ones coloured by
-    cause. Under them a lane of compile events and GC. x = seconds since the run started."""
+def step_chart(timeline, compiles, stats, causes, by="time"):
+    """Step times over the run; under them a lane of compile events and GC.
+
+    by="time": x = seconds since the run started; each bar spans its step, so start-up and gaps
+    between steps show. by="step": one equal bar per step, for runs where those dominate."""
     ranks = timeline["ranks"]
     if not ranks:
         return Markup("")
@@ -102,21 +104,29 @@ def step_chart(timeline, compiles, stats, causes):
     height, top, bottom = 260, 10, 200
     lane_y = bottom + 28
     x = _Scale(0.0, end, LEFT, WIDTH - RIGHT)
+    bar_w = (WIDTH - RIGHT - LEFT) / len(steps)
+
+    def span(i, s):
+        if by == "step":
+            return LEFT + i * bar_w, LEFT + (i + 1) * bar_w
+        return x(s["start_s"]), x(s["end_s"])
+
     ymax = max(s.get("max_s", s["duration_s"]) for s in steps) * 1.08
     y = _Scale(0.0, ymax, bottom, top)
-    out = [f'<svg class="chart" id="step-chart" viewBox="0 0 {WIDTH} {height}" role="img" '
-           f'aria-label="step time over the run">']
+    chart_id = "step-chart" if by == "time" else "step-chart-by-step"
+    out = [f'<svg class="chart step-chart" id="{chart_id}" data-by="{by}" viewBox="0 0 {WIDTH} {height}" '
+           f'role="img" aria-label="step time over the run">']
     for t in _nice_ticks(0, ymax, 4):
         py = y(t)
         out.append(f'<line x1="{LEFT}" y1="{_f(py)}" x2="{WIDTH - RIGHT}" y2="{_f(py)}" class="grid"/>'
                    f'<text x="{LEFT - 6}" y="{_f(py + 4)}" class="tick" text-anchor="end">{escape(fmt_tick(t))}</text>')
     first_start = min(s["start_s"] for s in steps)
-    if first_start > 0:
+    if by == "time" and first_start > 0:
         out.append(f'<rect x="{LEFT}" y="{top}" width="{_f(x(first_start) - LEFT)}" height="{bottom - top}" '
                    f'class="startup"><title>{escape("before the first step (start-up, imports, model build): " + fmt_s(first_start))}</title></rect>'
                    f'<text x="{_f((LEFT + x(first_start)) / 2)}" y="{top + 14}" class="band-label" text-anchor="middle">'
                    f'{"start-up " + escape(fmt_s(first_start)) if x(first_start) - LEFT > 90 else ""}</text>')
-    for g in timeline.get("gaps", []):
+    for g in timeline.get("gaps", []) if by == "time" else []:
         if g["rank"] != rank:
             continue
         gx0, gx1 = x(g["start_s"]), x(g["end_s"])
@@ -127,8 +137,8 @@ def step_chart(timeline, compiles, stats, causes):
         if gx1 - gx0 > 60:
             out.append(f'<text x="{_f((gx0 + gx1) / 2)}" y="{top + 14}" class="band-label" text-anchor="middle">'
                        f'{escape(fmt_s(g["duration_s"]))} between steps</text>')
-    for s in steps:
-        x0, x1 = x(s["start_s"]), x(s["end_s"])
+    for i, s in enumerate(steps):
+        x0, x1 = span(i, s)
         w = max(x1 - x0 - (1 if x1 - x0 > 4 else 0), 0.8)
         py = min(y(s["duration_s"]), bottom - 1.5)
         label = s.get("label") or f"step {s['step']}"
@@ -166,33 +176,70 @@ def step_chart(timeline, compiles, stats, causes):
         else:
             out.append(f'<rect class="step" data-cause="{escape(s["cause"])}" x="{_f(x0)}" y="{_f(py)}" '
                        f'width="{_f(w)}" height="{_f(bottom - py)}" fill="{colour}"><title>{escape(tip)}</title></rect>')
+    if by == "step":
+        # a gap between steps has no width here: a dashed line between the two bars says it
+        after = {g["after_step"]: g for g in timeline.get("gaps", []) if g["rank"] == rank}
+        for i, s in enumerate(steps):
+            g = after.get(s["step"] + s.get("binned", 1) - 1)
+            if g:
+                gx = span(i, s)[1]
+                tip = f"{fmt_s(g['duration_s'])} between step {g['after_step']} and step {g['before_step']}"
+                out.append(f'<line x1="{_f(gx)}" y1="{top}" x2="{_f(gx)}" y2="{bottom}" class="gap-line">'
+                           f'<title>{escape(tip)}</title></line>')
     med = stats.get("steady_median_s")
     if med:
         out.append(f'<line x1="{LEFT}" y1="{_f(y(med))}" x2="{WIDTH - RIGHT}" y2="{_f(y(med))}" class="median"/>'
                    f'<text x="{WIDTH - RIGHT - 2}" y="{_f(y(med) - 4)}" class="median-label" text-anchor="end">'
                    f'median {escape(fmt_s(med))}</text>')
-    # event lane: compiles as bars over their real duration, GC as ticks on steps that collected
+    # event lane: compiles as bars over their real duration (by time) or on their step's bar
+    # (by step), GC as dots on steps that spent a tenth of their time collecting
     out.append(f'<text x="{LEFT - 6}" y="{lane_y + 4}" class="tick" text-anchor="end">events</text>'
                f'<line x1="{LEFT}" y1="{lane_y}" x2="{WIDTH - RIGHT}" y2="{lane_y}" class="lane"/>')
-    for c in compiles:
-        if c["rank"] != rank:
-            continue
-        x0 = x(c["start_s"])
-        w = max(x(c["end_s"]) - x0, 2)
-        tip = (f"{c['kind']} compile of {c['kernel']} on thread {c['thread'] or '?'}: "
-               f"{fmt_s(c['duration_s'])} (step {c['step']})")
-        if c.get("key_diff"):
-            tip += "; key changed: " + ", ".join(f"{d['field']}: {d['before']} → {d['after']}" for d in c["key_diff"][:3])
-        out.append(f'<rect class="compile-mark" data-kind="{escape(c["kind"])}" x="{_f(x0)}" y="{lane_y - 7}" '
-                   f'width="{_f(w)}" height="14" fill="{COMPILE_COLOURS.get(c["kind"], "#e4572e")}">'
-                   f'<title>{escape(tip)}</title></rect>')
-    for s in steps if len(steps) <= 300 else []:  # denser than that, the bars' colours say it
+    rank_compiles = [c for c in compiles if c["rank"] == rank]
+    if by == "time":
+        for c in rank_compiles:
+            x0 = x(c["start_s"])
+            w = max(x(c["end_s"]) - x0, 2)
+            tip = (f"{c['kind']} compile of {c['kernel']} on thread {c['thread'] or '?'}: "
+                   f"{fmt_s(c['duration_s'])} (step {c['step']})")
+            if c.get("key_diff"):
+                tip += "; key changed: " + ", ".join(f"{d['field']}: {d['before']} → {d['after']}" for d in c["key_diff"][:3])
+            out.append(f'<rect class="compile-mark" data-kind="{escape(c["kind"])}" x="{_f(x0)}" y="{lane_y - 7}" '
+                       f'width="{_f(w)}" height="14" fill="{COMPILE_COLOURS.get(c["kind"], "#e4572e")}">'
+                       f'<title>{escape(tip)}</title></rect>')
+    else:
+        index = {}
+        for i, s in enumerate(steps):
+            for n in range(s["step"], s["step"] + s.get("binned", 1)):
+                index[n] = i
+        per_bar = {}
+        for c in rank_compiles:
+            if c["step"] in index:
+                per_bar.setdefault(index[c["step"]], []).append(c)
+        for i, cs in per_bar.items():
+            x0, x1 = span(i, steps[i])
+            kernels = sorted({c["kernel"] for c in cs})
+            tip = (f"{len(cs)} compile{'s' if len(cs) > 1 else ''}, {fmt_s(sum(c['duration_s'] for c in cs))}: "
+                   + ", ".join(kernels[:4]) + (" …" if len(kernels) > 4 else ""))
+            out.append(f'<rect class="compile-mark" data-kind="{escape(cs[0]["kind"])}" x="{_f(x0)}" y="{lane_y - 7}" '
+                       f'width="{_f(max(x1 - x0 - 1, 1))}" height="14" fill="{COMPILE_COLOURS.get(cs[0]["kind"], "#e4572e")}">'
+                       f'<title>{escape(tip)}</title></rect>')
+    for i, s in enumerate(steps) if len(steps) <= 300 else []:  # denser than that, the bars' colours say it
         if s.get("gc_s") and s["gc_s"] >= 0.1 * s["duration_s"]:
-            px = x((s["start_s"] + s["end_s"]) / 2)
+            x0, x1 = span(i, s)
             tip = f"step {s['step']}: garbage collection {fmt_s(s['gc_s'])}"
-            out.append(f'<circle class="gc-mark" cx="{_f(px)}" cy="{lane_y}" r="4" fill="{CAUSE_COLOURS["gc"]}">'
+            out.append(f'<circle class="gc-mark" cx="{_f((x0 + x1) / 2)}" cy="{lane_y}" r="4" fill="{CAUSE_COLOURS["gc"]}">'
                        f'<title>{escape(tip)}</title></circle>')
-    out.append(_time_axis(x, bottom, 0.0, end))
+    if by == "time":
+        out.append(_time_axis(x, bottom, 0.0, end))
+    else:
+        out.append(f'<line x1="{LEFT}" y1="{bottom}" x2="{WIDTH - RIGHT}" y2="{bottom}" class="axis"/>')
+        stride = max(1, math.ceil(len(steps) / 10))
+        for i in range(0, len(steps), stride):
+            x0, x1 = span(i, steps[i])
+            out.append(f'<text x="{_f((x0 + x1) / 2)}" y="{bottom + 15}" class="tick" text-anchor="middle">'
+                       f'{escape(str(steps[i]["step"]))}</text>')
+        out.append(f'<text x="{WIDTH - RIGHT}" y="{bottom + 15}" class="tick" text-anchor="end">step</text>')
     out.append("</svg>")
     return Markup("".join(out))
 

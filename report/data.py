@@ -997,6 +997,9 @@ def build_report_data(run, findings, comparison=None):
     data.update({
         "timeline": {"end_s": end_s, "ranks": {r: _bin_steps(rows) for r, rows in step_rows.items()},
                      "cause_counts": x["cause_counts"], "gaps": x["gaps"][:200],
+                     # start-up and gaps taking most of the run squeeze the steps: show them by step
+                     "default_view": "step" if end_s and ((data["stats"]["startup_s"] or 0)
+                                                          + data["stats"]["gap_s"]) > 0.5 * end_s else "time",
                      "bin_size": max((math.ceil(len(r) / MAX_STEP_BARS) for r in step_rows.values()), default=1),
                      "losses": x["losses"] if len(x["losses"]) <= MAX_STEP_BARS else {}},
         "compiles": compiles[:MAX_COMPILE_ROWS],

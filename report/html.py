@@ -44,6 +44,8 @@ def render_html(data):
     script_hash = "sha256-" + base64.b64encode(hashlib.sha256(js.encode("utf-8")).digest()).decode()
     drawn = {
         "steps": charts.step_chart(data["timeline"], data["compiles"], data["stats"], data["causes"]),
+        "steps_by_step": charts.step_chart(data["timeline"], data["compiles"], data["stats"], data["causes"],
+                                           by="step"),
         "icicles": [charts.icicle(g["tree"]) for g in data["gil"]],
         "lanes": charts.thread_lanes(data["lanes"]),
         "gpu": charts.gpu_charts(data["gpu"], data["timeline"]),

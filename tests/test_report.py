@@ -323,9 +323,14 @@ def test_report_in_chromium(tiny_run):
         assert "No GPU metrics" in page.inner_text("#gpu")
         assert "1.9× faster" in page.inner_text("#comparison")
         assert page.locator("#findings .copyable button.copy").count() >= 2
-        # the charts are laid out at a readable size
+        # the step chart is laid out at a readable size, by time or by step as the switch says
+        page.click(".view-switch button[data-view=time]")
         box = page.locator("#step-chart").bounding_box()
         assert box["width"] > 800 and box["height"] > 150
+        assert not page.locator("#step-chart-by-step").is_visible()
+        page.click(".view-switch button[data-view=step]")
+        assert page.locator("#step-chart-by-step").is_visible() and not page.locator("#step-chart").is_visible()
+        assert page.locator("#step-chart-by-step rect.step").count() == n_steps
 
     _chromium_check(path, "report.png", checks=checks)
 

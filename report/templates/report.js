@@ -23,5 +23,17 @@
     button.addEventListener("click", function () { copyText(pre.dataset.copy || pre.innerText, button); });
     box.appendChild(button);
   });
+  // the step chart's x axis: wall time (start-up and gaps visible) or one bar per step
+  document.querySelectorAll(".view-switch button").forEach(function (button) {
+    button.addEventListener("click", function () {
+      var section = button.closest("section");
+      section.querySelectorAll(".view-switch button").forEach(function (b) {
+        b.classList.toggle("on", b === button);
+      });
+      section.querySelectorAll(".step-views > div").forEach(function (view) {
+        view.hidden = view.dataset.view !== button.dataset.view;
+      });
+    });
+  });
   document.documentElement.dataset.ready = "1";
 })();
