@@ -100,7 +100,7 @@ def print_summary(run, findings, report_path=None, console=None):
     v, st = data["verdict"], data["stats"]
     console.rule("traindx")
     if st["steps"]:
-        line = (f"{st['steps']} steps on {st['ranks']} rank(s) · median {_fmt_s(st['steady_median_s'])}"
+        line = (f"{st['steps']} steps recorded on {st['ranks']} rank(s) · median {_fmt_s(st['steady_median_s'])}"
                 f" · p90 {_fmt_s(st['p90_step_s'])}")
         w = st["worst_step"]
         if w:
