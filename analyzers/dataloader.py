@@ -163,8 +163,6 @@ def _prescriptions(run, loader, lost, hot_function):
             kind="code",
             summary=f"make {hot_function} cheaper or move it into Dataset.__getitem__ so the "
                     "workers run it (vectorise the per-sample Python loop)",
-            change={"code": {"before": hot_function, "after": "the same work, vectorised or in "
-                             "the workers"}},
             expected_gain_s_per_step=lost))
     return out
 

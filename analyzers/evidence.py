@@ -93,7 +93,7 @@ KNOWN_LIBRARIES = {
 
 LOW_LEVEL_PACKAGES = frozenset({
     "torch", "torchgen", "functorch", "flash_attn", "cutlass", "nvidia_cutlass_dsl", "tvm_ffi",
-    "triton", "numpy", "einops", "_traindx_shim", "traindx", "importlib", "concurrent",
+    "triton", "numpy", "einops", "quack", "_traindx_shim", "traindx", "importlib", "concurrent",
 })
 
 

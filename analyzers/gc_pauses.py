@@ -69,16 +69,14 @@ def analyze(run):
             summary="call gc.collect(); gc.freeze() once after the model, data and caches are "
                     "built (before the training loop): the long-lived graph leaves the "
                     "collector's view and a full collection walks only new objects",
-            change={"code": {"before": "for step in ...:  # the training loop",
-                             "after": "gc.collect(); gc.freeze()\nfor step in ...:"}},
+            command="gc.collect(); gc.freeze()  # once, after set-up, before the training loop",
             expected_gain_s_per_step=lost))
         prescriptions.append(Prescription(
             kind="code",
             summary="or collect between steps: gc.disable() after setup and gc.collect() every N "
                     "steps at the step end; or raise the gen-2 threshold "
                     "(gc.set_threshold(700, 10, 1000))",
-            change={"code": {"before": "automatic collections inside steps",
-                             "after": "gc.disable(); ... if step % 100 == 0: gc.collect()"}},
+            command="gc.disable()  # after set-up; then at a step end: if step % 100 == 0: gc.collect()",
             expected_gain_s_per_step=lost))
         findings.append(Finding(
             id="gc.gen2_in_step",

@@ -89,10 +89,6 @@ def _analyze_rank(run, rank, recording_all, recording_gil):
             summary=f"take the pure-Python work of {where} off the training process (a "
                     "DataLoader worker or a subprocess), run it less often, or make it release "
                     "the GIL (vectorise it with numpy/torch)",
-            change={"code": {"file": top.file if top else None, "line": top.line if top else None,
-                             "before": f"{top.name if top else '?'} running on thread '{label}'",
-                             "after": "the same work outside the training process, or in "
-                                      "calls that release the GIL"}},
             expected_gain_s_per_step=lost))
         findings.append(Finding(
             id="gil.contention",

@@ -122,14 +122,10 @@ def _analyze_rank(run, rank, trace):
         summary = (f"{count:.0f} host reads of tensor values per step ({SCALAR_READ}, i.e. "
                    f".item()/float()/bool()), the most in {where}. On a GPU each one waits for "
                    "every queued kernel; this run has no GPU, so the cost is not measured.")
-    fix_file, fix_line = (top[0], top[1]) if top else (None, None)
     prescriptions = (Prescription(
         kind="code",
         summary=f"remove the host read in {where}: keep the value on the device (torch.where, "
                 "masks, torch.nan_to_num) or read it once per step / every N steps",
-        change={"code": {"file": fix_file, "line": fix_line,
-                         "before": f"{top[2] if top else '?'}: tensor.item() / float(t) / if t:",
-                         "after": "device-side logic, or one read after optimizer.step()"}},
         expected_gain_s_per_step=lost),)
     return [Finding(
         id="sync.host_device",

@@ -72,7 +72,7 @@ def _analyze_rank(run, rank, trace):
                      summary="capture the step (or its forward/backward) in a CUDA graph: "
                              "torch.compile(model, mode=\"reduce-overhead\") or "
                              "torch.cuda.make_graphed_callables; one launch replaces hundreds",
-                     change={"code": {"before": "model", "after": "torch.compile(model, mode=\"reduce-overhead\")"}},
+                     command='model = torch.compile(model, mode="reduce-overhead")',
                      expected_gain_s_per_step=lost),
         Prescription(kind="code",
                      summary="a larger micro-batch per launch (fewer, longer kernels), memory "

@@ -165,7 +165,6 @@ def analyze(run):
             if compiles:
                 what += (f" It compiled {compiles['compiles']} kernels in steady steps "
                          f"({compiles['seconds']} s).")
-            where = (doing or {}).get("in_function") or {}
             prescriptions = []
             if compiles:
                 prescriptions.append(Prescription(
@@ -177,9 +176,6 @@ def analyze(run):
                 kind="code",
                 summary=f"remove the extra work on rank {straggler} or balance it across ranks "
                         "(same data volume per rank, rank-0-only logging/evaluation off the step)",
-                change={"code": {"file": where.get("file"), "line": where.get("line"),
-                                 "before": (doing or {}).get("call"),
-                                 "after": "the same work on every rank, or off the step"}},
                 expected_gain_s_per_step=diff))
             findings.append(Finding(
                 id="ranks.straggler",

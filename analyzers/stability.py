@@ -104,8 +104,6 @@ def _periodic_prescriptions(run, causes, lost, period):
             summary=f"the job writes a checkpoint every {period} steps on the critical path: save "
                     "asynchronously (torch.distributed.checkpoint.async_save, or a background "
                     "thread that writes a CPU copy), or less often",
-            change={"code": {"before": "torch.save(...) inside the training loop",
-                             "after": "torch.distributed.checkpoint.async_save(...)"}},
             expected_gain_s_per_step=lost))
     if causes.get("gen2_gc_in_slow_steps"):
         out.append(Prescription(
