@@ -310,21 +310,21 @@ def icicle(tree, height_per_row=17, max_rows=32):
         tip = f"{node['name']}{'  ' + where if where else ''}\n{share:.1%} of GIL samples ({fmt_s(node['value'])})"
         colour = FRAME_COLOURS.get(node["kind"], "#c5cbd3")
         yy = d * height_per_row + 2
-        label = ""
         chars = int((w - 6) / 6.6)
-        if chars >= 3:
-            text = node["name"] if len(node["name"]) <= chars else node["name"][: chars - 1] + "…"
-            label = f'<text x="{_f(x0 + 3)}" y="{yy + 13}" class="frame-label">{escape(text)}</text>'
-        rows.append(f'<g class="frame" data-kind="{escape(node["kind"])}"><rect x="{_f(x0 + 1)}" y="{yy}" '
-                    f'width="{_f(max(w - 1, 0.5))}" height="{height_per_row - 2}" rx="2" fill="{colour}"/>'
-                    f'{label}<title>{escape(tip)}</title></g>')
+        text = "" if chars < 3 else (node["name"] if len(node["name"]) <= chars else node["name"][: chars - 1] + "…")
+        # data-x/-w (shares of the whole) and data-d let the page's script zoom into a frame
+        rows.append(f'<g class="frame" data-kind="{escape(node["kind"])}" data-x="{x0 / inner:.6f}" '
+                    f'data-w="{w / inner:.6f}" data-d="{d}" data-name="{escape(node["name"])}">'
+                    f'<rect x="{_f(x0 + 1)}" y="{yy}" width="{_f(max(w - 1, 0.5))}" height="{height_per_row - 2}" '
+                    f'rx="2" fill="{colour}"/><text x="{_f(x0 + 3)}" y="{yy + 13}" class="frame-label">{escape(text)}</text>'
+                    f'<title>{escape(tip)}</title></g>')
         cx = x0
         for child in node["children"]:
             walk(child, cx, d + 1)
             cx += child["value"] / total * inner
 
     walk(tree, 0.0, 0)
-    return Markup(f'<svg class="chart icicle" viewBox="0 0 {WIDTH} {height}" role="img" '
+    return Markup(f'<svg class="chart icicle" data-inner="{inner}" viewBox="0 0 {WIDTH} {height}" role="img" '
                   f'aria-label="stacks of the thread holding the GIL">{"".join(rows)}</svg>')
 
 

@@ -382,6 +382,13 @@ def test_h200_report_in_chromium(h200_run):
         assert "max_seqlen" in page.inner_text("#verdict-headline")
         assert page.locator("#findings table.compiles tr").count() > 5
         assert "Dummy-1" in page.inner_text("#lanes")
+        # a click on the main thread's frame in the icicle widens it to the full width
+        main = page.locator('#gil svg.icicle g.frame[data-d="1"][data-name^="MainThread"]').first
+        before = float(main.locator("rect").get_attribute("width"))
+        main.click()
+        assert before < 600 < float(main.locator("rect").get_attribute("width"))
+        page.locator('#gil svg.icicle g.frame[data-d="0"]').first.click()
+        assert float(main.locator("rect").get_attribute("width")) == pytest.approx(before, abs=0.01)
 
     _chromium_check(path, "report-h200-seed.png", checks=checks)
 

@@ -35,5 +35,32 @@
       });
     });
   });
+  // icicle graphs: a click on a frame widens it to the full width (its callees with it); a
+  // click on the top row ("all samples") goes back
+  document.querySelectorAll("svg.icicle").forEach(function (svg) {
+    var inner = parseFloat(svg.dataset.inner);
+    var frames = Array.prototype.slice.call(svg.querySelectorAll("g.frame"));
+    function zoom(a, w, depth) {
+      frames.forEach(function (g) {
+        var x = parseFloat(g.dataset.x), gw = parseFloat(g.dataset.w), d = parseInt(g.dataset.d, 10);
+        var inside = x >= a - 1e-6 && x + gw <= a + w + 1e-6;
+        var above = d < depth && x <= a + 1e-6 && x + gw >= a + w - 1e-6;
+        g.style.display = inside || above ? "" : "none";
+        if (!(inside || above)) { return; }
+        var nx = above ? 0 : (x - a) / w * inner, nw = above ? inner : gw / w * inner;
+        var rect = g.querySelector("rect"), text = g.querySelector("text");
+        rect.setAttribute("x", nx + 1);
+        rect.setAttribute("width", Math.max(nw - 1, 0.5));
+        text.setAttribute("x", nx + 3);
+        var chars = Math.floor((nw - 6) / 6.6), name = g.dataset.name;
+        text.textContent = chars < 3 ? "" : (name.length <= chars ? name : name.slice(0, chars - 1) + "\u2026");
+      });
+    }
+    frames.forEach(function (g) {
+      g.addEventListener("click", function () {
+        zoom(parseFloat(g.dataset.x), parseFloat(g.dataset.w), parseInt(g.dataset.d, 10));
+      });
+    });
+  });
   document.documentElement.dataset.ready = "1";
 })();
