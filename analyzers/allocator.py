@@ -14,6 +14,8 @@ from traindx.findings import Finding, Prescription
 from . import evidence as ev
 
 EXPANDABLE = "expandable_segments:True"
+MALLOC_CALLS = ("cudaMalloc", "cudaFree", "cudaMallocAsync", "cudaFreeAsync", "cuMemCreate",
+                "cuMemRelease", "cuMemMap", "cuMemUnmap")
 
 
 def _alloc_conf(run):
@@ -43,6 +45,21 @@ def _empty_cache_sites(run, rank, steady_ids):
     return sorted(sites.values(), key=lambda e: -e["calls"])
 
 
+def _malloc_seconds_per_step(run, rank):
+    """Seconds per profiled step the CPU spent in cudaMalloc/cudaFree (a retry frees the whole
+    cache and mallocs again; cudaFree synchronizes the device), or None without a GPU trace."""
+    trace = run.torch_trace
+    if not len(trace):
+        return None
+    steps = ev.trace_steps(run, rank)
+    rows = trace[(trace["rank"] == rank) & (trace["cat"] == "cuda_runtime")]
+    if not len(steps) or not len(rows):
+        return None
+    rows = rows[(rows["start_ns"] >= steps["start_ns"].min()) & (rows["end_ns"] <= steps["end_ns"].max())]
+    calls = rows[rows["name"].isin(MALLOC_CALLS)]
+    return float(calls["dur_s"].sum()) / len(steps)
+
+
 def _analyze_rank(run, rank, alloc):
     steady = ev.steady_steps(run, rank)
     steady_ids = set(int(s) for s in steady["step"])
@@ -62,9 +79,13 @@ def _analyze_rank(run, rank, alloc):
     durations = steady.set_index("step")["duration_s"]
     with_retry = durations[durations.index.isin(hit_ids)]
     without = durations[~durations.index.isin(hit_ids)]
-    lost = None
-    if len(with_retry) and len(without):
+    lost, cost_method = None, None
+    malloc = _malloc_seconds_per_step(run, rank)
+    if malloc is not None:
+        lost, cost_method = malloc, "cudaMalloc/cudaFree time per step in the torch.profiler window"
+    elif len(with_retry) and len(without):
         lost = max(0.0, float(with_retry.median() - without.median())) * len(with_retry) / len(durations)
+        cost_method = "median step with a retry minus without, times the share of such steps"
     mean_step = float(durations.mean()) if len(durations) else None
     share = lost / mean_step if lost is not None and mean_step else None
     last = rows.iloc[-1]
@@ -82,6 +103,7 @@ def _analyze_rank(run, rank, alloc):
         "median_step_without_s": round(float(without.median()), 4) if len(without) else None,
         "empty_cache_calls": empty_cache[:5],
         "PYTORCH_CUDA_ALLOC_CONF": _alloc_conf(run) or None,
+        "cost_method": cost_method,
     }
     severity = ev.severity_for_share(share) if share is not None else "low"
     if new_retries and severity == "info":

@@ -90,9 +90,9 @@ def _analyze_rank(run, rank, trace):
         syncs = syncs.assign(dur_s=idle)  # the sites below rank by the idle they cause
         blocked = float(sum(idle)) / n_steps
         share = blocked / step_s if step_s else 0.0
-        if share < MIN_SHARE_GPU:
+        if share < MIN_SHARE_GPU and len(syncs) / n_steps < MIN_SYNCS_PER_STEP_CPU:
             return []
-        severity = ev.severity_for_share(share)
+        severity = ev.severity_for_share(share)  # many syncs that cost little: "info", with numbers
         lost = blocked
     else:
         syncs = _scalar_reads_by_the_job(rows, all_rows)
