@@ -156,7 +156,7 @@ def _gpu_label(gpu):
         name = gpu.get("name") or "GPU"
         mem = gpu.get("memory_total_bytes") or gpu.get("memory_bytes")
         extra = f", {mem / 2**30:.0f} GiB" if isinstance(mem, (int, float)) else ""
-        return _clip(f"{gpu.get('index', '')} {name}{extra}".strip(), 200)
+        return _clip(f"{name}{extra}", 200)
     return _clip(gpu, 200)
 
 
