@@ -441,3 +441,22 @@ def test_a_job_that_fails_before_any_step_gets_an_honest_report(tmp_path):
     assert data["verdict"]["kind"] == "nosteps" and data["run"]["exit_code"] == 3
     html = (tmp_path / "r" / "report.html").read_text()
     assert "exited with code 3" in html and "&lt;i&gt;loading&lt;/i&gt;" in html
+
+
+def test_perfetto_export_of_the_h200_run_has_compiles_on_their_thread_and_gpu_counters(h200_run, tmp_path):
+    from traindx.report.perfetto import export_trace
+
+    trace = json.load(open(export_trace(h200_run, str(tmp_path / "t.json"))))
+    events = trace["traceEvents"]
+    tracks = {(e["pid"], e["tid"]): e["args"]["name"] for e in events if e.get("name") == "thread_name"}
+    compiles = [e for e in events if str(e.get("cat", "")).startswith("compile")]
+    assert len(compiles) == len(h200_run.compiles)
+    backward = [e for e in compiles if "_flash_attn_bwd" in e["name"]]
+    assert backward and {tracks[(e["pid"], e["tid"])] for e in backward} == {"thread Dummy-1"}
+    # each compile sits inside the run, and the recompiles inside their steps
+    steps = {e["args"]["step"]: e for e in events if e.get("cat") == "step"}
+    for e in backward:
+        step = steps[e["args"]["step"]]
+        assert step["ts"] - 1e3 <= e["ts"] and e["ts"] + e["dur"] <= step["ts"] + step["dur"] + 1e3
+    counters = {e["name"] for e in events if e["ph"] == "C"}
+    assert {"GPU 0 util %", "GPU 0 SM clock MHz", "GPU 0 power W"} <= counters
