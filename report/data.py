@@ -315,7 +315,7 @@ def classify_steps(step_rows, compiles, gc_by_step):
     for e in compiles:
         by_rank.setdefault(e["rank"], []).append(e)
     for rank, rows in step_rows.items():
-        events = by_rank.get(rank) or (by_rank.get(next(iter(by_rank)), []) if len(by_rank) == 1 else [])
+        events = by_rank.get(rank, [])
         first_step = min(s["step"] for s in rows) if rows else None
         for s in rows:
             seconds = {}
