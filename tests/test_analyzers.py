@@ -83,6 +83,11 @@ def test_default_torch_profile_window_is_stored_for_perfetto_and_left_out_of_the
     assert ops["end_ns"].max() <= steps.loc[4, "end_ns"] + 50_000_000
 
 
+def test_profiler_window_leaves_the_job_output_alone(healthy):
+    # kineto's "USDT: ... profiler_start" lines would land in the job's stderr
+    assert not healthy.log["text"].str.contains("profiler_start|profiler_stop").any()
+
+
 def test_bad_torch_profile_window_is_a_one_line_error(tmp_path):
     proc = diagnose(["--out", "runs", "--torch-profile", "5-2", "--", PY, TINY], cwd=tmp_path)
     assert proc.returncode != 0

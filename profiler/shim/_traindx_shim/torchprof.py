@@ -58,7 +58,16 @@ def _start(step):
         activities.append(ProfilerActivity.CUDA)
     prof = profile(activities=activities, with_stack=True, record_shapes=False)
     t0 = time.time_ns()
-    prof.start()
+    # kineto prints "USDT: ... profiler_start/stop" on the job's stderr at its highest log level;
+    # it reads the level once, at its first start: quiet it there unless the job chose a level
+    quiet = "KINETO_LOG_LEVEL" not in os.environ
+    if quiet:
+        os.environ["KINETO_LOG_LEVEL"] = "6"
+    try:
+        prof.start()
+    finally:
+        if quiet:
+            os.environ.pop("KINETO_LOG_LEVEL", None)
     _state.update(profiler=prof, first=step)
     emit("torch_profile_start", step=step, start_s=(time.time_ns() - t0) / 1e9,
          activities=[a.name for a in activities])
