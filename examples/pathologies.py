@@ -6,6 +6,7 @@
     python examples/pathologies.py --pathology sync         # .item() inside the forward, every layer
     python examples/pathologies.py --pathology periodic     # a slow checkpoint write every --every steps
     torchrun --nproc-per-node 2 examples/pathologies.py --pathology straggler   # rank 1 is slow
+                                                    # (gloo; NCCL with --device cuda)
     python examples/pathologies.py --pathology none         # healthy
 
 On a GPU (--device cuda), two more that only a GPU shows:
@@ -189,9 +190,13 @@ def main(argv=None):
     torch.manual_seed(args.seed)
     rank, world = 0, 1
     if args.pathology == "straggler" or int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        dist.init_process_group("gloo")
+        # gloo on the CPU; NCCL with one GPU per rank
+        dist.init_process_group("nccl" if args.device.startswith("cuda") else "gloo")
         rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device(args.device)
+    if device.type == "cuda" and world > 1:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
     if args.pathology == "launch":  # a deep, narrow model on a tiny batch: µs-long kernels
         args.width, args.layers, args.batch_size = 64, max(args.layers, 48), 4
     model = MLP(args.width, args.layers, check_nan=args.pathology == "sync").to(device)
