@@ -460,3 +460,40 @@ def test_perfetto_export_of_the_h200_run_has_compiles_on_their_thread_and_gpu_co
         assert step["ts"] - 1e3 <= e["ts"] and e["ts"] + e["dur"] <= step["ts"] + step["dur"] + 1e3
     counters = {e["name"] for e in events if e["ph"] == "C"}
     assert {"GPU 0 util %", "GPU 0 SM clock MHz", "GPU 0 power W"} <= counters
+
+
+# -- the FA4 seed example on the CPU (real flash_attn.cute compiling in fake mode) -----------------
+def _have_fa4():
+    import importlib.util
+
+    return all(importlib.util.find_spec(m) is not None for m in ("flash_attn", "cutlass"))
+
+
+@pytest.mark.fa4
+@pytest.mark.skipif(not _have_fa4(), reason="flash-attn-4 / nvidia-cutlass-dsl not installed")
+def test_report_of_the_fa4_seed_cold_start(tmp_path):
+    run, _ = diagnose(tmp_path / "seed", PYTHON, "examples/fa4_seed.py", "--steps", "2",
+                      env={"TRAINDX_TORCH_PROFILE": "off"})
+    from traindx.analyzers import analyze
+
+    findings = analyze(run)
+    data = build_report_data(run, findings)
+    first = data["timeline"]["ranks"]["0"][0]
+    assert first["cause"] == "compile" and first["compile_s"] > 0.5 * first["duration_s"]
+    kernels = {c["kernel"].split(":")[0] for c in data["compiles"]}
+    assert {"_flash_attn_fwd", "_flash_attn_bwd"} <= kernels
+    assert all(c["first"] and c["step"] == 0 for c in data["compiles"])
+    backward = next(c for c in data["compiles"] if c["kernel"].startswith("_flash_attn_bwd"))
+    assert backward["is_main_thread"] is False and backward["call_site"].endswith(")")
+    # the lanes show the autograd thread holding the GIL while it compiles
+    lanes = {t["name"]: t for t in data["lanes"]["threads"]}
+    assert lanes[backward["thread"]]["gil_snapshots"] >= 1
+    assert any(c["thread"] == backward["thread"] for c in data["lanes"]["compiles"])
+    path = write_report(run, findings)
+
+    def checks(page):
+        assert page.locator("#step-chart rect.compile-mark").count() == len(data["compiles"])
+        assert page.locator("#lanes svg rect.lane-compile").count() >= 1
+        assert "_flash_attn_bwd" in page.inner_text("#compiles")
+
+    _chromium_check(path, "report-fa4-seed.png", checks=checks)
