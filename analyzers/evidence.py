@@ -149,11 +149,25 @@ def thread_key(name):
     return m["tid"], m["name"] or ""
 
 
+_THREAD_ROOT = re.compile(r"^thread \((?P<tid>\d+|0x[0-9a-fA-F]+)\): (?P<name>.+)$")
+
+
+def _name_from_root_frames(samples):
+    """py-spy 0.4 sometimes leaves 'thread (718): MainThread' as a root frame of the samples."""
+    for stack in samples.stacks[:50]:
+        for frame in stack[:2]:
+            m = _THREAD_ROOT.match(frame.name) if not frame.file else None
+            if m:
+                return m["name"]
+    return ""
+
+
 def merge_threads(recording):
     """{thread id: (name, ThreadSamples)} with the name of the first non-empty label."""
     out = {}
     for label, samples in (recording or {}).items():
         tid, name = thread_key(label)
+        name = name or _name_from_root_frames(samples)
         if tid in out:
             prev_name, prev = out[tid]
             prev.stacks.extend(samples.stacks)

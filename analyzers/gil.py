@@ -57,7 +57,7 @@ def _analyze_rank(run, rank, recording_all, recording_gil):
             continue
         hot = ev.hottest_frames(samples)
         leaves = ev.hottest_leaves(samples)
-        label = name or f"thread {tid}"
+        label = name or f"thread {tid} (entered at {_entry(samples)})"
         top = hot[0][0] if hot else None
         where = ev.frame_label(top) if top else "?"
         compiling = any(m in f.file for s in samples.stacks[:500] for f in s
@@ -110,4 +110,60 @@ def analyze(run):
         if source != "all" or (rank, "gil") not in pyspy:
             continue
         findings.extend(_analyze_rank(run, rank, recording, pyspy[(rank, "gil")]))
+    return findings
+
+
+def _entry(samples):
+    """The outermost frame most samples of an unnamed thread start from (e.g. the autograd
+    engine's BackwardCFunction.apply): what the thread is."""
+    roots = {}
+    for stack, weight in zip(samples.stacks, samples.weights):
+        if stack:
+            roots[stack[0].name] = roots.get(stack[0].name, 0.0) + weight
+    return max(roots, key=roots.get) if roots else "?"
+
+
+def analyze_recording(recording, source="py-spy file"):
+    """A py-spy recording made with --gil (as the seed report's user had), on its own: no step
+    times, no --idle twin. Each thread's share is of the time anyone held the GIL."""
+    threads = ev.merge_threads(recording)
+    main = ev.main_thread_id(None, recording)
+    total = sum(ev.training_weight(s) for _, s in threads.values())
+    findings = []
+    if not total or main is None:
+        return findings
+    for tid, (name, samples) in threads.items():
+        if tid == main or ev.own_thread(name):
+            continue
+        held = ev.training_weight(samples)
+        share = held / total
+        if share < MIN_SHARE or len(samples.stacks) < MIN_SAMPLES:
+            continue
+        hot, leaves = ev.hottest_frames(samples), ev.hottest_leaves(samples)
+        label = name or f"thread {tid} (entered at {_entry(samples)})"
+        compiling = any(m in f.file for s in samples.stacks[:500] for f in s for m in COMPILER_MARKERS)
+        where = ev.frame_label(hot[0][0]) if hot else "?"
+        prescriptions = []
+        if compiling:
+            prescriptions.append(Prescription(
+                kind="precompile",
+                summary=f"{label} holds the GIL while compiling kernels: precompile them before "
+                        "training or fix the recompile (see the jit finding)"))
+        prescriptions.append(Prescription(
+            kind="code", summary=f"take the work of {where} off the training process or make it "
+                                 "release the GIL"))
+        findings.append(Finding(
+            id="gil.contention",
+            title=f"Thread '{label}' holds the GIL {share:.0%} of the GIL-held time",
+            severity=ev.severity_for_share(share), analyzer="gil",
+            summary=(f"In {source} (recorded with --gil), '{label}' holds the GIL for {held:.1f} s "
+                     f"of {total:.1f} s{' while compiling' if compiling else ''}; its hottest "
+                     f"code: {where}. The main thread waits for it whenever it needs Python."),
+            share_of_step=None, evidence={
+                "thread": label, "thread_id": tid, "gil_seconds": round(held, 3),
+                "gil_held_seconds_all_threads": round(total, 3), "gil_share": round(share, 3),
+                "compiling": compiling, "hottest_frames": ev.frames_evidence(hot),
+                "hottest_leaf_frames": ev.frames_evidence(leaves), "source": source,
+                "method": "samples of the thread / samples of all threads in a --gil recording"},
+            prescriptions=tuple(prescriptions)))
     return findings

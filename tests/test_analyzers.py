@@ -126,6 +126,21 @@ def test_gil_burning_thread_is_named_with_its_function(tmp_path_factory):
     assert "count_words_in_python" in finding.prescriptions[-1].summary
 
 
+def test_gil_from_the_seed_reports_py_spy_file_alone():
+    """The H200 recording of the seed case (py-spy --gil --idle, FA4 4.0.0b17, tensor
+    max_seqlen): the autograd thread holds the GIL while the CuTe DSL compiles."""
+    from traindx.analyzers.gil import analyze_recording
+    from traindx.profiler import speedscope
+
+    path = os.path.join(os.path.dirname(__file__), "data",
+                        "h200-fa4-b17-tensor-maxseqlen.speedscope.json")
+    finding = _one(analyze_recording(speedscope.load(path)), "gil.contention")
+    assert "BackwardCFunction.apply" in finding.evidence["thread"]
+    assert finding.evidence["compiling"] and finding.evidence["gil_share"] > 0.5
+    assert "base_dsl/compiler.py" in finding.evidence["hottest_leaf_frames"][0]["file"]
+    assert finding.prescriptions[0].kind == "precompile"
+
+
 # -- DataLoader -------------------------------------------------------------------------------
 def _line_of(path, text):
     with open(path) as f:
