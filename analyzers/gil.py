@@ -49,10 +49,12 @@ def _analyze_rank(run, rank, recording_all, recording_gil):
             continue
         held_s = ev.training_weight(samples)
         n_samples = sum(1 for s in samples.stacks if not ev.is_import_sample(s))
-        # share of the thread's own life (its --idle seconds) that it held the GIL: a helper
-        # started for training is measured over training, not diluted by set-up and exit
-        alive_s = ev.training_weight(threads_all[tid][1]) if tid in threads_all else wall_s
-        share = min(1.0, held_s / (alive_s or wall_s))
+        # share of the training loop's time (the shim's steps) that it held the GIL; without
+        # steps, of the main thread's time (imports excluded). Not of the thread's own life:
+        # py-spy sees a thread only while it runs Python (an autograd thread waiting in C++ has
+        # no Python stack, so its "life" would be its compiles alone)
+        window_s = ev.steps_seconds(run, rank) or wall_s
+        share = min(1.0, held_s / window_s)
         if share < MIN_SHARE or n_samples < MIN_SAMPLES:
             continue
         hot = ev.hottest_frames(samples)
@@ -66,13 +68,13 @@ def _analyze_rank(run, rank, recording_all, recording_gil):
         confirm = _dump_confirmation(run, rank, name)
         evidence = {
             "rank": rank, "thread": label, "thread_id": tid,
-            "gil_seconds": round(held_s, 3), "thread_alive_seconds": round(alive_s, 3),
+            "gil_seconds": round(held_s, 3), "window_seconds": round(window_s, 3),
             "gil_share": round(share, 3),
             "main_thread_gil_share": round(main_held_s / wall_s, 3),
             "hottest_frames": ev.frames_evidence(hot),
             "hottest_leaf_frames": ev.frames_evidence(leaves),
-            "method": "py-spy --gil seconds of the thread / its --idle seconds (its life), "
-                      "imports excluded; the main thread's share over its own life",
+            "method": "py-spy --gil seconds of the thread / seconds of the steps (the shim), or "
+                      "of the main thread without steps; imports excluded",
         }
         if confirm:
             evidence["dump_snapshots_in_steps_holding_gil"] = {"holding": confirm[0],
@@ -94,7 +96,7 @@ def _analyze_rank(run, rank, recording_all, recording_gil):
             id="gil.contention",
             title=f"Thread '{label}' holds the GIL {share:.0%} of the time on rank {rank}",
             severity=ev.severity_for_share(share), analyzer="gil",
-            summary=(f"'{label}' held the GIL for {held_s:.1f} s of the {alive_s:.1f} s it ran "
+            summary=(f"'{label}' held the GIL for {held_s:.1f} s of {window_s:.1f} s of steps "
                      f"({share:.0%}); the main thread held it {main_held_s / wall_s:.0%}. "
                      f"Its hottest code: {where}. The main thread waits for the GIL whenever it "
                      "needs Python while this thread has it."),

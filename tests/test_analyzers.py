@@ -141,6 +141,22 @@ def test_gil_from_the_seed_reports_py_spy_file_alone():
     assert finding.prescriptions[0].kind == "precompile"
 
 
+def test_real_h200_seed_run_gil_holder_named_and_gpu_analyzers_silent():
+    """A run recorded on the H200 (tests/data/h200-seed-b17-tensor: FA4 4.0.0b17, tensor
+    max_seqlen, real NVML samples and torch.cuda.memory_stats events): the autograd thread holds
+    the GIL while it compiles; the GPU clock and allocator analyzers see real GPU evidence with
+    nothing wrong in it (no retries; clock reasons idle/power cap only) and stay silent."""
+    run = traindx.load_run(os.path.join(os.path.dirname(__file__), "data", "h200-seed-b17-tensor"))
+    assert len(run.gpu) and len(run.alloc)  # real GPU evidence, not a CPU run
+    findings = analyze(run)
+    finding = _one(findings, "gil.contention")
+    assert finding.evidence["thread"] == "Dummy-1"  # the autograd engine's thread
+    assert "base_dsl/compiler.py" in finding.evidence["hottest_leaf_frames"][0]["file"]
+    assert finding.prescriptions[0].kind == "precompile"
+    assert [f.id for f in findings if f.analyzer in ("gpu_clocks", "allocator", "launch_bound",
+                                                      "host_sync", "dataloader", "gc_pauses")] == []
+
+
 # -- DataLoader -------------------------------------------------------------------------------
 def _line_of(path, text):
     with open(path) as f:
