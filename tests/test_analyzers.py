@@ -157,6 +157,32 @@ def test_real_h200_seed_run_gil_holder_named_and_gpu_analyzers_silent():
                                                       "host_sync", "dataloader", "gc_pauses")] == []
 
 
+H200_PATHOLOGIES = os.path.join(os.path.dirname(__file__), "data", "h200-gpu-pathologies")
+
+
+def _h200(name):
+    return traindx.load_run(os.path.join(H200_PATHOLOGIES, name))
+
+
+def test_real_h200_runs_launch_bound_and_syncs_found_healthy_silent():
+    """Runs of examples/gpu_pathologies.py recorded on the H200 (real kineto CUDA traces, NVML,
+    memory_stats): the GPU paths of launch_bound and host_sync, and silence where nothing is
+    wrong (the healthy run; an allocator that does not retry)."""
+    healthy = analyze(_h200("none"))
+    assert _above_info(healthy) == []
+    launch = _one(analyze(_h200("launch_bound")), "gpu.launch_bound")
+    assert launch.evidence["gpu_busy_share"] < 0.2 and launch.evidence["median_kernel_us"] < 10
+    assert launch.evidence["kernels_per_step"] > 1000 and launch.severity == "high"
+    sync = _one(analyze(_h200("sync")), "sync.host_device")
+    assert sync.evidence["device_in_trace"] and sync.severity != "info"
+    assert sync.evidence["call_sites"][0]["function"] == "forward"
+    assert sync.evidence["call_sites"][0]["file"].endswith("gpu_pathologies.py")
+    assert 0 < sync.seconds_lost_per_step < 0.5 * _h200("sync").steps["duration_s"].median()
+    no_retries = _h200("alloc_retries")
+    assert (no_retries.alloc["num_alloc_retries"] == 0).all()
+    assert not [f for f in analyze(no_retries) if f.analyzer == "allocator"]
+
+
 # -- DataLoader -------------------------------------------------------------------------------
 def _line_of(path, text):
     with open(path) as f:
