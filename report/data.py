@@ -76,6 +76,11 @@ def _num(value):
     return None if math.isnan(f) or math.isinf(f) else f
 
 
+def _text(value):
+    """A string column's value: '' for None and pandas' NaN."""
+    return value if isinstance(value, str) else ("" if value is None or _num(value) is None else str(value))
+
+
 def _median(values):
     values = sorted(v for v in values if v is not None)
     if not values:
@@ -221,19 +226,19 @@ def _compile_events(run, t0):
         if start is None:
             continue
         end = end if end is not None else start
-        out.append({"rank": str(c.rank), "kind": str(c.kind), "kernel": _clip(c.kernel or "?", 300),
+        call_site = getattr(c, "fa4_call_site", None)
+        out.append({"rank": str(c.rank), "kind": str(c.kind), "kernel": _clip(_text(c.kernel) or "?", 300),
                     "start_s": (start - t0) / 1e9, "end_s": (end - t0) / 1e9,
                     "duration_s": _num(c.duration_s) or (end - start) / 1e9,
-                    "thread": _clip(c.thread or "", 100),
-                    "is_main_thread": bool(c.is_main_thread) if c.is_main_thread is not None
-                    and not (isinstance(c.is_main_thread, float) and math.isnan(c.is_main_thread))
+                    "thread": _clip(_text(c.thread), 100),
+                    # bool, numpy's bool_, or NaN where the event had no such field
+                    "is_main_thread": bool(c.is_main_thread) if type(c.is_main_thread).__name__ in ("bool", "bool_")
                     else None,
                     "step": int(c.step) if _num(c.step) is not None else None,
                     "caller": _frame_label(c.caller) if isinstance(c.caller, dict) else "",
                     "key_fields": c.key_fields if isinstance(c.key_fields, dict) else None,
                     "key": _clip(c.key, 600) if isinstance(c.key, str) else None,
-                    "call_site": _frame_label(getattr(c, "fa4_call_site", None))
-                    if isinstance(getattr(c, "fa4_call_site", None), dict) else ""})
+                    "call_site": _frame_label(call_site) if isinstance(call_site, dict) else ""})
     out.sort(key=lambda e: e["start_s"])
     # the key diff against the previous compile of the same kernel on the same rank: the field
     # that changes between recompiles is what a user has to fix
