@@ -971,10 +971,13 @@ def _core(run, findings):
                   "gaps": gaps}
 
 
+MAX_GIL_RANKS = 8             # icicles drawn; a 64-rank job would otherwise outgrow the size budget
+
+
 def _worst_rank_first(per_rank, worst):
-    if not worst:
-        return per_rank
-    return sorted(per_rank, key=lambda g: g["rank"] != worst["rank"])
+    if worst:
+        per_rank = sorted(per_rank, key=lambda g: g["rank"] != worst["rank"])
+    return per_rank[:MAX_GIL_RANKS]
 
 
 def build_summary(run, findings):
