@@ -16,20 +16,45 @@ COMPILER_MARKERS = ("cutlass/base_dsl", "triton/compiler", "torch/_inductor", "t
 
 
 def _dump_confirmation(run, rank, thread_name):
-    """(snapshots inside steps where the holder owned the GIL, snapshots inside steps)."""
+    """From the timestamped py-spy dumps: {"in_steps": (held, snapshots), "in_steady_steps":
+    (held, snapshots)}: how often the thread owned the GIL when a snapshot fell in a step, and
+    in a step of the steady window (warm-up, such as a cold-start compile, left out)."""
     dumps = run.dumps
     if not len(dumps) or not thread_name:
         return None
     dumps = dumps[dumps["rank"] == rank]
     steps = run.rank_steps(rank).dropna(subset=["start_ns"])
-    inside = held = 0
+    steady_ids = set(int(s) for s in ev.steady_steps(run, rank)["step"])
+    counts = {"in_steps": [0, 0], "in_steady_steps": [0, 0]}
     for t, snap in dumps.groupby("t"):
-        if not ((steps["start_ns"] <= t) & (steps["end_ns"] >= t)).any():
+        hit = steps[(steps["start_ns"] <= t) & (steps["end_ns"] >= t)]
+        if not len(hit):
             continue
-        inside += 1
-        holder = snap[(snap["thread_name"] == thread_name) & (snap["owns_gil"] == True)]  # noqa: E712
-        held += bool(len(holder))
-    return held, inside
+        holds = bool(len(snap[(snap["thread_name"] == thread_name) & (snap["owns_gil"] == True)]))  # noqa: E712
+        keys = ["in_steps"] + (["in_steady_steps"] if int(hit["step"].iloc[0]) in steady_ids else [])
+        for key in keys:
+            counts[key][0] += holds
+            counts[key][1] += 1
+    return {k: {"holding": v[0], "snapshots": v[1]} for k, v in counts.items()}
+
+
+MIN_STEADY_SNAPSHOTS = 3
+
+
+def _steady_compile_fraction(run, rank, thread_name):
+    """(fraction of the thread's compile seconds that fall in steady steps, its compile seconds)
+    from the shim's compile events, or None: a compiling thread's GIL time is its compile time,
+    and the shim knows in which step each compile ran."""
+    comp = run.compiles
+    if not len(comp) or not thread_name:
+        return None
+    comp = comp[(comp["rank"] == rank) & (comp["thread"] == thread_name)]
+    total = float(comp["duration_s"].sum()) if len(comp) else 0.0
+    if total <= 0:
+        return None
+    steady_ids = set(int(s) for s in ev.steady_steps(run, rank)["step"])
+    in_steady = float(comp[comp["step"].isin(steady_ids)]["duration_s"].sum())
+    return in_steady / total, total
 
 
 def _analyze_rank(run, rank, recording_all, recording_gil):
@@ -76,9 +101,34 @@ def _analyze_rank(run, rank, recording_all, recording_gil):
             "method": "py-spy --gil seconds of the thread / seconds of the steps (the shim), or "
                       "of the main thread without steps; imports excluded",
         }
+        severity, share_lost = ev.severity_for_share(share), share
+        warmup_only = ""
         if confirm:
-            evidence["dump_snapshots_in_steps_holding_gil"] = {"holding": confirm[0],
-                                                                "in_steps": confirm[1]}
+            evidence["dump_snapshots"] = confirm
+        apportion = _steady_compile_fraction(run, rank, name) if compiling else None
+        steady_s = float(ev.steady_steps(run, rank)["duration_s"].sum())
+        if apportion is not None and steady_s > 0:
+            fraction, compile_s = apportion
+            share_lost = min(1.0, held_s * fraction / steady_s)
+            lost = share_lost * step_s if step_s else None
+            severity = ev.severity_for_share(share_lost)
+            evidence["steady_window"] = {
+                "compile_seconds_of_thread": round(compile_s, 3),
+                "share_of_them_in_steady_steps": round(fraction, 3),
+                "gil_share_of_steady_steps": round(share_lost, 3),
+                "method": "the thread's GIL seconds apportioned by where its compiles ran "
+                          "(shim compile events)"}
+            if fraction == 0:
+                warmup_only = (" All its compiles ran in warm-up steps (a cold start): the steady "
+                               "steps do not pay for it.")
+        elif confirm:
+            steady = confirm["in_steady_steps"]
+            if steady["snapshots"] >= MIN_STEADY_SNAPSHOTS and steady["holding"] == 0:
+                # py-spy's timestamped snapshots never caught it in the steady window: the hold
+                # was warm-up (a cold-start compile, a first load), not what the steps pay
+                severity, lost, share_lost = "info", 0.0, 0.0
+                warmup_only = (f" py-spy snapshots never caught it holding the GIL in "
+                               f"{steady['snapshots']} snapshots of steady steps: warm-up only.")
         prescriptions = []
         if compiling:
             prescriptions.append(Prescription(
@@ -94,13 +144,15 @@ def _analyze_rank(run, rank, recording_all, recording_gil):
             expected_gain_s_per_step=lost))
         findings.append(Finding(
             id="gil.contention",
-            title=f"Thread '{label}' holds the GIL {share:.0%} of the time on rank {rank}",
-            severity=ev.severity_for_share(share), analyzer="gil",
+            title=f"Thread '{label}' holds the GIL {share_lost:.0%} of the steady steps' time "
+                  f"on rank {rank}" if "steady_window" in evidence else
+                  f"Thread '{label}' holds the GIL {share:.0%} of the time on rank {rank}",
+            severity=severity, analyzer="gil",
             summary=(f"'{label}' held the GIL for {held_s:.1f} s of {window_s:.1f} s of steps "
                      f"({share:.0%}); the main thread held it {main_held_s / wall_s:.0%}. "
                      f"Its hottest code: {where}. The main thread waits for the GIL whenever it "
-                     "needs Python while this thread has it."),
-            seconds_lost_per_step=lost, share_of_step=share, evidence=evidence,
+                     "needs Python while this thread has it." + warmup_only),
+            seconds_lost_per_step=lost, share_of_step=share_lost, evidence=evidence,
             prescriptions=tuple(prescriptions), ranks=(rank,)))
     return findings
 
