@@ -153,8 +153,21 @@ def test_real_h200_seed_run_gil_holder_named_and_gpu_analyzers_silent():
     assert finding.evidence["thread"] == "Dummy-1"  # the autograd engine's thread
     assert "base_dsl/compiler.py" in finding.evidence["hottest_leaf_frames"][0]["file"]
     assert finding.prescriptions[0].kind == "precompile"
+    # its compiles run in every steady step: the steady window pays for the hold
+    assert finding.severity == "high"
+    assert finding.evidence["steady_window"]["gil_share_of_steady_steps"] > 0.5
     assert [f.id for f in findings if f.analyzer in ("gpu_clocks", "allocator", "launch_bound",
                                                       "host_sync", "dataloader", "gc_pauses")] == []
+
+
+def test_real_h200_cold_start_compile_holding_the_gil_is_only_info():
+    """The fixed seed case on the H200 (int max_seqlen): the autograd thread compiles once, in
+    step 0, holding the GIL; the steady steps do not pay for that, so the GIL finding is info
+    (the cold start is the jit analyzer's)."""
+    run = traindx.load_run(os.path.join(os.path.dirname(__file__), "data", "h200-fa4-int-cold-start"))
+    finding = _one(analyze(run), "gil.contention")
+    assert finding.severity == "info" and finding.seconds_lost_per_step == 0
+    assert finding.evidence["steady_window"]["share_of_them_in_steady_steps"] == 0
 
 
 H200_PATHOLOGIES = os.path.join(os.path.dirname(__file__), "data", "h200-gpu-pathologies")
