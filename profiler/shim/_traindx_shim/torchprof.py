@@ -102,6 +102,8 @@ def on_boundary(step):
             _stop(step - 1, "window end")
         return
     if step == first:
+        if steps.MAX_STEPS and step >= steps.MAX_STEPS:
+            return  # `diagnose --steps N` stops the job before this step runs
         if (not _state["explicit"] and previous is not None
                 and (now - previous) / 1e9 > LONG_STEP_S):
             _state["done"] = True
