@@ -191,9 +191,24 @@ def test_real_h200_runs_launch_bound_and_syncs_found_healthy_silent():
     assert sync.evidence["call_sites"][0]["function"] == "forward"
     assert sync.evidence["call_sites"][0]["file"].endswith("gpu_pathologies.py")
     assert 0 < sync.seconds_lost_per_step < 0.5 * _h200("sync").steps["duration_s"].median()
-    no_retries = _h200("alloc_retries")
+    no_retries = _h200("alloc_no_retry")
     assert (no_retries.alloc["num_alloc_retries"] == 0).all()
     assert not [f for f in analyze(no_retries) if f.analyzer == "allocator"]
+
+
+def test_real_h200_allocator_retries_and_power_cap():
+    retries = _one(analyze(_h200("alloc_retries")), "alloc.retries")
+    assert retries.evidence["alloc_retries_in_steady_steps"] > 0
+    assert retries.evidence["cost_method"].startswith("cudaMalloc/cudaFree")  # measured, GPU trace
+    assert retries.seconds_lost_per_step > 0 and retries.severity in ("medium", "high")
+    env = retries.prescriptions[0]
+    assert env.automatic and env.change == {"env": {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}}
+    # an H200 under large bf16 GEMMs: at the power cap (reason 0x4), which is only reported
+    findings = analyze(_h200("power"))
+    cap = _one(findings, "gpu.power_cap")
+    assert cap.severity == "info" and cap.evidence["capped_share"] > 0.5
+    assert 600 < cap.evidence["median_power_w"] < 800
+    assert not [f for f in findings if f.id == "gpu.throttle"]
 
 
 # -- DataLoader -------------------------------------------------------------------------------
