@@ -270,3 +270,22 @@ def test_backend_switch_is_recognised_from_the_command(tmp_path, command, env, e
     run = _synthetic_run(tmp_path / "run", command, [])
     run.manifest["env"] = env
     assert expected in [p.change for p in backend_switches(run)]
+
+
+def test_raw_collapsed_pyspy_file_gives_the_same_finding(tmp_path):
+    """py-spy's raw format (collapsed stacks with sample counts) read with its sampling rate."""
+    doc = json.loads(open(FIXTURE, encoding="utf-8").read())
+    frames = doc["shared"]["frames"]
+    lines = []
+    for profile in doc["profiles"]:
+        for sample in profile["samples"]:
+            parts = [f"{frames[i]['name']} ({frames[i]['file']}:{frames[i]['line']})"
+                     if frames[i].get("file") else frames[i]["name"] for i in sample]
+            lines.append(";".join(parts) + " 1")
+    raw = tmp_path / "probe.txt"
+    raw.write_text("\n".join(lines) + "\n")
+    proc = diagnose(["analyze", str(raw), "--rate", "50", "--json"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    (f,) = [x for x in json.loads(proc.stdout) if x["id"] == "jit.fa4_steady_recompile"]
+    assert f["evidence"]["compiles"] == 4 and f["evidence"]["is_main_thread"] is False
+    assert all(2.0 < s < 3.2 for s in f["evidence"]["seconds_each"][1:])

@@ -18,6 +18,9 @@ def prepare_parser(parser):
     parser.add_argument("-o", "--output", metavar="PATH", default=None,
                         help="also write the findings as JSON here (a py-spy file's findings are "
                              "written only where this says)")
+    parser.add_argument("--rate", type=float, default=100.0, metavar="HZ",
+                        help="samples per second of a raw (collapsed) py-spy file, which counts "
+                             "samples instead of seconds (default: py-spy's own 100)")
     parser.add_argument("--json", action="store_true",
                         help="print the findings as JSON on stdout instead of the summary")
 
@@ -31,7 +34,7 @@ def _analyze_run(path):
     return record, findings, report_path
 
 
-def _analyze_file(path):
+def _analyze_file(path, rate_hz):
     from traindx.analyzers.jit import analyze_recording
     from traindx.findings import rank_findings
     from traindx.profiler import speedscope
@@ -41,6 +44,13 @@ def _analyze_file(path):
     recording = speedscope.load(path)
     if not recording or not any(s.stacks for s in recording.values()):
         raise UserError(f"{path} holds no py-spy samples")
+    with open(path, encoding="utf-8", errors="replace") as f:
+        is_raw = not f.read(4096).lstrip().startswith("{")
+    if is_raw:  # collapsed stacks count samples: seconds = samples / rate
+        if rate_hz <= 0:
+            raise UserError("--rate must be a positive number of samples per second")
+        for samples in recording.values():
+            samples.weights = [w / rate_hz for w in samples.weights]
     return rank_findings(analyze_recording(recording, source=f"py-spy file {os.path.basename(path)}"))
 
 
@@ -83,7 +93,7 @@ def run(args, parser):
 
             print_summary(record, findings, report_path)
     else:
-        findings = _analyze_file(path)
+        findings = _analyze_file(path, args.rate)
         if not args.json:
             _print_file_summary(path, findings)
     payload = [f.to_dict() for f in findings]
