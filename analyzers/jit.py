@@ -670,8 +670,9 @@ def _merge_fa4_steady(findings):
 
 
 # -- py-spy alone ---------------------------------------------------------------------------------
-def analyze_recording(recording, source="py-spy", run=None, rank="0"):
-    """Findings from one py-spy recording alone ({thread label: ThreadSamples})."""
+def analyze_recording(recording, source="py-spy", run=None, rank="0", recording_gil=None):
+    """Findings from one py-spy recording alone ({thread label: ThreadSamples}); with a --gil
+    recording of the same process, also the compiling thread's hold on the GIL."""
     findings = []
     for site in sig.summarize(recording):
         if site.count < 2:
@@ -698,6 +699,10 @@ def analyze_recording(recording, source="py-spy", run=None, rank="0"):
                       "pipeline starts again; speedscope has no timestamps, so compiles are "
                       "counted per call, not placed in steps",
         }
+        if recording_gil and not site.is_main_thread:
+            held = sig.gil_share_compiling(recording_gil, site.thread)
+            if held and held[1] > 0:
+                evidence["gil_share_compiling"] = round(held[0] / held[1], 3)
         severity = "critical" if share and share >= 0.2 else "high" if share and share >= 0.05 else "medium"
         if is_fa4:
             fn = "backward" if "bwd" in site.function else "forward" if "fwd" in site.function else site.function
@@ -749,7 +754,9 @@ def _analyze_pyspy_only(run):
     for (rank, source), recording in sorted(pyspy.items()):
         if source != "all" and (rank, "all") in pyspy:
             continue
-        for f in analyze_recording(recording, source=f"py-spy ({source})", run=run, rank=rank):
+        gil = pyspy.get((rank, "gil")) if source != "gil" else None
+        for f in analyze_recording(recording, source=f"py-spy ({source})", run=run, rank=rank,
+                                   recording_gil=gil):
             findings.append(f)
     return findings
 
