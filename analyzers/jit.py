@@ -286,7 +286,8 @@ def _leak_prescriptions(run, where, caller, source, gain, backward_only):
         out.append(Prescription(
             kind="upgrade",
             summary=f"upgrade flash-attn-4 from {have} to >= {FA4_FIXED} (it keeps a tensor "
-                    f"max_seqlen out of the compile key; {FA4_BWD_FIXED} fixes the backward only)",
+                    f"max_seqlen out of the compile key; {FA4_BWD_FIXED} fixes the backward only"
+                    + (", which is what recompiles here)" if backward_only else ")"),
             change={"upgrade": {"package": FA4_PACKAGE, "min_version": FA4_FIXED}},
             command=f"pip install -U '{FA4_PACKAGE}>={FA4_FIXED}'",
             expected_gain_s_per_step=gain, automatic=False))
