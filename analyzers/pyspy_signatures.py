@@ -14,13 +14,17 @@ from dataclasses import dataclass, field
 
 from . import evidence as ev
 
-# (kind, how a frame's file path is recognised); the outermost match on a stack decides the kind
+# (kind, a frame's file path, its function name or None for any): the outermost match on a
+# stack decides the kind. Only the compilers' own compile paths: torch/_dynamo's eval_frame
+# wrappers and a compiled graph's call run on every step and are not compiles.
 SIGNATURES = (
-    ("dynamo", re.compile(r"[/\\]torch[/\\]_dynamo[/\\]")),
-    ("inductor", re.compile(r"[/\\]torch[/\\]_inductor[/\\]")),
-    ("triton_autotune", re.compile(r"[/\\]triton[/\\]runtime[/\\]autotuner\.py$")),
-    ("cute_dsl", re.compile(r"[/\\]cutlass[/\\]base_dsl[/\\](compiler|dsl|jit_executor)\.py$")),
-    ("triton", re.compile(r"[/\\]triton[/\\]compiler[/\\]")),
+    ("dynamo", re.compile(r"[/\\]torch[/\\]_dynamo[/\\](convert_frame|symbolic_convert)\.py$"), None),
+    ("inductor", re.compile(r"[/\\]torch[/\\]_inductor[/\\]compile_fx\.py$"), None),
+    ("triton_autotune", re.compile(r"[/\\]triton[/\\]runtime[/\\]autotuner\.py$"),
+     re.compile(r"bench|prune")),
+    ("cute_dsl", re.compile(r"[/\\]cutlass[/\\]base_dsl[/\\](compiler|dsl)\.py$"),
+     re.compile(r"compile|generate_mlir|_func")),
+    ("triton", re.compile(r"[/\\]triton[/\\]compiler[/\\]compiler\.py$"), re.compile(r"compile")),
 )
 COMPILER_PATH = re.compile(r"[/\\](cutlass[/\\]base_dsl|triton[/\\](compiler|runtime)|torch[/\\]_inductor|"
                            r"torch[/\\]_dynamo|cutlass[/\\]cute)[/\\]")
@@ -87,8 +91,9 @@ def strip_thread_root(stack):
 def classify(stack):
     """(kind, index of the outermost compiler frame) of a compiling sample, else None."""
     for i, frame in enumerate(stack):
-        for kind, pattern in SIGNATURES:
-            if frame.file and pattern.search(frame.file):
+        for kind, path, function in SIGNATURES:
+            if frame.file and path.search(frame.file) and (
+                    function is None or function.search(frame.name)):
                 return kind, i
     return None
 
@@ -112,7 +117,7 @@ def _site_frame(site):
     return site[-1] if site else None
 
 
-PIPELINE_DEPTH = 8  # frames below the compiler's entry that run its stages once per compile
+PIPELINE_DEPTH = 5  # the compiler's stage functions below its entry (deeper code loops)
 
 
 def _restarted(previous, stack, entry):
@@ -127,11 +132,17 @@ def _restarted(previous, stack, entry):
     return False
 
 
+MAX_GAP = 2        # non-compiling samples tolerated inside one compile
+PARTIAL_STACK = 3  # py-spy sometimes unwinds only the innermost frames of a sample
+
+
 def compiles_of_thread(thread, samples):
     """The compiles in one thread's samples, in sample order."""
-    found, current, previous = [], None, None
+    found, current, previous, gap = [], None, None, 0
     for index, (stack, weight) in enumerate(zip(samples.stacks, samples.weights)):
         stack, _ = strip_thread_root(stack)
+        if len(stack) <= PARTIAL_STACK:  # py-spy lost (most of) this stack: no evidence either way
+            continue
         if ev.is_import_sample(stack):
             # start-up imports are not compiles; a lazy import inside a compile does not end it
             if current is not None and classify(stack):
@@ -140,8 +151,11 @@ def compiles_of_thread(thread, samples):
             continue
         hit = classify(stack)
         if hit is None:
-            current = previous = None
+            gap += 1
+            if gap > MAX_GAP:
+                current = previous = None
             continue
+        gap = 0
         kind, entry = hit
         site = _site(stack, entry)
         same = (current is not None and current.kind == kind and current.site == site

@@ -121,6 +121,24 @@ def test_b17_tensor_gil_evidence_from_pyspy(b17_tensor):
     assert f.evidence["gil_share_compiling"] > 0.2
 
 
+@pytest.mark.fa4
+@requires_fa4
+def test_b17_tensor_pyspy_alone_counts_the_same_recompiles(b17_tensor):
+    """What `diagnose attach` would have: the same run's py-spy recording without the shim."""
+    from traindx.analyzers.jit import analyze_recording
+
+    run, _, _ = b17_tensor
+    if ("0", "all") not in run.pyspy:
+        pytest.skip(f"py-spy could not sample here: {run.missing.get('pyspy')}")
+    found = [f for f in analyze_recording(run.pyspy[("0", "all")], recording_gil=run.pyspy.get(("0", "gil")))
+             if f.id == "jit.fa4_steady_recompile"]
+    assert len(found) == 1, [f.title for f in found]
+    ev = found[0].evidence
+    assert ev["thread"] == "pt_autograd_0" and ev["is_main_thread"] is False
+    assert ev["call_site"].startswith("_flash_attn_bwd (") and ev["compiles"] == 3
+    assert ev["gil_share_compiling"] > 0.2
+
+
 # -- 4.0.0b17 with an int: only the cold start ----------------------------------------------------
 @pytest.mark.fa4
 @requires_fa4
