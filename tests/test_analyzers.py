@@ -88,6 +88,37 @@ def test_profiler_window_leaves_the_job_output_alone(healthy):
     assert not healthy.log["text"].str.contains("profiler_start|profiler_stop").any()
 
 
+JOB_WITH_ITS_OWN_PROFILER = """
+import sys, torch
+start = int(sys.argv[1])
+m = torch.nn.Linear(8, 1); opt = torch.optim.SGD(m.parameters(), 0.1)
+prof = torch.profiler.profile()
+for step in range(8):
+    if step == start:
+        prof.start()
+    loss = m(torch.randn(4, 8)).sum(); opt.zero_grad(); loss.backward(); opt.step()
+    if step == 6:
+        prof.stop()
+        print("own profiler events:", len([e for e in prof.events() if e.name == "aten::addmm"]))
+"""
+
+
+@pytest.mark.parametrize("job_starts_at", [2, 4])  # before the window (3-4), inside it
+def test_a_job_that_profiles_itself_keeps_its_profiler(tmp_path, job_starts_at):
+    (tmp_path / "job.py").write_text(JOB_WITH_ITS_OWN_PROFILER)
+    proc = diagnose(["--out", "runs", "--quiet", "--no-pyspy", "--", PY, "job.py",
+                     str(job_starts_at)], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    events = int(re.search(r"own profiler events: (\d+)", proc.stdout)[1])
+    assert events >= 7 - job_starts_at  # one addmm per step it profiled
+    run = traindx.load_run(only_run_dir(tmp_path / "runs"))
+    if job_starts_at == 2:  # already profiling: the window stands down
+        assert "own" in run.events[run.events["type"] == "torch_profile_skipped"]["reason"].iloc[0]
+    else:  # the window closes (its trace kept) before the job's profiler starts
+        window = run.events[run.events["type"] == "torch_profile"].iloc[0]
+        assert window["ended_by"] == "the job started its own profiler"
+
+
 def test_bad_torch_profile_window_is_a_one_line_error(tmp_path):
     proc = diagnose(["--out", "runs", "--torch-profile", "5-2", "--", PY, TINY], cwd=tmp_path)
     assert proc.returncode != 0

@@ -10,11 +10,14 @@ TRAINDX_TORCH_PROFILE_MAX_STEP_S sets that limit (default 5 s).
 """
 import atexit
 import os
+import sys
 import time
 
 from . import emit, get_writer, importhooks, report_error
 from . import steps
 
+# a job that profiles itself keeps its profiler: kineto runs one at a time
+JOB_PROFILER_FLAGS = ("--profile", "--use-pytorch-profiler", "--torch-profile", "--profiler")
 DEFAULT_START = 3
 DEFAULT_STEPS = 2
 LONG_STEP_S = float(os.environ.get("TRAINDX_TORCH_PROFILE_MAX_STEP_S") or 5.0)
@@ -104,12 +107,18 @@ def on_boundary(step):
     if step == first:
         if steps.MAX_STEPS and step >= steps.MAX_STEPS:
             return  # `diagnose --steps N` stops the job before this step runs
-        if (not _state["explicit"] and previous is not None
-                and (now - previous) / 1e9 > LONG_STEP_S):
+        reason = None
+        if _state["torch"]._C._autograd._profiler_enabled():
+            reason = "the job runs a profiler of its own (kineto runs one at a time)"
+        elif not _state["explicit"] and any(a in JOB_PROFILER_FLAGS for a in sys.argv):
+            reason = "the job was asked to profile itself (its own flag)"
+        elif (not _state["explicit"] and previous is not None
+              and (now - previous) / 1e9 > LONG_STEP_S):
+            reason = (f"the previous step took {(now - previous) / 1e9:.1f} s "
+                      f"(> {LONG_STEP_S:.0f} s); pass --torch-profile A-B to profile anyway")
+        if reason:
             _state["done"] = True
-            emit("torch_profile_skipped", step=step,
-                 reason=f"the previous step took {(now - previous) / 1e9:.1f} s "
-                        f"(> {LONG_STEP_S:.0f} s); pass --torch-profile A-B to profile anyway")
+            emit("torch_profile_skipped", step=step, reason=reason)
             return
         _start(step)
 
@@ -125,10 +134,32 @@ def _at_exit():
             report_error("torch.profiler export at exit", exc)
 
 
+def _yield_to_the_job(torch):
+    """Kineto runs one profiler at a time: when the job starts its own while the window is open,
+    close the window first (its trace is written) so the job's profiler works as it would."""
+    profile = torch.autograd.profiler.profile
+    original = profile._prepare_trace
+
+    def _prepare_trace(self, *args, **kwargs):
+        ours = _state["profiler"]
+        if ours is not None and getattr(ours, "profiler", None) is not self:
+            try:
+                _stop(steps.current_step(), "the job started its own profiler")
+            except Exception as exc:
+                report_error("closing the torch.profiler window for the job's own", exc)
+        return original(self, *args, **kwargs)
+
+    profile._prepare_trace = _prepare_trace
+
+
 def _on_torch(torch):
     _state["torch"] = torch
     steps.boundary_hooks.append(on_boundary)
     atexit.register(_at_exit)
+    try:
+        _yield_to_the_job(torch)
+    except Exception as exc:  # no such method in this torch: the window still works
+        report_error("torch.profiler yield hook", exc)
 
 
 def register():
