@@ -126,6 +126,10 @@ def print_summary(run, findings, report_path=None, console=None):
         console.print(Text(f"  why: {v['finding_title']}", style="dim"))
     elif v["kind"] == "problem":
         console.print(Text("Main problem: ", style="bold") + Text(v["headline"], style="bold yellow"))
+    elif v["kind"] == "evidence":
+        console.print(Text("Where the time went: ", style="bold") + Text(v["headline"], style="bold yellow"))
+    elif v["kind"] == "nosteps":
+        console.print(Text(v["headline"], style="yellow"))
     else:
         console.print(Text(v["headline"], style="green"))
     problems = [f for f in data["findings"] if f["severity"] != "info"]
