@@ -19,6 +19,7 @@ from traindx.findings import SEVERITIES
 # a step slower than this many times the median is "slow" and gets a cause
 SLOW_FACTOR = 1.5
 CAUSE_SHARE = 0.3             # an event covering this share of a step names the step's cause
+EVIDENCE_SHARE = 0.1          # ...and covering this share of all step time makes the headline
 MAX_STEP_BARS = 800           # more steps than this are binned (about one bar per pixel)
 MAX_GPU_POINTS = 600          # per GPU and metric
 MAX_COMPILE_ROWS = 200
@@ -853,12 +854,16 @@ def verdict(findings_view, median_step, cause_counts=None, steps=()):
                 "after_step_s": None, "text": None, "text_kind": None, "automatic": False}
     # no analyzer flagged anything, yet the evidence may still show where the time went
     explained = {c: n for c, n in (cause_counts or {}).items() if c not in ("normal", "warmup", "unexplained")}
+    total_s = sum(s["duration_s"] for s in steps)
+    seconds = {c: sum(s["compile_s"] if c != "gc" else s["gc_s"] for s in steps if s["cause"] == c)
+               for c in explained}
+    # worth a headline only when it is a real share of the run's step time (not one slow first step)
+    explained = {c: n for c, n in explained.items() if total_s and seconds[c] >= EVIDENCE_SHARE * total_s}
     if explained:
-        cause = max(explained, key=explained.get)
+        cause = max(explained, key=lambda c: seconds[c])
         n_steps = len({(s["rank"], s["step"]) for s in steps}) or 1
-        seconds = sum(s["compile_s"] if cause != "gc" else s["gc_s"] for s in steps if s["cause"] == cause)
         return {"kind": "evidence", "headline": f"{explained[cause]} of {n_steps} steps spent most of their "
-                f"time in {CAUSES[cause]} ({_seconds_text(seconds)} in all)",
+                f"time in {CAUSES[cause]} ({_seconds_text(seconds[cause])} in all)",
                 "finding_title": None, "finding_anchor": None, "severity": "medium",
                 "gain_s": None, "speedup": None, "median_step_s": median_step, "after_step_s": None,
                 "text": None, "text_kind": None, "automatic": False}
