@@ -414,7 +414,7 @@ def _generic_recompile_prescriptions(run, kind, kernel, fields, gain):
         out.append(Prescription(
             kind="env", summary="keep Triton's compiled kernels across runs (TRITON_CACHE_DIR on "
                                 "a persistent disk)",
-            change={"env": {"TRITON_CACHE_DIR": os.path.join(run.path, "..", "triton-cache")}},
+            change={"env": {"TRITON_CACHE_DIR": _beside_runs(run, "triton-cache")}},
             expected_gain_s_per_step=gain, automatic=True))
         out.append(Prescription(
             kind="code", summary=f"keep the specialised arguments of {kernel} ({field_text}) "
@@ -448,7 +448,7 @@ def _cold_start_finding(run, rank, firsts, steps):
         prescriptions.append(Prescription(
             kind="env", summary="keep Triton's compiled kernels on a persistent disk "
                                 "(TRITON_CACHE_DIR) so later runs load them",
-            change={"env": {"TRITON_CACHE_DIR": os.path.abspath(os.path.join(run.path, "..", "triton-cache"))}},
+            change={"env": {"TRITON_CACHE_DIR": _beside_runs(run, "triton-cache")}},
             automatic=True, expected_gain_s_per_step=amortized))
     if kinds.get("dynamo"):
         prescriptions.append(Prescription(
@@ -456,7 +456,7 @@ def _cold_start_finding(run, rank, firsts, steps):
                                 "(TORCHINDUCTOR_FX_GRAPH_CACHE=1, TORCHINDUCTOR_CACHE_DIR on a "
                                 "persistent disk)",
             change={"env": {"TORCHINDUCTOR_FX_GRAPH_CACHE": "1",
-                            "TORCHINDUCTOR_CACHE_DIR": os.path.abspath(os.path.join(run.path, "..", "inductor-cache"))}},
+                            "TORCHINDUCTOR_CACHE_DIR": _beside_runs(run, "inductor-cache")}},
             automatic=True, expected_gain_s_per_step=amortized))
     kinds_text = ", ".join(f"{n} {k}" for k, n in kinds.most_common())
     return Finding(
@@ -473,6 +473,14 @@ def _cold_start_finding(run, rank, firsts, steps):
         prescriptions=tuple(prescriptions), ranks=(rank,))
 
 
+_FLA_PATH = re.compile(r"[/\\]fla[/\\]")
+
+
+def _beside_runs(run, name):
+    """A persistent cache folder next to the run folders (the runs' parent)."""
+    return os.path.abspath(os.path.join(run.path, os.pardir, name))
+
+
 def _autotune_finding(run, rank, kernel, group, steps):
     if len(group) < 2:
         return None
@@ -487,8 +495,9 @@ def _autotune_finding(run, rank, kernel, group, steps):
     median_after = float(after["duration_s"].median()) if len(after) else None
     share = min(lost / median_after, 1.0) if median_after else None
     fields = [f for f, _ in changed.most_common()]
-    is_fla = any("fla" in str((_col(r, "caller") or {}).get("file", "")) or "fla" in str(_col(r, "module") or "")
-                 for r in group.itertuples()) or bool((run.manifest.get("packages") or {}).get("flash-linear-attention"))
+    is_fla = any(_FLA_PATH.search(str((_col(r, "caller") or {}).get("file", "")))
+                 or str(_col(r, "module") or "").startswith("fla.") for r in group.itertuples()) \
+        or bool((run.manifest.get("packages") or {}).get("flash-linear-attention"))
     prescriptions = []
     if is_fla:
         prescriptions.append(Prescription(
@@ -504,7 +513,7 @@ def _autotune_finding(run, rank, kernel, group, steps):
         expected_gain_s_per_step=lost))
     prescriptions.append(Prescription(
         kind="env", summary="keep Triton's cache on a persistent disk (TRITON_CACHE_DIR)",
-        change={"env": {"TRITON_CACHE_DIR": os.path.abspath(os.path.join(run.path, "..", "triton-cache"))}},
+        change={"env": {"TRITON_CACHE_DIR": _beside_runs(run, "triton-cache")}},
         automatic=not is_fla, expected_gain_s_per_step=None))
     return Finding(
         id="jit.autotune", title=f"Triton autotunes {kernel} again after warm-up "

@@ -245,8 +245,8 @@ def _emit_fa4_call(name, kwargs, sample, ok):
         end = time.time_ns()
         max_seqlen = {k: {"type": _type_label(v), "value": v if isinstance(v, int) else None}
                       for k, v in kwargs.items() if k.startswith("max_seqlen")}
-        emit("fa4_call", function=name, caller=caller, source=_source_line(caller), call_index=seen, arg_types=dict(sig[1]),
-             max_seqlen=max_seqlen, start=start, t=end, duration_s=(end - start) / 1e9,
+        emit("fa4_call", function=name, caller=caller, source=_source_line(caller),
+             call_index=seen, arg_types=dict(sig[1]), max_seqlen=max_seqlen, start=start, t=end, duration_s=(end - start) / 1e9,
              step=steps.current_step(), ok=ok, **_thread_fields())
     except Exception as exc:
         report_error("fa4 call hook", exc)
