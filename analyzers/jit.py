@@ -724,8 +724,8 @@ def analyze_recording(recording, source="py-spy", run=None, rank="0", recording_
                        f"({len(site.recompiles)} of {len(site.recompiles)}), ~{per:.1f} s each, "
                        f"{share:.0%} of the recorded samples. The kernel is built from "
                        f"{site.kernel_file or '?'}. A compile on every call means its compile key "
-                       "changes every call: in flash-attn-4 < 4.0.0b22 (backward) / < 4.0.0b26 "
-                       "(forward) that is max_seqlen passed as a tensor.")
+                       "changes every call; with flash-attn-4 < 4.0.0b22 (backward) / < 4.0.0b26 "
+                       "(forward) the known cause is max_seqlen passed as a tensor.")
             prescriptions = [
                 Prescription(kind="code",
                              summary="pass max_seqlen to flash_attn as a Python int (find the "
