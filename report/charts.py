@@ -111,7 +111,12 @@ def step_chart(timeline, compiles, stats, causes, by="time"):
             return LEFT + i * bar_w, LEFT + (i + 1) * bar_w
         return x(s["start_s"]), x(s["end_s"])
 
-    ymax = max(s.get("max_s", s["duration_s"]) for s in steps) * 1.08
+    heights = [s.get("max_s", s["duration_s"]) for s in steps]
+    ymax = max(heights) * 1.08
+    # a first step far slower than all the others (warm-up) would flatten them: cut its bar
+    clipped = len(steps) >= 3 and heights[0] > 3 * max(heights[1:])
+    if clipped:
+        ymax = max(heights[1:]) * 1.35
     y = _Scale(0.0, ymax, bottom, top)
     chart_id = "step-chart" if by == "time" else "step-chart-by-step"
     out = [f'<svg class="chart step-chart" id="{chart_id}" data-by="{by}" viewBox="0 0 {WIDTH} {height}" '
@@ -140,14 +145,14 @@ def step_chart(timeline, compiles, stats, causes, by="time"):
     for i, s in enumerate(steps):
         x0, x1 = span(i, s)
         w = max(x1 - x0 - (1 if x1 - x0 > 4 else 0), 0.8)
-        py = min(y(s["duration_s"]), bottom - 1.5)
+        py = max(min(y(s["duration_s"]), bottom - 1.5), top)
         label = s.get("label") or f"step {s['step']}"
         if s.get("binned"):
             # a bin of steps: its median as a normal bar, its slowest step on top in its cause's colour
             tip = f"{label}: median {fmt_s(s['duration_s'])}, slowest {fmt_s(s['max_s'])}"
             if s["slow_count"]:
                 tip += f"; {s['slow_count']} slow ({causes.get(s['cause'], s['cause'])})"
-            top_y = min(y(s["max_s"]), bottom - 1.5)
+            top_y = max(min(y(s["max_s"]), bottom - 1.5), top)
             out.append(f'<rect class="step" data-cause="normal" x="{_f(x0)}" y="{_f(py)}" width="{_f(w)}" '
                        f'height="{_f(bottom - py)}" fill="{CAUSE_COLOURS["normal"]}"><title>{escape(tip)}</title></rect>')
             if s["slow_count"] and py - top_y > 0.5:
@@ -186,6 +191,14 @@ def step_chart(timeline, compiles, stats, causes, by="time"):
                 tip = f"{fmt_s(g['duration_s'])} between step {g['after_step']} and step {g['before_step']}"
                 out.append(f'<line x1="{_f(gx)}" y1="{top}" x2="{_f(gx)}" y2="{bottom}" class="gap-line">'
                            f'<title>{escape(tip)}</title></line>')
+    if clipped:
+        x0, x1 = span(0, steps[0])
+        note = f"step {steps[0]['step']}: {fmt_s(steps[0]['duration_s'])} (bar cut)"
+        # beside the bar, on whichever side has room for the note
+        lx, anchor = (x1 + 4, "start") if x1 + 4 + 6.3 * len(note) < WIDTH - RIGHT else (x0 - 4, "end")
+        out.append(f'<path d="M{_f(x0)},{top + 9} L{_f(x1)},{top + 3} L{_f(x1)},{top + 8} L{_f(x0)},{top + 14} Z" '
+                   f'fill="#fff"/><text x="{_f(lx)}" y="{top + 12}" class="median-label" text-anchor="{anchor}">'
+                   f'{escape(note)}</text>')
     med = stats.get("steady_median_s")
     if med:
         out.append(f'<line x1="{LEFT}" y1="{_f(y(med))}" x2="{WIDTH - RIGHT}" y2="{_f(y(med))}" class="median"/>'
