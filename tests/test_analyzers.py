@@ -55,9 +55,21 @@ def _above_info(findings):
 
 
 # -- the healthy example: every analyzer silent, with py-spy and the torch.profiler window ------
+# (the default window profiles GPU jobs only; on this CPU job it is asked for explicitly)
 @pytest.fixture(scope="module")
 def healthy(tmp_path_factory):
-    return _record(tmp_path_factory, "healthy", [], [PY, TINY, "--steps", "14", "--threads", "1"])
+    return _record(tmp_path_factory, "healthy", ["--torch-profile", "3-4"],
+                   [PY, TINY, "--steps", "14", "--threads", "1"])
+
+
+def test_default_torch_profile_window_stands_down_on_a_cpu_job(tmp_path):
+    proc = diagnose(["--out", "runs", "--quiet", "--no-pyspy", "--steps", "6", "--", PY, TINY,
+                     "--threads", "1"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    run = traindx.load_run(only_run_dir(tmp_path / "runs"))
+    skipped = run.events[run.events["type"] == "torch_profile_skipped"]
+    assert "no CUDA" in skipped["reason"].iloc[0]
+    assert not len(run.events[run.events["type"] == "torch_profile"])
 
 
 def test_healthy_example_is_silent(healthy):
@@ -106,8 +118,8 @@ for step in range(8):
 @pytest.mark.parametrize("job_starts_at", [2, 4])  # before the window (3-4), inside it
 def test_a_job_that_profiles_itself_keeps_its_profiler(tmp_path, job_starts_at):
     (tmp_path / "job.py").write_text(JOB_WITH_ITS_OWN_PROFILER)
-    proc = diagnose(["--out", "runs", "--quiet", "--no-pyspy", "--", PY, "job.py",
-                     str(job_starts_at)], cwd=tmp_path)
+    proc = diagnose(["--out", "runs", "--quiet", "--no-pyspy", "--torch-profile", "3-4", "--",
+                     PY, "job.py", str(job_starts_at)], cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     events = int(re.search(r"own profiler events: (\d+)", proc.stdout)[1])
     assert events >= 7 - job_starts_at  # one addmm per step it profiled

@@ -27,8 +27,8 @@ def prepare_parser(parser):
                         help="seconds between py-spy GIL snapshots (0: none; default 2)")
     parser.add_argument("--torch-profile", default=None, metavar="STEPS",
                         help="torch.profiler window stored as trace/<rank>.json.gz: N steps from "
-                             "step 3, or A-B, or off (default: steps 3-4, skipped when steps "
-                             "take over 5 s)")
+                             "step 3, or A-B, or off (default: steps 3-4 of a CUDA job, skipped "
+                             "when steps take over 5 s)")
     parser.add_argument("--fix", action="store_true",
                         help="apply the automatic prescriptions, re-run and compare")
     parser.add_argument("--quiet", action="store_true", help="no live status line")

@@ -110,6 +110,10 @@ def on_boundary(step):
         reason = None
         if _state["torch"]._C._autograd._profiler_enabled():
             reason = "the job runs a profiler of its own (kineto runs one at a time)"
+        elif not _state["explicit"] and not _state["torch"].cuda.is_initialized():
+            reason = ("no CUDA in this job: the default window is for GPU jobs (on a CPU job its "
+                      "export can stall a step for seconds); pass --torch-profile A-B to "
+                      "profile anyway")
         elif not _state["explicit"] and any(a in JOB_PROFILER_FLAGS for a in sys.argv):
             reason = "the job was asked to profile itself (its own flag)"
         elif (not _state["explicit"] and previous is not None
