@@ -309,6 +309,9 @@ def _steady_finding(run, rank, kind, kernel, group, steps):
     n_after = max(len(after), len(set(later["step"])))
     lost = float(later["duration_s"].sum()) / n_after if n_after else None
     median_after = float(after["duration_s"].median()) if len(after) else None
+    if lost is not None and len(after):
+        # a step cannot lose more than it lasted (nested or overlapping compile events)
+        lost = min(lost, float(after["duration_s"].mean()))
     share = (lost / median_after) if lost is not None and median_after else None
     if share is not None:
         share = min(share, 1.0)

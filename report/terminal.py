@@ -115,7 +115,7 @@ def print_summary(run, findings, report_path=None, console=None):
     if v["kind"] == "change":
         console.print(Text("Verdict: ", style="bold") + Text(v["headline"], style="bold green"))
         if v["gain_s"]:
-            gain = f"  expected gain −{_fmt_s(v['gain_s'])} per step"
+            gain = f"  expected saving {_fmt_s(v['gain_s'])} per step"
             if v["speedup"]:
                 gain += (f" (≈ {v['speedup']:.1f}× faster: {_fmt_s(v['median_step_s'])} → "
                          f"{_fmt_s(v['after_step_s'])} per step)")
