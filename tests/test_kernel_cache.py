@@ -242,6 +242,7 @@ def test_verify_reports_a_corrupted_entry(seed_run, tmp_path):
     bad = [line for line in proc.stdout.splitlines() if line.startswith("bad ")]
     assert len(bad) == 1 and victim.name in bad[0]
     assert f"{n - 1} of {n} entries load; 1 bad" in proc.stdout  # the intact ones load
+    assert "differs from kernel-cache's" not in proc.stdout  # our fingerprint is FA4's own
 
 
 @pytest.mark.fa4
