@@ -262,7 +262,8 @@ def _line_of(path, text):
 
 def test_dataloader_starvation_prescribes_workers_at_the_construction_line(tmp_path_factory):
     # py-spy (the whole run) and the torch.profiler window (steps 3-4) both see it
-    run = _pathology(tmp_path_factory, "dataloader", ("--pyspy-rate", "50"), "--steps", "16")
+    run = _pathology(tmp_path_factory, "dataloader", ("--pyspy-rate", "50", "--torch-profile", "3-4"),
+                     "--steps", "16")
     finding = _one(analyze(run), "dataloader.starvation")
     if "pyspy" not in run.missing:
         assert finding.evidence["source"] == "py-spy"
@@ -336,7 +337,7 @@ def test_period_detection_ignores_noise_without_a_period():
 
 # -- ranks ------------------------------------------------------------------------------------
 def test_two_rank_gloo_job_names_the_rank_that_stalls_the_other(tmp_path_factory):
-    run = _record(tmp_path_factory, "straggler", ["--no-pyspy"],
+    run = _record(tmp_path_factory, "straggler", ["--no-pyspy", "--torch-profile", "3-4"],
                   [TORCHRUN, "--nproc-per-node", "2", PATHOLOGIES, "--pathology", "straggler",
                    "--steps", "10", "--slow-seconds", "0.2"])
     assert set(run.steps["rank"]) == {"0", "1"}
