@@ -36,7 +36,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from train_tiny import log_line  # noqa: E402  (one log format for every example)
+from megatron_log import log_line  # noqa: E402  (one log format for every example)
 
 # Known, harmless under fake mode: FA4 asks fake tensors for data pointers, and the CuTe DSL
 # notes an argument it keeps as a Python object. Not the job's business.

@@ -9,13 +9,16 @@
 Real AdamW on an MLP regression task; one Megatron-format log line per step.
 """
 import argparse
+import os
 import sys
 import time
-from datetime import datetime
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from megatron_log import log_line  # noqa: E402
 
 PATHOLOGIES = ("none", "launch_bound", "alloc_retries", "power", "sync")
 
@@ -89,10 +92,7 @@ def main(argv=None):
         value = loss.item()
         torch.cuda.synchronize()
         ms = (time.perf_counter() - t0) * 1000
-        stamp = datetime.now().strftime("%Y-%m-%d %H:%M:%S")
-        print(f" [{stamp}] iteration {step:8d}/{a.steps:8d} | consumed samples: {step * batch:12d} | "
-              f"elapsed time per iteration (ms): {ms:.1f} | learning rate: {a.lr:.6E} | "
-              f"global batch size: {batch:5d} | lm loss: {value:.6E} |", flush=True)
+        log_line(step, a.steps, ms, a.lr, batch, value)
     del held
     return 0
 

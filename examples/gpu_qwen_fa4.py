@@ -8,13 +8,16 @@ seed's framework did (`cu_seqlens.diff().max()`, a 0-dim CUDA tensor); with flas
 model through PyTorch's SDPA, one packed document at a time (nothing to compile).
 """
 import argparse
+import os
 import sys
 import time
-from datetime import datetime
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from megatron_log import log_line  # noqa: E402
 
 try:  # imported up front, as training frameworks do: the import costs seconds
     from flash_attn.cute import flash_attn_varlen_func
@@ -162,11 +165,7 @@ def main(argv=None):
         loss_value = loss.item()
         torch.cuda.synchronize()
         elapsed_ms = (time.perf_counter() - t0) * 1000
-        stamp = datetime.now().strftime("%Y-%m-%d %H:%M:%S")
-        print(f" [{stamp}] iteration {step:8d}/{a.steps:8d} | consumed samples: {step:12d} | "
-              f"elapsed time per iteration (ms): {elapsed_ms:.1f} | learning rate: {a.lr:.6E} | "
-              f"global batch size: {1:5d} | tokens per step: {a.tokens} | "
-              f"lm loss: {loss_value:.6E} |", flush=True)
+        log_line(step, a.steps, elapsed_ms, a.lr, 1, loss_value, a.tokens)
     return 0
 
 

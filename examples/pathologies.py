@@ -22,13 +22,15 @@ import sys
 import tempfile
 import threading
 import time
-from datetime import datetime
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from megatron_log import log_line  # noqa: E402
 
 PATHOLOGIES = ("none", "gil", "dataloader", "gc", "sync", "periodic", "straggler", "launch",
                "alloc")
@@ -175,13 +177,6 @@ def write_checkpoint(model, step, seconds):
         f.flush()
         os.fsync(f.fileno())
         time.sleep(seconds)  # the slow (network) file system the fake checkpoint stands for
-
-
-def log_line(step, steps, elapsed_ms, lr, batch, loss):
-    stamp = datetime.now().strftime("%Y-%m-%d %H:%M:%S")
-    print(f" [{stamp}] iteration {step:8d}/{steps:8d} | consumed samples: {step * batch:12d} | "
-          f"elapsed time per iteration (ms): {elapsed_ms:.1f} | learning rate: {lr:.6E} | "
-          f"global batch size: {batch:5d} | lm loss: {loss:.6E} |", flush=True)
 
 
 def main(argv=None):

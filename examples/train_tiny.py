@@ -4,17 +4,17 @@ Real AdamW, real next-token loss on a seeded synthetic language (a noisy order-3
 the loss has something to learn), and one Megatron-format log line per step.
 """
 import argparse
-import math
+import os
 import sys
 import time
-from datetime import datetime
-
-import os
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from megatron_log import log_line  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -79,14 +79,6 @@ def make_batch(gen, table, batch, seq_len, vocab):
         keep = torch.rand(batch, generator=gen) > 0.1
         x[:, t] = torch.where(keep, nxt, x[:, t])
     return x[:, :-1], x[:, 1:]
-
-
-def log_line(step, steps, elapsed_ms, lr, batch, loss, tokens):
-    stamp = datetime.now().strftime("%Y-%m-%d %H:%M:%S")
-    print(f" [{stamp}] iteration {step:8d}/{steps:8d} | consumed samples: {step * batch:12d} | "
-          f"elapsed time per iteration (ms): {elapsed_ms:.1f} | learning rate: {lr:.6E} | "
-          f"global batch size: {batch:5d} | tokens per step: {tokens} | lm loss: {loss:.6E} |",
-          flush=True)
 
 
 def main(argv=None):

@@ -18,10 +18,10 @@ With varlen, a pack of more than 256 sequences switches FA4 to another scheduler
 A `max_seqlen` passed as a tensor instead of a Python int selects other keys (and in FA4 ≤ b21
 a new key per call, which no cache can fix); `--spec ...,tensor_maxseqlen` warms that variant.
 """
-import json
 import re
 
 from traindx.errors import UserError
+from traindx.hfconfig import load_hf_config
 
 DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
           "half": "float16"}
@@ -272,15 +272,7 @@ def attention_layers(config):
 
 def model_specs(path, varlen=False, causal=True, dtype=None, deterministic=False, batch=None, tp=1,
                 fwd_only=False):
-    try:
-        with open(path, encoding="utf-8") as f:
-            config = json.load(f)
-    except OSError as exc:
-        raise UserError(f"--model {path}: {exc.strerror}") from None
-    except ValueError:
-        raise UserError(f"--model {path}: not a JSON file") from None
-    if not isinstance(config, dict):
-        raise UserError(f"--model {path}: not an HF config.json")
+    config = load_hf_config(path)
     layers, text = attention_layers(config)
     if dtype is None:
         dtype = CONFIG_DTYPES.get(str(text.get("torch_dtype") or text.get("dtype")

@@ -6,7 +6,6 @@ attention term is left out when the model's shape is not known (the reference ca
 their MFU is 6N only). Peak dense BF16 FLOP/s per GPU from torchtitan's `get_peak_flops`
 (reference/FACTS.md §6).
 """
-import json
 import re
 
 PEAK_BF16_TFLOPS = {
@@ -114,15 +113,3 @@ def active_params_from_config(config):
     head = h * int(c["vocab_size"])
     return layers * (attention + mlp) + head
 
-
-def load_model_config(path):
-    try:
-        with open(path, encoding="utf-8") as f:
-            config = json.load(f)
-    except OSError as exc:
-        raise ValueError(f"cannot read model config {path}: {exc.strerror}") from None
-    except ValueError:
-        raise ValueError(f"model config {path} is not JSON") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"model config {path} is not a JSON object")
-    return config

@@ -13,6 +13,7 @@ import shlex
 import sys
 
 from traindx.errors import UserError
+from traindx.hfconfig import load_hf_config
 
 # environment variables that shape performance and belong on a card (never secrets)
 PERF_ENV_PREFIXES = ("CUDA_DEVICE_MAX_CONNECTIONS", "PYTORCH_CUDA_ALLOC_CONF", "NCCL_",
@@ -132,7 +133,7 @@ def build_card(run, args):
     shape, active, source_note = None, None, None
     if args.model:
         try:
-            config = throughput.load_model_config(args.model)
+            config = load_hf_config(args.model)
             active = int(throughput.active_params_from_config(config))
             shape = throughput.model_shape(config)
         except (ValueError, KeyError) as exc:
