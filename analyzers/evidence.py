@@ -11,6 +11,19 @@ SEVERITY_BY_SHARE = ((0.30, "high"), (0.10, "medium"), (0.03, "low"))
 SEVERITY_ORDER = ("info", "low", "medium", "high", "critical")
 
 
+def union_seconds(intervals):
+    """Seconds covered by (start_ns, end_ns) intervals, overlaps counted once."""
+    total, end = 0, None
+    for s, e in sorted(intervals):
+        if end is None or s > end:
+            total += e - s
+            end = e
+        elif e > end:
+            total += e - end
+            end = e
+    return total / 1e9
+
+
 def severity_for_share(share):
     for limit, severity in SEVERITY_BY_SHARE:
         if share is not None and share >= limit:

@@ -14,18 +14,6 @@ LAUNCH_CALLS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cu
                 "cudaGraphLaunch")
 
 
-def _union_s(starts, ends):
-    total, end = 0, None
-    for s, e in sorted(zip(starts, ends)):
-        if end is None or s > end:
-            total += e - s
-            end = e
-        elif e > end:
-            total += e - end
-            end = e
-    return total / 1e9
-
-
 def _framework(command):
     text = " ".join(command or []).lower()
     if "megatron" in text or "pretrain_gpt" in text:
@@ -44,7 +32,7 @@ def _analyze_rank(run, rank, trace):
         k = kernels[(kernels["start_ns"] >= step.start_ns) & (kernels["start_ns"] <= step.end_ns)]
         launches = rows[(rows["cat"] == "cuda_runtime") & rows["name"].isin(LAUNCH_CALLS)
                         & (rows["start_ns"] >= step.start_ns) & (rows["end_ns"] <= step.end_ns)]
-        busy = _union_s(k["start_ns"], k["end_ns"])
+        busy = ev.union_seconds(zip(k["start_ns"], k["end_ns"]))
         per_step.append({"step": int(step.step), "duration_s": float(step.duration_s),
                          "kernels": len(k), "gpu_busy_s": busy, "launch_calls": len(launches),
                          "median_kernel_s": float(k["dur_s"].median()) if len(k) else None})

@@ -22,17 +22,6 @@ MIN_SHARE = 0.05
 MIN_WAIT_DIFF_S = 0.005
 
 
-def _union_seconds(intervals):
-    total, end = 0, None
-    for s, e in sorted(intervals):
-        if end is None or s > end:
-            total += e - s
-            end = e
-        elif e > end:
-            total += e - end
-            end = e
-    return total / 1e9
-
 
 def _trace_waits(run, ranks):
     """{rank: (wait seconds per profiled step, steps, collective rows)} from the traces."""
@@ -48,7 +37,7 @@ def _trace_waits(run, ranks):
         start, end = steps["start_ns"].min(), steps["end_ns"].max()
         inside = rows[(rows["start_ns"] >= start) & (rows["end_ns"] <= end)]
         coll = inside[inside["name"].str.contains(COLLECTIVE_NAME)]
-        wait = _union_seconds(zip(coll["start_ns"], coll["end_ns"]))
+        wait = ev.union_seconds(zip(coll["start_ns"], coll["end_ns"]))
         out[rank] = (wait / len(steps), len(steps), coll, inside, rows)
     return out
 
