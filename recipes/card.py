@@ -204,8 +204,21 @@ def _join(obj, canonical):
     return out
 
 
+class _Section:
+    """A card section: its known fields, the unknown keys kept, the file's key order kept."""
+    ORDER = ()
+
+    @classmethod
+    def from_dict(cls, data):
+        known, extra, order = _split(data, cls)
+        return cls(**known, extra=extra, present=order)
+
+    def to_dict(self):
+        return _join(self, self.ORDER)
+
+
 @dataclass
-class Gpu:
+class Gpu(_Section):
     type: str
     count: int
     memory_gb: float = None
@@ -213,30 +226,16 @@ class Gpu:
     instance: str = None
     extra: dict = field(default_factory=dict)
     present: list = field(default_factory=list)   # keys as read, in order (round trip)
-
-    @classmethod
-    def from_dict(cls, data):
-        known, extra, order = _split(data, cls)
-        return cls(**known, extra=extra, present=order)
-
-    def to_dict(self):
-        return _join(self, ["type", "memory_gb", "count", "per_node", "instance"])
+    ORDER = ("type", "memory_gb", "count", "per_node", "instance")
 
 
 @dataclass
-class Author:
+class Author(_Section):
     name: str
     url: str = None
     extra: dict = field(default_factory=dict)
     present: list = field(default_factory=list)
-
-    @classmethod
-    def from_dict(cls, data):
-        known, extra, order = _split(data, cls)
-        return cls(**known, extra=extra, present=order)
-
-    def to_dict(self):
-        return _join(self, ["name", "url"])
+    ORDER = ("name", "url")
 
 
 RESULT_ORDER = ["tokens_per_s_per_gpu", "usd_per_million_tokens", "step_time_cv_percent", "mfu",
@@ -245,7 +244,7 @@ RESULT_ORDER = ["tokens_per_s_per_gpu", "usd_per_million_tokens", "step_time_cv_
 
 
 @dataclass
-class Result:
+class Result(_Section):
     tokens_per_s_per_gpu: float
     measured: object                     # datetime.date
     usd_per_million_tokens: float = None
@@ -262,14 +261,7 @@ class Result:
     gpu_hours_note: str = None
     extra: dict = field(default_factory=dict)
     present: list = field(default_factory=list)
-
-    @classmethod
-    def from_dict(cls, data):
-        known, extra, order = _split(data, cls)
-        return cls(**known, extra=extra, present=order)
-
-    def to_dict(self):
-        return _join(self, RESULT_ORDER)
+    ORDER = RESULT_ORDER
 
     @property
     def active_param_count(self):
