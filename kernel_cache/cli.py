@@ -62,6 +62,7 @@ def prepare_warm(p):
                           "(auto: cuda when a GPU of the target arch is visible)")
     tgt.add_argument("--jobs", "-j", type=int, metavar="N", help="compiler processes (default: CPUs, at most 8)")
     tgt.add_argument("--dry-run", action="store_true", help="list the work items and the target; compile nothing")
+    _triton_arguments(p)
     p.epilog = specs.SPEC_HELP + "\n\n" + specs.__doc__.split("\n\n", 2)[2]
 
 
@@ -128,6 +129,27 @@ def _gpu():
     from traindx.kernel_cache.warm import gpu_arch
 
     return gpu_arch()
+
+
+def _triton_arguments(p):
+    from traindx.kernel_cache import triton_warm
+
+    triton_warm.add_arguments(p)
+
+
+def _warm_triton(args):
+    """--from-run: warm the Triton/FLA kernels the run compiled and tuned (kernel_cache.triton_warm).
+    Returns (exit code or None when the run has no Triton kernels, whether FA4 work remains)."""
+    if not args.from_run:
+        return None, True
+    from traindx.kernel_cache import triton_warm
+    from traindx.record import load_run
+
+    code = triton_warm.warm_from_run(args)
+    if code is None:
+        return None, True
+    fa4_left = bool(args.spec or args.model) or triton_warm.has_fa4_compiles(load_run(args.from_run))
+    return code, fa4_left
 
 
 def run_warm(args):
@@ -455,8 +477,16 @@ def run_clear(args):
     return 0
 
 
+def run_warm_all(args):
+    """FA4 kernels (run_warm) and, for --from-run, the Triton/FLA kernels the run compiled."""
+    triton_code, fa4_left = _warm_triton(args)
+    if not fa4_left:
+        return triton_code
+    return run_warm(args) or (triton_code or 0)
+
+
 COMMANDS = {
-    "warm": (prepare_warm, run_warm, "precompile FA4 kernels into FA4's persistent cache"),
+    "warm": (prepare_warm, run_warm_all, "precompile FA4 kernels into FA4's persistent cache"),
     "env": (lambda p: p.add_argument("--dir", action="store_true", help="print only the cache dir"),
             run_env, "print the exports that make a job use the cache"),
     "ls": (lambda p: p.add_argument("--entries", action="store_true", help="list every entry"),
