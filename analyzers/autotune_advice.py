@@ -20,6 +20,7 @@ names was read in the source of the release named beside it (docs/autotune.md, w
   causing new tunings.
 A version not listed in VERIFIED gets the upgrade to one that is, never a variable it may ignore.
 """
+import re
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
@@ -27,7 +28,7 @@ from traindx.findings import Prescription
 
 # (package, switch) -> the lowest release whose source was read for it (docs/autotune.md)
 VERIFIED = {
-    ("triton", "TRITON_CACHE_DIR"): "3.6.0",
+    ("triton", "TRITON_CACHE_DIR"): "2.0.0",  # runtime/cache.py os.getenv in 2.x; knobs.py in 3.6
     ("triton", "TRITON_CACHE_AUTOTUNING"): "3.6.0",
     ("fla", "FLA_CACHE_RESULTS"): "0.6.0",
     ("fla", "FLA_CACHE_MODE"): "0.6.0",
@@ -81,18 +82,9 @@ class Advice:
 
 
 def release(text):
-    """'3.6.0+git1a2b' -> (3, 6, 0); None when there is no number to read."""
-    if not text:
-        return None
-    parts = []
-    for piece in str(text).replace("-", ".").split("."):
-        digits = "".join(ch for ch in piece if ch.isdigit()) if piece[:1].isdigit() else ""
-        if not digits:
-            break
-        parts.append(int(digits))
-        if not piece.isdigit():
-            break
-    return tuple(parts) or None
+    """'3.6.0+git1a2b' -> (3, 6, 0); '0.6.0rc1' -> (0, 6, 0); None when there is no number."""
+    match = re.match(r"\s*v?(\d+(?:\.\d+)*)", str(text or ""))
+    return tuple(int(p) for p in match[1].split(".")) if match else None
 
 
 def reads(packages, package, switch):
