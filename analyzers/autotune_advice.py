@@ -39,7 +39,7 @@ SOURCE = {
     "TRITON_CACHE_AUTOTUNING": "triton/runtime/autotuner.py:39, triton/knobs.py:375 (3.6.0)",
     "TRITON_CACHE_DIR": "triton/knobs.py:347, triton/runtime/autotuner.py:170-208 (3.6.0)",
     "FLA_CACHE_RESULTS": "fla/utils/env.py:26,112 (0.6.0)",
-    "FLA_CACHE_MODE": "fla/ops/utils/cache.py:27-62,276-340 (0.6.0)",
+    "FLA_CACHE_MODE": "fla/ops/utils/cache.py:27-62,271-334 (0.6.0)",
 }
 LENGTH_LIKE_DISTINCT = 3  # a numeric key field with this many values in one run: data-dependent
 
