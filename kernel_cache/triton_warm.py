@@ -230,6 +230,13 @@ def warm_from_run(args, out=print, err=None):
     if not events:
         return None
     the_plan = plan(run, events)
+    if not the_plan["tuned"] and has_fa4_compiles(run):
+        # compiles alone: Triton keeps those in TRITON_CACHE_DIR by itself; replaying a whole FA4
+        # job for them (e.g. inside `diagnose --fix`) would cost more than it saves
+        seconds = sum(c["seconds"] for c in the_plan["compiled"].values())
+        err(f"kernel-cache warm: Triton: {len(the_plan['compiled'])} kernel(s) compiled ({seconds:.1f} s), "
+            "none autotuned: left to Triton's own cache (TRITON_CACHE_DIR)")
+        return None
     packages = run.manifest.get("packages") or {}
     here = installed_packages()
     cache_dir = Path(getattr(args, "triton_cache_dir", None) or default_cache_dir(run)).absolute()
