@@ -58,6 +58,7 @@ class KernelTuning:
     retune_bench_s: float = 0.0
     cache_results: bool = None      # as the job ran (None: not recorded)
     disk_hits: int = 0
+    first_from_disk: bool = False   # its first key was read from Triton's disk cache: warm already
 
 
 @dataclass
@@ -150,6 +151,7 @@ def summarize(events):
         recorded = [e.get("cache_results") for e in group if e.get("cache_results") is not None]
         tuning.cache_results = all(bool(c) for c in recorded) if recorded else None
         tuning.disk_hits = sum(1 for e in group if e.get("disk_cache_hit"))
+        tuning.first_from_disk = bool(first.get("disk_cache_hit"))
         changes, seen = Counter(), {}
         previous = _key_values(first)
         for f, v in previous.items():
@@ -191,12 +193,17 @@ def advise(events, packages=None, env=None, run_path=None, cache_dir=None, confi
     packages = packages or {}
     events = [e for e in events if isinstance(e, dict)]
     kernels = summarize(events)
-    cold_s = sum(k.bench_s - k.retune_bench_s for k in kernels)
+    cold_s = sum(k.bench_s - k.retune_bench_s for k in kernels if not k.first_from_disk)
     steady_s = sum(k.retune_bench_s for k in kernels)
     advice = Advice(kernels=kernels, cold_bench_s=cold_s, steady_bench_s=steady_s)
     if not kernels:
         return advice
-    advice.cold = tuple(_cold_prescriptions(advice, packages, env, run_path, cache_dir))
+    warm = [k for k in kernels if k.first_from_disk]
+    if warm:
+        advice.notes.append(f"{len(warm)} of {len(kernels)} autotuned kernel(s) read their first "
+                            "choice from Triton's disk cache")
+    if len(warm) < len(kernels):
+        advice.cold = tuple(_cold_prescriptions(advice, packages, env, run_path, cache_dir))
     advice.steady = tuple(_steady_prescriptions(advice, packages, env, config_dir))
     return advice
 
@@ -204,8 +211,9 @@ def advise(events, packages=None, env=None, run_path=None, cache_dir=None, confi
 def _cold_prescriptions(advice, packages, env, run_path, cache_dir):
     out, notes = [], advice.notes
     cache_dir = cache_dir or env.get("TRITON_CACHE_DIR") or "<a persistent dir>"
-    fla = [k for k in advice.kernels if k.is_fla]
-    plain = [k for k in advice.kernels if not k.is_fla]
+    cold = [k for k in advice.kernels if not k.first_from_disk]
+    fla = [k for k in cold if k.is_fla]
+    plain = [k for k in cold if not k.is_fla]
     persist = {"TRITON_CACHE_DIR": cache_dir}
     triton_ok = reads(packages, "triton", "TRITON_CACHE_AUTOTUNING")
     fla_ok = reads(packages, "fla", "FLA_CACHE_RESULTS")
@@ -224,7 +232,7 @@ def _cold_prescriptions(advice, packages, env, run_path, cache_dir):
                          f"keep its autotune results (FLA_CACHE_RESULTS defaults to 1, "
                          f"{SOURCE['FLA_CACHE_RESULTS']}): they were lost with TRITON_CACHE_DIR "
                          f"({env.get('TRITON_CACHE_DIR') or 'default ~/.triton/cache'})")
-    names = ", ".join(k.kernel for k in advice.kernels[:4]) + (" …" if len(advice.kernels) > 4 else "")
+    names = ", ".join(k.kernel for k in cold[:4]) + (" …" if len(cold) > 4 else "")
     seconds = advice.cold_bench_s
     if run_path:
         out.append(Prescription(

@@ -140,6 +140,13 @@ def test_release_parsing():
     assert aa.reads({"triton": "3.10.0"}, "triton", "TRITON_CACHE_AUTOTUNING")
 
 
+def test_a_run_whose_choices_came_from_disk_needs_no_warm_up():
+    events = [dict(e, disk_cache_hit=True, bench_s=0.004) for e in fla_cold_start()]
+    advice = aa.advise(events, FLA_060, run_path="runs/w", cache_dir="/c")
+    assert advice.cold == () and advice.cold_bench_s == 0
+    assert any("5 of 5 autotuned kernel(s) read their first choice" in n for n in advice.notes)
+
+
 def test_no_events_no_advice():
     advice = aa.advise([], FLA_060)
     assert advice.kernels == [] and advice.cold == () and advice.steady == ()
