@@ -9,7 +9,8 @@
 #   (iii) FLA 0.6.0 chunk_gated_delta_rule forward on packed batches whose length changes every
 #         step: first step cold vs after `kernel-cache warm --from-run` (goal: warm <= 10 % of cold)
 # Every phase has a timeout and prints its own PASS/FAIL line; run folders are tarred into $OUT.
-#   usage: OUT=/tmp/out bash bench/gpu_megatron_fla.sh [setup] [healthy] [packed] [fla]  (default: all)
+#   usage: OUT=/tmp/out bash bench/gpu_megatron_fla.sh [setup] [fla] [healthy] [packed]  (default: all,
+#          in that order, within TOTAL_S=560 s: a phase that would not fit prints SKIP)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT" runs
@@ -24,7 +25,18 @@ SUMMARY="$OUT/summary-megatron-fla.txt"
 : > "$SUMMARY"
 log() { echo "== $(date +%T) $*"; }
 verdict() { echo "$*" | tee -a "$SUMMARY"; }
-STAGES=${*:-setup healthy packed fla}
+STAGES=${*:-setup fla healthy packed}
+# one device call is at most 600 s: every phase gets min(its budget, what is left of TOTAL_S)
+TOTAL_S=${TOTAL_S:-560}
+DEADLINE=$(( $(date +%s) + TOTAL_S ))
+budget() {  # budget SECONDS -> prints the timeout to use, or 0 when too little time is left
+  local left=$(( DEADLINE - $(date +%s) - 15 ))
+  if [ "$left" -lt 30 ]; then echo 0; elif [ "$left" -lt "$1" ]; then echo "$left"; else echo "$1"; fi
+}
+skip_if_late() {  # skip_if_late PHASE SECONDS: sets T, or prints SKIP and returns 1
+  T=$(budget "$2")
+  if [ "$T" -eq 0 ]; then verdict "SKIP $1: out of time (TOTAL_S=$TOTAL_S)"; return 1; fi
+}
 
 check() {  # check.py-style assertions on a run folder; prints PASS/FAIL itself
   $PY - "$@" <<'P'
@@ -72,14 +84,16 @@ P
 healthy)  # (i)
   log "healthy megatron-core GPTModel"
   rm -rf runs/mg-healthy
-  timeout 240 diagnose --quiet --steps 10 --run-dir runs/mg-healthy -- \
+  skip_if_late "healthy megatron" 200 || continue
+  timeout $T diagnose --quiet --steps 10 --run-dir runs/mg-healthy -- \
     $PY $MG --steps 12 2>&1 | tail -25
   check "healthy megatron (1 GPU)" runs/mg-healthy 1 | tee -a "$SUMMARY"
   ;;
 packed)  # (ii)
   log "packed megatron + FA4 b17 + tensor max_seqlen, --fix"
   rm -rf runs/mg-fix
-  FA4_VERSION=b17 timeout 420 diagnose --quiet --fix --steps 6 --out runs/mg-fix -- \
+  skip_if_late "packed megatron + FA4 b17 --fix" 330 || continue
+  FA4_VERSION=b17 timeout $T diagnose --quiet --fix --steps 6 --out runs/mg-fix -- \
     $PY $MG --packed --max-seqlen-as tensor --steps 6 --layers 2 --micro-batches 1 2>&1 | tail -45
   timeout 60 $PY - <<'P' 2>&1 | tee -a "$SUMMARY"
 import glob, json, os
@@ -114,12 +128,15 @@ P
 fla)  # (iii)
   log "FLA cold vs kernel-cache warm"
   rm -rf runs/fla-cold runs/fla-warm /tmp/tc-cold /tmp/tc-warm /tmp/fla-configs
-  TRITON_CACHE_DIR=/tmp/tc-cold timeout 300 diagnose --quiet --steps 4 --run-dir runs/fla-cold -- \
+  skip_if_late "FLA cold" 180 || continue
+  TRITON_CACHE_DIR=/tmp/tc-cold timeout $T diagnose --quiet --steps 4 --run-dir runs/fla-cold -- \
     $PY $FLA --steps 4 2>&1 | tail -25
-  /usr/bin/time -f "  kernel-cache warm: %e s" timeout 300 kernel-cache warm --from-run runs/fla-cold \
+  skip_if_late "FLA kernel-cache warm" 180 || continue
+  /usr/bin/time -f "  kernel-cache warm: %e s" timeout $T kernel-cache warm --from-run runs/fla-cold \
     --triton-cache-dir /tmp/tc-warm --fla-config-dir /tmp/fla-configs 2>&1 | tail -20
   # the warm run uses exactly what `warm` printed a job needs
-  TRITON_CACHE_DIR=/tmp/tc-warm TRITON_CACHE_AUTOTUNING=1 FLA_CACHE_RESULTS=1 timeout 200 \
+  skip_if_late "FLA warm run" 90 || continue
+  TRITON_CACHE_DIR=/tmp/tc-warm TRITON_CACHE_AUTOTUNING=1 FLA_CACHE_RESULTS=1 timeout $T \
     diagnose --quiet --steps 4 --run-dir runs/fla-warm -- $PY $FLA --steps 4 2>&1 | tail -15
   timeout 60 $PY - <<'P' 2>&1 | tee -a "$SUMMARY"
 import traindx

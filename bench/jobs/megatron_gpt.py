@@ -138,7 +138,7 @@ def build(args):
         normalization="RMSNorm", gated_linear_unit=True, activation_func=torch.nn.functional.silu,
         add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0,
         bias_dropout_fusion=False, masked_softmax_fusion=False, apply_rope_fusion=False,
-        bf16=cuda, params_dtype=dtype, pipeline_dtype=dtype, use_cpu_initialization=True,
+        bf16=cuda, params_dtype=dtype, pipeline_dtype=dtype, use_cpu_initialization=not cuda,
     )
     spec = get_gpt_layer_local_spec(normalization="RMSNorm")
     if args.packed:
