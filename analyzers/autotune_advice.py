@@ -282,7 +282,7 @@ def _steady_prescriptions(advice, packages, env, config_dir):
         out.append(Prescription(
             kind="code",
             summary=(f"{k.kernel}{where} tunes again for every new value of {_field_text(k)}: "
-                     f"{len(k.retune_steps)} re-tunings, {k.retune_bench_s:.1f} s. Keep "
+                     f"{len(k.retune_steps)} re-tuning(s), {k.retune_bench_s:.1f} s. Keep "
                      f"{', '.join(fields)} out of its autotune key, or round it up to a few "
                      "buckets (pad the pack) where the caller computes it"),
             change={"code": {"file": None, "line": None, "before": f"key={k.key_names}",
