@@ -18,10 +18,11 @@ timeout 120 $PY -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/pi
 nvidia-smi --query-gpu=name --format=csv,noheader | tee -a "$SUMMARY"
 # the same checker as the 1-GPU script
 eval "$(sed -n '/^check() {/,/^}/p' bench/gpu_megatron_fla.sh)"
-echo "== $(date +%T) megatron GPTModel, torchrun 2 ranks"
+TORCHRUN=$(command -v torchrun || echo "$PY -m torch.distributed.run")
+echo "== $(date +%T) megatron GPTModel, $TORCHRUN, 2 ranks"
 rm -rf runs/mg-2gpu
 timeout 300 diagnose --quiet --steps 10 --run-dir runs/mg-2gpu -- \
-  torchrun --nproc-per-node 2 bench/jobs/megatron_gpt.py --steps 12 2>&1 | tail -25
+  $TORCHRUN --nproc-per-node 2 bench/jobs/megatron_gpt.py --steps 12 2>&1 | tail -25
 check "healthy megatron (2 GPUs, torchrun)" runs/mg-2gpu 2 | tee -a "$SUMMARY"
 tar czf "$OUT/megatron-2gpu-run.tar.gz" --exclude='*.speedscope.json' --exclude='trace' runs/mg-2gpu 2>/dev/null
 echo "== summary"; cat "$SUMMARY"
