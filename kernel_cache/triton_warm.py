@@ -32,6 +32,8 @@ from traindx.errors import UserError
 TRITON_KINDS = ("triton_autotune", "triton")
 CONFIG_OPTIONS = ("num_warps", "num_ctas", "num_stages", "maxnreg", "ir_override")
 NO_GPU_EXIT = 3
+# TRAINDX_TRITON_WARM_ON_CPU=1 runs the warm-up without a GPU anyway (the tests: Triton's
+# interpreter tunes, and the warm-up's own record then shows that nothing was kept)
 WARMUP_TIMEOUT_S = 3600
 
 
@@ -201,20 +203,21 @@ def check_warmup(the_plan, warm_run):
             by_kernel.setdefault(e.get("kernel"), []).append(e)
     for kernel, info in the_plan["tuned"].items():
         got = by_kernel.get(kernel, [])
-        kept = [e for e in got if e.get("cache_results") is not False]
+        recorded = [e.get("cache_results") for e in got if e.get("cache_results") is not None]
         hits = sum(1 for e in got if e.get("disk_cache_hit"))
         if not got:
-            status = "not tuned by the warm-up (the job did not reach it)"
-        elif not kept:
-            status = "tuned, but cache_results was off: nothing kept"
+            status, ok = "not tuned by the warm-up (the job did not reach it)", False
+        elif recorded and not any(recorded) and not hits:
+            status, ok = "tuned, but Triton's cache_results was off: nothing kept on disk", False
         elif hits == len(got):
-            status = "already on disk"
-        else:
-            status = "ok, choices written"
+            status, ok = "already on disk", True
+        elif recorded:
+            status, ok = "ok, choices written", True
+        else:  # an older shim: it did not say whether Triton kept the choice
+            status, ok = "tuned (unverified: the record does not say whether Triton kept it)", True
         rows.append({"kernel": kernel, "run_keys": len(info["keys"]), "warm_keys": len(got),
                      "disk_hits": hits, "bench_s": sum(float(e.get("bench_s", e.get("duration_s")) or 0)
-                                                       for e in got), "status": status,
-                     "ok": bool(kept)})
+                                                       for e in got), "status": status, "ok": ok})
     return rows
 
 
@@ -262,7 +265,7 @@ def warm_from_run(args, out=print, err=None):
             out(f"  autotuned {kernel}: {len(info['keys'])} key(s), {info['bench_s']:.1f} s; "
                 f"first key {info['keys'][0]}")
         return code
-    if not _gpu_visible():
+    if not _gpu_visible() and os.environ.get("TRAINDX_TRITON_WARM_ON_CPU") != "1":
         err(f"kernel-cache: skipped Triton: the {len(the_plan['tuned'])} autotuned kernel(s) need a "
             "GPU to benchmark, and Triton's interpreter keeps no autotune results (TRITON_INTERPRET=1 "
             "turns cache_results off): run this on a GPU node of the job's kind")

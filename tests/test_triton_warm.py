@@ -97,6 +97,31 @@ def test_cpu_only_machine_says_what_it_cannot_do_in_one_line(triton_run):
     assert not (triton_run.parent / "tc").exists()     # nothing half-written
 
 
+@pytest.mark.slow  # a second diagnose run: the warm-up itself
+def test_the_warm_up_replays_the_job_and_checks_its_own_record(triton_run):
+    """Forced onto the CPU, the warm-up runs the recorded command under diagnose for the steps
+    that tuned, and reads its own record: under Triton's interpreter the tuning happens again
+    (same kernel, same keys) but Triton keeps nothing, which the verdict must say."""
+    from traindx.record import load_run
+
+    cache = triton_run.parent / "tc-forced"
+    proc = _kernel_cache("warm", "--from-run", str(triton_run), "--triton-cache-dir", str(cache),
+                         env={"TRAINDX_TRITON_WARM_ON_CPU": "1", "TRITON_INTERPRET": "1"})
+    assert "Traceback" not in proc.stderr, proc.stderr
+    warmups = sorted((cache / ".warmup").iterdir())
+    assert len(warmups) == 1
+    warm = load_run(warmups[0])
+    assert len(warm.steps) == 2                                   # --steps 2: where the run tuned
+    tunes = [e for e in triton_warm.triton_events(warm) if e["kind"] == "triton_autotune"]
+    assert [(e.get("key_fields") or {}).get("n") for e in tunes] == ["96", "160"]
+    line = next(x for x in proc.stdout.splitlines() if "scale_add" in x)
+    if any(e.get("cache_results") is not None for e in tunes):  # the shim says what Triton kept
+        assert proc.returncode == 1 and "FAIL" in line and "nothing kept" in line
+    else:
+        assert proc.returncode == 0 and "unverified" in line
+    assert f"export TRITON_CACHE_DIR={cache}" in proc.stdout
+
+
 def test_persistence_env_names_only_switches_the_installed_versions_read():
     assert triton_warm.persistence_env({"triton": "3.6.0", "fla-core": "0.6.0"}, "/c") == {
         "TRITON_CACHE_DIR": "/c", "TRITON_CACHE_AUTOTUNING": "1", "FLA_CACHE_RESULTS": "1"}
