@@ -217,6 +217,8 @@ def _cold_prescriptions(advice, packages, env, run_path, cache_dir):
     persist = {"TRITON_CACHE_DIR": cache_dir}
     triton_ok = reads(packages, "triton", "TRITON_CACHE_AUTOTUNING")
     fla_ok = reads(packages, "fla", "FLA_CACHE_RESULTS")
+    # FLA kernels are Triton autotuners too: where FLA's own switch cannot be named, Triton's
+    plain = [k for k in cold if not k.is_fla or not fla_ok]
     if plain and any(k.cache_results is not True for k in plain):
         if triton_ok:
             persist["TRITON_CACHE_AUTOTUNING"] = "1"
@@ -260,12 +262,16 @@ def _cold_prescriptions(advice, packages, env, run_path, cache_dir):
                  + " on a disk that outlives the job (" + ("; ".join(what) or
                    "the persistent cache serves every key it has seen") + ")"),
         change={"env": dict(persist)}, automatic=not run_path))
-    if not triton_ok and plain and any(k.cache_results is not True for k in plain):
+    if not triton_ok and _version(packages, "triton") and plain \
+            and any(k.cache_results is not True for k in plain):
         out.append(Prescription(
             kind="upgrade", summary="upgrade Triton to >= 3.6.0 to keep autotune choices on disk "
                                     "(TRITON_CACHE_AUTOTUNING=1)",
             change={"upgrade": {"package": "triton", "min_version": "3.6.0"}}))
-    if fla and not fla_ok:
+    if fla and not fla_ok and not _version(packages, "fla"):
+        notes.append("flash-linear-attention's version is not in the run's manifest: its own "
+                     "switches are left out (they were read in fla-core 0.6.0)")
+    elif fla and not fla_ok:
         out.append(Prescription(
             kind="upgrade", summary="upgrade flash-linear-attention (fla-core) to >= 0.6.0: it keeps "
                                     "its autotune choices in TRITON_CACHE_DIR by default",

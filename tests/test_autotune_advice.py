@@ -93,6 +93,16 @@ def test_plain_triton_kernel_gets_triton_cache_autotuning_only_where_triton_read
     assert upgrade and upgrade[0].change["upgrade"] == {"package": "triton", "min_version": "3.6.0"}
     unknown = aa.advise(events, {}, run_path="runs/a", cache_dir="/c")  # no version recorded
     assert "TRITON_CACHE_AUTOTUNING" not in _env_vars(unknown.cold)
+    assert not [p for p in unknown.cold if p.kind == "upgrade"]  # no upgrade from an unknown release
+
+
+def test_fla_without_a_recorded_version_gets_no_fla_switch_and_no_upgrade():
+    advice = aa.advise(fla_cold_start(cache_results=False), {"triton": "3.6.0"},
+                       env={"FLA_CACHE_RESULTS": "0"}, run_path="runs/u", cache_dir="/c")
+    assert "FLA_CACHE_RESULTS" not in _env_vars(advice.cold)
+    assert "TRITON_CACHE_AUTOTUNING" in _env_vars(advice.cold)  # Triton's switch reaches them too
+    assert not [p for p in advice.cold if p.kind == "upgrade"]
+    assert any("not in the run's manifest" in n for n in advice.notes)
 
 
 def test_retuning_names_the_changing_length_and_fla_060_fuzzy_mode():
