@@ -129,7 +129,7 @@ fla)  # (iii)
   log "FLA cold vs kernel-cache warm"
   rm -rf runs/fla-cold runs/fla-warm /tmp/tc-cold /tmp/tc-warm /tmp/fla-configs
   skip_if_late "FLA cold" 180 || continue
-  TRITON_CACHE_DIR=/tmp/tc-cold timeout $T diagnose --quiet --steps 4 --run-dir runs/fla-cold -- \
+  TRITON_CACHE_DIR=/tmp/tc-cold timeout $T diagnose --quiet --torch-profile off --steps 4 --run-dir runs/fla-cold -- \
     $PY $FLA --steps 4 2>&1 | tail -25
   skip_if_late "FLA kernel-cache warm" 180 || continue
   /usr/bin/time -f "  kernel-cache warm: %e s" timeout $T kernel-cache warm --from-run runs/fla-cold \
@@ -137,7 +137,7 @@ fla)  # (iii)
   # the warm run uses exactly what `warm` printed a job needs
   skip_if_late "FLA warm run" 90 || continue
   TRITON_CACHE_DIR=/tmp/tc-warm TRITON_CACHE_AUTOTUNING=1 FLA_CACHE_RESULTS=1 timeout $T \
-    diagnose --quiet --steps 4 --run-dir runs/fla-warm -- $PY $FLA --steps 4 2>&1 | tail -15
+    diagnose --quiet --torch-profile off --steps 4 --run-dir runs/fla-warm -- $PY $FLA --steps 4 2>&1 | tail -15
   timeout 60 $PY - <<'P' 2>&1 | tee -a "$SUMMARY"
 import traindx
 rows = {}
