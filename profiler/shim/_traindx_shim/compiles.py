@@ -422,6 +422,7 @@ def _on_triton_autotuner(module):
             before = len(self.cache)
             previous = getattr(_tl, "autotune", None)
             tuning = {"kernel": None, "before": before, "start": time.time_ns(), "bench_ns": 0,
+                      "bench_time": getattr(self, "bench_time", None),
                       "benched": 0, "jit_ns": 0, "jit_compiles": 0, "disk_cache_hit": None}
             _tl.autotune = tuning
         except Exception as exc:
@@ -471,6 +472,11 @@ def _on_triton_autotuner(module):
 def _record_autotune(tuner, args, kwargs, tuning):
     if len(tuner.cache) <= tuning["before"]:
         return  # the key was tuned before: nothing was benchmarked
+    bench_time = getattr(tuner, "bench_time", None)
+    if not tuning["benched"] and bench_time is not tuning["bench_time"] \
+            and isinstance(bench_time, (int, float)):
+        # a subclass with its own _bench: Triton's own measure of this tuning (JIT included)
+        tuning["bench_ns"], tuning["benched"] = int(bench_time * 1e9), -1
     if not tuning["benched"] and not tuning["disk_cache_hit"]:
         return  # one config left after pruning: Triton takes it without benchmarking
     end = time.time_ns()
@@ -494,7 +500,7 @@ def _record_autotune(tuner, args, kwargs, tuning):
         wall_s=wall_ns / 1e9, caller=first_user_frame(2), key_names=names,
         key=safe_repr(tuple(all_args.get(k) for k in names) + tuple(dtypes.values()), 1000),
         key_fields=key_fields, key_dtypes=dtypes, configs=len(getattr(tuner, "configs", None) or []),
-        configs_benchmarked=tuning["benched"],
+        configs_benchmarked=tuning["benched"] if tuning["benched"] >= 0 else None,
         module=getattr(getattr(tuner, "base_fn", None), "__module__", None),
         cache_results=bool(getattr(tuner, "cache_results", False)),
         disk_cache_hit=bool(tuning["disk_cache_hit"]),
