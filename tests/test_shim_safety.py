@@ -172,3 +172,37 @@ def test_hooks_never_raise_into_the_job_and_pass_its_errors_through(tmp_path):
     # the hook that could not read the cache said so instead of breaking the job
     errors = run.events[run.events["type"] == "shim_error"]
     assert any("TuningCache has no length" in e for e in errors["error"]), errors.to_dict("records")
+
+
+# -- diagnose's own failure never hides the job's result ---------------------------------------
+BREAKS_REPORT = textwrap.dedent("""
+    import os, sys
+    import torch
+
+    w = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([w], lr=0.1)
+    for step in range(2):
+        (w * w).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    # the job writes where traindx will write its report: the analysis cannot finish
+    os.makedirs(os.path.join(os.environ["TRAINDX_RUN_DIR"], "report.html", "x"))
+    sys.exit(int(sys.argv[1]))
+""")
+
+
+@pytest.mark.parametrize("job_exit,expected", [(0, 3), (7, 7)])
+def test_failed_analysis_exits_non_zero_in_one_line_and_keeps_the_run(tmp_path, job_exit, expected):
+    script = tmp_path / "job.py"
+    script.write_text(BREAKS_REPORT)
+    run_dir = tmp_path / "run"
+    proc = diagnose(["--quiet", "--no-pyspy", "--no-nvml", "--run-dir", str(run_dir), "--",
+                     PY, str(script), str(job_exit)], cwd=tmp_path, timeout=300)
+    assert proc.returncode == expected, proc.stderr[-2000:]
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("diagnose:")]
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert "analysis" in lines[0] and str(run_dir) in lines[0]
+    # the raw evidence is all there to re-analyse once the cause is gone
+    run = traindx.load_run(str(run_dir))
+    assert len(run.events[run.events["type"] == "step_end"]) == 2
+    assert run.manifest["exit_code"] == job_exit
