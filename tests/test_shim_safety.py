@@ -12,6 +12,7 @@ import os
 import sys
 import textwrap
 
+import pandas as pd
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -206,3 +207,69 @@ def test_failed_analysis_exits_non_zero_in_one_line_and_keeps_the_run(tmp_path, 
     run = traindx.load_run(str(run_dir))
     assert len(run.events[run.events["type"] == "step_end"]) == 2
     assert run.manifest["exit_code"] == job_exit
+
+
+# -- the torch.profiler window is bounded in time and bytes ----------------------------------------
+MANY_SMALL_OPS = textwrap.dedent("""
+    import sys
+    import torch
+
+    # a host-bound step: thousands of tiny ops (the CPU image of many small kernels)
+    ops = int(sys.argv[1])
+    w = torch.nn.Parameter(torch.ones(8))
+    opt = torch.optim.SGD([w], lr=0.0)
+    for step in range(10):
+        y = w
+        for _ in range(ops):
+            y = y * 1.0001 + 0.0001
+        y.sum().backward()
+        opt.step()
+        opt.zero_grad()
+""")
+
+
+def _window_run(tmp_path, env, window="3-8", ops=3000):
+    script = tmp_path / "job.py"
+    script.write_text(MANY_SMALL_OPS)
+    run_dir = tmp_path / "run"
+    proc = diagnose(["--quiet", "--no-pyspy", "--no-nvml", "--torch-profile", window,
+                     "--run-dir", str(run_dir), "--", PY, str(script), str(ops)],
+                    cwd=tmp_path, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = traindx.load_run(str(run_dir))
+    windows = run.events[run.events["type"] == "torch_profile"]
+    assert len(windows) == 1, run.events["type"].value_counts()
+    return run, windows.iloc[0]
+
+
+def test_window_over_its_time_budget_ends_early_and_writes_nothing(tmp_path):
+    run, window = _window_run(tmp_path, {"TRAINDX_TORCH_PROFILE_BUDGET_S": "0.05"})
+    # asked for steps 3-8; ended at the first boundary where the budget was gone
+    assert int(window["first_step"]) == 3 and int(window["last_step"]) == 3
+    assert window["ended_by"].startswith("budget") and "stood_down" in window
+    assert "over its budget" in window["stood_down"]
+    assert pd.isna(window["path"]) and not os.path.exists(os.path.join(run.path, "trace"))
+    # its cost is on record: start + excess of the profiled step + stop, no export
+    assert window["cost_s"] >= window["start_s"] + window["stop_s"]
+    assert window["export_s"] < 0.5
+    # the profiled step stays out of the step statistics; later steps are measured
+    from traindx.analyzers.evidence import steady_steps
+    steady = steady_steps(run)["step"]
+    assert 3 not in set(steady) and {4, 5, 6, 7, 8} <= set(steady)
+    after = run.events[run.events["type"] == "torch_profile_after"]
+    assert list(after["step"]) == [4]
+
+
+def test_window_over_its_byte_limit_stands_down(tmp_path):
+    run, window = _window_run(tmp_path, {"TRAINDX_TORCH_PROFILE_MAX_MB": "0.2"}, window="3-4")
+    assert int(window["last_step"]) == 4 and window["ended_by"] == "window end"
+    assert "MB" in window["stood_down"] and window["raw_bytes"] > 200_000
+    assert pd.isna(window["path"]) and not os.listdir(os.path.join(run.path, "trace"))
+
+
+def test_window_within_its_budget_writes_a_bounded_trace(tmp_path):
+    run, window = _window_run(tmp_path, {}, window="3-4", ops=300)
+    assert pd.isna(window["stood_down"]) and window["ended_by"] == "window end"
+    assert 0 < window["bytes"] <= window["max_bytes"] == 20_000_000
+    assert window["cost_s"] <= window["budget_s"]
+    assert len(run.torch_trace) and (run.torch_trace["cat"] == "cpu_op").any()
