@@ -5,6 +5,7 @@ the job's own code on that thread. For FA4 it also keeps the compile key with it
 and the call's arguments, so a recompile can be explained and replayed (`kernel-cache warm`).
 """
 import ast
+import functools
 import inspect
 import linecache
 import re
@@ -244,6 +245,7 @@ def _on_cute_compiler(module):
     cls = module.CompileCallable
     original = cls._compile
 
+    @functools.wraps(original)
     def _compile(self, func, *args, **kwargs):
         start = time.time_ns()
         ok = False
@@ -316,6 +318,7 @@ def _wrap_package_names(package, interface):
 
 
 def _wrap_fa4_entry(name, original):
+    @functools.wraps(original)
     def entry(*args, **kwargs):
         sample = None
         try:
@@ -338,8 +341,6 @@ def _wrap_fa4_entry(name, original):
         finally:
             _emit_fa4_call(name, kwargs, sample, ok)
 
-    entry.__wrapped__ = original
-    entry.__name__ = name
     return entry
 
 
@@ -416,6 +417,7 @@ def _on_triton_autotuner(module):
     cls = module.Autotuner
     original = cls.run
 
+    @functools.wraps(original)
     def run(self, *args, **kwargs):
         tuning = previous = None
         try:
@@ -445,6 +447,7 @@ def _on_triton_autotuner(module):
     cls.run = run
     bench = getattr(cls, "_bench", None)
     if bench is not None:
+        @functools.wraps(bench)
         def _bench(self, *args, **kwargs):
             tuning = getattr(_tl, "autotune", None)
             if tuning is None:
@@ -459,6 +462,7 @@ def _on_triton_autotuner(module):
         cls._bench = _bench
     check_disk_cache = getattr(cls, "check_disk_cache", None)
     if check_disk_cache is not None:
+        @functools.wraps(check_disk_cache)
         def _check_disk_cache(self, *args, **kwargs):
             hit = check_disk_cache(self, *args, **kwargs)
             tuning = getattr(_tl, "autotune", None)
@@ -524,6 +528,7 @@ def _on_dynamo_utils(module):
     if original is None or getattr(original, "_traindx_wrapped", False):
         return
 
+    @functools.wraps(original)
     def record_compilation_metrics(*args, **kwargs):
         deque = getattr(module, "_compilation_metrics", None)
         last = deque[-1] if deque else None
@@ -538,7 +543,6 @@ def _on_dynamo_utils(module):
                 report_error("dynamo metrics hook", exc)
 
     record_compilation_metrics._traindx_wrapped = True
-    record_compilation_metrics.__wrapped__ = original
     module.record_compilation_metrics = record_compilation_metrics
     _dynamo["wrapped"] = True
 
