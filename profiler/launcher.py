@@ -130,10 +130,10 @@ class Job:
         env = job_environment(self.run_dir, self.options)
         manifest = {
             "traindx_run": 1,
-            "command": self.command, "cwd": os.getcwd(), "start_ns": time.time_ns(),
+            "command": manifest_mod.redact_command(self.command), "cwd": os.getcwd(), "start_ns": time.time_ns(),
             "end_ns": None, "exit_code": None, "host": manifest_mod.host_info(),
             "gpus": [], "packages": manifest_mod.package_versions(),
-            "env": manifest_mod.redact_env(env), "options": self.options.as_dict(),
+            "env": manifest_mod.redact_env(env), "options": manifest_mod.redact_options(self.options.as_dict()),
             "ranks": {}, "missing": self.missing, "status": "running",
         }
         manifest["options"]["extra_env"] = manifest_mod.redact_env(self.options.extra_env)

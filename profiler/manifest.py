@@ -3,18 +3,28 @@ import getpass
 import importlib.metadata
 import os
 import platform
-import re
 import socket
 import sys
 
+from traindx import redact
+
 TRACKED_PACKAGES = ("torch", "flash-attn-4", "nvidia-cutlass-dsl", "triton",
                     "flash-linear-attention", "megatron-core", "transformer-engine", "traindx")
-SECRET_NAME = re.compile(r"TOKEN|KEY|SECRET|PASSWORD|PASSWD|CREDENTIAL", re.IGNORECASE)
-REDACTED = "<redacted>"
+REDACTED = redact.REDACTED
 
 
 def redact_env(env):
-    return {k: (REDACTED if SECRET_NAME.search(k) else v) for k, v in sorted(env.items())}
+    """The job's environment as the manifest keeps it: secrets hidden by name and by value."""
+    return redact.redact_env(env)
+
+
+def redact_command(command):
+    """The command as the manifest keeps it (the job itself runs with the real one)."""
+    return redact.redact_argv(command)
+
+
+def redact_options(options):
+    return redact.redact_value(options)
 
 
 def package_versions():

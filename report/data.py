@@ -14,6 +14,7 @@ import shlex
 from datetime import datetime, timezone
 from functools import lru_cache
 
+from traindx import redact
 from traindx.findings import SEVERITIES
 
 # a step slower than this many times the median is "slow" and gets a cause
@@ -37,11 +38,7 @@ RELEVANT_ENV = re.compile(
     r"^(CUDA_|NCCL_|TORCH|PYTORCH_|FLASH_ATTENTION|CUTE_DSL|TRITON_|OMP_NUM_THREADS|MKL_NUM_THREADS|"
     r"RANK$|LOCAL_RANK$|WORLD_SIZE$|LOCAL_WORLD_SIZE$|MASTER_ADDR$|MASTER_PORT$|NVTE_|"
     r"MEGATRON|HF_HUB_OFFLINE|TOKENIZERS_PARALLELISM|PYTHONPATH$|TRAINDX_)")
-SECRET_NAME = re.compile(r"TOKEN|SECRET|PASSW|API_?KEY|ACCESS_KEY|PRIVATE|CREDENTIAL|AUTH",
-                         re.IGNORECASE)
-SECRET_VALUE = re.compile(r"(hf_[A-Za-z0-9]{20,}|sk-[A-Za-z0-9_-]{20,}|ghp_[A-Za-z0-9]{20,}|"
-                          r"AKIA[0-9A-Z]{16}|xox[bp]-[A-Za-z0-9-]{10,})")
-REDACTED = "***redacted***"
+REDACTED = redact.REDACTED
 
 # causes of a slow step, in the order they win ties; colours live in the template
 CAUSES = {
@@ -57,8 +54,7 @@ COMPILE_CAUSE = {"cute_dsl": "compile", "triton": "compile", "triton_autotune": 
                  "dynamo": "dynamo"}
 
 
-def redact_text(text):
-    return SECRET_VALUE.sub(REDACTED, text)
+redact_text = redact.redact_text  # every string shown goes through _clip: log lines included
 
 
 def _clip(text, limit=MAX_TEXT):
@@ -134,12 +130,12 @@ def run_meta(run):
     env = {}
     for name, value in sorted((m.get("env") or {}).items()):
         if RELEVANT_ENV.match(name):
-            env[name] = REDACTED if SECRET_NAME.search(name) else _clip(value, 400)
+            env[name] = REDACTED if redact.is_secret_name(name) else _clip(value, 400)
     command = m.get("command") or []
     return {
         "id": os.path.basename(run.path.rstrip(os.sep)),
         "path": run.path,
-        "command": _clip(shlex.join(str(c) for c in command) if isinstance(command, list)
+        "command": _clip(shlex.join(redact.redact_argv(command)) if isinstance(command, list)
                          else command, 4000),
         "cwd": _clip(m.get("cwd") or "", 400),
         "started": (datetime.fromtimestamp(start_ns / 1e9, timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")

@@ -37,7 +37,8 @@ def run(args, parser):
     env = proctree.environ(args.pid)
     rank = args.rank or env.get("RANK", "0")
     run_dir = new_run_dir(args.out)
-    manifest = {"traindx_run": 1, "mode": "attach", "command": proctree.cmdline(args.pid),
+    manifest = {"traindx_run": 1, "mode": "attach",
+                "command": manifest_mod.redact_command(proctree.cmdline(args.pid)),
                 "cwd": _cwd(args.pid), "pid": args.pid, "start_ns": time.time_ns(),
                 "end_ns": None, "exit_code": None, "host": manifest_mod.host_info(),
                 "gpus": [], "packages": manifest_mod.package_versions(),

@@ -10,6 +10,14 @@ import time
 
 from traindx.errors import UserError
 
+# the job succeeded but traindx could not analyse or report it: a pipeline must notice
+ANALYSIS_FAILED_EXIT = 3
+
+
+def _one_line(text, limit=400):
+    text = " ".join(str(text).split())
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
 
 def prepare_parser(parser):
     parser.add_argument("--steps", type=int, default=0, metavar="N",
@@ -92,14 +100,17 @@ def run(args, parser):
     run_dir = args.run_dir or new_run_dir(args.out)
     os.makedirs(run_dir, exist_ok=True)
     returncode = record_job(command, run_dir, options_from(args), quiet=args.quiet)
+    status = exit_status(returncode)
     try:
         record = load_run(run_dir)
         findings, report_path = analyze_and_write(record)
         print_summary(record, findings, report_path)
     except UserError as exc:
-        print(f"diagnose: analysis failed: {exc} (the raw evidence is kept in {run_dir})",
-              file=sys.stderr)
-    except Exception as exc:  # traindx's own bug must not hide the job's exit code
-        print(f"diagnose: internal error during analysis: {type(exc).__name__}: {exc} "
+        print(f"diagnose: analysis failed: {_one_line(exc)} (the raw evidence is kept in "
+              f"{run_dir})", file=sys.stderr)
+        return status or ANALYSIS_FAILED_EXIT
+    except Exception as exc:  # traindx's own bug: one line, and never hide the job's exit code
+        print(f"diagnose: internal error during analysis: {type(exc).__name__}: {_one_line(exc)} "
               f"(the raw evidence is kept in {run_dir})", file=sys.stderr)
-    return exit_status(returncode)
+        return status or ANALYSIS_FAILED_EXIT
+    return status

@@ -5,6 +5,7 @@ the job's own code on that thread. For FA4 it also keeps the compile key with it
 and the call's arguments, so a recompile can be explained and replayed (`kernel-cache warm`).
 """
 import ast
+import functools
 import inspect
 import linecache
 import re
@@ -12,6 +13,7 @@ import sys
 import textwrap
 import threading
 import time
+import weakref
 
 from . import emit, guarded, importhooks, report_error
 from .frames import first_user_frame
@@ -29,28 +31,131 @@ def _thread_fields():
     return {"thread": th.name, "thread_id": th.ident, "is_main_thread": th.ident == _main_ident}
 
 
-def _emit_compile(kind, kernel, start_ns, end_ns, **fields):
+def _emit_compile(kind, kernel, start_ns, end_ns, duration_s=None, **fields):
     begin = steps.in_step_since()
+    if duration_s is None:
+        duration_s = (end_ns - start_ns) / 1e9
     emit("compile", kind=kind, kernel=kernel, start=start_ns, t=end_ns,
-         duration_s=(end_ns - start_ns) / 1e9, step=steps.current_step(),
+         duration_s=duration_s, step=steps.current_step(),
          in_step=begin is not None and start_ns >= begin, **_thread_fields(), **fields)
 
 
 # -- values -> JSON-able descriptions ------------------------------------------------------------
+# Never call an unvetted repr() here: a tensor's repr reads its data (a device sync on CUDA, an
+# error in fake mode), and an object's own __repr__ may print the tensors it holds. Only the
+# reprs below are called; anything else is described by its type (and dataclass fields).
+_SAFE_REPR_TYPES = (bool, int, float, complex, str, bytes, type(None), type(Ellipsis))
+_TORCH_SAFE_TYPES = frozenset({"dtype", "device", "layout", "memory_format", "qscheme"})
+_MAX_ITEMS = 64
+
+
+def is_tensor_like(value):
+    """A torch tensor (FakeTensor, Parameter, subclasses) or an array: has shape and dtype.
+    Looked up on the type, so a tensor subclass's __getattr__ never runs."""
+    cls = type(value)
+    return hasattr(cls, "shape") and hasattr(cls, "dtype") and not isinstance(value, type)
+
+
+def _tensor_text(value):
+    """'Tensor(shape=[], dtype=torch.int32, device=cuda:0)': metadata only, no data."""
+    try:
+        shape = list(value.shape)
+    except Exception:
+        shape = "?"
+    try:
+        dtype = str(value.dtype)
+    except Exception:
+        dtype = "?"
+    try:
+        device = str(value.device)
+    except Exception:
+        device = "?"
+    name = "Tensor" if _is_torch_tensor(value) else type(value).__name__
+    return f"{name}(shape={shape}, dtype={dtype}, device={device})"
+
+
+def _is_torch_tensor(value):
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(value, torch.Tensor)
+
+
+def _is_numpy_scalar(value):
+    numpy = sys.modules.get("numpy")
+    return numpy is not None and isinstance(value, numpy.generic)
+
+
+def _has_vetted_repr(value):
+    cls = type(value)
+    if cls in _SAFE_REPR_TYPES or _is_numpy_scalar(value):
+        return True
+    if cls.__module__ == "torch" and cls.__name__ in _TORCH_SAFE_TYPES:
+        return True
+    enum = sys.modules.get("enum")
+    if enum is not None and isinstance(value, enum.Enum) and cls.__repr__ is enum.Enum.__repr__:
+        return True
+    return inspect.isfunction(value) or inspect.isbuiltin(value) or inspect.ismethod(value)
+
+
+def safe_repr(value, limit=300, _depth=0):
+    """Text for a compile-key element that two compiles can be compared by, built without ever
+    reading a tensor's data or running an object's own __repr__."""
+    try:
+        text = _safe_repr(value, _depth)
+    except Exception:
+        text = f"<{type(value).__name__}>"
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _safe_repr(value, depth):
+    if is_tensor_like(value) and not _is_numpy_scalar(value):
+        return _tensor_text(value)
+    if isinstance(value, type):
+        return f"<class {getattr(value, '__module__', '?')}.{getattr(value, '__qualname__', '?')}>"
+    if _has_vetted_repr(value):
+        return repr(value)
+    if depth > 4:
+        return f"<{type(value).__name__}>"
+    if isinstance(value, (tuple, list)):
+        items = [_safe_repr(v, depth + 1) for v in list(value)[:_MAX_ITEMS]]
+        if len(value) > _MAX_ITEMS:
+            items.append("…")
+        if isinstance(value, list):
+            return "[" + ", ".join(items) + "]"
+        prefix = "" if type(value) is tuple else type(value).__name__
+        return prefix + "(" + ", ".join(items) + ("," if len(items) == 1 else "") + ")"
+    if isinstance(value, dict):
+        items = [f"{_safe_repr(k, depth + 1)}: {_safe_repr(v, depth + 1)}"
+                 for k, v in list(value.items())[:_MAX_ITEMS]]
+        return "{" + ", ".join(items) + "}"
+    if isinstance(value, (set, frozenset)):
+        return "{" + ", ".join(sorted(_safe_repr(v, depth + 1) for v in list(value)[:_MAX_ITEMS])) + "}"
+    fields = getattr(type(value), "__dataclass_fields__", None)
+    if isinstance(fields, dict):
+        parts = [f"{n}={_safe_repr(getattr(value, n, None), depth + 1)}" for n in list(fields)[:_MAX_ITEMS]]
+        return f"{type(value).__name__}(" + ", ".join(parts) + ")"
+    return f"<{type(value).__module__}.{type(value).__qualname__}>"
+
+
 def describe_value(value):
     """Shapes and dtypes for tensors (never their data: that could sync or fail in fake mode)."""
-    if value is None or isinstance(value, (bool, int, float, str)):
+    if type(value) in (type(None), bool, int, float, str):
         return value
     type_name = type(value).__name__
-    shape = getattr(value, "shape", None)
-    if shape is not None and hasattr(value, "dtype"):
-        return {"tensor": True, "type": type_name, "shape": list(shape), "dtype": str(value.dtype),
-                "device": str(getattr(value, "device", ""))}
+    if is_tensor_like(value):
+        return {"tensor": True, "type": type_name, "shape": _shape_list(value),
+                "dtype": str(getattr(value, "dtype", "?")), "device": str(getattr(value, "device", ""))}
     if isinstance(value, (tuple, list)):
-        return [describe_value(v) for v in value]
-    if callable(value):
+        return [describe_value(v) for v in list(value)[:_MAX_ITEMS]]
+    if callable(value) and not isinstance(value, type):
         return {"callable": getattr(value, "__qualname__", type_name)}
-    return {"type": type_name, "repr": repr(value)[:200]}
+    return {"type": type_name, "repr": safe_repr(value, 200)}
+
+
+def _shape_list(value):
+    try:
+        return list(value.shape)
+    except Exception:
+        return None
 
 
 # FA4 builds some key elements from expressions; these are their names in newer releases
@@ -100,7 +205,7 @@ def _key_field_names(func_code, lineno, length):
 
 def _type_label(value):
     """'Tensor' for any torch tensor (FakeTensor, Parameter, ...): the analyzer's word for it."""
-    if hasattr(value, "shape") and hasattr(value, "dtype") and hasattr(value, "device"):
+    if is_tensor_like(value) and hasattr(type(value), "device"):
         return "Tensor"
     return type(value).__name__
 
@@ -122,7 +227,7 @@ def _fa4_context():
     if isinstance(key, tuple):
         names = _key_field_names(f.f_code, f.f_lineno, len(key))
         labels = names or [f"key[{i}]" for i in range(len(key))]
-        fields = {label: repr(v)[:300] for label, v in zip(labels, key)}
+        fields = {label: safe_repr(v, 300) for label, v in zip(labels, key)}
         types = {label: _type_label(v) for label, v in zip(labels, key)}
     code = f.f_code
     argnames = code.co_varnames[: code.co_argcount + code.co_kwonlyargcount]
@@ -130,7 +235,7 @@ def _fa4_context():
     max_seqlen = {name: {"type": _type_label(local[name]),
                          "value": local[name] if isinstance(local[name], int) else None}
                   for name in ("max_seqlen_q", "max_seqlen_k") if name in argnames and name in local}
-    return {"function": code.co_name, "line": f.f_lineno, "key": repr(key)[:4000],
+    return {"function": code.co_name, "line": f.f_lineno, "key": safe_repr(key, 4000),
             "key_fields": fields, "key_types": types, "args": args, "max_seqlen": max_seqlen}
 
 
@@ -140,6 +245,7 @@ def _on_cute_compiler(module):
     cls = module.CompileCallable
     original = cls._compile
 
+    @functools.wraps(original)
     def _compile(self, func, *args, **kwargs):
         start = time.time_ns()
         ok = False
@@ -212,6 +318,7 @@ def _wrap_package_names(package, interface):
 
 
 def _wrap_fa4_entry(name, original):
+    @functools.wraps(original)
     def entry(*args, **kwargs):
         sample = None
         try:
@@ -234,8 +341,6 @@ def _wrap_fa4_entry(name, original):
         finally:
             _emit_fa4_call(name, kwargs, sample, ok)
 
-    entry.__wrapped__ = original
-    entry.__name__ = name
     return entry
 
 
@@ -259,6 +364,13 @@ def _source_line(where):
 
 
 # -- Triton --------------------------------------------------------------------------------------
+# Autotuning benchmarks every config, and the first run of each config JIT-compiles it: the
+# autotune event counts only the benchmarking (`duration_s` = `bench_s`), and the compiles it
+# caused are their own `triton` events marked `autotune_of`, so summing durations counts no
+# second twice. `wall_s` is what the job waited in all.
+_tl = threading.local()
+
+
 @guarded("triton import hook")
 def _on_triton(module):
     knobs = getattr(module, "knobs", None)
@@ -268,13 +380,19 @@ def _on_triton(module):
 
     def listener(*, src, metadata, metadata_group, times, cache_hit):
         try:
-            total_us = getattr(times, "total", None) or 0
-            end = time.time_ns()
-            name = getattr(getattr(src, "fn", None), "__name__", None) or getattr(src, "name", "?")
             if not cache_hit:
+                total_us = getattr(times, "total", None) or 0
+                end = time.time_ns()
+                name = getattr(getattr(src, "fn", None), "__name__", None) or getattr(src, "name", "?")
+                tuning = getattr(_tl, "autotune", None)
+                fields = {}
+                if tuning is not None:
+                    tuning["jit_ns"] += int(total_us * 1000)
+                    tuning["jit_compiles"] += 1
+                    fields["autotune_of"] = tuning["kernel"]
                 _emit_compile("triton", name, end - int(total_us * 1000), end, cache_hit=cache_hit,
                               caller=first_user_frame(1),
-                              key=repr(getattr(src, "signature", ""))[:2000])
+                              key=safe_repr(getattr(src, "signature", ""), 2000), **fields)
         except Exception as exc:
             report_error("triton listener", exc)
         if previous:
@@ -284,81 +402,202 @@ def _on_triton(module):
     knobs.compilation.listener = listener
 
 
+def _autotune_kernel_name(tuner):
+    fn = getattr(tuner, "base_fn", None) or getattr(tuner, "fn", None)
+    for _ in range(8):  # Heuristics / nested wrappers hold the JITFunction in .fn
+        name = getattr(fn, "__name__", None)
+        if isinstance(name, str):
+            return name
+        fn = getattr(fn, "fn", None)
+    return "?"
+
+
 @guarded("triton autotuner hook")
 def _on_triton_autotuner(module):
     cls = module.Autotuner
     original = cls.run
 
+    @functools.wraps(original)
     def run(self, *args, **kwargs):
-        before = len(self.cache)
-        start = time.time_ns()
-        result = original(self, *args, **kwargs)
-        if len(self.cache) > before:
+        tuning = previous = None
+        try:
+            before = len(self.cache)
+            previous = getattr(_tl, "autotune", None)
+            tuning = {"kernel": None, "before": before, "start": time.time_ns(), "bench_ns": 0,
+                      "bench_time": getattr(self, "bench_time", None),
+                      "benched": 0, "jit_ns": 0, "jit_compiles": 0, "disk_cache_hit": None}
+            _tl.autotune = tuning
+        except Exception as exc:
+            report_error("triton autotune hook", exc)
+        if tuning is None:
+            return original(self, *args, **kwargs)
+        try:
+            tuning["kernel"] = _autotune_kernel_name(self)
+        except Exception:
+            tuning["kernel"] = "?"
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            _tl.autotune = previous
             try:
-                end = time.time_ns()
-                all_args = dict(zip(self.arg_names, args), **kwargs)
-                key = {k: repr(all_args.get(k))[:100] for k in getattr(self, "keys", [])}
-                name = getattr(getattr(self, "fn", None), "__name__", "?")
-                _emit_compile("triton_autotune", name, start, end, caller=first_user_frame(1),
-                              key=repr(key), key_fields=key, configs=len(self.configs),
-                              bench_time_s=getattr(self, "bench_time", None))
+                _record_autotune(self, args, kwargs, tuning)
             except Exception as exc:
                 report_error("triton autotune hook", exc)
-        return result
 
     cls.run = run
+    bench = getattr(cls, "_bench", None)
+    if bench is not None:
+        @functools.wraps(bench)
+        def _bench(self, *args, **kwargs):
+            tuning = getattr(_tl, "autotune", None)
+            if tuning is None:
+                return bench(self, *args, **kwargs)
+            t0 = time.perf_counter_ns()
+            try:
+                return bench(self, *args, **kwargs)
+            finally:
+                tuning["bench_ns"] += time.perf_counter_ns() - t0
+                tuning["benched"] += 1
+
+        cls._bench = _bench
+    check_disk_cache = getattr(cls, "check_disk_cache", None)
+    if check_disk_cache is not None:
+        @functools.wraps(check_disk_cache)
+        def _check_disk_cache(self, *args, **kwargs):
+            hit = check_disk_cache(self, *args, **kwargs)
+            tuning = getattr(_tl, "autotune", None)
+            if tuning is not None:
+                tuning["disk_cache_hit"] = bool(hit)
+            return hit
+
+        cls.check_disk_cache = _check_disk_cache
+
+
+def _record_autotune(tuner, args, kwargs, tuning):
+    if len(tuner.cache) <= tuning["before"]:
+        return  # the key was tuned before: nothing was benchmarked
+    bench_time = getattr(tuner, "bench_time", None)
+    if not tuning["benched"] and bench_time is not tuning["bench_time"] \
+            and isinstance(bench_time, (int, float)):
+        # a subclass with its own _bench: Triton's own measure of this tuning (JIT included)
+        tuning["bench_ns"], tuning["benched"] = int(bench_time * 1e9), -1
+    if not tuning["benched"] and not tuning["disk_cache_hit"]:
+        return  # one config left after pruning: Triton takes it without benchmarking
+    end = time.time_ns()
+    wall_ns = end - tuning["start"]
+    names = list(getattr(tuner, "keys", None) or [])
+    all_args = dict(zip(getattr(tuner, "arg_names", None) or [], args))
+    all_args.update(kwargs)
+    key_fields = {k: safe_repr(all_args.get(k), 100) for k in names if k in all_args}
+    # Triton adds the dtype of every argument that has one to the tuning key
+    dtypes = {k: str(v.dtype) for k, v in all_args.items() if is_tensor_like(v)}
+    jit_ns = min(tuning["jit_ns"], wall_ns)
+    if tuning["benched"]:
+        bench_ns = max(min(tuning["bench_ns"], wall_ns) - jit_ns, 0)
+    else:  # read from Triton's disk cache: the lookup is all it cost
+        bench_ns = max(wall_ns - jit_ns, 0)
+    best = getattr(tuner, "best_config", None)
+    best_kwargs = getattr(best, "all_kwargs", None)
+    _emit_compile(
+        "triton_autotune", tuning["kernel"], tuning["start"], end, duration_s=bench_ns / 1e9,
+        bench_s=bench_ns / 1e9, jit_s=jit_ns / 1e9, jit_compiles=tuning["jit_compiles"],
+        wall_s=wall_ns / 1e9, caller=first_user_frame(2), key_names=names,
+        key=safe_repr(tuple(all_args.get(k) for k in names) + tuple(dtypes.values()), 1000),
+        key_fields=key_fields, key_dtypes=dtypes, configs=len(getattr(tuner, "configs", None) or []),
+        configs_benchmarked=tuning["benched"] if tuning["benched"] >= 0 else None,
+        module=getattr(getattr(tuner, "base_fn", None), "__module__", None),
+        cache_results=bool(getattr(tuner, "cache_results", False)),
+        disk_cache_hit=bool(tuning["disk_cache_hit"]),
+        best_config=safe_repr(best_kwargs(), 300) if callable(best_kwargs) else None)
 
 
 # -- torch.compile -------------------------------------------------------------------------------
-_dynamo = {"seen": 0, "utils": None, "starts": {}, "frames": {}}
-
-
-@guarded("dynamo import hook")
-def _on_dynamo_callback(module):
-    def on_start(cb_args):
-        _dynamo["starts"][str(cb_args.compile_id)] = (time.time_ns(), first_user_frame(1))
-
-    module.on_compile_start(on_start)
+# torch keeps its compilation metrics in a deque of 64: reading it later loses compiles. Every
+# entry passes through `torch._dynamo.utils.record_compilation_metrics` as it is made, so the shim
+# wraps that function and records each compile then (on the compiling thread, in its step). The
+# deque is still read at each step end for entries the wrapper could not see (a thread whose
+# metrics context was made before the shim's hook), matched by identity so none is counted twice.
+_dynamo = {"utils": None, "frames": {}, "seen": {}, "wrapped": False}
+_dynamo_lock = threading.Lock()
 
 
 @guarded("dynamo utils hook")
 def _on_dynamo_utils(module):
     _dynamo["utils"] = module
+    original = getattr(module, "record_compilation_metrics", None)
+    if original is None or getattr(original, "_traindx_wrapped", False):
+        return
+
+    @functools.wraps(original)
+    def record_compilation_metrics(*args, **kwargs):
+        deque = getattr(module, "_compilation_metrics", None)
+        last = deque[-1] if deque else None
+        try:
+            return original(*args, **kwargs)
+        finally:
+            try:
+                deque = getattr(module, "_compilation_metrics", None)
+                if deque and deque[-1] is not last:
+                    _record_dynamo(deque[-1])
+            except Exception as exc:
+                report_error("dynamo metrics hook", exc)
+
+    record_compilation_metrics._traindx_wrapped = True
+    module.record_compilation_metrics = record_compilation_metrics
+    _dynamo["wrapped"] = True
+
+
+def _record_dynamo(m):
+    """One compile event for one CompilationMetrics entry, once."""
+    seen = _dynamo["seen"]  # id -> weak reference: holds nothing alive (entries are unhashable)
+    with _dynamo_lock:
+        ref = seen.get(id(m))
+        if ref is not None and ref() is m:
+            return
+        key = id(m)
+        seen[key] = weakref.ref(m, lambda r, key=key: seen.pop(key, None) if seen.get(key) is r else None)
+    start_us = getattr(m, "start_time_us", None)
+    if start_us is None:
+        return
+    dur_us = getattr(m, "duration_us", None)
+    end_us = getattr(m, "end_time_us", None)
+    if dur_us is None:
+        dur_us = (end_us - start_us) if end_us is not None else 0
+    start = int(start_us * 1000)
+    cid = str(getattr(m, "compile_id", ""))
+    name = getattr(m, "co_name", None)
+    reason = getattr(m, "recompile_reason", None)
+    caller = {"file": getattr(m, "co_filename", None),
+              "line": getattr(m, "co_firstlineno", None), "function": name}
+    graph = "forward"
+    if name is None and cid in _dynamo["frames"]:
+        # AOTAutograd compiles the backward graph at the first backward: same compile id
+        graph = "backward"
+        name, caller, reason = _dynamo["frames"][cid]
+    elif name is not None:
+        _dynamo["frames"][cid] = (name, caller, reason)
+    if name is None and getattr(m, "is_runtime", None):
+        return  # runtime bookkeeping (e.g. autotuning at run time) of a frame never seen
+    kernel = f"{name}" if graph == "forward" else f"{name} (backward graph)"
+    _emit_compile("dynamo", kernel, start, start + int(dur_us * 1000), compile_id=cid,
+                  recompile_reason=reason, graph=graph, caller=caller, key=cid,
+                  fail_type=getattr(m, "fail_type", None))
 
 
 def harvest_dynamo():
-    """Emit one compile event per new torch.compile entry (called at each step end and exit)."""
+    """Entries the wrapper did not see (called at each step end and at exit)."""
     utils = _dynamo["utils"]
     if utils is None:
         return
     try:
-        metrics = utils.get_compilation_metrics()
+        metrics = list(getattr(utils, "_compilation_metrics", None) or ())
     except Exception:
         return
-    for m in metrics[_dynamo["seen"]:]:
-        start_us = getattr(m, "start_time_us", None)
-        dur_us = getattr(m, "duration_us", None) or 0
-        if start_us is None:
-            continue
-        start = int(start_us * 1000)
-        cid = str(getattr(m, "compile_id", ""))
-        _dynamo["starts"].pop(cid, None)
-        name = getattr(m, "co_name", None)
-        reason = getattr(m, "recompile_reason", None)
-        caller = {"file": getattr(m, "co_filename", None),
-                  "line": getattr(m, "co_firstlineno", None), "function": name}
-        graph = "forward"
-        if name is None and cid in _dynamo["frames"]:
-            # AOTAutograd compiles the backward graph at the first backward: same compile id
-            graph = "backward"
-            name, caller, reason = _dynamo["frames"][cid]
-        elif name is not None:
-            _dynamo["frames"][cid] = (name, caller, reason)
-        kernel = f"{name}" if graph == "forward" else f"{name} (backward graph)"
-        _emit_compile("dynamo", kernel, start, start + int(dur_us * 1000), compile_id=cid,
-                      recompile_reason=reason, graph=graph, caller=caller, key=cid,
-                      fail_type=getattr(m, "fail_type", None))
-    _dynamo["seen"] = len(metrics)
+    for m in metrics:
+        try:
+            _record_dynamo(m)
+        except Exception as exc:
+            report_error("dynamo metrics harvest", exc)
 
 
 def register():
@@ -366,7 +605,6 @@ def register():
     importhooks.on_import("flash_attn.cute.interface", _on_fa4_interface)
     importhooks.on_import("triton", _on_triton)
     importhooks.on_import("triton.runtime.autotuner", _on_triton_autotuner)
-    importhooks.on_import("torch._dynamo.callback", _on_dynamo_callback)
     importhooks.on_import("torch._dynamo.utils", _on_dynamo_utils)
     import atexit
     atexit.register(harvest_dynamo)

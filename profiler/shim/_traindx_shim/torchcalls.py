@@ -1,5 +1,6 @@
 """Where the job builds its DataLoaders (and with which settings) and where it calls
 torch.cuda.empty_cache: the lines a prescription has to point at."""
+import functools
 import linecache
 
 from . import emit, importhooks, report_error
@@ -26,6 +27,7 @@ def _on_dataloader(module):
     cls = module.DataLoader
     original_init = cls.__init__
 
+    @functools.wraps(original_init)  # Lightning re-creates DataLoaders from this signature
     def __init__(self, *args, **kwargs):
         original_init(self, *args, **kwargs)
         try:
@@ -44,6 +46,7 @@ def _on_dataloader(module):
 def _on_torch_cuda(module):
     original = module.empty_cache
 
+    @functools.wraps(original)
     def empty_cache(*args, **kwargs):
         if _counts["empty_cache"] < MAX_EMPTY_CACHE_EVENTS:
             _counts["empty_cache"] += 1
@@ -55,8 +58,6 @@ def _on_torch_cuda(module):
                 report_error("empty_cache hook", exc)
         return original(*args, **kwargs)
 
-    empty_cache.__wrapped__ = original
-    empty_cache.__doc__ = original.__doc__
     module.empty_cache = empty_cache
 
 

@@ -7,9 +7,25 @@ DEFAULT_START; "A-B" = steps A to B. The default window stands down when steps a
 (with_stack traces every Python call; a long step is usually a Python-heavy one, such as a JIT
 compile, where the trace would cost seconds and grow to gigabytes); an explicit window does not.
 TRAINDX_TORCH_PROFILE_MAX_STEP_S sets that limit (default 5 s).
+
+The window is bounded in time and in bytes. What it costs the job is the profiler's start, the
+profiled steps' excess over the median step before the window, the stop (kineto collects its
+events) and the export (JSON written, then gzipped). Every step boundary inside the window
+projects the stop and export from what the profiled steps cost so far and ends the window early
+when the total would pass the budget; after the stop, the trace is exported only while the time
+spent stays within the budget and the file within TRAINDX_TORCH_PROFILE_MAX_MB (default 20 MB per
+rank), else it stands down: no trace, and the `torch_profile` event says why (`stood_down`) with
+every number. The budget is one median step (at least TRAINDX_TORCH_PROFILE_MIN_BUDGET_S, 1 s:
+kineto cannot start in less) for the default window; an explicit --torch-profile window, which the
+user asked for, may cost up to max(30 s, 5 median steps); TRAINDX_TORCH_PROFILE_BUDGET_S sets it.
+The profiled steps are named in that event (first_step..last_step), so step statistics and --fix
+comparisons leave them out.
 """
 import atexit
+import collections
+import gzip
 import os
+import statistics
 import sys
 import time
 
@@ -21,8 +37,28 @@ JOB_PROFILER_FLAGS = ("--profile", "--use-pytorch-profiler", "--torch-profile", 
 DEFAULT_START = 3
 DEFAULT_STEPS = 2
 LONG_STEP_S = float(os.environ.get("TRAINDX_TORCH_PROFILE_MAX_STEP_S") or 5.0)
+MAX_BYTES = int(float(os.environ.get("TRAINDX_TORCH_PROFILE_MAX_MB") or 20) * 1e6)
+MIN_BUDGET_S = float(os.environ.get("TRAINDX_TORCH_PROFILE_MIN_BUDGET_S") or 1.0)
+EXPLICIT_BUDGET_S, EXPLICIT_BUDGET_STEPS = 30.0, 5
+# stop + export cost about this many times the profiled steps' excess (kineto's per-event
+# recording vs collecting, writing and compressing each event: measured on the CPU, 8-10x)
+FINISH_FACTOR = 10.0
+# Chrome-trace JSON compresses about 8-15x: a raw file above this many times the byte limit
+# cannot fit, so it is not compressed at all
+MAX_RAW_RATIO = 15
 _state = {"window": None, "explicit": False, "profiler": None, "first": None, "torch": None,
-          "last_boundary_ns": None, "done": False}
+          "last_boundary_ns": None, "done": False, "durations": collections.deque(maxlen=64),
+          "median_s": None, "budget_s": None, "start_s": 0.0, "excess_s": 0.0, "profiled": [],
+          "after": None}
+
+
+def _budget_s(median_s):
+    raw = os.environ.get("TRAINDX_TORCH_PROFILE_BUDGET_S")
+    if raw:
+        return float(raw)
+    if _state["explicit"]:
+        return max(EXPLICIT_BUDGET_S, EXPLICIT_BUDGET_STEPS * (median_s or 0.0))
+    return max(median_s or 0.0, MIN_BUDGET_S)
 
 
 def parse_window(text):
@@ -71,39 +107,129 @@ def _start(step):
     finally:
         if quiet:
             os.environ.pop("KINETO_LOG_LEVEL", None)
-    _state.update(profiler=prof, first=step)
-    emit("torch_profile_start", step=step, start_s=(time.time_ns() - t0) / 1e9,
-         activities=[a.name for a in activities])
+    start_s = (time.time_ns() - t0) / 1e9
+    median = statistics.median(_state["durations"]) if _state["durations"] else None
+    _state.update(profiler=prof, first=step, start_s=start_s, excess_s=0.0, profiled=[],
+                  median_s=median, budget_s=_budget_s(median))
+    emit("torch_profile_start", step=step, start_s=start_s, activities=[a.name for a in activities],
+         median_step_s=median, budget_s=_state["budget_s"], max_bytes=MAX_BYTES)
+
+
+def _spent_s():
+    return _state["start_s"] + _state["excess_s"]
 
 
 def _stop(last_step, reason):
+    """Stop the profiler; export its trace only within the time and byte budget."""
     prof = _state["profiler"]
     _state["profiler"] = None
     _state["done"] = True
+    budget = _state["budget_s"] or MIN_BUDGET_S
     t0 = time.time_ns()
     prof.stop()
     t1 = time.time_ns()
-    path = _trace_path()
-    prof.export_chrome_trace(path)
+    stop_s = (t1 - t0) / 1e9
+    path, size, stood_down, raw_bytes = None, None, None, None
+    if _spent_s() + stop_s > budget:
+        stood_down = (f"the window had cost {_spent_s() + stop_s:.2f} s by its stop, over its "
+                      f"budget of {budget:.2f} s: trace not written")
+    else:
+        path, size, raw_bytes, stood_down = _export(prof, budget - _spent_s() - stop_s)
     t2 = time.time_ns()
+    export_s = (t2 - t1) / 1e9
     emit("torch_profile", first_step=_state["first"], last_step=last_step, path=path,
-         stop_s=(t1 - t0) / 1e9, export_s=(t2 - t1) / 1e9, bytes=os.path.getsize(path),
-         ended_by=reason)
+         stop_s=stop_s, export_s=export_s, start_s=_state["start_s"],
+         excess_s=_state["excess_s"], cost_s=_spent_s() + stop_s + export_s,
+         budget_s=budget, median_step_s=_state["median_s"], bytes=size, raw_bytes=raw_bytes,
+         max_bytes=MAX_BYTES, profiled_steps_s=list(_state["profiled"]), ended_by=reason,
+         stood_down=stood_down)
+    _state["after"] = {"step": last_step + 1, "cost_s": _spent_s() + stop_s + export_s}
+
+
+def _export(prof, time_left_s):
+    """(path, bytes, raw bytes, why it stood down): kineto writes the JSON (C++), then it is
+    gzipped in chunks, abandoned as soon as it passes the byte limit or the time left."""
+    final = _trace_path()
+    tmp = final[: -len(".json.gz")] + ".raw.json"
+    start = time.perf_counter()
+    try:
+        prof.export_chrome_trace(tmp)  # a .json path: kineto's own writer, no Python JSON
+        raw = os.path.getsize(tmp)
+        if raw > MAX_RAW_RATIO * MAX_BYTES:
+            return None, None, raw, (f"the trace holds {raw / 1e6:.0f} MB of JSON: it cannot "
+                                     f"compress under {MAX_BYTES / 1e6:.0f} MB: not written")
+        why = _bounded_gzip(tmp, final, MAX_BYTES, start + time_left_s)
+        if why:
+            return None, None, raw, why
+        return final, os.path.getsize(final), raw, None
+    finally:
+        try:
+            os.remove(tmp)
+        except OSError:
+            pass
+
+
+def _bounded_gzip(src, dst, max_bytes, deadline):
+    with open(src, "rb") as fin, open(dst, "wb") as raw:
+        gz = gzip.GzipFile(filename="", fileobj=raw, mode="wb", compresslevel=6)
+        why = None
+        while True:
+            chunk = fin.read(1 << 20)
+            if not chunk:
+                break
+            gz.write(chunk)
+            if raw.tell() > max_bytes:
+                why = f"the compressed trace passed {max_bytes / 1e6:.0f} MB: not written"
+            elif time.perf_counter() > deadline:
+                why = "compressing the trace would pass the window's time budget: not written"
+            if why:
+                break
+        gz.close()
+    if why:
+        os.remove(dst)
+    return why
 
 
 def on_boundary(step):
     """Called as `step` begins (so the previous one has just ended)."""
     now = time.time_ns()
     previous = _state["last_boundary_ns"]
-    _state["last_boundary_ns"] = now
+    last_s = (now - previous) / 1e9 if previous is not None else None
+    try:
+        _boundary(step, now, previous, last_s)
+    finally:
+        # the next step starts after this hook: what it cost (a stop, an export) is in no step
+        _state["last_boundary_ns"] = time.time_ns()
+
+
+def _boundary(step, now, previous, last_s):
+    after = _state["after"]
+    if after is not None and last_s is not None and step - 1 == after["step"]:
+        _state["after"] = None
+        median = _state["median_s"]
+        emit("torch_profile_after", step=step - 1, duration_s=last_s, median_step_s=median,
+             excess_s=max(0.0, last_s - median) if median else None,
+             window_cost_s=after["cost_s"] + (max(0.0, last_s - median) if median else 0.0))
     window = _state["window"]
     if window is None or _state["done"]:
+        if _state["profiler"] is None and last_s is not None and step - 1 >= 1:
+            _state["durations"].append(last_s)  # step 0 is warm-up: not the median's
         return
     first, last = window
     if _state["profiler"] is not None:
+        if last_s is not None:
+            _state["profiled"].append(round(last_s, 6))
+            if _state["median_s"]:
+                _state["excess_s"] += max(0.0, last_s - _state["median_s"])
         if step > last:
             _stop(step - 1, "window end")
+        elif _spent_s() + FINISH_FACTOR * _state["excess_s"] > (_state["budget_s"] or 0):
+            _stop(step - 1, f"budget: {_spent_s():.2f} s spent, stop and export projected "
+                            f"{FINISH_FACTOR * _state['excess_s']:.2f} s, budget "
+                            f"{_state['budget_s']:.2f} s")
         return
+    if last_s is not None and step - 1 >= 1:
+        _state["durations"].append(last_s)
     if step == first:
         if steps.MAX_STEPS and step >= steps.MAX_STEPS:
             return  # `diagnose --steps N` stops the job before this step runs
