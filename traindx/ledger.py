@@ -32,8 +32,9 @@ STARTUP_STEP = -1
 
 
 def spans_table(events):
-    """The shim's span events: rank, cat, start_ns, end_ns, tid, caller (None for most)."""
-    cols = ["rank", "cat", "start_ns", "end_ns", "tid", "caller"]
+    """The shim's span events: rank, cat, start_ns, end_ns, tid; caller (the job's frame) and
+    call (e.g. "torch.save") for the rare ones, None for the others."""
+    cols = ["rank", "cat", "start_ns", "end_ns", "tid", "caller", "call"]
     if not len(events) or "type" not in events:
         return pd.DataFrame(columns=cols)
     df = events[events["type"] == "span"]
@@ -43,7 +44,8 @@ def spans_table(events):
                         "start_ns": df["start"].astype("int64").values,
                         "end_ns": df["t"].astype("int64").values,
                         "tid": df["tid"].values,
-                        "caller": df["caller"].values if "caller" in df else None})
+                        "caller": df["caller"].values if "caller" in df else None,
+                        "call": df["call"].values if "call" in df else None})
     return out.sort_values("start_ns", kind="stable").reset_index(drop=True)
 
 

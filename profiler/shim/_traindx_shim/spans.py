@@ -48,7 +48,7 @@ def _compiling():
         return False
 
 
-def _timed(cat, fn, with_caller=False):
+def _timed(cat, fn, with_caller=False, label=None):
     def wrapper(*args, **kwargs):
         if _compiling():
             return fn(*args, **kwargs)
@@ -62,6 +62,7 @@ def _timed(cat, fn, with_caller=False):
                 if with_caller and _state["callers"] < MAX_RARE_CALLERS:
                     _state["callers"] += 1
                     extra["caller"] = first_user_frame()
+                    extra["call"] = label
                 _span(cat, start, end, **extra)
             except Exception as exc:
                 report_error(f"span {cat}", exc)
@@ -111,7 +112,7 @@ def _on_torch(torch):
     compiler = getattr(torch, "compiler", None)
     _state["compiling"] = getattr(compiler, "is_compiling", None)
     torch.autograd.backward = _timed("backward", torch.autograd.backward)
-    torch.save = _timed("io", torch.save, with_caller=True)
+    torch.save = _timed("io", torch.save, with_caller=True, label="torch.save")
     from torch.optim.optimizer import (register_optimizer_step_post_hook,
                                        register_optimizer_step_pre_hook)
     register_optimizer_step_pre_hook(_guard(_opt_pre, "optimizer pre hook"))
@@ -197,7 +198,8 @@ def _on_checkpoint(module):
     for name in ("save", "save_state_dict", "async_save"):
         fn = getattr(module, name, None)
         if callable(fn):
-            setattr(module, name, _timed("io", fn, with_caller=True))
+            setattr(module, name, _timed("io", fn, with_caller=True,
+                                         label=f"torch.distributed.checkpoint.{name}"))
 
 
 # -- GC ------------------------------------------------------------------------------------------
