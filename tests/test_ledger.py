@@ -206,3 +206,33 @@ def test_same_findings_and_severities_with_cpu_burners_beside(tmp_path, job, arg
     a, b = _problems(traindx.analyze(quiet)), _problems(traindx.analyze(loaded))
     assert a, f"{job}: nothing found on a quiet machine"
     assert a == b, f"{job}: quiet {a} vs loaded {b}"
+
+
+# -- chains ---------------------------------------------------------------------------------------
+def test_compiling_straggler_and_launch_bound_are_symptoms_of_the_recompile():
+    from traindx.analyzers import chains
+    from traindx.findings import Prescription, rank_findings
+
+    rx = (Prescription(kind="code", summary="fix it", expected_gain_s_per_step=1.0),)
+    jit = Finding(id="jit.steady_recompile", title="k recompiles", severity="high", analyzer="jit",
+                  seconds_lost_per_step=1.0, ranks=("1",), evidence={"threads": {"MainThread": 3}},
+                  prescriptions=rx)
+    straggler = Finding(id="ranks.straggler", title="rank 1 stalls", severity="critical",
+                        analyzer="ranks", seconds_lost_per_step=1.2, ranks=("0", "1"),
+                        evidence={"straggler": "1",
+                                  "straggler_compiles_in_steady_steps": {"compiles": 3}},
+                        prescriptions=rx)
+    launch = Finding(id="gpu.launch_bound", title="launch-bound", severity="high",
+                     analyzer="launch_bound", seconds_lost_per_step=0.5, ranks=("1",),
+                     prescriptions=rx)
+    other = Finding(id="gpu.launch_bound", title="launch-bound elsewhere", severity="low",
+                    analyzer="launch_bound", seconds_lost_per_step=0.1, ranks=("2",),
+                    prescriptions=rx)
+    linked = rank_findings(chains.link([straggler, launch, other, jit]))
+    by_title = {f.title: f for f in linked}
+    assert linked[0].id == "jit.steady_recompile"  # the root leads, though a symptom is critical
+    assert by_title["rank 1 stalls"].cause == "jit.steady_recompile"
+    assert by_title["launch-bound"].cause == "jit.steady_recompile"
+    assert by_title["rank 1 stalls"].prescriptions == () and by_title["launch-bound"].prescriptions == ()
+    assert by_title["launch-bound elsewhere"].cause is None  # another rank: not this recompile
+    assert set(by_title["k recompiles"].symptoms) == {"ranks.straggler", "gpu.launch_bound"}

@@ -110,7 +110,9 @@ def _opt_post(optimizer, args, kwargs):
 def _on_torch(torch):
     _state["torch"] = torch
     compiler = getattr(torch, "compiler", None)
-    _state["compiling"] = getattr(compiler, "is_compiling", None)
+    # is_dynamo_compiling is a flag read (~20 ns); is_compiling also asks the exporter (~0.5 µs)
+    _state["compiling"] = (getattr(compiler, "is_dynamo_compiling", None)
+                           or getattr(compiler, "is_compiling", None))
     torch.autograd.backward = _timed("backward", torch.autograd.backward)
     torch.save = _timed("io", torch.save, with_caller=True, label="torch.save")
     from torch.optim.optimizer import (register_optimizer_step_post_hook,
