@@ -12,6 +12,7 @@ Savings: each root's prescriptions expect the seconds per step of the ledger lin
 (`Finding.removes`, set here from LEDGER_LINES where the analyzer did not); the sum over roots is
 capped at the step time, so no two findings promise the same second.
 """
+import re
 from dataclasses import replace
 
 from traindx import ledger as ledger_mod
@@ -95,11 +96,24 @@ def link(findings):
             if id(f) in symptoms_of else f for f in out]
 
 
+def _workers_prescribed(f):
+    """num_workers=N of the DataLoader prescription: the batches are then made by N processes."""
+    for p in f.prescriptions:
+        code = (p.change or {}).get("code") or {}
+        m = re.search(r"num_workers\s*=\s*(\d+)", f"{code.get('after') or ''} {p.summary}")
+        if m and int(m.group(1)) > 0:
+            return int(m.group(1))
+    return None
+
+
 def _with_ledger_lines(f):
     if f.removes or f.id not in LEDGER_LINES:
         return f
     cats, per_step = LEDGER_LINES[f.id]
     removes = {"categories": list(cats)}
+    workers = _workers_prescribed(f) if f.id == "dataloader.starvation" else None
+    if workers:
+        removes["workers"] = workers
     if per_step and f.steps_affected:
         removes["steps"] = [int(s) for s in f.steps_affected]
     return replace(f, removes=removes)

@@ -296,8 +296,18 @@ def compile_groups(compiles):
 
 
 def _gc_by_step(run):
-    """{(rank, step): seconds in GC}."""
+    """{(rank, step): seconds in GC}: the ledger's gc line when the shim timed GC pauses as
+    intervals (start-up's collections then stay in start-up, not in step 0), else the shim's
+    per-step aggregates."""
     out = {}
+    try:
+        from traindx import ledger as L
+
+        if L.has_spans(run):
+            led = run.ledger
+            return {(str(r), int(st)): float(g) for r, st, g in zip(led["rank"], led["step"], led["gc_s"])}
+    except Exception:
+        pass
     gc = run.gc
     if len(gc) and "total_s" in gc:
         for g in gc.itertuples():

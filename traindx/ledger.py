@@ -253,8 +253,9 @@ def steady_rows(run, rank=None):
 # -- predictions -------------------------------------------------------------------------------------
 def removed_seconds(run, finding):
     """Seconds per steady step the finding's fix removes: the ledger lines in finding.removes
-    ({"categories": [...], "steps": [...] optional}), over its ranks' steady steps; None when the
-    finding names no ledger line."""
+    ({"categories": [...], "steps": [...] optional, "workers": N optional: the lines move to N
+    processes beside the step, "fraction": x optional}), over its ranks' steady steps (the
+    slowest rank's mean); None when the finding names no ledger line."""
     removes = getattr(finding, "removes", None) or {}
     cats = [c for c in removes.get("categories", ()) if c in CATEGORIES]
     if not cats or not len(run.ledger):
@@ -266,6 +267,12 @@ def removed_seconds(run, finding):
     if not len(led):
         return None
     per_row = led[[f"{c}_s" for c in cats]].sum(axis=1)
+    workers = removes.get("workers")
+    if workers:
+        # the lines move to `workers` processes that run beside the step: what stays is the
+        # part of the work that a step's remaining time cannot hide, max(0, L / w - rest)
+        rest = led["wall_s"] - per_row
+        per_row = per_row - (per_row / float(workers) - rest).clip(lower=0.0)
     if removes.get("steps"):
         chosen = set(int(s) for s in removes["steps"])
         per_row = per_row.where(led["step"].isin(chosen), 0.0)
