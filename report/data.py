@@ -1053,6 +1053,13 @@ def _core(run, findings):
     except Exception as exc:  # the report still renders without its ledger
         ledger = {"available": False, "error": f"{type(exc).__name__}: {exc}"}
     stats["ledger_line"] = ledger.get("line")
+    stats["startup_line"] = None
+    if ledger.get("available") and len(run.startup_ledger):
+        from traindx.ledger import startup_text
+
+        start = run.startup_ledger
+        start = start[start["rank"] == ledger["rank"]] if (start["rank"] == ledger["rank"]).any() else start
+        stats["startup_line"] = startup_text(start.iloc[0])
     missing = missing_evidence(run)
     core = {"run": meta, "ledger": ledger, "missing": missing, "missing_summary": missing_summary(missing),
             "verdict": verdict(findings_view, steady_median, cause_counts, all_steps,

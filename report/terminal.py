@@ -112,6 +112,8 @@ def print_summary(run, findings, report_path=None, console=None):
         console.print(line, markup=False, highlight=False)
         if st.get("ledger_line"):
             console.print(st["ledger_line"], markup=False, highlight=False)
+        if st.get("startup_line"):
+            console.print(st["startup_line"], markup=False, highlight=False, style="dim")
     else:
         console.print("no optimizer steps were recorded", markup=False)
     if v["kind"] == "change":

@@ -270,9 +270,10 @@ def test_dataloader_starvation_prescribes_workers_at_the_construction_line(tmp_p
     run = _pathology(tmp_path_factory, "dataloader", ("--pyspy-rate", "50", "--torch-profile", "3-4"),
                      "--steps", "16")
     finding = _one(analyze(run), "dataloader.starvation")
-    if "pyspy" not in run.missing:
-        assert finding.evidence["source"] == "py-spy"
-        assert finding.evidence["torch_profiler"]["share"] >= 0.2
+    # how much: the time ledger (shim-timed DataLoader.__next__), whatever py-spy managed to
+    # sample; the torch.profiler window agrees
+    assert finding.evidence["source"] == "time ledger"
+    assert finding.evidence["torch_profiler"]["share"] >= 0.2
     assert finding.share_of_step >= 0.2 and finding.severity in ("medium", "high")
     assert finding.evidence["dataloader"]["num_workers"] == 0
     assert finding.evidence["hottest_frames_inside"][0]["function"] == "slow_collate"

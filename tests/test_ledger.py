@@ -68,6 +68,12 @@ def test_ledger_sums_to_wall_time_and_busy_getitem_is_data(getitem_run):
     assert list(csv["step"]) == [-1] + list(range(12))
     # and the terminal's one-line breakdown
     assert "step " in proc.stderr and " = data " in proc.stderr and "unexplained" in proc.stderr
+    assert "start-up " in proc.stderr and "imports, model build, data set-up" in proc.stderr
+    # the report draws it: a stacked bar per step with the data line in it, and the run total
+    with open(os.path.join(run.path, "report.html"), encoding="utf-8") as f:
+        html = f.read()
+    assert 'id="ledger"' in html and 'id="ledger-line"' in html and 'id="ledger-startup"' in html
+    assert html.count('data-cat="data"') >= 12 + 1
 
 
 def test_startup_is_its_own_row(getitem_run):
@@ -242,3 +248,22 @@ def test_compiling_straggler_and_launch_bound_are_symptoms_of_the_recompile():
     assert by_title["rank 1 stalls"].prescriptions == () and by_title["launch-bound"].prescriptions == ()
     assert by_title["launch-bound elsewhere"].cause is None  # another rank: not this recompile
     assert set(by_title["k recompiles"].symptoms) == {"ranks.straggler", "gpu.launch_bound"}
+
+
+def test_seed_run_savings_come_from_the_compile_line_and_never_exceed_the_step():
+    """The H200 seed run (FA4 4.0.0b17, tensor max_seqlen): the ledger puts nearly all of each
+    steady step in compile; the fix's predicted saving is that line, the GIL hold of the
+    compiling thread is its symptom, and the roots' savings together stay within the step."""
+    run = traindx.load_run(os.path.join(os.path.dirname(__file__), "data", "h200-seed-b17-tensor"))
+    _assert_sums_exactly(run.ledger)
+    steady = L.steady_rows(run)
+    assert steady["compile_s"].sum() > 0.9 * steady["wall_s"].sum()
+    findings = traindx.analyze(run)
+    root = findings[0]
+    assert root.id == "jit.fa4_steady_recompile" and root.cause is None
+    assert [f.id for f in findings if f.cause == root.id] == ["gil.contention"]
+    pred = L.predicted_step_time(run, root)
+    assert pred["removed_s"] == pytest.approx(steady["compile_s"].mean())
+    gains = [max((p.expected_gain_s_per_step or 0.0) for p in f.prescriptions)
+             for f in findings if f.cause is None and f.prescriptions]
+    assert sum(gains) <= steady["wall_s"].mean() + 1e-9

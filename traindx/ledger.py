@@ -233,6 +233,14 @@ def breakdown_text(led, limit=6):
     return f"step {_num(wall)} s = " + " · ".join(items)
 
 
+def startup_text(row):
+    """'start-up 7.43 s = gc 1.58 · imports, model build, data set-up 5.85' for one start-up row."""
+    parts = [(c, float(row[f"{c}_s"])) for c in CATEGORIES if float(row[f"{c}_s"]) > 0]
+    items = [f"{LABELS[c]} {_num(v)}" for c, v in sorted(parts, key=lambda kv: -kv[1])]
+    items.append(f"imports, model build, data set-up {_num(float(row['unexplained_s']))}")
+    return f"start-up {_num(float(row['wall_s']))} s = " + " · ".join(items)
+
+
 def _num(seconds):
     return f"{seconds:.3f}" if seconds < 0.1 else f"{seconds:.2f}"
 

@@ -10,6 +10,7 @@ p = argparse.ArgumentParser()
 p.add_argument("--steps", type=int, default=20)
 p.add_argument("--item-ms", type=float, default=2.0, help="busy CPU time per sample")
 p.add_argument("--batch", type=int, default=16)
+p.add_argument("--num-workers", type=int, default=0)
 args = p.parse_args()
 
 
@@ -28,7 +29,7 @@ class Tokens(Dataset):
 torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(128, 512), nn.ReLU(), nn.Linear(512, 1))
 opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-loader = DataLoader(Tokens(), batch_size=args.batch, shuffle=False, num_workers=0)
+loader = DataLoader(Tokens(), batch_size=args.batch, shuffle=False, num_workers=args.num_workers)
 it = iter(loader)
 for step in range(args.steps):
     x, y = next(it)
