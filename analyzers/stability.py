@@ -207,7 +207,14 @@ def _io_from_ledger(run, rank, steady, causes, lost, share):
     wall = float(led["wall_s"].sum()) if len(led) else 0.0
     if not wall:
         return lost, share
-    return float(led["io_s"].mean()), float(led["io_s"].sum()) / wall
+    io_lost = float(led["io_s"].mean())
+    causes["io_seconds_per_step"] = round(io_lost, 4)
+    if io_lost < 0.5 * lost:
+        # the timed call is a small part of what the slow steps add (the job's own writes
+        # around it, a copy to remote storage): the excess stands, the call is named
+        causes["io_explains_share_of_excess"] = round(io_lost / lost, 3) if lost else None
+        return lost, share
+    return io_lost, float(led["io_s"].sum()) / wall
 
 
 def _analyze_rank(run, rank):

@@ -6,7 +6,7 @@ GC pauses), and the compile/autotune events. Where intervals overlap, one catego
 PRIORITY (a compile on the autograd thread while the training thread sits in backward counts as
 compile; a GC inside a data wait counts once, as GC). The forward pass is not hooked (module
 hooks would cost every call): it is the stretch of the training thread between the end of its
-previous measured call (data, backward, optimizer) and the start of each backward, and is booked
+previous measured call (data, backward, optimizer, io, sync, collective) and the start of each backward, and is booked
 with backward as `forward_backward`. What no interval covers is `unexplained` - shown, never
 spread over the other lines. Each row sums to its wall time exactly (integer nanoseconds).
 
@@ -64,11 +64,14 @@ def _training_threads(spans):
 
 def _forward_intervals(spans):
     """[anchor, backward start) for each backward on a training thread: the forward pass and
-    whatever the loop does between its previous measured call and the backward."""
+    whatever the loop does between its previous measured call (a data wait, a backward, an
+    optimizer step, a save, a sync, a collective) and the backward. Without module hooks (they
+    would cost every module call) untimed work there - a log line, a sleep - counts as forward."""
     bwd = spans[spans["cat"] == "backward"]
     if not len(bwd):
         return np.empty(0, np.int64), np.empty(0, np.int64)
-    anchors = spans[spans["cat"].isin(["data", "backward", "optimizer"])]
+    anchors = spans[spans["cat"].isin(["data", "backward", "optimizer", "io", "sync",
+                                        "collective"])]
     ends = np.sort(anchors["end_ns"].to_numpy(np.int64))
     starts = bwd["start_ns"].to_numpy(np.int64)
     i = np.searchsorted(ends, starts, side="right") - 1
