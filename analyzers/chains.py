@@ -65,12 +65,12 @@ def _root_for(f, roots):
         straggler = str(f.evidence.get("straggler"))
         jits = [r for r in roots if _is_jit(r, steady_only=False)
                 and (not r.ranks or straggler in map(str, r.ranks))]
-        return max(jits, key=lambda r: (_is_jit(r), r.seconds_lost_per_step or 0.0)) if jits else None
+        return max(jits, key=lambda r: (_is_jit(r), r.seconds_lost_per_step or 0.0), default=None)
     if f.id == "gpu.launch_bound":
         jits = [r for r in roots if _is_jit(r) and _same_rank(r, f)]
         return max(jits, key=lambda r: r.seconds_lost_per_step or 0.0) if jits else None
-    if f.id in ("steps.periodic_slow", "steps.instability") and f.evidence.get("gen2_gc_in_slow_steps") \
-            and not f.evidence.get("io_in_slow_steps"):
+    gc_steps = f.evidence.get("gen2_gc_in_slow_steps") and not f.evidence.get("io_in_slow_steps")
+    if f.id in ("steps.periodic_slow", "steps.instability") and gc_steps:
         gcs = [r for r in roots if r.id == "gc.gen2_in_step" and _same_rank(r, f)]
         return gcs[0] if gcs else None
     return None

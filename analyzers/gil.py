@@ -152,8 +152,8 @@ def _analyze_rank(run, rank, recording_all, recording_gil):
                   f"on rank {rank}" if "steady_window" in evidence else
                   f"Thread '{label}' holds the GIL {share:.0%} of the time on rank {rank}",
             severity=severity, analyzer="gil",
-            summary=(f"'{label}' held the GIL for {held_s:.1f} s of {window_s:.1f} s sampled on the main thread "
-                     f"({share:.0%}); the main thread held it {main_held_s / wall_s:.0%}. "
+            summary=(f"'{label}' held the GIL for {held_s:.1f} s of the {window_s:.1f} s sampled "
+                     f"on the main thread ({share:.0%}); the main thread held it {main_held_s / wall_s:.0%}. "
                      f"Its hottest code: {where}. The main thread waits for the GIL whenever it "
                      "needs Python while this thread has it." + warmup_only),
             seconds_lost_per_step=lost, share_of_step=share_lost, evidence=evidence,

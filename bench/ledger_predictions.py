@@ -38,7 +38,8 @@ CASES = {
                   "--min-len", "136", "--max-len", "192", "--tokens", "384", "--threads", "1"],
                  ["--max-seqlen-as", "int"], "jit.fa4_steady_recompile"),
 }
-ENV = {"seed": {"FA4_VERSION": "b17"}}
+ENV = {"seed": {"FA4_VERSION": "b17"},
+       "seed-cpu": {"PYTHONPATH": os.environ.get("TRAINDX_TEST_FA4_B17_DIR", "")}}
 
 
 def record(command, out, env=None):
