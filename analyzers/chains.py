@@ -106,7 +106,7 @@ def _workers_prescribed(f):
     return None
 
 
-def _with_ledger_lines(f):
+def _with_ledger_lines(f, run):
     if f.removes or f.id not in LEDGER_LINES:
         return f
     cats, per_step = LEDGER_LINES[f.id]
@@ -114,6 +114,10 @@ def _with_ledger_lines(f):
     workers = _workers_prescribed(f) if f.id == "dataloader.starvation" else None
     if workers:
         removes["workers"] = workers
+        cpus = (run.manifest.get("host") or {}).get("cpus")
+        ranks = max(1, run.ledger["rank"].nunique())
+        if cpus:
+            removes["cpus"] = max(1, int(cpus) // ranks)
     if per_step and f.steps_affected:
         removes["steps"] = [int(s) for s in f.steps_affected]
     return replace(f, removes=removes)
@@ -135,7 +139,7 @@ def apply_savings(findings, run):
     gain of the roots (ranked) never exceeds the steady step time of their rank."""
     if run is None or not len(run.ledger):
         return findings
-    findings = [_with_ledger_lines(f) for f in findings]
+    findings = [_with_ledger_lines(f, run) for f in findings]
     out = []
     for f in findings:
         if f.cause is None and f.removes and _measured(run, f.removes.get("categories", ())):

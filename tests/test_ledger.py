@@ -169,16 +169,19 @@ def test_predicted_step_time_removes_the_ledger_lines(getitem_run):
     found = [f for f in traindx.analyze(run) if f.id == "dataloader.starvation"]
     assert len(found) == 1
     f = found[0]
-    workers = f.removes["workers"]
-    assert f.removes == {"categories": ["data"], "workers": workers} and workers >= 2
+    workers, cpus = f.removes["workers"], f.removes["cpus"]
+    assert f.removes == {"categories": ["data"], "workers": workers, "cpus": cpus}
+    assert workers >= 2 and cpus == run.manifest["host"]["cpus"]
     pred = L.predicted_step_time(run, f)
     steady = L.steady_rows(run)
     assert pred["baseline_step_s"] == pytest.approx(steady["wall_s"].mean())
-    # N workers make the batches beside the step: what stays is what the rest of the step
-    # cannot hide, max(0, data / N - rest)
+    # N workers make the batches beside the step, on the cores there are: what stays is what
+    # the rest of the step cannot hide, max(0, data / min(N, cpus - 1) - rest), and the step
+    # cannot shrink below all its CPU work spread over the cores
     rest = steady["wall_s"] - steady["data_s"]
-    left = (steady["data_s"] / workers - rest).clip(lower=0)
-    assert pred["removed_s"] == pytest.approx((steady["data_s"] - left).mean())
+    left = (steady["data_s"] / min(workers, max(1, cpus - 1)) - rest).clip(lower=0)
+    removed = (steady["data_s"] - left).clip(upper=steady["wall_s"] * (1 - 1 / cpus))
+    assert pred["removed_s"] == pytest.approx(removed.mean())
     assert 0 < pred["removed_s"] <= steady["data_s"].mean()
     assert pred["predicted_step_s"] == pytest.approx(pred["baseline_step_s"] - pred["removed_s"])
     # the prescription promises exactly what the ledger says the fix removes

@@ -265,8 +265,8 @@ def steady_rows(run, rank=None):
 def removed_seconds(run, finding):
     """Seconds per steady step the finding's fix removes: the ledger lines in finding.removes
     ({"categories": [...], "steps": [...] optional, "workers": N optional: the lines move to N
-    processes beside the step, "fraction": x optional}), over its ranks' steady steps (the
-    slowest rank's mean); None when the finding names no ledger line."""
+    processes beside the step, on "cpus": C cores per rank, "fraction": x optional}), over its
+    ranks' steady steps (the slowest rank's mean); None when the finding names no ledger line."""
     removes = getattr(finding, "removes", None) or {}
     cats = [c for c in removes.get("categories", ()) if c in CATEGORIES]
     if not cats or not len(run.ledger):
@@ -283,7 +283,13 @@ def removed_seconds(run, finding):
         # the lines move to `workers` processes that run beside the step: what stays is the
         # part of the work that a step's remaining time cannot hide, max(0, L / w - rest)
         rest = led["wall_s"] - per_row
-        per_row = per_row - (per_row / float(workers) - rest).clip(lower=0.0)
+        cpus = removes.get("cpus")
+        parallel = min(float(workers), max(1.0, float(cpus) - 1)) if cpus else float(workers)
+        per_row = per_row - (per_row / parallel - rest).clip(lower=0.0)
+        if cpus:
+            # the workers' CPU work competes with the step's on the same cores: a step cannot get
+            # shorter than all of it spread over them
+            per_row = per_row.clip(upper=led["wall_s"] * (1.0 - 1.0 / float(cpus)))
     if removes.get("steps"):
         chosen = set(int(s) for s in removes["steps"])
         per_row = per_row.where(led["step"].isin(chosen), 0.0)
