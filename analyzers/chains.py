@@ -107,7 +107,12 @@ def _workers_prescribed(f):
 
 
 def _with_ledger_lines(f, run):
-    if f.removes or f.id not in LEDGER_LINES:
+    if f.removes:
+        return f
+    if f.id == "steps.periodic_slow" and f.evidence.get("io_in_slow_steps") \
+            and "io_explains_share_of_excess" not in f.evidence:
+        return replace(f, removes={"categories": ["io"]})  # the timed save is the slow steps' cost
+    if f.id not in LEDGER_LINES:
         return f
     cats, per_step = LEDGER_LINES[f.id]
     removes = {"categories": list(cats)}

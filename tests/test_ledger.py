@@ -89,19 +89,30 @@ def test_startup_is_its_own_row(getitem_run):
 
 
 def test_torch_save_is_io_in_the_steps_that_save_with_its_line(tmp_path):
-    run, proc = _run(tmp_path, "checkpoint_every.py", "--steps", "12", "--save-every", "4")
+    run, proc = _run(tmp_path, "checkpoint_every.py", "--steps", "16", "--save-every", "4")
     led = run.ledger.set_index("step")
     _assert_sums_exactly(run.ledger)
-    # the job saves after the optimizer step of steps 3 and 7 and 11: inside steps 4 and 8 (the
-    # step boundary is the optimizer step); the save after step 11 ends the job
+    # the job saves after the optimizer step of steps 3, 7, 11 and 15: inside steps 4, 8 and 12
+    # (the step boundary is the optimizer step); the save after step 15 ends the job
     saving = set(led.index[led["io_s"] > 0])
-    assert saving == {4, 8}, led["io_s"]
+    assert saving == {4, 8, 12}, led["io_s"]
     spans = run.spans[run.spans["cat"] == "io"]
     assert len(spans) >= 4 and set(spans["call"]) == {"torch.save"}
     caller = spans["caller"].iloc[0]
     with open(os.path.join(JOBS, "checkpoint_every.py")) as f:
         line = next(i for i, text in enumerate(f, 1) if "torch.save(" in text)
     assert caller["file"].endswith("checkpoint_every.py") and caller["line"] == line
+    # the periodic finding names the call, its line and the period; its saving is the io line
+    found = [f for f in traindx.analyze(run) if f.id == "steps.periodic_slow"]
+    assert len(found) == 1, [(f.id, f.title) for f in traindx.analyze(run)]
+    f = found[0]
+    assert f.evidence["period"] == 4 and f.cause is None
+    assert f"torch.save at {caller['file']}:{line}" in f.summary
+    assert f"torch.save at {caller['file']}:{line} runs every 4 steps" in f.prescriptions[0].summary
+    assert f.removes == {"categories": ["io"]}
+    steady = L.steady_rows(run)
+    assert f.prescriptions[0].expected_gain_s_per_step == pytest.approx(steady["io_s"].mean())
+    assert f"checkpoint_every.py:{line}" in proc.stderr
 
 
 # -- the sweep itself ----------------------------------------------------------------------------
