@@ -31,11 +31,10 @@ def analyze(run, only=None):
     # one pass over all findings: symptoms under their causes, savings from the time ledger
     from . import chains
 
-    findings = chains.link(findings)
     try:
-        findings = chains.apply_savings(findings, run)
-    except Exception as exc:  # the ledger must never cost the user the findings themselves
+        findings = chains.apply_savings(chains.link(findings), run)
+    except Exception as exc:  # the linking must never cost the user the findings themselves
         findings.append(Finding(
-            id="traindx.analyzer_failed.savings", title="predicting savings from the ledger failed",
+            id="traindx.analyzer_failed.chains", title="linking causes and savings failed",
             severity="info", analyzer="chains", summary=f"{type(exc).__name__}: {exc}"))
     return rank_findings(findings)
