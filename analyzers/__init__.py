@@ -28,4 +28,13 @@ def analyze(run, only=None):
             findings.append(Finding(
                 id=f"traindx.analyzer_failed.{name}", title=f"analyzer '{name}' failed",
                 severity="info", analyzer=name, summary=f"{type(exc).__name__}: {exc}"))
+    # one pass over all findings: symptoms under their causes, savings from the time ledger
+    from . import chains
+
+    try:
+        findings = chains.apply_savings(chains.link(findings), run)
+    except Exception as exc:  # the linking must never cost the user the findings themselves
+        findings.append(Finding(
+            id="traindx.analyzer_failed.chains", title="linking causes and savings failed",
+            severity="info", analyzer="chains", summary=f"{type(exc).__name__}: {exc}"))
     return rank_findings(findings)

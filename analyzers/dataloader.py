@@ -63,6 +63,28 @@ def _from_pyspy(run, rank):
             "method": f"main-thread py-spy seconds inside DataLoader.__next__ {method}"}
 
 
+def _from_ledger(run, rank):
+    """The measured wait: the shim times every DataLoader iterator __next__ on the training
+    thread (the `data` line of the time ledger), over the steady steps. Unlike py-spy's sample
+    counts it does not shrink when py-spy is starved of CPU; py-spy still names the code."""
+    from traindx import ledger
+
+    if not ledger.has_spans(run):
+        return None
+    led = ledger.steady_rows(run, rank)
+    if not len(led):
+        led = ledger.rows(run, rank)
+    wall = float(led["wall_s"].sum()) if len(led) else 0.0
+    if wall <= 0:
+        return None
+    waiting = float(led["data_s"].sum())
+    spy = _from_pyspy(run, rank) or {}
+    return {"source": "time ledger", "share": waiting / wall, "seconds": waiting,
+            "per_step_s": waiting / len(led), "hot": spy.get("hot") or [],
+            "method": "shim-timed DataLoader.__next__ seconds on the training thread / wall "
+                      "seconds of the steady steps (time ledger); py-spy names the code inside"}
+
+
 def _from_trace(run, rank):
     trace = run.torch_trace
     if not len(trace):
@@ -171,13 +193,14 @@ def analyze(run):
     findings = []
     ranks = sorted(set(run.steps["rank"])) if len(run.steps) else []
     for rank in ranks:
-        measured = _from_pyspy(run, rank) or _from_trace(run, rank)
+        measured = _from_ledger(run, rank) or _from_pyspy(run, rank) or _from_trace(run, rank)
         trace_view = _from_trace(run, rank)
         if measured is None or measured["share"] < MIN_SHARE:
             continue
         step_s = ev.median_step_s(run, rank)
         share = measured["share"]
-        lost = share * step_s if step_s else None
+        lost = measured.get("per_step_s") if measured["source"] == "time ledger" else (
+            share * step_s if step_s else None)
         loader = _pick_loader(run, rank)
         hot = measured["hot"] or (trace_view or {}).get("hot") or []
         hot_function = hot[0]["frame"] if hot else None

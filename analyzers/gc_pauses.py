@@ -17,6 +17,21 @@ def _is_megatron(command):
     return "megatron" in text.lower() or "pretrain_gpt" in text or "pretrain_mamba" in text
 
 
+def _from_ledger(run, rank, lost, share):
+    """(seconds per steady step, share) of GC from the time ledger: the shim's long GC pauses
+    as intervals, each counted once even inside a data wait or a backward. Without the shim's
+    spans (older runs), the per-step aggregates above stand."""
+    from traindx import ledger
+
+    if not ledger.has_spans(run):
+        return lost, share
+    led = ledger.steady_rows(run, rank)
+    wall = float(led["wall_s"].sum()) if len(led) else 0.0
+    if not wall:
+        return lost, share
+    return float(led["gc_s"].mean()), float(led["gc_s"].sum()) / wall
+
+
 def analyze(run):
     findings = []
     gc = run.gc
@@ -36,6 +51,7 @@ def analyze(run):
         mean_step_s = float(steady["duration_s"].mean())
         lost = float(full["total_s"].sum()) / n_steps
         share = lost / mean_step_s if mean_step_s else 0.0
+        lost, share = _from_ledger(run, rank, lost, share)
         if share < MIN_SHARE:
             continue
         steps_hit = sorted(int(s) for s in full["step"])

@@ -78,7 +78,11 @@ def _analyze_rank(run, rank, recording_all, recording_gil):
         # steps, of the main thread's time (imports excluded). Not of the thread's own life:
         # py-spy sees a thread only while it runs Python (an autograd thread waiting in C++ has
         # no Python stack, so its "life" would be its compiles alone)
-        window_s = ev.steps_seconds(run, rank) or wall_s
+        # of the main thread's sampled seconds (imports excluded): both sides are py-spy sample
+        # counts, so the share holds when py-spy is starved of CPU on a busy machine (a share of
+        # wall-clock step seconds would shrink with the samples taken); the seconds lost per
+        # step are that share of the step's wall time from the shim
+        window_s = wall_s
         share = min(1.0, held_s / window_s)
         if share < MIN_SHARE or n_samples < MIN_SAMPLES:
             continue
@@ -94,12 +98,12 @@ def _analyze_rank(run, rank, recording_all, recording_gil):
         evidence = {
             "rank": rank, "thread": label, "thread_id": tid,
             "gil_seconds": round(held_s, 3), "window_seconds": round(window_s, 3),
-            "gil_share": round(share, 3),
+            "gil_share": round(share, 3), "compiling": compiling,
             "main_thread_gil_share": round(main_held_s / wall_s, 3),
             "hottest_frames": ev.frames_evidence(hot),
             "hottest_leaf_frames": ev.frames_evidence(leaves),
-            "method": "py-spy --gil seconds of the thread / seconds of the steps (the shim), or "
-                      "of the main thread without steps; imports excluded",
+            "method": "py-spy --gil seconds of the thread / py-spy seconds of the main thread "
+                      "(--idle recording); imports excluded",
         }
         severity, share_lost = ev.severity_for_share(share), share
         warmup_only = ""
@@ -148,8 +152,8 @@ def _analyze_rank(run, rank, recording_all, recording_gil):
                   f"on rank {rank}" if "steady_window" in evidence else
                   f"Thread '{label}' holds the GIL {share:.0%} of the time on rank {rank}",
             severity=severity, analyzer="gil",
-            summary=(f"'{label}' held the GIL for {held_s:.1f} s of {window_s:.1f} s of steps "
-                     f"({share:.0%}); the main thread held it {main_held_s / wall_s:.0%}. "
+            summary=(f"'{label}' held the GIL for {held_s:.1f} s of the {window_s:.1f} s sampled "
+                     f"on the main thread ({share:.0%}); the main thread held it {main_held_s / wall_s:.0%}. "
                      f"Its hottest code: {where}. The main thread waits for the GIL whenever it "
                      "needs Python while this thread has it." + warmup_only),
             seconds_lost_per_step=lost, share_of_step=share_lost, evidence=evidence,

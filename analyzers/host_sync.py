@@ -115,6 +115,11 @@ def _analyze_rank(run, rank, trace):
                 "line_note": "torch.profiler names a function by its first line (or, for one "
                              "already running when the window opened, the line it stood on); "
                              "torch.cuda.set_sync_debug_mode('warn') prints the exact line on a GPU"}
+    blocked = _ledger_sync(run, rank)
+    if blocked is not None:
+        # the host's side, every step of the run (the shim times syncs on CUDA tensors): how long
+        # the training thread waited in them; mostly the GPU finishing queued work, so not the cost
+        evidence["host_blocked_in_syncs_s_per_step"] = round(blocked, 6)
     if has_cuda:
         summary = (f"{count:.0f} syncs per step leave the GPU idle {lost * 1000:.1f} ms per step "
                    f"({share:.0%}) until the CPU queues the next kernel; the most costly in {where}.")
@@ -134,6 +139,18 @@ def _analyze_rank(run, rank, trace):
         severity=severity, analyzer="host_sync", summary=summary,
         steps_affected=tuple(int(s) for s in steps["step"]), seconds_lost_per_step=lost,
         share_of_step=share, evidence=evidence, prescriptions=prescriptions, ranks=(rank,))]
+
+
+def _ledger_sync(run, rank):
+    """Seconds per steady step the training thread spent in syncs (the ledger's sync line), or
+    None without the shim's sync spans (CPU runs, older runs)."""
+    from traindx import ledger
+
+    spans = run.spans
+    if not len(spans) or not ((spans["rank"] == rank) & (spans["cat"] == "sync")).any():
+        return None
+    led = ledger.steady_rows(run, rank)
+    return float(led["sync_s"].mean()) if len(led) else None
 
 
 def analyze(run):

@@ -297,6 +297,23 @@ def _leak_prescriptions(run, where, caller, source, gain, backward_only):
     return out
 
 
+def _ledger_cost(run, rank, after, lost, share, category):
+    """(seconds per step, share of the step) of a recompiling kernel, from the time ledger: its
+    own compile seconds per step, but never more than the exclusive `category` seconds of the
+    ledger over the same steps (nested or overlapping compile events count once), as a share
+    of those steps' wall time. Unchanged when the ledger has none of these steps."""
+    if lost is None or not len(after):
+        return lost, share
+    led = run.ledger
+    led = led[(led["rank"] == rank) & led["step"].isin(set(int(s) for s in after["step"]))]
+    if not len(led):
+        return lost, share
+    exclusive = float(led[f"{category}_s"].mean())
+    wall = float(led["wall_s"].mean())
+    lost = min(lost, exclusive)
+    return lost, (min(1.0, lost / wall) if wall else share)
+
+
 def _steady_finding(run, rank, kind, kernel, group, steps):
     """A kernel compiled again after the step it first compiled in: a finding, or None."""
     first_step = _col(next(group.itertuples()), "step")
@@ -315,6 +332,7 @@ def _steady_finding(run, rank, kind, kernel, group, steps):
     share = (lost / median_after) if lost is not None and median_after else None
     if share is not None:
         share = min(share, 1.0)
+    lost, share = _ledger_cost(run, rank, after, lost, share, "compile")
     changed, identity, example, identical_pairs = _key_history(group)
     tensor_fields = _tensor_fields(group)
     threads, on_main = _threads(group)
@@ -497,6 +515,7 @@ def _autotune_finding(run, rank, kernel, group, steps):
     lost = float(later["duration_s"].sum()) / n_after
     median_after = float(after["duration_s"].median()) if len(after) else None
     share = min(lost / median_after, 1.0) if median_after else None
+    lost, share = _ledger_cost(run, rank, after, lost, share, "autotune")
     fields = [f for f, _ in changed.most_common()]
     is_fla = any(_FLA_PATH.search(str((_col(r, "caller") or {}).get("file", "")))
                  or str(_col(r, "module") or "").startswith("fla.") for r in group.itertuples()) \
@@ -570,6 +589,8 @@ def _dynamo_finding(run, rank, group, steps):
     lost = float(later["duration_s"].sum()) / n_after if len(later) else 0.0
     median_after = float(after["duration_s"].median()) if len(after) else None
     share = min(lost / median_after, 1.0) if median_after else None
+    if len(later):
+        lost, share = _ledger_cost(run, rank, after, lost, share, "compile")
     raw = [_strip_compile_id(r) for r in recompiles["recompile_reason"] if isinstance(r, str) and r]
     reasons = collections.Counter(_VALUES.sub("", r) for r in raw)
     if not reasons:

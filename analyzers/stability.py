@@ -4,6 +4,7 @@ of what remains."""
 import re
 from collections import Counter
 
+import numpy as np
 import pandas as pd
 
 from traindx.findings import Finding, Prescription
@@ -18,33 +19,55 @@ MIN_EXCESS_S = 0.005       # ...and at least this much slower in absolute terms
 MIN_OCCURRENCES = 3
 MIN_PRECISION = 0.75       # of the slow steps, the share that fall on the period
 MIN_RECALL = 0.75          # of the steps on the period, the share that are slow
+CANDIDATE_PERIODS = 8      # periods proposed by the autocorrelation that are scored exactly
 CV_INFO = 0.20
 CV_LOW = 0.50
 
 
 def find_period(steps, durations):
-    """(period, residue, slow step numbers) of the best periodic pattern, or None."""
-    median = float(pd.Series(durations).median())
-    slow = {s for s, d in zip(steps, durations)
-            if d > SLOW_FACTOR * median and d - median > MIN_EXCESS_S}
+    """(period, residue, slow step numbers) of the best periodic pattern, or None.
+
+    O(N log N) for N steps: the autocorrelation of the slow-step indicator (one FFT) proposes
+    the few periods at which slow steps recur; only those are scored (precision and recall of
+    the best residue, one bincount each)."""
+    durations = np.asarray(durations, dtype=float)
+    steps = np.asarray(steps, dtype=np.int64)
+    if not len(steps):
+        return None
+    median = float(np.median(durations))
+    is_slow = (durations > SLOW_FACTOR * median) & (durations - median > MIN_EXCESS_S)
+    slow = steps[is_slow]
     if len(slow) < MIN_OCCURRENCES:
         return None
+    max_period = len(steps) // MIN_OCCURRENCES
+    if max_period < 2:
+        return None
+    base = int(steps.min())
+    span = int(steps.max()) - base + 1
+    x = np.zeros(span)
+    x[slow - base] = 1.0
+    size = 1 << int(2 * span - 1).bit_length()
+    f = np.fft.rfft(x, size)
+    auto = np.fft.irfft(f * np.conj(f), size)[: max_period + 1].round()
+    periods = np.arange(2, max_period + 1)
+    lags = auto[2: max_period + 1]
+    order = np.lexsort((periods, -lags))          # most recurrences first, then shortest
     best = None
-    for period in range(2, len(steps) // MIN_OCCURRENCES + 1):
-        for residue in range(period):
-            on = [s for s in steps if s % period == residue]
-            hits = [s for s in on if s in slow]
-            if len(hits) < MIN_OCCURRENCES:
-                continue
-            precision, recall = len(hits) / len(slow), len(hits) / len(on)
+    for period in periods[order][:CANDIDATE_PERIODS]:
+        period = int(period)
+        hits = np.bincount((slow - base) % period, minlength=period)
+        on = np.bincount((steps - base) % period, minlength=period)
+        for residue in np.flatnonzero(hits >= MIN_OCCURRENCES):
+            precision, recall = hits[residue] / len(slow), hits[residue] / on[residue]
             if precision < MIN_PRECISION or recall < MIN_RECALL:
                 continue
             score = (2 * precision * recall / (precision + recall), -period)
             if best is None or score > best[0]:
-                best = (score, period, residue, hits)
+                best = (score, period, int((residue + base) % period))
     if best is None:
         return None
-    return best[1], best[2], best[3]
+    _, period, residue = best
+    return period, residue, [int(s) for s in slow if s % period == residue]
 
 
 def _normalise(text):
@@ -70,9 +93,48 @@ def _log_in_steps(run, step_rows):
     return found
 
 
+def _io_in_steps(run, rank, step_rows):
+    """The checkpoint/file writes the shim timed inside the given steps, by call and caller:
+    [{"call", "caller", "steps", "seconds_per_step"}], most time first."""
+    spans = run.spans
+    if not len(spans) or not len(step_rows):
+        return []
+    io = spans[(spans["rank"] == rank) & (spans["cat"] == "io")]
+    if not len(io):
+        return []
+    starts = step_rows["start_ns"].to_numpy(np.int64)
+    ends = step_rows["end_ns"].to_numpy(np.int64)
+    order = np.argsort(starts)
+    starts, ends = starts[order], ends[order]
+    idx = np.searchsorted(starts, io["start_ns"].to_numpy(np.int64), side="right") - 1
+    inside = (idx >= 0) & (io["start_ns"].to_numpy(np.int64) < ends[np.maximum(idx, 0)])
+    groups = {}
+    for row, step_i in zip(io[inside].itertuples(), idx[inside]):
+        caller = row.caller if isinstance(row.caller, dict) else None
+        key = (row.call if isinstance(row.call, str) else "file write",
+               (caller or {}).get("file"), (caller or {}).get("line"))
+        g = groups.setdefault(key, {"call": key[0], "caller": caller, "steps": set(), "ns": 0})
+        g["steps"].add(int(step_i))
+        g["ns"] += int(row.end_ns) - int(row.start_ns)
+    out = [{"call": g["call"], "caller": g["caller"], "steps": len(g["steps"]),
+            "seconds_per_step": round(g["ns"] / 1e9 / len(g["steps"]), 4)} for g in groups.values()]
+    return sorted(out, key=lambda g: -g["seconds_per_step"] * g["steps"])
+
+
+def _call_text(io):
+    caller = io.get("caller") or {}
+    where = f" at {caller.get('file')}:{caller.get('line')}" if caller.get("file") else ""
+    return f"{io['call']}{where}"
+
+
 def _causes(run, rank, slow_rows, normal_rows):
-    """What the slow steps have that the others do not: log lines, gen-2 collections."""
+    """What the slow steps have that the others do not: checkpoint/file writes (the shim's
+    timed torch.save/DCP calls, with the job's line), log lines, gen-2 collections."""
     causes = {}
+    io = [g for g in _io_in_steps(run, rank, slow_rows)
+          if g["steps"] >= max(2, 0.6 * len(slow_rows))]
+    if io:
+        causes["io_in_slow_steps"] = io[:3]
     in_slow = _log_in_steps(run, slow_rows)
     in_normal = _log_in_steps(run, normal_rows)
     lines = [(text, n) for text, n in in_slow.most_common()
@@ -92,7 +154,22 @@ def _causes(run, rank, slow_rows, normal_rows):
 def _periodic_prescriptions(run, causes, lost, period):
     text = " ".join(c["text"] for c in causes.get("log_lines_in_slow_steps", [])).lower()
     out = []
-    if "checkpoint" in text or "saving" in text or "save" in text:
+    io = causes.get("io_in_slow_steps")
+    if io:
+        if any("megatron" in a.lower() or "pretrain_" in a for a in run.command):
+            out.append(Prescription(
+                kind="arg", summary="Megatron: --async-save (with --ckpt-format torch_dist) writes "
+                                    "checkpoints in the background",
+                change={"arg": {"framework": "megatron", "set": {"--async-save": True}}},
+                expected_gain_s_per_step=lost))
+        out.append(Prescription(
+            kind="code",
+            summary=f"{_call_text(io[0])} runs every {period} steps on the critical path "
+                    f"({io[0]['seconds_per_step']:.2f} s each time): save asynchronously "
+                    "(torch.distributed.checkpoint.async_save, or a background thread that writes "
+                    "a CPU copy of the state), or less often",
+            expected_gain_s_per_step=lost))
+    elif "checkpoint" in text or "saving" in text or "save" in text:
         if any("megatron" in a.lower() or "pretrain_" in a for a in run.command):
             out.append(Prescription(
                 kind="arg", summary="Megatron: --async-save (with --ckpt-format torch_dist) writes "
@@ -118,6 +195,28 @@ def _periodic_prescriptions(run, causes, lost, period):
     return out
 
 
+def _io_from_ledger(run, rank, steady, causes, lost, share):
+    """With a timed write behind the slow steps, what removing it saves is the ledger's
+    checkpoint/io seconds per steady step (exact, and unchanged by a busy machine); otherwise
+    the slow steps' excess over the others stands."""
+    if not causes.get("io_in_slow_steps"):
+        return lost, share
+    from traindx import ledger
+
+    led = ledger.rows(run, rank, steady["step"])
+    wall = float(led["wall_s"].sum()) if len(led) else 0.0
+    if not wall:
+        return lost, share
+    io_lost = float(led["io_s"].mean())
+    causes["io_seconds_per_step"] = round(io_lost, 4)
+    if io_lost < 0.5 * lost:
+        # the timed call is a small part of what the slow steps add (the job's own writes
+        # around it, a copy to remote storage): the excess stands, the call is named
+        causes["io_explains_share_of_excess"] = round(io_lost / lost, 3) if lost else None
+        return lost, share
+    return io_lost, float(led["io_s"].sum()) / wall
+
+
 def _analyze_rank(run, rank):
     findings = []
     steady = ev.steady_steps(run, rank).sort_values("step")
@@ -138,8 +237,13 @@ def _analyze_rank(run, rank):
         lost = excess / len(steady)
         share = lost / mean if mean else 0.0
         causes = _causes(run, rank, slow_rows, normal_rows)
+        lost, share = _io_from_ledger(run, rank, steady, causes, lost, share)
         cause_text = ""
-        if causes.get("log_lines_in_slow_steps"):
+        if causes.get("io_in_slow_steps"):
+            io = causes["io_in_slow_steps"][0]
+            cause_text = (f" In them the job calls {_call_text(io)} "
+                          f"({io['seconds_per_step']:.2f} s each time, timed by the shim).")
+        elif causes.get("log_lines_in_slow_steps"):
             cause_text = f" In them the job printed: '{causes['log_lines_in_slow_steps'][0]['text']}'."
         elif causes.get("gen2_gc_in_slow_steps"):
             cause_text = " They hold full (gen-2) garbage collections."

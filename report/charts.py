@@ -420,3 +420,66 @@ def rank_heatmap(timeline, max_cols=300):
                f'<text x="{WIDTH - RIGHT}" y="{height - 4}" class="tick" text-anchor="end">step {cols[-1]}</text>')
     out.append("</svg>")
     return Markup("".join(out))
+
+
+LEDGER_COLOURS = {
+    "compile": "#e4572e", "autotune": "#9c51b6", "gc": "#e3a21a", "io": "#8c564b",
+    "sync": "#17a2b8", "collective": "#2ca58d", "data": "#f08a24", "optimizer": "#6f42c1",
+    "forward_backward": "#5b8def", "unexplained": "#c5cbd3",
+}
+
+
+def ledger_chart(ledger):
+    """The time ledger: one stacked bar per step (its wall time split into the measured
+    categories, unexplained on top) and under it one bar of the run total."""
+    if not ledger or not ledger.get("available") or not ledger.get("bars"):
+        return Markup("")
+    bars, cats, labels = ledger["bars"], ledger["categories"], ledger["labels"]
+    height, top, bottom = 300, 10, 200
+    peak = max(b["wall_s"] for b in bars) or 1e-9
+    ticks = _nice_ticks(0.0, peak)
+    y = _Scale(0.0, max([peak] + ticks), bottom, top)
+    bar_w = (WIDTH - RIGHT - LEFT) / len(bars)
+    out = [f'<svg class="chart ledger" viewBox="0 0 {WIDTH} {height}" role="img" '
+           f'aria-label="time ledger per step">']
+    for t in ticks:
+        out.append(f'<line x1="{LEFT}" x2="{WIDTH - RIGHT}" y1="{_f(y(t))}" y2="{_f(y(t))}" class="grid"/>'
+                   f'<text x="{LEFT - 6}" y="{_f(y(t) + 4)}" class="tick" text-anchor="end">{escape(fmt_tick(t))}</text>')
+    for i, b in enumerate(bars):
+        x0 = LEFT + i * bar_w
+        base = 0.0
+        name = f"step {b['step']}" if b["step"] == b["last_step"] else f"steps {b['step']}–{b['last_step']} (mean)"
+        for c in cats:
+            v = b["parts"].get(c, 0.0)
+            if v <= 0:
+                continue
+            y1, y0 = y(base + v), y(base)
+            tip = f"{name}: {labels[c]} {fmt_s(v)} of {fmt_s(b['wall_s'])}"
+            out.append(f'<rect x="{_f(x0)}" y="{_f(y1)}" width="{_f(max(bar_w - 0.6, 0.4))}" '
+                       f'height="{_f(max(y0 - y1, 0.2))}" fill="{LEDGER_COLOURS.get(c, "#999")}" '
+                       f'data-cat="{escape(c)}"><title>{escape(tip)}</title></rect>')
+            base += v
+    out.append(f'<text x="{LEFT}" y="{bottom + 14}" class="tick">step {bars[0]["step"]}</text>'
+               f'<text x="{WIDTH - RIGHT}" y="{bottom + 14}" class="tick" text-anchor="end">'
+               f'step {bars[-1]["last_step"]}</text>')
+    # the run total: one horizontal bar, same colours
+    total = ledger["total"]
+    all_s = sum(total.values()) or 1e-9
+    ty, th = bottom + 40, 22
+    out.append(f'<text x="{LEFT - 6}" y="{ty + 15}" class="tick" text-anchor="end">total</text>')
+    x0 = LEFT
+    span = WIDTH - RIGHT - LEFT
+    for c in cats:
+        v = total.get(c, 0.0)
+        if v <= 0:
+            continue
+        w = span * v / all_s
+        tip = f"all steps: {labels[c]} {fmt_s(v)} ({v / all_s:.0%})"
+        out.append(f'<rect x="{_f(x0)}" y="{ty}" width="{_f(max(w, 0.4))}" height="{th}" '
+                   f'fill="{LEDGER_COLOURS.get(c, "#999")}" data-cat="{escape(c)}"><title>{escape(tip)}</title></rect>')
+        if w > 70:
+            out.append(f'<text x="{_f(x0 + 4)}" y="{ty + 15}" class="tick" fill="#fff">'
+                       f'{escape(labels[c])} {v / all_s:.0%}</text>')
+        x0 += w
+    out.append("</svg>")
+    return Markup("".join(out))

@@ -292,8 +292,18 @@ def compile_groups(compiles):
 
 
 def _gc_by_step(run):
-    """{(rank, step): seconds in GC}."""
+    """{(rank, step): seconds in GC}: the ledger's gc line when the shim timed GC pauses as
+    intervals (start-up's collections then stay in start-up, not in step 0), else the shim's
+    per-step aggregates."""
     out = {}
+    try:
+        from traindx import ledger as L
+
+        if L.has_spans(run):
+            led = run.ledger
+            return {(str(r), int(st)): float(g) for r, st, g in zip(led["rank"], led["step"], led["gc_s"])}
+    except Exception:
+        pass
     gc = run.gc
     if len(gc) and "total_s" in gc:
         for g in gc.itertuples():
@@ -709,11 +719,75 @@ def gpu_view(run, t0):
     return {"available": True, "series": series, "throttle": notes}
 
 
+# -- the time ledger -------------------------------------------------------------------------------
+def ledger_view(run, rank=None):
+    """The time ledger of one rank (the given one, else the slowest by mean step): per-step
+    stacked parts (binned beyond MAX_STEP_BARS), the run total per category, start-up, and the
+    one-line breakdown of the steady steps."""
+    from traindx import ledger as L
+
+    led = run.ledger
+    if not len(led):
+        return {"available": False}
+    if rank is None:
+        means = led.groupby("rank")["wall_s"].mean()
+        rank = means.idxmax()
+    mine = led[led["rank"] == rank].sort_values("step")
+    cats = [c for c in L.CATEGORIES + ("unexplained",) if float(mine[f"{c}_s"].sum()) > 0]
+    bin_size = max(1, math.ceil(len(mine) / MAX_STEP_BARS))
+    bars = []
+    for i in range(0, len(mine), bin_size):
+        chunk = mine.iloc[i:i + bin_size]
+        bars.append({"step": int(chunk["step"].iloc[0]), "last_step": int(chunk["step"].iloc[-1]),
+                     "wall_s": float(chunk["wall_s"].mean()),
+                     "parts": {c: float(chunk[f"{c}_s"].mean()) for c in cats}})
+    total = {c: float(mine[f"{c}_s"].sum()) for c in cats}
+    startup = run.startup_ledger
+    startup = startup[startup["rank"] == rank]
+    start = None
+    if len(startup):
+        row = startup.iloc[0]
+        start = {"wall_s": float(row["wall_s"]),
+                 "parts": {c: float(row[f"{c}_s"]) for c in L.CATEGORIES + ("unexplained",)
+                           if float(row[f"{c}_s"]) > 0}}
+    steady = L.steady_rows(run, rank)
+    return {"available": True, "rank": str(rank), "categories": cats,
+            "labels": {c: L.LABELS[c] for c in L.CATEGORIES + ("unexplained",)},
+            "bars": bars, "bin_size": bin_size, "total": total,
+            "total_wall_s": float(mine["wall_s"].sum()), "startup": start,
+            "line": L.breakdown_text(steady if len(steady) else mine),
+            "ranks": int(led["rank"].nunique())}
+
+
+def _ledger_mean_step(run):
+    """The mean steady step of the slowest rank, from the ledger (None without steps)."""
+    try:
+        from traindx import ledger as L
+
+        steady = L.steady_rows(run)
+        return float(steady.groupby("rank")["wall_s"].mean().max()) if len(steady) else None
+    except Exception:
+        return None
+
+
 # -- findings -------------------------------------------------------------------------------------
 def rank_for_report(findings):
-    """Problems before information, then by seconds lost per step, then by severity."""
-    return sorted(findings, key=lambda f: (f.severity == "info", -(f.seconds_lost_per_step or 0.0),
-                                           -SEVERITIES.index(f.severity)))
+    """Root causes before symptoms (each symptom right under its cause), problems before
+    information, then by seconds lost per step, then by severity."""
+    def key(f):
+        return (f.severity == "info", -(f.seconds_lost_per_step or 0.0), -SEVERITIES.index(f.severity))
+
+    roots = sorted((f for f in findings if getattr(f, "cause", None) is None), key=key)
+    symptoms = sorted((f for f in findings if getattr(f, "cause", None) is not None), key=key)
+    out, placed = [], set()
+    for root in roots:
+        out.append(root)
+        for i, sym in enumerate(symptoms):
+            if i not in placed and sym.cause == root.id and (
+                    not root.ranks or not sym.ranks or set(root.ranks) & set(sym.ranks)):
+                out.append(sym)
+                placed.add(i)
+    return out + [sym for i, sym in enumerate(symptoms) if i not in placed]
 
 
 def prescription_text(p):
@@ -821,17 +895,24 @@ def _finding_view(f, compiles):
         "compiles_more": max(0, len(related) - FINDING_COMPILE_ROWS),
         "compile_groups": compile_groups(related) if len(related) > FINDING_COMPILE_ROWS else [],
         "shows_gil": f.analyzer in ("gil", "jit") or "gil" in f.id,
+        "cause": getattr(f, "cause", None),
+        "cause_anchor": re.sub(r"[^a-zA-Z0-9_-]", "-", f.cause) if getattr(f, "cause", None) else None,
+        "symptoms": list(getattr(f, "symptoms", ()) or ()),
     }
 
 
-def verdict(findings_view, median_step, cause_counts=None, steps=()):
-    """The one change to make: the first finding (ranked) with a prescription and a loss."""
+def verdict(findings_view, median_step, cause_counts=None, steps=(), mean_step=None):
+    """The one change to make: the first finding (ranked) with a prescription and a loss.
+    Savings are per mean step (the ledger's lines): the speed-up is against the mean steady
+    step when the ledger gives one, else the median."""
     for f in findings_view:
-        if f["severity"] == "info" or not f["prescriptions"]:
-            continue
+        if f["severity"] == "info" or not f["prescriptions"] or f.get("cause"):
+            continue  # the headline is a root cause, never a symptom
         p = f["prescriptions"][0]
         gain = p["expected_gain_s"] if p["expected_gain_s"] is not None else f["seconds_lost_per_step"]
         speedup = None
+        if mean_step and gain and gain <= mean_step:
+            median_step = mean_step
         if gain and median_step and 0 < gain < median_step:
             speedup = median_step / (median_step - gain)
         share = f["share_of_step"]
@@ -841,7 +922,7 @@ def verdict(findings_view, median_step, cause_counts=None, steps=()):
                 "speedup": speedup, "median_step_s": median_step,
                 "after_step_s": (median_step - gain) if speedup else None,
                 "text": p["text"], "text_kind": p["text_kind"], "automatic": p["automatic"]}
-    problems = [f for f in findings_view if f["severity"] != "info"]
+    problems = [f for f in findings_view if f["severity"] != "info" and not f.get("cause")]
     if problems:
         f = problems[0]
         return {"kind": "problem", "headline": f["title"], "finding_title": f["title"],
@@ -963,9 +1044,22 @@ def _core(run, findings):
              "gap_s": sum(g["duration_s"] for g in gaps if g["rank"] == first_rank),
              "longest_gap": max((g for g in gaps if g["rank"] == first_rank),
                                 key=lambda g: g["duration_s"], default=None)}
+    try:
+        ledger = ledger_view(run)
+    except Exception as exc:  # the report still renders without its ledger
+        ledger = {"available": False, "error": f"{type(exc).__name__}: {exc}"}
+    stats["ledger_line"] = ledger.get("line")
+    stats["startup_line"] = None
+    if ledger.get("available") and len(run.startup_ledger):
+        from traindx.ledger import startup_text
+
+        start = run.startup_ledger
+        start = start[start["rank"] == ledger["rank"]] if (start["rank"] == ledger["rank"]).any() else start
+        stats["startup_line"] = startup_text(start.iloc[0])
     missing = missing_evidence(run)
-    core = {"run": meta, "missing": missing, "missing_summary": missing_summary(missing),
-            "verdict": verdict(findings_view, steady_median, cause_counts, all_steps), "stats": stats,
+    core = {"run": meta, "ledger": ledger, "missing": missing, "missing_summary": missing_summary(missing),
+            "verdict": verdict(findings_view, steady_median, cause_counts, all_steps,
+                               mean_step=_ledger_mean_step(run)), "stats": stats,
             "findings": findings_view, "causes": CAUSES}
     return core, {"t0": t0, "step_rows": step_rows, "compiles": compiles, "worst": worst,
                   "all_steps": all_steps, "cause_counts": cause_counts, "losses": losses,

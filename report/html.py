@@ -50,13 +50,14 @@ def render_html(data):
         "lanes": charts.thread_lanes(data["lanes"]),
         "gpu": charts.gpu_charts(data["gpu"], data["timeline"]),
         "heatmap": charts.rank_heatmap(data["timeline"]),
+        "ledger": charts.ledger_chart(data.get("ledger")),
     }
     template = _environment().get_template("report.html.j2")
     # CSS and JS are ours, not the job's: inserted verbatim (Markup), so the hash stays exact
     return template.render(data=data, charts=drawn, css=Markup(_asset("report.css")), js=Markup(js),
                            script_hash=script_hash, colours=charts.CAUSE_COLOURS,
                            frame_colours=charts.FRAME_COLOURS, state_colours=charts.STATE_COLOURS,
-                           version=_version())
+                           ledger_colours=charts.LEDGER_COLOURS, version=_version())
 
 
 def write_report(run, findings, path=None, comparison=None):

@@ -110,6 +110,10 @@ def print_summary(run, findings, report_path=None, console=None):
         if st["compiles"]:
             line += f" · {st['compiles']} JIT compiles, {_fmt_s(st['compile_s'])}"
         console.print(line, markup=False, highlight=False)
+        if st.get("ledger_line"):
+            console.print(st["ledger_line"], markup=False, highlight=False)
+        if st.get("startup_line"):
+            console.print(st["startup_line"], markup=False, highlight=False, style="dim")
     else:
         console.print("no optimizer steps were recorded", markup=False)
     if v["kind"] == "change":
@@ -141,10 +145,13 @@ def print_summary(run, findings, report_path=None, console=None):
         table.add_column("first prescription", ratio=2, overflow="ellipsis", max_width=48)
         for f in problems[:SUMMARY_ROWS]:
             lost = "-" if f["seconds_lost_per_step"] is None else _fmt_s(f["seconds_lost_per_step"])
+            if f.get("cause"):  # a symptom, printed under its cause: its seconds are the cause's
+                lost = f"({lost})"
+            title = Text(f"  ↳ symptom: {f['title']}", style="dim") if f.get("cause") else Text(f["title"])
+            first = f["prescriptions"][0]["summary"] if f["prescriptions"] else (
+                "fix the cause above" if f.get("cause") else "")
             table.add_row(Text(f["severity"], style=SEVERITY_STYLE.get(f["severity"], "")),
-                          Text(f["title"]), lost,
-                          Text(f["prescriptions"][0]["summary"] if f["prescriptions"] else "",
-                               no_wrap=True, overflow="ellipsis"))
+                          title, lost, Text(first, no_wrap=True, overflow="ellipsis"))
         console.print(table)
         if len(problems) > SUMMARY_ROWS:
             console.print(f"… and {len(problems) - SUMMARY_ROWS} more in the report", markup=False)

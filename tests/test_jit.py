@@ -88,6 +88,19 @@ def test_b17_tensor_backward_recompiles_every_step_names_field_and_line(b17_tens
                for p in f.prescriptions)
     # the terminal summary leads with it
     assert f"examples/fa4_seed.py:{line}" in proc.stderr
+    # the headline is the root cause, whatever the machine's load: a GIL hold by the compiling
+    # thread is its symptom (no prescription of its own, its seconds not counted again)
+    roots = [x for x in findings if x.cause is None and x.severity != "info"]
+    assert roots[0].id == "jit.fa4_steady_recompile", [(x.id, x.severity, x.cause) for x in findings]
+    assert proc.stderr.index("Verdict:") < proc.stderr.index(f"examples/fa4_seed.py:{line}")
+    for g in (x for x in findings if x.id == "gil.contention" and x.evidence.get("compiling")):
+        assert g.cause == f.id and g.id in f.symptoms and g.prescriptions == ()
+    assert not any("off the training process" in p.summary for x in findings if x.cause is None
+                   for p in x.prescriptions)
+    # savings come from the ledger's compile line and never exceed the step
+    steady = run.ledger[run.ledger["step"].isin([1, 2])]
+    assert first.expected_gain_s_per_step <= steady["wall_s"].mean() + 1e-9
+    assert first.expected_gain_s_per_step == pytest.approx(steady["compile_s"].mean(), rel=1e-6)
 
 
 @pytest.mark.fa4

@@ -40,6 +40,13 @@ class Finding:
     evidence: dict = field(default_factory=dict)
     prescriptions: tuple = ()
     ranks: tuple = ()
+    # causes and symptoms (linked after all analyzers ran, traindx.analyzers.chains): a symptom
+    # names its root finding's id in `cause`; a root lists its symptoms' ids in `symptoms`
+    cause: Optional[str] = None
+    symptoms: tuple = ()
+    # the time-ledger lines the fix removes: {"categories": [...], "steps": [...] (optional),
+    # "fraction": x (optional)}; traindx.ledger.predicted_step_time reads it
+    removes: dict = field(default_factory=dict)
 
     def __post_init__(self):
         if self.severity not in SEVERITIES:
@@ -47,8 +54,9 @@ class Finding:
 
     @property
     def rank_key(self):
-        """Ranking: severity first, then seconds lost per step."""
-        return (SEVERITIES.index(self.severity), self.seconds_lost_per_step or 0.0)
+        """Ranking: root causes before symptoms, then severity, then seconds lost per step."""
+        return (self.cause is None, SEVERITIES.index(self.severity),
+                self.seconds_lost_per_step or 0.0)
 
     def to_dict(self):
         return asdict(self)
@@ -59,7 +67,9 @@ class Finding:
         data["prescriptions"] = tuple(Prescription(**p) for p in data.get("prescriptions", ()))
         data["steps_affected"] = tuple(data.get("steps_affected", ()))
         data["ranks"] = tuple(data.get("ranks", ()))
-        return cls(**data)
+        data["symptoms"] = tuple(data.get("symptoms", ()))  # absent in findings.json of older runs
+        known = set(cls.__dataclass_fields__)
+        return cls(**{k: v for k, v in data.items() if k in known})
 
 
 def rank_findings(findings):

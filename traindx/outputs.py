@@ -14,6 +14,20 @@ def write_findings(run, findings):
     return path
 
 
+def write_ledger(run):
+    """ledger.csv: the start-up rows (step -1, phase "startup") then one row per rank-step."""
+    import pandas as pd
+
+    path = os.path.join(run.path, "ledger.csv")
+    parts = [run.startup_ledger.assign(phase="startup"), run.ledger.assign(phase="step")]
+    table = pd.concat([p for p in parts if len(p)], ignore_index=True) if any(len(p) for p in parts) \
+        else run.ledger.assign(phase=[])
+    tmp = path + ".tmp"
+    table.to_csv(tmp, index=False, float_format="%.9f")
+    os.replace(tmp, path)
+    return path
+
+
 def read_findings(run_path):
     path = os.path.join(run_path, "findings.json")
     with open(path, encoding="utf-8") as f:
@@ -26,6 +40,10 @@ def analyze_and_write(run, console=None):
 
     findings = analyze(run)
     write_findings(run, findings)
+    try:
+        write_ledger(run)
+    except OSError:
+        pass  # a read-only run folder: findings.json above already said so if it matters
     report_path = None
     try:
         from traindx.report.html import write_report

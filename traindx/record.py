@@ -181,6 +181,32 @@ class RunRecord:
             warnings.warn(message, TruncatedEvidenceWarning, stacklevel=2)
         return table
 
+    @cached_property
+    def spans(self):
+        """The shim's measured intervals (traindx.ledger.spans_table): rank, cat, start_ns,
+        end_ns, tid, caller."""
+        from traindx.ledger import spans_table
+
+        return spans_table(self.events)
+
+    @cached_property
+    def _ledgers(self):
+        from traindx.ledger import compute
+
+        return compute(self.steps, self.spans, self.compiles, self.events)
+
+    @property
+    def ledger(self):
+        """One row per rank-step: its wall time split into exclusive measured categories
+        (traindx.ledger.CATEGORIES) plus unexplained; each row sums to wall_s."""
+        return self._ledgers[0]
+
+    @property
+    def startup_ledger(self):
+        """One row per rank (step -1): process start -> first step begin, split the same way;
+        its unexplained is imports, model build and data set-up."""
+        return self._ledgers[1]
+
     # -- conveniences --------------------------------------------------------------------------
     @property
     def command(self):

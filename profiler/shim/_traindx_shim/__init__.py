@@ -99,4 +99,5 @@ def activate():
     compiles.register()
     torchcalls.register()
     torchprof.register()
+    __import__(__name__ + ".spans", fromlist=["register"]).register()  # time ledger spans
     importhooks.install()

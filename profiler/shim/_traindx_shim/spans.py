@@ -1,0 +1,228 @@
+"""Measured intervals of the training thread(s), for the time ledger (traindx/ledger.py).
+
+One `span` event per call: {"type": "span", "cat": ..., "start": ns, "t": end ns, "tid": thread
+ident} and, for rare calls (checkpoints, file writes), the caller in the job's code. Categories:
+
+  data        the DataLoader iterator's __next__ (the step waits for its batch)
+  backward    torch.autograd.backward (Tensor.backward goes through it)
+  optimizer   torch's global optimizer pre/post hooks (every torch optimizer)
+  io          torch.save, torch.distributed.checkpoint save/async_save/save_state_dict
+  sync        host-device syncs on CUDA tensors (torch.cuda.synchronize, Tensor.item/.tolist/.cpu);
+              installed only once CUDA is initialised: on CPU there is no device to wait for
+  collective  blocking torch.distributed collectives (async_op=False)
+  gc          garbage collections of at least GC_SPAN_MIN_NS (shorter ones stay aggregated per
+              step in gcstats: a gen-0 pass every few ms is not worth an event each)
+
+Clock: time.time_ns(), the axis of every other shim event. Cost per wrapped call: two clock reads,
+one thread-ident read and one deque append (bench/span_overhead.py measures it). Wrappers never
+add a sync, never swallow the job's exceptions and step aside while torch.compile traces them.
+"""
+import gc
+import os
+import threading
+import time
+
+from . import emit, importhooks, report_error
+from .frames import first_user_frame
+
+GC_SPAN_MIN_NS = int(float(os.environ.get("TRAINDX_GC_SPAN_MIN_MS") or 1.0) * 1e6)
+SYNC_SPAN_MIN_NS = 20_000      # a 5 µs .item() on an idle GPU is noise; a waiting one is not
+MAX_RARE_CALLERS = 2000        # stack walks for io spans; later ones are timed without a caller
+_now = time.time_ns
+_ident = threading.get_ident
+_state = {"torch": None, "sync_installed": False, "callers": 0, "compiling": None}
+_opt_start = {}
+
+
+def _span(cat, start, end, **extra):
+    emit("span", cat=cat, start=start, t=end, tid=_ident(), **extra)
+
+
+def _compiling():
+    """True while torch.compile traces the caller: a wrapper must then be invisible (no clock
+    reads that would break the graph)."""
+    check = _state["compiling"]
+    try:
+        return bool(check and check())
+    except Exception:
+        return False
+
+
+def _timed(cat, fn, with_caller=False, label=None):
+    def wrapper(*args, **kwargs):
+        if _compiling():
+            return fn(*args, **kwargs)
+        start = _now()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            end = _now()
+            try:
+                extra = {}
+                if with_caller and _state["callers"] < MAX_RARE_CALLERS:
+                    _state["callers"] += 1
+                    extra["caller"] = first_user_frame()
+                    extra["call"] = label
+                _span(cat, start, end, **extra)
+            except Exception as exc:
+                report_error(f"span {cat}", exc)
+    wrapper.__wrapped__ = fn
+    for attr in ("__name__", "__qualname__", "__doc__", "__module__"):
+        try:
+            setattr(wrapper, attr, getattr(fn, attr))
+        except Exception:
+            pass
+    return wrapper
+
+
+# -- the DataLoader ----------------------------------------------------------------------------
+def _on_dataloader(module):
+    cls = module._BaseDataLoaderIter
+    original = cls.__next__
+
+    def __next__(self):
+        start = _now()
+        try:
+            return original(self)
+        finally:
+            try:
+                _span("data", start, _now())
+            except Exception as exc:
+                report_error("span data", exc)
+    __next__.__wrapped__ = original
+    cls.__next__ = __next__
+
+
+# -- torch: backward, optimizer, torch.save, syncs -----------------------------------------------
+def _opt_pre(optimizer, args, kwargs):
+    _opt_start[_ident()] = _now()
+
+
+def _opt_post(optimizer, args, kwargs):
+    end = _now()
+    start = _opt_start.pop(_ident(), None)
+    if start is not None:
+        _span("optimizer", start, end)
+    if not _state["sync_installed"]:
+        _maybe_install_sync()
+
+
+def _on_torch(torch):
+    _state["torch"] = torch
+    compiler = getattr(torch, "compiler", None)
+    # is_dynamo_compiling is a flag read (~20 ns); is_compiling also asks the exporter (~0.5 µs)
+    _state["compiling"] = (getattr(compiler, "is_dynamo_compiling", None)
+                           or getattr(compiler, "is_compiling", None))
+    torch.autograd.backward = _timed("backward", torch.autograd.backward)
+    torch.save = _timed("io", torch.save, with_caller=True, label="torch.save")
+    from torch.optim.optimizer import (register_optimizer_step_post_hook,
+                                       register_optimizer_step_pre_hook)
+    register_optimizer_step_pre_hook(_guard(_opt_pre, "optimizer pre hook"))
+    register_optimizer_step_post_hook(_guard(_opt_post, "optimizer post hook"))
+
+
+def _guard(fn, where):
+    def hook(*args):
+        try:
+            fn(*args)
+        except Exception as exc:
+            report_error(where, exc)
+    return hook
+
+
+def _maybe_install_sync():
+    """Sync wrappers only where a device queue exists: checked after each optimizer step until
+    the job has initialised CUDA itself (never initialising it here)."""
+    torch = _state["torch"]
+    if torch is None or not torch.cuda.is_initialized():
+        return
+    _state["sync_installed"] = True
+    torch.cuda.synchronize = _timed("sync", torch.cuda.synchronize)
+    Tensor = torch.Tensor
+    for name in ("item", "tolist", "cpu"):
+        original = getattr(Tensor, name)
+        setattr(Tensor, name, _cuda_only_sync(original))
+
+
+def _cuda_only_sync(original):
+    def method(self, *args, **kwargs):
+        if _compiling():
+            return original(self, *args, **kwargs)
+        try:
+            on_device = self.is_cuda
+        except Exception:
+            on_device = False
+        if not on_device:
+            return original(self, *args, **kwargs)
+        start = _now()
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            end = _now()
+            if end - start >= SYNC_SPAN_MIN_NS:
+                try:
+                    _span("sync", start, end)
+                except Exception as exc:
+                    report_error("span sync", exc)
+    method.__wrapped__ = original
+    method.__name__ = getattr(original, "__name__", "method")
+    method.__doc__ = getattr(original, "__doc__", None)
+    return method
+
+
+# -- torch.distributed ---------------------------------------------------------------------------
+COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",
+               "reduce_scatter_tensor", "broadcast", "barrier", "all_to_all", "all_to_all_single",
+               "reduce", "gather", "scatter", "all_gather_object", "broadcast_object_list")
+
+
+def _blocking_only(fn):
+    timed = _timed("collective", fn)
+
+    def collective(*args, **kwargs):
+        if kwargs.get("async_op"):
+            return fn(*args, **kwargs)
+        return timed(*args, **kwargs)
+    collective.__wrapped__ = fn
+    collective.__name__ = getattr(fn, "__name__", "collective")
+    collective.__doc__ = getattr(fn, "__doc__", None)
+    return collective
+
+
+def _on_distributed(module):
+    for name in COLLECTIVES:
+        fn = getattr(module, name, None)
+        if callable(fn):
+            setattr(module, name, _blocking_only(fn))
+
+
+def _on_checkpoint(module):
+    for name in ("save", "save_state_dict", "async_save"):
+        fn = getattr(module, name, None)
+        if callable(fn):
+            setattr(module, name, _timed("io", fn, with_caller=True,
+                                         label=f"torch.distributed.checkpoint.{name}"))
+
+
+# -- GC ------------------------------------------------------------------------------------------
+_gc_start = {}
+
+
+def _gc_callback(phase, info):
+    if phase == "start":
+        _gc_start[0] = _now()
+        return
+    start = _gc_start.pop(0, None)
+    if start is None:
+        return
+    end = _now()
+    if end - start >= GC_SPAN_MIN_NS:
+        _span("gc", start, end, generation=info.get("generation"))
+
+
+def register():
+    importhooks.on_import("torch", _on_torch)
+    importhooks.on_import("torch.utils.data.dataloader", _on_dataloader)
+    importhooks.on_import("torch.distributed", _on_distributed)
+    importhooks.on_import("torch.distributed.checkpoint", _on_checkpoint)
+    gc.callbacks.append(_gc_callback)

@@ -1,0 +1,42 @@
+"""A user's job that writes a full checkpoint every --save-every steps, inline."""
+import argparse
+import os
+import tempfile
+
+import torch
+from torch import nn
+
+p = argparse.ArgumentParser()
+p.add_argument("--steps", type=int, default=25)
+p.add_argument("--save-every", type=int, default=5)
+p.add_argument("--vocab", type=int, default=200_000)
+args = p.parse_args()
+
+torch.manual_seed(0)
+torch.set_num_threads(1)
+
+
+class TinyLM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(args.vocab, 64, sparse=True)  # a large table, cheap to train
+        self.head = nn.Sequential(nn.Linear(64, 1024), nn.ReLU(), nn.Linear(1024, 1024),
+                                  nn.ReLU(), nn.Linear(1024, 1))
+
+    def forward(self, ids):
+        return self.head(self.emb(ids).mean(1))
+
+
+model = TinyLM()
+opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+out = tempfile.mkdtemp(prefix="ckpt-")
+for step in range(args.steps):
+    ids = torch.randint(0, args.vocab, (256, 16))
+    loss = model(ids).pow(2).mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    if step % args.save_every == args.save_every - 1:
+        for shard in range(2):
+            torch.save(model.state_dict(), os.path.join(out, f"ckpt-{shard}.pt"))
+    print(f"step {step} loss {loss.item():.4f}", flush=True)

@@ -1,0 +1,283 @@
+"""The time ledger on real jobs under `diagnose`: every step's wall time split into measured
+categories that sum to it exactly; known injected costs land in their category; start-up is its
+own row; the same findings and severities with two CPU-burning processes beside the job."""
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pandas as pd
+import pytest
+
+import traindx
+from traindx import ledger as L
+from traindx.findings import Finding
+
+from helpers import PY, diagnose, only_run_dir
+
+JOBS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "jobs")
+CATEGORY_COLUMNS = [f"{c}_s" for c in L.CATEGORIES] + ["unexplained_s"]
+
+
+def _run(tmp_path, job, *args, pyspy=False, env=None):
+    out = tmp_path / "runs"
+    out.mkdir(exist_ok=True)
+    flags = ["--out", str(out), "--quiet"] + ([] if pyspy else ["--no-pyspy"])
+    before = set(os.listdir(out))
+    proc = diagnose([*flags, "--", PY, os.path.join(JOBS, job), *args], cwd=tmp_path, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    new = [d for d in os.listdir(out) if d not in before]
+    assert len(new) == 1, new
+    return traindx.load_run(os.path.join(out, new[0])), proc
+
+
+def _assert_sums_exactly(led):
+    assert len(led)
+    parts = led[CATEGORY_COLUMNS].to_numpy().sum(axis=1)
+    np.testing.assert_allclose(parts, led["wall_s"].to_numpy(), rtol=0, atol=1e-6)
+    assert (led[CATEGORY_COLUMNS].to_numpy() >= 0).all()
+    ns = (led["end_ns"] - led["start_ns"]).to_numpy() / 1e9
+    np.testing.assert_allclose(ns, led["wall_s"].to_numpy(), rtol=0, atol=1e-9)
+
+
+@pytest.fixture(scope="module")
+def getitem_run(tmp_path_factory):
+    # 8 samples x 4 ms of busy pure Python in __getitem__: at least 32 ms of data wait per step
+    return _run(tmp_path_factory.mktemp("getitem"), "slow_getitem.py", "--steps", "12",
+                "--item-ms", "4", "--batch", "8")
+
+
+def test_ledger_sums_to_wall_time_and_busy_getitem_is_data(getitem_run):
+    run, proc = getitem_run
+    led = run.ledger
+    assert list(led.columns) == L.COLUMNS
+    assert sorted(led["step"]) == list(range(12))
+    _assert_sums_exactly(led)
+    steady = L.steady_rows(run)
+    data = steady["data_s"]
+    # __getitem__ busy-waits on the wall clock: the wait cannot be shorter than 8 x 4 ms, and
+    # on an idle-enough machine it is not much longer; it is the largest line of the step
+    assert data.median() >= 0.9 * 0.032, steady
+    assert (steady["data_s"] >= steady[[c for c in CATEGORY_COLUMNS if c != "data_s"]].max(axis=1)).mean() > 0.7
+    # forward/backward and the optimizer step are measured too; nothing compiles on this job
+    assert steady["forward_backward_s"].sum() > 0 and steady["optimizer_s"].sum() > 0
+    assert led["compile_s"].sum() == 0 and led["io_s"].sum() == 0
+    # ledger.csv beside findings.json: start-up first, then one row per step
+    csv = pd.read_csv(os.path.join(run.path, "ledger.csv"))
+    assert list(csv["phase"]) == ["startup"] + ["step"] * 12
+    assert list(csv["step"]) == [-1] + list(range(12))
+    # and the terminal's one-line breakdown
+    assert "step " in proc.stderr and " = data " in proc.stderr and "unexplained" in proc.stderr
+    assert "start-up " in proc.stderr and "imports, model build, data set-up" in proc.stderr
+    # the report draws it: a stacked bar per step with the data line in it, and the run total
+    with open(os.path.join(run.path, "report.html"), encoding="utf-8") as f:
+        html = f.read()
+    assert 'id="ledger"' in html and 'id="ledger-line"' in html and 'id="ledger-startup"' in html
+    assert html.count('data-cat="data"') >= 12 + 1
+
+
+def test_startup_is_its_own_row(getitem_run):
+    run, _ = getitem_run
+    start = run.startup_ledger
+    assert len(start) == 1 and int(start["step"].iloc[0]) == L.STARTUP_STEP
+    _assert_sums_exactly(start)
+    first = run.ledger.sort_values("step").iloc[0]
+    assert int(start["end_ns"].iloc[0]) == int(first["start_ns"])
+    # importing torch and building the model take time before the first step: not step 0's
+    assert start["wall_s"].iloc[0] > 0.2
+    assert start["data_s"].iloc[0] == 0 and start["optimizer_s"].iloc[0] == 0
+
+
+def test_torch_save_is_io_in_the_steps_that_save_with_its_line(tmp_path):
+    run, proc = _run(tmp_path, "checkpoint_every.py", "--steps", "16", "--save-every", "4")
+    led = run.ledger.set_index("step")
+    _assert_sums_exactly(run.ledger)
+    # the job saves after the optimizer step of steps 3, 7, 11 and 15: inside steps 4, 8 and 12
+    # (the step boundary is the optimizer step); the save after step 15 ends the job
+    saving = set(led.index[led["io_s"] > 0])
+    assert saving == {4, 8, 12}, led["io_s"]
+    spans = run.spans[run.spans["cat"] == "io"]
+    assert len(spans) >= 4 and set(spans["call"]) == {"torch.save"}
+    caller = spans["caller"].iloc[0]
+    with open(os.path.join(JOBS, "checkpoint_every.py")) as f:
+        line = next(i for i, text in enumerate(f, 1) if "torch.save(" in text)
+    assert caller["file"].endswith("checkpoint_every.py") and caller["line"] == line
+    # the periodic finding names the call, its line and the period; its saving is the io line
+    found = [f for f in traindx.analyze(run) if f.id == "steps.periodic_slow"]
+    assert len(found) == 1, [(f.id, f.title) for f in traindx.analyze(run)]
+    f = found[0]
+    assert f.evidence["period"] == 4 and f.cause is None
+    assert f"torch.save at {caller['file']}:{line}" in f.summary
+    assert f"torch.save at {caller['file']}:{line} runs every 4 steps" in f.prescriptions[0].summary
+    assert f.removes == {"categories": ["io"]}
+    steady = L.steady_rows(run)
+    assert f.prescriptions[0].expected_gain_s_per_step == pytest.approx(steady["io_s"].mean())
+    assert f"checkpoint_every.py:{line}" in proc.stderr
+
+
+# -- the sweep itself ----------------------------------------------------------------------------
+def _table(rows, columns):
+    return pd.DataFrame(rows, columns=columns)
+
+
+def test_priority_sweep_counts_each_nanosecond_once():
+    """Two steps; a compile on the autograd thread inside the main thread's backward counts as
+    compile; a GC inside a data wait counts once, as GC; a data wait of another thread does not
+    count; the forward is the stretch from the data wait's end to the backward."""
+    steps = _table([("0", 0, 1000, 2000, 1e-6), ("0", 1, 2000, 3000, 1e-6)],
+                   ["rank", "step", "start_ns", "end_ns", "duration_s"])
+    spans = _table([
+        ("0", "data", 1000, 1300, 1, None, None),
+        ("0", "gc", 1100, 1200, 1, None, None),
+        ("0", "backward", 1500, 1900, 1, None, None),
+        ("0", "optimizer", 1900, 1950, 1, None, None),
+        ("0", "data", 2000, 2900, 2, None, None),      # another thread: not the training loop
+        ("0", "optimizer", 2950, 3010, 1, None, None),  # crosses the step end: clipped
+    ], ["rank", "cat", "start_ns", "end_ns", "tid", "caller", "call"])
+    compiles = _table([("0", "cute_dsl", 1600, 1700)], ["rank", "kind", "start_ns", "end_ns"])
+    events = _table([("0", "process_start", 400)], ["rank", "type", "t"])
+    led, start = L.compute(steps, spans, compiles, events)
+    s0 = led.set_index("step").loc[0]
+    ns = {c: round(s0[f"{c}_s"] * 1e9) for c in L.CATEGORIES + ("unexplained",)}
+    assert ns["data"] == 200 and ns["gc"] == 100 and ns["compile"] == 100
+    assert ns["forward_backward"] == 200 + 300  # forward 1300..1500, backward minus the compile
+    assert ns["optimizer"] == 50 and ns["unexplained"] == 50
+    s1 = led.set_index("step").loc[1]
+    assert round(s1["data_s"] * 1e9) == 0 and round(s1["optimizer_s"] * 1e9) == 50
+    assert round(s1["unexplained_s"] * 1e9) == 950
+    assert len(start) == 1 and round(start["wall_s"].iloc[0] * 1e9) == 600
+    _assert_sums_exactly(led)
+
+
+def test_ledger_is_vectorised_at_scale():
+    """64 ranks x 2,000 steps x 6 spans: well under the time an analysis may take."""
+    import time
+
+    rng = np.random.default_rng(0)
+    n_ranks, n_steps = 64, 2000
+    step_rows, span_rows = [], []
+    for r in range(n_ranks):
+        edges = np.cumsum(rng.integers(900_000, 1_100_000, n_steps + 1))
+        for i in range(n_steps):
+            a, b = int(edges[i]), int(edges[i + 1])
+            step_rows.append((str(r), i, a, b, (b - a) / 1e9))
+            span_rows += [(str(r), "data", a, a + 100_000, 1, None, None),
+                          (str(r), "backward", a + 300_000, a + 700_000, 1, None, None),
+                          (str(r), "optimizer", a + 700_000, a + 800_000, 1, None, None)]
+    steps = _table(step_rows, ["rank", "step", "start_ns", "end_ns", "duration_s"])
+    spans = _table(span_rows, ["rank", "cat", "start_ns", "end_ns", "tid", "caller", "call"])
+    t = time.perf_counter()
+    led, _ = L.compute(steps, spans, pd.DataFrame(columns=["rank", "kind", "start_ns", "end_ns"]),
+                       pd.DataFrame())
+    assert time.perf_counter() - t < 30
+    assert len(led) == n_ranks * n_steps
+    _assert_sums_exactly(led)
+
+
+# -- predictions --------------------------------------------------------------------------------
+def test_predicted_step_time_removes_the_ledger_lines(getitem_run):
+    run, _ = getitem_run
+    found = [f for f in traindx.analyze(run) if f.id == "dataloader.starvation"]
+    assert len(found) == 1
+    f = found[0]
+    workers, cpus = f.removes["workers"], f.removes["cpus"]
+    assert f.removes == {"categories": ["data"], "workers": workers, "cpus": cpus}
+    assert workers >= 2 and cpus == run.manifest["host"]["cpus"]
+    pred = L.predicted_step_time(run, f)
+    steady = L.steady_rows(run)
+    assert pred["baseline_step_s"] == pytest.approx(steady["wall_s"].mean())
+    # N workers make the batches beside the step, on the cores there are: what stays is what
+    # the rest of the step cannot hide, max(0, data / min(N, cpus - 1) - rest), and the step
+    # cannot shrink below all its CPU work spread over the cores
+    rest = steady["wall_s"] - steady["data_s"]
+    left = (steady["data_s"] / min(workers, max(1, cpus - 1)) - rest).clip(lower=0)
+    removed = (steady["data_s"] - left).clip(upper=steady["wall_s"] * (1 - 1 / cpus))
+    assert pred["removed_s"] == pytest.approx(removed.mean())
+    assert 0 < pred["removed_s"] <= steady["data_s"].mean()
+    assert pred["predicted_step_s"] == pytest.approx(pred["baseline_step_s"] - pred["removed_s"])
+    # the prescription promises exactly what the ledger says the fix removes
+    assert f.prescriptions[0].expected_gain_s_per_step == pytest.approx(pred["removed_s"])
+
+
+def test_findings_json_of_older_runs_still_loads():
+    old = {"id": "gc.gen2_in_step", "title": "t", "severity": "low", "analyzer": "gc_pauses",
+           "prescriptions": [], "steps_affected": [3], "ranks": ["0"]}
+    f = Finding.from_dict(old)
+    assert f.cause is None and f.symptoms == () and f.removes == {}
+    assert Finding.from_dict(f.to_dict()) == f
+
+
+# -- results do not flip under CPU load ----------------------------------------------------------
+def _problems(findings):
+    return sorted((f.id, f.severity) for f in findings if f.severity != "info" and f.cause is None)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("job,args", [
+    ("slow_getitem.py", ["--steps", "14", "--item-ms", "6", "--batch", "8"]),
+    ("checkpoint_every.py", ["--steps", "21"]),
+    ("gil_logger.py", ["--steps", "20"]),
+])
+def test_same_findings_and_severities_with_cpu_burners_beside(tmp_path, job, args):
+    for name in ("quiet", "loaded"):
+        (tmp_path / name).mkdir()
+    quiet, _ = _run(tmp_path / "quiet", job, *args, pyspy=True)
+    burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    try:
+        loaded, _ = _run(tmp_path / "loaded", job, *args, pyspy=True)
+    finally:
+        for p in burners:
+            p.kill()
+            p.wait()
+    a, b = _problems(traindx.analyze(quiet)), _problems(traindx.analyze(loaded))
+    assert a, f"{job}: nothing found on a quiet machine"
+    assert a == b, f"{job}: quiet {a} vs loaded {b}"
+
+
+# -- chains ---------------------------------------------------------------------------------------
+def test_compiling_straggler_and_launch_bound_are_symptoms_of_the_recompile():
+    from traindx.analyzers import chains
+    from traindx.findings import Prescription, rank_findings
+
+    rx = (Prescription(kind="code", summary="fix it", expected_gain_s_per_step=1.0),)
+    jit = Finding(id="jit.steady_recompile", title="k recompiles", severity="high", analyzer="jit",
+                  seconds_lost_per_step=1.0, ranks=("1",), evidence={"threads": {"MainThread": 3}},
+                  prescriptions=rx)
+    straggler = Finding(id="ranks.straggler", title="rank 1 stalls", severity="critical",
+                        analyzer="ranks", seconds_lost_per_step=1.2, ranks=("0", "1"),
+                        evidence={"straggler": "1",
+                                  "straggler_compiles_in_steady_steps": {"compiles": 3}},
+                        prescriptions=rx)
+    launch = Finding(id="gpu.launch_bound", title="launch-bound", severity="high",
+                     analyzer="launch_bound", seconds_lost_per_step=0.5, ranks=("1",),
+                     prescriptions=rx)
+    other = Finding(id="gpu.launch_bound", title="launch-bound elsewhere", severity="low",
+                    analyzer="launch_bound", seconds_lost_per_step=0.1, ranks=("2",),
+                    prescriptions=rx)
+    linked = rank_findings(chains.link([straggler, launch, other, jit]))
+    by_title = {f.title: f for f in linked}
+    assert linked[0].id == "jit.steady_recompile"  # the root leads, though a symptom is critical
+    assert by_title["rank 1 stalls"].cause == "jit.steady_recompile"
+    assert by_title["launch-bound"].cause == "jit.steady_recompile"
+    assert by_title["rank 1 stalls"].prescriptions == () and by_title["launch-bound"].prescriptions == ()
+    assert by_title["launch-bound elsewhere"].cause is None  # another rank: not this recompile
+    assert set(by_title["k recompiles"].symptoms) == {"ranks.straggler", "gpu.launch_bound"}
+
+
+def test_seed_run_savings_come_from_the_compile_line_and_never_exceed_the_step():
+    """The H200 seed run (FA4 4.0.0b17, tensor max_seqlen): the ledger puts nearly all of each
+    steady step in compile; the fix's predicted saving is that line, the GIL hold of the
+    compiling thread is its symptom, and the roots' savings together stay within the step."""
+    run = traindx.load_run(os.path.join(os.path.dirname(__file__), "data", "h200-seed-b17-tensor"))
+    _assert_sums_exactly(run.ledger)
+    steady = L.steady_rows(run)
+    assert steady["compile_s"].sum() > 0.9 * steady["wall_s"].sum()
+    findings = traindx.analyze(run)
+    root = findings[0]
+    assert root.id == "jit.fa4_steady_recompile" and root.cause is None
+    assert [f.id for f in findings if f.cause == root.id] == ["gil.contention"]
+    pred = L.predicted_step_time(run, root)
+    assert pred["removed_s"] == pytest.approx(steady["compile_s"].mean())
+    gains = [max((p.expected_gain_s_per_step or 0.0) for p in f.prescriptions)
+             for f in findings if f.cause is None and f.prescriptions]
+    assert sum(gains) <= steady["wall_s"].mean() + 1e-9
