@@ -99,4 +99,5 @@ def activate():
     compiles.register()
     torchcalls.register()
     torchprof.register()
+    from . import runtime_patches; runtime_patches.register()  # --fix runtime patches, max_seqlen origin tracer
     importhooks.install()
