@@ -85,6 +85,8 @@ def _lookup(value):
 def _note(result, args, kwargs):
     if not _is_int_scalar(result) or len(_records) >= MAX_RECORDS:
         return
+    if any(result is a for a in args):  # `.to(same device)`, `.contiguous()`: the same tensor
+        return
     parent = None
     for a in list(args) + list((kwargs or {}).values()):
         if _is_int_scalar(a):
@@ -311,11 +313,10 @@ def _install(module):
             report_error("origin tracer", exc)
         return original(*args, **kwargs)
 
-    traced.__wrapped__ = original
+    # FA4 keeps its compile cache as an attribute of the function, read through the module
+    # global name: the wrapper shares the original's __dict__
+    traced.__dict__ = original.__dict__
     traced.__name__ = getattr(original, "__name__", "_flash_attn_fwd")
-    for attr in ("_traindx_patched",):
-        if hasattr(original, attr):
-            setattr(traced, attr, getattr(original, attr))
     module._flash_attn_fwd = traced
 
 

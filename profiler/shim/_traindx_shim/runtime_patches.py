@@ -78,7 +78,9 @@ def _coercing(name, original):
             report_error("fa4 runtime patch", exc)
         return original(*args, **kwargs)
 
-    patched.__wrapped__ = original
+    # FA4 keeps its compile caches as attributes of these functions, read through the module
+    # global name (`_flash_attn_fwd.compile_cache`): the wrapper shares the original's __dict__
+    patched.__dict__ = original.__dict__
     patched.__name__ = name
     patched.__qualname__ = getattr(original, "__qualname__", name)
     return patched
@@ -89,11 +91,11 @@ def _patch_fa4(module):
     done = []
     for name in FA4_PRIVATE:
         original = getattr(module, name, None)
-        if original is None or getattr(original, "_traindx_patched", False):
+        if original is None or getattr(original, "_traindx_coerces", False):
             continue
         patched = _coercing(name, original)
-        patched._traindx_patched = True
         setattr(module, name, patched)
+        original._traindx_coerces = True  # shared __dict__: the wrapper says so too
         done.append(name)
     emit("runtime_patch_installed", patch=FA4_INT_MAX_SEQLEN, functions=done,
          module=getattr(module, "__file__", None))
