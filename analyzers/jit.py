@@ -488,10 +488,10 @@ def _steady_finding(run, rank, kind, kernel, group, steps):
                  f"leaks into its compile key ({field_text})")
         summary = (f"{kernel} compiled {len(later)} more time(s) after step {first_step} "
                    f"{thread_text}, {lost:.2f} s per step ({(share or 0):.0%} of a step). "
-                   f"Why: {'; '.join(why)}. The tensor comes from {where or 'the FA4 call'}"
-                   + (f": `{source}`" if source else "") + ".")
+                   f"Why: {'; '.join(why)}. " + _origin_text(run, origin, where, source))
         backward_only = fa4_function == "_flash_attn_bwd"
-        prescriptions = _leak_prescriptions(run, where, caller, source, lost, backward_only)
+        prescriptions = _leak_prescriptions(run, where, caller, source, lost, backward_only,
+                                            origin)
         finding_id = "jit.fa4_steady_recompile"
     else:
         title = (f"{kernel} recompiles after warm-up ({kind}); changing key field(s): "
@@ -617,9 +617,17 @@ def _autotune_finding(run, rank, kernel, group, steps):
     median_after = float(after["duration_s"].median()) if len(after) else None
     share = min(lost / median_after, 1.0) if median_after else None
     fields = [f for f, _ in changed.most_common()]
-    is_fla = any(_FLA_PATH.search(str((_col(r, "caller") or {}).get("file", "")))
-                 or str(_col(r, "module") or "").startswith("fla.") for r in group.itertuples()) \
-        or bool((run.manifest.get("packages") or {}).get("flash-linear-attention"))
+    # flash-linear-attention's own switches only when its code is the kernel's (module path),
+    # not because the package is installed next to a kernel of the job's own
+    is_fla = any(_FLA_PATH.search(str(_col(r, "kernel_file") or (_col(r, "caller") or {}).get("file", "")))
+                 or str(_col(r, "module") or "").startswith("fla.") for r in group.itertuples())
+    caller = next((_col(r, "caller") for r in group.itertuples()
+                   if isinstance(_col(r, "caller"), dict)), None) or {}
+    kernel_file = next((_col(r, "kernel_file") for r in group.itertuples()
+                        if _col(r, "kernel_file")), None)
+    key_names = next((_col(r, "key_names") for r in group.itertuples()
+                      if isinstance(_col(r, "key_names"), list)), None)
+    fields = [f for f in fields if not key_names or f in key_names] or fields
     prescriptions = []
     if is_fla:
         prescriptions.append(Prescription(
@@ -627,12 +635,26 @@ def _autotune_finding(run, rank, kernel, group, steps):
                                 "configs instead of tuning again when the key changes)",
             change={"env": {"FLA_CACHE_RESULTS": "1"}}, automatic=True,
             expected_gain_s_per_step=lost))
-    prescriptions.append(Prescription(
-        kind="code", summary=f"take {', '.join(fields) or 'the changing argument'} out of the "
-                             f"autotune key of {kernel} (or bucket it): every new value tunes again",
-        change={"code": {"file": None, "line": None, "before": f"key={fields}",
-                         "after": "a key that stays constant under dynamic packing"}},
-        expected_gain_s_per_step=lost))
+    if not is_fla and fields:
+        where = _where(caller, run)
+        prescriptions.append(Prescription(
+            kind="code",
+            summary=f"take {', '.join(fields)} out of @triton.autotune(key=[...]) of {kernel} "
+                    f"(launched at {where or '?'}): every new value benchmarks all "
+                    f"{_col(next(group.itertuples()), 'configs') or ''} configs again; or bucket "
+                    f"it at the launch (triton.next_power_of_2({fields[0]}))",
+            change={"code": {"autotune_key": {"kernel": kernel, "drop": fields,
+                                              "files": [f for f in (kernel_file, caller.get("file")) if f]},
+                             "file": kernel_file or caller.get("file"), "line": None,
+                             "before": f"key={fields!r}", "after": None}},
+            expected_gain_s_per_step=lost, automatic=True))
+    else:
+        prescriptions.append(Prescription(
+            kind="code", summary=f"take {', '.join(fields) or 'the changing argument'} out of the "
+                                 f"autotune key of {kernel} (or bucket it): every new value tunes again",
+            change={"code": {"file": None, "line": None, "before": f"key={fields}",
+                             "after": None}},
+            expected_gain_s_per_step=lost))
     prescriptions.append(Prescription(
         kind="env", summary="keep Triton's cache on a persistent disk (TRITON_CACHE_DIR)",
         change={"env": {"TRITON_CACHE_DIR": _beside_runs(run, "triton-cache")}},

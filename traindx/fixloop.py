@@ -513,6 +513,17 @@ def _write_json(path, data):
     os.replace(tmp, path)
 
 
+def _stderr_tail(run_dir, n=3):
+    """The last lines the job wrote to stderr (log.txt keeps both streams, tagged)."""
+    try:
+        with open(os.path.join(run_dir, "log.txt"), encoding="utf-8", errors="replace") as f:
+            lines = [l.split(" ", 2)[2].rstrip() for l in f if l.split(" ", 2)[1:2] == ["e"]
+                     and len(l.split(" ", 2)) == 3]
+    except OSError:
+        return ""
+    return " | ".join(l.strip() for l in lines[-n:] if l.strip())[:600]
+
+
 def _finished_baseline(base_dir, command):
     """The raw exit code of a finished baseline of this command in base_dir, else None; a
     folder holding anything else is refused."""
@@ -677,6 +688,14 @@ def run_fix_loop(command, args):
         # a candidate that crashed (an unknown flag, a broken env) proves nothing but that
         comparison["verdict"] = (f"candidate failed (exit {exit_status(cand_code)}): the change "
                                  "does not work as applied")
+        tail = _stderr_tail(cand_dir)
+        if tail:
+            comparison["problems"].append(f"the candidate's last error lines: {tail}")
+        if any(c["mechanism"] == "source" for c in plan.changes) and plan.fallbacks:
+            comparison["problems"].append(
+                f"the source patch changed what the job's code expects downstream; prove the "
+                f"diagnosis without it: {PREFER_VAR}=runtime diagnose --fix --run-dir {root} "
+                "(the baseline is reused), then adapt fix.patch")
     _write_json(os.path.join(cand_dir, "comparison.json"), comparison)
     candidate, cand_findings, cand_report = _analyze(cand_dir, comparison=comparison)
     print_summary(candidate, cand_findings, cand_report, console=console)

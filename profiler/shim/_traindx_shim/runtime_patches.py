@@ -37,7 +37,15 @@ def _as_int(tensor):
     entry = _values.get(id(tensor))
     if entry is not None and entry[0]() is tensor:
         return entry[1]
-    value = int(tensor.item())
+    try:
+        value = int(tensor.item())
+    except Exception:
+        # called inside the job's own dispatch mode (e.g. FakeTensorMode on a real host tensor):
+        # read the value outside it, as FA4 would see it on the device
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        with _disable_current_modes():
+            value = int(tensor.item())
     _state["reads"] += 1
     try:
         _values[id(tensor)] = (weakref.ref(tensor, lambda _r, k=id(tensor): _values.pop(k, None)),

@@ -10,6 +10,12 @@ from packlib.collate import collate_packed, make_samples
 from packlib.layers import ON_GPU, PackedDecoder
 
 
+def to_device(batch, device):
+    """Tensors to the device; other values (ints, strings) as they are."""
+    return {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v
+            for k, v in batch.items()}
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=8)
@@ -37,7 +43,7 @@ def main():
     for step in range(args.steps):
         t0 = time.perf_counter()
         batch = collate_packed(make_samples(gen, args.tokens, args.min_len, args.max_len, args.vocab))
-        batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+        batch = to_device(batch, device)
         logits = model(batch)
         loss = F.cross_entropy(logits.float(), batch["labels"])
         opt.zero_grad(set_to_none=True)
