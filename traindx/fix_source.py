@@ -186,12 +186,13 @@ def autotune_key_edit(kernel, drop, search_files):
         node = _autotune_key_node(tree, kernel)
         if node is None or node.lineno != node.end_lineno:
             continue
-        names = [e.value for e in node.elts if isinstance(e, ast.Constant)]
-        keep = [n for n in names if n not in set(drop)]
-        if keep == names:
-            return None
         line = text.splitlines()[node.lineno - 1]
-        new_list = "[" + ", ".join(repr(n) for n in keep) + "]"
+        elts = [e for e in node.elts if isinstance(e, ast.Constant)]
+        keep = [e for e in elts if e.value not in set(drop)]
+        if len(keep) == len(elts):
+            return None
+        # the file's own spelling of the names that stay (quotes and all)
+        new_list = "[" + ", ".join(line[e.col_offset:e.end_col_offset] for e in keep) + "]"
         after = line[:node.col_offset] + new_list + line[node.end_col_offset:]
         return {"file": path, "line": node.lineno, "before_line": line, "after_line": after,
                 "before": line.strip(), "after": after.strip()}
