@@ -333,10 +333,16 @@ def _leak_prescriptions(run, where, caller, source, gain, backward_only, origin=
     is_seed_example = (caller and str(caller.get("file", "")).endswith(SEED_EXAMPLE)) or any(
         t.endswith(SEED_EXAMPLE) for t in command)
     cwd = run.manifest.get("cwd")
+    call_line = caller.get("line") if caller else None
     call_after = int_cast(source)
-    call_code = {"file": caller.get("file") if caller else None,
-                 "line": caller.get("line") if caller else None,
-                 "before": source, "after": call_after}
+    for arg_line in ((origin or {}).get("call_site") or {}).get("argument_lines") or []:
+        if not call_after and int_cast(arg_line.get("source")):
+            # the call spans several lines: the cast goes on the line naming max_seqlen
+            call_line, source = arg_line["line"], arg_line["source"]
+            call_after = int_cast(source)
+    call_code = {"file": caller.get("file") if caller else None, "line": call_line,
+                 "before": source.strip() if source else source,
+                 "after": call_after.strip() if call_after else call_after}
     if is_seed_example:
         out.append(Prescription(
             kind="arg",
@@ -367,6 +373,8 @@ def _leak_prescriptions(run, where, caller, source, gain, backward_only, origin=
             summary=f"cast max_seqlen to int at the FA4 call, {where} (one host read per call)",
             change={"code": {**call_code, "before_line": source, "after_line": call_after,
                              "role": "call_site"}},
+            command=f"{_display_path(caller['file'], cwd)}:{call_line}: {source.strip()}  ->  "
+                    f"{call_after.strip()}",
             expected_gain_s_per_step=gain, automatic=True))
     elif not made_after:
         out.append(Prescription(

@@ -256,11 +256,31 @@ def _tensor_arg(args, kwargs, positions):
     return None, None
 
 
+def _argument_lines(call_site):
+    """The lines of the call statement at call_site that pass max_seqlen (a call often spans
+    several lines; the cast belongs on the one that names the argument)."""
+    if not call_site or not call_site.get("file"):
+        return []
+    try:
+        with open(call_site["file"], encoding="utf-8") as f:
+            text = f.read()
+        lines = text.splitlines()
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.Call) and node.lineno == call_site["line"]:
+                return [{"line": i, "source": lines[i - 1]}
+                        for i in range(node.lineno, (node.end_lineno or node.lineno) + 1)
+                        if "max_seqlen_" in lines[i - 1]]
+    except (OSError, SyntaxError, ValueError):
+        pass
+    return []
+
+
 def _finish(arg, value, call_site, method, chain=None, candidates=None):
     _state["done"] = True
     _disarm()
     call = dict(call_site or {})
     call["source"] = _source(call_site)
+    call["argument_lines"] = _argument_lines(call_site)
     origin = (chain or [None])[0] if chain else (candidates or [None])[0]
     emit("tensor_origin", arg=arg, method=method, call_site=call, origin=origin,
          chain=chain or [], candidates=candidates or [],
