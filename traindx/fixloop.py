@@ -132,7 +132,10 @@ def _instruction(finding, p):
     if "code" in change:
         c = change["code"]
         where = f"{c.get('file')}:{c.get('line')}" if c.get("file") else ""
-        text += f" ({where}: `{c.get('before', '')}` → `{c.get('after', '')}`)" if where else ""
+        if where and c.get("after"):
+            text += f" ({where}: `{c.get('before', '')}` → `{c.get('after')}`)"
+        elif where:
+            text += f" ({where})"
     if "upgrade" in change and not p.command:
         u = change["upgrade"]
         text += f" (pip install -U '{u.get('package')}>={u.get('min_version')}')"
@@ -396,9 +399,11 @@ def prepare_candidate(plan, root, args, console):
             console.print(f"warning: {msg}", style="yellow", markup=False)
     if plan.source_edits:
         files = [e["file"] for e in plan.source_edits]
-        tree = fix_source.tree_root(files, plan.command, cwd)
+        tree = fix_source.tree_root(files, plan.command, cwd) or ""
         scratch = os.path.join(root, "scratch", os.path.basename(tree.rstrip(os.sep)) or "tree")
         try:
+            if not tree:
+                raise fix_source.PatchError("the patched files do not share one tree with the job")
             diff = fix_source.make_scratch(tree, scratch, plan.source_edits,
                                            exclude=[root, os.path.abspath(args.out)])
             patch_path = os.path.join(root, "fix.patch")
