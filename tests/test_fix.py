@@ -493,3 +493,62 @@ def test_comparison_uses_one_window_and_no_interval_under_five_steps():
     assert c["baseline"]["window"] == c["candidate"]["window"] == [1, 3]
     assert c["speedup_ci95"] is None and "no confidence interval" in c["interval_note"]
     assert "per-step s" in ab.speedup_text(c)
+
+
+def _autotune_run(tmp_path, kernel_file):
+    """A run folder whose shim saw a Triton kernel of the job's own autotune at every step, its
+    key's `n_rows` changing (as compiles.py records Autotuner.run)."""
+    run = tmp_path / "run"
+    (run / "events").mkdir(parents=True)
+    manifest = {"traindx_run": 1, "command": [PY, "train.py"], "cwd": str(tmp_path / "job"),
+                "start_ns": 1, "end_ns": 2, "exit_code": 0, "status": "finished",
+                "packages": {"flash-linear-attention": "0.3.0", "triton": "3.5.0"},
+                "env": {}, "options": {}, "ranks": {}, "missing": {}, "host": {}, "gpus": []}
+    (run / "manifest.json").write_text(json.dumps(manifest))
+    t, lines = 10**18, []
+    launch = _line_of(kernel_file, "rmsnorm_fwd[grid]")
+    for step in range(8):
+        lines.append({"type": "step_begin", "step": step, "t": t})
+        tune = 1.5
+        lines.append({"type": "compile", "kind": "triton_autotune", "kernel": "rmsnorm_fwd",
+                      "start": t + 1000, "t": t + 1000 + int(tune * 1e9), "duration_s": tune,
+                      "step": step, "in_step": True, "thread": "MainThread", "thread_id": 1,
+                      "is_main_thread": True, "configs": 12,
+                      "caller": {"file": str(kernel_file), "line": launch, "function": "forward"},
+                      "key": repr({"n_rows": str(6000 + 97 * step), "D": "1024"}),
+                      "key_fields": {"n_rows": str(6000 + 97 * step), "D": "1024"}})
+        t += int((tune + 0.03) * 1e9)
+        lines.append({"type": "step_end", "step": step, "t": t, "source": "torch.optim",
+                      "duration_s": tune + 0.03})
+    (run / "events" / "0.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    return run
+
+
+def test_triton_autotune_key_is_patched_in_the_kernels_own_terms(tmp_path):
+    from traindx.analyzers import jit
+
+    job = tmp_path / "job"
+    shutil.copytree(os.path.join(ROOT, "tests", "jobs", "fix_triton"), job)
+    kernel_file = job / "fastnorm" / "kernels.py"
+    run = traindx.load_run(_autotune_run(tmp_path, kernel_file))
+    finding = next(f for f in jit.analyze(run) if f.id == "jit.autotune")
+    assert finding.evidence["changing_key_fields"] == ["n_rows"]
+    # Triton's own terms: no FLA_* switch for a kernel that is not flash-linear-attention's
+    assert not any("FLA_" in json.dumps(p.change) for p in finding.prescriptions)
+    first = finding.prescriptions[0]
+    assert first.kind == "code" and first.automatic and "n_rows" in first.summary
+    old = os.getcwd()
+    os.chdir(job)
+    try:
+        plan = plan_fixes([PY, "train.py"], [finding], str(run.path), environ={})
+    finally:
+        os.chdir(old)
+    edit = plan.source_edits[0]
+    assert edit["file"] == str(kernel_file) and edit["after_line"].strip() == 'key=["D"])'
+    from traindx import fix_source
+
+    diff = fix_source.unified_diff(str(job), plan.source_edits)
+    assert diff.startswith("--- a/fastnorm/kernels.py\n+++ b/fastnorm/kernels.py\n")
+    check = subprocess.run(["git", "apply", "--check", "-"], cwd=job, input=diff, text=True,
+                           capture_output=True)
+    assert check.returncode == 0, check.stderr
