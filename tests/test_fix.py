@@ -181,7 +181,11 @@ def test_fix_turns_the_recompiling_seed_job_into_the_int_path(tmp_path, fa4_b17_
     # before: the backward compiles in every step; after: only at step 0
     base, cand = comparison["baseline"], comparison["candidate"]
     assert base["compiles_in_window"] >= 2 and cand["compiles_in_window"] == 0
-    assert comparison["speedup"] > 5 and comparison["speedup_ci95"][0] > 5
+    # 2 steps per arm in the window: no interval is claimed; every candidate step beat every
+    # baseline step by more than 5x
+    assert comparison["speedup"] > 5 and comparison["speedup_ci95"] is None
+    values = comparison["window_values_s"]
+    assert min(values["baseline"]) > 5 * max(values["candidate"])
     assert cand["tokens_per_s"] > 5 * base["tokens_per_s"]
     # identical numerics: same seed, same data, the int path only changes compile keys
     parity = comparison["loss_parity"]
