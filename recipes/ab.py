@@ -14,6 +14,7 @@ from . import stats
 
 # variables traindx itself sets per run, not part of the change between two arms
 _OWN_ENV = ("TRAINDX_RUN_DIR", "TRAINDX_MAX_STEPS", "TRAINDX_RANK_PID", "PYTHONUNBUFFERED",
+            "TRAINDX_FIX_MECHANISM",  # how --fix chose, not a setting of the job
             # the shell's bookkeeping, not a setting of the job
             "OLDPWD", "PWD", "SHLVL", "_")
 # traindx options that change what the job pays for being measured
