@@ -556,3 +556,43 @@ def test_triton_autotune_key_is_patched_in_the_kernels_own_terms(tmp_path):
     check = subprocess.run(["git", "apply", "--check", "-"], cwd=job, input=diff, text=True,
                            capture_output=True)
     assert check.returncode == 0, check.stderr
+
+
+def test_origin_tracer_follows_the_tensor_back_to_where_it_was_made(monkeypatch):
+    """The shim's tracer (origins.py) as FA4's entry drives it, on real torch tensors: armed by a
+    tensor max_seqlen, it names the line that made the next one, through a `.to()` hop; a tensor
+    that only a copy op touched (made in a DataLoader worker) goes to the source search."""
+    import torch
+
+    from traindx.profiler.shim._traindx_shim import origins
+
+    seen = []
+    monkeypatch.setattr(origins, "emit", lambda type_, **kw: seen.append(kw))
+    monkeypatch.setattr(origins, "_state", {"armed": False, "done": False, "mode": None,
+                                            "thread": None, "calls": 0})
+    lens = torch.tensor([5, 9, 3], dtype=torch.int32)
+
+    def collate():
+        return lens.max()                                   # made here
+
+    def move(t):
+        return t.to(torch.int64)                            # a hop on the way
+
+    origins._on_fa4_call((), {"max_seqlen_q": collate()}, {})   # arms the tracer
+    assert origins._state["armed"] and torch._C._len_torch_function_stack() == 1
+    made = collate()
+    origins._on_fa4_call((), {"max_seqlen_q": move(made)}, {})
+    assert torch._C._len_torch_function_stack() == 0          # the mode is gone again
+    event = seen[-1]
+    assert event["method"] == "traced" and event["origin"]["function"] == "collate"
+    assert event["origin"]["source"].strip() == "return lens.max()                                   # made here"
+    assert [hop["function"] for hop in event["chain"]] == ["collate", "move"]
+
+    seen.clear()
+    monkeypatch.setattr(origins, "_state", {"armed": False, "done": False, "mode": None,
+                                            "thread": None, "calls": 0})
+    from_worker = torch.tensor(9)                              # as if unpickled from a worker
+    origins._on_fa4_call((), {"max_seqlen_q": from_worker}, {})
+    origins._on_fa4_call((), {"max_seqlen_q": from_worker.clone()}, {})
+    assert seen[-1]["method"] == "static" and seen[-1]["chain"][0]["op"] == "clone"
+    assert torch._C._len_torch_function_stack() == 0

@@ -32,6 +32,9 @@ MAX_SEQLEN_ARGS = ("max_seqlen_q", "max_seqlen_k")
 GIVE_UP_AFTER_CALLS = 2000       # FA4 calls while armed without seeing a traced tensor
 MAX_RECORDS = 20000
 MAX_SCAN_FILES = 1500
+# ops that copy or move a tensor: a chain that starts with one did not see the tensor being made
+MOVES = {"to", "cuda", "cpu", "clone", "contiguous", "detach", "pin_memory", "__deepcopy__",
+         "__reduce_ex__", "_to_copy"}
 _state = {"armed": False, "done": False, "mode": None, "thread": None, "calls": 0}
 _records = {}  # id(tensor) -> (weakref, frame dict, parent record or None)
 _SKIP_DIRS = {".git", ".hg", "__pycache__", "node_modules", "site-packages", "dist-packages",
@@ -55,7 +58,7 @@ def _make_tracer():
             result = func(*args, **(kwargs or {}))
             if self.active:
                 try:
-                    _note(result, args, kwargs)
+                    _note(result, args, kwargs, func)
                 except Exception as exc:
                     self.active = False
                     report_error("origin tracer", exc)
@@ -82,7 +85,7 @@ def _lookup(value):
     return None
 
 
-def _note(result, args, kwargs):
+def _note(result, args, kwargs, func=None):
     if not _is_int_scalar(result) or len(_records) >= MAX_RECORDS:
         return
     if any(result is a for a in args):  # `.to(same device)`, `.contiguous()`: the same tensor
@@ -96,6 +99,7 @@ def _note(result, args, kwargs):
     where = first_user_frame(1)
     if where is None:
         return
+    where = dict(where, op=getattr(func, "__name__", None))
     key = id(result)
     _records[key] = (weakref.ref(result, lambda _r, k=key: _records.pop(k, None)), where, parent)
 
@@ -281,7 +285,7 @@ def _finish(arg, value, call_site, method, chain=None, candidates=None):
     call = dict(call_site or {})
     call["source"] = _source(call_site)
     call["argument_lines"] = _argument_lines(call_site)
-    origin = (chain or [None])[0] if chain else (candidates or [None])[0]
+    origin = (chain or [None])[0] if method == "traced" else (candidates or [None])[0]
     emit("tensor_origin", arg=arg, method=method, call_site=call, origin=origin,
          chain=chain or [], candidates=candidates or [],
          dtype=str(getattr(value, "dtype", "")), device=str(getattr(value, "device", "")))
@@ -296,7 +300,14 @@ def _on_fa4_call(args, kwargs, positions):
     call_site = first_user_frame(2)
     entry = _lookup(value) if _state["armed"] else None
     if entry is not None:
-        _finish(arg, value, call_site, "traced", chain=_chain(entry))
+        chain = _chain(entry)
+        if chain[0].get("op") in MOVES:
+            # the first op seen only moved a tensor made elsewhere (a DataLoader worker process):
+            # the line that made it is in the job's source
+            _finish(arg, value, call_site, "static", chain=chain,
+                    candidates=static_origins(call_site, _source(call_site)))
+        else:
+            _finish(arg, value, call_site, "traced", chain=chain)
         return
     if not _state["armed"]:
         if _arm():
