@@ -10,6 +10,7 @@
 #              --fix warms FA4's cache from the baseline -> 0 compiles in the candidate.
 # usage (repo root, on the device machine): OUT=/tmp/out bash bench/gpu_fix_heldout.sh [PHASE...]
 # Phases: setup fa4 triton cold summary (default: all). Run folders are tarred under $OUT.
+# --torch-profile off: all 6 steady steps (2-7) of both arms count, so the interval is allowed.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 REPO=$(pwd)
@@ -51,25 +52,25 @@ setup)
 fa4)
   log "fa4: --fix on the held-out packed job, FA4 4.0.0b17, tensor max_seqlen"
   fresh_copy fix_packed "$WORK/fa4-user"
-  (cd "$WORK/fa4-user" && FA4_VERSION=b17 timeout 420 diagnose --quiet --fix --steps 8 \
+  (cd "$WORK/fa4-user" && FA4_VERSION=b17 timeout 420 diagnose --quiet --fix --steps 8 --torch-profile off \
      --run-dir "$WORK/fa4-fix" -- $PY train.py --steps 8 $FA4_ARGS 2>&1 | tail -45)
   echo "--- fix.patch"; cat "$WORK/fa4-fix/fix.patch"
   log "fa4: the patch on a clean copy (git apply), under diagnose"
   fresh_copy fix_packed "$WORK/fa4-patched"
   (cd "$WORK/fa4-patched" && git apply "$WORK/fa4-fix/fix.patch" && \
-   FA4_VERSION=b17 timeout 200 diagnose --quiet --steps 8 --run-dir "$WORK/fa4-patched-run" -- \
+   FA4_VERSION=b17 timeout 200 diagnose --quiet --steps 8 --torch-profile off --run-dir "$WORK/fa4-patched-run" -- \
      $PY train.py --steps 8 $FA4_ARGS 2>&1 | tail -8)
   echo "patched clean copy median step (s): $(median_of "$WORK/fa4-patched-run")"
   tar_run fa4-fix; tar_run fa4-patched-run ;;
 triton)
   log "triton: --fix on a Triton kernel whose autotune key changes every step"
   fresh_copy fix_triton "$WORK/triton-user"
-  (cd "$WORK/triton-user" && timeout 300 diagnose --quiet --fix --steps 8 \
+  (cd "$WORK/triton-user" && timeout 300 diagnose --quiet --fix --steps 8 --torch-profile off \
      --run-dir "$WORK/triton-fix" -- $PY train.py --steps 8 2>&1 | tail -40)
   echo "--- fix.patch"; cat "$WORK/triton-fix/fix.patch" 2>/dev/null || echo "(no fix.patch)"
   fresh_copy fix_triton "$WORK/triton-patched"
   (cd "$WORK/triton-patched" && git apply "$WORK/triton-fix/fix.patch" && \
-   timeout 150 diagnose --quiet --steps 8 --run-dir "$WORK/triton-patched-run" -- \
+   timeout 150 diagnose --quiet --steps 8 --torch-profile off --run-dir "$WORK/triton-patched-run" -- \
      $PY train.py --steps 8 2>&1 | tail -8)
   echo "patched clean copy median step (s): $(median_of "$WORK/triton-patched-run")"
   tar_run triton-fix; tar_run triton-patched-run ;;
@@ -79,7 +80,7 @@ cold)
   (cd "$WORK/cold-user" && git apply "$WORK/fa4-fix/fix.patch" 2>/dev/null || \
      sed -i 's/max_seqlen = seqlens.max()/max_seqlen = int(seqlens.max())/' packlib/collate.py)
   rm -rf "$FLASH_ATTENTION_CUTE_DSL_CACHE_DIR"
-  (cd "$WORK/cold-user" && timeout 300 diagnose --quiet --fix --steps 8 \
+  (cd "$WORK/cold-user" && timeout 300 diagnose --quiet --fix --steps 8 --torch-profile off \
      --run-dir "$WORK/cold-fix" -- $PY train.py --steps 8 $FA4_ARGS 2>&1 | tail -30)
   tar_run cold-fix ;;
 summary)
