@@ -259,29 +259,139 @@ def _gil_evidence(run, rank, thread_name):
     return out
 
 
-def _leak_prescriptions(run, where, caller, source, gain, backward_only):
-    """Best first: the int cast at the caller, the upgrade, a backend switch."""
+def wrap_in_int(line):
+    """The source line with the expression that makes a 0-dim tensor max (`x.max()`,
+    `x.diff().max()`, `x.amax()`, `torch.max(x)`) wrapped in int(...), or None when the line has
+    none or the result would not parse. Handles `name = ...`, `"key": ...,` and `key=...,` lines."""
+    import ast
+
+    if not line or not line.strip():
+        return None
+    indent = line[:len(line) - len(line.lstrip())]
+    body = line.strip()
+    for prefix, suffix in (("", ""), ("{", "}"), ("f(", ")")):
+        text = prefix + body + suffix
+        try:
+            tree = ast.parse(text)
+        except SyntaxError:
+            continue
+        calls = [n for n in ast.walk(tree) if _is_max_call(n) and n.lineno == n.end_lineno == 1]
+        wrapped = {id(n.args[0]) for n in ast.walk(tree) if isinstance(n, ast.Call)
+                   and isinstance(n.func, ast.Name) and n.func.id == "int" and n.args}
+        if not calls or any(id(n) in wrapped for n in calls):
+            return None
+        node = min(calls, key=lambda n: n.col_offset)          # the outermost one
+        a, b = node.col_offset, node.end_col_offset
+        new_text = text[:a] + "int(" + text[a:b] + ")" + text[b:]
+        try:
+            ast.parse(new_text)
+        except SyntaxError:
+            return None
+        return indent + new_text[len(prefix):len(new_text) - len(suffix)]
+    return None
+
+
+def _is_max_call(node):
+    import ast
+
+    if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Attribute) \
+            or node.func.attr not in ("max", "amax"):
+        return False
+    if isinstance(node.func.value, ast.Name) and node.func.value.id == "torch":
+        return len(node.args) == 1 and not node.keywords
+    return not node.args and not node.keywords
+
+
+def _tensor_origin(run, rank):
+    """The shim's `tensor_origin` event for this rank (origins.py): where the tensor max_seqlen
+    that reached FA4 was made, as {"origin": frame, "chain": [...], "call_site": frame, ...}."""
+    rows = ev.events_of_type(run, "tensor_origin")
+    if not len(rows):
+        return None
+    if "rank" in rows:
+        rows = rows[rows["rank"].astype(str) == str(rank)]
+    for row in rows.itertuples():
+        origin = _col(row, "origin")
+        if isinstance(origin, dict) and origin.get("file"):
+            return {"origin": origin, "chain": _col(row, "chain") or [],
+                    "candidates": _col(row, "candidates") or [],
+                    "call_site": _col(row, "call_site"), "method": _col(row, "method"),
+                    "arg": _col(row, "arg")}
+    return None
+
+
+RUNTIME_PATCH = "fa4_int_max_seqlen"
+
+
+def _leak_prescriptions(run, where, caller, source, gain, backward_only, origin=None):
+    """Strongest first: the framework's own switch (config), the source line that makes the
+    tensor (a real diff, applied to a scratch copy by --fix), the cast at the FA4 call, a runtime
+    patch at FA4's boundary (proves the diagnosis, edits nothing), an overlay upgrade of FA4, a
+    backend switch."""
     out = []
     command = [str(t) for t in run.command]
     is_seed_example = (caller and str(caller.get("file", "")).endswith(SEED_EXAMPLE)) or any(
         t.endswith(SEED_EXAMPLE) for t in command)
-    code = {"file": caller.get("file") if caller else None, "line": caller.get("line") if caller else None,
-            "before": source or "max_seqlen_q=<0-dim tensor>, max_seqlen_k=<0-dim tensor>",
-            "after": int_cast(source) or "max_seqlen_q=int(max_seqlen_q), max_seqlen_k="
-                                         "int(max_seqlen_k)  (one .item() per batch, not per layer)"}
+    cwd = run.manifest.get("cwd")
+    call_line = caller.get("line") if caller else None
+    call_after = int_cast(source)
+    for arg_line in ((origin or {}).get("call_site") or {}).get("argument_lines") or []:
+        if not call_after and int_cast(arg_line.get("source")):
+            # the call spans several lines: the cast goes on the line naming max_seqlen
+            call_line, source = arg_line["line"], arg_line["source"]
+            call_after = int_cast(source)
+    call_code = {"file": caller.get("file") if caller else None, "line": call_line,
+                 "before": source.strip() if source else source,
+                 "after": call_after.strip() if call_after else call_after}
     if is_seed_example:
         out.append(Prescription(
             kind="arg",
             summary=f"pass max_seqlen as a Python int at {where or 'the FA4 call'} "
                     "(the example: --max-seqlen-as int)",
-            change={"arg": {"framework": "example", "set": {"--max-seqlen-as": "int"}}, "code": code},
+            change={"arg": {"framework": "example", "set": {"--max-seqlen-as": "int"}},
+                    "code": call_code},
             expected_gain_s_per_step=gain, automatic=True))
-    else:
+    made = (origin or {}).get("origin") or {}
+    made_after = wrap_in_int(made.get("source")) if made.get("file") else None
+    if made_after:
+        made_where = f"{_display_path(made['file'], cwd)}:{made.get('line')}"
         out.append(Prescription(
-            kind="code", summary=f"pass max_seqlen as a Python int at {where or 'the FA4 call'}",
-            change={"code": code}, expected_gain_s_per_step=gain, automatic=False))
+            kind="code",
+            summary=f"make max_seqlen a Python int where it is created, {made_where} "
+                    f"(one host read per batch instead of a new FA4 compile key per call; "
+                    f"it reaches FA4 at {where or 'the FA4 call'})",
+            change={"code": {"file": made["file"], "line": made.get("line"),
+                             "before": made["source"].strip(), "after": made_after.strip(),
+                             "before_line": made["source"], "after_line": made_after,
+                             "role": "origin", "call_site": caller,
+                             "traced_by": origin.get("method")}},
+            command=f"{made_where}: {made['source'].strip()}  ->  {made_after.strip()}",
+            expected_gain_s_per_step=gain, automatic=True))
+    if call_after and caller and caller.get("file"):
+        out.append(Prescription(
+            kind="code",
+            summary=f"cast max_seqlen to int at the FA4 call, {where} (one host read per call)",
+            change={"code": {**call_code, "before_line": source, "after_line": call_after,
+                             "role": "call_site"}},
+            command=f"{_display_path(caller['file'], cwd)}:{call_line}: {source.strip()}  ->  "
+                    f"{call_after.strip()}",
+            expected_gain_s_per_step=gain, automatic=True))
+    elif not made_after:
+        out.append(Prescription(
+            kind="code", summary=f"pass max_seqlen as a Python int at {where or 'the FA4 call'} "
+                                 "(the line that creates the tensor was not found: cast it there, "
+                                 "once per batch)",
+            change={"code": call_code}, expected_gain_s_per_step=gain, automatic=False))
     older = fa4_version_before(run, FA4_FIXED)
     if older is not False:
+        out.append(Prescription(
+            kind="runtime",
+            summary="runtime patch at FA4's boundary: a tensor max_seqlen_q/k becomes a Python "
+                    "int in _flash_attn_fwd/_flash_attn_bwd (proves the diagnosis without "
+                    "editing code; not a lasting fix)",
+            change={"runtime": {"patch": RUNTIME_PATCH}},
+            command=f"TRAINDX_RUNTIME_PATCHES={RUNTIME_PATCH} diagnose -- <cmd>",
+            expected_gain_s_per_step=gain, automatic=True))
         have = (run.manifest.get("packages") or {}).get(FA4_PACKAGE) or "this release"
         out.append(Prescription(
             kind="upgrade",
@@ -290,7 +400,7 @@ def _leak_prescriptions(run, where, caller, source, gain, backward_only):
                     + (", which is what recompiles here)" if backward_only else ")"),
             change={"upgrade": {"package": FA4_PACKAGE, "min_version": FA4_FIXED}},
             command=f"pip install -U '{FA4_PACKAGE}>={FA4_FIXED}'",
-            expected_gain_s_per_step=gain, automatic=False))
+            expected_gain_s_per_step=gain, automatic=True))
     for p in backend_switches(run):
         out.append(Prescription(kind=p.kind, summary=p.summary, change=p.change,
                                 expected_gain_s_per_step=gain, automatic=p.automatic))
@@ -360,7 +470,7 @@ def _steady_finding(run, rank, kind, kernel, group, steps):
         "threads": dict(threads), "on_main_thread": on_main,
         "steps_after_first": int(n_after), "median_step_after_first_s": median_after,
     }
-    caller = where = source = None
+    caller = where = source = origin = None
     if fa4:
         evidence["fa4_function"] = fa4_function
         evidence["fa4_max_seqlen"] = fa4.get("max_seqlen")
@@ -374,6 +484,9 @@ def _steady_finding(run, rank, kind, kernel, group, steps):
         where = _where(caller, run)
         evidence["caller"] = caller
         evidence["caller_source"] = source
+        origin = _tensor_origin(run, rank)
+        if origin:
+            evidence["tensor_origin"] = origin
         if tensor_call:
             evidence["fa4_call_arg_types"] = tensor_call["arg_types"]
     if thread_name:
@@ -401,10 +514,10 @@ def _steady_finding(run, rank, kind, kernel, group, steps):
                  f"leaks into its compile key ({field_text})")
         summary = (f"{kernel} compiled {len(later)} more time(s) after step {first_step} "
                    f"{thread_text}, {lost:.2f} s per step ({(share or 0):.0%} of a step). "
-                   f"Why: {'; '.join(why)}. The tensor comes from {where or 'the FA4 call'}"
-                   + (f": `{source}`" if source else "") + ".")
+                   f"Why: {'; '.join(why)}. " + _origin_text(run, origin, where, source))
         backward_only = fa4_function == "_flash_attn_bwd"
-        prescriptions = _leak_prescriptions(run, where, caller, source, lost, backward_only)
+        prescriptions = _leak_prescriptions(run, where, caller, source, lost, backward_only,
+                                            origin)
         finding_id = "jit.fa4_steady_recompile"
     else:
         title = (f"{kernel} recompiles after warm-up ({kind}); changing key field(s): "
@@ -418,6 +531,20 @@ def _steady_finding(run, rank, kind, kernel, group, steps):
         id=finding_id, title=title, severity=_severity(share, steady=True), analyzer="jit",
         summary=summary, steps_affected=steps_affected, seconds_lost_per_step=lost,
         share_of_step=share, evidence=evidence, prescriptions=tuple(prescriptions), ranks=(rank,))
+
+
+def _origin_text(run, origin, where, source):
+    """Both lines: where the tensor is made and where it reaches FA4."""
+    passed = f"It reaches FA4 at {where or 'the FA4 call'}" + (f": `{source}`" if source else "")
+    made = (origin or {}).get("origin") or {}
+    if not made.get("file"):
+        return passed + " (where the tensor is made was not found)."
+    how = {"traced": "traced at run time", "static": "found in the job's source"}.get(
+        origin.get("method"), origin.get("method") or "")
+    text = (f"The tensor is made at {_display_path(made['file'], run.manifest.get('cwd'))}:"
+            f"{made.get('line')}" + (f": `{str(made.get('source') or '').strip()}`" if made.get("source") else "")
+            + (f" ({how})" if how else "") + f". {passed}.")
+    return text
 
 
 def _generic_recompile_prescriptions(run, kind, kernel, fields, gain):
@@ -517,9 +644,17 @@ def _autotune_finding(run, rank, kernel, group, steps):
     share = min(lost / median_after, 1.0) if median_after else None
     lost, share = _ledger_cost(run, rank, after, lost, share, "autotune")
     fields = [f for f, _ in changed.most_common()]
-    is_fla = any(_FLA_PATH.search(str((_col(r, "caller") or {}).get("file", "")))
-                 or str(_col(r, "module") or "").startswith("fla.") for r in group.itertuples()) \
-        or bool((run.manifest.get("packages") or {}).get("flash-linear-attention"))
+    # flash-linear-attention's own switches only when its code is the kernel's (module path),
+    # not because the package is installed next to a kernel of the job's own
+    is_fla = any(_FLA_PATH.search(str(_col(r, "kernel_file") or (_col(r, "caller") or {}).get("file", "")))
+                 or str(_col(r, "module") or "").startswith("fla.") for r in group.itertuples())
+    caller = next((_col(r, "caller") for r in group.itertuples()
+                   if isinstance(_col(r, "caller"), dict)), None) or {}
+    kernel_file = next((_col(r, "kernel_file") for r in group.itertuples()
+                        if _col(r, "kernel_file")), None)
+    key_names = next((_col(r, "key_names") for r in group.itertuples()
+                      if isinstance(_col(r, "key_names"), list)), None)
+    fields = [f for f in fields if not key_names or f in key_names] or fields
     prescriptions = []
     if is_fla:
         prescriptions.append(Prescription(
@@ -527,12 +662,26 @@ def _autotune_finding(run, rank, kernel, group, steps):
                                 "configs instead of tuning again when the key changes)",
             change={"env": {"FLA_CACHE_RESULTS": "1"}}, automatic=True,
             expected_gain_s_per_step=lost))
-    prescriptions.append(Prescription(
-        kind="code", summary=f"take {', '.join(fields) or 'the changing argument'} out of the "
-                             f"autotune key of {kernel} (or bucket it): every new value tunes again",
-        change={"code": {"file": None, "line": None, "before": f"key={fields}",
-                         "after": "a key that stays constant under dynamic packing"}},
-        expected_gain_s_per_step=lost))
+    if not is_fla and fields:
+        where = _where(caller, run)
+        prescriptions.append(Prescription(
+            kind="code",
+            summary=f"take {', '.join(fields)} out of @triton.autotune(key=[...]) of {kernel} "
+                    f"(launched at {where or '?'}): every new value benchmarks all "
+                    f"{_col(next(group.itertuples()), 'configs') or ''} configs again; or bucket "
+                    f"it at the launch (triton.next_power_of_2({fields[0]}))",
+            change={"code": {"autotune_key": {"kernel": kernel, "drop": fields,
+                                              "files": [f for f in (kernel_file, caller.get("file")) if f]},
+                             "file": kernel_file or caller.get("file"), "line": None,
+                             "before": f"key={fields!r}", "after": None}},
+            expected_gain_s_per_step=lost, automatic=True))
+    else:
+        prescriptions.append(Prescription(
+            kind="code", summary=f"take {', '.join(fields) or 'the changing argument'} out of the "
+                                 f"autotune key of {kernel} (or bucket it): every new value tunes again",
+            change={"code": {"file": None, "line": None, "before": f"key={fields}",
+                             "after": None}},
+            expected_gain_s_per_step=lost))
     prescriptions.append(Prescription(
         kind="env", summary="keep Triton's cache on a persistent disk (TRITON_CACHE_DIR)",
         change={"env": {"TRITON_CACHE_DIR": _beside_runs(run, "triton-cache")}},

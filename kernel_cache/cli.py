@@ -336,8 +336,11 @@ def _summarize(results, items, cache_dir, env, seconds):
     for line in _exports(cache_dir):
         out.print(f"  {line}")
     if failed:
-        print(f"{PROG}: error: {len(failed)} of {len(results)} work items failed (see the table)",
-              file=sys.stderr)
+        print(f"{PROG}: error: {len(failed)} of {len(results)} work items failed:", file=sys.stderr)
+        for r in failed[:8]:  # the reason itself, not only a table cell a narrow terminal cuts
+            error = str(r.get("error") or "no error text").strip().splitlines() or ["?"]
+            print(f"  {r.get('label')}: " + " | ".join(line.strip() for line in error[-3:])[:600],
+                  file=sys.stderr)
         return 1
     return 0
 

@@ -14,6 +14,7 @@ from . import stats
 
 # variables traindx itself sets per run, not part of the change between two arms
 _OWN_ENV = ("TRAINDX_RUN_DIR", "TRAINDX_MAX_STEPS", "TRAINDX_RANK_PID", "PYTHONUNBUFFERED",
+            "TRAINDX_FIX_MECHANISM",  # how --fix chose, not a setting of the job
             # the shell's bookkeeping, not a setting of the job
             "OLDPWD", "PWD", "SHLVL", "_")
 # traindx options that change what the job pays for being measured
@@ -105,11 +106,23 @@ def env_diff(before, after):
     }
 
 
-def measure_arm(run, window=None, tokens_override=None):
+MIN_STEPS_FOR_INTERVAL = 5   # fewer steps per arm: no bootstrap interval, the values themselves
+
+
+def _arm_series(run):
     series, source = step_times(run)
+    profiled = profiled_positions(run, series) if source == "shim" else []
+    return series, source, profiled
+
+
+def measure_arm(run, window=None, tokens_override=None, exclude=None, arm=None):
+    """One arm over a step window. `exclude`: positions left out (both arms get the same ones,
+    see compare_runs); default: this arm's own profiled steps."""
+    series, source, profiled = arm or _arm_series(run)
     times = series.to_numpy(dtype=float)
     tokens = tokens_override or tokens_per_step(run)
-    profiled = profiled_positions(run, series) if source == "shim" else []
+    if exclude is not None:
+        profiled = exclude
     summary, window_times = stats.summarize_arm(times, window, tokens, exclude=profiled)
     total, in_window = compile_counts(run, summary.window)
     out = summary.to_dict()
@@ -133,13 +146,35 @@ def measure_arm(run, window=None, tokens_override=None):
 
 def compare_runs(baseline, candidate, window=None, tokens_per_step=None, change=None):
     """The comparison dict of two loaded runs (baseline = the reference arm)."""
-    base, base_w = measure_arm(baseline, window, tokens_per_step)
-    cand, cand_w = measure_arm(candidate, window, tokens_per_step)
+    # the same window and the same exclusions on both sides: the steps both arms recorded, the
+    # profiled steps of either arm left out of both
+    base_arm, cand_arm = _arm_series(baseline), _arm_series(candidate)
+    common = min(len(base_arm[0]), len(cand_arm[0]))
+    if window is None and common and len(base_arm[0]) != len(cand_arm[0]):
+        bounds = stats.steady_window(common)
+        window = bounds
+    excluded = sorted(set(base_arm[2]) | set(cand_arm[2]))
+    base, base_w = measure_arm(baseline, window, tokens_per_step, exclude=excluded, arm=base_arm)
+    cand, cand_w = measure_arm(candidate, window, tokens_per_step, exclude=excluded, arm=cand_arm)
     problems = []
     speedup = ci = None
+    interval_note = None
+    verdict_low = None
     if len(base_w) and len(cand_w):
         point, low, high = stats.bootstrap_speedup(base_w, cand_w)
-        speedup, ci = point, [low, high]
+        speedup = point
+        if min(len(base_w), len(cand_w)) >= MIN_STEPS_FOR_INTERVAL:
+            ci = [low, high]
+            verdict_low = low
+        else:
+            # too few points for a bootstrap: the per-step values, and "faster" only when every
+            # candidate step beat every baseline step
+            verdict_low = float(np.min(base_w) / np.max(cand_w))
+            interval_note = (f"no confidence interval: {len(base_w)} and {len(cand_w)} steps in "
+                             f"the window (need {MIN_STEPS_FOR_INTERVAL} per arm); per-step "
+                             f"values: baseline {[round(float(x), 4) for x in base_w]}, "
+                             f"candidate {[round(float(x), 4) for x in cand_w]}")
+            problems.append(interval_note)
     else:
         for name, arm in (("baseline", base), ("candidate", cand)):
             if not arm["window_steps"]:
@@ -176,7 +211,7 @@ def compare_runs(baseline, candidate, window=None, tokens_per_step=None, change=
     if base["first_step_s"] and cand["first_step_s"]:
         startup = {"first_step_speedup": base["first_step_s"] / cand["first_step_s"],
                    "first_step_saved_s": base["first_step_s"] - cand["first_step_s"]}
-    verdict = stats.verdict(speedup, ci[0] if ci else None,
+    verdict = stats.verdict(speedup, verdict_low,
                             None if parity is None else parity["passed"])
     if verdict == "no gain" and startup and startup["first_step_speedup"] >= 2 \
             and startup["first_step_saved_s"] >= 1.0:
@@ -192,6 +227,11 @@ def compare_runs(baseline, candidate, window=None, tokens_per_step=None, change=
         },
         "speedup": speedup,
         "speedup_ci95": ci,
+        "window_values_s": {"baseline": [round(float(x), 6) for x in base_w],
+                            "candidate": [round(float(x), 6) for x in cand_w]},
+        "excluded_steps_both_arms": [int(base_arm[0].index[i]) for i in excluded
+                                     if i < len(base_arm[0])],
+        "interval_note": interval_note,
         "tokens_per_s_gain": (cand["tokens_per_s"] / base["tokens_per_s"]
                               if base["tokens_per_s"] and cand["tokens_per_s"] else None),
         "startup": startup,
@@ -246,9 +286,12 @@ def report_view(comparison):
     if change.get("instructions"):
         view["to do by hand"] = "; ".join(change["instructions"])
     if comparison.get("speedup") is not None:
-        low, high = comparison["speedup_ci95"]
-        view["speedup"] = (f"{comparison['speedup']:.2f}× (95 % bootstrap interval "
-                           f"{low:.2f}–{high:.2f}×)")
+        view["speedup"] = speedup_text(comparison)
+    for c in comparison.get("changes") or []:
+        view.setdefault("predicted vs measured", [])
+        view["predicted vs measured"].append(change_text(c))
+    if "predicted vs measured" in view:
+        view["predicted vs measured"] = "; ".join(view["predicted vs measured"])
     parity = comparison.get("loss_parity")
     if parity:
         view["loss parity"] = {
@@ -267,3 +310,29 @@ def report_view(comparison):
         view["notes"] = "; ".join(view["notes"])
     view["verdict"] = comparison["verdict"]
     return view
+
+
+def speedup_text(comparison):
+    """'12.3× (95 % bootstrap interval 10.1–14.0×)', or the per-step values when an arm has too
+    few steps for an interval."""
+    speedup = comparison.get("speedup")
+    if speedup is None:
+        return "-"
+    ci = comparison.get("speedup_ci95")
+    if ci:
+        return f"{speedup:.2f}× (95 % bootstrap interval {ci[0]:.2f}–{ci[1]:.2f}×)"
+    values = comparison.get("window_values_s") or {}
+    return (f"{speedup:.2f}× (median ratio; too few steps for an interval — per-step s: baseline "
+            f"{values.get('baseline')}, candidate {values.get('candidate')})")
+
+
+def change_text(c):
+    def s(x):
+        return "-" if x is None else f"{x:.3f} s"
+    text = (f"[{c.get('finding')}] {c.get('mechanism')}: predicted step {s(c.get('predicted_step_time_s'))}, "
+            f"measured {s(c.get('measured_step_time_s'))}")
+    if c.get("failed"):
+        text += " (not applied: the step failed)"
+    elif c.get("measured_jointly_with"):
+        text += f" (jointly with {', '.join(c['measured_jointly_with'])})"
+    return text

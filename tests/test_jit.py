@@ -251,7 +251,8 @@ def test_healthy_example_has_no_jit_finding(tmp_path_factory):
 
 
 # -- what cannot run on a CPU: Triton autotuning, other frameworks' commands ------------------------
-def _synthetic_run(path, command, compiles, step_s=1.0, steps=4, packages=None):
+def _synthetic_run(path, command, compiles, step_s=1.0, steps=4, packages=None,
+                   caller_file="/job/model.py"):
     """A run folder as the shim writes it (Triton cannot run without a GPU): steps of step_s
     seconds and the given compile events (kind, kernel, step, seconds, key_fields)."""
     os.makedirs(path / "events")
@@ -266,7 +267,7 @@ def _synthetic_run(path, command, compiles, step_s=1.0, steps=4, packages=None):
         events.append({"type": "compile", "kind": kind, "kernel": kernel, "step": step,
                        "start": start, "t": start + int(seconds * 1e9), "duration_s": seconds,
                        "thread": "MainThread", "is_main_thread": True, "key_fields": fields,
-                       "key": repr(fields), "caller": {"file": "/job/model.py", "line": 7,
+                       "key": repr(fields), "caller": {"file": caller_file, "line": 7,
                                                        "function": "forward"}})
     with open(path / "events" / "0.jsonl", "w") as f:
         f.write("\n".join(json.dumps(e) for e in sorted(events, key=lambda e: e["t"])) + "\n")
@@ -278,14 +279,22 @@ def _synthetic_run(path, command, compiles, step_s=1.0, steps=4, packages=None):
 def test_autotune_again_after_warmup_names_the_changing_key(tmp_path):
     compiles = [("triton_autotune", "chunk_fwd_kernel", s, 0.4, {"T": str(1000 + 64 * s), "H": "8"})
                 for s in range(4)]
+    # flash-linear-attention's kernel (its code launches it: the caller is in fla/)
     run = _synthetic_run(tmp_path / "run", ["python", "train.py"], compiles,
-                         packages={"flash-linear-attention": "0.6.0"})
+                         packages={"flash-linear-attention": "0.6.0"},
+                         caller_file="/site-packages/fla/ops/gla/chunk.py")
     f = _jit(traindx.analyze(run))["jit.autotune"]
     assert f.evidence["changing_key_fields"] == ["T"] and set(f.steps_affected) == {1, 2, 3}
     assert f.seconds_lost_per_step == pytest.approx(0.4)
     envs = [p.change.get("env", {}) for p in f.prescriptions]
     assert any(e.get("FLA_CACHE_RESULTS") == "1" for e in envs)
     assert any("TRITON_CACHE_DIR" in e for e in envs)
+    # a kernel of the job's own: Triton's terms only, even with FLA installed (issue 14)
+    run = _synthetic_run(tmp_path / "own", ["python", "train.py"], compiles,
+                         packages={"flash-linear-attention": "0.6.0"})
+    f = _jit(traindx.analyze(run))["jit.autotune"]
+    assert not any("FLA_" in json.dumps(p.change) for p in f.prescriptions)
+    assert f.prescriptions[0].kind == "code" and "autotune_key" in f.prescriptions[0].change["code"]
 
 
 @pytest.mark.parametrize("command, env, expected", [

@@ -143,9 +143,23 @@ def print_comparison(comparison, console=None):
     console.print(table)
 
     if comparison["speedup"] is not None:
-        low, high = comparison["speedup_ci95"]
-        console.print(Text(f"speedup: {comparison['speedup']:.2f}× "
-                           f"(95 % bootstrap interval {low:.2f}–{high:.2f}×)", style="bold"))
+        from traindx.recipes.ab import speedup_text
+
+        console.print(Text(f"speedup: {speedup_text(comparison)}", style="bold"))
+    for step in comparison["change"].get("steps", []):
+        if not step.get("ok"):
+            console.print(Text(f"failed: {step['step']}: {step.get('error')}"
+                               + (f" — the candidate ran with {step['instead']}"
+                                  if step.get("instead") else ""), style="yellow"))
+    if comparison.get("changes"):
+        from traindx.recipes.ab import change_text
+
+        for c in comparison["changes"]:
+            console.print(Text(f"predicted vs measured: {change_text(c)}"))
+    if comparison.get("fix_patch"):
+        console.print(Text(f"fix.patch: {comparison['fix_patch']}", style="bold"))
+    for line in comparison["change"].get("apply", []):
+        console.print(Text(f"to keep it: {line}", style="cyan"))
     parity = comparison["loss_parity"]
     if parity is None:
         console.print("loss parity: not checked (no losses in the job's log)", markup=False)

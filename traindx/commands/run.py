@@ -39,6 +39,9 @@ def prepare_parser(parser):
                              "when steps take over 5 s)")
     parser.add_argument("--fix", action="store_true",
                         help="apply the automatic prescriptions, re-run and compare")
+    parser.add_argument("--wheels", default=None, metavar="DIR",
+                        help="with --fix: install fixed releases from the wheels in DIR into an "
+                             "overlay for the candidate (instead of the package index)")
     parser.add_argument("--quiet", action="store_true", help="no live status line")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="the training command, after --")
 

@@ -99,5 +99,7 @@ def activate():
     compiles.register()
     torchcalls.register()
     torchprof.register()
-    __import__(__name__ + ".spans", fromlist=["register"]).register()  # time ledger spans
+    from . import spans, runtime_patches
+    spans.register()  # time ledger spans
+    runtime_patches.register()  # --fix runtime patches, max_seqlen origin tracer
     importhooks.install()

@@ -1,0 +1,1 @@
+"""A fused RMSNorm in Triton, autotuned, as many training repos carry one."""
