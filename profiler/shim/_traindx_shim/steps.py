@@ -2,8 +2,9 @@
 
 What ends a step, strongest signal first (docs/run-record.md, "What a step is"):
 1. A step marker: `traindx.step()` called by the job, or each return of the function named by
-   `diagnose --step-marker module:function` (TRAINDX_STEP_MARKER). Once a marker is seen, the
-   signals below stop ending steps.
+   `diagnose --step-marker module:function` (TRAINDX_STEP_MARKER). A job that imports traindx,
+   or a run with --step-marker, gets its steps from the marker alone; the signals below stand
+   down from then on.
 2. The outermost optimizer step of an iteration, counted once. A step call nested in another
    (an optimizer container stepping its inner optimizers, GradScaler.step calling
    optimizer.step, Megatron's and DeepSpeed's wrappers) is inside the outer one: a stack of
@@ -50,7 +51,7 @@ _PID = os.getpid()
 _state = {
     "step": 0, "begin": None, "torch": None, "megatron": False,
     "mode": "marker" if MARKER_SPEC else "auto",  # "marker": only markers end steps
-    "auto_boundary": False,    # the current step began where an optimizer/backward ended one
+    "marker_calls": 0,
     "stop_pending": False, "train_thread": None,
     "opt_created_t": None, "opt_thread": None,  # the first optimizer: arms step 0's begin
     "first_activity": None,    # (t, what) of the first batch/forward/backward since torch import
@@ -133,7 +134,6 @@ def _end(source, t=None, retro=False):
     _emit_alloc(step)
     _state["step"] = step + 1
     _state["train_thread"] = threading.get_ident()
-    _state["auto_boundary"] = source not in ("traindx.step", "--step-marker")
     if MAX_STEPS and step + 1 >= MAX_STEPS:
         # stop at the first batch/forward/backward/optimizer step of the next iteration, so
         # the job's own end-of-iteration code (its log line, its loss) still runs for this step
@@ -377,22 +377,33 @@ def _wrap_backward(fn):
 
 # -- the step marker ------------------------------------------------------------------------------
 def marker(source="traindx.step"):
-    """One iteration ended (traindx.step(), --step-marker). Markers win over automatic signals."""
+    """One iteration ended (traindx.step(), --step-marker)."""
     try:
         if _state["stop_pending"]:
             _stop_now(source)
-        if _state["mode"] != "marker":
-            _state["mode"] = "marker"
-            emit("step_marker", source=source, step=_state["step"])
-            if _state["auto_boundary"]:
-                # the optimizer (or backward) already ended this iteration: from the next one on,
-                # the marker alone ends steps
-                return
+        _state["marker_calls"] += 1
         _end(source)
     except SystemExit:
         raise
     except Exception as exc:
         report_error("step marker", exc)
+
+
+def _on_traindx(module):
+    # a job that imports traindx marks its own steps with traindx.step(): from now on only
+    # markers end steps (deciding at the first call would be too late: the optimizer steps of
+    # that first iteration would already be steps of their own)
+    if _state["mode"] != "marker":
+        _state["mode"] = "marker"
+        emit("step_marker", source="traindx.step", step=_state["step"])
+        import atexit
+        atexit.register(_marker_never_called)
+
+
+def _marker_never_called():
+    if not _state["marker_calls"]:
+        report_error("traindx.step", LookupError(
+            "the job imported traindx but never called traindx.step(): no steps were marked"))
 
 
 def _marker_target():
@@ -529,6 +540,7 @@ def register():
     importhooks.on_import("torch.utils.data.dataloader", _on_dataloader)
     importhooks.on_import("megatron.core.optimizer.optimizer", _on_megatron_optimizer)
     importhooks.on_import("deepspeed.runtime.engine", _on_deepspeed_engine)
+    importhooks.on_import("traindx", _on_traindx)
     if MARKER_SPEC:
         module_name, _ = _marker_target()
         if module_name != "__main__":
