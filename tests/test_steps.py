@@ -174,6 +174,8 @@ LOOPS = textwrap.dedent('''
         x = torch.randn(8 * n, 16)
         loader = DataLoader(TensorDataset(x, x.flip(1)), batch_size=8)
         time.sleep(1.0)  # the framework's set-up after building the optimizer
+        with torch.no_grad():  # an evaluation before training (Lightning's sanity check)
+            model(x[:8])
         for i, (xb, yb) in enumerate(loader):
             t0 = time.perf_counter()
             loss = F.mse_loss(model(xb), yb)
@@ -302,5 +304,5 @@ def test_step_0_begins_at_the_first_batch_not_at_the_optimizers_creation(tmp_pat
     created = _events(run_dir, "optimizer_created")[0]["t"]
     begin = _events(run_dir, "step_begin")[0]
     assert begin["step"] == 0 and begin["begun_by"] == "batch"
-    # the second of set-up after building the optimizer is start-up, not step 0
+    # the second of set-up and the no_grad evaluation after building the optimizer are start-up
     assert begin["t"] - created >= 0.9e9

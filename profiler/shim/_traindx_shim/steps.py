@@ -21,9 +21,9 @@ What ends a step, strongest signal first (docs/run-record.md, "What a step is"):
    at each outermost backward's return. With gradient accumulation and no optimizer, one
    backward is one step (use a marker there).
 
-Step 0 begins at the first DataLoader batch fetch, outermost module forward or backward after
-the first optimizer exists, whichever comes first: set-up after building the optimizer (a
-Trainer's, a compile warm-up outside the loop) is start-up, not step 0. GC before that is
+Step 0 begins at the first DataLoader batch fetch or outermost module forward with grad mode
+on, or backward, after the first optimizer exists, whichever comes first: set-up after building
+the optimizer (a Trainer's, an evaluation under no_grad before training) is start-up, not step 0. GC before that is
 emitted as step -1 (start-up). Without any optimizer, step 0 begins at the first of those
 activities after torch is imported.
 
@@ -178,6 +178,9 @@ def _activity(what):
         _stop_now(what)
     if _state["begin"] is not None:
         return
+    torch = _state["torch"]
+    if what != "backward" and torch is not None and not torch.is_grad_enabled():
+        return  # an evaluation before training (Lightning's sanity check) is still set-up
     if _state["opt_created_t"] is not None:
         if threading.get_ident() == _state["opt_thread"]:
             _begin_step0(time.time_ns(), what)
