@@ -155,6 +155,9 @@ LOOPS = textwrap.dedent('''
         X, Y = batch()
         t0 = time.perf_counter()
         for i in range(n):
+            if i == 0:
+                with torch.no_grad():  # nanoGPT's estimate_loss() at iteration 0
+                    model(X)
             for micro_step in range(accumulation):
                 loss = F.mse_loss(model(X), Y) / accumulation
                 X, Y = batch()
@@ -293,9 +296,15 @@ def test_steps_n_stops_after_the_last_steps_own_log_line(tmp_path):
 
 @pytest.mark.slow
 def test_steps_n_with_torch_compile_keeps_the_last_log_line(tmp_path):
-    proc, run, _ = _run(tmp_path, "nanogpt", 20, "--steps", "3", extra=["--compile"])
+    proc, run, run_dir = _run(tmp_path, "nanogpt", 20, "--steps", "3", extra=["--compile"])
     _assert_steps(run, 3)
     assert _printed_iters(proc) == [0, 1, 2]
+    # watching for step 0's first forward leaves no trace in the job: no warning about global
+    # module hooks, no guard of ours in a recompile (only the eval/train grad-mode pair)
+    assert "global hooks" not in proc.stderr, proc.stderr[-2000:]
+    reasons = [e.get("recompile_reason") or "" for e in _events(run_dir, "compile")]
+    assert not any("hook" in r or "traindx" in r for r in reasons), reasons
+    assert _events(run_dir, "step_begin")[0]["begun_by"] == "forward"
 
 
 def test_step_0_begins_at_the_first_batch_not_at_the_optimizers_creation(tmp_path):

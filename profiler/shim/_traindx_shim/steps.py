@@ -32,8 +32,8 @@ first batch fetch, outermost forward, backward or outermost optimizer step of it
 the job's end-of-iteration code (its log line after zero_grad) still runs for the last step.
 
 These hooks sit on the job's hot path: a few dict reads per call, no stack walks. The global
-module forward pre-hook is registered only while it is needed (until step 0 begins, and while
-a stop is pending).
+module-call wrapper is installed only while it is needed (until step 0 begins, and while a
+stop is pending).
 """
 import functools
 import os
@@ -60,7 +60,7 @@ _state = {
     "learning": True,          # the closer of the first iteration is not known yet
     "unseen": set(),           # created optimizers not yet seen stepping (learning only)
     "created": 0, "nested": set(),
-    "skipped": 0, "backward_depth": 0, "fwd_hook": None,
+    "skipped": 0, "backward_depth": 0,
     "marker_installed": False,
 }
 # outermost optimizer steps since the last boundary: [key, t_end, source], and their keys
@@ -178,10 +178,10 @@ def _activity(what):
         _stop_now(what)
     if _state["begin"] is not None:
         return
-    torch = _state["torch"]
-    if what != "backward" and torch is not None and not torch.is_grad_enabled():
-        return  # an evaluation before training (Lightning's sanity check) is still set-up
     if _state["opt_created_t"] is not None:
+        torch = _state["torch"]
+        if what != "backward" and torch is not None and not torch.is_grad_enabled():
+            return  # an evaluation before training (Lightning's sanity check) is still set-up
         if threading.get_ident() == _state["opt_thread"]:
             _begin_step0(time.time_ns(), what)
     elif _state["first_activity"] is None:
@@ -198,28 +198,41 @@ def _guarded_activity(what):
         report_error(f"step activity ({what})", exc)
 
 
-def _forward_pre_hook(module, args):
-    torch = _state["torch"]
-    if torch is not None and torch.compiler.is_compiling():
-        return None  # traced by dynamo: not a call that happens at run time
-    _guarded_activity("forward")
-    return None
+_forward = {"active": False, "wrapper": None, "original": None}
 
 
 def _sync_forward_hook():
-    """The global forward pre-hook costs every module call: keep it only while it is needed."""
+    """Watching module calls costs every one of them: only while it is needed.
+
+    Not a global module hook: torch.compile(module) warns on the job's stderr when one exists,
+    and dynamo guards on their number (one more recompile). A wrapper of nn.Module.__call__
+    that steps aside while dynamo traces leaves no guard behind."""
     torch = _state["torch"]
     if torch is None:
         return
     need = _state["stop_pending"] or (_state["begin"] is None and (
         _state["opt_created_t"] is not None or _state["first_activity"] is None))
-    handle = _state["fwd_hook"]
-    if need and handle is None:
-        from torch.nn.modules.module import register_module_forward_pre_hook
-        _state["fwd_hook"] = register_module_forward_pre_hook(_forward_pre_hook)
-    elif not need and handle is not None:
-        _state["fwd_hook"] = None
-        handle.remove()
+    if need == _forward["active"]:
+        return
+    module_cls = torch.nn.Module
+    _forward["active"] = need
+    if need and _forward["wrapper"] is None:
+        original = module_cls.__call__
+        is_compiling = torch.compiler.is_compiling
+
+        def __call__(self, *args, **kwargs):
+            if is_compiling():
+                return original(self, *args, **kwargs)  # first: dynamo traces nothing below
+            if _forward["active"]:
+                _guarded_activity("forward")
+            return original(self, *args, **kwargs)
+
+        _forward["wrapper"], _forward["original"] = __call__, original
+        module_cls.__call__ = __call__
+    elif not need and module_cls.__call__ is _forward["wrapper"]:
+        # restored unless someone wrapped it after us (then ours stays, inactive)
+        module_cls.__call__ = _forward["original"]
+        _forward["wrapper"] = None
 
 
 # -- optimizer steps ------------------------------------------------------------------------------
