@@ -61,7 +61,7 @@ _state = {
     "unseen": set(),           # created optimizers not yet seen stepping (learning only)
     "created": 0, "nested": set(),
     "skipped": 0, "backward_depth": 0,
-    "marker_installed": False,
+    "marker_installed": False, "marker_in_main": False,
 }
 # outermost optimizer steps since the last boundary: [key, t_end, source], and their keys
 _cycle = []
@@ -172,7 +172,7 @@ def _emit_alloc(step):
 
 # -- activity: what begins step 0 and where a pending stop happens --------------------------------
 def _activity(what):
-    if MARKER_SPEC and not _state["marker_installed"]:
+    if _state["marker_in_main"] and not _state["marker_installed"]:
         _install_marker_in_main()
     if _state["stop_pending"]:
         _stop_now(what)
@@ -461,11 +461,17 @@ def _install_marker(module):
     return True
 
 
-def _install_marker_in_main():
+def _marker_in_main():
+    """Whether --step-marker names a function of the script itself (`__main__` or its name)."""
     module_name, _ = _marker_target()
+    stem = os.path.splitext(os.path.basename(sys.argv[0] if sys.argv else ""))[0]
+    return module_name in ("__main__", stem)
+
+
+def _install_marker_in_main():
+    # the script's functions exist only once its top level has run: retried at each activity
     main = sys.modules.get("__main__")
-    stem = os.path.splitext(os.path.basename(getattr(main, "__file__", "") or ""))[0]
-    if main is not None and module_name in ("__main__", stem):
+    if main is not None and _state["marker_in_main"]:
         _install_marker(main)
 
 
@@ -513,7 +519,7 @@ def _on_torch(torch):
     torch.Tensor.backward = _wrap_backward(torch.Tensor.backward)
     torch.autograd.backward = _wrap_backward(torch.autograd.backward)
     _sync_forward_hook()
-    if MARKER_SPEC:
+    if _state["marker_in_main"]:
         _install_marker_in_main()
 
 
@@ -559,6 +565,7 @@ def register():
     importhooks.on_import("traindx", _on_traindx)
     if MARKER_SPEC:
         module_name, _ = _marker_target()
+        _state["marker_in_main"] = _marker_in_main()
         if module_name != "__main__":
             importhooks.on_import(module_name, _on_marker_module)
         import atexit
