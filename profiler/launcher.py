@@ -57,7 +57,8 @@ def write_json_atomic(path, data):
 
 class Options:
     def __init__(self, steps=0, pyspy=True, shim=True, nvml=True, pyspy_rate_hz=20,
-                 dump_interval_s=2.0, nvml_interval_s=0.5, extra_env=None, torch_profile=None):
+                 dump_interval_s=2.0, nvml_interval_s=0.5, extra_env=None, torch_profile=None,
+                 step_marker=None):
         self.steps = steps
         self.pyspy = pyspy
         self.shim = shim
@@ -67,6 +68,7 @@ class Options:
         self.nvml_interval_s = nvml_interval_s
         self.extra_env = extra_env or {}
         self.torch_profile = torch_profile  # None: the shim's default window; "off"; "N"; "A-B"
+        self.step_marker = step_marker  # "module:function" whose calls end steps, or None
 
     def as_dict(self):
         return dict(vars(self))
@@ -83,6 +85,8 @@ def job_environment(run_dir, options, base=None):
             env["TRAINDX_MAX_STEPS"] = str(options.steps)
         if options.torch_profile is not None:
             env["TRAINDX_TORCH_PROFILE"] = str(options.torch_profile)
+        if options.step_marker:
+            env["TRAINDX_STEP_MARKER"] = options.step_marker
     env.pop("TRAINDX_RANK_PID", None)
     return env
 

@@ -21,7 +21,11 @@ def _one_line(text, limit=400):
 
 def prepare_parser(parser):
     parser.add_argument("--steps", type=int, default=0, metavar="N",
-                        help="stop the job cleanly after N optimizer steps")
+                        help="stop the job cleanly after N steps (iterations), after the last "
+                             "step's own log line")
+    parser.add_argument("--step-marker", default=None, metavar="MODULE:FUNCTION",
+                        help="each return of this function of the job ends a step (instead of "
+                             "optimizer steps); __main__:FUNCTION for the script itself")
     parser.add_argument("--out", default="runs", metavar="DIR",
                         help="folder the run folder is created in (default: ./runs)")
     parser.add_argument("--run-dir", default=None, metavar="DIR",
@@ -54,6 +58,9 @@ def _command(args, parser):
         raise UserError("no command given: diagnose [options] -- <command>")
     if args.steps < 0:
         raise UserError("--steps must be a positive number")
+    marker = getattr(args, "step_marker", None)
+    if marker is not None and not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*", marker):
+        raise UserError(f"--step-marker {marker}: give MODULE:FUNCTION, e.g. train:log_step")
     window = re.fullmatch(r"(\d+)(?:-(\d+))?|off|default", str(args.torch_profile or "default"))
     if not window or (window[2] and int(window[2]) < int(window[1])):
         raise UserError(f"--torch-profile {args.torch_profile}: give N (steps from step 3), "
@@ -67,7 +74,8 @@ def options_from(args, extra_env=None):
     return Options(steps=args.steps, pyspy=not args.no_pyspy, shim=not args.no_shim,
                    nvml=not args.no_nvml, pyspy_rate_hz=args.pyspy_rate,
                    dump_interval_s=args.dump_interval, extra_env=extra_env,
-                   torch_profile=getattr(args, "torch_profile", None))
+                   torch_profile=getattr(args, "torch_profile", None),
+                   step_marker=getattr(args, "step_marker", None))
 
 
 def record_job(command, run_dir, options, quiet=False):
