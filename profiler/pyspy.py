@@ -10,7 +10,11 @@ import time
 
 
 def find_pyspy():
-    """The py-spy binary: beside this interpreter first (a venv's scripts), then on PATH."""
+    """The py-spy binary: $TRAINDX_PYSPY when set, beside this interpreter (a venv's scripts),
+    then on PATH."""
+    named = os.environ.get("TRAINDX_PYSPY")
+    if named:
+        return named if os.access(named, os.X_OK) else None
     beside = os.path.join(os.path.dirname(sys.executable), "py-spy")
     if os.access(beside, os.X_OK):
         return beside
