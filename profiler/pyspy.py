@@ -108,7 +108,14 @@ class RankSampler:
 
 
 class PySpyManager:
-    """Watches the job's process tree and starts a RankSampler for every new rank process."""
+    """Starts a RankSampler for every training process of the job as it appears.
+
+    With the shim, a process announces itself in `<run>/procs/<pid>.json` when it shows training
+    evidence (the definition shared with the shim, in shim/_traindx_shim/roles.py) and its files
+    are named by pid (`p<pid>-all.speedscope.json`, ...): its rank may be learned only later
+    (init_process_group), and the run loader maps pid -> rank. Without the shim, the process
+    tree's environments are all there is (proctree.rank_processes).
+    """
 
     def __init__(self, out_dir, rate_hz=20, dump_interval_s=2.0, poll_s=0.2):
         self.out_dir = out_dir
@@ -116,36 +123,49 @@ class PySpyManager:
         self.dump_interval_s = dump_interval_s
         self.poll_s = poll_s
         self.samplers = {}
-        self.ranks = {}
+        self.ranks = {}  # {pid: rank label} in attach mode; see rank_labels()
+        self.env_ranks = {}  # {pid: rank or None} without the shim
         self.error = None
         self.pyspy = find_pyspy()
+        self._run_dir = None
         self._stop = threading.Event()
         self._thread = None
 
-    def start(self, root_pid):
+    def start(self, root_pid, run_dir=None):
+        """Sample the training processes under root_pid; run_dir: where the shim announces
+        them (None: the shim is off)."""
         if self.pyspy is None:
-            self.error = "py-spy not found (pip install py-spy)"
+            self.error = "py-spy not found (pip install py-spy, or set TRAINDX_PYSPY)"
             return False
         os.makedirs(self.out_dir, exist_ok=True)
         self._root = root_pid
+        self._run_dir = run_dir
         self._thread = threading.Thread(target=self._watch, name="traindx-pyspy", daemon=True)
         self._thread.start()
         return True
 
-    def _watch(self):
+    def _found(self):
+        if self._run_dir is not None:
+            from .shim._traindx_shim.roles import read_announcements
+
+            return [int(a["pid"]) for a in read_announcements(self._run_dir)]
         from .proctree import rank_processes
 
+        found = rank_processes(self._root)
+        for pid, rank in found.items():
+            self.env_ranks.setdefault(pid, rank)
+        return list(found)
+
+    def _watch(self):
         while not self._stop.is_set():
             try:
-                found = rank_processes(self._root)
+                found = self._found()
             except Exception:
-                found = {}
-            for pid, rank in found.items():
-                if pid in self.samplers:
+                found = []
+            for pid in found:
+                if pid in self.samplers or not os.path.exists(f"/proc/{pid}"):
                     continue
-                label = rank if rank not in self.ranks.values() else f"{rank}-{pid}"
-                self.ranks[pid] = label
-                sampler = RankSampler(self.pyspy, pid, label, self.out_dir, self.rate_hz,
+                sampler = RankSampler(self.pyspy, pid, f"p{pid}", self.out_dir, self.rate_hz,
                                       self.dump_interval_s)
                 try:
                     sampler.start()
@@ -154,6 +174,15 @@ class PySpyManager:
                     return
                 self.samplers[pid] = sampler
             self._stop.wait(self.poll_s)
+
+    def rank_labels(self):
+        """{label: pid} of what was sampled without the shim (with it: roles.announced_ranks)."""
+        from .shim._traindx_shim.roles import rank_labels
+
+        procs = [{"pid": pid, "rank": rank, "start": 0} for pid, rank in self.env_ranks.items()]
+        labels = {label: pid for pid, label in rank_labels(procs).items()}
+        labels.update({label: pid for pid, label in self.ranks.items()})
+        return labels
 
     def attach(self, pid, rank="0"):
         """attach mode: sample one given process."""
