@@ -84,6 +84,8 @@ class RankSampler:
                 out.flush()
 
     def stop(self, timeout=20):
+        if self._stop.is_set():
+            return
         self._stop.set()
         for flavour, proc, log in self.recorders:
             if proc.poll() is None:
@@ -173,7 +175,18 @@ class PySpyManager:
                     self.error = f"py-spy could not start: {exc}"
                     return
                 self.samplers[pid] = sampler
+            self._drop_unranked()
             self._stop.wait(self.poll_s)
+
+    def _drop_unranked(self):
+        """Without the shim, the top-most Python was sampled while no process had a rank; once
+        ranks appear (torchrun's workers) it was their launcher: stop it, leave it unlabelled."""
+        if self._run_dir is not None or not any(r is not None for r in self.env_ranks.values()):
+            return
+        for pid, rank in list(self.env_ranks.items()):
+            if rank is None and pid in self.samplers:
+                del self.env_ranks[pid]
+                threading.Thread(target=self.samplers[pid].stop, daemon=True).start()
 
     def rank_labels(self):
         """{label: pid} of what was sampled without the shim (with it: roles.announced_ranks)."""

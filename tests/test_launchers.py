@@ -132,3 +132,16 @@ def test_one_rank_in_several_processes_is_kept_apart_deterministically():
     labels = rank_labels(procs)
     assert labels == {100: "0", 200: "1", 300: "1-p300", 50: "0-p50"}
     assert rank_labels(list(reversed(procs))) == labels
+
+
+@pytest.mark.slow
+def test_without_the_shim_py_spy_samples_the_ranks_not_the_launcher(tmp_path):
+    proc = diagnose(["--out", "runs", "--no-shim", "--", os.path.join(BIN, "torchrun"),
+                     "--nproc-per-node", "2", "--master-port", free_port(), job("ddp_train.py")],
+                    cwd=tmp_path, env={"OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = traindx.load_run(only_run_dir(tmp_path / "runs"))
+    if "pyspy" in run.missing:
+        pytest.skip(f"py-spy cannot attach here: {run.missing['pyspy']}")
+    assert sorted(run.manifest["ranks"]) == ["0", "1"]  # from each worker's RANK
+    assert sorted(run.pyspy) == [("0", "all"), ("0", "gil"), ("1", "all"), ("1", "gil")]
