@@ -86,6 +86,12 @@ def test_torch_multiprocessing_spawn(tmp_path):
 
 
 @pytest.mark.slow
+def test_forked_ranks(tmp_path):
+    run = run_under_diagnose(tmp_path, [PY, job("fork_train.py"), free_port()])
+    assert_two_ranks(run, launchers=["fork_train.py"])
+
+
+@pytest.mark.slow
 def test_accelerate_launch(tmp_path):
     run = run_under_diagnose(tmp_path, [os.path.join(BIN, "accelerate"), "launch", "--multi_gpu",
                                         "--num_processes", "2", "--num_machines", "1",

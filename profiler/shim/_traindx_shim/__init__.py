@@ -104,6 +104,12 @@ def training_evidence(kind):
         if w.pid != os.getpid():  # a forked child that trains (fork-started ranks)
             _start_writer(deferred=False)
             w = _state["writer"]
+            mp_util = sys.modules.get("multiprocessing.util")
+            if mp_util is not None:  # its exit is os._exit after multiprocessing's finalizers
+                try:
+                    mp_util.Finalize(None, w.flush, exitpriority=0)
+                except Exception:
+                    pass
         _state["training_pid"] = os.getpid()
         _state["evidence"] = kind
         w.undefer()
@@ -130,7 +136,7 @@ def _set_rank(rank, source, world_size):
 def rank_known(rank, world_size, source="process_group"):
     """The process group told this process its rank (it wins over any environment variable)."""
     if _state["writer"] is None or _state["writer"].pid != os.getpid():
-        training_evidence(source)  # a forked child: get a writer of its own first
+        training_evidence("init_process_group")  # a forked child: a writer of its own first
     if _state["rank_source"] == source and _state["rank"] == str(rank):
         return
     _set_rank(rank, source, world_size)
@@ -149,8 +155,8 @@ def _poll_process_group():
     dist = sys.modules.get("torch.distributed")
     if dist is None or not dist.is_available() or not dist.is_initialized():
         return
-    rank_known(dist.get_rank(), dist.get_world_size())
     training_evidence("init_process_group")
+    rank_known(dist.get_rank(), dist.get_world_size())
 
 
 def _after_fork_in_child():

@@ -17,8 +17,8 @@ def _wrap_init_process_group(original):
         try:
             import torch.distributed as dist
 
-            rank_known(dist.get_rank(), dist.get_world_size())
             training_evidence("init_process_group")
+            rank_known(dist.get_rank(), dist.get_world_size())
         except Exception as exc:
             report_error("init_process_group hook", exc)
         return result
