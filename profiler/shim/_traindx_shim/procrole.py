@@ -2,7 +2,9 @@
 `rank_known` (see `roles` for why these and not program names).
 
 - `init_process_group` returning: the rank and world size from the process group itself;
-- a torch optimizer built or stepped, a backward run: this process trains.
+- a torch optimizer built or stepped, a backward run (`torch.autograd.backward`, which
+  `Tensor.backward` calls; not `torch.autograd.grad`, which compiled code may call and which
+  dynamo would then have to trace through our wrapper): this process trains.
 Each hook is a thin wrapper that calls the original first or last and swallows its own errors.
 """
 import functools
@@ -68,7 +70,6 @@ def _on_torch(torch):
 
     _patch(Optimizer, "__init__", lambda f: _wrap_evidence(f, "optimizer"))
     _patch(torch.autograd, "backward", lambda f: _wrap_evidence(f, "backward"))
-    _patch(torch.autograd, "grad", lambda f: _wrap_evidence(f, "backward"))
     register_optimizer_step_pre_hook(lambda optimizer, args, kwargs: None if is_training()
                                      else training_evidence("optimizer_step"))
     if torch.distributed.is_available():
