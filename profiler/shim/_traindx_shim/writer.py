@@ -5,9 +5,10 @@ to a deque and a daemon thread writes it out every FLUSH_INTERVAL_S. Rare events
 process is (process_start, training, rank_known) or that cost seconds anyway (compile, the
 torch.profiler window) are written through at once, with everything queued before them, so a
 job killed by a signal (default disposition: no atexit, no handler of ours) loses at most the
-last FLUSH_INTERVAL_S of step events. Writing every step through instead was measured (3 events
-a step, 20,000 steps, the loaded 2-core CI machine) at 100-200 µs a step on the job's thread vs
-17-38 µs queued: 0.5-1 % of a 20 ms step. The interval bounds the cost per second, not per step.
+last FLUSH_INTERVAL_S of step events. Writing every step through instead costs 68-200 µs a step
+on the job's thread vs 5-38 µs queued (bench/writer_cost.py, 3 events a step, on the shared
+2-core CI machine, quiet to loaded): 0.3-1 % of a 20 ms step. The interval bounds the cost per
+second, not per step.
 
 A deferred writer (a multiprocessing child that has not shown training evidence yet: possibly a
 DataLoader worker) keeps its events in memory and writes nothing unless it is undeferred.
