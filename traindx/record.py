@@ -258,8 +258,13 @@ def load_run(path):
                      processes=pd.DataFrame(processes, columns=PROCESS_COLUMNS), labels=labels)
 
 
+def _is_number(value):
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
+
+
 def _valid_event(event):
-    if not isinstance(event.get("type"), str) or not isinstance(event.get("t"), int):
+    """The fields every reader relies on: type, t (ns), and a whole step number on steps."""
+    if not isinstance(event.get("type"), str) or not _is_number(event.get("t")):
         return False
     if event["type"] in ("step_begin", "step_end"):
         return isinstance(event.get("step"), int)
