@@ -64,14 +64,21 @@ def _on_distributed(c10d):
                 module.init_process_group = wrapped
 
 
+def _on_optimizer_step(optimizer, args, kwargs):
+    if not is_training():
+        try:
+            training_evidence("optimizer_step")
+        except Exception as exc:
+            report_error("optimizer_step evidence", exc)
+
+
 @guarded("torch import hook (training evidence)")
 def _on_torch(torch):
     from torch.optim.optimizer import Optimizer, register_optimizer_step_pre_hook
 
     _patch(Optimizer, "__init__", lambda f: _wrap_evidence(f, "optimizer"))
     _patch(torch.autograd, "backward", lambda f: _wrap_evidence(f, "backward"))
-    register_optimizer_step_pre_hook(lambda optimizer, args, kwargs: None if is_training()
-                                     else training_evidence("optimizer_step"))
+    register_optimizer_step_pre_hook(_on_optimizer_step)
     if torch.distributed.is_available():
         _on_distributed(torch.distributed.distributed_c10d)
 
