@@ -19,7 +19,7 @@ log setup
 $PY -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/pip.log" 2>&1 || tail -5 "$OUT/pip.log"
 nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader
 ls -l "$TRAINDX_PYSPY" || echo "py-spy missing at $TRAINDX_PYSPY"
-JOB=(torchrun --nproc-per-node 2 --master-port 29511 bench/ddp_nccl_job.py --steps 60)
+JOB=($PY -m torch.distributed.run --nproc-per-node 2 --master-port 29511 bench/ddp_nccl_job.py --steps 60)
 
 log "overhead: bare vs diagnose, interleaved, 3 reps"
 timeout 420 $PY bench/overhead.py --reps 3 --skip 10 --json "$OUT/gpu-ranks-overhead.json" \
