@@ -16,6 +16,7 @@ import time
 from . import manifest as manifest_mod
 from .nvml import NvmlSampler, gpu_inventory
 from .pyspy import PySpyManager
+from .shim._traindx_shim.roles import announced_ranks
 
 SHIM_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "shim")
 
@@ -87,7 +88,6 @@ def job_environment(run_dir, options, base=None):
             env["TRAINDX_TORCH_PROFILE"] = str(options.torch_profile)
         if options.step_marker:
             env["TRAINDX_STEP_MARKER"] = options.step_marker
-    env.pop("TRAINDX_RANK_PID", None)
     return env
 
 
@@ -169,7 +169,7 @@ class Job:
             for p in pumps:
                 p.start()
             if self.options.pyspy:
-                if not pyspy.start(self.proc.pid):
+                if not pyspy.start(self.proc.pid, self.run_dir if self.options.shim else None):
                     self.missing["pyspy"] = pyspy.error
             else:
                 self.missing["pyspy"] = "disabled (--no-pyspy)"
@@ -187,7 +187,10 @@ class Job:
             errors = pyspy.errors()
             if errors and "pyspy" not in self.missing:
                 self.missing["pyspy"] = "; ".join(dict.fromkeys(errors))[:1000]
-            manifest["ranks"] = {label: pid for pid, label in pyspy.ranks.items()}
+            # {rank label: pid} of the training processes (the shim's announcements, or py-spy's
+            # view of the process tree without the shim); the run loader maps files by the same rule
+            manifest["ranks"] = (announced_ranks(self.run_dir) if self.options.shim
+                                 else pyspy.rank_labels())
             manifest["end_ns"] = time.time_ns()
             code = None if self.proc is None else self.proc.returncode
             manifest["exit_code"] = code

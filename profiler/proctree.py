@@ -1,7 +1,14 @@
-"""Finding a job's Python rank processes in /proc as they start (torchrun workers included)."""
+"""The job's process tree in /proc: for py-spy when the shim is off (`--no-shim`).
+
+With the shim on, training processes announce themselves (see shim/_traindx_shim/roles.py) and
+nothing here is needed. Without it, the only evidence is each process's environment at start:
+Python processes whose environment names a rank (roles.RANK_ENV) are sampled, or, when none
+does, the top-most Python process: a `torch.multiprocessing.spawn` job is then sampled in its
+parent only. No program name is looked at.
+"""
 import os
 
-LAUNCHER_MARKERS = ("torchrun", "torch.distributed.run", "torch.distributed.launch")
+from .shim._traindx_shim.roles import is_multiprocessing_child, rank_from_env
 
 
 def _read(path, mode="r"):
@@ -49,23 +56,22 @@ def is_python(pid):
     return exe.startswith("python") or exe.startswith("pypy")
 
 
-def is_launcher(argv):
-    joined = " ".join(argv)
-    return any(m in joined for m in LAUNCHER_MARKERS)
-
-
 def rank_processes(root_pid):
-    """{pid: rank} for the Python processes under root_pid that run a rank: the top-most Python
-    process on each branch, skipping torchrun-style launchers (their workers carry RANK)."""
+    """{pid: rank or None} of the Python processes under root_pid to sample without the shim:
+    the top-most Python process on each branch whose environment names a rank (its own
+    children are DataLoader workers and the like), else the top-most Python processes."""
     children = children_map()
-    found = {}
-    stack = [root_pid]
+    found, topmost = {}, []
+    stack = [(root_pid, False)]
     while stack:
-        pid = stack.pop()
-        if is_python(pid):
-            argv = cmdline(pid)
-            if not is_launcher(argv):
-                found[pid] = environ(pid).get("RANK", "0")
-                continue  # its own children are DataLoader workers and the like
-        stack.extend(children.get(pid, []))
-    return found
+        pid, below_python = stack.pop()
+        python = is_python(pid)
+        if python and not is_multiprocessing_child(cmdline(pid)):
+            rank, _ = rank_from_env(environ(pid))
+            if rank is not None:
+                found[pid] = rank
+                continue
+            if not below_python:
+                topmost.append(pid)
+        stack.extend((child, below_python or python) for child in children.get(pid, []))
+    return found or {pid: None for pid in topmost}

@@ -10,7 +10,11 @@ import time
 
 
 def find_pyspy():
-    """The py-spy binary: beside this interpreter first (a venv's scripts), then on PATH."""
+    """The py-spy binary: $TRAINDX_PYSPY when set, beside this interpreter (a venv's scripts),
+    then on PATH."""
+    named = os.environ.get("TRAINDX_PYSPY")
+    if named:
+        return named if os.access(named, os.X_OK) else None
     beside = os.path.join(os.path.dirname(sys.executable), "py-spy")
     if os.access(beside, os.X_OK):
         return beside
@@ -80,6 +84,8 @@ class RankSampler:
                 out.flush()
 
     def stop(self, timeout=20):
+        if self._stop.is_set():
+            return
         self._stop.set()
         for flavour, proc, log in self.recorders:
             if proc.poll() is None:
@@ -104,7 +110,14 @@ class RankSampler:
 
 
 class PySpyManager:
-    """Watches the job's process tree and starts a RankSampler for every new rank process."""
+    """Starts a RankSampler for every training process of the job as it appears.
+
+    With the shim, a process announces itself in `<run>/procs/<pid>.json` when it shows training
+    evidence (the definition shared with the shim, in shim/_traindx_shim/roles.py) and its files
+    are named by pid (`p<pid>-all.speedscope.json`, ...): its rank may be learned only later
+    (init_process_group), and the run loader maps pid -> rank. Without the shim, the process
+    tree's environments are all there is (proctree.rank_processes).
+    """
 
     def __init__(self, out_dir, rate_hz=20, dump_interval_s=2.0, poll_s=0.2):
         self.out_dir = out_dir
@@ -112,36 +125,49 @@ class PySpyManager:
         self.dump_interval_s = dump_interval_s
         self.poll_s = poll_s
         self.samplers = {}
-        self.ranks = {}
+        self.ranks = {}  # {pid: rank label} in attach mode; see rank_labels()
+        self.env_ranks = {}  # {pid: rank or None} without the shim
         self.error = None
         self.pyspy = find_pyspy()
+        self._run_dir = None
         self._stop = threading.Event()
         self._thread = None
 
-    def start(self, root_pid):
+    def start(self, root_pid, run_dir=None):
+        """Sample the training processes under root_pid; run_dir: where the shim announces
+        them (None: the shim is off)."""
         if self.pyspy is None:
-            self.error = "py-spy not found (pip install py-spy)"
+            self.error = "py-spy not found (pip install py-spy, or set TRAINDX_PYSPY)"
             return False
         os.makedirs(self.out_dir, exist_ok=True)
         self._root = root_pid
+        self._run_dir = run_dir
         self._thread = threading.Thread(target=self._watch, name="traindx-pyspy", daemon=True)
         self._thread.start()
         return True
 
-    def _watch(self):
+    def _found(self):
+        if self._run_dir is not None:
+            from .shim._traindx_shim.roles import read_announcements
+
+            return [int(a["pid"]) for a in read_announcements(self._run_dir)]
         from .proctree import rank_processes
 
+        found = rank_processes(self._root)
+        for pid, rank in found.items():
+            self.env_ranks.setdefault(pid, rank)
+        return list(found)
+
+    def _watch(self):
         while not self._stop.is_set():
             try:
-                found = rank_processes(self._root)
+                found = self._found()
             except Exception:
-                found = {}
-            for pid, rank in found.items():
-                if pid in self.samplers:
+                found = []
+            for pid in found:
+                if pid in self.samplers or not os.path.exists(f"/proc/{pid}"):
                     continue
-                label = rank if rank not in self.ranks.values() else f"{rank}-{pid}"
-                self.ranks[pid] = label
-                sampler = RankSampler(self.pyspy, pid, label, self.out_dir, self.rate_hz,
+                sampler = RankSampler(self.pyspy, pid, f"p{pid}", self.out_dir, self.rate_hz,
                                       self.dump_interval_s)
                 try:
                     sampler.start()
@@ -149,7 +175,27 @@ class PySpyManager:
                     self.error = f"py-spy could not start: {exc}"
                     return
                 self.samplers[pid] = sampler
+            self._drop_unranked()
             self._stop.wait(self.poll_s)
+
+    def _drop_unranked(self):
+        """Without the shim, the top-most Python was sampled while no process had a rank; once
+        ranks appear (torchrun's workers) it was their launcher: stop it, leave it unlabelled."""
+        if self._run_dir is not None or not any(r is not None for r in self.env_ranks.values()):
+            return
+        for pid, rank in list(self.env_ranks.items()):
+            if rank is None and pid in self.samplers:
+                del self.env_ranks[pid]
+                threading.Thread(target=self.samplers[pid].stop, daemon=True).start()
+
+    def rank_labels(self):
+        """{label: pid} of what was sampled without the shim (with it: roles.announced_ranks)."""
+        from .shim._traindx_shim.roles import rank_labels
+
+        procs = [{"pid": pid, "rank": rank, "start": 0} for pid, rank in self.env_ranks.items()]
+        labels = {label: pid for pid, label in rank_labels(procs).items()}
+        labels.update({label: pid for pid, label in self.ranks.items()})
+        return labels
 
     def attach(self, pid, rank="0"):
         """attach mode: sample one given process."""

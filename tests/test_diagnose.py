@@ -12,7 +12,7 @@ import pytest
 
 import traindx
 from traindx.errors import UserError
-from traindx.record import TruncatedEvidenceWarning
+from traindx.record import CorruptEvidenceWarning, TruncatedEvidenceWarning
 
 from helpers import PY, ROOT, diagnose, example, only_run_dir
 
@@ -59,7 +59,7 @@ def test_sigterm_leaves_a_loadable_partial_run(tmp_path):
     events = tmp_path / "runs"
     # wait until the job has made a few steps
     while time.time() < deadline:
-        files = list(events.glob("*/events/0.jsonl"))
+        files = list(events.glob("*/events/p*.jsonl"))
         if files and files[0].read_text().count('"step_end"') >= 3:
             break
         time.sleep(0.3)
@@ -166,20 +166,116 @@ def test_load_run_rejects_a_folder_that_is_not_a_run(tmp_path):
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
 
 
-def test_truncated_last_event_line_is_a_warning(tmp_path):
+def test_truncated_and_corrupt_event_lines_are_skipped_with_a_warning(tmp_path):
     proc = diagnose(["--out", "runs", "--no-pyspy", "--", PY, TINY, "--steps", "3"], cwd=tmp_path)
     run_dir = only_run_dir(tmp_path / "runs")
-    events = os.path.join(run_dir, "events", "0.jsonl")
+    (events,) = [os.path.join(run_dir, "events", n) for n in os.listdir(os.path.join(run_dir, "events"))]
     with open(events, "a") as f:
         f.write('{"type": "step_end", "step": 3, "t": 17')  # what a killed job leaves
-    with pytest.warns(TruncatedEvidenceWarning):
+    with pytest.warns(TruncatedEvidenceWarning, match="last line is truncated"):
         run = traindx.load_run(run_dir)
     assert len(run.steps) == 3
-    # a corrupt line in the middle is an error, not a guess
+    # a corrupt line anywhere (a disk fault, a bad copy): skipped, the file and line named
     with open(events) as f:
-        lines = f.read().splitlines()
-    lines.insert(1, "{garbage")
+        lines = f.read().splitlines()[:-1]
+    lines[3:3] = ["{garbage", '"not an event"', '{"type": "step_end", "step": "x", "t": 5}']
     with open(events, "w") as f:
-        f.write("\n".join(lines[:-1]) + "\n")
-    with pytest.raises(UserError, match="corrupt event line"):
-        traindx.load_run(run_dir)
+        f.write("\n".join(lines) + "\n")
+    with pytest.warns(CorruptEvidenceWarning) as caught:
+        run = traindx.load_run(run_dir)
+    assert f"{events}: corrupt lines 4, 5, 6 skipped" in str(caught[0].message)
+    assert len(run.steps) == 3
+    # the commands on the run work, and say what they skipped in one line
+    for command in (["report", run_dir], ["analyze", run_dir]):
+        proc = diagnose(command, cwd=tmp_path)
+        assert proc.returncode == 0, proc.stderr
+        assert "Traceback" not in proc.stderr
+        assert f"diagnose: warning: {events}: corrupt lines 4, 5, 6 skipped" in proc.stderr
+
+
+SIGNAL_JOB = textwrap.dedent("""
+    import json, os, signal, sys
+    def handlers():
+        return {s.name: repr(signal.getsignal(s)) for s in signal.Signals
+                if s not in (signal.SIGKILL, signal.SIGSTOP)}
+    at_start = handlers()
+    import torch
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(3):
+        model(torch.randn(2, 4)).sum().backward(); opt.step(); opt.zero_grad()
+    after_training = handlers()
+    # the job's own SIGTERM handler, chaining the previous one as Lightning's does
+    previous = signal.getsignal(signal.SIGTERM)
+    seen = []
+    def on_term(signum, frame):
+        seen.append(signum)
+        if callable(previous):
+            previous(signum, frame)
+    signal.signal(signal.SIGTERM, on_term)
+    model(torch.randn(2, 4)).sum().backward(); opt.step()
+    mine = signal.getsignal(signal.SIGTERM) is on_term
+    os.kill(os.getpid(), signal.SIGTERM)
+    print(json.dumps({"at_start": at_start, "after_training": after_training,
+                      "previous": repr(previous), "mine": mine, "seen": seen}))
+""")
+
+
+def test_the_job_sees_only_its_own_signal_handlers(tmp_path):
+    script = tmp_path / "job.py"
+    script.write_text(SIGNAL_JOB)
+    bare = subprocess.run([PY, str(script)], capture_output=True, text=True, timeout=120)
+    proc = diagnose(["--out", "runs", "--no-pyspy", "--", PY, str(script)], cwd=tmp_path)
+    assert bare.returncode == 0 and proc.returncode == 0, proc.stderr
+    bare, under = json.loads(bare.stdout), json.loads(proc.stdout.strip().splitlines()[-1])
+    assert under["at_start"] == bare["at_start"]
+    assert under["after_training"] == bare["after_training"]  # hooks installed, nothing changed
+    assert under["previous"] == repr(signal.SIG_DFL)
+    assert under["mine"] and under["seen"] == [signal.SIGTERM]
+    assert len(traindx.load_run(only_run_dir(tmp_path / "runs")).steps) >= 3
+
+
+def test_sigterm_during_a_long_c_call_ends_the_job_at_once(tmp_path):
+    # a native wait that only a signal's default action interrupts: a Python-level SIGTERM
+    # handler would run only after it returns (30 s)
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent("""
+        import datetime, os
+        import torch, torch.distributed as dist
+        model = torch.nn.Linear(4, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(3):
+            model(torch.randn(2, 4)).sum().backward(); opt.step(); opt.zero_grad()
+        store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=30))
+        print("waiting", os.getpid(), flush=True)
+        store.wait(["never-set"])
+        print("the wait returned", flush=True)
+    """))
+    proc = subprocess.Popen([PY, "-m", "traindx", "--out", "runs", "--no-pyspy", "--", PY,
+                             str(script)], cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    pid = None
+    for line in proc.stdout:
+        if line.startswith("waiting"):
+            pid = int(line.split()[1])
+            break
+    assert pid, proc.stderr.read()
+    events = tmp_path / "runs"
+    deadline = time.time() + 30
+    while time.time() < deadline:  # the three steps are on disk before the signal
+        files = list(events.glob(f"*/events/p{pid}.jsonl"))
+        if files and files[0].read_text().count('"step_end"') == 3:
+            break
+        time.sleep(0.1)
+    sent = time.time()
+    proc.send_signal(signal.SIGTERM)
+    while os.path.exists(f"/proc/{pid}") and time.time() - sent < 20:
+        time.sleep(0.05)
+    gone_after = time.time() - sent
+    out, err = proc.communicate(timeout=120)
+    assert gone_after < 10, f"the job took {gone_after:.1f} s to end"
+    assert "the wait returned" not in out
+    assert proc.returncode == 128 + signal.SIGTERM
+    run = traindx.load_run(only_run_dir(events))
+    assert len(run.steps) == 3  # written before the signal, still there
+    assert run.manifest["signals_forwarded"] == ["SIGTERM"]

@@ -231,7 +231,8 @@ def test_card_from_a_measured_run(tmp_path):
     card = RecipeCard.load(str(out))
     # recompute from the raw step events of the run folder; the steps inside the torch.profiler
     # window (slower on purpose) are left out
-    events = [json.loads(l) for l in open(run_dir / "events" / "0.jsonl")]
+    rank0 = json.loads((run_dir / "manifest.json").read_text())["ranks"]["0"]
+    events = [json.loads(l) for l in open(run_dir / "events" / f"p{rank0}.jsonl")]
     durations = {e["step"]: e["duration_s"] for e in events if e["type"] == "step_end"}
     profiled = {s for e in events if e["type"] == "torch_profile"
                 for s in range(e["first_step"], e["last_step"] + 1)}

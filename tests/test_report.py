@@ -245,28 +245,29 @@ def test_a_ten_minute_run_renders_under_five_megabytes(tiny_run, tmp_path):
     manifest = json.loads((run_dir / "manifest.json").read_text())
     start = manifest["start_ns"]
     span = 600 * 10**9
-    events = [json.loads(l) for l in (run_dir / "events" / "0.jsonl").read_text().splitlines() if l.strip()]
+    stem = f"p{manifest['ranks']['0']}"  # rank 0's files are named by its pid
+    events = [json.loads(l) for l in (run_dir / "events" / f"{stem}.jsonl").read_text().splitlines() if l.strip()]
     step_events = [e for e in events if e["type"] in ("step_begin", "step_end", "gc")]
     others = [e for e in events if e not in step_events]
     first = min(e["t"] for e in step_events)
     # 0.1 s per step whatever this machine's speed: 6000 steps, the worst case for the chart
     period = 6 * 10**8
     scale = period / (max(e["t"] for e in step_events) - first + 1)
-    with open(run_dir / "events" / "0.jsonl", "w") as f:
+    with open(run_dir / "events" / f"{stem}.jsonl", "w") as f:
         for e in others:
             f.write(json.dumps(e) + "\n")
         for k in range(span // period):
             for e in step_events:
                 e2 = dict(e, t=first + k * period + int((e["t"] - first) * scale), step=e["step"] + k * 6)
                 f.write(json.dumps(e2) + "\n")
-    snaps = (run_dir / "pyspy" / "0-dump.jsonl").read_text().splitlines()
-    with open(run_dir / "pyspy" / "0-dump.jsonl", "w") as f:
+    snaps = (run_dir / "pyspy" / f"{stem}-dump.jsonl").read_text().splitlines()
+    with open(run_dir / "pyspy" / f"{stem}-dump.jsonl", "w") as f:
         for i in range(1200):  # one every 0.5 s
             snap = json.loads(snaps[i % len(snaps)])
             snap["t"] = start + i * 5 * 10**8
             f.write(json.dumps(snap) + "\n")
     for source in ("all", "gil"):
-        p = run_dir / "pyspy" / f"0-{source}.speedscope.json"
+        p = run_dir / "pyspy" / f"{stem}-{source}.speedscope.json"
         doc = json.loads(p.read_text())
         for prof in doc["profiles"]:
             reps = max(1, 12000 // max(1, len(prof["samples"])))

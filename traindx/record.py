@@ -14,8 +14,10 @@ from functools import cached_property
 import pandas as pd
 
 from traindx.errors import UserError
+from traindx.profiler.shim._traindx_shim.roles import parse_process_file, rank_labels
 
 STEP_COLUMNS = ["rank", "step", "start_ns", "end_ns", "duration_s"]
+PROCESS_COLUMNS = ["pid", "ppid", "label", "rank", "evidence", "argv", "file"]
 COMPILE_COLUMNS = ["rank", "kind", "kernel", "start_ns", "end_ns", "duration_s", "thread",
                    "is_main_thread", "step", "caller", "key", "key_fields", "detail"]
 
@@ -24,26 +26,39 @@ class TruncatedEvidenceWarning(UserWarning):
     pass
 
 
-def _read_jsonl(path):
-    """Events of one JSONL file; a cut-off last line (a killed job) is dropped with a warning,
-    a corrupt line elsewhere is an error."""
+class CorruptEvidenceWarning(TruncatedEvidenceWarning):
+    """A line of an evidence file that is not a JSON object was skipped."""
+
+
+def _read_jsonl(path, valid=None):
+    """JSON objects of one JSONL file. A line that is not one (a job killed mid-write leaves a
+    cut-off last line; a disk or copy fault can leave one anywhere) is skipped with a warning
+    naming the file and the line: the rest of the evidence is still good."""
     events = []
     with open(path, encoding="utf-8", errors="replace") as f:
         lines = f.read().split("\n")
     last = len(lines) - 1
     while last >= 0 and not lines[last].strip():
         last -= 1
+    bad = []
     for n, line in enumerate(lines[: last + 1]):
         if not line.strip():
             continue
         try:
-            events.append(json.loads(line))
+            event = json.loads(line)
         except ValueError:
-            if n == last:
-                warnings.warn(f"{path}: last line is truncated (the job was killed mid-write); "
-                              "it was skipped", TruncatedEvidenceWarning, stacklevel=3)
-            else:
-                raise UserError(f"{path}:{n + 1}: corrupt event line") from None
+            event = None
+        if isinstance(event, dict) and (valid is None or valid(event)):
+            events.append(event)
+        elif n == last and not bad:
+            warnings.warn(f"{path}:{n + 1}: last line is truncated (the job was killed "
+                          "mid-write); it was skipped", TruncatedEvidenceWarning, stacklevel=3)
+        else:
+            bad.append(n + 1)
+    if bad:
+        where = ", ".join(map(str, bad[:5])) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
+        warnings.warn(f"{path}: corrupt line{'s' if len(bad) > 1 else ''} {where} skipped",
+                      CorruptEvidenceWarning, stacklevel=3)
     return events
 
 
@@ -55,7 +70,24 @@ def _rank_of(path, suffix):
 class RunRecord:
     path: str
     manifest: dict
-    events: pd.DataFrame = field(repr=False)  # every shim event, one row each, `rank` column
+    events: pd.DataFrame = field(repr=False)  # every rank's shim events, one row each, `rank` column
+    # every Python process the shim saw (launchers too): pid, ppid, label (rank label or None),
+    # rank, evidence (what showed it trains), argv, file
+    processes: pd.DataFrame = field(repr=False, default_factory=lambda: pd.DataFrame(
+        columns=PROCESS_COLUMNS))
+    labels: dict = field(repr=False, default_factory=dict)  # {pid: rank label}
+
+    def _label_of_file(self, stem):
+        """Rank label of a per-process file stem 'p<pid>' (None: not a rank); other stems are
+        rank labels already (attach mode, runs of earlier versions)."""
+        pid = parse_process_file(stem, "")
+        if pid is None:
+            return stem
+        if pid in self.labels:
+            return self.labels[pid]
+        by_manifest = {int(p): label for label, p in self.manifest.get("ranks", {}).items()
+                       if str(p).isdigit()}
+        return by_manifest.get(pid)
 
     # -- the derived tables --------------------------------------------------------------------
     @cached_property
@@ -149,6 +181,9 @@ class RunRecord:
         for path in sorted(glob.glob(os.path.join(self.path, "pyspy", "*.speedscope.json"))):
             name = os.path.basename(path)[: -len(".speedscope.json")]
             rank, _, source = name.rpartition("-")
+            rank = self._label_of_file(rank)
+            if rank is None:
+                continue
             try:
                 out[(rank, source)] = speedscope.load(path)
             except UserError as exc:
@@ -160,7 +195,9 @@ class RunRecord:
         """py-spy dump snapshots: t, rank, thread_name, thread_id, active, owns_gil, top frame."""
         rows = []
         for path in sorted(glob.glob(os.path.join(self.path, "pyspy", "*-dump.jsonl"))):
-            rank = _rank_of(path, "-dump.jsonl")
+            rank = self._label_of_file(_rank_of(path, "-dump.jsonl"))
+            if rank is None:
+                continue
             for snap in _read_jsonl(path):
                 for th in snap.get("threads", []):
                     frames = th.get("frames") or []
@@ -239,13 +276,83 @@ def load_run(path):
         raise UserError(f"{manifest_path} is corrupt (not JSON)") from None
     if not isinstance(manifest, dict) or "command" not in manifest:
         raise UserError(f"{manifest_path} is not a traindx manifest")
-    rows = []
-    for events_path in sorted(glob.glob(os.path.join(path, "events", "*.jsonl"))):
-        rank = _rank_of(events_path, ".jsonl")
-        for event in _read_jsonl(events_path):
-            event["rank"] = str(event.get("rank", rank)) if event.get("type") == "process_start" else rank
-            rows.append(event)
+    rows, processes, labels = _load_events(path)
     events = pd.DataFrame(rows)
     if len(events):
         events = events.sort_values("t", kind="stable").reset_index(drop=True)
-    return RunRecord(path=path, manifest=manifest, events=events)
+    return RunRecord(path=path, manifest=manifest, events=events,
+                     processes=pd.DataFrame(processes, columns=PROCESS_COLUMNS), labels=labels)
+
+
+def _is_number(value):
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
+
+
+def _valid_event(event):
+    """The fields every reader relies on: type, t (ns), and a whole step number on steps."""
+    if not isinstance(event.get("type"), str) or not _is_number(event.get("t")):
+        return False
+    if event["type"] in ("step_begin", "step_end"):
+        return isinstance(event.get("step"), int)
+    return True
+
+
+TRAINING_EVENTS = {"training", "step_begin", "step_end", "optimizer_created"}
+IDENTITY_EVENTS = {"process_start", "rank_known"}
+
+
+def _load_events(path):
+    """Events of the ranks, with their rank label; the process table; {pid: label}.
+
+    `events/p<pid>.jsonl` holds one process (any process of the job); its rank is the last
+    `rank_known` it wrote, else the rank in its `process_start`. Ranks are the processes that
+    showed training evidence; when none did (a job without an optimizer: inference, a
+    compile-only script), the processes that recorded anything, else the first one started.
+    Labels come from `roles.rank_labels` (one rank in several processes: kept apart, never
+    merged). `events/<label>.jsonl` (attach mode, earlier versions) is that rank as is.
+    """
+    per_process, by_label = [], {}
+    for events_path in sorted(glob.glob(os.path.join(path, "events", "*.jsonl"))):
+        name = os.path.basename(events_path)
+        events = _read_jsonl(events_path, _valid_event)
+        pid = parse_process_file(name, ".jsonl")
+        if pid is None:
+            by_label[name[: -len(".jsonl")]] = events
+            continue
+        info = {"pid": pid, "ppid": None, "rank": None, "start": None, "evidence": None,
+                "argv": None, "file": os.path.join("events", name), "events": events,
+                "training": False, "recorded": False}
+        for e in events:
+            kind = e["type"]
+            if kind == "process_start":
+                info.update(ppid=e.get("ppid"), argv=e.get("argv"), start=e["t"])
+                if e.get("rank") is not None:
+                    info["rank"] = str(e["rank"])
+            elif kind == "rank_known" and e.get("rank") is not None:
+                info["rank"] = str(e["rank"])
+            if kind == "training" and info["evidence"] is None:
+                info["evidence"] = e.get("evidence")
+            info["training"] |= kind in TRAINING_EVENTS
+            info["recorded"] |= kind not in IDENTITY_EVENTS
+        info["start"] = info["start"] if info["start"] is not None else (events[0]["t"] if events else 0)
+        per_process.append(info)
+    ranks = [p for p in per_process if p["training"]] or [p for p in per_process if p["recorded"]]
+    if not ranks and per_process and not by_label:
+        ranks = [min(per_process, key=lambda p: (p["start"], p["pid"]))]
+    labels = rank_labels(ranks)
+    rows = []
+    for label, events in by_label.items():
+        for event in events:
+            event["rank"] = label
+            rows.append(event)
+    table = []
+    for p in per_process:
+        label = labels.get(p["pid"])
+        table.append({"pid": p["pid"], "ppid": p["ppid"], "label": label, "rank": p["rank"],
+                      "evidence": p["evidence"], "argv": p["argv"], "file": p["file"]})
+        if label is None:
+            continue
+        for event in p["events"]:
+            event["rank"] = label
+            rows.append(event)
+    return rows, table, labels

@@ -1,22 +1,29 @@
 """The in-process half of traindx: records step boundaries, compiles, GC pauses and allocator
-stats of one rank into `$TRAINDX_RUN_DIR/events/<rank>.jsonl`.
+stats of one process into `$TRAINDX_RUN_DIR/events/p<pid>.jsonl`.
+
+Every Python process of the job runs this (launchers, ranks, workers): each writes its own file,
+so no two processes ever append to one. A process announces itself as a training process (in
+`procs/<pid>.json`, which the launcher's py-spy manager watches) when it shows training evidence;
+its rank is recorded when it becomes known (see `roles`). Multiprocessing children stay silent
+until they show such evidence, so DataLoader workers write nothing.
 
 Only the standard library is imported here; torch, cutlass, triton and megatron are hooked when
 (and if) the job imports them, through `importhooks`. Any exception inside a hook is caught and
-written as a `shim_error` event: the job always runs on.
+written as a `shim_error` event: the job always runs on. No signal handler is installed: the job's
+signal disposition is its own (the writer's short flush interval bounds what a kill loses).
 """
+import json
 import os
-import signal
 import sys
 import threading
 import time
 
-from . import importhooks
+from . import importhooks, roles
 from .writer import EventWriter
 
-_state = {"writer": None}
-LAUNCHER_MARKERS = ("torchrun", "torch.distributed.run", "torch.distributed.launch")
-CLAIM_VAR = "TRAINDX_RANK_PID"
+_state = {"writer": None, "run_dir": None, "rank": None, "rank_source": None, "world_size": None,
+          "training_pid": None, "evidence": None, "start": None}
+_announce_lock = threading.Lock()
 
 
 def get_writer():
@@ -46,55 +53,125 @@ def guarded(where):
     return wrap
 
 
-def _is_launcher():
-    argv = " ".join(sys.argv)
-    return any(m in argv for m in LAUNCHER_MARKERS) or (
-        sys.argv and os.path.basename(sys.argv[0]) == "torchrun")
+def is_training():
+    return _state["training_pid"] == os.getpid()
 
 
-def _claim_rank():
-    """True in the one process per rank that records; its children (DataLoader workers,
-    spawned helpers) inherit the claim and stay silent."""
-    owner = os.environ.get(CLAIM_VAR)
-    if owner and owner != str(os.getpid()):
-        return False
-    os.environ[CLAIM_VAR] = str(os.getpid())
-    return True
+def _start_writer(deferred):
+    events_dir = os.path.join(_state["run_dir"], roles.EVENTS_DIR)
+    os.makedirs(events_dir, exist_ok=True)
+    rank, source = roles.rank_from_env(os.environ)
+    writer = EventWriter(events_dir, deferred=deferred)
+    writer.rank = rank or "0"
+    _state.update(writer=writer, rank=rank, rank_source=source,
+                  world_size=os.environ.get("WORLD_SIZE") or os.environ.get("SLURM_NTASKS"),
+                  start=time.time_ns())
+    writer.tick_hooks.append(_poll_process_group)
+    writer.emit("process_start", pid=os.getpid(), ppid=os.getppid(), rank=rank,
+                rank_source=source, local_rank=os.environ.get("LOCAL_RANK") or
+                os.environ.get("SLURM_LOCALID"), world_size=_state["world_size"], argv=sys.argv,
+                python=sys.version.split()[0], main_thread=threading.main_thread().ident,
+                multiprocessing_child=deferred, t=_state["start"])
 
 
-def _install_sigterm_flush():
-    # Python's default SIGTERM kills without atexit; flush first, then die the default way.
-    if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+def _announce():
+    """procs/<pid>.json: this pid trains (the py-spy manager starts its recorders on it)."""
+    folder = os.path.join(_state["run_dir"], roles.ANNOUNCE_DIR)
+    os.makedirs(folder, exist_ok=True)
+    pid = os.getpid()
+    w = _state["writer"]
+    entry = {"pid": pid, "ppid": os.getppid(), "rank": _state["rank"],
+             "rank_source": _state["rank_source"], "world_size": _state["world_size"],
+             "evidence": _state["evidence"], "start": _state["start"], "t": time.time_ns(),
+             "events": os.path.relpath(w.path, _state["run_dir"]) if w and w.path else None}
+    tmp = os.path.join(folder, f".{pid}.json.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(entry, f)
+    os.replace(tmp, os.path.join(folder, f"{pid}.json"))
+
+
+def training_evidence(kind):
+    """This process trains (kind: 'init_process_group', 'optimizer', 'optimizer_step',
+    'backward', ...). The first call per process announces it; later calls cost one compare."""
+    if _state["training_pid"] == os.getpid():
         return
-    if threading.current_thread() is not threading.main_thread():
-        return
-
-    def on_sigterm(signum, frame):
+    with _announce_lock:
+        if _state["training_pid"] == os.getpid():
+            return
         w = _state["writer"]
-        if w is not None:
-            w.emit("signal", signal="SIGTERM")
-            w.flush()
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        os.kill(os.getpid(), signal.SIGTERM)
+        if w is None:
+            return
+        if w.pid != os.getpid():  # a forked child that trains (fork-started ranks)
+            _start_writer(deferred=False)
+            w = _state["writer"]
+            mp_util = sys.modules.get("multiprocessing.util")
+            if mp_util is not None:  # its exit is os._exit after multiprocessing's finalizers
+                try:
+                    mp_util.Finalize(None, w.flush, exitpriority=0)
+                except Exception:
+                    pass
+        _state["training_pid"] = os.getpid()
+        _state["evidence"] = kind
+        w.undefer()
+        if _state["rank_source"] != "process_group":  # the job may have set RANK since start
+            rank, source = roles.rank_from_env(os.environ)
+            if rank is not None and rank != _state["rank"]:
+                _set_rank(rank, source, os.environ.get("WORLD_SIZE"))
+        w.emit("training", evidence=kind, rank=_state["rank"])
+        try:
+            _announce()
+        except OSError as exc:
+            report_error("announce training process", exc)
 
-    signal.signal(signal.SIGTERM, on_sigterm)
+
+def _set_rank(rank, source, world_size):
+    _state.update(rank=str(rank), rank_source=source,
+                  world_size=str(world_size) if world_size is not None else _state["world_size"])
+    w = _state["writer"]
+    if w is not None:
+        w.rank = str(rank)
+    emit("rank_known", rank=str(rank), source=source, world_size=_state["world_size"])
+
+
+def rank_known(rank, world_size, source="process_group"):
+    """The process group told this process its rank (it wins over any environment variable)."""
+    if _state["writer"] is None or _state["writer"].pid != os.getpid():
+        training_evidence("init_process_group")  # a forked child: a writer of its own first
+    if _state["rank_source"] == source and _state["rank"] == str(rank):
+        return
+    _set_rank(rank, source, world_size)
+    if is_training():
+        try:
+            _announce()
+        except OSError as exc:
+            report_error("announce rank", exc)
+
+
+def _poll_process_group():
+    """From the writer thread: a process group made by a path our wrapper missed (a library that
+    imported init_process_group by name before the hook) still reveals the rank."""
+    if _state["rank_source"] == "process_group":
+        return
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return
+    training_evidence("init_process_group")
+    rank_known(dist.get_rank(), dist.get_world_size())
+
+
+def _after_fork_in_child():
+    global _announce_lock
+    _announce_lock = threading.Lock()
 
 
 def activate():
-    run_dir = os.environ["TRAINDX_RUN_DIR"]
-    if _is_launcher() or not _claim_rank():
-        return
-    rank = os.environ.get("RANK", "0")
-    events_dir = os.path.join(run_dir, "events")
-    os.makedirs(events_dir, exist_ok=True)
-    _state["writer"] = EventWriter(os.path.join(events_dir, f"{rank}.jsonl"), rank)
-    emit("process_start", pid=os.getpid(), ppid=os.getppid(), rank=rank,
-         local_rank=os.environ.get("LOCAL_RANK"), world_size=os.environ.get("WORLD_SIZE"),
-         argv=sys.argv, python=sys.version.split()[0], main_thread=threading.get_ident())
-    _install_sigterm_flush()
-    from . import gcstats, steps, compiles, torchcalls, torchprof
+    _state["run_dir"] = os.environ["TRAINDX_RUN_DIR"]
+    _start_writer(deferred=roles.is_multiprocessing_child(getattr(sys, "orig_argv", sys.argv)))
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+    from . import gcstats, steps, compiles, torchcalls, torchprof, procrole
 
     gcstats.install()
+    procrole.register()
     steps.register()
     compiles.register()
     torchcalls.register()

@@ -1,0 +1,87 @@
+"""Training evidence and the rank, from torch: the hooks that tell `training_evidence` and
+`rank_known` (see `roles` for why these and not program names).
+
+- `init_process_group` returning: the rank and world size from the process group itself;
+- a torch optimizer built or stepped, a backward run (`torch.autograd.backward`, which
+  `Tensor.backward` calls; not `torch.autograd.grad`, which compiled code may call and which
+  dynamo would then have to trace through our wrapper): this process trains.
+Each hook is a thin wrapper that calls the original first or last and swallows its own errors.
+"""
+import functools
+
+from . import guarded, importhooks, is_training, rank_known, report_error, training_evidence
+
+
+def _wrap_init_process_group(original):
+    @functools.wraps(original)
+    def init_process_group(*args, **kwargs):
+        result = original(*args, **kwargs)
+        try:
+            import torch.distributed as dist
+
+            training_evidence("init_process_group")
+            rank_known(dist.get_rank(), dist.get_world_size())
+        except Exception as exc:
+            report_error("init_process_group hook", exc)
+        return result
+
+    init_process_group.__traindx_wrapped__ = True
+    return init_process_group
+
+
+def _wrap_evidence(original, kind):
+    @functools.wraps(original)
+    def wrapper(*args, **kwargs):
+        if not is_training():
+            try:
+                training_evidence(kind)
+            except Exception as exc:
+                report_error(f"{kind} evidence", exc)
+        return original(*args, **kwargs)
+
+    wrapper.__traindx_wrapped__ = True
+    return wrapper
+
+
+def _patch(owner, name, make):
+    original = getattr(owner, name, None)
+    if original is None or getattr(original, "__traindx_wrapped__", False):
+        return
+    setattr(owner, name, make(original))
+
+
+@guarded("distributed import hook")
+def _on_distributed(c10d):
+    import sys
+
+    _patch(c10d, "init_process_group", _wrap_init_process_group)
+    wrapped = c10d.init_process_group
+    # modules that bound the name before us; what still slips through, the writer's poll finds
+    for name in ("torch.distributed", "torch.distributed.device_mesh"):
+        module = sys.modules.get(name)
+        if module is not None and getattr(module, "init_process_group", None) is not None:
+            if not getattr(module.init_process_group, "__traindx_wrapped__", False):
+                module.init_process_group = wrapped
+
+
+def _on_optimizer_step(optimizer, args, kwargs):
+    if not is_training():
+        try:
+            training_evidence("optimizer_step")
+        except Exception as exc:
+            report_error("optimizer_step evidence", exc)
+
+
+@guarded("torch import hook (training evidence)")
+def _on_torch(torch):
+    from torch.optim.optimizer import Optimizer, register_optimizer_step_pre_hook
+
+    _patch(Optimizer, "__init__", lambda f: _wrap_evidence(f, "optimizer"))
+    _patch(torch.autograd, "backward", lambda f: _wrap_evidence(f, "backward"))
+    register_optimizer_step_pre_hook(_on_optimizer_step)
+    if torch.distributed.is_available():
+        _on_distributed(torch.distributed.distributed_c10d)
+
+
+def register():
+    importhooks.on_import("torch", _on_torch)

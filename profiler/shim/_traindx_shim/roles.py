@@ -1,0 +1,96 @@
+"""Which processes of a job are ranks, and which rank each is: the one definition that the shim
+(in every Python process of the job), the launcher's py-spy manager and the run loader share.
+
+A process is a *training process* once it shows training evidence: it joined a process group
+(`torch.distributed.init_process_group`), built or stepped a torch optimizer, or ran a backward.
+Launchers (torchrun's agent, `accelerate launch`, the parent of `torch.multiprocessing.spawn`,
+a script that starts worker Pythons) never do, whatever they are called, so nothing here looks at
+program names. A process's rank is what it learns, never its start order: the process group's
+rank once it exists, else the rank its environment names.
+
+Standard library only: this module runs inside the job.
+"""
+import os
+
+# Environment variables naming a process's global rank, most specific first. Under srun +
+# torchrun SLURM_PROCID is the node, not the rank: RANK (set by torchrun) wins when present.
+RANK_ENV = ("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")
+EVENTS_DIR = "events"
+ANNOUNCE_DIR = "procs"  # procs/<pid>.json: a training process says so, for the py-spy manager
+
+
+def rank_from_env(env):
+    """(rank, variable) from an environment mapping, or (None, None)."""
+    for name in RANK_ENV:
+        value = (env.get(name) or "").strip()
+        if value.isdigit():
+            return value, name
+    return None, None
+
+
+def is_multiprocessing_child(orig_argv):
+    """A Python that multiprocessing started with spawn or forkserver (a DataLoader worker, a
+    torch.multiprocessing.spawn rank, the resource tracker, the fork server): only training
+    evidence tells these apart, so they write nothing until they show it."""
+    return "--multiprocessing-fork" in orig_argv or any(
+        a.startswith("from multiprocessing.") for a in orig_argv)
+
+
+def events_file(pid, attempt=0):
+    return f"p{pid}.jsonl" if not attempt else f"p{pid}.{attempt}.jsonl"
+
+
+def parse_process_file(name, suffix):
+    """pid of a per-process file name 'p<pid>[.<n>]<suffix>', else None (a rank-named file)."""
+    if not name.endswith(suffix) or not name.startswith("p"):
+        return None
+    stem = name[1: len(name) - len(suffix)].split(".")[0]
+    return int(stem) if stem.isdigit() else None
+
+
+def rank_labels(processes):
+    """{pid: label} for training processes given as dicts {pid, rank (str or None), start}.
+
+    A rank that is not known is taken as "0" (a job without a process group is one rank).
+    Several processes with one rank (a restarted rank, two single-process trainings) are kept
+    apart, never merged: the one with a known rank and the earliest start keeps the plain label,
+    the others get '<rank>-p<pid>'. The order is deterministic: (rank unknown, start, pid).
+    """
+    labels, taken = {}, set()
+    ordered = sorted(processes, key=lambda p: (p.get("rank") is None, p.get("start") or 0, p["pid"]))
+    for p in ordered:
+        rank = str(p["rank"]) if p.get("rank") is not None else "0"
+        label = rank if rank not in taken else f"{rank}-p{p['pid']}"
+        taken.add(label)
+        labels[p["pid"]] = label
+    return labels
+
+
+def read_announcements(run_dir):
+    """The procs/<pid>.json files: [{pid, rank, start, ...}] (unreadable ones skipped)."""
+    import json
+
+    folder = os.path.join(run_dir, ANNOUNCE_DIR)
+    out = []
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return out
+    for name in names:
+        if not name.endswith(".json"):
+            continue
+        try:
+            with open(os.path.join(folder, name), encoding="utf-8") as f:
+                entry = json.load(f)
+            int(entry["pid"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        out.append(entry)
+    return out
+
+
+def announced_ranks(run_dir):
+    """{label: pid} of the training processes that announced themselves in run_dir."""
+    procs = [{"pid": int(p["pid"]), "rank": p.get("rank"), "start": p.get("start")}
+             for p in read_announcements(run_dir)]
+    return {label: pid for pid, label in rank_labels(procs).items()}

@@ -1,0 +1,54 @@
+"""A small DDP training script as users write them: torchrun-style environment (RANK,
+WORLD_SIZE, MASTER_ADDR/PORT), or SLURM's when started by srun (the script sets RANK itself)."""
+import argparse
+import os
+import time
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+
+class Noise(torch.utils.data.Dataset):
+    def __len__(self):
+        return 10_000
+
+    def __getitem__(self, i):
+        g = torch.Generator().manual_seed(i)
+        return torch.randn(32, generator=g), torch.randn(1, generator=g)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--workers", type=int, default=0)
+    p.add_argument("--worker-start", default=None, help="fork | spawn | forkserver")
+    p.add_argument("--io-wait", type=float, default=0.3, help="seconds of simulated reading per step")
+    args = p.parse_args()
+    if "RANK" not in os.environ and "SLURM_PROCID" in os.environ:  # srun: no torchrun
+        os.environ["RANK"] = os.environ["SLURM_PROCID"]
+        os.environ["WORLD_SIZE"] = os.environ["SLURM_NTASKS"]
+        os.environ["LOCAL_RANK"] = os.environ["SLURM_LOCALID"]
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = DDP(torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1)))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    loader = torch.utils.data.DataLoader(
+        Noise(), batch_size=16, num_workers=args.workers,
+        multiprocessing_context=args.worker_start if args.workers else None,
+        sampler=torch.utils.data.distributed.DistributedSampler(Noise()))
+    batches = iter(loader)
+    for step in range(args.steps):
+        x, y = next(batches)
+        time.sleep(args.io_wait)
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        print(f"rank {rank} step {step + 1} loss {loss.item():.4f}", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
