@@ -126,6 +126,9 @@ def _end(source, t=None, retro=False):
     begin = _state["begin"]
     fields = {"skipped_optimizer_steps": _state["skipped"]} if _state["skipped"] else {}
     _state["skipped"] = 0
+    if step == 0:  # a marker-only job shows no other training evidence: py-spy follows it now
+        from . import training_evidence
+        training_evidence("step")
     emit("step_end", step=step, t=t, source=source,
          duration_s=None if begin is None else (t - begin) / 1e9, **fields)
     gcstats.emit_step(step)
