@@ -206,7 +206,10 @@ def _run(tmp_path, mode, n, *options, extra=()):
 
 
 def _events(run_dir, type_):
-    with open(os.path.join(run_dir, "events", "0.jsonl")) as f:
+    """Rank 0's events of one type, from its own file (the manifest maps ranks to files)."""
+    with open(os.path.join(run_dir, "manifest.json")) as f:
+        pid = json.load(f)["ranks"]["0"]
+    with open(os.path.join(run_dir, "events", f"p{pid}.jsonl")) as f:
         return [e for e in map(json.loads, f) if e["type"] == type_]
 
 

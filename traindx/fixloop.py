@@ -546,12 +546,23 @@ def _finished_baseline(base_dir, command):
     return int(manifest.get("exit_code") or 0)
 
 
-def attribute_changes(changes, comparison):
-    """Per applied change: the predicted saving (the finding's expected gain; the time ledger
-    replaces it when it lands) and the measured one. With several changes in one candidate the
-    measured figure is their joint effect: said so, not split by guess."""
+def _mean_steady_step(run):
+    from traindx.ledger import steady_rows
+
+    led = steady_rows(run)
+    return float(led.groupby("rank")["wall_s"].mean().max()) if len(led) else None
+
+
+def attribute_changes(changes, comparison, baseline=None, findings=(), candidate=None):
+    """Per applied change: the predicted step time (from the baseline's time ledger: the mean
+    steady step minus the ledger lines the fix removes; the prescription's expected gain where
+    the finding names no ledger line) and the measured one. With several changes in one
+    candidate the measured figure is their joint effect: said so, not split by guess."""
+    from traindx.ledger import predicted_step_time
+
     base = (comparison.get("baseline") or {}).get("median_step_s")
     cand = (comparison.get("candidate") or {}).get("median_step_s")
+    by_id = {f.id: f for f in findings}
     live = [c for c in changes if not c.get("failed")]
     out = []
     for c in changes:
@@ -559,6 +570,19 @@ def attribute_changes(changes, comparison):
         row = dict(c)
         row["predicted_step_time_s"] = (max(base - gain, 0.0) if base is not None and gain
                                         else None)
+        finding = by_id.get(c.get("finding"))
+        if baseline is not None and finding is not None:
+            try:
+                pred = predicted_step_time(baseline, finding)
+            except Exception as exc:  # a prediction must never cost the comparison
+                pred = {"method": f"no ledger prediction: {type(exc).__name__}: {exc}"}
+            row["ledger_prediction"] = pred
+            if pred.get("predicted_step_s") is not None:
+                row["predicted_step_time_s"] = pred["predicted_step_s"]
+                row["predicted_saving_s_per_step"] = pred.get("removed_s")
+                # the prediction is a mean steady step: measured the same way on the candidate
+                if candidate is not None and not c.get("failed"):
+                    row["measured_mean_step_s"] = _mean_steady_step(candidate)
         row["measured_step_time_s"] = cand if not c.get("failed") else None
         row["measured_saving_s_per_step"] = (base - cand if base is not None and cand is not None
                                              and not c.get("failed") else None)
@@ -684,7 +708,7 @@ def run_fix_loop(command, args):
     change["apply"] = fix["apply"]
     comparison = compare_runs(baseline, candidate, change=change)
     comparison["precompile_runs"] = precompiled
-    comparison["changes"] = attribute_changes(plan.changes, comparison)
+    comparison["changes"] = attribute_changes(plan.changes, comparison, baseline, findings, candidate)
     if records.get("source_patch"):
         comparison["fix_patch"] = records["source_patch"]["patch"]
     if records.get("overlay"):
