@@ -1,9 +1,11 @@
 """Step-time stability over the steady window: periodic slow steps (a checkpoint or a log every k
 steps), named with their period and what the job did in them; and the coefficient of variation
 of what remains."""
+import math
 import re
 from collections import Counter
 
+import numpy as np
 import pandas as pd
 
 from traindx.findings import Finding, Prescription
@@ -23,28 +25,76 @@ CV_LOW = 0.50
 
 
 def find_period(steps, durations):
-    """(period, residue, slow step numbers) of the best periodic pattern, or None."""
+    """(period, residue, slow step numbers) of the best periodic pattern, or None.
+
+    A pattern (period p, residue r) covers the steps with step % p == r; it is kept when at least
+    MIN_PRECISION of the slow steps fall on it and MIN_RECALL of its steps are slow; the best has
+    the highest F1, then the shortest period. O(N log N) in steps: because more than half of the
+    slow steps must share the residue, only the median residue of each period can qualify, and a
+    period longer than span / (needed hits - 1) cannot hold enough slow steps; so one vectorised
+    pass over (slow step, period) finds the few candidates, and each candidate's steps are counted
+    by striding a per-step count array (N/p work for period p).
+    """
     median = float(pd.Series(durations).median())
     slow = {s for s, d in zip(steps, durations)
             if d > SLOW_FACTOR * median and d - median > MIN_EXCESS_S}
     if len(slow) < MIN_OCCURRENCES:
         return None
+    steps_arr = np.asarray(steps, dtype=np.int64)
+    if len(np.unique(steps_arr)) != len(steps_arr):
+        return _find_period_with_repeats(steps, slow)
+    slow_arr = np.array(sorted(slow), dtype=np.int64)
+    k = len(slow_arr)
+    need = max(MIN_OCCURRENCES, math.ceil(MIN_PRECISION * k))
+    span = int(slow_arr[-1] - slow_arr[0])
+    # `need` distinct steps of one residue span at least (need - 1) * p
+    last = min(len(steps) // MIN_OCCURRENCES, span // (need - 1))
+    if last < 2:
+        return None
+    periods = np.arange(2, last + 1, dtype=np.int64)
+    residues = slow_arr[:, None] % periods[None, :]
+    # a residue shared by more than half of the slow steps is the column's median
+    candidate = np.sort(residues, axis=0)[k // 2]
+    hits = (residues == candidate[None, :]).sum(axis=0)
+    lo = int(steps_arr.min())
+    per_step = np.bincount(steps_arr - lo)
+    best = None
+    for i in np.flatnonzero(hits >= need):
+        period, residue, n_hits = int(periods[i]), int(candidate[i]), int(hits[i])
+        on = int(per_step[(residue - lo) % period::period].sum())
+        precision, recall = n_hits / k, n_hits / on
+        if precision < MIN_PRECISION or recall < MIN_RECALL:
+            continue
+        score = (2 * precision * recall / (precision + recall), -period)
+        if best is None or score > best[0]:
+            best = (score, period, residue)
+    if best is None:
+        return None
+    _, period, residue = best
+    return period, residue, [s for s in steps if s % period == residue and s in slow]
+
+
+def _find_period_with_repeats(steps, slow):
+    """find_period for step lists that repeat a step number (a restarted step counter): each
+    listed step counts, as in the definition; O(N) per period with per-residue counts."""
+    steps_arr = np.asarray(steps, dtype=np.int64)
+    is_slow = np.isin(steps_arr, np.array(sorted(slow), dtype=np.int64))
     best = None
     for period in range(2, len(steps) // MIN_OCCURRENCES + 1):
-        for residue in range(period):
-            on = [s for s in steps if s % period == residue]
-            hits = [s for s in on if s in slow]
-            if len(hits) < MIN_OCCURRENCES:
-                continue
-            precision, recall = len(hits) / len(slow), len(hits) / len(on)
+        res = steps_arr % period
+        on = np.bincount(res, minlength=period)
+        hits = np.bincount(res[is_slow], minlength=period)
+        for residue in np.flatnonzero(hits >= MIN_OCCURRENCES):
+            precision, recall = hits[residue] / len(slow), hits[residue] / on[residue]
             if precision < MIN_PRECISION or recall < MIN_RECALL:
                 continue
             score = (2 * precision * recall / (precision + recall), -period)
             if best is None or score > best[0]:
-                best = (score, period, residue, hits)
+                best = (score, period, int(residue))
     if best is None:
         return None
-    return best[1], best[2], best[3]
+    _, period, residue = best
+    return period, residue, [s for s in steps if s % period == residue and s in slow]
 
 
 def _normalise(text):
