@@ -101,6 +101,10 @@ def test_synthetic_run_is_a_run_record_the_analyzers_read(tmp_path):
         ids.setdefault(f.id, []).append(f)
     periodic = ids["steps.periodic_slow"]
     assert {f.evidence["period"] for f in periodic} == {synth_run.PERIOD}
+    # the cause: the line the job printed inside exactly those steps (rank 0 prints the log)
+    lines = [f.evidence.get("log_lines_in_slow_steps") for f in periodic if f.ranks == ("0",)]
+    assert lines and lines[0][0]["text"].startswith("saving checkpoint to ckpt/step_N.pt")
+    assert lines[0][0]["steps"] == len(periodic[0].evidence["slow_steps"])
     (straggler,) = ids["ranks.straggler"]
     assert straggler.title.startswith("Rank 2 is 25% slower")
     with open(os.path.join(path, "manifest.json")) as f:
