@@ -1,52 +1,232 @@
 """Reading the torch.profiler window (`trace/<rank>.json.gz`, Chrome trace JSON) into one table.
 
 Kineto writes `ts`/`dur` in µs relative to `baseTimeNanoseconds`, a `time.time_ns()` value, so
-start_ns lands on the run's one clock.
+start_ns lands on the run's one clock. Kineto writes `baseTimeNanoseconds` after the event
+array, so it is applied once the file is read.
+
+Traces reach GBs (a few steps of a large model; hundreds of ranks). A file is streamed, never
+loaded whole: the `traceEvents` array is cut into its objects by the standard library's C
+decoder (json.JSONDecoder.raw_decode on a sliding text window; it is several times faster
+than an event-by-event streaming parser such as ijson, and needs no dependency), and only the
+complete ('X') events' columns the analyzers read go into compact columns (numbers in
+arrays, repeated strings — names, categories, pids — kept once). Memory is the window
+(CHUNK_CHARS) plus the columns, not the JSON document. Gzip is decompressed on the fly.
 """
 import glob
 import gzip
 import json
+import math
 import os
 
+import numpy as np
 import pandas as pd
 
 from traindx.errors import UserError
 
 TRACE_COLUMNS = ["rank", "cat", "name", "start_ns", "end_ns", "dur_s", "pid", "tid", "py_id",
                  "py_parent", "device", "stream"]
+CHUNK_CHARS = 1 << 20  # 1 Mi characters of text per read
+MAX_EVENT_CHARS = 1 << 26  # one event (or top-level value other than traceEvents) past 64 Mi: corrupt
+_WS = " \t\n\r"
+
+
+class _Window:
+    """A sliding window of text over a stream, for raw_decode."""
+
+    def __init__(self, f):
+        self.f = f
+        self.buf = ""
+        self.pos = 0
+        self.eof = False
+
+    def more(self):
+        """Read another chunk (dropping what was consumed); False at the end of the stream."""
+        if self.eof:
+            return False
+        chunk = self.f.read(CHUNK_CHARS)
+        if not chunk:
+            self.eof = True
+            return False
+        self.buf = self.buf[self.pos:] + chunk
+        self.pos = 0
+        return True
+
+    def skip(self, chars=_WS):
+        """Move past `chars`; the next character, or '' at the end of the stream."""
+        while True:
+            buf, pos = self.buf, self.pos
+            n = len(buf)
+            while pos < n and buf[pos] in chars:
+                pos += 1
+            self.pos = pos
+            if pos < n:
+                return buf[pos]
+            if not self.more():
+                return ""
+
+    def decode(self, decoder):
+        """The next JSON value, reading more text while the window holds only part of it."""
+        while True:
+            try:
+                value, end = decoder.raw_decode(self.buf, self.pos)
+            except ValueError:
+                # the value may run past the window: read on; at the end, or past any sane
+                # event size, it is corrupt (so a corrupt file cannot grow the window unbounded)
+                if len(self.buf) - self.pos > MAX_EVENT_CHARS or not self.more():
+                    raise
+                continue
+            if end == len(self.buf) and not self.eof and isinstance(value, (int, float)):
+                # a number cut at the window's edge decodes as a shorter number: read on
+                if self.more():
+                    continue
+            self.pos = end
+            return value
+
+
+class _Columns:
+    """The columns of TRACE_COLUMNS for one file, compact while they grow: events are taken in
+    batches (list comprehensions over a batch are far cheaper than per-event method calls),
+    numbers kept as float64 arrays, repeated strings (names, categories, pids) once each."""
+
+    BATCH = 2048  # ~1.5 KB of Python objects per decoded event: a few MB at a time
+
+    def __init__(self):
+        self.batch = []
+        self.numeric = {k: [] for k in ("ts", "dur", "py_id", "py_parent", "device", "stream")}
+        self.codes = {k: [] for k in ("cat", "name", "pid", "tid")}
+        self.values = {k: {} for k in ("cat", "name", "pid", "tid")}
+
+    def add(self, e):
+        self.batch.append(e)
+        if len(self.batch) >= self.BATCH:
+            self.flush()
+
+    def flush(self):
+        batch, self.batch = self.batch, []
+        if not batch:
+            return
+        n = len(batch)
+        num = self.numeric
+        num["ts"].append(np.fromiter((float(e["ts"]) for e in batch), np.float64, n))
+        num["dur"].append(np.fromiter((float(e.get("dur") or 0.0) for e in batch), np.float64, n))
+        args = [e.get("args") or _EMPTY for e in batch]
+        for column, key in (("py_id", "Python id"), ("py_parent", "Python parent id"),
+                            ("device", "device"), ("stream", "stream")):
+            num[column].append(np.fromiter((_num(a.get(key)) for a in args), np.float64, n))
+        for column, key, default in (("cat", "cat", None), ("name", "name", ""),
+                                     ("pid", "pid", None), ("tid", "tid", None)):
+            table = self.values[column]
+            codes = [table.setdefault(_hashable(e.get(key, default)), len(table)) for e in batch]
+            self.codes[column].append(np.asarray(codes, dtype=np.int64))
+
+    def frame(self, rank, base):
+        self.flush()
+
+        def joined(parts, dtype):
+            return np.concatenate(parts) if parts else np.zeros(0, dtype)
+
+        ts, dur = joined(self.numeric["ts"], np.float64), joined(self.numeric["dur"], np.float64)
+        n = len(ts)
+        start = base + np.rint(ts * 1000).astype(np.int64)
+        cols = {"rank": np.full(n, rank, dtype=object),
+                "cat": self._decoded("cat"), "name": self._decoded("name"),
+                "start_ns": start, "end_ns": start + np.rint(dur * 1000).astype(np.int64),
+                "dur_s": dur / 1e6,
+                # ints stay int64 columns, as when the table was built from rows
+                "pid": pd.Series(self._decoded("pid"), dtype=object).infer_objects(),
+                "tid": pd.Series(self._decoded("tid"), dtype=object).infer_objects()}
+        for column in ("py_id", "py_parent", "device", "stream"):
+            cols[column] = joined(self.numeric[column], np.float64)
+        return pd.DataFrame(cols, columns=TRACE_COLUMNS)
+
+    def _decoded(self, column):
+        uniques = np.empty(len(self.values[column]), dtype=object)
+        for value, c in self.values[column].items():
+            uniques[c] = value
+        codes = self.codes[column]
+        return uniques[np.concatenate(codes)] if codes else np.empty(0, dtype=object)
+
+
+_EMPTY = {}
+
+
+def _hashable(value):
+    return value if not isinstance(value, (list, dict)) else json.dumps(value)
+
+
+def _num(value):
+    if value is None or isinstance(value, bool):
+        return math.nan
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return math.nan
+
+
+def _read(f, rank):
+    """(DataFrame of the 'X' events, baseTimeNanoseconds) of one open text stream."""
+    decoder = json.JSONDecoder()
+    win = _Window(f)
+    if win.skip() != "{":
+        raise ValueError("a trace is a JSON object")
+    win.pos += 1
+    cols, base, seen_events = _Columns(), 0, False
+    while True:
+        ch = win.skip(_WS + ",")
+        if ch == "}":
+            break
+        if ch != '"':
+            raise ValueError(f"expected a key, found {ch!r}")
+        key = win.decode(decoder)
+        if win.skip() != ":":
+            raise ValueError("expected ':'")
+        win.pos += 1
+        win.skip()
+        if key == "traceEvents":
+            seen_events = True
+            if win.skip() != "[":
+                raise ValueError("traceEvents is not an array")
+            win.pos += 1
+            while True:
+                ch = win.skip(_WS + ",")
+                if ch == "]":
+                    win.pos += 1
+                    break
+                if ch == "":
+                    raise ValueError("the trace ends inside traceEvents")
+                e = win.decode(decoder)
+                if isinstance(e, dict) and e.get("ph") == "X" and "ts" in e:
+                    cols.add(e)
+        else:
+            value = win.decode(decoder)
+            if key == "baseTimeNanoseconds":
+                base = int(value or 0)
+    if not seen_events:
+        raise KeyError("traceEvents")
+    return cols.frame(rank, base)
 
 
 def load_trace(path, rank):
-    """The complete ('X') events of one trace file as rows of TRACE_COLUMNS."""
+    """The complete ('X') events of one trace file as a DataFrame of TRACE_COLUMNS."""
     try:
         opener = gzip.open if path.endswith(".gz") else open
         with opener(path, "rt", encoding="utf-8") as f:
-            doc = json.load(f)
-        base = int(doc.get("baseTimeNanoseconds") or 0)
-        events = doc["traceEvents"]
+            return _read(f, rank)
     except (OSError, EOFError, ValueError, KeyError, TypeError) as exc:
         raise UserError(f"{path} is not a readable torch.profiler trace "
                         f"({type(exc).__name__}: {exc})") from None
-    rows = []
-    for e in events:
-        if e.get("ph") != "X" or "ts" not in e:
-            continue
-        start = base + int(round(float(e["ts"]) * 1000))
-        dur = float(e.get("dur") or 0.0)
-        args = e.get("args") or {}
-        rows.append((rank, e.get("cat"), e.get("name", ""), start, start + int(round(dur * 1000)),
-                     dur / 1e6, e.get("pid"), e.get("tid"), args.get("Python id"),
-                     args.get("Python parent id"), args.get("device"), args.get("stream")))
-    return rows
 
 
 def load_traces(run_path):
     """(table of every rank's events, {path: error} for files that could not be read)."""
-    rows, errors = [], {}
+    frames, errors = [], {}
     for path in sorted(glob.glob(os.path.join(run_path, "trace", "*.json.gz"))):
         rank = os.path.basename(path)[: -len(".json.gz")]
         try:
-            rows.extend(load_trace(path, rank))
+            frames.append(load_trace(path, rank))
         except UserError as exc:
             errors[path] = str(exc)
-    return pd.DataFrame(rows, columns=TRACE_COLUMNS), errors
+    frames = [f for f in frames if len(f)]
+    if not frames:
+        return pd.DataFrame(columns=TRACE_COLUMNS), errors
+    return (frames[0] if len(frames) == 1 else pd.concat(frames, ignore_index=True)), errors
