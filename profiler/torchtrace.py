@@ -206,10 +206,145 @@ def _read(f, rank):
     return cols.frame(rank, base)
 
 
-def load_trace(path, rank):
-    """The complete ('X') events of one trace file as a DataFrame of TRACE_COLUMNS."""
+# -- the fast path for the layout Kineto writes ----------------------------------------------
+# Kineto puts every event of traceEvents on its own lines at an indent of two spaces: "\n  {"
+# ... "\n  },". A raw newline is never inside a JSON string (it must be escaped there), so
+# "\n  }," is always the structural end of an event. Turning those ends into newlines and every
+# other newline into a space makes the array NDJSON, which Arrow's C++ reader parses with an
+# explicit schema of just the fields read here (the others skipped unparsed). A pid/tid that is
+# text ("Spans", "") is renamed to its own column first (`"pid": "` only matches a real key: a
+# quote inside a JSON string is escaped). Anything else (another writer's layout, a type Arrow
+# cannot take) raises _NotKineto and the file is read by the general reader above.
+FAST_CHUNK_CHARS = 1 << 22  # text per Arrow parse: the replace chain holds a few copies of it
+_END = "\n  },"
+
+
+class _NotKineto(Exception):
+    pass
+
+
+def _fast_schema():
+    import pyarrow as pa
+
+    args = pa.struct([("Python id", pa.int64()), ("Python parent id", pa.int64()),
+                      ("device", pa.int64()), ("stream", pa.int64())])
+    return pa.schema([("ph", pa.string()), ("cat", pa.string()), ("name", pa.string()),
+                      ("ts", pa.float64()), ("dur", pa.float64()), ("pid", pa.int64()),
+                      ("pid_s", pa.string()), ("tid", pa.int64()), ("tid_s", pa.string()),
+                      ("args", args)])
+
+
+def _fast_events(text, schema):
+    """Arrow table of the 'X' events in `text`: whole Kineto events, each ending in "\n  }"."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    import pyarrow.json as pa_json
+
+    nd = (text.replace(_END, "}\x00").replace("\n", " ").replace("}\x00", "}\n")
+          .replace('"pid": "', '"pid_s": "').replace('"tid": "', '"tid_s": "'))
+    try:
+        table = pa_json.read_json(
+            pa.py_buffer(nd.encode("utf-8")),
+            read_options=pa_json.ReadOptions(block_size=1 << 22),
+            parse_options=pa_json.ParseOptions(explicit_schema=schema,
+                                               unexpected_field_behavior="ignore"))
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as exc:
+        raise _NotKineto(str(exc)) from None
+    keep = pc.and_(pc.equal(table["ph"], "X"), pc.is_valid(table["ts"]))
+    table = table.filter(pc.fill_null(keep, False))
+    args = table["args"]
+    out = {k: table[k] for k in ("cat", "name", "ts", "dur", "pid", "pid_s", "tid", "tid_s")}
+    for column, key in (("py_id", "Python id"), ("py_parent", "Python parent id"),
+                        ("device", "device"), ("stream", "stream")):
+        out[column] = pc.struct_field(args, key)
+    return pa.table(out)
+
+
+def _read_kineto(f, rank):
+    """(DataFrame, base) of a Kineto-layout trace, or _NotKineto."""
+    import pyarrow as pa
+
+    schema = _fast_schema()
+    head = f.read(FAST_CHUNK_CHARS)
+    at = head.find('"traceEvents": [')
+    while at < 0 or len(head) - at < 32:  # the header is read whole, and a little past it
+        more = f.read(FAST_CHUNK_CHARS)
+        if not more or len(head) > MAX_EVENT_CHARS:
+            raise _NotKineto("no traceEvents near the start")
+        head += more
+        at = head.find('"traceEvents": [')
+    header_text = head[:at].rstrip().rstrip(",")
+    buf = head[at + len('"traceEvents": ['):]
+    if not buf.lstrip(" ").startswith("\n  {"):
+        raise _NotKineto("events are not laid out as Kineto writes them")
+    tables, tail = [], None
+    while tail is None:
+        chunk = f.read(FAST_CHUNK_CHARS)
+        if not chunk:  # the last event ends "\n  }\n  ]": the rest is the document's tail
+            close = buf.rfind("\n  }")
+            end = buf.find("]", close)
+            if close < 0 or end < 0:
+                raise _NotKineto("the trace ends inside traceEvents")
+            events, tail = buf[:close + 4], buf[end + 1:]
+        else:
+            buf += chunk
+            cut = buf.rfind(_END)
+            if cut < 0:
+                if len(buf) > MAX_EVENT_CHARS:
+                    raise _NotKineto("no event end in a window")
+                continue
+            events, buf = buf[:cut + len(_END) - 1], buf[cut + len(_END):]
+        if events.strip():
+            tables.append(_fast_events(events, schema))
+    try:
+        top = json.loads(header_text + "}") if header_text.strip() != "{" else {}
+        rest = tail.strip().lstrip(",").strip()
+        if rest not in ("}", ""):
+            top.update(json.loads("{" + rest))
+    except ValueError as exc:
+        raise _NotKineto(f"header/tail: {exc}") from None
+    base = int(top.get("baseTimeNanoseconds") or 0)
+    table = pa.concat_tables(tables) if tables else _fast_events("", schema)
+    return _kineto_frame(table, rank, base), base
+
+
+def _kineto_frame(table, rank, base):
+    n = table.num_rows
+    ts = table["ts"].to_numpy()
+    dur = table["dur"].fill_null(0.0).to_numpy()
+    start = base + np.rint(ts * 1000).astype(np.int64)
+    cols = {"rank": np.full(n, rank, dtype=object),
+            "cat": table["cat"].to_pandas(), "name": table["name"].fill_null("").to_pandas(),
+            "start_ns": start, "end_ns": start + np.rint(dur * 1000).astype(np.int64),
+            "dur_s": dur / 1e6}
+    for column in ("pid", "tid"):
+        ints, texts = table[column], table[column + "_s"]
+        if texts.null_count == n:
+            values = ints.to_pandas()  # float64 only if some event has no pid at all
+            if ints.null_count == 0:
+                values = values.astype(np.int64)
+        else:  # some are text: one object column, as the row-built table had
+            values = pd.Series(np.where(texts.is_null().to_numpy(zero_copy_only=False),
+                                        ints.to_pandas().astype(object),
+                                        texts.to_pandas().astype(object)), dtype=object)
+            values = values.map(lambda v: int(v) if isinstance(v, float) and v == v else v)
+        cols[column] = values
+    for column in ("py_id", "py_parent", "device", "stream"):
+        cols[column] = table[column].to_numpy(zero_copy_only=False).astype(np.float64)
+    return pd.DataFrame(cols, columns=TRACE_COLUMNS)
+
+
+def load_trace(path, rank, fast=True):
+    """The complete ('X') events of one trace file as a DataFrame of TRACE_COLUMNS (fast=False:
+    always the general streaming reader)."""
     try:
         opener = gzip.open if path.endswith(".gz") else open
+        if fast:
+            try:
+                with opener(path, "rt", encoding="utf-8") as f:
+                    return _read_kineto(f, rank)[0]
+            except _NotKineto:
+                pass  # the general reader below decides, and names any error
         with opener(path, "rt", encoding="utf-8") as f:
             return _read(f, rank)
     except (OSError, EOFError, ValueError, KeyError, TypeError) as exc:
