@@ -1,8 +1,8 @@
 """The scale benchmark: analysis cost (wall seconds, peak RSS) over a grid of ranks x steps.
 
 usage: python bench/scale.py [--grid 8x1000,8x4000,64x2000,256x2000,1024x2000] [--timeout 600]
-                             [--what report|load-json|load-columnar] [--work /tmp/traindx-scale]
-                             [--json OUT.json] [--md OUT.md]
+                             [--what report|load-json|load-columnar|load-cached]
+                             [--work /tmp/traindx-scale] [--max-gb G] [--json OUT.json] [--md OUT.md]
 
 Each cell writes a synthetic run record with bench/synth_run.py (cached under --work, reused
 when present) and measures, in a fresh subprocess of its own:
@@ -43,11 +43,23 @@ def command_for(what, path):
     return [sys.executable, "-c", LOADERS[what].format(path=path)]
 
 
-def measure(cmd, timeout):
-    """(wall_s, peak_rss_mb, returncode, timed_out, stderr tail) of one child process."""
+def _limit_memory(gb):
+    def apply():
+        import resource
+
+        limit = int(gb * 2**30)
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    return apply
+
+
+def measure(cmd, timeout, max_gb=None):
+    """(wall_s, peak_rss_mb, returncode, timed_out, stderr tail) of one child process.
+    max_gb: the child's address-space limit (RLIMIT_AS): on a shared machine a cell that would
+    need more fails with a MemoryError instead of pushing everyone else out of memory."""
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            start_new_session=True)
+                            start_new_session=True,
+                            preexec_fn=_limit_memory(max_gb) if max_gb else None)
     timed_out = threading.Event()
 
     def kill():
@@ -99,6 +111,8 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None)
     p.add_argument("--md", default=None)
+    p.add_argument("--max-gb", type=float, default=None,
+                   help="address-space limit of each measured child (GiB)")
     a = p.parse_args(argv)
     cells = []
     for item in a.grid.split(","):
@@ -110,7 +124,8 @@ def main(argv=None):
     load = os.getloadavg()[0]
     for ranks, steps in cells:
         if timed_out_at and ranks * steps >= timed_out_at:
-            results.append({"ranks": ranks, "steps": steps, "skipped": "a smaller cell timed out"})
+            results.append({"ranks": ranks, "steps": steps,
+                            "skipped": "a smaller cell timed out or ran out of memory"})
             continue
         path = run_dir(a.work, ranks, steps, a.seed)
         if a.what == "load-columnar":
@@ -119,13 +134,16 @@ def main(argv=None):
             for name in ("findings.json", "report.html"):
                 if os.path.exists(os.path.join(path, name)):
                     os.remove(os.path.join(path, name))
-        wall, rss, rc, to, tail = measure(command_for(a.what, path), a.timeout)
+        wall, rss, rc, to, tail = measure(command_for(a.what, path), a.timeout, a.max_gb)
         row = {"ranks": ranks, "steps": steps, "record_mb": round(size_mb(path), 1),
                "wall_s": round(wall, 2), "peak_rss_mb": round(rss, 1), "rc": rc,
                "timed_out": to, "load_1min_before": round(os.getloadavg()[0], 2)}
         if rc and not to:
             row["stderr"] = tail
-        if to:
+            if any("MemoryError" in line or "bad_alloc" in line or "Cannot allocate" in line
+                   for line in tail):
+                row["out_of_memory_limit_gb"] = a.max_gb
+        if to or row.get("out_of_memory_limit_gb"):
             timed_out_at = ranks * steps
         results.append(row)
         print(json.dumps(row), file=sys.stderr)
@@ -151,7 +169,9 @@ def markdown(doc):
             lines.append(f"| {c['ranks']} x {c['steps']} | | skipped ({c['skipped']}) | |")
             continue
         wall = f"> {c['wall_s']:.0f} (timeout)" if c["timed_out"] else f"{c['wall_s']:.1f}"
-        if c["rc"] and not c["timed_out"]:
+        if c.get("out_of_memory_limit_gb"):
+            wall += f" (over the {c['out_of_memory_limit_gb']:g} GiB limit)"
+        elif c["rc"] and not c["timed_out"]:
             wall += f" (exit {c['rc']})"
         lines.append(f"| {c['ranks']} x {c['steps']} | {c['record_mb']:.0f} | {wall} | "
                      f"{c['peak_rss_mb']:.0f} |")
