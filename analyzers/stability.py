@@ -101,6 +101,18 @@ def _normalise(text):
     return re.sub(r"\d+", "N", text.strip())[:160]
 
 
+_LOG_INDEX = [None, None]  # (the log DataFrame, its index): every rank asks about the same log
+
+
+def _log_index(log):
+    """(sorted t, normalised text) of the log lines other than per-step log lines."""
+    if _LOG_INDEX[0] is not log:
+        keep = [bool(text.strip()) and not parse_line(text) for text in log["text"]]
+        kept = log[keep].sort_values("t", kind="stable")
+        _LOG_INDEX[:] = [log, (kept["t"].to_numpy(), [_normalise(t) for t in kept["text"]])]
+    return _LOG_INDEX[1]
+
+
 def _log_in_steps(run, step_rows):
     """Lines the job printed inside the given steps, other than its per-step log line.
 
@@ -109,10 +121,7 @@ def _log_in_steps(run, step_rows):
     log = run.log
     if not len(log):
         return Counter()
-    keep = [bool(text.strip()) and not parse_line(text) for text in log["text"]]
-    kept = log[keep].sort_values("t", kind="stable")
-    times = kept["t"].to_numpy()
-    keys = [_normalise(text) for text in kept["text"]]
+    times, keys = _log_index(log)
     found = Counter()
     rows = step_rows.dropna(subset=["start_ns", "end_ns"])  # a step without a begin holds no line
     # int64, not float: ns since the epoch lose ~256 ns in a float64

@@ -305,20 +305,26 @@ def _read_kineto(f, rank):
         raise _NotKineto(f"header/tail: {exc}") from None
     base = int(top.get("baseTimeNanoseconds") or 0)
     table = pa.concat_tables(tables) if tables else _fast_events("", schema)
-    return _kineto_frame(table, rank, base), base
+    del tables
+    columns = {name: table[name] for name in table.column_names}
+    del table  # each column is let go as soon as it is converted: the peak stays near one table
+    return _kineto_frame(columns, rank, base), base
 
 
-def _kineto_frame(table, rank, base):
-    n = table.num_rows
-    ts = table["ts"].to_numpy()
-    dur = table["dur"].fill_null(0.0).to_numpy()
+def _kineto_frame(columns, rank, base):
+    n = len(columns["ts"])
+    ts = columns.pop("ts").to_numpy()
     start = base + np.rint(ts * 1000).astype(np.int64)
+    del ts
+    dur = columns.pop("dur").fill_null(0.0).to_numpy()
     cols = {"rank": np.full(n, rank, dtype=object),
-            "cat": table["cat"].to_pandas(), "name": table["name"].fill_null("").to_pandas(),
+            "cat": columns.pop("cat").to_pandas(),
+            "name": columns.pop("name").fill_null("").to_pandas(),
             "start_ns": start, "end_ns": start + np.rint(dur * 1000).astype(np.int64),
             "dur_s": dur / 1e6}
+    del dur
     for column in ("pid", "tid"):
-        ints, texts = table[column], table[column + "_s"]
+        ints, texts = columns.pop(column), columns.pop(column + "_s")
         if texts.null_count == n:
             values = ints.to_pandas()  # float64 only if some event has no pid at all
             if ints.null_count == 0:
@@ -330,8 +336,9 @@ def _kineto_frame(table, rank, base):
             values = values.map(lambda v: int(v) if isinstance(v, float) and v == v else v)
         cols[column] = values
     for column in ("py_id", "py_parent", "device", "stream"):
-        cols[column] = table[column].to_numpy(zero_copy_only=False).astype(np.float64)
-    return pd.DataFrame(cols, columns=TRACE_COLUMNS)
+        cols[column] = columns.pop(column).to_numpy(zero_copy_only=False).astype(np.float64)
+    # copy=False: no second copy of every column while pandas builds its blocks
+    return pd.DataFrame(cols, columns=TRACE_COLUMNS, copy=False)
 
 
 def load_trace(path, rank, fast=True):
