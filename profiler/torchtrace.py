@@ -242,21 +242,29 @@ def _fast_events(text, schema):
 
     nd = (text.replace(_END, "}\x00").replace("\n", " ").replace("}\x00", "}\n")
           .replace('"pid": "', '"pid_s": "').replace('"tid": "', '"tid_s": "'))
+    # the system allocator: freed chunks go back to the OS at once (Arrow's default pool keeps
+    # them, and numpy, which allocates the final columns, cannot reuse them): a lower peak
+    pool = pa.system_memory_pool()
     try:
         table = pa_json.read_json(
             pa.py_buffer(nd.encode("utf-8")),
             read_options=pa_json.ReadOptions(block_size=1 << 22),
             parse_options=pa_json.ParseOptions(explicit_schema=schema,
-                                               unexpected_field_behavior="ignore"))
+                                               unexpected_field_behavior="ignore"),
+            memory_pool=pool)
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as exc:
         raise _NotKineto(str(exc)) from None
-    keep = pc.and_(pc.equal(table["ph"], "X"), pc.is_valid(table["ts"]))
-    table = table.filter(pc.fill_null(keep, False))
-    args = table["args"]
-    out = {k: table[k] for k in ("cat", "name", "ts", "dur", "pid", "pid_s", "tid", "tid_s")}
+    del nd
+    keep = pc.and_(pc.equal(table["ph"], "X", memory_pool=pool),
+                   pc.is_valid(table["ts"], memory_pool=pool), memory_pool=pool)
+    keep = pc.if_else(pc.is_null(keep, memory_pool=pool), False, keep, memory_pool=pool)
+    out = {}
+    for k in ("cat", "name", "ts", "dur", "pid", "pid_s", "tid", "tid_s"):
+        out[k] = pc.filter(table[k], keep, memory_pool=pool)
     for column, key in (("py_id", "Python id"), ("py_parent", "Python parent id"),
                         ("device", "device"), ("stream", "stream")):
-        out[column] = pc.struct_field(args, key)
+        out[column] = pc.filter(pc.struct_field(table["args"], key, memory_pool=pool), keep,
+                                memory_pool=pool)
     return pa.table(out)
 
 
