@@ -141,26 +141,46 @@ def _fingerprint(paths):
 
 
 def _to_pandas(tables, rows):
-    parts = []
+    """One frame of the flat (Arrow) and nested (dict) events, ordered by (t, file order).
+
+    Built column by column, each column let go of as soon as it is placed, so the peak is
+    about one copy of the table rather than the three a whole-frame concat + reorder needs."""
+    flat = nested = None
     if tables:
         table = pa.concat_tables(tables, promote_options="permissive")
-        parts.append(table.to_pandas())
+        tables.clear()
+        flat = table.to_pandas()
+        del table
     if rows:
-        parts.append(pd.DataFrame(rows))
+        nested = pd.DataFrame(rows)
+    parts = [p for p in (flat, nested) if p is not None]
     if not parts:
         return pd.DataFrame()
-    df = parts[0] if len(parts) == 1 else pd.concat(parts, ignore_index=True, sort=False)
-    if "t" in df:
-        t = pd.to_numeric(df["t"], errors="coerce")
-        order = np.lexsort((df[_SEQ].to_numpy(), t.to_numpy()))
+    seq = np.concatenate([p[_SEQ].to_numpy(dtype=np.int64) for p in parts])
+    if any("t" in p for p in parts):
+        t = np.concatenate([pd.to_numeric(p["t"], errors="coerce").to_numpy(dtype=np.float64)
+                            if "t" in p else np.full(len(p), np.nan) for p in parts])
+        if not np.isnan(t).any():  # exact ns order (float64 would round ns since the epoch)
+            t = np.concatenate([p["t"].to_numpy(dtype=np.int64) for p in parts])
+        order = np.lexsort((seq, t))
     else:
-        order = np.argsort(df[_SEQ].to_numpy(), kind="stable")
-    df = df.iloc[order].drop(columns=[_SEQ]).reset_index(drop=True)
-    # NaN (not None) marks a field an event does not have, as pandas builds it from dicts
-    for col in df.columns:
-        if df[col].dtype == object:
-            df[col] = df[col].where(df[col].notna(), np.nan)
-    return df
+        order = np.argsort(seq, kind="stable")
+    del seq
+    names = list(dict.fromkeys(c for p in parts for c in p.columns if c != _SEQ))
+    out = {}
+    for col in names:
+        pieces = [p[[col]] if col in p else pd.DataFrame(index=p.index) for p in parts]
+        column = (pieces[0] if len(pieces) == 1 else
+                  pd.concat(pieces, ignore_index=True, sort=False))[col]
+        for p in parts:
+            if col in p:
+                del p[col]  # this column is placed: let the source go
+        column = column.take(order).reset_index(drop=True)
+        if column.dtype == object:
+            # NaN (not None) marks a field an event does not have, as pandas builds it from dicts
+            column = column.where(column.notna(), np.nan)
+        out[col] = column
+    return pd.DataFrame(out, copy=False)
 
 
 def _write_cache(run_path, df, fingerprint, notes):
