@@ -60,10 +60,11 @@ def _malloc_seconds_per_step(run, rank):
     return float(calls["dur_s"].sum()) / len(steps)
 
 
-def _analyze_rank(run, rank, alloc):
+def _analyze_rank(run, rank, rows):
+    """rows: this rank's alloc events."""
     steady = ev.steady_steps(run, rank)
     steady_ids = set(int(s) for s in steady["step"])
-    rows = alloc[(alloc["rank"] == rank)].sort_values("step")
+    rows = rows.sort_values("step")
     if not len(rows) or "num_alloc_retries" not in rows:
         return []
     retries = pd.to_numeric(rows["num_alloc_retries"], errors="coerce").fillna(0)
@@ -149,6 +150,7 @@ def analyze(run):
         # empty_cache calls alone still matter on a GPU run; on a CPU run there is no alloc
         return []
     findings = []
-    for rank in sorted(set(alloc["rank"])):
-        findings.extend(_analyze_rank(run, rank, alloc))
+    by_rank = dict(tuple(alloc.groupby("rank", sort=False)))  # one pass, not one scan per rank
+    for rank in sorted(by_rank):
+        findings.extend(_analyze_rank(run, rank, by_rank[rank]))
     return findings

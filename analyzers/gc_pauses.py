@@ -37,12 +37,14 @@ def analyze(run):
     gc = run.gc
     if not len(gc) or "generation" not in gc:
         return findings
+    by_rank = dict(tuple(gc.groupby("rank", sort=False)))  # one pass, not one scan per rank
     for rank in sorted(set(run.steps["rank"])) if len(run.steps) else []:
         steady = ev.steady_steps(run, rank)
-        if not len(steady):
+        if not len(steady) or rank not in by_rank:
             continue
         steady_ids = set(int(s) for s in steady["step"])
-        events = gc[(gc["rank"] == rank) & gc["step"].isin(steady_ids)]
+        events = by_rank[rank]
+        events = events[events["step"].isin(steady_ids)]
         full = events[events["generation"] == 2]
         if not len(full):
             continue

@@ -93,6 +93,6 @@ def analyze(run):
     if not len(trace) or not (trace["cat"] == "kernel").any():
         return []
     findings = []
-    for rank in sorted(set(trace["rank"])):
-        findings.extend(_analyze_rank(run, rank, trace))
+    for rank, rows in sorted(trace.groupby("rank", sort=False), key=lambda item: item[0]):
+        findings.extend(_analyze_rank(run, rank, rows))  # one pass, not one scan per rank
     return findings

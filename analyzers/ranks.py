@@ -29,9 +29,10 @@ def _trace_waits(run, ranks):
     if not len(trace):
         return {}
     out = {}
+    by_rank = dict(tuple(trace.groupby("rank", sort=False)))  # one pass, not one scan per rank
     for rank in ranks:
         steps = ev.trace_steps(run, rank)
-        rows = trace[trace["rank"] == rank]
+        rows = by_rank.get(rank, trace.iloc[0:0])
         if not len(steps) or not len(rows):
             continue
         start, end = steps["start_ns"].min(), steps["end_ns"].max()

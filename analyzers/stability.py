@@ -1,6 +1,7 @@
 """Step-time stability over the steady window: periodic slow steps (a checkpoint or a log every k
 steps), named with their period and what the job did in them; and the coefficient of variation
 of what remains."""
+import math
 import re
 from collections import Counter
 
@@ -19,7 +20,6 @@ MIN_EXCESS_S = 0.005       # ...and at least this much slower in absolute terms
 MIN_OCCURRENCES = 3
 MIN_PRECISION = 0.75       # of the slow steps, the share that fall on the period
 MIN_RECALL = 0.75          # of the steps on the period, the share that are slow
-CANDIDATE_PERIODS = 8      # periods proposed by the autocorrelation that are scored exactly
 CV_INFO = 0.20
 CV_LOW = 0.50
 
@@ -27,69 +27,108 @@ CV_LOW = 0.50
 def find_period(steps, durations):
     """(period, residue, slow step numbers) of the best periodic pattern, or None.
 
-    O(N log N) for N steps: the autocorrelation of the slow-step indicator (one FFT) proposes
-    the few periods at which slow steps recur; only those are scored (precision and recall of
-    the best residue, one bincount each)."""
-    durations = np.asarray(durations, dtype=float)
-    steps = np.asarray(steps, dtype=np.int64)
-    if not len(steps):
-        return None
-    median = float(np.median(durations))
-    is_slow = (durations > SLOW_FACTOR * median) & (durations - median > MIN_EXCESS_S)
-    slow = steps[is_slow]
+    A pattern (period p, residue r) covers the steps with step % p == r; it is kept when at least
+    MIN_PRECISION of the slow steps fall on it and MIN_RECALL of its steps are slow; the best has
+    the highest F1, then the shortest period. O(N log N) in steps: because more than half of the
+    slow steps must share the residue, only the median residue of each period can qualify, and a
+    period longer than span / (needed hits - 1) cannot hold enough slow steps; so one vectorised
+    pass over (slow step, period) finds the few candidates, and each candidate's steps are counted
+    by striding a per-step count array (N/p work for period p).
+    """
+    median = float(pd.Series(durations).median())
+    slow = {s for s, d in zip(steps, durations)
+            if d > SLOW_FACTOR * median and d - median > MIN_EXCESS_S}
     if len(slow) < MIN_OCCURRENCES:
         return None
-    max_period = len(steps) // MIN_OCCURRENCES
-    if max_period < 2:
+    steps_arr = np.asarray(steps, dtype=np.int64)
+    if len(np.unique(steps_arr)) != len(steps_arr):
+        return _find_period_with_repeats(steps, slow)
+    slow_arr = np.array(sorted(slow), dtype=np.int64)
+    k = len(slow_arr)
+    need = max(MIN_OCCURRENCES, math.ceil(MIN_PRECISION * k))
+    span = int(slow_arr[-1] - slow_arr[0])
+    # `need` distinct steps of one residue span at least (need - 1) * p
+    last = min(len(steps) // MIN_OCCURRENCES, span // (need - 1))
+    if last < 2:
         return None
-    base = int(steps.min())
-    span = int(steps.max()) - base + 1
-    x = np.zeros(span)
-    x[slow - base] = 1.0
-    size = 1 << int(2 * span - 1).bit_length()
-    f = np.fft.rfft(x, size)
-    auto = np.fft.irfft(f * np.conj(f), size)[: max_period + 1].round()
-    periods = np.arange(2, max_period + 1)
-    lags = auto[2: max_period + 1]
-    order = np.lexsort((periods, -lags))          # most recurrences first, then shortest
+    periods = np.arange(2, last + 1, dtype=np.int64)
+    residues = slow_arr[:, None] % periods[None, :]
+    # a residue shared by more than half of the slow steps is the column's median
+    candidate = np.sort(residues, axis=0)[k // 2]
+    hits = (residues == candidate[None, :]).sum(axis=0)
+    lo = int(steps_arr.min())
+    per_step = np.bincount(steps_arr - lo)
     best = None
-    for period in periods[order][:CANDIDATE_PERIODS]:
-        period = int(period)
-        hits = np.bincount((slow - base) % period, minlength=period)
-        on = np.bincount((steps - base) % period, minlength=period)
+    for i in np.flatnonzero(hits >= need):
+        period, residue, n_hits = int(periods[i]), int(candidate[i]), int(hits[i])
+        on = int(per_step[(residue - lo) % period::period].sum())
+        precision, recall = n_hits / k, n_hits / on
+        if precision < MIN_PRECISION or recall < MIN_RECALL:
+            continue
+        score = (2 * precision * recall / (precision + recall), -period)
+        if best is None or score > best[0]:
+            best = (score, period, residue)
+    if best is None:
+        return None
+    _, period, residue = best
+    return period, residue, [s for s in steps if s % period == residue and s in slow]
+
+
+def _find_period_with_repeats(steps, slow):
+    """find_period for step lists that repeat a step number (a restarted step counter): each
+    listed step counts, as in the definition; O(N) per period with per-residue counts."""
+    steps_arr = np.asarray(steps, dtype=np.int64)
+    is_slow = np.isin(steps_arr, np.array(sorted(slow), dtype=np.int64))
+    best = None
+    for period in range(2, len(steps) // MIN_OCCURRENCES + 1):
+        res = steps_arr % period
+        on = np.bincount(res, minlength=period)
+        hits = np.bincount(res[is_slow], minlength=period)
         for residue in np.flatnonzero(hits >= MIN_OCCURRENCES):
             precision, recall = hits[residue] / len(slow), hits[residue] / on[residue]
             if precision < MIN_PRECISION or recall < MIN_RECALL:
                 continue
             score = (2 * precision * recall / (precision + recall), -period)
             if best is None or score > best[0]:
-                best = (score, period, int((residue + base) % period))
+                best = (score, period, int(residue))
     if best is None:
         return None
     _, period, residue = best
-    return period, residue, [int(s) for s in slow if s % period == residue]
+    return period, residue, [s for s in steps if s % period == residue and s in slow]
 
 
 def _normalise(text):
     return re.sub(r"\d+", "N", text.strip())[:160]
 
 
+_LOG_INDEX = [None, None]  # (the log DataFrame, its index): every rank asks about the same log
+
+
+def _log_index(log):
+    """(sorted t, normalised text) of the log lines other than per-step log lines."""
+    if _LOG_INDEX[0] is not log:
+        keep = [bool(text.strip()) and not parse_line(text) for text in log["text"]]
+        kept = log[keep].sort_values("t", kind="stable")
+        _LOG_INDEX[:] = [log, (kept["t"].to_numpy(), [_normalise(t) for t in kept["text"]])]
+    return _LOG_INDEX[1]
+
+
 def _log_in_steps(run, step_rows):
-    """Lines the job printed inside the given steps, other than its per-step log line."""
+    """Lines the job printed inside the given steps, other than its per-step log line.
+
+    The log is sorted and filtered once; each step then takes its lines by binary search on t
+    (O((lines + steps) log lines) instead of one scan of the whole log per step)."""
     log = run.log
     if not len(log):
         return Counter()
+    times, keys = _log_index(log)
     found = Counter()
-    for row in step_rows.itertuples():
-        lines = log[(log["t"] >= row.start_ns) & (log["t"] <= row.end_ns)]
-        seen = set()
-        for text in lines["text"]:
-            if not text.strip() or parse_line(text):
-                continue
-            key = _normalise(text)
-            if key not in seen:
-                seen.add(key)
-                found[key] += 1
+    rows = step_rows.dropna(subset=["start_ns", "end_ns"])  # a step without a begin holds no line
+    # int64, not float: ns since the epoch lose ~256 ns in a float64
+    starts = np.searchsorted(times, rows["start_ns"].to_numpy(dtype="int64"), side="left")
+    ends = np.searchsorted(times, rows["end_ns"].to_numpy(dtype="int64"), side="right")
+    for a, b in zip(starts, ends):
+        found.update(set(keys[a:b]))
     return found
 
 

@@ -148,9 +148,12 @@ class Job:
             self.missing["gpus"] = f"no GPU inventory: {type(exc).__name__}: {exc}"
         write_json_atomic(manifest_path, manifest)
 
-        nvml = NvmlSampler(os.path.join(self.run_dir, "nvml.csv"), self.options.nvml_interval_s)
+        nvml = NvmlSampler(os.path.join(self.run_dir, "nvml.csv"), self.options.nvml_interval_s,
+                           env=env)
         if self.options.nvml and not nvml.start():
             self.missing["nvml"] = nvml.error
+        if nvml.selection is not None:  # which GPUs nvml.csv holds, and why those
+            manifest["nvml"] = nvml.selection
         elif not self.options.nvml:
             self.missing["nvml"] = "disabled (--no-nvml)"
 

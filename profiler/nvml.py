@@ -1,4 +1,11 @@
-"""NVML sampling: GPU utilisation, SM clock, memory, power and clock-event reasons over time."""
+"""NVML sampling: GPU utilisation, SM clock, memory, power and clock-event reasons over time.
+
+Only the job's GPUs are sampled: those CUDA_VISIBLE_DEVICES of the job's environment names
+(indices, GPU-UUIDs or unique UUID prefixes, MIG-UUIDs; CUDA's own rule that an entry it cannot
+resolve hides it and every entry after it), narrowed to the ranks' devices when those are known.
+NVML sees the whole node, so without this a shared node's other jobs would be read as ours.
+"""
+import os
 import threading
 import time
 
@@ -15,10 +22,91 @@ def gpu_inventory():
     for i in range(pynvml.nvmlDeviceGetCount()):
         h = pynvml.nvmlDeviceGetHandleByIndex(i)
         name = pynvml.nvmlDeviceGetName(h)
-        gpus.append({"index": i, "name": name.decode() if isinstance(name, bytes) else name,
-                     "uuid": _text(pynvml.nvmlDeviceGetUUID(h)),
-                     "memory_bytes": pynvml.nvmlDeviceGetMemoryInfo(h).total})
+        gpu = {"index": i, "name": name.decode() if isinstance(name, bytes) else name,
+               "uuid": _text(pynvml.nvmlDeviceGetUUID(h)),
+               "memory_bytes": pynvml.nvmlDeviceGetMemoryInfo(h).total}
+        migs = _mig_uuids(pynvml, h)
+        if migs:
+            gpu["mig_uuids"] = migs
+        gpus.append(gpu)
     return gpus
+
+
+def _mig_uuids(pynvml, handle):
+    """UUIDs of the MIG instances of a GPU in MIG mode ([] otherwise, or when NVML cannot say)."""
+    try:
+        current, _ = pynvml.nvmlDeviceGetMigMode(handle)
+        if current != pynvml.NVML_DEVICE_MIG_ENABLE:
+            return []
+        out = []
+        for j in range(pynvml.nvmlDeviceGetMaxMigDeviceCount(handle)):
+            try:
+                out.append(_text(pynvml.nvmlDeviceGetUUID(
+                    pynvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, j))))
+            except pynvml.NVMLError:
+                continue
+        return out
+    except Exception:  # no MIG support in this driver/library: a plain GPU
+        return []
+
+
+def _resolve(entry, inventory):
+    """(NVML index, how) of one CUDA_VISIBLE_DEVICES entry, or (None, why not)."""
+    if entry.lstrip("-").isdigit():
+        n = int(entry)
+        if 0 <= n < len(inventory):
+            return inventory[n]["index"], f"{entry}: index"
+        return None, f"{entry}: no such GPU index"
+    low = entry.lower()
+    if low.startswith("mig-"):
+        # MIG-<uuid>, or the legacy MIG-GPU-<gpu uuid>/<gi>/<ci>: NVML samples the parent GPU
+        legacy = low[len("mig-"):].split("/")[0]
+        for gpu in inventory:
+            if legacy.startswith("gpu-") and gpu.get("uuid", "").lower() == legacy:
+                return gpu["index"], f"{entry}: a MIG instance of GPU {gpu['index']} (its whole GPU is sampled)"
+            if any(m.lower() == low for m in gpu.get("mig_uuids", ())):
+                return gpu["index"], f"{entry}: a MIG instance of GPU {gpu['index']} (its whole GPU is sampled)"
+        return None, f"{entry}: no such MIG instance"
+    prefix = low if low.startswith("gpu-") else "gpu-" + low
+    hits = [g for g in inventory if g.get("uuid", "").lower().startswith(prefix)]
+    if len(hits) == 1:
+        return hits[0]["index"], f"{entry}: UUID"
+    return None, f"{entry}: {'ambiguous' if hits else 'no such'} GPU UUID"
+
+
+def select_gpus(inventory, visible=None, rank_devices=None, device_order=None):
+    """(NVML indices to sample, why) for a job.
+
+    inventory: gpu_inventory()'s list. visible: the job's CUDA_VISIBLE_DEVICES (None: unset).
+    rank_devices: the CUDA device ordinals the ranks use, in the job's numbering (e.g. LOCAL_RANK
+    with one GPU per rank), when known. device_order: the job's CUDA_DEVICE_ORDER.
+    """
+    if visible is None:
+        chosen, why = [g["index"] for g in inventory], "CUDA_VISIBLE_DEVICES is unset: the job sees every GPU of the node"
+    else:
+        chosen, notes = [], []
+        for entry in (e.strip() for e in visible.split(",")):
+            if not entry:
+                continue
+            index, how = _resolve(entry, inventory)
+            if index is None:
+                # CUDA ignores an entry it cannot resolve and every entry after it
+                notes.append(f"{how}; CUDA hides it and the entries after it")
+                break
+            if index not in chosen:
+                chosen.append(index)
+                notes.append(how)
+        why = f"CUDA_VISIBLE_DEVICES={visible!r}: " + ("; ".join(notes) if notes else "the job sees no GPU")
+        names = {g.get("name") for g in inventory}
+        if len(names) > 1 and device_order != "PCI_BUS_ID":
+            why += (" (mixed GPU models and CUDA_DEVICE_ORDER is not PCI_BUS_ID: CUDA may number "
+                    "them differently from NVML)")
+    if rank_devices:
+        ranked = [chosen[d] for d in sorted(set(rank_devices)) if 0 <= d < len(chosen)]
+        if ranked:
+            why += f"; the ranks use devices {sorted(set(rank_devices))} of those: NVML GPUs {ranked}"
+            chosen = ranked
+    return chosen, why
 
 
 def _text(value):
@@ -26,12 +114,17 @@ def _text(value):
 
 
 class NvmlSampler:
-    """Samples every GPU every `interval_s` into a CSV; a missing driver leaves `error` set."""
+    """Samples the job's GPUs (select_gpus) every `interval_s` into a CSV, the `gpu` column being
+    the NVML index (as in the manifest's `gpus`); a missing driver leaves `error` set."""
 
-    def __init__(self, path, interval_s=0.5):
+    def __init__(self, path, interval_s=0.5, env=None, rank_devices=None):
         self.path = path
         self.interval_s = interval_s
         self.error = None
+        # the job's environment decides which GPUs are its own (default: this process's)
+        self.env = os.environ if env is None else env
+        self.rank_devices = rank_devices
+        self.selection = None  # {"gpus": [NVML index], "why": text}: for the manifest
         self._stop = threading.Event()
         self._thread = None
 
@@ -39,14 +132,16 @@ class NvmlSampler:
         try:
             import pynvml
 
-            pynvml.nvmlInit()
-            self._handles = [pynvml.nvmlDeviceGetHandleByIndex(i)
-                             for i in range(pynvml.nvmlDeviceGetCount())]
+            inventory = gpu_inventory()
+            indices, why = select_gpus(inventory, self.env.get("CUDA_VISIBLE_DEVICES"),
+                                       self.rank_devices, self.env.get("CUDA_DEVICE_ORDER"))
+            self.selection = {"gpus": indices, "why": why}
+            self._handles = [(i, pynvml.nvmlDeviceGetHandleByIndex(i)) for i in indices]
         except Exception as exc:  # no driver, no library, no GPU: the job runs on without NVML
             self.error = f"NVML unavailable: {type(exc).__name__}: {exc}"
             return False
         if not self._handles:
-            self.error = "NVML found no GPU"
+            self.error = "NVML sampled no GPU: " + (why if inventory else "NVML found no GPU")
             return False
         self._thread = threading.Thread(target=self._loop, name="traindx-nvml", daemon=True)
         self._thread.start()
@@ -73,7 +168,7 @@ class NvmlSampler:
         with open(self.path, "w", encoding="utf-8") as out:
             out.write(",".join(COLUMNS) + "\n")
             while not self._stop.is_set():
-                for index, h in enumerate(self._handles):
+                for index, h in self._handles:
                     out.write(",".join(map(str, self._sample(pynvml, index, h))) + "\n")
                 out.flush()
                 self._stop.wait(self.interval_s)

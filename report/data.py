@@ -294,7 +294,9 @@ def compile_groups(compiles):
 def _gc_by_step(run):
     """{(rank, step): seconds in GC}: the ledger's gc line when the shim timed GC pauses as
     intervals (start-up's collections then stay in start-up, not in step 0), else the shim's
-    per-step aggregates."""
+    per-step aggregates (one grouped sum, not a Python loop over every event)."""
+    import pandas as pd
+
     out = {}
     try:
         from traindx import ledger as L
@@ -305,12 +307,15 @@ def _gc_by_step(run):
     except Exception:
         pass
     gc = run.gc
-    if len(gc) and "total_s" in gc:
-        for g in gc.itertuples():
-            if _num(g.step) is None:
-                continue
-            key = (str(g.rank), int(g.step))
-            out[key] = out.get(key, 0.0) + (_num(g.total_s) or 0.0)
+    if len(gc) and "total_s" in gc and "step" in gc:
+        step = pd.to_numeric(gc["step"], errors="coerce")
+        total = pd.to_numeric(gc["total_s"], errors="coerce")
+        total = total.where(total.abs() != math.inf).fillna(0.0)
+        ok = step.notna() & (step.abs() != math.inf)
+        table = pd.DataFrame({"rank": gc["rank"][ok].astype(str), "step": step[ok].astype("int64"),
+                              "total": total[ok]})
+        for (rank, step_no), seconds in table.groupby(["rank", "step"], sort=False)["total"].sum().items():
+            out[(rank, int(step_no))] = float(seconds)
     return out
 
 
@@ -328,10 +333,17 @@ def classify_steps(step_rows, compiles, gc_by_step):
         by_rank.setdefault(e["rank"], []).append(e)
     for rank, rows in step_rows.items():
         events = by_rank.get(rank, [])
+        # events by start; a step only looks at those starting within the longest event's
+        # length before it (O(steps x log events), not steps x events)
+        order = sorted(range(len(events)), key=lambda i: events[i]["start_s"])
+        starts = [events[i]["start_s"] for i in order]
+        longest = max((e["end_s"] - e["start_s"] for e in events), default=0.0)
         first_step = min(s["step"] for s in rows) if rows else None
         for s in rows:
             seconds = {}
-            for e in events:
+            lo = bisect.bisect_left(starts, s["start_s"] - longest - 1e-6)
+            hi = bisect.bisect_left(starts, s["end_s"])
+            for e in (events[i] for i in sorted(order[lo:hi])):  # in record order, as before
                 ov = _overlap(s["start_s"], s["end_s"], e["start_s"], e["end_s"])
                 if ov > 0:
                     cause = COMPILE_CAUSE.get(e["kind"], "compile")

@@ -1,0 +1,186 @@
+"""The scale benchmark: analysis cost (wall seconds, peak RSS) over a grid of ranks x steps.
+
+usage: python bench/scale.py [--grid 8x1000,8x4000,64x2000,256x2000,1024x2000] [--timeout 600]
+                             [--what report|load-json|load-columnar|load-cached]
+                             [--work /tmp/traindx-scale] [--max-gb G] [--json OUT.json] [--md OUT.md]
+
+Each cell writes a synthetic run record with bench/synth_run.py (cached under --work, reused
+when present) and measures, in a fresh subprocess of its own:
+  report         `diagnose report --reanalyze --quiet RUN` (load + every analyzer + the HTML)
+  load-json      traindx.record.load_run(RUN).events (the json.loads loop of today's loader)
+  load-columnar  traindx.columnar.load_events(RUN) (the multi-threaded Arrow NDJSON reader;
+                 the Parquet cache is removed first, so it measures a cold parse)
+  load-cached    the same, a second time: the Parquet cache tables/events.parquet is warm
+  imports        only the imports (pandas, pyarrow): the fixed cost inside every load figure
+Wall seconds come from time.perf_counter around the child; peak RSS from os.wait4's rusage
+of that child alone (ru_maxrss, KiB on Linux). A cell that passes --timeout is killed and
+recorded as a timeout (a lower bound), and the larger cells of that row are skipped.
+"""
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+
+import synth_run  # noqa: E402
+
+LOADERS = {
+    "imports": "import traindx.record, traindx.columnar; print({path!r})",  # the fixed cost
+    "load-json": "from traindx.record import load_run; e = load_run({path!r}).events; print(len(e))",
+    "load-columnar": "from traindx.columnar import load_events; e = load_events({path!r}); print(len(e))",
+    "load-cached": "from traindx.columnar import load_events; e = load_events({path!r}, cache=True); print(len(e))",
+}
+
+
+def command_for(what, path):
+    if what == "report":
+        return [sys.executable, "-m", "traindx", "report", "--reanalyze", "--quiet", path]
+    return [sys.executable, "-c", LOADERS[what].format(path=path)]
+
+
+def _limit_memory(gb):
+    def apply():
+        import resource
+
+        limit = int(gb * 2**30)
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    return apply
+
+
+def measure(cmd, timeout, max_gb=None):
+    """(wall_s, peak_rss_mb, returncode, timed_out, stderr tail) of one child process.
+    max_gb: the child's address-space limit (RLIMIT_AS): on a shared machine a cell that would
+    need more fails with a MemoryError instead of pushing everyone else out of memory."""
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            start_new_session=True,
+                            preexec_fn=_limit_memory(max_gb) if max_gb else None)
+    timed_out = threading.Event()
+
+    def kill():
+        timed_out.set()
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    timer = threading.Timer(timeout, kill)
+    timer.start()
+    err = []
+    reader = threading.Thread(target=lambda: err.append(proc.stderr.read()), daemon=True)
+    reader.start()
+    _, status, usage = os.wait4(proc.pid, 0)
+    wall = time.perf_counter() - start
+    timer.cancel()
+    reader.join(timeout=5)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    tail = (err[0] if err else b"").decode("utf-8", "replace").strip().splitlines()[-3:]
+    return wall, usage.ru_maxrss / 1024, proc.returncode, timed_out.is_set(), tail
+
+
+def run_dir(work, ranks, steps, seed):
+    path = os.path.join(work, f"r{ranks}x{steps}-s{seed}")
+    if not os.path.exists(os.path.join(path, "manifest.json")):
+        shutil.rmtree(path, ignore_errors=True)
+        t = time.perf_counter()
+        synth_run.write_run(path, ranks, steps, seed)
+        print(f"  wrote {path} in {time.perf_counter() - t:.1f} s", file=sys.stderr)
+    return path
+
+
+def size_mb(path):
+    total = 0
+    for dirpath, _, files in os.walk(path):
+        if os.path.basename(dirpath) == "tables":
+            continue
+        total += sum(os.path.getsize(os.path.join(dirpath, f)) for f in files)
+    return total / 1e6
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--grid", default="8x1000,8x4000,64x2000,256x2000,1024x2000")
+    p.add_argument("--timeout", type=float, default=600)
+    p.add_argument("--what", default="report", choices=["report", *LOADERS])
+    p.add_argument("--work", default="/tmp/traindx-scale")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None)
+    p.add_argument("--md", default=None)
+    p.add_argument("--max-gb", type=float, default=None,
+                   help="address-space limit of each measured child (GiB)")
+    a = p.parse_args(argv)
+    cells = []
+    for item in a.grid.split(","):
+        r, _, s = item.strip().partition("x")
+        cells.append((int(r), int(s)))
+    os.makedirs(a.work, exist_ok=True)
+    results = []
+    timed_out_at = None
+    load = os.getloadavg()[0]
+    for ranks, steps in cells:
+        if timed_out_at and ranks * steps >= timed_out_at:
+            results.append({"ranks": ranks, "steps": steps,
+                            "skipped": "a smaller cell timed out or ran out of memory"})
+            continue
+        path = run_dir(a.work, ranks, steps, a.seed)
+        if a.what == "load-columnar":
+            shutil.rmtree(os.path.join(path, "tables"), ignore_errors=True)
+        if a.what == "load-cached":  # warm the cache in a child that is not measured
+            subprocess.run(command_for("load-cached", path), stdout=subprocess.DEVNULL, check=False)
+        if a.what == "report":  # analysis rebuilds them; a stale one must not be measured
+            for name in ("findings.json", "report.html"):
+                if os.path.exists(os.path.join(path, name)):
+                    os.remove(os.path.join(path, name))
+        wall, rss, rc, to, tail = measure(command_for(a.what, path), a.timeout, a.max_gb)
+        row = {"ranks": ranks, "steps": steps, "record_mb": round(size_mb(path), 1),
+               "wall_s": round(wall, 2), "peak_rss_mb": round(rss, 1), "rc": rc,
+               "timed_out": to, "load_1min_before": round(os.getloadavg()[0], 2)}
+        if rc and not to:
+            row["stderr"] = tail
+            if any("MemoryError" in line or "bad_alloc" in line or "Cannot allocate" in line
+                   for line in tail):
+                row["out_of_memory_limit_gb"] = a.max_gb
+        if to or row.get("out_of_memory_limit_gb"):
+            timed_out_at = ranks * steps
+        results.append(row)
+        print(json.dumps(row), file=sys.stderr)
+    doc = {"what": a.what, "timeout_s": a.timeout, "cpus": os.cpu_count(),
+           "load_1min_at_start": round(load, 2), "python": sys.version.split()[0],
+           "cells": results}
+    if a.json:
+        with open(a.json, "w", encoding="utf-8") as f:
+            json.dump(doc, f, indent=2)
+    table = markdown(doc)
+    if a.md:
+        with open(a.md, "w", encoding="utf-8") as f:
+            f.write(table)
+    print(table)
+    return 0
+
+
+def markdown(doc):
+    lines = [f"| ranks x steps | record MB | {doc['what']} wall s | peak RSS MB |",
+             "|---|---|---|---|"]
+    for c in doc["cells"]:
+        if "skipped" in c:
+            lines.append(f"| {c['ranks']} x {c['steps']} | | skipped ({c['skipped']}) | |")
+            continue
+        wall = f"> {c['wall_s']:.0f} (timeout)" if c["timed_out"] else f"{c['wall_s']:.1f}"
+        if c.get("out_of_memory_limit_gb"):
+            wall += f" (over the {c['out_of_memory_limit_gb']:g} GiB limit)"
+        elif c["rc"] and not c["timed_out"]:
+            wall += f" (exit {c['rc']})"
+        lines.append(f"| {c['ranks']} x {c['steps']} | {c['record_mb']:.0f} | {wall} | "
+                     f"{c['peak_rss_mb']:.0f} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,165 @@
+"""Write a synthetic run folder in the documented run-record format (docs/run-record.md).
+
+usage: python bench/synth_run.py OUT --ranks R --steps S [--seed N] [--no-nvml]
+
+R ranks x S optimizer steps; every rank writes events/<rank>.jsonl (process_start,
+optimizer_created, step_begin/step_end, gc per generation that ran, alloc per step, a few
+compile events in the first steps), rank 0's log.txt carries a per-step log line, and nvml.csv
+samples one GPU per rank every 0.5 s. Injected so that analysis has something to find:
+  - every PERIOD-th step is slow on every rank, and the job prints "saving checkpoint" in it;
+  - one rank (SLOW_RANK = R // 2) is 25 % slower in every step and runs gen-2 collections.
+Deterministic: the same arguments write byte-identical files (random.Random(seed)).
+Event rates per rank and step are what a real single-GPU run writes (tests/data/h200-*):
+~4 lines per step, 0.5-0.7 KB per step per rank.
+"""
+import argparse
+import json
+import os
+import random
+import sys
+
+T0 = 1_800_000_000_000_000_000  # ns, a fixed wall clock so the output is reproducible
+STEP_S = 0.25                   # a healthy step
+PERIOD = 50                     # the periodic slow step (a checkpoint)
+PERIOD_EXTRA_S = 1.5
+SLOW_RANK_FACTOR = 1.25
+NVML_INTERVAL_S = 0.5
+
+
+def _dump(obj):
+    return json.dumps(obj, separators=(", ", ": "))
+
+
+def _compile_event(rank, i, start, end, step):
+    # the shape the shim writes for a CuTe-DSL compile (key/key_fields are nested objects)
+    return {"kind": "cute_dsl" if i % 2 == 0 else "triton",
+            "kernel": f"_flash_attn_fwd:FlashAttentionForwardSm90_{i}", "start": start, "t": end,
+            "duration_s": (end - start) / 1e9, "step": step, "in_step": True,
+            "thread": "MainThread", "thread_id": 139969661382976, "is_main_thread": True,
+            "ok": True, "caller": {"file": "/job/train.py", "line": 120 + i, "function": "forward"},
+            "key": f"(BFloat16, 128, 128, {i}, True)",
+            "key_fields": {"dtype": "BFloat16", "head_dim": "128", "block": str(i)},
+            "key_types": {"dtype": "type", "head_dim": "int"}, "type": "compile"}
+
+
+def write_rank(out_dir, rank, world, steps, seed, slow_rank, log_lines):
+    rng = random.Random(seed * 1_000_003 + rank)
+    path = os.path.join(out_dir, "events", f"{rank}.jsonl")
+    t = T0 + rank * 1_000_000  # ranks start a millisecond apart
+    lines = [_dump({"pid": 10_000 + rank, "ppid": 9_999, "rank": str(rank),
+                    "local_rank": rank % 8, "world_size": world,
+                    "argv": ["train.py", "--steps", str(steps)], "python": "3.12.3",
+                    "main_thread": 139969661382976, "type": "process_start", "t": t})]
+    t += 2_000_000_000
+    lines.append(_dump({"optimizer": "AdamW", "type": "optimizer_created", "t": t}))
+    allocated = 3_307_771_392
+    end_times = []
+    for step in range(steps):
+        begin = t
+        lines.append(_dump({"step": step, "t": begin, "type": "step_begin"}))
+        duration = STEP_S * rng.uniform(0.97, 1.03)
+        if step == 0:
+            duration += 8.0  # warm-up: imports, compiles, the allocator
+        if step > 0 and step % PERIOD == 0:
+            duration += PERIOD_EXTRA_S
+        if rank == slow_rank:
+            duration *= SLOW_RANK_FACTOR
+        if step < 3:  # a few compiles in the first steps
+            for i in range(2):
+                c_end = begin + int((0.2 + 0.3 * i) * 1e9)
+                lines.append(_dump(_compile_event(rank, step * 2 + i, c_end - 150_000_000,
+                                                  c_end, step)))
+        end = begin + int(duration * 1e9)
+        lines.append(_dump({"step": step, "t": end, "source": "torch.optim",
+                            "duration_s": (end - begin) / 1e9, "type": "step_end"}))
+        end_times.append((step, begin, end))
+        gens = [0] + ([1] if step % 10 == 0 else []) + ([2] if rank == slow_rank and step % 7 == 3 else [])
+        for g in gens:
+            count = rng.randint(600, 900)
+            total = (0.05 if g == 2 else 0.002) * rng.uniform(0.8, 1.2)
+            lines.append(_dump({"step": step, "generation": g, "count": count,
+                                "total_s": round(total, 9), "max_s": round(total / 3, 9),
+                                "collected": rng.randint(0, 30000), "type": "gc", "t": end + 1000}))
+        allocated += rng.randint(-1_000_000, 1_000_000)
+        lines.append(_dump({"step": step, "num_alloc_retries": 0, "num_ooms": 0,
+                            "num_sync_all_streams": 0, "num_device_alloc": 102,
+                            "num_device_free": 0, "allocated_bytes_all_current": allocated,
+                            "allocated_bytes_all_peak": 16_087_230_464,
+                            "reserved_bytes_all_current": 16_477_323_264,
+                            "reserved_bytes_all_peak": 16_477_323_264,
+                            "inactive_split_bytes_all_current": 425_159_168,
+                            "type": "alloc", "t": end + 2000}))
+        t = end + 50_000
+    with open(path, "w", encoding="utf-8") as f:
+        f.write("\n".join(lines) + "\n")
+    if rank == 0:
+        for step, begin, end in end_times:
+            if step > 0 and step % PERIOD == 0:
+                log_lines.append(f"{begin + 100_000_000} o saving checkpoint to ckpt/step_{step}.pt")
+            log_lines.append(f"{end - 1000} o step {step} | loss {2.5 - step / (steps * 2):.4f} "
+                             f"| step time {(end - begin) / 1e9:.3f} s")
+    return end_times[-1][2] if end_times else t
+
+
+def write_run(out_dir, ranks, steps, seed=0, nvml=True):
+    os.makedirs(os.path.join(out_dir, "events"), exist_ok=True)
+    slow_rank = ranks // 2 if ranks > 1 else -1
+    log_lines = []
+    last_end = T0
+    for rank in range(ranks):
+        last_end = max(last_end, write_rank(out_dir, rank, ranks, steps, seed, slow_rank, log_lines))
+    with open(os.path.join(out_dir, "log.txt"), "w", encoding="utf-8") as f:
+        f.write("\n".join(log_lines) + ("\n" if log_lines else ""))
+    if nvml:
+        rng = random.Random(seed)
+        with open(os.path.join(out_dir, "nvml.csv"), "w", encoding="utf-8") as f:
+            f.write("t,gpu,util,mem_util,sm_clock_mhz,mem_used_bytes,power_w,clock_event_reasons\n")
+            t = T0
+            gpus = min(ranks, 8)  # one node's GPUs: NVML sees the node, not the job
+            while t < last_end:
+                for g in range(gpus):
+                    f.write(f"{t},{g},{rng.randint(85, 100)},{rng.randint(30, 60)},1980,"
+                            f"{60_000_000_000 + g},{rng.uniform(500, 700):.3f},0\n")
+                t += int(NVML_INTERVAL_S * 1e9)
+    manifest = {
+        "traindx_run": 1, "command": ["python3", "train.py", "--steps", str(steps)],
+        "cwd": "/job", "start_ns": T0 - 1_000_000_000, "end_ns": last_end + 1_000_000_000,
+        "exit_code": 0, "host": {"hostname": "synth", "platform": "Linux", "python": "3.12.3",
+                                 "cpus": 2, "user": "bench"},
+        "gpus": [{"index": g, "name": "NVIDIA H200", "uuid": f"GPU-{g:08x}-0000-0000-0000-000000000000",
+                  "memory_bytes": 150754820096} for g in range(min(ranks, 8))],
+        "packages": {"torch": "2.11.0", "traindx": "0.1.0"}, "env": {},
+        "options": {"steps": None, "pyspy": False, "shim": True, "nvml": nvml,
+                    "torch_profile": None, "synthetic": {"ranks": ranks, "steps": steps,
+                                                         "seed": seed, "period": PERIOD,
+                                                         "slow_rank": str(slow_rank)}},
+        "ranks": {str(r): 10_000 + r for r in range(ranks)},
+        "missing": {"pyspy": "synthetic run (bench/synth_run.py): no py-spy recordings"},
+        "status": "finished", "signals_forwarded": [],
+    }
+    with open(os.path.join(out_dir, "manifest.json"), "w", encoding="utf-8") as f:
+        json.dump(manifest, f, indent=2)
+    return out_dir
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("out")
+    p.add_argument("--ranks", type=int, default=8)
+    p.add_argument("--steps", type=int, default=1000)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-nvml", action="store_true")
+    a = p.parse_args(argv)
+    if a.ranks < 1 or a.steps < 1:
+        print("synth_run: --ranks and --steps must be >= 1", file=sys.stderr)
+        return 2
+    if os.path.exists(os.path.join(a.out, "manifest.json")):
+        print(f"synth_run: {a.out} already holds a run", file=sys.stderr)
+        return 2
+    write_run(a.out, a.ranks, a.steps, a.seed, nvml=not a.no_nvml)
+    print(a.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

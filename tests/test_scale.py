@@ -1,0 +1,111 @@
+"""Scale: the period search gives the brute-force answer in O(N log N); the synthetic run
+generator writes a record the analyzers read and find its injected problems in."""
+import json
+import os
+import random
+import sys
+import time
+
+import pytest
+
+from traindx.analyzers import stability
+from traindx.analyzers.stability import find_period
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def brute_force_period(steps, durations):
+    """The definition, literally (the O(N^3) search find_period replaced)."""
+    median = sorted(durations)[len(durations) // 2] if len(durations) % 2 else \
+        sum(sorted(durations)[len(durations) // 2 - 1: len(durations) // 2 + 1]) / 2
+    slow = {s for s, d in zip(steps, durations)
+            if d > stability.SLOW_FACTOR * median and d - median > stability.MIN_EXCESS_S}
+    if len(slow) < stability.MIN_OCCURRENCES:
+        return None
+    best = None
+    for period in range(2, len(steps) // stability.MIN_OCCURRENCES + 1):
+        for residue in range(period):
+            on = [s for s in steps if s % period == residue]
+            hits = [s for s in on if s in slow]
+            if len(hits) < stability.MIN_OCCURRENCES:
+                continue
+            precision, recall = len(hits) / len(slow), len(hits) / len(on)
+            if precision < stability.MIN_PRECISION or recall < stability.MIN_RECALL:
+                continue
+            score = (2 * precision * recall / (precision + recall), -period)
+            if best is None or score > best[0]:
+                best = (score, period, residue, hits)
+    return None if best is None else (best[1], best[2], best[3])
+
+
+def _case(rng):
+    n = rng.randint(8, 160)
+    start = rng.randint(0, 40)
+    steps = list(range(start, start + n))
+    if rng.random() < 0.3:  # gaps: profiled steps left out of the steady window
+        steps = [s for s in steps if rng.random() > 0.1]
+    if rng.random() < 0.1:  # a restarted step counter repeats step numbers
+        steps = steps + steps[: rng.randint(3, 20)]
+    durations = [0.1 * rng.uniform(0.95, 1.05) for _ in steps]
+    kind = rng.random()
+    if kind < 0.6:
+        period, residue = rng.randint(2, 30), None
+        residue = rng.randrange(period)
+        for i, s in enumerate(steps):
+            if s % period == residue and rng.random() > rng.choice([0.0, 0.1, 0.3]):
+                durations[i] = 0.1 * rng.uniform(2.5, 4)
+    n_noise = rng.choice([0, 1, 2, 5, 20])
+    for _ in range(n_noise):
+        durations[rng.randrange(len(steps))] = 0.1 * rng.uniform(2.5, 4)
+    return steps, durations
+
+
+def test_find_period_matches_brute_force_on_random_patterns():
+    rng = random.Random(15)
+    found = 0
+    for _ in range(400):
+        steps, durations = _case(rng)
+        expected = brute_force_period(steps, durations)
+        assert find_period(steps, durations) == expected, (steps, durations)
+        found += expected is not None
+    assert found > 50  # the cases exercise the periodic branch, not only "no pattern"
+
+
+def test_find_period_is_fast_on_long_runs():
+    steps = list(range(20_000))
+    durations = [0.25 + (1.5 if s % 50 == 7 else 0.0) + (s % 13) * 1e-4 for s in steps]
+    t = time.perf_counter()
+    period, residue, hits = find_period(steps, durations)
+    elapsed = time.perf_counter() - t
+    assert (period, residue, len(hits)) == (50, 7, 400)
+    assert elapsed < 5.0  # the O(N^3) search took hours here; this takes milliseconds
+
+
+def test_synthetic_run_is_a_run_record_the_analyzers_read(tmp_path):
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import synth_run
+
+    from traindx.analyzers import analyze
+    from traindx.record import load_run
+
+    path = synth_run.write_run(str(tmp_path / "run"), ranks=4, steps=160, seed=3)
+    again = synth_run.write_run(str(tmp_path / "again"), ranks=4, steps=160, seed=3)
+    for name in ("events/2.jsonl", "log.txt", "nvml.csv"):
+        with open(os.path.join(path, name), "rb") as a, open(os.path.join(again, name), "rb") as b:
+            assert a.read() == b.read(), name  # deterministic
+    run = load_run(path)
+    assert sorted(run.ranks) == ["0", "1", "2", "3"]
+    assert len(run.steps) == 4 * 160
+    ids = {}
+    for f in analyze(run):
+        ids.setdefault(f.id, []).append(f)
+    periodic = ids["steps.periodic_slow"]
+    assert {f.evidence["period"] for f in periodic} == {synth_run.PERIOD}
+    # the cause: the line the job printed inside exactly those steps (rank 0 prints the log)
+    lines = [f.evidence.get("log_lines_in_slow_steps") for f in periodic if f.ranks == ("0",)]
+    assert lines and lines[0][0]["text"].startswith("saving checkpoint to ckpt/step_N.pt")
+    assert lines[0][0]["steps"] == len(periodic[0].evidence["slow_steps"])
+    (straggler,) = ids["ranks.straggler"]
+    assert straggler.title.startswith("Rank 2 is 25% slower")
+    with open(os.path.join(path, "manifest.json")) as f:
+        assert json.load(f)["options"]["synthetic"]["slow_rank"] == "2"
