@@ -23,9 +23,6 @@ CACHE_ENABLE_VAR = "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"
 CACHE_DIR_VAR = "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR"
 SINGLE_BLOCK_FIELDS = ("single_q_block", "single_k_block")
 _TENSOR_REPR = re.compile(r"\b(Fake)?Tensor\(|\btensor\(")
-# the example's own switches (examples/fa4_seed.py, examples/compile_dynamic.py)
-# the examples whose own flags (--max-seqlen-as, --attention-backend fa4|sdpa) --fix may rewrite
-SEED_EXAMPLE = ("fa4_seed.py", "gpu_qwen_fa4.py")
 DYNAMIC_EXAMPLE = "compile_dynamic.py"
 
 
@@ -108,14 +105,7 @@ def backend_switches(run):
     env = run.manifest.get("env") or run.manifest.get("environment") or {}
     out = []
     flags = {t.split("=", 1)[0] for t in command if t.startswith("--")}
-    is_example = any(t.endswith(SEED_EXAMPLE) for t in command)
-    if is_example:
-        out.append(Prescription(
-            kind="arg", summary="switch the example's attention to PyTorch SDPA "
-                                "(--attention-backend sdpa): nothing to compile",
-            change={"arg": {"framework": "example", "set": {"--attention-backend": "sdpa"}}},
-            automatic=True))
-    elif "megatron" in text.lower() or "pretrain_gpt" in text or "--attention-backend" in flags:
+    if "megatron" in text.lower() or "pretrain_gpt" in text or "--attention-backend" in flags:
         out.append(Prescription(
             kind="arg", summary="Megatron: --attention-backend fused (cuDNN fused attention "
                                 "through TransformerEngine instead of FA4)",
@@ -329,9 +319,6 @@ def _leak_prescriptions(run, where, caller, source, gain, backward_only, origin=
     patch at FA4's boundary (proves the diagnosis, edits nothing), an overlay upgrade of FA4, a
     backend switch."""
     out = []
-    command = [str(t) for t in run.command]
-    is_seed_example = (caller and str(caller.get("file", "")).endswith(SEED_EXAMPLE)) or any(
-        t.endswith(SEED_EXAMPLE) for t in command)
     cwd = run.manifest.get("cwd")
     call_line = caller.get("line") if caller else None
     call_after = int_cast(source)
@@ -343,14 +330,6 @@ def _leak_prescriptions(run, where, caller, source, gain, backward_only, origin=
     call_code = {"file": caller.get("file") if caller else None, "line": call_line,
                  "before": source.strip() if source else source,
                  "after": call_after.strip() if call_after else call_after}
-    if is_seed_example:
-        out.append(Prescription(
-            kind="arg",
-            summary=f"pass max_seqlen as a Python int at {where or 'the FA4 call'} "
-                    "(the example: --max-seqlen-as int)",
-            change={"arg": {"framework": "example", "set": {"--max-seqlen-as": "int"}},
-                    "code": call_code},
-            expected_gain_s_per_step=gain, automatic=True))
     made = (origin or {}).get("origin") or {}
     made_after = wrap_in_int(made.get("source")) if made.get("file") else None
     if made_after:

@@ -294,6 +294,14 @@ def replay_variants(item):
     return variants
 
 
+def _key_text(value, limit):
+    """A compile key as the shim wrote it (its text never reads a tensor's data), so the two
+    compare."""
+    from traindx.profiler.shim._traindx_shim.compiles import safe_repr
+
+    return safe_repr(value, limit)
+
+
 def _key_check(item, lookups):
     """Compare the key this replay produced with the recorded one (field by field if it differs)."""
     expect = item.get("expect_key")
@@ -305,15 +313,15 @@ def _key_check(item, lookups):
     produced = next((key for fam, _, key, _ in lookups if fam == family), None)
     if produced is None:
         return False, ["no compile key was looked up"]
-    if repr(produced)[:4000] == expect:
+    if _key_text(produced, 4000) == expect:
         return True, []
     names = list((item.get("expect_fields") or {}).keys())
     fields = item.get("expect_fields") or {}
     diffs = []
     if isinstance(produced, tuple) and len(names) == len(produced):
         for name, value in zip(names, produced):
-            if repr(value)[:300] != fields.get(name):
-                diffs.append(f"{name}: recorded {fields.get(name)}, replayed {repr(value)[:80]}")
+            if _key_text(value, 300) != fields.get(name):
+                diffs.append(f"{name}: recorded {fields.get(name)}, replayed {_key_text(value, 80)}")
     return False, diffs or ["key differs"]
 
 
@@ -398,7 +406,7 @@ def _kernel_statuses(lookups):
     for family, digest, key, status in lookups:
         if (family, digest) in seen:
             continue
-        keys[(family, digest)] = repr(key)[:4000]
+        keys[(family, digest)] = _key_text(key, 4000)
         export = _state["exports"].get((family, digest))
         if export is not None:
             status = export

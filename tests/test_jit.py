@@ -76,16 +76,18 @@ def test_b17_tensor_backward_recompiles_every_step_names_field_and_line(b17_tens
     caller = f.evidence["caller"]
     assert caller["file"].endswith(os.path.join("examples", "fa4_seed.py")) and caller["line"] == line
     assert f"examples/fa4_seed.py:{line}" in f.summary
+    # the first prescription is a real code change in the job's own file (where the tensor is
+    # made when the tracer saw it, else at the FA4 call), never one of the job's flags: traindx
+    # knows nothing of this script's --max-seqlen-as
     first = f.prescriptions[0]
-    assert first.automatic and first.change["arg"] == {"framework": "example",
-                                                       "set": {"--max-seqlen-as": "int"}}
-    assert f"examples/fa4_seed.py:{line}" in first.summary
-    assert "max_seqlen_q=int(" in first.change["code"]["after"]
+    assert first.automatic and first.kind == "code" and "arg" not in first.change
+    code = first.change["code"]
+    assert code["file"].endswith(os.path.join("examples", "fa4_seed.py"))
+    assert "int(" in code["after"] and "int(" not in code["before"]
     upgrade = [p for p in f.prescriptions if p.kind == "upgrade"]
     assert upgrade and upgrade[0].change["upgrade"] == {"package": "flash-attn-4",
                                                         "min_version": "4.0.0b26"}
-    assert any(p.change.get("arg", {}).get("set") == {"--attention-backend": "sdpa"}
-               for p in f.prescriptions)
+    assert not any("--max-seqlen-as" in str(p.change) for p in f.prescriptions)
     # the terminal summary leads with it
     assert f"examples/fa4_seed.py:{line}" in proc.stderr
     # the headline is the root cause, whatever the machine's load: a GIL hold by the compiling

@@ -146,7 +146,7 @@ def describe_value(value):
                 "dtype": str(getattr(value, "dtype", "?")), "device": str(getattr(value, "device", ""))}
     if isinstance(value, (tuple, list)):
         return [describe_value(v) for v in list(value)[:_MAX_ITEMS]]
-    if callable(value) and not isinstance(value, type):
+    if callable(value):  # a function, or a class such as cutlass.BFloat16 (kernel-cache replays it)
         return {"callable": getattr(value, "__qualname__", type_name)}
     return {"type": type_name, "repr": safe_repr(value, 200)}
 
