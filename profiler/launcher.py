@@ -57,7 +57,8 @@ def write_json_atomic(path, data):
 
 class Options:
     def __init__(self, steps=0, pyspy=True, shim=True, nvml=True, pyspy_rate_hz=20,
-                 dump_interval_s=2.0, nvml_interval_s=0.5, extra_env=None, torch_profile=None):
+                 dump_interval_s=2.0, nvml_interval_s=0.5, extra_env=None, torch_profile=None,
+                 log_regex=None):
         self.steps = steps
         self.pyspy = pyspy
         self.shim = shim
@@ -67,6 +68,7 @@ class Options:
         self.nvml_interval_s = nvml_interval_s
         self.extra_env = extra_env or {}
         self.torch_profile = torch_profile  # None: the shim's default window; "off"; "N"; "A-B"
+        self.log_regex = log_regex  # the job's own step/loss line (kept in the manifest for re-analysis)
 
     def as_dict(self):
         return dict(vars(self))

@@ -129,16 +129,35 @@ class RunRecord:
 
     @cached_property
     def log_steps(self):
-        """Steps and losses the job printed itself (Megatron, torchtitan, HF, ms-swift, slime)."""
-        from traindx.profiler.logparse import parse_line
+        """Steps and losses the job printed itself (see profiler/logparse.py for the formats;
+        `diagnose --log-regex` adds the job's own). A line without a step (HF Trainer's dicts:
+        the step is the Trainer's state.global_step) gets the number of optimizer steps the shim
+        had seen end when the line was printed, else its position among such lines."""
+        from traindx.profiler.logparse import compile_custom, parse_line
 
+        pattern = (self.manifest.get("options") or {}).get("log_regex")
+        try:
+            custom = compile_custom(pattern) if pattern else None
+        except ValueError as exc:
+            warnings.warn(str(exc), TruncatedEvidenceWarning, stacklevel=2)
+            custom = None
+        columns = ["t", "step", "loss", "step_time_s", "format", "tokens"]
         rows = []
         for t, text in zip(self.log["t"], self.log["text"]):
-            parsed = parse_line(text)
+            parsed = parse_line(text, custom)
             if parsed:
                 parsed["t"] = t
                 rows.append(parsed)
-        return pd.DataFrame(rows, columns=["t", "step", "loss", "step_time_s", "format", "tokens"])
+        if any(r["step"] is None for r in rows):
+            ends = sorted(int(t) for t in self.events["t"][self.events["type"] == "step_end"]) \
+                if len(self.events) and "type" in self.events else []
+            import bisect
+            unnumbered = 0
+            for r in rows:
+                if r["step"] is None:
+                    unnumbered += 1
+                    r["step"] = bisect.bisect_right(ends, int(r["t"])) if ends else unnumbered
+        return pd.DataFrame(rows, columns=columns)
 
     @cached_property
     def pyspy(self):
