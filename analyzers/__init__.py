@@ -28,4 +28,6 @@ def analyze(run, only=None):
             findings.append(Finding(
                 id=f"traindx.analyzer_failed.{name}", title=f"analyzer '{name}' failed",
                 severity="info", analyzer=name, summary=f"{type(exc).__name__}: {exc}"))
-    return rank_findings(findings)
+    # a code prescription is a real edit of the job's file, or it is prose (analyzers/codefix.py)
+    from traindx.analyzers.codefix import checked
+    return rank_findings(checked(findings))

@@ -92,11 +92,12 @@ def activate():
          local_rank=os.environ.get("LOCAL_RANK"), world_size=os.environ.get("WORLD_SIZE"),
          argv=sys.argv, python=sys.version.split()[0], main_thread=threading.get_ident())
     _install_sigterm_flush()
-    from . import gcstats, steps, compiles, torchcalls, torchprof
+    from . import gcstats, steps, compiles, torchcalls, torchprof, datasites
 
     gcstats.install()
     steps.register()
     compiles.register()
     torchcalls.register()
     torchprof.register()
+    datasites.register()
     importhooks.install()
