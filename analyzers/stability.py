@@ -70,6 +70,38 @@ def _log_in_steps(run, step_rows):
     return found
 
 
+# a checkpoint write: torch.save, torch.distributed.checkpoint, safetensors, HF save_pretrained
+_SAVE_FRAME = re.compile(r"torch[/\\]serialization\.py$|torch[/\\]distributed[/\\]checkpoint[/\\]"
+                         r"|safetensors[/\\]|[/\\]modeling_utils\.py$")
+_SAVE_FUNCTIONS = ("save", "_save", "save_file", "save_pretrained", "async_save", "save_state_dict")
+
+
+def save_sites(run, rank):
+    """[{file, line, function, seconds}] of the job's own lines that write checkpoints, from
+    py-spy's main-thread samples inside a checkpoint writer (the job's frame that called it)."""
+    recording = run.pyspy.get((rank, "all"))
+    if not recording:
+        return []
+    main = ev.main_thread_id(recording, run.pyspy.get((rank, "gil")))
+    threads = ev.merge_threads(recording)
+    if main not in threads:
+        return []
+    samples = threads[main][1]
+    sites = {}
+    for stack, weight in zip(samples.stacks, samples.weights):
+        inside = next((i for i, f in enumerate(stack)
+                       if _SAVE_FRAME.search(f.file or "") and f.name.split(".")[-1] in _SAVE_FUNCTIONS), None)
+        if inside is None:
+            continue
+        own = ev.user_frames(stack[:inside])
+        if own:
+            key = (own[-1].file, own[-1].line, own[-1].name)
+            sites[key] = sites.get(key, 0.0) + weight
+    return [{"file": f, "line": line, "function": fn, "seconds": round(sec, 3),
+             "frame": f"{fn} ({f}:{line})"}
+            for (f, line, fn), sec in sorted(sites.items(), key=lambda kv: -kv[1])[:3]]
+
+
 def _causes(run, rank, slow_rows, normal_rows):
     """What the slow steps have that the others do not: log lines, gen-2 collections."""
     causes = {}
@@ -86,13 +118,19 @@ def _causes(run, rank, slow_rows, normal_rows):
         n = sum(1 for s in slow_rows["step"] if int(s) in with_gc)
         if n >= 0.6 * len(slow_rows):
             causes["gen2_gc_in_slow_steps"] = n
+    saves = save_sites(run, rank)
+    if saves:
+        causes["save_sites"] = saves
     return causes
 
 
 def _periodic_prescriptions(run, causes, lost, period):
     text = " ".join(c["text"] for c in causes.get("log_lines_in_slow_steps", [])).lower()
     out = []
-    if "checkpoint" in text or "saving" in text or "save" in text:
+    saves = causes.get("save_sites") or []
+    if saves:
+        out.extend(checkpoint_prescriptions(run, saves, lost, period))
+    elif "checkpoint" in text or "saving" in text or "save" in text:
         if any("megatron" in a.lower() or "pretrain_" in a for a in run.command):
             out.append(Prescription(
                 kind="arg", summary="Megatron: --async-save (with --ckpt-format torch_dist) writes "
@@ -118,6 +156,42 @@ def _periodic_prescriptions(run, causes, lost, period):
     return out
 
 
+def checkpoint_prescriptions(run, saves, lost, period):
+    """A checkpoint every `period` steps, written at the job's own line: save asynchronously,
+    in the framework's terms."""
+    from .frameworks import detect
+
+    top = saves[0]
+    where = f"{top['file']}:{top['line']}"
+    framework = detect(run)["name"]
+    out = []
+    if framework == "torchtitan":
+        out.append(Prescription(
+            kind="arg", summary="torchtitan: checkpoint.async_mode = \"async\" (or "
+                                "\"async_with_pinned_mem\") writes the checkpoint in the background; "
+                                "or a larger checkpoint.interval",
+            change={"arg": {"framework": "torchtitan", "set": {"--checkpoint.async_mode": "async"}}},
+            expected_gain_s_per_step=lost))
+    elif framework == "megatron":
+        out.append(Prescription(
+            kind="arg", summary="Megatron: --async-save (with --ckpt-format torch_dist) writes "
+                                "checkpoints in the background",
+            change={"arg": {"framework": "megatron", "set": {"--async-save": True}}},
+            expected_gain_s_per_step=lost))
+    elif framework == "hf_trainer":
+        out.append(Prescription(
+            kind="code", summary="TrainingArguments(save_steps=...) larger, or save_strategy=\"no\" "
+                                 "with one save at the end: the Trainer saves synchronously",
+            expected_gain_s_per_step=lost))
+    out.append(Prescription(
+        kind="code",
+        summary=f"{top['function']} ({where}) writes a checkpoint every {period} steps on the "
+                "critical path: save asynchronously (torch.distributed.checkpoint.async_save, or "
+                "a background thread that writes a CPU copy), or less often",
+        expected_gain_s_per_step=lost))
+    return out
+
+
 def _analyze_rank(run, rank):
     findings = []
     steady = ev.steady_steps(run, rank).sort_values("step")
@@ -139,7 +213,9 @@ def _analyze_rank(run, rank):
         share = lost / mean if mean else 0.0
         causes = _causes(run, rank, slow_rows, normal_rows)
         cause_text = ""
-        if causes.get("log_lines_in_slow_steps"):
+        if causes.get("save_sites"):
+            cause_text = f" They write a checkpoint at {causes['save_sites'][0]['frame']}."
+        elif causes.get("log_lines_in_slow_steps"):
             cause_text = f" In them the job printed: '{causes['log_lines_in_slow_steps'][0]['text']}'."
         elif causes.get("gen2_gc_in_slow_steps"):
             cause_text = " They hold full (gen-2) garbage collections."

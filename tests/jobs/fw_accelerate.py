@@ -37,7 +37,7 @@ def main():
     loader = DataLoader(TensorDataset(ids), batch_size=8, shuffle=True)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
-    history = {"loss": [float(i) for i in range(20000)]}
+    history = {"loss": [float(i) for i in range(2000)]}
     stop = threading.Event()
     if args.logger_thread:
         threading.Thread(target=metrics_logger, args=(history, stop), name="metrics",

@@ -9,6 +9,7 @@ keys mirror torchtitan's (`training.steps`, `checkpoint.interval`, `metrics.log_
 `checkpoint.interval` with `async_mode = "disabled"`).
 """
 import argparse
+import io
 import logging
 import os
 import tempfile
@@ -56,14 +57,22 @@ def build_model_parts(vocab, dim):
     return [first, last]
 
 
+class NetworkFile(io.FileIO):
+    """A file on a network file system: every write waits for the server (~2 ms)."""
+
+    def write(self, data):
+        time.sleep(0.002)
+        return super().write(data)
+
+
 def save_checkpoint(model_parts, optimizers, step, folder):
+    begin = time.monotonic()
     state = {"model": [p.state_dict() for p in model_parts],
              "optim": [o.state_dict() for o in optimizers.optimizers], "step": step}
     path = os.path.join(folder, f"step-{step}.pt")
-    torch.save(state, path)
-    with open(path, "ab") as f:
-        os.fsync(f.fileno())
-    time.sleep(0.25)  # the shared file system a real checkpoint is written to
+    with NetworkFile(path, "w") as f:
+        torch.save(state, f)
+    logger.info(f"Finished saving the checkpoint in {time.monotonic() - begin:.2f} seconds.")
 
 
 def main():

@@ -85,9 +85,21 @@ def _emit_alloc(step):
     emit("alloc", step=step, **{k.replace(".", "_"): stats.get(k) for k in keep})
 
 
+def _torch_pre_hook(optimizer, args, kwargs):
+    # an optimizer that steps others (torchtitan's OptimizersContainer, a Lightning or
+    # DeepSpeed wrapper that is itself a torch Optimizer) is one step, not one per inner optimizer
+    outer = _state.get("outer_optimizer")
+    if outer is None or outer is optimizer:  # (the same one again: its last step raised)
+        _state["outer_optimizer"] = optimizer
+        _stop_if_pending()
+
+
 def _torch_post_hook(optimizer, args, kwargs):
     if _state["megatron_depth"]:
         return
+    if _state.get("outer_optimizer") not in (None, optimizer):
+        return
+    _state["outer_optimizer"] = None
     try:
         _end("torch.optim")
     except SystemExit:
@@ -104,7 +116,7 @@ def _on_torch(torch):
                                        register_optimizer_step_pre_hook)
 
     register_optimizer_step_post_hook(_torch_post_hook)
-    register_optimizer_step_pre_hook(lambda optimizer, args, kwargs: _stop_if_pending())
+    register_optimizer_step_pre_hook(_torch_pre_hook)
     original_zero_grad = Optimizer.zero_grad
 
     def zero_grad(self, *args, **kwargs):

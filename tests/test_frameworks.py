@@ -1,0 +1,295 @@
+"""The frameworks people train with, run for real under `diagnose` as a user runs them: Hugging
+Face Trainer, an Accelerate loop, a Lightning Trainer, a torchtitan-shaped loop (torchtitan's
+trainer needs CUDA and a process group), a nanoGPT-shaped script under torch.compile and a
+pytorch/examples-style loop (tests/jobs/fw_*.py). Each healthy run: the right step count, its
+losses with their steps, nothing above `info`. Each with one injected pathology: found, at the
+culprit's file:line in the job's own code, with advice in the framework's own terms, and every
+code prescription a real edit of the job's file.
+"""
+import json
+import os
+import re
+
+import pytest
+
+import traindx
+from traindx.analyzers import analyze, codefix, frameworks
+from traindx.profiler.logparse import compile_custom, parse_line
+
+from helpers import PY, ROOT, diagnose, only_run_dir
+
+JOBS = os.path.join(ROOT, "tests", "jobs")
+NEEDS_LEDGER = "needs the start-up ledger line (wp4) / step 0 starting at the first step (wp2)"
+
+# name: (job file, its arguments, the optimizer steps it really makes)
+CORPUS = {
+    "hf_trainer": ("fw_hf_trainer.py", ["--max-steps", "8"], 8),
+    "accelerate": ("fw_accelerate.py", ["--steps", "10"], 10),
+    "lightning": ("fw_lightning.py", ["--max-steps", "10"], 10),
+    "torchtitan": ("fw_torchtitan_style.py", ["--training.steps", "12"], 12),
+    "nanogpt": ("fw_nanogpt.py", ["--backend=aot_eager"], 13),  # iter 0..12
+    "examples": ("fw_plain_loop.py", ["--batches", "12"], 12),
+}
+PATHOLOGY = {
+    "hf_trainer": ["--slow-getitem", "0.05"],
+    "accelerate": ["--logger-thread"],
+    "lightning": ["--slow-getitem", "0.02"],
+    "torchtitan": ["--checkpoint.interval", "3"],
+    "nanogpt": ["--vary_block_size=True"],
+    "examples": ["--save-every", "3"],
+}
+_runs = {}
+
+
+def job(name):
+    return os.path.join(JOBS, name)
+
+
+def record(tmp_path_factory, name, sick=False, extra=()):
+    """Run the corpus job under diagnose once per session; (run, findings, the process)."""
+    key = (name, sick, tuple(extra))
+    if key not in _runs:
+        script, args, _ = CORPUS[name]
+        out = tmp_path_factory.mktemp(f"{name}-{'sick' if sick else 'ok'}")
+        proc = diagnose(["--out", "runs", *extra, "--", PY, job(script), *args,
+                         *(PATHOLOGY[name] if sick else [])], cwd=out, timeout=900)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert "internal error" not in proc.stderr, proc.stderr[-3000:]
+        run = traindx.load_run(only_run_dir(out / "runs"))
+        _runs[key] = (run, analyze(run), proc)
+    return _runs[key]
+
+
+def line_of(script, text):
+    with open(job(script)) as f:
+        return next(n for n, line in enumerate(f, 1) if text in line)
+
+
+def above_info(findings):
+    return [(f.id, f.severity, f.title) for f in findings if f.severity != "info"]
+
+
+def code_changes(findings):
+    return [(f.id, p.change["code"]) for f in findings for p in f.prescriptions
+            if "code" in (p.change or {})]
+
+
+# -- the job's own log lines -----------------------------------------------------------------------
+def test_nanogpt_line():
+    row = parse_line("iter 10: loss 6.9312, time 35.12ms, mfu 0.01%")
+    assert (row["step"], row["loss"], row["format"]) == (10, 6.9312, "nanogpt")
+    assert row["step_time_s"] == pytest.approx(0.03512)
+    # its evaluation line is not a training step
+    assert parse_line("step 0: train loss 4.8471, val loss 4.8502") is None
+
+
+def test_pytorch_examples_line_counts_steps_across_epochs():
+    row = parse_line("| epoch   1 |   200/ 2983 batches | lr 20.00 | ms/batch 36.80 | "
+                     "loss  7.51 | ppl  1829.72")
+    assert (row["step"], row["loss"], row["step_time_s"]) == (200, 7.51, pytest.approx(0.0368))
+    assert parse_line("| epoch   2 |    10/ 2983 batches | lr 20.00 | ms/batch 36.80 | "
+                      "loss  5.00 | ppl  148.41")["step"] == 2993
+
+
+def test_torchtitan_coloured_line():
+    # torchtitan/components/metrics.py colours every field; the codes sit between step: and loss:
+    text = ("[titan] 2026-01-01 10:00:00,000 - root - INFO - \x1b[31mstep:  5  \x1b[32mloss:  "
+            "5.55236  \x1b[38;2;180;60;0mgrad_norm:  0.0911  \x1b[38;2;54;234;195mmemory:  "
+            "0.00GiB(0.00%)  \x1b[34mtps: 278,333  \x1b[36mtflops: 0.00  \x1b[35mmfu: N/A\x1b[39m")
+    row = parse_line(text)
+    assert (row["step"], row["loss"], row["format"]) == (5, 5.55236, "torchtitan")
+
+
+def test_deepspeed_lines():
+    # deepspeed/runtime/engine.py (steps_per_print) and its pipeline engine
+    row = parse_line("[2026-01-01 10:00:00,000] [INFO] [engine.py:1820:_take_model_step] "
+                     "steps: 20 loss: 0.4321 iter time (s): 0.050 samples/sec: 160.000")
+    assert (row["step"], row["loss"], row["step_time_s"]) == (20, 0.4321, 0.05)
+    row = parse_line("[2026-01-01 10:00:00,000] [INFO] [logging.py:96:log_dist] [Rank 0] "
+                     "step=30, skipped=0, lr=[0.001], mom=[(0.9, 0.999)]")
+    assert (row["step"], row["loss"], row["format"]) == (30, None, "deepspeed")
+
+
+def test_lightning_progress_bars():
+    tqdm = ("Epoch 0:  40%|####      | 4/10 [00:01<00:02,  3.10it/s, v_num=0, train_loss=2.310]"
+            "\rEpoch 0:  50%|#####     | 5/10 [00:01<00:01,  3.20it/s, v_num=0, train_loss=2.250]")
+    row = parse_line(tqdm)
+    assert (row["step"], row["loss"], row["format"]) == (5, 2.25, "lightning")
+    # the rich bar Lightning 2.6 uses when `rich` is installed prints its final state only
+    row = parse_line("Epoch 0/-2 ━━━━━━━━━━━━ 10/10 0:00:00 • 0:00:00 20.15it/s train_loss: 42.200")
+    assert (row["step"], row["loss"]) == (10, 42.2)
+
+
+def test_hf_dict_has_no_step_and_a_generic_line_has_one():
+    row = parse_line("{'loss': '4.854', 'grad_norm': '0.5564', 'learning_rate': '0.001', 'epoch': '0.03'}")
+    assert row["step"] is None and row["loss"] == 4.854
+    assert parse_line("{'train_runtime': '1.8', 'train_loss': '4.861', 'epoch': '0.25'}") is None
+    row = parse_line("step 7/10 | train_loss 4.8437")
+    assert (row["step"], row["loss"], row["format"]) == (7, 4.8437, "generic")
+
+
+def test_custom_regex_and_its_errors():
+    custom = compile_custom(r"it=(?P<step>\d+) L=(?P<loss>[\d.]+) dt=(?P<time_ms>[\d.]+)")
+    row = parse_line("it=12 L=0.25 dt=40.0", custom)
+    assert (row["step"], row["loss"], row["step_time_s"], row["format"]) == (12, 0.25, 0.04, "custom")
+    with pytest.raises(ValueError, match="not a Python regex"):
+        compile_custom("(?P<step>")
+    with pytest.raises(ValueError, match="names none of the groups"):
+        compile_custom(r"iteration (\d+)")
+
+
+# -- code prescriptions are real code ------------------------------------------------------------
+def test_code_change_refuses_prose_and_applies_real_edits(tmp_path):
+    assert codefix.code_change("a.py", 3, "tensor 'x' size mismatch at index 1", "x") is None
+    assert codefix.code_change(None, None, "f(x)", "f(x, y=1)") is None
+    assert codefix.code_change("a.py", 2, "f(x)", "f(x") is None
+    src = "import torch\nloader = DataLoader(ds,\n                    batch_size=4)\nrun(loader)\n"
+    call = "DataLoader(ds,\n                    batch_size=4)"
+    after = codefix.set_keywords(call, {"num_workers": "2", "batch_size": "8"})
+    change = codefix.code_change("a.py", 2, call, after, last_line=3)
+    edited = codefix.apply(change, src)
+    assert "batch_size=8, num_workers=2)" in edited and edited.endswith("run(loader)\n")
+    diff = codefix.unified_diff(change, src)
+    assert diff.startswith("--- a.py\n+++ a.py\n") and "+                    batch_size=8, num_workers=2)" in diff
+    with pytest.raises(ValueError):
+        codefix.apply({**change, "line": 1, "last_line": 1}, src)
+
+
+# -- the corpus: healthy runs ---------------------------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(CORPUS))
+def test_healthy_run_counts_steps_reads_losses_and_finds_nothing(tmp_path_factory, name):
+    run, findings, proc = record(tmp_path_factory, name)
+    script, _, real = CORPUS[name]
+    assert len(run.steps) == real, list(run.steps["step"])
+    assert f"{real} steps recorded" in proc.stderr
+    log = run.log_steps.dropna(subset=["loss"])
+    assert len(log) and log["step"].notna().all()
+    if name == "lightning":  # its rich progress bar prints the final state only (no TTY)
+        assert int(log["step"].iloc[-1]) == real
+    elif name == "nanogpt":  # iter 0 .. 12
+        assert list(log["step"]) == list(range(real))
+    else:
+        assert list(log["step"]) == list(range(1, real + 1))
+    # the report's data (it used to fail on HF Trainer's step-less dicts)
+    assert os.path.exists(os.path.join(run.path, "report.html"))
+    if name == "nanogpt":
+        # an inference graph (no_grad evaluation first), a training graph and backward graphs
+        # are compiled once each: no recompile
+        assert "jit.dynamo_recompile" not in {f.id for f in findings}
+    assert above_info(findings) == []
+
+
+# -- the corpus: one pathology each ---------------------------------------------------------------
+def _no_site_packages(findings):
+    for fid, code in code_changes(findings):
+        assert "site-packages" not in code["file"], (fid, code)
+    for f in findings:
+        for p in f.prescriptions:
+            assert "site-packages" not in p.summary, (f.id, p.summary)
+
+
+@pytest.mark.slow
+def test_hf_trainer_slow_getitem_prescribes_training_arguments(tmp_path_factory):
+    run, findings, _ = record(tmp_path_factory, "hf_trainer", sick=True)
+    assert frameworks.detect(run)["name"] == "hf_trainer"
+    (f,) = [f for f in findings if f.id == "dataloader.starvation"]
+    hot = f.evidence["hottest_frames_inside"][0]
+    assert hot["file"] == job("fw_hf_trainer.py") and hot["function"].endswith("__getitem__")
+    first = f.prescriptions[0]
+    assert "TrainingArguments(dataloader_num_workers=" in first.summary
+    code = first.change["code"]
+    assert code["file"] == job("fw_hf_trainer.py")
+    assert code["line"] == line_of("fw_hf_trainer.py", "TrainingArguments(output_dir")
+    edited = codefix.apply(code, open(code["file"]).read())
+    assert re.search(r"dataloader_num_workers=[2-8]\b", edited)
+    _no_site_packages(findings)
+
+
+@pytest.mark.slow
+def test_lightning_slow_getitem_prescribes_its_own_dataloader_line(tmp_path_factory):
+    run, findings, _ = record(tmp_path_factory, "lightning", sick=True)
+    assert frameworks.detect(run)["name"] == "lightning"
+    (f,) = [f for f in findings if f.id == "dataloader.starvation"]
+    assert f.evidence["hottest_frames_inside"][0]["file"] == job("fw_lightning.py")
+    code = f.prescriptions[0].change["code"]
+    assert (code["file"], code["line"]) == (job("fw_lightning.py"),
+                                            line_of("fw_lightning.py", "return DataLoader("))
+    assert "num_workers=" in code["after"] and "num_workers" not in code["before"]
+    _no_site_packages(findings)
+
+
+@pytest.mark.slow
+def test_accelerate_gil_holding_logger_thread(tmp_path_factory):
+    run, findings, _ = record(tmp_path_factory, "accelerate", sick=True)
+    assert frameworks.detect(run)["name"] == "accelerate"
+    gil = [f for f in findings if f.id == "gil.contention"]
+    assert gil, above_info(findings)
+    text = json.dumps(gil[0].evidence) + gil[0].summary
+    assert f"fw_accelerate.py:{line_of('fw_accelerate.py', 'total += ord(ch)')}" in text or \
+        f"fw_accelerate.py:{line_of('fw_accelerate.py', 'for ch in text:')}" in text or \
+        f"fw_accelerate.py:{line_of('fw_accelerate.py', 'text = json.dumps(history)')}" in text, text
+    _no_site_packages(findings)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,save_line", [("torchtitan", "torch.save(state, path)"),
+                                            ("examples", "torch.save(model, f)")])
+def test_periodic_checkpoint_found_at_its_line(tmp_path_factory, name, save_line):
+    run, findings, _ = record(tmp_path_factory, name, sick=True)
+    (f,) = [f for f in findings if f.id == "steps.periodic_slow"]
+    assert f.evidence["period"] == 3
+    script = CORPUS[name][0]
+    text = json.dumps(f.evidence) + " ".join(p.summary for p in f.prescriptions)
+    assert f"{script}:" in text and "site-packages" not in json.dumps(f.evidence.get("save_sites"))
+    assert any(s["file"] == job(script) for s in f.evidence["save_sites"])
+    if name == "torchtitan":
+        assert frameworks.detect(run)["name"] == "torchtitan"
+        assert any("checkpoint.async_mode" in p.summary for p in f.prescriptions)
+    _no_site_packages(findings)
+
+
+@pytest.mark.slow
+def test_nanogpt_shape_changing_every_step_recompiles(tmp_path_factory):
+    run, findings, _ = record(tmp_path_factory, "nanogpt", sick=True)
+    (f,) = [f for f in findings if f.id == "jit.dynamo_recompile"]
+    assert f.severity != "info" and f.evidence["recompiles"] >= 2
+    assert any("size mismatch" in r for r in f.evidence["reasons"])
+    # the mode changes (no_grad evaluation, train/eval) and backward graphs are not counted
+    assert not any("grad_mode" in r for r in f.evidence["reasons"])
+    assert f.evidence["caller"]["file"] == job("fw_nanogpt.py")
+    assert any("mark_dynamic" in p.summary and "dynamic=None" in p.summary for p in f.prescriptions)
+    _no_site_packages(findings)
+
+
+# -- every code prescription of the corpus is a real edit -----------------------------------------
+@pytest.mark.slow
+def test_every_code_prescription_of_the_corpus_applies(tmp_path_factory):
+    checked = 0
+    for name in CORPUS:
+        for sick in (False, True):
+            _, findings, _ = record(tmp_path_factory, name, sick=sick)
+            for fid, code in code_changes(findings):
+                with open(code["file"]) as f:
+                    text = f.read()
+                diff = codefix.unified_diff(code, text)  # raises unless it applies and parses
+                assert diff.count("\n-") >= 1, (fid, diff)
+                checked += 1
+    assert checked >= 2  # the HF and Lightning DataLoader prescriptions at least
+
+
+# -- the user's own log format -----------------------------------------------------------------
+@pytest.mark.slow
+def test_log_regex_is_used_and_kept_for_reanalysis(tmp_path_factory):
+    regex = r"step (?P<step>\d+)/\d+ \| train_loss (?P<loss>[\d.]+)"
+    run, _, _ = record(tmp_path_factory, "accelerate", extra=("--log-regex", regex))
+    assert run.manifest["options"]["log_regex"] == regex
+    assert set(run.log_steps["format"]) == {"custom"} and len(run.log_steps) == 10
+    again = traindx.load_run(run.path)
+    assert list(again.log_steps["step"]) == list(range(1, 11))
+
+
+def test_bad_log_regex_is_one_clear_line(tmp_path):
+    proc = diagnose(["--out", "runs", "--log-regex", "(?P<step>", "--", PY, "-c", "pass"], cwd=tmp_path)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    assert "--log-regex" in proc.stderr and "not a Python regex" in proc.stderr
