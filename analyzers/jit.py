@@ -441,6 +441,10 @@ def _cold_start_finding(run, rank, firsts, steps):
                    "step": _col(r, "step"), "thread": _col(r, "thread")}
                   for r in firsts.sort_values("duration_s", ascending=False).itertuples()][:12]
     severity = "medium" if (share or 0) >= 0.25 else "low" if (share or 0) >= 0.05 else "info"
+    if set(kinds) == {"dynamo"} and not _inductor_caches_off(run):
+        # torch.compile alone, its caches on (the default): a one-time cost with no lever the
+        # job has not already pulled; a short diagnose run only makes its share look large
+        severity = "info"
     # a one-time cost: not "per step" (it would outrank a recompile that costs every step)
     amortized = None
     prescriptions = []
@@ -471,6 +475,12 @@ def _cold_start_finding(run, rank, firsts, steps):
         prescriptions=tuple(prescriptions), ranks=(rank,))
 
 
+def _inductor_caches_off(run):
+    env = run.manifest.get("env") or {}
+    return [name for name in ("TORCHINDUCTOR_FX_GRAPH_CACHE", "TORCHINDUCTOR_AUTOGRAD_CACHE")
+            if str(env.get(name, "")).strip() == "0"]
+
+
 def _inductor_cache_prescription(run):
     """torch.compile's cold start: its FX graph and AOTAutograd caches are on by default (torch
     2.13), so there is nothing to switch on. Never relocate a cache the user already placed (a
@@ -479,8 +489,7 @@ def _inductor_cache_prescription(run):
     --fix run cannot show the gain (its first run fills the new folder), so it is not automatic."""
     env = run.manifest.get("env") or {}
     user_dir = env.get("TORCHINDUCTOR_CACHE_DIR")
-    disabled = [name for name in ("TORCHINDUCTOR_FX_GRAPH_CACHE", "TORCHINDUCTOR_AUTOGRAD_CACHE")
-                if str(env.get(name, "")).strip() == "0"]
+    disabled = _inductor_caches_off(run)
     if disabled:
         return Prescription(
             kind="env", summary=f"torch.compile's caches are switched off here ({', '.join(n + '=0' for n in disabled)}): "
@@ -578,8 +587,8 @@ def dynamo_compile_kind(row):
 
     Read defensively: `graph`, `kernel`, `recompile_reason`, `compile_id` or `key` ('F/N')."""
     kernel = str(_col(row, "kernel") or "")
-    if _col(row, "graph") == "backward" or kernel.endswith("(backward graph)"):
-        return "backward"
+    if _col(row, "graph") == "backward" or kernel.endswith("(backward graph)") or kernel in ("", "None"):
+        return "backward"  # (AOTAutograd's backward compile has no code object of its own)
     reason = _col(row, "recompile_reason")
     reason = reason if isinstance(reason, str) else ""
     m = _COMPILE_ID.search(str(_col(row, "compile_id") or _col(row, "key") or ""))
@@ -686,7 +695,8 @@ def _dynamo_finding(run, rank, group, steps):
         name, dim = m["name"], m["dim"]
         short = re.sub(r"^L\['([^']+)'\].*$", r"\1", name)
         change, arg = _mark_dynamic_change(caller if site_kind == "call_site" else None, short, dim)
-        at = f" at {where}" if where else ""
+        at = (f" at {where}" if site_kind == "call_site" else
+              f" (the compiled function: {where})" if where else "")
         passed = f" ({arg} is passed as {short})" if arg and arg != short else ""
         prescriptions.append(Prescription(
             kind="code", summary=f"mark dimension {dim} of {short} dynamic before the compiled call"

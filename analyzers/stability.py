@@ -185,11 +185,37 @@ def checkpoint_prescriptions(run, saves, lost, period):
             expected_gain_s_per_step=lost))
     out.append(Prescription(
         kind="code",
-        summary=f"{top['function']} ({where}) writes a checkpoint every {period} steps on the "
+        summary=f"{top['function']} ({where}) writes a checkpoint "
+                f"{'every ' + str(period) + ' steps' if period else 'inside the steps'} on the "
                 "critical path: save asynchronously (torch.distributed.checkpoint.async_save, or "
                 "a background thread that writes a CPU copy), or less often",
         expected_gain_s_per_step=lost))
     return out
+
+
+def _checkpoint_in_steps(run, rank):
+    """Checkpoints written inside the steps when the step times are too noisy (a busy machine)
+    for a period to show: py-spy's samples inside the writer, against the steps' time."""
+    saves = save_sites(run, rank)
+    total = ev.steps_seconds(run, rank)
+    spent = sum(s["seconds"] for s in saves)
+    share = spent / total if total else 0.0
+    if not saves or share < 0.03:
+        return None
+    steps = len(run.rank_steps(rank))
+    lost = spent / steps if steps else None
+    return Finding(
+        id="steps.checkpoint_in_step",
+        title=f"Checkpoints are written inside the training steps on rank {rank} "
+              f"({share:.0%} of step time)",
+        severity=ev.severity_for_share(share), analyzer="stability",
+        summary=(f"{spent:.2f} s of the main thread's time went to writing checkpoints at "
+                 f"{saves[0]['frame']}, inside the steps, {share:.0%} of their time."),
+        seconds_lost_per_step=lost, share_of_step=share,
+        evidence={"rank": rank, "save_sites": saves, "seconds_saving": round(spent, 3),
+                  "method": "main-thread py-spy seconds inside a checkpoint writer (torch.save, "
+                            "torch.distributed.checkpoint, safetensors) / the rank's step time"},
+        prescriptions=tuple(checkpoint_prescriptions(run, saves, lost, None)), ranks=(rank,))
 
 
 def _analyze_rank(run, rank):
@@ -234,6 +260,10 @@ def _analyze_rank(run, rank):
             prescriptions=tuple(_periodic_prescriptions(run, causes, lost, period)),
             ranks=(rank,)))
         rest = normal_rows
+    else:
+        found = _checkpoint_in_steps(run, rank)
+        if found:
+            findings.append(found)
     d = rest["duration_s"]
     cv = float(d.std(ddof=0) / d.mean()) if len(d) and d.mean() else 0.0
     if cv >= CV_INFO:
