@@ -298,3 +298,24 @@ def test_bad_log_regex_is_one_clear_line(tmp_path):
     proc = diagnose(["--out", "runs", "--log-regex", "(?P<step>", "--", PY, "-c", "pass"], cwd=tmp_path)
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
     assert "--log-regex" in proc.stderr and "not a Python regex" in proc.stderr
+
+
+def test_report_survives_lines_without_step_or_loss(tmp_path):
+    """A run without the shim (attach, --no-shim): HF dicts numbered by their order, a DeepSpeed
+    line without a loss, a NaN loss; the analysis and the report still come out."""
+    import time
+
+    t = time.time_ns()
+    (tmp_path / "manifest.json").write_text(json.dumps(
+        {"command": ["python", "train.py"], "start_ns": t, "end_ns": t + 10**10, "exit_code": 0,
+         "options": {}}))
+    lines = [f"{t + i * 10**9} o {{'loss': '{5 - i / 10:.3f}', 'grad_norm': '0.5', 'epoch': '0.1'}}"
+             for i in range(1, 6)]
+    lines += [f"{t + 7 * 10**9} o [Rank 0] step=6, skipped=0, lr=[0.001], mom=[(0.9, 0.999)]",
+              f"{t + 8 * 10**9} o iter 7: loss nan, time 35.12ms, mfu 0.01%"]
+    (tmp_path / "log.txt").write_text("\n".join(lines) + "\n")
+    run = traindx.load_run(tmp_path)
+    assert list(run.log_steps["step"]) == [1, 2, 3, 4, 5, 6, 7]
+    proc = diagnose(["report", str(tmp_path)], cwd=tmp_path)
+    assert proc.returncode == 0 and "internal error" not in proc.stderr, proc.stderr
+    assert (tmp_path / "report.html").exists()

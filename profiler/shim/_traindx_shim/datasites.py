@@ -8,6 +8,7 @@ The call's full source span is recorded (from the file, parsed with `ast`) so a 
 rewrite a call written over several lines.
 """
 import ast
+import functools
 import linecache
 import os
 import sys
@@ -102,6 +103,7 @@ def _on_dataloader(module):
     cls = module.DataLoader
     original = cls.__init__
 
+    @functools.wraps(original)  # Lightning re-creates DataLoaders from __init__'s signature
     def __init__(self, *args, **kwargs):
         original(self, *args, **kwargs)
         try:
@@ -112,7 +114,6 @@ def _on_dataloader(module):
         except Exception as exc:
             report_error("DataLoader site", exc)
 
-    __init__.__wrapped__ = original
     cls.__init__ = __init__
 
 
@@ -120,6 +121,7 @@ def _on_training_args(module):
     cls = module.TrainingArguments
     original = cls.__post_init__
 
+    @functools.wraps(original)
     def __post_init__(self, *args, **kwargs):
         original(self, *args, **kwargs)
         try:
@@ -132,7 +134,6 @@ def _on_training_args(module):
         except Exception as exc:
             report_error("TrainingArguments site", exc)
 
-    __post_init__.__wrapped__ = original
     cls.__post_init__ = __post_init__
 
 
