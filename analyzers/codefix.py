@@ -7,24 +7,57 @@ what fails the check is not a diff and goes into the prescription's prose instea
 """
 import ast
 import difflib
+import io
 import textwrap
+import tokenize
+
+
+_PAIRS = {")": "(", "]": "[", "}": "{"}
+
+
+def _unmatched(text):
+    """(brackets left open, closing brackets without their opener) of a piece of code."""
+    opens, missing = [], []
+    try:
+        for tok in tokenize.generate_tokens(io.StringIO(text).readline):
+            if tok.type != tokenize.OP:
+                continue
+            if tok.string in "([{":
+                opens.append(tok.string)
+            elif tok.string in _PAIRS:
+                if opens:
+                    opens.pop()
+                else:
+                    missing.append(_PAIRS[tok.string])
+    except (tokenize.TokenError, IndentationError, SyntaxError):
+        pass
+    return opens, missing
+
+
+def _completed(text):
+    """A line cut out of a statement over several lines (`out = f(q, k,` or `  v=v)`), with its
+    unmatched brackets closed or opened so that it can be parsed; the text itself otherwise."""
+    opens, missing = _unmatched(text)
+    if not opens and not missing:
+        return text
+    head = "".join(("_" + o if o != "{" else o) for o in reversed(missing))
+    tail = "".join({"(": ")", "[": "]", "{": "}"}[o] for o in reversed(opens))
+    return head + text.strip().rstrip(",") + tail
 
 
 def parses(text):
-    """True when `text` is Python code on its own (a statement, or an expression such as a call
-    written over several lines); an empty text (a deleted line) parses."""
+    """True when `text` is Python code: a statement, an expression such as a call written over
+    several lines, or one line of such a statement (the line a diff replaces); an empty text (a
+    deleted line) parses. Prose (a guard's message, a description) does not."""
     if text is None:
         return False
-    try:
-        ast.parse(textwrap.dedent(text))
-        return True
-    except (SyntaxError, ValueError):
-        pass
-    try:  # a call's continuation lines keep the file's indentation: parse it as one expression
-        ast.parse("(" + text.strip() + "\n)")
-        return True
-    except (SyntaxError, ValueError):
-        return False
+    for candidate in (textwrap.dedent(text), "(" + text.strip() + "\n)", _completed(text.strip())):
+        try:
+            ast.parse(candidate)
+            return True
+        except (SyntaxError, ValueError):
+            continue
+    return False
 
 
 def code_change(file, line, before, after, last_line=None):
@@ -37,6 +70,8 @@ def code_change(file, line, before, after, last_line=None):
         return None
     if not parses(before) or not parses(after):
         return None
+    if after.strip() and _unmatched(before) != _unmatched(after):
+        return None  # a replacement line must leave the statement's brackets as they were
     change = {"file": file, "line": line, "before": before, "after": after}
     if last_line and last_line > line:
         change["last_line"] = int(last_line)

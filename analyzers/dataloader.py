@@ -3,7 +3,9 @@
 Evidence, best first: py-spy (share of the main thread's samples inside DataLoader.__next__, the
 whole run, unperturbed); the torch.profiler window (DataLoader's own record_function
 `enumerate(DataLoader)#...__next__`, exact per step, slowed by the profiler's Python tracing).
-The shim's `dataloader` event gives the line that builds the loader and its settings.
+The shim's `dataloader` event gives the loader's settings; its `data_site` events give the
+job's own line that builds it (or its TrainingArguments), where the prescription is written in the
+terms of the framework that drives the run (analyzers/frameworks.py).
 """
 
 from traindx.findings import Finding, Prescription
@@ -166,9 +168,9 @@ def _starving_site(sites, kind):
 
 def _prescriptions(run, loader, lost, hot_function, rank=None):
     """Best first: the DataLoader knob the user owns in the framework that drives the run."""
-    framework = frameworks.detect(run)["name"]
+    framework = frameworks.knob_owner(run)
     settings = _worker_settings(run, loader)
-    knob, names = frameworks.dataloader_knob(framework, settings["num_workers"])
+    knob, names = frameworks.dataloader_knob(framework)
     named = {names[k]: v for k, v in settings.items() if k in names}
     setting_text = ", ".join(f"{k}={v}" for k, v in named.items())
     sites = frameworks.data_sites(run, rank)

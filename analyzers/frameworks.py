@@ -86,11 +86,12 @@ def _plain(value):
 
 
 def detect(run):
-    """{"name": framework, "evidence": [why...]}; "plain" when no framework shows."""
-    votes = {}
+    """{"name": framework, "evidence": [why...], "strong": bool, "also": [...]}; "plain" when no
+    framework shows. Strong: the framework's code in the record, or the command runs it."""
+    votes, weak = {}, {}
 
-    def vote(name, why):
-        votes.setdefault(name, []).append(why)
+    def vote(name, why, strong=True):
+        (votes if strong else weak).setdefault(name, []).append(why)
 
     for site in data_sites(run):
         if site.get("kind") == "TrainingArguments":
@@ -108,7 +109,9 @@ def detect(run):
     if len(log):
         for fmt, n in log["format"].value_counts().items():
             if fmt in LOG_FORMATS:
-                vote(LOG_FORMATS[fmt], f"{n} log line(s) in {fmt}'s format")
+                # weak: any script can print a framework's line (traindx's own examples print
+                # Megatron's); a flag or config key is prescribed only on strong evidence
+                vote(LOG_FORMATS[fmt], f"{n} log line(s) in {fmt}'s format", strong=False)
     command = " ".join(str(t) for t in run.command)
     if re.search(r"\btorchtitan\b", command):
         vote("torchtitan", "the command runs torchtitan")
@@ -118,9 +121,21 @@ def detect(run):
         vote("accelerate", "the command is `accelerate launch`")
     for name in PRECEDENCE:
         if name in votes:
-            return {"name": name, "evidence": votes[name], "also": sorted(set(votes) - {name})}
+            return {"name": name, "evidence": votes[name] + weak.get(name, []), "strong": True,
+                    "also": sorted((set(votes) | set(weak)) - {name})}
+    for name in PRECEDENCE:
+        if name in weak:
+            return {"name": name, "evidence": weak[name], "strong": False,
+                    "also": sorted(set(weak) - {name})}
     return {"name": "plain", "evidence": ["no framework's code or log format in the evidence"],
-            "also": []}
+            "strong": False, "also": []}
+
+
+def knob_owner(run):
+    """The framework whose knobs a prescription may name: detect()'s verdict on strong evidence
+    (its code ran, or the command runs it), else "plain" (the job's own code and torch's API)."""
+    found = detect(run)
+    return found["name"] if found["strong"] else "plain"
 
 
 def user_site(site):
@@ -132,7 +147,7 @@ def user_site(site):
 
 
 # -- the DataLoader knob of each framework ----------------------------------------------------------
-def dataloader_knob(framework, workers):
+def dataloader_knob(framework):
     """(what to set, in the framework's terms; the setting's name per key) for num_workers."""
     if framework == "hf_trainer" or framework == "ms-swift":
         return ("TrainingArguments", {"num_workers": "dataloader_num_workers",

@@ -16,6 +16,7 @@ SLOW_FACTOR = 2.0          # a step this much slower than the median is a slow s
                            # recurs by chance on a busy machine, and then looks periodic)
 MIN_EXCESS_S = 0.005       # ...and at least this much slower in absolute terms
 MIN_OCCURRENCES = 3
+MIN_UNEXPLAINED = 5        # a period with no cause in the record needs this many slow steps
 MIN_PRECISION = 0.75       # of the slow steps, the share that fall on the period
 MIN_RECALL = 0.75          # of the steps on the period, the share that are slow
 CV_INFO = 0.20
@@ -159,11 +160,11 @@ def _periodic_prescriptions(run, causes, lost, period):
 def checkpoint_prescriptions(run, saves, lost, period):
     """A checkpoint every `period` steps, written at the job's own line: save asynchronously,
     in the framework's terms."""
-    from .frameworks import detect
+    from .frameworks import knob_owner
 
     top = saves[0]
     where = f"{top['file']}:{top['line']}"
-    framework = detect(run)["name"]
+    framework = knob_owner(run)
     out = []
     if framework == "torchtitan":
         out.append(Prescription(
@@ -245,11 +246,18 @@ def _analyze_rank(run, rank):
             cause_text = f" In them the job printed: '{causes['log_lines_in_slow_steps'][0]['text']}'."
         elif causes.get("gen2_gc_in_slow_steps"):
             cause_text = " They hold full (gen-2) garbage collections."
+        severity = ev.severity_for_share(share)
+        if not causes and len(hits) < MIN_UNEXPLAINED:
+            # a few slow steps that happen to line up, with nothing in the record done in them:
+            # on a busy machine that is chance as often as a cause
+            severity = "info"
+            cause_text = (f" Nothing the job did in them was recorded, and {len(hits)} "
+                          "occurrences can line up by chance on a busy machine.")
         findings.append(Finding(
             id="steps.periodic_slow",
             title=f"Every {period}th step is slow on rank {rank} "
                   f"(+{float(slow_rows['duration_s'].median()) - normal_median:.2f} s)",
-            severity=ev.severity_for_share(share), analyzer="stability",
+            severity=severity, analyzer="stability",
             summary=(f"Steps {', '.join(map(str, hits[:8]))}{'…' if len(hits) > 8 else ''} (period "
                      f"{period}) take {float(slow_rows['duration_s'].median()):.3f} s against "
                      f"{normal_median:.3f} s for the others.{cause_text}"),

@@ -143,6 +143,11 @@ def test_code_change_refuses_prose_and_applies_real_edits(tmp_path):
     assert codefix.code_change("a.py", 3, "tensor 'x' size mismatch at index 1", "x") is None
     assert codefix.code_change(None, None, "f(x)", "f(x, y=1)") is None
     assert codefix.code_change("a.py", 2, "f(x)", "f(x") is None
+    # one line of a call written over several lines is code, and replacing it is a real edit
+    line = "    out = attn(q, k, v, max_seqlen=m,"
+    assert codefix.code_change("a.py", 5, line, line.replace("=m", "=int(m)")) is not None
+    assert codefix.apply({"file": "a.py", "line": 2, "before": line.strip(), "after": "out = attn(q, k, v, max_seqlen=int(m),"},
+                         "def f(q, k, v, m):\n    out = attn(q, k, v, max_seqlen=m,\n               causal=True)\n")
     src = "import torch\nloader = DataLoader(ds,\n                    batch_size=4)\nrun(loader)\n"
     call = "DataLoader(ds,\n                    batch_size=4)"
     after = codefix.set_keywords(call, {"num_workers": "2", "batch_size": "8"})
@@ -153,6 +158,32 @@ def test_code_change_refuses_prose_and_applies_real_edits(tmp_path):
     assert diff.startswith("--- a.py\n+++ a.py\n") and "+                    batch_size=8, num_workers=2)" in diff
     with pytest.raises(ValueError):
         codefix.apply({**change, "line": 1, "last_line": 1}, src)
+
+
+def test_knobs_need_strong_evidence(tmp_path):
+    """A flag or config key is prescribed when the framework's code ran or the command runs it;
+    a log line in its format alone is not enough (any script can print one)."""
+    from traindx.analyzers.stability import checkpoint_prescriptions
+
+    def run_of(command, log=""):
+        folder = tmp_path / str(len(list(tmp_path.iterdir())))
+        folder.mkdir()
+        (folder / "manifest.json").write_text(json.dumps({"command": command, "options": {}}))
+        (folder / "log.txt").write_text(log)
+        return traindx.load_run(folder)
+
+    saves = [{"file": "/job/train.py", "line": 9, "function": "save", "seconds": 1.0,
+              "frame": "save (/job/train.py:9)"}]
+    titan = run_of(["torchrun", "--nproc_per_node=8", "-m", "torchtitan.train",
+                    "--job.config_file", "llama3_8b.toml"])
+    assert frameworks.detect(titan)["strong"] and frameworks.knob_owner(titan) == "torchtitan"
+    first = checkpoint_prescriptions(titan, saves, 0.5, 100)[0]
+    assert first.change["arg"] == {"framework": "torchtitan", "set": {"--checkpoint.async_mode": "async"}}
+    assert frameworks.dataloader_knob("torchtitan")[1]["num_workers"] == "dataloader.num_workers"
+    lookalike = run_of(["python", "train.py"], "1 o step:  1  loss:  5.5  grad_norm: 0.1\n")
+    assert frameworks.detect(lookalike)["name"] == "torchtitan"
+    assert frameworks.knob_owner(lookalike) == "plain"
+    assert "arg" not in checkpoint_prescriptions(lookalike, saves, 0.5, 100)[0].change
 
 
 # -- the corpus: healthy runs ---------------------------------------------------------------------
@@ -233,7 +264,7 @@ def test_accelerate_gil_holding_logger_thread(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name,save_line", [("torchtitan", "torch.save(state, path)"),
+@pytest.mark.parametrize("name,save_line", [("torchtitan", "torch.save(state, f)"),
                                             ("examples", "torch.save(model, f)")])
 def test_periodic_checkpoint_found_at_its_line(tmp_path_factory, name, save_line):
     run, findings, _ = record(tmp_path_factory, name, sick=True)
@@ -249,8 +280,10 @@ def test_periodic_checkpoint_found_at_its_line(tmp_path_factory, name, save_line
     assert (sites[0]["file"], sites[0]["line"]) == (job(script), line_of(script, save_line))
     assert f"{script}:{sites[0]['line']}" in f.prescriptions[-1].summary
     if name == "torchtitan":
-        assert frameworks.detect(run)["name"] == "torchtitan"
-        assert any("checkpoint.async_mode" in p.summary for p in f.prescriptions)
+        # it prints torchtitan's line but is not torchtitan: no torchtitan config key for it
+        found = frameworks.detect(run)
+        assert found["name"] == "torchtitan" and not found["strong"]
+        assert not any("checkpoint.async_mode" in p.summary for p in f.prescriptions)
     _no_site_packages(findings)
 
 
