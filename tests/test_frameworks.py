@@ -278,7 +278,7 @@ def test_periodic_checkpoint_found_at_its_line(tmp_path_factory, name, save_line
     script = CORPUS[name][0]
     sites = f.evidence["save_sites"]
     assert (sites[0]["file"], sites[0]["line"]) == (job(script), line_of(script, save_line))
-    assert f"{script}:{sites[0]['line']}" in f.prescriptions[-1].summary
+    assert any(f"{script}:{sites[0]['line']}" in p.summary for p in f.prescriptions)
     if name == "torchtitan":
         # it prints torchtitan's line but is not torchtitan: no torchtitan config key for it
         found = frameworks.detect(run)
@@ -352,3 +352,19 @@ def test_report_survives_lines_without_step_or_loss(tmp_path):
     proc = diagnose(["report", str(tmp_path)], cwd=tmp_path)
     assert proc.returncode == 0 and "internal error" not in proc.stderr, proc.stderr
     assert (tmp_path / "report.html").exists()
+
+
+def test_rich_bar_value_wrapped_onto_the_next_line(tmp_path):
+    # Lightning 2.6's rich progress bar, printed once at the end into a pipe (80 columns)
+    (tmp_path / "manifest.json").write_text(json.dumps({"command": ["python", "fit.py"], "options": {}}))
+    (tmp_path / "log.txt").write_text(
+        "100 o Epoch 0/-2 ━━━━━━━━━━━━━━━━━ 10/10 0:00:00 • 0:00:00 50.32it/s train_loss:      \n"
+        "101 o                                                                42.200           \n")
+    log = traindx.load_run(tmp_path).log_steps
+    assert list(zip(log["step"], log["loss"])) == [(10, 42.2)]
+    # a faster run pushes the elapsed time down too
+    (tmp_path / "log.txt").write_text(
+        "100 o Epoch 0/-2 ━━━━━━━━━━━━━ 10/10 0:00:00 •        1028.09it/s train_loss:      \n"
+        "101 o                                   0:00:00                      42.200           \n")
+    log = traindx.load_run(tmp_path).log_steps
+    assert list(zip(log["step"], log["loss"])) == [(10, 42.2)]

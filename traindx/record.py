@@ -7,6 +7,7 @@ reports and comparisons read only this object and never change it.
 import glob
 import json
 import os
+import re
 import warnings
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -18,6 +19,11 @@ from traindx.errors import UserError
 STEP_COLUMNS = ["rank", "step", "start_ns", "end_ns", "duration_s"]
 COMPILE_COLUMNS = ["rank", "kind", "kernel", "start_ns", "end_ns", "duration_s", "thread",
                    "is_main_thread", "step", "caller", "key", "key_fields", "detail"]
+
+
+_WRAPPED_VALUE = re.compile(r"loss\w*:\s*$")
+_VALUE_LINE = re.compile(r"^[\s\d:.,/%•-]*\s[-+]?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?\s*$|"
+                         r"^\s*[-+]?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?\s*$")
 
 
 class TruncatedEvidenceWarning(UserWarning):
@@ -143,7 +149,12 @@ class RunRecord:
             custom = None
         columns = ["t", "step", "loss", "step_time_s", "format", "tokens"]
         rows = []
-        for t, text in zip(self.log["t"], self.log["text"]):
+        texts = list(self.log["text"])
+        for i, (t, text) in enumerate(zip(self.log["t"], texts)):
+            if i + 1 < len(texts) and _WRAPPED_VALUE.search(text) and _VALUE_LINE.match(texts[i + 1]):
+                # rich (Lightning's progress bar) wraps the bar's columns onto the next line:
+                # the metric's value is that line's last number (after the times it pushed down)
+                text = text.rstrip() + " " + texts[i + 1].split()[-1]
             parsed = parse_line(text, custom)
             if parsed:
                 parsed["t"] = t
