@@ -37,4 +37,6 @@ def analyze(run, only=None):
         findings.append(Finding(
             id="traindx.analyzer_failed.chains", title="linking causes and savings failed",
             severity="info", analyzer="chains", summary=f"{type(exc).__name__}: {exc}"))
-    return rank_findings(findings)
+    # a code prescription is a real edit of the job's file, or it is prose (analyzers/codefix.py)
+    from traindx.analyzers.codefix import checked
+    return rank_findings(checked(findings))

@@ -3,12 +3,14 @@
 Evidence, best first: py-spy (share of the main thread's samples inside DataLoader.__next__, the
 whole run, unperturbed); the torch.profiler window (DataLoader's own record_function
 `enumerate(DataLoader)#...__next__`, exact per step, slowed by the profiler's Python tracing).
-The shim's `dataloader` event gives the line that builds the loader and its settings.
+The shim's `dataloader` event gives the loader's settings; its `data_site` events give the
+job's own line that builds it (or its TrainingArguments), where the prescription is written in the
+terms of the framework that drives the run (analyzers/frameworks.py).
 """
-import re
 
 from traindx.findings import Finding, Prescription
 
+from . import codefix, frameworks
 from . import evidence as ev
 
 MIN_SHARE = 0.10
@@ -118,23 +120,6 @@ def _from_trace(run, rank):
                       "torch.profiler window"}
 
 
-def _rewrite_call(source, settings):
-    """The construction line with the given keyword arguments set (or added)."""
-    if not source:
-        return None
-    out = source
-    for name, value in settings.items():
-        pattern = re.compile(rf"\b{name}\s*=\s*[^,)]+")
-        if pattern.search(out):
-            out = pattern.sub(f"{name}={value}", out, count=1)
-        elif out.rstrip().endswith(")"):
-            head = out.rstrip()[:-1].rstrip()
-            out = f"{head}, {name}={value})"
-        else:
-            return None  # a call over several lines: say what to set instead of rewriting it
-    return out
-
-
 def _pick_loader(run, rank):
     loaders = ev.events_of_type(run, "dataloader")
     if not len(loaders):
@@ -157,30 +142,109 @@ def _plain(value):
     return value
 
 
-def _prescriptions(run, loader, lost, hot_function):
+def _worker_settings(run, loader):
+    """num_workers (and friends) worth trying: a core per worker, leaving one to the rank."""
     cpus = (run.manifest.get("host") or {}).get("cpus") or 4
-    gpus = bool(run.manifest.get("gpus"))
     ranks = max(1, len([r for r in run.ranks if r in set(run.steps["rank"])]))
     workers = max(2, min(8, (cpus // ranks) - 1))
-    settings = {"num_workers": workers, "persistent_workers": True, "prefetch_factor": 4}
-    if gpus:
-        settings["pin_memory"] = True
-    out = []
-    caller = (loader or {}).get("caller") or {}
     current = (loader or {}).get("num_workers")
     if current is not None and current > 0:
-        settings["num_workers"] = max(workers, 2 * int(current))
-    after = _rewrite_call((loader or {}).get("source"), settings)
-    setting_text = ", ".join(f"{k}={v}" for k, v in settings.items())
-    where = f" at {caller.get('file')}:{caller.get('line')}" if caller else ""
-    out.append(Prescription(
-        kind="code",
-        summary=f"load batches in worker processes: DataLoader({setting_text}){where}",
-        change={"code": {"file": caller.get("file"), "line": caller.get("line"),
-                         "before": (loader or {}).get("source"),
-                         "after": after or f"DataLoader(..., {setting_text})"}},
-        expected_gain_s_per_step=lost))
-    if hot_function:
+        workers = max(workers, 2 * int(current))
+    settings = {"num_workers": workers, "persistent_workers": True, "prefetch_factor": 4}
+    if run.manifest.get("gpus"):
+        settings["pin_memory"] = True
+    return settings
+
+
+def _site_change(site, name, settings):
+    """The code change that sets `settings` (source texts) on the call of `name` at the job's
+    own construction line, or None when it is not a real, applicable edit."""
+    where = frameworks.user_site(site)
+    if not where:
+        return None
+    before = where.get("call_source") or where.get("source")
+    first = where.get("call_first_line") or where.get("line")
+    last = where.get("call_last_line") if where.get("call_source") else None
+    if before and not where.get("call_source"):
+        before = before.strip()
+    after = codefix.set_keywords(before, settings) if before and name in before else None
+    return codefix.code_change(where.get("file"), first, before, after, last_line=last)
+
+
+def _where(site):
+    where = frameworks.user_site(site)
+    if not where:
+        return ""
+    first = where.get("call_first_line") or where.get("line")
+    return f" at {where['file']}:{first}"
+
+
+def _starving_site(sites, kind):
+    """The job's own construction to change: built directly in its code (not re-wrapped by a
+    framework's prepare()), the last one with num_workers=0 first."""
+    chosen = [s for s in sites if s.get("kind") == kind and frameworks.user_site(s)]
+    direct = [s for s in chosen if not s.get("via")] or chosen
+    starving = [s for s in direct if not s.get("num_workers")]
+    return (starving or direct or [None])[-1]
+
+
+def _prescriptions(run, loader, lost, hot_function, rank=None):
+    """Best first: the DataLoader knob the user owns in the framework that drives the run."""
+    framework = frameworks.knob_owner(run)
+    settings = _worker_settings(run, loader)
+    knob, names = frameworks.dataloader_knob(framework)
+    named = {names[k]: v for k, v in settings.items() if k in names}
+    setting_text = ", ".join(f"{k}={v}" for k, v in named.items())
+    sites = frameworks.data_sites(run, rank)
+    out = []
+    if knob == "TrainingArguments":
+        site = _starving_site(sites, "TrainingArguments")
+        change = _site_change(site, "TrainingArguments", {k: repr(v) for k, v in named.items()})
+        command = [str(t) for t in run.command]
+        if any(t.startswith("--per_device_train_batch_size") or t.startswith("--output_dir")
+               or t.startswith("--dataloader_num_workers") for t in command):
+            # the script takes TrainingArguments from its command line (HfArgumentParser)
+            out.append(Prescription(
+                kind="arg", summary=f"load batches in worker processes: --dataloader_num_workers "
+                                    f"{settings['num_workers']} (TrainingArguments)",
+                change={"arg": {"framework": "hf", "set": {
+                    "--dataloader_num_workers": str(settings["num_workers"])}}},
+                expected_gain_s_per_step=lost, automatic=True))
+        out.append(Prescription(
+            kind="code", summary=f"load batches in worker processes: TrainingArguments("
+                                 f"{setting_text}){_where(site)}",
+            change={"code": change} if change else {}, expected_gain_s_per_step=lost))
+    elif knob == "torchtitan config":
+        out.append(Prescription(
+            kind="arg", summary=f"load batches in worker processes: set {setting_text} in the "
+                                "job's torchtitan config (TOML or --key=value overrides)",
+            change={"arg": {"framework": "torchtitan", "set": {
+                f"--{names['num_workers']}": str(settings["num_workers"])}}},
+            expected_gain_s_per_step=lost, automatic=False))
+    elif knob == "Megatron flag":
+        out.append(Prescription(
+            kind="arg", summary=f"load batches in more worker processes: --num-workers "
+                                f"{settings['num_workers']}",
+            change={"arg": {"framework": "megatron", "set": {"--num-workers": str(settings["num_workers"])}}},
+            expected_gain_s_per_step=lost, automatic=True))
+    else:
+        site = _starving_site(sites, "DataLoader")
+        change = _site_change(site, "DataLoader", {k: repr(v) for k, v in named.items()})
+        if site is None and loader and not ev.is_library_path(str((loader.get("caller") or {}).get("file"))):
+            # no data_site event (an older shim): the torchcalls event's line, when it is the job's
+            legacy = {"site": {**(loader.get("caller") or {}), "source": loader.get("source")}}
+            change = _site_change(legacy, "DataLoader", {k: repr(v) for k, v in named.items()})
+            site = legacy
+        out.append(Prescription(
+            kind="code", summary=f"load batches in worker processes: DataLoader({setting_text})"
+                                 f"{_where(site)}",
+            change={"code": change} if change else {}, expected_gain_s_per_step=lost))
+    if hot_function and "__getitem__" in hot_function:
+        out.append(Prescription(
+            kind="code", summary=f"make {hot_function} cheaper: it runs once per sample, on the "
+                                 "training process until workers take it over",
+            expected_gain_s_per_step=lost))
+    elif hot_function:
         out.append(Prescription(
             kind="code",
             summary=f"make {hot_function} cheaper or move it into Dataset.__getitem__ so the "
@@ -224,5 +288,5 @@ def analyze(run):
                      f"{settings}; the batches are made on the training process, between "
                      f"steps. Hottest code inside: {hot_function or 'unknown'}."),
             seconds_lost_per_step=lost, share_of_step=share, evidence=evidence,
-            prescriptions=tuple(_prescriptions(run, loader, lost, hot_function)), ranks=(rank,)))
+            prescriptions=tuple(_prescriptions(run, loader, lost, hot_function, rank)), ranks=(rank,)))
     return findings

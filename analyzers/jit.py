@@ -13,6 +13,7 @@ import pandas as pd
 
 from traindx.findings import Finding, Prescription
 
+from . import codefix
 from . import evidence as ev
 from . import pyspy_signatures as sig
 
@@ -564,6 +565,10 @@ def _cold_start_finding(run, rank, firsts, steps):
                    "step": _col(r, "step"), "thread": _col(r, "thread")}
                   for r in firsts.sort_values("duration_s", ascending=False).itertuples()][:12]
     severity = "medium" if (share or 0) >= 0.25 else "low" if (share or 0) >= 0.05 else "info"
+    if set(kinds) == {"dynamo"} and not _inductor_caches_off(run):
+        # torch.compile alone, its caches on (the default): a one-time cost with no lever the
+        # job has not already pulled; a short diagnose run only makes its share look large
+        severity = "info"
     # a one-time cost: not "per step" (it would outrank a recompile that costs every step)
     amortized = None
     prescriptions = []
@@ -578,13 +583,7 @@ def _cold_start_finding(run, rank, firsts, steps):
             change={"env": {"TRITON_CACHE_DIR": _beside_runs(run, "triton-cache")}},
             automatic=True, expected_gain_s_per_step=amortized))
     if kinds.get("dynamo"):
-        prescriptions.append(Prescription(
-            kind="env", summary="reuse torch.compile's compiled graphs across runs "
-                                "(TORCHINDUCTOR_FX_GRAPH_CACHE=1, TORCHINDUCTOR_CACHE_DIR on a "
-                                "persistent disk)",
-            change={"env": {"TORCHINDUCTOR_FX_GRAPH_CACHE": "1",
-                            "TORCHINDUCTOR_CACHE_DIR": _beside_runs(run, "inductor-cache")}},
-            automatic=True, expected_gain_s_per_step=amortized))
+        prescriptions.append(_inductor_cache_prescription(run))
     kinds_text = ", ".join(f"{n} {k}" for k, n in kinds.most_common())
     return Finding(
         id="jit.cold_start",
@@ -598,6 +597,40 @@ def _cold_start_finding(run, rank, firsts, steps):
         evidence={"rank": rank, "cold_compile_seconds": round(total, 3), "kernels": per_kernel,
                   "kinds": dict(kinds), "recorded_step_seconds": run_s},
         prescriptions=tuple(prescriptions), ranks=(rank,))
+
+
+def _inductor_caches_off(run):
+    env = run.manifest.get("env") or {}
+    return [name for name in ("TORCHINDUCTOR_FX_GRAPH_CACHE", "TORCHINDUCTOR_AUTOGRAD_CACHE")
+            if str(env.get(name, "")).strip() == "0"]
+
+
+def _inductor_cache_prescription(run):
+    """torch.compile's cold start: its FX graph and AOTAutograd caches are on by default (torch
+    2.13), so there is nothing to switch on. Never relocate a cache the user already placed (a
+    fresh folder would make the next run cold); where none is set, the default folder is under
+    /tmp, which restarts and new machines lose: a persistent one is worth it, but a single
+    --fix run cannot show the gain (its first run fills the new folder), so it is not automatic."""
+    env = run.manifest.get("env") or {}
+    user_dir = env.get("TORCHINDUCTOR_CACHE_DIR")
+    disabled = _inductor_caches_off(run)
+    if disabled:
+        return Prescription(
+            kind="env", summary=f"torch.compile's caches are switched off here ({', '.join(n + '=0' for n in disabled)}): "
+                                "unset them so later runs load the compiled graphs",
+            change={"env": {name: "1" for name in disabled}}, automatic=True)
+    if user_dir:
+        return Prescription(
+            kind="env", summary=f"torch.compile's FX graph cache is already on (the default) and kept in "
+                                f"{user_dir}: a later run of the same code loads the graphs from "
+                                "there; nothing to change")
+    return Prescription(
+        kind="env", summary="torch.compile's FX graph cache is already on (the default), in a "
+                            "folder under /tmp: keep it on a persistent disk "
+                            "(TORCHINDUCTOR_CACHE_DIR) so restarts and the job's other machines "
+                            "reuse it",
+        change={"env": {"TORCHINDUCTOR_CACHE_DIR": _beside_runs(run, "inductor-cache")}},
+        automatic=False)
 
 
 _FLA_PATH = re.compile(r"[/\\]fla[/\\]")
@@ -685,16 +718,39 @@ _SIZE_MISMATCH = re.compile(r"tensor '(?P<name>[^']+)' (size|stride) mismatch at
 
 
 _COMPILE_ID = re.compile(r"(?P<frame>\d+)/(?P<count>\d+)")
+# a guard on a mode, not on data: grad mode (no_grad evaluation before training), train/eval
+# (module.training), autocast, deterministic algorithms. Each mode compiles its own graph once;
+# switching back and forth reuses them, so it is never a steady cost.
+_MODE_CHANGE = re.compile(r"GLOBAL_STATE changed|grad_mode|is_grad_enabled|___check_global_state"
+                          r"|\.training\b|\btraining\b.*(?:mismatch|changed|==)|autocast"
+                          r"|deterministic_algorithms", re.IGNORECASE)
+
+
+def dynamo_compile_kind(row):
+    """What one dynamo compile event is: 'first' (the frame's first graph), 'backward' (the
+    backward graph AOTAutograd builds at the first backward: not a recompile), 'mode' (a graph
+    for another grad/train/autocast mode: once per mode, not a recompile), or 'recompile' (a
+    guard on the data failed: a shape, a dtype, a Python value).
+
+    Read defensively: `graph`, `kernel`, `recompile_reason`, `compile_id` or `key` ('F/N')."""
+    kernel = str(_col(row, "kernel") or "")
+    if _col(row, "graph") == "backward" or kernel.endswith("(backward graph)") or kernel in ("", "None"):
+        return "backward"  # (AOTAutograd's backward compile has no code object of its own)
+    reason = _col(row, "recompile_reason")
+    reason = reason if isinstance(reason, str) else ""
+    m = _COMPILE_ID.search(str(_col(row, "compile_id") or _col(row, "key") or ""))
+    again = bool(reason) or bool(m and int(m["count"]) > 0)
+    if not again:
+        return "first"
+    if reason and _MODE_CHANGE.search(reason) and not _SIZE_MISMATCH.search(reason):
+        return "mode"
+    return "recompile"
 
 
 def is_dynamo_recompile(row):
-    """A dynamo compile of a frame it compiled before: compile id 'F/N' with N > 0, or a
-    recompile reason."""
-    reason = _col(row, "recompile_reason")
-    if isinstance(reason, str) and reason:
-        return True
-    m = _COMPILE_ID.search(str(_col(row, "compile_id") or _col(row, "key") or ""))
-    return bool(m and int(m["count"]) > 0)
+    """A dynamo compile of a frame it compiled before because a guard on the data failed (not a
+    backward graph, not a graph for another grad/train mode)."""
+    return dynamo_compile_kind(row) == "recompile"
 
 
 _VALUES = re.compile(r"\. expected \d+, actual \d+")
@@ -705,16 +761,63 @@ def _strip_compile_id(reason):
     return re.sub(r"^\s*\[?[\d/!]+\]?:\s*", "", str(reason).strip().splitlines()[0])
 
 
+def _call_site(recompiles):
+    """The job's line that calls the compiled function with the changing input: the shim's
+    `call_site` (the caller when the compile started) when recorded, else the compiled
+    function's own definition (`caller`)."""
+    for name in ("call_site", "caller"):
+        for r in recompiles.itertuples():
+            value = _col(r, name)
+            if isinstance(value, dict) and value.get("file") and not ev.is_library_path(value["file"]):
+                return name, value
+    return None, None
+
+
+def _mark_dynamic_change(site, name, dim):
+    """A real code change at the call site: mark the argument's dimension dynamic on the line
+    before the call. Needs the call's source line; None otherwise."""
+    source = (site or {}).get("source")
+    if not source or not site.get("line"):
+        return None, None
+    import ast
+    try:
+        call = next((n for n in ast.walk(ast.parse(source.strip())) if isinstance(n, ast.Call)), None)
+    except SyntaxError:
+        return None, None
+    if call is None:
+        return None, None
+    names = [a.id for a in call.args if isinstance(a, ast.Name)]
+    arg = name if name in names else (names[0] if names else None)
+    if arg is None:
+        return None, None
+    indent = source[: len(source) - len(source.lstrip())]
+    after = f"{indent}torch._dynamo.mark_dynamic({arg}, {dim})\n{source.rstrip()}"
+    return codefix.code_change(site["file"], int(site["line"]), source.rstrip(), after), arg
+
+
+def dynamo_kinds(group):
+    """dynamo_compile_kind of each row; the backward graph of a recompiled frame is
+    'recompile_backward' (its cost is the recompile's, its count is not another one)."""
+    kinds = [dynamo_compile_kind(r) for r in group.itertuples()]
+    ids = [str(_col(r, "compile_id") or _col(r, "key") or "") for r in group.itertuples()]
+    recompiled = {i for i, k in zip(ids, kinds) if k == "recompile" and i}
+    return [("recompile_backward" if k == "backward" and i in recompiled else k)
+            for i, k in zip(ids, kinds)]
+
+
 def _dynamo_finding(run, rank, group, steps):
-    mask = [is_dynamo_recompile(r) for r in group.itertuples()]
-    recompiles = group[mask]
+    kinds = dynamo_kinds(group)
+    recompiles = group[[k == "recompile" for k in kinds]]
+    costs = group[[k in ("recompile", "recompile_backward") for k in kinds]]
+    not_recompiles = collections.Counter(k for k in kinds if k in ("backward", "mode"))
     if not len(recompiles):
         return None
     first_step = int(_col(next(group.itertuples()), "step") or 0)
     after = _steps_after(steps, first_step)
     later = recompiles[recompiles["step"].fillna(-1) > first_step]
+    later_costs = costs[costs["step"].fillna(-1) > first_step]
     n_after = max(len(after), 1)
-    lost = float(later["duration_s"].sum()) / n_after if len(later) else 0.0
+    lost = float(later_costs["duration_s"].sum()) / n_after if len(later) else 0.0
     median_after = float(after["duration_s"].median()) if len(after) else None
     share = min(lost / median_after, 1.0) if median_after else None
     if len(later):
@@ -727,8 +830,7 @@ def _dynamo_finding(run, rank, group, steps):
     m = next((_SIZE_MISMATCH.search(r) for r in raw if _SIZE_MISMATCH.search(r)), None)
     changes = [f"{x['expected']} → {x['actual']}" for x in (_SIZE_MISMATCH.search(r) for r in raw)
                if x and x["expected"]]
-    caller = next((_col(r, "caller") for r in recompiles.itertuples()
-                   if isinstance(_col(r, "caller"), dict)), None)
+    site_kind, caller = _call_site(recompiles)
     where = _where(caller, run)
     functions = collections.Counter(str(k) for k in recompiles["kernel"])
     prescriptions = []
@@ -740,28 +842,29 @@ def _dynamo_finding(run, rank, group, steps):
             expected_gain_s_per_step=lost, automatic=True))
     if m:
         name, dim = m["name"], m["dim"]
+        short = re.sub(r"^L\['([^']+)'\].*$", r"\1", name)
+        change, arg = _mark_dynamic_change(caller if site_kind == "call_site" else None, short, dim)
+        at = (f" at {where}" if site_kind == "call_site" else
+              f" (the compiled function: {where})" if where else "")
+        passed = f" ({arg} is passed as {short})" if arg and arg != short else ""
         prescriptions.append(Prescription(
-            kind="code", summary=f"mark dimension {dim} of {name} dynamic before the compiled call "
-                                 f"(torch._dynamo.mark_dynamic(x, {dim})), or torch.compile(..., "
-                                 "dynamic=True)",
-            change={"code": {"file": caller.get("file") if caller else None,
-                             "line": caller.get("line") if caller else None,
-                             "before": "torch.compile(fn)  # recompiles for every new size",
-                             "after": f"torch._dynamo.mark_dynamic(x, {dim}) before the call, or "
-                                      "torch.compile(fn, dynamic=True)"}},
-            expected_gain_s_per_step=lost))
+            kind="code", summary=f"mark dimension {dim} of {short} dynamic before the compiled call"
+                                 f"{at}: torch._dynamo.mark_dynamic({arg or short}, {dim}){passed}; "
+                                 "or compile with torch.compile(..., dynamic=None) (automatic "
+                                 "dynamic shapes: one recompile, then symbolic) or dynamic=True",
+            change={"code": change} if change else {}, expected_gain_s_per_step=lost))
     else:
         prescriptions.append(Prescription(
-            kind="code", summary="make the guard that fails stable, or compile with dynamic=True "
-                                 f"(reason: {top_reason[:120]})",
-            change={"code": {"file": caller.get("file") if caller else None,
-                             "line": caller.get("line") if caller else None,
-                             "before": top_reason[:200], "after": "torch.compile(fn, dynamic=True)"}},
+            kind="code", summary="make the guard that fails stable (the value it checks changes "
+                                 f"between calls{(' at ' + where) if where else ''}): "
+                                 f"{top_reason[:160]}",
             expected_gain_s_per_step=lost))
     steady = len(later) >= 2
     severity = _severity(share, steady=steady) if len(later) else "low"
     if severity == "info" and len(later):
         severity = "low"
+    skipped = ", ".join(f"{n} {'backward graph(s)' if k == 'backward' else 'graph(s) for another grad/train mode'}"
+                        for k, n in sorted(not_recompiles.items()))
     return Finding(
         id="jit.dynamo_recompile",
         title=(f"torch.compile recompiles {', '.join(functions)} {len(recompiles)} time(s): "
@@ -769,12 +872,14 @@ def _dynamo_finding(run, rank, group, steps):
         severity=severity, analyzer="jit",
         summary=(f"{', '.join(functions)} recompiled {len(recompiles)} time(s) on rank {rank}"
                  + (f" ({where})" if where else "") + f"; reason: {top_reason}"
-                 + (f"; {lost:.2f} s per step after step {first_step}" if len(later) else "") + "."),
+                 + (f"; {lost:.2f} s per step after step {first_step}" if len(later) else "")
+                 + (f". Not counted: {skipped} (compiled once each)" if skipped else "") + "."),
         steps_affected=tuple(sorted(int(s) for s in set(recompiles["step"].dropna()))),
         seconds_lost_per_step=lost if len(later) else None, share_of_step=share,
         evidence={"rank": rank, "recompiles": int(len(recompiles)), "reasons": dict(reasons),
                   "reasons_each": raw[:20], "size_changes": changes[:20],
-                  "functions": dict(functions), "caller": caller,
+                  "functions": dict(functions), "caller": caller, "caller_kind": site_kind,
+                  "not_recompiles": dict(not_recompiles),
                   "seconds_each": [round(float(x), 3) for x in recompiles["duration_s"]]},
         prescriptions=tuple(prescriptions), ranks=(rank,))
 
@@ -797,7 +902,7 @@ def _analyze_rank(run, rank, compiles):
             findings.append(found)
     dynamo = compiles[compiles["kind"] == "dynamo"].sort_values("start_ns")
     if len(dynamo):
-        firsts.append(dynamo[[not is_dynamo_recompile(r) for r in dynamo.itertuples()]])
+        firsts.append(dynamo[[k in ("first", "backward", "mode") for k in dynamo_kinds(dynamo)]])
         found = _dynamo_finding(run, rank, dynamo, steps)
         if found:
             findings.append(found)

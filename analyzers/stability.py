@@ -18,6 +18,7 @@ SLOW_FACTOR = 2.0          # a step this much slower than the median is a slow s
                            # recurs by chance on a busy machine, and then looks periodic)
 MIN_EXCESS_S = 0.005       # ...and at least this much slower in absolute terms
 MIN_OCCURRENCES = 3
+MIN_UNEXPLAINED = 5        # a period with no cause in the record needs this many slow steps
 MIN_PRECISION = 0.75       # of the slow steps, the share that fall on the period
 MIN_RECALL = 0.75          # of the steps on the period, the share that are slow
 CV_INFO = 0.20
@@ -166,6 +167,38 @@ def _call_text(io):
     return f"{io['call']}{where}"
 
 
+# a checkpoint write: torch.save, torch.distributed.checkpoint, safetensors, HF save_pretrained
+_SAVE_FRAME = re.compile(r"torch[/\\]serialization\.py$|torch[/\\]distributed[/\\]checkpoint[/\\]"
+                         r"|safetensors[/\\]|[/\\]modeling_utils\.py$")
+_SAVE_FUNCTIONS = ("save", "_save", "save_file", "save_pretrained", "async_save", "save_state_dict")
+
+
+def save_sites(run, rank):
+    """[{file, line, function, seconds}] of the job's own lines that write checkpoints, from
+    py-spy's main-thread samples inside a checkpoint writer (the job's frame that called it)."""
+    recording = run.pyspy.get((rank, "all"))
+    if not recording:
+        return []
+    main = ev.main_thread_id(recording, run.pyspy.get((rank, "gil")))
+    threads = ev.merge_threads(recording)
+    if main not in threads:
+        return []
+    samples = threads[main][1]
+    sites = {}
+    for stack, weight in zip(samples.stacks, samples.weights):
+        inside = next((i for i, f in enumerate(stack)
+                       if _SAVE_FRAME.search(f.file or "") and f.name.split(".")[-1] in _SAVE_FUNCTIONS), None)
+        if inside is None:
+            continue
+        own = ev.user_frames(stack[:inside])
+        if own:
+            key = (own[-1].file, own[-1].line, own[-1].name)
+            sites[key] = sites.get(key, 0.0) + weight
+    return [{"file": f, "line": line, "function": fn, "seconds": round(sec, 3),
+             "frame": f"{fn} ({f}:{line})"}
+            for (f, line, fn), sec in sorted(sites.items(), key=lambda kv: -kv[1])[:3]]
+
+
 def _causes(run, rank, slow_rows, normal_rows):
     """What the slow steps have that the others do not: checkpoint/file writes (the shim's
     timed torch.save/DCP calls, with the job's line), log lines, gen-2 collections."""
@@ -187,6 +220,9 @@ def _causes(run, rank, slow_rows, normal_rows):
         n = sum(1 for s in slow_rows["step"] if int(s) in with_gc)
         if n >= 0.6 * len(slow_rows):
             causes["gen2_gc_in_slow_steps"] = n
+    saves = save_sites(run, rank)
+    if saves:
+        causes["save_sites"] = saves
     return causes
 
 
@@ -194,20 +230,16 @@ def _periodic_prescriptions(run, causes, lost, period):
     text = " ".join(c["text"] for c in causes.get("log_lines_in_slow_steps", [])).lower()
     out = []
     io = causes.get("io_in_slow_steps")
-    if io:
-        if any("megatron" in a.lower() or "pretrain_" in a for a in run.command):
-            out.append(Prescription(
-                kind="arg", summary="Megatron: --async-save (with --ckpt-format torch_dist) writes "
-                                    "checkpoints in the background",
-                change={"arg": {"framework": "megatron", "set": {"--async-save": True}}},
-                expected_gain_s_per_step=lost))
-        out.append(Prescription(
-            kind="code",
-            summary=f"{_call_text(io[0])} runs every {period} steps on the critical path "
-                    f"({io[0]['seconds_per_step']:.2f} s each time): save asynchronously "
-                    "(torch.distributed.checkpoint.async_save, or a background thread that writes "
-                    "a CPU copy of the state), or less often",
-            expected_gain_s_per_step=lost))
+    saves = causes.get("save_sites") or []
+    if io and (io[0].get("caller") or {}).get("file"):
+        # the shim timed the write: its caller is the job's own line
+        caller = io[0]["caller"]
+        saves = [{"file": caller.get("file"), "line": caller.get("line"),
+                  "function": caller.get("function") or io[0]["call"],
+                  "seconds": io[0]["seconds_per_step"],
+                  "frame": f"{io[0]['call']} ({caller.get('file')}:{caller.get('line')})"}] + saves
+    if saves:
+        out.extend(checkpoint_prescriptions(run, saves, lost, period))
     elif "checkpoint" in text or "saving" in text or "save" in text:
         if any("megatron" in a.lower() or "pretrain_" in a for a in run.command):
             out.append(Prescription(
@@ -256,6 +288,68 @@ def _io_from_ledger(run, rank, steady, causes, lost, share):
     return io_lost, float(led["io_s"].sum()) / wall
 
 
+def checkpoint_prescriptions(run, saves, lost, period):
+    """A checkpoint every `period` steps, written at the job's own line: save asynchronously,
+    in the framework's terms."""
+    from .frameworks import knob_owner
+
+    top = saves[0]
+    where = f"{top['file']}:{top['line']}"
+    framework = knob_owner(run)
+    out = []
+    if framework == "torchtitan":
+        out.append(Prescription(
+            kind="arg", summary="torchtitan: checkpoint.async_mode = \"async\" (or "
+                                "\"async_with_pinned_mem\") writes the checkpoint in the background; "
+                                "or a larger checkpoint.interval",
+            change={"arg": {"framework": "torchtitan", "set": {"--checkpoint.async_mode": "async"}}},
+            expected_gain_s_per_step=lost))
+    elif framework == "megatron":
+        out.append(Prescription(
+            kind="arg", summary="Megatron: --async-save (with --ckpt-format torch_dist) writes "
+                                "checkpoints in the background",
+            change={"arg": {"framework": "megatron", "set": {"--async-save": True}}},
+            expected_gain_s_per_step=lost))
+    elif framework == "hf_trainer":
+        out.append(Prescription(
+            kind="code", summary="TrainingArguments(save_steps=...) larger, or save_strategy=\"no\" "
+                                 "with one save at the end: the Trainer saves synchronously",
+            expected_gain_s_per_step=lost))
+    out.append(Prescription(
+        kind="code",
+        summary=f"{top['function']} ({where}) writes a checkpoint "
+                f"{'every ' + str(period) + ' steps' if period else 'inside the steps'} on the "
+                "critical path: save asynchronously (torch.distributed.checkpoint.async_save, or "
+                "a background thread that writes a CPU copy), or less often",
+        expected_gain_s_per_step=lost))
+    return out
+
+
+def _checkpoint_in_steps(run, rank):
+    """Checkpoints written inside the steps when the step times are too noisy (a busy machine)
+    for a period to show: py-spy's samples inside the writer, against the steps' time."""
+    saves = save_sites(run, rank)
+    total = ev.steps_seconds(run, rank)
+    spent = sum(s["seconds"] for s in saves)
+    share = spent / total if total else 0.0
+    if not saves or share < 0.03:
+        return None
+    steps = len(run.rank_steps(rank))
+    lost = spent / steps if steps else None
+    return Finding(
+        id="steps.checkpoint_in_step",
+        title=f"Checkpoints are written inside the training steps on rank {rank} "
+              f"({share:.0%} of step time)",
+        severity=ev.severity_for_share(share), analyzer="stability",
+        summary=(f"{spent:.2f} s of the main thread's time went to writing checkpoints at "
+                 f"{saves[0]['frame']}, inside the steps, {share:.0%} of their time."),
+        seconds_lost_per_step=lost, share_of_step=share,
+        evidence={"rank": rank, "save_sites": saves, "seconds_saving": round(spent, 3),
+                  "method": "main-thread py-spy seconds inside a checkpoint writer (torch.save, "
+                            "torch.distributed.checkpoint, safetensors) / the rank's step time"},
+        prescriptions=tuple(checkpoint_prescriptions(run, saves, lost, None)), ranks=(rank,))
+
+
 def _analyze_rank(run, rank):
     findings = []
     steady = ev.steady_steps(run, rank).sort_values("step")
@@ -282,15 +376,24 @@ def _analyze_rank(run, rank):
             io = causes["io_in_slow_steps"][0]
             cause_text = (f" In them the job calls {_call_text(io)} "
                           f"({io['seconds_per_step']:.2f} s each time, timed by the shim).")
+        elif causes.get("save_sites"):
+            cause_text = f" They write a checkpoint at {causes['save_sites'][0]['frame']}."
         elif causes.get("log_lines_in_slow_steps"):
             cause_text = f" In them the job printed: '{causes['log_lines_in_slow_steps'][0]['text']}'."
         elif causes.get("gen2_gc_in_slow_steps"):
             cause_text = " They hold full (gen-2) garbage collections."
+        severity = ev.severity_for_share(share)
+        if not causes and len(hits) < MIN_UNEXPLAINED:
+            # a few slow steps that happen to line up, with nothing in the record done in them:
+            # on a busy machine that is chance as often as a cause
+            severity = "info"
+            cause_text = (f" Nothing the job did in them was recorded, and {len(hits)} "
+                          "occurrences can line up by chance on a busy machine.")
         findings.append(Finding(
             id="steps.periodic_slow",
             title=f"Every {period}th step is slow on rank {rank} "
                   f"(+{float(slow_rows['duration_s'].median()) - normal_median:.2f} s)",
-            severity=ev.severity_for_share(share), analyzer="stability",
+            severity=severity, analyzer="stability",
             summary=(f"Steps {', '.join(map(str, hits[:8]))}{'…' if len(hits) > 8 else ''} (period "
                      f"{period}) take {float(slow_rows['duration_s'].median()):.3f} s against "
                      f"{normal_median:.3f} s for the others.{cause_text}"),
@@ -301,6 +404,10 @@ def _analyze_rank(run, rank):
             prescriptions=tuple(_periodic_prescriptions(run, causes, lost, period)),
             ranks=(rank,)))
         rest = normal_rows
+    else:
+        found = _checkpoint_in_steps(run, rank)
+        if found:
+            findings.append(found)
     d = rest["duration_s"]
     cv = float(d.std(ddof=0) / d.mean()) if len(d) and d.mean() else 0.0
     if cv >= CV_INFO:

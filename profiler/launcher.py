@@ -59,7 +59,7 @@ def write_json_atomic(path, data):
 class Options:
     def __init__(self, steps=0, pyspy=True, shim=True, nvml=True, pyspy_rate_hz=20,
                  dump_interval_s=2.0, nvml_interval_s=0.5, extra_env=None, torch_profile=None,
-                 step_marker=None):
+                 step_marker=None, log_regex=None):
         self.steps = steps
         self.pyspy = pyspy
         self.shim = shim
@@ -70,6 +70,7 @@ class Options:
         self.extra_env = extra_env or {}
         self.torch_profile = torch_profile  # None: the shim's default window; "off"; "N"; "A-B"
         self.step_marker = step_marker  # "module:function" whose calls end steps, or None
+        self.log_regex = log_regex  # the job's own step/loss line (kept in the manifest for re-analysis)
 
     def as_dict(self):
         return dict(vars(self))

@@ -204,7 +204,7 @@ def _step_rows(run, t0):
         source = "shim"
     else:
         ls = run.log_steps
-        ls = ls[ls["step_time_s"].notna()] if len(ls) else ls
+        ls = ls[ls["step_time_s"].notna() & ls["step"].notna()] if len(ls) else ls
         for s in ls.itertuples():
             end = (int(s.t) - t0) / 1e9
             rows.setdefault("0", []).append({"step": int(s.step), "start_s": end - s.step_time_s,
@@ -412,7 +412,9 @@ def _losses(run):
     ls = run.log_steps
     if not len(ls) or "loss" not in ls:
         return {}
-    return {int(s.step): float(s.loss) for s in ls.itertuples() if _num(s.loss) is not None}
+    # a line without a step or a loss (a log format that carries only one) is no point of the curve
+    return {int(s.step): float(s.loss) for s in ls.itertuples()
+            if _num(s.loss) is not None and _num(s.step) is not None}
 
 
 # -- py-spy: the GIL holder's stacks as an icicle tree, and per-thread GIL shares -----------------

@@ -7,6 +7,7 @@ reports and comparisons read only this object and never change it.
 import glob
 import json
 import os
+import re
 import warnings
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -20,6 +21,11 @@ STEP_COLUMNS = ["rank", "step", "start_ns", "end_ns", "duration_s"]
 PROCESS_COLUMNS = ["pid", "ppid", "label", "rank", "evidence", "argv", "file"]
 COMPILE_COLUMNS = ["rank", "kind", "kernel", "start_ns", "end_ns", "duration_s", "thread",
                    "is_main_thread", "step", "caller", "key", "key_fields", "detail"]
+
+
+_WRAPPED_VALUE = re.compile(r"loss\w*:\s*$")
+_VALUE_LINE = re.compile(r"^[\s\d:.,/%•-]*\s[-+]?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?\s*$|"
+                         r"^\s*[-+]?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?\s*$")
 
 
 class TruncatedEvidenceWarning(UserWarning):
@@ -161,16 +167,40 @@ class RunRecord:
 
     @cached_property
     def log_steps(self):
-        """Steps and losses the job printed itself (Megatron, torchtitan, HF, ms-swift, slime)."""
-        from traindx.profiler.logparse import parse_line
+        """Steps and losses the job printed itself (see profiler/logparse.py for the formats;
+        `diagnose --log-regex` adds the job's own). A line without a step (HF Trainer's dicts:
+        the step is the Trainer's state.global_step) gets the number of optimizer steps the shim
+        had seen end when the line was printed, else its position among such lines."""
+        from traindx.profiler.logparse import compile_custom, parse_line
 
+        pattern = (self.manifest.get("options") or {}).get("log_regex")
+        try:
+            custom = compile_custom(pattern) if pattern else None
+        except ValueError as exc:
+            warnings.warn(str(exc), TruncatedEvidenceWarning, stacklevel=2)
+            custom = None
+        columns = ["t", "step", "loss", "step_time_s", "format", "tokens"]
         rows = []
-        for t, text in zip(self.log["t"], self.log["text"]):
-            parsed = parse_line(text)
+        texts = list(self.log["text"])
+        for i, (t, text) in enumerate(zip(self.log["t"], texts)):
+            if i + 1 < len(texts) and _WRAPPED_VALUE.search(text) and _VALUE_LINE.match(texts[i + 1]):
+                # rich (Lightning's progress bar) wraps the bar's columns onto the next line:
+                # the metric's value is that line's last number (after the times it pushed down)
+                text = text.rstrip() + " " + texts[i + 1].split()[-1]
+            parsed = parse_line(text, custom)
             if parsed:
                 parsed["t"] = t
                 rows.append(parsed)
-        return pd.DataFrame(rows, columns=["t", "step", "loss", "step_time_s", "format", "tokens"])
+        if any(r["step"] is None for r in rows):
+            ends = sorted(int(t) for t in self.events["t"][self.events["type"] == "step_end"]) \
+                if len(self.events) and "type" in self.events else []
+            import bisect
+            unnumbered = 0
+            for r in rows:
+                if r["step"] is None:
+                    unnumbered += 1
+                    r["step"] = bisect.bisect_right(ends, int(r["t"])) if ends else unnumbered
+        return pd.DataFrame(rows, columns=columns)
 
     @cached_property
     def pyspy(self):

@@ -41,6 +41,9 @@ def prepare_parser(parser):
                         help="torch.profiler window stored as trace/<rank>.json.gz: N steps from "
                              "step 3, or A-B, or off (default: steps 3-4 of a CUDA job, skipped "
                              "when steps take over 5 s)")
+    parser.add_argument("--log-regex", default=None, metavar="REGEX",
+                        help="the job's own step line: a Python regex with named groups step, "
+                             "loss, time_ms or step_time_s")
     parser.add_argument("--fix", action="store_true",
                         help="apply the automatic prescriptions, re-run and compare")
     parser.add_argument("--wheels", default=None, metavar="DIR",
@@ -65,6 +68,12 @@ def _command(args, parser):
     if not window or (window[2] and int(window[2]) < int(window[1])):
         raise UserError(f"--torch-profile {args.torch_profile}: give N (steps from step 3), "
                         "A-B (steps A to B) or off")
+    if getattr(args, "log_regex", None):
+        from traindx.profiler.logparse import compile_custom
+        try:
+            compile_custom(args.log_regex)
+        except ValueError as exc:
+            raise UserError(str(exc)) from None
     return command
 
 
@@ -75,7 +84,8 @@ def options_from(args, extra_env=None):
                    nvml=not args.no_nvml, pyspy_rate_hz=args.pyspy_rate,
                    dump_interval_s=args.dump_interval, extra_env=extra_env,
                    torch_profile=getattr(args, "torch_profile", None),
-                   step_marker=getattr(args, "step_marker", None))
+                   step_marker=getattr(args, "step_marker", None),
+                   log_regex=getattr(args, "log_regex", None))
 
 
 def record_job(command, run_dir, options, quiet=False):

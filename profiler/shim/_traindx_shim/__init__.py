@@ -168,7 +168,7 @@ def activate():
     _state["run_dir"] = os.environ["TRAINDX_RUN_DIR"]
     _start_writer(deferred=roles.is_multiprocessing_child(getattr(sys, "orig_argv", sys.argv)))
     os.register_at_fork(after_in_child=_after_fork_in_child)
-    from . import gcstats, steps, compiles, torchcalls, torchprof, procrole
+    from . import gcstats, steps, compiles, torchcalls, torchprof, procrole, datasites
 
     gcstats.install()
     procrole.register()
@@ -179,4 +179,5 @@ def activate():
     from . import spans, runtime_patches
     spans.register()  # time ledger spans
     runtime_patches.register()  # --fix runtime patches, max_seqlen origin tracer
+    datasites.register()
     importhooks.install()
