@@ -24,7 +24,6 @@ CACHE_ENABLE_VAR = "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"
 CACHE_DIR_VAR = "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR"
 SINGLE_BLOCK_FIELDS = ("single_q_block", "single_k_block")
 _TENSOR_REPR = re.compile(r"\b(Fake)?Tensor\(|\btensor\(")
-DYNAMIC_EXAMPLE = "compile_dynamic.py"
 
 
 # -- small helpers -----------------------------------------------------------------------------
@@ -834,12 +833,6 @@ def _dynamo_finding(run, rank, group, steps):
     where = _where(caller, run)
     functions = collections.Counter(str(k) for k in recompiles["kernel"])
     prescriptions = []
-    command = [str(t) for t in run.command]
-    if any(t.endswith(DYNAMIC_EXAMPLE) for t in command):
-        prescriptions.append(Prescription(
-            kind="arg", summary="compile with dynamic shapes (the example: --dynamic true)",
-            change={"arg": {"framework": "example", "set": {"--dynamic": "true"}}},
-            expected_gain_s_per_step=lost, automatic=True))
     if m:
         name, dim = m["name"], m["dim"]
         short = re.sub(r"^L\['([^']+)'\].*$", r"\1", name)

@@ -234,7 +234,9 @@ def test_dynamo_recompiles_on_changing_shapes_with_reason(tmp_path_factory):
     assert any("size mismatch at index 1" in r for r in f.evidence["reasons"])
     assert f.evidence["recompiles"] >= 2 and {1, 2} <= set(f.steps_affected)
     assert f.seconds_lost_per_step > 0
-    assert f.prescriptions[0].change["arg"]["set"] == {"--dynamic": "true"}
+    # the advice is torch's own (mark_dynamic), never one of the script's flags
+    assert "mark_dynamic" in f.prescriptions[0].summary
+    assert not any("arg" in p.change for p in f.prescriptions)
     assert any("mark_dynamic" in p.summary and "dynamic=True" in p.summary for p in f.prescriptions)
     # the re-analysis of the same folder gives the same finding
     proc = diagnose(["analyze", run.path, "--json"], cwd=run.path)
