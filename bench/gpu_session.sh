@@ -3,10 +3,11 @@
 # back after 30 s idle). Each call: `bash bench/gpu_session.sh CALL` from the repo root.
 #   a       piece a of the bundle (../shared/gpu/make-bundle; carry .gpu-bundle/a), traindx installed
 #   b       piece b + install; then, alone on both GPUs: 2 ranks x 2 py-spy recorders overhead
-#           (gpu_ranks.sh), megatron-core under torchrun on 2 GPUs, steps on CUDA (gpu_steps.sh)
+#           (gpu_ranks.sh), megatron-core under torchrun on 2 GPUs, NVML sampling only the job's GPUs
 #   fix     GPU 0: --fix on held-out jobs (gpu_fix_heldout.sh); GPU 1: megatron-core + FLA (gpu_megatron_fla.sh)
 #   window  GPU 0: the bounded torch.profiler window (gpu_profiler_window.sh); GPU 1: the seed
-#           case re-measured with --fix (gpu_suite.sh fix) and its ledger (gpu_ledger.sh)
+#           case re-measured with --fix (gpu_suite.sh fix: predicted vs measured from the ledger),
+#           then steps on CUDA (gpu_steps.sh)
 # Each script's output is kept in $OUT/<name>.log and its files tarred into $OUT/<name>.tgz
 # (the device returns at most 8 files).
 set -uo pipefail
@@ -14,12 +15,12 @@ OUT=${OUT:-/tmp/out}
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 log() { echo "== $(date +%T) $*"; }
 
-part() {  # part NAME GPUS SCRIPT [ARGS...]: run one script with its own OUT, keep log and files
-  local name=$1 gpus=$2; shift 2
+part() {  # part NAME GPUS SECONDS SCRIPT [ARGS...]: one script with its own OUT, log and files
+  local name=$1 gpus=$2 limit=$3; shift 3
   local dir=/tmp/parts/$name
   rm -rf "$dir"; mkdir -p "$dir"
   log "start $name (GPUs $gpus)"
-  CUDA_VISIBLE_DEVICES=$gpus OUT=$dir "$@" > "$OUT/$name.log" 2>&1
+  CUDA_VISIBLE_DEVICES=$gpus OUT=$dir timeout -k 10 "$limit" "$@" > "$OUT/$name.log" 2>&1
   log "end $name: rc $?"
   (cd /tmp/parts && tar czf "$OUT/$name.tgz" "$name" 2>/dev/null)
   if [ "$(stat -c %s "$OUT/$name.tgz")" -gt 15000000 ]; then  # 16 MiB a file comes back
@@ -39,27 +40,27 @@ b)
   bash .gpu-bundle/b/install.sh | tail -2
   export PYTHONPATH=/opt/gpu-boot
   python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -3
-  part ranks 0,1 bash bench/gpu_ranks.sh
+  part ranks 0,1 240 bash bench/gpu_ranks.sh
   grep -E "ratio|median|ranks OK|FAIL|rank" "$OUT/ranks.log" | head -20
-  part megatron2 0,1 bash bench/gpu_megatron_2gpu.sh
+  part megatron2 0,1 170 bash bench/gpu_megatron_2gpu.sh
   tail -4 "$OUT/megatron2.log"
-  part steps 0 bash bench/gpu_steps.sh
-  tail -12 "$OUT/steps.log"
+  part nvmlselect 0,1 80 bash bench/gpu_nvml_select.sh
+  tail -6 "$OUT/nvmlselect.log"
   ;;
 fix)
   export PYTHONPATH=/opt/gpu-boot
-  part fixheldout 0 bash bench/gpu_fix_heldout.sh setup fa4 triton cold summary &
+  part fixheldout 0 560 bash bench/gpu_fix_heldout.sh setup fa4 triton cold summary &
   sleep 20  # the first one's pip install first
-  part megatronfla 1 env TOTAL_S=${TOTAL_S:-520} bash bench/gpu_megatron_fla.sh fla healthy packed &
+  part megatronfla 1 560 env TOTAL_S=${TOTAL_S:-520} bash bench/gpu_megatron_fla.sh fla healthy packed &
   wait
   tail -30 "$OUT/fixheldout.log"; echo; grep -E "PASS|FAIL|SKIP" "$OUT/megatronfla.log"
   ;;
 window)
   export PYTHONPATH=/opt/gpu-boot
-  part window 0 bash bench/gpu_profiler_window.sh &
-  (part seedfix 1 bash bench/gpu_suite.sh fix; part ledger 1 bash bench/gpu_ledger.sh) &
+  part window 0 500 bash bench/gpu_profiler_window.sh &
+  (part seedfix 1 330 bash bench/gpu_suite.sh fix; part steps 1 100 bash bench/gpu_steps.sh) &
   wait
-  tail -25 "$OUT/window.log"; echo; tail -30 "$OUT/seedfix.log"; echo; tail -20 "$OUT/ledger.log"
+  tail -25 "$OUT/window.log"; echo; tail -30 "$OUT/seedfix.log"; echo; tail -12 "$OUT/steps.log"
   ;;
 *) echo "usage: bash bench/gpu_session.sh a|b|fix|window" >&2; exit 2 ;;
 esac
