@@ -58,7 +58,8 @@ for name, want in (("scaler", 6), ("titan", 6), ("stop", 3)):
     if not os.path.isdir(path):
         continue
     run = traindx.load_run(path)
-    ev = [json.loads(l) for l in open(os.path.join(path, "events", "0.jsonl"))]
+    pid = json.load(open(os.path.join(path, "manifest.json")))["ranks"]["0"]
+    ev = [json.loads(l) for l in open(os.path.join(path, "events", f"p{pid}.jsonl"))]
     ends = [e for e in ev if e["type"] == "step_end"]
     skipped = [e.get("skipped_optimizer_steps", 0) for e in ends]
     alloc = sum(1 for e in ev if e["type"] == "alloc")

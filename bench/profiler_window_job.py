@@ -22,7 +22,7 @@ if cuda:
     import triton
     import triton.language as tl
 
-    @triton.autotune(configs=[triton.Config({"BLOCK": 2 ** (5 + i % 6)}, num_warps=1 + i % 4)
+    @triton.autotune(configs=[triton.Config({"BLOCK": 2 ** (5 + i % 6)}, num_warps=2 ** (i % 3))
                               for i in range(args.configs)], key=["n"])
     @triton.jit
     def add_kernel(x, y, out, n, BLOCK: tl.constexpr):
