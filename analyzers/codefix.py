@@ -170,7 +170,9 @@ def checked(findings):
         prescriptions, changed = [], False
         for p in finding.prescriptions:
             code = (p.change or {}).get("code")
-            if code is None:
+            if code is None or code.get("autotune_key"):
+                # (an autotune-key edit is located and checked by the fix loop itself, at the
+                # kernel's decorator: traindx/fix_source.py)
                 prescriptions.append(p)
                 continue
             valid = code_change(code.get("file"), code.get("line"), code.get("before"),
@@ -181,7 +183,8 @@ def checked(findings):
             change = {k: v for k, v in p.change.items() if k != "code"}
             after = str(code.get("after") or "").strip()
             summary = p.summary if not after or after in p.summary else f"{p.summary} ({after})"
-            prescriptions.append(replace(p, change=change, summary=summary))
+            prescriptions.append(replace(p, change=change, summary=summary,
+                                         automatic=p.automatic and bool(change)))
             changed = True
         out.append(replace(finding, prescriptions=tuple(prescriptions)) if changed else finding)
     return out

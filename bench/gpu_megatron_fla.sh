@@ -93,8 +93,9 @@ packed)  # (ii)
   log "packed megatron + FA4 b17 + tensor max_seqlen, --fix"
   rm -rf runs/mg-fix
   skip_if_late "packed megatron + FA4 b17 --fix" 330 || continue
-  FA4_VERSION=b17 timeout $T diagnose --quiet --fix --steps 6 --out runs/mg-fix -- \
-    $PY $MG --packed --max-seqlen-as tensor --steps 6 --layers 2 --micro-batches 1 2>&1 | tail -45
+  # 8 steps, no profiler window: 6 steady steps an arm, enough for an interval
+  FA4_VERSION=b17 timeout $T diagnose --quiet --fix --steps 8 --torch-profile off --out runs/mg-fix -- \
+    $PY $MG --packed --max-seqlen-as tensor --steps 8 --layers 2 --micro-batches 1 2>&1 | tail -45
   timeout 60 $PY - <<'P' 2>&1 | tee -a "$SUMMARY"
 import glob, json, os
 fixes = sorted(glob.glob("runs/mg-fix/*/fix.json") + glob.glob("runs/mg-fix/fix.json"), key=os.path.getmtime)

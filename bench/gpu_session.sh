@@ -62,6 +62,17 @@ window)
   wait
   tail -25 "$OUT/window.log"; echo; tail -30 "$OUT/seedfix.log"; echo; tail -12 "$OUT/steps.log"
   ;;
-*) echo "usage: bash bench/gpu_session.sh a|b|fix|window" >&2; exit 2 ;;
+redo)  # after piece b on a fresh machine: what the first session's calls left to prove
+  bash .gpu-bundle/b/install.sh | tail -1
+  export PYTHONPATH=/opt/gpu-boot
+  python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -3
+  (part window 0 250 bash bench/gpu_profiler_window.sh; part seedfix 0 230 bash bench/gpu_suite.sh fix;
+   part steps 0 60 bash bench/gpu_steps.sh) &
+  (part fixtriton 1 170 bash bench/gpu_fix_heldout.sh triton summary;
+   part megatronfla 1 380 env TOTAL_S=360 bash bench/gpu_megatron_fla.sh fla packed) &
+  wait
+  for f in window seedfix steps fixtriton megatronfla; do echo "=== $f"; tail -14 "$OUT/$f.log"; done
+  ;;
+*) echo "usage: bash bench/gpu_session.sh a|b|fix|window|redo" >&2; exit 2 ;;
 esac
 ls -la "$OUT"

@@ -43,8 +43,9 @@ overhead)  # (d) bare vs diagnose, interleaved; FA4's disk cache keeps start-ups
     2>&1 | grep -E "^rep|ratio|median" ;;
 fix)  # (b) --fix on the seed case
   log fix
-  FA4_VERSION=b17 timeout 400 diagnose --quiet --fix --steps 6 --out runs/fix -- \
-    $PY $EX --steps 6 --max-seqlen-as tensor 2>&1 | tail -40 ;;
+  # 8 steps, no profiler window: both arms compare the same 6 steady steps (2-7)
+  FA4_VERSION=b17 timeout 400 diagnose --quiet --fix --steps 8 --torch-profile off --out runs/fix -- \
+    $PY $EX --steps 8 --max-seqlen-as tensor 2>&1 | tail -40 ;;
 pathologies)  # issue 7's GPU analyzers on real GPU evidence
   log pathologies
   for p in ${PATHOLOGIES:-none launch_bound alloc_retries power sync}; do
@@ -58,4 +59,4 @@ cache)  # (c) cold vs warm first step, GPU-warmed and CPU-warmed (sm_90) caches
 esac
 done
 log packing
-tar czf "$OUT/runs.tar.gz" runs 2>/dev/null; ls -la "$OUT"
+tar czf "$OUT/runs.tar.gz" --exclude="*.speedscope.json" --exclude="*.json.gz" --exclude=scratch runs 2>/dev/null; ls -la "$OUT"

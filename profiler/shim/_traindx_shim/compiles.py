@@ -32,6 +32,8 @@ def _thread_fields():
 
 
 def _emit_compile(kind, kernel, start_ns, end_ns, duration_s=None, **fields):
+    if kind != "dynamo":  # (torch.compile's graphs for an evaluation before training stay start-up)
+        steps.kernel_compile_started(start_ns)
     begin = steps.in_step_since()
     if duration_s is None:
         duration_s = (end_ns - start_ns) / 1e9
@@ -427,6 +429,7 @@ def _on_triton_autotuner(module):
                       "bench_time": getattr(self, "bench_time", None),
                       "benched": 0, "jit_ns": 0, "jit_compiles": 0, "disk_cache_hit": None}
             _tl.autotune = tuning
+            steps.kernel_compile_started(tuning["start"])
         except Exception as exc:
             report_error("triton autotune hook", exc)
         if tuning is None:

@@ -112,6 +112,20 @@ def _begin_step0(t, by, retro=False):
     _sync_forward_hook()
 
 
+def kernel_compile_started(t):
+    """A kernel compile or autotune (Triton, CuTe DSL) after the optimizer exists, before any
+    batch, forward or backward was seen: a job that calls its kernels outside nn.Modules (a
+    functional FLA or FA4 call) has begun its first iteration there, so its first compile and
+    autotune seconds belong to step 0, not to start-up. Called when the compile is recorded."""
+    if _state["begin"] is not None or _state["step"] != 0 or os.getpid() != _PID:
+        return
+    created = _state["opt_created_t"]
+    if created is None or t < created:
+        return
+    gcstats.emit_step(-1)
+    _begin_step0(t, "kernel compile", retro=True)
+
+
 def _end(source, t=None, retro=False):
     t = time.time_ns() if t is None else t
     step = _state["step"]
