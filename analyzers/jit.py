@@ -667,12 +667,21 @@ def _autotune_finding(run, rank, kernel, group, steps):
                       if isinstance(_col(r, "key_names"), list)), None)
     fields = [f for f in fields if not key_names or f in key_names] or fields
     prescriptions = []
+    advice_evidence = {}
     if is_fla:
-        prescriptions.append(Prescription(
-            kind="env", summary="flash-linear-attention: FLA_CACHE_RESULTS=1 (reuse the tuned "
-                                "configs instead of tuning again when the key changes)",
-            change={"env": {"FLA_CACHE_RESULTS": "1"}}, automatic=True,
-            expected_gain_s_per_step=lost))
+        # FLA's own settings, only those the installed releases read and that change something
+        # (checked against their source: docs/autotune.md)
+        from dataclasses import replace
+
+        from . import autotune_advice
+
+        advice = autotune_advice.advise(
+            group.to_dict("records"), run.manifest.get("packages"),
+            env=run.manifest.get("env") or run.manifest.get("environment"), run_path=run.path,
+            cache_dir=_beside_runs(run, "triton-cache"), config_dir=_beside_runs(run, "fla-configs"))
+        prescriptions.extend(p if p.expected_gain_s_per_step is not None
+                             else replace(p, expected_gain_s_per_step=lost) for p in advice.steady)
+        advice_evidence = advice.evidence()
     if not is_fla and fields:
         where = _where(caller, run)
         prescriptions.append(Prescription(
@@ -708,7 +717,8 @@ def _autotune_finding(run, rank, kernel, group, steps):
         seconds_lost_per_step=lost, share_of_step=share,
         evidence={"rank": rank, "kernel": kernel, "autotunes": int(len(group)),
                   "changing_key_fields": fields, "key_change_example": example,
-                  "seconds_each": [round(float(x), 3) for x in group["duration_s"]]},
+                  "seconds_each": [round(float(x), 3) for x in group["duration_s"]],
+                  **advice_evidence},
         prescriptions=tuple(prescriptions), ranks=(rank,))
 
 
