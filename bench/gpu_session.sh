@@ -73,6 +73,16 @@ redo)  # after piece b on a fresh machine: what the first session's calls left t
   wait
   for f in window seedfix steps fixtriton megatronfla; do echo "=== $f"; tail -14 "$OUT/$f.log"; done
   ;;
-*) echo "usage: bash bench/gpu_session.sh a|b|fix|window|redo" >&2; exit 2 ;;
+window2)  # the default window waits for a steady step (no bundle needed: torch and Triton only)
+  python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -3
+  part window 0 300 bash bench/gpu_profiler_window.sh &
+  (part steady 1 240 bash -c 'for p in none launch_bound; do
+     diagnose --quiet --no-pyspy --steps 14 --run-dir $OUT/$p -- \
+       python3 examples/gpu_pathologies.py --pathology $p --steps 14 > /dev/null 2>&1
+     python3 bench/window_events.py $OUT/$p; done') &
+  wait
+  tail -8 "$OUT/window.log"; cat "$OUT/steady.log"
+  ;;
+*) echo "usage: bash bench/gpu_session.sh a|b|fix|window|redo|window2" >&2; exit 2 ;;
 esac
 ls -la "$OUT"

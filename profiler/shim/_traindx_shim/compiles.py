@@ -31,7 +31,12 @@ def _thread_fields():
     return {"thread": th.name, "thread_id": th.ident, "is_main_thread": th.ident == _main_ident}
 
 
+# kernel compiles and autotunes recorded so far (the torch.profiler window profiles steady steps)
+counts = {"compiles": 0}
+
+
 def _emit_compile(kind, kernel, start_ns, end_ns, duration_s=None, **fields):
+    counts["compiles"] += 1
     if kind != "dynamo":  # (torch.compile's graphs for an evaluation before training stay start-up)
         steps.kernel_compile_started(start_ns)
     begin = steps.in_step_since()

@@ -19,7 +19,9 @@ every number. The budget is one median step (at least TRAINDX_TORCH_PROFILE_MIN_
 kineto cannot start in less) for the default window; an explicit --torch-profile window, which the
 user asked for, may cost up to max(30 s, 5 median steps); TRAINDX_TORCH_PROFILE_BUDGET_S sets it.
 The profiled steps are named in that event (first_step..last_step), so step statistics and --fix
-comparisons leave them out.
+comparisons leave them out. The default window profiles a steady step: while the step before it
+compiled or autotuned kernels it waits (up to MAX_POSTPONE steps, then stands down), because a
+Triton autotune launches thousands of benchmark kernels whose collection alone costs seconds.
 """
 import atexit
 import collections
@@ -36,6 +38,7 @@ from . import steps
 JOB_PROFILER_FLAGS = ("--profile", "--use-pytorch-profiler", "--torch-profile", "--profiler")
 DEFAULT_START = 3
 DEFAULT_STEPS = 2
+MAX_POSTPONE = 8  # steps the default window waits for one without compiles or autotunes
 LONG_STEP_S = float(os.environ.get("TRAINDX_TORCH_PROFILE_MAX_STEP_S") or 5.0)
 MAX_BYTES = int(float(os.environ.get("TRAINDX_TORCH_PROFILE_MAX_MB") or 20) * 1e6)
 MIN_BUDGET_S = float(os.environ.get("TRAINDX_TORCH_PROFILE_MIN_BUDGET_S") or 1.0)
@@ -49,7 +52,7 @@ MAX_RAW_RATIO = 15
 _state = {"window": None, "explicit": False, "profiler": None, "first": None, "torch": None,
           "last_boundary_ns": None, "done": False, "durations": collections.deque(maxlen=64),
           "median_s": None, "budget_s": None, "start_s": 0.0, "excess_s": 0.0, "profiled": [],
-          "after": None}
+          "after": None, "compiles_seen": 0, "postponed": 0}
 
 
 def _budget_s(median_s):
@@ -190,6 +193,14 @@ def _bounded_gzip(src, dst, max_bytes, deadline):
     return why
 
 
+def _compiled_since_last_boundary():
+    from . import compiles
+
+    seen, now = _state["compiles_seen"], compiles.counts["compiles"]
+    _state["compiles_seen"] = now
+    return now > seen
+
+
 def on_boundary(step):
     """Called as `step` begins (so the previous one has just ended)."""
     now = time.time_ns()
@@ -230,6 +241,7 @@ def _boundary(step, now, previous, last_s):
         return
     if last_s is not None and step - 1 >= 1:
         _state["durations"].append(last_s)
+    compiled = _compiled_since_last_boundary()
     if step == first:
         if steps.MAX_STEPS and step >= steps.MAX_STEPS:
             return  # `diagnose --steps N` stops the job before this step runs
@@ -249,6 +261,20 @@ def _boundary(step, now, previous, last_s):
         if reason:
             _state["done"] = True
             emit("torch_profile_skipped", step=step, reason=reason)
+            return
+        if compiled and not _state["explicit"]:
+            # a step that compiles or autotunes is not a steady step, and a Triton autotune
+            # launches thousands of benchmark kernels: kineto's stop alone would cost seconds
+            # (measured on an H200: 5.3 median steps). Profile a later step, or none.
+            if _state["postponed"] < MAX_POSTPONE:
+                _state["postponed"] += 1
+                _state["window"] = (first + 1, last + 1)
+                return
+            _state["done"] = True
+            emit("torch_profile_skipped", step=step, reason=(
+                f"kernels compiled or autotuned in each of the {MAX_POSTPONE + 1} steps before "
+                f"step {step}: no steady step to profile (the JIT findings cover what they "
+                "cost); pass --torch-profile A-B to profile anyway"))
             return
         _start(step)
 
