@@ -83,6 +83,15 @@ window2)  # the default window waits for a steady step (no bundle needed: torch 
   wait
   tail -8 "$OUT/window.log"; cat "$OUT/steady.log"
   ;;
-*) echo "usage: bash bench/gpu_session.sh a|b|fix|window|redo|window2" >&2; exit 2 ;;
+sync)  # the shim adds no host-device synchronisation: the job runs with set_sync_debug_mode("error")
+  python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -3
+  python3 bench/jobs/sync_free.py --steps 12 2>&1 | tail -2
+  for opt in "--torch-profile off" ""; do
+    echo "== diagnose --no-pyspy $opt"
+    diagnose --quiet --no-pyspy $opt --steps 12 --run-dir /tmp/sync$RANDOM -- python3 bench/jobs/sync_free.py --steps 14 2>&1 \
+      | grep -E "sync-free|Error|error|steps recorded|Verdict|No slowdown" | head -6
+  done
+  ;;
+*) echo "usage: bash bench/gpu_session.sh a|b|fix|window|redo|window2|sync" >&2; exit 2 ;;
 esac
 ls -la "$OUT"
