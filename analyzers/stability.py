@@ -234,7 +234,7 @@ def _periodic_prescriptions(run, causes, lost, period):
     if io and (io[0].get("caller") or {}).get("file"):
         # the shim timed the write: its caller is the job's own line
         caller = io[0]["caller"]
-        saves = [{"file": caller.get("file"), "line": caller.get("line"),
+        saves = [{"file": caller.get("file"), "line": caller.get("line"), "call": io[0]["call"],
                   "function": caller.get("function") or io[0]["call"],
                   "seconds": io[0]["seconds_per_step"],
                   "frame": f"{io[0]['call']} ({caller.get('file')}:{caller.get('line')})"}] + saves
@@ -315,13 +315,15 @@ def checkpoint_prescriptions(run, saves, lost, period):
             kind="code", summary="TrainingArguments(save_steps=...) larger, or save_strategy=\"no\" "
                                  "with one save at the end: the Trainer saves synchronously",
             expected_gain_s_per_step=lost))
-    out.append(Prescription(
-        kind="code",
-        summary=f"{top['function']} ({where}) writes a checkpoint "
-                f"{'every ' + str(period) + ' steps' if period else 'inside the steps'} on the "
-                "critical path: save asynchronously (torch.distributed.checkpoint.async_save, or "
-                "a background thread that writes a CPU copy), or less often",
-        expected_gain_s_per_step=lost))
+    how = ("save asynchronously (torch.distributed.checkpoint.async_save, or a background thread "
+           "that writes a CPU copy), or less often")
+    when = f"every {period} steps" if period else "inside the steps"
+    if top.get("call"):  # timed by the shim: the call, its line, what it cost each time
+        summary = (f"{top['call']} at {where} runs {when} on the critical path "
+                   f"({top['seconds']:.2f} s each time): {how}")
+    else:
+        summary = f"{top['function']} ({where}) writes a checkpoint {when} on the critical path: {how}"
+    out.append(Prescription(kind="code", summary=summary, expected_gain_s_per_step=lost))
     return out
 
 

@@ -85,7 +85,8 @@ def test_startup_is_its_own_row(getitem_run):
     assert int(start["end_ns"].iloc[0]) == int(first["start_ns"])
     # importing torch and building the model take time before the first step: not step 0's
     assert start["wall_s"].iloc[0] > 0.2
-    assert start["data_s"].iloc[0] == 0 and start["optimizer_s"].iloc[0] == 0
+    # the first batch fetch begins step 0 (its wrapper starts a few µs before the boundary)
+    assert start["data_s"].iloc[0] < 1e-3 and start["optimizer_s"].iloc[0] == 0
 
 
 def test_torch_save_is_io_in_the_steps_that_save_with_its_line(tmp_path):

@@ -111,7 +111,10 @@ def test_findings_ranked_by_seconds_lost_and_verdict_is_the_top_change(tiny_run)
     from traindx.ledger import steady_rows
 
     mean = float(steady_rows(tiny_run).groupby("rank")["wall_s"].mean().max())
-    assert v["speedup"] == pytest.approx(mean / (mean - 0.05))
+    if mean > 0.05:
+        assert v["speedup"] == pytest.approx(mean / (mean - 0.05))
+    else:  # a saving larger than the step (this machine ran the tiny job fast): no speed-up quoted
+        assert v["speedup"] is None
     # the terminal summary is built from the same data
     assert build_summary(tiny_run, findings)["verdict"] == v
 

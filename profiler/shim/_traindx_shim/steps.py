@@ -246,10 +246,25 @@ def _sync_forward_hook():
 
         _forward["wrapper"], _forward["original"] = __call__, original
         module_cls.__call__ = __call__
+        _skip_in_dynamo(sys.modules.get("torch._dynamo.eval_frame"))
     elif not need and module_cls.__call__ is _forward["wrapper"]:
         # restored unless someone wrapped it after us (then ours stays, inactive)
         module_cls.__call__ = _forward["original"]
         _forward["wrapper"] = None
+
+
+def _skip_in_dynamo(eval_frame):
+    """torch.compile(module) keeps the module's __call__ of the moment it compiled: ours, if the
+    wrapper was in place. Dynamo must not start a graph at our frame (its guards would watch our
+    state, and its compiles would name our file): it skips it as it skips nn.Module.__call__ and
+    compiles the module's own code below it. Inlined (a submodule called inside a compiled
+    forward) it still traces through, as before."""
+    if eval_frame is None or _forward["wrapper"] is None:
+        return
+    try:
+        eval_frame.skip_code(_forward["wrapper"].__code__)
+    except Exception as exc:
+        report_error("dynamo skip of the module-call wrapper", exc)
 
 
 # -- optimizer steps ------------------------------------------------------------------------------
@@ -576,6 +591,7 @@ def _on_deepspeed_engine(module):
 
 def register():
     importhooks.on_import("torch", _on_torch)
+    importhooks.on_import("torch._dynamo.eval_frame", guarded("dynamo import hook")(_skip_in_dynamo))
     importhooks.on_import("torch.utils.data.dataloader", _on_dataloader)
     importhooks.on_import("megatron.core.optimizer.optimizer", _on_megatron_optimizer)
     importhooks.on_import("deepspeed.runtime.engine", _on_deepspeed_engine)
