@@ -13,7 +13,7 @@ import pandas as pd
 from . import stats
 
 # variables traindx itself sets per run, not part of the change between two arms
-_OWN_ENV = ("TRAINDX_RUN_DIR", "TRAINDX_MAX_STEPS", "TRAINDX_RANK_PID", "PYTHONUNBUFFERED",
+_OWN_ENV = ("TRAINDX_RUN_DIR", "TRAINDX_MAX_STEPS", "PYTHONUNBUFFERED",
             "TRAINDX_FIX_MECHANISM",  # how --fix chose, not a setting of the job
             # the shell's bookkeeping, not a setting of the job
             "OLDPWD", "PWD", "SHLVL", "_")
