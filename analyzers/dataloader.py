@@ -129,17 +129,7 @@ def _pick_loader(run, rank):
         return None
     starving = loaders[loaders["num_workers"] == 0]
     row = (starving if len(starving) else loaders).iloc[-1]
-    return {k: _plain(v) for k, v in row.to_dict().items()}
-
-
-def _plain(value):
-    """pandas' NaN -> None, 4.0 -> 4 (event columns shared with other types become floats)."""
-    if isinstance(value, float):
-        if value != value:
-            return None
-        if value.is_integer():
-            return int(value)
-    return value
+    return {k: frameworks.plain(v) for k, v in row.to_dict().items()}
 
 
 def _worker_settings(run, loader):

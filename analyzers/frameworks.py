@@ -73,10 +73,11 @@ def data_sites(run, rank=None):
         return []
     if rank is not None:
         rows = rows[rows["rank"] == rank]
-    return [{k: _plain(v) for k, v in r.items()} for r in rows.to_dict("records")]
+    return [{k: plain(v) for k, v in r.items()} for r in rows.to_dict("records")]
 
 
-def _plain(value):
+def plain(value):
+    """pandas' NaN -> None, 4.0 -> 4 (event columns shared with other types become floats)."""
     if isinstance(value, float):
         if value != value:
             return None
