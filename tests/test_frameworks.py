@@ -32,7 +32,8 @@ CORPUS = {
 }
 PATHOLOGY = {
     "hf_trainer": ["--slow-getitem", "0.05"],
-    "accelerate": ["--logger-thread", "--steps", "6"],
+    # enough steps for py-spy (20 Hz) to see the thread on a fast, quiet machine too
+    "accelerate": ["--logger-thread", "--steps", "60"],
     "lightning": ["--slow-getitem", "0.02"],
     "torchtitan": ["--checkpoint.interval", "3", "--training.steps", "18"],
     "nanogpt": ["--vary_block_size=True", "--max_iters=6"],
