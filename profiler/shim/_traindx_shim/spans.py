@@ -9,7 +9,9 @@ ident} and, for rare calls (checkpoints, file writes), the caller in the job's c
   io          torch.save, torch.distributed.checkpoint save/async_save/save_state_dict
   sync        host-device syncs on CUDA tensors (torch.cuda.synchronize, Tensor.item/.tolist/.cpu);
               installed only once CUDA is initialised: on CPU there is no device to wait for
-  collective  blocking torch.distributed collectives (async_op=False)
+  collective  blocking torch.distributed collectives (async_op=False) with op, group (process
+              group name) and seq (per-group call counter: the same number on every rank of
+              the group); blocking send/recv with op, group and peer
   gc          garbage collections of at least GC_SPAN_MIN_NS (shorter ones stay aggregated per
               step in gcstats: a gen-0 pass every few ms is not worth an event each)
 
@@ -174,15 +176,53 @@ def _cuda_only_sync(original):
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",
                "reduce_scatter_tensor", "broadcast", "barrier", "all_to_all", "all_to_all_single",
                "reduce", "gather", "scatter", "all_gather_object", "broadcast_object_list")
+POINT_TO_POINT = ("send", "recv")
+# Every rank of a group calls its collectives in the same order, so (group, seq) names one
+# collective on all ranks without any clock: a per-process counter per group, counted at the
+# outermost wrapped call (all_gather_object calls all_gather inside; that inner call is the same
+# on every rank, but counting it once keeps seq equal to the job's own calls).
+_seq = {}
+_depth = threading.local()
 
 
-def _blocking_only(fn):
-    timed = _timed("collective", fn)
+def _group_name(dist, group):
+    try:
+        if group is None:
+            group = dist.distributed_c10d._get_default_group()
+        return str(group.group_name)
+    except Exception:
+        return "default"
 
+
+def _peer(args, kwargs):
+    peer = kwargs.get("dst", kwargs.get("src", kwargs.get("group_dst", kwargs.get("group_src"))))
+    if peer is None and len(args) > 1:
+        peer = args[1]
+    return peer if isinstance(peer, int) else None
+
+
+def _blocking_only(dist, name, fn, point_to_point=False):
     def collective(*args, **kwargs):
-        if kwargs.get("async_op"):
+        if kwargs.get("async_op") or _compiling() or getattr(_depth, "n", 0):
             return fn(*args, **kwargs)
-        return timed(*args, **kwargs)
+        start = _now()
+        _depth.n = 1
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _depth.n = 0
+            end = _now()
+            try:
+                group = _group_name(dist, kwargs.get("group"))
+                extra = {"op": name, "group": group}
+                if point_to_point:
+                    extra["peer"] = _peer(args, kwargs)
+                else:
+                    seq = _seq[group] = _seq.get(group, -1) + 1
+                    extra["seq"] = seq
+                _span("collective", start, end, **extra)
+            except Exception as exc:
+                report_error("span collective", exc)
     collective.__wrapped__ = fn
     collective.__name__ = getattr(fn, "__name__", "collective")
     collective.__doc__ = getattr(fn, "__doc__", None)
@@ -190,10 +230,11 @@ def _blocking_only(fn):
 
 
 def _on_distributed(module):
-    for name in COLLECTIVES:
-        fn = getattr(module, name, None)
-        if callable(fn):
-            setattr(module, name, _blocking_only(fn))
+    for names, p2p in ((COLLECTIVES, False), (POINT_TO_POINT, True)):
+        for name in names:
+            fn = getattr(module, name, None)
+            if callable(fn):
+                setattr(module, name, _blocking_only(module, name, fn, point_to_point=p2p))
 
 
 def _on_checkpoint(module):
