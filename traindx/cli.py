@@ -15,6 +15,7 @@ SUBCOMMANDS = {
     "report": "report",
     "compare": "compare",
     "card": "card",
+    "merge": "merge",
 }
 DEFAULT = "run"
 

@@ -298,6 +298,9 @@ def load_run(path):
         raise UserError(f"no such run folder: {path}")
     manifest_path = os.path.join(path, "manifest.json")
     if not os.path.isfile(manifest_path):
+        if os.path.isdir(os.path.join(path, "nodes")):
+            raise UserError(f"{path} is a multi-node run not merged yet: run `diagnose merge "
+                            f"{path}` once every node has finished")
         raise UserError(f"{path} is not a traindx run (no manifest.json)")
     try:
         with open(manifest_path, encoding="utf-8") as f:
@@ -306,12 +309,25 @@ def load_run(path):
         raise UserError(f"{manifest_path} is corrupt (not JSON)") from None
     if not isinstance(manifest, dict) or "command" not in manifest:
         raise UserError(f"{manifest_path} is not a traindx manifest")
-    rows, processes, labels = _load_events(path)
+    rows, processes, labels = _load_parts(path, manifest)
     events = pd.DataFrame(rows)
     if len(events):
         events = events.sort_values("t", kind="stable").reset_index(drop=True)
+    columns = PROCESS_COLUMNS + (["node"] if manifest.get("nodes") else [])
     return RunRecord(path=path, manifest=manifest, events=events,
-                     processes=pd.DataFrame(processes, columns=PROCESS_COLUMNS), labels=labels)
+                     processes=pd.DataFrame(processes, columns=columns), labels=labels)
+
+
+def _load_parts(path, manifest):
+    """Events of the run, or of a merged multi-node run (`diagnose merge`): every node's
+    events/ folder as `_load_events` reads it, its timestamps moved by that node's clock offset
+    (traindx.nodes.parts lists (folder, node, offset_ns); nodes.shift_events applies it)."""
+    from traindx import nodes
+
+    parts = nodes.parts(path, manifest)
+    if len(parts) == 1 and parts[0][1] is None:
+        return _load_events(path)
+    return nodes.combine([(node, offset, _load_events(folder)) for folder, node, offset in parts])
 
 
 def _is_number(value):

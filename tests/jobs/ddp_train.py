@@ -24,6 +24,10 @@ def main():
     p.add_argument("--workers", type=int, default=0)
     p.add_argument("--worker-start", default=None, help="fork | spawn | forkserver")
     p.add_argument("--io-wait", type=float, default=0.3, help="seconds of simulated reading per step")
+    p.add_argument("--reduce-loss", action="store_true",
+                   help="average the loss over the ranks for logging (a blocking all_reduce)")
+    p.add_argument("--uneven", type=float, default=0.0, metavar="S",
+                   help="rank (step mod world size) waits S seconds more for its batch")
     args = p.parse_args()
     if "RANK" not in os.environ and "SLURM_PROCID" in os.environ:  # srun: no torchrun
         os.environ["RANK"] = os.environ["SLURM_PROCID"]
@@ -41,8 +45,11 @@ def main():
     batches = iter(loader)
     for step in range(args.steps):
         x, y = next(batches)
-        time.sleep(args.io_wait)
+        time.sleep(args.io_wait + (args.uneven if step % dist.get_world_size() == rank else 0))
         loss = torch.nn.functional.mse_loss(model(x), y)
+        if args.reduce_loss:
+            logged = loss.detach().clone()
+            dist.all_reduce(logged)
         loss.backward()
         opt.step()
         opt.zero_grad()

@@ -30,6 +30,10 @@ def prepare_parser(parser):
                         help="folder the run folder is created in (default: ./runs)")
     parser.add_argument("--run-dir", default=None, metavar="DIR",
                         help="write the run into exactly this folder")
+    parser.add_argument("--node", default=None, metavar="NAME",
+                        help="this is one node of a multi-node run: write RUN/nodes/NAME/ "
+                             "(found by itself under srun, torchrun --nnodes N and accelerate "
+                             "launch --num_machines N; then `diagnose merge RUN`)")
     parser.add_argument("--no-pyspy", action="store_true", help="do not sample with py-spy")
     parser.add_argument("--no-shim", action="store_true", help="do not load the in-process shim")
     parser.add_argument("--no-nvml", action="store_true", help="do not sample GPUs through NVML")
@@ -110,6 +114,11 @@ def run(args, parser):
 
     command = _command(args, parser)
     if args.fix:
+        from traindx import nodes
+
+        if nodes.node_identity(command, os.environ, getattr(args, "node", None)):
+            raise UserError("--fix runs the job twice on one machine; it does not drive a "
+                            "multi-node run (diagnose each node, then diagnose merge)")
         from traindx.fixloop import run_fix_loop
 
         return run_fix_loop(command, args)
@@ -118,14 +127,20 @@ def run(args, parser):
         resolve_command(command)
     except CommandNotFound as exc:
         raise UserError(str(exc)) from None
-    run_dir = args.run_dir or new_run_dir(args.out)
+    node = _node_part(command, args)
+    run_dir = node["dir"] if node else (args.run_dir or new_run_dir(args.out))
     os.makedirs(run_dir, exist_ok=True)
     returncode = record_job(command, run_dir, options_from(args), quiet=args.quiet)
     status = exit_status(returncode)
+    if node:
+        _record_node(run_dir, node)
     try:
         record = load_run(run_dir)
         findings, report_path = analyze_and_write(record)
         print_summary(record, findings, report_path)
+        if node:
+            print(f"diagnose: node {node['name']} of the multi-node run {node['run_dir']}; once "
+                  f"every node has finished: diagnose merge {node['run_dir']}", file=sys.stderr)
     except UserError as exc:
         print(f"diagnose: analysis failed: {_one_line(exc)} (the raw evidence is kept in "
               f"{run_dir})", file=sys.stderr)
@@ -135,3 +150,33 @@ def run(args, parser):
               f"(the raw evidence is kept in {run_dir})", file=sys.stderr)
         return status or ANALYSIS_FAILED_EXIT
     return status
+
+
+def _node_part(command, args):
+    """{name, source, run_dir, dir} when this diagnose is one node of a multi-node run (its own
+    folder RUN/nodes/<name>/ claimed), else None. See traindx.nodes."""
+    from traindx import nodes
+
+    identity = nodes.node_identity(command, os.environ, getattr(args, "node", None))
+    if identity is None:
+        return None
+    shared = os.path.abspath(nodes.shared_run_dir(command, os.environ, args.run_dir))
+    name, source = identity
+    folder = nodes.claim_node_dir(shared, name)
+    return {"name": os.path.basename(folder), "source": source, "run_dir": shared, "dir": folder}
+
+
+def _record_node(run_dir, node):
+    """The node's own manifest says which node of which run it is (only this process writes it)."""
+    import json
+
+    from traindx.profiler.launcher import write_json_atomic
+
+    path = os.path.join(run_dir, "manifest.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            manifest = json.load(f)
+        manifest["node"] = {k: node[k] for k in ("name", "source", "run_dir")}
+        write_json_atomic(path, manifest)
+    except (OSError, ValueError):
+        pass  # the analysis below says what is wrong with the manifest

@@ -194,6 +194,20 @@ def _group_name(dist, group):
         return "default"
 
 
+_backends = {}
+
+
+def _backend(dist, group, name):
+    """The group's backend ('gloo', 'nccl', ...), once per group: whether a blocking call waits
+    for the other ranks (gloo) or only enqueues (nccl) decides if its span can align clocks."""
+    if name not in _backends:
+        try:
+            _backends[name] = str(dist.get_backend(group))
+        except Exception:
+            _backends[name] = None
+    return _backends[name]
+
+
 def _peer(args, kwargs):
     peer = kwargs.get("dst", kwargs.get("src", kwargs.get("group_dst", kwargs.get("group_src"))))
     if peer is None and len(args) > 1:
@@ -214,7 +228,8 @@ def _blocking_only(dist, name, fn, point_to_point=False):
             end = _now()
             try:
                 group = _group_name(dist, kwargs.get("group"))
-                extra = {"op": name, "group": group}
+                extra = {"op": name, "group": group,
+                         "backend": _backend(dist, kwargs.get("group"), group)}
                 if point_to_point:
                     extra["peer"] = _peer(args, kwargs)
                 else:

@@ -1,0 +1,206 @@
+"""Multi-node runs: one `diagnose` per node, each writing its own part of one run folder.
+
+Layout of a multi-node run folder RUN (a shared file system, or folders copied together later):
+
+    RUN/nodes/<node>/   a complete run folder of that node alone (manifest.json, events/, procs/,
+                        pyspy/, nvml.csv, log.txt, its own report): written by that node's
+                        diagnose only, so no two hosts ever write one file and no lock is needed
+    RUN/clock.json      written by `diagnose merge RUN`: each node's clock offset to the
+                        reference node, with its error bound and the evidence behind it
+    RUN/manifest.json   written by `diagnose merge RUN`: the merged manifest ("nodes": [...],
+                        ranks over all nodes); the node folders stay untouched
+
+A node's name must be unique within the run, and a host name is not (two agents on one machine,
+a re-used host): it is the host name plus the launcher's node rank (torchrun --node-rank,
+accelerate --machine_rank, SLURM_NODEID), or `--node NAME`; the folder is claimed with an
+exclusive mkdir, so a clash gets a suffix instead of mixing two nodes' files.
+"""
+import json
+import os
+import re
+import socket
+
+from traindx.errors import UserError
+
+NODES_DIR = "nodes"
+CLOCK_FILE = "clock.json"
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+_TORCHRUN_MODULES = ("torch.distributed.run", "torch.distributed.launch")
+
+
+def _flag(argv, *names):
+    """Value of `--name V` / `--name=V` in argv (first of names found), else None."""
+    for i, arg in enumerate(argv):
+        for name in names:
+            if arg == name and i + 1 < len(argv):
+                return argv[i + 1]
+            if arg.startswith(name + "="):
+                return arg[len(name) + 1:]
+    return None
+
+
+def _max_nodes(value):
+    """torchrun's --nnodes: 'N' or 'MIN:MAX' -> the largest node count, else 0."""
+    parts = str(value or "").split(":")
+    return max((int(p) for p in parts if p.strip().isdigit()), default=0)
+
+
+def _launcher_args(command):
+    """(kind, its arguments) when the command starts a known multi-node launcher."""
+    if not command:
+        return None, []
+    exe = os.path.basename(command[0])
+    if exe == "torchrun":
+        return "torchrun", command[1:]
+    if exe in ("accelerate",) and command[1:2] == ["launch"]:
+        return "accelerate", command[2:]
+    if exe.startswith("python"):
+        for i, arg in enumerate(command[:-1]):
+            if arg == "-m" and command[i + 1] in _TORCHRUN_MODULES:
+                return "torchrun", command[i + 2:]
+    return None, []
+
+
+def node_identity(command, env, explicit=None, hostname=None):
+    """(node name, source) when this diagnose is one node of a multi-node run, else None.
+
+    Sources, first match wins: `--node NAME`; SLURM with more than one node (SLURM_NODEID, and
+    the task id when srun starts several diagnose per node); torchrun with --nnodes > 1 (its
+    --node-rank, or PET_NODE_RANK; elastic rendezvous without one: the host name alone, made
+    unique when the folder is claimed); accelerate launch --num_machines > 1 (--machine_rank).
+    """
+    host = (hostname or socket.gethostname()).split(".")[0] or "node"
+    host = re.sub(r"[^A-Za-z0-9._-]", "_", host)
+    if explicit:
+        if not _NAME.fullmatch(explicit):
+            raise UserError(f"--node {explicit!r}: use letters, digits, '.', '_' and '-'")
+        return explicit, "--node"
+    kind, args = _launcher_args(command)
+    if kind == "torchrun":
+        nnodes = _flag(args, "--nnodes") or env.get("PET_NNODES")
+        if _max_nodes(nnodes) > 1:
+            rank = _flag(args, "--node-rank", "--node_rank") or env.get("PET_NODE_RANK")
+            if rank is not None and str(rank).isdigit():
+                return f"{host}-n{rank}", "torchrun --node-rank"
+            return host, "torchrun --nnodes"
+    if kind == "accelerate" and _max_nodes(_flag(args, "--num_machines", "--num-machines")) > 1:
+        rank = _flag(args, "--machine_rank", "--machine-rank")
+        if rank is not None and str(rank).isdigit():
+            return f"{host}-n{rank}", "accelerate --machine_rank"
+        return host, "accelerate --num_machines"
+    nnodes = env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES")
+    if _max_nodes(nnodes) > 1 and str(env.get("SLURM_NODEID", "")).isdigit():
+        name = f"{host}-n{env['SLURM_NODEID']}"
+        tasks, nodes = env.get("SLURM_NTASKS", ""), _max_nodes(nnodes)
+        if tasks.isdigit() and int(tasks) > nodes and str(env.get("SLURM_PROCID", "")).isdigit():
+            name += f"-t{env['SLURM_PROCID']}"  # several diagnose per node: one folder each
+        return name, "SLURM_NODEID"
+    return None
+
+
+def shared_run_dir(command, env, run_dir):
+    """The shared run folder of a multi-node run: --run-dir, else an id every node of the
+    launch knows (Slurm's job id, torchrun's --rdzv-id) under ./runs."""
+    if run_dir:
+        return run_dir
+    if env.get("SLURM_JOB_ID"):
+        return os.path.join("runs", f"slurm-{env['SLURM_JOB_ID']}")
+    kind, args = _launcher_args(command)
+    rdzv = _flag(args, "--rdzv-id", "--rdzv_id") if kind == "torchrun" else None
+    if rdzv and rdzv != "none" and _NAME.fullmatch(rdzv):
+        return os.path.join("runs", f"rdzv-{rdzv}")
+    raise UserError("a multi-node run needs --run-dir DIR on a folder every node can write "
+                    "(each node writes DIR/nodes/<node>/)")
+
+
+def claim_node_dir(run_dir, name):
+    """Create RUN/nodes/<name> exclusively (a taken name gets -2, -3, ...); returns its path."""
+    root = os.path.join(run_dir, NODES_DIR)
+    os.makedirs(root, exist_ok=True)
+    for i in range(1, 1000):
+        path = os.path.join(root, name if i == 1 else f"{name}-{i}")
+        try:
+            os.mkdir(path)
+            return path
+        except FileExistsError:
+            continue
+    raise UserError(f"could not claim a node folder under {root}")
+
+
+def node_dirs(run_dir):
+    """{node name: folder} of the node parts in a run folder that have a manifest."""
+    root = os.path.join(run_dir, NODES_DIR)
+    try:
+        names = sorted(os.listdir(root))
+    except OSError:
+        return {}
+    return {n: os.path.join(root, n) for n in names
+            if os.path.isfile(os.path.join(root, n, "manifest.json"))}
+
+
+def is_multinode(run_dir):
+    return bool(node_dirs(run_dir))
+
+
+def read_clock(run_dir):
+    """{node: offset_ns} from RUN/clock.json (an unknown offset counts as 0)."""
+    path = os.path.join(run_dir, CLOCK_FILE)
+    try:
+        with open(path, encoding="utf-8") as f:
+            clock = json.load(f)
+        return {n: int(v.get("offset_ns") or 0) for n, v in clock["nodes"].items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        raise UserError(f"{path} is missing or corrupt: run `diagnose merge {run_dir}`") from None
+
+
+def parts(run_dir, manifest):
+    """[(folder, node, offset_ns)] whose evidence makes up the run: the run folder itself, or
+    for a merged multi-node run each node's folder with the offset that puts its clock on the
+    reference node's."""
+    if not manifest.get("nodes"):
+        return [(run_dir, None, 0)]
+    offsets = read_clock(run_dir)
+    return [(os.path.join(run_dir, NODES_DIR, node), node, offsets.get(node, 0))
+            for node in manifest["nodes"]]
+
+
+TIME_FIELDS = ("t", "start", "end")
+
+
+def shift_events(events, node, offset_ns):
+    """The one place a node's timestamps move onto the reference clock: every time field of
+    every event gets offset_ns; the event is tagged with its node."""
+    for event in events:
+        for key in TIME_FIELDS:
+            value = event.get(key)
+            if isinstance(value, int) and not isinstance(value, bool):
+                event[key] = value + offset_ns
+            elif isinstance(value, float):
+                event[key] = value + offset_ns
+        event["node"] = node
+    return events
+
+
+def combine(loaded):
+    """One run's (rows, process table, labels) from its nodes' [(node, offset_ns, (rows, table,
+    {pid: label}))] in the merged manifest's node order. Rank labels are the job's global
+    ranks, so they do not repeat across nodes; when they do (two single-node jobs, ranks of
+    unknown rank), the first node keeps the plain label and the others get '<label>@<node>'.
+    Processes are (node, pid): a pid may repeat on another host."""
+    rows, table, labels, taken = [], [], {}, set()
+    for node, offset, (node_rows, node_table, node_labels) in loaded:
+        rename = {}
+        for label in sorted(set(node_labels.values()), key=lambda r: (len(r), r)):
+            rename[label] = label if label not in taken else f"{label}@{node}"
+        taken.update(rename.values())
+        for event in shift_events(node_rows, node, offset):
+            if event.get("rank") in rename:
+                event["rank"] = rename[event["rank"]]
+            rows.append(event)
+        for proc in node_table:
+            proc = dict(proc, node=node)
+            if proc.get("label") is not None:
+                proc["label"] = rename.get(proc["label"], proc["label"])
+            table.append(proc)
+        labels.update({(node, pid): rename.get(label, label) for pid, label in node_labels.items()})
+    return rows, table, labels
