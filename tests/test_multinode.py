@@ -243,3 +243,66 @@ def test_two_agents_claiming_one_name_get_separate_folders(tmp_path):
     a = nodes.claim_node_dir(str(tmp_path), "h")
     b = nodes.claim_node_dir(str(tmp_path), "h")
     assert a != b and os.path.basename(b) == "h-2"
+
+
+def write_node(root, name, shift_ns, arrivals, pid=4242, rank="0"):
+    """A node's run folder in the documented run-record format: one rank process (the same pid
+    on both nodes, as on two hosts), its steps and barrier spans on a clock shift_ns off the
+    true time, two GPUs in the inventory, NVML samples of GPU 0, a py-spy dump."""
+    folder = root / "nodes" / name
+    (folder / "events").mkdir(parents=True)
+    (folder / "pyspy").mkdir()
+    base = 1_800_000_000 * 10**9
+    local = lambda t: t - shift_ns
+    events = [{"type": "process_start", "t": local(base), "pid": pid, "ppid": 1, "rank": rank,
+               "argv": ["train.py"]},
+              {"type": "training", "t": local(base + 1), "evidence": "init_process_group", "rank": rank}]
+    for step, late in enumerate(arrivals):
+        t0 = base + (step + 1) * 10**9
+        enter = t0 + (50_000_000 if late else 0)
+        leave = t0 + 51_000_000  # everyone leaves just after the last one entered
+        events += [{"type": "step_begin", "t": local(t0 - 400_000_000), "step": step},
+                   {"type": "span", "cat": "collective", "op": "barrier", "group": "0", "seq": step,
+                    "backend": "nccl", "start": local(enter), "t": local(leave)},
+                   {"type": "step_end", "t": local(leave + 1000), "step": step}]
+    with open(folder / "events" / f"p{pid}.jsonl", "w") as f:
+        f.write("\n".join(json.dumps(e) for e in events) + "\n")
+    manifest = {"traindx_run": 1, "command": ["torchrun", "train.py"], "start_ns": local(base),
+                "end_ns": local(base + 10 * 10**9), "exit_code": 0, "host": {"hostname": name},
+                "gpus": [{"index": 0, "name": "H200"}, {"index": 1, "name": "H200"}],
+                "ranks": {rank: pid}, "missing": {}, "status": "finished", "options": {}}
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    (folder / "nvml.csv").write_text("t,gpu,util\n" + "".join(
+        f"{local(base + i * 10**9)},0,{50 + i}\n" for i in range(3)))
+    (folder / "pyspy" / f"p{pid}-dump.jsonl").write_text(json.dumps(
+        {"t": local(base + 2 * 10**9), "pid": pid, "threads": [
+            {"thread_name": "MainThread", "thread_id": 1, "active": True, "owns_gil": True,
+             "frames": []}]}) + "\n")
+    return folder
+
+
+def test_merge_of_two_hosts_with_the_same_pid_and_gpu_ids(tmp_path):
+    arrivals = [True, False, True, False]
+    write_node(tmp_path, "alpha", 0, arrivals, rank="0")
+    write_node(tmp_path, "beta", 100 * 10**9, [not a for a in arrivals], rank="1")
+    proc = diagnose(["merge", str(tmp_path), "--no-report"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    run = traindx.load_run(tmp_path)
+    clock = json.loads((tmp_path / "clock.json").read_text())
+    ref = clock["reference"]
+    other = "beta" if ref == "alpha" else "alpha"
+    true = (100 if other == "beta" else -100) * 10**9
+    assert abs(clock["nodes"][other]["offset_ns"] - true) <= clock["nodes"][other]["error_ns"] <= 10**6
+    assert run.ranks == ["0", "1"]
+    procs = run.processes.sort_values("node")
+    assert list(procs["pid"]) == [4242, 4242] and list(procs["node"]) == ["alpha", "beta"]
+    assert list(procs["label"]) == ["0", "1"]
+    ends = run.steps.pivot(index="step", columns="rank", values="end_ns")
+    assert (ends["0"] - ends["1"]).abs().max() < 10**6
+    # GPU 0 of each host becomes a run-wide index (0 and 2); its samples are on one clock
+    assert sorted(run.gpu["gpu"].unique()) == [0, 2]
+    by_gpu = run.gpu.groupby("gpu")["t"].min()
+    assert abs(by_gpu[0] - by_gpu[2]) < 10**6
+    assert [g["run_index"] for g in run.manifest["gpus"]] == [0, 1, 2, 3]
+    assert set(run.dumps["rank"]) == {"0", "1"}
+    assert run.dumps["t"].max() - run.dumps["t"].min() < 10**6

@@ -61,8 +61,9 @@ def merged_manifest(node_manifests, offsets, labels, clock_summary):
     for n, m in node_manifests.items():
         starts.append(shifted(m, "start_ns"))
         ends.append(shifted(m, "end_ns"))
-        for g in m.get("gpus") or []:
-            gpus.append(dict(g, node=n) if isinstance(g, dict) else {"gpu": g, "node": n})
+        for g in m.get("gpus") or []:  # run_index: the GPU's index in the merged nvml.csv
+            g = dict(g) if isinstance(g, dict) else {"gpu": g}
+            gpus.append(dict(g, node=n, run_index=len(gpus)))
         for key, why in (m.get("missing") or {}).items():
             missing[f"{key}@{n}"] = why
         codes.append(m.get("exit_code"))
