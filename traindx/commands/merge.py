@@ -266,6 +266,14 @@ def clocks_method():
 
 
 def run(args, parser):
+    from traindx import nodes
+
+    unfinished = [n for n, d in nodes.node_dirs(os.path.abspath(args.run_dir)).items()
+                  if _read_manifest(d).get("status") == "running"]
+    if unfinished:  # merging is still right for what is there; say what may be missing
+        print(f"diagnose: warning: node{'s' if len(unfinished) > 1 else ''} "
+              f"{', '.join(unfinished)} still running (or killed): merged as far as recorded",
+              file=sys.stderr)
     clock, _ = merge(args.run_dir, reference=args.reference)
     print(format_clock(clock), file=sys.stderr if args.quiet else sys.stdout)
     if args.no_report:
