@@ -8,6 +8,7 @@ alone, as on a host whose NTP is off). torch's c10d rendezvous compares wall-clo
 between agents (a node more than keep_alive_interval x keep_alive_max_attempt = 15 s off is
 taken for dead), so the shift stays below that.
 """
+import gzip
 import hashlib
 import importlib.util
 import json
@@ -278,6 +279,11 @@ def write_node(root, name, shift_ns, arrivals, pid=4242, rank="0"):
         {"t": local(base + 2 * 10**9), "pid": pid, "threads": [
             {"thread_name": "MainThread", "thread_id": 1, "active": True, "owns_gil": True,
              "frames": []}]}) + "\n")
+    (folder / "trace").mkdir()
+    with gzip.open(folder / "trace" / f"{rank}.json.gz", "wt") as f:  # a Kineto window
+        json.dump({"baseTimeNanoseconds": local(base), "traceEvents": [
+            {"ph": "X", "cat": "kernel", "name": "gemm", "ts": 3_000_000.0, "dur": 500.0,
+             "pid": 0, "tid": 7}]}, f)
     return folder
 
 
@@ -306,3 +312,6 @@ def test_merge_of_two_hosts_with_the_same_pid_and_gpu_ids(tmp_path):
     assert [g["run_index"] for g in run.manifest["gpus"]] == [0, 1, 2, 3]
     assert set(run.dumps["rank"]) == {"0", "1"}
     assert run.dumps["t"].max() - run.dumps["t"].min() < 10**6
+    kernels = run.torch_trace
+    assert sorted(kernels["rank"]) == ["0", "1"]
+    assert kernels["start_ns"].max() - kernels["start_ns"].min() < 10**6

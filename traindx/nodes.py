@@ -204,3 +204,23 @@ def combine(loaded):
             table.append(proc)
         labels.update({(node, pid): rename.get(label, label) for pid, label in node_labels.items()})
     return rows, table, labels
+
+
+def load_traces(run_dir, manifest):
+    """torchtrace.load_traces of the run, or of every node of a merged run with the node's
+    offset added to start_ns/end_ns (trace files are named by global rank)."""
+    import pandas as pd
+
+    from traindx.profiler.torchtrace import load_traces as load_folder
+
+    tables, errors = [], {}
+    for folder, node, offset in parts(run_dir, manifest):
+        table, errs = load_folder(folder)
+        errors.update(errs)
+        if node is not None and len(table):
+            table = table.copy()
+            for col in ("start_ns", "end_ns"):
+                table[col] = table[col] + offset
+        tables.append(table)
+    tables = [t for t in tables if len(t)] or tables[:1]
+    return (tables[0] if len(tables) == 1 else pd.concat(tables, ignore_index=True)), errors

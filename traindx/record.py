@@ -241,9 +241,9 @@ class RunRecord:
     @cached_property
     def torch_trace(self):
         """The torch.profiler window of every rank (trace/<rank>.json.gz): one row per event."""
-        from traindx.profiler.torchtrace import load_traces
+        from traindx.nodes import load_traces  # a merged multi-node run: every node's windows
 
-        table, errors = load_traces(self.path)
+        table, errors = load_traces(self.path, self.manifest)
         for message in errors.values():
             warnings.warn(message, TruncatedEvidenceWarning, stacklevel=2)
         return table

@@ -9,8 +9,8 @@ writes, beside the untouched node folders:
                      is within offset_ns ± error_ns), constraints, method; conflicts if any
   RUN/manifest.json  the merged manifest: nodes, ranks over every node, GPUs with their node
   RUN/nvml.csv, RUN/log.txt, RUN/pyspy/  the nodes' samples on the reference clock (py-spy
-                     files named by rank); events stay in the node folders and are read with
-                     their node's offset
+                     files named by rank); events and torch.profiler windows stay in the node
+                     folders and are read with their node's offset
 then analyses the merged run and writes its report, like `diagnose` does after a job.
 Running it again re-estimates and rewrites these (e.g. after a late node's folder arrived).
 """
@@ -239,9 +239,6 @@ def merge(run_dir, reference=None):
         manifest["missing"].setdefault("nvml", "no node recorded NVML samples")
     _merge_log(parts, os.path.join(run_dir, "log.txt"))
     _merge_pyspy(parts, labels, os.path.join(run_dir, "pyspy"))
-    if any(os.path.isdir(os.path.join(found[n], "trace")) for n in ordered):
-        manifest["missing"]["trace"] = ("the torch.profiler windows stay in nodes/<node>/trace/ "
-                                        "(not moved onto the reference clock)")
     _write_json(os.path.join(run_dir, "manifest.json"), manifest)
     return clock, manifest
 
