@@ -51,7 +51,18 @@ def _write_json(path, data):
     os.replace(tmp, path)
 
 
-def merged_manifest(node_manifests, offsets, labels, clock_summary):
+def clock_line(per_node, reference):
+    """One line for the report's host table: each node's offset and bound."""
+    out = []
+    for n, e in per_node.items():
+        if n == reference:
+            continue
+        err = "unaligned" if e["error_ns"] is None else f"± {e['error_ns'] / 1e6:.3f} ms"
+        out.append(f"{n} {e['offset_ns'] / 1e9:+.6f} s {err}")
+    return "; ".join(out) + f" (reference {reference}; clock.json)"
+
+
+def merged_manifest(node_manifests, offsets, labels, clock_summary, per_node_clock=None):
     """One manifest over the nodes (the reference node's command, options and packages)."""
     reference = clock_summary.get("reference") or next(iter(node_manifests))
     base = dict(node_manifests[reference])
@@ -77,7 +88,8 @@ def merged_manifest(node_manifests, offsets, labels, clock_summary):
         "nodes": list(node_manifests),
         "node_manifests": per_node,
         "host": dict(base.get("host") or {}, hostname=", ".join(hosts),
-                     nodes=len(node_manifests)),
+                     nodes=len(node_manifests),
+                     clock_offsets=clock_line(per_node_clock or {}, reference)),
         "start_ns": min((s for s in starts if s is not None), default=None),
         "end_ns": max((e for e in ends if e is not None), default=None),
         "exit_code": failed[0] if failed else (0 if all(c == 0 for c in codes) else None),
@@ -229,7 +241,7 @@ def merge(run_dir, reference=None):
 
     ordered = list(found)
     _, _, labels = nodes.combine([(n, offsets[n], loaded[n]) for n in ordered])
-    manifest = merged_manifest(manifests, offsets, labels, summary)
+    manifest = merged_manifest(manifests, offsets, labels, summary, per_node)
     parts = [(found[n], n, offsets[n]) for n in ordered]
     gpu_base, count = {}, 0
     for n in ordered:
