@@ -157,14 +157,14 @@ def solve(nodes, bounds, reference=None):
     return out, result
 
 
-def align(node_events):
+def align(node_events, reference=None):
     """node_events: {node: [(process id, [events])]} -> (per-node offsets, summary)."""
     spans = []
     for node, processes in node_events.items():
         for process, events in processes:
             spans.extend(collective_spans(events, node, process))
     bounds = pairwise_bounds(spans)
-    nodes, summary = solve(list(node_events), bounds)
+    nodes, summary = solve(list(node_events), bounds, reference=reference)
     summary = summary or {}
     summary["pairs"] = {f"{a}~{b}": {"lower_ns": lo, "upper_ns": hi, "collectives": n}
                         for (a, b), (lo, hi, n) in sorted(bounds.items())}

@@ -220,13 +220,7 @@ def merge(run_dir, reference=None):
         for event in rows:
             per_rank.setdefault(event.get("rank"), []).append(event)
         by_node[n] = list(per_rank.items())
-    spans = [s for n, procs in by_node.items() for p, ev in procs
-             for s in clocks.collective_spans(ev, n, p)]
-    bounds = clocks.pairwise_bounds(spans)
-    per_node, summary = clocks.solve(list(found), bounds, reference=reference)
-    summary["pairs"] = {f"{a}~{b}": {"lower_ns": lo, "upper_ns": hi, "collectives": c}
-                        for (a, b), (lo, hi, c) in sorted(bounds.items())}
-    summary["usable_collectives"] = len({s[0] for s in spans})
+    per_node, summary = clocks.align(by_node, reference=reference)
     for n, entry in per_node.items():
         entry["host"] = (manifests[n].get("host") or {}).get("hostname")
         entry["ranks"] = sorted({str(r) for r in (manifests[n].get("ranks") or {})})
