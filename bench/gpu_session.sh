@@ -10,6 +10,8 @@
 #           then steps on CUDA (gpu_steps.sh)
 # Each script's output is kept in $OUT/<name>.log and its files tarred into $OUT/<name>.tgz
 # (the device returns at most 8 files).
+#   scale   2 GPUs, no bundle (carry .gpu-pyspy: py-spy binary + libfaketime): multi-node merge
+#           with a shifted clock (gpu_multinode.sh), injected slow rank (gpu_straggler.sh)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -92,6 +94,13 @@ sync)  # the shim adds no host-device synchronisation: the job runs with set_syn
       | grep -E "sync-free|Error|error|steps recorded|Verdict|No slowdown" | head -6
   done
   ;;
-*) echo "usage: bash bench/gpu_session.sh a|b|fix|window|redo|window2|sync" >&2; exit 2 ;;
+scale)  # issue 15 without the bundle: py-spy (and libfaketime's package) carried in .gpu-pyspy
+  python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -3
+  export TRAINDX_PYSPY=$PWD/.gpu-pyspy/py-spy PYTHONPATH=$PWD/.gpu-pyspy/site
+  part multinode 0,1 240 bash bench/gpu_multinode.sh
+  part straggler 0,1 300 bash bench/gpu_straggler.sh
+  for f in multinode straggler; do echo "=== $f"; tail -40 "$OUT/$f.log"; done
+  ;;
+*) echo "usage: bash bench/gpu_session.sh a|b|fix|window|redo|window2|sync|scale" >&2; exit 2 ;;
 esac
 ls -la "$OUT"
