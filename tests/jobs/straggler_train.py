@@ -14,6 +14,7 @@
   compute    extra matmuls
   gc         gc.collect() over a large live heap (a GC storm on one rank)
   data       its DataLoader's __getitem__ is slow (a slow shard / storage on one rank)
+  compile    a torch.compile'd function fed a new shape every step: it recompiles in each step
 Works with gloo on the CPU and NCCL on GPUs (--device cuda, one GPU per rank by LOCAL_RANK).
 """
 import argparse
@@ -51,7 +52,7 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--sync", choices=("allreduce", "ddp", "pipeline"), default="allreduce")
     p.add_argument("--slow-rank", type=int, default=-1)
-    p.add_argument("--cause", choices=("sleep", "compute", "gc", "data"), default="sleep")
+    p.add_argument("--cause", choices=("sleep", "compute", "gc", "data", "compile"), default="sleep")
     p.add_argument("--slow-seconds", type=float, default=0.2)
     p.add_argument("--heap", type=int, default=1_000_000, help="gc: live objects on the slow rank")
     p.add_argument("--steps", type=int, default=12)
@@ -82,6 +83,10 @@ def main():
     head = torch.nn.Linear(a.width, 1).to(device)
     opt = torch.optim.SGD(list(model.parameters()) + list(head.parameters()), lr=1e-3)
     spin = torch.randn(256, 256, device=device)
+    if slow and a.cause == "compile":
+        torch._dynamo.config.recompile_limit = 10_000
+        torch._dynamo.config.automatic_dynamic_shapes = False
+        scale = torch.compile(lambda t: (t * 2 + 1).sin().sum(), backend="aot_eager", dynamic=False)
 
     def slow_work():
         if not slow:
@@ -96,6 +101,8 @@ def main():
                 spin @ spin
             if cuda:
                 torch.cuda.synchronize()
+        elif a.cause == "compile":
+            scale(torch.ones(step + 1, device=device))  # a new shape: a new graph, every step
 
     for step in range(1, a.steps + 1):
         x, y = next(batches)  # the data cause is slow here, on the slow rank only
