@@ -22,6 +22,7 @@ import re
 from collections import Counter
 
 import numpy as np
+import pandas as pd
 
 from traindx import ledger as ledger_mod
 from traindx.findings import Finding, Prescription
@@ -42,6 +43,8 @@ MIN_WAIT_DIFF_S = 0.005
 # the straggler must have caused most of the waiting: in a healthy job the last arrival changes
 # from one collective to the next and the costs spread over the ranks
 MIN_DOMINANCE = 0.6
+MIN_LATE_STEPS = 3           # steady steps in which it made the others wait ...
+MIN_LATE_STEP_SHARE = 0.25   # ... at least this share of a median step
 
 
 
@@ -179,7 +182,49 @@ def _late_cause(run, seg, straggler, late_keys, n_steps):
     return {c: float(x) for c, x in zip(cats, excess) if x > 0.0005}  # sub-ms: noise
 
 
-def _straggler_from_points(run, ranks, points):
+def _step_points(run):
+    """CUDA runs: NCCL collectives return to the host at once (the GPU waits, not the host), and
+    the host waits later, in its next sync (.item(), synchronize). There each step is the
+    meeting point and a rank's wait is its step's host-sync plus collective lines: the rank
+    that waited least there was the one the others' GPUs waited for."""
+    led = ledger_mod.steady_rows(run)
+    if not len(led):
+        return led
+    counts = led.groupby("step")["rank"].transform("nunique")
+    led = led[counts == led["rank"].nunique()]
+    return pd.DataFrame({"key": "s:" + led["step"].astype(int).astype(str), "rank": led["rank"],
+                         "op": "host sync + collectives of the step", "group": "step",
+                         "start_ns": led["start_ns"].astype("int64"),
+                         "end_ns": led["end_ns"].astype("int64"),
+                         "wait_s": led["sync_s"] + led["collective_s"]}).reset_index(drop=True)
+
+
+def _step_cause(run, straggler, late_steps, n_steps):
+    """By step: the straggler's ledger lines (waits left out) beyond the others' in those steps."""
+    led = ledger_mod.steady_rows(run)
+    led = led[led["step"].isin(late_steps)]
+    cats = [c for c in list(ledger_mod.CATEGORIES) + ["unexplained"] if c not in ("sync", "collective")]
+    sums = led.groupby("rank")[[f"{c}_s" for c in cats]].sum()
+    if straggler not in sums.index or len(sums) < 2:
+        return {}
+    excess = (sums.loc[straggler] - sums.drop(index=straggler).mean()) / max(1, n_steps)
+    return {c: float(x) for c, x in zip(cats, excess.to_numpy()) if x > 0.0005}
+
+
+def _syncs_every_step(run):
+    """CUDA runs in which every rank's host waits for its GPU in (nearly) every steady step: only
+    there does a step's sync line hold the wait for the others (a rank that never syncs runs
+    ahead of its GPU, and its waits land wherever its launch queue fills up)."""
+    spans = run.spans
+    if not len(spans) or not (spans["cat"] == "sync").any():
+        return False
+    led = ledger_mod.steady_rows(run)
+    if not len(led):
+        return False
+    return bool(((led["sync_s"] > 0).groupby(led["rank"]).mean() >= 0.8).all())
+
+
+def _straggler_from_points(run, ranks, points, by_step=False):
     steps = run.steps.dropna(subset=["start_ns", "end_ns"])
     last = sp.last_arrivals(points)
     if not len(last):
@@ -203,22 +248,35 @@ def _straggler_from_points(run, ranks, points):
     median_step = known[len(known) // 2] if known else None
     share = cost / median_step if median_step else 0.0
     dominance = float(caused[straggler]) / total if total > 0 else 0.0
-    detail = {"method": "meeting points matched across ranks (collectives by process group and "
-                        "seq" + ("; each backward of the DDP job" if sp.uses_ddp(run) else "") +
-                        "): the rank that waited least arrived last; durations only, no clock "
-                        "compared across ranks",
+    detail = {"method": ("steps as meeting points (CUDA: collectives return to the host at "
+                         "once; the host waits in its next sync): the rank whose step has the "
+                         "least host-sync + collective time was the last" if by_step else
+                         "meeting points matched across ranks (collectives by process group and "
+                         "seq" + ("; each backward of the DDP job" if sp.uses_ddp(run) else "") +
+                         "): the rank that waited least arrived last") +
+                        "; durations only, no clock compared across ranks",
               "meeting_points": int(len(last)),
               "cost_caused_per_step_s": {r: round(float(caused.get(r, 0.0)) / n_steps, 4)
                                          for r in ranks},
               "straggler_share_of_cost": round(dominance, 3)}
-    if cost < MIN_WAIT_DIFF_S or share < MIN_SHARE or dominance < MIN_DOMINANCE:
+    # late again and again, not once: a rank descheduled for 200 ms in one step (a loaded
+    # machine, a page fault storm) is no straggler; its worst step alone must not make the cost
+    per_step = last[last["last"] == straggler].groupby("step")["cost_s"].sum()
+    late_steps = int((per_step >= max(MIN_WAIT_DIFF_S, MIN_LATE_STEP_SHARE * (median_step or 0))).sum())
+    robust = (float(per_step.sum()) - float(per_step.max())) / n_steps if len(per_step) else 0.0
+    detail.update({"late_steps": late_steps, "cost_without_worst_step_per_step_s": round(robust, 4)})
+    if (cost < MIN_WAIT_DIFF_S or share < MIN_SHARE or dominance < MIN_DOMINANCE
+            or late_steps < MIN_LATE_STEPS or robust < MIN_WAIT_DIFF_S
+            or (median_step and robust / median_step < MIN_SHARE)):
         return None
     # where it came last (and mattered): the cause lies in the stretch before those arrivals
     mine = last[last["last"] == straggler]
     mine = mine[mine["cost_s"] >= 0.1 * mine["cost_s"].max()]
     late_keys = set(mine["key"])
-    seg = sp.segments(points, steps)
-    cause = _late_cause(run, seg, straggler, late_keys, n_steps)
+    if by_step:
+        cause = _step_cause(run, straggler, set(int(k[2:]) for k in late_keys), n_steps)
+    else:
+        cause = _late_cause(run, sp.segments(points, steps), straggler, late_keys, n_steps)
     top = max(cause, key=cause.get) if cause else None
     if top == "collective" and cause[top] >= 0.5 * cost:
         return None  # it was late because it waited for someone else: a dependency, not a straggler
@@ -232,8 +290,8 @@ def _straggler_from_points(run, ranks, points):
     clocks = _gpu_clocks(run, ranks)
     led = ledger_mod.steady_rows(run)
     detail.update({
-        "straggler": straggler, "source": "matched collectives" + (
-            " and DDP backwards" if sp.uses_ddp(run) else ""),
+        "straggler": straggler, "source": "steps (host sync + collective lines)" if by_step else
+        "matched collectives" + (" and DDP backwards" if sp.uses_ddp(run) else ""),
         "cost_per_step_s": round(cost, 4), "others_wait_per_step_s": others_wait,
         "late_at": {"points": int(len(mine)), "of": int((last["last"] == straggler).sum()),
                     "ops": dict(ops.most_common(5))},
@@ -425,6 +483,12 @@ def analyze(run):
     spans = sp.collective_spans(run)
     findings = _bubbles(run, ranks, spans)
     points = sp.meeting_points(run, spans)
+    if len(points) and _syncs_every_step(run):
+        # NCCL: the host does not wait in the collective; it waits in the step's syncs
+        found = _straggler_from_points(run, ranks, _step_points(run), by_step=True)
+        if found is None:
+            found = _straggler_from_points(run, ranks, points)  # a CPU group (gloo) in a GPU job
+        return findings + ([found] if found else [])
     if len(points):
         # the ranks meet: the straggler, if any, is who they waited for (none: a healthy job)
         found = _straggler_from_points(run, ranks, points)

@@ -59,6 +59,8 @@ def main():
     p.add_argument("--width", type=int, default=128)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--rows", type=int, default=0,
+                   help="rows per step on the device (the batch repeated): GPU-sized steps")
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=1)
     a = p.parse_args()
@@ -107,6 +109,8 @@ def main():
     for step in range(1, a.steps + 1):
         x, y = next(batches)  # the data cause is slow here, on the slow rank only
         x, y = x.to(device), y.to(device)
+        if a.rows > x.shape[0]:
+            x, y = x.repeat(a.rows // x.shape[0], 1), y.repeat(a.rows // y.shape[0], 1)
         opt.zero_grad(set_to_none=True)
         if a.sync == "pipeline":
             loss = pipeline_step(model, head, x, y, rank)
@@ -125,8 +129,9 @@ def main():
             logged = loss.detach().clone()
             dist.all_reduce(logged)  # the mean loss for the log line, every step
             loss = logged / world
+        value = float(loss)  # every rank reads its loss (a host sync on a GPU), rank 0 logs it
         if rank == 0:
-            print(f"step {step} loss {float(loss):.4f}", flush=True)
+            print(f"step {step} loss {value:.4f}", flush=True)
     del heap
     dist.destroy_process_group()
 
