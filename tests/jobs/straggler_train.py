@@ -129,7 +129,7 @@ def main():
             logged = loss.detach().clone()
             dist.all_reduce(logged)  # the mean loss for the log line, every step
             loss = logged / world
-        value = float(loss)  # every rank reads its loss (a host sync on a GPU), rank 0 logs it
+        value = loss.item()  # every rank reads its loss (a host sync on a GPU), rank 0 logs it
         if rank == 0:
             print(f"step {step} loss {value:.4f}", flush=True)
     del heap
