@@ -142,7 +142,24 @@ SLOWER_CLOCK = 0.9  # the straggler's GPU at <= 90 % of the others' SM clock: a 
 
 def _steady_ids(run, ranks):
     steady = ev.steady_steps(run)
-    return {r: set(int(s) for s in steady.loc[steady["rank"] == r, "step"]) for r in ranks}
+    return {r: set(g.astype(int)) for r, g in steady.groupby("rank")["step"]}
+
+
+def _median_steps(run, ranks):
+    """{rank: median steady step seconds} from one pass (ev.median_step_s per rank rescans)."""
+    steady = ev.steady_steps(run)
+    med = steady.groupby("rank")["duration_s"].median().to_dict() if len(steady) else {}
+    return {r: (float(med[r]) if r in med else ev.median_step_s(run, r)) for r in ranks}
+
+
+def _steady_ledger(run):
+    """ledger_mod.steady_rows(run), by a join instead of a Python scan of the rows."""
+    steady = ev.steady_steps(run)
+    led = run.ledger
+    if not len(steady) or not len(led):
+        return led.iloc[0:0]
+    keys = steady[["rank", "step"]].astype({"step": "int64"})
+    return led.astype({"step": "int64"}).merge(keys, on=["rank", "step"], how="inner")
 
 
 def _gpu_clocks(run, ranks):
@@ -187,12 +204,12 @@ def _step_points(run):
     the host waits later, in its next sync (.item(), synchronize). There each step is the
     meeting point and a rank's wait is its step's host-sync plus collective lines: the rank
     that waited least there was the one the others' GPUs waited for."""
-    led = ledger_mod.steady_rows(run)
+    led = _steady_ledger(run)
     if not len(led):
         return led
     counts = led.groupby("step")["rank"].transform("nunique")
     led = led[counts == led["rank"].nunique()]
-    return pd.DataFrame({"key": "s:" + led["step"].astype(int).astype(str), "rank": led["rank"],
+    return pd.DataFrame({"key": led["step"].astype("int64"), "rank": led["rank"],
                          "op": "host sync + collectives of the step", "group": "step",
                          "start_ns": led["start_ns"].astype("int64"),
                          "end_ns": led["end_ns"].astype("int64"),
@@ -201,7 +218,7 @@ def _step_points(run):
 
 def _step_cause(run, straggler, late_steps, n_steps):
     """By step: the straggler's ledger lines (waits left out) beyond the others' in those steps."""
-    led = ledger_mod.steady_rows(run)
+    led = _steady_ledger(run)
     led = led[led["step"].isin(late_steps)]
     cats = [c for c in list(ledger_mod.CATEGORIES) + ["unexplained"] if c not in ("sync", "collective")]
     sums = led.groupby("rank")[[f"{c}_s" for c in cats]].sum()
@@ -218,7 +235,7 @@ def _syncs_every_step(run):
     spans = run.spans
     if not len(spans) or not (spans["cat"] == "sync").any():
         return False
-    led = ledger_mod.steady_rows(run)
+    led = _steady_ledger(run)
     if not len(led):
         return False
     return bool(((led["sync_s"] > 0).groupby(led["rank"]).mean() >= 0.8).all())
@@ -229,13 +246,17 @@ def _straggler_from_points(run, ranks, points, by_step=False):
     last = sp.last_arrivals(points)
     if not len(last):
         return None
-    arrival = points.set_index(["key", "rank"])["start_ns"]
-    last["arrival_ns"] = arrival.reindex(list(zip(last["key"], last["last"]))).to_numpy()
+    arrival = points[["key", "rank", "start_ns"]].rename(
+        columns={"rank": "last", "start_ns": "arrival_ns"})
+    last = last.merge(arrival, on=["key", "last"], how="left")
     steady = _steady_ids(run, ranks)
     last["step"] = -1
     for rank, rows in last.groupby("last"):
         last.loc[rows.index, "step"] = sp.step_of(steps, rank, rows["arrival_ns"].to_numpy(np.int64))
-    last = last[[int(s) in steady.get(r, ()) for r, s in zip(last["last"], last["step"])]]
+    keep = np.zeros(len(last), dtype=bool)
+    for rank, rows in last.groupby("last"):
+        keep[last.index.get_indexer(rows.index)] = rows["step"].isin(steady.get(rank, ())).to_numpy()
+    last = last[keep]
     if not len(last):
         return None
     caused = last.groupby("last")["cost_s"].sum()
@@ -243,7 +264,7 @@ def _straggler_from_points(run, ranks, points, by_step=False):
     straggler = caused.idxmax()
     n_steps = max(1, len(steady.get(straggler, ())))
     cost = float(caused[straggler]) / n_steps
-    step_s = {r: ev.median_step_s(run, r) for r in ranks}
+    step_s = _median_steps(run, ranks)
     known = sorted(v for v in step_s.values() if v)
     median_step = known[len(known) // 2] if known else None
     share = cost / median_step if median_step else 0.0
@@ -274,7 +295,7 @@ def _straggler_from_points(run, ranks, points, by_step=False):
     mine = mine[mine["cost_s"] >= 0.1 * mine["cost_s"].max()]
     late_keys = set(mine["key"])
     if by_step:
-        cause = _step_cause(run, straggler, set(int(k[2:]) for k in late_keys), n_steps)
+        cause = _step_cause(run, straggler, set(int(k) for k in late_keys), n_steps)
     else:
         cause = _late_cause(run, sp.segments(points, steps), straggler, late_keys, n_steps)
     top = max(cause, key=cause.get) if cause else None
@@ -288,7 +309,7 @@ def _straggler_from_points(run, ranks, points, by_step=False):
         others_wait[rank] = round(float(np.nansum(np.clip(extra, 0, None))) / n_steps, 4)
     ops = Counter(late.loc[late["rank"] == straggler, "op"].astype(str))
     clocks = _gpu_clocks(run, ranks)
-    led = ledger_mod.steady_rows(run)
+    led = _steady_ledger(run)
     detail.update({
         "straggler": straggler, "source": "steps (host sync + collective lines)" if by_step else
         "matched collectives" + (" and DDP backwards" if sp.uses_ddp(run) else ""),

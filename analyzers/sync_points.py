@@ -67,8 +67,11 @@ def _matched_collectives(spans):
     members = coll.groupby("group")["rank"].nunique()
     seen = coll.groupby(["group", "seq"])["rank"].transform("nunique")
     coll = coll[(seen == coll["group"].map(members)) & (seen >= 2)]
-    key = "c:" + coll["group"] + ":" + coll["seq"].astype(str)
-    return pd.DataFrame({"key": key.values, "rank": coll["rank"].values, "op": coll["op"].values,
+    # one int64 key per (group, seq): group code in the high bits (string keys cost seconds at
+    # millions of rows)
+    code = pd.factorize(coll["group"])[0].astype(np.int64)
+    key = (code << 40) + coll["seq"].to_numpy(np.int64)
+    return pd.DataFrame({"key": key, "rank": coll["rank"].values, "op": coll["op"].values,
                          "group": coll["group"].values, "start_ns": coll["start_ns"].values,
                          "end_ns": coll["end_ns"].values,
                          "wait_s": (coll["end_ns"] - coll["start_ns"]).values / 1e9})
@@ -92,7 +95,8 @@ def _ddp_backwards(run):
         rows, step = rows[ok], st["step"].to_numpy(np.int64)[i[ok]]
         order = pd.Series(step).groupby(step).cumcount().to_numpy()
         parts.append(pd.DataFrame({
-            "key": [f"b:{s}:{k}" for s, k in zip(step, order)], "rank": rank, "op": "backward",
+            # negative keys: never a collective's; step and the backward's order in it
+            "key": -(step.astype(np.int64) * 1024 + order + 1), "rank": rank, "op": "backward",
             "group": "ddp", "start_ns": rows["start_ns"].to_numpy(np.int64),
             "end_ns": rows["end_ns"].to_numpy(np.int64)}))
     if not parts:
