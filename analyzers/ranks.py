@@ -307,6 +307,12 @@ def _straggler_from_points(run, ranks, points, by_step=False):
     for rank, rows in late[late["rank"] != straggler].groupby("rank"):
         extra = rows["wait_s"].to_numpy() - mins.reindex(rows["key"]).to_numpy()
         others_wait[rank] = round(float(np.nansum(np.clip(extra, 0, None))) / n_steps, 4)
+    if not by_step and not run.manifest.get("nodes"):
+        # one host, one clock: the arrivals themselves, a cross-check of the waits' reading
+        starts = late.pivot_table(index="key", columns="rank", values="start_ns", aggfunc="first")
+        if straggler in starts and starts.shape[1] >= 2:
+            gap = starts[straggler] - starts.drop(columns=straggler).max(axis=1)
+            detail["arrival_gap_per_step_s"] = round(float(gap.clip(lower=0).sum()) / 1e9 / n_steps, 4)
     ops = Counter(late.loc[late["rank"] == straggler, "op"].astype(str))
     clocks = _gpu_clocks(run, ranks)
     led = _steady_ledger(run)
@@ -454,6 +460,7 @@ def _bubbles(run, ranks, spans):
     worst = max(per_rank, key=lambda r: per_rank[r]["share_of_step"])
     if per_rank[worst]["share_of_step"] < MIN_SHARE:
         return []
+    slow_stage = _slow_stage(run, per_rank, worst)
     text = "; ".join(f"rank {r}: {v['share_of_step']:.0%} ({v['seconds_per_step'] * 1000:.0f} ms) "
                      f"in {'/'.join(v['ops'])} with rank {'/'.join(map(str, v['peers']))}"
                      for r, v in sorted(per_rank.items()))
@@ -464,13 +471,40 @@ def _bubbles(run, ranks, spans):
         severity=ev.severity_for_share(share), analyzer="ranks",
         summary=(f"Blocking point-to-point waits per steady step: {text}. A stage waiting in recv "
                  "for its upstream stage (or in send for its downstream one) is the pipeline "
-                 "schedule's idle time, not a straggler."),
+                 "schedule's idle time, not a straggler." + (
+                     f" The stages are unbalanced: rank {worst} waits for rank "
+                     f"{slow_stage['rank']}, whose own ledger has, beyond rank {worst}'s: "
+                     + " · ".join(f"{ledger_mod.LABELS.get(c, c)} +{v * 1000:.0f} ms"
+                                  for c, v in list(slow_stage["ledger_beyond_per_step_s"].items())[:3])
+                     + "." if slow_stage else "")),
         seconds_lost_per_step=per_rank[worst]["seconds_per_step"], share_of_step=share,
-        evidence={"per_rank": per_rank, "source": "shim send/recv spans"},
+        evidence={"per_rank": per_rank, "source": "shim send/recv spans",
+                  **({"slow_stage": slow_stage} if slow_stage else {})},
         prescriptions=(Prescription(
             kind="code", summary="more micro-batches per step (bubble ≈ (stages − 1) / "
             "micro-batches of the step), or an interleaved schedule (virtual pipeline stages)"),),
         ranks=tuple(ranks))]
+
+
+def _slow_stage(run, per_rank, worst):
+    """The neighbour the most-waiting stage waits for, when the stages are unbalanced (its bubble
+    at least MIN_SHARE of the step below the waiting one's), with its ledger lines (waits left
+    out) beyond the waiting stage's: what makes that stage slow."""
+    peers = [str(p) for p in per_rank[worst]["peers"] if str(p) in per_rank]
+    if not peers:
+        return None
+    slow = min(peers, key=lambda r: per_rank[r]["share_of_step"])
+    if per_rank[worst]["share_of_step"] - per_rank[slow]["share_of_step"] < 2 * MIN_SHARE:
+        return None
+    led = _steady_ledger(run)
+    cats = [c for c in list(ledger_mod.CATEGORIES) + ["unexplained"] if c not in ("sync", "collective")]
+    means = led.groupby("rank")[[f"{c}_s" for c in cats]].mean()
+    if slow not in means.index or worst not in means.index:
+        return None
+    beyond = (means.loc[slow] - means.loc[worst]).to_numpy()
+    lines = {c: round(float(x), 4) for c, x in sorted(zip(cats, beyond), key=lambda kv: -kv[1])
+             if x > 0.0005}
+    return {"rank": slow, "waited_for_by": worst, "ledger_beyond_per_step_s": lines} if lines else None
 
 
 # -- 3. ranks that do not wait for each other --------------------------------------------------

@@ -56,6 +56,9 @@ def test_sleeping_rank_of_three_is_named_with_each_others_wait(tmp_path):
     assert f.evidence["late_because_per_step_s"]["unexplained"] > 0.15
     assert set(f.evidence["late_at"]["ops"]) == {"all_reduce"}
     assert f.severity in ("high", "critical")
+    # one host, one clock: the arrivals themselves tell the same lateness as the waits
+    gap = f.evidence["arrival_gap_per_step_s"]
+    assert abs(gap - f.seconds_lost_per_step) < 0.3 * f.seconds_lost_per_step
 
 
 def test_gc_storm_on_one_rank_is_the_straggler_and_a_symptom_of_the_gc_finding(tmp_path):
@@ -97,7 +100,9 @@ def test_compiling_straggler_chains_under_its_recompile(tmp_path):
 
 
 def test_pipeline_stages_show_bubbles_not_a_straggler(tmp_path):
-    run, findings = _run(tmp_path, "--sync", "pipeline", "--width", "512", "--layers", "4")
+    # --grad-norm: an all_reduce over both stages every step as well (gradient clipping)
+    run, findings = _run(tmp_path, "--sync", "pipeline", "--grad-norm", "--width", "512",
+                         "--layers", "4")
     found = _ranks(findings)
     assert "ranks.straggler" not in found, found["ranks.straggler"].summary
     bubble = found["ranks.pipeline_bubble"]
@@ -106,6 +111,19 @@ def test_pipeline_stages_show_bubbles_not_a_straggler(tmp_path):
     assert all(0.05 < v["share_of_step"] < 1.0 for v in per_rank.values())
     assert set(per_rank["1"]["ops"]) == {"recv", "send"} and per_rank["1"]["peers"] == [0]
     assert 0 < bubble.share_of_step < 1
+
+
+def test_a_slow_pipeline_stage_is_a_bubble_with_the_stage_that_causes_it(tmp_path):
+    run, findings = _run(tmp_path, "--sync", "pipeline", "--grad-norm", "--slow-rank", "1",
+                         "--cause", "gc")
+    found = _ranks(findings)
+    assert "ranks.straggler" not in found, found["ranks.straggler"].summary
+    bubble = found["ranks.pipeline_bubble"]
+    per_rank = bubble.evidence["per_rank"]
+    assert per_rank["0"]["share_of_step"] > 0.5 > per_rank["1"]["share_of_step"]
+    stage = bubble.evidence["slow_stage"]
+    assert (stage["rank"], stage["waited_for_by"]) == ("1", "0")
+    assert next(iter(stage["ledger_beyond_per_step_s"])) == "gc"
 
 
 @pytest.mark.slow

@@ -8,7 +8,8 @@
              plus the usual blocking all_reduce of the loss for logging
   pipeline   two pipeline stages: stage 0 sends its activations to stage 1 (send/recv), stage 1
              computes the loss and sends the activation gradient back; no straggler, only the
-             bubble each stage spends waiting for the other
+             bubble each stage spends waiting for the other (--grad-norm: plus an all_reduce of
+             the gradient norm over the stages, where stage 0 always arrives last)
 --cause: what the slow rank does in each step before it reaches the collective
   sleep      time.sleep (host work of any kind: logging, evaluation on one rank)
   compute    extra matmuls
@@ -61,6 +62,8 @@ def main():
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--rows", type=int, default=0,
                    help="rows per step on the device (the batch repeated): GPU-sized steps")
+    p.add_argument("--grad-norm", action="store_true",
+                   help="pipeline: all-reduce the gradient norm over the stages every step")
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=1)
     a = p.parse_args()
@@ -113,6 +116,7 @@ def main():
             x, y = x.repeat(a.rows // x.shape[0], 1), y.repeat(a.rows // y.shape[0], 1)
         opt.zero_grad(set_to_none=True)
         if a.sync == "pipeline":
+            slow_work()  # before the stage's part of the step
             loss = pipeline_step(model, head, x, y, rank)
         else:
             if a.sync == "ddp":
@@ -124,6 +128,10 @@ def main():
                 for prm in list(model.parameters()) + list(head.parameters()):
                     dist.all_reduce(prm.grad)
                     prm.grad /= world
+        if a.sync == "pipeline" and a.grad_norm:
+            # the global gradient norm over all stages (clipping): a collective across stages
+            norm = torch.stack([q.grad.norm() for q in model.parameters()]).norm().pow(2)
+            dist.all_reduce(norm)
         opt.step()
         if a.sync != "pipeline":
             logged = loss.detach().clone()
