@@ -124,6 +124,7 @@ def test_a_slow_pipeline_stage_is_a_bubble_with_the_stage_that_causes_it(tmp_pat
     stage = bubble.evidence["slow_stage"]
     assert (stage["rank"], stage["waited_for_by"]) == ("1", "0")
     assert next(iter(stage["ledger_beyond_per_step_s"])) == "gc"
+    assert bubble.cause == "gc.gen2_in_step"  # the stage's GC is the root, the bubble its symptom
 
 
 @pytest.mark.slow
