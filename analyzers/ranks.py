@@ -366,7 +366,10 @@ def _pyspy_doing(run, rank):
     if rank not in spy:
         return None
     hot = ev.hottest_frames(spy[rank][1], keep=lambda s: not _in_collective(s))
-    return {"hottest_frames": ev.frames_evidence(hot)} if hot else None
+    frames = ev.frames_evidence(hot) if hot else []
+    # the job's own code first (py-spy's thread root and library frames are not what it does)
+    frames = sorted(frames, key=lambda f: not f.get("file") or ev.is_library_path(f["file"]))
+    return {"hottest_frames": frames} if frames else None
 
 
 def _prescriptions(run, straggler, top, cost, slower_gpu):

@@ -24,16 +24,17 @@ PY=${PY:-python3}
 log() { echo "== $(date +%T) $*"; }
 
 log setup
-$PY -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/pip.log" 2>&1 || tail -5 "$OUT/pip.log"
-nvidia-smi --query-gpu=index,name --format=csv,noheader
-JOB=(tests/jobs/straggler_train.py --device cuda --width 4096 --layers 4 --batch 64 --rows 8192 --steps 30)
+[ -n "${SKIP_PIP:-}" ] || $PY -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/pip.log" 2>&1 || tail -5 "$OUT/pip.log"
+nvidia-smi --query-gpu=index,name --format=csv,noheader || true
+# JOB_ARGS="--device cpu" SKIP_PIP=1 PY=.venv/bin/python: the same arms on gloo, as a dry run
+JOB=(tests/jobs/straggler_train.py ${JOB_ARGS:---device cuda --width 4096 --layers 4 --batch 64 --rows 8192} --steps 30)
 port=29611
 arm() {  # name, job args...
   local name=$1; shift
   port=$((port + 1))
   log "arm $name"
   rm -rf "runs/straggler-$name"
-  timeout 150 diagnose --quiet --run-dir "runs/straggler-$name" -- \
+  timeout 150 $PY -m traindx --quiet --run-dir "runs/straggler-$name" -- \
     $PY -m torch.distributed.run --nproc-per-node 2 --master-port $port "${JOB[@]}" "$@" \
     > "$OUT/straggler-$name.log" 2>&1
   echo "diagnose exit $?"
@@ -63,6 +64,16 @@ for name in ("ddp-gc", "ddp-sleep", "ar-data", "healthy"):
     print("  ledger mean per rank (s):", {r: {k[:-2]: round(float(v), 4) for k, v in g.drop(
         columns=['rank', 'step', 'start_ns', 'end_ns']).mean().items() if v > 0.0005}
         for r, g in led[led['step'] >= 5].groupby('rank')})
+    # the raw reading behind the finding (or its absence): who was last, at what cost
+    from traindx.analyzers import ranks as R, sync_points as SP
+    pts = SP.meeting_points(run)
+    host = SP.last_arrivals(pts).groupby("last")["cost_s"].agg(["sum", "count"]).round(4)
+    print(f"  host meeting points {pts['key'].nunique()}: cost caused (s, all steps) "
+          f"{host.to_dict('index')}; every rank syncs each step: {R._syncs_every_step(run)}")
+    st = R._step_points(run)
+    if len(st):
+        by = SP.last_arrivals(st).groupby("last")["cost_s"].agg(["sum", "count"]).round(4)
+        print(f"  step meeting points {st['key'].nunique()}: cost caused (s, steady) {by.to_dict('index')}")
     ranks = [f for f in findings if f.analyzer == "ranks"]
     if not ranks:
         print("  no ranks finding")
