@@ -259,7 +259,9 @@ def _on_ddp(module):
             emit("ddp", t=_now(), group=str(getattr(pg, "group_name", "") or "default"))
         except Exception as exc:
             report_error("ddp event", exc)
-    __init__.__wrapped__ = original
+    for attr in ("__name__", "__qualname__", "__doc__", "__module__"):
+        setattr(__init__, attr, getattr(original, attr, None))
+    __init__.__wrapped__ = original  # inspect.signature (Lightning, accelerate) sees the original
     cls.__init__ = __init__
 
 
