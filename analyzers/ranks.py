@@ -551,7 +551,7 @@ def analyze(run):
         # the ranks meet: the straggler, if any, is who they waited for (none: a healthy job)
         found = _straggler_from_points(run, ranks, points)
         return findings + ([found] if found else [])
-    if len(spans) or sp.uses_ddp(run):
+    if len(spans) and sp.is_point_to_point(spans).all():
         return findings  # they only exchange point to point: bubbles, not stragglers
     legacy = _by_smallest_wait(run, ranks)
     if legacy is not None:

@@ -48,8 +48,12 @@ def collective_spans(run):
     return out.reset_index(drop=True)
 
 
+POINT_TO_POINT_OPS = ("send", "recv")
+
+
 def is_point_to_point(spans):
-    return spans["seq"].isna()
+    """send/recv spans (older runs' collective spans carry no op: none of them is)."""
+    return spans["op"].isin(POINT_TO_POINT_OPS)
 
 
 def uses_ddp(run):
@@ -58,7 +62,7 @@ def uses_ddp(run):
 
 
 def _matched_collectives(spans):
-    coll = spans[~is_point_to_point(spans)]
+    coll = spans[~is_point_to_point(spans) & spans["seq"].notna()]
     if not len(coll):
         return pd.DataFrame(columns=POINT_COLUMNS)
     coll = coll.assign(seq=coll["seq"].astype("int64"))
