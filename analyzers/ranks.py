@@ -44,7 +44,7 @@ MIN_WAIT_DIFF_S = 0.005
 # from one collective to the next and the costs spread over the ranks
 MIN_DOMINANCE = 0.6
 MIN_LATE_STEPS = 3           # steady steps in which it made the others wait ...
-MIN_LATE_STEP_SHARE = 0.25   # ... at least this share of a median step
+MIN_LATE_STEP_SHARE = MIN_SHARE  # ... at least this share of a median step (and 5 ms)
 
 
 
@@ -292,7 +292,7 @@ def _straggler_from_points(run, ranks, points, by_step=False):
         return None
     # where it came last (and mattered): the cause lies in the stretch before those arrivals
     mine = last[last["last"] == straggler]
-    mine = mine[mine["cost_s"] >= 0.1 * mine["cost_s"].max()]
+    mine = mine[mine["cost_s"] >= 0.1 * mine["cost_s"].quantile(0.9)]  # not: one spike's tenth
     late_keys = set(mine["key"])
     if by_step:
         cause = _step_cause(run, straggler, set(int(k) for k in late_keys), n_steps)
