@@ -13,6 +13,9 @@ import traindx
 
 from helpers import PY, diagnose, only_run_dir
 
+# every test launches 2-3 torchrun ranks under diagnose: 16-40 s each on the loaded 2-core machine
+pytestmark = pytest.mark.slow
+
 JOB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "jobs", "straggler_train.py")
 TORCHRUN = os.path.join(os.path.dirname(PY), "torchrun")
 
@@ -133,7 +136,6 @@ def test_a_slow_pipeline_stage_is_a_bubble_with_the_stage_that_causes_it(tmp_pat
     assert bubble.cause == "gc.gen2_in_step"  # the stage's GC is the root, the bubble its symptom
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("sync", ["allreduce", "ddp"])
 def test_healthy_jobs_give_nothing_under_cpu_load(tmp_path, burners, sync):
     run, findings = _run(tmp_path, "--sync", sync, "--steps", "16")
@@ -141,7 +143,6 @@ def test_healthy_jobs_give_nothing_under_cpu_load(tmp_path, burners, sync):
     assert _ranks(findings) == {}, [(f.id, f.summary) for f in findings if f.analyzer == "ranks"]
 
 
-@pytest.mark.slow
 def test_straggler_under_cpu_load_is_the_same_rank_and_cause(tmp_path, burners):
     run, findings = _run(tmp_path, "--sync", "ddp", "--slow-rank", "0", "--cause", "gc")
     f = _ranks(findings)["ranks.straggler"]
