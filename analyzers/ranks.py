@@ -546,6 +546,11 @@ def analyze(run):
         found = _straggler_from_points(run, ranks, _step_points(run), by_step=True)
         if found is None:
             found = _straggler_from_points(run, ranks, points)  # a CPU group (gloo) in a GPU job
+        if found is None:
+            # a rank slow on its GPU only: every host waits for its own GPU about as long, and
+            # only the GPUs' NCCL kernels (the torch.profiler window) show who waited
+            legacy = _by_smallest_wait(run, ranks, sources=("torch.profiler",))
+            return findings + (legacy or [])
         return findings + ([found] if found else [])
     if len(points):
         # the ranks meet: the straggler, if any, is who they waited for (none: a healthy job)
@@ -560,7 +565,7 @@ def analyze(run):
 
 
 # -- 2. runs without spans: the smallest wait in the trace or in py-spy --------------------------
-def _by_smallest_wait(run, ranks):
+def _by_smallest_wait(run, ranks, sources=("torch.profiler", "py-spy")):
     """[finding] or [] from the trace / py-spy waits; None when neither has them."""
     step_s = {r: ev.median_step_s(run, r) for r in ranks}
     median_step = sorted(v for v in step_s.values() if v)[len(ranks) // 2] if any(step_s.values()) else None
@@ -569,7 +574,7 @@ def _by_smallest_wait(run, ranks):
     if len(waits) >= 2:
         source = "torch.profiler"
         per_rank_wait = {r: w[0] for r, w in waits.items()}
-    else:
+    elif "py-spy" in sources:
         spy = _pyspy_waits(run, ranks)
         if len(spy) >= 2 and median_step:
             source = "py-spy"

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 15 goal 4 on the 2xH200 machine: an injected slow rank in a 2-rank NCCL job is named,
 # with what the other rank waits for it per step and why (its own ledger), and a healthy control
-# gives no rank finding.  usage (repo root): OUT=/tmp/out bash bench/gpu_straggler.sh  (~3 min)
+# gives no rank finding.  usage (repo root): OUT=/tmp/out bash bench/gpu_straggler.sh  (~3.5 min)
 # Job: tests/jobs/straggler_train.py --device cuda (an fp32 MLP 4096 wide, 8192 rows a
 # step, DDP + a blocking loss all_reduce per step, or per-parameter blocking all_reduces).
 # Expect, per arm (lines "ARM ..." then the ranks findings):
@@ -9,6 +9,9 @@
 #   ddp-sleep  ranks.straggler rank 1, cause forward_backward (host work before forward), py-spy
 #              hottest frame in the job's slow_work / time.sleep, cost ~0.1 s per step
 #   ar-data    ranks.straggler rank 1, cause data, cost ~0.1 s per step, cause_of dataloader.starvation
+#   ddp-gpu    rank 1 runs ~0.1 s of extra matmuls on its GPU each step: every host waits for its
+#              own GPU alike, so the steps show nothing; the torch.profiler window's NCCL kernels
+#              (steps 3-4) should name rank 1 (source torch.profiler) - the weakest case
 #   healthy    no ranks.* finding
 # The method line says "steps as meeting points" (CUDA: NCCL returns to the host at once, the
 # host waits in its next sync); "matched collectives" would mean the host spans blocked.
@@ -42,12 +45,13 @@ arm() {  # name, job args...
 arm ddp-gc    --sync ddp --slow-rank 1 --cause gc --heap 2000000
 arm ddp-sleep --sync ddp --slow-rank 1 --cause sleep --slow-seconds 0.1
 arm ar-data   --sync allreduce --slow-rank 1 --cause data --slow-seconds 0.1
+arm ddp-gpu   --sync ddp --slow-rank 1 --cause compute --slow-seconds 0.1
 arm healthy   --sync ddp
 
 $PY - <<'P' | tee "$OUT/straggler-findings.txt"
 import json
 import traindx
-for name in ("ddp-gc", "ddp-sleep", "ar-data", "healthy"):
+for name in ("ddp-gc", "ddp-sleep", "ar-data", "ddp-gpu", "healthy"):
     try:
         run = traindx.load_run(f"runs/straggler-{name}")
     except Exception as exc:
