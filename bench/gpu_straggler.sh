@@ -9,7 +9,7 @@
 #   ddp-sleep  ranks.straggler rank 1, cause forward_backward (host work before forward), py-spy
 #              hottest frame in the job's slow_work / time.sleep, cost ~0.1 s per step
 #   ar-data    ranks.straggler rank 1, cause data, cost ~0.1 s per step, cause_of dataloader.starvation
-#   ddp-gpu    rank 1 runs ~0.1 s of extra matmuls on its GPU each step: every host waits for its
+#   ddp-gpu    rank 1 queues ~0.1 s of extra matmuls on its GPU each step: every host waits for its
 #              own GPU alike, so the steps show nothing; the torch.profiler window's NCCL kernels
 #              (steps 3-4) should name rank 1 (source torch.profiler) - the weakest case
 #   healthy    no ranks.* finding
@@ -45,7 +45,7 @@ arm() {  # name, job args...
 arm ddp-gc    --sync ddp --slow-rank 1 --cause gc --heap 2000000
 arm ddp-sleep --sync ddp --slow-rank 1 --cause sleep --slow-seconds 0.1
 arm ar-data   --sync allreduce --slow-rank 1 --cause data --slow-seconds 0.1
-arm ddp-gpu   --sync ddp --slow-rank 1 --cause compute --slow-seconds 0.1
+arm ddp-gpu   --sync ddp --slow-rank 1 --cause gpu --slow-seconds 0.1
 arm healthy   --sync ddp
 
 $PY - <<'P' | tee "$OUT/straggler-findings.txt"

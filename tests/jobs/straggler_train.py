@@ -16,6 +16,8 @@
   gc         gc.collect() over a large live heap (a GC storm on one rank)
   data       its DataLoader's __getitem__ is slow (a slow shard / storage on one rank)
   compile    a torch.compile'd function fed a new shape every step: it recompiles in each step
+  gpu        (CUDA) about --slow-seconds of large matmuls queued on its GPU, no host wait: the
+             rank is slow on its GPU only (as a throttled or slower GPU is)
 Works with gloo on the CPU and NCCL on GPUs (--device cuda, one GPU per rank by LOCAL_RANK).
 """
 import argparse
@@ -53,7 +55,7 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--sync", choices=("allreduce", "ddp", "pipeline"), default="allreduce")
     p.add_argument("--slow-rank", type=int, default=-1)
-    p.add_argument("--cause", choices=("sleep", "compute", "gc", "data", "compile"), default="sleep")
+    p.add_argument("--cause", choices=("sleep", "compute", "gc", "data", "compile", "gpu"), default="sleep")
     p.add_argument("--slow-seconds", type=float, default=0.2)
     p.add_argument("--heap", type=int, default=1_000_000, help="gc: live objects on the slow rank")
     p.add_argument("--steps", type=int, default=12)
@@ -88,6 +90,16 @@ def main():
     head = torch.nn.Linear(a.width, 1).to(device)
     opt = torch.optim.SGD(list(model.parameters()) + list(head.parameters()), lr=1e-3)
     spin = torch.randn(256, 256, device=device)
+    big, n_big = None, 0
+    if slow and a.cause == "gpu" and cuda:
+        big = torch.randn(8192, 8192, device=device)
+        big @ big
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(5):
+            big @ big
+        torch.cuda.synchronize()
+        n_big = max(1, round(a.slow_seconds / ((time.perf_counter() - t) / 5)))
     if slow and a.cause == "compile":
         torch._dynamo.config.recompile_limit = 10_000
         torch._dynamo.config.automatic_dynamic_shapes = False
@@ -106,6 +118,9 @@ def main():
                 spin @ spin
             if cuda:
                 torch.cuda.synchronize()
+        elif a.cause == "gpu" and big is not None:
+            for _ in range(n_big):
+                big @ big  # queued: the host goes on at once
         elif a.cause == "compile":
             scale(torch.ones(step + 1, device=device))  # a new shape: a new graph, every step
 
