@@ -32,6 +32,10 @@ LEDGER_LINES = {
 }
 
 
+# the straggler's cause (its ledger line before its late arrivals) -> the root finding of that line
+STRAGGLER_ROOTS = {"gc": "gc.gen2_in_step", "data": "dataloader.starvation"}
+
+
 def _is_jit(f, steady_only=True):
     if not f.id.startswith("jit.") or f.cause is not None:
         return False
@@ -66,6 +70,20 @@ def _root_for(f, roots):
         jits = [r for r in roots if _is_jit(r, steady_only=False)
                 and (not r.ranks or straggler in map(str, r.ranks))]
         return max(jits, key=lambda r: (_is_jit(r), r.seconds_lost_per_step or 0.0), default=None)
+    if f.id == "ranks.straggler" and f.evidence.get("cause") in STRAGGLER_ROOTS:
+        # the straggler is late because of its own GC pauses / data waits: the finding of that
+        # line on its rank is the root (the others' waits are its cost, not a second problem)
+        straggler = str(f.evidence.get("straggler"))
+        own = [r for r in roots if r.id == STRAGGLER_ROOTS[f.evidence["cause"]]
+               and (not r.ranks or straggler in map(str, r.ranks))]
+        return max(own, key=lambda r: r.seconds_lost_per_step or 0.0, default=None)
+    stage = f.evidence.get("slow_stage") if f.id == "ranks.pipeline_bubble" else None
+    if stage and next(iter(stage.get("ledger_beyond_per_step_s") or {}), None) in STRAGGLER_ROOTS:
+        # the stages wait for one stage that pauses in GC / waits for data: that is the root
+        line = next(iter(stage["ledger_beyond_per_step_s"]))
+        own = [r for r in roots if r.id == STRAGGLER_ROOTS[line]
+               and (not r.ranks or str(stage["rank"]) in map(str, r.ranks))]
+        return max(own, key=lambda r: r.seconds_lost_per_step or 0.0, default=None)
     if f.id == "gpu.launch_bound":
         jits = [r for r in roots if _is_jit(r) and _same_rank(r, f)]
         return max(jits, key=lambda r: r.seconds_lost_per_step or 0.0) if jits else None

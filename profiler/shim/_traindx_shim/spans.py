@@ -12,6 +12,9 @@ ident} and, for rare calls (checkpoints, file writes), the caller in the job's c
   collective  blocking torch.distributed collectives (async_op=False) with op, group (process
               group name) and seq (per-group call counter: the same number on every rank of
               the group); blocking send/recv with op, group and peer
+  ddp         not a span: one `ddp` event per DistributedDataParallel model built (its gradient
+              all-reduces run in C++ inside backward, where no Python wrapper sees them: the
+              straggler analysis then treats each backward as the ranks' meeting point)
   gc          garbage collections of at least GC_SPAN_MIN_NS (shorter ones stay aggregated per
               step in gcstats: a gen-0 pass every few ms is not worth an event each)
 
@@ -260,6 +263,23 @@ def _on_checkpoint(module):
                                          label=f"torch.distributed.checkpoint.{name}"))
 
 
+def _on_ddp(module):
+    cls = module.DistributedDataParallel
+    original = cls.__init__
+
+    def __init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        try:
+            pg = getattr(self, "process_group", None)
+            emit("ddp", t=_now(), group=str(getattr(pg, "group_name", "") or "default"))
+        except Exception as exc:
+            report_error("ddp event", exc)
+    for attr in ("__name__", "__qualname__", "__doc__", "__module__"):
+        setattr(__init__, attr, getattr(original, attr, None))
+    __init__.__wrapped__ = original  # inspect.signature (Lightning, accelerate) sees the original
+    cls.__init__ = __init__
+
+
 # -- GC ------------------------------------------------------------------------------------------
 _gc_start = {}
 
@@ -281,4 +301,5 @@ def register():
     importhooks.on_import("torch.utils.data.dataloader", _on_dataloader)
     importhooks.on_import("torch.distributed", _on_distributed)
     importhooks.on_import("torch.distributed.checkpoint", _on_checkpoint)
+    importhooks.on_import("torch.nn.parallel.distributed", _on_ddp)
     gc.callbacks.append(_gc_callback)
