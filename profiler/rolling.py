@@ -1,0 +1,440 @@
+"""Keeps a long run's evidence within its disk budget (docs/long-runs.md).
+
+Line files (events, the job's log, py-spy dumps) are written in segments (the head kept whole,
+segments.py for the names). The launcher's roller keeps the last `keep` closed segments plain and
+gzips the older ones (lossless); when a file's family is over its share of the budget, the oldest
+gzipped segment is thinned (events: every event but the spans, which are summed per category;
+log: the job's step/loss lines; dumps: each thread's top frames), and past that dropped, each
+thinning and drop written down in `<head>.rolled.json`. py-spy records in windows: the first
+(start-up, compiles) and the last `keep` stay whole, the others are folded into
+`<rank>-<flavour>.rolled.speedscope.json` (each distinct stack once, weights summed), so the
+whole run's proportions stay. Every change is written beside and renamed into place: a kill at
+any moment leaves complete files, at worst one segment counted twice, never a lost one.
+"""
+import glob
+import gzip
+import json
+import os
+import re
+import shutil
+import threading
+from dataclasses import dataclass
+
+from .shim._traindx_shim.segments import segment_path, segments, summary_path
+
+MB = 1 << 20
+MIN_SEGMENT_BYTES = 4096
+# shares of the per-rank budget; py-spy windows are bounded by time (window_s x (keep + 1)) and
+# their summary by the number of distinct stacks, nvml.csv by its fixed row rate (documented)
+EVENTS_SHARE, DUMPS_SHARE, LOG_SHARE = 0.6, 0.1, 0.1
+
+
+@dataclass
+class Budget:
+    """The disk budget of one run: `rank_bytes` per training process, rolling windows of
+    `window_s`, the last `keep` windows/segments kept whole."""
+    rank_bytes: int = 2048 * MB
+    window_s: float = 600.0
+    keep: int = 3
+
+    def cap(self, share):
+        return int(self.rank_bytes * share)
+
+    def segment_bytes(self, share):
+        # head + the kept segments + the live one take at most half the family's cap; the
+        # rolled (gzipped, thinned) segments the other half
+        return max(MIN_SEGMENT_BYTES, self.cap(share) // (2 * (self.keep + 2)))
+
+    def as_dict(self):
+        return {"rank_bytes": self.rank_bytes, "window_s": self.window_s, "keep": self.keep,
+                "events_segment_bytes": self.segment_bytes(EVENTS_SHARE)}
+
+
+# -- line files ------------------------------------------------------------------------------
+class RollingLines:
+    """An append-only line file written in segments of `segment_bytes` (0: one file)."""
+
+    def __init__(self, head, segment_bytes=0, mode="w"):
+        self.head = head
+        self.segment_bytes = segment_bytes
+        self._file = open(head, mode, encoding="utf-8")
+        self._written = self._file.tell()
+        existing = segments(head)
+        self._n = existing[-1][0] if existing else 0
+
+    def write(self, text):
+        self._file.write(text)
+        self._file.flush()
+        self._written += len(text.encode("utf-8", "replace"))
+        if self.segment_bytes and self._written >= self.segment_bytes and text.endswith("\n"):
+            self._n += 1
+            self._file.close()
+            self._file = open(segment_path(self.head, self._n), "w", encoding="utf-8")
+            self._written = 0
+
+    def flush(self):
+        self._file.flush()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def close(self):
+        self._file.close()
+
+    @property
+    def name(self):
+        return self.head
+
+
+def read_text(head):
+    """The whole text of a rolling line file, segments in order (gzipped ones decompressed);
+    the head alone for a short run."""
+    parts = []
+    with open(head, encoding="utf-8", errors="replace") as f:
+        parts.append(f.read())
+    for _, path, gz in segments(head):
+        try:
+            if gz:
+                with gzip.open(path, "rt", encoding="utf-8", errors="replace") as f:
+                    parts.append(f.read())
+            else:
+                with open(path, encoding="utf-8", errors="replace") as f:
+                    parts.append(f.read())
+        except (OSError, EOFError):  # a segment removed while we read: rolled into a .gz
+            continue
+    for i in range(len(parts) - 1):  # segments end on whole lines; a cut head must not glue
+        if parts[i] and not parts[i].endswith("\n"):
+            parts[i] += "\n"
+    return "".join(parts)
+
+
+def family_bytes(head):
+    total = _size(head) + _size(summary_path(head))
+    return total + sum(_size(path) for _, path, _ in segments(head))
+
+
+def _size(path):
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0
+
+
+def _read_summary(head):
+    try:
+        with open(summary_path(head), encoding="utf-8") as f:
+            data = json.load(f)
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _write_json_atomic(path, data):
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(data, f, separators=(",", ":"), default=str)
+    os.replace(tmp, path)
+
+
+def _gzip_segment(path):
+    """path -> path.gz (written beside, renamed in, then the plain one removed)."""
+    tmp = path + ".gz.tmp"
+    with open(path, "rb") as src, gzip.open(tmp, "wb", compresslevel=6) as dst:
+        shutil.copyfileobj(src, dst, 1 << 20)
+    os.replace(tmp, path + ".gz")
+    os.remove(path)
+
+
+def settle(head, keep, cap, thin=None, live=True):
+    """Roll one line file: gzip the closed segments older than the last `keep`, then, while the
+    family is over `cap` bytes, thin the oldest gzipped segment (thin(lines) -> (kept lines,
+    summary dict)) and past that drop it. live: the newest segment is still being written."""
+    segs = segments(head)
+    closed = segs[:-1] if live and segs else segs
+    for n, path, gz in closed[:-keep] if keep else closed:
+        if not gz:
+            _gzip_segment(path)
+    summary = None
+    while family_bytes(head) > cap:
+        rolled = [(n, path) for n, path, gz in segments(head) if gz]
+        if not rolled:
+            break  # head, kept and live segments only: the floor of the budget
+        summary = summary if summary is not None else _read_summary(head)
+        thinned = set(summary.get("thinned", []))
+        todo = [(n, p) for n, p in rolled if n not in thinned]
+        if thin is not None and todo:
+            n, path = todo[0]
+            note = _thin_segment(path, thin)
+            summary.setdefault("thinned", []).append(n)
+            summary.setdefault("thinned_detail", []).append({"segment": n, **note})
+        else:
+            n, path = rolled[0]
+            note = _describe(path, thin)
+            summary.setdefault("dropped", []).append({"segment": n, "bytes": _size(path), **note})
+            # write down what goes before it goes
+            _write_json_atomic(summary_path(head), summary)
+            os.remove(path)
+            continue
+        _write_json_atomic(summary_path(head), summary)
+
+
+def _lines_of(path):
+    with gzip.open(path, "rt", encoding="utf-8", errors="replace") as f:
+        for line in f:
+            yield line.rstrip("\n")
+
+
+def _thin_segment(path, thin):
+    kept, note = thin(_lines_of(path))
+    tmp = path + ".tmp"
+    with gzip.open(tmp, "wt", encoding="utf-8", compresslevel=6) as f:
+        for line in kept:
+            f.write(line + "\n")
+    os.replace(tmp, path)
+    return note
+
+
+def _describe(path, thin):
+    """What a dropped segment held: its line count, and its steps for an events segment."""
+    lines, steps = 0, []
+    for line in _lines_of(path):
+        lines += 1
+        if '"step_end"' in line:
+            try:
+                steps.append(json.loads(line)["step"])
+            except (ValueError, KeyError, TypeError):
+                pass
+    note = {"lines": lines}
+    if steps:
+        note.update(steps=len(steps), first_step=min(steps), last_step=max(steps))
+    return note
+
+
+# -- what thinning keeps, per file kind ------------------------------------------------------
+def thin_events(lines):
+    """Every event but `span`s, which become one `rolled_spans` event: {cat: [count, s]}."""
+    kept, cats, first_t, last_t = [], {}, None, None
+    for line in lines:
+        if '"span"' in line:
+            try:
+                e = json.loads(line)
+            except ValueError:
+                continue
+            if e.get("type") == "span":
+                c = cats.setdefault(str(e.get("cat")), [0, 0.0])
+                c[0] += 1
+                c[1] += max(0, int(e.get("t", 0)) - int(e.get("start", e.get("t", 0)))) / 1e9
+                first_t = e.get("t") if first_t is None else first_t
+                last_t = e.get("t")
+                continue
+        kept.append(line)
+    if cats:
+        kept.append(json.dumps({"type": "rolled_spans", "t": last_t, "first_t": first_t,
+                                "cats": cats}))
+    return kept, {"spans": {k: v[0] for k, v in cats.items()}}
+
+
+def thin_log(custom=None):
+    """The job's step/loss lines (profiler/logparse.py's formats, `--log-regex`) and nothing else."""
+    from .logparse import parse_line
+
+    def thin(lines):
+        kept, dropped = [], 0
+        for line in lines:
+            text = line.split(" ", 2)[2] if line.count(" ") >= 2 else ""
+            if parse_line(text, custom):
+                kept.append(line)
+            else:
+                dropped += 1
+        return kept, {"lines_dropped": dropped}
+    return thin
+
+
+def thin_dumps(lines, frames=3):
+    """Each snapshot with its threads' top `frames` frames: the GIL timeline stays."""
+    kept = []
+    for line in lines:
+        try:
+            snap = json.loads(line)
+            for th in snap.get("threads", []):
+                th["frames"] = (th.get("frames") or [])[:frames]
+            kept.append(json.dumps(snap))
+        except (ValueError, AttributeError, TypeError):
+            continue
+    return kept, {"frames_kept": frames}
+
+
+# -- py-spy windows --------------------------------------------------------------------------
+_WINDOW = re.compile(r"^(?P<base>.+?)(?:\.w(?P<n>\d{6})|\.(?P<rolled>rolled))?$")
+SPEEDSCOPE = ".speedscope.json"
+
+
+def window_path(out_dir, stem_flavour, n):
+    """Window n's speedscope file: window 0 keeps the name of a run without windows."""
+    suffix = "" if n == 0 else f".w{n:06d}"
+    return os.path.join(out_dir, f"{stem_flavour}{suffix}{SPEEDSCOPE}")
+
+
+def rolled_window_path(out_dir, stem_flavour):
+    return os.path.join(out_dir, f"{stem_flavour}.rolled{SPEEDSCOPE}")
+
+
+def fold_windows(out_dir, stem_flavour, windows):
+    """Fold window files (numbers) into the rolled summary: per thread, each distinct stack once
+    with its summed weight (seconds), then remove them. The summary lists the windows it holds,
+    so a window still present after a kill between the two steps is not read twice."""
+    from .speedscope import load
+
+    rolled = rolled_window_path(out_dir, stem_flavour)
+    totals, folded = {}, []
+    if os.path.exists(rolled):
+        try:
+            doc = _read_json(rolled)
+            folded = list(doc.get("traindx_folded_windows", []))
+            _add(totals, load(rolled))
+        except Exception:  # an unreadable summary is not silently replaced: keep it aside
+            os.replace(rolled, rolled + ".bad")
+    done = []
+    for n in windows:
+        path = window_path(out_dir, stem_flavour, n)
+        if n in folded or not os.path.exists(path):
+            done.append(path)
+            continue
+        try:
+            _add(totals, load(path))
+        except Exception:
+            continue  # py-spy left no valid file for this window: nothing to fold
+        folded.append(n)
+        done.append(path)
+    _write_speedscope(rolled, totals, sorted(folded))
+    for path in done:
+        if os.path.exists(path):
+            os.remove(path)
+
+
+def _read_json(path):
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _add(totals, threads):
+    for name, ts in threads.items():
+        per = totals.setdefault(name, {})
+        for stack, weight in zip(ts.stacks, ts.weights):
+            per[stack] = per.get(stack, 0) + weight
+
+
+def _write_speedscope(path, totals, folded):
+    frames, index, profiles = [], {}, []
+    for name, stacks in totals.items():
+        samples, weights = [], []
+        for stack, weight in stacks.items():
+            ids = []
+            for fr in stack:
+                if fr not in index:
+                    index[fr] = len(frames)
+                    frames.append({"name": fr.name, "file": fr.file, "line": fr.line})
+                ids.append(index[fr])
+            samples.append(ids)
+            weights.append(weight)
+        total = sum(weights)
+        profiles.append({"type": "sampled", "name": name, "unit": "seconds", "startValue": 0,
+                         "endValue": total, "samples": samples, "weights": weights})
+    doc = {"$schema": "https://www.speedscope.app/file-format-schema.json",
+           "shared": {"frames": frames}, "profiles": profiles,
+           "name": "traindx: py-spy windows rolled off (each distinct stack once)",
+           "exporter": "traindx", "traindx_folded_windows": folded}
+    _write_json_atomic(path, doc)
+
+
+def load_pyspy(pyspy_dir):
+    """{(file stem, 'all'|'gil'): ({thread: ThreadSamples}, [error])}: window 0, the rolled
+    summary, then the kept windows in order, each thread's samples concatenated."""
+    from .speedscope import ThreadSamples, load
+    from traindx.errors import UserError
+
+    groups = {}
+    for path in glob.glob(os.path.join(pyspy_dir, "*" + SPEEDSCOPE)):
+        m = _WINDOW.match(os.path.basename(path)[: -len(SPEEDSCOPE)])
+        stem, _, source = m["base"].rpartition("-")
+        order = -1 if m["rolled"] else int(m["n"] or 0)
+        groups.setdefault((stem, source), []).append((0.5 if order == -1 else order, path))
+    out = {}
+    for key, files in sorted(groups.items()):
+        threads, errors, folded = {}, [], set()
+        for order, path in sorted(files):
+            if order == 0.5:
+                try:
+                    folded = set(_read_json(path).get("traindx_folded_windows", []))
+                except (OSError, ValueError):
+                    pass
+            elif order in folded:
+                continue
+            try:
+                part = load(path)
+            except UserError as exc:
+                errors.append(str(exc))
+                continue
+            for name, ts in part.items():
+                into = threads.setdefault(name, ThreadSamples(name))
+                into.stacks.extend(ts.stacks)
+                into.weights.extend(ts.weights)
+        if threads or errors:
+            out[key] = (threads, errors)
+    return out
+
+
+# -- the launcher's roller -------------------------------------------------------------------
+class Roller:
+    """Settles every rolling file of a run folder now and then, in the launcher (never in the
+    job's processes)."""
+
+    def __init__(self, run_dir, budget, log_regex=None):
+        self.run_dir = run_dir
+        self.budget = budget
+        self.log_regex = log_regex
+        self.errors = []
+        self._stop = threading.Event()
+        self._thread = None
+        self.interval_s = max(0.5, min(5.0, budget.window_s / 4))
+
+    def start(self):
+        self._thread = threading.Thread(target=self._loop, name="traindx-roller", daemon=True)
+        self._thread.start()
+
+    def _loop(self):
+        while not self._stop.wait(self.interval_s):
+            self.settle_all(live=True)
+
+    def settle_all(self, live):
+        b = self.budget
+        try:
+            custom = None
+            if self.log_regex:
+                from .logparse import compile_custom
+                custom = compile_custom(self.log_regex)
+        except ValueError:
+            custom = None
+        families = [(path, b.cap(EVENTS_SHARE), thin_events)
+                    for path in glob.glob(os.path.join(self.run_dir, "events", "*.jsonl"))]
+        families += [(path, b.cap(DUMPS_SHARE), thin_dumps)
+                     for path in glob.glob(os.path.join(self.run_dir, "pyspy", "*-dump.jsonl"))]
+        log = os.path.join(self.run_dir, "log.txt")
+        if os.path.exists(log):
+            families.append((log, b.cap(LOG_SHARE), thin_log(custom)))
+        for head, cap, thin in families:
+            try:
+                settle(head, b.keep, cap, thin, live=live)
+            except Exception as exc:  # rolling must never stop the run; the loss is said
+                if len(self.errors) < 20:
+                    self.errors.append(f"rolling {os.path.basename(head)}: "
+                                       f"{type(exc).__name__}: {exc}")
+
+    def stop(self):
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+        self.settle_all(live=False)
