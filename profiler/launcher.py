@@ -209,6 +209,9 @@ class Job:
             roller.stop()
             if roller.errors:
                 self.missing["rolling"] = "; ".join(roller.errors)[:1000]
+            rolled = rolling.rolled_summaries(self.run_dir)
+            if rolled:  # what a long run thinned or dropped to stay in its budget
+                manifest["rolled"] = rolled
             errors = pyspy.errors()
             if errors and "pyspy" not in self.missing:
                 self.missing["pyspy"] = "; ".join(dict.fromkeys(errors))[:1000]

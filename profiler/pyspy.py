@@ -5,6 +5,7 @@ py-spy keeps every sample in memory until it exits, so a long job is recorded in
 `window_s`: the next window's recorders start before the last ones are stopped (SIGINT: py-spy
 writes its file), and windows past the first and the last `keep` are folded into a summary
 (profiler/rolling.py). The dumps file rolls in segments like the other line files."""
+import glob
 import json
 import os
 import shutil
@@ -90,12 +91,32 @@ class RankSampler:
             for flavour, proc, _ in old:
                 self._finish(flavour, proc)
             fold = list(range(1, self.window - self.budget.keep))
+            # the windows' share of the budget: fold kept windows too, oldest first (never the
+            # first or the live one); a folded window costs only its stacks not yet seen
+            kept = list(range(max(1, self.window - self.budget.keep), self.window))
+            over = self._windows_bytes() - self.budget.cap(rolling.PYSPY_SHARE)
+            while kept and over > 0:
+                n = kept.pop(0)
+                fold.append(n)
+                over -= sum(self._size(rolling.window_path(self.out_dir, f"{self.rank}-{fl}", n))
+                            for fl in ("all", "gil"))
             if fold:
                 for flavour in ("all", "gil"):
                     try:
                         rolling.fold_windows(self.out_dir, f"{self.rank}-{flavour}", fold)
                     except Exception as exc:  # the windows stay as they are: nothing lost
                         self._note(self.errors, f"py-spy {flavour} windows not folded: {exc}")
+
+    def _windows_bytes(self):
+        return sum(self._size(p) for p in glob.glob(
+            os.path.join(self.out_dir, f"{self.rank}-*" + rolling.SPEEDSCOPE)))
+
+    @staticmethod
+    def _size(path):
+        try:
+            return os.path.getsize(path)
+        except OSError:
+            return 0
 
     @staticmethod
     def _note(where, text, limit=20):

@@ -3,9 +3,9 @@
 Line files (events, the job's log, py-spy dumps) are written in segments (the head kept whole,
 segments.py for the names). The launcher's roller keeps the last `keep` closed segments plain and
 gzips the older ones (lossless); when a file's family is over its share of the budget, the oldest
-gzipped segment is thinned (events: every event but the spans, which are summed per category;
-log: the job's step/loss lines; dumps: each thread's top frames), and past that dropped, each
-thinning and drop written down in `<head>.rolled.json`. py-spy records in windows: the first
+gzipped segment is thinned (events: each step's spans merged per category and thread; log: the
+job's step/loss lines; dumps: each thread's top frames), and past that dropped, each thinning and
+drop written down in `<head>.rolled.json` (a dropped events segment: its step range). py-spy records in windows: the first
 (start-up, compiles) and the last `keep` stay whole, the others are folded into
 `<rank>-<flavour>.rolled.speedscope.json` (each distinct stack once, weights summed), so the
 whole run's proportions stay. Every change is written beside and renamed into place: a kill at
@@ -24,9 +24,9 @@ from .shim._traindx_shim.segments import segment_path, segments, summary_path
 
 MB = 1 << 20
 MIN_SEGMENT_BYTES = 4096
-# shares of the per-rank budget; py-spy windows are bounded by time (window_s x (keep + 1)) and
-# their summary by the number of distinct stacks, nvml.csv by its fixed row rate (documented)
-EVENTS_SHARE, DUMPS_SHARE, LOG_SHARE = 0.6, 0.1, 0.1
+# shares of the per-rank budget (the log is the job's, counted once); py-spy's windows fold
+# early when over theirs; nvml.csv is not rolled (a fixed ~120 B/s per GPU: docs/long-runs.md)
+EVENTS_SHARE, DUMPS_SHARE, LOG_SHARE, PYSPY_SHARE = 0.6, 0.1, 0.1, 0.2
 
 
 @dataclass
@@ -163,22 +163,46 @@ def settle(head, keep, cap, thin=None, live=True):
         if not rolled:
             break  # head, kept and live segments only: the floor of the budget
         summary = summary if summary is not None else _read_summary(head)
-        thinned = set(summary.get("thinned", []))
-        todo = [(n, p) for n, p in rolled if n not in thinned]
+        todo = [(n, p) for n, p in rolled if n > summary.get("thinned_through", 0)]
         if thin is not None and todo:
             n, path = todo[0]
-            note = _thin_segment(path, thin)
-            summary.setdefault("thinned", []).append(n)
-            summary.setdefault("thinned_detail", []).append({"segment": n, **note})
+            _merge_note(summary, "thinned", _thin_segment(path, thin))
+            summary["thinned_through"] = n
+            _write_json_atomic(summary_path(head), summary)
         else:
             n, path = rolled[0]
-            note = _describe(path, thin)
-            summary.setdefault("dropped", []).append({"segment": n, "bytes": _size(path), **note})
             # write down what goes before it goes
+            _merge_note(summary, "dropped", {"bytes": _size(path), **_describe(path)})
+            summary["dropped_through"] = n
             _write_json_atomic(summary_path(head), summary)
             os.remove(path)
+
+
+def _merge_note(summary, key, note):
+    """One running total per kind of change, however many segments: the summary stays small."""
+    into = summary.setdefault(key, {"segments": 0})
+    into["segments"] += 1
+    for k, v in note.items():
+        if k == "first_step" or k == "first_t":
+            into[k] = v if into.get(k) is None else min(into[k], v)
+        elif k == "last_step" or k == "last_t":
+            into[k] = v if into.get(k) is None else max(into[k], v)
+        elif isinstance(v, (int, float)):
+            into[k] = into.get(k, 0) + v
+        else:
+            into[k] = v
+
+
+def rolled_summaries(run_dir):
+    """{file relative to the run: its <file>.rolled.json} for everything rolling thinned or
+    dropped (for the manifest)."""
+    out = {}
+    for path in glob.glob(os.path.join(run_dir, "**", "*.rolled.json"), recursive=True):
+        try:
+            out[os.path.relpath(path[: -len(".rolled.json")], run_dir)] = _read_json(path)
+        except (OSError, ValueError):
             continue
-        _write_json_atomic(summary_path(head), summary)
+    return out
 
 
 def _lines_of(path):
@@ -197,44 +221,73 @@ def _thin_segment(path, thin):
     return note
 
 
-def _describe(path, thin):
-    """What a dropped segment held: its line count, and its steps for an events segment."""
-    lines, steps = 0, []
+def _describe(path):
+    """What a dropped segment held: its lines, their time span (log, events, dumps all start
+    with a time or carry "t"), and for events the steps that ended in it."""
+    lines, steps, times = 0, [], []
     for line in _lines_of(path):
         lines += 1
-        if '"step_end"' in line:
+        head = line.split(" ", 1)[0]
+        if head.isdigit():
+            times.append(int(head))
+        elif '"step_end"' in line or '"t"' in line:
             try:
-                steps.append(json.loads(line)["step"])
-            except (ValueError, KeyError, TypeError):
+                e = json.loads(line)
+                if isinstance(e.get("t"), int):
+                    times.append(e["t"])
+                if e.get("type") == "step_end" and isinstance(e.get("step"), int):
+                    steps.append(e["step"])
+            except (ValueError, AttributeError):
                 pass
     note = {"lines": lines}
+    if times:
+        note.update(first_t=min(times), last_t=max(times))
     if steps:
         note.update(steps=len(steps), first_step=min(steps), last_step=max(steps))
     return note
 
 
 # -- what thinning keeps, per file kind ------------------------------------------------------
+MERGED_SPANS = frozenset({"data", "backward", "optimizer", "sync", "collective"})
+
+
 def thin_events(lines):
-    """Every event but `span`s, which become one `rolled_spans` event: {cat: [count, s]}."""
-    kept, cats, first_t, last_t = [], {}, None, None
+    """Every event, except that each step's spans of one category on one thread become one span
+    (`merged`: how many; from the first's start, as long as their sum): the ledger's per-step
+    seconds stay, the per-call detail (a collective's group and seq, each sync's site) goes.
+    `io` and `gc` spans are rare and stay as they are."""
+    kept, merged, step, spans_in, spans_out = [], {}, None, 0, 0
+
+    def flush():
+        nonlocal spans_out
+        for (_, cat, tid), (start, total, n) in merged.items():
+            kept.append(json.dumps({"type": "span", "cat": cat, "tid": tid, "start": start,
+                                    "t": start + total, "merged": n}))
+            spans_out += 1
+        merged.clear()
+
     for line in lines:
-        if '"span"' in line:
+        if '"span"' in line or '"step_begin"' in line:
             try:
                 e = json.loads(line)
             except ValueError:
-                continue
-            if e.get("type") == "span":
-                c = cats.setdefault(str(e.get("cat")), [0, 0.0])
-                c[0] += 1
-                c[1] += max(0, int(e.get("t", 0)) - int(e.get("start", e.get("t", 0)))) / 1e9
-                first_t = e.get("t") if first_t is None else first_t
-                last_t = e.get("t")
+                continue  # a corrupt line: the loader would skip it too
+            if e.get("type") == "step_begin":
+                flush()
+                step = e.get("step")
+            elif e.get("type") == "span" and e.get("cat") in MERGED_SPANS:
+                try:
+                    start, end = int(e["start"]), int(e["t"])
+                except (KeyError, TypeError, ValueError):
+                    continue
+                key = (step, e["cat"], e.get("tid"))
+                first, total, n = merged.get(key, (start, 0, 0))
+                merged[key] = (min(first, start), total + max(0, end - start), n + 1)
+                spans_in += 1
                 continue
         kept.append(line)
-    if cats:
-        kept.append(json.dumps({"type": "rolled_spans", "t": last_t, "first_t": first_t,
-                                "cats": cats}))
-    return kept, {"spans": {k: v[0] for k, v in cats.items()}}
+    flush()
+    return kept, {"spans_merged": spans_in, "spans_left": spans_out}
 
 
 def thin_log(custom=None):
@@ -264,7 +317,7 @@ def thin_dumps(lines, frames=3):
             kept.append(json.dumps(snap))
         except (ValueError, AttributeError, TypeError):
             continue
-    return kept, {"frames_kept": frames}
+    return kept, {"snapshots": len(kept)}
 
 
 # -- py-spy windows --------------------------------------------------------------------------
@@ -399,7 +452,8 @@ class Roller:
         self.errors = []
         self._stop = threading.Event()
         self._thread = None
-        self.interval_s = max(0.5, min(5.0, budget.window_s / 4))
+        # how often: what the job writes between two settles is the budget's overshoot
+        self.interval_s = max(0.25, min(5.0, (budget.window_s or 20) / 4))
 
     def start(self):
         self._thread = threading.Thread(target=self._loop, name="traindx-roller", daemon=True)

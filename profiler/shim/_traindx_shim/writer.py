@@ -110,14 +110,29 @@ class EventWriter:
                                              "error": f"unserialisable {event.get('type')}: {exc!r}"}))
             if lines:
                 try:
-                    data = "\n".join(lines) + "\n"
-                    self._file.write(data)
-                    self._file.flush()
-                    self._written += len(data)
-                    if self._segment_bytes and self._written >= self._segment_bytes:
-                        self._next_segment()
+                    self._write(lines)
                 except Exception:
                     pass
+
+    def _write(self, lines):
+        if not self._segment_bytes:
+            self._file.write("\n".join(lines) + "\n")
+            self._file.flush()
+            return
+        # a segment ends on a whole line at its size, however much one flush carries
+        chunk, size = [], self._written
+        for line in lines:
+            chunk.append(line)
+            size += len(line) + 1
+            if size >= self._segment_bytes:
+                self._file.write("\n".join(chunk) + "\n")
+                self._file.flush()
+                self._next_segment()
+                chunk, size = [], 0
+        if chunk:
+            self._file.write("\n".join(chunk) + "\n")
+            self._file.flush()
+        self._written = size
 
     def _next_segment(self):
         """Close this segment (whole lines only) and continue in the next one."""
