@@ -103,7 +103,7 @@ class RankSampler:
             if fold:
                 for flavour in ("all", "gil"):
                     try:
-                        rolling.fold_windows(self.out_dir, f"{self.rank}-{flavour}", fold)
+                        rolling.fold_windows(self.out_dir, f"{self.rank}-{flavour}", max(fold))
                     except Exception as exc:  # the windows stay as they are: nothing lost
                         self._note(self.errors, f"py-spy {flavour} windows not folded: {exc}")
 

@@ -335,34 +335,33 @@ def rolled_window_path(out_dir, stem_flavour):
     return os.path.join(out_dir, f"{stem_flavour}.rolled{SPEEDSCOPE}")
 
 
-def fold_windows(out_dir, stem_flavour, windows):
-    """Fold window files (numbers) into the rolled summary: per thread, each distinct stack once
-    with its summed weight (seconds), then remove them. The summary lists the windows it holds,
-    so a window still present after a kill between the two steps is not read twice."""
+def fold_windows(out_dir, stem_flavour, through):
+    """Fold windows 1..`through` into the rolled summary: per thread, each distinct stack once
+    with its summed weight (seconds), then remove their files. The summary says the last window
+    it holds (`traindx_folded_through`: they roll off in order), so a window still present after a
+    kill between the two steps is not read twice, and the summary does not grow with the run."""
     from .speedscope import load
 
     rolled = rolled_window_path(out_dir, stem_flavour)
-    totals, folded = {}, []
+    totals, folded_through = {}, 0
     if os.path.exists(rolled):
         try:
-            doc = _read_json(rolled)
-            folded = list(doc.get("traindx_folded_windows", []))
+            folded_through = int(_read_json(rolled).get("traindx_folded_through", 0))
             _add(totals, load(rolled))
         except Exception:  # an unreadable summary is not silently replaced: keep it aside
             os.replace(rolled, rolled + ".bad")
-    done = []
-    for n in windows:
+            totals, folded_through = {}, 0
+    done = [window_path(out_dir, stem_flavour, n) for n in range(1, folded_through + 1)]
+    for n in range(folded_through + 1, through + 1):
         path = window_path(out_dir, stem_flavour, n)
-        if n in folded or not os.path.exists(path):
-            done.append(path)
-            continue
-        try:
-            _add(totals, load(path))
-        except Exception:
-            continue  # py-spy left no valid file for this window: nothing to fold
-        folded.append(n)
+        if os.path.exists(path):
+            try:
+                _add(totals, load(path))
+            except Exception:
+                pass  # py-spy left no valid file for this window (killed): nothing to fold
         done.append(path)
-    _write_speedscope(rolled, totals, sorted(folded))
+    if through > folded_through:
+        _write_speedscope(rolled, totals, through)
     for path in done:
         if os.path.exists(path):
             os.remove(path)
@@ -380,7 +379,7 @@ def _add(totals, threads):
             per[stack] = per.get(stack, 0) + weight
 
 
-def _write_speedscope(path, totals, folded):
+def _write_speedscope(path, totals, folded_through):
     frames, index, profiles = [], {}, []
     for name, stacks in totals.items():
         samples, weights = [], []
@@ -399,7 +398,7 @@ def _write_speedscope(path, totals, folded):
     doc = {"$schema": "https://www.speedscope.app/file-format-schema.json",
            "shared": {"frames": frames}, "profiles": profiles,
            "name": "traindx: py-spy windows rolled off (each distinct stack once)",
-           "exporter": "traindx", "traindx_folded_windows": folded}
+           "exporter": "traindx", "traindx_folded_through": folded_through}
     _write_json_atomic(path, doc)
 
 
@@ -417,14 +416,14 @@ def load_pyspy(pyspy_dir):
         groups.setdefault((stem, source), []).append((0.5 if order == -1 else order, path))
     out = {}
     for key, files in sorted(groups.items()):
-        threads, errors, folded = {}, [], set()
+        threads, errors, folded = {}, [], 0
         for order, path in sorted(files):
             if order == 0.5:
                 try:
-                    folded = set(_read_json(path).get("traindx_folded_windows", []))
+                    folded = int(_read_json(path).get("traindx_folded_through", 0))
                 except (OSError, ValueError):
                     pass
-            elif order in folded:
+            elif 0 < order <= folded:
                 continue
             try:
                 part = load(path)
