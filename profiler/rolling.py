@@ -150,8 +150,8 @@ def _gzip_segment(path):
 
 def settle(head, keep, cap, thin=None, live=True):
     """Roll one line file: gzip the closed segments older than the last `keep`, then, while the
-    family is over `cap` bytes, thin the oldest gzipped segment (thin(lines) -> (kept lines,
-    summary dict)) and past that drop it. live: the newest segment is still being written."""
+    family is over `cap` bytes, thin the oldest gzipped segment (thin(lines, note): a generator
+    of the lines kept, filling in `note` for the summary) and past that drop it. live: the newest segment is still being written."""
     segs = segments(head)
     closed = segs[:-1] if live and segs else segs
     for n, path, gz in closed[:-keep] if keep else closed:
@@ -212,10 +212,12 @@ def _lines_of(path):
 
 
 def _thin_segment(path, thin):
-    kept, note = thin(_lines_of(path))
+    """Stream the segment through thin(lines, note) (a generator of the lines kept; it fills in
+    `note`) into a new gzip renamed over it: memory stays one step's worth, whatever the size."""
+    note = {}
     tmp = path + ".tmp"
     with gzip.open(tmp, "wt", encoding="utf-8", compresslevel=6) as f:
-        for line in kept:
+        for line in thin(_lines_of(path), note):
             f.write(line + "\n")
     os.replace(tmp, path)
     return note
@@ -224,46 +226,47 @@ def _thin_segment(path, thin):
 def _describe(path):
     """What a dropped segment held: its lines, their time span (log, events, dumps all start
     with a time or carry "t"), and for events the steps that ended in it."""
-    lines, steps, times = 0, [], []
+    note = {"lines": 0}
+
+    def seen(key_first, key_last, value):
+        note[key_first] = min(note.get(key_first, value), value)
+        note[key_last] = max(note.get(key_last, value), value)
+
     for line in _lines_of(path):
-        lines += 1
+        note["lines"] += 1
         head = line.split(" ", 1)[0]
         if head.isdigit():
-            times.append(int(head))
-        elif '"step_end"' in line or '"t"' in line:
+            seen("first_t", "last_t", int(head))
+        elif '"t"' in line:
             try:
                 e = json.loads(line)
                 if isinstance(e.get("t"), int):
-                    times.append(e["t"])
+                    seen("first_t", "last_t", e["t"])
                 if e.get("type") == "step_end" and isinstance(e.get("step"), int):
-                    steps.append(e["step"])
+                    seen("first_step", "last_step", e["step"])
+                    note["steps"] = note.get("steps", 0) + 1
             except (ValueError, AttributeError):
                 pass
-    note = {"lines": lines}
-    if times:
-        note.update(first_t=min(times), last_t=max(times))
-    if steps:
-        note.update(steps=len(steps), first_step=min(steps), last_step=max(steps))
     return note
 
 
-# -- what thinning keeps, per file kind ------------------------------------------------------
+# -- what thinning keeps, per file kind (generators: lines in, kept lines out) -----------------
 MERGED_SPANS = frozenset({"data", "backward", "optimizer", "sync", "collective"})
 
 
-def thin_events(lines):
+def thin_events(lines, note):
     """Every event, except that each step's spans of one category on one thread become one span
     (`merged`: how many; from the first's start, as long as their sum): the ledger's per-step
     seconds stay, the per-call detail (a collective's group and seq, each sync's site) goes.
     `io` and `gc` spans are rare and stay as they are."""
-    kept, merged, step, spans_in, spans_out = [], {}, None, 0, 0
+    merged, step = {}, None
+    note.update(spans_merged=0, spans_left=0)
 
-    def flush():
-        nonlocal spans_out
+    def merged_spans():
         for (_, cat, tid), (start, total, n) in merged.items():
-            kept.append(json.dumps({"type": "span", "cat": cat, "tid": tid, "start": start,
-                                    "t": start + total, "merged": n}))
-            spans_out += 1
+            note["spans_left"] += 1
+            yield json.dumps({"type": "span", "cat": cat, "tid": tid, "start": start,
+                              "t": start + total, "merged": n})
         merged.clear()
 
     for line in lines:
@@ -273,7 +276,7 @@ def thin_events(lines):
             except ValueError:
                 continue  # a corrupt line: the loader would skip it too
             if e.get("type") == "step_begin":
-                flush()
+                yield from merged_spans()
                 step = e.get("step")
             elif e.get("type") == "span" and e.get("cat") in MERGED_SPANS:
                 try:
@@ -283,41 +286,39 @@ def thin_events(lines):
                 key = (step, e["cat"], e.get("tid"))
                 first, total, n = merged.get(key, (start, 0, 0))
                 merged[key] = (min(first, start), total + max(0, end - start), n + 1)
-                spans_in += 1
+                note["spans_merged"] += 1
                 continue
-        kept.append(line)
-    flush()
-    return kept, {"spans_merged": spans_in, "spans_left": spans_out}
+        yield line
+    yield from merged_spans()
 
 
 def thin_log(custom=None):
     """The job's step/loss lines (profiler/logparse.py's formats, `--log-regex`) and nothing else."""
     from .logparse import parse_line
 
-    def thin(lines):
-        kept, dropped = [], 0
+    def thin(lines, note):
+        note["lines_dropped"] = 0
         for line in lines:
             text = line.split(" ", 2)[2] if line.count(" ") >= 2 else ""
             if parse_line(text, custom):
-                kept.append(line)
+                yield line
             else:
-                dropped += 1
-        return kept, {"lines_dropped": dropped}
+                note["lines_dropped"] += 1
     return thin
 
 
-def thin_dumps(lines, frames=3):
+def thin_dumps(lines, note, frames=3):
     """Each snapshot with its threads' top `frames` frames: the GIL timeline stays."""
-    kept = []
+    note["snapshots"] = 0
     for line in lines:
         try:
             snap = json.loads(line)
             for th in snap.get("threads", []):
                 th["frames"] = (th.get("frames") or [])[:frames]
-            kept.append(json.dumps(snap))
         except (ValueError, AttributeError, TypeError):
             continue
-    return kept, {"snapshots": len(kept)}
+        note["snapshots"] += 1
+        yield json.dumps(snap)
 
 
 # -- py-spy windows --------------------------------------------------------------------------

@@ -99,6 +99,43 @@ def test_events_roll_gzip_thin_then_drop_and_say_what_went(tmp_path, monkeypatch
     assert left[-1] == steps - 1 and left[0] == 0
 
 
+def test_the_log_thins_to_the_jobs_step_lines_and_the_dumps_to_their_top_frames(tmp_path):
+    log = rolling.RollingLines(str(tmp_path / "log.txt"), segment_bytes=4000)
+    t = 1_796_000_000_000_000_000
+    for step in range(400):
+        log.write(f"{t + step} o step {step} loss {1 / (step + 1):.4f}\n")
+        log.write(f"{t + step} e [W] a warning the job prints every step, {step}\n")
+    log.close()
+    head = log.head
+    rolling.settle(head, keep=1, cap=10**9, thin=rolling.thin_log(), live=False)  # gzip only
+    rolling.settle(head, keep=1, cap=rolling.family_bytes(head) - 1,
+                   thin=rolling.thin_log(), live=False)
+    lines = rolling.read_text(head).splitlines()
+    steps = [int(l.split()[3]) for l in lines if " o step " in l]
+    summary = json.load(open(seg.summary_path(head)))
+    # the thinned segments keep every step line and lose the warnings
+    assert summary["thinned"]["lines_dropped"] > 0 and "dropped" not in summary
+    assert steps == list(range(400))
+    assert len(lines) == 800 - summary["thinned"]["lines_dropped"]
+
+    dumps = rolling.RollingLines(str(tmp_path / "p1-dump.jsonl"), segment_bytes=3000)
+    frames = [{"name": f"f{i}", "filename": "train.py", "line": i} for i in range(30)]
+    for i in range(60):
+        dumps.write(json.dumps({"t": t + i, "pid": 1, "threads": [
+            {"thread_id": 1, "thread_name": "MainThread", "active": True, "owns_gil": i % 2 == 0,
+             "frames": frames}]}) + "\n")
+    dumps.close()
+    head = dumps.head
+    rolling.settle(head, keep=1, cap=10**9, thin=rolling.thin_dumps, live=False)
+    rolling.settle(head, keep=1, cap=rolling.family_bytes(head) - 1, thin=rolling.thin_dumps,
+                   live=False)
+    snaps = [json.loads(l) for l in rolling.read_text(head).splitlines()]
+    assert [s["t"] - t for s in snaps] == list(range(60))  # the GIL timeline is whole
+    depth = [len(s["threads"][0]["frames"]) for s in snaps]
+    assert depth[0] == 30 and depth[-1] == 30 and 3 in depth  # the head and the last kept whole
+    assert [s["threads"][0]["owns_gil"] for s in snaps] == [i % 2 == 0 for i in range(60)]
+
+
 def test_a_kill_between_the_steps_of_rolling_loses_and_duplicates_nothing(tmp_path, monkeypatch):
     head = _write_steps(tmp_path, monkeypatch, 600, segment_bytes=20_000)
     original = rolling.read_text(head)
