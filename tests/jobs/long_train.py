@@ -12,18 +12,21 @@ from torch.utils.data import DataLoader, TensorDataset
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--seconds", type=float, default=40)
+    p.add_argument("--device", default="cpu", help="cpu, or cuda (bench/gpu_long_run.sh)")
     args = p.parse_args()
+    dev = torch.device(args.device)
     torch.manual_seed(0)
     torch.set_num_threads(1)
     x = torch.randn(4096, 32)
     y = (x @ torch.randn(32, 1)).squeeze(1)
     loader = DataLoader(TensorDataset(x, y), batch_size=64, shuffle=True)
-    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 1))
+    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 1)).to(dev)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     end = time.monotonic() + args.seconds
     step = 0
     while time.monotonic() < end:
         for xb, yb in loader:
+            xb, yb = xb.to(dev, non_blocking=True), yb.to(dev, non_blocking=True)
             loss = nn.functional.mse_loss(model(xb).squeeze(1), yb)
             opt.zero_grad()
             loss.backward()
