@@ -263,10 +263,11 @@ def test_an_accelerated_long_run_stays_in_its_budget_and_still_analyses(tmp_path
     done = int(out.rsplit("done: ", 1)[1].split()[0])
 
     # disk: under the budget at the end; while running, over it by at most what the job writes
-    # between two settles of the roller (0.75 s here; at the default 5 s it is ~0.1% of 2 GB)
+    # between two settles of the roller (0.75 s here, ~0.2-0.5 MB at this job's rate, more when
+    # the machine starves the launcher; at the default 5 s it is ~0.1% of 2 GB)
     assert _evidence_bytes(run_dir) <= budget, sorted(os.listdir(run_dir))
     during = [b for t, b, _ in samples if t > 5]
-    assert during and max(during) <= 1.5 * budget, max(during)
+    assert during and max(during) <= 1.75 * budget, max(during)
 
     # the launcher's memory does not grow with the run (the log, dumps and queues stream to disk)
     rss = [(t, r) for t, _, r in samples if r]
@@ -293,11 +294,13 @@ def test_an_accelerated_long_run_stays_in_its_budget_and_still_analyses(tmp_path
     assert len(steps) + dropped == done
     assert steps[0] == 0 and steps[-1] == done - 1
     assert dropped == 0 or events_summary[0]["dropped"]["first_step"] > 0
-    # py-spy still sees the whole run: the main thread's samples cover most of its wall time
+    # py-spy still sees the whole run: the main thread's seconds are far more than the first and
+    # the kept windows alone hold ((keep + 2) x 3 s = 12 s): the folded windows count
     main = max(run.pyspy[("0", "all")].values(), key=lambda ts: sum(ts.weights))
-    assert sum(main.weights) > 0.6 * seconds
+    assert sum(main.weights) > 0.6 * seconds, sum(main.weights)
     assert (run_dir / "findings.json").exists() and (run_dir / "report.html").exists()
     assert any(f.endswith(".gz") for f in os.listdir(run_dir / "events"))  # rolled, not just cut
     print(f"\nlong run: {done} steps ({len(steps)} loaded, {dropped} dropped and counted); "
           f"evidence {_evidence_bytes(run_dir)} B at the end, max {max(during)} B while running "
-          f"(budget {budget:.0f}); launcher RSS {min(early)} -> {max(late)} kB")
+          f"(budget {budget:.0f}); launcher RSS {min(early)} -> {max(late)} kB; py-spy main "
+          f"thread {sum(main.weights):.1f} s of {seconds} s")
