@@ -16,6 +16,8 @@ import time
 from . import manifest as manifest_mod
 from .nvml import NvmlSampler, gpu_inventory
 from .pyspy import PySpyManager
+from . import rolling
+from .shim._traindx_shim.segments import SEGMENT_BYTES_ENV
 from .shim._traindx_shim.roles import announced_ranks
 
 SHIM_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "shim")
@@ -59,7 +61,8 @@ def write_json_atomic(path, data):
 class Options:
     def __init__(self, steps=0, pyspy=True, shim=True, nvml=True, pyspy_rate_hz=20,
                  dump_interval_s=2.0, nvml_interval_s=0.5, extra_env=None, torch_profile=None,
-                 step_marker=None, log_regex=None):
+                 step_marker=None, log_regex=None, disk_budget_mb=2048, window_s=600.0,
+                 keep_windows=3):
         self.steps = steps
         self.pyspy = pyspy
         self.shim = shim
@@ -71,6 +74,14 @@ class Options:
         self.torch_profile = torch_profile  # None: the shim's default window; "off"; "N"; "A-B"
         self.step_marker = step_marker  # "module:function" whose calls end steps, or None
         self.log_regex = log_regex  # the job's own step/loss line (kept in the manifest for re-analysis)
+        # long runs (docs/long-runs.md): evidence per training process stays under this many MB
+        self.disk_budget_mb = disk_budget_mb
+        self.window_s = window_s  # py-spy windows (0: one recording for the whole job)
+        self.keep_windows = keep_windows  # the last windows/segments kept whole
+
+    def budget(self):
+        return rolling.Budget(rank_bytes=int(self.disk_budget_mb * rolling.MB),
+                              window_s=self.window_s, keep=self.keep_windows)
 
     def as_dict(self):
         return dict(vars(self))
@@ -89,6 +100,7 @@ def job_environment(run_dir, options, base=None):
             env["TRAINDX_TORCH_PROFILE"] = str(options.torch_profile)
         if options.step_marker:
             env["TRAINDX_STEP_MARKER"] = options.step_marker
+        env[SEGMENT_BYTES_ENV] = str(options.budget().segment_bytes(rolling.EVENTS_SHARE))
     return env
 
 
@@ -161,9 +173,15 @@ class Job:
         previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
         for s in previous:
             signal.signal(s, self._forward)
-        log = open(os.path.join(self.run_dir, "log.txt"), "w", encoding="utf-8")
+        budget = self.options.budget()
+        manifest["budget"] = budget.as_dict()
+        # the job's output streams to disk in segments: nothing per line stays in memory
+        log = rolling.RollingLines(os.path.join(self.run_dir, "log.txt"),
+                                   budget.segment_bytes(rolling.LOG_SHARE))
         pyspy = PySpyManager(os.path.join(self.run_dir, "pyspy"), self.options.pyspy_rate_hz,
-                             self.options.dump_interval_s)
+                             self.options.dump_interval_s, budget=budget)
+        roller = rolling.Roller(self.run_dir, budget, self.options.log_regex)
+        roller.start()
         try:
             self.proc = subprocess.Popen(self.command, env=env, stdout=subprocess.PIPE,
                                          stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
@@ -188,6 +206,12 @@ class Job:
             nvml.stop()
             pyspy.stop()
             log.close()
+            roller.stop()
+            if roller.errors:
+                self.missing["rolling"] = "; ".join(roller.errors)[:1000]
+            rolled = rolling.rolled_summaries(self.run_dir)
+            if rolled:  # what a long run thinned or dropped to stay in its budget
+                manifest["rolled"] = rolled
             errors = pyspy.errors()
             if errors and "pyspy" not in self.missing:
                 self.missing["pyspy"] = "; ".join(dict.fromkeys(errors))[:1000]

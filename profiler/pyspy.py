@@ -1,5 +1,11 @@
 """py-spy evidence for each rank process: an `--idle` and a `--gil` recorder (both
-`--nonblocking`, so the job is never paused) and a low-rate `dump --json` for a GIL timeline."""
+`--nonblocking`, so the job is never paused) and a low-rate `dump --json` for a GIL timeline.
+
+py-spy keeps every sample in memory until it exits, so a long job is recorded in windows of
+`window_s`: the next window's recorders start before the last ones are stopped (SIGINT: py-spy
+writes its file), and windows past the first and the last `keep` are folded into a summary
+(profiler/rolling.py). The dumps file rolls in segments like the other line files."""
+import glob
 import json
 import os
 import shutil
@@ -7,6 +13,8 @@ import subprocess
 import sys
 import threading
 import time
+
+from . import rolling
 
 
 def find_pyspy():
@@ -24,36 +32,112 @@ def find_pyspy():
 class RankSampler:
     """Both recorders and the dump loop of one process."""
 
-    def __init__(self, pyspy, pid, rank, out_dir, rate_hz, dump_interval_s):
+    def __init__(self, pyspy, pid, rank, out_dir, rate_hz, dump_interval_s, budget=None):
         self.pyspy, self.pid, self.rank = pyspy, pid, rank
         self.out_dir = out_dir
         self.rate_hz = rate_hz
         self.dump_interval_s = dump_interval_s
-        self.recorders = []
+        self.budget = budget or rolling.Budget()
+        self.recorders = []  # the current window's
+        self.window = 0
+        self._logs = {}
         self.errors = []
         self.dumps_ok = 0
         self.dump_errors = []
         self._stop = threading.Event()
+        self._window_lock = threading.Lock()
         self._dump_thread = None
+        self._window_thread = None
 
-    def start(self):
+    def _start_recorders(self):
+        recorders = []
         for flavour, flag in (("all", "--idle"), ("gil", "--gil")):
-            out = os.path.join(self.out_dir, f"{self.rank}-{flavour}.speedscope.json")
-            log = open(os.path.join(self.out_dir, f"{self.rank}-{flavour}.log"), "w")
+            out = rolling.window_path(self.out_dir, f"{self.rank}-{flavour}", self.window)
+            if flavour not in self._logs:
+                self._logs[flavour] = open(
+                    os.path.join(self.out_dir, f"{self.rank}-{flavour}.log"), "w")
+            log = self._logs[flavour]
             cmd = [self.pyspy, "record", "--pid", str(self.pid), flag, "--nonblocking",
                    "--threads", "-r", str(self.rate_hz), "-f", "speedscope", "-o", out]
             # own session: a Ctrl-C meant for the job must not stop the recorder first
-            self.recorders.append((flavour, subprocess.Popen(
+            recorders.append((flavour, subprocess.Popen(
                 cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 start_new_session=True), log))
+        return recorders
+
+    def start(self):
+        self.recorders = self._start_recorders()
         if self.dump_interval_s > 0:
             self._dump_thread = threading.Thread(target=self._dump_loop, daemon=True,
                                                  name=f"traindx-pyspy-dump-{self.rank}")
             self._dump_thread.start()
+        if self.budget.window_s > 0:
+            self._window_thread = threading.Thread(target=self._window_loop, daemon=True,
+                                                   name=f"traindx-pyspy-window-{self.rank}")
+            self._window_thread.start()
+
+    def _window_loop(self):
+        """Every window_s: the next window's recorders first, then the old ones told to write
+        (no gap in the samples), then the windows past the first and the last `keep` folded."""
+        while not self._stop.wait(self.budget.window_s):
+            if not os.path.exists(f"/proc/{self.pid}"):
+                return
+            with self._window_lock:
+                if self._stop.is_set():
+                    return
+                old = self.recorders
+                self.window += 1
+                self.recorders = self._start_recorders()
+            for flavour, proc, _ in old:
+                self._finish(flavour, proc)
+            fold = list(range(1, self.window - self.budget.keep))
+            # the windows' share of the budget: fold kept windows too, oldest first (never the
+            # first or the live one); a folded window costs only its stacks not yet seen
+            kept = list(range(max(1, self.window - self.budget.keep), self.window))
+            over = self._windows_bytes() - self.budget.cap(rolling.PYSPY_SHARE)
+            while kept and over > 0:
+                n = kept.pop(0)
+                fold.append(n)
+                over -= sum(self._size(rolling.window_path(self.out_dir, f"{self.rank}-{fl}", n))
+                            for fl in ("all", "gil"))
+            if fold:
+                for flavour in ("all", "gil"):
+                    try:
+                        rolling.fold_windows(self.out_dir, f"{self.rank}-{flavour}", max(fold))
+                    except Exception as exc:  # the windows stay as they are: nothing lost
+                        self._note(self.errors, f"py-spy {flavour} windows not folded: {exc}")
+
+    def _windows_bytes(self):
+        return sum(self._size(p) for p in glob.glob(
+            os.path.join(self.out_dir, f"{self.rank}-*" + rolling.SPEEDSCOPE)))
+
+    @staticmethod
+    def _size(path):
+        try:
+            return os.path.getsize(path)
+        except OSError:
+            return 0
+
+    @staticmethod
+    def _note(where, text, limit=20):
+        if len(where) < limit:  # a launcher running for days keeps no growing list
+            where.append(text)
+
+    def _finish(self, flavour, proc, timeout=20):
+        if proc.poll() is None:
+            proc.send_signal(2)
+            try:
+                proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        if proc.returncode not in (0, None, -2):
+            self._note(self.errors, f"py-spy {flavour} recorder exited {proc.returncode}")
 
     def _dump_loop(self):
         path = os.path.join(self.out_dir, f"{self.rank}-dump.jsonl")
-        with open(path, "a", encoding="utf-8") as out:
+        out = rolling.RollingLines(path, self.budget.segment_bytes(rolling.DUMPS_SHARE), mode="a")
+        with out:
             while not self._stop.wait(self.dump_interval_s):
                 t = time.time_ns()
                 try:
@@ -67,7 +151,8 @@ class RankSampler:
                         return
                     # a dump can fail while the target starts or exits; only all failing matters
                     lines = [l for l in proc.stderr.splitlines() if l.strip()]
-                    self.dump_errors.append(lines[0][:300] if lines else f"exit {proc.returncode}")
+                    self._note(self.dump_errors,
+                               lines[0][:300] if lines else f"exit {proc.returncode}")
                     continue
                 self.dumps_ok += 1
                 try:
@@ -81,12 +166,14 @@ class RankSampler:
                      "frames": [{"name": f.get("name"), "filename": f.get("filename"),
                                  "line": f.get("line")} for f in th.get("frames", [])[:40]]}
                     for th in threads]}) + "\n")
-                out.flush()
 
     def stop(self, timeout=20):
         if self._stop.is_set():
             return
-        self._stop.set()
+        with self._window_lock:  # no new window starts once stopping began
+            self._stop.set()
+        if self._window_thread is not None:
+            self._window_thread.join(timeout=60)
         for flavour, proc, log in self.recorders:
             if proc.poll() is None:
                 # the target is gone or going: py-spy writes its file when it sees that; nudge it
@@ -98,7 +185,7 @@ class RankSampler:
                         proc.wait(timeout=timeout)
                     except subprocess.TimeoutExpired:
                         proc.kill()
-            log.close()
+            log.close()  # the same log file every window of this flavour appended to
             if proc.returncode not in (0, None, -2):
                 with open(log.name) as f:
                     tail = f.read().strip().splitlines()[-1:] or ["no output"]
@@ -119,8 +206,9 @@ class PySpyManager:
     tree's environments are all there is (proctree.rank_processes).
     """
 
-    def __init__(self, out_dir, rate_hz=20, dump_interval_s=2.0, poll_s=0.2):
+    def __init__(self, out_dir, rate_hz=20, dump_interval_s=2.0, poll_s=0.2, budget=None):
         self.out_dir = out_dir
+        self.budget = budget
         self.rate_hz = rate_hz
         self.dump_interval_s = dump_interval_s
         self.poll_s = poll_s
@@ -168,7 +256,7 @@ class PySpyManager:
                 if pid in self.samplers or not os.path.exists(f"/proc/{pid}"):
                     continue
                 sampler = RankSampler(self.pyspy, pid, f"p{pid}", self.out_dir, self.rate_hz,
-                                      self.dump_interval_s)
+                                      self.dump_interval_s, self.budget)
                 try:
                     sampler.start()
                 except OSError as exc:
@@ -205,7 +293,7 @@ class PySpyManager:
         os.makedirs(self.out_dir, exist_ok=True)
         self.ranks[pid] = rank
         sampler = RankSampler(self.pyspy, pid, rank, self.out_dir, self.rate_hz,
-                              self.dump_interval_s)
+                              self.dump_interval_s, self.budget)
         sampler.start()
         self.samplers[pid] = sampler
         return True

@@ -40,9 +40,10 @@ def _read_jsonl(path, valid=None):
     """JSON objects of one JSONL file. A line that is not one (a job killed mid-write leaves a
     cut-off last line; a disk or copy fault can leave one anywhere) is skipped with a warning
     naming the file and the line: the rest of the evidence is still good."""
+    from traindx.profiler.rolling import read_text
+
     events = []
-    with open(path, encoding="utf-8", errors="replace") as f:
-        lines = f.read().split("\n")
+    lines = read_text(path).split("\n")  # a long run's segments too (profiler/rolling.py)
     last = len(lines) - 1
     while last >= 0 and not lines[last].strip():
         last -= 1
@@ -157,12 +158,13 @@ class RunRecord:
         path = os.path.join(self.path, "log.txt")
         rows = []
         if os.path.exists(path):
-            with open(path, encoding="utf-8", errors="replace") as f:
-                for line in f:
-                    t, _, rest = line.rstrip("\n").partition(" ")
-                    stream, _, text = rest.partition(" ")
-                    if t.isdigit():
-                        rows.append((int(t), stream, text))
+            from traindx.profiler.rolling import read_text
+
+            for line in read_text(path).split("\n"):  # a long run's segments too
+                t, _, rest = line.partition(" ")
+                stream, _, text = rest.partition(" ")
+                if t.isdigit():
+                    rows.append((int(t), stream, text))
         return pd.DataFrame(rows, columns=["t", "stream", "text"])
 
     @cached_property
@@ -205,19 +207,18 @@ class RunRecord:
     @cached_property
     def pyspy(self):
         """{(rank, 'all'|'gil'): {thread: ThreadSamples}} for every recording present."""
-        from traindx.profiler import speedscope
+        from traindx.profiler.rolling import load_pyspy
 
         out = {}
-        for path in sorted(glob.glob(os.path.join(self.path, "pyspy", "*.speedscope.json"))):
-            name = os.path.basename(path)[: -len(".speedscope.json")]
-            rank, _, source = name.rpartition("-")
-            rank = self._label_of_file(rank)
+        # a long run's windows: the first, the summary of those rolled off, the last ones
+        for (stem, source), (threads, errors) in load_pyspy(os.path.join(self.path, "pyspy")).items():
+            rank = self._label_of_file(stem)
             if rank is None:
                 continue
-            try:
-                out[(rank, source)] = speedscope.load(path)
-            except UserError as exc:
-                warnings.warn(str(exc), TruncatedEvidenceWarning, stacklevel=2)
+            for message in errors:
+                warnings.warn(message, TruncatedEvidenceWarning, stacklevel=2)
+            if threads:
+                out[(rank, source)] = threads
         return out
 
     @cached_property

@@ -48,6 +48,17 @@ def prepare_parser(parser):
     parser.add_argument("--log-regex", default=None, metavar="REGEX",
                         help="the job's own step line: a Python regex with named groups step, "
                              "loss, time_ms or step_time_s")
+    parser.add_argument("--disk-budget", type=float, default=2048, metavar="MB",
+                        help="long runs: evidence kept per training process stays under about "
+                             "this many MB, however long the job runs (default 2048; "
+                             "docs/long-runs.md)")
+    parser.add_argument("--window", type=float, default=600, metavar="S",
+                        help="long runs: py-spy records in windows of S seconds; the first and "
+                             "the last --keep-windows stay whole, the others are folded into a "
+                             "summary (0: one recording; default 600)")
+    parser.add_argument("--keep-windows", type=int, default=3, metavar="K",
+                        help="long runs: py-spy windows and file segments kept whole at the end "
+                             "(default 3)")
     parser.add_argument("--fix", action="store_true",
                         help="apply the automatic prescriptions, re-run and compare")
     parser.add_argument("--wheels", default=None, metavar="DIR",
@@ -72,6 +83,9 @@ def _command(args, parser):
     if not window or (window[2] and int(window[2]) < int(window[1])):
         raise UserError(f"--torch-profile {args.torch_profile}: give N (steps from step 3), "
                         "A-B (steps A to B) or off")
+    if getattr(args, "disk_budget", 1) <= 0 or getattr(args, "window", 0) < 0 \
+            or getattr(args, "keep_windows", 1) < 1:
+        raise UserError("--disk-budget must be > 0 MB, --window >= 0 s and --keep-windows >= 1")
     if getattr(args, "log_regex", None):
         from traindx.profiler.logparse import compile_custom
         try:
@@ -89,7 +103,10 @@ def options_from(args, extra_env=None):
                    dump_interval_s=args.dump_interval, extra_env=extra_env,
                    torch_profile=getattr(args, "torch_profile", None),
                    step_marker=getattr(args, "step_marker", None),
-                   log_regex=getattr(args, "log_regex", None))
+                   log_regex=getattr(args, "log_regex", None),
+                   disk_budget_mb=getattr(args, "disk_budget", 2048),
+                   window_s=getattr(args, "window", 600),
+                   keep_windows=getattr(args, "keep_windows", 3))
 
 
 def record_job(command, run_dir, options, quiet=False):

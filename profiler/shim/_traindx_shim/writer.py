@@ -10,6 +10,11 @@ on the job's thread vs 5-38 µs queued (bench/writer_cost.py, 3 events a step, o
 2-core CI machine, quiet to loaded): 0.3-1 % of a 20 ms step. The interval bounds the cost per
 second, not per step.
 
+A long run's file rolls over: past TRAINDX_EVENTS_SEGMENT_BYTES (set by the launcher from its
+disk budget) the writer continues in the next segment (segments.py); the launcher compresses,
+thins or drops the closed middle segments out of this process (profiler/rolling.py), so the job
+never pays for that.
+
 A deferred writer (a multiprocessing child that has not shown training evidence yet: possibly a
 DataLoader worker) keeps its events in memory and writes nothing unless it is undeferred.
 """
@@ -21,6 +26,7 @@ import threading
 import time
 
 from .roles import events_file
+from .segments import segment_bytes_from_env, segment_path
 
 FLUSH_INTERVAL_S = 0.25
 MAX_DEFERRED = 10_000
@@ -42,6 +48,9 @@ class EventWriter:
         self._lock = threading.Lock()
         self._file = None
         self._thread = None
+        self._segment_bytes = segment_bytes_from_env()
+        self._segment = 0
+        self._written = 0
         atexit.register(self.flush)
         if not deferred:
             self._start()
@@ -101,7 +110,38 @@ class EventWriter:
                                              "error": f"unserialisable {event.get('type')}: {exc!r}"}))
             if lines:
                 try:
-                    self._file.write("\n".join(lines) + "\n")
-                    self._file.flush()
+                    self._write(lines)
                 except Exception:
                     pass
+
+    def _write(self, lines):
+        if not self._segment_bytes:
+            self._file.write("\n".join(lines) + "\n")
+            self._file.flush()
+            return
+        # a segment ends on a whole line at its size, however much one flush carries
+        chunk, size = [], self._written
+        for line in lines:
+            chunk.append(line)
+            size += len(line) + 1
+            if size >= self._segment_bytes:
+                self._file.write("\n".join(chunk) + "\n")
+                self._file.flush()
+                self._next_segment()
+                chunk, size = [], 0
+        if chunk:
+            self._file.write("\n".join(chunk) + "\n")
+            self._file.flush()
+        self._written = size
+
+    def _next_segment(self):
+        """Close this segment (whole lines only) and continue in the next one."""
+        for _ in range(1000):
+            self._segment += 1
+            try:
+                new = open(segment_path(self.path, self._segment), "x", encoding="utf-8")
+            except FileExistsError:
+                continue
+            self._file.close()
+            self._file, self._written = new, 0
+            return

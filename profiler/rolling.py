@@ -1,0 +1,494 @@
+"""Keeps a long run's evidence within its disk budget (docs/long-runs.md).
+
+Line files (events, the job's log, py-spy dumps) are written in segments (the head kept whole,
+segments.py for the names). The launcher's roller keeps the last `keep` closed segments plain and
+gzips the older ones (lossless); when a file's family is over its share of the budget, the oldest
+gzipped segment is thinned (events: each step's spans merged per category and thread; log: the
+job's step/loss lines; dumps: each thread's top frames), and past that dropped, each thinning and
+drop written down in `<head>.rolled.json` (a dropped events segment: its step range). py-spy records in windows: the first
+(start-up, compiles) and the last `keep` stay whole, the others are folded into
+`<rank>-<flavour>.rolled.speedscope.json` (each distinct stack once, weights summed), so the
+whole run's proportions stay. Every change is written beside and renamed into place: a kill at
+any moment leaves complete files, at worst one segment counted twice, never a lost one.
+"""
+import glob
+import gzip
+import json
+import os
+import re
+import shutil
+import threading
+from dataclasses import dataclass
+
+from .shim._traindx_shim.segments import segment_path, segments, summary_path
+
+MB = 1 << 20
+MIN_SEGMENT_BYTES = 4096
+# shares of the per-rank budget (the log is the job's, counted once); py-spy's windows fold
+# early when over theirs; nvml.csv is not rolled (a fixed ~120 B/s per GPU: docs/long-runs.md)
+EVENTS_SHARE, DUMPS_SHARE, LOG_SHARE, PYSPY_SHARE = 0.6, 0.1, 0.1, 0.2
+
+
+@dataclass
+class Budget:
+    """The disk budget of one run: `rank_bytes` per training process, rolling windows of
+    `window_s`, the last `keep` windows/segments kept whole."""
+    rank_bytes: int = 2048 * MB
+    window_s: float = 600.0
+    keep: int = 3
+
+    def cap(self, share):
+        return int(self.rank_bytes * share)
+
+    def segment_bytes(self, share):
+        # head + the kept segments + the live one take at most half the family's cap; the
+        # rolled (gzipped, thinned) segments the other half
+        return max(MIN_SEGMENT_BYTES, self.cap(share) // (2 * (self.keep + 2)))
+
+    def as_dict(self):
+        return {"rank_bytes": self.rank_bytes, "window_s": self.window_s, "keep": self.keep,
+                "events_segment_bytes": self.segment_bytes(EVENTS_SHARE)}
+
+
+# -- line files ------------------------------------------------------------------------------
+class RollingLines:
+    """An append-only line file written in segments of `segment_bytes` (0: one file)."""
+
+    def __init__(self, head, segment_bytes=0, mode="w"):
+        self.head = head
+        self.segment_bytes = segment_bytes
+        self._file = open(head, mode, encoding="utf-8")
+        self._written = self._file.tell()
+        existing = segments(head)
+        self._n = existing[-1][0] if existing else 0
+
+    def write(self, text):
+        self._file.write(text)
+        self._file.flush()
+        self._written += len(text.encode("utf-8", "replace"))
+        if self.segment_bytes and self._written >= self.segment_bytes and text.endswith("\n"):
+            self._n += 1
+            self._file.close()
+            self._file = open(segment_path(self.head, self._n), "w", encoding="utf-8")
+            self._written = 0
+
+    def flush(self):
+        self._file.flush()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def close(self):
+        self._file.close()
+
+    @property
+    def name(self):
+        return self.head
+
+
+def read_text(head):
+    """The whole text of a rolling line file, segments in order (gzipped ones decompressed);
+    the head alone for a short run."""
+    parts = []
+    with open(head, encoding="utf-8", errors="replace") as f:
+        parts.append(f.read())
+    for _, path, gz in segments(head):
+        try:
+            if gz:
+                with gzip.open(path, "rt", encoding="utf-8", errors="replace") as f:
+                    parts.append(f.read())
+            else:
+                with open(path, encoding="utf-8", errors="replace") as f:
+                    parts.append(f.read())
+        except (OSError, EOFError):  # a segment removed while we read: rolled into a .gz
+            continue
+    for i in range(len(parts) - 1):  # segments end on whole lines; a cut head must not glue
+        if parts[i] and not parts[i].endswith("\n"):
+            parts[i] += "\n"
+    return "".join(parts)
+
+
+def family_bytes(head):
+    total = _size(head) + _size(summary_path(head))
+    return total + sum(_size(path) for _, path, _ in segments(head))
+
+
+def _size(path):
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0
+
+
+def _read_summary(head):
+    try:
+        with open(summary_path(head), encoding="utf-8") as f:
+            data = json.load(f)
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _write_json_atomic(path, data):
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(data, f, separators=(",", ":"), default=str)
+    os.replace(tmp, path)
+
+
+def _gzip_segment(path):
+    """path -> path.gz (written beside, renamed in, then the plain one removed)."""
+    tmp = path + ".gz.tmp"
+    with open(path, "rb") as src, gzip.open(tmp, "wb", compresslevel=6) as dst:
+        shutil.copyfileobj(src, dst, 1 << 20)
+    os.replace(tmp, path + ".gz")
+    os.remove(path)
+
+
+def settle(head, keep, cap, thin=None, live=True):
+    """Roll one line file: gzip the closed segments older than the last `keep`, then, while the
+    family is over `cap` bytes, thin the oldest gzipped segment (thin(lines, note): a generator
+    of the lines kept, filling in `note` for the summary) and past that drop it. live: the newest segment is still being written."""
+    segs = segments(head)
+    closed = segs[:-1] if live and segs else segs
+    for n, path, gz in closed[:-keep] if keep else closed:
+        if not gz:
+            _gzip_segment(path)
+    summary = None
+    while family_bytes(head) > cap:
+        rolled = [(n, path) for n, path, gz in segments(head) if gz]
+        if not rolled:
+            break  # head, kept and live segments only: the floor of the budget
+        summary = summary if summary is not None else _read_summary(head)
+        todo = [(n, p) for n, p in rolled if n > summary.get("thinned_through", 0)]
+        if thin is not None and todo:
+            n, path = todo[0]
+            _merge_note(summary, "thinned", _thin_segment(path, thin))
+            summary["thinned_through"] = n
+            _write_json_atomic(summary_path(head), summary)
+        else:
+            n, path = rolled[0]
+            # write down what goes before it goes
+            _merge_note(summary, "dropped", {"bytes": _size(path), **_describe(path)})
+            summary["dropped_through"] = n
+            _write_json_atomic(summary_path(head), summary)
+            os.remove(path)
+
+
+def _merge_note(summary, key, note):
+    """One running total per kind of change, however many segments: the summary stays small."""
+    into = summary.setdefault(key, {"segments": 0})
+    into["segments"] += 1
+    for k, v in note.items():
+        if k == "first_step" or k == "first_t":
+            into[k] = v if into.get(k) is None else min(into[k], v)
+        elif k == "last_step" or k == "last_t":
+            into[k] = v if into.get(k) is None else max(into[k], v)
+        elif isinstance(v, (int, float)):
+            into[k] = into.get(k, 0) + v
+        else:
+            into[k] = v
+
+
+def rolled_summaries(run_dir):
+    """{file relative to the run: its <file>.rolled.json} for everything rolling thinned or
+    dropped (for the manifest)."""
+    out = {}
+    for path in glob.glob(os.path.join(run_dir, "**", "*.rolled.json"), recursive=True):
+        try:
+            out[os.path.relpath(path[: -len(".rolled.json")], run_dir)] = _read_json(path)
+        except (OSError, ValueError):
+            continue
+    return out
+
+
+def _lines_of(path):
+    with gzip.open(path, "rt", encoding="utf-8", errors="replace") as f:
+        for line in f:
+            yield line.rstrip("\n")
+
+
+def _thin_segment(path, thin):
+    """Stream the segment through thin(lines, note) (a generator of the lines kept; it fills in
+    `note`) into a new gzip renamed over it: memory stays one step's worth, whatever the size."""
+    note = {}
+    tmp = path + ".tmp"
+    with gzip.open(tmp, "wt", encoding="utf-8", compresslevel=6) as f:
+        for line in thin(_lines_of(path), note):
+            f.write(line + "\n")
+    os.replace(tmp, path)
+    return note
+
+
+def _describe(path):
+    """What a dropped segment held: its lines, their time span (log, events, dumps all start
+    with a time or carry "t"), and for events the steps that ended in it."""
+    note = {"lines": 0}
+
+    def seen(key_first, key_last, value):
+        note[key_first] = min(note.get(key_first, value), value)
+        note[key_last] = max(note.get(key_last, value), value)
+
+    for line in _lines_of(path):
+        note["lines"] += 1
+        head = line.split(" ", 1)[0]
+        if head.isdigit():
+            seen("first_t", "last_t", int(head))
+        elif '"t"' in line:
+            try:
+                e = json.loads(line)
+                if isinstance(e.get("t"), int):
+                    seen("first_t", "last_t", e["t"])
+                if e.get("type") == "step_end" and isinstance(e.get("step"), int):
+                    seen("first_step", "last_step", e["step"])
+                    note["steps"] = note.get("steps", 0) + 1
+            except (ValueError, AttributeError):
+                pass
+    return note
+
+
+# -- what thinning keeps, per file kind (generators: lines in, kept lines out) -----------------
+MERGED_SPANS = frozenset({"data", "backward", "optimizer", "sync", "collective"})
+
+
+def thin_events(lines, note):
+    """Every event, except that each step's spans of one category on one thread become one span
+    (`merged`: how many; from the first's start, as long as their sum): the ledger's per-step
+    seconds stay, the per-call detail (a collective's group and seq, each sync's site) goes.
+    `io` and `gc` spans are rare and stay as they are."""
+    merged, step = {}, None
+    note.update(spans_merged=0, spans_left=0)
+
+    def merged_spans():
+        for (_, cat, tid), (start, total, n) in merged.items():
+            note["spans_left"] += 1
+            yield json.dumps({"type": "span", "cat": cat, "tid": tid, "start": start,
+                              "t": start + total, "merged": n})
+        merged.clear()
+
+    for line in lines:
+        if '"span"' in line or '"step_begin"' in line:
+            try:
+                e = json.loads(line)
+            except ValueError:
+                continue  # a corrupt line: the loader would skip it too
+            if e.get("type") == "step_begin":
+                yield from merged_spans()
+                step = e.get("step")
+            elif e.get("type") == "span" and e.get("cat") in MERGED_SPANS:
+                try:
+                    start, end = int(e["start"]), int(e["t"])
+                except (KeyError, TypeError, ValueError):
+                    continue
+                key = (step, e["cat"], e.get("tid"))
+                first, total, n = merged.get(key, (start, 0, 0))
+                merged[key] = (min(first, start), total + max(0, end - start), n + 1)
+                note["spans_merged"] += 1
+                continue
+        yield line
+    yield from merged_spans()
+
+
+def thin_log(custom=None):
+    """The job's step/loss lines (profiler/logparse.py's formats, `--log-regex`) and nothing else."""
+    from .logparse import parse_line
+
+    def thin(lines, note):
+        note["lines_dropped"] = 0
+        for line in lines:
+            text = line.split(" ", 2)[2] if line.count(" ") >= 2 else ""
+            if parse_line(text, custom):
+                yield line
+            else:
+                note["lines_dropped"] += 1
+    return thin
+
+
+def thin_dumps(lines, note, frames=3):
+    """Each snapshot with its threads' top `frames` frames: the GIL timeline stays."""
+    note["snapshots"] = 0
+    for line in lines:
+        try:
+            snap = json.loads(line)
+            for th in snap.get("threads", []):
+                th["frames"] = (th.get("frames") or [])[:frames]
+        except (ValueError, AttributeError, TypeError):
+            continue
+        note["snapshots"] += 1
+        yield json.dumps(snap)
+
+
+# -- py-spy windows --------------------------------------------------------------------------
+_WINDOW = re.compile(r"^(?P<base>.+?)(?:\.w(?P<n>\d{6})|\.(?P<rolled>rolled))?$")
+SPEEDSCOPE = ".speedscope.json"
+
+
+def window_path(out_dir, stem_flavour, n):
+    """Window n's speedscope file: window 0 keeps the name of a run without windows."""
+    suffix = "" if n == 0 else f".w{n:06d}"
+    return os.path.join(out_dir, f"{stem_flavour}{suffix}{SPEEDSCOPE}")
+
+
+def rolled_window_path(out_dir, stem_flavour):
+    return os.path.join(out_dir, f"{stem_flavour}.rolled{SPEEDSCOPE}")
+
+
+def fold_windows(out_dir, stem_flavour, through):
+    """Fold windows 1..`through` into the rolled summary: per thread, each distinct stack once
+    with its summed weight (seconds), then remove their files. The summary says the last window
+    it holds (`traindx_folded_through`: they roll off in order), so a window still present after a
+    kill between the two steps is not read twice, and the summary does not grow with the run."""
+    from .speedscope import load
+
+    rolled = rolled_window_path(out_dir, stem_flavour)
+    totals, folded_through = {}, 0
+    if os.path.exists(rolled):
+        try:
+            folded_through = int(_read_json(rolled).get("traindx_folded_through", 0))
+            _add(totals, load(rolled))
+        except Exception:  # an unreadable summary is not silently replaced: keep it aside
+            os.replace(rolled, rolled + ".bad")
+            totals, folded_through = {}, 0
+    done = [window_path(out_dir, stem_flavour, n) for n in range(1, folded_through + 1)]
+    for n in range(folded_through + 1, through + 1):
+        path = window_path(out_dir, stem_flavour, n)
+        if os.path.exists(path):
+            try:
+                _add(totals, load(path))
+            except Exception:
+                pass  # py-spy left no valid file for this window (killed): nothing to fold
+        done.append(path)
+    if through > folded_through:
+        _write_speedscope(rolled, totals, through)
+    for path in done:
+        if os.path.exists(path):
+            os.remove(path)
+
+
+def _read_json(path):
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _add(totals, threads):
+    for name, ts in threads.items():
+        per = totals.setdefault(name, {})
+        for stack, weight in zip(ts.stacks, ts.weights):
+            per[stack] = per.get(stack, 0) + weight
+
+
+def _write_speedscope(path, totals, folded_through):
+    frames, index, profiles = [], {}, []
+    for name, stacks in totals.items():
+        samples, weights = [], []
+        for stack, weight in stacks.items():
+            ids = []
+            for fr in stack:
+                if fr not in index:
+                    index[fr] = len(frames)
+                    frames.append({"name": fr.name, "file": fr.file, "line": fr.line})
+                ids.append(index[fr])
+            samples.append(ids)
+            weights.append(weight)
+        total = sum(weights)
+        profiles.append({"type": "sampled", "name": name, "unit": "seconds", "startValue": 0,
+                         "endValue": total, "samples": samples, "weights": weights})
+    doc = {"$schema": "https://www.speedscope.app/file-format-schema.json",
+           "shared": {"frames": frames}, "profiles": profiles,
+           "name": "traindx: py-spy windows rolled off (each distinct stack once)",
+           "exporter": "traindx", "traindx_folded_through": folded_through}
+    _write_json_atomic(path, doc)
+
+
+def load_pyspy(pyspy_dir):
+    """{(file stem, 'all'|'gil'): ({thread: ThreadSamples}, [error])}: window 0, the rolled
+    summary, then the kept windows in order, each thread's samples concatenated."""
+    from .speedscope import ThreadSamples, load
+    from traindx.errors import UserError
+
+    groups = {}
+    for path in glob.glob(os.path.join(pyspy_dir, "*" + SPEEDSCOPE)):
+        m = _WINDOW.match(os.path.basename(path)[: -len(SPEEDSCOPE)])
+        stem, _, source = m["base"].rpartition("-")
+        order = -1 if m["rolled"] else int(m["n"] or 0)
+        groups.setdefault((stem, source), []).append((0.5 if order == -1 else order, path))
+    out = {}
+    for key, files in sorted(groups.items()):
+        threads, errors, folded = {}, [], 0
+        for order, path in sorted(files):
+            if order == 0.5:
+                try:
+                    folded = int(_read_json(path).get("traindx_folded_through", 0))
+                except (OSError, ValueError):
+                    pass
+            elif 0 < order <= folded:
+                continue
+            try:
+                part = load(path)
+            except UserError as exc:
+                errors.append(str(exc))
+                continue
+            for name, ts in part.items():
+                into = threads.setdefault(name, ThreadSamples(name))
+                into.stacks.extend(ts.stacks)
+                into.weights.extend(ts.weights)
+        if threads or errors:
+            out[key] = (threads, errors)
+    return out
+
+
+# -- the launcher's roller -------------------------------------------------------------------
+class Roller:
+    """Settles every rolling file of a run folder now and then, in the launcher (never in the
+    job's processes)."""
+
+    def __init__(self, run_dir, budget, log_regex=None):
+        self.run_dir = run_dir
+        self.budget = budget
+        self.log_regex = log_regex
+        self.errors = []
+        self._stop = threading.Event()
+        self._thread = None
+        # how often: what the job writes between two settles is the budget's overshoot
+        self.interval_s = max(0.25, min(5.0, (budget.window_s or 20) / 4))
+
+    def start(self):
+        self._thread = threading.Thread(target=self._loop, name="traindx-roller", daemon=True)
+        self._thread.start()
+
+    def _loop(self):
+        while not self._stop.wait(self.interval_s):
+            self.settle_all(live=True)
+
+    def settle_all(self, live):
+        b = self.budget
+        try:
+            custom = None
+            if self.log_regex:
+                from .logparse import compile_custom
+                custom = compile_custom(self.log_regex)
+        except ValueError:
+            custom = None
+        families = [(path, b.cap(EVENTS_SHARE), thin_events)
+                    for path in glob.glob(os.path.join(self.run_dir, "events", "*.jsonl"))]
+        families += [(path, b.cap(DUMPS_SHARE), thin_dumps)
+                     for path in glob.glob(os.path.join(self.run_dir, "pyspy", "*-dump.jsonl"))]
+        log = os.path.join(self.run_dir, "log.txt")
+        if os.path.exists(log):
+            families.append((log, b.cap(LOG_SHARE), thin_log(custom)))
+        for head, cap, thin in families:
+            try:
+                settle(head, b.keep, cap, thin, live=live)
+            except Exception as exc:  # rolling must never stop the run; the loss is said
+                if len(self.errors) < 20:
+                    self.errors.append(f"rolling {os.path.basename(head)}: "
+                                       f"{type(exc).__name__}: {exc}")
+
+    def stop(self):
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+        self.settle_all(live=False)
