@@ -6,12 +6,22 @@ fixed job under `diagnose` the same way and measure its mean steady step from it
 Prints a table (and --json) of baseline, predicted, measured, and the error of the predicted
 saving against the measured saving (the issue's goal: within ±25 %).
 
-usage: python bench/ledger_predictions.py [--cases getitem,checkpoint,gc] [--json out.json]
+usage: python bench/ledger_predictions.py [--cases collate,getitem,checkpoint,gc] [--burners N]
+                                         [--json out.json]
        python bench/ledger_predictions.py --cases seed   # on the GPU machine (FA4 seed case)
+
+--burners N starts N pure-Python CPU-burning processes beside the jobs (a shared node) and stops
+them at the end; the table's header line gives the load average before and after. A case whose
+fix is a code change (`collate`: examples/pathologies.py's DataLoader) gets the top finding's own
+code prescription applied to a scratch copy of the job's folder, as `--fix` does; the others set
+the fixed job's flags. For the DataLoader fixes the model also gives a range (low-high: the
+fastest and slowest step the CPU evidence allows); `in range` says whether the measured step
+fell inside it.
 """
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -23,7 +33,12 @@ JOBS = os.path.join(ROOT, "tests", "jobs")
 EX = os.path.join(ROOT, "examples")
 
 CASES = {
-    # name: (baseline command, fixed command, finding id expected)
+    # name: (baseline command, fixed command, finding id expected); fixed command None: apply
+    # the finding's code prescription to a scratch copy of the job's folder
+    # the project's own DataLoader pathology: a pure-Python collate, num_workers=0 (batch 256 so
+    # a step is ~20 ms, not ~5 ms of timer noise)
+    "collate": ([os.path.join(EX, "pathologies.py"), "--pathology", "dataloader", "--steps", "40",
+                 "--batch-size", "256"], None, "dataloader.starvation"),
     "getitem": ([os.path.join(JOBS, "slow_getitem.py"), "--steps", "30", "--item-ms", "4", "--batch", "8"],
                 ["--num-workers", "{workers}"], "dataloader.starvation"),
     "checkpoint": ([os.path.join(JOBS, "checkpoint_every.py"), "--steps", "30"],
@@ -67,11 +82,61 @@ def fixed_command(base, fix):
     return out
 
 
+def code_fixed_command(base, finding, tmp):
+    """The baseline command run on a scratch copy of the script's folder with the finding's
+    first applicable code change made (the change --fix would make); None when it has none."""
+    from traindx.analyzers import codefix
+
+    for p in finding.prescriptions:
+        change = (p.change or {}).get("code") or {}
+        if not change.get("file") or "before" not in change:
+            continue
+        script = os.path.abspath(change["file"])
+        if script not in [os.path.abspath(a) for a in base]:
+            continue
+        folder = os.path.join(tmp, "fixed-src")
+        shutil.copytree(os.path.dirname(script), folder)
+        copy = os.path.join(folder, os.path.basename(script))
+        with open(script) as f:
+            text = codefix.apply(change, f.read())
+        with open(copy, "w") as f:
+            f.write(text)
+        return [copy if os.path.abspath(a) == script else a for a in base]
+    return None
+
+
+def loadavg():
+    try:
+        with open("/proc/loadavg") as f:
+            return f.read().split()[0]
+    except OSError:
+        return "?"
+
+
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--cases", default="getitem,checkpoint,gc")
+    p.add_argument("--cases", default="collate,getitem,checkpoint,gc")
+    p.add_argument("--burners", type=int, default=0, help="CPU-burning processes beside the jobs")
     p.add_argument("--json", default=None)
     args = p.parse_args()
+    burners = [subprocess.Popen([PY, "-c", "while True:\n    sum(range(10**6))"])
+               for _ in range(args.burners)]
+    try:
+        load_before = loadavg()
+        rows = run_cases(args)
+        load_after = loadavg()
+    finally:
+        for b in burners:
+            b.kill()
+            b.wait()
+    print(f"load average (1 min) {load_before} before, {load_after} after; {args.burners} burners")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"burners": args.burners, "load_before": load_before,
+                       "load_after": load_after, "rows": rows}, f, indent=2)
+
+
+def run_cases(args):
     import traindx
     from traindx import ledger as L
 
@@ -87,8 +152,14 @@ def main():
                 continue
             pred = L.predicted_step_time(run, finding)
             workers = (finding.removes or {}).get("workers", 2)
-            fix = [a.replace("{workers}", str(workers)) for a in fix]
-            fixed = record(fixed_command(base, fix), os.path.join(tmp, "fixed"), ENV.get(name))
+            if fix is None:
+                command = code_fixed_command(base, finding, tmp)
+                if command is None:
+                    rows.append({"case": name, "error": "no applicable code prescription"})
+                    continue
+            else:
+                command = fixed_command(base, [a.replace("{workers}", str(workers)) for a in fix])
+            fixed = record(command, os.path.join(tmp, "fixed"), ENV.get(name))
             measured = float(L.steady_rows(fixed).groupby("rank")["wall_s"].mean().max())
         saved_pred = pred["baseline_step_s"] - pred["predicted_step_s"]
         saved_meas = pred["baseline_step_s"] - measured
@@ -96,19 +167,27 @@ def main():
                      "predicted_step_s": pred["predicted_step_s"], "measured_step_s": measured,
                      "predicted_saving_s": saved_pred, "measured_saving_s": saved_meas,
                      "saving_error": (saved_pred - saved_meas) / saved_meas if saved_meas else None,
-                     "step_time_error": (pred["predicted_step_s"] - measured) / measured})
+                     "step_time_error": (pred["predicted_step_s"] - measured) / measured,
+                     "workers": (finding.removes or {}).get("workers"),
+                     "range_s": pred.get("predicted_range_s"), "cpu_evidence": pred.get("cpu_evidence")})
     print(f"{'case':12s} {'finding':26s} {'baseline':>9s} {'predicted':>9s} {'measured':>9s} "
-          f"{'saving err':>10s} {'step err':>9s}")
+          f"{'saving err':>10s} {'step err':>9s}  range (in range)")
     for r in rows:
         if "error" in r:
             print(f"{r['case']:12s} {r['error']}")
             continue
         se = "-" if r["saving_error"] is None else f"{r['saving_error']:+.0%}"
         print(f"{r['case']:12s} {r['finding']:26s} {r['baseline_step_s']:9.4f} {r['predicted_step_s']:9.4f} "
-              f"{r['measured_step_s']:9.4f} {se:>10s} {r['step_time_error']:+9.0%}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=2)
+              f"{r['measured_step_s']:9.4f} {se:>10s} {r['step_time_error']:+9.0%}  {span(r)}")
+    return rows
+
+
+def span(r):
+    if not r.get("range_s"):
+        return ""
+    low, high = r["range_s"]
+    inside = low <= r["measured_step_s"] <= high
+    return f"{low:.4f}-{high:.4f} ({'yes' if inside else 'no'}; workers={r['workers']})"
 
 
 if __name__ == "__main__":

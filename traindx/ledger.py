@@ -348,41 +348,54 @@ def workers_step_model(load_cpu, rest_cpu, rest_wall, workers, cores, others):
     return step
 
 
+def workers_step_capped(load_cpu, rest_cpu, rest_wall, workers, job_cores):
+    """The step time once `workers` processes make the batches when the job cannot get more
+    cores than `job_cores` (what it used before the fix plus the machine's idle cores): a
+    scheduler that shares the cores between groups of tasks (cgroups, one per container or
+    session) gives a group the same share however many tasks it runs. All the CPU work of a
+    step then has those cores, and neither stage can go faster than one core per task:
+
+        step = max((load_cpu + rest_cpu) / job_cores,  load_cpu / workers,  rest_cpu / a)"""
+    a = max(1.0, rest_cpu / rest_wall) if rest_wall > 0 else 1.0
+    cores = max(1e-9, min(job_cores, workers + a))
+    return max((load_cpu + rest_cpu) / cores, load_cpu / workers, rest_cpu / a)
+
+
 def _workers_prediction(run, finding, removes):
     """(predicted step, (low, high), cpu evidence) for a fix that moves the data line into
     `workers` DataLoader processes, from the shim's CPU evidence; None without it.
 
-    Others' runnable tasks, two readings of the same baseline: the machine's runnable count at
-    the step ends less the training process's own threads (every other runnable task takes an
-    equal share of the cores: the point prediction, and the slow end of the range), and the share
-    the training thread itself got while it loaded batches (data_cpu / data: under a scheduler
-    that groups tasks the job can get more than the count says: the fast end)."""
+    The point prediction is workers_step_model with the other runnable tasks counted on the
+    machine at the step ends (less the training process's own threads). The range spans what
+    the same evidence cannot tell apart: the fast end reads the others from the share the
+    training thread got while it loaded batches (data_cpu / data = cores / (others + 1) under
+    per-task fair share) when that says fewer; the slow end is workers_step_capped with the
+    job held to the cores it had (proc_cpu / wall, plus idle cores), as a scheduler that shares
+    by group of tasks would hold it. Other ranks on the host add their own workers."""
     evd = cpu_evidence(run, finding.ranks)
-    if evd is None or evd["data_cpu"] <= 0 or not evd.get("cores"):
+    if evd is None or evd["data_cpu"] <= 0 or not evd.get("cores") or evd["wall"] <= 0:
         return None
     cores = float(evd["cores"])
     rest_wall = max(0.0, evd["wall"] - evd["data"])
     rest_cpu = max(0.0, evd["proc_cpu"] - evd["data_cpu"])
     own_threads = 1.0
-    if evd["thread_cpu"] is not None and evd["wall"] > 0:
+    if evd["thread_cpu"] is not None:
         own_threads += max(0.0, evd["proc_cpu"] - evd["thread_cpu"]) / evd["wall"]
-    counted = max(0.0, evd["running"] - own_threads) if evd["running"] is not None else None
-    if counted is None and evd["idle"] is not None:
-        counted = max(0.0, cores - evd["idle"] - evd["proc_cpu"] / evd["wall"])
     share_seen = min(1.0, evd["data_cpu"] / evd["data"]) if evd["data"] > 0 else 1.0
-    from_share = max(0.0, cores / share_seen - 1.0) if share_seen > 0 else 0.0
-    if counted is None:
-        counted = from_share
-    # other ranks on the host add their own workers too
+    from_share = max(0.0, cores / share_seen - 1.0)
+    counted = max(0.0, evd["running"] - own_threads) if evd["running"] is not None else from_share
     ranks = max(1, run.ledger["rank"].nunique()) if len(run.ledger) else 1
     workers = float(removes["workers"])
     extra = (ranks - 1) * workers
-    slow = workers_step_model(evd["data_cpu"], rest_cpu, rest_wall, workers, cores,
-                              max(counted, from_share) + extra)
+    point = workers_step_model(evd["data_cpu"], rest_cpu, rest_wall, workers, cores,
+                               counted + extra)
     fast = workers_step_model(evd["data_cpu"], rest_cpu, rest_wall, workers, cores,
                               min(counted, from_share) + extra)
-    evd.update(others_counted=counted, others_from_share=from_share, workers=workers)
-    return slow, (fast, slow), evd
+    job_cores = min(cores / ranks, evd["proc_cpu"] / evd["wall"] + (evd["idle"] or 0.0) / ranks)
+    slow = workers_step_capped(evd["data_cpu"], rest_cpu, rest_wall, workers, job_cores)
+    evd.update(others_counted=counted, others_from_share=from_share, job_cores=job_cores,
+               workers=workers)
+    return point, (min(fast, point, slow), max(fast, point, slow)), evd
 
 
 def removed_seconds(run, finding):
