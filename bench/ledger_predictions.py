@@ -41,6 +41,12 @@ CASES = {
                  "--batch-size", "256"], None, "dataloader.starvation"),
     "getitem": ([os.path.join(JOBS, "slow_getitem.py"), "--steps", "30", "--item-ms", "4", "--batch", "8"],
                 ["--num-workers", "{workers}"], "dataloader.starvation"),
+    # the same job with fixed CPU work per sample (--item-ms of the loading thread's CPU time):
+    # "getitem" ends each sample at a wall-clock deadline, so under CPU contention its worker
+    # processes do less work per batch than the training thread did, which no CPU model sees
+    "getitem-cpu": ([os.path.join(JOBS, "slow_getitem.py"), "--steps", "30", "--item-ms", "2",
+                     "--batch", "8", "--cpu-clock"], ["--num-workers", "{workers}"],
+                    "dataloader.starvation"),
     "checkpoint": ([os.path.join(JOBS, "checkpoint_every.py"), "--steps", "30"],
                    ["--save-every", "1000000"], "steps.periodic_slow"),
     "gc": ([os.path.join(EX, "pathologies.py"), "--pathology", "gc", "--steps", "30"],
@@ -115,7 +121,7 @@ def loadavg():
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--cases", default="collate,getitem,checkpoint,gc")
+    p.add_argument("--cases", default="collate,getitem-cpu,getitem,checkpoint,gc")
     p.add_argument("--burners", type=int, default=0, help="CPU-burning processes beside the jobs")
     p.add_argument("--json", default=None)
     args = p.parse_args()

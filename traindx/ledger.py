@@ -445,7 +445,11 @@ def predicted_step_time(run, finding):
     """What the --fix loop writes beside the measured candidate: {"baseline_step_s": mean steady
     step, "removed_s": ledger seconds per step the fix removes, "predicted_step_s": baseline -
     removed, "categories": ..., "method": ...}; removed/predicted are None when the finding names
-    no ledger line (then fall back to the prescription's expected_gain_s_per_step)."""
+    no ledger line (then fall back to the prescription's expected_gain_s_per_step). A fix that
+    moves the data line into DataLoader workers adds "predicted_range_s": [fast, slow] and the
+    "cpu_evidence" it came from (_workers_prediction): its result depends on how many cores
+    the job really gets beside the machine's other work, which one baseline run bounds but does
+    not fix."""
     led = steady_rows(run)
     ranks = [r for r in (finding.ranks or ()) if r in set(led["rank"])]
     if ranks:
