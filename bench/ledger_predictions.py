@@ -16,7 +16,9 @@ fix is a code change (`collate`: examples/pathologies.py's DataLoader) gets the 
 code prescription applied to a scratch copy of the job's folder, as `--fix` does; the others set
 the fixed job's flags. For the DataLoader fixes the model also gives a range (low-high: the
 fastest and slowest step the CPU evidence allows); `in range` says whether the measured step
-fell inside it.
+fell inside it. --repeat N runs N baseline/fixed pairs per case back to back and reports the
+medians (on a machine shared with other work the load drifts between runs; a pair's two runs
+see nearly the same load).
 """
 import argparse
 import json
@@ -123,6 +125,8 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--cases", default="collate,getitem-cpu,getitem,checkpoint,gc")
     p.add_argument("--burners", type=int, default=0, help="CPU-burning processes beside the jobs")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="baseline/fixed pairs per case, back to back; the table gives medians")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     burners = [subprocess.Popen([PY, "-c", "while True:\n    sum(range(10**6))"])
@@ -142,42 +146,76 @@ def main():
                        "load_after": load_after, "rows": rows}, f, indent=2)
 
 
-def run_cases(args):
+def one_pair(name, tmp):
+    """One baseline run, its prediction, and the fixed run right after it."""
     import traindx
     from traindx import ledger as L
 
+    base, fix, wanted = CASES[name]
+    run = record(base, os.path.join(tmp, "base"), ENV.get(name))
+    findings = [f for f in traindx.analyze(run) if f.cause is None and f.severity != "info"]
+    finding = next((f for f in findings if f.id == wanted), findings[0] if findings else None)
+    if finding is None:
+        return {"case": name, "error": "no finding"}
+    pred = L.predicted_step_time(run, finding)
+    if pred["predicted_step_s"] is None:
+        return {"case": name, "error": f"no prediction for {finding.id}"}
+    workers = (finding.removes or {}).get("workers", 2)
+    if fix is None:
+        command = code_fixed_command(base, finding, tmp)
+        if command is None:
+            return {"case": name, "error": "no applicable code prescription"}
+    else:
+        command = fixed_command(base, [a.replace("{workers}", str(workers)) for a in fix])
+    fixed = record(command, os.path.join(tmp, "fixed"), ENV.get(name))
+    measured = float(L.steady_rows(fixed).groupby("rank")["wall_s"].mean().max())
+    return {"case": name, "finding": finding.id, "baseline_step_s": pred["baseline_step_s"],
+            "predicted_step_s": pred["predicted_step_s"], "measured_step_s": measured,
+            "workers": (finding.removes or {}).get("workers"),
+            "range_s": pred.get("predicted_range_s"), "cpu_evidence": pred.get("cpu_evidence"),
+            "load": loadavg()}
+
+
+def summary(name, pairs):
+    """The case's row: medians over its baseline/fixed pairs (each pair run back to back, so a
+    change in the machine's other load between pairs moves both of a pair's runs)."""
+    import statistics as st
+
+    ok = [p for p in pairs if "error" not in p]
+    if not ok:
+        return pairs[-1]
+    med = {k: st.median(p[k] for p in ok) for k in ("baseline_step_s", "predicted_step_s",
+                                                    "measured_step_s")}
+    saved_pred = med["baseline_step_s"] - med["predicted_step_s"]
+    saved_meas = med["baseline_step_s"] - med["measured_step_s"]
+    ranges = [p["range_s"] for p in ok if p.get("range_s")]
+    return {"case": name, "finding": ok[0]["finding"], **med, "pairs": pairs,
+            "predicted_saving_s": saved_pred, "measured_saving_s": saved_meas,
+            "saving_error": (saved_pred - saved_meas) / saved_meas if saved_meas else None,
+            "step_time_error": (med["predicted_step_s"] - med["measured_step_s"])
+            / med["measured_step_s"],
+            "workers": ok[0].get("workers"),
+            "range_s": [st.median(r[0] for r in ranges), st.median(r[1] for r in ranges)]
+            if ranges else None,
+            "in_range": [r[0] <= p["measured_step_s"] <= r[1] for p, r in
+                         zip([p for p in ok if p.get("range_s")], ranges)]}
+
+
+def run_cases(args):
     rows = []
     for name in args.cases.split(","):
-        base, fix, wanted = CASES[name]
-        with tempfile.TemporaryDirectory() as tmp:
-            run = record(base, os.path.join(tmp, "base"), ENV.get(name))
-            findings = [f for f in traindx.analyze(run) if f.cause is None and f.severity != "info"]
-            finding = next((f for f in findings if f.id == wanted), findings[0] if findings else None)
-            if finding is None:
-                rows.append({"case": name, "error": "no finding"})
-                continue
-            pred = L.predicted_step_time(run, finding)
-            workers = (finding.removes or {}).get("workers", 2)
-            if fix is None:
-                command = code_fixed_command(base, finding, tmp)
-                if command is None:
-                    rows.append({"case": name, "error": "no applicable code prescription"})
-                    continue
-            else:
-                command = fixed_command(base, [a.replace("{workers}", str(workers)) for a in fix])
-            fixed = record(command, os.path.join(tmp, "fixed"), ENV.get(name))
-            measured = float(L.steady_rows(fixed).groupby("rank")["wall_s"].mean().max())
-        saved_pred = pred["baseline_step_s"] - pred["predicted_step_s"]
-        saved_meas = pred["baseline_step_s"] - measured
-        rows.append({"case": name, "finding": finding.id, "baseline_step_s": pred["baseline_step_s"],
-                     "predicted_step_s": pred["predicted_step_s"], "measured_step_s": measured,
-                     "predicted_saving_s": saved_pred, "measured_saving_s": saved_meas,
-                     "saving_error": (saved_pred - saved_meas) / saved_meas if saved_meas else None,
-                     "step_time_error": (pred["predicted_step_s"] - measured) / measured,
-                     "workers": (finding.removes or {}).get("workers"),
-                     "range_s": pred.get("predicted_range_s"), "cpu_evidence": pred.get("cpu_evidence")})
+        pairs = []
+        for _ in range(args.repeat):
+            with tempfile.TemporaryDirectory() as tmp:
+                pairs.append(one_pair(name, tmp))
+            pair = pairs[-1]
+            print(f"  {name}: " + (pair["error"] if "error" in pair else
+                  f"baseline {pair['baseline_step_s']:.4f} predicted {pair['predicted_step_s']:.4f}"
+                  f" measured {pair['measured_step_s']:.4f} range {pair.get('range_s')} "
+                  f"load {pair['load']}"), file=sys.stderr, flush=True)
+        rows.append(summary(name, pairs))
     print(f"{'case':12s} {'finding':26s} {'baseline':>9s} {'predicted':>9s} {'measured':>9s} "
-          f"{'saving err':>10s} {'step err':>9s}  range (in range)")
+          f"{'saving err':>10s} {'step err':>9s}  range (pairs in range)")
     for r in rows:
         if "error" in r:
             print(f"{r['case']:12s} {r['error']}")
@@ -192,9 +230,8 @@ def span(r):
     if not r.get("range_s"):
         return ""
     low, high = r["range_s"]
-    inside = low <= r["measured_step_s"] <= high
-    return f"{low:.4f}-{high:.4f} ({'yes' if inside else 'no'}; workers={r['workers']})"
-
+    return (f"{low:.4f}-{high:.4f} ({sum(r['in_range'])}/{len(r['in_range'])}; "
+            f"workers={r['workers']})")
 
 if __name__ == "__main__":
     main()

@@ -253,6 +253,8 @@ def test_predicted_step_time_of_the_workers_fix_comes_from_the_cpu_evidence(geti
     held = min(cores, proc / wall + cpu["sys_idle_s"].mean() / wall)
     assert high >= L.workers_step_capped(data_cpu, proc - data_cpu, wall - data, workers, held) - 1e-9
     assert "CPU model" in pred["method"]
+    # the finding shows the loading CPU the workers would take over
+    assert f.evidence["cpu_in_dataloader_per_step_s"] == pytest.approx(data_cpu, abs=1e-4)
     # the prescription promises exactly what the model says the fix removes
     assert f.prescriptions[0].expected_gain_s_per_step == pytest.approx(pred["removed_s"])
 
