@@ -173,7 +173,16 @@ def one_pair(name, tmp):
             "predicted_step_s": pred["predicted_step_s"], "measured_step_s": measured,
             "workers": (finding.removes or {}).get("workers"),
             "range_s": pred.get("predicted_range_s"), "cpu_evidence": pred.get("cpu_evidence"),
-            "load": loadavg()}
+            "load": loadavg(), "running_base": running(run), "running_fixed": running(fixed)}
+
+
+def running(run):
+    """Mean runnable tasks on the machine at the run's steady step ends (the shim's evidence):
+    how busy the machine was during that run (a fixed run's own workers count in it)."""
+    from traindx import ledger as L
+
+    evd = L.cpu_evidence(run)
+    return None if evd is None or evd["running"] is None else round(evd["running"], 2)
 
 
 def summary(name, pairs):
@@ -212,7 +221,8 @@ def run_cases(args):
             print(f"  {name}: " + (pair["error"] if "error" in pair else
                   f"baseline {pair['baseline_step_s']:.4f} predicted {pair['predicted_step_s']:.4f}"
                   f" measured {pair['measured_step_s']:.4f} range {pair.get('range_s')} "
-                  f"load {pair['load']}"), file=sys.stderr, flush=True)
+                  f"load {pair['load']} runnable {pair['running_base']} -> "
+                  f"{pair['running_fixed']}"), file=sys.stderr, flush=True)
         rows.append(summary(name, pairs))
     print(f"{'case':12s} {'finding':26s} {'baseline':>9s} {'predicted':>9s} {'measured':>9s} "
           f"{'saving err':>10s} {'step err':>9s}  range (pairs in range)")
