@@ -10,7 +10,8 @@ usage: python bench/ledger_predictions.py [--cases collate,getitem,checkpoint,gc
                                          [--json out.json]
        python bench/ledger_predictions.py --cases seed   # on the GPU machine (FA4 seed case)
 
---burners N starts N pure-Python CPU-burning processes beside the jobs (a shared node) and stops
+--burners N starts N pure-Python CPU-burning processes beside the jobs (a shared node; each in
+its own session, like another user's process) and stops
 them at the end; the table's header line gives the load average before and after. A case whose
 fix is a code change (`collate`: examples/pathologies.py's DataLoader) gets the top finding's own
 code prescription applied to a scratch copy of the job's folder, as `--fix` does; the others set
@@ -129,8 +130,10 @@ def main():
                    help="baseline/fixed pairs per case, back to back; the table gives medians")
     p.add_argument("--json", default=None)
     args = p.parse_args()
-    burners = [subprocess.Popen([PY, "-c", "while True:\n    sum(range(10**6))"])
-               for _ in range(args.burners)]
+    # each burner in its own session, as another user's process is (Linux autogroup and
+    # cgroups share the cores between sessions/groups before tasks)
+    burners = [subprocess.Popen([PY, "-c", "while True:\n    sum(range(10**6))"],
+                                start_new_session=True) for _ in range(args.burners)]
     try:
         load_before = loadavg()
         rows = run_cases(args)

@@ -242,16 +242,20 @@ def test_predicted_step_time_of_the_workers_fix_comes_from_the_cpu_evidence(geti
     wall, data = steady["wall_s"].mean(), steady["data_s"].mean()
     data_cpu = _steady_data_cpu(run, steady)
     proc, thread = cpu["proc_cpu_s"].mean(), cpu["thread_cpu_s"].mean()
-    others = max(0.0, cpu["running"].mean() - 1 - max(0.0, proc - thread) / wall)
     cores = len(os.sched_getaffinity(0))
-    point = L.workers_step_model(data_cpu, proc - data_cpu, wall - data, workers, cores, others)
-    assert pred["predicted_step_s"] == pytest.approx(point, rel=1e-6)
-    assert pred["removed_s"] == pytest.approx(pred["baseline_step_s"] - point, rel=1e-6)
-    low, high = pred["predicted_range_s"]
-    assert low <= pred["predicted_step_s"] <= high
-    # the slow end: the job held to the cores it used plus the idle ones
+    counted = max(0.0, cpu["running"].mean() - 1 - max(0.0, proc - thread) / wall)
+    from_share = max(0.0, cores / min(1.0, data_cpu / data) - 1)
+    rest_cpu, rest_wall = proc - data_cpu, wall - data
+    per_task = [L.workers_step_model(data_cpu, rest_cpu, rest_wall, workers, cores, others)
+                for others in (counted, from_share)]
+    # the per-group reading: the job held to the cores it used plus the idle ones
     held = min(cores, proc / wall + cpu["sys_idle_s"].mean() / wall)
-    assert high >= L.workers_step_capped(data_cpu, proc - data_cpu, wall - data, workers, held) - 1e-9
+    per_group = L.workers_step_capped(data_cpu, rest_cpu, rest_wall, workers, held)
+    low, high = min(per_task + [per_group]), max(per_task + [per_group])
+    assert pred["predicted_range_s"] == pytest.approx([low, high], rel=1e-6)
+    assert pred["predicted_step_s"] == pytest.approx((low + high) / 2, rel=1e-6)
+    assert pred["removed_s"] == pytest.approx(pred["baseline_step_s"] - (low + high) / 2, rel=1e-6)
+    assert low <= pred["predicted_step_s"] <= high
     assert "CPU model" in pred["method"]
     # the finding shows the loading CPU the workers would take over
     assert f.evidence["cpu_in_dataloader_per_step_s"] == pytest.approx(data_cpu, abs=1e-4)

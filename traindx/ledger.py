@@ -365,13 +365,20 @@ def _workers_prediction(run, finding, removes):
     """(predicted step, (low, high), cpu evidence) for a fix that moves the data line into
     `workers` DataLoader processes, from the shim's CPU evidence; None without it.
 
-    The point prediction is workers_step_model with the other runnable tasks counted on the
-    machine at the step ends (less the training process's own threads). The range spans what
-    the same evidence cannot tell apart: the fast end reads the others from the share the
-    training thread got while it loaded batches (data_cpu / data = cores / (others + 1) under
-    per-task fair share) when that says fewer; the slow end is workers_step_capped with the
-    job held to the cores it had (proc_cpu / wall, plus idle cores), as a scheduler that shares
-    by group of tasks would hold it. Other ranks on the host add their own workers."""
+    The same baseline allows two readings of how many cores the job gets once it runs more
+    processes, and the truth depends on how the kernel groups tasks, which the run cannot see
+    (Linux autogroup shares the cores between sessions first, containers and Slurm share them
+    between cgroups, and other users' load comes and goes):
+      per task   workers_step_model (every task takes an equal share), with the other runnable
+                 tasks counted on the machine at the step ends (less the training process's
+                 own threads), and with them read from the share the training thread got
+                 while it loaded batches (data_cpu / data = cores / (others + 1));
+      per group  workers_step_capped with the job held to the cores it had (proc_cpu / wall,
+                 plus the idle cores): its group's share does not grow with its task count.
+    The range is [fastest, slowest] of these; the prediction is its middle (the point that is
+    never further than half the range from either regime). On a machine with idle cores both
+    readings agree and the range is narrow; on a busy shared one it is wide, and says so.
+    Other ranks on the host add their own workers."""
     evd = cpu_evidence(run, finding.ranks)
     if evd is None or evd["data_cpu"] <= 0 or not evd.get("cores") or evd["wall"] <= 0:
         return None
@@ -387,15 +394,14 @@ def _workers_prediction(run, finding, removes):
     ranks = max(1, run.ledger["rank"].nunique()) if len(run.ledger) else 1
     workers = float(removes["workers"])
     extra = (ranks - 1) * workers
-    point = workers_step_model(evd["data_cpu"], rest_cpu, rest_wall, workers, cores,
-                               counted + extra)
-    fast = workers_step_model(evd["data_cpu"], rest_cpu, rest_wall, workers, cores,
-                              min(counted, from_share) + extra)
+    per_task = [workers_step_model(evd["data_cpu"], rest_cpu, rest_wall, workers, cores,
+                                   others + extra) for others in (counted, from_share)]
     job_cores = min(cores / ranks, evd["proc_cpu"] / evd["wall"] + (evd["idle"] or 0.0) / ranks)
-    slow = workers_step_capped(evd["data_cpu"], rest_cpu, rest_wall, workers, job_cores)
+    per_group = workers_step_capped(evd["data_cpu"], rest_cpu, rest_wall, workers, job_cores)
+    low, high = min(per_task + [per_group]), max(per_task + [per_group])
     evd.update(others_counted=counted, others_from_share=from_share, job_cores=job_cores,
-               workers=workers)
-    return point, (min(fast, point, slow), max(fast, point, slow)), evd
+               workers=workers, per_task_s=per_task, per_group_s=per_group)
+    return (low + high) / 2, (low, high), evd
 
 
 def removed_seconds(run, finding):
