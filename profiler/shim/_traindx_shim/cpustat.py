@@ -5,8 +5,8 @@ One `cpu` event at each step end (the training thread), with the deltas since th
   thread_cpu_s  CPU seconds of the training thread itself (time.thread_time)
   sys_idle_s    core-seconds the whole machine was idle (/proc/stat idle + iowait), Linux only
   sys_total_s   core-seconds the machine had (/proc/stat, all states)
-  running       runnable tasks on the machine at the step end (/proc/stat procs_running; the
-                training thread that reads it is one of them)
+  running       runnable tasks on the machine at the step end (/proc/loadavg; the training
+                thread that reads it is one of them)
   cores         cores this process may run on (sched_getaffinity), once, on the first event
 The DataLoader's own CPU seconds ride on its `data` span (spans.py). Together they say how many
 cores were really free to the job (a prediction that adds worker processes needs that); a
@@ -24,25 +24,24 @@ _cores_sent = [False]
 
 
 def _proc_stat():
-    """(idle core-seconds, total core-seconds, procs_running) since boot, or None off Linux."""
+    """(idle core-seconds, total core-seconds since boot, runnable tasks now), or None off
+    Linux. Only the first line of /proc/stat is read (on a many-core host the file is long:
+    a line per core and the interrupt counts), the runnable count from /proc/loadavg."""
     try:
         if _TICK[0] is None:
             _TICK[0] = float(os.sysconf("SC_CLK_TCK"))
         with open("/proc/stat", "rb") as f:
-            text = f.read(4096).decode("ascii", "replace")
+            first = f.readline().decode("ascii", "replace")
+        with open("/proc/loadavg", "rb") as f:
+            load = f.read(256).decode("ascii", "replace").split()
     except (OSError, ValueError):
         return None
-    idle = total = running = None
-    for line in text.splitlines():
-        if line.startswith("cpu "):
-            ticks = [int(v) for v in line.split()[1:]]
-            # user nice system idle iowait irq softirq steal (guest time is already in user)
-            idle, total = ticks[3] + ticks[4], sum(ticks[:8])
-        elif line.startswith("procs_running"):
-            running = int(line.split()[1])
-    if idle is None:
+    if not first.startswith("cpu "):
         return None
-    return idle / _TICK[0], total / _TICK[0], running
+    # user nice system idle iowait irq softirq steal (guest time is already in user)
+    ticks = [int(v) for v in first.split()[1:9]]
+    running = int(load[3].split("/")[0]) if len(load) > 3 and "/" in load[3] else None
+    return (ticks[3] + ticks[4]) / _TICK[0], sum(ticks) / _TICK[0], running
 
 
 def _snapshot():
