@@ -332,8 +332,11 @@ def workers_step_model(load_cpu, rest_cpu, rest_wall, workers, cores, others):
     u_m and u_w are the stages' busy fractions (stage time / step), solved by fixed-point
     iteration. What it leaves out, and why: the batch transfer from a worker (a tensor batch
     goes through shared memory: ~1 ms for 256 x 256 floats on the training thread, inside the
-    measured noise of these steps), and schedulers that weight groups of tasks (cgroups, nice),
-    which the range in predicted_step_time covers."""
+    measured noise of these steps); schedulers that weight groups of tasks (cgroups, autogroup,
+    nice), which the range in predicted_step_time covers; and an intra-op thread pool (torch's
+    default, a thread per core) that spins at its barriers: once the workers oversubscribe the
+    cores its parallel regions wait for descheduled threads, and a step can end up slower than
+    before - measured, not modelled (bench/ledger_predictions.py, case getitem-cpu)."""
     a = max(1.0, rest_cpu / rest_wall) if rest_wall > 0 else 1.0
     u_m = u_w = 1.0
     step = 0.0
