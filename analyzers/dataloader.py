@@ -81,10 +81,16 @@ def _from_ledger(run, rank):
         return None
     waiting = float(led["data_s"].sum())
     spy = _from_pyspy(run, rank) or {}
-    return {"source": "time ledger", "share": waiting / wall, "seconds": waiting,
-            "per_step_s": waiting / len(led), "hot": spy.get("hot") or [],
-            "method": "shim-timed DataLoader.__next__ seconds on the training thread / wall "
-                      "seconds of the steady steps (time ledger); py-spy names the code inside"}
+    out = {"source": "time ledger", "share": waiting / wall, "seconds": waiting,
+           "per_step_s": waiting / len(led), "hot": spy.get("hot") or [],
+           "method": "shim-timed DataLoader.__next__ seconds on the training thread / wall "
+                     "seconds of the steady steps (time ledger); py-spy names the code inside"}
+    cpu = ledger.cpu_evidence(run, [rank])
+    if cpu and cpu["data_cpu"] > 0:
+        # the CPU the training thread spent inside __next__: the loading work the workers would
+        # take over (the rest of the wait is the thread waiting for a core, or for I/O)
+        out["cpu_per_step_s"] = cpu["data_cpu"]
+    return out
 
 
 def _from_trace(run, rank):
@@ -262,6 +268,8 @@ def analyze(run):
                     "seconds_in_dataloader": round(measured["seconds"], 3),
                     "source": measured["source"], "method": measured["method"],
                     "hottest_frames_inside": hot}
+        if measured.get("cpu_per_step_s") is not None:
+            evidence["cpu_in_dataloader_per_step_s"] = round(measured["cpu_per_step_s"], 4)
         if trace_view and measured["source"] != "torch.profiler":
             evidence["torch_profiler"] = {k: trace_view[k] for k in ("share", "per_step_s", "steps")}
         if loader:

@@ -262,11 +262,159 @@ def steady_rows(run, rank=None):
 
 
 # -- predictions -------------------------------------------------------------------------------------
+def cpu_evidence(run, ranks=None):
+    """What the shim measured about CPU over the steady steps (the slowest rank of `ranks`), or
+    None when the run has no `cpu` events (an older shim, `attach`): per step, in seconds,
+    wall, data (the ledger's data line), data_cpu (the training thread's CPU seconds inside the
+    DataLoader's __next__: the loading work itself when num_workers=0), proc_cpu (all threads of
+    the process), thread_cpu (the training thread); cores (the process's CPU affinity), running
+    (mean runnable tasks on the machine at a step end, the training thread included) and idle
+    (mean idle cores of the machine)."""
+    events = run.events
+    if not len(events) or "type" not in events or not len(run.ledger):
+        return None
+    cpu = events[events["type"] == "cpu"]
+    if not len(cpu) or "proc_cpu_s" not in cpu:
+        return None
+    led = steady_rows(run)
+    if ranks:
+        led = led[led["rank"].isin(list(ranks))]
+    if not len(led):
+        return None
+    rank = led.groupby("rank")["wall_s"].mean().idxmax()
+    led = led[led["rank"] == rank]
+    steps = set(led["step"].astype(int))
+    cpu = cpu[(cpu["rank"] == rank) & cpu["step"].isin(steps)]
+    if not len(cpu):
+        return None
+    spans = events[(events["type"] == "span") & (events["rank"] == rank)]
+    data_cpu = 0.0
+    if "cat" in spans and "cpu" in spans:
+        data = spans[(spans["cat"] == "data") & spans["cpu"].notna()]
+        ordered = led.sort_values("start_ns")
+        begin = ordered["start_ns"].astype("int64").to_numpy()
+        end = ordered["end_ns"].astype("int64").to_numpy()
+        starts = data["start"].astype("int64").to_numpy()
+        i = np.searchsorted(begin, starts, side="right") - 1
+        inside = (i >= 0) & (starts < end[np.clip(i, 0, None)])
+        data_cpu = float(data["cpu"].to_numpy(dtype=float)[inside].sum()) / len(led)
+    wall = float(led["wall_s"].mean())
+    out = {"rank": rank, "steps": len(led), "wall": wall, "data": float(led["data_s"].mean()),
+           "data_cpu": data_cpu, "proc_cpu": float(cpu["proc_cpu_s"].mean()),
+           "thread_cpu": float(cpu["thread_cpu_s"].mean()) if "thread_cpu_s" in cpu else None,
+           "running": None, "idle": None}
+    cores = cpu["cores"].dropna() if "cores" in cpu else []
+    out["cores"] = int(cores.iloc[0]) if len(cores) else (run.manifest.get("host") or {}).get("cpus")
+    if "running" in cpu and cpu["running"].notna().any():
+        out["running"] = float(cpu["running"].mean())
+    if "sys_idle_s" in cpu and cpu["sys_idle_s"].notna().any() and wall > 0:
+        out["idle"] = float(cpu["sys_idle_s"].mean()) / wall
+    return out
+
+
+def workers_step_model(load_cpu, rest_cpu, rest_wall, workers, cores, others):
+    """The step time once `workers` DataLoader processes make the batches (num_workers=0 before).
+
+    The model (per-task fair share, which is what Linux's CFS gives runnable tasks of equal
+    weight): the loading work is CPU work that does not shrink when it moves - `load_cpu`
+    seconds per batch (the training thread's CPU inside __next__ before the fix); the rest of
+    the step is `rest_cpu` CPU seconds per step on the training process, spread over
+    a = max(1, rest_cpu / rest_wall) threads (its intra-op threads, as measured before the fix).
+    `others` runnable tasks of other processes compete for the `cores`. With the training
+    process runnable a fraction u_m of the time and the workers u_w, every runnable task gets
+
+        share = min(1, cores / (others + a * u_m + workers * u_w))
+
+    and the steady step is the slower of the two stages of the pipeline,
+
+        step = max(load_cpu / (workers * share),  rest_cpu / (a * share))
+
+    u_m and u_w are the stages' busy fractions (stage time / step), solved by fixed-point
+    iteration. What it leaves out, and why: the batch transfer from a worker (a tensor batch
+    goes through shared memory: ~1 ms for 256 x 256 floats on the training thread, inside the
+    measured noise of these steps); schedulers that weight groups of tasks (cgroups, autogroup,
+    nice), which the range in predicted_step_time covers; and an intra-op thread pool (torch's
+    default, a thread per core) that spins at its barriers: once the workers oversubscribe the
+    cores its parallel regions wait for descheduled threads, and a step can end up slower than
+    before - measured, not modelled (bench/ledger_predictions.py, case getitem-cpu)."""
+    a = max(1.0, rest_cpu / rest_wall) if rest_wall > 0 else 1.0
+    u_m = u_w = 1.0
+    step = 0.0
+    for _ in range(50):
+        share = min(1.0, cores / max(1e-9, others + a * u_m + workers * u_w))
+        load = load_cpu / (workers * share)
+        main = rest_cpu / (a * share)
+        step = max(load, main)
+        if step <= 0:
+            return 0.0
+        u_m, u_w = min(1.0, main / step), min(1.0, load / step)
+    return step
+
+
+def workers_step_capped(load_cpu, rest_cpu, rest_wall, workers, job_cores):
+    """The step time once `workers` processes make the batches when the job cannot get more
+    cores than `job_cores` (what it used before the fix plus the machine's idle cores): a
+    scheduler that shares the cores between groups of tasks (cgroups, one per container or
+    session) gives a group the same share however many tasks it runs. All the CPU work of a
+    step then has those cores, and neither stage can go faster than one core per task:
+
+        step = max((load_cpu + rest_cpu) / job_cores,  load_cpu / workers,  rest_cpu / a)"""
+    a = max(1.0, rest_cpu / rest_wall) if rest_wall > 0 else 1.0
+    cores = max(1e-9, min(job_cores, workers + a))
+    return max((load_cpu + rest_cpu) / cores, load_cpu / workers, rest_cpu / a)
+
+
+def _workers_prediction(run, finding, removes):
+    """(predicted step, (low, high), cpu evidence) for a fix that moves the data line into
+    `workers` DataLoader processes, from the shim's CPU evidence; None without it.
+
+    The same baseline allows two readings of how many cores the job gets once it runs more
+    processes, and the truth depends on how the kernel groups tasks, which the run cannot see
+    (Linux autogroup shares the cores between sessions first, containers and Slurm share them
+    between cgroups, and other users' load comes and goes):
+      per task   workers_step_model (every task takes an equal share), with the other runnable
+                 tasks counted on the machine at the step ends (less the training process's
+                 own threads), and with them read from the share the training thread got
+                 while it loaded batches (data_cpu / data = cores / (others + 1));
+      per group  workers_step_capped with the job held to the cores it had (proc_cpu / wall,
+                 plus the idle cores): its group's share does not grow with its task count.
+    The range is [fastest, slowest] of these; the prediction is its middle (the point that is
+    never further than half the range from either regime). On a machine with idle cores both
+    readings agree and the range is narrow; on a busy shared one it is wide, and says so.
+    Other ranks on the host add their own workers."""
+    evd = cpu_evidence(run, finding.ranks)
+    if evd is None or evd["data_cpu"] <= 0 or not evd.get("cores") or evd["wall"] <= 0:
+        return None
+    cores = float(evd["cores"])
+    rest_wall = max(0.0, evd["wall"] - evd["data"])
+    rest_cpu = max(0.0, evd["proc_cpu"] - evd["data_cpu"])
+    own_threads = 1.0
+    if evd["thread_cpu"] is not None:
+        own_threads += max(0.0, evd["proc_cpu"] - evd["thread_cpu"]) / evd["wall"]
+    share_seen = min(1.0, evd["data_cpu"] / evd["data"]) if evd["data"] > 0 else 1.0
+    from_share = max(0.0, cores / share_seen - 1.0)
+    counted = max(0.0, evd["running"] - own_threads) if evd["running"] is not None else from_share
+    ranks = max(1, run.ledger["rank"].nunique()) if len(run.ledger) else 1
+    workers = float(removes["workers"])
+    extra = (ranks - 1) * workers
+    per_task = [workers_step_model(evd["data_cpu"], rest_cpu, rest_wall, workers, cores,
+                                   others + extra) for others in (counted, from_share)]
+    job_cores = min(cores / ranks, evd["proc_cpu"] / evd["wall"] + (evd["idle"] or 0.0) / ranks)
+    per_group = workers_step_capped(evd["data_cpu"], rest_cpu, rest_wall, workers, job_cores)
+    low, high = min(per_task + [per_group]), max(per_task + [per_group])
+    evd.update(others_counted=counted, others_from_share=from_share, job_cores=job_cores,
+               workers=workers, per_task_s=per_task, per_group_s=per_group)
+    return (low + high) / 2, (low, high), evd
+
+
 def removed_seconds(run, finding):
     """Seconds per steady step the finding's fix removes: the ledger lines in finding.removes
     ({"categories": [...], "steps": [...] optional, "workers": N optional: the lines move to N
     processes beside the step, on "cpus": C cores per rank, "fraction": x optional}), over its
-    ranks' steady steps (the slowest rank's mean); None when the finding names no ledger line."""
+    ranks' steady steps (the slowest rank's mean); None when the finding names no ledger line.
+    Lines that move into N worker processes: the CPU model of _workers_prediction where the shim
+    recorded CPU evidence (a step can then also get slower than before: a negative saving),
+    else the overlap bound below."""
     removes = getattr(finding, "removes", None) or {}
     cats = [c for c in removes.get("categories", ()) if c in CATEGORIES]
     if not cats or not len(run.ledger):
@@ -277,8 +425,13 @@ def removed_seconds(run, finding):
         led = led[led["rank"].isin(ranks)]
     if not len(led):
         return None
-    per_row = led[[f"{c}_s" for c in cats]].sum(axis=1)
     workers = removes.get("workers")
+    if workers and cats == ["data"] and not removes.get("steps"):
+        model = _workers_prediction(run, finding, removes)
+        if model is not None:
+            baseline = float(led.groupby("rank")["wall_s"].mean().max())
+            return (baseline - model[0]) * float(removes.get("fraction", 1.0))
+    per_row = led[[f"{c}_s" for c in cats]].sum(axis=1)
     if workers:
         # the lines move to `workers` processes that run beside the step: what stays is the
         # part of the work that a step's remaining time cannot hide, max(0, L / w - rest)
@@ -301,13 +454,18 @@ def predicted_step_time(run, finding):
     """What the --fix loop writes beside the measured candidate: {"baseline_step_s": mean steady
     step, "removed_s": ledger seconds per step the fix removes, "predicted_step_s": baseline -
     removed, "categories": ..., "method": ...}; removed/predicted are None when the finding names
-    no ledger line (then fall back to the prescription's expected_gain_s_per_step)."""
+    no ledger line (then fall back to the prescription's expected_gain_s_per_step). A fix that
+    moves the data line into DataLoader workers adds "predicted_range_s": [fast, slow] and the
+    "cpu_evidence" it came from (_workers_prediction): its result depends on how many cores
+    the job really gets beside the machine's other work, which one baseline run bounds but does
+    not fix."""
     led = steady_rows(run)
     ranks = [r for r in (finding.ranks or ()) if r in set(led["rank"])]
     if ranks:
         led = led[led["rank"].isin(ranks)]
     baseline = float(led.groupby("rank")["wall_s"].mean().max()) if len(led) else None
     removed = removed_seconds(run, finding)
+    spread = None
     if removed is None:
         gains = [p.expected_gain_s_per_step for p in finding.prescriptions
                  if p.expected_gain_s_per_step is not None]
@@ -315,7 +473,19 @@ def predicted_step_time(run, finding):
         method = "the prescription's expected gain (the finding names no ledger line)"
     else:
         method = "ledger lines the fix removes, mean per steady step"
+        removes = getattr(finding, "removes", None) or {}
+        model = _workers_prediction(run, finding, removes) if removes.get("workers") and \
+            list(removes.get("categories", ())) == ["data"] and not removes.get("steps") else None
+        if model is not None:
+            spread = {"low_s": model[1][0], "high_s": model[1][1],
+                      "cpu_evidence": {k: v for k, v in model[2].items()}}
+            method = ("CPU model of the DataLoader workers (traindx.ledger.workers_step_model) "
+                      "from the shim's CPU evidence")
     predicted = None if baseline is None or removed is None else max(0.0, baseline - removed)
-    return {"baseline_step_s": baseline, "removed_s": removed, "predicted_step_s": predicted,
-            "categories": list((getattr(finding, "removes", None) or {}).get("categories", ())),
-            "method": method}
+    out = {"baseline_step_s": baseline, "removed_s": removed, "predicted_step_s": predicted,
+           "categories": list((getattr(finding, "removes", None) or {}).get("categories", ())),
+           "method": method}
+    if spread:
+        out["predicted_range_s"] = [spread["low_s"], spread["high_s"]]
+        out["cpu_evidence"] = spread["cpu_evidence"]
+    return out

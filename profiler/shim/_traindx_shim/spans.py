@@ -35,6 +35,7 @@ SYNC_SPAN_MIN_NS = 20_000      # a 5 µs .item() on an idle GPU is noise; a wait
 MAX_RARE_CALLERS = 2000        # stack walks for io spans; later ones are timed without a caller
 _now = time.time_ns
 _ident = threading.get_ident
+_thread_cpu = time.thread_time_ns
 _state = {"torch": None, "sync_installed": False, "callers": 0, "compiling": None}
 _opt_start = {}
 
@@ -86,12 +87,14 @@ def _on_dataloader(module):
     original = cls.__next__
 
     def __next__(self):
-        start = _now()
+        start, cpu = _now(), _thread_cpu()
         try:
             return original(self)
         finally:
             try:
-                _span("data", start, _now())
+                # cpu: the training thread's own CPU seconds in it (loading in-process is CPU
+                # work there; waiting for a worker's batch is not)
+                _span("data", start, _now(), cpu=(_thread_cpu() - cpu) / 1e9)
             except Exception as exc:
                 report_error("span data", exc)
     __next__.__wrapped__ = original

@@ -42,7 +42,7 @@ import threading
 import time
 
 from . import emit, get_writer, guarded, importhooks, report_error
-from . import gcstats
+from . import cpustat, gcstats
 
 MAX_STEPS = int(os.environ.get("TRAINDX_MAX_STEPS") or 0)
 MARKER_SPEC = (os.environ.get("TRAINDX_STEP_MARKER") or "").strip()
@@ -146,6 +146,10 @@ def _end(source, t=None, retro=False):
     emit("step_end", step=step, t=t, source=source,
          duration_s=None if begin is None else (t - begin) / 1e9, **fields)
     gcstats.emit_step(step)
+    try:
+        cpustat.emit_step(step)
+    except Exception as exc:
+        report_error("cpu evidence", exc)
     from . import compiles
     compiles.harvest_dynamo()
     _emit_alloc(step)
