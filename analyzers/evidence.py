@@ -34,10 +34,7 @@ def severity_for_share(share):
 def profiled_steps(run):
     """{rank: set(step)} of the steps inside a torch.profiler window (slower by design)."""
     out = {}
-    events = run.events
-    if not len(events) or "type" not in events:
-        return out
-    for e in events[events["type"] == "torch_profile"].itertuples():
+    for e in run.of_type("torch_profile").itertuples():
         first, last = getattr(e, "first_step", None), getattr(e, "last_step", None)
         if pd.notna(first) and pd.notna(last):
             out.setdefault(e.rank, set()).update(range(int(first), int(last) + 1))
@@ -298,7 +295,4 @@ def trace_steps(run, rank):
 
 
 def events_of_type(run, type_):
-    events = run.events
-    if not len(events) or "type" not in events:
-        return pd.DataFrame()
-    return events[events["type"] == type_].dropna(axis=1, how="all")
+    return run.of_type(type_)

@@ -1020,7 +1020,7 @@ def _fmt_value(v):
 def _core(run, findings):
     """What both the terminal summary and the HTML report need."""
     meta = run_meta(run)
-    t0 = run.manifest.get("start_ns") or (int(run.events["t"].min()) if len(run.events) else 0)
+    t0 = run.manifest.get("start_ns") or (run.t_min or 0)
     step_rows, step_source = _step_rows(run, t0)
     compiles = _compile_events(run, t0)
     median, threshold = classify_steps(step_rows, compiles, _gc_by_step(run))
