@@ -393,8 +393,8 @@ def _ledger_cost(run, rank, after, lost, share, category):
     of those steps' wall time. Unchanged when the ledger has none of these steps."""
     if lost is None or not len(after):
         return lost, share
-    led = run.ledger
-    led = led[(led["rank"] == rank) & led["step"].isin(set(int(s) for s in after["step"]))]
+    led = run.rank_rows("ledger", rank)
+    led = led[led["step"].isin(set(int(s) for s in after["step"]))]
     if not len(led):
         return lost, share
     exclusive = float(led[f"{category}_s"].mean())

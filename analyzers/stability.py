@@ -139,7 +139,8 @@ def _io_in_steps(run, rank, step_rows):
     spans = run.spans
     if not len(spans) or not len(step_rows):
         return []
-    io = spans[(spans["rank"] == rank) & (spans["cat"] == "io")]
+    io = run.rank_rows("spans", rank)
+    io = io[io["cat"] == "io"]
     if not len(io):
         return []
     starts = step_rows["start_ns"].to_numpy(np.int64)
@@ -215,7 +216,8 @@ def _causes(run, rank, slow_rows, normal_rows):
         causes["log_lines_in_slow_steps"] = [{"text": t, "steps": n} for t, n in lines[:3]]
     gc = run.gc
     if len(gc) and "generation" in gc:
-        full = gc[(gc["rank"] == rank) & (gc["generation"] == 2)]
+        full = run.rank_rows("gc", rank)
+        full = full[full["generation"] == 2]
         with_gc = set(int(s) for s in full["step"])
         n = sum(1 for s in slow_rows["step"] if int(s) in with_gc)
         if n >= 0.6 * len(slow_rows):

@@ -746,7 +746,7 @@ def ledger_view(run, rank=None):
     if rank is None:
         means = led.groupby("rank")["wall_s"].mean()
         rank = means.idxmax()
-    mine = led[led["rank"] == rank].sort_values("step")
+    mine = run.rank_rows("ledger", rank).sort_values("step")
     cats = [c for c in L.CATEGORIES + ("unexplained",) if float(mine[f"{c}_s"].sum()) > 0]
     bin_size = max(1, math.ceil(len(mine) / MAX_STEP_BARS))
     bars = []

@@ -191,9 +191,7 @@ def compute(steps, spans, compiles, events):
 
 # -- reading the ledger ----------------------------------------------------------------------------
 def rows(run, rank=None, steps=None):
-    led = run.ledger
-    if rank is not None:
-        led = led[led["rank"] == rank]
+    led = run.ledger if rank is None else run.rank_rows("ledger", rank)
     if steps is not None:
         led = led[led["step"].isin(set(int(s) for s in steps))]
     return led
@@ -252,13 +250,19 @@ def steady_rows(run, rank=None):
     """The ledger over the steady window (no warm-up, no torch.profiler window)."""
     from traindx.analyzers import evidence as ev
 
-    steady = ev.steady_steps(run, rank)
-    if not len(steady):
-        return rows(run, rank).iloc[0:0]
-    keys = set(zip(steady["rank"], steady["step"].astype(int)))
-    led = rows(run, rank)
-    mask = [(r, int(s)) in keys for r, s in zip(led["rank"], led["step"])]
-    return led[mask]
+    def build():
+        steady = ev.steady_steps(run)
+        led = rows(run)
+        if not len(steady) or not len(led):
+            return led.iloc[0:0]
+        keys = pd.MultiIndex.from_arrays([steady["rank"], steady["step"].astype(np.int64)])
+        mine = pd.MultiIndex.from_arrays([led["rank"], led["step"].astype(np.int64)])
+        return led[mine.isin(keys)]
+
+    table = run.cached("steady_ledger", build)
+    if rank is None:
+        return table.copy(deep=False)
+    return run.rank_rows("steady_ledger", rank, table)
 
 
 # -- predictions -------------------------------------------------------------------------------------

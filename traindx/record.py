@@ -324,7 +324,20 @@ class RunRecord:
         return self.manifest.get("missing", {})
 
     def rank_steps(self, rank):
-        return self.steps[self.steps["rank"] == rank]
+        return self.rank_rows("steps", rank)
+
+    def rank_rows(self, table, rank, frame=None):
+        """The rows of one rank of a derived table ('steps', 'gc', 'spans', 'ledger', ... or
+        `frame` under that name), from one groupby per table: per-rank analyzers then cost
+        O(that rank's rows), not a scan of every rank's rows each."""
+        def split():
+            df = getattr(self, table) if frame is None else frame
+            if not len(df) or "rank" not in df:
+                return df.iloc[0:0], {}
+            return df.iloc[0:0], {r: g for r, g in df.groupby("rank", sort=False)}
+        empty, groups = self.cached(("by_rank", table), split)
+        got = groups.get(rank)
+        return (empty if got is None else got).copy(deep=False)
 
 
 def is_run_dir(path):
