@@ -264,12 +264,7 @@ class EventTables:
         df = df.iloc[order].reset_index(drop=True)
         self._order[typ] = (df[FILE].to_numpy(np.int64), df[SEQ].to_numpy(np.int64))
         df = df.drop(columns=[FILE, SEQ])
-        df = df.dropna(axis=1, how="all")
-        for col in df.columns:
-            if df[col].dtype == object and col != "rank":
-                # NaN (not None) marks a field an event does not have, as pandas builds it
-                df[col] = df[col].where(df[col].notna(), np.nan)
-        return df
+        return _objects(df.dropna(axis=1, how="all"))
 
     def ranks(self):
         """Labels of the rank files that hold any event."""
@@ -342,11 +337,26 @@ class EventTables:
         df = pq.read_table(path[0]).to_pandas()
         for col in path[1]:
             df[col] = df[col].map(lambda v: json.loads(v) if isinstance(v, str) else np.nan)
-        for col in df.columns:
-            if df[col].dtype == object and col != "rank":
-                df[col] = df[col].where(df[col].notna(), np.nan)
         self._order[typ] = (df.pop(FILE).to_numpy(np.int64), df.pop(SEQ).to_numpy(np.int64))
-        return df
+        return _objects(df)
+
+
+def _objects(df):
+    """Text columns as plain object arrays of shared str objects (8 bytes a row: the few
+    distinct values are factorised once), NaN where an event has no such field. pandas'
+    Arrow-backed str columns cost a conversion per element on every iteration or to_numpy."""
+    for col in df.columns:
+        dtype = df[col].dtype
+        if isinstance(dtype, pd.StringDtype):
+            codes, uniques = pd.factorize(df[col])
+            values = np.empty(len(uniques) + 1, dtype=object)
+            values[:-1] = list(uniques)
+            values[-1] = np.nan
+            df[col] = pd.Series(values[codes], index=df.index, dtype=object)
+        elif dtype == object and col != "rank":
+            # NaN (not None) marks a field an event does not have, as pandas builds it
+            df[col] = df[col].where(df[col].notna(), np.nan)
+    return df
 
 
 def _encode(df):

@@ -40,13 +40,18 @@ def spans_table(events):
     df = events[events["type"] == "span"]
     if not len(df):
         return pd.DataFrame(columns=cols)
-    out = pd.DataFrame({"rank": df["rank"].values, "cat": df["cat"].values,
-                        "start_ns": df["start"].astype("int64").values,
-                        "end_ns": df["t"].astype("int64").values,
-                        "tid": df["tid"].values,
-                        "caller": df["caller"].values if "caller" in df else None,
-                        "call": df["call"].values if "call" in df else None})
-    return out.sort_values("start_ns", kind="stable").reset_index(drop=True)
+
+    def objects(col):  # plain object columns (pandas would make Arrow-backed str of them)
+        return pd.Series(df[col].to_numpy(object) if col in df else np.full(len(df), None),
+                         dtype=object)
+
+    out = pd.DataFrame({"rank": objects("rank"), "cat": objects("cat"),
+                        "start_ns": df["start"].astype("int64").to_numpy(),
+                        "end_ns": df["t"].astype("int64").to_numpy(),
+                        "tid": df["tid"].to_numpy(),
+                        "caller": objects("caller"), "call": objects("call")})
+    order = np.argsort(out["start_ns"].to_numpy(), kind="stable")
+    return out.take(order).reset_index(drop=True)
 
 
 def has_spans(run):
@@ -56,78 +61,96 @@ def has_spans(run):
 
 def _sweep(win_start, win_end, intervals):
     """ns per (window, category) with priority resolution; the last column is unexplained.
-    win_*: sorted, non-overlapping windows; intervals: {category index: (starts, ends)}."""
+    win_*: sorted, non-overlapping windows; intervals: {category index: (starts, ends)}.
+
+    One argsort of every boundary gives each boundary its index among the distinct points
+    (no binary search per boundary: millions of random look-ups cost more than the sort)."""
     k = len(CATEGORIES)
     out = np.zeros((len(win_start), k + 1), dtype=np.int64)
     if not len(win_start):
         return out
     lo, hi = int(win_start.min()), int(win_end.max())
-    clipped = {}
     bounds = [win_start, win_end]
+    cats = []
     for c, (s, e) in intervals.items():
         s = np.clip(np.asarray(s, np.int64), lo, hi)
         e = np.clip(np.asarray(e, np.int64), lo, hi)
         keep = e > s
-        clipped[c] = (s[keep], e[keep])
-        bounds += [s[keep], e[keep]]
-    points = np.sort(np.concatenate(bounds))         # (np.unique hashes: slower on millions)
+        if keep.any():
+            cats.append(c)
+            bounds += [s[keep], e[keep]]
+    sizes = [len(b) for b in bounds]
+    allb = np.concatenate(bounds)
     del bounds
-    points = points[np.r_[True, points[1:] != points[:-1]]]
+    order = np.argsort(allb, kind="stable")
+    sorted_b = allb[order]
+    del allb
+    new = np.r_[True, sorted_b[1:] != sorted_b[:-1]]
+    points = sorted_b[new]
     if len(points) < 2:
         return out
+    where = np.empty(len(order), np.int64)          # each boundary's index in points
+    where[order] = np.cumsum(new) - 1
+    del order, sorted_b, new
+    offs = np.cumsum([0] + sizes)
     seg_len = np.diff(points)
-    winner = np.full(len(seg_len), k, dtype=np.int64)
-    for c in sorted(clipped, reverse=True):          # lowest priority first, higher overwrite
-        s, e = clipped[c]
-        if not len(s):
-            continue
-        delta = (np.bincount(np.searchsorted(points, s), minlength=len(points) + 1)
-                 - np.bincount(np.searchsorted(points, e), minlength=len(points) + 1))
+    n = len(points)
+    winner = np.full(n - 1, k, dtype=np.int64)
+    pieces = {c: (where[offs[2 + 2 * i]: offs[3 + 2 * i]], where[offs[3 + 2 * i]: offs[4 + 2 * i]])
+              for i, c in enumerate(cats)}
+    for c in sorted(pieces, reverse=True):          # lowest priority first, higher overwrite
+        si, ei = pieces[c]
+        delta = np.bincount(si, minlength=n + 1) - np.bincount(ei, minlength=n + 1)
         active = np.cumsum(delta)[:-2] > 0
         winner[active] = c
-    seg_start = points[:-1]
-    w = np.searchsorted(win_start, seg_start, side="right") - 1
-    valid = (w >= 0) & (seg_start < win_end[np.maximum(w, 0)])
+    # the window a segment starts in: the last window start at or before it
+    ws_i, we_i = where[offs[0]: offs[1]], where[offs[1]: offs[2]]
+    mark = np.full(n, -1, np.int64)
+    mark[ws_i] = np.arange(len(ws_i))
+    w = np.maximum.accumulate(mark)[:-1]
+    end_at = np.full(len(ws_i), -1, np.int64)
+    end_at[:] = we_i
+    valid = (w >= 0) & (np.arange(n - 1) < end_at[np.maximum(w, 0)])
     # integer ns sums below 2**53 per cell: exact in bincount's float64
     cell = np.bincount(w[valid] * (k + 1) + winner[valid], weights=seg_len[valid],
                        minlength=len(win_start) * (k + 1))
     return np.rint(cell).astype(np.int64).reshape(len(win_start), k + 1)
 
 
-def _training_pairs(spans, rid):
+def _training_pairs(cat, tid, rid):
     """(rank id, tid) of each rank's training thread(s): the threads of its optimizer spans,
     else its backward spans, else its data spans."""
-    prio = pd.Index(["optimizer", "backward", "data"]).get_indexer(spans["cat"].to_numpy(object))
+    prio = pd.Index(["optimizer", "backward", "data"]).get_indexer(cat)
     has = prio >= 0
     if not has.any():
         return pd.MultiIndex.from_arrays([[], []])
     first = pd.Series(prio[has]).groupby(rid[has]).transform("min").to_numpy()
     chosen = prio[has] == first
-    return pd.MultiIndex.from_arrays([rid[has][chosen], spans["tid"].to_numpy()[has][chosen]]).unique()
+    return pd.MultiIndex.from_arrays([rid[has][chosen], tid[has][chosen]]).unique()
 
 
-def _intervals(spans, srid, compiles, crid, win_start, win_rid):
+def _intervals(spans, srid, compiles, win_start, win_rid):
     """{category index: (starts, ends)} of every rank at once, on the ranks' shifted time axis
     (see compute): spans of the training thread(s) (compiles and GC pause every thread), the
-    forward stretches before each backward, compiles and autotunes."""
+    forward stretches before each backward, compiles and autotunes.
+    spans: (cat, tid, start, end) arrays; compiles: (is autotune, start, end) arrays."""
     index = {c: i for i, c in enumerate(CATEGORIES)}
     parts = {}
 
     def add(cat, s, e):
         parts.setdefault(index[cat], []).append((np.asarray(s, np.int64), np.asarray(e, np.int64)))
 
-    if len(spans):
-        train = _training_pairs(spans, srid)
-        mine = pd.MultiIndex.from_arrays([srid, spans["tid"].to_numpy()]).isin(train)
-        keep = mine | ~spans["cat"].isin(TRAINING_THREAD_ONLY).to_numpy()
-        cat = spans["cat"].to_numpy()[keep]
-        s = spans["start_ns"].to_numpy(np.int64)[keep]
-        e = spans["end_ns"].to_numpy(np.int64)[keep]
-        r = srid[keep]
-        for name in pd.unique(cat):
+    if spans is not None and len(spans[0]):
+        cat, tid, s, e = spans
+        train = _training_pairs(cat, tid, srid)
+        mine = pd.MultiIndex.from_arrays([srid, tid]).isin(train)
+        keep = mine | ~np.isin(cat, TRAINING_THREAD_ONLY)
+        cat, s, e, r = cat[keep], s[keep], e[keep], srid[keep]
+        codes, names = pd.factorize(cat)
+        for code, name in enumerate(names):
             target = "forward_backward" if name == "backward" else name
             if target in index:
-                sel = cat == name
+                sel = codes == code
                 add(target, s[sel], e[sel])
         # the forward pass: [previous measured call's end, backward start) on a training thread
         bwd = cat == "backward"
@@ -144,10 +167,8 @@ def _intervals(spans, srid, compiles, crid, win_start, win_rid):
             in_rank = (w >= 0) & (win_rid[np.maximum(w, 0)] == f_rid)
             floor = np.where(in_rank, win_start[np.maximum(w, 0)], fe)
             add("forward_backward", np.maximum(anchor, floor), fe)
-    if len(compiles):
-        tune = (compiles["kind"] == "triton_autotune").to_numpy()
-        cs = compiles["start_ns"].to_numpy(np.int64)
-        ce = compiles["end_ns"].to_numpy(np.int64)
+    if compiles is not None and len(compiles[0]):
+        tune, cs, ce = compiles
         add("autotune", cs[tune], ce[tune])
         add("compile", cs[~tune], ce[~tune])
     return {c: (np.concatenate([p[0] for p in ps]), np.concatenate([p[1] for p in ps]))
@@ -210,6 +231,8 @@ def compute(steps, spans, compiles, events):
         ([comp["start_ns"].astype("int64").max(), comp["end_ns"].astype("int64").max()] if len(comp) else [])
     base, width = int(min(lows)), int(max(highs)) - int(min(lows)) + 1
     per_chunk = max(1, (1 << 62) // width)          # ranks whose blocks fit in int64
+    span_cat = spans["cat"].to_numpy(object) if len(spans) else None
+    span_tid = spans["tid"].to_numpy() if len(spans) else None
     ns = np.zeros((len(w_s), len(CATEGORIES) + 1), np.int64)
     for lo in range(0, len(ranks), per_chunk):
         hi = lo + per_chunk
@@ -220,18 +243,17 @@ def compute(steps, spans, compiles, events):
         def shift(t, r):
             return (np.asarray(t, np.int64) - base) + (r - lo) * width
 
-        cs = comp[csel] if len(comp) else comp
-        if len(cs):
-            cs = pd.DataFrame({"kind": cs["kind"].to_numpy(),
-                               "start_ns": shift(cs["start_ns"].astype("int64"), crid[csel]),
-                               "end_ns": shift(cs["end_ns"].astype("int64"), crid[csel])})
-        sp = spans[ssel] if len(spans) else spans
-        if len(sp):
-            sp = pd.DataFrame({"cat": sp["cat"].to_numpy(), "tid": sp["tid"].to_numpy(),
-                               "start_ns": shift(sp["start_ns"], srid[ssel]),
-                               "end_ns": shift(sp["end_ns"], srid[ssel])})
+        cs = sp = None
+        if len(comp):
+            cs = (comp["kind"].to_numpy(object)[csel] == "triton_autotune",
+                  shift(comp["start_ns"].astype("int64").to_numpy()[csel], crid[csel]),
+                  shift(comp["end_ns"].astype("int64").to_numpy()[csel], crid[csel]))
+        if len(spans):
+            sp = (span_cat[ssel], span_tid[ssel],
+                  shift(spans["start_ns"].to_numpy(np.int64)[ssel], srid[ssel]),
+                  shift(spans["end_ns"].to_numpy(np.int64)[ssel], srid[ssel]))
         win_s, win_e = shift(w_s[wsel], w_rid[wsel]), shift(w_e[wsel], w_rid[wsel])
-        intervals = _intervals(sp, srid[ssel], cs, crid[csel], win_s, w_rid[wsel])
+        intervals = _intervals(sp, srid[ssel], cs, win_s, w_rid[wsel])
         ns[wsel] = _sweep(win_s, win_e, intervals)
     table = pd.DataFrame(ns / 1e9, columns=[f"{c}_s" for c in CATEGORIES] + ["unexplained_s"])
     table.insert(0, "wall_s", (w_e - w_s) / 1e9)
