@@ -405,8 +405,9 @@ def _ledger_cost(run, rank, after, lost, share, category):
 
 def _steady_finding(run, rank, kind, kernel, group, steps):
     """A kernel compiled again after the step it first compiled in: a finding, or None."""
-    first_step = _col(next(group.itertuples()), "step")
-    first_step = int(first_step) if first_step is not None else 0
+    # (one column, not itertuples: a namedtuple class per call costs ms on wide compile rows)
+    first_step = group["step"].iloc[0] if "step" in group else None
+    first_step = int(first_step) if first_step is not None and first_step == first_step else 0
     later = group[group["step"].fillna(-1) > first_step]
     recompiles = group.iloc[1:]
     if not len(later):
