@@ -84,9 +84,10 @@ def _line_bounds(buf):
     return starts, ends
 
 
-def _count_per_line(buf, char, starts, ends):
-    c = np.concatenate([[0], np.cumsum(buf == ord(char), dtype=np.int64)])
-    return c[ends] - c[starts]
+def _count_per_line(buf, char, starts):
+    """How often `char` occurs in each line: its (few) positions binned by line."""
+    at = np.flatnonzero(buf == ord(char))
+    return np.bincount(np.searchsorted(starts, at, side="right") - 1, minlength=len(starts))
 
 
 def _flat_ok(table):
@@ -119,13 +120,15 @@ def _parse_file(index, path):
     buf = np.frombuffer(data, dtype=np.uint8)
     starts, ends = _line_bounds(buf)
     nonempty = ends > starts
-    # a whitespace-only line counts as empty (the json path strips it)
     idx = np.flatnonzero(nonempty)
     last = int(idx[-1]) if len(idx) else -1
-    opens = _count_per_line(buf, "{", starts, ends)
-    lists = _count_per_line(buf, "[", starts, ends)
-    first_c = np.where(nonempty, buf[np.minimum(starts, max(len(buf) - 1, 0))] if len(buf) else 0, 0)
-    last_c = np.where(nonempty, buf[np.maximum(ends - 1, 0)] if len(buf) else 0, 0)
+    opens = _count_per_line(buf, "{", starts)
+    lists = _count_per_line(buf, "[", starts)
+    if len(buf):
+        first_c = buf[np.minimum(starts, len(buf) - 1)]
+        last_c = buf[np.maximum(ends - 1, 0)]
+    else:
+        first_c = last_c = np.zeros(len(starts), np.uint8)
     flat = nonempty & (opens == 1) & (lists == 0) & (first_c == ord("{")) & (last_c == ord("}"))
     if last >= 0:
         flat[last] = False  # a cut-off last line is told apart by json.loads
@@ -133,21 +136,23 @@ def _parse_file(index, path):
     table = None
     flat_lines = np.flatnonzero(flat)
     if len(flat_lines):
-        line_of_byte = np.cumsum(buf == 10) - (buf == 10)
-        keep = flat[line_of_byte]
+        # Arrow skips blank lines: blank out the others in a copy, so row i is flat line i
+        text = buf.copy()
+        for n in np.flatnonzero(nonempty & ~flat).tolist():
+            text[starts[n]: ends[n]] = 32
         try:
             table = pa_json.read_json(
-                pa.py_buffer(buf[keep].tobytes()),
+                pa.py_buffer(text),
                 read_options=pa_json.ReadOptions(use_threads=False,
                                                  block_size=max(1 << 20, len(data) + 1)))
             if table.num_rows != len(flat_lines) or not _flat_ok(table):
                 table = None
         except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError):
             table = None
+        del text
         if table is None:  # line by line: json.loads decides what is an event
             flat[:] = False
             flat_lines = flat_lines[:0]
-        del line_of_byte, keep
     slow = np.flatnonzero(nonempty & ~flat)
     bad = []
     for n in slow.tolist():
@@ -178,10 +183,21 @@ def _parse_file(index, path):
         table = table.append_column(FILE, pa.array(np.full(table.num_rows, index, np.int32)))
         table = table.append_column(SEQ, pa.array(flat_lines.astype(np.int64)))
         first_t, first_seq = table["t"][0].as_py(), int(flat_lines[0])
-        for typ in pc.unique(table["type"]).to_pylist():
-            part = table.filter(pc.equal(table["type"], typ))
-            part = part.select([c for c in part.column_names if part[c].null_count < part.num_rows])
-            flat_tables[typ] = part
+        enc = pc.dictionary_encode(table["type"]).combine_chunks()
+        codes = enc.indices.to_numpy(zero_copy_only=False)
+        types = enc.dictionary.to_pylist()
+        if len(types) == 1:
+            flat_tables[types[0]] = table
+        else:
+            order = np.argsort(codes, kind="stable")
+            counts = np.bincount(codes, minlength=len(types))
+            taken = table.take(pa.array(order))      # one gather; each type is then a slice
+            off = 0
+            for i, typ in enumerate(types):
+                part = taken.slice(off, int(counts[i]))
+                off += int(counts[i])
+                flat_tables[typ] = part.select([c for c in part.column_names
+                                                if part[c].null_count < part.num_rows])
     for rows in nested.values():
         if rows and (first_seq is None or rows[0][SEQ] < first_seq):
             first_t, first_seq = rows[0]["t"], rows[0][SEQ]
@@ -367,8 +383,8 @@ def _encode(df):
     for col in out.columns:
         if out[col].dtype != object or col == "rank":
             continue
-        kinds = {type(v) for v in out[col] if v is not None and not (isinstance(v, float) and v != v)}
-        if kinds and kinds != {str}:
+        kind = pd.api.types.infer_dtype(out[col], skipna=True)  # C speed over the column
+        if kind not in ("string", "empty"):
             encoded.append(col)
             out[col] = out[col].map(lambda v: None if v is None or (isinstance(v, float) and v != v)
                                     else json.dumps(v))
