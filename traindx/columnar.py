@@ -378,7 +378,7 @@ def _objects(df):
 def _encode(df):
     """(frame Parquet can hold, [columns stored as JSON text]): dicts, lists and columns that
     mix scalar kinds become JSON text."""
-    out = df.copy()
+    out = df.copy(deep=False)  # only the encoded columns are replaced: no copy of the rest
     encoded = []
     for col in out.columns:
         if out[col].dtype != object or col == "rank":

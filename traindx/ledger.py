@@ -29,6 +29,7 @@ LABELS = {"compile": "compile", "autotune": "autotune", "gc": "gc", "io": "check
 # spans that count only on the thread(s) that drive the steps; compiles and GC pause every thread
 TRAINING_THREAD_ONLY = ("data", "backward", "optimizer", "io", "sync", "collective")
 STARTUP_STEP = -1
+LEDGER_CHUNK_RANKS = 128  # ranks swept together: bounds the sweep's memory on large jobs
 
 
 def spans_table(events):
@@ -230,7 +231,8 @@ def compute(steps, spans, compiles, events):
                            if len(spans) else []) + \
         ([comp["start_ns"].astype("int64").max(), comp["end_ns"].astype("int64").max()] if len(comp) else [])
     base, width = int(min(lows)), int(max(highs)) - int(min(lows)) + 1
-    per_chunk = max(1, (1 << 62) // width)          # ranks whose blocks fit in int64
+    # ranks whose blocks fit in int64, and few enough that the sweep's arrays stay small
+    per_chunk = max(1, min((1 << 62) // width, LEDGER_CHUNK_RANKS))
     span_cat = spans["cat"].to_numpy(object) if len(spans) else None
     span_tid = spans["tid"].to_numpy() if len(spans) else None
     ns = np.zeros((len(w_s), len(CATEGORIES) + 1), np.int64)
