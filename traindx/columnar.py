@@ -357,6 +357,31 @@ class EventTables:
         return _objects(df)
 
 
+class RankSubset:
+    """EventTables restricted to some ranks (RunRecord.subset): each table filtered on use."""
+
+    def __init__(self, tables, ranks):
+        self._tables, self._ranks, self._frames = tables, ranks, {}
+        self.types = tables.types
+        self.files = tables.files
+
+    def frame(self, typ):
+        if typ not in self._frames:
+            df = self._tables.frame(typ)
+            self._frames[typ] = df[df["rank"].isin(self._ranks).to_numpy()] if len(df) else df
+        return self._frames[typ]
+
+    def ranks(self):
+        return self._tables.ranks() & self._ranks
+
+    def t_min(self):
+        return self._tables.t_min()
+
+    def all_events(self):
+        df = self._tables.all_events()
+        return df[df["rank"].isin(self._ranks).to_numpy()] if len(df) else df
+
+
 def _objects(df):
     """Text columns as plain object arrays of shared str objects (8 bytes a row: the few
     distinct values are factorised once), NaN where an event has no such field. pandas'

@@ -262,7 +262,7 @@ def compute(steps, spans, compiles, events):
     table.insert(0, "end_ns", w_e)
     table.insert(0, "start_ns", w_s)
     table.insert(0, "step", w_id)
-    table.insert(0, "rank", ranks[w_rid] if len(ranks) else [])
+    table.insert(0, "rank", pd.Series(np.asarray(ranks, dtype=object)[w_rid], dtype=object))
     is_startup = w_id == STARTUP_STEP
     first_of_rank = np.r_[True, w_rid[1:] != w_rid[:-1]]
     startup_rows = is_startup & first_of_rank

@@ -92,6 +92,27 @@ class RunRecord:
         per-type tables via of_type() are what the analyzers read)."""
         return self.tables.all_events()
 
+    def subset(self, ranks):
+        """The same run restricted to some ranks: every derived table filtered once, by one
+        vectorised isin (nothing re-parsed or re-computed; the log, NVML and manifest shared)."""
+        keep = set(ranks)
+        sub = RunRecord(path=self.path, manifest=self.manifest,
+                        tables=columnar.RankSubset(self.tables, keep), processes=self.processes,
+                        labels=self.labels)
+
+        def only(df):
+            return df[df["rank"].isin(keep).to_numpy()] if len(df) and "rank" in df else df
+
+        for name in ("steps", "spans", "compiles", "gc", "alloc", "torch_trace", "dumps"):
+            sub.__dict__[name] = only(getattr(self, name))
+        ledger, startup = self._ledgers
+        sub.__dict__["_ledgers"] = (only(ledger), only(startup))
+        for name in ("log", "log_steps", "gpu", "t_min"):
+            sub.__dict__[name] = getattr(self, name)
+        sub.__dict__["pyspy"] = {k: v for k, v in self.pyspy.items() if k[0] in keep}
+        sub.__dict__["ranks"] = [r for r in self.ranks if r in keep]
+        return sub
+
     def cached(self, key, build):
         """A table derived once per run and shared by analyzers (e.g. the steady steps)."""
         if key not in self.memo:
@@ -132,12 +153,12 @@ class RunRecord:
         ends = self.of_type("step_end")
         if not len(ends):
             return pd.DataFrame(columns=STEP_COLUMNS)
-        ends = pd.DataFrame({"rank": ends["rank"].astype(object).to_numpy(),
+        ends = pd.DataFrame({"rank": pd.Series(ends["rank"].to_numpy(object), dtype=object),
                              "step": ends["step"].astype(np.int64).to_numpy(),
                              "end_ns": ends["t"].astype(np.int64).to_numpy()})
         begins = self.of_type("step_begin")
         if len(begins):
-            begins = pd.DataFrame({"rank": begins["rank"].astype(object).to_numpy(),
+            begins = pd.DataFrame({"rank": pd.Series(begins["rank"].to_numpy(object), dtype=object),
                                    "step": begins["step"].astype(np.int64).to_numpy(),
                                    "start_ns": begins["t"].astype(np.int64).to_numpy()})
             begins["t"] = begins["start_ns"]
@@ -154,13 +175,15 @@ class RunRecord:
                 np.where(found, start_ns.astype(np.float64), np.nan)
         else:
             start = np.full(len(ends), np.nan)
-        out = pd.DataFrame({"rank": ends["rank"].to_numpy(), "step": ends["step"].to_numpy(),
+        out = pd.DataFrame({"rank": pd.Series(ends["rank"].to_numpy(object), dtype=object),
+                            "step": ends["step"].to_numpy(),
                             "start_ns": start, "end_ns": ends["end_ns"].to_numpy()})
         # exact ns difference; a step without its begin: NaN (start_ns then a float column)
         out["duration_s"] = ((out["end_ns"] - out["start_ns"]) / 1e9 if start.dtype == np.int64
                              else (out["end_ns"].astype(np.float64) - start) / 1e9)
         # rank order (as groupby gives it), t order within a rank
-        out = out.iloc[np.argsort(out["rank"].to_numpy().astype(str), kind="stable")]
+        codes, _ = pd.factorize(out["rank"], sort=True)
+        out = out.iloc[np.argsort(codes, kind="stable")]
         return out.reset_index(drop=True)[STEP_COLUMNS]
 
     @cached_property
