@@ -146,12 +146,23 @@ def test_parquet_cache_is_used_and_follows_the_raw_files(tmp_path):
     # a raw file that grows invalidates it
     with open(os.path.join(path, "events", "p10002.jsonl"), "a") as f:
         f.write(json.dumps({"type": "stop_requested", "t": 2_000_000_000_000_000_000}) + "\n")
+    before = json.load(open(index))["fingerprint"]
     grown = load_run(path, cache=True)
-    assert grown.tables._cached is None and len(grown.of_type("stop_requested")) == 1
+    assert len(grown.of_type("stop_requested")) == 1
+    assert json.load(open(index))["fingerprint"] != before  # parsed again, cache rewritten
     # raw files are never rewritten by the loader
     for p, content in raw.items():
         now = open(os.path.join(path, "events", p), "rb").read()
         assert now == content or (p == "p10002.jsonl" and now.startswith(content))
+    # a run folder that cannot take the cache: the tables are all still there
+    ro = _synthetic(tmp_path / "ro", ranks=2, steps=8)
+    os.makedirs(os.path.join(ro, "tables"))
+    with open(os.path.join(ro, CACHE_DIR), "w") as f:
+        f.write("not a folder")
+    with open(os.path.join(ro, CACHE_DIR + f".tmp{os.getpid()}"), "w") as f:
+        f.write("not a folder either")
+    kept = load_run(ro, cache=True)
+    assert len(kept.steps) == 16 and len(kept.of_type("gc")) and len(kept.spans) == 48
     # small runs write no cache unless asked
     other = _synthetic(tmp_path / "small", ranks=2, steps=5)
     load_run(other)

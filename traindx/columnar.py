@@ -239,7 +239,7 @@ class EventTables:
 
     def _build(self, typ):
         if self._cached is not None:
-            return self._read_cached(typ)
+            return self._read_cached(typ) if typ in self._cached else pd.DataFrame()
         parts = []
         tables = self._flat.pop(typ, [])
         if tables:
@@ -318,12 +318,14 @@ class EventTables:
 
     # -- the Parquet cache ---------------------------------------------------------------------
     def write_cache(self, run_path, fingerprint, meta):
+        """Write every table to the cache, one type at a time, each let go once written and read
+        back from Parquet when used: the parse's memory is not held beside the pandas tables."""
         folder = os.path.join(run_path, CACHE_DIR)
         tmp = folder + f".tmp{os.getpid()}"
+        written = {}
         try:
             shutil.rmtree(tmp, ignore_errors=True)
             os.makedirs(tmp)
-            json_cols = {}
             import pyarrow.parquet as pq
 
             for i, typ in enumerate(self.types):
@@ -332,17 +334,30 @@ class EventTables:
                 f, s = self._order.get(typ) or (np.zeros(len(df), np.int64), np.zeros(len(df), np.int64))
                 out[FILE] = f
                 out[SEQ] = s
-                json_cols[typ] = encoded
-                pq.write_table(pa.Table.from_pandas(out, preserve_index=False),
-                               os.path.join(tmp, f"{i}.parquet"))
-            index = dict(meta, fingerprint=fingerprint, types=self.types, json_columns=json_cols)
+                name = os.path.join(tmp, f"{i}.parquet")
+                pq.write_table(pa.Table.from_pandas(out, preserve_index=False), name)
+                del out, df
+                written[typ] = (name, encoded)
+                self._frames.pop(typ, None)
+                self._order.pop(typ, None)
+            index = dict(meta, fingerprint=fingerprint, types=self.types,
+                         json_columns={t: enc for t, (_, enc) in written.items()})
             with open(os.path.join(tmp, "index.json"), "w", encoding="utf-8") as fh:
                 json.dump(index, fh)
             shutil.rmtree(folder, ignore_errors=True)
             os.replace(tmp, folder)
+            self._cached = {t: (os.path.join(folder, os.path.basename(p)), enc)
+                            for t, (p, enc) in written.items()}
         except (OSError, ValueError, pa.ArrowException):
-            # a read-only run folder, or a value Parquet cannot hold: the cache is optional
-            shutil.rmtree(tmp, ignore_errors=True)
+            # a read-only run folder, or a value Parquet cannot hold: the cache is optional;
+            # tables already let go come back from what was written before it failed
+            cached, self._cached = self._cached, written
+            try:
+                for typ in written:
+                    self._frames[typ] = self._read_cached(typ)
+            finally:
+                self._cached = cached
+                shutil.rmtree(tmp, ignore_errors=True)
 
     def _read_cached(self, typ):
         path = self._cached.get(typ)
