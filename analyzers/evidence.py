@@ -35,7 +35,7 @@ def severity_for_share(share):
 def profiled_steps(run):
     """{rank: set(step)} of the steps inside a torch.profiler window (slower by design)."""
     out = {}
-    for e in run.of_type("torch_profile").itertuples():
+    for e in events_of_type(run, "torch_profile").itertuples():
         first, last = getattr(e, "first_step", None), getattr(e, "last_step", None)
         if pd.notna(first) and pd.notna(last):
             out.setdefault(e.rank, set()).update(range(int(first), int(last) + 1))
@@ -316,4 +316,11 @@ def trace_steps(run, rank):
 
 
 def events_of_type(run, type_):
-    return run.of_type(type_)
+    """The events of one type: RunRecord.of_type (the per-type table); for a record-like object
+    with only a wide `events` frame, that frame filtered."""
+    if hasattr(run, "of_type"):
+        return run.of_type(type_)
+    events = getattr(run, "events", None)
+    if events is None or not len(events) or "type" not in events:
+        return pd.DataFrame()
+    return events[events["type"] == type_].dropna(axis=1, how="all")

@@ -57,7 +57,9 @@ def losses(run):
 def tokens_per_step(run):
     """Tokens of one optimizer step, as the job reports them ('tokens per step: N' in its
     log line, or a `tokens` field on the shim's step_end events); None when unknown."""
-    ev = run.of_type("step_end")
+    from traindx.analyzers.evidence import events_of_type
+
+    ev = events_of_type(run, "step_end")
     if len(ev) and "tokens" in ev.columns:
         ends = ev["tokens"].dropna()
         if len(ends):
