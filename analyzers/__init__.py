@@ -16,14 +16,31 @@ REGISTRY = [
 ]
 
 
+# read every rank at once (the rest read the sampled ranks on a large job: analyzers/sampling.py)
+CROSS_RANK = {"steps", "ranks", "gpu_clocks"}
+
+
 def analyze(run, only=None):
     findings = []
+    from .sampling import representative_ranks
+
+    sampled = representative_ranks(run)
+    per_rank_run = run if len(sampled) == len(run.ranks) else run.subset(sampled)
+    if per_rank_run is not run:
+        findings.append(Finding(
+            id="analysis.ranks_sampled",
+            title=f"Per-rank analysis read {len(sampled)} of {len(run.ranks)} ranks",
+            severity="info", analyzer="sampling",
+            summary=(f"{len(run.ranks)} ranks: the per-rank analyzers read {len(sampled)} of them - "
+                     "the first and last, and the ranks at both extremes of every step-time and "
+                     "time-ledger measure; the straggler and GPU analyses read every rank."),
+            evidence={"ranks_analyzed": sampled, "ranks": len(run.ranks)}))
     for name in REGISTRY:
         if only and name not in only:
             continue
         try:
             module = importlib.import_module(f"traindx.analyzers.{name}")
-            findings.extend(module.analyze(run))
+            findings.extend(module.analyze(run if name in CROSS_RANK else per_rank_run))
         except Exception as exc:  # one broken analyzer must not hide the others' findings
             findings.append(Finding(
                 id=f"traindx.analyzer_failed.{name}", title=f"analyzer '{name}' failed",

@@ -4,6 +4,7 @@ job's own code from libraries in py-spy and torch.profiler frames."""
 import re
 import sys
 
+import numpy as np
 import pandas as pd
 
 # share of step time lost -> severity; below the lowest: "info"
@@ -34,10 +35,7 @@ def severity_for_share(share):
 def profiled_steps(run):
     """{rank: set(step)} of the steps inside a torch.profiler window (slower by design)."""
     out = {}
-    events = run.events
-    if not len(events) or "type" not in events:
-        return out
-    for e in events[events["type"] == "torch_profile"].itertuples():
+    for e in events_of_type(run, "torch_profile").itertuples():
         first, last = getattr(e, "first_step", None), getattr(e, "last_step", None)
         if pd.notna(first) and pd.notna(last):
             out.setdefault(e.rank, set()).update(range(int(first), int(last) + 1))
@@ -58,21 +56,41 @@ def warmup_count(durations):
 
 
 def steady_steps(run, rank=None, keep_profiled=False):
-    """The steps of the steady window, per rank: no warm-up, no torch.profiler window."""
+    """The steps of the steady window, per rank: no warm-up, no torch.profiler window.
+    Built once per run for every rank (vectorised warm-up count), then sliced per rank."""
+    key = ("steady_steps", keep_profiled)
+    table = run.cached(key, lambda: _steady_all(run, keep_profiled))
+    if rank is None:
+        return table.copy(deep=False)
+    return run.rank_rows(key, rank, table)
+
+
+def _steady_all(run, keep_profiled):
     steps = run.steps.dropna(subset=["duration_s"])
-    if rank is not None:
-        steps = steps[steps["rank"] == rank]
-    profiled = profiled_steps(run)
-    parts = []
-    for r, group in steps.groupby("rank"):
-        group = group.sort_values("step")
-        group = group.iloc[warmup_count(list(group["duration_s"])):]
-        if not keep_profiled:
-            group = group[~group["step"].isin(profiled.get(r, set()))]
-        parts.append(group)
-    if not parts:
+    if not len(steps):
         return steps.iloc[0:0]
-    return pd.concat(parts)
+    # rank order as groupby gives it, step order within a rank
+    steps = steps.sort_values(["rank", "step"], kind="stable")
+    rank = steps["rank"]
+    pos = steps.groupby("rank", sort=False).cumcount().to_numpy()
+    n = rank.map(rank.value_counts()).to_numpy()
+    d = steps["duration_s"].to_numpy(np.float64)
+    second_half = pos >= n // 2
+    ref = steps["duration_s"][second_half].groupby(rank[second_half], sort=False).median()
+    ref = rank.map(ref).to_numpy(np.float64)
+    # warmup_count per rank: step 0, then the leading steps slower than 1.5x the reference
+    stop = (pos >= 1) & ~(d > 1.5 * ref)
+    first_stop = pd.Series(np.where(stop, pos, np.iinfo(np.int64).max), index=steps.index) \
+        .groupby(rank, sort=False).transform("min").to_numpy()
+    count = np.maximum(1, np.minimum(first_stop, n // 2))
+    out = steps[pos >= count]
+    if not keep_profiled:
+        profiled = profiled_steps(run)
+        if profiled:
+            pairs = {(r, int(s)) for r, ss in profiled.items() for s in ss}
+            keys = pd.MultiIndex.from_arrays([out["rank"], out["step"].astype(np.int64)])
+            out = out[~keys.isin(list(pairs))]
+    return out
 
 
 def steps_seconds(run, rank):
@@ -298,7 +316,11 @@ def trace_steps(run, rank):
 
 
 def events_of_type(run, type_):
-    events = run.events
-    if not len(events) or "type" not in events:
+    """The events of one type: RunRecord.of_type (the per-type table); for a record-like object
+    with only a wide `events` frame, that frame filtered."""
+    if hasattr(run, "of_type"):
+        return run.of_type(type_)
+    events = getattr(run, "events", None)
+    if events is None or not len(events) or "type" not in events:
         return pd.DataFrame()
     return events[events["type"] == type_].dropna(axis=1, how="all")

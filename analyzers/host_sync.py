@@ -146,8 +146,8 @@ def _ledger_sync(run, rank):
     None without the shim's sync spans (CPU runs, older runs)."""
     from traindx import ledger
 
-    spans = run.spans
-    if not len(spans) or not ((spans["rank"] == rank) & (spans["cat"] == "sync")).any():
+    spans = run.rank_rows("spans", rank)
+    if not len(spans) or not (spans["cat"] == "sync").any():
         return None
     led = ledger.steady_rows(run, rank)
     return float(led["sync_s"].mean()) if len(led) else None

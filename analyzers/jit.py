@@ -393,8 +393,8 @@ def _ledger_cost(run, rank, after, lost, share, category):
     of those steps' wall time. Unchanged when the ledger has none of these steps."""
     if lost is None or not len(after):
         return lost, share
-    led = run.ledger
-    led = led[(led["rank"] == rank) & led["step"].isin(set(int(s) for s in after["step"]))]
+    led = run.rank_rows("ledger", rank)
+    led = led[led["step"].isin(set(int(s) for s in after["step"]))]
     if not len(led):
         return lost, share
     exclusive = float(led[f"{category}_s"].mean())
@@ -405,8 +405,9 @@ def _ledger_cost(run, rank, after, lost, share, category):
 
 def _steady_finding(run, rank, kind, kernel, group, steps):
     """A kernel compiled again after the step it first compiled in: a finding, or None."""
-    first_step = _col(next(group.itertuples()), "step")
-    first_step = int(first_step) if first_step is not None else 0
+    # (one column, not itertuples: a namedtuple class per call costs ms on wide compile rows)
+    first_step = group["step"].iloc[0] if "step" in group else None
+    first_step = int(first_step) if first_step is not None and first_step == first_step else 0
     later = group[group["step"].fillna(-1) > first_step]
     recompiles = group.iloc[1:]
     if not len(later):

@@ -110,7 +110,8 @@ def _log_index(log):
     if _LOG_INDEX[0] is not log:
         keep = [bool(text.strip()) and not parse_line(text) for text in log["text"]]
         kept = log[keep].sort_values("t", kind="stable")
-        _LOG_INDEX[:] = [log, (kept["t"].to_numpy(), [_normalise(t) for t in kept["text"]])]
+        codes, names = pd.factorize(pd.Series([_normalise(t) for t in kept["text"]], dtype=object))
+        _LOG_INDEX[:] = [log, (kept["t"].to_numpy(), (np.asarray(codes, np.int64), list(names)))]
     return _LOG_INDEX[1]
 
 
@@ -128,8 +129,18 @@ def _log_in_steps(run, step_rows):
     # int64, not float: ns since the epoch lose ~256 ns in a float64
     starts = np.searchsorted(times, rows["start_ns"].to_numpy(dtype="int64"), side="left")
     ends = np.searchsorted(times, rows["end_ns"].to_numpy(dtype="int64"), side="right")
-    for a, b in zip(starts, ends):
-        found.update(set(keys[a:b]))
+    n = np.maximum(ends - starts, 0)
+    total = int(n.sum())
+    if not total:
+        return found
+    codes, names = keys
+    # every (step, line) pair at once; a line counts once per step however often it was printed
+    step_of = np.repeat(np.arange(len(n)), n)
+    line = np.arange(total) - np.repeat(np.cumsum(n) - n, n) + np.repeat(starts, n)
+    pairs = np.unique(step_of * len(names) + codes[line])
+    counts = np.bincount(pairs % len(names), minlength=len(names))
+    for code in np.flatnonzero(counts):
+        found[names[code]] = int(counts[code])
     return found
 
 
@@ -139,7 +150,8 @@ def _io_in_steps(run, rank, step_rows):
     spans = run.spans
     if not len(spans) or not len(step_rows):
         return []
-    io = spans[(spans["rank"] == rank) & (spans["cat"] == "io")]
+    io = run.rank_rows("spans", rank)
+    io = io[io["cat"] == "io"]
     if not len(io):
         return []
     starts = step_rows["start_ns"].to_numpy(np.int64)
@@ -215,7 +227,8 @@ def _causes(run, rank, slow_rows, normal_rows):
         causes["log_lines_in_slow_steps"] = [{"text": t, "steps": n} for t, n in lines[:3]]
     gc = run.gc
     if len(gc) and "generation" in gc:
-        full = gc[(gc["rank"] == rank) & (gc["generation"] == 2)]
+        full = run.rank_rows("gc", rank)
+        full = full[full["generation"] == 2]
         with_gc = set(int(s) for s in full["step"])
         n = sum(1 for s in slow_rows["step"] if int(s) in with_gc)
         if n >= 0.6 * len(slow_rows):

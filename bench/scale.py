@@ -1,17 +1,18 @@
 """The scale benchmark: analysis cost (wall seconds, peak RSS) over a grid of ranks x steps.
 
 usage: python bench/scale.py [--grid 8x1000,8x4000,64x2000,256x2000,1024x2000] [--timeout 600]
-                             [--what report|load-json|load-columnar|load-cached]
+                             [--what report|load|load-cached|imports] [--cache cold|warm]
                              [--work /tmp/traindx-scale] [--max-gb G] [--json OUT.json] [--md OUT.md]
 
 Each cell writes a synthetic run record with bench/synth_run.py (cached under --work, reused
 when present) and measures, in a fresh subprocess of its own:
   report         `diagnose report --reanalyze --quiet RUN` (load + every analyzer + the HTML)
-  load-json      traindx.record.load_run(RUN).events (the json.loads loop of today's loader)
-  load-columnar  traindx.columnar.load_events(RUN) (the multi-threaded Arrow NDJSON reader;
-                 the Parquet cache is removed first, so it measures a cold parse)
-  load-cached    the same, a second time: the Parquet cache tables/events.parquet is warm
+  load           traindx.load_run(RUN) and every event table (steps, spans, ledger built)
+  load-cached    the same with the Parquet cache (tables/events/) warm
   imports        only the imports (pandas, pyarrow): the fixed cost inside every load figure
+--cache cold (default) removes the Parquet cache before each cell, so the events are parsed
+from the JSONL files (and the cache written, as a first analysis does); warm runs the cell once
+unmeasured first, so the measured run reads the tables from Parquet.
 Wall seconds come from time.perf_counter around the child; peak RSS from os.wait4's rusage
 of that child alone (ru_maxrss, KiB on Linux). A cell that passes --timeout is killed and
 recorded as a timeout (a lower bound), and the larger cells of that row are skipped.
@@ -33,9 +34,9 @@ import synth_run  # noqa: E402
 
 LOADERS = {
     "imports": "import traindx.record, traindx.columnar; print({path!r})",  # the fixed cost
-    "load-json": "from traindx.record import load_run; e = load_run({path!r}).events; print(len(e))",
-    "load-columnar": "from traindx.columnar import load_events; e = load_events({path!r}); print(len(e))",
-    "load-cached": "from traindx.columnar import load_events; e = load_events({path!r}, cache=True); print(len(e))",
+    "load": "from traindx.record import load_run; r = load_run({path!r}); print(len(r.ledger))",
+    "load-cached": "from traindx.record import load_run; r = load_run({path!r}, cache=True); "
+                   "print(len(r.ledger))",
 }
 
 
@@ -109,6 +110,7 @@ def main(argv=None):
     p.add_argument("--grid", default="8x1000,8x4000,64x2000,256x2000,1024x2000")
     p.add_argument("--timeout", type=float, default=600)
     p.add_argument("--what", default="report", choices=["report", *LOADERS])
+    p.add_argument("--cache", default="cold", choices=["cold", "warm"])
     p.add_argument("--work", default="/tmp/traindx-scale")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None)
@@ -130,9 +132,8 @@ def main(argv=None):
                             "skipped": "a smaller cell timed out or ran out of memory"})
             continue
         path = run_dir(a.work, ranks, steps, a.seed)
-        if a.what == "load-columnar":
-            shutil.rmtree(os.path.join(path, "tables"), ignore_errors=True)
-        if a.what == "load-cached":  # warm the cache in a child that is not measured
+        shutil.rmtree(os.path.join(path, "tables"), ignore_errors=True)
+        if a.cache == "warm" or a.what == "load-cached":  # warm it in a child not measured
             subprocess.run(command_for("load-cached", path), stdout=subprocess.DEVNULL, check=False)
         if a.what == "report":  # analysis rebuilds them; a stale one must not be measured
             for name in ("findings.json", "report.html"):
@@ -151,7 +152,7 @@ def main(argv=None):
             timed_out_at = ranks * steps
         results.append(row)
         print(json.dumps(row), file=sys.stderr)
-    doc = {"what": a.what, "timeout_s": a.timeout, "cpus": os.cpu_count(),
+    doc = {"what": a.what, "cache": a.cache, "timeout_s": a.timeout, "cpus": os.cpu_count(),
            "load_1min_at_start": round(load, 2), "python": sys.version.split()[0],
            "cells": results}
     if a.json:
@@ -166,7 +167,7 @@ def main(argv=None):
 
 
 def markdown(doc):
-    lines = [f"| ranks x steps | record MB | {doc['what']} wall s | peak RSS MB |",
+    lines = [f"| ranks x steps | record MB | {doc['what']} ({doc.get('cache', 'cold')}) wall s | peak RSS MB |",
              "|---|---|---|---|"]
     for c in doc["cells"]:
         if "skipped" in c:

@@ -2,15 +2,17 @@
 
 usage: python bench/synth_run.py OUT --ranks R --steps S [--seed N] [--no-nvml]
 
-R ranks x S optimizer steps; every rank writes events/<rank>.jsonl (process_start,
-optimizer_created, step_begin/step_end, gc per generation that ran, alloc per step, a few
-compile events in the first steps), rank 0's log.txt carries a per-step log line, and nvml.csv
+R ranks x S optimizer steps; every rank is one process writing events/p<pid>.jsonl as the shim
+does (process_start with its rank, a `training` event, optimizer_created, step_begin/step_end,
+the ledger's spans per step - data, backward, optimizer on the training thread - gc per
+generation that ran, alloc per step, a few compile events in the first steps), rank 0's log.txt carries a per-step log line, and nvml.csv
 samples one GPU per rank every 0.5 s. Injected so that analysis has something to find:
   - every PERIOD-th step is slow on every rank, and the job prints "saving checkpoint" in it;
   - one rank (SLOW_RANK = R // 2) is 25 % slower in every step and runs gen-2 collections.
 Deterministic: the same arguments write byte-identical files (random.Random(seed)).
 Event rates per rank and step are what a real single-GPU run writes (tests/data/h200-*):
-~4 lines per step, 0.5-0.7 KB per step per rank.
+~4 lines per step, 0.5-0.7 KB per step per rank, plus the three spans the shim writes per
+step (~7.3 lines, ~1 KB per step per rank in all).
 """
 import argparse
 import json
@@ -24,6 +26,8 @@ PERIOD = 50                     # the periodic slow step (a checkpoint)
 PERIOD_EXTRA_S = 1.5
 SLOW_RANK_FACTOR = 1.25
 NVML_INTERVAL_S = 0.5
+PID0 = 10_000                   # rank r is process PID0 + r
+MAIN_TID = 139969661382976
 
 
 def _dump(obj):
@@ -35,7 +39,7 @@ def _compile_event(rank, i, start, end, step):
     return {"kind": "cute_dsl" if i % 2 == 0 else "triton",
             "kernel": f"_flash_attn_fwd:FlashAttentionForwardSm90_{i}", "start": start, "t": end,
             "duration_s": (end - start) / 1e9, "step": step, "in_step": True,
-            "thread": "MainThread", "thread_id": 139969661382976, "is_main_thread": True,
+            "thread": "MainThread", "thread_id": MAIN_TID, "is_main_thread": True,
             "ok": True, "caller": {"file": "/job/train.py", "line": 120 + i, "function": "forward"},
             "key": f"(BFloat16, 128, 128, {i}, True)",
             "key_fields": {"dtype": "BFloat16", "head_dim": "128", "block": str(i)},
@@ -44,14 +48,16 @@ def _compile_event(rank, i, start, end, step):
 
 def write_rank(out_dir, rank, world, steps, seed, slow_rank, log_lines):
     rng = random.Random(seed * 1_000_003 + rank)
-    path = os.path.join(out_dir, "events", f"{rank}.jsonl")
+    pid = PID0 + rank
+    path = os.path.join(out_dir, "events", f"p{pid}.jsonl")
     t = T0 + rank * 1_000_000  # ranks start a millisecond apart
-    lines = [_dump({"pid": 10_000 + rank, "ppid": 9_999, "rank": str(rank),
-                    "local_rank": rank % 8, "world_size": world,
+    lines = [_dump({"pid": pid, "ppid": PID0 - 1, "rank": str(rank), "rank_source": "RANK",
+                    "local_rank": str(rank % 8), "world_size": str(world),
                     "argv": ["train.py", "--steps", str(steps)], "python": "3.12.3",
-                    "main_thread": 139969661382976, "type": "process_start", "t": t})]
+                    "main_thread": MAIN_TID, "type": "process_start", "t": t})]
     t += 2_000_000_000
     lines.append(_dump({"optimizer": "AdamW", "type": "optimizer_created", "t": t}))
+    lines.append(_dump({"evidence": "optimizer", "rank": str(rank), "type": "training", "t": t + 1000}))
     allocated = 3_307_771_392
     end_times = []
     for step in range(steps):
@@ -70,6 +76,15 @@ def write_rank(out_dir, rank, world, steps, seed, slow_rank, log_lines):
                 lines.append(_dump(_compile_event(rank, step * 2 + i, c_end - 150_000_000,
                                                   c_end, step)))
         end = begin + int(duration * 1e9)
+        # the training thread's spans: the batch wait, backward (after an unhooked forward),
+        # the optimizer step; what is left of the step is forward and the loop's own code
+        d_end = begin + int(0.02 * (end - begin))
+        b_start = begin + int(0.35 * (end - begin))
+        b_end = begin + int(0.85 * (end - begin))
+        o_end = begin + int(0.95 * (end - begin))
+        for cat, s0, s1 in (("data", begin + 10_000, d_end), ("backward", b_start, b_end),
+                            ("optimizer", b_end + 10_000, o_end)):
+            lines.append(_dump({"cat": cat, "start": s0, "t": s1, "tid": MAIN_TID, "type": "span"}))
         lines.append(_dump({"step": step, "t": end, "source": "torch.optim",
                             "duration_s": (end - begin) / 1e9, "type": "step_end"}))
         end_times.append((step, begin, end))
@@ -133,7 +148,7 @@ def write_run(out_dir, ranks, steps, seed=0, nvml=True):
                     "torch_profile": None, "synthetic": {"ranks": ranks, "steps": steps,
                                                          "seed": seed, "period": PERIOD,
                                                          "slow_rank": str(slow_rank)}},
-        "ranks": {str(r): 10_000 + r for r in range(ranks)},
+        "ranks": {str(r): PID0 + r for r in range(ranks)},
         "missing": {"pyspy": "synthetic run (bench/synth_run.py): no py-spy recordings"},
         "status": "finished", "signals_forwarded": [],
     }

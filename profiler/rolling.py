@@ -111,6 +111,26 @@ def read_text(head):
     return "".join(parts)
 
 
+def read_bytes(head):
+    """read_text's bytes: the head and its segments in order, each ending on a whole line."""
+    parts = []
+    with open(head, "rb") as f:
+        parts.append(f.read())
+    for _, path, gz in segments(head):
+        try:
+            opener = gzip.open if gz else open
+            with opener(path, "rb") as f:
+                parts.append(f.read())
+        except (OSError, EOFError):  # a segment removed while we read: rolled into a .gz
+            continue
+    if len(parts) == 1:
+        return parts[0]
+    for i in range(len(parts) - 1):
+        if parts[i] and not parts[i].endswith(b"\n"):
+            parts[i] += b"\n"
+    return b"".join(parts)
+
+
 def family_bytes(head):
     total = _size(head) + _size(summary_path(head))
     return total + sum(_size(path) for _, path, _ in segments(head))

@@ -41,7 +41,7 @@ def profiled_positions(run, series):
         from traindx.analyzers.evidence import profiled_steps
     except ImportError:
         return []
-    profiled = set().union(*profiled_steps(run).values()) if len(run.events) else set()
+    profiled = set().union(*profiled_steps(run).values())
     return [i for i, step in enumerate(series.index) if step in profiled]
 
 
@@ -57,9 +57,11 @@ def losses(run):
 def tokens_per_step(run):
     """Tokens of one optimizer step, as the job reports them ('tokens per step: N' in its
     log line, or a `tokens` field on the shim's step_end events); None when unknown."""
-    ev = run.events
+    from traindx.analyzers.evidence import events_of_type
+
+    ev = events_of_type(run, "step_end")
     if len(ev) and "tokens" in ev.columns:
-        ends = ev[(ev["type"] == "step_end")]["tokens"].dropna()
+        ends = ev["tokens"].dropna()
         if len(ends):
             return float(ends.median())
     log = run.log_steps

@@ -416,6 +416,10 @@ def rank_heatmap(timeline, max_cols=300):
             tip = f"rank {rank}, step {s['step']}: {fmt_s(s['duration_s'])} ({ratio:.2g}× the median)"
             out.append(f'<rect x="{_f(label_w + col_of[s["step"]] * cw)}" y="{yy}" width="{_f(max(cw - 0.5, 0.5))}" '
                        f'height="{row_h - 2}" fill="{colour}"><title>{escape(tip)}</title></rect>')
+    if timeline.get("ranks_total", 0) > len(ranks):  # a large job: the ranks worth a look
+        out.append(f'<text x="{WIDTH - RIGHT}" y="{height - 4 - 12}" class="tick" text-anchor="end">'
+                   f'{len(ranks)} of {timeline["ranks_total"]} ranks: the first, the slowest step\'s '
+                   f'and the slowest by median step</text>')
     out.append(f'<text x="{label_w}" y="{height - 4}" class="tick">step {cols[0]}</text>'
                f'<text x="{WIDTH - RIGHT}" y="{height - 4}" class="tick" text-anchor="end">step {cols[-1]}</text>')
     out.append("</svg>")

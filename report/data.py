@@ -213,6 +213,160 @@ def _step_rows(run, t0):
     return rows, source
 
 
+MAX_TIMELINE_RANKS = 32       # ranks drawn per-step (timeline, heatmap); the rest in ranks_summary
+CAUSE_ORDER = ("compile", "autotune", "dynamo", "gc")
+
+
+def _step_table(run, t0):
+    """Every rank's steps as columns (rank, step, start_s, end_s, duration_s), in run.steps
+    order; from the shim, else from the job's log lines. Vectorised: a run of a thousand ranks
+    has millions of steps."""
+    import numpy as np
+    import pandas as pd
+
+    steps = run.steps
+    if len(steps):
+        start = pd.to_numeric(steps["start_ns"], errors="coerce")
+        s = steps[start.notna().to_numpy()]
+        st = pd.DataFrame({
+            "rank": pd.Series(s["rank"].astype(str).to_numpy(object), dtype=object),
+            "step": s["step"].to_numpy(np.int64),
+            "start_s": (s["start_ns"].to_numpy(np.int64) - t0) / 1e9,
+            "end_s": (s["end_ns"].to_numpy(np.int64) - t0) / 1e9,
+            "duration_s": s["duration_s"].to_numpy(np.float64)})
+        return st, "shim"
+    rows = []
+    ls = run.log_steps
+    ls = ls[ls["step_time_s"].notna() & ls["step"].notna()] if len(ls) else ls
+    for r in ls.itertuples():
+        end = (int(r.t) - t0) / 1e9
+        rows.append({"rank": "0", "step": int(r.step), "start_s": end - r.step_time_s,
+                     "end_s": end, "duration_s": float(r.step_time_s)})
+    st = pd.DataFrame(rows, columns=["rank", "step", "start_s", "end_s", "duration_s"])
+    st["rank"] = pd.Series(st["rank"].to_numpy(object), dtype=object)
+    return st, ("log" if rows else None)
+
+
+def classify_table(st, compiles, gc):
+    """classify_steps over the step table, vectorised: compile_s, gc_s, slow, cause columns
+    added; (median, threshold) returned. gc: frame (rank, step, gc) of GC seconds per step."""
+    import numpy as np
+    import pandas as pd
+
+    n = len(st)
+    d = st["duration_s"].to_numpy(np.float64)
+    median = float(np.median(d)) if n else None
+    threshold = median * SLOW_FACTOR if median else None
+    secs = np.zeros((n, len(CAUSE_ORDER)))
+    by_rank = {}
+    for e in compiles:
+        by_rank.setdefault(e["rank"], []).append(e)
+    if by_rank and n:
+        groups = st.groupby("rank", sort=False).indices
+        s0, s1 = st["start_s"].to_numpy(np.float64), st["end_s"].to_numpy(np.float64)
+        for rank, events in by_rank.items():
+            idx = groups.get(rank)
+            if idx is None:
+                continue
+            a, b = s0[idx], s1[idx]
+            for e in events:
+                ov = np.minimum(b, e["end_s"]) - np.maximum(a, e["start_s"])
+                hit = ov > 0
+                if hit.any():
+                    col = CAUSE_ORDER.index(COMPILE_CAUSE.get(e["kind"], "compile"))
+                    secs[idx[hit], col] += ov[hit]
+    if len(gc) and n:
+        g = st[["rank", "step"]].merge(gc, on=["rank", "step"], how="left")["gc"].to_numpy(np.float64)
+        # the first GC aggregate also holds collections from before step 0: clamp to the step
+        secs[:, -1] = np.minimum(np.nan_to_num(g), d)
+    compile_s = secs[:, :-1].sum(axis=1)
+    slow = (d > threshold) if threshold else np.zeros(n, bool)
+    best = secs.argmax(axis=1) if n else np.zeros(0, np.int64)
+    best_s = secs[np.arange(n), best] if n else np.zeros(0)
+    excess = d - (median or 0.0)
+    # a cause when an event covers a good part of the step (every step compiling is as much a
+    # finding as one slow step), or when a slow step's excess is mostly that event
+    named = (best_s > 0) & ((best_s >= CAUSE_SHARE * d) | (slow & (best_s >= 0.25 * excess)))
+    first_step = st.groupby("rank", sort=False)["step"].transform("min").to_numpy() if n else []
+    cause = np.where(named, np.array(CAUSE_ORDER, dtype=object)[best],
+                     np.where(slow, np.where(st["step"].to_numpy() == first_step, "warmup",
+                                             "unexplained"), "normal"))
+    st["compile_s"] = compile_s
+    st["gc_s"] = secs[:, -1]
+    st["slow"] = slow
+    st["cause"] = pd.Series(cause, index=st.index, dtype=object)
+    return median, threshold
+
+
+def _timeline_ranks(st, worst_rank):
+    """The ranks drawn step by step: all of them up to MAX_TIMELINE_RANKS; beyond, the first
+    rank, the worst step's rank and the ranks with the slowest median step (in rank order)."""
+    ranks = list(dict.fromkeys(st["rank"]))
+    if len(ranks) <= MAX_TIMELINE_RANKS:
+        return ranks
+    medians = st.groupby("rank", sort=False)["duration_s"].median().sort_values(ascending=False,
+                                                                               kind="stable")
+    keep = {ranks[0]} | ({worst_rank} if worst_rank is not None else set())
+    for r in medians.index:
+        if len(keep) >= MAX_TIMELINE_RANKS:
+            break
+        keep.add(r)
+    return [r for r in ranks if r in keep]
+
+
+def _rows_of(st, ranks):
+    """{rank: [step dicts]} of the given ranks (what the charts draw)."""
+    sub = st[st["rank"].isin(ranks)]
+    out = {r: [] for r in ranks}
+    cols = ["step", "start_s", "end_s", "duration_s", "compile_s", "gc_s", "slow", "cause"]
+    for rank, group in sub.groupby("rank", sort=False):
+        values = {c: group[c].tolist() for c in cols}
+        out[rank] = [{"step": int(values["step"][i]), "start_s": values["start_s"][i],
+                      "end_s": values["end_s"][i], "duration_s": values["duration_s"][i],
+                      "compile_s": values["compile_s"][i], "gc_s": values["gc_s"][i],
+                      "slow": bool(values["slow"][i]), "cause": values["cause"][i]}
+                     for i in range(len(group))]
+    return {r: rows for r, rows in out.items() if rows}
+
+
+def _gaps_table(st, median):
+    """step_gaps over the step table, vectorised (consecutive steps of a rank)."""
+    import numpy as np
+
+    if not median or len(st) < 2:
+        return []
+    floor = max(1.0, 2 * median)
+    rank = st["rank"].to_numpy(object)
+    same = rank[1:] == rank[:-1]
+    start, end, step = (st["start_s"].to_numpy(np.float64), st["end_s"].to_numpy(np.float64),
+                        st["step"].to_numpy(np.int64))
+    gap = start[1:] - end[:-1]
+    out = []
+    for i in np.flatnonzero(same & (gap >= floor)):
+        out.append({"rank": rank[i], "after_step": int(step[i]), "before_step": int(step[i + 1]),
+                    "start_s": float(end[i]), "end_s": float(start[i + 1]), "duration_s": float(gap[i])})
+    return out
+
+
+def _gpu_util_in_windows(run, t0, starts, ends):
+    """gpu_util_in_steps over step windows given as arrays, vectorised."""
+    import numpy as np
+    import pandas as pd
+
+    gpu = run.gpu
+    if not len(gpu) or "util" not in gpu or not len(starts):
+        return None
+    order = np.lexsort((ends, starts))
+    starts, ends = starts[order], ends[order]
+    reach = np.maximum.accumulate(ends)  # the latest end among windows starting at or before
+    ts = (pd.to_numeric(gpu["t"], errors="coerce").to_numpy(np.float64) - t0) / 1e9
+    util = pd.to_numeric(gpu["util"], errors="coerce").to_numpy(np.float64)
+    i = np.searchsorted(starts, ts, side="right") - 1
+    ok = ~np.isnan(util) & ~np.isnan(ts) & (i >= 0) & (util != np.inf) & (util != -np.inf)
+    ok &= reach[np.maximum(i, 0)] >= ts
+    return float(util[ok].mean()) if ok.any() else None
+
+
 def _compile_events(run, t0):
     out = []
     df = run.compiles
@@ -292,18 +446,28 @@ def compile_groups(compiles):
 
 
 def _gc_by_step(run):
-    """{(rank, step): seconds in GC}: the ledger's gc line when the shim timed GC pauses as
-    intervals (start-up's collections then stay in start-up, not in step 0), else the shim's
-    per-step aggregates (one grouped sum, not a Python loop over every event)."""
+    """{(rank, step): seconds in GC} (see _gc_frame)."""
+    gc = _gc_frame(run)
+    return {(r, int(s)): float(g) for r, s, g in zip(gc["rank"], gc["step"], gc["gc"])}
+
+
+def _gc_frame(run):
+    """(rank, step, gc) seconds in GC per step: the ledger's gc line when the shim timed GC
+    pauses as intervals (start-up's collections then stay in start-up, not in step 0), else the
+    shim's per-step aggregates (one grouped sum, not a Python loop over every event)."""
+    import numpy as np
     import pandas as pd
 
-    out = {}
+    def frame(rank, step, gc):
+        return pd.DataFrame({"rank": pd.Series(np.asarray(rank).astype(str).astype(object), dtype=object),
+                             "step": np.asarray(step, np.int64), "gc": np.asarray(gc, np.float64)})
+
     try:
         from traindx import ledger as L
 
         if L.has_spans(run):
             led = run.ledger
-            return {(str(r), int(st)): float(g) for r, st, g in zip(led["rank"], led["step"], led["gc_s"])}
+            return frame(led["rank"].to_numpy(object), led["step"], led["gc_s"])
     except Exception:
         pass
     gc = run.gc
@@ -312,11 +476,11 @@ def _gc_by_step(run):
         total = pd.to_numeric(gc["total_s"], errors="coerce")
         total = total.where(total.abs() != math.inf).fillna(0.0)
         ok = step.notna() & (step.abs() != math.inf)
-        table = pd.DataFrame({"rank": gc["rank"][ok].astype(str), "step": step[ok].astype("int64"),
-                              "total": total[ok]})
-        for (rank, step_no), seconds in table.groupby(["rank", "step"], sort=False)["total"].sum().items():
-            out[(rank, int(step_no))] = float(seconds)
-    return out
+        table = pd.DataFrame({"rank": gc["rank"][ok].astype(str).to_numpy(object),
+                              "step": step[ok].astype("int64"), "total": total[ok]})
+        sums = table.groupby(["rank", "step"], sort=False)["total"].sum()
+        return frame(sums.index.get_level_values(0), sums.index.get_level_values(1), sums.to_numpy())
+    return frame([], [], [])
 
 
 def _overlap(a0, a1, b0, b1):
@@ -746,7 +910,7 @@ def ledger_view(run, rank=None):
     if rank is None:
         means = led.groupby("rank")["wall_s"].mean()
         rank = means.idxmax()
-    mine = led[led["rank"] == rank].sort_values("step")
+    mine = run.rank_rows("ledger", rank).sort_values("step")
     cats = [c for c in L.CATEGORIES + ("unexplained",) if float(mine[f"{c}_s"].sum()) > 0]
     bin_size = max(1, math.ceil(len(mine) / MAX_STEP_BARS))
     bars = []
@@ -915,7 +1079,8 @@ def _finding_view(f, compiles):
     }
 
 
-def verdict(findings_view, median_step, cause_counts=None, steps=(), mean_step=None):
+def verdict(findings_view, median_step, cause_counts=None, steps=(), mean_step=None,
+            step_totals=None):
     """The one change to make: the first finding (ranked) with a prescription and a loss.
     Savings are per mean step (the ledger's lines): the speed-up is against the mean steady
     step when the ledger gives one, else the median."""
@@ -945,14 +1110,19 @@ def verdict(findings_view, median_step, cause_counts=None, steps=(), mean_step=N
                 "after_step_s": None, "text": None, "text_kind": None, "automatic": False}
     # no analyzer flagged anything, yet the evidence may still show where the time went
     explained = {c: n for c, n in (cause_counts or {}).items() if c not in ("normal", "warmup", "unexplained")}
-    total_s = sum(s["duration_s"] for s in steps)
-    seconds = {c: sum(s["compile_s"] if c != "gc" else s["gc_s"] for s in steps if s["cause"] == c)
-               for c in explained}
+    if step_totals is not None:  # the same sums, taken over the step table (report._core)
+        total_s = step_totals["total_s"]
+        seconds = {c: float(step_totals["seconds"].get(c, 0.0)) for c in explained}
+    else:
+        total_s = sum(s["duration_s"] for s in steps)
+        seconds = {c: sum(s["compile_s"] if c != "gc" else s["gc_s"] for s in steps if s["cause"] == c)
+                   for c in explained}
     # worth a headline only when it is a real share of the run's step time (not one slow first step)
     explained = {c: n for c, n in explained.items() if total_s and seconds[c] >= EVIDENCE_SHARE * total_s}
     if explained:
         cause = max(explained, key=lambda c: seconds[c])
-        n_steps = len({(s["rank"], s["step"]) for s in steps}) or 1
+        n_steps = (step_totals["n_steps"] if step_totals is not None
+                   else len({(s["rank"], s["step"]) for s in steps})) or 1
         return {"kind": "evidence", "headline": f"{explained[cause]} of {n_steps} steps spent most of their "
                 f"time in {CAUSES[cause]} ({_seconds_text(seconds[cause])} in all)",
                 "finding_title": None, "finding_anchor": None, "severity": "medium",
@@ -1020,41 +1190,61 @@ def _fmt_value(v):
 def _core(run, findings):
     """What both the terminal summary and the HTML report need."""
     meta = run_meta(run)
-    t0 = run.manifest.get("start_ns") or (int(run.events["t"].min()) if len(run.events) else 0)
-    step_rows, step_source = _step_rows(run, t0)
+    t0 = run.manifest.get("start_ns") or (run.t_min or 0)
+    import numpy as np
+
+    # every step of every rank as columns (a thousand ranks: millions of steps); only the ranks
+    # the charts draw become per-step dicts
+    st, step_source = _step_table(run, t0)
     compiles = _compile_events(run, t0)
-    median, threshold = classify_steps(step_rows, compiles, _gc_by_step(run))
-    all_steps = [dict(s, rank=rank) for rank, rows in step_rows.items() for s in rows]
-    durations = [s["duration_s"] for s in all_steps]
-    worst = max(all_steps, key=lambda s: s["duration_s"]) if all_steps else None
+    median, threshold = classify_table(st, compiles, _gc_frame(run))
+    durations = st["duration_s"].to_numpy(np.float64)
+    worst = None
+    if len(st):
+        w = st.iloc[int(np.argmax(durations))]
+        worst = {"step": int(w["step"]), "start_s": float(w["start_s"]), "end_s": float(w["end_s"]),
+                 "duration_s": float(w["duration_s"]), "compile_s": float(w["compile_s"]),
+                 "gc_s": float(w["gc_s"]), "slow": bool(w["slow"]), "cause": w["cause"],
+                 "rank": w["rank"]}
     # steady state: skip the first step of each rank (warm-up) when there is more than one
-    steady = [s["duration_s"] for rank, rows in step_rows.items() for s in rows[1:]] or durations
-    steady_median = _median(steady)
-    mean = sum(steady) / len(steady) if steady else None
-    cv = (math.sqrt(sum((d - mean) ** 2 for d in steady) / len(steady)) / mean) if steady and mean else None
-    cause_counts = {}
-    for s in all_steps:
-        if s["cause"] != "normal":
-            cause_counts[s["cause"]] = cause_counts.get(s["cause"], 0) + 1
+    later = st.groupby("rank", sort=False).cumcount().to_numpy() > 0 if len(st) else np.zeros(0, bool)
+    steady = durations[later] if later.any() else durations
+    steady_median = float(np.median(steady)) if len(steady) else None
+    mean = float(steady.mean()) if len(steady) else None
+    cv = float(np.sqrt(((steady - mean) ** 2).mean()) / mean) if len(steady) and mean else None
+    causes = st["cause"][st["cause"] != "normal"] if len(st) else st.get("cause", [])
+    cause_counts = {c: int(n) for c, n in causes.value_counts(sort=False).items()} if len(causes) else {}
+    step_totals = None
+    if len(st):
+        by_cause = st.assign(sec=np.where(st["cause"].to_numpy() == "gc", st["gc_s"], st["compile_s"])) \
+            .groupby("cause", sort=False)["sec"].sum()
+        step_totals = {"total_s": float(durations.sum()), "seconds": by_cause.to_dict(),
+                       "n_steps": int(len(st[["rank", "step"]].drop_duplicates()))}
     losses = _losses(run)
-    gaps = step_gaps(step_rows, median)
-    first_rank = next(iter(step_rows), None)
-    first_start = step_rows[first_rank][0]["start_s"] if first_rank is not None and step_rows[first_rank] else None
+    gaps = _gaps_table(st, median)
+    shown = _timeline_ranks(st, worst["rank"] if worst else None) if len(st) else []
+    step_rows = _rows_of(st, shown) if len(st) else {}
+    first_rank = st["rank"].iloc[0] if len(st) else None
+    first_start = float(st["start_s"].iloc[0]) if len(st) else None
     # missing evidence has its own notice (from the manifest); not repeated as a finding
     findings_view = [_finding_view(f, compiles) for f in rank_for_report(findings)
                      if f.id != "evidence.missing"]
-    stats = {"steps": max((len(r) for r in step_rows.values()), default=0),
-             "ranks": len(step_rows) or len(meta["ranks"]),
+    per_rank = st.groupby("rank", sort=False).size() if len(st) else None
+    stats = {"steps": int(per_rank.max()) if per_rank is not None else 0,
+             "ranks": (len(per_rank) if per_rank is not None else 0) or len(meta["ranks"]),
+             "ranks_drawn": len(step_rows),
              "step_source": step_source, "median_step_s": median, "steady_median_s": steady_median,
-             "p90_step_s": _quantile(durations, 0.9), "max_step_s": max(durations) if durations else None,
-             "cv": cv, "slow_steps": sum(1 for s in all_steps if s["slow"]), "slow_threshold_s": threshold,
+             "p90_step_s": float(np.quantile(durations, 0.9)) if len(durations) else None,
+             "max_step_s": float(durations.max()) if len(durations) else None,
+             "cv": cv, "slow_steps": int(st["slow"].sum()) if len(st) else 0, "slow_threshold_s": threshold,
              "unexplained_steps": cause_counts.get("unexplained", 0),
              "compiles": len(compiles), "compile_s": sum(c["duration_s"] for c in compiles),
              "worst_step": {"rank": worst["rank"], "step": worst["step"], "duration_s": worst["duration_s"],
                             "cause": worst["cause"]} if worst else None,
              "final_loss": losses[max(losses)] if losses else None,
              "startup_s": first_start,
-             "gpu_util_in_steps": gpu_util_in_steps(run, t0, step_rows),
+             "gpu_util_in_steps": _gpu_util_in_windows(run, t0, st["start_s"].to_numpy(np.float64),
+                                                       st["end_s"].to_numpy(np.float64)),
              "gap_s": sum(g["duration_s"] for g in gaps if g["rank"] == first_rank),
              "longest_gap": max((g for g in gaps if g["rank"] == first_rank),
                                 key=lambda g: g["duration_s"], default=None)}
@@ -1072,11 +1262,11 @@ def _core(run, findings):
         stats["startup_line"] = startup_text(start.iloc[0])
     missing = missing_evidence(run)
     core = {"run": meta, "ledger": ledger, "missing": missing, "missing_summary": missing_summary(missing),
-            "verdict": verdict(findings_view, steady_median, cause_counts, all_steps,
-                               mean_step=_ledger_mean_step(run)), "stats": stats,
+            "verdict": verdict(findings_view, steady_median, cause_counts,
+                               mean_step=_ledger_mean_step(run), step_totals=step_totals), "stats": stats,
             "findings": findings_view, "causes": CAUSES}
     return core, {"t0": t0, "step_rows": step_rows, "compiles": compiles, "worst": worst,
-                  "all_steps": all_steps, "cause_counts": cause_counts, "losses": losses,
+                  "step_table": st, "cause_counts": cause_counts, "losses": losses,
                   "gaps": gaps}
 
 
@@ -1097,22 +1287,30 @@ def build_summary(run, findings):
 def build_report_data(run, findings, comparison=None):
     """Everything the HTML report shows, as plain JSON-able values."""
     data, x = _core(run, findings)
-    t0, step_rows, compiles, all_steps = x["t0"], x["step_rows"], x["compiles"], x["all_steps"]
+    t0, step_rows, compiles, st = x["t0"], x["step_rows"], x["compiles"], x["step_table"]
+    compile_s, compile_n = {}, {}
+    for c in compiles:
+        compile_s[c["rank"]] = compile_s.get(c["rank"], 0.0) + c["duration_s"]
+        compile_n[c["rank"]] = compile_n.get(c["rank"], 0) + 1
     ranks_summary = []
-    for rank, rows in step_rows.items():
-        d = [s["duration_s"] for s in rows]
-        ranks_summary.append({"rank": rank, "steps": len(rows), "median_s": _median(d),
-                              "p90_s": _quantile(d, 0.9), "max_s": max(d) if d else None,
-                              "compile_s": sum(c["duration_s"] for c in compiles if c["rank"] == rank),
-                              "compiles": sum(1 for c in compiles if c["rank"] == rank),
-                              "slow_steps": sum(1 for s in rows if s["slow"])})
-    end_s = max([data["run"]["duration_s"] or 0.0] + [s["end_s"] for s in all_steps]
+    if len(st):
+        g = st.groupby("rank", sort=False)
+        table = g["duration_s"].agg(["size", "median", "max"])
+        table["p90"] = g["duration_s"].quantile(0.9)
+        table["slow"] = g["slow"].sum()
+        for rank, r in table.iterrows():
+            ranks_summary.append({"rank": rank, "steps": int(r["size"]), "median_s": float(r["median"]),
+                                  "p90_s": float(r["p90"]), "max_s": float(r["max"]),
+                                  "compile_s": compile_s.get(rank, 0.0), "compiles": compile_n.get(rank, 0),
+                                  "slow_steps": int(r["slow"])})
+    end_s = max([data["run"]["duration_s"] or 0.0] + ([float(st["end_s"].max())] if len(st) else [])
                 + [c["end_s"] for c in compiles])
     log = run.log
     log_tail = [{"t_s": (int(r.t) - t0) / 1e9, "stream": r.stream, "text": _clip(r.text, 500)}
                 for r in log.tail(MAX_LOG_LINES).itertuples()] if len(log) else []
     data.update({
         "timeline": {"end_s": end_s, "ranks": {r: _bin_steps(rows) for r, rows in step_rows.items()},
+                     "ranks_total": data["stats"]["ranks"],
                      "cause_counts": x["cause_counts"], "gaps": x["gaps"][:200],
                      # start-up and gaps taking most of the run squeeze the steps: show them by step
                      "default_view": "step" if end_s and ((data["stats"]["startup_s"] or 0)

@@ -47,7 +47,7 @@ def _rank_index(ranks, rank):
 
 def build_trace(run, include_torch=True):
     """The trace as a dict ({"traceEvents": [...], ...})."""
-    t0 = run.manifest.get("start_ns") or (int(run.events["t"].min()) if len(run.events) else 0)
+    t0 = run.manifest.get("start_ns") or (run.t_min or 0)
     ranks = [str(r) for r in run.ranks]
     events = []
     thread_tids = {}

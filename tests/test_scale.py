@@ -90,7 +90,7 @@ def test_synthetic_run_is_a_run_record_the_analyzers_read(tmp_path):
 
     path = synth_run.write_run(str(tmp_path / "run"), ranks=4, steps=160, seed=3)
     again = synth_run.write_run(str(tmp_path / "again"), ranks=4, steps=160, seed=3)
-    for name in ("events/2.jsonl", "log.txt", "nvml.csv"):
+    for name in ("events/p10002.jsonl", "log.txt", "nvml.csv"):
         with open(os.path.join(path, name), "rb") as a, open(os.path.join(again, name), "rb") as b:
             assert a.read() == b.read(), name  # deterministic
     run = load_run(path)
@@ -109,3 +109,31 @@ def test_synthetic_run_is_a_run_record_the_analyzers_read(tmp_path):
     assert straggler.title.startswith("Rank 2 is 25% slower")
     with open(os.path.join(path, "manifest.json")) as f:
         assert json.load(f)["options"]["synthetic"]["slow_rank"] == "2"
+
+
+def test_large_jobs_analyze_a_sample_of_ranks_that_keeps_the_odd_one(tmp_path, monkeypatch):
+    """Past MAX_ANALYZED_RANKS, per-rank analyzers read the first and last rank and the extremes
+    of every step-time and ledger measure: the slow rank is among them, the straggler analysis
+    still reads every rank, and a finding says what was sampled."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import synth_run
+
+    from traindx.analyzers import analyze, sampling
+    from traindx.record import load_run
+
+    path = synth_run.write_run(str(tmp_path / "run"), ranks=10, steps=160, seed=2)
+    monkeypatch.setattr(sampling, "MAX_ANALYZED_RANKS", 4)
+    run = load_run(path)
+    picked = sampling.representative_ranks(run)
+    assert len(picked) == 4 and {"0", "9", "5"} <= set(picked)  # first, last, the slow rank
+    findings = analyze(run)
+    (note,) = [f for f in findings if f.id == "analysis.ranks_sampled"]
+    assert note.evidence["ranks_analyzed"] == picked and note.evidence["ranks"] == 10
+    per_rank = {f.ranks[0] for f in findings if f.id == "steps.periodic_slow"}
+    assert per_rank and per_rank <= set(picked)
+    (straggler,) = [f for f in findings if f.id == "ranks.straggler"]
+    assert straggler.title.startswith("Rank 5 is 25% slower")
+    # the subset shares the parent's tables, filtered: nothing recomputed
+    sub = run.subset(picked)
+    assert set(sub.steps["rank"]) == set(picked) and len(sub.ledger) == 4 * 160
+    assert set(sub.of_type("gc")["rank"]) == set(picked)

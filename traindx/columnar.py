@@ -1,272 +1,495 @@
-"""Fast, columnar loading of a run's shim events (events/*.jsonl) into the one `events` table.
+"""The shim's events as per-type columnar tables, parsed without a Python loop per event.
 
-Same table as `traindx.record.load_run(...).events`: one row per event, a `rank` column (the
-file's rank; a process_start event's own `rank` field wins), rows ordered by `t` with ties kept
-in file order, a cut-off last line of a file dropped with a TruncatedEvidenceWarning, a corrupt
-line elsewhere a UserError (or, with corrupt="skip", dropped with a warning).
+A run's events are JSONL files (docs/run-record.md); nearly every line is a flat event
+(step_begin/step_end/span/gc/alloc: scalars only). Per file, the lines are classified with
+numpy over the file's bytes (one '{', no '[', starts with '{' and ends with '}'); the flat ones
+go to Arrow's C++ NDJSON reader as one buffer, and only the rare nested lines (process_start's
+argv, compile's key_fields/caller...) and a file's last line (it may be cut off) go through
+json.loads, so nested fields stay Python dicts and lists as the analyzers read them. A file
+whose flat lines Arrow cannot read or type (a corrupt line, a field that is a number in one
+line and text in another, an event without type or t) is read line by line with json.loads,
+which decides exactly which lines to skip.
 
-Why it is fast: nearly every line is a flat event (step_begin/step_end/gc/alloc: scalars only).
-Those lines are handed, per file, to Arrow's C++ NDJSON reader (pyarrow.json, the GIL released,
-files parsed on a thread pool); only the few lines holding nested values (process_start's argv,
-compile's key_fields/caller, dataloader's caller...) go through json.loads, so nested fields stay
-Python dicts and lists exactly as the analyzers read them. A file whose flat lines Arrow cannot
-type (a field that is a number in one line and text in another) falls back to json.loads.
+Each event type becomes its own table (a step_begin table has step and t, not alloc's eleven
+counters): holding every type in one wide frame cost ~7.5 KB per rank-step, mostly empty cells.
+Tables are turned into pandas lazily, one type when it is first asked for.
 
-The parsed table can be cached as Parquet beside the raw files (`tables/events.parquet`), keyed
-by every raw file's name, size and mtime; the raw files are never touched. Nested values are
-stored there as JSON text and decoded on load.
+Which files make the run, and each one's node and clock offset, come from `event_files` alone;
+ranks, offsets and the (t, file, line) order are applied to every table in `_place`, vectorised.
+
+The parsed tables can be cached as Parquet beside the raw files (tables/events/<type>.parquet,
+keyed by the files' names, sizes, mtimes, nodes and offsets); the raw files are never touched.
+Nested and mixed-type values are stored there as JSON text and decoded on load.
 """
 import glob
 import json
 import os
+import shutil
 import warnings
+from collections import namedtuple
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pandas as pd
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.json as pa_json
 
-from traindx.errors import UserError
+from traindx.profiler.rolling import read_bytes
+from traindx.profiler.shim._traindx_shim.roles import parse_process_file
+from traindx.profiler.shim._traindx_shim.segments import segments
 
-CACHE = os.path.join("tables", "events.parquet")
-CACHE_VERSION = "1"
-_SEQ = "__seq"      # (file index, line number): the tie-break that keeps file order
-_NESTED_MARK = "traindx.nested_columns"
+CACHE_DIR = os.path.join("tables", "events")
+CACHE_VERSION = "3"
+CACHE_MIN_BYTES = 32 << 20   # smaller runs parse in well under a second: no cache files
+TIME_COLUMNS = ("t", "start")  # ns on the writer's clock: a node's offset applies to these
+FILE = "__file"
+SEQ = "__seq"
+
+EventFile = namedtuple("EventFile", "path rel node offset_ns")
 
 
 class TruncatedEvidenceWarning(UserWarning):
     pass
 
 
-def _record_warning_class():
-    # the loader's own class when it is importable, so callers filter one warning type
-    try:
-        from traindx.record import TruncatedEvidenceWarning as cls
-        return cls
-    except ImportError:  # pragma: no cover - record.py always exists in the package
-        return TruncatedEvidenceWarning
+class CorruptEvidenceWarning(TruncatedEvidenceWarning):
+    """A line of an evidence file that is not a JSON object was skipped."""
 
 
-def _is_flat(line):
-    """A line Arrow can take as is: one object of scalars (a '{' or '[' inside a string only
-    sends the line to json.loads, which is always correct)."""
-    return line.count(b"{") == 1 and b"[" not in line
+def event_files(run_path, manifest=None):
+    """Every events file of the run: (path, path relative to the run, node, clock offset in ns
+    to add to its timestamps): events/*.jsonl (node None, offset 0), or for a merged multi-node
+    run each node's events/*.jsonl with that node's offset (traindx.nodes.parts). A long run's
+    later segments (X.s000001[.gz]) belong to their head X and are read with it."""
+    from traindx import nodes
+
+    out = []
+    for folder, node, offset in nodes.parts(run_path, manifest or {}):
+        for p in sorted(glob.glob(os.path.join(folder, "events", "*.jsonl"))):
+            out.append(EventFile(p, os.path.relpath(p, run_path), node, int(offset or 0)))
+    return out
 
 
-def _parse_file(index, path, rank, corrupt):
-    """(arrow table of flat events or None, [nested event dicts], [warnings]) of one file."""
-    with open(path, "rb") as f:
-        data = f.read()
-    lines = data.split(b"\n")
-    last = len(lines) - 1
-    while last >= 0 and not lines[last].strip():
-        last -= 1
-    notes = []
-    flat_idx, flat_lines, nested = [], [], []
+# -- validity: the fields every reader relies on -------------------------------------------------
+def _is_number(value):
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
 
-    def bad(n):
-        if n == last:
-            notes.append(f"{path}: last line is truncated (the job was killed mid-write); "
-                         "it was skipped")
-        elif corrupt == "skip":
-            notes.append(f"{path}:{n + 1}: corrupt event line; it was skipped")
-        else:
-            raise UserError(f"{path}:{n + 1}: corrupt event line")
 
-    for n in range(last + 1):
-        line = lines[n].strip()
-        if not line:
-            continue
-        if n == last or not _is_flat(line) or not line.startswith(b"{") or not line.endswith(b"}"):
-            try:
-                event = json.loads(line.decode("utf-8", errors="replace"))
-            except ValueError:
-                bad(n)
-                continue
-            if not isinstance(event, dict):
-                bad(n)
-                continue
-            nested.append((n, event))
-        else:
-            flat_idx.append(n)
-            flat_lines.append(line)
+def valid_event(event):
+    """type (text), t (ns, a number) and a whole step number on steps."""
+    if not isinstance(event.get("type"), str) or not _is_number(event.get("t")):
+        return False
+    if event["type"] in ("step_begin", "step_end"):
+        return isinstance(event.get("step"), int)
+    return True
+
+
+# -- one file ----------------------------------------------------------------------------------
+def _line_bounds(buf):
+    nl = np.flatnonzero(buf == 10)
+    starts = np.concatenate([[0], nl + 1])
+    ends = np.concatenate([nl, [len(buf)]])
+    return starts, ends
+
+
+def _count_per_line(buf, char, starts):
+    """How often `char` occurs in each line: its (few) positions binned by line."""
+    at = np.flatnonzero(buf == ord(char))
+    return np.bincount(np.searchsorted(starts, at, side="right") - 1, minlength=len(starts))
+
+
+def _flat_ok(table):
+    """Arrow's table of flat lines is usable as is: every row a valid event."""
+    names = table.column_names
+    if "type" not in names or "t" not in names:
+        return False
+    typ, t = table["type"].type, table["t"].type
+    if not pa.types.is_string(typ) or not (pa.types.is_integer(t) or pa.types.is_floating(t)):
+        return False
+    if table["type"].null_count or table["t"].null_count:
+        return False
+    if pa.types.is_floating(t) and pc.any(pc.is_nan(table["t"])).as_py():
+        return False
+    is_step = pc.is_in(table["type"], pa.array(["step_begin", "step_end"]))
+    if pc.any(is_step).as_py():
+        if "step" not in names or not pa.types.is_integer(table["step"].type):
+            return False
+        if pc.any(pc.and_(is_step, pc.is_null(table["step"]))).as_py():
+            return False
+    return True
+
+
+def _parse_file(index, path):
+    """{type: arrow table of flat events}, {type: [nested event dicts]}, notes, identity:
+    the process_start/rank_known/training events in file order, types present, first t.
+    Every row carries FILE (index) and SEQ (line number) for `_place`."""
+    data = read_bytes(path)  # the head and a long run's segments (profiler/rolling.py)
+    buf = np.frombuffer(data, dtype=np.uint8)
+    starts, ends = _line_bounds(buf)
+    nonempty = ends > starts
+    idx = np.flatnonzero(nonempty)
+    last = int(idx[-1]) if len(idx) else -1
+    opens = _count_per_line(buf, "{", starts)
+    lists = _count_per_line(buf, "[", starts)
+    if len(buf):
+        first_c = buf[np.minimum(starts, len(buf) - 1)]
+        last_c = buf[np.maximum(ends - 1, 0)]
+    else:
+        first_c = last_c = np.zeros(len(starts), np.uint8)
+    flat = nonempty & (opens == 1) & (lists == 0) & (first_c == ord("{")) & (last_c == ord("}"))
+    if last >= 0:
+        flat[last] = False  # a cut-off last line is told apart by json.loads
+    flat_tables, nested, notes = {}, {}, []
     table = None
-    if flat_lines:
+    flat_lines = np.flatnonzero(flat)
+    if len(flat_lines):
+        # Arrow skips blank lines: blank out the others in a copy, so row i is flat line i
+        text = buf.copy()
+        for n in np.flatnonzero(nonempty & ~flat).tolist():
+            text[starts[n]: ends[n]] = 32
         try:
             table = pa_json.read_json(
-                pa.py_buffer(b"\n".join(flat_lines)),
+                pa.py_buffer(text),
                 read_options=pa_json.ReadOptions(use_threads=False,
                                                  block_size=max(1 << 20, len(data) + 1)))
-        except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
-            # a corrupt line, or a field whose type changes between lines: json.loads decides
+            if table.num_rows != len(flat_lines) or not _flat_ok(table):
+                table = None
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError):
             table = None
-            for n, line in zip(flat_idx, flat_lines):
-                try:
-                    event = json.loads(line.decode("utf-8", errors="replace"))
-                except ValueError:
-                    bad(n)
-                    continue
-                nested.append((n, event))
-            nested.sort(key=lambda item: item[0])
-            flat_idx = []
-    if table is not None:
-        if "rank" in table.column_names:
-            table = table.drop_columns(["rank"])
-        table = table.append_column("rank", pa.array([rank] * table.num_rows, pa.string()))
-        seq = np.asarray(flat_idx, dtype=np.int64) + (np.int64(index) << 40)
-        table = table.append_column(_SEQ, pa.array(seq))
-    rows = []
-    for n, event in nested:
-        event = dict(event)
-        if event.get("type") == "process_start":
-            event["rank"] = str(event.get("rank", rank))
+        del text
+        if table is None:  # line by line: json.loads decides what is an event
+            flat[:] = False
+            flat_lines = flat_lines[:0]
+    slow = np.flatnonzero(nonempty & ~flat)
+    bad = []
+    for n in slow.tolist():
+        text = data[starts[n]: ends[n]].decode("utf-8", errors="replace")
+        if not text.strip():
+            continue
+        try:
+            event = json.loads(text)
+        except ValueError:
+            event = None
+        if isinstance(event, dict) and valid_event(event):
+            event[FILE] = index
+            event[SEQ] = n
+            nested.setdefault(event["type"], []).append(event)
+        elif n == last and not bad:
+            notes.append((TruncatedEvidenceWarning,
+                          f"{path}:{n + 1}: last line is truncated (the job was killed "
+                          "mid-write); it was skipped"))
         else:
-            event["rank"] = rank
-        event[_SEQ] = (index << 40) + n
-        rows.append(event)
-    return table, rows, notes
+            bad.append(n + 1)
+    if bad:
+        where = ", ".join(map(str, bad[:5])) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
+        notes.append((CorruptEvidenceWarning,
+                      f"{path}: corrupt line{'s' if len(bad) > 1 else ''} {where} skipped"))
+    first_t = None
+    first_seq = None
+    if table is not None and table.num_rows:
+        table = table.append_column(FILE, pa.array(np.full(table.num_rows, index, np.int32)))
+        table = table.append_column(SEQ, pa.array(flat_lines.astype(np.int64)))
+        first_t, first_seq = table["t"][0].as_py(), int(flat_lines[0])
+        enc = pc.dictionary_encode(table["type"]).combine_chunks()
+        codes = enc.indices.to_numpy(zero_copy_only=False)
+        types = enc.dictionary.to_pylist()
+        if len(types) == 1:
+            flat_tables[types[0]] = table
+        else:
+            order = np.argsort(codes, kind="stable")
+            counts = np.bincount(codes, minlength=len(types))
+            taken = table.take(pa.array(order))      # one gather; each type is then a slice
+            off = 0
+            for i, typ in enumerate(types):
+                part = taken.slice(off, int(counts[i]))
+                off += int(counts[i])
+                flat_tables[typ] = part.select([c for c in part.column_names
+                                                if part[c].null_count < part.num_rows])
+    for rows in nested.values():
+        if rows and (first_seq is None or rows[0][SEQ] < first_seq):
+            first_t, first_seq = rows[0]["t"], rows[0][SEQ]
+    identity = []
+    for typ in ("process_start", "rank_known", "training"):
+        identity += list(nested.get(typ, ()))
+        if typ in flat_tables:
+            identity += flat_tables[typ].to_pylist()
+    identity.sort(key=lambda e: e[SEQ])
+    types = set(flat_tables) | set(nested)
+    count = (table.num_rows if table is not None else 0) + sum(len(r) for r in nested.values())
+    mins = [e["t"] for rows in nested.values() for e in rows]
+    if table is not None and table.num_rows:
+        mins.append(pc.min(table["t"]).as_py())
+    return flat_tables, nested, notes, {"events": identity, "types": types, "first_t": first_t,
+                                        "count": count, "t_min": min(mins) if mins else None}
 
 
-def _raw_files(run_path):
-    return sorted(glob.glob(os.path.join(run_path, "events", "*.jsonl")))
+# -- the run's tables ----------------------------------------------------------------------------
+class EventTables:
+    """Per-type event tables of one run: `frame(type)` is a pandas DataFrame (one row per
+    event, a `rank` column, ordered by t then file order), built on first use and kept."""
+
+    def __init__(self, files, labels_by_file, flat, nested, cached=None, summary=None):
+        self.files = files
+        self._summary = summary or [[0, None]] * len(files)  # [event count, min t] per file
+        self._labels = labels_by_file          # [label or None] per file index
+        self._flat = flat                      # {type: [arrow tables]}
+        self._nested = nested                  # {type: [dicts]}
+        self._cached = cached                  # {type: parquet path} from a cache hit
+        self._frames = {}
+        self._order = {}                       # {type: (file, seq) sort keys of the frame}
+        self.types = sorted(set(flat) | set(nested) | set(cached or {}))
+
+    def frame(self, typ):
+        if typ not in self._frames:
+            self._frames[typ] = self._build(typ)
+        return self._frames[typ]
+
+    def _build(self, typ):
+        if self._cached is not None:
+            return self._read_cached(typ) if typ in self._cached else pd.DataFrame()
+        parts = []
+        tables = self._flat.pop(typ, [])
+        if tables:
+            table = pa.concat_tables(tables, promote_options="permissive")
+            tables.clear()
+            parts.append(table.to_pandas())
+            del table
+        rows = self._nested.pop(typ, [])
+        if rows:
+            parts.append(pd.DataFrame(rows))
+        if not parts:
+            return pd.DataFrame()
+        df = parts[0] if len(parts) == 1 else pd.concat(parts, ignore_index=True, sort=False)
+        return self._place(typ, df)
+
+    def _place(self, typ, df):
+        """The one vectorised pass: the file's rank label (rows of non-rank processes dropped),
+        its clock offset on every timestamp, then order by (t, file, line)."""
+        f = df[FILE].to_numpy(np.int64)
+        labels = np.array(self._labels + [None], dtype=object)
+        rank = labels[f]
+        keep = pd.notna(rank)
+        offsets = np.array([x.offset_ns for x in self.files] + [0], dtype=np.int64)
+        if not keep.all():
+            df, f, rank = df[keep], f[keep], rank[keep]
+        if offsets.any():
+            shift = offsets[f]
+            for col in TIME_COLUMNS:
+                if col in df:
+                    df[col] = df[col] + shift
+        df = df.drop(columns=[c for c in ("rank",) if c in df])
+        df["rank"] = rank
+        if any(x.node is not None for x in self.files):  # a merged multi-node run
+            df["node"] = np.array([x.node for x in self.files] + [None], dtype=object)[f]
+        t = df["t"].to_numpy()
+        if t.dtype != np.int64 and not np.isnan(t.astype(np.float64)).any() and \
+                (t.astype(np.float64) == np.floor(t.astype(np.float64))).all():
+            t = df["t"].astype(np.int64).to_numpy()  # exact ns order
+        order = np.lexsort((df[SEQ].to_numpy(np.int64), f, t))
+        df = df.iloc[order].reset_index(drop=True)
+        self._order[typ] = (df[FILE].to_numpy(np.int64), df[SEQ].to_numpy(np.int64))
+        df = df.drop(columns=[FILE, SEQ])
+        return _objects(df.dropna(axis=1, how="all"))
+
+    def ranks(self):
+        """Labels of the rank files that hold any event."""
+        return {label for label, (n, _) in zip(self._labels, self._summary)
+                if label is not None and n}
+
+    def t_min(self):
+        ts = [t + x.offset_ns for label, (n, t), x in zip(self._labels, self._summary, self.files)
+              if label is not None and n and t is not None]
+        return min(ts) if ts else None
+
+    def order_keys(self, typ):
+        self.frame(typ)
+        return self._order.get(typ)
+
+    def all_events(self):
+        """Every type in one wide frame (the old `events` table): t order, ties in file order.
+        Wide and mostly empty: only for callers that need every type at once."""
+        frames, keys = [], []
+        for typ in self.types:
+            df = self.frame(typ)
+            if not len(df):
+                continue
+            frames.append(df)
+            keys.append(self._order.get(typ) or (np.zeros(len(df), np.int64),
+                                                  np.arange(len(df), dtype=np.int64)))
+        if not frames:
+            return pd.DataFrame()
+        df = pd.concat(frames, ignore_index=True, sort=False)
+        f = np.concatenate([k[0] for k in keys])
+        s = np.concatenate([k[1] for k in keys])
+        t = df["t"].to_numpy()
+        order = np.lexsort((s, f, t))
+        return df.iloc[order].reset_index(drop=True)
+
+    # -- the Parquet cache ---------------------------------------------------------------------
+    def write_cache(self, run_path, fingerprint, meta):
+        """Write every table to the cache, one type at a time, each let go once written and read
+        back from Parquet when used: the parse's memory is not held beside the pandas tables."""
+        folder = os.path.join(run_path, CACHE_DIR)
+        tmp = folder + f".tmp{os.getpid()}"
+        written = {}
+        try:
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(tmp)
+            import pyarrow.parquet as pq
+
+            for i, typ in enumerate(self.types):
+                df = self.frame(typ)
+                out, encoded = _encode(df)
+                f, s = self._order.get(typ) or (np.zeros(len(df), np.int64), np.zeros(len(df), np.int64))
+                out[FILE] = f
+                out[SEQ] = s
+                name = os.path.join(tmp, f"{i}.parquet")
+                pq.write_table(pa.Table.from_pandas(out, preserve_index=False), name)
+                del out, df
+                written[typ] = (name, encoded)
+                self._frames.pop(typ, None)
+                self._order.pop(typ, None)
+            index = dict(meta, fingerprint=fingerprint, types=self.types,
+                         json_columns={t: enc for t, (_, enc) in written.items()})
+            with open(os.path.join(tmp, "index.json"), "w", encoding="utf-8") as fh:
+                json.dump(index, fh)
+            shutil.rmtree(folder, ignore_errors=True)
+            os.replace(tmp, folder)
+            self._cached = {t: (os.path.join(folder, os.path.basename(p)), enc)
+                            for t, (p, enc) in written.items()}
+        except (OSError, ValueError, pa.ArrowException):
+            # a read-only run folder, or a value Parquet cannot hold: the cache is optional;
+            # tables already let go come back from what was written before it failed
+            cached, self._cached = self._cached, written
+            try:
+                for typ in written:
+                    self._frames[typ] = self._read_cached(typ)
+            finally:
+                self._cached = cached
+                shutil.rmtree(tmp, ignore_errors=True)
+
+    def _read_cached(self, typ):
+        path = self._cached.get(typ)
+        if path is None:
+            return pd.DataFrame()
+        import pyarrow.parquet as pq
+
+        df = pq.read_table(path[0]).to_pandas()
+        for col in path[1]:
+            df[col] = df[col].map(lambda v: json.loads(v) if isinstance(v, str) else np.nan)
+        self._order[typ] = (df.pop(FILE).to_numpy(np.int64), df.pop(SEQ).to_numpy(np.int64))
+        return _objects(df)
 
 
-def _fingerprint(paths):
+class RankSubset:
+    """EventTables restricted to some ranks (RunRecord.subset): each table filtered on use."""
+
+    def __init__(self, tables, ranks):
+        self._tables, self._ranks, self._frames = tables, ranks, {}
+        self.types = tables.types
+        self.files = tables.files
+
+    def frame(self, typ):
+        if typ not in self._frames:
+            df = self._tables.frame(typ)
+            self._frames[typ] = df[df["rank"].isin(self._ranks).to_numpy()] if len(df) else df
+        return self._frames[typ]
+
+    def ranks(self):
+        return self._tables.ranks() & self._ranks
+
+    def t_min(self):
+        return self._tables.t_min()
+
+    def all_events(self):
+        df = self._tables.all_events()
+        return df[df["rank"].isin(self._ranks).to_numpy()] if len(df) else df
+
+
+def _objects(df):
+    """Text columns as plain object arrays of shared str objects (8 bytes a row: the few
+    distinct values are factorised once), NaN where an event has no such field. pandas'
+    Arrow-backed str columns cost a conversion per element on every iteration or to_numpy."""
+    for col in df.columns:
+        dtype = df[col].dtype
+        if isinstance(dtype, pd.StringDtype):
+            codes, uniques = pd.factorize(df[col])
+            values = np.empty(len(uniques) + 1, dtype=object)
+            values[:-1] = list(uniques)
+            values[-1] = np.nan
+            df[col] = pd.Series(values[codes], index=df.index, dtype=object)
+        elif dtype == object and col != "rank":
+            # NaN (not None) marks a field an event does not have, as pandas builds it
+            df[col] = df[col].where(df[col].notna(), np.nan)
+    return df
+
+
+def _encode(df):
+    """(frame Parquet can hold, [columns stored as JSON text]): dicts, lists and columns that
+    mix scalar kinds become JSON text."""
+    out = df.copy(deep=False)  # only the encoded columns are replaced: no copy of the rest
+    encoded = []
+    for col in out.columns:
+        if out[col].dtype != object or col == "rank":
+            continue
+        kind = pd.api.types.infer_dtype(out[col], skipna=True)  # C speed over the column
+        if kind not in ("string", "empty"):
+            encoded.append(col)
+            out[col] = out[col].map(lambda v: None if v is None or (isinstance(v, float) and v != v)
+                                    else json.dumps(v))
+    return out, encoded
+
+
+def fingerprint(files):
     out = []
-    for p in paths:
-        st = os.stat(p)
-        out.append([os.path.basename(p), st.st_size, st.st_mtime_ns])
+    for x in files:
+        for _, path, _ in [(0, x.path, False)] + segments(x.path):
+            st = os.stat(path)
+            out.append([x.rel + path[len(x.path):], st.st_size, st.st_mtime_ns, x.node,
+                        x.offset_ns])
     return json.dumps({"version": CACHE_VERSION, "files": out}, separators=(",", ":"))
 
 
-def _to_pandas(tables, rows):
-    """One frame of the flat (Arrow) and nested (dict) events, ordered by (t, file order).
-
-    Built column by column, each column let go of as soon as it is placed, so the peak is
-    about one copy of the table rather than the three a whole-frame concat + reorder needs."""
-    flat = nested = None
-    if tables:
-        table = pa.concat_tables(tables, promote_options="permissive")
-        tables.clear()
-        flat = table.to_pandas()
-        del table
-    if rows:
-        nested = pd.DataFrame(rows)
-    parts = [p for p in (flat, nested) if p is not None]
-    if not parts:
-        return pd.DataFrame()
-    seq = np.concatenate([p[_SEQ].to_numpy(dtype=np.int64) for p in parts])
-    if any("t" in p for p in parts):
-        t = np.concatenate([pd.to_numeric(p["t"], errors="coerce").to_numpy(dtype=np.float64)
-                            if "t" in p else np.full(len(p), np.nan) for p in parts])
-        if not np.isnan(t).any():  # exact ns order (float64 would round ns since the epoch)
-            t = np.concatenate([p["t"].to_numpy(dtype=np.int64) for p in parts])
-        order = np.lexsort((seq, t))
-    else:
-        order = np.argsort(seq, kind="stable")
-    del seq
-    names = list(dict.fromkeys(c for p in parts for c in p.columns if c != _SEQ))
-    out = {}
-    for col in names:
-        pieces = [p[[col]] if col in p else pd.DataFrame(index=p.index) for p in parts]
-        column = (pieces[0] if len(pieces) == 1 else
-                  pd.concat(pieces, ignore_index=True, sort=False))[col]
-        for p in parts:
-            if col in p:
-                del p[col]  # this column is placed: let the source go
-        column = column.take(order).reset_index(drop=True)
-        if column.dtype == object:
-            # NaN (not None) marks a field an event does not have, as pandas builds it from dicts
-            column = column.where(column.notna(), np.nan)
-        out[col] = column
-    return pd.DataFrame(out, copy=False)
-
-
-def _write_cache(run_path, df, fingerprint, notes):
-    """Parquet beside the raw files; nested values (dicts, lists) as JSON text."""
-    path = os.path.join(run_path, CACHE)
-    nested_cols = []
-    out = df.copy()
-    for col in out.columns:
-        if out[col].dtype == object and out[col].map(lambda v: isinstance(v, (dict, list))).any():
-            nested_cols.append(col)
-            out[col] = out[col].map(lambda v: json.dumps(v) if v is not None and v == v else None)
-        elif out[col].dtype == object:
-            # mixed scalars (text and numbers) cannot share a Parquet column: keep them as JSON
-            kinds = {type(v) for v in out[col] if v is not None and v == v}
-            if len(kinds) > 1 or (kinds and kinds != {str}):
-                nested_cols.append(col)
-                out[col] = out[col].map(lambda v: json.dumps(v) if v is not None and v == v else None)
-    table = pa.Table.from_pandas(out, preserve_index=False)
-    meta = dict(table.schema.metadata or {})
-    meta[b"traindx.fingerprint"] = fingerprint.encode()
-    meta[_NESTED_MARK.encode()] = json.dumps(nested_cols).encode()
-    meta[b"traindx.warnings"] = json.dumps(notes).encode()
-    table = table.replace_schema_metadata(meta)
-    import pyarrow.parquet as pq
-
+def read_cache(run_path, fp):
+    """(index dict, {type: (parquet path, json columns)}) when the cache matches, else None."""
+    folder = os.path.join(run_path, CACHE_DIR)
     try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        tmp = path + f".tmp{os.getpid()}"
-        pq.write_table(table, tmp)
-        os.replace(tmp, path)
-    except OSError:  # a read-only run folder: the cache is an optimisation, never required
-        pass
-
-
-def _read_cache(run_path, fingerprint):
-    """(df, warnings) from a cache that matches the raw files, else None."""
-    path = os.path.join(run_path, CACHE)
-    if not os.path.exists(path):
+        with open(os.path.join(folder, "index.json"), encoding="utf-8") as fh:
+            index = json.load(fh)
+    except (OSError, ValueError):
         return None
-    import pyarrow.parquet as pq
-
-    try:
-        meta = pq.read_schema(path).metadata or {}
-        if meta.get(b"traindx.fingerprint", b"").decode() != fingerprint:
-            return None
-        df = pq.read_table(path).to_pandas()
-        nested_cols = json.loads(meta.get(_NESTED_MARK.encode(), b"[]"))
-        notes = json.loads(meta.get(b"traindx.warnings", b"[]"))
-    except (OSError, ValueError, pa.ArrowException):
-        return None  # a damaged cache is rebuilt from the raw files
-    for col in nested_cols:
-        df[col] = df[col].map(lambda v: json.loads(v) if isinstance(v, str) else np.nan)
-    for col in df.columns:
-        if df[col].dtype == object:
-            df[col] = df[col].where(df[col].notna(), np.nan)
-    return df, notes
+    if index.get("fingerprint") != fp:
+        return None
+    paths = {typ: (os.path.join(folder, f"{i}.parquet"), index["json_columns"].get(typ, []))
+             for i, typ in enumerate(index["types"])}
+    if not all(os.path.exists(p) for p, _ in paths.values()):
+        return None
+    return index, paths
 
 
-def load_events(run_path, cache=False, corrupt="error", threads=None):
-    """The `events` table of a run folder (see the module doc).
-
-    cache: read tables/events.parquet when it matches the raw files, else parse and write it.
-    corrupt: "error" (a UserError, as record.load_run) or "skip" (a warning) for a corrupt line
-    that is not a file's last one. threads: parser threads (default: the CPUs, at most 8).
-    """
-    paths = _raw_files(run_path)
-    fingerprint = _fingerprint(paths) if cache else None
-    warn_cls = _record_warning_class()
-    if cache:
-        hit = _read_cache(run_path, fingerprint)
-        if hit is not None:
-            df, notes = hit
-            for note in notes:
-                warnings.warn(note, warn_cls, stacklevel=2)
-            return df
-    ranks = [os.path.basename(p)[: -len(".jsonl")] for p in paths]
-    workers = threads or min(8, os.cpu_count() or 1)
+def parse_files(files, threads=None):
+    """Per file: (flat tables by type, nested rows by type, notes, identity); on a thread
+    pool (Arrow and numpy release the GIL)."""
+    workers = threads or min(4, os.cpu_count() or 1)
     with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
-        results = list(pool.map(lambda a: _parse_file(a[0], a[1], a[2], corrupt),
-                                [(i, p, r) for i, (p, r) in enumerate(zip(paths, ranks))]))
-    tables = [t for t, _, _ in results if t is not None]
-    rows = [row for _, rs, _ in results for row in rs]
-    notes = [note for _, _, ns in results for note in ns]
-    for note in notes:
-        warnings.warn(note, warn_cls, stacklevel=2)
-    df = _to_pandas(tables, rows)
-    if cache:
-        _write_cache(run_path, df, fingerprint, notes)
-    return df
+        return list(pool.map(lambda a: _parse_file(a[0], a[1].path), enumerate(files)))
+
+
+def warn_all(notes, stacklevel=3):
+    for cls, message in notes:
+        warnings.warn(message, cls, stacklevel=stacklevel)
+
+
+def use_cache(files, cache):
+    """cache: True/False, or None: only when the events are large (env TRAINDX_CACHE=0|1 wins)."""
+    env = os.environ.get("TRAINDX_CACHE")
+    if env in ("0", "1"):
+        return env == "1"
+    if cache is not None:
+        return bool(cache)
+    return sum(os.path.getsize(x.path) for x in files) >= CACHE_MIN_BYTES
+
+
+def process_pid(rel):
+    return parse_process_file(os.path.basename(rel), ".jsonl")

@@ -13,7 +13,7 @@ spread over the other lines. Each row sums to its wall time exactly (integer nan
 Start-up - from the shim's `process_start` to the first step's begin - is split the same way;
 there, `unexplained` is imports, model build and data set-up.
 
-Pure and vectorised: one sort and a cumulative sum per category and rank, O(n log n).
+Pure and vectorised: one sort and a cumulative sum per category over every rank, O(n log n).
 """
 import numpy as np
 import pandas as pd
@@ -29,6 +29,7 @@ LABELS = {"compile": "compile", "autotune": "autotune", "gc": "gc", "io": "check
 # spans that count only on the thread(s) that drive the steps; compiles and GC pause every thread
 TRAINING_THREAD_ONLY = ("data", "backward", "optimizer", "io", "sync", "collective")
 STARTUP_STEP = -1
+LEDGER_CHUNK_RANKS = 128  # ranks swept together: bounds the sweep's memory on large jobs
 
 
 def spans_table(events):
@@ -40,13 +41,18 @@ def spans_table(events):
     df = events[events["type"] == "span"]
     if not len(df):
         return pd.DataFrame(columns=cols)
-    out = pd.DataFrame({"rank": df["rank"].values, "cat": df["cat"].values,
-                        "start_ns": df["start"].astype("int64").values,
-                        "end_ns": df["t"].astype("int64").values,
-                        "tid": df["tid"].values,
-                        "caller": df["caller"].values if "caller" in df else None,
-                        "call": df["call"].values if "call" in df else None})
-    return out.sort_values("start_ns", kind="stable").reset_index(drop=True)
+
+    def objects(col):  # plain object columns (pandas would make Arrow-backed str of them)
+        return pd.Series(df[col].to_numpy(object) if col in df else np.full(len(df), None),
+                         dtype=object)
+
+    out = pd.DataFrame({"rank": objects("rank"), "cat": objects("cat"),
+                        "start_ns": df["start"].astype("int64").to_numpy(),
+                        "end_ns": df["t"].astype("int64").to_numpy(),
+                        "tid": df["tid"].to_numpy(),
+                        "caller": objects("caller"), "call": objects("call")})
+    order = np.argsort(out["start_ns"].to_numpy(), kind="stable")
+    return out.take(order).reset_index(drop=True)
 
 
 def has_spans(run):
@@ -54,96 +60,120 @@ def has_spans(run):
     return len(run.spans) > 0
 
 
-def _training_threads(spans):
-    for cat in ("optimizer", "backward", "data"):
-        tids = set(spans.loc[spans["cat"] == cat, "tid"])
-        if tids:
-            return tids
-    return set()
-
-
-def _forward_intervals(spans):
-    """[anchor, backward start) for each backward on a training thread: the forward pass and
-    whatever the loop does between its previous measured call (a data wait, a backward, an
-    optimizer step, a save, a sync, a collective) and the backward. Without module hooks (they
-    would cost every module call) untimed work there - a log line, a sleep - counts as forward."""
-    bwd = spans[spans["cat"] == "backward"]
-    if not len(bwd):
-        return np.empty(0, np.int64), np.empty(0, np.int64)
-    anchors = spans[spans["cat"].isin(["data", "backward", "optimizer", "io", "sync",
-                                        "collective"])]
-    ends = np.sort(anchors["end_ns"].to_numpy(np.int64))
-    starts = bwd["start_ns"].to_numpy(np.int64)
-    i = np.searchsorted(ends, starts, side="right") - 1
-    anchor = np.where(i >= 0, ends[np.maximum(i, 0)], np.iinfo(np.int64).min)
-    return anchor, starts  # the step window clips an anchor before the step (or none at all)
-
-
 def _sweep(win_start, win_end, intervals):
     """ns per (window, category) with priority resolution; the last column is unexplained.
-    win_*: sorted, non-overlapping windows; intervals: {category index: (starts, ends)}."""
+    win_*: sorted, non-overlapping windows; intervals: {category index: (starts, ends)}.
+
+    One argsort of every boundary gives each boundary its index among the distinct points
+    (no binary search per boundary: millions of random look-ups cost more than the sort)."""
     k = len(CATEGORIES)
     out = np.zeros((len(win_start), k + 1), dtype=np.int64)
     if not len(win_start):
         return out
     lo, hi = int(win_start.min()), int(win_end.max())
-    clipped = {}
     bounds = [win_start, win_end]
+    cats = []
     for c, (s, e) in intervals.items():
         s = np.clip(np.asarray(s, np.int64), lo, hi)
         e = np.clip(np.asarray(e, np.int64), lo, hi)
         keep = e > s
-        clipped[c] = (s[keep], e[keep])
-        bounds += [s[keep], e[keep]]
-    points = np.unique(np.concatenate(bounds))
+        if keep.any():
+            cats.append(c)
+            bounds += [s[keep], e[keep]]
+    sizes = [len(b) for b in bounds]
+    allb = np.concatenate(bounds)
+    del bounds
+    order = np.argsort(allb, kind="stable")
+    sorted_b = allb[order]
+    del allb
+    new = np.r_[True, sorted_b[1:] != sorted_b[:-1]]
+    points = sorted_b[new]
     if len(points) < 2:
         return out
+    where = np.empty(len(order), np.int64)          # each boundary's index in points
+    where[order] = np.cumsum(new) - 1
+    del order, sorted_b, new
+    offs = np.cumsum([0] + sizes)
     seg_len = np.diff(points)
-    winner = np.full(len(seg_len), k, dtype=np.int64)
-    for c in sorted(clipped, reverse=True):          # lowest priority first, higher overwrite
-        s, e = clipped[c]
-        if not len(s):
-            continue
-        delta = np.zeros(len(points) + 1, dtype=np.int64)
-        np.add.at(delta, np.searchsorted(points, s), 1)
-        np.add.at(delta, np.searchsorted(points, e), -1)
+    n = len(points)
+    winner = np.full(n - 1, k, dtype=np.int64)
+    pieces = {c: (where[offs[2 + 2 * i]: offs[3 + 2 * i]], where[offs[3 + 2 * i]: offs[4 + 2 * i]])
+              for i, c in enumerate(cats)}
+    for c in sorted(pieces, reverse=True):          # lowest priority first, higher overwrite
+        si, ei = pieces[c]
+        delta = np.bincount(si, minlength=n + 1) - np.bincount(ei, minlength=n + 1)
         active = np.cumsum(delta)[:-2] > 0
         winner[active] = c
-    seg_start = points[:-1]
-    w = np.searchsorted(win_start, seg_start, side="right") - 1
-    valid = (w >= 0) & (seg_start < win_end[np.maximum(w, 0)])
-    np.add.at(out, (w[valid], winner[valid]), seg_len[valid])
-    return out
+    # the window a segment starts in: the last window start at or before it
+    ws_i, we_i = where[offs[0]: offs[1]], where[offs[1]: offs[2]]
+    mark = np.full(n, -1, np.int64)
+    mark[ws_i] = np.arange(len(ws_i))
+    w = np.maximum.accumulate(mark)[:-1]
+    end_at = np.full(len(ws_i), -1, np.int64)
+    end_at[:] = we_i
+    valid = (w >= 0) & (np.arange(n - 1) < end_at[np.maximum(w, 0)])
+    # integer ns sums below 2**53 per cell: exact in bincount's float64
+    cell = np.bincount(w[valid] * (k + 1) + winner[valid], weights=seg_len[valid],
+                       minlength=len(win_start) * (k + 1))
+    return np.rint(cell).astype(np.int64).reshape(len(win_start), k + 1)
 
 
-def _rank_intervals(spans, compiles, win_start):
-    intervals = {}
-    train = _training_threads(spans)
-    on_train = spans[spans["tid"].isin(train) | ~spans["cat"].isin(TRAINING_THREAD_ONLY)]
+def _training_pairs(cat, tid, rid):
+    """(rank id, tid) of each rank's training thread(s): the threads of its optimizer spans,
+    else its backward spans, else its data spans."""
+    prio = pd.Index(["optimizer", "backward", "data"]).get_indexer(cat)
+    has = prio >= 0
+    if not has.any():
+        return pd.MultiIndex.from_arrays([[], []])
+    first = pd.Series(prio[has]).groupby(rid[has]).transform("min").to_numpy()
+    chosen = prio[has] == first
+    return pd.MultiIndex.from_arrays([rid[has][chosen], tid[has][chosen]]).unique()
+
+
+def _intervals(spans, srid, compiles, win_start, win_rid):
+    """{category index: (starts, ends)} of every rank at once, on the ranks' shifted time axis
+    (see compute): spans of the training thread(s) (compiles and GC pause every thread), the
+    forward stretches before each backward, compiles and autotunes.
+    spans: (cat, tid, start, end) arrays; compiles: (is autotune, start, end) arrays."""
     index = {c: i for i, c in enumerate(CATEGORIES)}
+    parts = {}
 
     def add(cat, s, e):
-        s0, e0 = intervals.get(index[cat], (np.empty(0, np.int64), np.empty(0, np.int64)))
-        intervals[index[cat]] = (np.concatenate([s0, np.asarray(s, np.int64)]),
-                                 np.concatenate([e0, np.asarray(e, np.int64)]))
+        parts.setdefault(index[cat], []).append((np.asarray(s, np.int64), np.asarray(e, np.int64)))
 
-    for cat, rows in on_train.groupby("cat"):
-        name = "forward_backward" if cat == "backward" else cat
-        if name in index:
-            add(name, rows["start_ns"].to_numpy(np.int64), rows["end_ns"].to_numpy(np.int64))
-    fs, fe = _forward_intervals(on_train)
-    if len(fs):
-        # a forward never reaches back before the step (or start-up) its backward belongs to
-        w = np.searchsorted(win_start, fe, side="right") - 1
-        floor = np.where(w >= 0, win_start[np.maximum(w, 0)], fe)
-        add("forward_backward", np.maximum(fs, floor), fe)
-    if len(compiles):
-        comp = compiles.dropna(subset=["start_ns", "end_ns"])
-        tune = comp["kind"] == "triton_autotune"
-        for cat, rows in (("autotune", comp[tune]), ("compile", comp[~tune])):
-            if len(rows):
-                add(cat, rows["start_ns"].astype("int64"), rows["end_ns"].astype("int64"))
-    return intervals
+    if spans is not None and len(spans[0]):
+        cat, tid, s, e = spans
+        train = _training_pairs(cat, tid, srid)
+        mine = pd.MultiIndex.from_arrays([srid, tid]).isin(train)
+        keep = mine | ~np.isin(cat, TRAINING_THREAD_ONLY)
+        cat, s, e, r = cat[keep], s[keep], e[keep], srid[keep]
+        codes, names = pd.factorize(cat)
+        for code, name in enumerate(names):
+            target = "forward_backward" if name == "backward" else name
+            if target in index:
+                sel = codes == code
+                add(target, s[sel], e[sel])
+        # the forward pass: [previous measured call's end, backward start) on a training thread
+        bwd = cat == "backward"
+        if bwd.any():
+            anchors = np.isin(cat, ["data", "backward", "optimizer", "io", "sync", "collective"])
+            a_order = np.argsort(e[anchors], kind="stable")
+            a_end, a_rid = e[anchors][a_order], r[anchors][a_order]
+            fe, f_rid = s[bwd], r[bwd]
+            i = np.searchsorted(a_end, fe, side="right") - 1
+            ok = (i >= 0) & (a_rid[np.maximum(i, 0)] == f_rid)
+            anchor = np.where(ok, a_end[np.maximum(i, 0)], np.iinfo(np.int64).min)
+            # a forward never reaches back before the step (or start-up) its backward belongs to
+            w = np.searchsorted(win_start, fe, side="right") - 1
+            in_rank = (w >= 0) & (win_rid[np.maximum(w, 0)] == f_rid)
+            floor = np.where(in_rank, win_start[np.maximum(w, 0)], fe)
+            add("forward_backward", np.maximum(anchor, floor), fe)
+    if compiles is not None and len(compiles[0]):
+        tune, cs, ce = compiles
+        add("autotune", cs[tune], ce[tune])
+        add("compile", cs[~tune], ce[~tune])
+    return {c: (np.concatenate([p[0] for p in ps]), np.concatenate([p[1] for p in ps]))
+            for c, ps in parts.items()}
 
 
 def _process_starts(events):
@@ -154,46 +184,96 @@ def _process_starts(events):
 
 
 def compute(steps, spans, compiles, events):
-    """(ledger of the steps, start-up ledger): one row per rank-step / per rank, COLUMNS."""
+    """(ledger of the steps, start-up ledger): one row per rank-step / per rank, COLUMNS.
+
+    Every rank at once: each rank's times move to a block of their own on one axis (rank id x
+    the run's time span), so one sort and sweep serves all ranks and no interval can reach
+    another rank's windows; the split is the per-rank one, exactly."""
     steps = steps.dropna(subset=["start_ns", "end_ns"])
+    empty = pd.DataFrame(columns=COLUMNS)
+    if not len(steps):
+        return empty, empty.copy()
     starts = _process_starts(events)
-    step_rows, startup_rows = [], []
-    by_rank_spans = dict(tuple(spans.groupby("rank"))) if len(spans) else {}
-    by_rank_comp = dict(tuple(compiles.groupby("rank"))) if len(compiles) else {}
-    for rank, group in steps.groupby("rank", sort=False):
-        group = group.sort_values("start_ns")
-        ws = group["start_ns"].to_numpy(np.int64)
-        we = group["end_ns"].to_numpy(np.int64)
-        ids = group["step"].to_numpy(np.int64)
-        first = starts.get(str(rank))
-        has_startup = first is not None and first < ws[0]
-        if has_startup:
-            ws, we, ids = (np.concatenate([[first], ws]), np.concatenate([[ws[0]], we]),
-                           np.concatenate([[STARTUP_STEP], ids]))
-        intervals = _rank_intervals(by_rank_spans.get(rank, spans.iloc[0:0]),
-                                    by_rank_comp.get(rank, compiles.iloc[0:0]), ws)
-        ns = _sweep(ws, we, intervals)
-        table = pd.DataFrame(ns / 1e9, columns=[f"{c}_s" for c in CATEGORIES] + ["unexplained_s"])
-        table.insert(0, "wall_s", (we - ws) / 1e9)
-        table.insert(0, "end_ns", we)
-        table.insert(0, "start_ns", ws)
-        table.insert(0, "step", ids)
-        table.insert(0, "rank", rank)
-        if has_startup:
-            startup_rows.append(table.iloc[:1])
-            table = table.iloc[1:]
-        step_rows.append(table)
-    ledger = pd.concat(step_rows, ignore_index=True) if step_rows else pd.DataFrame(columns=COLUMNS)
-    startup = (pd.concat(startup_rows, ignore_index=True) if startup_rows
-               else pd.DataFrame(columns=COLUMNS))
+    ranks = pd.unique(steps["rank"])                     # the order of the output's ranks
+    rank_index = pd.Index(ranks)
+    rid = rank_index.get_indexer(steps["rank"].to_numpy(object)).astype(np.int64)
+    ws = steps["start_ns"].to_numpy(np.int64)
+    we = steps["end_ns"].to_numpy(np.int64)
+    ids = steps["step"].to_numpy(np.int64)
+    order = np.lexsort((ws, rid))
+    rid, ws, we, ids = rid[order], ws[order], we[order], ids[order]
+    first_pos = np.flatnonzero(np.r_[True, rid[1:] != rid[:-1]])
+    # start-up: process start -> first step begin, where the process started before it
+    first_start = np.array([starts.get(str(r), np.iinfo(np.int64).max) for r in ranks], np.int64)
+    has_startup = first_start[rid[first_pos]] < ws[first_pos]
+    su_rid = rid[first_pos][has_startup]
+    su_s, su_e = first_start[su_rid], ws[first_pos][has_startup]
+    w_rid = np.concatenate([rid, su_rid])
+    w_s, w_e = np.concatenate([ws, su_s]), np.concatenate([we, su_e])
+    w_id = np.concatenate([ids, np.full(len(su_rid), STARTUP_STEP)])
+    w_order = np.lexsort((w_s, w_rid))
+    w_rid, w_s, w_e, w_id = w_rid[w_order], w_s[w_order], w_e[w_order], w_id[w_order]
+
+    def of_ranks(df):
+        if not len(df):
+            return df, np.empty(0, np.int64)
+        r = rank_index.get_indexer(df["rank"].to_numpy(object))
+        return df[r >= 0], r[r >= 0].astype(np.int64)
+
+    spans, srid = of_ranks(spans)
+    comp = compiles.dropna(subset=["start_ns", "end_ns"]) if len(compiles) else compiles
+    comp, crid = of_ranks(comp)
+    # one axis for all ranks: t -> (t - base) + rank id * span
+    lows = [w_s.min()] + ([spans["start_ns"].astype("int64").min(), spans["end_ns"].astype("int64").min()]
+                          if len(spans) else []) + \
+        ([comp["start_ns"].astype("int64").min(), comp["end_ns"].astype("int64").min()] if len(comp) else [])
+    highs = [w_e.max()] + ([spans["start_ns"].astype("int64").max(), spans["end_ns"].astype("int64").max()]
+                           if len(spans) else []) + \
+        ([comp["start_ns"].astype("int64").max(), comp["end_ns"].astype("int64").max()] if len(comp) else [])
+    base, width = int(min(lows)), int(max(highs)) - int(min(lows)) + 1
+    # ranks whose blocks fit in int64, and few enough that the sweep's arrays stay small
+    per_chunk = max(1, min((1 << 62) // width, LEDGER_CHUNK_RANKS))
+    span_cat = spans["cat"].to_numpy(object) if len(spans) else None
+    span_tid = spans["tid"].to_numpy() if len(spans) else None
+    ns = np.zeros((len(w_s), len(CATEGORIES) + 1), np.int64)
+    for lo in range(0, len(ranks), per_chunk):
+        hi = lo + per_chunk
+        wsel = (w_rid >= lo) & (w_rid < hi)
+        ssel = (srid >= lo) & (srid < hi)
+        csel = (crid >= lo) & (crid < hi)
+
+        def shift(t, r):
+            return (np.asarray(t, np.int64) - base) + (r - lo) * width
+
+        cs = sp = None
+        if len(comp):
+            cs = (comp["kind"].to_numpy(object)[csel] == "triton_autotune",
+                  shift(comp["start_ns"].astype("int64").to_numpy()[csel], crid[csel]),
+                  shift(comp["end_ns"].astype("int64").to_numpy()[csel], crid[csel]))
+        if len(spans):
+            sp = (span_cat[ssel], span_tid[ssel],
+                  shift(spans["start_ns"].to_numpy(np.int64)[ssel], srid[ssel]),
+                  shift(spans["end_ns"].to_numpy(np.int64)[ssel], srid[ssel]))
+        win_s, win_e = shift(w_s[wsel], w_rid[wsel]), shift(w_e[wsel], w_rid[wsel])
+        intervals = _intervals(sp, srid[ssel], cs, win_s, w_rid[wsel])
+        ns[wsel] = _sweep(win_s, win_e, intervals)
+    table = pd.DataFrame(ns / 1e9, columns=[f"{c}_s" for c in CATEGORIES] + ["unexplained_s"])
+    table.insert(0, "wall_s", (w_e - w_s) / 1e9)
+    table.insert(0, "end_ns", w_e)
+    table.insert(0, "start_ns", w_s)
+    table.insert(0, "step", w_id)
+    table.insert(0, "rank", pd.Series(np.asarray(ranks, dtype=object)[w_rid], dtype=object))
+    is_startup = w_id == STARTUP_STEP
+    first_of_rank = np.r_[True, w_rid[1:] != w_rid[:-1]]
+    startup_rows = is_startup & first_of_rank
+    ledger = table[~startup_rows].reset_index(drop=True)
+    startup = table[startup_rows].reset_index(drop=True)
     return ledger[COLUMNS], startup[COLUMNS]
 
 
 # -- reading the ledger ----------------------------------------------------------------------------
 def rows(run, rank=None, steps=None):
-    led = run.ledger
-    if rank is not None:
-        led = led[led["rank"] == rank]
+    led = run.ledger if rank is None else run.rank_rows("ledger", rank)
     if steps is not None:
         led = led[led["step"].isin(set(int(s) for s in steps))]
     return led
@@ -252,13 +332,19 @@ def steady_rows(run, rank=None):
     """The ledger over the steady window (no warm-up, no torch.profiler window)."""
     from traindx.analyzers import evidence as ev
 
-    steady = ev.steady_steps(run, rank)
-    if not len(steady):
-        return rows(run, rank).iloc[0:0]
-    keys = set(zip(steady["rank"], steady["step"].astype(int)))
-    led = rows(run, rank)
-    mask = [(r, int(s)) in keys for r, s in zip(led["rank"], led["step"])]
-    return led[mask]
+    def build():
+        steady = ev.steady_steps(run)
+        led = rows(run)
+        if not len(steady) or not len(led):
+            return led.iloc[0:0]
+        keys = pd.MultiIndex.from_arrays([steady["rank"], steady["step"].astype(np.int64)])
+        mine = pd.MultiIndex.from_arrays([led["rank"], led["step"].astype(np.int64)])
+        return led[mine.isin(keys)]
+
+    table = run.cached("steady_ledger", build)
+    if rank is None:
+        return table.copy(deep=False)
+    return run.rank_rows("steady_ledger", rank, table)
 
 
 # -- predictions -------------------------------------------------------------------------------------

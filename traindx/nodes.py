@@ -181,29 +181,45 @@ def shift_events(events, node, offset_ns):
     return events
 
 
-def combine(loaded):
-    """One run's (rows, process table, labels) from its nodes' [(node, offset_ns, (rows, table,
-    {pid: label}))] in the merged manifest's node order. Rank labels are the job's global
-    ranks, so they do not repeat across nodes; when they do (two single-node jobs, ranks of
-    unknown rank), the first node keeps the plain label and the others get '<label>@<node>'.
-    Processes are (node, pid): a pid may repeat on another host."""
-    rows, table, labels, taken = [], [], {}, set()
-    for node, offset, (node_rows, node_table, node_labels) in loaded:
+def rename_labels(per_node):
+    """{(node, pid): label} from each node's [(node, {pid: label})] in the merged manifest's
+    node order. Rank labels are the job's global ranks, so they do not repeat across nodes;
+    when they do (two single-node jobs, ranks of unknown rank), the first node keeps the plain
+    label and the others get '<label>@<node>'."""
+    labels, taken = {}, set()
+    for node, node_labels in per_node:
         rename = {}
         for label in sorted(set(node_labels.values()), key=lambda r: (len(r), r)):
             rename[label] = label if label not in taken else f"{label}@{node}"
         taken.update(rename.values())
+        labels.update({(node, pid): rename[label] for pid, label in node_labels.items()})
+    return labels
+
+
+def combine(loaded):
+    """One run's (rows, process table, labels) from its nodes' [(node, offset_ns, (rows, table,
+    {pid: label}))]: rows moved onto the reference clock and relabelled (`rename_labels`);
+    processes are (node, pid): a pid may repeat on another host."""
+    labels = rename_labels([(node, node_labels) for node, _, (_, _, node_labels) in loaded])
+    rows, table = [], []
+    for node, offset, (node_rows, node_table, node_labels) in loaded:
         for event in shift_events(node_rows, node, offset):
-            if event.get("rank") in rename:
-                event["rank"] = rename[event["rank"]]
+            if event.get("rank") is not None:
+                event["rank"] = _renamed(labels, node, node_labels, event["rank"])
             rows.append(event)
         for proc in node_table:
             proc = dict(proc, node=node)
             if proc.get("label") is not None:
-                proc["label"] = rename.get(proc["label"], proc["label"])
+                proc["label"] = labels.get((node, proc["pid"]), proc["label"])
             table.append(proc)
-        labels.update({(node, pid): rename.get(label, label) for pid, label in node_labels.items()})
     return rows, table, labels
+
+
+def _renamed(labels, node, node_labels, label):
+    for pid, old in node_labels.items():
+        if old == label:
+            return labels[(node, pid)]
+    return label
 
 
 def load_traces(run_dir, manifest):

@@ -1,8 +1,10 @@
 """The run record: everything one `diagnose` run collected, loaded into one immutable object.
 
 Raw evidence stays as written in the run folder; this module derives per-rank pandas DataFrames
-from it (one `rank` column each, HTA-style) on a single wall-clock-ns time axis. Analyzers,
-reports and comparisons read only this object and never change it.
+from it (one `rank` column each, HTA-style) on a single wall-clock-ns time axis. The shim's
+events are read per type (traindx.columnar: Arrow, no Python loop per event); each table is
+built when first used. Analyzers, reports and comparisons read only this object and never
+change it.
 """
 import glob
 import json
@@ -12,8 +14,11 @@ import warnings
 from dataclasses import dataclass, field
 from functools import cached_property
 
+import numpy as np
 import pandas as pd
 
+from traindx import columnar
+from traindx.columnar import CorruptEvidenceWarning, TruncatedEvidenceWarning  # noqa: F401
 from traindx.errors import UserError
 from traindx.profiler.shim._traindx_shim.roles import parse_process_file, rank_labels
 
@@ -26,14 +31,6 @@ COMPILE_COLUMNS = ["rank", "kind", "kernel", "start_ns", "end_ns", "duration_s",
 _WRAPPED_VALUE = re.compile(r"loss\w*:\s*$")
 _VALUE_LINE = re.compile(r"^[\s\d:.,/%•-]*\s[-+]?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?\s*$|"
                          r"^\s*[-+]?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?\s*$")
-
-
-class TruncatedEvidenceWarning(UserWarning):
-    pass
-
-
-class CorruptEvidenceWarning(TruncatedEvidenceWarning):
-    """A line of an evidence file that is not a JSON object was skipped."""
 
 
 def _read_jsonl(path, valid=None):
@@ -77,12 +74,51 @@ def _rank_of(path, suffix):
 class RunRecord:
     path: str
     manifest: dict
-    events: pd.DataFrame = field(repr=False)  # every rank's shim events, one row each, `rank` column
+    tables: columnar.EventTables = field(repr=False)  # the shim's events, one table per type
     # every Python process the shim saw (launchers too): pid, ppid, label (rank label or None),
     # rank, evidence (what showed it trains), argv, file
     processes: pd.DataFrame = field(repr=False, default_factory=lambda: pd.DataFrame(
         columns=PROCESS_COLUMNS))
     labels: dict = field(repr=False, default_factory=dict)  # {pid: rank label}
+    memo: dict = field(repr=False, default_factory=dict, compare=False)  # derived, shared tables
+
+    def of_type(self, type_):
+        """The events of one type (a `rank` column; the fields that type has), in t order."""
+        df = self.tables.frame(type_)
+        return df.copy(deep=False) if len(df) else pd.DataFrame()
+
+    @cached_property
+    def events(self):
+        """Every event of every rank in one wide frame, t order (built only if asked for:
+        per-type tables via of_type() are what the analyzers read)."""
+        return self.tables.all_events()
+
+    def subset(self, ranks):
+        """The same run restricted to some ranks: every derived table filtered once, by one
+        vectorised isin (nothing re-parsed or re-computed; the log, NVML and manifest shared)."""
+        keep = set(ranks)
+        sub = RunRecord(path=self.path, manifest=self.manifest,
+                        tables=columnar.RankSubset(self.tables, keep), processes=self.processes,
+                        labels=self.labels)
+
+        def only(df):
+            return df[df["rank"].isin(keep).to_numpy()] if len(df) and "rank" in df else df
+
+        for name in ("steps", "spans", "compiles", "gc", "alloc", "torch_trace", "dumps"):
+            sub.__dict__[name] = only(getattr(self, name))
+        ledger, startup = self._ledgers
+        sub.__dict__["_ledgers"] = (only(ledger), only(startup))
+        for name in ("log", "log_steps", "gpu", "t_min"):
+            sub.__dict__[name] = getattr(self, name)
+        sub.__dict__["pyspy"] = {k: v for k, v in self.pyspy.items() if k[0] in keep}
+        sub.__dict__["ranks"] = [r for r in self.ranks if r in keep]
+        return sub
+
+    def cached(self, key, build):
+        """A table derived once per run and shared by analyzers (e.g. the steady steps)."""
+        if key not in self.memo:
+            self.memo[key] = build()
+        return self.memo[key]
 
     def _label_of_file(self, stem):
         """Rank label of a per-process file stem 'p<pid>' (None: not a rank); other stems are
@@ -99,30 +135,57 @@ class RunRecord:
     # -- the derived tables --------------------------------------------------------------------
     @cached_property
     def ranks(self):
-        ranks = set(self.events["rank"].unique()) if len(self.events) else set()
+        ranks = set(self.tables.ranks())
         ranks |= set(self.manifest.get("ranks", {}).keys())
         return sorted(ranks, key=lambda r: (len(str(r)), str(r)))
 
     def _of_type(self, type_):
-        if not len(self.events):
-            return pd.DataFrame()
-        return self.events[self.events["type"] == type_].dropna(axis=1, how="all")
+        return self.of_type(type_)
+
+    @cached_property
+    def t_min(self):
+        """The earliest event time (ns), None without events."""
+        return self.tables.t_min()
 
     @cached_property
     def steps(self):
-        """One row per completed optimizer step of each rank."""
-        rows = []
-        for rank, ev in self.events.groupby("rank") if len(self.events) else []:
-            begins = {}
-            for e in ev[ev["type"].isin(["step_begin", "step_end"])].itertuples():
-                if e.type == "step_begin":
-                    begins[int(e.step)] = int(e.t)
-                else:
-                    start = begins.get(int(e.step))
-                    rows.append({"rank": rank, "step": int(e.step), "start_ns": start,
-                                 "end_ns": int(e.t),
-                                 "duration_s": None if start is None else (int(e.t) - start) / 1e9})
-        return pd.DataFrame(rows, columns=STEP_COLUMNS)
+        """One row per completed optimizer step of each rank: each step_end paired with the
+        latest step_begin of the same rank and step number before it (merge_asof)."""
+        ends = self.of_type("step_end")
+        if not len(ends):
+            return pd.DataFrame(columns=STEP_COLUMNS)
+        ends = pd.DataFrame({"rank": pd.Series(ends["rank"].to_numpy(object), dtype=object),
+                             "step": ends["step"].astype(np.int64).to_numpy(),
+                             "end_ns": ends["t"].astype(np.int64).to_numpy()})
+        begins = self.of_type("step_begin")
+        if len(begins):
+            begins = pd.DataFrame({"rank": pd.Series(begins["rank"].to_numpy(object), dtype=object),
+                                   "step": begins["step"].astype(np.int64).to_numpy(),
+                                   "start_ns": begins["t"].astype(np.int64).to_numpy()})
+            begins["t"] = begins["start_ns"]
+            begins["_begin"] = np.arange(len(begins), dtype=np.float64)
+            ends["t"] = ends["end_ns"]
+            ends["_row"] = np.arange(len(ends))
+            paired = pd.merge_asof(ends, begins.drop(columns=["start_ns"]), on="t",
+                                   by=["rank", "step"], direction="backward",
+                                   allow_exact_matches=True)
+            which = paired.sort_values("_row", kind="stable")["_begin"].to_numpy(np.float64)
+            found = ~np.isnan(which)
+            start_ns = begins["start_ns"].to_numpy(np.int64)[np.where(found, which, 0).astype(np.int64)]
+            start = np.where(found, start_ns, 0) if found.all() else \
+                np.where(found, start_ns.astype(np.float64), np.nan)
+        else:
+            start = np.full(len(ends), np.nan)
+        out = pd.DataFrame({"rank": pd.Series(ends["rank"].to_numpy(object), dtype=object),
+                            "step": ends["step"].to_numpy(),
+                            "start_ns": start, "end_ns": ends["end_ns"].to_numpy()})
+        # exact ns difference; a step without its begin: NaN (start_ns then a float column)
+        out["duration_s"] = ((out["end_ns"] - out["start_ns"]) / 1e9 if start.dtype == np.int64
+                             else (out["end_ns"].astype(np.float64) - start) / 1e9)
+        # rank order (as groupby gives it), t order within a rank
+        codes, _ = pd.factorize(out["rank"], sort=True)
+        out = out.iloc[np.argsort(codes, kind="stable")]
+        return out.reset_index(drop=True)[STEP_COLUMNS]
 
     @cached_property
     def compiles(self):
@@ -194,8 +257,8 @@ class RunRecord:
                 parsed["t"] = t
                 rows.append(parsed)
         if any(r["step"] is None for r in rows):
-            ends = sorted(int(t) for t in self.events["t"][self.events["type"] == "step_end"]) \
-                if len(self.events) and "type" in self.events else []
+            step_end = self.of_type("step_end")
+            ends = sorted(int(t) for t in step_end["t"]) if len(step_end) else []
             import bisect
             unnumbered = 0
             for r in rows:
@@ -255,13 +318,13 @@ class RunRecord:
         end_ns, tid, caller."""
         from traindx.ledger import spans_table
 
-        return spans_table(self.events)
+        return spans_table(self.of_type("span"))
 
     @cached_property
     def _ledgers(self):
         from traindx.ledger import compute
 
-        return compute(self.steps, self.spans, self.compiles, self.events)
+        return compute(self.steps, self.spans, self.compiles, self.of_type("process_start"))
 
     @property
     def ledger(self):
@@ -285,15 +348,30 @@ class RunRecord:
         return self.manifest.get("missing", {})
 
     def rank_steps(self, rank):
-        return self.steps[self.steps["rank"] == rank]
+        return self.rank_rows("steps", rank)
+
+    def rank_rows(self, table, rank, frame=None):
+        """The rows of one rank of a derived table ('steps', 'gc', 'spans', 'ledger', ... or
+        `frame` under that name), from one groupby per table: per-rank analyzers then cost
+        O(that rank's rows), not a scan of every rank's rows each."""
+        def split():
+            df = getattr(self, table) if frame is None else frame
+            if not len(df) or "rank" not in df:
+                return df.iloc[0:0], {}
+            return df.iloc[0:0], {r: g for r, g in df.groupby("rank", sort=False)}
+        empty, groups = self.cached(("by_rank", table), split)
+        got = groups.get(rank)
+        return (empty if got is None else got).copy(deep=False)
 
 
 def is_run_dir(path):
     return os.path.isfile(os.path.join(path, "manifest.json"))
 
 
-def load_run(path):
-    """Load a run folder written by `diagnose`. Raises UserError for anything that is not one."""
+def load_run(path, cache=None):
+    """Load a run folder written by `diagnose`. Raises UserError for anything that is not one.
+    cache: keep the parsed event tables as Parquet under tables/events/ (None: only for large
+    runs; the environment variable TRAINDX_CACHE=0|1 overrides)."""
     path = os.path.abspath(os.fspath(path))
     if not os.path.isdir(path):
         raise UserError(f"no such run folder: {path}")
@@ -310,46 +388,18 @@ def load_run(path):
         raise UserError(f"{manifest_path} is corrupt (not JSON)") from None
     if not isinstance(manifest, dict) or "command" not in manifest:
         raise UserError(f"{manifest_path} is not a traindx manifest")
-    rows, processes, labels = _load_parts(path, manifest)
-    events = pd.DataFrame(rows)
-    if len(events):
-        events = events.sort_values("t", kind="stable").reset_index(drop=True)
+    tables, processes, labels = _load_tables(path, cache, manifest)
     columns = PROCESS_COLUMNS + (["node"] if manifest.get("nodes") else [])
-    return RunRecord(path=path, manifest=manifest, events=events,
+    return RunRecord(path=path, manifest=manifest, tables=tables,
                      processes=pd.DataFrame(processes, columns=columns), labels=labels)
-
-
-def _load_parts(path, manifest):
-    """Events of the run, or of a merged multi-node run (`diagnose merge`): every node's
-    events/ folder as `_load_events` reads it, its timestamps moved by that node's clock offset
-    (traindx.nodes.parts lists (folder, node, offset_ns); nodes.shift_events applies it)."""
-    from traindx import nodes
-
-    parts = nodes.parts(path, manifest)
-    if len(parts) == 1 and parts[0][1] is None:
-        return _load_events(path)
-    return nodes.combine([(node, offset, _load_events(folder)) for folder, node, offset in parts])
-
-
-def _is_number(value):
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
-
-
-def _valid_event(event):
-    """The fields every reader relies on: type, t (ns), and a whole step number on steps."""
-    if not isinstance(event.get("type"), str) or not _is_number(event.get("t")):
-        return False
-    if event["type"] in ("step_begin", "step_end"):
-        return isinstance(event.get("step"), int)
-    return True
 
 
 TRAINING_EVENTS = {"training", "step_begin", "step_end", "optimizer_created"}
 IDENTITY_EVENTS = {"process_start", "rank_known"}
 
 
-def _load_events(path):
-    """Events of the ranks, with their rank label; the process table; {pid: label}.
+def _load_tables(path, cache=None, manifest=None):
+    """(EventTables, process table rows, labels) of the run's events.
 
     `events/p<pid>.jsonl` holds one process (any process of the job); its rank is the last
     `rank_known` it wrote, else the rank in its `process_start`. Ranks are the processes that
@@ -357,49 +407,122 @@ def _load_events(path):
     compile-only script), the processes that recorded anything, else the first one started.
     Labels come from `roles.rank_labels` (one rank in several processes: kept apart, never
     merged). `events/<label>.jsonl` (attach mode, earlier versions) is that rank as is.
+    A merged multi-node run (traindx.nodes): each node's processes are labelled on their own,
+    then combined (`nodes.rename_labels`); labels are then keyed by (node, pid), since a pid may
+    repeat on another host.
     """
-    per_process, by_label = [], {}
-    for events_path in sorted(glob.glob(os.path.join(path, "events", "*.jsonl"))):
-        name = os.path.basename(events_path)
-        events = _read_jsonl(events_path, _valid_event)
-        pid = parse_process_file(name, ".jsonl")
+    files = columnar.event_files(path, manifest)
+    multi = any(x.node is not None for x in files) or bool((manifest or {}).get("nodes"))
+    cached = columnar.use_cache(files, cache)
+    fp = columnar.fingerprint(files) if cached else None
+    hit = columnar.read_cache(path, fp) if cached else None
+    if hit is not None:
+        index, paths = hit
+        columnar.warn_all([(CorruptEvidenceWarning if c == "corrupt" else TruncatedEvidenceWarning, m)
+                           for c, m in index["notes"]], stacklevel=4)
+        tables = columnar.EventTables(files, index["labels_by_file"], {}, {}, cached=paths,
+                                      summary=index["summary"])
+        return tables, index["processes"], _labels_from_json(index["labels"])
+    parsed = columnar.parse_files(files)
+    notes = [n for _, _, ns, _ in parsed for n in ns]
+    columnar.warn_all(notes, stacklevel=4)
+    per_process, label_of_file = [], [None] * len(files)
+    for i, (x, (_, _, _, ident)) in enumerate(zip(files, parsed)):
+        pid = columnar.process_pid(x.rel)
         if pid is None:
-            by_label[name[: -len(".jsonl")]] = events
+            label_of_file[i] = os.path.basename(x.rel)[: -len(".jsonl")]
             continue
         info = {"pid": pid, "ppid": None, "rank": None, "start": None, "evidence": None,
-                "argv": None, "file": os.path.join("events", name), "events": events,
-                "training": False, "recorded": False}
-        for e in events:
+                "argv": None, "file": x.rel, "index": i, "node": x.node,
+                "training": bool(ident["types"] & TRAINING_EVENTS),
+                "recorded": bool(ident["types"] - IDENTITY_EVENTS)}
+        for e in ident["events"]:
             kind = e["type"]
             if kind == "process_start":
-                info.update(ppid=e.get("ppid"), argv=e.get("argv"), start=e["t"])
-                if e.get("rank") is not None:
+                info.update(ppid=_none_if_nan(e.get("ppid")), argv=e.get("argv"), start=e["t"])
+                if _none_if_nan(e.get("rank")) is not None:
                     info["rank"] = str(e["rank"])
-            elif kind == "rank_known" and e.get("rank") is not None:
+            elif kind == "rank_known" and _none_if_nan(e.get("rank")) is not None:
                 info["rank"] = str(e["rank"])
             if kind == "training" and info["evidence"] is None:
-                info["evidence"] = e.get("evidence")
-            info["training"] |= kind in TRAINING_EVENTS
-            info["recorded"] |= kind not in IDENTITY_EVENTS
-        info["start"] = info["start"] if info["start"] is not None else (events[0]["t"] if events else 0)
+                info["evidence"] = _none_if_nan(e.get("evidence"))
+        if info["start"] is None:
+            info["start"] = ident["first_t"] if ident["first_t"] is not None else 0
         per_process.append(info)
-    ranks = [p for p in per_process if p["training"]] or [p for p in per_process if p["recorded"]]
-    if not ranks and per_process and not by_label:
-        ranks = [min(per_process, key=lambda p: (p["start"], p["pid"]))]
-    labels = rank_labels(ranks)
-    rows = []
-    for label, events in by_label.items():
-        for event in events:
-            event["rank"] = label
-            rows.append(event)
+    has_label_files = any(label is not None for label in label_of_file)
+    if multi:
+        from traindx import nodes
+
+        by_node = {}
+        for p in per_process:
+            by_node.setdefault(p["node"], []).append(p)
+        per_node = []
+        for node, procs in by_node.items():
+            node_labels = rank_labels(_rank_processes(procs, has_label_files))
+            per_node.append((node, node_labels))
+        labels = nodes.rename_labels(per_node)
+        key = lambda p: (p["node"], p["pid"])  # noqa: E731
+    else:
+        labels = rank_labels(_rank_processes(per_process, has_label_files))
+        key = lambda p: p["pid"]  # noqa: E731
     table = []
     for p in per_process:
-        label = labels.get(p["pid"])
-        table.append({"pid": p["pid"], "ppid": p["ppid"], "label": label, "rank": p["rank"],
-                      "evidence": p["evidence"], "argv": p["argv"], "file": p["file"]})
-        if label is None:
-            continue
-        for event in p["events"]:
-            event["rank"] = label
-            rows.append(event)
+        label = labels.get(key(p))
+        row = {"pid": p["pid"], "ppid": p["ppid"], "label": label, "rank": p["rank"],
+               "evidence": p["evidence"], "argv": p["argv"], "file": p["file"]}
+        if multi:
+            row["node"] = p["node"]
+        table.append(row)
+        if label is not None:
+            label_of_file[p["index"]] = label
+    flat, nested = {}, {}
+    for tables_of_file, rows_of_file, _, _ in parsed:
+        for typ, t in tables_of_file.items():
+            flat.setdefault(typ, []).append(t)
+        for typ, rows in rows_of_file.items():
+            nested.setdefault(typ, []).extend(rows)
+    summary = [[ident["count"], ident["t_min"]] for _, _, _, ident in parsed]
+    del parsed
+    tables = columnar.EventTables(files, label_of_file, flat, nested, summary=summary)
+    if cached:
+        meta = {"summary": summary, "processes": table, "labels": _labels_to_json(labels),
+                "labels_by_file": label_of_file,
+                "notes": [["corrupt" if c is CorruptEvidenceWarning else "truncated", m]
+                          for c, m in notes]}
+        tables.write_cache(path, fp, meta)
+    return tables, table, labels
+
+
+def _rank_processes(per_process, has_label_files):
+    ranks = [p for p in per_process if p["training"]] or [p for p in per_process if p["recorded"]]
+    if not ranks and per_process and not has_label_files:
+        ranks = [min(per_process, key=lambda p: (p["start"], p["pid"]))]
+    return ranks
+
+
+def _labels_to_json(labels):
+    """[[node or None, pid, label]]: keys are pids, or (node, pid) on a multi-node run."""
+    return [[k[0], k[1], v] if isinstance(k, tuple) else [None, k, v] for k, v in labels.items()]
+
+
+def _labels_from_json(items):
+    if isinstance(items, dict):  # a cache written before multi-node runs
+        return {int(k): v for k, v in items.items()}
+    return {(node, int(pid)) if node is not None else int(pid): label for node, pid, label in items}
+
+
+def _load_events(path):
+    """(collective span rows as dicts, process table rows, {pid: label}) of one node's run
+    folder: what `diagnose merge` needs to align that node's clock and to name its ranks."""
+    tables, table, labels = _load_tables(path, cache=False)
+    spans = tables.frame("span")
+    rows = []
+    if len(spans) and "cat" in spans:
+        coll = spans[spans["cat"] == "collective"]
+        for event in coll.to_dict("records"):
+            rows.append({k: _none_if_nan(v) for k, v in event.items()})
     return rows, table, labels
+
+
+def _none_if_nan(value):
+    return None if value is None or (isinstance(value, float) and value != value) else value
