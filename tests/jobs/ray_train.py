@@ -35,6 +35,7 @@ def main():
     p.add_argument("--io-wait", type=float, default=0.3)
     p.add_argument("--address", default=None, help="an existing cluster (ray start --head)")
     p.add_argument("--storage", default=None, help="Ray Train's storage_path")
+    p.add_argument("--spread", action="store_true", help="one worker per node (STRICT_SPREAD)")
     args = p.parse_args()
 
     import ray
@@ -48,7 +49,8 @@ def main():
     trainer = TorchTrainer(
         train_loop, train_loop_config={"steps": args.steps, "io_wait": args.io_wait},
         scaling_config=ScalingConfig(num_workers=args.workers, use_gpu=False,
-                                     resources_per_worker={"CPU": 1}),
+                                     resources_per_worker={"CPU": 1},
+                                     placement_strategy="STRICT_SPREAD" if args.spread else "PACK"),
         run_config=RunConfig(storage_path=args.storage or os.path.abspath("ray_results")))
     result = trainer.fit()
     print(f"driver: done, error={result.error}", flush=True)
