@@ -116,8 +116,7 @@ def test_ray_cluster_of_two_nodes_under_diagnose_merges_into_one_run(tmp_path):
     def log(name):
         return (tmp_path / f"{name}.out").read_text()[-3000:]
 
-    head = node("head", ["--head", "--port", str(gcs), "--include-dashboard", "false",
-                         "--ray-client-server-port", str(free_port())], ray_env())
+    head = node("head", ["--head", "--port", str(gcs), "--include-dashboard", "false"], ray_env())
     worker = None
     try:
         wait_for_port(gcs, head)
