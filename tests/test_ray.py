@@ -12,9 +12,11 @@ Ray on 2 cores is heavy: no dashboard, no usage stats, one CPU per node, no drai
 """
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 
 import pytest
@@ -41,8 +43,18 @@ def free_port():
         return s.getsockname()[1]
 
 
-def ray_env(**extra):
-    env = dict(os.environ, **RAY_ENV, **extra)
+@pytest.fixture
+def ray_tmp():
+    """A Ray temp dir of the test's own: a node stopped by a signal leaves its address in
+    <temp>/ray/ray_current_cluster, where the next ray.init() would try to join the dead cluster.
+    Short, under /tmp: Ray's unix sockets live below it (a socket path has at most 107 bytes)."""
+    path = tempfile.mkdtemp(prefix="rt", dir="/tmp")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def ray_env(ray_tmp, **extra):
+    env = dict(os.environ, **RAY_ENV, RAY_TMPDIR=ray_tmp, **extra)
     for name in ("TRAINDX_RUN_DIR", "RAY_ADDRESS"):
         env.pop(name, None)
     return env
@@ -69,9 +81,9 @@ def assert_ranks_of_ray_workers(run):
 
 
 @pytest.mark.slow
-def test_ray_train_on_a_local_cluster_started_by_the_driver(tmp_path):
+def test_ray_train_on_a_local_cluster_started_by_the_driver(tmp_path, ray_tmp):
     proc = diagnose(["--out", "runs", "--quiet", "--", PY, JOB, "--steps", str(STEPS)],
-                    cwd=tmp_path, env=ray_env(), timeout=300)
+                    cwd=tmp_path, env=ray_env(ray_tmp), timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     run = traindx.load_run(only_run_dir(tmp_path / "runs"))
     assert_ranks_of_ray_workers(run)
@@ -96,7 +108,7 @@ def wait_for_port(port, proc, timeout=120):
 
 
 @pytest.mark.slow
-def test_ray_cluster_of_two_nodes_under_diagnose_merges_into_one_run(tmp_path):
+def test_ray_cluster_of_two_nodes_under_diagnose_merges_into_one_run(tmp_path, ray_tmp):
     from test_multinode import faketime_library
 
     library = faketime_library()
@@ -116,15 +128,16 @@ def test_ray_cluster_of_two_nodes_under_diagnose_merges_into_one_run(tmp_path):
     def log(name):
         return (tmp_path / f"{name}.out").read_text()[-3000:]
 
-    head = node("head", ["--head", "--port", str(gcs), "--include-dashboard", "false"], ray_env())
+    head = node("head", ["--head", "--port", str(gcs), "--include-dashboard", "false"],
+                ray_env(ray_tmp))
     worker = None
     try:
         wait_for_port(gcs, head)
-        worker = node("worker", ["--address", f"127.0.0.1:{gcs}"], ray_env(**shifted))
+        worker = node("worker", ["--address", f"127.0.0.1:{gcs}"], ray_env(ray_tmp, **shifted))
         # the driver, not under diagnose: one worker per node (STRICT_SPREAD waits for both)
         driver = subprocess.run([PY, JOB, "--steps", str(STEPS), "--address", f"127.0.0.1:{gcs}",
                                  "--spread", "--storage", str(tmp_path / "ray_results")],
-                                cwd=tmp_path, env=ray_env(), text=True, capture_output=True,
+                                cwd=tmp_path, env=ray_env(ray_tmp), text=True, capture_output=True,
                                 timeout=240)
         assert driver.returncode == 0, driver.stdout[-2000:] + driver.stderr[-3000:]
     finally:
@@ -178,8 +191,7 @@ def test_ray_node_identity(command, expected):
 
 
 def test_ray_start_without_block_is_refused_in_one_line(tmp_path):
-    proc = diagnose(["--run-dir", "RUN", "--", RAY, "start", "--head"], cwd=tmp_path,
-                    env=ray_env())
+    proc = diagnose(["--run-dir", "RUN", "--", RAY, "start", "--head"], cwd=tmp_path)
     assert proc.returncode != 0
     assert "ray start --block" in proc.stderr and "Traceback" not in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
@@ -187,5 +199,5 @@ def test_ray_start_without_block_is_refused_in_one_line(tmp_path):
 
 
 def test_ray_node_needs_a_shared_run_dir(tmp_path):
-    proc = diagnose(["--", RAY, "start", "--head", "--block"], cwd=tmp_path, env=ray_env())
+    proc = diagnose(["--", RAY, "start", "--head", "--block"], cwd=tmp_path)
     assert proc.returncode != 0 and "--run-dir" in proc.stderr and "Traceback" not in proc.stderr
