@@ -201,3 +201,16 @@ def test_ray_start_without_block_is_refused_in_one_line(tmp_path):
 def test_ray_node_needs_a_shared_run_dir(tmp_path):
     proc = diagnose(["--", RAY, "start", "--head", "--block"], cwd=tmp_path)
     assert proc.returncode != 0 and "--run-dir" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_events_are_written_when_the_process_group_is_destroyed_before_a_quick_exit(tmp_path):
+    """Ray Train destroys each worker's process group, then ray.kill ends the worker without
+    atexit: the steps the writer still queued must be on disk by then (the steps here take
+    microseconds, so without the flush the last ones sit in the 0.25 s queue and are lost)."""
+    job = os.path.join(ROOT, "tests", "jobs", "quick_exit_train.py")
+    proc = diagnose(["--out", "runs", "--quiet", "--no-pyspy", "--", PY, job, "5"], cwd=tmp_path,
+                    env={"OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    run = traindx.load_run(only_run_dir(tmp_path / "runs"))
+    assert run.ranks == ["0"]
+    assert len(run.steps) == 5, run.steps
