@@ -14,6 +14,10 @@ A node's name must be unique within the run, and a host name is not (two agents 
 a re-used host): it is the host name plus the launcher's node rank (torchrun --node-rank,
 accelerate --machine_rank, SLURM_NODEID), or `--node NAME`; the folder is claimed with an
 exclusive mkdir, so a clash gets a suffix instead of mixing two nodes' files.
+
+Ray: a node of a Ray cluster is the command that starts it, `ray start --head --block` or
+`ray start --address HEAD:PORT --block`; the training workers are started later by that node's
+raylet (its child), so they inherit the shim from it like any other child of the job.
 """
 import json
 import os
@@ -54,6 +58,8 @@ def _launcher_args(command):
         return "torchrun", command[1:]
     if exe in ("accelerate",) and command[1:2] == ["launch"]:
         return "accelerate", command[2:]
+    if exe == "ray" and command[1:2] == ["start"]:
+        return "ray", command[2:]
     if exe.startswith("python"):
         for i, arg in enumerate(command[:-1]):
             if arg == "-m" and command[i + 1] in _TORCHRUN_MODULES:
@@ -67,15 +73,18 @@ def node_identity(command, env, explicit=None, hostname=None):
     Sources, first match wins: `--node NAME`; SLURM with more than one node (SLURM_NODEID, and
     the task id when srun starts several diagnose per node); torchrun with --nnodes > 1 (its
     --node-rank, or PET_NODE_RANK; elastic rendezvous without one: the host name alone, made
-    unique when the folder is claimed); accelerate launch --num_machines > 1 (--machine_rank).
+    unique when the folder is claimed); accelerate launch --num_machines > 1 (--machine_rank);
+    `ray start` (a Ray cluster node: `<host>-head` for --head, else the host name).
     """
     host = (hostname or socket.gethostname()).split(".")[0] or "node"
     host = re.sub(r"[^A-Za-z0-9._-]", "_", host)
+    kind, args = _launcher_args(command)
+    if kind == "ray":
+        _check_ray_start(args)
     if explicit:
         if not _NAME.fullmatch(explicit):
             raise UserError(f"--node {explicit!r}: use letters, digits, '.', '_' and '-'")
         return explicit, "--node"
-    kind, args = _launcher_args(command)
     if kind == "torchrun":
         nnodes = _flag(args, "--nnodes") or env.get("PET_NNODES")
         if _max_nodes(nnodes) > 1:
@@ -88,6 +97,11 @@ def node_identity(command, env, explicit=None, hostname=None):
         if rank is not None and str(rank).isdigit():
             return f"{host}-n{rank}", "accelerate --machine_rank"
         return host, "accelerate --num_machines"
+    if kind == "ray":
+        # the role names the head; workers of one host are told apart when the folder is claimed
+        if "--head" in args:
+            return f"{host}-head", "ray start --head"
+        return host, "ray start --address"
     nnodes = env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES")
     if _max_nodes(nnodes) > 1 and str(env.get("SLURM_NODEID", "")).isdigit():
         name = f"{host}-n{env['SLURM_NODEID']}"
@@ -96,6 +110,14 @@ def node_identity(command, env, explicit=None, hostname=None):
             name += f"-t{env['SLURM_PROCID']}"  # several diagnose per node: one folder each
         return name, "SLURM_NODEID"
     return None
+
+
+def _check_ray_start(args):
+    """`ray start` without --block daemonizes the node and returns at once: diagnose would end
+    while the raylet (and the workers it starts later) keeps running, unrecorded."""
+    if "--block" not in args:
+        raise UserError("ray start returns at once and leaves the node running in the background: "
+                        "run it in the foreground under diagnose with `ray start --block ...`")
 
 
 def shared_run_dir(command, env, run_dir):

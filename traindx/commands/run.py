@@ -32,8 +32,9 @@ def prepare_parser(parser):
                         help="write the run into exactly this folder")
     parser.add_argument("--node", default=None, metavar="NAME",
                         help="this is one node of a multi-node run: write RUN/nodes/NAME/ "
-                             "(found by itself under srun, torchrun --nnodes N and accelerate "
-                             "launch --num_machines N; then `diagnose merge RUN`)")
+                             "(found by itself under srun, torchrun --nnodes N, accelerate "
+                             "launch --num_machines N and ray start --block; then `diagnose "
+                             "merge RUN`)")
     parser.add_argument("--no-pyspy", action="store_true", help="do not sample with py-spy")
     parser.add_argument("--no-shim", action="store_true", help="do not load the in-process shim")
     parser.add_argument("--no-nvml", action="store_true", help="do not sample GPUs through NVML")

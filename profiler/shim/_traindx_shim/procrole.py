@@ -5,11 +5,16 @@
 - a torch optimizer built or stepped, a backward run (`torch.autograd.backward`, which
   `Tensor.backward` calls; not `torch.autograd.grad`, which compiled code may call and which
   dynamo would then have to trace through our wrapper): this process trains.
+- `destroy_process_group`: the job is done with its ranks, so the queued events are written
+  now. Ray Train destroys the process group of every worker and then ends the worker with
+  `ray.kill`, a quick exit that runs no atexit: without this the last step (the writer's last
+  FLUSH_INTERVAL_S) was lost.
 Each hook is a thin wrapper that calls the original first or last and swallows its own errors.
 """
 import functools
 
-from . import guarded, importhooks, is_training, rank_known, report_error, training_evidence
+from . import (get_writer, guarded, importhooks, is_training, rank_known, report_error,
+               training_evidence)
 
 
 def _wrap_init_process_group(original):
@@ -27,6 +32,21 @@ def _wrap_init_process_group(original):
 
     init_process_group.__traindx_wrapped__ = True
     return init_process_group
+
+
+def _wrap_destroy_process_group(original):
+    @functools.wraps(original)
+    def destroy_process_group(*args, **kwargs):
+        try:
+            writer = get_writer()
+            if writer is not None:
+                writer.flush()
+        except Exception as exc:
+            report_error("destroy_process_group hook", exc)
+        return original(*args, **kwargs)
+
+    destroy_process_group.__traindx_wrapped__ = True
+    return destroy_process_group
 
 
 def _wrap_evidence(original, kind):
@@ -55,13 +75,15 @@ def _on_distributed(c10d):
     import sys
 
     _patch(c10d, "init_process_group", _wrap_init_process_group)
-    wrapped = c10d.init_process_group
-    # modules that bound the name before us; what still slips through, the writer's poll finds
-    for name in ("torch.distributed", "torch.distributed.device_mesh"):
-        module = sys.modules.get(name)
-        if module is not None and getattr(module, "init_process_group", None) is not None:
-            if not getattr(module.init_process_group, "__traindx_wrapped__", False):
-                module.init_process_group = wrapped
+    _patch(c10d, "destroy_process_group", _wrap_destroy_process_group)
+    # modules that bound the names before us; what still slips through, the writer's poll finds
+    for attr in ("init_process_group", "destroy_process_group"):
+        wrapped = getattr(c10d, attr, None)
+        for name in ("torch.distributed", "torch.distributed.device_mesh"):
+            module = sys.modules.get(name)
+            if module is not None and getattr(module, attr, None) is not None:
+                if not getattr(getattr(module, attr), "__traindx_wrapped__", False):
+                    setattr(module, attr, wrapped)
 
 
 def _on_optimizer_step(optimizer, args, kwargs):
