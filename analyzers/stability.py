@@ -340,6 +340,21 @@ def checkpoint_prescriptions(run, saves, lost, period):
     return out
 
 
+def _period_of_timed_io(run, rank, steps):
+    """The period of the shim-timed writes (torch.save, DCP) in the steps, when the step times
+    are too noisy for one to show (a busy machine): the ledger's io seconds per step are
+    measured, so their pattern does not depend on the load."""
+    from traindx import ledger
+
+    if not ledger.has_spans(run):
+        return None
+    led = ledger.rows(run, rank, steps)
+    if not len(led) or not (led["io_s"] > 0).any():
+        return None
+    io = led.set_index("step")["io_s"].reindex(steps).fillna(0.0)
+    return find_period(steps, [float(x) for x in io])
+
+
 def _checkpoint_in_steps(run, rank):
     """Checkpoints written inside the steps when the step times are too noisy (a busy machine)
     for a period to show: py-spy's samples inside the writer, against the steps' time."""
@@ -374,7 +389,7 @@ def _analyze_rank(run, rank):
     durations = [float(d) for d in steady["duration_s"]]
     median = float(pd.Series(durations).median())
     mean = float(pd.Series(durations).mean())
-    periodic = find_period(steps, durations)
+    periodic = find_period(steps, durations) or _period_of_timed_io(run, rank, steps)
     rest = steady
     if periodic:
         period, residue, hits = periodic

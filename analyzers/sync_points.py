@@ -170,8 +170,7 @@ def segment_ledger(run, rank, seg_start, seg_end):
     comp = comp[comp["rank"] == rank] if len(comp) else comp
     order = np.argsort(seg_start, kind="stable")
     ws, we = np.asarray(seg_start, np.int64)[order], np.asarray(seg_end, np.int64)[order]
-    intervals = ledger_mod._rank_intervals(spans, comp, ws)
-    ns = ledger_mod._sweep(ws, we, intervals)
+    ns = ledger_mod.split_windows(spans, comp, ws, we)
     back = np.empty_like(ns)
     back[order] = ns
     return back / 1e9

@@ -176,6 +176,27 @@ def _intervals(spans, srid, compiles, win_start, win_rid):
             for c, ps in parts.items()}
 
 
+def split_windows(spans, compiles, win_start, win_end):
+    """ns per (window, category) of ONE rank's sorted, non-overlapping windows (not steps:
+    e.g. the stretch before each arrival at a collective), with the step ledger's intervals and
+    priorities; the last column is unexplained. spans/compiles: that rank's run.spans/compiles."""
+    win_start = np.asarray(win_start, np.int64)
+    win_end = np.asarray(win_end, np.int64)
+    win_rid = np.zeros(len(win_start), np.int64)
+    sp = cs = None
+    srid = np.empty(0, np.int64)
+    if len(spans):
+        sp = (spans["cat"].to_numpy(object), spans["tid"].to_numpy(),
+              spans["start_ns"].to_numpy(np.int64), spans["end_ns"].to_numpy(np.int64))
+        srid = np.zeros(len(spans), np.int64)
+    if len(compiles):
+        comp = compiles.dropna(subset=["start_ns", "end_ns"])
+        if len(comp):
+            cs = (comp["kind"].to_numpy(object) == "triton_autotune",
+                  comp["start_ns"].astype("int64").to_numpy(), comp["end_ns"].astype("int64").to_numpy())
+    return _sweep(win_start, win_end, _intervals(sp, srid, cs, win_start, win_rid))
+
+
 def _process_starts(events):
     if not len(events) or "type" not in events:
         return {}
