@@ -493,6 +493,94 @@ def _workers_prediction(run, finding, removes):
     return (low + high) / 2, (low, high), evd
 
 
+def _freezes_the_heap(finding):
+    """True when the finding's first prescription is gc.freeze() (not Megatron's manual GC,
+    which moves every collection out of the steps and so does remove the whole gc line)."""
+    p = finding.prescriptions[0] if getattr(finding, "prescriptions", ()) else None
+    return p is not None and "gc.freeze" in f"{p.command or ''} {p.summary}"
+
+
+def gc_freeze_residual(run, rank, steps):
+    """Seconds per step of the gc line that gc.freeze() leaves, from the baseline's own GC
+    records on `rank` over `steps` (its steady steps); None when they cannot tell.
+
+    What freeze removes: the objects alive at the freeze leave the collector's view, so a full
+    (gen-2) collection stops walking them. What it leaves (measured: bench/ledger_predictions.py
+    case gc, and tests/test_ledger.py): (1) the young collections (gen 0/1 pauses >= 1 ms in the
+    gc line): they walk new objects, frozen or not; (2) the garbage the steps make that only a
+    full collection frees (reference cycles that survived the young generations): the same
+    amount per step is still found and freed, by more frequent and shorter full collections
+    (the frozen heap no longer counts towards the 25 % rule that spaces them out). A baseline
+    full collection costs a + b * collected (a: walking the surviving heap, which freeze
+    removes; b: per object freed, which stays): b is the least-squares slope over the steady
+    gen-2 collections (pause and objects collected per collection, from the shim's per-step
+    gcstats), and the residual is b * (objects freed by full collections per step). It needs
+    collections that freed different numbers of objects; with one count only it is None."""
+    events = run.events
+    if not len(events) or "type" not in events:
+        return None
+    steps = set(int(s) for s in steps)
+    if not steps:
+        return None
+    g = events[(events["type"] == "gc") & (events["rank"].astype(str) == str(rank))]
+    if not len(g) or "collected" not in g or "generation" not in g:
+        return None
+    g = g[g["step"].isin(steps)]
+    full = g[(g["generation"] == 2) & (g["count"] > 0)]
+    young = 0.0
+    spans = run.spans
+    if len(spans):
+        led = rows(run, rank, steps)
+        sp = events[(events["type"] == "span") & (events["rank"].astype(str) == str(rank))]
+        if "cat" in sp and "generation" in sp:
+            sp = sp[(sp["cat"] == "gc") & (sp["generation"] < 2)]
+            begin = led["start_ns"].astype("int64").to_numpy()
+            end = led["end_ns"].astype("int64").to_numpy()
+            order = np.argsort(begin)
+            begin, end = begin[order], end[order]
+            s = sp["start"].astype("int64").to_numpy()
+            e = sp["t"].astype("int64").to_numpy()
+            i = np.searchsorted(begin, s, side="right") - 1
+            inside = (i >= 0) & (s < end[np.clip(i, 0, None)])
+            young = float(np.minimum(e, end[np.clip(i, 0, None)])[inside].sum()
+                          - s[inside].sum()) / 1e9
+    n = len(steps)
+    if not len(full):
+        return young / n
+    count = full["count"].to_numpy(float)
+    pause = full["total_s"].to_numpy(float) / count          # per collection
+    freed = full["collected"].to_numpy(float) / count
+    if np.ptp(freed) <= 0:
+        return None
+    w = count
+    mx, my = np.average(freed, weights=w), np.average(pause, weights=w)
+    slope = float(np.sum(w * (freed - mx) * (pause - my)) / np.sum(w * (freed - mx) ** 2))
+    # a slope above the dearest collection's own pause per object would make the heap walk
+    # negative; below zero is noise
+    slope = min(max(0.0, slope), float(np.max(pause / np.maximum(freed, 1.0))))
+    # objects freed per step: what the collections after the first freed, over the steps since
+    # it (the first one's haul piled up before the window); one collection: its haul per step
+    by_step = full.sort_values("step")
+    if len(by_step) > 1:
+        first, last = int(by_step["step"].iloc[0]), int(by_step["step"].iloc[-1])
+        rate = float(by_step["collected"].iloc[1:].sum()) / max(1, last - first)
+    else:
+        rate = float(by_step["collected"].sum()) / n
+    return young / n + slope * rate
+
+
+def _gc_freeze_removed(run, led):
+    """The gc line per step less what gc.freeze leaves (gc_freeze_residual), for the slowest
+    rank; None when a rank's records cannot tell."""
+    out = []
+    for rank, rl in led.groupby("rank"):
+        residual = gc_freeze_residual(run, rank, rl["step"])
+        if residual is None:
+            return None
+        out.append(max(0.0, float(rl["gc_s"].mean()) - residual))
+    return max(out) if out else None
+
+
 def removed_seconds(run, finding):
     """Seconds per steady step the finding's fix removes: the ledger lines in finding.removes
     ({"categories": [...], "steps": [...] optional, "workers": N optional: the lines move to N
@@ -517,6 +605,10 @@ def removed_seconds(run, finding):
         if model is not None:
             baseline = float(led.groupby("rank")["wall_s"].mean().max())
             return (baseline - model[0]) * float(removes.get("fraction", 1.0))
+    if cats == ["gc"] and not removes.get("steps") and _freezes_the_heap(finding):
+        removed = _gc_freeze_removed(run, led)
+        if removed is not None:
+            return removed * float(removes.get("fraction", 1.0))
     per_row = led[[f"{c}_s" for c in cats]].sum(axis=1)
     if workers:
         # the lines move to `workers` processes that run beside the step: what stays is the
@@ -562,6 +654,10 @@ def predicted_step_time(run, finding):
         removes = getattr(finding, "removes", None) or {}
         model = _workers_prediction(run, finding, removes) if removes.get("workers") and \
             list(removes.get("categories", ())) == ["data"] and not removes.get("steps") else None
+        if list(removes.get("categories", ())) == ["gc"] and _freezes_the_heap(finding) \
+                and not removes.get("steps") and _gc_freeze_removed(run, led) is not None:
+            method = ("gc line less what gc.freeze leaves: young collections and the cost of "
+                      "freeing each step's cyclic garbage (traindx.ledger.gc_freeze_residual)")
         if model is not None:
             spread = {"low_s": model[1][0], "high_s": model[1][1],
                       "cpu_evidence": {k: v for k, v in model[2].items()}}
