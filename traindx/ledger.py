@@ -581,6 +581,35 @@ def _gc_freeze_removed(run, led):
     return max(out) if out else None
 
 
+def io_after_effect(led):
+    """Seconds per step that the steps holding an I/O span (a save) and the step right after
+    each lose beyond the span itself: their time outside the io line, less the mean of the
+    other steps' (per rank, the slowest rank's; never below zero). None when every step or no
+    step holds I/O (nothing to compare with).
+
+    Why (measured: bench/ledger_predictions.py case checkpoint, tests/test_ledger.py): a
+    torch.save of a large state dict leaves work behind it - the kernel writes the dirty pages
+    back and the save's buffers have pushed the model out of the CPU caches - so the rest of
+    the saving step and the next step are slower than the other steps, and removing the save
+    removes that too. On a quiet 16-core host it is a few per cent of the save; on a loaded
+    2-core machine, where the writeback competes with the job for the cores, the measured
+    saving exceeded the io line by 30-35 %."""
+    out = []
+    for _, rl in led.sort_values("step").groupby("rank"):
+        io = rl["io_s"].to_numpy() > 0
+        if not io.any() or io.all():
+            return None
+        steps = rl["step"].to_numpy()
+        after = np.isin(steps, steps[io] + 1) & ~io
+        rest = (rl["wall_s"] - rl["io_s"]).to_numpy()
+        clean = ~io & ~after
+        if not clean.any():
+            return None
+        excess = float((rest[io | after] - rest[clean].mean()).sum()) / len(rl)
+        out.append(max(0.0, excess))
+    return max(out) if out else None
+
+
 def removed_seconds(run, finding):
     """Seconds per steady step the finding's fix removes: the ledger lines in finding.removes
     ({"categories": [...], "steps": [...] optional, "workers": N optional: the lines move to N
@@ -609,7 +638,11 @@ def removed_seconds(run, finding):
         removed = _gc_freeze_removed(run, led)
         if removed is not None:
             return removed * float(removes.get("fraction", 1.0))
+    after = io_after_effect(led) if cats == ["io"] and not workers and not removes.get("steps") \
+        else None
     per_row = led[[f"{c}_s" for c in cats]].sum(axis=1)
+    if after is not None:
+        per_row = per_row + after
     if workers:
         # the lines move to `workers` processes that run beside the step: what stays is the
         # part of the work that a step's remaining time cannot hide, max(0, L / w - rest)
