@@ -516,34 +516,25 @@ def gc_freeze_residual(run, rank, steps):
     gen-2 collections (pause and objects collected per collection, from the shim's per-step
     gcstats), and the residual is b * (objects freed by full collections per step). It needs
     collections that freed different numbers of objects; with one count only it is None."""
-    events = run.events
-    if not len(events) or "type" not in events:
-        return None
     steps = set(int(s) for s in steps)
-    if not steps:
+    g = run.gc
+    if not steps or not len(g) or "collected" not in g or "generation" not in g:
         return None
-    g = events[(events["type"] == "gc") & (events["rank"].astype(str) == str(rank))]
-    if not len(g) or "collected" not in g or "generation" not in g:
-        return None
-    g = g[g["step"].isin(steps)]
+    g = g[(g["rank"].astype(str) == str(rank)) & g["step"].isin(steps)]
     full = g[(g["generation"] == 2) & (g["count"] > 0)]
     young = 0.0
-    spans = run.spans
-    if len(spans):
-        led = rows(run, rank, steps)
-        sp = events[(events["type"] == "span") & (events["rank"].astype(str) == str(rank))]
-        if "cat" in sp and "generation" in sp:
-            sp = sp[(sp["cat"] == "gc") & (sp["generation"] < 2)]
-            begin = led["start_ns"].astype("int64").to_numpy()
-            end = led["end_ns"].astype("int64").to_numpy()
-            order = np.argsort(begin)
-            begin, end = begin[order], end[order]
-            s = sp["start"].astype("int64").to_numpy()
-            e = sp["t"].astype("int64").to_numpy()
-            i = np.searchsorted(begin, s, side="right") - 1
-            inside = (i >= 0) & (s < end[np.clip(i, 0, None)])
-            young = float(np.minimum(e, end[np.clip(i, 0, None)])[inside].sum()
-                          - s[inside].sum()) / 1e9
+    sp = run.of_type("span")
+    if len(sp) and "cat" in sp and "generation" in sp:
+        sp = sp[(sp["rank"].astype(str) == str(rank)) & (sp["cat"] == "gc") & (sp["generation"] < 2)]
+        led = rows(run, rank, steps).sort_values("start_ns")
+        begin = led["start_ns"].astype("int64").to_numpy()
+        end = led["end_ns"].astype("int64").to_numpy()
+        s = sp["start"].astype("int64").to_numpy()
+        e = sp["t"].astype("int64").to_numpy()
+        if len(begin) and len(s):     # each young pause inside a step, clipped at its end
+            i = np.clip(np.searchsorted(begin, s, side="right") - 1, 0, None)
+            inside = (s >= begin[i]) & (s < end[i])
+            young = float((np.minimum(e, end[i]) - s)[inside].sum()) / 1e9
     n = len(steps)
     if not len(full):
         return young / n
