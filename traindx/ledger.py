@@ -512,10 +512,11 @@ def gc_freeze_residual(run, rank, steps):
     amount per step is still found and freed, by more frequent and shorter full collections
     (the frozen heap no longer counts towards the 25 % rule that spaces them out). A baseline
     full collection costs a + b * collected (a: walking the surviving heap, which freeze
-    removes; b: per object freed, which stays): b is the least-squares slope over the steady
-    gen-2 collections (pause and objects collected per collection, from the shim's per-step
-    gcstats), and the residual is b * (objects freed by full collections per step). It needs
-    collections that freed different numbers of objects; with one count only it is None."""
+    removes; b: per object freed, which stays): b is the slope of the shortest pause against
+    the objects freed, over the steady gen-2 collections of each haul size (the shim's per-step
+    gcstats; the shortest, because CPU contention only lengthens a pause), and the residual is
+    b * (objects freed by full collections per step). It needs collections that freed
+    different numbers of objects; with one haul size only it is None."""
     steps = set(int(s) for s in steps)
     g = run.gc
     if not steps or not len(g) or "collected" not in g or "generation" not in g:
@@ -539,16 +540,18 @@ def gc_freeze_residual(run, rank, steps):
     if not len(full):
         return young / n
     count = full["count"].to_numpy(float)
-    pause = full["total_s"].to_numpy(float) / count          # per collection
+    pause = pd.Series(full["total_s"].to_numpy(float) / count)       # per collection
     freed = full["collected"].to_numpy(float) / count
-    if np.ptp(freed) <= 0:
+    # the lower envelope: the shortest pause of each haul size (a loaded machine preempts the
+    # collector mid-pause, which only ever adds time), then the least-squares slope over them
+    low = pause.groupby(freed).min()
+    if len(low) < 2:
         return None
-    w = count
-    mx, my = np.average(freed, weights=w), np.average(pause, weights=w)
-    slope = float(np.sum(w * (freed - mx) * (pause - my)) / np.sum(w * (freed - mx) ** 2))
+    x, y = low.index.to_numpy(float), low.to_numpy(float)
+    slope = float(np.sum((x - x.mean()) * (y - y.mean())) / np.sum((x - x.mean()) ** 2))
     # a slope above the dearest collection's own pause per object would make the heap walk
     # negative; below zero is noise
-    slope = min(max(0.0, slope), float(np.max(pause / np.maximum(freed, 1.0))))
+    slope = min(max(0.0, slope), float(np.max(y / np.maximum(x, 1.0))))
     # objects freed per step: what the collections after the first freed, over the steps since
     # it (the first one's haul piled up before the window); one collection: its haul per step
     by_step = full.sort_values("step")
