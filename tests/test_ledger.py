@@ -112,7 +112,10 @@ def test_torch_save_is_io_in_the_steps_that_save_with_its_line(tmp_path):
     assert f"torch.save at {caller['file']}:{line} runs every 4 steps" in f.prescriptions[0].summary
     assert f.removes == {"categories": ["io"]}
     steady = L.steady_rows(run)
-    assert f.prescriptions[0].expected_gain_s_per_step == pytest.approx(steady["io_s"].mean())
+    # ... plus what the saves cost the saving and next steps beyond their own span
+    after = L.io_after_effect(steady)
+    assert after is not None and after >= 0
+    assert f.prescriptions[0].expected_gain_s_per_step == pytest.approx(steady["io_s"].mean() + after)
     assert f"checkpoint_every.py:{line}" in proc.stderr
 
 
@@ -379,3 +382,65 @@ def test_seed_run_savings_come_from_the_compile_line_and_never_exceed_the_step()
     gains = [max((p.expected_gain_s_per_step or 0.0) for p in f.prescriptions)
              for f in findings if f.cause is None and f.prescriptions]
     assert sum(gains) <= steady["wall_s"].mean() + 1e-9
+
+
+GC_PAIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "cpu-gc-freeze-pair")
+
+
+def test_gc_freeze_prediction_keeps_what_freeze_leaves_recorded_pair():
+    """gc.freeze removes the walk of the frozen heap, not the full collections themselves: the
+    recorded fixed job still frees each step's cyclic garbage in gen-2 collections. The
+    prediction (the gc line less that residual) lands within the issue's ±25 % of the measured
+    saving; removing the whole gc line overpredicts."""
+    base = traindx.load_run(os.path.join(GC_PAIR, "base"))
+    fixed = traindx.load_run(os.path.join(GC_PAIR, "fix"))
+    finding = next(f for f in traindx.analyze(base) if f.id == "gc.gen2_in_step")
+    assert finding.cause is None and finding.removes == {"categories": ["gc"]}
+    steady_f = L.steady_rows(fixed)
+    ev = fixed.events
+    full = ev[(ev["type"] == "gc") & (ev["generation"] == 2) & ev["step"].isin(steady_f["step"])]
+    assert full["count"].sum() >= 4 and full["collected"].sum() > 0   # the fix still collects
+    assert steady_f["gc_s"].mean() > 0.002
+
+    pred = L.predicted_step_time(base, finding)
+    measured = float(steady_f.groupby("rank")["wall_s"].mean().max())
+    saved = pred["baseline_step_s"] - measured
+    gc_line = float(L.steady_rows(base)["gc_s"].mean())
+    assert 0 < pred["removed_s"] < gc_line
+    assert abs(pred["removed_s"] - saved) / saved <= 0.25, (pred, measured)
+    assert (gc_line - saved) / saved > abs(pred["removed_s"] - saved) / saved
+    assert "gc.freeze" in pred["method"]
+    # the residual is what the fixed run's own gc line shows, within a factor of two
+    residual = gc_line - pred["removed_s"]
+    assert 0.5 <= residual / steady_f["gc_s"].mean() <= 2.0
+
+
+def test_gc_prediction_without_varying_collections_removes_the_whole_line():
+    """With every full collection freeing the same count, the per-object cost cannot be told
+    from the heap walk: the prediction falls back to the whole gc line (and says so)."""
+    base = traindx.load_run(os.path.join(GC_PAIR, "base"))
+    finding = next(f for f in traindx.analyze(base) if f.id == "gc.gen2_in_step")
+    gc = base.gc.copy()
+    gc.loc[gc["generation"] == 2, "collected"] = 175000
+    base.__dict__["gc"] = gc                   # the shim's per-step gcstats, as recorded else
+    led = L.steady_rows(base)
+    assert L.gc_freeze_residual(base, led["rank"].iloc[0], led["step"]) is None
+    pred = L.predicted_step_time(base, finding)
+    assert pred["removed_s"] == pytest.approx(float(led["gc_s"].mean()))
+    assert "gc.freeze" not in pred["method"]
+
+
+def test_io_after_effect_counts_the_saving_step_and_the_next_beyond_the_others():
+    # rank 0: steps 0-9, a save (io 0.1 s) in steps 3 and 7; time outside io 1.0 s, except
+    # 1.3 s in the saving steps and 1.2 s in the steps after them
+    rest = [1.0] * 10
+    io = [0.0] * 10
+    for s in (3, 7):
+        io[s], rest[s], rest[s + 1] = 0.1, 1.3, 1.2
+    led = pd.DataFrame({"rank": "0", "step": range(10), "io_s": io,
+                        "wall_s": [r + i for r, i in zip(rest, io)]})
+    assert L.io_after_effect(led) == pytest.approx((0.3 + 0.2) * 2 / 10)
+    assert L.io_after_effect(led.assign(io_s=0.1)) is None      # every step saves: no reference
+    assert L.io_after_effect(led.assign(io_s=0.0)) is None
+    faster = led.assign(wall_s=[1.0 + i for i in io])          # no after-effect: nothing added
+    assert L.io_after_effect(faster) == 0.0

@@ -514,6 +514,117 @@ def _workers_prediction(run, finding, removes):
     return (low + high) / 2, (low, high), evd
 
 
+def _freezes_the_heap(finding):
+    """True when the finding's first prescription is gc.freeze() (not Megatron's manual GC,
+    which moves every collection out of the steps and so does remove the whole gc line)."""
+    p = finding.prescriptions[0] if getattr(finding, "prescriptions", ()) else None
+    return p is not None and "gc.freeze" in f"{p.command or ''} {p.summary}"
+
+
+def gc_freeze_residual(run, rank, steps):
+    """Seconds per step of the gc line that gc.freeze() leaves, from the baseline's own GC
+    records on `rank` over `steps` (its steady steps); None when they cannot tell.
+
+    What freeze removes: the objects alive at the freeze leave the collector's view, so a full
+    (gen-2) collection stops walking them. What it leaves (measured: bench/ledger_predictions.py
+    case gc, and tests/test_ledger.py): (1) the young collections (gen 0/1 pauses >= 1 ms in the
+    gc line): they walk new objects, frozen or not; (2) the garbage the steps make that only a
+    full collection frees (reference cycles that survived the young generations): the same
+    amount per step is still found and freed, by more frequent and shorter full collections
+    (the frozen heap no longer counts towards the 25 % rule that spaces them out). A baseline
+    full collection costs a + b * collected (a: walking the surviving heap, which freeze
+    removes; b: per object freed, which stays): b is the slope of the shortest pause against
+    the objects freed, over the steady gen-2 collections of each haul size (the shim's per-step
+    gcstats; the shortest, because CPU contention only lengthens a pause), and the residual is
+    b * (objects freed by full collections per step). It needs collections that freed
+    different numbers of objects; with one haul size only it is None."""
+    steps = set(int(s) for s in steps)
+    g = run.gc
+    if not steps or not len(g) or "collected" not in g or "generation" not in g:
+        return None
+    g = g[(g["rank"].astype(str) == str(rank)) & g["step"].isin(steps)]
+    full = g[(g["generation"] == 2) & (g["count"] > 0)]
+    young = 0.0
+    sp = run.of_type("span")
+    if len(sp) and "cat" in sp and "generation" in sp:
+        sp = sp[(sp["rank"].astype(str) == str(rank)) & (sp["cat"] == "gc") & (sp["generation"] < 2)]
+        led = rows(run, rank, steps).sort_values("start_ns")
+        begin = led["start_ns"].astype("int64").to_numpy()
+        end = led["end_ns"].astype("int64").to_numpy()
+        s = sp["start"].astype("int64").to_numpy()
+        e = sp["t"].astype("int64").to_numpy()
+        if len(begin) and len(s):     # each young pause inside a step, clipped at its end
+            i = np.clip(np.searchsorted(begin, s, side="right") - 1, 0, None)
+            inside = (s >= begin[i]) & (s < end[i])
+            young = float((np.minimum(e, end[i]) - s)[inside].sum()) / 1e9
+    n = len(steps)
+    if not len(full):
+        return young / n
+    count = full["count"].to_numpy(float)
+    pause = pd.Series(full["total_s"].to_numpy(float) / count)       # per collection
+    freed = full["collected"].to_numpy(float) / count
+    # the lower envelope: the shortest pause of each haul size (a loaded machine preempts the
+    # collector mid-pause, which only ever adds time), then the least-squares slope over them
+    low = pause.groupby(freed).min()
+    if len(low) < 2:
+        return None
+    x, y = low.index.to_numpy(float), low.to_numpy(float)
+    slope = float(np.sum((x - x.mean()) * (y - y.mean())) / np.sum((x - x.mean()) ** 2))
+    # a slope above the dearest collection's own pause per object would make the heap walk
+    # negative; below zero is noise
+    slope = min(max(0.0, slope), float(np.max(y / np.maximum(x, 1.0))))
+    # objects freed per step: what the collections after the first freed, over the steps since
+    # it (the first one's haul piled up before the window); one collection: its haul per step
+    by_step = full.sort_values("step")
+    if len(by_step) > 1:
+        first, last = int(by_step["step"].iloc[0]), int(by_step["step"].iloc[-1])
+        rate = float(by_step["collected"].iloc[1:].sum()) / max(1, last - first)
+    else:
+        rate = float(by_step["collected"].sum()) / n
+    return young / n + slope * rate
+
+
+def _gc_freeze_removed(run, led):
+    """The gc line per step less what gc.freeze leaves (gc_freeze_residual), for the slowest
+    rank; None when a rank's records cannot tell."""
+    out = []
+    for rank, rl in led.groupby("rank"):
+        residual = gc_freeze_residual(run, rank, rl["step"])
+        if residual is None:
+            return None
+        out.append(max(0.0, float(rl["gc_s"].mean()) - residual))
+    return max(out) if out else None
+
+
+def io_after_effect(led):
+    """Seconds per step that the steps holding an I/O span (a save) and the step right after
+    each lose beyond the span itself: their time outside the io line, less the mean of the
+    other steps' (per rank, the slowest rank's; never below zero). None when every step or no
+    step holds I/O (nothing to compare with).
+
+    Why (measured: bench/ledger_predictions.py case checkpoint, tests/test_ledger.py): a
+    torch.save of a large state dict leaves work behind it - the kernel writes the dirty pages
+    back and the save's buffers have pushed the model out of the CPU caches - so the rest of
+    the saving step and the next step are slower than the other steps, and removing the save
+    removes that too. On a quiet 16-core host it is a few per cent of the save; on a loaded
+    2-core machine, where the writeback competes with the job for the cores, the measured
+    saving exceeded the io line by 30-35 %."""
+    out = []
+    for _, rl in led.sort_values("step").groupby("rank"):
+        io = rl["io_s"].to_numpy() > 0
+        if not io.any() or io.all():
+            return None
+        steps = rl["step"].to_numpy()
+        after = np.isin(steps, steps[io] + 1) & ~io
+        rest = (rl["wall_s"] - rl["io_s"]).to_numpy()
+        clean = ~io & ~after
+        if not clean.any():
+            return None
+        excess = float((rest[io | after] - rest[clean].mean()).sum()) / len(rl)
+        out.append(max(0.0, excess))
+    return max(out) if out else None
+
+
 def removed_seconds(run, finding):
     """Seconds per steady step the finding's fix removes: the ledger lines in finding.removes
     ({"categories": [...], "steps": [...] optional, "workers": N optional: the lines move to N
@@ -538,7 +649,15 @@ def removed_seconds(run, finding):
         if model is not None:
             baseline = float(led.groupby("rank")["wall_s"].mean().max())
             return (baseline - model[0]) * float(removes.get("fraction", 1.0))
+    if cats == ["gc"] and not removes.get("steps") and _freezes_the_heap(finding):
+        removed = _gc_freeze_removed(run, led)
+        if removed is not None:
+            return removed * float(removes.get("fraction", 1.0))
+    after = io_after_effect(led) if cats == ["io"] and not workers and not removes.get("steps") \
+        else None
     per_row = led[[f"{c}_s" for c in cats]].sum(axis=1)
+    if after is not None:
+        per_row = per_row + after
     if workers:
         # the lines move to `workers` processes that run beside the step: what stays is the
         # part of the work that a step's remaining time cannot hide, max(0, L / w - rest)
@@ -583,6 +702,10 @@ def predicted_step_time(run, finding):
         removes = getattr(finding, "removes", None) or {}
         model = _workers_prediction(run, finding, removes) if removes.get("workers") and \
             list(removes.get("categories", ())) == ["data"] and not removes.get("steps") else None
+        if list(removes.get("categories", ())) == ["gc"] and _freezes_the_heap(finding) \
+                and not removes.get("steps") and _gc_freeze_removed(run, led) is not None:
+            method = ("gc line less what gc.freeze leaves: young collections and the cost of "
+                      "freeing each step's cyclic garbage (traindx.ledger.gc_freeze_residual)")
         if model is not None:
             spread = {"low_s": model[1][0], "high_s": model[1][1],
                       "cpu_evidence": {k: v for k, v in model[2].items()}}
