@@ -373,3 +373,22 @@ def test_merged_run_reads_each_nodes_own_tables_and_reparses_a_stale_one(tmp_pat
     stop = grown.of_type("stop_requested")
     assert list(stop["rank"]) == ["5"] and list(stop["node"]) == ["node-002"]
     assert list(stop["t"]) == [synth_run.T0 + 10**12 + offsets["node-002"]]
+
+
+def test_a_node_that_cannot_write_its_tables_warns_in_one_line_and_keeps_its_events(tmp_path, capsys):
+    import sys
+
+    from traindx.commands.run import _write_node_tables
+
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import synth_run
+
+    (folder,) = synth_run.write_multinode(str(tmp_path / "RUN"), nodes=1, per_node=2, steps=10)
+    (tmp_path / "RUN" / "nodes" / "node-000" / "tables").write_text("a file in the way")
+    before = digest(folder)
+    _write_node_tables(folder)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("diagnose: warning: the node's event tables were "
+                                               "not written (NotADirectoryError"), err
+    assert digest(folder) == before
+    assert len(traindx.load_run(folder).steps) == 20
