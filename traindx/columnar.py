@@ -20,6 +20,9 @@ ranks, offsets and the (t, file, line) order are applied to every table in `_pla
 The parsed tables can be cached as Parquet beside the raw files (tables/events/<type>.parquet,
 keyed by the files' names, sizes, mtimes, nodes and offsets); the raw files are never touched.
 Nested and mixed-type values are stored there as JSON text and decoded on load.
+A node of a multi-node run writes its own (record.write_tables, at its job's end: its own clock,
+node-local file indices); a merged run reads them (`node_tables`) through the same `_place`,
+which adds each node's offset, so no cache ever holds a shifted copy of a node's times.
 """
 import glob
 import json
