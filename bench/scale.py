@@ -13,6 +13,16 @@ when present) and measures, in a fresh subprocess of its own:
 --cache cold (default) removes the Parquet cache before each cell, so the events are parsed
 from the JSONL files (and the cache written, as a first analysis does); warm runs the cell once
 unmeasured first, so the measured run reads the tables from Parquet.
+--nodes-of K writes each cell as a multi-node run (RANKS / K nodes of K ranks: RUN/nodes/node-NNN/,
+each node's clock skewed by up to ±1 s and aligned by the process group's first barrier) and
+measures what each stage of a real multi-node run costs:
+  node tables    record.write_tables(node folder) for every node, timed one by one in one child
+                 (what each node's diagnose pays at its job's end; --node-tables no skips it, so
+                 the central analysis parses every node's JSONL)
+  merge          `diagnose merge RUN --no-report` (clock.json and the merged manifest: the real
+                 merge code, reading the nodes' tables)
+  report         `diagnose report --reanalyze --quiet RUN` on the merged run (run-wide cache and
+                 outputs removed first: the central analysis as it runs after the merge)
 Wall seconds come from time.perf_counter around the child; peak RSS from os.wait4's rusage
 of that child alone (ru_maxrss, KiB on Linux). A cell that passes --timeout is killed and
 recorded as a timeout (a lower bound), and the larger cells of that row are skipped.
@@ -86,6 +96,75 @@ def measure(cmd, timeout, max_gb=None):
     return wall, usage.ru_maxrss / 1024, proc.returncode, timed_out.is_set(), tail
 
 
+NODE_TABLES = """
+import glob, json, statistics, sys, time
+from traindx.record import write_tables
+out = []
+for folder in sorted(glob.glob(sys.argv[1] + "/nodes/*/")):
+    t = time.perf_counter()
+    problem = write_tables(folder.rstrip("/"))
+    out.append(time.perf_counter() - t)
+    if problem:
+        sys.exit(f"{folder}: {problem}")
+print(json.dumps(out))
+"""
+
+
+def multinode_dir(work, ranks, steps, seed, per_node):
+    path = os.path.join(work, f"mn{ranks}x{steps}-k{per_node}-s{seed}")
+    if not os.path.isdir(os.path.join(path, "nodes")):
+        shutil.rmtree(path, ignore_errors=True)
+        t = time.perf_counter()
+        synth_run.write_multinode(path, ranks // per_node, per_node, steps, seed)
+        print(f"  wrote {path} in {time.perf_counter() - t:.1f} s", file=sys.stderr)
+    return path
+
+
+def multinode_cell(a, ranks, steps):
+    """{node tables, merge, report} costs of one multi-node cell (see the module's doc)."""
+    import glob
+    import statistics
+
+    path = multinode_dir(a.work, ranks, steps, a.seed, a.nodes_of)
+    for folder in glob.glob(os.path.join(path, "nodes", "*", "tables")):
+        shutil.rmtree(folder)
+    row = {"ranks": ranks, "steps": steps, "nodes": ranks // a.nodes_of, "ranks_per_node": a.nodes_of,
+           "record_mb": round(size_mb(path), 1), "node_tables": a.node_tables,
+           "load_1min_before": round(os.getloadavg()[0], 2)}
+    if a.node_tables == "yes":
+        start = time.perf_counter()
+        done = subprocess.run([sys.executable, "-c", NODE_TABLES, path], capture_output=True,
+                              text=True, check=False)
+        if done.returncode:
+            row["node_tables_error"] = done.stderr.strip().splitlines()[-3:]
+            return row
+        per_node = json.loads(done.stdout)
+        row.update(node_tables_median_s=round(statistics.median(per_node), 3),
+                   node_tables_max_s=round(max(per_node), 3),
+                   node_tables_total_s=round(sum(per_node), 1),
+                   node_tables_child_wall_s=round(time.perf_counter() - start, 1))
+    for name in ("manifest.json", "clock.json", "nvml.csv", "log.txt"):
+        if os.path.exists(os.path.join(path, name)):
+            os.remove(os.path.join(path, name))
+    shutil.rmtree(os.path.join(path, "pyspy"), ignore_errors=True)
+    wall, rss, rc, to, tail = measure([sys.executable, "-m", "traindx", "merge", "--no-report",
+                                       "--quiet", path], a.timeout, a.max_gb)
+    row.update(merge_wall_s=round(wall, 2), merge_peak_rss_mb=round(rss, 1), merge_rc=rc)
+    if rc:
+        row["stderr"] = tail
+        return row
+    shutil.rmtree(os.path.join(path, "tables"), ignore_errors=True)
+    for name in ("findings.json", "report.html"):
+        if os.path.exists(os.path.join(path, name)):
+            os.remove(os.path.join(path, name))
+    wall, rss, rc, to, tail = measure(command_for("report", path), a.timeout, a.max_gb)
+    row.update(wall_s=round(wall, 2), peak_rss_mb=round(rss, 1), rc=rc, timed_out=to,
+               record_mb=round(size_mb(path), 1))
+    if rc and not to:
+        row["stderr"] = tail
+    return row
+
+
 def run_dir(work, ranks, steps, seed):
     path = os.path.join(work, f"r{ranks}x{steps}-s{seed}")
     if not os.path.exists(os.path.join(path, "manifest.json")):
@@ -99,8 +178,8 @@ def run_dir(work, ranks, steps, seed):
 def size_mb(path):
     total = 0
     for dirpath, _, files in os.walk(path):
-        if os.path.basename(dirpath) == "tables":
-            continue
+        if "tables" in os.path.relpath(dirpath, path).split(os.sep):
+            continue  # the event tables are a copy of the record, not part of it
         total += sum(os.path.getsize(os.path.join(dirpath, f)) for f in files)
     return total / 1e6
 
@@ -117,6 +196,10 @@ def main(argv=None):
     p.add_argument("--md", default=None)
     p.add_argument("--max-gb", type=float, default=None,
                    help="address-space limit of each measured child (GiB)")
+    p.add_argument("--nodes-of", type=int, default=None, metavar="K",
+                   help="write each cell as a multi-node run of K ranks per node (report only)")
+    p.add_argument("--node-tables", default="yes", choices=["yes", "no"],
+                   help="with --nodes-of: each node writes its tables first (as its diagnose does)")
     a = p.parse_args(argv)
     cells = []
     for item in a.grid.split(","):
@@ -130,6 +213,11 @@ def main(argv=None):
         if timed_out_at and ranks * steps >= timed_out_at:
             results.append({"ranks": ranks, "steps": steps,
                             "skipped": "a smaller cell timed out or ran out of memory"})
+            continue
+        if a.nodes_of:
+            row = multinode_cell(a, ranks, steps)
+            results.append(row)
+            print(json.dumps(row), file=sys.stderr)
             continue
         path = run_dir(a.work, ranks, steps, a.seed)
         shutil.rmtree(os.path.join(path, "tables"), ignore_errors=True)
@@ -152,7 +240,7 @@ def main(argv=None):
             timed_out_at = ranks * steps
         results.append(row)
         print(json.dumps(row), file=sys.stderr)
-    doc = {"what": a.what, "cache": a.cache, "timeout_s": a.timeout, "cpus": os.cpu_count(),
+    doc = {"what": a.what, "cache": a.cache, "nodes_of": a.nodes_of, "node_tables": a.node_tables, "timeout_s": a.timeout, "cpus": os.cpu_count(),
            "load_1min_at_start": round(load, 2), "python": sys.version.split()[0],
            "cells": results}
     if a.json:
@@ -173,7 +261,15 @@ def markdown(doc):
         if "skipped" in c:
             lines.append(f"| {c['ranks']} x {c['steps']} | | skipped ({c['skipped']}) | |")
             continue
+        if "wall_s" not in c:
+            lines.append(f"| {c['ranks']} x {c['steps']} | {c['record_mb']:.0f} | failed: "
+                         f"{c.get('node_tables_error') or c.get('stderr')} | |")
+            continue
         wall = f"> {c['wall_s']:.0f} (timeout)" if c["timed_out"] else f"{c['wall_s']:.1f}"
+        if c.get("nodes"):
+            wall += (f" ({c['nodes']} nodes; merge {c['merge_wall_s']:.1f} s; node tables "
+                     + (f"median {c['node_tables_median_s']:.2f} s" if "node_tables_median_s" in c
+                        else "not written") + ")")
         if c.get("out_of_memory_limit_gb"):
             wall += f" (over the {c['out_of_memory_limit_gb']:g} GiB limit)"
         elif c["rc"] and not c["timed_out"]:

@@ -46,15 +46,25 @@ def _compile_event(rank, i, start, end, step):
             "key_types": {"dtype": "type", "head_dim": "int"}, "type": "compile"}
 
 
-def write_rank(out_dir, rank, world, steps, seed, slow_rank, log_lines):
+def write_rank(out_dir, rank, world, steps, seed, slow_rank, log_lines, pid=None, skew_ns=0,
+               barrier=False):
+    """skew_ns: how far this host's clock reads ahead of true time (every timestamp has it).
+    barrier: the process group's first barrier (torch.distributed: a blocking collective that
+    every rank enters before any leaves), which `diagnose merge` aligns the node clocks with."""
     rng = random.Random(seed * 1_000_003 + rank)
-    pid = PID0 + rank
+    pid = PID0 + rank if pid is None else pid
     path = os.path.join(out_dir, "events", f"p{pid}.jsonl")
-    t = T0 + rank * 1_000_000  # ranks start a millisecond apart
+    t = T0 + skew_ns + rank * 1_000_000  # ranks start a millisecond apart
     lines = [_dump({"pid": pid, "ppid": PID0 - 1, "rank": str(rank), "rank_source": "RANK",
                     "local_rank": str(rank % 8), "world_size": str(world),
                     "argv": ["train.py", "--steps", str(steps)], "python": "3.12.3",
                     "main_thread": MAIN_TID, "type": "process_start", "t": t})]
+    if barrier:  # entered within 2 ms of true T0 + 1.5 s, left once the last rank is there
+        enter = T0 + skew_ns + 1_500_000_000 + rng.randint(0, 2_000_000)
+        leave = T0 + skew_ns + 1_502_000_000 + rng.randint(10_000, 100_000)
+        lines.append(_dump({"cat": "collective", "op": "barrier", "backend": "nccl", "group": "0",
+                            "seq": 0, "start": enter, "t": leave, "tid": MAIN_TID,
+                            "type": "span"}))
     t += 2_000_000_000
     lines.append(_dump({"optimizer": "AdamW", "type": "optimizer_created", "t": t}))
     lines.append(_dump({"evidence": "optimizer", "rank": str(rank), "type": "training", "t": t + 1000}))
@@ -116,20 +126,29 @@ def write_rank(out_dir, rank, world, steps, seed, slow_rank, log_lines):
     return end_times[-1][2] if end_times else t
 
 
-def write_run(out_dir, ranks, steps, seed=0, nvml=True):
+def write_run(out_dir, ranks, steps, seed=0, nvml=True, node=None):
+    """node: (node index, nodes, ranks per node) writes one node's part of a multi-node run:
+    its ranks (global numbers, pids 10000 + local rank as on separate hosts), its own clock
+    (NODE_SKEW_NS) and the process group's first barrier."""
     os.makedirs(os.path.join(out_dir, "events"), exist_ok=True)
-    slow_rank = ranks // 2 if ranks > 1 else -1
+    world = ranks if node is None else node[1] * node[2]
+    slow_rank = world // 2 if world > 1 else -1
+    own = range(ranks) if node is None else range(node[0] * node[2], (node[0] + 1) * node[2])
+    skew = 0 if node is None else node_skew_ns(node[0])
     log_lines = []
-    last_end = T0
-    for rank in range(ranks):
-        last_end = max(last_end, write_rank(out_dir, rank, ranks, steps, seed, slow_rank, log_lines))
+    last_end = T0 + skew
+    for rank in own:
+        last_end = max(last_end, write_rank(
+            out_dir, rank, world, steps, seed, slow_rank, log_lines,
+            pid=None if node is None else PID0 + rank - own[0], skew_ns=skew,
+            barrier=node is not None))
     with open(os.path.join(out_dir, "log.txt"), "w", encoding="utf-8") as f:
         f.write("\n".join(log_lines) + ("\n" if log_lines else ""))
     if nvml:
         rng = random.Random(seed)
         with open(os.path.join(out_dir, "nvml.csv"), "w", encoding="utf-8") as f:
             f.write("t,gpu,util,mem_util,sm_clock_mhz,mem_used_bytes,power_w,clock_event_reasons\n")
-            t = T0
+            t = T0 + skew
             gpus = min(ranks, 8)  # one node's GPUs: NVML sees the node, not the job
             while t < last_end:
                 for g in range(gpus):
@@ -138,8 +157,9 @@ def write_run(out_dir, ranks, steps, seed=0, nvml=True):
                 t += int(NVML_INTERVAL_S * 1e9)
     manifest = {
         "traindx_run": 1, "command": ["python3", "train.py", "--steps", str(steps)],
-        "cwd": "/job", "start_ns": T0 - 1_000_000_000, "end_ns": last_end + 1_000_000_000,
-        "exit_code": 0, "host": {"hostname": "synth", "platform": "Linux", "python": "3.12.3",
+        "cwd": "/job", "start_ns": T0 + skew - 1_000_000_000, "end_ns": last_end + 1_000_000_000,
+        "exit_code": 0, "host": {"hostname": "synth" if node is None else f"synth{node[0]}",
+                                 "platform": "Linux", "python": "3.12.3",
                                  "cpus": 2, "user": "bench"},
         "gpus": [{"index": g, "name": "NVIDIA H200", "uuid": f"GPU-{g:08x}-0000-0000-0000-000000000000",
                   "memory_bytes": 150754820096} for g in range(min(ranks, 8))],
@@ -148,13 +168,33 @@ def write_run(out_dir, ranks, steps, seed=0, nvml=True):
                     "torch_profile": None, "synthetic": {"ranks": ranks, "steps": steps,
                                                          "seed": seed, "period": PERIOD,
                                                          "slow_rank": str(slow_rank)}},
-        "ranks": {str(r): PID0 + r for r in range(ranks)},
+        "ranks": {str(r): PID0 + r - own[0] for r in own},
         "missing": {"pyspy": "synthetic run (bench/synth_run.py): no py-spy recordings"},
         "status": "finished", "signals_forwarded": [],
     }
+    if node is not None:  # what diagnose's _record_node adds to a node's manifest
+        manifest["node"] = {"name": os.path.basename(out_dir), "source": "--node",
+                            "run_dir": os.path.dirname(os.path.dirname(os.path.abspath(out_dir)))}
     with open(os.path.join(out_dir, "manifest.json"), "w", encoding="utf-8") as f:
         json.dump(manifest, f, indent=2)
     return out_dir
+
+
+def node_skew_ns(n):
+    """Node n's clock reads up to ±1 s off true time (the reference is whichever node merge
+    picks; the offsets it finds are these skews' differences, within its error bound)."""
+    return ((n * 7919) % 2001 - 1000) * 1_000_000
+
+
+def write_multinode(out_dir, nodes, per_node, steps, seed=0, nvml=True):
+    """The node parts of a multi-node run, RUN/nodes/node-NNN/ as each node's diagnose writes
+    them (not merged: `diagnose merge RUN` writes clock.json and the merged manifest)."""
+    folders = []
+    for n in range(nodes):
+        folder = os.path.join(out_dir, "nodes", f"node-{n:03d}")
+        write_run(folder, per_node, steps, seed, nvml=nvml, node=(n, nodes, per_node))
+        folders.append(folder)
+    return folders
 
 
 def main(argv=None):

@@ -93,6 +93,8 @@ def test_two_torchrun_agents_with_c10d_and_a_shifted_clock_merge_into_one_run(tm
     plain, late = sorted(parts)  # <host>-n0, <host>-n1 (the shifted one)
     assert plain.endswith("-n0") and late.endswith("-n1")
     assert "diagnose merge" in outs[0][1]
+    for d in parts.values():  # each node turned its events into tables as its job ended
+        assert os.path.exists(os.path.join(d, "tables", "events", "index.json"))
     with pytest.raises(UserError, match="diagnose merge"):
         traindx.load_run(run_dir)
 
@@ -121,6 +123,7 @@ def test_two_torchrun_agents_with_c10d_and_a_shifted_clock_merge_into_one_run(tm
     assert f"offset {clock['nodes'][late]['offset_ns'] / 1e9:+.6f} s" in proc.stdout
 
     run = traindx.load_run(run_dir)
+    assert len(run.tables._node_tables) == 2  # read from the nodes' tables, offsets applied
     assert run.ranks == ["0", "1"]
     assert sorted(run.manifest["nodes"]) == sorted(parts)
     assert set(run.manifest["rank_nodes"].values()) == set(parts)
@@ -315,3 +318,77 @@ def test_merge_of_two_hosts_with_the_same_pid_and_gpu_ids(tmp_path):
     kernels = run.torch_trace
     assert sorted(kernels["rank"]) == ["0", "1"]
     assert kernels["start_ns"].max() - kernels["start_ns"].min() < 10**6
+
+
+def test_merged_run_reads_each_nodes_own_tables_and_reparses_a_stale_one(tmp_path):
+    """What each node's diagnose writes at its job's end (record.write_tables) is what the
+    merged run's loader reads: the same tables as parsing every node's JSONL, with each node's
+    clock offset applied at load (the tables hold the node's own clock); a node whose raw files
+    changed since is parsed again, the others still come from their tables."""
+    import sys
+
+    import pandas as pd
+
+    from traindx.commands.merge import merge
+    from traindx.record import write_tables
+
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import synth_run
+
+    run_dir = str(tmp_path / "RUN")
+    folders = synth_run.write_multinode(run_dir, nodes=3, per_node=2, steps=20, seed=4)
+    clock, _ = merge(run_dir)
+    offsets = {n: e["offset_ns"] for n, e in clock["nodes"].items()}
+    assert len(set(offsets.values())) == 3  # three different clocks: every offset matters
+    raw = traindx.load_run(run_dir, cache=False)
+    assert raw.tables._node_tables == []
+    for folder in folders:
+        assert write_tables(folder) is None
+    run = traindx.load_run(run_dir)
+    assert len(run.tables._node_tables) == 3  # every node from its tables, nothing parsed
+    assert not os.path.exists(os.path.join(run_dir, "tables"))  # and no run-wide copy of them
+    assert run.tables.types == raw.tables.types
+    for typ in raw.tables.types:
+        pd.testing.assert_frame_equal(raw.tables.frame(typ), run.tables.frame(typ), obj=typ)
+    pd.testing.assert_frame_equal(raw.processes, run.processes)
+    pd.testing.assert_frame_equal(raw.ledger, run.ledger)
+    assert run.labels == raw.labels and run.ranks == [str(r) for r in range(6)]
+    assert run.tables.t_min() == raw.tables.t_min()
+    # the node's tables keep its own clock: rank 2 (node-001) as recorded there, then shifted
+    node1 = traindx.load_run(folders[1])
+    assert node1.tables._cached is not None
+    here = run.steps[run.steps["rank"] == "2"]["end_ns"].to_numpy()
+    there = node1.steps[node1.steps["rank"] == "2"]["end_ns"].to_numpy()
+    assert list(here - there) == [offsets["node-001"]] * 20
+
+    # node-002 grows after writing its tables: its tables are stale, its JSONL is read again
+    late = os.path.join(folders[2], "events", "p10001.jsonl")
+    with open(late, "a") as f:
+        f.write(json.dumps({"type": "stop_requested", "t": synth_run.T0 + 10**12}) + "\n")
+    grown = traindx.load_run(run_dir)
+    assert [base for base, _ in grown.tables._node_tables] == [0, 2]  # nodes 000 and 001
+    reparsed = traindx.load_run(run_dir, cache=False)
+    for typ in reparsed.tables.types:
+        pd.testing.assert_frame_equal(reparsed.tables.frame(typ), grown.tables.frame(typ), obj=typ)
+    stop = grown.of_type("stop_requested")
+    assert list(stop["rank"]) == ["5"] and list(stop["node"]) == ["node-002"]
+    assert list(stop["t"]) == [synth_run.T0 + 10**12 + offsets["node-002"]]
+
+
+def test_a_node_that_cannot_write_its_tables_warns_in_one_line_and_keeps_its_events(tmp_path, capsys):
+    import sys
+
+    from traindx.commands.run import _write_node_tables
+
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import synth_run
+
+    (folder,) = synth_run.write_multinode(str(tmp_path / "RUN"), nodes=1, per_node=2, steps=10)
+    (tmp_path / "RUN" / "nodes" / "node-000" / "tables").write_text("a file in the way")
+    before = digest(folder)
+    _write_node_tables(folder)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("diagnose: warning: the node's event tables were "
+                                               "not written (NotADirectoryError"), err
+    assert digest(folder) == before
+    assert len(traindx.load_run(folder).steps) == 20

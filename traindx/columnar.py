@@ -20,6 +20,9 @@ ranks, offsets and the (t, file, line) order are applied to every table in `_pla
 The parsed tables can be cached as Parquet beside the raw files (tables/events/<type>.parquet,
 keyed by the files' names, sizes, mtimes, nodes and offsets); the raw files are never touched.
 Nested and mixed-type values are stored there as JSON text and decoded on load.
+A node of a multi-node run writes its own (record.write_tables, at its job's end: its own clock,
+node-local file indices); a merged run reads them (`node_tables`) through the same `_place`,
+which adds each node's offset, so no cache ever holds a shifted copy of a node's times.
 """
 import glob
 import json
@@ -229,16 +232,22 @@ class EventTables:
     """Per-type event tables of one run: `frame(type)` is a pandas DataFrame (one row per
     event, a `rank` column, ordered by t then file order), built on first use and kept."""
 
-    def __init__(self, files, labels_by_file, flat, nested, cached=None, summary=None):
+    def __init__(self, files, labels_by_file, flat, nested, cached=None, summary=None,
+                 node_tables=None):
         self.files = files
+        # [(index of the node's first file, {type: (parquet path, json columns)})]: the tables a
+        # node of a merged run wrote for itself (raw node-clock times, node-local file indices)
+        self._node_tables = node_tables or []
         self._summary = summary or [[0, None]] * len(files)  # [event count, min t] per file
         self._labels = labels_by_file          # [label or None] per file index
         self._flat = flat                      # {type: [arrow tables]}
         self._nested = nested                  # {type: [dicts]}
         self._cached = cached                  # {type: parquet path} from a cache hit
+        self.cache_error = None                # why write_cache failed, when it did
         self._frames = {}
         self._order = {}                       # {type: (file, seq) sort keys of the frame}
-        self.types = sorted(set(flat) | set(nested) | set(cached or {}))
+        self.types = sorted(set(flat) | set(nested) | set(cached or {})
+                            | {t for _, paths in self._node_tables for t in paths})
 
     def frame(self, typ):
         if typ not in self._frames:
@@ -258,6 +267,7 @@ class EventTables:
         rows = self._nested.pop(typ, [])
         if rows:
             parts.append(pd.DataFrame(rows))
+        parts += _node_parts(self._node_tables, typ)
         if not parts:
             return pd.DataFrame()
         df = parts[0] if len(parts) == 1 else pd.concat(parts, ignore_index=True, sort=False)
@@ -358,7 +368,8 @@ class EventTables:
             os.replace(tmp, folder)
             self._cached = {t: (os.path.join(folder, os.path.basename(p)), enc)
                             for t, (p, enc) in written.items()}
-        except (OSError, ValueError, pa.ArrowException):
+            return True
+        except (OSError, ValueError, pa.ArrowException) as exc:
             # a read-only run folder, or a value Parquet cannot hold: the cache is optional;
             # tables already let go come back from what was written before it failed
             cached, self._cached = self._cached, written
@@ -368,6 +379,8 @@ class EventTables:
             finally:
                 self._cached = cached
                 shutil.rmtree(tmp, ignore_errors=True)
+            self.cache_error = f"{type(exc).__name__}: {exc}"
+            return False
 
     def _read_cached(self, typ):
         path = self._cached.get(typ)
@@ -441,6 +454,36 @@ def _encode(df):
     return out, encoded
 
 
+def _node_parts(node_tables, typ):
+    """pandas parts of `typ` from the nodes' own tables, shaped as a parse gives them (FILE is
+    the run-wide file index, no rank column: `_place` labels, shifts and orders them with the
+    parsed ones). Nodes whose table has no JSON-text column are read into one Arrow table."""
+    import pyarrow.parquet as pq
+
+    plain, parts = [], []
+    for base, paths in node_tables:
+        if typ not in paths:
+            continue
+        path, encoded = paths[typ]
+        table = pq.read_table(path)
+        table = table.drop_columns([c for c in ("rank", "node") if c in table.column_names])
+        table = table.set_column(table.column_names.index(FILE), FILE,
+                                 pc.add(table[FILE].cast(pa.int64()), base))
+        table = table.replace_schema_metadata(None)
+        if encoded:
+            df = table.to_pandas()
+            for col in encoded:
+                df[col] = df[col].map(lambda v: json.loads(v) if isinstance(v, str) else np.nan)
+            parts.append(df)
+        else:
+            plain.append(table)
+    if plain:
+        table = pa.concat_tables(plain, promote_options="permissive")
+        del plain
+        parts.insert(0, table.to_pandas())
+    return parts
+
+
 def fingerprint(files):
     out = []
     for x in files:
@@ -468,17 +511,24 @@ def read_cache(run_path, fp):
     return index, paths
 
 
-def parse_files(files, threads=None):
+def parse_files(files, threads=None, indices=None):
     """Per file: (flat tables by type, nested rows by type, notes, identity); on a thread
-    pool (Arrow and numpy release the GIL)."""
+    pool (Arrow and numpy release the GIL). indices: each file's run-wide index (default:
+    its position)."""
     workers = threads or min(4, os.cpu_count() or 1)
+    indices = range(len(files)) if indices is None else indices
     with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
-        return list(pool.map(lambda a: _parse_file(a[0], a[1].path), enumerate(files)))
+        return list(pool.map(lambda a: _parse_file(a[0], a[1].path), zip(indices, files)))
 
 
 def warn_all(notes, stacklevel=3):
     for cls, message in notes:
         warnings.warn(message, cls, stacklevel=stacklevel)
+
+
+def may_read_cache(cache):
+    """Tables already written are read unless the caller or TRAINDX_CACHE=0 says no."""
+    return cache is not False and os.environ.get("TRAINDX_CACHE") != "0"
 
 
 def use_cache(files, cache):

@@ -398,7 +398,7 @@ TRAINING_EVENTS = {"training", "step_begin", "step_end", "optimizer_created"}
 IDENTITY_EVENTS = {"process_start", "rank_known"}
 
 
-def _load_tables(path, cache=None, manifest=None):
+def _load_tables(path, cache=None, manifest=None, write_cache=True):
     """(EventTables, process table rows, labels) of the run's events.
 
     `events/p<pid>.jsonl` holds one process (any process of the job); its rank is the last
@@ -413,42 +413,40 @@ def _load_tables(path, cache=None, manifest=None):
     """
     files = columnar.event_files(path, manifest)
     multi = any(x.node is not None for x in files) or bool((manifest or {}).get("nodes"))
-    cached = columnar.use_cache(files, cache)
-    fp = columnar.fingerprint(files) if cached else None
-    hit = columnar.read_cache(path, fp) if cached else None
+    read = columnar.may_read_cache(cache)
+    write = write_cache and columnar.use_cache(files, cache)
+    fp = columnar.fingerprint(files) if (read or write) else None
+    hit = columnar.read_cache(path, fp) if read else None
     if hit is not None:
         index, paths = hit
-        columnar.warn_all([(CorruptEvidenceWarning if c == "corrupt" else TruncatedEvidenceWarning, m)
-                           for c, m in index["notes"]], stacklevel=4)
+        columnar.warn_all(_notes_from_json(index["notes"]), stacklevel=4)
         tables = columnar.EventTables(files, index["labels_by_file"], {}, {}, cached=paths,
                                       summary=index["summary"])
         return tables, index["processes"], _labels_from_json(index["labels"])
-    parsed = columnar.parse_files(files)
-    notes = [n for _, _, ns, _ in parsed for n in ns]
+    # a merged run: the tables each node wrote for itself at its job's end (node_tables)
+    node_hits = _node_tables(path, manifest, files) if multi and read else {}
+    info_of_file, summary = [None] * len(files), [None] * len(files)
+    node_tables, notes = [], []
+    for base, (node_index, paths) in node_hits.items():
+        node_tables.append((base, paths))
+        notes += _notes_from_json(node_index["notes"])
+        for j, count_t in enumerate(node_index["summary"]):
+            summary[base + j] = count_t
+        for p in node_index["per_process"]:
+            i = base + p["index"]
+            info_of_file[i] = dict(p, index=i, file=files[i].rel, node=files[i].node)
+    todo = [i for i in range(len(files)) if summary[i] is None]
+    parsed = columnar.parse_files([files[i] for i in todo], indices=todo)
+    notes += [n for _, _, ns, _ in parsed for n in ns]
     columnar.warn_all(notes, stacklevel=4)
-    per_process, label_of_file = [], [None] * len(files)
-    for i, (x, (_, _, _, ident)) in enumerate(zip(files, parsed)):
-        pid = columnar.process_pid(x.rel)
-        if pid is None:
-            label_of_file[i] = os.path.basename(x.rel)[: -len(".jsonl")]
-            continue
-        info = {"pid": pid, "ppid": None, "rank": None, "start": None, "evidence": None,
-                "argv": None, "file": x.rel, "index": i, "node": x.node,
-                "training": bool(ident["types"] & TRAINING_EVENTS),
-                "recorded": bool(ident["types"] - IDENTITY_EVENTS)}
-        for e in ident["events"]:
-            kind = e["type"]
-            if kind == "process_start":
-                info.update(ppid=_none_if_nan(e.get("ppid")), argv=e.get("argv"), start=e["t"])
-                if _none_if_nan(e.get("rank")) is not None:
-                    info["rank"] = str(e["rank"])
-            elif kind == "rank_known" and _none_if_nan(e.get("rank")) is not None:
-                info["rank"] = str(e["rank"])
-            if kind == "training" and info["evidence"] is None:
-                info["evidence"] = _none_if_nan(e.get("evidence"))
-        if info["start"] is None:
-            info["start"] = ident["first_t"] if ident["first_t"] is not None else 0
-        per_process.append(info)
+    for i, (_, _, _, ident) in zip(todo, parsed):
+        summary[i] = [ident["count"], ident["t_min"]]
+        pid = columnar.process_pid(files[i].rel)
+        if pid is not None:
+            info_of_file[i] = _process_info(pid, files[i], i, ident)
+    label_of_file = [os.path.basename(x.rel)[: -len(".jsonl")]
+                     if columnar.process_pid(x.rel) is None else None for x in files]
+    per_process = [p for p in info_of_file if p is not None]
     has_label_files = any(label is not None for label in label_of_file)
     if multi:
         from traindx import nodes
@@ -481,16 +479,78 @@ def _load_tables(path, cache=None, manifest=None):
             flat.setdefault(typ, []).append(t)
         for typ, rows in rows_of_file.items():
             nested.setdefault(typ, []).extend(rows)
-    summary = [[ident["count"], ident["t_min"]] for _, _, _, ident in parsed]
     del parsed
-    tables = columnar.EventTables(files, label_of_file, flat, nested, summary=summary)
-    if cached:
+    tables = columnar.EventTables(files, label_of_file, flat, nested, summary=summary,
+                                  node_tables=node_tables)
+    # every node's own tables read: a run-wide copy would only duplicate them
+    if write and (todo or not node_tables):
         meta = {"summary": summary, "processes": table, "labels": _labels_to_json(labels),
-                "labels_by_file": label_of_file,
+                "labels_by_file": label_of_file, "per_process": per_process,
                 "notes": [["corrupt" if c is CorruptEvidenceWarning else "truncated", m]
                           for c, m in notes]}
         tables.write_cache(path, fp, meta)
     return tables, table, labels
+
+
+def _process_info(pid, x, i, ident):
+    """One process of the run from its file's identity events: pid, ppid, the rank it reported
+    (the last rank_known, else process_start's), start, training evidence, what it recorded."""
+    info = {"pid": pid, "ppid": None, "rank": None, "start": None, "evidence": None,
+            "argv": None, "file": x.rel, "index": i, "node": x.node,
+            "training": bool(ident["types"] & TRAINING_EVENTS),
+            "recorded": bool(ident["types"] - IDENTITY_EVENTS)}
+    for e in ident["events"]:
+        kind = e["type"]
+        if kind == "process_start":
+            info.update(ppid=_none_if_nan(e.get("ppid")), argv=e.get("argv"), start=e["t"])
+            if _none_if_nan(e.get("rank")) is not None:
+                info["rank"] = str(e["rank"])
+        elif kind == "rank_known" and _none_if_nan(e.get("rank")) is not None:
+            info["rank"] = str(e["rank"])
+        if kind == "training" and info["evidence"] is None:
+            info["evidence"] = _none_if_nan(e.get("evidence"))
+    if info["start"] is None:
+        info["start"] = ident["first_t"] if ident["first_t"] is not None else 0
+    return info
+
+
+def _node_tables(path, manifest, files):
+    """{index of the node's first file in `files`: (its cache index, {type: (parquet, json
+    columns)})} for every node of a merged run whose own tables (written by its diagnose,
+    `write_tables`) match its raw files now. The node's tables hold its own clock's times;
+    its offset is applied with everything else in EventTables._place. A node without them, or
+    with tables that no longer match (a file grew, was copied without its mtime), is parsed."""
+    from traindx import nodes
+
+    out, base = {}, 0
+    for folder, node, _ in nodes.parts(path, manifest or {}):
+        own = columnar.event_files(folder)
+        hit = columnar.read_cache(folder, columnar.fingerprint(own)) if own else None
+        if hit is not None and "per_process" in hit[0] and \
+                len(hit[0]["summary"]) == len(own):
+            out[base] = hit
+        base += len(own)
+    return out if base == len(files) else {}  # a node's files changed meanwhile: parse all
+
+
+def write_tables(path):
+    """Write the run folder's Parquet event tables (tables/events/) now, whatever its size:
+    what each node of a multi-node run does when its job ends, so that the central analysis
+    reads tables instead of parsing every node's JSONL. Returns None, or why it could not."""
+    if os.environ.get("TRAINDX_CACHE") == "0":
+        return None  # the user turned the tables off
+    try:
+        tables, _, _ = _load_tables(path, cache=True)
+    except (OSError, ValueError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    if tables._cached is None:
+        return tables.cache_error or "the tables were not written"
+    return None
+
+
+def _notes_from_json(items):
+    return [(CorruptEvidenceWarning if c == "corrupt" else TruncatedEvidenceWarning, m)
+            for c, m in items]
 
 
 def _rank_processes(per_process, has_label_files):
@@ -514,7 +574,9 @@ def _labels_from_json(items):
 def _load_events(path):
     """(collective span rows as dicts, process table rows, {pid: label}) of one node's run
     folder: what `diagnose merge` needs to align that node's clock and to name its ranks."""
-    tables, table, labels = _load_tables(path, cache=False)
+    # the node's own tables when its diagnose wrote them (write_tables); never written here:
+    # merge leaves the node folders as their nodes wrote them
+    tables, table, labels = _load_tables(path, cache=None, write_cache=False)
     spans = tables.frame("span")
     rows = []
     if len(spans) and "cat" in spans:

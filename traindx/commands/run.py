@@ -152,6 +152,7 @@ def run(args, parser):
     status = exit_status(returncode)
     if node:
         _record_node(run_dir, node)
+        _write_node_tables(run_dir)
     try:
         record = load_run(run_dir)
         findings, report_path = analyze_and_write(record)
@@ -182,6 +183,25 @@ def _node_part(command, args):
     name, source = identity
     folder = nodes.claim_node_dir(shared, name)
     return {"name": os.path.basename(folder), "source": source, "run_dir": shared, "dir": folder}
+
+
+def _write_node_tables(run_dir):
+    """A node of a multi-node run turns its own ranks' events into the Parquet tables
+    (tables/events/) as its job ends, whatever their size: a few ranks parse in about a second
+    here, and the central analysis of the merged run then reads every node's tables instead of
+    parsing all ranks' JSONL on one machine. The raw files stay; failing is only a warning
+    (the central analysis parses that node's raw files instead)."""
+    from traindx.record import write_tables
+
+    try:
+        problem = write_tables(run_dir)
+    except UserError as exc:
+        problem = _one_line(exc)
+    except Exception as exc:  # never fail the node's run over an optional copy of its events
+        problem = f"{type(exc).__name__}: {_one_line(exc)}"
+    if problem:
+        print(f"diagnose: warning: the node's event tables were not written ({problem}); the "
+              "merged run's analysis will parse this node's raw events", file=sys.stderr)
 
 
 def _record_node(run_dir, node):
