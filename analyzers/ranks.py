@@ -167,10 +167,10 @@ def _gpu_clocks(run, ranks):
     (the rank's LOCAL_RANK-th of the job's GPUs, the usual one-GPU-per-rank launch)."""
     gpu = run.gpu
     chosen = (run.manifest.get("nvml") or {}).get("gpus") or []
-    ev_ = run.events
+    ev_ = run.of_type("process_start")
     if not len(gpu) or not chosen or not len(ev_) or "local_rank" not in ev_:
         return {}
-    starts = ev_[(ev_["type"] == "process_start") & ev_["rank"].isin(ranks)]
+    starts = ev_[ev_["rank"].isin(ranks)]
     out = {}
     for rank, local in zip(starts["rank"], starts["local_rank"]):
         try:

@@ -30,10 +30,10 @@ def collective_spans(run):
     """The shim's collective spans: rank, op, group, seq (None for send/recv), peer, start_ns,
     end_ns, tid. Read from the events (run.spans keeps only what the ledger needs)."""
     cols = ["rank", "op", "group", "seq", "peer", "start_ns", "end_ns", "tid"]
-    ev = run.events
+    ev = run.of_type("span")
     if not len(ev) or "cat" not in ev:
         return pd.DataFrame(columns=cols)
-    df = ev[(ev["type"] == "span") & (ev["cat"] == "collective")]
+    df = ev[ev["cat"] == "collective"]
     if not len(df):
         return pd.DataFrame(columns=cols)
     out = pd.DataFrame({
@@ -57,8 +57,7 @@ def is_point_to_point(spans):
 
 
 def uses_ddp(run):
-    ev = run.events
-    return bool(len(ev) and "type" in ev and (ev["type"] == "ddp").any())
+    return bool(len(run.of_type("ddp")))
 
 
 def _matched_collectives(spans):

@@ -377,10 +377,9 @@ def cpu_evidence(run, ranks=None):
     the process), thread_cpu (the training thread); cores (the process's CPU affinity), running
     (mean runnable tasks on the machine at a step end, the training thread included) and idle
     (mean idle cores of the machine)."""
-    events = run.events
-    if not len(events) or "type" not in events or not len(run.ledger):
+    if not len(run.ledger):
         return None
-    cpu = events[events["type"] == "cpu"]
+    cpu = run.of_type("cpu")  # per-type tables: never the wide frame of every event
     if not len(cpu) or "proc_cpu_s" not in cpu:
         return None
     led = steady_rows(run)
@@ -394,7 +393,8 @@ def cpu_evidence(run, ranks=None):
     cpu = cpu[(cpu["rank"] == rank) & cpu["step"].isin(steps)]
     if not len(cpu):
         return None
-    spans = events[(events["type"] == "span") & (events["rank"] == rank)]
+    spans = run.of_type("span")
+    spans = spans[spans["rank"] == rank] if len(spans) else spans
     data_cpu = 0.0
     if "cat" in spans and "cpu" in spans:
         data = spans[(spans["cat"] == "data") & spans["cpu"].notna()]
