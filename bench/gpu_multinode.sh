@@ -8,19 +8,11 @@
 #   usage (repo root): OUT=/tmp/out bash bench/gpu_multinode.sh
 # Look for: "shift inside bound: True", "consistent: True", error bound in ms (not s),
 # "steps per rank {'0': 40, '1': 40}", "max step-end gap after merge" in ms (raw gap ~SHIFT_S).
-set -uo pipefail
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-export PYTHONPATH=/opt/gpu-boot${PYTHONPATH:+:$PYTHONPATH}
-export PATH=/opt/gpu-site/bin:$PATH
-export TRAINDX_PYSPY=${TRAINDX_PYSPY:-/opt/gpu-site/bin/py-spy}
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=8
-PY=${PY:-python3}
+export OMP_NUM_THREADS=8
+source "$(dirname "$0")/gpu_env.sh"
 SHIFT_S=${SHIFT_S:--6.5}   # under 15 s: c10d rendezvous drops an agent whose heartbeats look older
 STEPS=${STEPS:-40}
 RUN=runs/gpu-multinode
-log() { echo "== $(date +%T) $*"; }
 
 log setup
 $PY -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/pip.log" 2>&1 || tail -5 "$OUT/pip.log"

@@ -4,16 +4,8 @@
 # check that both ranks have their events file and py-spy recordings.
 #   usage (repo root): OUT=/tmp/out bash bench/gpu_ranks.sh
 # Prints "ratio of medians" (diagnose / bare median step time, steps 10-60) and "ranks OK".
-set -uo pipefail
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-export PYTHONPATH=/opt/gpu-boot${PYTHONPATH:+:$PYTHONPATH}
-export PATH=/opt/gpu-site/bin:$PATH
-export TRAINDX_PYSPY=${TRAINDX_PYSPY:-/opt/gpu-site/bin/py-spy}
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=8
-PY=${PY:-python3}
-log() { echo "== $(date +%T) $*"; }
+export OMP_NUM_THREADS=8
+source "$(dirname "$0")/gpu_env.sh"
 
 log setup
 $PY -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/pip.log" 2>&1 || tail -5 "$OUT/pip.log"

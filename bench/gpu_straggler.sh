@@ -15,16 +15,8 @@
 #   healthy    no ranks.* finding
 # The method line says "steps as meeting points" (CUDA: NCCL returns to the host at once, the
 # host waits in its next sync); "matched collectives" would mean the host spans blocked.
-set -uo pipefail
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-export PYTHONPATH=/opt/gpu-boot${PYTHONPATH:+:$PYTHONPATH}
-export PATH=/opt/gpu-site/bin:$PATH
-export TRAINDX_PYSPY=${TRAINDX_PYSPY:-/opt/gpu-site/bin/py-spy}
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4
-PY=${PY:-python3}
-log() { echo "== $(date +%T) $*"; }
+export OMP_NUM_THREADS=4
+source "$(dirname "$0")/gpu_env.sh"
 
 log setup
 [ -n "${SKIP_PIP:-}" ] || $PY -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/pip.log" 2>&1 || tail -5 "$OUT/pip.log"
