@@ -14,6 +14,9 @@ from . import codefix, frameworks
 from . import evidence as ev
 
 MIN_SHARE = 0.10
+# under this per step no change to the loader pays off (handing a batch over from a worker costs
+# about as much), whatever its share of a tiny step
+MIN_LOST_S = 0.001
 DATALOADER_FILE = "torch/utils/data/dataloader.py"
 TRACE_PREFIX = "enumerate(DataLoader)#"
 
@@ -261,6 +264,8 @@ def analyze(run):
         share = measured["share"]
         lost = measured.get("per_step_s") if measured["source"] == "time ledger" else (
             share * step_s if step_s else None)
+        if lost is not None and lost < MIN_LOST_S:
+            continue
         loader = _pick_loader(run, rank)
         hot = measured["hot"] or (trace_view or {}).get("hot") or []
         hot_function = hot[0]["frame"] if hot else None

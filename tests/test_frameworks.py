@@ -369,3 +369,16 @@ def test_rich_bar_value_wrapped_onto_the_next_line(tmp_path):
         "101 o                                   0:00:00                      42.200           \n")
     log = traindx.load_run(tmp_path).log_steps
     assert list(zip(log["step"], log["loss"])) == [(10, 42.2)]
+
+
+def test_rich_bar_wrapped_onto_its_next_stdout_line_past_an_interleaved_stderr_line(tmp_path):
+    # Lightning's rich progress bar wraps `train_loss:` and its value onto two stdout lines; the
+    # launcher's stdout and stderr pumps can put a stderr line between them (seen 1 in 4 runs)
+    bar = "Epoch 0/-2 ━━━━━━ 10/10 0:00:00 • 0:00:00 665.46it/s train_loss:      "
+    value = " " * 64 + "42.200           "
+    (tmp_path / "events").mkdir()
+    (tmp_path / "manifest.json").write_text(json.dumps({"command": ["python", "fit.py"]}))
+    (tmp_path / "log.txt").write_text(
+        f"100 o {bar}\n101 e `Trainer.fit` stopped: `max_steps=10` reached.\n102 o {value}\n")
+    logged = traindx.load_run(tmp_path).log_steps.dropna(subset=["loss"])
+    assert list(logged["loss"]) == [42.2]

@@ -247,11 +247,15 @@ class RunRecord:
         columns = ["t", "step", "loss", "step_time_s", "format", "tokens"]
         rows = []
         texts = list(self.log["text"])
+        streams = list(self.log["stream"]) if "stream" in self.log else [None] * len(texts)
+        following = _next_of_same_stream(streams)
         for i, (t, text) in enumerate(zip(self.log["t"], texts)):
-            if i + 1 < len(texts) and _WRAPPED_VALUE.search(text) and _VALUE_LINE.match(texts[i + 1]):
-                # rich (Lightning's progress bar) wraps the bar's columns onto the next line:
-                # the metric's value is that line's last number (after the times it pushed down)
-                text = text.rstrip() + " " + texts[i + 1].split()[-1]
+            j = following[i]
+            if j is not None and _WRAPPED_VALUE.search(text) and _VALUE_LINE.match(texts[j]):
+                # rich (Lightning's progress bar) wraps the bar's columns onto the next line of
+                # its stream (a stderr line can land between the two): the metric's value is that
+                # line's last number (after the times it pushed down)
+                text = text.rstrip() + " " + texts[j].split()[-1]
             parsed = parse_line(text, custom)
             if parsed:
                 parsed["t"] = t
@@ -362,6 +366,15 @@ class RunRecord:
         empty, groups = self.cached(("by_rank", table), split)
         got = groups.get(rank)
         return (empty if got is None else got).copy(deep=False)
+
+
+def _next_of_same_stream(streams):
+    """For each log line, the index of the next line of the same stream (stdout/stderr), or None."""
+    out, last = [None] * len(streams), {}
+    for i in range(len(streams) - 1, -1, -1):
+        out[i] = last.get(streams[i])
+        last[streams[i]] = i
+    return out
 
 
 def is_run_dir(path):
