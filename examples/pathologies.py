@@ -234,6 +234,7 @@ def main(argv=None):
                      args.batch_size * world, loss.item())
     stop.set()
     if world > 1:
+        dist.barrier()  # every rank done with its gloo work before the group is torn down
         dist.destroy_process_group()
     del index
     return 0

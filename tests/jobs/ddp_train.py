@@ -54,6 +54,9 @@ def main():
         opt.step()
         opt.zero_grad()
         print(f"rank {rank} step {step + 1} loss {loss.item():.4f}", flush=True)
+    # every rank done with its gloo work before any tears the group down (without it, a rank
+    # occasionally aborts in gloo's teardown: "terminate called without an active exception")
+    dist.barrier()
     dist.destroy_process_group()
 
 

@@ -18,6 +18,7 @@ def train(rank, world_size):
         model(torch.randn(16, 32)).pow(2).mean().backward()
         opt.step()
         opt.zero_grad()
+    dist.barrier()  # every rank done with its gloo work before teardown
     dist.destroy_process_group()
 
 

@@ -19,6 +19,7 @@ def train(rank, world_size, steps):
         opt.step()
         opt.zero_grad()
         print(f"rank {rank} step {step + 1} loss {loss.item():.4f}", flush=True)
+    dist.barrier()  # every rank done with its gloo work before teardown
     dist.destroy_process_group()
 
 
