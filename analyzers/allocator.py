@@ -5,13 +5,23 @@ again: `num_alloc_retries` in torch.cuda.memory_stats() counts those. The shim s
 stats at every step end (`alloc` events); retries that keep growing in the steady window cost a
 sync and a free/malloc storm each. Fragmentation shows as reserved memory far above allocated
 memory with large inactive split blocks. Explicit torch.cuda.empty_cache() calls (shim
-`empty_cache` events, with their line) throw the cache away and cause the same storm.
+`empty_cache` events, with their line) throw the cache away and cause the same storm. Its cost
+with a GPU trace: the GPU's idle while the host is inside cudaMalloc/cudaFree (the rest of
+those calls overlaps kernels queued before them).
 """
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
 import pandas as pd
 
 from traindx.findings import Finding, Prescription
 
+from . import codefix
 from . import evidence as ev
+
+if TYPE_CHECKING:  # annotations only
+    from traindx.record import RunRecord
 
 EXPANDABLE = "expandable_segments:True"
 MALLOC_CALLS = ("cudaMalloc", "cudaFree", "cudaMallocAsync", "cudaFreeAsync", "cuMemCreate",
@@ -60,6 +70,18 @@ def _malloc_seconds_per_step(run, rank):
     return float(calls["dur_s"].sum()) / len(steps)
 
 
+def _idle_in_malloc_per_step(run, rank):
+    """Seconds per profiled step the GPU idles while the host is inside an allocator call, or
+    None without a GPU trace."""
+    from .gpu_window import ALLOCATOR_CALLS, idle_in_calls_per_step
+
+    trace = run.torch_trace
+    if not len(trace):
+        return None
+    return idle_in_calls_per_step(run, rank, trace[(trace["rank"] == rank).to_numpy()],
+                                  ALLOCATOR_CALLS)
+
+
 def _analyze_rank(run, rank, rows):
     """rows: this rank's alloc events."""
     steady = ev.steady_steps(run, rank)
@@ -82,7 +104,13 @@ def _analyze_rank(run, rank, rows):
     without = durations[~durations.index.isin(hit_ids)]
     lost, cost_method = None, None
     malloc = _malloc_seconds_per_step(run, rank)
-    if malloc is not None:
+    idle = _idle_in_malloc_per_step(run, rank)
+    if idle is not None and malloc:
+        # the host blocked in cudaMalloc/cudaFree costs a step only while the GPU has nothing
+        # queued; the rest of those calls overlap kernels queued before them
+        lost, cost_method = float(idle), ("cudaMalloc/cudaFree: the GPU's idle while the host is in "
+                                          "them, per step of the torch.profiler window")
+    elif malloc is not None:
         lost, cost_method = malloc, "cudaMalloc/cudaFree time per step in the torch.profiler window"
     elif len(with_retry) and len(without):
         lost = max(0.0, float(with_retry.median() - without.median())) * len(with_retry) / len(durations)
@@ -105,11 +133,27 @@ def _analyze_rank(run, rank, rows):
         "empty_cache_calls": empty_cache[:5],
         "PYTORCH_CUDA_ALLOC_CONF": _alloc_conf(run) or None,
         "cost_method": cost_method,
+        "malloc_free_s_per_step": None if malloc is None else round(malloc, 6),
+        "gpu_idle_in_malloc_free_s_per_step": None if idle is None else round(idle, 6),
     }
     severity = ev.severity_for_share(share) if share is not None else "low"
     if new_retries and severity == "info":
         severity = "low"  # every retry is a device-wide sync: worth fixing even when cheap here
     prescriptions = []
+    # the empty_cache() line first: it is the cause when it runs inside the steps (the
+    # allocator setting only softens what it does); each removal is measured by --fix
+    for site in empty_cache[:3]:
+        source = (site.get("source") or "").strip()
+        change = codefix.code_change(site["file"], site["line"], source, "", op="delete") \
+            if site.get("file") and not ev.is_library_path(str(site["file"])) else None
+        prescriptions.append(Prescription(
+            kind="code",
+            summary=f"remove torch.cuda.empty_cache() at {site['file']}:{site['line']} "
+                    f"({site['calls']} calls): it throws the allocator's cache away and the next "
+                    "allocations go to cudaMalloc again",
+            change={"code": change} if change else {},
+            # calls outside the steps cost no step time: prescribed, not measured
+            expected_gain_s_per_step=lost, automatic=bool(change) and bool(empties_in_steps)))
     current = _alloc_conf(run)
     if EXPANDABLE not in current.replace(" ", ""):
         prescriptions.append(Prescription(
@@ -117,16 +161,10 @@ def _analyze_rank(run, rank, rows):
             summary=f"PYTORCH_CUDA_ALLOC_CONF={_with_expandable(current)}: segments grow in place "
                     "instead of failing and retrying; fragmentation drops",
             change={"env": {"PYTORCH_CUDA_ALLOC_CONF": _with_expandable(current)}},
-            expected_gain_s_per_step=lost, automatic=True))
-    for site in empty_cache[:3]:
-        prescriptions.append(Prescription(
-            kind="code",
-            summary=f"remove torch.cuda.empty_cache() at {site['file']}:{site['line']} "
-                    f"({site['calls']} calls): it throws the allocator's cache away and the next "
-                    "allocations go to cudaMalloc again",
-            change={"code": {"file": site["file"], "line": site["line"], "before": site["source"],
-                             "after": ""}},
-            expected_gain_s_per_step=lost))
+            # with empty_cache() calls in the steps the setting only softens what they do: half
+            # the saving is a guess, which --fix measures after the line's removal
+            expected_gain_s_per_step=lost if new_retries or not empties_in_steps or lost is None
+            else lost * 0.5, automatic=True))
     what = []
     if new_retries:
         what.append(f"{new_retries} allocator retries in {len(hit_ids)} steady steps")
@@ -144,7 +182,7 @@ def _analyze_rank(run, rank, rows):
         evidence=evidence, prescriptions=tuple(prescriptions), ranks=(rank,))]
 
 
-def analyze(run):
+def analyze(run: RunRecord) -> list[Finding]:
     alloc = run.alloc
     if not len(alloc) or "num_alloc_retries" not in alloc:
         # empty_cache calls alone still matter on a GPU run; on a CPU run there is no alloc

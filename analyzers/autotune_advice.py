@@ -20,21 +20,18 @@ names was read in the source of the release named beside it (docs/autotune.md, w
   causing new tunings.
 A version not listed in VERIFIED gets the upgrade to one that is, never a variable it may ignore.
 """
-import re
-from collections import Counter, OrderedDict
-from dataclasses import dataclass, field
+from __future__ import annotations
 
+from collections import Counter, OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+# which installed release reads which switch: traindx.envvars (kernel-cache warm reads it too)
+from traindx.envvars import FLA_PACKAGES, VERIFIED, reads, release  # noqa: F401
+from traindx.envvars import package_version as _version
 from traindx.findings import Prescription
 
-# (package, switch) -> the lowest release whose source was read for it (docs/autotune.md)
-VERIFIED = {
-    ("triton", "TRITON_CACHE_DIR"): "2.0.0",  # runtime/cache.py os.getenv in 2.x; knobs.py in 3.6
-    ("triton", "TRITON_CACHE_AUTOTUNING"): "3.6.0",
-    ("fla", "FLA_CACHE_RESULTS"): "0.6.0",
-    ("fla", "FLA_CACHE_MODE"): "0.6.0",
-    ("fla", "FLA_CONFIG_DIR"): "0.6.0",
-}
-FLA_PACKAGES = ("fla-core", "flash-linear-attention")
 SOURCE = {
     "TRITON_CACHE_AUTOTUNING": "triton/runtime/autotuner.py:39, triton/knobs.py:375 (3.6.0)",
     "TRITON_CACHE_DIR": "triton/knobs.py:347, triton/runtime/autotuner.py:170-208 (3.6.0)",
@@ -56,7 +53,7 @@ class KernelTuning:
     changing_fields: list = field(default_factory=list)  # [(field, distinct values, examples)]
     retune_steps: list = field(default_factory=list)
     retune_bench_s: float = 0.0
-    cache_results: bool = None      # as the job ran (None: not recorded)
+    cache_results: bool | None = None      # as the job ran (None: not recorded)
     disk_hits: int = 0
     first_from_disk: bool = False   # its first key was read from Triton's disk cache: warm already
 
@@ -80,26 +77,6 @@ class Advice:
                      "retune_steps": k.retune_steps[:20], "cache_results": k.cache_results,
                      "disk_cache_hits": k.disk_hits} for k in self.kernels],
                 "autotune_notes": self.notes}
-
-
-def release(text):
-    """'3.6.0+git1a2b' -> (3, 6, 0); '0.6.0rc1' -> (0, 6, 0); None when there is no number."""
-    match = re.match(r"\s*v?(\d+(?:\.\d+)*)", str(text or ""))
-    return tuple(int(p) for p in match[1].split(".")) if match else None
-
-
-def reads(packages, package, switch):
-    """Does the installed `package` read `switch`, as far as the source we read says?"""
-    have = release(_version(packages, package))
-    need = release(VERIFIED.get((package, switch)))
-    return have is not None and need is not None and have >= need
-
-
-def _version(packages, package):
-    packages = packages or {}
-    if package == "fla":
-        return next((packages.get(p) for p in FLA_PACKAGES if packages.get(p)), None)
-    return packages.get(package)
 
 
 def _is_fla(event):
@@ -136,7 +113,7 @@ def _as_number(text):
         return None
 
 
-def summarize(events):
+def summarize(events: Sequence[dict[str, Any]]) -> list[KernelTuning]:
     """Per kernel: tunings, seconds, and the key fields whose value changed between tunings."""
     by_kernel = OrderedDict()
     for event in sorted(events, key=lambda e: (e.get("start") or e.get("start_ns") or 0)):
@@ -186,7 +163,9 @@ def _field_text(tuning):
     return "; ".join(parts)
 
 
-def advise(events, packages=None, env=None, run_path=None, cache_dir=None, config_dir=None):
+def advise(events: Sequence[dict[str, Any]], packages: Mapping[str, str] | None = None,
+           env: Mapping[str, str] | None = None, run_path: str | None = None,
+           cache_dir: str | None = None, config_dir: str | None = None) -> Advice:
     """Advice for one rank's autotune events. `cache_dir`: where a persistent TRITON_CACHE_DIR
     should live (e.g. beside the run folders); `config_dir`: the same for FLA_CONFIG_DIR."""
     env = env or {}

@@ -12,10 +12,22 @@ Savings: each root's prescriptions expect the seconds per step of the ledger lin
 (`Finding.removes`, set here from LEDGER_LINES where the analyzer did not); the sum over roots is
 capped at the step time, so no two findings promise the same second.
 """
+from __future__ import annotations
+
+import os
 import re
+from collections.abc import Sequence
 from dataclasses import replace
+from typing import TYPE_CHECKING
+
+from traindx.findings import Prescription
 
 from traindx import ledger as ledger_mod
+
+if TYPE_CHECKING:  # annotations only
+    from traindx.findings import Finding
+    from traindx.record import RunRecord
+from . import savings
 
 STEADY_JIT = ("jit.fa4_steady_recompile", "jit.steady_recompile", "jit.autotune",
               "jit.dynamo_recompile")
@@ -31,9 +43,12 @@ LEDGER_LINES = {
     # queued work, which stays after the fix; its cost is the GPU idle after it (host_sync.py)
 }
 
+# recompiles of a model's frame: the model call that holds one is a fresh graph's first call,
+# which costs more than its compile events (savings.fresh_graph_calls)
+FRESH_GRAPH_CALLS = ("jit.dynamo_recompile",)
 
 # the straggler's cause (its ledger line before its late arrivals) -> the root finding of that line
-STRAGGLER_ROOTS = {"gc": "gc.gen2_in_step", "data": "dataloader.starvation"}
+STRAGGLER_ROOTS = {"gc": "gc.gen2_in_step", "data": "dataloader.starvation", "host": "host_work.code"}
 
 
 def _is_jit(f, steady_only=True):
@@ -53,6 +68,34 @@ def _compiling_thread(f):
     if not any(p.kind == "precompile" for p in f.prescriptions) and not f.evidence.get("compiling"):
         return None
     return str(f.evidence.get("thread") or "")
+
+
+# findings that name the line where time goes without knowing why it goes there
+GENERIC_AT_A_LINE = ("gpu_idle.host_starved", "host_work.code")
+
+
+def _line_of(f):
+    ev = f.evidence or {}
+    file, line = ev.get("file") or ev.get("path"), ev.get("line")
+    return (os.path.basename(str(file)), int(line)) if file and isinstance(line, int) else None
+
+
+def _function_of(f):
+    """(file name, function name) a finding names, or None."""
+    ev = f.evidence or {}
+    file, function = ev.get("file") or ev.get("path"), ev.get("function")
+    if not file or not function:
+        return None
+    return os.path.basename(str(file)), str(function).split(".")[-1]
+
+
+def _same_line_root(f, roots):
+    where = _line_of(f)
+    if where is None:
+        return None
+    same = [r for r in roots if r.id not in GENERIC_AT_A_LINE and not r.id.startswith("verdict.")
+            and _line_of(r) == where and _same_rank(r, f)]
+    return max(same, key=lambda r: r.seconds_lost_per_step or 0.0, default=None)
 
 
 def _root_for(f, roots):
@@ -77,6 +120,34 @@ def _root_for(f, roots):
         own = [r for r in roots if r.id == STRAGGLER_ROOTS[f.evidence["cause"]]
                and (not r.ranks or straggler in map(str, r.ranks))]
         return max(own, key=lambda r: r.seconds_lost_per_step or 0.0, default=None)
+    if f.id in ("ranks.straggler", "gpu_idle.exposed_communication"):
+        root = _straggler_root(f, roots)
+        if root is not None:
+            return root
+    if f.id in GENERIC_AT_A_LINE:
+        # a generic finding (the GPU starved by host work, host code at a line) whose line is
+        # the line of a specific finding on its rank (a pageable copy, a host sync, a GC call)
+        # is that finding's symptom: one cause, one finding, the specific prescription
+        root = _same_line_root(f, roots)
+        if root is not None:
+            return root
+    if f.id in ("host_work.code", "host_work.periodic_line"):
+        # host code in the function the GPU waits for (gpu_idle.host_starved on its rank): the
+        # same seconds seen from the host; the GPU's idle is what removing them saves
+        starved = [r for r in roots if r.id == "gpu_idle.host_starved" and _same_rank(r, f)
+                   and _function_of(r) is not None and _function_of(r) == _function_of(f)]
+        if starved:
+            top = max(starved, key=lambda r: r.seconds_lost_per_step or 0.0)
+            return _same_line_root(top, [r for r in roots if r is not f]) or top
+    if f.id == "gpu.launch_bound":
+        # a host sync inside the model's forward: a CUDA graph cannot capture it, and after
+        # each one the GPU's queue is empty, so tiny kernels look launch-bound; the syncs go
+        # first (what stays launch-bound shows on the next run)
+        syncs = [r for r in roots if r.id == "sync.host_device" and _same_rank(r, f)
+                 and r.severity != "info"
+                 and ((r.evidence or {}).get("syncs_in_model_per_step") or 0) >= 1]
+        if syncs:
+            return max(syncs, key=lambda r: r.seconds_lost_per_step or 0.0)
     stage = f.evidence.get("slow_stage") if f.id == "ranks.pipeline_bubble" else None
     if stage and next(iter(stage.get("ledger_beyond_per_step_s") or {}), None) in STRAGGLER_ROOTS:
         # the stages wait for one stage that pauses in GC / waits for data: that is the root
@@ -84,6 +155,14 @@ def _root_for(f, roots):
         own = [r for r in roots if r.id == STRAGGLER_ROOTS[line]
                and (not r.ranks or str(stage["rank"]) in map(str, r.ranks))]
         return max(own, key=lambda r: r.seconds_lost_per_step or 0.0, default=None)
+    if f.id in ("host_work.code", "host_work.periodic_line") \
+            and (f.evidence or {}).get("kind") not in (None, "sleep"):
+        # the training thread's own code looks slow where another thread holds the GIL: its
+        # samples at the line are waits for the GIL (a sleep elapses without it)
+        gil = [r for r in roots if r.id == "gil.contention" and _same_rank(r, f)
+               and _compiling_thread(r) is None]
+        if gil:
+            return max(gil, key=lambda r: r.seconds_lost_per_step or 0.0)
     if f.id == "gpu.launch_bound":
         jits = [r for r in roots if _is_jit(r) and _same_rank(r, f)]
         return max(jits, key=lambda r: r.seconds_lost_per_step or 0.0) if jits else None
@@ -94,12 +173,29 @@ def _root_for(f, roots):
     return None
 
 
+def _straggler_root(f, roots):
+    """A straggler whose own GPU waits for its host (gpu_idle.host_starved on that rank): that
+    host work is the root. The other ranks' collectives not overlapped with compute are their
+    wait for the straggler: a symptom of it (of its root, when it has one)."""
+    if f.id == "ranks.straggler":
+        straggler = str(f.evidence.get("straggler"))
+        own = [r for r in roots if r.id == "gpu_idle.host_starved"
+               and straggler in map(str, r.ranks)]
+        return max(own, key=lambda r: r.seconds_lost_per_step or 0.0, default=None)
+    stragglers = [r for r in roots if r.id == "ranks.straggler"
+                  and str(r.evidence.get("straggler")) not in map(str, f.ranks)]
+    if not stragglers:
+        return None
+    straggler = stragglers[0]
+    return _straggler_root(straggler, roots) or straggler
+
+
 def _as_symptom(f, root):
     note = f" Symptom of: {root.title}."
     return replace(f, cause=root.id, prescriptions=(), summary=(f.summary or "") + note)
 
 
-def link(findings):
+def link(findings: Sequence[Finding]) -> list[Finding]:
     """Findings with cause/symptoms set; symptoms lose their prescriptions."""
     roots = [f for f in findings if f.cause is None]
     out, symptoms_of = [], {}
@@ -143,7 +239,29 @@ def _with_ledger_lines(f, run):
             removes["cpus"] = max(1, int(cpus) // ranks)
     if per_step and f.steps_affected:
         removes["steps"] = [int(s) for s in f.steps_affected]
+        if f.id in FRESH_GRAPH_CALLS:
+            removes["fresh_graph_calls"] = True
     return replace(f, removes=removes)
+
+
+SAVING_SHORTFALL = 0.8   # a saving under this share of the time lost is explained with it
+
+
+def _saving_limit(f, removed):
+    """Why the change saves less than the cause costs, in words, or None when it saves about
+    all of it: the user sees both numbers (the finding's time lost, the verdict's saving)."""
+    lost = f.seconds_lost_per_step
+    if not lost or removed is None or removed >= SAVING_SHORTFALL * lost:
+        return None
+    removes = f.removes or {}
+    workers, cpus = removes.get("workers"), removes.get("cpus")
+    if workers:
+        cores = f" on {cpus} core{'s' if cpus != 1 else ''} the step also uses" if cpus else ""
+        return (f"the work moves to {workers} worker processes{cores}: they still need its CPU "
+                "time, so the step keeps the part they cannot run beside it")
+    if removes.get("steps"):
+        return "the cost falls in a few steps; the saving is spread over the steady steps"
+    return "the time ledger removes only the lines this change takes away; the rest stays"
 
 
 def _set_gain(f, gain):
@@ -157,18 +275,113 @@ def _measured(run, categories):
     return set(categories) <= {"compile", "autotune"} or ledger_mod.has_spans(run)
 
 
-def apply_savings(findings, run):
+def without_losing_prescriptions(f):
+    """No prescription promises a gain <= 0. The savings model can price a fix at or below zero
+    (more DataLoader workers on cores the step already fills with other work: the machine's
+    load, which comes and goes): such a prescription keeps its change but loses its price, and
+    says what the model expected here and why; the finding records it in
+    evidence["unpriced"]."""
+    losing = [p for p in f.prescriptions
+              if p.expected_gain_s_per_step is not None and p.expected_gain_s_per_step <= 0]
+    if not losing:
+        return f
+    kept = tuple(
+        replace(p, expected_gain_s_per_step=None,
+                summary=(f"{p.summary} (no gain expected on this machine as it was loaded: the "
+                         f"time ledger prices it at {p.expected_gain_s_per_step * 1e3:+.1f} ms "
+                         "a step; it saves time where cores are free)"))
+        if p in losing else p for p in f.prescriptions)
+    evidence = dict(f.evidence)
+    evidence["unpriced"] = [{"summary": p.summary,
+                             "expected_gain_s_per_step": p.expected_gain_s_per_step}
+                            for p in losing]
+    return replace(f, prescriptions=kept, evidence=evidence)
+
+
+# the ledger line an explicit call is booked in -> the findings that judge that line
+LINE_OWNERS = {"gc": ("gc.gen2_in_step",), "io": ("steps.periodic_slow", "io.checkpoint"),
+               "sync": ("sync.host_device",)}
+
+
+def attach_call_sites(findings):
+    """The user's explicit calls that host_work saw at a line (`host_work.call_site`: a
+    gc.collect(), a torch.save, an .item() in the loop) go into the finding that judges their
+    ledger line on the same rank: its evidence names the line, and its first prescription is the
+    edit of that line (remove it, or run it every N steps). Notes that find no such finding
+    stay as they are (info)."""
+    notes = [f for f in findings if f.id == "host_work.call_site"]
+    if not notes:
+        return findings
+    out, used = [], set()
+    for f in findings:
+        if f.id == "host_work.call_site" or f.cause is not None:
+            out.append(f)
+            continue
+        mine = [n for n in notes if f.id in LINE_OWNERS.get(n.evidence.get("ledger_line"), ())
+                and _same_rank(n, f)]
+        if not mine:
+            out.append(f)
+            continue
+        sites = [{k: n.evidence.get(k) for k in ("file", "line", "source", "function",
+                                                 "seconds_per_step")} for n in mine]
+        gain = next((p.expected_gain_s_per_step for p in f.prescriptions
+                     if p.expected_gain_s_per_step is not None), f.seconds_lost_per_step)
+        edits = []
+        for n in mine:
+            used.add(id(n))
+            where = f"{n.evidence['file']}:{n.evidence['line']}"
+            change = {}
+            if n.evidence.get("raw") is not None:
+                change = {"code": {"file": n.evidence["path"], "line": n.evidence["line"],
+                                   "before": n.evidence["raw"], "after": "", "op": "delete"}}
+            edits.append(Prescription(
+                kind="code", summary=(f"the loop calls `{n.evidence['source']}` itself at {where}: "
+                                      "remove it (or call it every N steps)"),
+                change=change, expected_gain_s_per_step=gain,
+                command=f"- {n.evidence['source']}" if change else None))
+        where = ", ".join(f"{s['file']}:{s['line']}" for s in sites)
+        # the analyzer's own edit of the same line (found in the source) is said once
+        edited = {_edit_key(p) for p in edits} - {None}
+        kept = tuple(p for p in f.prescriptions if _edit_key(p) not in edited)
+        automatic = {_edit_key(p) for p in f.prescriptions if p.automatic} & edited
+        edits = [replace(e, automatic=True) if _edit_key(e) in automatic else e for e in edits]
+        out.append(replace(f, evidence={**f.evidence, "call_sites": sites},
+                           summary=(f.summary or "") + f" Called by the job at {where}.",
+                           prescriptions=tuple(edits) + kept))
+    return [f for f in out if id(f) not in used]
+
+
+def _edit_key(p):
+    """(file, line, op) of a prescription's code edit, None without one."""
+    code = (p.change or {}).get("code") if isinstance(p.change, dict) else None
+    if not code or not code.get("file"):
+        return None
+    return os.path.realpath(str(code["file"])), code.get("line"), code.get("op")
+
+
+def apply_savings(findings: list[Finding], run: RunRecord) -> list[Finding]:
     """Prescriptions' expected gains from the ledger lines each root removes; the cumulative
-    gain of the roots (ranked) never exceeds the steady step time of their rank."""
+    gain of the roots (ranked) never exceeds the steady step time of their rank; no
+    prescription is left that expects a gain <= 0."""
+    return [without_losing_prescriptions(f) for f in _priced(findings, run)]
+
+
+def _priced(findings, run):
     if run is None or not len(run.ledger):
         return findings
     findings = [_with_ledger_lines(f, run) for f in findings]
     out = []
     for f in findings:
         if f.cause is None and f.removes and _measured(run, f.removes.get("categories", ())):
-            removed = ledger_mod.removed_seconds(run, f)
-            if removed is not None:
+            removed = savings.removed_seconds(run, f)
+            one_time = bool(f.removes.get("steps"))
+            # a cost paid in given steps outside the steady window (a cold start's compiles)
+            # saves nothing per steady step: the analyzer's own (amortised) gain stands
+            if removed is not None and not (one_time and removed <= 0):
                 f = _set_gain(f, removed)
+                limit = _saving_limit(f, removed)
+                if limit:
+                    f = replace(f, evidence={**f.evidence, "saving_limit": limit})
         out.append(f)
     steady = ledger_mod.steady_rows(run)
     if not len(steady):

@@ -7,13 +7,21 @@ The shim's `dataloader` event gives the loader's settings; its `data_site` event
 job's own line that builds it (or its TrainingArguments), where the prescription is written in the
 terms of the framework that drives the run (analyzers/frameworks.py).
 """
+from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+from traindx import ledger
 from traindx.findings import Finding, Prescription
 
-from . import codefix, frameworks
+from . import codefix, frameworks, threads
 from . import evidence as ev
 
+if TYPE_CHECKING:  # annotations only
+    from traindx.record import RunRecord
+
 MIN_SHARE = 0.10
+EVERY_STEP_QUANTILE = 0.25   # on a loaded machine: the wait three steps in four have at least
 # under this per step no change to the loader pays off (handing a batch over from a worker costs
 # about as much), whatever its share of a tiny step
 MIN_LOST_S = 0.001
@@ -72,8 +80,6 @@ def _from_ledger(run, rank):
     """The measured wait: the shim times every DataLoader iterator __next__ on the training
     thread (the `data` line of the time ledger), over the steady steps. Unlike py-spy's sample
     counts it does not shrink when py-spy is starved of CPU; py-spy still names the code."""
-    from traindx import ledger
-
     if not ledger.has_spans(run):
         return None
     led = ledger.steady_rows(run, rank)
@@ -85,7 +91,9 @@ def _from_ledger(run, rank):
     waiting = float(led["data_s"].sum())
     spy = _from_pyspy(run, rank) or {}
     out = {"source": "time ledger", "share": waiting / wall, "seconds": waiting,
-           "per_step_s": waiting / len(led), "hot": spy.get("hot") or [],
+           "per_step_s": waiting / len(led), "wall_per_step_s": wall / len(led),
+           "every_step_s": float(led["data_s"].quantile(EVERY_STEP_QUANTILE)),
+           "hot": spy.get("hot") or [],
            "method": "shim-timed DataLoader.__next__ seconds on the training thread / wall "
                      "seconds of the steady steps (time ledger); py-spy names the code inside"}
     cpu = ledger.cpu_evidence(run, [rank])
@@ -94,6 +102,26 @@ def _from_ledger(run, rank):
         # take over (the rest of the wait is the thread waiting for a core, or for I/O)
         out["cpu_per_step_s"] = cpu["data_cpu"]
     return out
+
+
+def _judged_share(run, rank, measured):
+    """(the share the finding is judged by, why): the measured share; on a loaded machine
+    (threads.machine_loaded) the wait every step has (its lower quartile) or the loading work
+    itself (the CPU inside __next__), whichever is larger. There a wait that comes and goes is
+    the training thread waiting for a core (or for the GIL from a thread that waits for one),
+    which no loader setting removes; a starving loader makes every step wait, whatever the load."""
+    if measured["source"] != "time ledger" or not measured.get("wall_per_step_s"):
+        return measured["share"], None
+    facts = threads.thread_facts(run, rank)
+    if not threads.machine_loaded(facts):
+        return measured["share"], None
+    held = max(measured["every_step_s"], measured.get("cpu_per_step_s") or 0.0)
+    share = min(measured["share"], held / measured["wall_per_step_s"])
+    return share, {"other_runnable_tasks": facts["other_runnable_tasks"], "cores": facts["cores"],
+                   "every_step_wait_s": round(measured["every_step_s"], 4),
+                   "judged_share": round(share, 3),
+                   "why": "a loaded machine: judged by the wait every step has (lower quartile) "
+                          "or the loading CPU, not the mean"}
 
 
 def _from_trace(run, rank):
@@ -167,7 +195,8 @@ def _site_change(site, name, settings):
     if before and not where.get("call_source"):
         before = before.strip()
     after = codefix.set_keywords(before, settings) if before and name in before else None
-    return codefix.code_change(where.get("file"), first, before, after, last_line=last)
+    change = codefix.code_change(where.get("file"), first, before, after, last_line=last)
+    return dict(change, op="replace") if change else None
 
 
 def _where(site):
@@ -178,10 +207,27 @@ def _where(site):
     return f" at {where['file']}:{first}"
 
 
-def _starving_site(sites, kind):
-    """The job's own construction to change: built directly in its code (not re-wrapped by a
-    framework's prepare()), the last one with num_workers=0 first."""
+def _steps_served(run, rank):
+    """{site id: distinct steps in which that loader's __next__ delivered a batch} (the shim's
+    data_use events): the loader the training loop iterates has the most."""
+    uses = ev.events_of_type(run, "data_use")
+    if not len(uses) or "site_id" not in uses:
+        return {}
+    if rank is not None and "rank" in uses:
+        uses = uses[uses["rank"] == rank]
+    return {int(k): int(v) for k, v in uses.groupby("site_id")["steps"].max().items()}
+
+
+def _starving_site(sites, kind, served=None):
+    """The job's own construction to change: the loader the steps iterate (data_use), else one
+    built directly in its code (not re-wrapped by a framework's prepare()), the last one with
+    num_workers=0 first."""
     chosen = [s for s in sites if s.get("kind") == kind and frameworks.user_site(s)]
+    if served:
+        used = [s for s in chosen if served.get(s.get("site_id")) and not s.get("via")] or \
+            [s for s in chosen if served.get(s.get("site_id"))]
+        if used:
+            return max(used, key=lambda s: served[s["site_id"]])
     direct = [s for s in chosen if not s.get("via")] or chosen
     starving = [s for s in direct if not s.get("num_workers")]
     return (starving or direct or [None])[-1]
@@ -195,9 +241,10 @@ def _prescriptions(run, loader, lost, hot_function, rank=None):
     named = {names[k]: v for k, v in settings.items() if k in names}
     setting_text = ", ".join(f"{k}={v}" for k, v in named.items())
     sites = frameworks.data_sites(run, rank)
+    served = _steps_served(run, rank)
     out = []
     if knob == "TrainingArguments":
-        site = _starving_site(sites, "TrainingArguments")
+        site = _starving_site(sites, "TrainingArguments", served)
         change = _site_change(site, "TrainingArguments", {k: repr(v) for k, v in named.items()})
         command = [str(t) for t in run.command]
         if any(t.startswith("--per_device_train_batch_size") or t.startswith("--output_dir")
@@ -212,7 +259,8 @@ def _prescriptions(run, loader, lost, hot_function, rank=None):
         out.append(Prescription(
             kind="code", summary=f"load batches in worker processes: TrainingArguments("
                                  f"{setting_text}){_where(site)}",
-            change={"code": change} if change else {}, expected_gain_s_per_step=lost))
+            change={"code": change} if change else {}, expected_gain_s_per_step=lost,
+            automatic=bool(change)))
     elif knob == "torchtitan config":
         out.append(Prescription(
             kind="arg", summary=f"load batches in worker processes: set {setting_text} in the "
@@ -227,7 +275,7 @@ def _prescriptions(run, loader, lost, hot_function, rank=None):
             change={"arg": {"framework": "megatron", "set": {"--num-workers": str(settings["num_workers"])}}},
             expected_gain_s_per_step=lost, automatic=True))
     else:
-        site = _starving_site(sites, "DataLoader")
+        site = _starving_site(sites, "DataLoader", served)
         change = _site_change(site, "DataLoader", {k: repr(v) for k, v in named.items()})
         if site is None and loader and not ev.is_library_path(str((loader.get("caller") or {}).get("file"))):
             # no data_site event (an older shim): the torchcalls event's line, when it is the job's
@@ -237,7 +285,8 @@ def _prescriptions(run, loader, lost, hot_function, rank=None):
         out.append(Prescription(
             kind="code", summary=f"load batches in worker processes: DataLoader({setting_text})"
                                  f"{_where(site)}",
-            change={"code": change} if change else {}, expected_gain_s_per_step=lost))
+            change={"code": change} if change else {}, expected_gain_s_per_step=lost,
+            automatic=bool(change)))
     if hot_function and "__getitem__" in hot_function:
         out.append(Prescription(
             kind="code", summary=f"make {hot_function} cheaper: it runs once per sample, on the "
@@ -252,13 +301,16 @@ def _prescriptions(run, loader, lost, hot_function, rank=None):
     return out
 
 
-def analyze(run):
+def analyze(run: RunRecord) -> list[Finding]:
     findings = []
     ranks = sorted(set(run.steps["rank"])) if len(run.steps) else []
     for rank in ranks:
         measured = _from_ledger(run, rank) or _from_pyspy(run, rank) or _from_trace(run, rank)
         trace_view = _from_trace(run, rank)
         if measured is None or measured["share"] < MIN_SHARE:
+            continue
+        judged, loaded = _judged_share(run, rank, measured)
+        if judged < MIN_SHARE:
             continue
         step_s = ev.median_step_s(run, rank)
         share = measured["share"]
@@ -275,6 +327,8 @@ def analyze(run):
                     "hottest_frames_inside": hot}
         if measured.get("cpu_per_step_s") is not None:
             evidence["cpu_in_dataloader_per_step_s"] = round(measured["cpu_per_step_s"], 4)
+        if loaded:
+            evidence["machine_loaded"] = loaded
         if trace_view and measured["source"] != "torch.profiler":
             evidence["torch_profiler"] = {k: trace_view[k] for k in ("share", "per_step_s", "steps")}
         if loader:

@@ -1,18 +1,62 @@
 """Shared reading of the run record for the analyzers: the steady window of steps, the steps the
 torch.profiler window slowed down, severities from the share of step time lost, and telling the
 job's own code from libraries in py-spy and torch.profiler frames."""
-import re
-import sys
+from __future__ import annotations
 
-import numpy as np
-import pandas as pd
+import os
+import re
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from traindx.profiler import speedscope
+
+# library or the job's own code: one rule set, shared with the shim and the report
+from traindx.profiler.shim._traindx_shim.frames import (  # noqa: F401
+    KNOWN_LIBRARIES,
+    LOW_LEVEL_PACKAGES,
+    is_library_path,
+    is_library_trace_file,
+)
+
+# the steady window is derived (traindx.steady); the analyzers read it as ev.*
+from traindx.steady import (  # noqa: F401
+    events_of_type,
+    median_step_s,
+    profiled_steps,
+    steady_steps,
+    step_of,  # noqa: F401
+    steps_seconds,
+    trace_steps,
+    warmup_count,  # noqa: F401
+)
+
+
+# folders no job's own source lives in (walked for the job's files by analyzers and the fix planner)
+SKIP_DIRS = {".git", ".hg", ".svn", "__pycache__", ".venv", "venv", ".tox", "node_modules",
+             ".pytest_cache", ".mypy_cache", "wandb", ".cache"}
+
+
+def python_files(root: str, limit: int = 3000) -> list[str]:
+    """The .py files under `root` (hidden and tool folders skipped), stopping past `limit`."""
+    out: list[str] = []
+    for folder, dirs, files in os.walk(root):
+        dirs[:] = [d for d in dirs if d not in SKIP_DIRS and not d.startswith(".")]
+        out += [os.path.join(folder, n) for n in files if n.endswith(".py")]
+        if len(out) > limit:
+            break
+    return out
+
+if TYPE_CHECKING:  # annotations only
+    import pandas as pd
+
+    from traindx.profiler.speedscope import Frame, Recording, ThreadSamples
+    from traindx.record import RunRecord
 
 # share of step time lost -> severity; below the lowest: "info"
 SEVERITY_BY_SHARE = ((0.30, "high"), (0.10, "medium"), (0.03, "low"))
-SEVERITY_ORDER = ("info", "low", "medium", "high", "critical")
 
 
-def union_seconds(intervals):
+def union_seconds(intervals: Iterable[tuple[int, int]]) -> float:
     """Seconds covered by (start_ns, end_ns) intervals, overlaps counted once."""
     total, end = 0, None
     for s, e in sorted(intervals):
@@ -25,123 +69,19 @@ def union_seconds(intervals):
     return total / 1e9
 
 
-def severity_for_share(share):
+def severity_for_share(share: float | None) -> str:
     for limit, severity in SEVERITY_BY_SHARE:
         if share is not None and share >= limit:
             return severity
     return "info"
 
 
-def profiled_steps(run):
-    """{rank: set(step)} of the steps inside a torch.profiler window (slower by design)."""
-    out = {}
-    for e in events_of_type(run, "torch_profile").itertuples():
-        first, last = getattr(e, "first_step", None), getattr(e, "last_step", None)
-        if pd.notna(first) and pd.notna(last):
-            out.setdefault(e.rank, set()).update(range(int(first), int(last) + 1))
-    return out
-
-
-def warmup_count(durations):
-    """How many leading steps are warm-up: step 0 always (imports, first compiles, allocator);
-    then every leading step slower than 1.5x the median of the second half (at most half)."""
-    n = len(durations)
-    if n == 0:
-        return 0
-    reference = float(pd.Series(durations[n // 2:]).median())
-    count = 1
-    while count < n // 2 and durations[count] > 1.5 * reference:
-        count += 1
-    return count
-
-
-def steady_steps(run, rank=None, keep_profiled=False):
-    """The steps of the steady window, per rank: no warm-up, no torch.profiler window.
-    Built once per run for every rank (vectorised warm-up count), then sliced per rank."""
-    key = ("steady_steps", keep_profiled)
-    table = run.cached(key, lambda: _steady_all(run, keep_profiled))
-    if rank is None:
-        return table.copy(deep=False)
-    return run.rank_rows(key, rank, table)
-
-
-def _steady_all(run, keep_profiled):
-    steps = run.steps.dropna(subset=["duration_s"])
-    if not len(steps):
-        return steps.iloc[0:0]
-    # rank order as groupby gives it, step order within a rank
-    steps = steps.sort_values(["rank", "step"], kind="stable")
-    rank = steps["rank"]
-    pos = steps.groupby("rank", sort=False).cumcount().to_numpy()
-    n = rank.map(rank.value_counts()).to_numpy()
-    d = steps["duration_s"].to_numpy(np.float64)
-    second_half = pos >= n // 2
-    ref = steps["duration_s"][second_half].groupby(rank[second_half], sort=False).median()
-    ref = rank.map(ref).to_numpy(np.float64)
-    # warmup_count per rank: step 0, then the leading steps slower than 1.5x the reference
-    stop = (pos >= 1) & ~(d > 1.5 * ref)
-    first_stop = pd.Series(np.where(stop, pos, np.iinfo(np.int64).max), index=steps.index) \
-        .groupby(rank, sort=False).transform("min").to_numpy()
-    count = np.maximum(1, np.minimum(first_stop, n // 2))
-    out = steps[pos >= count]
-    if not keep_profiled:
-        profiled = profiled_steps(run)
-        if profiled:
-            pairs = {(r, int(s)) for r, ss in profiled.items() for s in ss}
-            keys = pd.MultiIndex.from_arrays([out["rank"], out["step"].astype(np.int64)])
-            out = out[~keys.isin(list(pairs))]
-    return out
-
-
-def steps_seconds(run, rank):
-    """Total seconds of all the completed steps of a rank: what py-spy seconds spent in the
-    training loop compare against (py-spy has no timestamps; set-up and exit are not steps)."""
-    steps = run.rank_steps(rank).dropna(subset=["duration_s"])
-    return float(steps["duration_s"].sum()) if len(steps) else 0.0
-
-
-def median_step_s(run, rank=None):
-    steady = steady_steps(run, rank)
-    if len(steady):
-        return float(steady["duration_s"].median())
-    steps = run.steps.dropna(subset=["duration_s"])
-    if len(steps):
-        return float(steps["duration_s"].median())
-    # no shim (attach, --no-shim): the step time the job prints itself, if it does
-    logged = run.log_steps["step_time_s"].dropna() if len(run.log_steps) else []
-    return float(logged.iloc[len(logged) // 4:].median()) if len(logged) else None
-
-
 # -- frames ----------------------------------------------------------------------------------
-_LIBRARY_PATH = re.compile(r"[/\\](site|dist)-packages[/\\]|[/\\]lib[/\\]python\d\.\d+[/\\]|^<")
 # python_function names in torch.profiler traces: "path/relative/to/sys.path(LINE): function"
 _TRACE_FRAME = re.compile(r"^(?P<file>.+?)\((?P<line>\d+)\): (?P<function>.+)$")
-KNOWN_LIBRARIES = {
-    "torch", "torchvision", "torchaudio", "triton", "numpy", "transformers", "megatron",
-    "flash_attn", "cutlass", "apex", "transformer_engine", "deepspeed", "accelerate", "swift",
-    "datasets", "einops", "fla", "torchtitan", "tensordict", "pandas", "traindx", "_traindx_shim",
-    "functorch", "sympy", "safetensors", "tokenizers", "peft", "trl", "lightning",
-    "pytorch_lightning", "jinja2", "google", "tqdm", "wandb", "tensorboard", "nvtx", "pynvml",
-    "scipy", "sklearn", "filelock", "fsspec", "requests", "urllib3", "typing_extensions",
-}
 
 
-LOW_LEVEL_PACKAGES = frozenset({
-    "torch", "torchgen", "functorch", "flash_attn", "cutlass", "nvidia_cutlass_dsl", "tvm_ffi",
-    "triton", "numpy", "einops", "quack", "_traindx_shim", "traindx", "importlib", "concurrent",
-})
-
-
-def is_library_path(path):
-    """py-spy paths are absolute: the interpreter's lib, site-packages, and the low-level
-    packages wherever a cluster installs them (the H200 machine: /opt/gpu-site/site)."""
-    if not path or _LIBRARY_PATH.search(path):
-        return True
-    parts = re.split(r"[/\\]", path)[:-1]
-    return any(p in LOW_LEVEL_PACKAGES for p in parts)
-
-
-def parse_trace_frame(name):
+def parse_trace_frame(name: str | None) -> tuple[str, int, str] | None:
     """(file, line, function) of a torch.profiler python_function event, or None for builtins."""
     m = _TRACE_FRAME.match(name or "")
     if not m:
@@ -149,61 +89,43 @@ def parse_trace_frame(name):
     return m["file"], int(m["line"]), m["function"]
 
 
-def is_library_trace_file(path):
-    """torch.profiler strips the sys.path prefix, so tell libraries by their top-level name."""
-    if is_library_path(path) and path.startswith(("/", "<")):
-        return True
-    top = re.split(r"[/\\]", path, maxsplit=1)[0]
-    top = top[:-3] if top.endswith(".py") else top
-    return top in KNOWN_LIBRARIES or top in sys.stdlib_module_names
-
-
-def user_frames(stack):
+def user_frames(stack: Sequence[Frame]) -> list[Frame]:
     """The job's own frames of a py-spy stack (root first), innermost last."""
     return [f for f in stack if not is_library_path(f.file)]
 
 
-def frame_label(frame):
+def frame_label(frame: Frame) -> str:
     return f"{frame.name} ({frame.file}:{frame.line})"
 
 
 # -- py-spy threads ----------------------------------------------------------------------------
-_THREAD_NAME = re.compile(r'^Thread (?P<tid>\d+|0x[0-9a-fA-F]+)(?: "(?P<name>.*)")?$')
-
-
-def thread_key(name):
+def thread_key(name: str) -> tuple[str, str]:
     """(thread id, thread name) of a py-spy thread label like 'Thread 8485 "MainThread"'.
     The --idle and --gil recordings name one thread differently; its id is the same."""
-    m = _THREAD_NAME.match(name or "")
-    if not m:
-        return name, name
-    return m["tid"], m["name"] or ""
-
-
-_THREAD_ROOT = re.compile(r"^thread \((?P<tid>\d+|0x[0-9a-fA-F]+)\): (?P<name>.+)$")
+    return speedscope.parse_thread_label(name) or (name, name)
 
 
 def _name_from_root_frames(samples):
     """py-spy 0.4 sometimes leaves 'thread (718): MainThread' as a root frame of the samples."""
     for stack in samples.stacks[:50]:
         for frame in stack[:2]:
-            m = _THREAD_ROOT.match(frame.name) if not frame.file else None
-            if m:
-                return m["name"]
+            root = speedscope.root_frame(frame.name) if not frame.file else None
+            if root and root[1]:
+                return root[1]
     return ""
 
 
-def merge_threads(recording):
+def merge_threads(recording: Recording | None) -> dict[str, tuple[str, ThreadSamples]]:
     """{thread id: (name, ThreadSamples)} with the name of the first non-empty label."""
     out = {}
     for label, samples in (recording or {}).items():
         tid, name = thread_key(label)
         name = name or _name_from_root_frames(samples)
-        if tid in out:
+        if tid in out:  # a new object: the recording (cached on the run) stays as it was read
             prev_name, prev = out[tid]
-            prev.stacks.extend(samples.stacks)
-            prev.weights.extend(samples.weights)
-            out[tid] = (prev_name or name, prev)
+            merged = type(prev)(prev.thread, list(prev.stacks) + list(samples.stacks),
+                                list(prev.weights) + list(samples.weights))
+            out[tid] = (prev_name or name, merged)
         else:
             out[tid] = (name, samples)
     return out
@@ -212,12 +134,13 @@ def merge_threads(recording):
 IMPORT_FRAME_FILES = ("<frozen importlib._bootstrap>", "<frozen importlib._bootstrap_external>")
 
 
-def is_import_sample(stack):
+def is_import_sample(stack: Sequence[Frame]) -> bool:
     """A sample taken while Python imports modules: start-up, not training."""
     return any(f.file in IMPORT_FRAME_FILES for f in stack)
 
 
-def training_weight(samples, keep=lambda stack: True):
+def training_weight(samples: ThreadSamples,
+                    keep: Callable[[Sequence[Frame]], bool] = lambda stack: True) -> float:
     """Seconds of samples (py-spy weights are seconds) outside imports that satisfy `keep`."""
     total = 0.0
     for stack, weight in zip(samples.stacks, samples.weights):
@@ -226,7 +149,8 @@ def training_weight(samples, keep=lambda stack: True):
     return total
 
 
-def hottest_frames(samples, limit=5, keep=lambda stack: True):
+def hottest_frames(samples: ThreadSamples, limit: int = 5,
+                   keep: Callable[[Sequence[Frame]], bool] = lambda stack: True) -> list[tuple[Frame, float]]:
     """[(Frame, seconds)] per function of the innermost own-code frame (falling back to the
     leaf) of the samples kept, hottest first; the Frame carries the function's hottest line."""
     by_function, by_line = {}, {}
@@ -247,7 +171,8 @@ def hottest_frames(samples, limit=5, keep=lambda stack: True):
     return [(hottest_line[key], seconds) for key, seconds in ranked]
 
 
-def hottest_leaves(samples, limit=5, keep=lambda stack: True):
+def hottest_leaves(samples: ThreadSamples, limit: int = 5,
+                   keep: Callable[[Sequence[Frame]], bool] = lambda stack: True) -> list[tuple[Frame, float]]:
     """[(Frame, seconds)] of the innermost frames, libraries included."""
     counts = {}
     for stack, weight in zip(samples.stacks, samples.weights):
@@ -257,12 +182,12 @@ def hottest_leaves(samples, limit=5, keep=lambda stack: True):
     return sorted(counts.items(), key=lambda kv: -kv[1])[:limit]
 
 
-def frames_evidence(hot):
+def frames_evidence(hot: Iterable[tuple[Frame, float]]) -> list[dict[str, Any]]:
     return [{"frame": frame_label(f), "function": f.name, "file": f.file, "line": f.line,
              "seconds": round(s, 3)} for f, s in hot]
 
 
-def main_thread_id(recording_all, recording_gil):
+def main_thread_id(recording_all: Recording | None, recording_gil: Recording | None) -> str | None:
     """The py-spy id of the main thread: the one the --gil recording names MainThread, else the
     one with the most samples in the --idle recording (it lives for the whole job)."""
     for recording in (recording_gil, recording_all):
@@ -275,13 +200,14 @@ def main_thread_id(recording_all, recording_gil):
     return max(threads, key=lambda tid: sum(threads[tid][1].weights))
 
 
-def own_thread(name):
+def own_thread(name: str | None) -> bool:
     """traindx's own threads (the shim's writer) are never the job's problem."""
     return (name or "").startswith("traindx-")
 
 
 # -- torch.profiler ----------------------------------------------------------------------------
-def enclosing_user_function(py_events, thread, t_ns):
+def enclosing_user_function(py_events: pd.DataFrame, thread: Any,
+                            t_ns: int) -> tuple[str, int, str] | None:
     """The innermost python_function event of the job's own code on `thread` that encloses
     time t_ns: (file, def line, function) or None. py_events: that rank's python_function rows."""
     rows = py_events[(py_events["tid"] == thread) & (py_events["start_ns"] <= t_ns)
@@ -296,31 +222,103 @@ def enclosing_user_function(py_events, thread, t_ns):
     return None if best is None else best[1]
 
 
-def enclosing_frames(py_events, thread, t_ns):
+def enclosing_frames(py_events: pd.DataFrame, thread: Any, t_ns: int) -> list[str]:
     """Names of the python_function events on `thread` that enclose t_ns, innermost first."""
     rows = py_events[(py_events["tid"] == thread) & (py_events["start_ns"] <= t_ns)
                      & (py_events["end_ns"] >= t_ns)]
     return list(rows.sort_values("start_ns", ascending=False)["name"])
 
 
-def step_of(run, rank, t_ns):
-    steps = run.rank_steps(rank)
-    hit = steps[(steps["start_ns"] <= t_ns) & (steps["end_ns"] >= t_ns)]
-    return None if not len(hit) else int(hit["step"].iloc[0])
+def job_scripts(run: RunRecord) -> list[str]:
+    """The job's own Python files named by its command (relative to the run's cwd)."""
+    cwd = run.manifest.get("cwd") or os.getcwd()
+    out = []
+    for token in list(run.command or [])[:6]:
+        token = str(token)
+        if token.endswith(".py") and not token.startswith("-"):
+            path = os.path.join(cwd, token)
+            if os.path.isfile(path) and not is_library_path(path):
+                out.append(os.path.abspath(path))
+    return out
 
 
-def trace_steps(run, rank):
-    """Steps of `rank` inside its torch.profiler window, as rows of run.steps."""
-    steps = run.rank_steps(rank)
-    return steps[steps["step"].isin(profiled_steps(run).get(rank, set()))]
+def step_runq_s(run: RunRecord, rank: Sequence, step: Sequence, end_s: Sequence,
+                duration_s: Sequence) -> Any:
+    """Per step (parallel arrays, one rank's steps in order within each rank) the training
+    thread's run-queue wait inside the step: the shim's `cpu` event of that step
+    (thread_runq_s) covers one step end to the next, gaps between steps included, so the step's
+    part is taken as spread evenly over that time. NaN where a step has no such record; None
+    when the run has none (recorded without the run-queue delay)."""
+    import numpy as np
+    import pandas as pd
+
+    cpu = run.of_type("cpu")
+    if not len(cpu) or "thread_runq_s" not in cpu or cpu["thread_runq_s"].isna().all():
+        return None
+    cpu = cpu[cpu["thread_runq_s"].notna()]
+    cpu = cpu.assign(rank=cpu["rank"].astype(str), step=cpu["step"].astype("int64"))
+    cpu = cpu.drop_duplicates(["rank", "step"], keep="last")
+    frame = pd.DataFrame({"rank": np.asarray(rank).astype(str), "step": np.asarray(step, np.int64),
+                          "end_s": np.asarray(end_s, float), "wall": np.asarray(duration_s, float)})
+    runq = frame.merge(cpu[["rank", "step", "thread_runq_s"]], on=["rank", "step"],
+                       how="left")["thread_runq_s"].to_numpy(float)
+    covered = (frame["end_s"] - frame.groupby("rank", sort=False)["end_s"].shift()).to_numpy(float)
+    wall = frame["wall"].to_numpy(float)
+    part = np.where(np.isfinite(covered) & (covered > 0),
+                    np.minimum(1.0, wall / np.where(covered > 0, covered, 1.0)), 1.0)
+    return np.minimum(wall, runq * part)
 
 
-def events_of_type(run, type_):
-    """The events of one type: RunRecord.of_type (the per-type table); for a record-like object
-    with only a wide `events` frame, that frame filtered."""
-    if hasattr(run, "of_type"):
-        return run.of_type(type_)
-    events = getattr(run, "events", None)
-    if events is None or not len(events) or "type" not in events:
-        return pd.DataFrame()
-    return events[events["type"] == type_].dropna(axis=1, how="all")
+def gc_core_waits(run: RunRecord) -> Any:
+    """(rank, start_ns, end_ns, wait_s) of each shim-timed GC pause that carries the training
+    thread's CPU time inside it (`span` events, cat gc, cpu): a collection holds the GIL and never
+    sleeps, so its wall time less that CPU is time the thread waited for a core. Empty for runs
+    recorded without it."""
+    import pandas as pd
+
+    spans = run.of_type("span")
+    cols = ["rank", "start_ns", "end_ns", "wait_s"]
+    if not len(spans) or "cpu" not in spans or "cat" not in spans:
+        return pd.DataFrame(columns=cols)
+    g = spans[(spans["cat"] == "gc") & spans["cpu"].notna()]
+    if not len(g):
+        return pd.DataFrame(columns=cols)
+    start, end = g["start"].astype("int64"), g["t"].astype("int64")
+    wait = ((end - start) / 1e9 - g["cpu"].astype(float)).clip(lower=0.0)
+    return pd.DataFrame({"rank": g["rank"].astype(str).to_numpy(object), "start_ns": start.to_numpy(),
+                         "end_ns": end.to_numpy(), "wait_s": wait.to_numpy(float)})
+
+
+def waits_inside(waits: pd.DataFrame, rank: Sequence, start_ns: Sequence, end_ns: Sequence) -> Any:
+    """Seconds of gc_core_waits inside each (rank, start_ns, end_ns) window, a pause cut by a
+    window's edge counted by its overlap (its wait taken as spread evenly over it)."""
+    import numpy as np
+
+    ranks = np.asarray(rank).astype(str)
+    a, b = np.asarray(start_ns, np.int64), np.asarray(end_ns, np.int64)
+    out = np.zeros(len(ranks))
+    for r, s, e, w in waits.itertuples(index=False):  # pauses >= 1 ms: a few per step at most
+        mine = ranks == r
+        ov = np.minimum(b, e) - np.maximum(a, s)
+        hit = mine & (ov > 0)
+        if hit.any() and e > s:
+            out[hit] += w * ov[hit] / (e - s)
+    return out
+
+
+def ledger_step_runq_s(run: RunRecord, rank: str, steps: Sequence) -> Any:
+    """step_runq_s of the given steps of one rank's ledger rows (its gaps measured over all of
+    them, start-up row included), or None where the run has no such record or one of the
+    steps lacks it."""
+    import numpy as np
+    import pandas as pd
+
+    rows = run.rank_rows("ledger", rank).sort_values("start_ns")
+    runq = step_runq_s(run, rows["rank"], rows["step"], rows["end_ns"].to_numpy(float) / 1e9,
+                       rows["wall_s"])
+    if runq is None:
+        return None
+    by_step = pd.Series(runq, index=rows["step"].astype("int64").to_numpy())
+    by_step = by_step[~by_step.index.duplicated(keep="last")]
+    mine = by_step.reindex(np.asarray(steps, np.int64))
+    return None if mine.isna().any() else mine.to_numpy(float)

@@ -10,9 +10,16 @@ The verdict comes from evidence in the run record, strongest first: the shim's `
 events (what built the DataLoader, and through which framework), the framework packages in
 py-spy's stacks, the job's log format, the command line.
 """
+from __future__ import annotations
+
 import re
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any
 
 from . import evidence as ev
+
+if TYPE_CHECKING:  # annotations only
+    from traindx.record import RunRecord
 
 # top-level package (as it appears in a path) -> framework
 PACKAGES = {
@@ -29,12 +36,19 @@ _PKG_IN_PATH = re.compile(r"[/\\](?:site|dist)-packages[/\\](?P<pkg>[A-Za-z_][\w
 # only a Trainer's own frames say "this is a Trainer job" (transformers alone is a model library)
 _HF_TRAINER_FILES = ("transformers/trainer.py", "transformers/trainer_utils.py", "trl/trainer/")
 MAX_STACKS = 4000
+# a Megatron job in its command: megatron-core's own entry points (pretrain_gpt.py,
+# pretrain_mamba.py, ...), Megatron-LM's folder, ms-swift's `megatron` CLI
+_MEGATRON_COMMAND = re.compile(r"megatron|(?:^|[/\\])pretrain_\w+\b", re.IGNORECASE)
 
 
-def packages_in_stacks(run):
+def runs_megatron(command: Iterable[str] | None) -> bool:
+    """Does the command line run Megatron? (the condition for prescribing its flags)"""
+    return any(_MEGATRON_COMMAND.search(str(token)) for token in command or [])
+
+
+def packages_in_stacks(run: RunRecord) -> dict[str, float]:
     """{package: seconds} of py-spy samples whose stack runs through each package's code."""
     seen = {}
-    trainer_s = 0.0
     for (_, source), recording in run.pyspy.items():
         if source != "all":
             continue
@@ -52,7 +66,7 @@ def packages_in_stacks(run):
     return seen
 
 
-def shows_library(run, package):
+def shows_library(run: RunRecord, package: str) -> bool:
     """True when the run's evidence shows `package`'s own code running (py-spy frames, compile
     events' files): the condition for prescribing that library's environment variables."""
     if packages_in_stacks(run).get(package):
@@ -66,7 +80,7 @@ def shows_library(run, package):
     return False
 
 
-def data_sites(run, rank=None):
+def data_sites(run: RunRecord, rank: str | None = None) -> list[dict[str, Any]]:
     """The shim's data_site events (DataLoader and TrainingArguments constructions), as dicts."""
     rows = ev.events_of_type(run, "data_site")
     if not len(rows):
@@ -76,7 +90,7 @@ def data_sites(run, rank=None):
     return [{k: plain(v) for k, v in r.items()} for r in rows.to_dict("records")]
 
 
-def plain(value):
+def plain(value: Any) -> Any:
     """pandas' NaN -> None, 4.0 -> 4 (event columns shared with other types become floats)."""
     if isinstance(value, float):
         if value != value:
@@ -86,7 +100,7 @@ def plain(value):
     return value
 
 
-def detect(run):
+def detect(run: RunRecord) -> dict[str, Any]:
     """{"name": framework, "evidence": [why...], "strong": bool, "also": [...]}; "plain" when no
     framework shows. Strong: the framework's code in the record, or the command runs it."""
     votes, weak = {}, {}
@@ -116,7 +130,7 @@ def detect(run):
     command = " ".join(str(t) for t in run.command)
     if re.search(r"\btorchtitan\b", command):
         vote("torchtitan", "the command runs torchtitan")
-    if re.search(r"\bpretrain_gpt\b|\bmegatron\b", command):
+    if runs_megatron(run.command):
         vote("megatron", "the command runs Megatron")
     if re.search(r"(^|[\s/])(accelerate)\s+launch\b", command):
         vote("accelerate", "the command is `accelerate launch`")
@@ -132,14 +146,14 @@ def detect(run):
             "strong": False, "also": []}
 
 
-def knob_owner(run):
+def knob_owner(run: RunRecord) -> str:
     """The framework whose knobs a prescription may name: detect()'s verdict on strong evidence
     (its code ran, or the command runs it), else "plain" (the job's own code and torch's API)."""
     found = detect(run)
     return found["name"] if found["strong"] else "plain"
 
 
-def user_site(site):
+def user_site(site: Mapping[str, Any] | None) -> dict[str, Any] | None:
     """The construction's site when it is the job's own code (never a file under site-packages)."""
     where = (site or {}).get("site") if isinstance((site or {}).get("site"), dict) else None
     if not where or not where.get("file") or ev.is_library_path(where["file"]):
@@ -148,7 +162,7 @@ def user_site(site):
 
 
 # -- the DataLoader knob of each framework ----------------------------------------------------------
-def dataloader_knob(framework):
+def dataloader_knob(framework: str) -> tuple[str, dict[str, str]]:
     """(what to set, in the framework's terms; the setting's name per key) for num_workers."""
     if framework == "hf_trainer" or framework == "ms-swift":
         return ("TrainingArguments", {"num_workers": "dataloader_num_workers",

@@ -5,34 +5,75 @@ A gen-2 collection walks every tracked object the process holds; with a large ob
 lands in whatever step allocated the object that crossed the threshold. The shim aggregates the
 collections per step (count, total and longest pause per generation).
 """
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from traindx import ledger
 from traindx.findings import Finding, Prescription
 
+from . import codefix
 from . import evidence as ev
+from .frameworks import runs_megatron
+
+if TYPE_CHECKING:  # annotations only
+    from traindx.record import RunRecord
 
 MIN_SHARE = 0.03
+FREEZE = "import gc; gc.collect(); gc.freeze()  # set-up done: its objects leave the collector's view"
 
 
-def _is_megatron(command):
-    text = " ".join(command or [])
-    return "megatron" in text.lower() or "pretrain_gpt" in text or "pretrain_mamba" in text
+def _code_prescriptions(run, lost, collections_per_step):
+    """Concrete edits of the job's own script: a `gc.collect()` called in its loop removed (when
+    about one full collection per step shows it is the cause), and `gc.freeze()` inserted where
+    set-up ends (before the training loop)."""
+    out = []
+    for path in ev.job_scripts(run):
+        if collections_per_step >= 0.5:
+            for line, source in codefix.calls_in_loops(path, "gc.collect"):
+                change = codefix.code_change(path, line, source, "", op="delete")
+                if change:
+                    out.append(Prescription(
+                        kind="code", summary=f"remove the gc.collect() called in the loop at "
+                                             f"{path}:{line}: a full collection every step",
+                        change={"code": change}, expected_gain_s_per_step=lost, automatic=True))
+        spot = codefix.before_training_loop(path)
+        if spot:
+            change = codefix.code_change(path, spot[0], spot[2], FREEZE, last_line=spot[1],
+                                         op="insert_after")
+            if change:
+                out.append(Prescription(
+                    kind="code", summary=f"gc.freeze() after set-up ({path}:{spot[1]}, before the "
+                                         "training loop): full collections walk only new objects",
+                    change={"code": change}, expected_gain_s_per_step=lost * 0.5, automatic=True))
+    return out
 
 
 def _from_ledger(run, rank, lost, share):
     """(seconds per steady step, share) of GC from the time ledger: the shim's long GC pauses
     as intervals, each counted once even inside a data wait or a backward. Without the shim's
     spans (older runs), the per-step aggregates above stand."""
-    from traindx import ledger
-
     if not ledger.has_spans(run):
         return lost, share
     led = ledger.steady_rows(run, rank)
     wall = float(led["wall_s"].sum()) if len(led) else 0.0
     if not wall:
         return lost, share
-    return float(led["gc_s"].mean()), float(led["gc_s"].sum()) / wall
+    gc_s = led["gc_s"].to_numpy(float)
+    # on a loaded machine a pause's wall time holds the thread's wait for a core: its cost is
+    # the pause less that wait (its own CPU clock), judged against the steps' own time
+    waits = ev.gc_core_waits(run)
+    if len(waits):
+        gc_s = np.maximum(0.0, gc_s - ev.waits_inside(waits, led["rank"], led["start_ns"], led["end_ns"]))
+    runq = ev.ledger_step_runq_s(run, rank, led["step"])
+    if runq is not None:
+        wall = float((led["wall_s"].to_numpy(float) - runq).sum()) or wall
+    return float(gc_s.mean()), float(gc_s.sum()) / wall
 
 
-def analyze(run):
+def analyze(run: RunRecord) -> list[Finding]:
     findings = []
     gc = run.gc
     if not len(gc) or "generation" not in gc:
@@ -74,7 +115,7 @@ def analyze(run):
             "median_step_without_s": round(float(clean.median()), 4) if len(clean) else None,
         }
         prescriptions = []
-        if _is_megatron(run.command):
+        if runs_megatron(run.command):
             prescriptions.append(Prescription(
                 kind="arg",
                 summary="Megatron: --manual-gc --manual-gc-interval 100 (collect on all ranks "
@@ -82,6 +123,8 @@ def analyze(run):
                 change={"arg": {"framework": "megatron",
                                 "set": {"--manual-gc": True, "--manual-gc-interval": "100"}}},
                 expected_gain_s_per_step=lost, automatic=True))
+        prescriptions.extend(_code_prescriptions(
+            run, lost, evidence["gen2_collections"] / max(n_steps, 1)))
         prescriptions.append(Prescription(
             kind="code",
             summary="call gc.collect(); gc.freeze() once after the model, data and caches are "

@@ -6,9 +6,17 @@ the --idle recording (FACTS §4). py-spy's speedscope has no timestamps, so the 
 whole recording minus start-up (samples inside imports); py-spy dump snapshots, which are
 timestamped, confirm it inside the steps.
 """
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
 from traindx.findings import Finding, Prescription
 
 from . import evidence as ev
+
+if TYPE_CHECKING:  # annotations only
+    from traindx.profiler.speedscope import Recording
+    from traindx.record import RunRecord
 
 MIN_SHARE = 0.10          # a helper thread holding the GIL 10 % of the time is worth a look
 MIN_SAMPLES = 10
@@ -23,6 +31,8 @@ def _dump_confirmation(run, rank, thread_name):
     if not len(dumps) or not thread_name:
         return None
     dumps = dumps[dumps["rank"] == rank]
+    if "trigger" in dumps:  # a burst on an anomaly is not a uniform sample of the run's time
+        dumps = dumps[dumps["trigger"].isna()]
     steps = run.rank_steps(rank).dropna(subset=["start_ns"])
     steady_ids = set(int(s) for s in ev.steady_steps(run, rank)["step"])
     counts = {"in_steps": [0, 0], "in_steady_steps": [0, 0]}
@@ -161,7 +171,7 @@ def _analyze_rank(run, rank, recording_all, recording_gil):
     return findings
 
 
-def analyze(run):
+def analyze(run: RunRecord) -> list[Finding]:
     findings = []
     pyspy = run.pyspy
     for (rank, source), recording in sorted(pyspy.items()):
@@ -181,7 +191,7 @@ def _entry(samples):
     return max(roots, key=roots.get) if roots else "?"
 
 
-def analyze_recording(recording, source="py-spy file"):
+def analyze_recording(recording: Recording, source: str = "py-spy file") -> list[Finding]:
     """A py-spy recording made with --gil (as the seed report's user had), on its own: no step
     times, no --idle twin. Each thread's share is of the time anyone held the GIL."""
     threads = ev.merge_threads(recording)

@@ -6,11 +6,18 @@ HwPowerBrake 0x80. Thermal and hardware slowdowns are faults of the machine (coo
 delivery) and cost time; the software power cap is what a GPU under full load normally does
 (an H200 under a bf16 matmul runs at 690 W with reason 0x4), so alone it is only reported.
 """
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
 import pandas as pd
 
 from traindx.findings import Finding, Prescription
 
 from . import evidence as ev
+
+if TYPE_CHECKING:  # annotations only
+    from traindx.record import RunRecord
 
 GPU_IDLE, SW_POWER_CAP, HW_SLOWDOWN = 0x1, 0x4, 0x8
 SW_THERMAL, HW_THERMAL, HW_POWER_BRAKE = 0x20, 0x40, 0x80
@@ -22,7 +29,7 @@ MIN_SAMPLES = 5
 MIN_THROTTLED_SHARE = 0.05
 
 
-def steady_span(run):
+def steady_span(run: RunRecord) -> tuple[int, int] | None:
     """(start ns, end ns) of the steady window over all ranks, or None."""
     steady = ev.steady_steps(run, keep_profiled=True)
     if not len(steady):
@@ -30,7 +37,7 @@ def steady_span(run):
     return int(steady["start_ns"].min()), int(steady["end_ns"].max())
 
 
-def analyze(run):
+def analyze(run: RunRecord) -> list[Finding]:
     gpu = run.gpu
     if not len(gpu) or "clock_event_reasons" not in gpu:
         return []

@@ -3,19 +3,33 @@
 A sync makes Python wait until the GPU has run every kernel queued before it (`.item()`,
 `float(t)`, `if t:`, `.tolist()`, `.cpu()`, `nonzero`, `torch.cuda.synchronize`), so the CPU
 cannot run ahead and queue the next kernels: the GPU idles from the sync until the CPU has queued
-the next kernel. With CUDA in the trace that idle time is measured after each sync call
-(cudaStreamSynchronize, cudaDeviceSynchronize, cudaEventSynchronize, synchronous cudaMemcpy),
-bounded by how long the call held the CPU back.
+the next kernel. With CUDA in the trace each sync call (cudaStreamSynchronize,
+cudaDeviceSynchronize, cudaEventSynchronize, synchronous cudaMemcpy) costs what a step saves
+without it: the GPU's idle after it (bounded by how long the call held the CPU back) and the
+GPU's idle while the host runs the statement that ends in it (the tensor ops that compute the
+value read, back to the model's previous module call: in a host-bound loop they, not the wait,
+are the cost). A sync inside the model's forward also keeps it from a CUDA graph (chains.py
+makes launch_bound its symptom).
 On a CPU-only run there is no queue to wait for: the syncs and their call sites are counted, the
 cost cannot be measured.
 """
-import bisect
+from __future__ import annotations
+
 import re
 from collections import defaultdict
+from typing import TYPE_CHECKING
 
+import numpy as np
+
+from traindx import ledger
 from traindx.findings import Finding, Prescription
 
+from . import codefix
 from . import evidence as ev
+from . import gpu_window
+
+if TYPE_CHECKING:  # annotations only
+    from traindx.record import RunRecord
 
 SCALAR_READ = "aten::_local_scalar_dense"   # every .item()/float()/int()/bool() of a tensor
 CUDA_SYNC = re.compile(r"^(cudaStreamSynchronize|cudaDeviceSynchronize|cudaEventSynchronize|"
@@ -30,23 +44,166 @@ def _sites(run, rank, rows, all_rows, syncs):
     py = all_rows[all_rows["cat"] == "python_function"]
     sites = defaultdict(lambda: [0, 0.0])
     for row in syncs.itertuples():
-        site = ev.enclosing_user_function(py, row.tid, row.start_ns) if len(py) else None
+        if "site" in syncs:
+            site = row.site
+        else:
+            site = ev.enclosing_user_function(py, row.tid, row.start_ns) if len(py) else None
         sites[site][0] += 1
         sites[site][1] += row.dur_s
     return sites
 
 
-def _gpu_idle_after(syncs, kernels, window_end):
-    """Per sync event, the seconds it costs: the GPU idles from the sync's end to the next
-    kernel (any stream) while the CPU queues it; without the sync the CPU would have queued it
-    earlier by at most the time it blocked. So: min(idle after, time blocked)."""
-    starts = sorted(int(t) for t in kernels["start_ns"])
-    idle = []
-    for start, end in zip(syncs["start_ns"], syncs["end_ns"]):
-        i = bisect.bisect_left(starts, int(end))
-        nxt = min(starts[i] if i < len(starts) else int(window_end), int(window_end))
-        idle.append(max(0, min(nxt - int(end), int(end) - int(start))) / 1e9)
-    return idle
+# frames of a measured call (a module's forward, backward, the optimizer step, the DataLoader):
+# a sync's statement never reaches back past one (host_work._OWNING names the same calls)
+MEASURED_FRAME = re.compile(r"torch/nn/modules/module\.py\(\d+\): _(wrapped_)?call_impl$|"
+                            r"run_backward|^torch/autograd/|torch/_tensor\.py\(\d+\): backward$|"
+                            r"^torch/optim/|^torch/utils/data/")
+
+
+# torch.profiler's own syncs (the window closing) and the shim's: not the job's
+OWN_SYNC_FRAME = re.compile(r"^torch/profiler/|^torch/autograd/profiler|^_traindx_shim/(?!spans)")
+
+
+class _Frames:
+    """One thread's python_function events as arrays, with each call's children."""
+
+    def __init__(self, py):
+        order = np.argsort(py["start_ns"].to_numpy(np.int64), kind="stable")
+        py = py.iloc[order]
+        self.start = py["start_ns"].to_numpy(np.int64)
+        self.end = py["end_ns"].to_numpy(np.int64)
+        self.id = py["py_id"].to_numpy(float)
+        self.parent = py["py_parent"].to_numpy(float)
+        self.name = py["name"].to_numpy(object)
+        parsed = {n: ev.parse_trace_frame(n) for n in set(self.name)}
+        self.own = np.array([bool(parsed[n]) and not ev.is_library_trace_file(parsed[n][0])
+                             for n in self.name], dtype=bool)
+        self.children = {}
+        for i, parent in enumerate(self.parent):
+            if np.isfinite(parent):
+                self.children.setdefault(parent, []).append(i)
+
+
+def _statement_ops(frames, op_start, op_end, t_ns, previous_sync_ns):
+    """([(start, end)] of the tensor ops of the statement that ends in the sync at t_ns, the
+    job's function it is in as (file, def line, function), whether a module's forward holds
+    it); (None, None, False) for a sync of
+    torch.profiler's or traindx's own: the calls of the job's innermost own
+    function from the one holding the sync back to (not into) the previous measured call, own
+    function or sync; the ops are the aten calls (cpu_op) inside them. torch.profiler does not
+    record a call's line, so a statement is that run of calls: in `x = gelu(layer(x))` then
+    `if not isfinite(x).all().item()`, the gelu counts with the check (one op of several)."""
+    if frames is None:
+        return [], None, False
+    around = np.flatnonzero((frames.start <= t_ns) & (frames.end >= t_ns))
+    around = around[np.argsort(-frames.start[around], kind="stable")]  # innermost first
+    in_model = any(MODULE_CALL.search(frames.name[i]) for i in around)
+    user, child = None, None
+    for i in around:
+        if frames.own[i]:
+            user = i
+            break
+        if OWN_SYNC_FRAME.search(frames.name[i]):
+            return None, None, False
+        child = i
+    site = ev.parse_trace_frame(frames.name[user]) if user is not None else None
+    if user is None or child is None or not np.isfinite(frames.id[user]):
+        return [], site, in_model
+    siblings = [i for i in frames.children.get(frames.id[user], ()) if frames.start[i] < frames.start[child]]
+    first = int(frames.start[child])
+    for i in reversed(siblings):
+        if (frames.own[i] or MEASURED_FRAME.search(frames.name[i])
+                or frames.start[i] <= previous_sync_ns):
+            break
+        first = int(frames.start[i])
+    keep = (op_start >= first) & (op_end <= frames.end[child])
+    return list(zip(op_start[keep], op_end[keep])), site, in_model
+
+
+def _sync_costs(run, rank, syncs, all_rows, steps):
+    """Per sync event, (the seconds a step would save without it, the job's function it is
+    in or None, whether it is inside a model's forward): the GPU's idle while the host
+    runs the statement that ends in it (its tensor ops, the read, the wait; a host-bound loop
+    pays all of it), and the GPU's idle after it until the host has queued the next GPU work,
+    bounded by how long the sync held the host back (without it the host would have queued
+    that work earlier by at most that). Idle inside allocator calls and synchronous copies is
+    their own findings' (allocator, gpu_idle.pageable_copy); idle while torch.profiler or
+    traindx runs their own code in the window is nobody's."""
+    gw = gpu_window
+
+    py = all_rows[(all_rows["cat"] == "python_function").to_numpy()]
+    has_tree = "py_id" in py and "py_parent" in py
+    cpu_ops = all_rows[(all_rows["cat"] == "cpu_op").to_numpy()]
+    frames, ops_of = {}, {}
+    runtime = all_rows[all_rows["cat"].isin(("cuda_runtime", "cuda_driver")).to_numpy()]
+    owned = runtime[runtime["name"].str.match(gw.ALLOCATOR_CALLS).to_numpy()
+                    | runtime["name"].str.startswith("cudaMemcpy").to_numpy()]
+    # and the tool's own work in its window (torch.profiler's, traindx's) is not the job's
+    tool = _tool_frames(py)
+    owned = gw.merged(np.concatenate([owned["start_ns"].to_numpy(np.int64),
+                                      tool["start_ns"].to_numpy(np.int64)]),
+                      np.concatenate([owned["end_ns"].to_numpy(np.int64),
+                                      tool["end_ns"].to_numpy(np.int64)]))
+    idle = [i for _, _, _, i in gw.window_steps(run, rank, all_rows)]
+    idle = np.concatenate(idle) if idle else np.empty((0, 2), np.int64)
+    gpu = all_rows[all_rows["cat"].isin(gw.GPU_WORK).to_numpy()]
+    starts = np.sort(gpu["start_ns"].to_numpy(np.int64))
+    window_end = int(steps["end_ns"].max())
+    costs, previous = [], {}
+    for row in syncs.itertuples():
+        start, end = int(row.start_ns), int(row.end_ns)
+        if row.tid not in frames:
+            mine = py[(py["tid"] == row.tid).to_numpy()] if has_tree else py.iloc[0:0]
+            frames[row.tid] = _Frames(mine) if len(mine) else None
+            ops = cpu_ops[(cpu_ops["tid"] == row.tid).to_numpy()]
+            ops_of[row.tid] = (ops["start_ns"].to_numpy(np.int64), ops["end_ns"].to_numpy(np.int64))
+        ops, site, in_model = _statement_ops(frames[row.tid], *ops_of[row.tid], start,
+                                             previous.get(row.tid, -1))
+        previous[row.tid] = end
+        if ops is None:
+            costs.append((None, None, False))  # torch.profiler's or traindx's own
+            continue
+        i = np.searchsorted(starts, end, "left")
+        nxt = min(int(starts[i]) if i < len(starts) else window_end, window_end)
+        after = (end, max(end, min(nxt, end + (end - start))))
+        # the statement's ops hold the read and its wait (aten::item): the GPU's idle in them,
+        # then after the sync
+        spans = gw.merged([a for a, _ in ops] + [after[0]], [b for _, b in ops] + [after[1]])
+        free = gw.overlap_s(idle, spans) - gw.overlap_s(idle, _intersect(spans, owned))
+        costs.append((max(0.0, free), site, in_model))
+    return costs
+
+
+def _tool_frames(py):
+    """torch.profiler's and traindx's own calls that hold none of the job's code (not the
+    wrappers that run the job)."""
+    if not len(py):
+        return py
+    tool = py[py["name"].str.contains(OWN_SYNC_FRAME).to_numpy()]
+    names = py["name"].to_numpy(object)
+    parsed = {n: ev.parse_trace_frame(n) for n in set(names)}
+    own = py[np.array([bool(parsed[n]) and not ev.is_library_trace_file(parsed[n][0])
+                       for n in names], dtype=bool)].sort_values("start_ns")
+    starts, ends = own["start_ns"].to_numpy(np.int64), own["end_ns"].to_numpy(np.int64)
+    i = np.searchsorted(starts, tool["start_ns"].to_numpy(np.int64), "left")
+    inside = i < len(starts)
+    holds = np.zeros(len(tool), dtype=bool)
+    holds[inside] = ends[i[inside]] <= tool["end_ns"].to_numpy(np.int64)[inside]
+    return tool[~holds]
+
+
+def _intersect(a, b):
+    """The intersection of two merged interval arrays, merged."""
+    out, i, j = [], 0, 0
+    while i < len(a) and j < len(b):
+        lo, hi = max(a[i, 0], b[j, 0]), min(a[i, 1], b[j, 1])
+        if hi > lo:
+            out.append((lo, hi))
+        if a[i, 1] < b[j, 1]:
+            i += 1
+        else:
+            j += 1
+    return np.asarray(out, np.int64).reshape(-1, 2)
 
 
 def _scalar_reads_by_the_job(rows, all_rows):
@@ -84,11 +241,19 @@ def _analyze_rank(run, rank, trace):
         syncs = rows[(rows["cat"] == "cuda_runtime") & rows["name"].str.match(CUDA_SYNC)]
         if not len(syncs):
             return []
-        # a sync costs the GPU idle after it (bounded by how long the CPU was held back); the
-        # time the CPU blocks in it is the GPU finishing queued work, not lost by itself
-        idle = _gpu_idle_after(syncs, rows[rows["cat"] == "kernel"], end)
-        syncs = syncs.assign(dur_s=idle)  # the sites below rank by the idle they cause
-        blocked = float(sum(idle)) / n_steps
+        # a sync costs the GPU's idle in its statement and after it (_sync_costs); the time the
+        # CPU blocks in it while the GPU finishes queued work is not lost by itself
+        syncs = syncs.sort_values("start_ns")
+        costed = _sync_costs(run, rank, syncs, all_rows, steps)
+        # the sites below rank by the idle they cause
+        syncs = syncs.assign(dur_s=[c for c, _, _ in costed], site=[s for _, s, _ in costed],
+                             in_model=[m for _, _, m in costed])
+        syncs = syncs[[c is not None for c, _, _ in costed]]  # torch.profiler's own (window closing)
+        if not len(syncs):
+            return []
+        blocked = float(syncs["dur_s"].sum()) / n_steps
+        # the profiler slows the host in its window: the share is of the run's steady step
+        step_s = min(step_s, ev.median_step_s(run, rank) or step_s)
         share = blocked / step_s if step_s else 0.0
         if share < MIN_SHARE_GPU and len(syncs) / n_steps < MIN_SYNCS_PER_STEP_CPU:
             return []
@@ -104,13 +269,24 @@ def _analyze_rank(run, rank, trace):
     ranked = sorted(sites.items(), key=lambda kv: (-kv[1][1], -kv[1][0]) if has_cuda else -kv[1][0])
     site_list = [{"file": s[0] if s else None, "line": s[1] if s else None,
                   "function": s[2] if s else None, "per_step": round(c / n_steps, 2),
-                  "gpu_idle_after_s_per_step": round(t / n_steps, 6) if has_cuda else None}
+                  "gpu_idle_s_per_step": round(t / n_steps, 6) if has_cuda else None}
                  for s, (c, t) in ranked[:5]]
+    for site in site_list:
+        # torch.profiler names the function by its first line: the line in it that py-spy
+        # sampled most inside the step loop is the statement's
+        at = gpu_window.line_in_function(run, rank, site["file"], site["function"]) \
+            if site["function"] else None
+        if at is not None and at[1] != site["line"]:
+            site.update(def_line=site["line"], line=at[1], path=at[0])
     top = ranked[0][0]
+    if top and site_list[0].get("def_line") is not None:
+        top = (top[0], site_list[0]["line"], top[2])
     where = f"{top[2]} ({top[0]}:{top[1]})" if top else "an unknown function"
     count = len(syncs) / n_steps
     evidence = {"rank": rank, "profiled_steps": [int(s) for s in steps["step"]],
                 "syncs_per_step": round(count, 2), "call_sites": site_list,
+                "syncs_in_model_per_step": round(float(syncs["in_model"].sum()) / n_steps, 2)
+                if "in_model" in syncs else None,
                 "device_in_trace": has_cuda,
                 "line_note": "torch.profiler names a function by its first line (or, for one "
                              "already running when the window opened, the line it stood on); "
@@ -127,11 +303,32 @@ def _analyze_rank(run, rank, trace):
         summary = (f"{count:.0f} host reads of tensor values per step ({SCALAR_READ}, i.e. "
                    f".item()/float()/bool()), the most in {where}. On a GPU each one waits for "
                    "every queued kernel; this run has no GPU, so the cost is not measured.")
-    prescriptions = (Prescription(
+    prescriptions = []
+    seen = set()
+    for site in site_list:
+        if not site["file"] or not site["line"] or ev.is_library_path(str(site["file"])):
+            continue
+        path = _source_path(run, site)
+        # the device-side forms of the reads at this site: a sum kept, a guard checked there
+        for edits, what, why in (
+                (codefix.device_accumulations, "accumulate", "read the sum once, when it is printed"),
+                (codefix.device_checks, "check", "no wait for the queued kernels; a failing check "
+                 "stops the job with a device-side assert at a later sync instead of raising there")):
+            for change in edits(path, site["line"]):
+                if (change["file"], change["line"]) in seen:
+                    continue
+                seen.add((change["file"], change["line"]))
+                prescriptions.append(Prescription(
+                    kind="code", summary=f"{what} on the device at {change['file']}:"
+                                         f"{change['line']}: `{change['after'].splitlines()[-1].strip()}` "
+                                         f"({why})",
+                    change={"code": change}, expected_gain_s_per_step=lost, automatic=True))
+    prescriptions.append(Prescription(
         kind="code",
         summary=f"remove the host read in {where}: keep the value on the device (torch.where, "
                 "masks, torch.nan_to_num) or read it once per step / every N steps",
-        expected_gain_s_per_step=lost),)
+        expected_gain_s_per_step=lost))
+    prescriptions = tuple(prescriptions)
     return [Finding(
         id="sync.host_device",
         title=f"{count:.0f} host-device syncs per step on rank {rank}, most in "
@@ -141,11 +338,23 @@ def _analyze_rank(run, rank, trace):
         share_of_step=share, evidence=evidence, prescriptions=prescriptions, ranks=(rank,))]
 
 
+def _source_path(run, site):
+    """The file a call site names, as the job's own file on this machine: py-spy's absolute
+    path, else the name itself, else under the job's working directory, else the job's script
+    of that name (torch.profiler names a file by its base name)."""
+    import os
+
+    name = str(site["file"])
+    for candidate in (site.get("path"), name, os.path.join(run.manifest.get("cwd") or "", name)):
+        if candidate and os.path.isfile(candidate):
+            return candidate
+    same = [p for p in ev.job_scripts(run) if os.path.basename(p) == os.path.basename(name)]
+    return same[0] if same else name
+
+
 def _ledger_sync(run, rank):
     """Seconds per steady step the training thread spent in syncs (the ledger's sync line), or
     None without the shim's sync spans (CPU runs, older runs)."""
-    from traindx import ledger
-
     spans = run.rank_rows("spans", rank)
     if not len(spans) or not (spans["cat"] == "sync").any():
         return None
@@ -153,7 +362,7 @@ def _ledger_sync(run, rank):
     return float(led["sync_s"].mean()) if len(led) else None
 
 
-def analyze(run):
+def analyze(run: RunRecord) -> list[Finding]:
     trace = run.torch_trace
     if not len(trace):
         return []

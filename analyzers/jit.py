@@ -5,39 +5,41 @@ passes the tensor.
 Reads the shim's compile events when there are any; else detects compiles from py-spy stacks
 (attach mode, or a py-spy file alone) and says what can be known from them.
 """
-import collections
-import os
-import re
+from __future__ import annotations
 
+import ast
+import collections
+import re
+from typing import TYPE_CHECKING
+
+import numpy as np
 import pandas as pd
 
 from traindx.findings import Finding, Prescription
 
-from . import codefix
 from . import evidence as ev
 from . import pyspy_signatures as sig
+from .jit_autotune import _autotune_finding, _beside_runs, _cold_start_finding, first_step_rows
+from .jit_common import (CACHE_DIR_VAR, CACHE_ENABLE_VAR, FA4_BWD_FIXED, FA4_FIXED,  # noqa: F401
+                         FA4_PACKAGE, SINGLE_BLOCK_FIELDS, _col, _display_path, _key_history,
+                         _is_tensor_field, _kernel_rows, _ledger_cost, _release_number, _severity,
+                         _steps_after, _where, diff_keys, fa4_version_before, precompile_prescription)
+from .frameworks import runs_megatron
+from .jit_dynamo import (_dynamo_finding, dynamo_compile_kind, dynamo_kinds,  # noqa: F401
+                         is_dynamo_recompile)
 
-FA4_PACKAGE = "flash-attn-4"
-FA4_FIXED = "4.0.0b26"          # forward and backward (PR #2762); b22 fixed backward only (PR #2507)
-FA4_BWD_FIXED = "4.0.0b22"
-CACHE_ENABLE_VAR = "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"
-CACHE_DIR_VAR = "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR"
-SINGLE_BLOCK_FIELDS = ("single_q_block", "single_k_block")
-_TENSOR_REPR = re.compile(r"\b(Fake)?Tensor\(|\btensor\(")
+if TYPE_CHECKING:  # annotations only
+    from traindx.profiler.speedscope import Recording
+    from traindx.record import RunRecord
 
 
 # -- small helpers -----------------------------------------------------------------------------
-def _where(frame, run=None):
-    if not isinstance(frame, dict) or not frame.get("file"):
-        return None
-    cwd = (run.manifest.get("cwd") if run is not None else None)
-    return f"{_display_path(frame['file'], cwd)}:{frame.get('line')}"
 
 
 _MAX_SEQLEN_ARG = re.compile(r"\b(max_seqlen_[qk])\s*=\s*([A-Za-z_](?:[\w.]|\([^()]*\))*)")
 
 
-def int_cast(source):
+def int_cast(source: str) -> str | None:
     """The FA4 call line with its max_seqlen arguments cast to int, or None if it has none."""
     if not source or not _MAX_SEQLEN_ARG.search(source):
         return None
@@ -45,59 +47,36 @@ def int_cast(source):
                                source)
 
 
-def _display_path(path, cwd=None):
-    """A path relative to the job's folder when it is inside it (what a user types)."""
-    if cwd and path.startswith(cwd.rstrip(os.sep) + os.sep):
-        return os.path.relpath(path, cwd)
-    return path
-
-
-def _release_number(version):
-    """4.0.0b17 -> (4, 0, 0, 17); a final release sorts after every beta."""
-    m = re.match(r"^(\d+)\.(\d+)\.(\d+)(?:b(\d+))?", str(version or ""))
-    if not m:
-        return None
-    return (int(m[1]), int(m[2]), int(m[3]), int(m[4]) if m[4] is not None else 10 ** 6)
-
-
-def fa4_version_before(run, release):
-    have = _release_number((run.manifest.get("packages") or {}).get(FA4_PACKAGE))
-    return None if have is None else have < _release_number(release)
-
-
-def _severity(share, steady=False):
-    severity = ev.severity_for_share(share)
-    if steady and share is not None and share >= 0.5:
-        return "critical"
-    return severity
-
-
-def _is_tensor_field(value, type_name):
-    return type_name == "Tensor" or bool(_TENSOR_REPR.search(str(value)))
-
-
-def diff_keys(previous, current, previous_types=None, current_types=None):
-    """(fields whose value changed, fields that compare equal by text but hold a tensor: the key
-    differs by object identity) between two compile keys given as {field: repr}."""
-    previous, current = previous or {}, current or {}
-    changed = [k for k in current if k in previous and previous[k] != current[k]]
-    changed += [k for k in current if k not in previous] + [k for k in previous if k not in current]
-    identity = []
-    if not changed:
-        types = {**(previous_types or {}), **(current_types or {})}
-        identity = [k for k, v in current.items() if _is_tensor_field(v, types.get(k))]
-    return changed, identity
-
-
-def _col(row, name):
-    value = getattr(row, name, None)
-    if isinstance(value, float) and value != value:
-        return None
-    return value
+def _call_cast_edits(where: dict | None) -> list[dict]:
+    """The int casts of the call statement at `where` (a user frame: file, line), one edit per
+    line of the call that passes max_seqlen_q/k (a call often spans several lines; the cast
+    goes on the line that names the argument). [] when the file or the call cannot be read."""
+    if not where or not where.get("file") or not where.get("line"):
+        return []
+    try:
+        with open(where["file"], encoding="utf-8") as f:
+            text = f.read()
+        tree = ast.parse(text)
+    except (OSError, SyntaxError, ValueError, UnicodeDecodeError):
+        return []
+    lines = text.splitlines(keepends=True)
+    calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and n.lineno == where["line"]]
+    if not calls:
+        return []
+    call = max(calls, key=lambda n: (n.end_lineno or n.lineno) - n.lineno)  # the outermost
+    out = []
+    for i in range(call.lineno, (call.end_lineno or call.lineno) + 1):
+        before = lines[i - 1]
+        after = int_cast(before)
+        if after and after != before:
+            out.append({"file": where["file"], "line": i, "before": before.strip(),
+                        "after": after.strip(), "before_line": before, "after_line": after,
+                        "role": "call_site"})
+    return out
 
 
 # -- the command's attention backend -------------------------------------------------------------
-def backend_switches(run):
+def backend_switches(run: RunRecord) -> list[Prescription]:
     """Prescriptions that switch the job off FA4 in its own framework, recognised from the
     command line and environment."""
     command = [str(t) for t in run.command]
@@ -105,7 +84,7 @@ def backend_switches(run):
     env = run.manifest.get("env") or run.manifest.get("environment") or {}
     out = []
     flags = {t.split("=", 1)[0] for t in command if t.startswith("--")}
-    if "megatron" in text.lower() or "pretrain_gpt" in text or "--attention-backend" in flags:
+    if runs_megatron(command) or "--attention-backend" in flags:
         out.append(Prescription(
             kind="arg", summary="Megatron: --attention-backend fused (cuDNN fused attention "
                                 "through TransformerEngine instead of FA4)",
@@ -125,29 +104,6 @@ def backend_switches(run):
     return out
 
 
-def precompile_prescription(run, gain=None, note=""):
-    env = run.manifest.get("env") or run.manifest.get("environment") or {}
-    cache_dir = env.get(CACHE_DIR_VAR)
-    if not cache_dir or cache_dir == "<redacted>":
-        try:  # FA4's own default, so the warm-up and the training agree on one folder
-            from traindx.kernel_cache.store import default_cache_dir
-
-            cache_dir = str(default_cache_dir({}))
-        except Exception:
-            cache_dir = None
-    change_env = {CACHE_ENABLE_VAR: "1"}
-    if cache_dir:
-        change_env[CACHE_DIR_VAR] = cache_dir
-    return Prescription(
-        kind="precompile",
-        summary="precompile the FA4 kernels before training: kernel-cache warm --from-run "
-                f"{run.path}, then train with {CACHE_ENABLE_VAR}=1 and {CACHE_DIR_VAR} set" + note,
-        change={"precompile": {"from_run": run.path}, "env": change_env},
-        command=f"kernel-cache warm --from-run {run.path} && export {CACHE_ENABLE_VAR}=1 "
-                f"{CACHE_DIR_VAR}=$(kernel-cache env --dir)",
-        expected_gain_s_per_step=gain, automatic=True)
-
-
 # -- the shim's events ---------------------------------------------------------------------------
 def _fa4_calls(run, rank):
     calls = ev.events_of_type(run, "fa4_call")
@@ -165,42 +121,6 @@ def _tensor_max_seqlen_call(calls):
                     "function": _col(row, "function"), "arg_types": types,
                     "thread": _col(row, "thread"), "step": _col(row, "step")}
     return None
-
-
-def _steps_after(steps, first_step):
-    return steps[steps["step"] > first_step]
-
-
-def _kernel_rows(compiles):
-    """{(kind, kernel): DataFrame of its compiles in time order}."""
-    out = collections.OrderedDict()
-    for (kind, kernel), group in compiles.sort_values("start_ns").groupby(["kind", "kernel"],
-                                                                          sort=False):
-        out[(kind, kernel)] = group
-    return out
-
-
-def _key_history(group):
-    """Changed fields over consecutive compiles: Counter of field -> times it changed, Counter of
-    identity-only tensor fields, an example of one change, and how many pairs had no visible
-    change at all."""
-    changed_count, identity_count = collections.Counter(), collections.Counter()
-    example, identical_pairs = None, 0
-    rows = list(group.itertuples())
-    for a, b in zip(rows, rows[1:]):
-        fa, fb = _col(a, "key_fields"), _col(b, "key_fields")
-        if not isinstance(fa, dict) or not isinstance(fb, dict):
-            if _col(a, "key") is not None and _col(a, "key") == _col(b, "key"):
-                identical_pairs += 1
-            continue
-        changed, identity = diff_keys(fa, fb, _col(a, "key_types"), _col(b, "key_types"))
-        changed_count.update(changed)
-        identity_count.update(identity)
-        if not changed:
-            identical_pairs += 1
-        if changed and example is None:
-            example = {k: {"before": fa.get(k), "after": fb.get(k)} for k in changed[:4]}
-    return changed_count, identity_count, example, identical_pairs
 
 
 def _tensor_fields(group):
@@ -249,7 +169,7 @@ def _gil_evidence(run, rank, thread_name):
     return out
 
 
-def wrap_in_int(line):
+def wrap_in_int(line: str) -> str | None:
     """The source line with the expression that makes a 0-dim tensor max (`x.max()`,
     `x.diff().max()`, `x.amax()`, `torch.max(x)`) wrapped in int(...), or None when the line has
     none or the result would not parse. Handles `name = ...`, `"key": ...,` and `key=...,` lines."""
@@ -265,7 +185,8 @@ def wrap_in_int(line):
             tree = ast.parse(text)
         except SyntaxError:
             continue
-        calls = [n for n in ast.walk(tree) if _is_max_call(n) and n.lineno == n.end_lineno == 1]
+        calls = [n for n in ast.walk(tree)
+                 if isinstance(n, ast.Call) and _is_max_call(n) and n.lineno == n.end_lineno == 1]
         wrapped = {id(n.args[0]) for n in ast.walk(tree) if isinstance(n, ast.Call)
                    and isinstance(n.func, ast.Name) and n.func.id == "int" and n.args}
         if not calls or any(id(n) in wrapped for n in calls):
@@ -313,7 +234,8 @@ def _tensor_origin(run, rank):
 RUNTIME_PATCH = "fa4_int_max_seqlen"
 
 
-def _leak_prescriptions(run, where, caller, source, gain, backward_only, origin=None):
+def _leak_prescriptions(run, where, caller, source, gain, backward_only, origin=None,
+                        kernel_sites=()):
     """Strongest first: the framework's own switch (config), the source line that makes the
     tensor (a real diff, applied to a scratch copy by --fix), the cast at the FA4 call, a runtime
     patch at FA4's boundary (proves the diagnosis, edits nothing), an overlay upgrade of FA4, a
@@ -346,15 +268,26 @@ def _leak_prescriptions(run, where, caller, source, gain, backward_only, origin=
                              "traced_by": origin.get("method")}},
             command=f"{made_where}: {made['source'].strip()}  ->  {made_after.strip()}",
             expected_gain_s_per_step=gain, automatic=True))
+    # the recompiling kernel's own call, where it differs from the public entry's (a job that
+    # calls FA4's backward itself, with the max_seqlen its forward saved): cast there too, or
+    # the cast at the entry leaves the backward's key a tensor
+    own = [e for site in kernel_sites or () for e in _call_cast_edits(site)
+           if not (call_code["file"] and e["file"] == call_code["file"] and e["line"] == call_line)]
+    own = list({(e["file"], e["line"]): e for e in own}.values())
     if call_after and caller and caller.get("file"):
+        first = {**call_code, "before_line": source, "after_line": call_after, "role": "call_site"}
+        lines = [f"{_display_path(caller['file'], cwd)}:{call_line}: {source.strip()}  ->  "
+                 f"{call_after.strip()}"] + [
+            f"{_display_path(e['file'], cwd)}:{e['line']}: {e['before']}  ->  {e['after']}"
+            for e in own]
+        sites = ", ".join([where or "the FA4 call"] + [
+            f"{_display_path(e['file'], cwd)}:{e['line']}" for e in own])
         out.append(Prescription(
             kind="code",
-            summary=f"cast max_seqlen to int at the FA4 call, {where} (one host read per call)",
-            change={"code": {**call_code, "before_line": source, "after_line": call_after,
-                             "role": "call_site"}},
-            command=f"{_display_path(caller['file'], cwd)}:{call_line}: {source.strip()}  ->  "
-                    f"{call_after.strip()}",
-            expected_gain_s_per_step=gain, automatic=True))
+            summary=(f"cast max_seqlen to int at the FA4 call{'s' if own else ''}, {sites} "
+                     "(one host read per call)"),
+            change={"code": first, "codes": [first] + own} if own else {"code": first},
+            command="; ".join(lines), expected_gain_s_per_step=gain, automatic=True))
     elif not made_after:
         out.append(Prescription(
             kind="code", summary=f"pass max_seqlen as a Python int at {where or 'the FA4 call'} "
@@ -384,23 +317,6 @@ def _leak_prescriptions(run, where, caller, source, gain, backward_only, origin=
         out.append(Prescription(kind=p.kind, summary=p.summary, change=p.change,
                                 expected_gain_s_per_step=gain, automatic=p.automatic))
     return out
-
-
-def _ledger_cost(run, rank, after, lost, share, category):
-    """(seconds per step, share of the step) of a recompiling kernel, from the time ledger: its
-    own compile seconds per step, but never more than the exclusive `category` seconds of the
-    ledger over the same steps (nested or overlapping compile events count once), as a share
-    of those steps' wall time. Unchanged when the ledger has none of these steps."""
-    if lost is None or not len(after):
-        return lost, share
-    led = run.rank_rows("ledger", rank)
-    led = led[led["step"].isin(set(int(s) for s in after["step"]))]
-    if not len(led):
-        return lost, share
-    exclusive = float(led[f"{category}_s"].mean())
-    wall = float(led["wall_s"].mean())
-    lost = min(lost, exclusive)
-    return lost, (min(1.0, lost / wall) if wall else share)
 
 
 def _steady_finding(run, rank, kind, kernel, group, steps):
@@ -471,7 +387,7 @@ def _steady_finding(run, rank, kind, kernel, group, steps):
             evidence["fa4_call_arg_types"] = tensor_call["arg_types"]
     if thread_name:
         evidence.update(_gil_evidence(run, rank, thread_name))
-    thread_text = (f"on the main thread" if on_main else
+    thread_text = ("on the main thread" if on_main else
                    f"on thread '{thread_name}' (not the main thread; the main thread waits)")
     field_text = ", ".join(fields) if fields else "no visible key field"
     if leak:
@@ -496,8 +412,11 @@ def _steady_finding(run, rank, kind, kernel, group, steps):
                    f"{thread_text}, {lost:.2f} s per step ({(share or 0):.0%} of a step). "
                    f"Why: {'; '.join(why)}. " + _origin_text(run, origin, where, source))
         backward_only = fa4_function == "_flash_attn_bwd"
+        kernel_sites = list({(c.get("file"), c.get("line")): c for c in group["caller"]
+                             if isinstance(c, dict) and c.get("file")}.values()) \
+            if "caller" in group else []
         prescriptions = _leak_prescriptions(run, where, caller, source, lost, backward_only,
-                                            origin)
+                                            origin, kernel_sites)
         finding_id = "jit.fa4_steady_recompile"
     else:
         title = (f"{kernel} recompiles after warm-up ({kind}); changing key field(s): "
@@ -551,357 +470,32 @@ def _generic_recompile_prescriptions(run, kind, kernel, fields, gain):
     return out
 
 
-def _cold_start_finding(run, rank, firsts, steps):
-    """The first compile of every kernel: paid once per process (and per rank, per restart)."""
-    if not len(firsts):
-        return None
-    total = float(firsts["duration_s"].sum())
-    run_s = float(steps["duration_s"].sum()) if len(steps) else None
-    share = (total / run_s) if run_s else None
-    if share is not None:
-        share = min(share, 1.0)
-    kinds = collections.Counter(firsts["kind"])
-    per_kernel = [{"kernel": r.kernel, "kind": r.kind, "seconds": round(float(r.duration_s), 3),
-                   "step": _col(r, "step"), "thread": _col(r, "thread")}
-                  for r in firsts.sort_values("duration_s", ascending=False).itertuples()][:12]
-    severity = "medium" if (share or 0) >= 0.25 else "low" if (share or 0) >= 0.05 else "info"
-    if set(kinds) == {"dynamo"} and not _inductor_caches_off(run):
-        # torch.compile alone, its caches on (the default): a one-time cost with no lever the
-        # job has not already pulled; a short diagnose run only makes its share look large
-        severity = "info"
-    # a one-time cost: not "per step" (it would outrank a recompile that costs every step)
-    amortized = None
-    prescriptions = []
-    fa4 = firsts[firsts["kind"] == "cute_dsl"]
-    if len(fa4):
-        prescriptions.append(precompile_prescription(
-            run, None, note=f" (saves ~{float(fa4['duration_s'].sum()):.1f} s at every start)"))
-    if kinds.get("triton"):
-        prescriptions.append(Prescription(
-            kind="env", summary="keep Triton's compiled kernels on a persistent disk "
-                                "(TRITON_CACHE_DIR) so later runs load them",
-            change={"env": {"TRITON_CACHE_DIR": _beside_runs(run, "triton-cache")}},
-            automatic=True, expected_gain_s_per_step=amortized))
-    if kinds.get("dynamo"):
-        prescriptions.append(_inductor_cache_prescription(run))
-    kinds_text = ", ".join(f"{n} {k}" for k, n in kinds.most_common())
-    return Finding(
-        id="jit.cold_start",
-        title=f"Cold start: {len(firsts)} kernel(s) compiled on first use, {total:.1f} s",
-        severity=severity, analyzer="jit",
-        summary=(f"First compiles ({kinds_text}) took {total:.1f} s on rank {rank}"
-                 + (f", {share:.0%} of the {run_s:.1f} s of recorded steps" if share is not None else "")
-                 + ". Paid once per process, on every rank and every restart."),
-        steps_affected=tuple(sorted(int(s) for s in set(firsts["step"].dropna()))),
-        seconds_lost_per_step=amortized, share_of_step=share,
-        evidence={"rank": rank, "cold_compile_seconds": round(total, 3), "kernels": per_kernel,
-                  "kinds": dict(kinds), "recorded_step_seconds": run_s},
-        prescriptions=tuple(prescriptions), ranks=(rank,))
-
-
-def _inductor_caches_off(run):
-    env = run.manifest.get("env") or {}
-    return [name for name in ("TORCHINDUCTOR_FX_GRAPH_CACHE", "TORCHINDUCTOR_AUTOGRAD_CACHE")
-            if str(env.get(name, "")).strip() == "0"]
-
-
-def _inductor_cache_prescription(run):
-    """torch.compile's cold start: its FX graph and AOTAutograd caches are on by default (torch
-    2.13), so there is nothing to switch on. Never relocate a cache the user already placed (a
-    fresh folder would make the next run cold); where none is set, the default folder is under
-    /tmp, which restarts and new machines lose: a persistent one is worth it, but a single
-    --fix run cannot show the gain (its first run fills the new folder), so it is not automatic."""
-    env = run.manifest.get("env") or {}
-    user_dir = env.get("TORCHINDUCTOR_CACHE_DIR")
-    disabled = _inductor_caches_off(run)
-    if disabled:
-        return Prescription(
-            kind="env", summary=f"torch.compile's caches are switched off here ({', '.join(n + '=0' for n in disabled)}): "
-                                "unset them so later runs load the compiled graphs",
-            change={"env": {name: "1" for name in disabled}}, automatic=True)
-    if user_dir:
-        return Prescription(
-            kind="env", summary=f"torch.compile's FX graph cache is already on (the default) and kept in "
-                                f"{user_dir}: a later run of the same code loads the graphs from "
-                                "there; nothing to change")
-    return Prescription(
-        kind="env", summary="torch.compile's FX graph cache is already on (the default), in a "
-                            "folder under /tmp: keep it on a persistent disk "
-                            "(TORCHINDUCTOR_CACHE_DIR) so restarts and the job's other machines "
-                            "reuse it",
-        change={"env": {"TORCHINDUCTOR_CACHE_DIR": _beside_runs(run, "inductor-cache")}},
-        automatic=False)
-
-
-_FLA_PATH = re.compile(r"[/\\]fla[/\\]")
-
-
-def _beside_runs(run, name):
-    """A persistent cache folder next to the run folders (the runs' parent)."""
-    return os.path.abspath(os.path.join(run.path, os.pardir, name))
-
-
-def _autotune_finding(run, rank, kernel, group, steps):
-    if len(group) < 2:
-        return None
-    changed, _, example, _ = _key_history(group)
-    first_step = int(_col(next(group.itertuples()), "step") or 0)
-    later = group[group["step"].fillna(-1) > first_step]
-    if not len(later):
-        return None
-    after = _steps_after(steps, first_step)
-    n_after = max(len(after), 1)
-    lost = float(later["duration_s"].sum()) / n_after
-    median_after = float(after["duration_s"].median()) if len(after) else None
-    share = min(lost / median_after, 1.0) if median_after else None
-    lost, share = _ledger_cost(run, rank, after, lost, share, "autotune")
-    fields = [f for f, _ in changed.most_common()]
-    # flash-linear-attention's own switches only when its code is the kernel's (module path),
-    # not because the package is installed next to a kernel of the job's own
-    is_fla = any(_FLA_PATH.search(str(_col(r, "kernel_file") or (_col(r, "caller") or {}).get("file", "")))
-                 or str(_col(r, "module") or "").startswith("fla.") for r in group.itertuples())
-    caller = next((_col(r, "caller") for r in group.itertuples()
-                   if isinstance(_col(r, "caller"), dict)), None) or {}
-    kernel_file = next((_col(r, "kernel_file") for r in group.itertuples()
-                        if _col(r, "kernel_file")), None)
-    key_names = next((_col(r, "key_names") for r in group.itertuples()
-                      if isinstance(_col(r, "key_names"), list)), None)
-    fields = [f for f in fields if not key_names or f in key_names] or fields
-    prescriptions = []
-    advice_evidence = {}
-    if is_fla:
-        # FLA's own settings, only those the installed releases read and that change something
-        # (checked against their source: docs/autotune.md)
-        from dataclasses import replace
-
-        from . import autotune_advice
-
-        advice = autotune_advice.advise(
-            group.to_dict("records"), run.manifest.get("packages"),
-            env=run.manifest.get("env") or run.manifest.get("environment"), run_path=run.path,
-            cache_dir=_beside_runs(run, "triton-cache"), config_dir=_beside_runs(run, "fla-configs"))
-        prescriptions.extend(p if p.expected_gain_s_per_step is not None
-                             else replace(p, expected_gain_s_per_step=lost) for p in advice.steady)
-        advice_evidence = advice.evidence()
-    if not is_fla and fields:
-        where = _where(caller, run)
-        prescriptions.append(Prescription(
-            kind="code",
-            summary=f"take {', '.join(fields)} out of @triton.autotune(key=[...]) of {kernel} "
-                    f"(launched at {where or '?'}): every new value benchmarks all "
-                    f"{_col(next(group.itertuples()), 'configs') or ''} configs again; or bucket "
-                    f"it at the launch (triton.next_power_of_2({fields[0]}))",
-            change={"code": {"autotune_key": {"kernel": kernel, "drop": fields,
-                                              "files": [f for f in (kernel_file, caller.get("file")) if f]},
-                             "file": kernel_file or caller.get("file"), "line": None,
-                             "before": f"key={fields!r}", "after": None}},
-            expected_gain_s_per_step=lost, automatic=True))
-    else:
-        prescriptions.append(Prescription(
-            kind="code", summary=f"take {', '.join(fields) or 'the changing argument'} out of the "
-                                 f"autotune key of {kernel} (or bucket it): every new value tunes again",
-            change={"code": {"file": None, "line": None, "before": f"key={fields}",
-                             "after": None}},
-            expected_gain_s_per_step=lost))
-    prescriptions.append(Prescription(
-        kind="env", summary="keep Triton's cache on a persistent disk (TRITON_CACHE_DIR)",
-        change={"env": {"TRITON_CACHE_DIR": _beside_runs(run, "triton-cache")}},
-        automatic=not is_fla, expected_gain_s_per_step=None))
-    return Finding(
-        id="jit.autotune", title=f"Triton autotunes {kernel} again after warm-up "
-                                 f"(key field(s) changing: {', '.join(fields) or '?'})",
-        severity=_severity(share, steady=True), analyzer="jit",
-        summary=(f"{kernel} autotuned {len(later)} more time(s) after step {first_step}, "
-                 f"{lost:.2f} s per step; the autotune key changes: {', '.join(fields) or '?'}"
-                 + (f" (e.g. {example})" if example else "") + "."),
-        steps_affected=tuple(sorted(int(s) for s in set(later["step"].dropna()))),
-        seconds_lost_per_step=lost, share_of_step=share,
-        evidence={"rank": rank, "kernel": kernel, "autotunes": int(len(group)),
-                  "changing_key_fields": fields, "key_change_example": example,
-                  "seconds_each": [round(float(x), 3) for x in group["duration_s"]],
-                  **advice_evidence},
-        prescriptions=tuple(prescriptions), ranks=(rank,))
-
-
-_SIZE_MISMATCH = re.compile(r"tensor '(?P<name>[^']+)' (size|stride) mismatch at index (?P<dim>\d+)"
-                            r"(\. expected (?P<expected>\d+), actual (?P<actual>\d+))?")
-
-
-_COMPILE_ID = re.compile(r"(?P<frame>\d+)/(?P<count>\d+)")
-# a guard on a mode, not on data: grad mode (no_grad evaluation before training), train/eval
-# (module.training), autocast, deterministic algorithms. Each mode compiles its own graph once;
-# switching back and forth reuses them, so it is never a steady cost.
-_MODE_CHANGE = re.compile(r"GLOBAL_STATE changed|grad_mode|is_grad_enabled|___check_global_state"
-                          r"|\.training\b|\btraining\b.*(?:mismatch|changed|==)|autocast"
-                          r"|deterministic_algorithms", re.IGNORECASE)
-
-
-def dynamo_compile_kind(row):
-    """What one dynamo compile event is: 'first' (the frame's first graph), 'backward' (the
-    backward graph AOTAutograd builds at the first backward: not a recompile), 'mode' (a graph
-    for another grad/train/autocast mode: once per mode, not a recompile), or 'recompile' (a
-    guard on the data failed: a shape, a dtype, a Python value).
-
-    Read defensively: `graph`, `kernel`, `recompile_reason`, `compile_id` or `key` ('F/N')."""
-    kernel = str(_col(row, "kernel") or "")
-    if _col(row, "graph") == "backward" or kernel.endswith("(backward graph)") or kernel in ("", "None"):
-        return "backward"  # (AOTAutograd's backward compile has no code object of its own)
-    reason = _col(row, "recompile_reason")
-    reason = reason if isinstance(reason, str) else ""
-    m = _COMPILE_ID.search(str(_col(row, "compile_id") or _col(row, "key") or ""))
-    again = bool(reason) or bool(m and int(m["count"]) > 0)
-    if not again:
-        return "first"
-    if reason and _MODE_CHANGE.search(reason) and not _SIZE_MISMATCH.search(reason):
-        return "mode"
-    return "recompile"
-
-
-def is_dynamo_recompile(row):
-    """A dynamo compile of a frame it compiled before because a guard on the data failed (not a
-    backward graph, not a graph for another grad/train mode)."""
-    return dynamo_compile_kind(row) == "recompile"
-
-
-_VALUES = re.compile(r"\. expected \d+, actual \d+")
-
-
-def _strip_compile_id(reason):
-    """"0/1: tensor 'x' size mismatch ..." -> "tensor 'x' size mismatch ..." (first line)."""
-    return re.sub(r"^\s*\[?[\d/!]+\]?:\s*", "", str(reason).strip().splitlines()[0])
-
-
-def _call_site(recompiles):
-    """The job's line that calls the compiled function with the changing input: the shim's
-    `call_site` (the caller when the compile started) when recorded, else the compiled
-    function's own definition (`caller`)."""
-    for name in ("call_site", "caller"):
-        for r in recompiles.itertuples():
-            value = _col(r, name)
-            if isinstance(value, dict) and value.get("file") and not ev.is_library_path(value["file"]):
-                return name, value
-    return None, None
-
-
-def _mark_dynamic_change(site, name, dim):
-    """A real code change at the call site: mark the argument's dimension dynamic on the line
-    before the call. Needs the call's source line; None otherwise."""
-    source = (site or {}).get("source")
-    if not source or not site.get("line"):
-        return None, None
-    import ast
-    try:
-        call = next((n for n in ast.walk(ast.parse(source.strip())) if isinstance(n, ast.Call)), None)
-    except SyntaxError:
-        return None, None
-    if call is None:
-        return None, None
-    names = [a.id for a in call.args if isinstance(a, ast.Name)]
-    arg = name if name in names else (names[0] if names else None)
-    if arg is None:
-        return None, None
-    indent = source[: len(source) - len(source.lstrip())]
-    after = f"{indent}torch._dynamo.mark_dynamic({arg}, {dim})\n{source.rstrip()}"
-    return codefix.code_change(site["file"], int(site["line"]), source.rstrip(), after), arg
-
-
-def dynamo_kinds(group):
-    """dynamo_compile_kind of each row; the backward graph of a recompiled frame is
-    'recompile_backward' (its cost is the recompile's, its count is not another one)."""
-    kinds = [dynamo_compile_kind(r) for r in group.itertuples()]
-    ids = [str(_col(r, "compile_id") or _col(r, "key") or "") for r in group.itertuples()]
-    recompiled = {i for i, k in zip(ids, kinds) if k == "recompile" and i}
-    return [("recompile_backward" if k == "backward" and i in recompiled else k)
-            for i, k in zip(ids, kinds)]
-
-
-def _dynamo_finding(run, rank, group, steps):
-    kinds = dynamo_kinds(group)
-    recompiles = group[[k == "recompile" for k in kinds]]
-    costs = group[[k in ("recompile", "recompile_backward") for k in kinds]]
-    not_recompiles = collections.Counter(k for k in kinds if k in ("backward", "mode"))
-    if not len(recompiles):
-        return None
-    first_step = int(_col(next(group.itertuples()), "step") or 0)
-    after = _steps_after(steps, first_step)
-    later = recompiles[recompiles["step"].fillna(-1) > first_step]
-    later_costs = costs[costs["step"].fillna(-1) > first_step]
-    n_after = max(len(after), 1)
-    lost = float(later_costs["duration_s"].sum()) / n_after if len(later) else 0.0
-    median_after = float(after["duration_s"].median()) if len(after) else None
-    share = min(lost / median_after, 1.0) if median_after else None
-    if len(later):
-        lost, share = _ledger_cost(run, rank, after, lost, share, "compile")
-    raw = [_strip_compile_id(r) for r in recompiles["recompile_reason"] if isinstance(r, str) and r]
-    reasons = collections.Counter(_VALUES.sub("", r) for r in raw)
-    if not reasons:
-        reasons["(no reason recorded)"] = len(recompiles)
-    top_reason = reasons.most_common(1)[0][0]
-    m = next((_SIZE_MISMATCH.search(r) for r in raw if _SIZE_MISMATCH.search(r)), None)
-    changes = [f"{x['expected']} → {x['actual']}" for x in (_SIZE_MISMATCH.search(r) for r in raw)
-               if x and x["expected"]]
-    site_kind, caller = _call_site(recompiles)
-    where = _where(caller, run)
-    functions = collections.Counter(str(k) for k in recompiles["kernel"])
-    prescriptions = []
-    if m:
-        name, dim = m["name"], m["dim"]
-        short = re.sub(r"^L\['([^']+)'\].*$", r"\1", name)
-        change, arg = _mark_dynamic_change(caller if site_kind == "call_site" else None, short, dim)
-        at = (f" at {where}" if site_kind == "call_site" else
-              f" (the compiled function: {where})" if where else "")
-        passed = f" ({arg} is passed as {short})" if arg and arg != short else ""
-        prescriptions.append(Prescription(
-            kind="code", summary=f"mark dimension {dim} of {short} dynamic before the compiled call"
-                                 f"{at}: torch._dynamo.mark_dynamic({arg or short}, {dim}){passed}; "
-                                 "or compile with torch.compile(..., dynamic=None) (automatic "
-                                 "dynamic shapes: one recompile, then symbolic) or dynamic=True",
-            change={"code": change} if change else {}, expected_gain_s_per_step=lost))
-    else:
-        prescriptions.append(Prescription(
-            kind="code", summary="make the guard that fails stable (the value it checks changes "
-                                 f"between calls{(' at ' + where) if where else ''}): "
-                                 f"{top_reason[:160]}",
-            expected_gain_s_per_step=lost))
-    steady = len(later) >= 2
-    severity = _severity(share, steady=steady) if len(later) else "low"
-    if severity == "info" and len(later):
-        severity = "low"
-    skipped = ", ".join(f"{n} {'backward graph(s)' if k == 'backward' else 'graph(s) for another grad/train mode'}"
-                        for k, n in sorted(not_recompiles.items()))
-    return Finding(
-        id="jit.dynamo_recompile",
-        title=(f"torch.compile recompiles {', '.join(functions)} {len(recompiles)} time(s): "
-               f"{top_reason[:90]}" + (f" ({', '.join(changes[:4])})" if changes else "")),
-        severity=severity, analyzer="jit",
-        summary=(f"{', '.join(functions)} recompiled {len(recompiles)} time(s) on rank {rank}"
-                 + (f" ({where})" if where else "") + f"; reason: {top_reason}"
-                 + (f"; {lost:.2f} s per step after step {first_step}" if len(later) else "")
-                 + (f". Not counted: {skipped} (compiled once each)" if skipped else "") + "."),
-        steps_affected=tuple(sorted(int(s) for s in set(recompiles["step"].dropna()))),
-        seconds_lost_per_step=lost if len(later) else None, share_of_step=share,
-        evidence={"rank": rank, "recompiles": int(len(recompiles)), "reasons": dict(reasons),
-                  "reasons_each": raw[:20], "size_changes": changes[:20],
-                  "functions": dict(functions), "caller": caller, "caller_kind": site_kind,
-                  "not_recompiles": dict(not_recompiles),
-                  "seconds_each": [round(float(x), 3) for x in recompiles["duration_s"]]},
-        prescriptions=tuple(prescriptions), ranks=(rank,))
-
-
 def _analyze_rank(run, rank, compiles):
     findings = []
     steps = run.rank_steps(rank).dropna(subset=["duration_s"])
     compiles = compiles[compiles["ok"].fillna(True).astype(bool)] if "ok" in compiles else compiles
     kernels = _kernel_rows(compiles[compiles["kind"].isin(["cute_dsl", "triton"])])
-    firsts = []
+    tunes = compiles[compiles["kind"] == "triton_autotune"].sort_values("start_ns")
+    tuned = set(tunes["kernel"]) if len(tunes) else set()
+    firsts, cold_tunes, folded = [], [], {}
     for (kind, kernel), group in kernels.items():
-        firsts.append(group.iloc[:1])
+        # a kernel's first step compiles every config its first tuning benchmarks: all cold
+        firsts.append(first_step_rows(group) if kernel in tuned else group.iloc[:1])
+        if kind == "triton" and kernel in tuned:
+            # the compiles made while the kernel autotunes are the re-autotune's (one cause);
+            # any other recompile of it stays a recompile
+            while_tuning = _compiles_while_tuning(group, tunes[tunes["kernel"] == kernel])
+            folded[kernel] = group[while_tuning]
+            group = pd.concat([group.iloc[:1], group[~while_tuning].iloc[1:]
+                               if not while_tuning[0] else group[~while_tuning]])
+            if len(group) < 2:
+                continue
         found = _steady_finding(run, rank, kind, kernel, group, steps)
         if found:
             findings.append(found)
-    tunes = compiles[compiles["kind"] == "triton_autotune"]
-    for kernel, group in tunes.sort_values("start_ns").groupby("kernel", sort=False):
-        found = _autotune_finding(run, rank, kernel, group, steps)
+    for kernel, group in tunes.groupby("kernel", sort=False):
+        cold_tunes.append(first_step_rows(group))
+        found = _autotune_finding(run, rank, kernel, group, steps, folded.get(kernel))
         if found:
             findings.append(found)
     dynamo = compiles[compiles["kind"] == "dynamo"].sort_values("start_ns")
@@ -910,11 +504,28 @@ def _analyze_rank(run, rank, compiles):
         found = _dynamo_finding(run, rank, dynamo, steps)
         if found:
             findings.append(found)
-    if firsts:
-        cold = _cold_start_finding(run, rank, pd.concat(firsts), steps)
+    if firsts or cold_tunes:
+        cold = _cold_start_finding(run, rank, pd.concat(firsts) if firsts else compiles.iloc[0:0],
+                                   steps, pd.concat(cold_tunes) if cold_tunes else None)
         if cold:
             findings.append(cold)
     return _merge_fa4_steady(findings)
+
+
+def _compiles_while_tuning(group, tunes):
+    """Per compile of a Triton kernel: made while that kernel autotuned (the shim marks a
+    compile inside an autotuner's run with `autotune_of`; without the mark, a compile inside one
+    of the kernel's autotune intervals or in a step where it autotuned)."""
+    marked = group["autotune_of"].notna().to_numpy() if "autotune_of" in group \
+        else np.zeros(len(group), bool)
+    starts = group["start_ns"].to_numpy(np.int64) if "start_ns" in group else None
+    inside = np.zeros(len(group), bool)
+    if starts is not None and len(tunes) and "start_ns" in tunes and "end_ns" in tunes:
+        for s, e in zip(tunes["start_ns"].astype("int64"), tunes["end_ns"].astype("int64")):
+            inside |= (starts >= s) & (starts <= e)
+    same_step = group["step"].isin(set(tunes["step"].dropna())).to_numpy() if "step" in group \
+        else np.zeros(len(group), bool)
+    return marked | inside | same_step
 
 
 def _merge_fa4_steady(findings):
@@ -941,7 +552,8 @@ def _merge_fa4_steady(findings):
 
 
 # -- py-spy alone ---------------------------------------------------------------------------------
-def analyze_recording(recording, source="py-spy", run=None, rank="0", recording_gil=None):
+def analyze_recording(recording: Recording, source: str = "py-spy", run: RunRecord | None = None,
+                      rank: str = "0", recording_gil: Recording | None = None) -> list[Finding]:
     """Findings from one py-spy recording alone ({thread label: ThreadSamples}); with a --gil
     recording of the same process, also the compiling thread's hold on the GIL."""
     findings = []
@@ -955,7 +567,9 @@ def analyze_recording(recording, source="py-spy", run=None, rank="0", recording_
         share = recompile_s / site.recording_seconds if site.recording_seconds else None
         thread_text = ("the main thread" if site.is_main_thread else
                        f"{site.thread} (not the main thread: the autograd thread, on a GPU job)")
-        kernel = site.function + (f" [{site.kernel_file}]" if site.kernel_file else "")
+        # a compile whose stack starts inside the compiler has no caller to name it by
+        function = site.function or site.kernel_file or f"a {site.kind} kernel"
+        share_text = f"{share:.0%}" if share is not None else "an unknown share"
         calls = list(range(1, site.count))
         evidence = {
             "source": source, "thread": site.thread, "is_main_thread": site.is_main_thread,
@@ -976,14 +590,14 @@ def analyze_recording(recording, source="py-spy", run=None, rank="0", recording_
                 evidence["gil_share_compiling"] = round(held[0] / held[1], 3)
         severity = "critical" if share and share >= 0.2 else "high" if share and share >= 0.05 else "medium"
         if is_fa4:
-            fn = "backward" if "bwd" in site.function else "forward" if "fwd" in site.function else site.function
-            title = (f"FA4 {fn} ({site.function}) compiles again on every call after the first, "
+            fn = "backward" if "bwd" in function else "forward" if "fwd" in function else function
+            title = (f"FA4 {fn} ({function}) compiles again on every call after the first, "
                      f"on {site.thread if not site.is_main_thread else 'the main thread'}: "
                      f"{len(site.recompiles)} recompiles, ~{per:.1f} s each")
-            summary = (f"py-spy shows {site.function} compiling {site.count} times on "
+            summary = (f"py-spy shows {function} compiling {site.count} times on "
                        f"{thread_text}: the first call (cold start) and then every later call "
                        f"({len(site.recompiles)} of {len(site.recompiles)}), ~{per:.1f} s each, "
-                       f"{share:.0%} of the recorded samples. The kernel is built from "
+                       f"{share_text} of the recorded samples. The kernel is built from "
                        f"{site.kernel_file or '?'}. A compile on every call means its compile key "
                        "changes every call; with flash-attn-4 < 4.0.0b22 (backward) / < 4.0.0b26 "
                        "(forward) the known cause is max_seqlen passed as a tensor.")
@@ -1006,10 +620,10 @@ def analyze_recording(recording, source="py-spy", run=None, rank="0", recording_
                 prescriptions += backend_switches(run)
             finding_id = "jit.fa4_steady_recompile"
         else:
-            title = (f"{site.kind} compiles {site.function} again on every call after the first "
+            title = (f"{site.kind} compiles {function} again on every call after the first "
                      f"({len(site.recompiles)} recompiles, ~{per:.1f} s each)")
             summary = (f"py-spy shows {site.site_label} compiling {site.count} times on "
-                       f"{thread_text}; {share:.0%} of the recorded samples.")
+                       f"{thread_text}; {share_text} of the recorded samples.")
             prescriptions = []
             finding_id = f"jit.{site.kind}_steady_recompile" if site.kind != "dynamo" else "jit.dynamo_recompile"
         findings.append(Finding(
@@ -1032,7 +646,7 @@ def _analyze_pyspy_only(run):
     return findings
 
 
-def analyze(run):
+def analyze(run: RunRecord) -> list[Finding]:
     compiles = run.compiles
     findings = []
     ranks_with_events = set()

@@ -7,12 +7,21 @@ call site changes or when the compiler's code goes back to an earlier line of th
 (its pipeline restarted: a new compile). py-spy's speedscope keeps sample order but no
 timestamps, so compiles are counted per call site, not placed on a clock.
 """
+from __future__ import annotations
+
 import collections
 import os
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from traindx.profiler import speedscope
 
 from . import evidence as ev
+
+if TYPE_CHECKING:  # annotations only
+    from traindx.profiler.speedscope import Frame, Recording, ThreadSamples
 
 # (kind, a frame's file path, its function name or None for any): the outermost match on a
 # stack decides the kind. Only the compilers' own compile paths: torch/_dynamo's eval_frame
@@ -34,7 +43,6 @@ FA4_HELPERS = {"__init__.py", "interface.py", "utils.py", "tile_scheduler.py", "
                "softmax.py", "pipeline.py", "cute_dsl_utils.py", "seqlen_info.py", "block_info.py",
                "named_barrier.py", "fast_math.py", "cache_utils.py", "testing.py", "copy_utils.py"}
 # py-spy --threads root frames: 'thread (0x7f…)', 'thread (718): MainThread'
-_THREAD_ROOT = re.compile(r"^thread \((?P<tid>0x[0-9a-fA-F]+|\d+)\)(?::\s*(?P<name>.*))?$")
 
 
 @dataclass
@@ -76,19 +84,19 @@ def _short(path):
     return m.group(1) if m else path
 
 
-def strip_thread_root(stack):
+def strip_thread_root(stack: Sequence[Frame]) -> tuple[Sequence[Frame], str | None]:
     """(stack without py-spy's thread root frames, thread name found there or None)."""
     name = None
     while stack and not stack[0].file:
-        m = _THREAD_ROOT.match(stack[0].name)
-        if not m:
+        root = speedscope.root_frame(stack[0].name)
+        if root is None or root[0] is None:  # a "process N:" frame is not a thread's root
             break
-        name = name or (m["name"] or None)
+        name = name or root[1]
         stack = stack[1:]
     return stack, name
 
 
-def classify(stack):
+def classify(stack: Sequence[Frame]) -> tuple[str, int] | None:
     """(kind, index of the outermost compiler frame) of a compiling sample, else None."""
     for i, frame in enumerate(stack):
         for kind, path, function in SIGNATURES:
@@ -136,7 +144,7 @@ MAX_GAP = 2        # non-compiling samples tolerated inside one compile
 PARTIAL_STACK = 3  # py-spy sometimes unwinds only the innermost frames of a sample
 
 
-def compiles_of_thread(thread, samples):
+def compiles_of_thread(thread: str, samples: ThreadSamples) -> list[Compile]:
     """The compiles in one thread's samples, in sample order."""
     found, current, previous, gap = [], None, None, 0
     for index, (stack, weight) in enumerate(zip(samples.stacks, samples.weights)):
@@ -160,7 +168,7 @@ def compiles_of_thread(thread, samples):
         site = _site(stack, entry)
         same = (current is not None and current.kind == kind and current.site == site
                 and not _restarted(previous, stack, entry))
-        if not same:
+        if not same or current is None:
             current = Compile(thread=thread, kind=kind, site=site, first_sample=index)
             found.append(current)
         current.samples += 1
@@ -173,7 +181,7 @@ def compiles_of_thread(thread, samples):
     return found
 
 
-def thread_names(recording):
+def thread_names(recording: Recording) -> dict[str, str]:
     """{speedscope label: readable thread name} from py-spy's labels and root frames."""
     names = {}
     for label, samples in recording.items():
@@ -187,7 +195,7 @@ def thread_names(recording):
     return names
 
 
-def main_thread_label(recording):
+def main_thread_label(recording: Recording) -> str | None:
     """The main thread: named MainThread, else the one whose stacks start at a module's top level
     (`<module>`), else the one with the most samples."""
     names = thread_names(recording)
@@ -212,7 +220,7 @@ class SiteSummary:
     kind: str
     site_label: str
     function: str
-    kernel_file: str
+    kernel_file: str | None
     compiles: list
     total_seconds: float
     thread_seconds: float           # all samples of that thread (outside imports)
@@ -227,7 +235,7 @@ class SiteSummary:
         return self.compiles[1:]
 
 
-def summarize(recording):
+def summarize(recording: Recording) -> list[SiteSummary]:
     """[SiteSummary] of every compiling call site in a recording ({label: ThreadSamples})."""
     names = thread_names(recording)
     main = main_thread_label(recording)
@@ -251,7 +259,8 @@ def summarize(recording):
     return out
 
 
-def gil_share_compiling(recording_gil, thread_name):
+def gil_share_compiling(recording_gil: Recording | None,
+                        thread_name: str) -> tuple[float, float] | None:
     """Seconds the thread held the GIL while compiling, and all seconds of the --gil recording
     (start-up imports excluded)."""
     if not recording_gil:

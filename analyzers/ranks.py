@@ -18,8 +18,11 @@ do not show the straggler. Evidence, best first:
 Blocking send/recv waits are the pipeline's bubbles (a stage waiting for its neighbour), reported
 as their share of the step (`ranks.pipeline_bubble`), never as stragglers.
 """
+from __future__ import annotations
+
 import re
 from collections import Counter
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pandas as pd
@@ -29,6 +32,9 @@ from traindx.findings import Finding, Prescription
 
 from . import evidence as ev
 from . import sync_points as sp
+
+if TYPE_CHECKING:  # annotations only
+    from traindx.record import RunRecord
 
 COLLECTIVE_NAME = re.compile(
     r"^(?:gloo:|nccl:|c10d::|record_param_comms)|nccl.*(?:AllReduce|AllGather|ReduceScatter|Broadcast|"
@@ -135,7 +141,8 @@ CAUSES = {  # ledger line before the late arrival -> what the user reads
     "compile": "compiling", "autotune": "autotuning kernels", "gc": "garbage collection",
     "io": "checkpoint/file I/O", "sync": "waiting for its GPU (host-device sync)",
     "data": "waiting for its data", "optimizer": "its optimizer step",
-    "forward_backward": "compute (forward/backward)", "unexplained": "untimed host work",
+    "forward_backward": "compute (forward/backward)", "host": "its own code between measured calls",
+    "unexplained": "untimed host work",
     "collective": "waiting in other communication (send/recv, another group)"}
 SLOWER_CLOCK = 0.9  # the straggler's GPU at <= 90 % of the others' SM clock: a slower GPU
 
@@ -241,6 +248,29 @@ def _syncs_every_step(run):
     return bool(((led["sync_s"] > 0).groupby(led["rank"]).mean() >= 0.8).all())
 
 
+def _core_wait_excess(run, straggler, ranks, steps):
+    """Per step (a Series over `steps`) the seconds the straggler's training thread waited for a
+    core beyond the other ranks' mean in the same step (the shim's run-queue wait), or None
+    when the run has no such record."""
+    rows = run.steps.dropna(subset=["start_ns", "end_ns"])
+    rows = rows[rows["rank"].astype(str).isin([str(r) for r in ranks])]
+    if not len(rows):
+        return None
+    runq = ev.step_runq_s(run, rows["rank"], rows["step"], rows["end_ns"].to_numpy(float) / 1e9,
+                          rows["duration_s"])
+    if runq is None:
+        return None
+    table = pd.DataFrame({"rank": rows["rank"].astype(str).to_numpy(),
+                          "step": rows["step"].astype("int64").to_numpy(), "runq": runq})
+    wide = table.pivot_table(index="step", columns="rank", values="runq", aggfunc="first")
+    mine = str(straggler)
+    if mine not in wide or wide.shape[1] < 2:
+        return None
+    others = wide.drop(columns=mine).mean(axis=1)
+    excess = (wide[mine] - others).clip(lower=0.0).fillna(0.0)
+    return excess.reindex(pd.Index(steps).astype("int64")).fillna(0.0).set_axis(steps)
+
+
 def _straggler_from_points(run, ranks, points, by_step=False):
     steps = run.steps.dropna(subset=["start_ns", "end_ns"])
     last = sp.last_arrivals(points)
@@ -283,6 +313,16 @@ def _straggler_from_points(run, ranks, points, by_step=False):
     # late again and again, not once: a rank descheduled for 200 ms in one step (a loaded
     # machine, a page fault storm) is no straggler; its worst step alone must not make the cost
     per_step = last[last["last"] == straggler].groupby("step")["cost_s"].sum()
+    queued = _core_wait_excess(run, straggler, ranks, per_step.index)
+    if queued is not None and not run.manifest.get("nodes"):
+        # one host: every rank waits for the same cores, so the time the straggler's training
+        # thread waited for one beyond the others in its late steps is the machine's load, not
+        # the rank's (a rank on another node that waits for its cores stays a straggler)
+        per_step = (per_step - queued).clip(lower=0.0)
+        queued_s = float(queued.sum())
+        cost = max(0.0, cost - queued_s / n_steps)
+        share = cost / median_step if median_step else 0.0
+        detail["waited_for_a_core_per_step_s"] = round(queued_s / n_steps, 4)
     late_steps = int((per_step >= max(MIN_WAIT_DIFF_S, MIN_LATE_STEP_SHARE * (median_step or 0))).sum())
     robust = (float(per_step.sum()) - float(per_step.max())) / n_steps if len(per_step) else 0.0
     detail.update({"late_steps": late_steps, "cost_without_worst_step_per_step_s": round(robust, 4)})
@@ -331,7 +371,7 @@ def _straggler_from_points(run, ranks, points, by_step=False):
         if len(led) else {}})
     slower_gpu = None
     if clocks.get(straggler) and len(clocks) >= 2 and top in (
-            "forward_backward", "sync", "unexplained", "optimizer"):
+            "forward_backward", "sync", "host", "unexplained", "optimizer"):
         rest = [v for r, v in clocks.items() if r != straggler]
         if rest and clocks[straggler] <= SLOWER_CLOCK * float(np.median(rest)):
             slower_gpu = {"straggler_mhz": clocks[straggler], "others_mhz": float(np.median(rest))}
@@ -346,7 +386,7 @@ def _straggler_from_points(run, ranks, points, by_step=False):
     detail["cause_label"] = label
     if slower_gpu:
         detail["slower_gpu"] = slower_gpu
-    if top in ("forward_backward", "unexplained"):
+    if top in ("forward_backward", "host", "unexplained"):
         doing = _trace_doing(run, straggler, cost) or _pyspy_doing(run, straggler)
         if doing:
             detail["straggler_does"] = doing
@@ -533,13 +573,18 @@ def _by_step_time(run, ranks):
         ranks=tuple(ranks))]
 
 
-def analyze(run):
+def analyze(run: RunRecord) -> list[Finding]:
     steps = run.steps.dropna(subset=["duration_s"])
     ranks = sorted(set(steps["rank"]), key=lambda r: (len(str(r)), str(r)))
     if len(ranks) < 2:
         return []
     spans = sp.collective_spans(run)
     findings = _bubbles(run, ranks, spans)
+    if findings:
+        # a pipeline: the stage that makes the others wait is the bubble's slow stage (named in
+        # it); the few ms by which the stages reach their all-reduce apart follow the schedule
+        # and the machine's load, not a straggler
+        return findings
     points = sp.meeting_points(run, spans)
     if len(points) and _syncs_every_step(run):
         # NCCL: the host does not wait in the collective; it waits in the step's syncs

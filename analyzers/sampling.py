@@ -9,13 +9,20 @@ and max step time, and the mean of every time-ledger line (compile, GC, data, I/
 collective, optimizer, fwd/bwd, unexplained) - so any rank that differs from the others in
 what the ledger measures is read. Cross-rank analyzers (the straggler) read every rank.
 """
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
 import numpy as np
+
+if TYPE_CHECKING:  # annotations only
+    from traindx.record import RunRecord
 
 MAX_ANALYZED_RANKS = 64
 PER_MEASURE = 2   # ranks taken at each end of each measure
 
 
-def representative_ranks(run):
+def representative_ranks(run: RunRecord) -> list[str]:
     """The ranks to analyze one by one (all of them on a job of MAX_ANALYZED_RANKS or fewer)."""
     ranks = list(run.ranks)
     if len(ranks) <= MAX_ANALYZED_RANKS:

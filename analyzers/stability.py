@@ -1,17 +1,26 @@
 """Step-time stability over the steady window: periodic slow steps (a checkpoint or a log every k
 steps), named with their period and what the job did in them; and the coefficient of variation
 of what remains."""
+from __future__ import annotations
+
 import math
 import re
 from collections import Counter
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
 
+from traindx import ledger, periods
 from traindx.findings import Finding, Prescription
 from traindx.profiler.logparse import parse_line
 
 from . import evidence as ev
+from .frameworks import knob_owner, runs_megatron
+
+if TYPE_CHECKING:  # annotations only
+    from traindx.record import RunRecord
 
 MIN_STEPS = 8
 SLOW_FACTOR = 2.0          # a step this much slower than the median is a slow step (1.5-1.9x
@@ -25,7 +34,8 @@ CV_INFO = 0.20
 CV_LOW = 0.50
 
 
-def find_period(steps, durations):
+def find_period(steps: Sequence[int],
+                durations: Sequence[float]) -> tuple[int, int, list[int]] | None:
     """(period, residue, slow step numbers) of the best periodic pattern, or None.
 
     A pattern (period p, residue r) covers the steps with step % p == r; it is kept when at least
@@ -165,11 +175,24 @@ def _io_in_steps(run, rank, step_rows):
         caller = row.caller if isinstance(row.caller, dict) else None
         key = (row.call if isinstance(row.call, str) else "file write",
                (caller or {}).get("file"), (caller or {}).get("line"))
-        g = groups.setdefault(key, {"call": key[0], "caller": caller, "steps": set(), "ns": 0})
+        g = groups.setdefault(key, {"call": key[0], "caller": caller, "steps": set(), "ns": 0,
+                                    "cpu": 0.0, "timed_cpu": True})
         g["steps"].add(int(step_i))
         g["ns"] += int(row.end_ns) - int(row.start_ns)
-    out = [{"call": g["call"], "caller": g["caller"], "steps": len(g["steps"]),
-            "seconds_per_step": round(g["ns"] / 1e9 / len(g["steps"]), 4)} for g in groups.values()]
+        cpu, runq = getattr(row, "cpu", None), getattr(row, "runq", None)
+        if isinstance(cpu, (int, float)) and np.isfinite(cpu):
+            # on the thread: running, or runnable and waiting for a core (not for the disk)
+            g["cpu"] += float(cpu) + (float(runq) if isinstance(runq, (int, float))
+                                      and np.isfinite(runq) else 0.0)
+        else:
+            g["timed_cpu"] = False
+    out = []
+    for g in groups.values():
+        item = {"call": g["call"], "caller": g["caller"], "steps": len(g["steps"]),
+                "seconds_per_step": round(g["ns"] / 1e9 / len(g["steps"]), 4)}
+        if g["timed_cpu"]:  # the thread's own CPU and run-queue wait (the rest: the disk)
+            item["cpu_seconds_per_step"] = round(g["cpu"] / len(g["steps"]), 4)
+        out.append(item)
     return sorted(out, key=lambda g: -g["seconds_per_step"] * g["steps"])
 
 
@@ -185,7 +208,7 @@ _SAVE_FRAME = re.compile(r"torch[/\\]serialization\.py$|torch[/\\]distributed[/\
 _SAVE_FUNCTIONS = ("save", "_save", "save_file", "save_pretrained", "async_save", "save_state_dict")
 
 
-def save_sites(run, rank):
+def save_sites(run: RunRecord, rank: str) -> list[dict[str, Any]]:
     """[{file, line, function, seconds}] of the job's own lines that write checkpoints, from
     py-spy's main-thread samples inside a checkpoint writer (the job's frame that called it)."""
     recording = run.pyspy.get((rank, "all"))
@@ -254,7 +277,7 @@ def _periodic_prescriptions(run, causes, lost, period):
     if saves:
         out.extend(checkpoint_prescriptions(run, saves, lost, period))
     elif "checkpoint" in text or "saving" in text or "save" in text:
-        if any("megatron" in a.lower() or "pretrain_" in a for a in run.command):
+        if runs_megatron(run.command):
             out.append(Prescription(
                 kind="arg", summary="Megatron: --async-save (with --ckpt-format torch_dist) writes "
                                     "checkpoints in the background",
@@ -285,8 +308,6 @@ def _io_from_ledger(run, rank, steady, causes, lost, share):
     the slow steps' excess over the others stands."""
     if not causes.get("io_in_slow_steps"):
         return lost, share
-    from traindx import ledger
-
     led = ledger.rows(run, rank, steady["step"])
     wall = float(led["wall_s"].sum()) if len(led) else 0.0
     if not wall:
@@ -301,11 +322,10 @@ def _io_from_ledger(run, rank, steady, causes, lost, share):
     return io_lost, float(led["io_s"].sum()) / wall
 
 
-def checkpoint_prescriptions(run, saves, lost, period):
+def checkpoint_prescriptions(run: RunRecord, saves: Sequence[dict[str, Any]], lost: float,
+                             period: int | None) -> list[Prescription]:
     """A checkpoint every `period` steps, written at the job's own line: save asynchronously,
     in the framework's terms."""
-    from .frameworks import knob_owner
-
     top = saves[0]
     where = f"{top['file']}:{top['line']}"
     framework = knob_owner(run)
@@ -344,8 +364,6 @@ def _period_of_timed_io(run, rank, steps):
     """The period of the shim-timed writes (torch.save, DCP) in the steps, when the step times
     are too noisy for one to show (a busy machine): the ledger's io seconds per step are
     measured, so their pattern does not depend on the load."""
-    from traindx import ledger
-
     if not ledger.has_spans(run):
         return None
     led = ledger.rows(run, rank, steps)
@@ -387,7 +405,6 @@ def _analyze_rank(run, rank):
         return findings
     steps = [int(s) for s in steady["step"]]
     durations = [float(d) for d in steady["duration_s"]]
-    median = float(pd.Series(durations).median())
     mean = float(pd.Series(durations).mean())
     periodic = find_period(steps, durations) or _period_of_timed_io(run, rank, steps)
     rest = steady
@@ -465,8 +482,39 @@ def _analyze_rank(run, rank):
     return findings
 
 
-def analyze(run):
+def analyze(run: RunRecord) -> list[Finding]:
     findings = []
     for rank in sorted(set(run.steps["rank"])) if len(run.steps) else []:
         findings.extend(_analyze_rank(run, rank))
     return findings
+
+
+# -- line by line: a ledger line that is dearer every k-th step (k = 2 included) ----------------
+LINE_PERIOD_MAX = periods.LINE_PERIOD_MAX
+LINE_MIN_EXCESS_SHARE = periods.LINE_MIN_EXCESS_SHARE
+
+
+def line_periods(led, step_s):
+    """[{line, label, period, residue, steps, excess_s, slow_s, other_s}] of the ledger lines
+    (one rank's steady rows) whose value depends on the step number modulo a period: each line
+    is compared across steps on its own, so +50 % on odd steps - which never makes a step 2x the
+    median, the slow-step search's bar - is found on the line that carries it. The shortest
+    period that explains a line wins (a period-2 pattern also fits 4, 6, 8)."""
+    from traindx import ledger
+
+    if len(led) < 6 or step_s <= 0:
+        return []
+    led = led.sort_values("step")
+    steps = led["step"].astype(int).to_numpy()
+    cols = [c for c in led.columns if c.endswith("_s") and c not in ("wall_s",)]
+    out = []
+    for col in cols:
+        values = led[col].to_numpy(float)
+        if values.mean() < LINE_MIN_EXCESS_SHARE * step_s / LINE_PERIOD_MAX:
+            continue
+        found = periods.period_of(steps, values, step_s)
+        if found:
+            name = col[:-2]
+            found.update(line=name, label=ledger.LABELS.get(name, name))
+            out.append(found)
+    return out

@@ -18,15 +18,22 @@ its previous meeting point (or its step's start), whose ledger says why (traindx
 Point-to-point send/recv are not meeting points: in a pipeline a stage waiting in recv for its
 upstream stage is the schedule's bubble, not a straggler's victim.
 """
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
 import numpy as np
 import pandas as pd
 
 from traindx import ledger as ledger_mod
 
+if TYPE_CHECKING:  # annotations only
+    from traindx.record import RunRecord
+
 POINT_COLUMNS = ["key", "rank", "op", "group", "start_ns", "end_ns", "wait_s"]
 
 
-def collective_spans(run):
+def collective_spans(run: RunRecord) -> pd.DataFrame:
     """The shim's collective spans: rank, op, group, seq (None for send/recv), peer, start_ns,
     end_ns, tid. Read from the events (run.spans keeps only what the ledger needs)."""
     cols = ["rank", "op", "group", "seq", "peer", "start_ns", "end_ns", "tid"]
@@ -51,12 +58,12 @@ def collective_spans(run):
 POINT_TO_POINT_OPS = ("send", "recv")
 
 
-def is_point_to_point(spans):
+def is_point_to_point(spans: pd.DataFrame) -> pd.Series:
     """send/recv spans (older runs' collective spans carry no op: none of them is)."""
     return spans["op"].isin(POINT_TO_POINT_OPS)
 
 
-def uses_ddp(run):
+def uses_ddp(run: RunRecord) -> bool:
     return bool(len(run.of_type("ddp")))
 
 
@@ -111,7 +118,7 @@ def _ddp_backwards(run):
     return out[POINT_COLUMNS] if n_ranks >= 2 else out.iloc[0:0][POINT_COLUMNS]
 
 
-def meeting_points(run, spans=None):
+def meeting_points(run: RunRecord, spans: pd.DataFrame | None = None) -> pd.DataFrame:
     """One row per (meeting point, rank): key, rank, op, group, start_ns (its arrival on that
     rank's clock), end_ns, wait_s."""
     spans = collective_spans(run) if spans is None else spans
@@ -122,7 +129,7 @@ def meeting_points(run, spans=None):
     return pd.concat(parts, ignore_index=True) if parts else pd.DataFrame(columns=POINT_COLUMNS)
 
 
-def last_arrivals(points):
+def last_arrivals(points: pd.DataFrame) -> pd.DataFrame:
     """One row per meeting point: key, last (the rank that waited least), cost_s (second-smallest
     wait minus the smallest: what the others waited for it), others_wait_s (the other ranks'
     mean wait beyond its own), ranks (how many met)."""
@@ -143,7 +150,7 @@ def last_arrivals(points):
     return out.drop(columns="min_wait").reset_index()
 
 
-def segments(points, steps):
+def segments(points: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
     """Each rank's stretch before each arrival: from the end of its previous meeting point (its
     first step's start, for the first) to the arrival. Returns points with seg_start_ns added;
     the segments of one rank never overlap."""
@@ -159,7 +166,8 @@ def segments(points, steps):
     return pd.concat(out, ignore_index=True) if out else points.assign(seg_start_ns=pd.Series(dtype="int64"))
 
 
-def segment_ledger(run, rank, seg_start, seg_end):
+def segment_ledger(run: RunRecord, rank: str, seg_start: np.ndarray,
+                   seg_end: np.ndarray) -> np.ndarray:
     """Seconds per ledger category (CATEGORIES + unexplained) in each of the rank's segments:
     an array of shape (len(seg_start), len(CATEGORIES) + 1). The same sweep and priorities as
     the step ledger, over the segments instead of the steps."""
@@ -175,7 +183,7 @@ def segment_ledger(run, rank, seg_start, seg_end):
     return back / 1e9
 
 
-def step_of(steps, rank, t_ns):
+def step_of(steps: pd.DataFrame, rank: str, t_ns: np.ndarray) -> np.ndarray:
     """The step number of each time on the rank's clock (the step whose window holds it, else
     the next step to begin; None past the last)."""
     st = steps[steps["rank"] == rank].sort_values("start_ns")

@@ -45,10 +45,12 @@ def main(argv=None):
     p.add_argument("--json", default=None)
     p.add_argument("--variant", action="append", default=[],
                    help="NAME=ARGS: another diagnose arm, e.g. 'nopyspy=--no-pyspy'")
+    p.add_argument("--no-default", action="store_true",
+                   help="leave out the arm of diagnose with its defaults (only bare + variants)")
     p.add_argument("command", nargs=argparse.REMAINDER)
     a = p.parse_args(argv)
     command = a.command[1:] if a.command[:1] == ["--"] else a.command
-    arms = {"bare": None, "diagnose": []}
+    arms = {"bare": None} if a.no_default else {"bare": None, "diagnose": []}
     for v in a.variant:
         name, _, args = v.partition("=")
         arms[name] = args.split()

@@ -18,7 +18,7 @@ sys.path.insert(0, os.path.join(ROOT, "profiler", "shim"))
 os.environ.setdefault("TRAINDX_RUN_DIR", tempfile.mkdtemp(prefix="span-bench-"))
 
 import _traindx_shim as shim  # noqa: E402
-from _traindx_shim import spans  # noqa: E402
+from _traindx_shim import cpustat, spans  # noqa: E402
 from _traindx_shim.writer import EventWriter  # noqa: E402
 
 
@@ -51,12 +51,16 @@ def main():
         "optimizer pre+post hooks": per_call_ns(hooks, args.calls),
         "Tensor.item bare (CPU)": per_call_ns(t.item, args.calls),
         "Tensor.item wrapped (CPU: no span)": per_call_ns(lambda: item(t), args.calls),
+        # the DataLoader span's run-queue wait: the thread's schedstat read at both ends
+        "data span run-queue reads (2 x schedstat)": per_call_ns(
+            lambda: (cpustat.runqueue_ns(), cpustat.runqueue_ns()), args.calls),
     }
     shim._state["writer"].flush()
     for name, ns in rows.items():
         print(f"{name:40s} {ns:9.0f} ns/call")
     span = rows["timed span (data/backward/io)"] - rows["bare call"]
-    per_step = 2 * span + rows["optimizer pre+post hooks"] + 20 * (
+    per_step = 2 * span + rows["data span run-queue reads (2 x schedstat)"] + \
+        rows["optimizer pre+post hooks"] + 20 * (
         rows["Tensor.item wrapped (CPU: no span)"] - rows["Tensor.item bare (CPU)"])
     print(f"overhead per typical step (1 data wait, 1 backward, 1 optimizer step, 20 .item()): "
           f"{per_step / 1000:.1f} µs")

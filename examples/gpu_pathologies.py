@@ -30,6 +30,9 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--slow-from", type=int, default=0, metavar="STEP",
+                   help="from this step on, the loop also waits --slow-ms on the host (an onset)")
+    p.add_argument("--slow-ms", type=float, default=50.0)
     return p.parse_args(argv)
 
 
@@ -82,6 +85,8 @@ def main(argv=None):
         t0 = time.perf_counter()
         x = torch.randn(batch, width, device=device, dtype=dtype)
         y = x @ target_w
+        if a.slow_from and step >= a.slow_from:
+            time.sleep(a.slow_ms / 1000)  # host work the GPU waits for
         if a.pathology == "alloc_retries":
             held = None  # last step's scratch goes back to the allocator's cache
             held = fragment(step, device)

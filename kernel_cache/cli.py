@@ -17,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+from traindx import argtypes
 from traindx.errors import UserError
 from traindx.kernel_cache import spec as specs
 from traindx.kernel_cache import store
@@ -24,6 +25,20 @@ from traindx.kernel_cache import store
 PROG = "kernel-cache"
 COLLAPSE_ABOVE = 12  # work items; above this the table folds the ones that compiled nothing
 
+
+
+def _arch_argument(text):
+    """--arch: an arch FA4 builds for (kernel_cache.spec.arch_number decides); one line else."""
+    import argparse
+
+    from traindx.errors import UserError
+    from traindx.kernel_cache.spec import arch_number
+
+    try:
+        arch_number(text)
+    except UserError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
 
 def _console(stderr=False):
     from rich.console import Console
@@ -39,7 +54,7 @@ def prepare_warm(p):
     src.add_argument("--from-run", metavar="RUN", help="replay the FA4 compiles a `diagnose` run recorded")
     src.add_argument("--spec", action="append", default=[], metavar="FIELDS",
                      help="attention shape, e.g. hd=128,hq=16,hkv=4,dtype=bf16,causal,varlen (repeatable; see below)")
-    src.add_argument("--model", metavar="CONFIG", help="an HF config.json (Llama, Qwen3, Qwen3-MoE, Qwen3.5 hybrid, ...)")
+    src.add_argument("--model", type=argtypes.existing_file, metavar="CONFIG", help="an HF config.json (Llama, Qwen3, Qwen3-MoE, Qwen3.5 hybrid, ...)")
     src.add_argument("--int-max-seqlen", action="store_true",
                      help="--from-run: replay a max_seqlen the run passed as a tensor as a Python int "
                           "(tokens / sequences), i.e. compile for the job once it is fixed")
@@ -50,17 +65,17 @@ def prepare_warm(p):
     shp.add_argument("--no-causal", action="store_true", help="--model: bidirectional attention")
     shp.add_argument("--dtype", choices=["bf16", "fp16"], help="--model: attention dtype (default: the config's)")
     shp.add_argument("--deterministic", action="store_true", help="--model: deterministic backward")
-    shp.add_argument("--batch", type=int, metavar="N", help="--model: sequences per (packed) batch")
-    shp.add_argument("--tp", type=int, default=1, metavar="N", help="--model: tensor-parallel size (splits heads)")
+    shp.add_argument("--batch", type=argtypes.positive_int, metavar="N", help="--model: sequences per (packed) batch")
+    shp.add_argument("--tp", type=argtypes.positive_int, default=1, metavar="N", help="--model: tensor-parallel size (splits heads)")
     shp.add_argument("--fwd-only", action="store_true", help="--model: forward kernels only (inference)")
     tgt = p.add_argument_group("target")
-    tgt.add_argument("--arch", help="GPU arch the cache is for: sm_90 (H100/H200), sm_100 (B200), sm_103 (B300), ... "
+    tgt.add_argument("--arch", type=_arch_argument, help="GPU arch the cache is for: sm_90 (H100/H200), sm_100 (B200), sm_103 (B300), ... "
                                      "(default: the run's, else this machine's GPU)")
-    tgt.add_argument("--num-sms", type=int, metavar="N", help="SM count of the target GPU (default: by arch/GPU)")
+    tgt.add_argument("--num-sms", type=argtypes.positive_int, metavar="N", help="SM count of the target GPU (default: by arch/GPU)")
     tgt.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                      help="cpu: compile under FakeTensorMode; cuda: with real tensors on this GPU "
                           "(auto: cuda when a GPU of the target arch is visible)")
-    tgt.add_argument("--jobs", "-j", type=int, metavar="N", help="compiler processes (default: CPUs, at most 8)")
+    tgt.add_argument("--jobs", "-j", type=argtypes.positive_int, metavar="N", help="compiler processes (default: CPUs, at most 8)")
     tgt.add_argument("--dry-run", action="store_true", help="list the work items and the target; compile nothing")
     _triton_arguments(p)
     p.epilog = specs.SPEC_HELP + "\n\n" + specs.__doc__.split("\n\n", 2)[2]
@@ -75,8 +90,6 @@ def _plan(args):
         items += specs.shape_items(parsed, args.seqlens)
         sources.append(f"{len(parsed)} --spec")
     if args.model:
-        if args.tp < 1:
-            raise UserError("--tp must be at least 1")
         model_specs, notes = specs.model_specs(
             args.model, varlen=args.varlen, causal=not args.no_causal, dtype=args.dtype,
             deterministic=args.deterministic, batch=args.batch, tp=args.tp, fwd_only=args.fwd_only)
@@ -185,8 +198,6 @@ def run_warm(args):
     if os.environ.get("FA_LOG_LEVEL") and "FA_LOG_LEVEL" not in extra_env:
         err.print("note: FA_LOG_LEVEL is part of FA4's compile key: warm with the value the job uses")
     jobs = args.jobs or warm.default_jobs(len(items))
-    if jobs < 1:
-        raise UserError("--jobs must be at least 1")
     for line in sources:
         err.print(f"[bold]kernel-cache[/] warm: {line}")
     err.print(f"  {len(items)} work items {note}; {min(jobs, len(items))} processes; "
@@ -497,11 +508,11 @@ COMMANDS = {
     "verify": (lambda p: p.add_argument("--delete-bad", action="store_true",
                                         help="delete entries that do not load"),
                run_verify, "load every entry the way FA4 does; report the bad ones"),
-    "pack": (lambda p: (p.add_argument("tarball", help="output .tar.gz"),
+    "pack": (lambda p: (p.add_argument("tarball", type=argtypes.output_file, help="output .tar.gz"),
                         p.add_argument("--all", action="store_true",
                                        help="also folders for other environments")),
              run_pack, "write the cache for this environment into a tarball"),
-    "unpack": (lambda p: p.add_argument("tarball"), run_unpack,
+    "unpack": (lambda p: p.add_argument("tarball", type=argtypes.existing_file), run_unpack,
                "extract a tarball from `pack` into the cache dir"),
     "clear": (lambda p: p.add_argument("--stale", action="store_true",
                                        help="only folders that do not serve this environment"),
@@ -509,14 +520,19 @@ COMMANDS = {
 }
 
 
+WRITES_CACHE = {"warm", "unpack", "clear"}
+
+
 def build_parser():
-    parser = argparse.ArgumentParser(prog=PROG, description=__doc__,
+    parser = argtypes.ArgumentParser(prog=PROG, description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (prepare, _, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
-        p.add_argument("--cache-dir", metavar="DIR",
+        # the commands that write into the cache dir need one they can create files in
+        p.add_argument("--cache-dir", metavar="DIR", type=argtypes.output_folder
+                       if name in WRITES_CACHE else argtypes.folder_path,
                        help=f"the cache dir (default: ${store.DIR_VAR}, else FA4's default)")
         if prepare:
             prepare(p)
@@ -532,11 +548,17 @@ def main(argv=None):
     try:
         return COMMANDS[args.command][1](args)
     except UserError as exc:
-        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        print(f"{PROG}: error: {argtypes.one_line(exc)}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr)
         return 130
+    except Exception as exc:  # a bug of traindx: one line (TRAINDX_DEBUG=1 shows the traceback)
+        if os.environ.get("TRAINDX_DEBUG"):
+            raise
+        print(f"{PROG}: internal error: {type(exc).__name__}: {argtypes.one_line(exc)} "
+              "(a bug of traindx; TRAINDX_DEBUG=1 shows where)", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

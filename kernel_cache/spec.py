@@ -22,6 +22,7 @@ import re
 
 from traindx.errors import UserError
 from traindx.hfconfig import load_hf_config
+from traindx.kernel_cache import store
 
 DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
           "half": "float16"}
@@ -343,7 +344,7 @@ def run_items(run_path):
     env = run.manifest.get("environment") or run.manifest.get("env") or {}
     fa4_env = {k: v for k, v in env.items() if isinstance(v, str) and v != "<redacted>" and (
         k.startswith("FLASH_ATTENTION_") or k.startswith("FA_") or k == "CUTE_DSL_ARCH")
-        and k not in ("FLASH_ATTENTION_CUTE_DSL_CACHE_DIR", "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED")}
+        and k not in (store.DIR_VAR, store.ENABLE_VAR)}
     num_sms = None
     for gpu in run.manifest.get("gpus") or []:
         name = str(gpu.get("name", ""))

@@ -27,6 +27,7 @@ import sys
 import time
 from pathlib import Path
 
+from traindx.envvars import reads
 from traindx.errors import UserError
 
 TRITON_KINDS = ("triton_autotune", "triton")
@@ -39,11 +40,13 @@ WARMUP_TIMEOUT_S = 3600
 
 def add_arguments(parser):
     """`kernel-cache warm` options for Triton kernels (called from cli.prepare_warm)."""
+    from traindx import argtypes
+
     g = parser.add_argument_group("Triton / flash-linear-attention kernels (--from-run)")
-    g.add_argument("--triton-cache-dir", metavar="DIR",
+    g.add_argument("--triton-cache-dir", type=argtypes.output_folder, metavar="DIR",
                    help="TRITON_CACHE_DIR to fill (default: $TRITON_CACHE_DIR, else triton-cache/ "
                         "beside the run folders)")
-    g.add_argument("--fla-config-dir", metavar="DIR",
+    g.add_argument("--fla-config-dir", type=argtypes.output_folder, metavar="DIR",
                    help="also write FLA config files (<kernel>.json) from the configs the run chose")
     g.add_argument("--no-triton", action="store_true", help="warm FA4 kernels only")
 
@@ -100,8 +103,6 @@ def default_cache_dir(run):
 
 def persistence_env(packages, cache_dir):
     """The variables that make the installed Triton/FLA keep compiled kernels and choices."""
-    from traindx.analyzers.autotune_advice import reads
-
     env = {"TRITON_CACHE_DIR": str(cache_dir)}
     if reads(packages, "triton", "TRITON_CACHE_AUTOTUNING"):
         env["TRITON_CACHE_AUTOTUNING"] = "1"

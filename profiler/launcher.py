@@ -2,21 +2,26 @@
 
 The job runs in its own process group so SIGINT/SIGTERM can be forwarded to all of it
 (torchrun workers included); its output is passed through live and kept, timestamped, in
-log.txt. Collectors are started and stopped around it; none of their failures reach the job.
+log.txt by a relay process of its own (tee.py), so the job never depends on diagnose staying
+alive. Collectors are started and stopped around it; none of their failures reach the job.
+One recording per run folder (manifest.claim_run_dir). A write that fails (a full disk) is one
+line in `not_written`; the job's return code is returned whatever could not be written.
 """
-import json
 import os
 import shutil
 import signal
 import subprocess
-import sys
-import threading
 import time
 
 from . import manifest as manifest_mod
+# RunDirRefused: raised by Job.run (the CLI catches it from here); write_json_atomic: callers
+# import it from here too
+from .manifest import RunDirRefused, write_json_atomic  # noqa: F401
 from .nvml import NvmlSampler, gpu_inventory
 from .pyspy import PySpyManager
 from . import rolling
+from .tee import OutputRelay
+from traindx import redact
 from .shim._traindx_shim.segments import SEGMENT_BYTES_ENV
 from .shim._traindx_shim.roles import announced_ranks
 
@@ -32,6 +37,8 @@ def resolve_command(command):
     if os.sep in exe:
         if not os.path.exists(exe):
             raise CommandNotFound(f"command not found: {exe}")
+        if os.path.isdir(exe):
+            raise CommandNotFound(f"{exe} is a folder, not a command")
         if not os.access(exe, os.X_OK):
             raise CommandNotFound(f"not executable: {exe}")
     elif shutil.which(exe) is None:
@@ -51,18 +58,15 @@ def new_run_dir(root):
     raise RuntimeError("could not create a run folder")
 
 
-def write_json_atomic(path, data):
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(data, f, indent=2, default=str)
-    os.replace(tmp, path)
+def _reason(exc):
+    return getattr(exc, "strerror", None) or f"{type(exc).__name__}: {exc}"
 
 
 class Options:
     def __init__(self, steps=0, pyspy=True, shim=True, nvml=True, pyspy_rate_hz=20,
                  dump_interval_s=2.0, nvml_interval_s=0.5, extra_env=None, torch_profile=None,
                  step_marker=None, log_regex=None, disk_budget_mb=2048, window_s=600.0,
-                 keep_windows=3):
+                 keep_windows=3, pyspy_record=True, cwd=None):
         self.steps = steps
         self.pyspy = pyspy
         self.shim = shim
@@ -78,6 +82,9 @@ class Options:
         self.disk_budget_mb = disk_budget_mb
         self.window_s = window_s  # py-spy windows (0: one recording for the whole job)
         self.keep_windows = keep_windows  # the last windows/segments kept whole
+        # False (--always-on): py-spy only dumps every dump_interval_s, no recorders
+        self.pyspy_record = pyspy_record
+        self.cwd = cwd  # the job's working directory (None: this process's); --fix's scratch copy
 
     def budget(self):
         return rolling.Budget(rank_bytes=int(self.disk_budget_mb * rolling.MB),
@@ -90,7 +97,7 @@ class Options:
 def job_environment(run_dir, options, base=None):
     env = dict(os.environ if base is None else base)
     env.update(options.extra_env)
-    env["PYTHONUNBUFFERED"] = "1"  # the job's output is a pipe now; keep it live
+    env["PYTHONUNBUFFERED"] = "1"  # the job's output is a pipe (to the relay); keep it live
     if options.shim:
         env["PYTHONPATH"] = SHIM_DIR + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         env["TRAINDX_RUN_DIR"] = os.path.abspath(run_dir)
@@ -115,22 +122,9 @@ class Job:
         self.proc = None
         self.missing = {}
         self.signals = []
-        self._log_lock = threading.Lock()
-
-    # -- output ------------------------------------------------------------------------------
-    def _pump(self, pipe, tag, sink, log):
-        for raw in iter(pipe.readline, b""):
-            t = time.time_ns()
-            text = raw.decode(errors="replace").rstrip("\n")
-            with self._log_lock:
-                log.write(f"{t} {tag} {text}\n")
-                log.flush()
-            try:
-                self.on_line(tag, text)
-            except Exception:
-                sink.write(text + "\n")
-                sink.flush()
-        pipe.close()
+        self.not_written = []  # one line per file (or part of one) a failed write left out
+        self._pyspy = None
+        self.redactor = redact.Redactor.for_job(os.environ, self.command)  # run() adds the job env
 
     # -- signals -----------------------------------------------------------------------------
     def _forward(self, signum, frame):
@@ -142,24 +136,46 @@ class Job:
                 pass
 
     def run(self):
+        """Record the job; returns its raw return code (None: it never started). Raises
+        CommandNotFound, or RunDirRefused before anything starts."""
         resolve_command(self.command)
-        os.makedirs(os.path.join(self.run_dir, "events"), exist_ok=True)
+        lock = manifest_mod.claim_run_dir(self.run_dir)
+        try:
+            return self._record()
+        finally:
+            lock.release()
+
+    def _write_manifest(self, manifest, what):
+        try:
+            write_json_atomic(os.path.join(self.run_dir, "manifest.json"), manifest)
+            return True
+        except OSError as exc:
+            self.not_written.append(f"manifest.json {what} ({_reason(exc)})")
+            return False
+
+    def _record(self):
         env = job_environment(self.run_dir, self.options)
+        self.redactor = redact.Redactor.for_job(env, self.command)
         manifest = {
             "traindx_run": 1,
-            "command": manifest_mod.redact_command(self.command), "cwd": os.getcwd(), "start_ns": time.time_ns(),
+            "command": self.redactor.argv(self.command), "cwd": self.options.cwd or os.getcwd(),
+            "start_ns": time.time_ns(),
             "end_ns": None, "exit_code": None, "host": manifest_mod.host_info(),
             "gpus": [], "packages": manifest_mod.package_versions(),
             "env": manifest_mod.redact_env(env), "options": manifest_mod.redact_options(self.options.as_dict()),
             "ranks": {}, "missing": self.missing, "status": "running",
         }
         manifest["options"]["extra_env"] = manifest_mod.redact_env(self.options.extra_env)
-        manifest_path = os.path.join(self.run_dir, "manifest.json")
         try:
             manifest["gpus"] = gpu_inventory()
         except Exception as exc:
             self.missing["gpus"] = f"no GPU inventory: {type(exc).__name__}: {exc}"
-        write_json_atomic(manifest_path, manifest)
+        try:
+            os.makedirs(os.path.join(self.run_dir, "events"), exist_ok=True)
+            write_json_atomic(os.path.join(self.run_dir, "manifest.json"), manifest)
+        except OSError as exc:  # nothing can be recorded: the job is not started for nothing
+            raise RunDirRefused(f"cannot write the run folder {self.run_dir} "
+                                f"({_reason(exc)}): the job was not started") from None
 
         nvml = NvmlSampler(os.path.join(self.run_dir, "nvml.csv"), self.options.nvml_interval_s,
                            env=env)
@@ -171,25 +187,44 @@ class Job:
             self.missing["nvml"] = "disabled (--no-nvml)"
 
         previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
-        for s in previous:
-            signal.signal(s, self._forward)
+        for s, h in previous.items():
+            # a signal ignored here (nohup, a shell's background job) stays ignored: the job
+            # inherits that, as it would without diagnose; a caught one would reach it as default
+            if h is not signal.SIG_IGN:
+                signal.signal(s, self._forward)
         budget = self.options.budget()
         manifest["budget"] = budget.as_dict()
-        # the job's output streams to disk in segments: nothing per line stays in memory
-        log = rolling.RollingLines(os.path.join(self.run_dir, "log.txt"),
-                                   budget.segment_bytes(rolling.LOG_SHARE))
+        # the job's output streams to disk in segments (by the relay): nothing per line stays
+        # in memory here
+        relay = OutputRelay(os.path.join(self.run_dir, "log.txt"),
+                            budget.segment_bytes(rolling.LOG_SHARE), budget.cap(rolling.LOG_SHARE),
+                            self.on_line, secret_values=self.redactor.values)
         pyspy = PySpyManager(os.path.join(self.run_dir, "pyspy"), self.options.pyspy_rate_hz,
-                             self.options.dump_interval_s, budget=budget)
+                             self.options.dump_interval_s, budget=budget,
+                             record=self.options.pyspy_record)
+        self._pyspy = pyspy
         roller = rolling.Roller(self.run_dir, budget, self.options.log_regex)
         roller.start()
+        returncode = None
         try:
-            self.proc = subprocess.Popen(self.command, env=env, stdout=subprocess.PIPE,
-                                         stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
-                                         start_new_session=True)
-            pumps = [threading.Thread(target=self._pump, args=(self.proc.stdout, "o", sys.stdout, log), daemon=True),
-                     threading.Thread(target=self._pump, args=(self.proc.stderr, "e", sys.stderr, log), daemon=True)]
-            for p in pumps:
-                p.start()
+            try:
+                job_out, job_err = relay.start()
+            except OSError as exc:  # the job's output then goes straight to the terminal
+                job_out = job_err = None
+                self.missing["log"] = f"no output relay: {_reason(exc)}"
+            try:
+                self.proc = subprocess.Popen(self.command, env=env, cwd=self.options.cwd,
+                                             stdout=job_out,
+                                             stderr=job_err, stdin=subprocess.DEVNULL,
+                                             start_new_session=True)
+            except OSError as exc:
+                raise CommandNotFound(f"cannot start {self.command[0]}: {_reason(exc)}") from None
+            finally:
+                for fd in (job_out, job_err):  # the job holds them now; the relay the read ends
+                    if fd is not None:
+                        os.close(fd)
+            manifest["pid"] = self.proc.pid  # lets a re-analysis tell whether the job lives on
+            self._write_manifest(manifest, "was not updated with the job's pid")
             if self.options.pyspy:
                 if not pyspy.start(self.proc.pid, self.run_dir if self.options.shim else None):
                     self.missing["pyspy"] = pyspy.error
@@ -198,37 +233,57 @@ class Job:
             if not self.options.shim:
                 self.missing["shim"] = "disabled (--no-shim)"
             returncode = self._wait()
-            for p in pumps:
-                p.join(timeout=10)
         finally:
+            relay.finish()  # still under the forwarding handlers: a Ctrl-C here is the job's
             for s, h in previous.items():
                 signal.signal(s, h)
-            nvml.stop()
-            pyspy.stop()
-            log.close()
-            roller.stop()
-            if roller.errors:
-                self.missing["rolling"] = "; ".join(roller.errors)[:1000]
-            rolled = rolling.rolled_summaries(self.run_dir)
-            if rolled:  # what a long run thinned or dropped to stay in its budget
-                manifest["rolled"] = rolled
-            errors = pyspy.errors()
-            if errors and "pyspy" not in self.missing:
-                self.missing["pyspy"] = "; ".join(dict.fromkeys(errors))[:1000]
-            # {rank label: pid} of the training processes (the shim's announcements, or py-spy's
-            # view of the process tree without the shim); the run loader maps files by the same rule
-            manifest["ranks"] = (announced_ranks(self.run_dir) if self.options.shim
-                                 else pyspy.rank_labels())
-            manifest["end_ns"] = time.time_ns()
-            code = None if self.proc is None else self.proc.returncode
-            manifest["exit_code"] = code
-            manifest["signals_forwarded"] = self.signals
-            manifest["status"] = "finished" if code is not None else "failed to start"
-            if self.options.shim and not os.listdir(os.path.join(self.run_dir, "events")):
-                self.missing.setdefault("shim", "no events: the job never ran Python with the "
-                                        "shim (python -I/-E/-S, or not a Python job)")
-            write_json_atomic(manifest_path, manifest)
+            self._finish(manifest, nvml, pyspy, roller, relay)
         return returncode
+
+    def _finish(self, manifest, nvml, pyspy, roller, relay):
+        nvml.stop()
+        pyspy.stop()
+        roller.stop()
+        if nvml.write_error:
+            self.missing["nvml"] = nvml.write_error + " were not written"
+            self.not_written.append(self.missing["nvml"])
+        if relay.problems:
+            self.missing["log"] = "; ".join(relay.problems)[:1000]
+            self.not_written.extend(relay.problems)
+        if roller.errors:
+            self.missing["rolling"] = "; ".join(roller.errors)[:1000]
+        rolled = rolling.rolled_summaries(self.run_dir)
+        if rolled:  # what a long run thinned or dropped to stay in its budget
+            manifest["rolled"] = rolled
+        errors = pyspy.errors()
+        if errors and "pyspy" not in self.missing:
+            self.missing["pyspy"] = "; ".join(dict.fromkeys(errors))[:1000]
+        self.not_written.extend(e for e in dict.fromkeys(errors) if "not written" in e)
+        # {rank label: pid} of the training processes (the shim's announcements, or py-spy's
+        # view of the process tree without the shim); the run loader maps files by the same rule
+        manifest["ranks"] = (announced_ranks(self.run_dir) if self.options.shim
+                             else pyspy.rank_labels())
+        manifest["end_ns"] = time.time_ns()
+        code = None if self.proc is None else self.proc.returncode
+        manifest["exit_code"] = code
+        manifest["signals_forwarded"] = self.signals
+        manifest["status"] = "finished" if code is not None else "failed to start"
+        try:
+            no_events = self.options.shim and not os.listdir(os.path.join(self.run_dir, "events"))
+        except OSError:
+            no_events = False
+        if no_events:
+            self.missing.setdefault("shim", "no events: the job never ran Python with the "
+                                    "shim (python -I/-E/-S, or not a Python job)")
+        if not self._write_manifest(manifest, "was not finalised"):
+            self.not_written[-1] += (f"; it still says `running` (the job exited with {code}); "
+                                     f"`diagnose report --reanalyze {self.run_dir}` marks it "
+                                     "interrupted")
+
+    def burst(self, kind):
+        """Deep capture on an anomaly: a burst of py-spy snapshots of every training process."""
+        if self._pyspy is not None and self.options.pyspy:
+            self._pyspy.burst(kind)
 
     def _wait(self):
         while True:

@@ -1,16 +1,35 @@
-"""The run's manifest: what ran, where, with which packages, and what evidence is missing."""
+"""The run's manifest: what ran, where, with which packages, and what evidence is missing; and
+the run folder's lock (one recording per folder) and the end of a run whose recorder died."""
 import getpass
 import importlib.metadata
+import json
 import os
 import platform
 import socket
 import sys
+import time
 
 from traindx import redact
 
 TRACKED_PACKAGES = ("torch", "flash-attn-4", "nvidia-cutlass-dsl", "triton",
                     "flash-linear-attention", "megatron-core", "transformer-engine", "traindx")
 REDACTED = redact.REDACTED
+
+
+def write_json_atomic(path, data):
+    """Written beside and renamed into place: a failure (a full disk) leaves the previous file
+    whole and no stray .tmp; the OSError is the caller's to report."""
+    tmp = path + ".tmp"
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(data, f, indent=2, default=str)
+        os.replace(tmp, path)
+    except OSError:
+        try:
+            os.remove(tmp)
+        except OSError:
+            pass
+        raise
 
 
 def redact_env(env):
@@ -44,3 +63,187 @@ def host_info():
         user = None
     return {"hostname": socket.gethostname(), "platform": platform.platform(),
             "python": sys.version.split()[0], "cpus": os.cpu_count(), "user": user}
+
+
+# -- one run per folder ----------------------------------------------------------------------
+LOCK_NAME = ".traindx.lock"
+# what a run folder holds once a run was recorded into it (any one: the folder is taken)
+RUN_EVIDENCE = ("manifest.json", "events", "log.txt", "pyspy", "nvml.csv", "trace", "findings.json")
+
+
+class RunDirRefused(Exception):
+    """The run folder cannot take this run (in use, already holds one, not writable): one line."""
+
+
+class RunLock:
+    """An exclusive flock on RUN/.traindx.lock, held while diagnose records into RUN. The kernel
+    drops it when diagnose ends, however it ends (SIGKILL too): a run that says `running` with
+    no holder was interrupted. The descriptor is not inherited (the job and the collectors
+    never hold it)."""
+
+    def __init__(self, fd):
+        self.fd = fd
+
+    def release(self):
+        if self.fd is not None:
+            os.close(self.fd)  # closing drops the lock
+            self.fd = None
+
+
+def _reason(exc):
+    return getattr(exc, "strerror", None) or str(exc)
+
+
+def _lock_path(run_dir):
+    return os.path.join(run_dir, LOCK_NAME)
+
+
+def claim_run_dir(run_dir):
+    """Take RUN for one new recording; returns its RunLock. Refused (RunDirRefused) when another
+    diagnose records into it, when it already holds a run (never merged into), or when it
+    cannot be written."""
+    import fcntl
+
+    if os.path.lexists(run_dir) and not os.path.isdir(run_dir):
+        raise RunDirRefused(f"{run_dir} is a file, not a folder: give a folder for the run")
+    _refuse_a_used_folder(run_dir)  # before the lock file: a used folder gets nothing new
+    try:
+        os.makedirs(run_dir, exist_ok=True)
+        fd = os.open(_lock_path(run_dir), os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:
+        raise RunDirRefused(f"cannot write the run folder {run_dir}: {_reason(exc)}") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        holder = _read_holder(fd)
+        os.close(fd)
+        raise RunDirRefused(f"{run_dir} is in use: another diagnose{holder} is recording into "
+                            "it; give this run its own --run-dir") from None
+    try:
+        _refuse_a_used_folder(run_dir)  # again under the lock: a run that started meanwhile
+    except RunDirRefused:
+        os.close(fd)
+        raise
+    try:
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()} {socket.gethostname()}\n".encode())
+    except OSError as exc:
+        os.close(fd)
+        raise RunDirRefused(f"cannot write the run folder {run_dir}: {_reason(exc)}") from None
+    return RunLock(fd)
+
+
+def _refuse_a_used_folder(run_dir):
+    if any(os.path.lexists(os.path.join(run_dir, name)) for name in RUN_EVIDENCE):
+        holder = recorder_alive(run_dir)
+        if holder is not None:
+            raise RunDirRefused(f"{run_dir} is in use: another diagnose{holder.rstrip()} is "
+                                "recording into it; give this run its own --run-dir")
+        raise RunDirRefused(f"{run_dir} already holds a run ({describe_run(run_dir)}); a run "
+                            "is never recorded into another: give a new --run-dir, or leave it "
+                            "out for a fresh folder under --out")
+
+
+def _read_holder(fd):
+    try:
+        text = os.pread(fd, 200, 0).decode(errors="replace").split()
+    except OSError:
+        return ""
+    return f" (pid {text[0]} on {text[1]})" if len(text) >= 2 else ""
+
+
+def recorder_alive(run_dir):
+    """' (pid N on HOST)' when a diagnose holds RUN's lock now, else None."""
+    import fcntl
+
+    try:
+        fd = os.open(_lock_path(run_dir), os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError:
+        return _read_holder(fd) or " "
+    finally:
+        os.close(fd)
+    return None
+
+
+def describe_run(run_dir):
+    """'finished, exit code 0, 2026-12-01 10:33' or 'running' ... for a one-line message."""
+    try:
+        with open(os.path.join(run_dir, "manifest.json"), encoding="utf-8") as f:
+            m = json.load(f)
+        status = m.get("status") or "unknown status"
+        if status == "running" and recorder_alive(run_dir) is None:
+            status = "interrupted: its diagnose is gone"
+        when = m.get("start_ns")
+        parts = [status]
+        if m.get("exit_code") is not None:
+            parts.append(f"exit code {m['exit_code']}")
+        if isinstance(when, int):
+            parts.append("started " + time.strftime("%Y-%m-%d %H:%M", time.localtime(when / 1e9)))
+        return ", ".join(parts)
+    except (OSError, ValueError, AttributeError, TypeError):
+        return "evidence without a readable manifest"
+
+
+def finish_interrupted(run_dir):
+    """A run whose recorder died (SIGKILL, OOM, a lost machine) says `running` for ever: once no
+    diagnose holds its lock, mark it `interrupted` with what the folder itself tells (its end:
+    the newest evidence; its ranks: the shim's announcements). Returns one line for the user,
+    or None when there was nothing to finish. The evidence itself is not touched."""
+    path = os.path.join(run_dir, "manifest.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            manifest = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(manifest, dict) or manifest.get("status") != "running":
+        return None
+    holder = recorder_alive(run_dir)
+    if holder is not None:
+        return (f"{run_dir} is still being recorded (diagnose{holder.rstrip()}): analysing what "
+                "it holds so far")
+    from .shim._traindx_shim.roles import announced_ranks
+
+    missing = manifest.setdefault("missing", {})
+    note = ("diagnose ended before the job did (killed?): the job's exit code and the "
+            "collectors' last seconds are not known")
+    pid = manifest.get("pid")
+    if isinstance(pid, int) and _is_our_job(pid, run_dir):
+        note += f"; the job (pid {pid}) was still running when this was written"
+    missing["recorder"] = note
+    if (manifest.get("options") or {}).get("shim", True) and not manifest.get("ranks"):
+        try:
+            manifest["ranks"] = announced_ranks(run_dir)
+        except Exception:
+            pass
+    manifest["end_ns"] = manifest.get("end_ns") or _newest_evidence_ns(run_dir)
+    manifest["status"] = "interrupted"
+    try:
+        write_json_atomic(path, manifest)
+    except OSError as exc:
+        return (f"{run_dir}: its recorder was interrupted; manifest.json was not updated "
+                f"({_reason(exc)})")
+    return f"{run_dir}: its recorder was interrupted; the run is marked `interrupted`"
+
+
+def _is_our_job(pid, run_dir):
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            env = f.read()
+    except OSError:
+        return False
+    return f"TRAINDX_RUN_DIR={os.path.abspath(run_dir)}".encode() in env.split(b"\0")
+
+
+def _newest_evidence_ns(run_dir):
+    newest = 0
+    for root, _, files in os.walk(run_dir):
+        for name in files:
+            try:
+                newest = max(newest, os.stat(os.path.join(root, name)).st_mtime_ns)
+            except OSError:
+                continue
+    return newest or None

@@ -125,6 +125,7 @@ class NvmlSampler:
         self.env = os.environ if env is None else env
         self.rank_devices = rank_devices
         self.selection = None  # {"gpus": [NVML index], "why": text}: for the manifest
+        self.write_error = None  # what a failed write of nvml.csv left out
         self._stop = threading.Event()
         self._thread = None
 
@@ -165,15 +166,60 @@ class NvmlSampler:
     def _loop(self):
         import pynvml
 
-        with open(self.path, "w", encoding="utf-8") as out:
+        out = None
+        try:
+            out = open(self.path, "w", encoding="utf-8")
             out.write(",".join(COLUMNS) + "\n")
             while not self._stop.is_set():
                 for index, h in self._handles:
                     out.write(",".join(map(str, self._sample(pynvml, index, h))) + "\n")
                 out.flush()
                 self._stop.wait(self.interval_s)
+        except OSError as exc:  # a full disk: the samples so far stay, the loss is said once
+            self.write_error = (f"nvml.csv: the GPU samples from "
+                                f"{time.strftime('%H:%M:%S')} on ({exc.strerror or exc})")
+        finally:
+            if out is not None:
+                try:
+                    out.close()
+                except OSError:
+                    pass
 
     def stop(self):
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
+
+
+def load_csv(path):
+    """(DataFrame of COLUMNS, problem or None) of an nvml.csv: rows that are not samples (a cut
+    last line, garbage bytes) are dropped; a file that holds none is reported, never raised."""
+    import pandas as pd
+
+    empty = pd.DataFrame(columns=COLUMNS)
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError as exc:
+        return empty, f"{path}: unreadable ({exc.strerror}); GPU metrics skipped"
+    if not raw.strip():
+        return empty, None
+    import io
+
+    text = raw.decode("utf-8", errors="replace").replace("\x00", "")
+    try:
+        df = pd.read_csv(io.StringIO(text), on_bad_lines="skip", dtype=str)
+    except (ValueError, pd.errors.ParserError, pd.errors.EmptyDataError) as exc:
+        return empty, f"{path}: not a CSV of NVML samples ({type(exc).__name__}); GPU metrics skipped"
+    if "t" not in df.columns or "gpu" not in df.columns:
+        return empty, f"{path}: no NVML header (t,gpu,...): not an nvml.csv; GPU metrics skipped"
+    rows = len(df)
+    df = df.apply(pd.to_numeric, errors="coerce").dropna(subset=["t", "gpu"])
+    problem = None
+    if rows and len(df) < rows:
+        problem = (f"{path}: {rows - len(df)} of {rows} rows are not NVML samples; "
+                   f"{'they were' if len(df) else 'GPU metrics'} skipped")
+    for col in COLUMNS:
+        if col not in df:
+            df[col] = float("nan")
+    return df.reset_index(drop=True), problem

@@ -20,7 +20,11 @@ import shutil
 import threading
 from dataclasses import dataclass
 
+from traindx.errors import UserError
+
+from .logparse import compile_custom, parse_line
 from .shim._traindx_shim.segments import segment_path, segments, summary_path
+from .speedscope import ThreadSamples, load
 
 MB = 1 << 20
 MIN_SEGMENT_BYTES = 4096
@@ -314,8 +318,6 @@ def thin_events(lines, note):
 
 def thin_log(custom=None):
     """The job's step/loss lines (profiler/logparse.py's formats, `--log-regex`) and nothing else."""
-    from .logparse import parse_line
-
     def thin(lines, note):
         note["lines_dropped"] = 0
         for line in lines:
@@ -361,8 +363,6 @@ def fold_windows(out_dir, stem_flavour, through):
     with its summed weight (seconds), then remove their files. The summary says the last window
     it holds (`traindx_folded_through`: they roll off in order), so a window still present after a
     kill between the two steps is not read twice, and the summary does not grow with the run."""
-    from .speedscope import load
-
     rolled = rolled_window_path(out_dir, stem_flavour)
     totals, folded_through = {}, 0
     if os.path.exists(rolled):
@@ -426,9 +426,6 @@ def _write_speedscope(path, totals, folded_through):
 def load_pyspy(pyspy_dir):
     """{(file stem, 'all'|'gil'): ({thread: ThreadSamples}, [error])}: window 0, the rolled
     summary, then the kept windows in order, each thread's samples concatenated."""
-    from .speedscope import ThreadSamples, load
-    from traindx.errors import UserError
-
     groups = {}
     for path in glob.glob(os.path.join(pyspy_dir, "*" + SPEEDSCOPE)):
         m = _WINDOW.match(os.path.basename(path)[: -len(SPEEDSCOPE)])
@@ -488,7 +485,6 @@ class Roller:
         try:
             custom = None
             if self.log_regex:
-                from .logparse import compile_custom
                 custom = compile_custom(self.log_regex)
         except ValueError:
             custom = None

@@ -5,8 +5,28 @@ from dataclasses import dataclass, field
 
 from traindx.errors import UserError
 
-# py-spy --threads puts "thread (0x7F…)" or "process 123:"python x.py"" frames at the root
-_THREAD_FRAME = re.compile(r"^thread \((0x[0-9a-fA-F]+|\d+)\)$|^process \d+:")
+# -- py-spy's thread labels, parsed here and nowhere else -----------------------------------------
+# a speedscope profile's name: 'Thread 8485 "MainThread"' (py-spy 0.4 may leave the name empty)
+_THREAD_LABEL = re.compile(r'^Thread (?P<tid>\d+|0x[0-9a-fA-F]+)(?: "(?P<name>.*)")?$')
+# root frames py-spy --threads puts on a stack: "thread (0x7F…)", "thread (718): MainThread",
+# "process 123:"python x.py""
+_ROOT_FRAME = re.compile(r"^thread \((?P<tid>0x[0-9a-fA-F]+|\d+)\)(?::\s*(?P<name>.*))?$|^process \d+:")
+
+
+def parse_thread_label(label):
+    """(thread id, thread name) of a py-spy thread label like 'Thread 8485 "MainThread"' (the
+    name "" when py-spy left it empty), or None for a label of another shape."""
+    m = _THREAD_LABEL.match(str(label or ""))
+    return (m["tid"], m["name"] or "") if m else None
+
+
+def root_frame(name):
+    """A py-spy root frame's (thread id or None, thread name or None), or None when `name` is
+    a frame of the program. Only frames without a file can be root frames."""
+    m = _ROOT_FRAME.match(name or "")
+    if not m:
+        return None
+    return m["tid"], (m["name"] or None)
 
 
 @dataclass(frozen=True)
@@ -26,13 +46,23 @@ class ThreadSamples:
     weights: list = field(default_factory=list)
 
 
+# a py-spy recording: {thread label: ThreadSamples}
+Recording = dict[str, ThreadSamples]
+
+
 def load(path):
     """{thread name: ThreadSamples} from a speedscope or raw py-spy file."""
     try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
+        with open(path, "rb") as f:
+            raw = f.read()
     except OSError as exc:
         raise UserError(f"cannot read py-spy file {path}: {exc.strerror}") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        text = None
+    if text is None or "\x00" in text:  # py-spy writes UTF-8 text only
+        raise UserError(f"{path} is not a py-spy recording (binary data)")
     if text.lstrip().startswith("{"):
         return _from_speedscope(path, text)
     return _from_collapsed(path, text)
@@ -53,12 +83,17 @@ def _from_speedscope(path, text):
                 ts.stacks.append(_strip_thread_root(stack))
                 ts.weights.append(weight)
         return threads
-    except (ValueError, KeyError, IndexError, TypeError) as exc:
+    except (ValueError, KeyError, IndexError, TypeError, AttributeError, RecursionError) as exc:
         raise UserError(f"{path} is not a valid speedscope file ({type(exc).__name__}: {exc})") from None
 
 
 def _strip_thread_root(stack):
-    while stack and not stack[0].file and _THREAD_FRAME.match(stack[0].name):
+    """Drop the bare root frames; a named one ('thread (718): MainThread') stays: it is the
+    thread's name when the label has none (analyzers/evidence.merge_threads)."""
+    while stack and not stack[0].file:
+        root = root_frame(stack[0].name)
+        if root is None or root[1] is not None:
+            break
         stack = stack[1:]
     return stack
 

@@ -14,6 +14,7 @@ arrays, repeated strings — names, categories, pids — kept once). Memory is t
 """
 import glob
 import gzip
+import zlib
 import json
 import math
 import os
@@ -24,7 +25,7 @@ import pandas as pd
 from traindx.errors import UserError
 
 TRACE_COLUMNS = ["rank", "cat", "name", "start_ns", "end_ns", "dur_s", "pid", "tid", "py_id",
-                 "py_parent", "device", "stream"]
+                 "py_parent", "device", "stream", "bytes"]  # bytes: of a memcpy/memset
 CHUNK_CHARS = 1 << 20  # 1 Mi characters of text per read
 MAX_EVENT_CHARS = 1 << 26  # one event (or top-level value other than traceEvents) past 64 Mi: corrupt
 _WS = " \t\n\r"
@@ -92,7 +93,8 @@ class _Columns:
 
     def __init__(self):
         self.batch = []
-        self.numeric = {k: [] for k in ("ts", "dur", "py_id", "py_parent", "device", "stream")}
+        self.numeric = {k: [] for k in ("ts", "dur", "py_id", "py_parent", "device", "stream",
+                                        "bytes")}
         self.codes = {k: [] for k in ("cat", "name", "pid", "tid")}
         self.values = {k: {} for k in ("cat", "name", "pid", "tid")}
 
@@ -111,7 +113,7 @@ class _Columns:
         num["dur"].append(np.fromiter((float(e.get("dur") or 0.0) for e in batch), np.float64, n))
         args = [e.get("args") or _EMPTY for e in batch]
         for column, key in (("py_id", "Python id"), ("py_parent", "Python parent id"),
-                            ("device", "device"), ("stream", "stream")):
+                            ("device", "device"), ("stream", "stream"), ("bytes", "bytes")):
             num[column].append(np.fromiter((_num(a.get(key)) for a in args), np.float64, n))
         for column, key, default in (("cat", "cat", None), ("name", "name", ""),
                                      ("pid", "pid", None), ("tid", "tid", None)):
@@ -135,7 +137,7 @@ class _Columns:
                 # ints stay int64 columns, as when the table was built from rows
                 "pid": pd.Series(self._decoded("pid"), dtype=object).infer_objects(),
                 "tid": pd.Series(self._decoded("tid"), dtype=object).infer_objects()}
-        for column in ("py_id", "py_parent", "device", "stream"):
+        for column in ("py_id", "py_parent", "device", "stream", "bytes"):
             cols[column] = joined(self.numeric[column], np.float64)
         return pd.DataFrame(cols, columns=TRACE_COLUMNS)
 
@@ -227,7 +229,7 @@ def _fast_schema():
     import pyarrow as pa
 
     args = pa.struct([("Python id", pa.int64()), ("Python parent id", pa.int64()),
-                      ("device", pa.int64()), ("stream", pa.int64())])
+                      ("device", pa.int64()), ("stream", pa.int64()), ("bytes", pa.int64())])
     return pa.schema([("ph", pa.string()), ("cat", pa.string()), ("name", pa.string()),
                       ("ts", pa.float64()), ("dur", pa.float64()), ("pid", pa.int64()),
                       ("pid_s", pa.string()), ("tid", pa.int64()), ("tid_s", pa.string()),
@@ -262,7 +264,7 @@ def _fast_events(text, schema):
     for k in ("cat", "name", "ts", "dur", "pid", "pid_s", "tid", "tid_s"):
         out[k] = pc.filter(table[k], keep, memory_pool=pool)
     for column, key in (("py_id", "Python id"), ("py_parent", "Python parent id"),
-                        ("device", "device"), ("stream", "stream")):
+                        ("device", "device"), ("stream", "stream"), ("bytes", "bytes")):
         out[column] = pc.filter(pc.struct_field(table["args"], key, memory_pool=pool), keep,
                                 memory_pool=pool)
     return pa.table(out)
@@ -343,7 +345,7 @@ def _kineto_frame(columns, rank, base):
                                         texts.to_pandas().astype(object)), dtype=object)
             values = values.map(lambda v: int(v) if isinstance(v, float) and v == v else v)
         cols[column] = values
-    for column in ("py_id", "py_parent", "device", "stream"):
+    for column in ("py_id", "py_parent", "device", "stream", "bytes"):
         cols[column] = columns.pop(column).to_numpy(zero_copy_only=False).astype(np.float64)
     # copy=False: no second copy of every column while pandas builds its blocks
     return pd.DataFrame(cols, columns=TRACE_COLUMNS, copy=False)
@@ -362,7 +364,8 @@ def load_trace(path, rank, fast=True):
                 pass  # the general reader below decides, and names any error
         with opener(path, "rt", encoding="utf-8") as f:
             return _read(f, rank)
-    except (OSError, EOFError, ValueError, KeyError, TypeError) as exc:
+    except (OSError, EOFError, ValueError, KeyError, TypeError, IndexError, AttributeError,
+            RecursionError, zlib.error) as exc:  # garbage: named, and the rest of the run stands
         raise UserError(f"{path} is not a readable torch.profiler trace "
                         f"({type(exc).__name__}: {exc})") from None
 
@@ -371,7 +374,8 @@ def load_traces(run_path):
     """(table of every rank's events, {path: error} for files that could not be read)."""
     frames, errors = [], {}
     for path in sorted(glob.glob(os.path.join(run_path, "trace", "*.json.gz"))):
-        rank = os.path.basename(path)[: -len(".json.gz")]
+        # trace/<rank>.json.gz, and trace/<rank>.anomaly-<kind>.json.gz: a deep capture's window
+        rank = os.path.basename(path)[: -len(".json.gz")].split(".anomaly-")[0]
         try:
             frames.append(load_trace(path, rank))
         except UserError as exc:
@@ -380,3 +384,98 @@ def load_traces(run_path):
     if not frames:
         return pd.DataFrame(columns=TRACE_COLUMNS), errors
     return (frames[0] if len(frames) == 1 else pd.concat(frames, ignore_index=True)), errors
+
+
+# -- the GPU's view of the window: busy time by kind, top kernels ------------------------------
+GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+COMM_KERNEL_PREFIXES = ("nccl", "ncclDevKernel", "ncclKernel")  # NCCL's kernels: communication
+COMM_KERNEL_WORDS = ("allreduce", "all_reduce", "allgather", "all_gather", "reducescatter",
+                     "reduce_scatter", "alltoall", "all_to_all", "sendrecv", "cross_device_reduce")
+
+
+def gpu_kind(cat, name):
+    """'communication' (NCCL and custom all-reduce kernels), 'copy' (memcpy, memset) or
+    'compute' (every other kernel) of one GPU event."""
+    if cat in ("gpu_memcpy", "gpu_memset"):
+        return "copy"
+    lower = (name or "").lower()
+    if lower.startswith("nccl") or any(w in lower for w in COMM_KERNEL_WORDS):
+        return "communication"
+    return "compute"
+
+
+def _union_ns(starts, ends):
+    """Total length (ns) of the union of intervals, and the merged intervals."""
+    if not len(starts):
+        return 0, np.zeros((0, 2), dtype=np.int64)
+    order = np.argsort(starts, kind="stable")
+    s, e = np.asarray(starts, np.int64)[order], np.asarray(ends, np.int64)[order]
+    reach = np.maximum.accumulate(e)
+    new = np.ones(len(s), dtype=bool)
+    new[1:] = s[1:] > reach[:-1]
+    idx = np.flatnonzero(new)
+    merged = np.stack([s[idx], np.append(reach[idx[1:] - 1], reach[-1])], axis=1)
+    return int((merged[:, 1] - merged[:, 0]).sum()), merged
+
+
+def _overlap_ns(a, b):
+    """Length of the intersection of two sets of merged, sorted intervals."""
+    i = j = total = 0
+    while i < len(a) and j < len(b):
+        lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        if hi > lo:
+            total += hi - lo
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return int(total)
+
+
+def gpu_window(trace, start_ns, end_ns):
+    """The GPU's time inside [start_ns, end_ns] of one rank's window (rows of the trace table):
+    seconds busy (the union of every kernel, copy and memset, all streams), busy by kind (each
+    kind's own union: they overlap when streams run together), communication not overlapped by
+    compute ('exposed'), and the copies' direction and memory kind (pageable / pinned)."""
+    gpu = trace[trace["cat"].isin(GPU_CATS).to_numpy()]
+    gpu = gpu[(gpu["end_ns"] > start_ns).to_numpy() & (gpu["start_ns"] < end_ns).to_numpy()]
+    s = np.clip(gpu["start_ns"].to_numpy(np.int64), start_ns, end_ns)
+    e = np.clip(gpu["end_ns"].to_numpy(np.int64), start_ns, end_ns)
+    kinds = np.array([gpu_kind(c, n) for c, n in zip(gpu["cat"], gpu["name"])], dtype=object)
+    busy, _ = _union_ns(s, e)
+    by_kind, merged = {}, {}
+    for kind in ("compute", "communication", "copy"):
+        m = kinds == kind
+        by_kind[kind], merged[kind] = _union_ns(s[m], e[m])
+    exposed = by_kind["communication"] - _overlap_ns(merged["communication"], merged["compute"])
+    copies = gpu[gpu["cat"].to_numpy() == "gpu_memcpy"]
+    wall = max(0, end_ns - start_ns)
+    return {"wall_s": wall / 1e9, "busy_s": busy / 1e9, "idle_s": (wall - busy) / 1e9,
+            "compute_s": by_kind["compute"] / 1e9, "communication_s": by_kind["communication"] / 1e9,
+            "copy_s": by_kind["copy"] / 1e9, "exposed_communication_s": exposed / 1e9,
+            "pageable_h2d_s": float(copies[copies["name"].str.contains(
+                "HtoD (Pageable", regex=False).to_numpy()]["dur_s"].sum())}
+
+
+def top_kernels(trace, limit=10):
+    """The kernels (and copies) with the most GPU time in the window: name, kind, calls,
+    seconds, share of all GPU time."""
+    gpu = trace[trace["cat"].isin(GPU_CATS).to_numpy()]
+    if not len(gpu):
+        return pd.DataFrame(columns=["name", "kind", "calls", "seconds", "share"])
+    g = gpu.groupby(["name", "cat"], sort=False)["dur_s"].agg(["count", "sum"]).reset_index()
+    g = g.sort_values("sum", ascending=False)
+    total = float(gpu["dur_s"].sum()) or 1.0
+    out = pd.DataFrame({"name": g["name"].to_numpy(),
+                        "kind": [gpu_kind(c, n) for c, n in zip(g["cat"], g["name"])],
+                        "calls": g["count"].to_numpy(), "seconds": g["sum"].to_numpy(),
+                        "share": g["sum"].to_numpy() / total})
+    return out.head(limit).reset_index(drop=True)
+
+
+def pageable_copies(trace):
+    """Host-to-device copies from pageable memory in the window (Kineto names them 'Memcpy HtoD
+    (Pageable -> Device)'), each with its bytes and seconds."""
+    copies = trace[(trace["cat"].to_numpy() == "gpu_memcpy")
+                   & trace["name"].str.contains("HtoD (Pageable", regex=False).to_numpy()]
+    return copies[["rank", "name", "start_ns", "end_ns", "dur_s", "bytes", "stream"]]

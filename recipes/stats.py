@@ -5,9 +5,12 @@ Thresholds (reference/FACTS.md §6): Pearson correlation >= 0.95; pointwise rela
 10 % where the golden loss > 2.0, 5 % where > 0.5, else 2 %, failing when more than 10 % of the
 points fail; final-loss relative difference <= 5 %; the first 20 % of the points skipped.
 """
+from __future__ import annotations
+
 import math
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 
@@ -19,7 +22,8 @@ SKIP_FIRST_SHARE = 0.20
 MIN_SPEEDUP = 1.05
 
 
-def steady_window(n_steps, window=None):
+def steady_window(n_steps: int,
+                  window: tuple[int, int] | None = None) -> tuple[int, int] | None:
     """(first, last) step indices, inclusive, of the steady part of a run of n_steps.
 
     Default: skip the first quarter (at least one step, the warm-up step that compiles and
@@ -37,7 +41,7 @@ def steady_window(n_steps, window=None):
     return skip, n_steps - 1
 
 
-def parse_window(text):
+def parse_window(text: str) -> tuple[int, int]:
     """'5:19' -> (5, 19); both ends inclusive, 0-based step numbers."""
     try:
         first, last = (int(x) for x in str(text).split(":"))
@@ -48,7 +52,7 @@ def parse_window(text):
     return first, last
 
 
-def coefficient_of_variation(values):
+def coefficient_of_variation(values: Sequence[float] | np.ndarray) -> float | None:
     """Sample standard deviation / mean (a fraction, not percent); None for fewer than 2."""
     values = np.asarray(values, dtype=float)
     if len(values) < 2 or values.mean() == 0:
@@ -56,25 +60,33 @@ def coefficient_of_variation(values):
     return float(values.std(ddof=1) / values.mean())
 
 
-def bootstrap_speedup(baseline_s, candidate_s, n_resamples=5000, confidence=0.95, seed=0):
-    """Speedup = median(baseline) / median(candidate), with a percentile bootstrap interval
-    (each arm resampled with replacement, independently). Seeded: the same runs give the
-    same interval."""
+STATISTICS: dict[str, Callable[..., Any]] = {"median": np.median, "mean": np.mean}
+
+
+def bootstrap_speedup(baseline_s: Sequence[float] | np.ndarray,
+                      candidate_s: Sequence[float] | np.ndarray, n_resamples: int = 5000,
+                      confidence: float = 0.95, seed: int = 0,
+                      statistic: str = "median") -> tuple[float, float, float]:
+    """Speedup = median(baseline) / median(candidate) (or the means: statistic="mean", for step
+    times with a period, where the median sits in one mode), with a percentile bootstrap
+    interval (each arm resampled with replacement, independently). Seeded: the same runs give
+    the same interval."""
     base = np.asarray(baseline_s, dtype=float)
     cand = np.asarray(candidate_s, dtype=float)
     if not len(base) or not len(cand):
         raise ValueError("both arms need at least one step in the window")
-    point = float(np.median(base) / np.median(cand))
+    of = STATISTICS[statistic]
+    point = float(of(base) / of(cand))
     rng = np.random.default_rng(seed)
-    base_medians = np.median(rng.choice(base, size=(n_resamples, len(base))), axis=1)
-    cand_medians = np.median(rng.choice(cand, size=(n_resamples, len(cand))), axis=1)
-    ratios = base_medians / cand_medians
+    base_values = of(rng.choice(base, size=(n_resamples, len(base))), axis=1)
+    cand_values = of(rng.choice(cand, size=(n_resamples, len(cand))), axis=1)
+    ratios = base_values / cand_values
     alpha = (1 - confidence) / 2
     low, high = np.quantile(ratios, [alpha, 1 - alpha])
     return point, float(low), float(high)
 
 
-def pointwise_tolerance(golden_loss):
+def pointwise_tolerance(golden_loss: float) -> float:
     """Relative tolerance for one point, by the golden (reference) loss level."""
     if golden_loss > 2.0:
         return 0.10
@@ -102,7 +114,7 @@ class LossParity:
         return asdict(self)
 
 
-def loss_parity(golden, candidate):
+def loss_parity(golden: Any, candidate: Any) -> LossParity:  # array-likes of losses
     """Compare two loss curves, aligned point by point (same steps); golden = the reference arm.
 
     Returns a LossParity. Too few points, or a NaN/inf loss in the candidate, fail.
@@ -170,21 +182,33 @@ class ArmSummary:
         return asdict(self)
 
 
-def window_values(step_times, window=None, exclude=()):
+def window_values(step_times: Sequence[float] | np.ndarray,
+                  window: tuple[int, int] | None = None,
+                  exclude: Iterable[int] = ()) -> tuple[np.ndarray, tuple[int, int] | None]:
     """(the step times inside the steady window, minus the positions in `exclude`; bounds).
     Nothing is excluded when that would leave the window empty."""
     times = np.asarray(step_times, dtype=float)
-    bounds = steady_window(len(times), window)
+    positions, bounds = window_positions(len(times), window, exclude)
     if bounds is None:
         return times[:0], None
-    positions = [i for i in range(bounds[0], bounds[1] + 1) if i not in set(exclude)]
-    if not positions:
-        positions = list(range(bounds[0], bounds[1] + 1))
     w = times[positions]
     return w[np.isfinite(w)], bounds
 
 
-def summarize_arm(step_times, window=None, tokens_per_step=None, exclude=()):
+def window_positions(n_steps: int, window: tuple[int, int] | None = None,
+                     exclude: Iterable[int] = ()) -> tuple[list[int], tuple[int, int] | None]:
+    """(the positions window_values keeps, the window's bounds)."""
+    bounds = steady_window(n_steps, window)
+    if bounds is None:
+        return [], None
+    left_out = set(exclude)
+    positions = [i for i in range(bounds[0], bounds[1] + 1) if i not in left_out]
+    return positions or list(range(bounds[0], bounds[1] + 1)), bounds
+
+
+def summarize_arm(step_times: Sequence[float] | np.ndarray,
+                  window: tuple[int, int] | None = None, tokens_per_step: float | None = None,
+                  exclude: Iterable[int] = ()) -> tuple[ArmSummary, np.ndarray]:
     """Median / mean / CV of the steady window of one arm's step times (seconds, in order);
     `exclude`: positions left out of the window (steps slowed by a profiler on purpose)."""
     times = np.asarray(step_times, dtype=float)
@@ -198,7 +222,7 @@ def summarize_arm(step_times, window=None, tokens_per_step=None, exclude=()):
                        tokens_per_step, tokens_per_s), w)
 
 
-def verdict(speedup, ci_low, parity_passed):
+def verdict(speedup: float | None, ci_low: float | None, parity_passed: bool | None) -> str:
     """The one-line verdict of an A/B comparison."""
     faster = speedup is not None and speedup >= MIN_SPEEDUP and ci_low is not None and ci_low > 1.0
     if not faster:

@@ -6,7 +6,11 @@ attention term is left out when the model's shape is not known (the reference ca
 their MFU is 6N only). Peak dense BF16 FLOP/s per GPU from torchtitan's `get_peak_flops`
 (reference/FACTS.md §6).
 """
+from __future__ import annotations
+
 import re
+from collections.abc import Mapping
+from typing import Any
 
 PEAK_BF16_TFLOPS = {
     "A100": 312.0,
@@ -18,7 +22,7 @@ PEAK_BF16_TFLOPS = {
 }
 
 
-def normalize_gpu(name):
+def normalize_gpu(name: str | None) -> str | None:
     """'NVIDIA H200', 'h200', 'NVIDIA B200 180GB' -> 'H200' / 'B200'; None when unknown."""
     if not name:
         return None
@@ -29,7 +33,7 @@ def normalize_gpu(name):
     return None
 
 
-def peak_flops(gpu):
+def peak_flops(gpu: str) -> float:
     key = normalize_gpu(gpu)
     if key is None:
         raise ValueError(f"no peak FLOP/s known for GPU {gpu!r}; known: "
@@ -37,31 +41,32 @@ def peak_flops(gpu):
     return PEAK_BF16_TFLOPS[key] * 1e12
 
 
-def flops_per_token(active_params, layers=None, heads=None, head_dim=None, seq_len=None):
+def flops_per_token(active_params: float, layers: int | None = None, heads: int | None = None,
+                    head_dim: int | None = None, seq_len: int | None = None) -> float:
     """6N, plus 12·L·H·Q·T when the whole attention shape is known."""
     flops = 6.0 * active_params
-    if None not in (layers, heads, head_dim, seq_len):
+    if layers is not None and heads is not None and head_dim is not None and seq_len is not None:
         flops += 12.0 * layers * heads * head_dim * seq_len
     return flops
 
 
-def mfu(tokens_per_s_per_gpu, gpu, active_params, layers=None, heads=None, head_dim=None,
-        seq_len=None):
+def mfu(tokens_per_s_per_gpu: float, gpu: str, active_params: float, layers: int | None = None,
+        heads: int | None = None, head_dim: int | None = None, seq_len: int | None = None) -> float:
     """Model FLOPs utilisation, a fraction."""
     return (tokens_per_s_per_gpu * flops_per_token(active_params, layers, heads, head_dim, seq_len)
             / peak_flops(gpu))
 
 
-def usd_per_million_tokens(price_per_gpu_hour, tokens_per_s_per_gpu):
+def usd_per_million_tokens(price_per_gpu_hour: float, tokens_per_s_per_gpu: float) -> float:
     """price per GPU-hour / (tokens/s/GPU × 3600) × 1e6."""
     return price_per_gpu_hour / (tokens_per_s_per_gpu * 3600.0) * 1e6
 
 
-def gpu_hours(n_gpus, seconds):
+def gpu_hours(n_gpus: int, seconds: float) -> float:
     return n_gpus * seconds / 3600.0
 
 
-def tokens_per_s_per_gpu(tokens, seconds, n_gpus):
+def tokens_per_s_per_gpu(tokens: float, seconds: float, n_gpus: int) -> float:
     return tokens / seconds / n_gpus
 
 
@@ -72,7 +77,7 @@ def _text_config(config):
     return config.get("text_config") or config.get("language_config") or config
 
 
-def model_shape(config):
+def model_shape(config: Mapping[str, Any]) -> dict[str, Any]:
     """{'layers', 'heads', 'head_dim', 'hidden'} of a HF config dict."""
     c = _text_config(config)
     try:
@@ -85,7 +90,7 @@ def model_shape(config):
     return {"layers": layers, "heads": heads, "head_dim": head_dim, "hidden": hidden}
 
 
-def active_params_from_config(config):
+def active_params_from_config(config: Mapping[str, Any]) -> float:
     """Parameters a token passes through (the matmuls): attention and MLP of every layer (for
     MoE: the router, top-k routed experts and any shared expert) and the output head. The
     input embedding is a lookup, not a matmul, and is not counted; norms are negligible.

@@ -7,6 +7,9 @@ import math
 
 from markupsafe import Markup, escape
 
+from traindx import units
+from traindx.profiler.shim._traindx_shim import schema
+
 WIDTH = 1000          # viewBox units; the SVG scales to the page width
 LEFT = 56             # room for the y axis labels
 RIGHT = 12
@@ -15,30 +18,15 @@ CAUSE_COLOURS = {
     "normal": "#5b8def", "compile": "#e4572e", "autotune": "#9c51b6", "dynamo": "#d6428f",
     "gc": "#e3a21a", "warmup": "#9aa5b1", "unexplained": "#6c757d",
 }
-COMPILE_COLOURS = {"cute_dsl": "#e4572e", "triton": "#f08a24", "triton_autotune": "#9c51b6",
-                   "dynamo": "#d6428f"}
+COMPILE_COLOURS = {schema.COMPILE_CUTE_DSL: "#e4572e", schema.COMPILE_TRITON: "#f08a24",
+                   schema.COMPILE_TRITON_AUTOTUNE: "#9c51b6", schema.COMPILE_DYNAMO: "#d6428f"}
 STATE_COLOURS = {"gil": "#e4572e", "active": "#f2b33d", "idle": "#dde2e8"}
 FRAME_COLOURS = {"user": "#f4a259", "traindx": "#d9c7ef", "library": "#8ab6d6", "python": "#c5cbd3", "native": "#b8c1cc",
                  "thread": "#7d8a99", "root": "#5c6773"}
 GPU_COLOURS = ["#2b7de9", "#e4572e", "#2ca58d", "#9c51b6", "#f2b33d", "#d6428f", "#6c757d", "#17a2b8"]
 
 
-def fmt_s(seconds):
-    """Seconds for people: 280 s, 12.3 s, 1.23 s, 45.6 ms, 12 µs."""
-    if seconds is None or (isinstance(seconds, float) and math.isnan(seconds)):
-        return "–"
-    s = float(seconds)
-    if abs(s) >= 100:
-        return f"{s:.0f} s"
-    if abs(s) >= 10:
-        return f"{s:.1f} s"
-    if abs(s) >= 1:
-        return f"{s:.2f} s"
-    if abs(s) >= 1e-3:
-        return f"{s * 1e3:.3g} ms"
-    if s == 0:
-        return "0 s"
-    return f"{s * 1e6:.3g} µs"
+fmt_s = units.fmt_s  # defined once (traindx/units.py): the terminal and findings use it too
 
 
 def fmt_tick(seconds):
@@ -126,11 +114,12 @@ def step_chart(timeline, compiles, stats, causes, by="time"):
         out.append(f'<line x1="{LEFT}" y1="{_f(py)}" x2="{WIDTH - RIGHT}" y2="{_f(py)}" class="grid"/>'
                    f'<text x="{LEFT - 6}" y="{_f(py + 4)}" class="tick" text-anchor="end">{escape(fmt_tick(t))}</text>')
     first_start = min(s["start_s"] for s in steps)
+    startup_s = stats.get("startup_s") or first_start  # the one start-up value (report.data)
     if by == "time" and first_start > 0:
         out.append(f'<rect x="{LEFT}" y="{top}" width="{_f(x(first_start) - LEFT)}" height="{bottom - top}" '
-                   f'class="startup"><title>{escape("before the first step (start-up, imports, model build): " + fmt_s(first_start))}</title></rect>'
+                   f'class="startup"><title>{escape("before the first step (start-up, imports, model build): " + fmt_s(startup_s))}</title></rect>'
                    f'<text x="{_f((LEFT + x(first_start)) / 2)}" y="{top + 14}" class="band-label" text-anchor="middle">'
-                   f'{"start-up " + escape(fmt_s(first_start)) if x(first_start) - LEFT > 90 else ""}</text>')
+                   f'{"start-up " + escape(fmt_s(startup_s)) if x(first_start) - LEFT > 90 else ""}</text>')
     for g in timeline.get("gaps", []) if by == "time" else []:
         if g["rank"] != rank:
             continue
@@ -429,7 +418,7 @@ def rank_heatmap(timeline, max_cols=300):
 LEDGER_COLOURS = {
     "compile": "#e4572e", "autotune": "#9c51b6", "gc": "#e3a21a", "io": "#8c564b",
     "sync": "#17a2b8", "collective": "#2ca58d", "data": "#f08a24", "optimizer": "#6f42c1",
-    "forward_backward": "#5b8def", "unexplained": "#c5cbd3",
+    "forward_backward": "#5b8def", "host": "#7a8b99", "unexplained": "#c5cbd3",
 }
 
 

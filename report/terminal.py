@@ -1,165 +1,193 @@
-"""Terminal output: the live status line while a job runs and the ranked summary after it."""
-import glob
-import json
-import os
+"""Terminal output: the ranked summary after a job (the live view while it runs:
+report/live_view.py)."""
 import sys
-import threading
-import time
 
 from rich.console import Console
-from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-
-class EventTail:
-    """Follows events/*.jsonl as the shim writes them: step count, last step time, compiles."""
-
-    def __init__(self, run_dir):
-        self.run_dir = run_dir
-        self.offsets = {}
-        self.step = 0
-        self.last_step_s = None
-        self.compiles = 0
-
-    def poll(self):
-        for path in glob.glob(os.path.join(self.run_dir, "events", "*.jsonl")):
-            try:
-                with open(path, encoding="utf-8") as f:
-                    f.seek(self.offsets.get(path, 0))
-                    chunk = f.read()
-            except OSError:
-                continue
-            complete = chunk[: chunk.rfind("\n") + 1]
-            self.offsets[path] = self.offsets.get(path, 0) + len(complete.encode())
-            for line in complete.splitlines():
-                try:
-                    e = json.loads(line)
-                except ValueError:
-                    continue
-                if e.get("type") == "step_end":
-                    self.step = max(self.step, e["step"] + 1)
-                    self.last_step_s = e.get("duration_s")
-                elif e.get("type") == "compile":
-                    self.compiles += 1
-
-
-class LiveStatus:
-    def __init__(self, run_dir, enabled=True):
-        self.enabled = enabled
-        self.tail = EventTail(run_dir)
-        self.start = time.time()
-        self.console = Console(file=sys.stderr)
-        self._live = None
-        self._stop = threading.Event()
-
-    def _render(self):
-        self.tail.poll()
-        last = "-" if self.tail.last_step_s is None else f"{self.tail.last_step_s:.3f} s"
-        return Text(f"traindx ▸ {time.time() - self.start:6.0f} s elapsed │ step "
-                    f"{self.tail.step} │ last step {last} │ compiles {self.tail.compiles}",
-                    style="bold cyan")
-
-    def __enter__(self):
-        if self.enabled:
-            self._live = Live(self._render(), console=self.console, refresh_per_second=2,
-                              transient=True, get_renderable=self._render)
-            self._live.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        if self._live is not None:
-            self._live.__exit__(*exc)
-
-    def print_line(self, stream, text):
-        if self._live is not None:
-            self._live.console.print(text, markup=False, highlight=False, emoji=False)
-        else:
-            out = sys.stdout if stream == "o" else sys.stderr
-            out.write(text + "\n")
-            out.flush()
+from traindx.units import fmt_s
 
 
 SEVERITY_STYLE = {"critical": "bold red", "high": "red", "medium": "yellow", "low": "cyan",
                   "info": "dim"}
 SUMMARY_ROWS = 6
+CODE_LINES = 6                # lines of a diff or command printed under the verdict
+# what traindx.fixloop's plan does with a prescription (report.findings_view.fix_marks)
+FIX_MARK = {"applied": "--fix applies this", "next": "--fix tries this next",
+            "alternative": "alternative, not applied by --fix",
+            "by_hand": "by hand"}
 
 
-def _fmt_s(seconds):
-    from traindx.report.charts import fmt_s
+_OPEN, _CLOSE = "([{", ")]}"
 
-    return fmt_s(seconds)
+
+def _atoms(text):
+    """Words of text, where code stays one atom: a call or an index (DataLoader(a=1, b=2),
+    x[0, 1]) or a `quoted` span never breaks inside; a prose parenthesis (like this one) does."""
+    atoms, current, stack, quoted = [], "", [], False
+    for word in text.split():
+        current = f"{current} {word}" if current else word
+        for i, ch in enumerate(word):
+            if ch == "`":
+                quoted = not quoted
+            elif ch in _OPEN:
+                # code when the bracket follows a name: f(…), a[…]; prose when it opens a word
+                stack.append(i > 0 and (word[i - 1].isalnum() or word[i - 1] in "_.]"))
+            elif ch in _CLOSE and stack:
+                stack.pop()
+        if not any(stack) and not quoted:
+            atoms.append(current)
+            current = ""
+    if current:
+        atoms.append(current)
+    return atoms
+
+
+def wrap_keeping_code(text, width, first="", indent="  "):
+    """Lines of at most width (when an atom fits), broken only between atoms; an atom longer
+    than a line is printed whole on its own line (a terminal folds it, a log file keeps it)."""
+    lines, line, empty = [], first, True
+    for atom in _atoms(text):
+        if not empty and len(line) + 1 + len(atom) > width:
+            lines.append(line)
+            line, empty = indent, True
+        line += atom if empty else " " + atom
+        empty = False
+    lines.append(line)
+    return lines
+
+
+def _say(console, text, style=None, first="", indent="  "):
+    """Print prose that may hold code: wrapped at the console's width between atoms only, and
+    never re-wrapped by rich (soft_wrap), so a log file holds each piece of code whole."""
+    for i, line in enumerate(wrap_keeping_code(text, console.width, first, indent)):
+        if i == 0 and first:
+            console.print(Text(first, style="bold") + Text(line[len(first):], style=style),
+                          soft_wrap=True)
+        else:
+            console.print(Text(line, style=style), soft_wrap=True)
+
+
+def _stats_line(data):
+    """The run's numbers, one labelled statistic each, as parts joined by ' · '."""
+    st = data["stats"]
+    parts = [f"{st['steps']} steps recorded on {st['ranks']} rank(s)",
+             f"step time median {fmt_s(st['steady_median_s'])}", f"p90 {fmt_s(st['p90_step_s'])}"]
+    w = st["worst_step"]
+    if w:
+        slowest = f"slowest step {w['step']}: {fmt_s(w['duration_s'])}"
+        if w["cause"] != "normal":
+            slowest += f" ({data['causes'].get(w['cause'], w['cause'])})"
+        parts.append(slowest)
+    if st["compiles"]:
+        parts.append(f"{st['compiles']} JIT compile{'s' if st['compiles'] != 1 else ''}, "
+                     f"{fmt_s(st['compile_s'])}")
+    return parts
+
+
+def _print_parts(console, parts, style=None):
+    """' · '-joined parts, wrapped between parts (a number never leaves its label)."""
+    line = ""
+    for part in parts:
+        if line and len(line) + 3 + len(part) > console.width:
+            console.print(Text(line, style=style), soft_wrap=True)
+            line = "  " + part
+        else:
+            line = f"{line} · {part}" if line else part
+    if line:
+        console.print(Text(line, style=style), soft_wrap=True)
+
+
+def _print_verdict(console, v):
+    if v["kind"] == "change":
+        _say(console, v["headline"], style="bold green", first="Verdict: ")
+        if v["gain_s"]:
+            gain = f"expected saving {fmt_s(v['gain_s'])} per step"
+            if v.get("saving_limit") and v.get("lost_s"):
+                gain += f" of the {fmt_s(v['lost_s'])} this cause costs ({v['saving_limit']})"
+            if v["speedup"]:
+                gain += (f" (≈ {v['speedup']:.1f}× faster: {v.get('step_statistic', 'mean')} step "
+                         f"{fmt_s(v['median_step_s'])} → "
+                         f"{fmt_s(v['after_step_s'])})")
+            _say(console, gain, first="  ", indent="    ")
+        if v["text"]:
+            for line in v["text"].splitlines()[:CODE_LINES]:  # code: whole lines, never wrapped
+                console.print(Text("  " + line, style="cyan"), soft_wrap=True)
+        why = f"why: {v['finding_title']}"
+        if v.get("fix") == "applied":
+            why += " · diagnose --fix applies this"
+        _say(console, why, style="dim", first="  ", indent="    ")
+    elif v["kind"] == "problem":
+        _say(console, v["headline"], style="bold yellow", first="Main problem: ")
+    elif v["kind"] == "nosteps":
+        _say(console, v["headline"], style="yellow")
+        _say(console, v["summary"], style="dim", first="  ", indent="  ")
+    else:
+        _say(console, v["headline"], style="green")
 
 
 def print_summary(run, findings, report_path=None, console=None):
-    """The verdict and the top findings, from the same report data as the HTML report."""
-    from traindx.report.data import build_summary
+    """The verdict and the top findings, from the same report data as the HTML report. Fits 80
+    columns and a log file: numbers wrap between parts, code is never broken, prescriptions are
+    listed under the table (numbered) rather than cut in a column."""
+    from traindx.report.data import build_summary  # pandas: not for the live status line
 
     console = console or Console(file=sys.stderr)
     data = build_summary(run, findings)
     v, st = data["verdict"], data["stats"]
     console.rule("traindx")
     if st["steps"]:
-        line = (f"{st['steps']} steps recorded on {st['ranks']} rank(s) · median {_fmt_s(st['steady_median_s'])}"
-                f" · p90 {_fmt_s(st['p90_step_s'])}")
-        w = st["worst_step"]
-        if w:
-            line += f" · slowest step {w['step']} {_fmt_s(w['duration_s'])}"
-            if w["cause"] != "normal":
-                line += f" ({data['causes'].get(w['cause'], w['cause'])})"
-        if st["compiles"]:
-            line += f" · {st['compiles']} JIT compiles, {_fmt_s(st['compile_s'])}"
-        console.print(line, markup=False, highlight=False)
-        if st.get("ledger_line"):
-            console.print(st["ledger_line"], markup=False, highlight=False)
-        if st.get("startup_line"):
-            console.print(st["startup_line"], markup=False, highlight=False, style="dim")
-    else:
-        console.print("no optimizer steps were recorded", markup=False)
-    if v["kind"] == "change":
-        console.print(Text("Verdict: ", style="bold") + Text(v["headline"], style="bold green"))
-        if v["gain_s"]:
-            gain = f"  expected saving {_fmt_s(v['gain_s'])} per step"
-            if v["speedup"]:
-                gain += (f" (≈ {v['speedup']:.1f}× faster: {_fmt_s(v['median_step_s'])} → "
-                         f"{_fmt_s(v['after_step_s'])} per step)")
-            console.print(gain, markup=False, highlight=False)
-        if v["text"]:
-            for line in v["text"].splitlines()[:6]:
-                console.print(Text("  " + line, style="cyan"))
-        console.print(Text(f"  why: {v['finding_title']}", style="dim"))
-    elif v["kind"] == "problem":
-        console.print(Text("Main problem: ", style="bold") + Text(v["headline"], style="bold yellow"))
-    elif v["kind"] == "evidence":
-        console.print(Text("Where the time went: ", style="bold") + Text(v["headline"], style="bold yellow"))
-    elif v["kind"] == "nosteps":
-        console.print(Text(v["headline"], style="yellow"))
-    else:
-        console.print(Text(v["headline"], style="green"))
+        _print_parts(console, _stats_line(data))
+        for line in (st.get("ledger_line"), st.get("startup_line")):
+            if line:
+                head, _, rest = line.partition(" = ")
+                parts = rest.split(" · ") if rest else []
+                _print_parts(console, [f"{head} = {parts[0]}"] + parts[1:] if parts else [line],
+                             style="dim" if line is st.get("startup_line") else None)
+    _print_verdict(console, v)
     problems = [f for f in data["findings"] if f["severity"] != "info"]
     if problems:
         table = Table(show_header=True, header_style="bold")
-        table.add_column("severity")
-        table.add_column("finding", ratio=3)
+        table.add_column("#", justify="right", no_wrap=True)
+        table.add_column("severity", no_wrap=True)
+        table.add_column("finding", ratio=1)
         table.add_column("lost/step", justify="right", no_wrap=True)
-        table.add_column("first prescription", ratio=2, overflow="ellipsis", max_width=48)
+        listed = []
         for f in problems[:SUMMARY_ROWS]:
-            lost = "-" if f["seconds_lost_per_step"] is None else _fmt_s(f["seconds_lost_per_step"])
+            lost = "-" if f["seconds_lost_per_step"] is None else fmt_s(f["seconds_lost_per_step"])
             if f.get("cause"):  # a symptom, printed under its cause: its seconds are the cause's
                 lost = f"({lost})"
-            title = Text(f"  ↳ symptom: {f['title']}", style="dim") if f.get("cause") else Text(f["title"])
-            first = f["prescriptions"][0]["summary"] if f["prescriptions"] else (
-                "fix the cause above" if f.get("cause") else "")
-            table.add_row(Text(f["severity"], style=SEVERITY_STYLE.get(f["severity"], "")),
-                          title, lost, Text(first, no_wrap=True, overflow="ellipsis"))
+            title = Text(f"↳ symptom: {f['title']}", style="dim") if f.get("cause") else Text(f["title"])
+            number = ""
+            if f["prescriptions"]:
+                listed.append(f)
+                number = str(len(listed))
+            table.add_row(number, Text(f["severity"], style=SEVERITY_STYLE.get(f["severity"], "")),
+                          title, lost)
         console.print(table)
+        for i, f in enumerate(listed, 1):
+            p = f["prescriptions"][0]
+            mark = FIX_MARK.get(p.get("fix") or "")
+            said = v["kind"] == "change" and f["anchor"] == v["finding_anchor"] \
+                and p["summary"] == v["headline"]
+            _say(console, ("the verdict above" if said else p["summary"])
+                 + (f" [{mark}]" if mark else ""), first=f"{i}. ", indent="   ")
+            for q in f["prescriptions"][1:]:
+                if q.get("planned") and q.get("fix") == "applied":  # built by --fix's planner
+                    _say(console, f"--fix builds and applies: {q['summary']}", first="   ",
+                         indent="     ")
+            more = len([q for q in f["prescriptions"] if not q.get("planned")]) - 1
+            if more:
+                console.print(Text(f"   + {more} alternative{'s' if more > 1 else ''} in the report",
+                                   style="dim"), soft_wrap=True)
         if len(problems) > SUMMARY_ROWS:
             console.print(f"… and {len(problems) - SUMMARY_ROWS} more in the report", markup=False)
     notes = [f for f in data["findings"] if f["severity"] == "info" and f["id"] != "evidence.missing"]
     for f in notes[:3]:
-        console.print(Text(f"note: {f['title']}", style="dim"))
+        _say(console, f"note: {f['title']}", style="dim")
     if data["missing"]:
-        console.print(Text("not collected: " + data["missing_summary"], style="dim"))
+        _say(console, "not collected: " + data["missing_summary"], style="dim")
     if report_path:
-        console.print(f"report: {report_path}", markup=False, highlight=False)
-    console.print(f"run: {run.path}", markup=False, highlight=False)
+        console.print(f"report: {report_path}", markup=False, highlight=False, soft_wrap=True)
+    console.print(f"run: {run.path}", markup=False, highlight=False, soft_wrap=True)

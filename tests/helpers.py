@@ -12,13 +12,36 @@ def example(name):
     return os.path.join(EXAMPLES, name)
 
 
-def diagnose(args, cwd, env=None, timeout=600, **kwargs):
-    """Run `diagnose <args>` in cwd; returns the CompletedProcess (text)."""
+def _env(env):
     full_env = dict(os.environ)
     full_env.pop("TRAINDX_RUN_DIR", None)
     full_env.update(env or {})
-    return subprocess.run([PY, "-m", "traindx", *args], cwd=cwd, env=full_env, text=True,
+    return full_env
+
+
+def diagnose(args, cwd, env=None, timeout=600, **kwargs):
+    """Run `diagnose <args>` in cwd; returns the CompletedProcess (text)."""
+    return subprocess.run([PY, "-m", "traindx", *args], cwd=cwd, env=_env(env), text=True,
                           capture_output=True, timeout=timeout, **kwargs)
+
+
+def diagnose_side_by_side(runs, cwd, env=None, timeout=600):
+    """Several `diagnose <args>` at once, one per entry of runs (lists of arguments): arms whose
+    speeds a test compares see the same machine, whatever its load (one after the other, they
+    would measure the load's drift between them). Returns their CompletedProcesses, in order."""
+    procs = [subprocess.Popen([PY, "-m", "traindx", *args], cwd=cwd, env=_env(env), text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for args in runs]
+    done = []
+    try:
+        for proc in procs:
+            out, err = proc.communicate(timeout=timeout)
+            done.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return done
 
 
 def only_run_dir(out_dir):

@@ -2,7 +2,6 @@
 metrics deque keeps), with its recompile reason and the frame compiled; and Triton autotuning
 counted exactly (benchmark seconds apart from JIT seconds, the key's argument names, the disk
 cache) on a real Autotuner run by Triton's interpreter."""
-import os
 import textwrap
 
 import pytest
@@ -47,6 +46,7 @@ def _record(tmp_path, source, env=None, name="job.py"):
     return traindx.load_run(str(run_dir)), script
 
 
+@pytest.mark.slow
 def test_more_than_64_dynamo_compiles_all_recorded_with_reason_and_frame(tmp_path):
     run, script = _record(tmp_path, DYNAMO_JOB)
     dynamo = run.compiles[run.compiles["kind"] == "dynamo"]
@@ -102,6 +102,7 @@ AUTOTUNE_JOB = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_triton_autotune_counted_per_kernel_and_key_with_bench_time(tmp_path):
     pytest.importorskip("triton")
     run, script = _record(tmp_path, AUTOTUNE_JOB, env={"TRITON_INTERPRET": "1"})

@@ -3,10 +3,8 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import textwrap
 import time
-import warnings
 
 import pytest
 
@@ -14,7 +12,7 @@ import traindx
 from traindx.errors import UserError
 from traindx.record import CorruptEvidenceWarning, TruncatedEvidenceWarning
 
-from helpers import PY, ROOT, diagnose, example, only_run_dir
+from helpers import PY, diagnose, example, only_run_dir
 
 TINY = example("train_tiny.py")
 
@@ -50,6 +48,49 @@ def test_job_exit_code_passes_through(tmp_path):
     assert len(run.steps) == 2
 
 
+ABORT_JOB = textwrap.dedent("""
+    import os
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    def teardown():
+        os.abort()  # what a C++ std::terminate at exit does
+
+    model = torch.nn.Linear(8, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    # a forked worker process: it gets no fault file and never writes into the job's
+    loader = DataLoader(TensorDataset(torch.randn(16, 8)), batch_size=4, num_workers=1,
+                        multiprocessing_context="fork")
+    for step, (x,) in enumerate(loader):
+        loss = model(x).sum()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        print(f"step {step} loss {loss.item():.3f}", flush=True)
+    teardown()
+""")
+
+
+def test_a_job_that_aborts_is_named_with_the_line_it_crashed_at(tmp_path):
+    script = tmp_path / "job.py"
+    script.write_text(ABORT_JOB)
+    proc = diagnose(["--out", "runs", "--no-pyspy", "--", PY, str(script)], cwd=tmp_path)
+    assert proc.returncode == 128 + signal.SIGABRT, proc.stderr[-2000:]
+    assert "The job ended by SIGABRT (exit 134)" in " ".join(proc.stderr.split()), proc.stderr
+    run = traindx.load_run(only_run_dir(tmp_path / "runs"))
+    (ended,) = [f for f in traindx.analyze(run) if f.id == "job.exit"]
+    line = ABORT_JOB.splitlines().index("    os.abort()  # what a C++ std::terminate at exit does") + 1
+    assert ended.evidence["crashed_at"] == {"rank 0": f"{script}:{line} in teardown"}
+    assert ended.evidence["signal"].startswith("SIGABRT")
+    assert os.listdir(os.path.join(run.path, "faults")) == [f"p{run.manifest['ranks']['0']}.txt"]
+    # a job that turned faulthandler on itself keeps it: the stacks go to its stderr (log.txt)
+    proc = diagnose(["--run-dir", "own", "--no-pyspy", "--", PY, str(script)], cwd=tmp_path,
+                    env={"PYTHONFAULTHANDLER": "1"})
+    run = traindx.load_run(str(tmp_path / "own"))
+    assert proc.returncode == 134 and run.fault_stacks == {}
+    assert any("in teardown" in t for t in run.log["text"])
+
+@pytest.mark.slow
 def test_sigterm_leaves_a_loadable_partial_run(tmp_path):
     env = dict(os.environ)
     proc = subprocess.Popen([PY, "-m", "traindx", "--out", "runs", "--", PY, TINY, "--steps",
@@ -76,6 +117,7 @@ def test_sigterm_leaves_a_loadable_partial_run(tmp_path):
     assert os.path.exists(os.path.join(run.path, "findings.json"))
 
 
+@pytest.mark.slow
 def test_existing_sitecustomize_still_runs(tmp_path):
     site = tmp_path / "site"
     site.mkdir()
@@ -89,6 +131,7 @@ def test_existing_sitecustomize_still_runs(tmp_path):
     assert len(run.steps) == 2  # and the shim ran too
 
 
+@pytest.mark.slow
 def test_torchrun_two_ranks_yield_events_for_both(tmp_path):
     torchrun = os.path.join(os.path.dirname(PY), "torchrun")
     proc = diagnose(["--out", "runs", "--", torchrun, "--nproc-per-node", "2", TINY, "--steps",
@@ -114,6 +157,7 @@ def test_no_command_is_a_one_line_error(tmp_path):
     assert "Traceback" not in proc.stderr and "no command given" in proc.stderr
 
 
+@pytest.mark.slow
 def test_secrets_are_redacted_in_the_manifest(tmp_path):
     proc = diagnose(["--out", "runs", "--no-pyspy", "--", PY, TINY, "--steps", "1"], cwd=tmp_path,
                     env={"HF_TOKEN": "hf_abc123", "MY_API_KEY": "k-999", "DB_PASSWORD": "pw",
@@ -128,6 +172,7 @@ def test_secrets_are_redacted_in_the_manifest(tmp_path):
     assert env["PLAIN_SETTING"] == "visible"
 
 
+@pytest.mark.slow
 def test_missing_evidence_is_recorded_not_fatal(tmp_path):
     # no NVML on a CPU machine; py-spy switched off: the job still runs to its end
     proc = diagnose(["--out", "runs", "--no-pyspy", "--", PY, TINY, "--steps", "2"], cwd=tmp_path,
@@ -166,6 +211,7 @@ def test_load_run_rejects_a_folder_that_is_not_a_run(tmp_path):
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow
 def test_truncated_and_corrupt_event_lines_are_skipped_with_a_warning(tmp_path):
     proc = diagnose(["--out", "runs", "--no-pyspy", "--", PY, TINY, "--steps", "3"], cwd=tmp_path)
     run_dir = only_run_dir(tmp_path / "runs")
@@ -221,6 +267,7 @@ SIGNAL_JOB = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_the_job_sees_only_its_own_signal_handlers(tmp_path):
     script = tmp_path / "job.py"
     script.write_text(SIGNAL_JOB)
@@ -233,8 +280,21 @@ def test_the_job_sees_only_its_own_signal_handlers(tmp_path):
     assert under["previous"] == repr(signal.SIG_DFL)
     assert under["mine"] and under["seen"] == [signal.SIGTERM]
     assert len(traindx.load_run(only_run_dir(tmp_path / "runs")).steps) >= 3
+    # started with hang-ups ignored (nohup, a background job): the job ignores them too
+    def nohup():
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+
+    bare = subprocess.run([PY, str(script)], capture_output=True, text=True, timeout=120,
+                          preexec_fn=nohup)
+    proc = diagnose(["--run-dir", str(tmp_path / "nohup"), "--no-pyspy", "--", PY, str(script)],
+                    cwd=tmp_path, preexec_fn=nohup)
+    assert bare.returncode == 0 and proc.returncode == 0, proc.stderr
+    bare, under = json.loads(bare.stdout), json.loads(proc.stdout.strip().splitlines()[-1])
+    assert bare["at_start"]["SIGHUP"] == repr(signal.SIG_IGN)
+    assert under["at_start"] == bare["at_start"] and under["after_training"] == bare["after_training"]
 
 
+@pytest.mark.slow
 def test_sigterm_during_a_long_c_call_ends_the_job_at_once(tmp_path):
     # a native wait that only a signal's default action interrupts: a Python-level SIGTERM
     # handler would run only after it returns (30 s)

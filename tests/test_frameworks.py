@@ -32,14 +32,18 @@ CORPUS = {
 }
 PATHOLOGY = {
     "hf_trainer": ["--slow-getitem", "0.05"],
-    # enough steps for py-spy (20 Hz) to see the thread on a fast, quiet machine too
-    "accelerate": ["--logger-thread", "--steps", "60"],
+    # enough py-spy samples to see the thread on a fast, quiet machine too: 24 steps at 50 Hz
+    # (test_accelerate_gil_holding_logger_thread) sample as often as 60 steps at 20 Hz did
+    "accelerate": ["--logger-thread", "--steps", "24"],
     "lightning": ["--slow-getitem", "0.02"],
     "torchtitan": ["--checkpoint.interval", "3", "--training.steps", "18"],
     "nanogpt": ["--vary_block_size=True", "--max_iters=6"],
     "examples": ["--save-every", "3", "--batches", "18"],
 }
 _runs = {}
+# the corpus runs are made once per process (record() below) and shared with test_ledger.py:
+# under pytest -n, every test that reads them runs on one worker
+pytestmark = pytest.mark.xdist_group("frameworks_corpus")
 
 
 def job(name):
@@ -253,7 +257,8 @@ def test_lightning_slow_getitem_prescribes_its_own_dataloader_line(tmp_path_fact
 
 @pytest.mark.slow
 def test_accelerate_gil_holding_logger_thread(tmp_path_factory):
-    run, findings, _ = record(tmp_path_factory, "accelerate", sick=True)
+    run, findings, _ = record(tmp_path_factory, "accelerate", sick=True,
+                              extra=("--pyspy-rate", "50"))
     assert frameworks.detect(run)["name"] == "accelerate"
     gil = [f for f in findings if f.id == "gil.contention"]
     assert gil, above_info(findings)
@@ -334,6 +339,7 @@ def test_bad_log_regex_is_one_clear_line(tmp_path):
     assert "--log-regex" in proc.stderr and "not a Python regex" in proc.stderr
 
 
+@pytest.mark.slow
 def test_report_survives_lines_without_step_or_loss(tmp_path):
     """A run without the shim (attach, --no-shim): HF dicts numbered by their order, a DeepSpeed
     line without a loss, a NaN loss; the analysis and the report still come out."""

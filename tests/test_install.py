@@ -7,7 +7,6 @@ downloaded; traindx itself comes only from the wheel.
 """
 import os
 import subprocess
-import sys
 import sysconfig
 import textwrap
 

@@ -31,6 +31,14 @@ def _call_line():
     raise AssertionError("no flash_attn_varlen_func call passing max_seqlen in the example")
 
 
+def _backward_arg_line():
+    """The line of examples/fa4_seed.py's own call of FA4's backward that passes max_seqlen."""
+    with open(FA4_SEED, encoding="utf-8") as f:
+        lines = f.read().splitlines()
+    start = next(n for n, line in enumerate(lines, 1) if "flash_attn_bwd(" in line)
+    return next(n for n in range(start, start + 5) if "max_seqlen_q=max_seqlen" in lines[n - 1])
+
+
 def _record(tmp_path_factory, name, command, env=None, steps=3, pyspy=False):
     cwd = tmp_path_factory.mktemp(name)
     run_dir = cwd / "run"
@@ -57,6 +65,7 @@ def b17_tensor(tmp_path_factory, fa4_b17_path):
 
 @pytest.mark.fa4
 @requires_fa4
+@pytest.mark.slow
 def test_b17_tensor_backward_recompiles_every_step_names_field_and_line(b17_tensor):
     run, findings, proc = b17_tensor
     assert run.manifest["packages"]["flash-attn-4"] == "4.0.0b17"
@@ -84,6 +93,11 @@ def test_b17_tensor_backward_recompiles_every_step_names_field_and_line(b17_tens
     code = first.change["code"]
     assert code["file"].endswith(os.path.join("examples", "fa4_seed.py"))
     assert "int(" in code["after"] and "int(" not in code["before"]
+    if code.get("role") == "call_site":
+        # the job calls FA4's backward itself, with the max_seqlen its forward saved: the same
+        # edit casts at that call too (the line of the call that names the argument)
+        lines = {c["line"] for c in first.change.get("codes") or [code]}
+        assert {line, _backward_arg_line()} <= lines, first.change
     upgrade = [p for p in f.prescriptions if p.kind == "upgrade"]
     assert upgrade and upgrade[0].change["upgrade"] == {"package": "flash-attn-4",
                                                         "min_version": "4.0.0b26"}
@@ -107,6 +121,7 @@ def test_b17_tensor_backward_recompiles_every_step_names_field_and_line(b17_tens
 
 @pytest.mark.fa4
 @requires_fa4
+@pytest.mark.slow
 def test_b17_tensor_shim_compile_events(b17_tensor):
     run, _, _ = b17_tensor
     compiles = run.compiles
@@ -128,6 +143,7 @@ def test_b17_tensor_shim_compile_events(b17_tensor):
 
 @pytest.mark.fa4
 @requires_fa4
+@pytest.mark.slow
 def test_b17_tensor_gil_evidence_from_pyspy(b17_tensor):
     run, findings, _ = b17_tensor
     if "pyspy" in run.missing:
@@ -138,6 +154,7 @@ def test_b17_tensor_gil_evidence_from_pyspy(b17_tensor):
 
 @pytest.mark.fa4
 @requires_fa4
+@pytest.mark.slow
 def test_b17_tensor_pyspy_alone_counts_the_same_recompiles(b17_tensor):
     """What `diagnose attach` would have: the same run's py-spy recording without the shim."""
     from traindx.analyzers.jit import analyze_recording
@@ -157,6 +174,7 @@ def test_b17_tensor_pyspy_alone_counts_the_same_recompiles(b17_tensor):
 # -- 4.0.0b17 with an int: only the cold start ----------------------------------------------------
 @pytest.mark.fa4
 @requires_fa4
+@pytest.mark.slow
 def test_b17_int_only_cold_start_prescribes_kernel_cache(tmp_path_factory, fa4_b17_path):
     run, findings, _ = _record(tmp_path_factory, "b17-int",
                                [PY, FA4_SEED, "--max-seqlen-as", "int", *SEED_ARGS],
@@ -177,6 +195,7 @@ def test_b17_int_only_cold_start_prescribes_kernel_cache(tmp_path_factory, fa4_b
 # -- the newest release with a tensor: fixed upstream ---------------------------------------------
 @pytest.mark.fa4
 @requires_fa4
+@pytest.mark.slow
 def test_newest_fa4_tensor_no_steady_recompile(tmp_path_factory):
     run, findings, _ = _record(tmp_path_factory, "new-tensor",
                                [PY, FA4_SEED, "--max-seqlen-as", "tensor", *SEED_ARGS], steps=3)
@@ -225,6 +244,7 @@ def test_analyze_rejects_what_is_not_evidence(tmp_path):
 
 
 # -- torch.compile on changing shapes -------------------------------------------------------------
+@pytest.mark.slow
 def test_dynamo_recompiles_on_changing_shapes_with_reason(tmp_path_factory):
     run, findings, _ = _record(tmp_path_factory, "dynamo",
                                [PY, example("compile_dynamic.py"), "--threads", "1"], steps=3)
@@ -247,6 +267,7 @@ def test_dynamo_recompiles_on_changing_shapes_with_reason(tmp_path_factory):
 
 
 # -- the healthy example: nothing --------------------------------------------------------------------
+@pytest.mark.slow
 def test_healthy_example_has_no_jit_finding(tmp_path_factory):
     _, findings, _ = _record(tmp_path_factory, "healthy",
                              [PY, example("train_tiny.py"), "--steps", "4", "--threads", "1"], steps=4)
@@ -266,13 +287,17 @@ def _synthetic_run(path, command, compiles, step_s=1.0, steps=4, packages=None,
         begin, end = t0 + int(s * step_s * 1e9), t0 + int((s + 1) * step_s * 1e9)
         events += [{"type": "step_begin", "step": s, "t": begin},
                    {"type": "step_end", "step": s, "t": end, "duration_s": step_s}]
-    for kind, kernel, step, seconds, fields in compiles:
-        start = t0 + int(step * step_s * 1e9) + 1000
+    offset = {}
+    for kind, kernel, step, seconds, fields, *extra in compiles:
+        # events of one step one after the other, as a job makes them
+        start = t0 + int(step * step_s * 1e9) + 1000 + offset.get(step, 0)
+        offset[step] = offset.get(step, 0) + int(seconds * 1e9) + 1000
         events.append({"type": "compile", "kind": kind, "kernel": kernel, "step": step,
                        "start": start, "t": start + int(seconds * 1e9), "duration_s": seconds,
                        "thread": "MainThread", "is_main_thread": True, "key_fields": fields,
                        "key": repr(fields), "caller": {"file": caller_file, "line": 7,
-                                                       "function": "forward"}})
+                                                       "function": "forward"},
+                       **(extra[0] if extra else {})})
     with open(path / "events" / "0.jsonl", "w") as f:
         f.write("\n".join(json.dumps(e) for e in sorted(events, key=lambda e: e["t"])) + "\n")
     with open(path / "manifest.json", "w") as f:
@@ -337,3 +362,52 @@ def test_raw_collapsed_pyspy_file_gives_the_same_finding(tmp_path):
     (f,) = [x for x in json.loads(proc.stdout) if x["id"] == "jit.fa4_steady_recompile"]
     assert f["evidence"]["compiles"] == 4 and f["evidence"]["is_main_thread"] is False
     assert all(2.0 < s < 3.2 for s in f["evidence"]["seconds_each"][1:])
+
+
+def test_first_steps_autotune_seconds_are_in_the_cold_start_with_the_warm_up(tmp_path):
+    """FLA on an H200: 28.9 s of autotuning in step 0 beside 2.9 s of first compiles. The cold
+    start carries both, names the autotuning, and prescribes kernel-cache warm --from-run."""
+    compiles = []
+    for k in range(5):
+        kernel = f"chunk_kernel_{k}"
+        compiles.append(("triton", kernel, 0, 0.58, {"BLOCK": "64"}, {"autotune_of": kernel}))
+        compiles.append(("triton_autotune", kernel, 0, 28.9 / 5, {"T": "8192", "H": "8"},
+                         {"bench_s": 28.9 / 5, "jit_s": 0.58, "key_names": ["T", "H"],
+                          "module": "fla.ops.gated_delta_rule.chunk"}))
+    run = _synthetic_run(tmp_path / "run", ["python", "train.py"], compiles, step_s=40.0,
+                         steps=4, packages={"flash-linear-attention": "0.6.0", "triton": "3.6.0"},
+                         caller_file="/site-packages/fla/ops/gated_delta_rule/chunk.py")
+    jit = [f for f in traindx.analyze(run) if f.analyzer == "jit"]
+    assert [f.id for f in jit] == ["jit.cold_start"], [(f.id, f.title) for f in jit]
+    cold = jit[0]
+    assert cold.evidence["cold_autotune_seconds"] == pytest.approx(28.9, abs=0.01)
+    assert cold.evidence["cold_compile_seconds"] == pytest.approx(2.9, abs=0.01)
+    assert "28.9 s autotuning 5 kernel(s)" in cold.title
+    first = cold.prescriptions[0]
+    assert first.kind == "precompile" and first.change["precompile"]["from_run"] == run.path
+    assert "kernel-cache warm --from-run" in first.command
+    assert all(p.expected_gain_s_per_step is None or p.expected_gain_s_per_step > 0
+               for p in cold.prescriptions)
+
+
+def test_a_reautotune_and_its_recompiles_are_one_finding(tmp_path):
+    """A Triton kernel whose autotune key changes tunes again and compiles the configs it
+    benchmarks: one jit.autotune finding with both seconds, no second recompile finding."""
+    compiles = []
+    for s in range(4):
+        fields = {"n": str(96 + 64 * s)}
+        compiles.append(("triton_autotune", "scale_add", s, 0.3, fields,
+                         {"key_names": ["n"], "configs": 2}))
+        for _ in range(2):
+            compiles.append(("triton", "scale_add", s, 0.1, {}, {"autotune_of": "scale_add"}))
+    run = _synthetic_run(tmp_path / "run", ["python", "train.py"], compiles, step_s=1.0, steps=4)
+    jit = [f for f in traindx.analyze(run) if f.analyzer == "jit"]
+    # the first step's tuning is the cold start (another cause: first use); nothing else
+    assert sorted(f.id for f in jit) == ["jit.autotune", "jit.cold_start"], \
+        [(f.id, f.title) for f in jit]
+    f = next(f for f in jit if f.id == "jit.autotune")
+    assert f.evidence["changing_key_fields"] == ["n"]
+    assert f.evidence["recompiles_while_tuning"] == 6
+    # 0.3 s benchmarking + 2 x 0.1 s compiles per later step
+    assert f.seconds_lost_per_step == pytest.approx(0.5, abs=0.02)
+    assert set(f.removes["categories"]) == {"autotune", "compile"}

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from traindx.errors import UserError
-from traindx.kernel_cache import cli, spec, store
+from traindx.kernel_cache import spec, store
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "tests" / "data" / "kernel_cache"
@@ -201,6 +201,7 @@ def seed_run(tmp_path_factory):
 
 @pytest.mark.fa4
 @needs_fa4
+@pytest.mark.slow
 def test_from_run_replays_the_keys_of_a_recorded_run(seed_run, tmp_path):
     run, job_cache = seed_run
     recorded = fa4_compiles(run)
@@ -214,6 +215,7 @@ def test_from_run_replays_the_keys_of_a_recorded_run(seed_run, tmp_path):
 
 @pytest.mark.fa4
 @needs_fa4
+@pytest.mark.slow
 def test_warm_spec_then_the_job_compiles_nothing(seed_run, tmp_path):
     _, job_cache = seed_run
     cache = tmp_path / "cache"
@@ -230,6 +232,7 @@ def test_warm_spec_then_the_job_compiles_nothing(seed_run, tmp_path):
 
 @pytest.mark.fa4
 @needs_fa4
+@pytest.mark.slow
 def test_verify_reports_a_corrupted_entry(seed_run, tmp_path):
     _, job_cache = seed_run
     cache = tmp_path / "cache"
@@ -247,6 +250,7 @@ def test_verify_reports_a_corrupted_entry(seed_run, tmp_path):
 
 @pytest.mark.fa4
 @needs_fa4
+@pytest.mark.slow
 def test_spec_fa4_rejects_gives_one_line_error(tmp_path):
     proc = kernel_cache("warm", "--spec", "hd=512,hq=8", "--seqlens", "1024", "--arch", "sm_90",
                         "--cache-dir", tmp_path)

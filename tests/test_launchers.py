@@ -47,7 +47,7 @@ def assert_two_ranks(run, launchers=()):
     assert sorted(run.manifest["ranks"]) == ["0", "1"]
     assert {int(p) for p in run.manifest["ranks"].values()} == set(ranked["pid"])
     for argv_part in launchers:  # e.g. the torchrun agent: seen by the shim, not a rank
-        launcher = procs[procs["argv"].map(lambda a: any(argv_part in x for x in a or []))
+        launcher = procs[procs["argv"].map(lambda a: any(argv_part in x for x in a or []))  # noqa: B023
                          & procs["label"].isna()]
         assert len(launcher) >= 1, (argv_part, procs.to_dict("records"))
     # py-spy evidence of both ranks, unless py-spy cannot attach on this machine (then the

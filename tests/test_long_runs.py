@@ -5,7 +5,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import threading
 import time
 
@@ -223,6 +222,15 @@ def _recording(run_dir):
         return False
 
 
+def _live_warmed(run_dir):
+    """Whether the live judge has made its first full analysis."""
+    try:
+        shown = json.load(open(run_dir / "live.json"))
+    except (OSError, ValueError):
+        return False
+    return shown.get("full_stage_cpu_s", 0) > 0
+
+
 def _rss_kb(pid):
     try:
         with open(f"/proc/{pid}/status") as f:
@@ -251,7 +259,8 @@ def test_an_accelerated_long_run_stays_in_its_budget_and_still_analyses(tmp_path
         start = time.monotonic()
         while proc.poll() is None:
             if _recording(run_dir):  # the job runs (the analysis after it loads the run)
-                samples.append((time.monotonic() - start, _evidence_bytes(run_dir), _rss_kb(proc.pid)))
+                samples.append((time.monotonic() - start, _evidence_bytes(run_dir), _rss_kb(proc.pid),
+                                _live_warmed(run_dir)))
             time.sleep(0.5)
 
     watcher = threading.Thread(target=watch)
@@ -266,12 +275,17 @@ def test_an_accelerated_long_run_stays_in_its_budget_and_still_analyses(tmp_path
     # between two settles of the roller (0.75 s here, ~0.2-0.5 MB at this job's rate, more when
     # the machine starves the launcher; at the default 5 s it is ~0.1% of 2 GB)
     assert _evidence_bytes(run_dir) <= budget, sorted(os.listdir(run_dir))
-    during = [b for t, b, _ in samples if t > 5]
+    during = [b for t, b, _, _ in samples if t > 5]
     assert during and max(during) <= 1.75 * budget, max(during)
 
     # the launcher's memory does not grow with the run (the log, dumps and queues stream to disk)
-    rss = [(t, r) for t, _, r in samples if r]
-    early = [r for t, r in rss if 8 < t < 14]
+    # (counted from the live judge's first analysis: its imports, pandas and the analyzers, are a
+    # one-off step up that comes later on a loaded machine)
+    rss = [(t, r) for t, _, r, warmed in samples if r and warmed]
+    # (12 s of them at least: an early and a late stretch that do not overlap)
+    assert rss and rss[-1][0] - rss[0][0] >= 12, \
+        f"the live judge first analysed {rss[0][0] if rss else None} s in, too late to compare"
+    early = [r for t, r in rss if rss[0][0] + 1 < t < rss[0][0] + 7]
     late = [r for t, r in rss if t > rss[-1][0] - 5]
     assert early and late and max(late) - min(early) < 15_000, (early, late)
 
@@ -294,11 +308,21 @@ def test_an_accelerated_long_run_stays_in_its_budget_and_still_analyses(tmp_path
     assert len(steps) + dropped == done
     assert steps[0] == 0 and steps[-1] == done - 1
     assert dropped == 0 or events_summary[0]["dropped"]["first_step"] > 0
-    # py-spy still sees the whole run: the main thread's seconds are far more than the first and
-    # the kept windows alone hold ((keep + 2) x 3 s = 12 s): the folded windows count (0.45: py-spy
-    # takes fewer samples on a loaded machine)
-    main = max(run.pyspy[("0", "all")].values(), key=lambda ts: sum(ts.weights))
-    assert sum(main.weights) > 0.45 * seconds, sum(main.weights)
+    # py-spy still sees the whole run: the folded summary holds more of the main thread than the
+    # kept windows do (>= 5 windows folded, 2 kept), and the loaded run holds all of it. Measured
+    # against each other, not against the clock: py-spy takes fewer samples on a loaded machine
+    from traindx.profiler.speedscope import load as load_speedscope
+
+    def main_seconds(threads):
+        return max(sum(ts.weights) for ts in threads.values())
+
+    flavour = rolled[0][: -len(".rolled.speedscope.json")]   # p<pid>-all or p<pid>-gil
+    kept = [load_speedscope(str(run_dir / "pyspy" / f)) for f in files
+            if f.startswith(flavour + ".w") and f.endswith(".speedscope.json")]
+    folded_s = main_seconds(load_speedscope(str(run_dir / "pyspy" / rolled[0])))
+    assert kept and folded_s > sum(main_seconds(k) for k in kept), (folded_s, len(kept))
+    main = max(run.pyspy[("0", flavour.rsplit("-", 1)[1])].values(), key=lambda ts: sum(ts.weights))
+    assert sum(main.weights) >= folded_s + sum(main_seconds(k) for k in kept) - 1e-6
     assert (run_dir / "findings.json").exists() and (run_dir / "report.html").exists()
     assert any(f.endswith(".gz") for f in os.listdir(run_dir / "events"))  # rolled, not just cut
     print(f"\nlong run: {done} steps ({len(steps)} loaded, {dropped} dropped and counted); "

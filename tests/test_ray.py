@@ -138,7 +138,7 @@ def test_ray_cluster_of_two_nodes_under_diagnose_merges_into_one_run(tmp_path, r
         driver = subprocess.run([PY, JOB, "--steps", str(STEPS), "--address", f"127.0.0.1:{gcs}",
                                  "--spread", "--storage", str(tmp_path / "ray_results")],
                                 cwd=tmp_path, env=ray_env(ray_tmp), text=True, capture_output=True,
-                                timeout=240)
+                                timeout=420)
         assert driver.returncode == 0, driver.stdout[-2000:] + driver.stderr[-3000:]
     finally:
         for p in (worker, head):  # stopped the way scancel / a pod deletion stops a node
@@ -203,6 +203,7 @@ def test_ray_node_needs_a_shared_run_dir(tmp_path):
     assert proc.returncode != 0 and "--run-dir" in proc.stderr and "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow
 def test_events_are_written_when_the_process_group_is_destroyed_before_a_quick_exit(tmp_path):
     """Ray Train destroys each worker's process group, then ray.kill ends the worker without
     atexit: the steps the writer still queued must be on disk by then (the steps here take

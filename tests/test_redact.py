@@ -1,12 +1,14 @@
 """Secrets are redacted by value as well as by name, in the manifest (env, command, options), the
 report's log view and command, and the report as a whole; non-secrets survive."""
 import json
+import os
 import textwrap
 
 import pytest
 
 from helpers import PY, diagnose
 
+import traindx
 from traindx import redact
 
 # (text, the secret part that must go) — shapes seen in real environments and command lines
@@ -97,8 +99,14 @@ JOB = textwrap.dedent("""
 
     # a job that echoes its configuration, secrets included, as many do
     print("db:", os.environ["DATABASE_URL"])
+    print("args:", sys.argv)  # the Python list: the key stands alone between quotes
     print("args:", " ".join(sys.argv[1:]))
     print("export WANDB_API_KEY=" + os.environ["WANDB_API_KEY"])
+    print("service password is", os.environ["SERVICE_PASSWORD"])  # no shape: only its value says
+    print("tracking at https://ml:ml-pass-77@mlflow.example.com")
+    print("Authorization: Bearer abcdef0123456789abcdef0123")
+    print("HEAD is now at 9fceb02d0ae598e95dc970b74767f19372d61af8; model meta-llama/Llama-3.1-8B")
+    print("checkpoint /data/checkpoints/run-42/model.safetensors, lr=3e-4, num_tokens=4096")
     w = torch.nn.Parameter(torch.ones(4))
     opt = torch.optim.SGD([w], lr=0.1)
     for step in range(3):
@@ -107,39 +115,99 @@ JOB = textwrap.dedent("""
         opt.zero_grad()
         print(f"step {step} loss {float((w * w).sum()):.4f}")
 """)
+NON_SECRETS = ["9fceb02d0ae598e95dc970b74767f19372d61af8", "meta-llama/Llama-3.1-8B",
+               "/data/checkpoints/run-42/model.safetensors", "lr=3e-4", "num_tokens=4096",
+               "step 2 loss", "--lr 0.1", "postgres://trainer:<redacted>@db.internal/runs"]
 
 
-def test_manifest_log_view_and_report_hold_no_secret(tmp_path):
+def _texts_under(folder):
+    """(path, text) of every file under a run folder: gzip decompressed, Parquet tables as the
+    text of every value they hold."""
+    import gzip
+
+    import pyarrow.parquet as pq
+
+    for root, _, names in os.walk(folder):
+        for name in names:
+            path = os.path.join(root, name)
+            if name.endswith(".parquet"):
+                table = pq.read_table(path)
+                yield path, json.dumps(table.to_pylist(), default=str)
+            elif name.endswith(".gz"):
+                with gzip.open(path, "rt", encoding="utf-8", errors="replace") as f:
+                    yield path, f.read()
+            else:
+                with open(path, encoding="utf-8", errors="replace") as f:
+                    yield path, f.read()
+
+
+@pytest.mark.slow
+def test_nothing_under_the_run_folder_holds_a_secret(tmp_path):
+    """The job's environment and arguments hold secrets, and the job prints them (its argv as a
+    Python list, a URL with a password, a bearer token, a password with no shape at all): no
+    file under the run folder - log, events, Parquet tables, findings, report, Perfetto
+    trace, card - holds one; what is not a secret (paths, numbers, commit hashes, model
+    names) is all still there."""
     wandb = "0123456789abcdef0123456789abcdef01234567"
     env = {"DATABASE_URL": "postgres://trainer:pw-9f3k2@db.internal/runs",
            "AZURE_STORAGE_CONNECTION_STRING": "AccountName=st;AccountKey=c2VjcmV0a2V5c2VjcmV0a2V5MTIzNA==",
            "SENTRY_DSN": "https://0123456789abcdef0123456789abcdef@o1.ingest.sentry.io/1",
-           "MLFLOW_TRACKING_URI": "https://ml:ml-pass-77@mlflow.example.com",
            "GITHUB_PAT": "github_pat_11ABCDEFG0123456789_abcdefghijklmnopqrst",
            "WANDB_API_KEY": "fedcba9876543210fedcba9876543210fedcba98",
-           "TORCH_HOME": "/data/torch-home"}
+           "SERVICE_PASSWORD": "opensesame-42",
+           "TORCH_HOME": "/data/torch-home", "TRAINDX_CACHE": "1"}
     secrets = ["pw-9f3k2", "c2VjcmV0a2V5c2VjcmV0a2V5MTIzNA==", "0123456789abcdef0123456789abcdef",
                "ml-pass-77", "abcdefghijklmnopqrst", "fedcba9876543210fedcba9876543210fedcba98", wandb,
-               "hf_aBcDeFgHiJkLmNoPqRsTuVwXyZ01234567"]
+               "hf_aBcDeFgHiJkLmNoPqRsTuVwXyZ01234567", "opensesame-42", "abcdef0123456789abcdef0123"]
     script = tmp_path / "job.py"
     script.write_text(JOB)
     run_dir = tmp_path / "run"
-    proc = diagnose(["--quiet", "--no-pyspy", "--no-nvml", "--run-dir", str(run_dir), "--", PY,
+    proc = diagnose(["--quiet", "--no-nvml", "--no-pyspy", "--torch-profile", "1",
+                     "--run-dir", str(run_dir), "--", PY,
                      str(script), "--wandb_key", wandb, "--hf-token=hf_aBcDeFgHiJkLmNoPqRsTuVwXyZ01234567",
                      "--lr", "0.1"], cwd=tmp_path, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    manifest_text = (run_dir / "manifest.json").read_text()
-    report_text = (run_dir / "report.html").read_text()
-    for secret in secrets:
-        assert secret not in manifest_text, secret
-        assert secret not in report_text, secret
-    manifest = json.loads(manifest_text)
+    for extra in (["report", str(run_dir), "--quiet", "--perfetto", str(run_dir / "trace.json.gz")],
+                  ["card", str(run_dir), "--tokens-per-step", "16", "-o", str(run_dir / "card.yaml")]):
+        done = diagnose(extra, cwd=tmp_path, env=env, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+    texts = dict(_texts_under(run_dir))
+    assert any(p.endswith(".parquet") for p in texts) and any("events" in p for p in texts)
+    assert str(run_dir / "trace" / "0.json.gz") in texts  # the torch.profiler window
+    for path, text in texts.items():
+        for secret in secrets:
+            assert secret not in text, (secret, path)
+    manifest = json.loads(texts[str(run_dir / "manifest.json")])
     assert manifest["command"] == [PY, str(script), "--wandb_key", "<redacted>",
                                    "--hf-token=<redacted>", "--lr", "0.1"]
     assert manifest["env"]["DATABASE_URL"] == "postgres://trainer:<redacted>@db.internal/runs"
     assert manifest["env"]["TORCH_HOME"] == "/data/torch-home"
-    # the report still shows what is not secret: the job's log, its loss lines, its command
+    log = texts[str(run_dir / "log.txt")]
+    for kept in NON_SECRETS:
+        assert kept in log, kept
+    assert "args: [" in log and "'--wandb_key', '<redacted>'" in log
+    assert "Bearer <redacted>" in log and "https://ml:<redacted>@mlflow.example.com" in log
+    # the shim's own record of the process: its arguments without the secrets
+    run = traindx.load_run(run_dir)
+    (argv,) = [a for a in run.processes["argv"] if a]
+    assert list(argv) == [str(script), "--wandb_key", "<redacted>", "--hf-token=<redacted>",
+                          "--lr", "0.1"]
+    report_text = texts[str(run_dir / "report.html")]
     assert "step 2 loss" in report_text and "--lr 0.1" in report_text
-    assert "postgres://trainer:&lt;redacted&gt;@db.internal/runs" in report_text
-    # the raw log is kept as the job wrote it (nothing collected is lost); only views redact
-    assert "pw-9f3k2" in (run_dir / "log.txt").read_text()
+
+
+def test_a_redactor_hides_the_jobs_own_values_and_keeps_the_rest():
+    env = {"SERVICE_PASSWORD": "opensesame-42", "HF_TOKEN": "x", "PWD": "/work/project",
+           "DATABASE_URL": "postgres://u:pw-9f3k2@db/x", "TOKENIZERS_PARALLELISM": "false"}
+    argv = ["train.py", "--wandb_key", "0123456789abcdef0123456789abcdef01234567",
+            "--db-password", "hunter2", "--lr", "0.1", "--key-dim", "64"]
+    r = redact.Redactor.for_job(env, argv)
+    line = r.line(f"{argv} pw-9f3k2 opensesame-42 in /work/project, false, hunter2 at step 64")
+    for secret in ("opensesame-42", "pw-9f3k2", "hunter2", "0123456789abcdef0123456789abcdef01234567"):
+        assert secret not in line
+    # too short to hide everywhere (HF_TOKEN=x), a path (PWD), numbers and flags stay
+    assert "/work/project" in line and "false" in line and "step 64" in line and "'--lr', '0.1'" in line
+    assert r.argv(argv) == ["train.py", "--wandb_key", "<redacted>", "--db-password", "<redacted>",
+                            "--lr", "0.1", "--key-dim", "64"]
+    for text in NOT_SECRETS:
+        assert r.line(text) == text

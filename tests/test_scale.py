@@ -6,7 +6,6 @@ import random
 import sys
 import time
 
-import pytest
 
 from traindx.analyzers import stability
 from traindx.analyzers.stability import find_period

@@ -225,6 +225,7 @@ def _assert_steps(run, n):
     assert (steps["start_ns"].iloc[1:].values == steps["end_ns"].iloc[:-1].values).all()
 
 
+@pytest.mark.slow
 def test_an_optimizer_container_counts_once_per_iteration(tmp_path):
     proc, run, run_dir = _run(tmp_path, "container", 6)
     assert _printed_iters(proc) == list(range(6))
@@ -233,11 +234,13 @@ def test_an_optimizer_container_counts_once_per_iteration(tmp_path):
     assert {e["source"] for e in _events(run_dir, "step_end")} == {"torch.optim"}
 
 
+@pytest.mark.slow
 def test_two_optimizers_in_one_iteration_are_one_step(tmp_path):
     proc, run, _ = _run(tmp_path, "gan", 5)
     _assert_steps(run, 5)
 
 
+@pytest.mark.slow
 def test_a_grad_scaler_skipped_step_is_still_an_iteration(tmp_path):
     proc, run, run_dir = _run(tmp_path, "scaler", 5)
     _assert_steps(run, 5)
@@ -246,18 +249,21 @@ def test_a_grad_scaler_skipped_step_is_still_an_iteration(tmp_path):
     assert {e["source"] for e in ends} == {"grad_scaler"}
 
 
+@pytest.mark.slow
 def test_a_hand_written_sgd_loop_counts_backward_passes(tmp_path):
     proc, run, run_dir = _run(tmp_path, "sgd", 5)
     _assert_steps(run, 5)
     assert {e["source"] for e in _events(run_dir, "step_end")} == {"backward"}
 
 
+@pytest.mark.slow
 def test_optimizers_at_different_rates_follow_the_learned_cycle(tmp_path):
     # without a marker the critic's steps (3 an iteration) are the steps: documented behaviour
     proc, run, _ = _run(tmp_path, "critic", 3)
     assert len(run.steps) == 9
 
 
+@pytest.mark.slow
 def test_traindx_step_marker_wins_over_optimizer_steps(tmp_path):
     proc, run, run_dir = _run(tmp_path, "critic-marker", 4)
     _assert_steps(run, 4)
@@ -266,6 +272,7 @@ def test_traindx_step_marker_wins_over_optimizer_steps(tmp_path):
 
 @pytest.mark.parametrize("mode,target", [("critic-fn", "__main__:end_of_iteration"),
                                          ("critic-module", "traindx_loop_util:log_step")])
+@pytest.mark.slow
 def test_step_marker_option_names_the_jobs_function(tmp_path, mode, target):
     proc, run, run_dir = _run(tmp_path, mode, 4, "--step-marker", target)
     _assert_steps(run, 4)
@@ -283,12 +290,14 @@ def test_traindx_step_is_a_cheap_no_op_outside_diagnose():
     traindx.step()  # not recording: nothing happens, nothing raises
 
 
+@pytest.mark.slow
 def test_gradient_accumulation_with_one_optimizer_is_one_step_per_iteration(tmp_path):
     proc, run, _ = _run(tmp_path, "nanogpt", 5)
     _assert_steps(run, 5)
     assert _printed_iters(proc) == list(range(5))
 
 
+@pytest.mark.slow
 def test_steps_n_stops_after_the_last_steps_own_log_line(tmp_path):
     proc, run, run_dir = _run(tmp_path, "nanogpt", 20, "--steps", "4")
     _assert_steps(run, 4)
@@ -310,6 +319,7 @@ def test_steps_n_with_torch_compile_keeps_the_last_log_line(tmp_path):
     assert _events(run_dir, "step_begin")[0]["begun_by"] == "forward"
 
 
+@pytest.mark.slow
 def test_step_0_begins_at_the_first_batch_not_at_the_optimizers_creation(tmp_path):
     proc, run, run_dir = _run(tmp_path, "trainer", 4)
     _assert_steps(run, 4)

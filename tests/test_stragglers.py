@@ -20,11 +20,29 @@ JOB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "jobs", "straggle
 TORCHRUN = os.path.join(os.path.dirname(PY), "torchrun")
 
 
+# a rank that dies by a signal (a teardown SIGABRT was seen twice beside other tests) prints
+# every Python thread's stack: with _job_stderr below, its cause reaches the failure message
+JOB_ENV = {"PYTHONFAULTHANDLER": "1"}
+
+
+def _job_stderr(out, lines=60):
+    """The ranks' own stderr lines from the run's log.txt: diagnose's summary fills the tail of
+    its stderr, so a rank's abort message is lost from proc.stderr[-3000:]."""
+    try:
+        with open(os.path.join(only_run_dir(out), "log.txt"), encoding="utf-8", errors="replace") as f:
+            err = [line.split(" ", 2)[-1] for line in f if line.split(" ", 2)[1:2] == ["e"]]
+    except (OSError, AssertionError):
+        return ""
+    return "".join(line for line in err if not line.startswith("[I"))[-lines * 200:]
+
+
 def _run(tmp_path, *job_args, nproc=2, pyspy=False):
     out = tmp_path / "runs"
     proc = diagnose(["--out", str(out), "--quiet", *([] if pyspy else ["--no-pyspy"]), "--", TORCHRUN,
-                     "--nproc-per-node", str(nproc), JOB, *job_args], cwd=tmp_path, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+                     "--nproc-per-node", str(nproc), JOB, *job_args], cwd=tmp_path, env=JOB_ENV,
+                    timeout=300)
+    assert proc.returncode == 0, (proc.stdout[-2000:] + proc.stderr[-3000:]
+                                  + "\n--- the ranks' stderr (log.txt) ---\n" + _job_stderr(out))
     run = traindx.load_run(only_run_dir(out))
     return run, traindx.analyze(run)
 
@@ -54,9 +72,10 @@ def test_sleeping_rank_of_three_is_named_with_each_others_wait(tmp_path):
     # both other ranks waited about the sleep for it, every step
     assert set(f.evidence["others_wait_per_step_s"]) == {"0", "1"}
     assert all(0.15 < w < 0.5 for w in f.evidence["others_wait_per_step_s"].values())
-    # a sleep is no timed line: its ledger shows it as untimed work before the all_reduce
-    assert f.evidence["cause"] == "unexplained"
-    assert f.evidence["late_because_per_step_s"]["unexplained"] > 0.15
+    # a sleep is no timed call: its ledger shows it as host time (the training thread's own
+    # code between measured calls) before the all_reduce
+    assert f.evidence["cause"] == "host"
+    assert f.evidence["late_because_per_step_s"]["host"] > 0.15
     assert set(f.evidence["late_at"]["ops"]) == {"all_reduce"}
     assert f.severity in ("high", "critical")
     # one host, one clock: the arrivals themselves tell the same lateness as the waits
@@ -108,6 +127,9 @@ def test_compiling_straggler_chains_under_its_recompile(tmp_path):
     assert "ranks.straggler" in root.symptoms
 
 
+# alone: beside other tests under -n 3 its second gloo rank aborted (SIGABRT) after its last
+# step twice in six runs (cause not found yet); alone it never has
+@pytest.mark.serial
 def test_pipeline_stages_show_bubbles_not_a_straggler(tmp_path):
     # --grad-norm: an all_reduce over both stages every step as well (gradient clipping)
     run, findings = _run(tmp_path, "--sync", "pipeline", "--grad-norm", "--width", "512",
@@ -122,6 +144,9 @@ def test_pipeline_stages_show_bubbles_not_a_straggler(tmp_path):
     assert 0 < bubble.share_of_step < 1
 
 
+# alone: beside other tests under -n 3 its second gloo rank aborted (SIGABRT) after its last
+# step twice in six runs (cause not found yet); alone it never has
+@pytest.mark.serial
 def test_a_slow_pipeline_stage_is_a_bubble_with_the_stage_that_causes_it(tmp_path):
     run, findings = _run(tmp_path, "--sync", "pipeline", "--grad-norm", "--slow-rank", "1",
                          "--cause", "gc")
@@ -136,6 +161,7 @@ def test_a_slow_pipeline_stage_is_a_bubble_with_the_stage_that_causes_it(tmp_pat
     assert bubble.cause == "gc.gen2_in_step"  # the stage's GC is the root, the bubble its symptom
 
 
+@pytest.mark.serial  # two CPU burners: no other test beside them
 @pytest.mark.parametrize("sync", ["allreduce", "ddp"])
 def test_healthy_jobs_give_nothing_under_cpu_load(tmp_path, burners, sync):
     run, findings = _run(tmp_path, "--sync", sync, "--steps", "16")
@@ -143,6 +169,7 @@ def test_healthy_jobs_give_nothing_under_cpu_load(tmp_path, burners, sync):
     assert _ranks(findings) == {}, [(f.id, f.summary) for f in findings if f.analyzer == "ranks"]
 
 
+@pytest.mark.serial  # two CPU burners: no other test beside them
 def test_straggler_under_cpu_load_is_the_same_rank_and_cause(tmp_path, burners):
     run, findings = _run(tmp_path, "--sync", "ddp", "--slow-rank", "0", "--cause", "gc")
     f = _ranks(findings)["ranks.straggler"]

@@ -30,7 +30,8 @@ def reference(doc, rank):
         args = e.get("args") or {}
         rows.append((rank, e.get("cat"), e.get("name", ""), start, start + int(round(dur * 1000)),
                      dur / 1e6, e.get("pid"), e.get("tid"), args.get("Python id"),
-                     args.get("Python parent id"), args.get("device"), args.get("stream")))
+                     args.get("Python parent id"), args.get("device"), args.get("stream"),
+                     args.get("bytes")))
     return pd.DataFrame(rows, columns=TRACE_COLUMNS)
 
 
@@ -42,6 +43,7 @@ def assert_same(expected, got):
             assert (pd.isna(a) and pd.isna(b)) or a == b, (col, a, b)
 
 
+@pytest.mark.slow
 def test_real_h200_trace_same_table_as_whole_document_reader(monkeypatch):
     with gzip.open(COMPACT, "rt") as f:
         compact = reference(json.load(f), "0")
@@ -104,6 +106,7 @@ def test_unreadable_traces_are_one_clear_error(tmp_path):
     assert sorted(os.path.basename(p) for p in errors) == ["0.json.gz", "1.json.gz", "2.json.gz"]
 
 
+@pytest.mark.slow
 def test_memory_is_bounded_by_the_table_not_the_document(tmp_path, monkeypatch):
     sys.path.insert(0, os.path.join(ROOT, "bench"))
     import synth_trace

@@ -1,6 +1,9 @@
 """traindx: finds why a training run is slow, prescribes the fix, applies it, proves it.
 
 Notebook API: `run = traindx.load_run(path)`; `findings = traindx.analyze(run)`.
+Engines, no argparse: `traindx.fix(command, traindx.FixOptions(...)) -> FixResult` (the --fix
+loop), `traindx.merge(run_dir) -> RunRecord` (a multi-node run's parts), `traindx.card(run,
+traindx.CardOptions(...)) -> Card` (a recipe card).
 In a training loop: `traindx.step()` at the end of each iteration marks a step (see
 docs/run-record.md, "What a step is"); it does nothing when the job is not run under `diagnose`.
 """
@@ -33,14 +36,22 @@ def analyze(run):
     return _analyze(run)
 
 
-def __getattr__(name):
-    # the run record pulls in pandas: load it on first use, so `import traindx; traindx.step()`
-    # in a training job stays light
-    if name in ("RunRecord", "load_run"):
-        from traindx import record
+# the run record pulls in pandas: each name is loaded on first use, so `import traindx;
+# traindx.step()` in a training job stays light
+_LAZY = {"RunRecord": "traindx.record", "load_run": "traindx.record",
+         "fix": "traindx.fixloop", "FixOptions": "traindx.fixloop", "FixResult": "traindx.fixloop",
+         "FixEvent": "traindx.fixloop", "merge": "traindx.multinode",
+         "card": "traindx.recipes.card", "CardOptions": "traindx.recipes.card",
+         "Card": "traindx.recipes.card"}
 
-        return getattr(record, name)
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'traindx' has no attribute {name!r}")
 
 
-__all__ = ["RunRecord", "analyze", "load_run", "step"]
+__all__ = ["Card", "CardOptions", "FixEvent", "FixOptions", "FixResult", "RunRecord", "analyze",
+           "card", "fix", "load_run", "merge", "step"]

@@ -38,7 +38,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.json as pa_json
 
+from traindx import nodes
 from traindx.profiler.rolling import read_bytes
+from traindx.profiler.shim._traindx_shim import schema
 from traindx.profiler.shim._traindx_shim.roles import parse_process_file
 from traindx.profiler.shim._traindx_shim.segments import segments
 
@@ -65,8 +67,6 @@ def event_files(run_path, manifest=None):
     to add to its timestamps): events/*.jsonl (node None, offset 0), or for a merged multi-node
     run each node's events/*.jsonl with that node's offset (traindx.nodes.parts). A long run's
     later segments (X.s000001[.gz]) belong to their head X and are read with it."""
-    from traindx import nodes
-
     out = []
     for folder, node, offset in nodes.parts(run_path, manifest or {}):
         for p in sorted(glob.glob(os.path.join(folder, "events", "*.jsonl"))):
@@ -79,11 +79,21 @@ def _is_number(value):
     return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
 
 
+MAX_NS = 2 ** 63 - 1  # a time every reader can hold as int64 ns
+
+
+def _is_time(value):
+    return _is_number(value) and 0 <= value <= MAX_NS
+
+
 def valid_event(event):
-    """type (text), t (ns, a number) and a whole step number on steps."""
-    if not isinstance(event.get("type"), str) or not _is_number(event.get("t")):
+    """type (text), t (ns, a number an int64 holds; `start` too when there is one) and a whole
+    step number on steps."""
+    if not isinstance(event.get("type"), str) or not _is_time(event.get("t")):
         return False
-    if event["type"] in ("step_begin", "step_end"):
+    if event.get("start") is not None and not _is_time(event["start"]):
+        return False
+    if event["type"] in (schema.STEP_BEGIN, schema.STEP_END):
         return isinstance(event.get("step"), int)
     return True
 
@@ -114,7 +124,16 @@ def _flat_ok(table):
         return False
     if pa.types.is_floating(t) and pc.any(pc.is_nan(table["t"])).as_py():
         return False
-    is_step = pc.is_in(table["type"], pa.array(["step_begin", "step_end"]))
+    for name in ("t", "start"):  # times an int64 ns holds (else: line by line, named corrupt)
+        if name in names:
+            col = table[name]
+            if not (pa.types.is_integer(col.type) or pa.types.is_floating(col.type)
+                    or pa.types.is_null(col.type)):
+                return False
+            if col.length() - col.null_count and (
+                    pc.min(col).as_py() < 0 or pc.max(col).as_py() > MAX_NS):
+                return False
+    is_step = pc.is_in(table["type"], pa.array([schema.STEP_BEGIN, schema.STEP_END]))
     if pc.any(is_step).as_py():
         if "step" not in names or not pa.types.is_integer(table["step"].type):
             return False
@@ -123,11 +142,14 @@ def _flat_ok(table):
     return True
 
 
-def _parse_file(index, path):
+def _parse_file(index, path, data=None, whole_lines=False):
     """{type: arrow table of flat events}, {type: [nested event dicts]}, notes, identity:
     the process_start/rank_known/training events in file order, types present, first t.
-    Every row carries FILE (index) and SEQ (line number) for `_place`."""
-    data = read_bytes(path)  # the head and a long run's segments (profiler/rolling.py)
+    Every row carries FILE (index) and SEQ (line number) for `_place`. data: these bytes
+    instead of the file's (the part appended since the last read: traindx.so_far.EventsSoFar);
+    whole_lines: they end on a whole line, so the last one is not told apart as a cut-off one."""
+    if data is None:
+        data = read_bytes(path)  # the head and a long run's segments (profiler/rolling.py)
     buf = np.frombuffer(data, dtype=np.uint8)
     starts, ends = _line_bounds(buf)
     nonempty = ends > starts
@@ -141,7 +163,7 @@ def _parse_file(index, path):
     else:
         first_c = last_c = np.zeros(len(starts), np.uint8)
     flat = nonempty & (opens == 1) & (lists == 0) & (first_c == ord("{")) & (last_c == ord("}"))
-    if last >= 0:
+    if last >= 0 and not whole_lines:
         flat[last] = False  # a cut-off last line is told apart by json.loads
     flat_tables, nested, notes = {}, {}, []
     table = None
@@ -213,7 +235,7 @@ def _parse_file(index, path):
         if rows and (first_seq is None or rows[0][SEQ] < first_seq):
             first_t, first_seq = rows[0]["t"], rows[0][SEQ]
     identity = []
-    for typ in ("process_start", "rank_known", "training"):
+    for typ in (schema.PROCESS_START, schema.RANK_KNOWN, schema.TRAINING):
         identity += list(nested.get(typ, ()))
         if typ in flat_tables:
             identity += flat_tables[typ].to_pylist()
@@ -233,8 +255,11 @@ class EventTables:
     event, a `rank` column, ordered by t then file order), built on first use and kept."""
 
     def __init__(self, files, labels_by_file, flat, nested, cached=None, summary=None,
-                 node_tables=None):
+                 node_tables=None, kept=None):
         self.files = files
+        # FramesKept of the loads before this one (a folder still being written: EventsSoFar):
+        # a type's frame is reused when its rows did not change, extended when rows were appended
+        self._kept = kept
         # [(index of the node's first file, {type: (parquet path, json columns)})]: the tables a
         # node of a merged run wrote for itself (raw node-clock times, node-local file indices)
         self._node_tables = node_tables or []
@@ -257,6 +282,17 @@ class EventTables:
     def _build(self, typ):
         if self._cached is not None:
             return self._read_cached(typ) if typ in self._cached else pd.DataFrame()
+        if self._kept is not None and not self._node_tables:
+            return self._kept.frame(self, typ)
+        return self._build_all(typ)
+
+    def _build_all(self, typ):
+        if not any(typ in paths for _, paths in self._node_tables):
+            tables = _with_scalar_rows(self._flat.get(typ, []), self._nested.get(typ, []))
+            if tables:
+                self._flat.pop(typ, None)
+                self._nested.pop(typ, None)
+                return self._place_arrow(typ, tables)
         parts = []
         tables = self._flat.pop(typ, [])
         if tables:
@@ -301,6 +337,69 @@ class EventTables:
         self._order[typ] = (df[FILE].to_numpy(np.int64), df[SEQ].to_numpy(np.int64))
         df = df.drop(columns=[FILE, SEQ])
         return _objects(df.dropna(axis=1, how="all"))
+
+    def _place_arrow(self, typ, tables):
+        """`_place` of a type whose rows are all flat (the common case), done on the Arrow
+        table before one conversion: the same frame, without pandas' fixed cost per operation
+        (a few ms each, whatever the rows: what a live pass on a short record is made of)."""
+        table = tables[0] if len(tables) == 1 else pa.concat_tables(tables,
+                                                                    promote_options="permissive")
+        tables.clear()
+        f = table[FILE].to_numpy().astype(np.int64)
+        rank = np.array(self._labels + [None], dtype=object)[f]
+        keep = pd.notna(rank)
+        if not keep.all():
+            table, f, rank = table.filter(pa.array(keep)), f[keep], rank[keep]
+        offsets = np.array([x.offset_ns for x in self.files] + [0], dtype=np.int64)
+        if offsets.any():
+            shift = pa.array(offsets[f])
+            for col in TIME_COLUMNS:
+                if col in table.column_names:
+                    i = table.column_names.index(col)
+                    table = table.set_column(i, col, pc.add(table[col], shift))
+        if "rank" in table.column_names:
+            table = table.drop_columns(["rank"])
+        t = table["t"].to_numpy(zero_copy_only=False)
+        if t.dtype != np.int64 and not np.isnan(t.astype(np.float64)).any() and \
+                (t.astype(np.float64) == np.floor(t.astype(np.float64))).all():
+            t = t.astype(np.int64)  # exact ns order
+        seq = table[SEQ].to_numpy().astype(np.int64)
+        order = np.lexsort((seq, f, t))
+        if (order != np.arange(len(order))).any():
+            table = table.take(pa.array(order))
+        self._order[typ] = (f[order], seq[order])
+        rank = rank[order]
+        table = table.drop_columns([FILE, SEQ])
+        table = table.select([c for c in table.column_names
+                              if table[c].null_count < table.num_rows])
+        columns = {}
+        for name, col in zip(table.column_names, table.columns):
+            if pa.types.is_string(col.type) or pa.types.is_large_string(col.type):
+                # plain object arrays of shared str objects, NaN where the field is absent
+                enc = pc.dictionary_encode(col).combine_chunks()
+                values = np.empty(len(enc.dictionary) + 1, dtype=object)
+                values[:-1] = enc.dictionary.to_pylist()
+                values[-1] = np.nan
+                codes = enc.indices.fill_null(len(enc.dictionary)).to_numpy()
+                columns[name] = values[codes]
+            else:
+                columns[name] = col.to_pandas()
+        columns["rank"] = rank
+        if any(x.node is not None for x in self.files):
+            columns["node"] = np.array([x.node for x in self.files] + [None], dtype=object)[
+                self._order[typ][0]]
+        # object arrays stay object (a DataFrame of str arrays would infer pandas' str dtype)
+        df = pd.DataFrame({k: (pd.Series(v, dtype=object, copy=False)
+                               if isinstance(v, np.ndarray) and v.dtype == object else v)
+                           for k, v in columns.items()}, copy=False)
+        objects = [c for c in df.columns if df[c].dtype == object and c in table.column_names
+                   and not (pa.types.is_string(table[c].type) or
+                            pa.types.is_large_string(table[c].type))] + \
+            (["node"] if "node" in columns else [])  # None -> NaN, as _place gives it
+        floats = [c for c in df.columns if df[c].dtype.kind == "f" and df[c].isna().all()]
+        if floats:
+            df = df.drop(columns=floats)
+        return _objects(df, objects) if objects else df
 
     def ranks(self):
         """Labels of the rank files that hold any event."""
@@ -395,6 +494,117 @@ class EventTables:
         return _objects(df)
 
 
+# a kept frame is extended by its appended rows only from this size on: a build has a fixed
+# cost of some milliseconds whatever its rows (pandas), so below it a whole build is cheaper
+EXTEND_MIN_ROWS = 2000
+
+
+def _with_scalar_rows(tables, rows):
+    """The Arrow tables of a type with its JSON-parsed rows as one more, when every value of
+    those rows is a scalar (a file's last line, a line Arrow's reader left out for its text):
+    what pandas would build from them. None when a row holds a list or a dict (kept Python
+    objects, as the analyzers read them) or its columns do not type in Arrow."""
+    if not rows:
+        return list(tables) or None
+    scalar = (str, int, float, bool, type(None))
+    if any(not isinstance(v, scalar) for e in rows for v in e.values()):
+        return None
+    keys = list(dict.fromkeys(k for e in rows for k in e))  # every row's fields, in order
+    try:
+        part = pa.table({k: pa.array([e.get(k) for e in rows]) for k in keys})
+        if any(pa.types.is_boolean(c.type) for c in part.columns) or \
+                any(c.type != pa.int64() for c in (part[FILE], part[SEQ])):
+            return None  # pandas keeps True and 1 apart in an object column: its path
+        tables = list(tables) + [part]
+        if len(tables) > 1:  # one table: the types must meet (else pandas' object columns)
+            tables = [pa.concat_tables(tables, promote_options="permissive")]
+    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, OverflowError):
+        return None
+    return tables
+
+
+class FramesKept:
+    """The pandas frames of one folder's event types, kept from one load to the next (a record
+    still being written): pure functions of the rows parsed so far, the files' labels and
+    offsets. A type whose rows did not change is the same frame; one whose files only gained
+    rows is the kept frame plus the new rows placed alone, when that is what a whole build gives
+    (same columns and dtypes, the new rows after the kept ones in (t, file, line) order); else
+    it is built whole. Frames are never changed in place (pandas' copy-on-write)."""
+
+    def __init__(self):
+        self._frames = {}  # type -> (files key, {file: (flat rows, nested rows)}, frame, order)
+
+    def forget(self, types) -> None:
+        """Drop the frames of `types` (their rows were trimmed: EventsSoFar's window)."""
+        for typ in types:
+            self._frames.pop(typ, None)
+
+    def frame(self, tables, typ):
+        files_key = (tuple(x.path for x in tables.files), tuple(tables._labels),
+                     tuple(x.offset_ns for x in tables.files))
+        flat, nested = tables._flat.get(typ, []), tables._nested.get(typ, [])
+        counts = {}
+        for t in flat:
+            if t.num_rows:
+                f = t[FILE][0].as_py()
+                counts[f] = (counts.get(f, (0, 0))[0] + t.num_rows, 0)
+        for e in nested:
+            n, m = counts.get(e[FILE], (0, 0))
+            counts[e[FILE]] = (n, m + 1)
+        kept = self._frames.get(typ)
+        df = None
+        if kept is not None and kept[0] == files_key:
+            _, before, old, order = kept
+            if counts == before:
+                df = old
+                tables._flat.pop(typ, None)
+                tables._nested.pop(typ, None)
+            elif len(old) >= EXTEND_MIN_ROWS and all(
+                    counts.get(f, (0, 0))[0] >= n and counts.get(f, (0, 0))[1] >= m
+                    for f, (n, m) in before.items()):
+                df, order = self._extended(tables, typ, before, old, order)
+        if df is None:
+            df = tables._build_all(typ)
+            order = tables._order.get(typ)
+        tables._order[typ] = order
+        self._frames[typ] = (files_key, counts, df, order)
+        return df
+
+    def _extended(self, tables, typ, before, old, order):
+        """(kept frame + the appended rows, its order keys), or (None, None) when a whole
+        build would give something else."""
+        new_flat = []
+        for t in tables._flat.get(typ, []):
+            if t.num_rows:
+                n = before.get(t[FILE][0].as_py(), (0, 0))[0]
+                if t.num_rows > n:
+                    new_flat.append(t.slice(n))
+        new_nested, seen = [], {}
+        for e in tables._nested.get(typ, []):
+            seen[e[FILE]] = seen.get(e[FILE], 0) + 1
+            if seen[e[FILE]] > before.get(e[FILE], (0, 0))[1]:
+                new_nested.append(e)
+        part = EventTables(tables.files, tables._labels, {typ: new_flat} if new_flat else {},
+                           {typ: new_nested} if new_nested else {})
+        new = part._build_all(typ)
+        if not len(new) or order is None or not len(old):
+            return (old, order) if not len(new) else (None, None)
+        new_order = part._order.get(typ)
+        same = set(new.columns) == set(old.columns) and all(
+            new[c].dtype == old[c].dtype for c in old.columns)
+        if not same or new_order is None:
+            return None, None
+        last = (old["t"].iat[-1], order[0][-1], order[1][-1])
+        first = (new["t"].iat[0], new_order[0][0], new_order[1][0])
+        if first < last:  # a row appended to one file sorts before one of another's kept rows
+            return None, None
+        tables._flat.pop(typ, None)
+        tables._nested.pop(typ, None)
+        df = pd.concat([old, new[list(old.columns)]], ignore_index=True)
+        return df, (np.concatenate([order[0], new_order[0]]),
+                    np.concatenate([order[1], new_order[1]]))
+
+
 class RankSubset:
     """EventTables restricted to some ranks (RunRecord.subset): each table filtered on use."""
 
@@ -420,11 +630,11 @@ class RankSubset:
         return df[df["rank"].isin(self._ranks).to_numpy()] if len(df) else df
 
 
-def _objects(df):
+def _objects(df, columns=None):
     """Text columns as plain object arrays of shared str objects (8 bytes a row: the few
     distinct values are factorised once), NaN where an event has no such field. pandas'
     Arrow-backed str columns cost a conversion per element on every iteration or to_numpy."""
-    for col in df.columns:
+    for col in df.columns if columns is None else columns:
         dtype = df[col].dtype
         if isinstance(dtype, pd.StringDtype):
             codes, uniques = pd.factorize(df[col])
@@ -432,7 +642,7 @@ def _objects(df):
             values[:-1] = list(uniques)
             values[-1] = np.nan
             df[col] = pd.Series(values[codes], index=df.index, dtype=object)
-        elif dtype == object and col != "rank":
+        elif dtype == object and col != "rank":  # noqa: E721 (a numpy dtype equals object)
             # NaN (not None) marks a field an event does not have, as pandas builds it
             df[col] = df[col].where(df[col].notna(), np.nan)
     return df
@@ -500,14 +710,25 @@ def read_cache(run_path, fp):
     try:
         with open(os.path.join(folder, "index.json"), encoding="utf-8") as fh:
             index = json.load(fh)
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return None
-    if index.get("fingerprint") != fp:
+    # a derived copy: anything wrong with it (garbage, a cut write) and the raw events are parsed
+    if not isinstance(index, dict) or index.get("fingerprint") != fp:
         return None
-    paths = {typ: (os.path.join(folder, f"{i}.parquet"), index["json_columns"].get(typ, []))
-             for i, typ in enumerate(index["types"])}
-    if not all(os.path.exists(p) for p, _ in paths.values()):
+    try:
+        paths = {typ: (os.path.join(folder, f"{i}.parquet"), index["json_columns"].get(typ, []))
+                 for i, typ in enumerate(index["types"])}
+        for key in ("summary", "processes", "labels", "labels_by_file", "notes"):
+            index[key]
+    except (KeyError, TypeError, AttributeError):
         return None
+    import pyarrow.parquet as pq
+
+    for p, _ in paths.values():
+        try:
+            pq.read_metadata(p)  # the footer only: a garbage or cut file fails here
+        except (OSError, ValueError, pa.ArrowException):
+            return None
     return index, paths
 
 

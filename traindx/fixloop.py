@@ -1,353 +1,51 @@
-"""`diagnose --fix`: prescribe, apply, re-measure, prove.
+"""`diagnose --fix`: prescribe, apply, re-measure, prove — as a Python engine.
+
+    result = traindx.fix(command, traindx.FixOptions(record=Options(steps=20)))
 
 1. Baseline arm: the command as given, recorded and analyzed like `diagnose -- <cmd>`.
-2. The plan: from every finding, its first automatic prescription (alternatives after it are
-   listed, not applied: they answer the same problem) plus its automatic precompile steps.
-   Applied automatically: environment changes, command-line flags of known frameworks
-   (Megatron, ms-swift, slime, torchtitan, HF Trainer, the examples), `kernel-cache warm
-   --from-run <baseline>` with FA4's persistent cache enabled for the candidate. Code changes
-   and upgrades are printed as instructions.
-3. Candidate arm: the rewritten command with the same traindx options and the same --steps.
-4. The comparison (traindx.recipes.ab): printed, written to <candidate>/comparison.json and
-   rendered in the candidate's report.html.
+2. The candidates (traindx.fixplan.candidate_plans): every concrete change a finding prescribes,
+   one per arm, best predicted saving first. Mechanisms: config (env vars, the job's or its
+   framework's flags), source (a patch on a scratch copy, `fix.patch` for the user), runtime (a
+   shim patch), overlay (a fixed release on the candidate's PYTHONPATH), precompile
+   (`kernel-cache warm --from-run <baseline>`).
+3. Candidate arms: the same traindx options and the same --steps, one change each, tried in order
+   until one is significantly faster with loss parity, at most `tries` arms. An arm whose
+   numerics differ beyond the parity thresholds is reported as such, never kept.
+4. The comparison (traindx.recipes.ab) of every arm with the baseline: written to
+   <arm>/comparison.json and drawn into that arm's report.html; predicted vs measured per arm.
 
-Folders: `runs/<id>/baseline/` and `runs/<id>/candidate/` (each a complete run folder), and
-`runs/<id>/fix.json` (the plan and the comparison). `diagnose compare runs/<id>` re-compares.
+Folders: `runs/<id>/baseline/`, `runs/<id>/candidate/` (the first arm), `candidate-2/`, ... (each a
+complete run folder), `runs/<id>/<arm>.patch` per source arm and `fix.patch` (the kept arm's),
+and `runs/<id>/fix.json` (every arm, the kept one, the plan), written once when the loop ends,
+whatever ends it. Progress goes to `FixOptions.reporter` as FixEvent(kind, text, data); nothing
+is printed here.
 """
 import json
 import os
 import shlex
+import shutil
 import subprocess
 import sys
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Optional
 
 from traindx.errors import UserError
+from traindx.fixplan import (  # noqa: F401  (the plan API, re-exported)
+    CACHE_DIR_VAR, CACHE_ENABLE_VAR, KNOWN_FRAMEWORKS, PREFER_VAR, RUNTIME_PATCH_VAR, Candidate,
+    Plan, candidate_plans, mechanism, plan_fixes, program_args_start, set_flags, warm_up_after)
 
-# Frameworks whose flags `--fix` may rewrite; all parse `--flag value` / `--flag=value`.
-# ms-swift and the HF Trainer (HfArgumentParser) accept `_` and `-` alike in flag names;
-# torchtitan's `--section.key`, slime's and Megatron's dashes are matched the same way.
-KNOWN_FRAMEWORKS = ("megatron", "ms-swift", "slime", "torchtitan", "hf", "hf-trainer",
-                    "transformers", "example")
-PYTHON_LAUNCHERS = ("torchrun", "accelerate", "deepspeed")
-CACHE_ENABLE_VAR = "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"
-CACHE_DIR_VAR = "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR"
-RUNTIME_PATCH_VAR = "TRAINDX_RUNTIME_PATCHES"   # read by the shim (runtime_patches.py)
-# which mechanism to try first for every finding: config | source | runtime | overlay
-# (default: each finding's own order, strongest first; --wheels DIR prefers overlay)
-PREFER_VAR = "TRAINDX_FIX_MECHANISM"
-
-
-# -- rewriting a command's flags ----------------------------------------------------------------
-def _flag_name(token):
-    """'--max_seqlen=3' -> 'max-seqlen' (normalized), None for a token that is no long flag."""
-    if not token.startswith("--") or len(token) < 3:
-        return None
-    return token[2:].split("=", 1)[0].replace("_", "-")
-
-
-def program_args_start(command):
-    """Index of the first argument that belongs to the training program itself (after
-    `python [-m module | script.py]`, `torchrun ... script.py`, `bash script.sh`); a launcher's
-    own flags are never rewritten."""
-    for i, token in enumerate(command):
-        if token.endswith((".py", ".sh")) and not token.startswith("-"):
-            return i + 1
-        if token == "-m" and i + 1 < len(command):
-            return i + 2
-    return 1
-
-
-def set_flags(command, flags):
-    """A new command with each `--flag` set to its value: every occurrence replaced (argparse
-    keeps the last), else appended. Value True: a bare switch (or `True` where the command gives
-    the switch a value); False/None: the flag (and its value) removed."""
-    command = list(command)
-    start = program_args_start(command)
-    head, args = command[:start], command[start:]
-    for flag, value in flags.items():
-        if not flag.startswith("-"):
-            flag = "--" + flag
-        name = _flag_name(flag)
-        out, found, i = [], False, 0
-        while i < len(args):
-            token = args[i]
-            if _flag_name(token) == name:
-                found = True
-                inline = "=" in token
-                has_value = inline or (i + 1 < len(args) and not args[i + 1].startswith("--"))
-                spelled = token.split("=", 1)[0]  # keep the command's own spelling
-                i += 1 if inline or not has_value else 2
-                if value is None or value is False:
-                    continue
-                if value is True:
-                    out.extend([spelled, "True"] if has_value else [spelled])
-                else:
-                    out.append(f"{spelled}={value}" if inline else spelled)
-                    if not inline:
-                        out.append(str(value))
-                continue
-            out.append(token)
-            i += 1
-        if not found and value is not None and value is not False:
-            out.extend([flag] if value is True else [flag, str(value)])
-        args = out
-    return head + args
-
-
-# -- the plan -------------------------------------------------------------------------------------
-@dataclass
-class Plan:
-    command: list
-    env: dict = field(default_factory=dict)
-    precompile: list = field(default_factory=list)      # run folders to warm the cache from
-    applied: list = field(default_factory=list)         # one line per applied prescription
-    alternatives: list = field(default_factory=list)    # automatic, not applied (see the finding)
-    instructions: list = field(default_factory=list)    # code changes, upgrades: by hand
-    deferred: list = field(default_factory=list)        # automatic, but only after this fix
-    warnings: list = field(default_factory=list)
-    command_changed: bool = False
-    source_edits: list = field(default_factory=list)    # resolved edits for the scratch copy
-    runtime_patches: list = field(default_factory=list)  # names the shim applies (candidate only)
-    overlays: list = field(default_factory=list)        # requirements installed into an overlay
-    changes: list = field(default_factory=list)         # per applied prescription: mechanism, gain
-    fallbacks: dict = field(default_factory=dict)       # finding id -> its next prescription
-
-    @property
-    def changes_anything(self):
-        return bool(self.env or self.precompile or self.command_changed or self.source_edits
-                    or self.runtime_patches or self.overlays)
-
-    def to_dict(self):
-        return {"command": self.command, "env": self.env, "precompile": self.precompile,
-                "applied": self.applied, "alternatives": self.alternatives,
-                "instructions": self.instructions, "deferred": self.deferred,
-                "warnings": self.warnings, "source_edits": self.source_edits,
-                "runtime_patches": self.runtime_patches, "overlays": self.overlays,
-                "changes": self.changes}
-
-
-def _instruction(finding, p):
-    text = f"[{finding.id}] {p.summary}"
-    change = p.change or {}
-    if "code" in change:
-        c = change["code"]
-        where = f"{c.get('file')}:{c.get('line')}" if c.get("file") else ""
-        if where and c.get("after"):
-            text += f" ({where}: `{c.get('before', '')}` → `{c.get('after')}`)"
-        elif where:
-            text += f" ({where})"
-    if "upgrade" in change and not p.command:
-        u = change["upgrade"]
-        text += f" (pip install -U '{u.get('package')}>={u.get('min_version')}')"
-    if p.command:
-        text += f" — {p.command}"
-    return text
-
-
-def _is_precompile(p):
-    return "precompile" in (p.change or {}) or p.kind == "precompile"
-
-
-def mechanism(p):
-    """How --fix applies a prescription: config (the framework's own flag / env var), source (a
-    patch on a scratch copy), runtime (a shim patch at a library boundary), overlay (a fixed
-    release shadowing the user's), precompile."""
-    change = p.change or {}
-    if _is_precompile(p):
-        return "precompile"
-    if "runtime" in change:
-        return "runtime"
-    if "upgrade" in change and p.kind == "upgrade":
-        return "overlay"
-    if p.kind == "code" and "code" in change:
-        return "source"
-    return "config"
-
-
-def plan_fixes(command, findings, baseline_path, environ=None, prefer=None, cwd=None):
-    """What `--fix` will do to the command, from the baseline's ranked findings.
-
-    A precompile step replays the kernels the baseline compiled. When another fix rewrites the
-    command, the candidate compiles other kernels (e.g. an int max_seqlen gives other compile
-    keys than a tensor one), so the warm-up would be wasted: it is left for after the fix, as
-    an instruction naming the candidate run.
-    """
-    environ = os.environ if environ is None else environ
-    cwd = cwd or os.getcwd()
-    plan = Plan(command=list(command))
-    flags_set = {}      # normalized flag -> (value, finding id)
-    precompiles = []    # (finding, prescription): planned once the command is known
-    prefer = prefer or environ.get(PREFER_VAR) or None
-    for finding in findings:
-        fixes = [p for p in finding.prescriptions if p.automatic and not _is_precompile(p)]
-        fixes.sort(key=lambda p: 0 if prefer and mechanism(p) == prefer else 1)  # stable
-        chosen = None
-        for p in fixes:
-            applied = _apply(plan, finding, p, flags_set, command)
-            if applied:
-                chosen = p
-                plan.applied.append(f"[{finding.id}] ({mechanism(p)}) {p.summary}: "
-                                    + "; ".join(applied))
-                plan.changes.append({"finding": finding.id, "mechanism": mechanism(p),
-                                     "summary": p.summary,
-                                     "predicted_saving_s_per_step": p.expected_gain_s_per_step,
-                                     "applied": applied})
-                rest = [q for q in fixes if q is not p and mechanism(q) in ("runtime", "config")]
-                if rest and mechanism(p) in ("overlay", "source"):
-                    plan.fallbacks[finding.id] = rest[0]
-                break
-        for p in finding.prescriptions:
-            if not p.automatic:
-                plan.instructions.append(_instruction(finding, p))
-            elif _is_precompile(p):
-                precompiles.append((finding, p))
-            elif p is not chosen:
-                plan.alternatives.append(f"[{finding.id}] ({mechanism(p)}) {_instruction(finding, p)[len(finding.id) + 3:]}")
-    if plan.runtime_patches:
-        plan.env[RUNTIME_PATCH_VAR] = ",".join(plan.runtime_patches)
-    for finding, p in precompiles:
-        if plan.command_changed or plan.source_edits or plan.runtime_patches or plan.overlays:
-            plan.deferred.append(
-                f"[{finding.id}] after this fix: kernel-cache warm --from-run <the candidate "
-                "run>, then train with FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1 (the "
-                "baseline's kernels are not the ones the changed command compiles)")
-            continue
-        applied = _apply_env(plan, finding, p)
-        source = ((p.change or {}).get("precompile") or {}).get("from_run") or baseline_path
-        if source not in plan.precompile:
-            plan.precompile.append(source)
-        plan.env.setdefault(CACHE_ENABLE_VAR, "1")
-        applied.append(f"kernel-cache warm --from-run {source}")
-        plan.applied.append(f"[{finding.id}] {p.summary}: " + "; ".join(applied))
-    if plan.precompile and CACHE_DIR_VAR not in plan.env:
-        # explicit, so the warm-up and the candidate agree and the card records it
-        from traindx.kernel_cache.store import default_cache_dir
-
-        plan.env[CACHE_DIR_VAR] = str(default_cache_dir(environ))
-    if plan.command_changed and _is_shell_script(command):
-        plan.warnings.append(
-            "the command is a shell script: the flags were appended to the script's arguments; "
-            "they take effect only if it passes them on (\"$@\") to the training program")
-    return plan
-
-
-def _apply(plan, finding, p, flags_set, command):
-    """Apply one prescription to the plan by its mechanism; [] when it cannot be applied here
-    (the next one of the finding is tried)."""
-    kind = mechanism(p)
-    change = p.change or {}
-    if kind == "runtime":
-        name = change["runtime"].get("patch")
-        if name and name not in plan.runtime_patches:
-            plan.runtime_patches.append(name)
-        return [f"{RUNTIME_PATCH_VAR}={name} (shim patch, candidate only)"] if name else []
-    if kind == "overlay":
-        u = change["upgrade"]
-        req = f"{u.get('package')}>={u.get('min_version')}" if u.get("min_version") else u.get("package")
-        if req not in plan.overlays:
-            plan.overlays.append(req)
-        return [f"overlay install {req} (candidate's PYTHONPATH only)"]
-    if kind == "source":
-        edit = _source_edit(p, command, plan)
-        if edit is None:
-            return []
-        plan.source_edits.append({**edit, "finding": finding.id})
-        return [f"source patch {os.path.relpath(edit['file'])}:{edit['line']} on a scratch copy"]
-    return _apply_env(plan, finding, p) + _apply_args(plan, finding, p, flags_set)
-
-
-def _source_edit(p, command, plan):
-    """The concrete edit of a code prescription, checked against the file; None when there is
-    none to make automatically (a sentence, a file outside the job's tree, a moved line)."""
-    from traindx import fix_source
-
-    code = (p.change or {}).get("code") or {}
-    if code.get("autotune_key"):
-        spec = code["autotune_key"]
-        files = [f for f in (spec.get("files") or []) if f]
-        root = fix_source.tree_root(files[:1], command, os.getcwd()) if files else None
-        root = root or os.getcwd()
-        edit = fix_source.autotune_key_edit(spec.get("kernel"), spec.get("drop") or [],
-                                            files + fix_source.python_files(root))
-        if edit is None:
-            plan.warnings.append(f"no @triton.autotune(key=[...]) of {spec.get('kernel')} found "
-                                 "in the job's tree: the key change is left to do by hand")
-            return None
-        code = edit
-    if not code.get("file") or not code.get("after_line") or not code.get("before_line"):
-        return None
-    try:
-        edit = fix_source.resolve_edit({"file": code["file"], "line": code.get("line"),
-                                        "before_line": code["before_line"],
-                                        "after_line": code["after_line"]})
-    except fix_source.PatchError as exc:
-        plan.warnings.append(f"source patch not applied: {exc}")
-        return None
-    if fix_source.tree_root([edit["file"]], command, os.getcwd()) is None:
-        plan.warnings.append(f"{edit['file']} is outside the job's tree (a library): patch it by "
-                             "hand or use another mechanism")
-        return None
-    return edit
-
-
-def _apply_env(plan, finding, p):
-    applied = []
-    for name, value in ((p.change or {}).get("env") or {}).items():
-        if value is None:
-            plan.instructions.append(f"[{finding.id}] unset {name}")
-            continue
-        if name in plan.env and plan.env[name] != str(value):
-            plan.warnings.append(f"[{finding.id}] wants {name}={value}; kept "
-                                 f"{name}={plan.env[name]} from a higher-ranked finding")
-            continue
-        plan.env[name] = str(value)
-        applied.append(f"{name}={value}")
-    return applied
-
-
-def _apply_args(plan, finding, p, flags_set):
-    arg = (p.change or {}).get("arg")
-    if not arg:
-        return []
-    framework = str(arg.get("framework", "")).lower()
-    if framework not in KNOWN_FRAMEWORKS:
-        plan.instructions.append(f"[{finding.id}] {p.summary} (flags of "
-                                 f"{framework or 'an unknown framework'}: by hand)")
-        return []
-    wanted = {}
-    for flag, value in (arg.get("set") or {}).items():
-        key = _flag_name(flag if flag.startswith("-") else "--" + flag)
-        if key in flags_set and flags_set[key][0] != value:
-            plan.warnings.append(f"[{finding.id}] wants {flag} {value}; kept "
-                                 f"{flags_set[key][0]} from [{flags_set[key][1]}]")
-            continue
-        flags_set[key] = (value, finding.id)
-        wanted[flag] = value
-    for flag in arg.get("remove") or ():
-        wanted[flag] = None
-    new = set_flags(plan.command, wanted)
-    if new == plan.command:
-        return []
-    plan.command = new
-    plan.command_changed = True
-    return [" ".join(f if v is None or v is True or v is False else f"{f} {v}"
-                     for f, v in wanted.items())]
-
-
-def _is_shell_script(command):
-    return any(t.endswith(".sh") for t in command[:3]) or os.path.basename(command[0]) in (
-        "bash", "sh", "zsh")
+DEFAULT_TRIES = 3
 
 
 # -- precompile -----------------------------------------------------------------------------------
-def warm_cache(from_run, env, console):
+def warm_cache(from_run, env, say):
     """`kernel-cache warm --from-run RUN` in a process with the candidate's environment: the
     cache only serves the exact FA4 it was written by, so it must import the FA4 the job
     imports (the job's PYTHONPATH), not traindx's own."""
     code = ("import sys; from traindx.kernel_cache.cli import main; "
             "sys.exit(main(sys.argv[1:]))")
     argv = [sys.executable, "-c", code, "warm", "--from-run", from_run]
-    console.print(f"precompiling: kernel-cache warm --from-run {from_run}", markup=False)
+    say("step", f"precompiling: kernel-cache warm --from-run {from_run}")
     try:
         proc = subprocess.run(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True, timeout=1800)
@@ -356,7 +54,7 @@ def warm_cache(from_run, env, console):
         code, output = 124, (exc.stdout or "") + "\nkernel-cache warm: timed out after 1800 s"
     lines = output.rstrip().splitlines()
     for line in lines[-15:]:
-        console.print(f"  {line}", markup=False, highlight=False)
+        say("output", f"  {line}")
     if code != 0 and not lines:
         output = f"kernel-cache warm exited with {code} and printed nothing"
     return code, output[-4000:]
@@ -368,19 +66,19 @@ def last_lines(text, n=4):
 
 
 # -- the candidate's mechanisms ----------------------------------------------------------------------
-def prepare_candidate(plan, root, args, console):
+def prepare_candidate(plan, root, say, cwd, out="runs", wheels=None, arm="candidate"):
     """Make what the candidate needs: the overlay, the scratch copy with fix.patch. Returns
     (command, env, cwd, records); a step that fails says why and what runs instead."""
     from traindx import fix_overlay, fix_source
 
     env = dict(plan.env)
-    command, cwd, records = list(plan.command), os.getcwd(), {"steps": []}
+    here = cwd or os.getcwd()
+    command, cwd, records = list(plan.command), here, {"steps": []}
     if plan.overlays:
         target = os.path.join(root, "overlay")
-        wheels = getattr(args, "wheels", None)
-        console.print(f"overlay: pip install --no-deps --target {target} "
+        say("step", f"overlay: pip install --no-deps --target {target} "
                       f"{' '.join(plan.overlays)}" + (f" --find-links {wheels}" if wheels else ""),
-                      markup=False)
+                      )
         try:
             result = fix_overlay.install(target, plan.overlays, wheels=wheels)
             env["PYTHONPATH"] = fix_overlay.candidate_pythonpath(target)
@@ -388,7 +86,7 @@ def prepare_candidate(plan, root, args, console):
                                   "installed": result["installed"], "wheels": wheels}
             records["steps"].append({"step": "overlay", "ok": True,
                                      "installed": result["installed"]})
-            console.print(f"overlay: installed {result['installed']}", markup=False)
+            say("step", f"overlay: installed {result['installed']}")
         except fix_overlay.OverlayError as exc:
             instead = _fall_back(plan, env, "overlay")
             msg = (f"overlay install failed: {exc.line}; last lines: {last_lines(exc.tail)}; "
@@ -396,38 +94,41 @@ def prepare_candidate(plan, root, args, console):
             plan.warnings.append(msg)
             records["steps"].append({"step": "overlay", "ok": False, "error": exc.line,
                                      "output_tail": exc.tail, "instead": instead})
-            console.print(f"warning: {msg}", style="yellow", markup=False)
+            say("warning", msg)
     if plan.source_edits:
         files = [e["file"] for e in plan.source_edits]
         tree = fix_source.tree_root(files, plan.command, cwd) or ""
-        scratch = os.path.join(root, "scratch", os.path.basename(tree.rstrip(os.sep)) or "tree")
+        scratch = os.path.join(root, "scratch", arm, os.path.basename(tree.rstrip(os.sep)) or "tree")
         try:
             if not tree:
                 raise fix_source.PatchError("the patched files do not share one tree with the job")
             diff = fix_source.make_scratch(tree, scratch, plan.source_edits,
-                                           exclude=[root, os.path.abspath(args.out)])
-            patch_path = os.path.join(root, "fix.patch")
+                                           exclude=[root, os.path.abspath(os.path.join(here, out))])
+            patch_path = os.path.join(root, f"{arm}.patch")
             with open(patch_path, "w", encoding="utf-8") as f:
                 f.write(diff)
-            command = fix_source.rebase_command(command, tree, scratch)
+            # a script runs from the copy but in the job's own folder, so its relative paths
+            # (../data, ./checkpoints) mean what they meant; a module (-m) runs from the copy
+            script = fix_source.runs_a_script(command)
+            command = fix_source.rebase_command(command, tree, scratch, cwd=here)
             base_pp = env.get("PYTHONPATH", os.environ.get("PYTHONPATH"))
             if base_pp:
                 env["PYTHONPATH"] = fix_source.rebase_pythonpath(base_pp, tree, scratch)
-            cwd = os.path.join(scratch, os.path.relpath(os.getcwd(), tree)) \
-                if fix_source._inside(os.getcwd(), tree) else os.getcwd()
+            cwd = here if script or not fix_source._inside(here, tree) else \
+                os.path.join(scratch, os.path.relpath(here, tree))
             records["source_patch"] = {"tree": tree, "scratch": scratch, "patch": patch_path,
                                        "apply": f"cd {tree} && git apply {patch_path}",
                                        "edits": plan.source_edits}
             records["steps"].append({"step": "source patch", "ok": True, "patch": patch_path})
-            console.print(f"source patch: {patch_path} (the candidate runs from {scratch}; "
-                          f"{tree} is not touched)", markup=False)
+            say("step", f"source patch: {patch_path} (the candidate runs from {scratch}; "
+                        f"{tree} is not touched)")
         except (OSError, fix_source.PatchError) as exc:
             instead = _fall_back(plan, env, "source")
             msg = (f"source patch failed: {exc}; the candidate runs with {instead}")
             plan.warnings.append(msg)
             records["steps"].append({"step": "source patch", "ok": False, "error": str(exc),
                                      "instead": instead})
-            console.print(f"warning: {msg}", style="yellow", markup=False)
+            say("warning", msg)
     return command, env, cwd, records
 
 
@@ -467,6 +168,8 @@ def apply_commands(plan, records, command):
     if plan.runtime_patches and not records.get("source_patch"):
         out.append(f"# a runtime patch proves the diagnosis; keep the fix with the source patch "
                    f"or upgrade listed above ({RUNTIME_PATCH_VAR}={','.join(plan.runtime_patches)})")
+    for source in plan.precompile:
+        out.append(f"kernel-cache warm --from-run {shlex.quote(source)}")
     for name, value in plan.env.items():
         if name != RUNTIME_PATCH_VAR:
             out.append(f"export {name}={shlex.quote(str(value))}")
@@ -476,7 +179,7 @@ def apply_commands(plan, records, command):
 
 
 # -- the loop -------------------------------------------------------------------------------------
-def _analyze(run_dir, comparison=None):
+def _analyze(run_dir, say, comparison=None):
     """Load, analyze, write findings.json and report.html (with the comparison, if any)."""
     from traindx.outputs import analyze_and_write
     from traindx.record import load_run
@@ -490,8 +193,8 @@ def _analyze(run_dir, comparison=None):
         from traindx.analyzers import analyze
         from traindx.outputs import write_findings
 
-        print(f"diagnose: internal error writing the report of {run_dir}: "
-              f"{type(exc).__name__}: {exc}", file=sys.stderr)
+        say("warning", f"internal error writing the report of {run_dir}: "
+                       f"{type(exc).__name__}: {exc}")
         findings, report_path = analyze(record), None
         write_findings(record, findings)
         return record, findings, report_path
@@ -506,8 +209,8 @@ def _analyze(run_dir, comparison=None):
             try:
                 report_path = write_report(record, findings, comparison=report_view(comparison))
             except Exception as exc:  # the comparison is already in comparison.json
-                print(f"diagnose: internal error drawing the comparison into the report: "
-                      f"{type(exc).__name__}: {exc}", file=sys.stderr)
+                say("warning", f"internal error drawing the comparison into the report: "
+                               f"{type(exc).__name__}: {exc}")
     return record, findings, report_path
 
 
@@ -558,7 +261,7 @@ def attribute_changes(changes, comparison, baseline=None, findings=(), candidate
     steady step minus the ledger lines the fix removes; the prescription's expected gain where
     the finding names no ledger line) and the measured one. With several changes in one
     candidate the measured figure is their joint effect: said so, not split by guess."""
-    from traindx.ledger import predicted_step_time
+    from traindx.analyzers.savings import predicted_step_time
 
     base = (comparison.get("baseline") or {}).get("median_step_s")
     cand = (comparison.get("candidate") or {}).get("median_step_s")
@@ -578,11 +281,21 @@ def attribute_changes(changes, comparison, baseline=None, findings=(), candidate
                 pred = {"method": f"no ledger prediction: {type(exc).__name__}: {exc}"}
             row["ledger_prediction"] = pred
             if pred.get("predicted_step_s") is not None:
+                row["predicted_saving_s_per_step"] = removed = pred.get("removed_s")
                 row["predicted_step_time_s"] = pred["predicted_step_s"]
-                row["predicted_saving_s_per_step"] = pred.get("removed_s")
-                # the prediction is a mean steady step: measured the same way on the candidate
-                if candidate is not None and not c.get("failed"):
-                    row["measured_mean_step_s"] = _mean_steady_step(candidate)
+                # a mean step less what the fix removes, measured the same way on the candidate:
+                # the time ledger's steady steps (the lines it removes are priced over them);
+                # for a CUDA job both arms' means over the comparison's window on the GPU's
+                # clock (recipes.ab.step_times: the host's steps end before the GPU's), the
+                # same steps left out
+                base_arm = comparison.get("baseline") or {}
+                on_gpu = base_arm.get("step_source") == "shim:gpu"
+                if on_gpu and base_arm.get("mean_step_s") is not None and removed is not None:
+                    row["predicted_step_time_s"] = max(base_arm["mean_step_s"] - removed, 0.0)
+                if not c.get("failed"):
+                    row["measured_mean_step_s"] = \
+                        (comparison.get("candidate") or {}).get("mean_step_s") if on_gpu \
+                        else _mean_steady_step(candidate) if candidate is not None else None
         row["measured_step_time_s"] = cand if not c.get("failed") else None
         row["measured_saving_s_per_step"] = (base - cand if base is not None and cand is not None
                                              and not c.get("failed") else None)
@@ -592,112 +305,437 @@ def attribute_changes(changes, comparison, baseline=None, findings=(), candidate
     return out
 
 
-def run_fix_loop(command, args):
-    from rich.console import Console
+# -- the engine -----------------------------------------------------------------------------------
+@dataclass
+class FixEvent:
+    """One thing the loop has to say. kind: stage | plan | step | output | warning | info |
+    summary (data: record, findings, report) | comparison (data: comparison, arm)."""
+    kind: str
+    text: str = ""
+    data: dict = field(default_factory=dict)
 
-    from traindx.commands.compare import print_comparison
-    from traindx.commands.run import options_from, record_job
-    from traindx.profiler.launcher import CommandNotFound, exit_status, new_run_dir, resolve_command
-    from traindx.recipes.ab import compare_runs
-    from traindx.report.terminal import print_summary
 
-    console = Console(file=sys.stderr)
+@dataclass
+class FixOptions:
+    """What `fix` needs. `record`: the launcher's Options of every arm (steps, samplers, window);
+    `run_dir`: the fix folder (default: a new one under `out`); `tries`: arms at most;
+    `reporter`: receives FixEvents; `run_job(command, run_dir, options) -> raw return code`
+    records one arm (default: the launcher's Job, the job's output echoed)."""
+    record: Any = None
+    run_dir: Optional[str] = None
+    out: str = "runs"
+    wheels: Optional[str] = None
+    tries: int = DEFAULT_TRIES
+    cwd: Optional[str] = None
+    reporter: Optional[Callable[[FixEvent], None]] = None
+    run_job: Optional[Callable[[list, str, Any], int]] = None
+    # the baseline arm stops once its top finding is stable (run_job is then called with
+    # until_diagnosed=True: the CLI's records it under the live judgement); every candidate arm
+    # runs as many steps as the baseline did
+    until_diagnosed: bool = False
+    # a kept change whose own run still compiles kernels cold (FA4's, after the change made
+    # their keys new) gets one more arm: the same change with those kernels warmed beforehand
+    warm_up_after_fix: bool = True
+
+
+@dataclass
+class FixResult:
+    """What `fix` did: fix.json's content, typed. `arms`: one dict per candidate arm tried
+    (dir, finding, mechanism, summary, predicted and measured step time, speedup, verdict,
+    parity, significant, patch); `best`: the kept arm's folder or None."""
+    root: str
+    status: str
+    exit_code: int
+    baseline: str
+    arms: list = field(default_factory=list)
+    best: Optional[str] = None
+    comparison: Optional[dict] = None
+    plan: Optional[dict] = None
+    apply: list = field(default_factory=list)
+    # the warm-up arm run after the kept one (FixOptions.warm_up_after_fix), when it won
+    warm_up: Optional[str] = None
+
+    @property
+    def fix_json(self) -> str:
+        return os.path.join(self.root, "fix.json")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _default_job(command, run_dir, options, until_diagnosed=False):
+    """(until_diagnosed: no live judgement here, the arm runs its steps.)"""
+    from traindx.profiler.launcher import CommandNotFound, Job
+
+    def echo(stream, text):
+        out = sys.stdout if stream == "o" else sys.stderr
+        out.write(text + "\n")
+        out.flush()
+
+    try:
+        return Job(command, run_dir, options, on_line=echo).run()
+    except CommandNotFound as exc:
+        raise UserError(str(exc)) from None
+
+
+def _with(options, **changes):
+    """A copy of the launcher Options with some fields changed."""
+    import copy
+
+    out = copy.copy(options)
+    for k, v in changes.items():
+        setattr(out, k, v)
+    return out
+
+
+PARITY_OK = ("faster and numerically equivalent", "faster, numerics not checked")
+
+
+def _is_win(comparison):
+    verdict = str(comparison.get("verdict") or "")
+    return (verdict.startswith(PARITY_OK) or verdict.startswith("faster start")) \
+        and "numerics differ" not in verdict
+
+
+def _parity_failed(comparison):
+    parity = comparison.get("loss_parity") or {}
+    return parity.get("passed") is False
+
+
+def mean_speedup(comparison, n_resamples=5000, seed=0):
+    """(mean(baseline) / mean(candidate), 95 % bootstrap interval) over the comparison's window
+    values, or (None, None) under 5 steps an arm. For a periodic cost (a checkpoint every k
+    steps) the median of the step series sits in one of its modes, so the median ratio misses
+    the saving (or flips between modes, k = 2); the mean is what the cost adds per step."""
+    import numpy as np
+
+    from traindx.recipes.stats import bootstrap_speedup
+
+    values = comparison.get("window_values_s") or {}
+    base = np.asarray(values.get("baseline") or [], dtype=float)
+    cand = np.asarray(values.get("candidate") or [], dtype=float)
+    if len(base) < 5 or len(cand) < 5 or cand.mean() <= 0:
+        return None, None
+    point, low, high = bootstrap_speedup(base, cand, n_resamples=n_resamples, seed=seed,
+                                         statistic="mean")
+    return point, [low, high]
+
+
+def _periodic(finding, comparison=None):
+    """A cost the median cannot see: periodic (a checkpoint every k steps), or in fewer than
+    half of the window's steps (a full GC every 7 steps: the median step is a step without
+    it). Judged by the mean and its bootstrap interval instead."""
+    if finding is None:
+        return False
+    if (finding.evidence or {}).get("period") or (finding.removes or {}).get("steps"):
+        return True
+    window = len(((comparison or {}).get("window_values_s") or {}).get("baseline") or ())
+    affected = len(finding.steps_affected or ())
+    return bool(window and 0 < affected < window / 2)
+
+
+def _arm_row(name, arm_dir, cand, comparison, code, patch, finding=None):
+    from traindx.recipes.stats import MIN_SPEEDUP
+
+    change = (comparison.get("changes") or [{}])[0]
+    significant = code == 0 and _is_win(comparison)
+    # the comparison itself judges by the means where the step times have a period
+    judged = {"judged_by": comparison.get("speedup_statistic") or "median",
+              "judged_speedup": comparison.get("speedup")}
+    if _periodic(finding, comparison) and code == 0:
+        mean, ci = mean_speedup(comparison)
+        if mean is not None:
+            judged = {"judged_by": "mean (a periodic or occasional cost: the median step is "
+                                   "one without it)",
+                      "judged_speedup": mean, "mean_speedup_ci95": ci}
+            significant = (mean >= MIN_SPEEDUP and ci[0] > 1.0
+                           and not _parity_failed(comparison))
+    firsts = [((comparison.get(arm) or {}).get("step_times_s") or [None])[0]
+              for arm in ("baseline", "candidate")]
+    if getattr(cand.plan, "precompile", None) and code == 0 and all(firsts) and firsts[1] > 0:
+        # a warm-up removes the cold start: its gain is the first step, the steady steps are
+        # the same kernels either way (their ratio is noise around 1)
+        first = firsts[0] / firsts[1]
+        judged = {"judged_by": "the first step (a cold start removed by a warm-up)",
+                  "judged_speedup": first}
+        significant = first >= MIN_SPEEDUP and not _parity_failed(comparison)
+    return {**judged,
+        "arm": name, "dir": arm_dir, "finding": cand.finding, "mechanism": cand.mechanism,
+        "summary": cand.summary, "exit_code": code,
+        "predicted_saving_s_per_step": change.get("predicted_saving_s_per_step",
+                                                  cand.predicted_saving_s_per_step),
+        "predicted_step_time_s": change.get("predicted_step_time_s"),
+        "measured_mean_step_s": change.get("measured_mean_step_s"),
+        "baseline_median_step_s": (comparison.get("baseline") or {}).get("median_step_s"),
+        "measured_step_time_s": (comparison.get("candidate") or {}).get("median_step_s"),
+        "speedup": comparison.get("speedup"), "speedup_ci95": comparison.get("speedup_ci95"),
+        "verdict": comparison.get("verdict"),
+        "loss_parity": (comparison.get("loss_parity") or {}).get("passed"),
+        "significant": significant, "patch": patch,
+    }
+
+
+UNSURE_SHARE = 0.5   # a win under half its predicted saving: the next candidate is tried too
+
+
+def _as_predicted(row):
+    """A significant win that reaches at least half the saving predicted for it settles the
+    search; a smaller one (a 1.3x where the finding predicted 20x: noise, or a partial fix) lets
+    the next candidate be measured, and the faster one is kept. Without a positive prediction,
+    significance alone settles it."""
+    predicted = row.get("predicted_saving_s_per_step")
+    base, cand = row.get("baseline_median_step_s"), row.get("measured_step_time_s")
+    if row.get("judged_by", "median") != "median" and row.get("judged_speedup"):
+        return True  # a periodic cost: the medians do not measure it
+    if not predicted or predicted <= 0 or base is None or cand is None:
+        return True
+    return base - cand >= UNSURE_SHARE * predicted
+
+
+SAME_GAIN_TOLERANCE = 0.10   # two wins within 10 % of each other: noise on these machines
+# lasting fixes first; a runtime shim patch proves the diagnosis, its lasting form is the source
+# patch or the upgrade
+MECHANISM_ORDER = {"config": 0, "source": 1, "overlay": 2, "runtime": 3, "precompile": 4}
+
+
+def _keep(arms):
+    """The arm to keep: the fastest significant win with parity; else the fastest arm that ran,
+    kept parity and was not slower than the baseline (marked not significant); None when none
+    did."""
+    # never an arm slower than the baseline: "the fastest with parity" of arms that all lost
+    # would hand the user a patch that costs time (a thread started per appended item: 0.01x)
+    ok = [a for a in arms if a["exit_code"] == 0 and a["loss_parity"] is not False
+          and a.get("judged_speedup") is not None and a["judged_speedup"] >= 1.0]
+    wins = [a for a in ok if a["significant"]]
+    pool = wins or ok
+    if not pool:
+        return None
+    # wins within run-to-run noise of the fastest are the same gain: keep the least invasive
+    # (the job's own flag before an edit of its source: `--workers 2` over a patched literal)
+    best = max(a["judged_speedup"] for a in pool)
+    close = [a for a in pool if a["judged_speedup"] >= best * (1 - SAME_GAIN_TOLERANCE)]
+    return min(close, key=lambda a: (MECHANISM_ORDER.get(a.get("mechanism"), len(MECHANISM_ORDER)),
+                                     -a["judged_speedup"]))
+
+
+def fix(command: list, options: Optional[FixOptions] = None) -> FixResult:
+    """Baseline, candidates by predicted saving, measured arms, the kept one (module doc)."""
+    from traindx.profiler.launcher import CommandNotFound, Options, new_run_dir, \
+        resolve_command
+
+    options = options or FixOptions()
+    record_options = options.record or Options()
+    if options.cwd and not record_options.cwd:
+        record_options = _with(record_options, cwd=options.cwd)
+    cwd = record_options.cwd or os.getcwd()
+    run_job = options.run_job or _default_job
+    reporter = options.reporter or (lambda event: None)
+
+    def say(kind, text="", **data):
+        reporter(FixEvent(kind, text, data))
+
+    if not command:
+        raise UserError("no command given")
+    if options.tries < 1:
+        raise UserError("--fix-tries must be at least 1")
     try:
         resolve_command(command)
     except CommandNotFound as exc:
         raise UserError(str(exc)) from None
-    root = os.path.abspath(args.run_dir or new_run_dir(args.out))
+    root = os.path.abspath(options.run_dir or new_run_dir(options.out))
     os.makedirs(root, exist_ok=True)
-    base_dir, cand_dir = os.path.join(root, "baseline"), os.path.join(root, "candidate")
-    if os.path.exists(os.path.join(cand_dir, "manifest.json")):
-        raise UserError(f"{cand_dir} already holds a run: give --fix a new --run-dir")
+    base_dir = os.path.join(root, "baseline")
+    if os.path.exists(os.path.join(root, "candidate", "manifest.json")):
+        raise UserError(f"{os.path.join(root, 'candidate')} already holds a run: give --fix a "
+                        "new --run-dir")
     reuse = _finished_baseline(base_dir, command)
-    fix_path = os.path.join(root, "fix.json")
-    fix = {"command": command, "baseline": base_dir, "candidate": None, "plan": None,
-           "comparison": None, "status": "baseline"}
-    _write_json(fix_path, fix)
+    result = FixResult(root=root, status="baseline", exit_code=0, baseline=base_dir)
+    try:
+        _loop(command, options, record_options, cwd, run_job, say, result, reuse)
+    except BaseException:
+        if result.status not in ("done", "nothing to apply", "baseline failed"):
+            result.status = f"interrupted during {result.status}"
+        raise
+    finally:
+        _write_json(result.fix_json, _fix_document(command, result))
+    say("info", f"fix: {root}")
+    return result
 
-    # 1. baseline (a finished baseline of the same command in --run-dir is measured once only:
-    # another mechanism can be proved against it)
-    console.rule("traindx --fix: baseline arm")
+
+def _fix_document(command, result):
+    doc = result.to_dict()
+    doc["command"] = command
+    best = next((a for a in result.arms if a["dir"] == result.best), None)
+    doc["candidate"] = result.best
+    doc["kept"] = best
+    return doc
+
+
+def _loop(command, options, record_options, cwd, run_job, say, result, reuse):
+    from traindx.profiler.launcher import exit_status
+    from traindx.recipes.ab import compare_runs
+    from traindx.record import load_run
+
+    root, base_dir = result.root, result.baseline
+    say("stage", "baseline arm")
     if reuse is not None:
-        console.print(f"baseline: reusing the finished run in {base_dir}", markup=False)
+        say("info", f"baseline: reusing the finished run in {base_dir}")
         code = reuse
     else:
         os.makedirs(base_dir)
-        code = record_job(command, base_dir, options_from(args), quiet=args.quiet)
-    baseline, findings, report = _analyze(base_dir)
-    print_summary(baseline, findings, report, console=console)
-    if exit_status(code) != 0:
-        fix["status"] = "baseline failed"
-        _write_json(fix_path, fix)
-        console.print(f"the baseline arm exited with {exit_status(code)}: no candidate run "
-                      "(a fix is measured against a baseline that ran)", markup=False)
-        return exit_status(code)
+        code = (run_job(command, base_dir, record_options, until_diagnosed=True)
+                if options.until_diagnosed else run_job(command, base_dir, record_options))
+    baseline, findings, report = _analyze(base_dir, say)
+    if options.until_diagnosed and len(baseline.steps):
+        # the candidates run the steps the baseline ran (its own stop, or the job's end)
+        record_options = _with(record_options,
+                               steps=int(baseline.steps.groupby("rank").size().max()))
+        stopped = len(baseline.of_type("stop_requested")) > 0
+        say("info", f"baseline: {'stopped once diagnosed, after' if stopped else 'ran'} "
+                    f"{record_options.steps} steps; each candidate runs as many")
+    say("summary", "baseline", record=baseline, findings=findings, report=report)
+    result.exit_code = exit_status(code)
+    if result.exit_code != 0:
+        result.status = "baseline failed"
+        say("info", f"the baseline arm exited with {result.exit_code}: no candidate run (a fix "
+                    "is measured against a baseline that ran)")
+        return
 
-    # 2. the plan
-    prefer = "overlay" if getattr(args, "wheels", None) else None
-    plan = plan_fixes(command, findings, baseline.path, prefer=prefer)
-    fix["plan"] = plan.to_dict()
-    _write_json(fix_path, fix)
-    console.rule("traindx --fix: prescriptions")
+    prefer = "overlay" if options.wheels else None
+    candidates, listing = candidate_plans(command, findings, baseline.path, prefer=prefer, cwd=cwd)
+    result.plan = dict(listing.to_dict(), candidates=[c.to_dict() for c in candidates])
+    say("stage", "prescriptions")
+    for i, c in enumerate(candidates):
+        tried = "" if i < options.tries else " (beyond --fix-tries: not measured)"
+        gain = c.predicted_saving_s_per_step
+        say("plan", f"candidate {i + 1}: [{c.finding}] ({c.mechanism}) {c.summary}"
+                    + (f"; predicted saving {gain * 1000:.1f} ms/step" if gain else "") + tried)
+    for line in listing.instructions:
+        say("plan", f"by hand: {line}")
+    for line in listing.deferred:
+        say("plan", f"later: {line}")
+    for line in listing.warnings:
+        say("warning", line)
+    if not candidates:
+        result.status = "nothing to apply"
+        say("info", "nothing to apply automatically: no candidate run")
+        return
+
+    comparisons, arm_candidates, arm_findings = {}, {}, {}
+    for i, cand in enumerate(candidates[:options.tries]):
+        name = "candidate" if i == 0 else f"candidate-{i + 1}"
+        result.status = name
+        others = [f"[{c.finding}] ({c.mechanism}) {c.summary}" for c in candidates if c is not cand]
+        row, comparison, cand_code, cand_findings = _run_arm(
+            name, cand, command, baseline, findings, root, options, record_options, run_job,
+            say, compare_runs, load_run, alternatives=listing.alternatives + others,
+            searched=result.arms)
+        comparisons[row["dir"]] = comparison
+        arm_candidates[row["dir"]], arm_findings[row["dir"]] = cand, cand_findings
+        result.arms.append(row)
+        if row["significant"] and _as_predicted(row):
+            break
+        why = ("its numerics differ from the baseline's" if _parity_failed(comparison)
+               else f"it failed (exit {row['exit_code']})" if row["exit_code"] != 0
+               else "under half its predicted saving" if row["significant"]
+               else f"no significant gain ({row['verdict']})")
+        if i + 1 < min(len(candidates), options.tries):
+            say("info", f"{name}: {why}; trying the next candidate")
+    kept = _keep(result.arms)
+    result.best = kept["dir"] if kept else None
+    # the job's exit code passes through: the kept arm's, else the last arm's
+    result.exit_code = (kept or result.arms[-1])["exit_code"]
+    result.comparison = comparisons.get(result.best) if kept else None
+    if kept and kept["dir"] != result.arms[-1]["dir"]:
+        # the search went past the kept arm: its comparison and report are redrawn with every
+        # arm measured, the kept one marked
+        comparison = result.comparison
+        comparison["search"] = [_search_row(a, kept["dir"]) for a in result.arms]
+        _write_json(os.path.join(kept["dir"], "comparison.json"), comparison)
+        try:
+            _analyze(kept["dir"], say, comparison=comparison)
+        except Exception as exc:  # the comparison.json above has it all
+            say("warning", f"could not redraw {kept['dir']}/report.html: {exc}")
+    if kept:
+        result.apply = comparisons[kept["dir"]].get("change", {}).get("apply") or \
+            (comparisons[kept["dir"]].get("apply") or [])
+    warm = None
+    if kept and options.warm_up_after_fix and kept["exit_code"] == 0:
+        warm = warm_up_after(arm_candidates[kept["dir"]], arm_findings[kept["dir"]], kept["dir"])
+    if warm is not None:
+        result.status = "warm-up"
+        row, comparison, _, _ = _run_arm(
+            "warm-up", warm, command, load_run(kept["dir"]), arm_findings[kept["dir"]], root,
+            options, record_options, run_job, say, compare_runs, load_run, searched=[])
+        row["after"] = kept["dir"]
+        result.arms.append(row)
+        if row["significant"]:
+            result.warm_up = row["dir"]
+            # the kept change's own lines stay first; the warm-up adds its commands and env
+            result.apply = result.apply + [
+                line for line in comparison.get("apply") or []
+                if line not in result.apply and ("kernel-cache warm" in line or any(
+                    line.startswith(f"export {var}=") for var in (CACHE_ENABLE_VAR, CACHE_DIR_VAR)))]
+    patch = os.path.join(root, "fix.patch")
+    if kept and kept.get("patch"):
+        shutil.copyfile(kept["patch"], patch)
+        result.apply = [line.replace(kept["patch"], patch) for line in result.apply]
+    elif os.path.exists(patch):
+        os.unlink(patch)
+    for a in result.arms:
+        mark = ("kept" if kept and a["dir"] == kept["dir"] else
+                "then kept" if a["dir"] == result.warm_up else "tried")
+        judged = (a.get("judged_by") or "median").split(" (")[0]
+        speed = (f"{a['judged_speedup']:.2f}x" if a.get("judged_speedup") is not None else "n/a") \
+            + ("" if judged == "median" else
+               f" by {judged}" if judged.startswith("the ") else f" by the {judged}")
+        pred, meas = a.get("predicted_step_time_s"), a.get("measured_step_time_s")
+        pm = (f"; predicted {pred:.4f} s/step, measured {meas:.4f} s/step"
+              if pred is not None and meas is not None else "")
+        say("info", f"{mark}: {a['arm']} [{a['finding']}] ({a['mechanism']}) {speed}, "
+                    f"{a['verdict']}{pm}")
+    result.status = "done"
+
+
+def _run_arm(name, cand, command, baseline, findings, root, options, record_options, run_job,
+             say, compare_runs, load_run, alternatives=(), searched=()):
+    """Prepare, record, compare and analyze one candidate arm. Returns (row, comparison, code)."""
+    from traindx.profiler.launcher import exit_status
+
+    plan = cand.plan
+    arm_dir = os.path.join(root, name)
+    say("stage", f"{name}: [{cand.finding}] ({cand.mechanism}) {cand.summary}")
     for line in plan.applied:
-        console.print(f"apply: {line}", markup=False)
-    for line in plan.alternatives:
-        console.print(f"alternative (not applied): {line}", markup=False)
-    for line in plan.instructions:
-        console.print(f"by hand: {line}", markup=False)
-    for line in plan.deferred:
-        console.print(f"later: {line}", markup=False)
-    for line in plan.warnings:
-        console.print(f"warning: {line}", style="yellow", markup=False)
-    if not plan.changes_anything:
-        fix["status"] = "nothing to apply"
-        _write_json(fix_path, fix)
-        console.print("nothing to apply automatically: no candidate run", markup=False)
-        return exit_status(code)
+        say("step", f"apply: {line}")
     if plan.command_changed:
-        console.print(f"candidate command: {shlex.join(plan.command)}", markup=False)
-    for name, value in plan.env.items():
-        console.print(f"candidate env: {name}={value}", markup=False)
-
-    cand_command, cand_env, cand_cwd, records = prepare_candidate(plan, root, args, console)
+        say("step", f"candidate command: {shlex.join(plan.command)}")
+    for var, value in plan.env.items():
+        say("step", f"candidate env: {var}={value}")
+    for line in plan.warnings:
+        say("warning", line)
+    cand_command, cand_env, cand_cwd, records = prepare_candidate(
+        plan, root, say, record_options.cwd, out=options.out, wheels=options.wheels, arm=name)
     precompiled = []
-    if plan.precompile:
+    for source in plan.precompile:
         env = dict(os.environ)
         env.update(cand_env)
-        for source in plan.precompile:
-            rc, output = warm_cache(source, env, console)
-            precompiled.append({"from_run": source, "exit_code": rc, "output_tail": output})
-            if rc != 0:
-                plan.warnings.append(f"kernel-cache warm --from-run {source} exited with {rc}: "
-                                     f"{last_lines(output)}; the candidate runs with whatever "
-                                     "the cache holds (FA4 compiles what is missing)")
-                console.print(f"warning: {plan.warnings[-1]}", style="yellow", markup=False)
-    fix["apply"] = apply_commands(plan, records, command)
-    fix["mechanisms"] = records
-    fix["plan"] = plan.to_dict()
-
-    # 3. candidate
-    console.rule("traindx --fix: candidate arm")
-    os.makedirs(cand_dir)
-    fix["candidate"] = cand_dir
-    fix["status"] = "candidate"
-    _write_json(fix_path, fix)
-    here = os.getcwd()
-    os.chdir(cand_cwd)   # a source patch: the candidate runs from the scratch copy
-    try:
-        cand_code = record_job(cand_command, cand_dir, options_from(args, extra_env=cand_env),
-                               quiet=args.quiet)
-    finally:
-        os.chdir(here)
-
-    # 4. comparison
-    from traindx.record import load_run
-
-    candidate = load_run(cand_dir)
-    deferred = [line.replace("<the candidate run>", cand_dir) for line in plan.deferred]
-    change = {"applied": plan.applied, "alternatives": plan.alternatives,
+        rc, output = warm_cache(source, env, say)
+        precompiled.append({"from_run": source, "exit_code": rc, "output_tail": output})
+        if rc != 0:
+            plan.warnings.append(f"kernel-cache warm --from-run {source} exited with {rc}: "
+                                 f"{last_lines(output)}; the candidate runs with whatever "
+                                 "the cache holds (FA4 compiles what is missing)")
+            say("warning", plan.warnings[-1])
+    apply = apply_commands(plan, records, command)
+    os.makedirs(arm_dir)
+    extra = dict(record_options.extra_env or {})
+    extra.update(cand_env)
+    cand_code = run_job(cand_command, arm_dir, _with(record_options, extra_env=extra,
+                                                     cwd=cand_cwd))
+    candidate = load_run(arm_dir)
+    deferred = [line.replace("<the candidate run>", arm_dir) for line in plan.deferred]
+    change = {"applied": plan.applied,
+              "alternatives": list(dict.fromkeys(plan.alternatives + list(alternatives))),
               "instructions": plan.instructions + deferred, "warnings": plan.warnings,
               "precompiled": [f"kernel-cache warm --from-run {p['from_run']} (exit {p['exit_code']})"
                               for p in precompiled]}
@@ -705,19 +743,22 @@ def run_fix_loop(command, args):
         {"step": "kernel-cache warm", "ok": p["exit_code"] == 0, "from_run": p["from_run"],
          "error": None if p["exit_code"] == 0 else last_lines(p["output_tail"])}
         for p in precompiled]
-    change["apply"] = fix["apply"]
+    change["apply"] = apply
     comparison = compare_runs(baseline, candidate, change=change)
     comparison["precompile_runs"] = precompiled
-    comparison["changes"] = attribute_changes(plan.changes, comparison, baseline, findings, candidate)
-    if records.get("source_patch"):
-        comparison["fix_patch"] = records["source_patch"]["patch"]
+    comparison["changes"] = attribute_changes(plan.changes, comparison, baseline, findings,
+                                              candidate)
+    comparison["apply"] = apply
+    patch = (records.get("source_patch") or {}).get("patch")
+    if patch:
+        comparison["fix_patch"] = patch
     if records.get("overlay"):
         comparison["overlay"] = records["overlay"]
     if exit_status(cand_code) != 0:
         # a candidate that crashed (an unknown flag, a broken env) proves nothing but that
         comparison["verdict"] = (f"candidate failed (exit {exit_status(cand_code)}): the change "
                                  "does not work as applied")
-        tail = _stderr_tail(cand_dir)
+        tail = _stderr_tail(arm_dir)
         if tail:
             comparison["problems"].append(f"the candidate's last error lines: {tail}")
         if any(c["mechanism"] == "source" for c in plan.changes) and plan.fallbacks:
@@ -725,11 +766,24 @@ def run_fix_loop(command, args):
                 f"the source patch changed what the job's code expects downstream; prove the "
                 f"diagnosis without it: {PREFER_VAR}=runtime diagnose --fix --run-dir {root} "
                 "(the baseline is reused), then adapt fix.patch")
-    _write_json(os.path.join(cand_dir, "comparison.json"), comparison)
-    candidate, cand_findings, cand_report = _analyze(cand_dir, comparison=comparison)
-    print_summary(candidate, cand_findings, cand_report, console=console)
-    print_comparison(comparison, console)
-    fix.update(status="done", comparison=comparison)
-    _write_json(fix_path, fix)
-    console.print(f"fix: {root}", markup=False)
-    return exit_status(cand_code)
+    elif _parity_failed(comparison):
+        comparison["problems"].append("loss parity failed: this change alters the numerics; it "
+                                      "is reported, not kept")
+    finding = next((f for f in findings if f.id == cand.finding), None)
+    row = _arm_row(name, arm_dir, cand, comparison, exit_status(cand_code), patch, finding)
+    # a significant arm that reaches its prediction ends the search and is kept
+    comparison["search"] = [_search_row(a) for a in searched] + [
+        _search_row(row, arm_dir if row["significant"] and _as_predicted(row) else None)]
+    _write_json(os.path.join(arm_dir, "comparison.json"), comparison)
+    record, cand_findings, cand_report = _analyze(arm_dir, say, comparison=comparison)
+    say("summary", name, record=record, findings=cand_findings, report=cand_report)
+    say("comparison", name, comparison=comparison, arm=arm_dir)
+    return row, comparison, cand_code, cand_findings
+
+
+def _search_row(arm, kept=None):
+    row = {k: arm.get(k) for k in ("arm", "finding", "mechanism", "verdict",
+                                   "predicted_step_time_s", "measured_step_time_s")}
+    row["speedup"] = arm.get("judged_speedup")
+    row["kept"] = kept is not None and arm["dir"] == kept
+    return row

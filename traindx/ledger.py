@@ -1,38 +1,63 @@
 """The time ledger: every rank-step's wall time split into exclusive, measured categories.
 
-Inputs (all on the shim's time.time_ns() axis): the steps, the shim's `span` events (DataLoader
-__next__, backward, optimizer step, torch.save/DCP saves, CUDA syncs, blocking collectives, long
+Inputs (all on the shim's time.time_ns() axis): the steps, the shim's `span` events (the
+outermost nn.Module call of the training thread, DataLoader __next__, backward, optimizer step,
+the closure an optimizer step runs, torch.save/DCP saves, CUDA syncs, blocking collectives, long
 GC pauses), and the compile/autotune events. Where intervals overlap, one category wins by
 PRIORITY (a compile on the autograd thread while the training thread sits in backward counts as
-compile; a GC inside a data wait counts once, as GC). The forward pass is not hooked (module
-hooks would cost every call): it is the stretch of the training thread between the end of its
-previous measured call (data, backward, optimizer, io, sync, collective) and the start of each backward, and is booked
-with backward as `forward_backward`. What no interval covers is `unexplained` - shown, never
-spread over the other lines. Each row sums to its wall time exactly (integer nanoseconds).
+compile; a GC inside a data wait counts once, as GC; a forward and backward inside an optimizer
+step's closure - Lightning's training_step - count as fwd/bwd, not optimizer).
 
-Start-up - from the shim's `process_start` to the first step's begin - is split the same way;
-there, `unexplained` is imports, model build and data set-up.
+`forward_backward` (fwd/bwd) is the measured forward (outermost module calls) plus backward and
+nothing else. `host` is the training thread's time between its measured calls (and the parts
+of an optimizer step's closure outside forward and backward): the job's own loop code,
+`host_code(run)` splits it by the code that ran there. `unexplained` is what no interval covers:
+a rank whose training thread the spans never show (no span at all). Each row sums to its wall
+time exactly (integer nanoseconds).
+
+Runs recorded before forward spans existed (no `forward` span and no `host_samples` event in the
+whole run) keep the old reading: the stretch before each backward is booked as fwd/bwd.
+
+Start-up - from the shim's `process_start` to the first step's begin - is split the same way,
+without a host line; there, `unexplained` is imports, model build and data set-up.
 
 Pure and vectorised: one sort and a cumulative sum per category over every rank, O(n log n).
 """
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Optional
+
 import numpy as np
 import pandas as pd
 
+from traindx.steady import steady_steps
+
+if TYPE_CHECKING:  # annotations only
+    from traindx.record import RunRecord
+
 # highest priority first; `unexplained` is what none of them covers
-CATEGORIES = ("compile", "autotune", "gc", "io", "sync", "collective", "data", "optimizer",
-              "forward_backward")
+CATEGORIES = ("compile", "autotune", "gc", "io", "sync", "collective", "data",
+              "forward_backward", "optimizer", "host")
+# the sweep's own order: an optimizer step's closure is host time, and beats the optimizer line
+_SWEEP = ("compile", "autotune", "gc", "io", "sync", "collective", "data", "forward_backward",
+          "closure", "optimizer", "host")
 COLUMNS = ["rank", "step", "start_ns", "end_ns", "wall_s"] + [f"{c}_s" for c in CATEGORIES] + [
     "unexplained_s"]
 LABELS = {"compile": "compile", "autotune": "autotune", "gc": "gc", "io": "checkpoint/io",
           "sync": "host sync", "collective": "collective", "data": "data",
-          "optimizer": "optimizer", "forward_backward": "fwd/bwd", "unexplained": "unexplained"}
+          "optimizer": "optimizer", "forward_backward": "fwd/bwd", "host": "host",
+          "unexplained": "unexplained"}
 # spans that count only on the thread(s) that drive the steps; compiles and GC pause every thread
-TRAINING_THREAD_ONLY = ("data", "backward", "optimizer", "io", "sync", "collective")
+TRAINING_THREAD_ONLY = ("data", "backward", "forward", "closure", "optimizer", "io", "sync",
+                        "collective")
+# the shim's span category -> the ledger's
+SPAN_CATEGORY = {"backward": "forward_backward", "forward": "forward_backward"}
 STARTUP_STEP = -1
 LEDGER_CHUNK_RANKS = 128  # ranks swept together: bounds the sweep's memory on large jobs
 
 
-def spans_table(events):
+def spans_table(events: pd.DataFrame) -> pd.DataFrame:
     """The shim's span events: rank, cat, start_ns, end_ns, tid; caller (the job's frame) and
     call (e.g. "torch.save") for the rare ones, None for the others."""
     cols = ["rank", "cat", "start_ns", "end_ns", "tid", "caller", "call"]
@@ -51,11 +76,14 @@ def spans_table(events):
                         "end_ns": df["t"].astype("int64").to_numpy(),
                         "tid": df["tid"].to_numpy(),
                         "caller": objects("caller"), "call": objects("call")})
+    for col in ("cpu", "runq"):  # the calling thread's CPU and run-queue wait in a rare span
+        if col in df:
+            out[col] = pd.to_numeric(pd.Series(df[col].to_numpy(object)), errors="coerce")
     order = np.argsort(out["start_ns"].to_numpy(), kind="stable")
     return out.take(order).reset_index(drop=True)
 
 
-def has_spans(run):
+def has_spans(run: RunRecord) -> bool:
     """True when the run carries the shim's spans (older runs and `attach` do not)."""
     return len(run.spans) > 0
 
@@ -66,7 +94,7 @@ def _sweep(win_start, win_end, intervals):
 
     One argsort of every boundary gives each boundary its index among the distinct points
     (no binary search per boundary: millions of random look-ups cost more than the sort)."""
-    k = len(CATEGORIES)
+    k = len(_SWEEP)
     out = np.zeros((len(win_start), k + 1), dtype=np.int64)
     if not len(win_start):
         return out
@@ -118,6 +146,18 @@ def _sweep(win_start, win_end, intervals):
     return np.rint(cell).astype(np.int64).reshape(len(win_start), k + 1)
 
 
+_CLOSURE, _HOST = _SWEEP.index("closure"), _SWEEP.index("host")
+_TO_PUBLIC = [i for i, c in enumerate(_SWEEP) if c != "closure"] + [len(_SWEEP)]
+
+
+def _fold(ns):
+    """The sweep's columns (_SWEEP + unexplained) as the ledger's (CATEGORIES + unexplained):
+    a closure's own time is host time."""
+    ns = ns.copy()
+    ns[:, _HOST] += ns[:, _CLOSURE]
+    return ns[:, _TO_PUBLIC]
+
+
 def _training_pairs(cat, tid, rid):
     """(rank id, tid) of each rank's training thread(s): the threads of its optimizer spans,
     else its backward spans, else its data spans."""
@@ -130,12 +170,14 @@ def _training_pairs(cat, tid, rid):
     return pd.MultiIndex.from_arrays([rid[has][chosen], tid[has][chosen]]).unique()
 
 
-def _intervals(spans, srid, compiles, win_start, win_rid):
-    """{category index: (starts, ends)} of every rank at once, on the ranks' shifted time axis
-    (see compute): spans of the training thread(s) (compiles and GC pause every thread), the
-    forward stretches before each backward, compiles and autotunes.
-    spans: (cat, tid, start, end) arrays; compiles: (is autotune, start, end) arrays."""
-    index = {c: i for i, c in enumerate(CATEGORIES)}
+def _intervals(spans, srid, compiles, win_start, win_end, win_rid, win_host=None, residual=False):
+    """{sweep category index: (starts, ends)} of every rank at once, on the ranks' shifted time
+    axis (see compute): spans of the training thread(s) (compiles and GC pause every thread),
+    compiles and autotunes, and `host`: the windows (win_host: which of them) of the ranks
+    whose training thread the spans show - what no measured call covers there.
+    spans: (cat, tid, start, end) arrays; compiles: (is autotune, start, end) arrays.
+    residual: a run recorded before forward spans: the stretch before each backward is fwd/bwd."""
+    index = {c: i for i, c in enumerate(_SWEEP)}
     parts = {}
 
     def add(cat, s, e):
@@ -149,13 +191,19 @@ def _intervals(spans, srid, compiles, win_start, win_rid):
         cat, s, e, r = cat[keep], s[keep], e[keep], srid[keep]
         codes, names = pd.factorize(cat)
         for code, name in enumerate(names):
-            target = "forward_backward" if name == "backward" else name
-            if target in index:
+            target = SPAN_CATEGORY.get(name, name)
+            if target in index and target != "host":
                 sel = codes == code
                 add(target, s[sel], e[sel])
-        # the forward pass: [previous measured call's end, backward start) on a training thread
+        # the ranks with a training thread: their windows' untimed rest is that thread's host time
+        trained = np.unique(r[np.isin(cat, TRAINING_THREAD_ONLY)])
+        if len(win_start):
+            sel = np.isin(win_rid, trained)
+            if win_host is not None:
+                sel &= win_host
+            add("host", win_start[sel], win_end[sel])
         bwd = cat == "backward"
-        if bwd.any():
+        if residual and bwd.any():
             anchors = np.isin(cat, ["data", "backward", "optimizer", "io", "sync", "collective"])
             a_order = np.argsort(e[anchors], kind="stable")
             a_end, a_rid = e[anchors][a_order], r[anchors][a_order]
@@ -176,13 +224,20 @@ def _intervals(spans, srid, compiles, win_start, win_rid):
             for c, ps in parts.items()}
 
 
-def split_windows(spans, compiles, win_start, win_end):
+def split_windows(spans: pd.DataFrame, compiles: pd.DataFrame, win_start: np.ndarray,
+                  win_end: np.ndarray) -> np.ndarray:
     """ns per (window, category) of ONE rank's sorted, non-overlapping windows (not steps:
     e.g. the stretch before each arrival at a collective), with the step ledger's intervals and
     priorities; the last column is unexplained. spans/compiles: that rank's run.spans/compiles."""
     win_start = np.asarray(win_start, np.int64)
     win_end = np.asarray(win_end, np.int64)
-    win_rid = np.zeros(len(win_start), np.int64)
+    residual = not len(spans) or not (spans["cat"] == "forward").any()
+    return _fold(_sweep(win_start, win_end, _rank_intervals(spans, compiles, win_start, win_end,
+                                                            residual)))
+
+
+def _rank_intervals(spans, compiles, win_start, win_end, residual):
+    """_intervals of ONE rank's spans and compiles over its windows (each window of rank id 0)."""
     sp = cs = None
     srid = np.empty(0, np.int64)
     if len(spans):
@@ -194,7 +249,16 @@ def split_windows(spans, compiles, win_start, win_end):
         if len(comp):
             cs = (comp["kind"].to_numpy(object) == "triton_autotune",
                   comp["start_ns"].astype("int64").to_numpy(), comp["end_ns"].astype("int64").to_numpy())
-    return _sweep(win_start, win_end, _intervals(sp, srid, cs, win_start, win_rid))
+    return _intervals(sp, srid, cs, win_start, win_end, np.zeros(len(win_start), np.int64),
+                      residual=residual)
+
+
+def measured_forward(spans, host_samples=None):
+    """Whether the run's shim measured the forward (forward spans, or host samples: a job
+    whose model is no nn.Module has none of the first); False: an older run, read the old way."""
+    if len(spans) and (spans["cat"].to_numpy(object) == "forward").any():
+        return True
+    return host_samples is not None and len(host_samples) > 0
 
 
 def _process_starts(events):
@@ -204,12 +268,15 @@ def _process_starts(events):
     return {str(r): int(t) for r, t in zip(ps["rank"], ps["t"])}
 
 
-def compute(steps, spans, compiles, events):
+def compute(steps: pd.DataFrame, spans: pd.DataFrame, compiles: pd.DataFrame,
+            events: pd.DataFrame, forward_measured: Optional[bool] = None
+            ) -> tuple[pd.DataFrame, pd.DataFrame]:
     """(ledger of the steps, start-up ledger): one row per rank-step / per rank, COLUMNS.
 
     Every rank at once: each rank's times move to a block of their own on one axis (rank id x
     the run's time span), so one sort and sweep serves all ranks and no interval can reach
-    another rank's windows; the split is the per-rank one, exactly."""
+    another rank's windows; the split is the per-rank one, exactly. forward_measured: see
+    measured_forward (None: from the spans alone)."""
     steps = steps.dropna(subset=["start_ns", "end_ns"])
     empty = pd.DataFrame(columns=COLUMNS)
     if not len(steps):
@@ -257,6 +324,8 @@ def compute(steps, spans, compiles, events):
     span_cat = spans["cat"].to_numpy(object) if len(spans) else None
     span_tid = spans["tid"].to_numpy() if len(spans) else None
     ns = np.zeros((len(w_s), len(CATEGORIES) + 1), np.int64)
+    residual = not (measured_forward(spans) if forward_measured is None else forward_measured)
+    w_host = w_id != STARTUP_STEP
     for lo in range(0, len(ranks), per_chunk):
         hi = lo + per_chunk
         wsel = (w_rid >= lo) & (w_rid < hi)
@@ -264,7 +333,7 @@ def compute(steps, spans, compiles, events):
         csel = (crid >= lo) & (crid < hi)
 
         def shift(t, r):
-            return (np.asarray(t, np.int64) - base) + (r - lo) * width
+            return (np.asarray(t, np.int64) - base) + (r - lo) * width  # noqa: B023 (used in this iteration)
 
         cs = sp = None
         if len(comp):
@@ -272,12 +341,13 @@ def compute(steps, spans, compiles, events):
                   shift(comp["start_ns"].astype("int64").to_numpy()[csel], crid[csel]),
                   shift(comp["end_ns"].astype("int64").to_numpy()[csel], crid[csel]))
         if len(spans):
-            sp = (span_cat[ssel], span_tid[ssel],
+            sp = (span_cat[ssel], span_tid[ssel],  # type: ignore[index]
                   shift(spans["start_ns"].to_numpy(np.int64)[ssel], srid[ssel]),
                   shift(spans["end_ns"].to_numpy(np.int64)[ssel], srid[ssel]))
         win_s, win_e = shift(w_s[wsel], w_rid[wsel]), shift(w_e[wsel], w_rid[wsel])
-        intervals = _intervals(sp, srid[ssel], cs, win_s, w_rid[wsel])
-        ns[wsel] = _sweep(win_s, win_e, intervals)
+        intervals = _intervals(sp, srid[ssel], cs, win_s, win_e, w_rid[wsel], w_host[wsel],
+                               residual=residual)
+        ns[wsel] = _fold(_sweep(win_s, win_e, intervals))
     table = pd.DataFrame(ns / 1e9, columns=[f"{c}_s" for c in CATEGORIES] + ["unexplained_s"])
     table.insert(0, "wall_s", (w_e - w_s) / 1e9)
     table.insert(0, "end_ns", w_e)
@@ -292,15 +362,167 @@ def compute(steps, spans, compiles, events):
     return ledger[COLUMNS], startup[COLUMNS]
 
 
+# -- what ran inside the host line --------------------------------------------------------------
+HOST_CODE_COLUMNS = ["rank", "step", "function", "file", "line", "call", "seconds", "samples",
+                     "runq_s"]
+
+
+def host_samples(run):
+    """The shim's samples of the training thread (hostsample.py), one row each: rank, pid, tid,
+    t_ns, function, file, line, call, runq_frac (the share of the time since the thread's
+    previous sample that it spent runnable but waiting for a core; NaN where the shim could not
+    read the kernel's run-queue delay, or for a thread's first sample)."""
+    cols = ["rank", "pid", "tid", "t_ns", "function", "file", "line", "call", "runq_frac"]
+    ev = run.of_type("host_samples")
+    frames = run.of_type("host_frame")
+    if not len(ev) or not len(frames) or "dt_us" not in ev:
+        return pd.DataFrame(columns=cols)
+    lens = np.array([len(v) if isinstance(v, list) else 0 for v in ev["dt_us"]], np.int64)
+    ok = lens == np.array([len(v) if isinstance(v, list) else -1 for v in ev["k"]], np.int64)
+    ev, lens = ev[ok], lens[ok]
+    if not lens.sum():
+        return pd.DataFrame(columns=cols)
+    rep = np.repeat(np.arange(len(ev)), lens)
+    pid = ev["pid"].to_numpy(object) if "pid" in ev else np.full(len(ev), None, object)
+    out = pd.DataFrame({
+        "rank": pd.Series(ev["rank"].to_numpy(object)[rep], dtype=object),
+        "pid": pd.Series(pid[rep], dtype=object),
+        "tid": ev["tid"].to_numpy(object)[rep],
+        "t_ns": ev["t0"].astype("int64").to_numpy()[rep]
+        + np.concatenate([np.asarray(v, np.int64) for v in ev["dt_us"]]) * 1000,
+        "k": np.concatenate([np.asarray(v, np.int64) for v in ev["k"]]),
+        "runq_ns": _runq_ns(ev, lens)})
+    fpid = frames["pid"].to_numpy(object) if "pid" in frames else np.full(len(frames), None, object)
+    keys = pd.DataFrame({"rank": frames["rank"].to_numpy(object), "pid": fpid,
+                         "k": frames["id"].astype("int64").to_numpy(),
+                         "function": frames["function"].to_numpy(object),
+                         "file": frames["file"].to_numpy(object),
+                         "line": frames["line"].to_numpy(object),
+                         "call": frames["call"].to_numpy(object) if "call" in frames else None})
+    keys = keys.drop_duplicates(["rank", "pid", "k"], keep="last")
+    out["_pid"], keys["_pid"] = out["pid"].astype(str), keys["pid"].astype(str)
+    merged = out.merge(keys.drop(columns=["pid"]), on=["rank", "_pid", "k"], how="inner")
+    merged = merged.sort_values(["rank", "_pid", "tid", "t_ns"], kind="stable")
+    # the run-queue wait between a thread's consecutive samples over the wall time between them
+    same = merged[["rank", "_pid", "tid"]].astype(str).agg("|".join, axis=1)
+    first = (same != same.shift()).to_numpy()
+    dwait = merged["runq_ns"].diff().to_numpy(float)
+    dt = merged["t_ns"].diff().to_numpy(float)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        frac = np.where(first | (dt <= 0), np.nan, np.clip(dwait / dt, 0.0, 1.0))
+    merged["runq_frac"] = frac
+    return merged.sort_values(["rank", "t_ns"], kind="stable").reset_index(drop=True)[cols]
+
+
+def _runq_ns(ev, lens):
+    """Each sample's cumulative run-queue wait (ns) of its thread, NaN where the event has none."""
+    if "runq_us" not in ev:
+        return np.full(int(lens.sum()), np.nan)
+    parts = []
+    for v, n in zip(ev["runq_us"], lens):
+        ok = isinstance(v, list) and len(v) == n
+        parts.append(np.asarray(v, float) * 1000 if ok else np.full(n, np.nan))
+    return np.concatenate(parts)
+
+
+def _covered(times, starts, ends):
+    """Whether each of the sorted `times` lies in the union of the intervals [starts, ends)."""
+    if not len(starts):
+        return np.zeros(len(times), bool)
+    order = np.argsort(starts, kind="stable")
+    s, e = starts[order], np.maximum.accumulate(ends[order])
+    i = np.searchsorted(s, times, side="right") - 1
+    return (i >= 0) & (times < e[np.maximum(i, 0)])
+
+
+def host_code(run):
+    """What code ran inside the `host` line, per rank-step (HOST_CODE_COLUMNS): the shim's samples
+    of the training thread that fall where the ledger books host time, grouped by the job's
+    function and file:line and the call the stack ended in; `seconds` splits the step's host_s
+    by the samples' shares (the ledger's exact total, the samples' split) and `samples` counts
+    them; `runq_s` is the part
+    of those seconds the thread spent waiting for a core (the samples' run-queue shares; NaN
+    where the record has none): on a loaded machine a time slice that ends inside a line
+    leaves the thread at that line while other tasks run. Steps whose host time no sample saw
+    have no rows."""
+    def build():
+        samples = host_samples(run)
+        led = run.ledger
+        if not len(samples) or not len(led) or not (led["host_s"] > 0).any():
+            return pd.DataFrame(columns=HOST_CODE_COLUMNS)
+        kept = []
+        forward = not _legacy(run)
+        for rank, mine in samples.groupby("rank", sort=False):
+            rows_ = run.rank_rows("ledger", rank).sort_values("start_ns")
+            if not len(rows_):
+                continue
+            spans = run.rank_rows("spans", rank)
+            comp = run.rank_rows("compiles", rank) if len(run.compiles) else run.compiles
+            ws = rows_["start_ns"].to_numpy(np.int64)
+            we = rows_["end_ns"].to_numpy(np.int64)
+            t = mine["t_ns"].to_numpy(np.int64)
+            w = np.searchsorted(ws, t, side="right") - 1
+            inside = (w >= 0) & (t < we[np.maximum(w, 0)])
+            mine, t, w = mine[inside], t[inside], w[inside]
+            if not len(mine):
+                continue
+            cat = _categories_at(spans, comp, ws, we, t, residual=not forward)
+            host = (cat == _HOST) | (cat == _CLOSURE)
+            kept.append(mine[host].assign(step=rows_["step"].to_numpy(np.int64)[w[host]],
+                                          host_s=rows_["host_s"].to_numpy(float)[w[host]]))
+        if not kept:
+            return pd.DataFrame(columns=HOST_CODE_COLUMNS)
+        df = pd.concat(kept, ignore_index=True)
+        for col in ("function", "file", "call"):
+            df[col] = df[col].astype(object).where(df[col].notna(), "")
+        keys = ["rank", "step", "function", "file", "line", "call"]
+        # a thread's first sample has no interval before it: its rank's mean share
+        df["runq_frac"] = df["runq_frac"].fillna(df.groupby("rank")["runq_frac"].transform("mean"))
+        g = df.groupby(keys, sort=False, dropna=False).agg(
+            n=("t_ns", "size"), host_s=("host_s", "first"),
+            runq=("runq_frac", "sum"))
+        g = g.reset_index()
+        if df["runq_frac"].isna().all():  # recorded without the run-queue delay
+            g["runq"] = np.nan
+        total = g.groupby(["rank", "step"])["n"].transform("sum")
+        g["seconds"] = g["host_s"] * g["n"] / total
+        g["samples"] = g["n"].astype("int64")
+        g["runq_s"] = g["host_s"] * g["runq"] / total
+        g["call"] = g["call"].where(g["call"] != "", None)
+        g = g.sort_values(["rank", "step", "seconds"], ascending=[True, True, False], kind="stable")
+        return g.reset_index(drop=True)[HOST_CODE_COLUMNS]
+    return run.cached("host_code", build).copy(deep=False)
+
+
+def _legacy(run):
+    return not measured_forward(run.spans, run.of_type("host_samples"))
+
+
+def _categories_at(spans, compiles, win_start, win_end, times, residual=False):
+    """The sweep category (_SWEEP index; len(_SWEEP): unexplained) that wins at each sorted time
+    of ONE rank, with the ledger's intervals and priorities."""
+    intervals = _rank_intervals(spans, compiles, win_start, win_end, residual)
+    out = np.full(len(times), len(_SWEEP), np.int64)
+    open_ = np.ones(len(times), bool)
+    for c in sorted(intervals):                      # highest priority first
+        s, e = intervals[c]
+        hit = open_ & _covered(times, np.asarray(s, np.int64), np.asarray(e, np.int64))
+        out[hit] = c
+        open_ &= ~hit
+    return out
+
+
 # -- reading the ledger ----------------------------------------------------------------------------
-def rows(run, rank=None, steps=None):
+def rows(run: RunRecord, rank: str | None = None,
+         steps: Iterable[int] | None = None) -> pd.DataFrame:
     led = run.ledger if rank is None else run.rank_rows("ledger", rank)
     if steps is not None:
         led = led[led["step"].isin(set(int(s) for s in steps))]
     return led
 
 
-def share(run, categories, rank=None, steps=None):
+def share(run: RunRecord, categories: Iterable[str], rank: str | None = None,
+          steps: Iterable[int] | None = None) -> tuple[float, float]:
     """(share of wall time, seconds per step) of the categories over the given rank-steps."""
     led = rows(run, rank, steps)
     if not len(led):
@@ -310,7 +532,7 @@ def share(run, categories, rank=None, steps=None):
     return (secs / wall if wall else 0.0), secs / len(led)
 
 
-def breakdown(led):
+def breakdown(led: pd.DataFrame) -> dict[str, float]:
     """{category: mean seconds per row} of a ledger slice, unexplained last; zero lines left out."""
     if not len(led):
         return {}
@@ -322,7 +544,7 @@ def breakdown(led):
     return out
 
 
-def breakdown_text(led, limit=6):
+def breakdown_text(led: pd.DataFrame, limit: int = 6) -> str | None:
     """'step 1.23 s = data 0.85 · fwd/bwd 0.30 · gc 0.02 · unexplained 0.06' (means per step)."""
     if not len(led):
         return None
@@ -337,7 +559,7 @@ def breakdown_text(led, limit=6):
     return f"step {_num(wall)} s = " + " · ".join(items)
 
 
-def startup_text(row):
+def startup_text(row: Mapping[str, Any]) -> str:
     """'start-up 7.43 s = gc 1.58 · imports, model build, data set-up 5.85' for one start-up row."""
     parts = [(c, float(row[f"{c}_s"])) for c in CATEGORIES if float(row[f"{c}_s"]) > 0]
     items = [f"{LABELS[c]} {_num(v)}" for c, v in sorted(parts, key=lambda kv: -kv[1])]
@@ -349,12 +571,10 @@ def _num(seconds):
     return f"{seconds:.3f}" if seconds < 0.1 else f"{seconds:.2f}"
 
 
-def steady_rows(run, rank=None):
+def steady_rows(run: RunRecord, rank: str | None = None) -> pd.DataFrame:
     """The ledger over the steady window (no warm-up, no torch.profiler window)."""
-    from traindx.analyzers import evidence as ev
-
     def build():
-        steady = ev.steady_steps(run)
+        steady = steady_steps(run)
         led = rows(run)
         if not len(steady) or not len(led):
             return led.iloc[0:0]
@@ -368,13 +588,14 @@ def steady_rows(run, rank=None):
     return run.rank_rows("steady_ledger", rank, table)
 
 
-# -- predictions -------------------------------------------------------------------------------------
-def cpu_evidence(run, ranks=None):
+# -- CPU evidence (derived; the savings model that prices findings is traindx.analyzers.savings) ---
+def cpu_evidence(run: RunRecord, ranks: Iterable[str] | None = None) -> dict[str, Any] | None:
     """What the shim measured about CPU over the steady steps (the slowest rank of `ranks`), or
     None when the run has no `cpu` events (an older shim, `attach`): per step, in seconds,
     wall, data (the ledger's data line), data_cpu (the training thread's CPU seconds inside the
-    DataLoader's __next__: the loading work itself when num_workers=0), proc_cpu (all threads of
-    the process), thread_cpu (the training thread); cores (the process's CPU affinity), running
+    DataLoader's __next__: the loading work itself when num_workers=0), data_runq (its run-queue
+    wait there; None from a shim that did not record it), proc_cpu (all threads of the process),
+    thread_cpu and thread_runq (the training thread's CPU and run-queue wait); cores (the process's CPU affinity), running
     (mean runnable tasks on the machine at a step end, the training thread included) and idle
     (mean idle cores of the machine)."""
     if not len(run.ledger):
@@ -395,7 +616,7 @@ def cpu_evidence(run, ranks=None):
         return None
     spans = run.of_type("span")
     spans = spans[spans["rank"] == rank] if len(spans) else spans
-    data_cpu = 0.0
+    data_cpu, data_runq = 0.0, None
     if "cat" in spans and "cpu" in spans:
         data = spans[(spans["cat"] == "data") & spans["cpu"].notna()]
         ordered = led.sort_values("start_ns")
@@ -405,12 +626,16 @@ def cpu_evidence(run, ranks=None):
         i = np.searchsorted(begin, starts, side="right") - 1
         inside = (i >= 0) & (starts < end[np.clip(i, 0, None)])
         data_cpu = float(data["cpu"].to_numpy(dtype=float)[inside].sum()) / len(led)
+        if "runq" in data and data["runq"].notna().any():
+            data_runq = float(data["runq"].fillna(0.0).to_numpy(dtype=float)[inside].sum()) / len(led)
     wall = float(led["wall_s"].mean())
     out = {"rank": rank, "steps": len(led), "wall": wall, "data": float(led["data_s"].mean()),
            "data_cpu": data_cpu, "proc_cpu": float(cpu["proc_cpu_s"].mean()),
            "thread_cpu": float(cpu["thread_cpu_s"].mean()) if "thread_cpu_s" in cpu else None,
-           "running": None, "idle": None}
-    cores = cpu["cores"].dropna() if "cores" in cpu else []
+           "data_runq": data_runq, "thread_runq": None, "running": None, "idle": None}
+    if "thread_runq_s" in cpu and cpu["thread_runq_s"].notna().any():
+        out["thread_runq"] = float(cpu["thread_runq_s"].mean())
+    cores = cpu["cores"].dropna() if "cores" in cpu else pd.Series(dtype=float)
     out["cores"] = int(cores.iloc[0]) if len(cores) else (run.manifest.get("host") or {}).get("cpus")
     if "running" in cpu and cpu["running"].notna().any():
         out["running"] = float(cpu["running"].mean())
@@ -419,303 +644,3 @@ def cpu_evidence(run, ranks=None):
     return out
 
 
-def workers_step_model(load_cpu, rest_cpu, rest_wall, workers, cores, others):
-    """The step time once `workers` DataLoader processes make the batches (num_workers=0 before).
-
-    The model (per-task fair share, which is what Linux's CFS gives runnable tasks of equal
-    weight): the loading work is CPU work that does not shrink when it moves - `load_cpu`
-    seconds per batch (the training thread's CPU inside __next__ before the fix); the rest of
-    the step is `rest_cpu` CPU seconds per step on the training process, spread over
-    a = max(1, rest_cpu / rest_wall) threads (its intra-op threads, as measured before the fix).
-    `others` runnable tasks of other processes compete for the `cores`. With the training
-    process runnable a fraction u_m of the time and the workers u_w, every runnable task gets
-
-        share = min(1, cores / (others + a * u_m + workers * u_w))
-
-    and the steady step is the slower of the two stages of the pipeline,
-
-        step = max(load_cpu / (workers * share),  rest_cpu / (a * share))
-
-    u_m and u_w are the stages' busy fractions (stage time / step), solved by fixed-point
-    iteration. What it leaves out, and why: the batch transfer from a worker (a tensor batch
-    goes through shared memory: ~1 ms for 256 x 256 floats on the training thread, inside the
-    measured noise of these steps); schedulers that weight groups of tasks (cgroups, autogroup,
-    nice), which the range in predicted_step_time covers; and an intra-op thread pool (torch's
-    default, a thread per core) that spins at its barriers: once the workers oversubscribe the
-    cores its parallel regions wait for descheduled threads, and a step can end up slower than
-    before - measured, not modelled (bench/ledger_predictions.py, case getitem-cpu)."""
-    a = max(1.0, rest_cpu / rest_wall) if rest_wall > 0 else 1.0
-    u_m = u_w = 1.0
-    step = 0.0
-    for _ in range(50):
-        share = min(1.0, cores / max(1e-9, others + a * u_m + workers * u_w))
-        load = load_cpu / (workers * share)
-        main = rest_cpu / (a * share)
-        step = max(load, main)
-        if step <= 0:
-            return 0.0
-        u_m, u_w = min(1.0, main / step), min(1.0, load / step)
-    return step
-
-
-def workers_step_capped(load_cpu, rest_cpu, rest_wall, workers, job_cores):
-    """The step time once `workers` processes make the batches when the job cannot get more
-    cores than `job_cores` (what it used before the fix plus the machine's idle cores): a
-    scheduler that shares the cores between groups of tasks (cgroups, one per container or
-    session) gives a group the same share however many tasks it runs. All the CPU work of a
-    step then has those cores, and neither stage can go faster than one core per task:
-
-        step = max((load_cpu + rest_cpu) / job_cores,  load_cpu / workers,  rest_cpu / a)"""
-    a = max(1.0, rest_cpu / rest_wall) if rest_wall > 0 else 1.0
-    cores = max(1e-9, min(job_cores, workers + a))
-    return max((load_cpu + rest_cpu) / cores, load_cpu / workers, rest_cpu / a)
-
-
-def _workers_prediction(run, finding, removes):
-    """(predicted step, (low, high), cpu evidence) for a fix that moves the data line into
-    `workers` DataLoader processes, from the shim's CPU evidence; None without it.
-
-    The same baseline allows two readings of how many cores the job gets once it runs more
-    processes, and the truth depends on how the kernel groups tasks, which the run cannot see
-    (Linux autogroup shares the cores between sessions first, containers and Slurm share them
-    between cgroups, and other users' load comes and goes):
-      per task   workers_step_model (every task takes an equal share), with the other runnable
-                 tasks counted on the machine at the step ends (less the training process's
-                 own threads), and with them read from the share the training thread got
-                 while it loaded batches (data_cpu / data = cores / (others + 1));
-      per group  workers_step_capped with the job held to the cores it had (proc_cpu / wall,
-                 plus the idle cores): its group's share does not grow with its task count.
-    The range is [fastest, slowest] of these; the prediction is its middle (the point that is
-    never further than half the range from either regime). On a machine with idle cores both
-    readings agree and the range is narrow; on a busy shared one it is wide, and says so.
-    Other ranks on the host add their own workers."""
-    evd = cpu_evidence(run, finding.ranks)
-    if evd is None or evd["data_cpu"] <= 0 or not evd.get("cores") or evd["wall"] <= 0:
-        return None
-    cores = float(evd["cores"])
-    rest_wall = max(0.0, evd["wall"] - evd["data"])
-    rest_cpu = max(0.0, evd["proc_cpu"] - evd["data_cpu"])
-    own_threads = 1.0
-    if evd["thread_cpu"] is not None:
-        own_threads += max(0.0, evd["proc_cpu"] - evd["thread_cpu"]) / evd["wall"]
-    share_seen = min(1.0, evd["data_cpu"] / evd["data"]) if evd["data"] > 0 else 1.0
-    from_share = max(0.0, cores / share_seen - 1.0)
-    counted = max(0.0, evd["running"] - own_threads) if evd["running"] is not None else from_share
-    ranks = max(1, run.ledger["rank"].nunique()) if len(run.ledger) else 1
-    workers = float(removes["workers"])
-    extra = (ranks - 1) * workers
-    per_task = [workers_step_model(evd["data_cpu"], rest_cpu, rest_wall, workers, cores,
-                                   others + extra) for others in (counted, from_share)]
-    job_cores = min(cores / ranks, evd["proc_cpu"] / evd["wall"] + (evd["idle"] or 0.0) / ranks)
-    per_group = workers_step_capped(evd["data_cpu"], rest_cpu, rest_wall, workers, job_cores)
-    low, high = min(per_task + [per_group]), max(per_task + [per_group])
-    evd.update(others_counted=counted, others_from_share=from_share, job_cores=job_cores,
-               workers=workers, per_task_s=per_task, per_group_s=per_group)
-    return (low + high) / 2, (low, high), evd
-
-
-def _freezes_the_heap(finding):
-    """True when the finding's first prescription is gc.freeze() (not Megatron's manual GC,
-    which moves every collection out of the steps and so does remove the whole gc line)."""
-    p = finding.prescriptions[0] if getattr(finding, "prescriptions", ()) else None
-    return p is not None and "gc.freeze" in f"{p.command or ''} {p.summary}"
-
-
-def gc_freeze_residual(run, rank, steps):
-    """Seconds per step of the gc line that gc.freeze() leaves, from the baseline's own GC
-    records on `rank` over `steps` (its steady steps); None when they cannot tell.
-
-    What freeze removes: the objects alive at the freeze leave the collector's view, so a full
-    (gen-2) collection stops walking them. What it leaves (measured: bench/ledger_predictions.py
-    case gc, and tests/test_ledger.py): (1) the young collections (gen 0/1 pauses >= 1 ms in the
-    gc line): they walk new objects, frozen or not; (2) the garbage the steps make that only a
-    full collection frees (reference cycles that survived the young generations): the same
-    amount per step is still found and freed, by more frequent and shorter full collections
-    (the frozen heap no longer counts towards the 25 % rule that spaces them out). A baseline
-    full collection costs a + b * collected (a: walking the surviving heap, which freeze
-    removes; b: per object freed, which stays): b is the slope of the shortest pause against
-    the objects freed, over the steady gen-2 collections of each haul size (the shim's per-step
-    gcstats; the shortest, because CPU contention only lengthens a pause), and the residual is
-    b * (objects freed by full collections per step). It needs collections that freed
-    different numbers of objects; with one haul size only it is None."""
-    steps = set(int(s) for s in steps)
-    g = run.gc
-    if not steps or not len(g) or "collected" not in g or "generation" not in g:
-        return None
-    g = g[(g["rank"].astype(str) == str(rank)) & g["step"].isin(steps)]
-    full = g[(g["generation"] == 2) & (g["count"] > 0)]
-    young = 0.0
-    sp = run.of_type("span")
-    if len(sp) and "cat" in sp and "generation" in sp:
-        sp = sp[(sp["rank"].astype(str) == str(rank)) & (sp["cat"] == "gc") & (sp["generation"] < 2)]
-        led = rows(run, rank, steps).sort_values("start_ns")
-        begin = led["start_ns"].astype("int64").to_numpy()
-        end = led["end_ns"].astype("int64").to_numpy()
-        s = sp["start"].astype("int64").to_numpy()
-        e = sp["t"].astype("int64").to_numpy()
-        if len(begin) and len(s):     # each young pause inside a step, clipped at its end
-            i = np.clip(np.searchsorted(begin, s, side="right") - 1, 0, None)
-            inside = (s >= begin[i]) & (s < end[i])
-            young = float((np.minimum(e, end[i]) - s)[inside].sum()) / 1e9
-    n = len(steps)
-    if not len(full):
-        return young / n
-    count = full["count"].to_numpy(float)
-    pause = pd.Series(full["total_s"].to_numpy(float) / count)       # per collection
-    freed = full["collected"].to_numpy(float) / count
-    # the lower envelope: the shortest pause of each haul size (a loaded machine preempts the
-    # collector mid-pause, which only ever adds time), then the least-squares slope over them
-    low = pause.groupby(freed).min()
-    if len(low) < 2:
-        return None
-    x, y = low.index.to_numpy(float), low.to_numpy(float)
-    slope = float(np.sum((x - x.mean()) * (y - y.mean())) / np.sum((x - x.mean()) ** 2))
-    # a slope above the dearest collection's own pause per object would make the heap walk
-    # negative; below zero is noise
-    slope = min(max(0.0, slope), float(np.max(y / np.maximum(x, 1.0))))
-    # objects freed per step: what the collections after the first freed, over the steps since
-    # it (the first one's haul piled up before the window); one collection: its haul per step
-    by_step = full.sort_values("step")
-    if len(by_step) > 1:
-        first, last = int(by_step["step"].iloc[0]), int(by_step["step"].iloc[-1])
-        rate = float(by_step["collected"].iloc[1:].sum()) / max(1, last - first)
-    else:
-        rate = float(by_step["collected"].sum()) / n
-    return young / n + slope * rate
-
-
-def _gc_freeze_removed(run, led):
-    """The gc line per step less what gc.freeze leaves (gc_freeze_residual), for the slowest
-    rank; None when a rank's records cannot tell."""
-    out = []
-    for rank, rl in led.groupby("rank"):
-        residual = gc_freeze_residual(run, rank, rl["step"])
-        if residual is None:
-            return None
-        out.append(max(0.0, float(rl["gc_s"].mean()) - residual))
-    return max(out) if out else None
-
-
-def io_after_effect(led):
-    """Seconds per step that the steps holding an I/O span (a save) and the step right after
-    each lose beyond the span itself: their time outside the io line, less the mean of the
-    other steps' (per rank, the slowest rank's; never below zero). None when every step or no
-    step holds I/O (nothing to compare with).
-
-    Why (measured: bench/ledger_predictions.py case checkpoint, tests/test_ledger.py): a
-    torch.save of a large state dict leaves work behind it - the kernel writes the dirty pages
-    back and the save's buffers have pushed the model out of the CPU caches - so the rest of
-    the saving step and the next step are slower than the other steps, and removing the save
-    removes that too. On a quiet 16-core host it is a few per cent of the save; on a loaded
-    2-core machine, where the writeback competes with the job for the cores, the measured
-    saving exceeded the io line by 30-35 %."""
-    out = []
-    for _, rl in led.sort_values("step").groupby("rank"):
-        io = rl["io_s"].to_numpy() > 0
-        if not io.any() or io.all():
-            return None
-        steps = rl["step"].to_numpy()
-        after = np.isin(steps, steps[io] + 1) & ~io
-        rest = (rl["wall_s"] - rl["io_s"]).to_numpy()
-        clean = ~io & ~after
-        if not clean.any():
-            return None
-        excess = float((rest[io | after] - rest[clean].mean()).sum()) / len(rl)
-        out.append(max(0.0, excess))
-    return max(out) if out else None
-
-
-def removed_seconds(run, finding):
-    """Seconds per steady step the finding's fix removes: the ledger lines in finding.removes
-    ({"categories": [...], "steps": [...] optional, "workers": N optional: the lines move to N
-    processes beside the step, on "cpus": C cores per rank, "fraction": x optional}), over its
-    ranks' steady steps (the slowest rank's mean); None when the finding names no ledger line.
-    Lines that move into N worker processes: the CPU model of _workers_prediction where the shim
-    recorded CPU evidence (a step can then also get slower than before: a negative saving),
-    else the overlap bound below."""
-    removes = getattr(finding, "removes", None) or {}
-    cats = [c for c in removes.get("categories", ()) if c in CATEGORIES]
-    if not cats or not len(run.ledger):
-        return None
-    led = steady_rows(run)
-    ranks = [r for r in (finding.ranks or ()) if r in set(led["rank"])]
-    if ranks:
-        led = led[led["rank"].isin(ranks)]
-    if not len(led):
-        return None
-    workers = removes.get("workers")
-    if workers and cats == ["data"] and not removes.get("steps"):
-        model = _workers_prediction(run, finding, removes)
-        if model is not None:
-            baseline = float(led.groupby("rank")["wall_s"].mean().max())
-            return (baseline - model[0]) * float(removes.get("fraction", 1.0))
-    if cats == ["gc"] and not removes.get("steps") and _freezes_the_heap(finding):
-        removed = _gc_freeze_removed(run, led)
-        if removed is not None:
-            return removed * float(removes.get("fraction", 1.0))
-    after = io_after_effect(led) if cats == ["io"] and not workers and not removes.get("steps") \
-        else None
-    per_row = led[[f"{c}_s" for c in cats]].sum(axis=1)
-    if after is not None:
-        per_row = per_row + after
-    if workers:
-        # the lines move to `workers` processes that run beside the step: what stays is the
-        # part of the work that a step's remaining time cannot hide, max(0, L / w - rest)
-        rest = led["wall_s"] - per_row
-        cpus = removes.get("cpus")
-        parallel = min(float(workers), max(1.0, float(cpus) - 1)) if cpus else float(workers)
-        per_row = per_row - (per_row / parallel - rest).clip(lower=0.0)
-        if cpus:
-            # the workers' CPU work competes with the step's on the same cores: a step cannot get
-            # shorter than all of it spread over them
-            per_row = per_row.clip(upper=led["wall_s"] * (1.0 - 1.0 / float(cpus)))
-    if removes.get("steps"):
-        chosen = set(int(s) for s in removes["steps"])
-        per_row = per_row.where(led["step"].isin(chosen), 0.0)
-    fraction = float(removes.get("fraction", 1.0))
-    return float(per_row.groupby(led["rank"]).mean().max()) * fraction
-
-
-def predicted_step_time(run, finding):
-    """What the --fix loop writes beside the measured candidate: {"baseline_step_s": mean steady
-    step, "removed_s": ledger seconds per step the fix removes, "predicted_step_s": baseline -
-    removed, "categories": ..., "method": ...}; removed/predicted are None when the finding names
-    no ledger line (then fall back to the prescription's expected_gain_s_per_step). A fix that
-    moves the data line into DataLoader workers adds "predicted_range_s": [fast, slow] and the
-    "cpu_evidence" it came from (_workers_prediction): its result depends on how many cores
-    the job really gets beside the machine's other work, which one baseline run bounds but does
-    not fix."""
-    led = steady_rows(run)
-    ranks = [r for r in (finding.ranks or ()) if r in set(led["rank"])]
-    if ranks:
-        led = led[led["rank"].isin(ranks)]
-    baseline = float(led.groupby("rank")["wall_s"].mean().max()) if len(led) else None
-    removed = removed_seconds(run, finding)
-    spread = None
-    if removed is None:
-        gains = [p.expected_gain_s_per_step for p in finding.prescriptions
-                 if p.expected_gain_s_per_step is not None]
-        removed = gains[0] if gains else None
-        method = "the prescription's expected gain (the finding names no ledger line)"
-    else:
-        method = "ledger lines the fix removes, mean per steady step"
-        removes = getattr(finding, "removes", None) or {}
-        model = _workers_prediction(run, finding, removes) if removes.get("workers") and \
-            list(removes.get("categories", ())) == ["data"] and not removes.get("steps") else None
-        if list(removes.get("categories", ())) == ["gc"] and _freezes_the_heap(finding) \
-                and not removes.get("steps") and _gc_freeze_removed(run, led) is not None:
-            method = ("gc line less what gc.freeze leaves: young collections and the cost of "
-                      "freeing each step's cyclic garbage (traindx.ledger.gc_freeze_residual)")
-        if model is not None:
-            spread = {"low_s": model[1][0], "high_s": model[1][1],
-                      "cpu_evidence": {k: v for k, v in model[2].items()}}
-            method = ("CPU model of the DataLoader workers (traindx.ledger.workers_step_model) "
-                      "from the shim's CPU evidence")
-    predicted = None if baseline is None or removed is None else max(0.0, baseline - removed)
-    out = {"baseline_step_s": baseline, "removed_s": removed, "predicted_step_s": predicted,
-           "categories": list((getattr(finding, "removes", None) or {}).get("categories", ())),
-           "method": method}
-    if spread:
-        out["predicted_range_s"] = [spread["low_s"], spread["high_s"]]
-        out["cpu_evidence"] = spread["cpu_evidence"]
-    return out

@@ -22,9 +22,11 @@ raylet (its child), so they inherit the shim from it like any other child of the
 import json
 import os
 import re
+import shutil
 import socket
 
 from traindx.errors import UserError
+from traindx.profiler.torchtrace import load_traces as load_folder
 
 NODES_DIR = "nodes"
 CLOCK_FILE = "clock.json"
@@ -249,7 +251,6 @@ def load_traces(run_dir, manifest):
     offset added to start_ns/end_ns (trace files are named by global rank)."""
     import pandas as pd
 
-    from traindx.profiler.torchtrace import load_traces as load_folder
 
     tables, errors = [], {}
     for folder, node, offset in parts(run_dir, manifest):
@@ -262,3 +263,191 @@ def load_traces(run_dir, manifest):
         tables.append(table)
     tables = [t for t in tables if len(t)] or tables[:1]
     return (tables[0] if len(tables) == 1 else pd.concat(tables, ignore_index=True)), errors
+
+
+# -- merging the node parts (diagnose merge) ---------------------------------------------------------
+def _read_manifest(folder):
+    path = os.path.join(folder, "manifest.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            manifest = json.load(f)
+    except (OSError, ValueError):
+        raise UserError(f"{path} is unreadable or not JSON") from None
+    if not isinstance(manifest, dict) or "command" not in manifest:
+        raise UserError(f"{path} is not a traindx manifest")
+    return manifest
+
+
+def _write_json(path, data):
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=2, default=str)
+    os.replace(tmp, path)
+
+
+def clock_line(per_node, reference):
+    """One line for the report's host table: each node's offset and bound."""
+    out = []
+    for n, e in per_node.items():
+        if n == reference:
+            continue
+        err = "unaligned" if e["error_ns"] is None else f"± {e['error_ns'] / 1e6:.3f} ms"
+        out.append(f"{n} {e['offset_ns'] / 1e9:+.6f} s {err}")
+    return "; ".join(out) + f" (reference {reference}; clock.json)"
+
+
+def merged_manifest(node_manifests, offsets, labels, clock_summary, per_node_clock=None):
+    """One manifest over the nodes (the reference node's command, options and packages)."""
+    reference = clock_summary.get("reference") or next(iter(node_manifests))
+    base = dict(node_manifests[reference])
+    shifted = lambda m, key: (m.get(key) + offsets.get(n, 0)) if isinstance(m.get(key), int) else None
+    starts, ends, gpus, missing, per_node = [], [], [], {}, {}
+    codes = []
+    for n, m in node_manifests.items():
+        starts.append(shifted(m, "start_ns"))
+        ends.append(shifted(m, "end_ns"))
+        for g in m.get("gpus") or []:  # run_index: the GPU's index in the merged nvml.csv
+            g = dict(g) if isinstance(g, dict) else {"gpu": g}
+            gpus.append(dict(g, node=n, run_index=len(gpus)))
+        for key, why in (m.get("missing") or {}).items():
+            missing[f"{key}@{n}"] = why
+        codes.append(m.get("exit_code"))
+        per_node[n] = {"host": m.get("host"), "node": m.get("node"), "start_ns": m.get("start_ns"),
+                       "end_ns": m.get("end_ns"), "exit_code": m.get("exit_code"),
+                       "status": m.get("status"), "command": m.get("command"),
+                       "ranks": m.get("ranks"), "nvml": m.get("nvml")}
+    hosts = sorted({(m.get("host") or {}).get("hostname") or "?" for m in node_manifests.values()})
+    failed = [c for c in codes if c not in (0, None)]
+    base.update({
+        "nodes": list(node_manifests),
+        "node_manifests": per_node,
+        "host": dict(base.get("host") or {}, hostname=", ".join(hosts),
+                     nodes=len(node_manifests),
+                     clock_offsets=clock_line(per_node_clock or {}, reference)),
+        "start_ns": min((s for s in starts if s is not None), default=None),
+        "end_ns": max((e for e in ends if e is not None), default=None),
+        "exit_code": failed[0] if failed else (0 if all(c == 0 for c in codes) else None),
+        "status": "merged",
+        "gpus": gpus,
+        "missing": missing,
+        "ranks": {label: pid for (node, pid), label in sorted(labels.items(), key=lambda kv: kv[1])
+                  if _is_rank(label)},
+        "rank_nodes": {label: node for (node, pid), label in labels.items() if _is_rank(label)},
+        "clock": {"file": "clock.json", "reference": reference,
+                  "consistent": clock_summary.get("consistent")},
+    })
+    base.pop("node", None)
+    base.pop("nvml", None)
+    return base
+
+
+def _is_rank(label):
+    return label is not None
+
+
+def _merge_nvml(parts, out_path, gpu_base):
+    """Every node's nvml.csv on the reference clock; GPU indices made run-wide (the merged
+    manifest's gpus list), the node kept in its own column."""
+    import pandas as pd
+
+    frames = []
+    for folder, node, offset in parts:
+        path = os.path.join(folder, "nvml.csv")
+        if not os.path.exists(path) or os.path.getsize(path) == 0:
+            continue
+        try:
+            df = pd.read_csv(path, on_bad_lines="skip")
+        except (ValueError, pd.errors.EmptyDataError):
+            continue
+        if "t" not in df or not len(df):
+            continue
+        df["t"] = pd.to_numeric(df["t"], errors="coerce")
+        df = df.dropna(subset=["t"])
+        df["t"] = df["t"].astype("int64") + offset
+        if "gpu" in df:
+            df["gpu"] = pd.to_numeric(df["gpu"], errors="coerce") + gpu_base.get(node, 0)
+        df["node"] = node
+        frames.append(df)
+    if not frames:
+        return False
+    pd.concat(frames, ignore_index=True).sort_values("t", kind="stable").to_csv(out_path, index=False)
+    return True
+
+
+def _merge_log(parts, out_path):
+    lines = []
+    for folder, node, offset in parts:
+        path = os.path.join(folder, "log.txt")
+        if not os.path.exists(path):
+            continue
+        with open(path, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                t, _, rest = line.rstrip("\n").partition(" ")
+                if t.isdigit():
+                    lines.append((int(t) + offset, rest))
+    lines.sort(key=lambda x: x[0])
+    with open(out_path, "w", encoding="utf-8") as f:
+        for t, rest in lines:
+            f.write(f"{t} {rest}\n")
+
+
+def _merge_pyspy(parts, labels, out_dir):
+    """py-spy files of each node's ranks, named by the rank (pids may repeat across nodes);
+    recordings are linked (no timestamps inside), dump snapshots rewritten on the reference
+    clock."""
+    from traindx.profiler.shim._traindx_shim.roles import parse_process_file
+
+    if os.path.isdir(out_dir):
+        shutil.rmtree(out_dir)
+    os.makedirs(out_dir)
+    for folder, node, offset in parts:
+        src = os.path.join(folder, "pyspy")
+        try:
+            names = sorted(os.listdir(src))
+        except OSError:
+            continue
+        for name in names:
+            stem, dot, ext = name.partition(".")
+            who, _, flavour = stem.rpartition("-")
+            pid = parse_process_file(who, "")
+            label = labels.get((node, pid)) if pid is not None else who
+            if label is None or not flavour:
+                continue
+            target = os.path.join(out_dir, f"{label}-{flavour}{dot}{ext}")
+            if name.endswith("-dump.jsonl"):
+                with open(os.path.join(src, name), encoding="utf-8", errors="replace") as f, \
+                        open(target, "w", encoding="utf-8") as out:
+                    for line in f:
+                        try:
+                            snap = json.loads(line)
+                            snap["t"] = int(snap["t"]) + offset
+                            snap["node"] = node
+                            out.write(json.dumps(snap) + "\n")
+                        except (ValueError, KeyError, TypeError):
+                            continue  # a cut-off line: the node's own file keeps it
+            else:
+                try:
+                    os.link(os.path.join(src, name), target)
+                except OSError:
+                    shutil.copyfile(os.path.join(src, name), target)
+
+
+def unfinished_nodes(run_dir: str) -> list:
+    """Nodes whose part still says `running` (still running, or killed)."""
+    return [n for n, d in node_dirs(os.path.abspath(run_dir)).items()
+            if _read_manifest(d).get("status") == "running"]
+
+
+def format_clock(clock: dict) -> str:
+    from traindx.clocks import METHOD
+
+    lines = [f"clock reference: {clock['reference']} ({clock['usable_collectives']} matched "
+             f"collectives usable)"]
+    for n, e in clock["nodes"].items():
+        err = "unknown" if e["error_ns"] is None else f"± {e['error_ns'] / 1e6:.3f} ms"
+        lines.append(f"  {n}: host {e.get('host')}, ranks {','.join(e.get('ranks') or []) or '-'}, "
+                     f"offset {e['offset_ns'] / 1e9:+.6f} s {err}, {e['constraints']} constraints"
+                     + ("" if e["method"] == METHOD else f" ({e['method']})"))
+    if not clock["consistent"]:
+        lines.append("  INCONSISTENT: " + "; ".join(clock["conflicts"]))
+    return "\n".join(lines)

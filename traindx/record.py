@@ -17,10 +17,16 @@ from functools import cached_property
 import numpy as np
 import pandas as pd
 
-from traindx import columnar
+from traindx import columnar, nodes
 from traindx.columnar import CorruptEvidenceWarning, TruncatedEvidenceWarning  # noqa: F401
 from traindx.errors import UserError
+from traindx.ledger import compute, measured_forward, spans_table
+from traindx.nodes import load_traces
+from traindx.profiler.logparse import compile_custom, parse_line
+from traindx.profiler.rolling import load_pyspy, read_text
+from traindx.profiler.shim._traindx_shim import schema
 from traindx.profiler.shim._traindx_shim.roles import parse_process_file, rank_labels
+from traindx.so_far import EventsSoFar  # noqa: F401 (the live loads' state, read here)
 
 STEP_COLUMNS = ["rank", "step", "start_ns", "end_ns", "duration_s"]
 PROCESS_COLUMNS = ["pid", "ppid", "label", "rank", "evidence", "argv", "file"]
@@ -37,8 +43,6 @@ def _read_jsonl(path, valid=None):
     """JSON objects of one JSONL file. A line that is not one (a job killed mid-write leaves a
     cut-off last line; a disk or copy fault can leave one anywhere) is skipped with a warning
     naming the file and the line: the rest of the evidence is still good."""
-    from traindx.profiler.rolling import read_text
-
     events = []
     lines = read_text(path).split("\n")  # a long run's segments too (profiler/rolling.py)
     last = len(lines) - 1
@@ -64,6 +68,13 @@ def _read_jsonl(path, valid=None):
         warnings.warn(f"{path}: corrupt line{'s' if len(bad) > 1 else ''} {where} skipped",
                       CorruptEvidenceWarning, stacklevel=3)
     return events
+
+
+def _valid_dump(snap):
+    """A py-spy dump snapshot: a time and a list of threads."""
+    t = snap.get("t")
+    return isinstance(t, (int, float)) and not isinstance(t, bool) and \
+        isinstance(snap.get("threads"), list)
 
 
 def _rank_of(path, suffix):
@@ -151,13 +162,13 @@ class RunRecord:
     def steps(self):
         """One row per completed optimizer step of each rank: each step_end paired with the
         latest step_begin of the same rank and step number before it (merge_asof)."""
-        ends = self.of_type("step_end")
+        ends = self.of_type(schema.STEP_END)
         if not len(ends):
             return pd.DataFrame(columns=STEP_COLUMNS)
         ends = pd.DataFrame({"rank": pd.Series(ends["rank"].to_numpy(object), dtype=object),
                              "step": ends["step"].astype(np.int64).to_numpy(),
                              "end_ns": ends["t"].astype(np.int64).to_numpy()})
-        begins = self.of_type("step_begin")
+        begins = self.of_type(schema.STEP_BEGIN)
         if len(begins):
             begins = pd.DataFrame({"rank": pd.Series(begins["rank"].to_numpy(object), dtype=object),
                                    "step": begins["step"].astype(np.int64).to_numpy(),
@@ -189,7 +200,7 @@ class RunRecord:
 
     @cached_property
     def compiles(self):
-        df = self._of_type("compile")
+        df = self._of_type(schema.COMPILE)
         if not len(df):
             return pd.DataFrame(columns=COMPILE_COLUMNS)
         df = df.rename(columns={"t": "end_ns", "start": "start_ns"}).reset_index(drop=True)
@@ -200,20 +211,23 @@ class RunRecord:
 
     @cached_property
     def gc(self):
-        return self._of_type("gc").reset_index(drop=True)
+        return self._of_type(schema.GC).reset_index(drop=True)
 
     @cached_property
     def alloc(self):
-        return self._of_type("alloc").reset_index(drop=True)
+        return self._of_type(schema.ALLOC).reset_index(drop=True)
 
     @cached_property
     def gpu(self):
+        from traindx.profiler.nvml import COLUMNS, load_csv
+
         path = os.path.join(self.path, "nvml.csv")
-        if not os.path.exists(path) or os.path.getsize(path) == 0:
-            return pd.DataFrame(columns=["t", "gpu", "util", "mem_util", "sm_clock_mhz",
-                                         "mem_used_bytes", "power_w", "clock_event_reasons"])
-        df = pd.read_csv(path, on_bad_lines="skip")
-        return df.apply(pd.to_numeric, errors="coerce").dropna(subset=["t"])
+        if not os.path.exists(path):
+            return pd.DataFrame(columns=COLUMNS)
+        df, problem = load_csv(path)
+        if problem:
+            warnings.warn(problem, CorruptEvidenceWarning, stacklevel=2)
+        return df
 
     @cached_property
     def log(self):
@@ -223,11 +237,18 @@ class RunRecord:
         if os.path.exists(path):
             from traindx.profiler.rolling import read_text
 
+            skipped = 0
             for line in read_text(path).split("\n"):  # a long run's segments too
                 t, _, rest = line.partition(" ")
                 stream, _, text = rest.partition(" ")
-                if t.isdigit():
+                if t.isdigit() and stream in ("o", "e"):
                     rows.append((int(t), stream, text))
+                elif line.strip():
+                    skipped += 1
+            if skipped:  # garbage (a disk fault, a bad copy): the readable lines still count
+                warnings.warn(f"{path}: {skipped} line{'s' if skipped > 1 else ''} without the "
+                              "launcher's time and stream skipped", CorruptEvidenceWarning,
+                              stacklevel=2)
         return pd.DataFrame(rows, columns=["t", "stream", "text"])
 
     @cached_property
@@ -236,8 +257,6 @@ class RunRecord:
         `diagnose --log-regex` adds the job's own). A line without a step (HF Trainer's dicts:
         the step is the Trainer's state.global_step) gets the number of optimizer steps the shim
         had seen end when the line was printed, else its position among such lines."""
-        from traindx.profiler.logparse import compile_custom, parse_line
-
         pattern = (self.manifest.get("options") or {}).get("log_regex")
         try:
             custom = compile_custom(pattern) if pattern else None
@@ -261,7 +280,7 @@ class RunRecord:
                 parsed["t"] = t
                 rows.append(parsed)
         if any(r["step"] is None for r in rows):
-            step_end = self.of_type("step_end")
+            step_end = self.of_type(schema.STEP_END)
             ends = sorted(int(t) for t in step_end["t"]) if len(step_end) else []
             import bisect
             unnumbered = 0
@@ -274,8 +293,6 @@ class RunRecord:
     @cached_property
     def pyspy(self):
         """{(rank, 'all'|'gil'): {thread: ThreadSamples}} for every recording present."""
-        from traindx.profiler.rolling import load_pyspy
-
         out = {}
         # a long run's windows: the first, the summary of those rolled off, the last ones
         for (stem, source), (threads, errors) in load_pyspy(os.path.join(self.path, "pyspy")).items():
@@ -290,27 +307,30 @@ class RunRecord:
 
     @cached_property
     def dumps(self):
-        """py-spy dump snapshots: t, rank, thread_name, thread_id, active, owns_gil, top frame."""
+        """py-spy dump snapshots: t, rank, thread_name, thread_id, active, owns_gil, top frame;
+        trigger: the anomaly a burst snapshot was taken for (None for the periodic ones)."""
         rows = []
         for path in sorted(glob.glob(os.path.join(self.path, "pyspy", "*-dump.jsonl"))):
             rank = self._label_of_file(_rank_of(path, "-dump.jsonl"))
             if rank is None:
                 continue
-            for snap in _read_jsonl(path):
-                for th in snap.get("threads", []):
-                    frames = th.get("frames") or []
+            for snap in _read_jsonl(path, valid=_valid_dump):
+                for th in snap["threads"]:
+                    if not isinstance(th, dict):
+                        continue
+                    frames = th.get("frames")
+                    frames = frames if isinstance(frames, list) else []
                     rows.append({"t": snap["t"], "rank": rank, "thread_name": th.get("thread_name"),
                                  "thread_id": th.get("thread_id"), "active": th.get("active"),
                                  "owns_gil": th.get("owns_gil"), "frames": frames,
-                                 "os_thread_id": th.get("os_thread_id")})
+                                 "os_thread_id": th.get("os_thread_id"),
+                                 "trigger": snap.get("trigger")})
         return pd.DataFrame(rows, columns=["t", "rank", "thread_name", "thread_id", "active",
-                                           "owns_gil", "frames", "os_thread_id"])
+                                           "owns_gil", "frames", "os_thread_id", "trigger"])
 
     @cached_property
     def torch_trace(self):
         """The torch.profiler window of every rank (trace/<rank>.json.gz): one row per event."""
-        from traindx.nodes import load_traces  # a merged multi-node run: every node's windows
-
         table, errors = load_traces(self.path, self.manifest)
         for message in errors.values():
             warnings.warn(message, TruncatedEvidenceWarning, stacklevel=2)
@@ -320,15 +340,13 @@ class RunRecord:
     def spans(self):
         """The shim's measured intervals (traindx.ledger.spans_table): rank, cat, start_ns,
         end_ns, tid, caller."""
-        from traindx.ledger import spans_table
-
-        return spans_table(self.of_type("span"))
+        return spans_table(self.of_type(schema.SPAN))
 
     @cached_property
     def _ledgers(self):
-        from traindx.ledger import compute
-
-        return compute(self.steps, self.spans, self.compiles, self.of_type("process_start"))
+        return compute(self.steps, self.spans, self.compiles, self.of_type(schema.PROCESS_START),
+                       forward_measured=measured_forward(self.spans,
+                                                         self.of_type(schema.HOST_SAMPLES)))
 
     @property
     def ledger(self):
@@ -342,6 +360,28 @@ class RunRecord:
         its unexplained is imports, model build and data set-up."""
         return self._ledgers[1]
 
+    @cached_property
+    def cpu_threads(self):
+        """{rank: the shim's latest `cpu_threads` picture}: intra_op_threads, inter_op_threads,
+        process_threads, affinity_cores, cgroup_quota_cores, cpu_count, thread_env,
+        dataloader_workers [{pid, threads}], children [{pid, name, threads}], load1, step
+        (profiler/shim/_traindx_shim/cpustat.py); ranks without one are absent."""
+        df = self.of_type("cpu_threads")
+        if not len(df):
+            return {}
+        out = {}
+        for row in df.sort_values("t", kind="stable").to_dict("records"):
+            out[str(row["rank"])] = {k: (None if _is_nan(v) else v) for k, v in row.items()
+                                     if k not in ("type", "rank")}
+        return out
+
+    @property
+    def host_code(self):
+        """What ran inside each rank-step's `host` line (traindx.ledger.host_code)."""
+        from traindx.ledger import host_code
+
+        return host_code(self)
+
     # -- conveniences --------------------------------------------------------------------------
     @property
     def command(self):
@@ -350,6 +390,27 @@ class RunRecord:
     @property
     def missing(self):
         return self.manifest.get("missing", {})
+
+    @cached_property
+    def fault_stacks(self):
+        """{label: text} of every process that died by a fatal signal: the Python stacks the
+        shim's faulthandler wrote (profiler/shim/_traindx_shim/faults.py); label is 'rank L'
+        where the pid's rank label is known, else 'pid N'."""
+        folder = os.path.join(self.path, "faults")
+        found = {}
+        if not os.path.isdir(folder):
+            return found
+        for name in sorted(os.listdir(folder)):
+            pid = name[1:-4] if name.startswith("p") and name.endswith(".txt") else ""
+            try:
+                with open(os.path.join(folder, name), encoding="utf-8", errors="replace") as f:
+                    text = f.read(200_000)
+            except OSError:
+                continue
+            if text.strip() and pid.isdigit():
+                label = self.labels.get(int(pid))
+                found[f"rank {label}" if label is not None else f"pid {pid}"] = text
+        return found
 
     def rank_steps(self, rank):
         return self.rank_rows("steps", rank)
@@ -377,41 +438,96 @@ def _next_of_same_stream(streams):
     return out
 
 
+# what a run folder holds besides its manifest (any of them makes it a run to analyse)
+EVIDENCE_PATHS = {"events": "events", "pyspy": "py-spy recordings", "log.txt": "log",
+                  "nvml.csv": "NVML samples", "trace": "torch.profiler window"}
+
+
+def _evidence_present(path):
+    return [what for name, what in EVIDENCE_PATHS.items()
+            if os.path.isfile(os.path.join(path, name)) or
+            (os.path.isdir(os.path.join(path, name)) and os.listdir(os.path.join(path, name)))]
+
+
+# the manifest's fields and their JSON types (launcher, attach, merge write them)
+MANIFEST_SHAPES = {"command": list, "gpus": list, "signals_forwarded": list, "host": dict,
+                   "packages": dict, "env": dict, "options": dict, "ranks": dict, "missing": dict,
+                   "nvml": dict, "budget": dict, "start_ns": (int, float), "end_ns": (int, float),
+                   "exit_code": int, "pid": int, "cwd": str, "status": str}
+
+
+def _read_manifest(manifest_path):
+    """(manifest dict, None), or (None, why it is not one): missing, unreadable, not JSON."""
+    try:
+        with open(manifest_path, "rb") as f:
+            raw = f.read()
+    except FileNotFoundError:
+        return None, "no manifest.json"
+    except OSError as exc:
+        return None, f"manifest.json unreadable ({exc.strerror})"
+    try:
+        manifest = json.loads(raw.decode("utf-8"))
+    except (ValueError, RecursionError):
+        return None, "manifest.json is corrupt (not JSON)"
+    if not isinstance(manifest, dict) or "command" not in manifest:
+        return None, "manifest.json is not a traindx manifest"
+    if isinstance(manifest["command"], str):
+        manifest["command"] = [manifest["command"]]
+    wrong = []
+    for key, kind in MANIFEST_SHAPES.items():  # the shapes every reader relies on
+        value = manifest.get(key)
+        if value is None and key in manifest and kind in (list, dict):
+            manifest[key] = kind()  # readers take a missing one as empty; null is the same
+            continue
+        if value is None or (isinstance(value, kind) and not isinstance(value, bool)):
+            continue
+        wrong.append(key)
+        manifest[key] = [] if kind is list else {} if kind is dict else None
+    if wrong:
+        warnings.warn(f"{manifest_path}: field{'s' if len(wrong) > 1 else ''} of the wrong type "
+                      f"ignored: {', '.join(wrong)}", CorruptEvidenceWarning, stacklevel=3)
+    return manifest, None
+
+
 def is_run_dir(path):
     return os.path.isfile(os.path.join(path, "manifest.json"))
 
 
-def load_run(path, cache=None):
+def load_run(path, cache=None, so_far=None):
     """Load a run folder written by `diagnose`. Raises UserError for anything that is not one.
     cache: keep the parsed event tables as Parquet under tables/events/ (None: only for large
-    runs; the environment variable TRAINDX_CACHE=0|1 overrides)."""
+    runs; the environment variable TRAINDX_CACHE=0|1 overrides). so_far: an EventsSoFar kept
+    between loads of a folder still being written (only what was appended is parsed)."""
     path = os.path.abspath(os.fspath(path))
     if not os.path.isdir(path):
         raise UserError(f"no such run folder: {path}")
     manifest_path = os.path.join(path, "manifest.json")
-    if not os.path.isfile(manifest_path):
-        if os.path.isdir(os.path.join(path, "nodes")):
-            raise UserError(f"{path} is a multi-node run not merged yet: run `diagnose merge "
-                            f"{path}` once every node has finished")
-        raise UserError(f"{path} is not a traindx run (no manifest.json)")
-    try:
-        with open(manifest_path, encoding="utf-8") as f:
-            manifest = json.load(f)
-    except ValueError:
-        raise UserError(f"{manifest_path} is corrupt (not JSON)") from None
-    if not isinstance(manifest, dict) or "command" not in manifest:
-        raise UserError(f"{manifest_path} is not a traindx manifest")
-    tables, processes, labels = _load_tables(path, cache, manifest)
+    if not os.path.isfile(manifest_path) and os.path.isdir(os.path.join(path, "nodes")):
+        raise UserError(f"{path} is a multi-node run not merged yet: run `diagnose merge "
+                        f"{path}` once every node has finished")
+    manifest, problem = _read_manifest(manifest_path)
+    if problem is not None:
+        evidence = _evidence_present(path)
+        if not evidence:
+            raise UserError(f"{path} is not a traindx run ({problem})")
+        # the evidence outlived its manifest (a disk fault, a copy without it): analyse what is
+        # there; only what the manifest alone knew (command, options, GPUs, exit code) is lost
+        warnings.warn(f"{manifest_path}: {problem}; analysing the run's {', '.join(evidence)} "
+                      "without it (its command, options and exit code are unknown)",
+                      CorruptEvidenceWarning, stacklevel=2)
+        manifest = {"traindx_run": 1, "command": [], "status": "unknown",
+                    "missing": {"manifest": problem}}
+    tables, processes, labels = _load_tables(path, cache, manifest, so_far=so_far)
     columns = PROCESS_COLUMNS + (["node"] if manifest.get("nodes") else [])
     return RunRecord(path=path, manifest=manifest, tables=tables,
                      processes=pd.DataFrame(processes, columns=columns), labels=labels)
 
 
-TRAINING_EVENTS = {"training", "step_begin", "step_end", "optimizer_created"}
-IDENTITY_EVENTS = {"process_start", "rank_known"}
+TRAINING_EVENTS = schema.TRAINING_EVENTS
+IDENTITY_EVENTS = schema.IDENTITY_EVENTS
 
 
-def _load_tables(path, cache=None, manifest=None, write_cache=True):
+def _load_tables(path, cache=None, manifest=None, write_cache=True, so_far=None):
     """(EventTables, process table rows, labels) of the run's events.
 
     `events/p<pid>.jsonl` holds one process (any process of the job); its rank is the last
@@ -449,7 +565,8 @@ def _load_tables(path, cache=None, manifest=None, write_cache=True):
             i = base + p["index"]
             info_of_file[i] = dict(p, index=i, file=files[i].rel, node=files[i].node)
     todo = [i for i in range(len(files)) if summary[i] is None]
-    parsed = columnar.parse_files([files[i] for i in todo], indices=todo)
+    parsed = (columnar.parse_files([files[i] for i in todo], indices=todo) if so_far is None
+              else so_far.parse([files[i] for i in todo], todo))
     notes += [n for _, _, ns, _ in parsed for n in ns]
     columnar.warn_all(notes, stacklevel=4)
     for i, (_, _, _, ident) in zip(todo, parsed):
@@ -462,8 +579,6 @@ def _load_tables(path, cache=None, manifest=None, write_cache=True):
     per_process = [p for p in info_of_file if p is not None]
     has_label_files = any(label is not None for label in label_of_file)
     if multi:
-        from traindx import nodes
-
         by_node = {}
         for p in per_process:
             by_node.setdefault(p["node"], []).append(p)
@@ -494,7 +609,8 @@ def _load_tables(path, cache=None, manifest=None, write_cache=True):
             nested.setdefault(typ, []).extend(rows)
     del parsed
     tables = columnar.EventTables(files, label_of_file, flat, nested, summary=summary,
-                                  node_tables=node_tables)
+                                  node_tables=node_tables,
+                                  kept=None if so_far is None else so_far.frames)
     # every node's own tables read: a run-wide copy would only duplicate them
     if write and (todo or not node_tables):
         meta = {"summary": summary, "processes": table, "labels": _labels_to_json(labels),
@@ -514,13 +630,13 @@ def _process_info(pid, x, i, ident):
             "recorded": bool(ident["types"] - IDENTITY_EVENTS)}
     for e in ident["events"]:
         kind = e["type"]
-        if kind == "process_start":
+        if kind == schema.PROCESS_START:
             info.update(ppid=_none_if_nan(e.get("ppid")), argv=e.get("argv"), start=e["t"])
             if _none_if_nan(e.get("rank")) is not None:
                 info["rank"] = str(e["rank"])
-        elif kind == "rank_known" and _none_if_nan(e.get("rank")) is not None:
+        elif kind == schema.RANK_KNOWN and _none_if_nan(e.get("rank")) is not None:
             info["rank"] = str(e["rank"])
-        if kind == "training" and info["evidence"] is None:
+        if kind == schema.TRAINING and info["evidence"] is None:
             info["evidence"] = _none_if_nan(e.get("evidence"))
     if info["start"] is None:
         info["start"] = ident["first_t"] if ident["first_t"] is not None else 0
@@ -533,8 +649,6 @@ def _node_tables(path, manifest, files):
     `write_tables`) match its raw files now. The node's tables hold its own clock's times;
     its offset is applied with everything else in EventTables._place. A node without them, or
     with tables that no longer match (a file grew, was copied without its mtime), is parsed."""
-    from traindx import nodes
-
     out, base = {}, 0
     for folder, node, _ in nodes.parts(path, manifest or {}):
         own = columnar.event_files(folder)
@@ -590,7 +704,7 @@ def _load_events(path):
     # the node's own tables when its diagnose wrote them (write_tables); never written here:
     # merge leaves the node folders as their nodes wrote them
     tables, table, labels = _load_tables(path, cache=None, write_cache=False)
-    spans = tables.frame("span")
+    spans = tables.frame(schema.SPAN)
     rows = []
     if len(spans) and "cat" in spans:
         coll = spans[spans["cat"] == "collective"]
@@ -601,3 +715,7 @@ def _load_events(path):
 
 def _none_if_nan(value):
     return None if value is None or (isinstance(value, float) and value != value) else value
+
+
+def _is_nan(value):
+    return isinstance(value, float) and value != value

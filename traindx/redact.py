@@ -3,9 +3,14 @@
 database URL, an `AccountKey=` in a connection string, a Sentry DSN's key, a GitHub/Hugging Face/
 OpenAI/Slack/AWS token, a JWT, a private key block).
 
-One module for the manifest (env, command, options) and the report (command, env, log lines).
-Non-secrets must survive: a URL without credentials, a path, a git commit hash, a learning rate,
+One module for the manifest (env, command, options), the report (command, env, log lines) and
+everything written under a run folder: `Redactor` also knows one job's own secret values (from its
+environment and arguments) and hides them verbatim wherever they appear, shape or not; the
+launcher passes each line of log.txt through it, the shim the arguments it records. Non-secrets
+must survive: a URL without credentials, a path, a git commit hash, a learning rate,
 `TOKENIZERS_PARALLELISM`, `--key-dim 64`.
+
+Standard library only: the shim loads this file by its path inside the job's own interpreter.
 """
 import re
 
@@ -29,32 +34,36 @@ _WORD_SPLIT = re.compile(r"[^A-Za-z0-9]+|(?<=[a-z0-9])(?=[A-Z])")
 # a value that looks like a key: long, no spaces, not a path, letters and digits mixed
 _KEYLIKE = re.compile(r"^(?![./~])(?=\S*[0-9])(?=\S*[A-Za-z])[A-Za-z0-9+=_\-.]{16,}$")
 
-# values that are secrets wherever they appear
+# values that are secrets wherever they appear: (pattern, the group that is the secret (0: all),
+# lower-case texts one of which a match contains: a cheap test that skips the pattern on most lines)
 _VALUE_PATTERNS = [
     # PEM private keys (multi-line when they come whole)
     (re.compile(r"-----BEGIN [A-Z ]*PRIVATE KEY-----.*?(-----END [A-Z ]*PRIVATE KEY-----|$)",
-                re.DOTALL), REDACTED),
+                re.DOTALL), 0, ("-----begin",)),
     # scheme://user:password@host -> scheme://user:<redacted>@host
-    (re.compile(r"(?i)\b([a-z][a-z0-9+.\-]*://)([^\s:/@]*):([^\s@/]+)@"), rf"\1\2:{REDACTED}@"),
+    (re.compile(r"(?i)\b([a-z][a-z0-9+.\-]*://)([^\s:/@]*):([^\s@/]+)@"), 3, ("://",)),
     # scheme://longkey@host (Sentry DSNs and friends): the user part is the key
-    (re.compile(r"(?i)\b([a-z][a-z0-9+.\-]*://)([A-Za-z0-9_\-]{16,})@"), rf"\1{REDACTED}@"),
+    (re.compile(r"(?i)\b([a-z][a-z0-9+.\-]*://)([A-Za-z0-9_\-]{16,})@"), 2, ("://",)),
     # connection strings and query strings: AccountKey=...;  ?sig=...&  password=...
     (re.compile(r"(?i)\b(AccountKey|SharedAccessKey|SharedAccessSignature|AccessKey|SecretKey|"
                 r"ClientSecret|Password|Pwd|sig|api[_-]?key|access[_-]?token|auth[_-]?token|"
-                r"token|secret)=([^;&\s\"']+)"), rf"\1={REDACTED}"),
+                r"token|secret)=([^;&\s\"']+)"), 2, ("=",)),
     # HTTP authorisation headers
-    (re.compile(r"(?i)\b(Bearer|Basic|token)\s+([A-Za-z0-9_\-.=+/]{16,})"), rf"\1 {REDACTED}"),
+    (re.compile(r"(?i)\b(Bearer|Basic|token)\s+([A-Za-z0-9_\-.=+/]{16,})"), 2, ("bearer", "basic", "token")),
     # token shapes
-    (re.compile(r"\bgithub_pat_[A-Za-z0-9_]{20,}"), REDACTED),
-    (re.compile(r"\bgh[pousr]_[A-Za-z0-9]{20,}"), REDACTED),
-    (re.compile(r"\bglpat-[A-Za-z0-9_\-]{20,}"), REDACTED),
-    (re.compile(r"\bhf_[A-Za-z0-9]{20,}"), REDACTED),
-    (re.compile(r"\bsk-(?:proj-|ant-)?[A-Za-z0-9_\-]{20,}"), REDACTED),
-    (re.compile(r"\bxox[abposr]-[A-Za-z0-9\-]{10,}"), REDACTED),
-    (re.compile(r"\b(?:AKIA|ASIA)[0-9A-Z]{16}\b"), REDACTED),
-    (re.compile(r"\bAIza[0-9A-Za-z_\-]{35}\b"), REDACTED),
-    (re.compile(r"\beyJ[A-Za-z0-9_\-]{8,}\.eyJ[A-Za-z0-9_\-]{8,}\.[A-Za-z0-9_\-]{8,}"), REDACTED),
+    (re.compile(r"\bgithub_pat_[A-Za-z0-9_]{20,}"), 0, ("github_pat_",)),
+    (re.compile(r"\bgh[pousr]_[A-Za-z0-9]{20,}"), 0, ("gh",)),
+    (re.compile(r"\bglpat-[A-Za-z0-9_\-]{20,}"), 0, ("glpat-",)),
+    (re.compile(r"\bhf_[A-Za-z0-9]{20,}"), 0, ("hf_",)),
+    (re.compile(r"\bsk-(?:proj-|ant-)?[A-Za-z0-9_\-]{20,}"), 0, ("sk-",)),
+    (re.compile(r"\bxox[abposr]-[A-Za-z0-9\-]{10,}"), 0, ("xox",)),
+    (re.compile(r"\b(?:AKIA|ASIA)[0-9A-Z]{16}\b"), 0, ("akia", "asia")),
+    (re.compile(r"\bAIza[0-9A-Za-z_\-]{35}\b"), 0, ("aiza",)),
+    (re.compile(r"\beyJ[A-Za-z0-9_\-]{8,}\.eyJ[A-Za-z0-9_\-]{8,}\.[A-Za-z0-9_\-]{8,}"), 0, ("eyj",)),
 ]
+# a secret's name holds one of these (ALWAYS_WORDS, ALWAYS_PAIRS and KEYLIKE_WORDS all do)
+_NAME_TRIGGERS = ("key", "token", "secret", "pass", "pwd", "cred", "cookie", "auth", "pat", "sig",
+                  "private", "access", "dsn")
 # NAME=value in free text (a log line echoing `export WANDB_API_KEY=...`)
 _ASSIGNMENT = re.compile(r"\b([A-Za-z_][A-Za-z0-9_]*)=([^\s;&\"']+)")
 # --option value / --option=value in free text (a log line echoing the job's arguments)
@@ -90,13 +99,24 @@ def _secret_value_for(name, value):
     return strength == "always" or (strength == "keylike" and looks_like_key(value))
 
 
+def _hide_group(match, group):
+    if match[group] == REDACTED:
+        return match[0]
+    start, end = match.start(group) - match.start(), match.end(group) - match.start()
+    return match[0][:start] + REDACTED + match[0][end:]
+
+
 def redact_text(text):
     """Secrets found by their shape (and NAME=value pairs named like one) replaced."""
     if not text:
         return text
     text = str(text)
-    for pattern, replacement in _VALUE_PATTERNS:
-        text = pattern.sub(replacement, text)
+    lower = text.lower()
+    for pattern, group, triggers in _VALUE_PATTERNS:
+        if any(t in lower for t in triggers):
+            text = pattern.sub(lambda m, g=group: _hide_group(m, g), text)
+    if not any(w in lower for w in _NAME_TRIGGERS):
+        return text  # no NAME=value or --option value named like a secret can be in it
     text = _ASSIGNMENT.sub(
         lambda m: f"{m[1]}={REDACTED}" if m[2] != REDACTED and _secret_value_for(m[1], m[2]) else m[0],
         text)
@@ -152,3 +172,101 @@ def redact_value(value, name=None):
             return redact_argv(value)
         return [redact_value(v) for v in value]
     return value
+
+
+# -- the secrets of one job, by value -------------------------------------------------------------
+MIN_SECRET_CHARS = 6  # shorter values (HF_TOKEN=x, AUTH=1) would erase ordinary words and numbers
+
+
+def _worth_hiding(value):
+    """A value to hide wherever it appears: long enough to be a secret, and not a path (PWD,
+    OLDPWD are named like one)."""
+    value = str(value)
+    return len(value) >= MIN_SECRET_CHARS and value != REDACTED and \
+        not value.startswith(("/", "~", "./", "../")) and value.strip() == value
+
+
+def secrets_in_text(text):
+    """The secret parts of a text found by their shape (a URL's password, a token)."""
+    out = []
+    for pattern, group, _ in _VALUE_PATTERNS:
+        out += [m[group] for m in pattern.finditer(str(text)) if m[group] != REDACTED]
+    for m in _ASSIGNMENT.finditer(str(text)):
+        if _secret_value_for(m[1], m[2]):
+            out.append(m[2])
+    return out
+
+
+def secret_values(env=None, argv=None):
+    """The secret values of a job: those of environment variables named like a secret, the
+    secrets inside other variables (a password in DATABASE_URL), the values of options named like
+    one (`--wandb_key KEY`, `--hf_token=...`) and token-shaped arguments."""
+    values = []
+    for name, value in (env or {}).items():
+        if not isinstance(value, str) or not value:
+            continue
+        if _secret_value_for(name, value):
+            values.append(value)
+        else:
+            values += secrets_in_text(value)
+    pending = None
+    for arg in argv or []:
+        arg = str(arg)
+        if pending is not None:
+            if not arg.startswith("-") and _secret_value_for(pending, arg):
+                values.append(arg)
+            pending = None
+        if arg.startswith("-") and len(arg) > 1:
+            name, eq, value = arg.partition("=")
+            if eq and _secret_value_for(name, value):
+                values.append(value)
+            elif not eq and secret_name_strength(name):
+                pending = name
+        values += secrets_in_text(arg)
+    return values
+
+
+class Redactor:
+    """Hides one job's secrets wherever they appear: the values it was given (environment,
+    arguments; see secret_values) verbatim, then every token shape (redact_text). What writes
+    under a run folder (the launcher's log.txt, the shim's events) passes its text through one.
+
+        r = Redactor.for_job(env, argv)
+        r.line("args: ['--wandb_key', 'KEY']")  ->  "args: ['--wandb_key', '<redacted>']"
+    """
+
+    def __init__(self, values=()):
+        known = sorted({str(v) for v in values if _worth_hiding(v)}, key=len, reverse=True)
+        self.count = len(known)
+        self.values = tuple(known)  # for a process that redacts the same way (the log relay)
+        self._known = re.compile("|".join(map(re.escape, known))) if known else None
+
+    @classmethod
+    def for_job(cls, env=None, argv=None):
+        return cls(secret_values(env, argv))
+
+    def line(self, text):
+        """One line (or any text) with the known values and every secret shape hidden."""
+        if not text:
+            return text
+        text = str(text)
+        if self._known is not None:
+            text = self._known.sub(REDACTED, text)
+        return redact_text(text)
+
+    __call__ = line
+
+    def argv(self, argv):
+        """A command line: options named like secrets (redact_argv), then the known values."""
+        return [self.line(a) if a != REDACTED else a for a in redact_argv(argv)]
+
+    def value(self, value, name=None):
+        """Any JSON-able value (redact_value), then the known values in its strings."""
+        value = redact_value(value, name)
+        if isinstance(value, str):
+            return self.line(value) if value != REDACTED else value
+        if isinstance(value, dict):
+            return {k: self.value(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [self.value(v) for v in value]
+        return value

@@ -15,8 +15,8 @@ p = argparse.ArgumentParser()
 p.add_argument("--steps", type=int, default=12)
 args = p.parse_args()
 
-import triton
-import triton.language as tl
+import triton  # noqa: E402 (after the arguments: --help works without triton)
+import triton.language as tl  # noqa: E402
 
 
 @triton.autotune(configs=[triton.Config({"BLOCK": b}, num_warps=w) for b, w in ((256, 2), (1024, 4))],

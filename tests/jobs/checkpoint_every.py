@@ -1,4 +1,6 @@
 """A user's job that writes a full checkpoint every --save-every steps, inline."""
+import atexit
+import shutil
 import argparse
 import os
 import tempfile
@@ -10,6 +12,7 @@ p = argparse.ArgumentParser()
 p.add_argument("--steps", type=int, default=25)
 p.add_argument("--save-every", type=int, default=5)
 p.add_argument("--vocab", type=int, default=200_000)
+p.add_argument("--save-dir", default=None, help="where the checkpoints go (default: the temp dir)")
 args = p.parse_args()
 
 torch.manual_seed(0)
@@ -29,7 +32,9 @@ class TinyLM(nn.Module):
 
 model = TinyLM()
 opt = torch.optim.SGD(model.parameters(), lr=1e-2)
-out = tempfile.mkdtemp(prefix="ckpt-")
+out = tempfile.mkdtemp(prefix="ckpt-", dir=args.save_dir)
+atexit.register(shutil.rmtree, out, True)  # ~220 MB at most: leave no trace in /tmp
+previous = []
 for step in range(args.steps):
     ids = torch.randint(0, args.vocab, (256, 16))
     loss = model(ids).pow(2).mean()
@@ -37,6 +42,12 @@ for step in range(args.steps):
     opt.step()
     opt.zero_grad()
     if step % args.save_every == args.save_every - 1:
-        for shard in range(2):
-            torch.save(model.state_dict(), os.path.join(out, f"ckpt-{shard}.pt"))
+        # each checkpoint in files of its own (a fresh write every time, as a job that keeps its
+        # newest checkpoint does), the previous one removed
+        saved = [os.path.join(out, f"ckpt-{step}-{shard}.pt") for shard in range(2)]
+        for path in saved:
+            torch.save(model.state_dict(), path)
+        for path in previous:
+            os.remove(path)
+        previous = saved
     print(f"step {step} loss {loss.item():.4f}", flush=True)

@@ -5,7 +5,6 @@ log line `iter N: loss X, time Yms, mfu Z%`. Config overrides as nanoGPT takes t
 
 --vary_block_size=True: every batch has a different sequence length (unpadded packing).
 """
-import math
 import sys
 import time
 

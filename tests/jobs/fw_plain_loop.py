@@ -4,6 +4,8 @@ LSTM language model, batches cut from one long token tensor, clipping, and its l
 
 --save-every N: save the model every N batches (a "keep the best model" save inside the loop).
 """
+import atexit
+import shutil
 import argparse
 import io
 import math
@@ -53,7 +55,9 @@ def main():
     model = RNNModel(ntokens, 32, 32, 2)
     criterion = nn.NLLLoss()
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
-    save_path = os.path.join(tempfile.mkdtemp(), "model.pt")
+    save_dir = tempfile.mkdtemp()
+    atexit.register(shutil.rmtree, save_dir, True)
+    save_path = os.path.join(save_dir, "model.pt")
     n_batches = (len(train_data) - 1) // bptt
     epoch, total_loss, start_time = 1, 0.0, time.time()
     model.train()

@@ -8,6 +8,8 @@ keys mirror torchtitan's (`training.steps`, `checkpoint.interval`, `metrics.log_
 --checkpoint-interval N: save a checkpoint every N steps, synchronously (torchtitan's
 `checkpoint.interval` with `async_mode = "disabled"`).
 """
+import atexit
+import shutil
 import argparse
 import io
 import logging
@@ -89,6 +91,7 @@ def main():
     optimizers = OptimizersContainer(model_parts, lr=1e-3)
     color = Color()
     folder = tempfile.mkdtemp(prefix="titan-ckpt-")
+    atexit.register(shutil.rmtree, folder, True)
     logger.info(f"Training starts at step 1, total steps {args.steps}")
     for step in range(1, args.steps + 1):
         t0 = time.perf_counter()

@@ -1,7 +1,6 @@
 """A user's job with a metrics thread that formats statistics in pure Python, holding the GIL."""
 import argparse
 import threading
-import time
 
 import torch
 from torch import nn

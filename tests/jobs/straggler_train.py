@@ -156,6 +156,9 @@ def main():
         if rank == 0:
             print(f"step {step} loss {value:.4f}", flush=True)
     del heap
+    # every rank done before any closes its connections (gloo can abort a rank whose peer tore
+    # down first: seen once beside a loaded run)
+    dist.barrier()
     dist.destroy_process_group()
 
 

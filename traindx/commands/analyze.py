@@ -9,16 +9,17 @@ import json
 import os
 import sys
 
+from traindx import argtypes
 from traindx.errors import UserError
 
 
 def prepare_parser(parser):
     parser.add_argument("path", metavar="RUN_DIR|PYSPY_FILE",
                         help="a run folder written by diagnose, or a py-spy recording")
-    parser.add_argument("-o", "--output", metavar="PATH", default=None,
+    parser.add_argument("-o", "--output", type=argtypes.output_file, metavar="PATH", default=None,
                         help="also write the findings as JSON here (a py-spy file's findings are "
                              "written only where this says)")
-    parser.add_argument("--rate", type=float, default=100.0, metavar="HZ",
+    parser.add_argument("--rate", type=argtypes.positive, default=100.0, metavar="HZ",
                         help="samples per second of a raw (collapsed) py-spy file, which counts "
                              "samples instead of seconds (default: py-spy's own 100)")
     parser.add_argument("--json", action="store_true",
@@ -47,8 +48,6 @@ def _analyze_file(path, rate_hz):
     with open(path, encoding="utf-8", errors="replace") as f:
         is_raw = not f.read(4096).lstrip().startswith("{")
     if is_raw:  # collapsed stacks count samples: seconds = samples / rate
-        if rate_hz <= 0:
-            raise UserError("--rate must be a positive number of samples per second")
         for samples in recording.values():
             samples.weights = [w / rate_hz for w in samples.weights]
     return rank_findings(analyze_recording(recording, source=f"py-spy file {os.path.basename(path)}"))
@@ -98,8 +97,9 @@ def run(args, parser):
             _print_file_summary(path, findings)
     payload = [f.to_dict() for f in findings]
     if args.output:
-        with open(args.output, "w", encoding="utf-8") as out:
-            json.dump(payload, out, indent=2, default=str)
+        from traindx.outputs import write_json_file
+
+        write_json_file(args.output, payload)
     if args.json:
         json.dump(payload, sys.stdout, indent=2, default=str)
         sys.stdout.write("\n")

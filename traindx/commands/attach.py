@@ -6,17 +6,18 @@ import os
 import signal
 import time
 
+from traindx import argtypes
 from traindx.errors import UserError
 
 
 def prepare_parser(parser):
-    parser.add_argument("--pid", type=int, required=True, help="the training process to sample")
-    parser.add_argument("--duration", type=float, default=30.0, metavar="S",
+    parser.add_argument("--pid", type=argtypes.pid, required=True, help="the training process to sample")
+    parser.add_argument("--duration", type=argtypes.positive, default=30.0, metavar="S",
                         help="seconds to sample (default 30; stops early if the job ends)")
-    parser.add_argument("--rank", default=None, help="rank label (default: RANK of the process, or 0)")
-    parser.add_argument("--out", default="runs", metavar="DIR")
-    parser.add_argument("--pyspy-rate", type=int, default=20, metavar="HZ")
-    parser.add_argument("--dump-interval", type=float, default=2.0, metavar="S")
+    parser.add_argument("--rank", type=argtypes.name, default=None, help="rank label (default: RANK of the process, or 0)")
+    parser.add_argument("--out", type=argtypes.output_folder, default=argtypes.DEFAULT_RUNS, metavar="DIR")
+    parser.add_argument("--pyspy-rate", type=argtypes.pyspy_rate, default=20, metavar="HZ")
+    parser.add_argument("--dump-interval", type=argtypes.non_negative, default=2.0, metavar="S")
 
 
 def run(args, parser):
@@ -32,8 +33,6 @@ def run(args, parser):
         raise UserError(f"no process with pid {args.pid}")
     if not proctree.is_python(args.pid):
         raise UserError(f"process {args.pid} is not a Python process")
-    if args.duration <= 0:
-        raise UserError("--duration must be positive")
     env = proctree.environ(args.pid)
     rank = args.rank or env.get("RANK", "0")
     run_dir = new_run_dir(args.out)

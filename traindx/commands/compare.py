@@ -8,18 +8,19 @@ import json
 import os
 import sys
 
+from traindx import argtypes
 from traindx.errors import UserError
 
 
 def prepare_parser(parser):
     parser.add_argument("run_a", metavar="RUN_A", help="baseline run folder (or a --fix folder)")
     parser.add_argument("run_b", metavar="RUN_B", nargs="?", help="candidate run folder")
-    parser.add_argument("--window", default=None, metavar="FIRST:LAST",
+    parser.add_argument("--window", type=argtypes.step_window, default=None, metavar="FIRST:LAST",
                         help="steps to compare, inclusive, 0-based (default: skip the first "
                              "quarter of the steps, the warm-up)")
-    parser.add_argument("--tokens-per-step", type=float, default=None, metavar="N",
+    parser.add_argument("--tokens-per-step", type=argtypes.positive, default=None, metavar="N",
                         help="tokens of one optimizer step, when the job's log does not say")
-    parser.add_argument("--json", default=None, metavar="PATH",
+    parser.add_argument("--json", type=argtypes.output_file, default=None, metavar="PATH",
                         help="also write the comparison as JSON to PATH")
 
 
@@ -27,6 +28,11 @@ def resolve_arms(run_a, run_b):
     """(baseline path, candidate path); a single --fix folder stands for its two arms."""
     if run_b is None:
         base, cand = os.path.join(run_a, "baseline"), os.path.join(run_a, "candidate")
+        try:  # the arm --fix kept (fix.json), when it tried several
+            with open(os.path.join(run_a, "fix.json"), encoding="utf-8") as f:
+                cand = json.load(f).get("best") or cand
+        except (OSError, ValueError, AttributeError):
+            pass
         if not (os.path.isdir(base) and os.path.isdir(cand)):
             raise UserError(f"{run_a} is not a `diagnose --fix` folder (no baseline/ and "
                             "candidate/): give two run folders, RUN_A RUN_B")
@@ -41,14 +47,15 @@ def run(args, parser):
     from traindx.recipes.stats import parse_window
     from traindx.record import load_run
 
-    window = None
-    if args.window:
-        try:
-            window = parse_window(args.window)
-        except ValueError as exc:
-            raise UserError(str(exc)) from None
+    window = parse_window(args.window) if args.window else None  # valid: argtypes.step_window
     path_a, path_b = resolve_arms(args.run_a, args.run_b)
+    if os.path.realpath(path_a) == os.path.realpath(path_b):
+        raise UserError(f"{args.run_a} and {args.run_b} are the same run: compare a baseline "
+                        "with another run (or give one `diagnose --fix` folder)")
     baseline, candidate = load_run(path_a), load_run(path_b)
+    if _same_recording(baseline.manifest, candidate.manifest):
+        raise UserError(f"{path_b} is a copy of {path_a} (the same recording: same start time "
+                        "and command): compare a baseline with another run")
     try:
         comparison = compare_runs(baseline, candidate, window=window,
                                   tokens_per_step=args.tokens_per_step)
@@ -60,12 +67,15 @@ def run(args, parser):
     return 0
 
 
+def _same_recording(a, b):
+    return a.get("start_ns") is not None and a.get("start_ns") == b.get("start_ns") and \
+        a.get("command") == b.get("command") and a.get("pid") == b.get("pid")
+
+
 def write_comparison(comparison, path):
-    tmp = f"{path}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(comparison, f, indent=2, default=str)
-    os.replace(tmp, path)
-    return path
+    from traindx.outputs import write_json_file
+
+    return write_json_file(path, comparison)
 
 
 # -- rendering ---------------------------------------------------------------------------------
@@ -132,6 +142,10 @@ def print_comparison(comparison, console=None):
     table.add_row("steps recorded", str(base["steps"]), str(cand["steps"]))
     table.add_row("steady window (steps)", window(base), window(cand))
     table.add_row("median step time", _seconds(base["median_step_s"]), _seconds(cand["median_step_s"]))
+    from traindx.recipes.ab import step_source_text
+
+    if base.get("step_source") != "shim" or cand.get("step_source") != "shim":
+        table.add_row("timed by", step_source_text(base), step_source_text(cand))
     table.add_row("step-time CV", _percent(base["step_time_cv"]), _percent(cand["step_time_cv"]))
     table.add_row("tokens/s", _number(base["tokens_per_s"]), _number(cand["tokens_per_s"]))
     table.add_row("step 0 (warm-up)", _seconds(base.get("first_step_s")),

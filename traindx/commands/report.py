@@ -9,20 +9,21 @@ import json
 import os
 import sys
 
+from traindx import argtypes
 from traindx.errors import UserError
 
 
 def prepare_parser(parser):
     parser.add_argument("run_dir", metavar="RUN", help="a run folder written by diagnose")
-    parser.add_argument("-o", "--output", metavar="PATH", default=None,
+    parser.add_argument("-o", "--output", type=argtypes.output_file, metavar="PATH", default=None,
                         help="write the HTML here (default: RUN/report.html)")
     parser.add_argument("--open", action="store_true", help="open the report in a web browser")
-    parser.add_argument("--perfetto", metavar="OUT", default=None,
+    parser.add_argument("--perfetto", type=argtypes.output_file, metavar="OUT", default=None,
                         help="also write the merged timeline as Chrome/Perfetto trace JSON "
                              "(.json or .json.gz)")
     parser.add_argument("--reanalyze", action="store_true",
                         help="run the analyzers again instead of reading findings.json")
-    parser.add_argument("--comparison", metavar="FILE", default=None,
+    parser.add_argument("--comparison", type=argtypes.existing_file, metavar="FILE", default=None,
                         help="a JSON mapping to show as 'before and after' (default: "
                              "RUN/comparison.json when present)")
     parser.add_argument("--quiet", action="store_true", help="print only the report's path")
@@ -53,28 +54,42 @@ def _comparison(args, run_path):
 
 
 def run(args, parser):
-    from traindx.outputs import read_findings, write_findings
+    from traindx.outputs import read_findings, write_outputs
     from traindx.record import load_run
-    from traindx.report.html import write_report
 
-    record = load_run(args.run_dir)
-    findings_path = os.path.join(record.path, "findings.json")
-    if args.reanalyze or not os.path.exists(findings_path):
-        from traindx.analyzers import analyze
-
-        findings = analyze(record)
-        write_findings(record, findings)
-    else:
-        try:
-            findings = read_findings(record.path)
-        except (ValueError, TypeError, KeyError) as exc:
-            raise UserError(f"{findings_path} is corrupt ({type(exc).__name__}); "
-                            "use --reanalyze to rebuild it") from None
     if args.output and os.path.isdir(args.output):
         raise UserError(f"--output {args.output} is a folder; give a file path")
     if args.output and not os.path.isdir(os.path.dirname(os.path.abspath(args.output))):
         raise UserError(f"cannot write {args.output}: its folder does not exist")
-    path = write_report(record, findings, path=args.output, comparison=_comparison(args, record.path))
+    if args.reanalyze:  # a run whose recorder was killed is finished here, as `interrupted`
+        from traindx.profiler.manifest import finish_interrupted
+
+        note = finish_interrupted(args.run_dir)
+        if note:
+            print(f"diagnose: {note}", file=sys.stderr)
+    record = load_run(args.run_dir)
+    findings_path = os.path.join(record.path, "findings.json")
+    findings = None
+    if not args.reanalyze and os.path.exists(findings_path):
+        try:
+            findings = read_findings(record.path)
+        except (OSError, ValueError, TypeError, KeyError, AttributeError, RecursionError) as exc:
+            # derived, not evidence: rebuilt from the run below (the corrupt copy overwritten)
+            import warnings
+
+            warnings.warn(f"{findings_path} is unreadable ({type(exc).__name__}): the findings "
+                          "were analysed again from the run", stacklevel=2)
+            findings = None
+    # a fresh analysis goes into RUN/findings.json, unless the report goes elsewhere (-o): the
+    # run folder is then left as it is
+    into_run = findings is None and not args.output
+    findings, path, problems = write_outputs(record, findings, report_path=args.output,
+                                             into_run=into_run,
+                                             comparison=_comparison(args, record.path))
+    for line in problems:
+        print(f"diagnose: not written: {line}", file=sys.stderr)
+    if path is None:
+        return 1
     if args.perfetto:
         from traindx.report.perfetto import export_trace
 
@@ -92,4 +107,4 @@ def run(args, parser):
 
         if not webbrowser.open("file://" + os.path.abspath(path)):
             print(f"diagnose: no web browser found; open {path} yourself", file=sys.stderr)
-    return 0
+    return 1 if problems else 0

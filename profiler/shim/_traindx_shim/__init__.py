@@ -18,10 +18,10 @@ import sys
 import threading
 import time
 
-from . import importhooks, roles
-from .writer import EventWriter
+from . import importhooks, roles, schema
+from .writer import EventWriter, load_redactor, redacted_argv
 
-_state = {"writer": None, "run_dir": None, "rank": None, "rank_source": None, "world_size": None,
+_state = {"redactor": None, "writer": None, "run_dir": None, "rank": None, "rank_source": None, "world_size": None,
           "training_pid": None, "evidence": None, "start": None}
 _announce_lock = threading.Lock()
 
@@ -37,7 +37,9 @@ def emit(type_, **fields):
 
 
 def report_error(where, exc):
-    emit("shim_error", where=where, error=repr(exc))
+    redactor = _state["redactor"]  # an exception's text may quote a URL or an argument
+    error = repr(exc)
+    emit(schema.SHIM_ERROR, where=where, error=redactor.line(error) if redactor else error)
 
 
 def guarded(where):
@@ -67,9 +69,12 @@ def _start_writer(deferred):
                   world_size=os.environ.get("WORLD_SIZE") or os.environ.get("SLURM_NTASKS"),
                   start=time.time_ns())
     writer.tick_hooks.append(_poll_process_group)
-    writer.emit("process_start", pid=os.getpid(), ppid=os.getppid(), rank=rank,
+    if _state["redactor"] is None:  # once per process (a forked rank inherits it)
+        _state["redactor"] = load_redactor(os.environ, sys.argv)
+    writer.emit(schema.PROCESS_START, pid=os.getpid(), ppid=os.getppid(), rank=rank,
                 rank_source=source, local_rank=os.environ.get("LOCAL_RANK") or
-                os.environ.get("SLURM_LOCALID"), world_size=_state["world_size"], argv=sys.argv,
+                os.environ.get("SLURM_LOCALID"), world_size=_state["world_size"],
+                argv=redacted_argv(_state["redactor"], sys.argv),
                 python=sys.version.split()[0], main_thread=threading.main_thread().ident,
                 multiprocessing_child=deferred, t=_state["start"])
 
@@ -113,11 +118,13 @@ def training_evidence(kind):
         _state["training_pid"] = os.getpid()
         _state["evidence"] = kind
         w.undefer()
+        from . import faults
+        faults.install(_state["run_dir"])
         if _state["rank_source"] != "process_group":  # the job may have set RANK since start
             rank, source = roles.rank_from_env(os.environ)
             if rank is not None and rank != _state["rank"]:
                 _set_rank(rank, source, os.environ.get("WORLD_SIZE"))
-        w.emit("training", evidence=kind, rank=_state["rank"])
+        w.emit(schema.TRAINING, evidence=kind, rank=_state["rank"])
         try:
             _announce()
         except OSError as exc:
@@ -130,7 +137,7 @@ def _set_rank(rank, source, world_size):
     w = _state["writer"]
     if w is not None:
         w.rank = str(rank)
-    emit("rank_known", rank=str(rank), source=source, world_size=_state["world_size"])
+    emit(schema.RANK_KNOWN, rank=str(rank), source=source, world_size=_state["world_size"])
 
 
 def rank_known(rank, world_size, source="process_group"):
@@ -162,13 +169,18 @@ def _poll_process_group():
 def _after_fork_in_child():
     global _announce_lock
     _announce_lock = threading.Lock()
+    from . import faults
+    faults.after_fork_in_child()
 
 
 def activate():
     _state["run_dir"] = os.environ["TRAINDX_RUN_DIR"]
     _start_writer(deferred=roles.is_multiprocessing_child(getattr(sys, "orig_argv", sys.argv)))
     os.register_at_fork(after_in_child=_after_fork_in_child)
-    from . import gcstats, steps, compiles, torchcalls, torchprof, procrole, datasites
+    from . import compiles, datasites, faults, gcstats, procrole, steps, torchcalls, torchprof
+
+    if not _state["writer"].deferred:  # a possible DataLoader worker: once it trains
+        faults.install(_state["run_dir"])
 
     gcstats.install()
     procrole.register()
@@ -176,8 +188,10 @@ def activate():
     compiles.register()
     torchcalls.register()
     torchprof.register()
-    from . import spans, runtime_patches
+    from . import runtime_patches, spans
     spans.register()  # time ledger spans
+    from . import gputime
+    gputime.register()  # GPU busy/idle per step (CUDA events at the measured boundaries)
     runtime_patches.register()  # --fix runtime patches, max_seqlen origin tracer
     datasites.register()
     importhooks.install()

@@ -15,9 +15,8 @@ import threading
 import time
 import weakref
 
-from . import emit, guarded, importhooks, report_error
+from . import bus, emit, guarded, importhooks, report_error, schema, steps
 from .frames import first_user_frame
-from . import steps
 
 FA4_INTERFACE = "flash_attn" + ("\\" if sys.platform == "win32" else "/") + "cute"
 FA4_CALL_SAMPLES = 8  # stack walks per (function, argument-type signature); later calls are counted
@@ -37,12 +36,12 @@ counts = {"compiles": 0}
 
 def _emit_compile(kind, kernel, start_ns, end_ns, duration_s=None, **fields):
     counts["compiles"] += 1
-    if kind != "dynamo":  # (torch.compile's graphs for an evaluation before training stay start-up)
+    if kind != schema.COMPILE_DYNAMO:  # (torch.compile's graphs for an evaluation before training stay start-up)
         steps.kernel_compile_started(start_ns)
     begin = steps.in_step_since()
     if duration_s is None:
         duration_s = (end_ns - start_ns) / 1e9
-    emit("compile", kind=kind, kernel=kernel, start=start_ns, t=end_ns,
+    emit(schema.COMPILE, kind=kind, kernel=kernel, start=start_ns, t=end_ns,
          duration_s=duration_s, step=steps.current_step(),
          in_step=begin is not None and start_ns >= begin, **_thread_fields(), **fields)
 
@@ -289,7 +288,7 @@ def _record_cute(func, start, end, ok):
                       key_types=fa4.pop("key_types"), fa4=fa4,
                       fa4_call_site=_last_fa4_site.get("site"))
         kernel = f"{fa4['function']}:{kernel}"
-    _emit_compile("cute_dsl", kernel, start, end, **fields)
+    _emit_compile(schema.COMPILE_CUTE_DSL, kernel, start, end, **fields)
 
 
 # -- FA4 call sites (the forward call is where a framework passes max_seqlen) --------------------
@@ -357,7 +356,7 @@ def _emit_fa4_call(name, kwargs, sample, ok):
         end = time.time_ns()
         max_seqlen = {k: {"type": _type_label(v), "value": v if isinstance(v, int) else None}
                       for k, v in kwargs.items() if k.startswith("max_seqlen")}
-        emit("fa4_call", function=name, caller=caller, source=_source_line(caller),
+        emit(schema.FA4_CALL, function=name, caller=caller, source=_source_line(caller),
              call_index=seen, arg_types=dict(sig[1]), max_seqlen=max_seqlen, start=start, t=end, duration_s=(end - start) / 1e9,
              step=steps.current_step(), ok=ok, **_thread_fields())
     except Exception as exc:
@@ -397,7 +396,7 @@ def _on_triton(module):
                     tuning["jit_ns"] += int(total_us * 1000)
                     tuning["jit_compiles"] += 1
                     fields["autotune_of"] = tuning["kernel"]
-                _emit_compile("triton", name, end - int(total_us * 1000), end, cache_hit=cache_hit,
+                _emit_compile(schema.COMPILE_TRITON, name, end - int(total_us * 1000), end, cache_hit=cache_hit,
                               caller=first_user_frame(1),
                               key=safe_repr(getattr(src, "signature", ""), 2000), **fields)
         except Exception as exc:
@@ -507,7 +506,7 @@ def _record_autotune(tuner, args, kwargs, tuning):
     best = getattr(tuner, "best_config", None)
     best_kwargs = getattr(best, "all_kwargs", None)
     _emit_compile(
-        "triton_autotune", tuning["kernel"], tuning["start"], end, duration_s=bench_ns / 1e9,
+        schema.COMPILE_TRITON_AUTOTUNE, tuning["kernel"], tuning["start"], end, duration_s=bench_ns / 1e9,
         bench_s=bench_ns / 1e9, jit_s=jit_ns / 1e9, jit_compiles=tuning["jit_compiles"],
         wall_s=wall_ns / 1e9, caller=first_user_frame(2), key_names=names,
         key=safe_repr(tuple(all_args.get(k) for k in names) + tuple(dtypes.values()), 1000),
@@ -587,7 +586,7 @@ def _record_dynamo(m):
     if name is None and getattr(m, "is_runtime", None):
         return  # runtime bookkeeping (e.g. autotuning at run time) of a frame never seen
     kernel = f"{name}" if graph == "forward" else f"{name} (backward graph)"
-    _emit_compile("dynamo", kernel, start, start + int(dur_us * 1000), compile_id=cid,
+    _emit_compile(schema.COMPILE_DYNAMO, kernel, start, start + int(dur_us * 1000), compile_id=cid,
                   recompile_reason=reason, graph=graph, caller=caller, key=cid,
                   fail_type=getattr(m, "fail_type", None))
 
@@ -608,7 +607,12 @@ def harvest_dynamo():
             report_error("dynamo metrics harvest", exc)
 
 
+def _on_step_ended(step):
+    harvest_dynamo()
+
+
 def register():
+    bus.subscribe(schema.STEP_ENDED, _on_step_ended)
     importhooks.on_import("cutlass.base_dsl.compiler", _on_cute_compiler)
     importhooks.on_import("flash_attn.cute.interface", _on_fa4_interface)
     importhooks.on_import("triton", _on_triton)

@@ -3,12 +3,24 @@
 One `cpu` event at each step end (the training thread), with the deltas since the previous one:
   proc_cpu_s    CPU seconds of this process, all its threads (time.process_time)
   thread_cpu_s  CPU seconds of the training thread itself (time.thread_time)
+  thread_runq_s seconds the training thread was runnable but waited for a core (the kernel's
+                run-queue delay, /proc/self/task/<tid>/schedstat; Linux only): time a loaded
+                machine added to the step that no code of the job spent
   sys_idle_s    core-seconds the whole machine was idle (/proc/stat idle + iowait), Linux only
   sys_total_s   core-seconds the machine had (/proc/stat, all states)
   running       runnable tasks on the machine at the step end (/proc/loadavg; the training
                 thread that reads it is one of them)
   cores         cores this process may run on (sched_getaffinity), once, on the first event
-The DataLoader's own CPU seconds ride on its `data` span (spans.py). Together they say how many
+The DataLoader's own CPU seconds ride on its `data` span (spans.py).
+
+One `cpu_threads` event at the end of steps 0 and 1 (the later one is the settled picture: the
+intra-op pool and the DataLoader workers exist by then) says how many threads compete for how
+many cores: intra_op_threads / inter_op_threads (torch.get_num_threads /
+get_num_interop_threads), process_threads (this process, /proc/self/status), affinity_cores
+(sched_getaffinity), cgroup_quota_cores (cgroup v2 cpu.max or v1 cfs quota / period; None: no
+quota), cpu_count, thread_env (OMP/MKL/OpenBLAS/... *_NUM_THREADS as set), dataloader_workers
+([{pid, threads}] of the live DataLoader iterators' worker processes), children ([{pid, name,
+threads}] of every child process: compile workers too) and load1 (/proc/loadavg). Together they say how many
 cores were really free to the job (a prediction that adds worker processes needs that); a
 read of /proc/stat is ~30 µs, so one per step costs nothing a step would notice.
 """
@@ -16,8 +28,13 @@ import os
 import threading
 import time
 
-from . import emit
+from . import emit, schema
 
+CPU_THREADS = schema.CPU_THREADS
+THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "NUMEXPR_NUM_THREADS",
+              "VECLIB_MAXIMUM_THREADS", "TORCH_NUM_THREADS")
+THREAD_SNAPSHOT_STEPS = (0, 1)
+dataloader_iterators = {}  # id -> weakref of each DataLoader iterator seen (spans.py fills it)
 _TICK = [None]
 _prev = {}
 _cores_sent = [False]
@@ -46,7 +63,25 @@ def _proc_stat():
 
 def _snapshot():
     return {"proc": time.process_time(), "thread": time.thread_time(),
-            "tid": threading.get_ident(), "stat": _proc_stat()}
+            "tid": threading.get_ident(), "stat": _proc_stat(), "runq": runqueue_ns()}
+
+
+_schedstat = {}  # (pid, native thread id) -> its open schedstat (one pread a step)
+
+
+def runqueue_ns():
+    """(on-CPU ns, run-queue wait ns) of the calling thread so far (/proc/self/task/<tid>/
+    schedstat), or None off Linux or where the kernel keeps no schedstat."""
+    try:
+        tid = threading.get_native_id()
+        fd = _schedstat.get((os.getpid(), tid))  # a forked child's thread opens its own
+        if fd is None:
+            fd = _schedstat[(os.getpid(), tid)] = os.open(f"/proc/self/task/{tid}/schedstat",
+                                                          os.O_RDONLY)
+        fields = os.pread(fd, 128, 0).split()
+        return int(fields[0]), int(fields[1])
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
 
 
 def emit_step(step):
@@ -61,6 +96,8 @@ def emit_step(step):
     fields = {"proc_cpu_s": now["proc"] - prev["proc"]}
     if now["tid"] == prev["tid"]:  # a retro step begin may be taken on another thread
         fields["thread_cpu_s"] = now["thread"] - prev["thread"]
+        if now["runq"] and prev["runq"]:
+            fields["thread_runq_s"] = (now["runq"][1] - prev["runq"][1]) / 1e9
     if now["stat"] and prev["stat"]:
         fields.update(sys_idle_s=now["stat"][0] - prev["stat"][0],
                       sys_total_s=now["stat"][1] - prev["stat"][1], running=now["stat"][2])
@@ -70,4 +107,90 @@ def emit_step(step):
             fields["cores"] = len(os.sched_getaffinity(0))
         except (AttributeError, OSError):
             fields["cores"] = os.cpu_count()
-    emit("cpu", step=step, **fields)
+    emit(schema.CPU, step=step, **fields)
+
+
+def _threads_of(pid):
+    try:
+        with open(f"/proc/{pid}/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"Threads:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def _children():
+    out = []
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return out
+    pids = []
+    for task in tasks:
+        try:
+            with open(f"/proc/self/task/{task}/children", "rb") as f:
+                pids += [int(p) for p in f.read().split()]
+        except (OSError, ValueError):
+            continue
+    for pid in pids[:256]:
+        try:
+            with open(f"/proc/{pid}/comm", "rb") as f:
+                name = f.read().decode("utf-8", "replace").strip()
+        except OSError:
+            name = None
+        out.append({"pid": pid, "name": name, "threads": _threads_of(pid)})
+    return out
+
+
+def _cgroup_quota_cores():
+    """Cores the cgroup lets this process use (quota / period), None without a quota."""
+    try:
+        with open("/sys/fs/cgroup/cpu.max", "rb") as f:
+            quota, period = f.read().decode().split()[:2]
+        return None if quota == "max" else int(quota) / int(period)
+    except (OSError, ValueError):
+        pass
+    try:
+        with open("/sys/fs/cgroup/cpu/cpu.cfs_quota_us", "rb") as f:
+            quota = int(f.read())
+        with open("/sys/fs/cgroup/cpu/cpu.cfs_period_us", "rb") as f:
+            period = int(f.read())
+        return None if quota <= 0 else quota / period
+    except (OSError, ValueError):
+        return None
+
+
+def emit_threads(step, torch):
+    """The `cpu_threads` picture (see the module docstring), at the end of the first steps."""
+    if step not in THREAD_SNAPSHOT_STEPS:
+        return
+    fields = {"step": step, "cpu_count": os.cpu_count(), "process_threads": _threads_of("self"),
+              "cgroup_quota_cores": _cgroup_quota_cores(),
+              "thread_env": {k: os.environ[k] for k in THREAD_ENV if k in os.environ}}
+    try:
+        fields["affinity_cores"] = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        fields["affinity_cores"] = None
+    if torch is not None:
+        try:
+            fields["intra_op_threads"] = torch.get_num_threads()
+            fields["inter_op_threads"] = torch.get_num_interop_threads()
+        except Exception:
+            pass
+    workers = []
+    for ref in list(dataloader_iterators.values()):
+        it = ref()
+        for w in (getattr(it, "_workers", None) or ()) if it is not None else ():
+            pid = getattr(w, "pid", None)
+            if pid is not None and (w.is_alive() if hasattr(w, "is_alive") else True):
+                workers.append({"pid": pid, "threads": _threads_of(pid)})
+    fields["dataloader_workers"] = workers
+    fields["children"] = _children()
+    try:
+        with open("/proc/loadavg", "rb") as f:
+            fields["load1"] = float(f.read(64).split()[0])
+    except (OSError, ValueError, IndexError):
+        fields["load1"] = None
+    emit(CPU_THREADS, **fields)

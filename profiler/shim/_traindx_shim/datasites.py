@@ -6,6 +6,12 @@ settings a prescription changes. One `data_site` event per construction.
 
 The call's full source span is recorded (from the file, parsed with `ast`) so a prescription can
 rewrite a call written over several lines.
+
+Which loader the training loop iterates: each DataLoader gets a site id (`data_site.site_id`);
+its iterators carry it, and a `data_use` event says, for a site, in how many distinct steps its
+__next__ delivered a batch (emitted at 1, 2, 4, 8, ... such steps: a few events per loader). The
+loader of the steps is the one with the most; a test loader built after it (pytorch/examples)
+has none until the epoch ends.
 """
 import ast
 import functools
@@ -13,32 +19,23 @@ import linecache
 import os
 import sys
 
-from . import emit, importhooks, report_error
+from . import emit, importhooks, report_error, schema
+from .frames import installed_package, is_library_path
 
 MAX_EVENTS = 100
+DATA_USE = schema.DATA_USE
 _count = {"n": 0}
+_use = {}   # site id -> [distinct steps with a batch, last step seen, batches]
 _trees = {}
-_LIBRARY_DIRS = ("site-packages", "dist-packages")
 
 
 def _is_library(filename):
-    if not filename or filename.startswith("<"):
-        return True
-    parts = os.path.realpath(filename).split(os.sep)
-    if any(p in _LIBRARY_DIRS for p in parts) or "_traindx_shim" in parts:
-        return True
-    return filename.startswith((sys.prefix, sys.base_prefix)) and "lib" in parts
+    # frames.is_library_path on the file's real path (a venv may link into a shared install)
+    return not filename or filename.startswith("<") or is_library_path(os.path.realpath(filename))
 
 
 def _package_of(filename):
-    parts = os.path.realpath(filename).split(os.sep)
-    for marker in _LIBRARY_DIRS:
-        if marker in parts:
-            i = parts.index(marker)
-            if i + 1 < len(parts):
-                name = parts[i + 1]
-                return name[:-3] if name.endswith(".py") else name
-    return None
+    return installed_package(os.path.realpath(filename))
 
 
 def _sites(depth):
@@ -85,8 +82,9 @@ def _call_span(filename, line, name):
 
 def _record(kind, name, settings, depth):
     if _count["n"] >= MAX_EVENTS:
-        return
+        return None
     _count["n"] += 1
+    site_id = _count["n"]
     frame, via = _sites(depth + 1)
     site = None
     if frame is not None:
@@ -96,7 +94,28 @@ def _record(kind, name, settings, depth):
                 "source": linecache.getline(filename, line).rstrip("\n") or None}
         if span:
             site.update(call_first_line=span[0], call_last_line=span[1], call_source=span[2])
-    emit("data_site", kind=kind, site=site, via=via, **settings)
+    emit(schema.DATA_SITE, kind=kind, site=site, via=via, site_id=site_id, **settings)
+    return site_id
+
+
+def _current_step():
+    steps = sys.modules.get("_traindx_shim.steps")
+    return steps.current_step() if steps is not None else None
+
+
+def _used(site_id):
+    """A batch of loader `site_id` was delivered: count the distinct steps that saw one."""
+    entry = _use.get(site_id)
+    if entry is None:
+        entry = _use[site_id] = [0, None, 0]
+    entry[2] += 1
+    step = _current_step()
+    if step is not None and step != entry[1]:
+        entry[1] = step
+        entry[0] += 1
+        n = entry[0]
+        if n & (n - 1) == 0:  # 1, 2, 4, 8, ...: log-spaced, a few events per loader
+            emit(DATA_USE, site_id=site_id, steps=n, batches=entry[2], step=step)
 
 
 def _on_dataloader(module):
@@ -107,14 +126,48 @@ def _on_dataloader(module):
     def __init__(self, *args, **kwargs):
         original(self, *args, **kwargs)
         try:
-            _record("DataLoader", "DataLoader",
-                    {"num_workers": self.num_workers, "pin_memory": self.pin_memory,
-                     "batch_size": self.batch_size, "persistent_workers": self.persistent_workers},
-                    depth=1)
+            site_id = _record("DataLoader", "DataLoader",
+                              {"num_workers": self.num_workers, "pin_memory": self.pin_memory,
+                               "batch_size": self.batch_size,
+                               "persistent_workers": self.persistent_workers},
+                              depth=1)
+            if site_id is not None:
+                object.__setattr__(self, "_traindx_site", site_id)
         except Exception as exc:
             report_error("DataLoader site", exc)
 
     cls.__init__ = __init__
+
+    original_iter = cls.__iter__
+
+    @functools.wraps(original_iter)
+    def __iter__(self):
+        iterator = original_iter(self)
+        try:
+            site_id = self.__dict__.get("_traindx_site")
+            if site_id is not None:
+                iterator._traindx_site = site_id
+        except Exception:
+            pass
+        return iterator
+
+    cls.__iter__ = __iter__
+
+    iter_cls = module._BaseDataLoaderIter
+    original_next = iter_cls.__next__
+
+    def __next__(self):
+        batch = original_next(self)
+        site_id = getattr(self, "_traindx_site", None)
+        if site_id is not None:
+            try:
+                _used(site_id)
+            except Exception as exc:
+                report_error("DataLoader use", exc)
+        return batch
+
+    __next__.__wrapped__ = original_next
+    iter_cls.__next__ = __next__
 
 
 def _on_training_args(module):

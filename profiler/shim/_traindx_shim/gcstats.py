@@ -2,7 +2,7 @@
 import gc
 import time
 
-from . import emit
+from . import emit, schema
 
 _agg = {}
 _start = [0]
@@ -24,7 +24,7 @@ def emit_step(step):
     snapshot = dict(_agg)
     _agg.clear()
     for gen, (count, total, longest, collected) in sorted(snapshot.items()):
-        emit("gc", step=step, generation=gen, count=count, total_s=total / 1e9,
+        emit(schema.GC, step=step, generation=gen, count=count, total_s=total / 1e9,
              max_s=longest / 1e9, collected=collected)
 
 

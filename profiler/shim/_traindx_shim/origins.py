@@ -18,6 +18,7 @@ entered later, nest above it and are popped by their own `with` blocks; it is po
 is on top (else it turns itself off and is popped at a later call).
 """
 import ast
+import gc
 import linecache
 import os
 import re
@@ -25,7 +26,7 @@ import sys
 import threading
 import weakref
 
-from . import emit, guarded, importhooks, report_error
+from . import emit, guarded, importhooks, report_error, schema
 from .frames import first_user_frame, is_library_file
 
 MAX_SEQLEN_ARGS = ("max_seqlen_q", "max_seqlen_k")
@@ -225,6 +226,18 @@ def _roots(call_site):
 
 
 def static_origins(call_site, call_source):
+    # the parse trees are garbage-free and short-lived: without this, in a job's large heap
+    # (torch, a framework, a model) their allocations trigger full collections, 50x the parse
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return _static_origins(call_site, call_source)
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _static_origins(call_site, call_source):
     wanted = _call_names(call_source)
     hits, seen = [], 0
     for root in _roots(call_site):
@@ -286,7 +299,7 @@ def _finish(arg, value, call_site, method, chain=None, candidates=None):
     call["source"] = _source(call_site)
     call["argument_lines"] = _argument_lines(call_site)
     origin = (chain or [None])[0] if method == "traced" else (candidates or [None])[0]
-    emit("tensor_origin", arg=arg, method=method, call_site=call, origin=origin,
+    emit(schema.TENSOR_ORIGIN, arg=arg, method=method, call_site=call, origin=origin,
          chain=chain or [], candidates=candidates or [],
          dtype=str(getattr(value, "dtype", "")), device=str(getattr(value, "device", "")))
 

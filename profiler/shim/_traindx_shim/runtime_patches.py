@@ -15,7 +15,7 @@ import inspect
 import os
 import weakref
 
-from . import emit, guarded, importhooks, report_error
+from . import emit, guarded, importhooks, origins, report_error, schema
 
 PATCH_VAR = "TRAINDX_RUNTIME_PATCHES"
 FA4_INT_MAX_SEQLEN = "fa4_int_max_seqlen"
@@ -80,7 +80,7 @@ def _coercing(name, original):
                 _state["coerced"] += 1
                 if not _state["reported"]:
                     _state["reported"] = True
-                    emit("runtime_patch", patch=FA4_INT_MAX_SEQLEN, function=name, args=changed,
+                    emit(schema.RUNTIME_PATCH, patch=FA4_INT_MAX_SEQLEN, function=name, args=changed,
                          note="tensor max_seqlen turned into a Python int at FA4's boundary")
         except Exception as exc:  # never in the job's way: call FA4 as the job asked
             report_error("fa4 runtime patch", exc)
@@ -105,7 +105,7 @@ def _patch_fa4(module):
         setattr(module, name, patched)
         original._traindx_coerces = True  # shared __dict__: the wrapper says so too
         done.append(name)
-    emit("runtime_patch_installed", patch=FA4_INT_MAX_SEQLEN, functions=done,
+    emit(schema.RUNTIME_PATCH_INSTALLED, patch=FA4_INT_MAX_SEQLEN, functions=done,
          module=getattr(module, "__file__", None))
 
 
@@ -123,7 +123,7 @@ def _note_flash_attn(module):
                 break
     except Exception:
         version = None
-    emit("package_loaded", package="flash-attn-4", module=module.__name__,
+    emit(schema.PACKAGE_LOADED, package="flash-attn-4", module=module.__name__,
          file=getattr(module, "__file__", None), version=version)
 
 
@@ -132,14 +132,12 @@ def register():
     if FA4_INT_MAX_SEQLEN in requested():
         importhooks.on_import("flash_attn.cute.interface", _patch_fa4)
         return  # the candidate of a --fix: the origin is already known
-    from . import origins
-
     origins.register()
 
 
 def atexit_summary():
     if _state["coerced"]:
-        emit("runtime_patch_summary", patch=FA4_INT_MAX_SEQLEN, calls=_state["coerced"],
+        emit(schema.RUNTIME_PATCH_SUMMARY, patch=FA4_INT_MAX_SEQLEN, calls=_state["coerced"],
              host_reads=_state["reads"])
 
 

@@ -6,6 +6,10 @@ ident} and, for rare calls (checkpoints, file writes), the caller in the job's c
   data        the DataLoader iterator's __next__ (the step waits for its batch)
   backward    torch.autograd.backward (Tensor.backward goes through it)
   optimizer   torch's global optimizer pre/post hooks (every torch optimizer)
+  closure     the closure an optimizer step calls (Lightning's training_step, LBFGS): the
+              ledger books the forward and backward inside it as fwd/bwd, the rest as host
+  forward     the outermost nn.Module call of the training thread (steps.py's module-call
+              wrapper emits it; `grad: false` for one under no_grad)
   io          torch.save, torch.distributed.checkpoint save/async_save/save_state_dict
   sync        host-device syncs on CUDA tensors (torch.cuda.synchronize, Tensor.item/.tolist/.cpu);
               installed only once CUDA is initialised: on CPU there is no device to wait for
@@ -16,7 +20,10 @@ ident} and, for rare calls (checkpoints, file writes), the caller in the job's c
               all-reduces run in C++ inside backward, where no Python wrapper sees them: the
               straggler analysis then treats each backward as the ranks' meeting point)
   gc          garbage collections of at least GC_SPAN_MIN_NS (shorter ones stay aggregated per
-              step in gcstats: a gen-0 pass every few ms is not worth an event each)
+              step in gcstats: a gen-0 pass every few ms is not worth an event each), with
+              generation and cpu (seconds of the training thread's CPU time inside the collection)
+The data span carries cpu (the training thread's CPU seconds inside __next__) and runq (its
+run-queue wait there, Linux schedstat), so that its off-CPU part (a storage wait) is known.
 
 Clock: time.time_ns(), the axis of every other shim event. Cost per wrapped call: two clock reads,
 one thread-ident read and one deque append (bench/span_overhead.py measures it). Wrappers never
@@ -27,7 +34,7 @@ import os
 import threading
 import time
 
-from . import emit, importhooks, report_error
+from . import cpustat, emit, importhooks, report_error
 from .frames import first_user_frame
 
 GC_SPAN_MIN_NS = int(float(os.environ.get("TRAINDX_GC_SPAN_MIN_MS") or 1.0) * 1e6)
@@ -59,6 +66,8 @@ def _timed(cat, fn, with_caller=False, label=None):
         if _compiling():
             return fn(*args, **kwargs)
         start = _now()
+        cpu = _thread_cpu() if with_caller else 0
+        runq = cpustat.runqueue_ns() if with_caller else None
         try:
             return fn(*args, **kwargs)
         finally:
@@ -69,6 +78,12 @@ def _timed(cat, fn, with_caller=False, label=None):
                     _state["callers"] += 1
                     extra["caller"] = first_user_frame()
                     extra["call"] = label
+                    # the calling thread's CPU seconds in it: a write that waits on the disk
+                    # can move to a thread, the serialization (CPU, the GIL) cannot
+                    extra["cpu"] = (_thread_cpu() - cpu) / 1e9
+                    after = cpustat.runqueue_ns() if runq is not None else None
+                    if after is not None:  # runnable, off a core: a loaded machine's, not the disk's
+                        extra["runq"] = (after[1] - runq[1]) / 1e9
                 _span(cat, start, end, **extra)
             except Exception as exc:
                 report_error(f"span {cat}", exc)
@@ -86,19 +101,39 @@ def _on_dataloader(module):
     cls = module._BaseDataLoaderIter
     original = cls.__next__
 
+    iterators = cpustat.dataloader_iterators
+
     def __next__(self):
-        start, cpu = _now(), _thread_cpu()
+        if id(self) not in iterators:  # its workers, for the cpu_threads picture
+            _remember(iterators, self)
+        start, cpu, queued = _now(), _thread_cpu(), cpustat.runqueue_ns()
         try:
             return original(self)
         finally:
             try:
                 # cpu: the training thread's own CPU seconds in it (loading in-process is CPU
-                # work there; waiting for a worker's batch is not)
-                _span("data", start, _now(), cpu=(_thread_cpu() - cpu) / 1e9)
+                # work there; waiting for a worker's batch is not); runq: seconds it was runnable
+                # but waited for a core. The rest of the span the thread was off the CPU
+                # (sleeping, blocked on storage or on a worker's queue): the savings model
+                # parallelises that part over workers and the CPU part only over free cores
+                extra = {}
+                after = cpustat.runqueue_ns() if queued else None
+                if after:
+                    extra["runq"] = (after[1] - queued[1]) / 1e9
+                _span("data", start, _now(), cpu=(_thread_cpu() - cpu) / 1e9, **extra)
             except Exception as exc:
                 report_error("span data", exc)
     __next__.__wrapped__ = original
     cls.__next__ = __next__
+
+
+def _remember(iterators, it):
+    try:
+        import weakref
+        key = id(it)
+        iterators[key] = weakref.ref(it, lambda _ref, key=key: iterators.pop(key, None))
+    except TypeError:
+        pass
 
 
 # -- torch: backward, optimizer, torch.save, syncs -----------------------------------------------
@@ -115,6 +150,38 @@ def _opt_post(optimizer, args, kwargs):
         _maybe_install_sync()
 
 
+def _wrap_closure(optimizer, args, kwargs):
+    """A pre hook: the step's closure (positional or `closure=`) timed as a `closure` span."""
+    if _compiling():
+        return None
+    try:
+        if "closure" in kwargs:
+            closure = kwargs["closure"]
+            if callable(closure) and not getattr(closure, "__traindx_closure__", False):
+                kwargs = dict(kwargs, closure=_timed_closure(closure))
+                return args, kwargs
+        elif args and callable(args[0]) and not getattr(args[0], "__traindx_closure__", False):
+            return (_timed_closure(args[0]),) + tuple(args[1:]), kwargs
+    except Exception as exc:
+        report_error("optimizer closure hook", exc)
+    return None
+
+
+def _timed_closure(closure):
+    def timed(*a, **k):
+        start = _now()
+        try:
+            return closure(*a, **k)
+        finally:
+            try:
+                _span("closure", start, _now())
+            except Exception as exc:
+                report_error("span closure", exc)
+    timed.__traindx_closure__ = True
+    timed.__wrapped__ = closure
+    return timed
+
+
 def _on_torch(torch):
     _state["torch"] = torch
     compiler = getattr(torch, "compiler", None)
@@ -126,6 +193,7 @@ def _on_torch(torch):
     from torch.optim.optimizer import (register_optimizer_step_post_hook,
                                        register_optimizer_step_pre_hook)
     register_optimizer_step_pre_hook(_guard(_opt_pre, "optimizer pre hook"))
+    register_optimizer_step_pre_hook(_wrap_closure)
     register_optimizer_step_post_hook(_guard(_opt_post, "optimizer post hook"))
 
 
@@ -288,15 +356,19 @@ _gc_start = {}
 
 
 def _gc_callback(phase, info):
+    # the thread's CPU clock beside the wall clock (one clock_gettime, well under a µs; a
+    # schedstat pread at every gen-0 pass would cost more): a collection holds the GIL and never
+    # sleeps, so its wall time less its CPU time is the time it waited for a core
     if phase == "start":
-        _gc_start[0] = _now()
+        _gc_start[0] = (_now(), _thread_cpu())
         return
     start = _gc_start.pop(0, None)
     if start is None:
         return
     end = _now()
-    if end - start >= GC_SPAN_MIN_NS:
-        _span("gc", start, end, generation=info.get("generation"))
+    if end - start[0] >= GC_SPAN_MIN_NS:
+        _span("gc", start[0], end, generation=info.get("generation"),
+              cpu=(_thread_cpu() - start[1]) / 1e9)
 
 
 def register():

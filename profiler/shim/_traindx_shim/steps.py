@@ -41,12 +41,38 @@ import sys
 import threading
 import time
 
-from . import emit, get_writer, guarded, importhooks, report_error
-from . import cpustat, gcstats
+from . import (
+    bus,
+    control,
+    cpustat,
+    emit,
+    gcstats,
+    get_writer,
+    guarded,
+    hostsample,
+    importhooks,
+    is_training,
+    report_error,
+    schema,
+    training_evidence,
+)
 
 MAX_STEPS = int(os.environ.get("TRAINDX_MAX_STEPS") or 0)
 MARKER_SPEC = (os.environ.get("TRAINDX_STEP_MARKER") or "").strip()
 _PID = os.getpid()
+
+
+def _requested_stop():
+    """(steps, reason) once `diagnose --until-diagnosed` asked every rank to stop at one step
+    (control/stop.json); (0, "") until then."""
+    request = control.read("stop.json")
+    if not request:
+        return 0, ""
+    try:
+        return max(int(request.get("steps", 0)), 1), str(request.get("reason", "diagnose"))[:200]
+    except (TypeError, ValueError):
+        return 0, ""
+
 
 _state = {
     "step": 0, "begin": None, "torch": None, "megatron": False,
@@ -110,6 +136,8 @@ def _begin_step0(t, by, retro=False):
     _state["begin"] = t
     emit("step_begin", step=0, t=t, begun_by=by)
     _sync_forward_hook()
+    if _trains_here():
+        hostsample.start(threading.get_ident())
 
 
 def kernel_compile_started(t):
@@ -141,27 +169,49 @@ def _end(source, t=None, retro=False):
     fields = {"skipped_optimizer_steps": _state["skipped"]} if _state["skipped"] else {}
     _state["skipped"] = 0
     if step == 0:  # a marker-only job shows no other training evidence: py-spy follows it now
-        from . import training_evidence
         training_evidence("step")
     emit("step_end", step=step, t=t, source=source,
          duration_s=None if begin is None else (t - begin) / 1e9, **fields)
     gcstats.emit_step(step)
     try:
         cpustat.emit_step(step)
+        if _trains_here():
+            cpustat.emit_threads(step, _state["torch"])
     except Exception as exc:
         report_error("cpu evidence", exc)
-    from . import compiles
-    compiles.harvest_dynamo()
+    hostsample.flush(step)
+    bus.publish(schema.STEP_ENDED, step)  # compiles: torch.compile's metrics of this step
     _emit_alloc(step)
+    _after_step(step)
     _state["step"] = step + 1
     _state["train_thread"] = threading.get_ident()
-    if MAX_STEPS and step + 1 >= MAX_STEPS:
+    asked, why = _requested_stop()
+    if (MAX_STEPS and step + 1 >= MAX_STEPS) or (asked and step + 1 >= asked):
         # stop at the first batch/forward/backward/optimizer step of the next iteration, so
         # the job's own end-of-iteration code (its log line, its loss) still runs for this step
         _state["stop_pending"] = True
-        emit("stop_requested", step=step, reason=f"--steps {MAX_STEPS}")
+        emit(schema.STOP_REQUESTED, step=step,
+             reason=f"--steps {MAX_STEPS}" if MAX_STEPS and step + 1 >= MAX_STEPS else why)
         _sync_forward_hook()
     _begin(t, retro=retro)
+
+
+def _after_step(step):
+    """The forward's discovery ends after DISCOVER_STEPS steps; the host sampler follows the
+    thread that ends the steps."""
+    if not _trains_here():
+        return
+    if _forward["discovering"] and step + 1 >= DISCOVER_STEPS:
+        _discovered()
+    tid = threading.get_ident()
+    if tid != _state["train_thread"]:
+        hostsample.start(tid)
+
+
+def _trains_here():
+    """This process is the one that imported the shim, or one that showed training evidence
+    (a fork-started rank); never a DataLoader worker."""
+    return os.getpid() == _PID or is_training()
 
 
 def _stop_now(where):
@@ -219,42 +269,172 @@ def _guarded_activity(what):
         report_error(f"step activity ({what})", exc)
 
 
-_forward = {"active": False, "wrapper": None, "original": None}
+_forward = {"active": False, "wrapper": None, "original": None, "discovering": True,
+            "is_compiling": None}
+# 1 while the training thread is inside its outermost module call (the wrapper's inner calls)
+_forward_depth = [0]
+# the modules the training thread called outermost while discovering: {id: weakref}
+_top_modules = {}
+_hooked = {}               # id -> hook handles of the modules timed by their own hooks
+_hook_start = {}           # id(module) -> start ns of its running outermost call
+DISCOVER_STEPS = 2         # steps 0 and 1 find the outermost modules; then their hooks time them
+# called with (start_ns, end_ns) after each outermost module call of the training thread
+forward_hooks = []
 
 
 def _sync_forward_hook():
-    """Watching module calls costs every one of them: only while it is needed.
+    """The forward pass the ledger measures (a `forward` span) is the training thread's
+    outermost nn.Module call. Watching every module call costs every one of them, so:
+
+    - a wrapper of nn.Module.__call__, only while it is needed: until step 0 begins (an
+      activity), while a stop is pending, and for the first DISCOVER_STEPS steps, in which it
+      learns which modules the training thread calls outermost (the model, a loss module) and
+      times them (an inner call costs one frame and a flag read: bench/forward_overhead.py);
+    - then a forward pre-hook and an always-called forward hook on those modules only (their own
+      calls cost a few µs; every other module call nothing).
 
     Not a global module hook: torch.compile(module) warns on the job's stderr when one exists,
-    and dynamo guards on their number (one more recompile). A wrapper of nn.Module.__call__
-    that steps aside while dynamo traces leaves no guard behind."""
+    and dynamo guards on their number (one more recompile). The wrapper and the hooks step aside
+    while dynamo traces, so they leave no guard behind."""
     torch = _state["torch"]
     if torch is None:
         return
-    need = _state["stop_pending"] or (_state["begin"] is None and (
+    _forward["active"] = _state["stop_pending"] or (_state["begin"] is None and (
         _state["opt_created_t"] is not None or _state["first_activity"] is None))
-    if need == _forward["active"]:
-        return
+    need = _forward["active"] or _forward["discovering"]
     module_cls = torch.nn.Module
-    _forward["active"] = need
     if need and _forward["wrapper"] is None:
-        original = module_cls.__call__
-        is_compiling = torch.compiler.is_compiling
-
-        def __call__(self, *args, **kwargs):
-            if is_compiling():
-                return original(self, *args, **kwargs)  # first: dynamo traces nothing below
-            if _forward["active"]:
-                _guarded_activity("forward")
-            return original(self, *args, **kwargs)
-
-        _forward["wrapper"], _forward["original"] = __call__, original
-        module_cls.__call__ = __call__
-        _skip_in_dynamo(sys.modules.get("torch._dynamo.eval_frame"))
+        _install_wrapper(torch)
     elif not need and module_cls.__call__ is _forward["wrapper"]:
         # restored unless someone wrapped it after us (then ours stays, inactive)
         module_cls.__call__ = _forward["original"]
         _forward["wrapper"] = None
+
+
+def _install_wrapper(torch):
+    module_cls = torch.nn.Module
+    original = module_cls.__call__
+    compiler = torch.compiler
+    # a flag read (~20 ns); is_compiling also asks the exporter (~0.5 µs): too dear per call
+    is_compiling = getattr(compiler, "is_dynamo_compiling", None) or compiler.is_compiling
+    _forward["is_compiling"] = is_compiling
+    grad_enabled = torch.is_grad_enabled
+    depth, now, ident = _forward_depth, time.time_ns, threading.get_ident
+
+    def __call__(self, *args, **kwargs):
+        # first: while dynamo traces, nothing below is read (no guard on our state)
+        if is_compiling() or depth[0]:
+            return original(self, *args, **kwargs)
+        if _forward["active"]:
+            _guarded_activity("forward")
+        tid = ident()
+        train = _state["train_thread"] or _state["opt_thread"]
+        if not _forward["discovering"] or (train is not None and tid != train):
+            return original(self, *args, **kwargs)  # another thread's model: not the step's
+        key = id(self)
+        if key not in _top_modules:
+            _remember_module(self)
+        if key in _hooked:
+            return original(self, *args, **kwargs)  # its own hooks time it
+        depth[0] = 1
+        start = now()
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            depth[0] = 0
+            _forward_done(start, now(), tid, grad_enabled())
+
+    _forward["wrapper"], _forward["original"] = __call__, original
+    module_cls.__call__ = __call__
+    _skip_in_dynamo(sys.modules.get("torch._dynamo.eval_frame"))
+
+
+def _remember_module(module):
+    import weakref
+    key = id(module)
+    try:
+        _top_modules[key] = weakref.ref(module, lambda _r, key=key: _top_modules.pop(key, None))
+    except TypeError:
+        pass
+
+
+def _discovered():
+    """Discovery is over: the outermost modules get hooks of their own; the wrapper goes."""
+    _forward["discovering"] = False
+    torch = _state["torch"]
+    for key, ref in list(_top_modules.items()):
+        module = ref()
+        if module is None or key in _hooked:
+            continue
+        try:
+            _register_hooks(key, module)
+        except Exception as exc:
+            report_error("forward hooks", exc)
+    if torch is not None:
+        _sync_forward_hook()
+
+
+def _register_hooks(key, module):
+    _hooked[key] = (module.register_forward_pre_hook(_module_pre),
+                    module.register_forward_hook(_module_post, always_call=True))
+
+
+def _without_forward_hooks(save):
+    """torch.save of a whole module pickles its hooks: ours would then need the shim to load.
+    They are taken off for the save and put back after it."""
+    @functools.wraps(save)
+    def torch_save(*args, **kwargs):
+        if not _hooked:
+            return save(*args, **kwargs)
+        taken = list(_hooked)
+        for key in taken:
+            for handle in _hooked.pop(key):
+                handle.remove()
+        try:
+            return save(*args, **kwargs)
+        finally:
+            for key in taken:
+                ref = _top_modules.get(key)
+                module = ref() if ref is not None else None
+                if module is not None:
+                    try:
+                        _register_hooks(key, module)
+                    except Exception as exc:
+                        report_error("forward hooks", exc)
+    return torch_save
+
+
+def _module_pre(module, args):
+    check = _forward["is_compiling"]
+    if check is not None and check():
+        return None
+    if threading.get_ident() == _state["train_thread"] and not _forward_depth[0]:
+        _hook_start.setdefault(id(module), time.time_ns())
+    return None
+
+
+def _module_post(module, args, output):
+    check = _forward["is_compiling"]
+    if check is not None and check():
+        return None
+    start = _hook_start.pop(id(module), None)
+    if start is not None:
+        torch = _state["torch"]
+        _forward_done(start, time.time_ns(), threading.get_ident(),
+                      torch.is_grad_enabled() if torch is not None else True)
+    return None
+
+
+def _forward_done(start, end, tid, grad):
+    try:
+        if grad:
+            emit("span", cat="forward", start=start, t=end, tid=tid)
+        else:  # an evaluation's forward (no_grad): the same line, told apart for the judge
+            emit("span", cat="forward", start=start, t=end, tid=tid, grad=False)
+        for hook in forward_hooks:
+            hook(start, end)
+    except Exception as exc:
+        report_error("forward span", exc)
 
 
 def _skip_in_dynamo(eval_frame):
@@ -526,8 +706,11 @@ def _marker_never_found():
 @guarded("torch import hook")
 def _on_torch(torch):
     _state["torch"] = torch
-    from torch.optim.optimizer import (Optimizer, register_optimizer_step_post_hook,
-                                       register_optimizer_step_pre_hook)
+    from torch.optim.optimizer import (
+        Optimizer,
+        register_optimizer_step_post_hook,
+        register_optimizer_step_pre_hook,
+    )
 
     register_optimizer_step_pre_hook(_torch_pre_hook)
     register_optimizer_step_post_hook(_torch_post_hook)
@@ -552,6 +735,7 @@ def _on_torch(torch):
     scaler = torch.amp.GradScaler
     if not getattr(scaler.step, "__traindx_wrapped__", False):
         scaler.step = _wrap_outer_step(scaler.step, "grad_scaler", _scaler_key, _scaler_skips)
+    torch.save = _without_forward_hooks(torch.save)
     torch.Tensor.backward = _wrap_backward(torch.Tensor.backward)
     torch.autograd.backward = _wrap_backward(torch.autograd.backward)
     _sync_forward_hook()

@@ -3,9 +3,8 @@ torch.cuda.empty_cache: the lines a prescription has to point at."""
 import functools
 import linecache
 
-from . import emit, importhooks, report_error
+from . import emit, importhooks, report_error, schema, steps
 from .frames import first_user_frame
-from . import steps
 
 MAX_EMPTY_CACHE_EVENTS = 1000
 _counts = {"empty_cache": 0}
@@ -18,7 +17,7 @@ def _source_line(where):
 
 
 def _describe_callable(fn):
-    code = getattr(fn, "__code__", None) or getattr(getattr(fn, "__call__", None), "__code__", None)
+    code = getattr(fn, "__code__", None) or getattr(getattr(fn, "__call__", None), "__code__", None)  # noqa: B004
     return {"name": getattr(fn, "__qualname__", type(fn).__name__),
             "file": getattr(code, "co_filename", None), "line": getattr(code, "co_firstlineno", None)}
 
@@ -32,7 +31,7 @@ def _on_dataloader(module):
         original_init(self, *args, **kwargs)
         try:
             where = first_user_frame()
-            emit("dataloader", step=steps.current_step(), caller=where, source=_source_line(where),
+            emit(schema.DATALOADER, step=steps.current_step(), caller=where, source=_source_line(where),
                  num_workers=self.num_workers, batch_size=self.batch_size,
                  pin_memory=self.pin_memory, prefetch_factor=self.prefetch_factor,
                  persistent_workers=self.persistent_workers,
@@ -52,7 +51,7 @@ def _on_torch_cuda(module):
             _counts["empty_cache"] += 1
             try:
                 where = first_user_frame()
-                emit("empty_cache", step=steps.current_step(), caller=where,
+                emit(schema.EMPTY_CACHE, step=steps.current_step(), caller=where,
                      source=_source_line(where))
             except Exception as exc:
                 report_error("empty_cache hook", exc)

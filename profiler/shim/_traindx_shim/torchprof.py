@@ -31,8 +31,7 @@ import statistics
 import sys
 import time
 
-from . import emit, get_writer, importhooks, report_error
-from . import steps
+from . import compiles, control, emit, get_writer, importhooks, report_error, schema, steps
 
 # a job that profiles itself keeps its profiler: kineto runs one at a time
 JOB_PROFILER_FLAGS = ("--profile", "--use-pytorch-profiler", "--torch-profile", "--profiler")
@@ -52,7 +51,12 @@ MAX_RAW_RATIO = 15
 _state = {"window": None, "explicit": False, "profiler": None, "first": None, "torch": None,
           "last_boundary_ns": None, "done": False, "durations": collections.deque(maxlen=64),
           "median_s": None, "budget_s": None, "start_s": 0.0, "excess_s": 0.0, "profiled": [],
-          "after": None, "compiles_seen": 0, "postponed": 0}
+          "after": None, "compiles_seen": 0, "postponed": 0,
+          # deep capture: a window of one step on an anomaly, once per kind (kind, why)
+          "trigger": None, "captured": set(), "capture_t": None}
+ANOMALY_FACTOR = 2.0   # a step this many times the median of the steps before it
+ANOMALY_ONLY = "anomaly"  # TRAINDX_TORCH_PROFILE=anomaly: no default window, anomaly windows only
+ANOMALY_MIN_STEPS = 3
 
 
 def _budget_s(median_s):
@@ -65,11 +69,12 @@ def _budget_s(median_s):
 
 
 def parse_window(text):
-    """(first, last) steps, None for off; raises ValueError for what it cannot read."""
+    """(first, last) steps, None for off or anomaly-only; raises ValueError for what it cannot
+    read."""
     text = (text or "").strip().lower()
     if text in ("", "default"):
         return DEFAULT_START, DEFAULT_START + DEFAULT_STEPS - 1
-    if text in ("off", "0", "none", "no"):
+    if text in ("off", "0", "none", "no", ANOMALY_ONLY):
         return None
     if "-" in text:
         first, _, last = text.partition("-")
@@ -88,6 +93,9 @@ def _trace_path():
     rank = w.rank if w is not None else os.environ.get("RANK", "0")
     folder = os.path.join(run_dir, "trace")
     os.makedirs(folder, exist_ok=True)
+    trigger = _state["trigger"]
+    if trigger:  # an anomaly's window beside the default one (the loader reads both)
+        return os.path.join(folder, f"{rank}.anomaly-{trigger[0]}.json.gz")
     return os.path.join(folder, f"{rank}.json.gz")
 
 
@@ -114,8 +122,11 @@ def _start(step):
     median = statistics.median(_state["durations"]) if _state["durations"] else None
     _state.update(profiler=prof, first=step, start_s=start_s, excess_s=0.0, profiled=[],
                   median_s=median, budget_s=_budget_s(median))
-    emit("torch_profile_start", step=step, start_s=start_s, activities=[a.name for a in activities],
-         median_step_s=median, budget_s=_state["budget_s"], max_bytes=MAX_BYTES)
+    trigger = _state["trigger"]
+    emit(schema.TORCH_PROFILE_START, step=step, start_s=start_s,
+         activities=[a.name for a in activities], median_step_s=median,
+         budget_s=_state["budget_s"], max_bytes=MAX_BYTES,
+         trigger=trigger[0] if trigger else None, trigger_reason=trigger[1] if trigger else None)
 
 
 def _spent_s():
@@ -140,12 +151,12 @@ def _stop(last_step, reason):
         path, size, raw_bytes, stood_down = _export(prof, budget - _spent_s() - stop_s)
     t2 = time.time_ns()
     export_s = (t2 - t1) / 1e9
-    emit("torch_profile", first_step=_state["first"], last_step=last_step, path=path,
+    emit(schema.TORCH_PROFILE, first_step=_state["first"], last_step=last_step, path=path,
          stop_s=stop_s, export_s=export_s, start_s=_state["start_s"],
          excess_s=_state["excess_s"], cost_s=_spent_s() + stop_s + export_s,
          budget_s=budget, median_step_s=_state["median_s"], bytes=size, raw_bytes=raw_bytes,
          max_bytes=MAX_BYTES, profiled_steps_s=list(_state["profiled"]), ended_by=reason,
-         stood_down=stood_down)
+         stood_down=stood_down, trigger=_state["trigger"][0] if _state["trigger"] else None)
     _state["after"] = {"step": last_step + 1, "cost_s": _spent_s() + stop_s + export_s}
 
 
@@ -193,9 +204,29 @@ def _bounded_gzip(src, dst, max_bytes, deadline):
     return why
 
 
-def _compiled_since_last_boundary():
-    from . import compiles
+def _anomaly(step, last_s):
+    """(kind, why) when the step that just ended (or diagnose, through control/capture.json)
+    calls for a deep capture of the next step and that kind has not been captured yet."""
+    if _state["torch"] is None or not _state["torch"].cuda.is_initialized() \
+            or "*" in _state["captured"]:
+        return None  # CPU jobs: py-spy's burst of snapshots is their deep capture
+    durations = _state["durations"]
+    if last_s is not None and step - 1 >= 1 and len(durations) >= ANOMALY_MIN_STEPS \
+            and "slow_step" not in _state["captured"]:
+        median = statistics.median(durations)
+        if median > 0 and last_s >= ANOMALY_FACTOR * median:
+            return ("slow_step", f"step {step - 1} took {last_s:.3g} s, "
+                                 f"{last_s / median:.1f}x the median {median:.3g} s")
+    request = control.read("capture.json")
+    if request and request.get("t_ns") != _state["capture_t"]:
+        _state["capture_t"] = request.get("t_ns")
+        kind = str(request.get("kind") or "diagnose")[:40]
+        if kind not in _state["captured"]:
+            return (kind, str(request.get("reason") or "")[:200])
+    return None
 
+
+def _compiled_since_last_boundary():
     seen, now = _state["compiles_seen"], compiles.counts["compiles"]
     _state["compiles_seen"] = now
     return now > seen
@@ -218,14 +249,23 @@ def _boundary(step, now, previous, last_s):
     if after is not None and last_s is not None and step - 1 == after["step"]:
         _state["after"] = None
         median = _state["median_s"]
-        emit("torch_profile_after", step=step - 1, duration_s=last_s, median_step_s=median,
+        emit(schema.TORCH_PROFILE_AFTER, step=step - 1, duration_s=last_s, median_step_s=median,
              excess_s=max(0.0, last_s - median) if median else None,
              window_cost_s=after["cost_s"] + (max(0.0, last_s - median) if median else 0.0))
     window = _state["window"]
+    counted = False
     if window is None or _state["done"]:
-        if _state["profiler"] is None and last_s is not None and step - 1 >= 1:
+        if _state["profiler"] is not None:
+            return
+        trigger = _anomaly(step, last_s)
+        if last_s is not None and step - 1 >= 1:
             _state["durations"].append(last_s)  # step 0 is warm-up: not the median's
-        return
+        if trigger is None:
+            return
+        # deep capture: this step, profiled with the default window's rules and budget
+        _state.update(window=(step, step), done=False, trigger=trigger)
+        _state["captured"].add(trigger[0])
+        window, counted = _state["window"], True
     first, last = window
     if _state["profiler"] is not None:
         if last_s is not None:
@@ -239,7 +279,7 @@ def _boundary(step, now, previous, last_s):
                             f"{FINISH_FACTOR * _state['excess_s']:.2f} s, budget "
                             f"{_state['budget_s']:.2f} s")
         return
-    if last_s is not None and step - 1 >= 1:
+    if last_s is not None and step - 1 >= 1 and not counted:
         _state["durations"].append(last_s)
     compiled = _compiled_since_last_boundary()
     if step == first:
@@ -260,7 +300,13 @@ def _boundary(step, now, previous, last_s):
                       f"(> {LONG_STEP_S:.0f} s); pass --torch-profile A-B to profile anyway")
         if reason:
             _state["done"] = True
-            emit("torch_profile_skipped", step=step, reason=reason)
+            emit(schema.TORCH_PROFILE_SKIPPED, step=step, reason=reason)
+            return
+        if compiled and _state["trigger"]:
+            _state["done"] = True
+            emit(schema.TORCH_PROFILE_SKIPPED, step=step, trigger=_state["trigger"][0], reason=(
+                "the step before compiled or autotuned kernels: the JIT findings and py-spy's "
+                "snapshots cover it (a profiled compile would cost seconds)"))
             return
         if compiled and not _state["explicit"]:
             # a step that compiles or autotunes is not a steady step, and a Triton autotune
@@ -271,7 +317,7 @@ def _boundary(step, now, previous, last_s):
                 _state["window"] = (first + 1, last + 1)
                 return
             _state["done"] = True
-            emit("torch_profile_skipped", step=step, reason=(
+            emit(schema.TORCH_PROFILE_SKIPPED, step=step, reason=(
                 f"kernels compiled or autotuned in each of the {MAX_POSTPONE + 1} steps before "
                 f"step {step}: no steady step to profile (the JIT findings cover what they "
                 "cost); pass --torch-profile A-B to profile anyway"))
@@ -325,6 +371,10 @@ def register():
     except ValueError as exc:
         report_error("TRAINDX_TORCH_PROFILE", exc)
         return
-    _state["explicit"] = bool(raw and raw.strip().lower() not in ("", "default"))
-    if _state["window"] is not None:
+    mode = (raw or "").strip().lower()
+    _state["explicit"] = bool(mode and mode not in ("", "default", ANOMALY_ONLY))
+    if _state["window"] is None and mode != ANOMALY_ONLY:
+        _state["done"] = True
+        _state["captured"].add("*")  # off: no window at all, not even on an anomaly
+    if _state["window"] is not None or mode == ANOMALY_ONLY:
         importhooks.on_import("torch", _on_torch)

@@ -35,6 +35,40 @@ WRITE_THROUGH = frozenset({"process_start", "training", "rank_known", "optimizer
                            "torch_profile_skipped"})
 
 
+# traindx/redact.py (standard library only), found from this file: beside the profiler package in
+# an installed traindx (traindx/profiler/shim/...), in traindx/ of a source tree (profiler/shim/...)
+_PROFILER_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REDACT_CANDIDATES = (os.path.join(os.path.dirname(_PROFILER_DIR), "redact.py"),
+                     os.path.join(os.path.dirname(_PROFILER_DIR), "traindx", "redact.py"))
+
+
+def load_redactor(env, argv):
+    """traindx.redact.Redactor of this process's secrets (its environment and arguments), loaded
+    from its file (the job's interpreter need not be able to import traindx); None if it cannot
+    be (the caller then writes no argument values at all)."""
+    import importlib.util
+
+    for path in REDACT_CANDIDATES:
+        if not os.path.isfile(path):
+            continue
+        try:
+            spec = importlib.util.spec_from_file_location("_traindx_redact", path)
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+            return module.Redactor.for_job(dict(env), list(argv))
+        except Exception:
+            return None
+    return None
+
+
+def redacted_argv(redactor, argv):
+    """argv for an event: secrets hidden; without a redactor only the program name is kept."""
+    argv = [str(a) for a in argv]
+    if redactor is None:
+        return argv[:1] + (["<redacted: traindx's redactor could not be loaded>"] if argv[1:] else [])
+    return redactor.argv(argv)
+
+
 class EventWriter:
     def __init__(self, events_dir, deferred=False):
         self.events_dir = events_dir
@@ -51,7 +85,8 @@ class EventWriter:
         self._segment_bytes = segment_bytes_from_env()
         self._segment = 0
         self._written = 0
-        atexit.register(self.flush)
+        self._wake = threading.Event()  # set by close(): the flush thread ends at once
+        atexit.register(self.close)
         if not deferred:
             self._start()
 
@@ -87,14 +122,27 @@ class EventWriter:
             self.flush()
 
     def _loop(self):
-        while True:
-            time.sleep(FLUSH_INTERVAL_S)
+        while not self._wake.wait(FLUSH_INTERVAL_S):
             for hook in self.tick_hooks:
                 try:
                     hook()
                 except Exception:
                     pass
             self.flush()
+
+    def close(self):
+        """At exit (atexit: after the handlers registered later, which may still emit): end the
+        flush thread and wait for it, then write what is queued. No thread of ours is then
+        mid-write when CPython finalizes and stops daemon threads where they stand (a thread
+        stopped inside a buffered write would keep the file's lock for good). The file stays
+        open: a handler that runs after this one still writes through flush()."""
+        if os.getpid() != self.pid:
+            return
+        self._wake.set()
+        thread = self._thread
+        if thread is not None and thread.is_alive() and thread is not threading.current_thread():
+            thread.join(timeout=2.0)
+        self.flush()
 
     def flush(self):
         if os.getpid() != self.pid or self.deferred or self._file is None:

@@ -1,0 +1,503 @@
+"""The GPU idles while the host works: from the GPU's own clock on every step (CUDA events at
+the measured boundaries, traindx.profiler.gputime) and, in the torch.profiler window, from the
+exact kernel timeline (traindx.profiler.torchtrace.gpu_window).
+
+Findings:
+  gpu_idle.host_starved     the GPU waits for host work in the loop between the measured calls
+                            (a batch built on the CPU, a transform, a Python loop): the window's
+                            idle gaps are tied to the code the training thread ran in them
+                            (the user's function, the library call it ends in, the line from
+                            py-spy); its idle seconds on every step are the saving.
+  gpu_idle.pageable_copy    host-to-device copies from pageable memory (the host waits for
+                            each, staged through a driver buffer at a fraction of the link's
+                            speed): pin the source and copy with non_blocking=True. Priced as
+                            the copies' share of the window's step applied to the steady step,
+                            less the same bytes from pinned memory, never below the GPU work
+                            that stays.
+  gpu_idle.exposed_communication  collectives' kernels that no compute kernel overlaps.
+  gpu_idle.between_steps    on some steps the GPU idles after the optimizer until the next
+                            step's work (logging, evaluation, checkpoints).
+Host-device syncs and empty_cache() have their own analyzers (host_sync, allocator): idle time
+ending in those calls is left to them.
+"""
+import linecache
+import os
+import re
+
+import numpy as np
+import pandas as pd
+
+from traindx.findings import Finding, Prescription
+from traindx.profiler import gputime
+from traindx.profiler.torchtrace import gpu_window
+
+from . import codefix
+from . import evidence as ev
+from . import gpu_window as window
+
+MIN_SHARE = 0.03          # a cause worth a finding: >= 3 % of the steady step
+# the GPU waiting for the host: >= 5 % and >= 200 µs (a healthy loop's launches after its one
+# loss read per step leave the GPU a few hundred µs idle: that is launch latency, not a cause)
+MIN_HOST_SHARE, MIN_HOST_S = 0.05, 200e-6
+MIN_GAP_NS = 20_000       # shorter gaps are launch latency, not the host's work
+# a gap the host's own work makes: the GPU waits longer than the launches between two kernels
+# take (tens of µs; a few hundred after a sync, while Python refills the queue)
+MIN_HOST_GAP_NS = 250_000
+MAX_POINTS = 2000         # points sampled over a window's idle time, at most
+# H2D copy speed from pinned memory when the window has none to measure (PCIe 5 x16: 64 GB/s
+# raw; ~50 GB/s is typical of pinned copies on an H100/H200 host; a lead, not measured here)
+PINNED_H2D_BPS = 50e9
+# calls other analyzers own (host_sync, allocator, launch_bound, ranks) or measured calls seen
+# without their span (backward's engine, collectives): their idle time is not host work
+CLAIMED_CALL = re.compile(r"(?:\bitem|\btolist|\bcpu|synchronize|_local_scalar_dense|empty_cache|"
+                          r"\bnonzero|run_backward|allreduce|all_reduce|allgather|all_gather|"
+                          r"reduce_scatter|broadcast|barrier)\b|^cu")
+SYNC_LABELS = ("sync<",)
+# the host blocked inside the driver (allocating, freeing, waiting for the GPU, a synchronous
+# copy) is not the host's own work: those calls have their findings (allocator, host_sync,
+# pageable copies)
+BLOCKING_RUNTIME = re.compile(r"^(?:cudaMalloc|cudaFree|cuMemAlloc|cuMemFree|cudaHostAlloc|"
+                              r"cudaStreamSynchronize|cudaDeviceSynchronize|cudaEventSynchronize|"
+                              r"cuStreamSynchronize|cuCtxSynchronize|cudaMemcpy)")
+
+
+# -- per-step idle from the markers --------------------------------------------------------------
+def _host_idle_per_step(stretch_rows):
+    """{step: (host idle ceiling, between-steps idle ceiling)}: the stretches of the ledger's
+    `host` line (the training thread's code between its measured calls), and of those the ones
+    after the optimizer (the loop's end-of-step code: logging, evaluation, checkpoints)."""
+    if not len(stretch_rows):
+        return {}
+    rows = stretch_rows[(stretch_rows["line"] == "host").to_numpy()]
+    host = rows.groupby("step")["idle_max_s"].sum()
+    opt_end = stretch_rows[(stretch_rows["from"] == "opt<").to_numpy()].groupby("step")["seq"].max()
+    after = rows["seq"].to_numpy() >= rows["step"].map(opt_end).fillna(np.inf).to_numpy()
+    between = rows[after].groupby("step")["idle_max_s"].sum()
+    steps = stretch_rows["step"].unique()
+    return {int(s): (float(host.get(s, 0.0)), float(between.get(s, 0.0))) for s in steps}
+
+
+def _host_code_top(run, rank, steps):
+    """(file, line, function, call, seconds per step) of the code that ran most inside the
+    ledger's host intervals (traindx.ledger.host_code, py-spy samples in those intervals), or
+    None where the ledger has no such table."""
+    try:
+        from traindx.ledger import host_code
+    except ImportError:
+        return None
+    try:
+        table = host_code(run)
+    except Exception:
+        return None
+    if table is None or not len(table):
+        return None
+    mine = table[(table["rank"] == rank).to_numpy() & table["step"].isin(steps).to_numpy()]
+    if not len(mine):
+        return None
+    mine = mine[~mine["call"].astype(str).str.contains(CLAIMED_CALL).to_numpy()]
+    if not len(mine):
+        return None
+    g = mine.groupby(["file", "line", "function", "call"])["seconds"].sum().sort_values()
+    (file, line, function, call), seconds = g.index[-1], float(g.iloc[-1])
+    return file, int(line), function, call, seconds / max(1, len(set(steps)))
+
+
+# -- the window: idle gaps tied to the host's code -----------------------------------------------
+def _main_tid(py):
+    """The training thread among the profiled Python threads: the busiest one that is not
+    traindx's own (the shim's 50 Hz host sampler wakes often enough to out-count a training
+    thread of few, long steps)."""
+    if not len(py):
+        return None
+    ours = set(py["tid"][py["name"].str.contains("_traindx_shim/", regex=False).to_numpy()])
+    counts = py["tid"].value_counts()
+    theirs = [t for t in counts.index if t not in ours]
+    return theirs[0] if theirs else counts.index[0]
+
+
+def _frames_at(py, t):
+    """(innermost user frame (file, def line, function) or None, innermost call name) at t."""
+    users, calls = _frames_at_points(py, np.array([t], dtype=np.int64))
+    return users[0], calls[0]
+
+
+def _innermost(starts, ends, order, points):
+    """Index (into the event arrays) of the innermost event enclosing each sorted point, -1 for
+    none: events of one thread nest, so visiting them by start and overwriting leaves the
+    innermost."""
+    out = np.full(len(points), -1, dtype=np.int64)
+    for i in order:
+        lo, hi = np.searchsorted(points, starts[i], "left"), np.searchsorted(points, ends[i], "right")
+        if hi > lo:
+            out[lo:hi] = i
+    return out
+
+
+def _frames_at_points(py, points):
+    """_frames_at for many points at once (sorted int64 ns)."""
+    if not len(py) or not len(points):
+        return [None] * len(points), [None] * len(points)
+    names = py["name"].to_numpy(object)
+    starts, ends = py["start_ns"].to_numpy(np.int64), py["end_ns"].to_numpy(np.int64)
+    order = np.argsort(starts, kind="stable")
+    parsed = {n: ev.parse_trace_frame(n) for n in set(names)}
+    user_name = {n: p for n, p in parsed.items() if p and not ev.is_library_trace_file(p[0])}
+    is_user = np.array([n in user_name for n in names], dtype=bool)
+    inner = _innermost(starts, ends, order, points)
+    inner_user = _innermost(starts, ends, order[is_user[order]], points)
+    calls = [names[i] if i >= 0 else None for i in inner]
+    users = [user_name[names[i]] if i >= 0 else None for i in inner_user]
+    return users, calls
+
+
+def _categories(spans, points):
+    """The measured call (span category) covering each sorted point, 'host' where none does."""
+    out = np.full(len(points), "host", dtype=object)
+    if not len(spans) or not len(points):
+        return out
+    starts, ends = spans["start_ns"].to_numpy(np.int64), spans["end_ns"].to_numpy(np.int64)
+    cats = spans["cat"].to_numpy(object)
+    which = _innermost(starts, ends, np.argsort(starts, kind="stable"), points)
+    hit = which >= 0
+    out[hit] = cats[which[hit]]
+    return out
+
+
+def _window_idle(run, rank, trace):
+    """(per-step idle seconds in the window, rows of idle seconds per step by (category, user
+    frame, call)) for one rank's profiled steps; (None, empty) without a usable window."""
+    steps = ev.trace_steps(run, rank)
+    gpu = trace[trace["cat"].isin(("kernel", "gpu_memcpy", "gpu_memset")).to_numpy()]
+    if not len(steps) or not len(gpu):
+        return None, pd.DataFrame()
+    py = trace[(trace["cat"] == "python_function").to_numpy()]
+    py = py[(py["tid"] == _main_tid(py)).to_numpy()] if len(py) else py
+    spans = run.spans
+    spans = spans[(spans["rank"] == rank).to_numpy()] if len(spans) else spans
+    busy = sorted(zip(gpu["start_ns"].to_numpy(np.int64), gpu["end_ns"].to_numpy(np.int64)))
+    gaps = []
+    for step in steps.itertuples():
+        s0, s1 = int(step.start_ns), int(step.end_ns)
+        cursor = s0
+        for a, b in busy:
+            if b <= cursor or a >= s1:
+                continue
+            if a - cursor >= MIN_GAP_NS:
+                gaps.append((cursor, a))
+            cursor = max(cursor, b)
+        if s1 - cursor >= MIN_GAP_NS:
+            gaps.append((cursor, s1))
+    total = sum(b - a for a, b in gaps)
+    n_steps = len(steps)
+    if not total:
+        return 0.0, pd.DataFrame()
+    spacing = max(total / MAX_POINTS, 50_000)  # one point per 50 µs of idle at least
+    points, weights, long_gap = [], [], []
+    for a, b in gaps:
+        n = max(1, int((b - a) // spacing))
+        weight = (b - a) / n
+        points.extend(a + (k + 0.5) * weight for k in range(n))
+        weights.extend([weight / 1e9 / n_steps] * n)
+        long_gap.extend([b - a >= MIN_HOST_GAP_NS] * n)
+    points = np.asarray(points, dtype=np.int64)  # gaps are in time order: sorted
+    users, calls = _frames_at_points(py, points)
+    runtime = trace[trace["cat"].isin(("cuda_runtime", "cuda_driver")).to_numpy()]
+    runtime = runtime[runtime["name"].str.match(BLOCKING_RUNTIME).to_numpy()]
+    blocked = _innermost(runtime["start_ns"].to_numpy(np.int64), runtime["end_ns"].to_numpy(np.int64),
+                         np.argsort(runtime["start_ns"].to_numpy(np.int64), kind="stable"), points)
+    runtime_names = runtime["name"].to_numpy(object)
+    calls = [runtime_names[b] if b >= 0 else c for b, c in zip(blocked, calls)]
+    rows = list(zip(_categories(spans, points), users, calls, long_gap, weights))
+    table = pd.DataFrame(rows, columns=["category", "user", "call", "long_gap", "seconds"])
+    table["user"] = table["user"].map(lambda u: u if u is None else tuple(u))
+    grouped = (table.groupby(["category", "user", "call", "long_gap"], dropna=False)["seconds"].sum()
+               .reset_index().sort_values("seconds", ascending=False))
+    return total / 1e9 / n_steps, grouped
+
+
+def _line_from_pyspy(run, rank, user):
+    """(absolute file, call line) of the user's function `user` = (file, def line, function) in
+    the py-spy samples of the training thread inside the step loop: its most sampled line in
+    the host's own code (between the measured calls), else its most sampled line. The whole
+    run would name set-up lines (model construction, the first CUDA call) that outweigh the
+    loop's."""
+    if not user:
+        return None
+    return window.line_in_function(run, rank, user[0], user[2], kind="host")
+
+
+def _source(file, line):
+    text = linecache.getline(file, line) if file and os.path.exists(file) else ""
+    return text.rstrip("\n")
+
+
+def _call_label(call):
+    call = call or ""
+    m = re.match(r"<built-in (?:method|function) (\w+)", call)
+    if m:
+        return m.group(1)
+    parsed = ev.parse_trace_frame(call)
+    return f"{parsed[0]}:{parsed[2]}" if parsed else call
+
+
+# -- findings -----------------------------------------------------------------------------------
+def _host_starved(run, rank, step_s, host_idle, window_rows):
+    steady = ev.steady_steps(run, rank)
+    ids = set(int(s) for s in steady["step"]) if len(steady) else set(host_idle)
+    per_step = [host_idle[s][0] for s in ids if s in host_idle]
+    marker_s = float(np.median(per_step)) if per_step else None
+    host_rows = pd.DataFrame()
+    if len(window_rows):
+        host_rows = window_rows[(window_rows["category"] == "host").to_numpy()
+                                & window_rows["long_gap"].to_numpy(bool)]
+        claimed = [bool(CLAIMED_CALL.search(c)) if isinstance(c, str) else False
+                   for c in host_rows["call"]]
+        host_rows = host_rows[~np.array(claimed, dtype=bool)].dropna(subset=["user"])
+    if len(host_rows):
+        # the user's function that holds the most idle time, with the library calls inside it
+        by_user = host_rows.groupby("user")["seconds"].sum()
+        user = by_user.idxmax()
+        window_s, window_host = float(by_user.max()), float(host_rows["seconds"].sum())
+        # every step's measure: the window's exact idle, capped by the markers' host-stretch
+        # idle ceiling (a loose one: the forward, unmarked, lies in the host stretches)
+        lost = window_s if marker_s is None else min(window_s, marker_s)
+        calls = host_rows[(host_rows["user"] == user).to_numpy()]
+        top_calls = [{"call": _call_label(c), "seconds_per_step": round(float(v), 6)}
+                     for c, v in calls.groupby("call")["seconds"].sum().sort_values(
+                         ascending=False).head(4).items()]
+        where = _line_from_pyspy(run, rank, user)
+        file, line = (where if where else (user[0], user[1]))
+        function, source = user[2], "torch.profiler window"
+        window_host_s = round(window_host, 6)
+    else:
+        # no window: the per-step clock says how long, the ledger's host code says where
+        top = _host_code_top(run, rank, ids) if marker_s else None
+        if top is None:
+            return []
+        file, line, function, call, seconds = top
+        where, lost = (file, line), min(marker_s, seconds)
+        top_calls = [{"call": str(call), "seconds_per_step": round(seconds, 6)}]
+        source, window_host_s = "py-spy samples in the ledger's host intervals", None
+    lost = min(max(lost, 0.0), step_s or 0.0)
+    if not step_s or lost < max(MIN_HOST_SHARE * step_s, MIN_HOST_S):
+        return []
+    src = _source(file, line) if where else ""
+    share = lost / step_s
+    evidence = {"rank": rank, "function": function, "file": file, "line": line, "source": src,
+                "calls": top_calls, "gpu_idle_s_per_step": round(lost, 6), "code_from": source,
+                "window_idle_host_s_per_step": window_host_s,
+                "marker_host_idle_s_per_step": None if marker_s is None else round(marker_s, 6)}
+    what = ", ".join(c["call"] for c in top_calls[:2])
+    prescriptions = (
+        Prescription(kind="code", summary=(
+            f"move the work in {function}() ({os.path.basename(file)}:{line}) off the training "
+            f"thread: into a DataLoader's workers (a Dataset whose __getitem__ builds the sample, "
+            f"num_workers >= 2, pin_memory=True), or onto the GPU (torch ops on the device "
+            f"instead of {what or 'host code'})"), expected_gain_s_per_step=lost),
+        Prescription(kind="code", summary=(
+            "or do it less often / ahead of time: cache what does not change between steps, "
+            "prepare the next batch in a background thread while the GPU runs this one"),
+            expected_gain_s_per_step=lost),
+    )
+    return [Finding(
+        id="gpu_idle.host_starved",
+        title=(f"The GPU waits {lost * 1000:.1f} ms a step ({share:.0%}) for host work in "
+               f"{function}() at {os.path.basename(file)}:{line}"),
+        severity=ev.severity_for_share(share), analyzer="gpu_idle",
+        summary=(f"Between its measured calls the training thread runs {function}() "
+                 f"({what}) while the GPU has nothing queued: {lost * 1000:.1f} ms of GPU idle "
+                 f"per step of {step_s * 1000:.1f} ms (GPU clock at every step; the code from "
+                 f"the {source})."),
+        seconds_lost_per_step=lost, share_of_step=share, evidence=evidence,
+        prescriptions=prescriptions, ranks=(rank,))]
+
+
+def _pageable(run, rank, trace, step_s):
+    steps = ev.trace_steps(run, rank)
+    copies = trace[(trace["cat"] == "gpu_memcpy").to_numpy()]
+    if not len(copies) or not len(steps) or not step_s:
+        return []
+    pageable = copies[copies["name"].str.contains("HtoD (Pageable", regex=False).to_numpy()]
+    pinned = copies[copies["name"].str.contains("HtoD (Pinned", regex=False).to_numpy()]
+    if not len(pageable):
+        return []
+    n = len(steps)
+    seconds = float(pageable["dur_s"].sum()) / n
+    nbytes = float(np.nansum(pageable["bytes"].to_numpy(np.float64))) / n
+    big = pinned[(pinned["bytes"] >= 1 << 20).to_numpy()]
+    bw = float((big["bytes"] / big["dur_s"]).max()) if len(big) else PINNED_H2D_BPS
+    saving = max(0.0, seconds - nbytes / bw)
+    busy = window.busy_per_step(run, rank, trace)
+    floor_s = share_of_window = None
+    if busy is not None:
+        # a pageable copy's speed follows the host's memory traffic: the window's share of the
+        # step it covers, applied to the steady step (H200: 58 ms of a 68 ms window step, steady
+        # steps 74-94 ms, the fixed step 23.4 ms)
+        if busy[0] > 0:
+            share_of_window = min(seconds / busy[0], 1.0)
+            saving = max(0.0, share_of_window * step_s - nbytes / bw)
+        # the step cannot get shorter than the GPU's own work that stays: what it was busy with
+        # less the pageable copies, plus the same bytes from pinned memory (the compute the
+        # slow copies hid shows again)
+        floor_s = max(0.0, busy[1] - seconds) + nbytes / bw
+        saving = max(0.0, min(saving, step_s - floor_s))
+    if saving < MIN_SHARE * step_s:
+        return []
+    # the line: the user's frame around the runtime call that issued the largest copy
+    runtime = trace[(trace["cat"] == "cuda_runtime").to_numpy()
+                    & trace["name"].str.startswith("cudaMemcpy").to_numpy()]
+    top = pageable.sort_values("bytes", ascending=False).iloc[0]
+    issuing = runtime[(runtime["start_ns"] <= top.start_ns).to_numpy()
+                      & (runtime["end_ns"] >= top.start_ns).to_numpy()]
+    t = int(issuing["start_ns"].iloc[0]) if len(issuing) else int(top.start_ns)
+    # the Python frames of the thread that issued the copy (else the training thread's)
+    py = trace[(trace["cat"] == "python_function").to_numpy()]
+    tid = issuing["tid"].iloc[0] if len(issuing) and (py["tid"] == issuing["tid"].iloc[0]).any() \
+        else _main_tid(py)
+    py = py[(py["tid"] == tid).to_numpy()] if len(py) else py
+    user, _ = _frames_at(py, t)
+    where = _line_from_pyspy(run, rank, user) if user else None
+    file, line = where if where else ((user[0], user[1]) if user else (None, None))
+    src = _source(file, line) if where else ""
+    loader = len(ev.events_of_type(run, "span")) and (run.spans["cat"] == "data").any()
+    change = {}
+    m = re.search(r"\.(to|cuda)\(([^()]*)\)", src or "")
+    if loader and m and "non_blocking" not in m.group(2):
+        # with the loader's pinned batches, the copy at this line becomes asynchronous
+        args = m.group(2).strip()
+        new = f".{m.group(1)}({args + ', ' if args else ''}non_blocking=True)"
+        code = codefix.code_change(file, line, src, src.replace(m.group(0), new, 1))
+        if code:
+            change = {"code": code}
+    share = saving / step_s
+    if loader:
+        from . import dataloader, frameworks  # the construction line of the job's DataLoader
+
+        site = dataloader._starving_site(frameworks.data_sites(run, rank), "DataLoader")
+        pin = dataloader._site_change(site, "DataLoader", {"pin_memory": "True"}) if site else None
+        prescriptions = (
+            Prescription(kind="code", summary=(
+                f"DataLoader(..., pin_memory=True){dataloader._where(site) if site else ''}: its "
+                "pinning thread copies each batch to pinned memory off the training thread"),
+                change={"code": pin} if pin else {}, expected_gain_s_per_step=saving),
+            Prescription(kind="code", summary=(
+                f"with it, copy asynchronously: .to(device, non_blocking=True)"
+                f"{f' at {os.path.basename(file)}:{line}' if file else ''}"),
+                change=change, expected_gain_s_per_step=saving))
+    else:
+        prescriptions = (Prescription(kind="code", summary=(
+            "keep the host tensors in pinned memory (tensor.pin_memory() once, where they are "
+            f"made) and copy with .to(device, non_blocking=True)"
+            f"{f' at {os.path.basename(file)}:{line}' if file else ''}"),
+            expected_gain_s_per_step=saving),)
+    return [Finding(
+        id="gpu_idle.pageable_copy",
+        title=(f"Host-to-device copies from pageable memory: {seconds * 1000:.1f} ms a step "
+               f"({nbytes / 1e6:.0f} MB at {nbytes / seconds / 1e9 if seconds else 0:.1f} GB/s)"),
+        severity=ev.severity_for_share(share), analyzer="gpu_idle",
+        summary=(f"Each step copies {nbytes / 1e6:.0f} MB to the GPU from pageable memory"
+                 f"{f' at {os.path.basename(file)}:{line}' if file else ''}: the driver stages "
+                 f"it through a pinned buffer and the host waits; from pinned memory at "
+                 f"{bw / 1e9:.0f} GB/s it would take {nbytes / bw * 1000:.1f} ms and run "
+                 f"asynchronously."),
+        seconds_lost_per_step=saving, share_of_step=share,
+        evidence={"rank": rank, "pageable_h2d_s_per_step": round(seconds, 6),
+                  "bytes_per_step": int(nbytes), "pinned_reference_GBps": round(bw / 1e9, 1),
+                  "pinned_reference": "measured in this window" if len(big) else "lead",
+                  "gpu_work_left_s_per_step": None if floor_s is None else round(floor_s, 6),
+                  "copy_share_of_window_step": None if share_of_window is None
+                  else round(share_of_window, 4), "steady_step_s": round(step_s, 6),
+                  "file": file, "line": line, "source": src},
+        prescriptions=prescriptions, ranks=(rank,))]
+
+
+def _exposed_communication(run, rank, trace, step_s):
+    steps = ev.trace_steps(run, rank)
+    if not len(steps) or not step_s:
+        return []
+    views = [gpu_window(trace, int(s.start_ns), int(s.end_ns)) for s in steps.itertuples()]
+    exposed = float(np.mean([v["exposed_communication_s"] for v in views]))
+    comm = float(np.mean([v["communication_s"] for v in views]))
+    if exposed < MIN_SHARE * step_s:
+        return []
+    share = exposed / step_s
+    return [Finding(
+        id="gpu_idle.exposed_communication",
+        title=(f"Communication not overlapped with compute: {exposed * 1000:.1f} ms a step "
+               f"({share:.0%}) on rank {rank}"),
+        severity=ev.severity_for_share(share), analyzer="gpu_idle",
+        summary=(f"Collective kernels run {comm * 1000:.1f} ms a step, {exposed * 1000:.1f} ms "
+                 "of it with no compute kernel beside them: the GPU computes nothing while it "
+                 "communicates (or waits for a slower rank inside the collective)."),
+        seconds_lost_per_step=exposed, share_of_step=share,
+        evidence={"rank": rank, "communication_s_per_step": round(comm, 6),
+                  "exposed_s_per_step": round(exposed, 6), "window": views},
+        prescriptions=(Prescription(kind="code", summary=(
+            "overlap the gradient all-reduce with backward: DDP(model, bucket_cap_mb=25, "
+            "gradient_as_bucket_view=True) with no collective of your own between backward and "
+            "the optimizer; FSDP: forward/backward prefetch; if one rank is slow, fix that "
+            "rank first (the collective waits for it)"), expected_gain_s_per_step=exposed),),
+        ranks=(rank,))]
+
+
+def _between_steps(run, rank, host_idle, step_s):
+    steady = ev.steady_steps(run, rank)
+    ids = [int(s) for s in steady["step"]] if len(steady) else sorted(host_idle)
+    between = pd.Series({s: host_idle[s][1] for s in ids if s in host_idle}, dtype=float)
+    if len(between) < 4 or not step_s:
+        return []
+    base = float(between.median())
+    extra = (between - base).clip(lower=0.0)
+    slow = extra[extra >= max(MIN_SHARE * step_s, 1e-4)]
+    lost = float(extra.sum()) / len(between)
+    if not len(slow) or lost < MIN_SHARE * step_s:
+        return []
+    share = lost / step_s
+    io = run.spans[(run.spans["rank"] == rank).to_numpy() & (run.spans["cat"] == "io").to_numpy()] \
+        if len(run.spans) else pd.DataFrame()
+    callers = sorted({str(c) for c in io.get("caller", pd.Series(dtype=object)).dropna()})[:3]
+    steps = [int(s) for s in slow.index]
+    gaps = np.diff(steps)
+    period = int(np.median(gaps)) if len(gaps) else None
+    return [Finding(
+        id="gpu_idle.between_steps",
+        title=(f"The GPU idles between steps on {len(steps)} of {len(between)} steps "
+               f"({slow.mean() * 1000:.1f} ms each{f', every {period} steps' if period else ''})"),
+        severity=ev.severity_for_share(share), analyzer="gpu_idle",
+        summary=("After the optimizer step and before the next step's work the host runs "
+                 "something (logging, evaluation, a checkpoint) while the GPU has nothing "
+                 f"queued: {lost * 1000:.1f} ms a step on average."),
+        steps_affected=tuple(steps), seconds_lost_per_step=lost, share_of_step=share,
+        evidence={"rank": rank, "steps": steps[:50], "period": period,
+                  "idle_s_on_those_steps": round(float(slow.mean()), 6),
+                  "idle_s_median_step": round(base, 6), "checkpoint_callers": callers},
+        prescriptions=(Prescription(kind="code", summary=(
+            "do it less often, or off the critical path: log device values read once every N "
+            "steps, evaluate every N steps, save checkpoints asynchronously "
+            "(torch.distributed.checkpoint.async_save) or less often"),
+            expected_gain_s_per_step=lost),),
+        ranks=(rank,))]
+
+
+def analyze(run):
+    stretch_rows, _ = gputime.for_run(run)
+    trace = run.torch_trace
+    if not len(stretch_rows) and not (len(trace) and (trace["cat"] == "kernel").any()):
+        return []
+    findings = []
+    ranks = sorted(set(stretch_rows["rank"]) | (set(trace["rank"]) if len(trace) else set()),
+                   key=lambda r: (len(str(r)), str(r)))
+    for rank in ranks:
+        step_s = ev.median_step_s(run, rank)
+        rows = stretch_rows[(stretch_rows["rank"] == rank).to_numpy()] if len(stretch_rows) \
+            else stretch_rows
+        host_idle = _host_idle_per_step(rows)
+        rank_trace = trace[(trace["rank"] == rank).to_numpy()] if len(trace) else trace
+        window_rows = pd.DataFrame()
+        if len(rank_trace):
+            _, window_rows = _window_idle(run, rank, rank_trace)
+            findings += _pageable(run, rank, rank_trace, step_s)
+            findings += _exposed_communication(run, rank, rank_trace, step_s)
+        findings += _host_starved(run, rank, step_s, host_idle, window_rows)
+        findings += _between_steps(run, rank, host_idle, step_s)
+    return findings

@@ -1,0 +1,457 @@
+"""Public training scripts, each with one injected slowdown, run under `diagnose`: does traindx
+name the cause at the right line with a prescription a user can apply?
+
+    python bench/corpus.py /work/corpus [--scripts wlm,mingpt,...] [--causes ...] [--steps 24]
+                           [--load 2] [--out /tmp/corpus-runs] [--json results.json]
+
+`/work/corpus` holds the fetched scripts (NOT in this repository; fetch them yourself):
+    wlm_main.py wlm_model.py wlm_data.py  pytorch/examples word_language_model/{main,model,data}.py
+    minGPT/                                karpathy/minGPT (the whole repository)
+    pl_transformer.py                      Lightning examples/pytorch/basics/transformer.py
+    fabric_lm.py                           Lightning examples/fabric/language_model/train.py
+This file holds none of their code: it copies them to a scratch folder, writes tiny synthetic
+data beside them, and injects each cause by inserting a line into the scratch copy at a line
+found by a pattern (the training loop's optimizer step, the dataset's __getitem__), so the
+injected code sits in the user's own file, as a real slowdown would. The healthy twin is the
+same copy with nothing inserted. `--load N` runs N CPU burners (`python -c 'while 1: pass'`)
+beside every job. Every job runs with OMP_NUM_THREADS=1 except the thread cause.
+"""
+import argparse
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+
+# defines the helpers the inserted lines call; one line, so the script's lines move by one only
+PRELUDE = ("import time as _tdx_time, gc as _tdx_gc; _tdx_n = [0]\n")
+BUSY = "_tdx_t0 = _tdx_time.perf_counter()\nwhile _tdx_time.perf_counter() - _tdx_t0 < {s:.4f}: pass"
+
+
+def _nest(text, by="    "):
+    return "\n".join(by + line for line in text.split("\n"))
+
+
+def _words(n: int, seed: int = 0) -> str:
+    import random
+
+    rnd = random.Random(seed)
+    vocab = [f"w{i}" for i in range(400)]
+    lines = []
+    for _ in range(n):
+        lines.append(" ".join(rnd.choice(vocab) for _ in range(12)))
+    return "\n".join(lines) + "\n"
+
+
+@dataclass
+class Script:
+    name: str
+    files: list                      # paths under the corpus folder copied into the scratch dir
+    main: str                        # the file the command runs (in the scratch dir)
+    argv: list
+    loop_file: str                   # the file whose training loop gets the per-step insertions
+    loop_anchor: str                 # regex of the line after which a per-step line goes
+    model: str                       # expression for the model at the anchor
+    loss: str                        # expression for the loss at the anchor
+    getitem_file: Optional[str] = None
+    getitem_anchor: Optional[str] = None   # line after which the slow __getitem__ goes
+    getitem_patch_class: Optional[str] = None  # or: patch this dataset object's class after the anchor
+    env: dict = field(default_factory=dict)
+    prepare: Optional[Callable] = None
+
+
+def _prep_wlm(d):
+    os.makedirs(os.path.join(d, "data", "wikitext-2"), exist_ok=True)
+    for i, part in enumerate(("train", "valid", "test")):
+        with open(os.path.join(d, "data", "wikitext-2", f"{part}.txt"), "w") as f:
+            f.write(_words(3000 if part == "train" else 200, i))
+    for f in ("main", "model", "data"):
+        shutil.move(os.path.join(d, f"wlm_{f}.py"), os.path.join(d, f"{f}.py"))
+
+
+def _prep_lightning(d):
+    os.makedirs(os.path.join(d, "data"), exist_ok=True)
+    with open(os.path.join(d, "data", "wikitext-2.txt"), "w") as f:
+        f.write(_words(15000))
+
+
+def _prep_mingpt(d):
+    with open(os.path.join(d, "input.txt"), "w") as f:
+        # chargpt samples from the context "O God, O God!" every 500 iterations: its characters
+        # must be in the vocabulary
+        f.write("O God, O God!\n" + _words(400))
+
+
+SCRIPTS = {
+    "wlm": Script(
+        "wlm", ["wlm_main.py", "wlm_model.py", "wlm_data.py"], "main.py",
+        ["--epochs", "1", "--use-optimizer", "--lr", "0.001", "--log-interval", "1000000"],
+        "main.py", r"^\s+optimizer\.step\(\)", "model", "loss", prepare=_prep_wlm),
+    "mingpt": Script(
+        "mingpt", ["minGPT"], "minGPT/projects/chargpt/chargpt.py",
+        ["--model.model_type=gpt-nano", "--trainer.batch_size=16", "--data.block_size=64",
+         "--trainer.num_workers=0", "--trainer.max_iters=100000"],
+        "minGPT/mingpt/trainer.py", r"^\s+self\.optimizer\.step\(\)", "model", "self.loss",
+        getitem_file="minGPT/projects/chargpt/chargpt.py", getitem_anchor=r"^\s+def __getitem__",
+        env={"PYTHONPATH": "minGPT"}, prepare=_prep_mingpt),
+    "pl_trainer": Script(
+        "pl_trainer", ["pl_transformer.py"], "pl_transformer.py", [],
+        "pl_transformer.py", r"^\s+loss = F\.nll_loss", "self", "loss",
+        getitem_file="pl_transformer.py", getitem_anchor=r"^\s+dataset = WikiText2\(\)",
+        getitem_patch_class="dataset", env={"PL_TRAINER_MAX_STEPS": "100000"},
+        prepare=_prep_lightning),
+    "fabric": Script(
+        "fabric", ["fabric_lm.py"], "fabric_lm.py", [],
+        "fabric_lm.py", r"^\s+optimizer\.step\(\)", "model", "loss",
+        getitem_file="fabric_lm.py", getitem_anchor=r"^\s+dataset = WikiText2\(\)",
+        getitem_patch_class="dataset", prepare=_prep_lightning),
+}
+
+# cause -> (what the table expects, inserted per-step code or None)
+CAUSES = ("healthy", "read150", "odd_host", "threads16", "save", "slow_getitem", "gc_collect",
+          "item")
+
+
+def _insert_after(path, pattern, lines_of_indent, first_only=True):
+    """Insert lines after the first line matching `pattern`; `lines_of_indent(indent)` gives
+    the text (indent: the matched line's leading whitespace; for a `def` line one level more).
+    Returns "first-last": the 1-based line numbers of the inserted lines."""
+    with open(path) as f:
+        src = f.read().splitlines(keepends=True)
+    rx = re.compile(pattern)
+    for i, line in enumerate(src):
+        if rx.search(line):
+            indent = line[: len(line) - len(line.lstrip())]
+            if line.lstrip().startswith("def "):
+                indent += "    "
+            text = lines_of_indent(indent)
+            block = "".join(indent + t + "\n" for t in text.split("\n"))
+            src.insert(i + 1, block)
+            with open(path, "w") as f:
+                f.write("".join(src))
+            return f"{i + 2}-{i + 1 + len(text.split(chr(10)))}"
+    raise SystemExit(f"pattern {pattern!r} not found in {path}")
+
+
+def _prelude(path):
+    with open(path) as f:
+        src = f.read()
+    with open(path, "w") as f:
+        f.write(PRELUDE + src)
+
+
+def prepare(corpus, script, cause, work, busy_s, at=None):
+    """Scratch copy of the script with the cause inserted: (dir, env, injected "file:line").
+    `at`: the folder to write it in (re-creating a run's sources for --rejudge)."""
+    if at:
+        os.makedirs(at, exist_ok=True)
+        d = at
+    else:
+        d = tempfile.mkdtemp(prefix=f"{script.name}-{cause}-", dir=work)
+    for item in script.files:
+        src = os.path.join(corpus, item)
+        dst = os.path.join(d, os.path.basename(item))
+        if os.path.isdir(src):
+            shutil.copytree(src, dst, dirs_exist_ok=True)
+        else:
+            shutil.copy(src, dst)
+    if script.prepare:
+        script.prepare(d)
+    env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    env.update(script.env)
+    where = None
+    loop = os.path.join(d, script.loop_file)
+    per_step = {
+        # a read from slow storage: 150 ms blocked per step
+        "read150": lambda i: "_tdx_blob = open(__file__, 'rb').read(); _tdx_time.sleep(0.15)",
+        # CPU work on every other step (pure Python, +50 % of the healthy step)
+        "odd_host": lambda i: "_tdx_n[0] += 1\nif _tdx_n[0] % 2:\n" + _nest(BUSY.format(s=busy_s)),
+        "save": lambda i: ("_tdx_n[0] += 1\nif _tdx_n[0] % 4 == 0:\n" + _nest(
+            f"import torch as _tdx_torch; _tdx_torch.save({script.model}.state_dict(), 'ckpt.pt')")),
+        "gc_collect": lambda i: "_tdx_gc.collect()",
+        "item": lambda i: f"_tdx_loss_value = {script.loss}.item()",
+    }
+    if cause in per_step:
+        _prelude(loop)
+        where = (script.loop_file, _insert_after(loop, script.loop_anchor, per_step[cause]))
+    elif cause == "threads16":
+        env.update(OMP_NUM_THREADS="16", MKL_NUM_THREADS="16")
+    elif cause == "slow_getitem":
+        if not script.getitem_file:
+            return None
+        path = os.path.join(d, script.getitem_file)
+        _prelude(path)
+        per_item = busy_s / 16  # a batch of 16-20 items: about the healthy step again
+        if script.getitem_patch_class:
+            obj = script.getitem_patch_class
+            text = (f"_tdx_get = type({obj}).__getitem__\n"
+                    "def _tdx_slow_getitem(self, i):\n"
+                    + _nest(BUSY.format(s=per_item) + "\nreturn _tdx_get(self, i)") + "\n"
+                    f"type({obj}).__getitem__ = _tdx_slow_getitem")
+        else:
+            text = BUSY.format(s=per_item)
+        where = (script.getitem_file, _insert_after(path, script.getitem_anchor, lambda i: text))
+    return d, env, (f"{where[0]}:{where[1]}" if where else None)
+
+
+def run_diagnose(d, script, env, steps, out_dir, timeout):
+    run_dir = os.path.join(out_dir, os.path.basename(d))
+    full_env = dict(os.environ)
+    full_env.update(env)
+    if "PYTHONPATH" in env:
+        full_env["PYTHONPATH"] = os.pathsep.join(
+            [os.path.join(d, env["PYTHONPATH"])] + ([os.environ["PYTHONPATH"]]
+                                                     if os.environ.get("PYTHONPATH") else []))
+    cmd = [sys.executable, "-m", "traindx", "--quiet", "--steps", str(steps), "--run-dir", run_dir,
+           "--", sys.executable, script.main] + script.argv
+    t0 = time.time()
+    try:
+        subprocess.run(cmd, cwd=d, env=full_env, stdout=subprocess.DEVNULL,
+                       stderr=subprocess.DEVNULL, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        pass
+    return run_dir, time.time() - t0
+
+
+def _root_findings(run_dir):
+    try:
+        with open(os.path.join(run_dir, "findings.json")) as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return None
+    items = data.get("findings", data) if isinstance(data, dict) else data
+    return [f for f in items if isinstance(f, dict) and not f.get("cause")
+            and not str(f.get("id", "")).startswith(("verdict.", "traindx.", "analysis."))]
+
+
+def _top(findings):
+    above = [f for f in findings if f.get("severity") != "info"]
+    return above[0] if above else None
+
+
+def _lines_of(finding):
+    text = f"{finding.get('title')} {finding.get('summary')} " + json.dumps(finding.get("evidence") or {}) + " " + json.dumps(
+        [p.get("change") for p in finding.get("prescriptions") or []])
+    return set(re.findall(r"([\w./-]+\.py)[\"']?[:, ]+(?:\"line\": )?(\d+)", text))
+
+
+# what a usable prescription says for each cause
+USABLE = {
+    "read150": r"DataLoader|worker|async|cache|less often|prefetch",
+    "odd_host": r"DataLoader|worker|async|cache|less often|GPU",
+    "threads16": r"OMP_NUM_THREADS|set_num_threads",
+    "save": r"less often|async|interval|every",
+    "slow_getitem": r"num_workers",
+    "gc_collect": r"gc\.collect|gc\.freeze|remove",
+    "item": r"item",
+}
+
+
+def judge(cause, run_dir, injected):
+    """(top finding id, its line, right line?, usable prescription?) for one run."""
+    found = _root_findings(run_dir)
+    if found is None:
+        return {"top": "(no findings.json)", "line": "", "line_ok": False, "usable": False,
+                "ok": False}
+    top = _top(found)
+    if top is None:
+        # .item() costs nothing on a CPU tensor; a save below 3 % of the step is worth no finding
+        ok = cause in ("healthy", "item") or (cause == "save" and _io_share(run_dir) < 0.03)
+        return {"top": "-", "line": "", "line_ok": ok, "usable": ok, "ok": ok}
+    lines = _lines_of(top)
+    line = ""
+    line_ok = False
+    if injected:
+        f, span = injected.rsplit(":", 1)
+        first, _, last = span.partition("-")
+        base = os.path.basename(f)
+        hits = [(p, ln) for p, ln in lines if os.path.basename(p) == base]
+        line_ok = any(int(first) - 1 <= int(ln) <= int(last or first) + 1 for _, ln in hits)
+        line = ", ".join(f"{os.path.basename(p)}:{ln}" for p, ln in sorted(hits)[:2])
+    elif lines:
+        p, ln = sorted(lines)[0]
+        line = f"{os.path.basename(p)}:{ln}"
+    pres = " ".join(f"{p.get('summary', '')} {p.get('command') or ''} {json.dumps(p.get('change'))}"
+                    for p in top.get("prescriptions") or [])
+    gains = [p.get("expected_gain_s_per_step") for p in top.get("prescriptions") or []]
+    positive = all(g is None or g > 0 for g in gains)
+    usable = bool(cause in USABLE and re.search(USABLE[cause], pres)) and positive
+    if cause in ("threads16", "slow_getitem", "save") and not injected:
+        line_ok = True  # a setting, not a line: the prescription says which
+    if cause == "slow_getitem" and not line_ok:
+        # the DataLoader's construction line is the place of the fix: the train loader's
+        befores = [((p.get("change") or {}).get("code") or {}).get("before") or ""
+                   for p in top.get("prescriptions") or []]
+        line_ok = any("DataLoader(" in b and not re.search(r"\b(val|test|eval)", b)
+                      for b in befores)
+    if cause == "healthy":
+        usable = line_ok = False
+    ok = line_ok and usable
+    return {"top": top.get("id"), "line": line, "line_ok": line_ok, "usable": usable, "ok": ok,
+            "severity": top.get("severity"), "seconds": top.get("seconds_lost_per_step")}
+
+
+def _io_share(run_dir):
+    try:
+        import traindx
+        from traindx import ledger
+
+        led = ledger.steady_rows(traindx.load_run(run_dir))
+        return float(led["io_s"].sum() / led["wall_s"].sum()) if len(led) else 1.0
+    except Exception:
+        return 1.0
+
+
+def _healthy_step(run_dir):
+    try:
+        sys.path.insert(0, REPO)
+        import traindx
+
+        run = traindx.load_run(run_dir)
+        led = run.ledger
+        return float(led["wall_s"].median()) if len(led) else None
+    except Exception:
+        return None
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("corpus")
+    ap.add_argument("--scripts", default=",".join(SCRIPTS))
+    ap.add_argument("--causes", default=",".join(CAUSES))
+    ap.add_argument("--steps", type=int, default=24)
+    ap.add_argument("--load", type=int, default=0, help="CPU burners beside each job")
+    ap.add_argument("--out", default=os.path.join(tempfile.gettempdir(), "traindx-corpus"))
+    ap.add_argument("--timeout", type=int, default=300)
+    ap.add_argument("--json", help="write the rows here")
+    ap.add_argument("--keep", action="store_true", help="keep the scratch copies")
+    ap.add_argument("--rejudge", metavar="ROWS_JSON",
+                    help="no new runs: re-analyse the runs of an earlier --json with this "
+                         "checkout (diagnose report --reanalyze) and judge them again")
+    ap.add_argument("--judge-only", action="store_true",
+                    help="with --rejudge: judge the findings.json already there (no reanalysis)")
+    a = ap.parse_args(argv)
+    if a.rejudge:
+        return rejudge(a.rejudge, a.json, os.path.abspath(a.corpus), not a.judge_only)
+    corpus = os.path.abspath(a.corpus)
+    os.makedirs(a.out, exist_ok=True)
+    work = tempfile.mkdtemp(prefix="corpus-src-", dir=a.out)
+    burners = [subprocess.Popen([sys.executable, "-c", "while 1: pass"]) for _ in range(a.load)]
+    rows = []
+    try:
+        for name in a.scripts.split(","):
+            script = SCRIPTS[name]
+            busy_s = None
+            for cause in a.causes.split(","):
+                if cause != "healthy" and busy_s is None:
+                    # the healthy step sets the size of the injected host work
+                    prep = prepare(corpus, script, "healthy", work, 0.0)
+                    run_dir, _ = run_diagnose(prep[0], script, prep[1], a.steps, a.out, a.timeout)
+                    busy_s = 0.5 * (_healthy_step(run_dir) or 0.1)
+                prep = prepare(corpus, script, cause, work, busy_s or 0.05)
+                if prep is None:
+                    rows.append({"script": name, "cause": cause, "top": "n/a (no DataLoader)",
+                                 "line": "", "line_ok": None, "usable": None, "ok": None})
+                    continue
+                d, env, injected = prep
+                run_dir, wall = run_diagnose(d, script, env, a.steps, a.out, a.timeout)
+                if cause == "healthy":
+                    busy_s = 0.5 * (_healthy_step(run_dir) or 0.1)
+                row = {"script": name, "cause": cause, "injected": injected, "run": run_dir,
+                       "wall_s": round(wall, 1), "busy_s": busy_s, "source_dir": d}
+                row.update(judge(cause, run_dir, injected))
+                rows.append(row)
+                print(_fmt(row), flush=True)
+    finally:
+        for b in burners:
+            os.kill(b.pid, signal.SIGTERM)
+            b.wait()
+        if not a.keep:
+            shutil.rmtree(work, ignore_errors=True)
+    print()
+    print(table(rows))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+def _restore_sources(corpus, r):
+    """The run's scratch copy where the job ran (its manifest's cwd), when it is gone: the
+    analyzers read the job's source lines, as they would on the user's machine."""
+    try:
+        with open(os.path.join(r["run"], "manifest.json")) as f:
+            cwd = json.load(f).get("cwd")
+    except (OSError, ValueError):
+        return
+    if cwd and not os.path.isdir(cwd) and r["script"] in SCRIPTS:
+        prepare(corpus, SCRIPTS[r["script"]], r["cause"], None, r.get("busy_s") or 0.05, at=cwd)
+
+
+def _injected_lines(corpus, r):
+    """The inserted lines as "file:first-last" (rows of an older corpus.py name the first only)."""
+    if not corpus or r["script"] not in SCRIPTS or "-" in str(r.get("injected") or "-"):
+        return r.get("injected")
+    with tempfile.TemporaryDirectory() as tmp:
+        prep = prepare(corpus, SCRIPTS[r["script"]], r["cause"], tmp, r.get("busy_s") or 0.05)
+    return prep[2] if prep else r.get("injected")
+
+
+def rejudge(rows_json, out_json=None, corpus=None, reanalyze=True):
+    """The same runs judged by the analyzers of this checkout (before/after a change)."""
+    with open(rows_json) as f:
+        rows = json.load(f)
+    out = []
+    for r in rows:
+        if r.get("run") and os.path.isdir(r["run"]):
+            r = dict(r)
+            r["injected"] = _injected_lines(corpus, r)
+            if corpus:
+                _restore_sources(corpus, r)
+            if reanalyze:
+                subprocess.run([sys.executable, "-m", "traindx", "report", r["run"],
+                                "--reanalyze", "--quiet"],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            r.update(judge(r["cause"], r["run"], r.get("injected")))
+            print(_fmt(r), flush=True)
+        out.append(r)
+    print()
+    print(table(out))
+    if out_json:
+        with open(out_json, "w") as f:
+            json.dump(out, f, indent=1)
+    return 0
+
+
+def _yn(v):
+    return "-" if v is None else ("yes" if v else "no")
+
+
+def _fmt(r):
+    return (f"{r['script']:<11} {r['cause']:<12} {str(r['top']):<34} {r.get('line') or '':<22} "
+            f"{_yn(r.get('line_ok')):<5} {_yn(r.get('usable')):<5}")
+
+
+def table(rows):
+    head = "| script | cause | top finding | its line | right line | usable prescription |"
+    out = [head, "|---|---|---|---|---|---|"]
+    for r in rows:
+        out.append(f"| {r['script']} | {r['cause']} | {r['top']} | {r.get('line') or ''} | "
+                   f"{_yn(r.get('line_ok'))} | {_yn(r.get('usable'))} |")
+    ok = [r for r in rows if r.get("ok") is not None]
+    out.append(f"\n{sum(1 for r in ok if r['ok'])} of {len(ok)} right (cause named at its line or "
+               "setting, with a usable prescription; healthy twins and .item() on CPU: silent)")
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

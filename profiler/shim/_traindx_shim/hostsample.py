@@ -1,0 +1,301 @@
+"""What the training thread runs, sampled with times on the shim's clock, for the ledger's `host`
+line (traindx.ledger.host_code): py-spy's recordings carry no sample times, so they cannot say
+which samples fall between the training thread's measured calls; these can.
+
+A daemon thread (`traindx-hostsample`) wakes TRAINDX_HOST_SAMPLE_HZ times a second (default
+50; 0: off) while a step is in progress, takes the training thread's current frame
+(sys._current_frames) and reduces it to one key, interned once:
+
+  function, file, line  the innermost frame of the job's own code (outside site-packages and
+                        the standard library; the leaf when every frame is a library's)
+  call                  what the stack ends in: the callee of the leaf frame's pending call
+                        when it is a C function or a name the bytecode shows (`time.sleep`,
+                        `numpy.load`, `f.read`), else the leaf frame's module.function
+                        (`PIL.Image.save`); None for the job's own Python running
+
+With each sample goes the training thread's run-queue wait so far (runq_us: µs the kernel kept
+it runnable but off a core, /proc/self/task/<tid>/schedstat; Linux only): on a loaded machine a
+thread preempted at a line stays at that line while it waits, so wall-clock samples alone would
+charge the machine's load to whatever line a time slice happened to end in.
+
+At each step end the samples so far go out as one `host_samples` event: t0 (ns), dt_us (µs
+after t0), k (key ids), runq_us (where readable), tid, pid; new keys first, as `host_frame` events {id, pid, function,
+file, line, call} (ids are per process).
+The derive layer keeps the samples that fall inside the ledger's host intervals.
+
+Cost: one GIL acquisition per wake (~10-30 µs with a stack walk): ~0.1 % of the job's time at
+50 Hz. A C call that holds the GIL delays the sample to its end (then the sample names what
+runs next): such time is under-sampled, never misattributed to a measured line. The job's
+frames are only read (no f_locals).
+"""
+import atexit
+import bisect
+import dis
+import os
+import sys
+import sysconfig
+import threading
+import time
+
+from . import emit, report_error, schema
+
+HOST_FRAME = schema.HOST_FRAME
+HOST_SAMPLES = schema.HOST_SAMPLES
+RATE_HZ = float(os.environ.get("TRAINDX_HOST_SAMPLE_HZ") or 50)
+MAX_BUFFERED = 100_000     # samples between two step ends (a long evaluation): later ones dropped
+MAX_KEYS = 5000            # distinct (function, line, call) keys; later ones share one
+_STDLIB = tuple(os.path.realpath(p) + os.sep
+                for p in {sysconfig.get_paths().get(k) for k in ("stdlib", "platstdlib")} if p)
+_SHIM_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_state = {"thread": None, "pid": None, "tid": None, "running": False, "schedstat": None}
+_buf = []                  # (t_ns, key id, run-queue wait ns or None), appended by the sampler only
+_keys = {}                 # key tuple -> id
+_new_keys = []             # ids not emitted yet
+_library = {}              # filename -> (is library, module name)
+_callee = {}               # (code, lasti) -> (callee name or None, resolved)
+_instructions = {}         # code -> its instructions
+
+
+def start(tid):
+    """Sample thread `tid` from now on (called at step 0's begin and when the training thread
+    changes); starts the sampler once per process."""
+    _state["tid"] = tid
+    _state["running"] = True
+    _open_schedstat()
+    if RATE_HZ <= 0 or (_state["thread"] is not None and _state["pid"] == os.getpid()):
+        return
+    _state["pid"] = os.getpid()
+    _state["stop"] = False
+    th = threading.Thread(target=_loop, name="traindx-hostsample", daemon=True)
+    _state["thread"] = th
+    th.start()
+    atexit.register(_stop_thread)
+
+
+def _stop_thread():
+    """At exit, before the interpreter finalizes: end the sampler and wait for it, so that no
+    thread of ours is mid-call when CPython stops the daemon threads."""
+    th = _state["thread"]
+    if th is None or _state["pid"] != os.getpid():
+        return
+    _state["stop"] = True
+    th.join(timeout=1.0)
+
+
+def _open_schedstat():
+    """Keep the training thread's schedstat open (called on that thread): one pread a sample."""
+    old, _state["schedstat"] = _state["schedstat"], None
+    if old is not None:
+        try:
+            os.close(old)
+        except OSError:
+            pass
+    try:
+        _state["schedstat"] = os.open(f"/proc/self/task/{threading.get_native_id()}/schedstat",
+                                      os.O_RDONLY)
+    except (OSError, AttributeError):
+        pass
+
+
+def _runqueue_ns():
+    fd = _state["schedstat"]
+    if fd is None:
+        return None
+    try:
+        return int(os.pread(fd, 128, 0).split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _loop():
+    period = 1.0 / RATE_HZ
+    frames = sys._current_frames
+    now = time.time_ns
+    while not _state.get("stop"):
+        time.sleep(period)
+        tid = _state["tid"]
+        if not _state["running"] or tid is None or len(_buf) >= MAX_BUFFERED:
+            continue
+        try:
+            frame = frames().get(tid)
+            if frame is None:
+                continue
+            t = now()
+            _buf.append((t, _key_id(frame), _runqueue_ns()))
+            del frame
+        except Exception as exc:  # never again: one error, then the sampler stops
+            report_error("host sampler", exc)
+            return
+
+
+def _library_file(filename):
+    """(is a library's file, its module name) - site-packages, the standard library, `<...>`."""
+    got = _library.get(filename)
+    if got is None:
+        if filename.startswith("<"):
+            got = (True, None)
+        else:
+            real = os.path.realpath(filename)
+            parts = real.split(os.sep)
+            module = None
+            for marker in ("site-packages", "dist-packages"):
+                if marker in parts:
+                    module = parts[len(parts) - parts[::-1].index(marker):]
+                    break
+            if module is None and real.startswith(_STDLIB):
+                module = real[len(next(p for p in _STDLIB if real.startswith(p))):].split(os.sep)
+            if module is None and real.startswith(_SHIM_DIR):
+                module = ["_traindx_shim", os.path.basename(real)]
+            if module is not None:
+                name = ".".join(module)
+                name = name[:-3] if name.endswith(".py") else name
+                name = name[: -len(".__init__")] if name.endswith(".__init__") else name
+                got = (True, name)
+            else:
+                got = (False, None)
+        _library[filename] = got
+    return got
+
+
+def _key_id(leaf):
+    user = None
+    frame = leaf
+    while frame is not None:
+        if not _library_file(frame.f_code.co_filename)[0]:
+            user = frame
+            break
+        frame = frame.f_back
+    own = user or leaf
+    code = own.f_code
+    call = _call_of(leaf)
+    key = (getattr(code, "co_qualname", code.co_name), code.co_filename, own.f_lineno, call)
+    got = _keys.get(key)
+    if got is None:
+        if len(_keys) >= MAX_KEYS:
+            key = ("(other)", "", 0, None)
+            got = _keys.get(key)
+        if got is None:
+            got = _keys[key] = len(_keys)
+            _new_keys.append(got)
+    return got
+
+
+def _call_of(leaf):
+    code = leaf.f_code
+    cache_key = (code, leaf.f_lasti)
+    got = _callee.get(cache_key)
+    if got is None:
+        got = _callee[cache_key] = _resolve(leaf) or (None, False)
+    name, qualified = got
+    is_lib, module = _library_file(code.co_filename)
+    if is_lib and module and not qualified:
+        # a library's frame: its own name says more than a local it calls (`fid.read`)
+        return f"{module}.{getattr(code, 'co_qualname', code.co_name)}"
+    return name
+
+
+_LOADS = ("LOAD_GLOBAL", "LOAD_NAME", "LOAD_FAST", "LOAD_DEREF", "LOAD_CLOSURE")
+_ATTRS = ("LOAD_ATTR", "LOAD_METHOD")
+
+
+def _resolve(frame):
+    """The callee of the call the frame is in, when its bytecode names it: `time.sleep`,
+    `numpy.load` (resolved through the frame's globals, modules and classes only), `f.read` (a
+    local: the name as written), with whether it was resolved; None when the frame is not in a
+    call."""
+    try:
+        code = frame.f_code
+        ins = _instructions.get(code)
+        if ins is None:
+            ins = _instructions[code] = [i for i in dis.get_instructions(code)
+                                         if i.opname != "CACHE"]
+        # the instruction running: the last one at or before f_lasti (it may point into the
+        # inline caches); 3.11 runs a C function from a specialised PRECALL: its CALL follows
+        at = bisect.bisect_right([i.offset for i in ins], frame.f_lasti) - 1
+        while 0 <= at < len(ins) - 1 and ins[at].opname in ("PRECALL", "KW_NAMES"):
+            at += 1
+        if at < 0 or not ins[at].opname.startswith("CALL") or ins[at].opname == "CALL_FUNCTION_EX":
+            return None
+        # walk back over the call's arguments by their net stack effect (3.11: the call's own
+        # PRECALL and KW_NAMES first; a nested call's count in the sum)
+        need, n = ins[at].arg or 0, at - 1
+        while n >= 0 and ins[n].opname in ("PRECALL", "KW_NAMES"):
+            n -= 1
+        while need > 0 and n >= 0:
+            i = ins[n]
+            try:
+                need -= dis.stack_effect(i.opcode, i.arg if i.opcode >= dis.HAVE_ARGUMENT else None,
+                                         jump=False)
+            except ValueError:
+                return None
+            n -= 1
+        attrs = []
+        while n >= 0 and ins[n].opname in _ATTRS:
+            attrs.insert(0, ins[n].argval)
+            n -= 1
+        if n < 0 or ins[n].opname not in _LOADS:
+            return ("." + ".".join(attrs), False) if attrs else None
+        head = ins[n].argval
+        obj = frame.f_globals.get(head, _MISSING) if ins[n].opname in ("LOAD_GLOBAL", "LOAD_NAME") \
+            else _MISSING
+        if obj is _MISSING and ins[n].opname in ("LOAD_GLOBAL", "LOAD_NAME"):
+            builtins = frame.f_builtins
+            obj = builtins.get(head, _MISSING) if isinstance(builtins, dict) else _MISSING
+        if obj is _MISSING:
+            return ".".join([head] + attrs), False
+        return _qualified(obj, head, attrs), True
+    except Exception:
+        return None
+
+
+_MISSING = object()
+_PUBLIC_MODULE = {"posix": "os", "nt": "os", "_io": "io"}  # the names users write
+
+
+def _qualified(obj, head, attrs):
+    """The qualified name of head.attrs..., looked up through modules and classes only (an
+    attribute of any other object could run its code)."""
+    import types
+    names = [head]
+    for attr in attrs:
+        if not isinstance(obj, (types.ModuleType, type)):
+            return ".".join(names + attrs[len(names) - 1:])
+        obj = getattr(obj, attr, _MISSING)
+        names.append(attr)
+        if obj is _MISSING:
+            return ".".join(names)
+    if isinstance(obj, types.ModuleType):
+        return obj.__name__
+    module = getattr(obj, "__module__", None)
+    qualname = getattr(obj, "__qualname__", None)
+    if isinstance(module, str) and isinstance(qualname, str):
+        module = _PUBLIC_MODULE.get(module, module)
+        return f"{module}.{qualname}"
+    return ".".join(names)
+
+
+def flush(step):
+    """The samples since the last flush (and the keys they use) as events; at each step end."""
+    global _buf
+    if not _buf and not _new_keys:
+        return
+    taken, _buf = _buf, []
+    try:
+        if _new_keys:
+            n = len(_new_keys)  # the sampler may append meanwhile: those go out next time
+            ids = set(_new_keys[:n])
+            del _new_keys[:n]
+            for key, kid in list(_keys.items()):
+                if kid in ids:
+                    emit(HOST_FRAME, id=kid, pid=_state["pid"], function=key[0], file=key[1],
+                         line=key[2], call=key[3])
+        if taken:
+            t0 = taken[0][0]
+            fields = {}
+            if all(q is not None for _, _, q in taken):
+                fields["runq_us"] = [q // 1000 for _, _, q in taken]
+            emit(HOST_SAMPLES, step=step, t0=t0, tid=_state["tid"], pid=_state["pid"],
+                 dt_us=[(t - t0) // 1000 for t, _, _ in taken], k=[k for _, k, _ in taken],
+                 **fields)
+    except Exception as exc:
+        report_error("host samples", exc)

@@ -1,0 +1,367 @@
+"""The job's output path: a small process of its own between the job's pipes and the terminal
+and log.txt, so that the job never writes into a pipe that `diagnose` itself reads.
+
+Why a process of its own: a pipe read by diagnose dies with diagnose (SIGKILL, OOM): the job's
+next print raises BrokenPipeError, and a daemon the job started dies the same way once diagnose
+stops reading after the job's end. This process runs in its own session (a Ctrl-C or a kill of
+diagnose does not reach it), holds the read ends of the job's stdout and stderr, and ends only
+when every writer has closed them (the job and whatever it started), as the terminal would.
+
+While diagnose is there, each line goes to diagnose over a socket (diagnose prints it, so the
+live status line stays intact) and, timestamped and redacted, into log.txt. When diagnose says
+it is done recording, or is gone without saying so, lines go straight to the terminal (the
+stdout/stderr this process inherited from diagnose) and on into log.txt, up to the log's budget.
+A write that fails (a full disk) stops the log with one message to diagnose; the output still
+reaches the terminal. Nothing here may raise into the pipes' writers: every error is caught.
+
+usage (by the launcher only): python -m traindx.profiler.tee OUT_FD ERR_FD SOCKET_FD
+then one JSON line on the socket: {"log": path, "segment_bytes": n, "cap_bytes": n}
+"""
+import json
+import os
+import queue
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+# a line longer than this without a newline is cut into pieces (memory stays bounded)
+MAX_LINE_BYTES = 1 << 20
+# messages on the socket: "o TEXT" / "e TEXT" (a line of the job's), "! TEXT" (a problem)
+DONE = b"done\n"  # diagnose -> tee: recording is over, print straight to the terminal from now
+READY = b"+\n"  # tee -> diagnose, once: reading the pipes from now
+CLOSED = "="  # tee -> diagnose: every writer has closed the job's pipes (no daemon holds them)
+# lines waiting for the log (redaction costs ~40 us a line): a burst of output is not slowed
+# by it; past this many batches (256 MiB at most), reading the pipes waits for the log
+LOG_QUEUE_BATCHES = 4096  # each at most one 64 KiB read
+
+
+def _write_all(fd, data):
+    while data:
+        n = os.write(fd, data)
+        data = data[n:]
+
+
+def redactor(config):
+    """The function every logged line goes through (traindx/redact.py: one definition of a
+    secret for everything traindx writes): the job's own secret values, sent over the socket
+    (never on a command line or in an environment), then every token shape."""
+    from traindx import redact
+
+    return redact.Redactor(config.get("secret_values") or ()).line
+
+
+class Tee:
+    def __init__(self, out_fd, err_fd, sock, config):
+        self.streams = {out_fd: "o", err_fd: "e"}
+        self.partial = {out_fd: b"", err_fd: b""}
+        self.terminal = {"o": 1, "e": 2}
+        self.sock = sock
+        self.redact = redactor(config)
+        self.cap = int(config.get("cap_bytes") or 0)
+        self.unsupervised_bytes = 0  # written to the log with no roller keeping its budget
+        self.supervised = sock is not None
+        self._send_lock = threading.Lock()
+        self._queue = queue.Queue(LOG_QUEUE_BATCHES)
+        self._writer = None
+        self.log = None
+        if config.get("log"):
+            try:
+                from traindx.profiler.rolling import RollingLines
+
+                self.log = RollingLines(config["log"], int(config.get("segment_bytes") or 0))
+            except Exception as exc:
+                self.problem(f"log.txt was not written: {_reason(exc)}")
+
+    # -- to diagnose -------------------------------------------------------------------------
+    def _send(self, tag, text):
+        return self._send_lines(tag, [text])
+
+    def _send_lines(self, tag, texts):
+        with self._send_lock:
+            if self.sock is None:
+                return False
+            try:
+                self.sock.sendall("".join(f"{tag} {text}\n" for text in texts)
+                                  .encode("utf-8", "replace"))
+                return True
+            except OSError:
+                self._detach_locked()
+                return False
+
+    def _detach(self):
+        with self._send_lock:
+            self._detach_locked()
+
+    def _detach_locked(self):
+        if self.sock is not None:
+            try:
+                self.sock.close()
+            except OSError:
+                pass
+        self.sock = None
+        self.supervised = False
+
+    def problem(self, text):
+        self._send("!", " ".join(text.split()))
+
+    # -- lines -------------------------------------------------------------------------------
+    def lines(self, tag, raws, t):
+        """Lines read together from one stream: one message to diagnose (or one write to the
+        terminal) and one batch for the log writer."""
+        texts = [raw.decode("utf-8", "replace") for raw in raws]
+        if not self._send_lines(tag, texts):
+            try:
+                _write_all(self.terminal[tag], b"".join(raw + b"\n" for raw in raws))
+            except OSError:
+                pass  # no terminal any more (hung up): the log still gets the lines
+        if self.log is not None:
+            self._queue.put((t, tag, texts))
+
+    def _write_log(self):
+        """The log writer thread: redacts and writes each queued line, in order."""
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            t, tag, texts = item
+            if self.log is None:
+                continue
+            try:
+                entry = "".join(f"{t} {tag} {self.redact(text)}\n" for text in texts)
+                self.log.write(entry)
+                if not self.supervised:
+                    self.unsupervised_bytes += len(entry)
+                    if self.cap and self.unsupervised_bytes > self.cap:
+                        self._close_log()  # nothing rolls it any more: its budget is the end
+            except Exception as exc:
+                when = time.strftime("%H:%M:%S", time.localtime(t / 1e9))
+                self._close_log()
+                self.problem(f"log.txt: the job's output from {when} on was not written "
+                             f"({_reason(exc)}); it still reached the terminal")
+
+    def _close_log(self):
+        log, self.log = self.log, None
+        if log is not None:
+            try:
+                log.close()
+            except Exception:
+                pass
+
+    def _read(self, fd, sel):
+        try:
+            chunk = os.read(fd, 65536)
+        except OSError:
+            chunk = b""
+        t = time.time_ns()
+        tag = self.streams[fd]
+        if not chunk:
+            if self.partial[fd]:
+                self.lines(tag, [self.partial[fd]], t)
+            sel.unregister(fd)
+            os.close(fd)
+            del self.streams[fd]
+            return
+        pending = self.partial[fd] + chunk
+        *complete, rest = pending.split(b"\n")
+        while len(rest) > MAX_LINE_BYTES:
+            complete.append(rest[:MAX_LINE_BYTES])
+            rest = rest[MAX_LINE_BYTES:]
+        if complete:
+            self.lines(tag, complete, t)
+        self.partial[fd] = rest
+
+    def _control(self, sel):
+        try:
+            data = self.sock.recv(4096)
+        except OSError:
+            data = b""
+        if not data or DONE in data:  # gone (killed) or done: the terminal directly from now
+            sel.unregister(self.sock)
+            self._detach()
+
+    def run(self):
+        # the reader gets the GIL back from the log writer's regexes quickly: the job's pipes
+        # are drained at once whatever the redaction costs
+        sys.setswitchinterval(0.0005)
+        if self.log is not None:
+            self._writer = threading.Thread(target=self._write_log, name="log", daemon=True)
+            self._writer.start()
+        sel = selectors.DefaultSelector()
+        for fd in self.streams:
+            sel.register(fd, selectors.EVENT_READ)
+        if self.sock is not None:
+            sel.register(self.sock, selectors.EVENT_READ)
+        while self.streams:
+            for key, _ in sel.select():
+                try:
+                    if self.sock is not None and key.fileobj is self.sock:
+                        self._control(sel)
+                    elif key.fd in self.streams:
+                        self._read(key.fd, sel)
+                except Exception as exc:  # never stop reading the job's pipes
+                    self.problem(f"output relay: {_reason(exc)}")
+        self._send(CLOSED, "")
+        if self._writer is not None:
+            self._queue.put(None)
+            self._writer.join()
+        self._close_log()
+        self._detach()
+
+
+def _reason(exc):
+    return getattr(exc, "strerror", None) or f"{type(exc).__name__}: {exc}"
+
+
+def _read_config(sock):
+    data = b""
+    while not data.endswith(b"\n"):
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        data += chunk
+    try:
+        return json.loads(data.decode("utf-8", "replace") or "{}")
+    except ValueError:
+        return {}
+
+
+class OutputRelay:
+    """diagnose's side: starts the tee, gives the job the write ends of its pipes, prints what
+    the tee forwards, and lets go once the job has ended (not waiting for a daemon the job left
+    holding its output)."""
+
+    # after the job's end, the tee is waited for this long to reach the end of its pipes; past
+    # it, whoever still holds them (a daemon the job started) goes on without diagnose
+    DRAIN_S = 2.0
+    START_TIMEOUT_S = 60.0
+    LOG_DRAIN_S = 120.0  # the relay's log writer finishing a burst of output
+    module = "traindx.profiler.tee"
+
+    def __init__(self, log_path, segment_bytes, cap_bytes, on_line, secret_values=()):
+        self.config = {"log": log_path, "segment_bytes": segment_bytes, "cap_bytes": cap_bytes,
+                       "secret_values": list(secret_values)}
+        self.on_line = on_line
+        self.problems = []
+        self.proc = None
+        self._pipes_closed = threading.Event()
+        self._sock = None
+        self._thread = None
+
+    def start(self):
+        """(stdout fd, stderr fd) for the job; raises OSError when no tee could start."""
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        mine, theirs = socket.socketpair()
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", self.module, str(out_r), str(err_r),
+                 str(theirs.fileno())], pass_fds=(out_r, err_r, theirs.fileno()),
+                stdin=subprocess.DEVNULL, start_new_session=True)
+        except BaseException:
+            for fd in (out_w, err_w):
+                os.close(fd)
+            mine.close()
+            raise
+        finally:
+            for fd in (out_r, err_r):
+                os.close(fd)
+            theirs.close()
+        # the job starts only once the relay runs: a relay that died at start (not importable,
+        # say) would leave the job's first print a broken pipe; the caller then lets the job
+        # write to diagnose's own stdout/stderr instead
+        try:
+            mine.sendall(json.dumps(self.config).encode() + b"\n")
+            mine.settimeout(self.START_TIMEOUT_S)
+            ready = mine.recv(len(READY))
+            mine.settimeout(None)
+        except OSError:
+            ready = b""
+        if ready != READY:
+            mine.close()
+            for fd in (out_w, err_w):
+                os.close(fd)
+            if self.proc.poll() is None:
+                self.proc.kill()
+            self.proc.wait()
+            raise OSError(f"the output relay did not start (exit code {self.proc.returncode})")
+        self._sock = mine
+        self._thread = threading.Thread(target=self._follow, name="traindx-output", daemon=True)
+        self._thread.start()
+        return out_w, err_w
+
+    def _follow(self):
+        try:
+            self._relay()
+        except (OSError, ValueError):
+            pass  # the socket closed under it by finish(): the tee prints by itself
+
+    def _relay(self):
+        with self._sock.makefile("rb") as lines:
+            for raw in lines:
+                tag, _, text = raw.decode("utf-8", "replace").rstrip("\n").partition(" ")
+                if tag == "!":
+                    self.problems.append(text)
+                    continue
+                if tag == CLOSED:
+                    self._pipes_closed.set()
+                    continue
+                try:
+                    self.on_line(tag, text)
+                except Exception:
+                    sink = sys.stdout if tag == "o" else sys.stderr
+                    try:
+                        sink.write(text + "\n")
+                        sink.flush()
+                    except (OSError, ValueError):
+                        pass
+
+    def finish(self):
+        """The job has ended: its last lines are printed, then the tee goes on by itself."""
+        if self._thread is None:
+            return
+        self._pipes_closed.wait(self.DRAIN_S)
+        if self._pipes_closed.is_set():  # no one else holds them: log.txt is complete soon
+            self._thread.join(self.LOG_DRAIN_S)
+        try:
+            self._sock.sendall(DONE)
+        except OSError:
+            pass
+        self._thread.join(5)  # the lines already on their way
+        try:
+            self._sock.close()
+        except OSError:
+            pass
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.returncode = 0  # it lives on by design: no "still running" warning
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    # a Ctrl-C or a hang-up is for the job (diagnose forwards it); this ends with the pipes
+    for name in ("SIGINT", "SIGHUP", "SIGTSTP", "SIGTTOU", "SIGTTIN"):
+        signal.signal(getattr(signal, name), signal.SIG_IGN)
+    out_fd, err_fd, sock_fd = (int(a) for a in argv[:3])
+    sock = socket.socket(fileno=sock_fd)
+    try:
+        config = _read_config(sock)
+    except OSError:
+        config = {}
+    if not config.get("log"):  # diagnose died before it said where the log goes: pass through
+        sock.close()
+        sock = None
+    if sock is not None:
+        try:
+            sock.sendall(READY)  # before anything else goes to diagnose
+        except OSError:
+            sock.close()
+            sock = None
+    Tee(out_fd, err_fd, sock, config).run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
