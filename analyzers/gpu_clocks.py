@@ -37,6 +37,23 @@ def steady_span(run: RunRecord) -> tuple[int, int] | None:
     return int(steady["start_ns"].min()), int(steady["end_ns"].max())
 
 
+def _reference_clock(run, index, busy, clean, throttled, clocks) -> tuple[float, str]:
+    """(the SM clock a throttled GPU is compared with, how it was chosen). The busy samples that
+    ran neither throttled nor capped; else the unthrottled busy ones' high clocks; a GPU throttled
+    in every busy sample has none of its own, so its maximum SM clock from the run's GPU inventory
+    (a slowdown then reads as no loss only when NVML could not say the maximum)."""
+    if len(clean) >= MIN_SAMPLES:
+        return float(pd.to_numeric(clean["sm_clock_mhz"], errors="coerce").median()), "otherwise"
+    if len(throttled) < len(busy):
+        unthrottled = busy.drop(index=throttled.index)
+        return float(pd.to_numeric(unthrottled["sm_clock_mhz"], errors="coerce").quantile(0.9)), \
+            "otherwise"
+    for gpu in run.manifest.get("gpus") or []:
+        if gpu.get("index") == index and gpu.get("max_sm_clock_mhz"):
+            return float(gpu["max_sm_clock_mhz"]), "(its maximum SM clock: it never ran unthrottled)"
+    return float(clocks.quantile(0.9)), "at best (it never ran unthrottled)"
+
+
 def analyze(run: RunRecord) -> list[Finding]:
     gpu = run.gpu
     if not len(gpu) or "clock_event_reasons" not in gpu:
@@ -59,8 +76,7 @@ def analyze(run: RunRecord) -> list[Finding]:
         capped = busy[(busy_reasons & SW_POWER_CAP) != 0]
         clean = busy[(busy_reasons & (SLOWDOWN_MASK | SW_POWER_CAP)) == 0]
         clocks = pd.to_numeric(busy["sm_clock_mhz"], errors="coerce")
-        reference = float(pd.to_numeric(clean["sm_clock_mhz"], errors="coerce").median()) \
-            if len(clean) >= MIN_SAMPLES else float(clocks.quantile(0.9))
+        reference, against = _reference_clock(run, int(index), busy, clean, throttled, clocks)
         base = {"gpu": int(index), "busy_samples": len(busy),
                 "reference_sm_clock_mhz": round(reference),
                 "median_power_w": round(float(pd.to_numeric(busy["power_w"], errors="coerce").median()), 1)}
@@ -82,7 +98,7 @@ def analyze(run: RunRecord) -> list[Finding]:
                       "busy samples",
                 severity=severity, analyzer="gpu_clocks",
                 summary=(f"While busy, GPU {int(index)} ran at {f_thr:.0f} MHz when throttled "
-                         f"against {reference:.0f} MHz otherwise; about {share:.0%} of the step "
+                         f"against {reference:.0f} MHz {against}; about {share:.0%} of the step "
                          "time is lost if the work is compute-bound."),
                 seconds_lost_per_step=share * step_s if step_s else None, share_of_step=share,
                 evidence={**base, "throttled_samples": len(throttled),

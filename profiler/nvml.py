@@ -14,7 +14,8 @@ COLUMNS = ["t", "gpu", "util", "mem_util", "sm_clock_mhz", "mem_used_bytes", "po
 
 
 def gpu_inventory():
-    """[{index, name, uuid, memory_bytes}] or raises the reason NVML is unusable."""
+    """[{index, name, uuid, memory_bytes, max_sm_clock_mhz}] or raises the reason NVML is
+    unusable."""
     import pynvml
 
     pynvml.nvmlInit()
@@ -25,6 +26,10 @@ def gpu_inventory():
         gpu = {"index": i, "name": name.decode() if isinstance(name, bytes) else name,
                "uuid": _text(pynvml.nvmlDeviceGetUUID(h)),
                "memory_bytes": pynvml.nvmlDeviceGetMemoryInfo(h).total}
+        try:  # the clock a throttled GPU is compared with when no sample ran unthrottled
+            gpu["max_sm_clock_mhz"] = int(pynvml.nvmlDeviceGetMaxClockInfo(h, pynvml.NVML_CLOCK_SM))
+        except (pynvml.NVMLError, AttributeError):
+            pass
         migs = _mig_uuids(pynvml, h)
         if migs:
             gpu["mig_uuids"] = migs

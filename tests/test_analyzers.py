@@ -389,13 +389,17 @@ def test_synthetic_gpu_evidence_thermal_throttle_is_found_power_cap_is_only_info
     dest = _copy_run(healthy, tmp_path)
     steps = healthy.steps
     t0, t1 = int(steps["start_ns"].min()), int(steps["end_ns"].max())
+    # the analyzer reads the steady window's samples: on a loaded machine the fixture's warm-up
+    # can reach half the run, so the throttled half is the steady window's second half
+    steady = ev.steady_steps(healthy)
+    mid = (int(steady["start_ns"].min()) + int(steady["end_ns"].max())) // 2
     rows = []
     n = 200
     for i in range(n):
         t = t0 + (t1 - t0) * i // n
         # shape of a real H200 under load (FACTS §4): 100 % util, ~690 W, reason 0x4 power cap;
         # the second half also thermally throttled (0x20 SwThermal | 0x40 HwThermal) at 1100 MHz
-        throttled = i >= n // 2
+        throttled = t >= mid
         rows.append([t, 0, 100, 40, 1100 if throttled else 1455, 60 * 2**30, 690.0,
                      0x4 | (0x60 if throttled else 0)])
     with open(dest / "nvml.csv", "w") as f:
@@ -407,6 +411,21 @@ def test_synthetic_gpu_evidence_thermal_throttle_is_found_power_cap_is_only_info
     assert throttle.evidence["median_throttled_sm_clock_mhz"] == 1100
     assert throttle.severity in ("medium", "high")
     assert _one(findings, "gpu.power_cap").severity == "info"
+    assert throttle.evidence["reference_sm_clock_mhz"] == 1455
+    # throttled in every sample: no unthrottled clock of its own, so its maximum SM clock (the
+    # run's GPU inventory) is the reference, not the throttled clock itself
+    manifest = json.loads((dest / "manifest.json").read_text())
+    manifest["gpus"] = [{"index": 0, "name": "NVIDIA H200", "max_sm_clock_mhz": 1980}]
+    (dest / "manifest.json").write_text(json.dumps(manifest))
+    for r in rows:
+        r[4], r[7] = 1100, 0x4 | 0x60
+    with open(dest / "nvml.csv", "w") as f:
+        f.write(",".join(NVML_COLUMNS) + "\n")
+        f.writelines(",".join(map(str, r)) + "\n" for r in rows)
+    always = _one(analyze(traindx.load_run(dest)), "gpu.throttle")
+    assert always.evidence["reference_sm_clock_mhz"] == 1980
+    assert always.severity in ("medium", "high")
+    assert "never ran unthrottled" in always.summary
     # power cap alone (a GPU at full load) is never above info
     for r in rows:
         r[4], r[7] = 1455, 0x4
