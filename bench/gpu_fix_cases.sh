@@ -7,6 +7,9 @@
 #   item          `total += loss.item()` every step          -> `.detach()` (source)
 #   gc            gc.collect() every step, big object graph  -> the line deleted (source)
 #   loader        train + test DataLoader, --workers flag    -> `--workers N` (config)
+#   seed          examples/gpu_qwen_fa4.py on FA4 4.0.0b17 with a tensor max_seqlen (the seed bug:
+#                 the backward recompiles every step) -> the first candidate that wins, then the
+#                 kernel-cache warm-up arm (examples/fa4_seed.py is the CPU twin: FakeTensorMode)
 #   gpuview       every bench/jobs/gpu_*.py (helper gpuview's GPU cases: host-built batches,
 #                 pageable copies, host syncs, launch-bound), run as they are
 # usage (repo root, on the device machine): OUT=/tmp/out bash bench/gpu_fix_cases.sh [CASE...]
@@ -77,6 +80,9 @@ for case in $CASES; do
   gpu-*)  # bench/jobs/gpu_cases.py --case NAME (the GPU view's cases, as they are)
     run_case "$case" $PY "$REPO/bench/jobs/gpu_cases.py" --case "${case#gpu-}" ;;
   loader) write_job loader; run_case loader $PY "$WORK/loader.py" ;;
+  seed)  # each baseline step compiles FA4's backward (~10 s): few steps
+    (export FA4_VERSION=b17 STEPS=${SEED_STEPS:-6}
+     run_case seed $PY "$REPO/examples/gpu_qwen_fa4.py" --steps 40 --max-seqlen-as tensor) ;;
   *) write_job "$case"; run_case "$case" $PY "$WORK/$case.py" ;;
   esac
 done
