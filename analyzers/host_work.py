@@ -563,7 +563,8 @@ def _analyze_rank(run, rank):
         if share < MIN_SHARE or seconds < MIN_SECONDS or g.get("few_samples"):
             continue
         kind = kind_of(g["call"], src, g.get("lib_file"))
-        call = g["call"] or _call_of_kind(src, kind)
+        # a group without a library call holds NaN there (pandas), which is truthy
+        call = (g["call"] if isinstance(g["call"], str) else None) or _call_of_kind(src, kind)
         path = _display(g["file"], cwd)
         where = f"{path}:{g['line']}"
         framework = (g["file"], g["line"]) in framework_lines
@@ -645,7 +646,7 @@ def _analyze_rank(run, rank):
             g, src = candidates[0]
             path = _display(g["file"], cwd)
             where = f"{path}:{g['line']}"
-            call = g["call"] or _call_name(None, src)
+            call = (g["call"] if isinstance(g["call"], str) else None) or _call_name(None, src)
             kind = kind_of(call, src, g.get("lib_file"))
             code_text = (f" The host code py-spy saw most of in the loop is {g['function']}() at "
                          f"{where}" + (f": `{src}`" if src else "") + f" ({KIND_TEXT[kind]}).")

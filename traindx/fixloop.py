@@ -291,7 +291,8 @@ def attribute_changes(changes, comparison, baseline=None, findings=(), candidate
                 base_arm = comparison.get("baseline") or {}
                 on_gpu = base_arm.get("step_source") == "shim:gpu"
                 if on_gpu and base_arm.get("mean_step_s") is not None and removed is not None:
-                    row["predicted_step_time_s"] = max(base_arm["mean_step_s"] - removed, 0.0)
+                    row["predicted_step_time_s"] = max(base_arm["mean_step_s"] - removed,
+                                                       pred.get("gpu_busy_floor_s") or 0.0)
                 if not c.get("failed"):
                     row["measured_mean_step_s"] = \
                         (comparison.get("candidate") or {}).get("mean_step_s") if on_gpu \
