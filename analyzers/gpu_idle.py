@@ -97,8 +97,13 @@ def _host_code_top(run, rank, steps):
     mine = mine[~mine["call"].astype(str).str.contains(CLAIMED_CALL).to_numpy()]
     if not len(mine):
         return None
-    g = mine.groupby(["file", "line", "function", "call"])["seconds"].sum().sort_values()
+    # a line that calls no library has no call (NaN): groupby drops NaN keys unless told, and
+    # a step of such lines only left an empty table (IndexError on an H200 run)
+    g = mine.groupby(["file", "line", "function", "call"], dropna=False)["seconds"].sum().sort_values()
+    if not len(g):
+        return None
     (file, line, function, call), seconds = g.index[-1], float(g.iloc[-1])
+    call = call if isinstance(call, str) else None
     return file, int(line), function, call, seconds / max(1, len(set(steps)))
 
 
@@ -276,7 +281,7 @@ def _host_starved(run, rank, step_s, host_idle, window_rows):
             return []
         file, line, function, call, seconds = top
         where, lost = (file, line), min(marker_s, seconds)
-        top_calls = [{"call": str(call), "seconds_per_step": round(seconds, 6)}]
+        top_calls = [{"call": call or "its own Python code", "seconds_per_step": round(seconds, 6)}]
         source, window_host_s = "py-spy samples in the ledger's host intervals", None
     lost = min(max(lost, 0.0), step_s or 0.0)
     if not step_s or lost < max(MIN_HOST_SHARE * step_s, MIN_HOST_S):

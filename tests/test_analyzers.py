@@ -848,3 +848,25 @@ def test_a_write_run_asynchronously_is_never_cut_off_at_exit(tmp_path):
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert out.read_text() == "done"   # the interpreter waited for the write
+
+
+def test_host_code_whose_lines_call_no_library_still_names_the_top_line(monkeypatch):
+    """py-spy samples in a host interval whose innermost frame is the job's own arithmetic have
+    no library call (NaN in host_code's `call`). pandas' groupby drops NaN keys by default, so a
+    step made only of such lines once left an empty table and an IndexError on an H200 run; the
+    line must still be named, with no call."""
+    from traindx import ledger
+    from traindx.analyzers import gpu_idle
+
+    run = traindx.load_run(os.path.join(LOADED_LIGHTNING, "healthy-runq"))
+    code = ledger.host_code(run).copy()
+    assert len(code)
+    code["call"] = float("nan")
+    monkeypatch.setattr(ledger, "host_code", lambda _run: code)
+    steps = sorted(set(code["step"]))
+    top = gpu_idle._host_code_top(run, str(code["rank"].iloc[0]), steps)
+    assert top is not None
+    file, line, function, call, seconds = top
+    assert call is None and line > 0 and seconds > 0
+    heaviest = code.groupby(["file", "line"])["seconds"].sum().idxmax()
+    assert (file, line) == heaviest
