@@ -237,9 +237,16 @@ MANY_SMALL_OPS = textwrap.dedent("""
 """)
 
 
-def _window_run(tmp_path, env, window="3-8", ops=3000):
+def _window_run(tmp_path, env, window="3-8", ops=3000, job=MANY_SMALL_OPS):
+    """The run and its first window (a window that stood down for its cost is retried once,
+    without Python stacks: _windows has both)."""
+    run, windows = _windows(tmp_path, env, window, ops, job)
+    return run, windows.iloc[0]
+
+
+def _windows(tmp_path, env, window, ops, job):
     script = tmp_path / "job.py"
-    script.write_text(MANY_SMALL_OPS)
+    script.write_text(job)
     run_dir = tmp_path / "run"
     proc = diagnose(["--quiet", "--no-pyspy", "--no-nvml", "--torch-profile", window,
                      "--run-dir", str(run_dir), "--", PY, str(script), str(ops)],
@@ -247,8 +254,66 @@ def _window_run(tmp_path, env, window="3-8", ops=3000):
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = traindx.load_run(str(run_dir))
     windows = run.events[run.events["type"] == "torch_profile"]
-    assert len(windows) == 1, run.events["type"].value_counts()
-    return run, windows.iloc[0]
+    assert len(windows) in (1, 2), run.events["type"].value_counts()
+    if len(windows) == 2:  # the retry: once, without stacks, after the step that follows
+        first, retry = windows.iloc[0], windows.iloc[1]
+        assert isinstance(first["stood_down"], str) and not retry["stacks"]
+        assert int(retry["first_step"]) == int(first["last_step"]) + 2
+    return run, windows
+
+
+def _traces(run):
+    folder = os.path.join(run.path, "trace")
+    return set(os.listdir(folder)) if os.path.isdir(folder) else set()
+
+
+def _retry_traces(run):
+    windows = run.events[run.events["type"] == "torch_profile"].iloc[1:]
+    return {os.path.basename(p) for p in windows["path"] if isinstance(p, str)} \
+        if "path" in windows else set()
+
+
+# a step of many Python calls and few ops: Python stacks are nearly all of its trace
+PYTHON_HEAVY = textwrap.dedent("""
+    import sys
+    import torch
+
+    def scale(v, k):
+        return v * k
+
+    calls = int(sys.argv[1])
+    w = torch.nn.Parameter(torch.ones(8))
+    opt = torch.optim.SGD([w], lr=0.0)
+    for step in range(10):
+        total = 0.0
+        for i in range(calls):
+            total += scale(1.0, i)
+        (w * 1.0001).sum().backward()
+        opt.step()
+        opt.zero_grad()
+""")
+
+
+@pytest.mark.slow
+def test_window_that_stood_down_for_its_stacks_is_retried_once_without_them(tmp_path):
+    """With Python stacks a step of 30,000 Python calls traces far past a 50 kB limit: the
+    window stands down, and one step more without stacks is within it, so the run still has
+    the kernel-level (here: op-level) evidence."""
+    run, windows = _windows(tmp_path, {"TRAINDX_TORCH_PROFILE_MAX_MB": "0.05"}, "3-3", 30000,
+                            PYTHON_HEAVY)
+    assert len(windows) == 2
+    first, retry = windows.iloc[0], windows.iloc[1]
+    assert "MB" in first["stood_down"] and bool(first["stacks"])
+    assert (int(retry["first_step"]), int(retry["last_step"])) == (5, 5)
+    assert pd.isna(retry.get("stood_down")) and retry["bytes"] <= 50_000
+    assert _traces(run) == {os.path.basename(retry["path"])}
+    ops = run.torch_trace
+    assert (ops["cat"] == "cpu_op").any() and not (ops["cat"] == "python_function").any()
+    starts = run.events[run.events["type"] == "torch_profile_start"]
+    assert [bool(x) for x in starts["stacks"]] == [True, False]
+    # both windows and the step after each stay out of the step statistics
+    from traindx.analyzers.evidence import steady_steps
+    assert not set(steady_steps(run)["step"]) & {3, 4, 5, 6}
 
 
 @pytest.mark.slow
@@ -259,17 +324,22 @@ def test_window_over_its_time_budget_ends_early_and_writes_nothing(tmp_path):
     assert int(window["first_step"]) == 3 and int(window["last_step"]) <= 6
     assert window["ended_by"].startswith("budget") and "stood_down" in window
     assert "over its budget" in window["stood_down"]
-    assert pd.isna(window.get("path")) and not os.path.exists(os.path.join(run.path, "trace"))
+    assert pd.isna(window.get("path")) and _traces(run) <= _retry_traces(run)
     # its cost is on record: start + excess of the profiled step + stop, no export
     assert window["cost_s"] >= window["start_s"] + window["stop_s"]
     assert window["export_s"] < 0.5
     # the profiled step stays out of the step statistics, and so does the one after it (the
     # window's stop drained the device: traindx.steady.perturbed_steps); later steps are measured
+    # (nor do the retry's step without stacks and the one after it)
     from traindx.analyzers.evidence import steady_steps
     steady, last = set(steady_steps(run)["step"]), int(window["last_step"])
-    assert not steady & set(range(3, last + 2)) and set(range(last + 2, 9)) <= steady
+    windows = run.events[run.events["type"] == "torch_profile"]
+    retried = {int(w["first_step"]) for _, w in windows.iloc[1:].iterrows()}
+    assert retried <= {last + 2}
+    left_out = set(range(3, last + 2)) | {s for r in retried for s in (r, r + 1)}
+    assert not steady & left_out and set(range(last + 2, 10)) - left_out <= steady
     after = run.events[run.events["type"] == "torch_profile_after"]
-    assert list(after["step"]) == [last + 1]
+    assert list(after["step"]) == sorted([last + 1, *[r + 1 for r in retried if r + 1 < 10]])
 
 
 @pytest.mark.slow
@@ -277,7 +347,7 @@ def test_window_over_its_byte_limit_stands_down(tmp_path):
     run, window = _window_run(tmp_path, {"TRAINDX_TORCH_PROFILE_MAX_MB": "0.2"}, window="3-4")
     assert int(window["last_step"]) == 4 and window["ended_by"] == "window end"
     assert "MB" in window["stood_down"] and window["raw_bytes"] > 200_000
-    assert pd.isna(window.get("path")) and not os.listdir(os.path.join(run.path, "trace"))
+    assert pd.isna(window.get("path")) and _traces(run) <= _retry_traces(run)
 
 
 @pytest.mark.slow

@@ -15,7 +15,9 @@ projects the stop and export from what the profiled steps cost so far and ends t
 when the total would pass the budget; after the stop, the trace is exported only while the time
 spent stays within the budget and the file within TRAINDX_TORCH_PROFILE_MAX_MB (default 20 MB per
 rank), else it stands down: no trace, and the `torch_profile` event says why (`stood_down`) with
-every number. The budget is one median step (at least TRAINDX_TORCH_PROFILE_MIN_BUDGET_S, 1 s:
+every number. A window (default or explicit) that stood down for its cost is tried once more,
+one step, without Python stacks (`stacks` in its events): most of a launch-bound step's trace is
+its stacks. The budget is one median step (at least TRAINDX_TORCH_PROFILE_MIN_BUDGET_S, 1 s:
 kineto cannot start in less) for the default window; an explicit --torch-profile window, which the
 user asked for, may cost up to max(30 s, 5 median steps); TRAINDX_TORCH_PROFILE_BUDGET_S sets it.
 The profiled steps are named in that event (first_step..last_step), so step statistics and --fix
@@ -53,7 +55,9 @@ _state = {"window": None, "explicit": False, "profiler": None, "first": None, "t
           "median_s": None, "budget_s": None, "start_s": 0.0, "excess_s": 0.0, "profiled": [],
           "after": None, "compiles_seen": 0, "postponed": 0,
           # deep capture: a window of one step on an anomaly, once per kind (kind, why)
-          "trigger": None, "captured": set(), "capture_t": None}
+          "trigger": None, "captured": set(), "capture_t": None,
+          # a window that stood down for its cost is tried once more without Python stacks
+          "lite": False}
 ANOMALY_FACTOR = 2.0   # a step this many times the median of the steps before it
 ANOMALY_ONLY = "anomaly"  # TRAINDX_TORCH_PROFILE=anomaly: no default window, anomaly windows only
 ANOMALY_MIN_STEPS = 3
@@ -106,7 +110,9 @@ def _start(step):
     activities = [ProfilerActivity.CPU]
     if torch.cuda.is_available():
         activities.append(ProfilerActivity.CUDA)
-    prof = profile(activities=activities, with_stack=True, record_shapes=False)
+    # with_stack records every Python call: most of a launch-bound step's profiling cost
+    stacks = not _state["lite"]
+    prof = profile(activities=activities, with_stack=stacks, record_shapes=False)
     t0 = time.time_ns()
     # kineto prints "USDT: ... profiler_start/stop" on the job's stderr at its highest log level;
     # it reads the level once, at its first start: quiet it there unless the job chose a level
@@ -125,7 +131,7 @@ def _start(step):
     trigger = _state["trigger"]
     emit(schema.TORCH_PROFILE_START, step=step, start_s=start_s,
          activities=[a.name for a in activities], median_step_s=median,
-         budget_s=_state["budget_s"], max_bytes=MAX_BYTES,
+         budget_s=_state["budget_s"], max_bytes=MAX_BYTES, stacks=stacks,
          trigger=trigger[0] if trigger else None, trigger_reason=trigger[1] if trigger else None)
 
 
@@ -156,8 +162,21 @@ def _stop(last_step, reason):
          excess_s=_state["excess_s"], cost_s=_spent_s() + stop_s + export_s,
          budget_s=budget, median_step_s=_state["median_s"], bytes=size, raw_bytes=raw_bytes,
          max_bytes=MAX_BYTES, profiled_steps_s=list(_state["profiled"]), ended_by=reason,
-         stood_down=stood_down, trigger=_state["trigger"][0] if _state["trigger"] else None)
+         stood_down=stood_down, trigger=_state["trigger"][0] if _state["trigger"] else None,
+         stacks=not _state["lite"])
     _state["after"] = {"step": last_step + 1, "cost_s": _spent_s() + stop_s + export_s}
+    if stood_down and _state["trigger"] is None and not _state["lite"] \
+            and (reason == "window end" or reason.startswith("budget")):
+        _retry_without_stacks(last_step)
+
+
+def _retry_without_stacks(last_step):
+    """A window that stood down for its cost left the job with no kernel-level evidence, and the
+    jobs it stands down on are mostly launch-bound ones (thousands of small ops a step), where
+    the Python stacks are most of the cost (H200, a 140 ms step of tiny kernels: 1.7 s with
+    stacks against a 1 s budget). One step more, without stacks, once, after the step that
+    follows the window (it carries the stop's after-effects)."""
+    _state.update(window=(last_step + 2, last_step + 2), done=False, lite=True)
 
 
 def _export(prof, time_left_s):
