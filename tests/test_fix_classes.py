@@ -579,3 +579,89 @@ def test_a_checkpoint_written_inline_gets_a_background_write_that_keeps_every_ch
         assert saved["step"] == step and torch.equal(saved["w"], torch.full((64, 64), step + 1.0))
         assert torch.equal(saved["opt"][0], torch.full((64, 64), 2 * (step + 1.0)))
     assert torch.load(out / "latest.pt") == {"last": 5}
+
+
+def _per_parameter_optimizer_finding(job, cls, lost=0.010, share=0.6):
+    """gpu.launch_bound as the analyzer writes it when torch.optim's step range was `share` of
+    the profiled step (evidence["optimizer"], its prescription priced by that share)."""
+    saving = round(lost * share, 6)
+    return Finding(
+        id="gpu.launch_bound", title="launch-bound", severity="high", analyzer="launch_bound",
+        seconds_lost_per_step=lost,
+        evidence={"caller": {"file": str(job), "line": 3},
+                  "cuda_graph_saving_s": round(lost - saving, 6),
+                  "optimizer": {"class": cls, "launches_per_step": 3000, "share_of_step": share,
+                                "share_of_launches": 0.7, "saving_s": saving}},
+        prescriptions=(Prescription(kind="code", summary="a multi-tensor optimizer",
+                                    expected_gain_s_per_step=saving),))
+
+
+def test_a_per_parameter_optimizer_is_made_multi_tensor_at_the_call_that_makes_it(tmp_path):
+    """gpu.launch_bound whose profiled steps were mostly torch.optim's step, one parameter at a
+    time: the job's own call that makes the optimizer gets the installed torch's multi-tensor
+    keyword (fused=True where the class has a fused kernel, else foreach=True; a conflicting
+    foreach=/fused= set to None), one arm, a second that also compiles the model, both ranked by
+    the analyzer's shares; the patched job trains. Shaped like pytorch/examples' mnist
+    (`optim.Adadelta(model.parameters(), lr=args.lr)`) and imagenet (SGD over three lines)."""
+    job = tmp_path / "main.py"
+    job.write_text(
+        "import argparse\n"
+        "import torch\n"
+        "import torch.optim as optim\n"
+        "from torch import nn\n"
+        "p = argparse.ArgumentParser()\n"
+        "p.add_argument('--lr', type=float, default=1.0)\n"
+        "args = p.parse_args()\n"
+        "torch.manual_seed(0)\n"
+        "model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(8)])\n"
+        "optimizer = optim.Adadelta(model.parameters(), lr=args.lr, foreach=False)\n"
+        "for step in range(3):\n"
+        "    loss = model(torch.randn(8, 4)).pow(2).mean()\n"
+        "    optimizer.zero_grad()\n"
+        "    loss.backward()\n"
+        "    optimizer.step()\n"
+        "    print(f'step {step} loss {loss.item():.4f}', flush=True)\n")
+    finding = _per_parameter_optimizer_finding(job, "Adadelta")
+    cands, _ = candidate_plans([PY, str(job)], [finding], str(tmp_path / "b"), cwd=str(tmp_path))
+    assert [round(c.predicted_saving_s_per_step, 6) for c in cands] == [0.010, 0.006, 0.004], \
+        [(c.summary, c.predicted_saving_s_per_step) for c in cands]
+    both, multi, graph = cands
+    assert multi.summary.startswith("Adadelta(..., foreach=True) at main.py:10")
+    (edit,) = multi.plan.source_edits
+    assert edit["after"] == "optim.Adadelta(model.parameters(), lr=args.lr, foreach=True)"
+    made = _edited(both.plan)[str(job)]
+    assert "model.compile(mode='reduce-overhead')\n" in made and "lr=args.lr, foreach=True)" in made
+    patched = tmp_path / "patched.py"
+    patched.write_text(_edited(multi.plan)[str(job)])
+    proc = subprocess.run([PY, str(patched)], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    baseline = subprocess.run([PY, str(job)], capture_output=True, text=True, timeout=600,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.stdout == baseline.stdout   # the same updates, in fewer kernels
+
+    from traindx.analyzers import codefix_optim
+
+    # a fused kernel where the class has one; a multi-line call; foreach=True made None
+    sgd = tmp_path / "sgd.py"
+    sgd.write_text("import torch\nm = torch.nn.Linear(2, 1)\n"
+                   "opt = torch.optim.SGD(m.parameters(), 0.1,\n"
+                   "                      momentum=0.9, foreach=True)\n")
+    (edit,) = codefix_optim.multi_tensor_edits(str(sgd), "SGD")
+    assert (edit["line"], edit["last_line"]) == (3, 4)
+    assert edit["after"].endswith("momentum=0.9, foreach=None, fused=True)")
+    # imported by name from torch.optim, yes; a class of the file's own, **kwargs, another
+    # library's AdamW, or a call already fused: no
+    assert codefix_optim.multi_tensor_edits(str(sgd), "AdamW") == []
+    named = tmp_path / "named.py"
+    named.write_text("from torch.optim import AdamW\nimport torch\nimport bitsandbytes as bnb\n"
+                     "m = torch.nn.Linear(2, 1)\no = AdamW(m.parameters())\n"
+                     "p = bnb.optim.AdamW(m.parameters())\nq = AdamW(m.parameters(), **kw)\n"
+                     "r = torch.optim.AdamW(m.parameters(), fused=True)\n")
+    assert [e["line"] for e in codefix_optim.multi_tensor_edits(str(named), "AdamW")] == [5]
+    own = tmp_path / "own.py"
+    own.write_text("import torch\nclass SGD(torch.optim.Optimizer):\n    pass\n"
+                   "o = SGD([torch.zeros(1)], {})\n")
+    assert codefix_optim.multi_tensor_edits(str(own), "SGD") == []
+    # LBFGS steps as a whole: no multi-tensor keyword, no edit
+    assert codefix_optim.multi_tensor_keyword("LBFGS") is None

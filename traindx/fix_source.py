@@ -538,7 +538,7 @@ def compile_options(finding, command, cwd):
 
     evidence = finding.evidence or {}
     if finding.id.startswith(LAUNCH_BOUND_FINDINGS):
-        return _compile_mode_options(finding, command, cwd)
+        return launch_bound_options(finding, command, cwd)
     if not finding.id.startswith("jit.dynamo") or not (
             evidence.get("size_changes") or any("size mismatch" in str(r) or "stride mismatch"
                                                  in str(r) for r in evidence.get("reasons") or {})):
@@ -599,15 +599,63 @@ def _mark_dynamic_options(finding, files, call, lost):
 LAUNCH_BOUND_FINDINGS = ("gpu.launch_bound",)
 
 
-def _compile_mode_options(finding, command, cwd):
-    """A launch-bound step: mode="reduce-overhead" (CUDA graphs) at the job's torch.compile call
-    where one is found (the job's files); in a job that compiles nothing, torch.compile of the
-    model it trains, after the line that makes it."""
+def _launch_bound_files(finding, command, cwd):
+    return list(dict.fromkeys(os.path.abspath(f) for f in
+                              [p for p, _ in _job_sites(finding, command, cwd)]
+                              + job_script_files(command, cwd)))
+
+
+def launch_bound_options(finding, command, cwd):
+    """A launch-bound step: the model's launches replayed by a CUDA graph, the optimizer's made
+    multi-tensor where the analyzer found it launching a share of its own, and both in one arm
+    (each priced by the share of the host's time it removes: the analyzer's evidence)."""
+    evidence = finding.evidence or {}
+    lost = finding.seconds_lost_per_step or 0.0
+    graph = _compile_mode_options(finding, command, cwd,
+                                  gain=evidence.get("cuda_graph_saving_s", lost))
+    optimizer = _multi_tensor_optimizer_options(finding, command, cwd)
+    out = graph + optimizer
+    if graph and optimizer:
+        changes = list(graph[0].change["codes"]) + list(optimizer[0].change["codes"])
+        out.insert(0, _edits_prescription(
+            f"{optimizer[0].summary}; and {graph[0].summary}", changes,
+            graph[0].expected_gain_s_per_step + optimizer[0].expected_gain_s_per_step))
+    return out
+
+
+def _multi_tensor_optimizer_options(finding, command, cwd):
+    """The optimizer the analyzer saw stepping one parameter at a time (torch.optim's class from
+    its profiler range) made multi-tensor at the job's own calls that make it."""
+    from traindx.analyzers import codefix_optim
+
+    optimizer = (finding.evidence or {}).get("optimizer") or {}
+    name, gain = optimizer.get("class"), optimizer.get("saving_s")
+    if not name or not gain or not any(
+            p.expected_gain_s_per_step == gain for p in finding.prescriptions):
+        return []   # the analyzer did not prescribe it (its share too small)
+    files = _launch_bound_files(finding, command, cwd)
+    edits = [e for f in files for e in codefix_optim.multi_tensor_edits(f, name)]
+    if not edits:
+        roots = {tree_root([f], command, cwd) for f in files} - {None}
+        tree_files = [f for r in roots for f in python_files(r, limit=300) if f not in files]
+        edits = [e for f in tree_files for e in codefix_optim.multi_tensor_edits(f, name)]
+    if not edits:
+        return []
+    keyword = codefix_optim.multi_tensor_keyword(name)
+    where = ", ".join(f"{os.path.basename(e['file'])}:{e['line']}" for e in edits[:3])
+    return [_edits_prescription(
+        f"{name}(..., {keyword}=True) at {where} (the optimizer's step in a few kernels, not "
+        "one per parameter)", edits, gain)]
+
+
+def _compile_mode_options(finding, command, cwd, gain=None):
+    """mode="reduce-overhead" (CUDA graphs) at the job's torch.compile call where one is found
+    (the job's files); in a job that compiles nothing, torch.compile of the model it trains,
+    after the line that makes it."""
     from traindx.analyzers import codefix_compile
 
-    files = list(dict.fromkeys(os.path.abspath(f) for f in
-                               [p for p, _ in _job_sites(finding, command, cwd)]
-                               + job_script_files(command, cwd)))
+    gain = finding.seconds_lost_per_step if gain is None else gain
+    files = _launch_bound_files(finding, command, cwd)
     found = _compile_call_for(finding, files)
     if found is None:
         # a job that compiles nothing: its model compiled where it is made, in CUDA-graph mode
@@ -619,15 +667,14 @@ def _compile_mode_options(finding, command, cwd):
         return [_edits_prescription(
             f"<model>.compile(mode=\"reduce-overhead\") where the model is made ({names}; "
             "CUDA graphs: the step's kernels replayed by one launch, compiled at the first steps)",
-            edits, finding.seconds_lost_per_step)]
+            edits, gain)]
     path, call = found
     change = codefix_compile.compile_mode_edit(path, call)
     if change is None:
         return []
     return [_edits_prescription(
         f"torch.compile(..., mode=\"reduce-overhead\") at {os.path.basename(path)}:{call['line']}"
-        " (CUDA graphs: the step's kernels replayed by one launch)", [change],
-        finding.seconds_lost_per_step)]
+        " (CUDA graphs: the step's kernels replayed by one launch)", [change], gain)]
 
 
 def async_checkpoint_options(finding, command, cwd):
