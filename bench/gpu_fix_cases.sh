@@ -14,7 +14,7 @@
 #                 pageable copies, host syncs, launch-bound), run as they are
 # usage (repo root, on the device machine): OUT=/tmp/out bash bench/gpu_fix_cases.sh [CASE...]
 # Results: $OUT/fix-cases.tsv (case, kept arm, mechanism, speedup, predicted s, measured s,
-# verdict) and each fix folder's fix.json under $OUT/<case>/.
+# verdict) and each fix folder's fix.json under $OUT/<case>/ (KEEP_RUNS=1: its run folders too).
 source "$(dirname "$0")/gpu_env.sh"
 REPO=$(pwd)
 WORK=${WORK:-/tmp/fixcases}
@@ -71,6 +71,11 @@ run_case() {  # case, command...
   echo "exit $?" >> "$OUT/$case.log"
   mkdir -p "$OUT/$case" && cp "$WORK/runs-$case/fix.json" "$OUT/$case/" 2>/dev/null
   cp "$WORK/runs-$case/fix.patch" "$OUT/$case/" 2>/dev/null
+  # KEEP_RUNS=1: every arm's run folder too (its events, trace and log), to re-analyse here
+  if [ -n "${KEEP_RUNS:-}" ]; then
+    cp -r "$WORK/runs-$case" "$OUT/$case/runs" 2>/dev/null
+    find "$OUT/$case/runs" -name '*.raw.json' -delete 2>/dev/null
+  fi
   summary "$case" "$WORK/runs-$case"
 }
 
