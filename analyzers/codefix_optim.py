@@ -25,7 +25,7 @@ def multi_tensor_keyword(class_name: str) -> str | None:
     if not isinstance(cls, type):
         return None
     try:
-        params = inspect.signature(cls.__init__).parameters
+        params = inspect.signature(cls).parameters
     except (TypeError, ValueError):
         return None
     for keyword in ("fused", "foreach"):
