@@ -8,7 +8,6 @@ import inspect
 from typing import Any
 
 from .codefix import _tree, code_change, set_keywords
-from .codefix_compile import _segment_of
 
 OPTIM_MODULES = ("torch.optim", "optim")
 
@@ -75,6 +74,7 @@ def multi_tensor_edits(path: str, class_name: str) -> list[dict[str, Any]]:
         return []
     other = "foreach" if keyword == "fused" else "fused"
     _, lines = _tree(path)
+    source = "\n".join(lines)
     out = []
     for node in optimizer_calls(path, class_name):
         given = {k.arg: ast.unparse(k.value) for k in node.keywords if k.arg}
@@ -83,9 +83,9 @@ def multi_tensor_edits(path: str, class_name: str) -> list[dict[str, Any]]:
         settings = {keyword: "True"}
         if other in given and given[other] != "None":
             settings[other] = "None"
-        text = _segment_of(lines, node)
-        after = set_keywords(text, settings)
-        if after is None:
+        text = ast.get_source_segment(source, node)
+        after = set_keywords(text, settings) if text else None
+        if text is None or after is None:
             continue
         last = node.end_lineno or node.lineno
         change = code_change(path, node.lineno, text, after,
