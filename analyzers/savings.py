@@ -536,7 +536,7 @@ def gpu_work_per_step(run, ranks=()) -> float | None:
     return max(busy) if busy else None
 
 
-def predicted_step_time(run, finding):
+def predicted_step_time(run, finding, gain=None):
     """What the --fix loop writes beside the measured candidate: {"baseline_step_s": mean steady
     step, "removed_s": ledger seconds per step the fix removes, "predicted_step_s": baseline -
     removed, "categories": ..., "method": ...}; removed/predicted are None when the finding names
@@ -544,7 +544,7 @@ def predicted_step_time(run, finding):
     moves the data line into DataLoader workers adds "predicted_range_s": [fast, slow] and the
     "cpu_evidence" it came from (_workers_prediction): its result depends on how many cores
     the job really gets beside the machine's other work, which one baseline run bounds but does
-    not fix."""
+    not fix. `gain`: the candidate's own predicted saving, used where no ledger line prices it."""
     led = steady_rows(run)
     ranks = [r for r in (finding.ranks or ()) if r in set(led["rank"])]
     if ranks:
@@ -553,9 +553,11 @@ def predicted_step_time(run, finding):
     removed = removed_seconds(run, finding)
     spread = None
     if removed is None:
+        # the candidate's own prescription where it says (a finding with several fixes, each
+        # an arm: the launch-bound model's graph, its optimizer, both), else the first
         gains = [p.expected_gain_s_per_step for p in finding.prescriptions
                  if p.expected_gain_s_per_step is not None]
-        removed = gains[0] if gains else None
+        removed = gain if gain is not None else gains[0] if gains else None
         method = "the prescription's expected gain (the finding names no ledger line)"
     else:
         method = "ledger lines the fix removes, mean per steady step"

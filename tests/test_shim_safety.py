@@ -311,9 +311,13 @@ def test_window_that_stood_down_for_its_stacks_is_retried_once_without_them(tmp_
     assert (ops["cat"] == "cpu_op").any() and not (ops["cat"] == "python_function").any()
     starts = run.events[run.events["type"] == "torch_profile_start"]
     assert [bool(x) for x in starts["stacks"]] == [True, False]
-    # both windows and the step after each stay out of the step statistics
+    # both windows and the step after each stay out of the step statistics; only the one that
+    # wrote a trace is a profiled step of the trace's (the GPU-busy floor of a prediction once
+    # took the stood-down step, with no events, for a step the GPU was busy throughout)
     from traindx.analyzers.evidence import steady_steps
+    from traindx.steady import trace_steps
     assert not set(steady_steps(run)["step"]) & {3, 4, 5, 6}
+    assert set(trace_steps(run, "0")["step"]) == {5}
 
 
 @pytest.mark.slow

@@ -276,7 +276,7 @@ def attribute_changes(changes, comparison, baseline=None, findings=(), candidate
         finding = by_id.get(c.get("finding"))
         if baseline is not None and finding is not None:
             try:
-                pred = predicted_step_time(baseline, finding)
+                pred = predicted_step_time(baseline, finding, gain=gain)
             except Exception as exc:  # a prediction must never cost the comparison
                 pred = {"method": f"no ledger prediction: {type(exc).__name__}: {exc}"}
             row["ledger_prediction"] = pred

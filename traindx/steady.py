@@ -14,11 +14,16 @@ if TYPE_CHECKING:  # annotations only
     from traindx.record import RunRecord
 
 
-def profiled_steps(run: RunRecord) -> dict[str, set[int]]:
-    """{rank: set(step)} of the steps inside a torch.profiler window (slower by design)."""
+def profiled_steps(run: RunRecord, traced_only: bool = False) -> dict[str, set[int]]:
+    """{rank: set(step)} of the steps inside a torch.profiler window (slower by design);
+    traced_only: only the windows whose trace was written (one that stood down for its cost
+    left none: its steps hold no events)."""
     out = {}
     for e in events_of_type(run, schema.TORCH_PROFILE).itertuples():
         first, last = getattr(e, "first_step", float("nan")), getattr(e, "last_step", float("nan"))
+        stood_down = getattr(e, "stood_down", None)
+        if traced_only and isinstance(stood_down, str) and stood_down:
+            continue
         if pd.notna(first) and pd.notna(last):
             out.setdefault(e.rank, set()).update(range(int(first), int(last) + 1))
     return out
@@ -115,9 +120,10 @@ def step_of(run: RunRecord, rank: str, t_ns: int) -> int | None:
 
 
 def trace_steps(run: RunRecord, rank: str) -> pd.DataFrame:
-    """Steps of `rank` inside its torch.profiler window, as rows of run.steps."""
+    """Steps of `rank` inside its torch.profiler windows that wrote a trace, as rows of
+    run.steps."""
     steps = run.rank_steps(rank)
-    return steps[steps["step"].isin(profiled_steps(run).get(rank, set()))]
+    return steps[steps["step"].isin(profiled_steps(run, traced_only=True).get(rank, set()))]
 
 
 def events_of_type(run: RunRecord, type_: str) -> pd.DataFrame:
