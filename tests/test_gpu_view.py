@@ -507,9 +507,11 @@ def test_h200_every_case_within_25_percent_and_healthy_twins_quiet(h200_cases):
     # the twin graphs the model AND steps a fused optimizer: both prescriptions, the whole loss
     top, _ = _check_case(h200_cases, "tiny_kernels", "gpu.launch_bound",
                          price=lambda f: f.seconds_lost_per_step)
+    # ...and its two prescriptions, priced by the ledger's optimizer and forward/backward spans,
+    # add up to what the twin saved
     gains = [p.expected_gain_s_per_step for p in top.prescriptions[:2]]
     assert "fused=True" in top.prescriptions[0].summary
-    assert sum(gains) == pytest.approx(top.seconds_lost_per_step, abs=1e-5)
+    assert abs(sum(gains) / _measured(h200_cases, "tiny_kernels") - 1) <= GOAL
     for case in ("pageable", "empty_cache", "item_sync"):
         _check_case(h200_cases, case, {"pageable": "gpu_idle.pageable_copy",
                                        "empty_cache": "alloc.", "item_sync": "sync.host_device"}[case])
@@ -525,7 +527,7 @@ def test_h200_launch_bound_job_gets_a_fused_optimizer_and_a_compiled_model_as_ca
     with fused=False, which turns off the foreach default: a per-parameter loop of 6,432
     launches a step): --fix's candidates are the optimizer made fused at the call that makes it,
     the model compiled in CUDA-graph mode where the job makes it, and both in one arm first,
-    each priced by the analyzer's share of the host's time (bench/jobs/gpu_cases.py as it is
+    each priced by the time ledger's optimizer and forward/backward spans (bench/jobs/gpu_cases.py as it is
     now; the analyzer's own prescriptions are prose)."""
     from traindx import fix_source
     from traindx.fixplan import candidate_plans
@@ -534,7 +536,7 @@ def test_h200_launch_bound_job_gets_a_fused_optimizer_and_a_compiled_model_as_ca
     finding = next(f for f in findings if f.id == "gpu.launch_bound")
     optimizer = finding.evidence["optimizer"]
     assert optimizer["class"] == "AdamW" and optimizer["launches_per_step"] == 6432
-    assert 0.5 < optimizer["share_of_step"] < 0.65   # its range: 88 -> 210 ms of a 210 ms step
+    assert 0.5 < optimizer["share_of_profiled_step"] < 0.65   # its range: 88 -> 210 ms of 210 ms
     cands, _ = candidate_plans(run.manifest["command"], findings, run.path, cwd=ROOT)
     launch = [c for c in cands if c.finding == "gpu.launch_bound"]
     assert len(launch) == 3 and cands[0] is launch[0], [(c.finding, c.summary) for c in cands]
@@ -553,7 +555,9 @@ def test_h200_launch_bound_job_gets_a_fused_optimizer_and_a_compiled_model_as_ca
         [compile_edit["line"], opt_edit["line"]])
     assert fused.predicted_saving_s_per_step == optimizer["saving_s"]
     assert graph.predicted_saving_s_per_step == finding.evidence["cuda_graph_saving_s"]
-    assert both.predicted_saving_s_per_step == pytest.approx(finding.seconds_lost_per_step, abs=1e-5)
+    assert both.predicted_saving_s_per_step == pytest.approx(
+        fused.predicted_saving_s_per_step + graph.predicted_saving_s_per_step, abs=1e-5)
+    assert finding.evidence["priced_by"].startswith("the time ledger's")
     # each arm's predicted step is its own prescription's saving, not the finding's first one
     # (the finding names no ledger line; H200 session 30: every arm was priced as the graph)
     from traindx.analyzers.savings import predicted_step_time
@@ -565,6 +569,35 @@ def test_h200_launch_bound_job_gets_a_fused_optimizer_and_a_compiled_model_as_ca
     text = fix_source.patched_text(job, both.plan.source_edits)
     ast.parse(text)
     assert "fused=True)" in text and "model.compile(mode='reduce-overhead')" in text
+
+
+LAUNCH_ARMS_ARCHIVE = os.path.join(DATA, "h200-launch-bound-arms.tar.xz")
+
+
+def test_h200_launch_bound_arms_each_within_25_percent_of_its_prediction(tmp_path):
+    """H200 session 30, one call (tests/data/h200-launch-bound-arms.README): the launch-bound job
+    (400 tiny layers, AdamW(fused=False)) and two arms run beside it, each one planner edit:
+    `fused=True` at the optimizer's call, and the model compiled in CUDA-graph mode. Each
+    prescription's saving (the ledger's optimizer and forward/backward spans) against the
+    saving `diagnose compare` measures on the GPU's clock: fused 74.3 vs 74.1 ms, graph 54.1 vs
+    57.6 ms (the window's share had priced the fused one at 54.5 ms: -26 %)."""
+    from traindx.recipes.ab import compare_runs
+
+    _fixture_tool().extract(LAUNCH_ARMS_ARCHIVE, str(tmp_path))
+    base = load(str(tmp_path / "tiny_kernels-bad"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        finding = next(f for f in traindx.analyze(base) if f.id == "gpu.launch_bound")
+    predicted = {"fused": finding.evidence["optimizer"]["saving_s"],
+                 "graph": finding.evidence["cuda_graph_saving_s"]}
+    assert [p.expected_gain_s_per_step for p in finding.prescriptions[:2]] == \
+        [predicted["fused"], predicted["graph"]]       # ranked by gain: the optimizer first
+    for arm, saving in predicted.items():
+        comparison = compare_runs(base, load(str(tmp_path / f"{arm}-fixed")))
+        assert comparison["baseline"]["step_source"] == "shim:gpu"
+        measured = comparison["baseline"]["mean_step_s"] - comparison["candidate"]["mean_step_s"]
+        assert abs(saving / measured - 1) <= GOAL, (arm, saving, measured)
+        assert comparison["speedup"] >= 1.5 and comparison["loss_parity"]["passed"]
 
 
 def _lost_of(findings, finding_id):
