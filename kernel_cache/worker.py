@@ -92,8 +92,13 @@ def _instrument(cache_utils):
             status = "export failed"
         _state["exports"][(self.cache_path.name, digest)] = status
 
+    def get(self, key):  # newer releases look a key up once with get() instead of `in`
+        return cache_utils.JITCache.get(self, key) if __contains__(self, key) else None
+
     cls.__contains__ = __contains__
     cls._try_export_to_storage = _try_export_to_storage
+    if hasattr(cls, "get") and hasattr(cache_utils.JITCache, "get"):
+        cls.get = get
 
 
 TURN_TIMEOUT_S = 900  # longer than any single compile; after it, compile anyway
@@ -179,6 +184,8 @@ def _rebuild(name, value, args):
             # a host tensor stays on the host (e.g. a max_seqlen some frameworks keep on the CPU)
             device = "cpu" if str(value.get("device", "")).startswith("cpu") else "cuda"
             return _empty(shape, dtype, requires_grad=bool(value.get("requires_grad")), device=device)
+        if "class" in value and ("enum" in value or "fields" in value):
+            return _rebuild_object(name, value, args)
         if "callable" in value:
             numeric = _cutlass_type(value["callable"])
             if numeric is not None:  # FA4's pre/post kernels take cutlass dtypes (BFloat16, ...)
@@ -190,6 +197,29 @@ def _rebuild(name, value, args):
     if isinstance(value, list):
         return [_rebuild(name, v, args) for v in value]
     return value
+
+
+def _rebuild_object(name, value, args):
+    """An enum member or a dataclass instance the shim recorded with its class and fields (FA4's
+    resolved launch configs, its preprocess's PackGQA mode): the same class, imported again."""
+    import importlib
+
+    module_name, _, qualname = str(value["class"]).partition(":")
+    try:
+        cls = importlib.import_module(module_name)
+        for part in qualname.split("."):
+            cls = getattr(cls, part)
+    except (ImportError, AttributeError) as exc:
+        raise Unreplayable(f"argument {name} is a {value['class']}, which this environment "
+                           f"lacks ({exc})") from None
+    try:
+        if "enum" in value:
+            return cls[value["enum"]]
+        fields = {field: _rebuild(field, recorded, args) for field, recorded in value["fields"].items()}
+        return cls(**fields)
+    except (KeyError, TypeError) as exc:  # another release's fields or members
+        raise Unreplayable(f"argument {name} ({value['class']}) does not rebuild in this release: "
+                           f"{exc}") from None
 
 
 def _cutlass_type(name):

@@ -1,4 +1,6 @@
 """Running `diagnose` the way a user does: as a separate process on a real example."""
+import dataclasses
+import enum
 import os
 import subprocess
 import sys
@@ -48,3 +50,23 @@ def only_run_dir(out_dir):
     runs = [os.path.join(out_dir, d) for d in os.listdir(out_dir)]
     assert len(runs) == 1, runs
     return runs[0]
+
+
+# -- a launch config as newer FA4 releases pass one (a frozen dataclass holding another and an enum)
+class TileOrder(enum.Enum):
+    ROW = "row"
+    LONGEST_FIRST = "lpt"
+
+
+@dataclasses.dataclass(frozen=True)
+class Registers:
+    producer: int
+    consumer: int
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchConfig:
+    tile_m: int
+    registers: Registers | None
+    order: TileOrder = TileOrder.ROW
+    split: int | None = None

@@ -279,3 +279,22 @@ def test_run_items_of_the_h200_seed_run():
     assert len(bwd["tensor_fields"]) == 2  # single_q_block, single_k_block (unnamed in this record)
     assert bwd["args"]["max_seqlen_q"]["tensor"] and bwd["args"]["q"]["shape"] == [16384, 16, 128]
     assert not by_function["_flash_attn_fwd"][0]["tensor_fields"]
+
+
+def test_a_recorded_enum_and_dataclass_argument_is_rebuilt():
+    """FA4 4.0.0b40 passes its resolved FwdConfig/BwdConfig (frozen dataclasses, nested) and a
+    PackGQA enum to the functions that compile: a replay needs them back, equal to the original."""
+    from helpers import LaunchConfig, Registers, TileOrder
+
+    from traindx.kernel_cache import worker
+    from traindx.profiler.shim._traindx_shim.compiles import describe_value
+
+    config = LaunchConfig(tile_m=128, registers=Registers(240, 24), order=TileOrder.LONGEST_FIRST)
+    recorded = json.loads(json.dumps({"config": describe_value(config),
+                                      "mode": describe_value(TileOrder.ROW)}))
+    assert worker._rebuild("config", recorded["config"], recorded) == config
+    assert worker._rebuild("mode", recorded["mode"], recorded) is TileOrder.ROW
+    # a release whose class lacks a recorded field says so instead of compiling something else
+    recorded["config"]["fields"]["stages"] = 2
+    with pytest.raises(worker.Unreplayable, match="does not rebuild"):
+        worker._rebuild("config", recorded["config"], recorded)

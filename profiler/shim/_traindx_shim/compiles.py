@@ -5,6 +5,8 @@ the job's own code on that thread. For FA4 it also keeps the compile key with it
 and the call's arguments, so a recompile can be explained and replayed (`kernel-cache warm`).
 """
 import ast
+import dataclasses
+import enum
 import functools
 import inspect
 import linecache
@@ -142,8 +144,10 @@ def _safe_repr(value, depth):
     return f"<{type(value).__module__}.{type(value).__qualname__}>"
 
 
-def describe_value(value):
-    """Shapes and dtypes for tensors (never their data: that could sync or fail in fake mode)."""
+def describe_value(value, depth=0):
+    """Shapes and dtypes for tensors (never their data: that could sync or fail in fake mode).
+    Enum members and dataclass instances (FA4's resolved FwdConfig/BwdConfig, its PackGQA mode)
+    keep their class and fields, so `kernel-cache warm` can build them again."""
     if type(value) in (type(None), bool, int, float, str):
         return value
     type_name = type(value).__name__
@@ -151,10 +155,20 @@ def describe_value(value):
         return {"tensor": True, "type": type_name, "shape": _shape_list(value),
                 "dtype": str(getattr(value, "dtype", "?")), "device": str(getattr(value, "device", ""))}
     if isinstance(value, (tuple, list)):
-        return [describe_value(v) for v in list(value)[:_MAX_ITEMS]]
+        return [describe_value(v, depth + 1) for v in list(value)[:_MAX_ITEMS]]
+    if isinstance(value, enum.Enum):
+        return {"type": type_name, "class": _class_path(type(value)), "enum": value.name}
+    if dataclasses.is_dataclass(value) and not isinstance(value, type) and depth < 4:
+        return {"type": type_name, "class": _class_path(type(value)),
+                "fields": {f.name: describe_value(getattr(value, f.name, None), depth + 1)
+                           for f in dataclasses.fields(value) if f.init}}
     if callable(value):  # a function, or a class such as cutlass.BFloat16 (kernel-cache replays it)
         return {"callable": getattr(value, "__qualname__", type_name)}
     return {"type": type_name, "repr": safe_repr(value, 200)}
+
+
+def _class_path(cls):
+    return f"{getattr(cls, '__module__', '?')}:{getattr(cls, '__qualname__', cls.__name__)}"
 
 
 def _shape_list(value):
