@@ -3,6 +3,7 @@ name the cause at the right line with a prescription a user can apply?
 
     python bench/corpus.py /work/corpus [--scripts wlm,mingpt,...] [--causes ...] [--steps 24]
                            [--load 2] [--out /tmp/corpus-runs] [--json results.json]
+    python bench/corpus.py /work/corpus --fix [--fix-tries 2] ...   # diagnose --fix on each
 
 `/work/corpus` holds the fetched scripts (NOT in this repository; fetch them yourself):
     wlm_main.py wlm_model.py wlm_data.py  pytorch/examples word_language_model/{main,model,data}.py
@@ -15,6 +16,10 @@ found by a pattern (the training loop's optimizer step, the dataset's __getitem_
 injected code sits in the user's own file, as a real slowdown would. The healthy twin is the
 same copy with nothing inserted. `--load N` runs N CPU burners (`python -c 'while 1: pass'`)
 beside every job. Every job runs with OMP_NUM_THREADS=1 except the thread cause.
+
+`--fix` runs `diagnose --fix` instead and judges what a user keeps: was a candidate applied, the
+kept arm's mechanism, speedup (as the loop judged it) and significance, predicted vs measured
+step, and whether fix.patch applies with `git apply` to a clean copy of the slowed script.
 """
 import argparse
 import json
@@ -222,6 +227,76 @@ def run_diagnose(d, script, env, steps, out_dir, timeout):
     return run_dir, time.time() - t0
 
 
+def run_fix(d, script, env, steps, out_dir, timeout, tries):
+    """`diagnose --fix` on the slowed copy, as a user runs it; returns its folder."""
+    run_dir = os.path.join(out_dir, os.path.basename(d) + "-fix")
+    full_env = dict(os.environ)
+    full_env.update(env)
+    if "PYTHONPATH" in env:
+        full_env["PYTHONPATH"] = os.pathsep.join(
+            [os.path.join(d, env["PYTHONPATH"])] + ([os.environ["PYTHONPATH"]]
+                                                     if os.environ.get("PYTHONPATH") else []))
+    cmd = [sys.executable, "-m", "traindx", "--fix", "--quiet", "--steps", str(steps),
+           "--fix-tries", str(tries), "--run-dir", run_dir, "--", sys.executable, script.main] + script.argv
+    t0 = time.time()
+    try:
+        subprocess.run(cmd, cwd=d, env=full_env, stdout=subprocess.DEVNULL,
+                       stderr=subprocess.DEVNULL, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        pass
+    return run_dir, time.time() - t0
+
+
+def judge_fix(corpus, script, cause, fix_dir, busy_s):
+    """What --fix kept, and whether its patch applies to a clean copy of the slowed script."""
+    try:
+        with open(os.path.join(fix_dir, "fix.json")) as f:
+            fix = json.load(f)
+    except (OSError, ValueError):
+        return {"applied": False, "kept": "(no fix.json)", "ok": False}
+    arms = fix.get("arms") or []
+    kept = fix.get("kept") or {}
+    row = {"applied": bool(arms), "arms": [f"{a.get('mechanism')}:{a.get('finding')}"
+                                           f"={_num(a.get('judged_speedup'))}x" for a in arms],
+           "kept": (f"{kept.get('mechanism')}:{kept.get('finding')}" if kept else "-"),
+           "speedup": kept.get("judged_speedup"), "significant": kept.get("significant"),
+           "parity": kept.get("loss_parity"),
+           "predicted_s": kept.get("predicted_step_time_s"),
+           "measured_s": kept.get("measured_mean_step_s") or kept.get("measured_step_time_s"),
+           "apply": fix.get("apply") or [], "patch_applies": None}
+    patch = os.path.join(fix_dir, "fix.patch")
+    if kept and os.path.isfile(patch):
+        with tempfile.TemporaryDirectory() as tmp:
+            clean = prepare(corpus, script, cause, tmp, busy_s or 0.05)[0]
+            subprocess.run(["git", "init", "-q"], cwd=clean, check=True)
+            proc = subprocess.run(["git", "apply", patch], cwd=clean, capture_output=True, text=True)
+            row["patch_applies"] = proc.returncode == 0
+    pred, meas = row["predicted_s"], row["measured_s"]
+    row["error"] = (pred - meas) / meas if pred and meas else None
+    row["ok"] = bool(kept and kept.get("significant") and (row["speedup"] or 0) >= 1.5
+                     and row["parity"] is not False and row["patch_applies"] is not False)
+    return row
+
+
+def _num(v, digits=2):
+    return "-" if v is None else f"{v:.{digits}f}"
+
+
+def fix_table(rows):
+    out = ["| script | cause | arms tried (mechanism:finding=speedup) | kept | speedup | significant "
+           "| predicted vs measured step | error | fix.patch applies | kept change |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        err = "-" if r.get("error") is None else f"{r['error']:+.0%}"
+        out.append(f"| {r['script']} | {r['cause']} | {', '.join(r.get('arms') or []) or '-'} | "
+                   f"{r.get('kept')} | {_num(r.get('speedup'))}x | {_yn(r.get('significant'))} | "
+                   f"{_num(r.get('predicted_s'), 3)} vs {_num(r.get('measured_s'), 3)} s | {err} | "
+                   f"{_yn(r.get('patch_applies'))} | {'; '.join(r.get('apply') or [])[:90]} |")
+    out.append(f"\n{sum(1 for r in rows if r.get('ok'))} of {len(rows)} kept a significant change "
+               ">= 1.5x with parity whose patch (if any) applies to a clean copy")
+    return "\n".join(out)
+
+
 def _root_findings(run_dir):
     try:
         with open(os.path.join(run_dir, "findings.json")) as f:
@@ -334,6 +409,8 @@ def main(argv=None):
     ap.add_argument("--timeout", type=int, default=300)
     ap.add_argument("--json", help="write the rows here")
     ap.add_argument("--keep", action="store_true", help="keep the scratch copies")
+    ap.add_argument("--fix", action="store_true", help="run diagnose --fix on each slowed copy")
+    ap.add_argument("--fix-tries", type=int, default=2)
     ap.add_argument("--rejudge", metavar="ROWS_JSON",
                     help="no new runs: re-analyse the runs of an earlier --json with this "
                          "checkout (diagnose report --reanalyze) and judge them again")
@@ -363,6 +440,15 @@ def main(argv=None):
                                  "line": "", "line_ok": None, "usable": None, "ok": None})
                     continue
                 d, env, injected = prep
+                if a.fix:
+                    fix_dir, wall = run_fix(d, script, env, a.steps, a.out, a.timeout, a.fix_tries)
+                    row = {"script": name, "cause": cause, "injected": injected, "run": fix_dir,
+                           "wall_s": round(wall, 1), "busy_s": busy_s}
+                    row.update(judge_fix(corpus, script, cause, fix_dir, busy_s))
+                    rows.append(row)
+                    print(f"{name:<11} {cause:<12} kept {row['kept']} {_num(row.get('speedup'))}x "
+                          f"patch {_yn(row.get('patch_applies'))} ({row['wall_s']} s)", flush=True)
+                    continue
                 run_dir, wall = run_diagnose(d, script, env, a.steps, a.out, a.timeout)
                 if cause == "healthy":
                     busy_s = 0.5 * (_healthy_step(run_dir) or 0.1)
@@ -378,7 +464,7 @@ def main(argv=None):
         if not a.keep:
             shutil.rmtree(work, ignore_errors=True)
     print()
-    print(table(rows))
+    print(fix_table(rows) if a.fix else table(rows))
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=1)

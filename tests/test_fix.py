@@ -692,6 +692,18 @@ def test_source_edits_delete_insert_and_own_flags(tmp_path):
         "after": "DataLoader(ds, num_workers=2, persistent_workers=True)"}})
     flag = own_flag_option(code, ["python", str(script)], str(tmp_path))
     assert flag.change == {"arg": {"framework": "argparse", "set": {"--workers": "2"}}}
+    # a config system with dotted overrides (minGPT's CfgNode: `--trainer.num_workers=0`), no
+    # add_argument to read: the flag on the command line whose last part names the attribute
+    trainer = tmp_path / "trainer.py"
+    trainer.write_text("loader = DataLoader(ds, num_workers=config.num_workers)\n")
+    code = Prescription(kind="code", summary="workers", automatic=True, change={"code": {
+        "file": str(trainer), "line": 1, "before": "DataLoader(ds, num_workers=config.num_workers)",
+        "after": "DataLoader(ds, num_workers=2, persistent_workers=True)"}})
+    command = ["python", "chargpt.py", "--trainer.batch_size=16", "--trainer.num_workers=0"]
+    flag = own_flag_option(code, command, str(tmp_path))
+    assert flag.change == {"arg": {"framework": "argparse", "set": {"--trainer.num_workers": "2"}}}
+    assert set_flags(command, flag.change["arg"]["set"])[-1] == "--trainer.num_workers=2"
+    assert own_flag_option(code, ["python", "chargpt.py", "--trainer.batch_size=16"], str(tmp_path)) is None
 
 
 @pytest.mark.slow

@@ -401,15 +401,13 @@ def own_flag_option(p, command, cwd):
     if not code.get("file") or not code.get("before") or not code.get("after"):
         return None
     flags = _flags_of([code["file"]] + _script_files(command, cwd))
-    if not flags:
-        return None
     before = fix_source.keyword_sources(code["before"])
     after = fix_source.keyword_sources(code["after"])
     wanted = {}
     for key, text in after.items():
         if key not in before or before[key] == text:
             continue
-        spec = fix_source.flag_of(before[key], flags)
+        spec = fix_source.flag_of(before[key], flags) or _command_flag_of(before[key], command)
         value = _literal(text)
         if spec and value is not None and not isinstance(value, bool):
             wanted[spec["flag"]] = str(value)
@@ -420,6 +418,29 @@ def own_flag_option(p, command, cwd):
         kind="arg", summary=f"{p.summary} — through the job's own flag ({said})",
         change={"arg": {"framework": "argparse", "set": wanted}},
         expected_gain_s_per_step=p.expected_gain_s_per_step, automatic=True)
+
+
+def _command_flag_of(expression, command):
+    """The command-line flag a config attribute comes from, for config systems that take dotted
+    overrides (`num_workers=config.num_workers` with `--trainer.num_workers=0` on the command
+    line: minGPT's CfgNode, jsonargparse/LightningCLI, Hydra-style `--a.b.c`): the flag whose last
+    dotted part names the attribute. None when the command has no such flag."""
+    import ast
+
+    try:
+        node = ast.parse(expression.strip(), mode="eval").body
+    except (SyntaxError, ValueError):
+        return None
+    if isinstance(node, ast.Call) and len(node.args) == 1 and not node.keywords:
+        node = node.args[0]
+    if not isinstance(node, ast.Attribute):
+        return None
+    wanted = node.attr.replace("_", "-")
+    for token in command[program_args_start(command):]:
+        name = _flag_name(token)
+        if name and name.rsplit(".", 1)[-1] == wanted:
+            return {"flag": token.split("=", 1)[0], "default": None}
+    return None
 
 
 def less_often_options(finding, command, cwd):
