@@ -34,6 +34,7 @@ import pandas as pd
 from traindx.findings import Finding, Prescription
 
 from . import evidence as ev
+from .codefix import _innermost, _tree
 
 MIN_SHARE = 0.03           # of the steady step: a line below this is not worth a finding
 MIN_SECONDS = 0.001        # ...nor one under a millisecond a step (nothing measurable to gain)
@@ -297,33 +298,47 @@ def _ancestor_lines(run, rank):
 
 # -- prescriptions -----------------------------------------------------------------------------
 def _async_edit(src, path, line, cwd, daemon=True):
-    """A concrete edit that runs a statement whose value is discarded (a bare call) on a
-    background thread, or None when the line is not one. A write (a file, a log) runs on a
-    non-daemon thread, so the run's end waits for it and nothing written is lost; a wait may
-    never end, so its thread is a daemon."""
+    """A concrete edit that runs the line's work on a background thread, or None when the line
+    is not such work. It qualifies when each of its statements (one, or several joined by `;`)
+    is a bare call or an assignment to names that nothing in its function (or module) reads:
+    the values are computed on the thread, in order, and the unread names dropped. A write (a
+    file, a log) runs on a non-daemon thread, so the run's end waits for it and nothing written
+    is lost; a wait may never end, so its thread is a daemon."""
     if not src or src.endswith((":", "\\", ",", "(")):
         return None
     try:
         tree = ast.parse(src)
     except SyntaxError:
         return None
-    if len(tree.body) != 1 or not isinstance(tree.body[0], ast.Expr) \
-            or not isinstance(tree.body[0].value, ast.Call):
+    work, assigned = [], set()
+    for node in tree.body:
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Call):
+            work.append(node.value)
+        elif isinstance(node, ast.Assign) and all(isinstance(t, ast.Name) for t in node.targets):
+            work.append(node.value)
+            assigned.update(t.id for t in node.targets)
+        else:
+            return None
+    if not work:
         return None
-    raw = None
-    for candidate in (path, os.path.join(cwd or "", path)):
-        try:
-            with open(candidate, encoding="utf-8", errors="replace") as f:
-                raw = f.read().splitlines()[line - 1]
-            break
-        except (OSError, IndexError):
-            continue
-    if raw is None:
+    real = next((c for c in (path, os.path.join(cwd or "", path)) if os.path.isfile(c)), None)
+    file_tree, lines = _tree(real) if real else (None, [])
+    if not 0 < line <= len(lines) or (assigned and (
+            file_tree is None or _names_read(file_tree, line) & assigned)):
         return None
+    raw = lines[line - 1]
     indent = raw[: len(raw) - len(raw.lstrip())]
-    after = (f"{indent}__import__('threading').Thread(target=lambda: {src}, "
+    parts = [ast.get_source_segment(src, value) for value in work]
+    target = parts[0] if len(parts) == 1 else "(" + ", ".join(parts) + ")"
+    after = (f"{indent}__import__('threading').Thread(target=lambda: {target}, "
              f"daemon={bool(daemon)}).start()")
     return {"file": path, "line": line, "before": raw, "after": after, "op": "replace"}
+
+
+def _names_read(file_tree, line):
+    """The names read anywhere in the function holding `line` (the module, at top level)."""
+    scope = _innermost(file_tree, line, (ast.FunctionDef, ast.AsyncFunctionDef)) or file_tree
+    return {n.id for n in ast.walk(scope) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
 
 
 def _prescriptions(kind, where, src, path, line, seconds, has_gpu, cwd, period=None):

@@ -665,3 +665,29 @@ def test_a_per_parameter_optimizer_is_made_multi_tensor_at_the_call_that_makes_i
     assert codefix_optim.multi_tensor_edits(str(own), "SGD") == []
     # LBFGS steps as a whole: no multi-tensor keyword, no edit
     assert codefix_optim.multi_tensor_keyword("LBFGS") is None
+
+
+def test_host_work_whose_results_nothing_reads_goes_to_a_background_thread(tmp_path):
+    """A line of host work in the loop (a read and a wait joined by `;`, as in a slowed public
+    script) whose assigned name nothing reads: its work runs on a thread, in order; a line whose
+    result the step reads keeps its place (the DataLoader advice is the fix there)."""
+    from traindx.analyzers.host_work import _async_edit
+
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import time\n"
+        "def train(log):\n"
+        "    for step in range(3):\n"
+        "        blob = open(__file__, 'rb').read(); time.sleep(0.15)\n"
+        "        batch = open(__file__, 'rb').read()\n"
+        "        log.write(str(len(batch)))\n"
+        "        log.flush()\n")
+    lines = script.read_text().splitlines()
+    edit = _async_edit(lines[3].strip(), str(script), 4, str(tmp_path), daemon=True)
+    assert edit["after"] == ("        __import__('threading').Thread(target=lambda: "
+                             "(open(__file__, 'rb').read(), time.sleep(0.15)), daemon=True).start()")
+    patched = lines[:3] + [edit["after"]] + lines[4:]
+    ast.parse("\n".join(patched))
+    assert _async_edit(lines[4].strip(), str(script), 5, str(tmp_path)) is None  # `batch` is read
+    assert "target=lambda: log.flush()" in _async_edit(lines[6].strip(), str(script), 7,
+                                                       str(tmp_path), daemon=False)["after"]
