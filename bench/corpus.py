@@ -247,8 +247,10 @@ def run_fix(d, script, env, steps, out_dir, timeout, tries):
     return run_dir, time.time() - t0
 
 
-def judge_fix(corpus, script, cause, fix_dir, busy_s):
-    """What --fix kept, and whether its patch applies to a clean copy of the slowed script."""
+def judge_fix(corpus, script, cause, fix_dir, busy_s, reproduce=None):
+    """What --fix kept, and whether its patch applies to a clean copy of the slowed script.
+    `reproduce` = (env, steps, out_dir, timeout): the patched clean copy is also run under plain
+    `diagnose` and its median step set beside the kept arm's."""
     try:
         with open(os.path.join(fix_dir, "fix.json")) as f:
             fix = json.load(f)
@@ -271,6 +273,11 @@ def judge_fix(corpus, script, cause, fix_dir, busy_s):
             subprocess.run(["git", "init", "-q"], cwd=clean, check=True)
             proc = subprocess.run(["git", "apply", patch], cwd=clean, capture_output=True, text=True)
             row["patch_applies"] = proc.returncode == 0
+            if reproduce and row["patch_applies"]:
+                env, steps, out_dir, timeout = reproduce
+                run_dir, _ = run_diagnose(clean, script, env, steps, out_dir, timeout)
+                row["patched_median_s"] = _healthy_step(run_dir)
+                row["kept_median_s"] = kept.get("measured_step_time_s")
     pred, meas = row["predicted_s"], row["measured_s"]
     row["error"] = (pred - meas) / meas if pred and meas else None
     row["ok"] = bool(kept and kept.get("significant") and (row["speedup"] or 0) >= 1.5
@@ -284,14 +291,16 @@ def _num(v, digits=2):
 
 def fix_table(rows):
     out = ["| script | cause | arms tried (mechanism:finding=speedup) | kept | speedup | significant "
-           "| predicted vs measured step | error | fix.patch applies | kept change |",
+           "| predicted vs measured step | error | fix.patch applies | patched copy vs kept arm, median step |",
            "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         err = "-" if r.get("error") is None else f"{r['error']:+.0%}"
+        again = (f"{_num(r.get('patched_median_s'), 3)} vs {_num(r.get('kept_median_s'), 3)} s"
+                 if r.get("patched_median_s") else ("; ".join(r.get("apply") or [])[-60:] or "-"))
         out.append(f"| {r['script']} | {r['cause']} | {', '.join(r.get('arms') or []) or '-'} | "
                    f"{r.get('kept')} | {_num(r.get('speedup'))}x | {_yn(r.get('significant'))} | "
                    f"{_num(r.get('predicted_s'), 3)} vs {_num(r.get('measured_s'), 3)} s | {err} | "
-                   f"{_yn(r.get('patch_applies'))} | {'; '.join(r.get('apply') or [])[:90]} |")
+                   f"{_yn(r.get('patch_applies'))} | {again} |")
     out.append(f"\n{sum(1 for r in rows if r.get('ok'))} of {len(rows)} kept a significant change "
                ">= 1.5x with parity whose patch (if any) applies to a clean copy")
     return "\n".join(out)
@@ -411,6 +420,8 @@ def main(argv=None):
     ap.add_argument("--keep", action="store_true", help="keep the scratch copies")
     ap.add_argument("--fix", action="store_true", help="run diagnose --fix on each slowed copy")
     ap.add_argument("--fix-tries", type=int, default=2)
+    ap.add_argument("--reproduce", action="store_true",
+                    help="with --fix: run the patched clean copy too (its median step vs the kept arm's)")
     ap.add_argument("--rejudge", metavar="ROWS_JSON",
                     help="no new runs: re-analyse the runs of an earlier --json with this "
                          "checkout (diagnose report --reanalyze) and judge them again")
@@ -444,7 +455,8 @@ def main(argv=None):
                     fix_dir, wall = run_fix(d, script, env, a.steps, a.out, a.timeout, a.fix_tries)
                     row = {"script": name, "cause": cause, "injected": injected, "run": fix_dir,
                            "wall_s": round(wall, 1), "busy_s": busy_s}
-                    row.update(judge_fix(corpus, script, cause, fix_dir, busy_s))
+                    row.update(judge_fix(corpus, script, cause, fix_dir, busy_s, reproduce=(
+                        (env, a.steps, a.out, a.timeout) if a.reproduce else None)))
                     rows.append(row)
                     print(f"{name:<11} {cause:<12} kept {row['kept']} {_num(row.get('speedup'))}x "
                           f"patch {_yn(row.get('patch_applies'))} ({row['wall_s']} s)", flush=True)
