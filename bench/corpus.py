@@ -282,6 +282,8 @@ def judge_fix(corpus, script, cause, fix_dir, busy_s, reproduce=None):
     row["error"] = (pred - meas) / meas if pred and meas else None
     row["ok"] = bool(kept and kept.get("significant") and (row["speedup"] or 0) >= 1.5
                      and row["parity"] is not False and row["patch_applies"] is not False)
+    if cause == "healthy":  # the healthy twin: nothing to change, no arm run
+        row["ok"] = not arms
     return row
 
 
@@ -301,8 +303,8 @@ def fix_table(rows):
                    f"{r.get('kept')} | {_num(r.get('speedup'))}x | {_yn(r.get('significant'))} | "
                    f"{_num(r.get('predicted_s'), 3)} vs {_num(r.get('measured_s'), 3)} s | {err} | "
                    f"{_yn(r.get('patch_applies'))} | {again} |")
-    out.append(f"\n{sum(1 for r in rows if r.get('ok'))} of {len(rows)} kept a significant change "
-               ">= 1.5x with parity whose patch (if any) applies to a clean copy")
+    out.append(f"\n{sum(1 for r in rows if r.get('ok'))} of {len(rows)} right: a significant change "
+               ">= 1.5x kept with parity, its patch (if any) applying to a clean copy; a healthy twin: no arm")
     return "\n".join(out)
 
 

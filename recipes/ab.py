@@ -236,7 +236,12 @@ def compare_runs(baseline: RunRecord, candidate: RunRecord, window: tuple[int, i
     base_losses, cand_losses = losses(baseline), losses(candidate)
     common = sorted(set(base_losses) & set(cand_losses))
     parity: dict[str, Any] | None = None
-    if common:
+    unfinite = [s for s in common if not np.isfinite(cand_losses[s])]
+    if len(common) == 1 and not unfinite:
+        # one point is no curve: the numerics are not compared (as with no losses), not failed
+        problems.append(f"the two arms logged one loss at the same step ({common[0]}): no parity "
+                        "check (the job logs its loss too rarely for this window)")
+    elif common:
         parity = stats.loss_parity([base_losses[s] for s in common],
                                    [cand_losses[s] for s in common]).to_dict()
         parity["steps"] = [common[0], common[-1]]

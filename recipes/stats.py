@@ -127,13 +127,13 @@ def loss_parity(golden: Any, candidate: Any) -> LossParity:  # array-likes of lo
     skip = int(math.floor(n * SKIP_FIRST_SHARE))
     g, c = golden[skip:], candidate[skip:]
     reasons = []
-    if len(g) < 2:
-        return LossParity(False, len(g), skip, None, False, 0, 0.0, False, None, False,
-                          [f"only {len(g)} comparable loss point(s): need at least 2"])
     if not np.all(np.isfinite(c)) or not np.all(np.isfinite(g)):
         bad = "candidate" if not np.all(np.isfinite(c)) else "reference"
         return LossParity(False, len(g), skip, None, False, len(g), 1.0, False, None, False,
                           [f"the {bad} arm has NaN/inf losses"])
+    if len(g) < 2:
+        return LossParity(False, len(g), skip, None, False, 0, 0.0, False, None, False,
+                          [f"only {len(g)} comparable loss point(s): need at least 2"])
 
     # Pearson is undefined on a flat curve: then the pointwise check decides alone
     note = ""

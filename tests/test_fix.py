@@ -810,3 +810,25 @@ def test_fix_applies_the_prescribed_edit_and_it_pays(tmp_path, job, args, steps,
         assert "    gc.collect()\n" not in (clean / job).read_text() and open(path).read() == before
     else:
         assert expect in " ".join(fix["apply"]) and not (fix_dir / "fix.patch").exists()
+
+
+@pytest.mark.slow
+def test_fix_moves_unneeded_host_work_of_a_lightning_step_to_a_thread(tmp_path):
+    """A real Lightning Trainer whose training_step reads a file and waits for a slow store on
+    every step, the result unused (most of the step): --fix runs that line's work on a thread in
+    a patched copy, >= 1.5x with loss parity, and fix.patch applies to a clean copy."""
+    path = _job("fw_lightning.py")
+    fix_dir = tmp_path / "fix"
+    proc = diagnose(["--fix", "--no-pyspy", "--quiet", "--steps", "16", "--fix-tries", "2",
+                     "--run-dir", str(fix_dir), "--", PY, path, "--max-steps", "60",
+                     "--side-read", "0.08"], cwd=tmp_path, env={"OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    fix = json.loads((fix_dir / "fix.json").read_text())
+    kept = fix["kept"]
+    assert kept and kept["finding"] == "host_work.code" and kept["mechanism"] == "source", fix["arms"]
+    assert kept["significant"] and kept["judged_speedup"] >= 1.5 and kept["loss_parity"] is not False
+    patch = (fix_dir / "fix.patch").read_text()
+    assert "-            blob = open(__file__" in patch and "threading').Thread(target=lambda: (open(" in patch
+    clean = _git_apply_to_clean_copy(tmp_path, [path], fix_dir / "fix.patch")
+    ast_ok = compile((clean / "fw_lightning.py").read_text(), "fw_lightning.py", "exec")
+    assert ast_ok is not None

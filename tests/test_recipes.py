@@ -217,6 +217,9 @@ def test_nan_losses_fail():
     cand[-1] = np.nan
     r = stats.loss_parity(golden, cand)
     assert not r.passed and "NaN" in r.reasons[0]
+    # one point is too few for a curve, but a NaN in it is still a failure
+    r = stats.loss_parity([5.0], [np.nan])
+    assert not r.passed and "NaN" in r.reasons[0]
 
 
 # -- a card from a real run ----------------------------------------------------------------------

@@ -2,6 +2,8 @@
 the DataLoader, `L.Trainer(max_steps=..., accelerator="cpu", devices=1)`.
 
 --slow-getitem S: every sample takes S seconds to load, on the training process (num_workers=0).
+--side-read S: every training step also reads a file and waits S seconds for a slow store, its
+result unused (host work on the training thread that nothing in the step needs).
 """
 import argparse
 import time
@@ -29,15 +31,18 @@ class Samples(Dataset):
 
 
 class Regressor(L.LightningModule):
-    def __init__(self, width=32, slow_s=0.0):
+    def __init__(self, width=32, slow_s=0.0, side_read_s=0.0):
         super().__init__()
         self.net = nn.Sequential(nn.Linear(width, 32), nn.ReLU(), nn.Linear(32, 1))
         self.width = width
         self.slow_s = slow_s
+        self.side_read_s = side_read_s
 
     def training_step(self, batch, batch_idx):
         x, y = batch
         loss = nn.functional.mse_loss(self.net(x), y)
+        if self.side_read_s:
+            blob = open(__file__, "rb").read(); time.sleep(self.side_read_s)  # noqa: E702, F841
         self.log("train_loss", loss, prog_bar=True)
         return loss
 
@@ -52,12 +57,13 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--max-steps", type=int, default=10)
     p.add_argument("--slow-getitem", type=float, default=0.0)
+    p.add_argument("--side-read", type=float, default=0.0)
     args = p.parse_args()
     torch.manual_seed(0)
     trainer = L.Trainer(max_steps=args.max_steps, accelerator="cpu", devices=1, logger=False,
                         enable_checkpointing=False, enable_model_summary=False,
                         log_every_n_steps=1)
-    trainer.fit(Regressor(slow_s=args.slow_getitem))
+    trainer.fit(Regressor(slow_s=args.slow_getitem, side_read_s=args.side_read))
 
 
 if __name__ == "__main__":
