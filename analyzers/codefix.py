@@ -124,6 +124,23 @@ def apply(change: Mapping[str, Any], text: str) -> str:
     return out
 
 
+def keyword_sources(call_text: str) -> dict[str, str | None]:
+    """{keyword: source text} of a call written over one or several lines, else {}; its
+    positional arguments are keyed by position ("#0", "#1": `torch.set_num_threads(a.threads)`
+    -> {"#0": "a.threads"})."""
+    try:
+        node = ast.parse("(\n" + call_text + "\n)", mode="eval").body
+    except (SyntaxError, ValueError):
+        return {}
+    if not isinstance(node, ast.Call):
+        return {}
+    text = "(\n" + call_text + "\n)"
+    out = {f"#{i}": ast.get_source_segment(text, a) for i, a in enumerate(node.args)
+           if not isinstance(a, ast.Starred)}
+    out.update({k.arg: ast.get_source_segment(text, k.value) for k in node.keywords if k.arg})
+    return out
+
+
 def set_keywords(call_text: str, settings: Mapping[str, Any]) -> str | None:
     """The call `call_text` (one line or several, as written in the file) with keyword arguments
     set to the given source texts: an existing one's value replaced, a missing one added after

@@ -34,6 +34,8 @@ import pandas as pd
 from traindx.findings import Finding, Prescription
 
 from . import evidence as ev
+from traindx.units import ordinal
+
 from .codefix import _innermost, _tree
 
 MIN_SHARE = 0.03           # of the steady step: a line below this is not worth a finding
@@ -513,10 +515,6 @@ def _call_sites_from_pyspy(run, rank, led, step_s, cwd, noted):
             out.append(_call_site_note(run, rank, g, src, claimed, booked, booked / step_s, cwd))
             noted.add((g["file"], g["line"]))
     return out
-
-
-def ordinal(n):
-    return f"{n}{'tsnrhtdd'[(n // 10 % 10 != 1) * (n % 10 < 4) * n % 10::4]}"
 
 
 def _display(path, cwd):

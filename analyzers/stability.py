@@ -15,9 +15,11 @@ import pandas as pd
 from traindx import ledger, periods
 from traindx.findings import Finding, Prescription
 from traindx.profiler.logparse import parse_line
+from traindx.units import ordinal
 
 from . import evidence as ev
-from .frameworks import knob_owner, runs_megatron
+from .codefix import code_change, keyword_sources, set_keywords
+from .frameworks import data_sites, knob_owner, runs_megatron, user_site
 
 if TYPE_CHECKING:  # annotations only
     from traindx.record import RunRecord
@@ -344,6 +346,14 @@ def checkpoint_prescriptions(run: RunRecord, saves: Sequence[dict[str, Any]], lo
             change={"arg": {"framework": "megatron", "set": {"--async-save": True}}},
             expected_gain_s_per_step=lost))
     elif framework == "hf_trainer":
+        edit = _trainer_save_edit(run, period)
+        if edit:
+            out.append(Prescription(
+                kind="code", summary=(f"save {LESS_OFTEN}x less often: TrainingArguments("
+                                      f"save_steps={edit['save_steps']}) at {edit['file']}:"
+                                      f"{edit['line']} (the Trainer saves synchronously)"),
+                change={"code": {k: v for k, v in edit.items() if k != "save_steps"}},
+                expected_gain_s_per_step=lost * (1 - 1 / LESS_OFTEN), automatic=True))
         out.append(Prescription(
             kind="code", summary="TrainingArguments(save_steps=...) larger, or save_strategy=\"no\" "
                                  "with one save at the end: the Trainer saves synchronously",
@@ -358,6 +368,35 @@ def checkpoint_prescriptions(run: RunRecord, saves: Sequence[dict[str, Any]], lo
         summary = f"{top['function']} ({where}) writes a checkpoint {when} on the critical path: {how}"
     out.append(Prescription(kind="code", summary=summary, expected_gain_s_per_step=lost))
     return out
+
+
+LESS_OFTEN = 10   # a periodic save made this many times rarer
+
+
+def _trainer_save_edit(run: RunRecord, period: int | None) -> dict[str, Any] | None:
+    """The job's own `TrainingArguments(...)` call (the shim's data_site event: never a file
+    under site-packages) with `save_steps` ten times the measured period (or its literal value),
+    as a code change; None without such a call or a period to scale."""
+    sites = [s for s in data_sites(run) if s.get("kind") == "TrainingArguments" and user_site(s)]
+    if not sites:
+        return None
+    where = user_site(sites[-1]) or {}
+    before = where.get("call_source") or (where.get("source") or "").strip()
+    if not before:
+        return None
+    current = keyword_sources(before).get("save_steps")
+    base = period
+    if base is None and current is not None and current.strip().isdigit():
+        base = int(current)
+    if not base:
+        return None
+    after = set_keywords(before, {"save_steps": str(base * LESS_OFTEN)})
+    first = where.get("call_first_line") or where.get("line")
+    if not where.get("file") or not first or after is None:
+        return None
+    change = code_change(where["file"], int(first), before, after,
+                         last_line=where.get("call_last_line") if where.get("call_source") else None)
+    return dict(change, op="replace", save_steps=base * LESS_OFTEN) if change else None
 
 
 def _period_of_timed_io(run, rank, steps):
@@ -438,7 +477,7 @@ def _analyze_rank(run, rank):
                           "occurrences can line up by chance on a busy machine.")
         findings.append(Finding(
             id="steps.periodic_slow",
-            title=f"Every {period}th step is slow on rank {rank} "
+            title=f"Every {ordinal(period)} step is slow on rank {rank} "
                   f"(+{float(slow_rows['duration_s'].median()) - normal_median:.2f} s)",
             severity=severity, analyzer="stability",
             summary=(f"Steps {', '.join(map(str, hits[:8]))}{'…' if len(hits) > 8 else ''} (period "

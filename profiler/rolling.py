@@ -97,15 +97,17 @@ def read_text(head):
     """The whole text of a rolling line file, segments in order (gzipped ones decompressed);
     the head alone for a short run."""
     parts = []
-    with open(head, encoding="utf-8", errors="replace") as f:
+    # newline="\n": a carriage return inside a line (a progress bar's updates, one record line)
+    # stays in that line; universal newlines would cut it into lines without a time stamp
+    with open(head, encoding="utf-8", errors="replace", newline="\n") as f:
         parts.append(f.read())
     for _, path, gz in segments(head):
         try:
             if gz:
-                with gzip.open(path, "rt", encoding="utf-8", errors="replace") as f:
+                with gzip.open(path, "rt", encoding="utf-8", errors="replace", newline="\n") as f:
                     parts.append(f.read())
             else:
-                with open(path, encoding="utf-8", errors="replace") as f:
+                with open(path, encoding="utf-8", errors="replace", newline="\n") as f:
                     parts.append(f.read())
         except (OSError, EOFError):  # a segment removed while we read: rolled into a .gz
             continue
@@ -230,7 +232,7 @@ def rolled_summaries(run_dir):
 
 
 def _lines_of(path):
-    with gzip.open(path, "rt", encoding="utf-8", errors="replace") as f:
+    with gzip.open(path, "rt", encoding="utf-8", errors="replace", newline="\n") as f:  # read_text
         for line in f:
             yield line.rstrip("\n")
 

@@ -691,3 +691,27 @@ def test_host_work_whose_results_nothing_reads_goes_to_a_background_thread(tmp_p
     assert _async_edit(lines[4].strip(), str(script), 5, str(tmp_path)) is None  # `batch` is read
     assert "target=lambda: log.flush()" in _async_edit(lines[6].strip(), str(script), 7,
                                                        str(tmp_path), daemon=False)["after"]
+
+
+@pytest.mark.slow
+def test_a_trainer_checkpoint_every_few_steps_is_made_rarer_at_the_jobs_trainingarguments(tmp_path):
+    """A real Hugging Face Trainer saving every 2 steps (its own synchronous save, inside
+    transformers): the finding's fix is the job's own `TrainingArguments(...)` line with
+    save_steps ten times the measured period, never a file under site-packages, and since that
+    keyword reads the job's flag the first candidate is the flag (`--save-steps 20`)."""
+    job = os.path.join(ROOT, "tests", "jobs", "fix_hf_workers.py")
+    command = [PY, job, "--read-s", "0", "--max-steps", "40", "--save-strategy", "steps",
+               "--save-steps", "2", "--hidden", "512", "--output-dir", str(tmp_path / "out")]
+    proc = diagnose(["--no-pyspy", "--quiet", "--steps", "14", "--run-dir", str(tmp_path / "run"),
+                     "--", *command], cwd=tmp_path, env={"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    findings = traindx.analyze(traindx.load_run(str(tmp_path / "run")))
+    edits = [(f, p) for f in findings for p in f.prescriptions
+             if "TrainingArguments(save_steps=" in p.summary and p.automatic]
+    assert edits, [(f.id, [p.summary for p in f.prescriptions]) for f in findings]
+    finding, edit = edits[0]
+    code = edit.change["code"]
+    assert code["file"] == job and "site-packages" not in code["file"]
+    assert "save_steps=20" in code["after"] and "save_steps=a.save_steps" in code["before"]
+    cands, _ = candidate_plans(command, [finding], str(tmp_path / "b"), cwd=str(tmp_path))
+    assert cands[0].mechanism == "config" and "--save-steps 20" in " ".join(cands[0].plan.command)

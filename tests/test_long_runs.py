@@ -135,6 +135,22 @@ def test_the_log_thins_to_the_jobs_step_lines_and_the_dumps_to_their_top_frames(
     assert [s["threads"][0]["owns_gil"] for s in snaps] == [i % 2 == 0 for i in range(60)]
 
 
+def test_a_progress_bars_carriage_returns_stay_inside_their_log_line(tmp_path):
+    """A tqdm/rich bar rewrites itself with '\\r' inside one record line (transformers'
+    "Writing model shards" at every save): read back, the head and a gzipped segment keep each
+    line whole, every line with its time stamp (the log parser reads the bar's last update)."""
+    log = rolling.RollingLines(str(tmp_path / "log.txt"), segment_bytes=300)
+    t = 1_796_000_000_000_000_000
+    for step in range(12):
+        log.write(f"{t + step} e \rWriting shards:   0%| 0/1\rWriting shards: 100%| 1/1\n")
+        log.write(f"{t + step} o step {step} loss 1.0\n")
+    log.close()
+    rolling.settle(log.head, keep=1, cap=10**9, thin=None, live=False)  # older segments gzipped
+    lines = [l for l in rolling.read_text(log.head).split("\n") if l]
+    assert len(lines) == 24 and all(l.partition(" ")[0].isdigit() for l in lines)
+    assert lines[0].endswith("\rWriting shards: 100%| 1/1")
+
+
 def test_a_kill_between_the_steps_of_rolling_loses_and_duplicates_nothing(tmp_path, monkeypatch):
     head = _write_steps(tmp_path, monkeypatch, 600, segment_bytes=20_000)
     original = rolling.read_text(head)

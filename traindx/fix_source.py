@@ -20,6 +20,7 @@ import textwrap
 import re
 import shutil
 
+from traindx.analyzers.codefix import keyword_sources  # noqa: F401 (fixplan reads it here)
 from traindx.analyzers.evidence import SKIP_DIRS, python_files  # noqa: F401 (fixplan reads them here)
 from traindx.findings import Prescription
 
@@ -333,23 +334,6 @@ def flag_of(expression, flags):
             and node.attr in flags:
         return flags[node.attr]
     return None
-
-
-def keyword_sources(call_text):
-    """{keyword: source text} of a call written over one or several lines, else {}; its
-    positional arguments are keyed by position ("#0", "#1": `torch.set_num_threads(a.threads)`
-    -> {"#0": "a.threads"})."""
-    try:
-        node = ast.parse("(\n" + call_text + "\n)", mode="eval").body
-    except (SyntaxError, ValueError):
-        return {}
-    if not isinstance(node, ast.Call):
-        return {}
-    text = "(\n" + call_text + "\n)"
-    out = {f"#{i}": ast.get_source_segment(text, a) for i, a in enumerate(node.args)
-           if not isinstance(a, ast.Starred)}
-    out.update({k.arg: ast.get_source_segment(text, k.value) for k in node.keywords if k.arg})
-    return out
 
 
 def periodic_flag(path, line, flags):

@@ -18,3 +18,8 @@ def fmt_s(seconds) -> str:
     if s == 0:
         return "0 s"
     return f"{s * 1e6:.3g} µs"
+
+
+def ordinal(n: int) -> str:
+    """1 -> "1st", 2 -> "2nd", 11 -> "11th", 23 -> "23rd"."""
+    return f"{n}{'tsnrhtdd'[(n // 10 % 10 != 1) * (n % 10 < 4) * n % 10::4]}"
