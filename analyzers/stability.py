@@ -370,7 +370,7 @@ def checkpoint_prescriptions(run: RunRecord, saves: Sequence[dict[str, Any]], lo
     return out
 
 
-LESS_OFTEN = 10   # a periodic save made this many times rarer
+LESS_OFTEN = 10   # a periodic cost made this many times rarer (fixplan's flag arms too)
 
 
 def _trainer_save_edit(run: RunRecord, period: int | None) -> dict[str, Any] | None:

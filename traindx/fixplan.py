@@ -19,6 +19,7 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
+from traindx.analyzers.stability import LESS_OFTEN  # a periodic cost made this many times rarer
 from traindx.findings import Prescription
 from traindx.fix_source import derived_edit_options, job_script_files as _script_files, \
     named_sites as _sites
@@ -346,7 +347,6 @@ def _is_shell_script(command):
 
 # -- the search: one candidate per concrete change -------------------------------------------------
 FREQUENCY_FLAG = re.compile(r"interval|every|freq|period|save|ckpt|checkpoint", re.I)
-LESS_OFTEN = 10   # a periodic cost made this many times rarer
 
 
 def is_concrete(p: Prescription) -> bool:
