@@ -17,9 +17,11 @@ FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=/tmp/b40-cold diagnose --quiet --run-dir runs
 log "warm on the GPU from the cold run"
 /usr/bin/time -f "warm on GPU: %e s" kernel-cache warm --from-run runs/b40-cold --cache-dir /tmp/b40-gpu 2>&1 | tail -12
 FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=/tmp/b40-gpu diagnose --quiet --run-dir runs/b40-warm-gpu -- $PY $EX 2>&1 | tail -3
-log "warm without a GPU"
-CUDA_VISIBLE_DEVICES= /usr/bin/time -f "warm without GPU: %e s" kernel-cache warm --from-run runs/b40-cold --cache-dir /tmp/b40-cpu --arch sm_90 --device cpu 2>&1 | tail -12
-FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=/tmp/b40-cpu diagnose --quiet --run-dir runs/b40-warm-cpu -- $PY $EX 2>&1 | tail -3
+if [ -z "${SKIP_CPU_WARM:-}" ]; then
+  log "warm without a GPU"
+  CUDA_VISIBLE_DEVICES= /usr/bin/time -f "warm without GPU: %e s" kernel-cache warm --from-run runs/b40-cold --cache-dir /tmp/b40-cpu --arch sm_90 --device cpu 2>&1 | tail -12
+  FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=/tmp/b40-cpu diagnose --quiet --run-dir runs/b40-warm-cpu -- $PY $EX 2>&1 | tail -3
+fi
 $PY - <<'P' | tee "$OUT/b40-summary.txt"
 import traindx
 for name in ("b40-cold", "b40-warm-gpu", "b40-warm-cpu"):
