@@ -328,3 +328,21 @@ def test_step_0_begins_at_the_first_batch_not_at_the_optimizers_creation(tmp_pat
     assert begin["step"] == 0 and begin["begun_by"] == "batch"
     # the second of set-up and the no_grad evaluation after building the optimizer are start-up
     assert begin["t"] - created >= 0.9e9
+
+
+def test_log_lines_that_arrived_in_one_read_take_the_steps_before_their_stamp():
+    """HF Trainer prints a loss dict with no step at each step's end; its step is the number of
+    step ends seen when the launcher stamped the line. Two dicts read from the pipe at once
+    share a stamp taken after the next step ended (a CI run: steps 1, 2, 3, 5, 5): the earlier
+    one takes the free step before. Two lines of one step (stamped apart or together) keep it."""
+    from traindx.record import _spread_coalesced
+
+    def placed(steps, stamps):
+        rows = [{"step": s, "t": t} for s, t in zip(steps, stamps)]
+        _spread_coalesced(rows)
+        return [r["step"] for r in rows]
+
+    assert placed([1, 2, 3, 5, 5, 6], [10, 20, 30, 79, 79, 90]) == [1, 2, 3, 4, 5, 6]
+    assert placed([3, 6, 6, 6], [30, 65, 65, 65]) == [3, 4, 5, 6]
+    assert placed([1, 1, 2, 2], [10, 10, 20, 20]) == [1, 1, 2, 2]
+    assert placed([1, 2, 2], [10, 20, 25]) == [1, 2, 2]

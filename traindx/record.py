@@ -81,6 +81,25 @@ def _rank_of(path, suffix):
     return os.path.basename(path)[: -len(suffix)]
 
 
+def _spread_coalesced(rows: list) -> None:
+    """Lines placed by time (their step: the step ends seen when the launcher stamped them) that
+    arrived in one read of the pipe share one stamp, so a line printed at the end of step k can
+    land on k + 1 beside the next one. A run of such lines with one stamp and one step N takes
+    the steps just before N that the line before them leaves free (one per line, in order)."""
+    i = 0
+    while i < len(rows):
+        j = i
+        while j + 1 < len(rows) and rows[j + 1]["t"] == rows[i]["t"] \
+                and rows[j + 1]["step"] == rows[i]["step"]:
+            j += 1
+        if j > i and i > 0:
+            last = rows[i]["step"]
+            first = max(rows[i - 1]["step"] + 1, last - (j - i))
+            for k in range(i, j + 1):
+                rows[k]["step"] = min(first + (k - i), last)
+        i = j + 1
+
+
 @dataclass(frozen=True)
 class RunRecord:
     path: str
@@ -284,10 +303,13 @@ class RunRecord:
             ends = sorted(int(t) for t in step_end["t"]) if len(step_end) else []
             import bisect
             unnumbered = 0
+            placed = []
             for r in rows:
                 if r["step"] is None:
                     unnumbered += 1
                     r["step"] = bisect.bisect_right(ends, int(r["t"])) if ends else unnumbered
+                    placed.append(r)
+            _spread_coalesced(placed)
         return pd.DataFrame(rows, columns=columns)
 
     @cached_property
