@@ -208,14 +208,21 @@ def prepare(corpus, script, cause, work, busy_s, at=None):
     return d, env, (f"{where[0]}:{where[1]}" if where else None)
 
 
-def run_diagnose(d, script, env, steps, out_dir, timeout):
-    run_dir = os.path.join(out_dir, os.path.basename(d))
+def _job_env(d, env):
+    """The environment a job of the corpus runs with: ours, its own settings, its PYTHONPATH
+    (relative to its scratch folder) first."""
     full_env = dict(os.environ)
     full_env.update(env)
     if "PYTHONPATH" in env:
         full_env["PYTHONPATH"] = os.pathsep.join(
             [os.path.join(d, env["PYTHONPATH"])] + ([os.environ["PYTHONPATH"]]
                                                      if os.environ.get("PYTHONPATH") else []))
+    return full_env
+
+
+def run_diagnose(d, script, env, steps, out_dir, timeout):
+    run_dir = os.path.join(out_dir, os.path.basename(d))
+    full_env = _job_env(d, env)
     cmd = [sys.executable, "-m", "traindx", "--quiet", "--steps", str(steps), "--run-dir", run_dir,
            "--", sys.executable, script.main] + script.argv
     t0 = time.time()
@@ -230,12 +237,7 @@ def run_diagnose(d, script, env, steps, out_dir, timeout):
 def run_fix(d, script, env, steps, out_dir, timeout, tries):
     """`diagnose --fix` on the slowed copy, as a user runs it; returns its folder."""
     run_dir = os.path.join(out_dir, os.path.basename(d) + "-fix")
-    full_env = dict(os.environ)
-    full_env.update(env)
-    if "PYTHONPATH" in env:
-        full_env["PYTHONPATH"] = os.pathsep.join(
-            [os.path.join(d, env["PYTHONPATH"])] + ([os.environ["PYTHONPATH"]]
-                                                     if os.environ.get("PYTHONPATH") else []))
+    full_env = _job_env(d, env)
     cmd = [sys.executable, "-m", "traindx", "--fix", "--quiet", "--steps", str(steps),
            "--fix-tries", str(tries), "--run-dir", run_dir, "--", sys.executable, script.main] + script.argv
     t0 = time.time()
