@@ -220,33 +220,29 @@ def _job_env(d, env):
     return full_env
 
 
-def run_diagnose(d, script, env, steps, out_dir, timeout):
-    run_dir = os.path.join(out_dir, os.path.basename(d))
-    full_env = _job_env(d, env)
-    cmd = [sys.executable, "-m", "traindx", "--quiet", "--steps", str(steps), "--run-dir", run_dir,
+def _run(d, script, env, run_dir, options, timeout):
+    """`diagnose <options> --run-dir run_dir -- python <script>` in the scratch copy; returns the
+    folder and the wall seconds (a run past the timeout keeps what it wrote)."""
+    cmd = [sys.executable, "-m", "traindx", *options, "--run-dir", run_dir,
            "--", sys.executable, script.main] + script.argv
     t0 = time.time()
     try:
-        subprocess.run(cmd, cwd=d, env=full_env, stdout=subprocess.DEVNULL,
+        subprocess.run(cmd, cwd=d, env=_job_env(d, env), stdout=subprocess.DEVNULL,
                        stderr=subprocess.DEVNULL, timeout=timeout)
     except subprocess.TimeoutExpired:
         pass
     return run_dir, time.time() - t0
+
+
+def run_diagnose(d, script, env, steps, out_dir, timeout):
+    return _run(d, script, env, os.path.join(out_dir, os.path.basename(d)),
+                ["--quiet", "--steps", str(steps)], timeout)
 
 
 def run_fix(d, script, env, steps, out_dir, timeout, tries):
     """`diagnose --fix` on the slowed copy, as a user runs it; returns its folder."""
-    run_dir = os.path.join(out_dir, os.path.basename(d) + "-fix")
-    full_env = _job_env(d, env)
-    cmd = [sys.executable, "-m", "traindx", "--fix", "--quiet", "--steps", str(steps),
-           "--fix-tries", str(tries), "--run-dir", run_dir, "--", sys.executable, script.main] + script.argv
-    t0 = time.time()
-    try:
-        subprocess.run(cmd, cwd=d, env=full_env, stdout=subprocess.DEVNULL,
-                       stderr=subprocess.DEVNULL, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        pass
-    return run_dir, time.time() - t0
+    return _run(d, script, env, os.path.join(out_dir, os.path.basename(d) + "-fix"),
+                ["--fix", "--quiet", "--steps", str(steps), "--fix-tries", str(tries)], timeout)
 
 
 def judge_fix(corpus, script, cause, fix_dir, busy_s, reproduce=None):
