@@ -89,7 +89,9 @@ def _announce():
              "rank_source": _state["rank_source"], "world_size": _state["world_size"],
              "evidence": _state["evidence"], "start": _state["start"], "t": time.time_ns(),
              "events": os.path.relpath(w.path, _state["run_dir"]) if w and w.path else None}
-    tmp = os.path.join(folder, f".{pid}.json.tmp")
+    # a file of this thread's own: two threads announcing at once (the writer thread's process-
+    # group poll and the job's init_process_group) would otherwise write one file over the other
+    tmp = os.path.join(folder, f".{pid}.{threading.get_ident()}.json.tmp")
     with open(tmp, "w", encoding="utf-8") as f:
         json.dump(entry, f)
     os.replace(tmp, os.path.join(folder, f"{pid}.json"))
@@ -144,14 +146,15 @@ def rank_known(rank, world_size, source="process_group"):
     """The process group told this process its rank (it wins over any environment variable)."""
     if _state["writer"] is None or _state["writer"].pid != os.getpid():
         training_evidence("init_process_group")  # a forked child: a writer of its own first
-    if _state["rank_source"] == source and _state["rank"] == str(rank):
-        return
-    _set_rank(rank, source, world_size)
-    if is_training():
-        try:
-            _announce()
-        except OSError as exc:
-            report_error("announce rank", exc)
+    with _announce_lock:  # one announcement at a time: the newest rank is the one on disk
+        if _state["rank_source"] == source and _state["rank"] == str(rank):
+            return
+        _set_rank(rank, source, world_size)
+        if is_training():
+            try:
+                _announce()
+            except OSError as exc:
+                report_error("announce rank", exc)
 
 
 def _poll_process_group():
