@@ -264,6 +264,22 @@ def _causes(run, rank, slow_rows, normal_rows):
     return causes
 
 
+def _run_queue_excess(run, rank, slow_rows, normal_rows):
+    """Seconds the training thread waited for a core in a slow step beyond a normal one (the
+    shim's per-step run-queue delay, median of each), or None where it was not recorded."""
+    events = run.of_type("cpu")
+    cpu = run.rank_rows("cpu_events", rank, events) if len(events) else None
+    if cpu is None or not len(cpu) or "thread_runq_s" not in cpu or not len(slow_rows) \
+            or not len(normal_rows):
+        return None
+    waits = cpu.dropna(subset=["thread_runq_s"]).groupby("step")["thread_runq_s"].sum()
+    slow = waits.reindex([int(s) for s in slow_rows["step"]]).dropna()
+    normal = waits.reindex([int(s) for s in normal_rows["step"]]).dropna()
+    if not len(slow) or not len(normal):
+        return None
+    return round(max(0.0, float(slow.median() - normal.median())), 4)
+
+
 def _periodic_prescriptions(run, causes, lost, period):
     text = " ".join(c["text"] for c in causes.get("log_lines_in_slow_steps", [])).lower()
     out = []
@@ -501,14 +517,26 @@ def _analyze_rank(run, rank):
         slowest = rest.sort_values("duration_s", ascending=False).head(5)
         slow_rows = rest[rest["duration_s"] > SLOW_FACTOR * float(d.median())]
         causes = _causes(run, rank, slow_rows, rest.drop(slow_rows.index)) if len(slow_rows) else {}
+        # where the job saves checkpoints is a fact of the run, not of these slow steps (a
+        # periodic save's steps are not among them): it explains nothing here
+        causes.pop("save_sites", None)
+        waited = _run_queue_excess(run, rank, slow_rows, rest.drop(slow_rows.index))
+        if waited is not None:
+            causes["run_queue_wait_in_slow_steps_s"] = waited
         cause_text = ("The slowest steps hold full (gen-2) garbage collections (see "
                       "gc.gen2_in_step). " if causes.get("gen2_gc_in_slow_steps") else "")
+        if waited is not None and waited >= 0.5 * (float(slow_rows["duration_s"].median())
+                                                   - float(d.median())):
+            # the slow steps waited for a core: the machine's other processes, not the job
+            cause_text += (f"In the slowest steps the training thread waited {waited * 1000:.0f} ms "
+                           "more for a CPU core than in the others: other processes' load. ")
+        job_causes = {k: v for k, v in causes.items() if k != "run_queue_wait_in_slow_steps_s"}
         findings.append(Finding(
             id="steps.instability",
             title=f"Step time varies (CV {cv:.2f}) on rank {rank}",
             # without a cause in the record, the machine (other processes) may be the reason:
             # say it, but do not rank it as the job's problem
-            severity="low" if cv >= CV_LOW and causes else "info", analyzer="stability",
+            severity="low" if cv >= CV_LOW and job_causes else "info", analyzer="stability",
             summary=(f"Over {len(rest)} steady steps: median {d.median():.3f} s, p90 "
                      f"{d.quantile(0.9):.3f} s, max {d.max():.3f} s. {cause_text}Variation "
                      "without a period; on a shared machine other processes cause it too."),
