@@ -209,7 +209,6 @@ class LiveJudge:
         self._routes: set[str] = set()         # span categories the pending triggers point at
         self._first_routed = False             # the first judgement ran routed: a full one next
         self._sources_warm = False             # the job's scripts parsed (_warm_sources)
-        self._pass_warm = False                # the analyzers' first calls made (_warm_pass)
         self._routed: set[str] = set()         # categories whose routed pass showed a finding,
                                                # since the last full pass
         self._so_far = None                    # the events parsed by the passes so far
@@ -242,8 +241,6 @@ class LiveJudge:
         while not self._stop.wait(self.options.poll_s):
             if not self._sources_warm:
                 self._warm_sources()
-            if not self._pass_warm and self.tail.step >= 1:
-                self._warm_pass()
             self.step_once()
 
     def _warm_imports(self) -> None:
@@ -261,25 +258,6 @@ class LiveJudge:
         except Exception as exc:
             self._error("imports", exc)
         self.state.import_cpu_s = time.process_time() - t0
-
-    def _warm_pass(self) -> None:
-        """One analysis of the record's first step, its findings dropped (one step proves
-        nothing): the first call of each analyzer's code paths (pandas' and pyarrow's lazy
-        imports, caches) costs a one-time ~0.1 s that the first real pass, the one an onset in the
-        job's first seconds waits for, would otherwise pay in its CPU and wall time (0.26 s
-        against 0.17 s). Counted with the imports: the end-of-run analysis pays it in any case."""
-        self._pass_warm = True
-        t0 = time.process_time()
-        try:
-            from traindx.analyzers import analyze
-            from traindx.record import load_run
-            from traindx.so_far import EventsSoFar
-
-            self._so_far = self._so_far or EventsSoFar(self.options.window_steps or None)
-            analyze(load_run(self.run_dir, cache=False, so_far=self._so_far))
-        except Exception as exc:
-            self._error("warm-up pass", exc)
-        self.state.import_cpu_s += time.process_time() - t0
 
     def _warm_sources(self) -> None:
         """Parse the job's own scripts once its manifest names them (codefix keeps each file's
