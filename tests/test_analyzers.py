@@ -356,6 +356,20 @@ def test_periodic_checkpoint_is_found_with_its_period(tmp_path_factory):
     assert any("async_save" in p.summary for p in finding.prescriptions)
 
 
+def test_a_period_far_above_a_loaded_machines_noise_is_still_found():
+    """10 ms steps, a 0.25 s save every 4th step, and eight steps elsewhere 3x slow (a busy
+    machine): the 2x set is too noisy for a period (10 saves among 18 slow steps), the saves
+    alone are not."""
+    from traindx.analyzers.stability import find_period
+
+    steps = list(range(2, 42))
+    noise = {5, 6, 9, 16, 22, 25, 30, 36}  # no period of their own
+    durations = [0.25 if s % 4 == 3 else 0.030 if s in noise else 0.010 for s in steps]
+    assert find_period(steps, [0.010 if d == 0.25 else d for d in durations]) is None
+    period, residue, hits = find_period(steps, durations)
+    assert (period, residue) == (4, 3) and hits == [s for s in steps if s % 4 == 3]
+
+
 def test_period_detection_ignores_noise_without_a_period():
     from traindx.analyzers.stability import find_period
 
