@@ -246,6 +246,7 @@ def run(args, parser):
 def run_fix(command, args):
     """`diagnose --fix`: the engine (traindx.fixloop.fix) wired to the terminal."""
     from rich.console import Console
+    from rich.markup import escape
 
     from traindx.commands.compare import print_comparison
     from traindx.fixloop import FixOptions, fix
@@ -255,7 +256,7 @@ def run_fix(command, args):
 
     def report(event):
         if event.kind == "stage":
-            console.rule(f"traindx --fix: {event.text}")
+            console.rule(escape(f"traindx --fix: {event.text}"))  # "[finding.id]" is text
         elif event.kind == "summary":
             print_summary(event.data["record"], event.data["findings"], event.data["report"],
                           console=console)
