@@ -6,6 +6,9 @@
 #             (examples/gpu_pathologies.py --pathology sync: .item() after every layer)
 #   capture   deep capture on an anomaly: a job whose step 12 is 4x slower gets a one-step
 #             torch.profiler window of it (trace/<rank>.anomaly-slow_step.json.gz)
+#   ttf2      the same, each case twice, and a host-bound loop with an onset at step 30
+#             (gpu_pathologies.py --slow-from 30: 50 ms of host work a step); onsets are
+#             measured after, from the run folders (bench/time_to_finding.py --onset-of)
 #   overhead  --always-on vs the bare job, interleaved, the job's own step times
 # usage (repo root, device machine): OUT=/tmp/out bash bench/gpu_live.sh [PHASE...]
 source bench/gpu_env.sh
@@ -27,6 +30,24 @@ ttf)
     $PY examples/gpu_pathologies.py --pathology sync --steps 400 2>&1 | grep -v iteration | tail -20
   $PY bench/time_to_finding.py --out "$OUT/gpu-ttf.json" --summarize "fa4-recompile=$WORK/fa4:jit." \
     "triton-reautotune=$WORK/triton:jit." "host-sync=$WORK/sync:host_sync."
+  ;;
+ttf2)  # each case twice; a host-bound loop with an onset (50 ms of host work a step from step 30)
+  for rep in 1 2; do
+    log "ttf2 $rep: fa4 recompile"
+    FA4_VERSION=b17 timeout 240 diagnose --until-diagnosed --run-dir "$WORK/fa4-$rep" -- \
+      $PY examples/gpu_qwen_fa4.py --max-seqlen-as tensor --steps 20 2>&1 | grep -v iteration | tail -8
+    log "ttf2 $rep: triton re-autotune"
+    timeout 240 diagnose --until-diagnosed --run-dir "$WORK/triton-$rep" -- \
+      $PY tests/jobs/fix_triton/train.py --steps 40 2>&1 | grep -v iteration | tail -8
+    log "ttf2 $rep: host-bound loop from step 30"
+    timeout 240 diagnose --until-diagnosed --run-dir "$WORK/hostbound-$rep" -- \
+      $PY examples/gpu_pathologies.py --pathology none --slow-from 30 --steps 1500 2>&1 | \
+      grep -v iteration | tail -8
+  done
+  $PY bench/time_to_finding.py --out "$OUT/gpu-ttf2.json" --summarize \
+    "fa4-recompile=$WORK/fa4-1:jit." "fa4-recompile=$WORK/fa4-2:jit." \
+    "triton-reautotune=$WORK/triton-1:jit." "triton-reautotune=$WORK/triton-2:jit." \
+    "host-bound=$WORK/hostbound-1:" "host-bound=$WORK/hostbound-2:"
   ;;
 capture)
   log "capture: a slow step in a steady GPU job"

@@ -54,10 +54,25 @@ def run_case(name, job, steps, expect, env_extra, onset=False):
            "--steps", str(steps)]
     proc = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=1200)
     row = summarize(name, run_dir, expect, steps, proc.returncode)
-    if onset and row["first_finding"]:
-        row["onset_step"] = onset_step(run_dir, row["first_finding"], row["step_shown"])
-        if row["onset_step"] is not None:
-            row["steps_after_onset"] = row["step_shown"] - row["onset_step"]
+    return with_onset(row, run_dir) if onset else row
+
+
+def with_onset(row, run_dir):
+    """The row with its finding's onset and the steps from it to the screen. Two counts: from
+    the onset (the batch analysis of the record cut there names it), and from the first step
+    count at which a finding of that onset can be *stable* by the live rule (seen in two
+    steady steps: STABLE_AFTER_STEPS; a recompile or re-autotune at once)."""
+    from traindx.live import _PROVEN_AT_ONCE, STABLE_AFTER_STEPS
+
+    if not row.get("first_finding"):
+        return row
+    row["onset_step"] = onset_step(run_dir, row["first_finding"], row["step_shown"])
+    if row["onset_step"] is not None:
+        row["steps_after_onset"] = row["step_shown"] - row["onset_step"]
+        proven = any(k in row["first_finding"] for k in _PROVEN_AT_ONCE)
+        row["stable_from_step"] = row["onset_step"] if proven else max(row["onset_step"],
+                                                                       STABLE_AFTER_STEPS)
+        row["steps_after_stable_onset"] = row["step_shown"] - row["stable_from_step"]
     return row
 
 
@@ -281,6 +296,7 @@ def main():
     ap.add_argument("--only", nargs="*", default=None)
     ap.add_argument("--onset", action="store_true", help="measure each finding's onset step")
     ap.add_argument("--load", type=int, default=0, help="CPU burners beside each job")
+    ap.add_argument("--reps", type=int, default=1, help="runs of each case (interleaved)")
     ap.add_argument("--summarize", nargs="*", default=None, metavar="NAME=RUN_DIR[:EXPECT]",
                     help="only read run folders already written (e.g. on the GPU machine)")
     ap.add_argument("--replay", nargs="*", default=None, metavar="RUN_DIR")
@@ -307,6 +323,8 @@ def main():
             name, _, rest = spec.partition("=")
             run_dir, _, expect = rest.partition(":")
             rows.append(summarize(name, run_dir, expect))
+            if a.onset:
+                with_onset(rows[-1], run_dir)
             print(json.dumps(rows[-1]), flush=True)
     else:
         cases = dict(CASES)
@@ -316,13 +334,14 @@ def main():
         burners = [subprocess.Popen([sys.executable, "-c", "while 1: pass"])
                    for _ in range(a.load)]
         try:
-            for name, (job, steps, expect, env) in cases.items():
-                if a.only and name not in a.only:
-                    continue
-                row = run_case(name, job, steps, expect, env, onset=a.onset)
-                row["burners"] = a.load
-                rows.append(row)
-                print(json.dumps(row), flush=True)
+            for rep in range(1, a.reps + 1):
+                for name, (job, steps, expect, env) in cases.items():
+                    if a.only and name not in a.only:
+                        continue
+                    row = run_case(name, job, steps, expect, env, onset=a.onset)
+                    row.update(burners=a.load, rep=rep)
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
         finally:
             for b in burners:
                 b.kill()

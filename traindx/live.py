@@ -14,7 +14,7 @@ definition of every judgement). It runs on a trigger, or on the slow cadence (CA
 budget has room for it and a trigger's analysis besides, and only while the CPU spent by both
 stages stays within a bounded share of one core over the run so far (`LiveOptions.cpu_share`).
 The budget banks while nothing happens, so an onset finds it full: what the cheap stage buys;
-it is counted over at least BUDGET_HORIZON_S, so a job's first seconds start with some banked.
+a job's first seconds start with START_PASSES full passes banked (what judging needs at least).
 A trigger the budget has no room to judge with every analyzer is judged by the analyzers that
 read the category standing out in it (CATEGORY_ANALYZERS: a GC pause by the GC analyzer, a
 compile by the compile analyzer; a compile-only trigger always so): a fraction of a full pass's
@@ -74,10 +74,12 @@ STOP_MARGIN_S = 1.0
 # the slow cadence: a full analysis at most this often without a trigger, and only with room
 # left in the budget for a trigger's analysis after it
 CADENCE_S = 30.0
-# the share is of one core over at least this long: a job's first seconds start with the budget
-# of its first half minute banked (0.6 s at 2 %), so an onset in them (a re-autotune at step 2)
-# is judged at once; over a run longer than this the share holds as it is
-BUDGET_HORIZON_S = 30.0
+# the budget is the share of one core over the run so far, and never less than this many full
+# passes (at their measured cost): a job's first seconds hold a first judgement, an onset's pass
+# and its confirmation, on a slow host as on a fast one (a fixed 0.6 s held one 0.35-0.5 s pass
+# on the H200's host: a host-bound onset at step 30 waited 630 steps for the budget). Over a run
+# longer than a minute or so the share holds as it is.
+START_PASSES = 3
 # a trigger that only concerns compiles is judged by the compile analyzer alone
 TRIGGER_ANALYZERS = {"compile": ("jit",)}
 # a slow step, a moved span line or a first line with time outside the model, when the budget
@@ -90,6 +92,9 @@ CATEGORY_ANALYZERS = {"compile": ("jit",), "data": ("dataloader",), "gc": ("gc_p
                       "collective": ("ranks",), "other": ("host_work",)}
 ROUTED_KINDS = frozenset({"slow_step", "line", "steps", "compile"})
 FULL_PASS_GUESS_S = 0.2             # a full pass's CPU before one was measured
+# a finding is due on screen within this many steps of the record that shows it (issue 24's
+# goal for ledger-based findings); a full pass longer than that many steps goes routed first
+SHOW_WITHIN_STEPS = 3
 ANALYSES_KEPT = 200                 # the per-pass log kept in live.json
 # the per-step events a pass reads: each process's last WINDOW_STEPS steps (traindx.so_far: a
 # rolling window, 1.25x at most; enough for a period of tens of steps to repeat)
@@ -211,6 +216,7 @@ class LiveJudge:
         self._sources_warm = False             # the job's scripts parsed (_warm_sources)
         self._routed: set[str] = set()         # categories whose routed pass showed a finding,
                                                # since the last full pass
+        self._routed_first = False             # the pass due runs routed ahead of a full one
         self._so_far = None                    # the events parsed by the passes so far
         self._top = (None, 0)                  # (the top root's id, step count it became top at)
         self._hold_until = 0                   # a pass due at this step: has the top held?
@@ -299,8 +305,8 @@ class LiveJudge:
 
     def _room(self, cost: float) -> bool:
         """Whether `cost` CPU seconds more stay within the share of one core over the run."""
-        elapsed = max(self.clock() - self._start, BUDGET_HORIZON_S)
-        return self.spent_s() + cost <= self.options.cpu_share * elapsed
+        share = self.options.cpu_share * (self.clock() - self._start)
+        return self.spent_s() + cost <= max(share, START_PASSES * self._expected(None))
 
     def _expected(self, only: Optional[tuple]) -> float:
         """The CPU a pass of `only` (None: every analyzer) is expected to cost: its last one; a
@@ -366,14 +372,24 @@ class LiveJudge:
         if self._pending:
             kinds = set(self._pending)
             only = TRIGGER_ANALYZERS.get(next(iter(kinds))) if len(kinds) == 1 else None
+            # a finding shown to confirm waits for the full pass (its verdict, the stop)
+            routed = None if "confirm" in kinds else self._route(kinds)
+            if routed is not None and self._full_pass_spans_steps(only) and \
+                    self._room(self._expected(routed) + self._expected(None)):
+                # the full pass would let the job run SHOW_WITHIN_STEPS steps or more before
+                # its finding is on screen: the analyzers of what stands out first (a fraction
+                # of the cost), the full pass confirming it next, on the same record; only with
+                # room for both (else --until-diagnosed's stop waits for the budget); the
+                # triggers stay pending for it whatever the routed pass shows
+                self._routed_first = True
+                return "+".join(sorted(kinds)), routed
             if self._room(self._expected(only)):
                 return "+".join(sorted(kinds)), only
-            # no room for every analyzer: those of what stands out first (a finding shown to
-            # confirm waits for the full pass: its verdict and --until-diagnosed's stop)
-            # (not under --until-diagnosed: a routed pass and its confirming full pass cost
-            # more than one full pass, and its stop came later: 907 steps against 47 measured)
-            routed = None if "confirm" in kinds or self.options.until_diagnosed \
-                else self._route(kinds)
+            # no room for every analyzer: those of what stands out first (not under
+            # --until-diagnosed: a routed pass and its confirming full pass cost more than one
+            # full pass, and its stop came later: 907 steps against 47 measured)
+            if self.options.until_diagnosed:
+                routed = None
             if routed is not None and self._room(self._expected(routed)):
                 return "+".join(sorted(kinds)), routed
             for kind in sorted(kinds & set(TRIGGER_ANALYZERS)):
@@ -388,6 +404,15 @@ class LiveJudge:
                 self.clock() - self._analysed_t >= CADENCE_S and self._room(2 * self._expected(None)):
             return ("steps" if self._full_at < STABLE_AFTER_STEPS else "cadence"), None
         return None, None
+
+    def _full_pass_spans_steps(self, only: Optional[tuple]) -> bool:
+        """Whether the pass of `only` (None: every analyzer) is expected to take as long as
+        SHOW_WITHIN_STEPS of the job's steps: the job runs on while it runs, so a finding it
+        shows is on screen that many steps after the record it read (its CPU is its wall time
+        at best)."""
+        step_s = self.tail.median_step_s()
+        return only is None and step_s is not None and \
+            self._expected(None) >= SHOW_WITHIN_STEPS * step_s
 
     def _route(self, kinds: set) -> Optional[tuple]:
         """The analyzers that read what the pending triggers point at (TRIGGER_ANALYZERS,
@@ -431,8 +456,9 @@ class LiveJudge:
             judged = {c for c in self._routes if c in CATEGORY_ANALYZERS
                       and set(CATEGORY_ANALYZERS[c]) <= set(only)}
             kinds = trigger.split("+")
-            for kind in kinds:
+            for kind in kinds if not self._routed_first else ():
                 self._pending.pop(kind, None)
+            self._routed_first = False
             if "line" in kinds:  # the moved line was judged by the analyzers that read it
                 self.tail.mark_judged()
             if "steps" in kinds:  # the full first judgement: when there is room

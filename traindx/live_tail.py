@@ -100,6 +100,11 @@ class EventTail:
         return max((line_outside_model(_mean_line(lines)) for lines in self._lines.values()
                     if lines), default=0.0)
 
+    def median_step_s(self) -> Optional[float]:
+        """The running median of the recent steady steps' times (every process's), or None."""
+        seen = sorted(d for durations in self._durations.values() for d in durations)
+        return seen[len(seen) // 2] if seen else None
+
     def mark_judged(self) -> None:
         """The record as it is now was judged: span lines are compared with this one next."""
         for path, lines in self._lines.items():
