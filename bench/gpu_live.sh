@@ -49,6 +49,21 @@ ttf2)  # each case twice; a host-bound loop with an onset (50 ms of host work a 
     "triton-reautotune=$WORK/triton-1:jit." "triton-reautotune=$WORK/triton-2:jit." \
     "host-bound=$WORK/hostbound-1:" "host-bound=$WORK/hostbound-2:"
   ;;
+ttf3)  # after a change of the live judge: the host-bound onset twice, the JIT cases once
+  for rep in 1 2; do
+    log "ttf3 $rep: host-bound loop from step 30"
+    timeout 200 diagnose --until-diagnosed --run-dir "$WORK/hostbound-$rep" -- \
+      $PY examples/gpu_pathologies.py --pathology none --slow-from 30 --steps 1500 2>&1 | \
+      grep -v iteration | tail -3
+  done
+  FA4_VERSION=b17 timeout 200 diagnose --until-diagnosed --run-dir "$WORK/fa4-1" -- \
+    $PY examples/gpu_qwen_fa4.py --max-seqlen-as tensor --steps 20 2>&1 | tail -2
+  timeout 200 diagnose --until-diagnosed --run-dir "$WORK/triton-1" -- \
+    $PY tests/jobs/fix_triton/train.py --steps 40 2>&1 | tail -2
+  $PY bench/time_to_finding.py --out "$OUT/gpu-ttf3.json" --summarize \
+    "host-bound=$WORK/hostbound-1:" "host-bound=$WORK/hostbound-2:" \
+    "fa4-recompile=$WORK/fa4-1:jit." "triton-reautotune=$WORK/triton-1:jit."
+  ;;
 capture)
   log "capture: a slow step in a steady GPU job"
   timeout 300 diagnose --run-dir "$WORK/capture" -- $PY examples/gpu_pathologies.py --pathology none \
