@@ -73,7 +73,23 @@ def with_onset(row, run_dir):
         row["stable_from_step"] = row["onset_step"] if proven else max(row["onset_step"],
                                                                        STABLE_AFTER_STEPS)
         row["steps_after_stable_onset"] = row["step_shown"] - row["stable_from_step"]
+        # seconds from the end of the step that made the record show it (the onset's last
+        # step) to the screen: what "steps after" means on steps of a few ms
+        ends = [t for t, _, line in _event_lines(run_dir) if '"step_end"' in line]
+        live = json.load(open(os.path.join(run_dir, "live.json")))
+        shown_ns = live["findings"][row["first_finding"]]["t_ns"]
+        for key, n in (("seconds_after_onset", row["onset_step"]),
+                       ("seconds_after_stable_onset", row["stable_from_step"])):
+            if 0 < n <= len(ends):
+                row[key] = round((shown_ns - ends[n - 1]) / 1e9, 3)
+        row["median_step_s"] = _median_step(run_dir)
     return row
+
+
+def _median_step(run_dir):
+    durations = sorted(json.loads(line)["duration_s"] for _, _, line in _event_lines(run_dir)
+                       if '"step_end"' in line and '"duration_s"' in line)
+    return round(durations[len(durations) // 2], 4) if durations else None
 
 
 def summarize(name, run_dir, expect="", steps=None, returncode=None):

@@ -184,3 +184,58 @@ def test_without_room_for_every_analyzer_a_slow_step_is_judged_by_its_categorys_
     batch = analyze(load_run(str(tmp_path / "run"), cache=False))
     assert [(f.id, f.severity, f.title, f.cause) for f in finals[-1]] == \
         [(f.id, f.severity, f.title, f.cause) for f in batch]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("full_s, routed_first", [(1.0, True), (0.01, False)])
+def test_a_full_pass_longer_than_three_steps_is_preceded_by_the_routed_one(tmp_path, full_s,
+                                                                           routed_first):
+    """The same recorded GC storm (steps of ~30 ms), the budget always with room: when a full
+    pass is expected to cost as long as 3 of the job's steps (1 s of CPU), each trigger is
+    judged first by the analyzers of the category standing out in it (a finding on screen
+    that many steps sooner), and its triggers stay pending, so the full pass follows at the
+    next step end whatever the routed pass showed; a full pass shorter than that (10 ms) runs
+    at once, with nothing routed."""
+    from traindx.live import SHOW_WITHIN_STEPS, LiveJudge, LiveOptions
+
+    def expected(self, only):
+        return full_s if only is None else full_s / 10
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(LiveJudge, "_expected", expected)
+        m.setattr(LiveJudge, "_room", lambda self, cost: True)
+        judge, shown = _replay(SRC, str(tmp_path / "run"), LiveOptions(report_every=0))
+    assert not judge.errors, judge.errors
+    passes = judge.state.passes
+    step_s = judge.tail.median_step_s()
+    assert step_s and (full_s >= SHOW_WITHIN_STEPS * step_s) == routed_first
+    routed = [i for i, p in enumerate(passes) if p["analyzers"] != "all"]
+    if not routed_first:
+        assert passes and not routed, passes
+        return
+    assert routed and routed[0] == 0, passes          # the first judgement went routed
+    for i in routed:
+        assert i + 1 < len(passes), passes
+        after = passes[i + 1]
+        # the full pass judged what the routed one did (its triggers were kept pending)
+        assert after["analyzers"] == "all", passes
+        assert set(passes[i]["trigger"].split("+")) - {"confirm"} <= \
+            set(after["trigger"].split("+")), passes
+    assert any(fid.startswith("gc.") for fid, _ in shown), (shown, passes)
+
+
+def test_the_budget_starts_with_three_full_passes_at_their_measured_cost(tmp_path):
+    """A job's first seconds hold START_PASSES full passes at the cost the last one measured
+    (0.4 s each on a slow host: 1.2 s, where a share of a few seconds would hold none); over a
+    long run the share of one core decides."""
+    from traindx.live import START_PASSES, LiveJudge, LiveOptions
+
+    now = [0.0]
+    judge = LiveJudge(str(tmp_path), LiveOptions(cpu_share=0.02), clock=lambda: now[0])
+    judge._cost[None] = 0.4
+    assert START_PASSES == 3
+    assert judge._room(1.2) and not judge._room(1.25)
+    judge.state.analysis_cpu_s = 0.8                 # two passes spent: one left
+    assert judge._room(0.4) and not judge._room(0.45)
+    now[0] = 200.0                                   # 2 % of 200 s: 4 s
+    assert judge._room(3.2) and not judge._room(3.25)
