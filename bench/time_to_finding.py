@@ -313,6 +313,9 @@ def main():
     ap.add_argument("--onset", action="store_true", help="measure each finding's onset step")
     ap.add_argument("--load", type=int, default=0, help="CPU burners beside each job")
     ap.add_argument("--reps", type=int, default=1, help="runs of each case (interleaved)")
+    ap.add_argument("--job-args", default="", metavar="ARGS",
+                    help="more arguments for the examples/pathologies.py cases (e.g. a wider "
+                         "model: '--width 1024 --batch-size 256', steps of ~0.1 s)")
     ap.add_argument("--summarize", nargs="*", default=None, metavar="NAME=RUN_DIR[:EXPECT]",
                     help="only read run folders already written (e.g. on the GPU machine)")
     ap.add_argument("--replay", nargs="*", default=None, metavar="RUN_DIR")
@@ -354,6 +357,8 @@ def main():
                 for name, (job, steps, expect, env) in cases.items():
                     if a.only and name not in a.only:
                         continue
+                    if a.job_args and "examples/pathologies.py" in job:
+                        job = job + a.job_args.split()
                     row = run_case(name, job, steps, expect, env, onset=a.onset)
                     row.update(burners=a.load, rep=rep)
                     rows.append(row)

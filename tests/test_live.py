@@ -204,11 +204,16 @@ def test_cheap_stage_triggers_on_a_new_compile_key_a_slow_step_and_a_moved_line(
     tail.mark_judged()
     assert not sum((step() for _ in range(LINE_STEPS)), [])   # the line settles after warm-up
     n = state["step"]
-    _append(path, dict(compile_, step=n, key="(96,)"))       # the same key: nothing new
+    _append(path, dict(compile_, step=n, key="(96,)"))       # the same key compiled again
     _append(path, dict(compile_, step=n, key="(128,)"))      # a new key, its step still running
     tail.poll()
     assert not tail.take_triggers()
-    assert step() == ["compile"]                             # ... until that step ended
+    assert step() == ["compile"]               # ... until that step ended: one for the step
+    # a key that reads the same, compiled again after warm-up, is a cache miss all the same
+    # (FA4's tensor max_seqlen: the key holds the tensor's identity, its text does not)
+    _append(path, dict(compile_, step=n + 1, key="(96,)"))
+    _append(path, dict(compile_, step=n + 1, key="(96,)"))
+    assert step() == ["compile"]
     assert step(0.1, [("data", 0.02), ("forward", 0.05)]) == ["slow_step"]  # the same line
     # what stands out in the slow step: the 30 % no span covers (host time), for its analyzers
     assert tail.take_categories() == {"other"}

@@ -15,8 +15,9 @@ budget has room for it and a trigger's analysis besides, and only while the CPU 
 stages stays within a bounded share of one core over the run so far (`LiveOptions.cpu_share`).
 The budget banks while nothing happens, so an onset finds it full: what the cheap stage buys;
 a job's first seconds start with START_PASSES full passes banked (what judging needs at least).
-A trigger the budget has no room to judge with every analyzer is judged by the analyzers that
-read the category standing out in it (CATEGORY_ANALYZERS: a GC pause by the GC analyzer, a
+A trigger whose full pass would take SHOW_WITHIN_STEPS of the job's steps or more (the job runs
+on meanwhile: fast steps), or that the budget has no room to judge with every analyzer, is judged
+first by the analyzers that read the category standing out in it (CATEGORY_ANALYZERS: a GC pause by the GC analyzer, a
 compile by the compile analyzer; a compile-only trigger always so): a fraction of a full pass's
 cost, so on screen before the budget refills; the full pass confirms what it showed, on the same
 record, before any other routed pass. A pass reads each process's last `window_steps` steps

@@ -165,8 +165,16 @@ class EventTail:
             self.anomalies.append(("recompile", f"{kernel} compiled again in step {step}"))
             self.recompiled_in = step if self.recompiled_in is None else min(
                 self.recompiled_in, step)
-            # every new key until the kernel's finding is shown: its severity grows with them
-            if (key not in keys or e.get("key") is None) and kernel not in self.judged_kernels:
+            # every new key until the kernel's finding is shown: its severity grows with them;
+            # a key that reads the same compiled again is a cache miss all the same (FA4's
+            # tensor max_seqlen: the key holds the tensor's identity, its text does not), once
+            # per kernel and step, TRIGGERS_PER_SOURCE times per kernel
+            fired = self._fired.get(("same_key", kernel), 0)
+            if kernel not in self.judged_kernels and (key not in keys or (
+                    fired < TRIGGERS_PER_SOURCE)) and \
+                    (step, kernel) not in {(s, k) for s, k, _ in self._compile_due}:
+                if key in keys:
+                    self._fired[("same_key", kernel)] = fired + 1
                 self._compile_due.append((step, kernel, f"{kernel} compiled again in step {step}"
                                           + (" with a new key" if key not in keys else "")))
         seen = self._keys.setdefault(kernel, set())
