@@ -64,6 +64,14 @@ ttf3)  # after a change of the live judge: the host-bound onset twice, the JIT c
     "host-bound=$WORK/hostbound-1:" "host-bound=$WORK/hostbound-2:" \
     "fa4-recompile=$WORK/fa4-1:jit." "triton-reautotune=$WORK/triton-1:jit."
   ;;
+ttf4)  # the seed's recompile after the same-key compile trigger, twice
+  for rep in 1 2; do
+    FA4_VERSION=b17 timeout 200 diagnose --until-diagnosed --run-dir "$WORK/fa4-$rep" -- \
+      $PY examples/gpu_qwen_fa4.py --max-seqlen-as tensor --steps 20 2>&1 | tail -2
+  done
+  $PY bench/time_to_finding.py --out "$OUT/gpu-ttf4.json" --summarize \
+    "fa4-recompile=$WORK/fa4-1:jit." "fa4-recompile=$WORK/fa4-2:jit."
+  ;;
 capture)
   log "capture: a slow step in a steady GPU job"
   timeout 300 diagnose --run-dir "$WORK/capture" -- $PY examples/gpu_pathologies.py --pathology none \
