@@ -92,9 +92,10 @@ class RankSampler:
             self._window_thread.start()
 
     def _window_loop(self):
-        """Every window_s: the next window's recorders first, then the old ones told to write
-        (no gap in the samples), then the windows past the first and the last `keep` folded."""
-        while not self._stop.wait(self.budget.window_s):
+        """At each window's end (the first one short: Budget.window_length): the next window's
+        recorders first, then the old ones told to write (no gap in the samples), then the
+        windows past the start-up ones and the last `keep` folded."""
+        while not self._stop.wait(self.budget.window_length(self.window)):
             if not os.path.exists(f"/proc/{self.pid}"):
                 return
             with self._window_lock:
@@ -105,10 +106,11 @@ class RankSampler:
                 self.recorders = self._start_recorders()
             for flavour, proc, _ in old:
                 self._finish(flavour, proc)
-            fold = list(range(1, self.window - self.budget.keep))
+            first = self.budget.startup_windows()
+            fold = list(range(first, self.window - self.budget.keep))
             # the windows' share of the budget: fold kept windows too, oldest first (never the
-            # first or the live one); a folded window costs only its stacks not yet seen
-            kept = list(range(max(1, self.window - self.budget.keep), self.window))
+            # start-up ones or the live one); a folded window costs only its stacks not yet seen
+            kept = list(range(max(first, self.window - self.budget.keep), self.window))
             over = self._windows_bytes() - self.budget.cap(rolling.PYSPY_SHARE)
             while kept and over > 0:
                 n = kept.pop(0)
@@ -118,7 +120,8 @@ class RankSampler:
             if fold:
                 for flavour in ("all", "gil"):
                     try:
-                        rolling.fold_windows(self.out_dir, f"{self.rank}-{flavour}", max(fold))
+                        rolling.fold_windows(self.out_dir, f"{self.rank}-{flavour}", max(fold),
+                                             first=first)
                     except Exception as exc:  # the windows stay as they are: nothing lost
                         self._note(self.errors, f"py-spy {flavour} windows not folded: {exc}")
 

@@ -40,6 +40,18 @@ class Budget:
     rank_bytes: int = 2048 * MB
     window_s: float = 600.0
     keep: int = 3
+    # the first window is short: py-spy writes a window's samples only when it ends, and the
+    # live judgement reads them then (a GIL held by another thread is seen in the recording)
+    first_window_s: float = 20.0
+
+    def window_length(self, n: int) -> float:
+        """Seconds window `n` records for."""
+        return min(self.first_window_s, self.window_s) if n == 0 else self.window_s
+
+    def startup_windows(self) -> int:
+        """Windows kept whole from the start (start-up, the first compiles): window 0, and
+        window 1 too when window 0 was the short first one."""
+        return 2 if self.window_length(0) < self.window_s else 1
 
     def cap(self, share):
         return int(self.rank_bytes * share)
@@ -51,6 +63,7 @@ class Budget:
 
     def as_dict(self):
         return {"rank_bytes": self.rank_bytes, "window_s": self.window_s, "keep": self.keep,
+                "first_window_s": self.first_window_s,
                 "events_segment_bytes": self.segment_bytes(EVENTS_SHARE)}
 
 
@@ -360,21 +373,22 @@ def rolled_window_path(out_dir, stem_flavour):
     return os.path.join(out_dir, f"{stem_flavour}.rolled{SPEEDSCOPE}")
 
 
-def fold_windows(out_dir, stem_flavour, through):
-    """Fold windows 1..`through` into the rolled summary: per thread, each distinct stack once
+def fold_windows(out_dir, stem_flavour, through, first=1):
+    """Fold windows `first`..`through` into the rolled summary (the windows before `first` are
+    start-up, kept whole): per thread, each distinct stack once
     with its summed weight (seconds), then remove their files. The summary says the last window
     it holds (`traindx_folded_through`: they roll off in order), so a window still present after a
     kill between the two steps is not read twice, and the summary does not grow with the run."""
     rolled = rolled_window_path(out_dir, stem_flavour)
-    totals, folded_through = {}, 0
+    totals, folded_through = {}, first - 1
     if os.path.exists(rolled):
         try:
-            folded_through = int(_read_json(rolled).get("traindx_folded_through", 0))
+            folded_through = int(_read_json(rolled).get("traindx_folded_through", first - 1))
             _add(totals, load(rolled))
         except Exception:  # an unreadable summary is not silently replaced: keep it aside
             os.replace(rolled, rolled + ".bad")
-            totals, folded_through = {}, 0
-    done = [window_path(out_dir, stem_flavour, n) for n in range(1, folded_through + 1)]
+            totals, folded_through = {}, first - 1
+    done = [window_path(out_dir, stem_flavour, n) for n in range(first, folded_through + 1)]
     for n in range(folded_through + 1, through + 1):
         path = window_path(out_dir, stem_flavour, n)
         if os.path.exists(path):
@@ -384,7 +398,7 @@ def fold_windows(out_dir, stem_flavour, through):
                 pass  # py-spy left no valid file for this window (killed): nothing to fold
         done.append(path)
     if through > folded_through:
-        _write_speedscope(rolled, totals, through)
+        _write_speedscope(rolled, totals, through, first)
     for path in done:
         if os.path.exists(path):
             os.remove(path)
@@ -402,7 +416,7 @@ def _add(totals, threads):
             per[stack] = per.get(stack, 0) + weight
 
 
-def _write_speedscope(path, totals, folded_through):
+def _write_speedscope(path, totals, folded_through, folded_from=1):
     frames, index, profiles = [], {}, []
     for name, stacks in totals.items():
         samples, weights = [], []
@@ -421,7 +435,8 @@ def _write_speedscope(path, totals, folded_through):
     doc = {"$schema": "https://www.speedscope.app/file-format-schema.json",
            "shared": {"frames": frames}, "profiles": profiles,
            "name": "traindx: py-spy windows rolled off (each distinct stack once)",
-           "exporter": "traindx", "traindx_folded_through": folded_through}
+           "exporter": "traindx", "traindx_folded_through": folded_through,
+           "traindx_folded_from": folded_from}
     _write_json_atomic(path, doc)
 
 
@@ -432,18 +447,22 @@ def load_pyspy(pyspy_dir):
     for path in glob.glob(os.path.join(pyspy_dir, "*" + SPEEDSCOPE)):
         m = _WINDOW.match(os.path.basename(path)[: -len(SPEEDSCOPE)])
         stem, _, source = m["base"].rpartition("-")
-        order = -1 if m["rolled"] else int(m["n"] or 0)
-        groups.setdefault((stem, source), []).append((0.5 if order == -1 else order, path))
+        groups.setdefault((stem, source), []).append((None if m["rolled"] else int(m["n"] or 0),
+                                                      path))
     out = {}
     for key, files in sorted(groups.items()):
-        threads, errors, folded = {}, [], 0
-        for order, path in sorted(files):
-            if order == 0.5:
+        threads, errors, first, folded = {}, [], 1, 0
+        for n, path in files:
+            if n is None:  # the summary: the windows it holds, read in their place
                 try:
-                    folded = int(_read_json(path).get("traindx_folded_through", 0))
+                    doc = _read_json(path)
+                    first = int(doc.get("traindx_folded_from", 1))
+                    folded = int(doc.get("traindx_folded_through", 0))
                 except (OSError, ValueError):
                     pass
-            elif 0 < order <= folded:
+        ordered = sorted(files, key=lambda f: first - 0.5 if f[0] is None else f[0])
+        for n, path in ordered:
+            if n is not None and first <= n <= folded:
                 continue
             try:
                 part = load(path)

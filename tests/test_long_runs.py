@@ -213,6 +213,40 @@ def test_pyspy_windows_fold_into_one_summary_that_keeps_the_whole_runs_proportio
     assert sum(threads['Thread 2 "loader"'].weights) == pytest.approx(0.05 * 6)
 
 
+def test_a_short_first_window_keeps_the_next_one_whole_and_the_run_reads_in_order(tmp_path):
+    """The first py-spy window is short (the live judgement reads a GIL held by another thread
+    from it), so the start-up windows are 0 and 1: folding starts at 2, the summary says so, and
+    the loader reads window 1 (not folded) before the summary, a window the summary holds once."""
+    from traindx.profiler.speedscope import load
+
+    budget = rolling.Budget(window_s=600, first_window_s=20)
+    assert budget.window_length(0) == 20 and budget.window_length(1) == 600
+    assert budget.startup_windows() == 2 and rolling.Budget(first_window_s=900).startup_windows() == 1
+    out = str(tmp_path)
+    for n in range(6):  # window n: n+1 samples in a function of its own, 1 in "main"
+        stacks = {}
+        rolling._add(stacks, _window({'Thread 1 "MainThread"': [(("main", f"w{n}"), 0.05)] * (n + 1)
+                                      + [(("main",), 0.05)]}))
+        rolling._write_speedscope(rolling.window_path(out, "p9-gil", n), stacks, [])
+    rolling.fold_windows(out, "p9-gil", 3, first=budget.startup_windows())
+    assert sorted(os.listdir(out)) == [
+        "p9-gil.rolled.speedscope.json", "p9-gil.speedscope.json", "p9-gil.w000001.speedscope.json",
+        "p9-gil.w000004.speedscope.json", "p9-gil.w000005.speedscope.json"]
+    # a kill after the summary was written but before window 2 was removed
+    shutil.copy(rolling.window_path(out, "p9-gil", 4), rolling.window_path(out, "p9-gil", 2))
+    threads, errors = rolling.load_pyspy(out)[("p9", "gil")]
+    assert not errors
+    main = threads['Thread 1 "MainThread"']
+    weights = {}
+    for stack, w in zip(main.stacks, main.weights):
+        weights[stack[-1].name] = weights.get(stack[-1].name, 0) + w
+    assert weights == pytest.approx({"main": 0.05 * 6, **{f"w{n}": 0.05 * (n + 1) for n in range(6)}})
+    # in order: window 0, window 1, the summary (windows 2-3), then 4 and 5
+    leaves = [stack[-1].name for stack in main.stacks if stack[-1].name != "main"]
+    assert leaves.index("w1") < leaves.index("w2") < leaves.index("w4")
+    assert load(rolling.rolled_window_path(out, "p9-gil"))  # a valid speedscope file
+
+
 def _evidence_bytes(run_dir):
     """What the collectors wrote (analysis outputs are derived and rebuilt at will)."""
     derived = {"report.html", "findings.json", "ledger.csv", "tables"}

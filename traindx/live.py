@@ -81,8 +81,9 @@ CADENCE_S = 30.0
 # on the H200's host: a host-bound onset at step 30 waited 630 steps for the budget). Over a run
 # longer than a minute or so the share holds as it is.
 START_PASSES = 3
-# a trigger that only concerns compiles is judged by the compile analyzer alone
-TRIGGER_ANALYZERS = {"compile": ("jit",)}
+# a trigger that only concerns compiles is judged by the compile analyzer alone; a py-spy
+# recording (a window written) by the analyzer that reads who holds the GIL
+TRIGGER_ANALYZERS = {"compile": ("jit",), "recording": ("gil",)}
 # a slow step, a moved span line or a first line with time outside the model, when the budget
 # has no room for every analyzer, is judged by the analyzers that read the span category
 # standing out in it (a pass of a fraction of the cost, on screen before the budget refills);

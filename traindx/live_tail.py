@@ -36,7 +36,9 @@ MODEL_SPANS = ("forward", "backward", "optimizer")
 # would spend the budget on evidence judged already (a kernel's compiles trigger until its
 # finding is shown)
 TRIGGERS_PER_SOURCE = 6
-FILES_EVERY_S = 2.0                 # new events files (a rank that started late) looked for
+FILES_EVERY_S = 2.0                 # new events files (a rank that started late) and py-spy
+                                    # recordings looked for
+RECORDING_SETTLE_S = 1.0            # a recording's file unchanged this long is whole
 KEYS_KEPT = 4096                    # compile keys remembered per kernel (a long run's memory)
 # a span line of the shim: '{"cat": "data", "start": <ns>, "t": <ns>, ...' (read without a JSON
 # parse: the cheap stage runs at every step end)
@@ -70,6 +72,7 @@ class EventTail:
         self.categories: set[str] = set()               # span categories standing out in them
         self._files_at = -math.inf
         self._file_list: list[str] = []
+        self._recorded: set[str] = set()                # py-spy recordings already announced
 
     def take_anomalies(self) -> list[tuple[str, str]]:
         found, self.anomalies = self.anomalies, []
@@ -188,7 +191,28 @@ class EventTail:
             self._file_list = (
                 glob.glob(os.path.join(self.run_dir, "events", "*.jsonl"))
                 + glob.glob(os.path.join(self.run_dir, "nodes", "*", "events", "*.jsonl")))
+            self._recordings()
         return self._file_list
+
+    def _recordings(self) -> None:
+        """A py-spy GIL recording written since the last look (py-spy writes a window's samples
+        when the window ends: the first one is short) is new evidence: a `recording` trigger
+        (a GIL held by another thread is only seen there). Once its file has stood still for
+        RECORDING_SETTLE_S: py-spy writes it in one go at the window's end."""
+        now = time.time()
+        for path in glob.glob(os.path.join(self.run_dir, "pyspy", "*-gil*.speedscope.json")) + \
+                glob.glob(os.path.join(self.run_dir, "nodes", "*", "pyspy",
+                                       "*-gil*.speedscope.json")):
+            if path in self._recorded or ".rolled." in path:
+                continue
+            try:
+                settled = now - os.path.getmtime(path) >= RECORDING_SETTLE_S
+            except OSError:
+                continue
+            if settled:
+                self._recorded.add(path)
+                self.triggers.append(("recording",
+                                      f"py-spy wrote {os.path.basename(path)}"))
 
     def poll(self) -> bool:
         """True when a step ended since the last poll."""
