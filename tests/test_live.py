@@ -229,6 +229,36 @@ def test_cheap_stage_triggers_on_a_new_compile_key_a_slow_step_and_a_moved_line(
     assert tail.step == state["step"] and tail.offsets[path] < os.path.getsize(path)
 
 
+def test_a_gil_recording_written_is_a_trigger_once_its_file_stands_still(tmp_path):
+    """py-spy writes a window's samples when the window ends (the first one is short): the
+    cheap stage announces each GIL recording once, not while its file is still being written,
+    and never the rolled summary (windows already announced)."""
+    from traindx.live import TRIGGER_ANALYZERS
+    from traindx.live_tail import FILES_EVERY_S, RECORDING_SETTLE_S
+
+    os.makedirs(tmp_path / "events")
+    os.makedirs(tmp_path / "pyspy")
+    old = time.time() - 10 * RECORDING_SETTLE_S
+    for name in ("p7-gil.speedscope.json", "p7-all.speedscope.json",
+                 "p7-gil.rolled.speedscope.json"):
+        (tmp_path / "pyspy" / name).write_text("{}")
+        os.utime(tmp_path / "pyspy" / name, (old, old))
+    fresh = tmp_path / "pyspy" / "p7-gil.w000001.speedscope.json"
+    fresh.write_text("{")                                  # py-spy is writing it now
+    tail = EventTail(str(tmp_path))
+    tail.poll()
+    assert [why for kind, why in tail.take_triggers() if kind == "recording"] == \
+        ["py-spy wrote p7-gil.speedscope.json"]
+    assert TRIGGER_ANALYZERS["recording"] == ("gil",)      # judged by the GIL analyzer
+    os.utime(fresh, (old, old))                            # written, standing still
+    tail._files_at -= FILES_EVERY_S                        # the next look for new files
+    tail.poll()
+    assert tail.take_triggers() == [("recording", "py-spy wrote p7-gil.w000001.speedscope.json")]
+    tail._files_at -= FILES_EVERY_S
+    tail.poll()
+    assert not tail.take_triggers()                        # each recording once
+
+
 @pytest.mark.slow
 def test_triton_reautotune_is_judged_when_the_step_that_tuned_again_ends(tmp_path):
     """A real Triton kernel (Triton's own Autotuner, run by its CPU interpreter) autotunes
