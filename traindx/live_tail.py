@@ -172,14 +172,15 @@ class EventTail:
             # a key that reads the same compiled again is a cache miss all the same (FA4's
             # tensor max_seqlen: the key holds the tensor's identity, its text does not), once
             # per kernel and step, TRIGGERS_PER_SOURCE times per kernel
-            fired = self._fired.get(("same_key", kernel), 0)
-            if kernel not in self.judged_kernels and (key not in keys or (
-                    fired < TRIGGERS_PER_SOURCE)) and \
-                    (step, kernel) not in {(s, k) for s, k, _ in self._compile_due}:
-                if key in keys:
-                    self._fired[("same_key", kernel)] = fired + 1
+            new_key = key not in keys
+            same_key_fired = self._fired.get(("same_key", kernel), 0)
+            due_already = (step, kernel) in {(s, k) for s, k, _ in self._compile_due}
+            if kernel not in self.judged_kernels and not due_already and (
+                    new_key or same_key_fired < TRIGGERS_PER_SOURCE):
+                if not new_key:
+                    self._fired[("same_key", kernel)] = same_key_fired + 1
                 self._compile_due.append((step, kernel, f"{kernel} compiled again in step {step}"
-                                          + (" with a new key" if key not in keys else "")))
+                                          + (" with a new key" if new_key else "")))
         seen = self._keys.setdefault(kernel, set())
         if len(seen) < KEYS_KEPT:
             seen.add(key)
