@@ -229,6 +229,24 @@ def test_cheap_stage_triggers_on_a_new_compile_key_a_slow_step_and_a_moved_line(
     assert tail.step == state["step"] and tail.offsets[path] < os.path.getsize(path)
 
 
+def test_host_code_inside_an_optimizer_closure_stands_out_in_the_span_line(tmp_path):
+    """Lightning runs training_step inside the optimizer step's closure: forward and backward
+    nest in the closure, the closure in the optimizer's span. The cheap stage reads the line as
+    the ledger does: the closure's time outside forward and backward is the job's own host code
+    (`other`), so a first judgement is urgent and routed to the host-code analyzer."""
+    os.makedirs(tmp_path / "events")
+    path = str(tmp_path / "events" / "p1.jsonl")
+    tail = EventTail(str(tmp_path))
+    t = 10**9
+    for step in range(6):  # 100 ms steps: 20 ms forward, 30 ms backward, 40 ms else in the closure
+        t += 10**8
+        _step(path, step, t, 0.1, [("forward", 0.02), ("backward", 0.03), ("closure", 0.09),
+                                    ("optimizer", 0.1)])
+    tail.poll()
+    assert tail.outside_model() == pytest.approx(0.4)  # 40 ms of host code in the closure
+    assert tail.outside_categories() == {"other"}
+
+
 def test_a_gil_recording_written_is_a_trigger_once_its_file_stands_still(tmp_path):
     """py-spy writes a window's samples when the window ends (the first one is short): the
     cheap stage announces each GIL recording once, not while its file is still being written,

@@ -269,7 +269,14 @@ class EventTail:
 
 
 def _line_of(spans: dict[str, float], duration_s: float) -> dict[str, float]:
-    """A step's span line: each category's share of the step, `other` what no span covers."""
+    """A step's span line: each category's share of the step, `other` what no span covers.
+    An optimizer step's closure (Lightning's training_step) nests forward and backward inside
+    the optimizer's span: as in the ledger, the closure's time outside them is the job's own
+    host code (`other`) and the optimizer's line is its time outside the closure."""
+    spans = dict(spans)
+    closure = spans.pop("closure", 0.0)
+    if closure:
+        spans["optimizer"] = max(0.0, spans.get("optimizer", 0.0) - closure)
     line = {cat: min(s / duration_s, 1.0) for cat, s in spans.items()}
     line["other"] = max(0.0, 1.0 - sum(line.values()))
     return line
