@@ -290,6 +290,8 @@ def _rss_kb(pid):
 
 
 @pytest.mark.slow
+@pytest.mark.serial  # the in-run bound is what the job writes while the launcher's roller waits
+                     # for a core: beside two other tests' jobs on two cores it waited seconds
 def test_an_accelerated_long_run_stays_in_its_budget_and_still_analyses(tmp_path):
     """A real job under `diagnose` for 40 s with 3 s windows and a 1 MB budget: the run folder
     stays under the budget, the rolled-off windows and segments are summarised, the report is

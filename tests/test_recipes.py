@@ -258,6 +258,8 @@ def test_card_from_a_measured_run(tmp_path):
 
 
 @pytest.mark.slow  # two short diagnose runs (~20 s)
+@pytest.mark.serial  # a period of 0.1 s over 17 steps of ~10 ms: two other tests' jobs on the
+                     # two cores blurred it (CI: no period found in the baseline)
 def test_a_periodic_cost_is_judged_by_the_means(tmp_path):
     """A period-3 cost (CPU work on every third step, tests/jobs/host_loop.py) removed: over a
     window of 17 steps (7-23, after the torch.profiler window and the step it perturbs) 11-12 are
