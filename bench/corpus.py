@@ -384,6 +384,27 @@ def judge(cause, run_dir, injected):
             "severity": top.get("severity"), "seconds": top.get("seconds_lost_per_step")}
 
 
+def live_shown(run_dir):
+    """What the live judgement printed while the job ran: {finding id: step on screen}, and
+    the passes that ran (trigger, step), from live.json."""
+    try:
+        with open(os.path.join(run_dir, "live.json")) as f:
+            doc = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return {"shown": {k: v.get("step") for k, v in (doc.get("findings") or {}).items()},
+            "passes": [(p.get("trigger"), p.get("step")) for p in doc.get("passes") or []],
+            "cpu_s": doc.get("analysis_cpu_s")}
+
+
+def _live_text(r):
+    live = r.get("live")
+    if not live:
+        return ""
+    shown = live["shown"]
+    return ", ".join(f"{k} at step {v}" for k, v in shown.items()) or "nothing"
+
+
 def _io_share(run_dir):
     try:
         import traindx
@@ -467,6 +488,7 @@ def main(argv=None):
                 row = {"script": name, "cause": cause, "injected": injected, "run": run_dir,
                        "wall_s": round(wall, 1), "busy_s": busy_s, "source_dir": d}
                 row.update(judge(cause, run_dir, injected))
+                row["live"] = live_shown(run_dir)
                 rows.append(row)
                 print(_fmt(row), flush=True)
     finally:
@@ -540,11 +562,12 @@ def _fmt(r):
 
 
 def table(rows):
-    head = "| script | cause | top finding | its line | right line | usable prescription |"
-    out = [head, "|---|---|---|---|---|---|"]
+    head = ("| script | cause | top finding | its line | right line | usable prescription | "
+            "printed while it ran |")
+    out = [head, "|---|---|---|---|---|---|---|"]
     for r in rows:
         out.append(f"| {r['script']} | {r['cause']} | {r['top']} | {r.get('line') or ''} | "
-                   f"{_yn(r.get('line_ok'))} | {_yn(r.get('usable'))} |")
+                   f"{_yn(r.get('line_ok'))} | {_yn(r.get('usable'))} | {_live_text(r)} |")
     ok = [r for r in rows if r.get("ok") is not None]
     out.append(f"\n{sum(1 for r in ok if r['ok'])} of {len(ok)} right (cause named at its line or "
                "setting, with a usable prescription; healthy twins and .item() on CPU: silent)")

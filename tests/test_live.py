@@ -65,6 +65,37 @@ def test_healthy_job_runs_to_its_end_and_prints_no_live_finding(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_cause_diluted_by_a_cold_first_step_is_judged_again_when_the_record_doubles(tmp_path):
+    """A per-step gc.collect() behind a first two steady steps 8x the others (a one-off, as
+    minGPT's first optimizer step): the first judgement, at step 3, reads the collection as
+    medium (the one-off dilutes its share) and prints nothing; the record doubled, it is judged
+    again, high, and on the screen while the job runs. Its healthy twin prints nothing."""
+    job = os.path.join(JOBS, "cold_first_step.py")
+    shown = {}
+    for twin in ("slowed", "healthy"):
+        run_dir = str(tmp_path / twin)
+        proc = diagnose(["--run-dir", run_dir, "--", PY, job, "--steps", "16",
+                         *(["--no-collect"] if twin == "healthy" else [])],
+                        cwd=tmp_path, env=CPU_ENV)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        live, _ = _split_live(proc.stderr)
+        doc = json.load(open(os.path.join(run_dir, "live.json")))
+        shown[twin] = (live, doc)
+    live, doc = shown["slowed"]
+    assert "[high] Full garbage collections inside steps" in live, (live[-2000:], doc["passes"])
+    assert "cold_first_step.py:" in live
+    first, *later = doc["passes"]
+    assert first["analyzers"] == "all" and first["step"] <= 4, doc["passes"]
+    gc_shown = doc["findings"]["gc.gen2_in_step"]
+    if gc_shown["analysed_step"] > first["step"]:  # not already high at the first judgement
+        assert "grown" in gc_shown["trigger"], doc["passes"]
+        assert gc_shown["analysed_step"] >= 2 * first["step"]
+    live, doc = shown["healthy"]
+    assert "[high]" not in live and "[critical]" not in live, live[-2000:]
+    assert doc["findings"] == {}
+
+
+@pytest.mark.slow
 def test_watch_follows_a_run_written_by_another_process(tmp_path):
     run_dir = str(tmp_path / "run")
     env = dict(os.environ, **CPU_ENV)

@@ -1,6 +1,7 @@
 """The live judgement's rolling window (traindx.so_far): a long run's live state stays bounded,
 and a pass over the window is the batch analysis of the window's rows."""
 import json
+import math
 import os
 
 import pandas as pd
@@ -239,3 +240,29 @@ def test_the_budget_starts_with_three_full_passes_at_their_measured_cost(tmp_pat
     assert judge._room(0.4) and not judge._room(0.45)
     now[0] = 200.0                                   # 2 % of 200 s: 4 s
     assert judge._room(3.2) and not judge._room(3.25)
+
+
+COLD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "cold-first-step")
+
+
+def test_a_finding_just_below_the_floor_is_judged_again_as_the_record_grows(tmp_path):
+    """A recorded job (tests/data/cold-first-step.README): a per-step gc.collect() behind a
+    one-off first steady step 10x the others, replayed step by step with the live budget as it
+    is. The first judgement (step 3, the GC standing out in the span line) reads the collection
+    as medium: the one-off is still in the steady window. Nothing else would judge again
+    before the 30 s cadence (a ~5 s job); the record grown by GROW_FACTOR, it is judged again,
+    reads high and is shown."""
+    from traindx.live import GROW_FACTOR, LiveOptions
+
+    judge, shown = _replay(COLD, str(tmp_path / "run"), LiveOptions(report_every=0))
+    assert not judge.errors, judge.errors
+    passes = judge.state.passes
+    first = passes[0]
+    assert (first["trigger"], first["step"], first["analyzers"]) == ("steps", 3, "all"), passes
+    grown = [p for p in passes if "grown" in p["trigger"]]
+    assert grown and grown[0]["analyzers"] == "all", passes
+    assert grown[0]["step"] <= math.ceil(GROW_FACTOR * 3) + 1, passes
+    assert [fid for fid, _ in shown] == ["gc.gen2_in_step"], shown
+    assert shown[0][1] == grown[0]["step"], (shown, passes)
+    # one pass for the growth, not one per step
+    assert len(passes) <= 3, passes
