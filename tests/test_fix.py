@@ -832,9 +832,12 @@ SAVE_IN_MEMORY = ["--save-dir", "/dev/shm"] if os.path.isdir("/dev/shm") and os.
 @pytest.mark.slow
 @pytest.mark.parametrize("job,args,steps,mechanism,expect", [
     ("fix_gc_every_step.py", ["--index-size", "150000"], 16, "source", "-    gc.collect()"),
-    # a period-2 cost: a longer window, so the bootstrap interval of a bimodal baseline is tight
-    ("checkpoint_every.py", ["--save-every", "2", "--steps", "60", *SAVE_IN_MEMORY], 32, "config",
-     "--save-every 20"),
+    # a period-2 cost: a longer window, so the bootstrap interval of a bimodal baseline is tight;
+    # alone (serial): started first beside the Ray cluster and the FA4 --fix tests, its two
+    # pairs of arms measured 1.20x and 1.10x with intervals from 0.6x to 2.3x (2.8x quiet): the
+    # candidate's one or two saves in its window, each slowed by another test, decide its mean
+    pytest.param("checkpoint_every.py", ["--save-every", "2", "--steps", "60", *SAVE_IN_MEMORY],
+                 32, "config", "--save-every 20", marks=pytest.mark.serial),
     ("fix_hf_workers.py", [], 16, "config", "--workers 2"),
 ])
 def test_fix_applies_the_prescribed_edit_and_it_pays(tmp_path, job, args, steps, mechanism, expect):
