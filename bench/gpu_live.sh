@@ -10,6 +10,8 @@
 #             (gpu_pathologies.py --slow-from 30: 50 ms of host work a step); onsets are
 #             measured after, from the run folders (bench/time_to_finding.py --onset-of)
 #   overhead  --always-on vs the bare job, interleaved, the job's own step times
+#   aon       time to finding under --always-on (no py-spy recorder: periodic dumps): the
+#             host-bound onset at step 30 twice, the FA4 recompile, the Triton re-autotune
 # usage (repo root, device machine): OUT=/tmp/out bash bench/gpu_live.sh [PHASE...]
 source bench/gpu_env.sh
 WORK=${WORK:-/tmp/live}
@@ -71,6 +73,21 @@ ttf4)  # the seed's recompile after the same-key compile trigger, twice
   done
   $PY bench/time_to_finding.py --out "$OUT/gpu-ttf4.json" --summarize \
     "fa4-recompile=$WORK/fa4-1:jit." "fa4-recompile=$WORK/fa4-2:jit."
+  ;;
+aon)
+  for rep in 1 2; do
+    log "aon $rep: host-bound loop from step 30"
+    timeout 150 diagnose --always-on --until-diagnosed --run-dir "$WORK/aon-hostbound-$rep" -- \
+      $PY examples/gpu_pathologies.py --pathology none --slow-from 30 --steps 1500 2>&1 | \
+      grep -v iteration | tail -3
+  done
+  FA4_VERSION=b17 timeout 150 diagnose --always-on --until-diagnosed --run-dir "$WORK/aon-fa4" -- \
+    $PY examples/gpu_qwen_fa4.py --max-seqlen-as tensor --steps 20 2>&1 | tail -2
+  timeout 150 diagnose --always-on --until-diagnosed --run-dir "$WORK/aon-triton" -- \
+    $PY tests/jobs/fix_triton/train.py --steps 40 2>&1 | tail -2
+  $PY bench/time_to_finding.py --out "$OUT/gpu-aon-ttf.json" --onset --summarize \
+    "host-bound=$WORK/aon-hostbound-1:" "host-bound=$WORK/aon-hostbound-2:" \
+    "fa4-recompile=$WORK/aon-fa4:jit." "triton-reautotune=$WORK/aon-triton:jit."
   ;;
 capture)
   log "capture: a slow step in a steady GPU job"
