@@ -443,6 +443,24 @@ def _period_of_timed_io(run, rank, steps):
     return find_period(steps, [float(x) for x in io])
 
 
+def _period_of_timed_io_past_warmup(run, rank, steady_steps):
+    """The timed writes' period over every step after step 0, its hits in the steady window:
+    the warm-up rule takes leading steps slower than 1.5x the later ones (up to half the run),
+    and on a machine whose load fell mid-run that can be the half that held most of the saves
+    (a save every 4th step of 16: steps 0-7 taken, 2 saves left, 3 needed). The shim times the
+    writes themselves, so their pattern does not need steady steps to show."""
+    every = sorted(int(s) for s in run.rank_steps(rank)["step"] if int(s) >= 1)
+    if len(every) <= len(steady_steps):
+        return None
+    found = _period_of_timed_io(run, rank, every)
+    if found is None:
+        return None
+    period, residue, hits = found
+    steady = set(steady_steps)
+    hits = [s for s in hits if s in steady]
+    return (period, residue, hits) if hits else None
+
+
 def _checkpoint_in_steps(run, rank):
     """Checkpoints written inside the steps when the step times are too noisy (a busy machine)
     for a period to show: py-spy's samples inside the writer, against the steps' time."""
@@ -476,7 +494,8 @@ def _analyze_rank(run, rank):
     steps = [int(s) for s in steady["step"]]
     durations = [float(d) for d in steady["duration_s"]]
     mean = float(pd.Series(durations).mean())
-    periodic = find_period(steps, durations) or _period_of_timed_io(run, rank, steps)
+    periodic = find_period(steps, durations) or _period_of_timed_io(run, rank, steps) \
+        or _period_of_timed_io_past_warmup(run, rank, steps)
     rest = steady
     if periodic:
         period, residue, hits = periodic

@@ -123,6 +123,24 @@ def test_torch_save_is_io_in_the_steps_that_save_with_its_line(tmp_path):
     assert f"checkpoint_every.py:{line}" in proc.stderr
 
 
+def test_a_save_period_is_found_when_the_warm_up_rule_took_half_the_run():
+    """The same job recorded beside other tests (tests/data/cpu-checkpoint-load-fell.README):
+    the load fell mid-run, the warm-up rule took steps 0-7 and left two of the three saves in
+    the steady window. The shim-timed writes still show the period over the steps after step
+    0: the finding names torch.save, its line and period 4, not an unexplained variation."""
+    from traindx.record import load_run
+
+    run = load_run(os.path.join(os.path.dirname(os.path.abspath(__file__)), "data",
+                                "cpu-checkpoint-load-fell"), cache=False)
+    found = {f.id: f for f in traindx.analyze(run)}
+    f = found.get("steps.periodic_slow")
+    assert f is not None, [(x.id, x.severity, x.title) for x in found.values()]
+    assert f.evidence["period"] == 4 and f.severity == "high"
+    assert "torch.save at " in f.summary and "checkpoint_every.py:49" in f.summary
+    assert set(f.evidence.get("slow_steps") or f.steps_affected) <= {4, 8, 12}
+    assert "steps.instability" not in found or found["steps.instability"].severity == "info"
+
+
 # -- the sweep itself ----------------------------------------------------------------------------
 def _table(rows, columns):
     return pd.DataFrame(rows, columns=columns)
@@ -595,8 +613,13 @@ def test_lightning_closure_forward_and_backward_are_fwd_bwd(tmp_path):
         inside |= (inner["start_ns"] >= row.start_ns).to_numpy() & (inner["end_ns"] <= row.end_ns).to_numpy()
     measured = float((inner["end_ns"] - inner["start_ns"])[inside].sum()) / 1e9
     assert measured > 0
+    # a GC pause inside a forward is the ledger's gc (4.4 ms of 35 in one loaded CI run)
+    others = spans[~spans["cat"].isin(["forward", "backward", "optimizer", "closure"])]
+    nested = sum(float((o["end_ns"] - o["start_ns"]).sum()) / 1e9 for o in (
+        others[(others["start_ns"] >= r.start_ns) & (others["end_ns"] <= r.end_ns)]
+        for r in inner[inside].itertuples()))
     # the spans do not overlap each other (backward follows forward): fwd/bwd holds them all
-    assert led["forward_backward_s"].sum() >= 0.95 * measured
+    assert led["forward_backward_s"].sum() >= 0.95 * (measured - nested)
     opt = spans[spans["cat"] == "optimizer"]
     assert led["optimizer_s"].sum() < float((opt["end_ns"] - opt["start_ns"]).sum()) / 1e9 - 0.9 * measured
     assert (led["unexplained_s"] <= 0.05 * led["wall_s"]).all()
