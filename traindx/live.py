@@ -101,6 +101,8 @@ SHOW_WITHIN_STEPS = 3
 # this many times (its share may have been diluted by a warm-up in the first steps: a warm-up is
 # at most half the steps, so a one-off of k steps is set apart from 2k + 1 steps on)
 GROW_FACTOR = 1.5
+# findings that are no cause of a slowdown (the verdict, traindx's own state, missing evidence)
+NOT_CAUSES = ("verdict.", "traindx.", "evidence.", "analysis.")
 ANALYSES_KEPT = 200                 # the per-pass log kept in live.json
 # the per-step events a pass reads: each process's last WINDOW_STEPS steps (traindx.so_far: a
 # rolling window, 1.25x at most; enough for a period of tens of steps to repeat)
@@ -569,7 +571,7 @@ class LiveJudge:
             s.ledger_line = _ledger_line(run)
         floor = self.options.min_severity
         roots = [f for f in findings if f.cause is None and _at_least(f.severity, floor)
-                 and not f.id.startswith(("verdict.", "traindx.", "evidence.", "analysis."))]
+                 and not f.id.startswith(NOT_CAUSES)]
         stable = []
         for f in roots:
             first = self._seen.setdefault(f.id, covered)
@@ -630,7 +632,7 @@ class LiveJudge:
         floor = _severity_rank(self.options.min_severity)
         near = [f for f in findings if f.cause is None and _severity_rank(f.severity) == floor - 1
                 and f.id not in self._printed
-                and not f.id.startswith(("verdict.", "traindx.", "evidence.", "analysis."))]
+                and not f.id.startswith(NOT_CAUSES)]
         self._near = near[0].id if near else ""
         self._grow_at = max(covered + 1, math.ceil(GROW_FACTOR * covered)) if near else 0
 

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import glob
 import json
-import statistics
 import math
 import os
 import re
+import statistics
 import time
 from collections import deque
 from typing import Optional
