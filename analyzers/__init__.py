@@ -10,14 +10,14 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 import warnings
 
-from traindx.findings import Finding, rank_findings
+from traindx.analyzers.findings import Finding, rank_findings
 
-from . import chains
-from .codefix import checked
-from .sampling import representative_ranks
+from traindx.analyzers import chains
+from traindx.analyzers.codefix import checked
+from traindx.analyzers.sampling import representative_ranks
 
 if TYPE_CHECKING:  # annotations only
-    from traindx.record import RunRecord
+    from traindx.derive.run import RunRecord
 
 # module names under traindx.analyzers; each exposes analyze(run) -> list[Finding]
 REGISTRY = [

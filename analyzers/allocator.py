@@ -15,13 +15,13 @@ from typing import TYPE_CHECKING
 
 import pandas as pd
 
-from traindx.findings import Finding, Prescription
+from traindx.analyzers.findings import Finding, Prescription
 
-from . import codefix
-from . import evidence as ev
+from traindx.analyzers import codefix
+from traindx.analyzers import evidence as ev
 
 if TYPE_CHECKING:  # annotations only
-    from traindx.record import RunRecord
+    from traindx.derive.run import RunRecord
 
 EXPANDABLE = "expandable_segments:True"
 MALLOC_CALLS = ("cudaMalloc", "cudaFree", "cudaMallocAsync", "cudaFreeAsync", "cuMemCreate",
@@ -73,7 +73,7 @@ def _malloc_seconds_per_step(run, rank):
 def _idle_in_malloc_per_step(run, rank):
     """Seconds per profiled step the GPU idles while the host is inside an allocator call, or
     None without a GPU trace."""
-    from .gpu_window import ALLOCATOR_CALLS, idle_in_calls_per_step
+    from traindx.analyzers.gpu_window import ALLOCATOR_CALLS, idle_in_calls_per_step
 
     trace = run.torch_trace
     if not len(trace):

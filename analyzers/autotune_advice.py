@@ -27,10 +27,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-# which installed release reads which switch: traindx.envvars (kernel-cache warm reads it too)
-from traindx.envvars import FLA_PACKAGES, VERIFIED, reads, release  # noqa: F401
-from traindx.envvars import package_version as _version
-from traindx.findings import Prescription
+# which installed release reads which switch: traindx.common.envvars (kernel-cache warm reads it too)
+from traindx.common.envvars import FLA_PACKAGES, VERIFIED, reads, release  # noqa: F401
+from traindx.common.envvars import package_version as _version
+from traindx.analyzers.findings import Prescription
 
 SOURCE = {
     "TRITON_CACHE_AUTOTUNING": "triton/runtime/autotuner.py:39, triton/knobs.py:375 (3.6.0)",

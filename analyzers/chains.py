@@ -20,14 +20,14 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from traindx.findings import Prescription
+from traindx.analyzers.findings import Prescription
 
-from traindx import ledger as ledger_mod
+from traindx.derive import ledger as ledger_mod
 
 if TYPE_CHECKING:  # annotations only
-    from traindx.findings import Finding
-    from traindx.record import RunRecord
-from . import savings
+    from traindx.analyzers.findings import Finding
+    from traindx.derive.run import RunRecord
+from traindx.analyzers import savings
 
 STEADY_JIT = ("jit.fa4_steady_recompile", "jit.steady_recompile", "jit.autotune",
               "jit.dynamo_recompile")

@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # annotations only
-    from traindx.findings import Finding
+    from traindx.analyzers.findings import Finding
 
 
 _PAIRS = {")": "(", "]": "[", "}": "{"}
@@ -207,7 +207,7 @@ def checked(findings: Sequence[Finding]) -> list[Finding]:
             code = (p.change or {}).get("code")
             if code is None or code.get("autotune_key"):
                 # (an autotune-key edit is located and checked by the fix loop itself, at the
-                # kernel's decorator: traindx/fix_source.py)
+                # kernel's decorator: analyzers/fix_source.py)
                 prescriptions.append(p)
                 continue
             try:

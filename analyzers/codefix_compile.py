@@ -1,12 +1,12 @@
 """The planner's torch.compile edits of a job's file (ast): the compile calls it makes, their
 `dynamic=`/`mode=` set, `torch._dynamo.mark_dynamic` before the calls of a compiled model, and
-the model compiled where it is made in a job that compiles nothing (traindx.fix_source)."""
+the model compiled where it is made in a job that compiles nothing (traindx.analyzers.fix_source)."""
 from __future__ import annotations
 
 import ast
 import collections
 
-from .codefix import _LOOPS, _called, _imports_torch, _tree, code_change, set_keywords
+from traindx.analyzers.codefix import _LOOPS, _called, _imports_torch, _tree, code_change, set_keywords
 
 
 def compile_calls(path):

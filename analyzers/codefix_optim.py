@@ -1,13 +1,13 @@
 """The planner's optimizer edit of a job's file (ast): the `torch.optim.<Class>(...)` call that
 makes the optimizer a launch-bound step spends its time in, made multi-tensor: `fused=True`
-where the class has a fused kernel, else `foreach=True` (traindx.fix_source)."""
+where the class has a fused kernel, else `foreach=True` (traindx.analyzers.fix_source)."""
 from __future__ import annotations
 
 import ast
 import inspect
 from typing import Any
 
-from .codefix import _tree, code_change, set_keywords
+from traindx.analyzers.codefix import _tree, code_change, set_keywords
 
 OPTIM_MODULES = ("torch.optim", "optim")
 

@@ -11,14 +11,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from traindx import ledger
-from traindx.findings import Finding, Prescription
+from traindx.derive import ledger
+from traindx.analyzers.findings import Finding, Prescription
 
-from . import codefix, frameworks, threads
-from . import evidence as ev
+from traindx.analyzers import codefix, frameworks, threads
+from traindx.analyzers import evidence as ev
 
 if TYPE_CHECKING:  # annotations only
-    from traindx.record import RunRecord
+    from traindx.derive.run import RunRecord
 
 MIN_SHARE = 0.10
 EVERY_STEP_QUANTILE = 0.25   # on a loaded machine: the wait three steps in four have at least

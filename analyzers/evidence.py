@@ -18,8 +18,8 @@ from traindx.profiler.shim._traindx_shim.frames import (  # noqa: F401
     is_library_trace_file,
 )
 
-# the steady window is derived (traindx.steady); the analyzers read it as ev.*
-from traindx.steady import (  # noqa: F401
+# the steady window is derived (traindx.derive.steady); the analyzers read it as ev.*
+from traindx.derive.steady import (  # noqa: F401
     events_of_type,
     median_step_s,
     profiled_steps,
@@ -50,7 +50,7 @@ if TYPE_CHECKING:  # annotations only
     import pandas as pd
 
     from traindx.profiler.speedscope import Frame, Recording, ThreadSamples
-    from traindx.record import RunRecord
+    from traindx.derive.run import RunRecord
 
 # share of step time lost -> severity; below the lowest: "info"
 SEVERITY_BY_SHARE = ((0.30, "high"), (0.10, "medium"), (0.03, "low"))

@@ -16,10 +16,10 @@ import re
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from . import evidence as ev
+from traindx.analyzers import evidence as ev
 
 if TYPE_CHECKING:  # annotations only
-    from traindx.record import RunRecord
+    from traindx.derive.run import RunRecord
 
 # top-level package (as it appears in a path) -> framework
 PACKAGES = {

@@ -11,15 +11,15 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from traindx import ledger
-from traindx.findings import Finding, Prescription
+from traindx.derive import ledger
+from traindx.analyzers.findings import Finding, Prescription
 
-from . import codefix
-from . import evidence as ev
-from .frameworks import runs_megatron
+from traindx.analyzers import codefix
+from traindx.analyzers import evidence as ev
+from traindx.analyzers.frameworks import runs_megatron
 
 if TYPE_CHECKING:  # annotations only
-    from traindx.record import RunRecord
+    from traindx.derive.run import RunRecord
 
 MIN_SHARE = 0.03
 FREEZE = "import gc; gc.collect(); gc.freeze()  # set-up done: its objects leave the collector's view"

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from traindx.findings import Finding, Prescription
+from traindx.analyzers.findings import Finding, Prescription
 
-from . import evidence as ev
+from traindx.analyzers import evidence as ev
 
 if TYPE_CHECKING:  # annotations only
     from traindx.profiler.speedscope import Recording
-    from traindx.record import RunRecord
+    from traindx.derive.run import RunRecord
 
 MIN_SHARE = 0.10          # a helper thread holding the GIL 10 % of the time is worth a look
 MIN_SAMPLES = 10

@@ -27,13 +27,13 @@ import re
 import numpy as np
 import pandas as pd
 
-from traindx.findings import Finding, Prescription
+from traindx.analyzers.findings import Finding, Prescription
 from traindx.profiler import gputime
 from traindx.profiler.torchtrace import gpu_window
 
-from . import codefix
-from . import evidence as ev
-from . import gpu_window as window
+from traindx.analyzers import codefix
+from traindx.analyzers import evidence as ev
+from traindx.analyzers import gpu_window as window
 
 MIN_SHARE = 0.03          # a cause worth a finding: >= 3 % of the steady step
 # the GPU waiting for the host: >= 5 % and >= 200 µs (a healthy loop's launches after its one
@@ -79,10 +79,10 @@ def _host_idle_per_step(stretch_rows):
 
 def _host_code_top(run, rank, steps):
     """(file, line, function, call, seconds per step) of the code that ran most inside the
-    ledger's host intervals (traindx.ledger.host_code, py-spy samples in those intervals), or
+    ledger's host intervals (traindx.derive.ledger.host_code, py-spy samples in those intervals), or
     None where the ledger has no such table."""
     try:
-        from traindx.ledger import host_code
+        from traindx.derive.ledger import host_code
     except ImportError:
         return None
     try:
@@ -376,7 +376,7 @@ def _pageable(run, rank, trace, step_s):
             change = {"code": code}
     share = saving / step_s
     if loader:
-        from . import dataloader, frameworks  # the construction line of the job's DataLoader
+        from traindx.analyzers import dataloader, frameworks  # the construction line of the job's DataLoader
 
         site = dataloader._starving_site(frameworks.data_sites(run, rank), "DataLoader")
         pin = dataloader._site_change(site, "DataLoader", {"pin_memory": "True"}) if site else None

@@ -15,7 +15,7 @@ import re
 import numpy as np
 import pandas as pd
 
-from . import evidence as ev
+from traindx.analyzers import evidence as ev
 
 GPU_WORK = ("kernel", "gpu_memcpy", "gpu_memset")
 # the host waiting inside the driver: the GPU's idle while the host is in one of these is the
@@ -122,7 +122,7 @@ def line_in_function(run, rank, file, function, kind=None):
     sampled by py-spy on the training thread inside the step loop (start-up and teardown left
     out); with `kind` ("host", "forward", ...), only samples host_work.classify_stack puts
     there when any are. None without such samples."""
-    from . import host_work  # the loop window and a sample's kind: defined there once
+    from traindx.analyzers import host_work  # the loop window and a sample's kind: defined there once
 
     recording = run.pyspy.get((rank, "all"))
     if not recording or not function:

@@ -21,15 +21,15 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from traindx import ledger
-from traindx.findings import Finding, Prescription
+from traindx.derive import ledger
+from traindx.analyzers.findings import Finding, Prescription
 
-from . import codefix
-from . import evidence as ev
-from . import gpu_window
+from traindx.analyzers import codefix
+from traindx.analyzers import evidence as ev
+from traindx.analyzers import gpu_window
 
 if TYPE_CHECKING:  # annotations only
-    from traindx.record import RunRecord
+    from traindx.derive.run import RunRecord
 
 SCALAR_READ = "aten::_local_scalar_dense"   # every .item()/float()/int()/bool() of a tensor
 CUDA_SYNC = re.compile(r"^(cudaStreamSynchronize|cudaDeviceSynchronize|cudaEventSynchronize|"

@@ -9,7 +9,7 @@ step, and the generic fixes that fit (DataLoader workers, less often or asynchro
 the GPU), with a concrete edit where one exists.
 
 Where the code comes from:
-  1. `traindx.ledger.host_code(run)` (rank, step, function, file, line, call, seconds): what ran
+  1. `traindx.derive.ledger.host_code(run)` (rank, step, function, file, line, call, seconds): what ran
      inside the ledger's `host` intervals, per step (the derive layer; preferred when present);
   2. else py-spy's recording of the training thread: a sample belongs to a measured call when a
      frame of one is on its stack (a module call, backward, the DataLoader's __next__, a save, a
@@ -31,12 +31,12 @@ from typing import Optional
 import numpy as np
 import pandas as pd
 
-from traindx.findings import Finding, Prescription
+from traindx.analyzers.findings import Finding, Prescription
 
-from . import evidence as ev
-from traindx.units import ordinal
+from traindx.analyzers import evidence as ev
+from traindx.common.units import ordinal
 
-from .codefix import _innermost, _tree
+from traindx.analyzers.codefix import _innermost, _tree
 
 MIN_SHARE = 0.03           # of the steady step: a line below this is not worth a finding
 MIN_SECONDS = 0.001        # ...nor one under a millisecond a step (nothing measurable to gain)
@@ -245,8 +245,8 @@ def pyspy_host_code(run, rank):
 
 
 def _ledger_host_code(run):
-    """traindx.ledger.host_code(run) when the derive layer has it (helper `ledger`), else None."""
-    from traindx import ledger
+    """traindx.derive.ledger.host_code(run) when the derive layer has it (helper `ledger`), else None."""
+    from traindx.derive import ledger
 
     fn = getattr(ledger, "host_code", None)
     if fn is None:
@@ -396,7 +396,7 @@ def _severity(kind, share, has_gpu):
 
 
 def _steady(run, rank):
-    from traindx import ledger
+    from traindx.derive import ledger
 
     led = ledger.steady_rows(run, rank)
     return led
@@ -427,7 +427,7 @@ def _groups_from_ledger(table, rank, led):
                     "runq_s": float(g["runq_s"].fillna(0.0).sum()) / n if waits else None,
                     "samples": int(g["samples"].sum()) if "samples" in g else None,
                     "per_step": per_step.reindex(sorted(steps), fill_value=0.0),
-                    "method": "traindx.ledger.host_code: the ledger's host intervals"})
+                    "method": "traindx.derive.ledger.host_code: the ledger's host intervals"})
     return out
 
 
@@ -524,7 +524,7 @@ def _display(path, cwd):
 
 
 def _analyze_rank(run, rank):
-    from . import stability
+    from traindx.analyzers import stability
 
     led = _steady(run, rank)
     if not len(led):

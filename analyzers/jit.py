@@ -15,22 +15,22 @@ from typing import TYPE_CHECKING
 import numpy as np
 import pandas as pd
 
-from traindx.findings import Finding, Prescription
+from traindx.analyzers.findings import Finding, Prescription
 
-from . import evidence as ev
-from . import pyspy_signatures as sig
-from .jit_autotune import _autotune_finding, _beside_runs, _cold_start_finding, first_step_rows
-from .jit_common import (CACHE_DIR_VAR, CACHE_ENABLE_VAR, FA4_BWD_FIXED, FA4_FIXED,  # noqa: F401
+from traindx.analyzers import evidence as ev
+from traindx.analyzers import pyspy_signatures as sig
+from traindx.analyzers.jit_autotune import _autotune_finding, _beside_runs, _cold_start_finding, first_step_rows
+from traindx.analyzers.jit_common import (CACHE_DIR_VAR, CACHE_ENABLE_VAR, FA4_BWD_FIXED, FA4_FIXED,  # noqa: F401
                          FA4_PACKAGE, SINGLE_BLOCK_FIELDS, _col, _display_path, _key_history,
                          _is_tensor_field, _kernel_rows, _ledger_cost, _release_number, _severity,
                          _steps_after, _where, diff_keys, fa4_version_before, precompile_prescription)
-from .frameworks import runs_megatron
-from .jit_dynamo import (_dynamo_finding, dynamo_compile_kind, dynamo_kinds,  # noqa: F401
+from traindx.analyzers.frameworks import runs_megatron
+from traindx.analyzers.jit_dynamo import (_dynamo_finding, dynamo_compile_kind, dynamo_kinds,  # noqa: F401
                          is_dynamo_recompile)
 
 if TYPE_CHECKING:  # annotations only
     from traindx.profiler.speedscope import Recording
-    from traindx.record import RunRecord
+    from traindx.derive.run import RunRecord
 
 
 # -- small helpers -----------------------------------------------------------------------------

@@ -5,14 +5,14 @@ import collections
 import os
 import re
 
-from traindx.findings import Finding, Prescription
+from traindx.analyzers.findings import Finding, Prescription
 
 from dataclasses import replace
 
 import pandas as pd
 
-from . import autotune_advice
-from .jit_common import (_col, _key_history, _ledger_cost, _severity, _steps_after, _where,
+from traindx.analyzers import autotune_advice
+from traindx.analyzers.jit_common import (_col, _key_history, _ledger_cost, _severity, _steps_after, _where,
                          precompile_prescription)
 
 # Inductor's max-autotune benchmarks its templates inside the torch.compile compile: py-spy sees

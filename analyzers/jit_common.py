@@ -5,16 +5,16 @@ import collections
 import os
 import re
 
-from traindx.findings import Prescription
+from traindx.analyzers.findings import Prescription
 
-from . import evidence as ev
+from traindx.analyzers import evidence as ev
 
 FA4_PACKAGE = "flash-attn-4"
 FA4_FIXED = "4.0.0b26"          # forward and backward (PR #2762); b22 fixed backward only (PR #2507)
 FA4_BWD_FIXED = "4.0.0b22"
 # FA4's cache variables are the kernel cache's (FA4's own names)
-from traindx.kernel_cache.store import DIR_VAR as CACHE_DIR_VAR  # noqa: E402
-from traindx.kernel_cache.store import ENABLE_VAR as CACHE_ENABLE_VAR  # noqa: E402
+from traindx.kernel_cache.store.cache import DIR_VAR as CACHE_DIR_VAR  # noqa: E402
+from traindx.kernel_cache.store.cache import ENABLE_VAR as CACHE_ENABLE_VAR  # noqa: E402
 SINGLE_BLOCK_FIELDS = ("single_q_block", "single_k_block")
 _TENSOR_REPR = re.compile(r"\b(Fake)?Tensor\(|\btensor\(")
 
@@ -82,7 +82,7 @@ def precompile_prescription(run, gain=None, note=""):
     cache_dir = env.get(CACHE_DIR_VAR)
     if not cache_dir or cache_dir == "<redacted>":
         try:  # FA4's own default, so the warm-up and the training agree on one folder
-            from traindx.kernel_cache.store import default_cache_dir
+            from traindx.kernel_cache.store.cache import default_cache_dir
 
             cache_dir = str(default_cache_dir({}))
         except Exception:

@@ -3,11 +3,11 @@ change, and which is a recompile of a frame, with the guard that failed and the 
 import collections
 import re
 
-from traindx.findings import Finding, Prescription
+from traindx.analyzers.findings import Finding, Prescription
 
-from . import codefix
-from . import evidence as ev
-from .jit_common import _col, _ledger_cost, _severity, _steps_after, _where
+from traindx.analyzers import codefix
+from traindx.analyzers import evidence as ev
+from traindx.analyzers.jit_common import _col, _ledger_cost, _severity, _steps_after, _where
 
 _VALUES = re.compile(r"\. expected \d+, actual \d+")
 

@@ -7,13 +7,13 @@ from typing import TYPE_CHECKING
 
 import pandas as pd
 
-from traindx.findings import Finding, Prescription
+from traindx.analyzers.findings import Finding, Prescription
 
-from . import evidence as ev
-from .frameworks import runs_megatron
+from traindx.analyzers import evidence as ev
+from traindx.analyzers.frameworks import runs_megatron
 
 if TYPE_CHECKING:  # annotations only
-    from traindx.record import RunRecord
+    from traindx.derive.run import RunRecord
 
 MIN_IDLE_SHARE = 0.30
 MAX_MEDIAN_KERNEL_S = 20e-6
@@ -47,7 +47,7 @@ def _steady_spans(run, rank):
     """(forward/backward s, optimizer s, step s): the time ledger's means over the steady steps,
     or None where the ledger has no optimizer span (no shim hooks on an optimizer)."""
     try:
-        from traindx.ledger import steady_rows
+        from traindx.derive.ledger import steady_rows
         rows = steady_rows(run, rank)
     except Exception:  # the derive layer cannot build it: the window's share prices it
         return None

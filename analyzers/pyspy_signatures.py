@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from traindx.profiler import speedscope
 
-from . import evidence as ev
+from traindx.analyzers import evidence as ev
 
 if TYPE_CHECKING:  # annotations only
     from traindx.profiler.speedscope import Frame, Recording, ThreadSamples

@@ -27,14 +27,14 @@ from typing import TYPE_CHECKING
 import numpy as np
 import pandas as pd
 
-from traindx import ledger as ledger_mod
-from traindx.findings import Finding, Prescription
+from traindx.derive import ledger as ledger_mod
+from traindx.analyzers.findings import Finding, Prescription
 
-from . import evidence as ev
-from . import sync_points as sp
+from traindx.analyzers import evidence as ev
+from traindx.analyzers import sync_points as sp
 
 if TYPE_CHECKING:  # annotations only
-    from traindx.record import RunRecord
+    from traindx.derive.run import RunRecord
 
 COLLECTIVE_NAME = re.compile(
     r"^(?:gloo:|nccl:|c10d::|record_param_comms)|nccl.*(?:AllReduce|AllGather|ReduceScatter|Broadcast|"

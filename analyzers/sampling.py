@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:  # annotations only
-    from traindx.record import RunRecord
+    from traindx.derive.run import RunRecord
 
 MAX_ANALYZED_RANKS = 64
 PER_MEASURE = 2   # ranks taken at each end of each measure

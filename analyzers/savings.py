@@ -1,14 +1,14 @@
 """The savings model: what a finding's fix is expected to save, from the time ledger.
 
 Judge layer: it prices findings (their `removes`: the ledger lines the fix takes away) against
-the derived ledger (traindx.ledger) and the shim's CPU evidence (traindx.ledger.cpu_evidence).
+the derived ledger (traindx.derive.ledger) and the shim's CPU evidence (traindx.derive.ledger.cpu_evidence).
 `predicted_step_time` is what the --fix loop writes beside the measured candidate (the ledger,
 a derive-layer module, does not import it).
 """
 import numpy as np
 import pandas as pd
 
-from traindx.ledger import CATEGORIES, SPAN_CATEGORY, cpu_evidence, rows, steady_rows
+from traindx.derive.ledger import CATEGORIES, SPAN_CATEGORY, cpu_evidence, rows, steady_rows
 
 
 def workers_step_model(load_cpu, rest_cpu, rest_wall, workers, cores, others, load_wait=0.0,
@@ -523,7 +523,7 @@ def gpu_work_per_step(run, ranks=()) -> float | None:
     """Seconds the GPU is busy (kernels, copies, memsets) in a mean profiled step, the largest
     over the ranks named (all when none): no change on the host shortens a step below it. None
     without a torch.profiler window holding GPU work."""
-    from . import gpu_window
+    from traindx.analyzers import gpu_window
 
     trace = run.torch_trace
     if not len(trace) or not trace["cat"].isin(gpu_window.GPU_WORK).any():

@@ -12,17 +12,17 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pandas as pd
 
-from traindx import ledger, periods
-from traindx.findings import Finding, Prescription
+from traindx.derive import ledger, periods
+from traindx.analyzers.findings import Finding, Prescription
 from traindx.profiler.logparse import parse_line
-from traindx.units import ordinal
+from traindx.common.units import ordinal
 
-from . import evidence as ev
-from .codefix import code_change, keyword_sources, set_keywords
-from .frameworks import data_sites, knob_owner, runs_megatron, user_site
+from traindx.analyzers import evidence as ev
+from traindx.analyzers.codefix import code_change, keyword_sources, set_keywords
+from traindx.analyzers.frameworks import data_sites, knob_owner, runs_megatron, user_site
 
 if TYPE_CHECKING:  # annotations only
-    from traindx.record import RunRecord
+    from traindx.derive.run import RunRecord
 
 MIN_STEPS = 8
 SLOW_FACTOR = 2.0          # a step this much slower than the median is a slow step (1.5-1.9x
@@ -601,7 +601,7 @@ def line_periods(led, step_s):
     is compared across steps on its own, so +50 % on odd steps - which never makes a step 2x the
     median, the slow-step search's bar - is found on the line that carries it. The shortest
     period that explains a line wins (a period-2 pattern also fits 4, 6, 8)."""
-    from traindx import ledger
+    from traindx.derive import ledger
 
     if len(led) < 6 or step_s <= 0:
         return []

@@ -18,12 +18,12 @@ from typing import Optional
 import numpy as np
 import pandas as pd
 
-from traindx.findings import Finding, is_problem
-from traindx.steptables import (EVENT_KINDS, compile_spans, event_seconds, gc_frame, run_t0,
+from traindx.analyzers.findings import Finding, is_problem
+from traindx.derive.steptables import (EVENT_KINDS, compile_spans, event_seconds, gc_frame, run_t0,
                                 step_table)
 
-from . import evidence as ev
-from .stability import SLOW_FACTOR
+from traindx.analyzers import evidence as ev
+from traindx.analyzers.stability import SLOW_FACTOR
 
 CAUSE_SHARE = 0.3             # an event covering this share of a step names the step's cause
 EXCESS_SHARE = 0.25           # ...or this share of a slow step's time above the median

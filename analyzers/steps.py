@@ -5,10 +5,10 @@ import re
 import signal
 from typing import TYPE_CHECKING
 
-from traindx.findings import Finding
+from traindx.analyzers.findings import Finding
 
 if TYPE_CHECKING:  # annotations only
-    from traindx.record import RunRecord
+    from traindx.derive.run import RunRecord
 
 
 def analyze(run: RunRecord) -> list[Finding]:

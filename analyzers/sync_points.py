@@ -13,7 +13,7 @@ Waits are durations on each rank's own clock, so no clock needs to agree across 
 the last arrival caused is the gap to the next-latest arrival (the second-smallest wait minus
 the smallest): had it come as early as that one, the collective would have completed that much
 sooner. The work that made it late lies in its `segment`, the stretch of its own timeline since
-its previous meeting point (or its step's start), whose ledger says why (traindx/ledger.py).
+its previous meeting point (or its step's start), whose ledger says why (derive/ledger.py).
 
 Point-to-point send/recv are not meeting points: in a pipeline a stage waiting in recv for its
 upstream stage is the schedule's bubble, not a straggler's victim.
@@ -25,10 +25,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 import pandas as pd
 
-from traindx import ledger as ledger_mod
+from traindx.derive import ledger as ledger_mod
 
 if TYPE_CHECKING:  # annotations only
-    from traindx.record import RunRecord
+    from traindx.derive.run import RunRecord
 
 POINT_COLUMNS = ["key", "rank", "op", "group", "start_ns", "end_ns", "wait_s"]
 

@@ -26,10 +26,10 @@ from typing import Optional
 
 import numpy as np
 
-from traindx.findings import Finding, Prescription
+from traindx.analyzers.findings import Finding, Prescription
 
-from . import codefix
-from . import evidence as ev
+from traindx.analyzers import codefix
+from traindx.analyzers import evidence as ev
 
 ANALYZER = "threads"
 THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
@@ -233,7 +233,7 @@ def _own_call_prescriptions(run, f, threads, why):
                               f"({call['source']}); set {threads} there; {why}. {ignored}"),
         change={"code": change} if change else {}, automatic=bool(change))
     # where the call reads the job's own flag, the fix planner passes the flag instead
-    # (traindx.fixplan.own_flag_option: the judge names the line, planning decides how)
+    # (traindx.analyzers.fixplan.own_flag_option: the judge names the line, planning decides how)
     return (code,)
 
 

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 from typing import Optional
 
-from traindx import ledger as L
-from traindx.findings import NOTE, VERDICT_PREFIX, Finding, is_problem, reading_order
-from traindx.steptables import steady_median, step_table, steps_per_rank
-from traindx.units import fmt_s
+from traindx.derive import ledger as L
+from traindx.analyzers.findings import NOTE, VERDICT_PREFIX, Finding, is_problem, reading_order
+from traindx.derive.steptables import steady_median, step_table, steps_per_rank
+from traindx.common.units import fmt_s
 
 
 def _mean_steady_step(run) -> Optional[float]:

@@ -408,7 +408,7 @@ def _live_text(r):
 def _io_share(run_dir):
     try:
         import traindx
-        from traindx import ledger
+        from traindx.derive import ledger
 
         led = ledger.steady_rows(traindx.load_run(run_dir))
         return float(led["io_s"].sum() / led["wall_s"].sum()) if len(led) else 1.0

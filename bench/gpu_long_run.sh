@@ -37,7 +37,7 @@ cp -r "$RUN" "$OUT_DIR/run-copy-for-inspection" 2>/dev/null
 $PY - "$RUN" "$BUDGET_MB" "$OUT_DIR" "$rc" > "$OUT_DIR/summary.txt" <<'P'
 import json, os, sys
 run, budget_mb, out, rc = sys.argv[1], float(sys.argv[2]), sys.argv[3], sys.argv[4]
-from traindx.record import load_run
+from traindx.derive.run import load_run
 rows = [l.split() for l in open(os.path.join(out, "samples.txt")).read().splitlines()[1:]]
 ev = [int(r[1]) for r in rows]; rss = [int(r[2]) for r in rows if len(r) > 2]
 text = open(os.path.join(out, "diagnose.out")).read()

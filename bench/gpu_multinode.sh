@@ -53,7 +53,7 @@ head -n 8 "$OUT/merge.log"
 SHIFT_S=$SHIFT_S $PY - <<'P'
 import json, os
 import traindx
-from traindx import nodes
+from traindx.profiler import nodes
 run_dir, shift = "runs/gpu-multinode", float(os.environ["SHIFT_S"])
 clock = json.load(open(f"{run_dir}/clock.json"))
 names = sorted(nodes.node_dirs(run_dir))

@@ -40,7 +40,7 @@ def clean_env(**extra):
 
 
 def warm(specs, cache_dir, jobs, seqlens="4096"):
-    cmd = [sys.executable, "-m", "traindx.kernel_cache.cli", "warm", "--arch", "sm_90",
+    cmd = [sys.executable, "-m", "traindx.kernel_cache.cli.main", "warm", "--arch", "sm_90",
            "--cache-dir", str(cache_dir), "--jobs", str(jobs)]
     if seqlens:
         cmd += ["--seqlens", seqlens]

@@ -152,7 +152,7 @@ def main():
 def one_pair(name, tmp):
     """One baseline run, its prediction, and the fixed run right after it."""
     import traindx
-    from traindx import ledger as L
+    from traindx.derive import ledger as L
 
     base, fix, wanted = CASES[name]
     run = record(base, os.path.join(tmp, "base"), ENV.get(name))
@@ -184,7 +184,7 @@ def one_pair(name, tmp):
 def running(run):
     """Mean runnable tasks on the machine at the run's steady step ends (the shim's evidence):
     how busy the machine was during that run (a fixed run's own workers count in it)."""
-    from traindx import ledger as L
+    from traindx.derive import ledger as L
 
     evd = L.cpu_evidence(run)
     return None if evd is None or evd["running"] is None else round(evd["running"], 2)

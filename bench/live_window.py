@@ -2,7 +2,7 @@
 
 A run grows to --steps steps (a real recorded CPU job's steady steps repeated, later by one
 period each copy: tests/test_live_window.py's generator), read every --piece steps as the live
-passes read it (traindx.so_far.EventsSoFar), once with the whole record kept and once with a
+passes read it (traindx.derive.so_far.EventsSoFar), once with the whole record kept and once with a
 window of --keep steps; at a few points: the rows held, the steps a pass sees, and the CPU of
 one pass (load + every analyzer) right after the record grew by 2 steps (min of --reps).
 
@@ -22,8 +22,8 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 from test_live_window import _recording, _step_lines  # noqa: E402
 
 from traindx.analyzers import analyze  # noqa: E402
-from traindx.record import load_run  # noqa: E402
-from traindx.so_far import EventsSoFar  # noqa: E402
+from traindx.derive.run import load_run  # noqa: E402
+from traindx.derive.so_far import EventsSoFar  # noqa: E402
 
 
 def grow(keep, total, piece, reps, points):

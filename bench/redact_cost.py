@@ -1,4 +1,4 @@
-"""What redaction costs: loading traindx/redact.py into a job's process the way the shim does
+"""What redaction costs: loading traindx/common/redact.py into a job's process the way the shim does
 (once per process, at its start) and passing one log line through a Redactor (the launcher's
 pump thread, once per line the job prints; never the job's own thread).
 
@@ -35,7 +35,7 @@ def main():
     loads = [float(subprocess.run([sys.executable, "-c", LOAD, "--hf_token=hf_x"], text=True,
                                   capture_output=True, check=True).stdout) for _ in range(5)]
     sys.path.insert(0, ROOT)
-    from traindx.redact import Redactor
+    from traindx.common.redact import Redactor
 
     r = Redactor.for_job(dict(os.environ, WANDB_API_KEY="f" * 40),
                          ["train.py", "--wandb_key", "0123456789abcdef0123456789abcdef01234567"])

@@ -43,9 +43,9 @@ sys.path.insert(0, os.path.join(ROOT, "bench"))
 import synth_run  # noqa: E402
 
 LOADERS = {
-    "imports": "import traindx.record, traindx.columnar; print({path!r})",  # the fixed cost
-    "load": "from traindx.record import load_run; r = load_run({path!r}); print(len(r.ledger))",
-    "load-cached": "from traindx.record import load_run; r = load_run({path!r}, cache=True); "
+    "imports": "import traindx.derive.run, traindx.profiler.columnar; print({path!r})",  # the fixed cost
+    "load": "from traindx.derive.run import load_run; r = load_run({path!r}); print(len(r.ledger))",
+    "load-cached": "from traindx.derive.run import load_run; r = load_run({path!r}, cache=True); "
                    "print(len(r.ledger))",
 }
 
@@ -98,7 +98,7 @@ def measure(cmd, timeout, max_gb=None):
 
 NODE_TABLES = """
 import glob, json, statistics, sys, time
-from traindx.record import write_tables
+from traindx.derive.run import write_tables
 out = []
 for folder in sorted(glob.glob(sys.argv[1] + "/nodes/*/")):
     t = time.perf_counter()

@@ -8,8 +8,8 @@ import sys
 
 from playwright.sync_api import sync_playwright
 
-from traindx.outputs import analyze_and_write
-from traindx.record import load_run
+from traindx.cli.outputs import analyze_and_write
+from traindx.derive.run import load_run
 
 
 def main(argv=None):

@@ -33,7 +33,7 @@ STRETCH_COLUMNS = ["rank", "step", "seq", "from", "to", "line", "host_start_ns",
 STEP_COLUMNS = ["rank", "step", "start_ns", "end_ns", "wall_s", "gpu_s", "idle_min_s",
                 "idle_max_s", "busy_min_s", "busy_max_s", "busy_min_share", "busy_max_share",
                 "lag_end_s", "top_idle_line", "top_idle_s"]
-# the ledger line (traindx.ledger) a stretch belongs to, by the marks around it
+# the ledger line (traindx.derive.ledger) a stretch belongs to, by the marks around it
 MEASURED = {("bwd>", "bwd<"): "backward", ("opt>", "opt<"): "optimizer"}
 # a measured call's start and end marks: a stretch between them is that call's, even when other
 # marks fall inside it (the step boundary is marked inside optimizer.step)

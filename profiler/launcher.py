@@ -13,17 +13,17 @@ import signal
 import subprocess
 import time
 
-from . import manifest as manifest_mod
+from traindx.profiler import manifest as manifest_mod
 # RunDirRefused: raised by Job.run (the CLI catches it from here); write_json_atomic: callers
 # import it from here too
-from .manifest import RunDirRefused, write_json_atomic  # noqa: F401
-from .nvml import NvmlSampler, gpu_inventory
-from .pyspy import PySpyManager
-from . import rolling
-from .tee import OutputRelay
-from traindx import redact
-from .shim._traindx_shim.segments import SEGMENT_BYTES_ENV
-from .shim._traindx_shim.roles import announced_ranks
+from traindx.profiler.manifest import RunDirRefused, write_json_atomic  # noqa: F401
+from traindx.profiler.nvml import NvmlSampler, gpu_inventory
+from traindx.profiler.pyspy import PySpyManager
+from traindx.profiler import rolling
+from traindx.profiler.tee import OutputRelay
+from traindx.common import redact
+from traindx.profiler.shim._traindx_shim.segments import SEGMENT_BYTES_ENV
+from traindx.profiler.shim._traindx_shim.roles import announced_ranks
 
 SHIM_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "shim")
 

@@ -9,7 +9,7 @@ import socket
 import sys
 import time
 
-from traindx import redact
+from traindx.common import redact
 
 TRACKED_PACKAGES = ("torch", "flash-attn-4", "nvidia-cutlass-dsl", "triton",
                     "flash-linear-attention", "megatron-core", "transformer-engine", "traindx")
@@ -205,7 +205,7 @@ def finish_interrupted(run_dir):
     if holder is not None:
         return (f"{run_dir} is still being recorded (diagnose{holder.rstrip()}): analysing what "
                 "it holds so far")
-    from .shim._traindx_shim.roles import announced_ranks
+    from traindx.profiler.shim._traindx_shim.roles import announced_ranks
 
     missing = manifest.setdefault("missing", {})
     note = ("diagnose ended before the job did (killed?): the job's exit code and the "

@@ -8,7 +8,7 @@ parent only. No program name is looked at.
 """
 import os
 
-from .shim._traindx_shim.roles import is_multiprocessing_child, rank_from_env
+from traindx.profiler.shim._traindx_shim.roles import is_multiprocessing_child, rank_from_env
 
 
 def _read(path, mode="r"):

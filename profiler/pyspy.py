@@ -14,9 +14,9 @@ import sys
 import threading
 import time
 
-from . import rolling
-from .proctree import rank_processes
-from .shim._traindx_shim import roles
+from traindx.profiler import rolling
+from traindx.profiler.proctree import rank_processes
+from traindx.profiler.shim._traindx_shim import roles
 
 
 # a burst of snapshots on an anomaly: this many, this far apart (each dump pauses nothing: it

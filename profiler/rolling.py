@@ -20,11 +20,11 @@ import shutil
 import threading
 from dataclasses import dataclass
 
-from traindx.errors import UserError
+from traindx.common.errors import UserError
 
-from .logparse import compile_custom, parse_line
-from .shim._traindx_shim.segments import segment_path, segments, summary_path
-from .speedscope import ThreadSamples, load
+from traindx.profiler.logparse import compile_custom, parse_line
+from traindx.profiler.shim._traindx_shim.segments import segment_path, segments, summary_path
+from traindx.profiler.speedscope import ThreadSamples, load
 
 MB = 1 << 20
 MIN_SEGMENT_BYTES = 4096

@@ -3,7 +3,7 @@ import json
 import re
 from dataclasses import dataclass, field
 
-from traindx.errors import UserError
+from traindx.common.errors import UserError
 
 # -- py-spy's thread labels, parsed here and nowhere else -----------------------------------------
 # a speedscope profile's name: 'Thread 8485 "MainThread"' (py-spy 0.4 may leave the name empty)

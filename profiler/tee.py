@@ -46,10 +46,10 @@ def _write_all(fd, data):
 
 
 def redactor(config):
-    """The function every logged line goes through (traindx/redact.py: one definition of a
+    """The function every logged line goes through (traindx/common/redact.py: one definition of a
     secret for everything traindx writes): the job's own secret values, sent over the socket
     (never on a command line or in an environment), then every token shape."""
-    from traindx import redact
+    from traindx.common import redact
 
     return redact.Redactor(config.get("secret_values") or ()).line
 

@@ -22,7 +22,7 @@ import os
 import numpy as np
 import pandas as pd
 
-from traindx.errors import UserError
+from traindx.common.errors import UserError
 
 TRACE_COLUMNS = ["rank", "cat", "name", "start_ns", "end_ns", "dur_s", "pid", "tid", "py_id",
                  "py_parent", "device", "stream", "bytes"]  # bytes: of a memcpy/memset

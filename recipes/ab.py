@@ -14,13 +14,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pandas as pd
 
-from traindx.steady import events_of_type, perturbed_steps, profiled_steps
-from traindx.steptables import SHIM_SOURCES, progress_step_seconds
+from traindx.derive.steady import events_of_type, perturbed_steps, profiled_steps
+from traindx.derive.steptables import SHIM_SOURCES, progress_step_seconds
 
-from . import stats
+from traindx.derive import stats
 
 if TYPE_CHECKING:  # annotations only
-    from traindx.record import RunRecord
+    from traindx.derive.run import RunRecord
 
 # variables traindx itself sets per run, not part of the change between two arms
 _OWN_ENV = ("TRAINDX_RUN_DIR", "TRAINDX_MAX_STEPS", "PYTHONUNBUFFERED",
@@ -35,13 +35,13 @@ _MEASUREMENT_OPTIONS = ("pyspy", "shim", "nvml", "pyspy_rate_hz", "dump_interval
 def step_times(run: RunRecord) -> tuple[pd.Series, str | None]:
     """Step durations in seconds, in step order, and where they came from: the shim's
     boundaries (on the GPU's clock for a job that runs CUDA work), else the job's own log
-    (traindx.steptables.progress_step_seconds)."""
+    (traindx.derive.steptables.progress_step_seconds)."""
     return progress_step_seconds(run)
 
 
 def profiled_positions(run: RunRecord, series: pd.Series, source: str | None = "shim") -> list[int]:
     """Positions in `series` of the steps a torch.profiler window perturbed (its own and the
-    step after it: traindx.steady.perturbed_steps); on the GPU's clock the step before it too:
+    step after it: traindx.derive.steady.perturbed_steps); on the GPU's clock the step before it too:
     the window opens at that step's end boundary, whose event the GPU reaches only after the
     profiler's start-up (H200: 10 ms against 5.3 ms)."""
     perturbed = perturbed_steps(run)
@@ -126,8 +126,8 @@ def step_period(arm: tuple[pd.Series, str | None, list[int]],
                 window: tuple[int, int] | None = None,
                 exclude: Iterable[int] = ()) -> dict[str, Any] | None:
     """{period, residue, excess_s} of the arm's step times over the window (a cost on every
-    k-th step, k = 2 included: traindx.periods.series_period), else None."""
-    from traindx.periods import series_period
+    k-th step, k = 2 included: traindx.derive.periods.series_period), else None."""
+    from traindx.derive.periods import series_period
 
     series = arm[0]
     positions, bounds = stats.window_positions(len(series), window, exclude)

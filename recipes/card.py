@@ -19,11 +19,11 @@ from typing import Optional
 from importlib import resources
 from typing import Any
 
-from traindx.envvars import is_performance_var
+from traindx.common.envvars import is_performance_var
 
 import yaml
 
-from traindx.errors import UserError
+from traindx.common.errors import UserError
 
 SCHEMA_VERSION = 1
 STATUSES = ("verified", "measured", "draft", "unverified")
@@ -406,7 +406,7 @@ def _significant(x, digits=4):
 
 
 def _gpu_of(run, override):
-    from traindx.recipes.throughput import normalize_gpu
+    from traindx.derive.throughput import normalize_gpu
 
     if override:
         gpu = normalize_gpu(override)
@@ -477,10 +477,10 @@ def card(run, options: Optional[CardOptions] = None) -> "RecipeCard":
     tokens, MFU, step-time CV, GPU-hours, and the convergence check when the run is a `--fix`
     candidate arm (its comparison.json). Raises UserError with one line when it cannot."""
     args = options or CardOptions()
-    from traindx.hfconfig import load_hf_config
-    from traindx.recipes import throughput
+    from traindx.common.hfconfig import load_hf_config
+    from traindx.derive import throughput
     from traindx.recipes.ab import SHIM_SOURCES, profiled_positions, step_times, tokens_per_step
-    from traindx.recipes.stats import coefficient_of_variation, parse_window, window_values
+    from traindx.derive.stats import coefficient_of_variation, parse_window, window_values
 
     series, source = step_times(run)
     times = series.to_numpy(dtype=float)

@@ -7,7 +7,7 @@ import math
 
 from markupsafe import Markup, escape
 
-from traindx import units
+from traindx.common import units
 from traindx.profiler.shim._traindx_shim import schema
 
 WIDTH = 1000          # viewBox units; the SVG scales to the page width
@@ -26,7 +26,7 @@ FRAME_COLOURS = {"user": "#f4a259", "traindx": "#d9c7ef", "library": "#8ab6d6", 
 GPU_COLOURS = ["#2b7de9", "#e4572e", "#2ca58d", "#9c51b6", "#f2b33d", "#d6428f", "#6c757d", "#17a2b8"]
 
 
-fmt_s = units.fmt_s  # defined once (traindx/units.py): the terminal and findings use it too
+fmt_s = units.fmt_s  # defined once (traindx/common/units.py): the terminal and findings use it too
 
 
 def fmt_tick(seconds):

@@ -2,9 +2,9 @@
 previous compile of the same kernel, and per-kernel groups."""
 import re
 
-from traindx.steptables import compile_span
+from traindx.derive.steptables import compile_span
 
-from .text import clip, frame_label, num, ranges, text_of
+from traindx.report.text import clip, frame_label, num, ranges, text_of
 
 MAX_COMPILE_ROWS = 200
 

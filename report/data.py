@@ -2,7 +2,7 @@
 RunRecord and its findings as plain JSON-able values (pure: no I/O beyond the record itself).
 
 A renderer only renders: the step table and the per-step event seconds are derived
-(traindx/steptables.py), each step's cause and the verdict are judged (analyzers/step_causes.py,
+(derive/steptables.py), each step's cause and the verdict are judged (analyzers/step_causes.py,
 analyzers/verdict.py), and the views below only shape them for display. Times are seconds since
 the run's start (manifest start_ns), so every chart shares one x axis. Large evidence is reduced
 (steps binned, samples merged into a pruned tree, metrics downsampled) so a 10-minute run renders
@@ -14,22 +14,22 @@ import re
 import shlex
 from datetime import datetime, timezone
 
-from traindx import redact
-from traindx.envvars import is_relevant_var
-from traindx.ledger import startup_text
+from traindx.common import redact
+from traindx.common.envvars import is_relevant_var
+from traindx.derive.ledger import startup_text
 from traindx.analyzers.step_causes import CAUSES, classify_steps, without_core_wait
-from traindx.findings import VERDICT_PREFIX, reading_order
-from traindx.steptables import (event_seconds, gaps_table, gc_frame, run_t0, steady_mask,
+from traindx.analyzers.findings import VERDICT_PREFIX, reading_order
+from traindx.derive.steptables import (event_seconds, gaps_table, gc_frame, run_t0, steady_mask,
                                 step_table)
 
-from .compiles import MAX_COMPILE_ROWS, compile_events, compile_groups
-from .gpu import gpu_time_view
-from .findings_view import (comparison_view, finding_view, fix_marks, prescription_text,
+from traindx.report.compiles import MAX_COMPILE_ROWS, compile_events, compile_groups
+from traindx.report.gpu import gpu_time_view
+from traindx.report.findings_view import (comparison_view, finding_view, fix_marks, prescription_text,
                             verdict_view)
-from .nvml_view import gpu_util_in_windows, gpu_view
-from .pyspy_view import gil_view, thread_lanes, worst_rank_first
-from .steps_view import MAX_STEP_BARS, bin_steps, ledger_view, losses_of, rows_of, timeline_ranks
-from .text import clip
+from traindx.report.nvml_view import gpu_util_in_windows, gpu_view
+from traindx.report.pyspy_view import gil_view, thread_lanes, worst_rank_first
+from traindx.report.steps_view import MAX_STEP_BARS, bin_steps, ledger_view, losses_of, rows_of, timeline_ranks
+from traindx.report.text import clip
 
 __all__ = ["build_report_data", "build_summary", "comparison_view", "prescription_text"]
 

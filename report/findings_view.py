@@ -5,17 +5,17 @@ import re
 import shlex
 
 from traindx.analyzers import verdict as judge
-from traindx.findings import VERDICT_PREFIX, reading_order
+from traindx.analyzers.findings import VERDICT_PREFIX, reading_order
 
-from .compiles import compile_groups
-from .text import clip, frame_label, ranges
+from traindx.report.compiles import compile_groups
+from traindx.report.text import clip, frame_label, ranges
 
 
 MAX_EVIDENCE_ROWS = 25
 
 FINDING_COMPILE_ROWS = 5      # a finding shows its first compiles; the rest are summed up per kernel
 
-rank_for_report = reading_order  # the order is defined once, in traindx/findings.py
+rank_for_report = reading_order  # the order is defined once, in analyzers/findings.py
 
 
 def prescription_text(p):
@@ -97,14 +97,14 @@ FIX_TRIES_DEFAULT = 3   # diagnose --fix-tries' default: the candidates measured
 def fix_marks(run, findings, tries=FIX_TRIES_DEFAULT):
     """{(finding id, prescription index): "applied" | "next" | "alternative" | "by_hand"} and
     {(finding id, "planned"): [{"summary", "mechanism", "fix"}]}: what `diagnose --fix` would do
-    with each prescription, from the candidates its own loop measures (traindx.fixplan.
+    with each prescription, from the candidates its own loop measures (traindx.analyzers.fixplan.
     candidate_plans: the first is applied, the next ones are tried in turn while none gains,
     up to --fix-tries). A candidate the planner builds itself (the job's own flag for a literal,
     an edit it derives from the finding) is listed under "planned", so a prescription it comes
     from is not called "by hand". {} when the plan cannot be made here."""
     try:
         # lazily: the fix loop imports the CLI's commands, which import this report
-        from traindx.fixplan import candidate_plans
+        from traindx.analyzers.fixplan import candidate_plans
 
         m = run.manifest or {}
         command = m.get("command") or []

@@ -24,7 +24,7 @@ def _short(name):
 def _ledger_parts(run, rank):
     """{step: [(label, seconds), ...]} of one rank's ledger (largest first, top 3)."""
     try:
-        from traindx import ledger as L
+        from traindx.derive import ledger as L
 
         led = run.rank_rows("ledger", rank)
     except Exception:

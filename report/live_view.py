@@ -1,6 +1,6 @@
 """The live view while a job runs: a status line (rich Live on a terminal, plain lines in a log)
 and each stable finding printed once, with its first prescription. It only renders what
-`traindx.live.LiveJudge` decided."""
+`traindx.analyzers.live.LiveJudge` decided."""
 from __future__ import annotations
 
 import sys
@@ -11,8 +11,8 @@ from rich.console import Console
 from rich.live import Live
 from rich.text import Text
 
-from traindx.findings import Finding
-from traindx.live import LiveState
+from traindx.analyzers.findings import Finding
+from traindx.analyzers.live import LiveState
 
 SEVERITY_STYLE = {"critical": "bold red", "high": "red", "medium": "yellow", "low": "cyan",
                   "info": "dim"}

@@ -2,7 +2,7 @@
 mean utilization while steps ran."""
 import math
 
-from .text import clip, num, ranges
+from traindx.report.text import clip, num, ranges
 
 
 MAX_GPU_POINTS = 600          # per GPU and metric

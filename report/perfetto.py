@@ -8,7 +8,7 @@ import gzip
 import json
 import os
 
-from traindx.errors import UserError
+from traindx.common.errors import UserError
 
 # one Perfetto "process" per rank for traindx's own tracks; torch.profiler's processes are
 # moved into their own pid range so they never collide with ours

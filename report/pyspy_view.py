@@ -9,8 +9,8 @@ from traindx.analyzers import evidence as ev
 from traindx.profiler import speedscope
 from traindx.profiler.shim._traindx_shim.frames import code_kind
 
-from .steps_view import MAX_STEP_BARS
-from .text import clip
+from traindx.report.steps_view import MAX_STEP_BARS
+from traindx.report.text import clip
 
 # the rule for the job's code vs a library's is the shim's (frames.code_kind); cached: a flame
 # tree asks it for every frame of every sample

@@ -2,9 +2,9 @@
 MAX_STEP_BARS, the loss curve. Step causes come from the judge (analyzers/step_causes.py)."""
 import math
 
-from traindx import ledger as L
+from traindx.derive import ledger as L
 
-from .text import median, num
+from traindx.report.text import median, num
 
 
 MAX_STEP_BARS = 800           # more steps than this are binned (about one bar per pixel)

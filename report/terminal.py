@@ -6,14 +6,14 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from traindx.units import fmt_s
+from traindx.common.units import fmt_s
 
 
 SEVERITY_STYLE = {"critical": "bold red", "high": "red", "medium": "yellow", "low": "cyan",
                   "info": "dim"}
 SUMMARY_ROWS = 6
 CODE_LINES = 6                # lines of a diff or command printed under the verdict
-# what traindx.fixloop's plan does with a prescription (report.findings_view.fix_marks)
+# what traindx.cli.fixloop's plan does with a prescription (report.findings_view.fix_marks)
 FIX_MARK = {"applied": "--fix applies this", "next": "--fix tries this next",
             "alternative": "alternative, not applied by --fix",
             "by_hand": "by hand"}

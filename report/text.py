@@ -2,7 +2,7 @@
 read as None, step numbers as ranges, frames as file:line (function)."""
 import math
 
-from traindx import redact
+from traindx.common import redact
 
 
 MAX_TEXT = 2000

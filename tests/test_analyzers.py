@@ -651,7 +651,7 @@ def test_threads_above_the_cores_are_oversubscription_with_the_setting(tmp_path_
     assert code.change["code"]["line"] == line
     wanted = int(code.change["code"]["after"].removeprefix("torch.set_num_threads(").rstrip(")"))
     assert 1 <= wanted <= cores and code.automatic
-    from traindx import fixplan
+    from traindx.analyzers import fixplan
 
     flag = fixplan.own_flag_option(code, [str(t) for t in run.command], str(out))
     assert flag is not None and flag.change["arg"]["set"] == {"--threads": str(wanted)}
@@ -698,7 +698,7 @@ def test_a_prescription_priced_at_no_gain_promises_nothing():
     """The savings model can price a fix below zero (more DataLoader workers on cores the step
     already fills): the prescription keeps its change but promises no gain, and says why."""
     from traindx.analyzers.chains import without_losing_prescriptions
-    from traindx.findings import Finding, Prescription
+    from traindx.analyzers.findings import Finding, Prescription
 
     workers = Prescription(kind="code", summary="num_workers=2", change={"code": {"line": 3}},
                            expected_gain_s_per_step=-0.00126)
@@ -743,7 +743,7 @@ def test_host_time_spent_waiting_for_a_core_is_not_charged_to_its_line():
     thread ran ~8 ms of each ~60 ms step; the host intervals' wall time is mostly the thread
     waiting for a core at the line its time slice ended in (two samples), which the wall-clock
     split charged to the framework's call at 12 % and 7 % of the step."""
-    from traindx import ledger
+    from traindx.derive import ledger
     from traindx.analyzers import host_work
 
     run = traindx.load_run(os.path.join(LOADED_LIGHTNING, "healthy-runq"))
@@ -774,9 +774,9 @@ def test_a_gc_pause_spent_waiting_for_a_core_is_not_charged_to_gc():
     the training thread's CPU clock: one young-generation pass in steady step 4 took 7.2 ms of
     wall time for 0.2 ms of CPU, more than the 4.1 ms of CPU the thread got in the whole 23 ms
     step. Priced by its wall time it was 31 % of that step and 5 % of the steady steps' time."""
-    from traindx import ledger
+    from traindx.derive import ledger
     from traindx.analyzers import gc_pauses, step_causes
-    from traindx.steptables import compile_spans, event_seconds, gc_frame, run_t0, step_table
+    from traindx.derive.steptables import compile_spans, event_seconds, gc_frame, run_t0, step_table
 
     run = traindx.load_run(os.path.join(LOADED_LIGHTNING, "gc-preempted"))
     spans = run.of_type("span")
@@ -811,7 +811,7 @@ def test_a_gc_collect_called_every_step_is_named_at_its_line(tmp_path):
     none inside the collection, which py-spy saw. The gc finding names the call's line and
     its first prescription deletes it (a loaded machine or a quiet one: the shim's sampler
     never runs inside the call)."""
-    from traindx import ledger
+    from traindx.derive import ledger
 
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     run_dir = tmp_path / "run"
@@ -872,7 +872,7 @@ def test_host_code_whose_lines_call_no_library_still_names_the_top_line(monkeypa
     no library call (NaN in host_code's `call`). pandas' groupby drops NaN keys by default, so a
     step made only of such lines once left an empty table and an IndexError on an H200 run; the
     line must still be named, with no call."""
-    from traindx import ledger
+    from traindx.derive import ledger
     from traindx.analyzers import gpu_idle
 
     run = traindx.load_run(os.path.join(LOADED_LIGHTNING, "healthy-runq"))

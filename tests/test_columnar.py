@@ -10,9 +10,9 @@ import warnings
 import pandas as pd
 import pytest
 
-from traindx import columnar
-from traindx.columnar import CACHE_DIR
-from traindx.record import CorruptEvidenceWarning, TruncatedEvidenceWarning, load_run
+from traindx.profiler import columnar
+from traindx.profiler.columnar import CACHE_DIR
+from traindx.derive.run import CorruptEvidenceWarning, TruncatedEvidenceWarning, load_run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DATA = os.path.join(ROOT, "tests", "data")

@@ -9,8 +9,8 @@ import time
 import pytest
 
 import traindx
-from traindx.errors import UserError
-from traindx.record import CorruptEvidenceWarning, TruncatedEvidenceWarning
+from traindx.common.errors import UserError
+from traindx.derive.run import CorruptEvidenceWarning, TruncatedEvidenceWarning
 
 from helpers import PY, diagnose, example, only_run_dir
 

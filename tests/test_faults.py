@@ -23,8 +23,8 @@ import pytest
 from helpers import PY, ROOT, diagnose, example
 
 import traindx
-from traindx import cli
-from traindx.kernel_cache import cli as kernel_cache_cli
+from traindx.cli import main as cli
+from traindx.kernel_cache.cli import main as kernel_cache_cli
 
 DATA = os.path.join(ROOT, "tests", "data")
 SEED_RUN = os.path.join(DATA, "h200-seed-b17-tensor")  # FA4 recompiling: jit critical, gil high
@@ -373,7 +373,7 @@ def test_the_tracebacks_of_the_issue_are_one_line_errors(tmp_path, cpu_run):
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.count("\n") == 1 and "cannot start" in proc.stderr, proc.stderr
     assert not os.listdir(tmp_path / "elsewhere")  # no "failed to start" run folder left
-    proc = subprocess.run([PY, "-m", "traindx.kernel_cache.cli", "unpack",
+    proc = subprocess.run([PY, "-m", "traindx.kernel_cache.cli.main", "unpack",
                            "--cache-dir", str(a_file), str(binary)], capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr

@@ -11,8 +11,8 @@ import pandas as pd
 import pytest
 
 import traindx
-from traindx.findings import Finding, Prescription
-from traindx.fixloop import plan_fixes, program_args_start, set_flags
+from traindx.analyzers.findings import Finding, Prescription
+from traindx.cli.fixloop import plan_fixes, program_args_start, set_flags
 
 from traindx.recipes.card import RecipeCard
 
@@ -416,7 +416,7 @@ def test_fix_overlay_upgrade_from_a_wheel_folder(packed_source_fix, tmp_path):
 
 
 def test_overlay_failure_is_one_line_and_the_candidate_falls_back(tmp_path):
-    from traindx import fix_overlay
+    from traindx.cli import fix_overlay
 
     (tmp_path / "empty").mkdir()
     with pytest.raises(fix_overlay.OverlayError) as exc:
@@ -494,7 +494,7 @@ def test_static_origin_scan_finds_the_assignment_in_the_job_source():
 
 
 def test_autotune_key_edit_drops_the_changing_argument(tmp_path):
-    from traindx import fix_source
+    from traindx.analyzers import fix_source
 
     kernel = tmp_path / "kernels.py"
     kernel.write_text(
@@ -582,7 +582,7 @@ def test_triton_autotune_key_is_patched_in_the_kernels_own_terms(tmp_path):
         os.chdir(old)
     edit = plan.source_edits[0]
     assert edit["file"] == str(kernel_file) and edit["after_line"].strip() == 'key=["D"])'
-    from traindx import fix_source
+    from traindx.analyzers import fix_source
 
     diff = fix_source.unified_diff(str(job), plan.source_edits)
     assert diff.startswith("--- a/fastnorm/kernels.py\n+++ b/fastnorm/kernels.py\n")
@@ -659,8 +659,8 @@ def _git_apply_to_clean_copy(tmp_path, files, patch):
 
 
 def test_source_edits_delete_insert_and_own_flags(tmp_path):
-    from traindx import fix_source
-    from traindx.fixplan import own_flag_option
+    from traindx.analyzers import fix_source
+    from traindx.analyzers.fixplan import own_flag_option
 
     script = tmp_path / "train.py"
     script.write_text(
@@ -712,7 +712,7 @@ def test_fix_engine_searches_past_a_broken_candidate_to_the_train_loader(tmp_pat
     purpose (its command gets an unknown flag: the job exits 2); the search goes on to the next
     one, the code edit of the loader the steps iterate (the train loader, not the test loader
     built after it with the same kwargs), measures it and keeps it in fix.patch."""
-    from traindx.fixloop import FixOptions, _default_job, fix
+    from traindx.cli.fixloop import FixOptions, _default_job, fix
     from traindx.profiler.launcher import Options
 
     job = _job("fix_two_loaders.py")
@@ -761,7 +761,7 @@ def test_an_arm_slowed_by_a_neighbour_is_measured_again_and_judged_by_its_quicke
     import subprocess
     import sys
 
-    from traindx.fixloop import FixOptions, _default_job, fix
+    from traindx.cli.fixloop import FixOptions, _default_job, fix
     from traindx.profiler.launcher import Options
 
     core = max(os.sched_getaffinity(0))
@@ -816,7 +816,7 @@ def test_merge_engine_returns_the_merged_run(tmp_path):
     assert isinstance(run, traindx.RunRecord) and run.manifest["status"] == "merged"
     assert len(run.manifest["nodes"]) == 2 and set(run.steps["rank"]) == {"0", "1", "2", "3"}
     assert os.path.isfile(os.path.join(run_dir, "clock.json"))
-    from traindx.errors import UserError
+    from traindx.common.errors import UserError
 
     with pytest.raises(UserError, match="not a multi-node run"):
         traindx.merge(str(tmp_path))

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 import traindx
-from traindx import fix_source
-from traindx.findings import Finding, Prescription
-from traindx.fixplan import candidate_plans
-from traindx.ledger import steady_rows
+from traindx.analyzers import fix_source
+from traindx.analyzers.findings import Finding, Prescription
+from traindx.analyzers.fixplan import candidate_plans
+from traindx.derive.ledger import steady_rows
 
 from helpers import PY, ROOT, diagnose
 
@@ -256,9 +256,9 @@ def test_fix_applies_the_host_read_and_pinned_copy_edits_and_parity_holds(tmp_pa
     view's host_starved at the loop, pageable_copy at the copy line with the loader's real
     construction site from the shim's data_site events). The loop plans them, applies each on a
     scratch copy, runs it: the edited job still runs, the patch is right, parity passes."""
-    from traindx import outputs
+    from traindx.cli import outputs
     from traindx.analyzers import dataloader, frameworks
-    from traindx.fixloop import FixOptions, fix
+    from traindx.cli.fixloop import FixOptions, fix
     from traindx.profiler.launcher import Options
 
     real = outputs.analyze_and_write
@@ -277,7 +277,7 @@ def test_fix_applies_the_host_read_and_pinned_copy_edits_and_parity_holds(tmp_pa
     monkeypatch.setattr(outputs, "analyze_and_write", analyze_and_write)
     # both arms measured: on a CPU nothing waits on a host read, so a first arm "as predicted"
     # is the machine's load (seen once on a fresh-clone CI run), which would end the search
-    from traindx import fixloop
+    from traindx.cli import fixloop
     monkeypatch.setattr(fixloop, "_as_predicted", lambda row: False)
     before = open(HOST_READS).read()
     result = fix([PY, HOST_READS], FixOptions(
@@ -439,7 +439,7 @@ def test_a_guard_read_to_the_host_becomes_an_assert_on_the_device(tmp_path):
 def test_an_occasional_cost_is_judged_by_the_mean_and_a_slower_arm_is_never_kept():
     """A full GC in 3 of 23 steps: the median step is one without it, so the arm is judged by
     the mean; an arm slower than the baseline is not kept, whatever else ran."""
-    from traindx.fixloop import _keep, _periodic
+    from traindx.cli.fixloop import _keep, _periodic
 
     window = {"window_values_s": {"baseline": [0.05] * 20 + [0.9] * 3, "candidate": [0.06] * 23}}
     gc_steps = Finding(id="gc.gen2_in_step", title="gc", severity="high", analyzer="gc",

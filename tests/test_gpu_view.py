@@ -529,8 +529,8 @@ def test_h200_launch_bound_job_gets_a_fused_optimizer_and_a_compiled_model_as_ca
     the model compiled in CUDA-graph mode where the job makes it, and both in one arm first,
     each priced by the time ledger's optimizer and forward/backward spans (bench/jobs/gpu_cases.py as it is
     now; the analyzer's own prescriptions are prose)."""
-    from traindx import fix_source
-    from traindx.fixplan import candidate_plans
+    from traindx.analyzers import fix_source
+    from traindx.analyzers.fixplan import candidate_plans
 
     run, findings = h200_cases("tiny_kernels-bad")
     finding = next(f for f in findings if f.id == "gpu.launch_bound")
@@ -670,7 +670,7 @@ def test_a_sync_statement_reaches_back_to_the_previous_measured_call():
 
 def test_chains_one_cause_one_finding_for_gpu_views():
     from traindx.analyzers import chains
-    from traindx.findings import Finding, Prescription
+    from traindx.analyzers.findings import Finding, Prescription
 
     def finding(id_, seconds, **evidence):
         return Finding(id=id_, title=id_, severity="high", analyzer=id_.split(".")[0],

@@ -13,7 +13,7 @@ from conftest import fa4_available
 from helpers import PY, ROOT, diagnose, example
 
 import traindx
-from traindx.outputs import read_findings
+from traindx.cli.outputs import read_findings
 
 FA4_SEED = example("fa4_seed.py")
 FIXTURE = os.path.join(ROOT, "tests", "data", "h200-fa4-b17-tensor-maxseqlen.speedscope.json")

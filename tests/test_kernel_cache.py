@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from traindx.errors import UserError
-from traindx.kernel_cache import spec, store
+from traindx.common.errors import UserError
+from traindx.kernel_cache.cli import spec
+from traindx.kernel_cache.store import cache as store
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "tests" / "data" / "kernel_cache"
@@ -24,7 +25,7 @@ needs_fa4 = pytest.mark.skipif(not HAVE_FA4, reason="flash-attn-4 / nvidia-cutla
 
 
 def kernel_cache(*args, env=None, timeout=600):
-    return subprocess.run([sys.executable, "-m", "traindx.kernel_cache.cli", *map(str, args)],
+    return subprocess.run([sys.executable, "-m", "traindx.kernel_cache.cli.main", *map(str, args)],
                           capture_output=True, text=True, env=env, timeout=timeout, cwd=ROOT)
 
 
@@ -286,7 +287,7 @@ def test_a_recorded_enum_and_dataclass_argument_is_rebuilt():
     PackGQA enum to the functions that compile: a replay needs them back, equal to the original."""
     from helpers import LaunchConfig, Registers, TileOrder
 
-    from traindx.kernel_cache import worker
+    from traindx.kernel_cache.cli import worker
     from traindx.profiler.shim._traindx_shim.compiles import describe_value
 
     config = LaunchConfig(tile_m=128, registers=Registers(240, 24), order=TileOrder.LONGEST_FIRST)

@@ -11,9 +11,9 @@ import pandas as pd
 import pytest
 
 import traindx
-from traindx import ledger as L
+from traindx.derive import ledger as L
 from traindx.analyzers import savings as S
-from traindx.findings import Finding
+from traindx.analyzers.findings import Finding
 
 from helpers import PY, diagnose, diagnose_side_by_side, only_run_dir
 
@@ -128,7 +128,7 @@ def test_a_save_period_is_found_when_the_warm_up_rule_took_half_the_run():
     the load fell mid-run, the warm-up rule took steps 0-7 and left two of the three saves in
     the steady window. The shim-timed writes still show the period over the steps after step
     0: the finding names torch.save, its line and period 4, not an unexplained variation."""
-    from traindx.record import load_run
+    from traindx.derive.run import load_run
 
     run = load_run(os.path.join(os.path.dirname(os.path.abspath(__file__)), "data",
                                 "cpu-checkpoint-load-fell"), cache=False)
@@ -438,7 +438,7 @@ def test_same_findings_and_severities_with_cpu_burners_beside(quiet_and_loaded, 
 # -- chains ---------------------------------------------------------------------------------------
 def test_compiling_straggler_and_launch_bound_are_symptoms_of_the_recompile():
     from traindx.analyzers import chains
-    from traindx.findings import Prescription, rank_findings
+    from traindx.analyzers.findings import Prescription, rank_findings
 
     rx = (Prescription(kind="code", summary="fix it", expected_gain_s_per_step=1.0),)
     jit = Finding(id="jit.steady_recompile", title="k recompiles", severity="high", analyzer="jit",

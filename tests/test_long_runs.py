@@ -348,7 +348,7 @@ def test_an_accelerated_long_run_stays_in_its_budget_and_still_analyses(tmp_path
     doc = json.load(open(run_dir / "pyspy" / rolled[0]))
     assert doc["traindx_folded_through"] >= 5
 
-    from traindx.record import load_run
+    from traindx.derive.run import load_run
 
     run = load_run(run_dir)
     manifest = run.manifest

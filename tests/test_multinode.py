@@ -19,8 +19,8 @@ import subprocess
 import pytest
 
 import traindx
-from traindx import clocks, nodes
-from traindx.errors import UserError
+from traindx.profiler import clocks, nodes
+from traindx.common.errors import UserError
 
 from helpers import PY, ROOT, diagnose
 
@@ -329,8 +329,8 @@ def test_merged_run_reads_each_nodes_own_tables_and_reparses_a_stale_one(tmp_pat
 
     import pandas as pd
 
-    from traindx.commands.merge import merge
-    from traindx.record import write_tables
+    from traindx.cli.commands.merge import merge
+    from traindx.derive.run import write_tables
 
     sys.path.insert(0, os.path.join(ROOT, "bench"))
     import synth_run
@@ -378,7 +378,7 @@ def test_merged_run_reads_each_nodes_own_tables_and_reparses_a_stale_one(tmp_pat
 def test_a_node_that_cannot_write_its_tables_warns_in_one_line_and_keeps_its_events(tmp_path, capsys):
     import sys
 
-    from traindx.commands.run import _write_node_tables
+    from traindx.cli.commands.run import _write_node_tables
 
     sys.path.insert(0, os.path.join(ROOT, "bench"))
     import synth_run

@@ -22,7 +22,7 @@ import time
 import pytest
 
 import traindx
-from traindx import nodes
+from traindx.profiler import nodes
 
 from helpers import PY, ROOT, diagnose, only_run_dir
 

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import yaml
 
-from traindx.errors import UserError
-from traindx.recipes import stats, throughput
+from traindx.common.errors import UserError
+from traindx.derive import stats, throughput
 from traindx.recipes.card import CardError, RecipeCard, reference_cards, validate
 
 from helpers import PY, diagnose, example
@@ -302,7 +302,7 @@ def test_a_gpu_job_with_no_sync_is_timed_on_the_gpu_clock_not_by_how_fast_it_que
     between the same boundaries (the shim's CUDA events) is what the job gains: 5.7 -> 5.3 ms."""
     import tarfile
 
-    from traindx.record import load_run
+    from traindx.derive.run import load_run
     from traindx.recipes.ab import compare_runs, step_times
 
     with tarfile.open(os.path.join(DATA, "h200-no-sync-arms.tar.xz")) as tar:

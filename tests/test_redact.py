@@ -9,7 +9,7 @@ import pytest
 from helpers import PY, diagnose
 
 import traindx
-from traindx import redact
+from traindx.common import redact
 
 # (text, the secret part that must go) — shapes seen in real environments and command lines
 SECRETS = [

@@ -11,9 +11,9 @@ import sys
 
 import pytest
 
-from traindx.findings import Finding, Prescription
-from traindx.outputs import read_findings
-from traindx.record import load_run
+from traindx.analyzers.findings import Finding, Prescription
+from traindx.cli.outputs import read_findings
+from traindx.derive.run import load_run
 from traindx.report.data import build_report_data, build_summary, comparison_view, prescription_text
 from traindx.report.html import write_report
 
@@ -112,7 +112,7 @@ def test_findings_ranked_by_seconds_lost_and_verdict_is_the_top_change(tiny_run)
     assert v["kind"] == "change" and v["headline"] == "upgrade flash-attn-4 to 4.0.0b26 or newer"
     assert v["gain_s"] == 0.05 and v["text"] == "pip install -U 'flash-attn-4>=4.0.0b26'"
     # savings are per mean step (ledger lines): the speed-up is against the mean steady step
-    from traindx.ledger import steady_rows
+    from traindx.derive.ledger import steady_rows
 
     mean = float(steady_rows(tiny_run).groupby("rank")["wall_s"].mean().max())
     if mean > 0.05:
@@ -695,7 +695,7 @@ def test_time_in_events_no_analyzer_named_is_a_finding_the_verdict_points_at(h20
 
 
 def test_the_report_marks_what_fix_applies_and_what_are_alternatives(tiny_run):
-    """--fix's planner (traindx.fixloop) decides; the report and the terminal mark each
+    """--fix's planner (traindx.cli.fixloop) decides; the report and the terminal mark each
     prescription as the one applied, an alternative, or by hand."""
     import io
 
@@ -738,7 +738,7 @@ def test_one_number_per_quantity_across_terminal_and_report(h200_run):
     from traindx.analyzers import analyze
     from traindx.report.html import render_html
     from traindx.report.terminal import print_summary
-    from traindx.units import fmt_s
+    from traindx.common.units import fmt_s
 
     findings = analyze(h200_run)
     data = build_report_data(h200_run, findings)

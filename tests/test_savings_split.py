@@ -6,7 +6,7 @@ import os
 import pytest
 
 import traindx
-from traindx import ledger as L
+from traindx.derive import ledger as L
 from traindx.analyzers import savings as S
 
 from helpers import PY, diagnose

@@ -85,7 +85,7 @@ def test_synthetic_run_is_a_run_record_the_analyzers_read(tmp_path):
     import synth_run
 
     from traindx.analyzers import analyze
-    from traindx.record import load_run
+    from traindx.derive.run import load_run
 
     path = synth_run.write_run(str(tmp_path / "run"), ranks=4, steps=160, seed=3)
     again = synth_run.write_run(str(tmp_path / "again"), ranks=4, steps=160, seed=3)
@@ -118,7 +118,7 @@ def test_large_jobs_analyze_a_sample_of_ranks_that_keeps_the_odd_one(tmp_path, m
     import synth_run
 
     from traindx.analyzers import analyze, sampling
-    from traindx.record import load_run
+    from traindx.derive.run import load_run
 
     path = synth_run.write_run(str(tmp_path / "run"), ranks=10, steps=160, seed=2)
     monkeypatch.setattr(sampling, "MAX_ANALYZED_RANKS", 4)

@@ -315,7 +315,7 @@ def test_window_that_stood_down_for_its_stacks_is_retried_once_without_them(tmp_
     # wrote a trace is a profiled step of the trace's (the GPU-busy floor of a prediction once
     # took the stood-down step, with no events, for a step the GPU was busy throughout)
     from traindx.analyzers.evidence import steady_steps
-    from traindx.steady import trace_steps
+    from traindx.derive.steady import trace_steps
     assert not set(steady_steps(run)["step"]) & {3, 4, 5, 6}
     assert set(trace_steps(run, "0")["step"]) == {5}
 
@@ -333,7 +333,7 @@ def test_window_over_its_time_budget_ends_early_and_writes_nothing(tmp_path):
     assert window["cost_s"] >= window["start_s"] + window["stop_s"]
     assert window["export_s"] < 0.5
     # the profiled step stays out of the step statistics, and so does the one after it (the
-    # window's stop drained the device: traindx.steady.perturbed_steps); later steps are measured
+    # window's stop drained the device: traindx.derive.steady.perturbed_steps); later steps are measured
     # (nor do the retry's step without stacks and the one after it)
     from traindx.analyzers.evidence import steady_steps
     steady, last = set(steady_steps(run)["step"]), int(window["last_step"])

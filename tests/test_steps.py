@@ -335,7 +335,7 @@ def test_log_lines_that_arrived_in_one_read_take_the_steps_before_their_stamp():
     step ends seen when the launcher stamped the line. Two dicts read from the pipe at once
     share a stamp taken after the next step ended (a CI run: steps 1, 2, 3, 5, 5): the earlier
     one takes the free step before. Two lines of one step (stamped apart or together) keep it."""
-    from traindx.record import _spread_coalesced
+    from traindx.derive.run import _spread_coalesced
 
     def placed(steps, stamps):
         rows = [{"step": s, "t": t} for s, t in zip(steps, stamps)]

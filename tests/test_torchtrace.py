@@ -8,7 +8,7 @@ import tracemalloc
 import pandas as pd
 import pytest
 
-from traindx.errors import UserError
+from traindx.common.errors import UserError
 from traindx.profiler import torchtrace
 from traindx.profiler.torchtrace import TRACE_COLUMNS, load_trace, load_traces
 

@@ -1,4 +1,4 @@
-"""`kernel-cache warm --from-run` for Triton kernels (kernel_cache/triton_warm.py).
+"""`kernel-cache warm --from-run` for Triton kernels (kernel_cache/cli/triton_warm.py).
 
 A real Triton kernel autotuned by Triton's own Autotuner, run on the CPU by Triton's interpreter
 (TRITON_INTERPRET=1; configs timed with a CPU clock), inside a small training loop under
@@ -14,7 +14,7 @@ import textwrap
 
 import pytest
 
-from traindx.kernel_cache import triton_warm
+from traindx.kernel_cache.cli import triton_warm
 
 JOB = textwrap.dedent('''
     import sys, time
@@ -59,14 +59,14 @@ def triton_run(tmp_path_factory):
 
 
 def _kernel_cache(*args, env=None):
-    return subprocess.run([sys.executable, "-m", "traindx.kernel_cache.cli", *args],
+    return subprocess.run([sys.executable, "-m", "traindx.kernel_cache.cli.main", *args],
                           capture_output=True, text=True, timeout=300,
                           env={**os.environ, **(env or {})})
 
 
 @pytest.mark.slow  # one diagnose run of a Triton-interpreter job (~35 s on 2 busy cores)
 def test_the_run_recorded_real_autotuning(triton_run):
-    from traindx.record import load_run
+    from traindx.derive.run import load_run
 
     events = triton_warm.triton_events(load_run(triton_run))
     tunes = [e for e in events if e["kind"] == "triton_autotune"]
@@ -102,7 +102,7 @@ def test_the_warm_up_replays_the_job_and_checks_its_own_record(triton_run):
     """Forced onto the CPU, the warm-up runs the recorded command under diagnose for the steps
     that tuned, and reads its own record: under Triton's interpreter the tuning happens again
     (same kernel, same keys) but Triton keeps nothing, which the verdict must say."""
-    from traindx.record import load_run
+    from traindx.derive.run import load_run
 
     cache = triton_run.parent / "tc-forced"
     proc = _kernel_cache("warm", "--from-run", str(triton_run), "--triton-cache-dir", str(cache),

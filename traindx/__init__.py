@@ -29,7 +29,7 @@ def step():
 def analyze(run):
     """Ranked findings of every registered analyzer for a loaded run (or a run folder path)."""
     from traindx.analyzers import analyze as _analyze
-    from traindx.record import RunRecord, load_run
+    from traindx.derive.run import RunRecord, load_run
 
     if not isinstance(run, RunRecord):
         run = load_run(run)
@@ -38,9 +38,9 @@ def analyze(run):
 
 # the run record pulls in pandas: each name is loaded on first use, so `import traindx;
 # traindx.step()` in a training job stays light
-_LAZY = {"RunRecord": "traindx.record", "load_run": "traindx.record",
-         "fix": "traindx.fixloop", "FixOptions": "traindx.fixloop", "FixResult": "traindx.fixloop",
-         "FixEvent": "traindx.fixloop", "merge": "traindx.multinode",
+_LAZY = {"RunRecord": "traindx.derive.run", "load_run": "traindx.derive.run",
+         "fix": "traindx.cli.fixloop", "FixOptions": "traindx.cli.fixloop", "FixResult": "traindx.cli.fixloop",
+         "FixEvent": "traindx.cli.fixloop", "merge": "traindx.derive.multinode",
          "card": "traindx.recipes.card", "CardOptions": "traindx.recipes.card",
          "Card": "traindx.recipes.card"}
 

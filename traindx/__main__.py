@@ -1,5 +1,5 @@
 import sys
 
-from traindx.cli import main
+from traindx.cli.main import main
 
 sys.exit(main())

@@ -1,5 +1,5 @@
 """What the training thread runs, sampled with times on the shim's clock, for the ledger's `host`
-line (traindx.ledger.host_code): py-spy's recordings carry no sample times, so they cannot say
+line (traindx.derive.ledger.host_code): py-spy's recordings carry no sample times, so they cannot say
 which samples fall between the training thread's measured calls; these can.
 
 A daemon thread (`traindx-hostsample`) wakes TRAINDX_HOST_SAMPLE_HZ times a second (default

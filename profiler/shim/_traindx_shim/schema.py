@@ -2,7 +2,7 @@
 field) and every compile kind (a `compile` event's `kind`), named once.
 
 Standard library only and no imports at all: the shim reads it inside the job, the loader
-(traindx.record, traindx.columnar) and the report read it outside. A new event type is added
+(traindx.derive.run, traindx.profiler.columnar) and the report read it outside. A new event type is added
 here first; tests/test_schema.py checks that the shim emits no type this module does not name.
 """
 

@@ -1,4 +1,4 @@
-"""Measured intervals of the training thread(s), for the time ledger (traindx/ledger.py).
+"""Measured intervals of the training thread(s), for the time ledger (derive/ledger.py).
 
 One `span` event per call: {"type": "span", "cat": ..., "start": ns, "t": end ns, "tid": thread
 ident} and, for rare calls (checkpoints, file writes), the caller in the job's code. Categories:

@@ -35,15 +35,16 @@ WRITE_THROUGH = frozenset({"process_start", "training", "rank_known", "optimizer
                            "torch_profile_skipped"})
 
 
-# traindx/redact.py (standard library only), found from this file: beside the profiler package in
-# an installed traindx (traindx/profiler/shim/...), in traindx/ of a source tree (profiler/shim/...)
+# traindx/common/redact.py (standard library only), found from this file: in an installed traindx
+# the profiler package sits beside common/ (traindx/profiler/shim/...); in a source tree profiler/
+# sits beside traindx/ (profiler/shim/...)
 _PROFILER_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-REDACT_CANDIDATES = (os.path.join(os.path.dirname(_PROFILER_DIR), "redact.py"),
-                     os.path.join(os.path.dirname(_PROFILER_DIR), "traindx", "redact.py"))
+REDACT_CANDIDATES = (os.path.join(os.path.dirname(_PROFILER_DIR), "common", "redact.py"),
+                     os.path.join(os.path.dirname(_PROFILER_DIR), "traindx", "common", "redact.py"))
 
 
 def load_redactor(env, argv):
-    """traindx.redact.Redactor of this process's secrets (its environment and arguments), loaded
+    """traindx.common.redact.Redactor of this process's secrets (its environment and arguments), loaded
     from its file (the job's interpreter need not be able to import traindx); None if it cannot
     be (the caller then writes no argument values at all)."""
     import importlib.util

@@ -1,0 +1,137 @@
+"""Which steps to measure: the warm-up, the torch.profiler window (slower by design) and the
+steady window between them, per rank. Derived from the run record; no judgement."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+import pandas as pd
+
+from traindx.profiler.shim._traindx_shim import schema
+
+if TYPE_CHECKING:  # annotations only
+    from traindx.derive.run import RunRecord
+
+
+def profiled_steps(run: RunRecord, traced_only: bool = False) -> dict[str, set[int]]:
+    """{rank: set(step)} of the steps inside a torch.profiler window (slower by design);
+    traced_only: only the windows whose trace was written (one that stood down for its cost
+    left none: its steps hold no events)."""
+    out = {}
+    for e in events_of_type(run, schema.TORCH_PROFILE).itertuples():
+        first, last = getattr(e, "first_step", float("nan")), getattr(e, "last_step", float("nan"))
+        stood_down = getattr(e, "stood_down", None)
+        if traced_only and isinstance(stood_down, str) and stood_down:
+            continue
+        if pd.notna(first) and pd.notna(last):
+            out.setdefault(e.rank, set()).update(range(int(first), int(last) + 1))
+    return out
+
+
+def perturbed_steps(run: RunRecord) -> dict[str, set[int]]:
+    """{rank: set(step)} a steady measure leaves out for the torch.profiler: the window's steps
+    and the step after each window. The window's stop collects kineto's events after the device
+    has drained, so on a GPU-bound job the next step starts with an empty queue and its host
+    time is the host's alone (H200, a 22 ms GPU step: 6 ms after each window)."""
+    out = {rank: set(steps) for rank, steps in profiled_steps(run).items()}
+    for rank, steps in list(out.items()):
+        ends = {s for s in steps if s + 1 not in steps}
+        steps.update(s + 1 for s in ends)
+    return out
+
+
+def warmup_count(durations: Sequence[float]) -> int:
+    """How many leading steps are warm-up: step 0 always (imports, first compiles, allocator);
+    then every leading step slower than 1.5x the median of the second half (at most half)."""
+    n = len(durations)
+    if n == 0:
+        return 0
+    reference = float(pd.Series(durations[n // 2:]).median())
+    count = 1
+    while count < n // 2 and durations[count] > 1.5 * reference:
+        count += 1
+    return count
+
+
+def steady_steps(run: RunRecord, rank: str | None = None,
+                 keep_profiled: bool = False) -> pd.DataFrame:
+    """The steps of the steady window, per rank: no warm-up, no torch.profiler window (nor the
+    step after it: perturbed_steps).
+    Built once per run for every rank (vectorised warm-up count), then sliced per rank."""
+    key = ("steady_steps", keep_profiled)
+    table = run.cached(key, lambda: _steady_all(run, keep_profiled))
+    if rank is None:
+        return table.copy(deep=False)
+    return run.rank_rows(key, rank, table)
+
+
+def _steady_all(run, keep_profiled):
+    steps = run.steps.dropna(subset=["duration_s"])
+    if not len(steps):
+        return steps.iloc[0:0]
+    # rank order as groupby gives it, step order within a rank
+    steps = steps.sort_values(["rank", "step"], kind="stable")
+    rank = steps["rank"]
+    pos = steps.groupby("rank", sort=False).cumcount().to_numpy()
+    n = rank.map(rank.value_counts()).to_numpy()
+    d = steps["duration_s"].to_numpy(np.float64)
+    second_half = pos >= n // 2
+    ref = steps["duration_s"][second_half].groupby(rank[second_half], sort=False).median()
+    ref = rank.map(ref).to_numpy(np.float64)
+    # warmup_count per rank: step 0, then the leading steps slower than 1.5x the reference
+    stop = (pos >= 1) & ~(d > 1.5 * ref)
+    first_stop = pd.Series(np.where(stop, pos, np.iinfo(np.int64).max), index=steps.index) \
+        .groupby(rank, sort=False).transform("min").to_numpy()
+    count = np.maximum(1, np.minimum(first_stop, n // 2))
+    out = steps[pos >= count]
+    if not keep_profiled:
+        profiled = perturbed_steps(run)
+        if profiled:
+            pairs = {(r, int(s)) for r, ss in profiled.items() for s in ss}
+            keys = pd.MultiIndex.from_arrays([out["rank"], out["step"].astype(np.int64)])
+            out = out[~keys.isin(list(pairs))]
+    return out
+
+
+def steps_seconds(run: RunRecord, rank: str) -> float:
+    """Total seconds of all the completed steps of a rank: what py-spy seconds spent in the
+    training loop compare against (py-spy has no timestamps; set-up and exit are not steps)."""
+    steps = run.rank_steps(rank).dropna(subset=["duration_s"])
+    return float(steps["duration_s"].sum()) if len(steps) else 0.0
+
+
+def median_step_s(run: RunRecord, rank: str | None = None) -> float | None:
+    steady = steady_steps(run, rank)
+    if len(steady):
+        return float(steady["duration_s"].median())
+    steps = run.steps.dropna(subset=["duration_s"])
+    if len(steps):
+        return float(steps["duration_s"].median())
+    # no shim (attach, --no-shim): the step time the job prints itself, if it does
+    logged = run.log_steps["step_time_s"].dropna() if len(run.log_steps) else pd.Series(dtype=float)
+    return float(logged.iloc[len(logged) // 4:].median()) if len(logged) else None
+
+
+def step_of(run: RunRecord, rank: str, t_ns: int) -> int | None:
+    steps = run.rank_steps(rank)
+    hit = steps[(steps["start_ns"] <= t_ns) & (steps["end_ns"] >= t_ns)]
+    return None if not len(hit) else int(hit["step"].iloc[0])
+
+
+def trace_steps(run: RunRecord, rank: str) -> pd.DataFrame:
+    """Steps of `rank` inside its torch.profiler windows that wrote a trace, as rows of
+    run.steps."""
+    steps = run.rank_steps(rank)
+    return steps[steps["step"].isin(profiled_steps(run, traced_only=True).get(rank, set()))]
+
+
+def events_of_type(run: RunRecord, type_: str) -> pd.DataFrame:
+    """The events of one type: RunRecord.of_type (the per-type table); for a record-like object
+    with only a wide `events` frame, that frame filtered."""
+    if hasattr(run, "of_type"):
+        return run.of_type(type_)
+    events = getattr(run, "events", None)
+    if events is None or not len(events) or "type" not in events:
+        return pd.DataFrame()
+    return events[events["type"] == type_].dropna(axis=1, how="all")

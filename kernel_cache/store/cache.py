@@ -1,0 +1,360 @@
+"""FA4's persistent compile cache on disk: where it is, which environment it serves, what is in it.
+
+Layout (flash_attn/cute/cache_utils.py): `<cache dir>/<fingerprint>/<kernel family>/<sha256>.o`,
+with a `.lock` file beside each entry. The fingerprint hashes the Python minor version, the
+cutlass and tvm_ffi versions and every `flash_attn/cute/*.py` source, so a folder only serves the
+exact FA4 + cutlass + Python that wrote it. Nothing here imports FA4 or cutlass (seconds each):
+versions come from the package metadata, sources from the installed files.
+"""
+import getpass
+import hashlib
+import importlib.metadata
+import importlib.util
+import json
+import os
+import re
+import shutil
+import sys
+import tarfile
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from traindx.common.errors import UserError
+
+ENABLE_VAR = "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"
+DIR_VAR = "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR"
+METADATA_FILE = "traindx-kernel-cache.json"  # ours, in the fingerprint folder; FA4 ignores it
+FINGERPRINT_RE = re.compile(r"^[0-9a-f]{64}$")
+ENTRY_SUFFIX = ".o"
+
+
+def default_cache_dir(environ=None):
+    """FA4's own rule: $FLASH_ATTENTION_CUTE_DSL_CACHE_DIR, else <tmp>/<user>/flash_attention_cute_dsl_cache."""
+    environ = os.environ if environ is None else environ
+    if environ.get(DIR_VAR):
+        return Path(environ[DIR_VAR])
+    return Path(tempfile.gettempdir()) / getpass.getuser() / "flash_attention_cute_dsl_cache"
+
+
+def resolve_cache_dir(cache_dir=None):
+    return Path(cache_dir).expanduser().absolute() if cache_dir else default_cache_dir().absolute()
+
+
+# -- the current environment ---------------------------------------------------------------------
+def _version(dist):
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def fa4_source_dir():
+    try:
+        spec = importlib.util.find_spec("flash_attn.cute")
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(list(spec.submodule_search_locations)[0]).resolve()
+
+
+@dataclass(frozen=True)
+class Environment:
+    """What a cache folder must match to be used: FA4 sources, cutlass, tvm_ffi, Python minor."""
+    python: str
+    fa4: str | None
+    cutlass: str | None
+    tvm_ffi: str | None
+    fa4_dir: str | None
+    fingerprint: str | None
+
+    def describe(self):
+        return (f"flash-attn-4 {self.fa4 or '?'}, nvidia-cutlass-dsl {self.cutlass or '?'}, "
+                f"tvm_ffi {self.tvm_ffi or '?'}, Python {self.python}")
+
+    def versions(self):
+        return {"python": self.python, "flash-attn-4": self.fa4, "nvidia-cutlass-dsl": self.cutlass,
+                "apache-tvm-ffi": self.tvm_ffi}
+
+
+def compute_fingerprint(cute_root, python_minor, cutlass_version, tvm_ffi_version):
+    """The same hash as FA4's cache_utils._compute_source_fingerprint (checked by `verify`)."""
+    h = hashlib.sha256()
+    h.update(f"py{python_minor}".encode())
+    h.update(f"cutlass={cutlass_version}".encode())
+    h.update(f"tvm_ffi={tvm_ffi_version}".encode())
+    for src in sorted(Path(cute_root).rglob("*.py")):
+        if not src.is_file():
+            continue
+        h.update(src.relative_to(cute_root).as_posix().encode())
+        content = src.read_bytes()
+        h.update(len(content).to_bytes(8, "little"))
+        h.update(content)
+    return h.hexdigest()
+
+
+_current = {}
+
+
+def current_environment():
+    if "env" not in _current:
+        python = f"{sys.version_info.major}.{sys.version_info.minor}"
+        fa4_dir = fa4_source_dir()
+        cutlass, tvm_ffi = _version("nvidia-cutlass-dsl"), _version("apache-tvm-ffi")
+        fingerprint = None
+        if fa4_dir is not None and cutlass and tvm_ffi:
+            fingerprint = compute_fingerprint(fa4_dir, python, cutlass, tvm_ffi)
+        _current["env"] = Environment(python=python, fa4=_version("flash-attn-4"), cutlass=cutlass,
+                                      tvm_ffi=tvm_ffi, fa4_dir=str(fa4_dir) if fa4_dir else None,
+                                      fingerprint=fingerprint)
+    return _current["env"]
+
+
+def require_fa4():
+    env = current_environment()
+    if env.fa4_dir is None:
+        raise UserError("flash-attn-4 is not installed in this Python "
+                        "(pip install 'traindx[fa4]' or flash-attn-4 + nvidia-cutlass-dsl)")
+    if env.fingerprint is None:
+        raise UserError("nvidia-cutlass-dsl / apache-tvm-ffi are not installed: FA4 cannot compile")
+    return env
+
+
+# -- folders and entries -------------------------------------------------------------------------
+@dataclass
+class Entry:
+    path: Path
+    family: str  # fwd, bwd, bwd_pre, bwd_post, ... (FA4's get_jit_cache name)
+    size: int
+
+    @property
+    def key_hash(self):
+        return self.path.name[: -len(ENTRY_SUFFIX)]
+
+
+@dataclass
+class CacheFolder:
+    """One fingerprint folder: the entries for one FA4 + cutlass + Python."""
+    path: Path
+    entries: list = field(default_factory=list)
+    metadata: dict | None = None
+    usable: bool = False
+    reason: str = ""  # why it is unusable here, or "" when usable
+    stale_files: int = 0  # leftover .tmp.o of an interrupted export
+
+    @property
+    def fingerprint(self):
+        return self.path.name
+
+    @property
+    def size(self):
+        return sum(e.size for e in self.entries)
+
+    def families(self):
+        out = {}
+        for e in self.entries:
+            n, s = out.get(e.family, (0, 0))
+            out[e.family] = (n + 1, s + e.size)
+        return dict(sorted(out.items()))
+
+    def served(self):
+        """Which FA4/cutlass/Python this folder was written for, as far as it is known."""
+        meta = self.metadata or {}
+        versions = meta.get("versions") or {}
+        if versions:
+            archs = sorted({w.get("arch") for w in meta.get("warmed") or [] if w.get("arch")})
+            return (f"flash-attn-4 {versions.get('flash-attn-4')}, nvidia-cutlass-dsl "
+                    f"{versions.get('nvidia-cutlass-dsl')}, tvm_ffi {versions.get('apache-tvm-ffi')}, "
+                    f"Python {versions.get('python')}"
+                    + (f"; warmed for {', '.join(archs)}" if archs else ""))
+        if self.usable:
+            return current_environment().describe() + " (this environment)"
+        return "unknown (not written by kernel-cache; FA4 keeps no record)"
+
+
+def read_metadata(folder):
+    try:
+        with open(Path(folder) / METADATA_FILE, encoding="utf-8") as f:
+            data = json.load(f)
+        return data if isinstance(data, dict) else None
+    except (OSError, ValueError):
+        return None
+
+
+def write_metadata(folder, arch=None, num_sms=None, source=None):
+    """Record which environment (and arch) a folder was warmed for: FA4's fingerprint is one-way."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    meta = read_metadata(folder) or {}
+    env = current_environment()
+    meta["versions"] = env.versions()
+    meta["fingerprint"] = env.fingerprint
+    warmed = meta.setdefault("warmed", [])
+    warmed.append({"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "arch": arch, "num_sms": num_sms,
+                   "source": source, "host": os.uname().nodename})
+    meta["warmed"] = warmed[-20:]
+    tmp = folder / f".{METADATA_FILE}.{os.getpid()}.tmp"
+    tmp.write_text(json.dumps(meta, indent=1), encoding="utf-8")
+    os.replace(tmp, folder / METADATA_FILE)
+
+
+def why_unusable(folder_name, metadata, env):
+    """'' if a folder serves `env`, else the reason it does not."""
+    if env.fingerprint is not None and folder_name == env.fingerprint:
+        return ""
+    if env.fingerprint is None:
+        return "FA4 or cutlass is not installed here"
+    versions = (metadata or {}).get("versions") or {}
+    if not versions:
+        return ("fingerprint differs from this environment's "
+                f"({env.fingerprint[:12]}…): built for another FA4, cutlass, tvm_ffi or Python "
+                "(which one is unknown: it was not written by kernel-cache)")
+    diffs = []
+    for name, here in env.versions().items():
+        there = versions.get(name)
+        if there != here:
+            label = "Python" if name == "python" else name
+            diffs.append(f"{label} {there} (here {here})")
+    if diffs:
+        return "built for " + ", ".join(diffs)
+    return ("same versions, but the flash_attn/cute sources differ (a patched or rebuilt FA4): "
+            "FA4 will not read it")
+
+
+def scan(cache_dir):
+    """Every fingerprint folder under cache_dir, with entries and whether it serves this env."""
+    cache_dir = Path(cache_dir)
+    env = current_environment()
+    folders = []
+    if not cache_dir.is_dir():
+        return folders
+    for child in sorted(cache_dir.iterdir()):
+        if not child.is_dir() or not FINGERPRINT_RE.match(child.name):
+            continue
+        folder = CacheFolder(path=child, metadata=read_metadata(child))
+        for family_dir in sorted(p for p in child.iterdir() if p.is_dir()):
+            for f in sorted(family_dir.iterdir()):
+                if f.name.endswith(".tmp.o"):
+                    folder.stale_files += 1
+                elif f.suffix == ENTRY_SUFFIX and f.is_file():
+                    folder.entries.append(Entry(path=f, family=family_dir.name, size=f.stat().st_size))
+        folder.reason = why_unusable(child.name, folder.metadata, env)
+        folder.usable = not folder.reason
+        folders.append(folder)
+    return folders
+
+
+def current_folder(cache_dir):
+    env = require_fa4()
+    return Path(cache_dir) / env.fingerprint
+
+
+def entry_paths(cache_dir):
+    """{(family, hash): size} of the entries serving this environment (to diff before/after)."""
+    folder = Path(cache_dir) / (current_environment().fingerprint or "-")
+    out = {}
+    if folder.is_dir():
+        for f in folder.glob(f"*/*{ENTRY_SUFFIX}"):
+            if not f.name.endswith(".tmp.o"):
+                out[(f.parent.name, f.stem)] = f.stat().st_size
+    return out
+
+
+# -- verify --------------------------------------------------------------------------------------
+def load_entry(path):
+    """Load one entry the way FA4 does (cache_utils preloads the CuTe runtime libraries with
+    RTLD_GLOBAL first; then cute.runtime.load_module(..., enable_tvm_ffi=True).func)."""
+    import flash_attn.cute.cache_utils as cache_utils  # noqa: F401  (the preload)
+    import cutlass.cute as cute
+
+    module = cute.runtime.load_module(str(path), enable_tvm_ffi=True)
+    return getattr(module, cache_utils.JITPersistentCache.EXPORT_FUNCTION_PREFIX)
+
+
+def fa4_fingerprint():
+    """FA4's own fingerprint of this environment (imports FA4: used by verify to cross-check)."""
+    from flash_attn.cute.cache_utils import _compute_source_fingerprint
+
+    return _compute_source_fingerprint()
+
+
+# -- pack / unpack / clear -----------------------------------------------------------------------
+def _packable(member_path):
+    name = os.path.basename(member_path)
+    return not (name.endswith(".lock") or name.endswith(".tmp.o") or name.endswith(".tmp"))
+
+
+def pack(cache_dir, out_path, folders):
+    """A tar.gz of the given fingerprint folders (entries and our metadata; no locks or temps)."""
+    out_path = Path(out_path)
+    count = 0
+    tmp = out_path.with_name(f".{out_path.name}.{os.getpid()}.tmp")
+    try:
+        with tarfile.open(tmp, "w:gz") as tar:
+            for folder in folders:
+                for root, dirs, files in os.walk(folder.path):
+                    dirs.sort()
+                    for name in sorted(files):
+                        full = os.path.join(root, name)
+                        if _packable(full):
+                            tar.add(full, arcname=os.path.relpath(full, cache_dir), recursive=False)
+                            count += name.endswith(ENTRY_SUFFIX)
+        os.replace(tmp, out_path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    return count
+
+
+def unpack(tarball, cache_dir):
+    """Extract a pack into cache_dir; refuses members outside a fingerprint folder. Entries already
+    present are kept (FA4 writes the same bytes for the same key). Returns the folders touched."""
+    tarball = Path(tarball)
+    if not tarball.is_file():
+        raise UserError(f"no such file: {tarball}")
+    cache_dir = Path(cache_dir)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    touched = set()
+    try:
+        tar = tarfile.open(tarball, "r:*")
+    except (tarfile.TarError, OSError) as exc:
+        raise UserError(f"{tarball} is not a tarball: {exc}") from None
+    with tar:
+        members = []
+        for m in tar.getmembers():
+            parts = Path(m.name).parts
+            if (m.isdir() or not m.isfile() or len(parts) < 2 or not FINGERPRINT_RE.match(parts[0])
+                    or ".." in parts or Path(m.name).is_absolute()):
+                if m.isdir():
+                    continue
+                raise UserError(f"{tarball}: unexpected member {m.name!r} (not a kernel-cache pack)")
+            members.append(m)
+            touched.add(parts[0])
+        for m in members:
+            target = cache_dir / m.name
+            if target.exists() and target.suffix == ENTRY_SUFFIX and target.stat().st_size > 0:
+                continue
+            target.parent.mkdir(parents=True, exist_ok=True)
+            src = tar.extractfile(m)
+            tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+            with open(tmp, "wb") as f:
+                shutil.copyfileobj(src, f)
+            os.replace(tmp, target)
+    return sorted(touched)
+
+
+def clear(folders):
+    removed = 0
+    for folder in folders:
+        removed += len(folder.entries)
+        shutil.rmtree(folder.path, ignore_errors=True)
+    return removed
+
+
+def human_size(n):
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024

@@ -1,0 +1,453 @@
+"""Multi-node runs: one `diagnose` per node, each writing its own part of one run folder.
+
+Layout of a multi-node run folder RUN (a shared file system, or folders copied together later):
+
+    RUN/nodes/<node>/   a complete run folder of that node alone (manifest.json, events/, procs/,
+                        pyspy/, nvml.csv, log.txt, its own report): written by that node's
+                        diagnose only, so no two hosts ever write one file and no lock is needed
+    RUN/clock.json      written by `diagnose merge RUN`: each node's clock offset to the
+                        reference node, with its error bound and the evidence behind it
+    RUN/manifest.json   written by `diagnose merge RUN`: the merged manifest ("nodes": [...],
+                        ranks over all nodes); the node folders stay untouched
+
+A node's name must be unique within the run, and a host name is not (two agents on one machine,
+a re-used host): it is the host name plus the launcher's node rank (torchrun --node-rank,
+accelerate --machine_rank, SLURM_NODEID), or `--node NAME`; the folder is claimed with an
+exclusive mkdir, so a clash gets a suffix instead of mixing two nodes' files.
+
+Ray: a node of a Ray cluster is the command that starts it, `ray start --head --block` or
+`ray start --address HEAD:PORT --block`; the training workers are started later by that node's
+raylet (its child), so they inherit the shim from it like any other child of the job.
+"""
+import json
+import os
+import re
+import shutil
+import socket
+
+from traindx.common.errors import UserError
+from traindx.profiler.torchtrace import load_traces as load_folder
+
+NODES_DIR = "nodes"
+CLOCK_FILE = "clock.json"
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+_TORCHRUN_MODULES = ("torch.distributed.run", "torch.distributed.launch")
+
+
+def _flag(argv, *names):
+    """Value of `--name V` / `--name=V` in argv (first of names found), else None."""
+    for i, arg in enumerate(argv):
+        for name in names:
+            if arg == name and i + 1 < len(argv):
+                return argv[i + 1]
+            if arg.startswith(name + "="):
+                return arg[len(name) + 1:]
+    return None
+
+
+def _max_nodes(value):
+    """torchrun's --nnodes: 'N' or 'MIN:MAX' -> the largest node count, else 0."""
+    parts = str(value or "").split(":")
+    return max((int(p) for p in parts if p.strip().isdigit()), default=0)
+
+
+def _launcher_args(command):
+    """(kind, its arguments) when the command starts a known multi-node launcher."""
+    if not command:
+        return None, []
+    exe = os.path.basename(command[0])
+    if exe == "torchrun":
+        return "torchrun", command[1:]
+    if exe in ("accelerate",) and command[1:2] == ["launch"]:
+        return "accelerate", command[2:]
+    if exe == "ray" and command[1:2] == ["start"]:
+        return "ray", command[2:]
+    if exe.startswith("python"):
+        for i, arg in enumerate(command[:-1]):
+            if arg == "-m" and command[i + 1] in _TORCHRUN_MODULES:
+                return "torchrun", command[i + 2:]
+    return None, []
+
+
+def node_identity(command, env, explicit=None, hostname=None):
+    """(node name, source) when this diagnose is one node of a multi-node run, else None.
+
+    Sources, first match wins: `--node NAME`; SLURM with more than one node (SLURM_NODEID, and
+    the task id when srun starts several diagnose per node); torchrun with --nnodes > 1 (its
+    --node-rank, or PET_NODE_RANK; elastic rendezvous without one: the host name alone, made
+    unique when the folder is claimed); accelerate launch --num_machines > 1 (--machine_rank);
+    `ray start` (a Ray cluster node: `<host>-head` for --head, else the host name).
+    """
+    host = (hostname or socket.gethostname()).split(".")[0] or "node"
+    host = re.sub(r"[^A-Za-z0-9._-]", "_", host)
+    kind, args = _launcher_args(command)
+    if kind == "ray":
+        _check_ray_start(args)
+    if explicit:
+        if not _NAME.fullmatch(explicit):
+            raise UserError(f"--node {explicit!r}: use letters, digits, '.', '_' and '-'")
+        return explicit, "--node"
+    if kind == "torchrun":
+        nnodes = _flag(args, "--nnodes") or env.get("PET_NNODES")
+        if _max_nodes(nnodes) > 1:
+            rank = _flag(args, "--node-rank", "--node_rank") or env.get("PET_NODE_RANK")
+            if rank is not None and str(rank).isdigit():
+                return f"{host}-n{rank}", "torchrun --node-rank"
+            return host, "torchrun --nnodes"
+    if kind == "accelerate" and _max_nodes(_flag(args, "--num_machines", "--num-machines")) > 1:
+        rank = _flag(args, "--machine_rank", "--machine-rank")
+        if rank is not None and str(rank).isdigit():
+            return f"{host}-n{rank}", "accelerate --machine_rank"
+        return host, "accelerate --num_machines"
+    if kind == "ray":
+        # the role names the head; workers of one host are told apart when the folder is claimed
+        if "--head" in args:
+            return f"{host}-head", "ray start --head"
+        return host, "ray start --address"
+    nnodes = env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES")
+    if _max_nodes(nnodes) > 1 and str(env.get("SLURM_NODEID", "")).isdigit():
+        name = f"{host}-n{env['SLURM_NODEID']}"
+        tasks, nodes = env.get("SLURM_NTASKS", ""), _max_nodes(nnodes)
+        if tasks.isdigit() and int(tasks) > nodes and str(env.get("SLURM_PROCID", "")).isdigit():
+            name += f"-t{env['SLURM_PROCID']}"  # several diagnose per node: one folder each
+        return name, "SLURM_NODEID"
+    return None
+
+
+def _check_ray_start(args):
+    """`ray start` without --block daemonizes the node and returns at once: diagnose would end
+    while the raylet (and the workers it starts later) keeps running, unrecorded."""
+    if "--block" not in args:
+        raise UserError("ray start returns at once and leaves the node running in the background: "
+                        "run it in the foreground under diagnose with `ray start --block ...`")
+
+
+def shared_run_dir(command, env, run_dir):
+    """The shared run folder of a multi-node run: --run-dir, else an id every node of the
+    launch knows (Slurm's job id, torchrun's --rdzv-id) under ./runs."""
+    if run_dir:
+        return run_dir
+    if env.get("SLURM_JOB_ID"):
+        return os.path.join("runs", f"slurm-{env['SLURM_JOB_ID']}")
+    kind, args = _launcher_args(command)
+    rdzv = _flag(args, "--rdzv-id", "--rdzv_id") if kind == "torchrun" else None
+    if rdzv and rdzv != "none" and _NAME.fullmatch(rdzv):
+        return os.path.join("runs", f"rdzv-{rdzv}")
+    raise UserError("a multi-node run needs --run-dir DIR on a folder every node can write "
+                    "(each node writes DIR/nodes/<node>/)")
+
+
+def claim_node_dir(run_dir, name):
+    """Create RUN/nodes/<name> exclusively (a taken name gets -2, -3, ...); returns its path."""
+    root = os.path.join(run_dir, NODES_DIR)
+    os.makedirs(root, exist_ok=True)
+    for i in range(1, 1000):
+        path = os.path.join(root, name if i == 1 else f"{name}-{i}")
+        try:
+            os.mkdir(path)
+            return path
+        except FileExistsError:
+            continue
+    raise UserError(f"could not claim a node folder under {root}")
+
+
+def node_dirs(run_dir):
+    """{node name: folder} of the node parts in a run folder that have a manifest."""
+    root = os.path.join(run_dir, NODES_DIR)
+    try:
+        names = sorted(os.listdir(root))
+    except OSError:
+        return {}
+    return {n: os.path.join(root, n) for n in names
+            if os.path.isfile(os.path.join(root, n, "manifest.json"))}
+
+
+def is_multinode(run_dir):
+    return bool(node_dirs(run_dir))
+
+
+def read_clock(run_dir):
+    """{node: offset_ns} from RUN/clock.json (an unknown offset counts as 0)."""
+    path = os.path.join(run_dir, CLOCK_FILE)
+    try:
+        with open(path, encoding="utf-8") as f:
+            clock = json.load(f)
+        return {n: int(v.get("offset_ns") or 0) for n, v in clock["nodes"].items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        raise UserError(f"{path} is missing or corrupt: run `diagnose merge {run_dir}`") from None
+
+
+def parts(run_dir, manifest):
+    """[(folder, node, offset_ns)] whose evidence makes up the run: the run folder itself, or
+    for a merged multi-node run each node's folder with the offset that puts its clock on the
+    reference node's."""
+    if not manifest.get("nodes"):
+        return [(run_dir, None, 0)]
+    offsets = read_clock(run_dir)
+    return [(os.path.join(run_dir, NODES_DIR, node), node, offsets.get(node, 0))
+            for node in manifest["nodes"]]
+
+
+TIME_FIELDS = ("t", "start", "end")
+
+
+def shift_events(events, node, offset_ns):
+    """The one place a node's timestamps move onto the reference clock: every time field of
+    every event gets offset_ns; the event is tagged with its node."""
+    for event in events:
+        for key in TIME_FIELDS:
+            value = event.get(key)
+            if isinstance(value, int) and not isinstance(value, bool):
+                event[key] = value + offset_ns
+            elif isinstance(value, float):
+                event[key] = value + offset_ns
+        event["node"] = node
+    return events
+
+
+def rename_labels(per_node):
+    """{(node, pid): label} from each node's [(node, {pid: label})] in the merged manifest's
+    node order. Rank labels are the job's global ranks, so they do not repeat across nodes;
+    when they do (two single-node jobs, ranks of unknown rank), the first node keeps the plain
+    label and the others get '<label>@<node>'."""
+    labels, taken = {}, set()
+    for node, node_labels in per_node:
+        rename = {}
+        for label in sorted(set(node_labels.values()), key=lambda r: (len(r), r)):
+            rename[label] = label if label not in taken else f"{label}@{node}"
+        taken.update(rename.values())
+        labels.update({(node, pid): rename[label] for pid, label in node_labels.items()})
+    return labels
+
+
+def combine(loaded):
+    """One run's (rows, process table, labels) from its nodes' [(node, offset_ns, (rows, table,
+    {pid: label}))]: rows moved onto the reference clock and relabelled (`rename_labels`);
+    processes are (node, pid): a pid may repeat on another host."""
+    labels = rename_labels([(node, node_labels) for node, _, (_, _, node_labels) in loaded])
+    rows, table = [], []
+    for node, offset, (node_rows, node_table, node_labels) in loaded:
+        for event in shift_events(node_rows, node, offset):
+            if event.get("rank") is not None:
+                event["rank"] = _renamed(labels, node, node_labels, event["rank"])
+            rows.append(event)
+        for proc in node_table:
+            proc = dict(proc, node=node)
+            if proc.get("label") is not None:
+                proc["label"] = labels.get((node, proc["pid"]), proc["label"])
+            table.append(proc)
+    return rows, table, labels
+
+
+def _renamed(labels, node, node_labels, label):
+    for pid, old in node_labels.items():
+        if old == label:
+            return labels[(node, pid)]
+    return label
+
+
+def load_traces(run_dir, manifest):
+    """torchtrace.load_traces of the run, or of every node of a merged run with the node's
+    offset added to start_ns/end_ns (trace files are named by global rank)."""
+    import pandas as pd
+
+
+    tables, errors = [], {}
+    for folder, node, offset in parts(run_dir, manifest):
+        table, errs = load_folder(folder)
+        errors.update(errs)
+        if node is not None and len(table):
+            table = table.copy()
+            for col in ("start_ns", "end_ns"):
+                table[col] = table[col] + offset
+        tables.append(table)
+    tables = [t for t in tables if len(t)] or tables[:1]
+    return (tables[0] if len(tables) == 1 else pd.concat(tables, ignore_index=True)), errors
+
+
+# -- merging the node parts (diagnose merge) ---------------------------------------------------------
+def _read_manifest(folder):
+    path = os.path.join(folder, "manifest.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            manifest = json.load(f)
+    except (OSError, ValueError):
+        raise UserError(f"{path} is unreadable or not JSON") from None
+    if not isinstance(manifest, dict) or "command" not in manifest:
+        raise UserError(f"{path} is not a traindx manifest")
+    return manifest
+
+
+def _write_json(path, data):
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=2, default=str)
+    os.replace(tmp, path)
+
+
+def clock_line(per_node, reference):
+    """One line for the report's host table: each node's offset and bound."""
+    out = []
+    for n, e in per_node.items():
+        if n == reference:
+            continue
+        err = "unaligned" if e["error_ns"] is None else f"± {e['error_ns'] / 1e6:.3f} ms"
+        out.append(f"{n} {e['offset_ns'] / 1e9:+.6f} s {err}")
+    return "; ".join(out) + f" (reference {reference}; clock.json)"
+
+
+def merged_manifest(node_manifests, offsets, labels, clock_summary, per_node_clock=None):
+    """One manifest over the nodes (the reference node's command, options and packages)."""
+    reference = clock_summary.get("reference") or next(iter(node_manifests))
+    base = dict(node_manifests[reference])
+    shifted = lambda m, key: (m.get(key) + offsets.get(n, 0)) if isinstance(m.get(key), int) else None
+    starts, ends, gpus, missing, per_node = [], [], [], {}, {}
+    codes = []
+    for n, m in node_manifests.items():
+        starts.append(shifted(m, "start_ns"))
+        ends.append(shifted(m, "end_ns"))
+        for g in m.get("gpus") or []:  # run_index: the GPU's index in the merged nvml.csv
+            g = dict(g) if isinstance(g, dict) else {"gpu": g}
+            gpus.append(dict(g, node=n, run_index=len(gpus)))
+        for key, why in (m.get("missing") or {}).items():
+            missing[f"{key}@{n}"] = why
+        codes.append(m.get("exit_code"))
+        per_node[n] = {"host": m.get("host"), "node": m.get("node"), "start_ns": m.get("start_ns"),
+                       "end_ns": m.get("end_ns"), "exit_code": m.get("exit_code"),
+                       "status": m.get("status"), "command": m.get("command"),
+                       "ranks": m.get("ranks"), "nvml": m.get("nvml")}
+    hosts = sorted({(m.get("host") or {}).get("hostname") or "?" for m in node_manifests.values()})
+    failed = [c for c in codes if c not in (0, None)]
+    base.update({
+        "nodes": list(node_manifests),
+        "node_manifests": per_node,
+        "host": dict(base.get("host") or {}, hostname=", ".join(hosts),
+                     nodes=len(node_manifests),
+                     clock_offsets=clock_line(per_node_clock or {}, reference)),
+        "start_ns": min((s for s in starts if s is not None), default=None),
+        "end_ns": max((e for e in ends if e is not None), default=None),
+        "exit_code": failed[0] if failed else (0 if all(c == 0 for c in codes) else None),
+        "status": "merged",
+        "gpus": gpus,
+        "missing": missing,
+        "ranks": {label: pid for (node, pid), label in sorted(labels.items(), key=lambda kv: kv[1])
+                  if _is_rank(label)},
+        "rank_nodes": {label: node for (node, pid), label in labels.items() if _is_rank(label)},
+        "clock": {"file": "clock.json", "reference": reference,
+                  "consistent": clock_summary.get("consistent")},
+    })
+    base.pop("node", None)
+    base.pop("nvml", None)
+    return base
+
+
+def _is_rank(label):
+    return label is not None
+
+
+def _merge_nvml(parts, out_path, gpu_base):
+    """Every node's nvml.csv on the reference clock; GPU indices made run-wide (the merged
+    manifest's gpus list), the node kept in its own column."""
+    import pandas as pd
+
+    frames = []
+    for folder, node, offset in parts:
+        path = os.path.join(folder, "nvml.csv")
+        if not os.path.exists(path) or os.path.getsize(path) == 0:
+            continue
+        try:
+            df = pd.read_csv(path, on_bad_lines="skip")
+        except (ValueError, pd.errors.EmptyDataError):
+            continue
+        if "t" not in df or not len(df):
+            continue
+        df["t"] = pd.to_numeric(df["t"], errors="coerce")
+        df = df.dropna(subset=["t"])
+        df["t"] = df["t"].astype("int64") + offset
+        if "gpu" in df:
+            df["gpu"] = pd.to_numeric(df["gpu"], errors="coerce") + gpu_base.get(node, 0)
+        df["node"] = node
+        frames.append(df)
+    if not frames:
+        return False
+    pd.concat(frames, ignore_index=True).sort_values("t", kind="stable").to_csv(out_path, index=False)
+    return True
+
+
+def _merge_log(parts, out_path):
+    lines = []
+    for folder, node, offset in parts:
+        path = os.path.join(folder, "log.txt")
+        if not os.path.exists(path):
+            continue
+        with open(path, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                t, _, rest = line.rstrip("\n").partition(" ")
+                if t.isdigit():
+                    lines.append((int(t) + offset, rest))
+    lines.sort(key=lambda x: x[0])
+    with open(out_path, "w", encoding="utf-8") as f:
+        for t, rest in lines:
+            f.write(f"{t} {rest}\n")
+
+
+def _merge_pyspy(parts, labels, out_dir):
+    """py-spy files of each node's ranks, named by the rank (pids may repeat across nodes);
+    recordings are linked (no timestamps inside), dump snapshots rewritten on the reference
+    clock."""
+    from traindx.profiler.shim._traindx_shim.roles import parse_process_file
+
+    if os.path.isdir(out_dir):
+        shutil.rmtree(out_dir)
+    os.makedirs(out_dir)
+    for folder, node, offset in parts:
+        src = os.path.join(folder, "pyspy")
+        try:
+            names = sorted(os.listdir(src))
+        except OSError:
+            continue
+        for name in names:
+            stem, dot, ext = name.partition(".")
+            who, _, flavour = stem.rpartition("-")
+            pid = parse_process_file(who, "")
+            label = labels.get((node, pid)) if pid is not None else who
+            if label is None or not flavour:
+                continue
+            target = os.path.join(out_dir, f"{label}-{flavour}{dot}{ext}")
+            if name.endswith("-dump.jsonl"):
+                with open(os.path.join(src, name), encoding="utf-8", errors="replace") as f, \
+                        open(target, "w", encoding="utf-8") as out:
+                    for line in f:
+                        try:
+                            snap = json.loads(line)
+                            snap["t"] = int(snap["t"]) + offset
+                            snap["node"] = node
+                            out.write(json.dumps(snap) + "\n")
+                        except (ValueError, KeyError, TypeError):
+                            continue  # a cut-off line: the node's own file keeps it
+            else:
+                try:
+                    os.link(os.path.join(src, name), target)
+                except OSError:
+                    shutil.copyfile(os.path.join(src, name), target)
+
+
+def unfinished_nodes(run_dir: str) -> list:
+    """Nodes whose part still says `running` (still running, or killed)."""
+    return [n for n, d in node_dirs(os.path.abspath(run_dir)).items()
+            if _read_manifest(d).get("status") == "running"]
+
+
+def format_clock(clock: dict) -> str:
+    from traindx.profiler.clocks import METHOD
+
+    lines = [f"clock reference: {clock['reference']} ({clock['usable_collectives']} matched "
+             f"collectives usable)"]
+    for n, e in clock["nodes"].items():
+        err = "unknown" if e["error_ns"] is None else f"± {e['error_ns'] / 1e6:.3f} ms"
+        lines.append(f"  {n}: host {e.get('host')}, ranks {','.join(e.get('ranks') or []) or '-'}, "
+                     f"offset {e['offset_ns'] / 1e9:+.6f} s {err}, {e['constraints']} constraints"
+                     + ("" if e["method"] == METHOD else f" ({e['method']})"))
+    if not clock["consistent"]:
+        lines.append("  INCONSISTENT: " + "; ".join(clock["conflicts"]))
+    return "\n".join(lines)

@@ -1,0 +1,52 @@
+"""Command-line values that read traindx's own knowledge (a step window, a log regex, a GPU
+type); the generic ones (numbers, names, paths) are traindx.common.argtypes, re-exported here so
+that a command reads every type from one module."""
+# re-exported
+from traindx.common.argtypes import (  # noqa: F401
+    ArgumentParser,
+    DEFAULT_RUNS,
+    NAME,
+    PSEUDO_FILESYSTEMS,
+    checked_by,
+    existing_file,
+    existing_folder,
+    fail,
+    folder_path,
+    name,
+    non_negative,
+    non_negative_int,
+    one_line,
+    output_file,
+    output_folder,
+    pid,
+    positive,
+    positive_int,
+    pyspy_rate,
+    real,
+    step_marker,
+    subcommand_list,
+    torch_profile,
+    whole,
+)
+
+
+def step_window(text):
+    """FIRST:LAST, both inclusive, 0-based (kept as text: recipes.stats.parse_window reads it)."""
+    from traindx.derive.stats import parse_window
+
+    return checked_by(parse_window, text)
+
+
+def log_regex(text):
+    from traindx.profiler.logparse import compile_custom
+
+    return checked_by(compile_custom, text)
+
+
+def gpu_type(text):
+    from traindx.derive.throughput import PEAK_BF16_TFLOPS, normalize_gpu
+
+    gpu = normalize_gpu(text)
+    if gpu is None:
+        fail(f"{text!r}: unknown GPU type (known: {', '.join(PEAK_BF16_TFLOPS)})")
+    return text

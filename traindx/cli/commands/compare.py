@@ -1,0 +1,198 @@
+"""Compare two recorded runs: what changed, step time over the steady window, the speedup with a
+bootstrap 95 % interval, tokens/s, step-time CV, loss parity and a verdict.
+
+usage: diagnose compare RUN_A RUN_B          (RUN_A is the baseline)
+       diagnose compare FIX_RUN              (a `diagnose --fix` folder: its baseline/candidate)
+"""
+import json
+import os
+import sys
+
+from traindx.cli import argtypes
+from traindx.common.errors import UserError
+
+
+def prepare_parser(parser):
+    parser.add_argument("run_a", metavar="RUN_A", help="baseline run folder (or a --fix folder)")
+    parser.add_argument("run_b", metavar="RUN_B", nargs="?", help="candidate run folder")
+    parser.add_argument("--window", type=argtypes.step_window, default=None, metavar="FIRST:LAST",
+                        help="steps to compare, inclusive, 0-based (default: skip the first "
+                             "quarter of the steps, the warm-up)")
+    parser.add_argument("--tokens-per-step", type=argtypes.positive, default=None, metavar="N",
+                        help="tokens of one optimizer step, when the job's log does not say")
+    parser.add_argument("--json", type=argtypes.output_file, default=None, metavar="PATH",
+                        help="also write the comparison as JSON to PATH")
+
+
+def resolve_arms(run_a, run_b):
+    """(baseline path, candidate path); a single --fix folder stands for its two arms."""
+    if run_b is None:
+        base, cand = os.path.join(run_a, "baseline"), os.path.join(run_a, "candidate")
+        try:  # the arm --fix kept (fix.json), when it tried several
+            with open(os.path.join(run_a, "fix.json"), encoding="utf-8") as f:
+                cand = json.load(f).get("best") or cand
+        except (OSError, ValueError, AttributeError):
+            pass
+        if not (os.path.isdir(base) and os.path.isdir(cand)):
+            raise UserError(f"{run_a} is not a `diagnose --fix` folder (no baseline/ and "
+                            "candidate/): give two run folders, RUN_A RUN_B")
+        return base, cand
+    return run_a, run_b
+
+
+def run(args, parser):
+    from rich.console import Console
+
+    from traindx.recipes.ab import compare_runs
+    from traindx.derive.stats import parse_window
+    from traindx.derive.run import load_run
+
+    window = parse_window(args.window) if args.window else None  # valid: argtypes.step_window
+    path_a, path_b = resolve_arms(args.run_a, args.run_b)
+    if os.path.realpath(path_a) == os.path.realpath(path_b):
+        raise UserError(f"{args.run_a} and {args.run_b} are the same run: compare a baseline "
+                        "with another run (or give one `diagnose --fix` folder)")
+    baseline, candidate = load_run(path_a), load_run(path_b)
+    if _same_recording(baseline.manifest, candidate.manifest):
+        raise UserError(f"{path_b} is a copy of {path_a} (the same recording: same start time "
+                        "and command): compare a baseline with another run")
+    try:
+        comparison = compare_runs(baseline, candidate, window=window,
+                                  tokens_per_step=args.tokens_per_step)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+    print_comparison(comparison, Console(file=sys.stdout))
+    if args.json:
+        write_comparison(comparison, args.json)
+    return 0
+
+
+def _same_recording(a, b):
+    return a.get("start_ns") is not None and a.get("start_ns") == b.get("start_ns") and \
+        a.get("command") == b.get("command") and a.get("pid") == b.get("pid")
+
+
+def write_comparison(comparison, path):
+    from traindx.cli.outputs import write_json_file
+
+    return write_json_file(path, comparison)
+
+
+# -- rendering ---------------------------------------------------------------------------------
+VERDICT_STYLE = {"faster and numerically equivalent": "bold green",
+                 "faster start": "bold green",
+                 "faster but numerics differ": "bold yellow", "no gain": "bold red"}
+
+
+def _seconds(x):
+    if x is None:
+        return "-"
+    return f"{x * 1000:.1f} ms" if x < 1 else f"{x:.3f} s"
+
+
+def _percent(x):
+    return "-" if x is None else f"{x * 100:.2f} %"
+
+
+def _number(x, fmt="{:,.0f}"):
+    return "-" if x is None else fmt.format(x)
+
+
+def print_comparison(comparison, console=None):
+    """The comparison as a user reads it in the terminal (rich)."""
+    from rich.console import Console
+    from rich.table import Table
+    from rich.text import Text
+
+    console = console or Console(file=sys.stderr)
+    console.rule("traindx: A/B comparison")
+    change = comparison["change"]
+    cmd = change["command"]
+    if cmd["same"]:
+        console.print("command: unchanged", markup=False)
+    else:
+        console.print(Text("command:", style="bold"))
+        console.print(Text("  - " + cmd["before"], style="red"))
+        console.print(Text("  + " + cmd["after"], style="green"))
+    env = change["env"]
+    if any(env.values()):
+        console.print(Text("environment:", style="bold"))
+        for k, v in env["added"].items():
+            console.print(Text(f"  + {k}={v}", style="green"))
+        for k, v in env["removed"].items():
+            console.print(Text(f"  - {k}={v}", style="red"))
+        for k, (a, b) in env["changed"].items():
+            console.print(Text(f"  ~ {k}: {a} -> {b}", style="yellow"))
+    else:
+        console.print("environment: unchanged", markup=False)
+    for line in change.get("applied", []):
+        console.print(Text(f"applied: {line}"))
+    for step in change.get("precompiled", []):
+        console.print(Text(f"precompiled: {step}"))
+
+    table = Table(show_header=True, header_style="bold")
+    table.add_column("")
+    table.add_column("baseline", justify="right")
+    table.add_column("candidate", justify="right")
+    base, cand = comparison["baseline"], comparison["candidate"]
+
+    def window(arm):
+        return "-" if not arm["window"] else f"{arm['window'][0]}-{arm['window'][1]} ({arm['window_steps']})"
+
+    table.add_row("steps recorded", str(base["steps"]), str(cand["steps"]))
+    table.add_row("steady window (steps)", window(base), window(cand))
+    table.add_row("median step time", _seconds(base["median_step_s"]), _seconds(cand["median_step_s"]))
+    from traindx.recipes.ab import step_source_text
+
+    if base.get("step_source") != "shim" or cand.get("step_source") != "shim":
+        table.add_row("timed by", step_source_text(base), step_source_text(cand))
+    table.add_row("step-time CV", _percent(base["step_time_cv"]), _percent(cand["step_time_cv"]))
+    table.add_row("tokens/s", _number(base["tokens_per_s"]), _number(cand["tokens_per_s"]))
+    table.add_row("step 0 (warm-up)", _seconds(base.get("first_step_s")),
+                  _seconds(cand.get("first_step_s")))
+    table.add_row("wall time of the run", _seconds(base.get("wall_s")), _seconds(cand.get("wall_s")))
+    table.add_row("compile events (in window)",
+                  f"{base['compiles']} ({base['compiles_in_window']})",
+                  f"{cand['compiles']} ({cand['compiles_in_window']})")
+    console.print(table)
+
+    if comparison["speedup"] is not None:
+        from traindx.recipes.ab import speedup_text
+
+        console.print(Text(f"speedup: {speedup_text(comparison)}", style="bold"))
+    for step in comparison["change"].get("steps", []):
+        if not step.get("ok"):
+            console.print(Text(f"failed: {step['step']}: {step.get('error')}"
+                               + (f" — the candidate ran with {step['instead']}"
+                                  if step.get("instead") else ""), style="yellow"))
+    if comparison.get("changes"):
+        from traindx.recipes.ab import change_text
+
+        for c in comparison["changes"]:
+            console.print(Text(f"predicted vs measured: {change_text(c)}"))
+    if comparison.get("fix_patch"):
+        console.print(Text(f"fix.patch: {comparison['fix_patch']}", style="bold"))
+    for line in comparison["change"].get("apply", []):
+        console.print(Text(f"to keep it: {line}", style="cyan"))
+    parity = comparison["loss_parity"]
+    if parity is None:
+        console.print("loss parity: not checked (no losses in the job's log)", markup=False)
+    else:
+        corr = "n/a" if parity["correlation"] is None else f"{parity['correlation']:.4f}"
+        final = ("-" if parity["final_loss_difference"] is None
+                 else f"{parity['final_loss_difference']:.2%}")
+        status = Text("pass" if parity["passed"] else "FAIL",
+                      style="green" if parity["passed"] else "bold red")
+        line = Text("loss parity: ").append(status).append(
+            f" (correlation {corr}, {parity['pointwise_failures']} of {parity['points']} points "
+            f"outside tolerance, final-loss difference {final}; first {parity['skipped']} "
+            "points skipped)")
+        console.print(line)
+        for reason in parity["reasons"]:
+            console.print(Text(f"  ✗ {reason}", style="red"))
+    for problem in comparison.get("problems", []):
+        console.print(Text(f"note: {problem}", style="yellow"))
+    for line in comparison["change"].get("instructions", []):
+        console.print(Text(f"to do by hand: {line}", style="cyan"))
+    console.print(Text(f"verdict: {comparison['verdict']}",
+                       style=VERDICT_STYLE.get(comparison["verdict"].split(" (")[0], "bold red")))

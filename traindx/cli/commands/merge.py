@@ -1,0 +1,68 @@
+"""Merge the node parts of a multi-node run into one run over all ranks.
+
+usage: diagnose merge RUN [--no-report] [--reference NODE]
+
+RUN/nodes/<node>/ are the run folders each node's `diagnose` wrote. This aligns the nodes'
+clocks from the job's own collectives (traindx.profiler.clocks: no clock is assumed to be right) and
+writes, beside the untouched node folders:
+  RUN/clock.json     per node: offset_ns (added to its timestamps), error_ns (the true offset
+                     is within offset_ns ± error_ns), constraints, method; conflicts if any
+  RUN/manifest.json  the merged manifest: nodes, ranks over every node, GPUs with their node
+  RUN/nvml.csv, RUN/log.txt, RUN/pyspy/  the nodes' samples on the reference clock (py-spy
+                     files named by rank); events and torch.profiler windows stay in the node
+                     folders and are read with their node's offset
+then analyses the merged run and writes its report, like `diagnose` does after a job.
+Running it again re-estimates and rewrites these (e.g. after a late node's folder arrived).
+"""
+import os
+import sys
+
+from traindx.cli import argtypes
+from traindx.profiler import nodes
+from traindx.derive.multinode import merge_parts  # noqa: F401  (the engine)
+from traindx.profiler.nodes import merged_manifest  # noqa: F401
+
+
+def prepare_parser(parser):
+    parser.add_argument("run_dir", metavar="RUN", help="a multi-node run folder (with nodes/)")
+    parser.add_argument("--reference", type=argtypes.name, metavar="NODE", default=None,
+                        help="the node whose clock is the run's (default: the node with the "
+                             "most matched collectives)")
+    parser.add_argument("--no-report", action="store_true",
+                        help="only write the merged pieces; no analysis or report")
+    parser.add_argument("--quiet", action="store_true", help="print only the clock table")
+
+
+def merge(run_dir, reference=None):
+    """(clock document, merged manifest): the engine's pieces (traindx.derive.multinode.merge_parts)."""
+    return merge_parts(run_dir, reference=reference)
+
+
+def run(args, parser):
+    unfinished = nodes.unfinished_nodes(args.run_dir) if os.path.isdir(args.run_dir) else []
+    if unfinished:  # merging is still right for what is there; say what may be missing
+        print(f"diagnose: warning: node{'s' if len(unfinished) > 1 else ''} "
+              f"{', '.join(unfinished)} still running (or killed): merged as far as recorded",
+              file=sys.stderr)
+    clock, _ = merge_parts(args.run_dir, reference=args.reference)
+    print(nodes.format_clock(clock), file=sys.stderr if args.quiet else sys.stdout)
+    if args.no_report:
+        return 0
+    from traindx.cli.outputs import analyze_and_write
+    from traindx.derive.run import load_run
+
+    record = load_run(args.run_dir)
+    findings, report_path = analyze_and_write(record)
+    if args.quiet:
+        print(report_path)
+    else:
+        from traindx.report.terminal import print_summary
+
+        print_summary(record, findings, report_path)
+    return 0
+
+
+def main(argv=None):
+    from traindx.cli.main import main as cli_main
+
+    return cli_main(["merge", *(sys.argv[1:] if argv is None else argv)])

@@ -1,0 +1,73 @@
+"""`diagnose`: one module per subcommand (traindx.cli.commands.*), each with prepare_parser/run.
+
+`diagnose [options] -- <command>` runs a job; `diagnose <subcommand> ...` does the rest.
+"""
+import argparse
+import importlib
+import os
+import sys
+import warnings
+
+from traindx.cli import argtypes
+from traindx.common.errors import UserError
+
+SUBCOMMANDS = {
+    "attach": "attach",
+    "analyze": "analyze",
+    "report": "report",
+    "compare": "compare",
+    "card": "card",
+    "merge": "merge",
+    "watch": "watch",
+}
+DEFAULT = "run"
+INTERNAL_ERROR_EXIT = 1
+
+
+def _parser_for(name):
+    module = importlib.import_module(f"traindx.cli.commands.{name}")
+    prog = "diagnose" if name == DEFAULT else f"diagnose {name}"
+    epilog = None
+    if name == DEFAULT:  # `diagnose --help` names what else there is
+        epilog = "subcommands (diagnose SUBCOMMAND --help):\n" + argtypes.subcommand_list(
+            {cmd: f"traindx.cli.commands.{mod}" for cmd, mod in SUBCOMMANDS.items()}) + \
+            "\n\nsee also: kernel-cache --help (precompile and manage FA4 kernel caches)"
+    parser = argtypes.ArgumentParser(prog=prog, description=module.__doc__, epilog=epilog,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    module.prepare_parser(parser)
+    return module, parser
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None):
+    """What traindx skipped or could not do: one line each, on stderr."""
+    print(f"diagnose: warning: {argtypes.one_line(message)}", file=sys.stderr)
+
+
+def main(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    name = SUBCOMMANDS.get(argv[0], DEFAULT) if argv else DEFAULT
+    if name != DEFAULT:
+        argv = argv[1:]
+    module, parser = _parser_for(name)
+    args = parser.parse_args(argv)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("default")
+            warnings.showwarning = _show_warning  # restored by catch_warnings
+            return module.run(args, parser)
+    except UserError as exc:
+        print(f"diagnose: error: {argtypes.one_line(exc)}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("diagnose: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # a bug of traindx: one line (TRAINDX_DEBUG=1 shows the traceback)
+        if os.environ.get("TRAINDX_DEBUG"):
+            raise
+        print(f"diagnose: internal error: {type(exc).__name__}: {argtypes.one_line(exc)} "
+              "(a bug of traindx; TRAINDX_DEBUG=1 shows where)", file=sys.stderr)
+        return INTERNAL_ERROR_EXIT
+
+
+if __name__ == "__main__":
+    sys.exit(main())
