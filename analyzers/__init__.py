@@ -3,17 +3,17 @@
 Registered here, in one place. An analyzer that raises is reported as a finding about traindx
 itself, never as a crash of the whole analysis.
 """
+
 from __future__ import annotations
 
 import importlib
+import warnings
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
-import warnings
-
-from traindx.analyzers.findings import Finding, rank_findings
 
 from traindx.analyzers import chains
 from traindx.analyzers.codefix import checked
+from traindx.analyzers.findings import Finding, rank_findings
 from traindx.analyzers.sampling import representative_ranks
 
 if TYPE_CHECKING:  # annotations only
@@ -22,9 +22,18 @@ if TYPE_CHECKING:  # annotations only
 # module names under traindx.analyzers; each exposes analyze(run) -> list[Finding]
 REGISTRY = [
     "steps",
-    "gil", "dataloader", "gc_pauses", "host_sync", "allocator", "launch_bound", "gpu_clocks",
+    "gil",
+    "dataloader",
+    "gc_pauses",
+    "host_sync",
+    "allocator",
+    "launch_bound",
+    "gpu_clocks",
     "gpu_idle",
-    "ranks", "stability", "host_work", "threads",
+    "ranks",
+    "stability",
+    "host_work",
+    "threads",
     "jit",
 ]
 # judged last, over every other finding once linked and priced: analyze(run, findings) -> [Finding]
@@ -40,14 +49,20 @@ def analyze(run: RunRecord, only: Iterable[str] | None = None) -> list[Finding]:
     sampled = representative_ranks(run)
     per_rank_run = run if len(sampled) == len(run.ranks) else run.subset(sampled)
     if per_rank_run is not run:
-        findings.append(Finding(
-            id="analysis.ranks_sampled",
-            title=f"Per-rank analysis read {len(sampled)} of {len(run.ranks)} ranks",
-            severity="info", analyzer="sampling",
-            summary=(f"{len(run.ranks)} ranks: the per-rank analyzers read {len(sampled)} of them - "
-                     "the first and last, and the ranks at both extremes of every step-time and "
-                     "time-ledger measure; the straggler and GPU analyses read every rank."),
-            evidence={"ranks_analyzed": sampled, "ranks": len(run.ranks)}))
+        findings.append(
+            Finding(
+                id="analysis.ranks_sampled",
+                title=f"Per-rank analysis read {len(sampled)} of {len(run.ranks)} ranks",
+                severity="info",
+                analyzer="sampling",
+                summary=(
+                    f"{len(run.ranks)} ranks: the per-rank analyzers read {len(sampled)} of them - "
+                    "the first and last, and the ranks at both extremes of every step-time and "
+                    "time-ledger measure; the straggler and GPU analyses read every rank."
+                ),
+                evidence={"ranks_analyzed": sampled, "ranks": len(run.ranks)},
+            )
+        )
     for name in REGISTRY:
         if only and name not in only:
             continue
@@ -58,9 +73,11 @@ def analyze(run: RunRecord, only: Iterable[str] | None = None) -> list[Finding]:
             findings.append(failed(name, exc))
     # one pass over all findings: symptoms under their causes, savings from the time ledger;
     # each step on its own, so that one failing keeps what the others did
-    for step, fn in (("chains", lambda fs: chains.attach_call_sites(chains.link(fs))),
-                     ("savings", lambda fs: chains.apply_savings(fs, run)),
-                     ("codefix", checked)):  # a code prescription is a real edit, or prose
+    for step, fn in (
+        ("chains", lambda fs: chains.attach_call_sites(chains.link(fs))),
+        ("savings", lambda fs: chains.apply_savings(fs, run)),
+        ("codefix", checked),
+    ):  # a code prescription is a real edit, or prose
         try:
             findings = fn(findings)
         except Exception as exc:  # never cost the user the findings themselves
@@ -77,9 +94,11 @@ def analyze(run: RunRecord, only: Iterable[str] | None = None) -> list[Finding]:
 
 
 # what each post-analysis step loses when it fails
-_STEP_LOSS = {"chains": "symptoms are not linked to their causes",
-              "savings": "prescriptions keep their own gain estimates",
-              "codefix": "code prescriptions are unchecked"}
+_STEP_LOSS = {
+    "chains": "symptoms are not linked to their causes",
+    "savings": "prescriptions keep their own gain estimates",
+    "codefix": "code prescriptions are unchecked",
+}
 
 
 def failed(name, exc):
@@ -87,10 +106,14 @@ def failed(name, exc):
     only its own result is missing."""
     what = " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
     loss = _STEP_LOSS.get(name, "its findings are missing; the other analyzers' stand")
-    warnings.warn(f"analyzer '{name}' failed ({what}): {loss}", AnalyzerFailedWarning,
-                  stacklevel=2)
-    return Finding(id=f"traindx.analyzer_failed.{name}", title=f"analyzer '{name}' failed",
-                   severity="info", analyzer=name, summary=f"{what}; {loss}")
+    warnings.warn(f"analyzer '{name}' failed ({what}): {loss}", AnalyzerFailedWarning, stacklevel=2)
+    return Finding(
+        id=f"traindx.analyzer_failed.{name}",
+        title=f"analyzer '{name}' failed",
+        severity="info",
+        analyzer=name,
+        summary=f"{what}; {loss}",
+    )
 
 
 class AnalyzerFailedWarning(UserWarning):

@@ -9,23 +9,31 @@ memory with large inactive split blocks. Explicit torch.cuda.empty_cache() calls
 with a GPU trace: the GPU's idle while the host is inside cudaMalloc/cudaFree (the rest of
 those calls overlaps kernels queued before them).
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
 import pandas as pd
 
-from traindx.analyzers.findings import Finding, Prescription
-
 from traindx.analyzers import codefix
 from traindx.analyzers import evidence as ev
+from traindx.analyzers.findings import Finding, Prescription
 
 if TYPE_CHECKING:  # annotations only
     from traindx.derive.run import RunRecord
 
 EXPANDABLE = "expandable_segments:True"
-MALLOC_CALLS = ("cudaMalloc", "cudaFree", "cudaMallocAsync", "cudaFreeAsync", "cuMemCreate",
-                "cuMemRelease", "cuMemMap", "cuMemUnmap")
+MALLOC_CALLS = (
+    "cudaMalloc",
+    "cudaFree",
+    "cudaMallocAsync",
+    "cudaFreeAsync",
+    "cuMemCreate",
+    "cuMemRelease",
+    "cuMemMap",
+    "cuMemUnmap",
+)
 
 
 def _alloc_conf(run):
@@ -47,9 +55,17 @@ def _empty_cache_sites(run, rank, steady_ids):
     for row in calls.itertuples():
         caller = row.caller if isinstance(row.caller, dict) else {}
         key = (caller.get("file"), caller.get("line"), caller.get("function"))
-        entry = sites.setdefault(key, {"file": key[0], "line": key[1], "function": key[2],
-                                       "source": getattr(row, "source", None), "calls": 0,
-                                       "in_steady_steps": 0})
+        entry = sites.setdefault(
+            key,
+            {
+                "file": key[0],
+                "line": key[1],
+                "function": key[2],
+                "source": getattr(row, "source", None),
+                "calls": 0,
+                "in_steady_steps": 0,
+            },
+        )
         entry["calls"] += 1
         entry["in_steady_steps"] += int(row.step) in steady_ids
     return sorted(sites.values(), key=lambda e: -e["calls"])
@@ -78,14 +94,13 @@ def _idle_in_malloc_per_step(run, rank):
     trace = run.torch_trace
     if not len(trace):
         return None
-    return idle_in_calls_per_step(run, rank, trace[(trace["rank"] == rank).to_numpy()],
-                                  ALLOCATOR_CALLS)
+    return idle_in_calls_per_step(run, rank, trace[(trace["rank"] == rank).to_numpy()], ALLOCATOR_CALLS)
 
 
 def _analyze_rank(run, rank, rows):
     """rows: this rank's alloc events."""
     steady = ev.steady_steps(run, rank)
-    steady_ids = set(int(s) for s in steady["step"])
+    steady_ids = {int(s) for s in steady["step"]}
     rows = rows.sort_values("step")
     if not len(rows) or "num_alloc_retries" not in rows:
         return []
@@ -98,7 +113,7 @@ def _analyze_rank(run, rank, rows):
     if new_retries <= 0 and not empties_in_steps:
         return []
     # cost: how much slower the steps with a retry are than the steps without
-    hit_ids = set(int(s) for s in in_window[in_window["new_retries"] > 0]["step"])
+    hit_ids = {int(s) for s in in_window[in_window["new_retries"] > 0]["step"]}
     durations = steady.set_index("step")["duration_s"]
     with_retry = durations[durations.index.isin(hit_ids)]
     without = durations[~durations.index.isin(hit_ids)]
@@ -108,8 +123,13 @@ def _analyze_rank(run, rank, rows):
     if idle is not None and malloc:
         # the host blocked in cudaMalloc/cudaFree costs a step only while the GPU has nothing
         # queued; the rest of those calls overlap kernels queued before them
-        lost, cost_method = float(idle), ("cudaMalloc/cudaFree: the GPU's idle while the host is in "
-                                          "them, per step of the torch.profiler window")
+        lost, cost_method = (
+            float(idle),
+            (
+                "cudaMalloc/cudaFree: the GPU's idle while the host is in "
+                "them, per step of the torch.profiler window"
+            ),
+        )
     elif malloc is not None:
         lost, cost_method = malloc, "cudaMalloc/cudaFree time per step in the torch.profiler window"
     elif len(with_retry) and len(without):
@@ -122,10 +142,14 @@ def _analyze_rank(run, rank, rows):
     allocated = float(last.get("allocated_bytes_all_current") or 0)
     inactive = float(last.get("inactive_split_bytes_all_current") or 0)
     evidence = {
-        "rank": rank, "alloc_retries_in_steady_steps": new_retries,
+        "rank": rank,
+        "alloc_retries_in_steady_steps": new_retries,
         "steps_with_retries": sorted(hit_ids),
-        "num_ooms": int(pd.to_numeric(rows["num_ooms"], errors="coerce").fillna(0).max()) if "num_ooms" in rows else None,
-        "reserved_gib": round(reserved / 2**30, 2), "allocated_gib": round(allocated / 2**30, 2),
+        "num_ooms": int(pd.to_numeric(rows["num_ooms"], errors="coerce").fillna(0).max())
+        if "num_ooms" in rows
+        else None,
+        "reserved_gib": round(reserved / 2**30, 2),
+        "allocated_gib": round(allocated / 2**30, 2),
         "inactive_split_gib": round(inactive / 2**30, 2),
         "fragmentation": round(1 - allocated / reserved, 3) if reserved else None,
         "median_step_with_retry_s": round(float(with_retry.median()), 4) if len(with_retry) else None,
@@ -144,42 +168,68 @@ def _analyze_rank(run, rank, rows):
     # allocator setting only softens what it does); each removal is measured by --fix
     for site in empty_cache[:3]:
         source = (site.get("source") or "").strip()
-        change = codefix.code_change(site["file"], site["line"], source, "", op="delete") \
-            if site.get("file") and not ev.is_library_path(str(site["file"])) else None
-        prescriptions.append(Prescription(
-            kind="code",
-            summary=f"remove torch.cuda.empty_cache() at {site['file']}:{site['line']} "
-                    f"({site['calls']} calls): it throws the allocator's cache away and the next "
-                    "allocations go to cudaMalloc again",
-            change={"code": change} if change else {},
-            # calls outside the steps cost no step time: prescribed, not measured
-            expected_gain_s_per_step=lost, automatic=bool(change) and bool(empties_in_steps)))
+        change = (
+            codefix.code_change(site["file"], site["line"], source, "", op="delete")
+            if site.get("file") and not ev.is_library_path(str(site["file"]))
+            else None
+        )
+        prescriptions.append(
+            Prescription(
+                kind="code",
+                summary=f"remove torch.cuda.empty_cache() at {site['file']}:{site['line']} "
+                f"({site['calls']} calls): it throws the allocator's cache away and the next "
+                "allocations go to cudaMalloc again",
+                change={"code": change} if change else {},
+                # calls outside the steps cost no step time: prescribed, not measured
+                expected_gain_s_per_step=lost,
+                automatic=bool(change) and bool(empties_in_steps),
+            )
+        )
     current = _alloc_conf(run)
     if EXPANDABLE not in current.replace(" ", ""):
-        prescriptions.append(Prescription(
-            kind="env",
-            summary=f"PYTORCH_CUDA_ALLOC_CONF={_with_expandable(current)}: segments grow in place "
-                    "instead of failing and retrying; fragmentation drops",
-            change={"env": {"PYTORCH_CUDA_ALLOC_CONF": _with_expandable(current)}},
-            # with empty_cache() calls in the steps the setting only softens what they do: half
-            # the saving is a guess, which --fix measures after the line's removal
-            expected_gain_s_per_step=lost if new_retries or not empties_in_steps or lost is None
-            else lost * 0.5, automatic=True))
+        prescriptions.append(
+            Prescription(
+                kind="env",
+                summary=f"PYTORCH_CUDA_ALLOC_CONF={_with_expandable(current)}: segments grow in place "
+                "instead of failing and retrying; fragmentation drops",
+                change={"env": {"PYTORCH_CUDA_ALLOC_CONF": _with_expandable(current)}},
+                # with empty_cache() calls in the steps the setting only softens what they do: half
+                # the saving is a guess, which --fix measures after the line's removal
+                expected_gain_s_per_step=lost
+                if new_retries or not empties_in_steps or lost is None
+                else lost * 0.5,
+                automatic=True,
+            )
+        )
     what = []
     if new_retries:
         what.append(f"{new_retries} allocator retries in {len(hit_ids)} steady steps")
     if empties_in_steps:
         what.append(f"{empties_in_steps} torch.cuda.empty_cache() calls inside steps")
-    return [Finding(
-        id="alloc.retries" if new_retries else "alloc.empty_cache",
-        title=f"CUDA allocator: {'; '.join(what)} on rank {rank}",
-        severity=severity, analyzer="allocator",
-        summary=(f"{'; '.join(what)}. Reserved {evidence['reserved_gib']} GiB, allocated "
-                 f"{evidence['allocated_gib']} GiB at the end"
-                 + (f"; steps with a retry take {evidence['median_step_with_retry_s']} s against "
-                    f"{evidence['median_step_without_s']} s." if len(with_retry) and len(without) else ".")),
-        steps_affected=tuple(sorted(hit_ids)), seconds_lost_per_step=lost, share_of_step=share,
-        evidence=evidence, prescriptions=tuple(prescriptions), ranks=(rank,))]
+    return [
+        Finding(
+            id="alloc.retries" if new_retries else "alloc.empty_cache",
+            title=f"CUDA allocator: {'; '.join(what)} on rank {rank}",
+            severity=severity,
+            analyzer="allocator",
+            summary=(
+                f"{'; '.join(what)}. Reserved {evidence['reserved_gib']} GiB, allocated "
+                f"{evidence['allocated_gib']} GiB at the end"
+                + (
+                    f"; steps with a retry take {evidence['median_step_with_retry_s']} s against "
+                    f"{evidence['median_step_without_s']} s."
+                    if len(with_retry) and len(without)
+                    else "."
+                )
+            ),
+            steps_affected=tuple(sorted(hit_ids)),
+            seconds_lost_per_step=lost,
+            share_of_step=share,
+            evidence=evidence,
+            prescriptions=tuple(prescriptions),
+            ranks=(rank,),
+        )
+    ]
 
 
 def analyze(run: RunRecord) -> list[Finding]:

@@ -12,6 +12,7 @@ Savings: each root's prescriptions expect the seconds per step of the ledger lin
 (`Finding.removes`, set here from LEDGER_LINES where the analyzer did not); the sum over roots is
 capped at the step time, so no two findings promise the same second.
 """
+
 from __future__ import annotations
 
 import os
@@ -21,7 +22,6 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from traindx.analyzers.findings import Prescription
-
 from traindx.derive import ledger as ledger_mod
 
 if TYPE_CHECKING:  # annotations only
@@ -29,8 +29,7 @@ if TYPE_CHECKING:  # annotations only
     from traindx.derive.run import RunRecord
 from traindx.analyzers import savings
 
-STEADY_JIT = ("jit.fa4_steady_recompile", "jit.steady_recompile", "jit.autotune",
-              "jit.dynamo_recompile")
+STEADY_JIT = ("jit.fa4_steady_recompile", "jit.steady_recompile", "jit.autotune", "jit.dynamo_recompile")
 # finding id -> ledger categories its fix removes (steps: the finding's steps_affected)
 LEDGER_LINES = {
     "dataloader.starvation": (("data",), False),
@@ -93,8 +92,14 @@ def _same_line_root(f, roots):
     where = _line_of(f)
     if where is None:
         return None
-    same = [r for r in roots if r.id not in GENERIC_AT_A_LINE and not r.id.startswith("verdict.")
-            and _line_of(r) == where and _same_rank(r, f)]
+    same = [
+        r
+        for r in roots
+        if r.id not in GENERIC_AT_A_LINE
+        and not r.id.startswith("verdict.")
+        and _line_of(r) == where
+        and _same_rank(r, f)
+    ]
     return max(same, key=lambda r: r.seconds_lost_per_step or 0.0, default=None)
 
 
@@ -103,22 +108,33 @@ def _root_for(f, roots):
     thread = _compiling_thread(f)
     if thread is not None:
         jits = [r for r in roots if _is_jit(r, steady_only=False) and _same_rank(r, f)]
-        by_thread = [r for r in jits if thread and any(
-            thread == t or thread.startswith(f"{t} ") for t in (r.evidence.get("threads") or {}))]
+        by_thread = [
+            r
+            for r in jits
+            if thread
+            and any(thread == t or thread.startswith(f"{t} ") for t in (r.evidence.get("threads") or {}))
+        ]
         steady = [r for r in (by_thread or jits) if _is_jit(r)]
         pick = steady or by_thread or jits
         return max(pick, key=lambda r: r.seconds_lost_per_step or 0.0) if pick else None
     if f.id == "ranks.straggler" and f.evidence.get("straggler_compiles_in_steady_steps"):
         straggler = str(f.evidence.get("straggler"))
-        jits = [r for r in roots if _is_jit(r, steady_only=False)
-                and (not r.ranks or straggler in map(str, r.ranks))]
+        jits = [
+            r
+            for r in roots
+            if _is_jit(r, steady_only=False) and (not r.ranks or straggler in map(str, r.ranks))
+        ]
         return max(jits, key=lambda r: (_is_jit(r), r.seconds_lost_per_step or 0.0), default=None)
     if f.id == "ranks.straggler" and f.evidence.get("cause") in STRAGGLER_ROOTS:
         # the straggler is late because of its own GC pauses / data waits: the finding of that
         # line on its rank is the root (the others' waits are its cost, not a second problem)
         straggler = str(f.evidence.get("straggler"))
-        own = [r for r in roots if r.id == STRAGGLER_ROOTS[f.evidence["cause"]]
-               and (not r.ranks or straggler in map(str, r.ranks))]
+        own = [
+            r
+            for r in roots
+            if r.id == STRAGGLER_ROOTS[f.evidence["cause"]]
+            and (not r.ranks or straggler in map(str, r.ranks))
+        ]
         return max(own, key=lambda r: r.seconds_lost_per_step or 0.0, default=None)
     if f.id in ("ranks.straggler", "gpu_idle.exposed_communication"):
         root = _straggler_root(f, roots)
@@ -134,8 +150,14 @@ def _root_for(f, roots):
     if f.id in ("host_work.code", "host_work.periodic_line"):
         # host code in the function the GPU waits for (gpu_idle.host_starved on its rank): the
         # same seconds seen from the host; the GPU's idle is what removing them saves
-        starved = [r for r in roots if r.id == "gpu_idle.host_starved" and _same_rank(r, f)
-                   and _function_of(r) is not None and _function_of(r) == _function_of(f)]
+        starved = [
+            r
+            for r in roots
+            if r.id == "gpu_idle.host_starved"
+            and _same_rank(r, f)
+            and _function_of(r) is not None
+            and _function_of(r) == _function_of(f)
+        ]
         if starved:
             top = max(starved, key=lambda r: r.seconds_lost_per_step or 0.0)
             return _same_line_root(top, [r for r in roots if r is not f]) or top
@@ -143,24 +165,35 @@ def _root_for(f, roots):
         # a host sync inside the model's forward: a CUDA graph cannot capture it, and after
         # each one the GPU's queue is empty, so tiny kernels look launch-bound; the syncs go
         # first (what stays launch-bound shows on the next run)
-        syncs = [r for r in roots if r.id == "sync.host_device" and _same_rank(r, f)
-                 and r.severity != "info"
-                 and ((r.evidence or {}).get("syncs_in_model_per_step") or 0) >= 1]
+        syncs = [
+            r
+            for r in roots
+            if r.id == "sync.host_device"
+            and _same_rank(r, f)
+            and r.severity != "info"
+            and ((r.evidence or {}).get("syncs_in_model_per_step") or 0) >= 1
+        ]
         if syncs:
             return max(syncs, key=lambda r: r.seconds_lost_per_step or 0.0)
     stage = f.evidence.get("slow_stage") if f.id == "ranks.pipeline_bubble" else None
     if stage and next(iter(stage.get("ledger_beyond_per_step_s") or {}), None) in STRAGGLER_ROOTS:
         # the stages wait for one stage that pauses in GC / waits for data: that is the root
         line = next(iter(stage["ledger_beyond_per_step_s"]))
-        own = [r for r in roots if r.id == STRAGGLER_ROOTS[line]
-               and (not r.ranks or str(stage["rank"]) in map(str, r.ranks))]
+        own = [
+            r
+            for r in roots
+            if r.id == STRAGGLER_ROOTS[line] and (not r.ranks or str(stage["rank"]) in map(str, r.ranks))
+        ]
         return max(own, key=lambda r: r.seconds_lost_per_step or 0.0, default=None)
-    if f.id in ("host_work.code", "host_work.periodic_line") \
-            and (f.evidence or {}).get("kind") not in (None, "sleep"):
+    if f.id in ("host_work.code", "host_work.periodic_line") and (f.evidence or {}).get("kind") not in (
+        None,
+        "sleep",
+    ):
         # the training thread's own code looks slow where another thread holds the GIL: its
         # samples at the line are waits for the GIL (a sleep elapses without it)
-        gil = [r for r in roots if r.id == "gil.contention" and _same_rank(r, f)
-               and _compiling_thread(r) is None]
+        gil = [
+            r for r in roots if r.id == "gil.contention" and _same_rank(r, f) and _compiling_thread(r) is None
+        ]
         if gil:
             return max(gil, key=lambda r: r.seconds_lost_per_step or 0.0)
     if f.id == "gpu.launch_bound":
@@ -179,11 +212,13 @@ def _straggler_root(f, roots):
     wait for the straggler: a symptom of it (of its root, when it has one)."""
     if f.id == "ranks.straggler":
         straggler = str(f.evidence.get("straggler"))
-        own = [r for r in roots if r.id == "gpu_idle.host_starved"
-               and straggler in map(str, r.ranks)]
+        own = [r for r in roots if r.id == "gpu_idle.host_starved" and straggler in map(str, r.ranks)]
         return max(own, key=lambda r: r.seconds_lost_per_step or 0.0, default=None)
-    stragglers = [r for r in roots if r.id == "ranks.straggler"
-                  and str(r.evidence.get("straggler")) not in map(str, f.ranks)]
+    stragglers = [
+        r
+        for r in roots
+        if r.id == "ranks.straggler" and str(r.evidence.get("straggler")) not in map(str, f.ranks)
+    ]
     if not stragglers:
         return None
     straggler = stragglers[0]
@@ -206,8 +241,12 @@ def link(findings: Sequence[Finding]) -> list[Finding]:
             symptoms_of.setdefault(id(root), []).append(f.id)
         else:
             out.append(f)
-    return [replace(f, symptoms=tuple(dict.fromkeys(tuple(f.symptoms) + tuple(symptoms_of[id(f)]))))
-            if id(f) in symptoms_of else f for f in out]
+    return [
+        replace(f, symptoms=tuple(dict.fromkeys(tuple(f.symptoms) + tuple(symptoms_of[id(f)]))))
+        if id(f) in symptoms_of
+        else f
+        for f in out
+    ]
 
 
 def _workers_prescribed(f):
@@ -223,8 +262,11 @@ def _workers_prescribed(f):
 def _with_ledger_lines(f, run):
     if f.removes:
         return f
-    if f.id == "steps.periodic_slow" and f.evidence.get("io_in_slow_steps") \
-            and "io_explains_share_of_excess" not in f.evidence:
+    if (
+        f.id == "steps.periodic_slow"
+        and f.evidence.get("io_in_slow_steps")
+        and "io_explains_share_of_excess" not in f.evidence
+    ):
         return replace(f, removes={"categories": ["io"]})  # the timed save is the slow steps' cost
     if f.id not in LEDGER_LINES:
         return f
@@ -244,7 +286,7 @@ def _with_ledger_lines(f, run):
     return replace(f, removes=removes)
 
 
-SAVING_SHORTFALL = 0.8   # a saving under this share of the time lost is explained with it
+SAVING_SHORTFALL = 0.8  # a saving under this share of the time lost is explained with it
 
 
 def _saving_limit(f, removed):
@@ -257,17 +299,23 @@ def _saving_limit(f, removed):
     workers, cpus = removes.get("workers"), removes.get("cpus")
     if workers:
         cores = f" on {cpus} core{'s' if cpus != 1 else ''} the step also uses" if cpus else ""
-        return (f"the work moves to {workers} worker processes{cores}: they still need its CPU "
-                "time, so the step keeps the part they cannot run beside it")
+        return (
+            f"the work moves to {workers} worker processes{cores}: they still need its CPU "
+            "time, so the step keeps the part they cannot run beside it"
+        )
     if removes.get("steps"):
         return "the cost falls in a few steps; the saving is spread over the steady steps"
     return "the time ledger removes only the lines this change takes away; the rest stays"
 
 
 def _set_gain(f, gain):
-    return replace(f, prescriptions=tuple(
-        replace(p, expected_gain_s_per_step=gain if p.expected_gain_s_per_step is not None
-                else None) for p in f.prescriptions))
+    return replace(
+        f,
+        prescriptions=tuple(
+            replace(p, expected_gain_s_per_step=gain if p.expected_gain_s_per_step is not None else None)
+            for p in f.prescriptions
+        ),
+    )
 
 
 def _measured(run, categories):
@@ -281,26 +329,40 @@ def without_losing_prescriptions(f):
     load, which comes and goes): such a prescription keeps its change but loses its price, and
     says what the model expected here and why; the finding records it in
     evidence["unpriced"]."""
-    losing = [p for p in f.prescriptions
-              if p.expected_gain_s_per_step is not None and p.expected_gain_s_per_step <= 0]
+    losing = [
+        p
+        for p in f.prescriptions
+        if p.expected_gain_s_per_step is not None and p.expected_gain_s_per_step <= 0
+    ]
     if not losing:
         return f
     kept = tuple(
-        replace(p, expected_gain_s_per_step=None,
-                summary=(f"{p.summary} (no gain expected on this machine as it was loaded: the "
-                         f"time ledger prices it at {p.expected_gain_s_per_step * 1e3:+.1f} ms "
-                         "a step; it saves time where cores are free)"))
-        if p in losing else p for p in f.prescriptions)
+        replace(
+            p,
+            expected_gain_s_per_step=None,
+            summary=(
+                f"{p.summary} (no gain expected on this machine as it was loaded: the "
+                f"time ledger prices it at {p.expected_gain_s_per_step * 1e3:+.1f} ms "
+                "a step; it saves time where cores are free)"
+            ),
+        )
+        if p in losing
+        else p
+        for p in f.prescriptions
+    )
     evidence = dict(f.evidence)
-    evidence["unpriced"] = [{"summary": p.summary,
-                             "expected_gain_s_per_step": p.expected_gain_s_per_step}
-                            for p in losing]
+    evidence["unpriced"] = [
+        {"summary": p.summary, "expected_gain_s_per_step": p.expected_gain_s_per_step} for p in losing
+    ]
     return replace(f, prescriptions=kept, evidence=evidence)
 
 
 # the ledger line an explicit call is booked in -> the findings that judge that line
-LINE_OWNERS = {"gc": ("gc.gen2_in_step",), "io": ("steps.periodic_slow", "io.checkpoint"),
-               "sync": ("sync.host_device",)}
+LINE_OWNERS = {
+    "gc": ("gc.gen2_in_step",),
+    "io": ("steps.periodic_slow", "io.checkpoint"),
+    "sync": ("sync.host_device",),
+}
 
 
 def attach_call_sites(findings):
@@ -317,37 +379,63 @@ def attach_call_sites(findings):
         if f.id == "host_work.call_site" or f.cause is not None:
             out.append(f)
             continue
-        mine = [n for n in notes if f.id in LINE_OWNERS.get(n.evidence.get("ledger_line"), ())
-                and _same_rank(n, f)]
+        mine = [
+            n
+            for n in notes
+            if f.id in LINE_OWNERS.get(n.evidence.get("ledger_line"), ()) and _same_rank(n, f)
+        ]
         if not mine:
             out.append(f)
             continue
-        sites = [{k: n.evidence.get(k) for k in ("file", "line", "source", "function",
-                                                 "seconds_per_step")} for n in mine]
-        gain = next((p.expected_gain_s_per_step for p in f.prescriptions
-                     if p.expected_gain_s_per_step is not None), f.seconds_lost_per_step)
+        sites = [
+            {k: n.evidence.get(k) for k in ("file", "line", "source", "function", "seconds_per_step")}
+            for n in mine
+        ]
+        gain = next(
+            (p.expected_gain_s_per_step for p in f.prescriptions if p.expected_gain_s_per_step is not None),
+            f.seconds_lost_per_step,
+        )
         edits = []
         for n in mine:
             used.add(id(n))
             where = f"{n.evidence['file']}:{n.evidence['line']}"
             change = {}
             if n.evidence.get("raw") is not None:
-                change = {"code": {"file": n.evidence["path"], "line": n.evidence["line"],
-                                   "before": n.evidence["raw"], "after": "", "op": "delete"}}
-            edits.append(Prescription(
-                kind="code", summary=(f"the loop calls `{n.evidence['source']}` itself at {where}: "
-                                      "remove it (or call it every N steps)"),
-                change=change, expected_gain_s_per_step=gain,
-                command=f"- {n.evidence['source']}" if change else None))
+                change = {
+                    "code": {
+                        "file": n.evidence["path"],
+                        "line": n.evidence["line"],
+                        "before": n.evidence["raw"],
+                        "after": "",
+                        "op": "delete",
+                    }
+                }
+            edits.append(
+                Prescription(
+                    kind="code",
+                    summary=(
+                        f"the loop calls `{n.evidence['source']}` itself at {where}: "
+                        "remove it (or call it every N steps)"
+                    ),
+                    change=change,
+                    expected_gain_s_per_step=gain,
+                    command=f"- {n.evidence['source']}" if change else None,
+                )
+            )
         where = ", ".join(f"{s['file']}:{s['line']}" for s in sites)
         # the analyzer's own edit of the same line (found in the source) is said once
         edited = {_edit_key(p) for p in edits} - {None}
         kept = tuple(p for p in f.prescriptions if _edit_key(p) not in edited)
         automatic = {_edit_key(p) for p in f.prescriptions if p.automatic} & edited
         edits = [replace(e, automatic=True) if _edit_key(e) in automatic else e for e in edits]
-        out.append(replace(f, evidence={**f.evidence, "call_sites": sites},
-                           summary=(f.summary or "") + f" Called by the job at {where}.",
-                           prescriptions=tuple(edits) + kept))
+        out.append(
+            replace(
+                f,
+                evidence={**f.evidence, "call_sites": sites},
+                summary=(f.summary or "") + f" Called by the job at {where}.",
+                prescriptions=tuple(edits) + kept,
+            )
+        )
     return [f for f in out if id(f) not in used]
 
 
@@ -391,16 +479,23 @@ def _priced(findings, run):
     order = sorted(range(len(out)), key=lambda i: out[i].rank_key, reverse=True)
     for i in order:
         f = out[i]
-        gains = [p.expected_gain_s_per_step for p in f.prescriptions
-                 if p.expected_gain_s_per_step is not None]
+        gains = [
+            p.expected_gain_s_per_step for p in f.prescriptions if p.expected_gain_s_per_step is not None
+        ]
         if f.cause is not None or not gains:
             continue
         ranks = [r for r in (f.ranks or step_s.keys()) if r in remaining] or list(remaining)
         room = min(remaining[r] for r in ranks)
         if max(gains) > room:
-            out[i] = replace(f, prescriptions=tuple(
-                replace(p, expected_gain_s_per_step=min(p.expected_gain_s_per_step, room))
-                if p.expected_gain_s_per_step is not None else p for p in f.prescriptions))
+            out[i] = replace(
+                f,
+                prescriptions=tuple(
+                    replace(p, expected_gain_s_per_step=min(p.expected_gain_s_per_step, room))
+                    if p.expected_gain_s_per_step is not None
+                    else p
+                    for p in f.prescriptions
+                ),
+            )
         for r in ranks:
             remaining[r] = max(0.0, remaining[r] - min(max(gains), room))
     return out

@@ -5,6 +5,7 @@ Every analyzer that prescribes a code change builds its `change["code"]` through
 what fails the check is not a diff and goes into the prescription's prose instead. `apply` and
 `unified_diff` turn a change into the edited file and the patch a user applies (`patch -p0`).
 """
+
 from __future__ import annotations
 
 import ast
@@ -70,8 +71,9 @@ def parses(text: str) -> bool:
     return False
 
 
-def code_change(file: str, line: int, before: str, after: str, last_line: int | None = None,
-                op: str | None = None) -> dict[str, Any] | None:
+def code_change(
+    file: str, line: int, before: str, after: str, last_line: int | None = None, op: str | None = None
+) -> dict[str, Any] | None:
     """The `change["code"]` dict for replacing `before` by `after` at file:line (to last_line for
     a call over several lines), or None when it would not be a real, applicable diff: no file or
     line, `before` empty, unchanged, or either side not Python.
@@ -135,8 +137,11 @@ def keyword_sources(call_text: str) -> dict[str, str | None]:
     if not isinstance(node, ast.Call):
         return {}
     text = "(\n" + call_text + "\n)"
-    out = {f"#{i}": ast.get_source_segment(text, a) for i, a in enumerate(node.args)
-           if not isinstance(a, ast.Starred)}
+    out = {
+        f"#{i}": ast.get_source_segment(text, a)
+        for i, a in enumerate(node.args)
+        if not isinstance(a, ast.Starred)
+    }
     out.update({k.arg: ast.get_source_segment(text, k.value) for k in node.keywords if k.arg})
     return out
 
@@ -190,8 +195,9 @@ def unified_diff(change: Mapping[str, Any], text: str) -> str:
     """The change as a unified diff of its file (raises ValueError like `apply`)."""
     edited = apply(change, text)
     name = change["file"]
-    return "".join(difflib.unified_diff(text.splitlines(keepends=True),
-                                        edited.splitlines(keepends=True), name, name))
+    return "".join(
+        difflib.unified_diff(text.splitlines(keepends=True), edited.splitlines(keepends=True), name, name)
+    )
 
 
 def checked(findings: Sequence[Finding]) -> list[Finding]:
@@ -211,9 +217,14 @@ def checked(findings: Sequence[Finding]) -> list[Finding]:
                 prescriptions.append(p)
                 continue
             try:
-                valid = code_change(code.get("file"), code.get("line"), code.get("before"),
-                                    code.get("after"), last_line=code.get("last_line"),
-                                    op=code.get("op"))
+                valid = code_change(
+                    code.get("file"),
+                    code.get("line"),
+                    code.get("before"),
+                    code.get("after"),
+                    last_line=code.get("last_line"),
+                    op=code.get("op"),
+                )
             except Exception:  # an edit that cannot be checked is not applied: prose only
                 valid = None
             if valid is not None:
@@ -222,8 +233,9 @@ def checked(findings: Sequence[Finding]) -> list[Finding]:
             change = {k: v for k, v in p.change.items() if k != "code"}
             after = str(code.get("after") or "").strip()
             summary = p.summary if not after or after in p.summary else f"{p.summary} ({after})"
-            prescriptions.append(replace(p, change=change, summary=summary,
-                                         automatic=p.automatic and bool(change)))
+            prescriptions.append(
+                replace(p, change=change, summary=summary, automatic=p.automatic and bool(change))
+            )
             changed = True
         out.append(replace(finding, prescriptions=tuple(prescriptions)) if changed else finding)
     return out
@@ -252,6 +264,7 @@ def _parsed(path, mtime_ns, size):
 
 def _per_version(fn):
     """`fn(path, *args)` computed once per version of the file (its result copied out)."""
+
     @functools.lru_cache(maxsize=256)
     def once(path, mtime_ns, size, *args):
         return fn(path, *args)
@@ -263,6 +276,7 @@ def _per_version(fn):
         except (OSError, ValueError, TypeError):
             return fn(path, *args)
         return copy.deepcopy(once(path, st.st_mtime_ns, st.st_size, *args))
+
     return wrapper
 
 
@@ -277,7 +291,7 @@ def _called(node, name):
     if isinstance(func, ast.Name):
         parts.insert(0, func.id)
     want = name.split(".")
-    return parts[-len(want):] == want
+    return parts[-len(want) :] == want
 
 
 @_per_version
@@ -290,8 +304,7 @@ def calls_in_loops(path, name):
         if not isinstance(loop, (ast.For, ast.While, ast.AsyncFor)):
             continue
         for node in ast.walk(loop):
-            if isinstance(node, ast.Expr) and _called(node.value, name) \
-                    and node.lineno == node.end_lineno:
+            if isinstance(node, ast.Expr) and _called(node.value, name) and node.lineno == node.end_lineno:
                 out.append((node.lineno, lines[node.lineno - 1].strip()))
     return sorted(set(out))
 
@@ -305,11 +318,15 @@ def calls_of(path: str, name: str) -> list[dict[str, Any]]:
     text = "\n".join(lines)
     out = []
     for node in ast.walk(tree) if tree is not None else ():
-        if isinstance(node, ast.Call) and _called(node, name) \
-                and node.lineno == node.end_lineno:
-            out.append({"line": node.lineno, "last_line": node.end_lineno,
-                        "source": ast.get_source_segment(text, node),
-                        "args": [ast.get_source_segment(text, a) for a in node.args]})
+        if isinstance(node, ast.Call) and _called(node, name) and node.lineno == node.end_lineno:
+            out.append(
+                {
+                    "line": node.lineno,
+                    "last_line": node.end_lineno,
+                    "source": ast.get_source_segment(text, node),
+                    "args": [ast.get_source_segment(text, a) for a in node.args],
+                }
+            )
     return sorted(out, key=lambda c: c["line"])
 
 
@@ -339,9 +356,12 @@ def before_training_loop(path):
                         first_line = lines[prev.lineno - 1].strip()
                         # a compound statement (`if args.x:` and its block) is named whole: its
                         # first line alone is no code an edit could check
-                        text = first_line if parses(first_line) and not isinstance(
-                            prev, (ast.If, ast.For, ast.While, ast.With, ast.Try)) else \
-                            "\n".join(lines[prev.lineno - 1:last])
+                        text = (
+                            first_line
+                            if parses(first_line)
+                            and not isinstance(prev, (ast.If, ast.For, ast.While, ast.With, ast.Try))
+                            else "\n".join(lines[prev.lineno - 1 : last])
+                        )
                         best = (prev.lineno, last, text)
     return best
 
@@ -364,12 +384,22 @@ def _read_inner(node):
     """The tensor expression a host read reads (`loss` of `loss.item()`, `loss.detach().cpu()`,
     `float(loss)`, `loss.cpu().item()`), or None when `node` is no host read."""
     inner = None
-    if isinstance(node, ast.Call) and not node.args and not node.keywords \
-            and isinstance(node.func, ast.Attribute) and node.func.attr in HOST_READ_METHODS:
+    if (
+        isinstance(node, ast.Call)
+        and not node.args
+        and not node.keywords
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr in HOST_READ_METHODS
+    ):
         inner = node.func.value
-    elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) \
-            and node.func.id in ("float", "int") and len(node.args) == 1 and not node.keywords \
-            and isinstance(node.args[0], (ast.Name, ast.Attribute, ast.Call, ast.Subscript)):
+    elif (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Name)
+        and node.func.id in ("float", "int")
+        and len(node.args) == 1
+        and not node.keywords
+        and isinstance(node.args[0], (ast.Name, ast.Attribute, ast.Call, ast.Subscript))
+    ):
         inner = node.args[0]
     if inner is None:
         return None
@@ -387,13 +417,27 @@ def _outer_reads(node):
             return
         for child in ast.iter_child_nodes(n):
             visit(child)
+
     visit(node)
     return out
 
 
 # calls that make a tensor from nothing: reading one is a host value made on purpose
-_MAKERS = {"randint", "rand", "randn", "randperm", "tensor", "arange", "empty", "zeros", "ones",
-           "full", "multinomial", "as_tensor", "from_numpy"}
+_MAKERS = {
+    "randint",
+    "rand",
+    "randn",
+    "randperm",
+    "tensor",
+    "arange",
+    "empty",
+    "zeros",
+    "ones",
+    "full",
+    "multinomial",
+    "as_tensor",
+    "from_numpy",
+}
 
 
 def _read_edit(stmt, lines, path):
@@ -406,10 +450,15 @@ def _read_edit(stmt, lines, path):
         return None
     if isinstance(stmt, ast.AugAssign):
         value = stmt.value
-    elif isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Call) \
-            and isinstance(stmt.value.func, ast.Attribute) and stmt.value.args \
-            and (stmt.value.func.attr == "append" and len(stmt.value.args) == 1
-                 or stmt.value.func.attr == "update"):   # a list, an AverageMeter
+    elif (
+        isinstance(stmt, ast.Expr)
+        and isinstance(stmt.value, ast.Call)
+        and isinstance(stmt.value.func, ast.Attribute)
+        and stmt.value.args
+        and (
+            stmt.value.func.attr == "append" and len(stmt.value.args) == 1 or stmt.value.func.attr == "update"
+        )
+    ):  # a list, an AverageMeter
         value = stmt.value.args[0]
     else:
         return None
@@ -418,9 +467,12 @@ def _read_edit(stmt, lines, path):
         return None
     read = reads[0]
     inner_node = _read_inner(read)
-    if isinstance(inner_node, ast.Call) and isinstance(inner_node.func, (ast.Attribute, ast.Name)) \
-            and getattr(inner_node.func, "attr", getattr(inner_node.func, "id", "")) in _MAKERS:
-        return None   # `torch.randint(...).item()` makes a host value on purpose: not a result
+    if (
+        isinstance(inner_node, ast.Call)
+        and isinstance(inner_node.func, (ast.Attribute, ast.Name))
+        and getattr(inner_node.func, "attr", getattr(inner_node.func, "id", "")) in _MAKERS
+    ):
+        return None  # `torch.randint(...).item()` makes a host value on purpose: not a result
     if not isinstance(inner_node, (ast.Name, ast.Attribute, ast.Subscript, ast.Call)):
         return None
     text = lines[stmt.lineno - 1]
@@ -457,15 +509,16 @@ def device_accumulations(path, line, widen=True):
         return []
     stmt = _innermost(tree, line, ast.stmt)
     scopes = []
-    if stmt is not None and not isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef,
-                                                   ast.ClassDef) + _LOOPS):
+    if stmt is not None and not isinstance(
+        stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef) + _LOOPS
+    ):
         scopes.append([stmt])
     for kinds in (_LOOPS, (ast.FunctionDef, ast.AsyncFunctionDef)) if widen else ():
         node = _innermost(tree, line, kinds)
         if node is not None:
             scopes.append(list(ast.walk(node)))
     if widen:
-        scopes.append(list(ast.walk(tree)))   # a module-level loop: the script is the scope
+        scopes.append(list(ast.walk(tree)))  # a module-level loop: the script is the scope
     return _edits_in_loops(tree, scopes, ast.stmt, _read_edit, lines, path)
 
 
@@ -491,8 +544,10 @@ def _edits_in_loops(tree, scopes, kind, edit, lines, path):
 
 def _imports_torch(tree):
     """The module binds the name `torch` (import torch, import torch as torch)."""
-    return any(isinstance(n, ast.Import) and any(a.name == "torch" and a.asname in (None, "torch")
-                                                  for a in n.names) for n in ast.walk(tree))
+    return any(
+        isinstance(n, ast.Import) and any(a.name == "torch" and a.asname in (None, "torch") for a in n.names)
+        for n in ast.walk(tree)
+    )
 
 
 def _check_edit(stmt, lines, path):
@@ -502,37 +557,55 @@ def _check_edit(stmt, lines, path):
     the check stays, on the device, without waiting for the queued kernels (a failure stops
     the job with a device-side assert at a later sync instead of E). None for any other
     statement."""
-    if not isinstance(stmt, ast.If) or stmt.orelse or len(stmt.body) != 1 \
-            or not isinstance(stmt.body[0], ast.Raise):
+    if (
+        not isinstance(stmt, ast.If)
+        or stmt.orelse
+        or len(stmt.body) != 1
+        or not isinstance(stmt.body[0], ast.Raise)
+    ):
         return None
     test, negated, guards = stmt.test, False, []
-    if isinstance(test, ast.BoolOp) and isinstance(test.op, ast.And) and \
-            not any(_outer_reads(v) for v in test.values[:-1]):
+    if (
+        isinstance(test, ast.BoolOp)
+        and isinstance(test.op, ast.And)
+        and not any(_outer_reads(v) for v in test.values[:-1])
+    ):
         # `if flag and not <cond>.item(): raise`: the host-side flags stay an `if`
         guards, test = test.values[:-1], test.values[-1]
     if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
         test, negated = test.operand, True
     explicit = isinstance(test, ast.Call) and (
-        isinstance(test.func, ast.Attribute) and test.func.attr == "item" and _read_inner(test)
-        is not None or isinstance(test.func, ast.Name) and test.func.id == "bool")
+        isinstance(test.func, ast.Attribute)
+        and test.func.attr == "item"
+        and _read_inner(test) is not None
+        or isinstance(test.func, ast.Name)
+        and test.func.id == "bool"
+    )
     if explicit:
-        inner = test.func.value if isinstance(test.func, ast.Attribute) else \
-            (test.args[0] if len(test.args) == 1 and not test.keywords else None)
+        inner = (
+            test.func.value
+            if isinstance(test.func, ast.Attribute)
+            else (test.args[0] if len(test.args) == 1 and not test.keywords else None)
+        )
     elif _tensor_valued(test):
-        inner = test   # `if not torch.isfinite(loss).all():` reads it to the host by bool()
+        inner = test  # `if not torch.isfinite(loss).all():` reads it to the host by bool()
     else:
         return None
     if inner is None or stmt.lineno < 1 or (stmt.end_lineno or stmt.lineno) > len(lines):
         return None
     first, last = stmt.lineno, stmt.end_lineno or stmt.lineno
-    source = "\n".join(lines[first - 1:last])
+    source = "\n".join(lines[first - 1 : last])
     cond = ast.get_source_segment(source, _relative(inner, first))
     if not cond or "\n" in cond:
         return None
     exc = stmt.body[0].exc
     message = None
-    if isinstance(exc, ast.Call) and exc.args and isinstance(exc.args[0], ast.Constant) \
-            and isinstance(exc.args[0].value, str):
+    if (
+        isinstance(exc, ast.Call)
+        and exc.args
+        and isinstance(exc.args[0], ast.Constant)
+        and isinstance(exc.args[0].value, str)
+    ):
         message = exc.args[0].value
     message = message or f"{'not ' if not negated else ''}{cond}"
     checked_value = cond if negated else f"torch.logical_not({cond})"
@@ -542,15 +615,14 @@ def _check_edit(stmt, lines, path):
         if not all(parts) or any("\n" in p for p in parts):
             return None
         body = lines[stmt.body[0].lineno - 1]
-        indent = body[:len(body) - len(body.lstrip())]
+        indent = body[: len(body) - len(body.lstrip())]
         after = f"if {' and '.join(parts)}:\n{indent}{after}"
     change = code_change(path, first, source.strip(), after, last_line=last)
     return dict(change, op="replace") if change else None
 
 
 # reductions and predicates whose result is a tensor: an `if` on one reads it to the host
-_TENSOR_PREDICATES = {"all", "any", "isfinite", "isnan", "isinf", "isneginf", "isposinf",
-                      "allclose", "equal"}
+_TENSOR_PREDICATES = {"all", "any", "isfinite", "isnan", "isinf", "isneginf", "isposinf", "allclose", "equal"}
 
 
 def _tensor_valued(node):
@@ -599,8 +671,24 @@ def device_checks(path, line, widen=True):
 
 
 # -- host-to-device copies -------------------------------------------------------------------------
-_DTYPES = {"float", "float16", "float32", "float64", "bfloat16", "half", "double", "int",
-           "int8", "int16", "int32", "int64", "long", "bool", "uint8", "complex64"}
+_DTYPES = {
+    "float",
+    "float16",
+    "float32",
+    "float64",
+    "bfloat16",
+    "half",
+    "double",
+    "int",
+    "int8",
+    "int16",
+    "int32",
+    "int64",
+    "long",
+    "bool",
+    "uint8",
+    "complex64",
+}
 
 
 def _is_device_copy(call):
@@ -608,8 +696,10 @@ def _is_device_copy(call):
     a variable that can be False): a host-to-device copy (not `x.to(torch.bfloat16)`, a cast)."""
     if not isinstance(call, ast.Call) or not isinstance(call.func, ast.Attribute):
         return False
-    if any(k.arg == "non_blocking" and isinstance(k.value, ast.Constant) and k.value.value is True
-           for k in call.keywords):
+    if any(
+        k.arg == "non_blocking" and isinstance(k.value, ast.Constant) and k.value.value is True
+        for k in call.keywords
+    ):
         return False
     if call.func.attr == "cuda":
         return True
@@ -631,14 +721,27 @@ def _assigned_once_before(tree, name, line):
     (`name = [t.pin_memory() for t in name]`, under a flag) do not count: the value is made once."""
     found = []
     for node in ast.walk(tree):
-        targets = node.targets if isinstance(node, ast.Assign) else \
-            [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign, ast.For)) else []
+        targets = (
+            node.targets
+            if isinstance(node, ast.Assign)
+            else [node.target]
+            if isinstance(node, (ast.AugAssign, ast.AnnAssign, ast.For))
+            else []
+        )
         for t in targets:
             if any(isinstance(n, ast.Name) and n.id == name for n in ast.walk(t)):
                 found.append(node)
-    found = [n for n in found if not (isinstance(n, ast.Assign) and (
-        (isinstance(n.value, ast.Constant) and n.value.value is None)
-        or any(isinstance(c, ast.Attribute) and c.attr == "pin_memory" for c in ast.walk(n.value))))]
+    found = [
+        n
+        for n in found
+        if not (
+            isinstance(n, ast.Assign)
+            and (
+                (isinstance(n.value, ast.Constant) and n.value.value is None)
+                or any(isinstance(c, ast.Attribute) and c.attr == "pin_memory" for c in ast.walk(n.value))
+            )
+        )
+    ]
     if len(found) != 1 or not isinstance(found[0], ast.Assign) or found[0].lineno >= line:
         return None
     node = found[0]
@@ -665,11 +768,12 @@ def async_copy_edits(path, line, pinned_by_loader=False):
     if tree is None:
         return []
     stmt = _innermost(tree, line, ast.stmt)
-    if stmt is None or isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
-                                  + _LOOPS + (ast.If, ast.With, ast.Try)):
+    if stmt is None or isinstance(
+        stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef) + _LOOPS + (ast.If, ast.With, ast.Try)
+    ):
         return []
     first, last = stmt.lineno, stmt.end_lineno or stmt.lineno
-    text = "".join(l + "\n" for l in lines[first - 1:last])
+    text = "".join(l + "\n" for l in lines[first - 1 : last])
     body = textwrap.dedent(text)
     try:
         node = ast.parse(body).body[0]
@@ -678,7 +782,7 @@ def async_copy_edits(path, line, pinned_by_loader=False):
     copies = [n for n in ast.walk(node) if _is_device_copy(n)]
     if not copies:
         return []
-    indent = text[:len(text) - len(text.lstrip())]
+    indent = text[: len(text) - len(text.lstrip())]
 
     def edited(pin_receiver):
         out = body
@@ -689,15 +793,14 @@ def async_copy_edits(path, line, pinned_by_loader=False):
             if new is None or receiver is None or not new.startswith(receiver):
                 return None
             if pin_receiver:
-                new = f"{receiver}.pin_memory(){new[len(receiver):]}"
+                new = f"{receiver}.pin_memory(){new[len(receiver) :]}"
             out = out.replace(segment, new, 1)
         return "\n".join(indent + l if l.strip() else l for l in out.rstrip("\n").split("\n"))
 
     def change(after_text):
         if after_text is None:
             return None
-        c = code_change(path, first, text.rstrip("\n"), after_text,
-                        last_line=last if last > first else None)
+        c = code_change(path, first, text.rstrip("\n"), after_text, last_line=last if last > first else None)
         return dict(c, op="replace") if c else None
 
     plain = change(edited(False))
@@ -705,8 +808,9 @@ def async_copy_edits(path, line, pinned_by_loader=False):
         return [[plain]] if plain else []
     out = []
     base = copies[0].func.value
-    while isinstance(base, ast.Subscript) and isinstance(base.slice, (ast.Slice, ast.Constant,
-                                                                       ast.Name, ast.BinOp)):
+    while isinstance(base, ast.Subscript) and isinstance(
+        base.slice, (ast.Slice, ast.Constant, ast.Name, ast.BinOp)
+    ):
         base = base.value
     if isinstance(base, ast.Name) and base is not copies[0].func.value:
         made = _assigned_once_before(tree, base.id, first)
@@ -714,10 +818,12 @@ def async_copy_edits(path, line, pinned_by_loader=False):
             src = lines[made.lineno - 1]
             value = ast.get_source_segment(src.strip(), _shifted_col(made.value, src))
             if value:
-                elt = ast.get_source_segment(src.strip(), _shifted_col(made.value.elt, src)) \
-                    if isinstance(made.value, ast.ListComp) else None
-                if elt and isinstance(made.value.elt, (ast.Call, ast.Name, ast.Attribute,
-                                                       ast.Subscript)):
+                elt = (
+                    ast.get_source_segment(src.strip(), _shifted_col(made.value.elt, src))
+                    if isinstance(made.value, ast.ListComp)
+                    else None
+                )
+                if elt and isinstance(made.value.elt, (ast.Call, ast.Name, ast.Attribute, ast.Subscript)):
                     # each element pinned as it is made: no unpinned copy of the dataset
                     pinned = value.replace(elt, f"{elt}.pin_memory()", 1)
                 elif isinstance(made.value, (ast.List, ast.ListComp)):
@@ -726,8 +832,7 @@ def async_copy_edits(path, line, pinned_by_loader=False):
                     pinned = f"{value}.pin_memory()"
                 else:
                     pinned = f"({value}).pin_memory()"
-                pin = code_change(path, made.lineno, src.strip(),
-                                  src.strip().replace(value, pinned, 1))
+                pin = code_change(path, made.lineno, src.strip(), src.strip().replace(value, pinned, 1))
                 if pin:
                     out.append([dict(pin, op="replace"), plain])
     per_line = change(edited(True))

@@ -1,6 +1,7 @@
 """The planner's optimizer edit of a job's file (ast): the `torch.optim.<Class>(...)` call that
 makes the optimizer a launch-bound step spends its time in, made multi-tensor: `fused=True`
 where the class has a fused kernel, else `foreach=True` (traindx.analyzers.fix_source)."""
+
 from __future__ import annotations
 
 import ast
@@ -13,7 +14,7 @@ OPTIM_MODULES = ("torch.optim", "optim")
 
 
 def multi_tensor_keyword(class_name: str) -> str | None:
-    """"fused" or "foreach": the keyword of torch.optim's `class_name` that steps every
+    """ "fused" or "foreach": the keyword of torch.optim's `class_name` that steps every
     parameter in a few kernels (fused first: one kernel per group), read from the installed
     torch's signature; None where the class takes neither or torch is not importable."""
     try:
@@ -57,10 +58,14 @@ def optimizer_calls(path: str, class_name: str) -> list[ast.Call]:
         if not isinstance(node, ast.Call):
             continue
         func = node.func
-        if isinstance(func, ast.Attribute) and func.attr == class_name \
-                and ast.unparse(func.value) in OPTIM_MODULES:
-            out.append(node)
-        elif bare and isinstance(func, ast.Name) and func.id == class_name:
+        if (
+            isinstance(func, ast.Attribute)
+            and func.attr == class_name
+            and ast.unparse(func.value) in OPTIM_MODULES
+            or bare
+            and isinstance(func, ast.Name)
+            and func.id == class_name
+        ):
             out.append(node)
     return sorted(out, key=lambda n: n.lineno)
 
@@ -88,8 +93,7 @@ def multi_tensor_edits(path: str, class_name: str) -> list[dict[str, Any]]:
         if text is None or after is None:
             continue
         last = node.end_lineno or node.lineno
-        change = code_change(path, node.lineno, text, after,
-                             last_line=last if last > node.lineno else None)
+        change = code_change(path, node.lineno, text, after, last_line=last if last > node.lineno else None)
         if change:
             out.append(dict(change, op="replace"))
     return out

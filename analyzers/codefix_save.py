@@ -1,6 +1,7 @@
 """The planner's edit for a checkpoint written inline: the job's `torch.save(...)` statements
 call a helper (inserted after the module's imports) that serializes the state into memory at the
 call and writes the file on a thread (traindx.analyzers.fix_source.async_checkpoint_options)."""
+
 from __future__ import annotations
 
 import ast
@@ -43,9 +44,14 @@ _BACKGROUND_SAVES = {}
 
 
 def _is_torch_save(node):
-    return isinstance(node, ast.Expr) and isinstance(node.value, ast.Call) \
-        and isinstance(node.value.func, ast.Attribute) and node.value.func.attr == "save" \
-        and isinstance(node.value.func.value, ast.Name) and node.value.func.value.id == "torch"
+    return (
+        isinstance(node, ast.Expr)
+        and isinstance(node.value, ast.Call)
+        and isinstance(node.value.func, ast.Attribute)
+        and node.value.func.attr == "save"
+        and isinstance(node.value.func.value, ast.Name)
+        and node.value.func.value.id == "torch"
+    )
 
 
 def background_save_edits(path: str, lines: Sequence[int]) -> list[dict[str, Any]]:
@@ -57,8 +63,10 @@ def background_save_edits(path: str, lines: Sequence[int]) -> list[dict[str, Any
     if tree is None:
         return []
     imports = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
-    if not any(isinstance(n, ast.Import) and any(a.name == "torch" and not a.asname for a in n.names)
-               for n in imports):
+    if not any(
+        isinstance(n, ast.Import) and any(a.name == "torch" and not a.asname for a in n.names)
+        for n in imports
+    ):
         return []
     calls = []
     for line in lines:
@@ -69,18 +77,22 @@ def background_save_edits(path: str, lines: Sequence[int]) -> list[dict[str, Any
         return []
     anchor = imports[-1]
     end = anchor.end_lineno or anchor.lineno
-    insert = code_change(path, anchor.lineno, "\n".join(text[anchor.lineno - 1:end]),
-                         BACKGROUND_SAVE, last_line=end if end > anchor.lineno else None,
-                         op="insert_after")
+    insert = code_change(
+        path,
+        anchor.lineno,
+        "\n".join(text[anchor.lineno - 1 : end]),
+        BACKGROUND_SAVE,
+        last_line=end if end > anchor.lineno else None,
+        op="insert_after",
+    )
     if insert is None:
         return []
     out = [insert]
     for stmt in sorted(calls, key=lambda n: n.lineno):
         last = stmt.end_lineno or stmt.lineno
-        before = "\n".join(text[stmt.lineno - 1:last])
+        before = "\n".join(text[stmt.lineno - 1 : last])
         after = before.replace("torch.save(", "_save_in_background(", 1)
-        change = code_change(path, stmt.lineno, before, after,
-                             last_line=last if last > stmt.lineno else None)
+        change = code_change(path, stmt.lineno, before, after, last_line=last if last > stmt.lineno else None)
         if change is None:
             return []
         out.append(dict(change, op="replace"))

@@ -7,21 +7,21 @@ The shim's `dataloader` event gives the loader's settings; its `data_site` event
 job's own line that builds it (or its TrainingArguments), where the prescription is written in the
 terms of the framework that drives the run (analyzers/frameworks.py).
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from traindx.derive import ledger
-from traindx.analyzers.findings import Finding, Prescription
-
 from traindx.analyzers import codefix, frameworks, threads
 from traindx.analyzers import evidence as ev
+from traindx.analyzers.findings import Finding, Prescription
+from traindx.derive import ledger
 
 if TYPE_CHECKING:  # annotations only
     from traindx.derive.run import RunRecord
 
 MIN_SHARE = 0.10
-EVERY_STEP_QUANTILE = 0.25   # on a loaded machine: the wait three steps in four have at least
+EVERY_STEP_QUANTILE = 0.25  # on a loaded machine: the wait three steps in four have at least
 # under this per step no change to the loader pays off (handing a batch over from a worker costs
 # about as much), whatever its share of a tiny step
 MIN_LOST_S = 0.001
@@ -43,7 +43,7 @@ def _hottest_inside_next(samples, limit=5):
         inside = None
         for i, f in enumerate(stack):
             if f.file.endswith(DATALOADER_FILE) and f.name.endswith("__next__"):
-                inside = stack[i + 1:]
+                inside = stack[i + 1 :]
         if inside is None:
             continue
         own = ev.user_frames(inside)
@@ -71,9 +71,13 @@ def _from_pyspy(run, rank):
         total, method = ev.training_weight(samples), "/ all its samples (imports excluded)"
     if total <= 0:
         return None
-    return {"source": "py-spy", "share": min(1.0, waiting / total), "seconds": waiting,
-            "hot": ev.frames_evidence(_hottest_inside_next(samples)),
-            "method": f"main-thread py-spy seconds inside DataLoader.__next__ {method}"}
+    return {
+        "source": "py-spy",
+        "share": min(1.0, waiting / total),
+        "seconds": waiting,
+        "hot": ev.frames_evidence(_hottest_inside_next(samples)),
+        "method": f"main-thread py-spy seconds inside DataLoader.__next__ {method}",
+    }
 
 
 def _from_ledger(run, rank):
@@ -90,12 +94,17 @@ def _from_ledger(run, rank):
         return None
     waiting = float(led["data_s"].sum())
     spy = _from_pyspy(run, rank) or {}
-    out = {"source": "time ledger", "share": waiting / wall, "seconds": waiting,
-           "per_step_s": waiting / len(led), "wall_per_step_s": wall / len(led),
-           "every_step_s": float(led["data_s"].quantile(EVERY_STEP_QUANTILE)),
-           "hot": spy.get("hot") or [],
-           "method": "shim-timed DataLoader.__next__ seconds on the training thread / wall "
-                     "seconds of the steady steps (time ledger); py-spy names the code inside"}
+    out = {
+        "source": "time ledger",
+        "share": waiting / wall,
+        "seconds": waiting,
+        "per_step_s": waiting / len(led),
+        "wall_per_step_s": wall / len(led),
+        "every_step_s": float(led["data_s"].quantile(EVERY_STEP_QUANTILE)),
+        "hot": spy.get("hot") or [],
+        "method": "shim-timed DataLoader.__next__ seconds on the training thread / wall "
+        "seconds of the steady steps (time ledger); py-spy names the code inside",
+    }
     cpu = ledger.cpu_evidence(run, [rank])
     if cpu and cpu["data_cpu"] > 0:
         # the CPU the training thread spent inside __next__: the loading work the workers would
@@ -117,11 +126,14 @@ def _judged_share(run, rank, measured):
         return measured["share"], None
     held = max(measured["every_step_s"], measured.get("cpu_per_step_s") or 0.0)
     share = min(measured["share"], held / measured["wall_per_step_s"])
-    return share, {"other_runnable_tasks": facts["other_runnable_tasks"], "cores": facts["cores"],
-                   "every_step_wait_s": round(measured["every_step_s"], 4),
-                   "judged_share": round(share, 3),
-                   "why": "a loaded machine: judged by the wait every step has (lower quartile) "
-                          "or the loading CPU, not the mean"}
+    return share, {
+        "other_runnable_tasks": facts["other_runnable_tasks"],
+        "cores": facts["cores"],
+        "every_step_wait_s": round(measured["every_step_s"], 4),
+        "judged_share": round(share, 3),
+        "why": "a loaded machine: judged by the wait every step has (lower quartile) "
+        "or the loading CPU, not the mean",
+    }
 
 
 def _from_trace(run, rank):
@@ -141,20 +153,32 @@ def _from_trace(run, rank):
     py = trace[trace["cat"] == "python_function"]
     own = {}
     for load in loads.itertuples():
-        inside = py[(py["tid"] == load.tid) & (py["start_ns"] >= load.start_ns)
-                    & (py["end_ns"] <= load.end_ns)]
+        inside = py[
+            (py["tid"] == load.tid) & (py["start_ns"] >= load.start_ns) & (py["end_ns"] <= load.end_ns)
+        ]
         for row in inside.itertuples():
             parsed = ev.parse_trace_frame(row.name)
             if parsed and not ev.is_library_trace_file(parsed[0]):
                 own[parsed] = own.get(parsed, 0.0) + row.dur_s
     hot = sorted(own.items(), key=lambda kv: -kv[1])[:5]
-    return {"source": "torch.profiler", "share": waiting / step_s if step_s else 0.0,
-            "seconds": waiting, "steps": [int(s) for s in steps["step"]],
-            "per_step_s": waiting / len(steps),
-            "hot": [{"function": f, "file": file, "line": line, "seconds": round(s, 4),
-                     "frame": f"{f} ({file}:{line})"} for (file, line, f), s in hot],
-            "method": "DataLoader.__next__ record_function time / step time in the "
-                      "torch.profiler window"}
+    return {
+        "source": "torch.profiler",
+        "share": waiting / step_s if step_s else 0.0,
+        "seconds": waiting,
+        "steps": [int(s) for s in steps["step"]],
+        "per_step_s": waiting / len(steps),
+        "hot": [
+            {
+                "function": f,
+                "file": file,
+                "line": line,
+                "seconds": round(s, 4),
+                "frame": f"{f} ({file}:{line})",
+            }
+            for (file, line, f), s in hot
+        ],
+        "method": "DataLoader.__next__ record_function time / step time in the torch.profiler window",
+    }
 
 
 def _pick_loader(run, rank):
@@ -224,8 +248,9 @@ def _starving_site(sites, kind, served=None):
     num_workers=0 first."""
     chosen = [s for s in sites if s.get("kind") == kind and frameworks.user_site(s)]
     if served:
-        used = [s for s in chosen if served.get(s.get("site_id")) and not s.get("via")] or \
-            [s for s in chosen if served.get(s.get("site_id"))]
+        used = [s for s in chosen if served.get(s.get("site_id")) and not s.get("via")] or [
+            s for s in chosen if served.get(s.get("site_id"))
+        ]
         if used:
             return max(used, key=lambda s: served[s["site_id"]])
     direct = [s for s in chosen if not s.get("via")] or chosen
@@ -247,33 +272,65 @@ def _prescriptions(run, loader, lost, hot_function, rank=None):
         site = _starving_site(sites, "TrainingArguments", served)
         change = _site_change(site, "TrainingArguments", {k: repr(v) for k, v in named.items()})
         command = [str(t) for t in run.command]
-        if any(t.startswith("--per_device_train_batch_size") or t.startswith("--output_dir")
-               or t.startswith("--dataloader_num_workers") for t in command):
+        if any(
+            t.startswith("--per_device_train_batch_size")
+            or t.startswith("--output_dir")
+            or t.startswith("--dataloader_num_workers")
+            for t in command
+        ):
             # the script takes TrainingArguments from its command line (HfArgumentParser)
-            out.append(Prescription(
-                kind="arg", summary=f"load batches in worker processes: --dataloader_num_workers "
-                                    f"{settings['num_workers']} (TrainingArguments)",
-                change={"arg": {"framework": "hf", "set": {
-                    "--dataloader_num_workers": str(settings["num_workers"])}}},
-                expected_gain_s_per_step=lost, automatic=True))
-        out.append(Prescription(
-            kind="code", summary=f"load batches in worker processes: TrainingArguments("
-                                 f"{setting_text}){_where(site)}",
-            change={"code": change} if change else {}, expected_gain_s_per_step=lost,
-            automatic=bool(change)))
+            out.append(
+                Prescription(
+                    kind="arg",
+                    summary=f"load batches in worker processes: --dataloader_num_workers "
+                    f"{settings['num_workers']} (TrainingArguments)",
+                    change={
+                        "arg": {
+                            "framework": "hf",
+                            "set": {"--dataloader_num_workers": str(settings["num_workers"])},
+                        }
+                    },
+                    expected_gain_s_per_step=lost,
+                    automatic=True,
+                )
+            )
+        out.append(
+            Prescription(
+                kind="code",
+                summary=f"load batches in worker processes: TrainingArguments({setting_text}){_where(site)}",
+                change={"code": change} if change else {},
+                expected_gain_s_per_step=lost,
+                automatic=bool(change),
+            )
+        )
     elif knob == "torchtitan config":
-        out.append(Prescription(
-            kind="arg", summary=f"load batches in worker processes: set {setting_text} in the "
-                                "job's torchtitan config (TOML or --key=value overrides)",
-            change={"arg": {"framework": "torchtitan", "set": {
-                f"--{names['num_workers']}": str(settings["num_workers"])}}},
-            expected_gain_s_per_step=lost, automatic=False))
+        out.append(
+            Prescription(
+                kind="arg",
+                summary=f"load batches in worker processes: set {setting_text} in the "
+                "job's torchtitan config (TOML or --key=value overrides)",
+                change={
+                    "arg": {
+                        "framework": "torchtitan",
+                        "set": {f"--{names['num_workers']}": str(settings["num_workers"])},
+                    }
+                },
+                expected_gain_s_per_step=lost,
+                automatic=False,
+            )
+        )
     elif knob == "Megatron flag":
-        out.append(Prescription(
-            kind="arg", summary=f"load batches in more worker processes: --num-workers "
-                                f"{settings['num_workers']}",
-            change={"arg": {"framework": "megatron", "set": {"--num-workers": str(settings["num_workers"])}}},
-            expected_gain_s_per_step=lost, automatic=True))
+        out.append(
+            Prescription(
+                kind="arg",
+                summary=f"load batches in more worker processes: --num-workers {settings['num_workers']}",
+                change={
+                    "arg": {"framework": "megatron", "set": {"--num-workers": str(settings["num_workers"])}}
+                },
+                expected_gain_s_per_step=lost,
+                automatic=True,
+            )
+        )
     else:
         site = _starving_site(sites, "DataLoader", served)
         change = _site_change(site, "DataLoader", {k: repr(v) for k, v in named.items()})
@@ -282,22 +339,33 @@ def _prescriptions(run, loader, lost, hot_function, rank=None):
             legacy = {"site": {**(loader.get("caller") or {}), "source": loader.get("source")}}
             change = _site_change(legacy, "DataLoader", {k: repr(v) for k, v in named.items()})
             site = legacy
-        out.append(Prescription(
-            kind="code", summary=f"load batches in worker processes: DataLoader({setting_text})"
-                                 f"{_where(site)}",
-            change={"code": change} if change else {}, expected_gain_s_per_step=lost,
-            automatic=bool(change)))
+        out.append(
+            Prescription(
+                kind="code",
+                summary=f"load batches in worker processes: DataLoader({setting_text}){_where(site)}",
+                change={"code": change} if change else {},
+                expected_gain_s_per_step=lost,
+                automatic=bool(change),
+            )
+        )
     if hot_function and "__getitem__" in hot_function:
-        out.append(Prescription(
-            kind="code", summary=f"make {hot_function} cheaper: it runs once per sample, on the "
-                                 "training process until workers take it over",
-            expected_gain_s_per_step=lost))
+        out.append(
+            Prescription(
+                kind="code",
+                summary=f"make {hot_function} cheaper: it runs once per sample, on the "
+                "training process until workers take it over",
+                expected_gain_s_per_step=lost,
+            )
+        )
     elif hot_function:
-        out.append(Prescription(
-            kind="code",
-            summary=f"make {hot_function} cheaper or move it into Dataset.__getitem__ so the "
-                    "workers run it (vectorise the per-sample Python loop)",
-            expected_gain_s_per_step=lost))
+        out.append(
+            Prescription(
+                kind="code",
+                summary=f"make {hot_function} cheaper or move it into Dataset.__getitem__ so the "
+                "workers run it (vectorise the per-sample Python loop)",
+                expected_gain_s_per_step=lost,
+            )
+        )
     return out
 
 
@@ -314,17 +382,24 @@ def analyze(run: RunRecord) -> list[Finding]:
             continue
         step_s = ev.median_step_s(run, rank)
         share = measured["share"]
-        lost = measured.get("per_step_s") if measured["source"] == "time ledger" else (
-            share * step_s if step_s else None)
+        lost = (
+            measured.get("per_step_s")
+            if measured["source"] == "time ledger"
+            else (share * step_s if step_s else None)
+        )
         if lost is not None and lost < MIN_LOST_S:
             continue
         loader = _pick_loader(run, rank)
         hot = measured["hot"] or (trace_view or {}).get("hot") or []
         hot_function = hot[0]["frame"] if hot else None
-        evidence = {"rank": rank, "share_in_dataloader": round(share, 3),
-                    "seconds_in_dataloader": round(measured["seconds"], 3),
-                    "source": measured["source"], "method": measured["method"],
-                    "hottest_frames_inside": hot}
+        evidence = {
+            "rank": rank,
+            "share_in_dataloader": round(share, 3),
+            "seconds_in_dataloader": round(measured["seconds"], 3),
+            "source": measured["source"],
+            "method": measured["method"],
+            "hottest_frames_inside": hot,
+        }
         if measured.get("cpu_per_step_s") is not None:
             evidence["cpu_in_dataloader_per_step_s"] = round(measured["cpu_per_step_s"], 4)
         if loaded:
@@ -332,18 +407,38 @@ def analyze(run: RunRecord) -> list[Finding]:
         if trace_view and measured["source"] != "torch.profiler":
             evidence["torch_profiler"] = {k: trace_view[k] for k in ("share", "per_step_s", "steps")}
         if loader:
-            evidence["dataloader"] = {k: loader.get(k) for k in (
-                "caller", "source", "num_workers", "batch_size", "pin_memory", "prefetch_factor",
-                "persistent_workers", "dataset", "collate_fn")}
+            evidence["dataloader"] = {
+                k: loader.get(k)
+                for k in (
+                    "caller",
+                    "source",
+                    "num_workers",
+                    "batch_size",
+                    "pin_memory",
+                    "prefetch_factor",
+                    "persistent_workers",
+                    "dataset",
+                    "collate_fn",
+                )
+            }
         workers = (loader or {}).get("num_workers")
         settings = "" if workers is None else f" (num_workers={int(workers)})"
-        findings.append(Finding(
-            id="dataloader.starvation",
-            title=f"The step waits for the DataLoader {share:.0%} of the time on rank {rank}",
-            severity=ev.severity_for_share(share), analyzer="dataloader",
-            summary=(f"The main thread spends {share:.0%} of its time in DataLoader.__next__"
-                     f"{settings}; the batches are made on the training process, between "
-                     f"steps. Hottest code inside: {hot_function or 'unknown'}."),
-            seconds_lost_per_step=lost, share_of_step=share, evidence=evidence,
-            prescriptions=tuple(_prescriptions(run, loader, lost, hot_function, rank)), ranks=(rank,)))
+        findings.append(
+            Finding(
+                id="dataloader.starvation",
+                title=f"The step waits for the DataLoader {share:.0%} of the time on rank {rank}",
+                severity=ev.severity_for_share(share),
+                analyzer="dataloader",
+                summary=(
+                    f"The main thread spends {share:.0%} of its time in DataLoader.__next__"
+                    f"{settings}; the batches are made on the training process, between "
+                    f"steps. Hottest code inside: {hot_function or 'unknown'}."
+                ),
+                seconds_lost_per_step=lost,
+                share_of_step=share,
+                evidence=evidence,
+                prescriptions=tuple(_prescriptions(run, loader, lost, hot_function, rank)),
+                ranks=(rank,),
+            )
+        )
     return findings

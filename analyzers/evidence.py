@@ -1,22 +1,13 @@
 """Shared reading of the run record for the analyzers: the steady window of steps, the steps the
 torch.profiler window slowed down, severities from the share of step time lost, and telling the
 job's own code from libraries in py-spy and torch.profiler frames."""
+
 from __future__ import annotations
 
 import os
 import re
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
-
-from traindx.profiler import speedscope
-
-# library or the job's own code: one rule set, shared with the shim and the report
-from traindx.profiler.shim._traindx_shim.frames import (  # noqa: F401
-    KNOWN_LIBRARIES,
-    LOW_LEVEL_PACKAGES,
-    is_library_path,
-    is_library_trace_file,
-)
 
 # the steady window is derived (traindx.derive.steady); the analyzers read it as ev.*
 from traindx.derive.steady import (  # noqa: F401
@@ -29,11 +20,31 @@ from traindx.derive.steady import (  # noqa: F401
     trace_steps,
     warmup_count,  # noqa: F401
 )
+from traindx.profiler import speedscope
 
+# library or the job's own code: one rule set, shared with the shim and the report
+from traindx.profiler.shim._traindx_shim.frames import (  # noqa: F401
+    KNOWN_LIBRARIES,
+    LOW_LEVEL_PACKAGES,
+    is_library_path,
+    is_library_trace_file,
+)
 
 # folders no job's own source lives in (walked for the job's files by analyzers and the fix planner)
-SKIP_DIRS = {".git", ".hg", ".svn", "__pycache__", ".venv", "venv", ".tox", "node_modules",
-             ".pytest_cache", ".mypy_cache", "wandb", ".cache"}
+SKIP_DIRS = {
+    ".git",
+    ".hg",
+    ".svn",
+    "__pycache__",
+    ".venv",
+    "venv",
+    ".tox",
+    "node_modules",
+    ".pytest_cache",
+    ".mypy_cache",
+    "wandb",
+    ".cache",
+}
 
 
 def python_files(root: str, limit: int = 3000) -> list[str]:
@@ -46,11 +57,12 @@ def python_files(root: str, limit: int = 3000) -> list[str]:
             break
     return out
 
+
 if TYPE_CHECKING:  # annotations only
     import pandas as pd
 
-    from traindx.profiler.speedscope import Frame, Recording, ThreadSamples
     from traindx.derive.run import RunRecord
+    from traindx.profiler.speedscope import Frame, Recording, ThreadSamples
 
 # share of step time lost -> severity; below the lowest: "info"
 SEVERITY_BY_SHARE = ((0.30, "high"), (0.10, "medium"), (0.03, "low"))
@@ -123,8 +135,11 @@ def merge_threads(recording: Recording | None) -> dict[str, tuple[str, ThreadSam
         name = name or _name_from_root_frames(samples)
         if tid in out:  # a new object: the recording (cached on the run) stays as it was read
             prev_name, prev = out[tid]
-            merged = type(prev)(prev.thread, list(prev.stacks) + list(samples.stacks),
-                                list(prev.weights) + list(samples.weights))
+            merged = type(prev)(
+                prev.thread,
+                list(prev.stacks) + list(samples.stacks),
+                list(prev.weights) + list(samples.weights),
+            )
             out[tid] = (prev_name or name, merged)
         else:
             out[tid] = (name, samples)
@@ -139,8 +154,9 @@ def is_import_sample(stack: Sequence[Frame]) -> bool:
     return any(f.file in IMPORT_FRAME_FILES for f in stack)
 
 
-def training_weight(samples: ThreadSamples,
-                    keep: Callable[[Sequence[Frame]], bool] = lambda stack: True) -> float:
+def training_weight(
+    samples: ThreadSamples, keep: Callable[[Sequence[Frame]], bool] = lambda stack: True
+) -> float:
     """Seconds of samples (py-spy weights are seconds) outside imports that satisfy `keep`."""
     total = 0.0
     for stack, weight in zip(samples.stacks, samples.weights):
@@ -149,8 +165,9 @@ def training_weight(samples: ThreadSamples,
     return total
 
 
-def hottest_frames(samples: ThreadSamples, limit: int = 5,
-                   keep: Callable[[Sequence[Frame]], bool] = lambda stack: True) -> list[tuple[Frame, float]]:
+def hottest_frames(
+    samples: ThreadSamples, limit: int = 5, keep: Callable[[Sequence[Frame]], bool] = lambda stack: True
+) -> list[tuple[Frame, float]]:
     """[(Frame, seconds)] per function of the innermost own-code frame (falling back to the
     leaf) of the samples kept, hottest first; the Frame carries the function's hottest line."""
     by_function, by_line = {}, {}
@@ -171,8 +188,9 @@ def hottest_frames(samples: ThreadSamples, limit: int = 5,
     return [(hottest_line[key], seconds) for key, seconds in ranked]
 
 
-def hottest_leaves(samples: ThreadSamples, limit: int = 5,
-                   keep: Callable[[Sequence[Frame]], bool] = lambda stack: True) -> list[tuple[Frame, float]]:
+def hottest_leaves(
+    samples: ThreadSamples, limit: int = 5, keep: Callable[[Sequence[Frame]], bool] = lambda stack: True
+) -> list[tuple[Frame, float]]:
     """[(Frame, seconds)] of the innermost frames, libraries included."""
     counts = {}
     for stack, weight in zip(samples.stacks, samples.weights):
@@ -183,8 +201,10 @@ def hottest_leaves(samples: ThreadSamples, limit: int = 5,
 
 
 def frames_evidence(hot: Iterable[tuple[Frame, float]]) -> list[dict[str, Any]]:
-    return [{"frame": frame_label(f), "function": f.name, "file": f.file, "line": f.line,
-             "seconds": round(s, 3)} for f, s in hot]
+    return [
+        {"frame": frame_label(f), "function": f.name, "file": f.file, "line": f.line, "seconds": round(s, 3)}
+        for f, s in hot
+    ]
 
 
 def main_thread_id(recording_all: Recording | None, recording_gil: Recording | None) -> str | None:
@@ -206,12 +226,12 @@ def own_thread(name: str | None) -> bool:
 
 
 # -- torch.profiler ----------------------------------------------------------------------------
-def enclosing_user_function(py_events: pd.DataFrame, thread: Any,
-                            t_ns: int) -> tuple[str, int, str] | None:
+def enclosing_user_function(py_events: pd.DataFrame, thread: Any, t_ns: int) -> tuple[str, int, str] | None:
     """The innermost python_function event of the job's own code on `thread` that encloses
     time t_ns: (file, def line, function) or None. py_events: that rank's python_function rows."""
-    rows = py_events[(py_events["tid"] == thread) & (py_events["start_ns"] <= t_ns)
-                     & (py_events["end_ns"] >= t_ns)]
+    rows = py_events[
+        (py_events["tid"] == thread) & (py_events["start_ns"] <= t_ns) & (py_events["end_ns"] >= t_ns)
+    ]
     best = None
     for row in rows.itertuples():
         parsed = parse_trace_frame(row.name)
@@ -224,8 +244,9 @@ def enclosing_user_function(py_events: pd.DataFrame, thread: Any,
 
 def enclosing_frames(py_events: pd.DataFrame, thread: Any, t_ns: int) -> list[str]:
     """Names of the python_function events on `thread` that enclose t_ns, innermost first."""
-    rows = py_events[(py_events["tid"] == thread) & (py_events["start_ns"] <= t_ns)
-                     & (py_events["end_ns"] >= t_ns)]
+    rows = py_events[
+        (py_events["tid"] == thread) & (py_events["start_ns"] <= t_ns) & (py_events["end_ns"] >= t_ns)
+    ]
     return list(rows.sort_values("start_ns", ascending=False)["name"])
 
 
@@ -242,8 +263,7 @@ def job_scripts(run: RunRecord) -> list[str]:
     return out
 
 
-def step_runq_s(run: RunRecord, rank: Sequence, step: Sequence, end_s: Sequence,
-                duration_s: Sequence) -> Any:
+def step_runq_s(run: RunRecord, rank: Sequence, step: Sequence, end_s: Sequence, duration_s: Sequence) -> Any:
     """Per step (parallel arrays, one rank's steps in order within each rank) the training
     thread's run-queue wait inside the step: the shim's `cpu` event of that step
     (thread_runq_s) covers one step end to the next, gaps between steps included, so the step's
@@ -258,14 +278,22 @@ def step_runq_s(run: RunRecord, rank: Sequence, step: Sequence, end_s: Sequence,
     cpu = cpu[cpu["thread_runq_s"].notna()]
     cpu = cpu.assign(rank=cpu["rank"].astype(str), step=cpu["step"].astype("int64"))
     cpu = cpu.drop_duplicates(["rank", "step"], keep="last")
-    frame = pd.DataFrame({"rank": np.asarray(rank).astype(str), "step": np.asarray(step, np.int64),
-                          "end_s": np.asarray(end_s, float), "wall": np.asarray(duration_s, float)})
-    runq = frame.merge(cpu[["rank", "step", "thread_runq_s"]], on=["rank", "step"],
-                       how="left")["thread_runq_s"].to_numpy(float)
+    frame = pd.DataFrame(
+        {
+            "rank": np.asarray(rank).astype(str),
+            "step": np.asarray(step, np.int64),
+            "end_s": np.asarray(end_s, float),
+            "wall": np.asarray(duration_s, float),
+        }
+    )
+    runq = frame.merge(cpu[["rank", "step", "thread_runq_s"]], on=["rank", "step"], how="left")[
+        "thread_runq_s"
+    ].to_numpy(float)
     covered = (frame["end_s"] - frame.groupby("rank", sort=False)["end_s"].shift()).to_numpy(float)
     wall = frame["wall"].to_numpy(float)
-    part = np.where(np.isfinite(covered) & (covered > 0),
-                    np.minimum(1.0, wall / np.where(covered > 0, covered, 1.0)), 1.0)
+    part = np.where(
+        np.isfinite(covered) & (covered > 0), np.minimum(1.0, wall / np.where(covered > 0, covered, 1.0)), 1.0
+    )
     return np.minimum(wall, runq * part)
 
 
@@ -285,8 +313,14 @@ def gc_core_waits(run: RunRecord) -> Any:
         return pd.DataFrame(columns=cols)
     start, end = g["start"].astype("int64"), g["t"].astype("int64")
     wait = ((end - start) / 1e9 - g["cpu"].astype(float)).clip(lower=0.0)
-    return pd.DataFrame({"rank": g["rank"].astype(str).to_numpy(object), "start_ns": start.to_numpy(),
-                         "end_ns": end.to_numpy(), "wait_s": wait.to_numpy(float)})
+    return pd.DataFrame(
+        {
+            "rank": g["rank"].astype(str).to_numpy(object),
+            "start_ns": start.to_numpy(),
+            "end_ns": end.to_numpy(),
+            "wait_s": wait.to_numpy(float),
+        }
+    )
 
 
 def waits_inside(waits: pd.DataFrame, rank: Sequence, start_ns: Sequence, end_ns: Sequence) -> Any:
@@ -314,8 +348,7 @@ def ledger_step_runq_s(run: RunRecord, rank: str, steps: Sequence) -> Any:
     import pandas as pd
 
     rows = run.rank_rows("ledger", rank).sort_values("start_ns")
-    runq = step_runq_s(run, rows["rank"], rows["step"], rows["end_ns"].to_numpy(float) / 1e9,
-                       rows["wall_s"])
+    runq = step_runq_s(run, rows["rank"], rows["step"], rows["end_ns"].to_numpy(float) / 1e9, rows["wall_s"])
     if runq is None:
         return None
     by_step = pd.Series(runq, index=rows["step"].astype("int64").to_numpy())

@@ -1,9 +1,9 @@
 """What analyzers return: findings with their evidence and prescriptions."""
+
 from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
-from typing import Optional
 
 # the one severity order (least to most severe); everything that compares severities imports it
 SEVERITIES = ("info", "low", "medium", "high", "critical")
@@ -48,29 +48,29 @@ class Prescription:
     """
 
     kind: str
-    summary: str                       # one line a user reads
-    change: dict = field(default_factory=dict)   # machine-readable: {"env": {...}} / {"arg": ...} / ...
-    expected_gain_s_per_step: Optional[float] = None
-    automatic: bool = False            # can `diagnose --fix` apply it by itself
-    command: Optional[str] = None      # a copyable command or diff, when there is one
+    summary: str  # one line a user reads
+    change: dict = field(default_factory=dict)  # machine-readable: {"env": {...}} / {"arg": ...} / ...
+    expected_gain_s_per_step: float | None = None
+    automatic: bool = False  # can `diagnose --fix` apply it by itself
+    command: str | None = None  # a copyable command or diff, when there is one
 
 
 @dataclass(frozen=True)
 class Finding:
-    id: str                            # stable: "<analyzer>.<what>", e.g. "jit.fa4_steady_recompile"
+    id: str  # stable: "<analyzer>.<what>", e.g. "jit.fa4_steady_recompile"
     title: str
     severity: str
     analyzer: str
     summary: str = ""
     steps_affected: tuple = ()
-    seconds_lost_per_step: Optional[float] = None
-    share_of_step: Optional[float] = None
+    seconds_lost_per_step: float | None = None
+    share_of_step: float | None = None
     evidence: dict = field(default_factory=dict)
     prescriptions: tuple = ()
     ranks: tuple = ()
     # causes and symptoms (linked after all analyzers ran, traindx.analyzers.chains): a symptom
     # names its root finding's id in `cause`; a root lists its symptoms' ids in `symptoms`
-    cause: Optional[str] = None
+    cause: str | None = None
     symptoms: tuple = ()
     # the time-ledger lines the fix removes: {"categories": [...], "steps": [...] (optional),
     # "fraction": x (optional), "fresh_graph_calls": True (optional: a recompile's model calls
@@ -84,8 +84,7 @@ class Finding:
     @property
     def rank_key(self):
         """Ranking: root causes before symptoms, then severity, then seconds lost per step."""
-        return (self.cause is None, severity_index(self.severity),
-                self.seconds_lost_per_step or 0.0)
+        return (self.cause is None, severity_index(self.severity), self.seconds_lost_per_step or 0.0)
 
     def to_dict(self):
         return asdict(self)
@@ -109,6 +108,7 @@ def reading_order(findings) -> list:
     """The order a person reads findings in (report, terminal, the verdict's pick): root causes
     before symptoms (each symptom right under its cause), problems before notes, then by
     seconds lost per step, then by severity."""
+
     def key(f):
         return (f.severity == NOTE, -(f.seconds_lost_per_step or 0.0), -severity_index(f.severity))
 
@@ -118,8 +118,11 @@ def reading_order(findings) -> list:
     for root in roots:
         out.append(root)
         for i, sym in enumerate(symptoms):
-            if i not in placed and sym.cause == root.id and (
-                    not root.ranks or not sym.ranks or set(root.ranks) & set(sym.ranks)):
+            if (
+                i not in placed
+                and sym.cause == root.id
+                and (not root.ranks or not sym.ranks or set(root.ranks) & set(sym.ranks))
+            ):
                 out.append(sym)
                 placed.add(i)
     return out + [sym for i, sym in enumerate(symptoms) if i not in placed]

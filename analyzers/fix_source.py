@@ -13,12 +13,13 @@ makes a cost periodic, and the edits the planner builds from the line a finding 
 analyzer's prescription is prose (`derived_edit_options`: host reads kept on the device, pinned
 non_blocking copies, torch.compile's dynamic=/mode=, mark_dynamic).
 """
+
 import ast
 import difflib
 import os
-import textwrap
 import re
 import shutil
+import textwrap
 
 from traindx.analyzers.codefix import keyword_sources  # noqa: F401 (fixplan reads it here)
 from traindx.analyzers.evidence import SKIP_DIRS, python_files  # noqa: F401 (fixplan reads them here)
@@ -65,9 +66,13 @@ def normalized(edit):
     line form ({"before_line", "after_line"}) and Prescription.change["code"] (a fragment of the
     lines file:line..last_line, op replace | delete | insert_after)."""
     if "before_line" in edit:
-        return dict(edit, before=edit["before_line"].rstrip("\n"),
-                    after=(edit.get("after_line") or "").rstrip("\n"), op="replace",
-                    last_line=edit.get("line"))
+        return dict(
+            edit,
+            before=edit["before_line"].rstrip("\n"),
+            after=(edit.get("after_line") or "").rstrip("\n"),
+            op="replace",
+            last_line=edit.get("line"),
+        )
     op = edit.get("op") or ("delete" if not (edit.get("after") or "").strip() else "replace")
     return dict(edit, op=op, last_line=edit.get("last_line") or edit.get("line"))
 
@@ -82,13 +87,14 @@ def resolve_edit(edit):
     line = int(edit.get("line") or 0)
     span = int(edit["last_line"] or line) - line
     first = before.strip().splitlines()[0].strip() if before.strip() else ""
-    if 1 <= line <= len(lines) and _holds("".join(lines[line - 1:line + span]), before):
+    if 1 <= line <= len(lines) and _holds("".join(lines[line - 1 : line + span]), before):
         return dict(edit, line=line, last_line=line + span)
     matches = [i + 1 for i, text in enumerate(lines) if first and first in text]
     if len(matches) == 1:
         return dict(edit, line=matches[0], last_line=matches[0] + span)
-    raise PatchError(f"{path}:{line} no longer reads `{first}`"
-                     + (f" ({len(matches)} matching lines)" if matches else ""))
+    raise PatchError(
+        f"{path}:{line} no longer reads `{first}`" + (f" ({len(matches)} matching lines)" if matches else "")
+    )
 
 
 def _holds(region, before):
@@ -99,20 +105,22 @@ def _holds(region, before):
 
 
 def _indent(text):
-    return text[:len(text) - len(text.lstrip())]
+    return text[: len(text) - len(text.lstrip())]
 
 
 def _apply_one(lines, e):
     """lines with one resolved edit made (a list of lines with their endings)."""
     first, last = e["line"] - 1, e["last_line"]
     region = "".join(lines[first:last])
-    ending = region[len(region.rstrip("\r\n")):] or "\n"
+    ending = region[len(region.rstrip("\r\n")) :] or "\n"
     before, after = e["before"], e.get("after") or ""
     if e["op"] == "insert_after":
         # at the statement's indentation, the inserted block's own indentation kept
         pad = _indent(lines[first])
-        body = "".join((pad + l if l.strip() else "").rstrip() + ending
-                       for l in textwrap.dedent(after).removeprefix("\n").rstrip().splitlines())
+        body = "".join(
+            (pad + l if l.strip() else "").rstrip() + ending
+            for l in textwrap.dedent(after).removeprefix("\n").rstrip().splitlines()
+        )
         return lines[:last] + [body] + lines[last:]
     if e["op"] == "delete" and region.strip() == before.strip():
         edited = ""
@@ -153,8 +161,15 @@ def unified_diff(root, edits):
             old = f.read()
         new = patched_text(path, by_file[path])
         rel = os.path.relpath(path, root).replace(os.sep, "/")
-        out.extend(difflib.unified_diff(old.splitlines(keepends=True), new.splitlines(keepends=True),
-                                        fromfile=f"a/{rel}", tofile=f"b/{rel}", n=3))
+        out.extend(
+            difflib.unified_diff(
+                old.splitlines(keepends=True),
+                new.splitlines(keepends=True),
+                fromfile=f"a/{rel}",
+                tofile=f"b/{rel}",
+                n=3,
+            )
+        )
     text = "".join(out)
     return text if text.endswith("\n") or not text else text + "\n"
 
@@ -164,8 +179,13 @@ def copy_tree(root, dest, exclude=()):
     exclude = {os.path.realpath(p) for p in exclude if p}
     count = 0
     for folder, dirs, files in os.walk(root):
-        dirs[:] = [d for d in dirs if d not in SKIP_DIRS and not d.endswith(".egg-info")
-                   and os.path.realpath(os.path.join(folder, d)) not in exclude]
+        dirs[:] = [
+            d
+            for d in dirs
+            if d not in SKIP_DIRS
+            and not d.endswith(".egg-info")
+            and os.path.realpath(os.path.join(folder, d)) not in exclude
+        ]
         rel = os.path.relpath(folder, root)
         target = os.path.join(dest, rel) if rel != "." else dest
         os.makedirs(target, exist_ok=True)
@@ -201,8 +221,9 @@ def make_scratch(root, dest, edits, exclude=()):
             try:
                 ast.parse(text)
             except SyntaxError as exc:
-                raise PatchError(f"the edited {os.path.basename(path)} does not parse: "
-                                 f"{exc.msg} at line {exc.lineno}") from None
+                raise PatchError(
+                    f"the edited {os.path.basename(path)} does not parse: {exc.msg} at line {exc.lineno}"
+                ) from None
         if os.path.islink(copy):
             os.unlink(copy)
         with open(copy, "w", encoding="utf-8") as f:
@@ -215,8 +236,11 @@ def rebase_command(command, root, dest, cwd=None):
     the job's cwd) relative ones that name a file there, made absolute."""
     out = []
     for token in command:
-        path = token if os.path.isabs(token) else (
-            os.path.join(cwd, token) if cwd and not token.startswith("-") else None)
+        path = (
+            token
+            if os.path.isabs(token)
+            else (os.path.join(cwd, token) if cwd and not token.startswith("-") else None)
+        )
         if path and (os.path.isabs(token) or os.path.isfile(path)) and _inside(path, root):
             token = os.path.join(dest, os.path.relpath(os.path.realpath(path), root))
         out.append(token)
@@ -251,8 +275,9 @@ def _autotune_key_node(tree, kernel):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == kernel:
             for dec in node.decorator_list:
                 if isinstance(dec, ast.Call) and (
-                        getattr(dec.func, "attr", None) == "autotune"
-                        or getattr(dec.func, "id", None) == "autotune"):
+                    getattr(dec.func, "attr", None) == "autotune"
+                    or getattr(dec.func, "id", None) == "autotune"
+                ):
                     for kw in dec.keywords:
                         if kw.arg == "key" and isinstance(kw.value, (ast.List, ast.Tuple)):
                             return kw.value
@@ -280,10 +305,16 @@ def autotune_key_edit(kernel, drop, search_files):
         if len(keep) == len(elts):
             return None
         # the file's own spelling of the names that stay (quotes and all)
-        new_list = "[" + ", ".join(line[e.col_offset:e.end_col_offset] for e in keep) + "]"
-        after = line[:node.col_offset] + new_list + line[node.end_col_offset:]
-        return {"file": path, "line": node.lineno, "before_line": line, "after_line": after,
-                "before": line.strip(), "after": after.strip()}
+        new_list = "[" + ", ".join(line[e.col_offset : e.end_col_offset] for e in keep) + "]"
+        after = line[: node.col_offset] + new_list + line[node.end_col_offset :]
+        return {
+            "file": path,
+            "line": node.lineno,
+            "before_line": line,
+            "after_line": after,
+            "before": line.strip(),
+            "after": after.strip(),
+        }
     return None
 
 
@@ -305,14 +336,18 @@ def argparse_flags(path):
     for node in ast.walk(tree) if tree is not None else ():
         if not (isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "add_argument"):
             continue
-        names = [a.value for a in node.args if isinstance(a, ast.Constant)
-                 and isinstance(a.value, str) and a.value.startswith("-")]
+        names = [
+            a.value
+            for a in node.args
+            if isinstance(a, ast.Constant) and isinstance(a.value, str) and a.value.startswith("-")
+        ]
         longs = [n for n in names if n.startswith("--")]
         if not longs:
             continue
         kw = {k.arg: k.value for k in node.keywords if k.arg}
-        dest = kw["dest"].value if isinstance(kw.get("dest"), ast.Constant) else \
-            longs[0][2:].replace("-", "_")
+        dest = (
+            kw["dest"].value if isinstance(kw.get("dest"), ast.Constant) else longs[0][2:].replace("-", "_")
+        )
         default = kw.get("default")
         try:
             default = ast.literal_eval(default) if default is not None else None
@@ -330,8 +365,7 @@ def flag_of(expression, flags):
         return None
     if isinstance(node, ast.Call) and len(node.args) == 1 and not node.keywords:
         node = node.args[0]  # int(args.x), max(...) is not a flag
-    if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) \
-            and node.attr in flags:
+    if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.attr in flags:
         return flags[node.attr]
     return None
 
@@ -347,8 +381,12 @@ def periodic_flag(path, line, flags):
         if not node.body[0].lineno <= line <= (node.body[-1].end_lineno or line):
             continue
         for sub in ast.walk(node.test):
-            if isinstance(sub, ast.BinOp) and isinstance(sub.op, ast.Mod) \
-                    and isinstance(sub.right, ast.Attribute) and sub.right.attr in flags:
+            if (
+                isinstance(sub, ast.BinOp)
+                and isinstance(sub.op, ast.Mod)
+                and isinstance(sub.right, ast.Attribute)
+                and sub.right.attr in flags
+            ):
                 if best is None or node.lineno > best[0]:
                     best = (node.lineno, flags[sub.right.attr])
     return best[1] if best else None
@@ -392,13 +430,17 @@ def _job_sites(finding, command, cwd):
     """(absolute path, line) of every site the finding names inside the job's own tree."""
     out = []
     for site in named_sites(finding.evidence) + [
-            (c.get("file"), c.get("line")) for c in
-            (((p.change or {}).get("code") or {}) for p in finding.prescriptions)]:
+        (c.get("file"), c.get("line"))
+        for c in (((p.change or {}).get("code") or {}) for p in finding.prescriptions)
+    ]:
         if not site or not site[0] or not isinstance(site[1], int):
             continue
         path = os.path.abspath(os.path.join(cwd, site[0]))
-        if os.path.isfile(path) and tree_root([path], command, cwd) is not None \
-                and (path, site[1]) not in out:
+        if (
+            os.path.isfile(path)
+            and tree_root([path], command, cwd) is not None
+            and (path, site[1]) not in out
+        ):
             out.append((path, site[1]))
     return out
 
@@ -408,15 +450,22 @@ def _edit_key(change):
 
 
 def _known_edits(finding):
-    return {_edit_key(c) for c in (((p.change or {}).get("code") or {}) for p in finding.prescriptions)
-            if c.get("file") and c.get("line")}
+    return {
+        _edit_key(c)
+        for c in (((p.change or {}).get("code") or {}) for p in finding.prescriptions)
+        if c.get("file") and c.get("line")
+    }
 
 
 def _edits_prescription(summary, changes, gain):
     changes = list(changes)
-    return Prescription(kind="code", summary=summary,
-                        change={"code": changes[0], "codes": changes},
-                        expected_gain_s_per_step=gain, automatic=True)
+    return Prescription(
+        kind="code",
+        summary=summary,
+        change={"code": changes[0], "codes": changes},
+        expected_gain_s_per_step=gain,
+        automatic=True,
+    )
 
 
 def host_read_options(finding, command, cwd):
@@ -432,17 +481,20 @@ def host_read_options(finding, command, cwd):
     for path, line in _job_sites(finding, command, cwd):
         # host_work measured its very line; a sync or GPU-idle finding names a function's
         # first line or the loop (a profiler's frame, the GPU clock's stretch): widened
-        for change in codefix.device_accumulations(path, line,
-                                                   widen=not finding.id.startswith("host_work.")):
+        for change in codefix.device_accumulations(path, line, widen=not finding.id.startswith("host_work.")):
             if _edit_key(change) not in known and change not in edits:
                 edits.append(change)
     if not edits:
         return []
     where = ", ".join(f"{os.path.basename(c['file'])}:{c['line']} `{c['after']}`" for c in edits[:3])
-    return [_edits_prescription(
-        f"keep the per-step values on the device instead of reading them to the host each step "
-        f"({where}); they are read once, where they are printed", edits,
-        finding.seconds_lost_per_step)]
+    return [
+        _edits_prescription(
+            f"keep the per-step values on the device instead of reading them to the host each step "
+            f"({where}); they are read once, where they are printed",
+            edits,
+            finding.seconds_lost_per_step,
+        )
+    ]
 
 
 def async_copy_options(finding, command, cwd):
@@ -462,20 +514,34 @@ def async_copy_options(finding, command, cwd):
     if not os.path.isfile(path) or tree_root([path], command, cwd) is None:
         return []
     gain = finding.seconds_lost_per_step
-    pin = next((c for c in (((p.change or {}).get("code") or {}) for p in finding.prescriptions)
-                if "pin_memory=True" in str(c.get("after") or "")
-                and "pin_memory=True" not in str(c.get("before") or "")), None)
+    pin = next(
+        (
+            c
+            for c in (((p.change or {}).get("code") or {}) for p in finding.prescriptions)
+            if "pin_memory=True" in str(c.get("after") or "")
+            and "pin_memory=True" not in str(c.get("before") or "")
+        ),
+        None,
+    )
     out = []
     if pin:
         for changes in codefix.async_copy_edits(path, line, pinned_by_loader=True):
-            out.append(_edits_prescription(
-                f"DataLoader(pin_memory=True) and .to(device, non_blocking=True) at "
-                f"{os.path.basename(path)}:{line}, together", [pin] + changes, gain))
+            out.append(
+                _edits_prescription(
+                    f"DataLoader(pin_memory=True) and .to(device, non_blocking=True) at "
+                    f"{os.path.basename(path)}:{line}, together",
+                    [pin] + changes,
+                    gain,
+                )
+            )
     for changes in codefix.async_copy_edits(path, line):
         pinned = [c for c in changes if c["line"] != line]
-        how = (f"pin the host tensor once where it is made ({os.path.basename(path)}:"
-               f"{pinned[0]['line']}) and copy with non_blocking=True" if pinned else
-               "copy through pinned memory: .pin_memory().to(device, non_blocking=True)")
+        how = (
+            f"pin the host tensor once where it is made ({os.path.basename(path)}:"
+            f"{pinned[0]['line']}) and copy with non_blocking=True"
+            if pinned
+            else "copy through pinned memory: .pin_memory().to(device, non_blocking=True)"
+        )
         out.append(_edits_prescription(f"{how} at {os.path.basename(path)}:{line}", changes, gain))
     return out
 
@@ -502,15 +568,17 @@ def _compile_call_for(finding, files):
     except SyntaxError:
         pass
     functions = {str(k).split(".")[-1].split(" ")[0] for k in (evidence.get("functions") or {})}
-    named = [(p, c) for p, c in calls if c["target"] and (c["target"] in called
-                                                          or c["target"] in functions)]
+    named = [(p, c) for p, c in calls if c["target"] and (c["target"] in called or c["target"] in functions)]
     # a steady recompile on shapes is a static compile's (automatic dynamic shapes would have
     # turned the dimension symbolic after one recompile): the one that says dynamic=False
     static = [(p, c) for p, c in named if c["dynamic"] == "False"]
     if static or named:
         return (static or named)[0]
-    same = [(p, c) for p, c in calls if caller.get("file")
-            and os.path.abspath(p) == os.path.abspath(caller["file"])]
+    same = [
+        (p, c)
+        for p, c in calls
+        if caller.get("file") and os.path.abspath(p) == os.path.abspath(caller["file"])
+    ]
     return same[0] if len(same) == 1 else None
 
 
@@ -524,8 +592,11 @@ def compile_options(finding, command, cwd):
     if finding.id.startswith(LAUNCH_BOUND_FINDINGS):
         return launch_bound_options(finding, command, cwd)
     if not finding.id.startswith("jit.dynamo") or not (
-            evidence.get("size_changes") or any("size mismatch" in str(r) or "stride mismatch"
-                                                 in str(r) for r in evidence.get("reasons") or {})):
+        evidence.get("size_changes")
+        or any(
+            "size mismatch" in str(r) or "stride mismatch" in str(r) for r in evidence.get("reasons") or {}
+        )
+    ):
         return []
     files = [p for p, _ in _job_sites(finding, command, cwd)] + job_script_files(command, cwd)
     files = list(dict.fromkeys(os.path.abspath(f) for f in files))
@@ -541,16 +612,25 @@ def compile_options(finding, command, cwd):
     lost = finding.seconds_lost_per_step
     for label, change in codefix_compile.compile_arg_edits(path, call):
         automatic = label == "dynamic=None"
-        out.append(_edits_prescription(
-            f"torch.compile(..., {label}) at {os.path.basename(path)}:{call['line']}"
-            + (" (automatic dynamic shapes: one recompile, then symbolic)" if automatic else
-               " (symbolic shapes from the first compile: no recompile when the length changes)"),
-            [change], lost * 0.95 if automatic and lost else lost))
+        out.append(
+            _edits_prescription(
+                f"torch.compile(..., {label}) at {os.path.basename(path)}:{call['line']}"
+                + (
+                    " (automatic dynamic shapes: one recompile, then symbolic)"
+                    if automatic
+                    else " (symbolic shapes from the first compile: no recompile when the length changes)"
+                ),
+                [change],
+                lost * 0.95 if automatic and lost else lost,
+            )
+        )
     return out + _mark_dynamic_options(finding, files, call, lost)
 
 
-_GUARD = re.compile(r"tensor '(?:L\['(?P<quoted>[^']+)'\]|(?P<name>[^']+))' (?:size|stride) mismatch "
-                    r"at index (?P<dim>\d+)")
+_GUARD = re.compile(
+    r"tensor '(?:L\['(?P<quoted>[^']+)'\]|(?P<name>[^']+))' (?:size|stride) mismatch "
+    r"at index (?P<dim>\d+)"
+)
 
 
 def _mark_dynamic_options(finding, files, call, lost):
@@ -562,31 +642,43 @@ def _mark_dynamic_options(finding, files, call, lost):
     evidence = finding.evidence or {}
     caller = evidence.get("caller") or {}
     if evidence.get("caller_kind") == "call_site" or not caller.get("file") or not call.get("target"):
-        return []   # at a call site the analyzer's own mark_dynamic edit is already a candidate
+        return []  # at a call site the analyzer's own mark_dynamic edit is already a candidate
     m = next((_GUARD.search(str(r)) for r in evidence.get("reasons") or {} if _GUARD.search(str(r))), None)
     if m is None:
         return []
-    index = codefix_compile.parameter_index(caller["file"], int(caller.get("line") or 0),
-                                    m["quoted"] or m["name"])
+    index = codefix_compile.parameter_index(
+        caller["file"], int(caller.get("line") or 0), m["quoted"] or m["name"]
+    )
     if index is None:
         return []
-    edits = [e for path in files for e in codefix_compile.mark_dynamic_edits(path, call["target"], index,
-                                                                        int(m["dim"]))]
+    edits = [
+        e
+        for path in files
+        for e in codefix_compile.mark_dynamic_edits(path, call["target"], index, int(m["dim"]))
+    ]
     if not edits:
         return []
-    return [_edits_prescription(
-        f"torch._dynamo.mark_dynamic({m['quoted'] or m['name']}, {m['dim']}) before "
-        f"{call['target']}(...) at {os.path.basename(edits[0]['file'])}:{edits[0]['line']} (that "
-        "dimension symbolic from the first compile)", edits, lost * 0.9 if lost else lost)]
+    return [
+        _edits_prescription(
+            f"torch._dynamo.mark_dynamic({m['quoted'] or m['name']}, {m['dim']}) before "
+            f"{call['target']}(...) at {os.path.basename(edits[0]['file'])}:{edits[0]['line']} (that "
+            "dimension symbolic from the first compile)",
+            edits,
+            lost * 0.9 if lost else lost,
+        )
+    ]
 
 
 LAUNCH_BOUND_FINDINGS = ("gpu.launch_bound",)
 
 
 def _launch_bound_files(finding, command, cwd):
-    return list(dict.fromkeys(os.path.abspath(f) for f in
-                              [p for p, _ in _job_sites(finding, command, cwd)]
-                              + job_script_files(command, cwd)))
+    return list(
+        dict.fromkeys(
+            os.path.abspath(f)
+            for f in [p for p, _ in _job_sites(finding, command, cwd)] + job_script_files(command, cwd)
+        )
+    )
 
 
 def launch_bound_options(finding, command, cwd):
@@ -595,15 +687,19 @@ def launch_bound_options(finding, command, cwd):
     (each priced by the share of the host's time it removes: the analyzer's evidence)."""
     evidence = finding.evidence or {}
     lost = finding.seconds_lost_per_step or 0.0
-    graph = _compile_mode_options(finding, command, cwd,
-                                  gain=evidence.get("cuda_graph_saving_s", lost))
+    graph = _compile_mode_options(finding, command, cwd, gain=evidence.get("cuda_graph_saving_s", lost))
     optimizer = _multi_tensor_optimizer_options(finding, command, cwd)
     out = graph + optimizer
     if graph and optimizer:
         changes = list(graph[0].change["codes"]) + list(optimizer[0].change["codes"])
-        out.insert(0, _edits_prescription(
-            f"{optimizer[0].summary}; and {graph[0].summary}", changes,
-            graph[0].expected_gain_s_per_step + optimizer[0].expected_gain_s_per_step))
+        out.insert(
+            0,
+            _edits_prescription(
+                f"{optimizer[0].summary}; and {graph[0].summary}",
+                changes,
+                graph[0].expected_gain_s_per_step + optimizer[0].expected_gain_s_per_step,
+            ),
+        )
     return out
 
 
@@ -614,9 +710,8 @@ def _multi_tensor_optimizer_options(finding, command, cwd):
 
     optimizer = (finding.evidence or {}).get("optimizer") or {}
     name, gain = optimizer.get("class"), optimizer.get("saving_s")
-    if not name or not gain or not any(
-            p.expected_gain_s_per_step == gain for p in finding.prescriptions):
-        return []   # the analyzer did not prescribe it (its share too small)
+    if not name or not gain or not any(p.expected_gain_s_per_step == gain for p in finding.prescriptions):
+        return []  # the analyzer did not prescribe it (its share too small)
     files = _launch_bound_files(finding, command, cwd)
     edits = [e for f in files for e in codefix_optim.multi_tensor_edits(f, name)]
     if not edits:
@@ -627,9 +722,14 @@ def _multi_tensor_optimizer_options(finding, command, cwd):
         return []
     keyword = codefix_optim.multi_tensor_keyword(name)
     where = ", ".join(f"{os.path.basename(e['file'])}:{e['line']}" for e in edits[:3])
-    return [_edits_prescription(
-        f"{name}(..., {keyword}=True) at {where} (the optimizer's step in a few kernels, not "
-        "one per parameter)", edits, gain)]
+    return [
+        _edits_prescription(
+            f"{name}(..., {keyword}=True) at {where} (the optimizer's step in a few kernels, not "
+            "one per parameter)",
+            edits,
+            gain,
+        )
+    ]
 
 
 def _compile_mode_options(finding, command, cwd, gain=None):
@@ -646,19 +746,31 @@ def _compile_mode_options(finding, command, cwd, gain=None):
         edits = [e for f in files for e in codefix_compile.compile_model_edits(f)]
         if not edits:
             return []
-        names = ", ".join(f"{e['after'].split('.compile')[0]} at {os.path.basename(e['file'])}:"
-                          f"{e.get('last_line') or e['line']}" for e in edits)
-        return [_edits_prescription(
-            f"<model>.compile(mode=\"reduce-overhead\") where the model is made ({names}; "
-            "CUDA graphs: the step's kernels replayed by one launch, compiled at the first steps)",
-            edits, gain)]
+        names = ", ".join(
+            f"{e['after'].split('.compile')[0]} at {os.path.basename(e['file'])}:"
+            f"{e.get('last_line') or e['line']}"
+            for e in edits
+        )
+        return [
+            _edits_prescription(
+                f'<model>.compile(mode="reduce-overhead") where the model is made ({names}; '
+                "CUDA graphs: the step's kernels replayed by one launch, compiled at the first steps)",
+                edits,
+                gain,
+            )
+        ]
     path, call = found
     change = codefix_compile.compile_mode_edit(path, call)
     if change is None:
         return []
-    return [_edits_prescription(
-        f"torch.compile(..., mode=\"reduce-overhead\") at {os.path.basename(path)}:{call['line']}"
-        " (CUDA graphs: the step's kernels replayed by one launch)", [change], gain)]
+    return [
+        _edits_prescription(
+            f'torch.compile(..., mode="reduce-overhead") at {os.path.basename(path)}:{call["line"]}'
+            " (CUDA graphs: the step's kernels replayed by one launch)",
+            [change],
+            gain,
+        )
+    ]
 
 
 def async_checkpoint_options(finding, command, cwd):
@@ -689,17 +801,21 @@ def async_checkpoint_options(finding, command, cwd):
         edits = codefix_save.background_save_edits(path, lines)
         if edits:
             where = ", ".join(f"{os.path.basename(path)}:{e['line']}" for e in edits[1:])
-            out.append(_edits_prescription(
-                f"write the checkpoint file on a background thread (serialized in memory at the call) "
-                f"(torch.save at {where})", edits, gain))
+            out.append(
+                _edits_prescription(
+                    f"write the checkpoint file on a background thread (serialized in memory at the call) "
+                    f"(torch.save at {where})",
+                    edits,
+                    gain,
+                )
+            )
     return out
 
 
 def derived_edit_options(finding, command, cwd):
     """The concrete edits the planner builds for a finding from the line it names."""
     out = []
-    for build in (host_read_options, async_copy_options, compile_options,
-                  async_checkpoint_options):
+    for build in (host_read_options, async_copy_options, compile_options, async_checkpoint_options):
         try:
             out += build(finding, command, cwd)
         except Exception:  # a line the planner cannot read is no candidate, never a crash

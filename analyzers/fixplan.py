@@ -13,28 +13,38 @@ runs nothing (traindx.cli.fixloop runs the arms).
   larger `--save-every`; a frequency flag of the command whose value is the finding's period is
   raised.
 """
+
 import json
 import os
 import re
 from dataclasses import dataclass, field, replace
-from typing import Optional
 
-from traindx.analyzers.stability import LESS_OFTEN  # a periodic cost made this many times rarer
 from traindx.analyzers.findings import Prescription
-from traindx.analyzers.fix_source import derived_edit_options, job_script_files as _script_files, \
-    named_sites as _sites
+from traindx.analyzers.fix_source import derived_edit_options
+from traindx.analyzers.fix_source import job_script_files as _script_files
+from traindx.analyzers.fix_source import named_sites as _sites
+from traindx.analyzers.stability import LESS_OFTEN  # a periodic cost made this many times rarer
 from traindx.kernel_cache.store.cache import DIR_VAR, ENABLE_VAR, default_cache_dir
 
 # Frameworks whose flags `--fix` may rewrite; all parse `--flag value` / `--flag=value`.
 # ms-swift and the HF Trainer (HfArgumentParser) accept `_` and `-` alike in flag names;
 # torchtitan's `--section.key`, slime's and Megatron's dashes are matched the same way.
-KNOWN_FRAMEWORKS = ("megatron", "ms-swift", "slime", "torchtitan", "hf", "hf-trainer",
-                    "transformers", "example", "argparse")
+KNOWN_FRAMEWORKS = (
+    "megatron",
+    "ms-swift",
+    "slime",
+    "torchtitan",
+    "hf",
+    "hf-trainer",
+    "transformers",
+    "example",
+    "argparse",
+)
 # "argparse": the job's own parser, found by reading the script (traindx.analyzers.fix_source.argparse_flags)
 PYTHON_LAUNCHERS = ("torchrun", "accelerate", "deepspeed")
 # FA4's cache variables are the kernel cache's (FA4's own names)
 CACHE_DIR_VAR, CACHE_ENABLE_VAR = DIR_VAR, ENABLE_VAR
-RUNTIME_PATCH_VAR = "TRAINDX_RUNTIME_PATCHES"   # read by the shim (runtime_patches.py)
+RUNTIME_PATCH_VAR = "TRAINDX_RUNTIME_PATCHES"  # read by the shim (runtime_patches.py)
 # which mechanism to try first for every finding: config | source | runtime | overlay
 # (default: each finding's own order, strongest first; --wheels DIR prefers overlay)
 PREFER_VAR = "TRAINDX_FIX_MECHANISM"
@@ -102,31 +112,45 @@ def set_flags(command, flags):
 class Plan:
     command: list
     env: dict = field(default_factory=dict)
-    precompile: list = field(default_factory=list)      # run folders to warm the cache from
-    applied: list = field(default_factory=list)         # one line per applied prescription
-    alternatives: list = field(default_factory=list)    # automatic, not applied (see the finding)
-    instructions: list = field(default_factory=list)    # code changes, upgrades: by hand
-    deferred: list = field(default_factory=list)        # automatic, but only after this fix
+    precompile: list = field(default_factory=list)  # run folders to warm the cache from
+    applied: list = field(default_factory=list)  # one line per applied prescription
+    alternatives: list = field(default_factory=list)  # automatic, not applied (see the finding)
+    instructions: list = field(default_factory=list)  # code changes, upgrades: by hand
+    deferred: list = field(default_factory=list)  # automatic, but only after this fix
     warnings: list = field(default_factory=list)
     command_changed: bool = False
-    source_edits: list = field(default_factory=list)    # resolved edits for the scratch copy
+    source_edits: list = field(default_factory=list)  # resolved edits for the scratch copy
     runtime_patches: list = field(default_factory=list)  # names the shim applies (candidate only)
-    overlays: list = field(default_factory=list)        # requirements installed into an overlay
-    changes: list = field(default_factory=list)         # per applied prescription: mechanism, gain
-    fallbacks: dict = field(default_factory=dict)       # finding id -> its next prescription
+    overlays: list = field(default_factory=list)  # requirements installed into an overlay
+    changes: list = field(default_factory=list)  # per applied prescription: mechanism, gain
+    fallbacks: dict = field(default_factory=dict)  # finding id -> its next prescription
 
     @property
     def changes_anything(self):
-        return bool(self.env or self.precompile or self.command_changed or self.source_edits
-                    or self.runtime_patches or self.overlays)
+        return bool(
+            self.env
+            or self.precompile
+            or self.command_changed
+            or self.source_edits
+            or self.runtime_patches
+            or self.overlays
+        )
 
     def to_dict(self):
-        return {"command": self.command, "env": self.env, "precompile": self.precompile,
-                "applied": self.applied, "alternatives": self.alternatives,
-                "instructions": self.instructions, "deferred": self.deferred,
-                "warnings": self.warnings, "source_edits": self.source_edits,
-                "runtime_patches": self.runtime_patches, "overlays": self.overlays,
-                "changes": self.changes}
+        return {
+            "command": self.command,
+            "env": self.env,
+            "precompile": self.precompile,
+            "applied": self.applied,
+            "alternatives": self.alternatives,
+            "instructions": self.instructions,
+            "deferred": self.deferred,
+            "warnings": self.warnings,
+            "source_edits": self.source_edits,
+            "runtime_patches": self.runtime_patches,
+            "overlays": self.overlays,
+            "changes": self.changes,
+        }
 
 
 def _instruction(finding, p):
@@ -178,8 +202,8 @@ def plan_fixes(command, findings, baseline_path, environ=None, prefer=None, cwd=
     environ = os.environ if environ is None else environ
     cwd = cwd or os.getcwd()
     plan = Plan(command=list(command))
-    flags_set = {}      # normalized flag -> (value, finding id)
-    precompiles = []    # (finding, prescription): planned once the command is known
+    flags_set = {}  # normalized flag -> (value, finding id)
+    precompiles = []  # (finding, prescription): planned once the command is known
     prefer = prefer or environ.get(PREFER_VAR) or None
     for finding in findings:
         fixes = [p for p in finding.prescriptions if p.automatic and not _is_precompile(p)]
@@ -189,12 +213,16 @@ def plan_fixes(command, findings, baseline_path, environ=None, prefer=None, cwd=
             applied = _apply(plan, finding, p, flags_set, command, cwd)
             if applied:
                 chosen = p
-                plan.applied.append(f"[{finding.id}] ({mechanism(p)}) {p.summary}: "
-                                    + "; ".join(applied))
-                plan.changes.append({"finding": finding.id, "mechanism": mechanism(p),
-                                     "summary": p.summary,
-                                     "predicted_saving_s_per_step": p.expected_gain_s_per_step,
-                                     "applied": applied})
+                plan.applied.append(f"[{finding.id}] ({mechanism(p)}) {p.summary}: " + "; ".join(applied))
+                plan.changes.append(
+                    {
+                        "finding": finding.id,
+                        "mechanism": mechanism(p),
+                        "summary": p.summary,
+                        "predicted_saving_s_per_step": p.expected_gain_s_per_step,
+                        "applied": applied,
+                    }
+                )
                 rest = [q for q in fixes if q is not p and mechanism(q) in ("runtime", "config")]
                 if rest and mechanism(p) in ("overlay", "source"):
                     plan.fallbacks[finding.id] = rest[0]
@@ -205,7 +233,9 @@ def plan_fixes(command, findings, baseline_path, environ=None, prefer=None, cwd=
             elif _is_precompile(p):
                 precompiles.append((finding, p))
             elif p is not chosen:
-                plan.alternatives.append(f"[{finding.id}] ({mechanism(p)}) {_instruction(finding, p)[len(finding.id) + 3:]}")
+                plan.alternatives.append(
+                    f"[{finding.id}] ({mechanism(p)}) {_instruction(finding, p)[len(finding.id) + 3 :]}"
+                )
     if plan.runtime_patches:
         plan.env[RUNTIME_PATCH_VAR] = ",".join(plan.runtime_patches)
     for finding, p in precompiles:
@@ -213,7 +243,8 @@ def plan_fixes(command, findings, baseline_path, environ=None, prefer=None, cwd=
             plan.deferred.append(
                 f"[{finding.id}] after this fix: kernel-cache warm --from-run <the candidate "
                 "run>, then train with FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1 (the "
-                "baseline's kernels are not the ones the changed command compiles)")
+                "baseline's kernels are not the ones the changed command compiles)"
+            )
             continue
         applied = _apply_env(plan, finding, p)
         source = ((p.change or {}).get("precompile") or {}).get("from_run") or baseline_path
@@ -229,7 +260,8 @@ def plan_fixes(command, findings, baseline_path, environ=None, prefer=None, cwd=
     if plan.command_changed and _is_shell_script(command):
         plan.warnings.append(
             "the command is a shell script: the flags were appended to the script's arguments; "
-            "they take effect only if it passes them on (\"$@\") to the training program")
+            'they take effect only if it passes them on ("$@") to the training program'
+        )
     return plan
 
 
@@ -251,13 +283,13 @@ def _apply(plan, finding, p, flags_set, command, cwd=None):
         return [f"overlay install {req} (candidate's PYTHONPATH only)"]
     if kind == "source":
         codes = (p.change or {}).get("codes") or [(p.change or {}).get("code")]
-        edits = [_source_edit(replace(p, change={"code": c}), command, plan, cwd or os.getcwd())
-                 for c in codes]
+        edits = [
+            _source_edit(replace(p, change={"code": c}), command, plan, cwd or os.getcwd()) for c in codes
+        ]
         if not edits or any(e is None for e in edits):
-            return []   # edits made together apply together, or not at all
+            return []  # edits made together apply together, or not at all
         plan.source_edits.extend({**e, "finding": finding.id} for e in edits)
-        return [f"source patch {os.path.relpath(e['file'])}:{e['line']} on a scratch copy"
-                for e in edits]
+        return [f"source patch {os.path.relpath(e['file'])}:{e['line']} on a scratch copy" for e in edits]
     return _apply_env(plan, finding, p) + _apply_args(plan, finding, p, flags_set)
 
 
@@ -272,20 +304,27 @@ def _source_edit(p, command, plan, cwd):
         files = [f for f in (spec.get("files") or []) if f]
         root = fix_source.tree_root(files[:1], command, cwd) if files else None
         root = root or cwd
-        edit = fix_source.autotune_key_edit(spec.get("kernel"), spec.get("drop") or [],
-                                            files + fix_source.python_files(root))
+        edit = fix_source.autotune_key_edit(
+            spec.get("kernel"), spec.get("drop") or [], files + fix_source.python_files(root)
+        )
         if edit is None:
-            plan.warnings.append(f"no @triton.autotune(key=[...]) of {spec.get('kernel')} found "
-                                 "in the job's tree: the key change is left to do by hand")
+            plan.warnings.append(
+                f"no @triton.autotune(key=[...]) of {spec.get('kernel')} found "
+                "in the job's tree: the key change is left to do by hand"
+            )
             return None
         code = edit
-    if not code.get("file") or not ("before_line" in code or code.get("before")) \
-            or ("after_line" not in code and "after" not in code):
+    if (
+        not code.get("file")
+        or not ("before_line" in code or code.get("before"))
+        or ("after_line" not in code and "after" not in code)
+    ):
         return None
     code = dict(code, file=os.path.abspath(os.path.join(cwd, code["file"])))
     if fix_source.tree_root([code["file"]], command, cwd) is None:
-        plan.warnings.append(f"{code['file']} is outside the job's tree (a library): patch it by "
-                             "hand or use another mechanism")
+        plan.warnings.append(
+            f"{code['file']} is outside the job's tree (a library): patch it by hand or use another mechanism"
+        )
         return None
     keys = ("file", "line", "last_line", "before", "after", "op", "before_line", "after_line")
     try:
@@ -303,8 +342,10 @@ def _apply_env(plan, finding, p):
             plan.instructions.append(f"[{finding.id}] unset {name}")
             continue
         if name in plan.env and plan.env[name] != str(value):
-            plan.warnings.append(f"[{finding.id}] wants {name}={value}; kept "
-                                 f"{name}={plan.env[name]} from a higher-ranked finding")
+            plan.warnings.append(
+                f"[{finding.id}] wants {name}={value}; kept "
+                f"{name}={plan.env[name]} from a higher-ranked finding"
+            )
             continue
         plan.env[name] = str(value)
         applied.append(f"{name}={value}")
@@ -317,15 +358,17 @@ def _apply_args(plan, finding, p, flags_set):
         return []
     framework = str(arg.get("framework", "")).lower()
     if framework not in KNOWN_FRAMEWORKS:
-        plan.instructions.append(f"[{finding.id}] {p.summary} (flags of "
-                                 f"{framework or 'an unknown framework'}: by hand)")
+        plan.instructions.append(
+            f"[{finding.id}] {p.summary} (flags of {framework or 'an unknown framework'}: by hand)"
+        )
         return []
     wanted = {}
     for flag, value in (arg.get("set") or {}).items():
         key = _flag_name(flag if flag.startswith("-") else "--" + flag)
         if key in flags_set and flags_set[key][0] != value:
-            plan.warnings.append(f"[{finding.id}] wants {flag} {value}; kept "
-                                 f"{flags_set[key][0]} from [{flags_set[key][1]}]")
+            plan.warnings.append(
+                f"[{finding.id}] wants {flag} {value}; kept {flags_set[key][0]} from [{flags_set[key][1]}]"
+            )
             continue
         flags_set[key] = (value, finding.id)
         wanted[flag] = value
@@ -336,13 +379,15 @@ def _apply_args(plan, finding, p, flags_set):
         return []
     plan.command = new
     plan.command_changed = True
-    return [" ".join(f if v is None or v is True or v is False else f"{f} {v}"
-                     for f, v in wanted.items())]
+    return [" ".join(f if v is None or v is True or v is False else f"{f} {v}" for f, v in wanted.items())]
 
 
 def _is_shell_script(command):
     return any(t.endswith(".sh") for t in command[:3]) or os.path.basename(command[0]) in (
-        "bash", "sh", "zsh")
+        "bash",
+        "sh",
+        "zsh",
+    )
 
 
 # -- the search: one candidate per concrete change -------------------------------------------------
@@ -378,7 +423,7 @@ def _literal(text):
 
 def _flag_value(command, flag):
     """The value the command gives `flag` (the last occurrence), else None."""
-    args = command[program_args_start(command):]
+    args = command[program_args_start(command) :]
     name, value = _flag_name(flag), None
     for i, token in enumerate(args):
         if _flag_name(token) == name:
@@ -415,9 +460,12 @@ def own_flag_option(p, command, cwd):
         return None
     said = " ".join(f"{k} {v}" for k, v in wanted.items())
     return Prescription(
-        kind="arg", summary=f"{p.summary} — through the job's own flag ({said})",
+        kind="arg",
+        summary=f"{p.summary} — through the job's own flag ({said})",
         change={"arg": {"framework": "argparse", "set": wanted}},
-        expected_gain_s_per_step=p.expected_gain_s_per_step, automatic=True)
+        expected_gain_s_per_step=p.expected_gain_s_per_step,
+        automatic=True,
+    )
 
 
 def _command_flag_of(expression, command):
@@ -436,7 +484,7 @@ def _command_flag_of(expression, command):
     if not isinstance(node, ast.Attribute):
         return None
     wanted = node.attr.replace("_", "-")
-    for token in command[program_args_start(command):]:
+    for token in command[program_args_start(command) :]:
         name = _flag_name(token)
         if name and name.rsplit(".", 1)[-1] == wanted:
             return {"flag": token.split("=", 1)[0], "default": None}
@@ -464,15 +512,22 @@ def less_often_options(finding, command, cwd):
             return
         seen.add(flag)
         new = current * LESS_OFTEN
-        out.append(Prescription(
-            kind="arg", summary=f"do it {LESS_OFTEN}x less often: {flag} {new} (was {current}; {why})",
-            change={"arg": {"framework": "argparse", "set": {flag: str(new)}}},
-            expected_gain_s_per_step=lost * (1 - 1 / LESS_OFTEN), automatic=True))
+        out.append(
+            Prescription(
+                kind="arg",
+                summary=f"do it {LESS_OFTEN}x less often: {flag} {new} (was {current}; {why})",
+                change={"arg": {"framework": "argparse", "set": {flag: str(new)}}},
+                expected_gain_s_per_step=lost * (1 - 1 / LESS_OFTEN),
+                automatic=True,
+            )
+        )
 
     scripts = _script_files(command, cwd)
     sites = _sites(finding.evidence) + [
-        ((p.change or {}).get("code") or {}).get("file") and
-        (p.change["code"]["file"], p.change["code"].get("line")) for p in finding.prescriptions]
+        ((p.change or {}).get("code") or {}).get("file")
+        and (p.change["code"]["file"], p.change["code"].get("line"))
+        for p in finding.prescriptions
+    ]
     for site in sites:
         if not site or not site[0] or not isinstance(site[1], int):
             continue
@@ -481,41 +536,61 @@ def less_often_options(finding, command, cwd):
             continue
         spec = fix_source.periodic_flag(path, site[1], _flags_of([path] + scripts))
         if spec:
-            option(spec["flag"], _flag_value(command, spec["flag"]) or spec["default"],
-                   f"the guard over {os.path.basename(path)}:{site[1]}")
+            option(
+                spec["flag"],
+                _flag_value(command, spec["flag"]) or spec["default"],
+                f"the guard over {os.path.basename(path)}:{site[1]}",
+            )
     period = (finding.evidence or {}).get("period")
     if isinstance(period, int) and period > 0:
-        args = command[program_args_start(command):]
+        args = command[program_args_start(command) :]
         for i, token in enumerate(args):
             name = _flag_name(token)
             if name and FREQUENCY_FLAG.search(name):
-                value = token.split("=", 1)[1] if "=" in token else (
-                    args[i + 1] if i + 1 < len(args) else None)
+                value = (
+                    token.split("=", 1)[1] if "=" in token else (args[i + 1] if i + 1 < len(args) else None)
+                )
                 if value == str(period):
-                    option(token.split("=", 1)[0], value,
-                           f"the command's frequency flag equals the measured period {period}")
+                    option(
+                        token.split("=", 1)[0],
+                        value,
+                        f"the command's frequency flag equals the measured period {period}",
+                    )
     return out
 
 
 @dataclass
 class Candidate:
     """One arm to measure: the plan of exactly one change (and its fallbacks)."""
+
     plan: "Plan"
     finding: str
     mechanism: str
     summary: str
-    predicted_saving_s_per_step: Optional[float]
+    predicted_saving_s_per_step: float | None
 
     def to_dict(self):
-        return {"finding": self.finding, "mechanism": self.mechanism, "summary": self.summary,
-                "predicted_saving_s_per_step": self.predicted_saving_s_per_step,
-                "plan": self.plan.to_dict()}
+        return {
+            "finding": self.finding,
+            "mechanism": self.mechanism,
+            "summary": self.summary,
+            "predicted_saving_s_per_step": self.predicted_saving_s_per_step,
+            "plan": self.plan.to_dict(),
+        }
 
 
 def _signature(plan):
-    return json.dumps([plan.command, plan.env, [(e["file"], e["line"], e.get("after"),
-                                                 e.get("after_line")) for e in plan.source_edits],
-                       plan.runtime_patches, plan.overlays, plan.precompile], default=str)
+    return json.dumps(
+        [
+            plan.command,
+            plan.env,
+            [(e["file"], e["line"], e.get("after"), e.get("after_line")) for e in plan.source_edits],
+            plan.runtime_patches,
+            plan.overlays,
+            plan.precompile,
+        ],
+        default=str,
+    )
 
 
 def candidate_plans(command, findings, baseline_path, environ=None, prefer=None, cwd=None):
@@ -527,7 +602,7 @@ def candidate_plans(command, findings, baseline_path, environ=None, prefer=None,
     cwd = cwd or os.getcwd()
     prefer = prefer or environ.get(PREFER_VAR) or None
     listing = plan_fixes(command, findings, baseline_path, environ=environ, prefer=prefer, cwd=cwd)
-    options = []   # (sort key, finding, [prescriptions tried in that arm])
+    options = []  # (sort key, finding, [prescriptions tried in that arm])
     for rank, finding in enumerate(findings):
         fixes = [p for p in finding.prescriptions if is_concrete(p) and not _is_precompile(p)]
         fixes.sort(key=lambda p: 0 if prefer and mechanism(p) == prefer else 1)
@@ -535,8 +610,9 @@ def candidate_plans(command, findings, baseline_path, environ=None, prefer=None,
         for p in fixes:
             flag = own_flag_option(p, command, cwd)
             derived += [flag, p] if flag else [p]
-        derived = less_often_options(finding, command, cwd) + derived_edit_options(
-            finding, command, cwd) + derived
+        derived = (
+            less_often_options(finding, command, cwd) + derived_edit_options(finding, command, cwd) + derived
+        )
         fallbacks = [q for q in fixes if mechanism(q) in ("runtime", "config")]
         precompile = [p for p in finding.prescriptions if _is_precompile(p)]
         for order, p in enumerate(derived):
@@ -551,8 +627,7 @@ def candidate_plans(command, findings, baseline_path, environ=None, prefer=None,
     options.sort(key=lambda o: o[0])
     out, seen = [], set()
     for _, finding, prescriptions, gain in options:
-        single = replace(finding, prescriptions=tuple(
-            replace(q, automatic=True) for q in prescriptions))
+        single = replace(finding, prescriptions=tuple(replace(q, automatic=True) for q in prescriptions))
         plan = plan_fixes(command, [single], baseline_path, environ=environ, cwd=cwd)
         if not plan.changes_anything or not (plan.changes or plan.precompile):
             continue
@@ -560,41 +635,75 @@ def candidate_plans(command, findings, baseline_path, environ=None, prefer=None,
         if key in seen:
             continue
         seen.add(key)
-        first = plan.changes[0] if plan.changes else {"mechanism": "precompile",
-                                                       "summary": prescriptions[0].summary}
-        out.append(Candidate(plan=plan, finding=finding.id, mechanism=first["mechanism"],
-                             summary=first["summary"], predicted_saving_s_per_step=gain))
+        first = (
+            plan.changes[0]
+            if plan.changes
+            else {"mechanism": "precompile", "summary": prescriptions[0].summary}
+        )
+        out.append(
+            Candidate(
+                plan=plan,
+                finding=finding.id,
+                mechanism=first["mechanism"],
+                summary=first["summary"],
+                predicted_saving_s_per_step=gain,
+            )
+        )
     return out, listing
 
 
-def warm_up_after(kept: Candidate, kept_findings, kept_run_path: str,
-                  environ=None) -> Optional[Candidate]:
+def warm_up_after(kept: Candidate, kept_findings, kept_run_path: str, environ=None) -> Candidate | None:
     """The kept change with its cold start warmed away: the precompile that plan_fixes defers
     when another change rewrites what compiles, now from the kept arm's own run (its kernels are
     the ones the changed job compiles). An arm measured against the kept arm, judged by the
     first step; None when the kept arm compiled nothing a warm-up replays, or was one."""
     if kept.plan.precompile or kept.mechanism == "precompile":
         return None
-    found = next(((f, p) for f in kept_findings for p in f.prescriptions
-                  if p.automatic and _is_precompile(p)), None)
+    found = next(
+        ((f, p) for f in kept_findings for p in f.prescriptions if p.automatic and _is_precompile(p)), None
+    )
     if found is None:
         return None
     finding, p = found
     environ = os.environ if environ is None else environ
-    plan = replace(kept.plan, env=dict(kept.plan.env), applied=list(kept.plan.applied),
-                   warnings=[], deferred=[], precompile=[kept_run_path],
-                   fallbacks=dict(kept.plan.fallbacks))
-    plan.env.update({k: v for k, v in ((p.change or {}).get("env") or {}).items()
-                     if k in (CACHE_ENABLE_VAR, CACHE_DIR_VAR)})
+    plan = replace(
+        kept.plan,
+        env=dict(kept.plan.env),
+        applied=list(kept.plan.applied),
+        warnings=[],
+        deferred=[],
+        precompile=[kept_run_path],
+        fallbacks=dict(kept.plan.fallbacks),
+    )
+    plan.env.update(
+        {
+            k: v
+            for k, v in ((p.change or {}).get("env") or {}).items()
+            if k in (CACHE_ENABLE_VAR, CACHE_DIR_VAR)
+        }
+    )
     plan.env.setdefault(CACHE_ENABLE_VAR, "1")
     plan.env.setdefault(CACHE_DIR_VAR, str(default_cache_dir(environ)))
-    summary = (f"after the kept change: kernel-cache warm --from-run {kept_run_path}, then train "
-               f"with {CACHE_ENABLE_VAR}=1 ({CACHE_DIR_VAR}={plan.env[CACHE_DIR_VAR]})")
+    summary = (
+        f"after the kept change: kernel-cache warm --from-run {kept_run_path}, then train "
+        f"with {CACHE_ENABLE_VAR}=1 ({CACHE_DIR_VAR}={plan.env[CACHE_DIR_VAR]})"
+    )
     gain = p.expected_gain_s_per_step or finding.seconds_lost_per_step
     plan.applied.append(f"[{finding.id}] {summary}")
     # the comparison is with the kept arm: the warm-up is the one change between them
-    plan.changes = [{"finding": finding.id, "mechanism": "precompile", "summary": summary,
-                     "predicted_saving_s_per_step": gain,
-                     "applied": [f"kernel-cache warm --from-run {kept_run_path}"]}]
-    return Candidate(plan=plan, finding=finding.id, mechanism="precompile", summary=summary,
-                     predicted_saving_s_per_step=gain)
+    plan.changes = [
+        {
+            "finding": finding.id,
+            "mechanism": "precompile",
+            "summary": summary,
+            "predicted_saving_s_per_step": gain,
+            "applied": [f"kernel-cache warm --from-run {kept_run_path}"],
+        }
+    ]
+    return Candidate(
+        plan=plan,
+        finding=finding.id,
+        mechanism="precompile",
+        summary=summary,
+        predicted_saving_s_per_step=gain,
+    )

@@ -10,6 +10,7 @@ The verdict comes from evidence in the run record, strongest first: the shim's `
 events (what built the DataLoader, and through which framework), the framework packages in
 py-spy's stacks, the job's log format, the command line.
 """
+
 from __future__ import annotations
 
 import re
@@ -23,15 +24,34 @@ if TYPE_CHECKING:  # annotations only
 
 # top-level package (as it appears in a path) -> framework
 PACKAGES = {
-    "transformers": "hf_trainer", "trl": "hf_trainer", "lightning": "lightning",
-    "pytorch_lightning": "lightning", "torchtitan": "torchtitan", "megatron": "megatron",
-    "deepspeed": "deepspeed", "swift": "ms-swift", "accelerate": "accelerate",
+    "transformers": "hf_trainer",
+    "trl": "hf_trainer",
+    "lightning": "lightning",
+    "pytorch_lightning": "lightning",
+    "torchtitan": "torchtitan",
+    "megatron": "megatron",
+    "deepspeed": "deepspeed",
+    "swift": "ms-swift",
+    "accelerate": "accelerate",
 }
 # when several show up (a Trainer runs on Accelerate), the one the user drives wins
-PRECEDENCE = ("ms-swift", "hf_trainer", "lightning", "torchtitan", "megatron", "deepspeed",
-              "accelerate", "plain")
-LOG_FORMATS = {"torchtitan": "torchtitan", "megatron": "megatron", "deepspeed": "deepspeed",
-               "lightning": "lightning", "dict": "hf_trainer"}
+PRECEDENCE = (
+    "ms-swift",
+    "hf_trainer",
+    "lightning",
+    "torchtitan",
+    "megatron",
+    "deepspeed",
+    "accelerate",
+    "plain",
+)
+LOG_FORMATS = {
+    "torchtitan": "torchtitan",
+    "megatron": "megatron",
+    "deepspeed": "deepspeed",
+    "lightning": "lightning",
+    "dict": "hf_trainer",
+}
 _PKG_IN_PATH = re.compile(r"[/\\](?:site|dist)-packages[/\\](?P<pkg>[A-Za-z_][\w]*)")
 # only a Trainer's own frames say "this is a Trainer job" (transformers alone is a model library)
 _HF_TRAINER_FILES = ("transformers/trainer.py", "transformers/trainer_utils.py", "trl/trainer/")
@@ -136,14 +156,21 @@ def detect(run: RunRecord) -> dict[str, Any]:
         vote("accelerate", "the command is `accelerate launch`")
     for name in PRECEDENCE:
         if name in votes:
-            return {"name": name, "evidence": votes[name] + weak.get(name, []), "strong": True,
-                    "also": sorted((set(votes) | set(weak)) - {name})}
+            return {
+                "name": name,
+                "evidence": votes[name] + weak.get(name, []),
+                "strong": True,
+                "also": sorted((set(votes) | set(weak)) - {name}),
+            }
     for name in PRECEDENCE:
         if name in weak:
-            return {"name": name, "evidence": weak[name], "strong": False,
-                    "also": sorted(set(weak) - {name})}
-    return {"name": "plain", "evidence": ["no framework's code or log format in the evidence"],
-            "strong": False, "also": []}
+            return {"name": name, "evidence": weak[name], "strong": False, "also": sorted(set(weak) - {name})}
+    return {
+        "name": "plain",
+        "evidence": ["no framework's code or log format in the evidence"],
+        "strong": False,
+        "also": [],
+    }
 
 
 def knob_owner(run: RunRecord) -> str:
@@ -165,16 +192,33 @@ def user_site(site: Mapping[str, Any] | None) -> dict[str, Any] | None:
 def dataloader_knob(framework: str) -> tuple[str, dict[str, str]]:
     """(what to set, in the framework's terms; the setting's name per key) for num_workers."""
     if framework == "hf_trainer" or framework == "ms-swift":
-        return ("TrainingArguments", {"num_workers": "dataloader_num_workers",
-                                      "persistent_workers": "dataloader_persistent_workers",
-                                      "prefetch_factor": "dataloader_prefetch_factor",
-                                      "pin_memory": "dataloader_pin_memory"})
+        return (
+            "TrainingArguments",
+            {
+                "num_workers": "dataloader_num_workers",
+                "persistent_workers": "dataloader_persistent_workers",
+                "prefetch_factor": "dataloader_prefetch_factor",
+                "pin_memory": "dataloader_pin_memory",
+            },
+        )
     if framework == "torchtitan":
-        return ("torchtitan config", {"num_workers": "dataloader.num_workers",
-                                      "persistent_workers": "dataloader.persistent_workers",
-                                      "prefetch_factor": "dataloader.prefetch_factor",
-                                      "pin_memory": "dataloader.pin_memory"})
+        return (
+            "torchtitan config",
+            {
+                "num_workers": "dataloader.num_workers",
+                "persistent_workers": "dataloader.persistent_workers",
+                "prefetch_factor": "dataloader.prefetch_factor",
+                "pin_memory": "dataloader.pin_memory",
+            },
+        )
     if framework == "megatron":
         return ("Megatron flag", {"num_workers": "--num-workers"})
-    return ("DataLoader", {"num_workers": "num_workers", "persistent_workers": "persistent_workers",
-                           "prefetch_factor": "prefetch_factor", "pin_memory": "pin_memory"})
+    return (
+        "DataLoader",
+        {
+            "num_workers": "num_workers",
+            "persistent_workers": "persistent_workers",
+            "prefetch_factor": "prefetch_factor",
+            "pin_memory": "pin_memory",
+        },
+    )

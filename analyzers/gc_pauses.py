@@ -5,18 +5,18 @@ A gen-2 collection walks every tracked object the process holds; with a large ob
 lands in whatever step allocated the object that crossed the threshold. The shim aggregates the
 collections per step (count, total and longest pause per generation).
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from traindx.derive import ledger
-from traindx.analyzers.findings import Finding, Prescription
-
 from traindx.analyzers import codefix
 from traindx.analyzers import evidence as ev
+from traindx.analyzers.findings import Finding, Prescription
 from traindx.analyzers.frameworks import runs_megatron
+from traindx.derive import ledger
 
 if TYPE_CHECKING:  # annotations only
     from traindx.derive.run import RunRecord
@@ -35,19 +35,30 @@ def _code_prescriptions(run, lost, collections_per_step):
             for line, source in codefix.calls_in_loops(path, "gc.collect"):
                 change = codefix.code_change(path, line, source, "", op="delete")
                 if change:
-                    out.append(Prescription(
-                        kind="code", summary=f"remove the gc.collect() called in the loop at "
-                                             f"{path}:{line}: a full collection every step",
-                        change={"code": change}, expected_gain_s_per_step=lost, automatic=True))
+                    out.append(
+                        Prescription(
+                            kind="code",
+                            summary=f"remove the gc.collect() called in the loop at "
+                            f"{path}:{line}: a full collection every step",
+                            change={"code": change},
+                            expected_gain_s_per_step=lost,
+                            automatic=True,
+                        )
+                    )
         spot = codefix.before_training_loop(path)
         if spot:
-            change = codefix.code_change(path, spot[0], spot[2], FREEZE, last_line=spot[1],
-                                         op="insert_after")
+            change = codefix.code_change(path, spot[0], spot[2], FREEZE, last_line=spot[1], op="insert_after")
             if change:
-                out.append(Prescription(
-                    kind="code", summary=f"gc.freeze() after set-up ({path}:{spot[1]}, before the "
-                                         "training loop): full collections walk only new objects",
-                    change={"code": change}, expected_gain_s_per_step=lost * 0.5, automatic=True))
+                out.append(
+                    Prescription(
+                        kind="code",
+                        summary=f"gc.freeze() after set-up ({path}:{spot[1]}, before the "
+                        "training loop): full collections walk only new objects",
+                        change={"code": change},
+                        expected_gain_s_per_step=lost * 0.5,
+                        automatic=True,
+                    )
+                )
     return out
 
 
@@ -83,7 +94,7 @@ def analyze(run: RunRecord) -> list[Finding]:
         steady = ev.steady_steps(run, rank)
         if not len(steady) or rank not in by_rank:
             continue
-        steady_ids = set(int(s) for s in steady["step"])
+        steady_ids = {int(s) for s in steady["step"]}
         events = by_rank[rank]
         events = events[events["step"].isin(steady_ids)]
         full = events[events["generation"] == 2]
@@ -99,14 +110,20 @@ def analyze(run: RunRecord) -> list[Finding]:
             continue
         steps_hit = sorted(int(s) for s in full["step"])
         by_generation = {
-            int(g): {"collections": int(rows["count"].sum()), "total_s": round(float(rows["total_s"].sum()), 4),
-                     "longest_s": round(float(rows["max_s"].max()), 4)}
-            for g, rows in events.groupby("generation")}
+            int(g): {
+                "collections": int(rows["count"].sum()),
+                "total_s": round(float(rows["total_s"].sum()), 4),
+                "longest_s": round(float(rows["max_s"].max()), 4),
+            }
+            for g, rows in events.groupby("generation")
+        }
         # how much slower the steps with a full collection are than the others
         hit = steady[steady["step"].isin(steps_hit)]["duration_s"]
         clean = steady[~steady["step"].isin(steps_hit)]["duration_s"]
         evidence = {
-            "rank": rank, "steady_steps": n_steps, "steps_with_gen2": steps_hit,
+            "rank": rank,
+            "steady_steps": n_steps,
+            "steps_with_gen2": steps_hit,
             "gen2_collections": int(full["count"].sum()),
             "gen2_seconds": round(float(full["total_s"].sum()), 4),
             "longest_gen2_pause_s": round(float(full["max_s"].max()), 4),
@@ -116,38 +133,61 @@ def analyze(run: RunRecord) -> list[Finding]:
         }
         prescriptions = []
         if runs_megatron(run.command):
-            prescriptions.append(Prescription(
-                kind="arg",
-                summary="Megatron: --manual-gc --manual-gc-interval 100 (collect on all ranks "
-                        "together, every 100 steps, instead of inside random steps)",
-                change={"arg": {"framework": "megatron",
-                                "set": {"--manual-gc": True, "--manual-gc-interval": "100"}}},
-                expected_gain_s_per_step=lost, automatic=True))
-        prescriptions.extend(_code_prescriptions(
-            run, lost, evidence["gen2_collections"] / max(n_steps, 1)))
-        prescriptions.append(Prescription(
-            kind="code",
-            summary="call gc.collect(); gc.freeze() once after the model, data and caches are "
-                    "built (before the training loop): the long-lived graph leaves the "
-                    "collector's view and a full collection walks only new objects",
-            command="gc.collect(); gc.freeze()  # once, after set-up, before the training loop",
-            expected_gain_s_per_step=lost))
-        prescriptions.append(Prescription(
-            kind="code",
-            summary="or collect between steps: gc.disable() after setup and gc.collect() every N "
-                    "steps at the step end; or raise the gen-2 threshold "
-                    "(gc.set_threshold(700, 10, 1000))",
-            command="gc.disable()  # after set-up; then at a step end: if step % 100 == 0: gc.collect()",
-            expected_gain_s_per_step=lost))
-        findings.append(Finding(
-            id="gc.gen2_in_step",
-            title=f"Full garbage collections inside steps cost {lost * 1000:.0f} ms per step "
-                  f"on rank {rank}",
-            severity=ev.severity_for_share(share), analyzer="gc_pauses",
-            summary=(f"{evidence['gen2_collections']} generation-2 collections in "
-                     f"{len(steps_hit)} of {n_steps} steady steps, {evidence['gen2_seconds']:.2f} s "
-                     f"in all (longest {evidence['longest_gen2_pause_s'] * 1000:.0f} ms); median "
-                     f"step {step_s * 1000:.0f} ms."),
-            steps_affected=tuple(steps_hit), seconds_lost_per_step=lost, share_of_step=share,
-            evidence=evidence, prescriptions=tuple(prescriptions), ranks=(rank,)))
+            prescriptions.append(
+                Prescription(
+                    kind="arg",
+                    summary="Megatron: --manual-gc --manual-gc-interval 100 (collect on all ranks "
+                    "together, every 100 steps, instead of inside random steps)",
+                    change={
+                        "arg": {
+                            "framework": "megatron",
+                            "set": {"--manual-gc": True, "--manual-gc-interval": "100"},
+                        }
+                    },
+                    expected_gain_s_per_step=lost,
+                    automatic=True,
+                )
+            )
+        prescriptions.extend(_code_prescriptions(run, lost, evidence["gen2_collections"] / max(n_steps, 1)))
+        prescriptions.append(
+            Prescription(
+                kind="code",
+                summary="call gc.collect(); gc.freeze() once after the model, data and caches are "
+                "built (before the training loop): the long-lived graph leaves the "
+                "collector's view and a full collection walks only new objects",
+                command="gc.collect(); gc.freeze()  # once, after set-up, before the training loop",
+                expected_gain_s_per_step=lost,
+            )
+        )
+        prescriptions.append(
+            Prescription(
+                kind="code",
+                summary="or collect between steps: gc.disable() after setup and gc.collect() every N "
+                "steps at the step end; or raise the gen-2 threshold "
+                "(gc.set_threshold(700, 10, 1000))",
+                command="gc.disable()  # after set-up; then at a step end: if step % 100 == 0: gc.collect()",
+                expected_gain_s_per_step=lost,
+            )
+        )
+        findings.append(
+            Finding(
+                id="gc.gen2_in_step",
+                title=f"Full garbage collections inside steps cost {lost * 1000:.0f} ms per step "
+                f"on rank {rank}",
+                severity=ev.severity_for_share(share),
+                analyzer="gc_pauses",
+                summary=(
+                    f"{evidence['gen2_collections']} generation-2 collections in "
+                    f"{len(steps_hit)} of {n_steps} steady steps, {evidence['gen2_seconds']:.2f} s "
+                    f"in all (longest {evidence['longest_gen2_pause_s'] * 1000:.0f} ms); median "
+                    f"step {step_s * 1000:.0f} ms."
+                ),
+                steps_affected=tuple(steps_hit),
+                seconds_lost_per_step=lost,
+                share_of_step=share,
+                evidence=evidence,
+                prescriptions=tuple(prescriptions),
+                ranks=(rank,),
+            )
+        )
     return findings

@@ -6,19 +6,19 @@ the --idle recording (FACTS §4). py-spy's speedscope has no timestamps, so the 
 whole recording minus start-up (samples inside imports); py-spy dump snapshots, which are
 timestamped, confirm it inside the steps.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from traindx.analyzers import evidence as ev
 from traindx.analyzers.findings import Finding, Prescription
 
-from traindx.analyzers import evidence as ev
-
 if TYPE_CHECKING:  # annotations only
-    from traindx.profiler.speedscope import Recording
     from traindx.derive.run import RunRecord
+    from traindx.profiler.speedscope import Recording
 
-MIN_SHARE = 0.10          # a helper thread holding the GIL 10 % of the time is worth a look
+MIN_SHARE = 0.10  # a helper thread holding the GIL 10 % of the time is worth a look
 MIN_SAMPLES = 10
 COMPILER_MARKERS = ("cutlass/base_dsl", "triton/compiler", "torch/_inductor", "torch/_dynamo")
 
@@ -34,7 +34,7 @@ def _dump_confirmation(run, rank, thread_name):
     if "trigger" in dumps:  # a burst on an anomaly is not a uniform sample of the run's time
         dumps = dumps[dumps["trigger"].isna()]
     steps = run.rank_steps(rank).dropna(subset=["start_ns"])
-    steady_ids = set(int(s) for s in ev.steady_steps(run, rank)["step"])
+    steady_ids = {int(s) for s in ev.steady_steps(run, rank)["step"]}
     counts = {"in_steps": [0, 0], "in_steady_steps": [0, 0]}
     for t, snap in dumps.groupby("t"):
         hit = steps[(steps["start_ns"] <= t) & (steps["end_ns"] >= t)]
@@ -62,7 +62,7 @@ def _steady_compile_fraction(run, rank, thread_name):
     total = float(comp["duration_s"].sum()) if len(comp) else 0.0
     if total <= 0:
         return None
-    steady_ids = set(int(s) for s in ev.steady_steps(run, rank)["step"])
+    steady_ids = {int(s) for s in ev.steady_steps(run, rank)["step"]}
     in_steady = float(comp[comp["step"].isin(steady_ids)]["duration_s"].sum())
     return in_steady / total, total
 
@@ -101,19 +101,22 @@ def _analyze_rank(run, rank, recording_all, recording_gil):
         label = name or f"thread {tid} (entered at {_entry(samples)})"
         top = hot[0][0] if hot else None
         where = ev.frame_label(top) if top else "?"
-        compiling = any(m in f.file for s in samples.stacks[:500] for f in s
-                        for m in COMPILER_MARKERS)
+        compiling = any(m in f.file for s in samples.stacks[:500] for f in s for m in COMPILER_MARKERS)
         lost = share * step_s if step_s else None
         confirm = _dump_confirmation(run, rank, name)
         evidence = {
-            "rank": rank, "thread": label, "thread_id": tid,
-            "gil_seconds": round(held_s, 3), "window_seconds": round(window_s, 3),
-            "gil_share": round(share, 3), "compiling": compiling,
+            "rank": rank,
+            "thread": label,
+            "thread_id": tid,
+            "gil_seconds": round(held_s, 3),
+            "window_seconds": round(window_s, 3),
+            "gil_share": round(share, 3),
+            "compiling": compiling,
             "main_thread_gil_share": round(main_held_s / wall_s, 3),
             "hottest_frames": ev.frames_evidence(hot),
             "hottest_leaf_frames": ev.frames_evidence(leaves),
             "method": "py-spy --gil seconds of the thread / py-spy seconds of the main thread "
-                      "(--idle recording); imports excluded",
+            "(--idle recording); imports excluded",
         }
         severity, share_lost = ev.severity_for_share(share), share
         warmup_only = ""
@@ -131,43 +134,64 @@ def _analyze_rank(run, rank, recording_all, recording_gil):
                 "share_of_them_in_steady_steps": round(fraction, 3),
                 "gil_share_of_steady_steps": round(share_lost, 3),
                 "method": "the thread's GIL seconds apportioned by where its compiles ran "
-                          "(shim compile events)"}
+                "(shim compile events)",
+            }
             if fraction == 0:
-                warmup_only = (" All its compiles ran in warm-up steps (a cold start): the steady "
-                               "steps do not pay for it.")
+                warmup_only = (
+                    " All its compiles ran in warm-up steps (a cold start): the steady "
+                    "steps do not pay for it."
+                )
         elif confirm:
             steady = confirm["in_steady_steps"]
             if steady["snapshots"] >= MIN_STEADY_SNAPSHOTS and steady["holding"] == 0:
                 # py-spy's timestamped snapshots never caught it in the steady window: the hold
                 # was warm-up (a cold-start compile, a first load), not what the steps pay
                 severity, lost, share_lost = "info", 0.0, 0.0
-                warmup_only = (f" py-spy snapshots never caught it holding the GIL in "
-                               f"{steady['snapshots']} snapshots of steady steps: warm-up only.")
+                warmup_only = (
+                    f" py-spy snapshots never caught it holding the GIL in "
+                    f"{steady['snapshots']} snapshots of steady steps: warm-up only."
+                )
         prescriptions = []
         if compiling:
-            prescriptions.append(Prescription(
-                kind="precompile",
-                summary=f"{label} holds the GIL while compiling kernels: precompile them before "
-                        "training or fix the recompile (see the jit finding)",
-                expected_gain_s_per_step=lost))
-        prescriptions.append(Prescription(
-            kind="code",
-            summary=f"take the pure-Python work of {where} off the training process (a "
-                    "DataLoader worker or a subprocess), run it less often, or make it release "
-                    "the GIL (vectorise it with numpy/torch)",
-            expected_gain_s_per_step=lost))
-        findings.append(Finding(
-            id="gil.contention",
-            title=f"Thread '{label}' holds the GIL {share_lost:.0%} of the steady steps' time "
-                  f"on rank {rank}" if "steady_window" in evidence else
-                  f"Thread '{label}' holds the GIL {share:.0%} of the time on rank {rank}",
-            severity=severity, analyzer="gil",
-            summary=(f"'{label}' held the GIL for {held_s:.1f} s of the {window_s:.1f} s sampled "
-                     f"on the main thread ({share:.0%}); the main thread held it {main_held_s / wall_s:.0%}. "
-                     f"Its hottest code: {where}. The main thread waits for the GIL whenever it "
-                     "needs Python while this thread has it." + warmup_only),
-            seconds_lost_per_step=lost, share_of_step=share_lost, evidence=evidence,
-            prescriptions=tuple(prescriptions), ranks=(rank,)))
+            prescriptions.append(
+                Prescription(
+                    kind="precompile",
+                    summary=f"{label} holds the GIL while compiling kernels: precompile them before "
+                    "training or fix the recompile (see the jit finding)",
+                    expected_gain_s_per_step=lost,
+                )
+            )
+        prescriptions.append(
+            Prescription(
+                kind="code",
+                summary=f"take the pure-Python work of {where} off the training process (a "
+                "DataLoader worker or a subprocess), run it less often, or make it release "
+                "the GIL (vectorise it with numpy/torch)",
+                expected_gain_s_per_step=lost,
+            )
+        )
+        findings.append(
+            Finding(
+                id="gil.contention",
+                title=f"Thread '{label}' holds the GIL {share_lost:.0%} of the steady steps' time "
+                f"on rank {rank}"
+                if "steady_window" in evidence
+                else f"Thread '{label}' holds the GIL {share:.0%} of the time on rank {rank}",
+                severity=severity,
+                analyzer="gil",
+                summary=(
+                    f"'{label}' held the GIL for {held_s:.1f} s of the {window_s:.1f} s sampled "
+                    f"on the main thread ({share:.0%}); the main thread held it {main_held_s / wall_s:.0%}. "
+                    f"Its hottest code: {where}. The main thread waits for the GIL whenever it "
+                    "needs Python while this thread has it." + warmup_only
+                ),
+                seconds_lost_per_step=lost,
+                share_of_step=share_lost,
+                evidence=evidence,
+                prescriptions=tuple(prescriptions),
+                ranks=(rank,),
+            )
+        )
     return findings
 
 
@@ -213,25 +237,44 @@ def analyze_recording(recording: Recording, source: str = "py-spy file") -> list
         where = ev.frame_label(hot[0][0]) if hot else "?"
         prescriptions = []
         if compiling:
-            prescriptions.append(Prescription(
-                kind="precompile",
-                summary=f"{label} holds the GIL while compiling kernels: precompile them before "
-                        "training or fix the recompile (see the jit finding)"))
-        prescriptions.append(Prescription(
-            kind="code", summary=f"take the work of {where} off the training process or make it "
-                                 "release the GIL"))
-        findings.append(Finding(
-            id="gil.contention",
-            title=f"Thread '{label}' holds the GIL {share:.0%} of the GIL-held time",
-            severity=ev.severity_for_share(share), analyzer="gil",
-            summary=(f"In {source} (recorded with --gil), '{label}' holds the GIL for {held:.1f} s "
-                     f"of {total:.1f} s{' while compiling' if compiling else ''}; its hottest "
-                     f"code: {where}. The main thread waits for it whenever it needs Python."),
-            share_of_step=None, evidence={
-                "thread": label, "thread_id": tid, "gil_seconds": round(held, 3),
-                "gil_held_seconds_all_threads": round(total, 3), "gil_share": round(share, 3),
-                "compiling": compiling, "hottest_frames": ev.frames_evidence(hot),
-                "hottest_leaf_frames": ev.frames_evidence(leaves), "source": source,
-                "method": "samples of the thread / samples of all threads in a --gil recording"},
-            prescriptions=tuple(prescriptions)))
+            prescriptions.append(
+                Prescription(
+                    kind="precompile",
+                    summary=f"{label} holds the GIL while compiling kernels: precompile them before "
+                    "training or fix the recompile (see the jit finding)",
+                )
+            )
+        prescriptions.append(
+            Prescription(
+                kind="code",
+                summary=f"take the work of {where} off the training process or make it release the GIL",
+            )
+        )
+        findings.append(
+            Finding(
+                id="gil.contention",
+                title=f"Thread '{label}' holds the GIL {share:.0%} of the GIL-held time",
+                severity=ev.severity_for_share(share),
+                analyzer="gil",
+                summary=(
+                    f"In {source} (recorded with --gil), '{label}' holds the GIL for {held:.1f} s "
+                    f"of {total:.1f} s{' while compiling' if compiling else ''}; its hottest "
+                    f"code: {where}. The main thread waits for it whenever it needs Python."
+                ),
+                share_of_step=None,
+                evidence={
+                    "thread": label,
+                    "thread_id": tid,
+                    "gil_seconds": round(held, 3),
+                    "gil_held_seconds_all_threads": round(total, 3),
+                    "gil_share": round(share, 3),
+                    "compiling": compiling,
+                    "hottest_frames": ev.frames_evidence(hot),
+                    "hottest_leaf_frames": ev.frames_evidence(leaves),
+                    "source": source,
+                    "method": "samples of the thread / samples of all threads in a --gil recording",
+                },
+                prescriptions=tuple(prescriptions),
+            )
+        )
     return findings

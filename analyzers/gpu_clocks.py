@@ -6,23 +6,27 @@ HwPowerBrake 0x80. Thermal and hardware slowdowns are faults of the machine (coo
 delivery) and cost time; the software power cap is what a GPU under full load normally does
 (an H200 under a bf16 matmul runs at 690 W with reason 0x4), so alone it is only reported.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
 import pandas as pd
 
-from traindx.analyzers.findings import Finding, Prescription
-
 from traindx.analyzers import evidence as ev
+from traindx.analyzers.findings import Finding, Prescription
 
 if TYPE_CHECKING:  # annotations only
     from traindx.derive.run import RunRecord
 
 GPU_IDLE, SW_POWER_CAP, HW_SLOWDOWN = 0x1, 0x4, 0x8
 SW_THERMAL, HW_THERMAL, HW_POWER_BRAKE = 0x20, 0x40, 0x80
-SLOWDOWN_BITS = {HW_SLOWDOWN: "HwSlowdown", SW_THERMAL: "SwThermalSlowdown",
-                 HW_THERMAL: "HwThermalSlowdown", HW_POWER_BRAKE: "HwPowerBrakeSlowdown"}
+SLOWDOWN_BITS = {
+    HW_SLOWDOWN: "HwSlowdown",
+    SW_THERMAL: "SwThermalSlowdown",
+    HW_THERMAL: "HwThermalSlowdown",
+    HW_POWER_BRAKE: "HwPowerBrakeSlowdown",
+}
 SLOWDOWN_MASK = HW_SLOWDOWN | SW_THERMAL | HW_THERMAL | HW_POWER_BRAKE
 BUSY_UTIL = 50
 MIN_SAMPLES = 5
@@ -46,8 +50,7 @@ def _reference_clock(run, index, busy, clean, throttled, clocks) -> tuple[float,
         return float(pd.to_numeric(clean["sm_clock_mhz"], errors="coerce").median()), "otherwise"
     if len(throttled) < len(busy):
         unthrottled = busy.drop(index=throttled.index)
-        return float(pd.to_numeric(unthrottled["sm_clock_mhz"], errors="coerce").quantile(0.9)), \
-            "otherwise"
+        return float(pd.to_numeric(unthrottled["sm_clock_mhz"], errors="coerce").quantile(0.9)), "otherwise"
     for gpu in run.manifest.get("gpus") or []:
         if gpu.get("index") == index and gpu.get("max_sm_clock_mhz"):
             return float(gpu["max_sm_clock_mhz"]), "(its maximum SM clock: it never ran unthrottled)"
@@ -77,51 +80,82 @@ def analyze(run: RunRecord) -> list[Finding]:
         clean = busy[(busy_reasons & (SLOWDOWN_MASK | SW_POWER_CAP)) == 0]
         clocks = pd.to_numeric(busy["sm_clock_mhz"], errors="coerce")
         reference, against = _reference_clock(run, int(index), busy, clean, throttled, clocks)
-        base = {"gpu": int(index), "busy_samples": len(busy),
-                "reference_sm_clock_mhz": round(reference),
-                "median_power_w": round(float(pd.to_numeric(busy["power_w"], errors="coerce").median()), 1)}
+        base = {
+            "gpu": int(index),
+            "busy_samples": len(busy),
+            "reference_sm_clock_mhz": round(reference),
+            "median_power_w": round(float(pd.to_numeric(busy["power_w"], errors="coerce").median()), 1),
+        }
         share_throttled = len(throttled) / len(busy)
         if share_throttled >= MIN_THROTTLED_SHARE:
             f_thr = float(pd.to_numeric(throttled["sm_clock_mhz"], errors="coerce").median())
             slow = max(0.0, 1 - f_thr / reference) if reference else 0.0
             share = share_throttled * slow
-            bits = {name: int(((throttled["clock_event_reasons"].astype("int64") & bit) != 0).sum())
-                    for bit, name in SLOWDOWN_BITS.items()}
+            bits = {
+                name: int(((throttled["clock_event_reasons"].astype("int64") & bit) != 0).sum())
+                for bit, name in SLOWDOWN_BITS.items()
+            }
             bits = {k: v for k, v in bits.items() if v}
             severity = ev.severity_for_share(share)
             if severity == "info":
                 severity = "low"  # a thermal or hardware slowdown is a fault even when small
             thermal = any("Thermal" in k for k in bits)
-            findings.append(Finding(
-                id="gpu.throttle",
-                title=f"GPU {int(index)} throttled ({', '.join(bits)}) in {share_throttled:.0%} of "
-                      "busy samples",
-                severity=severity, analyzer="gpu_clocks",
-                summary=(f"While busy, GPU {int(index)} ran at {f_thr:.0f} MHz when throttled "
-                         f"against {reference:.0f} MHz {against}; about {share:.0%} of the step "
-                         "time is lost if the work is compute-bound."),
-                seconds_lost_per_step=share * step_s if step_s else None, share_of_step=share,
-                evidence={**base, "throttled_samples": len(throttled),
-                          "throttled_share": round(share_throttled, 3),
-                          "median_throttled_sm_clock_mhz": round(f_thr), "reasons": bits},
-                prescriptions=(Prescription(
-                    kind="system",
-                    summary=("check the cooling of this GPU (nvidia-smi -q -d TEMPERATURE,PERFORMANCE); "
-                             "move the job off a node whose GPU runs hot" if thermal else
-                             "check the node's power delivery (HW slowdown / power brake: "
-                             "nvidia-smi -q -d PERFORMANCE); move the job to another node"),
-                    command=f"nvidia-smi -i {int(index)} -q -d PERFORMANCE,TEMPERATURE,POWER"),),
-            ))
+            findings.append(
+                Finding(
+                    id="gpu.throttle",
+                    title=f"GPU {int(index)} throttled ({', '.join(bits)}) in {share_throttled:.0%} of "
+                    "busy samples",
+                    severity=severity,
+                    analyzer="gpu_clocks",
+                    summary=(
+                        f"While busy, GPU {int(index)} ran at {f_thr:.0f} MHz when throttled "
+                        f"against {reference:.0f} MHz {against}; about {share:.0%} of the step "
+                        "time is lost if the work is compute-bound."
+                    ),
+                    seconds_lost_per_step=share * step_s if step_s else None,
+                    share_of_step=share,
+                    evidence={
+                        **base,
+                        "throttled_samples": len(throttled),
+                        "throttled_share": round(share_throttled, 3),
+                        "median_throttled_sm_clock_mhz": round(f_thr),
+                        "reasons": bits,
+                    },
+                    prescriptions=(
+                        Prescription(
+                            kind="system",
+                            summary=(
+                                "check the cooling of this GPU (nvidia-smi -q -d TEMPERATURE,PERFORMANCE); "
+                                "move the job off a node whose GPU runs hot"
+                                if thermal
+                                else "check the node's power delivery (HW slowdown / power brake: "
+                                "nvidia-smi -q -d PERFORMANCE); move the job to another node"
+                            ),
+                            command=f"nvidia-smi -i {int(index)} -q -d PERFORMANCE,TEMPERATURE,POWER",
+                        ),
+                    ),
+                )
+            )
         share_capped = len(capped) / len(busy)
         if share_capped >= 0.5:
             f_cap = float(pd.to_numeric(capped["sm_clock_mhz"], errors="coerce").median())
-            findings.append(Finding(
-                id="gpu.power_cap",
-                title=f"GPU {int(index)} runs at its power cap in {share_capped:.0%} of busy samples",
-                severity="info", analyzer="gpu_clocks",
-                summary=(f"SM clock {f_cap:.0f} MHz at {base['median_power_w']} W: the GPU is "
-                         "power-limited, as a fully loaded GPU normally is. If the power limit was "
-                         "lowered on purpose (nvidia-smi -pl), raising it buys clock."),
-                evidence={**base, "capped_samples": len(capped), "capped_share": round(share_capped, 3),
-                          "median_capped_sm_clock_mhz": round(f_cap)}))
+            findings.append(
+                Finding(
+                    id="gpu.power_cap",
+                    title=f"GPU {int(index)} runs at its power cap in {share_capped:.0%} of busy samples",
+                    severity="info",
+                    analyzer="gpu_clocks",
+                    summary=(
+                        f"SM clock {f_cap:.0f} MHz at {base['median_power_w']} W: the GPU is "
+                        "power-limited, as a fully loaded GPU normally is. If the power limit was "
+                        "lowered on purpose (nvidia-smi -pl), raising it buys clock."
+                    ),
+                    evidence={
+                        **base,
+                        "capped_samples": len(capped),
+                        "capped_share": round(share_capped, 3),
+                        "median_capped_sm_clock_mhz": round(f_cap),
+                    },
+                )
+            )
     return findings

@@ -20,6 +20,7 @@ Findings:
 Host-device syncs and empty_cache() have their own analyzers (host_sync, allocator): idle time
 ending in those calls is left to them.
 """
+
 import linecache
 import os
 import re
@@ -27,38 +28,41 @@ import re
 import numpy as np
 import pandas as pd
 
+from traindx.analyzers import codefix
+from traindx.analyzers import evidence as ev
+from traindx.analyzers import gpu_window as window
 from traindx.analyzers.findings import Finding, Prescription
 from traindx.profiler import gputime
 from traindx.profiler.torchtrace import gpu_window
 
-from traindx.analyzers import codefix
-from traindx.analyzers import evidence as ev
-from traindx.analyzers import gpu_window as window
-
-MIN_SHARE = 0.03          # a cause worth a finding: >= 3 % of the steady step
+MIN_SHARE = 0.03  # a cause worth a finding: >= 3 % of the steady step
 # the GPU waiting for the host: >= 5 % and >= 200 µs (a healthy loop's launches after its one
 # loss read per step leave the GPU a few hundred µs idle: that is launch latency, not a cause)
 MIN_HOST_SHARE, MIN_HOST_S = 0.05, 200e-6
-MIN_GAP_NS = 20_000       # shorter gaps are launch latency, not the host's work
+MIN_GAP_NS = 20_000  # shorter gaps are launch latency, not the host's work
 # a gap the host's own work makes: the GPU waits longer than the launches between two kernels
 # take (tens of µs; a few hundred after a sync, while Python refills the queue)
 MIN_HOST_GAP_NS = 250_000
-MAX_POINTS = 2000         # points sampled over a window's idle time, at most
+MAX_POINTS = 2000  # points sampled over a window's idle time, at most
 # H2D copy speed from pinned memory when the window has none to measure (PCIe 5 x16: 64 GB/s
 # raw; ~50 GB/s is typical of pinned copies on an H100/H200 host; a lead, not measured here)
 PINNED_H2D_BPS = 50e9
 # calls other analyzers own (host_sync, allocator, launch_bound, ranks) or measured calls seen
 # without their span (backward's engine, collectives): their idle time is not host work
-CLAIMED_CALL = re.compile(r"(?:\bitem|\btolist|\bcpu|synchronize|_local_scalar_dense|empty_cache|"
-                          r"\bnonzero|run_backward|allreduce|all_reduce|allgather|all_gather|"
-                          r"reduce_scatter|broadcast|barrier)\b|^cu")
+CLAIMED_CALL = re.compile(
+    r"(?:\bitem|\btolist|\bcpu|synchronize|_local_scalar_dense|empty_cache|"
+    r"\bnonzero|run_backward|allreduce|all_reduce|allgather|all_gather|"
+    r"reduce_scatter|broadcast|barrier)\b|^cu"
+)
 SYNC_LABELS = ("sync<",)
 # the host blocked inside the driver (allocating, freeing, waiting for the GPU, a synchronous
 # copy) is not the host's own work: those calls have their findings (allocator, host_sync,
 # pageable copies)
-BLOCKING_RUNTIME = re.compile(r"^(?:cudaMalloc|cudaFree|cuMemAlloc|cuMemFree|cudaHostAlloc|"
-                              r"cudaStreamSynchronize|cudaDeviceSynchronize|cudaEventSynchronize|"
-                              r"cuStreamSynchronize|cuCtxSynchronize|cudaMemcpy)")
+BLOCKING_RUNTIME = re.compile(
+    r"^(?:cudaMalloc|cudaFree|cuMemAlloc|cuMemFree|cudaHostAlloc|"
+    r"cudaStreamSynchronize|cudaDeviceSynchronize|cudaEventSynchronize|"
+    r"cuStreamSynchronize|cuCtxSynchronize|cudaMemcpy)"
+)
 
 
 # -- per-step idle from the markers --------------------------------------------------------------
@@ -208,15 +212,23 @@ def _window_idle(run, rank, trace):
     users, calls = _frames_at_points(py, points)
     runtime = trace[trace["cat"].isin(("cuda_runtime", "cuda_driver")).to_numpy()]
     runtime = runtime[runtime["name"].str.match(BLOCKING_RUNTIME).to_numpy()]
-    blocked = _innermost(runtime["start_ns"].to_numpy(np.int64), runtime["end_ns"].to_numpy(np.int64),
-                         np.argsort(runtime["start_ns"].to_numpy(np.int64), kind="stable"), points)
+    blocked = _innermost(
+        runtime["start_ns"].to_numpy(np.int64),
+        runtime["end_ns"].to_numpy(np.int64),
+        np.argsort(runtime["start_ns"].to_numpy(np.int64), kind="stable"),
+        points,
+    )
     runtime_names = runtime["name"].to_numpy(object)
     calls = [runtime_names[b] if b >= 0 else c for b, c in zip(blocked, calls)]
     rows = list(zip(_categories(spans, points), users, calls, long_gap, weights))
     table = pd.DataFrame(rows, columns=["category", "user", "call", "long_gap", "seconds"])
     table["user"] = table["user"].map(lambda u: u if u is None else tuple(u))
-    grouped = (table.groupby(["category", "user", "call", "long_gap"], dropna=False)["seconds"].sum()
-               .reset_index().sort_values("seconds", ascending=False))
+    grouped = (
+        table.groupby(["category", "user", "call", "long_gap"], dropna=False)["seconds"]
+        .sum()
+        .reset_index()
+        .sort_values("seconds", ascending=False)
+    )
     return total / 1e9 / n_steps, grouped
 
 
@@ -248,15 +260,15 @@ def _call_label(call):
 # -- findings -----------------------------------------------------------------------------------
 def _host_starved(run, rank, step_s, host_idle, window_rows):
     steady = ev.steady_steps(run, rank)
-    ids = set(int(s) for s in steady["step"]) if len(steady) else set(host_idle)
+    ids = {int(s) for s in steady["step"]} if len(steady) else set(host_idle)
     per_step = [host_idle[s][0] for s in ids if s in host_idle]
     marker_s = float(np.median(per_step)) if per_step else None
     host_rows = pd.DataFrame()
     if len(window_rows):
-        host_rows = window_rows[(window_rows["category"] == "host").to_numpy()
-                                & window_rows["long_gap"].to_numpy(bool)]
-        claimed = [bool(CLAIMED_CALL.search(c)) if isinstance(c, str) else False
-                   for c in host_rows["call"]]
+        host_rows = window_rows[
+            (window_rows["category"] == "host").to_numpy() & window_rows["long_gap"].to_numpy(bool)
+        ]
+        claimed = [bool(CLAIMED_CALL.search(c)) if isinstance(c, str) else False for c in host_rows["call"]]
         host_rows = host_rows[~np.array(claimed, dtype=bool)].dropna(subset=["user"])
     if len(host_rows):
         # the user's function that holds the most idle time, with the library calls inside it
@@ -267,11 +279,12 @@ def _host_starved(run, rank, step_s, host_idle, window_rows):
         # idle ceiling (a loose one: the forward, unmarked, lies in the host stretches)
         lost = window_s if marker_s is None else min(window_s, marker_s)
         calls = host_rows[(host_rows["user"] == user).to_numpy()]
-        top_calls = [{"call": _call_label(c), "seconds_per_step": round(float(v), 6)}
-                     for c, v in calls.groupby("call")["seconds"].sum().sort_values(
-                         ascending=False).head(4).items()]
+        top_calls = [
+            {"call": _call_label(c), "seconds_per_step": round(float(v), 6)}
+            for c, v in calls.groupby("call")["seconds"].sum().sort_values(ascending=False).head(4).items()
+        ]
         where = _line_from_pyspy(run, rank, user)
-        file, line = (where if where else (user[0], user[1]))
+        file, line = where if where else (user[0], user[1])
         function, source = user[2], "torch.profiler window"
         window_host_s = round(window_host, 6)
     else:
@@ -288,33 +301,61 @@ def _host_starved(run, rank, step_s, host_idle, window_rows):
         return []
     src = _source(file, line) if where else ""
     share = lost / step_s
-    evidence = {"rank": rank, "function": function, "file": file, "line": line, "source": src,
-                "calls": top_calls, "gpu_idle_s_per_step": round(lost, 6), "code_from": source,
-                "window_idle_host_s_per_step": window_host_s,
-                "marker_host_idle_s_per_step": None if marker_s is None else round(marker_s, 6)}
+    evidence = {
+        "rank": rank,
+        "function": function,
+        "file": file,
+        "line": line,
+        "source": src,
+        "calls": top_calls,
+        "gpu_idle_s_per_step": round(lost, 6),
+        "code_from": source,
+        "window_idle_host_s_per_step": window_host_s,
+        "marker_host_idle_s_per_step": None if marker_s is None else round(marker_s, 6),
+    }
     what = ", ".join(c["call"] for c in top_calls[:2])
     prescriptions = (
-        Prescription(kind="code", summary=(
-            f"move the work in {function}() ({os.path.basename(file)}:{line}) off the training "
-            f"thread: into a DataLoader's workers (a Dataset whose __getitem__ builds the sample, "
-            f"num_workers >= 2, pin_memory=True), or onto the GPU (torch ops on the device "
-            f"instead of {what or 'host code'})"), expected_gain_s_per_step=lost),
-        Prescription(kind="code", summary=(
-            "or do it less often / ahead of time: cache what does not change between steps, "
-            "prepare the next batch in a background thread while the GPU runs this one"),
-            expected_gain_s_per_step=lost),
+        Prescription(
+            kind="code",
+            summary=(
+                f"move the work in {function}() ({os.path.basename(file)}:{line}) off the training "
+                f"thread: into a DataLoader's workers (a Dataset whose __getitem__ builds the sample, "
+                f"num_workers >= 2, pin_memory=True), or onto the GPU (torch ops on the device "
+                f"instead of {what or 'host code'})"
+            ),
+            expected_gain_s_per_step=lost,
+        ),
+        Prescription(
+            kind="code",
+            summary=(
+                "or do it less often / ahead of time: cache what does not change between steps, "
+                "prepare the next batch in a background thread while the GPU runs this one"
+            ),
+            expected_gain_s_per_step=lost,
+        ),
     )
-    return [Finding(
-        id="gpu_idle.host_starved",
-        title=(f"The GPU waits {lost * 1000:.1f} ms a step ({share:.0%}) for host work in "
-               f"{function}() at {os.path.basename(file)}:{line}"),
-        severity=ev.severity_for_share(share), analyzer="gpu_idle",
-        summary=(f"Between its measured calls the training thread runs {function}() "
-                 f"({what}) while the GPU has nothing queued: {lost * 1000:.1f} ms of GPU idle "
-                 f"per step of {step_s * 1000:.1f} ms (GPU clock at every step; the code from "
-                 f"the {source})."),
-        seconds_lost_per_step=lost, share_of_step=share, evidence=evidence,
-        prescriptions=prescriptions, ranks=(rank,))]
+    return [
+        Finding(
+            id="gpu_idle.host_starved",
+            title=(
+                f"The GPU waits {lost * 1000:.1f} ms a step ({share:.0%}) for host work in "
+                f"{function}() at {os.path.basename(file)}:{line}"
+            ),
+            severity=ev.severity_for_share(share),
+            analyzer="gpu_idle",
+            summary=(
+                f"Between its measured calls the training thread runs {function}() "
+                f"({what}) while the GPU has nothing queued: {lost * 1000:.1f} ms of GPU idle "
+                f"per step of {step_s * 1000:.1f} ms (GPU clock at every step; the code from "
+                f"the {source})."
+            ),
+            seconds_lost_per_step=lost,
+            share_of_step=share,
+            evidence=evidence,
+            prescriptions=prescriptions,
+            ranks=(rank,),
+        )
+    ]
 
 
 def _pageable(run, rank, trace, step_s):
@@ -349,16 +390,21 @@ def _pageable(run, rank, trace, step_s):
     if saving < MIN_SHARE * step_s:
         return []
     # the line: the user's frame around the runtime call that issued the largest copy
-    runtime = trace[(trace["cat"] == "cuda_runtime").to_numpy()
-                    & trace["name"].str.startswith("cudaMemcpy").to_numpy()]
+    runtime = trace[
+        (trace["cat"] == "cuda_runtime").to_numpy() & trace["name"].str.startswith("cudaMemcpy").to_numpy()
+    ]
     top = pageable.sort_values("bytes", ascending=False).iloc[0]
-    issuing = runtime[(runtime["start_ns"] <= top.start_ns).to_numpy()
-                      & (runtime["end_ns"] >= top.start_ns).to_numpy()]
+    issuing = runtime[
+        (runtime["start_ns"] <= top.start_ns).to_numpy() & (runtime["end_ns"] >= top.start_ns).to_numpy()
+    ]
     t = int(issuing["start_ns"].iloc[0]) if len(issuing) else int(top.start_ns)
     # the Python frames of the thread that issued the copy (else the training thread's)
     py = trace[(trace["cat"] == "python_function").to_numpy()]
-    tid = issuing["tid"].iloc[0] if len(issuing) and (py["tid"] == issuing["tid"].iloc[0]).any() \
+    tid = (
+        issuing["tid"].iloc[0]
+        if len(issuing) and (py["tid"] == issuing["tid"].iloc[0]).any()
         else _main_tid(py)
+    )
     py = py[(py["tid"] == tid).to_numpy()] if len(py) else py
     user, _ = _frames_at(py, t)
     where = _line_from_pyspy(run, rank, user) if user else None
@@ -381,39 +427,72 @@ def _pageable(run, rank, trace, step_s):
         site = dataloader._starving_site(frameworks.data_sites(run, rank), "DataLoader")
         pin = dataloader._site_change(site, "DataLoader", {"pin_memory": "True"}) if site else None
         prescriptions = (
-            Prescription(kind="code", summary=(
-                f"DataLoader(..., pin_memory=True){dataloader._where(site) if site else ''}: its "
-                "pinning thread copies each batch to pinned memory off the training thread"),
-                change={"code": pin} if pin else {}, expected_gain_s_per_step=saving),
-            Prescription(kind="code", summary=(
-                f"with it, copy asynchronously: .to(device, non_blocking=True)"
-                f"{f' at {os.path.basename(file)}:{line}' if file else ''}"),
-                change=change, expected_gain_s_per_step=saving))
+            Prescription(
+                kind="code",
+                summary=(
+                    f"DataLoader(..., pin_memory=True){dataloader._where(site) if site else ''}: its "
+                    "pinning thread copies each batch to pinned memory off the training thread"
+                ),
+                change={"code": pin} if pin else {},
+                expected_gain_s_per_step=saving,
+            ),
+            Prescription(
+                kind="code",
+                summary=(
+                    f"with it, copy asynchronously: .to(device, non_blocking=True)"
+                    f"{f' at {os.path.basename(file)}:{line}' if file else ''}"
+                ),
+                change=change,
+                expected_gain_s_per_step=saving,
+            ),
+        )
     else:
-        prescriptions = (Prescription(kind="code", summary=(
-            "keep the host tensors in pinned memory (tensor.pin_memory() once, where they are "
-            f"made) and copy with .to(device, non_blocking=True)"
-            f"{f' at {os.path.basename(file)}:{line}' if file else ''}"),
-            expected_gain_s_per_step=saving),)
-    return [Finding(
-        id="gpu_idle.pageable_copy",
-        title=(f"Host-to-device copies from pageable memory: {seconds * 1000:.1f} ms a step "
-               f"({nbytes / 1e6:.0f} MB at {nbytes / seconds / 1e9 if seconds else 0:.1f} GB/s)"),
-        severity=ev.severity_for_share(share), analyzer="gpu_idle",
-        summary=(f"Each step copies {nbytes / 1e6:.0f} MB to the GPU from pageable memory"
-                 f"{f' at {os.path.basename(file)}:{line}' if file else ''}: the driver stages "
-                 f"it through a pinned buffer and the host waits; from pinned memory at "
-                 f"{bw / 1e9:.0f} GB/s it would take {nbytes / bw * 1000:.1f} ms and run "
-                 f"asynchronously."),
-        seconds_lost_per_step=saving, share_of_step=share,
-        evidence={"rank": rank, "pageable_h2d_s_per_step": round(seconds, 6),
-                  "bytes_per_step": int(nbytes), "pinned_reference_GBps": round(bw / 1e9, 1),
-                  "pinned_reference": "measured in this window" if len(big) else "lead",
-                  "gpu_work_left_s_per_step": None if floor_s is None else round(floor_s, 6),
-                  "copy_share_of_window_step": None if share_of_window is None
-                  else round(share_of_window, 4), "steady_step_s": round(step_s, 6),
-                  "file": file, "line": line, "source": src},
-        prescriptions=prescriptions, ranks=(rank,))]
+        prescriptions = (
+            Prescription(
+                kind="code",
+                summary=(
+                    "keep the host tensors in pinned memory (tensor.pin_memory() once, where they are "
+                    f"made) and copy with .to(device, non_blocking=True)"
+                    f"{f' at {os.path.basename(file)}:{line}' if file else ''}"
+                ),
+                expected_gain_s_per_step=saving,
+            ),
+        )
+    return [
+        Finding(
+            id="gpu_idle.pageable_copy",
+            title=(
+                f"Host-to-device copies from pageable memory: {seconds * 1000:.1f} ms a step "
+                f"({nbytes / 1e6:.0f} MB at {nbytes / seconds / 1e9 if seconds else 0:.1f} GB/s)"
+            ),
+            severity=ev.severity_for_share(share),
+            analyzer="gpu_idle",
+            summary=(
+                f"Each step copies {nbytes / 1e6:.0f} MB to the GPU from pageable memory"
+                f"{f' at {os.path.basename(file)}:{line}' if file else ''}: the driver stages "
+                f"it through a pinned buffer and the host waits; from pinned memory at "
+                f"{bw / 1e9:.0f} GB/s it would take {nbytes / bw * 1000:.1f} ms and run "
+                f"asynchronously."
+            ),
+            seconds_lost_per_step=saving,
+            share_of_step=share,
+            evidence={
+                "rank": rank,
+                "pageable_h2d_s_per_step": round(seconds, 6),
+                "bytes_per_step": int(nbytes),
+                "pinned_reference_GBps": round(bw / 1e9, 1),
+                "pinned_reference": "measured in this window" if len(big) else "lead",
+                "gpu_work_left_s_per_step": None if floor_s is None else round(floor_s, 6),
+                "copy_share_of_window_step": None if share_of_window is None else round(share_of_window, 4),
+                "steady_step_s": round(step_s, 6),
+                "file": file,
+                "line": line,
+                "source": src,
+            },
+            prescriptions=prescriptions,
+            ranks=(rank,),
+        )
+    ]
 
 
 def _exposed_communication(run, rank, trace, step_s):
@@ -426,23 +505,43 @@ def _exposed_communication(run, rank, trace, step_s):
     if exposed < MIN_SHARE * step_s:
         return []
     share = exposed / step_s
-    return [Finding(
-        id="gpu_idle.exposed_communication",
-        title=(f"Communication not overlapped with compute: {exposed * 1000:.1f} ms a step "
-               f"({share:.0%}) on rank {rank}"),
-        severity=ev.severity_for_share(share), analyzer="gpu_idle",
-        summary=(f"Collective kernels run {comm * 1000:.1f} ms a step, {exposed * 1000:.1f} ms "
-                 "of it with no compute kernel beside them: the GPU computes nothing while it "
-                 "communicates (or waits for a slower rank inside the collective)."),
-        seconds_lost_per_step=exposed, share_of_step=share,
-        evidence={"rank": rank, "communication_s_per_step": round(comm, 6),
-                  "exposed_s_per_step": round(exposed, 6), "window": views},
-        prescriptions=(Prescription(kind="code", summary=(
-            "overlap the gradient all-reduce with backward: DDP(model, bucket_cap_mb=25, "
-            "gradient_as_bucket_view=True) with no collective of your own between backward and "
-            "the optimizer; FSDP: forward/backward prefetch; if one rank is slow, fix that "
-            "rank first (the collective waits for it)"), expected_gain_s_per_step=exposed),),
-        ranks=(rank,))]
+    return [
+        Finding(
+            id="gpu_idle.exposed_communication",
+            title=(
+                f"Communication not overlapped with compute: {exposed * 1000:.1f} ms a step "
+                f"({share:.0%}) on rank {rank}"
+            ),
+            severity=ev.severity_for_share(share),
+            analyzer="gpu_idle",
+            summary=(
+                f"Collective kernels run {comm * 1000:.1f} ms a step, {exposed * 1000:.1f} ms "
+                "of it with no compute kernel beside them: the GPU computes nothing while it "
+                "communicates (or waits for a slower rank inside the collective)."
+            ),
+            seconds_lost_per_step=exposed,
+            share_of_step=share,
+            evidence={
+                "rank": rank,
+                "communication_s_per_step": round(comm, 6),
+                "exposed_s_per_step": round(exposed, 6),
+                "window": views,
+            },
+            prescriptions=(
+                Prescription(
+                    kind="code",
+                    summary=(
+                        "overlap the gradient all-reduce with backward: DDP(model, bucket_cap_mb=25, "
+                        "gradient_as_bucket_view=True) with no collective of your own between backward and "
+                        "the optimizer; FSDP: forward/backward prefetch; if one rank is slow, fix that "
+                        "rank first (the collective waits for it)"
+                    ),
+                    expected_gain_s_per_step=exposed,
+                ),
+            ),
+            ranks=(rank,),
+        )
+    ]
 
 
 def _between_steps(run, rank, host_idle, step_s):
@@ -458,30 +557,54 @@ def _between_steps(run, rank, host_idle, step_s):
     if not len(slow) or lost < MIN_SHARE * step_s:
         return []
     share = lost / step_s
-    io = run.spans[(run.spans["rank"] == rank).to_numpy() & (run.spans["cat"] == "io").to_numpy()] \
-        if len(run.spans) else pd.DataFrame()
+    io = (
+        run.spans[(run.spans["rank"] == rank).to_numpy() & (run.spans["cat"] == "io").to_numpy()]
+        if len(run.spans)
+        else pd.DataFrame()
+    )
     callers = sorted({str(c) for c in io.get("caller", pd.Series(dtype=object)).dropna()})[:3]
     steps = [int(s) for s in slow.index]
     gaps = np.diff(steps)
     period = int(np.median(gaps)) if len(gaps) else None
-    return [Finding(
-        id="gpu_idle.between_steps",
-        title=(f"The GPU idles between steps on {len(steps)} of {len(between)} steps "
-               f"({slow.mean() * 1000:.1f} ms each{f', every {period} steps' if period else ''})"),
-        severity=ev.severity_for_share(share), analyzer="gpu_idle",
-        summary=("After the optimizer step and before the next step's work the host runs "
-                 "something (logging, evaluation, a checkpoint) while the GPU has nothing "
-                 f"queued: {lost * 1000:.1f} ms a step on average."),
-        steps_affected=tuple(steps), seconds_lost_per_step=lost, share_of_step=share,
-        evidence={"rank": rank, "steps": steps[:50], "period": period,
-                  "idle_s_on_those_steps": round(float(slow.mean()), 6),
-                  "idle_s_median_step": round(base, 6), "checkpoint_callers": callers},
-        prescriptions=(Prescription(kind="code", summary=(
-            "do it less often, or off the critical path: log device values read once every N "
-            "steps, evaluate every N steps, save checkpoints asynchronously "
-            "(torch.distributed.checkpoint.async_save) or less often"),
-            expected_gain_s_per_step=lost),),
-        ranks=(rank,))]
+    return [
+        Finding(
+            id="gpu_idle.between_steps",
+            title=(
+                f"The GPU idles between steps on {len(steps)} of {len(between)} steps "
+                f"({slow.mean() * 1000:.1f} ms each{f', every {period} steps' if period else ''})"
+            ),
+            severity=ev.severity_for_share(share),
+            analyzer="gpu_idle",
+            summary=(
+                "After the optimizer step and before the next step's work the host runs "
+                "something (logging, evaluation, a checkpoint) while the GPU has nothing "
+                f"queued: {lost * 1000:.1f} ms a step on average."
+            ),
+            steps_affected=tuple(steps),
+            seconds_lost_per_step=lost,
+            share_of_step=share,
+            evidence={
+                "rank": rank,
+                "steps": steps[:50],
+                "period": period,
+                "idle_s_on_those_steps": round(float(slow.mean()), 6),
+                "idle_s_median_step": round(base, 6),
+                "checkpoint_callers": callers,
+            },
+            prescriptions=(
+                Prescription(
+                    kind="code",
+                    summary=(
+                        "do it less often, or off the critical path: log device values read once every N "
+                        "steps, evaluate every N steps, save checkpoints asynchronously "
+                        "(torch.distributed.checkpoint.async_save) or less often"
+                    ),
+                    expected_gain_s_per_step=lost,
+                ),
+            ),
+            ranks=(rank,),
+        )
+    ]
 
 
 def analyze(run):
@@ -490,12 +613,13 @@ def analyze(run):
     if not len(stretch_rows) and not (len(trace) and (trace["cat"] == "kernel").any()):
         return []
     findings = []
-    ranks = sorted(set(stretch_rows["rank"]) | (set(trace["rank"]) if len(trace) else set()),
-                   key=lambda r: (len(str(r)), str(r)))
+    ranks = sorted(
+        set(stretch_rows["rank"]) | (set(trace["rank"]) if len(trace) else set()),
+        key=lambda r: (len(str(r)), str(r)),
+    )
     for rank in ranks:
         step_s = ev.median_step_s(run, rank)
-        rows = stretch_rows[(stretch_rows["rank"] == rank).to_numpy()] if len(stretch_rows) \
-            else stretch_rows
+        rows = stretch_rows[(stretch_rows["rank"] == rank).to_numpy()] if len(stretch_rows) else stretch_rows
         host_idle = _host_idle_per_step(rows)
         rank_trace = trace[(trace["rank"] == rank).to_numpy()] if len(trace) else trace
         window_rows = pd.DataFrame()

@@ -7,6 +7,7 @@ and how much of that idle lies inside given host calls (the host blocked in cuda
 synchronous copy, in a sync). The GPU is busy while any kernel, copy or memset runs on any
 stream; idle is the rest of each profiled step.
 """
+
 from __future__ import annotations
 
 import os
@@ -20,10 +21,14 @@ from traindx.analyzers import evidence as ev
 GPU_WORK = ("kernel", "gpu_memcpy", "gpu_memset")
 # the host waiting inside the driver: the GPU's idle while the host is in one of these is the
 # call's cost, not the cost of launching kernels (allocator, syncs, synchronous copies)
-ALLOCATOR_CALLS = re.compile(r"^(?:cudaMalloc|cudaFree|cuMemAlloc|cuMemFree|cuMemCreate|"
-                             r"cuMemRelease|cuMemMap|cuMemUnmap)")
-WAIT_CALLS = re.compile(r"^(?:cudaStreamSynchronize|cudaDeviceSynchronize|cudaEventSynchronize|"
-                        r"cuStreamSynchronize|cuCtxSynchronize|cudaMemcpy$|cudaMemcpy2D$)")
+ALLOCATOR_CALLS = re.compile(
+    r"^(?:cudaMalloc|cudaFree|cuMemAlloc|cuMemFree|cuMemCreate|"
+    r"cuMemRelease|cuMemMap|cuMemUnmap)"
+)
+WAIT_CALLS = re.compile(
+    r"^(?:cudaStreamSynchronize|cudaDeviceSynchronize|cudaEventSynchronize|"
+    r"cuStreamSynchronize|cuCtxSynchronize|cudaMemcpy$|cudaMemcpy2D$)"
+)
 
 
 def merged(starts, ends) -> np.ndarray:
@@ -59,16 +64,20 @@ def overlap_s(a: np.ndarray, b: np.ndarray) -> float:
     return total / 1e9
 
 
-def idle_intervals(trace: pd.DataFrame, start_ns: int, end_ns: int,
-                   opens_window: bool = False) -> np.ndarray:
+def idle_intervals(trace: pd.DataFrame, start_ns: int, end_ns: int, opens_window: bool = False) -> np.ndarray:
     """The GPU's idle intervals in [start_ns, end_ns): no kernel, copy or memset running. In
     the first step of a window (`opens_window`) the GPU may still run work queued before the
     profiler started, which it does not record: the idle before its first recorded work is
     unknown, and left out."""
-    gpu = trace[trace["cat"].isin(GPU_WORK).to_numpy()
-                & (trace["end_ns"] > start_ns).to_numpy() & (trace["start_ns"] < end_ns).to_numpy()]
-    busy = merged(np.clip(gpu["start_ns"].to_numpy(np.int64), start_ns, end_ns),
-                  np.clip(gpu["end_ns"].to_numpy(np.int64), start_ns, end_ns))
+    gpu = trace[
+        trace["cat"].isin(GPU_WORK).to_numpy()
+        & (trace["end_ns"] > start_ns).to_numpy()
+        & (trace["start_ns"] < end_ns).to_numpy()
+    ]
+    busy = merged(
+        np.clip(gpu["start_ns"].to_numpy(np.int64), start_ns, end_ns),
+        np.clip(gpu["end_ns"].to_numpy(np.int64), start_ns, end_ns),
+    )
     out, cursor = [], int(start_ns)
     if opens_window:
         if not len(busy):
@@ -86,11 +95,18 @@ def idle_intervals(trace: pd.DataFrame, start_ns: int, end_ns: int,
 def window_steps(run, rank, trace):
     """[(step, start_ns, end_ns, idle intervals)] of one rank's profiled steps."""
     steps = ev.trace_steps(run, rank)
-    profiled = set(int(s) for s in steps["step"])
-    return [(int(s.step), int(s.start_ns), int(s.end_ns),
-             idle_intervals(trace, int(s.start_ns), int(s.end_ns),
-                            opens_window=int(s.step) - 1 not in profiled))
-            for s in steps.itertuples()]
+    profiled = {int(s) for s in steps["step"]}
+    return [
+        (
+            int(s.step),
+            int(s.start_ns),
+            int(s.end_ns),
+            idle_intervals(
+                trace, int(s.start_ns), int(s.end_ns), opens_window=int(s.step) - 1 not in profiled
+            ),
+        )
+        for s in steps.itertuples()
+    ]
 
 
 def idle_in_calls_per_step(run, rank, trace, pattern) -> float | None:
@@ -136,10 +152,16 @@ def line_in_function(run, rank, file, function, kind=None):
     lo, hi = window if window else (0, len(samples.stacks) - 1)
     base = os.path.basename(str(file or ""))
     counts, of_kind = {}, {}
-    for stack, w in zip(samples.stacks[lo:hi + 1], samples.weights[lo:hi + 1]):
-        frame = next((f for f in reversed(stack)
-                      if f.name.split(".")[-1] == function.split(".")[-1]
-                      and (not base or os.path.basename(f.file) == base)), None)
+    for stack, w in zip(samples.stacks[lo : hi + 1], samples.weights[lo : hi + 1]):
+        frame = next(
+            (
+                f
+                for f in reversed(stack)
+                if f.name.split(".")[-1] == function.split(".")[-1]
+                and (not base or os.path.basename(f.file) == base)
+            ),
+            None,
+        )
         if frame is None:
             continue
         key = (frame.file, frame.line)

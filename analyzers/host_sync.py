@@ -13,6 +13,7 @@ makes launch_bound its symptom).
 On a CPU-only run there is no queue to wait for: the syncs and their call sites are counted, the
 cost cannot be measured.
 """
+
 from __future__ import annotations
 
 import re
@@ -21,21 +22,21 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from traindx.derive import ledger
-from traindx.analyzers.findings import Finding, Prescription
-
-from traindx.analyzers import codefix
+from traindx.analyzers import codefix, gpu_window
 from traindx.analyzers import evidence as ev
-from traindx.analyzers import gpu_window
+from traindx.analyzers.findings import Finding, Prescription
+from traindx.derive import ledger
 
 if TYPE_CHECKING:  # annotations only
     from traindx.derive.run import RunRecord
 
-SCALAR_READ = "aten::_local_scalar_dense"   # every .item()/float()/int()/bool() of a tensor
-CUDA_SYNC = re.compile(r"^(cudaStreamSynchronize|cudaDeviceSynchronize|cudaEventSynchronize|"
-                       r"cudaMemcpy|cudaMemcpy2D|cuStreamSynchronize|cuCtxSynchronize)$")
+SCALAR_READ = "aten::_local_scalar_dense"  # every .item()/float()/int()/bool() of a tensor
+CUDA_SYNC = re.compile(
+    r"^(cudaStreamSynchronize|cudaDeviceSynchronize|cudaEventSynchronize|"
+    r"cudaMemcpy|cudaMemcpy2D|cuStreamSynchronize|cuCtxSynchronize)$"
+)
 MODULE_CALL = re.compile(r"torch/nn/modules/module\.py\(\d+\): _(wrapped_)?call_impl$")
-MIN_SYNCS_PER_STEP_CPU = 3     # one scalar read per step (the loss for the log) is the norm
+MIN_SYNCS_PER_STEP_CPU = 3  # one scalar read per step (the loss for the log) is the norm
 MIN_SHARE_GPU = 0.03
 
 
@@ -55,9 +56,11 @@ def _sites(run, rank, rows, all_rows, syncs):
 
 # frames of a measured call (a module's forward, backward, the optimizer step, the DataLoader):
 # a sync's statement never reaches back past one (host_work._OWNING names the same calls)
-MEASURED_FRAME = re.compile(r"torch/nn/modules/module\.py\(\d+\): _(wrapped_)?call_impl$|"
-                            r"run_backward|^torch/autograd/|torch/_tensor\.py\(\d+\): backward$|"
-                            r"^torch/optim/|^torch/utils/data/")
+MEASURED_FRAME = re.compile(
+    r"torch/nn/modules/module\.py\(\d+\): _(wrapped_)?call_impl$|"
+    r"run_backward|^torch/autograd/|torch/_tensor\.py\(\d+\): backward$|"
+    r"^torch/optim/|^torch/utils/data/"
+)
 
 
 # torch.profiler's own syncs (the window closing) and the shim's: not the job's
@@ -76,8 +79,9 @@ class _Frames:
         self.parent = py["py_parent"].to_numpy(float)
         self.name = py["name"].to_numpy(object)
         parsed = {n: ev.parse_trace_frame(n) for n in set(self.name)}
-        self.own = np.array([bool(parsed[n]) and not ev.is_library_trace_file(parsed[n][0])
-                             for n in self.name], dtype=bool)
+        self.own = np.array(
+            [bool(parsed[n]) and not ev.is_library_trace_file(parsed[n][0]) for n in self.name], dtype=bool
+        )
         self.children = {}
         for i, parent in enumerate(self.parent):
             if np.isfinite(parent):
@@ -112,8 +116,7 @@ def _statement_ops(frames, op_start, op_end, t_ns, previous_sync_ns):
     siblings = [i for i in frames.children.get(frames.id[user], ()) if frames.start[i] < frames.start[child]]
     first = int(frames.start[child])
     for i in reversed(siblings):
-        if (frames.own[i] or MEASURED_FRAME.search(frames.name[i])
-                or frames.start[i] <= previous_sync_ns):
+        if frames.own[i] or MEASURED_FRAME.search(frames.name[i]) or frames.start[i] <= previous_sync_ns:
             break
         first = int(frames.start[i])
     keep = (op_start >= first) & (op_end <= frames.end[child])
@@ -136,14 +139,16 @@ def _sync_costs(run, rank, syncs, all_rows, steps):
     cpu_ops = all_rows[(all_rows["cat"] == "cpu_op").to_numpy()]
     frames, ops_of = {}, {}
     runtime = all_rows[all_rows["cat"].isin(("cuda_runtime", "cuda_driver")).to_numpy()]
-    owned = runtime[runtime["name"].str.match(gw.ALLOCATOR_CALLS).to_numpy()
-                    | runtime["name"].str.startswith("cudaMemcpy").to_numpy()]
+    owned = runtime[
+        runtime["name"].str.match(gw.ALLOCATOR_CALLS).to_numpy()
+        | runtime["name"].str.startswith("cudaMemcpy").to_numpy()
+    ]
     # and the tool's own work in its window (torch.profiler's, traindx's) is not the job's
     tool = _tool_frames(py)
-    owned = gw.merged(np.concatenate([owned["start_ns"].to_numpy(np.int64),
-                                      tool["start_ns"].to_numpy(np.int64)]),
-                      np.concatenate([owned["end_ns"].to_numpy(np.int64),
-                                      tool["end_ns"].to_numpy(np.int64)]))
+    owned = gw.merged(
+        np.concatenate([owned["start_ns"].to_numpy(np.int64), tool["start_ns"].to_numpy(np.int64)]),
+        np.concatenate([owned["end_ns"].to_numpy(np.int64), tool["end_ns"].to_numpy(np.int64)]),
+    )
     idle = [i for _, _, _, i in gw.window_steps(run, rank, all_rows)]
     idle = np.concatenate(idle) if idle else np.empty((0, 2), np.int64)
     gpu = all_rows[all_rows["cat"].isin(gw.GPU_WORK).to_numpy()]
@@ -157,8 +162,9 @@ def _sync_costs(run, rank, syncs, all_rows, steps):
             frames[row.tid] = _Frames(mine) if len(mine) else None
             ops = cpu_ops[(cpu_ops["tid"] == row.tid).to_numpy()]
             ops_of[row.tid] = (ops["start_ns"].to_numpy(np.int64), ops["end_ns"].to_numpy(np.int64))
-        ops, site, in_model = _statement_ops(frames[row.tid], *ops_of[row.tid], start,
-                                             previous.get(row.tid, -1))
+        ops, site, in_model = _statement_ops(
+            frames[row.tid], *ops_of[row.tid], start, previous.get(row.tid, -1)
+        )
         previous[row.tid] = end
         if ops is None:
             costs.append((None, None, False))  # torch.profiler's or traindx's own
@@ -182,8 +188,9 @@ def _tool_frames(py):
     tool = py[py["name"].str.contains(OWN_SYNC_FRAME).to_numpy()]
     names = py["name"].to_numpy(object)
     parsed = {n: ev.parse_trace_frame(n) for n in set(names)}
-    own = py[np.array([bool(parsed[n]) and not ev.is_library_trace_file(parsed[n][0])
-                       for n in names], dtype=bool)].sort_values("start_ns")
+    own = py[
+        np.array([bool(parsed[n]) and not ev.is_library_trace_file(parsed[n][0]) for n in names], dtype=bool)
+    ].sort_values("start_ns")
     starts, ends = own["start_ns"].to_numpy(np.int64), own["end_ns"].to_numpy(np.int64)
     i = np.searchsorted(starts, tool["start_ns"].to_numpy(np.int64), "left")
     inside = i < len(starts)
@@ -215,8 +222,11 @@ def _scalar_reads_by_the_job(rows, all_rows):
     loading = rows[rows["name"].str.startswith("enumerate(DataLoader)#")]
     keep = []
     for row in rows[rows["name"] == SCALAR_READ].itertuples():
-        if ((loading["tid"] == row.tid) & (loading["start_ns"] <= row.start_ns)
-                & (loading["end_ns"] >= row.end_ns)).any():
+        if (
+            (loading["tid"] == row.tid)
+            & (loading["start_ns"] <= row.start_ns)
+            & (loading["end_ns"] >= row.end_ns)
+        ).any():
             continue
         frames = ev.enclosing_frames(py, row.tid, row.start_ns)
         if not any(MODULE_CALL.search(n) for n in frames):
@@ -246,8 +256,11 @@ def _analyze_rank(run, rank, trace):
         syncs = syncs.sort_values("start_ns")
         costed = _sync_costs(run, rank, syncs, all_rows, steps)
         # the sites below rank by the idle they cause
-        syncs = syncs.assign(dur_s=[c for c, _, _ in costed], site=[s for _, s, _ in costed],
-                             in_model=[m for _, _, m in costed])
+        syncs = syncs.assign(
+            dur_s=[c for c, _, _ in costed],
+            site=[s for _, s, _ in costed],
+            in_model=[m for _, _, m in costed],
+        )
         syncs = syncs[[c is not None for c, _, _ in costed]]  # torch.profiler's own (window closing)
         if not len(syncs):
             return []
@@ -267,15 +280,24 @@ def _analyze_rank(run, rank, trace):
         severity, lost, share = "low", None, None
     sites = _sites(run, rank, rows, all_rows, syncs)
     ranked = sorted(sites.items(), key=lambda kv: (-kv[1][1], -kv[1][0]) if has_cuda else -kv[1][0])
-    site_list = [{"file": s[0] if s else None, "line": s[1] if s else None,
-                  "function": s[2] if s else None, "per_step": round(c / n_steps, 2),
-                  "gpu_idle_s_per_step": round(t / n_steps, 6) if has_cuda else None}
-                 for s, (c, t) in ranked[:5]]
+    site_list = [
+        {
+            "file": s[0] if s else None,
+            "line": s[1] if s else None,
+            "function": s[2] if s else None,
+            "per_step": round(c / n_steps, 2),
+            "gpu_idle_s_per_step": round(t / n_steps, 6) if has_cuda else None,
+        }
+        for s, (c, t) in ranked[:5]
+    ]
     for site in site_list:
         # torch.profiler names the function by its first line: the line in it that py-spy
         # sampled most inside the step loop is the statement's
-        at = gpu_window.line_in_function(run, rank, site["file"], site["function"]) \
-            if site["function"] else None
+        at = (
+            gpu_window.line_in_function(run, rank, site["file"], site["function"])
+            if site["function"]
+            else None
+        )
         if at is not None and at[1] != site["line"]:
             site.update(def_line=site["line"], line=at[1], path=at[0])
     top = ranked[0][0]
@@ -283,26 +305,35 @@ def _analyze_rank(run, rank, trace):
         top = (top[0], site_list[0]["line"], top[2])
     where = f"{top[2]} ({top[0]}:{top[1]})" if top else "an unknown function"
     count = len(syncs) / n_steps
-    evidence = {"rank": rank, "profiled_steps": [int(s) for s in steps["step"]],
-                "syncs_per_step": round(count, 2), "call_sites": site_list,
-                "syncs_in_model_per_step": round(float(syncs["in_model"].sum()) / n_steps, 2)
-                if "in_model" in syncs else None,
-                "device_in_trace": has_cuda,
-                "line_note": "torch.profiler names a function by its first line (or, for one "
-                             "already running when the window opened, the line it stood on); "
-                             "torch.cuda.set_sync_debug_mode('warn') prints the exact line on a GPU"}
+    evidence = {
+        "rank": rank,
+        "profiled_steps": [int(s) for s in steps["step"]],
+        "syncs_per_step": round(count, 2),
+        "call_sites": site_list,
+        "syncs_in_model_per_step": round(float(syncs["in_model"].sum()) / n_steps, 2)
+        if "in_model" in syncs
+        else None,
+        "device_in_trace": has_cuda,
+        "line_note": "torch.profiler names a function by its first line (or, for one "
+        "already running when the window opened, the line it stood on); "
+        "torch.cuda.set_sync_debug_mode('warn') prints the exact line on a GPU",
+    }
     blocked = _ledger_sync(run, rank)
     if blocked is not None:
         # the host's side, every step of the run (the shim times syncs on CUDA tensors): how long
         # the training thread waited in them; mostly the GPU finishing queued work, so not the cost
         evidence["host_blocked_in_syncs_s_per_step"] = round(blocked, 6)
     if has_cuda:
-        summary = (f"{count:.0f} syncs per step leave the GPU idle {lost * 1000:.1f} ms per step "
-                   f"({share:.0%}) until the CPU queues the next kernel; the most costly in {where}.")
+        summary = (
+            f"{count:.0f} syncs per step leave the GPU idle {lost * 1000:.1f} ms per step "
+            f"({share:.0%}) until the CPU queues the next kernel; the most costly in {where}."
+        )
     else:
-        summary = (f"{count:.0f} host reads of tensor values per step ({SCALAR_READ}, i.e. "
-                   f".item()/float()/bool()), the most in {where}. On a GPU each one waits for "
-                   "every queued kernel; this run has no GPU, so the cost is not measured.")
+        summary = (
+            f"{count:.0f} host reads of tensor values per step ({SCALAR_READ}, i.e. "
+            f".item()/float()/bool()), the most in {where}. On a GPU each one waits for "
+            "every queued kernel; this run has no GPU, so the cost is not measured."
+        )
     prescriptions = []
     seen = set()
     for site in site_list:
@@ -311,31 +342,53 @@ def _analyze_rank(run, rank, trace):
         path = _source_path(run, site)
         # the device-side forms of the reads at this site: a sum kept, a guard checked there
         for edits, what, why in (
-                (codefix.device_accumulations, "accumulate", "read the sum once, when it is printed"),
-                (codefix.device_checks, "check", "no wait for the queued kernels; a failing check "
-                 "stops the job with a device-side assert at a later sync instead of raising there")):
+            (codefix.device_accumulations, "accumulate", "read the sum once, when it is printed"),
+            (
+                codefix.device_checks,
+                "check",
+                "no wait for the queued kernels; a failing check "
+                "stops the job with a device-side assert at a later sync instead of raising there",
+            ),
+        ):
             for change in edits(path, site["line"]):
                 if (change["file"], change["line"]) in seen:
                     continue
                 seen.add((change["file"], change["line"]))
-                prescriptions.append(Prescription(
-                    kind="code", summary=f"{what} on the device at {change['file']}:"
-                                         f"{change['line']}: `{change['after'].splitlines()[-1].strip()}` "
-                                         f"({why})",
-                    change={"code": change}, expected_gain_s_per_step=lost, automatic=True))
-    prescriptions.append(Prescription(
-        kind="code",
-        summary=f"remove the host read in {where}: keep the value on the device (torch.where, "
-                "masks, torch.nan_to_num) or read it once per step / every N steps",
-        expected_gain_s_per_step=lost))
+                prescriptions.append(
+                    Prescription(
+                        kind="code",
+                        summary=f"{what} on the device at {change['file']}:"
+                        f"{change['line']}: `{change['after'].splitlines()[-1].strip()}` "
+                        f"({why})",
+                        change={"code": change},
+                        expected_gain_s_per_step=lost,
+                        automatic=True,
+                    )
+                )
+    prescriptions.append(
+        Prescription(
+            kind="code",
+            summary=f"remove the host read in {where}: keep the value on the device (torch.where, "
+            "masks, torch.nan_to_num) or read it once per step / every N steps",
+            expected_gain_s_per_step=lost,
+        )
+    )
     prescriptions = tuple(prescriptions)
-    return [Finding(
-        id="sync.host_device",
-        title=f"{count:.0f} host-device syncs per step on rank {rank}, most in "
-              f"{top[2] if top else '?'}",
-        severity=severity, analyzer="host_sync", summary=summary,
-        steps_affected=tuple(int(s) for s in steps["step"]), seconds_lost_per_step=lost,
-        share_of_step=share, evidence=evidence, prescriptions=prescriptions, ranks=(rank,))]
+    return [
+        Finding(
+            id="sync.host_device",
+            title=f"{count:.0f} host-device syncs per step on rank {rank}, most in {top[2] if top else '?'}",
+            severity=severity,
+            analyzer="host_sync",
+            summary=summary,
+            steps_affected=tuple(int(s) for s in steps["step"]),
+            seconds_lost_per_step=lost,
+            share_of_step=share,
+            evidence=evidence,
+            prescriptions=prescriptions,
+            ranks=(rank,),
+        )
+    ]
 
 
 def _source_path(run, site):

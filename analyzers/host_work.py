@@ -22,34 +22,35 @@ Where the code comes from:
 Steps that differ from each other are compared line by line (stability.line_periods): a host
 line that is dear every k-th step (k = 2 included) is named with its period.
 """
+
 import ast
 import os
 import re
 from collections import defaultdict
-from typing import Optional
 
 import numpy as np
 import pandas as pd
 
-from traindx.analyzers.findings import Finding, Prescription
-
 from traindx.analyzers import evidence as ev
+from traindx.analyzers.codefix import _innermost, _tree
+from traindx.analyzers.findings import Finding, Prescription
 from traindx.common.units import ordinal
 
-from traindx.analyzers.codefix import _innermost, _tree
-
-MIN_SHARE = 0.03           # of the steady step: a line below this is not worth a finding
-MIN_SECONDS = 0.001        # ...nor one under a millisecond a step (nothing measurable to gain)
-MIN_SAMPLES = 3            # py-spy samples of a line before it is named at all
-LOADED_WAIT = 0.10         # of the step waiting for a core: a line needs MIN_SAMPLES that saw
-                           # it run or block (not wait) before it is named
+MIN_SHARE = 0.03  # of the steady step: a line below this is not worth a finding
+MIN_SECONDS = 0.001  # ...nor one under a millisecond a step (nothing measurable to gain)
+MIN_SAMPLES = 3  # py-spy samples of a line before it is named at all
+LOADED_WAIT = 0.10  # of the step waiting for a core: a line needs MIN_SAMPLES that saw
+# it run or block (not wait) before it is named
 ANALYZER = "host_work"
 
 # a frame of a measured call owns everything beneath it (its time is another ledger line);
 # (path fragment, function names or None for any), checked on library frames only
 _OWNING = (
-    ("torch/nn/modules/module.py", {"_call_impl", "_wrapped_call_impl", "Module._call_impl",
-                                    "Module._wrapped_call_impl"}, "forward"),
+    (
+        "torch/nn/modules/module.py",
+        {"_call_impl", "_wrapped_call_impl", "Module._call_impl", "Module._wrapped_call_impl"},
+        "forward",
+    ),
     ("torch/autograd/", None, "backward"),
     ("torch/_tensor.py", {"backward", "Tensor.backward"}, "backward"),
     ("torch/utils/data/dataloader.py", None, "data"),
@@ -63,38 +64,64 @@ _OWNING = (
 _OPTIMIZER = ("torch/optim/",)
 # torch's own training utilities between backward and the step (gradient clipping, zero_grad,
 # the LR scheduler): the optimizer's work, not host work a user would move or cache
-_TRAINING_MATH = ("torch/nn/utils/clip_grad.py", "torch/optim/lr_scheduler.py",
-                  "torch/nn/utils/parametrize.py")
+_TRAINING_MATH = (
+    "torch/nn/utils/clip_grad.py",
+    "torch/optim/lr_scheduler.py",
+    "torch/nn/utils/parametrize.py",
+)
 _ZERO_GRAD = re.compile(r"(^|\.)zero_grad$")
 # calls whose time the shim books into another ledger line (its analyzer names them)
-MEASURED_ELSEWHERE = ((re.compile(r"gc\.collect\s*\("), "gc"),
-                      (re.compile(r"\.(item|tolist|cpu)\s*\(\s*\)|\bsynchronize\s*\("), "sync"),
-                      (re.compile(r"\b(torch\.save|save_checkpoint)\s*\("), "io"))
+MEASURED_ELSEWHERE = (
+    (re.compile(r"gc\.collect\s*\("), "gc"),
+    (re.compile(r"\.(item|tolist|cpu)\s*\(\s*\)|\bsynchronize\s*\("), "sync"),
+    (re.compile(r"\b(torch\.save|save_checkpoint)\s*\("), "io"),
+)
 
 # the kind of work a line ends in -> how it reads
 _KINDS = (
     ("sleep", re.compile(r"(^|\.)sleep\b|time\.sleep")),
-    ("wait", re.compile(r"\b(wait|join|acquire|select|poll|recv|accept)\b|threading|queue\.py|"
-                        r"socket|subprocess|urllib|requests|http")),
-    ("image", re.compile(r"\bPIL\b|PIL/|cv2|imageio|torchvision/io|\.save\(.*\.(png|jpe?g)|"
-                         r"Image\.|encode|decode")),
-    ("file", re.compile(r"\bopen\s*\(|\.read\w*\s*\(|\.write\w*\s*\(|np\.load|json\.(load|dump)|"
-                        r"pickle|shutil|os\.(listdir|walk|stat)|glob|\bio\.|h5py|pandas/io")),
+    (
+        "wait",
+        re.compile(
+            r"\b(wait|join|acquire|select|poll|recv|accept)\b|threading|queue\.py|"
+            r"socket|subprocess|urllib|requests|http"
+        ),
+    ),
+    (
+        "image",
+        re.compile(
+            r"\bPIL\b|PIL/|cv2|imageio|torchvision/io|\.save\(.*\.(png|jpe?g)|"
+            r"Image\.|encode|decode"
+        ),
+    ),
+    (
+        "file",
+        re.compile(
+            r"\bopen\s*\(|\.read\w*\s*\(|\.write\w*\s*\(|np\.load|json\.(load|dump)|"
+            r"pickle|shutil|os\.(listdir|walk|stat)|glob|\bio\.|h5py|pandas/io"
+        ),
+    ),
     ("numpy", re.compile(r"\bnumpy\b|numpy/|\bnp\.")),
     ("logging", re.compile(r"\bprint\s*\(|logging/|\blog(ger)?\.|tqdm|rich/|wandb|tensorboard")),
     ("tensor", re.compile(r"\btorch\b|torch/")),
 )
-KIND_TEXT = {"sleep": "a blocking sleep", "wait": "a blocking wait", "image": "image encoding",
-             "file": "a file read/write", "numpy": "numpy", "logging": "logging",
-             "tensor": "a tensor op on the CPU", "python": "Python code"}
+KIND_TEXT = {
+    "sleep": "a blocking sleep",
+    "wait": "a blocking wait",
+    "image": "image encoding",
+    "file": "a file read/write",
+    "numpy": "numpy",
+    "logging": "logging",
+    "tensor": "a tensor op on the CPU",
+    "python": "Python code",
+}
 
 
 # -- where the code comes from ------------------------------------------------------------------
-def _lib_category(frame) -> Optional[str]:
+def _lib_category(frame) -> str | None:
     path = (frame.file or "").replace("\\", "/")
     for fragment, names, cat in _OWNING:
-        if fragment in path and (names is None or frame.name in names
-                                 or frame.name.split(".")[-1] in names):
+        if fragment in path and (names is None or frame.name in names or frame.name.split(".")[-1] in names):
             return cat
     return None
 
@@ -191,13 +218,15 @@ def _loop_window(stacks):
     """(first, last) sample index inside a measured call: the step loop, start-up and teardown
     left out (py-spy keeps sample order)."""
     kinds = [classify_stack(st)[0] for st in stacks]
-    idx = [i for i, k in enumerate(kinds) if k in
-           ("forward", "backward", "data", "optimizer", "training_math")]
+    idx = [
+        i for i, k in enumerate(kinds) if k in ("forward", "backward", "data", "optimizer", "training_math")
+    ]
     if not idx:
         # a model so small that py-spy never caught it in a measured call: the training
         # thread's samples outside imports, from its first own line on
-        idx = [i for i, (k, st) in enumerate(zip(kinds, stacks))
-               if k is not None and not ev.is_import_sample(st)]
+        idx = [
+            i for i, (k, st) in enumerate(zip(kinds, stacks)) if k is not None and not ev.is_import_sample(st)
+        ]
     return (idx[0], idx[-1]) if idx else None
 
 
@@ -217,9 +246,9 @@ def pyspy_host_code(run, rank):
         return None
     lo, hi = window
     total = 0.0
-    groups = defaultdict(lambda: [0.0, 0, 0])   # seconds, samples, runs (bursts in time order)
+    groups = defaultdict(lambda: [0.0, 0, 0])  # seconds, samples, runs (bursts in time order)
     previous = None
-    for stack, weight in zip(samples.stacks[lo:hi + 1], samples.weights[lo:hi + 1]):
+    for stack, weight in zip(samples.stacks[lo : hi + 1], samples.weights[lo : hi + 1]):
         if ev.is_import_sample(stack):
             continue
         total += weight
@@ -227,8 +256,7 @@ def pyspy_host_code(run, rank):
         if what != "host":
             previous = None
             continue
-        key = (user.name, user.file, user.line, lib.name if lib else None,
-               lib.file if lib else None)
+        key = (user.name, user.file, user.line, lib.name if lib else None, lib.file if lib else None)
         g = groups[key]
         g[0] += weight
         g[1] += 1
@@ -237,11 +265,34 @@ def pyspy_host_code(run, rank):
         previous = (user.name, user.file)
     if not total:
         return None
-    rows = [{"function": k[0], "file": k[1], "line": k[2], "lib_function": k[3], "lib_file": k[4],
-             "seconds_sampled": w, "samples": n, "runs": r, "share": w / total}
-            for k, (w, n, r) in groups.items()]
-    return pd.DataFrame(rows, columns=["function", "file", "line", "lib_function", "lib_file",
-                                       "seconds_sampled", "samples", "runs", "share"]), total
+    rows = [
+        {
+            "function": k[0],
+            "file": k[1],
+            "line": k[2],
+            "lib_function": k[3],
+            "lib_file": k[4],
+            "seconds_sampled": w,
+            "samples": n,
+            "runs": r,
+            "share": w / total,
+        }
+        for k, (w, n, r) in groups.items()
+    ]
+    return pd.DataFrame(
+        rows,
+        columns=[
+            "function",
+            "file",
+            "line",
+            "lib_function",
+            "lib_file",
+            "seconds_sampled",
+            "samples",
+            "runs",
+            "share",
+        ],
+    ), total
 
 
 def _ledger_host_code(run):
@@ -325,15 +376,15 @@ def _async_edit(src, path, line, cwd, daemon=True):
         return None
     real = next((c for c in (path, os.path.join(cwd or "", path)) if os.path.isfile(c)), None)
     file_tree, lines = _tree(real) if real else (None, [])
-    if not 0 < line <= len(lines) or (assigned and (
-            file_tree is None or _names_read(file_tree, line) & assigned)):
+    if not 0 < line <= len(lines) or (
+        assigned and (file_tree is None or _names_read(file_tree, line) & assigned)
+    ):
         return None
     raw = lines[line - 1]
     indent = raw[: len(raw) - len(raw.lstrip())]
     parts = [ast.get_source_segment(src, value) for value in work]
     target = parts[0] if len(parts) == 1 else "(" + ", ".join(parts) + ")"
-    after = (f"{indent}__import__('threading').Thread(target=lambda: {target}, "
-             f"daemon={bool(daemon)}).start()")
+    after = f"{indent}__import__('threading').Thread(target=lambda: {target}, daemon={bool(daemon)}).start()"
     return {"file": path, "line": line, "before": raw, "after": after, "op": "replace"}
 
 
@@ -346,37 +397,70 @@ def _names_read(file_tree, line):
 def _prescriptions(kind, where, src, path, line, seconds, has_gpu, cwd, period=None):
     out = []
     if period:
-        out.append(Prescription(
-            kind="code", summary=(f"It runs on every {ordinal(period)} step only: do it less often "
-                                  f"still, or off the training thread ({where})"),
-            expected_gain_s_per_step=seconds))
-    edit = _async_edit(src, path, line, cwd, daemon=kind in ("sleep", "wait")) \
-        if kind in ("sleep", "wait", "file", "logging", "image", "python") else None
+        out.append(
+            Prescription(
+                kind="code",
+                summary=(
+                    f"It runs on every {ordinal(period)} step only: do it less often "
+                    f"still, or off the training thread ({where})"
+                ),
+                expected_gain_s_per_step=seconds,
+            )
+        )
+    edit = (
+        _async_edit(src, path, line, cwd, daemon=kind in ("sleep", "wait"))
+        if kind in ("sleep", "wait", "file", "logging", "image", "python")
+        else None
+    )
     if edit:
-        out.append(Prescription(
-            kind="code", summary=f"Run it asynchronously, off the training thread: {where}",
-            change={"code": edit}, expected_gain_s_per_step=seconds,
-            command=f"- {edit['before'].strip()}\n+ {edit['after'].strip()}"))
+        out.append(
+            Prescription(
+                kind="code",
+                summary=f"Run it asynchronously, off the training thread: {where}",
+                change={"code": edit},
+                expected_gain_s_per_step=seconds,
+                command=f"- {edit['before'].strip()}\n+ {edit['after'].strip()}",
+            )
+        )
     if kind in ("file", "image", "numpy", "python", "tensor", "sleep", "wait"):
-        out.append(Prescription(
-            kind="code", summary=("If it prepares the batch, move it into the Dataset's "
-                                  "__getitem__ (or a collate_fn) and set DataLoader(num_workers=N,"
-                                  " persistent_workers=True): it then runs beside the step"),
-            expected_gain_s_per_step=seconds))
+        out.append(
+            Prescription(
+                kind="code",
+                summary=(
+                    "If it prepares the batch, move it into the Dataset's "
+                    "__getitem__ (or a collate_fn) and set DataLoader(num_workers=N,"
+                    " persistent_workers=True): it then runs beside the step"
+                ),
+                expected_gain_s_per_step=seconds,
+            )
+        )
     if kind in ("file", "image", "sleep", "wait", "logging"):
-        out.append(Prescription(
-            kind="code", summary=("Do it less often (every N steps) or asynchronously (a "
-                                  "background thread or process)"),
-            expected_gain_s_per_step=seconds))
+        out.append(
+            Prescription(
+                kind="code",
+                summary=(
+                    "Do it less often (every N steps) or asynchronously (a background thread or process)"
+                ),
+                expected_gain_s_per_step=seconds,
+            )
+        )
     if kind in ("file", "numpy", "tensor", "python", "image"):
-        out.append(Prescription(
-            kind="code", summary="If its result repeats from step to step, compute it once and "
-                                 "cache it (before the loop, or functools.lru_cache)",
-            expected_gain_s_per_step=seconds))
+        out.append(
+            Prescription(
+                kind="code",
+                summary="If its result repeats from step to step, compute it once and "
+                "cache it (before the loop, or functools.lru_cache)",
+                expected_gain_s_per_step=seconds,
+            )
+        )
     if kind in ("numpy", "tensor") and has_gpu:
-        out.append(Prescription(
-            kind="code", summary="Move it to the GPU (torch ops on the device tensors instead "
-                                 "of numpy / CPU tensors)", expected_gain_s_per_step=seconds))
+        out.append(
+            Prescription(
+                kind="code",
+                summary="Move it to the GPU (torch ops on the device tensors instead of numpy / CPU tensors)",
+                expected_gain_s_per_step=seconds,
+            )
+        )
     return out
 
 
@@ -413,7 +497,7 @@ def _claimed(src, led):
 def _groups_from_ledger(table, rank, led):
     """Per line seconds per steady step from ledger.host_code (and per step, for periods)."""
     t = table[table["rank"].astype(str) == str(rank)]
-    steps = set(int(s) for s in led["step"])
+    steps = {int(s) for s in led["step"]}
     t = t[t["step"].isin(steps)]
     if not len(t):
         return []
@@ -422,12 +506,20 @@ def _groups_from_ledger(table, rank, led):
     waits = "runq_s" in t and t["runq_s"].notna().any()
     for (fn, file, line, call), g in t.groupby(["function", "file", "line", "call"], dropna=False):
         per_step = g.groupby("step")["seconds"].sum()
-        out.append({"function": fn, "file": file, "line": int(line), "call": call,
-                    "lib_file": None, "seconds": float(per_step.sum()) / n,
-                    "runq_s": float(g["runq_s"].fillna(0.0).sum()) / n if waits else None,
-                    "samples": int(g["samples"].sum()) if "samples" in g else None,
-                    "per_step": per_step.reindex(sorted(steps), fill_value=0.0),
-                    "method": "traindx.derive.ledger.host_code: the ledger's host intervals"})
+        out.append(
+            {
+                "function": fn,
+                "file": file,
+                "line": int(line),
+                "call": call,
+                "lib_file": None,
+                "seconds": float(per_step.sum()) / n,
+                "runq_s": float(g["runq_s"].fillna(0.0).sum()) / n if waits else None,
+                "samples": int(g["samples"].sum()) if "samples" in g else None,
+                "per_step": per_step.reindex(sorted(steps), fill_value=0.0),
+                "method": "traindx.derive.ledger.host_code: the ledger's host intervals",
+            }
+        )
     return out
 
 
@@ -451,26 +543,46 @@ def _groups_from_pyspy(run, rank, led):
     steps = run.rank_steps(rank)
     n_steps = max(1, len(steps))
     # samples per second the recorder really took over the loop (a starved py-spy takes fewer)
-    rate = float(table["samples"].sum()) / max(1e-9, float(table["seconds_sampled"].sum())) \
-        if len(table) else 0.0
-    mean_step = float(steps["duration_s"].mean()) if len(steps) and "duration_s" in steps \
+    rate = (
+        float(table["samples"].sum()) / max(1e-9, float(table["seconds_sampled"].sum()))
+        if len(table)
+        else 0.0
+    )
+    mean_step = (
+        float(steps["duration_s"].mean())
+        if len(steps) and "duration_s" in steps
         else float(led["wall_s"].mean())
+    )
     capacity = _host_capacity(led)
     out = []
     for r in table.itertuples():
         seconds = min(r.share * mean_step, capacity)
-        sampled = r.share * mean_step       # before the cap: a call booked in another line
+        sampled = r.share * mean_step  # before the cap: a call booked in another line
         lib_fn = r.lib_function if isinstance(r.lib_function, str) else None
         lib_file = r.lib_file if isinstance(r.lib_file, str) else None
         call = f"{_module_of(lib_file)}.{lib_fn.split('.')[-1]}" if lib_fn else None
-        out.append({"function": r.function, "file": r.file, "line": int(r.line), "call": call,
-                    "lib_file": lib_file, "seconds": seconds, "per_step": None,
-                    "seconds_sampled": sampled,
-                    "samples": int(r.samples), "share_of_loop_samples": round(float(r.share), 4),
-                    "runs": int(r.runs), "loop_steps": n_steps, "sample_rate": rate,
-                    "few_samples": int(r.samples) < MIN_SAMPLES,
-                    "method": ("py-spy samples of the training thread outside its measured calls "
-                               "(share of the loop's samples x the mean step)")})
+        out.append(
+            {
+                "function": r.function,
+                "file": r.file,
+                "line": int(r.line),
+                "call": call,
+                "lib_file": lib_file,
+                "seconds": seconds,
+                "per_step": None,
+                "seconds_sampled": sampled,
+                "samples": int(r.samples),
+                "share_of_loop_samples": round(float(r.share), 4),
+                "runs": int(r.runs),
+                "loop_steps": n_steps,
+                "sample_rate": rate,
+                "few_samples": int(r.samples) < MIN_SAMPLES,
+                "method": (
+                    "py-spy samples of the training thread outside its measured calls "
+                    "(share of the loop's samples x the mean step)"
+                ),
+            }
+        )
     return out
 
 
@@ -486,14 +598,29 @@ def _call_site_note(run, rank, g, src, line_name, seconds, share, cwd):
         except (OSError, IndexError):
             continue
     return Finding(
-        id="host_work.call_site", title=f"{src} at {path}:{g['line']} ({line_name} line)",
-        severity="info", analyzer=ANALYZER,
-        summary=(f"The loop calls `{src}` itself at {path}:{g['line']}, {seconds:.3f} s a step "
-                 f"({share:.0%}) on the ledger's {line_name} line."),
-        seconds_lost_per_step=seconds, share_of_step=share, ranks=(rank,),
-        evidence={"rank": rank, "file": path, "path": g["file"], "line": g["line"],
-                  "source": src, "raw": raw, "function": g["function"], "ledger_line": line_name,
-                  "seconds_per_step": round(seconds, 5)})
+        id="host_work.call_site",
+        title=f"{src} at {path}:{g['line']} ({line_name} line)",
+        severity="info",
+        analyzer=ANALYZER,
+        summary=(
+            f"The loop calls `{src}` itself at {path}:{g['line']}, {seconds:.3f} s a step "
+            f"({share:.0%}) on the ledger's {line_name} line."
+        ),
+        seconds_lost_per_step=seconds,
+        share_of_step=share,
+        ranks=(rank,),
+        evidence={
+            "rank": rank,
+            "file": path,
+            "path": g["file"],
+            "line": g["line"],
+            "source": src,
+            "raw": raw,
+            "function": g["function"],
+            "ledger_line": line_name,
+            "seconds_per_step": round(seconds, 5),
+        },
+    )
 
 
 def _call_sites_from_pyspy(run, rank, led, step_s, cwd, noted):
@@ -519,7 +646,7 @@ def _call_sites_from_pyspy(run, rank, led, step_s, cwd, noted):
 
 def _display(path, cwd):
     if cwd and path and path.startswith(cwd.rstrip("/") + "/"):
-        return path[len(cwd.rstrip("/")) + 1:]
+        return path[len(cwd.rstrip("/")) + 1 :]
     return path
 
 
@@ -551,9 +678,9 @@ def _analyze_rank(run, rank):
             if p is not None:
                 fits.setdefault(f"{p['line']}:{p['period']}", []).append(g)
     ambiguous = {k: v for k, v in fits.items() if len(v) > 1}
-    candidates = []     # host lines py-spy saw too seldom to name alone, for the periodic lines
+    candidates = []  # host lines py-spy saw too seldom to name alone, for the periodic lines
     own_step = _own_step_s(run, rank, led)
-    noted = set()       # (file, line) of the call-site notes made
+    noted = set()  # (file, line) of the call-site notes made
     for g in groups:
         if own_step is not None and g.get("runq_s") is not None:
             _without_runqueue_wait(g, own_step, step_s)
@@ -567,8 +694,7 @@ def _analyze_rank(run, rank):
             # site goes to that finding (chains.attach_call_sites), not a finding of its own
             booked = min(g.get("seconds_sampled", seconds), float(led[f"{claimed}_s"].mean()))
             if booked / step_s >= MIN_SHARE and g["file"] and not ev.is_library_path(g["file"]):
-                findings.append(_call_site_note(run, rank, g, src, claimed, booked,
-                                                booked / step_s, cwd))
+                findings.append(_call_site_note(run, rank, g, src, claimed, booked, booked / step_s, cwd))
                 noted.add((g["file"], g["line"]))
             continue
         if (g["file"], g["line"]) not in framework_lines:
@@ -588,51 +714,92 @@ def _analyze_rank(run, rank):
             used_periods.add(period["line"] + f":{period['period']}")
         what = KIND_TEXT[kind] + (f" ({call})" if call else "")
         if framework:
-            title = (f"The framework's loop between its measured calls: {seconds * 1e3:.0f} ms a "
-                     f"step under {g['function']}() ({where})")
+            title = (
+                f"The framework's loop between its measured calls: {seconds * 1e3:.0f} ms a "
+                f"step under {g['function']}() ({where})"
+            )
             severity = "info"
-            summary = (f"{share:.0%} of the step runs in library code called from {where} "
-                       f"({call or 'the framework'}) between the model's forward/backward, the "
-                       "optimizer step and the data wait: the framework's own per-step work "
-                       "(logging, callbacks, progress bars). Not a line of your loop body.")
+            summary = (
+                f"{share:.0%} of the step runs in library code called from {where} "
+                f"({call or 'the framework'}) between the model's forward/backward, the "
+                "optimizer step and the data wait: the framework's own per-step work "
+                "(logging, callbacks, progress bars). Not a line of your loop body."
+            )
             pres = ()
         else:
             every = f" on every {ordinal(period['period'])} step" if period else ""
-            title = (f"Host work in the training loop{every}: {g['function']}() at {where}, "
-                     f"{seconds * 1e3:.0f} ms a step ({share:.0%})")
+            title = (
+                f"Host work in the training loop{every}: {g['function']}() at {where}, "
+                f"{seconds * 1e3:.0f} ms a step ({share:.0%})"
+            )
             severity = _severity(kind, share, has_gpu)
-            summary = (f"The training thread spends {seconds:.3f} s a step ({share:.0%} of the "
-                       f"step) at {where} in {g['function']}()"
-                       + (f": `{src}`" if src else "") + f", ending in {what}. No other line of "
-                       "the ledger covers it: the step waits for it.")
+            summary = (
+                f"The training thread spends {seconds:.3f} s a step ({share:.0%} of the "
+                f"step) at {where} in {g['function']}()"
+                + (f": `{src}`" if src else "")
+                + f", ending in {what}. No other line of "
+                "the ledger covers it: the step waits for it."
+            )
             waited = g.get("runqueue_wait")
             if waited and waited["step_s"] - waited["step_own_s"] > 0.001:
-                summary += (f" The machine was loaded: the thread waited "
-                            f"{(waited['step_s'] - waited['step_own_s']) * 1e3:.0f} ms of each "
-                            f"{waited['step_s'] * 1e3:.0f} ms step for a core "
-                            f"({waited['line_runq_s'] * 1e3:.0f} ms of it at this line); the share "
-                            f"is of the {waited['step_own_s'] * 1e3:.0f} ms it ran or blocked.")
+                summary += (
+                    f" The machine was loaded: the thread waited "
+                    f"{(waited['step_s'] - waited['step_own_s']) * 1e3:.0f} ms of each "
+                    f"{waited['step_s'] * 1e3:.0f} ms step for a core "
+                    f"({waited['line_runq_s'] * 1e3:.0f} ms of it at this line); the share "
+                    f"is of the {waited['step_own_s'] * 1e3:.0f} ms it ran or blocked."
+                )
             if period:
-                summary += (f" It differs from step to step: every {ordinal(period['period'])} step "
-                            f"(steps ≡ {period['residue']} mod {period['period']}) the "
-                            f"{period['label']} line is {period['excess_s'] * 1e3:.0f} ms longer.")
-            pres = tuple(_prescriptions(kind, where, src, g["file"], g["line"], seconds,
-                                        has_gpu, cwd, period["period"] if period else None))
-        evidence = {"rank": rank, "function": g["function"], "file": path, "line": g["line"],
-                    "call": call, "kind": kind, "source": src,
-                    "seconds_per_step": round(seconds, 5), "method": g["method"],
-                    "step_s": round(step_s, 5)}
+                summary += (
+                    f" It differs from step to step: every {ordinal(period['period'])} step "
+                    f"(steps ≡ {period['residue']} mod {period['period']}) the "
+                    f"{period['label']} line is {period['excess_s'] * 1e3:.0f} ms longer."
+                )
+            pres = tuple(
+                _prescriptions(
+                    kind,
+                    where,
+                    src,
+                    g["file"],
+                    g["line"],
+                    seconds,
+                    has_gpu,
+                    cwd,
+                    period["period"] if period else None,
+                )
+            )
+        evidence = {
+            "rank": rank,
+            "function": g["function"],
+            "file": path,
+            "line": g["line"],
+            "call": call,
+            "kind": kind,
+            "source": src,
+            "seconds_per_step": round(seconds, 5),
+            "method": g["method"],
+            "step_s": round(step_s, 5),
+        }
         for k in ("samples", "share_of_loop_samples", "runqueue_wait"):
             if g.get(k) is not None:
                 evidence[k] = g[k]
         if period:
             evidence["period"] = period
-        findings.append(Finding(
-            id="host_work.framework_loop" if framework else "host_work.code",
-            title=title, severity=severity, analyzer=ANALYZER, summary=summary,
-            steps_affected=tuple(period["steps"]) if period else (),
-            seconds_lost_per_step=seconds, share_of_step=share, evidence=evidence,
-            prescriptions=pres, ranks=(rank,)))
+        findings.append(
+            Finding(
+                id="host_work.framework_loop" if framework else "host_work.code",
+                title=title,
+                severity=severity,
+                analyzer=ANALYZER,
+                summary=summary,
+                steps_affected=tuple(period["steps"]) if period else (),
+                seconds_lost_per_step=seconds,
+                share_of_step=share,
+                evidence=evidence,
+                prescriptions=pres,
+                ranks=(rank,),
+            )
+        )
     if from_ledger:
         findings.extend(_call_sites_from_pyspy(run, rank, led, step_s, cwd, noted))
     # a line that differs with a period and no code named for it: the line itself, with the
@@ -652,34 +819,64 @@ def _analyze_rank(run, rank):
             # one most sampled first (py-spy cannot say which one runs only on those steps)
             order = [(g, src) for g, src in candidates if any(g is t for t in tied)]
             candidates = order + [c for c in candidates if c not in order]
-            evidence["candidates"] = [{"function": g["function"], "file": _display(g["file"], cwd),
-                                       "line": g["line"], "seconds_per_step": round(g["seconds"], 5)}
-                                      for g in tied]
+            evidence["candidates"] = [
+                {
+                    "function": g["function"],
+                    "file": _display(g["file"], cwd),
+                    "line": g["line"],
+                    "seconds_per_step": round(g["seconds"], 5),
+                }
+                for g in tied
+            ]
         if candidates:
             g, src = candidates[0]
             path = _display(g["file"], cwd)
             where = f"{path}:{g['line']}"
             call = (g["call"] if isinstance(g["call"], str) else None) or _call_name(None, src)
             kind = kind_of(call, src, g.get("lib_file"))
-            code_text = (f" The host code py-spy saw most of in the loop is {g['function']}() at "
-                         f"{where}" + (f": `{src}`" if src else "") + f" ({KIND_TEXT[kind]}).")
+            code_text = (
+                f" The host code py-spy saw most of in the loop is {g['function']}() at "
+                f"{where}" + (f": `{src}`" if src else "") + f" ({KIND_TEXT[kind]})."
+            )
             if len(tied) > 1:
-                code_text += (" Lines that cost what the excess spreads over the period: "
-                              + ", ".join(f"{c['file']}:{c['line']}" for c in evidence["candidates"])
-                              + " (py-spy has no steps: one of them runs on these steps only).")
-            evidence.update(function=g["function"], file=path, line=g["line"], call=call,
-                            kind=kind, source=src, samples=g.get("samples"))
-            pres = tuple(_prescriptions(kind, where, src, g["file"], g["line"], lost, has_gpu,
-                                        cwd, p["period"]))
-        findings.append(Finding(
-            id="host_work.periodic_line",
-            title=(f"Every {ordinal(p['period'])} step the {p['label']} line is "
-                   f"{p['excess_s'] * 1e3:.0f} ms longer on rank {rank}"),
-            severity=_severity(evidence.get("kind"), share, has_gpu), analyzer=ANALYZER,
-            summary=(f"Steps ≡ {p['residue']} mod {p['period']} spend {p['slow_s']:.3f} s in "
-                     f"{p['label']} against {p['other_s']:.3f} s for the others." + code_text),
-            steps_affected=tuple(p["steps"]), seconds_lost_per_step=lost, share_of_step=share,
-            evidence=evidence, prescriptions=pres, ranks=(rank,)))
+                code_text += (
+                    " Lines that cost what the excess spreads over the period: "
+                    + ", ".join(f"{c['file']}:{c['line']}" for c in evidence["candidates"])
+                    + " (py-spy has no steps: one of them runs on these steps only)."
+                )
+            evidence.update(
+                function=g["function"],
+                file=path,
+                line=g["line"],
+                call=call,
+                kind=kind,
+                source=src,
+                samples=g.get("samples"),
+            )
+            pres = tuple(
+                _prescriptions(kind, where, src, g["file"], g["line"], lost, has_gpu, cwd, p["period"])
+            )
+        findings.append(
+            Finding(
+                id="host_work.periodic_line",
+                title=(
+                    f"Every {ordinal(p['period'])} step the {p['label']} line is "
+                    f"{p['excess_s'] * 1e3:.0f} ms longer on rank {rank}"
+                ),
+                severity=_severity(evidence.get("kind"), share, has_gpu),
+                analyzer=ANALYZER,
+                summary=(
+                    f"Steps ≡ {p['residue']} mod {p['period']} spend {p['slow_s']:.3f} s in "
+                    f"{p['label']} against {p['other_s']:.3f} s for the others." + code_text
+                ),
+                steps_affected=tuple(p["steps"]),
+                seconds_lost_per_step=lost,
+                share_of_step=share,
+                evidence=evidence,
+                prescriptions=pres,
+                ranks=(rank,),
+            )
+        )
     return findings
 
 
@@ -697,8 +894,12 @@ def _without_runqueue_wait(group, own_step, step_s):
     wall, waited = group["seconds"], min(group["runq_s"], group["seconds"])
     group["seconds"] = max(0.0, wall - waited)
     group["share"] = group["seconds"] / own_step
-    group["runqueue_wait"] = {"line_wall_s": round(wall, 5), "line_runq_s": round(waited, 5),
-                              "step_own_s": round(own_step, 5), "step_s": round(step_s, 5)}
+    group["runqueue_wait"] = {
+        "line_wall_s": round(wall, 5),
+        "line_runq_s": round(waited, 5),
+        "step_own_s": round(own_step, 5),
+        "step_s": round(step_s, 5),
+    }
     if group.get("samples") is not None and wall > 0 and own_step < (1 - LOADED_WAIT) * step_s:
         # the samples that saw the thread run or block there, not wait: the evidence of its cost
         # (a loaded machine starves the sampler too: a step may have one or two samples)
@@ -718,8 +919,7 @@ def _matching_period(group, periods, seconds):
         if per_step is not None and len(per_step):
             on = per_step[per_step.index.isin(p["steps"])]
             off = per_step[~per_step.index.isin(p["steps"])]
-            if len(on) and len(off) and float(on.median()) - float(off.median()) \
-                    >= 0.5 * p["excess_s"]:
+            if len(on) and len(off) and float(on.median()) - float(off.median()) >= 0.5 * p["excess_s"]:
                 return p
             continue
         expected = p["excess_s"] / p["period"]

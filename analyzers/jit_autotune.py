@@ -1,25 +1,33 @@
 """First-use costs and Triton autotuning: the cold start of every kernel (compiles and the
 first steps' autotune benchmarking, FLA's included) and a kernel that autotunes again after
 warm-up because its key changes (its recompiles folded in: one cause, one finding)."""
+
 import collections
 import os
 import re
-
-from traindx.analyzers.findings import Finding, Prescription
-
 from dataclasses import replace
 
 import pandas as pd
 
 from traindx.analyzers import autotune_advice
-from traindx.analyzers.jit_common import (_col, _key_history, _ledger_cost, _severity, _steps_after, _where,
-                         precompile_prescription)
+from traindx.analyzers.findings import Finding, Prescription
+from traindx.analyzers.jit_common import (
+    _col,
+    _key_history,
+    _ledger_cost,
+    _severity,
+    _steps_after,
+    _where,
+    precompile_prescription,
+)
 
 # Inductor's max-autotune benchmarks its templates inside the torch.compile compile: py-spy sees
 # it in these files (no shim event times it)
-_INDUCTOR_AUTOTUNE_FILES = ("torch/_inductor/select_algorithm.py",
-                            "torch/_inductor/autotune_process.py",
-                            "torch/_inductor/runtime/benchmarking.py")
+_INDUCTOR_AUTOTUNE_FILES = (
+    "torch/_inductor/select_algorithm.py",
+    "torch/_inductor/autotune_process.py",
+    "torch/_inductor/runtime/benchmarking.py",
+)
 
 
 def first_step_rows(group):
@@ -36,8 +44,9 @@ def inductor_autotune_seconds(run, rank):
     total = 0.0
     for samples in (rec or {}).values():
         for stack, weight in zip(samples.stacks, samples.weights):
-            if any(any(f in (fr.file or "").replace("\\", "/") for f in _INDUCTOR_AUTOTUNE_FILES)
-                   for fr in stack):
+            if any(
+                any(f in (fr.file or "").replace("\\", "/") for f in _INDUCTOR_AUTOTUNE_FILES) for fr in stack
+            ):
                 total += weight
     return total
 
@@ -59,12 +68,23 @@ def _cold_start_finding(run, rank, firsts, steps, tunes=None):
     if share is not None:
         share = min(share, 1.0)
     both = pd.concat([firsts, tunes]) if len(tunes) else firsts
-    per_kernel = [{"kernel": r.kernel, "kind": r.kind, "seconds": round(float(r.duration_s), 3),
-                   "step": _col(r, "step"), "thread": _col(r, "thread")}
-                  for r in both.sort_values("duration_s", ascending=False).itertuples()][:12]
+    per_kernel = [
+        {
+            "kernel": r.kernel,
+            "kind": r.kind,
+            "seconds": round(float(r.duration_s), 3),
+            "step": _col(r, "step"),
+            "thread": _col(r, "thread"),
+        }
+        for r in both.sort_values("duration_s", ascending=False).itertuples()
+    ][:12]
     severity = "medium" if (share or 0) >= 0.25 else "low" if (share or 0) >= 0.05 else "info"
-    if set(kinds) == {"dynamo"} and not len(tunes) and not _inductor_caches_off(run) \
-            and inductor_s < 0.5 * compile_s:
+    if (
+        set(kinds) == {"dynamo"}
+        and not len(tunes)
+        and not _inductor_caches_off(run)
+        and inductor_s < 0.5 * compile_s
+    ):
         # torch.compile alone, its caches on (the default): a one-time cost with no lever the
         # job has not already pulled; a short diagnose run only makes its share look large
         severity = "info"
@@ -77,61 +97,96 @@ def _cold_start_finding(run, rank, firsts, steps, tunes=None):
         # choices and compiled kernels kept on disk (autotune_advice: the switches the installed
         # Triton / FLA read)
         advice = autotune_advice.advise(
-            tunes.to_dict("records"), run.manifest.get("packages"),
-            env=run.manifest.get("env") or run.manifest.get("environment"), run_path=run.path,
-            cache_dir=_beside_runs(run, "triton-cache"), config_dir=_beside_runs(run, "fla-configs"))
+            tunes.to_dict("records"),
+            run.manifest.get("packages"),
+            env=run.manifest.get("env") or run.manifest.get("environment"),
+            run_path=run.path,
+            cache_dir=_beside_runs(run, "triton-cache"),
+            config_dir=_beside_runs(run, "fla-configs"),
+        )
         prescriptions.extend(advice.cold)
         advice_evidence = advice.evidence()
     fa4 = firsts[firsts["kind"] == "cute_dsl"] if len(firsts) else firsts
     if len(fa4):
-        prescriptions.insert(0, precompile_prescription(
-            run, None, note=f" (saves ~{float(fa4['duration_s'].sum()):.1f} s at every start)"))
+        prescriptions.insert(
+            0,
+            precompile_prescription(
+                run, None, note=f" (saves ~{float(fa4['duration_s'].sum()):.1f} s at every start)"
+            ),
+        )
     persistent = any("TRITON_CACHE_DIR" in (p.change.get("env") or {}) for p in prescriptions)
     if kinds.get("triton") and not persistent:
-        prescriptions.append(Prescription(
-            kind="env", summary="keep Triton's compiled kernels on a persistent disk "
-                                "(TRITON_CACHE_DIR) so later runs load them",
-            change={"env": {"TRITON_CACHE_DIR": _beside_runs(run, "triton-cache")}},
-            automatic=True, expected_gain_s_per_step=amortized))
+        prescriptions.append(
+            Prescription(
+                kind="env",
+                summary="keep Triton's compiled kernels on a persistent disk "
+                "(TRITON_CACHE_DIR) so later runs load them",
+                change={"env": {"TRITON_CACHE_DIR": _beside_runs(run, "triton-cache")}},
+                automatic=True,
+                expected_gain_s_per_step=amortized,
+            )
+        )
     if kinds.get("dynamo"):
         prescriptions.append(_inductor_cache_prescription(run))
     kinds_text = ", ".join(f"{n} {k}" for k, n in kinds.most_common())
     n_tuned = tunes["kernel"].nunique() if len(tunes) else 0
     n_compiled = firsts["kernel"].nunique() if len(firsts) else 0
     if len(tunes):
-        title = (f"Cold start: {tune_s:.1f} s autotuning {n_tuned} kernel(s) and {compile_s:.1f} s "
-                 f"compiling {n_compiled} in the first steps")
+        title = (
+            f"Cold start: {tune_s:.1f} s autotuning {n_tuned} kernel(s) and {compile_s:.1f} s "
+            f"compiling {n_compiled} in the first steps"
+        )
     elif inductor_s >= 0.5 * compile_s and inductor_s > 0:
-        title = (f"Cold start: torch.compile {compile_s:.1f} s, ~{inductor_s:.1f} s of it "
-                 "Inductor's max-autotune benchmarking")
+        title = (
+            f"Cold start: torch.compile {compile_s:.1f} s, ~{inductor_s:.1f} s of it "
+            "Inductor's max-autotune benchmarking"
+        )
     else:
         title = f"Cold start: {n_compiled} kernel(s) compiled on first use, {compile_s:.1f} s"
     what = []
     if tune_s:
         what.append(f"autotuning the first keys of {n_tuned} kernel(s) {tune_s:.1f} s")
     if compile_s:
-        what.append(f"first compiles ({kinds_text}) {compile_s:.1f} s"
-                    + (f", of which ~{inductor_s:.1f} s Inductor max-autotune (py-spy)"
-                       if inductor_s else ""))
+        what.append(
+            f"first compiles ({kinds_text}) {compile_s:.1f} s"
+            + (f", of which ~{inductor_s:.1f} s Inductor max-autotune (py-spy)" if inductor_s else "")
+        )
     return Finding(
-        id="jit.cold_start", title=title, severity=severity, analyzer="jit",
-        summary=(f"On rank {rank}: {'; '.join(what)}"
-                 + (f", {share:.0%} of the {run_s:.1f} s of recorded steps" if share is not None else "")
-                 + ". Paid once per process, on every rank and every restart."),
+        id="jit.cold_start",
+        title=title,
+        severity=severity,
+        analyzer="jit",
+        summary=(
+            f"On rank {rank}: {'; '.join(what)}"
+            + (f", {share:.0%} of the {run_s:.1f} s of recorded steps" if share is not None else "")
+            + ". Paid once per process, on every rank and every restart."
+        ),
         steps_affected=tuple(sorted(int(s) for s in set(both["step"].dropna()))),
-        seconds_lost_per_step=amortized, share_of_step=share,
-        evidence={"rank": rank, "cold_compile_seconds": round(compile_s, 3),
-                  "cold_autotune_seconds": round(tune_s, 3),
-                  "inductor_autotune_sampled_seconds": round(inductor_s, 3),
-                  "cold_seconds": round(total, 3), "kernels": per_kernel,
-                  "kinds": dict(kinds), "recorded_step_seconds": run_s, **advice_evidence},
-        prescriptions=tuple(prescriptions), ranks=(rank,))
+        seconds_lost_per_step=amortized,
+        share_of_step=share,
+        evidence={
+            "rank": rank,
+            "cold_compile_seconds": round(compile_s, 3),
+            "cold_autotune_seconds": round(tune_s, 3),
+            "inductor_autotune_sampled_seconds": round(inductor_s, 3),
+            "cold_seconds": round(total, 3),
+            "kernels": per_kernel,
+            "kinds": dict(kinds),
+            "recorded_step_seconds": run_s,
+            **advice_evidence,
+        },
+        prescriptions=tuple(prescriptions),
+        ranks=(rank,),
+    )
 
 
 def _inductor_caches_off(run):
     env = run.manifest.get("env") or {}
-    return [name for name in ("TORCHINDUCTOR_FX_GRAPH_CACHE", "TORCHINDUCTOR_AUTOGRAD_CACHE")
-            if str(env.get(name, "")).strip() == "0"]
+    return [
+        name
+        for name in ("TORCHINDUCTOR_FX_GRAPH_CACHE", "TORCHINDUCTOR_AUTOGRAD_CACHE")
+        if str(env.get(name, "")).strip() == "0"
+    ]
 
 
 def _inductor_cache_prescription(run):
@@ -145,21 +200,28 @@ def _inductor_cache_prescription(run):
     disabled = _inductor_caches_off(run)
     if disabled:
         return Prescription(
-            kind="env", summary=f"torch.compile's caches are switched off here ({', '.join(n + '=0' for n in disabled)}): "
-                                "unset them so later runs load the compiled graphs",
-            change={"env": {name: "1" for name in disabled}}, automatic=True)
+            kind="env",
+            summary=f"torch.compile's caches are switched off here ({', '.join(n + '=0' for n in disabled)}): "
+            "unset them so later runs load the compiled graphs",
+            change={"env": dict.fromkeys(disabled, "1")},
+            automatic=True,
+        )
     if user_dir:
         return Prescription(
-            kind="env", summary=f"torch.compile's FX graph cache is already on (the default) and kept in "
-                                f"{user_dir}: a later run of the same code loads the graphs from "
-                                "there; nothing to change")
+            kind="env",
+            summary=f"torch.compile's FX graph cache is already on (the default) and kept in "
+            f"{user_dir}: a later run of the same code loads the graphs from "
+            "there; nothing to change",
+        )
     return Prescription(
-        kind="env", summary="torch.compile's FX graph cache is already on (the default), in a "
-                            "folder under /tmp: keep it on a persistent disk "
-                            "(TORCHINDUCTOR_CACHE_DIR) so restarts and the job's other machines "
-                            "reuse it",
+        kind="env",
+        summary="torch.compile's FX graph cache is already on (the default), in a "
+        "folder under /tmp: keep it on a persistent disk "
+        "(TORCHINDUCTOR_CACHE_DIR) so restarts and the job's other machines "
+        "reuse it",
         change={"env": {"TORCHINDUCTOR_CACHE_DIR": _beside_runs(run, "inductor-cache")}},
-        automatic=False)
+        automatic=False,
+    )
 
 
 _FLA_PATH = re.compile(r"[/\\]fla[/\\]")
@@ -187,25 +249,32 @@ def _autotune_finding(run, rank, kernel, group, steps, recompiles=None):
     median_after = float(after["duration_s"].median()) if len(after) else None
     share = min(lost / median_after, 1.0) if median_after else None
     lost, share = _ledger_cost(run, rank, after, lost, share, "autotune")
-    folded = recompiles[recompiles["step"].fillna(-1) > first_step] if recompiles is not None \
-        else group.iloc[0:0]
+    folded = (
+        recompiles[recompiles["step"].fillna(-1) > first_step] if recompiles is not None else group.iloc[0:0]
+    )
     compile_lost = 0.0
     if len(folded):
-        compile_lost, _ = _ledger_cost(run, rank, after, float(folded["duration_s"].sum()) / n_after,
-                                       None, "compile")
+        compile_lost, _ = _ledger_cost(
+            run, rank, after, float(folded["duration_s"].sum()) / n_after, None, "compile"
+        )
         lost += compile_lost
         share = min(lost / median_after, 1.0) if median_after else share
     fields = [f for f, _ in changed.most_common()]
     # flash-linear-attention's own switches only when its code is the kernel's (module path),
     # not because the package is installed next to a kernel of the job's own
-    is_fla = any(_FLA_PATH.search(str(_col(r, "kernel_file") or (_col(r, "caller") or {}).get("file", "")))
-                 or str(_col(r, "module") or "").startswith("fla.") for r in group.itertuples())
-    caller = next((_col(r, "caller") for r in group.itertuples()
-                   if isinstance(_col(r, "caller"), dict)), None) or {}
-    kernel_file = next((_col(r, "kernel_file") for r in group.itertuples()
-                        if _col(r, "kernel_file")), None)
-    key_names = next((_col(r, "key_names") for r in group.itertuples()
-                      if isinstance(_col(r, "key_names"), list)), None)
+    is_fla = any(
+        _FLA_PATH.search(str(_col(r, "kernel_file") or (_col(r, "caller") or {}).get("file", "")))
+        or str(_col(r, "module") or "").startswith("fla.")
+        for r in group.itertuples()
+    )
+    caller = (
+        next((_col(r, "caller") for r in group.itertuples() if isinstance(_col(r, "caller"), dict)), None)
+        or {}
+    )
+    kernel_file = next((_col(r, "kernel_file") for r in group.itertuples() if _col(r, "kernel_file")), None)
+    key_names = next(
+        (_col(r, "key_names") for r in group.itertuples() if isinstance(_col(r, "key_names"), list)), None
+    )
     fields = [f for f in fields if not key_names or f in key_names] or fields
     prescriptions = []
     advice_evidence = {}
@@ -213,54 +282,100 @@ def _autotune_finding(run, rank, kernel, group, steps, recompiles=None):
         # FLA's own settings, only those the installed releases read and that change something
         # (checked against their source: docs/autotune.md)
         advice = autotune_advice.advise(
-            group.to_dict("records"), run.manifest.get("packages"),
-            env=run.manifest.get("env") or run.manifest.get("environment"), run_path=run.path,
-            cache_dir=_beside_runs(run, "triton-cache"), config_dir=_beside_runs(run, "fla-configs"))
-        prescriptions.extend(p if p.expected_gain_s_per_step is not None
-                             else replace(p, expected_gain_s_per_step=lost) for p in advice.steady)
+            group.to_dict("records"),
+            run.manifest.get("packages"),
+            env=run.manifest.get("env") or run.manifest.get("environment"),
+            run_path=run.path,
+            cache_dir=_beside_runs(run, "triton-cache"),
+            config_dir=_beside_runs(run, "fla-configs"),
+        )
+        prescriptions.extend(
+            p if p.expected_gain_s_per_step is not None else replace(p, expected_gain_s_per_step=lost)
+            for p in advice.steady
+        )
         advice_evidence = advice.evidence()
     if not is_fla and fields:
         where = _where(caller, run)
-        prescriptions.append(Prescription(
-            kind="code",
-            summary=f"take {', '.join(fields)} out of @triton.autotune(key=[...]) of {kernel} "
-                    f"(launched at {where or '?'}): every new value benchmarks all "
-                    f"{_col(next(group.itertuples()), 'configs') or ''} configs again; or bucket "
-                    f"it at the launch (triton.next_power_of_2({fields[0]}))",
-            change={"code": {"autotune_key": {"kernel": kernel, "drop": fields,
-                                              "files": [f for f in (kernel_file, caller.get("file")) if f]},
-                             "file": kernel_file or caller.get("file"), "line": None,
-                             "before": f"key={fields!r}", "after": None}},
-            expected_gain_s_per_step=lost, automatic=True))
+        prescriptions.append(
+            Prescription(
+                kind="code",
+                summary=f"take {', '.join(fields)} out of @triton.autotune(key=[...]) of {kernel} "
+                f"(launched at {where or '?'}): every new value benchmarks all "
+                f"{_col(next(group.itertuples()), 'configs') or ''} configs again; or bucket "
+                f"it at the launch (triton.next_power_of_2({fields[0]}))",
+                change={
+                    "code": {
+                        "autotune_key": {
+                            "kernel": kernel,
+                            "drop": fields,
+                            "files": [f for f in (kernel_file, caller.get("file")) if f],
+                        },
+                        "file": kernel_file or caller.get("file"),
+                        "line": None,
+                        "before": f"key={fields!r}",
+                        "after": None,
+                    }
+                },
+                expected_gain_s_per_step=lost,
+                automatic=True,
+            )
+        )
     else:
-        prescriptions.append(Prescription(
-            kind="code", summary=f"take {', '.join(fields) or 'the changing argument'} out of the "
-                                 f"autotune key of {kernel} (or bucket it): every new value tunes again",
-            change={"code": {"file": None, "line": None, "before": f"key={fields}",
-                             "after": None}},
-            expected_gain_s_per_step=lost))
-    prescriptions.append(Prescription(
-        kind="env", summary="keep Triton's cache on a persistent disk (TRITON_CACHE_DIR)",
-        change={"env": {"TRITON_CACHE_DIR": _beside_runs(run, "triton-cache")}},
-        automatic=not is_fla, expected_gain_s_per_step=None))
+        prescriptions.append(
+            Prescription(
+                kind="code",
+                summary=f"take {', '.join(fields) or 'the changing argument'} out of the "
+                f"autotune key of {kernel} (or bucket it): every new value tunes again",
+                change={"code": {"file": None, "line": None, "before": f"key={fields}", "after": None}},
+                expected_gain_s_per_step=lost,
+            )
+        )
+    prescriptions.append(
+        Prescription(
+            kind="env",
+            summary="keep Triton's cache on a persistent disk (TRITON_CACHE_DIR)",
+            change={"env": {"TRITON_CACHE_DIR": _beside_runs(run, "triton-cache")}},
+            automatic=not is_fla,
+            expected_gain_s_per_step=None,
+        )
+    )
     return Finding(
-        id="jit.autotune", title=f"Triton autotunes {kernel} again after warm-up "
-                                 f"(key field(s) changing: {', '.join(fields) or '?'})",
-        severity=_severity(share, steady=True), analyzer="jit",
-        summary=(f"{kernel} autotuned {len(later)} more time(s) after step {first_step}, "
-                 f"{lost:.2f} s per step"
-                 + (f" (with the {len(folded)} compile(s) of the configs it benchmarked, "
-                    f"{compile_lost:.2f} s per step)" if len(folded) else "")
-                 + f"; the autotune key changes: {', '.join(fields) or '?'}"
-                 + (f" (e.g. {example})" if example else "") + "."),
+        id="jit.autotune",
+        title=f"Triton autotunes {kernel} again after warm-up "
+        f"(key field(s) changing: {', '.join(fields) or '?'})",
+        severity=_severity(share, steady=True),
+        analyzer="jit",
+        summary=(
+            f"{kernel} autotuned {len(later)} more time(s) after step {first_step}, "
+            f"{lost:.2f} s per step"
+            + (
+                f" (with the {len(folded)} compile(s) of the configs it benchmarked, "
+                f"{compile_lost:.2f} s per step)"
+                if len(folded)
+                else ""
+            )
+            + f"; the autotune key changes: {', '.join(fields) or '?'}"
+            + (f" (e.g. {example})" if example else "")
+            + "."
+        ),
         steps_affected=tuple(sorted(int(s) for s in set(later["step"].dropna()))),
-        seconds_lost_per_step=lost, share_of_step=share,
-        removes={"categories": ["autotune", "compile"] if len(folded) else ["autotune"],
-                 "steps": sorted(int(s) for s in set(later["step"].dropna()))},
-        evidence={"rank": rank, "kernel": kernel, "autotunes": int(len(group)),
-                  "recompiles_while_tuning": int(len(folded)),
-                  "recompile_seconds_per_step": round(compile_lost, 4),
-                  "changing_key_fields": fields, "key_change_example": example,
-                  "seconds_each": [round(float(x), 3) for x in group["duration_s"]],
-                  **advice_evidence},
-        prescriptions=tuple(prescriptions), ranks=(rank,))
+        seconds_lost_per_step=lost,
+        share_of_step=share,
+        removes={
+            "categories": ["autotune", "compile"] if len(folded) else ["autotune"],
+            "steps": sorted(int(s) for s in set(later["step"].dropna())),
+        },
+        evidence={
+            "rank": rank,
+            "kernel": kernel,
+            "autotunes": int(len(group)),
+            "recompiles_while_tuning": int(len(folded)),
+            "recompile_seconds_per_step": round(compile_lost, 4),
+            "changing_key_fields": fields,
+            "key_change_example": example,
+            "seconds_each": [round(float(x), 3) for x in group["duration_s"]],
+            **advice_evidence,
+        },
+        prescriptions=tuple(prescriptions),
+        ranks=(rank,),
+    )

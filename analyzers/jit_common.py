@@ -1,20 +1,21 @@
 """Shared pieces of the JIT analyzers (jit.py, jit_autotune.py, jit_dynamo.py): FA4's package
 names and cache switches, compile-key history, the ledger's cost of a kernel's compiles, and the
 FA4 precompile prescription."""
+
 import collections
 import os
 import re
 
+from traindx.analyzers import evidence as ev
 from traindx.analyzers.findings import Prescription
 
-from traindx.analyzers import evidence as ev
-
 FA4_PACKAGE = "flash-attn-4"
-FA4_FIXED = "4.0.0b26"          # forward and backward (PR #2762); b22 fixed backward only (PR #2507)
+FA4_FIXED = "4.0.0b26"  # forward and backward (PR #2762); b22 fixed backward only (PR #2507)
 FA4_BWD_FIXED = "4.0.0b22"
 # FA4's cache variables are the kernel cache's (FA4's own names)
 from traindx.kernel_cache.store.cache import DIR_VAR as CACHE_DIR_VAR  # noqa: E402
 from traindx.kernel_cache.store.cache import ENABLE_VAR as CACHE_ENABLE_VAR  # noqa: E402
+
 SINGLE_BLOCK_FIELDS = ("single_q_block", "single_k_block")
 _TENSOR_REPR = re.compile(r"\b(Fake)?Tensor\(|\btensor\(")
 
@@ -22,7 +23,7 @@ _TENSOR_REPR = re.compile(r"\b(Fake)?Tensor\(|\btensor\(")
 def _where(frame, run=None):
     if not isinstance(frame, dict) or not frame.get("file"):
         return None
-    cwd = (run.manifest.get("cwd") if run is not None else None)
+    cwd = run.manifest.get("cwd") if run is not None else None
     return f"{_display_path(frame['file'], cwd)}:{frame.get('line')}"
 
 
@@ -38,7 +39,7 @@ def _release_number(version):
     m = re.match(r"^(\d+)\.(\d+)\.(\d+)(?:b(\d+))?", str(version or ""))
     if not m:
         return None
-    return (int(m[1]), int(m[2]), int(m[3]), int(m[4]) if m[4] is not None else 10 ** 6)
+    return (int(m[1]), int(m[2]), int(m[3]), int(m[4]) if m[4] is not None else 10**6)
 
 
 def fa4_version_before(run, release):
@@ -93,11 +94,13 @@ def precompile_prescription(run, gain=None, note=""):
     return Prescription(
         kind="precompile",
         summary="precompile the FA4 kernels before training: kernel-cache warm --from-run "
-                f"{run.path}, then train with {CACHE_ENABLE_VAR}=1 and {CACHE_DIR_VAR} set" + note,
+        f"{run.path}, then train with {CACHE_ENABLE_VAR}=1 and {CACHE_DIR_VAR} set" + note,
         change={"precompile": {"from_run": run.path}, "env": change_env},
         command=f"kernel-cache warm --from-run {run.path} && export {CACHE_ENABLE_VAR}=1 "
-                f"{CACHE_DIR_VAR}=$(kernel-cache env --dir)",
-        expected_gain_s_per_step=gain, automatic=True)
+        f"{CACHE_DIR_VAR}=$(kernel-cache env --dir)",
+        expected_gain_s_per_step=gain,
+        automatic=True,
+    )
 
 
 def _steps_after(steps, first_step):
@@ -107,8 +110,7 @@ def _steps_after(steps, first_step):
 def _kernel_rows(compiles):
     """{(kind, kernel): DataFrame of its compiles in time order}."""
     out = collections.OrderedDict()
-    for (kind, kernel), group in compiles.sort_values("start_ns").groupby(["kind", "kernel"],
-                                                                          sort=False):
+    for (kind, kernel), group in compiles.sort_values("start_ns").groupby(["kind", "kernel"], sort=False):
         out[(kind, kernel)] = group
     return out
 
@@ -144,7 +146,7 @@ def _ledger_cost(run, rank, after, lost, share, category):
     if lost is None or not len(after):
         return lost, share
     led = run.rank_rows("ledger", rank)
-    led = led[led["step"].isin(set(int(s) for s in after["step"]))]
+    led = led[led["step"].isin({int(s) for s in after["step"]})]
     if not len(led):
         return lost, share
     exclusive = float(led[f"{category}_s"].mean())

@@ -1,25 +1,30 @@
 """torch.compile (dynamo) recompiles: which compile is a first graph, a backward or a mode
 change, and which is a recompile of a frame, with the guard that failed and the call site."""
+
 import collections
 import re
 
-from traindx.analyzers.findings import Finding, Prescription
-
 from traindx.analyzers import codefix
 from traindx.analyzers import evidence as ev
+from traindx.analyzers.findings import Finding, Prescription
 from traindx.analyzers.jit_common import _col, _ledger_cost, _severity, _steps_after, _where
 
 _VALUES = re.compile(r"\. expected \d+, actual \d+")
 
-_SIZE_MISMATCH = re.compile(r"tensor '(?P<name>[^']+)' (size|stride) mismatch at index (?P<dim>\d+)"
-                            r"(\. expected (?P<expected>\d+), actual (?P<actual>\d+))?")
+_SIZE_MISMATCH = re.compile(
+    r"tensor '(?P<name>[^']+)' (size|stride) mismatch at index (?P<dim>\d+)"
+    r"(\. expected (?P<expected>\d+), actual (?P<actual>\d+))?"
+)
 _COMPILE_ID = re.compile(r"(?P<frame>\d+)/(?P<count>\d+)")
 # a guard on a mode, not on data: grad mode (no_grad evaluation before training), train/eval
 # (module.training), autocast, deterministic algorithms. Each mode compiles its own graph once;
 # switching back and forth reuses them, so it is never a steady cost.
-_MODE_CHANGE = re.compile(r"GLOBAL_STATE changed|grad_mode|is_grad_enabled|___check_global_state"
-                          r"|\.training\b|\btraining\b.*(?:mismatch|changed|==)|autocast"
-                          r"|deterministic_algorithms", re.IGNORECASE)
+_MODE_CHANGE = re.compile(
+    r"GLOBAL_STATE changed|grad_mode|is_grad_enabled|___check_global_state"
+    r"|\.training\b|\btraining\b.*(?:mismatch|changed|==)|autocast"
+    r"|deterministic_algorithms",
+    re.IGNORECASE,
+)
 
 
 def dynamo_compile_kind(row):
@@ -50,7 +55,7 @@ def is_dynamo_recompile(row):
 
 
 def _strip_compile_id(reason):
-    """"0/1: tensor 'x' size mismatch ..." -> "tensor 'x' size mismatch ..." (first line)."""
+    """ "0/1: tensor 'x' size mismatch ..." -> "tensor 'x' size mismatch ..." (first line)."""
     return re.sub(r"^\s*\[?[\d/!]+\]?:\s*", "", str(reason).strip().splitlines()[0])
 
 
@@ -73,6 +78,7 @@ def _mark_dynamic_change(site, name, dim):
     if not source or not site.get("line"):
         return None, None
     import ast
+
     try:
         call = next((n for n in ast.walk(ast.parse(source.strip())) if isinstance(n, ast.Call)), None)
     except SyntaxError:
@@ -94,8 +100,7 @@ def dynamo_kinds(group):
     kinds = [dynamo_compile_kind(r) for r in group.itertuples()]
     ids = [str(_col(r, "compile_id") or _col(r, "key") or "") for r in group.itertuples()]
     recompiled = {i for i, k in zip(ids, kinds) if k == "recompile" and i}
-    return [("recompile_backward" if k == "backward" and i in recompiled else k)
-            for i, k in zip(ids, kinds)]
+    return [("recompile_backward" if k == "backward" and i in recompiled else k) for i, k in zip(ids, kinds)]
 
 
 def _dynamo_finding(run, rank, group, steps):
@@ -121,8 +126,11 @@ def _dynamo_finding(run, rank, group, steps):
         reasons["(no reason recorded)"] = len(recompiles)
     top_reason = reasons.most_common(1)[0][0]
     m = next((_SIZE_MISMATCH.search(r) for r in raw if _SIZE_MISMATCH.search(r)), None)
-    changes = [f"{x['expected']} → {x['actual']}" for x in (_SIZE_MISMATCH.search(r) for r in raw)
-               if x and x["expected"]]
+    changes = [
+        f"{x['expected']} → {x['actual']}"
+        for x in (_SIZE_MISMATCH.search(r) for r in raw)
+        if x and x["expected"]
+    ]
     site_kind, caller = _call_site(recompiles)
     where = _where(caller, run)
     functions = collections.Counter(str(k) for k in recompiles["kernel"])
@@ -131,41 +139,74 @@ def _dynamo_finding(run, rank, group, steps):
         name, dim = m["name"], m["dim"]
         short = re.sub(r"^L\['([^']+)'\].*$", r"\1", name)
         change, arg = _mark_dynamic_change(caller if site_kind == "call_site" else None, short, dim)
-        at = (f" at {where}" if site_kind == "call_site" else
-              f" (the compiled function: {where})" if where else "")
+        at = (
+            f" at {where}"
+            if site_kind == "call_site"
+            else f" (the compiled function: {where})"
+            if where
+            else ""
+        )
         passed = f" ({arg} is passed as {short})" if arg and arg != short else ""
-        prescriptions.append(Prescription(
-            kind="code", summary=f"mark dimension {dim} of {short} dynamic before the compiled call"
-                                 f"{at}: torch._dynamo.mark_dynamic({arg or short}, {dim}){passed}; "
-                                 "or compile with torch.compile(..., dynamic=None) (automatic "
-                                 "dynamic shapes: one recompile, then symbolic) or dynamic=True",
-            change={"code": change} if change else {}, expected_gain_s_per_step=lost))
+        prescriptions.append(
+            Prescription(
+                kind="code",
+                summary=f"mark dimension {dim} of {short} dynamic before the compiled call"
+                f"{at}: torch._dynamo.mark_dynamic({arg or short}, {dim}){passed}; "
+                "or compile with torch.compile(..., dynamic=None) (automatic "
+                "dynamic shapes: one recompile, then symbolic) or dynamic=True",
+                change={"code": change} if change else {},
+                expected_gain_s_per_step=lost,
+            )
+        )
     else:
-        prescriptions.append(Prescription(
-            kind="code", summary="make the guard that fails stable (the value it checks changes "
-                                 f"between calls{(' at ' + where) if where else ''}): "
-                                 f"{top_reason[:160]}",
-            expected_gain_s_per_step=lost))
+        prescriptions.append(
+            Prescription(
+                kind="code",
+                summary="make the guard that fails stable (the value it checks changes "
+                f"between calls{(' at ' + where) if where else ''}): "
+                f"{top_reason[:160]}",
+                expected_gain_s_per_step=lost,
+            )
+        )
     steady = len(later) >= 2
     severity = _severity(share, steady=steady) if len(later) else "low"
     if severity == "info" and len(later):
         severity = "low"
-    skipped = ", ".join(f"{n} {'backward graph(s)' if k == 'backward' else 'graph(s) for another grad/train mode'}"
-                        for k, n in sorted(not_recompiles.items()))
+    skipped = ", ".join(
+        f"{n} {'backward graph(s)' if k == 'backward' else 'graph(s) for another grad/train mode'}"
+        for k, n in sorted(not_recompiles.items())
+    )
     return Finding(
         id="jit.dynamo_recompile",
-        title=(f"torch.compile recompiles {', '.join(functions)} {len(recompiles)} time(s): "
-               f"{top_reason[:90]}" + (f" ({', '.join(changes[:4])})" if changes else "")),
-        severity=severity, analyzer="jit",
-        summary=(f"{', '.join(functions)} recompiled {len(recompiles)} time(s) on rank {rank}"
-                 + (f" ({where})" if where else "") + f"; reason: {top_reason}"
-                 + (f"; {lost:.2f} s per step after step {first_step}" if len(later) else "")
-                 + (f". Not counted: {skipped} (compiled once each)" if skipped else "") + "."),
+        title=(
+            f"torch.compile recompiles {', '.join(functions)} {len(recompiles)} time(s): "
+            f"{top_reason[:90]}" + (f" ({', '.join(changes[:4])})" if changes else "")
+        ),
+        severity=severity,
+        analyzer="jit",
+        summary=(
+            f"{', '.join(functions)} recompiled {len(recompiles)} time(s) on rank {rank}"
+            + (f" ({where})" if where else "")
+            + f"; reason: {top_reason}"
+            + (f"; {lost:.2f} s per step after step {first_step}" if len(later) else "")
+            + (f". Not counted: {skipped} (compiled once each)" if skipped else "")
+            + "."
+        ),
         steps_affected=tuple(sorted(int(s) for s in set(recompiles["step"].dropna()))),
-        seconds_lost_per_step=lost if len(later) else None, share_of_step=share,
-        evidence={"rank": rank, "recompiles": int(len(recompiles)), "reasons": dict(reasons),
-                  "reasons_each": raw[:20], "size_changes": changes[:20],
-                  "functions": dict(functions), "caller": caller, "caller_kind": site_kind,
-                  "not_recompiles": dict(not_recompiles),
-                  "seconds_each": [round(float(x), 3) for x in recompiles["duration_s"]]},
-        prescriptions=tuple(prescriptions), ranks=(rank,))
+        seconds_lost_per_step=lost if len(later) else None,
+        share_of_step=share,
+        evidence={
+            "rank": rank,
+            "recompiles": int(len(recompiles)),
+            "reasons": dict(reasons),
+            "reasons_each": raw[:20],
+            "size_changes": changes[:20],
+            "functions": dict(functions),
+            "caller": caller,
+            "caller_kind": site_kind,
+            "not_recompiles": dict(not_recompiles),
+            "seconds_each": [round(float(x), 3) for x in recompiles["duration_s"]],
+        },
+        prescriptions=tuple(prescriptions),
+        ranks=(rank,),
+    )

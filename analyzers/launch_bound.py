@@ -1,15 +1,15 @@
 """Launch-bound steps (GPU): the GPU idles between many short kernels because the CPU cannot
 launch them fast enough. From the torch.profiler window (kernel events, cudaLaunchKernel calls),
 with NVML utilisation as a second witness."""
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
 import pandas as pd
 
-from traindx.analyzers.findings import Finding, Prescription
-
 from traindx.analyzers import evidence as ev
+from traindx.analyzers.findings import Finding, Prescription
 from traindx.analyzers.frameworks import runs_megatron
 
 if TYPE_CHECKING:  # annotations only
@@ -18,8 +18,13 @@ if TYPE_CHECKING:  # annotations only
 MIN_IDLE_SHARE = 0.30
 MAX_MEDIAN_KERNEL_S = 20e-6
 MIN_KERNELS_PER_STEP = 200
-LAUNCH_CALLS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx",
-                "cudaGraphLaunch")
+LAUNCH_CALLS = (
+    "cudaLaunchKernel",
+    "cudaLaunchKernelExC",
+    "cuLaunchKernel",
+    "cuLaunchKernelEx",
+    "cudaGraphLaunch",
+)
 GRAPH_LAUNCH = "cudaGraphLaunch"  # one call replays a whole graph's kernels: not the host's pace
 # torch.optim's Optimizer.step runs inside the record_function "Optimizer.step#<Class>.step"
 OPTIMIZER_STEP = "Optimizer.step#"
@@ -30,10 +35,11 @@ MIN_OPTIMIZER_SHARE = 0.25
 
 def _optimizer_ranges(rows):
     """[(start_ns, end_ns, class name)] of torch.optim's step ranges in the trace."""
-    marks = rows[(rows["cat"] == "user_annotation")
-                 & rows["name"].astype(str).str.startswith(OPTIMIZER_STEP)]
-    return [(int(m.start_ns), int(m.end_ns), str(m.name)[len(OPTIMIZER_STEP):].split(".")[0])
-            for m in marks.itertuples()]
+    marks = rows[(rows["cat"] == "user_annotation") & rows["name"].astype(str).str.startswith(OPTIMIZER_STEP)]
+    return [
+        (int(m.start_ns), int(m.end_ns), str(m.name)[len(OPTIMIZER_STEP) :].split(".")[0])
+        for m in marks.itertuples()
+    ]
 
 
 def _inside(frame, ranges):
@@ -48,6 +54,7 @@ def _steady_spans(run, rank):
     or None where the ledger has no optimizer span (no shim hooks on an optimizer)."""
     try:
         from traindx.derive.ledger import steady_rows
+
         rows = steady_rows(run, rank)
     except Exception:  # the derive layer cannot build it: the window's share prices it
         return None
@@ -67,18 +74,28 @@ def _analyze_rank(run, rank, trace):
     ranges = _optimizer_ranges(rows)
     for step in steps.itertuples():
         k = kernels[(kernels["start_ns"] >= step.start_ns) & (kernels["start_ns"] <= step.end_ns)]
-        launches = rows[(rows["cat"].isin(("cuda_runtime", "cuda_driver")))
-                        & rows["name"].isin(LAUNCH_CALLS)
-                        & (rows["start_ns"] >= step.start_ns) & (rows["end_ns"] <= step.end_ns)]
+        launches = rows[
+            (rows["cat"].isin(("cuda_runtime", "cuda_driver")))
+            & rows["name"].isin(LAUNCH_CALLS)
+            & (rows["start_ns"] >= step.start_ns)
+            & (rows["end_ns"] <= step.end_ns)
+        ]
         busy = ev.union_seconds(zip(k["start_ns"], k["end_ns"]))
         one_by_one = launches[launches["name"] != GRAPH_LAUNCH]
-        per_step.append({"step": int(step.step), "duration_s": float(step.duration_s),
-                         "kernels": len(k), "gpu_busy_s": busy, "launch_calls": len(launches),
-                         "kernel_launches": len(one_by_one),
-                         "optimizer_launches": int(_inside(one_by_one, ranges).sum()) if ranges else 0,
-                         "optimizer_s": sum(max(0, min(e, step.end_ns) - max(b, step.start_ns))
-                                            for b, e, _ in ranges) / 1e9,
-                         "median_kernel_s": float(k["dur_s"].median()) if len(k) else None})
+        per_step.append(
+            {
+                "step": int(step.step),
+                "duration_s": float(step.duration_s),
+                "kernels": len(k),
+                "gpu_busy_s": busy,
+                "launch_calls": len(launches),
+                "kernel_launches": len(one_by_one),
+                "optimizer_launches": int(_inside(one_by_one, ranges).sum()) if ranges else 0,
+                "optimizer_s": sum(max(0, min(e, step.end_ns) - max(b, step.start_ns)) for b, e, _ in ranges)
+                / 1e9,
+                "median_kernel_s": float(k["dur_s"].median()) if len(k) else None,
+            }
+        )
     table = pd.DataFrame(per_step)
     if (table["kernels"] > 0).any():
         # a step the trace only touches (its window's last boundary) is no profiled step
@@ -96,16 +113,25 @@ def _analyze_rank(run, rank, trace):
     median_kernel = float(kernels["dur_s"].median())
     # the host's pace is its launches: kernels a CUDA graph replays (one cudaGraphLaunch) are
     # not launched one by one, so they do not count
-    if (idle_share < MIN_IDLE_SHARE or median_kernel > MAX_MEDIAN_KERNEL_S
-            or kernels_per_step < MIN_KERNELS_PER_STEP
-            or launches_per_step < MIN_KERNELS_PER_STEP):
+    if (
+        idle_share < MIN_IDLE_SHARE
+        or median_kernel > MAX_MEDIAN_KERNEL_S
+        or kernels_per_step < MIN_KERNELS_PER_STEP
+        or launches_per_step < MIN_KERNELS_PER_STEP
+    ):
         return []
     lost = step_s - busy_s
-    evidence = {"rank": rank, "profiled_steps": per_step, "gpu_busy_share": round(1 - idle_share, 3),
-                "kernels_per_step": round(kernels_per_step), "median_kernel_us": round(median_kernel * 1e6, 1),
-                "launch_calls_per_step": round(float(table["launch_calls"].mean())),
-                "kernel_launches_per_step": round(launches_per_step),
-                "window_step_s": round(window_step_s, 6), "steady_step_s": round(step_s, 6)}
+    evidence = {
+        "rank": rank,
+        "profiled_steps": per_step,
+        "gpu_busy_share": round(1 - idle_share, 3),
+        "kernels_per_step": round(kernels_per_step),
+        "median_kernel_us": round(median_kernel * 1e6, 1),
+        "launch_calls_per_step": round(float(table["launch_calls"].mean())),
+        "kernel_launches_per_step": round(launches_per_step),
+        "window_step_s": round(window_step_s, 6),
+        "steady_step_s": round(step_s, 6),
+    }
     # a CUDA graph of the model's forward/backward removes the host's launching there; an
     # optimizer stepping each parameter by itself launches outside any such graph, and a
     # multi-tensor optimizer removes that. Each fix is priced by the host's time in its part of
@@ -115,8 +141,7 @@ def _analyze_rank(run, rank, trace):
     # 136 ms step; the graph alone saved 58 ms, the fused optimizer alone 74 ms. The profiled
     # step's share (the optimizer's range 45 % of it) under-priced the optimizer by 26 %.
     optimizer_class = ranges[0][2] if ranges else None
-    window_share = min(1.0, float(table["optimizer_s"].sum())
-                       / max(1e-9, float(table["duration_s"].sum())))
+    window_share = min(1.0, float(table["optimizer_s"].sum()) / max(1e-9, float(table["duration_s"].sum())))
     spans = _steady_spans(run, rank)
     if spans is not None:
         forward_backward_s, optimizer_s, wall_s = spans
@@ -130,13 +155,16 @@ def _analyze_rank(run, rank, trace):
     graph_saving, optimizer_saving = round(graph_saving, 6), round(optimizer_saving, 6)
     evidence["cuda_graph_saving_s"] = graph_saving
     if optimizer_class:
-        evidence["optimizer"] = {"class": optimizer_class,
-                                 "launches_per_step": round(float(table["optimizer_launches"].mean())),
-                                 "share_of_launches": round(float(table["optimizer_launches"].sum())
-                                                            / max(1, int(table["kernel_launches"].sum())), 3),
-                                 "share_of_profiled_step": round(window_share, 3),
-                                 "share_of_step": round(optimizer_share, 3),
-                                 "saving_s": optimizer_saving}
+        evidence["optimizer"] = {
+            "class": optimizer_class,
+            "launches_per_step": round(float(table["optimizer_launches"].mean())),
+            "share_of_launches": round(
+                float(table["optimizer_launches"].sum()) / max(1, int(table["kernel_launches"].sum())), 3
+            ),
+            "share_of_profiled_step": round(window_share, 3),
+            "share_of_step": round(optimizer_share, 3),
+            "saving_s": optimizer_saving,
+        }
     gpu = run.gpu
     if len(gpu):
         span = (int(steps["start_ns"].min()), int(steps["end_ns"].max()))
@@ -144,48 +172,72 @@ def _analyze_rank(run, rank, trace):
         if len(util.dropna()):
             evidence["nvml_util_mean"] = round(float(util.mean()), 1)
     prescriptions = [
-        Prescription(kind="code",
-                     summary="capture the step (or its forward/backward) in a CUDA graph: "
-                             "torch.compile(model, mode=\"reduce-overhead\") or "
-                             "torch.cuda.make_graphed_callables; one launch replaces hundreds",
-                     command='model = torch.compile(model, mode="reduce-overhead")',
-                     expected_gain_s_per_step=graph_saving),
-        Prescription(kind="code",
-                     summary="a larger micro-batch per launch (fewer, longer kernels), memory "
-                             "permitting; fuse elementwise ops (torch.compile)",
-                     expected_gain_s_per_step=graph_saving),
+        Prescription(
+            kind="code",
+            summary="capture the step (or its forward/backward) in a CUDA graph: "
+            'torch.compile(model, mode="reduce-overhead") or '
+            "torch.cuda.make_graphed_callables; one launch replaces hundreds",
+            command='model = torch.compile(model, mode="reduce-overhead")',
+            expected_gain_s_per_step=graph_saving,
+        ),
+        Prescription(
+            kind="code",
+            summary="a larger micro-batch per launch (fewer, longer kernels), memory "
+            "permitting; fuse elementwise ops (torch.compile)",
+            expected_gain_s_per_step=graph_saving,
+        ),
     ]
     if optimizer_class and optimizer_share >= MIN_OPTIMIZER_SHARE:
         # ranked by gain: before the graph where the optimizer launches most
-        prescriptions.insert(0 if optimizer_share >= 0.5 else 1, Prescription(
-            kind="code",
-            summary=f"a multi-tensor optimizer: {optimizer_class}(..., fused=True) where it "
-                    f"has a fused kernel (Adam, AdamW, SGD, Adagrad), else foreach=True; its "
-                    f"step is {optimizer_share:.0%} of the step, launching kernels one parameter "
-                    f"at a time (fused=False or foreach=False turns the multi-tensor default off)",
-            expected_gain_s_per_step=evidence["optimizer"]["saving_s"]))
+        prescriptions.insert(
+            0 if optimizer_share >= 0.5 else 1,
+            Prescription(
+                kind="code",
+                summary=f"a multi-tensor optimizer: {optimizer_class}(..., fused=True) where it "
+                f"has a fused kernel (Adam, AdamW, SGD, Adagrad), else foreach=True; its "
+                f"step is {optimizer_share:.0%} of the step, launching kernels one parameter "
+                f"at a time (fused=False or foreach=False turns the multi-tensor default off)",
+                expected_gain_s_per_step=evidence["optimizer"]["saving_s"],
+            ),
+        )
     if runs_megatron(run.command):
-        prescriptions.insert(0, Prescription(
-            kind="arg",
-            summary="Megatron: enable its CUDA graphs (--cuda-graph-impl local in recent "
-                    "releases, --enable-cuda-graph in older ones) and the fused kernels "
-                    "(--bias-swiglu-fusion, --cross-entropy-loss-fusion); or raise "
-                    "--micro-batch-size",
-            expected_gain_s_per_step=lost))
-    return [Finding(
-        id="gpu.launch_bound",
-        title=f"Launch-bound: the GPU is busy {1 - idle_share:.0%} of the step on rank {rank} "
-              f"({kernels_per_step:.0f} kernels of median {median_kernel * 1e6:.0f} µs)",
-        severity=ev.severity_for_share(idle_share), analyzer="launch_bound",
-        summary=(f"In the profiled steps the GPU ran kernels {busy_s * 1000:.1f} ms a step, of a "
-                 f"{step_s * 1000:.1f} ms step; {kernels_per_step:.0f} kernels per step with a median of "
-                 f"{median_kernel * 1e6:.0f} µs: the CPU's launches, not the GPU, set the pace."
-                 + (f" {optimizer_class}.step was {optimizer_share:.0%} of the step, launching "
+        prescriptions.insert(
+            0,
+            Prescription(
+                kind="arg",
+                summary="Megatron: enable its CUDA graphs (--cuda-graph-impl local in recent "
+                "releases, --enable-cuda-graph in older ones) and the fused kernels "
+                "(--bias-swiglu-fusion, --cross-entropy-loss-fusion); or raise "
+                "--micro-batch-size",
+                expected_gain_s_per_step=lost,
+            ),
+        )
+    return [
+        Finding(
+            id="gpu.launch_bound",
+            title=f"Launch-bound: the GPU is busy {1 - idle_share:.0%} of the step on rank {rank} "
+            f"({kernels_per_step:.0f} kernels of median {median_kernel * 1e6:.0f} µs)",
+            severity=ev.severity_for_share(idle_share),
+            analyzer="launch_bound",
+            summary=(
+                f"In the profiled steps the GPU ran kernels {busy_s * 1000:.1f} ms a step, of a "
+                f"{step_s * 1000:.1f} ms step; {kernels_per_step:.0f} kernels per step with a median of "
+                f"{median_kernel * 1e6:.0f} µs: the CPU's launches, not the GPU, set the pace."
+                + (
+                    f" {optimizer_class}.step was {optimizer_share:.0%} of the step, launching "
                     f"{evidence['optimizer']['share_of_launches']:.0%} of the kernels."
-                    if optimizer_class and optimizer_share >= MIN_OPTIMIZER_SHARE else "")),
-        steps_affected=tuple(int(s) for s in table["step"]), seconds_lost_per_step=lost,
-        share_of_step=idle_share, evidence=evidence, prescriptions=tuple(prescriptions),
-        ranks=(rank,))]
+                    if optimizer_class and optimizer_share >= MIN_OPTIMIZER_SHARE
+                    else ""
+                )
+            ),
+            steps_affected=tuple(int(s) for s in table["step"]),
+            seconds_lost_per_step=lost,
+            share_of_step=idle_share,
+            evidence=evidence,
+            prescriptions=tuple(prescriptions),
+            ranks=(rank,),
+        )
+    ]
 
 
 def analyze(run: RunRecord) -> list[Finding]:

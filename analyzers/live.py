@@ -39,6 +39,7 @@ root finding is stable and no unstable finding of its severity or above is pendi
 one a specific finding may still make its symptom, once it held while the record doubled): it writes
 `control/stop.json` with the step at which every rank stops; the shim reads it at step ends.
 """
+
 from __future__ import annotations
 
 import glob
@@ -47,15 +48,26 @@ import math
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Optional
 
 from traindx.analyzers.findings import SEVERITIES, Finding
-from traindx.profiler.manifest import write_json_atomic
+
 # the cheap stage (re-exported: its names are part of the live judgement's)
 from traindx.profiler.live_tail import (  # noqa: F401
-    ANOMALY_FACTOR, ANOMALY_MIN_STEPS, ANOMALY_WINDOW, FILES_EVERY_S, KEYS_KEPT, LINE_SHIFT,
-    LINE_STEPS, MODEL_SPANS, TRIGGERS_PER_SOURCE, EventTail, line_outside_model)
+    ANOMALY_FACTOR,
+    ANOMALY_MIN_STEPS,
+    ANOMALY_WINDOW,
+    FILES_EVERY_S,
+    KEYS_KEPT,
+    LINE_SHIFT,
+    LINE_STEPS,
+    MODEL_SPANS,
+    TRIGGERS_PER_SOURCE,
+    EventTail,
+    line_outside_model,
+)
+from traindx.profiler.manifest import write_json_atomic
 
 STOP_FILE = os.path.join("control", "stop.json")
 # when each finding was first shown (time to finding, measured): {id: {t_ns, step, severity}}
@@ -89,11 +101,17 @@ TRIGGER_ANALYZERS = {"compile": ("jit",), "recording": ("gil",)}
 # standing out in it (a pass of a fraction of the cost, on screen before the budget refills);
 # a full pass confirms it after. Routing evidence to its readers, like a compile to the compile
 # analyzer: no verdict here.
-CATEGORY_ANALYZERS = {"compile": ("jit",), "data": ("dataloader",), "gc": ("gc_pauses",),
-                      "io": ("stability", "host_work"), "sync": ("host_sync",),
-                      "collective": ("ranks",), "other": ("host_work",)}
+CATEGORY_ANALYZERS = {
+    "compile": ("jit",),
+    "data": ("dataloader",),
+    "gc": ("gc_pauses",),
+    "io": ("stability", "host_work"),
+    "sync": ("host_sync",),
+    "collective": ("ranks",),
+    "other": ("host_work",),
+}
 ROUTED_KINDS = frozenset({"slow_step", "line", "steps", "compile"})
-FULL_PASS_GUESS_S = 0.2             # a full pass's CPU before one was measured
+FULL_PASS_GUESS_S = 0.2  # a full pass's CPU before one was measured
 # a finding is due on screen within this many steps of the record that shows it (issue 24's
 # goal for ledger-based findings); a full pass longer than that many steps goes routed first
 SHOW_WITHIN_STEPS = 3
@@ -103,42 +121,45 @@ SHOW_WITHIN_STEPS = 3
 GROW_FACTOR = 1.5
 # findings that are no cause of a slowdown (the verdict, traindx's own state, missing evidence)
 NOT_CAUSES = ("verdict.", "traindx.", "evidence.", "analysis.")
-ANALYSES_KEPT = 200                 # the per-pass log kept in live.json
+ANALYSES_KEPT = 200  # the per-pass log kept in live.json
 # the per-step events a pass reads: each process's last WINDOW_STEPS steps (traindx.derive.so_far: a
 # rolling window, 1.25x at most; enough for a period of tens of steps to repeat)
 WINDOW_STEPS = 200
+
+
 @dataclass(frozen=True)
 class LiveOptions:
-    cpu_share: float = 0.02          # live CPU (both stages) <= this share of one core
-    poll_s: float = 0.1              # how often the events are tailed for new step ends
-    min_severity: str = "high"       # findings printed while the job runs
-    until_diagnosed: bool = False    # stop the job once the top finding is stable
-    report_every: int = 3            # rewrite report.html every N analyses (0: never), budget
-                                     # permitting; also after an analysis that showed a finding
+    cpu_share: float = 0.02  # live CPU (both stages) <= this share of one core
+    poll_s: float = 0.1  # how often the events are tailed for new step ends
+    min_severity: str = "high"  # findings printed while the job runs
+    until_diagnosed: bool = False  # stop the job once the top finding is stable
+    report_every: int = 3  # rewrite report.html every N analyses (0: never), budget
+    # permitting; also after an analysis that showed a finding
     window_steps: int = WINDOW_STEPS  # a pass judges each process's last N steps (0: all):
-                                      # a days-long run's live memory and pass cost bounded
+    # a days-long run's live memory and pass cost bounded
 
 
 @dataclass
 class LiveState:
     """What the live view shows: the newest analysis and the tail of the events."""
-    step: int = 0                                 # steps finished (the furthest rank)
-    last_step_s: Optional[float] = None
-    median_step_s: Optional[float] = None
+
+    step: int = 0  # steps finished (the furthest rank)
+    last_step_s: float | None = None
+    median_step_s: float | None = None
     compiles: int = 0
-    ledger_line: Optional[str] = None
-    top: Optional[Finding] = None                 # the current top root finding, if any
+    ledger_line: str | None = None
+    top: Finding | None = None  # the current top root finding, if any
     analyses: int = 0
-    analysis_cpu_s: float = 0.0                   # full stage (the report rewrites included)
-    cheap_cpu_s: float = 0.0                      # cheap stage (tailing, signals)
-    report_cpu_s: float = 0.0                     # of analysis_cpu_s: report.html rewrites
+    analysis_cpu_s: float = 0.0  # full stage (the report rewrites included)
+    cheap_cpu_s: float = 0.0  # cheap stage (tailing, signals)
+    report_cpu_s: float = 0.0  # of analysis_cpu_s: report.html rewrites
     polls: int = 0
-    import_cpu_s: float = 0.0                     # one-time imports (the final analysis's too)
+    import_cpu_s: float = 0.0  # one-time imports (the final analysis's too)
     elapsed_s: float = 0.0
-    stop_requested_at: Optional[int] = None       # the step the job was asked to stop at
-    stable: list = field(default_factory=list)    # ids of the findings printed so far
+    stop_requested_at: int | None = None  # the step the job was asked to stop at
+    stable: list = field(default_factory=list)  # ids of the findings printed so far
     captures: list = field(default_factory=list)  # deep captures asked for: kind, why, when
-    passes: list = field(default_factory=list)    # each full analysis: trigger, step, cpu_s
+    passes: list = field(default_factory=list)  # each full analysis: trigger, step, cpu_s
     running: bool = True
 
 
@@ -158,15 +179,15 @@ def _write_json(path: str, data: dict) -> None:
 
 def request_stop(run_dir: str, at_step: int, reason: str) -> None:
     """Ask every rank of the job to stop cleanly once it has finished `at_step` steps."""
-    _write_json(os.path.join(run_dir, STOP_FILE),
-                {"steps": int(at_step), "reason": reason, "t_ns": time.time_ns()})
+    _write_json(
+        os.path.join(run_dir, STOP_FILE), {"steps": int(at_step), "reason": reason, "t_ns": time.time_ns()}
+    )
 
 
 def request_capture(run_dir: str, kind: str, reason: str) -> None:
     """Ask the shim for a torch.profiler window on the next step (once per kind, within the
     window's budget: the shim decides)."""
-    _write_json(os.path.join(run_dir, CAPTURE_FILE),
-                {"kind": kind, "reason": reason, "t_ns": time.time_ns()})
+    _write_json(os.path.join(run_dir, CAPTURE_FILE), {"kind": kind, "reason": reason, "t_ns": time.time_ns()})
 
 
 def run_is_live(run_dir: str) -> bool:
@@ -189,54 +210,58 @@ def run_is_live(run_dir: str) -> bool:
 class LiveJudge:
     """Runs the two stages on a growing run folder in a background thread."""
 
-    def __init__(self, run_dir: str, options: LiveOptions = LiveOptions(),
-                 on_finding: Callable[[Finding, LiveState], None] = lambda f, s: None,
-                 on_state: Callable[[LiveState], None] = lambda s: None,
-                 on_analysis: Optional[Callable[[object, list], None]] = None,
-                 on_anomaly: Optional[Callable[[str, str], None]] = None,
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        run_dir: str,
+        options: LiveOptions = LiveOptions(),
+        on_finding: Callable[[Finding, LiveState], None] = lambda f, s: None,
+        on_state: Callable[[LiveState], None] = lambda s: None,
+        on_analysis: Callable[[object, list], None] | None = None,
+        on_anomaly: Callable[[str, str], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.run_dir = run_dir
         self.options = options
         self.on_finding = on_finding
         self.on_state = on_state
-        self.on_analysis = on_analysis     # e.g. rewrite report.html (the caller's choice)
-        self.on_anomaly = on_anomaly       # deep capture: called once per kind of anomaly
-        self.clock = clock                 # the budget's wall clock (a replay passes its own)
+        self.on_analysis = on_analysis  # e.g. rewrite report.html (the caller's choice)
+        self.on_anomaly = on_anomaly  # deep capture: called once per kind of anomaly
+        self.clock = clock  # the budget's wall clock (a replay passes its own)
         self._captured: set[str] = set()
         self.tail = EventTail(run_dir)
         self.state = LiveState()
-        self._seen: dict[str, int] = {}        # finding id -> step count of its first sighting
+        self._seen: dict[str, int] = {}  # finding id -> step count of its first sighting
         self._printed: set[str] = set()
         self._shown: dict[str, dict] = {}
         self._start = clock()
         # CPU seconds the next analysis is expected to cost: full, or of one analyzer set
-        self._cost: dict[Optional[tuple], float] = {}
+        self._cost: dict[tuple | None, float] = {}
         self._report_cost = 0.1
-        self._analysed_at = -1                 # step count of the last analysis
-        self._full_at = -1                     # ... of the last one with every analyzer
-        self._analysed_t = self._start         # when (the budget's clock); the cadence counts
-                                               # from the start
-        self._pending: dict[str, str] = {}     # trigger kind -> why, not judged yet
+        self._analysed_at = -1  # step count of the last analysis
+        self._full_at = -1  # ... of the last one with every analyzer
+        self._analysed_t = self._start  # when (the budget's clock); the cadence counts
+        # from the start
+        self._pending: dict[str, str] = {}  # trigger kind -> why, not judged yet
         self._since_report = 0
-        self._soft_first = False               # a first judgement waits for room (nothing urgent)
-        self._routes: set[str] = set()         # span categories the pending triggers point at
-        self._first_routed = False             # the first judgement ran routed: a full one next
-        self._sources_warm = False             # the job's scripts parsed (_warm_sources)
-        self._routed: set[str] = set()         # categories whose routed pass showed a finding,
-                                               # since the last full pass
-        self._routed_first = False             # the pass due runs routed ahead of a full one
-        self._so_far = None                    # the events parsed by the passes so far
-        self._top = (None, 0)                  # (the top root's id, step count it became top at)
-        self._hold_until = 0                   # a pass due at this step: has the top held?
-        self._near = ""                        # that finding's id
-        self._grow_at = 0                      # a pass due at this step: has a finding just
-                                               # below the floor risen? (0: none due)
+        self._soft_first = False  # a first judgement waits for room (nothing urgent)
+        self._routes: set[str] = set()  # span categories the pending triggers point at
+        self._first_routed = False  # the first judgement ran routed: a full one next
+        self._sources_warm = False  # the job's scripts parsed (_warm_sources)
+        self._routed: set[str] = set()  # categories whose routed pass showed a finding,
+        # since the last full pass
+        self._routed_first = False  # the pass due runs routed ahead of a full one
+        self._so_far = None  # the events parsed by the passes so far
+        self._top = (None, 0)  # (the top root's id, step count it became top at)
+        self._hold_until = 0  # a pass due at this step: has the top held?
+        self._near = ""  # that finding's id
+        self._grow_at = 0  # a pass due at this step: has a finding just
+        # below the floor risen? (0: none due)
         self._stop = threading.Event()
-        self._thread: Optional[threading.Thread] = None
+        self._thread: threading.Thread | None = None
         self.errors: list[str] = []
 
     # -- the loop ---------------------------------------------------------------------------
-    def start(self) -> "LiveJudge":
+    def start(self) -> LiveJudge:
         self._thread = threading.Thread(target=self._loop, name="traindx-live", daemon=True)
         self._thread.start()
         return self
@@ -291,8 +316,7 @@ class LiveJudge:
                 manifest = json.load(f)
             if isinstance(manifest, dict) and isinstance(manifest.get("command"), list):
                 self._sources_warm = True
-                for path in job_scripts(RunRecord(path=self.run_dir, manifest=manifest,
-                                                  tables=None)):
+                for path in job_scripts(RunRecord(path=self.run_dir, manifest=manifest, tables=None)):
                     codefix._tree(path)
         except (OSError, ValueError):
             pass  # not written yet: the next poll
@@ -308,8 +332,7 @@ class LiveJudge:
         the budget on evidence that cannot convince."""
         again = self.tail.recompiled_in
         # the step that compiled again must have ended: the analyzer judges finished steps
-        return self.tail.step >= STABLE_AFTER_STEPS or (again is not None
-                                                         and self.tail.step > again)
+        return self.tail.step >= STABLE_AFTER_STEPS or (again is not None and self.tail.step > again)
 
     def spent_s(self) -> float:
         """The live judgement's CPU so far (both stages; the one-time imports apart)."""
@@ -320,7 +343,7 @@ class LiveJudge:
         share = self.options.cpu_share * (self.clock() - self._start)
         return self.spent_s() + cost <= max(share, START_PASSES * self._expected(None))
 
-    def _expected(self, only: Optional[tuple]) -> float:
+    def _expected(self, only: tuple | None) -> float:
         """The CPU a pass of `only` (None: every analyzer) is expected to cost: its last one; a
         full pass never measured yet, at least twice the dearest routed pass (a full pass run
         first after routed ones would overshoot the budget on a guess)."""
@@ -347,21 +370,26 @@ class LiveJudge:
         if self._hold_until and self.tail.step >= self._hold_until:
             self._pending.setdefault("confirm", f"the top held to step {self._hold_until}?")
             self._hold_until = 0
-        if self._grow_at and self.tail.step >= self._grow_at and \
-                self._room(self._expected(None)):
+        if self._grow_at and self.tail.step >= self._grow_at and self._room(self._expected(None)):
             # no reserve kept beside it, unlike the cadence's speculative pass: a finding is
             # already there, a step below the floor (the starting allowance of a short job
             # holds the first judgement and this one, not a third beside them)
-            self._pending.setdefault("grown", f"the record grew to {self.tail.step} steps: "
-                                              f"{self._near} rises?")
+            self._pending.setdefault(
+                "grown", f"the record grew to {self.tail.step} steps: {self._near} rises?"
+            )
             self._grow_at = 0
-        if self._full_at < STABLE_AFTER_STEPS <= self.tail.step and "steps" not in self._pending \
-                and not self._first_routed:
+        if (
+            self._full_at < STABLE_AFTER_STEPS <= self.tail.step
+            and "steps" not in self._pending
+            and not self._first_routed
+        ):
             # no full judgement of two steady steps yet: what a finding needs to be stable
             outside = self.tail.outside_model()
             if outside >= LINE_SHIFT or self.tail.recompiled_in is not None:
-                self._pending["steps"] = (f"{self.tail.step} steps: the first judgement "
-                                          f"({outside:.0%} of the step outside the model's spans)")
+                self._pending["steps"] = (
+                    f"{self.tail.step} steps: the first judgement "
+                    f"({outside:.0%} of the step outside the model's spans)"
+                )
                 # what a pass reads first when there is no room for every analyzer
                 self._routes |= self.tail.outside_categories()
                 if self.tail.recompiled_in is not None:  # a kernel compiled again
@@ -379,23 +407,25 @@ class LiveJudge:
         if trigger is not None or self.tail.step != step_before or s.polls % 10 == 0:
             self.on_state(s)
 
-    def _due(self, force: bool) -> tuple[Optional[str], Optional[tuple]]:
+    def _due(self, force: bool) -> tuple[str | None, tuple | None]:
         """(the trigger of the analysis to run now, the analyzers it runs: None for all)."""
         if force:
             return "final" if not self._pending else "+".join(sorted(self._pending)), None
         # a routed pass that showed something is confirmed on the same record, without waiting
         # for a step end (a 280 s step would hold the verdict and --until-diagnosed's stop)
         confirm_now = "confirm" in self._pending and self._full_at < self._analysed_at
-        if self.tail.step <= self._analysed_at and not confirm_now or \
-                not self._worth_analysing():
+        if self.tail.step <= self._analysed_at and not confirm_now or not self._worth_analysing():
             return None, None
         if self._pending:
             kinds = set(self._pending)
             only = TRIGGER_ANALYZERS.get(next(iter(kinds))) if len(kinds) == 1 else None
             # a finding shown to confirm waits for the full pass (its verdict, the stop)
             routed = None if "confirm" in kinds else self._route(kinds)
-            if routed is not None and self._full_pass_spans_steps(only) and \
-                    self._room(self._expected(routed) + self._expected(None)):
+            if (
+                routed is not None
+                and self._full_pass_spans_steps(only)
+                and self._room(self._expected(routed) + self._expected(None))
+            ):
                 # the full pass would let the job run SHOW_WITHIN_STEPS steps or more before
                 # its finding is on screen: the analyzers of what stands out first (a fraction
                 # of the cost), the full pass confirming it next, on the same record; only with
@@ -420,29 +450,30 @@ class LiveJudge:
         # the slow cadence, from the start (a first judgement when nothing stood out too: an
         # onset in the job's first seconds, when the budget is smallest, would find it spent):
         # only with room for a trigger's analysis after it
-        if (self._soft_first or self._full_at >= STABLE_AFTER_STEPS) and \
-                self.clock() - self._analysed_t >= CADENCE_S and self._room(2 * self._expected(None)):
+        if (
+            (self._soft_first or self._full_at >= STABLE_AFTER_STEPS)
+            and self.clock() - self._analysed_t >= CADENCE_S
+            and self._room(2 * self._expected(None))
+        ):
             return ("steps" if self._full_at < STABLE_AFTER_STEPS else "cadence"), None
         return None, None
 
-    def _full_pass_spans_steps(self, only: Optional[tuple]) -> bool:
+    def _full_pass_spans_steps(self, only: tuple | None) -> bool:
         """Whether the pass of `only` (None: every analyzer) is expected to take as long as
         SHOW_WITHIN_STEPS of the job's steps: the job runs on while it runs, so a finding it
         shows is on screen that many steps after the record it read (its CPU is its wall time
         at best)."""
         step_s = self.tail.median_step_s()
-        return only is None and step_s is not None and \
-            self._expected(None) >= SHOW_WITHIN_STEPS * step_s
+        return only is None and step_s is not None and self._expected(None) >= SHOW_WITHIN_STEPS * step_s
 
-    def _route(self, kinds: set) -> Optional[tuple]:
+    def _route(self, kinds: set) -> tuple | None:
         """The analyzers that read what the pending triggers point at (TRIGGER_ANALYZERS,
         CATEGORY_ANALYZERS), or None: every analyzer (a trigger of another kind, one that points
         at nothing outside the model, or only at categories a routed pass showed a finding from
         since the last full pass: the same evidence again is the confirming full pass's)."""
         if not kinds or not kinds <= ROUTED_KINDS:
             return None
-        names = [a for c in sorted(self._routes - self._routed)
-                 for a in CATEGORY_ANALYZERS.get(c, ())]
+        names = [a for c in sorted(self._routes - self._routed) for a in CATEGORY_ANALYZERS.get(c, ())]
         if kinds - {"compile"} and not names:
             return None
         if "compile" in kinds:
@@ -464,7 +495,7 @@ class LiveJudge:
         if text not in self.errors:
             self.errors.append(text)
 
-    def _analyse(self, trigger: str, only: Optional[tuple] = None) -> None:
+    def _analyse(self, trigger: str, only: tuple | None = None) -> None:
         t0 = time.process_time()
         covered = self.tail.step
         judged: set[str] = set()
@@ -473,8 +504,9 @@ class LiveJudge:
             self.tail.mark_judged()
             self._routed.clear()
         else:
-            judged = {c for c in self._routes if c in CATEGORY_ANALYZERS
-                      and set(CATEGORY_ANALYZERS[c]) <= set(only)}
+            judged = {
+                c for c in self._routes if c in CATEGORY_ANALYZERS and set(CATEGORY_ANALYZERS[c]) <= set(only)
+            }
             kinds = trigger.split("+")
             for kind in kinds if not self._routed_first else ():
                 self._pending.pop(kind, None)
@@ -513,13 +545,24 @@ class LiveJudge:
             if only is None:
                 self._full_at = covered
             self._analysed_t = self.clock()
-            s.passes.append({"trigger": trigger, "step": covered, "cpu_s": round(cost, 4),
-                             "analyzers": list(only) if only else "all"})
+            s.passes.append(
+                {
+                    "trigger": trigger,
+                    "step": covered,
+                    "cpu_s": round(cost, 4),
+                    "analyzers": list(only) if only else "all",
+                }
+            )
             del s.passes[:-ANALYSES_KEPT]
             self._write_shown()  # the per-pass log, readable while the job runs
         self._since_report += 1
-        if run is not None and self.on_analysis is not None and self.options.report_every and \
-                only is None and (shown or self._since_report >= self.options.report_every):
+        if (
+            run is not None
+            and self.on_analysis is not None
+            and self.options.report_every
+            and only is None
+            and (shown or self._since_report >= self.options.report_every)
+        ):
             # lowest priority: only with room for a trigger's analysis after it
             if self._room(self._report_cost + self._expected(None)):
                 t1 = time.process_time()
@@ -536,16 +579,23 @@ class LiveJudge:
     def _write_shown(self) -> None:
         s = self.state
         try:
-            _write_json(os.path.join(self.run_dir, SHOWN_FILE),
-                        {"findings": self._shown, "captures": s.captures,
-                         "analyses": s.analyses,
-                         "analysis_cpu_s": round(s.analysis_cpu_s + s.cheap_cpu_s, 4),
-                         "full_stage_cpu_s": round(s.analysis_cpu_s, 4),
-                         "cheap_stage_cpu_s": round(s.cheap_cpu_s, 4),
-                         "report_cpu_s": round(s.report_cpu_s, 4), "polls": s.polls,
-                         "import_cpu_s": round(s.import_cpu_s, 4), "passes": s.passes,
-                         # a pass that failed says why (the live view never breaks the job)
-                         "errors": self.errors})
+            _write_json(
+                os.path.join(self.run_dir, SHOWN_FILE),
+                {
+                    "findings": self._shown,
+                    "captures": s.captures,
+                    "analyses": s.analyses,
+                    "analysis_cpu_s": round(s.analysis_cpu_s + s.cheap_cpu_s, 4),
+                    "full_stage_cpu_s": round(s.analysis_cpu_s, 4),
+                    "cheap_stage_cpu_s": round(s.cheap_cpu_s, 4),
+                    "report_cpu_s": round(s.report_cpu_s, 4),
+                    "polls": s.polls,
+                    "import_cpu_s": round(s.import_cpu_s, 4),
+                    "passes": s.passes,
+                    # a pass that failed says why (the live view never breaks the job)
+                    "errors": self.errors,
+                },
+            )
         except OSError as exc:
             self._error(f"writing {SHOWN_FILE}", exc)
 
@@ -560,8 +610,7 @@ class LiveJudge:
         step_s = self.state.median_step_s or self.tail.last_step_s or STOP_MARGIN_S
         return self.tail.step + max(2, math.ceil(STOP_MARGIN_S / max(step_s, 1e-3)))
 
-    def _judge(self, run, findings: list[Finding], only: Optional[tuple] = None,
-               trigger: str = "") -> bool:
+    def _judge(self, run, findings: list[Finding], only: tuple | None = None, trigger: str = "") -> bool:
         """Print what became stable; True when something was shown."""
         s = self.state
         covered = self.tail.step
@@ -572,13 +621,19 @@ class LiveJudge:
         if only is None:
             s.ledger_line = _ledger_line(run)
         floor = self.options.min_severity
-        roots = [f for f in findings if f.cause is None and _at_least(f.severity, floor)
-                 and not f.id.startswith(NOT_CAUSES)]
+        roots = [
+            f
+            for f in findings
+            if f.cause is None and _at_least(f.severity, floor) and not f.id.startswith(NOT_CAUSES)
+        ]
         stable = []
         for f in roots:
             first = self._seen.setdefault(f.id, covered)
-            proven = (any(k in f.id for k in _PROVEN_AT_ONCE) or len(set(f.steps_affected)) >= 2
-                      or covered >= STABLE_AFTER_STEPS)
+            proven = (
+                any(k in f.id for k in _PROVEN_AT_ONCE)
+                or len(set(f.steps_affected)) >= 2
+                or covered >= STABLE_AFTER_STEPS
+            )
             if proven or covered > first:
                 stable.append(f)
         if only is None or roots:  # a partial analysis says nothing of the other analyzers
@@ -595,8 +650,14 @@ class LiveJudge:
         for f in new:
             self._printed.add(f.id)
             s.stable.append(f.id)
-            self._shown[f.id] = {"t_ns": time.time_ns(), "step": s.step, "analysed_step": covered,
-                                 "trigger": trigger, "severity": f.severity, "title": f.title}
+            self._shown[f.id] = {
+                "t_ns": time.time_ns(),
+                "step": s.step,
+                "analysed_step": covered,
+                "trigger": trigger,
+                "severity": f.severity,
+                "title": f.title,
+            }
             self.on_finding(f, s)
             kernel = (f.evidence or {}).get("kernel")
             if isinstance(kernel, str) and any(k in f.id for k in _PROVEN_AT_ONCE):
@@ -610,11 +671,15 @@ class LiveJudge:
             # seen once, or found by one analyzer alone: judged again at the next step end
             why = unconfirmed[0].id if unconfirmed else f"{new[0].id} found by {only}"
             self._pending.setdefault("confirm", why)
-        if self.options.until_diagnosed and roots and s.stop_requested_at is None and \
-                only is None:  # the top is only known from a full analysis
+        if (
+            self.options.until_diagnosed and roots and s.stop_requested_at is None and only is None
+        ):  # the top is only known from a full analysis
             top = roots[0]
-            pending = [f for f in roots if f not in stable
-                       and _severity_rank(f.severity) >= _severity_rank(top.severity)]
+            pending = [
+                f
+                for f in roots
+                if f not in stable and _severity_rank(f.severity) >= _severity_rank(top.severity)
+            ]
             if top.id != self._top[0]:
                 self._top = (top.id, covered)  # first seen as the top at this step count
             if top in stable and not pending and self._top_held(top, covered):
@@ -622,7 +687,6 @@ class LiveJudge:
                 request_stop(self.run_dir, at, f"diagnosed: {top.id}")
                 s.stop_requested_at = at
         return bool(new)
-
 
     def _watch_near(self, findings: list[Finding], covered: int) -> None:
         """A root finding one severity below the floor, not printed yet, is judged again once
@@ -632,9 +696,14 @@ class LiveJudge:
         at the 30 s cadence, after the job). Geometric growth keeps it to a few passes over
         any run, within the budget."""
         floor = _severity_rank(self.options.min_severity)
-        near = [f for f in findings if f.cause is None and _severity_rank(f.severity) == floor - 1
-                and f.id not in self._printed
-                and not f.id.startswith(NOT_CAUSES)]
+        near = [
+            f
+            for f in findings
+            if f.cause is None
+            and _severity_rank(f.severity) == floor - 1
+            and f.id not in self._printed
+            and not f.id.startswith(NOT_CAUSES)
+        ]
         self._near = near[0].id if near else ""
         self._grow_at = max(covered + 1, math.ceil(GROW_FACTOR * covered)) if near else 0
 
@@ -658,7 +727,7 @@ class LiveJudge:
         return False
 
 
-def _ledger_line(run) -> Optional[str]:
+def _ledger_line(run) -> str | None:
     """The steady steps' mean ledger, its three largest lines ("data 61% · fwd/bwd 30% ...")."""
     try:
         from traindx.derive.ledger import CATEGORIES, LABELS
@@ -666,8 +735,7 @@ def _ledger_line(run) -> Optional[str]:
         ledger = run.ledger
         if not len(ledger):
             return None
-        steady = ledger[ledger["step"] > ledger["step"].min()] if ledger["step"].nunique() > 2 \
-            else ledger
+        steady = ledger[ledger["step"] > ledger["step"].min()] if ledger["step"].nunique() > 2 else ledger
         wall = float(steady["wall_s"].sum())
         if wall <= 0:
             return None

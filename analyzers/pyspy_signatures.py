@@ -7,6 +7,7 @@ call site changes or when the compiler's code goes back to an earlier line of th
 (its pipeline restarted: a new compile). py-spy's speedscope keeps sample order but no
 timestamps, so compiles are counted per call site, not placed on a clock.
 """
+
 from __future__ import annotations
 
 import collections
@@ -16,9 +17,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from traindx.profiler import speedscope
-
 from traindx.analyzers import evidence as ev
+from traindx.profiler import speedscope
 
 if TYPE_CHECKING:  # annotations only
     from traindx.profiler.speedscope import Frame, Recording, ThreadSamples
@@ -29,28 +29,51 @@ if TYPE_CHECKING:  # annotations only
 SIGNATURES = (
     ("dynamo", re.compile(r"[/\\]torch[/\\]_dynamo[/\\](convert_frame|symbolic_convert)\.py$"), None),
     ("inductor", re.compile(r"[/\\]torch[/\\]_inductor[/\\]compile_fx\.py$"), None),
-    ("triton_autotune", re.compile(r"[/\\]triton[/\\]runtime[/\\]autotuner\.py$"),
-     re.compile(r"bench|prune")),
-    ("cute_dsl", re.compile(r"[/\\]cutlass[/\\]base_dsl[/\\](compiler|dsl)\.py$"),
-     re.compile(r"compile|generate_mlir|_func")),
+    (
+        "triton_autotune",
+        re.compile(r"[/\\]triton[/\\]runtime[/\\]autotuner\.py$"),
+        re.compile(r"bench|prune"),
+    ),
+    (
+        "cute_dsl",
+        re.compile(r"[/\\]cutlass[/\\]base_dsl[/\\](compiler|dsl)\.py$"),
+        re.compile(r"compile|generate_mlir|_func"),
+    ),
     ("triton", re.compile(r"[/\\]triton[/\\]compiler[/\\]compiler\.py$"), re.compile(r"compile")),
 )
-COMPILER_PATH = re.compile(r"[/\\](cutlass[/\\]base_dsl|triton[/\\](compiler|runtime)|torch[/\\]_inductor|"
-                           r"torch[/\\]_dynamo|cutlass[/\\]cute)[/\\]")
+COMPILER_PATH = re.compile(
+    r"[/\\](cutlass[/\\]base_dsl|triton[/\\](compiler|runtime)|torch[/\\]_inductor|"
+    r"torch[/\\]_dynamo|cutlass[/\\]cute)[/\\]"
+)
 FA4_PATH = re.compile(r"[/\\]flash_attn[/\\]cute[/\\]")
 # FA4 helper modules: not the kernel being built
-FA4_HELPERS = {"__init__.py", "interface.py", "utils.py", "tile_scheduler.py", "mask.py",
-               "softmax.py", "pipeline.py", "cute_dsl_utils.py", "seqlen_info.py", "block_info.py",
-               "named_barrier.py", "fast_math.py", "cache_utils.py", "testing.py", "copy_utils.py"}
+FA4_HELPERS = {
+    "__init__.py",
+    "interface.py",
+    "utils.py",
+    "tile_scheduler.py",
+    "mask.py",
+    "softmax.py",
+    "pipeline.py",
+    "cute_dsl_utils.py",
+    "seqlen_info.py",
+    "block_info.py",
+    "named_barrier.py",
+    "fast_math.py",
+    "cache_utils.py",
+    "testing.py",
+    "copy_utils.py",
+}
 # py-spy --threads root frames: 'thread (0x7f…)', 'thread (718): MainThread'
 
 
 @dataclass
 class Compile:
     """One compile seen in the samples of one thread."""
+
     thread: str
     kind: str
-    site: tuple                   # the frames that asked for the compile (innermost last)
+    site: tuple  # the frames that asked for the compile (innermost last)
     first_sample: int
     samples: int = 0
     seconds: float = 0.0
@@ -100,8 +123,7 @@ def classify(stack: Sequence[Frame]) -> tuple[str, int] | None:
     """(kind, index of the outermost compiler frame) of a compiling sample, else None."""
     for i, frame in enumerate(stack):
         for kind, path, function in SIGNATURES:
-            if frame.file and path.search(frame.file) and (
-                    function is None or function.search(frame.name)):
+            if frame.file and path.search(frame.file) and (function is None or function.search(frame.name)):
                 return kind, i
     return None
 
@@ -132,15 +154,19 @@ def _restarted(previous, stack, entry):
     """True when `stack` is a new compile after `previous` at the same site: at the first frame
     where they differ, within the compiler's pipeline functions near its entry (deeper code
     loops), the same function is at an earlier line."""
-    for a, b in zip(previous[entry:entry + PIPELINE_DEPTH], stack[entry:entry + PIPELINE_DEPTH]):
+    for a, b in zip(previous[entry : entry + PIPELINE_DEPTH], stack[entry : entry + PIPELINE_DEPTH]):
         if a == b:
             continue
-        return (a.name == b.name and a.file == b.file and b.line < a.line
-                and COMPILER_PATH.search(a.file or "") is not None)
+        return (
+            a.name == b.name
+            and a.file == b.file
+            and b.line < a.line
+            and COMPILER_PATH.search(a.file or "") is not None
+        )
     return False
 
 
-MAX_GAP = 2        # non-compiling samples tolerated inside one compile
+MAX_GAP = 2  # non-compiling samples tolerated inside one compile
 PARTIAL_STACK = 3  # py-spy sometimes unwinds only the innermost frames of a sample
 
 
@@ -166,8 +192,12 @@ def compiles_of_thread(thread: str, samples: ThreadSamples) -> list[Compile]:
         gap = 0
         kind, entry = hit
         site = _site(stack, entry)
-        same = (current is not None and current.kind == kind and current.site == site
-                and not _restarted(previous, stack, entry))
+        same = (
+            current is not None
+            and current.kind == kind
+            and current.site == site
+            and not _restarted(previous, stack, entry)
+        )
         if not same or current is None:
             current = Compile(thread=thread, kind=kind, site=site, first_sample=index)
             found.append(current)
@@ -215,6 +245,7 @@ def main_thread_label(recording: Recording) -> str | None:
 @dataclass
 class SiteSummary:
     """All compiles of one call site on one thread."""
+
     thread: str
     is_main_thread: bool
     kind: str
@@ -223,8 +254,8 @@ class SiteSummary:
     kernel_file: str | None
     compiles: list
     total_seconds: float
-    thread_seconds: float           # all samples of that thread (outside imports)
-    recording_seconds: float        # all samples of the recording (outside imports)
+    thread_seconds: float  # all samples of that thread (outside imports)
+    recording_seconds: float  # all samples of the recording (outside imports)
 
     @property
     def count(self):
@@ -250,17 +281,24 @@ def summarize(recording: Recording) -> list[SiteSummary]:
             files = collections.Counter()
             for c in group:
                 files.update(c.kernel_files)
-            out.append(SiteSummary(
-                thread=names[label], is_main_thread=label == main, kind=kind,
-                site_label=group[0].site_label, function=group[0].function,
-                kernel_file=files.most_common(1)[0][0] if files else None, compiles=group,
-                total_seconds=sum(c.seconds for c in group), thread_seconds=thread_s,
-                recording_seconds=recording_s))
+            out.append(
+                SiteSummary(
+                    thread=names[label],
+                    is_main_thread=label == main,
+                    kind=kind,
+                    site_label=group[0].site_label,
+                    function=group[0].function,
+                    kernel_file=files.most_common(1)[0][0] if files else None,
+                    compiles=group,
+                    total_seconds=sum(c.seconds for c in group),
+                    thread_seconds=thread_s,
+                    recording_seconds=recording_s,
+                )
+            )
     return out
 
 
-def gil_share_compiling(recording_gil: Recording | None,
-                        thread_name: str) -> tuple[float, float] | None:
+def gil_share_compiling(recording_gil: Recording | None, thread_name: str) -> tuple[float, float] | None:
     """Seconds the thread held the GIL while compiling, and all seconds of the --gil recording
     (start-up imports excluded)."""
     if not recording_gil:

@@ -18,6 +18,7 @@ do not show the straggler. Evidence, best first:
 Blocking send/recv waits are the pipeline's bubbles (a stage waiting for its neighbour), reported
 as their share of the step (`ranks.pipeline_bubble`), never as stragglers.
 """
+
 from __future__ import annotations
 
 import re
@@ -27,11 +28,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 import pandas as pd
 
-from traindx.derive import ledger as ledger_mod
-from traindx.analyzers.findings import Finding, Prescription
-
 from traindx.analyzers import evidence as ev
 from traindx.analyzers import sync_points as sp
+from traindx.analyzers.findings import Finding, Prescription
+from traindx.derive import ledger as ledger_mod
 
 if TYPE_CHECKING:  # annotations only
     from traindx.derive.run import RunRecord
@@ -40,18 +40,22 @@ COLLECTIVE_NAME = re.compile(
     r"^(?:gloo:|nccl:|c10d::|record_param_comms)|nccl.*(?:AllReduce|AllGather|ReduceScatter|Broadcast|"
     r"SendRecv|AllToAll|Reduce)|distributed_c10d\.py\(\d+\): (?:all_reduce|all_gather|"
     r"all_gather_into_tensor|reduce_scatter|reduce_scatter_tensor|broadcast|barrier|all_to_all|"
-    r"all_to_all_single|send|recv|wait)$", re.IGNORECASE)
-POINT_TO_POINT_NAME = re.compile(r"(?:^|[:_ .])(?:i?send|i?recv|SendRecv|batch_isend_irecv|P2P)\b|"
-                                 r"nccl.*(?:Send|Recv)", re.IGNORECASE)
+    r"all_to_all_single|send|recv|wait)$",
+    re.IGNORECASE,
+)
+POINT_TO_POINT_NAME = re.compile(
+    r"(?:^|[:_ .])(?:i?send|i?recv|SendRecv|batch_isend_irecv|P2P)\b|"
+    r"nccl.*(?:Send|Recv)",
+    re.IGNORECASE,
+)
 C10D_FILE = "torch/distributed/distributed_c10d.py"
 MIN_SHARE = 0.05
 MIN_WAIT_DIFF_S = 0.005
 # the straggler must have caused most of the waiting: in a healthy job the last arrival changes
 # from one collective to the next and the costs spread over the ranks
 MIN_DOMINANCE = 0.6
-MIN_LATE_STEPS = 3           # steady steps in which it made the others wait ...
+MIN_LATE_STEPS = 3  # steady steps in which it made the others wait ...
 MIN_LATE_STEP_SHARE = MIN_SHARE  # ... at least this share of a median step (and 5 ms)
-
 
 
 def _trace_waits(run, ranks):
@@ -120,9 +124,11 @@ def _what_straggler_does(run, rank, rows, all_rows, coll, diff_s):
         return None
     mid = (best.start_ns + best.end_ns) // 2
     around = ev.enclosing_user_function(py_all, best.tid, mid)
-    return {"call": best.name, "seconds": round(best.dur_s, 4),
-            "in_function": None if not around else
-            {"file": around[0], "line": around[1], "function": around[2]}}
+    return {
+        "call": best.name,
+        "seconds": round(best.dur_s, 4),
+        "in_function": None if not around else {"file": around[0], "line": around[1], "function": around[2]},
+    }
 
 
 def _compiles_on(run, rank, steady_ids):
@@ -132,18 +138,27 @@ def _compiles_on(run, rank, steady_ids):
     comp = comp[(comp["rank"] == rank) & comp["step"].isin(steady_ids)]
     if not len(comp):
         return None
-    return {"compiles": int(len(comp)), "seconds": round(float(comp["duration_s"].sum()), 3),
-            "kernels": sorted(set(map(str, comp["kernel"])))[:5]}
+    return {
+        "compiles": int(len(comp)),
+        "seconds": round(float(comp["duration_s"].sum()), 3),
+        "kernels": sorted(set(map(str, comp["kernel"])))[:5],
+    }
 
 
 # -- 1. meeting points: who arrived last, what it cost, why -------------------------------------
 CAUSES = {  # ledger line before the late arrival -> what the user reads
-    "compile": "compiling", "autotune": "autotuning kernels", "gc": "garbage collection",
-    "io": "checkpoint/file I/O", "sync": "waiting for its GPU (host-device sync)",
-    "data": "waiting for its data", "optimizer": "its optimizer step",
-    "forward_backward": "compute (forward/backward)", "host": "its own code between measured calls",
+    "compile": "compiling",
+    "autotune": "autotuning kernels",
+    "gc": "garbage collection",
+    "io": "checkpoint/file I/O",
+    "sync": "waiting for its GPU (host-device sync)",
+    "data": "waiting for its data",
+    "optimizer": "its optimizer step",
+    "forward_backward": "compute (forward/backward)",
+    "host": "its own code between measured calls",
     "unexplained": "untimed host work",
-    "collective": "waiting in other communication (send/recv, another group)"}
+    "collective": "waiting in other communication (send/recv, another group)",
+}
 SLOWER_CLOCK = 0.9  # the straggler's GPU at <= 90 % of the others' SM clock: a slower GPU
 
 
@@ -196,8 +211,9 @@ def _late_cause(run, seg, straggler, late_keys, n_steps):
     cats = list(ledger_mod.CATEGORIES) + ["unexplained"]
     per_rank = {}
     for rank, rows in seg[seg["key"].isin(late_keys)].groupby("rank"):
-        secs = sp.segment_ledger(run, rank, rows["seg_start_ns"].to_numpy(np.int64),
-                                 rows["start_ns"].to_numpy(np.int64))
+        secs = sp.segment_ledger(
+            run, rank, rows["seg_start_ns"].to_numpy(np.int64), rows["start_ns"].to_numpy(np.int64)
+        )
         per_rank[rank] = secs.sum(axis=0)
     if straggler not in per_rank or len(per_rank) < 2:
         return {}
@@ -216,11 +232,17 @@ def _step_points(run):
         return led
     counts = led.groupby("step")["rank"].transform("nunique")
     led = led[counts == led["rank"].nunique()]
-    return pd.DataFrame({"key": led["step"].astype("int64"), "rank": led["rank"],
-                         "op": "host sync + collectives of the step", "group": "step",
-                         "start_ns": led["start_ns"].astype("int64"),
-                         "end_ns": led["end_ns"].astype("int64"),
-                         "wait_s": led["sync_s"] + led["collective_s"]}).reset_index(drop=True)
+    return pd.DataFrame(
+        {
+            "key": led["step"].astype("int64"),
+            "rank": led["rank"],
+            "op": "host sync + collectives of the step",
+            "group": "step",
+            "start_ns": led["start_ns"].astype("int64"),
+            "end_ns": led["end_ns"].astype("int64"),
+            "wait_s": led["sync_s"] + led["collective_s"],
+        }
+    ).reset_index(drop=True)
 
 
 def _step_cause(run, straggler, late_steps, n_steps):
@@ -256,12 +278,18 @@ def _core_wait_excess(run, straggler, ranks, steps):
     rows = rows[rows["rank"].astype(str).isin([str(r) for r in ranks])]
     if not len(rows):
         return None
-    runq = ev.step_runq_s(run, rows["rank"], rows["step"], rows["end_ns"].to_numpy(float) / 1e9,
-                          rows["duration_s"])
+    runq = ev.step_runq_s(
+        run, rows["rank"], rows["step"], rows["end_ns"].to_numpy(float) / 1e9, rows["duration_s"]
+    )
     if runq is None:
         return None
-    table = pd.DataFrame({"rank": rows["rank"].astype(str).to_numpy(),
-                          "step": rows["step"].astype("int64").to_numpy(), "runq": runq})
+    table = pd.DataFrame(
+        {
+            "rank": rows["rank"].astype(str).to_numpy(),
+            "step": rows["step"].astype("int64").to_numpy(),
+            "runq": runq,
+        }
+    )
     wide = table.pivot_table(index="step", columns="rank", values="runq", aggfunc="first")
     mine = str(straggler)
     if mine not in wide or wide.shape[1] < 2:
@@ -276,8 +304,7 @@ def _straggler_from_points(run, ranks, points, by_step=False):
     last = sp.last_arrivals(points)
     if not len(last):
         return None
-    arrival = points[["key", "rank", "start_ns"]].rename(
-        columns={"rank": "last", "start_ns": "arrival_ns"})
+    arrival = points[["key", "rank", "start_ns"]].rename(columns={"rank": "last", "start_ns": "arrival_ns"})
     last = last.merge(arrival, on=["key", "last"], how="left")
     steady = _steady_ids(run, ranks)
     last["step"] = -1
@@ -299,17 +326,22 @@ def _straggler_from_points(run, ranks, points, by_step=False):
     median_step = known[len(known) // 2] if known else None
     share = cost / median_step if median_step else 0.0
     dominance = float(caused[straggler]) / total if total > 0 else 0.0
-    detail = {"method": ("steps as meeting points (CUDA: collectives return to the host at "
-                         "once; the host waits in its next sync): the rank whose step has the "
-                         "least host-sync + collective time was the last" if by_step else
-                         "meeting points matched across ranks (collectives by process group and "
-                         "seq" + ("; each backward of the DDP job" if sp.uses_ddp(run) else "") +
-                         "): the rank that waited least arrived last") +
-                        "; durations only, no clock compared across ranks",
-              "meeting_points": int(len(last)),
-              "cost_caused_per_step_s": {r: round(float(caused.get(r, 0.0)) / n_steps, 4)
-                                         for r in ranks},
-              "straggler_share_of_cost": round(dominance, 3)}
+    detail = {
+        "method": (
+            "steps as meeting points (CUDA: collectives return to the host at "
+            "once; the host waits in its next sync): the rank whose step has the "
+            "least host-sync + collective time was the last"
+            if by_step
+            else "meeting points matched across ranks (collectives by process group and "
+            "seq"
+            + ("; each backward of the DDP job" if sp.uses_ddp(run) else "")
+            + "): the rank that waited least arrived last"
+        )
+        + "; durations only, no clock compared across ranks",
+        "meeting_points": int(len(last)),
+        "cost_caused_per_step_s": {r: round(float(caused.get(r, 0.0)) / n_steps, 4) for r in ranks},
+        "straggler_share_of_cost": round(dominance, 3),
+    }
     # late again and again, not once: a rank descheduled for 200 ms in one step (a loaded
     # machine, a page fault storm) is no straggler; its worst step alone must not make the cost
     per_step = last[last["last"] == straggler].groupby("step")["cost_s"].sum()
@@ -326,16 +358,21 @@ def _straggler_from_points(run, ranks, points, by_step=False):
     late_steps = int((per_step >= max(MIN_WAIT_DIFF_S, MIN_LATE_STEP_SHARE * (median_step or 0))).sum())
     robust = (float(per_step.sum()) - float(per_step.max())) / n_steps if len(per_step) else 0.0
     detail.update({"late_steps": late_steps, "cost_without_worst_step_per_step_s": round(robust, 4)})
-    if (cost < MIN_WAIT_DIFF_S or share < MIN_SHARE or dominance < MIN_DOMINANCE
-            or late_steps < MIN_LATE_STEPS or robust < MIN_WAIT_DIFF_S
-            or (median_step and robust / median_step < MIN_SHARE)):
+    if (
+        cost < MIN_WAIT_DIFF_S
+        or share < MIN_SHARE
+        or dominance < MIN_DOMINANCE
+        or late_steps < MIN_LATE_STEPS
+        or robust < MIN_WAIT_DIFF_S
+        or (median_step and robust / median_step < MIN_SHARE)
+    ):
         return None
     # where it came last (and mattered): the cause lies in the stretch before those arrivals
     mine = last[last["last"] == straggler]
     mine = mine[mine["cost_s"] >= 0.1 * mine["cost_s"].quantile(0.9)]  # not: one spike's tenth
     late_keys = set(mine["key"])
     if by_step:
-        cause = _step_cause(run, straggler, set(int(k) for k in late_keys), n_steps)
+        cause = _step_cause(run, straggler, {int(k) for k in late_keys}, n_steps)
     else:
         cause = _late_cause(run, sp.segments(points, steps), straggler, late_keys, n_steps)
     top = max(cause, key=cause.get) if cause else None
@@ -356,22 +393,37 @@ def _straggler_from_points(run, ranks, points, by_step=False):
     ops = Counter(late.loc[late["rank"] == straggler, "op"].astype(str))
     clocks = _gpu_clocks(run, ranks)
     led = _steady_ledger(run)
-    detail.update({
-        "straggler": straggler, "source": "steps (host sync + collective lines)" if by_step else
-        "matched collectives" + (" and DDP backwards" if sp.uses_ddp(run) else ""),
-        "cost_per_step_s": round(cost, 4), "others_wait_per_step_s": others_wait,
-        "late_at": {"points": int(len(mine)), "of": int((last["last"] == straggler).sum()),
-                    "ops": dict(ops.most_common(5))},
-        "late_because_per_step_s": {c: round(v, 4) for c, v in
-                                    sorted(cause.items(), key=lambda kv: -kv[1])},
-        "cause": top, "median_step_s": {r: None if v is None else round(v, 4)
-                                        for r, v in step_s.items()},
-        "wait_in_collectives_per_step_s": {
-            r: round(float(g["collective_s"].mean()), 4) for r, g in led.groupby("rank")}
-        if len(led) else {}})
+    detail.update(
+        {
+            "straggler": straggler,
+            "source": "steps (host sync + collective lines)"
+            if by_step
+            else "matched collectives" + (" and DDP backwards" if sp.uses_ddp(run) else ""),
+            "cost_per_step_s": round(cost, 4),
+            "others_wait_per_step_s": others_wait,
+            "late_at": {
+                "points": int(len(mine)),
+                "of": int((last["last"] == straggler).sum()),
+                "ops": dict(ops.most_common(5)),
+            },
+            "late_because_per_step_s": {
+                c: round(v, 4) for c, v in sorted(cause.items(), key=lambda kv: -kv[1])
+            },
+            "cause": top,
+            "median_step_s": {r: None if v is None else round(v, 4) for r, v in step_s.items()},
+            "wait_in_collectives_per_step_s": {
+                r: round(float(g["collective_s"].mean()), 4) for r, g in led.groupby("rank")
+            }
+            if len(led)
+            else {},
+        }
+    )
     slower_gpu = None
-    if clocks.get(straggler) and len(clocks) >= 2 and top in (
-            "forward_backward", "sync", "host", "unexplained", "optimizer"):
+    if (
+        clocks.get(straggler)
+        and len(clocks) >= 2
+        and top in ("forward_backward", "sync", "host", "unexplained", "optimizer")
+    ):
         rest = [v for r, v in clocks.items() if r != straggler]
         if rest and clocks[straggler] <= SLOWER_CLOCK * float(np.median(rest)):
             slower_gpu = {"straggler_mhz": clocks[straggler], "others_mhz": float(np.median(rest))}
@@ -381,8 +433,11 @@ def _straggler_from_points(run, ranks, points, by_step=False):
     compiles = _compiles_on(run, straggler, steady_ids)
     if compiles and top in ("compile", "autotune"):
         detail["straggler_compiles_in_steady_steps"] = compiles
-    label = ("a slower GPU clock" if slower_gpu else CAUSES.get(top, "unknown work")) if top else \
-        "no measured line (py-spy or the torch.profiler window name the code)"
+    label = (
+        ("a slower GPU clock" if slower_gpu else CAUSES.get(top, "unknown work"))
+        if top
+        else "no measured line (py-spy or the torch.profiler window name the code)"
+    )
     detail["cause_label"] = label
     if slower_gpu:
         detail["slower_gpu"] = slower_gpu
@@ -415,66 +470,97 @@ def _pyspy_doing(run, rank):
 def _prescriptions(run, straggler, top, cost, slower_gpu):
     out = []
     if top in ("compile", "autotune"):
-        out.append(Prescription(
-            kind="precompile",
-            summary=f"rank {straggler} compiles kernels during the steps: precompile them (see the "
-                    "jit finding) so no rank compiles while the others wait",
-            change={"precompile": {"from_run": run.path}}, expected_gain_s_per_step=cost))
+        out.append(
+            Prescription(
+                kind="precompile",
+                summary=f"rank {straggler} compiles kernels during the steps: precompile them (see the "
+                "jit finding) so no rank compiles while the others wait",
+                change={"precompile": {"from_run": run.path}},
+                expected_gain_s_per_step=cost,
+            )
+        )
     elif top == "gc":
-        out.append(Prescription(
-            kind="code", summary=f"rank {straggler} pauses in full garbage collections while the "
-            "others wait: gc.collect(); gc.freeze() once after set-up (see the gc finding), or "
-            "collect at the same point on every rank", expected_gain_s_per_step=cost))
+        out.append(
+            Prescription(
+                kind="code",
+                summary=f"rank {straggler} pauses in full garbage collections while the "
+                "others wait: gc.collect(); gc.freeze() once after set-up (see the gc finding), or "
+                "collect at the same point on every rank",
+                expected_gain_s_per_step=cost,
+            )
+        )
     elif top == "data":
-        out.append(Prescription(
-            kind="code", summary=f"rank {straggler} waits for its batches: more DataLoader workers "
-            "on it, or a faster shard/storage for it (the dataloader finding names the code)",
-            expected_gain_s_per_step=cost))
+        out.append(
+            Prescription(
+                kind="code",
+                summary=f"rank {straggler} waits for its batches: more DataLoader workers "
+                "on it, or a faster shard/storage for it (the dataloader finding names the code)",
+                expected_gain_s_per_step=cost,
+            )
+        )
     elif top == "io":
-        out.append(Prescription(
-            kind="code", summary=f"rank {straggler} writes files while the others wait: save "
-            "asynchronously or from every rank's own shard (DCP), off the step",
-            expected_gain_s_per_step=cost))
+        out.append(
+            Prescription(
+                kind="code",
+                summary=f"rank {straggler} writes files while the others wait: save "
+                "asynchronously or from every rank's own shard (DCP), off the step",
+                expected_gain_s_per_step=cost,
+            )
+        )
     elif slower_gpu:
-        out.append(Prescription(
-            kind="code", summary=f"rank {straggler}'s GPU runs at a lower SM clock: check it "
-            "(nvidia-smi -q -d PERFORMANCE,TEMPERATURE,POWER) or move the job off it",
-            expected_gain_s_per_step=cost))
-    out.append(Prescription(
-        kind="code",
-        summary=f"remove the extra work on rank {straggler} or balance it across ranks "
-                "(same data volume per rank, rank-0-only logging/evaluation off the step)",
-        expected_gain_s_per_step=cost))
+        out.append(
+            Prescription(
+                kind="code",
+                summary=f"rank {straggler}'s GPU runs at a lower SM clock: check it "
+                "(nvidia-smi -q -d PERFORMANCE,TEMPERATURE,POWER) or move the job off it",
+                expected_gain_s_per_step=cost,
+            )
+        )
+    out.append(
+        Prescription(
+            kind="code",
+            summary=f"remove the extra work on rank {straggler} or balance it across ranks "
+            "(same data volume per rank, rank-0-only logging/evaluation off the step)",
+            expected_gain_s_per_step=cost,
+        )
+    )
     return tuple(out)
 
 
 def _straggler_finding(run, ranks, straggler, cost, share, detail, top, label):
     because = detail.get("late_because_per_step_s") or {}
-    why = " · ".join(f"{ledger_mod.LABELS.get(c, c)} +{v * 1000:.0f} ms" for c, v in
-                     list(because.items())[:3])
+    why = " · ".join(
+        f"{ledger_mod.LABELS.get(c, c)} +{v * 1000:.0f} ms" for c, v in list(because.items())[:3]
+    )
     others = detail.get("others_wait_per_step_s") or {}
     waits = ", ".join(f"rank {r} {v * 1000:.0f} ms" for r, v in others.items())
     doing = detail.get("straggler_does") or {}
-    code = (f" Its hottest code: {doing['hottest_frames'][0]['frame']}."
-            if doing.get("hottest_frames") else "")
+    code = f" Its hottest code: {doing['hottest_frames'][0]['frame']}." if doing.get("hottest_frames") else ""
     if detail.get("slower_gpu"):
         g = detail["slower_gpu"]
-        code += (f" Its GPU's SM clock: {g['straggler_mhz']:.0f} MHz vs {g['others_mhz']:.0f} MHz "
-                 "on the others.")
+        code += (
+            f" Its GPU's SM clock: {g['straggler_mhz']:.0f} MHz vs {g['others_mhz']:.0f} MHz on the others."
+        )
     return Finding(
         id="ranks.straggler",
         title=f"Rank {straggler} arrives last at the collectives: the others wait "
-              f"{cost * 1000:.0f} ms per step for it ({label})",
-        severity=ev.severity_for_share(share), analyzer="ranks",
-        summary=(f"At {detail['late_at']['points']} of {detail['meeting_points']} meeting points "
-                 f"in steady steps ({', '.join(detail['late_at']['ops'])}) rank {straggler} waited "
-                 f"least by a clear margin, so it arrived last; the others waited for it per "
-                 f"step: {waits}. "
-                 f"Before those arrivals rank {straggler}'s own ledger has, beyond the others'"
-                 f": {why or 'nothing measured'}.{code}"),
-        seconds_lost_per_step=cost, share_of_step=share, evidence=detail,
+        f"{cost * 1000:.0f} ms per step for it ({label})",
+        severity=ev.severity_for_share(share),
+        analyzer="ranks",
+        summary=(
+            f"At {detail['late_at']['points']} of {detail['meeting_points']} meeting points "
+            f"in steady steps ({', '.join(detail['late_at']['ops'])}) rank {straggler} waited "
+            f"least by a clear margin, so it arrived last; the others waited for it per "
+            f"step: {waits}. "
+            f"Before those arrivals rank {straggler}'s own ledger has, beyond the others'"
+            f": {why or 'nothing measured'}.{code}"
+        ),
+        seconds_lost_per_step=cost,
+        share_of_step=share,
+        evidence=detail,
         prescriptions=_prescriptions(run, straggler, top, cost, detail.get("slower_gpu")),
-        ranks=tuple(ranks))
+        ranks=tuple(ranks),
+    )
 
 
 # -- pipeline bubbles: blocking send/recv -------------------------------------------------------
@@ -489,14 +575,17 @@ def _bubbles(run, ranks, spans):
         if not len(st):
             continue
         wall = float(st["duration_s"].sum())
-        idx = sp.step_of(run.steps.dropna(subset=["start_ns", "end_ns"]), rank,
-                         rows["start_ns"].to_numpy(np.int64))
+        idx = sp.step_of(
+            run.steps.dropna(subset=["start_ns", "end_ns"]), rank, rows["start_ns"].to_numpy(np.int64)
+        )
         rows = rows[np.isin(idx, st["step"].astype(int).to_numpy())]
         secs = ev.union_seconds(zip(rows["start_ns"], rows["end_ns"]))
-        per_rank[rank] = {"share_of_step": round(secs / wall, 3) if wall else 0.0,
-                          "seconds_per_step": round(secs / len(st), 4),
-                          "ops": dict(Counter(rows["op"].astype(str))),
-                          "peers": sorted({int(p) for p in rows["peer"].dropna()})}
+        per_rank[rank] = {
+            "share_of_step": round(secs / wall, 3) if wall else 0.0,
+            "seconds_per_step": round(secs / len(st), 4),
+            "ops": dict(Counter(rows["op"].astype(str))),
+            "peers": sorted({int(p) for p in rows["peer"].dropna()}),
+        }
     if not per_rank:
         return []
     share = float(np.mean([v["share_of_step"] for v in per_rank.values()]))
@@ -504,29 +593,51 @@ def _bubbles(run, ranks, spans):
     if per_rank[worst]["share_of_step"] < MIN_SHARE:
         return []
     slow_stage = _slow_stage(run, per_rank, worst)
-    text = "; ".join(f"rank {r}: {v['share_of_step']:.0%} ({v['seconds_per_step'] * 1000:.0f} ms) "
-                     f"in {'/'.join(v['ops'])} with rank {'/'.join(map(str, v['peers']))}"
-                     for r, v in sorted(per_rank.items()))
-    return [Finding(
-        id="ranks.pipeline_bubble",
-        title=f"Pipeline bubbles: the stages wait {share:.0%} of each step for their neighbours "
-              "(send/recv)",
-        severity=ev.severity_for_share(share), analyzer="ranks",
-        summary=(f"Blocking point-to-point waits per steady step: {text}. A stage waiting in recv "
-                 "for its upstream stage (or in send for its downstream one) is the pipeline "
-                 "schedule's idle time, not a straggler." + (
-                     f" The stages are unbalanced: rank {worst} waits for rank "
-                     f"{slow_stage['rank']}, whose own ledger has, beyond rank {worst}'s: "
-                     + " · ".join(f"{ledger_mod.LABELS.get(c, c)} +{v * 1000:.0f} ms"
-                                  for c, v in list(slow_stage["ledger_beyond_per_step_s"].items())[:3])
-                     + "." if slow_stage else "")),
-        seconds_lost_per_step=per_rank[worst]["seconds_per_step"], share_of_step=share,
-        evidence={"per_rank": per_rank, "source": "shim send/recv spans",
-                  **({"slow_stage": slow_stage} if slow_stage else {})},
-        prescriptions=(Prescription(
-            kind="code", summary="more micro-batches per step (bubble ≈ (stages − 1) / "
-            "micro-batches of the step), or an interleaved schedule (virtual pipeline stages)"),),
-        ranks=tuple(ranks))]
+    text = "; ".join(
+        f"rank {r}: {v['share_of_step']:.0%} ({v['seconds_per_step'] * 1000:.0f} ms) "
+        f"in {'/'.join(v['ops'])} with rank {'/'.join(map(str, v['peers']))}"
+        for r, v in sorted(per_rank.items())
+    )
+    return [
+        Finding(
+            id="ranks.pipeline_bubble",
+            title=f"Pipeline bubbles: the stages wait {share:.0%} of each step for their neighbours "
+            "(send/recv)",
+            severity=ev.severity_for_share(share),
+            analyzer="ranks",
+            summary=(
+                f"Blocking point-to-point waits per steady step: {text}. A stage waiting in recv "
+                "for its upstream stage (or in send for its downstream one) is the pipeline "
+                "schedule's idle time, not a straggler."
+                + (
+                    f" The stages are unbalanced: rank {worst} waits for rank "
+                    f"{slow_stage['rank']}, whose own ledger has, beyond rank {worst}'s: "
+                    + " · ".join(
+                        f"{ledger_mod.LABELS.get(c, c)} +{v * 1000:.0f} ms"
+                        for c, v in list(slow_stage["ledger_beyond_per_step_s"].items())[:3]
+                    )
+                    + "."
+                    if slow_stage
+                    else ""
+                )
+            ),
+            seconds_lost_per_step=per_rank[worst]["seconds_per_step"],
+            share_of_step=share,
+            evidence={
+                "per_rank": per_rank,
+                "source": "shim send/recv spans",
+                **({"slow_stage": slow_stage} if slow_stage else {}),
+            },
+            prescriptions=(
+                Prescription(
+                    kind="code",
+                    summary="more micro-batches per step (bubble ≈ (stages − 1) / "
+                    "micro-batches of the step), or an interleaved schedule (virtual pipeline stages)",
+                ),
+            ),
+            ranks=tuple(ranks),
+        )
+    ]
 
 
 def _slow_stage(run, per_rank, worst):
@@ -545,8 +656,7 @@ def _slow_stage(run, per_rank, worst):
     if slow not in means.index or worst not in means.index:
         return None
     beyond = (means.loc[slow] - means.loc[worst]).to_numpy()
-    lines = {c: round(float(x), 4) for c, x in sorted(zip(cats, beyond), key=lambda kv: -kv[1])
-             if x > 0.0005}
+    lines = {c: round(float(x), 4) for c, x in sorted(zip(cats, beyond), key=lambda kv: -kv[1]) if x > 0.0005}
     return {"rank": slow, "waited_for_by": worst, "ledger_beyond_per_step_s": lines} if lines else None
 
 
@@ -561,16 +671,22 @@ def _by_step_time(run, ranks):
     diff = known[slow] - known[fast]
     if diff < MIN_WAIT_DIFF_S or diff / known[slow] < 0.2:
         return []
-    return [Finding(
-        id="ranks.straggler",
-        title=f"Rank {slow} is {diff / known[fast]:.0%} slower per step than rank {fast}",
-        severity=ev.severity_for_share(diff / known[slow]), analyzer="ranks",
-        summary=f"Median steady step: rank {slow} {known[slow]:.3f} s, rank {fast} "
-                f"{known[fast]:.3f} s.",
-        seconds_lost_per_step=diff, share_of_step=diff / known[slow],
-        evidence={"source": "shim step times",
-                  "median_step_s": {r: round(v, 4) for r, v in known.items()}},
-        ranks=tuple(ranks))]
+    return [
+        Finding(
+            id="ranks.straggler",
+            title=f"Rank {slow} is {diff / known[fast]:.0%} slower per step than rank {fast}",
+            severity=ev.severity_for_share(diff / known[slow]),
+            analyzer="ranks",
+            summary=f"Median steady step: rank {slow} {known[slow]:.3f} s, rank {fast} {known[fast]:.3f} s.",
+            seconds_lost_per_step=diff,
+            share_of_step=diff / known[slow],
+            evidence={
+                "source": "shim step times",
+                "median_step_s": {r: round(v, 4) for r, v in known.items()},
+            },
+            ranks=tuple(ranks),
+        )
+    ]
 
 
 def analyze(run: RunRecord) -> list[Finding]:
@@ -631,7 +747,7 @@ def _by_smallest_wait(run, ranks, sources=("torch.profiler", "py-spy")):
         diff = sum(per_rank_wait[r] - per_rank_wait[straggler] for r in others) / len(others)
         share = diff / median_step if median_step else 0.0
         if diff >= MIN_WAIT_DIFF_S and share >= MIN_SHARE:
-            steady_ids = set(int(s) for s in ev.steady_steps(run, straggler)["step"])
+            steady_ids = {int(s) for s in ev.steady_steps(run, straggler)["step"]}
             if source == "torch.profiler":
                 _, n, coll, rows, all_rows = waits[straggler]
                 doing = _what_straggler_does(run, straggler, rows, all_rows, coll, diff)
@@ -640,11 +756,14 @@ def _by_smallest_wait(run, ranks, sources=("torch.profiler", "py-spy")):
                 hot = ev.hottest_frames(samples, keep=lambda s: not _in_collective(s))
                 doing = {"hottest_frames": ev.frames_evidence(hot)} if hot else None
             compiles = _compiles_on(run, straggler, steady_ids)
-            detail = {"source": source, "method": "the rank with the smallest wait in "
-                      "collectives (point-to-point ops left out); no meeting points in this run",
-                      "wait_in_collectives_per_step_s": {r: round(w, 4) for r, w in per_rank_wait.items()},
-                      "median_step_s": {r: None if v is None else round(v, 4) for r, v in step_s.items()},
-                      "straggler": straggler}
+            detail = {
+                "source": source,
+                "method": "the rank with the smallest wait in "
+                "collectives (point-to-point ops left out); no meeting points in this run",
+                "wait_in_collectives_per_step_s": {r: round(w, 4) for r, w in per_rank_wait.items()},
+                "median_step_s": {r: None if v is None else round(v, 4) for r, v in step_s.items()},
+                "straggler": straggler,
+            }
             if doing:
                 detail["straggler_does"] = doing
             if compiles:
@@ -652,34 +771,54 @@ def _by_smallest_wait(run, ranks, sources=("torch.profiler", "py-spy")):
             what = ""
             if doing and doing.get("call"):
                 fn = doing.get("in_function")
-                what = f" Rank {straggler} spends that time in {doing['call']}" + (
-                    f" in {fn['function']} ({fn['file']}:{fn['line']})" if fn else "") + "."
+                what = (
+                    f" Rank {straggler} spends that time in {doing['call']}"
+                    + (f" in {fn['function']} ({fn['file']}:{fn['line']})" if fn else "")
+                    + "."
+                )
             elif doing and doing.get("hottest_frames"):
                 what = f" Rank {straggler}'s hottest code: {doing['hottest_frames'][0]['frame']}."
             if compiles:
-                what += (f" It compiled {compiles['compiles']} kernels in steady steps "
-                         f"({compiles['seconds']} s).")
+                what += (
+                    f" It compiled {compiles['compiles']} kernels in steady steps ({compiles['seconds']} s)."
+                )
             prescriptions = []
             if compiles:
-                prescriptions.append(Prescription(
-                    kind="precompile",
-                    summary=f"rank {straggler} compiles kernels during the steps: precompile "
-                            "them (see the jit finding) so no rank compiles while others wait",
-                    change={"precompile": {"from_run": run.path}}, expected_gain_s_per_step=diff))
-            prescriptions.append(Prescription(
-                kind="code",
-                summary=f"remove the extra work on rank {straggler} or balance it across ranks "
-                        "(same data volume per rank, rank-0-only logging/evaluation off the step)",
-                expected_gain_s_per_step=diff))
-            findings.append(Finding(
-                id="ranks.straggler",
-                title=f"Rank {straggler} stalls the others: they wait {diff * 1000:.0f} ms per step "
-                      "in collectives",
-                severity=ev.severity_for_share(share), analyzer="ranks",
-                summary=(f"Per step, rank {straggler} waits {per_rank_wait[straggler] * 1000:.0f} ms "
-                         f"in collectives and the other ranks {diff * 1000 + per_rank_wait[straggler] * 1000:.0f} ms "
-                         f"on average ({source}).{what}"),
-                seconds_lost_per_step=diff, share_of_step=share, evidence=detail,
-                prescriptions=tuple(prescriptions), ranks=tuple(ranks)))
+                prescriptions.append(
+                    Prescription(
+                        kind="precompile",
+                        summary=f"rank {straggler} compiles kernels during the steps: precompile "
+                        "them (see the jit finding) so no rank compiles while others wait",
+                        change={"precompile": {"from_run": run.path}},
+                        expected_gain_s_per_step=diff,
+                    )
+                )
+            prescriptions.append(
+                Prescription(
+                    kind="code",
+                    summary=f"remove the extra work on rank {straggler} or balance it across ranks "
+                    "(same data volume per rank, rank-0-only logging/evaluation off the step)",
+                    expected_gain_s_per_step=diff,
+                )
+            )
+            findings.append(
+                Finding(
+                    id="ranks.straggler",
+                    title=f"Rank {straggler} stalls the others: they wait {diff * 1000:.0f} ms per step "
+                    "in collectives",
+                    severity=ev.severity_for_share(share),
+                    analyzer="ranks",
+                    summary=(
+                        f"Per step, rank {straggler} waits {per_rank_wait[straggler] * 1000:.0f} ms "
+                        f"in collectives and the other ranks {diff * 1000 + per_rank_wait[straggler] * 1000:.0f} ms "
+                        f"on average ({source}).{what}"
+                    ),
+                    seconds_lost_per_step=diff,
+                    share_of_step=share,
+                    evidence=detail,
+                    prescriptions=tuple(prescriptions),
+                    ranks=tuple(ranks),
+                )
+            )
             return findings
     return findings if source else None

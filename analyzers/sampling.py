@@ -9,6 +9,7 @@ and max step time, and the mean of every time-ledger line (compile, GC, data, I/
 collective, optimizer, fwd/bwd, unexplained) - so any rank that differs from the others in
 what the ledger measures is read. Cross-rank analyzers (the straggler) read every rank.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -19,7 +20,7 @@ if TYPE_CHECKING:  # annotations only
     from traindx.derive.run import RunRecord
 
 MAX_ANALYZED_RANKS = 64
-PER_MEASURE = 2   # ranks taken at each end of each measure
+PER_MEASURE = 2  # ranks taken at each end of each measure
 
 
 def representative_ranks(run: RunRecord) -> list[str]:

@@ -5,14 +5,14 @@ the derived ledger (traindx.derive.ledger) and the shim's CPU evidence (traindx.
 `predicted_step_time` is what the --fix loop writes beside the measured candidate (the ledger,
 a derive-layer module, does not import it).
 """
+
 import numpy as np
 import pandas as pd
 
 from traindx.derive.ledger import CATEGORIES, SPAN_CATEGORY, cpu_evidence, rows, steady_rows
 
 
-def workers_step_model(load_cpu, rest_cpu, rest_wall, workers, cores, others, load_wait=0.0,
-                       rest_wait=0.0):
+def workers_step_model(load_cpu, rest_cpu, rest_wall, workers, cores, others, load_wait=0.0, rest_wait=0.0):
     """The step time once `workers` DataLoader processes make the batches (num_workers=0 before).
 
     The loading work splits in two (measured on the training thread inside __next__ before the
@@ -49,7 +49,7 @@ def workers_step_model(load_cpu, rest_cpu, rest_wall, workers, cores, others, lo
     step = 0.0
     for _ in range(50):
         share = min(1.0, cores / max(1e-9, others + a * u_m + workers * u_w))
-        runnable = load_cpu / share               # one worker's CPU part of a batch
+        runnable = load_cpu / share  # one worker's CPU part of a batch
         load = (load_wait + runnable) / workers
         main_cpu = rest_cpu / (a * share)
         main = rest_wait + main_cpu
@@ -60,8 +60,7 @@ def workers_step_model(load_cpu, rest_cpu, rest_wall, workers, cores, others, lo
     return step
 
 
-def workers_step_capped(load_cpu, rest_cpu, rest_wall, workers, job_cores, load_wait=0.0,
-                        rest_wait=0.0):
+def workers_step_capped(load_cpu, rest_cpu, rest_wall, workers, job_cores, load_wait=0.0, rest_wait=0.0):
     """The step time once `workers` processes make the batches when the job cannot get more
     cores than `job_cores` (what its training thread got while runnable, or what it used,
     plus the machine's idle cores): a scheduler that shares the cores between groups of tasks
@@ -74,12 +73,10 @@ def workers_step_capped(load_cpu, rest_cpu, rest_wall, workers, job_cores, load_
                    rest_wait + rest_cpu / a)"""
     a = max(1.0, rest_cpu / rest_wall) if rest_wall > 0 else 1.0
     cores = max(1e-9, min(job_cores, workers + a))
-    return max((load_cpu + rest_cpu) / cores, (load_wait + load_cpu) / workers,
-               rest_wait + rest_cpu / a)
+    return max((load_cpu + rest_cpu) / cores, (load_wait + load_cpu) / workers, rest_wait + rest_cpu / a)
 
 
-def workers_step_measured(load_wait, load_run, rest_wait, rest_run, workers, cores, others,
-                          threads=1.0):
+def workers_step_measured(load_wait, load_run, rest_wait, rest_run, workers, cores, others, threads=1.0):
     """The step time once `workers` DataLoader processes make the batches, from the baseline's
     measured stage times: per batch `load_wait` seconds off the CPU and `load_run` seconds
     runnable (CPU time plus run-queue wait) inside __next__ on the training thread, and per
@@ -107,8 +104,7 @@ def workers_step_measured(load_wait, load_run, rest_wait, rest_run, workers, cor
     step = 0.0
     for _ in range(50):
         main_share = min(1.0, cores / max(1e-9, others + threads + workers * u_w))
-        worker_share = min(1.0, cores / max(1e-9, others + 1.0 + threads * u_m
-                                            + (workers - 1.0) * u_w))
+        worker_share = min(1.0, cores / max(1e-9, others + 1.0 + threads * u_m + (workers - 1.0) * u_w))
         run_w = load_run * before / worker_share
         run_m = rest_run * before / main_share
         load = (load_wait + run_w) / workers
@@ -133,8 +129,7 @@ def loader_time_split(evd):
         thread_cpu, thread_runq = evd.get("thread_cpu"), evd.get("thread_runq")
         runq = cpu * thread_runq / thread_cpu if thread_cpu and thread_runq is not None else 0.0
     runq = max(0.0, min(runq, evd["data"] - cpu))
-    return {"cpu": cpu, "runq": runq, "wait": max(0.0, evd["data"] - cpu - runq),
-            "runq_measured": measured}
+    return {"cpu": cpu, "runq": runq, "wait": max(0.0, evd["data"] - cpu - runq), "runq_measured": measured}
 
 
 def core_share_seen(evd):
@@ -183,7 +178,7 @@ def _workers_prediction(run, finding, removes):
         return None
     split = loader_time_split(evd)
     if split["cpu"] <= 0 and not split["runq_measured"]:
-        return None   # no CPU on the data spans: a shim that did not record the split
+        return None  # no CPU on the data spans: a shim that did not record the split
     cores = float(evd["cores"])
     rest_wall = max(0.0, evd["wall"] - evd["data"])
     rest_cpu = max(0.0, evd["proc_cpu"] - split["cpu"])
@@ -202,26 +197,50 @@ def _workers_prediction(run, finding, removes):
         others = max(0.0, cores / share_seen - own_threads)
         if counted is not None:
             others = min(others, counted)
-        per_task = workers_step_measured(split["wait"], split["cpu"] + split["runq"], rest_wait,
-                                         max(0.0, rest_wall - rest_wait), workers, cores,
-                                         others + extra, threads=own_threads)
+        per_task = workers_step_measured(
+            split["wait"],
+            split["cpu"] + split["runq"],
+            rest_wait,
+            max(0.0, rest_wall - rest_wait),
+            workers,
+            cores,
+            others + extra,
+            threads=own_threads,
+        )
     else:
         others = counted or 0.0
-        per_task = workers_step_model(split["cpu"], rest_cpu, rest_wall, workers, cores,
-                                      others + extra, load_wait=split["wait"],
-                                      rest_wait=rest_wait)
+        per_task = workers_step_model(
+            split["cpu"],
+            rest_cpu,
+            rest_wall,
+            workers,
+            cores,
+            others + extra,
+            load_wait=split["wait"],
+            rest_wait=rest_wait,
+        )
     had = max(evd["proc_cpu"] / evd["wall"], share_seen or 0.0)
     job_cores = min(cores / ranks, had + (evd["idle"] or 0.0) / ranks)
-    per_group = workers_step_capped(split["cpu"], rest_cpu, rest_wall, workers, job_cores,
-                                    load_wait=split["wait"], rest_wait=rest_wait)
+    per_group = workers_step_capped(
+        split["cpu"], rest_cpu, rest_wall, workers, job_cores, load_wait=split["wait"], rest_wait=rest_wait
+    )
     low, high = min(per_task, per_group), max(per_task, per_group)
     cpu_bound = 1.0 - min(1.0, split["wait"] / evd["data"])
     point = per_task + cpu_bound / 2 * (per_group - per_task)
-    evd.update(load_wait=split["wait"], load_runq=split["runq"],
-               load_runq_measured=split["runq_measured"], rest_wait=rest_wait,
-               rest_runq=rest_runq, share_seen=share_seen, others=others, job_cores=job_cores,
-               workers=workers, per_task_s=per_task, per_group_s=per_group,
-               group_weight=cpu_bound / 2)
+    evd.update(
+        load_wait=split["wait"],
+        load_runq=split["runq"],
+        load_runq_measured=split["runq_measured"],
+        rest_wait=rest_wait,
+        rest_runq=rest_runq,
+        share_seen=share_seen,
+        others=others,
+        job_cores=job_cores,
+        workers=workers,
+        per_task_s=per_task,
+        per_group_s=per_group,
+        group_weight=cpu_bound / 2,
+    )
     return point, (low, high), evd
 
 
@@ -249,7 +268,7 @@ def gc_freeze_residual(run, rank, steps):
     gcstats; the shortest, because CPU contention only lengthens a pause), and the residual is
     b * (objects freed by full collections per step). It needs collections that freed
     different numbers of objects; with one haul size only it is None."""
-    steps = set(int(s) for s in steps)
+    steps = {int(s) for s in steps}
     g = run.gc
     if not steps or not len(g) or "collected" not in g or "generation" not in g:
         return None
@@ -264,7 +283,7 @@ def gc_freeze_residual(run, rank, steps):
         end = led["end_ns"].astype("int64").to_numpy()
         s = sp["start"].astype("int64").to_numpy()
         e = sp["t"].astype("int64").to_numpy()
-        if len(begin) and len(s):     # each young pause inside a step, clipped at its end
+        if len(begin) and len(s):  # each young pause inside a step, clipped at its end
             i = np.clip(np.searchsorted(begin, s, side="right") - 1, 0, None)
             inside = (s >= begin[i]) & (s < end[i])
             young = float((np.minimum(e, end[i]) - s)[inside].sum()) / 1e9
@@ -272,7 +291,7 @@ def gc_freeze_residual(run, rank, steps):
     if not len(full):
         return young / n
     count = full["count"].to_numpy(float)
-    pause = pd.Series(full["total_s"].to_numpy(float) / count)       # per collection
+    pause = pd.Series(full["total_s"].to_numpy(float) / count)  # per collection
     freed = full["collected"].to_numpy(float) / count
     # the lower envelope: the shortest pause of each haul size (a loaded machine preempts the
     # collector mid-pause, which only ever adds time), then the least-squares slope over them
@@ -362,8 +381,9 @@ def _covered(start, end, s, e):
 
     def below(x):  # length of the union before x
         i = np.searchsorted(us, x, side="right") - 1
-        inside = np.where(i >= 0, np.clip(x - us[np.maximum(i, 0)], 0,
-                                           ue[np.maximum(i, 0)] - us[np.maximum(i, 0)]), 0)
+        inside = np.where(
+            i >= 0, np.clip(x - us[np.maximum(i, 0)], 0, ue[np.maximum(i, 0)] - us[np.maximum(i, 0)]), 0
+        )
         return cum[np.maximum(i, 0)] * (i >= 0) + inside
 
     return below(end) - below(start)
@@ -386,20 +406,24 @@ def fresh_graph_calls(run, rank, steps) -> dict[int, float]:
     steady cost is not in the record; on the models measured it was a tenth of the first call
     or less). GC pauses inside the call are their own
     ledger line and are left to it."""
-    calls_df = run.cached(f"model_calls_outside_compile:{rank}",
-                          lambda: _model_calls_outside_compile(run, rank))
+    calls_df = run.cached(
+        f"model_calls_outside_compile:{rank}", lambda: _model_calls_outside_compile(run, rank)
+    )
     if not len(calls_df):
         return {}
-    steady = set(int(s) for s in steady_rows(run, rank)["step"])
+    steady = {int(s) for s in steady_rows(run, rank)["step"]}
     clean = calls_df[~calls_df["compiles"] & calls_df["step"].isin(steady)]
     # the mean, as measured (a loaded machine's waits included): the prediction is a mean step
-    steady_cost = {cat: float(clean[clean["cat"] == cat]["outside_s"].mean())
-                   for cat in _MODEL_CALLS if (clean["cat"] == cat).any()}
+    steady_cost = {
+        cat: float(clean[clean["cat"] == cat]["outside_s"].mean())
+        for cat in _MODEL_CALLS
+        if (clean["cat"] == cat).any()
+    }
     if "forward" not in steady_cost and "backward" in steady_cost:
         steady_cost["forward"] = steady_cost["backward"] * _FORWARD_PER_BACKWARD
     elif "backward" not in steady_cost and "forward" in steady_cost:
         steady_cost["backward"] = steady_cost["forward"] / _FORWARD_PER_BACKWARD
-    chosen = set(int(s) for s in steps)
+    chosen = {int(s) for s in steps}
     first = calls_df[calls_df["compiles"] & calls_df["step"].isin(chosen)]
     if not len(first):
         return {}
@@ -442,11 +466,14 @@ def _model_calls_outside_compile(run, rank):
     if not inside.any():
         return empty
     a, b = s0[inside], e0[inside]
-    return pd.DataFrame({
-        "step": led["step"].to_numpy().astype(np.int64)[i[inside]],
-        "cat": calls["cat"].to_numpy()[inside],
-        "outside_s": (b - a - _covered(a, b, both_s, both_e)) / 1e9,
-        "compiles": _covered(a, b, cs, ce) > 0})
+    return pd.DataFrame(
+        {
+            "step": led["step"].to_numpy().astype(np.int64)[i[inside]],
+            "cat": calls["cat"].to_numpy()[inside],
+            "outside_s": (b - a - _covered(a, b, both_s, both_e)) / 1e9,
+            "compiles": _covered(a, b, cs, ce) > 0,
+        }
+    )
 
 
 def _fresh_graph_removed(run, led, chosen):
@@ -492,8 +519,7 @@ def removed_seconds(run, finding):
         removed = _gc_freeze_removed(run, led)
         if removed is not None:
             return removed * float(removes.get("fraction", 1.0))
-    after = io_after_effect(led) if cats == ["io"] and not workers and not removes.get("steps") \
-        else None
+    after = io_after_effect(led) if cats == ["io"] and not workers and not removes.get("steps") else None
     per_row = led[[f"{c}_s" for c in cats]].sum(axis=1)
     if after is not None:
         per_row = per_row + after
@@ -509,7 +535,7 @@ def removed_seconds(run, finding):
             # shorter than all of it spread over them
             per_row = per_row.clip(upper=led["wall_s"] * (1.0 - 1.0 / float(cpus)))
     if removes.get("steps"):
-        chosen = set(int(s) for s in removes["steps"])
+        chosen = {int(s) for s in removes["steps"]}
         per_row = per_row.where(led["step"].isin(chosen), 0.0)
         if removes.get("fresh_graph_calls"):
             fresh = _fresh_graph_removed(run, led, chosen)
@@ -529,7 +555,7 @@ def gpu_work_per_step(run, ranks=()) -> float | None:
     if not len(trace) or not trace["cat"].isin(gpu_window.GPU_WORK).any():
         return None
     busy = []
-    for rank in (ranks or sorted(set(trace["rank"]))):
+    for rank in ranks or sorted(set(trace["rank"])):
         measured = gpu_window.busy_per_step(run, rank, trace[(trace["rank"] == rank).to_numpy()])
         if measured is not None and measured[1] > 0:
             busy.append(measured[1])
@@ -555,28 +581,52 @@ def predicted_step_time(run, finding, gain=None):
     if removed is None:
         # the candidate's own prescription where it says (a finding with several fixes, each
         # an arm: the launch-bound model's graph, its optimizer, both), else the first
-        gains = [p.expected_gain_s_per_step for p in finding.prescriptions
-                 if p.expected_gain_s_per_step is not None]
+        gains = [
+            p.expected_gain_s_per_step
+            for p in finding.prescriptions
+            if p.expected_gain_s_per_step is not None
+        ]
         removed = gain if gain is not None else gains[0] if gains else None
         method = "the prescription's expected gain (the finding names no ledger line)"
     else:
         method = "ledger lines the fix removes, mean per steady step"
         removes = getattr(finding, "removes", None) or {}
-        model = _workers_prediction(run, finding, removes) if removes.get("workers") and \
-            list(removes.get("categories", ())) == ["data"] and not removes.get("steps") else None
-        if list(removes.get("categories", ())) == ["gc"] and _freezes_the_heap(finding) \
-                and not removes.get("steps") and _gc_freeze_removed(run, led) is not None:
-            method = ("gc line less what gc.freeze leaves: young collections and the cost of "
-                      "freeing each step's cyclic garbage (traindx.analyzers.savings.gc_freeze_residual)")
-        if removes.get("fresh_graph_calls") and removes.get("steps") and \
-                _fresh_graph_removed(run, led, set(int(s) for s in removes["steps"])) is not None:
-            method = ("compile line plus the recompiling model calls' time outside it, down to "
-                      "their steady cost (traindx.analyzers.savings.fresh_graph_calls)")
+        model = (
+            _workers_prediction(run, finding, removes)
+            if removes.get("workers")
+            and list(removes.get("categories", ())) == ["data"]
+            and not removes.get("steps")
+            else None
+        )
+        if (
+            list(removes.get("categories", ())) == ["gc"]
+            and _freezes_the_heap(finding)
+            and not removes.get("steps")
+            and _gc_freeze_removed(run, led) is not None
+        ):
+            method = (
+                "gc line less what gc.freeze leaves: young collections and the cost of "
+                "freeing each step's cyclic garbage (traindx.analyzers.savings.gc_freeze_residual)"
+            )
+        if (
+            removes.get("fresh_graph_calls")
+            and removes.get("steps")
+            and _fresh_graph_removed(run, led, {int(s) for s in removes["steps"]}) is not None
+        ):
+            method = (
+                "compile line plus the recompiling model calls' time outside it, down to "
+                "their steady cost (traindx.analyzers.savings.fresh_graph_calls)"
+            )
         if model is not None:
-            spread = {"low_s": model[1][0], "high_s": model[1][1],
-                      "cpu_evidence": {k: v for k, v in model[2].items()}}
-            method = ("CPU model of the DataLoader workers (traindx.analyzers.savings."
-                      "workers_step_measured, workers_step_model) from the shim's CPU evidence")
+            spread = {
+                "low_s": model[1][0],
+                "high_s": model[1][1],
+                "cpu_evidence": dict(model[2]),
+            }
+            method = (
+                "CPU model of the DataLoader workers (traindx.analyzers.savings."
+                "workers_step_measured, workers_step_model) from the shim's CPU evidence"
+            )
     predicted = None if baseline is None or removed is None else max(0.0, baseline - removed)
     floor = gpu_work_per_step(run, ranks)
     if predicted is not None and floor is not None and floor > predicted:
@@ -585,9 +635,13 @@ def predicted_step_time(run, finding, gain=None):
         # 10.4 s step left 41 ms predicted against 76 ms of kernels per step)
         predicted = floor
         method += "; no shorter than the GPU's busy time per profiled step"
-    out = {"baseline_step_s": baseline, "removed_s": removed, "predicted_step_s": predicted,
-           "categories": list((getattr(finding, "removes", None) or {}).get("categories", ())),
-           "method": method}
+    out = {
+        "baseline_step_s": baseline,
+        "removed_s": removed,
+        "predicted_step_s": predicted,
+        "categories": list((getattr(finding, "removes", None) or {}).get("categories", ())),
+        "method": method,
+    }
     if floor is not None:
         out["gpu_busy_floor_s"] = floor
     if spread:

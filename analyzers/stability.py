@@ -1,6 +1,7 @@
 """Step-time stability over the steady window: periodic slow steps (a checkpoint or a log every k
 steps), named with their period and what the job did in them; and the coefficient of variation
 of what remains."""
+
 from __future__ import annotations
 
 import math
@@ -12,36 +13,34 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pandas as pd
 
-from traindx.derive import ledger, periods
-from traindx.analyzers.findings import Finding, Prescription
-from traindx.profiler.logparse import parse_line
-from traindx.common.units import ordinal
-
 from traindx.analyzers import evidence as ev
 from traindx.analyzers.codefix import code_change, keyword_sources, set_keywords
+from traindx.analyzers.findings import Finding, Prescription
 from traindx.analyzers.frameworks import data_sites, knob_owner, runs_megatron, user_site
+from traindx.common.units import ordinal
+from traindx.derive import ledger, periods
+from traindx.profiler.logparse import parse_line
 
 if TYPE_CHECKING:  # annotations only
     from traindx.derive.run import RunRecord
 
 MIN_STEPS = 8
-SLOW_FACTOR = 2.0          # a step this much slower than the median is a slow step (1.5-1.9x
-                           # recurs by chance on a busy machine, and then looks periodic)
-MIN_EXCESS_S = 0.005       # ...and at least this much slower in absolute terms
+SLOW_FACTOR = 2.0  # a step this much slower than the median is a slow step (1.5-1.9x
+# recurs by chance on a busy machine, and then looks periodic)
+MIN_EXCESS_S = 0.005  # ...and at least this much slower in absolute terms
 MIN_OCCURRENCES = 3
 # a periodic cost far above the machine's noise (a 0.25 s save in 10 ms steps) is looked for
 # again among the steps this many times the median, when the 2x set holds too much noise for a
 # period (a loaded machine makes one 10 ms step in five 2-3x slow)
 RAISED_FACTORS = (4.0, 8.0, 16.0)
-MIN_UNEXPLAINED = 5        # a period with no cause in the record needs this many slow steps
-MIN_PRECISION = 0.75       # of the slow steps, the share that fall on the period
-MIN_RECALL = 0.75          # of the steps on the period, the share that are slow
+MIN_UNEXPLAINED = 5  # a period with no cause in the record needs this many slow steps
+MIN_PRECISION = 0.75  # of the slow steps, the share that fall on the period
+MIN_RECALL = 0.75  # of the steps on the period, the share that are slow
 CV_INFO = 0.20
 CV_LOW = 0.50
 
 
-def find_period(steps: Sequence[int],
-                durations: Sequence[float]) -> tuple[int, int, list[int]] | None:
+def find_period(steps: Sequence[int], durations: Sequence[float]) -> tuple[int, int, list[int]] | None:
     """(period, residue, slow step numbers) of the best periodic pattern, or None.
 
     A pattern (period p, residue r) covers the steps with step % p == r; it is kept when at least
@@ -56,8 +55,7 @@ def find_period(steps: Sequence[int],
     """
     median = float(pd.Series(durations).median())
     for factor in (SLOW_FACTOR, *RAISED_FACTORS):
-        slow = {s for s, d in zip(steps, durations)
-                if d > factor * median and d - median > MIN_EXCESS_S}
+        slow = {s for s, d in zip(steps, durations) if d > factor * median and d - median > MIN_EXCESS_S}
         if len(slow) < MIN_OCCURRENCES:
             return None
         found = _period_of(steps, slow)
@@ -89,7 +87,7 @@ def _period_of(steps, slow):
     best = None
     for i in np.flatnonzero(hits >= need):
         period, residue, n_hits = int(periods[i]), int(candidate[i]), int(hits[i])
-        on = int(per_step[(residue - lo) % period::period].sum())
+        on = int(per_step[(residue - lo) % period :: period].sum())
         precision, recall = n_hits / k, n_hits / on
         if precision < MIN_PRECISION or recall < MIN_RECALL:
             continue
@@ -190,23 +188,32 @@ def _io_in_steps(run, rank, step_rows):
     groups = {}
     for row, step_i in zip(io[inside].itertuples(), idx[inside]):
         caller = row.caller if isinstance(row.caller, dict) else None
-        key = (row.call if isinstance(row.call, str) else "file write",
-               (caller or {}).get("file"), (caller or {}).get("line"))
-        g = groups.setdefault(key, {"call": key[0], "caller": caller, "steps": set(), "ns": 0,
-                                    "cpu": 0.0, "timed_cpu": True})
+        key = (
+            row.call if isinstance(row.call, str) else "file write",
+            (caller or {}).get("file"),
+            (caller or {}).get("line"),
+        )
+        g = groups.setdefault(
+            key, {"call": key[0], "caller": caller, "steps": set(), "ns": 0, "cpu": 0.0, "timed_cpu": True}
+        )
         g["steps"].add(int(step_i))
         g["ns"] += int(row.end_ns) - int(row.start_ns)
         cpu, runq = getattr(row, "cpu", None), getattr(row, "runq", None)
         if isinstance(cpu, (int, float)) and np.isfinite(cpu):
             # on the thread: running, or runnable and waiting for a core (not for the disk)
-            g["cpu"] += float(cpu) + (float(runq) if isinstance(runq, (int, float))
-                                      and np.isfinite(runq) else 0.0)
+            g["cpu"] += float(cpu) + (
+                float(runq) if isinstance(runq, (int, float)) and np.isfinite(runq) else 0.0
+            )
         else:
             g["timed_cpu"] = False
     out = []
     for g in groups.values():
-        item = {"call": g["call"], "caller": g["caller"], "steps": len(g["steps"]),
-                "seconds_per_step": round(g["ns"] / 1e9 / len(g["steps"]), 4)}
+        item = {
+            "call": g["call"],
+            "caller": g["caller"],
+            "steps": len(g["steps"]),
+            "seconds_per_step": round(g["ns"] / 1e9 / len(g["steps"]), 4),
+        }
         if g["timed_cpu"]:  # the thread's own CPU and run-queue wait (the rest: the disk)
             item["cpu_seconds_per_step"] = round(g["cpu"] / len(g["steps"]), 4)
         out.append(item)
@@ -220,8 +227,10 @@ def _call_text(io):
 
 
 # a checkpoint write: torch.save, torch.distributed.checkpoint, safetensors, HF save_pretrained
-_SAVE_FRAME = re.compile(r"torch[/\\]serialization\.py$|torch[/\\]distributed[/\\]checkpoint[/\\]"
-                         r"|safetensors[/\\]|[/\\]modeling_utils\.py$")
+_SAVE_FRAME = re.compile(
+    r"torch[/\\]serialization\.py$|torch[/\\]distributed[/\\]checkpoint[/\\]"
+    r"|safetensors[/\\]|[/\\]modeling_utils\.py$"
+)
 _SAVE_FUNCTIONS = ("save", "_save", "save_file", "save_pretrained", "async_save", "save_state_dict")
 
 
@@ -238,38 +247,47 @@ def save_sites(run: RunRecord, rank: str) -> list[dict[str, Any]]:
     samples = threads[main][1]
     sites = {}
     for stack, weight in zip(samples.stacks, samples.weights):
-        inside = next((i for i, f in enumerate(stack)
-                       if _SAVE_FRAME.search(f.file or "") and f.name.split(".")[-1] in _SAVE_FUNCTIONS), None)
+        inside = next(
+            (
+                i
+                for i, f in enumerate(stack)
+                if _SAVE_FRAME.search(f.file or "") and f.name.split(".")[-1] in _SAVE_FUNCTIONS
+            ),
+            None,
+        )
         if inside is None:
             continue
         own = ev.user_frames(stack[:inside])
         if own:
             key = (own[-1].file, own[-1].line, own[-1].name)
             sites[key] = sites.get(key, 0.0) + weight
-    return [{"file": f, "line": line, "function": fn, "seconds": round(sec, 3),
-             "frame": f"{fn} ({f}:{line})"}
-            for (f, line, fn), sec in sorted(sites.items(), key=lambda kv: -kv[1])[:3]]
+    return [
+        {"file": f, "line": line, "function": fn, "seconds": round(sec, 3), "frame": f"{fn} ({f}:{line})"}
+        for (f, line, fn), sec in sorted(sites.items(), key=lambda kv: -kv[1])[:3]
+    ]
 
 
 def _causes(run, rank, slow_rows, normal_rows):
     """What the slow steps have that the others do not: checkpoint/file writes (the shim's
     timed torch.save/DCP calls, with the job's line), log lines, gen-2 collections."""
     causes = {}
-    io = [g for g in _io_in_steps(run, rank, slow_rows)
-          if g["steps"] >= max(2, 0.6 * len(slow_rows))]
+    io = [g for g in _io_in_steps(run, rank, slow_rows) if g["steps"] >= max(2, 0.6 * len(slow_rows))]
     if io:
         causes["io_in_slow_steps"] = io[:3]
     in_slow = _log_in_steps(run, slow_rows)
     in_normal = _log_in_steps(run, normal_rows)
-    lines = [(text, n) for text, n in in_slow.most_common()
-             if n >= max(2, 0.6 * len(slow_rows)) and in_normal.get(text, 0) <= 0.2 * len(normal_rows)]
+    lines = [
+        (text, n)
+        for text, n in in_slow.most_common()
+        if n >= max(2, 0.6 * len(slow_rows)) and in_normal.get(text, 0) <= 0.2 * len(normal_rows)
+    ]
     if lines:
         causes["log_lines_in_slow_steps"] = [{"text": t, "steps": n} for t, n in lines[:3]]
     gc = run.gc
     if len(gc) and "generation" in gc:
         full = run.rank_rows("gc", rank)
         full = full[full["generation"] == 2]
-        with_gc = set(int(s) for s in full["step"])
+        with_gc = {int(s) for s in full["step"]}
         n = sum(1 for s in slow_rows["step"] if int(s) in with_gc)
         if n >= 0.6 * len(slow_rows):
             causes["gen2_gc_in_slow_steps"] = n
@@ -284,8 +302,13 @@ def _run_queue_excess(run, rank, slow_rows, normal_rows):
     shim's per-step run-queue delay, median of each), or None where it was not recorded."""
     events = run.of_type("cpu")
     cpu = run.rank_rows("cpu_events", rank, events) if len(events) else None
-    if cpu is None or not len(cpu) or "thread_runq_s" not in cpu or not len(slow_rows) \
-            or not len(normal_rows):
+    if (
+        cpu is None
+        or not len(cpu)
+        or "thread_runq_s" not in cpu
+        or not len(slow_rows)
+        or not len(normal_rows)
+    ):
         return None
     waits = cpu.dropna(subset=["thread_runq_s"]).groupby("step")["thread_runq_s"].sum()
     slow = waits.reindex([int(s) for s in slow_rows["step"]]).dropna()
@@ -303,35 +326,55 @@ def _periodic_prescriptions(run, causes, lost, period):
     if io and (io[0].get("caller") or {}).get("file"):
         # the shim timed the write: its caller is the job's own line
         caller = io[0]["caller"]
-        saves = [{"file": caller.get("file"), "line": caller.get("line"), "call": io[0]["call"],
-                  "function": caller.get("function") or io[0]["call"],
-                  "seconds": io[0]["seconds_per_step"],
-                  "frame": f"{io[0]['call']} ({caller.get('file')}:{caller.get('line')})"}] + saves
+        saves = [
+            {
+                "file": caller.get("file"),
+                "line": caller.get("line"),
+                "call": io[0]["call"],
+                "function": caller.get("function") or io[0]["call"],
+                "seconds": io[0]["seconds_per_step"],
+                "frame": f"{io[0]['call']} ({caller.get('file')}:{caller.get('line')})",
+            }
+        ] + saves
     if saves:
         out.extend(checkpoint_prescriptions(run, saves, lost, period))
     elif "checkpoint" in text or "saving" in text or "save" in text:
         if runs_megatron(run.command):
-            out.append(Prescription(
-                kind="arg", summary="Megatron: --async-save (with --ckpt-format torch_dist) writes "
-                                    "checkpoints in the background",
-                change={"arg": {"framework": "megatron", "set": {"--async-save": True}}},
-                expected_gain_s_per_step=lost))
-        out.append(Prescription(
-            kind="code",
-            summary=f"the job writes a checkpoint every {period} steps on the critical path: save "
-                    "asynchronously (torch.distributed.checkpoint.async_save, or a background "
-                    "thread that writes a CPU copy), or less often",
-            expected_gain_s_per_step=lost))
+            out.append(
+                Prescription(
+                    kind="arg",
+                    summary="Megatron: --async-save (with --ckpt-format torch_dist) writes "
+                    "checkpoints in the background",
+                    change={"arg": {"framework": "megatron", "set": {"--async-save": True}}},
+                    expected_gain_s_per_step=lost,
+                )
+            )
+        out.append(
+            Prescription(
+                kind="code",
+                summary=f"the job writes a checkpoint every {period} steps on the critical path: save "
+                "asynchronously (torch.distributed.checkpoint.async_save, or a background "
+                "thread that writes a CPU copy), or less often",
+                expected_gain_s_per_step=lost,
+            )
+        )
     if causes.get("gen2_gc_in_slow_steps"):
-        out.append(Prescription(
-            kind="code", summary="the slow steps hold full garbage collections: see gc.gen2_in_step "
-                                 "(gc.freeze() after setup)",
-            expected_gain_s_per_step=lost))
-    out.append(Prescription(
-        kind="code",
-        summary=f"move the work done every {period} steps (evaluation, logging, checkpointing) off "
-                "the training loop's critical path or do it less often",
-        expected_gain_s_per_step=lost))
+        out.append(
+            Prescription(
+                kind="code",
+                summary="the slow steps hold full garbage collections: see gc.gen2_in_step "
+                "(gc.freeze() after setup)",
+                expected_gain_s_per_step=lost,
+            )
+        )
+    out.append(
+        Prescription(
+            kind="code",
+            summary=f"move the work done every {period} steps (evaluation, logging, checkpointing) off "
+            "the training loop's critical path or do it less often",
+            expected_gain_s_per_step=lost,
+        )
+    )
     return out
 
 
@@ -355,8 +398,9 @@ def _io_from_ledger(run, rank, steady, causes, lost, share):
     return io_lost, float(led["io_s"].sum()) / wall
 
 
-def checkpoint_prescriptions(run: RunRecord, saves: Sequence[dict[str, Any]], lost: float,
-                             period: int | None) -> list[Prescription]:
+def checkpoint_prescriptions(
+    run: RunRecord, saves: Sequence[dict[str, Any]], lost: float, period: int | None
+) -> list[Prescription]:
     """A checkpoint every `period` steps, written at the job's own line: save asynchronously,
     in the framework's terms."""
     top = saves[0]
@@ -364,44 +408,67 @@ def checkpoint_prescriptions(run: RunRecord, saves: Sequence[dict[str, Any]], lo
     framework = knob_owner(run)
     out = []
     if framework == "torchtitan":
-        out.append(Prescription(
-            kind="arg", summary="torchtitan: checkpoint.async_mode = \"async\" (or "
-                                "\"async_with_pinned_mem\") writes the checkpoint in the background; "
-                                "or a larger checkpoint.interval",
-            change={"arg": {"framework": "torchtitan", "set": {"--checkpoint.async_mode": "async"}}},
-            expected_gain_s_per_step=lost))
+        out.append(
+            Prescription(
+                kind="arg",
+                summary='torchtitan: checkpoint.async_mode = "async" (or '
+                '"async_with_pinned_mem") writes the checkpoint in the background; '
+                "or a larger checkpoint.interval",
+                change={"arg": {"framework": "torchtitan", "set": {"--checkpoint.async_mode": "async"}}},
+                expected_gain_s_per_step=lost,
+            )
+        )
     elif framework == "megatron":
-        out.append(Prescription(
-            kind="arg", summary="Megatron: --async-save (with --ckpt-format torch_dist) writes "
-                                "checkpoints in the background",
-            change={"arg": {"framework": "megatron", "set": {"--async-save": True}}},
-            expected_gain_s_per_step=lost))
+        out.append(
+            Prescription(
+                kind="arg",
+                summary="Megatron: --async-save (with --ckpt-format torch_dist) writes "
+                "checkpoints in the background",
+                change={"arg": {"framework": "megatron", "set": {"--async-save": True}}},
+                expected_gain_s_per_step=lost,
+            )
+        )
     elif framework == "hf_trainer":
         edit = _trainer_save_edit(run, period)
         if edit:
-            out.append(Prescription(
-                kind="code", summary=(f"save {LESS_OFTEN}x less often: TrainingArguments("
-                                      f"save_steps={edit['save_steps']}) at {edit['file']}:"
-                                      f"{edit['line']} (the Trainer saves synchronously)"),
-                change={"code": {k: v for k, v in edit.items() if k != "save_steps"}},
-                expected_gain_s_per_step=lost * (1 - 1 / LESS_OFTEN), automatic=True))
-        out.append(Prescription(
-            kind="code", summary="TrainingArguments(save_steps=...) larger, or save_strategy=\"no\" "
-                                 "with one save at the end: the Trainer saves synchronously",
-            expected_gain_s_per_step=lost))
-    how = ("save asynchronously (torch.distributed.checkpoint.async_save, or a background thread "
-           "that writes a CPU copy), or less often")
+            out.append(
+                Prescription(
+                    kind="code",
+                    summary=(
+                        f"save {LESS_OFTEN}x less often: TrainingArguments("
+                        f"save_steps={edit['save_steps']}) at {edit['file']}:"
+                        f"{edit['line']} (the Trainer saves synchronously)"
+                    ),
+                    change={"code": {k: v for k, v in edit.items() if k != "save_steps"}},
+                    expected_gain_s_per_step=lost * (1 - 1 / LESS_OFTEN),
+                    automatic=True,
+                )
+            )
+        out.append(
+            Prescription(
+                kind="code",
+                summary='TrainingArguments(save_steps=...) larger, or save_strategy="no" '
+                "with one save at the end: the Trainer saves synchronously",
+                expected_gain_s_per_step=lost,
+            )
+        )
+    how = (
+        "save asynchronously (torch.distributed.checkpoint.async_save, or a background thread "
+        "that writes a CPU copy), or less often"
+    )
     when = f"every {period} steps" if period else "inside the steps"
     if top.get("call"):  # timed by the shim: the call, its line, what it cost each time
-        summary = (f"{top['call']} at {where} runs {when} on the critical path "
-                   f"({top['seconds']:.2f} s each time): {how}")
+        summary = (
+            f"{top['call']} at {where} runs {when} on the critical path "
+            f"({top['seconds']:.2f} s each time): {how}"
+        )
     else:
         summary = f"{top['function']} ({where}) writes a checkpoint {when} on the critical path: {how}"
     out.append(Prescription(kind="code", summary=summary, expected_gain_s_per_step=lost))
     return out
 
 
-LESS_OFTEN = 10   # a periodic cost made this many times rarer (fixplan's flag arms too)
+LESS_OFTEN = 10  # a periodic cost made this many times rarer (fixplan's flag arms too)
 
 
 def _trainer_save_edit(run: RunRecord, period: int | None) -> dict[str, Any] | None:
@@ -425,8 +492,13 @@ def _trainer_save_edit(run: RunRecord, period: int | None) -> dict[str, Any] | N
     first = where.get("call_first_line") or where.get("line")
     if not where.get("file") or not first or after is None:
         return None
-    change = code_change(where["file"], int(first), before, after,
-                         last_line=where.get("call_last_line") if where.get("call_source") else None)
+    change = code_change(
+        where["file"],
+        int(first),
+        before,
+        after,
+        last_line=where.get("call_last_line") if where.get("call_source") else None,
+    )
     return dict(change, op="replace", save_steps=base * LESS_OFTEN) if change else None
 
 
@@ -474,16 +546,25 @@ def _checkpoint_in_steps(run, rank):
     lost = spent / steps if steps else None
     return Finding(
         id="steps.checkpoint_in_step",
-        title=f"Checkpoints are written inside the training steps on rank {rank} "
-              f"({share:.0%} of step time)",
-        severity=ev.severity_for_share(share), analyzer="stability",
-        summary=(f"{spent:.2f} s of the main thread's time went to writing checkpoints at "
-                 f"{saves[0]['frame']}, inside the steps, {share:.0%} of their time."),
-        seconds_lost_per_step=lost, share_of_step=share,
-        evidence={"rank": rank, "save_sites": saves, "seconds_saving": round(spent, 3),
-                  "method": "main-thread py-spy seconds inside a checkpoint writer (torch.save, "
-                            "torch.distributed.checkpoint, safetensors) / the rank's step time"},
-        prescriptions=tuple(checkpoint_prescriptions(run, saves, lost, None)), ranks=(rank,))
+        title=f"Checkpoints are written inside the training steps on rank {rank} ({share:.0%} of step time)",
+        severity=ev.severity_for_share(share),
+        analyzer="stability",
+        summary=(
+            f"{spent:.2f} s of the main thread's time went to writing checkpoints at "
+            f"{saves[0]['frame']}, inside the steps, {share:.0%} of their time."
+        ),
+        seconds_lost_per_step=lost,
+        share_of_step=share,
+        evidence={
+            "rank": rank,
+            "save_sites": saves,
+            "seconds_saving": round(spent, 3),
+            "method": "main-thread py-spy seconds inside a checkpoint writer (torch.save, "
+            "torch.distributed.checkpoint, safetensors) / the rank's step time",
+        },
+        prescriptions=tuple(checkpoint_prescriptions(run, saves, lost, None)),
+        ranks=(rank,),
+    )
 
 
 def _analyze_rank(run, rank):
@@ -494,8 +575,11 @@ def _analyze_rank(run, rank):
     steps = [int(s) for s in steady["step"]]
     durations = [float(d) for d in steady["duration_s"]]
     mean = float(pd.Series(durations).mean())
-    periodic = find_period(steps, durations) or _period_of_timed_io(run, rank, steps) \
+    periodic = (
+        find_period(steps, durations)
+        or _period_of_timed_io(run, rank, steps)
         or _period_of_timed_io_past_warmup(run, rank, steps)
+    )
     rest = steady
     if periodic:
         period, residue, hits = periodic
@@ -510,8 +594,10 @@ def _analyze_rank(run, rank):
         cause_text = ""
         if causes.get("io_in_slow_steps"):
             io = causes["io_in_slow_steps"][0]
-            cause_text = (f" In them the job calls {_call_text(io)} "
-                          f"({io['seconds_per_step']:.2f} s each time, timed by the shim).")
+            cause_text = (
+                f" In them the job calls {_call_text(io)} "
+                f"({io['seconds_per_step']:.2f} s each time, timed by the shim)."
+            )
         elif causes.get("save_sites"):
             cause_text = f" They write a checkpoint at {causes['save_sites'][0]['frame']}."
         elif causes.get("log_lines_in_slow_steps"):
@@ -523,22 +609,38 @@ def _analyze_rank(run, rank):
             # a few slow steps that happen to line up, with nothing in the record done in them:
             # on a busy machine that is chance as often as a cause
             severity = "info"
-            cause_text = (f" Nothing the job did in them was recorded, and {len(hits)} "
-                          "occurrences can line up by chance on a busy machine.")
-        findings.append(Finding(
-            id="steps.periodic_slow",
-            title=f"Every {ordinal(period)} step is slow on rank {rank} "
-                  f"(+{float(slow_rows['duration_s'].median()) - normal_median:.2f} s)",
-            severity=severity, analyzer="stability",
-            summary=(f"Steps {', '.join(map(str, hits[:8]))}{'…' if len(hits) > 8 else ''} (period "
-                     f"{period}) take {float(slow_rows['duration_s'].median()):.3f} s against "
-                     f"{normal_median:.3f} s for the others.{cause_text}"),
-            steps_affected=tuple(hits), seconds_lost_per_step=lost, share_of_step=share,
-            evidence={"rank": rank, "period": period, "residue": residue, "slow_steps": hits,
-                      "median_slow_s": round(float(slow_rows["duration_s"].median()), 4),
-                      "median_other_s": round(normal_median, 4), **causes},
-            prescriptions=tuple(_periodic_prescriptions(run, causes, lost, period)),
-            ranks=(rank,)))
+            cause_text = (
+                f" Nothing the job did in them was recorded, and {len(hits)} "
+                "occurrences can line up by chance on a busy machine."
+            )
+        findings.append(
+            Finding(
+                id="steps.periodic_slow",
+                title=f"Every {ordinal(period)} step is slow on rank {rank} "
+                f"(+{float(slow_rows['duration_s'].median()) - normal_median:.2f} s)",
+                severity=severity,
+                analyzer="stability",
+                summary=(
+                    f"Steps {', '.join(map(str, hits[:8]))}{'…' if len(hits) > 8 else ''} (period "
+                    f"{period}) take {float(slow_rows['duration_s'].median()):.3f} s against "
+                    f"{normal_median:.3f} s for the others.{cause_text}"
+                ),
+                steps_affected=tuple(hits),
+                seconds_lost_per_step=lost,
+                share_of_step=share,
+                evidence={
+                    "rank": rank,
+                    "period": period,
+                    "residue": residue,
+                    "slow_steps": hits,
+                    "median_slow_s": round(float(slow_rows["duration_s"].median()), 4),
+                    "median_other_s": round(normal_median, 4),
+                    **causes,
+                },
+                prescriptions=tuple(_periodic_prescriptions(run, causes, lost, period)),
+                ranks=(rank,),
+            )
+        )
         rest = normal_rows
     else:
         found = _checkpoint_in_steps(run, rank)
@@ -557,29 +659,50 @@ def _analyze_rank(run, rank):
         waited = _run_queue_excess(run, rank, slow_rows, rest.drop(slow_rows.index))
         if waited is not None:
             causes["run_queue_wait_in_slow_steps_s"] = waited
-        cause_text = ("The slowest steps hold full (gen-2) garbage collections (see "
-                      "gc.gen2_in_step). " if causes.get("gen2_gc_in_slow_steps") else "")
-        if waited is not None and waited >= 0.5 * (float(slow_rows["duration_s"].median())
-                                                   - float(d.median())):
+        cause_text = (
+            "The slowest steps hold full (gen-2) garbage collections (see gc.gen2_in_step). "
+            if causes.get("gen2_gc_in_slow_steps")
+            else ""
+        )
+        if waited is not None and waited >= 0.5 * (
+            float(slow_rows["duration_s"].median()) - float(d.median())
+        ):
             # the slow steps waited for a core: the machine's other processes, not the job
-            cause_text += (f"In the slowest steps the training thread waited {waited * 1000:.0f} ms "
-                           "more for a CPU core than in the others: other processes' load. ")
+            cause_text += (
+                f"In the slowest steps the training thread waited {waited * 1000:.0f} ms "
+                "more for a CPU core than in the others: other processes' load. "
+            )
         job_causes = {k: v for k, v in causes.items() if k != "run_queue_wait_in_slow_steps_s"}
-        findings.append(Finding(
-            id="steps.instability",
-            title=f"Step time varies (CV {cv:.2f}) on rank {rank}",
-            # without a cause in the record, the machine (other processes) may be the reason:
-            # say it, but do not rank it as the job's problem
-            severity="low" if cv >= CV_LOW and job_causes else "info", analyzer="stability",
-            summary=(f"Over {len(rest)} steady steps: median {d.median():.3f} s, p90 "
-                     f"{d.quantile(0.9):.3f} s, max {d.max():.3f} s. {cause_text}Variation "
-                     "without a period; on a shared machine other processes cause it too."),
-            seconds_lost_per_step=max(0.0, lost), share_of_step=max(0.0, lost) / float(d.mean()),
-            evidence={"rank": rank, "cv": round(cv, 3), "median_s": round(float(d.median()), 4),
-                      "p90_s": round(float(d.quantile(0.9)), 4), "max_s": round(float(d.max()), 4),
-                      "slowest_steps": [{"step": int(r.step), "duration_s": round(float(r.duration_s), 4)}
-                                        for r in slowest.itertuples()], **causes},
-            ranks=(rank,)))
+        findings.append(
+            Finding(
+                id="steps.instability",
+                title=f"Step time varies (CV {cv:.2f}) on rank {rank}",
+                # without a cause in the record, the machine (other processes) may be the reason:
+                # say it, but do not rank it as the job's problem
+                severity="low" if cv >= CV_LOW and job_causes else "info",
+                analyzer="stability",
+                summary=(
+                    f"Over {len(rest)} steady steps: median {d.median():.3f} s, p90 "
+                    f"{d.quantile(0.9):.3f} s, max {d.max():.3f} s. {cause_text}Variation "
+                    "without a period; on a shared machine other processes cause it too."
+                ),
+                seconds_lost_per_step=max(0.0, lost),
+                share_of_step=max(0.0, lost) / float(d.mean()),
+                evidence={
+                    "rank": rank,
+                    "cv": round(cv, 3),
+                    "median_s": round(float(d.median()), 4),
+                    "p90_s": round(float(d.quantile(0.9)), 4),
+                    "max_s": round(float(d.max()), 4),
+                    "slowest_steps": [
+                        {"step": int(r.step), "duration_s": round(float(r.duration_s), 4)}
+                        for r in slowest.itertuples()
+                    ],
+                    **causes,
+                },
+                ranks=(rank,),
+            )
+        )
     return findings
 
 

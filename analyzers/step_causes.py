@@ -11,23 +11,20 @@ exists yet events still cover EVIDENCE_SHARE of the steady steps' time (warm-up 
 is a finding of its own
 (`steps.time_in_events`), so the verdict, findings.json, --fix and compare all see it.
 """
-from __future__ import annotations
 
-from typing import Optional
+from __future__ import annotations
 
 import numpy as np
 import pandas as pd
 
-from traindx.analyzers.findings import Finding, is_problem
-from traindx.derive.steptables import (EVENT_KINDS, compile_spans, event_seconds, gc_frame, run_t0,
-                                step_table)
-
 from traindx.analyzers import evidence as ev
+from traindx.analyzers.findings import Finding, is_problem
 from traindx.analyzers.stability import SLOW_FACTOR
+from traindx.derive.steptables import EVENT_KINDS, compile_spans, event_seconds, gc_frame, run_t0, step_table
 
-CAUSE_SHARE = 0.3             # an event covering this share of a step names the step's cause
-EXCESS_SHARE = 0.25           # ...or this share of a slow step's time above the median
-EVIDENCE_SHARE = 0.1          # events of one kind covering this share of all step time: a finding
+CAUSE_SHARE = 0.3  # an event covering this share of a step names the step's cause
+EXCESS_SHARE = 0.25  # ...or this share of a slow step's time above the median
+EVIDENCE_SHARE = 0.1  # events of one kind covering this share of all step time: a finding
 # a step's cause -> its name for a person (the report's legend); EVENT_KINDS first, in tie order
 CAUSES = {
     "compile": "JIT compile",
@@ -40,8 +37,9 @@ CAUSES = {
 }
 
 
-def classify_steps(table: pd.DataFrame, secs: np.ndarray,
-                   judged: Optional[tuple] = None) -> tuple[Optional[float], Optional[float]]:
+def classify_steps(
+    table: pd.DataFrame, secs: np.ndarray, judged: tuple | None = None
+) -> tuple[float | None, float | None]:
     """Adds compile_s, gc_s (wall clock), slow and cause columns to the step table (in place);
     returns (median, slow threshold). secs: steptables.event_seconds of the same table.
     judged: without_core_wait's (events' own seconds, steps' own seconds), which the cause is
@@ -60,9 +58,11 @@ def classify_steps(table: pd.DataFrame, secs: np.ndarray,
     # finding as one slow step), or when a slow step's excess is mostly that event
     named = (best_s > 0) & ((best_s >= CAUSE_SHARE * share_of) | (slow & (best_s >= EXCESS_SHARE * excess)))
     first_step = table.groupby("rank", sort=False)["step"].transform("min").to_numpy() if n else []
-    cause = np.where(named, np.array(EVENT_KINDS, dtype=object)[best],
-                     np.where(slow, np.where(table["step"].to_numpy() == first_step, "warmup",
-                                             "unexplained"), "normal"))
+    cause = np.where(
+        named,
+        np.array(EVENT_KINDS, dtype=object)[best],
+        np.where(slow, np.where(table["step"].to_numpy() == first_step, "warmup", "unexplained"), "normal"),
+    )
     table["compile_s"] = wall_secs[:, :-1].sum(axis=1)
     table["gc_s"] = wall_secs[:, -1]
     table["slow"] = slow
@@ -74,7 +74,7 @@ def _seconds_text(seconds: float) -> str:
     return f"{seconds:.1f} s" if seconds >= 1 else f"{seconds * 1e3:.0f} ms"
 
 
-def analyze(run, findings: Optional[list] = None) -> list:
+def analyze(run, findings: list | None = None) -> list:
     """[steps.time_in_events] when no root finding above info exists and one kind of event
     holds a real share of the steady steps' time (not a cold start); else []."""
     if any(is_problem(f) and f.cause is None for f in findings or ()):
@@ -89,16 +89,21 @@ def analyze(run, findings: Optional[list] = None) -> list:
     wall_secs = secs
     if judged is not None:  # priced and shared by the events' and the steps' own time
         own_secs, own = judged
-        table = table.assign(wall_s=table["duration_s"], duration_s=own,
-                             compile_s=own_secs[:, :-1].sum(axis=1), gc_s=own_secs[:, -1])
+        table = table.assign(
+            wall_s=table["duration_s"],
+            duration_s=own,
+            compile_s=own_secs[:, :-1].sum(axis=1),
+            gc_s=own_secs[:, -1],
+        )
     # the steady window only (analyzers/evidence.py): a cold start's first compiles are paid
     # once, and a short run's warm-up is no finding
     steady = ev.steady_steps(run)
     if not len(steady):
         return []
     keys = pd.MultiIndex.from_arrays([table["rank"], table["step"]])
-    kept = pd.Series(keys.isin(pd.MultiIndex.from_arrays([steady["rank"].astype(str),
-                                                         steady["step"].astype(np.int64)])))
+    kept = pd.Series(
+        keys.isin(pd.MultiIndex.from_arrays([steady["rank"].astype(str), steady["step"].astype(np.int64)]))
+    )
     table = table[kept.to_numpy()]
     if not len(table):
         return []
@@ -108,36 +113,55 @@ def analyze(run, findings: Optional[list] = None) -> list:
     if judged is not None:
         wall = wall_secs[kept.to_numpy()]
         wall_seconds = np.where(table["cause"].to_numpy() == "gc", wall[:, -1], wall[:, :-1].sum(axis=1))
-        waited = {"wall_seconds_in_events": float(wall_seconds.sum()),
-                  "step_wall_s": float(table["wall_s"].sum()), "step_own_s": total_s}
+        waited = {
+            "wall_seconds_in_events": float(wall_seconds.sum()),
+            "step_wall_s": float(table["wall_s"].sum()),
+            "step_own_s": total_s,
+        }
     by_cause = pd.Series(seconds).groupby(table["cause"].to_numpy()).sum()
     counts = table["cause"].value_counts()
-    kinds = [c for c in EVENT_KINDS if c in by_cause.index and total_s
-             and by_cause[c] >= EVIDENCE_SHARE * total_s]
+    kinds = [
+        c for c in EVENT_KINDS if c in by_cause.index and total_s and by_cause[c] >= EVIDENCE_SHARE * total_s
+    ]
     if not kinds:
         return []
     kind = max(kinds, key=lambda c: by_cause[c])
     n_steps = int(len(table[["rank", "step"]].drop_duplicates())) or 1
     mine = table[table["cause"] == kind]
     share = float(by_cause[kind]) / total_s
-    return [Finding(
-        id="steps.time_in_events",
-        title=(f"{int(counts[kind])} of {n_steps} steps spent most of their time in {CAUSES[kind]} "
-               f"({_seconds_text(float(by_cause[kind]))} in all)"),
-        severity=ev.severity_for_share(share), analyzer="step_causes",
-        summary=(f"{share:.0%} of the steady steps' time is {CAUSES[kind]}, recorded by the shim, and no "
-                 "specialised analyzer made a finding of it: see the step chart and the compile "
-                 "events in the report."),
-        steps_affected=tuple(sorted({int(s) for s in mine["step"]})),
-        seconds_lost_per_step=float(by_cause[kind]) / n_steps, share_of_step=share,
-        ranks=tuple(sorted(set(mine["rank"]))),
-        evidence={"kind": kind, "steps": int(counts[kind]), "of_steps": n_steps,
-                  "seconds": float(by_cause[kind]), "share_of_step_time": share,
-                  **({"runqueue_wait": waited} if waited else {})})]
+    return [
+        Finding(
+            id="steps.time_in_events",
+            title=(
+                f"{int(counts[kind])} of {n_steps} steps spent most of their time in {CAUSES[kind]} "
+                f"({_seconds_text(float(by_cause[kind]))} in all)"
+            ),
+            severity=ev.severity_for_share(share),
+            analyzer="step_causes",
+            summary=(
+                f"{share:.0%} of the steady steps' time is {CAUSES[kind]}, recorded by the shim, and no "
+                "specialised analyzer made a finding of it: see the step chart and the compile "
+                "events in the report."
+            ),
+            steps_affected=tuple(sorted({int(s) for s in mine["step"]})),
+            seconds_lost_per_step=float(by_cause[kind]) / n_steps,
+            share_of_step=share,
+            ranks=tuple(sorted(set(mine["rank"]))),
+            evidence={
+                "kind": kind,
+                "steps": int(counts[kind]),
+                "of_steps": n_steps,
+                "seconds": float(by_cause[kind]),
+                "share_of_step_time": share,
+                **({"runqueue_wait": waited} if waited else {}),
+            },
+        )
+    ]
 
 
-def without_core_wait(run, table: pd.DataFrame, secs: np.ndarray,
-                      t0: int) -> Optional[tuple[np.ndarray, np.ndarray]]:
+def without_core_wait(
+    run, table: pd.DataFrame, secs: np.ndarray, t0: int
+) -> tuple[np.ndarray, np.ndarray] | None:
     """On a loaded machine a span's wall time holds the time the training thread waited for a
     core: its cost is its wall time less that wait, judged against the step's own time. GC
     pauses carry their own CPU clock (analyzers/evidence.py gc_core_waits); other events take

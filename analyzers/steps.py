@@ -1,4 +1,5 @@
 """Run-level facts every report needs, and a warning when evidence is missing."""
+
 from __future__ import annotations
 
 import re
@@ -14,18 +15,26 @@ if TYPE_CHECKING:  # annotations only
 def analyze(run: RunRecord) -> list[Finding]:
     findings = []
     if run.missing:
-        findings.append(Finding(
-            id="evidence.missing", title="Some evidence could not be collected",
-            severity="info", analyzer="steps",
-            summary="; ".join(f"{k}: {v}" for k, v in sorted(run.missing.items())),
-            evidence={"missing": dict(run.missing)}))
+        findings.append(
+            Finding(
+                id="evidence.missing",
+                title="Some evidence could not be collected",
+                severity="info",
+                analyzer="steps",
+                summary="; ".join(f"{k}: {v}" for k, v in sorted(run.missing.items())),
+                evidence={"missing": dict(run.missing)},
+            )
+        )
     findings.extend(_job_exit(run))
     return findings
 
 
 # a line of a crash's own message (the C++ runtime's, CPython's, a launcher's), in any framework
-_CRASH_LINE = re.compile(r"terminate called|Fatal Python error|Segmentation fault|core dumped|"
-                         r"Aborted|\bError\b|Error:|Exception|FATAL|Traceback", re.IGNORECASE)
+_CRASH_LINE = re.compile(
+    r"terminate called|Fatal Python error|Segmentation fault|core dumped|"
+    r"Aborted|\bError\b|Error:|Exception|FATAL|Traceback",
+    re.IGNORECASE,
+)
 STDERR_TAIL_LINES = 40
 
 
@@ -49,10 +58,9 @@ def _job_exit(run: RunRecord) -> list[Finding]:
     if not isinstance(code, int) or code == 0:
         return []
     log = run.log
-    tail = [str(t) for t in log.loc[log["stream"] == "e", "text"].tail(STDERR_TAIL_LINES)] \
-        if len(log) else []
+    tail = [str(t) for t in log.loc[log["stream"] == "e", "text"].tail(STDERR_TAIL_LINES)] if len(log) else []
     crash = next((i for i, line in enumerate(tail) if _CRASH_LINE.search(line)), None)
-    quoted = tail[crash:crash + 3] if crash is not None else tail[-3:]
+    quoted = tail[crash : crash + 3] if crash is not None else tail[-3:]
     first = next((line.strip() for line in quoted if line.strip()), "")
     words = _exit_words(code, [str(s) for s in manifest.get("signals_forwarded") or []])
     title = f"The job ended by {words}" if code < 0 else f"The job ended with {words}"
@@ -63,16 +71,30 @@ def _job_exit(run: RunRecord) -> list[Finding]:
     where = next(((label, frame) for label, frame in crashed.items() if frame), None)
     if where:
         title += f"; {where[0]} crashed at {where[1]}"
-    summary = (f"The job's process ended by {words}. Its last lines on stderr:\n"
-               + "\n".join(tail[-12:]) if tail else f"The job's process ended by {words}; it "
-               "printed nothing on stderr.")
+    summary = (
+        f"The job's process ended by {words}. Its last lines on stderr:\n" + "\n".join(tail[-12:])
+        if tail
+        else f"The job's process ended by {words}; it printed nothing on stderr."
+    )
     for label, text in stacks.items():
         summary += f"\nPython's stacks of {label} at the crash (faulthandler):\n{text[-4000:]}"
-    return [Finding(
-        id="job.exit", title=title, severity="info", analyzer="steps", summary=summary,
-        evidence={"exit_code": code, "signal": words if code < 0 else None,
-                  "crash_lines": quoted, "stderr_tail": tail[-12:],
-                  "crashed_at": crashed, "fault_stacks": stacks})]
+    return [
+        Finding(
+            id="job.exit",
+            title=title,
+            severity="info",
+            analyzer="steps",
+            summary=summary,
+            evidence={
+                "exit_code": code,
+                "signal": words if code < 0 else None,
+                "crash_lines": quoted,
+                "stderr_tail": tail[-12:],
+                "crashed_at": crashed,
+                "fault_stacks": stacks,
+            },
+        )
+    ]
 
 
 def _crashing_frame(text: str):
@@ -80,7 +102,7 @@ def _crashing_frame(text: str):
     lines = text.splitlines()
     for i, line in enumerate(lines):
         if line.startswith("Current thread") or line.startswith("Stack (most recent call first)"):
-            for frame in lines[i + 1:]:
+            for frame in lines[i + 1 :]:
                 m = re.match(r'\s+File "(.+)", line (\d+) in (.+)', frame)
                 if m:
                     return f"{m.group(1)}:{m.group(2)} in {m.group(3)}"

@@ -18,6 +18,7 @@ its previous meeting point (or its step's start), whose ledger says why (derive/
 Point-to-point send/recv are not meeting points: in a pipeline a stage waiting in recv for its
 upstream stage is the schedule's bubble, not a straggler's victim.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -43,15 +44,18 @@ def collective_spans(run: RunRecord) -> pd.DataFrame:
     df = ev[ev["cat"] == "collective"]
     if not len(df):
         return pd.DataFrame(columns=cols)
-    out = pd.DataFrame({
-        "rank": df["rank"].values,
-        "op": df["op"].values if "op" in df else None,
-        "group": df["group"].astype(str).values if "group" in df else "default",
-        "seq": df["seq"].values if "seq" in df else np.nan,
-        "peer": df["peer"].values if "peer" in df else np.nan,
-        "start_ns": df["start"].astype("int64").values,
-        "end_ns": df["t"].astype("int64").values,
-        "tid": df["tid"].values})
+    out = pd.DataFrame(
+        {
+            "rank": df["rank"].values,
+            "op": df["op"].values if "op" in df else None,
+            "group": df["group"].astype(str).values if "group" in df else "default",
+            "seq": df["seq"].values if "seq" in df else np.nan,
+            "peer": df["peer"].values if "peer" in df else np.nan,
+            "start_ns": df["start"].astype("int64").values,
+            "end_ns": df["t"].astype("int64").values,
+            "tid": df["tid"].values,
+        }
+    )
     return out.reset_index(drop=True)
 
 
@@ -81,10 +85,17 @@ def _matched_collectives(spans):
     # millions of rows)
     code = pd.factorize(coll["group"])[0].astype(np.int64)
     key = (code << 40) + coll["seq"].to_numpy(np.int64)
-    return pd.DataFrame({"key": key, "rank": coll["rank"].values, "op": coll["op"].values,
-                         "group": coll["group"].values, "start_ns": coll["start_ns"].values,
-                         "end_ns": coll["end_ns"].values,
-                         "wait_s": (coll["end_ns"] - coll["start_ns"]).values / 1e9})
+    return pd.DataFrame(
+        {
+            "key": key,
+            "rank": coll["rank"].values,
+            "op": coll["op"].values,
+            "group": coll["group"].values,
+            "start_ns": coll["start_ns"].values,
+            "end_ns": coll["end_ns"].values,
+            "wait_s": (coll["end_ns"] - coll["start_ns"]).values / 1e9,
+        }
+    )
 
 
 def _ddp_backwards(run):
@@ -104,11 +115,19 @@ def _ddp_backwards(run):
         ok = (i >= 0) & (starts < st["end_ns"].to_numpy(np.int64)[np.maximum(i, 0)])
         rows, step = rows[ok], st["step"].to_numpy(np.int64)[i[ok]]
         order = pd.Series(step).groupby(step).cumcount().to_numpy()
-        parts.append(pd.DataFrame({
-            # negative keys: never a collective's; step and the backward's order in it
-            "key": -(step.astype(np.int64) * 1024 + order + 1), "rank": rank, "op": "backward",
-            "group": "ddp", "start_ns": rows["start_ns"].to_numpy(np.int64),
-            "end_ns": rows["end_ns"].to_numpy(np.int64)}))
+        parts.append(
+            pd.DataFrame(
+                {
+                    # negative keys: never a collective's; step and the backward's order in it
+                    "key": -(step.astype(np.int64) * 1024 + order + 1),
+                    "rank": rank,
+                    "op": "backward",
+                    "group": "ddp",
+                    "start_ns": rows["start_ns"].to_numpy(np.int64),
+                    "end_ns": rows["end_ns"].to_numpy(np.int64),
+                }
+            )
+        )
     if not parts:
         return pd.DataFrame(columns=POINT_COLUMNS)
     out = pd.concat(parts, ignore_index=True)
@@ -145,8 +164,9 @@ def last_arrivals(points: pd.DataFrame) -> pd.DataFrame:
     out["cost_s"] = (second["wait_s"].reindex(out.index) - out["min_wait"]).clip(lower=0.0)
     out["ranks"] = n.reindex(out.index)
     # the mean of the others' waits beyond the last arrival's own
-    out["others_wait_s"] = ((mean_wait.reindex(out.index) * out["ranks"] - out["min_wait"])
-                            / (out["ranks"] - 1) - out["min_wait"]).clip(lower=0.0)
+    out["others_wait_s"] = (
+        (mean_wait.reindex(out.index) * out["ranks"] - out["min_wait"]) / (out["ranks"] - 1) - out["min_wait"]
+    ).clip(lower=0.0)
     return out.drop(columns="min_wait").reset_index()
 
 
@@ -166,8 +186,7 @@ def segments(points: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
     return pd.concat(out, ignore_index=True) if out else points.assign(seg_start_ns=pd.Series(dtype="int64"))
 
 
-def segment_ledger(run: RunRecord, rank: str, seg_start: np.ndarray,
-                   seg_end: np.ndarray) -> np.ndarray:
+def segment_ledger(run: RunRecord, rank: str, seg_start: np.ndarray, seg_end: np.ndarray) -> np.ndarray:
     """Seconds per ledger category (CATEGORIES + unexplained) in each of the rank's segments:
     an array of shape (len(seg_start), len(CATEGORIES) + 1). The same sweep and priorities as
     the step ledger, over the segments instead of the steps."""

@@ -9,17 +9,16 @@ Exactly one of
   verdict.no_steps the job exited before any step finished
 The report and the terminal render this finding; they never decide the headline themselves.
 """
+
 from __future__ import annotations
 
-from typing import Optional
-
-from traindx.derive import ledger as L
 from traindx.analyzers.findings import NOTE, VERDICT_PREFIX, Finding, is_problem, reading_order
-from traindx.derive.steptables import steady_median, step_table, steps_per_rank
 from traindx.common.units import fmt_s
+from traindx.derive import ledger as L
+from traindx.derive.steptables import steady_median, step_table, steps_per_rank
 
 
-def _mean_steady_step(run) -> Optional[float]:
+def _mean_steady_step(run) -> float | None:
     """The mean steady step of the slowest rank, from the ledger (the unit findings' savings are
     in); None without a ledger."""
     try:
@@ -29,7 +28,7 @@ def _mean_steady_step(run) -> Optional[float]:
         return None
 
 
-def _pick(findings: list) -> Optional[Finding]:
+def _pick(findings: list) -> Finding | None:
     """The root finding to act on first: the first (reading order) with a prescription, else the
     first root problem."""
     roots = [f for f in reading_order(findings) if is_problem(f) and f.cause is None]
@@ -46,8 +45,11 @@ def judge(run, findings: list) -> Finding:
     top = _pick(findings)
     if top is not None:
         p = top.prescriptions[0] if top.prescriptions else None
-        gain = p.expected_gain_s_per_step if p is not None and p.expected_gain_s_per_step is not None \
+        gain = (
+            p.expected_gain_s_per_step
+            if p is not None and p.expected_gain_s_per_step is not None
             else top.seconds_lost_per_step
+        )
         # savings are per mean step (the ledger's lines): the speed-up is against the mean steady
         # step when the ledger gives one and the saving fits in it, else the median
         mean = _mean_steady_step(run)
@@ -55,41 +57,69 @@ def judge(run, findings: list) -> Finding:
         speedup = step_s / (step_s - gain) if gain and step_s and 0 < gain < step_s else None
         headline = p.summary if p is not None else top.title
         return Finding(
-            id="verdict.cause", title=headline, severity=NOTE, analyzer="verdict",
-            summary=(f"The change to make first: {headline} (why: {top.title})." if p is not None
-                     else f"The main problem, with no prescription: {top.title}."),
-            seconds_lost_per_step=top.seconds_lost_per_step, share_of_step=top.share_of_step,
+            id="verdict.cause",
+            title=headline,
+            severity=NOTE,
+            analyzer="verdict",
+            summary=(
+                f"The change to make first: {headline} (why: {top.title})."
+                if p is not None
+                else f"The main problem, with no prescription: {top.title}."
+            ),
+            seconds_lost_per_step=top.seconds_lost_per_step,
+            share_of_step=top.share_of_step,
             ranks=top.ranks,
-            evidence={"top": top.id, "top_title": top.title, "top_severity": top.severity,
-                      "seconds_per_step": top.seconds_lost_per_step, "prescription": 0 if p else None,
-                      "gain_s": gain, "step_s": step_s,
-                      # a saving well under the time lost says why (the pricing's words)
-                      "saving_limit": top.evidence.get("saving_limit") if gain is not None
-                      and top.seconds_lost_per_step and gain < top.seconds_lost_per_step
-                      else None,
-                      "step_statistic": "mean" if step_s is not None and step_s == mean else "median",
-                      "after_step_s": (step_s - gain if speedup and step_s is not None
-                                       and gain is not None else None), "speedup": speedup,
-                      **counts})
+            evidence={
+                "top": top.id,
+                "top_title": top.title,
+                "top_severity": top.severity,
+                "seconds_per_step": top.seconds_lost_per_step,
+                "prescription": 0 if p else None,
+                "gain_s": gain,
+                "step_s": step_s,
+                # a saving well under the time lost says why (the pricing's words)
+                "saving_limit": top.evidence.get("saving_limit")
+                if gain is not None and top.seconds_lost_per_step and gain < top.seconds_lost_per_step
+                else None,
+                "step_statistic": "mean" if step_s is not None and step_s == mean else "median",
+                "after_step_s": (
+                    step_s - gain if speedup and step_s is not None and gain is not None else None
+                ),
+                "speedup": speedup,
+                **counts,
+            },
+        )
     if not n_steps:
         status = (run.manifest or {}).get("exit_code")
         return Finding(
-            id="verdict.no_steps", title="No training steps were recorded: nothing to measure",
-            severity=NOTE, analyzer="verdict",
-            summary=("The job exited before any optimizer step finished"
-                     + (f" (exit code {status})" if status not in (None, 0) else "") + "."),
-            evidence={**counts, "exit_code": status})
+            id="verdict.no_steps",
+            title="No training steps were recorded: nothing to measure",
+            severity=NOTE,
+            analyzer="verdict",
+            summary=(
+                "The job exited before any optimizer step finished"
+                + (f" (exit code {status})" if status not in (None, 0) else "")
+                + "."
+            ),
+            evidence={**counts, "exit_code": status},
+        )
     title = f"Healthy: no slowdown found in {n_steps} steps"
     if median is not None:
         title += f" (median step {fmt_s(median)})"
     return Finding(
-        id="verdict.healthy", title=title, severity=NOTE, analyzer="verdict",
-        summary=(f"{n_steps} steps on {ranks} rank{'s' if ranks != 1 else ''}, median step "
-                 f"{fmt_s(median) if median is not None else '?'}; no analyzer found a "
-                 "finding above info: nothing to change."),
-        evidence=counts)
+        id="verdict.healthy",
+        title=title,
+        severity=NOTE,
+        analyzer="verdict",
+        summary=(
+            f"{n_steps} steps on {ranks} rank{'s' if ranks != 1 else ''}, median step "
+            f"{fmt_s(median) if median is not None else '?'}; no analyzer found a "
+            "finding above info: nothing to change."
+        ),
+        evidence=counts,
+    )
 
 
-def analyze(run, findings: Optional[list] = None) -> list:
+def analyze(run, findings: list | None = None) -> list:
     """Registry entry: [the verdict] (run last, over every other finding)."""
     return [judge(run, list(findings or []))]

@@ -21,6 +21,7 @@ beside every job. Every job runs with OMP_NUM_THREADS=1 except the thread cause.
 kept arm's mechanism, speedup (as the loop judged it) and significance, predicted vs measured
 step, and whether fix.patch applies with `git apply` to a clean copy of the slowed script.
 """
+
 import argparse
 import json
 import os
@@ -31,14 +32,14 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Optional
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 
 # defines the helpers the inserted lines call; one line, so the script's lines move by one only
-PRELUDE = ("import time as _tdx_time, gc as _tdx_gc; _tdx_n = [0]\n")
+PRELUDE = "import time as _tdx_time, gc as _tdx_gc; _tdx_n = [0]\n"
 BUSY = "_tdx_t0 = _tdx_time.perf_counter()\nwhile _tdx_time.perf_counter() - _tdx_t0 < {s:.4f}: pass"
 
 
@@ -60,18 +61,18 @@ def _words(n: int, seed: int = 0) -> str:
 @dataclass
 class Script:
     name: str
-    files: list                      # paths under the corpus folder copied into the scratch dir
-    main: str                        # the file the command runs (in the scratch dir)
+    files: list  # paths under the corpus folder copied into the scratch dir
+    main: str  # the file the command runs (in the scratch dir)
     argv: list
-    loop_file: str                   # the file whose training loop gets the per-step insertions
-    loop_anchor: str                 # regex of the line after which a per-step line goes
-    model: str                       # expression for the model at the anchor
-    loss: str                        # expression for the loss at the anchor
-    getitem_file: Optional[str] = None
-    getitem_anchor: Optional[str] = None   # line after which the slow __getitem__ goes
-    getitem_patch_class: Optional[str] = None  # or: patch this dataset object's class after the anchor
+    loop_file: str  # the file whose training loop gets the per-step insertions
+    loop_anchor: str  # regex of the line after which a per-step line goes
+    model: str  # expression for the model at the anchor
+    loss: str  # expression for the loss at the anchor
+    getitem_file: str | None = None
+    getitem_anchor: str | None = None  # line after which the slow __getitem__ goes
+    getitem_patch_class: str | None = None  # or: patch this dataset object's class after the anchor
     env: dict = field(default_factory=dict)
-    prepare: Optional[Callable] = None
+    prepare: Callable | None = None
 
 
 def _prep_wlm(d):
@@ -98,32 +99,69 @@ def _prep_mingpt(d):
 
 SCRIPTS = {
     "wlm": Script(
-        "wlm", ["wlm_main.py", "wlm_model.py", "wlm_data.py"], "main.py",
+        "wlm",
+        ["wlm_main.py", "wlm_model.py", "wlm_data.py"],
+        "main.py",
         ["--epochs", "1", "--use-optimizer", "--lr", "0.001", "--log-interval", "1000000"],
-        "main.py", r"^\s+optimizer\.step\(\)", "model", "loss", prepare=_prep_wlm),
+        "main.py",
+        r"^\s+optimizer\.step\(\)",
+        "model",
+        "loss",
+        prepare=_prep_wlm,
+    ),
     "mingpt": Script(
-        "mingpt", ["minGPT"], "minGPT/projects/chargpt/chargpt.py",
-        ["--model.model_type=gpt-nano", "--trainer.batch_size=16", "--data.block_size=64",
-         "--trainer.num_workers=0", "--trainer.max_iters=100000"],
-        "minGPT/mingpt/trainer.py", r"^\s+self\.optimizer\.step\(\)", "model", "self.loss",
-        getitem_file="minGPT/projects/chargpt/chargpt.py", getitem_anchor=r"^\s+def __getitem__",
-        env={"PYTHONPATH": "minGPT"}, prepare=_prep_mingpt),
+        "mingpt",
+        ["minGPT"],
+        "minGPT/projects/chargpt/chargpt.py",
+        [
+            "--model.model_type=gpt-nano",
+            "--trainer.batch_size=16",
+            "--data.block_size=64",
+            "--trainer.num_workers=0",
+            "--trainer.max_iters=100000",
+        ],
+        "minGPT/mingpt/trainer.py",
+        r"^\s+self\.optimizer\.step\(\)",
+        "model",
+        "self.loss",
+        getitem_file="minGPT/projects/chargpt/chargpt.py",
+        getitem_anchor=r"^\s+def __getitem__",
+        env={"PYTHONPATH": "minGPT"},
+        prepare=_prep_mingpt,
+    ),
     "pl_trainer": Script(
-        "pl_trainer", ["pl_transformer.py"], "pl_transformer.py", [],
-        "pl_transformer.py", r"^\s+loss = F\.nll_loss", "self", "loss",
-        getitem_file="pl_transformer.py", getitem_anchor=r"^\s+dataset = WikiText2\(\)",
-        getitem_patch_class="dataset", env={"PL_TRAINER_MAX_STEPS": "100000"},
-        prepare=_prep_lightning),
+        "pl_trainer",
+        ["pl_transformer.py"],
+        "pl_transformer.py",
+        [],
+        "pl_transformer.py",
+        r"^\s+loss = F\.nll_loss",
+        "self",
+        "loss",
+        getitem_file="pl_transformer.py",
+        getitem_anchor=r"^\s+dataset = WikiText2\(\)",
+        getitem_patch_class="dataset",
+        env={"PL_TRAINER_MAX_STEPS": "100000"},
+        prepare=_prep_lightning,
+    ),
     "fabric": Script(
-        "fabric", ["fabric_lm.py"], "fabric_lm.py", [],
-        "fabric_lm.py", r"^\s+optimizer\.step\(\)", "model", "loss",
-        getitem_file="fabric_lm.py", getitem_anchor=r"^\s+dataset = WikiText2\(\)",
-        getitem_patch_class="dataset", prepare=_prep_lightning),
+        "fabric",
+        ["fabric_lm.py"],
+        "fabric_lm.py",
+        [],
+        "fabric_lm.py",
+        r"^\s+optimizer\.step\(\)",
+        "model",
+        "loss",
+        getitem_file="fabric_lm.py",
+        getitem_anchor=r"^\s+dataset = WikiText2\(\)",
+        getitem_patch_class="dataset",
+        prepare=_prep_lightning,
+    ),
 }
 
 # cause -> (what the table expects, inserted per-step code or None)
-CAUSES = ("healthy", "read150", "odd_host", "threads16", "save", "slow_getitem", "gc_collect",
-          "item")
+CAUSES = ("healthy", "read150", "odd_host", "threads16", "save", "slow_getitem", "gc_collect", "item")
 
 
 def _insert_after(path, pattern, lines_of_indent, first_only=True):
@@ -180,8 +218,10 @@ def prepare(corpus, script, cause, work, busy_s, at=None):
         "read150": lambda i: "_tdx_blob = open(__file__, 'rb').read(); _tdx_time.sleep(0.15)",
         # CPU work on every other step (pure Python, +50 % of the healthy step)
         "odd_host": lambda i: "_tdx_n[0] += 1\nif _tdx_n[0] % 2:\n" + _nest(BUSY.format(s=busy_s)),
-        "save": lambda i: ("_tdx_n[0] += 1\nif _tdx_n[0] % 4 == 0:\n" + _nest(
-            f"import torch as _tdx_torch; _tdx_torch.save({script.model}.state_dict(), 'ckpt.pt')")),
+        "save": lambda i: (
+            "_tdx_n[0] += 1\nif _tdx_n[0] % 4 == 0:\n"
+            + _nest(f"import torch as _tdx_torch; _tdx_torch.save({script.model}.state_dict(), 'ckpt.pt')")
+        ),
         "gc_collect": lambda i: "_tdx_gc.collect()",
         "item": lambda i: f"_tdx_loss_value = {script.loss}.item()",
     }
@@ -198,10 +238,13 @@ def prepare(corpus, script, cause, work, busy_s, at=None):
         per_item = busy_s / 16  # a batch of 16-20 items: about the healthy step again
         if script.getitem_patch_class:
             obj = script.getitem_patch_class
-            text = (f"_tdx_get = type({obj}).__getitem__\n"
-                    "def _tdx_slow_getitem(self, i):\n"
-                    + _nest(BUSY.format(s=per_item) + "\nreturn _tdx_get(self, i)") + "\n"
-                    f"type({obj}).__getitem__ = _tdx_slow_getitem")
+            text = (
+                f"_tdx_get = type({obj}).__getitem__\n"
+                "def _tdx_slow_getitem(self, i):\n"
+                + _nest(BUSY.format(s=per_item) + "\nreturn _tdx_get(self, i)")
+                + "\n"
+                f"type({obj}).__getitem__ = _tdx_slow_getitem"
+            )
         else:
             text = BUSY.format(s=per_item)
         where = (script.getitem_file, _insert_after(path, script.getitem_anchor, lambda i: text))
@@ -215,34 +258,62 @@ def _job_env(d, env):
     full_env.update(env)
     if "PYTHONPATH" in env:
         full_env["PYTHONPATH"] = os.pathsep.join(
-            [os.path.join(d, env["PYTHONPATH"])] + ([os.environ["PYTHONPATH"]]
-                                                     if os.environ.get("PYTHONPATH") else []))
+            [os.path.join(d, env["PYTHONPATH"])]
+            + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])
+        )
     return full_env
 
 
 def _run(d, script, env, run_dir, options, timeout):
     """`diagnose <options> --run-dir run_dir -- python <script>` in the scratch copy; returns the
     folder and the wall seconds (a run past the timeout keeps what it wrote)."""
-    cmd = [sys.executable, "-m", "traindx", *options, "--run-dir", run_dir,
-           "--", sys.executable, script.main] + script.argv
+    cmd = [
+        sys.executable,
+        "-m",
+        "traindx",
+        *options,
+        "--run-dir",
+        run_dir,
+        "--",
+        sys.executable,
+        script.main,
+    ] + script.argv
     t0 = time.time()
     try:
-        subprocess.run(cmd, cwd=d, env=_job_env(d, env), stdout=subprocess.DEVNULL,
-                       stderr=subprocess.DEVNULL, timeout=timeout)
+        subprocess.run(
+            cmd,
+            cwd=d,
+            env=_job_env(d, env),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            timeout=timeout,
+        )
     except subprocess.TimeoutExpired:
         pass
     return run_dir, time.time() - t0
 
 
 def run_diagnose(d, script, env, steps, out_dir, timeout):
-    return _run(d, script, env, os.path.join(out_dir, os.path.basename(d)),
-                ["--quiet", "--steps", str(steps)], timeout)
+    return _run(
+        d,
+        script,
+        env,
+        os.path.join(out_dir, os.path.basename(d)),
+        ["--quiet", "--steps", str(steps)],
+        timeout,
+    )
 
 
 def run_fix(d, script, env, steps, out_dir, timeout, tries):
     """`diagnose --fix` on the slowed copy, as a user runs it; returns its folder."""
-    return _run(d, script, env, os.path.join(out_dir, os.path.basename(d) + "-fix"),
-                ["--fix", "--quiet", "--steps", str(steps), "--fix-tries", str(tries)], timeout)
+    return _run(
+        d,
+        script,
+        env,
+        os.path.join(out_dir, os.path.basename(d) + "-fix"),
+        ["--fix", "--quiet", "--steps", str(steps), "--fix-tries", str(tries)],
+        timeout,
+    )
 
 
 def judge_fix(corpus, script, cause, fix_dir, busy_s, reproduce=None):
@@ -256,14 +327,18 @@ def judge_fix(corpus, script, cause, fix_dir, busy_s, reproduce=None):
         return {"applied": False, "kept": "(no fix.json)", "ok": False}
     arms = fix.get("arms") or []
     kept = fix.get("kept") or {}
-    row = {"applied": bool(arms), "arms": [f"{a.get('mechanism')}:{a.get('finding')}"
-                                           f"={_num(a.get('judged_speedup'))}x" for a in arms],
-           "kept": (f"{kept.get('mechanism')}:{kept.get('finding')}" if kept else "-"),
-           "speedup": kept.get("judged_speedup"), "significant": kept.get("significant"),
-           "parity": kept.get("loss_parity"),
-           "predicted_s": kept.get("predicted_step_time_s"),
-           "measured_s": kept.get("measured_mean_step_s") or kept.get("measured_step_time_s"),
-           "apply": fix.get("apply") or [], "patch_applies": None}
+    row = {
+        "applied": bool(arms),
+        "arms": [f"{a.get('mechanism')}:{a.get('finding')}={_num(a.get('judged_speedup'))}x" for a in arms],
+        "kept": (f"{kept.get('mechanism')}:{kept.get('finding')}" if kept else "-"),
+        "speedup": kept.get("judged_speedup"),
+        "significant": kept.get("significant"),
+        "parity": kept.get("loss_parity"),
+        "predicted_s": kept.get("predicted_step_time_s"),
+        "measured_s": kept.get("measured_mean_step_s") or kept.get("measured_step_time_s"),
+        "apply": fix.get("apply") or [],
+        "patch_applies": None,
+    }
     patch = os.path.join(fix_dir, "fix.patch")
     if kept and os.path.isfile(patch):
         with tempfile.TemporaryDirectory() as tmp:
@@ -278,8 +353,13 @@ def judge_fix(corpus, script, cause, fix_dir, busy_s, reproduce=None):
                 row["kept_median_s"] = kept.get("measured_step_time_s")
     pred, meas = row["predicted_s"], row["measured_s"]
     row["error"] = (pred - meas) / meas if pred and meas else None
-    row["ok"] = bool(kept and kept.get("significant") and (row["speedup"] or 0) >= 1.5
-                     and row["parity"] is not False and row["patch_applies"] is not False)
+    row["ok"] = bool(
+        kept
+        and kept.get("significant")
+        and (row["speedup"] or 0) >= 1.5
+        and row["parity"] is not False
+        and row["patch_applies"] is not False
+    )
     if cause == "healthy":  # the healthy twin: nothing to change, no arm run
         row["ok"] = not arms
     return row
@@ -290,19 +370,28 @@ def _num(v, digits=2):
 
 
 def fix_table(rows):
-    out = ["| script | cause | arms tried (mechanism:finding=speedup) | kept | speedup | significant "
-           "| predicted vs measured step | error | fix.patch applies | patched copy vs kept arm, median step |",
-           "|---|---|---|---|---|---|---|---|---|---|"]
+    out = [
+        "| script | cause | arms tried (mechanism:finding=speedup) | kept | speedup | significant "
+        "| predicted vs measured step | error | fix.patch applies | patched copy vs kept arm, median step |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         err = "-" if r.get("error") is None else f"{r['error']:+.0%}"
-        again = (f"{_num(r.get('patched_median_s'), 3)} vs {_num(r.get('kept_median_s'), 3)} s"
-                 if r.get("patched_median_s") else ("; ".join(r.get("apply") or [])[-60:] or "-"))
-        out.append(f"| {r['script']} | {r['cause']} | {', '.join(r.get('arms') or []) or '-'} | "
-                   f"{r.get('kept')} | {_num(r.get('speedup'))}x | {_yn(r.get('significant'))} | "
-                   f"{_num(r.get('predicted_s'), 3)} vs {_num(r.get('measured_s'), 3)} s | {err} | "
-                   f"{_yn(r.get('patch_applies'))} | {again} |")
-    out.append(f"\n{sum(1 for r in rows if r.get('ok'))} of {len(rows)} right: a significant change "
-               ">= 1.5x kept with parity, its patch (if any) applying to a clean copy; a healthy twin: no arm")
+        again = (
+            f"{_num(r.get('patched_median_s'), 3)} vs {_num(r.get('kept_median_s'), 3)} s"
+            if r.get("patched_median_s")
+            else ("; ".join(r.get("apply") or [])[-60:] or "-")
+        )
+        out.append(
+            f"| {r['script']} | {r['cause']} | {', '.join(r.get('arms') or []) or '-'} | "
+            f"{r.get('kept')} | {_num(r.get('speedup'))}x | {_yn(r.get('significant'))} | "
+            f"{_num(r.get('predicted_s'), 3)} vs {_num(r.get('measured_s'), 3)} s | {err} | "
+            f"{_yn(r.get('patch_applies'))} | {again} |"
+        )
+    out.append(
+        f"\n{sum(1 for r in rows if r.get('ok'))} of {len(rows)} right: a significant change "
+        ">= 1.5x kept with parity, its patch (if any) applying to a clean copy; a healthy twin: no arm"
+    )
     return "\n".join(out)
 
 
@@ -313,8 +402,13 @@ def _root_findings(run_dir):
     except (OSError, ValueError):
         return None
     items = data.get("findings", data) if isinstance(data, dict) else data
-    return [f for f in items if isinstance(f, dict) and not f.get("cause")
-            and not str(f.get("id", "")).startswith(("verdict.", "traindx.", "analysis."))]
+    return [
+        f
+        for f in items
+        if isinstance(f, dict)
+        and not f.get("cause")
+        and not str(f.get("id", "")).startswith(("verdict.", "traindx.", "analysis."))
+    ]
 
 
 def _top(findings):
@@ -323,8 +417,12 @@ def _top(findings):
 
 
 def _lines_of(finding):
-    text = f"{finding.get('title')} {finding.get('summary')} " + json.dumps(finding.get("evidence") or {}) + " " + json.dumps(
-        [p.get("change") for p in finding.get("prescriptions") or []])
+    text = (
+        f"{finding.get('title')} {finding.get('summary')} "
+        + json.dumps(finding.get("evidence") or {})
+        + " "
+        + json.dumps([p.get("change") for p in finding.get("prescriptions") or []])
+    )
     return set(re.findall(r"([\w./-]+\.py)[\"']?[:, ]+(?:\"line\": )?(\d+)", text))
 
 
@@ -344,8 +442,7 @@ def judge(cause, run_dir, injected):
     """(top finding id, its line, right line?, usable prescription?) for one run."""
     found = _root_findings(run_dir)
     if found is None:
-        return {"top": "(no findings.json)", "line": "", "line_ok": False, "usable": False,
-                "ok": False}
+        return {"top": "(no findings.json)", "line": "", "line_ok": False, "usable": False, "ok": False}
     top = _top(found)
     if top is None:
         # .item() costs nothing on a CPU tensor; a save below 3 % of the step is worth no finding
@@ -364,8 +461,10 @@ def judge(cause, run_dir, injected):
     elif lines:
         p, ln = sorted(lines)[0]
         line = f"{os.path.basename(p)}:{ln}"
-    pres = " ".join(f"{p.get('summary', '')} {p.get('command') or ''} {json.dumps(p.get('change'))}"
-                    for p in top.get("prescriptions") or [])
+    pres = " ".join(
+        f"{p.get('summary', '')} {p.get('command') or ''} {json.dumps(p.get('change'))}"
+        for p in top.get("prescriptions") or []
+    )
     gains = [p.get("expected_gain_s_per_step") for p in top.get("prescriptions") or []]
     positive = all(g is None or g > 0 for g in gains)
     usable = bool(cause in USABLE and re.search(USABLE[cause], pres)) and positive
@@ -373,15 +472,23 @@ def judge(cause, run_dir, injected):
         line_ok = True  # a setting, not a line: the prescription says which
     if cause == "slow_getitem" and not line_ok:
         # the DataLoader's construction line is the place of the fix: the train loader's
-        befores = [((p.get("change") or {}).get("code") or {}).get("before") or ""
-                   for p in top.get("prescriptions") or []]
-        line_ok = any("DataLoader(" in b and not re.search(r"\b(val|test|eval)", b)
-                      for b in befores)
+        befores = [
+            ((p.get("change") or {}).get("code") or {}).get("before") or ""
+            for p in top.get("prescriptions") or []
+        ]
+        line_ok = any("DataLoader(" in b and not re.search(r"\b(val|test|eval)", b) for b in befores)
     if cause == "healthy":
         usable = line_ok = False
     ok = line_ok and usable
-    return {"top": top.get("id"), "line": line, "line_ok": line_ok, "usable": usable, "ok": ok,
-            "severity": top.get("severity"), "seconds": top.get("seconds_lost_per_step")}
+    return {
+        "top": top.get("id"),
+        "line": line,
+        "line_ok": line_ok,
+        "usable": usable,
+        "ok": ok,
+        "severity": top.get("severity"),
+        "seconds": top.get("seconds_lost_per_step"),
+    }
 
 
 def live_shown(run_dir):
@@ -392,9 +499,11 @@ def live_shown(run_dir):
             doc = json.load(f)
     except (OSError, ValueError):
         return None
-    return {"shown": {k: v.get("step") for k, v in (doc.get("findings") or {}).items()},
-            "passes": [(p.get("trigger"), p.get("step")) for p in doc.get("passes") or []],
-            "cpu_s": doc.get("analysis_cpu_s")}
+    return {
+        "shown": {k: v.get("step") for k, v in (doc.get("findings") or {}).items()},
+        "passes": [(p.get("trigger"), p.get("step")) for p in doc.get("passes") or []],
+        "cpu_s": doc.get("analysis_cpu_s"),
+    }
 
 
 def _live_text(r):
@@ -441,13 +550,22 @@ def main(argv=None):
     ap.add_argument("--keep", action="store_true", help="keep the scratch copies")
     ap.add_argument("--fix", action="store_true", help="run diagnose --fix on each slowed copy")
     ap.add_argument("--fix-tries", type=int, default=2)
-    ap.add_argument("--reproduce", action="store_true",
-                    help="with --fix: run the patched clean copy too (its median step vs the kept arm's)")
-    ap.add_argument("--rejudge", metavar="ROWS_JSON",
-                    help="no new runs: re-analyse the runs of an earlier --json with this "
-                         "checkout (diagnose report --reanalyze) and judge them again")
-    ap.add_argument("--judge-only", action="store_true",
-                    help="with --rejudge: judge the findings.json already there (no reanalysis)")
+    ap.add_argument(
+        "--reproduce",
+        action="store_true",
+        help="with --fix: run the patched clean copy too (its median step vs the kept arm's)",
+    )
+    ap.add_argument(
+        "--rejudge",
+        metavar="ROWS_JSON",
+        help="no new runs: re-analyse the runs of an earlier --json with this "
+        "checkout (diagnose report --reanalyze) and judge them again",
+    )
+    ap.add_argument(
+        "--judge-only",
+        action="store_true",
+        help="with --rejudge: judge the findings.json already there (no reanalysis)",
+    )
     a = ap.parse_args(argv)
     if a.rejudge:
         return rejudge(a.rejudge, a.json, os.path.abspath(a.corpus), not a.judge_only)
@@ -468,25 +586,58 @@ def main(argv=None):
                     busy_s = 0.5 * (_healthy_step(run_dir) or 0.1)
                 prep = prepare(corpus, script, cause, work, busy_s or 0.05)
                 if prep is None:
-                    rows.append({"script": name, "cause": cause, "top": "n/a (no DataLoader)",
-                                 "line": "", "line_ok": None, "usable": None, "ok": None})
+                    rows.append(
+                        {
+                            "script": name,
+                            "cause": cause,
+                            "top": "n/a (no DataLoader)",
+                            "line": "",
+                            "line_ok": None,
+                            "usable": None,
+                            "ok": None,
+                        }
+                    )
                     continue
                 d, env, injected = prep
                 if a.fix:
                     fix_dir, wall = run_fix(d, script, env, a.steps, a.out, a.timeout, a.fix_tries)
-                    row = {"script": name, "cause": cause, "injected": injected, "run": fix_dir,
-                           "wall_s": round(wall, 1), "busy_s": busy_s}
-                    row.update(judge_fix(corpus, script, cause, fix_dir, busy_s, reproduce=(
-                        (env, a.steps, a.out, a.timeout) if a.reproduce else None)))
+                    row = {
+                        "script": name,
+                        "cause": cause,
+                        "injected": injected,
+                        "run": fix_dir,
+                        "wall_s": round(wall, 1),
+                        "busy_s": busy_s,
+                    }
+                    row.update(
+                        judge_fix(
+                            corpus,
+                            script,
+                            cause,
+                            fix_dir,
+                            busy_s,
+                            reproduce=((env, a.steps, a.out, a.timeout) if a.reproduce else None),
+                        )
+                    )
                     rows.append(row)
-                    print(f"{name:<11} {cause:<12} kept {row['kept']} {_num(row.get('speedup'))}x "
-                          f"patch {_yn(row.get('patch_applies'))} ({row['wall_s']} s)", flush=True)
+                    print(
+                        f"{name:<11} {cause:<12} kept {row['kept']} {_num(row.get('speedup'))}x "
+                        f"patch {_yn(row.get('patch_applies'))} ({row['wall_s']} s)",
+                        flush=True,
+                    )
                     continue
                 run_dir, wall = run_diagnose(d, script, env, a.steps, a.out, a.timeout)
                 if cause == "healthy":
                     busy_s = 0.5 * (_healthy_step(run_dir) or 0.1)
-                row = {"script": name, "cause": cause, "injected": injected, "run": run_dir,
-                       "wall_s": round(wall, 1), "busy_s": busy_s, "source_dir": d}
+                row = {
+                    "script": name,
+                    "cause": cause,
+                    "injected": injected,
+                    "run": run_dir,
+                    "wall_s": round(wall, 1),
+                    "busy_s": busy_s,
+                    "source_dir": d,
+                }
                 row.update(judge(cause, run_dir, injected))
                 row["live"] = live_shown(run_dir)
                 rows.append(row)
@@ -538,9 +689,11 @@ def rejudge(rows_json, out_json=None, corpus=None, reanalyze=True):
             if corpus:
                 _restore_sources(corpus, r)
             if reanalyze:
-                subprocess.run([sys.executable, "-m", "traindx", "report", r["run"],
-                                "--reanalyze", "--quiet"],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                subprocess.run(
+                    [sys.executable, "-m", "traindx", "report", r["run"], "--reanalyze", "--quiet"],
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                )
             r.update(judge(r["cause"], r["run"], r.get("injected")))
             print(_fmt(r), flush=True)
         out.append(r)
@@ -557,20 +710,28 @@ def _yn(v):
 
 
 def _fmt(r):
-    return (f"{r['script']:<11} {r['cause']:<12} {str(r['top']):<34} {r.get('line') or '':<22} "
-            f"{_yn(r.get('line_ok')):<5} {_yn(r.get('usable')):<5}")
+    return (
+        f"{r['script']:<11} {r['cause']:<12} {str(r['top']):<34} {r.get('line') or '':<22} "
+        f"{_yn(r.get('line_ok')):<5} {_yn(r.get('usable')):<5}"
+    )
 
 
 def table(rows):
-    head = ("| script | cause | top finding | its line | right line | usable prescription | "
-            "printed while it ran |")
+    head = (
+        "| script | cause | top finding | its line | right line | usable prescription | "
+        "printed while it ran |"
+    )
     out = [head, "|---|---|---|---|---|---|---|"]
     for r in rows:
-        out.append(f"| {r['script']} | {r['cause']} | {r['top']} | {r.get('line') or ''} | "
-                   f"{_yn(r.get('line_ok'))} | {_yn(r.get('usable'))} | {_live_text(r)} |")
+        out.append(
+            f"| {r['script']} | {r['cause']} | {r['top']} | {r.get('line') or ''} | "
+            f"{_yn(r.get('line_ok'))} | {_yn(r.get('usable'))} | {_live_text(r)} |"
+        )
     ok = [r for r in rows if r.get("ok") is not None]
-    out.append(f"\n{sum(1 for r in ok if r['ok'])} of {len(ok)} right (cause named at its line or "
-               "setting, with a usable prescription; healthy twins and .item() on CPU: silent)")
+    out.append(
+        f"\n{sum(1 for r in ok if r['ok'])} of {len(ok)} right (cause named at its line or "
+        "setting, with a usable prescription; healthy twins and .item() on CPU: silent)"
+    )
     return "\n".join(out)
 
 

@@ -1,6 +1,7 @@
 """A tiny 2-rank NCCL DDP job for bench/gpu_ranks.sh: an MLP of --layers square bf16 Linear
 layers (--width), --batch rows a step; rank 0 prints a Megatron-format line per step so
 bench/overhead.py reads the same step time in the bare and the diagnosed arm."""
+
 import argparse
 import os
 import time
@@ -31,6 +32,9 @@ for step in range(1, a.steps + 1):
     value = loss.item()  # one sync a step, in both arms
     ms = (time.perf_counter() - t) * 1000
     if rank == 0:
-        print(f" iteration {step:8d}/{a.steps:8d} | elapsed time per iteration (ms): {ms:.2f} | "
-              f"lm loss: {value:.6E} |", flush=True)
+        print(
+            f" iteration {step:8d}/{a.steps:8d} | elapsed time per iteration (ms): {ms:.2f} | "
+            f"lm loss: {value:.6E} |",
+            flush=True,
+        )
 dist.destroy_process_group()

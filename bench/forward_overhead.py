@@ -12,6 +12,7 @@ thread included) for the sampler arms.
 
 usage: OMP_NUM_THREADS=1 python bench/forward_overhead.py [--modules 200] [--reps 7]
 """
+
 import argparse
 import os
 import statistics
@@ -71,8 +72,10 @@ def main():
         hooked.append(arm(wrapped_call))
     b, h = statistics.median(bare), statistics.median(hooked)
     print(f"forward of {args.modules} Identity modules, bare: {b / 1e3:.1f} µs")
-    print(f"  the first {steps.DISCOVER_STEPS} steps (wrapper): {h / 1e3:.1f} µs, +{(h - b) / 1e3:.2f} µs per"
-          f" forward = {(h - b) / (args.modules + 1):.0f} ns per module call ({100 * (h - b) / b:+.1f} %)")
+    print(
+        f"  the first {steps.DISCOVER_STEPS} steps (wrapper): {h / 1e3:.1f} µs, +{(h - b) / 1e3:.2f} µs per"
+        f" forward = {(h - b) / (args.modules + 1):.0f} ns per module call ({100 * (h - b) / b:+.1f} %)"
+    )
     nn.Module.__call__ = wrapped_call
     steps._discovered()  # the outermost module gets its hooks, the wrapper goes
     assert nn.Module.__call__ is bare_call and id(model) in steps._hooked
@@ -82,11 +85,15 @@ def main():
         for handle in steps._hooked.pop(id(model)):  # the same module without its hooks
             handle.remove()
         bare.append(timed(lambda: model(x), args.forwards))
-        steps._hooked[id(model)] = (model.register_forward_pre_hook(steps._module_pre),
-                                    model.register_forward_hook(steps._module_post, always_call=True))
+        steps._hooked[id(model)] = (
+            model.register_forward_pre_hook(steps._module_pre),
+            model.register_forward_hook(steps._module_post, always_call=True),
+        )
     b, h = statistics.median(bare), statistics.median(hooked)
-    print(f"  from then on (hooks on the outermost module): {h / 1e3:.1f} µs vs {b / 1e3:.1f} µs,"
-          f" +{(h - b) / 1e3:.2f} µs per forward ({100 * (h - b) / b:+.1f} %), inner calls untouched")
+    print(
+        f"  from then on (hooks on the outermost module): {h / 1e3:.1f} µs vs {b / 1e3:.1f} µs,"
+        f" +{(h - b) / 1e3:.2f} µs per forward ({100 * (h - b) / b:+.1f} %), inner calls untouched"
+    )
 
     # the sampler: the same work with it on and off (a step in progress, this thread sampled)
     lin = nn.Linear(256, 256)
@@ -114,8 +121,10 @@ def main():
             on.append(timed(work, n, time.process_time_ns))
             hostsample.flush(0)
         o, s = statistics.median(off), statistics.median(on)
-        print(f"{name} with the sampler at {hostsample.RATE_HZ:g} Hz: off {o / 1e6:.3f} ms, "
-              f"on {s / 1e6:.3f} ms of CPU ({100 * (s - o) / o:+.2f} %)")
+        print(
+            f"{name} with the sampler at {hostsample.RATE_HZ:g} Hz: off {o / 1e6:.3f} ms, "
+            f"on {s / 1e6:.3f} ms of CPU ({100 * (s - o) / o:+.2f} %)"
+        )
     # the cost of one sample (sys._current_frames + the stack walk + the key look-up) for a
     # stack 60 frames deep, taken on the sampler thread while this one holds the GIL
     depth_frames = 60
@@ -134,13 +143,17 @@ def main():
             for _ in range(n):
                 hostsample._key_id(frames()[tid])
             out["ns"] = (time.thread_time_ns() - start) / n
+
         th = threading.Thread(target=sampler)
         th.start()
         th.join()
         return out["ns"]
+
     per_sample = deep(depth_frames)
-    print(f"one sample of a {depth_frames}-frame stack: {per_sample / 1e3:.1f} µs of CPU"
-          f" = {100 * per_sample * hostsample.RATE_HZ / 1e9:.2f} % of a core at {hostsample.RATE_HZ:g} Hz")
+    print(
+        f"one sample of a {depth_frames}-frame stack: {per_sample / 1e3:.1f} µs of CPU"
+        f" = {100 * per_sample * hostsample.RATE_HZ / 1e9:.2f} % of a core at {hostsample.RATE_HZ:g} Hz"
+    )
     shim._state["writer"].flush()
 
 

@@ -14,6 +14,7 @@ below the job's own; an anomaly's deep capture (trace/0.anomaly-*.json.gz) likew
 what diagnose derives again (findings.json, ledger.csv, report.html, live.json), py-spy's logs
 and dumps.
 """
+
 import glob
 import gzip
 import io
@@ -65,8 +66,15 @@ def _library_depths(events):
     return depth
 
 
-GPU_ONLY_CATS = ("kernel", "gpu_memcpy", "gpu_memset", "cuda_runtime", "cuda_driver",
-                 "user_annotation", "gpu_user_annotation")
+GPU_ONLY_CATS = (
+    "kernel",
+    "gpu_memcpy",
+    "gpu_memset",
+    "cuda_runtime",
+    "cuda_driver",
+    "user_annotation",
+    "gpu_user_annotation",
+)
 
 
 def trim_trace(src, dest, gpu_only=False):
@@ -81,15 +89,18 @@ def trim_trace(src, dest, gpu_only=False):
         if gpu_only and e.get("cat") not in GPU_ONLY_CATS:
             continue
         out = {k: e[k] for k in EVENT_KEYS if k in e}
-        args = {k: e["args"][k] for k in ARG_KEYS if isinstance(e.get("args"), dict)
-                and k in e["args"]}
+        args = {k: e["args"][k] for k in ARG_KEYS if isinstance(e.get("args"), dict) and k in e["args"]}
         if args:
             out["args"] = args
         events.append(out)
     depth = _library_depths(events)
-    events = [e for e in events if e.get("cat") != "python_function"
-              or depth.get((e.get("args") or {}).get("Python id"), 0) <= LIBRARY_DEPTH
-              or str(e.get("name", "")).startswith(TOOL_FRAMES)]
+    events = [
+        e
+        for e in events
+        if e.get("cat") != "python_function"
+        or depth.get((e.get("args") or {}).get("Python id"), 0) <= LIBRARY_DEPTH
+        or str(e.get("name", "")).startswith(TOOL_FRAMES)
+    ]
     top = {k: v for k, v in doc.items() if k != "traceEvents" and not isinstance(v, (list, dict))}
     # the same instants with fewer digits: whole microseconds move from every ts into the base
     shift = int(min((e["ts"] for e in events), default=0))
@@ -120,8 +131,7 @@ def trim_run(src, dest, steps_only=False, gpu_only=False):
             if name.endswith(".speedscope.json"):
                 shutil.copy2(os.path.join(pyspy, name), os.path.join(dest, "pyspy", name))
     traces = os.path.join(src, "trace")
-    names = sorted(n for n in os.listdir(traces) if n.endswith(".json.gz")) \
-        if os.path.isdir(traces) else []
+    names = sorted(n for n in os.listdir(traces) if n.endswith(".json.gz")) if os.path.isdir(traces) else []
     if names:
         os.makedirs(os.path.join(dest, "trace"))
     for name in names:  # the window, and an anomaly's deep capture (both read as the window)
@@ -155,13 +165,16 @@ def main(argv):
         else:
             lists[key].append(arg)
     cases, steps_only, gpu_only = lists[""], set(lists["--steps-only"]), set(lists["--gpu-only"])
-    names = sorted(n for n in os.listdir(root) if os.path.isdir(os.path.join(root, n))
-                   and n.rsplit("-", 1)[-1] in ("bad", "fixed")
-                   and (not cases or n.rsplit("-", 1)[0] in cases))
+    names = sorted(
+        n
+        for n in os.listdir(root)
+        if os.path.isdir(os.path.join(root, n))
+        and n.rsplit("-", 1)[-1] in ("bad", "fixed")
+        and (not cases or n.rsplit("-", 1)[0] in cases)
+    )
     with tempfile.TemporaryDirectory() as tmp:
         for name in names:
-            trim_run(os.path.join(root, name), os.path.join(tmp, name), name in steps_only,
-                     name in gpu_only)
+            trim_run(os.path.join(root, name), os.path.join(tmp, name), name in steps_only, name in gpu_only)
         buf = io.BytesIO()
         with tarfile.open(fileobj=buf, mode="w:xz", preset=9) as tar:
             for name in names:

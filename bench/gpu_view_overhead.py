@@ -7,6 +7,7 @@
 
     python bench/gpu_view_overhead.py   (prints one JSON object)
 """
+
 import json
 import os
 import statistics
@@ -57,7 +58,7 @@ def main():
     gputime._harvest(wait=True)
 
     def bandwidth(pinned, mb=512):
-        src = torch.randn(mb * 2 ** 20 // 4)
+        src = torch.randn(mb * 2**20 // 4)
         if pinned:
             src = src.pin_memory()
         dst = torch.empty_like(src, device="cuda")
@@ -72,12 +73,20 @@ def main():
             t.append(time.perf_counter() - t0)
         return src.numel() * 4 / statistics.median(t) / 1e9
 
-    print(json.dumps({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-                      "mark_us_gpu_idle": round(idle_us, 2), "mark_us_gpu_busy": round(busy_us, 2),
-                      "boundary_us_8_marks": round(statistics.median(boundary), 1),
-                      "steps_emitted": len(emitted),
-                      "h2d_pinned_GBps": round(bandwidth(True), 1),
-                      "h2d_pageable_GBps": round(bandwidth(False), 1)}))
+    print(
+        json.dumps(
+            {
+                "gpu": torch.cuda.get_device_name(),
+                "torch": torch.__version__,
+                "mark_us_gpu_idle": round(idle_us, 2),
+                "mark_us_gpu_busy": round(busy_us, 2),
+                "boundary_us_8_marks": round(statistics.median(boundary), 1),
+                "steps_emitted": len(emitted),
+                "h2d_pinned_GBps": round(bandwidth(True), 1),
+                "h2d_pageable_GBps": round(bandwidth(False), 1),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@
 
 Prints a Markdown section for BENCHMARKS.md. Needs a quiet machine: compiles are CPU-bound.
 """
+
 import argparse
 import os
 import re
@@ -25,23 +26,40 @@ ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "fa4_seed.py"
 EXAMPLE_ARGS = ["--arch", "sm_90", "--steps", "3", "--min-len", "16", "--max-len", "64"]
 EXAMPLE_SPEC = "hd=64,hq=2,hkv=1,dtype=bf16,causal,varlen"
-SHAPES = ["hd=64,hq=8,hkv=2,causal,varlen", "hd=128,hq=16,hkv=4,causal,varlen",
-          "hd=128,hq=8,hkv=8", "hd=64,hq=4,hkv=4", "hd=96,hq=8,hkv=2,causal",
-          "hd=128,hq=16,hkv=2,causal,deterministic", "hd=256,hq=8,hkv=1,causal,varlen",
-          "hd=64,hq=8,hkv=1,window=128:0"]
+SHAPES = [
+    "hd=64,hq=8,hkv=2,causal,varlen",
+    "hd=128,hq=16,hkv=4,causal,varlen",
+    "hd=128,hq=8,hkv=8",
+    "hd=64,hq=4,hkv=4",
+    "hd=96,hq=8,hkv=2,causal",
+    "hd=128,hq=16,hkv=2,causal,deterministic",
+    "hd=256,hq=8,hkv=1,causal,varlen",
+    "hd=64,hq=8,hkv=1,window=128:0",
+]
 STEP_MS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*elapsed time per iteration \(ms\): ([\d.]+)")
 
 
 def clean_env(**extra):
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("FLASH_ATTENTION_", "CUTE_DSL_", "FA_LOG"))}
+    env = {
+        k: v for k, v in os.environ.items() if not k.startswith(("FLASH_ATTENTION_", "CUTE_DSL_", "FA_LOG"))
+    }
     env.update(extra)
     return env
 
 
 def warm(specs, cache_dir, jobs, seqlens="4096"):
-    cmd = [sys.executable, "-m", "traindx.kernel_cache.cli.main", "warm", "--arch", "sm_90",
-           "--cache-dir", str(cache_dir), "--jobs", str(jobs)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "traindx.kernel_cache.cli.main",
+        "warm",
+        "--arch",
+        "sm_90",
+        "--cache-dir",
+        str(cache_dir),
+        "--jobs",
+        str(jobs),
+    ]
     if seqlens:
         cmd += ["--seqlens", seqlens]
     for s in specs:
@@ -59,8 +77,9 @@ def first_step_ms(cache_dir):
     if cache_dir:
         env["FLASH_ATTENTION_CUTE_DSL_CACHE_DIR"] = str(cache_dir)
     start = time.perf_counter()
-    proc = subprocess.run([sys.executable, str(EXAMPLE), *EXAMPLE_ARGS], capture_output=True,
-                          text=True, env=env, cwd=ROOT)
+    proc = subprocess.run(
+        [sys.executable, str(EXAMPLE), *EXAMPLE_ARGS], capture_output=True, text=True, env=env, cwd=ROOT
+    )
     wall = time.perf_counter() - start
     steps = {int(m.group(1)): float(m.group(2)) for m in STEP_MS.finditer(proc.stdout)}
     if proc.returncode != 0 or 1 not in steps:
@@ -117,7 +136,7 @@ load average at the end {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} (shared ma
 | warm / cold first step | {100 * warm1 / cold1:.1f} % (goal ≤ 5 %) |
 | example step 2 (nothing compiles; the step's own work) | {steady:.0f} ms |
 
-Shapes: {'; '.join(specs)}. Median of {args.repeat} run(s). The example's step also runs its
+Shapes: {"; ".join(specs)}. Median of {args.repeat} run(s). The example's step also runs its
 PyTorch reference attention on the CPU (step 2's time), which is part of the warm first step.
 """)
 

@@ -21,6 +21,7 @@ fell inside it. --repeat N runs N baseline/fixed pairs per case back to back and
 medians (on a machine shared with other work the load drifts between runs; a pair's two runs
 see nearly the same load).
 """
+
 import argparse
 import json
 import os
@@ -40,36 +41,92 @@ CASES = {
     # the finding's code prescription to a scratch copy of the job's folder
     # the project's own DataLoader pathology: a pure-Python collate, num_workers=0 (batch 256 so
     # a step is ~20 ms, not ~5 ms of timer noise)
-    "collate": ([os.path.join(EX, "pathologies.py"), "--pathology", "dataloader", "--steps", "40",
-                 "--batch-size", "256"], None, "dataloader.starvation"),
-    "getitem": ([os.path.join(JOBS, "slow_getitem.py"), "--steps", "30", "--item-ms", "4", "--batch", "8"],
-                ["--num-workers", "{workers}"], "dataloader.starvation"),
+    "collate": (
+        [
+            os.path.join(EX, "pathologies.py"),
+            "--pathology",
+            "dataloader",
+            "--steps",
+            "40",
+            "--batch-size",
+            "256",
+        ],
+        None,
+        "dataloader.starvation",
+    ),
+    "getitem": (
+        [os.path.join(JOBS, "slow_getitem.py"), "--steps", "30", "--item-ms", "4", "--batch", "8"],
+        ["--num-workers", "{workers}"],
+        "dataloader.starvation",
+    ),
     # the same job with fixed CPU work per sample (--item-ms of the loading thread's CPU time):
     # "getitem" ends each sample at a wall-clock deadline, so under CPU contention its worker
     # processes do less work per batch than the training thread did, which no CPU model sees
-    "getitem-cpu": ([os.path.join(JOBS, "slow_getitem.py"), "--steps", "30", "--item-ms", "2",
-                     "--batch", "8", "--cpu-clock"], ["--num-workers", "{workers}"],
-                    "dataloader.starvation"),
-    "checkpoint": ([os.path.join(JOBS, "checkpoint_every.py"), "--steps", "30"],
-                   ["--save-every", "1000000"], "steps.periodic_slow"),
-    "gc": ([os.path.join(EX, "pathologies.py"), "--pathology", "gc", "--steps", "30"],
-           ["--gc-freeze"], "gc.gen2_in_step"),
+    "getitem-cpu": (
+        [
+            os.path.join(JOBS, "slow_getitem.py"),
+            "--steps",
+            "30",
+            "--item-ms",
+            "2",
+            "--batch",
+            "8",
+            "--cpu-clock",
+        ],
+        ["--num-workers", "{workers}"],
+        "dataloader.starvation",
+    ),
+    "checkpoint": (
+        [os.path.join(JOBS, "checkpoint_every.py"), "--steps", "30"],
+        ["--save-every", "1000000"],
+        "steps.periodic_slow",
+    ),
+    "gc": (
+        [os.path.join(EX, "pathologies.py"), "--pathology", "gc", "--steps", "30"],
+        ["--gc-freeze"],
+        "gc.gen2_in_step",
+    ),
     # the seed case on the H200 (FA4 4.0.0b17 from the GPU bundle: FA4_VERSION=b17)
-    "seed": ([os.path.join(EX, "gpu_qwen_fa4.py"), "--max-seqlen-as", "tensor", "--steps", "8"],
-             ["--max-seqlen-as", "int"], "jit.fa4_steady_recompile"),
+    "seed": (
+        [os.path.join(EX, "gpu_qwen_fa4.py"), "--max-seqlen-as", "tensor", "--steps", "8"],
+        ["--max-seqlen-as", "int"],
+        "jit.fa4_steady_recompile",
+    ),
     # the same bug on the CPU (FakeTensorMode FA4; needs 4.0.0b17 first on PYTHONPATH)
-    "seed-cpu": ([os.path.join(EX, "fa4_seed.py"), "--max-seqlen-as", "tensor", "--steps", "5",
-                  "--min-len", "136", "--max-len", "192", "--tokens", "384", "--threads", "1"],
-                 ["--max-seqlen-as", "int"], "jit.fa4_steady_recompile"),
+    "seed-cpu": (
+        [
+            os.path.join(EX, "fa4_seed.py"),
+            "--max-seqlen-as",
+            "tensor",
+            "--steps",
+            "5",
+            "--min-len",
+            "136",
+            "--max-len",
+            "192",
+            "--tokens",
+            "384",
+            "--threads",
+            "1",
+        ],
+        ["--max-seqlen-as", "int"],
+        "jit.fa4_steady_recompile",
+    ),
 }
-ENV = {"seed": {"FA4_VERSION": "b17"},
-       "seed-cpu": {"PYTHONPATH": os.environ.get("TRAINDX_TEST_FA4_B17_DIR", "")}}
+ENV = {
+    "seed": {"FA4_VERSION": "b17"},
+    "seed-cpu": {"PYTHONPATH": os.environ.get("TRAINDX_TEST_FA4_B17_DIR", "")},
+}
 
 
 def record(command, out, env=None):
-    proc = subprocess.run([PY, "-m", "traindx", "--quiet", "--no-pyspy", "--out", out, "--",
-                           PY, *command], capture_output=True, text=True, cwd=ROOT,
-                          env={**os.environ, **(env or {})})
+    proc = subprocess.run(
+        [PY, "-m", "traindx", "--quiet", "--no-pyspy", "--out", out, "--", PY, *command],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, **(env or {})},
+    )
     if proc.returncode != 0:
         raise SystemExit(proc.stderr[-2000:])
     import traindx
@@ -85,8 +142,8 @@ def fixed_command(base, fix):
         n = 2 if i + 1 < len(fix) and not fix[i + 1].startswith("--") else 1
         if fix[i] in out:
             j = out.index(fix[i])
-            del out[j:j + n]
-        out += fix[i:i + n]
+            del out[j : j + n]
+        out += fix[i : i + n]
         i += n
     return out
 
@@ -126,14 +183,20 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--cases", default="collate,getitem-cpu,getitem,checkpoint,gc")
     p.add_argument("--burners", type=int, default=0, help="CPU-burning processes beside the jobs")
-    p.add_argument("--repeat", type=int, default=1,
-                   help="baseline/fixed pairs per case, back to back; the table gives medians")
+    p.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="baseline/fixed pairs per case, back to back; the table gives medians",
+    )
     p.add_argument("--json", default=None)
     args = p.parse_args()
     # each burner in its own session, as another user's process is (Linux autogroup and
     # cgroups share the cores between sessions/groups before tasks)
-    burners = [subprocess.Popen([PY, "-c", "while True:\n    sum(range(10**6))"],
-                                start_new_session=True) for _ in range(args.burners)]
+    burners = [
+        subprocess.Popen([PY, "-c", "while True:\n    sum(range(10**6))"], start_new_session=True)
+        for _ in range(args.burners)
+    ]
     try:
         load_before = loadavg()
         rows = run_cases(args)
@@ -145,8 +208,11 @@ def main():
     print(f"load average (1 min) {load_before} before, {load_after} after; {args.burners} burners")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"burners": args.burners, "load_before": load_before,
-                       "load_after": load_after, "rows": rows}, f, indent=2)
+            json.dump(
+                {"burners": args.burners, "load_before": load_before, "load_after": load_after, "rows": rows},
+                f,
+                indent=2,
+            )
 
 
 def one_pair(name, tmp):
@@ -174,11 +240,19 @@ def one_pair(name, tmp):
         command = fixed_command(base, [a.replace("{workers}", str(workers)) for a in fix])
     fixed = record(command, os.path.join(tmp, "fixed"), ENV.get(name))
     measured = float(L.steady_rows(fixed).groupby("rank")["wall_s"].mean().max())
-    return {"case": name, "finding": finding.id, "baseline_step_s": pred["baseline_step_s"],
-            "predicted_step_s": pred["predicted_step_s"], "measured_step_s": measured,
-            "workers": (finding.removes or {}).get("workers"),
-            "range_s": pred.get("predicted_range_s"), "cpu_evidence": pred.get("cpu_evidence"),
-            "load": loadavg(), "running_base": running(run), "running_fixed": running(fixed)}
+    return {
+        "case": name,
+        "finding": finding.id,
+        "baseline_step_s": pred["baseline_step_s"],
+        "predicted_step_s": pred["predicted_step_s"],
+        "measured_step_s": measured,
+        "workers": (finding.removes or {}).get("workers"),
+        "range_s": pred.get("predicted_range_s"),
+        "cpu_evidence": pred.get("cpu_evidence"),
+        "load": loadavg(),
+        "running_base": running(run),
+        "running_fixed": running(fixed),
+    }
 
 
 def running(run):
@@ -198,21 +272,25 @@ def summary(name, pairs):
     ok = [p for p in pairs if "error" not in p]
     if not ok:
         return pairs[-1]
-    med = {k: st.median(p[k] for p in ok) for k in ("baseline_step_s", "predicted_step_s",
-                                                    "measured_step_s")}
+    med = {k: st.median(p[k] for p in ok) for k in ("baseline_step_s", "predicted_step_s", "measured_step_s")}
     saved_pred = med["baseline_step_s"] - med["predicted_step_s"]
     saved_meas = med["baseline_step_s"] - med["measured_step_s"]
     ranges = [p["range_s"] for p in ok if p.get("range_s")]
-    return {"case": name, "finding": ok[0]["finding"], **med, "pairs": pairs,
-            "predicted_saving_s": saved_pred, "measured_saving_s": saved_meas,
-            "saving_error": (saved_pred - saved_meas) / saved_meas if saved_meas else None,
-            "step_time_error": (med["predicted_step_s"] - med["measured_step_s"])
-            / med["measured_step_s"],
-            "workers": ok[0].get("workers"),
-            "range_s": [st.median(r[0] for r in ranges), st.median(r[1] for r in ranges)]
-            if ranges else None,
-            "in_range": [r[0] <= p["measured_step_s"] <= r[1] for p, r in
-                         zip([p for p in ok if p.get("range_s")], ranges)]}
+    return {
+        "case": name,
+        "finding": ok[0]["finding"],
+        **med,
+        "pairs": pairs,
+        "predicted_saving_s": saved_pred,
+        "measured_saving_s": saved_meas,
+        "saving_error": (saved_pred - saved_meas) / saved_meas if saved_meas else None,
+        "step_time_error": (med["predicted_step_s"] - med["measured_step_s"]) / med["measured_step_s"],
+        "workers": ok[0].get("workers"),
+        "range_s": [st.median(r[0] for r in ranges), st.median(r[1] for r in ranges)] if ranges else None,
+        "in_range": [
+            r[0] <= p["measured_step_s"] <= r[1] for p, r in zip([p for p in ok if p.get("range_s")], ranges)
+        ],
+    }
 
 
 def run_cases(args):
@@ -223,21 +301,33 @@ def run_cases(args):
             with tempfile.TemporaryDirectory() as tmp:
                 pairs.append(one_pair(name, tmp))
             pair = pairs[-1]
-            print(f"  {name}: " + (pair["error"] if "error" in pair else
-                  f"baseline {pair['baseline_step_s']:.4f} predicted {pair['predicted_step_s']:.4f}"
-                  f" measured {pair['measured_step_s']:.4f} range {pair.get('range_s')} "
-                  f"load {pair['load']} runnable {pair['running_base']} -> "
-                  f"{pair['running_fixed']}"), file=sys.stderr, flush=True)
+            print(
+                f"  {name}: "
+                + (
+                    pair["error"]
+                    if "error" in pair
+                    else f"baseline {pair['baseline_step_s']:.4f} predicted {pair['predicted_step_s']:.4f}"
+                    f" measured {pair['measured_step_s']:.4f} range {pair.get('range_s')} "
+                    f"load {pair['load']} runnable {pair['running_base']} -> "
+                    f"{pair['running_fixed']}"
+                ),
+                file=sys.stderr,
+                flush=True,
+            )
         rows.append(summary(name, pairs))
-    print(f"{'case':12s} {'finding':26s} {'baseline':>9s} {'predicted':>9s} {'measured':>9s} "
-          f"{'saving err':>10s} {'step err':>9s}  range (pairs in range)")
+    print(
+        f"{'case':12s} {'finding':26s} {'baseline':>9s} {'predicted':>9s} {'measured':>9s} "
+        f"{'saving err':>10s} {'step err':>9s}  range (pairs in range)"
+    )
     for r in rows:
         if "error" in r:
             print(f"{r['case']:12s} {r['error']}")
             continue
         se = "-" if r["saving_error"] is None else f"{r['saving_error']:+.0%}"
-        print(f"{r['case']:12s} {r['finding']:26s} {r['baseline_step_s']:9.4f} {r['predicted_step_s']:9.4f} "
-              f"{r['measured_step_s']:9.4f} {se:>10s} {r['step_time_error']:+9.0%}  {span(r)}")
+        print(
+            f"{r['case']:12s} {r['finding']:26s} {r['baseline_step_s']:9.4f} {r['predicted_step_s']:9.4f} "
+            f"{r['measured_step_s']:9.4f} {se:>10s} {r['step_time_error']:+9.0%}  {span(r)}"
+        )
     return rows
 
 
@@ -245,8 +335,8 @@ def span(r):
     if not r.get("range_s"):
         return ""
     low, high = r["range_s"]
-    return (f"{low:.4f}-{high:.4f} ({sum(r['in_range'])}/{len(r['in_range'])}; "
-            f"workers={r['workers']})")
+    return f"{low:.4f}-{high:.4f} ({sum(r['in_range'])}/{len(r['in_range'])}; workers={r['workers']})"
+
 
 if __name__ == "__main__":
     main()

@@ -8,6 +8,7 @@ one pass (load + every analyzer) right after the record grew by 2 steps (min of 
 
     python bench/live_window.py [--steps 3000 --piece 150 --keep 200 --reps 3]
 """
+
 import argparse
 import json
 import os
@@ -49,8 +50,15 @@ def grow(keep, total, piece, reps, points):
                 run = load_run(run_dir, cache=False, so_far=so_far)
                 analyze(run)
                 took.append(time.process_time() - t0)
-            rows.append({"window": keep, "steps_written": written, "rows_held": so_far.kept_rows(),
-                         "steps_in_pass": len(run.steps), "pass_cpu_min_s": round(min(took), 4)})
+            rows.append(
+                {
+                    "window": keep,
+                    "steps_written": written,
+                    "rows_held": so_far.kept_rows(),
+                    "steps_in_pass": len(run.steps),
+                    "pass_cpu_min_s": round(min(took), 4),
+                }
+            )
             print(json.dumps(rows[-1]), flush=True)
     return rows
 
@@ -66,8 +74,7 @@ def main():
     warnings.simplefilter("ignore")
     points = {a.piece, a.steps // 2, a.steps}
     points = {p - p % a.piece for p in points}
-    rows = grow(None, a.steps, a.piece, a.reps, points) + grow(a.keep, a.steps, a.piece, a.reps,
-                                                               points)
+    rows = grow(None, a.steps, a.piece, a.reps, points) + grow(a.keep, a.steps, a.piece, a.reps, points)
     if a.out:
         with open(a.out, "w") as f:
             json.dump(rows, f, indent=1)

@@ -4,6 +4,7 @@ no clock evidence), and a dist.barrier() every --barrier-every steps as jobs do 
 evaluation or checkpoints (NCCL's barrier blocks until every rank arrived: clock evidence).
 --uneven S: before each barrier the rank (step // barrier_every) mod world works S longer
 (its logging or evaluation), so each rank is sometimes the last to reach a barrier."""
+
 import argparse
 import os
 import time
@@ -20,8 +21,9 @@ a = p.parse_args()
 dist.init_process_group("nccl")
 rank, world = dist.get_rank(), dist.get_world_size()
 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-model = torch.nn.Sequential(*[m for _ in range(4) for m in
-                              (torch.nn.Linear(a.width, a.width, bias=False), torch.nn.GELU())])
+model = torch.nn.Sequential(
+    *[m for _ in range(4) for m in (torch.nn.Linear(a.width, a.width, bias=False), torch.nn.GELU())]
+)
 model = torch.nn.parallel.DistributedDataParallel(model.cuda().bfloat16())
 opt = torch.optim.SGD(model.parameters(), lr=1e-4)
 x = torch.randn(4096, a.width, device="cuda", dtype=torch.bfloat16)
@@ -38,6 +40,7 @@ for step in range(1, a.steps + 1):
         if (step // a.barrier_every) % world == rank:
             time.sleep(a.uneven)  # this rank's extra work before the sync point (logging, eval)
         dist.barrier()
-    print(f"rank {rank} step {step} loss {value:.6f} time {(time.perf_counter() - t) * 1000:.2f}ms",
-          flush=True)
+    print(
+        f"rank {rank} step {step} loss {value:.6f} time {(time.perf_counter() - t) * 1000:.2f}ms", flush=True
+    )
 dist.destroy_process_group()

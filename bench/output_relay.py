@@ -4,6 +4,7 @@ log.txt, redacted, and forwards each line to diagnose, which prints it).
 
 usage: python bench/output_relay.py [--lines 200000] [--reps 3]
 """
+
 import argparse
 import json
 import os
@@ -39,18 +40,44 @@ def main():
             f.write(JOB)
         bare, under = [], []
         for rep in range(a.reps):
-            p = subprocess.run(f"{sys.executable} {job} {a.lines} | cat > /dev/null", shell=True,
-                               env=env, capture_output=True, text=True, check=True)
+            p = subprocess.run(
+                f"{sys.executable} {job} {a.lines} | cat > /dev/null",
+                shell=True,
+                env=env,
+                capture_output=True,
+                text=True,
+                check=True,
+            )
             bare.append(_print_s(p.stderr))
-            p = subprocess.run([sys.executable, "-m", "traindx", "--quiet", "--no-pyspy",
-                                "--no-shim", "--no-nvml", "--run-dir",
-                                os.path.join(tmp, f"run{rep}"), "--", sys.executable, job,
-                                str(a.lines)], env=env, stdout=subprocess.DEVNULL,
-                               stderr=subprocess.PIPE, text=True)
+            p = subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "traindx",
+                    "--quiet",
+                    "--no-pyspy",
+                    "--no-shim",
+                    "--no-nvml",
+                    "--run-dir",
+                    os.path.join(tmp, f"run{rep}"),
+                    "--",
+                    sys.executable,
+                    job,
+                    str(a.lines),
+                ],
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
             under.append(_print_s(p.stderr))
-        result = {"lines": a.lines, "bare_print_s": bare, "diagnose_print_s": under,
-                  "ratio_median": statistics.median(under) / statistics.median(bare),
-                  "relay_lines_per_s": a.lines / statistics.median(under)}
+        result = {
+            "lines": a.lines,
+            "bare_print_s": bare,
+            "diagnose_print_s": under,
+            "ratio_median": statistics.median(under) / statistics.median(bare),
+            "relay_lines_per_s": a.lines / statistics.median(under),
+        }
         print(json.dumps(result, indent=2))
 
 

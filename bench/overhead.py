@@ -8,6 +8,7 @@ usage: python bench/overhead.py [--reps 3] [--skip 5] [--json out.json]
                                 [--variant 'NAME=DIAGNOSE ARGS' ...] -- <job command>
 Arms: "bare", "diagnose" (defaults) and each --variant (diagnose with extra arguments).
 """
+
 import argparse
 import json
 import os
@@ -22,15 +23,27 @@ from traindx.profiler.logparse import parse_line  # noqa: E402
 
 
 def step_times(output, skip):
-    times = [r["step_time_s"] for r in map(parse_line, output.splitlines())
-             if r and r.get("step_time_s") is not None]
+    times = [
+        r["step_time_s"]
+        for r in map(parse_line, output.splitlines())
+        if r and r.get("step_time_s") is not None
+    ]
     return times[skip:]
 
 
 def run_arm(command, diagnose_args, out_dir):
     if diagnose_args is not None:
-        command = [sys.executable, "-m", "traindx", "--quiet", "--out", out_dir,
-                   *diagnose_args, "--", *command]
+        command = [
+            sys.executable,
+            "-m",
+            "traindx",
+            "--quiet",
+            "--out",
+            out_dir,
+            *diagnose_args,
+            "--",
+            *command,
+        ]
     t0 = time.time()
     proc = subprocess.run(command, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -43,10 +56,17 @@ def main(argv=None):
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--skip", type=int, default=5, help="warm-up steps left out of each run")
     p.add_argument("--json", default=None)
-    p.add_argument("--variant", action="append", default=[],
-                   help="NAME=ARGS: another diagnose arm, e.g. 'nopyspy=--no-pyspy'")
-    p.add_argument("--no-default", action="store_true",
-                   help="leave out the arm of diagnose with its defaults (only bare + variants)")
+    p.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        help="NAME=ARGS: another diagnose arm, e.g. 'nopyspy=--no-pyspy'",
+    )
+    p.add_argument(
+        "--no-default",
+        action="store_true",
+        help="leave out the arm of diagnose with its defaults (only bare + variants)",
+    )
     p.add_argument("command", nargs=argparse.REMAINDER)
     a = p.parse_args(argv)
     command = a.command[1:] if a.command[:1] == ["--"] else a.command
@@ -61,19 +81,30 @@ def main(argv=None):
                 out, wall = run_arm(command, diagnose_args, out_dir)
                 times = step_times(out, a.skip)
                 results[arm].append(statistics.median(times))
-                print(f"rep {rep} {arm:10s}: median step {results[arm][-1] * 1000:.2f} ms over "
-                      f"{len(times)} steps (wall {wall:.1f} s)", flush=True)
+                print(
+                    f"rep {rep} {arm:10s}: median step {results[arm][-1] * 1000:.2f} ms over "
+                    f"{len(times)} steps (wall {wall:.1f} s)",
+                    flush=True,
+                )
     med = {arm: statistics.median(v) for arm, v in results.items()}
-    summary = {"command": command, "reps": a.reps, "skip": a.skip,
-               "arms": {k: v for k, v in arms.items()}, "median_step_s": med,
-               "per_rep_step_s": results, "ratios": {}}
+    summary = {
+        "command": command,
+        "reps": a.reps,
+        "skip": a.skip,
+        "arms": dict(arms),
+        "median_step_s": med,
+        "per_rep_step_s": results,
+        "ratios": {},
+    }
     for arm in arms:
         if arm == "bare":
             continue
         pair = [d / b for b, d in zip(results["bare"], results[arm])]
-        summary["ratios"][arm] = {"ratio_of_medians": med[arm] / med["bare"],
-                                  "pairwise_ratios": pair,
-                                  "median_pairwise_ratio": statistics.median(pair)}
+        summary["ratios"][arm] = {
+            "ratio_of_medians": med[arm] / med["bare"],
+            "pairwise_ratios": pair,
+            "median_pairwise_ratio": statistics.median(pair),
+        }
     print(json.dumps(summary, indent=2))
     if a.json:
         with open(a.json, "w") as f:

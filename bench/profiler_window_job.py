@@ -4,6 +4,7 @@ The torch.profiler window's worst case (FACTS.md §8). On a CPU it runs the tiny
 
 usage: python bench/profiler_window_job.py [--steps N] [--ops K] [--configs C]
 Prints `step i time_s` for every step (perf_counter, after a device sync)."""
+
 import argparse
 import time
 
@@ -22,8 +23,12 @@ if cuda:
     import triton
     import triton.language as tl
 
-    @triton.autotune(configs=[triton.Config({"BLOCK": 2 ** (5 + i % 6)}, num_warps=2 ** (i % 3))
-                              for i in range(args.configs)], key=["n"])
+    @triton.autotune(
+        configs=[
+            triton.Config({"BLOCK": 2 ** (5 + i % 6)}, num_warps=2 ** (i % 3)) for i in range(args.configs)
+        ],
+        key=["n"],
+    )
     @triton.jit
     def add_kernel(x, y, out, n, BLOCK: tl.constexpr):
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -35,6 +40,7 @@ if cuda:
         n = x.numel()
         add_kernel[lambda meta: (triton.cdiv(n, meta["BLOCK"]),)](x, y, out, n)
         return out
+
 
 w = torch.nn.Parameter(torch.ones(64, device=device))
 opt = torch.optim.SGD([w], lr=1e-6)

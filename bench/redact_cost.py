@@ -4,6 +4,7 @@ pump thread, once per line the job prints; never the job's own thread).
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/redact_cost.py
 """
+
 import json
 import os
 import statistics
@@ -32,13 +33,21 @@ print((time.perf_counter() - t) * 1e3)
 
 
 def main():
-    loads = [float(subprocess.run([sys.executable, "-c", LOAD, "--hf_token=hf_x"], text=True,
-                                  capture_output=True, check=True).stdout) for _ in range(5)]
+    loads = [
+        float(
+            subprocess.run(
+                [sys.executable, "-c", LOAD, "--hf_token=hf_x"], text=True, capture_output=True, check=True
+            ).stdout
+        )
+        for _ in range(5)
+    ]
     sys.path.insert(0, ROOT)
     from traindx.common.redact import Redactor
 
-    r = Redactor.for_job(dict(os.environ, WANDB_API_KEY="f" * 40),
-                         ["train.py", "--wandb_key", "0123456789abcdef0123456789abcdef01234567"])
+    r = Redactor.for_job(
+        dict(os.environ, WANDB_API_KEY="f" * 40),
+        ["train.py", "--wandb_key", "0123456789abcdef0123456789abcdef01234567"],
+    )
     per_line = {}
     for line in LINES:
         n = 20000
@@ -46,9 +55,17 @@ def main():
         for _ in range(n):
             r.line(line)
         per_line[line[:40]] = round((time.perf_counter() - t) / n * 1e6, 2)
-    print(json.dumps({"load_ms_median_of_5": round(statistics.median(loads), 1),
-                      "load_ms_all": [round(x, 1) for x in loads], "us_per_line": per_line,
-                      "loadavg": os.getloadavg()[0]}, indent=2))
+    print(
+        json.dumps(
+            {
+                "load_ms_median_of_5": round(statistics.median(loads), 1),
+                "load_ms_all": [round(x, 1) for x in loads],
+                "us_per_line": per_line,
+                "loadavg": os.getloadavg()[0],
+            },
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ Wall seconds come from time.perf_counter around the child; peak RSS from os.wait
 of that child alone (ru_maxrss, KiB on Linux). A cell that passes --timeout is killed and
 recorded as a timeout (a lower bound), and the larger cells of that row are skipped.
 """
+
 import argparse
 import json
 import os
@@ -46,7 +47,7 @@ LOADERS = {
     "imports": "import traindx.derive.run, traindx.profiler.columnar; print({path!r})",  # the fixed cost
     "load": "from traindx.derive.run import load_run; r = load_run({path!r}); print(len(r.ledger))",
     "load-cached": "from traindx.derive.run import load_run; r = load_run({path!r}, cache=True); "
-                   "print(len(r.ledger))",
+    "print(len(r.ledger))",
 }
 
 
@@ -62,6 +63,7 @@ def _limit_memory(gb):
 
         limit = int(gb * 2**30)
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+
     return apply
 
 
@@ -70,9 +72,13 @@ def measure(cmd, timeout, max_gb=None):
     max_gb: the child's address-space limit (RLIMIT_AS): on a shared machine a cell that would
     need more fails with a MemoryError instead of pushing everyone else out of memory."""
     start = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            start_new_session=True,
-                            preexec_fn=_limit_memory(max_gb) if max_gb else None)
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+        preexec_fn=_limit_memory(max_gb) if max_gb else None,
+    )
     timed_out = threading.Event()
 
     def kill():
@@ -128,27 +134,37 @@ def multinode_cell(a, ranks, steps):
     path = multinode_dir(a.work, ranks, steps, a.seed, a.nodes_of)
     for folder in glob.glob(os.path.join(path, "nodes", "*", "tables")):
         shutil.rmtree(folder)
-    row = {"ranks": ranks, "steps": steps, "nodes": ranks // a.nodes_of, "ranks_per_node": a.nodes_of,
-           "record_mb": round(size_mb(path), 1), "node_tables": a.node_tables,
-           "load_1min_before": round(os.getloadavg()[0], 2)}
+    row = {
+        "ranks": ranks,
+        "steps": steps,
+        "nodes": ranks // a.nodes_of,
+        "ranks_per_node": a.nodes_of,
+        "record_mb": round(size_mb(path), 1),
+        "node_tables": a.node_tables,
+        "load_1min_before": round(os.getloadavg()[0], 2),
+    }
     if a.node_tables == "yes":
         start = time.perf_counter()
-        done = subprocess.run([sys.executable, "-c", NODE_TABLES, path], capture_output=True,
-                              text=True, check=False)
+        done = subprocess.run(
+            [sys.executable, "-c", NODE_TABLES, path], capture_output=True, text=True, check=False
+        )
         if done.returncode:
             row["node_tables_error"] = done.stderr.strip().splitlines()[-3:]
             return row
         per_node = json.loads(done.stdout)
-        row.update(node_tables_median_s=round(statistics.median(per_node), 3),
-                   node_tables_max_s=round(max(per_node), 3),
-                   node_tables_total_s=round(sum(per_node), 1),
-                   node_tables_child_wall_s=round(time.perf_counter() - start, 1))
+        row.update(
+            node_tables_median_s=round(statistics.median(per_node), 3),
+            node_tables_max_s=round(max(per_node), 3),
+            node_tables_total_s=round(sum(per_node), 1),
+            node_tables_child_wall_s=round(time.perf_counter() - start, 1),
+        )
     for name in ("manifest.json", "clock.json", "nvml.csv", "log.txt"):
         if os.path.exists(os.path.join(path, name)):
             os.remove(os.path.join(path, name))
     shutil.rmtree(os.path.join(path, "pyspy"), ignore_errors=True)
-    wall, rss, rc, to, tail = measure([sys.executable, "-m", "traindx", "merge", "--no-report",
-                                       "--quiet", path], a.timeout, a.max_gb)
+    wall, rss, rc, to, tail = measure(
+        [sys.executable, "-m", "traindx", "merge", "--no-report", "--quiet", path], a.timeout, a.max_gb
+    )
     row.update(merge_wall_s=round(wall, 2), merge_peak_rss_mb=round(rss, 1), merge_rc=rc)
     if rc:
         row["stderr"] = tail
@@ -158,8 +174,13 @@ def multinode_cell(a, ranks, steps):
         if os.path.exists(os.path.join(path, name)):
             os.remove(os.path.join(path, name))
     wall, rss, rc, to, tail = measure(command_for("report", path), a.timeout, a.max_gb)
-    row.update(wall_s=round(wall, 2), peak_rss_mb=round(rss, 1), rc=rc, timed_out=to,
-               record_mb=round(size_mb(path), 1))
+    row.update(
+        wall_s=round(wall, 2),
+        peak_rss_mb=round(rss, 1),
+        rc=rc,
+        timed_out=to,
+        record_mb=round(size_mb(path), 1),
+    )
     if rc and not to:
         row["stderr"] = tail
     return row
@@ -194,12 +215,22 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None)
     p.add_argument("--md", default=None)
-    p.add_argument("--max-gb", type=float, default=None,
-                   help="address-space limit of each measured child (GiB)")
-    p.add_argument("--nodes-of", type=int, default=None, metavar="K",
-                   help="write each cell as a multi-node run of K ranks per node (report only)")
-    p.add_argument("--node-tables", default="yes", choices=["yes", "no"],
-                   help="with --nodes-of: each node writes its tables first (as its diagnose does)")
+    p.add_argument(
+        "--max-gb", type=float, default=None, help="address-space limit of each measured child (GiB)"
+    )
+    p.add_argument(
+        "--nodes-of",
+        type=int,
+        default=None,
+        metavar="K",
+        help="write each cell as a multi-node run of K ranks per node (report only)",
+    )
+    p.add_argument(
+        "--node-tables",
+        default="yes",
+        choices=["yes", "no"],
+        help="with --nodes-of: each node writes its tables first (as its diagnose does)",
+    )
     a = p.parse_args(argv)
     cells = []
     for item in a.grid.split(","):
@@ -211,8 +242,9 @@ def main(argv=None):
     load = os.getloadavg()[0]
     for ranks, steps in cells:
         if timed_out_at and ranks * steps >= timed_out_at:
-            results.append({"ranks": ranks, "steps": steps,
-                            "skipped": "a smaller cell timed out or ran out of memory"})
+            results.append(
+                {"ranks": ranks, "steps": steps, "skipped": "a smaller cell timed out or ran out of memory"}
+            )
             continue
         if a.nodes_of:
             row = multinode_cell(a, ranks, steps)
@@ -228,21 +260,37 @@ def main(argv=None):
                 if os.path.exists(os.path.join(path, name)):
                     os.remove(os.path.join(path, name))
         wall, rss, rc, to, tail = measure(command_for(a.what, path), a.timeout, a.max_gb)
-        row = {"ranks": ranks, "steps": steps, "record_mb": round(size_mb(path), 1),
-               "wall_s": round(wall, 2), "peak_rss_mb": round(rss, 1), "rc": rc,
-               "timed_out": to, "load_1min_before": round(os.getloadavg()[0], 2)}
+        row = {
+            "ranks": ranks,
+            "steps": steps,
+            "record_mb": round(size_mb(path), 1),
+            "wall_s": round(wall, 2),
+            "peak_rss_mb": round(rss, 1),
+            "rc": rc,
+            "timed_out": to,
+            "load_1min_before": round(os.getloadavg()[0], 2),
+        }
         if rc and not to:
             row["stderr"] = tail
-            if any("MemoryError" in line or "bad_alloc" in line or "Cannot allocate" in line
-                   for line in tail):
+            if any(
+                "MemoryError" in line or "bad_alloc" in line or "Cannot allocate" in line for line in tail
+            ):
                 row["out_of_memory_limit_gb"] = a.max_gb
         if to or row.get("out_of_memory_limit_gb"):
             timed_out_at = ranks * steps
         results.append(row)
         print(json.dumps(row), file=sys.stderr)
-    doc = {"what": a.what, "cache": a.cache, "nodes_of": a.nodes_of, "node_tables": a.node_tables, "timeout_s": a.timeout, "cpus": os.cpu_count(),
-           "load_1min_at_start": round(load, 2), "python": sys.version.split()[0],
-           "cells": results}
+    doc = {
+        "what": a.what,
+        "cache": a.cache,
+        "nodes_of": a.nodes_of,
+        "node_tables": a.node_tables,
+        "timeout_s": a.timeout,
+        "cpus": os.cpu_count(),
+        "load_1min_at_start": round(load, 2),
+        "python": sys.version.split()[0],
+        "cells": results,
+    }
     if a.json:
         with open(a.json, "w", encoding="utf-8") as f:
             json.dump(doc, f, indent=2)
@@ -255,27 +303,38 @@ def main(argv=None):
 
 
 def markdown(doc):
-    lines = [f"| ranks x steps | record MB | {doc['what']} ({doc.get('cache', 'cold')}) wall s | peak RSS MB |",
-             "|---|---|---|---|"]
+    lines = [
+        f"| ranks x steps | record MB | {doc['what']} ({doc.get('cache', 'cold')}) wall s | peak RSS MB |",
+        "|---|---|---|---|",
+    ]
     for c in doc["cells"]:
         if "skipped" in c:
             lines.append(f"| {c['ranks']} x {c['steps']} | | skipped ({c['skipped']}) | |")
             continue
         if "wall_s" not in c:
-            lines.append(f"| {c['ranks']} x {c['steps']} | {c['record_mb']:.0f} | failed: "
-                         f"{c.get('node_tables_error') or c.get('stderr')} | |")
+            lines.append(
+                f"| {c['ranks']} x {c['steps']} | {c['record_mb']:.0f} | failed: "
+                f"{c.get('node_tables_error') or c.get('stderr')} | |"
+            )
             continue
         wall = f"> {c['wall_s']:.0f} (timeout)" if c["timed_out"] else f"{c['wall_s']:.1f}"
         if c.get("nodes"):
-            wall += (f" ({c['nodes']} nodes; merge {c['merge_wall_s']:.1f} s; node tables "
-                     + (f"median {c['node_tables_median_s']:.2f} s" if "node_tables_median_s" in c
-                        else "not written") + ")")
+            wall += (
+                f" ({c['nodes']} nodes; merge {c['merge_wall_s']:.1f} s; node tables "
+                + (
+                    f"median {c['node_tables_median_s']:.2f} s"
+                    if "node_tables_median_s" in c
+                    else "not written"
+                )
+                + ")"
+            )
         if c.get("out_of_memory_limit_gb"):
             wall += f" (over the {c['out_of_memory_limit_gb']:g} GiB limit)"
         elif c["rc"] and not c["timed_out"]:
             wall += f" (exit {c['rc']})"
-        lines.append(f"| {c['ranks']} x {c['steps']} | {c['record_mb']:.0f} | {wall} | "
-                     f"{c['peak_rss_mb']:.0f} |")
+        lines.append(
+            f"| {c['ranks']} x {c['steps']} | {c['record_mb']:.0f} | {wall} | {c['peak_rss_mb']:.0f} |"
+        )
     return "\n".join(lines) + "\n"
 
 

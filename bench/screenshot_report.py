@@ -2,6 +2,7 @@
 
 usage: python bench/screenshot_report.py RUN_DIR OUT.png [--height 1600]
 """
+
 import argparse
 import shutil
 import sys
@@ -21,9 +22,17 @@ def main(argv=None):
     _, report = analyze_and_write(load_run(a.run))
     chromium = shutil.which("chromium") or shutil.which("chromium-browser")
     with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=chromium, args=[
-            "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-            "--disable-component-update", "--disable-sync", "--no-first-run"])
+        browser = pw.chromium.launch(
+            executable_path=chromium,
+            args=[
+                "--no-sandbox",
+                "--disable-gpu",
+                "--disable-background-networking",
+                "--disable-component-update",
+                "--disable-sync",
+                "--no-first-run",
+            ],
+        )
         page = browser.new_page(viewport={"width": 1280, "height": a.height})
         page.goto("file://" + report)
         page.wait_for_timeout(500)

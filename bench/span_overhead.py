@@ -7,6 +7,7 @@ overhead per step for a typical step (1 data wait, 1 backward, 1 optimizer step,
 
 usage: TRAINDX_RUN_DIR=$(mktemp -d) python bench/span_overhead.py [--calls 200000]
 """
+
 import argparse
 import os
 import sys
@@ -44,7 +45,7 @@ def main():
     spans._state["compiling"] = torch.compiler.is_dynamo_compiling
     t = torch.ones(())
     item = spans._cuda_only_sync(torch.Tensor.item)
-    hooks = (lambda: (spans._opt_pre(None, (), {}), spans._opt_post(None, (), {})))
+    hooks = lambda: (spans._opt_pre(None, (), {}), spans._opt_post(None, (), {}))
     rows = {
         "bare call": per_call_ns(work, args.calls),
         "timed span (data/backward/io)": per_call_ns(timed, args.calls),
@@ -53,17 +54,23 @@ def main():
         "Tensor.item wrapped (CPU: no span)": per_call_ns(lambda: item(t), args.calls),
         # the DataLoader span's run-queue wait: the thread's schedstat read at both ends
         "data span run-queue reads (2 x schedstat)": per_call_ns(
-            lambda: (cpustat.runqueue_ns(), cpustat.runqueue_ns()), args.calls),
+            lambda: (cpustat.runqueue_ns(), cpustat.runqueue_ns()), args.calls
+        ),
     }
     shim._state["writer"].flush()
     for name, ns in rows.items():
         print(f"{name:40s} {ns:9.0f} ns/call")
     span = rows["timed span (data/backward/io)"] - rows["bare call"]
-    per_step = 2 * span + rows["data span run-queue reads (2 x schedstat)"] + \
-        rows["optimizer pre+post hooks"] + 20 * (
-        rows["Tensor.item wrapped (CPU: no span)"] - rows["Tensor.item bare (CPU)"])
-    print(f"overhead per typical step (1 data wait, 1 backward, 1 optimizer step, 20 .item()): "
-          f"{per_step / 1000:.1f} µs")
+    per_step = (
+        2 * span
+        + rows["data span run-queue reads (2 x schedstat)"]
+        + rows["optimizer pre+post hooks"]
+        + 20 * (rows["Tensor.item wrapped (CPU: no span)"] - rows["Tensor.item bare (CPU)"])
+    )
+    print(
+        f"overhead per typical step (1 data wait, 1 backward, 1 optimizer step, 20 .item()): "
+        f"{per_step / 1000:.1f} µs"
+    )
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ Event rates per rank and step are what a real single-GPU run writes (tests/data/
 ~4 lines per step, 0.5-0.7 KB per step per rank, plus the three spans the shim writes per
 step (~7.3 lines, ~1 KB per step per rank in all).
 """
+
 import argparse
 import json
 import os
@@ -21,12 +22,12 @@ import random
 import sys
 
 T0 = 1_800_000_000_000_000_000  # ns, a fixed wall clock so the output is reproducible
-STEP_S = 0.25                   # a healthy step
-PERIOD = 50                     # the periodic slow step (a checkpoint)
+STEP_S = 0.25  # a healthy step
+PERIOD = 50  # the periodic slow step (a checkpoint)
 PERIOD_EXTRA_S = 1.5
 SLOW_RANK_FACTOR = 1.25
 NVML_INTERVAL_S = 0.5
-PID0 = 10_000                   # rank r is process PID0 + r
+PID0 = 10_000  # rank r is process PID0 + r
 MAIN_TID = 139969661382976
 
 
@@ -36,18 +37,27 @@ def _dump(obj):
 
 def _compile_event(rank, i, start, end, step):
     # the shape the shim writes for a CuTe-DSL compile (key/key_fields are nested objects)
-    return {"kind": "cute_dsl" if i % 2 == 0 else "triton",
-            "kernel": f"_flash_attn_fwd:FlashAttentionForwardSm90_{i}", "start": start, "t": end,
-            "duration_s": (end - start) / 1e9, "step": step, "in_step": True,
-            "thread": "MainThread", "thread_id": MAIN_TID, "is_main_thread": True,
-            "ok": True, "caller": {"file": "/job/train.py", "line": 120 + i, "function": "forward"},
-            "key": f"(BFloat16, 128, 128, {i}, True)",
-            "key_fields": {"dtype": "BFloat16", "head_dim": "128", "block": str(i)},
-            "key_types": {"dtype": "type", "head_dim": "int"}, "type": "compile"}
+    return {
+        "kind": "cute_dsl" if i % 2 == 0 else "triton",
+        "kernel": f"_flash_attn_fwd:FlashAttentionForwardSm90_{i}",
+        "start": start,
+        "t": end,
+        "duration_s": (end - start) / 1e9,
+        "step": step,
+        "in_step": True,
+        "thread": "MainThread",
+        "thread_id": MAIN_TID,
+        "is_main_thread": True,
+        "ok": True,
+        "caller": {"file": "/job/train.py", "line": 120 + i, "function": "forward"},
+        "key": f"(BFloat16, 128, 128, {i}, True)",
+        "key_fields": {"dtype": "BFloat16", "head_dim": "128", "block": str(i)},
+        "key_types": {"dtype": "type", "head_dim": "int"},
+        "type": "compile",
+    }
 
 
-def write_rank(out_dir, rank, world, steps, seed, slow_rank, log_lines, pid=None, skew_ns=0,
-               barrier=False):
+def write_rank(out_dir, rank, world, steps, seed, slow_rank, log_lines, pid=None, skew_ns=0, barrier=False):
     """skew_ns: how far this host's clock reads ahead of true time (every timestamp has it).
     barrier: the process group's first barrier (torch.distributed: a blocking collective that
     every rank enters before any leaves), which `diagnose merge` aligns the node clocks with."""
@@ -55,16 +65,41 @@ def write_rank(out_dir, rank, world, steps, seed, slow_rank, log_lines, pid=None
     pid = PID0 + rank if pid is None else pid
     path = os.path.join(out_dir, "events", f"p{pid}.jsonl")
     t = T0 + skew_ns + rank * 1_000_000  # ranks start a millisecond apart
-    lines = [_dump({"pid": pid, "ppid": PID0 - 1, "rank": str(rank), "rank_source": "RANK",
-                    "local_rank": str(rank % 8), "world_size": str(world),
-                    "argv": ["train.py", "--steps", str(steps)], "python": "3.12.3",
-                    "main_thread": MAIN_TID, "type": "process_start", "t": t})]
+    lines = [
+        _dump(
+            {
+                "pid": pid,
+                "ppid": PID0 - 1,
+                "rank": str(rank),
+                "rank_source": "RANK",
+                "local_rank": str(rank % 8),
+                "world_size": str(world),
+                "argv": ["train.py", "--steps", str(steps)],
+                "python": "3.12.3",
+                "main_thread": MAIN_TID,
+                "type": "process_start",
+                "t": t,
+            }
+        )
+    ]
     if barrier:  # entered within 2 ms of true T0 + 1.5 s, left once the last rank is there
         enter = T0 + skew_ns + 1_500_000_000 + rng.randint(0, 2_000_000)
         leave = T0 + skew_ns + 1_502_000_000 + rng.randint(10_000, 100_000)
-        lines.append(_dump({"cat": "collective", "op": "barrier", "backend": "nccl", "group": "0",
-                            "seq": 0, "start": enter, "t": leave, "tid": MAIN_TID,
-                            "type": "span"}))
+        lines.append(
+            _dump(
+                {
+                    "cat": "collective",
+                    "op": "barrier",
+                    "backend": "nccl",
+                    "group": "0",
+                    "seq": 0,
+                    "start": enter,
+                    "t": leave,
+                    "tid": MAIN_TID,
+                    "type": "span",
+                }
+            )
+        )
     t += 2_000_000_000
     lines.append(_dump({"optimizer": "AdamW", "type": "optimizer_created", "t": t}))
     lines.append(_dump({"evidence": "optimizer", "rank": str(rank), "type": "training", "t": t + 1000}))
@@ -83,8 +118,7 @@ def write_rank(out_dir, rank, world, steps, seed, slow_rank, log_lines, pid=None
         if step < 3:  # a few compiles in the first steps
             for i in range(2):
                 c_end = begin + int((0.2 + 0.3 * i) * 1e9)
-                lines.append(_dump(_compile_event(rank, step * 2 + i, c_end - 150_000_000,
-                                                  c_end, step)))
+                lines.append(_dump(_compile_event(rank, step * 2 + i, c_end - 150_000_000, c_end, step)))
         end = begin + int(duration * 1e9)
         # the training thread's spans: the batch wait, backward (after an unhooked forward),
         # the optimizer step; what is left of the step is forward and the loop's own code
@@ -92,28 +126,62 @@ def write_rank(out_dir, rank, world, steps, seed, slow_rank, log_lines, pid=None
         b_start = begin + int(0.35 * (end - begin))
         b_end = begin + int(0.85 * (end - begin))
         o_end = begin + int(0.95 * (end - begin))
-        for cat, s0, s1 in (("data", begin + 10_000, d_end), ("backward", b_start, b_end),
-                            ("optimizer", b_end + 10_000, o_end)):
+        for cat, s0, s1 in (
+            ("data", begin + 10_000, d_end),
+            ("backward", b_start, b_end),
+            ("optimizer", b_end + 10_000, o_end),
+        ):
             lines.append(_dump({"cat": cat, "start": s0, "t": s1, "tid": MAIN_TID, "type": "span"}))
-        lines.append(_dump({"step": step, "t": end, "source": "torch.optim",
-                            "duration_s": (end - begin) / 1e9, "type": "step_end"}))
+        lines.append(
+            _dump(
+                {
+                    "step": step,
+                    "t": end,
+                    "source": "torch.optim",
+                    "duration_s": (end - begin) / 1e9,
+                    "type": "step_end",
+                }
+            )
+        )
         end_times.append((step, begin, end))
         gens = [0] + ([1] if step % 10 == 0 else []) + ([2] if rank == slow_rank and step % 7 == 3 else [])
         for g in gens:
             count = rng.randint(600, 900)
             total = (0.05 if g == 2 else 0.002) * rng.uniform(0.8, 1.2)
-            lines.append(_dump({"step": step, "generation": g, "count": count,
-                                "total_s": round(total, 9), "max_s": round(total / 3, 9),
-                                "collected": rng.randint(0, 30000), "type": "gc", "t": end + 1000}))
+            lines.append(
+                _dump(
+                    {
+                        "step": step,
+                        "generation": g,
+                        "count": count,
+                        "total_s": round(total, 9),
+                        "max_s": round(total / 3, 9),
+                        "collected": rng.randint(0, 30000),
+                        "type": "gc",
+                        "t": end + 1000,
+                    }
+                )
+            )
         allocated += rng.randint(-1_000_000, 1_000_000)
-        lines.append(_dump({"step": step, "num_alloc_retries": 0, "num_ooms": 0,
-                            "num_sync_all_streams": 0, "num_device_alloc": 102,
-                            "num_device_free": 0, "allocated_bytes_all_current": allocated,
-                            "allocated_bytes_all_peak": 16_087_230_464,
-                            "reserved_bytes_all_current": 16_477_323_264,
-                            "reserved_bytes_all_peak": 16_477_323_264,
-                            "inactive_split_bytes_all_current": 425_159_168,
-                            "type": "alloc", "t": end + 2000}))
+        lines.append(
+            _dump(
+                {
+                    "step": step,
+                    "num_alloc_retries": 0,
+                    "num_ooms": 0,
+                    "num_sync_all_streams": 0,
+                    "num_device_alloc": 102,
+                    "num_device_free": 0,
+                    "allocated_bytes_all_current": allocated,
+                    "allocated_bytes_all_peak": 16_087_230_464,
+                    "reserved_bytes_all_current": 16_477_323_264,
+                    "reserved_bytes_all_peak": 16_477_323_264,
+                    "inactive_split_bytes_all_current": 425_159_168,
+                    "type": "alloc",
+                    "t": end + 2000,
+                }
+            )
+        )
         t = end + 50_000
     with open(path, "w", encoding="utf-8") as f:
         f.write("\n".join(lines) + "\n")
@@ -121,8 +189,10 @@ def write_rank(out_dir, rank, world, steps, seed, slow_rank, log_lines, pid=None
         for step, begin, end in end_times:
             if step > 0 and step % PERIOD == 0:
                 log_lines.append(f"{begin + 100_000_000} o saving checkpoint to ckpt/step_{step}.pt")
-            log_lines.append(f"{end - 1000} o step {step} | loss {2.5 - step / (steps * 2):.4f} "
-                             f"| step time {(end - begin) / 1e9:.3f} s")
+            log_lines.append(
+                f"{end - 1000} o step {step} | loss {2.5 - step / (steps * 2):.4f} "
+                f"| step time {(end - begin) / 1e9:.3f} s"
+            )
     return end_times[-1][2] if end_times else t
 
 
@@ -138,10 +208,21 @@ def write_run(out_dir, ranks, steps, seed=0, nvml=True, node=None):
     log_lines = []
     last_end = T0 + skew
     for rank in own:
-        last_end = max(last_end, write_rank(
-            out_dir, rank, world, steps, seed, slow_rank, log_lines,
-            pid=None if node is None else PID0 + rank - own[0], skew_ns=skew,
-            barrier=node is not None))
+        last_end = max(
+            last_end,
+            write_rank(
+                out_dir,
+                rank,
+                world,
+                steps,
+                seed,
+                slow_rank,
+                log_lines,
+                pid=None if node is None else PID0 + rank - own[0],
+                skew_ns=skew,
+                barrier=node is not None,
+            ),
+        )
     with open(os.path.join(out_dir, "log.txt"), "w", encoding="utf-8") as f:
         f.write("\n".join(log_lines) + ("\n" if log_lines else ""))
     if nvml:
@@ -152,29 +233,61 @@ def write_run(out_dir, ranks, steps, seed=0, nvml=True, node=None):
             gpus = min(ranks, 8)  # one node's GPUs: NVML sees the node, not the job
             while t < last_end:
                 for g in range(gpus):
-                    f.write(f"{t},{g},{rng.randint(85, 100)},{rng.randint(30, 60)},1980,"
-                            f"{60_000_000_000 + g},{rng.uniform(500, 700):.3f},0\n")
+                    f.write(
+                        f"{t},{g},{rng.randint(85, 100)},{rng.randint(30, 60)},1980,"
+                        f"{60_000_000_000 + g},{rng.uniform(500, 700):.3f},0\n"
+                    )
                 t += int(NVML_INTERVAL_S * 1e9)
     manifest = {
-        "traindx_run": 1, "command": ["python3", "train.py", "--steps", str(steps)],
-        "cwd": "/job", "start_ns": T0 + skew - 1_000_000_000, "end_ns": last_end + 1_000_000_000,
-        "exit_code": 0, "host": {"hostname": "synth" if node is None else f"synth{node[0]}",
-                                 "platform": "Linux", "python": "3.12.3",
-                                 "cpus": 2, "user": "bench"},
-        "gpus": [{"index": g, "name": "NVIDIA H200", "uuid": f"GPU-{g:08x}-0000-0000-0000-000000000000",
-                  "memory_bytes": 150754820096} for g in range(min(ranks, 8))],
-        "packages": {"torch": "2.11.0", "traindx": "0.1.0"}, "env": {},
-        "options": {"steps": None, "pyspy": False, "shim": True, "nvml": nvml,
-                    "torch_profile": None, "synthetic": {"ranks": ranks, "steps": steps,
-                                                         "seed": seed, "period": PERIOD,
-                                                         "slow_rank": str(slow_rank)}},
+        "traindx_run": 1,
+        "command": ["python3", "train.py", "--steps", str(steps)],
+        "cwd": "/job",
+        "start_ns": T0 + skew - 1_000_000_000,
+        "end_ns": last_end + 1_000_000_000,
+        "exit_code": 0,
+        "host": {
+            "hostname": "synth" if node is None else f"synth{node[0]}",
+            "platform": "Linux",
+            "python": "3.12.3",
+            "cpus": 2,
+            "user": "bench",
+        },
+        "gpus": [
+            {
+                "index": g,
+                "name": "NVIDIA H200",
+                "uuid": f"GPU-{g:08x}-0000-0000-0000-000000000000",
+                "memory_bytes": 150754820096,
+            }
+            for g in range(min(ranks, 8))
+        ],
+        "packages": {"torch": "2.11.0", "traindx": "0.1.0"},
+        "env": {},
+        "options": {
+            "steps": None,
+            "pyspy": False,
+            "shim": True,
+            "nvml": nvml,
+            "torch_profile": None,
+            "synthetic": {
+                "ranks": ranks,
+                "steps": steps,
+                "seed": seed,
+                "period": PERIOD,
+                "slow_rank": str(slow_rank),
+            },
+        },
         "ranks": {str(r): PID0 + r - own[0] for r in own},
         "missing": {"pyspy": "synthetic run (bench/synth_run.py): no py-spy recordings"},
-        "status": "finished", "signals_forwarded": [],
+        "status": "finished",
+        "signals_forwarded": [],
     }
     if node is not None:  # what diagnose's _record_node adds to a node's manifest
-        manifest["node"] = {"name": os.path.basename(out_dir), "source": "--node",
-                            "run_dir": os.path.dirname(os.path.dirname(os.path.abspath(out_dir)))}
+        manifest["node"] = {
+            "name": os.path.basename(out_dir),
+            "source": "--node",
+            "run_dir": os.path.dirname(os.path.dirname(os.path.abspath(out_dir))),
+        }
     with open(os.path.join(out_dir, "manifest.json"), "w", encoding="utf-8") as f:
         json.dump(manifest, f, indent=2)
     return out_dir

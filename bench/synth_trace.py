@@ -10,6 +10,7 @@ a cpu_op, a cudaLaunchKernel cuda_runtime event, its kernel on a GPU stream (gri
 correlation), and the ac2g flow pair; a ProfilerStep#N cpu_op per step; metadata ('M') and
 instant ('i') events at the end, then traceName. Deterministic for a seed.
 """
+
 import argparse
 import gzip
 import os
@@ -17,12 +18,24 @@ import random
 import sys
 
 BASE_NS = 1_800_000_000_000_000_000
-OPS = ["aten::mm", "aten::add_", "aten::mul", "aten::_softmax", "aten::layer_norm",
-       "aten::copy_", "aten::addmm", "aten::gelu", "aten::native_dropout", "aten::sum"]
-KERNELS = ["sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1",
-           "void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<c10::BFloat16>>",
-           "void at::native::(anonymous namespace)::cunn_SoftMaxForward<4, float, float, float>",
-           "void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, at::native::func_wrapper_t>>"]
+OPS = [
+    "aten::mm",
+    "aten::add_",
+    "aten::mul",
+    "aten::_softmax",
+    "aten::layer_norm",
+    "aten::copy_",
+    "aten::addmm",
+    "aten::gelu",
+    "aten::native_dropout",
+    "aten::sum",
+]
+KERNELS = [
+    "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1",
+    "void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<c10::BFloat16>>",
+    "void at::native::(anonymous namespace)::cunn_SoftMaxForward<4, float, float, float>",
+    "void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, at::native::func_wrapper_t>>",
+]
 
 HEADER = """{
   "schemaVersion": 1,
@@ -144,25 +157,48 @@ def write_trace(path, mb=1024, rank=0, seed=0, ops_per_step=2000):
                 ev += 1
                 ext += 1
                 corr += 1
-                v = {"pid": pid, "ts": ts, "dur": dur + 6, "parent": max(0, pyid - 1 - i % 3),
-                     "pyid": pyid, "ev": ev, "op": op, "ext": ext, "seq": i, "corr": corr,
-                     "kernel": KERNELS[i % len(KERNELS)]}
+                v = {
+                    "pid": pid,
+                    "ts": ts,
+                    "dur": dur + 6,
+                    "parent": max(0, pyid - 1 - i % 3),
+                    "pyid": pyid,
+                    "ev": ev,
+                    "op": op,
+                    "ext": ext,
+                    "seq": i,
+                    "corr": corr,
+                    "kernel": KERNELS[i % len(KERNELS)],
+                }
                 parts.append(PY % v)
                 parts.append(OP % dict(v, ts=ts + 1, dur=dur + 4))
                 parts.append(LAUNCH % dict(v, ts=ts + 2, dur=dur))
                 parts.append(KERNEL % dict(v, ts=ts + 50, dur=dur * 3))
                 ts += dur + 8
                 events += 6
-            parts.append(STEP % {"step": step, "pid": pid, "ts": step_start, "dur": ts - step_start,
-                                 "ext": ext + 1, "ev": ev + 1})
+            parts.append(
+                STEP
+                % {
+                    "step": step,
+                    "pid": pid,
+                    "ts": step_start,
+                    "dur": ts - step_start,
+                    "ext": ext + 1,
+                    "ev": ev + 1,
+                }
+            )
             step += 1
             chunk = "".join(parts)
             f.write(chunk)
             written += len(chunk)
         tail = TAIL % {"ts": ts, "pid": pid}
         f.write(tail)
-    return {"path": path, "bytes_uncompressed": written + len(tail), "events": events + 2 + step,
-            "steps": step}
+    return {
+        "path": path,
+        "bytes_uncompressed": written + len(tail),
+        "events": events + 2 + step,
+        "steps": step,
+    }
 
 
 def main(argv=None):

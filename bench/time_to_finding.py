@@ -21,6 +21,7 @@ time: CPU per pass and the step each finding is shown at, deterministic for one 
     python bench/time_to_finding.py --pass-cost RUN_DIR
     python bench/time_to_finding.py --pass-growth RUN_DIR   # a live pass after 2 more steps
 """
+
 import argparse
 import glob
 import importlib.util
@@ -40,8 +41,7 @@ CASES = {  # name: (job args, steps asked, the finding id prefix expected first,
     "sync": (["examples/pathologies.py", "--pathology", "sync"], 2000, "host_sync.", {}),
     "gil": (["examples/pathologies.py", "--pathology", "gil"], 2000, "gil.", {}),
     "periodic": (["examples/pathologies.py", "--pathology", "periodic"], 400, "steps.periodic", {}),
-    "triton-retune": ([TRITON_JOB, "--retune-from", "12"], 200, "jit.autotune",
-                      {"TRITON_INTERPRET": "1"}),
+    "triton-retune": ([TRITON_JOB, "--retune-from", "12"], 200, "jit.autotune", {"TRITON_INTERPRET": "1"}),
 }
 
 
@@ -49,9 +49,19 @@ def run_case(name, job, steps, expect, env_extra, onset=False):
     work = tempfile.mkdtemp(prefix=f"ttf-{name}-")
     run_dir = os.path.join(work, "run")
     env = dict(os.environ, OMP_NUM_THREADS="1", **env_extra)
-    cmd = [sys.executable, "-m", "traindx", "--until-diagnosed", "--run-dir", run_dir, "--",
-           sys.executable, *[os.path.join(ROOT, a) if a.endswith(".py") else a for a in job],
-           "--steps", str(steps)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "traindx",
+        "--until-diagnosed",
+        "--run-dir",
+        run_dir,
+        "--",
+        sys.executable,
+        *[os.path.join(ROOT, a) if a.endswith(".py") else a for a in job],
+        "--steps",
+        str(steps),
+    ]
     proc = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=1200)
     row = summarize(name, run_dir, expect, steps, proc.returncode)
     return with_onset(row, run_dir) if onset else row
@@ -70,16 +80,17 @@ def with_onset(row, run_dir):
     if row["onset_step"] is not None:
         row["steps_after_onset"] = row["step_shown"] - row["onset_step"]
         proven = any(k in row["first_finding"] for k in _PROVEN_AT_ONCE)
-        row["stable_from_step"] = row["onset_step"] if proven else max(row["onset_step"],
-                                                                       STABLE_AFTER_STEPS)
+        row["stable_from_step"] = row["onset_step"] if proven else max(row["onset_step"], STABLE_AFTER_STEPS)
         row["steps_after_stable_onset"] = row["step_shown"] - row["stable_from_step"]
         # seconds from the end of the step that made the record show it (the onset's last
         # step) to the screen: what "steps after" means on steps of a few ms
         ends = [t for t, _, line in _event_lines(run_dir) if '"step_end"' in line]
         live = json.load(open(os.path.join(run_dir, "live.json")))
         shown_ns = live["findings"][row["first_finding"]]["t_ns"]
-        for key, n in (("seconds_after_onset", row["onset_step"]),
-                       ("seconds_after_stable_onset", row["stable_from_step"])):
+        for key, n in (
+            ("seconds_after_onset", row["onset_step"]),
+            ("seconds_after_stable_onset", row["stable_from_step"]),
+        ):
             if 0 < n <= len(ends):
                 row[key] = round((shown_ns - ends[n - 1]) / 1e9, 3)
         row["median_step_s"] = _median_step(run_dir)
@@ -87,8 +98,11 @@ def with_onset(row, run_dir):
 
 
 def _median_step(run_dir):
-    durations = sorted(json.loads(line)["duration_s"] for _, _, line in _event_lines(run_dir)
-                       if '"step_end"' in line and '"duration_s"' in line)
+    durations = sorted(
+        json.loads(line)["duration_s"]
+        for _, _, line in _event_lines(run_dir)
+        if '"step_end"' in line and '"duration_s"' in line
+    )
     return round(durations[len(durations) // 2], 4) if durations else None
 
 
@@ -107,18 +121,23 @@ def summarize(name, run_dir, expect="", steps=None, returncode=None):
     wall = (manifest["end_ns"] - manifest["start_ns"]) / 1e9
     passes = live.get("passes", [])
     return {
-        "case": name, "exit": manifest.get("exit_code") if returncode is None else returncode,
-        "steps_asked": steps, "steps_run": steps_done,
+        "case": name,
+        "exit": manifest.get("exit_code") if returncode is None else returncode,
+        "steps_asked": steps,
+        "steps_run": steps_done,
         "first_finding": first[0] if first else None,
-        "expected": expect, "right": bool(first and first[0].startswith(expect)),
+        "expected": expect,
+        "right": bool(first and first[0].startswith(expect)),
         "seconds_to_finding": None if not first else (first[1]["t_ns"] - manifest["start_ns"]) / 1e9,
         "step_shown": None if not first else first[1]["step"],
         "step_analysed": None if not first else first[1].get("analysed_step"),
         "trigger": None if not first else first[1].get("trigger"),
-        "job_wall_s": wall, "analyses": live.get("analyses"),
+        "job_wall_s": wall,
+        "analyses": live.get("analyses"),
         "cpu_per_pass_s": [p["cpu_s"] for p in passes],
         "live_cpu_share": None if not live else live.get("analysis_cpu_s", 0) / wall,
-        "cheap_stage_cpu_s": live.get("cheap_stage_cpu_s"), "polls": live.get("polls"),
+        "cheap_stage_cpu_s": live.get("cheap_stage_cpu_s"),
+        "polls": live.get("polls"),
     }
 
 
@@ -166,8 +185,10 @@ def onset_step(run_dir, finding_id, up_to):
     warnings.simplefilter("ignore")
     for n in range(1, (up_to or 0) + 1):
         _cut(run_dir, lines, n, dst)
-        if any(f.id == finding_id and f.cause is None and f.severity in ("high", "critical")
-               for f in analyze(load_run(dst, cache=False))):
+        if any(
+            f.id == finding_id and f.cause is None and f.severity in ("high", "critical")
+            for f in analyze(load_run(dst, cache=False))
+        ):
             return n
     return None
 
@@ -175,9 +196,11 @@ def onset_step(run_dir, finding_id, up_to):
 def _judge_module(which, rev):
     if which == "new":
         import traindx.analyzers.live as module
+
         return module
-    src = subprocess.run(["git", "-C", ROOT, "show", f"{rev}:analyzers/live.py"], check=True,
-                         capture_output=True, text=True).stdout
+    src = subprocess.run(
+        ["git", "-C", ROOT, "show", f"{rev}:analyzers/live.py"], check=True, capture_output=True, text=True
+    ).stdout
     path = os.path.join(tempfile.mkdtemp(), "live_old.py")
     open(path, "w").write(src)
     spec = importlib.util.spec_from_file_location("live_old", path)
@@ -211,12 +234,19 @@ def replay(run_dir, which="new", rev="HEAD"):
     takes_clock = "clock" in inspect.signature(module.LiveJudge).parameters
     kw = {"clock": clock} if takes_clock else {}
     if not takes_clock:  # an old judge that reads time.monotonic(): give it the events' clock
-        module.time = type("T", (), {"monotonic": staticmethod(clock),
-                                     "process_time": staticmethod(__import__("time").process_time),
-                                     "thread_time": staticmethod(__import__("time").thread_time),
-                                     "time_ns": staticmethod(__import__("time").time_ns)})
-    judge = module.LiveJudge(dst, module.LiveOptions(),
-                             on_finding=lambda f, s: shown.append((f.id, s.step)), **kw)
+        module.time = type(
+            "T",
+            (),
+            {
+                "monotonic": staticmethod(clock),
+                "process_time": staticmethod(__import__("time").process_time),
+                "thread_time": staticmethod(__import__("time").thread_time),
+                "time_ns": staticmethod(__import__("time").time_ns),
+            },
+        )
+    judge = module.LiveJudge(
+        dst, module.LiveOptions(), on_finding=lambda f, s: shown.append((f.id, s.step)), **kw
+    )
     judge._start = start
     judge._warm_imports()
     if hasattr(judge, "_warm_sources"):  # the job's scripts parsed once, as the live loop does
@@ -236,11 +266,18 @@ def replay(run_dir, which="new", rev="HEAD"):
         f.close()
     s = judge.state
     passes = getattr(s, "passes", None)
-    return {"run": run_dir, "judge": which, "shown": shown, "analyses": s.analyses,
-            "passes": passes, "full_stage_cpu_s": round(s.analysis_cpu_s, 4),
-            "cheap_stage_cpu_s": round(getattr(s, "cheap_cpu_s", 0.0), 4),
-            "polls": getattr(s, "polls", None),
-            "wall_s": round(clock.t - start, 2), "errors": judge.errors}
+    return {
+        "run": run_dir,
+        "judge": which,
+        "shown": shown,
+        "analyses": s.analyses,
+        "passes": passes,
+        "full_stage_cpu_s": round(s.analysis_cpu_s, 4),
+        "cheap_stage_cpu_s": round(getattr(s, "cheap_cpu_s", 0.0), 4),
+        "polls": getattr(s, "polls", None),
+        "wall_s": round(clock.t - start, 2),
+        "errors": judge.errors,
+    }
 
 
 def pass_cost(run_dir, points=4):
@@ -298,8 +335,15 @@ def pass_growth(run_dir, counts=(3, 50, 150), grown=2, reps=5):
             analyze(load_run(dst, cache=False, so_far=so_far))
             took.append(time.process_time() - t0)
         took.sort()
-        rows.append({"run": run_dir, "steps": n, "grown_by": grown,
-                     "pass_min_s": round(took[0], 4), "pass_median_s": round(took[len(took) // 2], 4)})
+        rows.append(
+            {
+                "run": run_dir,
+                "steps": n,
+                "grown_by": grown,
+                "pass_min_s": round(took[0], 4),
+                "pass_median_s": round(took[len(took) // 2], 4),
+            }
+        )
         print(json.dumps(rows[-1]), flush=True)
     return rows
 
@@ -307,22 +351,45 @@ def pass_growth(run_dir, counts=(3, 50, 150), grown=2, reps=5):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--out", default=None)
-    ap.add_argument("--seed", default=None, metavar="DIR",
-                    help="a folder with flash-attn-4 4.0.0b17 (pip install --target DIR)")
+    ap.add_argument(
+        "--seed",
+        default=None,
+        metavar="DIR",
+        help="a folder with flash-attn-4 4.0.0b17 (pip install --target DIR)",
+    )
     ap.add_argument("--only", nargs="*", default=None)
     ap.add_argument("--onset", action="store_true", help="measure each finding's onset step")
     ap.add_argument("--load", type=int, default=0, help="CPU burners beside each job")
     ap.add_argument("--reps", type=int, default=1, help="runs of each case (interleaved)")
-    ap.add_argument("--job-args", default="", metavar="ARGS",
-                    help="more arguments for the examples/pathologies.py cases (e.g. a wider "
-                         "model: '--width 1024 --batch-size 256', steps of ~0.1 s)")
-    ap.add_argument("--summarize", nargs="*", default=None, metavar="NAME=RUN_DIR[:EXPECT]",
-                    help="only read run folders already written (e.g. on the GPU machine)")
+    ap.add_argument(
+        "--job-args",
+        default="",
+        metavar="ARGS",
+        help="more arguments for the examples/pathologies.py cases (e.g. a wider "
+        "model: '--width 1024 --batch-size 256', steps of ~0.1 s)",
+    )
+    ap.add_argument(
+        "--summarize",
+        nargs="*",
+        default=None,
+        metavar="NAME=RUN_DIR[:EXPECT]",
+        help="only read run folders already written (e.g. on the GPU machine)",
+    )
     ap.add_argument("--replay", nargs="*", default=None, metavar="RUN_DIR")
-    ap.add_argument("--pass-cost", nargs="*", default=None, metavar="RUN_DIR",
-                    help="CPU of a full pass at 4 step counts: batch vs incremental load")
-    ap.add_argument("--pass-growth", nargs="*", default=None, metavar="RUN_DIR",
-                    help="CPU of a live pass after 2 more steps, at 3, 50 and 150 steps")
+    ap.add_argument(
+        "--pass-cost",
+        nargs="*",
+        default=None,
+        metavar="RUN_DIR",
+        help="CPU of a full pass at 4 step counts: batch vs incremental load",
+    )
+    ap.add_argument(
+        "--pass-growth",
+        nargs="*",
+        default=None,
+        metavar="RUN_DIR",
+        help="CPU of a live pass after 2 more steps, at 3, 50 and 150 steps",
+    )
     ap.add_argument("--judge", choices=["new", "old"], default="new")
     ap.add_argument("--old-rev", default="HEAD")
     a = ap.parse_args()
@@ -348,10 +415,13 @@ def main():
     else:
         cases = dict(CASES)
         if a.seed:
-            cases["fa4-seed"] = (["examples/fa4_seed.py", "--max-seqlen-as", "tensor"], 20,
-                                 "jit.", {"PYTHONPATH": os.path.abspath(a.seed)})
-        burners = [subprocess.Popen([sys.executable, "-c", "while 1: pass"])
-                   for _ in range(a.load)]
+            cases["fa4-seed"] = (
+                ["examples/fa4_seed.py", "--max-seqlen-as", "tensor"],
+                20,
+                "jit.",
+                {"PYTHONPATH": os.path.abspath(a.seed)},
+            )
+        burners = [subprocess.Popen([sys.executable, "-c", "while 1: pass"]) for _ in range(a.load)]
         try:
             for rep in range(1, a.reps + 1):
                 for name, (job, steps, expect, env) in cases.items():

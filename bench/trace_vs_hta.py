@@ -14,6 +14,7 @@ HTA runs from its own virtual environment (install it there only:
       HolisticTraceAnalysis==0.5.0)
 The same file, the same machine, one after the other in one run; the load average is recorded.
 """
+
 import argparse
 import json
 import os
@@ -65,16 +66,25 @@ def main(argv=None):
         info = synth_trace.write_trace(path, a.mb)
         print(f"wrote {info} in {time.perf_counter() - t:.0f} s", file=sys.stderr)
     size_mb = os.path.getsize(path) / 1e6
-    doc = {"trace_mb": round(size_mb, 1), "cpus": os.cpu_count(),
-           "load_1min_at_start": round(os.getloadavg()[0], 2), "runs": {}}
+    doc = {
+        "trace_mb": round(size_mb, 1),
+        "cpus": os.cpu_count(),
+        "load_1min_at_start": round(os.getloadavg()[0], 2),
+        "runs": {},
+    }
     runs = [("traindx", [sys.executable, "-c", OURS.format(path=path)])]
     if not a.skip_hta:
         runs.append(("hta", [a.hta_python, "-c", HTA.format(trace_dir=trace_dir)]))
     for name, cmd in runs:
         wall, rss, rc, timed_out, tail = measure(cmd, a.timeout)
-        row = {"wall_s": round(wall, 1), "peak_rss_mb": round(rss), "rss_per_trace_mb":
-               round(rss / size_mb, 2), "rc": rc, "timed_out": timed_out,
-               "load_1min_after": round(os.getloadavg()[0], 2)}
+        row = {
+            "wall_s": round(wall, 1),
+            "peak_rss_mb": round(rss),
+            "rss_per_trace_mb": round(rss / size_mb, 2),
+            "rc": rc,
+            "timed_out": timed_out,
+            "load_1min_after": round(os.getloadavg()[0], 2),
+        }
         if rc:
             row["stderr"] = tail
         doc["runs"][name] = row

@@ -4,6 +4,7 @@ choice in profiler/shim/_traindx_shim/writer.py.
 
 usage: python bench/writer_cost.py [--steps 20000] [--reps 3]
 """
+
 import argparse
 import os
 import statistics
@@ -11,8 +12,9 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                "profiler", "shim"))
+sys.path.insert(
+    0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "profiler", "shim")
+)
 from _traindx_shim.writer import EventWriter  # noqa: E402
 
 
@@ -39,8 +41,10 @@ def main():
             queued.append(per_step_us(w, a.steps, False))
             through.append(per_step_us(w, a.steps, True))
     print(f"queued: median {statistics.median(queued):.1f} us/step {[round(x, 1) for x in queued]}")
-    print(f"written through each step: median {statistics.median(through):.1f} us/step "
-          f"{[round(x, 1) for x in through]}")
+    print(
+        f"written through each step: median {statistics.median(through):.1f} us/step "
+        f"{[round(x, 1) for x in through]}"
+    )
 
 
 if __name__ == "__main__":

@@ -23,10 +23,11 @@ without a host line; there, `unexplained` is imports, model build and data set-u
 
 Pure and vectorised: one sort and a cumulative sum per category over every rank, O(n log n).
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
@@ -37,20 +38,50 @@ if TYPE_CHECKING:  # annotations only
     from traindx.derive.run import RunRecord
 
 # highest priority first; `unexplained` is what none of them covers
-CATEGORIES = ("compile", "autotune", "gc", "io", "sync", "collective", "data",
-              "forward_backward", "optimizer", "host")
+CATEGORIES = (
+    "compile",
+    "autotune",
+    "gc",
+    "io",
+    "sync",
+    "collective",
+    "data",
+    "forward_backward",
+    "optimizer",
+    "host",
+)
 # the sweep's own order: an optimizer step's closure is host time, and beats the optimizer line
-_SWEEP = ("compile", "autotune", "gc", "io", "sync", "collective", "data", "forward_backward",
-          "closure", "optimizer", "host")
-COLUMNS = ["rank", "step", "start_ns", "end_ns", "wall_s"] + [f"{c}_s" for c in CATEGORIES] + [
-    "unexplained_s"]
-LABELS = {"compile": "compile", "autotune": "autotune", "gc": "gc", "io": "checkpoint/io",
-          "sync": "host sync", "collective": "collective", "data": "data",
-          "optimizer": "optimizer", "forward_backward": "fwd/bwd", "host": "host",
-          "unexplained": "unexplained"}
+_SWEEP = (
+    "compile",
+    "autotune",
+    "gc",
+    "io",
+    "sync",
+    "collective",
+    "data",
+    "forward_backward",
+    "closure",
+    "optimizer",
+    "host",
+)
+COLUMNS = (
+    ["rank", "step", "start_ns", "end_ns", "wall_s"] + [f"{c}_s" for c in CATEGORIES] + ["unexplained_s"]
+)
+LABELS = {
+    "compile": "compile",
+    "autotune": "autotune",
+    "gc": "gc",
+    "io": "checkpoint/io",
+    "sync": "host sync",
+    "collective": "collective",
+    "data": "data",
+    "optimizer": "optimizer",
+    "forward_backward": "fwd/bwd",
+    "host": "host",
+    "unexplained": "unexplained",
+}
 # spans that count only on the thread(s) that drive the steps; compiles and GC pause every thread
-TRAINING_THREAD_ONLY = ("data", "backward", "forward", "closure", "optimizer", "io", "sync",
-                        "collective")
+TRAINING_THREAD_ONLY = ("data", "backward", "forward", "closure", "optimizer", "io", "sync", "collective")
 # the shim's span category -> the ledger's
 SPAN_CATEGORY = {"backward": "forward_backward", "forward": "forward_backward"}
 STARTUP_STEP = -1
@@ -68,14 +99,19 @@ def spans_table(events: pd.DataFrame) -> pd.DataFrame:
         return pd.DataFrame(columns=cols)
 
     def objects(col):  # plain object columns (pandas would make Arrow-backed str of them)
-        return pd.Series(df[col].to_numpy(object) if col in df else np.full(len(df), None),
-                         dtype=object)
+        return pd.Series(df[col].to_numpy(object) if col in df else np.full(len(df), None), dtype=object)
 
-    out = pd.DataFrame({"rank": objects("rank"), "cat": objects("cat"),
-                        "start_ns": df["start"].astype("int64").to_numpy(),
-                        "end_ns": df["t"].astype("int64").to_numpy(),
-                        "tid": df["tid"].to_numpy(),
-                        "caller": objects("caller"), "call": objects("call")})
+    out = pd.DataFrame(
+        {
+            "rank": objects("rank"),
+            "cat": objects("cat"),
+            "start_ns": df["start"].astype("int64").to_numpy(),
+            "end_ns": df["t"].astype("int64").to_numpy(),
+            "tid": df["tid"].to_numpy(),
+            "caller": objects("caller"),
+            "call": objects("call"),
+        }
+    )
     for col in ("cpu", "runq"):  # the calling thread's CPU and run-queue wait in a rare span
         if col in df:
             out[col] = pd.to_numeric(pd.Series(df[col].to_numpy(object)), errors="coerce")
@@ -118,22 +154,24 @@ def _sweep(win_start, win_end, intervals):
     points = sorted_b[new]
     if len(points) < 2:
         return out
-    where = np.empty(len(order), np.int64)          # each boundary's index in points
+    where = np.empty(len(order), np.int64)  # each boundary's index in points
     where[order] = np.cumsum(new) - 1
     del order, sorted_b, new
     offs = np.cumsum([0] + sizes)
     seg_len = np.diff(points)
     n = len(points)
     winner = np.full(n - 1, k, dtype=np.int64)
-    pieces = {c: (where[offs[2 + 2 * i]: offs[3 + 2 * i]], where[offs[3 + 2 * i]: offs[4 + 2 * i]])
-              for i, c in enumerate(cats)}
-    for c in sorted(pieces, reverse=True):          # lowest priority first, higher overwrite
+    pieces = {
+        c: (where[offs[2 + 2 * i] : offs[3 + 2 * i]], where[offs[3 + 2 * i] : offs[4 + 2 * i]])
+        for i, c in enumerate(cats)
+    }
+    for c in sorted(pieces, reverse=True):  # lowest priority first, higher overwrite
         si, ei = pieces[c]
         delta = np.bincount(si, minlength=n + 1) - np.bincount(ei, minlength=n + 1)
         active = np.cumsum(delta)[:-2] > 0
         winner[active] = c
     # the window a segment starts in: the last window start at or before it
-    ws_i, we_i = where[offs[0]: offs[1]], where[offs[1]: offs[2]]
+    ws_i, we_i = where[offs[0] : offs[1]], where[offs[1] : offs[2]]
     mark = np.full(n, -1, np.int64)
     mark[ws_i] = np.arange(len(ws_i))
     w = np.maximum.accumulate(mark)[:-1]
@@ -141,8 +179,9 @@ def _sweep(win_start, win_end, intervals):
     end_at[:] = we_i
     valid = (w >= 0) & (np.arange(n - 1) < end_at[np.maximum(w, 0)])
     # integer ns sums below 2**53 per cell: exact in bincount's float64
-    cell = np.bincount(w[valid] * (k + 1) + winner[valid], weights=seg_len[valid],
-                       minlength=len(win_start) * (k + 1))
+    cell = np.bincount(
+        w[valid] * (k + 1) + winner[valid], weights=seg_len[valid], minlength=len(win_start) * (k + 1)
+    )
     return np.rint(cell).astype(np.int64).reshape(len(win_start), k + 1)
 
 
@@ -220,20 +259,21 @@ def _intervals(spans, srid, compiles, win_start, win_end, win_rid, win_host=None
         tune, cs, ce = compiles
         add("autotune", cs[tune], ce[tune])
         add("compile", cs[~tune], ce[~tune])
-    return {c: (np.concatenate([p[0] for p in ps]), np.concatenate([p[1] for p in ps]))
-            for c, ps in parts.items()}
+    return {
+        c: (np.concatenate([p[0] for p in ps]), np.concatenate([p[1] for p in ps])) for c, ps in parts.items()
+    }
 
 
-def split_windows(spans: pd.DataFrame, compiles: pd.DataFrame, win_start: np.ndarray,
-                  win_end: np.ndarray) -> np.ndarray:
+def split_windows(
+    spans: pd.DataFrame, compiles: pd.DataFrame, win_start: np.ndarray, win_end: np.ndarray
+) -> np.ndarray:
     """ns per (window, category) of ONE rank's sorted, non-overlapping windows (not steps:
     e.g. the stretch before each arrival at a collective), with the step ledger's intervals and
     priorities; the last column is unexplained. spans/compiles: that rank's run.spans/compiles."""
     win_start = np.asarray(win_start, np.int64)
     win_end = np.asarray(win_end, np.int64)
     residual = not len(spans) or not (spans["cat"] == "forward").any()
-    return _fold(_sweep(win_start, win_end, _rank_intervals(spans, compiles, win_start, win_end,
-                                                            residual)))
+    return _fold(_sweep(win_start, win_end, _rank_intervals(spans, compiles, win_start, win_end, residual)))
 
 
 def _rank_intervals(spans, compiles, win_start, win_end, residual):
@@ -241,16 +281,22 @@ def _rank_intervals(spans, compiles, win_start, win_end, residual):
     sp = cs = None
     srid = np.empty(0, np.int64)
     if len(spans):
-        sp = (spans["cat"].to_numpy(object), spans["tid"].to_numpy(),
-              spans["start_ns"].to_numpy(np.int64), spans["end_ns"].to_numpy(np.int64))
+        sp = (
+            spans["cat"].to_numpy(object),
+            spans["tid"].to_numpy(),
+            spans["start_ns"].to_numpy(np.int64),
+            spans["end_ns"].to_numpy(np.int64),
+        )
         srid = np.zeros(len(spans), np.int64)
     if len(compiles):
         comp = compiles.dropna(subset=["start_ns", "end_ns"])
         if len(comp):
-            cs = (comp["kind"].to_numpy(object) == "triton_autotune",
-                  comp["start_ns"].astype("int64").to_numpy(), comp["end_ns"].astype("int64").to_numpy())
-    return _intervals(sp, srid, cs, win_start, win_end, np.zeros(len(win_start), np.int64),
-                      residual=residual)
+            cs = (
+                comp["kind"].to_numpy(object) == "triton_autotune",
+                comp["start_ns"].astype("int64").to_numpy(),
+                comp["end_ns"].astype("int64").to_numpy(),
+            )
+    return _intervals(sp, srid, cs, win_start, win_end, np.zeros(len(win_start), np.int64), residual=residual)
 
 
 def measured_forward(spans, host_samples=None):
@@ -268,9 +314,13 @@ def _process_starts(events):
     return {str(r): int(t) for r, t in zip(ps["rank"], ps["t"])}
 
 
-def compute(steps: pd.DataFrame, spans: pd.DataFrame, compiles: pd.DataFrame,
-            events: pd.DataFrame, forward_measured: Optional[bool] = None
-            ) -> tuple[pd.DataFrame, pd.DataFrame]:
+def compute(
+    steps: pd.DataFrame,
+    spans: pd.DataFrame,
+    compiles: pd.DataFrame,
+    events: pd.DataFrame,
+    forward_measured: bool | None = None,
+) -> tuple[pd.DataFrame, pd.DataFrame]:
     """(ledger of the steps, start-up ledger): one row per rank-step / per rank, COLUMNS.
 
     Every rank at once: each rank's times move to a block of their own on one axis (rank id x
@@ -282,7 +332,7 @@ def compute(steps: pd.DataFrame, spans: pd.DataFrame, compiles: pd.DataFrame,
     if not len(steps):
         return empty, empty.copy()
     starts = _process_starts(events)
-    ranks = pd.unique(steps["rank"])                     # the order of the output's ranks
+    ranks = pd.unique(steps["rank"])  # the order of the output's ranks
     rank_index = pd.Index(ranks)
     rid = rank_index.get_indexer(steps["rank"].to_numpy(object)).astype(np.int64)
     ws = steps["start_ns"].to_numpy(np.int64)
@@ -312,12 +362,32 @@ def compute(steps: pd.DataFrame, spans: pd.DataFrame, compiles: pd.DataFrame,
     comp = compiles.dropna(subset=["start_ns", "end_ns"]) if len(compiles) else compiles
     comp, crid = of_ranks(comp)
     # one axis for all ranks: t -> (t - base) + rank id * span
-    lows = [w_s.min()] + ([spans["start_ns"].astype("int64").min(), spans["end_ns"].astype("int64").min()]
-                          if len(spans) else []) + \
-        ([comp["start_ns"].astype("int64").min(), comp["end_ns"].astype("int64").min()] if len(comp) else [])
-    highs = [w_e.max()] + ([spans["start_ns"].astype("int64").max(), spans["end_ns"].astype("int64").max()]
-                           if len(spans) else []) + \
-        ([comp["start_ns"].astype("int64").max(), comp["end_ns"].astype("int64").max()] if len(comp) else [])
+    lows = (
+        [w_s.min()]
+        + (
+            [spans["start_ns"].astype("int64").min(), spans["end_ns"].astype("int64").min()]
+            if len(spans)
+            else []
+        )
+        + (
+            [comp["start_ns"].astype("int64").min(), comp["end_ns"].astype("int64").min()]
+            if len(comp)
+            else []
+        )
+    )
+    highs = (
+        [w_e.max()]
+        + (
+            [spans["start_ns"].astype("int64").max(), spans["end_ns"].astype("int64").max()]
+            if len(spans)
+            else []
+        )
+        + (
+            [comp["start_ns"].astype("int64").max(), comp["end_ns"].astype("int64").max()]
+            if len(comp)
+            else []
+        )
+    )
     base, width = int(min(lows)), int(max(highs)) - int(min(lows)) + 1
     # ranks whose blocks fit in int64, and few enough that the sweep's arrays stay small
     per_chunk = max(1, min((1 << 62) // width, LEDGER_CHUNK_RANKS))
@@ -337,16 +407,20 @@ def compute(steps: pd.DataFrame, spans: pd.DataFrame, compiles: pd.DataFrame,
 
         cs = sp = None
         if len(comp):
-            cs = (comp["kind"].to_numpy(object)[csel] == "triton_autotune",
-                  shift(comp["start_ns"].astype("int64").to_numpy()[csel], crid[csel]),
-                  shift(comp["end_ns"].astype("int64").to_numpy()[csel], crid[csel]))
+            cs = (
+                comp["kind"].to_numpy(object)[csel] == "triton_autotune",
+                shift(comp["start_ns"].astype("int64").to_numpy()[csel], crid[csel]),
+                shift(comp["end_ns"].astype("int64").to_numpy()[csel], crid[csel]),
+            )
         if len(spans):
-            sp = (span_cat[ssel], span_tid[ssel],  # type: ignore[index]
-                  shift(spans["start_ns"].to_numpy(np.int64)[ssel], srid[ssel]),
-                  shift(spans["end_ns"].to_numpy(np.int64)[ssel], srid[ssel]))
+            sp = (
+                span_cat[ssel],
+                span_tid[ssel],  # type: ignore[index]
+                shift(spans["start_ns"].to_numpy(np.int64)[ssel], srid[ssel]),
+                shift(spans["end_ns"].to_numpy(np.int64)[ssel], srid[ssel]),
+            )
         win_s, win_e = shift(w_s[wsel], w_rid[wsel]), shift(w_e[wsel], w_rid[wsel])
-        intervals = _intervals(sp, srid[ssel], cs, win_s, win_e, w_rid[wsel], w_host[wsel],
-                               residual=residual)
+        intervals = _intervals(sp, srid[ssel], cs, win_s, win_e, w_rid[wsel], w_host[wsel], residual=residual)
         ns[wsel] = _fold(_sweep(win_s, win_e, intervals))
     table = pd.DataFrame(ns / 1e9, columns=[f"{c}_s" for c in CATEGORIES] + ["unexplained_s"])
     table.insert(0, "wall_s", (w_e - w_s) / 1e9)
@@ -363,8 +437,7 @@ def compute(steps: pd.DataFrame, spans: pd.DataFrame, compiles: pd.DataFrame,
 
 
 # -- what ran inside the host line --------------------------------------------------------------
-HOST_CODE_COLUMNS = ["rank", "step", "function", "file", "line", "call", "seconds", "samples",
-                     "runq_s"]
+HOST_CODE_COLUMNS = ["rank", "step", "function", "file", "line", "call", "seconds", "samples", "runq_s"]
 
 
 def host_samples(run):
@@ -384,21 +457,29 @@ def host_samples(run):
         return pd.DataFrame(columns=cols)
     rep = np.repeat(np.arange(len(ev)), lens)
     pid = ev["pid"].to_numpy(object) if "pid" in ev else np.full(len(ev), None, object)
-    out = pd.DataFrame({
-        "rank": pd.Series(ev["rank"].to_numpy(object)[rep], dtype=object),
-        "pid": pd.Series(pid[rep], dtype=object),
-        "tid": ev["tid"].to_numpy(object)[rep],
-        "t_ns": ev["t0"].astype("int64").to_numpy()[rep]
-        + np.concatenate([np.asarray(v, np.int64) for v in ev["dt_us"]]) * 1000,
-        "k": np.concatenate([np.asarray(v, np.int64) for v in ev["k"]]),
-        "runq_ns": _runq_ns(ev, lens)})
+    out = pd.DataFrame(
+        {
+            "rank": pd.Series(ev["rank"].to_numpy(object)[rep], dtype=object),
+            "pid": pd.Series(pid[rep], dtype=object),
+            "tid": ev["tid"].to_numpy(object)[rep],
+            "t_ns": ev["t0"].astype("int64").to_numpy()[rep]
+            + np.concatenate([np.asarray(v, np.int64) for v in ev["dt_us"]]) * 1000,
+            "k": np.concatenate([np.asarray(v, np.int64) for v in ev["k"]]),
+            "runq_ns": _runq_ns(ev, lens),
+        }
+    )
     fpid = frames["pid"].to_numpy(object) if "pid" in frames else np.full(len(frames), None, object)
-    keys = pd.DataFrame({"rank": frames["rank"].to_numpy(object), "pid": fpid,
-                         "k": frames["id"].astype("int64").to_numpy(),
-                         "function": frames["function"].to_numpy(object),
-                         "file": frames["file"].to_numpy(object),
-                         "line": frames["line"].to_numpy(object),
-                         "call": frames["call"].to_numpy(object) if "call" in frames else None})
+    keys = pd.DataFrame(
+        {
+            "rank": frames["rank"].to_numpy(object),
+            "pid": fpid,
+            "k": frames["id"].astype("int64").to_numpy(),
+            "function": frames["function"].to_numpy(object),
+            "file": frames["file"].to_numpy(object),
+            "line": frames["line"].to_numpy(object),
+            "call": frames["call"].to_numpy(object) if "call" in frames else None,
+        }
+    )
     keys = keys.drop_duplicates(["rank", "pid", "k"], keep="last")
     out["_pid"], keys["_pid"] = out["pid"].astype(str), keys["pid"].astype(str)
     merged = out.merge(keys.drop(columns=["pid"]), on=["rank", "_pid", "k"], how="inner")
@@ -445,6 +526,7 @@ def host_code(run):
     where the record has none): on a loaded machine a time slice that ends inside a line
     leaves the thread at that line while other tasks run. Steps whose host time no sample saw
     have no rows."""
+
     def build():
         samples = host_samples(run)
         led = run.ledger
@@ -468,8 +550,12 @@ def host_code(run):
                 continue
             cat = _categories_at(spans, comp, ws, we, t, residual=not forward)
             host = (cat == _HOST) | (cat == _CLOSURE)
-            kept.append(mine[host].assign(step=rows_["step"].to_numpy(np.int64)[w[host]],
-                                          host_s=rows_["host_s"].to_numpy(float)[w[host]]))
+            kept.append(
+                mine[host].assign(
+                    step=rows_["step"].to_numpy(np.int64)[w[host]],
+                    host_s=rows_["host_s"].to_numpy(float)[w[host]],
+                )
+            )
         if not kept:
             return pd.DataFrame(columns=HOST_CODE_COLUMNS)
         df = pd.concat(kept, ignore_index=True)
@@ -479,8 +565,8 @@ def host_code(run):
         # a thread's first sample has no interval before it: its rank's mean share
         df["runq_frac"] = df["runq_frac"].fillna(df.groupby("rank")["runq_frac"].transform("mean"))
         g = df.groupby(keys, sort=False, dropna=False).agg(
-            n=("t_ns", "size"), host_s=("host_s", "first"),
-            runq=("runq_frac", "sum"))
+            n=("t_ns", "size"), host_s=("host_s", "first"), runq=("runq_frac", "sum")
+        )
         g = g.reset_index()
         if df["runq_frac"].isna().all():  # recorded without the run-queue delay
             g["runq"] = np.nan
@@ -491,6 +577,7 @@ def host_code(run):
         g["call"] = g["call"].where(g["call"] != "", None)
         g = g.sort_values(["rank", "step", "seconds"], ascending=[True, True, False], kind="stable")
         return g.reset_index(drop=True)[HOST_CODE_COLUMNS]
+
     return run.cached("host_code", build).copy(deep=False)
 
 
@@ -504,7 +591,7 @@ def _categories_at(spans, compiles, win_start, win_end, times, residual=False):
     intervals = _rank_intervals(spans, compiles, win_start, win_end, residual)
     out = np.full(len(times), len(_SWEEP), np.int64)
     open_ = np.ones(len(times), bool)
-    for c in sorted(intervals):                      # highest priority first
+    for c in sorted(intervals):  # highest priority first
         s, e = intervals[c]
         hit = open_ & _covered(times, np.asarray(s, np.int64), np.asarray(e, np.int64))
         out[hit] = c
@@ -513,16 +600,16 @@ def _categories_at(spans, compiles, win_start, win_end, times, residual=False):
 
 
 # -- reading the ledger ----------------------------------------------------------------------------
-def rows(run: RunRecord, rank: str | None = None,
-         steps: Iterable[int] | None = None) -> pd.DataFrame:
+def rows(run: RunRecord, rank: str | None = None, steps: Iterable[int] | None = None) -> pd.DataFrame:
     led = run.ledger if rank is None else run.rank_rows("ledger", rank)
     if steps is not None:
-        led = led[led["step"].isin(set(int(s) for s in steps))]
+        led = led[led["step"].isin({int(s) for s in steps})]
     return led
 
 
-def share(run: RunRecord, categories: Iterable[str], rank: str | None = None,
-          steps: Iterable[int] | None = None) -> tuple[float, float]:
+def share(
+    run: RunRecord, categories: Iterable[str], rank: str | None = None, steps: Iterable[int] | None = None
+) -> tuple[float, float]:
     """(share of wall time, seconds per step) of the categories over the given rank-steps."""
     led = rows(run, rank, steps)
     if not len(led):
@@ -573,6 +660,7 @@ def _num(seconds):
 
 def steady_rows(run: RunRecord, rank: str | None = None) -> pd.DataFrame:
     """The ledger over the steady window (no warm-up, no torch.profiler window)."""
+
     def build():
         steady = steady_steps(run)
         led = rows(run)
@@ -629,10 +717,19 @@ def cpu_evidence(run: RunRecord, ranks: Iterable[str] | None = None) -> dict[str
         if "runq" in data and data["runq"].notna().any():
             data_runq = float(data["runq"].fillna(0.0).to_numpy(dtype=float)[inside].sum()) / len(led)
     wall = float(led["wall_s"].mean())
-    out = {"rank": rank, "steps": len(led), "wall": wall, "data": float(led["data_s"].mean()),
-           "data_cpu": data_cpu, "proc_cpu": float(cpu["proc_cpu_s"].mean()),
-           "thread_cpu": float(cpu["thread_cpu_s"].mean()) if "thread_cpu_s" in cpu else None,
-           "data_runq": data_runq, "thread_runq": None, "running": None, "idle": None}
+    out = {
+        "rank": rank,
+        "steps": len(led),
+        "wall": wall,
+        "data": float(led["data_s"].mean()),
+        "data_cpu": data_cpu,
+        "proc_cpu": float(cpu["proc_cpu_s"].mean()),
+        "thread_cpu": float(cpu["thread_cpu_s"].mean()) if "thread_cpu_s" in cpu else None,
+        "data_runq": data_runq,
+        "thread_runq": None,
+        "running": None,
+        "idle": None,
+    }
     if "thread_runq_s" in cpu and cpu["thread_runq_s"].notna().any():
         out["thread_runq"] = float(cpu["thread_runq_s"].mean())
     cores = cpu["cores"].dropna() if "cores" in cpu else pd.Series(dtype=float)
@@ -642,5 +739,3 @@ def cpu_evidence(run: RunRecord, ranks: Iterable[str] | None = None) -> dict[str
     if "sys_idle_s" in cpu and cpu["sys_idle_s"].notna().any() and wall > 0:
         out["idle"] = float(cpu["sys_idle_s"].mean()) / wall
     return out
-
-

@@ -2,28 +2,38 @@
 collectives the nodes share (clock.json, the merged manifest, nvml.csv, log.txt, pyspy/ beside
 the untouched node folders). Derive layer: it reads the parts' events (traindx.derive.run) and
 writes only derived files; the record layer's node bookkeeping is traindx.profiler.nodes."""
+
 from __future__ import annotations
 
 import os
-from typing import Optional
 
 from traindx.common.errors import UserError
-from traindx.profiler.nodes import (CLOCK_FILE, _merge_log, _merge_nvml, _merge_pyspy, _read_manifest,
-                           _write_json, combine, merged_manifest, node_dirs)
+from traindx.profiler.nodes import (
+    CLOCK_FILE,
+    _merge_log,
+    _merge_nvml,
+    _merge_pyspy,
+    _read_manifest,
+    _write_json,
+    combine,
+    merged_manifest,
+    node_dirs,
+)
 
 
-def merge_parts(run_dir: str, reference: Optional[str] = None) -> tuple:
+def merge_parts(run_dir: str, reference: str | None = None) -> tuple:
     """Write clock.json and the merged pieces; returns (clock document, merged manifest)."""
-    from traindx.profiler import clocks
     from traindx.derive.run import _load_events
+    from traindx.profiler import clocks
 
     run_dir = os.path.abspath(run_dir)
     if not os.path.isdir(run_dir):
         raise UserError(f"no such run folder: {run_dir}")
     found = node_dirs(run_dir)
     if not found:
-        raise UserError(f"{run_dir} has no node parts (nodes/<node>/manifest.json): it is not a "
-                        "multi-node run")
+        raise UserError(
+            f"{run_dir} has no node parts (nodes/<node>/manifest.json): it is not a multi-node run"
+        )
     if reference is not None and reference not in found:
         raise UserError(f"--reference {reference}: no such node (nodes: {', '.join(found)})")
     manifests = {n: _read_manifest(d) for n, d in found.items()}
@@ -39,12 +49,17 @@ def merge_parts(run_dir: str, reference: Optional[str] = None) -> tuple:
         entry["host"] = (manifests[n].get("host") or {}).get("hostname")
         entry["ranks"] = sorted({str(r) for r in (manifests[n].get("ranks") or {})})
     offsets = {n: e["offset_ns"] for n, e in per_node.items()}
-    clock = {"method": clocks.METHOD, "reference": summary["reference"],
-             "consistent": summary["consistent"], "conflicts": summary["conflicts"],
-             "usable_collectives": summary["usable_collectives"], "nodes": per_node,
-             "pairs": summary["pairs"],
-             "note": "offset_ns is added to every timestamp of that node; the true offset lies "
-                     "within offset_ns ± error_ns if the node's clock ran at a constant offset"}
+    clock = {
+        "method": clocks.METHOD,
+        "reference": summary["reference"],
+        "consistent": summary["consistent"],
+        "conflicts": summary["conflicts"],
+        "usable_collectives": summary["usable_collectives"],
+        "nodes": per_node,
+        "pairs": summary["pairs"],
+        "note": "offset_ns is added to every timestamp of that node; the true offset lies "
+        "within offset_ns ± error_ns if the node's clock ran at a constant offset",
+    }
     _write_json(os.path.join(run_dir, CLOCK_FILE), clock)
 
     ordered = list(found)
@@ -63,7 +78,7 @@ def merge_parts(run_dir: str, reference: Optional[str] = None) -> tuple:
     return clock, manifest
 
 
-def merge(run_dir: str, reference: Optional[str] = None):
+def merge(run_dir: str, reference: str | None = None):
     """Merge the node parts of a multi-node run (RUN/nodes/<node>/) into one run over all ranks:
     clock.json, the merged manifest, nvml.csv, log.txt and pyspy/ beside the untouched node
     folders. Returns the merged run, loaded (traindx.derive.run.RunRecord); its clock document is

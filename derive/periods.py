@@ -4,6 +4,7 @@ included) whose dearest residue is larger than the other steps nearly always, be
 Derive layer (statistics, no Finding): analyzers.stability names a ledger line's period with it,
 recipes.ab decides by it whether two arms' step times are compared by their means.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -11,16 +12,16 @@ from typing import Any
 
 import numpy as np
 
-LINE_PERIOD_MAX = 8          # longer periods are the slow-step search's business
+LINE_PERIOD_MAX = 8  # longer periods are the slow-step search's business
 LINE_MIN_EXCESS_SHARE = 0.03  # of the mean step: the dear steps' excess on that line
 LINE_MIN_EXCESS_S = 0.002
-LINE_MIN_AGREEMENT = 0.9     # share of (dear step, other step) pairs in that order
-LINE_HALF_AGREEMENT = 0.8    # ...in each half of the window on its own
-LINE_PERMUTATIONS = 199      # shuffles of a line's values for the chance level of its best period
-LINE_PERMUTATION_SEED = 0    # fixed: the same run always gives the same findings
-LINE_MAX_P = 0.01            # family-wise, over every period tried
-LINE_MAX_STEPS = 512         # the last steps of the window are enough to see a period
-LINE_MIN_REPEATS = 4         # steps of each residue in the window
+LINE_MIN_AGREEMENT = 0.9  # share of (dear step, other step) pairs in that order
+LINE_HALF_AGREEMENT = 0.8  # ...in each half of the window on its own
+LINE_PERMUTATIONS = 199  # shuffles of a line's values for the chance level of its best period
+LINE_PERMUTATION_SEED = 0  # fixed: the same run always gives the same findings
+LINE_MAX_P = 0.01  # family-wise, over every period tried
+LINE_MAX_STEPS = 512  # the last steps of the window are enough to see a period
+LINE_MIN_REPEATS = 4  # steps of each residue in the window
 
 
 def series_period(steps: Sequence[int], values: Sequence[float]) -> dict[str, Any] | None:
@@ -65,8 +66,11 @@ def period_of(steps, values, step_s):
     in both halves of the window, with an excess worth naming; None when none is."""
     need = max(LINE_MIN_EXCESS_S, LINE_MIN_EXCESS_SHARE * step_s)
     steps, values = steps[-LINE_MAX_STEPS:], values[-LINE_MAX_STEPS:]
-    periods = [p for p in range(2, min(LINE_PERIOD_MAX, len(steps) // LINE_MIN_REPEATS) + 1)
-               if np.bincount(steps % p, minlength=p).min() >= LINE_MIN_REPEATS]
+    periods = [
+        p
+        for p in range(2, min(LINE_PERIOD_MAX, len(steps) // LINE_MIN_REPEATS) + 1)
+        if np.bincount(steps % p, minlength=p).min() >= LINE_MIN_REPEATS
+    ]
     if not periods:
         return None
     order = values.argsort(kind="stable")
@@ -93,10 +97,22 @@ def period_of(steps, values, step_s):
         excess = slow - other
         if excess < need:
             continue
-        if min(_auc(values[:half][mask[:half]], values[:half][~mask[:half]]),
-               _auc(values[half:][mask[half:]], values[half:][~mask[half:]])) < LINE_HALF_AGREEMENT:
+        if (
+            min(
+                _auc(values[:half][mask[:half]], values[:half][~mask[:half]]),
+                _auc(values[half:][mask[half:]], values[half:][~mask[half:]]),
+            )
+            < LINE_HALF_AGREEMENT
+        ):
             continue
-        return {"period": period, "residue": int(top), "steps": [int(s) for s in steps[mask]],
-                "excess_s": excess, "slow_s": slow, "other_s": other,
-                "auc": round(float(observed), 3), "p_value": round(p_value, 4)}
+        return {
+            "period": period,
+            "residue": int(top),
+            "steps": [int(s) for s in steps[mask]],
+            "excess_s": excess,
+            "slow_s": slow,
+            "other_s": other,
+            "auc": round(float(observed), 3),
+            "p_value": round(p_value, 4),
+        }
     return None

@@ -6,6 +6,7 @@ events are read per type (traindx.profiler.columnar: Arrow, no Python loop per e
 built when first used. Analyzers, reports and comparisons read only this object and never
 change it.
 """
+
 import glob
 import json
 import os
@@ -17,26 +18,41 @@ from functools import cached_property
 import numpy as np
 import pandas as pd
 
-from traindx.profiler import columnar, nodes
-from traindx.profiler.columnar import CorruptEvidenceWarning, TruncatedEvidenceWarning  # noqa: F401
 from traindx.common.errors import UserError
 from traindx.derive.ledger import compute, measured_forward, spans_table
-from traindx.profiler.nodes import load_traces
+from traindx.derive.so_far import EventsSoFar  # noqa: F401 (the live loads' state, read here)
+from traindx.profiler import columnar, nodes
+from traindx.profiler.columnar import CorruptEvidenceWarning, TruncatedEvidenceWarning  # noqa: F401
 from traindx.profiler.logparse import compile_custom, parse_line
+from traindx.profiler.nodes import load_traces
 from traindx.profiler.rolling import load_pyspy, read_text
 from traindx.profiler.shim._traindx_shim import schema
 from traindx.profiler.shim._traindx_shim.roles import parse_process_file, rank_labels
-from traindx.derive.so_far import EventsSoFar  # noqa: F401 (the live loads' state, read here)
 
 STEP_COLUMNS = ["rank", "step", "start_ns", "end_ns", "duration_s"]
 PROCESS_COLUMNS = ["pid", "ppid", "label", "rank", "evidence", "argv", "file"]
-COMPILE_COLUMNS = ["rank", "kind", "kernel", "start_ns", "end_ns", "duration_s", "thread",
-                   "is_main_thread", "step", "caller", "key", "key_fields", "detail"]
+COMPILE_COLUMNS = [
+    "rank",
+    "kind",
+    "kernel",
+    "start_ns",
+    "end_ns",
+    "duration_s",
+    "thread",
+    "is_main_thread",
+    "step",
+    "caller",
+    "key",
+    "key_fields",
+    "detail",
+]
 
 
 _WRAPPED_VALUE = re.compile(r"loss\w*:\s*$")
-_VALUE_LINE = re.compile(r"^[\s\d:.,/%•-]*\s[-+]?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?\s*$|"
-                         r"^\s*[-+]?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?\s*$")
+_VALUE_LINE = re.compile(
+    r"^[\s\d:.,/%•-]*\s[-+]?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?\s*$|"
+    r"^\s*[-+]?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?\s*$"
+)
 
 
 def _read_jsonl(path, valid=None):
@@ -59,22 +75,27 @@ def _read_jsonl(path, valid=None):
         if isinstance(event, dict) and (valid is None or valid(event)):
             events.append(event)
         elif n == last and not bad:
-            warnings.warn(f"{path}:{n + 1}: last line is truncated (the job was killed "
-                          "mid-write); it was skipped", TruncatedEvidenceWarning, stacklevel=3)
+            warnings.warn(
+                f"{path}:{n + 1}: last line is truncated (the job was killed mid-write); it was skipped",
+                TruncatedEvidenceWarning,
+                stacklevel=3,
+            )
         else:
             bad.append(n + 1)
     if bad:
         where = ", ".join(map(str, bad[:5])) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
-        warnings.warn(f"{path}: corrupt line{'s' if len(bad) > 1 else ''} {where} skipped",
-                      CorruptEvidenceWarning, stacklevel=3)
+        warnings.warn(
+            f"{path}: corrupt line{'s' if len(bad) > 1 else ''} {where} skipped",
+            CorruptEvidenceWarning,
+            stacklevel=3,
+        )
     return events
 
 
 def _valid_dump(snap):
     """A py-spy dump snapshot: a time and a list of threads."""
     t = snap.get("t")
-    return isinstance(t, (int, float)) and not isinstance(t, bool) and \
-        isinstance(snap.get("threads"), list)
+    return isinstance(t, (int, float)) and not isinstance(t, bool) and isinstance(snap.get("threads"), list)
 
 
 def _rank_of(path, suffix):
@@ -89,8 +110,9 @@ def _spread_coalesced(rows: list) -> None:
     i = 0
     while i < len(rows):
         j = i
-        while j + 1 < len(rows) and rows[j + 1]["t"] == rows[i]["t"] \
-                and rows[j + 1]["step"] == rows[i]["step"]:
+        while (
+            j + 1 < len(rows) and rows[j + 1]["t"] == rows[i]["t"] and rows[j + 1]["step"] == rows[i]["step"]
+        ):
             j += 1
         if j > i and i > 0:
             last = rows[i]["step"]
@@ -107,8 +129,7 @@ class RunRecord:
     tables: columnar.EventTables = field(repr=False)  # the shim's events, one table per type
     # every Python process the shim saw (launchers too): pid, ppid, label (rank label or None),
     # rank, evidence (what showed it trains), argv, file
-    processes: pd.DataFrame = field(repr=False, default_factory=lambda: pd.DataFrame(
-        columns=PROCESS_COLUMNS))
+    processes: pd.DataFrame = field(repr=False, default_factory=lambda: pd.DataFrame(columns=PROCESS_COLUMNS))
     labels: dict = field(repr=False, default_factory=dict)  # {pid: rank label}
     memo: dict = field(repr=False, default_factory=dict, compare=False)  # derived, shared tables
 
@@ -127,9 +148,13 @@ class RunRecord:
         """The same run restricted to some ranks: every derived table filtered once, by one
         vectorised isin (nothing re-parsed or re-computed; the log, NVML and manifest shared)."""
         keep = set(ranks)
-        sub = RunRecord(path=self.path, manifest=self.manifest,
-                        tables=columnar.RankSubset(self.tables, keep), processes=self.processes,
-                        labels=self.labels)
+        sub = RunRecord(
+            path=self.path,
+            manifest=self.manifest,
+            tables=columnar.RankSubset(self.tables, keep),
+            processes=self.processes,
+            labels=self.labels,
+        )
 
         def only(df):
             return df[df["rank"].isin(keep).to_numpy()] if len(df) and "rank" in df else df
@@ -158,8 +183,9 @@ class RunRecord:
             return stem
         if pid in self.labels:
             return self.labels[pid]
-        by_manifest = {int(p): label for label, p in self.manifest.get("ranks", {}).items()
-                       if str(p).isdigit()}
+        by_manifest = {
+            int(p): label for label, p in self.manifest.get("ranks", {}).items() if str(p).isdigit()
+        }
         return by_manifest.get(pid)
 
     # -- the derived tables --------------------------------------------------------------------
@@ -184,34 +210,58 @@ class RunRecord:
         ends = self.of_type(schema.STEP_END)
         if not len(ends):
             return pd.DataFrame(columns=STEP_COLUMNS)
-        ends = pd.DataFrame({"rank": pd.Series(ends["rank"].to_numpy(object), dtype=object),
-                             "step": ends["step"].astype(np.int64).to_numpy(),
-                             "end_ns": ends["t"].astype(np.int64).to_numpy()})
+        ends = pd.DataFrame(
+            {
+                "rank": pd.Series(ends["rank"].to_numpy(object), dtype=object),
+                "step": ends["step"].astype(np.int64).to_numpy(),
+                "end_ns": ends["t"].astype(np.int64).to_numpy(),
+            }
+        )
         begins = self.of_type(schema.STEP_BEGIN)
         if len(begins):
-            begins = pd.DataFrame({"rank": pd.Series(begins["rank"].to_numpy(object), dtype=object),
-                                   "step": begins["step"].astype(np.int64).to_numpy(),
-                                   "start_ns": begins["t"].astype(np.int64).to_numpy()})
+            begins = pd.DataFrame(
+                {
+                    "rank": pd.Series(begins["rank"].to_numpy(object), dtype=object),
+                    "step": begins["step"].astype(np.int64).to_numpy(),
+                    "start_ns": begins["t"].astype(np.int64).to_numpy(),
+                }
+            )
             begins["t"] = begins["start_ns"]
             begins["_begin"] = np.arange(len(begins), dtype=np.float64)
             ends["t"] = ends["end_ns"]
             ends["_row"] = np.arange(len(ends))
-            paired = pd.merge_asof(ends, begins.drop(columns=["start_ns"]), on="t",
-                                   by=["rank", "step"], direction="backward",
-                                   allow_exact_matches=True)
+            paired = pd.merge_asof(
+                ends,
+                begins.drop(columns=["start_ns"]),
+                on="t",
+                by=["rank", "step"],
+                direction="backward",
+                allow_exact_matches=True,
+            )
             which = paired.sort_values("_row", kind="stable")["_begin"].to_numpy(np.float64)
             found = ~np.isnan(which)
             start_ns = begins["start_ns"].to_numpy(np.int64)[np.where(found, which, 0).astype(np.int64)]
-            start = np.where(found, start_ns, 0) if found.all() else \
-                np.where(found, start_ns.astype(np.float64), np.nan)
+            start = (
+                np.where(found, start_ns, 0)
+                if found.all()
+                else np.where(found, start_ns.astype(np.float64), np.nan)
+            )
         else:
             start = np.full(len(ends), np.nan)
-        out = pd.DataFrame({"rank": pd.Series(ends["rank"].to_numpy(object), dtype=object),
-                            "step": ends["step"].to_numpy(),
-                            "start_ns": start, "end_ns": ends["end_ns"].to_numpy()})
+        out = pd.DataFrame(
+            {
+                "rank": pd.Series(ends["rank"].to_numpy(object), dtype=object),
+                "step": ends["step"].to_numpy(),
+                "start_ns": start,
+                "end_ns": ends["end_ns"].to_numpy(),
+            }
+        )
         # exact ns difference; a step without its begin: NaN (start_ns then a float column)
-        out["duration_s"] = ((out["end_ns"] - out["start_ns"]) / 1e9 if start.dtype == np.int64
-                             else (out["end_ns"].astype(np.float64) - start) / 1e9)
+        out["duration_s"] = (
+            (out["end_ns"] - out["start_ns"]) / 1e9
+            if start.dtype == np.int64
+            else (out["end_ns"].astype(np.float64) - start) / 1e9
+        )
         # rank order (as groupby gives it), t order within a rank
         codes, _ = pd.factorize(out["rank"], sort=True)
         out = out.iloc[np.argsort(codes, kind="stable")]
@@ -265,9 +315,12 @@ class RunRecord:
                 elif line.strip():
                     skipped += 1
             if skipped:  # garbage (a disk fault, a bad copy): the readable lines still count
-                warnings.warn(f"{path}: {skipped} line{'s' if skipped > 1 else ''} without the "
-                              "launcher's time and stream skipped", CorruptEvidenceWarning,
-                              stacklevel=2)
+                warnings.warn(
+                    f"{path}: {skipped} line{'s' if skipped > 1 else ''} without the "
+                    "launcher's time and stream skipped",
+                    CorruptEvidenceWarning,
+                    stacklevel=2,
+                )
         return pd.DataFrame(rows, columns=["t", "stream", "text"])
 
     @cached_property
@@ -302,6 +355,7 @@ class RunRecord:
             step_end = self.of_type(schema.STEP_END)
             ends = sorted(int(t) for t in step_end["t"]) if len(step_end) else []
             import bisect
+
             unnumbered = 0
             placed = []
             for r in rows:
@@ -342,13 +396,33 @@ class RunRecord:
                         continue
                     frames = th.get("frames")
                     frames = frames if isinstance(frames, list) else []
-                    rows.append({"t": snap["t"], "rank": rank, "thread_name": th.get("thread_name"),
-                                 "thread_id": th.get("thread_id"), "active": th.get("active"),
-                                 "owns_gil": th.get("owns_gil"), "frames": frames,
-                                 "os_thread_id": th.get("os_thread_id"),
-                                 "trigger": snap.get("trigger")})
-        return pd.DataFrame(rows, columns=["t", "rank", "thread_name", "thread_id", "active",
-                                           "owns_gil", "frames", "os_thread_id", "trigger"])
+                    rows.append(
+                        {
+                            "t": snap["t"],
+                            "rank": rank,
+                            "thread_name": th.get("thread_name"),
+                            "thread_id": th.get("thread_id"),
+                            "active": th.get("active"),
+                            "owns_gil": th.get("owns_gil"),
+                            "frames": frames,
+                            "os_thread_id": th.get("os_thread_id"),
+                            "trigger": snap.get("trigger"),
+                        }
+                    )
+        return pd.DataFrame(
+            rows,
+            columns=[
+                "t",
+                "rank",
+                "thread_name",
+                "thread_id",
+                "active",
+                "owns_gil",
+                "frames",
+                "os_thread_id",
+                "trigger",
+            ],
+        )
 
     @cached_property
     def torch_trace(self):
@@ -366,9 +440,13 @@ class RunRecord:
 
     @cached_property
     def _ledgers(self):
-        return compute(self.steps, self.spans, self.compiles, self.of_type(schema.PROCESS_START),
-                       forward_measured=measured_forward(self.spans,
-                                                         self.of_type(schema.HOST_SAMPLES)))
+        return compute(
+            self.steps,
+            self.spans,
+            self.compiles,
+            self.of_type(schema.PROCESS_START),
+            forward_measured=measured_forward(self.spans, self.of_type(schema.HOST_SAMPLES)),
+        )
 
     @property
     def ledger(self):
@@ -393,8 +471,9 @@ class RunRecord:
             return {}
         out = {}
         for row in df.sort_values("t", kind="stable").to_dict("records"):
-            out[str(row["rank"])] = {k: (None if _is_nan(v) else v) for k, v in row.items()
-                                     if k not in ("type", "rank")}
+            out[str(row["rank"])] = {
+                k: (None if _is_nan(v) else v) for k, v in row.items() if k not in ("type", "rank")
+            }
         return out
 
     @property
@@ -441,11 +520,14 @@ class RunRecord:
         """The rows of one rank of a derived table ('steps', 'gc', 'spans', 'ledger', ... or
         `frame` under that name), from one groupby per table: per-rank analyzers then cost
         O(that rank's rows), not a scan of every rank's rows each."""
+
         def split():
             df = getattr(self, table) if frame is None else frame
             if not len(df) or "rank" not in df:
                 return df.iloc[0:0], {}
-            return df.iloc[0:0], {r: g for r, g in df.groupby("rank", sort=False)}
+            # not dict(groupby): a GroupBy has a `keys` attribute, which dict() would call
+            return df.iloc[0:0], {r: g for r, g in df.groupby("rank", sort=False)}  # noqa: C416
+
         empty, groups = self.cached(("by_rank", table), split)
         got = groups.get(rank)
         return (empty if got is None else got).copy(deep=False)
@@ -461,21 +543,44 @@ def _next_of_same_stream(streams):
 
 
 # what a run folder holds besides its manifest (any of them makes it a run to analyse)
-EVIDENCE_PATHS = {"events": "events", "pyspy": "py-spy recordings", "log.txt": "log",
-                  "nvml.csv": "NVML samples", "trace": "torch.profiler window"}
+EVIDENCE_PATHS = {
+    "events": "events",
+    "pyspy": "py-spy recordings",
+    "log.txt": "log",
+    "nvml.csv": "NVML samples",
+    "trace": "torch.profiler window",
+}
 
 
 def _evidence_present(path):
-    return [what for name, what in EVIDENCE_PATHS.items()
-            if os.path.isfile(os.path.join(path, name)) or
-            (os.path.isdir(os.path.join(path, name)) and os.listdir(os.path.join(path, name)))]
+    return [
+        what
+        for name, what in EVIDENCE_PATHS.items()
+        if os.path.isfile(os.path.join(path, name))
+        or (os.path.isdir(os.path.join(path, name)) and os.listdir(os.path.join(path, name)))
+    ]
 
 
 # the manifest's fields and their JSON types (launcher, attach, merge write them)
-MANIFEST_SHAPES = {"command": list, "gpus": list, "signals_forwarded": list, "host": dict,
-                   "packages": dict, "env": dict, "options": dict, "ranks": dict, "missing": dict,
-                   "nvml": dict, "budget": dict, "start_ns": (int, float), "end_ns": (int, float),
-                   "exit_code": int, "pid": int, "cwd": str, "status": str}
+MANIFEST_SHAPES = {
+    "command": list,
+    "gpus": list,
+    "signals_forwarded": list,
+    "host": dict,
+    "packages": dict,
+    "env": dict,
+    "options": dict,
+    "ranks": dict,
+    "missing": dict,
+    "nvml": dict,
+    "budget": dict,
+    "start_ns": (int, float),
+    "end_ns": (int, float),
+    "exit_code": int,
+    "pid": int,
+    "cwd": str,
+    "status": str,
+}
 
 
 def _read_manifest(manifest_path):
@@ -506,8 +611,12 @@ def _read_manifest(manifest_path):
         wrong.append(key)
         manifest[key] = [] if kind is list else {} if kind is dict else None
     if wrong:
-        warnings.warn(f"{manifest_path}: field{'s' if len(wrong) > 1 else ''} of the wrong type "
-                      f"ignored: {', '.join(wrong)}", CorruptEvidenceWarning, stacklevel=3)
+        warnings.warn(
+            f"{manifest_path}: field{'s' if len(wrong) > 1 else ''} of the wrong type "
+            f"ignored: {', '.join(wrong)}",
+            CorruptEvidenceWarning,
+            stacklevel=3,
+        )
     return manifest, None
 
 
@@ -525,8 +634,10 @@ def load_run(path, cache=None, so_far=None):
         raise UserError(f"no such run folder: {path}")
     manifest_path = os.path.join(path, "manifest.json")
     if not os.path.isfile(manifest_path) and os.path.isdir(os.path.join(path, "nodes")):
-        raise UserError(f"{path} is a multi-node run not merged yet: run `diagnose merge "
-                        f"{path}` once every node has finished")
+        raise UserError(
+            f"{path} is a multi-node run not merged yet: run `diagnose merge "
+            f"{path}` once every node has finished"
+        )
     manifest, problem = _read_manifest(manifest_path)
     if problem is not None:
         evidence = _evidence_present(path)
@@ -534,15 +645,22 @@ def load_run(path, cache=None, so_far=None):
             raise UserError(f"{path} is not a traindx run ({problem})")
         # the evidence outlived its manifest (a disk fault, a copy without it): analyse what is
         # there; only what the manifest alone knew (command, options, GPUs, exit code) is lost
-        warnings.warn(f"{manifest_path}: {problem}; analysing the run's {', '.join(evidence)} "
-                      "without it (its command, options and exit code are unknown)",
-                      CorruptEvidenceWarning, stacklevel=2)
-        manifest = {"traindx_run": 1, "command": [], "status": "unknown",
-                    "missing": {"manifest": problem}}
+        warnings.warn(
+            f"{manifest_path}: {problem}; analysing the run's {', '.join(evidence)} "
+            "without it (its command, options and exit code are unknown)",
+            CorruptEvidenceWarning,
+            stacklevel=2,
+        )
+        manifest = {"traindx_run": 1, "command": [], "status": "unknown", "missing": {"manifest": problem}}
     tables, processes, labels = _load_tables(path, cache, manifest, so_far=so_far)
     columns = PROCESS_COLUMNS + (["node"] if manifest.get("nodes") else [])
-    return RunRecord(path=path, manifest=manifest, tables=tables,
-                     processes=pd.DataFrame(processes, columns=columns), labels=labels)
+    return RunRecord(
+        path=path,
+        manifest=manifest,
+        tables=tables,
+        processes=pd.DataFrame(processes, columns=columns),
+        labels=labels,
+    )
 
 
 TRAINING_EVENTS = schema.TRAINING_EVENTS
@@ -571,8 +689,9 @@ def _load_tables(path, cache=None, manifest=None, write_cache=True, so_far=None)
     if hit is not None:
         index, paths = hit
         columnar.warn_all(_notes_from_json(index["notes"]), stacklevel=4)
-        tables = columnar.EventTables(files, index["labels_by_file"], {}, {}, cached=paths,
-                                      summary=index["summary"])
+        tables = columnar.EventTables(
+            files, index["labels_by_file"], {}, {}, cached=paths, summary=index["summary"]
+        )
         return tables, index["processes"], _labels_from_json(index["labels"])
     # a merged run: the tables each node wrote for itself at its job's end (node_tables)
     node_hits = _node_tables(path, manifest, files) if multi and read else {}
@@ -587,8 +706,11 @@ def _load_tables(path, cache=None, manifest=None, write_cache=True, so_far=None)
             i = base + p["index"]
             info_of_file[i] = dict(p, index=i, file=files[i].rel, node=files[i].node)
     todo = [i for i in range(len(files)) if summary[i] is None]
-    parsed = (columnar.parse_files([files[i] for i in todo], indices=todo) if so_far is None
-              else so_far.parse([files[i] for i in todo], todo))
+    parsed = (
+        columnar.parse_files([files[i] for i in todo], indices=todo)
+        if so_far is None
+        else so_far.parse([files[i] for i in todo], todo)
+    )
     notes += [n for _, _, ns, _ in parsed for n in ns]
     columnar.warn_all(notes, stacklevel=4)
     for i, (_, _, _, ident) in zip(todo, parsed):
@@ -596,8 +718,10 @@ def _load_tables(path, cache=None, manifest=None, write_cache=True, so_far=None)
         pid = columnar.process_pid(files[i].rel)
         if pid is not None:
             info_of_file[i] = _process_info(pid, files[i], i, ident)
-    label_of_file = [os.path.basename(x.rel)[: -len(".jsonl")]
-                     if columnar.process_pid(x.rel) is None else None for x in files]
+    label_of_file = [
+        os.path.basename(x.rel)[: -len(".jsonl")] if columnar.process_pid(x.rel) is None else None
+        for x in files
+    ]
     per_process = [p for p in info_of_file if p is not None]
     has_label_files = any(label is not None for label in label_of_file)
     if multi:
@@ -616,8 +740,15 @@ def _load_tables(path, cache=None, manifest=None, write_cache=True, so_far=None)
     table = []
     for p in per_process:
         label = labels.get(key(p))
-        row = {"pid": p["pid"], "ppid": p["ppid"], "label": label, "rank": p["rank"],
-               "evidence": p["evidence"], "argv": p["argv"], "file": p["file"]}
+        row = {
+            "pid": p["pid"],
+            "ppid": p["ppid"],
+            "label": label,
+            "rank": p["rank"],
+            "evidence": p["evidence"],
+            "argv": p["argv"],
+            "file": p["file"],
+        }
         if multi:
             row["node"] = p["node"]
         table.append(row)
@@ -630,15 +761,25 @@ def _load_tables(path, cache=None, manifest=None, write_cache=True, so_far=None)
         for typ, rows in rows_of_file.items():
             nested.setdefault(typ, []).extend(rows)
     del parsed
-    tables = columnar.EventTables(files, label_of_file, flat, nested, summary=summary,
-                                  node_tables=node_tables,
-                                  kept=None if so_far is None else so_far.frames)
+    tables = columnar.EventTables(
+        files,
+        label_of_file,
+        flat,
+        nested,
+        summary=summary,
+        node_tables=node_tables,
+        kept=None if so_far is None else so_far.frames,
+    )
     # every node's own tables read: a run-wide copy would only duplicate them
     if write and (todo or not node_tables):
-        meta = {"summary": summary, "processes": table, "labels": _labels_to_json(labels),
-                "labels_by_file": label_of_file, "per_process": per_process,
-                "notes": [["corrupt" if c is CorruptEvidenceWarning else "truncated", m]
-                          for c, m in notes]}
+        meta = {
+            "summary": summary,
+            "processes": table,
+            "labels": _labels_to_json(labels),
+            "labels_by_file": label_of_file,
+            "per_process": per_process,
+            "notes": [["corrupt" if c is CorruptEvidenceWarning else "truncated", m] for c, m in notes],
+        }
         tables.write_cache(path, fp, meta)
     return tables, table, labels
 
@@ -646,10 +787,19 @@ def _load_tables(path, cache=None, manifest=None, write_cache=True, so_far=None)
 def _process_info(pid, x, i, ident):
     """One process of the run from its file's identity events: pid, ppid, the rank it reported
     (the last rank_known, else process_start's), start, training evidence, what it recorded."""
-    info = {"pid": pid, "ppid": None, "rank": None, "start": None, "evidence": None,
-            "argv": None, "file": x.rel, "index": i, "node": x.node,
-            "training": bool(ident["types"] & TRAINING_EVENTS),
-            "recorded": bool(ident["types"] - IDENTITY_EVENTS)}
+    info = {
+        "pid": pid,
+        "ppid": None,
+        "rank": None,
+        "start": None,
+        "evidence": None,
+        "argv": None,
+        "file": x.rel,
+        "index": i,
+        "node": x.node,
+        "training": bool(ident["types"] & TRAINING_EVENTS),
+        "recorded": bool(ident["types"] - IDENTITY_EVENTS),
+    }
     for e in ident["events"]:
         kind = e["type"]
         if kind == schema.PROCESS_START:
@@ -675,8 +825,7 @@ def _node_tables(path, manifest, files):
     for folder, node, _ in nodes.parts(path, manifest or {}):
         own = columnar.event_files(folder)
         hit = columnar.read_cache(folder, columnar.fingerprint(own)) if own else None
-        if hit is not None and "per_process" in hit[0] and \
-                len(hit[0]["summary"]) == len(own):
+        if hit is not None and "per_process" in hit[0] and len(hit[0]["summary"]) == len(own):
             out[base] = hit
         base += len(own)
     return out if base == len(files) else {}  # a node's files changed meanwhile: parse all
@@ -698,8 +847,7 @@ def write_tables(path):
 
 
 def _notes_from_json(items):
-    return [(CorruptEvidenceWarning if c == "corrupt" else TruncatedEvidenceWarning, m)
-            for c, m in items]
+    return [(CorruptEvidenceWarning if c == "corrupt" else TruncatedEvidenceWarning, m) for c, m in items]
 
 
 def _rank_processes(per_process, has_label_files):

@@ -11,10 +11,10 @@ pass judges the record of the window, what the batch analysis of those rows give
 (tests/test_live.py). Running totals of what was trimmed are kept (`dropped`, `steps_dropped`).
 Derive layer: no judgement here.
 """
+
 from __future__ import annotations
 
 import os
-from typing import Optional
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -24,9 +24,19 @@ from traindx.profiler.shim._traindx_shim import schema
 
 # event types written once a step or more (a long run's growth); the rest are a few rows a
 # process (identity, DataLoader sites, sampled frames' names, compiles and their keys)
-PER_STEP_TYPES = frozenset({schema.STEP_BEGIN, schema.STEP_END, schema.SPAN, schema.GC,
-                            schema.ALLOC, schema.CPU, schema.HOST_SAMPLES, schema.GPU_TIME,
-                            schema.FA4_CALL})
+PER_STEP_TYPES = frozenset(
+    {
+        schema.STEP_BEGIN,
+        schema.STEP_END,
+        schema.SPAN,
+        schema.GC,
+        schema.ALLOC,
+        schema.CPU,
+        schema.HOST_SAMPLES,
+        schema.GPU_TIME,
+        schema.FA4_CALL,
+    }
+)
 TRIM_SLACK = 0.25
 
 
@@ -38,12 +48,12 @@ class EventsSoFar:
     for the per-step event types). A file that shrank or rolled into segments is parsed whole.
     The tables it gives are the batch parse's of the rows kept (same rows, same FILE/SEQ keys)."""
 
-    def __init__(self, keep_steps: Optional[int] = None):
+    def __init__(self, keep_steps: int | None = None):
         self.keep_steps = keep_steps
-        self._files = {}   # path -> (bytes parsed, lines parsed, that part's parse result)
+        self._files = {}  # path -> (bytes parsed, lines parsed, that part's parse result)
         self.frames = columnar.FramesKept()  # the pandas tables of the last load, per type
-        self.dropped: dict[str, int] = {}    # rows trimmed off so far, per event type
-        self.steps_dropped = 0               # step_end rows trimmed off so far (all files)
+        self.dropped: dict[str, int] = {}  # rows trimmed off so far, per event type
+        self.steps_dropped = 0  # step_end rows trimmed off so far (all files)
 
     def kept_rows(self) -> int:
         """Rows held now, every file and type (what the window bounds)."""
@@ -57,8 +67,7 @@ class EventsSoFar:
         for i, x in zip(indices, files):
             try:
                 out.append(self._parse_one(i, x.path))
-            except (OSError, ValueError, pa.ArrowInvalid, pa.ArrowTypeError,
-                    pa.ArrowNotImplementedError):
+            except (OSError, ValueError, pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError):
                 self._files.pop(x.path, None)
                 out.append(columnar._parse_file(i, x.path))
         return out
@@ -97,8 +106,11 @@ class EventsSoFar:
         trimmed = set()
         for typ in PER_STEP_TYPES & set(flat):
             tab = flat[typ]
-            kept = tab.filter(pc.fill_null(pc.greater_equal(tab["t"], pa.scalar(cutoff, tab["t"].type)),
-                                           True)) if "t" in tab.schema.names else tab
+            kept = (
+                tab.filter(pc.fill_null(pc.greater_equal(tab["t"], pa.scalar(cutoff, tab["t"].type)), True))
+                if "t" in tab.schema.names
+                else tab
+            )
             if kept.num_rows < tab.num_rows:
                 self._count(typ, tab.num_rows - kept.num_rows)
                 flat[typ] = kept
@@ -132,9 +144,14 @@ def _times(flat, nested, typ):
 def _shift_seq(part, lines):
     """A parse of appended bytes with its line numbers counted from the file's start."""
     flat, nested, notes, ident = part
-    flat = {t: tab.set_column(tab.schema.get_field_index(columnar.SEQ), columnar.SEQ,
-                              pc.add(tab[columnar.SEQ], pa.scalar(lines, pa.int64())))
-            for t, tab in flat.items()}
+    flat = {
+        t: tab.set_column(
+            tab.schema.get_field_index(columnar.SEQ),
+            columnar.SEQ,
+            pc.add(tab[columnar.SEQ], pa.scalar(lines, pa.int64())),
+        )
+        for t, tab in flat.items()
+    }
     shifted = set()
     for rows in nested.values():
         for e in rows:
@@ -151,13 +168,16 @@ def _merge_parts(old, new):
     (f0, n0, notes0, i0), (f1, n1, notes1, i1) = old, new
     flat = dict(f0)
     for t, tab in f1.items():
-        flat[t] = pa.concat_tables([flat[t], tab], promote_options="permissive") \
-            if t in flat else tab
+        flat[t] = pa.concat_tables([flat[t], tab], promote_options="permissive") if t in flat else tab
     nested = {t: list(rows) for t, rows in n0.items()}
     for t, rows in n1.items():
         nested.setdefault(t, []).extend(rows)
     mins = [t for t in (i0["t_min"], i1["t_min"]) if t is not None]
-    ident = {"events": i0["events"] + i1["events"], "types": i0["types"] | i1["types"],
-             "first_t": i0["first_t"] if i0["first_t"] is not None else i1["first_t"],
-             "count": i0["count"] + i1["count"], "t_min": min(mins) if mins else None}
+    ident = {
+        "events": i0["events"] + i1["events"],
+        "types": i0["types"] | i1["types"],
+        "first_t": i0["first_t"] if i0["first_t"] is not None else i1["first_t"],
+        "count": i0["count"] + i1["count"],
+        "t_min": min(mins) if mins else None,
+    }
     return flat, nested, notes0 + notes1, ident

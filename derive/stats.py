@@ -5,12 +5,13 @@ Thresholds (reference/FACTS.md §6): Pearson correlation >= 0.95; pointwise rela
 10 % where the golden loss > 2.0, 5 % where > 0.5, else 2 %, failing when more than 10 % of the
 points fail; final-loss relative difference <= 5 %; the first 20 % of the points skipped.
 """
+
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 
@@ -22,8 +23,7 @@ SKIP_FIRST_SHARE = 0.20
 MIN_SPEEDUP = 1.05
 
 
-def steady_window(n_steps: int,
-                  window: tuple[int, int] | None = None) -> tuple[int, int] | None:
+def steady_window(n_steps: int, window: tuple[int, int] | None = None) -> tuple[int, int] | None:
     """(first, last) step indices, inclusive, of the steady part of a run of n_steps.
 
     Default: skip the first quarter (at least one step, the warm-up step that compiles and
@@ -63,10 +63,14 @@ def coefficient_of_variation(values: Sequence[float] | np.ndarray) -> float | No
 STATISTICS: dict[str, Callable[..., Any]] = {"median": np.median, "mean": np.mean}
 
 
-def bootstrap_speedup(baseline_s: Sequence[float] | np.ndarray,
-                      candidate_s: Sequence[float] | np.ndarray, n_resamples: int = 5000,
-                      confidence: float = 0.95, seed: int = 0,
-                      statistic: str = "median") -> tuple[float, float, float]:
+def bootstrap_speedup(
+    baseline_s: Sequence[float] | np.ndarray,
+    candidate_s: Sequence[float] | np.ndarray,
+    n_resamples: int = 5000,
+    confidence: float = 0.95,
+    seed: int = 0,
+    statistic: str = "median",
+) -> tuple[float, float, float]:
     """Speedup = median(baseline) / median(candidate) (or the means: statistic="mean", for step
     times with a period, where the median sits in one mode), with a percentile bootstrap
     interval (each arm resampled with replacement, independently). Seeded: the same runs give
@@ -98,16 +102,16 @@ def pointwise_tolerance(golden_loss: float) -> float:
 @dataclass
 class LossParity:
     passed: bool
-    points: int                       # aligned points compared (after the skip)
-    skipped: int                      # leading points skipped
-    correlation: Optional[float]
+    points: int  # aligned points compared (after the skip)
+    skipped: int  # leading points skipped
+    correlation: float | None
     correlation_passed: bool
     pointwise_failures: int
     pointwise_failed_share: float
     pointwise_passed: bool
-    final_loss_difference: Optional[float]
+    final_loss_difference: float | None
     final_loss_passed: bool
-    reasons: list = field(default_factory=list)   # why it failed, one line each
+    reasons: list = field(default_factory=list)  # why it failed, one line each
     note: str = ""
 
     def to_dict(self):
@@ -129,11 +133,33 @@ def loss_parity(golden: Any, candidate: Any) -> LossParity:  # array-likes of lo
     reasons = []
     if not np.all(np.isfinite(c)) or not np.all(np.isfinite(g)):
         bad = "candidate" if not np.all(np.isfinite(c)) else "reference"
-        return LossParity(False, len(g), skip, None, False, len(g), 1.0, False, None, False,
-                          [f"the {bad} arm has NaN/inf losses"])
+        return LossParity(
+            False,
+            len(g),
+            skip,
+            None,
+            False,
+            len(g),
+            1.0,
+            False,
+            None,
+            False,
+            [f"the {bad} arm has NaN/inf losses"],
+        )
     if len(g) < 2:
-        return LossParity(False, len(g), skip, None, False, 0, 0.0, False, None, False,
-                          [f"only {len(g)} comparable loss point(s): need at least 2"])
+        return LossParity(
+            False,
+            len(g),
+            skip,
+            None,
+            False,
+            0,
+            0.0,
+            False,
+            None,
+            False,
+            [f"only {len(g)} comparable loss point(s): need at least 2"],
+        )
 
     # Pearson is undefined on a flat curve: then the pointwise check decides alone
     note = ""
@@ -145,8 +171,9 @@ def loss_parity(golden: Any, candidate: Any) -> LossParity:  # array-likes of lo
         correlation = float(np.corrcoef(g, c)[0, 1])
         correlation_passed = correlation >= MIN_CORRELATION
     if not correlation_passed:
-        reasons.append(f"correlation {correlation if correlation is None else round(correlation, 4)}"
-                       f" < {MIN_CORRELATION}")
+        reasons.append(
+            f"correlation {correlation if correlation is None else round(correlation, 4)} < {MIN_CORRELATION}"
+        )
 
     tolerance = np.array([pointwise_tolerance(x) for x in g])
     relative = np.abs(c - g) / np.maximum(np.abs(g), 1e-12)
@@ -154,37 +181,50 @@ def loss_parity(golden: Any, candidate: Any) -> LossParity:  # array-likes of lo
     failed_share = failures / len(g)
     pointwise_passed = failed_share <= MAX_FAILED_POINT_SHARE
     if not pointwise_passed:
-        reasons.append(f"{failures} of {len(g)} points outside the pointwise tolerance "
-                       f"(> {MAX_FAILED_POINT_SHARE:.0%})")
+        reasons.append(
+            f"{failures} of {len(g)} points outside the pointwise tolerance (> {MAX_FAILED_POINT_SHARE:.0%})"
+        )
 
     final_difference = float(abs(c[-1] - g[-1]) / max(abs(g[-1]), 1e-12))
     final_passed = final_difference <= MAX_FINAL_LOSS_DIFFERENCE
     if not final_passed:
-        reasons.append(f"final loss differs by {final_difference:.1%} "
-                       f"(> {MAX_FINAL_LOSS_DIFFERENCE:.0%})")
-    return LossParity(correlation_passed and pointwise_passed and final_passed, len(g), skip,
-                      correlation, correlation_passed, failures, failed_share, pointwise_passed,
-                      final_difference, final_passed, reasons, note)
+        reasons.append(f"final loss differs by {final_difference:.1%} (> {MAX_FINAL_LOSS_DIFFERENCE:.0%})")
+    return LossParity(
+        correlation_passed and pointwise_passed and final_passed,
+        len(g),
+        skip,
+        correlation,
+        correlation_passed,
+        failures,
+        failed_share,
+        pointwise_passed,
+        final_difference,
+        final_passed,
+        reasons,
+        note,
+    )
 
 
 @dataclass
 class ArmSummary:
-    steps: int                        # steps recorded
-    window: Optional[tuple]           # (first, last) step, inclusive
+    steps: int  # steps recorded
+    window: tuple | None  # (first, last) step, inclusive
     window_steps: int
-    median_step_s: Optional[float]
-    mean_step_s: Optional[float]
-    step_time_cv: Optional[float]     # fraction
-    tokens_per_step: Optional[float]
-    tokens_per_s: Optional[float]     # of the whole job, over the window
+    median_step_s: float | None
+    mean_step_s: float | None
+    step_time_cv: float | None  # fraction
+    tokens_per_step: float | None
+    tokens_per_s: float | None  # of the whole job, over the window
 
     def to_dict(self):
         return asdict(self)
 
 
-def window_values(step_times: Sequence[float] | np.ndarray,
-                  window: tuple[int, int] | None = None,
-                  exclude: Iterable[int] = ()) -> tuple[np.ndarray, tuple[int, int] | None]:
+def window_values(
+    step_times: Sequence[float] | np.ndarray,
+    window: tuple[int, int] | None = None,
+    exclude: Iterable[int] = (),
+) -> tuple[np.ndarray, tuple[int, int] | None]:
     """(the step times inside the steady window, minus the positions in `exclude`; bounds).
     Nothing is excluded when that would leave the window empty."""
     times = np.asarray(step_times, dtype=float)
@@ -195,8 +235,9 @@ def window_values(step_times: Sequence[float] | np.ndarray,
     return w[np.isfinite(w)], bounds
 
 
-def window_positions(n_steps: int, window: tuple[int, int] | None = None,
-                     exclude: Iterable[int] = ()) -> tuple[list[int], tuple[int, int] | None]:
+def window_positions(
+    n_steps: int, window: tuple[int, int] | None = None, exclude: Iterable[int] = ()
+) -> tuple[list[int], tuple[int, int] | None]:
     """(the positions window_values keeps, the window's bounds)."""
     bounds = steady_window(n_steps, window)
     if bounds is None:
@@ -206,9 +247,12 @@ def window_positions(n_steps: int, window: tuple[int, int] | None = None,
     return positions or list(range(bounds[0], bounds[1] + 1)), bounds
 
 
-def summarize_arm(step_times: Sequence[float] | np.ndarray,
-                  window: tuple[int, int] | None = None, tokens_per_step: float | None = None,
-                  exclude: Iterable[int] = ()) -> tuple[ArmSummary, np.ndarray]:
+def summarize_arm(
+    step_times: Sequence[float] | np.ndarray,
+    window: tuple[int, int] | None = None,
+    tokens_per_step: float | None = None,
+    exclude: Iterable[int] = (),
+) -> tuple[ArmSummary, np.ndarray]:
     """Median / mean / CV of the steady window of one arm's step times (seconds, in order);
     `exclude`: positions left out of the window (steps slowed by a profiler on purpose)."""
     times = np.asarray(step_times, dtype=float)
@@ -218,8 +262,19 @@ def summarize_arm(step_times: Sequence[float] | np.ndarray,
     median = float(np.median(w)) if len(w) else None
     mean = float(np.mean(w)) if len(w) else None
     tokens_per_s = (tokens_per_step / mean) if (tokens_per_step and mean) else None
-    return (ArmSummary(len(times), bounds, len(w), median, mean, coefficient_of_variation(w),
-                       tokens_per_step, tokens_per_s), w)
+    return (
+        ArmSummary(
+            len(times),
+            bounds,
+            len(w),
+            median,
+            mean,
+            coefficient_of_variation(w),
+            tokens_per_step,
+            tokens_per_s,
+        ),
+        w,
+    )
 
 
 def verdict(speedup: float | None, ci_low: float | None, parity_passed: bool | None) -> str:

@@ -1,5 +1,6 @@
 """Which steps to measure: the warm-up, the torch.profiler window (slower by design) and the
 steady window between them, per rank. Derived from the run record; no judgement."""
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -47,15 +48,14 @@ def warmup_count(durations: Sequence[float]) -> int:
     n = len(durations)
     if n == 0:
         return 0
-    reference = float(pd.Series(durations[n // 2:]).median())
+    reference = float(pd.Series(durations[n // 2 :]).median())
     count = 1
     while count < n // 2 and durations[count] > 1.5 * reference:
         count += 1
     return count
 
 
-def steady_steps(run: RunRecord, rank: str | None = None,
-                 keep_profiled: bool = False) -> pd.DataFrame:
+def steady_steps(run: RunRecord, rank: str | None = None, keep_profiled: bool = False) -> pd.DataFrame:
     """The steps of the steady window, per rank: no warm-up, no torch.profiler window (nor the
     step after it: perturbed_steps).
     Built once per run for every rank (vectorised warm-up count), then sliced per rank."""
@@ -81,8 +81,12 @@ def _steady_all(run, keep_profiled):
     ref = rank.map(ref).to_numpy(np.float64)
     # warmup_count per rank: step 0, then the leading steps slower than 1.5x the reference
     stop = (pos >= 1) & ~(d > 1.5 * ref)
-    first_stop = pd.Series(np.where(stop, pos, np.iinfo(np.int64).max), index=steps.index) \
-        .groupby(rank, sort=False).transform("min").to_numpy()
+    first_stop = (
+        pd.Series(np.where(stop, pos, np.iinfo(np.int64).max), index=steps.index)
+        .groupby(rank, sort=False)
+        .transform("min")
+        .to_numpy()
+    )
     count = np.maximum(1, np.minimum(first_stop, n // 2))
     out = steps[pos >= count]
     if not keep_profiled:
@@ -110,7 +114,7 @@ def median_step_s(run: RunRecord, rank: str | None = None) -> float | None:
         return float(steps["duration_s"].median())
     # no shim (attach, --no-shim): the step time the job prints itself, if it does
     logged = run.log_steps["step_time_s"].dropna() if len(run.log_steps) else pd.Series(dtype=float)
-    return float(logged.iloc[len(logged) // 4:].median()) if len(logged) else None
+    return float(logged.iloc[len(logged) // 4 :].median()) if len(logged) else None
 
 
 def step_of(run: RunRecord, rank: str, t_ns: int) -> int | None:

@@ -4,10 +4,10 @@
 compile/autotune/recompile events and GC pauses cover; `steady_durations` drops each rank's
 first step. Analyzers judge from these tables and the report draws them; neither recomputes them.
 """
+
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import numpy as np
 import pandas as pd
@@ -18,8 +18,7 @@ STEP_COLUMNS = ["rank", "step", "start_s", "end_s", "duration_s"]
 # kinds of time a step can hold, in the order they win ties ("gc" last: it is not an event span)
 EVENT_KINDS = ("compile", "autotune", "dynamo", "gc")
 # compile-event kind (the shim's `kind`) -> the kind of time it is
-COMPILE_KIND = {"cute_dsl": "compile", "triton": "compile", "triton_autotune": "autotune",
-                "dynamo": "dynamo"}
+COMPILE_KIND = {"cute_dsl": "compile", "triton": "compile", "triton_autotune": "autotune", "dynamo": "dynamo"}
 
 
 def run_t0(run) -> int:
@@ -27,7 +26,7 @@ def run_t0(run) -> int:
     return run.manifest.get("start_ns") or (run.t_min or 0)
 
 
-def step_table(run, t0: Optional[int] = None) -> tuple[pd.DataFrame, Optional[str]]:
+def step_table(run, t0: int | None = None) -> tuple[pd.DataFrame, str | None]:
     """Every rank's steps as columns (rank, step, start_s, end_s, duration_s), in run.steps
     order, seconds since t0; from the shim, else from the job's log lines. Returns (table,
     source) with source "shim", "log" or None. Vectorised: a thousand ranks have millions of
@@ -37,24 +36,34 @@ def step_table(run, t0: Optional[int] = None) -> tuple[pd.DataFrame, Optional[st
     if len(steps):
         start = pd.to_numeric(steps["start_ns"], errors="coerce")
         s = steps[start.notna().to_numpy()]
-        table = pd.DataFrame({
-            "rank": pd.Series(s["rank"].astype(str).to_numpy(object), dtype=object),
-            "step": s["step"].to_numpy(np.int64),
-            "start_s": (s["start_ns"].to_numpy(np.int64) - t0) / 1e9,
-            "end_s": (s["end_ns"].to_numpy(np.int64) - t0) / 1e9,
-            "duration_s": s["duration_s"].to_numpy(np.float64)})
+        table = pd.DataFrame(
+            {
+                "rank": pd.Series(s["rank"].astype(str).to_numpy(object), dtype=object),
+                "step": s["step"].to_numpy(np.int64),
+                "start_s": (s["start_ns"].to_numpy(np.int64) - t0) / 1e9,
+                "end_s": (s["end_ns"].to_numpy(np.int64) - t0) / 1e9,
+                "duration_s": s["duration_s"].to_numpy(np.float64),
+            }
+        )
         return table, "shim"
     ls = run.log_steps
     ls = ls[ls["step_time_s"].notna() & ls["step"].notna()] if len(ls) else ls
     if not len(ls):
-        empty = pd.DataFrame({c: pd.Series(dtype=object if c == "rank" else np.float64)
-                              for c in STEP_COLUMNS})
+        empty = pd.DataFrame(
+            {c: pd.Series(dtype=object if c == "rank" else np.float64) for c in STEP_COLUMNS}
+        )
         return empty, None
     duration = ls["step_time_s"].to_numpy(np.float64)
     end = (ls["t"].to_numpy(np.int64) - t0) / 1e9
-    table = pd.DataFrame({"rank": pd.Series(["0"] * len(ls), dtype=object),
-                          "step": ls["step"].to_numpy(np.int64), "start_s": end - duration,
-                          "end_s": end, "duration_s": duration})
+    table = pd.DataFrame(
+        {
+            "rank": pd.Series(["0"] * len(ls), dtype=object),
+            "step": ls["step"].to_numpy(np.int64),
+            "start_s": end - duration,
+            "end_s": end,
+            "duration_s": duration,
+        }
+    )
     return table, "log"
 
 
@@ -66,7 +75,7 @@ def steady_mask(table: pd.DataFrame) -> np.ndarray:
     return later if later.any() else np.ones(len(table), bool)
 
 
-def steady_median(table: pd.DataFrame) -> Optional[float]:
+def steady_median(table: pd.DataFrame) -> float | None:
     """The median step time of the steady steps (each rank's first step left out)."""
     d = table["duration_s"].to_numpy(np.float64)[steady_mask(table)]
     return float(np.median(d)) if len(d) else None
@@ -81,9 +90,15 @@ def gc_frame(run) -> pd.DataFrame:
     """(rank, step, gc) seconds in GC per step: the ledger's gc line when the shim timed GC
     pauses as intervals (start-up's collections then stay in start-up, not in step 0), else the
     shim's per-step aggregates (one grouped sum, not a Python loop over every event)."""
+
     def frame(rank, step, gc):
-        return pd.DataFrame({"rank": pd.Series(np.asarray(rank).astype(str).astype(object), dtype=object),
-                             "step": np.asarray(step, np.int64), "gc": np.asarray(gc, np.float64)})
+        return pd.DataFrame(
+            {
+                "rank": pd.Series(np.asarray(rank).astype(str).astype(object), dtype=object),
+                "step": np.asarray(step, np.int64),
+                "gc": np.asarray(gc, np.float64),
+            }
+        )
 
     try:
         if L.has_spans(run):
@@ -97,8 +112,13 @@ def gc_frame(run) -> pd.DataFrame:
         total = pd.to_numeric(gc["total_s"], errors="coerce")
         total = total.where(total.abs() != math.inf).fillna(0.0)
         ok = step.notna() & (step.abs() != math.inf)
-        table = pd.DataFrame({"rank": gc["rank"][ok].astype(str).to_numpy(object),
-                              "step": step[ok].astype("int64"), "total": total[ok]})
+        table = pd.DataFrame(
+            {
+                "rank": gc["rank"][ok].astype(str).to_numpy(object),
+                "step": step[ok].astype("int64"),
+                "total": total[ok],
+            }
+        )
         sums = table.groupby(["rank", "step"], sort=False)["total"].sum()
         return frame(sums.index.get_level_values(0), sums.index.get_level_values(1), sums.to_numpy())
     return frame([], [], [])
@@ -143,17 +163,29 @@ def gaps_table(table: pd.DataFrame, floor_s: float) -> list:
         return []
     rank = table["rank"].to_numpy(object)
     same = rank[1:] == rank[:-1]
-    start, end, step = (table["start_s"].to_numpy(np.float64), table["end_s"].to_numpy(np.float64),
-                        table["step"].to_numpy(np.int64))
+    start, end, step = (
+        table["start_s"].to_numpy(np.float64),
+        table["end_s"].to_numpy(np.float64),
+        table["step"].to_numpy(np.int64),
+    )
     gap = start[1:] - end[:-1]
-    return [{"rank": rank[i], "after_step": int(step[i]), "before_step": int(step[i + 1]),
-             "start_s": float(end[i]), "end_s": float(start[i + 1]), "duration_s": float(gap[i])}
-            for i in np.flatnonzero(same & (gap >= floor_s))]
+    return [
+        {
+            "rank": rank[i],
+            "after_step": int(step[i]),
+            "before_step": int(step[i + 1]),
+            "start_s": float(end[i]),
+            "end_s": float(start[i + 1]),
+            "duration_s": float(gap[i]),
+        }
+        for i in np.flatnonzero(same & (gap >= floor_s))
+    ]
 
 
-def compile_span(start_ns, end_ns, duration_s, t0: int) -> Optional[tuple[float, float]]:
+def compile_span(start_ns, end_ns, duration_s, t0: int) -> tuple[float, float] | None:
     """(start_s, end_s) since t0 of one compile event (start from end - duration when only the
     end was recorded), or None without a time."""
+
     def num(v):
         try:
             f = float(v)
@@ -170,7 +202,7 @@ def compile_span(start_ns, end_ns, duration_s, t0: int) -> Optional[tuple[float,
     return (start - t0) / 1e9, (end - t0) / 1e9
 
 
-def compile_spans(run, t0: Optional[int] = None) -> list:
+def compile_spans(run, t0: int | None = None) -> list:
     """Every compile event as {rank, kind, start_s, end_s} (what event_seconds reads)."""
     t0 = run_t0(run) if t0 is None else t0
     df = run.compiles
@@ -200,7 +232,7 @@ def gpu_step_seconds(run) -> pd.Series:
     return table.set_index(["rank", "step"])["gpu_s"].astype(float)
 
 
-def progress_step_seconds(run) -> tuple[pd.Series, Optional[str]]:
+def progress_step_seconds(run) -> tuple[pd.Series, str | None]:
     """Step durations in seconds, in step order (a Series indexed by step number): the shim's
     optimizer steps (the slowest rank's duration per step, since a synchronous job waits for
     it), else the job's own log; and where they came from.

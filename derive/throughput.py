@@ -6,6 +6,7 @@ attention term is left out when the model's shape is not known (the reference ca
 their MFU is 6N only). Peak dense BF16 FLOP/s per GPU from torchtitan's `get_peak_flops`
 (reference/FACTS.md §6).
 """
+
 from __future__ import annotations
 
 import re
@@ -14,7 +15,7 @@ from typing import Any
 
 PEAK_BF16_TFLOPS = {
     "A100": 312.0,
-    "H100": 989.0,          # SXM
+    "H100": 989.0,  # SXM
     "H200": 989.0,
     "B200": 2250.0,
     "B300": 2250.0,
@@ -36,13 +37,17 @@ def normalize_gpu(name: str | None) -> str | None:
 def peak_flops(gpu: str) -> float:
     key = normalize_gpu(gpu)
     if key is None:
-        raise ValueError(f"no peak FLOP/s known for GPU {gpu!r}; known: "
-                         f"{', '.join(PEAK_BF16_TFLOPS)}")
+        raise ValueError(f"no peak FLOP/s known for GPU {gpu!r}; known: {', '.join(PEAK_BF16_TFLOPS)}")
     return PEAK_BF16_TFLOPS[key] * 1e12
 
 
-def flops_per_token(active_params: float, layers: int | None = None, heads: int | None = None,
-                    head_dim: int | None = None, seq_len: int | None = None) -> float:
+def flops_per_token(
+    active_params: float,
+    layers: int | None = None,
+    heads: int | None = None,
+    head_dim: int | None = None,
+    seq_len: int | None = None,
+) -> float:
     """6N, plus 12·L·H·Q·T when the whole attention shape is known."""
     flops = 6.0 * active_params
     if layers is not None and heads is not None and head_dim is not None and seq_len is not None:
@@ -50,11 +55,21 @@ def flops_per_token(active_params: float, layers: int | None = None, heads: int 
     return flops
 
 
-def mfu(tokens_per_s_per_gpu: float, gpu: str, active_params: float, layers: int | None = None,
-        heads: int | None = None, head_dim: int | None = None, seq_len: int | None = None) -> float:
+def mfu(
+    tokens_per_s_per_gpu: float,
+    gpu: str,
+    active_params: float,
+    layers: int | None = None,
+    heads: int | None = None,
+    head_dim: int | None = None,
+    seq_len: int | None = None,
+) -> float:
     """Model FLOPs utilisation, a fraction."""
-    return (tokens_per_s_per_gpu * flops_per_token(active_params, layers, heads, head_dim, seq_len)
-            / peak_flops(gpu))
+    return (
+        tokens_per_s_per_gpu
+        * flops_per_token(active_params, layers, heads, head_dim, seq_len)
+        / peak_flops(gpu)
+    )
 
 
 def usd_per_million_tokens(price_per_gpu_hour: float, tokens_per_s_per_gpu: float) -> float:
@@ -71,6 +86,7 @@ def tokens_per_s_per_gpu(tokens: float, seconds: float, n_gpus: int) -> float:
 
 
 # -- the model's shape from a HuggingFace config.json ------------------------------------------
+
 
 def _text_config(config):
     # multimodal configs (Qwen3.5/3.6 VL, ...) keep the language model under text_config
@@ -110,11 +126,9 @@ def active_params_from_config(config: Mapping[str, Any]) -> float:
         top_k = int(c.get("num_experts_per_tok") or c.get("moe_topk") or 1)
         expert_ffn = int(c.get("moe_intermediate_size") or c["intermediate_size"])
         mlp = top_k * 3 * h * expert_ffn + h * int(experts)
-        shared = c.get("shared_expert_intermediate_size") or (
-            (c.get("n_shared_experts") or 0) * expert_ffn)
+        shared = c.get("shared_expert_intermediate_size") or ((c.get("n_shared_experts") or 0) * expert_ffn)
         mlp += 3 * h * int(shared or 0)
     else:
         mlp = 3 * h * int(c["intermediate_size"])  # gated MLP: gate, up, down
     head = h * int(c["vocab_size"])
     return layers * (attention + mlp) + head
-

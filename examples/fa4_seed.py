@@ -28,7 +28,6 @@ import re
 import sys
 import threading
 import time
-
 import warnings
 
 import torch
@@ -130,9 +129,9 @@ class FakeGPU:
     """flash_attn.cute on tensors that live on a GPU that is not there (FakeTensorMode)."""
 
     def __init__(self):
-        from torch._subclasses.fake_tensor import FakeTensorMode
         import flash_attn.cute.interface as fa4_interface
         from flash_attn.cute import flash_attn_varlen_func
+        from torch._subclasses.fake_tensor import FakeTensorMode
 
         self.mode = FakeTensorMode()
         self.flash_attn_varlen_func = flash_attn_varlen_func

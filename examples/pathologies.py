@@ -113,8 +113,7 @@ def batches(args, samples):
     else:
         loader = DataLoader(samples, batch_size=args.batch_size, shuffle=True)
     while True:
-        for batch in loader:
-            yield batch
+        yield from loader
 
 
 # -- the other pathologies -------------------------------------------------------------------

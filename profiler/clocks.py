@@ -21,12 +21,21 @@ NCCL all_reduce returns once it is enqueued, so its span says nothing about the 
 Rooted ops (broadcast, reduce, gather, scatter) never count: the root or the leaves may leave
 before the others arrive. A span that does not say its backend counts only if it always blocks.
 """
+
 from collections import defaultdict
 
 ALWAYS_SYNCHRONISING = frozenset({"barrier", "all_gather_object"})
-SYNCHRONISING_ON_CPU_BACKENDS = frozenset({
-    "all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",
-    "reduce_scatter_tensor", "all_to_all", "all_to_all_single"})
+SYNCHRONISING_ON_CPU_BACKENDS = frozenset(
+    {
+        "all_reduce",
+        "all_gather",
+        "all_gather_into_tensor",
+        "reduce_scatter",
+        "reduce_scatter_tensor",
+        "all_to_all",
+        "all_to_all_single",
+    }
+)
 CPU_BLOCKING_BACKENDS = frozenset({"gloo", "mpi"})
 METHOD = "collective interval constraints (enter-before-leave), shortest paths to the reference"
 
@@ -48,8 +57,9 @@ def collective_spans(events, node, process):
             continue
         start, end = e.get("start"), e.get("t")
         if isinstance(start, (int, float)) and isinstance(end, (int, float)) and end >= start:
-            out.append(((str(e.get("group")), int(e["seq"]), e.get("op")), node, process,
-                        int(start), int(end)))
+            out.append(
+                ((str(e.get("group")), int(e["seq"]), e.get("op")), node, process, int(start), int(end))
+            )
     return out
 
 
@@ -74,7 +84,7 @@ def pairwise_bounds(spans):
             per_node[node] = (start if s is None else max(s, start), end if e is None else min(e, end))
         nodes = sorted(per_node)
         for i, a in enumerate(nodes):
-            for b in nodes[i + 1:]:
+            for b in nodes[i + 1 :]:
                 (sa, ea), (sb, eb) = per_node[a], per_node[b]
                 lo, hi = sa - eb, ea - sb
                 cur = bounds.get((a, b))
@@ -88,7 +98,7 @@ def pairwise_bounds(spans):
 def _shortest(nodes, edges, source):
     """Bellman-Ford distances from source over edges {(u, v): w}; (dist, negative_cycle)."""
     inf = float("inf")
-    dist = {n: inf for n in nodes}
+    dist = dict.fromkeys(nodes, inf)
     dist[source] = 0
     for _ in range(len(nodes)):
         changed = False
@@ -119,11 +129,13 @@ def solve(nodes, bounds, reference=None):
     conflicts = []
     for (a, b), (lo, hi, n) in bounds.items():
         if lo > hi:
-            conflicts.append(f"{a}~{b}: the {n} collectives allow no common offset "
-                             f"(lower bound {lo} ns > upper bound {hi} ns)")
+            conflicts.append(
+                f"{a}~{b}: the {n} collectives allow no common offset "
+                f"(lower bound {lo} ns > upper bound {hi} ns)"
+            )
         edges[(a, b)] = min(edges.get((a, b), float("inf")), hi)
         edges[(b, a)] = min(edges.get((b, a), float("inf")), -lo)
-    upper, cycle_up = _shortest(nodes, edges, reference)      # off_X - off_ref <= upper[X]
+    upper, cycle_up = _shortest(nodes, edges, reference)  # off_X - off_ref <= upper[X]
     reverse = {(v, u): w for (u, v), w in edges.items()}
     lower_neg, cycle_lo = _shortest(nodes, reverse, reference)  # off_ref - off_X <= lower_neg[X]
     consistent = not conflicts and not cycle_up and not cycle_lo
@@ -131,29 +143,42 @@ def solve(nodes, bounds, reference=None):
     for node in nodes:
         hi, lo = upper[node], -lower_neg[node]
         n = sum(c for (a, b), (_, _, c) in bounds.items() if node in (a, b))
-        entry = {"offset_ns": 0, "error_ns": None, "constraints": n, "method": METHOD,
-                 "lower_ns": None, "upper_ns": None}
+        entry = {
+            "offset_ns": 0,
+            "error_ns": None,
+            "constraints": n,
+            "method": METHOD,
+            "lower_ns": None,
+            "upper_ns": None,
+        }
         if node == reference:
-            entry.update(offset_ns=0, error_ns=0, lower_ns=0, upper_ns=0,
-                         method="reference (its own clock)")
+            entry.update(offset_ns=0, error_ns=0, lower_ns=0, upper_ns=0, method="reference (its own clock)")
         elif hi == float("inf") or lo == float("-inf"):
             # one side of the interval is open: the node never arrived last (or first)
-            entry.update(method="unaligned: no matched collective bounds this node's clock on "
-                         "both sides; its timestamps are used as recorded",
-                         lower_ns=None if lo == float("-inf") else int(lo),
-                         upper_ns=None if hi == float("inf") else int(hi))
+            entry.update(
+                method="unaligned: no matched collective bounds this node's clock on "
+                "both sides; its timestamps are used as recorded",
+                lower_ns=None if lo == float("-inf") else int(lo),
+                upper_ns=None if hi == float("inf") else int(hi),
+            )
         else:
             # -offset is what node X's clock reads ahead of the reference: offsets are what
             # each node's timestamps need added, i.e. off_X - off_ref in the model above
-            entry.update(offset_ns=int(round((lo + hi) / 2)), error_ns=int(round(abs(hi - lo) / 2)),
-                         lower_ns=int(lo), upper_ns=int(hi))
+            entry.update(
+                offset_ns=int(round((lo + hi) / 2)),
+                error_ns=int(round(abs(hi - lo) / 2)),
+                lower_ns=int(lo),
+                upper_ns=int(hi),
+            )
             if lo > hi:
                 entry["note"] = "inconsistent: the bounds cross; the error bound is not guaranteed"
         out[node] = entry
     result = {"reference": reference, "consistent": consistent, "conflicts": conflicts}
     if not consistent and not conflicts:
-        result["conflicts"] = ["the constraints through several nodes contradict each other "
-                               "(a negative cycle): a clock stepped or drifted during the run"]
+        result["conflicts"] = [
+            "the constraints through several nodes contradict each other "
+            "(a negative cycle): a clock stepped or drifted during the run"
+        ]
     return out, result
 
 
@@ -166,7 +191,9 @@ def align(node_events, reference=None):
     bounds = pairwise_bounds(spans)
     nodes, summary = solve(list(node_events), bounds, reference=reference)
     summary = summary or {}
-    summary["pairs"] = {f"{a}~{b}": {"lower_ns": lo, "upper_ns": hi, "collectives": n}
-                        for (a, b), (lo, hi, n) in sorted(bounds.items())}
+    summary["pairs"] = {
+        f"{a}~{b}": {"lower_ns": lo, "upper_ns": hi, "collectives": n}
+        for (a, b), (lo, hi, n) in sorted(bounds.items())
+    }
     summary["usable_collectives"] = len({s[0] for s in spans})
     return nodes, summary

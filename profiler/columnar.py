@@ -24,6 +24,7 @@ A node of a multi-node run writes its own (record.write_tables, at its job's end
 node-local file indices); a merged run reads them (`node_tables`) through the same `_place`,
 which adds each node's offset, so no cache ever holds a shifted copy of a node's times.
 """
+
 import glob
 import json
 import os
@@ -46,7 +47,7 @@ from traindx.profiler.shim._traindx_shim.segments import segments
 
 CACHE_DIR = os.path.join("tables", "events")
 CACHE_VERSION = "3"
-CACHE_MIN_BYTES = 32 << 20   # smaller runs parse in well under a second: no cache files
+CACHE_MIN_BYTES = 32 << 20  # smaller runs parse in well under a second: no cache files
 TIME_COLUMNS = ("t", "start")  # ns on the writer's clock: a node's offset applies to these
 FILE = "__file"
 SEQ = "__seq"
@@ -79,7 +80,7 @@ def _is_number(value):
     return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
 
 
-MAX_NS = 2 ** 63 - 1  # a time every reader can hold as int64 ns
+MAX_NS = 2**63 - 1  # a time every reader can hold as int64 ns
 
 
 def _is_time(value):
@@ -127,11 +128,11 @@ def _flat_ok(table):
     for name in ("t", "start"):  # times an int64 ns holds (else: line by line, named corrupt)
         if name in names:
             col = table[name]
-            if not (pa.types.is_integer(col.type) or pa.types.is_floating(col.type)
-                    or pa.types.is_null(col.type)):
+            if not (
+                pa.types.is_integer(col.type) or pa.types.is_floating(col.type) or pa.types.is_null(col.type)
+            ):
                 return False
-            if col.length() - col.null_count and (
-                    pc.min(col).as_py() < 0 or pc.max(col).as_py() > MAX_NS):
+            if col.length() - col.null_count and (pc.min(col).as_py() < 0 or pc.max(col).as_py() > MAX_NS):
                 return False
     is_step = pc.is_in(table["type"], pa.array([schema.STEP_BEGIN, schema.STEP_END]))
     if pc.any(is_step).as_py():
@@ -172,12 +173,12 @@ def _parse_file(index, path, data=None, whole_lines=False):
         # Arrow skips blank lines: blank out the others in a copy, so row i is flat line i
         text = buf.copy()
         for n in np.flatnonzero(nonempty & ~flat).tolist():
-            text[starts[n]: ends[n]] = 32
+            text[starts[n] : ends[n]] = 32
         try:
             table = pa_json.read_json(
                 pa.py_buffer(text),
-                read_options=pa_json.ReadOptions(use_threads=False,
-                                                 block_size=max(1 << 20, len(data) + 1)))
+                read_options=pa_json.ReadOptions(use_threads=False, block_size=max(1 << 20, len(data) + 1)),
+            )
             if table.num_rows != len(flat_lines) or not _flat_ok(table):
                 table = None
         except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError):
@@ -189,7 +190,7 @@ def _parse_file(index, path, data=None, whole_lines=False):
     slow = np.flatnonzero(nonempty & ~flat)
     bad = []
     for n in slow.tolist():
-        text = data[starts[n]: ends[n]].decode("utf-8", errors="replace")
+        text = data[starts[n] : ends[n]].decode("utf-8", errors="replace")
         if not text.strip():
             continue
         try:
@@ -201,15 +202,19 @@ def _parse_file(index, path, data=None, whole_lines=False):
             event[SEQ] = n
             nested.setdefault(event["type"], []).append(event)
         elif n == last and not bad:
-            notes.append((TruncatedEvidenceWarning,
-                          f"{path}:{n + 1}: last line is truncated (the job was killed "
-                          "mid-write); it was skipped"))
+            notes.append(
+                (
+                    TruncatedEvidenceWarning,
+                    f"{path}:{n + 1}: last line is truncated (the job was killed mid-write); it was skipped",
+                )
+            )
         else:
             bad.append(n + 1)
     if bad:
         where = ", ".join(map(str, bad[:5])) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
-        notes.append((CorruptEvidenceWarning,
-                      f"{path}: corrupt line{'s' if len(bad) > 1 else ''} {where} skipped"))
+        notes.append(
+            (CorruptEvidenceWarning, f"{path}: corrupt line{'s' if len(bad) > 1 else ''} {where} skipped")
+        )
     first_t = None
     first_seq = None
     if table is not None and table.num_rows:
@@ -224,13 +229,14 @@ def _parse_file(index, path, data=None, whole_lines=False):
         else:
             order = np.argsort(codes, kind="stable")
             counts = np.bincount(codes, minlength=len(types))
-            taken = table.take(pa.array(order))      # one gather; each type is then a slice
+            taken = table.take(pa.array(order))  # one gather; each type is then a slice
             off = 0
             for i, typ in enumerate(types):
                 part = taken.slice(off, int(counts[i]))
                 off += int(counts[i])
-                flat_tables[typ] = part.select([c for c in part.column_names
-                                                if part[c].null_count < part.num_rows])
+                flat_tables[typ] = part.select(
+                    [c for c in part.column_names if part[c].null_count < part.num_rows]
+                )
     for rows in nested.values():
         if rows and (first_seq is None or rows[0][SEQ] < first_seq):
             first_t, first_seq = rows[0]["t"], rows[0][SEQ]
@@ -245,8 +251,18 @@ def _parse_file(index, path, data=None, whole_lines=False):
     mins = [e["t"] for rows in nested.values() for e in rows]
     if table is not None and table.num_rows:
         mins.append(pc.min(table["t"]).as_py())
-    return flat_tables, nested, notes, {"events": identity, "types": types, "first_t": first_t,
-                                        "count": count, "t_min": min(mins) if mins else None}
+    return (
+        flat_tables,
+        nested,
+        notes,
+        {
+            "events": identity,
+            "types": types,
+            "first_t": first_t,
+            "count": count,
+            "t_min": min(mins) if mins else None,
+        },
+    )
 
 
 # -- the run's tables ----------------------------------------------------------------------------
@@ -254,8 +270,9 @@ class EventTables:
     """Per-type event tables of one run: `frame(type)` is a pandas DataFrame (one row per
     event, a `rank` column, ordered by t then file order), built on first use and kept."""
 
-    def __init__(self, files, labels_by_file, flat, nested, cached=None, summary=None,
-                 node_tables=None, kept=None):
+    def __init__(
+        self, files, labels_by_file, flat, nested, cached=None, summary=None, node_tables=None, kept=None
+    ):
         self.files = files
         # FramesKept of the loads before this one (a folder still being written: EventsSoFar):
         # a type's frame is reused when its rows did not change, extended when rows were appended
@@ -264,15 +281,16 @@ class EventTables:
         # node of a merged run wrote for itself (raw node-clock times, node-local file indices)
         self._node_tables = node_tables or []
         self._summary = summary or [[0, None]] * len(files)  # [event count, min t] per file
-        self._labels = labels_by_file          # [label or None] per file index
-        self._flat = flat                      # {type: [arrow tables]}
-        self._nested = nested                  # {type: [dicts]}
-        self._cached = cached                  # {type: parquet path} from a cache hit
-        self.cache_error = None                # why write_cache failed, when it did
+        self._labels = labels_by_file  # [label or None] per file index
+        self._flat = flat  # {type: [arrow tables]}
+        self._nested = nested  # {type: [dicts]}
+        self._cached = cached  # {type: parquet path} from a cache hit
+        self.cache_error = None  # why write_cache failed, when it did
         self._frames = {}
-        self._order = {}                       # {type: (file, seq) sort keys of the frame}
-        self.types = sorted(set(flat) | set(nested) | set(cached or {})
-                            | {t for _, paths in self._node_tables for t in paths})
+        self._order = {}  # {type: (file, seq) sort keys of the frame}
+        self.types = sorted(
+            set(flat) | set(nested) | set(cached or {}) | {t for _, paths in self._node_tables for t in paths}
+        )
 
     def frame(self, typ):
         if typ not in self._frames:
@@ -329,8 +347,11 @@ class EventTables:
         if any(x.node is not None for x in self.files):  # a merged multi-node run
             df["node"] = np.array([x.node for x in self.files] + [None], dtype=object)[f]
         t = df["t"].to_numpy()
-        if t.dtype != np.int64 and not np.isnan(t.astype(np.float64)).any() and \
-                (t.astype(np.float64) == np.floor(t.astype(np.float64))).all():
+        if (
+            t.dtype != np.int64
+            and not np.isnan(t.astype(np.float64)).any()
+            and (t.astype(np.float64) == np.floor(t.astype(np.float64))).all()
+        ):
             t = df["t"].astype(np.int64).to_numpy()  # exact ns order
         order = np.lexsort((df[SEQ].to_numpy(np.int64), f, t))
         df = df.iloc[order].reset_index(drop=True)
@@ -342,8 +363,7 @@ class EventTables:
         """`_place` of a type whose rows are all flat (the common case), done on the Arrow
         table before one conversion: the same frame, without pandas' fixed cost per operation
         (a few ms each, whatever the rows: what a live pass on a short record is made of)."""
-        table = tables[0] if len(tables) == 1 else pa.concat_tables(tables,
-                                                                    promote_options="permissive")
+        table = tables[0] if len(tables) == 1 else pa.concat_tables(tables, promote_options="permissive")
         tables.clear()
         f = table[FILE].to_numpy().astype(np.int64)
         rank = np.array(self._labels + [None], dtype=object)[f]
@@ -360,8 +380,11 @@ class EventTables:
         if "rank" in table.column_names:
             table = table.drop_columns(["rank"])
         t = table["t"].to_numpy(zero_copy_only=False)
-        if t.dtype != np.int64 and not np.isnan(t.astype(np.float64)).any() and \
-                (t.astype(np.float64) == np.floor(t.astype(np.float64))).all():
+        if (
+            t.dtype != np.int64
+            and not np.isnan(t.astype(np.float64)).any()
+            and (t.astype(np.float64) == np.floor(t.astype(np.float64))).all()
+        ):
             t = t.astype(np.int64)  # exact ns order
         seq = table[SEQ].to_numpy().astype(np.int64)
         order = np.lexsort((seq, f, t))
@@ -370,8 +393,7 @@ class EventTables:
         self._order[typ] = (f[order], seq[order])
         rank = rank[order]
         table = table.drop_columns([FILE, SEQ])
-        table = table.select([c for c in table.column_names
-                              if table[c].null_count < table.num_rows])
+        table = table.select([c for c in table.column_names if table[c].null_count < table.num_rows])
         columns = {}
         for name, col in zip(table.column_names, table.columns):
             if pa.types.is_string(col.type) or pa.types.is_large_string(col.type):
@@ -387,15 +409,27 @@ class EventTables:
         columns["rank"] = rank
         if any(x.node is not None for x in self.files):
             columns["node"] = np.array([x.node for x in self.files] + [None], dtype=object)[
-                self._order[typ][0]]
+                self._order[typ][0]
+            ]
         # object arrays stay object (a DataFrame of str arrays would infer pandas' str dtype)
-        df = pd.DataFrame({k: (pd.Series(v, dtype=object, copy=False)
-                               if isinstance(v, np.ndarray) and v.dtype == object else v)
-                           for k, v in columns.items()}, copy=False)
-        objects = [c for c in df.columns if df[c].dtype == object and c in table.column_names
-                   and not (pa.types.is_string(table[c].type) or
-                            pa.types.is_large_string(table[c].type))] + \
-            (["node"] if "node" in columns else [])  # None -> NaN, as _place gives it
+        df = pd.DataFrame(
+            {
+                k: (
+                    pd.Series(v, dtype=object, copy=False)
+                    if isinstance(v, np.ndarray) and v.dtype == object
+                    else v
+                )
+                for k, v in columns.items()
+            },
+            copy=False,
+        )
+        objects = [
+            c
+            for c in df.columns
+            if df[c].dtype == object
+            and c in table.column_names
+            and not (pa.types.is_string(table[c].type) or pa.types.is_large_string(table[c].type))
+        ] + (["node"] if "node" in columns else [])  # None -> NaN, as _place gives it
         floats = [c for c in df.columns if df[c].dtype.kind == "f" and df[c].isna().all()]
         if floats:
             df = df.drop(columns=floats)
@@ -403,12 +437,14 @@ class EventTables:
 
     def ranks(self):
         """Labels of the rank files that hold any event."""
-        return {label for label, (n, _) in zip(self._labels, self._summary)
-                if label is not None and n}
+        return {label for label, (n, _) in zip(self._labels, self._summary) if label is not None and n}
 
     def t_min(self):
-        ts = [t + x.offset_ns for label, (n, t), x in zip(self._labels, self._summary, self.files)
-              if label is not None and n and t is not None]
+        ts = [
+            t + x.offset_ns
+            for label, (n, t), x in zip(self._labels, self._summary, self.files)
+            if label is not None and n and t is not None
+        ]
         return min(ts) if ts else None
 
     def order_keys(self, typ):
@@ -424,8 +460,9 @@ class EventTables:
             if not len(df):
                 continue
             frames.append(df)
-            keys.append(self._order.get(typ) or (np.zeros(len(df), np.int64),
-                                                  np.arange(len(df), dtype=np.int64)))
+            keys.append(
+                self._order.get(typ) or (np.zeros(len(df), np.int64), np.arange(len(df), dtype=np.int64))
+            )
         if not frames:
             return pd.DataFrame()
         df = pd.concat(frames, ignore_index=True, sort=False)
@@ -459,14 +496,19 @@ class EventTables:
                 written[typ] = (name, encoded)
                 self._frames.pop(typ, None)
                 self._order.pop(typ, None)
-            index = dict(meta, fingerprint=fingerprint, types=self.types,
-                         json_columns={t: enc for t, (_, enc) in written.items()})
+            index = dict(
+                meta,
+                fingerprint=fingerprint,
+                types=self.types,
+                json_columns={t: enc for t, (_, enc) in written.items()},
+            )
             with open(os.path.join(tmp, "index.json"), "w", encoding="utf-8") as fh:
                 json.dump(index, fh)
             shutil.rmtree(folder, ignore_errors=True)
             os.replace(tmp, folder)
-            self._cached = {t: (os.path.join(folder, os.path.basename(p)), enc)
-                            for t, (p, enc) in written.items()}
+            self._cached = {
+                t: (os.path.join(folder, os.path.basename(p)), enc) for t, (p, enc) in written.items()
+            }
             return True
         except (OSError, ValueError, pa.ArrowException) as exc:
             # a read-only run folder, or a value Parquet cannot hold: the cache is optional;
@@ -512,8 +554,9 @@ def _with_scalar_rows(tables, rows):
     keys = list(dict.fromkeys(k for e in rows for k in e))  # every row's fields, in order
     try:
         part = pa.table({k: pa.array([e.get(k) for e in rows]) for k in keys})
-        if any(pa.types.is_boolean(c.type) for c in part.columns) or \
-                any(c.type != pa.int64() for c in (part[FILE], part[SEQ])):
+        if any(pa.types.is_boolean(c.type) for c in part.columns) or any(
+            c.type != pa.int64() for c in (part[FILE], part[SEQ])
+        ):
             return None  # pandas keeps True and 1 apart in an object column: its path
         tables = list(tables) + [part]
         if len(tables) > 1:  # one table: the types must meet (else pandas' object columns)
@@ -540,8 +583,11 @@ class FramesKept:
             self._frames.pop(typ, None)
 
     def frame(self, tables, typ):
-        files_key = (tuple(x.path for x in tables.files), tuple(tables._labels),
-                     tuple(x.offset_ns for x in tables.files))
+        files_key = (
+            tuple(x.path for x in tables.files),
+            tuple(tables._labels),
+            tuple(x.offset_ns for x in tables.files),
+        )
         flat, nested = tables._flat.get(typ, []), tables._nested.get(typ, [])
         counts = {}
         for t in flat:
@@ -560,8 +606,9 @@ class FramesKept:
                 tables._flat.pop(typ, None)
                 tables._nested.pop(typ, None)
             elif len(old) >= EXTEND_MIN_ROWS and all(
-                    counts.get(f, (0, 0))[0] >= n and counts.get(f, (0, 0))[1] >= m
-                    for f, (n, m) in before.items()):
+                counts.get(f, (0, 0))[0] >= n and counts.get(f, (0, 0))[1] >= m
+                for f, (n, m) in before.items()
+            ):
                 df, order = self._extended(tables, typ, before, old, order)
         if df is None:
             df = tables._build_all(typ)
@@ -584,14 +631,17 @@ class FramesKept:
             seen[e[FILE]] = seen.get(e[FILE], 0) + 1
             if seen[e[FILE]] > before.get(e[FILE], (0, 0))[1]:
                 new_nested.append(e)
-        part = EventTables(tables.files, tables._labels, {typ: new_flat} if new_flat else {},
-                           {typ: new_nested} if new_nested else {})
+        part = EventTables(
+            tables.files,
+            tables._labels,
+            {typ: new_flat} if new_flat else {},
+            {typ: new_nested} if new_nested else {},
+        )
         new = part._build_all(typ)
         if not len(new) or order is None or not len(old):
             return (old, order) if not len(new) else (None, None)
         new_order = part._order.get(typ)
-        same = set(new.columns) == set(old.columns) and all(
-            new[c].dtype == old[c].dtype for c in old.columns)
+        same = set(new.columns) == set(old.columns) and all(new[c].dtype == old[c].dtype for c in old.columns)
         if not same or new_order is None:
             return None, None
         last = (old["t"].iat[-1], order[0][-1], order[1][-1])
@@ -601,8 +651,7 @@ class FramesKept:
         tables._flat.pop(typ, None)
         tables._nested.pop(typ, None)
         df = pd.concat([old, new[list(old.columns)]], ignore_index=True)
-        return df, (np.concatenate([order[0], new_order[0]]),
-                    np.concatenate([order[1], new_order[1]]))
+        return df, (np.concatenate([order[0], new_order[0]]), np.concatenate([order[1], new_order[1]]))
 
 
 class RankSubset:
@@ -659,8 +708,9 @@ def _encode(df):
         kind = pd.api.types.infer_dtype(out[col], skipna=True)  # C speed over the column
         if kind not in ("string", "empty"):
             encoded.append(col)
-            out[col] = out[col].map(lambda v: None if v is None or (isinstance(v, float) and v != v)
-                                    else json.dumps(v))
+            out[col] = out[col].map(
+                lambda v: None if v is None or (isinstance(v, float) and v != v) else json.dumps(v)
+            )
     return out, encoded
 
 
@@ -677,8 +727,9 @@ def _node_parts(node_tables, typ):
         path, encoded = paths[typ]
         table = pq.read_table(path)
         table = table.drop_columns([c for c in ("rank", "node") if c in table.column_names])
-        table = table.set_column(table.column_names.index(FILE), FILE,
-                                 pc.add(table[FILE].cast(pa.int64()), base))
+        table = table.set_column(
+            table.column_names.index(FILE), FILE, pc.add(table[FILE].cast(pa.int64()), base)
+        )
         table = table.replace_schema_metadata(None)
         if encoded:
             df = table.to_pandas()
@@ -699,8 +750,7 @@ def fingerprint(files):
     for x in files:
         for _, path, _ in [(0, x.path, False)] + segments(x.path):
             st = os.stat(path)
-            out.append([x.rel + path[len(x.path):], st.st_size, st.st_mtime_ns, x.node,
-                        x.offset_ns])
+            out.append([x.rel + path[len(x.path) :], st.st_size, st.st_mtime_ns, x.node, x.offset_ns])
     return json.dumps({"version": CACHE_VERSION, "files": out}, separators=(",", ":"))
 
 
@@ -716,8 +766,10 @@ def read_cache(run_path, fp):
     if not isinstance(index, dict) or index.get("fingerprint") != fp:
         return None
     try:
-        paths = {typ: (os.path.join(folder, f"{i}.parquet"), index["json_columns"].get(typ, []))
-                 for i, typ in enumerate(index["types"])}
+        paths = {
+            typ: (os.path.join(folder, f"{i}.parquet"), index["json_columns"].get(typ, []))
+            for i, typ in enumerate(index["types"])
+        }
         for key in ("summary", "processes", "labels", "labels_by_file", "notes"):
             index[key]
     except (KeyError, TypeError, AttributeError):

@@ -20,19 +20,50 @@ So each step's idle time has a floor (the kernel-free stretches) and a ceiling; 
 interval - idle. The idle interval of a stretch on the host clock is [g0, min(g1, h1)]: what the
 host did then is what the GPU waited for (analyzers tie it to the ledger and py-spy).
 """
+
 import numpy as np
 import pandas as pd
 
 from traindx.profiler.shim._traindx_shim.gputime import GPU_TIME_EVENT  # the shim's event type
+
 KERNEL_FREE_OPEN = {"data>": "data", "gc>": "gc"}
 KERNEL_FREE_CLOSE = {"data<": "data", "gc<": "gc"}
 ALIGN_WINDOW_STEPS = 8  # steps each side whose marks place one step's GPU clock on the host's
-STRETCH_COLUMNS = ["rank", "step", "seq", "from", "to", "line", "host_start_ns", "host_end_ns",
-                   "gpu_start_ns", "gpu_end_ns", "gpu_s", "kernel_free", "idle_min_s",
-                   "idle_max_s", "idle_from_ns", "idle_to_ns"]
-STEP_COLUMNS = ["rank", "step", "start_ns", "end_ns", "wall_s", "gpu_s", "idle_min_s",
-                "idle_max_s", "busy_min_s", "busy_max_s", "busy_min_share", "busy_max_share",
-                "lag_end_s", "top_idle_line", "top_idle_s"]
+STRETCH_COLUMNS = [
+    "rank",
+    "step",
+    "seq",
+    "from",
+    "to",
+    "line",
+    "host_start_ns",
+    "host_end_ns",
+    "gpu_start_ns",
+    "gpu_end_ns",
+    "gpu_s",
+    "kernel_free",
+    "idle_min_s",
+    "idle_max_s",
+    "idle_from_ns",
+    "idle_to_ns",
+]
+STEP_COLUMNS = [
+    "rank",
+    "step",
+    "start_ns",
+    "end_ns",
+    "wall_s",
+    "gpu_s",
+    "idle_min_s",
+    "idle_max_s",
+    "busy_min_s",
+    "busy_max_s",
+    "busy_min_share",
+    "busy_max_share",
+    "lag_end_s",
+    "top_idle_line",
+    "top_idle_s",
+]
 # the ledger line (traindx.derive.ledger) a stretch belongs to, by the marks around it
 MEASURED = {("bwd>", "bwd<"): "backward", ("opt>", "opt<"): "optimizer"}
 # a measured call's start and end marks: a stretch between them is that call's, even when other
@@ -92,11 +123,12 @@ def _place(seq):
             if j:
                 total += seq[chain[j - 1]][1][-1][2] * 1000.0
             rel.append(total)
-        slack = np.array([max(h - (rel[j] + g * 1000.0) for _, h, g in seq[i][1])
-                          for j, i in enumerate(chain)])
+        slack = np.array(
+            [max(h - (rel[j] + g * 1000.0) for _, h, g in seq[i][1]) for j, i in enumerate(chain)]
+        )
         w = ALIGN_WINDOW_STEPS
         for j, i in enumerate(chain):
-            offset = slack[max(0, j - w): j + w + 1].max()
+            offset = slack[max(0, j - w) : j + w + 1].max()
             placed[i] = [offset + rel[j] + g * 1000.0 for _, _, g in seq[i][1]]
     return placed
 
@@ -131,8 +163,26 @@ def stretches(events):
                 else:
                     idle_min, idle_max = 0.0, min(gpu, max(0.0, hb - ga))
                     idle_to = ga + idle_max
-                rows.append((rank, step, k, la, lb, line, ha, hb, int(ga), int(gb), gpu / 1e9, free,
-                             idle_min / 1e9, idle_max / 1e9, int(ga), int(idle_to)))
+                rows.append(
+                    (
+                        rank,
+                        step,
+                        k,
+                        la,
+                        lb,
+                        line,
+                        ha,
+                        hb,
+                        int(ga),
+                        int(gb),
+                        gpu / 1e9,
+                        free,
+                        idle_min / 1e9,
+                        idle_max / 1e9,
+                        int(ga),
+                        int(idle_to),
+                    )
+                )
             # a step's last mark opens nothing (it is the next step's first: counted there)
     return pd.DataFrame(rows, columns=STRETCH_COLUMNS)
 
@@ -143,9 +193,14 @@ def steps_table(stretch_rows):
     if not len(stretch_rows):
         return pd.DataFrame(columns=STEP_COLUMNS)
     g = stretch_rows.groupby(["rank", "step"], sort=True)
-    out = g.agg(start_ns=("host_start_ns", "min"), end_ns=("host_end_ns", "max"),
-                gpu_start=("gpu_start_ns", "min"), gpu_end=("gpu_end_ns", "max"),
-                idle_min_s=("idle_min_s", "sum"), idle_max_s=("idle_max_s", "sum")).reset_index()
+    out = g.agg(
+        start_ns=("host_start_ns", "min"),
+        end_ns=("host_end_ns", "max"),
+        gpu_start=("gpu_start_ns", "min"),
+        gpu_end=("gpu_end_ns", "max"),
+        idle_min_s=("idle_min_s", "sum"),
+        idle_max_s=("idle_max_s", "sum"),
+    ).reset_index()
     out["wall_s"] = (out["end_ns"] - out["start_ns"]) / 1e9
     out["gpu_s"] = (out["gpu_end"] - out["gpu_start"]) / 1e9
     out["busy_min_s"] = (out["gpu_s"] - out["idle_max_s"]).clip(lower=0.0)
@@ -154,20 +209,29 @@ def steps_table(stretch_rows):
     out["busy_min_share"] = (out["busy_min_s"] / wall).clip(upper=1.0)
     out["busy_max_share"] = (out["busy_max_s"] / wall).clip(upper=1.0)
     out["lag_end_s"] = (out["gpu_end"] - out["end_ns"]) / 1e9  # how far the GPU trailed the host
-    by_line = (stretch_rows.groupby(["rank", "step", "line"], sort=False)["idle_max_s"].sum()
-               .reset_index().sort_values("idle_max_s", ascending=False)
-               .drop_duplicates(["rank", "step"]))
-    out = out.merge(by_line.rename(columns={"line": "top_idle_line", "idle_max_s": "top_idle_s"}),
-                    on=["rank", "step"], how="left")
+    by_line = (
+        stretch_rows.groupby(["rank", "step", "line"], sort=False)["idle_max_s"]
+        .sum()
+        .reset_index()
+        .sort_values("idle_max_s", ascending=False)
+        .drop_duplicates(["rank", "step"])
+    )
+    out = out.merge(
+        by_line.rename(columns={"line": "top_idle_line", "idle_max_s": "top_idle_s"}),
+        on=["rank", "step"],
+        how="left",
+    )
     return out[STEP_COLUMNS]
 
 
 def for_run(run):
     """(stretches, steps) of a run, derived once and shared (run.cached)."""
+
     def build():
         events = run.of_type(GPU_TIME_EVENT) if hasattr(run, "of_type") else pd.DataFrame()
         rows = stretches(events)
         return rows, steps_table(rows)
+
     if hasattr(run, "cached"):
         return run.cached("gpu_time", build)
     return build()

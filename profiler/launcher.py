@@ -7,23 +7,25 @@ alive. Collectors are started and stopped around it; none of their failures reac
 One recording per run folder (manifest.claim_run_dir). A write that fails (a full disk) is one
 line in `not_written`; the job's return code is returned whatever could not be written.
 """
+
 import os
 import shutil
 import signal
 import subprocess
 import time
 
+from traindx.common import redact
 from traindx.profiler import manifest as manifest_mod
+from traindx.profiler import rolling
+
 # RunDirRefused: raised by Job.run (the CLI catches it from here); write_json_atomic: callers
 # import it from here too
 from traindx.profiler.manifest import RunDirRefused, write_json_atomic  # noqa: F401
 from traindx.profiler.nvml import NvmlSampler, gpu_inventory
 from traindx.profiler.pyspy import PySpyManager
-from traindx.profiler import rolling
-from traindx.profiler.tee import OutputRelay
-from traindx.common import redact
-from traindx.profiler.shim._traindx_shim.segments import SEGMENT_BYTES_ENV
 from traindx.profiler.shim._traindx_shim.roles import announced_ranks
+from traindx.profiler.shim._traindx_shim.segments import SEGMENT_BYTES_ENV
+from traindx.profiler.tee import OutputRelay
 
 SHIM_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "shim")
 
@@ -63,10 +65,25 @@ def _reason(exc):
 
 
 class Options:
-    def __init__(self, steps=0, pyspy=True, shim=True, nvml=True, pyspy_rate_hz=20,
-                 dump_interval_s=2.0, nvml_interval_s=0.5, extra_env=None, torch_profile=None,
-                 step_marker=None, log_regex=None, disk_budget_mb=2048, window_s=600.0,
-                 keep_windows=3, pyspy_record=True, cwd=None):
+    def __init__(
+        self,
+        steps=0,
+        pyspy=True,
+        shim=True,
+        nvml=True,
+        pyspy_rate_hz=20,
+        dump_interval_s=2.0,
+        nvml_interval_s=0.5,
+        extra_env=None,
+        torch_profile=None,
+        step_marker=None,
+        log_regex=None,
+        disk_budget_mb=2048,
+        window_s=600.0,
+        keep_windows=3,
+        pyspy_record=True,
+        cwd=None,
+    ):
         self.steps = steps
         self.pyspy = pyspy
         self.shim = shim
@@ -87,8 +104,9 @@ class Options:
         self.cwd = cwd  # the job's working directory (None: this process's); --fix's scratch copy
 
     def budget(self):
-        return rolling.Budget(rank_bytes=int(self.disk_budget_mb * rolling.MB),
-                              window_s=self.window_s, keep=self.keep_windows)
+        return rolling.Budget(
+            rank_bytes=int(self.disk_budget_mb * rolling.MB), window_s=self.window_s, keep=self.keep_windows
+        )
 
     def as_dict(self):
         return dict(vars(self))
@@ -158,12 +176,19 @@ class Job:
         self.redactor = redact.Redactor.for_job(env, self.command)
         manifest = {
             "traindx_run": 1,
-            "command": self.redactor.argv(self.command), "cwd": self.options.cwd or os.getcwd(),
+            "command": self.redactor.argv(self.command),
+            "cwd": self.options.cwd or os.getcwd(),
             "start_ns": time.time_ns(),
-            "end_ns": None, "exit_code": None, "host": manifest_mod.host_info(),
-            "gpus": [], "packages": manifest_mod.package_versions(),
-            "env": manifest_mod.redact_env(env), "options": manifest_mod.redact_options(self.options.as_dict()),
-            "ranks": {}, "missing": self.missing, "status": "running",
+            "end_ns": None,
+            "exit_code": None,
+            "host": manifest_mod.host_info(),
+            "gpus": [],
+            "packages": manifest_mod.package_versions(),
+            "env": manifest_mod.redact_env(env),
+            "options": manifest_mod.redact_options(self.options.as_dict()),
+            "ranks": {},
+            "missing": self.missing,
+            "status": "running",
         }
         manifest["options"]["extra_env"] = manifest_mod.redact_env(self.options.extra_env)
         try:
@@ -174,11 +199,11 @@ class Job:
             os.makedirs(os.path.join(self.run_dir, "events"), exist_ok=True)
             write_json_atomic(os.path.join(self.run_dir, "manifest.json"), manifest)
         except OSError as exc:  # nothing can be recorded: the job is not started for nothing
-            raise RunDirRefused(f"cannot write the run folder {self.run_dir} "
-                                f"({_reason(exc)}): the job was not started") from None
+            raise RunDirRefused(
+                f"cannot write the run folder {self.run_dir} ({_reason(exc)}): the job was not started"
+            ) from None
 
-        nvml = NvmlSampler(os.path.join(self.run_dir, "nvml.csv"), self.options.nvml_interval_s,
-                           env=env)
+        nvml = NvmlSampler(os.path.join(self.run_dir, "nvml.csv"), self.options.nvml_interval_s, env=env)
         if self.options.nvml and not nvml.start():
             self.missing["nvml"] = nvml.error
         if nvml.selection is not None:  # which GPUs nvml.csv holds, and why those
@@ -196,12 +221,20 @@ class Job:
         manifest["budget"] = budget.as_dict()
         # the job's output streams to disk in segments (by the relay): nothing per line stays
         # in memory here
-        relay = OutputRelay(os.path.join(self.run_dir, "log.txt"),
-                            budget.segment_bytes(rolling.LOG_SHARE), budget.cap(rolling.LOG_SHARE),
-                            self.on_line, secret_values=self.redactor.values)
-        pyspy = PySpyManager(os.path.join(self.run_dir, "pyspy"), self.options.pyspy_rate_hz,
-                             self.options.dump_interval_s, budget=budget,
-                             record=self.options.pyspy_record)
+        relay = OutputRelay(
+            os.path.join(self.run_dir, "log.txt"),
+            budget.segment_bytes(rolling.LOG_SHARE),
+            budget.cap(rolling.LOG_SHARE),
+            self.on_line,
+            secret_values=self.redactor.values,
+        )
+        pyspy = PySpyManager(
+            os.path.join(self.run_dir, "pyspy"),
+            self.options.pyspy_rate_hz,
+            self.options.dump_interval_s,
+            budget=budget,
+            record=self.options.pyspy_record,
+        )
         self._pyspy = pyspy
         roller = rolling.Roller(self.run_dir, budget, self.options.log_regex)
         roller.start()
@@ -213,10 +246,15 @@ class Job:
                 job_out = job_err = None
                 self.missing["log"] = f"no output relay: {_reason(exc)}"
             try:
-                self.proc = subprocess.Popen(self.command, env=env, cwd=self.options.cwd,
-                                             stdout=job_out,
-                                             stderr=job_err, stdin=subprocess.DEVNULL,
-                                             start_new_session=True)
+                self.proc = subprocess.Popen(
+                    self.command,
+                    env=env,
+                    cwd=self.options.cwd,
+                    stdout=job_out,
+                    stderr=job_err,
+                    stdin=subprocess.DEVNULL,
+                    start_new_session=True,
+                )
             except OSError as exc:
                 raise CommandNotFound(f"cannot start {self.command[0]}: {_reason(exc)}") from None
             finally:
@@ -261,8 +299,7 @@ class Job:
         self.not_written.extend(e for e in dict.fromkeys(errors) if "not written" in e)
         # {rank label: pid} of the training processes (the shim's announcements, or py-spy's
         # view of the process tree without the shim); the run loader maps files by the same rule
-        manifest["ranks"] = (announced_ranks(self.run_dir) if self.options.shim
-                             else pyspy.rank_labels())
+        manifest["ranks"] = announced_ranks(self.run_dir) if self.options.shim else pyspy.rank_labels()
         manifest["end_ns"] = time.time_ns()
         code = None if self.proc is None else self.proc.returncode
         manifest["exit_code"] = code
@@ -273,12 +310,16 @@ class Job:
         except OSError:
             no_events = False
         if no_events:
-            self.missing.setdefault("shim", "no events: the job never ran Python with the "
-                                    "shim (python -I/-E/-S, or not a Python job)")
+            self.missing.setdefault(
+                "shim",
+                "no events: the job never ran Python with the shim (python -I/-E/-S, or not a Python job)",
+            )
         if not self._write_manifest(manifest, "was not finalised"):
-            self.not_written[-1] += (f"; it still says `running` (the job exited with {code}); "
-                                     f"`diagnose report --reanalyze {self.run_dir}` marks it "
-                                     "interrupted")
+            self.not_written[-1] += (
+                f"; it still says `running` (the job exited with {code}); "
+                f"`diagnose report --reanalyze {self.run_dir}` marks it "
+                "interrupted"
+            )
 
     def burst(self, kind):
         """Deep capture on an anomaly: a burst of py-spy snapshots of every training process."""

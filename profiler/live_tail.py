@@ -7,6 +7,7 @@ It makes no judgement: it says when the record holds something new worth judging
 *trigger*) and which span category stands out in it (what its pass reads first); traindx.analyzers.live
 decides what runs when.
 """
+
 from __future__ import annotations
 
 import glob
@@ -17,7 +18,6 @@ import re
 import statistics
 import time
 from collections import deque
-from typing import Optional
 
 # deep capture: a step this many times the running median (of the last ANOMALY_WINDOW steady
 # steps, once ANOMALY_MIN_STEPS are known) or a kernel compiled again is an anomaly
@@ -37,10 +37,10 @@ MODEL_SPANS = ("forward", "backward", "optimizer")
 # would spend the budget on evidence judged already (a kernel's compiles trigger until its
 # finding is shown)
 TRIGGERS_PER_SOURCE = 6
-FILES_EVERY_S = 2.0                 # new events files (a rank that started late) and py-spy
-                                    # recordings looked for
-RECORDING_SETTLE_S = 1.0            # a recording's file unchanged this long is whole
-KEYS_KEPT = 4096                    # compile keys remembered per kernel (a long run's memory)
+FILES_EVERY_S = 2.0  # new events files (a rank that started late) and py-spy
+# recordings looked for
+RECORDING_SETTLE_S = 1.0  # a recording's file unchanged this long is whole
+KEYS_KEPT = 4096  # compile keys remembered per kernel (a long run's memory)
 # a span line of the shim: '{"cat": "data", "start": <ns>, "t": <ns>, ...' (read without a JSON
 # parse: the cheap stage runs at every step end)
 _SPAN = re.compile(rb'^\{"cat": "(\w+)", "start": (\d+), "t": (\d+)', re.MULTILINE)
@@ -55,33 +55,32 @@ class EventTail:
         self.run_dir = run_dir
         self.offsets: dict[str, int] = {}
         self.step = 0
-        self.last_step_s: Optional[float] = None
+        self.last_step_s: float | None = None
         self.compiles = 0
         self.step_ends = 0
-        self._durations: dict[str, list[float]] = {}   # per events file (one process)
-        self._keys: dict[str, set] = {}                # kernel -> compile keys seen
+        self._durations: dict[str, list[float]] = {}  # per events file (one process)
+        self._keys: dict[str, set] = {}  # kernel -> compile keys seen
         self._span_s: dict[str, dict[str, float]] = {}  # per file: span seconds since its step
-        self._lines: dict[str, deque] = {}             # per file: the last steps' share lines
+        self._lines: dict[str, deque] = {}  # per file: the last steps' share lines
         self._reference: dict[str, dict[str, float]] = {}  # per file: the line last judged
         self._settling: dict[str, int] = {}
-        self._fired: dict[tuple, int] = {}             # (trigger kind, source) -> times raised
-        self.judged_kernels: set = set()               # kernels whose recompiles were shown
-        self._compile_due: list[tuple] = []           # (step, kernel, why): until that step ends
-        self.recompiled_in: Optional[int] = None        # first step a kernel compiled again in
-        self.anomalies: list[tuple[str, str]] = []      # (kind, why) found since the last take
-        self.triggers: list[tuple[str, str]] = []       # (kind, why) worth a judgement
-        self.categories: set[str] = set()               # span categories standing out in them
+        self._fired: dict[tuple, int] = {}  # (trigger kind, source) -> times raised
+        self.judged_kernels: set = set()  # kernels whose recompiles were shown
+        self._compile_due: list[tuple] = []  # (step, kernel, why): until that step ends
+        self.recompiled_in: int | None = None  # first step a kernel compiled again in
+        self.anomalies: list[tuple[str, str]] = []  # (kind, why) found since the last take
+        self.triggers: list[tuple[str, str]] = []  # (kind, why) worth a judgement
+        self.categories: set[str] = set()  # span categories standing out in them
         self._files_at = -math.inf
         self._file_list: list[str] = []
-        self._recorded: set[str] = set()                # py-spy recordings already announced
+        self._recorded: set[str] = set()  # py-spy recordings already announced
 
     def take_anomalies(self) -> list[tuple[str, str]]:
         found, self.anomalies = self.anomalies, []
         return found
 
     def take_triggers(self) -> list[tuple[str, str]]:
-        self._compile_due = [(s, k, w) for s, k, w in self._compile_due
-                             if k not in self.judged_kernels]
+        self._compile_due = [(s, k, w) for s, k, w in self._compile_due if k not in self.judged_kernels]
         due = [why for s, _, why in self._compile_due if self.step > s]
         if due:  # the step that compiled again has ended: the analyzer judges finished steps
             self._compile_due = [(s, k, w) for s, k, w in self._compile_due if self.step <= s]
@@ -95,16 +94,21 @@ class EventTail:
 
     def outside_categories(self) -> set[str]:
         """The categories outside the model's spans with LINE_SHIFT or more of a recent line."""
-        return {c for lines in self._lines.values() if lines
-                for c, share in _mean_line(lines).items()
-                if c not in MODEL_SPANS and share >= LINE_SHIFT}
+        return {
+            c
+            for lines in self._lines.values()
+            if lines
+            for c, share in _mean_line(lines).items()
+            if c not in MODEL_SPANS and share >= LINE_SHIFT
+        }
 
     def outside_model(self) -> float:
         """The largest share outside the model's spans in any process's recent line."""
-        return max((line_outside_model(_mean_line(lines)) for lines in self._lines.values()
-                    if lines), default=0.0)
+        return max(
+            (line_outside_model(_mean_line(lines)) for lines in self._lines.values() if lines), default=0.0
+        )
 
-    def median_step_s(self) -> Optional[float]:
+    def median_step_s(self) -> float | None:
         """The running median of the recent steady steps' times (every process's), or None."""
         seen = sorted(d for durations in self._durations.values() for d in durations)
         return seen[len(seen) // 2] if seen else None
@@ -126,8 +130,10 @@ class EventTail:
         if len(seen) >= ANOMALY_MIN_STEPS:
             median = sorted(seen)[len(seen) // 2]
             if median > 0 and d >= ANOMALY_FACTOR * median:
-                why = (f"step {e.get('step')} took {d:.3g} s, {d / median:.1f}x the running "
-                       f"median {median:.3g} s")
+                why = (
+                    f"step {e.get('step')} took {d:.3g} s, {d / median:.1f}x the running "
+                    f"median {median:.3g} s"
+                )
                 self.anomalies.append(("slow_step", why))
                 self._fired[("slow_step", path)] = fired = self._fired.get(("slow_step", path), 0) + 1
                 if fired <= TRIGGERS_PER_SOURCE:
@@ -148,14 +154,16 @@ class EventTail:
                     self._reference[path] = _mean_line(lines)
             elif ref is not None and len(lines) == LINE_STEPS:
                 now = _mean_line(lines)
-                moved = max((abs(now.get(c, 0.0) - ref.get(c, 0.0)) for c in set(now) | set(ref)),
-                            default=0.0)
+                moved = max(
+                    (abs(now.get(c, 0.0) - ref.get(c, 0.0)) for c in set(now) | set(ref)), default=0.0
+                )
                 if moved >= LINE_SHIFT:
                     grown = max(now, key=lambda c: now[c] - ref.get(c, 0.0))
                     if grown not in MODEL_SPANS and now[grown] - ref.get(grown, 0.0) >= LINE_SHIFT:
                         self.categories.add(grown)
-                    self.triggers.append(("line", f"a span share moved by {moved:.0%} by step "
-                                                  f"{e.get('step')}"))
+                    self.triggers.append(
+                        ("line", f"a span share moved by {moved:.0%} by step {e.get('step')}")
+                    )
                     self._settling[path] = LINE_STEPS  # one trigger per move
 
     def _on_compile(self, e: dict) -> None:
@@ -167,8 +175,7 @@ class EventTail:
         step = int(e.get("step") or 0)
         if keys is not None and step >= 1:
             self.anomalies.append(("recompile", f"{kernel} compiled again in step {step}"))
-            self.recompiled_in = step if self.recompiled_in is None else min(
-                self.recompiled_in, step)
+            self.recompiled_in = step if self.recompiled_in is None else min(self.recompiled_in, step)
             # every new key until the kernel's finding is shown: its severity grows with them;
             # a key that reads the same compiled again is a cache miss all the same (FA4's
             # tensor max_seqlen: the key holds the tensor's identity, its text does not), once
@@ -176,12 +183,20 @@ class EventTail:
             new_key = key not in keys
             same_key_fired = self._fired.get(("same_key", kernel), 0)
             due_already = (step, kernel) in {(s, k) for s, k, _ in self._compile_due}
-            if kernel not in self.judged_kernels and not due_already and (
-                    new_key or same_key_fired < TRIGGERS_PER_SOURCE):
+            if (
+                kernel not in self.judged_kernels
+                and not due_already
+                and (new_key or same_key_fired < TRIGGERS_PER_SOURCE)
+            ):
                 if not new_key:
                     self._fired[("same_key", kernel)] = same_key_fired + 1
-                self._compile_due.append((step, kernel, f"{kernel} compiled again in step {step}"
-                                          + (" with a new key" if new_key else "")))
+                self._compile_due.append(
+                    (
+                        step,
+                        kernel,
+                        f"{kernel} compiled again in step {step}" + (" with a new key" if new_key else ""),
+                    )
+                )
         seen = self._keys.setdefault(kernel, set())
         if len(seen) < KEYS_KEPT:
             seen.add(key)
@@ -190,9 +205,9 @@ class EventTail:
         now = time.monotonic()
         if now - self._files_at >= FILES_EVERY_S:
             self._files_at = now
-            self._file_list = (
-                glob.glob(os.path.join(self.run_dir, "events", "*.jsonl"))
-                + glob.glob(os.path.join(self.run_dir, "nodes", "*", "events", "*.jsonl")))
+            self._file_list = glob.glob(os.path.join(self.run_dir, "events", "*.jsonl")) + glob.glob(
+                os.path.join(self.run_dir, "nodes", "*", "events", "*.jsonl")
+            )
             self._recordings()
         return self._file_list
 
@@ -202,9 +217,9 @@ class EventTail:
         (a GIL held by another thread is only seen there). Once its file has stood still for
         RECORDING_SETTLE_S: py-spy writes it in one go at the window's end."""
         now = time.time()
-        for path in glob.glob(os.path.join(self.run_dir, "pyspy", "*-gil*.speedscope.json")) + \
-                glob.glob(os.path.join(self.run_dir, "nodes", "*", "pyspy",
-                                       "*-gil*.speedscope.json")):
+        for path in glob.glob(os.path.join(self.run_dir, "pyspy", "*-gil*.speedscope.json")) + glob.glob(
+            os.path.join(self.run_dir, "nodes", "*", "pyspy", "*-gil*.speedscope.json")
+        ):
             if path in self._recorded or ".rolled." in path:
                 continue
             try:
@@ -213,8 +228,7 @@ class EventTail:
                 continue
             if settled:
                 self._recorded.add(path)
-                self.triggers.append(("recording",
-                                      f"py-spy wrote {os.path.basename(path)}"))
+                self.triggers.append(("recording", f"py-spy wrote {os.path.basename(path)}"))
 
     def poll(self) -> bool:
         """True when a step ended since the last poll."""
@@ -283,7 +297,7 @@ def _line_of(spans: dict[str, float], duration_s: float) -> dict[str, float]:
     return line
 
 
-def _top_outside(line: dict[str, float]) -> Optional[str]:
+def _top_outside(line: dict[str, float]) -> str | None:
     """The category outside the model's spans with the largest share of a step, if any has
     LINE_SHIFT or more."""
     outside = {c: v for c, v in line.items() if c not in MODEL_SPANS}
@@ -300,7 +314,7 @@ def _mean_line(lines) -> dict[str, float]:
     return {c: statistics.median(line.get(c, 0.0) for line in lines) for c in cats}
 
 
-def line_outside_model(line: Optional[dict]) -> float:
+def line_outside_model(line: dict | None) -> float:
     """The share of a span line outside the model's own forward/backward/optimizer spans."""
     if not line:
         return 0.0

@@ -7,6 +7,7 @@ Every line is parsed with ANSI colour codes removed (torchtitan colours each fie
 line is {'step', 'loss', 'step_time_s', 'format', 'tokens'}; `step` is None where the line does
 not carry one (HF Trainer's dicts): RunRecord.log_steps gives those the shim's step count.
 """
+
 import ast
 import re
 
@@ -16,28 +17,38 @@ _NUM = r"[-+]?(?:\d+\.?\d*(?:[eE][-+]?\d+)?|\.\d+(?:[eE][-+]?\d+)?|nan|inf)"
 
 _MEGATRON = re.compile(
     r"iteration\s+(?P<step>\d+)/\s*\d+\s*\|.*?elapsed time per iteration \(ms\):\s*(?P<ms>[\d.]+)"
-    rf"(?:.*?lm loss:\s*(?P<loss>{_NUM}))?")
+    rf"(?:.*?lm loss:\s*(?P<loss>{_NUM}))?"
+)
 # torchtitan/components/metrics.py: "step: {step:2}  loss: {loss:8.5f}  grad_norm: ..."
 _TORCHTITAN = re.compile(rf"\bstep:\s*(?P<step>\d+)\s+loss:\s*(?P<loss>{_NUM})")
 # DeepSpeed engine (steps_per_print): "steps: 10 loss: 0.1234 iter time (s): 0.050 samples/sec"
-_DEEPSPEED = re.compile(rf"\bsteps:\s*(?P<step>\d+)\s+loss:\s*(?P<loss>{_NUM})"
-                        r"(?:\s+iter time \(s\):\s*(?P<s>[\d.]+))?")
+_DEEPSPEED = re.compile(
+    rf"\bsteps:\s*(?P<step>\d+)\s+loss:\s*(?P<loss>{_NUM})"
+    r"(?:\s+iter time \(s\):\s*(?P<s>[\d.]+))?"
+)
 # DeepSpeed's pipeline engine and timers: "[Rank 0] step=10, skipped=0, lr=[...], mom=[...]"
 _DEEPSPEED_RANK = re.compile(r"\[Rank \d+\] step=(?P<step>\d+), skipped=\d+")
 # nanoGPT train.py: "iter 10: loss 6.9312, time 35.12ms, mfu 0.01%"
 _NANOGPT = re.compile(rf"\biter (?P<step>\d+): loss (?P<loss>{_NUM}), time (?P<ms>[\d.]+)ms")
 # pytorch/examples: "| epoch   1 |   200/ 2983 batches | lr 20.00 | ms/batch 36.80 | loss  7.51 |"
-_EXAMPLES = re.compile(r"\|\s*epoch\s+(?P<epoch>\d+)\s*\|\s*(?P<batch>\d+)\s*/\s*(?P<of>\d+) batches"
-                       rf".*?ms/batch\s+(?P<ms>[\d.]+).*?\|\s*loss\s+(?P<loss>{_NUM})")
+_EXAMPLES = re.compile(
+    r"\|\s*epoch\s+(?P<epoch>\d+)\s*\|\s*(?P<batch>\d+)\s*/\s*(?P<of>\d+) batches"
+    rf".*?ms/batch\s+(?P<ms>[\d.]+).*?\|\s*loss\s+(?P<loss>{_NUM})"
+)
 _SLIME = re.compile(rf"step (?P<step>\d+): \{{'train/loss': (?P<loss>{_NUM})")
 _DICT = re.compile(r"(\{'loss': .*\})")
 # Lightning's progress bars. tqdm: "Epoch 0:  40%|####  | 4/10 [00:01<00:02, 3.1it/s, train_loss=2.31]";
 # rich (non-interactive output prints the final state only): "Epoch 0/-2 ━━ 10/10 0:00:00 • ... train_loss: 42.2"
-_LIGHTNING = re.compile(r"^Epoch (?P<epoch>\d+)(?:/-?\d+)?\b.*?\b(?P<batch>\d+)/(?P<of>\d+)\b"
-                        rf"(?:.*?\b\w*loss\w*[:=]\s*(?P<loss>{_NUM}))?")
+_LIGHTNING = re.compile(
+    r"^Epoch (?P<epoch>\d+)(?:/-?\d+)?\b.*?\b(?P<batch>\d+)/(?P<of>\d+)\b"
+    rf"(?:.*?\b\w*loss\w*[:=]\s*(?P<loss>{_NUM}))?"
+)
 # any line that names a step and a loss: "step 10/100 | train_loss 2.31", "Step 10: loss=2.31"
-_GENERIC = re.compile(r"\b(?:global[_ ])?step[\s:=#]+(?P<step>\d+)\b(?:\s*/\s*\d+)?"
-                      rf".*?\b\w*loss\w*[\s:=]+(?P<loss>{_NUM})\b", re.IGNORECASE)
+_GENERIC = re.compile(
+    r"\b(?:global[_ ])?step[\s:=#]+(?P<step>\d+)\b(?:\s*/\s*\d+)?"
+    rf".*?\b\w*loss\w*[\s:=]+(?P<loss>{_NUM})\b",
+    re.IGNORECASE,
+)
 # an evaluation's loss is not a training step's (nanoGPT: "step 0: train loss 4.2, val loss 4.3")
 _EVAL_LOSS = re.compile(r"\b(?:val|eval|valid|validation|test)\w*[ _/]loss", re.IGNORECASE)
 # not a Megatron field: traindx's examples add it to their Megatron-format line
@@ -56,8 +67,13 @@ def _float(value):
 
 
 def _row(step, loss, step_time_s, fmt, tokens=None):
-    return {"step": step, "loss": _float(loss) if loss is not None else None,
-            "step_time_s": step_time_s, "format": fmt, "tokens": tokens}
+    return {
+        "step": step,
+        "loss": _float(loss) if loss is not None else None,
+        "step_time_s": step_time_s,
+        "format": fmt,
+        "tokens": tokens,
+    }
 
 
 def compile_custom(pattern):
@@ -68,8 +84,10 @@ def compile_custom(pattern):
         raise ValueError(f"--log-regex {pattern!r} is not a Python regex: {exc}") from None
     names = set(regex.groupindex)
     if not names & {"step", "loss", "time_ms", "step_time_s"}:
-        raise ValueError(f"--log-regex {pattern!r} names none of the groups step, loss, time_ms, "
-                         "step_time_s (write them as (?P<step>\\d+))")
+        raise ValueError(
+            f"--log-regex {pattern!r} names none of the groups step, loss, time_ms, "
+            "step_time_s (write them as (?P<step>\\d+))"
+        )
     return regex
 
 
@@ -130,8 +148,13 @@ def parse_line(text, custom=None):
     m = _MEGATRON.search(text)
     if m:
         tokens = _TOKENS.search(text)
-        return _row(int(m["step"]), m["loss"], float(m["ms"]) / 1000.0, "megatron",
-                    int(tokens["tokens"]) if tokens else None)
+        return _row(
+            int(m["step"]),
+            m["loss"],
+            float(m["ms"]) / 1000.0,
+            "megatron",
+            int(tokens["tokens"]) if tokens else None,
+        )
     m = _NANOGPT.search(text)
     if m:
         return _row(int(m["step"]), m["loss"], float(m["ms"]) / 1000.0, "nanogpt")

@@ -1,5 +1,6 @@
 """The run's manifest: what ran, where, with which packages, and what evidence is missing; and
 the run folder's lock (one recording per folder) and the end of a run whose recorder died."""
+
 import getpass
 import importlib.metadata
 import json
@@ -11,8 +12,16 @@ import time
 
 from traindx.common import redact
 
-TRACKED_PACKAGES = ("torch", "flash-attn-4", "nvidia-cutlass-dsl", "triton",
-                    "flash-linear-attention", "megatron-core", "transformer-engine", "traindx")
+TRACKED_PACKAGES = (
+    "torch",
+    "flash-attn-4",
+    "nvidia-cutlass-dsl",
+    "triton",
+    "flash-linear-attention",
+    "megatron-core",
+    "transformer-engine",
+    "traindx",
+)
 REDACTED = redact.REDACTED
 
 
@@ -61,8 +70,13 @@ def host_info():
         user = getpass.getuser()
     except Exception:
         user = None
-    return {"hostname": socket.gethostname(), "platform": platform.platform(),
-            "python": sys.version.split()[0], "cpus": os.cpu_count(), "user": user}
+    return {
+        "hostname": socket.gethostname(),
+        "platform": platform.platform(),
+        "python": sys.version.split()[0],
+        "cpus": os.cpu_count(),
+        "user": user,
+    }
 
 
 # -- one run per folder ----------------------------------------------------------------------
@@ -117,8 +131,10 @@ def claim_run_dir(run_dir):
     except OSError:
         holder = _read_holder(fd)
         os.close(fd)
-        raise RunDirRefused(f"{run_dir} is in use: another diagnose{holder} is recording into "
-                            "it; give this run its own --run-dir") from None
+        raise RunDirRefused(
+            f"{run_dir} is in use: another diagnose{holder} is recording into "
+            "it; give this run its own --run-dir"
+        ) from None
     try:
         _refuse_a_used_folder(run_dir)  # again under the lock: a run that started meanwhile
     except RunDirRefused:
@@ -137,11 +153,15 @@ def _refuse_a_used_folder(run_dir):
     if any(os.path.lexists(os.path.join(run_dir, name)) for name in RUN_EVIDENCE):
         holder = recorder_alive(run_dir)
         if holder is not None:
-            raise RunDirRefused(f"{run_dir} is in use: another diagnose{holder.rstrip()} is "
-                                "recording into it; give this run its own --run-dir")
-        raise RunDirRefused(f"{run_dir} already holds a run ({describe_run(run_dir)}); a run "
-                            "is never recorded into another: give a new --run-dir, or leave it "
-                            "out for a fresh folder under --out")
+            raise RunDirRefused(
+                f"{run_dir} is in use: another diagnose{holder.rstrip()} is "
+                "recording into it; give this run its own --run-dir"
+            )
+        raise RunDirRefused(
+            f"{run_dir} already holds a run ({describe_run(run_dir)}); a run "
+            "is never recorded into another: give a new --run-dir, or leave it "
+            "out for a fresh folder under --out"
+        )
 
 
 def _read_holder(fd):
@@ -203,13 +223,16 @@ def finish_interrupted(run_dir):
         return None
     holder = recorder_alive(run_dir)
     if holder is not None:
-        return (f"{run_dir} is still being recorded (diagnose{holder.rstrip()}): analysing what "
-                "it holds so far")
+        return (
+            f"{run_dir} is still being recorded (diagnose{holder.rstrip()}): analysing what it holds so far"
+        )
     from traindx.profiler.shim._traindx_shim.roles import announced_ranks
 
     missing = manifest.setdefault("missing", {})
-    note = ("diagnose ended before the job did (killed?): the job's exit code and the "
-            "collectors' last seconds are not known")
+    note = (
+        "diagnose ended before the job did (killed?): the job's exit code and the "
+        "collectors' last seconds are not known"
+    )
     pid = manifest.get("pid")
     if isinstance(pid, int) and _is_our_job(pid, run_dir):
         note += f"; the job (pid {pid}) was still running when this was written"
@@ -224,8 +247,7 @@ def finish_interrupted(run_dir):
     try:
         write_json_atomic(path, manifest)
     except OSError as exc:
-        return (f"{run_dir}: its recorder was interrupted; manifest.json was not updated "
-                f"({_reason(exc)})")
+        return f"{run_dir}: its recorder was interrupted; manifest.json was not updated ({_reason(exc)})"
     return f"{run_dir}: its recorder was interrupted; the run is marked `interrupted`"
 
 

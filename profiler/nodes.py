@@ -19,6 +19,7 @@ Ray: a node of a Ray cluster is the command that starts it, `ray start --head --
 `ray start --address HEAD:PORT --block`; the training workers are started later by that node's
 raylet (its child), so they inherit the shim from it like any other child of the job.
 """
+
 import json
 import os
 import re
@@ -41,7 +42,7 @@ def _flag(argv, *names):
             if arg == name and i + 1 < len(argv):
                 return argv[i + 1]
             if arg.startswith(name + "="):
-                return arg[len(name) + 1:]
+                return arg[len(name) + 1 :]
     return None
 
 
@@ -65,7 +66,7 @@ def _launcher_args(command):
     if exe.startswith("python"):
         for i, arg in enumerate(command[:-1]):
             if arg == "-m" and command[i + 1] in _TORCHRUN_MODULES:
-                return "torchrun", command[i + 2:]
+                return "torchrun", command[i + 2 :]
     return None, []
 
 
@@ -118,8 +119,10 @@ def _check_ray_start(args):
     """`ray start` without --block daemonizes the node and returns at once: diagnose would end
     while the raylet (and the workers it starts later) keeps running, unrecorded."""
     if "--block" not in args:
-        raise UserError("ray start returns at once and leaves the node running in the background: "
-                        "run it in the foreground under diagnose with `ray start --block ...`")
+        raise UserError(
+            "ray start returns at once and leaves the node running in the background: "
+            "run it in the foreground under diagnose with `ray start --block ...`"
+        )
 
 
 def shared_run_dir(command, env, run_dir):
@@ -133,8 +136,10 @@ def shared_run_dir(command, env, run_dir):
     rdzv = _flag(args, "--rdzv-id", "--rdzv_id") if kind == "torchrun" else None
     if rdzv and rdzv != "none" and _NAME.fullmatch(rdzv):
         return os.path.join("runs", f"rdzv-{rdzv}")
-    raise UserError("a multi-node run needs --run-dir DIR on a folder every node can write "
-                    "(each node writes DIR/nodes/<node>/)")
+    raise UserError(
+        "a multi-node run needs --run-dir DIR on a folder every node can write "
+        "(each node writes DIR/nodes/<node>/)"
+    )
 
 
 def claim_node_dir(run_dir, name):
@@ -158,8 +163,7 @@ def node_dirs(run_dir):
         names = sorted(os.listdir(root))
     except OSError:
         return {}
-    return {n: os.path.join(root, n) for n in names
-            if os.path.isfile(os.path.join(root, n, "manifest.json"))}
+    return {n: os.path.join(root, n) for n in names if os.path.isfile(os.path.join(root, n, "manifest.json"))}
 
 
 def is_multinode(run_dir):
@@ -184,8 +188,9 @@ def parts(run_dir, manifest):
     if not manifest.get("nodes"):
         return [(run_dir, None, 0)]
     offsets = read_clock(run_dir)
-    return [(os.path.join(run_dir, NODES_DIR, node), node, offsets.get(node, 0))
-            for node in manifest["nodes"]]
+    return [
+        (os.path.join(run_dir, NODES_DIR, node), node, offsets.get(node, 0)) for node in manifest["nodes"]
+    ]
 
 
 TIME_FIELDS = ("t", "start", "end")
@@ -197,9 +202,7 @@ def shift_events(events, node, offset_ns):
     for event in events:
         for key in TIME_FIELDS:
             value = event.get(key)
-            if isinstance(value, int) and not isinstance(value, bool):
-                event[key] = value + offset_ns
-            elif isinstance(value, float):
+            if isinstance(value, int) and not isinstance(value, bool) or isinstance(value, float):
                 event[key] = value + offset_ns
         event["node"] = node
     return events
@@ -250,7 +253,6 @@ def load_traces(run_dir, manifest):
     """torchtrace.load_traces of the run, or of every node of a merged run with the node's
     offset added to start_ns/end_ns (trace files are named by global rank)."""
     import pandas as pd
-
 
     tables, errors = [], {}
     for folder, node, offset in parts(run_dir, manifest):
@@ -312,30 +314,48 @@ def merged_manifest(node_manifests, offsets, labels, clock_summary, per_node_clo
         for key, why in (m.get("missing") or {}).items():
             missing[f"{key}@{n}"] = why
         codes.append(m.get("exit_code"))
-        per_node[n] = {"host": m.get("host"), "node": m.get("node"), "start_ns": m.get("start_ns"),
-                       "end_ns": m.get("end_ns"), "exit_code": m.get("exit_code"),
-                       "status": m.get("status"), "command": m.get("command"),
-                       "ranks": m.get("ranks"), "nvml": m.get("nvml")}
+        per_node[n] = {
+            "host": m.get("host"),
+            "node": m.get("node"),
+            "start_ns": m.get("start_ns"),
+            "end_ns": m.get("end_ns"),
+            "exit_code": m.get("exit_code"),
+            "status": m.get("status"),
+            "command": m.get("command"),
+            "ranks": m.get("ranks"),
+            "nvml": m.get("nvml"),
+        }
     hosts = sorted({(m.get("host") or {}).get("hostname") or "?" for m in node_manifests.values()})
     failed = [c for c in codes if c not in (0, None)]
-    base.update({
-        "nodes": list(node_manifests),
-        "node_manifests": per_node,
-        "host": dict(base.get("host") or {}, hostname=", ".join(hosts),
-                     nodes=len(node_manifests),
-                     clock_offsets=clock_line(per_node_clock or {}, reference)),
-        "start_ns": min((s for s in starts if s is not None), default=None),
-        "end_ns": max((e for e in ends if e is not None), default=None),
-        "exit_code": failed[0] if failed else (0 if all(c == 0 for c in codes) else None),
-        "status": "merged",
-        "gpus": gpus,
-        "missing": missing,
-        "ranks": {label: pid for (node, pid), label in sorted(labels.items(), key=lambda kv: kv[1])
-                  if _is_rank(label)},
-        "rank_nodes": {label: node for (node, pid), label in labels.items() if _is_rank(label)},
-        "clock": {"file": "clock.json", "reference": reference,
-                  "consistent": clock_summary.get("consistent")},
-    })
+    base.update(
+        {
+            "nodes": list(node_manifests),
+            "node_manifests": per_node,
+            "host": dict(
+                base.get("host") or {},
+                hostname=", ".join(hosts),
+                nodes=len(node_manifests),
+                clock_offsets=clock_line(per_node_clock or {}, reference),
+            ),
+            "start_ns": min((s for s in starts if s is not None), default=None),
+            "end_ns": max((e for e in ends if e is not None), default=None),
+            "exit_code": failed[0] if failed else (0 if all(c == 0 for c in codes) else None),
+            "status": "merged",
+            "gpus": gpus,
+            "missing": missing,
+            "ranks": {
+                label: pid
+                for (node, pid), label in sorted(labels.items(), key=lambda kv: kv[1])
+                if _is_rank(label)
+            },
+            "rank_nodes": {label: node for (node, pid), label in labels.items() if _is_rank(label)},
+            "clock": {
+                "file": "clock.json",
+                "reference": reference,
+                "consistent": clock_summary.get("consistent"),
+            },
+        }
+    )
     base.pop("node", None)
     base.pop("nvml", None)
     return base
@@ -415,8 +435,10 @@ def _merge_pyspy(parts, labels, out_dir):
                 continue
             target = os.path.join(out_dir, f"{label}-{flavour}{dot}{ext}")
             if name.endswith("-dump.jsonl"):
-                with open(os.path.join(src, name), encoding="utf-8", errors="replace") as f, \
-                        open(target, "w", encoding="utf-8") as out:
+                with (
+                    open(os.path.join(src, name), encoding="utf-8", errors="replace") as f,
+                    open(target, "w", encoding="utf-8") as out,
+                ):
                     for line in f:
                         try:
                             snap = json.loads(line)
@@ -434,20 +456,26 @@ def _merge_pyspy(parts, labels, out_dir):
 
 def unfinished_nodes(run_dir: str) -> list:
     """Nodes whose part still says `running` (still running, or killed)."""
-    return [n for n, d in node_dirs(os.path.abspath(run_dir)).items()
-            if _read_manifest(d).get("status") == "running"]
+    return [
+        n
+        for n, d in node_dirs(os.path.abspath(run_dir)).items()
+        if _read_manifest(d).get("status") == "running"
+    ]
 
 
 def format_clock(clock: dict) -> str:
     from traindx.profiler.clocks import METHOD
 
-    lines = [f"clock reference: {clock['reference']} ({clock['usable_collectives']} matched "
-             f"collectives usable)"]
+    lines = [
+        f"clock reference: {clock['reference']} ({clock['usable_collectives']} matched collectives usable)"
+    ]
     for n, e in clock["nodes"].items():
         err = "unknown" if e["error_ns"] is None else f"± {e['error_ns'] / 1e6:.3f} ms"
-        lines.append(f"  {n}: host {e.get('host')}, ranks {','.join(e.get('ranks') or []) or '-'}, "
-                     f"offset {e['offset_ns'] / 1e9:+.6f} s {err}, {e['constraints']} constraints"
-                     + ("" if e["method"] == METHOD else f" ({e['method']})"))
+        lines.append(
+            f"  {n}: host {e.get('host')}, ranks {','.join(e.get('ranks') or []) or '-'}, "
+            f"offset {e['offset_ns'] / 1e9:+.6f} s {err}, {e['constraints']} constraints"
+            + ("" if e["method"] == METHOD else f" ({e['method']})")
+        )
     if not clock["consistent"]:
         lines.append("  INCONSISTENT: " + "; ".join(clock["conflicts"]))
     return "\n".join(lines)

@@ -5,12 +5,12 @@ Only the job's GPUs are sampled: those CUDA_VISIBLE_DEVICES of the job's environ
 resolve hides it and every entry after it), narrowed to the ranks' devices when those are known.
 NVML sees the whole node, so without this a shared node's other jobs would be read as ours.
 """
+
 import os
 import threading
 import time
 
-COLUMNS = ["t", "gpu", "util", "mem_util", "sm_clock_mhz", "mem_used_bytes", "power_w",
-           "clock_event_reasons"]
+COLUMNS = ["t", "gpu", "util", "mem_util", "sm_clock_mhz", "mem_used_bytes", "power_w", "clock_event_reasons"]
 
 
 def gpu_inventory():
@@ -23,9 +23,12 @@ def gpu_inventory():
     for i in range(pynvml.nvmlDeviceGetCount()):
         h = pynvml.nvmlDeviceGetHandleByIndex(i)
         name = pynvml.nvmlDeviceGetName(h)
-        gpu = {"index": i, "name": name.decode() if isinstance(name, bytes) else name,
-               "uuid": _text(pynvml.nvmlDeviceGetUUID(h)),
-               "memory_bytes": pynvml.nvmlDeviceGetMemoryInfo(h).total}
+        gpu = {
+            "index": i,
+            "name": name.decode() if isinstance(name, bytes) else name,
+            "uuid": _text(pynvml.nvmlDeviceGetUUID(h)),
+            "memory_bytes": pynvml.nvmlDeviceGetMemoryInfo(h).total,
+        }
         try:  # the clock a throttled GPU is compared with when no sample ran unthrottled
             gpu["max_sm_clock_mhz"] = int(pynvml.nvmlDeviceGetMaxClockInfo(h, pynvml.NVML_CLOCK_SM))
         except (pynvml.NVMLError, AttributeError):
@@ -46,8 +49,9 @@ def _mig_uuids(pynvml, handle):
         out = []
         for j in range(pynvml.nvmlDeviceGetMaxMigDeviceCount(handle)):
             try:
-                out.append(_text(pynvml.nvmlDeviceGetUUID(
-                    pynvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, j))))
+                out.append(
+                    _text(pynvml.nvmlDeviceGetUUID(pynvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, j)))
+                )
             except pynvml.NVMLError:
                 continue
         return out
@@ -65,12 +69,16 @@ def _resolve(entry, inventory):
     low = entry.lower()
     if low.startswith("mig-"):
         # MIG-<uuid>, or the legacy MIG-GPU-<gpu uuid>/<gi>/<ci>: NVML samples the parent GPU
-        legacy = low[len("mig-"):].split("/")[0]
+        legacy = low[len("mig-") :].split("/")[0]
         for gpu in inventory:
             if legacy.startswith("gpu-") and gpu.get("uuid", "").lower() == legacy:
-                return gpu["index"], f"{entry}: a MIG instance of GPU {gpu['index']} (its whole GPU is sampled)"
+                return gpu[
+                    "index"
+                ], f"{entry}: a MIG instance of GPU {gpu['index']} (its whole GPU is sampled)"
             if any(m.lower() == low for m in gpu.get("mig_uuids", ())):
-                return gpu["index"], f"{entry}: a MIG instance of GPU {gpu['index']} (its whole GPU is sampled)"
+                return gpu[
+                    "index"
+                ], f"{entry}: a MIG instance of GPU {gpu['index']} (its whole GPU is sampled)"
         return None, f"{entry}: no such MIG instance"
     prefix = low if low.startswith("gpu-") else "gpu-" + low
     hits = [g for g in inventory if g.get("uuid", "").lower().startswith(prefix)]
@@ -87,7 +95,10 @@ def select_gpus(inventory, visible=None, rank_devices=None, device_order=None):
     with one GPU per rank), when known. device_order: the job's CUDA_DEVICE_ORDER.
     """
     if visible is None:
-        chosen, why = [g["index"] for g in inventory], "CUDA_VISIBLE_DEVICES is unset: the job sees every GPU of the node"
+        chosen, why = (
+            [g["index"] for g in inventory],
+            "CUDA_VISIBLE_DEVICES is unset: the job sees every GPU of the node",
+        )
     else:
         chosen, notes = [], []
         for entry in (e.strip() for e in visible.split(",")):
@@ -104,8 +115,10 @@ def select_gpus(inventory, visible=None, rank_devices=None, device_order=None):
         why = f"CUDA_VISIBLE_DEVICES={visible!r}: " + ("; ".join(notes) if notes else "the job sees no GPU")
         names = {g.get("name") for g in inventory}
         if len(names) > 1 and device_order != "PCI_BUS_ID":
-            why += (" (mixed GPU models and CUDA_DEVICE_ORDER is not PCI_BUS_ID: CUDA may number "
-                    "them differently from NVML)")
+            why += (
+                " (mixed GPU models and CUDA_DEVICE_ORDER is not PCI_BUS_ID: CUDA may number "
+                "them differently from NVML)"
+            )
     if rank_devices:
         ranked = [chosen[d] for d in sorted(set(rank_devices)) if 0 <= d < len(chosen)]
         if ranked:
@@ -139,8 +152,12 @@ class NvmlSampler:
             import pynvml
 
             inventory = gpu_inventory()
-            indices, why = select_gpus(inventory, self.env.get("CUDA_VISIBLE_DEVICES"),
-                                       self.rank_devices, self.env.get("CUDA_DEVICE_ORDER"))
+            indices, why = select_gpus(
+                inventory,
+                self.env.get("CUDA_VISIBLE_DEVICES"),
+                self.rank_devices,
+                self.env.get("CUDA_DEVICE_ORDER"),
+            )
             self.selection = {"gpus": indices, "why": why}
             self._handles = [(i, pynvml.nvmlDeviceGetHandleByIndex(i)) for i in indices]
         except Exception as exc:  # no driver, no library, no GPU: the job runs on without NVML
@@ -161,12 +178,16 @@ class NvmlSampler:
                 return default
 
         util = safe(lambda: pynvml.nvmlDeviceGetUtilizationRates(h), None)
-        return [time.time_ns(), index,
-                "" if util is None else util.gpu, "" if util is None else util.memory,
-                safe(lambda: pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_SM)),
-                safe(lambda: pynvml.nvmlDeviceGetMemoryInfo(h).used),
-                safe(lambda: pynvml.nvmlDeviceGetPowerUsage(h) / 1000.0),
-                safe(lambda: pynvml.nvmlDeviceGetCurrentClocksEventReasons(h))]
+        return [
+            time.time_ns(),
+            index,
+            "" if util is None else util.gpu,
+            "" if util is None else util.memory,
+            safe(lambda: pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_SM)),
+            safe(lambda: pynvml.nvmlDeviceGetMemoryInfo(h).used),
+            safe(lambda: pynvml.nvmlDeviceGetPowerUsage(h) / 1000.0),
+            safe(lambda: pynvml.nvmlDeviceGetCurrentClocksEventReasons(h)),
+        ]
 
     def _loop(self):
         import pynvml
@@ -181,8 +202,9 @@ class NvmlSampler:
                 out.flush()
                 self._stop.wait(self.interval_s)
         except OSError as exc:  # a full disk: the samples so far stay, the loss is said once
-            self.write_error = (f"nvml.csv: the GPU samples from "
-                                f"{time.strftime('%H:%M:%S')} on ({exc.strerror or exc})")
+            self.write_error = (
+                f"nvml.csv: the GPU samples from {time.strftime('%H:%M:%S')} on ({exc.strerror or exc})"
+            )
         finally:
             if out is not None:
                 try:
@@ -222,8 +244,10 @@ def load_csv(path):
     df = df.apply(pd.to_numeric, errors="coerce").dropna(subset=["t", "gpu"])
     problem = None
     if rows and len(df) < rows:
-        problem = (f"{path}: {rows - len(df)} of {rows} rows are not NVML samples; "
-                   f"{'they were' if len(df) else 'GPU metrics'} skipped")
+        problem = (
+            f"{path}: {rows - len(df)} of {rows} rows are not NVML samples; "
+            f"{'they were' if len(df) else 'GPU metrics'} skipped"
+        )
     for col in COLUMNS:
         if col not in df:
             df[col] = float("nan")

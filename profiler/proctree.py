@@ -6,6 +6,7 @@ Python processes whose environment names a rank (roles.RANK_ENV) are sampled, or
 does, the top-most Python process: a `torch.multiprocessing.spawn` job is then sampled in its
 parent only. No program name is looked at.
 """
+
 import os
 
 from traindx.profiler.shim._traindx_shim.roles import is_multiprocessing_child, rank_from_env
@@ -28,7 +29,7 @@ def children_map():
         if not stat:
             continue
         # comm may contain spaces and parentheses: ppid follows the last ')'
-        fields = stat[stat.rfind(")") + 2:].split()
+        fields = stat[stat.rfind(")") + 2 :].split()
         children.setdefault(int(fields[1]), []).append(int(entry))
     return children
 
@@ -74,4 +75,4 @@ def rank_processes(root_pid):
             if not below_python:
                 topmost.append(pid)
         stack.extend((child, below_python or python) for child in children.get(pid, []))
-    return found or {pid: None for pid in topmost}
+    return found or dict.fromkeys(topmost)

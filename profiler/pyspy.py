@@ -5,6 +5,7 @@ py-spy keeps every sample in memory until it exits, so a long job is recorded in
 `window_s`: the next window's recorders start before the last ones are stopped (SIGINT: py-spy
 writes its file), and windows past the first and the last `keep` are folded into a summary
 (profiler/rolling.py). The dumps file rolls in segments like the other line files."""
+
 import glob
 import json
 import os
@@ -17,7 +18,6 @@ import time
 from traindx.profiler import rolling
 from traindx.profiler.proctree import rank_processes
 from traindx.profiler.shim._traindx_shim import roles
-
 
 # a burst of snapshots on an anomaly: this many, this far apart (each dump pauses nothing: it
 # is --nonblocking, and costs the diagnose side ~10-30 ms of CPU)
@@ -40,8 +40,7 @@ def find_pyspy():
 class RankSampler:
     """Both recorders and the dump loop of one process."""
 
-    def __init__(self, pyspy, pid, rank, out_dir, rate_hz, dump_interval_s, budget=None,
-                 record=True):
+    def __init__(self, pyspy, pid, rank, out_dir, rate_hz, dump_interval_s, budget=None, record=True):
         self.pyspy, self.pid, self.rank = pyspy, pid, rank
         self.record = record  # False (--always-on): dumps only, no recorder sampling all along
         self.out_dir = out_dir
@@ -69,26 +68,50 @@ class RankSampler:
         for flavour, flag in (("all", "--idle"), ("gil", "--gil")):
             out = rolling.window_path(self.out_dir, f"{self.rank}-{flavour}", self.window)
             if flavour not in self._logs:
-                self._logs[flavour] = open(
-                    os.path.join(self.out_dir, f"{self.rank}-{flavour}.log"), "w")
+                self._logs[flavour] = open(os.path.join(self.out_dir, f"{self.rank}-{flavour}.log"), "w")
             log = self._logs[flavour]
-            cmd = [self.pyspy, "record", "--pid", str(self.pid), flag, "--nonblocking",
-                   "--threads", "-r", str(self.rate_hz), "-f", "speedscope", "-o", out]
+            cmd = [
+                self.pyspy,
+                "record",
+                "--pid",
+                str(self.pid),
+                flag,
+                "--nonblocking",
+                "--threads",
+                "-r",
+                str(self.rate_hz),
+                "-f",
+                "speedscope",
+                "-o",
+                out,
+            ]
             # own session: a Ctrl-C meant for the job must not stop the recorder first
-            recorders.append((flavour, subprocess.Popen(
-                cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                start_new_session=True), log))
+            recorders.append(
+                (
+                    flavour,
+                    subprocess.Popen(
+                        cmd,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        stdin=subprocess.DEVNULL,
+                        start_new_session=True,
+                    ),
+                    log,
+                )
+            )
         return recorders
 
     def start(self):
         self.recorders = self._start_recorders()
         if self.dump_interval_s > 0:
-            self._dump_thread = threading.Thread(target=self._dump_loop, daemon=True,
-                                                 name=f"traindx-pyspy-dump-{self.rank}")
+            self._dump_thread = threading.Thread(
+                target=self._dump_loop, daemon=True, name=f"traindx-pyspy-dump-{self.rank}"
+            )
             self._dump_thread.start()
         if self.budget.window_s > 0 and self.record:
-            self._window_thread = threading.Thread(target=self._window_loop, daemon=True,
-                                                   name=f"traindx-pyspy-window-{self.rank}")
+            self._window_thread = threading.Thread(
+                target=self._window_loop, daemon=True, name=f"traindx-pyspy-window-{self.rank}"
+            )
             self._window_thread.start()
 
     def _window_loop(self):
@@ -115,19 +138,22 @@ class RankSampler:
             while kept and over > 0:
                 n = kept.pop(0)
                 fold.append(n)
-                over -= sum(self._size(rolling.window_path(self.out_dir, f"{self.rank}-{fl}", n))
-                            for fl in ("all", "gil"))
+                over -= sum(
+                    self._size(rolling.window_path(self.out_dir, f"{self.rank}-{fl}", n))
+                    for fl in ("all", "gil")
+                )
             if fold:
                 for flavour in ("all", "gil"):
                     try:
-                        rolling.fold_windows(self.out_dir, f"{self.rank}-{flavour}", max(fold),
-                                             first=first)
+                        rolling.fold_windows(self.out_dir, f"{self.rank}-{flavour}", max(fold), first=first)
                     except Exception as exc:  # the windows stay as they are: nothing lost
                         self._note(self.errors, f"py-spy {flavour} windows not folded: {exc}")
 
     def _windows_bytes(self):
-        return sum(self._size(p) for p in glob.glob(
-            os.path.join(self.out_dir, f"{self.rank}-*" + rolling.SPEEDSCOPE)))
+        return sum(
+            self._size(p)
+            for p in glob.glob(os.path.join(self.out_dir, f"{self.rank}-*" + rolling.SPEEDSCOPE))
+        )
 
     @staticmethod
     def _size(path):
@@ -157,9 +183,12 @@ class RankSampler:
         try:
             self._dumps(path)
         except OSError as exc:  # a full disk: the dumps so far stay, the loss is said once
-            self._note(self.errors, f"{os.path.basename(path)}: the dumps from "
-                       f"{time.strftime('%H:%M:%S')} on were not written "
-                       f"({exc.strerror or exc})")
+            self._note(
+                self.errors,
+                f"{os.path.basename(path)}: the dumps from "
+                f"{time.strftime('%H:%M:%S')} on were not written "
+                f"({exc.strerror or exc})",
+            )
 
     def _dumps(self, path):
         out = rolling.RollingLines(path, self.budget.segment_bytes(rolling.DUMPS_SHARE), mode="a")
@@ -175,9 +204,12 @@ class RankSampler:
                     trigger = self._burst_kind
                 t = time.time_ns()
                 try:
-                    proc = subprocess.run([self.pyspy, "dump", "--pid", str(self.pid), "--json",
-                                           "--nonblocking"], capture_output=True, text=True,
-                                          timeout=10)
+                    proc = subprocess.run(
+                        [self.pyspy, "dump", "--pid", str(self.pid), "--json", "--nonblocking"],
+                        capture_output=True,
+                        text=True,
+                        timeout=10,
+                    )
                 except (subprocess.TimeoutExpired, OSError):
                     continue
                 if proc.returncode != 0:
@@ -185,8 +217,7 @@ class RankSampler:
                         return
                     # a dump can fail while the target starts or exits; only all failing matters
                     lines = [l for l in proc.stderr.splitlines() if l.strip()]
-                    self._note(self.dump_errors,
-                               lines[0][:300] if lines else f"exit {proc.returncode}")
+                    self._note(self.dump_errors, lines[0][:300] if lines else f"exit {proc.returncode}")
                     continue
                 self.dumps_ok += 1
                 try:
@@ -196,13 +227,32 @@ class RankSampler:
                 record = {"t": t, "pid": self.pid}
                 if trigger:
                     record["trigger"] = trigger
-                out.write(json.dumps({**record, "threads": [
-                    {"thread_id": th.get("thread_id"), "thread_name": th.get("thread_name"),
-                     "os_thread_id": th.get("os_thread_id"), "active": th.get("active"),
-                     "owns_gil": th.get("owns_gil"),
-                     "frames": [{"name": f.get("name"), "filename": f.get("filename"),
-                                 "line": f.get("line")} for f in th.get("frames", [])[:40]]}
-                    for th in threads]}) + "\n")
+                out.write(
+                    json.dumps(
+                        {
+                            **record,
+                            "threads": [
+                                {
+                                    "thread_id": th.get("thread_id"),
+                                    "thread_name": th.get("thread_name"),
+                                    "os_thread_id": th.get("os_thread_id"),
+                                    "active": th.get("active"),
+                                    "owns_gil": th.get("owns_gil"),
+                                    "frames": [
+                                        {
+                                            "name": f.get("name"),
+                                            "filename": f.get("filename"),
+                                            "line": f.get("line"),
+                                        }
+                                        for f in th.get("frames", [])[:40]
+                                    ],
+                                }
+                                for th in threads
+                            ],
+                        }
+                    )
+                    + "\n"
+                )
 
     def burst(self, kind, count=None):
         """Take `count` snapshots BURST_INTERVAL_S apart now (an anomaly: the live judge saw a
@@ -251,8 +301,7 @@ class PySpyManager:
     tree's environments are all there is (proctree.rank_processes).
     """
 
-    def __init__(self, out_dir, rate_hz=20, dump_interval_s=2.0, poll_s=0.2, budget=None,
-                 record=True):
+    def __init__(self, out_dir, rate_hz=20, dump_interval_s=2.0, poll_s=0.2, budget=None, record=True):
         self.out_dir = out_dir
         self.record = record
         self.budget = budget
@@ -299,8 +348,16 @@ class PySpyManager:
             for pid in found:
                 if pid in self.samplers or not os.path.exists(f"/proc/{pid}"):
                     continue
-                sampler = RankSampler(self.pyspy, pid, f"p{pid}", self.out_dir, self.rate_hz,
-                                      self.dump_interval_s, self.budget, self.record)
+                sampler = RankSampler(
+                    self.pyspy,
+                    pid,
+                    f"p{pid}",
+                    self.out_dir,
+                    self.rate_hz,
+                    self.dump_interval_s,
+                    self.budget,
+                    self.record,
+                )
                 try:
                     sampler.start()
                 except OSError as exc:
@@ -334,8 +391,9 @@ class PySpyManager:
             return False
         os.makedirs(self.out_dir, exist_ok=True)
         self.ranks[pid] = rank
-        sampler = RankSampler(self.pyspy, pid, rank, self.out_dir, self.rate_hz,
-                              self.dump_interval_s, self.budget, self.record)
+        sampler = RankSampler(
+            self.pyspy, pid, rank, self.out_dir, self.rate_hz, self.dump_interval_s, self.budget, self.record
+        )
         sampler.start()
         self.samplers[pid] = sampler
         return True

@@ -11,6 +11,7 @@ drop written down in `<head>.rolled.json` (a dropped events segment: its step ra
 whole run's proportions stay. Every change is written beside and renamed into place: a kill at
 any moment leaves complete files, at worst one segment counted twice, never a lost one.
 """
+
 import glob
 import gzip
 import json
@@ -21,7 +22,6 @@ import threading
 from dataclasses import dataclass
 
 from traindx.common.errors import UserError
-
 from traindx.profiler.logparse import compile_custom, parse_line
 from traindx.profiler.shim._traindx_shim.segments import segment_path, segments, summary_path
 from traindx.profiler.speedscope import ThreadSamples, load
@@ -37,6 +37,7 @@ EVENTS_SHARE, DUMPS_SHARE, LOG_SHARE, PYSPY_SHARE = 0.6, 0.1, 0.1, 0.2
 class Budget:
     """The disk budget of one run: `rank_bytes` per training process, rolling windows of
     `window_s`, the last `keep` windows/segments kept whole."""
+
     rank_bytes: int = 2048 * MB
     window_s: float = 600.0
     keep: int = 3
@@ -62,9 +63,13 @@ class Budget:
         return max(MIN_SEGMENT_BYTES, self.cap(share) // (2 * (self.keep + 2)))
 
     def as_dict(self):
-        return {"rank_bytes": self.rank_bytes, "window_s": self.window_s, "keep": self.keep,
-                "first_window_s": self.first_window_s,
-                "events_segment_bytes": self.segment_bytes(EVENTS_SHARE)}
+        return {
+            "rank_bytes": self.rank_bytes,
+            "window_s": self.window_s,
+            "keep": self.keep,
+            "first_window_s": self.first_window_s,
+            "events_segment_bytes": self.segment_bytes(EVENTS_SHARE),
+        }
 
 
 # -- line files ------------------------------------------------------------------------------
@@ -304,8 +309,9 @@ def thin_events(lines, note):
     def merged_spans():
         for (_, cat, tid), (start, total, n) in merged.items():
             note["spans_left"] += 1
-            yield json.dumps({"type": "span", "cat": cat, "tid": tid, "start": start,
-                              "t": start + total, "merged": n})
+            yield json.dumps(
+                {"type": "span", "cat": cat, "tid": tid, "start": start, "t": start + total, "merged": n}
+            )
         merged.clear()
 
     for line in lines:
@@ -333,6 +339,7 @@ def thin_events(lines, note):
 
 def thin_log(custom=None):
     """The job's step/loss lines (profiler/logparse.py's formats, `--log-regex`) and nothing else."""
+
     def thin(lines, note):
         note["lines_dropped"] = 0
         for line in lines:
@@ -341,6 +348,7 @@ def thin_log(custom=None):
                 yield line
             else:
                 note["lines_dropped"] += 1
+
     return thin
 
 
@@ -430,13 +438,26 @@ def _write_speedscope(path, totals, folded_through, folded_from=1):
             samples.append(ids)
             weights.append(weight)
         total = sum(weights)
-        profiles.append({"type": "sampled", "name": name, "unit": "seconds", "startValue": 0,
-                         "endValue": total, "samples": samples, "weights": weights})
-    doc = {"$schema": "https://www.speedscope.app/file-format-schema.json",
-           "shared": {"frames": frames}, "profiles": profiles,
-           "name": "traindx: py-spy windows rolled off (each distinct stack once)",
-           "exporter": "traindx", "traindx_folded_through": folded_through,
-           "traindx_folded_from": folded_from}
+        profiles.append(
+            {
+                "type": "sampled",
+                "name": name,
+                "unit": "seconds",
+                "startValue": 0,
+                "endValue": total,
+                "samples": samples,
+                "weights": weights,
+            }
+        )
+    doc = {
+        "$schema": "https://www.speedscope.app/file-format-schema.json",
+        "shared": {"frames": frames},
+        "profiles": profiles,
+        "name": "traindx: py-spy windows rolled off (each distinct stack once)",
+        "exporter": "traindx",
+        "traindx_folded_through": folded_through,
+        "traindx_folded_from": folded_from,
+    }
     _write_json_atomic(path, doc)
 
 
@@ -447,8 +468,7 @@ def load_pyspy(pyspy_dir):
     for path in glob.glob(os.path.join(pyspy_dir, "*" + SPEEDSCOPE)):
         m = _WINDOW.match(os.path.basename(path)[: -len(SPEEDSCOPE)])
         stem, _, source = m["base"].rpartition("-")
-        groups.setdefault((stem, source), []).append((None if m["rolled"] else int(m["n"] or 0),
-                                                      path))
+        groups.setdefault((stem, source), []).append((None if m["rolled"] else int(m["n"] or 0), path))
     out = {}
     for key, files in sorted(groups.items()):
         threads, errors, first, folded = {}, [], 1, 0
@@ -509,10 +529,14 @@ class Roller:
                 custom = compile_custom(self.log_regex)
         except ValueError:
             custom = None
-        families = [(path, b.cap(EVENTS_SHARE), thin_events)
-                    for path in glob.glob(os.path.join(self.run_dir, "events", "*.jsonl"))]
-        families += [(path, b.cap(DUMPS_SHARE), thin_dumps)
-                     for path in glob.glob(os.path.join(self.run_dir, "pyspy", "*-dump.jsonl"))]
+        families = [
+            (path, b.cap(EVENTS_SHARE), thin_events)
+            for path in glob.glob(os.path.join(self.run_dir, "events", "*.jsonl"))
+        ]
+        families += [
+            (path, b.cap(DUMPS_SHARE), thin_dumps)
+            for path in glob.glob(os.path.join(self.run_dir, "pyspy", "*-dump.jsonl"))
+        ]
         log = os.path.join(self.run_dir, "log.txt")
         if os.path.exists(log):
             families.append((log, b.cap(LOG_SHARE), thin_log(custom)))
@@ -521,8 +545,7 @@ class Roller:
                 settle(head, b.keep, cap, thin, live=live)
             except Exception as exc:  # rolling must never stop the run; the loss is said
                 if len(self.errors) < 20:
-                    self.errors.append(f"rolling {os.path.basename(head)}: "
-                                       f"{type(exc).__name__}: {exc}")
+                    self.errors.append(f"rolling {os.path.basename(head)}: {type(exc).__name__}: {exc}")
 
     def stop(self):
         self._stop.set()

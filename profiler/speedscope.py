@@ -1,4 +1,5 @@
 """Reading py-spy recordings: speedscope JSON, and py-spy's raw (collapsed) format."""
+
 import json
 import re
 from dataclasses import dataclass, field
@@ -71,8 +72,10 @@ def load(path):
 def _from_speedscope(path, text):
     try:
         doc = json.loads(text)
-        frames = [Frame(f.get("name", "?"), f.get("file") or "", int(f.get("line") or 0))
-                  for f in doc["shared"]["frames"]]
+        frames = [
+            Frame(f.get("name", "?"), f.get("file") or "", int(f.get("line") or 0))
+            for f in doc["shared"]["frames"]
+        ]
         threads = {}
         for profile in doc["profiles"]:
             name = profile.get("name", "thread")

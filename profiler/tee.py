@@ -17,6 +17,7 @@ reaches the terminal. Nothing here may raise into the pipes' writers: every erro
 usage (by the launcher only): python -m traindx.profiler.tee OUT_FD ERR_FD SOCKET_FD
 then one JSON line on the socket: {"log": path, "segment_bytes": n, "cap_bytes": n}
 """
+
 import json
 import os
 import queue
@@ -85,8 +86,7 @@ class Tee:
             if self.sock is None:
                 return False
             try:
-                self.sock.sendall("".join(f"{tag} {text}\n" for text in texts)
-                                  .encode("utf-8", "replace"))
+                self.sock.sendall("".join(f"{tag} {text}\n" for text in texts).encode("utf-8", "replace"))
                 return True
             except OSError:
                 self._detach_locked()
@@ -140,8 +140,10 @@ class Tee:
             except Exception as exc:
                 when = time.strftime("%H:%M:%S", time.localtime(t / 1e9))
                 self._close_log()
-                self.problem(f"log.txt: the job's output from {when} on was not written "
-                             f"({_reason(exc)}); it still reached the terminal")
+                self.problem(
+                    f"log.txt: the job's output from {when} on was not written "
+                    f"({_reason(exc)}); it still reached the terminal"
+                )
 
     def _close_log(self):
         log, self.log = self.log, None
@@ -242,8 +244,12 @@ class OutputRelay:
     module = "traindx.profiler.tee"
 
     def __init__(self, log_path, segment_bytes, cap_bytes, on_line, secret_values=()):
-        self.config = {"log": log_path, "segment_bytes": segment_bytes, "cap_bytes": cap_bytes,
-                       "secret_values": list(secret_values)}
+        self.config = {
+            "log": log_path,
+            "segment_bytes": segment_bytes,
+            "cap_bytes": cap_bytes,
+            "secret_values": list(secret_values),
+        }
         self.on_line = on_line
         self.problems = []
         self.proc = None
@@ -258,9 +264,11 @@ class OutputRelay:
         mine, theirs = socket.socketpair()
         try:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", self.module, str(out_r), str(err_r),
-                 str(theirs.fileno())], pass_fds=(out_r, err_r, theirs.fileno()),
-                stdin=subprocess.DEVNULL, start_new_session=True)
+                [sys.executable, "-m", self.module, str(out_r), str(err_r), str(theirs.fileno())],
+                pass_fds=(out_r, err_r, theirs.fileno()),
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
         except BaseException:
             for fd in (out_w, err_w):
                 os.close(fd)

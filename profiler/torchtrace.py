@@ -12,20 +12,34 @@ complete ('X') events' columns the analyzers read go into compact columns (numbe
 arrays, repeated strings — names, categories, pids — kept once). Memory is the window
 (CHUNK_CHARS) plus the columns, not the JSON document. Gzip is decompressed on the fly.
 """
+
 import glob
 import gzip
-import zlib
 import json
 import math
 import os
+import zlib
 
 import numpy as np
 import pandas as pd
 
 from traindx.common.errors import UserError
 
-TRACE_COLUMNS = ["rank", "cat", "name", "start_ns", "end_ns", "dur_s", "pid", "tid", "py_id",
-                 "py_parent", "device", "stream", "bytes"]  # bytes: of a memcpy/memset
+TRACE_COLUMNS = [
+    "rank",
+    "cat",
+    "name",
+    "start_ns",
+    "end_ns",
+    "dur_s",
+    "pid",
+    "tid",
+    "py_id",
+    "py_parent",
+    "device",
+    "stream",
+    "bytes",
+]  # bytes: of a memcpy/memset
 CHUNK_CHARS = 1 << 20  # 1 Mi characters of text per read
 MAX_EVENT_CHARS = 1 << 26  # one event (or top-level value other than traceEvents) past 64 Mi: corrupt
 _WS = " \t\n\r"
@@ -48,7 +62,7 @@ class _Window:
         if not chunk:
             self.eof = True
             return False
-        self.buf = self.buf[self.pos:] + chunk
+        self.buf = self.buf[self.pos :] + chunk
         self.pos = 0
         return True
 
@@ -93,8 +107,7 @@ class _Columns:
 
     def __init__(self):
         self.batch = []
-        self.numeric = {k: [] for k in ("ts", "dur", "py_id", "py_parent", "device", "stream",
-                                        "bytes")}
+        self.numeric = {k: [] for k in ("ts", "dur", "py_id", "py_parent", "device", "stream", "bytes")}
         self.codes = {k: [] for k in ("cat", "name", "pid", "tid")}
         self.values = {k: {} for k in ("cat", "name", "pid", "tid")}
 
@@ -112,11 +125,20 @@ class _Columns:
         num["ts"].append(np.fromiter((float(e["ts"]) for e in batch), np.float64, n))
         num["dur"].append(np.fromiter((float(e.get("dur") or 0.0) for e in batch), np.float64, n))
         args = [e.get("args") or _EMPTY for e in batch]
-        for column, key in (("py_id", "Python id"), ("py_parent", "Python parent id"),
-                            ("device", "device"), ("stream", "stream"), ("bytes", "bytes")):
+        for column, key in (
+            ("py_id", "Python id"),
+            ("py_parent", "Python parent id"),
+            ("device", "device"),
+            ("stream", "stream"),
+            ("bytes", "bytes"),
+        ):
             num[column].append(np.fromiter((_num(a.get(key)) for a in args), np.float64, n))
-        for column, key, default in (("cat", "cat", None), ("name", "name", ""),
-                                     ("pid", "pid", None), ("tid", "tid", None)):
+        for column, key, default in (
+            ("cat", "cat", None),
+            ("name", "name", ""),
+            ("pid", "pid", None),
+            ("tid", "tid", None),
+        ):
             table = self.values[column]
             codes = [table.setdefault(_hashable(e.get(key, default)), len(table)) for e in batch]
             self.codes[column].append(np.asarray(codes, dtype=np.int64))
@@ -130,13 +152,17 @@ class _Columns:
         ts, dur = joined(self.numeric["ts"], np.float64), joined(self.numeric["dur"], np.float64)
         n = len(ts)
         start = base + np.rint(ts * 1000).astype(np.int64)
-        cols = {"rank": np.full(n, rank, dtype=object),
-                "cat": self._decoded("cat"), "name": self._decoded("name"),
-                "start_ns": start, "end_ns": start + np.rint(dur * 1000).astype(np.int64),
-                "dur_s": dur / 1e6,
-                # ints stay int64 columns, as when the table was built from rows
-                "pid": pd.Series(self._decoded("pid"), dtype=object).infer_objects(),
-                "tid": pd.Series(self._decoded("tid"), dtype=object).infer_objects()}
+        cols = {
+            "rank": np.full(n, rank, dtype=object),
+            "cat": self._decoded("cat"),
+            "name": self._decoded("name"),
+            "start_ns": start,
+            "end_ns": start + np.rint(dur * 1000).astype(np.int64),
+            "dur_s": dur / 1e6,
+            # ints stay int64 columns, as when the table was built from rows
+            "pid": pd.Series(self._decoded("pid"), dtype=object).infer_objects(),
+            "tid": pd.Series(self._decoded("tid"), dtype=object).infer_objects(),
+        }
         for column in ("py_id", "py_parent", "device", "stream", "bytes"):
             cols[column] = joined(self.numeric[column], np.float64)
         return pd.DataFrame(cols, columns=TRACE_COLUMNS)
@@ -228,12 +254,29 @@ class _NotKineto(Exception):
 def _fast_schema():
     import pyarrow as pa
 
-    args = pa.struct([("Python id", pa.int64()), ("Python parent id", pa.int64()),
-                      ("device", pa.int64()), ("stream", pa.int64()), ("bytes", pa.int64())])
-    return pa.schema([("ph", pa.string()), ("cat", pa.string()), ("name", pa.string()),
-                      ("ts", pa.float64()), ("dur", pa.float64()), ("pid", pa.int64()),
-                      ("pid_s", pa.string()), ("tid", pa.int64()), ("tid_s", pa.string()),
-                      ("args", args)])
+    args = pa.struct(
+        [
+            ("Python id", pa.int64()),
+            ("Python parent id", pa.int64()),
+            ("device", pa.int64()),
+            ("stream", pa.int64()),
+            ("bytes", pa.int64()),
+        ]
+    )
+    return pa.schema(
+        [
+            ("ph", pa.string()),
+            ("cat", pa.string()),
+            ("name", pa.string()),
+            ("ts", pa.float64()),
+            ("dur", pa.float64()),
+            ("pid", pa.int64()),
+            ("pid_s", pa.string()),
+            ("tid", pa.int64()),
+            ("tid_s", pa.string()),
+            ("args", args),
+        ]
+    )
 
 
 def _fast_events(text, schema):
@@ -242,8 +285,13 @@ def _fast_events(text, schema):
     import pyarrow.compute as pc
     import pyarrow.json as pa_json
 
-    nd = (text.replace(_END, "}\x00").replace("\n", " ").replace("}\x00", "}\n")
-          .replace('"pid": "', '"pid_s": "').replace('"tid": "', '"tid_s": "'))
+    nd = (
+        text.replace(_END, "}\x00")
+        .replace("\n", " ")
+        .replace("}\x00", "}\n")
+        .replace('"pid": "', '"pid_s": "')
+        .replace('"tid": "', '"tid_s": "')
+    )
     # the system allocator: freed chunks go back to the OS at once (Arrow's default pool keeps
     # them, and numpy, which allocates the final columns, cannot reuse them): a lower peak
     pool = pa.system_memory_pool()
@@ -251,22 +299,29 @@ def _fast_events(text, schema):
         table = pa_json.read_json(
             pa.py_buffer(nd.encode("utf-8")),
             read_options=pa_json.ReadOptions(block_size=1 << 22),
-            parse_options=pa_json.ParseOptions(explicit_schema=schema,
-                                               unexpected_field_behavior="ignore"),
-            memory_pool=pool)
+            parse_options=pa_json.ParseOptions(explicit_schema=schema, unexpected_field_behavior="ignore"),
+            memory_pool=pool,
+        )
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as exc:
         raise _NotKineto(str(exc)) from None
     del nd
-    keep = pc.and_(pc.equal(table["ph"], "X", memory_pool=pool),
-                   pc.is_valid(table["ts"], memory_pool=pool), memory_pool=pool)
+    keep = pc.and_(
+        pc.equal(table["ph"], "X", memory_pool=pool),
+        pc.is_valid(table["ts"], memory_pool=pool),
+        memory_pool=pool,
+    )
     keep = pc.if_else(pc.is_null(keep, memory_pool=pool), False, keep, memory_pool=pool)
     out = {}
     for k in ("cat", "name", "ts", "dur", "pid", "pid_s", "tid", "tid_s"):
         out[k] = pc.filter(table[k], keep, memory_pool=pool)
-    for column, key in (("py_id", "Python id"), ("py_parent", "Python parent id"),
-                        ("device", "device"), ("stream", "stream"), ("bytes", "bytes")):
-        out[column] = pc.filter(pc.struct_field(table["args"], key, memory_pool=pool), keep,
-                                memory_pool=pool)
+    for column, key in (
+        ("py_id", "Python id"),
+        ("py_parent", "Python parent id"),
+        ("device", "device"),
+        ("stream", "stream"),
+        ("bytes", "bytes"),
+    ):
+        out[column] = pc.filter(pc.struct_field(table["args"], key, memory_pool=pool), keep, memory_pool=pool)
     return pa.table(out)
 
 
@@ -284,7 +339,7 @@ def _read_kineto(f, rank):
         head += more
         at = head.find('"traceEvents": [')
     header_text = head[:at].rstrip().rstrip(",")
-    buf = head[at + len('"traceEvents": ['):]
+    buf = head[at + len('"traceEvents": [') :]
     if not buf.lstrip(" ").startswith("\n  {"):
         raise _NotKineto("events are not laid out as Kineto writes them")
     tables, tail = [], None
@@ -295,7 +350,7 @@ def _read_kineto(f, rank):
             end = buf.find("]", close)
             if close < 0 or end < 0:
                 raise _NotKineto("the trace ends inside traceEvents")
-            events, tail = buf[:close + 4], buf[end + 1:]
+            events, tail = buf[: close + 4], buf[end + 1 :]
         else:
             buf += chunk
             cut = buf.rfind(_END)
@@ -303,7 +358,7 @@ def _read_kineto(f, rank):
                 if len(buf) > MAX_EVENT_CHARS:
                     raise _NotKineto("no event end in a window")
                 continue
-            events, buf = buf[:cut + len(_END) - 1], buf[cut + len(_END):]
+            events, buf = buf[: cut + len(_END) - 1], buf[cut + len(_END) :]
         if events.strip():
             tables.append(_fast_events(events, schema))
     try:
@@ -327,11 +382,14 @@ def _kineto_frame(columns, rank, base):
     start = base + np.rint(ts * 1000).astype(np.int64)
     del ts
     dur = columns.pop("dur").fill_null(0.0).to_numpy()
-    cols = {"rank": np.full(n, rank, dtype=object),
-            "cat": columns.pop("cat").to_pandas(),
-            "name": columns.pop("name").fill_null("").to_pandas(),
-            "start_ns": start, "end_ns": start + np.rint(dur * 1000).astype(np.int64),
-            "dur_s": dur / 1e6}
+    cols = {
+        "rank": np.full(n, rank, dtype=object),
+        "cat": columns.pop("cat").to_pandas(),
+        "name": columns.pop("name").fill_null("").to_pandas(),
+        "start_ns": start,
+        "end_ns": start + np.rint(dur * 1000).astype(np.int64),
+        "dur_s": dur / 1e6,
+    }
     del dur
     for column in ("pid", "tid"):
         ints, texts = columns.pop(column), columns.pop(column + "_s")
@@ -340,9 +398,14 @@ def _kineto_frame(columns, rank, base):
             if ints.null_count == 0:
                 values = values.astype(np.int64)
         else:  # some are text: one object column, as the row-built table had
-            values = pd.Series(np.where(texts.is_null().to_numpy(zero_copy_only=False),
-                                        ints.to_pandas().astype(object),
-                                        texts.to_pandas().astype(object)), dtype=object)
+            values = pd.Series(
+                np.where(
+                    texts.is_null().to_numpy(zero_copy_only=False),
+                    ints.to_pandas().astype(object),
+                    texts.to_pandas().astype(object),
+                ),
+                dtype=object,
+            )
             values = values.map(lambda v: int(v) if isinstance(v, float) and v == v else v)
         cols[column] = values
     for column in ("py_id", "py_parent", "device", "stream", "bytes"):
@@ -364,10 +427,20 @@ def load_trace(path, rank, fast=True):
                 pass  # the general reader below decides, and names any error
         with opener(path, "rt", encoding="utf-8") as f:
             return _read(f, rank)
-    except (OSError, EOFError, ValueError, KeyError, TypeError, IndexError, AttributeError,
-            RecursionError, zlib.error) as exc:  # garbage: named, and the rest of the run stands
-        raise UserError(f"{path} is not a readable torch.profiler trace "
-                        f"({type(exc).__name__}: {exc})") from None
+    except (
+        OSError,
+        EOFError,
+        ValueError,
+        KeyError,
+        TypeError,
+        IndexError,
+        AttributeError,
+        RecursionError,
+        zlib.error,
+    ) as exc:  # garbage: named, and the rest of the run stands
+        raise UserError(
+            f"{path} is not a readable torch.profiler trace ({type(exc).__name__}: {exc})"
+        ) from None
 
 
 def load_traces(run_path):
@@ -389,8 +462,18 @@ def load_traces(run_path):
 # -- the GPU's view of the window: busy time by kind, top kernels ------------------------------
 GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 COMM_KERNEL_PREFIXES = ("nccl", "ncclDevKernel", "ncclKernel")  # NCCL's kernels: communication
-COMM_KERNEL_WORDS = ("allreduce", "all_reduce", "allgather", "all_gather", "reducescatter",
-                     "reduce_scatter", "alltoall", "all_to_all", "sendrecv", "cross_device_reduce")
+COMM_KERNEL_WORDS = (
+    "allreduce",
+    "all_reduce",
+    "allgather",
+    "all_gather",
+    "reducescatter",
+    "reduce_scatter",
+    "alltoall",
+    "all_to_all",
+    "sendrecv",
+    "cross_device_reduce",
+)
 
 
 def gpu_kind(cat, name):
@@ -450,11 +533,18 @@ def gpu_window(trace, start_ns, end_ns):
     exposed = by_kind["communication"] - _overlap_ns(merged["communication"], merged["compute"])
     copies = gpu[gpu["cat"].to_numpy() == "gpu_memcpy"]
     wall = max(0, end_ns - start_ns)
-    return {"wall_s": wall / 1e9, "busy_s": busy / 1e9, "idle_s": (wall - busy) / 1e9,
-            "compute_s": by_kind["compute"] / 1e9, "communication_s": by_kind["communication"] / 1e9,
-            "copy_s": by_kind["copy"] / 1e9, "exposed_communication_s": exposed / 1e9,
-            "pageable_h2d_s": float(copies[copies["name"].str.contains(
-                "HtoD (Pageable", regex=False).to_numpy()]["dur_s"].sum())}
+    return {
+        "wall_s": wall / 1e9,
+        "busy_s": busy / 1e9,
+        "idle_s": (wall - busy) / 1e9,
+        "compute_s": by_kind["compute"] / 1e9,
+        "communication_s": by_kind["communication"] / 1e9,
+        "copy_s": by_kind["copy"] / 1e9,
+        "exposed_communication_s": exposed / 1e9,
+        "pageable_h2d_s": float(
+            copies[copies["name"].str.contains("HtoD (Pageable", regex=False).to_numpy()]["dur_s"].sum()
+        ),
+    }
 
 
 def top_kernels(trace, limit=10):
@@ -466,16 +556,23 @@ def top_kernels(trace, limit=10):
     g = gpu.groupby(["name", "cat"], sort=False)["dur_s"].agg(["count", "sum"]).reset_index()
     g = g.sort_values("sum", ascending=False)
     total = float(gpu["dur_s"].sum()) or 1.0
-    out = pd.DataFrame({"name": g["name"].to_numpy(),
-                        "kind": [gpu_kind(c, n) for c, n in zip(g["cat"], g["name"])],
-                        "calls": g["count"].to_numpy(), "seconds": g["sum"].to_numpy(),
-                        "share": g["sum"].to_numpy() / total})
+    out = pd.DataFrame(
+        {
+            "name": g["name"].to_numpy(),
+            "kind": [gpu_kind(c, n) for c, n in zip(g["cat"], g["name"])],
+            "calls": g["count"].to_numpy(),
+            "seconds": g["sum"].to_numpy(),
+            "share": g["sum"].to_numpy() / total,
+        }
+    )
     return out.head(limit).reset_index(drop=True)
 
 
 def pageable_copies(trace):
     """Host-to-device copies from pageable memory in the window (Kineto names them 'Memcpy HtoD
     (Pageable -> Device)'), each with its bytes and seconds."""
-    copies = trace[(trace["cat"].to_numpy() == "gpu_memcpy")
-                   & trace["name"].str.contains("HtoD (Pageable", regex=False).to_numpy()]
+    copies = trace[
+        (trace["cat"].to_numpy() == "gpu_memcpy")
+        & trace["name"].str.contains("HtoD (Pageable", regex=False).to_numpy()
+    ]
     return copies[["rank", "name", "start_ns", "end_ns", "dur_s", "bytes", "stream"]]

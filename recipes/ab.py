@@ -4,6 +4,7 @@ window, the speedup with a bootstrap interval, throughput, step-time CV, loss pa
 Reads only the run records (traindx.load_run); the result is a plain dict (JSON-ready) that the
 terminal, comparison.json and the HTML report render.
 """
+
 from __future__ import annotations
 
 import difflib
@@ -14,22 +15,27 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pandas as pd
 
+from traindx.derive import stats
 from traindx.derive.steady import events_of_type, perturbed_steps, profiled_steps
 from traindx.derive.steptables import SHIM_SOURCES, progress_step_seconds
-
-from traindx.derive import stats
 
 if TYPE_CHECKING:  # annotations only
     from traindx.derive.run import RunRecord
 
 # variables traindx itself sets per run, not part of the change between two arms
-_OWN_ENV = ("TRAINDX_RUN_DIR", "TRAINDX_MAX_STEPS", "PYTHONUNBUFFERED",
-            "TRAINDX_FIX_MECHANISM",  # how --fix chose, not a setting of the job
-            # the shell's bookkeeping, not a setting of the job
-            "OLDPWD", "PWD", "SHLVL", "_")
+_OWN_ENV = (
+    "TRAINDX_RUN_DIR",
+    "TRAINDX_MAX_STEPS",
+    "PYTHONUNBUFFERED",
+    "TRAINDX_FIX_MECHANISM",  # how --fix chose, not a setting of the job
+    # the shell's bookkeeping, not a setting of the job
+    "OLDPWD",
+    "PWD",
+    "SHLVL",
+    "_",
+)
 # traindx options that change what the job pays for being measured
-_MEASUREMENT_OPTIONS = ("pyspy", "shim", "nvml", "pyspy_rate_hz", "dump_interval_s",
-                        "torch_profile")
+_MEASUREMENT_OPTIONS = ("pyspy", "shim", "nvml", "pyspy_rate_hz", "dump_interval_s", "torch_profile")
 
 
 def step_times(run: RunRecord) -> tuple[pd.Series, str | None]:
@@ -97,8 +103,13 @@ def command_diff(before: Sequence[str], after: Sequence[str]) -> dict[str, Any]:
             removed.extend(before[a0:a1])
         if op in ("replace", "insert"):
             added.extend(after[b0:b1])
-    return {"before": shlex.join(before), "after": shlex.join(after),
-            "removed": removed, "added": added, "same": list(before) == list(after)}
+    return {
+        "before": shlex.join(before),
+        "after": shlex.join(after),
+        "removed": removed,
+        "added": added,
+        "same": list(before) == list(after),
+    }
 
 
 def env_diff(before: Mapping[str, str] | None, after: Mapping[str, str] | None) -> dict[str, Any]:
@@ -108,12 +119,11 @@ def env_diff(before: Mapping[str, str] | None, after: Mapping[str, str] | None) 
     return {
         "added": {k: after[k] for k in sorted(after) if k not in before},
         "removed": {k: before[k] for k in sorted(before) if k not in after},
-        "changed": {k: [before[k], after[k]] for k in sorted(before)
-                    if k in after and before[k] != after[k]},
+        "changed": {k: [before[k], after[k]] for k in sorted(before) if k in after and before[k] != after[k]},
     }
 
 
-MIN_STEPS_FOR_INTERVAL = 5   # fewer steps per arm: no bootstrap interval, the values themselves
+MIN_STEPS_FOR_INTERVAL = 5  # fewer steps per arm: no bootstrap interval, the values themselves
 
 
 def _arm_series(run):
@@ -122,9 +132,11 @@ def _arm_series(run):
     return series, source, profiled
 
 
-def step_period(arm: tuple[pd.Series, str | None, list[int]],
-                window: tuple[int, int] | None = None,
-                exclude: Iterable[int] = ()) -> dict[str, Any] | None:
+def step_period(
+    arm: tuple[pd.Series, str | None, list[int]],
+    window: tuple[int, int] | None = None,
+    exclude: Iterable[int] = (),
+) -> dict[str, Any] | None:
     """{period, residue, excess_s} of the arm's step times over the window (a cost on every
     k-th step, k = 2 included: traindx.derive.periods.series_period), else None."""
     from traindx.derive.periods import series_period
@@ -139,14 +151,20 @@ def step_period(arm: tuple[pd.Series, str | None, list[int]],
     found = series_period(steps[keep], values[keep])
     if not found:
         return None
-    return {"period": found["period"], "residue": found["residue"],
-            "excess_s": round(float(found["excess_s"]), 6)}
+    return {
+        "period": found["period"],
+        "residue": found["residue"],
+        "excess_s": round(float(found["excess_s"]), 6),
+    }
 
 
-def measure_arm(run: RunRecord, window: tuple[int, int] | None = None,
-                tokens_override: float | None = None, exclude: Iterable[int] | None = None,
-                arm: tuple[pd.Series, str | None, list[int]] | None = None,
-                ) -> tuple[dict[str, Any], np.ndarray]:
+def measure_arm(
+    run: RunRecord,
+    window: tuple[int, int] | None = None,
+    tokens_override: float | None = None,
+    exclude: Iterable[int] | None = None,
+    arm: tuple[pd.Series, str | None, list[int]] | None = None,
+) -> tuple[dict[str, Any], np.ndarray]:
     """One arm over a step window. `exclude`: positions left out (both arms get the same ones,
     see compare_runs); default: this arm's own profiled steps."""
     series, source, profiled = arm or _arm_series(run)
@@ -157,27 +175,36 @@ def measure_arm(run: RunRecord, window: tuple[int, int] | None = None,
     summary, window_times = stats.summarize_arm(times, window, tokens, exclude=profiled)
     total, in_window = compile_counts(run, summary.window)
     out = summary.to_dict()
-    out["profiled_steps_excluded"] = [int(series.index[i]) for i in profiled
-                                      if summary.window and summary.window[0] <= i <= summary.window[1]]
+    out["profiled_steps_excluded"] = [
+        int(series.index[i])
+        for i in profiled
+        if summary.window and summary.window[0] <= i <= summary.window[1]
+    ]
     start, end = run.manifest.get("start_ns"), run.manifest.get("end_ns")
-    out.update({
-        "first_step_s": float(times[0]) if len(times) else None,
-        "wall_s": (end - start) / 1e9 if start and end else None,
-        "run": run.path,
-        "command": list(run.command),
-        "exit_code": run.manifest.get("exit_code"),
-        "step_source": source,
-        "step_times_s": [round(float(x), 6) for x in times],
-        "compiles": total,
-        "compiles_in_window": in_window,
-        "window": list(summary.window) if summary.window else None,
-    })
+    out.update(
+        {
+            "first_step_s": float(times[0]) if len(times) else None,
+            "wall_s": (end - start) / 1e9 if start and end else None,
+            "run": run.path,
+            "command": list(run.command),
+            "exit_code": run.manifest.get("exit_code"),
+            "step_source": source,
+            "step_times_s": [round(float(x), 6) for x in times],
+            "compiles": total,
+            "compiles_in_window": in_window,
+            "window": list(summary.window) if summary.window else None,
+        }
+    )
     return out, window_times
 
 
-def compare_runs(baseline: RunRecord, candidate: RunRecord, window: tuple[int, int] | None = None,
-                 tokens_per_step: float | None = None,
-                 change: Mapping[str, Any] | None = None) -> dict[str, Any]:
+def compare_runs(
+    baseline: RunRecord,
+    candidate: RunRecord,
+    window: tuple[int, int] | None = None,
+    tokens_per_step: float | None = None,
+    change: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
     """The comparison dict of two loaded runs (baseline = the reference arm)."""
     # the same window and the same exclusions on both sides: the steps both arms recorded, the
     # profiled steps of either arm left out of both
@@ -195,8 +222,10 @@ def compare_runs(baseline: RunRecord, candidate: RunRecord, window: tuple[int, i
     verdict_low = None
     # a cost on every k-th step (k = 2 too) leaves the median in one mode of the step times:
     # the means measure it, as the fix loop judges a periodic finding
-    periods = {name: step_period(arm, window, excluded)
-               for name, arm in (("baseline", base_arm), ("candidate", cand_arm))}
+    periods = {
+        name: step_period(arm, window, excluded)
+        for name, arm in (("baseline", base_arm), ("candidate", cand_arm))
+    }
     periods = {name: found for name, found in periods.items() if found}
     statistic = "mean" if periods else "median"
     if len(base_w) and len(cand_w):
@@ -209,10 +238,12 @@ def compare_runs(baseline: RunRecord, candidate: RunRecord, window: tuple[int, i
             # too few points for a bootstrap: the per-step values, and "faster" only when every
             # candidate step beat every baseline step
             verdict_low = float(np.min(base_w) / np.max(cand_w))
-            interval_note = (f"no confidence interval: {len(base_w)} and {len(cand_w)} steps in "
-                             f"the window (need {MIN_STEPS_FOR_INTERVAL} per arm); per-step "
-                             f"values: baseline {[round(float(x), 4) for x in base_w]}, "
-                             f"candidate {[round(float(x), 4) for x in cand_w]}")
+            interval_note = (
+                f"no confidence interval: {len(base_w)} and {len(cand_w)} steps in "
+                f"the window (need {MIN_STEPS_FOR_INTERVAL} per arm); per-step "
+                f"values: baseline {[round(float(x), 4) for x in base_w]}, "
+                f"candidate {[round(float(x), 4) for x in cand_w]}"
+            )
             problems.append(interval_note)
     else:
         for name, arm in (("baseline", base), ("candidate", cand)):
@@ -223,27 +254,33 @@ def compare_runs(baseline: RunRecord, candidate: RunRecord, window: tuple[int, i
         if arm["exit_code"] not in (0, None):
             problems.append(f"the {name} arm exited with {arm['exit_code']}")
     if base["steps"] and cand["steps"] and base["steps"] != cand["steps"]:
-        problems.append(f"the arms ran a different number of steps ({base['steps']} and "
-                        f"{cand['steps']}): their steady windows differ")
+        problems.append(
+            f"the arms ran a different number of steps ({base['steps']} and "
+            f"{cand['steps']}): their steady windows differ"
+        )
     base_opts = baseline.manifest.get("options") or {}
     cand_opts = candidate.manifest.get("options") or {}
     differing = [k for k in _MEASUREMENT_OPTIONS if base_opts.get(k) != cand_opts.get(k)]
     if differing:
-        problems.append("the arms were recorded with different traindx options ("
-                        + ", ".join(f"{k}: {base_opts.get(k)} vs {cand_opts.get(k)}"
-                                    for k in differing)
-                        + "): part of the difference is the measurement's own overhead")
+        problems.append(
+            "the arms were recorded with different traindx options ("
+            + ", ".join(f"{k}: {base_opts.get(k)} vs {cand_opts.get(k)}" for k in differing)
+            + "): part of the difference is the measurement's own overhead"
+        )
     base_losses, cand_losses = losses(baseline), losses(candidate)
     common = sorted(set(base_losses) & set(cand_losses))
     parity: dict[str, Any] | None = None
     unfinite = [s for s in common if not np.isfinite(cand_losses[s])]
     if len(common) == 1 and not unfinite:
         # one point is no curve: the numerics are not compared (as with no losses), not failed
-        problems.append(f"the two arms logged one loss at the same step ({common[0]}): no parity "
-                        "check (the job logs its loss too rarely for this window)")
+        problems.append(
+            f"the two arms logged one loss at the same step ({common[0]}): no parity "
+            "check (the job logs its loss too rarely for this window)"
+        )
     elif common:
-        parity = stats.loss_parity([base_losses[s] for s in common],
-                                   [cand_losses[s] for s in common]).to_dict()
+        parity = stats.loss_parity(
+            [base_losses[s] for s in common], [cand_losses[s] for s in common]
+        ).to_dict()
         parity["steps"] = [common[0], common[-1]]
         parity["baseline_losses"] = [base_losses[s] for s in common]
         parity["candidate_losses"] = [cand_losses[s] for s in common]
@@ -253,12 +290,17 @@ def compare_runs(baseline: RunRecord, candidate: RunRecord, window: tuple[int, i
     # a precompile pays off at the start (step 0 and the job's wall time), not in the window
     startup = None
     if base["first_step_s"] and cand["first_step_s"]:
-        startup = {"first_step_speedup": base["first_step_s"] / cand["first_step_s"],
-                   "first_step_saved_s": base["first_step_s"] - cand["first_step_s"]}
-    verdict = stats.verdict(speedup, verdict_low,
-                            None if parity is None else parity["passed"])
-    if verdict == "no gain" and startup and startup["first_step_speedup"] >= 2 \
-            and startup["first_step_saved_s"] >= 1.0:
+        startup = {
+            "first_step_speedup": base["first_step_s"] / cand["first_step_s"],
+            "first_step_saved_s": base["first_step_s"] - cand["first_step_s"],
+        }
+    verdict = stats.verdict(speedup, verdict_low, None if parity is None else parity["passed"])
+    if (
+        verdict == "no gain"
+        and startup
+        and startup["first_step_speedup"] >= 2
+        and startup["first_step_saved_s"] >= 1.0
+    ):
         verdict = f"faster start (step 0 {startup['first_step_speedup']:.1f}× faster), no steady-state gain"
         if parity is not None and not parity["passed"]:
             verdict += ", numerics differ"
@@ -273,13 +315,17 @@ def compare_runs(baseline: RunRecord, candidate: RunRecord, window: tuple[int, i
         "speedup_ci95": ci,
         "speedup_statistic": statistic,
         "step_periods": periods,
-        "window_values_s": {"baseline": [round(float(x), 6) for x in base_w],
-                            "candidate": [round(float(x), 6) for x in cand_w]},
-        "excluded_steps_both_arms": [int(base_arm[0].index[i]) for i in excluded
-                                     if i < len(base_arm[0])],
+        "window_values_s": {
+            "baseline": [round(float(x), 6) for x in base_w],
+            "candidate": [round(float(x), 6) for x in cand_w],
+        },
+        "excluded_steps_both_arms": [int(base_arm[0].index[i]) for i in excluded if i < len(base_arm[0])],
         "interval_note": interval_note,
-        "tokens_per_s_gain": (cand["tokens_per_s"] / base["tokens_per_s"]
-                              if base["tokens_per_s"] and cand["tokens_per_s"] else None),
+        "tokens_per_s_gain": (
+            cand["tokens_per_s"] / base["tokens_per_s"]
+            if base["tokens_per_s"] and cand["tokens_per_s"]
+            else None
+        ),
         "startup": startup,
         "loss_parity": parity,
         "verdict": verdict,
@@ -298,8 +344,11 @@ def compare_runs(baseline: RunRecord, candidate: RunRecord, window: tuple[int, i
     return result
 
 
-STEP_SOURCE_TEXT = {"shim:gpu": "the GPU's clock at the step boundaries",
-                    "shim": "the step boundaries (host clock)", "log": "the job's log"}
+STEP_SOURCE_TEXT = {
+    "shim:gpu": "the GPU's clock at the step boundaries",
+    "shim": "the step boundaries (host clock)",
+    "log": "the job's log",
+}
 
 
 def step_source_text(arm: Mapping[str, Any]) -> str:
@@ -310,6 +359,7 @@ def step_source_text(arm: Mapping[str, Any]) -> str:
 def report_view(comparison: Mapping[str, Any]) -> dict[str, Any]:
     """The comparison as the HTML report shows it: the two arms side by side (measures only,
     not the raw step lists) and the change, speedup, parity and verdict as short facts."""
+
     def arm(a):
         window = a.get("window")
         return {
@@ -329,11 +379,14 @@ def report_view(comparison: Mapping[str, Any]) -> dict[str, Any]:
     cmd = change.get("command", {})
     env = change.get("env", {})
     view = {"baseline": arm(comparison["baseline"]), "candidate": arm(comparison["candidate"])}
-    view["command change"] = ("unchanged" if cmd.get("same") else
-                              {"before": cmd.get("before"), "after": cmd.get("after")})
-    env_lines = {**{f"+ {k}": v for k, v in env.get("added", {}).items()},
-                 **{f"- {k}": v for k, v in env.get("removed", {}).items()},
-                 **{f"~ {k}": f"{a} → {b}" for k, (a, b) in env.get("changed", {}).items()}}
+    view["command change"] = (
+        "unchanged" if cmd.get("same") else {"before": cmd.get("before"), "after": cmd.get("after")}
+    )
+    env_lines = {
+        **{f"+ {k}": v for k, v in env.get("added", {}).items()},
+        **{f"- {k}": v for k, v in env.get("removed", {}).items()},
+        **{f"~ {k}": f"{a} → {b}" for k, (a, b) in env.get("changed", {}).items()},
+    }
     view["environment change"] = env_lines or "unchanged"
     if change.get("applied"):
         view["applied"] = "; ".join(change["applied"])
@@ -368,8 +421,10 @@ def report_view(comparison: Mapping[str, Any]) -> dict[str, Any]:
         view["candidates measured"] = "; ".join(
             f"{a['arm']}: [{a['finding']}] ({a['mechanism']}) "
             + (f"{a['speedup']:.2f}×" if a.get("speedup") is not None else "n/a")
-            + f", {a['verdict']}" + (" (kept)" if a.get("kept") else "")
-            for a in comparison["search"])
+            + f", {a['verdict']}"
+            + (" (kept)" if a.get("kept") else "")
+            for a in comparison["search"]
+        )
     view["verdict"] = comparison["verdict"]
     return view
 
@@ -383,20 +438,29 @@ def speedup_text(comparison: Mapping[str, Any]) -> str:
     ci = comparison.get("speedup_ci95")
     statistic = comparison.get("speedup_statistic") or "median"
     periods = comparison.get("step_periods") or {}
-    why = "" if statistic == "median" else " of the means: " + ", ".join(
-        f"the {name} costs more every {p['period']} steps" for name, p in periods.items())
+    why = (
+        ""
+        if statistic == "median"
+        else " of the means: "
+        + ", ".join(f"the {name} costs more every {p['period']} steps" for name, p in periods.items())
+    )
     if ci:
         return f"{speedup:.2f}× (95 % bootstrap interval {ci[0]:.2f}–{ci[1]:.2f}×{why})"
     values = comparison.get("window_values_s") or {}
-    return (f"{speedup:.2f}× ({statistic} ratio{why}; too few steps for an interval — per-step "
-            f"s: baseline {values.get('baseline')}, candidate {values.get('candidate')})")
+    return (
+        f"{speedup:.2f}× ({statistic} ratio{why}; too few steps for an interval — per-step "
+        f"s: baseline {values.get('baseline')}, candidate {values.get('candidate')})"
+    )
 
 
 def change_text(c: Mapping[str, Any]) -> str:
     def s(x):
         return "-" if x is None else f"{x:.3f} s"
-    text = (f"[{c.get('finding')}] {c.get('mechanism')}: predicted step {s(c.get('predicted_step_time_s'))}, "
-            f"measured {s(c.get('measured_step_time_s'))}")
+
+    text = (
+        f"[{c.get('finding')}] {c.get('mechanism')}: predicted step {s(c.get('predicted_step_time_s'))}, "
+        f"measured {s(c.get('measured_step_time_s'))}"
+    )
     if c.get("failed"):
         text += " (not applied: the step failed)"
     elif c.get("measured_jointly_with"):

@@ -3,6 +3,7 @@
 Every string that reaches the SVG goes through markupsafe.escape: frame names, thread names and
 kernel names come from the job. Tooltips are SVG <title> elements, which browsers show natively.
 """
+
 import math
 
 from markupsafe import Markup, escape
@@ -10,19 +11,35 @@ from markupsafe import Markup, escape
 from traindx.common import units
 from traindx.profiler.shim._traindx_shim import schema
 
-WIDTH = 1000          # viewBox units; the SVG scales to the page width
-LEFT = 56             # room for the y axis labels
+WIDTH = 1000  # viewBox units; the SVG scales to the page width
+LEFT = 56  # room for the y axis labels
 RIGHT = 12
 
 CAUSE_COLOURS = {
-    "normal": "#5b8def", "compile": "#e4572e", "autotune": "#9c51b6", "dynamo": "#d6428f",
-    "gc": "#e3a21a", "warmup": "#9aa5b1", "unexplained": "#6c757d",
+    "normal": "#5b8def",
+    "compile": "#e4572e",
+    "autotune": "#9c51b6",
+    "dynamo": "#d6428f",
+    "gc": "#e3a21a",
+    "warmup": "#9aa5b1",
+    "unexplained": "#6c757d",
 }
-COMPILE_COLOURS = {schema.COMPILE_CUTE_DSL: "#e4572e", schema.COMPILE_TRITON: "#f08a24",
-                   schema.COMPILE_TRITON_AUTOTUNE: "#9c51b6", schema.COMPILE_DYNAMO: "#d6428f"}
+COMPILE_COLOURS = {
+    schema.COMPILE_CUTE_DSL: "#e4572e",
+    schema.COMPILE_TRITON: "#f08a24",
+    schema.COMPILE_TRITON_AUTOTUNE: "#9c51b6",
+    schema.COMPILE_DYNAMO: "#d6428f",
+}
 STATE_COLOURS = {"gil": "#e4572e", "active": "#f2b33d", "idle": "#dde2e8"}
-FRAME_COLOURS = {"user": "#f4a259", "traindx": "#d9c7ef", "library": "#8ab6d6", "python": "#c5cbd3", "native": "#b8c1cc",
-                 "thread": "#7d8a99", "root": "#5c6773"}
+FRAME_COLOURS = {
+    "user": "#f4a259",
+    "traindx": "#d9c7ef",
+    "library": "#8ab6d6",
+    "python": "#c5cbd3",
+    "native": "#b8c1cc",
+    "thread": "#7d8a99",
+    "root": "#5c6773",
+}
 GPU_COLOURS = ["#2b7de9", "#e4572e", "#2ca58d", "#9c51b6", "#f2b33d", "#d6428f", "#6c757d", "#17a2b8"]
 
 
@@ -73,8 +90,10 @@ def _time_axis(x, y, t0, t1):
     parts = [f'<line x1="{LEFT}" y1="{_f(y)}" x2="{WIDTH - RIGHT}" y2="{_f(y)}" class="axis"/>']
     for t in _nice_ticks(t0, t1, 8):
         px = x(t)
-        parts.append(f'<line x1="{_f(px)}" y1="{_f(y)}" x2="{_f(px)}" y2="{_f(y + 4)}" class="axis"/>'
-                     f'<text x="{_f(px)}" y="{_f(y + 15)}" class="tick" text-anchor="middle">{escape(fmt_tick(t))}</text>')
+        parts.append(
+            f'<line x1="{_f(px)}" y1="{_f(y)}" x2="{_f(px)}" y2="{_f(y + 4)}" class="axis"/>'
+            f'<text x="{_f(px)}" y="{_f(y + 15)}" class="tick" text-anchor="middle">{escape(fmt_tick(t))}</text>'
+        )
     return "".join(parts)
 
 
@@ -107,30 +126,42 @@ def step_chart(timeline, compiles, stats, causes, by="time"):
         ymax = max(heights[1:]) * 1.35
     y = _Scale(0.0, ymax, bottom, top)
     chart_id = "step-chart" if by == "time" else "step-chart-by-step"
-    out = [f'<svg class="chart step-chart" id="{chart_id}" data-by="{by}" viewBox="0 0 {WIDTH} {height}" '
-           f'role="img" aria-label="step time over the run">']
+    out = [
+        f'<svg class="chart step-chart" id="{chart_id}" data-by="{by}" viewBox="0 0 {WIDTH} {height}" '
+        f'role="img" aria-label="step time over the run">'
+    ]
     for t in _nice_ticks(0, ymax, 4):
         py = y(t)
-        out.append(f'<line x1="{LEFT}" y1="{_f(py)}" x2="{WIDTH - RIGHT}" y2="{_f(py)}" class="grid"/>'
-                   f'<text x="{LEFT - 6}" y="{_f(py + 4)}" class="tick" text-anchor="end">{escape(fmt_tick(t))}</text>')
+        out.append(
+            f'<line x1="{LEFT}" y1="{_f(py)}" x2="{WIDTH - RIGHT}" y2="{_f(py)}" class="grid"/>'
+            f'<text x="{LEFT - 6}" y="{_f(py + 4)}" class="tick" text-anchor="end">{escape(fmt_tick(t))}</text>'
+        )
     first_start = min(s["start_s"] for s in steps)
     startup_s = stats.get("startup_s") or first_start  # the one start-up value (report.data)
     if by == "time" and first_start > 0:
-        out.append(f'<rect x="{LEFT}" y="{top}" width="{_f(x(first_start) - LEFT)}" height="{bottom - top}" '
-                   f'class="startup"><title>{escape("before the first step (start-up, imports, model build): " + fmt_s(startup_s))}</title></rect>'
-                   f'<text x="{_f((LEFT + x(first_start)) / 2)}" y="{top + 14}" class="band-label" text-anchor="middle">'
-                   f'{"start-up " + escape(fmt_s(startup_s)) if x(first_start) - LEFT > 90 else ""}</text>')
+        out.append(
+            f'<rect x="{LEFT}" y="{top}" width="{_f(x(first_start) - LEFT)}" height="{bottom - top}" '
+            f'class="startup"><title>{escape("before the first step (start-up, imports, model build): " + fmt_s(startup_s))}</title></rect>'
+            f'<text x="{_f((LEFT + x(first_start)) / 2)}" y="{top + 14}" class="band-label" text-anchor="middle">'
+            f"{'start-up ' + escape(fmt_s(startup_s)) if x(first_start) - LEFT > 90 else ''}</text>"
+        )
     for g in timeline.get("gaps", []) if by == "time" else []:
         if g["rank"] != rank:
             continue
         gx0, gx1 = x(g["start_s"]), x(g["end_s"])
-        tip = (f"{fmt_s(g['duration_s'])} between step {g['after_step']} and step {g['before_step']}: "
-               "outside any step (evaluation, checkpointing, a profiler export, …)")
-        out.append(f'<rect x="{_f(gx0)}" y="{top}" width="{_f(max(gx1 - gx0, 1))}" height="{bottom - top}" '
-                   f'class="gap"><title>{escape(tip)}</title></rect>')
+        tip = (
+            f"{fmt_s(g['duration_s'])} between step {g['after_step']} and step {g['before_step']}: "
+            "outside any step (evaluation, checkpointing, a profiler export, …)"
+        )
+        out.append(
+            f'<rect x="{_f(gx0)}" y="{top}" width="{_f(max(gx1 - gx0, 1))}" height="{bottom - top}" '
+            f'class="gap"><title>{escape(tip)}</title></rect>'
+        )
         if gx1 - gx0 > 60:
-            out.append(f'<text x="{_f((gx0 + gx1) / 2)}" y="{top + 14}" class="band-label" text-anchor="middle">'
-                       f'{escape(fmt_s(g["duration_s"]))} between steps</text>')
+            out.append(
+                f'<text x="{_f((gx0 + gx1) / 2)}" y="{top + 14}" class="band-label" text-anchor="middle">'
+                f"{escape(fmt_s(g['duration_s']))} between steps</text>"
+            )
     for i, s in enumerate(steps):
         x0, x1 = span(i, s)
         w = max(x1 - x0 - (1 if x1 - x0 > 4 else 0), 0.8)
@@ -142,12 +173,16 @@ def step_chart(timeline, compiles, stats, causes, by="time"):
             if s["slow_count"]:
                 tip += f"; {s['slow_count']} slow ({causes.get(s['cause'], s['cause'])})"
             top_y = max(min(y(s["max_s"]), bottom - 1.5), top)
-            out.append(f'<rect class="step" data-cause="normal" x="{_f(x0)}" y="{_f(py)}" width="{_f(w)}" '
-                       f'height="{_f(bottom - py)}" fill="{CAUSE_COLOURS["normal"]}"><title>{escape(tip)}</title></rect>')
+            out.append(
+                f'<rect class="step" data-cause="normal" x="{_f(x0)}" y="{_f(py)}" width="{_f(w)}" '
+                f'height="{_f(bottom - py)}" fill="{CAUSE_COLOURS["normal"]}"><title>{escape(tip)}</title></rect>'
+            )
             if s["slow_count"] and py - top_y > 0.5:
-                out.append(f'<rect class="step-top" data-cause="{escape(s["cause"])}" x="{_f(x0)}" y="{_f(top_y)}" '
-                           f'width="{_f(w)}" height="{_f(py - top_y)}" fill="{CAUSE_COLOURS.get(s["cause"], "#999")}">'
-                           f'<title>{escape(tip)}</title></rect>')
+                out.append(
+                    f'<rect class="step-top" data-cause="{escape(s["cause"])}" x="{_f(x0)}" y="{_f(top_y)}" '
+                    f'width="{_f(w)}" height="{_f(py - top_y)}" fill="{CAUSE_COLOURS.get(s["cause"], "#999")}">'
+                    f"<title>{escape(tip)}</title></rect>"
+                )
             continue
         colour = CAUSE_COLOURS.get(s["cause"], CAUSE_COLOURS["normal"])
         tip = f"{label}: {fmt_s(s['duration_s'])}"
@@ -163,13 +198,17 @@ def step_chart(timeline, compiles, stats, causes, by="time"):
         part = min(s.get(explained.get(s["cause"], ""), 0.0) or 0.0, s["duration_s"])
         split_y = y(part) if part else bottom
         if part and split_y - py > 1:
-            out.append(f'<rect class="step" data-cause="{escape(s["cause"])}" x="{_f(x0)}" y="{_f(py)}" '
-                       f'width="{_f(w)}" height="{_f(bottom - py)}" fill="{CAUSE_COLOURS["normal"]}"><title>{escape(tip)}</title></rect>'
-                       f'<rect class="step-part" x="{_f(x0)}" y="{_f(split_y)}" width="{_f(w)}" height="{_f(bottom - split_y)}" '
-                       f'fill="{colour}"><title>{escape(tip)}</title></rect>')
+            out.append(
+                f'<rect class="step" data-cause="{escape(s["cause"])}" x="{_f(x0)}" y="{_f(py)}" '
+                f'width="{_f(w)}" height="{_f(bottom - py)}" fill="{CAUSE_COLOURS["normal"]}"><title>{escape(tip)}</title></rect>'
+                f'<rect class="step-part" x="{_f(x0)}" y="{_f(split_y)}" width="{_f(w)}" height="{_f(bottom - split_y)}" '
+                f'fill="{colour}"><title>{escape(tip)}</title></rect>'
+            )
         else:
-            out.append(f'<rect class="step" data-cause="{escape(s["cause"])}" x="{_f(x0)}" y="{_f(py)}" '
-                       f'width="{_f(w)}" height="{_f(bottom - py)}" fill="{colour}"><title>{escape(tip)}</title></rect>')
+            out.append(
+                f'<rect class="step" data-cause="{escape(s["cause"])}" x="{_f(x0)}" y="{_f(py)}" '
+                f'width="{_f(w)}" height="{_f(bottom - py)}" fill="{colour}"><title>{escape(tip)}</title></rect>'
+            )
     if by == "step":
         # a gap between steps has no width here: a dashed line between the two bars says it
         after = {g["after_step"]: g for g in timeline.get("gaps", []) if g["rank"] == rank}
@@ -178,37 +217,51 @@ def step_chart(timeline, compiles, stats, causes, by="time"):
             if g:
                 gx = span(i, s)[1]
                 tip = f"{fmt_s(g['duration_s'])} between step {g['after_step']} and step {g['before_step']}"
-                out.append(f'<line x1="{_f(gx)}" y1="{top}" x2="{_f(gx)}" y2="{bottom}" class="gap-line">'
-                           f'<title>{escape(tip)}</title></line>')
+                out.append(
+                    f'<line x1="{_f(gx)}" y1="{top}" x2="{_f(gx)}" y2="{bottom}" class="gap-line">'
+                    f"<title>{escape(tip)}</title></line>"
+                )
     if clipped:
         x0, x1 = span(0, steps[0])
         note = f"step {steps[0]['step']}: {fmt_s(steps[0]['duration_s'])} (bar cut)"
         # beside the bar, on whichever side has room for the note
         lx, anchor = (x1 + 4, "start") if x1 + 4 + 6.3 * len(note) < WIDTH - RIGHT else (x0 - 4, "end")
-        out.append(f'<path d="M{_f(x0)},{top + 9} L{_f(x1)},{top + 3} L{_f(x1)},{top + 8} L{_f(x0)},{top + 14} Z" '
-                   f'fill="#fff"/><text x="{_f(lx)}" y="{top + 12}" class="median-label" text-anchor="{anchor}">'
-                   f'{escape(note)}</text>')
+        out.append(
+            f'<path d="M{_f(x0)},{top + 9} L{_f(x1)},{top + 3} L{_f(x1)},{top + 8} L{_f(x0)},{top + 14} Z" '
+            f'fill="#fff"/><text x="{_f(lx)}" y="{top + 12}" class="median-label" text-anchor="{anchor}">'
+            f"{escape(note)}</text>"
+        )
     med = stats.get("steady_median_s")
     if med:
-        out.append(f'<line x1="{LEFT}" y1="{_f(y(med))}" x2="{WIDTH - RIGHT}" y2="{_f(y(med))}" class="median"/>'
-                   f'<text x="{WIDTH - RIGHT - 2}" y="{_f(y(med) - 4)}" class="median-label" text-anchor="end">'
-                   f'median {escape(fmt_s(med))}</text>')
+        out.append(
+            f'<line x1="{LEFT}" y1="{_f(y(med))}" x2="{WIDTH - RIGHT}" y2="{_f(y(med))}" class="median"/>'
+            f'<text x="{WIDTH - RIGHT - 2}" y="{_f(y(med) - 4)}" class="median-label" text-anchor="end">'
+            f"median {escape(fmt_s(med))}</text>"
+        )
     # event lane: compiles as bars over their real duration (by time) or on their step's bar
     # (by step), GC as dots on steps that spent a tenth of their time collecting
-    out.append(f'<text x="{LEFT - 6}" y="{lane_y + 4}" class="tick" text-anchor="end">events</text>'
-               f'<line x1="{LEFT}" y1="{lane_y}" x2="{WIDTH - RIGHT}" y2="{lane_y}" class="lane"/>')
+    out.append(
+        f'<text x="{LEFT - 6}" y="{lane_y + 4}" class="tick" text-anchor="end">events</text>'
+        f'<line x1="{LEFT}" y1="{lane_y}" x2="{WIDTH - RIGHT}" y2="{lane_y}" class="lane"/>'
+    )
     rank_compiles = [c for c in compiles if c["rank"] == rank]
     if by == "time":
         for c in rank_compiles:
             x0 = x(c["start_s"])
             w = max(x(c["end_s"]) - x0, 2)
-            tip = (f"{c['kind']} compile of {c['kernel']} on thread {c['thread'] or '?'}: "
-                   f"{fmt_s(c['duration_s'])} (step {c['step']})")
+            tip = (
+                f"{c['kind']} compile of {c['kernel']} on thread {c['thread'] or '?'}: "
+                f"{fmt_s(c['duration_s'])} (step {c['step']})"
+            )
             if c.get("key_diff"):
-                tip += "; key changed: " + ", ".join(f"{d['field']}: {d['before']} → {d['after']}" for d in c["key_diff"][:3])
-            out.append(f'<rect class="compile-mark" data-kind="{escape(c["kind"])}" x="{_f(x0)}" y="{lane_y - 7}" '
-                       f'width="{_f(w)}" height="14" fill="{COMPILE_COLOURS.get(c["kind"], "#e4572e")}">'
-                       f'<title>{escape(tip)}</title></rect>')
+                tip += "; key changed: " + ", ".join(
+                    f"{d['field']}: {d['before']} → {d['after']}" for d in c["key_diff"][:3]
+                )
+            out.append(
+                f'<rect class="compile-mark" data-kind="{escape(c["kind"])}" x="{_f(x0)}" y="{lane_y - 7}" '
+                f'width="{_f(w)}" height="14" fill="{COMPILE_COLOURS.get(c["kind"], "#e4572e")}">'
+                f"<title>{escape(tip)}</title></rect>"
+            )
     else:
         index = {}
         for i, s in enumerate(steps):
@@ -221,17 +274,24 @@ def step_chart(timeline, compiles, stats, causes, by="time"):
         for i, cs in per_bar.items():
             x0, x1 = span(i, steps[i])
             kernels = sorted({c["kernel"] for c in cs})
-            tip = (f"{len(cs)} compile{'s' if len(cs) > 1 else ''}, {fmt_s(sum(c['duration_s'] for c in cs))}: "
-                   + ", ".join(kernels[:4]) + (" …" if len(kernels) > 4 else ""))
-            out.append(f'<rect class="compile-mark" data-kind="{escape(cs[0]["kind"])}" x="{_f(x0)}" y="{lane_y - 7}" '
-                       f'width="{_f(max(x1 - x0 - 1, 1))}" height="14" fill="{COMPILE_COLOURS.get(cs[0]["kind"], "#e4572e")}">'
-                       f'<title>{escape(tip)}</title></rect>')
+            tip = (
+                f"{len(cs)} compile{'s' if len(cs) > 1 else ''}, {fmt_s(sum(c['duration_s'] for c in cs))}: "
+                + ", ".join(kernels[:4])
+                + (" …" if len(kernels) > 4 else "")
+            )
+            out.append(
+                f'<rect class="compile-mark" data-kind="{escape(cs[0]["kind"])}" x="{_f(x0)}" y="{lane_y - 7}" '
+                f'width="{_f(max(x1 - x0 - 1, 1))}" height="14" fill="{COMPILE_COLOURS.get(cs[0]["kind"], "#e4572e")}">'
+                f"<title>{escape(tip)}</title></rect>"
+            )
     for i, s in enumerate(steps) if len(steps) <= 300 else []:  # denser than that, the bars' colours say it
         if s.get("gc_s") and s["gc_s"] >= 0.1 * s["duration_s"]:
             x0, x1 = span(i, s)
             tip = f"step {s['step']}: garbage collection {fmt_s(s['gc_s'])}"
-            out.append(f'<circle class="gc-mark" cx="{_f((x0 + x1) / 2)}" cy="{lane_y}" r="4" fill="{CAUSE_COLOURS["gc"]}">'
-                       f'<title>{escape(tip)}</title></circle>')
+            out.append(
+                f'<circle class="gc-mark" cx="{_f((x0 + x1) / 2)}" cy="{lane_y}" r="4" fill="{CAUSE_COLOURS["gc"]}">'
+                f"<title>{escape(tip)}</title></circle>"
+            )
     if by == "time":
         out.append(_time_axis(x, bottom, 0.0, end))
     else:
@@ -239,8 +299,10 @@ def step_chart(timeline, compiles, stats, causes, by="time"):
         stride = max(1, math.ceil(len(steps) / 10))
         for i in range(0, len(steps), stride):
             x0, x1 = span(i, steps[i])
-            out.append(f'<text x="{_f((x0 + x1) / 2)}" y="{bottom + 15}" class="tick" text-anchor="middle">'
-                       f'{escape(str(steps[i]["step"]))}</text>')
+            out.append(
+                f'<text x="{_f((x0 + x1) / 2)}" y="{bottom + 15}" class="tick" text-anchor="middle">'
+                f"{escape(str(steps[i]['step']))}</text>"
+            )
         out.append(f'<text x="{WIDTH - RIGHT}" y="{bottom + 15}" class="tick" text-anchor="end">step</text>')
     out.append("</svg>")
     return Markup("".join(out))
@@ -267,24 +329,36 @@ def gpu_charts(gpu, timeline):
         vmax = 100.0 if metric == "util" else vmax * 1.1 or 1.0
         height, top, bottom = 128, 20, 104
         y = _Scale(0.0, vmax, bottom, top)
-        out = [f'<svg class="chart gpu-chart" data-metric="{metric}" viewBox="0 0 {WIDTH} {height}" role="img" '
-               f'aria-label="GPU {escape(label)}">']
+        out = [
+            f'<svg class="chart gpu-chart" data-metric="{metric}" viewBox="0 0 {WIDTH} {height}" role="img" '
+            f'aria-label="GPU {escape(label)}">'
+        ]
         for s in slow:
-            out.append(f'<rect x="{_f(x(s["start_s"]))}" y="{top}" width="{_f(max(x(s["end_s"]) - x(s["start_s"]), 1))}" '
-                       f'height="{bottom - top}" fill="{CAUSE_COLOURS.get(s["cause"], "#999")}" opacity="0.12"/>')
+            out.append(
+                f'<rect x="{_f(x(s["start_s"]))}" y="{top}" width="{_f(max(x(s["end_s"]) - x(s["start_s"]), 1))}" '
+                f'height="{bottom - top}" fill="{CAUSE_COLOURS.get(s["cause"], "#999")}" opacity="0.12"/>'
+            )
         for t in _nice_ticks(0, vmax, 2):
-            out.append(f'<line x1="{LEFT}" y1="{_f(y(t))}" x2="{WIDTH - RIGHT}" y2="{_f(y(t))}" class="grid"/>'
-                       f'<text x="{LEFT - 6}" y="{_f(y(t) + 4)}" class="tick" text-anchor="end">{t:g}</text>')
-        out.append(f'<text x="{LEFT}" y="{top - 7}" class="chart-title">{escape(label)} ({escape(unit)})</text>')
+            out.append(
+                f'<line x1="{LEFT}" y1="{_f(y(t))}" x2="{WIDTH - RIGHT}" y2="{_f(y(t))}" class="grid"/>'
+                f'<text x="{LEFT - 6}" y="{_f(y(t) + 4)}" class="tick" text-anchor="end">{t:g}</text>'
+            )
+        out.append(
+            f'<text x="{LEFT}" y="{top - 7}" class="chart-title">{escape(label)} ({escape(unit)})</text>'
+        )
         if len(lines) > 1:
             for i, (index, _) in enumerate(lines):
                 lx = WIDTH - RIGHT - (len(lines) - i) * 52
-                out.append(f'<rect x="{lx}" y="{top - 16}" width="10" height="10" fill="{GPU_COLOURS[i % len(GPU_COLOURS)]}"/>'
-                           f'<text x="{lx + 13}" y="{top - 7}" class="tick">GPU {escape(index)}</text>')
+                out.append(
+                    f'<rect x="{lx}" y="{top - 16}" width="10" height="10" fill="{GPU_COLOURS[i % len(GPU_COLOURS)]}"/>'
+                    f'<text x="{lx + 13}" y="{top - 7}" class="tick">GPU {escape(index)}</text>'
+                )
         for i, (index, m) in enumerate(lines):
             pts = " ".join(f"{_f(x(t))},{_f(y(v))}" for t, v in zip(m["t_s"], m["values"]) if v is not None)
-            out.append(f'<polyline points="{pts}" fill="none" stroke="{GPU_COLOURS[i % len(GPU_COLOURS)]}" '
-                       f'stroke-width="1.5"><title>GPU {escape(index)} {escape(label)}</title></polyline>')
+            out.append(
+                f'<polyline points="{pts}" fill="none" stroke="{GPU_COLOURS[i % len(GPU_COLOURS)]}" '
+                f'stroke-width="1.5"><title>GPU {escape(index)} {escape(label)}</title></polyline>'
+            )
         out.append(_time_axis(x, bottom, 0.0, end))
         out.append("</svg>")
         charts.append(Markup("".join(out)))
@@ -313,21 +387,29 @@ def icicle(tree, height_per_row=17, max_rows=32):
         colour = FRAME_COLOURS.get(node["kind"], "#c5cbd3")
         yy = d * height_per_row + 2
         chars = int((w - 6) / 6.6)
-        text = "" if chars < 3 else (node["name"] if len(node["name"]) <= chars else node["name"][: chars - 1] + "…")
+        text = (
+            ""
+            if chars < 3
+            else (node["name"] if len(node["name"]) <= chars else node["name"][: chars - 1] + "…")
+        )
         # data-x/-w (shares of the whole) and data-d let the page's script zoom into a frame
-        rows.append(f'<g class="frame" data-kind="{escape(node["kind"])}" data-x="{x0 / inner:.6f}" '
-                    f'data-w="{w / inner:.6f}" data-d="{d}" data-name="{escape(node["name"])}">'
-                    f'<rect x="{_f(x0 + 1)}" y="{yy}" width="{_f(max(w - 1, 0.5))}" height="{height_per_row - 2}" '
-                    f'rx="2" fill="{colour}"/><text x="{_f(x0 + 3)}" y="{yy + 13}" class="frame-label">{escape(text)}</text>'
-                    f'<title>{escape(tip)}</title></g>')
+        rows.append(
+            f'<g class="frame" data-kind="{escape(node["kind"])}" data-x="{x0 / inner:.6f}" '
+            f'data-w="{w / inner:.6f}" data-d="{d}" data-name="{escape(node["name"])}">'
+            f'<rect x="{_f(x0 + 1)}" y="{yy}" width="{_f(max(w - 1, 0.5))}" height="{height_per_row - 2}" '
+            f'rx="2" fill="{colour}"/><text x="{_f(x0 + 3)}" y="{yy + 13}" class="frame-label">{escape(text)}</text>'
+            f"<title>{escape(tip)}</title></g>"
+        )
         cx = x0
         for child in node["children"]:
             walk(child, cx, d + 1)
             cx += child["value"] / total * inner
 
     walk(tree, 0.0, 0)
-    return Markup(f'<svg class="chart icicle" data-inner="{inner}" viewBox="0 0 {WIDTH} {height}" role="img" '
-                  f'aria-label="stacks of the thread holding the GIL">{"".join(rows)}</svg>')
+    return Markup(
+        f'<svg class="chart icicle" data-inner="{inner}" viewBox="0 0 {WIDTH} {height}" role="img" '
+        f'aria-label="stacks of the thread holding the GIL">{"".join(rows)}</svg>'
+    )
 
 
 def thread_lanes(lanes):
@@ -343,34 +425,49 @@ def thread_lanes(lanes):
     x = _Scale(lanes["start_s"], lanes["end_s"], label_w, WIDTH - RIGHT)
     out = [f'<svg class="chart lanes" viewBox="0 0 {WIDTH} {height}" role="img" aria-label="thread lanes">']
     sx0, sx1 = x(max(lanes["step_start_s"], lanes["start_s"])), x(min(lanes["step_end_s"], lanes["end_s"]))
-    out.append(f'<rect x="{_f(sx0)}" y="0" width="{_f(max(sx1 - sx0, 1))}" height="{rows * row_h + 4}" '
-               f'class="worst-step"><title>{escape("step " + str(lanes["step"]) + " (the slowest)")}</title></rect>')
+    out.append(
+        f'<rect x="{_f(sx0)}" y="0" width="{_f(max(sx1 - sx0, 1))}" height="{rows * row_h + 4}" '
+        f'class="worst-step"><title>{escape("step " + str(lanes["step"]) + " (the slowest)")}</title></rect>'
+    )
     step_row = bool(lanes.get("steps"))
     if step_row:
         out.append(f'<text x="{label_w - 6}" y="16" class="tick" text-anchor="end">steps</text>')
         for n, s in enumerate(lanes["steps"]):
             a, b = x(max(s["start_s"], lanes["start_s"])), x(min(s["end_s"], lanes["end_s"]))
             colour = CAUSE_COLOURS.get(s["cause"], CAUSE_COLOURS["normal"])
-            out.append(f'<rect x="{_f(a)}" y="6" width="{_f(max(b - a - 0.5, 0.5))}" height="12" fill="{colour}" '
-                       f'opacity="{0.95 if n % 2 else 0.7}"><title>{escape("step " + str(s["step"]))}</title></rect>')
+            out.append(
+                f'<rect x="{_f(a)}" y="6" width="{_f(max(b - a - 0.5, 0.5))}" height="12" fill="{colour}" '
+                f'opacity="{0.95 if n % 2 else 0.7}"><title>{escape("step " + str(s["step"]))}</title></rect>'
+            )
     for i, th in enumerate(threads):
         yy = i * row_h + 4 + (row_h if step_row else 0)
         name = th["name"] if len(th["name"]) <= 24 else th["name"][:23] + "…"
-        out.append(f'<text x="{label_w - 6}" y="{yy + 14}" class="tick" text-anchor="end">{escape(name)}'
-                   f'<title>{escape(th["name"])}</title></text>')
+        out.append(
+            f'<text x="{label_w - 6}" y="{yy + 14}" class="tick" text-anchor="end">{escape(name)}'
+            f"<title>{escape(th['name'])}</title></text>"
+        )
         for seg in th["segments"]:
             a, b = x(max(seg["start_s"], lanes["start_s"])), x(min(seg["end_s"], lanes["end_s"]))
-            state = {"gil": "holds the GIL", "active": "running, without the GIL", "idle": "idle / waiting"}[seg["state"]]
+            state = {"gil": "holds the GIL", "active": "running, without the GIL", "idle": "idle / waiting"}[
+                seg["state"]
+            ]
             tip = f"{th['name']}: {state}\n" + "\n".join(seg["stack"] or [seg["frame"]])
-            out.append(f'<rect class="seg" data-state="{seg["state"]}" x="{_f(a)}" y="{yy}" width="{_f(max(b - a, 1))}" '
-                       f'height="{row_h - 6}" fill="{STATE_COLOURS[seg["state"]]}"><title>{escape(tip)}</title></rect>')
+            out.append(
+                f'<rect class="seg" data-state="{seg["state"]}" x="{_f(a)}" y="{yy}" width="{_f(max(b - a, 1))}" '
+                f'height="{row_h - 6}" fill="{STATE_COLOURS[seg["state"]]}"><title>{escape(tip)}</title></rect>'
+            )
         for c in lanes["compiles"]:
             if c["thread"] and c["thread"] == th["name"]:
                 a, b = x(max(c["start_s"], lanes["start_s"])), x(min(c["end_s"], lanes["end_s"]))
-                out.append(f'<rect x="{_f(a)}" y="{yy - 1}" width="{_f(max(b - a, 1))}" height="{row_h - 4}" '
-                           f'class="lane-compile"><title>{escape("compiling " + c["kernel"] + ": " + fmt_s(c["end_s"] - c["start_s"]))}</title></rect>')
-    out.append(_time_axis(x, rows * row_h + 8, lanes["start_s"], lanes["end_s"]).replace(
-        f'x1="{LEFT}"', f'x1="{label_w}"'))
+                out.append(
+                    f'<rect x="{_f(a)}" y="{yy - 1}" width="{_f(max(b - a, 1))}" height="{row_h - 4}" '
+                    f'class="lane-compile"><title>{escape("compiling " + c["kernel"] + ": " + fmt_s(c["end_s"] - c["start_s"]))}</title></rect>'
+                )
+    out.append(
+        _time_axis(x, rows * row_h + 8, lanes["start_s"], lanes["end_s"]).replace(
+            f'x1="{LEFT}"', f'x1="{label_w}"'
+        )
+    )
     out.append("</svg>")
     return Markup("".join(out))
 
@@ -391,10 +488,14 @@ def rank_heatmap(timeline, max_cols=300):
     label_w, row_h = 70, 16
     cw = (WIDTH - RIGHT - label_w) / len(cols)
     height = len(ranks) * row_h + 20
-    out = [f'<svg class="chart heatmap" viewBox="0 0 {WIDTH} {height}" role="img" aria-label="step time per rank">']
+    out = [
+        f'<svg class="chart heatmap" viewBox="0 0 {WIDTH} {height}" role="img" aria-label="step time per rank">'
+    ]
     for i, (rank, rows) in enumerate(ranks.items()):
         yy = i * row_h
-        out.append(f'<text x="{label_w - 6}" y="{yy + 12}" class="tick" text-anchor="end">rank {escape(rank)}</text>')
+        out.append(
+            f'<text x="{label_w - 6}" y="{yy + 12}" class="tick" text-anchor="end">rank {escape(rank)}</text>'
+        )
         for s in rows:
             if s["step"] not in col_of:
                 continue
@@ -403,22 +504,36 @@ def rank_heatmap(timeline, max_cols=300):
             level = max(0.0, min(1.0, (ratio - 1.0)))
             colour = f"rgb(235,{int(240 - 180 * level)},{int(245 - 200 * level)})"
             tip = f"rank {rank}, step {s['step']}: {fmt_s(s['duration_s'])} ({ratio:.2g}× the median)"
-            out.append(f'<rect x="{_f(label_w + col_of[s["step"]] * cw)}" y="{yy}" width="{_f(max(cw - 0.5, 0.5))}" '
-                       f'height="{row_h - 2}" fill="{colour}"><title>{escape(tip)}</title></rect>')
+            out.append(
+                f'<rect x="{_f(label_w + col_of[s["step"]] * cw)}" y="{yy}" width="{_f(max(cw - 0.5, 0.5))}" '
+                f'height="{row_h - 2}" fill="{colour}"><title>{escape(tip)}</title></rect>'
+            )
     if timeline.get("ranks_total", 0) > len(ranks):  # a large job: the ranks worth a look
-        out.append(f'<text x="{WIDTH - RIGHT}" y="{height - 4 - 12}" class="tick" text-anchor="end">'
-                   f'{len(ranks)} of {timeline["ranks_total"]} ranks: the first, the slowest step\'s '
-                   f'and the slowest by median step</text>')
-    out.append(f'<text x="{label_w}" y="{height - 4}" class="tick">step {cols[0]}</text>'
-               f'<text x="{WIDTH - RIGHT}" y="{height - 4}" class="tick" text-anchor="end">step {cols[-1]}</text>')
+        out.append(
+            f'<text x="{WIDTH - RIGHT}" y="{height - 4 - 12}" class="tick" text-anchor="end">'
+            f"{len(ranks)} of {timeline['ranks_total']} ranks: the first, the slowest step's "
+            f"and the slowest by median step</text>"
+        )
+    out.append(
+        f'<text x="{label_w}" y="{height - 4}" class="tick">step {cols[0]}</text>'
+        f'<text x="{WIDTH - RIGHT}" y="{height - 4}" class="tick" text-anchor="end">step {cols[-1]}</text>'
+    )
     out.append("</svg>")
     return Markup("".join(out))
 
 
 LEDGER_COLOURS = {
-    "compile": "#e4572e", "autotune": "#9c51b6", "gc": "#e3a21a", "io": "#8c564b",
-    "sync": "#17a2b8", "collective": "#2ca58d", "data": "#f08a24", "optimizer": "#6f42c1",
-    "forward_backward": "#5b8def", "host": "#7a8b99", "unexplained": "#c5cbd3",
+    "compile": "#e4572e",
+    "autotune": "#9c51b6",
+    "gc": "#e3a21a",
+    "io": "#8c564b",
+    "sync": "#17a2b8",
+    "collective": "#2ca58d",
+    "data": "#f08a24",
+    "optimizer": "#6f42c1",
+    "forward_backward": "#5b8def",
+    "host": "#7a8b99",
+    "unexplained": "#c5cbd3",
 }
 
 
@@ -433,28 +548,40 @@ def ledger_chart(ledger):
     ticks = _nice_ticks(0.0, peak)
     y = _Scale(0.0, max([peak] + ticks), bottom, top)
     bar_w = (WIDTH - RIGHT - LEFT) / len(bars)
-    out = [f'<svg class="chart ledger" viewBox="0 0 {WIDTH} {height}" role="img" '
-           f'aria-label="time ledger per step">']
+    out = [
+        f'<svg class="chart ledger" viewBox="0 0 {WIDTH} {height}" role="img" '
+        f'aria-label="time ledger per step">'
+    ]
     for t in ticks:
-        out.append(f'<line x1="{LEFT}" x2="{WIDTH - RIGHT}" y1="{_f(y(t))}" y2="{_f(y(t))}" class="grid"/>'
-                   f'<text x="{LEFT - 6}" y="{_f(y(t) + 4)}" class="tick" text-anchor="end">{escape(fmt_tick(t))}</text>')
+        out.append(
+            f'<line x1="{LEFT}" x2="{WIDTH - RIGHT}" y1="{_f(y(t))}" y2="{_f(y(t))}" class="grid"/>'
+            f'<text x="{LEFT - 6}" y="{_f(y(t) + 4)}" class="tick" text-anchor="end">{escape(fmt_tick(t))}</text>'
+        )
     for i, b in enumerate(bars):
         x0 = LEFT + i * bar_w
         base = 0.0
-        name = f"step {b['step']}" if b["step"] == b["last_step"] else f"steps {b['step']}–{b['last_step']} (mean)"
+        name = (
+            f"step {b['step']}"
+            if b["step"] == b["last_step"]
+            else f"steps {b['step']}–{b['last_step']} (mean)"
+        )
         for c in cats:
             v = b["parts"].get(c, 0.0)
             if v <= 0:
                 continue
             y1, y0 = y(base + v), y(base)
             tip = f"{name}: {labels[c]} {fmt_s(v)} of {fmt_s(b['wall_s'])}"
-            out.append(f'<rect x="{_f(x0)}" y="{_f(y1)}" width="{_f(max(bar_w - 0.6, 0.4))}" '
-                       f'height="{_f(max(y0 - y1, 0.2))}" fill="{LEDGER_COLOURS.get(c, "#999")}" '
-                       f'data-cat="{escape(c)}"><title>{escape(tip)}</title></rect>')
+            out.append(
+                f'<rect x="{_f(x0)}" y="{_f(y1)}" width="{_f(max(bar_w - 0.6, 0.4))}" '
+                f'height="{_f(max(y0 - y1, 0.2))}" fill="{LEDGER_COLOURS.get(c, "#999")}" '
+                f'data-cat="{escape(c)}"><title>{escape(tip)}</title></rect>'
+            )
             base += v
-    out.append(f'<text x="{LEFT}" y="{bottom + 14}" class="tick">step {bars[0]["step"]}</text>'
-               f'<text x="{WIDTH - RIGHT}" y="{bottom + 14}" class="tick" text-anchor="end">'
-               f'step {bars[-1]["last_step"]}</text>')
+    out.append(
+        f'<text x="{LEFT}" y="{bottom + 14}" class="tick">step {bars[0]["step"]}</text>'
+        f'<text x="{WIDTH - RIGHT}" y="{bottom + 14}" class="tick" text-anchor="end">'
+        f"step {bars[-1]['last_step']}</text>"
+    )
     # the run total: one horizontal bar, same colours
     total = ledger["total"]
     all_s = sum(total.values()) or 1e-9
@@ -468,11 +595,15 @@ def ledger_chart(ledger):
             continue
         w = span * v / all_s
         tip = f"all steps: {labels[c]} {fmt_s(v)} ({v / all_s:.0%})"
-        out.append(f'<rect x="{_f(x0)}" y="{ty}" width="{_f(max(w, 0.4))}" height="{th}" '
-                   f'fill="{LEDGER_COLOURS.get(c, "#999")}" data-cat="{escape(c)}"><title>{escape(tip)}</title></rect>')
+        out.append(
+            f'<rect x="{_f(x0)}" y="{ty}" width="{_f(max(w, 0.4))}" height="{th}" '
+            f'fill="{LEDGER_COLOURS.get(c, "#999")}" data-cat="{escape(c)}"><title>{escape(tip)}</title></rect>'
+        )
         if w > 70:
-            out.append(f'<text x="{_f(x0 + 4)}" y="{ty + 15}" class="tick" fill="#fff">'
-                       f'{escape(labels[c])} {v / all_s:.0%}</text>')
+            out.append(
+                f'<text x="{_f(x0 + 4)}" y="{ty + 15}" class="tick" fill="#fff">'
+                f"{escape(labels[c])} {v / all_s:.0%}</text>"
+            )
         x0 += w
     out.append("</svg>")
     return Markup("".join(out))

@@ -1,9 +1,9 @@
 """Compile events as the report shows them: one row per event with the key diff against the
 previous compile of the same kernel, and per-kernel groups."""
+
 import re
 
 from traindx.derive.steptables import compile_span
-
 from traindx.report.text import clip, frame_label, num, ranges, text_of
 
 MAX_COMPILE_ROWS = 200
@@ -18,18 +18,26 @@ def compile_events(run, t0):
         if span is None:
             continue
         call_site = getattr(c, "fa4_call_site", None)
-        out.append({"rank": str(c.rank), "kind": str(c.kind), "kernel": clip(text_of(c.kernel) or "?", 300),
-                    "start_s": span[0], "end_s": span[1],
-                    "duration_s": num(c.duration_s) or span[1] - span[0],
-                    "thread": clip(text_of(c.thread), 100),
-                    # bool, numpy's bool_, or NaN where the event had no such field
-                    "is_main_thread": bool(c.is_main_thread) if type(c.is_main_thread).__name__ in ("bool", "bool_")
-                    else None,
-                    "step": int(c.step) if num(c.step) is not None else None,
-                    "caller": frame_label(c.caller) if isinstance(c.caller, dict) else "",
-                    "key_fields": c.key_fields if isinstance(c.key_fields, dict) else None,
-                    "key": clip(c.key, 600) if isinstance(c.key, str) else None,
-                    "call_site": frame_label(call_site) if isinstance(call_site, dict) else ""})
+        out.append(
+            {
+                "rank": str(c.rank),
+                "kind": str(c.kind),
+                "kernel": clip(text_of(c.kernel) or "?", 300),
+                "start_s": span[0],
+                "end_s": span[1],
+                "duration_s": num(c.duration_s) or span[1] - span[0],
+                "thread": clip(text_of(c.thread), 100),
+                # bool, numpy's bool_, or NaN where the event had no such field
+                "is_main_thread": bool(c.is_main_thread)
+                if type(c.is_main_thread).__name__ in ("bool", "bool_")
+                else None,
+                "step": int(c.step) if num(c.step) is not None else None,
+                "caller": frame_label(c.caller) if isinstance(c.caller, dict) else "",
+                "key_fields": c.key_fields if isinstance(c.key_fields, dict) else None,
+                "key": clip(c.key, 600) if isinstance(c.key, str) else None,
+                "call_site": frame_label(call_site) if isinstance(call_site, dict) else "",
+            }
+        )
     out.sort(key=lambda e: e["start_s"])
     # the key diff against the previous compile of the same kernel on the same rank: the field
     # that changes between recompiles is what a user has to fix
@@ -42,8 +50,9 @@ def compile_events(run, t0):
             for name in list(dict.fromkeys(list(prev["key_fields"]) + list(e["key_fields"]))):
                 before, after = prev["key_fields"].get(name), e["key_fields"].get(name)
                 if before != after:
-                    e["key_diff"].append({"field": clip(name, 100), "before": clip(before, 200),
-                                          "after": clip(after, 200)})
+                    e["key_diff"].append(
+                        {"field": clip(name, 100), "before": clip(before, 200), "after": clip(after, 200)}
+                    )
         elif prev is not None and prev["key"] and e["key"] and prev["key"] != e["key"]:
             e["key_diff"].append({"field": "key", "before": prev["key"], "after": e["key"]})
         if prev is not None and not e["key_diff"]:
@@ -51,8 +60,13 @@ def compile_events(run, t0):
             # as a tensor (a new one every call), so the in-memory cache can never hit
             for name, value in (e["key_fields"] or {}).items():
                 if re.search(r"(?:\b|Fake|Functional)[Tt]ensor\(", str(value)):
-                    e["key_diff"].append({"field": clip(name, 100), "before": clip(value, 200),
-                                          "after": "a new tensor object: the key never matches"})
+                    e["key_diff"].append(
+                        {
+                            "field": clip(name, 100),
+                            "before": clip(value, 200),
+                            "after": "a new tensor object: the key never matches",
+                        }
+                    )
         previous[(e["rank"], e["kernel"])] = e
     for e in out:
         e.pop("key_fields")
@@ -64,9 +78,20 @@ def compile_groups(compiles):
     fields changed between its compiles (what a user has to fix)."""
     groups = {}
     for c in compiles:
-        g = groups.setdefault((c["rank"], c["kernel"]), {
-            "rank": c["rank"], "kernel": c["kernel"], "kind": c["kind"], "count": 0, "total_s": 0.0,
-            "steps": [], "threads": [], "changed": {}, "call_site": c["call_site"] or c["caller"]})
+        g = groups.setdefault(
+            (c["rank"], c["kernel"]),
+            {
+                "rank": c["rank"],
+                "kernel": c["kernel"],
+                "kind": c["kind"],
+                "count": 0,
+                "total_s": 0.0,
+                "steps": [],
+                "threads": [],
+                "changed": {},
+                "call_site": c["call_site"] or c["caller"],
+            },
+        )
         g["count"] += 1
         g["total_s"] += c["duration_s"]
         if c["step"] is not None:

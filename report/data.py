@@ -8,35 +8,44 @@ the run's start (manifest start_ns), so every chart shares one x axis. Large evi
 (steps binned, samples merged into a pruned tree, metrics downsampled) so a 10-minute run renders
 to a few megabytes at most.
 """
+
 import math
 import os
 import re
 import shlex
 from datetime import datetime, timezone
 
+from traindx.analyzers.findings import VERDICT_PREFIX, reading_order
+from traindx.analyzers.step_causes import CAUSES, classify_steps, without_core_wait
 from traindx.common import redact
 from traindx.common.envvars import is_relevant_var
 from traindx.derive.ledger import startup_text
-from traindx.analyzers.step_causes import CAUSES, classify_steps, without_core_wait
-from traindx.analyzers.findings import VERDICT_PREFIX, reading_order
-from traindx.derive.steptables import (event_seconds, gaps_table, gc_frame, run_t0, steady_mask,
-                                step_table)
-
+from traindx.derive.steptables import event_seconds, gaps_table, gc_frame, run_t0, steady_mask, step_table
 from traindx.report.compiles import MAX_COMPILE_ROWS, compile_events, compile_groups
+from traindx.report.findings_view import (
+    comparison_view,
+    finding_view,
+    fix_marks,
+    prescription_text,
+    verdict_view,
+)
 from traindx.report.gpu import gpu_time_view
-from traindx.report.findings_view import (comparison_view, finding_view, fix_marks, prescription_text,
-                            verdict_view)
 from traindx.report.nvml_view import gpu_util_in_windows, gpu_view
 from traindx.report.pyspy_view import gil_view, thread_lanes, worst_rank_first
-from traindx.report.steps_view import MAX_STEP_BARS, bin_steps, ledger_view, losses_of, rows_of, timeline_ranks
+from traindx.report.steps_view import (
+    MAX_STEP_BARS,
+    bin_steps,
+    ledger_view,
+    losses_of,
+    rows_of,
+    timeline_ranks,
+)
 from traindx.report.text import clip
 
 __all__ = ["build_report_data", "build_summary", "comparison_view", "prescription_text"]
 
 
 MAX_LOG_LINES = 40
-
-
 
 
 def run_meta(run):
@@ -50,11 +59,15 @@ def run_meta(run):
     return {
         "id": os.path.basename(run.path.rstrip(os.sep)),
         "path": run.path,
-        "command": clip(shlex.join(redact.redact_argv(command)) if isinstance(command, list)
-                         else command, 4000),
+        "command": clip(
+            shlex.join(redact.redact_argv(command)) if isinstance(command, list) else command, 4000
+        ),
         "cwd": clip(m.get("cwd") or "", 400),
-        "started": (datetime.fromtimestamp(start_ns / 1e9, timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
-                    if start_ns else None),
+        "started": (
+            datetime.fromtimestamp(start_ns / 1e9, timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+            if start_ns
+            else None
+        ),
         "duration_s": (end_ns - start_ns) / 1e9 if start_ns and end_ns else None,
         "exit_code": m.get("exit_code"),
         "signal": m.get("signal"),
@@ -77,9 +90,14 @@ def _gpu_label(gpu):
     return clip(gpu, 200)
 
 
-EVIDENCE_NAMES = {"nvml": "GPU metrics (NVML)", "gpus": "GPU inventory", "pyspy": "py-spy stacks",
-                  "shim": "in-process events (shim)", "trace": "torch.profiler window",
-                  "torch_profiler": "torch.profiler window"}
+EVIDENCE_NAMES = {
+    "nvml": "GPU metrics (NVML)",
+    "gpus": "GPU inventory",
+    "pyspy": "py-spy stacks",
+    "shim": "in-process events (shim)",
+    "trace": "torch.profiler window",
+    "torch_profiler": "torch.profiler window",
+}
 
 
 def missing_evidence(run):
@@ -91,8 +109,15 @@ def missing_evidence(run):
         # "NVML unavailable: NVMLError_LibraryNotFound: NVML Shared Library Not Found" -> the last part
         last = gist.rsplit(": ", 1)[-1]
         short = last if len(last) >= 12 else gist
-        out.append({"what": clip(what, 100), "name": EVIDENCE_NAMES.get(what, what.replace("_", " ")),
-                    "why": clip(gist, 300), "short": clip(short, 200), "full": clip(why, 2000)})
+        out.append(
+            {
+                "what": clip(what, 100),
+                "name": EVIDENCE_NAMES.get(what, what.replace("_", " ")),
+                "why": clip(gist, 300),
+                "short": clip(short, 200),
+                "full": clip(why, 2000),
+            }
+        )
     return out
 
 
@@ -122,10 +147,17 @@ def _core(run, findings):
     worst = None
     if len(st):
         w = st.iloc[int(np.argmax(durations))]
-        worst = {"step": int(w["step"]), "start_s": float(w["start_s"]), "end_s": float(w["end_s"]),
-                 "duration_s": float(w["duration_s"]), "compile_s": float(w["compile_s"]),
-                 "gc_s": float(w["gc_s"]), "slow": bool(w["slow"]), "cause": w["cause"],
-                 "rank": w["rank"]}
+        worst = {
+            "step": int(w["step"]),
+            "start_s": float(w["start_s"]),
+            "end_s": float(w["end_s"]),
+            "duration_s": float(w["duration_s"]),
+            "compile_s": float(w["compile_s"]),
+            "gc_s": float(w["gc_s"]),
+            "slow": bool(w["slow"]),
+            "cause": w["cause"],
+            "rank": w["rank"],
+        }
     # steady state: each rank's first step (warm-up) left out when there is more than one
     steady = durations[steady_mask(st)]
     steady_median = float(np.median(steady)) if len(steady) else None
@@ -141,28 +173,46 @@ def _core(run, findings):
     first_start = float(st["start_s"].iloc[0]) if len(st) else None
     # missing evidence has its own notice (from the manifest); not repeated as a finding
     marks = fix_marks(run, findings)
-    findings_view = [finding_view(f, compiles, marks) for f in reading_order(findings)
-                     if f.id != "evidence.missing" and not f.id.startswith(VERDICT_PREFIX)]
+    findings_view = [
+        finding_view(f, compiles, marks)
+        for f in reading_order(findings)
+        if f.id != "evidence.missing" and not f.id.startswith(VERDICT_PREFIX)
+    ]
     per_rank = st.groupby("rank", sort=False).size() if len(st) else None
-    stats = {"steps": int(per_rank.max()) if per_rank is not None else 0,
-             "ranks": (len(per_rank) if per_rank is not None else 0) or len(meta["ranks"]),
-             "ranks_drawn": len(step_rows),
-             "step_source": step_source, "median_step_s": median, "steady_median_s": steady_median,
-             "p90_step_s": float(np.quantile(durations, 0.9)) if len(durations) else None,
-             "max_step_s": float(durations.max()) if len(durations) else None,
-             "cv": cv, "slow_steps": int(st["slow"].sum()) if len(st) else 0, "slow_threshold_s": threshold,
-             "slow_factor": round(threshold / median, 2) if threshold and median else None,
-             "unexplained_steps": cause_counts.get("unexplained", 0),
-             "compiles": len(compiles), "compile_s": sum(c["duration_s"] for c in compiles),
-             "worst_step": {"rank": worst["rank"], "step": worst["step"], "duration_s": worst["duration_s"],
-                            "cause": worst["cause"]} if worst else None,
-             "final_loss": losses[max(losses)] if losses else None,
-             "startup_s": first_start,
-             "gpu_util_in_steps": gpu_util_in_windows(run, t0, st["start_s"].to_numpy(np.float64),
-                                                       st["end_s"].to_numpy(np.float64)),
-             "gap_s": sum(g["duration_s"] for g in gaps if g["rank"] == first_rank),
-             "longest_gap": max((g for g in gaps if g["rank"] == first_rank),
-                                key=lambda g: g["duration_s"], default=None)}
+    stats = {
+        "steps": int(per_rank.max()) if per_rank is not None else 0,
+        "ranks": (len(per_rank) if per_rank is not None else 0) or len(meta["ranks"]),
+        "ranks_drawn": len(step_rows),
+        "step_source": step_source,
+        "median_step_s": median,
+        "steady_median_s": steady_median,
+        "p90_step_s": float(np.quantile(durations, 0.9)) if len(durations) else None,
+        "max_step_s": float(durations.max()) if len(durations) else None,
+        "cv": cv,
+        "slow_steps": int(st["slow"].sum()) if len(st) else 0,
+        "slow_threshold_s": threshold,
+        "slow_factor": round(threshold / median, 2) if threshold and median else None,
+        "unexplained_steps": cause_counts.get("unexplained", 0),
+        "compiles": len(compiles),
+        "compile_s": sum(c["duration_s"] for c in compiles),
+        "worst_step": {
+            "rank": worst["rank"],
+            "step": worst["step"],
+            "duration_s": worst["duration_s"],
+            "cause": worst["cause"],
+        }
+        if worst
+        else None,
+        "final_loss": losses[max(losses)] if losses else None,
+        "startup_s": first_start,
+        "gpu_util_in_steps": gpu_util_in_windows(
+            run, t0, st["start_s"].to_numpy(np.float64), st["end_s"].to_numpy(np.float64)
+        ),
+        "gap_s": sum(g["duration_s"] for g in gaps if g["rank"] == first_rank),
+        "longest_gap": max(
+            (g for g in gaps if g["rank"] == first_rank), key=lambda g: g["duration_s"], default=None
+        ),
+    }
     try:
         ledger = ledger_view(run)
     except Exception as exc:  # the report still renders without its ledger
@@ -176,12 +226,26 @@ def _core(run, findings):
         # one start-up value everywhere: the ledger's (process start to the first step)
         stats["startup_s"] = float(start.iloc[0]["wall_s"])
     missing = missing_evidence(run)
-    core = {"run": meta, "ledger": ledger, "missing": missing, "missing_summary": missing_summary(missing),
-            "verdict": verdict_view(run, findings, findings_view), "stats": stats,
-            "findings": findings_view, "causes": CAUSES}
-    return core, {"t0": t0, "step_rows": step_rows, "compiles": compiles, "worst": worst,
-                  "step_table": st, "cause_counts": cause_counts, "losses": losses,
-                  "gaps": gaps}
+    core = {
+        "run": meta,
+        "ledger": ledger,
+        "missing": missing,
+        "missing_summary": missing_summary(missing),
+        "verdict": verdict_view(run, findings, findings_view),
+        "stats": stats,
+        "findings": findings_view,
+        "causes": CAUSES,
+    }
+    return core, {
+        "t0": t0,
+        "step_rows": step_rows,
+        "compiles": compiles,
+        "worst": worst,
+        "step_table": st,
+        "cause_counts": cause_counts,
+        "losses": losses,
+        "gaps": gaps,
+    }
 
 
 def build_summary(run, findings):
@@ -204,33 +268,57 @@ def build_report_data(run, findings, comparison=None):
         table["p90"] = g["duration_s"].quantile(0.9)
         table["slow"] = g["slow"].sum()
         for rank, r in table.iterrows():
-            ranks_summary.append({"rank": rank, "steps": int(r["size"]), "median_s": float(r["median"]),
-                                  "p90_s": float(r["p90"]), "max_s": float(r["max"]),
-                                  "compile_s": compile_s.get(rank, 0.0), "compiles": compile_n.get(rank, 0),
-                                  "slow_steps": int(r["slow"])})
-    end_s = max([data["run"]["duration_s"] or 0.0] + ([float(st["end_s"].max())] if len(st) else [])
-                + [c["end_s"] for c in compiles])
+            ranks_summary.append(
+                {
+                    "rank": rank,
+                    "steps": int(r["size"]),
+                    "median_s": float(r["median"]),
+                    "p90_s": float(r["p90"]),
+                    "max_s": float(r["max"]),
+                    "compile_s": compile_s.get(rank, 0.0),
+                    "compiles": compile_n.get(rank, 0),
+                    "slow_steps": int(r["slow"]),
+                }
+            )
+    end_s = max(
+        [data["run"]["duration_s"] or 0.0]
+        + ([float(st["end_s"].max())] if len(st) else [])
+        + [c["end_s"] for c in compiles]
+    )
     log = run.log
-    log_tail = [{"t_s": (int(r.t) - t0) / 1e9, "stream": r.stream, "text": clip(r.text, 500)}
-                for r in log.tail(MAX_LOG_LINES).itertuples()] if len(log) else []
-    data.update({
-        "timeline": {"end_s": end_s, "ranks": {r: bin_steps(rows) for r, rows in step_rows.items()},
-                     "ranks_total": data["stats"]["ranks"],
-                     "cause_counts": x["cause_counts"], "gaps": x["gaps"][:200],
-                     # start-up and gaps taking most of the run squeeze the steps: show them by step
-                     "default_view": "step" if end_s and ((data["stats"]["startup_s"] or 0)
-                                                          + data["stats"]["gap_s"]) > 0.5 * end_s else "time",
-                     "bin_size": max((math.ceil(len(r) / MAX_STEP_BARS) for r in step_rows.values()), default=1),
-                     "losses": x["losses"] if len(x["losses"]) <= MAX_STEP_BARS else {}},
-        "compiles": compiles[:MAX_COMPILE_ROWS],
-        "compiles_total": len(compiles),
-        "compile_groups": compile_groups(compiles),
-        "gil": worst_rank_first(gil_view(run), x["worst"]),
-        "lanes": thread_lanes(run, t0, x["worst"], compiles, step_rows),
-        "gpu": gpu_view(run, t0),
-        "gpu_time": gpu_time_view(run),
-        "ranks_summary": ranks_summary,
-        "log_tail": log_tail,
-        "comparison": comparison_view(comparison),
-    })
+    log_tail = (
+        [
+            {"t_s": (int(r.t) - t0) / 1e9, "stream": r.stream, "text": clip(r.text, 500)}
+            for r in log.tail(MAX_LOG_LINES).itertuples()
+        ]
+        if len(log)
+        else []
+    )
+    data.update(
+        {
+            "timeline": {
+                "end_s": end_s,
+                "ranks": {r: bin_steps(rows) for r, rows in step_rows.items()},
+                "ranks_total": data["stats"]["ranks"],
+                "cause_counts": x["cause_counts"],
+                "gaps": x["gaps"][:200],
+                # start-up and gaps taking most of the run squeeze the steps: show them by step
+                "default_view": "step"
+                if end_s and ((data["stats"]["startup_s"] or 0) + data["stats"]["gap_s"]) > 0.5 * end_s
+                else "time",
+                "bin_size": max((math.ceil(len(r) / MAX_STEP_BARS) for r in step_rows.values()), default=1),
+                "losses": x["losses"] if len(x["losses"]) <= MAX_STEP_BARS else {},
+            },
+            "compiles": compiles[:MAX_COMPILE_ROWS],
+            "compiles_total": len(compiles),
+            "compile_groups": compile_groups(compiles),
+            "gil": worst_rank_first(gil_view(run), x["worst"]),
+            "lanes": thread_lanes(run, t0, x["worst"], compiles, step_rows),
+            "gpu": gpu_view(run, t0),
+            "gpu_time": gpu_time_view(run),
+            "ranks_summary": ranks_summary,
+            "log_tail": log_tail,
+            "comparison": comparison_view(comparison),
+        }
+    )
     return data

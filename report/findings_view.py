@@ -1,19 +1,18 @@
 """Findings as the report shows them: prescriptions as copyable commands or diffs, evidence as
 render-ready items, the verdict finding as the headline, a --fix comparison side by side."""
+
 import json
 import re
 import shlex
 
 from traindx.analyzers import verdict as judge
 from traindx.analyzers.findings import VERDICT_PREFIX, reading_order
-
 from traindx.report.compiles import compile_groups
 from traindx.report.text import clip, frame_label, ranges
 
-
 MAX_EVIDENCE_ROWS = 25
 
-FINDING_COMPILE_ROWS = 5      # a finding shows its first compiles; the rest are summed up per kernel
+FINDING_COMPILE_ROWS = 5  # a finding shows its first compiles; the rest are summed up per kernel
 
 rank_for_report = reading_order  # the order is defined once, in analyzers/findings.py
 
@@ -29,8 +28,10 @@ def prescription_text(p):
         lines += [f"export {k}={shlex.quote(str(v))}" for k, v in change["env"].items()]
     if "arg" in change:
         arg = change["arg"] or {}
-        flags = " ".join(f"{k} {shlex.quote(str(v))}" if v not in (None, "", True) else k
-                         for k, v in (arg.get("set") or {}).items())
+        flags = " ".join(
+            f"{k} {shlex.quote(str(v))}" if v not in (None, "", True) else k
+            for k, v in (arg.get("set") or {}).items()
+        )
         lines.append(f"# {arg.get('framework', 'job')} arguments: {flags}")
     if "upgrade" in change:
         up = change["upgrade"] or {}
@@ -60,8 +61,15 @@ def _evidence_items(evidence):
         if isinstance(value, list) and all(isinstance(v, dict) for v in value):
             columns = list(dict.fromkeys(k for v in value[:MAX_EVIDENCE_ROWS] for k in v))[:8]
             rows = [[_cell(v.get(c)) for c in columns] for v in value[:MAX_EVIDENCE_ROWS]]
-            items.append({"label": label, "type": "table", "columns": [c.replace("_", " ") for c in columns],
-                          "rows": rows, "more": max(0, len(value) - MAX_EVIDENCE_ROWS)})
+            items.append(
+                {
+                    "label": label,
+                    "type": "table",
+                    "columns": [c.replace("_", " ") for c in columns],
+                    "rows": rows,
+                    "more": max(0, len(value) - MAX_EVIDENCE_ROWS),
+                }
+            )
         elif isinstance(value, (list, tuple)) and all(not isinstance(v, (dict, list)) for v in value):
             shown = ", ".join(_cell(v) for v in value[:MAX_EVIDENCE_ROWS])
             more = f" … ({len(value)} values)" if len(value) > MAX_EVIDENCE_ROWS else ""
@@ -69,11 +77,17 @@ def _evidence_items(evidence):
         elif isinstance(value, dict) and ("file" in value or "filename" in value) and "line" in value:
             items.append({"label": label, "type": "text", "text": frame_label(value)})
         elif isinstance(value, dict) and all(not isinstance(v, (dict, list)) for v in value.values()):
-            items.append({"label": label, "type": "kv",
-                          "pairs": [[clip(k, 200), _cell(v)] for k, v in list(value.items())[:40]]})
+            items.append(
+                {
+                    "label": label,
+                    "type": "kv",
+                    "pairs": [[clip(k, 200), _cell(v)] for k, v in list(value.items())[:40]],
+                }
+            )
         elif isinstance(value, (dict, list)):
-            items.append({"label": label, "type": "pre",
-                          "text": clip(json.dumps(value, indent=1, default=str), 4000)})
+            items.append(
+                {"label": label, "type": "pre", "text": clip(json.dumps(value, indent=1, default=str), 4000)}
+            )
         elif isinstance(value, str) and ("\n" in value or len(value) > 160):
             items.append({"label": label, "type": "pre", "text": clip(value, 4000)})
         else:
@@ -91,7 +105,7 @@ def _cell(value):
     return clip("" if value is None else value, 400)
 
 
-FIX_TRIES_DEFAULT = 3   # diagnose --fix-tries' default: the candidates measured in turn
+FIX_TRIES_DEFAULT = 3  # diagnose --fix-tries' default: the candidates measured in turn
 
 
 def fix_marks(run, findings, tries=FIX_TRIES_DEFAULT):
@@ -110,15 +124,18 @@ def fix_marks(run, findings, tries=FIX_TRIES_DEFAULT):
         command = m.get("command") or []
         if not isinstance(command, list) or not command:
             return {}
-        candidates, _ = candidate_plans(command, [f for f in findings if f.prescriptions],
-                                        run.path, environ={}, cwd=m.get("cwd") or None)
+        candidates, _ = candidate_plans(
+            command, [f for f in findings if f.prescriptions], run.path, environ={}, cwd=m.get("cwd") or None
+        )
     except Exception:  # a planner that cannot plan here: no marks, the report still renders
         return {}
-    order = {}   # (finding id, summary) -> the first candidate's place among those measured
+    order = {}  # (finding id, summary) -> the first candidate's place among those measured
     for i, c in enumerate(candidates):
         order.setdefault((c.finding, c.summary), i)
+
     def mark(i):
         return "applied" if i == 0 else ("next" if i < tries else "alternative")
+
     marks = {}
     for f in findings:
         own = set()
@@ -129,8 +146,11 @@ def fix_marks(run, findings, tries=FIX_TRIES_DEFAULT):
                 marks[(f.id, i)] = mark(at)
             else:
                 marks[(f.id, i)] = "alternative" if p.automatic else "by_hand"
-        planned = [{"summary": c.summary, "mechanism": c.mechanism, "fix": mark(i)}
-                   for i, c in enumerate(candidates) if c.finding == f.id and c.summary not in own]
+        planned = [
+            {"summary": c.summary, "mechanism": c.mechanism, "fix": mark(i)}
+            for i, c in enumerate(candidates)
+            if c.finding == f.id and c.summary not in own
+        ]
         if planned:
             marks[(f.id, "planned")] = planned
     return marks
@@ -140,14 +160,32 @@ def finding_view(f, compiles, marks=None):
     prescriptions = []
     for i, p in enumerate(f.prescriptions):
         text, kind = prescription_text(p)
-        prescriptions.append({"kind": p.kind, "summary": clip(p.summary, 600), "text": text and clip(text, 4000),
-                              "text_kind": kind, "expected_gain_s": p.expected_gain_s_per_step,
-                              "automatic": p.automatic, "fix": (marks or {}).get((f.id, i)), "planned": False})
+        prescriptions.append(
+            {
+                "kind": p.kind,
+                "summary": clip(p.summary, 600),
+                "text": text and clip(text, 4000),
+                "text_kind": kind,
+                "expected_gain_s": p.expected_gain_s_per_step,
+                "automatic": p.automatic,
+                "fix": (marks or {}).get((f.id, i)),
+                "planned": False,
+            }
+        )
     for c in (marks or {}).get((f.id, "planned"), ()):
         # built by --fix's planner from this finding (the job's own flag, a derived edit)
-        prescriptions.append({"kind": c["mechanism"], "summary": clip(c["summary"], 600), "text": None,
-                              "text_kind": None, "expected_gain_s": None, "automatic": True,
-                              "fix": c["fix"], "planned": True})
+        prescriptions.append(
+            {
+                "kind": c["mechanism"],
+                "summary": clip(c["summary"], 600),
+                "text": None,
+                "text_kind": None,
+                "expected_gain_s": None,
+                "automatic": True,
+                "fix": c["fix"],
+                "planned": True,
+            }
+        )
     related = []
     if f.analyzer in ("jit", "compile", "autotune", "dynamo") or "compile" in f.id:
         kernels = set()
@@ -157,18 +195,28 @@ def finding_view(f, compiles, marks=None):
                 kernels.add(v)
             elif isinstance(v, list):
                 kernels |= {str(k) for k in v}
-        related = [c for c in compiles if not kernels or c["kernel"] in kernels
-                   or any(k in c["kernel"] for k in kernels)]
+        related = [
+            c
+            for c in compiles
+            if not kernels or c["kernel"] in kernels or any(k in c["kernel"] for k in kernels)
+        ]
         steps = set(f.steps_affected)
         if steps and not kernels:
             related = [c for c in related if c["step"] in steps] or related
     return {
-        "id": clip(f.id, 200), "anchor": re.sub(r"[^a-zA-Z0-9_-]", "-", f.id),
-        "title": clip(f.title, 300), "severity": f.severity, "analyzer": clip(f.analyzer, 100),
-        "summary": clip(f.summary, 3000), "seconds_lost_per_step": f.seconds_lost_per_step,
-        "share_of_step": f.share_of_step, "steps_affected": ranges(f.steps_affected),
-        "n_steps_affected": len(f.steps_affected), "ranks": [str(r) for r in f.ranks],
-        "prescriptions": prescriptions, "evidence": _evidence_items(f.evidence),
+        "id": clip(f.id, 200),
+        "anchor": re.sub(r"[^a-zA-Z0-9_-]", "-", f.id),
+        "title": clip(f.title, 300),
+        "severity": f.severity,
+        "analyzer": clip(f.analyzer, 100),
+        "summary": clip(f.summary, 3000),
+        "seconds_lost_per_step": f.seconds_lost_per_step,
+        "share_of_step": f.share_of_step,
+        "steps_affected": ranges(f.steps_affected),
+        "n_steps_affected": len(f.steps_affected),
+        "ranks": [str(r) for r in f.ranks],
+        "prescriptions": prescriptions,
+        "evidence": _evidence_items(f.evidence),
         "compiles": related[:FINDING_COMPILE_ROWS],
         "compiles_more": max(0, len(related) - FINDING_COMPILE_ROWS),
         "compile_groups": compile_groups(related) if len(related) > FINDING_COMPILE_ROWS else [],
@@ -185,29 +233,54 @@ def verdict_view(run, findings, findings_view):
     that same analyzer here: the report never decides the verdict itself."""
     v = next((f for f in findings if f.id.startswith(VERDICT_PREFIX)), None) or judge.judge(run, findings)
     ev = v.evidence or {}
-    out = {"id": v.id, "kind": "healthy", "headline": clip(v.title, 600), "summary": clip(v.summary, 1000),
-           "finding_title": None, "finding_anchor": None, "severity": "info", "gain_s": None,
-           "speedup": None, "median_step_s": ev.get("median_step_s"), "after_step_s": None,
-           "text": None, "text_kind": None, "automatic": False, "share_of_step": None,
-           "steps": ev.get("steps"), "exit_code": ev.get("exit_code"), "fix": None,
-           "lost_s": None, "saving_limit": None,
-           "step_statistic": "median"}
+    out = {
+        "id": v.id,
+        "kind": "healthy",
+        "headline": clip(v.title, 600),
+        "summary": clip(v.summary, 1000),
+        "finding_title": None,
+        "finding_anchor": None,
+        "severity": "info",
+        "gain_s": None,
+        "speedup": None,
+        "median_step_s": ev.get("median_step_s"),
+        "after_step_s": None,
+        "text": None,
+        "text_kind": None,
+        "automatic": False,
+        "share_of_step": None,
+        "steps": ev.get("steps"),
+        "exit_code": ev.get("exit_code"),
+        "fix": None,
+        "lost_s": None,
+        "saving_limit": None,
+        "step_statistic": "median",
+    }
     if v.id == "verdict.no_steps":
         out.update(kind="nosteps", median_step_s=None)
     elif v.id == "verdict.cause":
         top = next((f for f in findings_view if f["id"] == ev.get("top")), None)
-        p = top["prescriptions"][ev["prescription"]] if top and ev.get("prescription") is not None \
-            and top["prescriptions"] else None
-        out.update(kind="change" if p else "problem", finding_title=clip(ev.get("top_title") or "", 300),
-                   finding_anchor=top["anchor"] if top else None,
-                   severity=ev.get("top_severity") or "medium", gain_s=ev.get("gain_s"),
-                   speedup=ev.get("speedup"), median_step_s=ev.get("step_s"),
-                   step_statistic=ev.get("step_statistic") or "mean",
-                   after_step_s=ev.get("after_step_s"), share_of_step=v.share_of_step,
-                   lost_s=ev.get("seconds_per_step"), saving_limit=ev.get("saving_limit"))
+        p = (
+            top["prescriptions"][ev["prescription"]]
+            if top and ev.get("prescription") is not None and top["prescriptions"]
+            else None
+        )
+        out.update(
+            kind="change" if p else "problem",
+            finding_title=clip(ev.get("top_title") or "", 300),
+            finding_anchor=top["anchor"] if top else None,
+            severity=ev.get("top_severity") or "medium",
+            gain_s=ev.get("gain_s"),
+            speedup=ev.get("speedup"),
+            median_step_s=ev.get("step_s"),
+            step_statistic=ev.get("step_statistic") or "mean",
+            after_step_s=ev.get("after_step_s"),
+            share_of_step=v.share_of_step,
+            lost_s=ev.get("seconds_per_step"),
+            saving_limit=ev.get("saving_limit"),
+        )
         if p:
-            out.update(text=p["text"], text_kind=p["text_kind"], automatic=p["automatic"],
-                       fix=p.get("fix"))
+            out.update(text=p["text"], text_kind=p["text_kind"], automatic=p["automatic"], fix=p.get("fix"))
     return out
 
 
@@ -218,7 +291,11 @@ def comparison_view(comparison):
         return None
     comparison = dict(comparison)
     arms = comparison.pop("arms", None)
-    if arms is None and isinstance(comparison.get("baseline"), dict) and isinstance(comparison.get("candidate"), dict):
+    if (
+        arms is None
+        and isinstance(comparison.get("baseline"), dict)
+        and isinstance(comparison.get("candidate"), dict)
+    ):
         arms = {"baseline": comparison.pop("baseline"), "candidate": comparison.pop("candidate")}
     if isinstance(arms, list):
         arms = {str(a.get("name", f"arm {i}")): a for i, a in enumerate(arms) if isinstance(a, dict)}
@@ -227,18 +304,27 @@ def comparison_view(comparison):
     if arms:
         keys = list(dict.fromkeys(k for a in arms.values() for k in a if k != "name"))
         for k in keys:
-            rows.append({"label": str(k).replace("_", " "),
-                         "values": [_fmt_value(arms[n].get(k)) for n in arm_names]})
+            rows.append(
+                {"label": str(k).replace("_", " "), "values": [_fmt_value(arms[n].get(k)) for n in arm_names]}
+            )
     headline = comparison.pop("verdict", None)
     facts = []
     for k, v in comparison.items():
         if isinstance(v, dict):
-            facts.append({"label": str(k).replace("_", " "), "pairs":
-                          [[str(kk).replace("_", " "), _fmt_value(vv)] for kk, vv in v.items()]})
+            facts.append(
+                {
+                    "label": str(k).replace("_", " "),
+                    "pairs": [[str(kk).replace("_", " "), _fmt_value(vv)] for kk, vv in v.items()],
+                }
+            )
         else:
             facts.append({"label": str(k).replace("_", " "), "value": _fmt_value(v)})
-    return {"arms": [clip(n, 100) for n in arm_names], "rows": rows, "facts": facts,
-            "verdict": clip(headline, 500) if headline is not None else None}
+    return {
+        "arms": [clip(n, 100) for n in arm_names],
+        "rows": rows,
+        "facts": facts,
+        "verdict": clip(headline, 500) if headline is not None else None,
+    }
 
 
 def _fmt_value(v):

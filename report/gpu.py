@@ -1,9 +1,10 @@
 """The GPU's own view for the report: busy and idle per step beside the ledger (from the CUDA
 events at the measured boundaries), and in the torch.profiler window the busy time by kind and
 the top kernels. Present layer: it shows derived tables, it decides nothing."""
+
 import math
 
-MAX_ROWS = 60      # steps listed; a longer run is binned to this many rows
+MAX_ROWS = 60  # steps listed; a longer run is binned to this many rows
 TOP_KERNELS = 10
 MAX_NAME = 160
 
@@ -32,8 +33,9 @@ def _ledger_parts(run, rank):
     out = {}
     cats = [c for c in L.CATEGORIES + ("unexplained",) if f"{c}_s" in led]
     for row in led.itertuples():
-        parts = sorted(((L.LABELS.get(c, c), float(getattr(row, f"{c}_s"))) for c in cats),
-                       key=lambda p: -p[1])
+        parts = sorted(
+            ((L.LABELS.get(c, c), float(getattr(row, f"{c}_s"))) for c in cats), key=lambda p: -p[1]
+        )
         out[int(row.step)] = [p for p in parts if p[1] > 0][:3]
     return out
 
@@ -44,17 +46,26 @@ def _per_step(run, steps, rank):
     size = max(1, math.ceil(len(mine) / MAX_ROWS))
     rows = []
     for i in range(0, len(mine), size):
-        chunk = mine.iloc[i:i + size]
+        chunk = mine.iloc[i : i + size]
         first, last = int(chunk["step"].iloc[0]), int(chunk["step"].iloc[-1])
-        rows.append({"step": first, "last_step": last, "wall_s": _f(chunk["wall_s"].mean()),
-                     "busy_min": _f(chunk["busy_min_share"].mean()),
-                     "busy_max": _f(chunk["busy_max_share"].mean()),
-                     "idle_min_s": _f(chunk["idle_min_s"].mean()),
-                     "idle_max_s": _f(chunk["idle_max_s"].mean()),
-                     "ledger": parts.get(first, []) if size == 1 else [],
-                     "idle_line": (str(chunk["top_idle_line"].iloc[0])
-                                   if size == 1 and _f(chunk["top_idle_s"].iloc[0]) else None),
-                     "idle_line_s": _f(chunk["top_idle_s"].iloc[0]) if size == 1 else None})
+        rows.append(
+            {
+                "step": first,
+                "last_step": last,
+                "wall_s": _f(chunk["wall_s"].mean()),
+                "busy_min": _f(chunk["busy_min_share"].mean()),
+                "busy_max": _f(chunk["busy_max_share"].mean()),
+                "idle_min_s": _f(chunk["idle_min_s"].mean()),
+                "idle_max_s": _f(chunk["idle_max_s"].mean()),
+                "ledger": parts.get(first, []) if size == 1 else [],
+                "idle_line": (
+                    str(chunk["top_idle_line"].iloc[0])
+                    if size == 1 and _f(chunk["top_idle_s"].iloc[0])
+                    else None
+                ),
+                "idle_line_s": _f(chunk["top_idle_s"].iloc[0]) if size == 1 else None,
+            }
+        )
     return rows, size
 
 
@@ -80,14 +91,26 @@ def _window(run):
     view = gpu_window(mine, start, end)
     per_step = {k: v / n for k, v in view.items()}
     wall = per_step["wall_s"] or None
-    kernels = [{"name": _short(k["name"]), "kind": k["kind"], "calls": int(k["calls"]),
-                "seconds": float(k["seconds"]), "share": float(k["share"])}
-               for k in top_kernels(mine, TOP_KERNELS).to_dict("records")]
-    return {"rank": str(rank), "steps": n, "per_step": per_step,
-            "shares": {k: (per_step[k] / wall if wall else None)
-                       for k in ("busy_s", "compute_s", "communication_s", "copy_s",
-                                 "exposed_communication_s", "idle_s")},
-            "kernels": kernels}
+    kernels = [
+        {
+            "name": _short(k["name"]),
+            "kind": k["kind"],
+            "calls": int(k["calls"]),
+            "seconds": float(k["seconds"]),
+            "share": float(k["share"]),
+        }
+        for k in top_kernels(mine, TOP_KERNELS).to_dict("records")
+    ]
+    return {
+        "rank": str(rank),
+        "steps": n,
+        "per_step": per_step,
+        "shares": {
+            k: (per_step[k] / wall if wall else None)
+            for k in ("busy_s", "compute_s", "communication_s", "copy_s", "exposed_communication_s", "idle_s")
+        },
+        "kernels": kernels,
+    }
 
 
 def gpu_time_view(run):
@@ -104,15 +127,28 @@ def gpu_time_view(run):
     except Exception:
         window = None
     if not len(steps):
-        return {"available": False, "window": window,
-                "reason": "no per-step GPU clock (a CPU job, or a run recorded without it)"}
+        return {
+            "available": False,
+            "window": window,
+            "reason": "no per-step GPU clock (a CPU job, or a run recorded without it)",
+        }
     means = steps.groupby("rank")["wall_s"].mean()
     rank = means.idxmax()
     rows, size = _per_step(run, steps, rank)
     mine = steps[(steps["rank"] == rank).to_numpy()]
-    median = {"busy_min": _f(mine["busy_min_share"].median()),
-              "busy_max": _f(mine["busy_max_share"].median()),
-              "idle_min_s": _f(mine["idle_min_s"].median()),
-              "idle_max_s": _f(mine["idle_max_s"].median()), "wall_s": _f(mine["wall_s"].median())}
-    return {"available": True, "rank": str(rank), "ranks": int(steps["rank"].nunique()),
-            "rows": rows, "bin_size": size, "median": median, "window": window}
+    median = {
+        "busy_min": _f(mine["busy_min_share"].median()),
+        "busy_max": _f(mine["busy_max_share"].median()),
+        "idle_min_s": _f(mine["idle_min_s"].median()),
+        "idle_max_s": _f(mine["idle_max_s"].median()),
+        "wall_s": _f(mine["wall_s"].median()),
+    }
+    return {
+        "available": True,
+        "rank": str(rank),
+        "ranks": int(steps["rank"].nunique()),
+        "rows": rows,
+        "bin_size": size,
+        "median": median,
+        "window": window,
+    }

@@ -1,6 +1,7 @@
 """The HTML report: one self-contained file (inline CSS, JS and SVG; no network), rendered with
 Jinja2 from report.data. Autoescape is on for every value; a Content-Security-Policy lets only
 the report's own script run, so even an escaping bug could not run a job's string as code."""
+
 import base64
 import hashlib
 import os
@@ -17,9 +18,13 @@ TEMPLATES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "templates"
 
 @lru_cache(maxsize=1)
 def _environment():
-    env = Environment(loader=FileSystemLoader(TEMPLATES),
-                      autoescape=select_autoescape(default=True, default_for_string=True),
-                      undefined=StrictUndefined, trim_blocks=False, lstrip_blocks=False)
+    env = Environment(
+        loader=FileSystemLoader(TEMPLATES),
+        autoescape=select_autoescape(default=True, default_for_string=True),
+        undefined=StrictUndefined,
+        trim_blocks=False,
+        lstrip_blocks=False,
+    )
     env.filters["fmt_s"] = charts.fmt_s
     return env
 
@@ -44,8 +49,9 @@ def render_html(data):
     script_hash = "sha256-" + base64.b64encode(hashlib.sha256(js.encode("utf-8")).digest()).decode()
     drawn = {
         "steps": charts.step_chart(data["timeline"], data["compiles"], data["stats"], data["causes"]),
-        "steps_by_step": charts.step_chart(data["timeline"], data["compiles"], data["stats"], data["causes"],
-                                           by="step"),
+        "steps_by_step": charts.step_chart(
+            data["timeline"], data["compiles"], data["stats"], data["causes"], by="step"
+        ),
         "icicles": [charts.icicle(g["tree"]) for g in data["gil"]],
         "lanes": charts.thread_lanes(data["lanes"]),
         "gpu": charts.gpu_charts(data["gpu"], data["timeline"]),
@@ -54,10 +60,18 @@ def render_html(data):
     }
     template = _environment().get_template("report.html.j2")
     # CSS and JS are ours, not the job's: inserted verbatim (Markup), so the hash stays exact
-    return template.render(data=data, charts=drawn, css=Markup(_asset("report.css")), js=Markup(js),
-                           script_hash=script_hash, colours=charts.CAUSE_COLOURS,
-                           frame_colours=charts.FRAME_COLOURS, state_colours=charts.STATE_COLOURS,
-                           ledger_colours=charts.LEDGER_COLOURS, version=_version())
+    return template.render(
+        data=data,
+        charts=drawn,
+        css=Markup(_asset("report.css")),
+        js=Markup(js),
+        script_hash=script_hash,
+        colours=charts.CAUSE_COLOURS,
+        frame_colours=charts.FRAME_COLOURS,
+        state_colours=charts.STATE_COLOURS,
+        ledger_colours=charts.LEDGER_COLOURS,
+        version=_version(),
+    )
 
 
 def write_report(run, findings, path=None, comparison=None):

@@ -1,11 +1,12 @@
 """The live view while a job runs: a status line (rich Live on a terminal, plain lines in a log)
 and each stable finding printed once, with its first prescription. It only renders what
 `traindx.analyzers.live.LiveJudge` decided."""
+
 from __future__ import annotations
 
 import sys
 import time
-from typing import Optional, TextIO
+from typing import TextIO
 
 from rich.console import Console
 from rich.live import Live
@@ -14,12 +15,11 @@ from rich.text import Text
 from traindx.analyzers.findings import Finding
 from traindx.analyzers.live import LiveState
 
-SEVERITY_STYLE = {"critical": "bold red", "high": "red", "medium": "yellow", "low": "cyan",
-                  "info": "dim"}
-PLAIN_STATUS_EVERY_S = 30.0   # a log file gets a status line this often, not at every refresh
+SEVERITY_STYLE = {"critical": "bold red", "high": "red", "medium": "yellow", "low": "cyan", "info": "dim"}
+PLAIN_STATUS_EVERY_S = 30.0  # a log file gets a status line this often, not at every refresh
 
 
-def _fmt_s(seconds: Optional[float]) -> str:
+def _fmt_s(seconds: float | None) -> str:
     if seconds is None:
         return "-"
     if seconds >= 1:
@@ -76,17 +76,22 @@ def finding_lines(finding: Finding, state: LiveState) -> list[str]:
 class LiveView:
     """Renders LiveJudge callbacks to a terminal (rich Live) or to a log file (plain lines)."""
 
-    def __init__(self, stream: TextIO = sys.stderr, live: Optional[bool] = None):
+    def __init__(self, stream: TextIO = sys.stderr, live: bool | None = None):
         self.console = Console(file=stream)
         self.live = stream.isatty() if live is None else live
-        self._live: Optional[Live] = None
+        self._live: Live | None = None
         self._state = LiveState()
         self._last_plain = 0.0
 
-    def __enter__(self) -> "LiveView":
+    def __enter__(self) -> LiveView:
         if self.live:
-            self._live = Live(Text(""), console=self.console, refresh_per_second=2,
-                              transient=True, get_renderable=self._render)
+            self._live = Live(
+                Text(""),
+                console=self.console,
+                refresh_per_second=2,
+                transient=True,
+                get_renderable=self._render,
+            )
             self._live.__enter__()
         return self
 
@@ -96,22 +101,20 @@ class LiveView:
             self._live = None
 
     def _render(self) -> Text:
-        return Text(status_text(self._state), style="bold cyan", overflow="ellipsis",
-                    no_wrap=True)
+        return Text(status_text(self._state), style="bold cyan", overflow="ellipsis", no_wrap=True)
 
     def on_state(self, state: LiveState) -> None:
         self._state = state
-        if not self.live and state.analyses and time.monotonic() - self._last_plain >= \
-                PLAIN_STATUS_EVERY_S:
+        if not self.live and state.analyses and time.monotonic() - self._last_plain >= PLAIN_STATUS_EVERY_S:
             self._last_plain = time.monotonic()
-            self.console.print(status_text(state), markup=False, highlight=False,
-                               soft_wrap=True)
+            self.console.print(status_text(state), markup=False, highlight=False, soft_wrap=True)
 
     def on_finding(self, finding: Finding, state: LiveState) -> None:
         style = SEVERITY_STYLE.get(finding.severity, "")
         for i, line in enumerate(finding_lines(finding, state)):
-            self.console.print(line, markup=False, highlight=False, soft_wrap=True,
-                               style=style if i == 0 else "")
+            self.console.print(
+                line, markup=False, highlight=False, soft_wrap=True, style=style if i == 0 else ""
+            )
 
     def print_line(self, stream: str, text: str) -> None:
         """The job's own output, above the live line."""

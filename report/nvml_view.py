@@ -1,11 +1,11 @@
 """NVML's view: GPU metrics per GPU (downsampled, spikes kept), clock-throttle reasons, and the
 mean utilization while steps ran."""
+
 import math
 
 from traindx.report.text import clip, num, ranges
 
-
-MAX_GPU_POINTS = 600          # per GPU and metric
+MAX_GPU_POINTS = 600  # per GPU and metric
 
 
 def gpu_util_in_windows(run, t0, starts, ends):
@@ -34,7 +34,7 @@ def _downsample(xs, ys, limit=MAX_GPU_POINTS):
     size = math.ceil(len(xs) / (limit // 2))
     ox, oy = [], []
     for i in range(0, len(xs), size):
-        cx, cy = xs[i: i + size], ys[i: i + size]
+        cx, cy = xs[i : i + size], ys[i : i + size]
         pairs = [(x, y) for x, y in zip(cx, cy) if y is not None]
         if not pairs:
             continue
@@ -46,23 +46,34 @@ def _downsample(xs, ys, limit=MAX_GPU_POINTS):
     return ox, oy
 
 
-CLOCK_REASONS = {0x1: "GPU idle", 0x4: "power cap", 0x8: "HW slowdown", 0x20: "SW thermal",
-                 0x40: "HW thermal", 0x80: "power brake"}
+CLOCK_REASONS = {
+    0x1: "GPU idle",
+    0x4: "power cap",
+    0x8: "HW slowdown",
+    0x20: "SW thermal",
+    0x40: "HW thermal",
+    0x80: "power brake",
+}
 
 
 def gpu_view(run, t0):
     gpu = run.gpu
     if not len(gpu):
         why = (run.missing or {}).get("nvml") or (run.missing or {}).get("gpus")
-        return {"available": False,
-                "reason": clip(str(why).splitlines()[0], 300) if why else "no GPU samples were recorded"}
+        return {
+            "available": False,
+            "reason": clip(str(why).splitlines()[0], 300) if why else "no GPU samples were recorded",
+        }
     series = []
     for index, g in gpu.groupby("gpu") if "gpu" in gpu else [(0, gpu)]:
         g = g.sort_values("t")
         ts = [(int(t) - t0) / 1e9 for t in g["t"]]
         entry = {"gpu": int(index) if num(index) is not None else str(index), "metrics": {}}
-        for col, label, unit in (("util", "utilization", "%"), ("sm_clock_mhz", "SM clock", "MHz"),
-                                 ("power_w", "power", "W")):
+        for col, label, unit in (
+            ("util", "utilization", "%"),
+            ("sm_clock_mhz", "SM clock", "MHz"),
+            ("power_w", "power", "W"),
+        ):
             if col in g:
                 xs, ys = _downsample(ts, [num(v) for v in g[col]])
                 if any(y is not None for y in ys):
@@ -76,13 +87,21 @@ def gpu_view(run, t0):
                         reasons[name] = reasons.get(name, 0) + 1
         entry["throttle"] = {k: v / len(g) for k, v in reasons.items()}
         util = [num(v) for v in g["util"]] if "util" in g else []
-        entry["mean_util"] = sum(u for u in util if u is not None) / max(1, sum(u is not None for u in util)) if util else None
+        entry["mean_util"] = (
+            sum(u for u in util if u is not None) / max(1, sum(u is not None for u in util)) if util else None
+        )
         series.append(entry)
     # clock throttling, one line per distinct pattern rather than one per GPU
     throttle = {}
     for e in series:
         for reason, share in e["throttle"].items():
             throttle.setdefault((reason, round(share, 2)), []).append(e["gpu"])
-    notes = [{"reason": reason, "share": share, "gpus": ranges(g) if all(isinstance(x, int) for x in g)
-              else ", ".join(map(str, g))} for (reason, share), g in sorted(throttle.items(), key=lambda kv: -kv[0][1])]
+    notes = [
+        {
+            "reason": reason,
+            "share": share,
+            "gpus": ranges(g) if all(isinstance(x, int) for x in g) else ", ".join(map(str, g)),
+        }
+        for (reason, share), g in sorted(throttle.items(), key=lambda kv: -kv[0][1])
+    ]
     return {"available": True, "series": series, "throttle": notes}

@@ -3,6 +3,7 @@ chrome://tracing: steps, compile events on the thread that ran them, py-spy's th
 (who held the GIL), GC per step, the job's losses, NVML metrics as counters, and the
 torch.profiler window when there is one, all on one clock (µs since the run started).
 """
+
 import glob
 import gzip
 import json
@@ -25,16 +26,18 @@ def _us(ns, t0):
 def _meta(pid, name, tid=None, thread_name=None, sort=None):
     events = [{"ph": "M", "pid": pid, "tid": 0, "name": "process_name", "args": {"name": name}}]
     if sort is not None:
-        events.append({"ph": "M", "pid": pid, "tid": 0, "name": "process_sort_index",
-                       "args": {"sort_index": sort}})
+        events.append(
+            {"ph": "M", "pid": pid, "tid": 0, "name": "process_sort_index", "args": {"sort_index": sort}}
+        )
     return events
 
 
 def _thread_meta(pid, tid, name, sort=None):
     events = [{"ph": "M", "pid": pid, "tid": tid, "name": "thread_name", "args": {"name": name}}]
     if sort is not None:
-        events.append({"ph": "M", "pid": pid, "tid": tid, "name": "thread_sort_index",
-                       "args": {"sort_index": sort}})
+        events.append(
+            {"ph": "M", "pid": pid, "tid": tid, "name": "thread_sort_index", "args": {"sort_index": sort}}
+        )
     return events
 
 
@@ -74,9 +77,18 @@ def build_trace(run, include_torch=True):
         if s.start_ns is None or s.start_ns != s.start_ns:
             continue
         pid = rank_pid(s.rank)
-        events.append({"ph": "X", "pid": pid, "tid": STEPS_TID, "name": f"step {int(s.step)}",
-                       "cat": "step", "ts": _us(s.start_ns, t0), "dur": float(s.duration_s) * 1e6,
-                       "args": {"step": int(s.step), "duration_s": float(s.duration_s)}})
+        events.append(
+            {
+                "ph": "X",
+                "pid": pid,
+                "tid": STEPS_TID,
+                "name": f"step {int(s.step)}",
+                "cat": "step",
+                "ts": _us(s.start_ns, t0),
+                "dur": float(s.duration_s) * 1e6,
+                "args": {"step": int(s.step), "duration_s": float(s.duration_s)},
+            }
+        )
 
     compiles = run.compiles
     for c in compiles.itertuples() if len(compiles) else []:
@@ -86,13 +98,26 @@ def build_trace(run, include_torch=True):
             continue
         pid = rank_pid(c.rank)
         thread = str(c.thread) if isinstance(c.thread, str) and c.thread else "compiles"
-        args = {"kind": c.kind, "kernel": c.kernel, "step": None if c.step != c.step else c.step,
-                "caller": c.caller if isinstance(c.caller, dict) else None}
+        args = {
+            "kind": c.kind,
+            "kernel": c.kernel,
+            "step": None if c.step != c.step else c.step,
+            "caller": c.caller if isinstance(c.caller, dict) else None,
+        }
         if isinstance(c.key_fields, dict):
             args["key_fields"] = c.key_fields
-        events.append({"ph": "X", "pid": pid, "tid": thread_tid(pid, thread),
-                       "name": f"compile {c.kernel}", "cat": f"compile,{c.kind}",
-                       "ts": _us(start, t0), "dur": (int(end) - int(start)) / 1000.0, "args": args})
+        events.append(
+            {
+                "ph": "X",
+                "pid": pid,
+                "tid": thread_tid(pid, thread),
+                "name": f"compile {c.kernel}",
+                "cat": f"compile,{c.kind}",
+                "ts": _us(start, t0),
+                "dur": (int(end) - int(start)) / 1000.0,
+                "args": args,
+            }
+        )
 
     gc = run.gc
     if len(gc) and len(steps):
@@ -104,40 +129,77 @@ def build_trace(run, include_torch=True):
             if end is None:
                 continue
             pid = rank_pid(g.rank)
-            events.append({"ph": "X", "pid": pid, "tid": GC_TID, "cat": "gc",
-                           "name": f"gc gen {int(g.generation)} ×{int(g.count)}",
-                           "ts": _us(end, t0) - float(g.total_s) * 1e6, "dur": float(g.total_s) * 1e6,
-                           "args": {"step": int(g.step), "generation": int(g.generation),
-                                    "collections": int(g.count), "total_s": float(g.total_s),
-                                    "note": "per-step total, drawn at the step's end"}})
+            events.append(
+                {
+                    "ph": "X",
+                    "pid": pid,
+                    "tid": GC_TID,
+                    "cat": "gc",
+                    "name": f"gc gen {int(g.generation)} ×{int(g.count)}",
+                    "ts": _us(end, t0) - float(g.total_s) * 1e6,
+                    "dur": float(g.total_s) * 1e6,
+                    "args": {
+                        "step": int(g.step),
+                        "generation": int(g.generation),
+                        "collections": int(g.count),
+                        "total_s": float(g.total_s),
+                        "note": "per-step total, drawn at the step's end",
+                    },
+                }
+            )
 
     # py-spy snapshots: each lasts until the next one of the same rank
     dumps = run.dumps
     if len(dumps):
         for rank, d in dumps.groupby("rank"):
             pid = rank_pid(rank)
-            times = sorted(set(int(t) for t in d["t"]))
-            nxt = {a: b for a, b in zip(times, times[1:])}
+            times = sorted({int(t) for t in d["t"]})
+            nxt = dict(zip(times, times[1:]))
             gap = (times[-1] - times[0]) / max(1, len(times) - 1) if len(times) > 1 else 1e9
             for r in d.itertuples():
-                name = r.thread_name if isinstance(r.thread_name, str) and r.thread_name else f"thread {r.thread_id}"
+                name = (
+                    r.thread_name
+                    if isinstance(r.thread_name, str) and r.thread_name
+                    else f"thread {r.thread_id}"
+                )
                 frames = r.frames if isinstance(r.frames, list) else []
                 state = "holds GIL" if r.owns_gil else ("running" if r.active else "idle")
                 top = frames[0].get("name", "?") if frames else "?"
                 dur = (nxt.get(int(r.t), int(r.t) + gap) - int(r.t)) / 1000.0
-                events.append({"ph": "X", "pid": pid, "tid": thread_tid(pid, name), "cat": "py-spy",
-                               "name": f"{state}: {top}", "ts": _us(r.t, t0), "dur": dur,
-                               "args": {"owns_gil": bool(r.owns_gil), "active": bool(r.active),
-                                        "stack": [f"{f.get('name')} ({f.get('filename')}:{f.get('line')})"
-                                                  for f in frames[:30]]}})
+                events.append(
+                    {
+                        "ph": "X",
+                        "pid": pid,
+                        "tid": thread_tid(pid, name),
+                        "cat": "py-spy",
+                        "name": f"{state}: {top}",
+                        "ts": _us(r.t, t0),
+                        "dur": dur,
+                        "args": {
+                            "owns_gil": bool(r.owns_gil),
+                            "active": bool(r.active),
+                            "stack": [
+                                f"{f.get('name')} ({f.get('filename')}:{f.get('line')})" for f in frames[:30]
+                            ],
+                        },
+                    }
+                )
 
     ls = run.log_steps
     if len(ls):
         pid = rank_pid(ranks[0] if ranks else "0")
         for s in ls.itertuples():
             if s.loss == s.loss and s.loss is not None:
-                events.append({"ph": "C", "pid": pid, "tid": 0, "name": "loss", "ts": _us(s.t, t0),
-                               "args": {"loss": float(s.loss)}})
+                events.append(
+                    {
+                        "ph": "C",
+                        "pid": pid,
+                        "tid": 0,
+                        "name": "loss",
+                        "ts": _us(s.t, t0),
+                        "args": {"loss": float(s.loss)},
+                    }
+                )
 
     gpu = run.gpu
     if len(gpu):
@@ -147,14 +209,28 @@ def build_trace(run, include_torch=True):
             for col, label in (("util", "util %"), ("sm_clock_mhz", "SM clock MHz"), ("power_w", "power W")):
                 value = getattr(r, col, None)
                 if value is not None and value == value:
-                    events.append({"ph": "C", "pid": GPU_PID, "tid": 0, "name": f"GPU {index} {label}",
-                                   "ts": _us(r.t, t0), "args": {label: float(value)}})
+                    events.append(
+                        {
+                            "ph": "C",
+                            "pid": GPU_PID,
+                            "tid": 0,
+                            "name": f"GPU {index} {label}",
+                            "ts": _us(r.t, t0),
+                            "args": {label: float(value)},
+                        }
+                    )
 
     if include_torch:
         events.extend(_torch_profiler_events(run.path, t0, ranks))
-    return {"traceEvents": events, "displayTimeUnit": "ms",
-            "otherData": {"traindx_run": run.path, "time_origin_ns": t0,
-                          "command": " ".join(str(c) for c in run.command)}}
+    return {
+        "traceEvents": events,
+        "displayTimeUnit": "ms",
+        "otherData": {
+            "traindx_run": run.path,
+            "time_origin_ns": t0,
+            "command": " ".join(str(c) for c in run.command),
+        },
+    }
 
 
 def _torch_profiler_events(run_path, t0, ranks):
@@ -180,8 +256,11 @@ def _torch_profiler_events(run_path, t0, ranks):
             pid = e.get("pid", 0)
             if pid not in pid_map:
                 pid_map[pid] = TORCH_PID_BASE + n * 1000 + len(pid_map)
-                out.extend(_meta(pid_map[pid], f"rank {rank} torch.profiler ({pid})",
-                                 sort=100 + n * 10 + len(pid_map)))
+                out.extend(
+                    _meta(
+                        pid_map[pid], f"rank {rank} torch.profiler ({pid})", sort=100 + n * 10 + len(pid_map)
+                    )
+                )
             e["pid"] = pid_map[pid]
             if e.get("ph") == "M" and e.get("name") == "process_name":
                 continue

@@ -1,5 +1,6 @@
 """py-spy's view: the GIL holder's stacks as an icicle tree, each thread's GIL share, and thread
 lanes (which thread ran, which held the GIL) around the worst step."""
+
 import math
 import os
 import re
@@ -8,7 +9,6 @@ from functools import lru_cache
 from traindx.analyzers import evidence as ev
 from traindx.profiler import speedscope
 from traindx.profiler.shim._traindx_shim.frames import code_kind
-
 from traindx.report.steps_view import MAX_STEP_BARS
 from traindx.report.text import clip
 
@@ -17,21 +17,19 @@ from traindx.report.text import clip
 _frame_kind = lru_cache(maxsize=65536)(code_kind)
 
 
-FLAME_MIN_SHARE = 0.004       # icicle nodes smaller than this share of the samples are pruned
+FLAME_MIN_SHARE = 0.004  # icicle nodes smaller than this share of the samples are pruned
 
 FLAME_MAX_DEPTH = 80
 
 MAX_LANE_SNAPSHOTS = 400
 
-MAX_GIL_RANKS = 8             # icicles drawn; a 64-rank job would otherwise outgrow the size budget
+MAX_GIL_RANKS = 8  # icicles drawn; a 64-rank job would otherwise outgrow the size budget
 
 
 def worst_rank_first(per_rank, worst):
     if worst:
         per_rank = sorted(per_rank, key=lambda g: g["rank"] != worst["rank"])
     return per_rank[:MAX_GIL_RANKS]
-
-
 
 
 def thread_label(name, names=None):
@@ -50,9 +48,17 @@ def flame_tree(threads, min_share=FLAME_MIN_SHARE, max_depth=FLAME_MAX_DEPTH, na
     first level; nodes under min_share of all samples are dropped (their weight stays in the parent)."""
     root = {"name": "all samples", "file": "", "line": 0, "kind": "root", "value": 0, "children": {}}
     for thread, ts in threads.items():
-        tnode = root["children"].setdefault(("thread", thread), {
-            "name": thread_label(thread, names), "file": "", "line": 0, "kind": "thread", "value": 0,
-            "children": {}})
+        tnode = root["children"].setdefault(
+            ("thread", thread),
+            {
+                "name": thread_label(thread, names),
+                "file": "",
+                "line": 0,
+                "kind": "thread",
+                "value": 0,
+                "children": {},
+            },
+        )
         for stack, weight in zip(ts.stacks, ts.weights):
             root["value"] += weight
             tnode["value"] += weight
@@ -74,9 +80,14 @@ def flame_tree(threads, min_share=FLAME_MIN_SHARE, max_depth=FLAME_MAX_DEPTH, na
                     kind = _frame_kind(frame.file, cwd)
                 child = node["children"].get(key)
                 if child is None:
-                    child = node["children"][key] = {"name": key[0], "file": key[1],
-                                                     "line": key[2], "kind": kind,
-                                                     "value": 0, "children": {}}
+                    child = node["children"][key] = {
+                        "name": key[0],
+                        "file": key[1],
+                        "line": key[2],
+                        "kind": kind,
+                        "value": 0,
+                        "children": {},
+                    }
                 child["value"] += weight
                 node = child
     total = root["value"]
@@ -84,9 +95,14 @@ def flame_tree(threads, min_share=FLAME_MIN_SHARE, max_depth=FLAME_MAX_DEPTH, na
     def finish(node):
         kids = [c for c in node["children"].values() if total and c["value"] / total >= min_share]
         kids.sort(key=lambda c: -c["value"])
-        return {"name": clip(node["name"], 300), "file": clip(node["file"], 300),
-                "line": node["line"], "kind": node["kind"], "value": node["value"],
-                "children": [finish(c) for c in kids]}
+        return {
+            "name": clip(node["name"], 300),
+            "file": clip(node["file"], 300),
+            "line": node["line"],
+            "kind": node["kind"],
+            "value": node["value"],
+            "children": [finish(c) for c in kids],
+        }
 
     return finish(root)
 
@@ -122,16 +138,27 @@ def _condensed(path, keep_last=2, max_lines=12):
     out, last = [], -1
     for i in sorted(k for k in keep if 0 <= k < len(path)):
         if i > last + 1:
-            out.append({"name": f"… {i - last - 1} frame{'s' if i - last - 1 > 1 else ''}", "where": "", "kind": "elided"})
+            out.append(
+                {
+                    "name": f"… {i - last - 1} frame{'s' if i - last - 1 > 1 else ''}",
+                    "where": "",
+                    "kind": "elided",
+                }
+            )
         n = path[i]
-        out.append({"name": n["name"], "where": f"{n['file']}:{n['line']}" if n["file"] else "", "kind": n["kind"]})
+        out.append(
+            {"name": n["name"], "where": f"{n['file']}:{n['line']}" if n["file"] else "", "kind": n["kind"]}
+        )
         last = i
     if len(out) > max_lines:
         # deep import chains hand over at every level: keep the start and the innermost end
-        head, tail = out[:3], out[-(max_lines - 4):]
+        head, tail = out[:3], out[-(max_lines - 4) :]
         skipped = len(path) - sum(1 for n in head + tail if n["kind"] != "elided")
-        out = head + [{"name": f"… {skipped} frames", "where": "", "kind": "elided"}] + \
-            [n for n in tail if n["kind"] != "elided" or n is not tail[0]]
+        out = (
+            head
+            + [{"name": f"… {skipped} frames", "where": "", "kind": "elided"}]
+            + [n for n in tail if n["kind"] != "elided" or n is not tail[0]]
+        )
     return out
 
 
@@ -141,8 +168,11 @@ def _thread_names(run, rank):
     if not len(d) or "os_thread_id" not in d:
         return {}
     d = d[(d["rank"] == rank) & d["os_thread_id"].notna()]
-    return {str(int(tid)): name for tid, name in zip(d["os_thread_id"], d["thread_name"])
-            if isinstance(name, str) and name}
+    return {
+        str(int(tid)): name
+        for tid, name in zip(d["os_thread_id"], d["thread_name"])
+        if isinstance(name, str) and name
+    }
 
 
 def gil_view(run):
@@ -165,13 +195,25 @@ def gil_view(run):
         threads = []
         for name, ts in gil.items():
             held = ev.training_weight(ts)
-            threads.append({"thread": clip(thread_label(name, names), 100), "gil_s": held,
-                            # two recorders sample independently: clamp their noise at 100 %
-                            "gil_share": min(1.0, held / window) if window else None})
+            threads.append(
+                {
+                    "thread": clip(thread_label(name, names), 100),
+                    "gil_s": held,
+                    # two recorders sample independently: clamp their noise at 100 %
+                    "gil_share": min(1.0, held / window) if window else None,
+                }
+            )
         threads.sort(key=lambda t: -t["gil_s"])
         tree = flame_tree(gil, names=names, cwd=cwd)
-        out.append({"rank": rank, "total_s": total_gil, "threads": threads, "tree": tree,
-                    "hottest": _condensed(_hottest_path(tree))})
+        out.append(
+            {
+                "rank": rank,
+                "total_s": total_gil,
+                "threads": threads,
+                "tree": tree,
+                "hottest": _condensed(_hottest_path(tree)),
+            }
+        )
     return out
 
 
@@ -181,7 +223,7 @@ def thread_lanes(run, t0, worst, compiles, step_rows):
         return None
     rank = worst["rank"]
     d = dumps[dumps["rank"] == rank] if rank in set(dumps["rank"]) else dumps
-    times = sorted(set(int(t) for t in d["t"]))
+    times = sorted({int(t) for t in d["t"]})
     if not times:
         return None
     w0, w1 = t0 + worst["start_s"] * 1e9, t0 + worst["end_s"] * 1e9
@@ -203,12 +245,24 @@ def thread_lanes(run, t0, worst, compiles, step_rows):
         frames = r.frames if isinstance(r.frames, list) else []
         state = "gil" if r.owns_gil else ("active" if r.active else "idle")
         top = frames[0] if frames else {}
-        lanes.setdefault(name, []).append({
-            "t_s": (int(r.t) - t0) / 1e9, "state": state,
-            "frame": clip(f"{top.get('name', '?')} ({top.get('filename', '')}:{top.get('line', '')})", 300)
-            if top else "",
-            "stack": [clip(f"{f.get('name', '?')} ({os.path.basename(str(f.get('filename', '')))}:{f.get('line', '')})", 200)
-                      for f in frames[:8]]})
+        lanes.setdefault(name, []).append(
+            {
+                "t_s": (int(r.t) - t0) / 1e9,
+                "state": state,
+                "frame": clip(
+                    f"{top.get('name', '?')} ({top.get('filename', '')}:{top.get('line', '')})", 300
+                )
+                if top
+                else "",
+                "stack": [
+                    clip(
+                        f"{f.get('name', '?')} ({os.path.basename(str(f.get('filename', '')))}:{f.get('line', '')})",
+                        200,
+                    )
+                    for f in frames[:8]
+                ],
+            }
+        )
     threads = []
     for name, snaps in lanes.items():
         segments = []
@@ -216,11 +270,24 @@ def thread_lanes(run, t0, worst, compiles, step_rows):
             if segments and segments[-1]["state"] == s["state"] and segments[-1]["frame"] == s["frame"]:
                 segments[-1]["end_s"] = s["t_s"] + interval / 2e9
                 continue
-            segments.append({"start_s": s["t_s"] - interval / 2e9, "end_s": s["t_s"] + interval / 2e9,
-                             "state": s["state"], "frame": s["frame"], "stack": s["stack"]})
+            segments.append(
+                {
+                    "start_s": s["t_s"] - interval / 2e9,
+                    "end_s": s["t_s"] + interval / 2e9,
+                    "state": s["state"],
+                    "frame": s["frame"],
+                    "stack": s["stack"],
+                }
+            )
         held = sum(1 for s in snaps if s["state"] == "gil")
-        threads.append({"name": clip(name, 100), "segments": segments, "gil_snapshots": held,
-                        "active_snapshots": sum(1 for s in snaps if s["state"] != "idle")})
+        threads.append(
+            {
+                "name": clip(name, 100),
+                "segments": segments,
+                "gil_snapshots": held,
+                "active_snapshots": sum(1 for s in snaps if s["state"] != "idle"),
+            }
+        )
     # busiest first: the GIL holder on top, idle helper threads at the bottom
     threads.sort(key=lambda t: (-t["gil_snapshots"], -t["active_snapshots"], t["name"]))
     lo = chosen[0] / 1e9 - t0 / 1e9 - interval / 2e9
@@ -228,10 +295,25 @@ def thread_lanes(run, t0, worst, compiles, step_rows):
     if zoom == "step":
         lo, hi = min(lo, worst["start_s"]), max(hi, worst["end_s"])
     window_compiles = [c for c in compiles if c["rank"] == rank and c["end_s"] >= lo and c["start_s"] <= hi]
-    steps_in_window = [{"step": s["step"], "start_s": s["start_s"], "end_s": s["end_s"], "cause": s["cause"]}
-                       for s in step_rows.get(rank, []) if s["end_s"] >= lo and s["start_s"] <= hi]
-    return {"rank": rank, "zoom": zoom, "step": worst["step"], "steps": steps_in_window[:MAX_STEP_BARS], "step_start_s": worst["start_s"],
-            "step_end_s": worst["end_s"], "start_s": lo, "end_s": hi,
-            "snapshots": len(chosen), "interval_s": interval / 1e9, "threads": threads[:24],
-            "compiles": [{"thread": c["thread"], "start_s": c["start_s"], "end_s": c["end_s"],
-                          "kernel": c["kernel"]} for c in window_compiles[:200]]}
+    steps_in_window = [
+        {"step": s["step"], "start_s": s["start_s"], "end_s": s["end_s"], "cause": s["cause"]}
+        for s in step_rows.get(rank, [])
+        if s["end_s"] >= lo and s["start_s"] <= hi
+    ]
+    return {
+        "rank": rank,
+        "zoom": zoom,
+        "step": worst["step"],
+        "steps": steps_in_window[:MAX_STEP_BARS],
+        "step_start_s": worst["start_s"],
+        "step_end_s": worst["end_s"],
+        "start_s": lo,
+        "end_s": hi,
+        "snapshots": len(chosen),
+        "interval_s": interval / 1e9,
+        "threads": threads[:24],
+        "compiles": [
+            {"thread": c["thread"], "start_s": c["start_s"], "end_s": c["end_s"], "kernel": c["kernel"]}
+            for c in window_compiles[:200]
+        ],
+    }

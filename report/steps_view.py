@@ -1,15 +1,14 @@
 """The step chart's and the time ledger's data: the ranks drawn step by step, bars binned beyond
 MAX_STEP_BARS, the loss curve. Step causes come from the judge (analyzers/step_causes.py)."""
+
 import math
 
 from traindx.derive import ledger as L
-
 from traindx.report.text import median, num
 
+MAX_STEP_BARS = 800  # more steps than this are binned (about one bar per pixel)
 
-MAX_STEP_BARS = 800           # more steps than this are binned (about one bar per pixel)
-
-MAX_TIMELINE_RANKS = 32       # ranks drawn per-step (timeline, heatmap); the rest in ranks_summary
+MAX_TIMELINE_RANKS = 32  # ranks drawn per-step (timeline, heatmap); the rest in ranks_summary
 
 
 def timeline_ranks(st, worst_rank):
@@ -18,8 +17,9 @@ def timeline_ranks(st, worst_rank):
     ranks = list(dict.fromkeys(st["rank"]))
     if len(ranks) <= MAX_TIMELINE_RANKS:
         return ranks
-    medians = st.groupby("rank", sort=False)["duration_s"].median().sort_values(ascending=False,
-                                                                               kind="stable")
+    medians = (
+        st.groupby("rank", sort=False)["duration_s"].median().sort_values(ascending=False, kind="stable")
+    )
     keep = {ranks[0]} | ({worst_rank} if worst_rank is not None else set())
     for r in medians.index:
         if len(keep) >= MAX_TIMELINE_RANKS:
@@ -35,11 +35,19 @@ def rows_of(st, ranks):
     cols = ["step", "start_s", "end_s", "duration_s", "compile_s", "gc_s", "slow", "cause"]
     for rank, group in sub.groupby("rank", sort=False):
         values = {c: group[c].tolist() for c in cols}
-        out[rank] = [{"step": int(values["step"][i]), "start_s": values["start_s"][i],
-                      "end_s": values["end_s"][i], "duration_s": values["duration_s"][i],
-                      "compile_s": values["compile_s"][i], "gc_s": values["gc_s"][i],
-                      "slow": bool(values["slow"][i]), "cause": values["cause"][i]}
-                     for i in range(len(group))]
+        out[rank] = [
+            {
+                "step": int(values["step"][i]),
+                "start_s": values["start_s"][i],
+                "end_s": values["end_s"][i],
+                "duration_s": values["duration_s"][i],
+                "compile_s": values["compile_s"][i],
+                "gc_s": values["gc_s"][i],
+                "slow": bool(values["slow"][i]),
+                "cause": values["cause"][i],
+            }
+            for i in range(len(group))
+        ]
     return {r: rows for r, rows in out.items() if rows}
 
 
@@ -51,19 +59,27 @@ def bin_steps(rows, limit=MAX_STEP_BARS):
     size = math.ceil(len(rows) / limit)
     out = []
     for i in range(0, len(rows), size):
-        chunk = rows[i: i + size]
+        chunk = rows[i : i + size]
         slow = [s for s in chunk if s["slow"]]
         causes = {}
         for s in slow:
             causes[s["cause"]] = causes.get(s["cause"], 0) + 1
-        out.append({"step": chunk[0]["step"], "start_s": chunk[0]["start_s"], "end_s": chunk[-1]["end_s"],
-                    "duration_s": median([s["duration_s"] for s in chunk]),
-                    "max_s": max(s["duration_s"] for s in chunk),
-                    "cause": max(causes, key=causes.get) if causes else "normal",
-                    "slow": bool(slow), "slow_count": len(slow), "binned": len(chunk),
-                    "compile_s": sum(s.get("compile_s", 0.0) for s in chunk),
-                    "gc_s": sum(s.get("gc_s", 0.0) for s in chunk),
-                    "label": f"steps {chunk[0]['step']}–{chunk[-1]['step']}"})
+        out.append(
+            {
+                "step": chunk[0]["step"],
+                "start_s": chunk[0]["start_s"],
+                "end_s": chunk[-1]["end_s"],
+                "duration_s": median([s["duration_s"] for s in chunk]),
+                "max_s": max(s["duration_s"] for s in chunk),
+                "cause": max(causes, key=causes.get) if causes else "normal",
+                "slow": bool(slow),
+                "slow_count": len(slow),
+                "binned": len(chunk),
+                "compile_s": sum(s.get("compile_s", 0.0) for s in chunk),
+                "gc_s": sum(s.get("gc_s", 0.0) for s in chunk),
+                "label": f"steps {chunk[0]['step']}–{chunk[-1]['step']}",
+            }
+        )
     return out
 
 
@@ -72,8 +88,11 @@ def losses_of(run):
     if not len(ls) or "loss" not in ls:
         return {}
     # a line without a step or a loss (a log format that carries only one) is no point of the curve
-    return {int(s.step): float(s.loss) for s in ls.itertuples()
-            if num(s.loss) is not None and num(s.step) is not None}
+    return {
+        int(s.step): float(s.loss)
+        for s in ls.itertuples()
+        if num(s.loss) is not None and num(s.step) is not None
+    }
 
 
 def _mean_labelled(line):
@@ -97,23 +116,38 @@ def ledger_view(run, rank=None):
     bin_size = max(1, math.ceil(len(mine) / MAX_STEP_BARS))
     bars = []
     for i in range(0, len(mine), bin_size):
-        chunk = mine.iloc[i:i + bin_size]
-        bars.append({"step": int(chunk["step"].iloc[0]), "last_step": int(chunk["step"].iloc[-1]),
-                     "wall_s": float(chunk["wall_s"].mean()),
-                     "parts": {c: float(chunk[f"{c}_s"].mean()) for c in cats}})
+        chunk = mine.iloc[i : i + bin_size]
+        bars.append(
+            {
+                "step": int(chunk["step"].iloc[0]),
+                "last_step": int(chunk["step"].iloc[-1]),
+                "wall_s": float(chunk["wall_s"].mean()),
+                "parts": {c: float(chunk[f"{c}_s"].mean()) for c in cats},
+            }
+        )
     total = {c: float(mine[f"{c}_s"].sum()) for c in cats}
     startup = run.startup_ledger
     startup = startup[startup["rank"] == rank]
     start = None
     if len(startup):
         row = startup.iloc[0]
-        start = {"wall_s": float(row["wall_s"]),
-                 "parts": {c: float(row[f"{c}_s"]) for c in L.CATEGORIES + ("unexplained",)
-                           if float(row[f"{c}_s"]) > 0}}
+        start = {
+            "wall_s": float(row["wall_s"]),
+            "parts": {
+                c: float(row[f"{c}_s"]) for c in L.CATEGORIES + ("unexplained",) if float(row[f"{c}_s"]) > 0
+            },
+        }
     steady = L.steady_rows(run, rank)
-    return {"available": True, "rank": str(rank), "categories": cats,
-            "labels": {c: L.LABELS[c] for c in L.CATEGORIES + ("unexplained",)},
-            "bars": bars, "bin_size": bin_size, "total": total,
-            "total_wall_s": float(mine["wall_s"].sum()), "startup": start,
-            "line": _mean_labelled(L.breakdown_text(steady if len(steady) else mine)),
-            "ranks": int(led["rank"].nunique())}
+    return {
+        "available": True,
+        "rank": str(rank),
+        "categories": cats,
+        "labels": {c: L.LABELS[c] for c in L.CATEGORIES + ("unexplained",)},
+        "bars": bars,
+        "bin_size": bin_size,
+        "total": total,
+        "total_wall_s": float(mine["wall_s"].sum()),
+        "startup": start,
+        "line": _mean_labelled(L.breakdown_text(steady if len(steady) else mine)),
+        "ranks": int(led["rank"].nunique()),
+    }

@@ -1,5 +1,6 @@
 """Terminal output: the ranked summary after a job (the live view while it runs:
 report/live_view.py)."""
+
 import sys
 
 from rich.console import Console
@@ -8,15 +9,16 @@ from rich.text import Text
 
 from traindx.common.units import fmt_s
 
-
-SEVERITY_STYLE = {"critical": "bold red", "high": "red", "medium": "yellow", "low": "cyan",
-                  "info": "dim"}
+SEVERITY_STYLE = {"critical": "bold red", "high": "red", "medium": "yellow", "low": "cyan", "info": "dim"}
 SUMMARY_ROWS = 6
-CODE_LINES = 6                # lines of a diff or command printed under the verdict
+CODE_LINES = 6  # lines of a diff or command printed under the verdict
 # what traindx.cli.fixloop's plan does with a prescription (report.findings_view.fix_marks)
-FIX_MARK = {"applied": "--fix applies this", "next": "--fix tries this next",
-            "alternative": "alternative, not applied by --fix",
-            "by_hand": "by hand"}
+FIX_MARK = {
+    "applied": "--fix applies this",
+    "next": "--fix tries this next",
+    "alternative": "alternative, not applied by --fix",
+    "by_hand": "by hand",
+}
 
 
 _OPEN, _CLOSE = "([{", ")]}"
@@ -63,8 +65,7 @@ def _say(console, text, style=None, first="", indent="  "):
     never re-wrapped by rich (soft_wrap), so a log file holds each piece of code whole."""
     for i, line in enumerate(wrap_keeping_code(text, console.width, first, indent)):
         if i == 0 and first:
-            console.print(Text(first, style="bold") + Text(line[len(first):], style=style),
-                          soft_wrap=True)
+            console.print(Text(first, style="bold") + Text(line[len(first) :], style=style), soft_wrap=True)
         else:
             console.print(Text(line, style=style), soft_wrap=True)
 
@@ -72,8 +73,11 @@ def _say(console, text, style=None, first="", indent="  "):
 def _stats_line(data):
     """The run's numbers, one labelled statistic each, as parts joined by ' · '."""
     st = data["stats"]
-    parts = [f"{st['steps']} steps recorded on {st['ranks']} rank(s)",
-             f"step time median {fmt_s(st['steady_median_s'])}", f"p90 {fmt_s(st['p90_step_s'])}"]
+    parts = [
+        f"{st['steps']} steps recorded on {st['ranks']} rank(s)",
+        f"step time median {fmt_s(st['steady_median_s'])}",
+        f"p90 {fmt_s(st['p90_step_s'])}",
+    ]
     w = st["worst_step"]
     if w:
         slowest = f"slowest step {w['step']}: {fmt_s(w['duration_s'])}"
@@ -81,8 +85,9 @@ def _stats_line(data):
             slowest += f" ({data['causes'].get(w['cause'], w['cause'])})"
         parts.append(slowest)
     if st["compiles"]:
-        parts.append(f"{st['compiles']} JIT compile{'s' if st['compiles'] != 1 else ''}, "
-                     f"{fmt_s(st['compile_s'])}")
+        parts.append(
+            f"{st['compiles']} JIT compile{'s' if st['compiles'] != 1 else ''}, {fmt_s(st['compile_s'])}"
+        )
     return parts
 
 
@@ -107,9 +112,11 @@ def _print_verdict(console, v):
             if v.get("saving_limit") and v.get("lost_s"):
                 gain += f" of the {fmt_s(v['lost_s'])} this cause costs ({v['saving_limit']})"
             if v["speedup"]:
-                gain += (f" (≈ {v['speedup']:.1f}× faster: {v.get('step_statistic', 'mean')} step "
-                         f"{fmt_s(v['median_step_s'])} → "
-                         f"{fmt_s(v['after_step_s'])})")
+                gain += (
+                    f" (≈ {v['speedup']:.1f}× faster: {v.get('step_statistic', 'mean')} step "
+                    f"{fmt_s(v['median_step_s'])} → "
+                    f"{fmt_s(v['after_step_s'])})"
+                )
             _say(console, gain, first="  ", indent="    ")
         if v["text"]:
             for line in v["text"].splitlines()[:CODE_LINES]:  # code: whole lines, never wrapped
@@ -143,8 +150,11 @@ def print_summary(run, findings, report_path=None, console=None):
             if line:
                 head, _, rest = line.partition(" = ")
                 parts = rest.split(" · ") if rest else []
-                _print_parts(console, [f"{head} = {parts[0]}"] + parts[1:] if parts else [line],
-                             style="dim" if line is st.get("startup_line") else None)
+                _print_parts(
+                    console,
+                    [f"{head} = {parts[0]}"] + parts[1:] if parts else [line],
+                    style="dim" if line is st.get("startup_line") else None,
+                )
     _print_verdict(console, v)
     problems = [f for f in data["findings"] if f["severity"] != "info"]
     if problems:
@@ -163,24 +173,31 @@ def print_summary(run, findings, report_path=None, console=None):
             if f["prescriptions"]:
                 listed.append(f)
                 number = str(len(listed))
-            table.add_row(number, Text(f["severity"], style=SEVERITY_STYLE.get(f["severity"], "")),
-                          title, lost)
+            table.add_row(
+                number, Text(f["severity"], style=SEVERITY_STYLE.get(f["severity"], "")), title, lost
+            )
         console.print(table)
         for i, f in enumerate(listed, 1):
             p = f["prescriptions"][0]
             mark = FIX_MARK.get(p.get("fix") or "")
-            said = v["kind"] == "change" and f["anchor"] == v["finding_anchor"] \
-                and p["summary"] == v["headline"]
-            _say(console, ("the verdict above" if said else p["summary"])
-                 + (f" [{mark}]" if mark else ""), first=f"{i}. ", indent="   ")
+            said = (
+                v["kind"] == "change" and f["anchor"] == v["finding_anchor"] and p["summary"] == v["headline"]
+            )
+            _say(
+                console,
+                ("the verdict above" if said else p["summary"]) + (f" [{mark}]" if mark else ""),
+                first=f"{i}. ",
+                indent="   ",
+            )
             for q in f["prescriptions"][1:]:
                 if q.get("planned") and q.get("fix") == "applied":  # built by --fix's planner
-                    _say(console, f"--fix builds and applies: {q['summary']}", first="   ",
-                         indent="     ")
+                    _say(console, f"--fix builds and applies: {q['summary']}", first="   ", indent="     ")
             more = len([q for q in f["prescriptions"] if not q.get("planned")]) - 1
             if more:
-                console.print(Text(f"   + {more} alternative{'s' if more > 1 else ''} in the report",
-                                   style="dim"), soft_wrap=True)
+                console.print(
+                    Text(f"   + {more} alternative{'s' if more > 1 else ''} in the report", style="dim"),
+                    soft_wrap=True,
+                )
         if len(problems) > SUMMARY_ROWS:
             console.print(f"… and {len(problems) - SUMMARY_ROWS} more in the report", markup=False)
     notes = [f for f in data["findings"] if f["severity"] == "info" and f["id"] != "evidence.missing"]

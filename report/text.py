@@ -1,9 +1,9 @@
 """Values as the report shows them: every string clipped and redacted, numbers that may be NaN
 read as None, step numbers as ranges, frames as file:line (function)."""
+
 import math
 
 from traindx.common import redact
-
 
 MAX_TEXT = 2000
 

@@ -1,6 +1,7 @@
 """Shared fixtures. FA4: the newest flash-attn-4 comes with the `fa4` extra; the buggy 4.0.0b17
 (the seed case) is installed on demand into a cache folder that a job puts first on PYTHONPATH,
 so CI exercises both releases."""
+
 import contextlib
 import fcntl
 import glob
@@ -33,7 +34,8 @@ def fa4_available():
 
 def _b17_installed(folder):
     return os.path.isfile(os.path.join(folder, "flash_attn", "cute", "interface.py")) and any(
-        n.startswith(f"flash_attn_4-{FA4_B17}") for n in os.listdir(folder))
+        n.startswith(f"flash_attn_4-{FA4_B17}") for n in os.listdir(folder)
+    )
 
 
 @pytest.fixture(scope="session")
@@ -50,9 +52,22 @@ def fa4_b17_path():
         fcntl.flock(lock, fcntl.LOCK_EX)
         if _b17_installed(FA4_B17_DIR):
             return FA4_B17_DIR
-        proc = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target",
-                               FA4_B17_DIR, f"flash-attn-4=={FA4_B17}"],
-                              capture_output=True, text=True, timeout=600)
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "install",
+                "-q",
+                "--no-deps",
+                "--target",
+                FA4_B17_DIR,
+                f"flash-attn-4=={FA4_B17}",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
     if proc.returncode != 0 or not _b17_installed(FA4_B17_DIR):
         pytest.skip(f"could not install flash-attn-4=={FA4_B17}: {proc.stderr.strip()[-300:]}")
     return FA4_B17_DIR
@@ -66,6 +81,7 @@ def fa4_b17_path():
 # slow tests start first, so the run does not end with one worker on a long test while the
 # others idle.
 # (xdist's own --dist loadgroup cannot group here: it renames items, which pytest 9.2 ignores.)
+
 
 def _worker(config):
     """This process's xdist worker id, or None in the controller or a run without xdist."""
@@ -117,7 +133,11 @@ def _shared_fixture_keys(item):
         defs = info.name2fixturedefs.get(name) if info is not None else None
         if not defs or defs[-1].scope not in ("module", "class", "package"):
             continue
-        where = item.module.__name__ if defs[-1].scope == "module" and hasattr(item, "module") else defs[-1].baseid
+        where = (
+            item.module.__name__
+            if defs[-1].scope == "module" and hasattr(item, "module")
+            else defs[-1].baseid
+        )
         keys.append(f"{where}:{name}")
     mark = item.get_closest_marker("xdist_group")
     if mark is not None:  # a group named by the test itself joins the same unit
@@ -160,8 +180,7 @@ def pytest_collection_modifyitems(config, items):
     first = {}
     for index, item in enumerate(items):
         first.setdefault(unit[item], index)
-    items.sort(key=lambda item: (2 if unit[item] in serial else unit[item] not in slow,
-                                 first[unit[item]]))
+    items.sort(key=lambda item: (2 if unit[item] in serial else unit[item] not in slow, first[unit[item]]))
     # the controller schedules by unit (it sees node ids only)
     tmp = _run_file(f".units.{_worker(config)}")
     with open(tmp, "w") as f:
@@ -177,6 +196,7 @@ def pytest_xdist_make_scheduler(config, log):
 
     class UnitScheduling(LoadScopeScheduling):
         """xdist's scope scheduling, a scope being one of our units (or a test alone)."""
+
         units = None
 
         def _split_scope(self, nodeid):

@@ -1,4 +1,5 @@
 """Running `diagnose` the way a user does: as a separate process on a real example."""
+
 import dataclasses
 import enum
 import os
@@ -23,16 +24,32 @@ def _env(env):
 
 def diagnose(args, cwd, env=None, timeout=600, **kwargs):
     """Run `diagnose <args>` in cwd; returns the CompletedProcess (text)."""
-    return subprocess.run([PY, "-m", "traindx", *args], cwd=cwd, env=_env(env), text=True,
-                          capture_output=True, timeout=timeout, **kwargs)
+    return subprocess.run(
+        [PY, "-m", "traindx", *args],
+        cwd=cwd,
+        env=_env(env),
+        text=True,
+        capture_output=True,
+        timeout=timeout,
+        **kwargs,
+    )
 
 
 def diagnose_side_by_side(runs, cwd, env=None, timeout=600):
     """Several `diagnose <args>` at once, one per entry of runs (lists of arguments): arms whose
     speeds a test compares see the same machine, whatever its load (one after the other, they
     would measure the load's drift between them). Returns their CompletedProcesses, in order."""
-    procs = [subprocess.Popen([PY, "-m", "traindx", *args], cwd=cwd, env=_env(env), text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for args in runs]
+    procs = [
+        subprocess.Popen(
+            [PY, "-m", "traindx", *args],
+            cwd=cwd,
+            env=_env(env),
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        for args in runs
+    ]
     done = []
     try:
         for proc in procs:

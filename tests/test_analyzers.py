@@ -7,6 +7,7 @@ folder into which GPU evidence was WRITTEN BY THE TEST in the recorded formats (
 of the NVML sampler, the shim's `alloc` events, a kineto-shaped trace). Those tests say so in
 their names (`synthetic_gpu_evidence`).
 """
+
 import gzip
 import json
 import os
@@ -14,18 +15,28 @@ import re
 import shutil
 
 import pytest
+from helpers import PY, diagnose, example, only_run_dir
 
 import traindx
 from traindx.analyzers import analyze
 from traindx.analyzers import evidence as ev
 from traindx.profiler.nvml import COLUMNS as NVML_COLUMNS
 
-from helpers import PY, diagnose, example, only_run_dir
-
 PATHOLOGIES = example("pathologies.py")
 TINY = example("train_tiny.py")
-MY_ANALYZERS = {"gil", "dataloader", "gc_pauses", "host_sync", "allocator", "launch_bound",
-                "gpu_clocks", "ranks", "stability", "host_work", "threads"}
+MY_ANALYZERS = {
+    "gil",
+    "dataloader",
+    "gc_pauses",
+    "host_sync",
+    "allocator",
+    "launch_bound",
+    "gpu_clocks",
+    "ranks",
+    "stability",
+    "host_work",
+    "threads",
+}
 HOST_LOOP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "jobs", "host_loop.py")
 TORCHRUN = os.path.join(os.path.dirname(PY), "torchrun")
 
@@ -38,8 +49,12 @@ def _record(tmp_path_factory, name, diagnose_args, job):
 
 
 def _pathology(tmp_path_factory, pathology, diagnose_args=("--no-pyspy",), *job_args):
-    return _record(tmp_path_factory, pathology, list(diagnose_args),
-                   [PY, PATHOLOGIES, "--pathology", pathology, *job_args])
+    return _record(
+        tmp_path_factory,
+        pathology,
+        list(diagnose_args),
+        [PY, PATHOLOGIES, "--pathology", pathology, *job_args],
+    )
 
 
 def _mine(findings):
@@ -64,14 +79,17 @@ def _above_info(findings):
 # (the default window profiles GPU jobs only; on this CPU job it is asked for explicitly)
 @pytest.fixture(scope="module")
 def healthy(tmp_path_factory):
-    return _record(tmp_path_factory, "healthy", ["--torch-profile", "3-4"],
-                   [PY, TINY, "--steps", "14", "--threads", "1"])
+    return _record(
+        tmp_path_factory, "healthy", ["--torch-profile", "3-4"], [PY, TINY, "--steps", "14", "--threads", "1"]
+    )
 
 
 @pytest.mark.slow
 def test_default_torch_profile_window_stands_down_on_a_cpu_job(tmp_path):
-    proc = diagnose(["--out", "runs", "--quiet", "--no-pyspy", "--steps", "6", "--", PY, TINY,
-                     "--threads", "1"], cwd=tmp_path)
+    proc = diagnose(
+        ["--out", "runs", "--quiet", "--no-pyspy", "--steps", "6", "--", PY, TINY, "--threads", "1"],
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     run = traindx.load_run(only_run_dir(tmp_path / "runs"))
     skipped = run.events[run.events["type"] == "torch_profile_skipped"]
@@ -94,6 +112,7 @@ def test_default_torch_profile_window_is_stored_for_perfetto_and_left_out_of_the
     windows = healthy.events[healthy.events["type"] == "torch_profile"]
     assert list(windows["first_step"]) == [3] and list(windows["last_step"]) == [4]
     from traindx.analyzers.evidence import steady_steps
+
     assert not steady_steps(healthy)["step"].isin([3, 4]).any()
     # the trace lies on the run's clock: its ops fall inside the profiled steps
     ops = healthy.torch_trace[healthy.torch_trace["cat"] == "cpu_op"]
@@ -126,8 +145,21 @@ for step in range(8):
 @pytest.mark.slow
 def test_a_job_that_profiles_itself_keeps_its_profiler(tmp_path, job_starts_at):
     (tmp_path / "job.py").write_text(JOB_WITH_ITS_OWN_PROFILER)
-    proc = diagnose(["--out", "runs", "--quiet", "--no-pyspy", "--torch-profile", "3-4", "--",
-                     PY, "job.py", str(job_starts_at)], cwd=tmp_path)
+    proc = diagnose(
+        [
+            "--out",
+            "runs",
+            "--quiet",
+            "--no-pyspy",
+            "--torch-profile",
+            "3-4",
+            "--",
+            PY,
+            "job.py",
+            str(job_starts_at),
+        ],
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     events = int(re.search(r"own profiler events: (\d+)", proc.stdout)[1])
     assert events >= 7 - job_starts_at  # one addmm per step it profiled
@@ -147,8 +179,12 @@ def test_bad_torch_profile_window_is_a_one_line_error(tmp_path):
 
 @pytest.mark.slow
 def test_profiler_window_cut_short_by_the_job_end_is_still_written(tmp_path_factory):
-    run = _record(tmp_path_factory, "short", ["--no-pyspy", "--torch-profile", "2-50"],
-                  [PY, TINY, "--steps", "4", "--threads", "1"])
+    run = _record(
+        tmp_path_factory,
+        "short",
+        ["--no-pyspy", "--torch-profile", "2-50"],
+        [PY, TINY, "--steps", "4", "--threads", "1"],
+    )
     window = run.events[run.events["type"] == "torch_profile"].iloc[0]
     assert window["ended_by"] == "job exit" and int(window["first_step"]) == 2
     assert len(run.torch_trace)
@@ -157,8 +193,11 @@ def test_profiler_window_cut_short_by_the_job_end_is_still_written(tmp_path_fact
 @pytest.mark.slow
 def test_default_window_stands_down_on_long_steps(tmp_path_factory):
     out = tmp_path_factory.mktemp("long")
-    proc = diagnose(["--out", "runs", "--quiet", "--no-pyspy", "--", PY, TINY, "--steps", "6",
-                     "--threads", "1"], cwd=out, env={"TRAINDX_TORCH_PROFILE_MAX_STEP_S": "0.0001"})
+    proc = diagnose(
+        ["--out", "runs", "--quiet", "--no-pyspy", "--", PY, TINY, "--steps", "6", "--threads", "1"],
+        cwd=out,
+        env={"TRAINDX_TORCH_PROFILE_MAX_STEP_S": "0.0001"},
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     run = traindx.load_run(only_run_dir(out / "runs"))
     skipped = run.events[run.events["type"] == "torch_profile_skipped"]
@@ -169,8 +208,9 @@ def test_default_window_stands_down_on_long_steps(tmp_path_factory):
 # -- GIL --------------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_gil_burning_thread_is_named_with_its_function(tmp_path_factory):
-    run = _pathology(tmp_path_factory, "gil", ("--pyspy-rate", "100", "--torch-profile", "off"),
-                     "--steps", "40")
+    run = _pathology(
+        tmp_path_factory, "gil", ("--pyspy-rate", "100", "--torch-profile", "off"), "--steps", "40"
+    )
     finding = _one(analyze(run), "gil.contention")
     assert finding.evidence["thread"] == "word-counter"
     assert finding.evidence["hottest_frames"][0]["function"] == "count_words_in_python"
@@ -190,8 +230,7 @@ def test_gil_from_the_seed_reports_py_spy_file_alone():
     from traindx.analyzers.gil import analyze_recording
     from traindx.profiler import speedscope
 
-    path = os.path.join(os.path.dirname(__file__), "data",
-                        "h200-fa4-b17-tensor-maxseqlen.speedscope.json")
+    path = os.path.join(os.path.dirname(__file__), "data", "h200-fa4-b17-tensor-maxseqlen.speedscope.json")
     finding = _one(analyze_recording(speedscope.load(path)), "gil.contention")
     assert "BackwardCFunction.apply" in finding.evidence["thread"]
     assert finding.evidence["compiling"] and finding.evidence["gil_share"] > 0.5
@@ -219,8 +258,11 @@ def test_real_h200_seed_run_gil_holder_named_and_gpu_analyzers_silent():
     # its compiles run in every steady step: the steady window pays for the hold
     assert finding.severity == "high"
     assert finding.evidence["steady_window"]["gil_share_of_steady_steps"] > 0.5
-    assert [f.id for f in findings if f.analyzer in ("gpu_clocks", "allocator", "launch_bound",
-                                                      "host_sync", "dataloader", "gc_pauses")] == []
+    assert [
+        f.id
+        for f in findings
+        if f.analyzer in ("gpu_clocks", "allocator", "launch_bound", "host_sync", "dataloader", "gc_pauses")
+    ] == []
 
 
 def test_real_h200_cold_start_compile_holding_the_gil_is_only_info():
@@ -283,8 +325,9 @@ def _line_of(path, text):
 @pytest.mark.slow
 def test_dataloader_starvation_prescribes_workers_at_the_construction_line(tmp_path_factory):
     # py-spy (the whole run) and the torch.profiler window (steps 3-4) both see it
-    run = _pathology(tmp_path_factory, "dataloader", ("--pyspy-rate", "50", "--torch-profile", "3-4"),
-                     "--steps", "16")
+    run = _pathology(
+        tmp_path_factory, "dataloader", ("--pyspy-rate", "50", "--torch-profile", "3-4"), "--steps", "16"
+    )
     finding = _one(analyze(run), "dataloader.starvation")
     # how much: the time ledger (shim-timed DataLoader.__next__), whatever py-spy managed to
     # sample; the torch.profiler window agrees
@@ -306,8 +349,7 @@ def test_dataloader_starvation_prescribes_workers_at_the_construction_line(tmp_p
 # -- GC ---------------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_gen2_collections_in_steps_and_gc_freeze_cuts_them(tmp_path_factory):
-    run = _pathology(tmp_path_factory, "gc", ("--no-pyspy", "--torch-profile", "off"),
-                     "--steps", "16")
+    run = _pathology(tmp_path_factory, "gc", ("--no-pyspy", "--torch-profile", "off"), "--steps", "16")
     finding = _one(analyze(run), "gc.gen2_in_step")
     assert finding.evidence["gen2_collections"] >= 1 and finding.steps_affected
     assert finding.evidence["longest_gen2_pause_s"] > 0.05
@@ -315,8 +357,9 @@ def test_gen2_collections_in_steps_and_gc_freeze_cuts_them(tmp_path_factory):
     assert any("gc.freeze()" in p.summary for p in finding.prescriptions)
     # the prescription applied (examples/pathologies.py --gc-freeze): the long-lived index leaves
     # the collector's view; what is left is the per-step churn of the example, far cheaper
-    fixed = _pathology(tmp_path_factory, "gc", ("--no-pyspy", "--torch-profile", "off"),
-                       "--steps", "16", "--gc-freeze")
+    fixed = _pathology(
+        tmp_path_factory, "gc", ("--no-pyspy", "--torch-profile", "off"), "--steps", "16", "--gc-freeze"
+    )
     after = [f for f in analyze(fixed) if f.id == "gc.gen2_in_step"]
     if after:
         assert after[0].evidence["longest_gen2_pause_s"] < 0.5 * finding.evidence["longest_gen2_pause_s"]
@@ -326,8 +369,7 @@ def test_gen2_collections_in_steps_and_gc_freeze_cuts_them(tmp_path_factory):
 # -- host-device syncs ------------------------------------------------------------------------
 @pytest.mark.slow
 def test_item_inside_the_forward_is_found_in_the_profiler_window(tmp_path_factory):
-    run = _pathology(tmp_path_factory, "sync", ("--no-pyspy", "--torch-profile", "2-3"),
-                     "--steps", "6")
+    run = _pathology(tmp_path_factory, "sync", ("--no-pyspy", "--torch-profile", "2-3"), "--steps", "6")
     windows = run.events[run.events["type"] == "torch_profile"]
     assert (int(windows["first_step"].iloc[0]), int(windows["last_step"].iloc[0])) == (2, 3)
     finding = _one(analyze(run), "sync.host_device")
@@ -342,13 +384,24 @@ def test_item_inside_the_forward_is_found_in_the_profiler_window(tmp_path_factor
 def test_periodic_checkpoint_is_found_with_its_period(tmp_path_factory):
     # 34 steps: on a loaded machine the warm-up can take up to half the steps (steady.warmup_count)
     # and the period needs its repeats in what is left
-    run = _pathology(tmp_path_factory, "periodic", ("--no-pyspy", "--torch-profile", "off"),
-                     "--steps", "34", "--every", "4", "--checkpoint-seconds", "0.25")
+    run = _pathology(
+        tmp_path_factory,
+        "periodic",
+        ("--no-pyspy", "--torch-profile", "off"),
+        "--steps",
+        "34",
+        "--every",
+        "4",
+        "--checkpoint-seconds",
+        "0.25",
+    )
     findings = analyze(run)
     steady = ev.steady_steps(run, "0")
-    assert any(f.id == "steps.periodic_slow" for f in findings), \
-        ([(f.id, f.title) for f in findings], list(steady["step"]),
-         [round(d, 3) for d in run.steps.sort_values("step")["duration_s"]])
+    assert any(f.id == "steps.periodic_slow" for f in findings), (
+        [(f.id, f.title) for f in findings],
+        list(steady["step"]),
+        [round(d, 3) for d in run.steps.sort_values("step")["duration_s"]],
+    )
     finding = _one(findings, "steps.periodic_slow")
     assert finding.evidence["period"] == 4
     assert "saving checkpoint" in finding.evidence["log_lines_in_slow_steps"][0]["text"]
@@ -374,8 +427,36 @@ def test_period_detection_ignores_noise_without_a_period():
     from traindx.analyzers.stability import find_period
 
     steps = list(range(2, 30))
-    noisy = [0.02, 0.09, 0.02, 0.02, 0.03, 0.02, 0.11, 0.02, 0.02, 0.02, 0.02, 0.08, 0.02, 0.02,
-             0.02, 0.02, 0.02, 0.02, 0.10, 0.02, 0.03, 0.02, 0.02, 0.02, 0.02, 0.02, 0.02, 0.09]
+    noisy = [
+        0.02,
+        0.09,
+        0.02,
+        0.02,
+        0.03,
+        0.02,
+        0.11,
+        0.02,
+        0.02,
+        0.02,
+        0.02,
+        0.08,
+        0.02,
+        0.02,
+        0.02,
+        0.02,
+        0.02,
+        0.02,
+        0.10,
+        0.02,
+        0.03,
+        0.02,
+        0.02,
+        0.02,
+        0.02,
+        0.02,
+        0.02,
+        0.09,
+    ]
     assert find_period(steps, noisy) is None
     every_five = [0.5 if s % 5 == 0 else 0.02 for s in steps]
     assert find_period(steps, every_five)[0] == 5
@@ -384,9 +465,23 @@ def test_period_detection_ignores_noise_without_a_period():
 # -- ranks ------------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_two_rank_gloo_job_names_the_rank_that_stalls_the_other(tmp_path_factory):
-    run = _record(tmp_path_factory, "straggler", ["--no-pyspy", "--torch-profile", "3-4"],
-                  [TORCHRUN, "--nproc-per-node", "2", PATHOLOGIES, "--pathology", "straggler",
-                   "--steps", "10", "--slow-seconds", "0.2"])
+    run = _record(
+        tmp_path_factory,
+        "straggler",
+        ["--no-pyspy", "--torch-profile", "3-4"],
+        [
+            TORCHRUN,
+            "--nproc-per-node",
+            "2",
+            PATHOLOGIES,
+            "--pathology",
+            "straggler",
+            "--steps",
+            "10",
+            "--slow-seconds",
+            "0.2",
+        ],
+    )
     assert set(run.steps["rank"]) == {"0", "1"}
     finding = _one(analyze(run), "ranks.straggler")
     assert finding.evidence["straggler"] == "1"
@@ -421,8 +516,9 @@ def test_synthetic_gpu_evidence_thermal_throttle_is_found_power_cap_is_only_info
         # shape of a real H200 under load (FACTS §4): 100 % util, ~690 W, reason 0x4 power cap;
         # the second half also thermally throttled (0x20 SwThermal | 0x40 HwThermal) at 1100 MHz
         throttled = t >= mid
-        rows.append([t, 0, 100, 40, 1100 if throttled else 1455, 60 * 2**30, 690.0,
-                     0x4 | (0x60 if throttled else 0)])
+        rows.append(
+            [t, 0, 100, 40, 1100 if throttled else 1455, 60 * 2**30, 690.0, 0x4 | (0x60 if throttled else 0)]
+        )
     with open(dest / "nvml.csv", "w") as f:
         f.write(",".join(NVML_COLUMNS) + "\n")
         f.writelines(",".join(map(str, r)) + "\n" for r in rows)
@@ -456,7 +552,7 @@ def test_synthetic_gpu_evidence_thermal_throttle_is_found_power_cap_is_only_info
     # (gpu_clocks' own findings: the fixture's other analyzers are judged by the healthy tests;
     # with GPU samples in the run a CPU job's own batch building is no longer held to the
     # CPU-only floor, and a loaded machine can lift it to 5 %)
-    assert [f for f in _above_info_of(analyze(traindx.load_run(dest)), "gpu_clocks")] == []
+    assert list(_above_info_of(analyze(traindx.load_run(dest)), "gpu_clocks")) == []
 
 
 def test_synthetic_gpu_evidence_allocator_retries_prescribe_expandable_segments(healthy, tmp_path):
@@ -466,19 +562,38 @@ def test_synthetic_gpu_evidence_allocator_retries_prescribe_expandable_segments(
         for row in healthy.steps.itertuples():
             retries += 2 if row.step % 3 == 0 else 0
             # the keys the shim writes from torch.cuda.memory_stats() (steps._emit_alloc)
-            f.write(json.dumps({"type": "alloc", "t": int(row.end_ns) + 1, "step": int(row.step),
-                                "num_alloc_retries": retries, "num_ooms": 0,
-                                "num_sync_all_streams": retries, "num_device_alloc": 100 + retries,
-                                "num_device_free": retries,
-                                "allocated_bytes_all_current": 50 * 2**30,
-                                "allocated_bytes_all_peak": 70 * 2**30,
-                                "reserved_bytes_all_current": 78 * 2**30,
-                                "reserved_bytes_all_peak": 79 * 2**30,
-                                "inactive_split_bytes_all_current": 12 * 2**30}) + "\n")
-        f.write(json.dumps({"type": "empty_cache", "t": int(healthy.steps["end_ns"].iloc[6]) - 1000,
-                            "step": int(healthy.steps["step"].iloc[6]),
-                            "caller": {"file": "/job/train.py", "line": 88, "function": "train_step"},
-                            "source": "torch.cuda.empty_cache()"}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "type": "alloc",
+                        "t": int(row.end_ns) + 1,
+                        "step": int(row.step),
+                        "num_alloc_retries": retries,
+                        "num_ooms": 0,
+                        "num_sync_all_streams": retries,
+                        "num_device_alloc": 100 + retries,
+                        "num_device_free": retries,
+                        "allocated_bytes_all_current": 50 * 2**30,
+                        "allocated_bytes_all_peak": 70 * 2**30,
+                        "reserved_bytes_all_current": 78 * 2**30,
+                        "reserved_bytes_all_peak": 79 * 2**30,
+                        "inactive_split_bytes_all_current": 12 * 2**30,
+                    }
+                )
+                + "\n"
+            )
+        f.write(
+            json.dumps(
+                {
+                    "type": "empty_cache",
+                    "t": int(healthy.steps["end_ns"].iloc[6]) - 1000,
+                    "step": int(healthy.steps["step"].iloc[6]),
+                    "caller": {"file": "/job/train.py", "line": 88, "function": "train_step"},
+                    "source": "torch.cuda.empty_cache()",
+                }
+            )
+            + "\n"
+        )
     finding = _one(analyze(traindx.load_run(dest)), "alloc.retries")
     assert finding.evidence["alloc_retries_in_steady_steps"] > 0
     env = [p for p in finding.prescriptions if p.kind == "env"]
@@ -501,11 +616,30 @@ def _kineto_trace(path, base_ns, steps, kernel_us, gap_us, per_step):
     for row in steps.itertuples():
         t = (int(row.start_ns) - base_ns) / 1000 + 100
         for k in range(per_step):
-            events.append({"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "pid": 1,
-                           "tid": 1, "ts": t, "dur": 4.0, "args": {}})
-            events.append({"ph": "X", "cat": "kernel", "name": f"void elementwise_kernel<{k % 7}>",
-                           "pid": 0, "tid": 7, "ts": t + 5, "dur": kernel_us,
-                           "args": {"device": 0, "stream": 7}})
+            events.append(
+                {
+                    "ph": "X",
+                    "cat": "cuda_runtime",
+                    "name": "cudaLaunchKernel",
+                    "pid": 1,
+                    "tid": 1,
+                    "ts": t,
+                    "dur": 4.0,
+                    "args": {},
+                }
+            )
+            events.append(
+                {
+                    "ph": "X",
+                    "cat": "kernel",
+                    "name": f"void elementwise_kernel<{k % 7}>",
+                    "pid": 0,
+                    "tid": 7,
+                    "ts": t + 5,
+                    "dur": kernel_us,
+                    "args": {"device": 0, "stream": 7},
+                }
+            )
             t += kernel_us + gap_us
     with gzip.open(path, "wt") as f:
         json.dump({"schemaVersion": 1, "baseTimeNanoseconds": base_ns, "traceEvents": events}, f)
@@ -518,15 +652,15 @@ def test_synthetic_gpu_evidence_launch_bound_steps(healthy, tmp_path):
     step_us = float(profiled["duration_s"].min()) * 1e6
     per_step = 400
     # many 6 µs kernels spread over the whole step: the GPU is busy a small share of it
-    _kineto_trace(dest / "trace" / "0.json.gz", base, profiled, 6.0,
-                  max(1.0, step_us * 0.9 / per_step - 6.0), per_step)
+    _kineto_trace(
+        dest / "trace" / "0.json.gz", base, profiled, 6.0, max(1.0, step_us * 0.9 / per_step - 6.0), per_step
+    )
     finding = _one(analyze(traindx.load_run(dest)), "gpu.launch_bound")
     assert finding.evidence["kernels_per_step"] == per_step
     assert finding.evidence["gpu_busy_share"] < 0.5
     assert any("CUDA graph" in p.summary for p in finding.prescriptions)
     # the same kernel count, but long kernels that fill the step: not launch-bound
-    _kineto_trace(dest / "trace" / "0.json.gz", base, profiled, step_us * 0.9 / per_step, 0.1,
-                  per_step)
+    _kineto_trace(dest / "trace" / "0.json.gz", base, profiled, step_us * 0.9 / per_step, 0.1, per_step)
     assert not [f for f in analyze(traindx.load_run(dest)) if f.id == "gpu.launch_bound"]
 
 
@@ -538,19 +672,48 @@ def test_synthetic_gpu_evidence_syncs_cost_the_gpu_idle_after_them(healthy, tmp_
     dest = _copy_run(healthy, tmp_path)
     profiled = healthy.steps[healthy.steps["step"].isin([3, 4])]
     base = int(profiled["start_ns"].min()) - 10**9
-    gap = float(profiled["duration_s"].min()) * 1e6 * 0.05    # µs
+    gap = float(profiled["duration_s"].min()) * 1e6 * 0.05  # µs
     block = 1.5 * gap
     events = []
     for row in profiled.itertuples():
-        t = (int(row.start_ns) - base) / 1000 + 50            # µs
-        events.append({"ph": "X", "cat": "python_function", "name": "model.py(40): forward",
-                       "pid": 1, "tid": 1, "ts": t, "dur": 4 * (block + gap + 20),
-                       "args": {"Python id": 1}})
+        t = (int(row.start_ns) - base) / 1000 + 50  # µs
+        events.append(
+            {
+                "ph": "X",
+                "cat": "python_function",
+                "name": "model.py(40): forward",
+                "pid": 1,
+                "tid": 1,
+                "ts": t,
+                "dur": 4 * (block + gap + 20),
+                "args": {"Python id": 1},
+            }
+        )
         for layer in range(4):
-            events.append({"ph": "X", "cat": "kernel", "name": "gemm", "pid": 0, "tid": 7,
-                           "ts": t, "dur": block / 2, "args": {"device": 0, "stream": 7}})
-            events.append({"ph": "X", "cat": "cuda_runtime", "name": "cudaStreamSynchronize",
-                           "pid": 1, "tid": 1, "ts": t + 10, "dur": block, "args": {}})
+            events.append(
+                {
+                    "ph": "X",
+                    "cat": "kernel",
+                    "name": "gemm",
+                    "pid": 0,
+                    "tid": 7,
+                    "ts": t,
+                    "dur": block / 2,
+                    "args": {"device": 0, "stream": 7},
+                }
+            )
+            events.append(
+                {
+                    "ph": "X",
+                    "cat": "cuda_runtime",
+                    "name": "cudaStreamSynchronize",
+                    "pid": 1,
+                    "tid": 1,
+                    "ts": t + 10,
+                    "dur": block,
+                    "args": {},
+                }
+            )
             t += 10 + block + gap + 10
     with gzip.open(dest / "trace" / "0.json.gz", "wt") as f:
         json.dump({"schemaVersion": 1, "baseTimeNanoseconds": base, "traceEvents": events}, f)
@@ -573,9 +736,12 @@ def _line_of_text(path, text):
 @pytest.fixture(scope="module")
 def host_loop(tmp_path_factory):
     """A loop that sleeps 40 ms per step in a blocking read and burns 300 ms on odd steps."""
-    return _record(tmp_path_factory, "host-loop", ["--steps", "30"],
-                   [PY, HOST_LOOP, "--steps", "40", "--read-seconds", "0.04",
-                    "--odd-seconds", "0.3"])
+    return _record(
+        tmp_path_factory,
+        "host-loop",
+        ["--steps", "30"],
+        [PY, HOST_LOOP, "--steps", "40", "--read-seconds", "0.04", "--odd-seconds", "0.3"],
+    )
 
 
 @pytest.mark.slow  # one diagnose run with py-spy (~15 s on 2 busy cores)
@@ -584,8 +750,11 @@ def test_host_work_gets_a_finding_at_its_line_and_odd_steps_at_theirs(host_loop)
     host = [f for f in findings if f.analyzer == "host_work" and f.severity != "info"]
     read_line = _line_of_text(HOST_LOOP, "time.sleep(a.read_seconds)")
     read = [f for f in host if f.evidence.get("line") == read_line]
-    assert len(read) == 1, ([(f.id, f.title, f.summary) for f in host], host_loop.missing,
-                            sorted(host_loop.pyspy))
+    assert len(read) == 1, (
+        [(f.id, f.title, f.summary) for f in host],
+        host_loop.missing,
+        sorted(host_loop.pyspy),
+    )
     read = read[0]
     assert read.evidence["file"].endswith("host_loop.py") and read.evidence["kind"] == "sleep"
     # 40 ms a step, measured from the training thread's samples beside the ledger's step time
@@ -593,19 +762,25 @@ def test_host_work_gets_a_finding_at_its_line_and_odd_steps_at_theirs(host_loop)
     assert (read.evidence.get("period") or {}).get("period") is None  # it runs every step
     assert any("asynchronously" in p.summary for p in read.prescriptions)
     # the odd steps: named with period 2 at the line that runs only then (pure Python: busy())
-    busy_lines = {_line_of_text(HOST_LOOP, "busy(a.odd_seconds)"),
-                  _line_of_text(HOST_LOOP, "while time.perf_counter() - t0 < seconds"),
-                  _line_of_text(HOST_LOOP, "n += 1")}
+    busy_lines = {
+        _line_of_text(HOST_LOOP, "busy(a.odd_seconds)"),
+        _line_of_text(HOST_LOOP, "while time.perf_counter() - t0 < seconds"),
+        _line_of_text(HOST_LOOP, "n += 1"),
+    }
     odd = [f for f in host if (f.evidence.get("period") or {}).get("period") == 2]
     assert odd, [(f.id, f.title, f.evidence.get("period")) for f in host]
     named = {f.evidence.get("line") for f in odd} | {
-        c["line"] for f in odd for c in f.evidence.get("candidates") or []}
+        c["line"] for f in odd for c in f.evidence.get("candidates") or []
+    }
     assert named & busy_lines, [f.evidence for f in odd]
     # one parity (the work after an odd step's optimizer step is in the next step's record)
     assert len({s % 2 for s in odd[0].steps_affected}) == 1 and len(odd[0].steps_affected) >= 8
     # no prescription anywhere promises a gain <= 0
-    assert all(p.expected_gain_s_per_step is None or p.expected_gain_s_per_step > 0
-               for f in findings for p in f.prescriptions)
+    assert all(
+        p.expected_gain_s_per_step is None or p.expected_gain_s_per_step > 0
+        for f in findings
+        for p in f.prescriptions
+    )
 
 
 def test_line_periods_find_period_two_that_never_doubles_a_step():
@@ -621,8 +796,15 @@ def test_line_periods_find_period_two_that_never_doubles_a_step():
     fwd = 0.10 + rng.normal(0, 0.008, len(steps)) + np.where(steps % 2, 0.05, 0.0)
     opt = 0.02 + np.abs(rng.normal(0, 0.004, len(steps)))
     wall = fwd + opt
-    led = pd.DataFrame({"step": steps, "wall_s": wall, "forward_backward_s": fwd,
-                        "optimizer_s": opt, "unexplained_s": np.zeros(len(steps))})
+    led = pd.DataFrame(
+        {
+            "step": steps,
+            "wall_s": wall,
+            "forward_backward_s": fwd,
+            "optimizer_s": opt,
+            "unexplained_s": np.zeros(len(steps)),
+        }
+    )
     found = line_periods(led, float(wall.mean()))
     assert [(p["line"], p["period"], p["residue"]) for p in found] == [("forward_backward", 2, 1)]
     assert find_period(list(steps), list(wall)) is None
@@ -633,9 +815,26 @@ def test_threads_above_the_cores_are_oversubscription_with_the_setting(tmp_path_
     cores = len(os.sched_getaffinity(0))
     threads = 4 * cores
     out = tmp_path_factory.mktemp("threads")
-    proc = diagnose(["--out", "runs", "--quiet", "--no-pyspy", "--steps", "10", "--",
-                     PY, HOST_LOOP, "--steps", "12", "--width", "64", "--threads",
-                     str(threads)], cwd=out)
+    proc = diagnose(
+        [
+            "--out",
+            "runs",
+            "--quiet",
+            "--no-pyspy",
+            "--steps",
+            "10",
+            "--",
+            PY,
+            HOST_LOOP,
+            "--steps",
+            "12",
+            "--width",
+            "64",
+            "--threads",
+            str(threads),
+        ],
+        cwd=out,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     run = traindx.load_run(only_run_dir(out / "runs"))
     f = _one(analyze(run), "threads.oversubscribed")
@@ -645,8 +844,11 @@ def test_threads_above_the_cores_are_oversubscription_with_the_setting(tmp_path_
     # the job sets the count itself (torch.set_num_threads(a.threads)): OMP_NUM_THREADS would
     # change nothing; its own call's line, which the fix planner turns into its own flag
     line = _line_of(HOST_LOOP, "torch.set_num_threads(a.threads)")
-    assert f.evidence["thread_call"] == {"file": HOST_LOOP, "line": line,
-                                         "source": "torch.set_num_threads(a.threads)"}
+    assert f.evidence["thread_call"] == {
+        "file": HOST_LOOP,
+        "line": line,
+        "source": "torch.set_num_threads(a.threads)",
+    }
     (code,) = f.prescriptions
     assert code.change["code"]["line"] == line
     wanted = int(code.change["code"]["after"].removeprefix("torch.set_num_threads(").rstrip(")"))
@@ -677,10 +879,14 @@ def test_threads_set_by_a_literal_in_the_job_prescribe_that_line_not_the_env(tmp
         "    loss = nn.functional.mse_loss(model(x), x.sum(dim=1, keepdim=True))\n"
         "    opt.zero_grad()\n"
         "    loss.backward()\n"
-        "    opt.step()\n")
+        "    opt.step()\n"
+    )
     # the variable is set, and changes nothing: the job's call comes after torch read it
-    proc = diagnose(["--out", "runs", "--quiet", "--no-pyspy", "--", PY, "train.py"], cwd=out,
-                    env={"OMP_NUM_THREADS": "1"})
+    proc = diagnose(
+        ["--out", "runs", "--quiet", "--no-pyspy", "--", PY, "train.py"],
+        cwd=out,
+        env={"OMP_NUM_THREADS": "1"},
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     run = traindx.load_run(only_run_dir(out / "runs"))
     f = _one(analyze(run), "threads.oversubscribed")
@@ -700,14 +906,21 @@ def test_a_prescription_priced_at_no_gain_promises_nothing():
     from traindx.analyzers.chains import without_losing_prescriptions
     from traindx.analyzers.findings import Finding, Prescription
 
-    workers = Prescription(kind="code", summary="num_workers=2", change={"code": {"line": 3}},
-                           expected_gain_s_per_step=-0.00126)
-    f = Finding(id="dataloader.starvation", title="t", severity="high", analyzer="dataloader",
-                summary="The step waits for its batches.",
-                prescriptions=(workers,
-                               Prescription(kind="code", summary="a faster collate",
-                                            expected_gain_s_per_step=0.2),
-                               Prescription(kind="env", summary="unpriced")))
+    workers = Prescription(
+        kind="code", summary="num_workers=2", change={"code": {"line": 3}}, expected_gain_s_per_step=-0.00126
+    )
+    f = Finding(
+        id="dataloader.starvation",
+        title="t",
+        severity="high",
+        analyzer="dataloader",
+        summary="The step waits for its batches.",
+        prescriptions=(
+            workers,
+            Prescription(kind="code", summary="a faster collate", expected_gain_s_per_step=0.2),
+            Prescription(kind="env", summary="unpriced"),
+        ),
+    )
     out = without_losing_prescriptions(f)
     assert [p.expected_gain_s_per_step for p in out.prescriptions] == [None, 0.2, None]
     assert out.prescriptions[0].change == workers.change
@@ -715,8 +928,7 @@ def test_a_prescription_priced_at_no_gain_promises_nothing():
     assert out.evidence["unpriced"][0]["expected_gain_s_per_step"] == -0.00126
 
 
-LOADED_LIGHTNING = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data",
-                                "cpu-lightning-loaded")
+LOADED_LIGHTNING = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "cpu-lightning-loaded")
 
 
 def test_a_data_wait_that_comes_and_goes_on_a_loaded_machine_is_no_starvation():
@@ -743,8 +955,8 @@ def test_host_time_spent_waiting_for_a_core_is_not_charged_to_its_line():
     thread ran ~8 ms of each ~60 ms step; the host intervals' wall time is mostly the thread
     waiting for a core at the line its time slice ended in (two samples), which the wall-clock
     split charged to the framework's call at 12 % and 7 % of the step."""
-    from traindx.derive import ledger
     from traindx.analyzers import host_work
+    from traindx.derive import ledger
 
     run = traindx.load_run(os.path.join(LOADED_LIGHTNING, "healthy-runq"))
     steady = ledger.steady_rows(run, "0")
@@ -762,8 +974,11 @@ def test_host_time_spent_waiting_for_a_core_is_not_charged_to_its_line():
     cpu = run.of_type("cpu")
     cpu = cpu[cpu["step"].isin(steady["step"])]
     assert float(cpu["thread_runq_s"].sum()) > 0.5 * float(steady["wall_s"].sum())
-    found = [(f.id, f.severity, round(f.share_of_step, 3))
-             for f in host_work.analyze(run) if f.share_of_step >= host_work.MIN_SHARE]
+    found = [
+        (f.id, f.severity, round(f.share_of_step, 3))
+        for f in host_work.analyze(run)
+        if f.share_of_step >= host_work.MIN_SHARE
+    ]
     assert found == []
     assert [f for f in analyze(run) if f.severity != "info"] == []
 
@@ -774,8 +989,8 @@ def test_a_gc_pause_spent_waiting_for_a_core_is_not_charged_to_gc():
     the training thread's CPU clock: one young-generation pass in steady step 4 took 7.2 ms of
     wall time for 0.2 ms of CPU, more than the 4.1 ms of CPU the thread got in the whole 23 ms
     step. Priced by its wall time it was 31 % of that step and 5 % of the steady steps' time."""
-    from traindx.derive import ledger
     from traindx.analyzers import gc_pauses, step_causes
+    from traindx.derive import ledger
     from traindx.derive.steptables import compile_spans, event_seconds, gc_frame, run_t0, step_table
 
     run = traindx.load_run(os.path.join(LOADED_LIGHTNING, "gc-preempted"))
@@ -819,21 +1034,24 @@ def test_a_gc_collect_called_every_step_is_named_at_its_line(tmp_path):
     for path in run_dir.rglob("*"):  # the recorded checkout's paths -> this checkout's
         if path.is_file():
             text = path.read_text(encoding="utf-8", errors="surrogateescape")
-            path.write_text(text.replace("/work/wt/mend", repo), encoding="utf-8",
-                            errors="surrogateescape")
+            path.write_text(text.replace("/work/wt/mend", repo), encoding="utf-8", errors="surrogateescape")
     run = traindx.load_run(str(run_dir))
     code = ledger.host_code(run)
-    assert len(code) and not (code["line"] == 13).any()   # the host samples never saw the call
+    assert len(code) and not (code["line"] == 13).any()  # the host samples never saw the call
     found = analyze(run)
-    top = [f for f in found if f.severity != "info" and f.cause is None
-           and not f.id.startswith(("verdict.", "traindx."))][0]
+    top = [
+        f
+        for f in found
+        if f.severity != "info" and f.cause is None and not f.id.startswith(("verdict.", "traindx."))
+    ][0]
     assert top.id == "gc.gen2_in_step"
-    assert [(s["file"], s["line"]) for s in top.evidence["call_sites"]] == \
-        [("tests/jobs/gc_in_step_hook.py", 13)]
+    assert [(s["file"], s["line"]) for s in top.evidence["call_sites"]] == [
+        ("tests/jobs/gc_in_step_hook.py", 13)
+    ]
     edit = top.prescriptions[0].change["code"]
     assert edit["op"] == "delete" and edit["line"] == 13 and edit["before"].strip() == "gc.collect()"
     assert edit["file"] == os.path.join(repo, "tests", "jobs", "gc_in_step_hook.py")
-    assert not [f for f in found if f.id == "host_work.call_site"]   # folded into the gc finding
+    assert not [f for f in found if f.id == "host_work.call_site"]  # folded into the gc finding
 
 
 def test_a_write_run_asynchronously_is_never_cut_off_at_exit(tmp_path):
@@ -846,16 +1064,24 @@ def test_a_write_run_asynchronously_is_never_cut_off_at_exit(tmp_path):
     from traindx.analyzers import host_work
 
     job = tmp_path / "loop.py"
-    job.write_text("import time\n"
-                   "def slow_write(path):\n"
-                   "    time.sleep(0.5)\n"
-                   "    open(path, 'w').write('done')\n"
-                   "slow_write(OUT)\n")
+    job.write_text(
+        "import time\n"
+        "def slow_write(path):\n"
+        "    time.sleep(0.5)\n"
+        "    open(path, 'w').write('done')\n"
+        "slow_write(OUT)\n"
+    )
     src = "slow_write(OUT)"
-    (write,) = [p for p in host_work._prescriptions("file", "loop.py:5", src, str(job), 5, 0.5,
-                                                      False, str(tmp_path)) if p.change]
-    (wait,) = [p for p in host_work._prescriptions("sleep", "loop.py:5", src, str(job), 5, 0.5,
-                                                     False, str(tmp_path)) if p.change]
+    (write,) = [
+        p
+        for p in host_work._prescriptions("file", "loop.py:5", src, str(job), 5, 0.5, False, str(tmp_path))
+        if p.change
+    ]
+    (wait,) = [
+        p
+        for p in host_work._prescriptions("sleep", "loop.py:5", src, str(job), 5, 0.5, False, str(tmp_path))
+        if p.change
+    ]
     assert "daemon=False" in write.change["code"]["after"]
     assert "daemon=True" in wait.change["code"]["after"]
     out = tmp_path / "written.txt"
@@ -864,7 +1090,7 @@ def test_a_write_run_asynchronously_is_never_cut_off_at_exit(tmp_path):
     script.write_text(f"OUT = {str(out)!r}\n" + edited)
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
-    assert out.read_text() == "done"   # the interpreter waited for the write
+    assert out.read_text() == "done"  # the interpreter waited for the write
 
 
 def test_host_code_whose_lines_call_no_library_still_names_the_top_line(monkeypatch):
@@ -872,8 +1098,8 @@ def test_host_code_whose_lines_call_no_library_still_names_the_top_line(monkeypa
     no library call (NaN in host_code's `call`). pandas' groupby drops NaN keys by default, so a
     step made only of such lines once left an empty table and an IndexError on an H200 run; the
     line must still be named, with no call."""
-    from traindx.derive import ledger
     from traindx.analyzers import gpu_idle
+    from traindx.derive import ledger
 
     run = traindx.load_run(os.path.join(LOADED_LIGHTNING, "healthy-runq"))
     code = ledger.host_code(run).copy()

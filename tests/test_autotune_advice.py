@@ -4,6 +4,7 @@ The events have the shape the shim records for `triton_autotune` (kernel, module
 values, dtypes, bench seconds, cache_results, disk hit, chosen config) and the numbers of the
 issue's H200 run: FLA 0.6.0 `chunk_gated_delta_rule` forward, ~37 s of first-call tuning.
 """
+
 import pytest
 
 from traindx.analyzers import autotune_advice as aa
@@ -12,14 +13,37 @@ FLA_060 = {"triton": "3.6.0", "fla-core": "0.6.0", "flash-linear-attention": "0.
 DTYPES = {"k": "torch.bfloat16", "w": "torch.bfloat16", "u": "torch.bfloat16", "g": "torch.float32"}
 
 
-def _event(kernel, module, names, values, bench_s, step=0, start=0, cache_results=True, hit=False,
-           best="{'BV': 32, 'num_warps': 4, 'num_ctas': 1, 'num_stages': 3}"):
-    return {"kind": "triton_autotune", "kernel": kernel, "module": module, "key_names": names,
-            "key_fields": dict(zip(names, values)), "key_dtypes": DTYPES, "bench_s": bench_s,
-            "duration_s": bench_s, "wall_s": bench_s + 0.4, "step": step, "start": start,
-            "cache_results": cache_results, "disk_cache_hit": hit, "configs": 12,
-            "configs_benchmarked": 12, "best_config": best,
-            "caller": {"file": "/home/u/train/fla_job.py", "line": 57, "function": "main"}}
+def _event(
+    kernel,
+    module,
+    names,
+    values,
+    bench_s,
+    step=0,
+    start=0,
+    cache_results=True,
+    hit=False,
+    best="{'BV': 32, 'num_warps': 4, 'num_ctas': 1, 'num_stages': 3}",
+):
+    return {
+        "kind": "triton_autotune",
+        "kernel": kernel,
+        "module": module,
+        "key_names": names,
+        "key_fields": dict(zip(names, values)),
+        "key_dtypes": DTYPES,
+        "bench_s": bench_s,
+        "duration_s": bench_s,
+        "wall_s": bench_s + 0.4,
+        "step": step,
+        "start": start,
+        "cache_results": cache_results,
+        "disk_cache_hit": hit,
+        "configs": 12,
+        "configs_benchmarked": 12,
+        "best_config": best,
+        "caller": {"file": "/home/u/train/fla_job.py", "line": 57, "function": "main"},
+    }
 
 
 def fla_cold_start(cache_results=True):
@@ -27,18 +51,51 @@ def fla_cold_start(cache_results=True):
     names_h = ["H", "HV", "K", "V", "BT", "STATE_V_FIRST"]
     vals_h = ["16", "16", "128", "128", "64", "False"]
     return [
-        _event("chunk_local_cumsum_scalar_kernel", "fla.ops.utils.cumsum",
-               ["B", "H", "BT", "IS_VARLEN", "REVERSE"], ["1", "16", "64", "True", "False"], 1.9, start=1,
-               cache_results=cache_results),
-        _event("chunk_gated_delta_rule_fwd_kkt_solve_kernel", "fla.ops.gated_delta_rule.chunk_fwd",
-               ["H", "HV", "K", "BC"], ["16", "16", "128", "16"], 6.3, start=2, cache_results=cache_results),
-        _event("recompute_w_u_fwd_kernel", "fla.ops.gated_delta_rule.wy_fast",
-               ["H", "HV", "K", "V", "BT", "BK", "BV", "IS_VARLEN"],
-               ["16", "16", "128", "128", "64", "64", "64", "True"], 5.2, start=3, cache_results=cache_results),
-        _event("chunk_gated_delta_rule_fwd_kernel_h_blockdim64", "fla.ops.common.chunk_delta_h",
-               names_h, vals_h, 14.8, start=4, cache_results=cache_results),
-        _event("chunk_fwd_kernel_o", "fla.ops.common.chunk_o", names_h, vals_h, 9.1, start=5,
-               cache_results=cache_results),
+        _event(
+            "chunk_local_cumsum_scalar_kernel",
+            "fla.ops.utils.cumsum",
+            ["B", "H", "BT", "IS_VARLEN", "REVERSE"],
+            ["1", "16", "64", "True", "False"],
+            1.9,
+            start=1,
+            cache_results=cache_results,
+        ),
+        _event(
+            "chunk_gated_delta_rule_fwd_kkt_solve_kernel",
+            "fla.ops.gated_delta_rule.chunk_fwd",
+            ["H", "HV", "K", "BC"],
+            ["16", "16", "128", "16"],
+            6.3,
+            start=2,
+            cache_results=cache_results,
+        ),
+        _event(
+            "recompute_w_u_fwd_kernel",
+            "fla.ops.gated_delta_rule.wy_fast",
+            ["H", "HV", "K", "V", "BT", "BK", "BV", "IS_VARLEN"],
+            ["16", "16", "128", "128", "64", "64", "64", "True"],
+            5.2,
+            start=3,
+            cache_results=cache_results,
+        ),
+        _event(
+            "chunk_gated_delta_rule_fwd_kernel_h_blockdim64",
+            "fla.ops.common.chunk_delta_h",
+            names_h,
+            vals_h,
+            14.8,
+            start=4,
+            cache_results=cache_results,
+        ),
+        _event(
+            "chunk_fwd_kernel_o",
+            "fla.ops.common.chunk_o",
+            names_h,
+            vals_h,
+            9.1,
+            start=5,
+            cache_results=cache_results,
+        ),
     ]
 
 
@@ -47,9 +104,17 @@ def fla_retuning_on_length():
     names = ["H", "K", "V", "BT", "NT"]
     out = []
     for step, nt in enumerate([128, 131, 126, 140, 133, 129]):
-        out.append(_event("chunk_fwd_kernel_o", "fla.ops.common.chunk_o", names,
-                          ["16", "128", "128", "64", str(nt)], 2.4 if step else 9.0, step=step,
-                          start=100 + step))
+        out.append(
+            _event(
+                "chunk_fwd_kernel_o",
+                "fla.ops.common.chunk_o",
+                names,
+                ["16", "128", "128", "64", str(nt)],
+                2.4 if step else 9.0,
+                step=step,
+                start=100 + step,
+            )
+        )
     return out
 
 
@@ -76,15 +141,28 @@ def test_fla_cold_start_prescribes_warming_the_cache_it_already_writes():
 
 
 def test_fla_with_its_cache_turned_off_gets_its_own_switch_back():
-    advice = aa.advise(fla_cold_start(cache_results=False), FLA_060, env={"FLA_CACHE_RESULTS": "0"},
-                       run_path="runs/x", cache_dir="/c")
+    advice = aa.advise(
+        fla_cold_start(cache_results=False),
+        FLA_060,
+        env={"FLA_CACHE_RESULTS": "0"},
+        run_path="runs/x",
+        cache_dir="/c",
+    )
     env = [p for p in advice.cold if p.kind == "env"][0].change["env"]
     assert env == {"TRITON_CACHE_DIR": "/c", "FLA_CACHE_RESULTS": "1"}
 
 
 def test_plain_triton_kernel_gets_triton_cache_autotuning_only_where_triton_reads_it():
-    events = [_event("fused_moe_kernel", "mylib.moe", ["M", "N", "K"], ["4096", "8192", "2048"], 12.0,
-                     cache_results=False)]
+    events = [
+        _event(
+            "fused_moe_kernel",
+            "mylib.moe",
+            ["M", "N", "K"],
+            ["4096", "8192", "2048"],
+            12.0,
+            cache_results=False,
+        )
+    ]
     new = aa.advise(events, {"triton": "3.6.0"}, run_path="runs/a", cache_dir="/c")
     assert "TRITON_CACHE_AUTOTUNING" in _env_vars(new.cold)
     old = aa.advise(events, {"triton": "3.2.0"}, run_path="runs/a", cache_dir="/c")
@@ -97,8 +175,13 @@ def test_plain_triton_kernel_gets_triton_cache_autotuning_only_where_triton_read
 
 
 def test_fla_without_a_recorded_version_gets_no_fla_switch_and_no_upgrade():
-    advice = aa.advise(fla_cold_start(cache_results=False), {"triton": "3.6.0"},
-                       env={"FLA_CACHE_RESULTS": "0"}, run_path="runs/u", cache_dir="/c")
+    advice = aa.advise(
+        fla_cold_start(cache_results=False),
+        {"triton": "3.6.0"},
+        env={"FLA_CACHE_RESULTS": "0"},
+        run_path="runs/u",
+        cache_dir="/c",
+    )
     assert "FLA_CACHE_RESULTS" not in _env_vars(advice.cold)
     assert "TRITON_CACHE_AUTOTUNING" in _env_vars(advice.cold)  # Triton's switch reaches them too
     assert not [p for p in advice.cold if p.kind == "upgrade"]
@@ -106,8 +189,9 @@ def test_fla_without_a_recorded_version_gets_no_fla_switch_and_no_upgrade():
 
 
 def test_retuning_names_the_changing_length_and_fla_060_fuzzy_mode():
-    advice = aa.advise(fla_retuning_on_length(), FLA_060, run_path="runs/r", cache_dir="/c",
-                       config_dir="/data/fla-configs")
+    advice = aa.advise(
+        fla_retuning_on_length(), FLA_060, run_path="runs/r", cache_dir="/c", config_dir="/data/fla-configs"
+    )
     kernel = advice.kernels[0]
     assert [f for f, _, _ in kernel.changing_fields] == ["NT"]
     assert kernel.retune_steps == [1, 2, 3, 4, 5]
@@ -129,14 +213,24 @@ def test_an_fla_release_we_did_not_read_gets_an_upgrade_not_a_variable():
     assert {"package": "flash-linear-attention", "min_version": "0.6.0"} in upgrades
 
 
-@pytest.mark.parametrize("packages", [FLA_060, {"triton": "3.2.0", "fla-core": "0.5.9"},
-                                      {"triton": "3.6.0+git1234", "fla-core": "0.6.0"}, {}])
+@pytest.mark.parametrize(
+    "packages",
+    [FLA_060, {"triton": "3.2.0", "fla-core": "0.5.9"}, {"triton": "3.6.0+git1234", "fla-core": "0.6.0"}, {}],
+)
 def test_never_a_variable_the_installed_version_does_not_read(packages):
-    events = fla_cold_start(cache_results=False) + fla_retuning_on_length() + [
-        _event("my_kernel", "proj.kernels", ["N"], ["1024"], 3.0, cache_results=False, start=999)]
+    events = (
+        fla_cold_start(cache_results=False)
+        + fla_retuning_on_length()
+        + [_event("my_kernel", "proj.kernels", ["N"], ["1024"], 3.0, cache_results=False, start=999)]
+    )
     advice = aa.advise(events, packages, env={"FLA_CACHE_RESULTS": "0"}, run_path="runs/z", cache_dir="/c")
-    owner = {"TRITON_CACHE_DIR": "triton", "TRITON_CACHE_AUTOTUNING": "triton", "FLA_CACHE_RESULTS": "fla",
-             "FLA_CACHE_MODE": "fla", "FLA_CONFIG_DIR": "fla"}
+    owner = {
+        "TRITON_CACHE_DIR": "triton",
+        "TRITON_CACHE_AUTOTUNING": "triton",
+        "FLA_CACHE_RESULTS": "fla",
+        "FLA_CACHE_MODE": "fla",
+        "FLA_CONFIG_DIR": "fla",
+    }
     for name in _env_vars(advice.cold + advice.steady):
         if name == "TRITON_CACHE_DIR":
             continue  # read by every Triton release (and by torch inductor)

@@ -1,6 +1,7 @@
 """The per-type columnar event tables: the same events a json.loads reading gives, ranks from the
 per-process files, file order kept on ties, bad lines handled, a Parquet cache that follows the
 raw files, and per-file clock offsets applied to every timestamp."""
+
 import json
 import os
 import shutil
@@ -10,9 +11,9 @@ import warnings
 import pandas as pd
 import pytest
 
+from traindx.derive.run import CorruptEvidenceWarning, TruncatedEvidenceWarning, load_run
 from traindx.profiler import columnar
 from traindx.profiler.columnar import CACHE_DIR
-from traindx.derive.run import CorruptEvidenceWarning, TruncatedEvidenceWarning, load_run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DATA = os.path.join(ROOT, "tests", "data")
@@ -28,8 +29,11 @@ def reference_events(run_path, labels):
     rows = []
     for i, x in enumerate(columnar.event_files(run_path)):
         stem = os.path.basename(x.path)[: -len(".jsonl")]
-        label = labels.get(int(stem[1:].split(".")[0])) if stem.startswith("p") and \
-            stem[1:].split(".")[0].isdigit() else stem
+        label = (
+            labels.get(int(stem[1:].split(".")[0]))
+            if stem.startswith("p") and stem[1:].split(".")[0].isdigit()
+            else stem
+        )
         if label is None:
             continue
         with open(x.path, encoding="utf-8") as f:
@@ -61,8 +65,9 @@ def assert_same(run, expected):
                 assert (a is None and _null(b)) or a == b, (typ, col, a, b)
 
 
-@pytest.mark.parametrize("name", ["h200-seed-b17-tensor", "h200-fa4-int-cold-start",
-                                  "h200-gpu-pathologies/alloc_retries"])
+@pytest.mark.parametrize(
+    "name", ["h200-seed-b17-tensor", "h200-fa4-int-cold-start", "h200-gpu-pathologies/alloc_retries"]
+)
 def test_same_events_as_json_loads_on_real_runs(name, tmp_path):
     path = shutil.copytree(os.path.join(DATA, name), tmp_path / "run")
     run = load_run(path)
@@ -127,8 +132,10 @@ def test_truncated_last_line_warns_corrupt_middle_line_is_skipped(tmp_path):
 
 def test_parquet_cache_is_used_and_follows_the_raw_files(tmp_path):
     path = _synthetic(tmp_path, ranks=3, steps=30)
-    raw = {p: open(os.path.join(path, "events", p), "rb").read()
-           for p in os.listdir(os.path.join(path, "events"))}
+    raw = {
+        p: open(os.path.join(path, "events", p), "rb").read()
+        for p in os.listdir(os.path.join(path, "events"))
+    }
     first = load_run(path, cache=True)
     index = os.path.join(path, CACHE_DIR, "index.json")
     assert os.path.exists(index)
@@ -175,33 +182,42 @@ def test_clock_offsets_shift_every_timestamp_of_their_file(tmp_path, monkeypatch
     listed = columnar.event_files
 
     def shifted(run_path, manifest=None):  # rank 1's host clock runs 3 s ahead: add -3 s to its events
-        return [x._replace(offset_ns=-3_000_000_000) if x.rel.endswith("p10001.jsonl") else x
-                for x in listed(run_path, manifest)]
+        return [
+            x._replace(offset_ns=-3_000_000_000) if x.rel.endswith("p10001.jsonl") else x
+            for x in listed(run_path, manifest)
+        ]
 
     monkeypatch.setattr(columnar, "event_files", shifted)
     run = load_run(path)
     for table in ("steps", "spans", "compiles"):
-        a, b = (getattr(r, table).sort_values(["rank", "start_ns"], kind="stable")
-                .reset_index(drop=True) for r in (plain, run))
+        a, b = (
+            getattr(r, table).sort_values(["rank", "start_ns"], kind="stable").reset_index(drop=True)
+            for r in (plain, run)
+        )
         col = "start_ns"
         delta = (b[col] - a[col]).groupby(a["rank"]).unique()
         assert list(delta["0"]) == [0] and list(delta["1"]) == [-3_000_000_000], table
     gc = run.of_type("gc")
     assert gc["t"].is_monotonic_increasing  # the order is by the corrected time
-    pd.testing.assert_frame_equal(plain.ledger.drop(columns=["start_ns", "end_ns"]),
-                                  run.ledger.drop(columns=["start_ns", "end_ns"]))
+    pd.testing.assert_frame_equal(
+        plain.ledger.drop(columns=["start_ns", "end_ns"]), run.ledger.drop(columns=["start_ns", "end_ns"])
+    )
 
 
 def test_steps_pairing_matches_the_event_by_event_definition(tmp_path):
     path = tmp_path / "run"
     (path / "events").mkdir(parents=True)
     (path / "manifest.json").write_text(json.dumps({"command": ["x"]}))
-    lines = [{"type": "process_start", "pid": 7, "rank": "0", "argv": ["x"], "t": 0},
-             {"type": "step_begin", "step": 0, "t": 10}, {"type": "step_end", "step": 0, "t": 20},
-             {"type": "step_end", "step": 1, "t": 25},            # no begin: NaN start
-             {"type": "step_begin", "step": 0, "t": 30},          # a restarted counter
-             {"type": "step_end", "step": 0, "t": 45},
-             {"type": "step_begin", "step": 2, "t": 50}, {"type": "step_end", "step": 2, "t": 50}]
+    lines = [
+        {"type": "process_start", "pid": 7, "rank": "0", "argv": ["x"], "t": 0},
+        {"type": "step_begin", "step": 0, "t": 10},
+        {"type": "step_end", "step": 0, "t": 20},
+        {"type": "step_end", "step": 1, "t": 25},  # no begin: NaN start
+        {"type": "step_begin", "step": 0, "t": 30},  # a restarted counter
+        {"type": "step_end", "step": 0, "t": 45},
+        {"type": "step_begin", "step": 2, "t": 50},
+        {"type": "step_end", "step": 2, "t": 50},
+    ]
     (path / "events" / "p7.jsonl").write_text("".join(json.dumps(e) + "\n" for e in lines))
     with warnings.catch_warnings():
         warnings.simplefilter("error")

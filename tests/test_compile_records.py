@@ -2,10 +2,10 @@
 metrics deque keeps), with its recompile reason and the frame compiled; and Triton autotuning
 counted exactly (benchmark seconds apart from JIT seconds, the key's argument names, the disk
 cache) on a real Autotuner run by Triton's interpreter."""
+
 import textwrap
 
 import pytest
-
 from helpers import PY, diagnose
 
 import traindx
@@ -40,8 +40,12 @@ def _record(tmp_path, source, env=None, name="job.py"):
     script = tmp_path / name
     script.write_text(source)
     run_dir = tmp_path / "run"
-    proc = diagnose(["--quiet", "--no-pyspy", "--no-nvml", "--run-dir", str(run_dir), "--",
-                     PY, str(script)], cwd=tmp_path, env=env, timeout=600)
+    proc = diagnose(
+        ["--quiet", "--no-pyspy", "--no-nvml", "--run-dir", str(run_dir), "--", PY, str(script)],
+        cwd=tmp_path,
+        env=env,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return traindx.load_run(str(run_dir)), script
 
@@ -57,8 +61,9 @@ def test_more_than_64_dynamo_compiles_all_recorded_with_reason_and_frame(tmp_pat
     assert len(reasons) == SHAPES - 1
     assert all("size mismatch" in r for r in reasons), reasons[:3]
     frames = {(c["file"], c["line"], c["function"]) for c in dynamo["caller"]}
-    line = next(n for n, text in enumerate(script.read_text().splitlines(), 1)
-                if text.startswith("def scale"))
+    line = next(
+        n for n, text in enumerate(script.read_text().splitlines(), 1) if text.startswith("def scale")
+    )
     assert frames == {(str(script), line, "scale")}
     # recorded in the step they happened in, on the compiling thread
     assert sorted(set(dynamo["step"])) == [0, 1, 2, 3]
@@ -111,8 +116,9 @@ def test_triton_autotune_counted_per_kernel_and_key_with_bench_time(tmp_path):
     assert list(tunes["step"]) == [0, 2, 3]
     assert all(names == ["n_tokens"] for names in tunes["key_names"])
     assert [f["n_tokens"] for f in tunes["key_fields"]] == ["100", "200", "300"]
-    assert all(d == {"x": "torch.float32", "y": "torch.float32", "out": "torch.float32"}
-               for d in tunes["key_dtypes"])
+    assert all(
+        d == {"x": "torch.float32", "y": "torch.float32", "out": "torch.float32"} for d in tunes["key_dtypes"]
+    )
     assert (tunes["configs_benchmarked"] == 3).all() and (tunes["configs"] == 3).all()
     # benchmark time and JIT time apart; neither exceeds what the job waited
     assert (tunes["bench_s"] > 0).all() and (tunes["jit_s"] >= 0).all()

@@ -1,4 +1,5 @@
 """`diagnose -- <cmd>` on real jobs: the run record, exit codes, signals, the shim's manners."""
+
 import json
 import os
 import signal
@@ -7,12 +8,11 @@ import textwrap
 import time
 
 import pytest
+from helpers import PY, diagnose, example, only_run_dir
 
 import traindx
 from traindx.common.errors import UserError
 from traindx.derive.run import CorruptEvidenceWarning, TruncatedEvidenceWarning
-
-from helpers import PY, diagnose, example, only_run_dir
 
 TINY = example("train_tiny.py")
 
@@ -40,8 +40,9 @@ def test_records_the_steps_of_the_example(tmp_path):
 
 
 def test_job_exit_code_passes_through(tmp_path):
-    proc = diagnose(["--out", "runs", "--no-pyspy", "--", PY, TINY, "--steps", "2",
-                     "--exit-code", "3"], cwd=tmp_path)
+    proc = diagnose(
+        ["--out", "runs", "--no-pyspy", "--", PY, TINY, "--steps", "2", "--exit-code", "3"], cwd=tmp_path
+    )
     assert proc.returncode == 3
     run = traindx.load_run(only_run_dir(tmp_path / "runs"))
     assert run.manifest["exit_code"] == 3
@@ -84,18 +85,27 @@ def test_a_job_that_aborts_is_named_with_the_line_it_crashed_at(tmp_path):
     assert ended.evidence["signal"].startswith("SIGABRT")
     assert os.listdir(os.path.join(run.path, "faults")) == [f"p{run.manifest['ranks']['0']}.txt"]
     # a job that turned faulthandler on itself keeps it: the stacks go to its stderr (log.txt)
-    proc = diagnose(["--run-dir", "own", "--no-pyspy", "--", PY, str(script)], cwd=tmp_path,
-                    env={"PYTHONFAULTHANDLER": "1"})
+    proc = diagnose(
+        ["--run-dir", "own", "--no-pyspy", "--", PY, str(script)],
+        cwd=tmp_path,
+        env={"PYTHONFAULTHANDLER": "1"},
+    )
     run = traindx.load_run(str(tmp_path / "own"))
     assert proc.returncode == 134 and run.fault_stacks == {}
     assert any("in teardown" in t for t in run.log["text"])
 
+
 @pytest.mark.slow
 def test_sigterm_leaves_a_loadable_partial_run(tmp_path):
     env = dict(os.environ)
-    proc = subprocess.Popen([PY, "-m", "traindx", "--out", "runs", "--", PY, TINY, "--steps",
-                             "100000"], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [PY, "-m", "traindx", "--out", "runs", "--", PY, TINY, "--steps", "100000"],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.time() + 120
     events = tmp_path / "runs"
     # wait until the job has made a few steps
@@ -123,8 +133,11 @@ def test_existing_sitecustomize_still_runs(tmp_path):
     site.mkdir()
     marker = tmp_path / "marker"
     (site / "sitecustomize.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\n")
-    proc = diagnose(["--out", "runs", "--no-pyspy", "--", PY, TINY, "--steps", "2"], cwd=tmp_path,
-                    env={"PYTHONPATH": str(site)})
+    proc = diagnose(
+        ["--out", "runs", "--no-pyspy", "--", PY, TINY, "--steps", "2"],
+        cwd=tmp_path,
+        env={"PYTHONPATH": str(site)},
+    )
     assert proc.returncode == 0, proc.stderr
     assert marker.read_text() == "ran"
     run = traindx.load_run(only_run_dir(tmp_path / "runs"))
@@ -134,8 +147,11 @@ def test_existing_sitecustomize_still_runs(tmp_path):
 @pytest.mark.slow
 def test_torchrun_two_ranks_yield_events_for_both(tmp_path):
     torchrun = os.path.join(os.path.dirname(PY), "torchrun")
-    proc = diagnose(["--out", "runs", "--", torchrun, "--nproc-per-node", "2", TINY, "--steps",
-                     "4"], cwd=tmp_path, env={"OMP_NUM_THREADS": "1"})
+    proc = diagnose(
+        ["--out", "runs", "--", torchrun, "--nproc-per-node", "2", TINY, "--steps", "4"],
+        cwd=tmp_path,
+        env={"OMP_NUM_THREADS": "1"},
+    )
     assert proc.returncode == 0, proc.stderr
     run = traindx.load_run(only_run_dir(tmp_path / "runs"))
     assert sorted(run.steps["rank"].unique()) == ["0", "1"]
@@ -159,9 +175,11 @@ def test_no_command_is_a_one_line_error(tmp_path):
 
 @pytest.mark.slow
 def test_secrets_are_redacted_in_the_manifest(tmp_path):
-    proc = diagnose(["--out", "runs", "--no-pyspy", "--", PY, TINY, "--steps", "1"], cwd=tmp_path,
-                    env={"HF_TOKEN": "hf_abc123", "MY_API_KEY": "k-999", "DB_PASSWORD": "pw",
-                         "PLAIN_SETTING": "visible"})
+    proc = diagnose(
+        ["--out", "runs", "--no-pyspy", "--", PY, TINY, "--steps", "1"],
+        cwd=tmp_path,
+        env={"HF_TOKEN": "hf_abc123", "MY_API_KEY": "k-999", "DB_PASSWORD": "pw", "PLAIN_SETTING": "visible"},
+    )
     assert proc.returncode == 0, proc.stderr
     run_dir = only_run_dir(tmp_path / "runs")
     text = open(os.path.join(run_dir, "manifest.json")).read()
@@ -175,8 +193,11 @@ def test_secrets_are_redacted_in_the_manifest(tmp_path):
 @pytest.mark.slow
 def test_missing_evidence_is_recorded_not_fatal(tmp_path):
     # no NVML on a CPU machine; py-spy switched off: the job still runs to its end
-    proc = diagnose(["--out", "runs", "--no-pyspy", "--", PY, TINY, "--steps", "2"], cwd=tmp_path,
-                    env={"PATH": os.path.dirname(PY) + os.pathsep + "/usr/bin:/bin"})
+    proc = diagnose(
+        ["--out", "runs", "--no-pyspy", "--", PY, TINY, "--steps", "2"],
+        cwd=tmp_path,
+        env={"PATH": os.path.dirname(PY) + os.pathsep + "/usr/bin:/bin"},
+    )
     assert proc.returncode == 0
     run = traindx.load_run(only_run_dir(tmp_path / "runs"))
     assert "pyspy" in run.missing
@@ -188,14 +209,16 @@ def test_a_failing_shim_hook_does_not_harm_the_job(tmp_path):
     # a job whose import of a hooked module makes our hook fail: the job runs on and the
     # failure lands in the events as a shim_error
     script = tmp_path / "job.py"
-    script.write_text(textwrap.dedent("""
+    script.write_text(
+        textwrap.dedent("""
         import sys, types
         import _traindx_shim
         from _traindx_shim import importhooks
         importhooks.on_import("json.tool", lambda m: 1 / 0)
         import json.tool
         print("job finished")
-    """))
+    """)
+    )
     proc = diagnose(["--out", "runs", "--no-pyspy", "--", PY, str(script)], cwd=tmp_path)
     assert proc.returncode == 0
     assert "job finished" in proc.stdout
@@ -280,14 +303,17 @@ def test_the_job_sees_only_its_own_signal_handlers(tmp_path):
     assert under["previous"] == repr(signal.SIG_DFL)
     assert under["mine"] and under["seen"] == [signal.SIGTERM]
     assert len(traindx.load_run(only_run_dir(tmp_path / "runs")).steps) >= 3
+
     # started with hang-ups ignored (nohup, a background job): the job ignores them too
     def nohup():
         signal.signal(signal.SIGHUP, signal.SIG_IGN)
 
-    bare = subprocess.run([PY, str(script)], capture_output=True, text=True, timeout=120,
-                          preexec_fn=nohup)
-    proc = diagnose(["--run-dir", str(tmp_path / "nohup"), "--no-pyspy", "--", PY, str(script)],
-                    cwd=tmp_path, preexec_fn=nohup)
+    bare = subprocess.run([PY, str(script)], capture_output=True, text=True, timeout=120, preexec_fn=nohup)
+    proc = diagnose(
+        ["--run-dir", str(tmp_path / "nohup"), "--no-pyspy", "--", PY, str(script)],
+        cwd=tmp_path,
+        preexec_fn=nohup,
+    )
     assert bare.returncode == 0 and proc.returncode == 0, proc.stderr
     bare, under = json.loads(bare.stdout), json.loads(proc.stdout.strip().splitlines()[-1])
     assert bare["at_start"]["SIGHUP"] == repr(signal.SIG_IGN)
@@ -299,7 +325,8 @@ def test_sigterm_during_a_long_c_call_ends_the_job_at_once(tmp_path):
     # a native wait that only a signal's default action interrupts: a Python-level SIGTERM
     # handler would run only after it returns (30 s)
     script = tmp_path / "job.py"
-    script.write_text(textwrap.dedent("""
+    script.write_text(
+        textwrap.dedent("""
         import datetime, os
         import torch, torch.distributed as dist
         model = torch.nn.Linear(4, 1)
@@ -310,10 +337,15 @@ def test_sigterm_during_a_long_c_call_ends_the_job_at_once(tmp_path):
         print("waiting", os.getpid(), flush=True)
         store.wait(["never-set"])
         print("the wait returned", flush=True)
-    """))
-    proc = subprocess.Popen([PY, "-m", "traindx", "--out", "runs", "--no-pyspy", "--", PY,
-                             str(script)], cwd=tmp_path, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    """)
+    )
+    proc = subprocess.Popen(
+        [PY, "-m", "traindx", "--out", "runs", "--no-pyspy", "--", PY, str(script)],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     pid = None
     for line in proc.stdout:
         if line.startswith("waiting"):

@@ -10,6 +10,7 @@ test_faults_run.py; secrets, row 6, in test_redact.py):
 
 The runs damaged are real ones recorded on the project's H200 (tests/data, see their READMEs).
 """
+
 import contextlib
 import io
 import json
@@ -19,7 +20,6 @@ import subprocess
 import warnings
 
 import pytest
-
 from helpers import PY, ROOT, diagnose, example
 
 import traindx
@@ -98,8 +98,9 @@ DAMAGES = [
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("run,name,how,said", DAMAGES,
-                         ids=[f"{os.path.basename(r)}:{n}:{h}" for r, n, h, _ in DAMAGES])
+@pytest.mark.parametrize(
+    "run,name,how,said", DAMAGES, ids=[f"{os.path.basename(r)}:{n}:{h}" for r, n, h, _ in DAMAGES]
+)
 def test_damaged_evidence_is_skipped_in_one_line_and_the_rest_analysed(tmp_path, run, name, how, said):
     steps = _steps(run)
     run_dir = _copy(run, tmp_path / "run")
@@ -226,9 +227,25 @@ def _bad_values(tmp_path):
     a_file.write_bytes(GARBAGE)
     a_folder = tmp_path / "a_folder"
     a_folder.mkdir(exist_ok=True)
-    return ["", "0", "-1", "-5.5", "nan", "inf", "1e999", "abc", "3:1", "x" * 300, "../..",
-            str(a_file), str(a_folder), f"{a_file}/sub", "/nonexistent/dir/f.json", "/proc/1/x",
-            "\u00e9t\u00e9"]
+    return [
+        "",
+        "0",
+        "-1",
+        "-5.5",
+        "nan",
+        "inf",
+        "1e999",
+        "abc",
+        "3:1",
+        "x" * 300,
+        "../..",
+        str(a_file),
+        str(a_folder),
+        f"{a_file}/sub",
+        "/nonexistent/dir/f.json",
+        "/proc/1/x",
+        "\u00e9t\u00e9",
+    ]
 
 
 def _walk_cases(tmp_path):
@@ -245,10 +262,20 @@ def _walk_cases(tmp_path):
         required = [x for a in options if a.required for x in (a.option_strings[0], "4194303")]
         for bad in _bad_values(tmp_path):
             for action in options:
-                others = [x for a in options if a.required and a is not action
-                          for x in (a.option_strings[0], "4194303")]
-                argv = [*prefix, action.option_strings[0], bad, *others,
-                        *[missing for _ in positionals], *tail]
+                others = [
+                    x
+                    for a in options
+                    if a.required and a is not action
+                    for x in (a.option_strings[0], "4194303")
+                ]
+                argv = [
+                    *prefix,
+                    action.option_strings[0],
+                    bad,
+                    *others,
+                    *[missing for _ in positionals],
+                    *tail,
+                ]
                 cases.append((main, argv, action.option_strings[0]))
             for i, action in enumerate(positionals):
                 values = [bad if j == i else missing for j in range(len(positionals))]
@@ -328,9 +355,29 @@ def cpu_run(tmp_path_factory):
     """A real run of the CPU example (the folder the argument tests write beside)."""
     cwd = tmp_path_factory.mktemp("cpu-run")
     run_dir = cwd / "run"
-    proc = diagnose(["--quiet", "--no-pyspy", "--no-nvml", "--steps", "4", "--run-dir", str(run_dir),
-                     "--", PY, example("train_tiny.py"), "--steps", "4", "--seq-len", "32",
-                     "--d-model", "32"], cwd=cwd, env={"OMP_NUM_THREADS": "1"}, timeout=300)
+    proc = diagnose(
+        [
+            "--quiet",
+            "--no-pyspy",
+            "--no-nvml",
+            "--steps",
+            "4",
+            "--run-dir",
+            str(run_dir),
+            "--",
+            PY,
+            example("train_tiny.py"),
+            "--steps",
+            "4",
+            "--seq-len",
+            "32",
+            "--d-model",
+            "32",
+        ],
+        cwd=cwd,
+        env={"OMP_NUM_THREADS": "1"},
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     return run_dir
 
@@ -373,9 +420,12 @@ def test_the_tracebacks_of_the_issue_are_one_line_errors(tmp_path, cpu_run):
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.count("\n") == 1 and "cannot start" in proc.stderr, proc.stderr
     assert not os.listdir(tmp_path / "elsewhere")  # no "failed to start" run folder left
-    proc = subprocess.run([PY, "-m", "traindx.kernel_cache.cli.main", "unpack",
-                           "--cache-dir", str(a_file), str(binary)], capture_output=True, text=True,
-                          timeout=120)
+    proc = subprocess.run(
+        [PY, "-m", "traindx.kernel_cache.cli.main", "unpack", "--cache-dir", str(a_file), str(binary)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.count("\n") == 1 and "is a file, not a folder" in proc.stderr, proc.stderr
 
@@ -395,7 +445,7 @@ def _without_callers(src, dst):
         for sample in profile["samples"]:
             inside = [k for k, i in enumerate(sample) if COMPILER_PATH.search(frames[i].get("file") or "")]
             if inside:  # keep py-spy's thread root frames (no file), drop the callers
-                sample = [i for i in sample[: inside[0]] if not frames[i].get("file")] + sample[inside[0]:]
+                sample = [i for i in sample[: inside[0]] if not frames[i].get("file")] + sample[inside[0] :]
                 cut += 1
             samples.append(sample)
         profile["samples"] = samples
@@ -414,8 +464,10 @@ def test_a_compile_site_without_a_caller_keeps_the_critical_finding(tmp_path):
     assert "flash_bwd_sm90.py" in finding["title"] and "backward" in finding["title"]
     # the same recording inside a run: the run's shim-based critical finding stays as well
     run_dir = _copy(SEED_RUN, tmp_path / "run")
-    _without_callers(os.path.join(SEED_RUN, "pyspy", "0-all.speedscope.json"),
-                     os.path.join(run_dir, "pyspy", "0-all.speedscope.json"))
+    _without_callers(
+        os.path.join(SEED_RUN, "pyspy", "0-all.speedscope.json"),
+        os.path.join(run_dir, "pyspy", "0-all.speedscope.json"),
+    )
     code, out, err = _diagnose("analyze", run_dir, "--json")
     assert code == 0 and "failed" not in err, err
     ids = {f["id"]: f["severity"] for f in json.loads(out)}
@@ -446,6 +498,7 @@ def test_a_failing_analyzer_loses_only_its_own_finding(tmp_path, monkeypatch):
 
         def broken(run, name=name):
             raise RuntimeError(f"{name} broke\non two lines")
+
         with monkeypatch.context() as m:
             m.setattr(module, "analyze", broken)
             run, analyze = _analyzed(run_dir)
@@ -456,7 +509,7 @@ def test_a_failing_analyzer_loses_only_its_own_finding(tmp_path, monkeypatch):
         assert lost not in findings and f"traindx.analyzer_failed.{name}" in findings
         others = {i for i, f in healthy.items() if f.analyzer != name}
         assert others <= set(findings), others - set(findings)
-        assert findings["traindx.analyzer_failed.%s" % name].severity == "info"
+        assert findings[f"traindx.analyzer_failed.{name}"].severity == "info"
 
 
 @pytest.mark.slow
@@ -479,5 +532,8 @@ def test_a_failing_step_after_the_analyzers_keeps_their_findings(tmp_path, monke
         run, analyze = _analyzed(run_dir)
         findings = analyze(run)
     assert {f.id for f in findings} == healthy
-    assert not any((p.change or {}).get("code") and not p.change["code"].get("autotune_key")
-                   for f in findings for p in f.prescriptions)
+    assert not any(
+        (p.change or {}).get("code") and not p.change["code"].get("autotune_key")
+        for f in findings
+        for p in f.prescriptions
+    )

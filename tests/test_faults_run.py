@@ -2,6 +2,7 @@
 alive, one run per folder, and a full disk is one line per file not written with the job's exit
 code passed through. Real processes, real signals, a real full filesystem (a small tmpfs in a
 user+mount namespace: `unshare -rm`, no privilege needed where user namespaces are allowed)."""
+
 import json
 import os
 import shutil
@@ -11,10 +12,9 @@ import textwrap
 import time
 
 import pytest
+from helpers import PY, diagnose
 
 import traindx
-
-from helpers import PY, diagnose
 
 # a job that prints on both streams every step and says, in a file, that it ended normally
 SLOW_JOB = textwrap.dedent("""
@@ -48,13 +48,13 @@ def _wait_for(predicate, timeout, what):
 
 
 def _step_ends(run_dir):
-    return sum(p.read_text(errors="replace").count('"step_end"')
-               for p in run_dir.glob("events/*.jsonl"))
+    return sum(p.read_text(errors="replace").count('"step_end"') for p in run_dir.glob("events/*.jsonl"))
 
 
 def _diagnose_bg(args, cwd, out, err):
-    return subprocess.Popen([PY, "-m", "traindx", *args], cwd=cwd, env=_env(),
-                            stdout=out, stderr=err, stdin=subprocess.DEVNULL)
+    return subprocess.Popen(
+        [PY, "-m", "traindx", *args], cwd=cwd, env=_env(), stdout=out, stderr=err, stdin=subprocess.DEVNULL
+    )
 
 
 @pytest.mark.slow
@@ -62,8 +62,12 @@ def test_sigkill_of_diagnose_leaves_the_job_running_and_reanalysis_finishes_the_
     job, marker, run_dir = tmp_path / "job.py", tmp_path / "ended", tmp_path / "run"
     job.write_text(SLOW_JOB)
     with open(tmp_path / "out.txt", "w") as out, open(tmp_path / "err.txt", "w") as err:
-        proc = _diagnose_bg(["--run-dir", str(run_dir), "--no-pyspy", "--", PY, str(job), "40",
-                             str(marker)], tmp_path, out, err)
+        proc = _diagnose_bg(
+            ["--run-dir", str(run_dir), "--no-pyspy", "--", PY, str(job), "40", str(marker)],
+            tmp_path,
+            out,
+            err,
+        )
     try:
         _wait_for(lambda: _step_ends(run_dir) >= 3, 120, "3 steps")
     finally:
@@ -120,8 +124,12 @@ def test_a_daemon_the_job_starts_outlives_diagnose_which_does_not_wait_for_it(tm
     job = tmp_path / "job.py"
     job.write_text(DAEMON_JOB)
     with open(tmp_path / "out.txt", "w") as out, open(tmp_path / "err.txt", "w") as err:
-        proc = _diagnose_bg(["--run-dir", str(tmp_path / "run"), "--no-pyspy", "--", PY,
-                             str(job), str(tmp_path)], tmp_path, out, err)
+        proc = _diagnose_bg(
+            ["--run-dir", str(tmp_path / "run"), "--no-pyspy", "--", PY, str(job), str(tmp_path)],
+            tmp_path,
+            out,
+            err,
+        )
     try:
         # diagnose ends while the daemon still holds the job's output open
         assert proc.wait(240) == 0, (tmp_path / "err.txt").read_text()[-3000:]
@@ -130,14 +138,20 @@ def test_a_daemon_the_job_starts_outlives_diagnose_which_does_not_wait_for_it(tm
         os.kill(pid, 0)  # alive
         assert not (tmp_path / "daemon.done").exists()
         ticks = (tmp_path / "out.txt").read_text().count("daemon tick")
-        _wait_for(lambda: (tmp_path / "out.txt").read_text().count("daemon tick") > ticks + 3,
-                  30, "the daemon's output after diagnose's end")
+        _wait_for(
+            lambda: (tmp_path / "out.txt").read_text().count("daemon tick") > ticks + 3,
+            30,
+            "the daemon's output after diagnose's end",
+        )
     finally:
         (tmp_path / "stop").write_text("")
     # its last print after diagnose is gone reaches the terminal: no BrokenPipeError
     _wait_for((tmp_path / "daemon.done").exists, 60, "the daemon's last line")
-    _wait_for(lambda: "daemon last line" in (tmp_path / "out.txt").read_text(), 30,
-              "the daemon's last line on the terminal")
+    _wait_for(
+        lambda: "daemon last line" in (tmp_path / "out.txt").read_text(),
+        30,
+        "the daemon's last line on the terminal",
+    )
     err = (tmp_path / "err.txt").read_text()
     assert "Traceback" not in err and "BrokenPipe" not in err
     assert "job done" in (tmp_path / "run" / "log.txt").read_text()
@@ -161,25 +175,34 @@ def test_one_run_per_folder_in_use_refused_and_a_finished_one_never_merged_into(
     job, go, run_dir = tmp_path / "job.py", tmp_path / "go", tmp_path / "run"
     job.write_text(WAITING_JOB)
     with open(tmp_path / "out.txt", "w") as out, open(tmp_path / "err.txt", "w") as err:
-        first = _diagnose_bg(["--run-dir", str(run_dir), "--no-pyspy", "--", PY, str(job),
-                              str(go)], tmp_path, out, err)
+        first = _diagnose_bg(
+            ["--run-dir", str(run_dir), "--no-pyspy", "--", PY, str(job), str(go)], tmp_path, out, err
+        )
     try:
         _wait_for(lambda: _step_ends(run_dir) >= 2, 120, "the first run's steps")
-        second = diagnose(["--run-dir", str(run_dir), "--no-pyspy", "--", PY, str(job), str(go)],
-                          cwd=tmp_path, env=_env(), timeout=120)
+        second = diagnose(
+            ["--run-dir", str(run_dir), "--no-pyspy", "--", PY, str(job), str(go)],
+            cwd=tmp_path,
+            env=_env(),
+            timeout=120,
+        )
         assert second.returncode == 2
         assert "Traceback" not in second.stderr
-        line, = second.stderr.strip().splitlines()
+        (line,) = second.stderr.strip().splitlines()
         assert "in use" in line and str(run_dir) in line
     finally:
         go.write_text("")
     assert first.wait(240) == 0, (tmp_path / "err.txt").read_text()[-3000:]
     before = {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()}
 
-    third = diagnose(["--run-dir", str(run_dir), "--no-pyspy", "--", PY, str(job), str(go)],
-                     cwd=tmp_path, env=_env(), timeout=120)
+    third = diagnose(
+        ["--run-dir", str(run_dir), "--no-pyspy", "--", PY, str(job), str(go)],
+        cwd=tmp_path,
+        env=_env(),
+        timeout=120,
+    )
     assert third.returncode == 2
-    line, = third.stderr.strip().splitlines()
+    (line,) = third.stderr.strip().splitlines()
     assert "already holds a run" in line and "finished" in line
     assert {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()} == before
     run = traindx.load_run(str(run_dir))
@@ -187,8 +210,9 @@ def test_one_run_per_folder_in_use_refused_and_a_finished_one_never_merged_into(
     assert len(list(run_dir.glob("events/p*.jsonl"))) == 1
     # a run folder that is a file is one line too
     (tmp_path / "afile").write_text("x")
-    proc = diagnose(["--run-dir", str(tmp_path / "afile"), "--", PY, "-c", "pass"],
-                    cwd=tmp_path, env=_env(), timeout=120)
+    proc = diagnose(
+        ["--run-dir", str(tmp_path / "afile"), "--", PY, "-c", "pass"], cwd=tmp_path, env=_env(), timeout=120
+    )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
 
@@ -198,13 +222,17 @@ def _namespace_mounts():
     """A private tmpfs is possible here (unprivileged user namespaces, or root)."""
     if shutil.which("unshare") is None:
         return False
-    probe = subprocess.run(["unshare", "-rm", "sh", "-c", "mount -t tmpfs -o size=16k none /mnt"],
-                           capture_output=True, timeout=30)
+    probe = subprocess.run(
+        ["unshare", "-rm", "sh", "-c", "mount -t tmpfs -o size=16k none /mnt"],
+        capture_output=True,
+        timeout=30,
+    )
     return probe.returncode == 0
 
 
-needs_small_disk = pytest.mark.skipif(not _namespace_mounts(),
-                                      reason="no user+mount namespace for a small tmpfs here")
+needs_small_disk = pytest.mark.skipif(
+    not _namespace_mounts(), reason="no user+mount namespace for a small tmpfs here"
+)
 
 
 def _in_small_disk(tmp_path, disk_kb, script, **env):
@@ -213,8 +241,9 @@ def _in_small_disk(tmp_path, disk_kb, script, **env):
     disk.mkdir()
     full = dict(_env(), DISK=str(disk), OUT=str(tmp_path), PY=PY, **env)
     body = f'mount -t tmpfs -o size={disk_kb}k none "$DISK" && cd "$DISK" && {script}'
-    return subprocess.run(["unshare", "-rm", "sh", "-c", body], env=full, capture_output=True,
-                          text=True, timeout=400)
+    return subprocess.run(
+        ["unshare", "-rm", "sh", "-c", body], env=full, capture_output=True, text=True, timeout=400
+    )
 
 
 FILLING_JOB = textwrap.dedent("""
@@ -244,9 +273,11 @@ FILLING_JOB = textwrap.dedent("""
 @pytest.mark.slow
 def test_a_disk_that_fills_while_recording_is_one_line_per_file_and_the_exit_code_passes(tmp_path):
     (tmp_path / "job.py").write_text(FILLING_JOB)
-    script = ('"$PY" -m traindx --quiet --dump-interval 0.3 --out "$DISK/runs" -- "$PY" "$OUT/job.py" '
-              '"$DISK/filler" > "$OUT/out.txt" 2> "$OUT/err.txt"; echo $? > "$OUT/rc"; '
-              'find "$DISK/runs" -name "*.tmp*" > "$OUT/stray"; cp -r "$DISK/runs" "$OUT/runs"')
+    script = (
+        '"$PY" -m traindx --quiet --dump-interval 0.3 --out "$DISK/runs" -- "$PY" "$OUT/job.py" '
+        '"$DISK/filler" > "$OUT/out.txt" 2> "$OUT/err.txt"; echo $? > "$OUT/rc"; '
+        'find "$DISK/runs" -name "*.tmp*" > "$OUT/stray"; cp -r "$DISK/runs" "$OUT/runs"'
+    )
     proc = _in_small_disk(tmp_path, 512, script)
     assert proc.returncode == 0, proc.stderr
     err = (tmp_path / "err.txt").read_text()
@@ -256,11 +287,13 @@ def test_a_disk_that_fills_while_recording_is_one_line_per_file_and_the_exit_cod
     terminal = (tmp_path / "out.txt").read_text()
     assert "step 6 loss" in terminal and "line 199" in terminal  # the terminal got it all
     not_written = [line for line in err.splitlines() if line.startswith("diagnose: not written")]
-    assert any("manifest.json was not finalised" in line and "No space left on device" in line
-               for line in not_written), err[-3000:]
+    assert any(
+        "manifest.json was not finalised" in line and "No space left on device" in line
+        for line in not_written
+    ), err[-3000:]
     assert any("log.txt" in line for line in not_written), err[-3000:]
     assert (tmp_path / "stray").read_text() == ""  # no half-written .tmp left
-    run_dir, = (tmp_path / "runs").iterdir()
+    (run_dir,) = (tmp_path / "runs").iterdir()
     # nothing already written is lost: the manifest as it was, the log's first lines
     manifest = json.loads((run_dir / "manifest.json").read_text())
     assert manifest["status"] == "running" and manifest["command"][-1].endswith("filler")
@@ -273,20 +306,31 @@ def recorded_run(tmp_path_factory):
     folder = tmp_path_factory.mktemp("recorded")
     job = folder / "job.py"
     job.write_text(SLOW_JOB)
-    proc = diagnose(["--quiet", "--no-pyspy", "--run-dir", str(folder / "run"), "--", PY,
-                     str(job), "3", str(folder / "ended")], cwd=folder, env=_env())
+    proc = diagnose(
+        [
+            "--quiet",
+            "--no-pyspy",
+            "--run-dir",
+            str(folder / "run"),
+            "--",
+            PY,
+            str(job),
+            "3",
+            str(folder / "ended"),
+        ],
+        cwd=folder,
+        env=_env(),
+    )
     assert proc.returncode == 0, proc.stderr
     return folder / "run"
 
 
 def _files(folder):
-    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*"))
-            if p.is_file()}
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
 @pytest.mark.slow
-def test_reanalysis_past_a_file_size_limit_is_one_line_per_file_and_loses_nothing(tmp_path,
-                                                                                  recorded_run):
+def test_reanalysis_past_a_file_size_limit_is_one_line_per_file_and_loses_nothing(tmp_path, recorded_run):
     # RLIMIT_FSIZE (ulimit -f) with SIGXFSZ ignored: the kernel refuses every write past 256 B
     # (EFBIG), as a full disk refuses them (ENOSPC); available to any user, CI included
     import resource
@@ -299,14 +343,21 @@ def test_reanalysis_past_a_file_size_limit_is_one_line_per_file_and_loses_nothin
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (256, 256))
 
-    proc = subprocess.run([PY, "-m", "traindx", "report", str(run_dir), "--reanalyze", "--quiet"],
-                          cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300,
-                          preexec_fn=limit)
+    proc = subprocess.run(
+        [PY, "-m", "traindx", "report", str(run_dir), "--reanalyze", "--quiet"],
+        cwd=tmp_path,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        preexec_fn=limit,
+    )
     assert proc.returncode == 1, proc.stderr
     assert "Traceback" not in proc.stderr
     lines = [line for line in proc.stderr.strip().splitlines() if "not written" in line]
     assert {"findings.json", "ledger.csv", "report.html"} == {
-        os.path.basename(line.split(" (")[0].split()[-1]) for line in lines}, proc.stderr
+        os.path.basename(line.split(" (")[0].split()[-1]) for line in lines
+    }, proc.stderr
     assert all("File too large" in line for line in lines)
     after = _files(run_dir)
     assert after == before  # the previous findings, ledger and report whole; no stray .tmp
@@ -316,17 +367,19 @@ def test_reanalysis_past_a_file_size_limit_is_one_line_per_file_and_loses_nothin
 @pytest.mark.slow
 def test_reanalysis_on_a_full_disk_writes_elsewhere_only_and_loses_nothing(tmp_path, recorded_run):
     shutil.copytree(recorded_run, tmp_path / "run")
-    script = ('cp -r "$OUT/run" "$DISK/run" && (dd if=/dev/zero of="$DISK/fill" bs=4k '
-              '2>/dev/null; true) && (cd "$DISK/run" && find . -type f | sort | xargs sha256sum) '
-              '> "$OUT/before"; '
-              '"$PY" -m traindx report "$DISK/run" --reanalyze --quiet -o "$OUT/elsewhere.html" '
-              '> "$OUT/out1" 2> "$OUT/err1"; echo $? > "$OUT/rc1"; '
-              '"$PY" -m traindx report "$DISK/run" --reanalyze --quiet > "$OUT/out2" 2> "$OUT/err2"; '
-              'echo $? > "$OUT/rc2"; (cd "$DISK/run" && find . -type f | sort | xargs sha256sum) '
-              '> "$OUT/after"; rm "$DISK/fill"; mount -o remount,ro "$DISK" && '
-              '"$PY" -m traindx report "$DISK/run" --reanalyze --quiet > "$OUT/out3" 2> "$OUT/err3"; '
-              'echo $? > "$OUT/rc3"; "$PY" -m traindx --out "$DISK/runs" -- "$PY" -c pass '
-              '> "$OUT/out4" 2> "$OUT/err4"; echo $? > "$OUT/rc4"')
+    script = (
+        'cp -r "$OUT/run" "$DISK/run" && (dd if=/dev/zero of="$DISK/fill" bs=4k '
+        '2>/dev/null; true) && (cd "$DISK/run" && find . -type f | sort | xargs sha256sum) '
+        '> "$OUT/before"; '
+        '"$PY" -m traindx report "$DISK/run" --reanalyze --quiet -o "$OUT/elsewhere.html" '
+        '> "$OUT/out1" 2> "$OUT/err1"; echo $? > "$OUT/rc1"; '
+        '"$PY" -m traindx report "$DISK/run" --reanalyze --quiet > "$OUT/out2" 2> "$OUT/err2"; '
+        'echo $? > "$OUT/rc2"; (cd "$DISK/run" && find . -type f | sort | xargs sha256sum) '
+        '> "$OUT/after"; rm "$DISK/fill"; mount -o remount,ro "$DISK" && '
+        '"$PY" -m traindx report "$DISK/run" --reanalyze --quiet > "$OUT/out3" 2> "$OUT/err3"; '
+        'echo $? > "$OUT/rc3"; "$PY" -m traindx --out "$DISK/runs" -- "$PY" -c pass '
+        '> "$OUT/out4" 2> "$OUT/err4"; echo $? > "$OUT/rc4"'
+    )
     proc = _in_small_disk(tmp_path, 1024, script)
     assert proc.returncode == 0, proc.stderr
     read = lambda name: (tmp_path / name).read_text()  # noqa: E731
@@ -341,7 +394,8 @@ def test_reanalysis_on_a_full_disk_writes_elsewhere_only_and_loses_nothing(tmp_p
     assert len(lines) == 3 and all(line.startswith("diagnose: not written") for line in lines)
     assert all("No space left on device" in line for line in lines)
     assert {"findings.json", "ledger.csv", "report.html"} == {
-        os.path.basename(line.split(" (")[0].split()[-1]) for line in lines}
+        os.path.basename(line.split(" (")[0].split()[-1]) for line in lines
+    }
     # nothing already written is lost, and no stray .tmp beside it
     assert read("before") == read("after")
     assert ".tmp" not in read("after")
@@ -349,7 +403,7 @@ def test_reanalysis_on_a_full_disk_writes_elsewhere_only_and_loses_nothing(tmp_p
     assert read("rc3").strip() == "1" and "Traceback" not in read("err3")
     assert read("err3").count("Read-only file system") == 3
     assert read("rc4").strip() == "2" and "Traceback" not in read("err4")
-    line, = read("err4").strip().splitlines()
+    (line,) = read("err4").strip().splitlines()
     # refused by the argument check (no permission to write there) or by the recorder
     assert ("Read-only file system" in line or "no permission to write" in line) and "runs" in line
 

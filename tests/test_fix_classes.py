@@ -2,6 +2,7 @@
 name): per-step host reads kept on the device, pageable copies made asynchronous from pinned
 memory, torch.compile's dynamic= at the call that made the recompiling graph. Each one a
 candidate arm applied on a scratch copy and measured, with loss parity."""
+
 import ast
 import json
 import os
@@ -9,14 +10,13 @@ import subprocess
 
 import numpy as np
 import pytest
+from helpers import PY, ROOT, diagnose
 
 import traindx
 from traindx.analyzers import fix_source
 from traindx.analyzers.findings import Finding, Prescription
 from traindx.analyzers.fixplan import candidate_plans
 from traindx.derive.ledger import steady_rows
-
-from helpers import PY, ROOT, diagnose
 
 JOBS = os.path.join(ROOT, "tests", "jobs")
 HOST_READS = os.path.join(JOBS, "fix_host_reads.py")
@@ -60,11 +60,19 @@ def _host_starved(path, line, lost):
     """The GPU view's finding as it read the H200 `total += loss.item()` job: the GPU idle for
     host work in the loop, prescriptions in prose only (nothing concrete of its own)."""
     return Finding(
-        id="gpu_idle.host_starved", title="The GPU waits for host work", severity="high",
-        analyzer="gpu_idle", seconds_lost_per_step=lost, share_of_step=0.4,
+        id="gpu_idle.host_starved",
+        title="The GPU waits for host work",
+        severity="high",
+        analyzer="gpu_idle",
+        seconds_lost_per_step=lost,
+        share_of_step=0.4,
         evidence={"rank": "0", "function": "<module>", "file": path, "line": line},
-        prescriptions=(Prescription(kind="code", summary="move the work off the training thread",
-                                    expected_gain_s_per_step=lost),))
+        prescriptions=(
+            Prescription(
+                kind="code", summary="move the work off the training thread", expected_gain_s_per_step=lost
+            ),
+        ),
+    )
 
 
 def _pageable(path, line, lost, loader_pin=None):
@@ -73,17 +81,33 @@ def _pageable(path, line, lost, loader_pin=None):
     (its edit is the planner's to build from the named line)."""
     prescriptions = []
     if loader_pin:
-        prescriptions.append(Prescription(kind="code", summary="DataLoader(..., pin_memory=True)",
-                                          change={"code": loader_pin},
-                                          expected_gain_s_per_step=lost))
-    prescriptions.append(Prescription(kind="code", summary="copy asynchronously",
-                                      expected_gain_s_per_step=lost))
+        prescriptions.append(
+            Prescription(
+                kind="code",
+                summary="DataLoader(..., pin_memory=True)",
+                change={"code": loader_pin},
+                expected_gain_s_per_step=lost,
+            )
+        )
+    prescriptions.append(
+        Prescription(kind="code", summary="copy asynchronously", expected_gain_s_per_step=lost)
+    )
     return Finding(
-        id="gpu_idle.pageable_copy", title="Host-to-device copies from pageable memory",
-        severity="high", analyzer="gpu_idle", seconds_lost_per_step=lost, share_of_step=0.3,
-        evidence={"rank": "0", "pageable_h2d_s_per_step": lost * 1.2, "file": path, "line": line,
-                  "source": open(path).read().splitlines()[line - 1]},
-        prescriptions=tuple(prescriptions))
+        id="gpu_idle.pageable_copy",
+        title="Host-to-device copies from pageable memory",
+        severity="high",
+        analyzer="gpu_idle",
+        seconds_lost_per_step=lost,
+        share_of_step=0.3,
+        evidence={
+            "rank": "0",
+            "pageable_h2d_s_per_step": lost * 1.2,
+            "file": path,
+            "line": line,
+            "source": open(path).read().splitlines()[line - 1],
+        },
+        prescriptions=tuple(prescriptions),
+    )
 
 
 def test_planner_builds_host_read_copy_and_compile_edits_from_the_named_lines(tmp_path):
@@ -104,16 +128,24 @@ def test_planner_builds_host_read_copy_and_compile_edits_from_the_named_lines(tm
         "    total += loss.item()\n"
         "    seen.append(float(loss))\n"
         "    if step % 4 == 0:\n"
-        "        print(f'step {step} loss {loss.item():.3f}')\n")
+        "        print(f'step {step} loss {loss.item():.3f}')\n"
+    )
     # `net` and `enc` are both called at the call site: the recompiling one is the static one
     recompile = Finding(
-        id="jit.dynamo_recompile", title="recompiles", severity="high", analyzer="jit",
+        id="jit.dynamo_recompile",
+        title="recompiles",
+        severity="high",
+        analyzer="jit",
         seconds_lost_per_step=0.5,
-        evidence={"size_changes": ["32 → 48"], "reasons": {"tensor 'x' size mismatch at index 0": 3},
-                  "functions": {"forward": 3}, "caller_kind": "call_site",
-                  "caller": {"file": str(job), "line": 10,
-                             "source": "    loss = net(enc(x)).pow(2).mean()"}},
-        prescriptions=(Prescription(kind="code", summary="mark the dimension dynamic"),))
+        evidence={
+            "size_changes": ["32 → 48"],
+            "reasons": {"tensor 'x' size mismatch at index 0": 3},
+            "functions": {"forward": 3},
+            "caller_kind": "call_site",
+            "caller": {"file": str(job), "line": 10, "source": "    loss = net(enc(x)).pow(2).mean()"},
+        },
+        prescriptions=(Prescription(kind="code", summary="mark the dimension dynamic"),),
+    )
     findings = [_host_starved(str(job), 9, 0.03), _pageable(str(job), 9, 0.02), recompile]
     cands, _ = candidate_plans([PY, str(job)], findings, str(tmp_path / "b"), cwd=str(tmp_path))
     by = {}
@@ -122,10 +154,12 @@ def test_planner_builds_host_read_copy_and_compile_edits_from_the_named_lines(tm
     # the compile call: dynamic=True first (the larger predicted saving), then dynamic=None
     compile_plans = [c for c in by["jit.dynamo_recompile"] if c.plan.source_edits]
     assert [c.summary.split(" at ")[0] for c in compile_plans[:2]] == [
-        "torch.compile(..., dynamic=True)", "torch.compile(..., dynamic=None)"]
+        "torch.compile(..., dynamic=True)",
+        "torch.compile(..., dynamic=None)",
+    ]
     text = _edited(compile_plans[0].plan)[str(job)]
     assert "net = torch.compile(torch.nn.Linear(8, 1),\n                    dynamic=True)" in text
-    assert "enc = torch.compile(torch.nn.Linear(8, 8))\n" in text   # the other compile untouched
+    assert "enc = torch.compile(torch.nn.Linear(8, 8))\n" in text  # the other compile untouched
     # the host reads kept on the device, in one arm; the print keeps its read
     reads = by["gpu_idle.host_starved"][0].plan
     text = _edited(reads)[str(job)]
@@ -141,14 +175,20 @@ def test_planner_builds_host_read_copy_and_compile_edits_from_the_named_lines(tm
     assert "    x = table[step * 32:(step + 1) * 32].pin_memory().to(dev, non_blocking=True)\n" in text
     # a launch-bound step in a job that compiles: mode="reduce-overhead" at the one call whose
     # name is called in the loop (the finding names the loop's line)
-    launch = Finding(id="gpu.launch_bound", title="launch-bound", severity="high", analyzer="gpu",
-                     seconds_lost_per_step=0.01,
-                     evidence={"caller": {"file": str(job), "line": 10,
-                                          "source": "    loss = net(x).pow(2).mean()"}})
+    launch = Finding(
+        id="gpu.launch_bound",
+        title="launch-bound",
+        severity="high",
+        analyzer="gpu",
+        seconds_lost_per_step=0.01,
+        evidence={"caller": {"file": str(job), "line": 10, "source": "    loss = net(x).pow(2).mean()"}},
+    )
     graphs, _ = candidate_plans([PY, str(job)], [launch], str(tmp_path / "b"), cwd=str(tmp_path))
     text = _edited(graphs[0].plan)[str(job)]
-    assert ("net = torch.compile(torch.nn.Linear(8, 1),\n"
-            "                    dynamic=False, mode='reduce-overhead')") in text
+    assert (
+        "net = torch.compile(torch.nn.Linear(8, 1),\n"
+        "                    dynamic=False, mode='reduce-overhead')"
+    ) in text
     # best predicted saving first, whatever the mechanism
     gains = [c.predicted_saving_s_per_step for c in cands]
     assert gains == sorted(gains, reverse=True)
@@ -158,17 +198,21 @@ def test_planner_builds_host_read_copy_and_compile_edits_from_the_named_lines(tm
 
     from traindx.report.findings_view import finding_view, fix_marks
 
-    run = SimpleNamespace(manifest={"command": [PY, str(job)], "cwd": str(tmp_path)},
-                          path=str(tmp_path / "b"))
+    run = SimpleNamespace(
+        manifest={"command": [PY, str(job)], "cwd": str(tmp_path)}, path=str(tmp_path / "b")
+    )
     marks = fix_marks(run, findings)
     planned = {f.id: [c["fix"] for c in marks.get((f.id, "planned"), [])] for f in findings}
-    assert planned["jit.dynamo_recompile"][:2] == ["applied", "next"]   # dynamic=True, then None
+    assert planned["jit.dynamo_recompile"][:2] == ["applied", "next"]  # dynamic=True, then None
     assert "next" in planned["gpu_idle.host_starved"] or "alternative" in planned["gpu_idle.host_starved"]
     view = finding_view(findings[0], [], marks)
     built = [p for p in view["prescriptions"] if p["planned"]]
     assert built and built[0]["summary"] == by["gpu_idle.host_starved"][0].summary
-    assert sum(m == "applied" for k, m in marks.items() if k[1] != "planned") \
-        + sum(c["fix"] == "applied" for k, v in marks.items() if k[1] == "planned" for c in v) == 1
+    assert (
+        sum(m == "applied" for k, m in marks.items() if k[1] != "planned")
+        + sum(c["fix"] == "applied" for k, v in marks.items() if k[1] == "planned" for c in v)
+        == 1
+    )
 
 
 @pytest.mark.slow
@@ -197,31 +241,46 @@ def test_a_launch_bound_job_that_compiles_nothing_gets_its_model_compiled_where_
         "    opt.zero_grad()\n"
         "    loss.backward()\n"
         "    opt.step()\n"
-        "    print(f'step {step} loss {loss.item():.4f}', flush=True)\n")
-    launch = Finding(id="gpu.launch_bound", title="launch-bound", severity="high", analyzer="gpu",
-                     seconds_lost_per_step=0.004,
-                     evidence={"caller": {"file": str(job), "line": 15}})
+        "    print(f'step {step} loss {loss.item():.4f}', flush=True)\n"
+    )
+    launch = Finding(
+        id="gpu.launch_bound",
+        title="launch-bound",
+        severity="high",
+        analyzer="gpu",
+        seconds_lost_per_step=0.004,
+        evidence={"caller": {"file": str(job), "line": 15}},
+    )
     cands, _ = candidate_plans([PY, str(job)], [launch], str(tmp_path / "b"), cwd=str(tmp_path))
     assert len(cands) == 1 and cands[0].mechanism == "source", [c.summary for c in cands]
     assert "where the model is made (model at train.py:9" in cands[0].summary
     assert cands[0].predicted_saving_s_per_step == 0.004
     text = _edited(cands[0].plan)[str(job)]
-    assert ("                      nn.Linear(16, 1))\nmodel.compile(mode='reduce-overhead')\n"
-            "model = model.to('cpu')\n") in text
+    assert (
+        "                      nn.Linear(16, 1))\nmodel.compile(mode='reduce-overhead')\n"
+        "model = model.to('cpu')\n"
+    ) in text
     patched = tmp_path / "patched.py"
     patched.write_text(text)
-    proc = subprocess.run([PY, str(patched), "--steps", "3"], capture_output=True, text=True,
-                          timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = subprocess.run(
+        [PY, str(patched), "--steps", "3"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert [line.split()[1] for line in proc.stdout.splitlines()] == ["0", "1", "2"]
     # a job that compiles already: its own call gets the mode (the other test); no torch import,
     # or a model made in the loop: nothing
     from traindx.analyzers import codefix_compile
 
-    assert codefix_compile.compile_model_edits(str(patched)) == []      # it compiles now
+    assert codefix_compile.compile_model_edits(str(patched)) == []  # it compiles now
     bare = tmp_path / "bare.py"
     bare.write_text(job.read_text().replace("import torch\n", "import torch as T\n"))
-    assert codefix_compile.compile_model_edits(str(bare)) == [] and codefix_compile.compile_model_edits(str(job))
+    assert codefix_compile.compile_model_edits(str(bare)) == [] and codefix_compile.compile_model_edits(
+        str(job)
+    )
     # shaped like pytorch/examples' scripts: the model made in each branch of an if/else inside
     # main(), called by a train() helper's loop defined above it, reloaded after training
     helper = tmp_path / "helper.py"
@@ -239,14 +298,19 @@ def test_a_launch_bound_job_that_compiles_nothing_gets_its_model_compiled_where_
         "    opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
         "    for epoch in range(2):\n"
         "        train(model, opt, 3)\n"
-        "    model = torch.load('best.pt')\n")
+        "    model = torch.load('best.pt')\n"
+    )
     (edit,) = codefix_compile.compile_model_edits(str(helper))
-    assert (edit["line"], edit["last_line"]) == (7, 10)            # after the whole if/else
-    assert "    else:\n        model = torch.nn.Linear(2, 1)\n    model.compile(mode='reduce-overhead')\n" \
+    assert (edit["line"], edit["last_line"]) == (7, 10)  # after the whole if/else
+    assert (
+        "    else:\n        model = torch.nn.Linear(2, 1)\n    model.compile(mode='reduce-overhead')\n"
         "    opt = " in fix_source.patched_text(str(helper), [edit])
+    )
     inside = tmp_path / "inside.py"
-    inside.write_text("import torch\nfor s in range(2):\n    m = torch.nn.Linear(2, 1)\n"
-                      "    o = torch.optim.SGD(m.parameters(), lr=0.1)\n    m(torch.ones(2)).sum()\n")
+    inside.write_text(
+        "import torch\nfor s in range(2):\n    m = torch.nn.Linear(2, 1)\n"
+        "    o = torch.optim.SGD(m.parameters(), lr=0.1)\n    m(torch.ones(2)).sum()\n"
+    )
     assert codefix_compile.compile_model_edits(str(inside)) == []
 
 
@@ -256,8 +320,8 @@ def test_fix_applies_the_host_read_and_pinned_copy_edits_and_parity_holds(tmp_pa
     view's host_starved at the loop, pageable_copy at the copy line with the loader's real
     construction site from the shim's data_site events). The loop plans them, applies each on a
     scratch copy, runs it: the edited job still runs, the patch is right, parity passes."""
-    from traindx.cli import outputs
     from traindx.analyzers import dataloader, frameworks
+    from traindx.cli import outputs
     from traindx.cli.fixloop import FixOptions, fix
     from traindx.profiler.launcher import Options
 
@@ -271,25 +335,34 @@ def test_fix_applies_the_host_read_and_pinned_copy_edits_and_parity_holds(tmp_pa
         site = dataloader._starving_site(frameworks.data_sites(record, "0"), "DataLoader")
         pin = dataloader._site_change(site, "DataLoader", {"pin_memory": "True"})
         assert pin and "DataLoader(data, batch_size=16, shuffle=False, pin_memory=True)" in pin["after"]
-        return [_host_starved(HOST_READS, copy_line, 0.03),
-                _pageable(HOST_READS, copy_line, 0.02, loader_pin=pin)] + list(findings), report
+        return [
+            _host_starved(HOST_READS, copy_line, 0.03),
+            _pageable(HOST_READS, copy_line, 0.02, loader_pin=pin),
+        ] + list(findings), report
 
     monkeypatch.setattr(outputs, "analyze_and_write", analyze_and_write)
     # both arms measured: on a CPU nothing waits on a host read, so a first arm "as predicted"
     # is the machine's load (seen once on a fresh-clone CI run), which would end the search
     from traindx.cli import fixloop
+
     monkeypatch.setattr(fixloop, "_as_predicted", lambda row: False)
     before = open(HOST_READS).read()
-    result = fix([PY, HOST_READS], FixOptions(
-        record=Options(steps=24, pyspy=False, extra_env={"OMP_NUM_THREADS": "1"}),
-        run_dir=str(tmp_path / "fix"), cwd=str(tmp_path), tries=2,
-        repeat_inconclusive=False))  # the patches are checked here, not the measurement
+    result = fix(
+        [PY, HOST_READS],
+        FixOptions(
+            record=Options(steps=24, pyspy=False, extra_env={"OMP_NUM_THREADS": "1"}),
+            run_dir=str(tmp_path / "fix"),
+            cwd=str(tmp_path),
+            tries=2,
+            repeat_inconclusive=False,
+        ),
+    )  # the patches are checked here, not the measurement
     assert result.status == "done" and result.exit_code == 0
     reads, copy = result.arms[:2]
     assert reads["finding"] == "gpu_idle.host_starved" and copy["finding"] == "gpu_idle.pageable_copy"
     for arm in (reads, copy):
         assert arm["mechanism"] == "source" and arm["exit_code"] == 0, arm
-        assert arm["loss_parity"] is True, arm       # the same losses, edited or not
+        assert arm["loss_parity"] is True, arm  # the same losses, edited or not
     patch = open(reads["patch"]).read()
     assert "-    total += loss.item()\n+    total += loss.detach()\n" in patch
     patch = open(copy["patch"]).read()
@@ -300,7 +373,7 @@ def test_fix_applies_the_host_read_and_pinned_copy_edits_and_parity_holds(tmp_pa
     # nothing waits on a CPU: an arm is kept only when it is not slower than the baseline
     kept = fix_json["kept"]
     assert kept is None or (kept["judged_speedup"] >= 1.0 and kept["loss_parity"] is True)
-    assert open(HOST_READS).read() == before      # the user's file as it was
+    assert open(HOST_READS).read() == before  # the user's file as it was
 
 
 @pytest.mark.slow
@@ -311,9 +384,27 @@ def test_fix_compiles_with_dynamic_shapes_and_the_recompiles_stop(tmp_path):
     parity. aot_eager keeps the suite's time (the recompile is dynamo's either way; inductor
     with the system C compiler: docs/fix.md)."""
     fix_dir = tmp_path / "fix"
-    proc = diagnose(["--fix", "--no-pyspy", "--quiet", "--steps", "6", "--fix-tries", "2",
-                     "--run-dir", str(fix_dir), "--", PY, COMPILE_SHAPES, "--backend", "aot_eager"],
-                    cwd=tmp_path, env={"OMP_NUM_THREADS": "1"}, timeout=900)
+    proc = diagnose(
+        [
+            "--fix",
+            "--no-pyspy",
+            "--quiet",
+            "--steps",
+            "6",
+            "--fix-tries",
+            "2",
+            "--run-dir",
+            str(fix_dir),
+            "--",
+            PY,
+            COMPILE_SHAPES,
+            "--backend",
+            "aot_eager",
+        ],
+        cwd=tmp_path,
+        env={"OMP_NUM_THREADS": "1"},
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     fix = json.loads((fix_dir / "fix.json").read_text())
     kept = fix["kept"]
@@ -360,12 +451,14 @@ def test_host_read_edits_keep_results_on_the_device_and_leave_host_values_alone(
         "        lengths.append(torch.randint(4, 9, (1,)).item())\n"
         "        offset += torch.randint(4, 9, (1,)).item()\n"
         "        print('loss', crit(out, target).item())\n"
-        "    return total\n")
-    edits = codefix.device_accumulations(str(job), 2)   # a profiler names the def line
+        "    return total\n"
+    )
+    edits = codefix.device_accumulations(str(job), 2)  # a profiler names the def line
     assert [(e["line"], e["after"]) for e in edits] == [
         (6, "total += len(data) * crit(out, target).detach()  # sum up batch loss"),
         (7, "correct += out.argmax(1).eq(target).sum().detach()"),
-        (8, "meter.update(crit(out, target).detach(), data.size(0))")]
+        (8, "meter.update(crit(out, target).detach(), data.size(0))"),
+    ]
     # a finding that measured one line (host_work) edits that line only, not its neighbours
     assert codefix.device_accumulations(str(job), 5, widen=False) == []
     assert [e["line"] for e in codefix.device_accumulations(str(job), 7, widen=False)] == [7]
@@ -398,15 +491,16 @@ def test_a_guard_read_to_the_host_becomes_an_assert_on_the_device(tmp_path):
         "        if loss.item() > 5:\n"
         "            print('large')\n"
         "        if torch.allclose(loss, loss):\n"
-        "            raise RuntimeError('never: allclose is a Python bool')\n")
-    edits = codefix.device_checks(str(job), 2)   # a profiler names the def line
+        "            raise RuntimeError('never: allclose is a Python bool')\n"
+    )
+    edits = codefix.device_checks(str(job), 2)  # a profiler names the def line
     assert [(e["line"], e["after"]) for e in edits] == [
         (5, "torch._assert_async(torch.isfinite(loss).all(), 'loss is not finite')"),
-        (7, "if check:\n            torch._assert_async(torch.logical_not((loss > 100).any()), "
-            "'diverged')")]
+        (7, "if check:\n            torch._assert_async(torch.logical_not((loss > 100).any()), 'diverged')"),
+    ]
     text = fix_source.patched_text(str(job), [fix_source.resolve_edit(e) for e in edits])
     ast.parse(text)
-    assert "if loss.item() > 5:" in text   # not a guard that raises: left alone
+    assert "if loss.item() > 5:" in text  # not a guard that raises: left alone
 
     script = tmp_path / "gpu_cases.py"
     original = open(os.path.join(ROOT, "bench", "jobs", "gpu_cases.py")).read()
@@ -417,8 +511,10 @@ def test_a_guard_read_to_the_host_becomes_an_assert_on_the_device(tmp_path):
     patched = tmp_path / "patched.py"
     patched.write_text(fix_source.patched_text(str(script), [fix_source.resolve_edit(edits[0])]))
     args = ["--case", "item_sync", "--device", "cpu", "--small", "--steps", "3"]
-    runs = [subprocess.run([PY, str(p)] + args, capture_output=True, text=True, timeout=120)
-            for p in (script, patched)]
+    runs = [
+        subprocess.run([PY, str(p)] + args, capture_output=True, text=True, timeout=120)
+        for p in (script, patched)
+    ]
     assert all(r.returncode == 0 for r in runs), [r.stderr[-800:] for r in runs]
     losses = [[l.split()[3] for l in r.stdout.splitlines() if l.startswith("step ")] for r in runs]
     assert losses[0] == losses[1] and len(losses[0]) == 3
@@ -431,7 +527,8 @@ def test_a_guard_read_to_the_host_becomes_an_assert_on_the_device(tmp_path):
         "m = MLP(4, 8, 2, check_every_layer=True)\n"
         "with torch.no_grad():\n"
         "    m.layers[0].weight.fill_(math.inf)\n"
-        "m(torch.ones(2, 4))\n")
+        "m(torch.ones(2, 4))\n"
+    )
     failed = subprocess.run([PY, str(probe)], capture_output=True, text=True, timeout=120)
     assert failed.returncode != 0 and "non-finite activations" in failed.stderr, failed.stderr[-800:]
 
@@ -442,10 +539,12 @@ def test_an_occasional_cost_is_judged_by_the_mean_and_a_slower_arm_is_never_kept
     from traindx.cli.fixloop import _keep, _periodic
 
     window = {"window_values_s": {"baseline": [0.05] * 20 + [0.9] * 3, "candidate": [0.06] * 23}}
-    gc_steps = Finding(id="gc.gen2_in_step", title="gc", severity="high", analyzer="gc",
-                       steps_affected=(10, 17, 24))
-    every_step = Finding(id="gc.collect", title="gc", severity="high", analyzer="gc",
-                         steps_affected=tuple(range(23)))
+    gc_steps = Finding(
+        id="gc.gen2_in_step", title="gc", severity="high", analyzer="gc", steps_affected=(10, 17, 24)
+    )
+    every_step = Finding(
+        id="gc.collect", title="gc", severity="high", analyzer="gc", steps_affected=tuple(range(23))
+    )
     assert _periodic(gc_steps, window) and not _periodic(every_step, window)
     arm = {"exit_code": 0, "loss_parity": True, "significant": False, "dir": "a"}
     slower, even = dict(arm, judged_speedup=0.01, dir="slow"), dict(arm, judged_speedup=1.02)
@@ -472,19 +571,31 @@ def test_mark_dynamic_goes_before_the_calls_of_the_compiled_model(tmp_path):
         "model = torch.compile(M(), dynamic=False)\n"
         "for step in range(4):\n"
         "    batch = torch.randn(2, 8 + step)\n"
-        "    out = model(batch)\n")
+        "    out = model(batch)\n"
+    )
     finding = Finding(
-        id="jit.dynamo_recompile", title="recompiles", severity="high", analyzer="jit",
+        id="jit.dynamo_recompile",
+        title="recompiles",
+        severity="high",
+        analyzer="jit",
         seconds_lost_per_step=0.4,
-        evidence={"reasons": {"tensor 'x' size mismatch at index 1": 3}, "size_changes": ["8 → 9"],
-                  "functions": {"forward": 3}, "caller_kind": "caller",
-                  "caller": {"file": str(job), "line": 3, "function": "forward"}})
+        evidence={
+            "reasons": {"tensor 'x' size mismatch at index 1": 3},
+            "size_changes": ["8 → 9"],
+            "functions": {"forward": 3},
+            "caller_kind": "caller",
+            "caller": {"file": str(job), "line": 3, "function": "forward"},
+        },
+    )
     cands, _ = candidate_plans([PY, str(job)], [finding], str(tmp_path / "b"), cwd=str(tmp_path))
     assert [c.summary.split(" ")[0] for c in cands] == [
-        "torch.compile(...,", "torch.compile(...,", "torch._dynamo.mark_dynamic(x,"]
+        "torch.compile(...,",
+        "torch.compile(...,",
+        "torch._dynamo.mark_dynamic(x,",
+    ]
     text = _edited(cands[2].plan)[str(job)]
     assert "    torch._dynamo.mark_dynamic(batch, 1)\n    out = model(batch)\n" in text
-    assert "model = torch.compile(M(), dynamic=False)\n" in text   # that arm leaves the call
+    assert "model = torch.compile(M(), dynamic=False)\n" in text  # that arm leaves the call
 
 
 def test_a_copy_whose_non_blocking_can_be_false_is_made_asynchronous(tmp_path):
@@ -493,15 +604,19 @@ def test_a_copy_whose_non_blocking_can_be_false_is_made_asynchronous(tmp_path):
     from traindx.analyzers import codefix
 
     job = tmp_path / "train.py"
-    job.write_text("import torch\n"
-                   "data = None\n"
-                   "data = [torch.randn(4, 4) for _ in range(3)]\n"
-                   "for step in range(6):\n"
-                   "    x = data[step % 3].to('cuda', non_blocking=async_copy)\n"
-                   "    y = data[step % 3].to('cuda', non_blocking=True)\n")
+    job.write_text(
+        "import torch\n"
+        "data = None\n"
+        "data = [torch.randn(4, 4) for _ in range(3)]\n"
+        "for step in range(6):\n"
+        "    x = data[step % 3].to('cuda', non_blocking=async_copy)\n"
+        "    y = data[step % 3].to('cuda', non_blocking=True)\n"
+    )
     once, (edit,) = codefix.async_copy_edits(str(job), 5)
-    assert [e["after"] for e in once] == ["data = [torch.randn(4, 4).pin_memory() for _ in range(3)]",
-                                          "    x = data[step % 3].to('cuda', non_blocking=True)"]
+    assert [e["after"] for e in once] == [
+        "data = [torch.randn(4, 4).pin_memory() for _ in range(3)]",
+        "    x = data[step % 3].to('cuda', non_blocking=True)",
+    ]
     assert edit["after"] == "    x = data[step % 3].pin_memory().to('cuda', non_blocking=True)"
     assert codefix.async_copy_edits(str(job), 6) == []
 
@@ -522,12 +637,13 @@ def test_a_host_dataset_built_after_a_placeholder_is_pinned_once_where_it_is_mad
         "    data = [t.pin_memory() for t in data]\n"
         "for step in range(6):\n"
         "    x = data[step % len(data)].to(dev, non_blocking='--pinned' in sys.argv)\n"
-        "    print(x.sum())\n")
-    cands, _ = candidate_plans([PY, str(job)], [_pageable(str(job), 9, 0.05)], str(tmp_path / "b"),
-                               cwd=str(tmp_path))
+        "    print(x.sum())\n"
+    )
+    cands, _ = candidate_plans(
+        [PY, str(job)], [_pageable(str(job), 9, 0.05)], str(tmp_path / "b"), cwd=str(tmp_path)
+    )
     texts = [_edited(c.plan)[str(job)] for c in cands]
-    assert "data = [torch.randn(64, 8).pin_memory() for _ in range(3)]  # kept in host memory\n" \
-        in texts[0]
+    assert "data = [torch.randn(64, 8).pin_memory() for _ in range(3)]  # kept in host memory\n" in texts[0]
     assert "    x = data[step % len(data)].to(dev, non_blocking=True)\n" in texts[0]
     assert "data = None\n" in texts[0] and "    data = [t.pin_memory() for t in data]\n" in texts[0]
     assert "    x = data[step % len(data)].pin_memory().to(dev, non_blocking=True)\n" in texts[1]
@@ -554,18 +670,27 @@ def test_a_checkpoint_written_inline_gets_a_background_write_that_keeps_every_ch
         "    if step % 2 == 1:\n"
         "        torch.save({'w': w, 'step': step, 'opt': [w * 2]},\n"
         "                   os.path.join(out, f'ckpt-{step}.pt'))\n"
-        "        torch.save({'last': step}, os.path.join(out, 'latest.pt'))\n")
+        "        torch.save({'last': step}, os.path.join(out, 'latest.pt'))\n"
+    )
     finding = Finding(
-        id="steps.periodic_slow", title="every 2nd step is slow", severity="high",
-        analyzer="stability", seconds_lost_per_step=0.3,
-        evidence={"period": 2, "median_other_s": 0.1, "io_in_slow_steps": [
-            {"call": "torch.save", "caller": {"file": str(job), "line": 9}},
-            {"call": "torch.save", "caller": {"file": str(job), "line": 11}}]},
-        prescriptions=(Prescription(kind="code", summary="save asynchronously"),))
-    cands, _ = candidate_plans([PY, str(job), "out"], [finding], str(tmp_path / "b"),
-                               cwd=str(tmp_path))
+        id="steps.periodic_slow",
+        title="every 2nd step is slow",
+        severity="high",
+        analyzer="stability",
+        seconds_lost_per_step=0.3,
+        evidence={
+            "period": 2,
+            "median_other_s": 0.1,
+            "io_in_slow_steps": [
+                {"call": "torch.save", "caller": {"file": str(job), "line": 9}},
+                {"call": "torch.save", "caller": {"file": str(job), "line": 11}},
+            ],
+        },
+        prescriptions=(Prescription(kind="code", summary="save asynchronously"),),
+    )
+    cands, _ = candidate_plans([PY, str(job), "out"], [finding], str(tmp_path / "b"), cwd=str(tmp_path))
     arm = next(c for c in cands if "background thread" in c.summary)
-    assert arm.predicted_saving_s_per_step == pytest.approx(0.1)   # min(write, rest of step)
+    assert arm.predicted_saving_s_per_step == pytest.approx(0.1)  # min(write, rest of step)
     text = _edited(arm.plan)[str(job)]
     assert "        _save_in_background({'w': w, 'step': step, 'opt': [w * 2]},\n" in text
     assert "        _save_in_background({'last': step}, os.path.join(out, 'latest.pt'))\n" in text
@@ -587,14 +712,26 @@ def _per_parameter_optimizer_finding(job, cls, lost=0.010, share=0.6):
     the profiled step (evidence["optimizer"], its prescription priced by that share)."""
     saving = round(lost * share, 6)
     return Finding(
-        id="gpu.launch_bound", title="launch-bound", severity="high", analyzer="launch_bound",
+        id="gpu.launch_bound",
+        title="launch-bound",
+        severity="high",
+        analyzer="launch_bound",
         seconds_lost_per_step=lost,
-        evidence={"caller": {"file": str(job), "line": 3},
-                  "cuda_graph_saving_s": round(lost - saving, 6),
-                  "optimizer": {"class": cls, "launches_per_step": 3000, "share_of_step": share,
-                                "share_of_launches": 0.7, "saving_s": saving}},
-        prescriptions=(Prescription(kind="code", summary="a multi-tensor optimizer",
-                                    expected_gain_s_per_step=saving),))
+        evidence={
+            "caller": {"file": str(job), "line": 3},
+            "cuda_graph_saving_s": round(lost - saving, 6),
+            "optimizer": {
+                "class": cls,
+                "launches_per_step": 3000,
+                "share_of_step": share,
+                "share_of_launches": 0.7,
+                "saving_s": saving,
+            },
+        },
+        prescriptions=(
+            Prescription(kind="code", summary="a multi-tensor optimizer", expected_gain_s_per_step=saving),
+        ),
+    )
 
 
 def test_a_per_parameter_optimizer_is_made_multi_tensor_at_the_call_that_makes_it(tmp_path):
@@ -621,11 +758,13 @@ def test_a_per_parameter_optimizer_is_made_multi_tensor_at_the_call_that_makes_i
         "    optimizer.zero_grad()\n"
         "    loss.backward()\n"
         "    optimizer.step()\n"
-        "    print(f'step {step} loss {loss.item():.4f}', flush=True)\n")
+        "    print(f'step {step} loss {loss.item():.4f}', flush=True)\n"
+    )
     finding = _per_parameter_optimizer_finding(job, "Adadelta")
     cands, _ = candidate_plans([PY, str(job)], [finding], str(tmp_path / "b"), cwd=str(tmp_path))
-    assert [round(c.predicted_saving_s_per_step, 6) for c in cands] == [0.010, 0.006, 0.004], \
-        [(c.summary, c.predicted_saving_s_per_step) for c in cands]
+    assert [round(c.predicted_saving_s_per_step, 6) for c in cands] == [0.010, 0.006, 0.004], [
+        (c.summary, c.predicted_saving_s_per_step) for c in cands
+    ]
     both, multi, graph = cands
     assert multi.summary.startswith("Adadelta(..., foreach=True) at main.py:10")
     (edit,) = multi.plan.source_edits
@@ -634,20 +773,32 @@ def test_a_per_parameter_optimizer_is_made_multi_tensor_at_the_call_that_makes_i
     assert "model.compile(mode='reduce-overhead')\n" in made and "lr=args.lr, foreach=True)" in made
     patched = tmp_path / "patched.py"
     patched.write_text(_edited(multi.plan)[str(job)])
-    proc = subprocess.run([PY, str(patched)], capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = subprocess.run(
+        [PY, str(patched)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
-    baseline = subprocess.run([PY, str(job)], capture_output=True, text=True, timeout=600,
-                              env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.stdout == baseline.stdout   # the same updates, in fewer kernels
+    baseline = subprocess.run(
+        [PY, str(job)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert proc.stdout == baseline.stdout  # the same updates, in fewer kernels
 
     from traindx.analyzers import codefix_optim
 
     # a fused kernel where the class has one; a multi-line call; foreach=True made None
     sgd = tmp_path / "sgd.py"
-    sgd.write_text("import torch\nm = torch.nn.Linear(2, 1)\n"
-                   "opt = torch.optim.SGD(m.parameters(), 0.1,\n"
-                   "                      momentum=0.9, foreach=True)\n")
+    sgd.write_text(
+        "import torch\nm = torch.nn.Linear(2, 1)\n"
+        "opt = torch.optim.SGD(m.parameters(), 0.1,\n"
+        "                      momentum=0.9, foreach=True)\n"
+    )
     (edit,) = codefix_optim.multi_tensor_edits(str(sgd), "SGD")
     assert (edit["line"], edit["last_line"]) == (3, 4)
     assert edit["after"].endswith("momentum=0.9, foreach=None, fused=True)")
@@ -655,14 +806,17 @@ def test_a_per_parameter_optimizer_is_made_multi_tensor_at_the_call_that_makes_i
     # library's AdamW, or a call already fused: no
     assert codefix_optim.multi_tensor_edits(str(sgd), "AdamW") == []
     named = tmp_path / "named.py"
-    named.write_text("from torch.optim import AdamW\nimport torch\nimport bitsandbytes as bnb\n"
-                     "m = torch.nn.Linear(2, 1)\no = AdamW(m.parameters())\n"
-                     "p = bnb.optim.AdamW(m.parameters())\nq = AdamW(m.parameters(), **kw)\n"
-                     "r = torch.optim.AdamW(m.parameters(), fused=True)\n")
+    named.write_text(
+        "from torch.optim import AdamW\nimport torch\nimport bitsandbytes as bnb\n"
+        "m = torch.nn.Linear(2, 1)\no = AdamW(m.parameters())\n"
+        "p = bnb.optim.AdamW(m.parameters())\nq = AdamW(m.parameters(), **kw)\n"
+        "r = torch.optim.AdamW(m.parameters(), fused=True)\n"
+    )
     assert [e["line"] for e in codefix_optim.multi_tensor_edits(str(named), "AdamW")] == [5]
     own = tmp_path / "own.py"
-    own.write_text("import torch\nclass SGD(torch.optim.Optimizer):\n    pass\n"
-                   "o = SGD([torch.zeros(1)], {})\n")
+    own.write_text(
+        "import torch\nclass SGD(torch.optim.Optimizer):\n    pass\no = SGD([torch.zeros(1)], {})\n"
+    )
     assert codefix_optim.multi_tensor_edits(str(own), "SGD") == []
     # LBFGS steps as a whole: no multi-tensor keyword, no edit
     assert codefix_optim.multi_tensor_keyword("LBFGS") is None
@@ -682,16 +836,21 @@ def test_host_work_whose_results_nothing_reads_goes_to_a_background_thread(tmp_p
         "        blob = open(__file__, 'rb').read(); time.sleep(0.15)\n"
         "        batch = open(__file__, 'rb').read()\n"
         "        log.write(str(len(batch)))\n"
-        "        log.flush()\n")
+        "        log.flush()\n"
+    )
     lines = script.read_text().splitlines()
     edit = _async_edit(lines[3].strip(), str(script), 4, str(tmp_path), daemon=True)
-    assert edit["after"] == ("        __import__('threading').Thread(target=lambda: "
-                             "(open(__file__, 'rb').read(), time.sleep(0.15)), daemon=True).start()")
+    assert edit["after"] == (
+        "        __import__('threading').Thread(target=lambda: "
+        "(open(__file__, 'rb').read(), time.sleep(0.15)), daemon=True).start()"
+    )
     patched = lines[:3] + [edit["after"]] + lines[4:]
     ast.parse("\n".join(patched))
     assert _async_edit(lines[4].strip(), str(script), 5, str(tmp_path)) is None  # `batch` is read
-    assert "target=lambda: log.flush()" in _async_edit(lines[6].strip(), str(script), 7,
-                                                       str(tmp_path), daemon=False)["after"]
+    assert (
+        "target=lambda: log.flush()"
+        in _async_edit(lines[6].strip(), str(script), 7, str(tmp_path), daemon=False)["after"]
+    )
 
 
 @pytest.mark.slow
@@ -701,14 +860,35 @@ def test_a_trainer_checkpoint_every_few_steps_is_made_rarer_at_the_jobs_training
     save_steps ten times the measured period, never a file under site-packages, and since that
     keyword reads the job's flag the first candidate is the flag (`--save-steps 20`)."""
     job = os.path.join(ROOT, "tests", "jobs", "fix_hf_workers.py")
-    command = [PY, job, "--read-s", "0", "--max-steps", "40", "--save-strategy", "steps",
-               "--save-steps", "2", "--hidden", "512", "--output-dir", str(tmp_path / "out")]
-    proc = diagnose(["--no-pyspy", "--quiet", "--steps", "14", "--run-dir", str(tmp_path / "run"),
-                     "--", *command], cwd=tmp_path, env={"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"})
+    command = [
+        PY,
+        job,
+        "--read-s",
+        "0",
+        "--max-steps",
+        "40",
+        "--save-strategy",
+        "steps",
+        "--save-steps",
+        "2",
+        "--hidden",
+        "512",
+        "--output-dir",
+        str(tmp_path / "out"),
+    ]
+    proc = diagnose(
+        ["--no-pyspy", "--quiet", "--steps", "14", "--run-dir", str(tmp_path / "run"), "--", *command],
+        cwd=tmp_path,
+        env={"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"},
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     findings = traindx.analyze(traindx.load_run(str(tmp_path / "run")))
-    edits = [(f, p) for f in findings for p in f.prescriptions
-             if "TrainingArguments(save_steps=" in p.summary and p.automatic]
+    edits = [
+        (f, p)
+        for f in findings
+        for p in f.prescriptions
+        if "TrainingArguments(save_steps=" in p.summary and p.automatic
+    ]
     assert edits, [(f.id, [p.summary for p in f.prescriptions]) for f in findings]
     finding, edit = edits[0]
     code = edit.change["code"]

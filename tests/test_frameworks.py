@@ -6,17 +6,17 @@ losses with their steps, nothing above `info`. Each with one injected pathology:
 culprit's file:line in the job's own code, with advice in the framework's own terms, and every
 code prescription a real edit of the job's file.
 """
+
 import json
 import os
 import re
 
 import pytest
+from helpers import PY, ROOT, diagnose, only_run_dir
 
 import traindx
 from traindx.analyzers import analyze, codefix, frameworks
 from traindx.profiler.logparse import compile_custom, parse_line
-
-from helpers import PY, ROOT, diagnose, only_run_dir
 
 JOBS = os.path.join(ROOT, "tests", "jobs")
 NEEDS_LEDGER = "needs the start-up ledger line (wp4) / step 0 starting at the first step (wp2)"
@@ -56,8 +56,11 @@ def record(tmp_path_factory, name, sick=False, extra=()):
     if key not in _runs:
         script, args, _ = CORPUS[name]
         out = tmp_path_factory.mktemp(f"{name}-{'sick' if sick else 'ok'}")
-        proc = diagnose(["--out", "runs", *extra, "--", PY, job(script), *args,
-                         *(PATHOLOGY[name] if sick else [])], cwd=out, timeout=900)
+        proc = diagnose(
+            ["--out", "runs", *extra, "--", PY, job(script), *args, *(PATHOLOGY[name] if sick else [])],
+            cwd=out,
+            timeout=900,
+        )
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert "internal error" not in proc.stderr, proc.stderr[-3000:]
         run = traindx.load_run(only_run_dir(out / "runs"))
@@ -75,8 +78,7 @@ def above_info(findings):
 
 
 def code_changes(findings):
-    return [(f.id, p.change["code"]) for f in findings for p in f.prescriptions
-            if "code" in (p.change or {})]
+    return [(f.id, p.change["code"]) for f in findings for p in f.prescriptions if "code" in (p.change or {})]
 
 
 # -- the job's own log lines -----------------------------------------------------------------------
@@ -89,35 +91,48 @@ def test_nanogpt_line():
 
 
 def test_pytorch_examples_line_counts_steps_across_epochs():
-    row = parse_line("| epoch   1 |   200/ 2983 batches | lr 20.00 | ms/batch 36.80 | "
-                     "loss  7.51 | ppl  1829.72")
+    row = parse_line(
+        "| epoch   1 |   200/ 2983 batches | lr 20.00 | ms/batch 36.80 | loss  7.51 | ppl  1829.72"
+    )
     assert (row["step"], row["loss"], row["step_time_s"]) == (200, 7.51, pytest.approx(0.0368))
-    assert parse_line("| epoch   2 |    10/ 2983 batches | lr 20.00 | ms/batch 36.80 | "
-                      "loss  5.00 | ppl  148.41")["step"] == 2993
+    assert (
+        parse_line(
+            "| epoch   2 |    10/ 2983 batches | lr 20.00 | ms/batch 36.80 | loss  5.00 | ppl  148.41"
+        )["step"]
+        == 2993
+    )
 
 
 def test_torchtitan_coloured_line():
     # torchtitan/components/metrics.py colours every field; the codes sit between step: and loss:
-    text = ("[titan] 2026-01-01 10:00:00,000 - root - INFO - \x1b[31mstep:  5  \x1b[32mloss:  "
-            "5.55236  \x1b[38;2;180;60;0mgrad_norm:  0.0911  \x1b[38;2;54;234;195mmemory:  "
-            "0.00GiB(0.00%)  \x1b[34mtps: 278,333  \x1b[36mtflops: 0.00  \x1b[35mmfu: N/A\x1b[39m")
+    text = (
+        "[titan] 2026-01-01 10:00:00,000 - root - INFO - \x1b[31mstep:  5  \x1b[32mloss:  "
+        "5.55236  \x1b[38;2;180;60;0mgrad_norm:  0.0911  \x1b[38;2;54;234;195mmemory:  "
+        "0.00GiB(0.00%)  \x1b[34mtps: 278,333  \x1b[36mtflops: 0.00  \x1b[35mmfu: N/A\x1b[39m"
+    )
     row = parse_line(text)
     assert (row["step"], row["loss"], row["format"]) == (5, 5.55236, "torchtitan")
 
 
 def test_deepspeed_lines():
     # deepspeed/runtime/engine.py (steps_per_print) and its pipeline engine
-    row = parse_line("[2026-01-01 10:00:00,000] [INFO] [engine.py:1820:_take_model_step] "
-                     "steps: 20 loss: 0.4321 iter time (s): 0.050 samples/sec: 160.000")
+    row = parse_line(
+        "[2026-01-01 10:00:00,000] [INFO] [engine.py:1820:_take_model_step] "
+        "steps: 20 loss: 0.4321 iter time (s): 0.050 samples/sec: 160.000"
+    )
     assert (row["step"], row["loss"], row["step_time_s"]) == (20, 0.4321, 0.05)
-    row = parse_line("[2026-01-01 10:00:00,000] [INFO] [logging.py:96:log_dist] [Rank 0] "
-                     "step=30, skipped=0, lr=[0.001], mom=[(0.9, 0.999)]")
+    row = parse_line(
+        "[2026-01-01 10:00:00,000] [INFO] [logging.py:96:log_dist] [Rank 0] "
+        "step=30, skipped=0, lr=[0.001], mom=[(0.9, 0.999)]"
+    )
     assert (row["step"], row["loss"], row["format"]) == (30, None, "deepspeed")
 
 
 def test_lightning_progress_bars():
-    tqdm = ("Epoch 0:  40%|####      | 4/10 [00:01<00:02,  3.10it/s, v_num=0, train_loss=2.310]"
-            "\rEpoch 0:  50%|#####     | 5/10 [00:01<00:01,  3.20it/s, v_num=0, train_loss=2.250]")
+    tqdm = (
+        "Epoch 0:  40%|####      | 4/10 [00:01<00:02,  3.10it/s, v_num=0, train_loss=2.310]"
+        "\rEpoch 0:  50%|#####     | 5/10 [00:01<00:01,  3.20it/s, v_num=0, train_loss=2.250]"
+    )
     row = parse_line(tqdm)
     assert (row["step"], row["loss"], row["format"]) == (5, 2.25, "lightning")
     # the rich bar Lightning 2.6 uses when `rich` is installed prints its final state only
@@ -151,8 +166,15 @@ def test_code_change_refuses_prose_and_applies_real_edits(tmp_path):
     # one line of a call written over several lines is code, and replacing it is a real edit
     line = "    out = attn(q, k, v, max_seqlen=m,"
     assert codefix.code_change("a.py", 5, line, line.replace("=m", "=int(m)")) is not None
-    assert codefix.apply({"file": "a.py", "line": 2, "before": line.strip(), "after": "out = attn(q, k, v, max_seqlen=int(m),"},
-                         "def f(q, k, v, m):\n    out = attn(q, k, v, max_seqlen=m,\n               causal=True)\n")
+    assert codefix.apply(
+        {
+            "file": "a.py",
+            "line": 2,
+            "before": line.strip(),
+            "after": "out = attn(q, k, v, max_seqlen=int(m),",
+        },
+        "def f(q, k, v, m):\n    out = attn(q, k, v, max_seqlen=m,\n               causal=True)\n",
+    )
     src = "import torch\nloader = DataLoader(ds,\n                    batch_size=4)\nrun(loader)\n"
     call = "DataLoader(ds,\n                    batch_size=4)"
     after = codefix.set_keywords(call, {"num_workers": "2", "batch_size": "8"})
@@ -160,7 +182,10 @@ def test_code_change_refuses_prose_and_applies_real_edits(tmp_path):
     edited = codefix.apply(change, src)
     assert "batch_size=8, num_workers=2)" in edited and edited.endswith("run(loader)\n")
     diff = codefix.unified_diff(change, src)
-    assert diff.startswith("--- a.py\n+++ a.py\n") and "+                    batch_size=8, num_workers=2)" in diff
+    assert (
+        diff.startswith("--- a.py\n+++ a.py\n")
+        and "+                    batch_size=8, num_workers=2)" in diff
+    )
     with pytest.raises(ValueError):
         codefix.apply({**change, "line": 1, "last_line": 1}, src)
 
@@ -177,10 +202,18 @@ def test_knobs_need_strong_evidence(tmp_path):
         (folder / "log.txt").write_text(log)
         return traindx.load_run(folder)
 
-    saves = [{"file": "/job/train.py", "line": 9, "function": "save", "seconds": 1.0,
-              "frame": "save (/job/train.py:9)"}]
-    titan = run_of(["torchrun", "--nproc_per_node=8", "-m", "torchtitan.train",
-                    "--job.config_file", "llama3_8b.toml"])
+    saves = [
+        {
+            "file": "/job/train.py",
+            "line": 9,
+            "function": "save",
+            "seconds": 1.0,
+            "frame": "save (/job/train.py:9)",
+        }
+    ]
+    titan = run_of(
+        ["torchrun", "--nproc_per_node=8", "-m", "torchtitan.train", "--job.config_file", "llama3_8b.toml"]
+    )
     assert frameworks.detect(titan)["strong"] and frameworks.knob_owner(titan) == "torchtitan"
     first = checkpoint_prescriptions(titan, saves, 0.5, 100)[0]
     assert first.change["arg"] == {"framework": "torchtitan", "set": {"--checkpoint.async_mode": "async"}}
@@ -249,29 +282,33 @@ def test_lightning_slow_getitem_prescribes_its_own_dataloader_line(tmp_path_fact
     (f,) = [f for f in findings if f.id == "dataloader.starvation"]
     assert f.evidence["hottest_frames_inside"][0]["file"] == job("fw_lightning.py")
     code = f.prescriptions[0].change["code"]
-    assert (code["file"], code["line"]) == (job("fw_lightning.py"),
-                                            line_of("fw_lightning.py", "return DataLoader("))
+    assert (code["file"], code["line"]) == (
+        job("fw_lightning.py"),
+        line_of("fw_lightning.py", "return DataLoader("),
+    )
     assert "num_workers=" in code["after"] and "num_workers" not in code["before"]
     _no_site_packages(findings)
 
 
 @pytest.mark.slow
 def test_accelerate_gil_holding_logger_thread(tmp_path_factory):
-    run, findings, _ = record(tmp_path_factory, "accelerate", sick=True,
-                              extra=("--pyspy-rate", "50"))
+    run, findings, _ = record(tmp_path_factory, "accelerate", sick=True, extra=("--pyspy-rate", "50"))
     assert frameworks.detect(run)["name"] == "accelerate"
     gil = [f for f in findings if f.id == "gil.contention"]
     assert gil, above_info(findings)
     text = json.dumps(gil[0].evidence) + gil[0].summary
-    lines = [line_of("fw_accelerate.py", t) for t in ("def metrics_logger", "text = json.dumps(history)",
-                                                      "for ch in text:", "total += ord(ch)")]
+    lines = [
+        line_of("fw_accelerate.py", t)
+        for t in ("def metrics_logger", "text = json.dumps(history)", "for ch in text:", "total += ord(ch)")
+    ]
     assert any(f"fw_accelerate.py:{n}" in text for n in lines), text
     _no_site_packages(findings)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name,save_line", [("torchtitan", "torch.save(state, f)"),
-                                            ("examples", "torch.save(model, f)")])
+@pytest.mark.parametrize(
+    "name,save_line", [("torchtitan", "torch.save(state, f)"), ("examples", "torch.save(model, f)")]
+)
 def test_periodic_checkpoint_found_at_its_line(tmp_path_factory, name, save_line):
     run, findings, _ = record(tmp_path_factory, name, sick=True)
     # every 3rd step is slow; on a busy machine the period can drown in noise, and then the
@@ -346,13 +383,25 @@ def test_report_survives_lines_without_step_or_loss(tmp_path):
     import time
 
     t = time.time_ns()
-    (tmp_path / "manifest.json").write_text(json.dumps(
-        {"command": ["python", "train.py"], "start_ns": t, "end_ns": t + 10**10, "exit_code": 0,
-         "options": {}}))
-    lines = [f"{t + i * 10**9} o {{'loss': '{5 - i / 10:.3f}', 'grad_norm': '0.5', 'epoch': '0.1'}}"
-             for i in range(1, 6)]
-    lines += [f"{t + 7 * 10**9} o [Rank 0] step=6, skipped=0, lr=[0.001], mom=[(0.9, 0.999)]",
-              f"{t + 8 * 10**9} o iter 7: loss nan, time 35.12ms, mfu 0.01%"]
+    (tmp_path / "manifest.json").write_text(
+        json.dumps(
+            {
+                "command": ["python", "train.py"],
+                "start_ns": t,
+                "end_ns": t + 10**10,
+                "exit_code": 0,
+                "options": {},
+            }
+        )
+    )
+    lines = [
+        f"{t + i * 10**9} o {{'loss': '{5 - i / 10:.3f}', 'grad_norm': '0.5', 'epoch': '0.1'}}"
+        for i in range(1, 6)
+    ]
+    lines += [
+        f"{t + 7 * 10**9} o [Rank 0] step=6, skipped=0, lr=[0.001], mom=[(0.9, 0.999)]",
+        f"{t + 8 * 10**9} o iter 7: loss nan, time 35.12ms, mfu 0.01%",
+    ]
     (tmp_path / "log.txt").write_text("\n".join(lines) + "\n")
     run = traindx.load_run(tmp_path)
     assert list(run.log_steps["step"]) == [1, 2, 3, 4, 5, 6, 7]
@@ -366,13 +415,15 @@ def test_rich_bar_value_wrapped_onto_the_next_line(tmp_path):
     (tmp_path / "manifest.json").write_text(json.dumps({"command": ["python", "fit.py"], "options": {}}))
     (tmp_path / "log.txt").write_text(
         "100 o Epoch 0/-2 ━━━━━━━━━━━━━━━━━ 10/10 0:00:00 • 0:00:00 50.32it/s train_loss:      \n"
-        "101 o                                                                42.200           \n")
+        "101 o                                                                42.200           \n"
+    )
     log = traindx.load_run(tmp_path).log_steps
     assert list(zip(log["step"], log["loss"])) == [(10, 42.2)]
     # a faster run pushes the elapsed time down too
     (tmp_path / "log.txt").write_text(
         "100 o Epoch 0/-2 ━━━━━━━━━━━━━ 10/10 0:00:00 •        1028.09it/s train_loss:      \n"
-        "101 o                                   0:00:00                      42.200           \n")
+        "101 o                                   0:00:00                      42.200           \n"
+    )
     log = traindx.load_run(tmp_path).log_steps
     assert list(zip(log["step"], log["loss"])) == [(10, 42.2)]
 
@@ -385,6 +436,7 @@ def test_rich_bar_wrapped_onto_its_next_stdout_line_past_an_interleaved_stderr_l
     (tmp_path / "events").mkdir()
     (tmp_path / "manifest.json").write_text(json.dumps({"command": ["python", "fit.py"]}))
     (tmp_path / "log.txt").write_text(
-        f"100 o {bar}\n101 e `Trainer.fit` stopped: `max_steps=10` reached.\n102 o {value}\n")
+        f"100 o {bar}\n101 e `Trainer.fit` stopped: `max_steps=10` reached.\n102 o {value}\n"
+    )
     logged = traindx.load_run(tmp_path).log_steps.dropna(subset=["loss"])
     assert list(logged["loss"]) == [42.2]

@@ -6,8 +6,9 @@ CI has no GPU. The shim's event bookkeeping runs against a stand-in for torch.cu
 complete as a CUDA stream does (first in, first out, never before they are recorded), and the
 derive layer is checked against the idle time of a simulated FIFO stream, which it never sees.
 """
-import json
+
 import ast
+import json
 import os
 import shutil
 import subprocess
@@ -43,8 +44,8 @@ class Stream:
     everything queued before it has run (and not before it was recorded)."""
 
     def __init__(self, t0):
-        self.free = t0      # when the GPU has run everything queued so far
-        self.busy = []      # (start, end) of each piece of work
+        self.free = t0  # when the GPU has run everything queued so far
+        self.busy = []  # (start, end) of each piece of work
 
     def launch(self, t, seconds):
         start = max(self.free, t)
@@ -88,8 +89,12 @@ def fake_torch(clock, stream, capturing=lambda: False):
         def elapsed_time(self, other):
             return (other.g - self.g) / 1e6
 
-    cuda = types.SimpleNamespace(Event=Event, is_initialized=lambda: True,
-                                 current_device=lambda: 0, is_current_stream_capturing=capturing)
+    cuda = types.SimpleNamespace(
+        Event=Event,
+        is_initialized=lambda: True,
+        current_device=lambda: 0,
+        is_current_stream_capturing=capturing,
+    )
     return types.SimpleNamespace(cuda=cuda, compiler=None), Event
 
 
@@ -102,8 +107,14 @@ def shim(monkeypatch):
     monkeypatch.setattr(gputime, "emit", lambda type_, **f: emitted.append(dict(f, type=type_)))
     clock = Clock()
     monkeypatch.setattr(gputime, "_now", clock)
-    state = dict(gputime._state, pool=[], marks=[], pending=__import__("collections").deque(),
-                 active=False, checked=False)
+    state = dict(
+        gputime._state,
+        pool=[],
+        marks=[],
+        pending=__import__("collections").deque(),
+        active=False,
+        checked=False,
+    )
     monkeypatch.setattr(gputime, "_state", state)
     monkeypatch.setattr(gputime.steps, "boundary_hooks", [])
     return gputime, clock, emitted
@@ -176,8 +187,7 @@ def test_derive_brackets_the_true_idle_time_of_a_fifo_stream(shim):
     gputime._maybe_start()  # CUDA "in use": the step hook goes in
     truth = run_loop(gputime, clock, stream, steps=20, host_s=0.050)
     gputime.flush()
-    events = pd.DataFrame([dict(e, rank="0") for e in emitted
-                           if e["type"] == gputime.GPU_TIME_EVENT])
+    events = pd.DataFrame([dict(e, rank="0") for e in emitted if e["type"] == gputime.GPU_TIME_EVENT])
     stretches = derive.stretches(events)
     steps = derive.steps_table(stretches).set_index("step")
     for step, start, end in truth[2:]:
@@ -200,9 +210,9 @@ def test_derive_kernel_free_stretches_are_exact(shim):
     gputime._maybe_start()  # CUDA "in use": the step hook goes in
     for step in range(12):
         gputime._boundary(step)
-        stream.launch(clock.t, 0.010)           # the previous step's tail still running
+        stream.launch(clock.t, 0.010)  # the previous step's tail still running
         gputime.mark("data>")
-        clock.t += 30_000_000                   # a 30 ms wait for the batch
+        clock.t += 30_000_000  # a 30 ms wait for the batch
         gputime.mark("data<")
         gputime.mark("bwd>")
         stream.launch(clock.t, 0.005)
@@ -285,8 +295,10 @@ def test_pageable_copy_finding_from_the_window(tmp_path):
     copy_s, nbytes = f.evidence["pageable_h2d_s_per_step"], f.evidence["bytes_per_step"]
     e = f.evidence
     pinned_s = nbytes / gpu_idle.PINNED_H2D_BPS
-    expected = min(e["copy_share_of_window_step"] * e["steady_step_s"] - pinned_s,
-                   e["steady_step_s"] - e["gpu_work_left_s_per_step"])
+    expected = min(
+        e["copy_share_of_window_step"] * e["steady_step_s"] - pinned_s,
+        e["steady_step_s"] - e["gpu_work_left_s_per_step"],
+    )
     assert f.seconds_lost_per_step == pytest.approx(expected, rel=1e-3)
     assert 0 < f.seconds_lost_per_step < e["steady_step_s"] and copy_s > pinned_s
     assert "pin" in f.prescriptions[0].summary
@@ -331,22 +343,31 @@ def test_idle_between_steps_every_fifth_step(tmp_path, shim):
     def plan(step, start, end):
         span = end - start
         opt_end = start + (span // 2 if step % 5 == 0 else span - 200_000)
-        return [("bwd>", start + 100_000, 0.0), ("bwd<", start + 200_000, span * 0.3 / 1e9),
-                ("opt>", start + 300_000, 0.0), ("opt<", opt_end - 1000, 0.0005),
-                ("sync<", opt_end, 0.0)]
+        return [
+            ("bwd>", start + 100_000, 0.0),
+            ("bwd<", start + 200_000, span * 0.3 / 1e9),
+            ("opt>", start + 300_000, 0.0),
+            ("opt<", opt_end - 1000, 0.0005),
+            ("sync<", opt_end, 0.0),
+        ]
+
     add_marks(shim, dst, "0", plan)
     run = load(str(dst))
     found = [f for f in gpu_idle.analyze(run) if f.id == "gpu_idle.between_steps"]
     assert len(found) == 1
     f = found[0]
-    steady = set(int(s) for s in __import__("traindx.analyzers.evidence", fromlist=["x"])
-                 .steady_steps(run, "0")["step"])
+    steady = {
+        int(s)
+        for s in __import__("traindx.analyzers.evidence", fromlist=["x"]).steady_steps(run, "0")["step"]
+    }
     assert set(f.steps_affected) == {s for s in steady if s % 5 == 0}
     assert f.evidence["period"] == 5
     steps = run.rank_steps("0").set_index("step")
     # half of each such step, less the optimizer's 0.5 ms, less the other steps' median
-    expected = sum(steps.loc[s, "duration_s"] / 2 - 0.0005 for s in f.steps_affected) \
-        / len(f.steps_affected) - f.evidence["idle_s_median_step"]
+    expected = (
+        sum(steps.loc[s, "duration_s"] / 2 - 0.0005 for s in f.steps_affected) / len(f.steps_affected)
+        - f.evidence["idle_s_median_step"]
+    )
     assert f.evidence["idle_s_on_those_steps"] == pytest.approx(expected, rel=0.05)
     assert f.prescriptions[0].expected_gain_s_per_step > 0
 
@@ -360,9 +381,11 @@ def test_report_shows_gpu_busy_per_step_and_top_kernels(tmp_path, shim):
 
     def plan(step, start, end):
         return [("bwd>", (start + end) // 2, 0.004), ("sync<", end - 1000, 0.0)]
+
     add_marks(shim, dst, "0", plan)
-    out = subprocess.run([sys.executable, "-m", "traindx", "report", str(dst)],
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-m", "traindx", "report", str(dst)], capture_output=True, text=True, timeout=300
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     html = (dst / "report.html").read_text()
     assert 'id="gpu-time"' in html and 'id="gpu-steps"' in html and 'id="top-kernels"' in html
@@ -375,10 +398,28 @@ def test_report_shows_gpu_busy_per_step_and_top_kernels(tmp_path, shim):
 def test_cpu_job_runs_unchanged_and_records_no_gpu_time(tmp_path):
     run_dir = tmp_path / "run"
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    out = subprocess.run([sys.executable, "-m", "traindx", "--quiet", "--no-pyspy", "--steps", "5",
-                          "--run-dir", str(run_dir), "--", sys.executable,
-                          os.path.join(ROOT, "examples", "train_tiny.py"), "--steps", "8"],
-                         capture_output=True, text=True, timeout=300, env=env)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "traindx",
+            "--quiet",
+            "--no-pyspy",
+            "--steps",
+            "5",
+            "--run-dir",
+            str(run_dir),
+            "--",
+            sys.executable,
+            os.path.join(ROOT, "examples", "train_tiny.py"),
+            "--steps",
+            "8",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     run = load(str(run_dir))
     assert len(run.steps) == 5
@@ -401,7 +442,8 @@ def _fixture_tool():
     import importlib.util
 
     spec = importlib.util.spec_from_file_location(
-        "gpu_view_fixture", os.path.join(ROOT, "bench", "gpu_view_fixture.py"))
+        "gpu_view_fixture", os.path.join(ROOT, "bench", "gpu_view_fixture.py")
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -422,6 +464,7 @@ def h200_cases(tmp_path_factory):
                 warnings.simplefilter("ignore")
                 cache[name][1] = traindx.analyze(cache[name][0])
         return cache[name]
+
     return get
 
 
@@ -434,13 +477,15 @@ def _measured(h200_cases, case):
 
 
 def _roots(findings):
-    return [f for f in findings if f.cause is None and f.severity not in ("info",)
-            and not f.id.startswith("verdict.")]
+    return [
+        f
+        for f in findings
+        if f.cause is None and f.severity not in ("info",) and not f.id.startswith("verdict.")
+    ]
 
 
 def _priced(f):
-    gains = [p.expected_gain_s_per_step for p in f.prescriptions
-             if p.expected_gain_s_per_step is not None]
+    gains = [p.expected_gain_s_per_step for p in f.prescriptions if p.expected_gain_s_per_step is not None]
     return max(gains) if gains else f.seconds_lost_per_step
 
 
@@ -466,10 +511,13 @@ def test_h200_pageable_copy_priced_at_the_copy_line(h200_cases):
     assert top.evidence["line"] == RECORDED_LINES["pageable_copy"]
     assert top.evidence["file"].endswith("gpu_cases.py")
     # the host's view (host_work at the line) and the GPU's wait for it are the copy's symptoms
-    at_line = [f for f in findings if f.id in ("host_work.code", "gpu_idle.host_starved")
-               and f.evidence.get("line") == RECORDED_LINES["pageable_copy"]]
-    assert at_line and all(f.cause == "gpu_idle.pageable_copy" and not f.prescriptions
-                           for f in at_line)
+    at_line = [
+        f
+        for f in findings
+        if f.id in ("host_work.code", "gpu_idle.host_starved")
+        and f.evidence.get("line") == RECORDED_LINES["pageable_copy"]
+    ]
+    assert at_line and all(f.cause == "gpu_idle.pageable_copy" and not f.prescriptions for f in at_line)
     assert "pin_memory" in top.prescriptions[0].summary
     # the twin (pinned, non_blocking) reads the loss once per step: the GPU idles only while
     # the profiler closes its window after that read, which is no cost of the job's
@@ -491,8 +539,7 @@ def test_h200_empty_cache_priced_by_the_gpu_idle_in_the_allocator(h200_cases):
 def test_h200_item_syncs_are_the_cause_not_launch_bound_kernels(h200_cases):
     top, findings = _check_case(h200_cases, "item_sync", "sync.host_device")
     site = top.evidence["call_sites"][0]
-    assert (site["function"], site["line"], site["per_step"]) == (
-        "forward", RECORDED_LINES["item_check"], 48)
+    assert (site["function"], site["line"], site["per_step"]) == ("forward", RECORDED_LINES["item_check"], 48)
     assert top.evidence["syncs_in_model_per_step"] == 48
     assert f"gpu_cases.py:{RECORDED_LINES['item_check']}" in top.prescriptions[-1].summary
     # tiny kernels between the syncs: a CUDA graph cannot capture a sync, so the syncs go first
@@ -505,16 +552,22 @@ def test_h200_every_case_within_25_percent_and_healthy_twins_quiet(h200_cases):
     top, _ = _check_case(h200_cases, "host_batch", "gpu_idle.host_starved")
     assert (top.evidence["function"], top.evidence["line"]) == ("cpu_batch", RECORDED_LINES["cpu_batch"])
     # the twin graphs the model AND steps a fused optimizer: both prescriptions, the whole loss
-    top, _ = _check_case(h200_cases, "tiny_kernels", "gpu.launch_bound",
-                         price=lambda f: f.seconds_lost_per_step)
+    top, _ = _check_case(
+        h200_cases, "tiny_kernels", "gpu.launch_bound", price=lambda f: f.seconds_lost_per_step
+    )
     # ...and its two prescriptions, priced by the ledger's optimizer and forward/backward spans,
     # add up to what the twin saved
     gains = [p.expected_gain_s_per_step for p in top.prescriptions[:2]]
     assert "fused=True" in top.prescriptions[0].summary
     assert abs(sum(gains) / _measured(h200_cases, "tiny_kernels") - 1) <= GOAL
     for case in ("pageable", "empty_cache", "item_sync"):
-        _check_case(h200_cases, case, {"pageable": "gpu_idle.pageable_copy",
-                                       "empty_cache": "alloc.", "item_sync": "sync.host_device"}[case])
+        _check_case(
+            h200_cases,
+            case,
+            {"pageable": "gpu_idle.pageable_copy", "empty_cache": "alloc.", "item_sync": "sync.host_device"}[
+                case
+            ],
+        )
     # the twins recorded in full: nothing above medium (the loss read once per step is the norm)
     for twin in ("pageable-fixed", "empty_cache-fixed"):
         _, findings = h200_cases(twin)
@@ -522,7 +575,9 @@ def test_h200_every_case_within_25_percent_and_healthy_twins_quiet(h200_cases):
         assert not loud, [(f.id, f.title) for f in loud]
 
 
-def test_h200_launch_bound_job_gets_a_fused_optimizer_and_a_compiled_model_as_candidates(h200_cases, tmp_path):
+def test_h200_launch_bound_job_gets_a_fused_optimizer_and_a_compiled_model_as_candidates(
+    h200_cases, tmp_path
+):
     """The H200's launch-bound record (400 narrow layers, no torch.compile in the job, AdamW made
     with fused=False, which turns off the foreach default: a per-parameter loop of 6,432
     launches a step): --fix's candidates are the optimizer made fused at the call that makes it,
@@ -536,7 +591,7 @@ def test_h200_launch_bound_job_gets_a_fused_optimizer_and_a_compiled_model_as_ca
     finding = next(f for f in findings if f.id == "gpu.launch_bound")
     optimizer = finding.evidence["optimizer"]
     assert optimizer["class"] == "AdamW" and optimizer["launches_per_step"] == 6432
-    assert 0.5 < optimizer["share_of_profiled_step"] < 0.65   # its range: 88 -> 210 ms of 210 ms
+    assert 0.5 < optimizer["share_of_profiled_step"] < 0.65  # its range: 88 -> 210 ms of 210 ms
     cands, _ = candidate_plans(run.manifest["command"], findings, run.path, cwd=ROOT)
     launch = [c for c in cands if c.finding == "gpu.launch_bound"]
     assert len(launch) == 3 and cands[0] is launch[0], [(c.finding, c.summary) for c in cands]
@@ -552,15 +607,18 @@ def test_h200_launch_bound_job_gets_a_fused_optimizer_and_a_compiled_model_as_ca
     assert lines[compile_edit["line"] - 1].strip().startswith("model = MLP(")
     assert lines[opt_edit["line"] - 1].strip().startswith("opt = torch.optim.AdamW(")
     assert sorted(e["line"] for e in both.plan.source_edits) == sorted(
-        [compile_edit["line"], opt_edit["line"]])
+        [compile_edit["line"], opt_edit["line"]]
+    )
     assert fused.predicted_saving_s_per_step == optimizer["saving_s"]
     assert graph.predicted_saving_s_per_step == finding.evidence["cuda_graph_saving_s"]
     assert both.predicted_saving_s_per_step == pytest.approx(
-        fused.predicted_saving_s_per_step + graph.predicted_saving_s_per_step, abs=1e-5)
+        fused.predicted_saving_s_per_step + graph.predicted_saving_s_per_step, abs=1e-5
+    )
     assert finding.evidence["priced_by"].startswith("the time ledger's")
     # each arm's predicted step is its own prescription's saving, not the finding's first one
     # (the finding names no ledger line; H200 session 30: every arm was priced as the graph)
     from traindx.analyzers.savings import predicted_step_time
+
     for cand in launch:
         pred = predicted_step_time(run, finding, gain=cand.predicted_saving_s_per_step)
         assert pred["removed_s"] == cand.predicted_saving_s_per_step
@@ -588,10 +646,14 @@ def test_h200_launch_bound_arms_each_within_25_percent_of_its_prediction(tmp_pat
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         finding = next(f for f in traindx.analyze(base) if f.id == "gpu.launch_bound")
-    predicted = {"fused": finding.evidence["optimizer"]["saving_s"],
-                 "graph": finding.evidence["cuda_graph_saving_s"]}
-    assert [p.expected_gain_s_per_step for p in finding.prescriptions[:2]] == \
-        [predicted["fused"], predicted["graph"]]       # ranked by gain: the optimizer first
+    predicted = {
+        "fused": finding.evidence["optimizer"]["saving_s"],
+        "graph": finding.evidence["cuda_graph_saving_s"],
+    }
+    assert [p.expected_gain_s_per_step for p in finding.prescriptions[:2]] == [
+        predicted["fused"],
+        predicted["graph"],
+    ]  # ranked by gain: the optimizer first
     for arm, saving in predicted.items():
         comparison = compare_runs(base, load(str(tmp_path / f"{arm}-fixed")))
         assert comparison["baseline"]["step_source"] == "shim:gpu"
@@ -608,11 +670,28 @@ def _lost_of(findings, finding_id):
 def test_derive_a_measured_call_keeps_its_line_across_the_step_mark():
     """The shim marks the step boundary inside optimizer.step: the stretches between opt> and
     opt< are the optimizer's on both sides of it, not host work."""
+
     def marks(step):
-        return [["step", 0, 0.0], ["bwd>", 1000, 1.0], ["bwd<", 2000, 2.0], ["opt>", 3000, 3.0],
-                ["step", 4000, 4.0]] if step == 0 else \
-            [["step", 4000, 0.0], ["opt<", 5000, 1.0], ["sync<", 6000, 2.0], ["bwd>", 7000, 3.0],
-             ["bwd<", 8000, 4.0], ["opt>", 9000, 5.0], ["step", 10000, 6.0]]
+        return (
+            [
+                ["step", 0, 0.0],
+                ["bwd>", 1000, 1.0],
+                ["bwd<", 2000, 2.0],
+                ["opt>", 3000, 3.0],
+                ["step", 4000, 4.0],
+            ]
+            if step == 0
+            else [
+                ["step", 4000, 0.0],
+                ["opt<", 5000, 1.0],
+                ["sync<", 6000, 2.0],
+                ["bwd>", 7000, 3.0],
+                ["bwd<", 8000, 4.0],
+                ["opt>", 9000, 5.0],
+                ["step", 10000, 6.0],
+            ]
+        )
+
     events = pd.DataFrame({"rank": ["0", "0"], "step": [0, 1], "marks": [marks(0), marks(1)]})
     rows = derive.stretches(events)
     lines = {(r["step"], r["from"], r["to"]): r["line"] for _, r in rows.iterrows()}
@@ -626,8 +705,9 @@ def test_derive_a_measured_call_keeps_its_line_across_the_step_mark():
 def test_window_idle_overlap_and_the_first_step_of_a_window():
     from traindx.analyzers import gpu_window as gw
 
-    trace = pd.DataFrame({"cat": ["kernel", "kernel", "gpu_memcpy"],
-                          "start_ns": [300, 600, 650], "end_ns": [500, 700, 900]})
+    trace = pd.DataFrame(
+        {"cat": ["kernel", "kernel", "gpu_memcpy"], "start_ns": [300, 600, 650], "end_ns": [500, 700, 900]}
+    )
     idle = gw.idle_intervals(trace, 0, 1000)
     assert idle.tolist() == [[0, 300], [500, 600], [900, 1000]]
     # work queued before the profiler started is not recorded: the idle before the first
@@ -642,15 +722,18 @@ def test_a_sync_statement_reaches_back_to_the_previous_measured_call():
     statement; a module call, an own function or the previous sync bound it."""
     from traindx.analyzers import host_sync
 
-    py = pd.DataFrame([
-        # name, start, end, id, parent
-        ("model.py(10): forward", 0, 1000, 1, float("nan")),
-        ("torch/nn/modules/module.py(1773): _wrapped_call_impl", 10, 100, 2, 1),
-        ("<built-in function gelu>", 110, 150, 3, 1),
-        ("<built-in method isfinite of type object>", 160, 300, 4, 1),
-        ("<built-in method all of Tensor object>", 310, 400, 5, 1),
-        ("<built-in method item of Tensor object>", 410, 500, 6, 1),
-    ], columns=["name", "start_ns", "end_ns", "py_id", "py_parent"])
+    py = pd.DataFrame(
+        [
+            # name, start, end, id, parent
+            ("model.py(10): forward", 0, 1000, 1, float("nan")),
+            ("torch/nn/modules/module.py(1773): _wrapped_call_impl", 10, 100, 2, 1),
+            ("<built-in function gelu>", 110, 150, 3, 1),
+            ("<built-in method isfinite of type object>", 160, 300, 4, 1),
+            ("<built-in method all of Tensor object>", 310, 400, 5, 1),
+            ("<built-in method item of Tensor object>", 410, 500, 6, 1),
+        ],
+        columns=["name", "start_ns", "end_ns", "py_id", "py_parent"],
+    )
     frames = host_sync._Frames(py)
     op_start = np.array([20, 115, 165, 315, 415], np.int64)
     op_end = np.array([90, 145, 295, 395, 495], np.int64)
@@ -663,8 +746,9 @@ def test_a_sync_statement_reaches_back_to_the_previous_measured_call():
     ops, _, _ = host_sync._statement_ops(frames, op_start, op_end, 450, 405)
     assert [a for a, _ in ops] == [415]
     # torch.profiler's own sync (its window closing) is not the job's
-    own = pd.concat([py, pd.DataFrame([("torch/profiler/profiler.py(800): stop", 600, 700, 7, 1)],
-                                      columns=py.columns)])
+    own = pd.concat(
+        [py, pd.DataFrame([("torch/profiler/profiler.py(800): stop", 600, 700, 7, 1)], columns=py.columns)]
+    )
     assert host_sync._statement_ops(host_sync._Frames(own), op_start, op_end, 650, -1)[0] is None
 
 
@@ -673,18 +757,25 @@ def test_chains_one_cause_one_finding_for_gpu_views():
     from traindx.analyzers.findings import Finding, Prescription
 
     def finding(id_, seconds, **evidence):
-        return Finding(id=id_, title=id_, severity="high", analyzer=id_.split(".")[0],
-                       seconds_lost_per_step=seconds, ranks=("0",), evidence=evidence,
-                       prescriptions=(Prescription(kind="code", summary="x",
-                                                   expected_gain_s_per_step=seconds),))
+        return Finding(
+            id=id_,
+            title=id_,
+            severity="high",
+            analyzer=id_.split(".")[0],
+            seconds_lost_per_step=seconds,
+            ranks=("0",),
+            evidence=evidence,
+            prescriptions=(Prescription(kind="code", summary="x", expected_gain_s_per_step=seconds),),
+        )
+
     sync = finding("sync.host_device", 0.01, syncs_in_model_per_step=48)
     launch = finding("gpu.launch_bound", 0.027)
-    starved = finding("gpu_idle.host_starved", 0.17, file="/job/train.py", line=65,
-                      function="make_batch")
+    starved = finding("gpu_idle.host_starved", 0.17, file="/job/train.py", line=65, function="make_batch")
     host = finding("host_work.code", 0.12, file="train.py", line=66, function="make_batch")
     other = finding("host_work.code", 0.02, file="train.py", line=90, function="log")
-    linked = {f.title + str(f.evidence.get("line")): f for f in
-              chains.link([sync, launch, starved, host, other])}
+    linked = {
+        f.title + str(f.evidence.get("line")): f for f in chains.link([sync, launch, starved, host, other])
+    }
     assert linked["gpu.launch_boundNone"].cause == "sync.host_device"
     assert linked["host_work.code66"].cause == "gpu_idle.host_starved"
     assert linked["host_work.code90"].cause is None

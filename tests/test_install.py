@@ -5,13 +5,13 @@ the `_traindx_shim` package itself or `diagnose` records nothing. The fresh venv
 test venv's site-packages (torch, pandas, py-spy ...) through a .pth file, so nothing is
 downloaded; traindx itself comes only from the wheel.
 """
+
 import os
 import subprocess
 import sysconfig
 import textwrap
 
 import pytest
-
 from helpers import PY, ROOT
 
 JOB = textwrap.dedent("""
@@ -39,8 +39,7 @@ def _run(cmd, **kwargs):
 @pytest.mark.slow
 def test_a_wheel_install_records_steps_and_compiles(tmp_path):
     wheels = tmp_path / "wheels"
-    _run([PY, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(wheels),
-          ROOT])
+    _run([PY, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(wheels), ROOT])
     (wheel,) = wheels.glob("traindx-*.whl")
 
     venv = tmp_path / "venv"
@@ -62,17 +61,30 @@ def test_a_wheel_install_records_steps_and_compiles(tmp_path):
     env["OMP_NUM_THREADS"] = "1"
     # py-spy from the test venv (a wheel install may put it elsewhere): TRAINDX_PYSPY names it
     env["TRAINDX_PYSPY"] = os.path.join(os.path.dirname(PY), "py-spy")
-    proc = subprocess.run([str(venv / "bin" / "diagnose"), "--out", "runs", "--", vpy, str(job)],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [str(venv / "bin" / "diagnose"), "--out", "runs", "--", vpy, str(job)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     assert "shim disabled" not in proc.stderr
     assert "5 steps recorded" in proc.stderr, proc.stderr
 
-    load = _run([vpy, "-c", textwrap.dedent("""
+    load = _run(
+        [
+            vpy,
+            "-c",
+            textwrap.dedent("""
         import glob, sys, traindx
         run = traindx.load_run(glob.glob("runs/*")[0])
         print(len(run.steps), len(run.compiles[run.compiles["kind"] == "dynamo"]), run.ranks)
-    """)], cwd=tmp_path).stdout.split(maxsplit=2)
+    """),
+        ],
+        cwd=tmp_path,
+    ).stdout.split(maxsplit=2)
     assert load[0] == "5"
     assert int(load[1]) >= 1  # the torch.compile of the model
     assert load[2].strip() == "['0']"

@@ -3,12 +3,12 @@ is a tensor) reproduced on the CPU with the real flash-attn-4 4.0.0b17 and the n
 torch.compile recompiles, a py-spy recording from an H200 alone, and the healthy example.
 
 Every case runs the real `diagnose` on a real example, as a user does."""
+
 import json
 import os
 import re
 
 import pytest
-
 from conftest import fa4_available
 from helpers import PY, ROOT, diagnose, example
 
@@ -58,9 +58,14 @@ def _jit(findings):
 @pytest.fixture(scope="module")
 def b17_tensor(tmp_path_factory, fa4_b17_path):
     # py-spy on: the compiling thread's hold on the GIL is part of the finding
-    return _record(tmp_path_factory, "b17-tensor",
-                   [PY, FA4_SEED, "--max-seqlen-as", "tensor", *SEED_ARGS],
-                   env={"PYTHONPATH": fa4_b17_path}, steps=3, pyspy=True)
+    return _record(
+        tmp_path_factory,
+        "b17-tensor",
+        [PY, FA4_SEED, "--max-seqlen-as", "tensor", *SEED_ARGS],
+        env={"PYTHONPATH": fa4_b17_path},
+        steps=3,
+        pyspy=True,
+    )
 
 
 @pytest.mark.fa4
@@ -99,8 +104,7 @@ def test_b17_tensor_backward_recompiles_every_step_names_field_and_line(b17_tens
         lines = {c["line"] for c in first.change.get("codes") or [code]}
         assert {line, _backward_arg_line()} <= lines, first.change
     upgrade = [p for p in f.prescriptions if p.kind == "upgrade"]
-    assert upgrade and upgrade[0].change["upgrade"] == {"package": "flash-attn-4",
-                                                        "min_version": "4.0.0b26"}
+    assert upgrade and upgrade[0].change["upgrade"] == {"package": "flash-attn-4", "min_version": "4.0.0b26"}
     assert not any("--max-seqlen-as" in str(p.change) for p in f.prescriptions)
     # the terminal summary leads with it
     assert f"examples/fa4_seed.py:{line}" in proc.stderr
@@ -111,8 +115,9 @@ def test_b17_tensor_backward_recompiles_every_step_names_field_and_line(b17_tens
     assert proc.stderr.index("Verdict:") < proc.stderr.index(f"examples/fa4_seed.py:{line}")
     for g in (x for x in findings if x.id == "gil.contention" and x.evidence.get("compiling")):
         assert g.cause == f.id and g.id in f.symptoms and g.prescriptions == ()
-    assert not any("off the training process" in p.summary for x in findings if x.cause is None
-                   for p in x.prescriptions)
+    assert not any(
+        "off the training process" in p.summary for x in findings if x.cause is None for p in x.prescriptions
+    )
     # savings come from the ledger's compile line and never exceed the step
     steady = run.ledger[run.ledger["step"].isin([1, 2])]
     assert first.expected_gain_s_per_step <= steady["wall_s"].mean() + 1e-9
@@ -162,8 +167,11 @@ def test_b17_tensor_pyspy_alone_counts_the_same_recompiles(b17_tensor):
     run, _, _ = b17_tensor
     if ("0", "all") not in run.pyspy:
         pytest.skip(f"py-spy could not sample here: {run.missing.get('pyspy')}")
-    found = [f for f in analyze_recording(run.pyspy[("0", "all")], recording_gil=run.pyspy.get(("0", "gil")))
-             if f.id == "jit.fa4_steady_recompile"]
+    found = [
+        f
+        for f in analyze_recording(run.pyspy[("0", "all")], recording_gil=run.pyspy.get(("0", "gil")))
+        if f.id == "jit.fa4_steady_recompile"
+    ]
     assert len(found) == 1, [f.title for f in found]
     ev = found[0].evidence
     assert ev["thread"] == "pt_autograd_0" and ev["is_main_thread"] is False
@@ -176,9 +184,13 @@ def test_b17_tensor_pyspy_alone_counts_the_same_recompiles(b17_tensor):
 @requires_fa4
 @pytest.mark.slow
 def test_b17_int_only_cold_start_prescribes_kernel_cache(tmp_path_factory, fa4_b17_path):
-    run, findings, _ = _record(tmp_path_factory, "b17-int",
-                               [PY, FA4_SEED, "--max-seqlen-as", "int", *SEED_ARGS],
-                               env={"PYTHONPATH": fa4_b17_path}, steps=3)
+    run, findings, _ = _record(
+        tmp_path_factory,
+        "b17-int",
+        [PY, FA4_SEED, "--max-seqlen-as", "int", *SEED_ARGS],
+        env={"PYTHONPATH": fa4_b17_path},
+        steps=3,
+    )
     found = _jit(findings)
     assert set(found) == {"jit.cold_start"}, [(f.id, f.title) for f in found.values()]
     bwd = run.compiles[run.compiles["kernel"].str.startswith("_flash_attn_bwd:")]
@@ -197,8 +209,9 @@ def test_b17_int_only_cold_start_prescribes_kernel_cache(tmp_path_factory, fa4_b
 @requires_fa4
 @pytest.mark.slow
 def test_newest_fa4_tensor_no_steady_recompile(tmp_path_factory):
-    run, findings, _ = _record(tmp_path_factory, "new-tensor",
-                               [PY, FA4_SEED, "--max-seqlen-as", "tensor", *SEED_ARGS], steps=3)
+    run, findings, _ = _record(
+        tmp_path_factory, "new-tensor", [PY, FA4_SEED, "--max-seqlen-as", "tensor", *SEED_ARGS], steps=3
+    )
     version = run.manifest["packages"]["flash-attn-4"]
     assert re.match(r"4\.0\.0b(\d+)$", version) and int(version.split("b")[-1]) >= 26, version
     found = _jit(findings)
@@ -246,8 +259,9 @@ def test_analyze_rejects_what_is_not_evidence(tmp_path):
 # -- torch.compile on changing shapes -------------------------------------------------------------
 @pytest.mark.slow
 def test_dynamo_recompiles_on_changing_shapes_with_reason(tmp_path_factory):
-    run, findings, _ = _record(tmp_path_factory, "dynamo",
-                               [PY, example("compile_dynamic.py"), "--threads", "1"], steps=3)
+    run, findings, _ = _record(
+        tmp_path_factory, "dynamo", [PY, example("compile_dynamic.py"), "--threads", "1"], steps=3
+    )
     found = _jit(findings)
     assert "jit.dynamo_recompile" in found, [(f.id, f.title) for f in findings]
     f = found["jit.dynamo_recompile"]
@@ -269,15 +283,15 @@ def test_dynamo_recompiles_on_changing_shapes_with_reason(tmp_path_factory):
 # -- the healthy example: nothing --------------------------------------------------------------------
 @pytest.mark.slow
 def test_healthy_example_has_no_jit_finding(tmp_path_factory):
-    _, findings, _ = _record(tmp_path_factory, "healthy",
-                             [PY, example("train_tiny.py"), "--steps", "4", "--threads", "1"], steps=4)
+    _, findings, _ = _record(
+        tmp_path_factory, "healthy", [PY, example("train_tiny.py"), "--steps", "4", "--threads", "1"], steps=4
+    )
     assert [(f.id, f.severity) for f in findings if f.analyzer == "jit"] == []
     assert [(f.id, f.severity) for f in findings if f.analyzer == "jit" and f.severity != "info"] == []
 
 
 # -- what cannot run on a CPU: Triton autotuning, other frameworks' commands ------------------------
-def _synthetic_run(path, command, compiles, step_s=1.0, steps=4, packages=None,
-                   caller_file="/job/model.py"):
+def _synthetic_run(path, command, compiles, step_s=1.0, steps=4, packages=None, caller_file="/job/model.py"):
     """A run folder as the shim writes it (Triton cannot run without a GPU): steps of step_s
     seconds and the given compile events (kind, kernel, step, seconds, key_fields)."""
     os.makedirs(path / "events")
@@ -285,19 +299,32 @@ def _synthetic_run(path, command, compiles, step_s=1.0, steps=4, packages=None,
     events = [{"type": "process_start", "t": t0, "pid": 1, "rank": "0", "main_thread": 1}]
     for s in range(steps):
         begin, end = t0 + int(s * step_s * 1e9), t0 + int((s + 1) * step_s * 1e9)
-        events += [{"type": "step_begin", "step": s, "t": begin},
-                   {"type": "step_end", "step": s, "t": end, "duration_s": step_s}]
+        events += [
+            {"type": "step_begin", "step": s, "t": begin},
+            {"type": "step_end", "step": s, "t": end, "duration_s": step_s},
+        ]
     offset = {}
     for kind, kernel, step, seconds, fields, *extra in compiles:
         # events of one step one after the other, as a job makes them
         start = t0 + int(step * step_s * 1e9) + 1000 + offset.get(step, 0)
         offset[step] = offset.get(step, 0) + int(seconds * 1e9) + 1000
-        events.append({"type": "compile", "kind": kind, "kernel": kernel, "step": step,
-                       "start": start, "t": start + int(seconds * 1e9), "duration_s": seconds,
-                       "thread": "MainThread", "is_main_thread": True, "key_fields": fields,
-                       "key": repr(fields), "caller": {"file": caller_file, "line": 7,
-                                                       "function": "forward"},
-                       **(extra[0] if extra else {})})
+        events.append(
+            {
+                "type": "compile",
+                "kind": kind,
+                "kernel": kernel,
+                "step": step,
+                "start": start,
+                "t": start + int(seconds * 1e9),
+                "duration_s": seconds,
+                "thread": "MainThread",
+                "is_main_thread": True,
+                "key_fields": fields,
+                "key": repr(fields),
+                "caller": {"file": caller_file, "line": 7, "function": "forward"},
+                **(extra[0] if extra else {}),
+            }
+        )
     with open(path / "events" / "0.jsonl", "w") as f:
         f.write("\n".join(json.dumps(e) for e in sorted(events, key=lambda e: e["t"])) + "\n")
     with open(path / "manifest.json", "w") as f:
@@ -306,12 +333,17 @@ def _synthetic_run(path, command, compiles, step_s=1.0, steps=4, packages=None,
 
 
 def test_autotune_again_after_warmup_names_the_changing_key(tmp_path):
-    compiles = [("triton_autotune", "chunk_fwd_kernel", s, 0.4, {"T": str(1000 + 64 * s), "H": "8"})
-                for s in range(4)]
+    compiles = [
+        ("triton_autotune", "chunk_fwd_kernel", s, 0.4, {"T": str(1000 + 64 * s), "H": "8"}) for s in range(4)
+    ]
     # flash-linear-attention's kernel (its code launches it: the caller is in fla/)
-    run = _synthetic_run(tmp_path / "run", ["python", "train.py"], compiles,
-                         packages={"flash-linear-attention": "0.6.0"},
-                         caller_file="/site-packages/fla/ops/gla/chunk.py")
+    run = _synthetic_run(
+        tmp_path / "run",
+        ["python", "train.py"],
+        compiles,
+        packages={"flash-linear-attention": "0.6.0"},
+        caller_file="/site-packages/fla/ops/gla/chunk.py",
+    )
     f = _jit(traindx.analyze(run))["jit.autotune"]
     assert f.evidence["changing_key_fields"] == ["T"] and set(f.steps_affected) == {1, 2, 3}
     assert f.seconds_lost_per_step == pytest.approx(0.4)
@@ -323,20 +355,30 @@ def test_autotune_again_after_warmup_names_the_changing_key(tmp_path):
     assert "a size that changes with the data" in f.prescriptions[0].summary
     assert any("TRITON_CACHE_DIR" in e for e in envs)
     # a kernel of the job's own: Triton's terms only, even with FLA installed (issue 14)
-    run = _synthetic_run(tmp_path / "own", ["python", "train.py"], compiles,
-                         packages={"flash-linear-attention": "0.6.0"})
+    run = _synthetic_run(
+        tmp_path / "own", ["python", "train.py"], compiles, packages={"flash-linear-attention": "0.6.0"}
+    )
     f = _jit(traindx.analyze(run))["jit.autotune"]
     assert not any("FLA_" in json.dumps(p.change) for p in f.prescriptions)
     assert f.prescriptions[0].kind == "code" and "autotune_key" in f.prescriptions[0].change["code"]
 
 
-@pytest.mark.parametrize("command, env, expected", [
-    (["torchrun", "pretrain_gpt.py", "--attention-backend", "flash"], {},
-     {"arg": {"framework": "megatron", "set": {"--attention-backend": "fused"}}}),
-    (["megatron", "sft", "--model", "Qwen/Qwen3.5-35B-A3B", "--attention_backend", "flash_4"], {},
-     {"arg": {"framework": "ms-swift", "set": {"--attention_backend": "flash_2"}}}),
-    (["python", "train.py"], {"NVTE_FLASH_ATTN": "1"}, {"env": {"NVTE_FLASH_ATTN_V4": "0"}}),
-])
+@pytest.mark.parametrize(
+    "command, env, expected",
+    [
+        (
+            ["torchrun", "pretrain_gpt.py", "--attention-backend", "flash"],
+            {},
+            {"arg": {"framework": "megatron", "set": {"--attention-backend": "fused"}}},
+        ),
+        (
+            ["megatron", "sft", "--model", "Qwen/Qwen3.5-35B-A3B", "--attention_backend", "flash_4"],
+            {},
+            {"arg": {"framework": "ms-swift", "set": {"--attention_backend": "flash_2"}}},
+        ),
+        (["python", "train.py"], {"NVTE_FLASH_ATTN": "1"}, {"env": {"NVTE_FLASH_ATTN_V4": "0"}}),
+    ],
+)
 def test_backend_switch_is_recognised_from_the_command(tmp_path, command, env, expected):
     from traindx.analyzers.jit import backend_switches
 
@@ -352,8 +394,12 @@ def test_raw_collapsed_pyspy_file_gives_the_same_finding(tmp_path):
     lines = []
     for profile in doc["profiles"]:
         for sample in profile["samples"]:
-            parts = [f"{frames[i]['name']} ({frames[i]['file']}:{frames[i]['line']})"
-                     if frames[i].get("file") else frames[i]["name"] for i in sample]
+            parts = [
+                f"{frames[i]['name']} ({frames[i]['file']}:{frames[i]['line']})"
+                if frames[i].get("file")
+                else frames[i]["name"]
+                for i in sample
+            ]
             lines.append(";".join(parts) + " 1")
     raw = tmp_path / "probe.txt"
     raw.write_text("\n".join(lines) + "\n")
@@ -371,12 +417,30 @@ def test_first_steps_autotune_seconds_are_in_the_cold_start_with_the_warm_up(tmp
     for k in range(5):
         kernel = f"chunk_kernel_{k}"
         compiles.append(("triton", kernel, 0, 0.58, {"BLOCK": "64"}, {"autotune_of": kernel}))
-        compiles.append(("triton_autotune", kernel, 0, 28.9 / 5, {"T": "8192", "H": "8"},
-                         {"bench_s": 28.9 / 5, "jit_s": 0.58, "key_names": ["T", "H"],
-                          "module": "fla.ops.gated_delta_rule.chunk"}))
-    run = _synthetic_run(tmp_path / "run", ["python", "train.py"], compiles, step_s=40.0,
-                         steps=4, packages={"flash-linear-attention": "0.6.0", "triton": "3.6.0"},
-                         caller_file="/site-packages/fla/ops/gated_delta_rule/chunk.py")
+        compiles.append(
+            (
+                "triton_autotune",
+                kernel,
+                0,
+                28.9 / 5,
+                {"T": "8192", "H": "8"},
+                {
+                    "bench_s": 28.9 / 5,
+                    "jit_s": 0.58,
+                    "key_names": ["T", "H"],
+                    "module": "fla.ops.gated_delta_rule.chunk",
+                },
+            )
+        )
+    run = _synthetic_run(
+        tmp_path / "run",
+        ["python", "train.py"],
+        compiles,
+        step_s=40.0,
+        steps=4,
+        packages={"flash-linear-attention": "0.6.0", "triton": "3.6.0"},
+        caller_file="/site-packages/fla/ops/gated_delta_rule/chunk.py",
+    )
     jit = [f for f in traindx.analyze(run) if f.analyzer == "jit"]
     assert [f.id for f in jit] == ["jit.cold_start"], [(f.id, f.title) for f in jit]
     cold = jit[0]
@@ -386,8 +450,9 @@ def test_first_steps_autotune_seconds_are_in_the_cold_start_with_the_warm_up(tmp
     first = cold.prescriptions[0]
     assert first.kind == "precompile" and first.change["precompile"]["from_run"] == run.path
     assert "kernel-cache warm --from-run" in first.command
-    assert all(p.expected_gain_s_per_step is None or p.expected_gain_s_per_step > 0
-               for p in cold.prescriptions)
+    assert all(
+        p.expected_gain_s_per_step is None or p.expected_gain_s_per_step > 0 for p in cold.prescriptions
+    )
 
 
 def test_a_reautotune_and_its_recompiles_are_one_finding(tmp_path):
@@ -396,15 +461,13 @@ def test_a_reautotune_and_its_recompiles_are_one_finding(tmp_path):
     compiles = []
     for s in range(4):
         fields = {"n": str(96 + 64 * s)}
-        compiles.append(("triton_autotune", "scale_add", s, 0.3, fields,
-                         {"key_names": ["n"], "configs": 2}))
+        compiles.append(("triton_autotune", "scale_add", s, 0.3, fields, {"key_names": ["n"], "configs": 2}))
         for _ in range(2):
             compiles.append(("triton", "scale_add", s, 0.1, {}, {"autotune_of": "scale_add"}))
     run = _synthetic_run(tmp_path / "run", ["python", "train.py"], compiles, step_s=1.0, steps=4)
     jit = [f for f in traindx.analyze(run) if f.analyzer == "jit"]
     # the first step's tuning is the cold start (another cause: first use); nothing else
-    assert sorted(f.id for f in jit) == ["jit.autotune", "jit.cold_start"], \
-        [(f.id, f.title) for f in jit]
+    assert sorted(f.id for f in jit) == ["jit.autotune", "jit.cold_start"], [(f.id, f.title) for f in jit]
     f = next(f for f in jit if f.id == "jit.autotune")
     assert f.evidence["changing_key_fields"] == ["n"]
     assert f.evidence["recompiles_while_tuning"] == 6

@@ -1,5 +1,6 @@
 """kernel-cache: precompiling FA4 kernels on a CPU (real FA4 under FakeTensorMode) so that a job
 compiles nothing, replaying a recorded run's compiles, and managing the cache folder."""
+
 import json
 import os
 import shutil
@@ -25,8 +26,14 @@ needs_fa4 = pytest.mark.skipif(not HAVE_FA4, reason="flash-attn-4 / nvidia-cutla
 
 
 def kernel_cache(*args, env=None, timeout=600):
-    return subprocess.run([sys.executable, "-m", "traindx.kernel_cache.cli.main", *map(str, args)],
-                          capture_output=True, text=True, env=env, timeout=timeout, cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, "-m", "traindx.kernel_cache.cli.main", *map(str, args)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
+        cwd=ROOT,
+    )
 
 
 def job_env(cache_dir=None):
@@ -44,9 +51,26 @@ def job_env(cache_dir=None):
 def diagnose_example(run_dir, cache_dir):
     """The FA4 example under `diagnose`, with FA4's persistent cache in cache_dir."""
     proc = subprocess.run(
-        [sys.executable, "-m", "traindx", "--no-pyspy", "--no-nvml", "--quiet", "--run-dir",
-         str(run_dir), "--", sys.executable, str(EXAMPLE), *EXAMPLE_ARGS],
-        capture_output=True, text=True, env=job_env(cache_dir), timeout=600, cwd=ROOT)
+        [
+            sys.executable,
+            "-m",
+            "traindx",
+            "--no-pyspy",
+            "--no-nvml",
+            "--quiet",
+            "--run-dir",
+            str(run_dir),
+            "--",
+            sys.executable,
+            str(EXAMPLE),
+            *EXAMPLE_ARGS,
+        ],
+        capture_output=True,
+        text=True,
+        env=job_env(cache_dir),
+        timeout=600,
+        cwd=ROOT,
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     from traindx import load_run
 
@@ -67,9 +91,13 @@ def test_spec_syntax():
     s = spec.parse_spec("hd=128,hq=16,hkv=4,dtype=bf16,causal,varlen,window=256:0,deterministic")
     assert (s["hd"], s["hdv"], s["hq"], s["hkv"]) == (128, 128, 16, 4)
     assert s["causal"] and s["varlen"] and s["deterministic"] and s["window"] == [256, 0]
-    for bad, why in [("hq=16", "hd="), ("hd=128,hq=16,hkv=5", "multiple"),
-                     ("hd=128,bogus", "unknown flag"), ("hd=abc", "bad value"),
-                     ("hd=128,dtype=fp64", "bad value")]:
+    for bad, why in [
+        ("hq=16", "hd="),
+        ("hd=128,hq=16,hkv=5", "multiple"),
+        ("hd=128,bogus", "unknown flag"),
+        ("hd=abc", "bad value"),
+        ("hd=128,dtype=fp64", "bad value"),
+    ]:
         with pytest.raises(UserError, match=why):
             spec.parse_spec(bad)
 
@@ -86,18 +114,20 @@ def test_seqlen_ranges_cover_every_tile_boundary():
     assert spec.spread_order([16, 32, 48, 64])[:2] == [64, 16]
 
 
-@pytest.mark.parametrize("config, expected", [
-    ("llama3_8b.json", [(128, 32, 8)]),
-    ("qwen3_8b.json", [(128, 32, 8)]),
-    ("qwen3_30b_a3b.json", [(128, 32, 4)]),
-    ("qwen3_5_35b_a3b.json", [(256, 16, 2)]),      # text_config + layer_types
-    ("qwen3_next_80b_a3b.json", [(256, 16, 2)]),   # full_attention_interval only
-])
+@pytest.mark.parametrize(
+    "config, expected",
+    [
+        ("llama3_8b.json", [(128, 32, 8)]),
+        ("qwen3_8b.json", [(128, 32, 8)]),
+        ("qwen3_30b_a3b.json", [(128, 32, 4)]),
+        ("qwen3_5_35b_a3b.json", [(256, 16, 2)]),  # text_config + layer_types
+        ("qwen3_next_80b_a3b.json", [(256, 16, 2)]),  # full_attention_interval only
+    ],
+)
 def test_model_configs_give_the_attention_shapes(config, expected):
     specs, notes = spec.model_specs(DATA / config, varlen=True)
     assert [(s["hd"], s["hq"], s["hkv"]) for s in specs] == expected
-    assert all(s["varlen"] and s["causal"] and s["dtype"] == "bf16" and s["window"] is None
-               for s in specs)
+    assert all(s["varlen"] and s["causal"] and s["dtype"] == "bf16" and s["window"] is None for s in specs)
     if "qwen3_5" in config:
         assert notes == ["full_attention (10 layers)"]  # the 30 linear-attention layers are not FA4
 
@@ -108,8 +138,11 @@ def test_model_tensor_parallel_splits_heads():
 
 
 def test_arch_env():
-    assert spec.arch_env("sm_90") == {"FLASH_ATTENTION_ARCH": "sm_90", "CUTE_DSL_ARCH": "sm_90a",
-                                      "FLASH_ATTENTION_NUM_SMS": "132"}
+    assert spec.arch_env("sm_90") == {
+        "FLASH_ATTENTION_ARCH": "sm_90",
+        "CUTE_DSL_ARCH": "sm_90a",
+        "FLASH_ATTENTION_NUM_SMS": "132",
+    }
     assert spec.arch_env("sm100", 148)["CUTE_DSL_ARCH"] == "sm_100a"
     with pytest.raises(UserError):
         spec.arch_number("hopper")
@@ -176,16 +209,17 @@ def test_pack_unpack_clear(tmp_path):
 
 def test_env_prints_the_two_exports(tmp_path):
     proc = kernel_cache("env", "--cache-dir", tmp_path)
-    assert proc.stdout.splitlines() == [f"export {store.ENABLE_VAR}=1",
-                                        f"export {store.DIR_VAR}={tmp_path}"]
+    assert proc.stdout.splitlines() == [f"export {store.ENABLE_VAR}=1", f"export {store.DIR_VAR}={tmp_path}"]
     assert kernel_cache("env", "--dir", "--cache-dir", tmp_path).stdout.strip() == str(tmp_path)
 
 
 def test_bad_input_is_one_line(tmp_path):
-    for args, why in [(["warm", "--spec", "hd=128,hkv=3", "--arch", "sm_90"], "multiple of"),
-                      (["warm", "--from-run", tmp_path, "--arch", "sm_90"], "not a traindx run"),
-                      (["warm", "--spec", "hd=64", "--arch", "sm_42"], "--arch"),
-                      (["warm"], "nothing to compile")]:
+    for args, why in [
+        (["warm", "--spec", "hd=128,hkv=3", "--arch", "sm_90"], "multiple of"),
+        (["warm", "--from-run", tmp_path, "--arch", "sm_90"], "not a traindx run"),
+        (["warm", "--spec", "hd=64", "--arch", "sm_42"], "--arch"),
+        (["warm"], "nothing to compile"),
+    ]:
         proc = kernel_cache(*args, "--cache-dir", tmp_path / "c")
         lines = proc.stderr.strip().splitlines()
         assert proc.returncode == 2 and len(lines) == 1 and why in lines[0], proc.stderr
@@ -220,8 +254,19 @@ def test_from_run_replays_the_keys_of_a_recorded_run(seed_run, tmp_path):
 def test_warm_spec_then_the_job_compiles_nothing(seed_run, tmp_path):
     _, job_cache = seed_run
     cache = tmp_path / "cache"
-    proc = kernel_cache("warm", "--spec", EXAMPLE_SPEC, "--seqlens", "16-64", "--arch", "sm_90",
-                        "--cache-dir", cache, "--jobs", "1")
+    proc = kernel_cache(
+        "warm",
+        "--spec",
+        EXAMPLE_SPEC,
+        "--seqlens",
+        "16-64",
+        "--arch",
+        "sm_90",
+        "--cache-dir",
+        cache,
+        "--jobs",
+        "1",
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     families = {Path(e).parts[1] for e in entries(cache)}
     assert {"fwd", "bwd", "bwd_pre", "bwd_post"} <= families
@@ -253,8 +298,9 @@ def test_verify_reports_a_corrupted_entry(seed_run, tmp_path):
 @needs_fa4
 @pytest.mark.slow
 def test_spec_fa4_rejects_gives_one_line_error(tmp_path):
-    proc = kernel_cache("warm", "--spec", "hd=512,hq=8", "--seqlens", "1024", "--arch", "sm_90",
-                        "--cache-dir", tmp_path)
+    proc = kernel_cache(
+        "warm", "--spec", "hd=512,hq=8", "--seqlens", "1024", "--arch", "sm_90", "--cache-dir", tmp_path
+    )
     assert proc.returncode == 2
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("kernel-cache: error: FA4") and "rejects hd=512" in last
@@ -291,8 +337,9 @@ def test_a_recorded_enum_and_dataclass_argument_is_rebuilt():
     from traindx.profiler.shim._traindx_shim.compiles import describe_value
 
     config = LaunchConfig(tile_m=128, registers=Registers(240, 24), order=TileOrder.LONGEST_FIRST)
-    recorded = json.loads(json.dumps({"config": describe_value(config),
-                                      "mode": describe_value(TileOrder.ROW)}))
+    recorded = json.loads(
+        json.dumps({"config": describe_value(config), "mode": describe_value(TileOrder.ROW)})
+    )
     assert worker._rebuild("config", recorded["config"], recorded) == config
     assert worker._rebuild("mode", recorded["mode"], recorded) is TileOrder.ROW
     # a release whose class lacks a recorded field says so instead of compiling something else

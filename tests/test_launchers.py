@@ -4,14 +4,14 @@ rank each process learned, no steps for the launcher. Real launchers, CPU, gloo.
 Each job makes 6 optimizer steps per rank with a 0.3 s wait per step (its "data"), so py-spy,
 which attaches when a process shows training evidence, has time to sample.
 """
+
 import os
 import socket
 
 import pytest
+from helpers import PY, ROOT, diagnose, only_run_dir
 
 import traindx
-
-from helpers import PY, ROOT, diagnose, only_run_dir
 
 JOBS = os.path.join(ROOT, "tests", "jobs")
 BIN = os.path.dirname(PY)
@@ -29,8 +29,11 @@ def free_port():
 
 
 def run_under_diagnose(tmp_path, command, env=None):
-    proc = diagnose(["--out", "runs", "--", *command], cwd=tmp_path,
-                    env={"OMP_NUM_THREADS": "1", "PYTHON": PY, **(env or {})})
+    proc = diagnose(
+        ["--out", "runs", "--", *command],
+        cwd=tmp_path,
+        env={"OMP_NUM_THREADS": "1", "PYTHON": PY, **(env or {})},
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     return traindx.load_run(only_run_dir(tmp_path / "runs"))
 
@@ -47,8 +50,10 @@ def assert_two_ranks(run, launchers=()):
     assert sorted(run.manifest["ranks"]) == ["0", "1"]
     assert {int(p) for p in run.manifest["ranks"].values()} == set(ranked["pid"])
     for argv_part in launchers:  # e.g. the torchrun agent: seen by the shim, not a rank
-        launcher = procs[procs["argv"].map(lambda a: any(argv_part in x for x in a or []))  # noqa: B023
-                         & procs["label"].isna()]
+        launcher = procs[
+            procs["argv"].map(lambda a: any(argv_part in x for x in a or []))  # noqa: B023
+            & procs["label"].isna()
+        ]
         assert len(launcher) >= 1, (argv_part, procs.to_dict("records"))
     # py-spy evidence of both ranks, unless py-spy cannot attach on this machine (then the
     # manifest says why; a manager that never attached would leave no reason and fail here)
@@ -60,9 +65,21 @@ def assert_two_ranks(run, launchers=()):
 
 @pytest.mark.slow
 def test_torchrun_with_spawned_dataloader_workers(tmp_path):
-    run = run_under_diagnose(tmp_path, [os.path.join(BIN, "torchrun"), "--nproc-per-node", "2",
-                                        "--master-port", free_port(), job("ddp_train.py"),
-                                        "--workers", "1", "--worker-start", "spawn"])
+    run = run_under_diagnose(
+        tmp_path,
+        [
+            os.path.join(BIN, "torchrun"),
+            "--nproc-per-node",
+            "2",
+            "--master-port",
+            free_port(),
+            job("ddp_train.py"),
+            "--workers",
+            "1",
+            "--worker-start",
+            "spawn",
+        ],
+    )
     assert_two_ranks(run, launchers=["torchrun"])
     # the spawned DataLoader workers ran the shim too, yet wrote nothing
     assert len(run.processes) == 3, run.processes.to_dict("records")
@@ -70,9 +87,23 @@ def test_torchrun_with_spawned_dataloader_workers(tmp_path):
 
 @pytest.mark.slow
 def test_python_m_torch_distributed_run(tmp_path):
-    run = run_under_diagnose(tmp_path, [PY, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                                        "--master-port", free_port(), job("ddp_train.py"),
-                                        "--workers", "1", "--worker-start", "fork"])
+    run = run_under_diagnose(
+        tmp_path,
+        [
+            PY,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "2",
+            "--master-port",
+            free_port(),
+            job("ddp_train.py"),
+            "--workers",
+            "1",
+            "--worker-start",
+            "fork",
+        ],
+    )
     assert_two_ranks(run, launchers=["-m"])
     assert len(run.processes) == 3  # forked DataLoader workers stay silent
 
@@ -93,18 +124,31 @@ def test_forked_ranks(tmp_path):
 
 @pytest.mark.slow
 def test_accelerate_launch(tmp_path):
-    run = run_under_diagnose(tmp_path, [os.path.join(BIN, "accelerate"), "launch", "--multi_gpu",
-                                        "--num_processes", "2", "--num_machines", "1",
-                                        "--mixed_precision", "no", "--dynamo_backend", "no",
-                                        "--main_process_port", free_port(),
-                                        job("accelerate_train.py")])
+    run = run_under_diagnose(
+        tmp_path,
+        [
+            os.path.join(BIN, "accelerate"),
+            "launch",
+            "--multi_gpu",
+            "--num_processes",
+            "2",
+            "--num_machines",
+            "1",
+            "--mixed_precision",
+            "no",
+            "--dynamo_backend",
+            "no",
+            "--main_process_port",
+            free_port(),
+            job("accelerate_train.py"),
+        ],
+    )
     assert_two_ranks(run, launchers=["launch"])
 
 
 @pytest.mark.slow
 def test_lightning_ddp_where_the_parent_is_rank_0(tmp_path):
-    run = run_under_diagnose(tmp_path, [PY, job("lightning_train.py")],
-                             env={"MASTER_PORT": free_port()})
+    run = run_under_diagnose(tmp_path, [PY, job("lightning_train.py")], env={"MASTER_PORT": free_port()})
     assert_two_ranks(run)
     # Lightning's parent is rank 0 itself; it learned that from its process group
     parent = run.processes[run.processes["label"] == "0"].iloc[0]
@@ -124,8 +168,7 @@ def test_srun_style_rank_set_by_the_job(tmp_path):
 
 @pytest.mark.slow
 def test_bare_parent_launching_worker_pythons(tmp_path):
-    run = run_under_diagnose(tmp_path, [PY, job("launch_workers.py"), job("ddp_train.py"),
-                                        free_port()])
+    run = run_under_diagnose(tmp_path, [PY, job("launch_workers.py"), job("ddp_train.py"), free_port()])
     assert_two_ranks(run, launchers=["launch_workers.py"])
 
 
@@ -133,8 +176,12 @@ def test_one_rank_in_several_processes_is_kept_apart_deterministically():
     from traindx.profiler.shim._traindx_shim.roles import rank_labels
 
     # a restarted rank 1 (new pid, later start), and a process that never learned its rank
-    procs = [{"pid": 300, "rank": "1", "start": 50}, {"pid": 100, "rank": "0", "start": 10},
-             {"pid": 200, "rank": "1", "start": 10}, {"pid": 50, "rank": None, "start": 1}]
+    procs = [
+        {"pid": 300, "rank": "1", "start": 50},
+        {"pid": 100, "rank": "0", "start": 10},
+        {"pid": 200, "rank": "1", "start": 10},
+        {"pid": 50, "rank": None, "start": 1},
+    ]
     labels = rank_labels(procs)
     assert labels == {100: "0", 200: "1", 300: "1-p300", 50: "0-p50"}
     assert rank_labels(list(reversed(procs))) == labels
@@ -142,9 +189,22 @@ def test_one_rank_in_several_processes_is_kept_apart_deterministically():
 
 @pytest.mark.slow
 def test_without_the_shim_py_spy_samples_the_ranks_not_the_launcher(tmp_path):
-    proc = diagnose(["--out", "runs", "--no-shim", "--", os.path.join(BIN, "torchrun"),
-                     "--nproc-per-node", "2", "--master-port", free_port(), job("ddp_train.py")],
-                    cwd=tmp_path, env={"OMP_NUM_THREADS": "1"})
+    proc = diagnose(
+        [
+            "--out",
+            "runs",
+            "--no-shim",
+            "--",
+            os.path.join(BIN, "torchrun"),
+            "--nproc-per-node",
+            "2",
+            "--master-port",
+            free_port(),
+            job("ddp_train.py"),
+        ],
+        cwd=tmp_path,
+        env={"OMP_NUM_THREADS": "1"},
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = traindx.load_run(only_run_dir(tmp_path / "runs"))
     if "pyspy" in run.missing:

@@ -1,6 +1,7 @@
 """The time ledger on real jobs under `diagnose`: every step's wall time split into measured
 categories that sum to it exactly; known injected costs land in their category; start-up is its
 own row; the same findings and severities with two CPU-burning processes beside the job."""
+
 import json
 import os
 import subprocess
@@ -9,13 +10,12 @@ import sys
 import numpy as np
 import pandas as pd
 import pytest
+from helpers import PY, diagnose, diagnose_side_by_side, only_run_dir
 
 import traindx
-from traindx.derive import ledger as L
 from traindx.analyzers import savings as S
 from traindx.analyzers.findings import Finding
-
-from helpers import PY, diagnose, diagnose_side_by_side, only_run_dir
+from traindx.derive import ledger as L
 
 JOBS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "jobs")
 CATEGORY_COLUMNS = [f"{c}_s" for c in L.CATEGORIES] + ["unexplained_s"]
@@ -45,8 +45,16 @@ def _assert_sums_exactly(led):
 @pytest.fixture(scope="module")
 def getitem_run(tmp_path_factory):
     # 8 samples x 4 ms of busy pure Python in __getitem__: at least 32 ms of data wait per step
-    return _run(tmp_path_factory.mktemp("getitem"), "slow_getitem.py", "--steps", "12",
-                "--item-ms", "4", "--batch", "8")
+    return _run(
+        tmp_path_factory.mktemp("getitem"),
+        "slow_getitem.py",
+        "--steps",
+        "12",
+        "--item-ms",
+        "4",
+        "--batch",
+        "8",
+    )
 
 
 def test_ledger_sums_to_wall_time_and_busy_getitem_is_data(getitem_run):
@@ -60,7 +68,9 @@ def test_ledger_sums_to_wall_time_and_busy_getitem_is_data(getitem_run):
     # __getitem__ busy-waits on the wall clock: the wait cannot be shorter than 8 x 4 ms, and
     # on an idle-enough machine it is not much longer; it is the largest line of the step
     assert data.median() >= 0.9 * 0.032, steady
-    assert (steady["data_s"] >= steady[[c for c in CATEGORY_COLUMNS if c != "data_s"]].max(axis=1)).mean() > 0.7
+    assert (
+        steady["data_s"] >= steady[[c for c in CATEGORY_COLUMNS if c != "data_s"]].max(axis=1)
+    ).mean() > 0.7
     # forward/backward and the optimizer step are measured too; nothing compiles on this job
     assert steady["forward_backward_s"].sum() > 0 and steady["optimizer_s"].sum() > 0
     assert led["compile_s"].sum() == 0 and led["io_s"].sum() == 0
@@ -130,8 +140,10 @@ def test_a_save_period_is_found_when_the_warm_up_rule_took_half_the_run():
     0: the finding names torch.save, its line and period 4, not an unexplained variation."""
     from traindx.derive.run import load_run
 
-    run = load_run(os.path.join(os.path.dirname(os.path.abspath(__file__)), "data",
-                                "cpu-checkpoint-load-fell"), cache=False)
+    run = load_run(
+        os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "cpu-checkpoint-load-fell"),
+        cache=False,
+    )
     found = {f.id: f for f in traindx.analyze(run)}
     f = found.get("steps.periodic_slow")
     assert f is not None, [(x.id, x.severity, x.title) for x in found.values()]
@@ -151,16 +163,21 @@ def test_priority_sweep_counts_each_nanosecond_once():
     compile; a GC inside a data wait counts once, as GC; a data wait of another thread does not
     count. A run recorded before forward spans: the forward is the stretch from the data wait's
     end to the backward; the training thread's untimed rest is host time."""
-    steps = _table([("0", 0, 1000, 2000, 1e-6), ("0", 1, 2000, 3000, 1e-6)],
-                   ["rank", "step", "start_ns", "end_ns", "duration_s"])
-    spans = _table([
-        ("0", "data", 1000, 1300, 1, None, None),
-        ("0", "gc", 1100, 1200, 1, None, None),
-        ("0", "backward", 1500, 1900, 1, None, None),
-        ("0", "optimizer", 1900, 1950, 1, None, None),
-        ("0", "data", 2000, 2900, 2, None, None),      # another thread: not the training loop
-        ("0", "optimizer", 2950, 3010, 1, None, None),  # crosses the step end: clipped
-    ], ["rank", "cat", "start_ns", "end_ns", "tid", "caller", "call"])
+    steps = _table(
+        [("0", 0, 1000, 2000, 1e-6), ("0", 1, 2000, 3000, 1e-6)],
+        ["rank", "step", "start_ns", "end_ns", "duration_s"],
+    )
+    spans = _table(
+        [
+            ("0", "data", 1000, 1300, 1, None, None),
+            ("0", "gc", 1100, 1200, 1, None, None),
+            ("0", "backward", 1500, 1900, 1, None, None),
+            ("0", "optimizer", 1900, 1950, 1, None, None),
+            ("0", "data", 2000, 2900, 2, None, None),  # another thread: not the training loop
+            ("0", "optimizer", 2950, 3010, 1, None, None),  # crosses the step end: clipped
+        ],
+        ["rank", "cat", "start_ns", "end_ns", "tid", "caller", "call"],
+    )
     compiles = _table([("0", "cute_dsl", 1600, 1700)], ["rank", "kind", "start_ns", "end_ns"])
     events = _table([("0", "process_start", 400)], ["rank", "type", "t"])
     led, start = L.compute(steps, spans, compiles, events)
@@ -181,27 +198,37 @@ def test_measured_forward_closures_and_host_are_booked_where_they_run():
     between its measured calls is host; a forward and backward inside an optimizer step's
     closure (Lightning) are fwd/bwd, the closure's rest host, the step's own rest optimizer;
     a rank whose training thread no span shows is unexplained."""
-    steps = _table([("0", 0, 1000, 2000, 1e-6), ("0", 1, 2000, 3000, 1e-6),
-                    ("1", 0, 1000, 2000, 1e-6)], ["rank", "step", "start_ns", "end_ns", "duration_s"])
-    spans = _table([
-        ("0", "data", 1000, 1100, 1, None, None),
-        ("0", "forward", 1200, 1400, 1, None, None),
-        ("0", "backward", 1500, 1700, 1, None, None),
-        ("0", "optimizer", 1700, 1800, 1, None, None),
-        ("0", "data", 2000, 2100, 1, None, None),
-        ("0", "optimizer", 2100, 2900, 1, None, None),
-        ("0", "closure", 2150, 2850, 1, None, None),
-        ("0", "forward", 2200, 2400, 1, None, None),
-        ("0", "backward", 2500, 2800, 1, None, None),
-    ], ["rank", "cat", "start_ns", "end_ns", "tid", "caller", "call"])
-    led, _ = L.compute(steps, spans, pd.DataFrame(columns=["rank", "kind", "start_ns", "end_ns"]),
-                       pd.DataFrame())
-    ns = {(r.rank, r.step): {c: round(getattr(r, f"{c}_s") * 1e9) for c in L.CATEGORIES + ("unexplained",)}
-          for r in led.itertuples()}
-    assert ns[("0", 0)] == dict(ns[("0", 0)], data=100, forward_backward=400, optimizer=100,
-                                host=400, unexplained=0)
-    assert ns[("0", 1)] == dict(ns[("0", 1)], data=100, forward_backward=500, optimizer=100,
-                                host=300, unexplained=0)
+    steps = _table(
+        [("0", 0, 1000, 2000, 1e-6), ("0", 1, 2000, 3000, 1e-6), ("1", 0, 1000, 2000, 1e-6)],
+        ["rank", "step", "start_ns", "end_ns", "duration_s"],
+    )
+    spans = _table(
+        [
+            ("0", "data", 1000, 1100, 1, None, None),
+            ("0", "forward", 1200, 1400, 1, None, None),
+            ("0", "backward", 1500, 1700, 1, None, None),
+            ("0", "optimizer", 1700, 1800, 1, None, None),
+            ("0", "data", 2000, 2100, 1, None, None),
+            ("0", "optimizer", 2100, 2900, 1, None, None),
+            ("0", "closure", 2150, 2850, 1, None, None),
+            ("0", "forward", 2200, 2400, 1, None, None),
+            ("0", "backward", 2500, 2800, 1, None, None),
+        ],
+        ["rank", "cat", "start_ns", "end_ns", "tid", "caller", "call"],
+    )
+    led, _ = L.compute(
+        steps, spans, pd.DataFrame(columns=["rank", "kind", "start_ns", "end_ns"]), pd.DataFrame()
+    )
+    ns = {
+        (r.rank, r.step): {c: round(getattr(r, f"{c}_s") * 1e9) for c in L.CATEGORIES + ("unexplained",)}
+        for r in led.itertuples()
+    }
+    assert ns[("0", 0)] == dict(
+        ns[("0", 0)], data=100, forward_backward=400, optimizer=100, host=400, unexplained=0
+    )
+    assert ns[("0", 1)] == dict(
+        ns[("0", 1)], data=100, forward_backward=500, optimizer=100, host=300, unexplained=0
+    )
     assert ns[("1", 0)]["unexplained"] == 1000 and ns[("1", 0)]["host"] == 0
     _assert_sums_exactly(led)
 
@@ -218,14 +245,17 @@ def test_ledger_is_vectorised_at_scale():
         for i in range(n_steps):
             a, b = int(edges[i]), int(edges[i + 1])
             step_rows.append((str(r), i, a, b, (b - a) / 1e9))
-            span_rows += [(str(r), "data", a, a + 100_000, 1, None, None),
-                          (str(r), "backward", a + 300_000, a + 700_000, 1, None, None),
-                          (str(r), "optimizer", a + 700_000, a + 800_000, 1, None, None)]
+            span_rows += [
+                (str(r), "data", a, a + 100_000, 1, None, None),
+                (str(r), "backward", a + 300_000, a + 700_000, 1, None, None),
+                (str(r), "optimizer", a + 700_000, a + 800_000, 1, None, None),
+            ]
     steps = _table(step_rows, ["rank", "step", "start_ns", "end_ns", "duration_s"])
     spans = _table(span_rows, ["rank", "cat", "start_ns", "end_ns", "tid", "caller", "call"])
     t = time.perf_counter()
-    led, _ = L.compute(steps, spans, pd.DataFrame(columns=["rank", "kind", "start_ns", "end_ns"]),
-                       pd.DataFrame())
+    led, _ = L.compute(
+        steps, spans, pd.DataFrame(columns=["rank", "kind", "start_ns", "end_ns"]), pd.DataFrame()
+    )
     assert time.perf_counter() - t < 30
     assert len(led) == n_ranks * n_steps
     _assert_sums_exactly(led)
@@ -272,8 +302,7 @@ def test_workers_step_model_documented_cases():
     # the compute stage is the slower one: it sets the step, at its own 20 ms (the workers,
     # busy a tenth of the time, leave it a whole core); a burner beside it takes a share of it
     assert S.workers_step_model(0.004, 0.020, 0.020, 2, 2, 0) == pytest.approx(0.020, rel=1e-3)
-    assert S.workers_step_model(0.004, 0.020, 0.020, 2, 2, 2) == pytest.approx(0.020 * 3.2 / 2,
-                                                                                 rel=1e-3)
+    assert S.workers_step_model(0.004, 0.020, 0.020, 2, 2, 2) == pytest.approx(0.020 * 3.2 / 2, rel=1e-3)
     # a job held to the one core it had gains nothing; with both cores it is bounded by all its
     # CPU work over them, and never faster than one core per worker
     assert S.workers_step_capped(0.030, 0.006, 0.006, 2, 1.0) == pytest.approx(0.036)
@@ -315,13 +344,15 @@ def test_predicted_step_time_of_the_workers_fix_comes_from_the_cpu_evidence(geti
     a = max(1.0, rest_cpu / rest_wall)
     rest_wait = max(0.0, rest_wall - rest_cpu / a - max(0.0, thread_runq - data_runq))
     # the per-task reading: the measured stage times, grown by the contention the workers add
-    per_task = S.workers_step_measured(load_wait, data_cpu + data_runq, rest_wait,
-                                       rest_wall - rest_wait, workers, cores, others, threads=own)
+    per_task = S.workers_step_measured(
+        load_wait, data_cpu + data_runq, rest_wait, rest_wall - rest_wait, workers, cores, others, threads=own
+    )
     # the per-group reading: the job held to the share its thread got (or the CPU it used)
     # plus the idle cores
     held = min(cores, max(proc / wall, share) + cpu["sys_idle_s"].mean() / wall)
-    per_group = S.workers_step_capped(data_cpu, rest_cpu, rest_wall, workers, held,
-                                      load_wait=load_wait, rest_wait=rest_wait)
+    per_group = S.workers_step_capped(
+        data_cpu, rest_cpu, rest_wall, workers, held, load_wait=load_wait, rest_wait=rest_wait
+    )
     low, high = min(per_task, per_group), max(per_task, per_group)
     assert pred["predicted_range_s"] == pytest.approx([low, high], rel=1e-6)
     # the point: the middle of the range for a loader that computes, towards the per-task
@@ -379,8 +410,15 @@ def test_workers_prediction_of_a_run_without_cpu_evidence(getitem_run, tmp_path)
 
 
 def test_findings_json_of_older_runs_still_loads():
-    old = {"id": "gc.gen2_in_step", "title": "t", "severity": "low", "analyzer": "gc_pauses",
-           "prescriptions": [], "steps_affected": [3], "ranks": ["0"]}
+    old = {
+        "id": "gc.gen2_in_step",
+        "title": "t",
+        "severity": "low",
+        "analyzer": "gc_pauses",
+        "prescriptions": [],
+        "steps_affected": [3],
+        "ranks": ["0"],
+    }
     f = Finding.from_dict(old)
     assert f.cause is None and f.symptoms == () and f.removes == {}
     assert Finding.from_dict(f.to_dict()) == f
@@ -412,8 +450,13 @@ def quiet_and_loaded(tmp_path_factory):
     burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
     try:
         procs = diagnose_side_by_side(
-            [["--out", str(outs[job]), "--quiet", "--", PY, os.path.join(JOBS, job), *args]
-             for job, args in LOAD_JOBS.items()], cwd=root, timeout=900)
+            [
+                ["--out", str(outs[job]), "--quiet", "--", PY, os.path.join(JOBS, job), *args]
+                for job, args in LOAD_JOBS.items()
+            ],
+            cwd=root,
+            timeout=900,
+        )
     finally:
         for p in burners:
             p.kill()
@@ -441,20 +484,44 @@ def test_compiling_straggler_and_launch_bound_are_symptoms_of_the_recompile():
     from traindx.analyzers.findings import Prescription, rank_findings
 
     rx = (Prescription(kind="code", summary="fix it", expected_gain_s_per_step=1.0),)
-    jit = Finding(id="jit.steady_recompile", title="k recompiles", severity="high", analyzer="jit",
-                  seconds_lost_per_step=1.0, ranks=("1",), evidence={"threads": {"MainThread": 3}},
-                  prescriptions=rx)
-    straggler = Finding(id="ranks.straggler", title="rank 1 stalls", severity="critical",
-                        analyzer="ranks", seconds_lost_per_step=1.2, ranks=("0", "1"),
-                        evidence={"straggler": "1",
-                                  "straggler_compiles_in_steady_steps": {"compiles": 3}},
-                        prescriptions=rx)
-    launch = Finding(id="gpu.launch_bound", title="launch-bound", severity="high",
-                     analyzer="launch_bound", seconds_lost_per_step=0.5, ranks=("1",),
-                     prescriptions=rx)
-    other = Finding(id="gpu.launch_bound", title="launch-bound elsewhere", severity="low",
-                    analyzer="launch_bound", seconds_lost_per_step=0.1, ranks=("2",),
-                    prescriptions=rx)
+    jit = Finding(
+        id="jit.steady_recompile",
+        title="k recompiles",
+        severity="high",
+        analyzer="jit",
+        seconds_lost_per_step=1.0,
+        ranks=("1",),
+        evidence={"threads": {"MainThread": 3}},
+        prescriptions=rx,
+    )
+    straggler = Finding(
+        id="ranks.straggler",
+        title="rank 1 stalls",
+        severity="critical",
+        analyzer="ranks",
+        seconds_lost_per_step=1.2,
+        ranks=("0", "1"),
+        evidence={"straggler": "1", "straggler_compiles_in_steady_steps": {"compiles": 3}},
+        prescriptions=rx,
+    )
+    launch = Finding(
+        id="gpu.launch_bound",
+        title="launch-bound",
+        severity="high",
+        analyzer="launch_bound",
+        seconds_lost_per_step=0.5,
+        ranks=("1",),
+        prescriptions=rx,
+    )
+    other = Finding(
+        id="gpu.launch_bound",
+        title="launch-bound elsewhere",
+        severity="low",
+        analyzer="launch_bound",
+        seconds_lost_per_step=0.1,
+        ranks=("2",),
+        prescriptions=rx,
+    )
     linked = rank_findings(chains.link([straggler, launch, other, jit]))
     by_title = {f.title: f for f in linked}
     assert linked[0].id == "jit.steady_recompile"  # the root leads, though a symptom is critical
@@ -479,8 +546,11 @@ def test_seed_run_savings_come_from_the_compile_line_and_never_exceed_the_step()
     assert [f.id for f in findings if f.cause == root.id] == ["gil.contention"]
     pred = S.predicted_step_time(run, root)
     assert pred["removed_s"] == pytest.approx(steady["compile_s"].mean())
-    gains = [max((p.expected_gain_s_per_step or 0.0) for p in f.prescriptions)
-             for f in findings if f.cause is None and f.prescriptions]
+    gains = [
+        max((p.expected_gain_s_per_step or 0.0) for p in f.prescriptions)
+        for f in findings
+        if f.cause is None and f.prescriptions
+    ]
     assert sum(gains) <= steady["wall_s"].mean() + 1e-9
 
 
@@ -499,7 +569,7 @@ def test_gc_freeze_prediction_keeps_what_freeze_leaves_recorded_pair():
     steady_f = L.steady_rows(fixed)
     ev = fixed.events
     full = ev[(ev["type"] == "gc") & (ev["generation"] == 2) & ev["step"].isin(steady_f["step"])]
-    assert full["count"].sum() >= 4 and full["collected"].sum() > 0   # the fix still collects
+    assert full["count"].sum() >= 4 and full["collected"].sum() > 0  # the fix still collects
     assert steady_f["gc_s"].mean() > 0.002
 
     pred = S.predicted_step_time(base, finding)
@@ -522,7 +592,7 @@ def test_gc_prediction_without_varying_collections_removes_the_whole_line():
     finding = next(f for f in traindx.analyze(base) if f.id == "gc.gen2_in_step")
     gc = base.gc.copy()
     gc.loc[gc["generation"] == 2, "collected"] = 175000
-    base.__dict__["gc"] = gc                   # the shim's per-step gcstats, as recorded else
+    base.__dict__["gc"] = gc  # the shim's per-step gcstats, as recorded else
     led = L.steady_rows(base)
     assert S.gc_freeze_residual(base, led["rank"].iloc[0], led["step"]) is None
     pred = S.predicted_step_time(base, finding)
@@ -537,12 +607,13 @@ def test_io_after_effect_counts_the_saving_step_and_the_next_beyond_the_others()
     io = [0.0] * 10
     for s in (3, 7):
         io[s], rest[s], rest[s + 1] = 0.1, 1.3, 1.2
-    led = pd.DataFrame({"rank": "0", "step": range(10), "io_s": io,
-                        "wall_s": [r + i for r, i in zip(rest, io)]})
+    led = pd.DataFrame(
+        {"rank": "0", "step": range(10), "io_s": io, "wall_s": [r + i for r, i in zip(rest, io)]}
+    )
     assert S.io_after_effect(led) == pytest.approx((0.3 + 0.2) * 2 / 10)
-    assert S.io_after_effect(led.assign(io_s=0.1)) is None      # every step saves: no reference
+    assert S.io_after_effect(led.assign(io_s=0.1)) is None  # every step saves: no reference
     assert S.io_after_effect(led.assign(io_s=0.0)) is None
-    faster = led.assign(wall_s=[1.0 + i for i in io])          # no after-effect: nothing added
+    faster = led.assign(wall_s=[1.0 + i for i in io])  # no after-effect: nothing added
     assert S.io_after_effect(faster) == 0.0
 
 
@@ -552,8 +623,15 @@ HOST_READ_LINE = 40  # tests/jobs/host_read.py: `meta = os.read(rep, 64)`
 
 @pytest.fixture(scope="module")
 def host_read_run(tmp_path_factory):
-    return _run(tmp_path_factory.mktemp("hostread"), "host_read.py", "--steps", "12",
-                "--read-ms", "150", env={"OMP_NUM_THREADS": "1"})
+    return _run(
+        tmp_path_factory.mktemp("hostread"),
+        "host_read.py",
+        "--steps",
+        "12",
+        "--read-ms",
+        "150",
+        env={"OMP_NUM_THREADS": "1"},
+    )
 
 
 def test_blocking_read_is_host_time_at_its_line(host_read_run):
@@ -615,9 +693,13 @@ def test_lightning_closure_forward_and_backward_are_fwd_bwd(tmp_path):
     assert measured > 0
     # a GC pause inside a forward is the ledger's gc (4.4 ms of 35 in one loaded CI run)
     others = spans[~spans["cat"].isin(["forward", "backward", "optimizer", "closure"])]
-    nested = sum(float((o["end_ns"] - o["start_ns"]).sum()) / 1e9 for o in (
-        others[(others["start_ns"] >= r.start_ns) & (others["end_ns"] <= r.end_ns)]
-        for r in inner[inside].itertuples()))
+    nested = sum(
+        float((o["end_ns"] - o["start_ns"]).sum()) / 1e9
+        for o in (
+            others[(others["start_ns"] >= r.start_ns) & (others["end_ns"] <= r.end_ns)]
+            for r in inner[inside].itertuples()
+        )
+    )
     # the spans do not overlap each other (backward follows forward): fwd/bwd holds them all
     assert led["forward_backward_s"].sum() >= 0.95 * (measured - nested)
     opt = spans[spans["cat"] == "optimizer"]
@@ -627,8 +709,9 @@ def test_lightning_closure_forward_and_backward_are_fwd_bwd(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.xdist_group("frameworks_corpus")  # test_frameworks.record's runs, made once per worker
-@pytest.mark.parametrize("name", ["hf_trainer", "accelerate", "lightning", "torchtitan", "nanogpt",
-                                  "examples"])
+@pytest.mark.parametrize(
+    "name", ["hf_trainer", "accelerate", "lightning", "torchtitan", "nanogpt", "examples"]
+)
 def test_corpus_steps_are_measured_lines_not_unexplained(tmp_path_factory, name):
     """The frameworks corpus (its healthy runs, shared with test_frameworks): unexplained is at
     most 5 % of the steady steps, the model's forward and backward are measured, and every
@@ -660,20 +743,44 @@ def _recompiling_run(path, clean_step=None, steps=6):
     events = [{"type": "process_start", "t": t - 10 * ms, "pid": 1, "rank": "0", "main_thread": tid}]
     for s in range(steps):
         fwd = 3 * ms if s == clean_step else 100 * ms
-        events += [{"type": "step_begin", "step": s, "t": t},
-                   {"type": "span", "cat": "forward", "start": t, "t": t + fwd, "tid": tid},
-                   {"type": "span", "cat": "backward", "start": t + fwd, "t": t + fwd + 4 * ms, "tid": tid},
-                   {"type": "span", "cat": "optimizer", "start": t + fwd + 4 * ms,
-                    "t": t + fwd + 5 * ms, "tid": tid},
-                   {"type": "step_end", "step": s, "t": t + fwd + 6 * ms, "duration_s": (fwd + 6 * ms) / 1e9}]
+        events += [
+            {"type": "step_begin", "step": s, "t": t},
+            {"type": "span", "cat": "forward", "start": t, "t": t + fwd, "tid": tid},
+            {"type": "span", "cat": "backward", "start": t + fwd, "t": t + fwd + 4 * ms, "tid": tid},
+            {
+                "type": "span",
+                "cat": "optimizer",
+                "start": t + fwd + 4 * ms,
+                "t": t + fwd + 5 * ms,
+                "tid": tid,
+            },
+            {"type": "step_end", "step": s, "t": t + fwd + 6 * ms, "duration_s": (fwd + 6 * ms) / 1e9},
+        ]
         if s != clean_step:
-            events.append({"type": "compile", "kind": "dynamo", "kernel": "forward", "step": s,
-                           "start": t + ms, "t": t + 81 * ms, "duration_s": 0.08, "graph": "forward",
-                           "compile_id": f"0/{s}", "key": f"0/{s}", "thread": "MainThread",
-                           "thread_id": tid, "is_main_thread": True, "in_step": True,
-                           "recompile_reason": (f"0/{s - 1}: tensor 'x' size mismatch at index 1. "
-                                                f"expected {16 + s}, actual {17 + s}") if s else None,
-                           "caller": {"file": "/job/train.py", "line": 5, "function": "forward"}})
+            events.append(
+                {
+                    "type": "compile",
+                    "kind": "dynamo",
+                    "kernel": "forward",
+                    "step": s,
+                    "start": t + ms,
+                    "t": t + 81 * ms,
+                    "duration_s": 0.08,
+                    "graph": "forward",
+                    "compile_id": f"0/{s}",
+                    "key": f"0/{s}",
+                    "thread": "MainThread",
+                    "thread_id": tid,
+                    "is_main_thread": True,
+                    "in_step": True,
+                    "recompile_reason": (
+                        f"0/{s - 1}: tensor 'x' size mismatch at index 1. expected {16 + s}, actual {17 + s}"
+                    )
+                    if s
+                    else None,
+                    "caller": {"file": "/job/train.py", "line": 5, "function": "forward"},
+                }
+            )
         t += fwd + 7 * ms
     with open(path / "events" / "1.jsonl", "w") as f:
         f.write("\n".join(json.dumps(e) for e in sorted(events, key=lambda e: e["t"])) + "\n")
@@ -684,7 +791,8 @@ def _recompiling_run(path, clean_step=None, steps=6):
 
 @pytest.mark.parametrize("clean_step, steady_forward_ms", [(None, 2.0), (4, 3.0)])
 def test_a_recompile_fix_removes_the_fresh_graphs_first_call_down_to_a_steady_call(
-        tmp_path, clean_step, steady_forward_ms):
+    tmp_path, clean_step, steady_forward_ms
+):
     """A dynamo recompile's step keeps more than its compile event outside the compile: the
     failed guard before it and the fresh graph's first call after it (20 ms here). The fix
     removes that too, down to the forward's steady cost: the forward of a step that did not

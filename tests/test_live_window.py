@@ -1,5 +1,6 @@
 """The live judgement's rolling window (traindx.derive.so_far): a long run's live state stays bounded,
 and a pass over the window is the batch analysis of the window's rows."""
+
 import json
 import math
 import os
@@ -11,8 +12,7 @@ from traindx.analyzers import analyze
 from traindx.derive.run import load_run
 from traindx.derive.so_far import PER_STEP_TYPES, TRIM_SLACK, EventsSoFar
 
-SRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "cpu-gc-freeze-pair",
-                   "base")
+SRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "cpu-gc-freeze-pair", "base")
 TIME_FIELDS = ("t", "start", "t0")
 
 
@@ -22,11 +22,12 @@ def _recording():
     (name,) = os.listdir(os.path.join(SRC, "events"))
     events = [json.loads(line) for line in open(os.path.join(SRC, "events", name))]
     begins = [i for i, e in enumerate(events) if e.get("type") == "step_begin"]
-    header = events[:begins[1]]
+    header = events[: begins[1]]
     # each steady step: its begin to the next step's begin (the last begin has no end), its
     # per-step events (a one-off event repeated would be a run that grows them)
-    blocks = [[e for e in events[a:b] if e.get("type") in PER_STEP_TYPES]
-              for a, b in zip(begins[1:], begins[2:])]
+    blocks = [
+        [e for e in events[a:b] if e.get("type") in PER_STEP_TYPES] for a, b in zip(begins[1:], begins[2:])
+    ]
     period = events[begins[-1]]["t"] - events[begins[1]]["t"]
     manifest = json.load(open(os.path.join(SRC, "manifest.json")))
     manifest.update(status="running", end_ns=None, exit_code=None)
@@ -102,8 +103,7 @@ def test_a_long_growing_run_keeps_a_bounded_window_and_judges_it_as_the_batch_do
     batch = load_run(str(batch_dir), cache=False)
     assert run.tables.types == batch.tables.types
     for typ in batch.tables.types:
-        pd.testing.assert_frame_equal(run.tables.frame(typ), batch.tables.frame(typ),
-                                      check_like=True)
+        pd.testing.assert_frame_equal(run.tables.frame(typ), batch.tables.frame(typ), check_like=True)
     pd.testing.assert_frame_equal(run.steps, batch.steps)
     pd.testing.assert_frame_equal(run.ledger, batch.ledger)
     found = _verdicts(run)
@@ -125,12 +125,19 @@ def _replay(src, dst, judge_options, on_analysis=None):
     events.sort()
     os.makedirs(os.path.join(dst, "events"))
     manifest = json.load(open(os.path.join(src, "manifest.json")))
-    json.dump(dict(manifest, status="running", end_ns=None, exit_code=None),
-              open(os.path.join(dst, "manifest.json"), "w"))
+    json.dump(
+        dict(manifest, status="running", end_ns=None, exit_code=None),
+        open(os.path.join(dst, "manifest.json"), "w"),
+    )
     now = [manifest["start_ns"] / 1e9]
     shown = []
-    judge = LiveJudge(dst, judge_options, on_finding=lambda f, s: shown.append((f.id, s.step)),
-                      on_analysis=on_analysis, clock=lambda: now[0])
+    judge = LiveJudge(
+        dst,
+        judge_options,
+        on_finding=lambda f, s: shown.append((f.id, s.step)),
+        on_analysis=on_analysis,
+        clock=lambda: now[0],
+    )
     handles = {}
     for t, name, _, line in events:
         f = handles.get(name) or handles.setdefault(name, open(os.path.join(dst, "events", name), "a"))
@@ -166,8 +173,12 @@ def test_without_room_for_every_analyzer_a_slow_step_is_judged_by_its_categorys_
     with pytest.MonkeyPatch.context() as m:
         m.setattr(LiveJudge, "_expected", expected)
         m.setattr(LiveJudge, "_room", has_room)
-        judge, shown = _replay(SRC, str(tmp_path / "run"), LiveOptions(report_every=1),
-                               on_analysis=lambda run, findings: finals.append(findings))
+        judge, shown = _replay(
+            SRC,
+            str(tmp_path / "run"),
+            LiveOptions(report_every=1),
+            on_analysis=lambda run, findings: finals.append(findings),
+        )
         assert not judge.errors, judge.errors
         passes = judge.state.passes
         assert passes and all(p["analyzers"] != "all" for p in passes)
@@ -176,21 +187,21 @@ def test_without_room_for_every_analyzer_a_slow_step_is_judged_by_its_categorys_
         by_gc = next(p for p in passes if "gc_pauses" in p["analyzers"])
         assert by_gc["analyzers"] == list(CATEGORY_ANALYZERS["gc"])
         assert set(by_gc["trigger"].split("+")) <= {"slow_step", "line", "steps"}
-        assert "confirm" in judge._pending          # shown, waiting for the full pass
+        assert "confirm" in judge._pending  # shown, waiting for the full pass
         room["s"] = 10.0
-        judge.step_once()                           # the same record: no new step needed
+        judge.step_once()  # the same record: no new step needed
         assert judge.state.passes[-1]["analyzers"] == "all"
         assert "confirm" in judge.state.passes[-1]["trigger"]
-        judge.step_once(force=True)                 # the end: a full pass over the record
+        judge.step_once(force=True)  # the end: a full pass over the record
     batch = analyze(load_run(str(tmp_path / "run"), cache=False))
-    assert [(f.id, f.severity, f.title, f.cause) for f in finals[-1]] == \
-        [(f.id, f.severity, f.title, f.cause) for f in batch]
+    assert [(f.id, f.severity, f.title, f.cause) for f in finals[-1]] == [
+        (f.id, f.severity, f.title, f.cause) for f in batch
+    ]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("full_s, routed_first", [(1.0, True), (0.01, False)])
-def test_a_full_pass_longer_than_three_steps_is_preceded_by_the_routed_one(tmp_path, full_s,
-                                                                           routed_first):
+def test_a_full_pass_longer_than_three_steps_is_preceded_by_the_routed_one(tmp_path, full_s, routed_first):
     """The same recorded GC storm (steps of ~30 ms), the budget always with room: when a full
     pass is expected to cost as long as 3 of the job's steps (1 s of CPU), each trigger is
     judged first by the analyzers of the category standing out in it (a finding on screen
@@ -214,14 +225,13 @@ def test_a_full_pass_longer_than_three_steps_is_preceded_by_the_routed_one(tmp_p
     if not routed_first:
         assert passes and not routed, passes
         return
-    assert routed and routed[0] == 0, passes          # the first judgement went routed
+    assert routed and routed[0] == 0, passes  # the first judgement went routed
     for i in routed:
         assert i + 1 < len(passes), passes
         after = passes[i + 1]
         # the full pass judged what the routed one did (its triggers were kept pending)
         assert after["analyzers"] == "all", passes
-        assert set(passes[i]["trigger"].split("+")) - {"confirm"} <= \
-            set(after["trigger"].split("+")), passes
+        assert set(passes[i]["trigger"].split("+")) - {"confirm"} <= set(after["trigger"].split("+")), passes
     assert any(fid.startswith("gc.") for fid, _ in shown), (shown, passes)
 
 
@@ -236,9 +246,9 @@ def test_the_budget_starts_with_three_full_passes_at_their_measured_cost(tmp_pat
     judge._cost[None] = 0.4
     assert START_PASSES == 3
     assert judge._room(1.2) and not judge._room(1.25)
-    judge.state.analysis_cpu_s = 0.8                 # two passes spent: one left
+    judge.state.analysis_cpu_s = 0.8  # two passes spent: one left
     assert judge._room(0.4) and not judge._room(0.45)
-    now[0] = 200.0                                   # 2 % of 200 s: 4 s
+    now[0] = 200.0  # 2 % of 200 s: 4 s
     assert judge._room(3.2) and not judge._room(3.25)
 
 

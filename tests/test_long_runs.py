@@ -1,5 +1,6 @@
 """Long runs stay bounded (docs/long-runs.md): segments, gzip, thinning, drops and py-spy windows
 keep a run folder under its disk budget without losing track of what was there."""
+
 import gzip
 import json
 import os
@@ -9,8 +10,8 @@ import threading
 import time
 
 import pytest
-
 from helpers import PY, ROOT
+
 from traindx.profiler import rolling
 from traindx.profiler.shim._traindx_shim import segments as seg
 from traindx.profiler.shim._traindx_shim.writer import EventWriter
@@ -27,8 +28,12 @@ def _write_steps(events_dir, monkeypatch, steps, segment_bytes):
     t = 1_000_000_000
     for step in range(steps):
         writer.emit("step_begin", step=step, t=t)
-        for cat, dur in (("data", 300_000), ("backward", 2_000_000), ("backward", 2_000_000),
-                         ("optimizer", 500_000)):
+        for cat, dur in (
+            ("data", 300_000),
+            ("backward", 2_000_000),
+            ("backward", 2_000_000),
+            ("optimizer", 500_000),
+        ):
             writer.emit("span", cat=cat, start=t, t=t + dur, tid=7)
             t += dur + 100_000
         writer.emit("step_end", step=step, t=t, duration_s=0.005, source="torch.optim")
@@ -107,8 +112,7 @@ def test_the_log_thins_to_the_jobs_step_lines_and_the_dumps_to_their_top_frames(
     log.close()
     head = log.head
     rolling.settle(head, keep=1, cap=10**9, thin=rolling.thin_log(), live=False)  # gzip only
-    rolling.settle(head, keep=1, cap=rolling.family_bytes(head) - 1,
-                   thin=rolling.thin_log(), live=False)
+    rolling.settle(head, keep=1, cap=rolling.family_bytes(head) - 1, thin=rolling.thin_log(), live=False)
     lines = rolling.read_text(head).splitlines()
     steps = [int(l.split()[3]) for l in lines if " o step " in l]
     summary = json.load(open(seg.summary_path(head)))
@@ -120,14 +124,28 @@ def test_the_log_thins_to_the_jobs_step_lines_and_the_dumps_to_their_top_frames(
     dumps = rolling.RollingLines(str(tmp_path / "p1-dump.jsonl"), segment_bytes=3000)
     frames = [{"name": f"f{i}", "filename": "train.py", "line": i} for i in range(30)]
     for i in range(60):
-        dumps.write(json.dumps({"t": t + i, "pid": 1, "threads": [
-            {"thread_id": 1, "thread_name": "MainThread", "active": True, "owns_gil": i % 2 == 0,
-             "frames": frames}]}) + "\n")
+        dumps.write(
+            json.dumps(
+                {
+                    "t": t + i,
+                    "pid": 1,
+                    "threads": [
+                        {
+                            "thread_id": 1,
+                            "thread_name": "MainThread",
+                            "active": True,
+                            "owns_gil": i % 2 == 0,
+                            "frames": frames,
+                        }
+                    ],
+                }
+            )
+            + "\n"
+        )
     dumps.close()
     head = dumps.head
     rolling.settle(head, keep=1, cap=10**9, thin=rolling.thin_dumps, live=False)
-    rolling.settle(head, keep=1, cap=rolling.family_bytes(head) - 1, thin=rolling.thin_dumps,
-                   live=False)
+    rolling.settle(head, keep=1, cap=rolling.family_bytes(head) - 1, thin=rolling.thin_dumps, live=False)
     snaps = [json.loads(l) for l in rolling.read_text(head).splitlines()]
     assert [s["t"] - t for s in snaps] == list(range(60))  # the GIL timeline is whole
     depth = [len(s["threads"][0]["frames"]) for s in snaps]
@@ -185,17 +203,24 @@ def test_pyspy_windows_fold_into_one_summary_that_keeps_the_whole_runs_proportio
 
     out = str(tmp_path)
     for n in range(6):  # window n: the main thread in forward (n+1) and backward (2) samples
-        samples = {'Thread 1 "MainThread"': [(("main", "forward"), 0.05)] * (n + 1)
-                   + [(("main", "backward"), 0.05)] * 2,
-                   'Thread 2 "loader"': [(("worker",), 0.05)]}
+        samples = {
+            'Thread 1 "MainThread"': [(("main", "forward"), 0.05)] * (n + 1)
+            + [(("main", "backward"), 0.05)] * 2,
+            'Thread 2 "loader"': [(("worker",), 0.05)],
+        }
         stacks = {}
         rolling._add(stacks, _window(samples))  # each distinct stack once, its weights summed
         rolling._write_speedscope(rolling.window_path(out, "p9-all", n), stacks, [])
-        assert sum(sum(ts.weights) for ts in load(rolling.window_path(out, "p9-all", n)).values()) == \
-            pytest.approx(0.05 * (n + 4))
+        assert sum(
+            sum(ts.weights) for ts in load(rolling.window_path(out, "p9-all", n)).values()
+        ) == pytest.approx(0.05 * (n + 4))
     rolling.fold_windows(out, "p9-all", 3)
-    assert sorted(os.listdir(out)) == ["p9-all.rolled.speedscope.json", "p9-all.speedscope.json",
-                                       "p9-all.w000004.speedscope.json", "p9-all.w000005.speedscope.json"]
+    assert sorted(os.listdir(out)) == [
+        "p9-all.rolled.speedscope.json",
+        "p9-all.speedscope.json",
+        "p9-all.w000004.speedscope.json",
+        "p9-all.w000005.speedscope.json",
+    ]
     # a kill after the summary was written but before window 3 was removed
     shutil.copy(rolling.window_path(out, "p9-all", 4), rolling.window_path(out, "p9-all", 3))
     loaded = rolling.load_pyspy(out)
@@ -225,13 +250,19 @@ def test_a_short_first_window_keeps_the_next_one_whole_and_the_run_reads_in_orde
     out = str(tmp_path)
     for n in range(6):  # window n: n+1 samples in a function of its own, 1 in "main"
         stacks = {}
-        rolling._add(stacks, _window({'Thread 1 "MainThread"': [(("main", f"w{n}"), 0.05)] * (n + 1)
-                                      + [(("main",), 0.05)]}))
+        rolling._add(
+            stacks,
+            _window({'Thread 1 "MainThread"': [(("main", f"w{n}"), 0.05)] * (n + 1) + [(("main",), 0.05)]}),
+        )
         rolling._write_speedscope(rolling.window_path(out, "p9-gil", n), stacks, [])
     rolling.fold_windows(out, "p9-gil", 3, first=budget.startup_windows())
     assert sorted(os.listdir(out)) == [
-        "p9-gil.rolled.speedscope.json", "p9-gil.speedscope.json", "p9-gil.w000001.speedscope.json",
-        "p9-gil.w000004.speedscope.json", "p9-gil.w000005.speedscope.json"]
+        "p9-gil.rolled.speedscope.json",
+        "p9-gil.speedscope.json",
+        "p9-gil.w000001.speedscope.json",
+        "p9-gil.w000004.speedscope.json",
+        "p9-gil.w000005.speedscope.json",
+    ]
     # a kill after the summary was written but before window 2 was removed
     shutil.copy(rolling.window_path(out, "p9-gil", 4), rolling.window_path(out, "p9-gil", 2))
     threads, errors = rolling.load_pyspy(out)[("p9", "gil")]
@@ -291,7 +322,7 @@ def _rss_kb(pid):
 
 @pytest.mark.slow
 @pytest.mark.serial  # the in-run bound is what the job writes while the launcher's roller waits
-                     # for a core: beside two other tests' jobs on two cores it waited seconds
+# for a core: beside two other tests' jobs on two cores it waited seconds
 def test_an_accelerated_long_run_stays_in_its_budget_and_still_analyses(tmp_path):
     """A real job under `diagnose` for 40 s with 3 s windows and a 1 MB budget: the run folder
     stays under the budget, the rolled-off windows and segments are summarised, the report is
@@ -301,18 +332,45 @@ def test_an_accelerated_long_run_stays_in_its_budget_and_still_analyses(tmp_path
     env = dict(os.environ)
     env.pop("TRAINDX_RUN_DIR", None)
     proc = subprocess.Popen(
-        [PY, "-m", "traindx", "--run-dir", str(run_dir), "--quiet", "--disk-budget", str(budget_mb),
-         "--window", "3", "--keep-windows", "2", "--",
-         PY, os.path.join(ROOT, "tests", "jobs", "long_train.py"), "--seconds", str(seconds)],
-        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        [
+            PY,
+            "-m",
+            "traindx",
+            "--run-dir",
+            str(run_dir),
+            "--quiet",
+            "--disk-budget",
+            str(budget_mb),
+            "--window",
+            "3",
+            "--keep-windows",
+            "2",
+            "--",
+            PY,
+            os.path.join(ROOT, "tests", "jobs", "long_train.py"),
+            "--seconds",
+            str(seconds),
+        ],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     samples = []  # (seconds since start, evidence bytes, launcher RSS kB)
 
     def watch():
         start = time.monotonic()
         while proc.poll() is None:
             if _recording(run_dir):  # the job runs (the analysis after it loads the run)
-                samples.append((time.monotonic() - start, _evidence_bytes(run_dir), _rss_kb(proc.pid),
-                                _live_warmed(run_dir)))
+                samples.append(
+                    (
+                        time.monotonic() - start,
+                        _evidence_bytes(run_dir),
+                        _rss_kb(proc.pid),
+                        _live_warmed(run_dir),
+                    )
+                )
             time.sleep(0.5)
 
     watcher = threading.Thread(target=watch)
@@ -335,8 +393,9 @@ def test_an_accelerated_long_run_stays_in_its_budget_and_still_analyses(tmp_path
     # one-off step up that comes later on a loaded machine)
     rss = [(t, r) for t, _, r, warmed in samples if r and warmed]
     # (12 s of them at least: an early and a late stretch that do not overlap)
-    assert rss and rss[-1][0] - rss[0][0] >= 12, \
+    assert rss and rss[-1][0] - rss[0][0] >= 12, (
         f"the live judge first analysed {rss[0][0] if rss else None} s in, too late to compare"
+    )
     early = [r for t, r in rss if rss[0][0] + 1 < t < rss[0][0] + 7]
     late = [r for t, r in rss if t > rss[-1][0] - 5]
     assert early and late and max(late) - min(early) < 15_000, (early, late)
@@ -369,9 +428,12 @@ def test_an_accelerated_long_run_stays_in_its_budget_and_still_analyses(tmp_path
         # a window may hold no sample (the last one, cut short by the job's end)
         return max((sum(ts.weights) for ts in threads.values()), default=0.0)
 
-    flavour = rolled[0][: -len(".rolled.speedscope.json")]   # p<pid>-all or p<pid>-gil
-    kept = [load_speedscope(str(run_dir / "pyspy" / f)) for f in files
-            if f.startswith(flavour + ".w") and f.endswith(".speedscope.json")]
+    flavour = rolled[0][: -len(".rolled.speedscope.json")]  # p<pid>-all or p<pid>-gil
+    kept = [
+        load_speedscope(str(run_dir / "pyspy" / f))
+        for f in files
+        if f.startswith(flavour + ".w") and f.endswith(".speedscope.json")
+    ]
     folded_s = main_seconds(load_speedscope(str(run_dir / "pyspy" / rolled[0])))
     assert kept and folded_s > sum(main_seconds(k) for k in kept), (folded_s, len(kept))
     # the loaded main thread holds all of that thread's folded and kept samples (one thread
@@ -384,11 +446,15 @@ def test_an_accelerated_long_run_stays_in_its_budget_and_still_analyses(tmp_path
 
     folded = load_speedscope(str(run_dir / "pyspy" / rolled[0]))
     assert main.thread in folded, (main.thread, sorted(folded))
-    assert sum(main.weights) >= seconds_of(folded, main.thread) + sum(
-        seconds_of(k, main.thread) for k in kept) - 1e-6
+    assert (
+        sum(main.weights)
+        >= seconds_of(folded, main.thread) + sum(seconds_of(k, main.thread) for k in kept) - 1e-6
+    )
     assert (run_dir / "findings.json").exists() and (run_dir / "report.html").exists()
     assert any(f.endswith(".gz") for f in os.listdir(run_dir / "events"))  # rolled, not just cut
-    print(f"\nlong run: {done} steps ({len(steps)} loaded, {dropped} dropped and counted); "
-          f"evidence {_evidence_bytes(run_dir)} B at the end, max {max(during)} B while running "
-          f"(budget {budget:.0f}); launcher RSS {min(early)} -> {max(late)} kB; py-spy main "
-          f"thread {sum(main.weights):.1f} s of {seconds} s")
+    print(
+        f"\nlong run: {done} steps ({len(steps)} loaded, {dropped} dropped and counted); "
+        f"evidence {_evidence_bytes(run_dir)} B at the end, max {max(during)} B while running "
+        f"(budget {budget:.0f}); launcher RSS {min(early)} -> {max(late)} kB; py-spy main "
+        f"thread {sum(main.weights):.1f} s of {seconds} s"
+    )

@@ -8,6 +8,7 @@ alone, as on a host whose NTP is off). torch's c10d rendezvous compares wall-clo
 between agents (a node more than keep_alive_interval x keep_alive_max_attempt = 15 s off is
 taken for dead), so the shift stays below that.
 """
+
 import gzip
 import hashlib
 import importlib.util
@@ -17,12 +18,11 @@ import socket
 import subprocess
 
 import pytest
+from helpers import PY, ROOT, diagnose
 
 import traindx
-from traindx.profiler import clocks, nodes
 from traindx.common.errors import UserError
-
-from helpers import PY, ROOT, diagnose
+from traindx.profiler import clocks, nodes
 
 JOB = os.path.join(ROOT, "tests", "jobs", "ddp_train.py")
 BIN = os.path.dirname(PY)
@@ -40,8 +40,9 @@ def faketime_library():
     spec = importlib.util.find_spec("libfaketime")  # finds the package without importing it
     if spec is None or not spec.submodule_search_locations:
         return None
-    path = os.path.join(list(spec.submodule_search_locations)[0], "vendor", "libfaketime",
-                        "src", "libfaketime.so.1")
+    path = os.path.join(
+        list(spec.submodule_search_locations)[0], "vendor", "libfaketime", "src", "libfaketime.so.1"
+    )
     return path if os.path.exists(path) else None
 
 
@@ -49,8 +50,14 @@ def start_diagnose(args, cwd, env):
     full = dict(os.environ)
     full.pop("TRAINDX_RUN_DIR", None)
     full.update({"OMP_NUM_THREADS": "1", **env})
-    return subprocess.Popen([PY, "-m", "traindx", *args], cwd=cwd, env=full, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    return subprocess.Popen(
+        [PY, "-m", "traindx", *args],
+        cwd=cwd,
+        env=full,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
 
 
 def finish(procs, timeout=240):
@@ -79,11 +86,36 @@ def test_two_torchrun_agents_with_c10d_and_a_shifted_clock_merge_into_one_run(tm
 
     def node(rank, env):
         return start_diagnose(
-            ["--run-dir", "RUN", "--quiet", "--", os.path.join(BIN, "torchrun"),
-             "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
-             "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "mn", "--node-rank", str(rank),
-             JOB, "--steps", str(STEPS), "--io-wait", "0.1", "--uneven", "0.05", "--reduce-loss"],
-            tmp_path, env)
+            [
+                "--run-dir",
+                "RUN",
+                "--quiet",
+                "--",
+                os.path.join(BIN, "torchrun"),
+                "--nnodes",
+                "2",
+                "--nproc-per-node",
+                "1",
+                "--rdzv-backend",
+                "c10d",
+                "--rdzv-endpoint",
+                f"127.0.0.1:{port}",
+                "--rdzv-id",
+                "mn",
+                "--node-rank",
+                str(rank),
+                JOB,
+                "--steps",
+                str(STEPS),
+                "--io-wait",
+                "0.1",
+                "--uneven",
+                "0.05",
+                "--reduce-loss",
+            ],
+            tmp_path,
+            env,
+        )
 
     shifted = {"LD_PRELOAD": library, "FAKETIME": f"{SHIFT_S:+}", "FAKETIME_DONT_FAKE_MONOTONIC": "1"}
     outs = finish([node(0, {}), node(1, shifted)])
@@ -150,12 +182,35 @@ def test_srun_style_nodes_share_the_job_id_folder(tmp_path):
     port = free_port()
 
     def node(i):
-        env = {"SLURM_JOB_ID": "4711", "SLURM_NNODES": "2", "SLURM_JOB_NUM_NODES": "2",
-               "SLURM_NODEID": str(i), "SLURM_PROCID": str(i), "SLURM_LOCALID": "0",
-               "SLURM_NTASKS": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
-        return start_diagnose(["--quiet", "--no-pyspy", "--", PY, JOB, "--steps", "4",
-                               "--io-wait", "0.05", "--uneven", "0.03", "--reduce-loss"],
-                              tmp_path, env)
+        env = {
+            "SLURM_JOB_ID": "4711",
+            "SLURM_NNODES": "2",
+            "SLURM_JOB_NUM_NODES": "2",
+            "SLURM_NODEID": str(i),
+            "SLURM_PROCID": str(i),
+            "SLURM_LOCALID": "0",
+            "SLURM_NTASKS": "2",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": port,
+        }
+        return start_diagnose(
+            [
+                "--quiet",
+                "--no-pyspy",
+                "--",
+                PY,
+                JOB,
+                "--steps",
+                "4",
+                "--io-wait",
+                "0.05",
+                "--uneven",
+                "0.03",
+                "--reduce-loss",
+            ],
+            tmp_path,
+            env,
+        )
 
     finish([node(0), node(1)])
     run_dir = tmp_path / "runs" / "slurm-4711"
@@ -182,8 +237,16 @@ def test_merge_of_a_folder_without_nodes_is_one_clear_line(tmp_path):
 
 # -- the clock solver on its own ------------------------------------------------------------------
 def span(group, seq, start, end, op="all_reduce", backend="gloo"):
-    return {"type": "span", "cat": "collective", "group": group, "seq": seq, "op": op,
-            "backend": backend, "start": start, "t": end}
+    return {
+        "type": "span",
+        "cat": "collective",
+        "group": group,
+        "seq": seq,
+        "op": op,
+        "backend": backend,
+        "start": start,
+        "t": end,
+    }
 
 
 def test_three_nodes_chained_through_the_middle_recover_offsets_within_bounds():
@@ -209,8 +272,11 @@ def test_three_nodes_chained_through_the_middle_recover_offsets_within_bounds():
 
 
 def test_enqueue_only_nccl_collectives_are_not_evidence_but_barriers_are():
-    a = [span("0", 0, 100, 110, backend="nccl"), span("0", 1, 200, 900, op="barrier", backend="nccl"),
-         span("0", 2, 300, 310, op="broadcast", backend="gloo")]
+    a = [
+        span("0", 0, 100, 110, backend="nccl"),
+        span("0", 1, 200, 900, op="barrier", backend="nccl"),
+        span("0", 2, 300, 310, op="broadcast", backend="gloo"),
+    ]
     usable = clocks.collective_spans(a, "A", "r")
     assert [s[0][2] for s in usable] == ["barrier"]
 
@@ -218,27 +284,45 @@ def test_enqueue_only_nccl_collectives_are_not_evidence_but_barriers_are():
 def test_contradicting_collectives_are_reported_not_hidden():
     # B leaves collective 0 before A enters it and A leaves collective 1 before B enters it,
     # under any single offset: the evidence contradicts itself
-    ev = {"A": [span("0", 0, 1000, 1100), span("0", 1, 2000, 2010)],
-          "B": [span("0", 0, 0, 10), span("0", 1, 5000, 5100)]}
+    ev = {
+        "A": [span("0", 0, 1000, 1100), span("0", 1, 2000, 2010)],
+        "B": [span("0", 0, 0, 10), span("0", 1, 5000, 5100)],
+    }
     per_node, summary = clocks.align({n: [("r", e)] for n, e in ev.items()})
     assert not summary["consistent"] and summary["conflicts"]
     other = [n for n in per_node if n != summary["reference"]][0]
     assert "inconsistent" in per_node[other].get("note", "") or not summary["consistent"]
 
 
-@pytest.mark.parametrize("command,env,expected", [
-    (["torchrun", "--nnodes=2", "--node_rank=1", "t.py"], {}, ("h-n1", "torchrun --node-rank")),
-    (["python", "-m", "torch.distributed.run", "--nnodes", "1:4", "t.py"], {}, ("h", "torchrun --nnodes")),
-    (["torchrun", "--nnodes", "1", "t.py"], {}, None),
-    (["torchrun", "t.py"], {"PET_NNODES": "2", "PET_NODE_RANK": "3"}, ("h-n3", "torchrun --node-rank")),
-    (["accelerate", "launch", "--num_machines", "2", "--machine_rank", "1", "t.py"], {},
-     ("h-n1", "accelerate --machine_rank")),
-    (["python", "t.py"], {"SLURM_NNODES": "4", "SLURM_NODEID": "2", "SLURM_NTASKS": "4",
-                          "SLURM_PROCID": "2"}, ("h-n2", "SLURM_NODEID")),
-    (["python", "t.py"], {"SLURM_NNODES": "2", "SLURM_NODEID": "1", "SLURM_NTASKS": "16",
-                          "SLURM_PROCID": "9"}, ("h-n1-t9", "SLURM_NODEID")),
-    (["python", "t.py"], {"SLURM_NNODES": "1", "SLURM_NODEID": "0"}, None),
-])
+@pytest.mark.parametrize(
+    "command,env,expected",
+    [
+        (["torchrun", "--nnodes=2", "--node_rank=1", "t.py"], {}, ("h-n1", "torchrun --node-rank")),
+        (
+            ["python", "-m", "torch.distributed.run", "--nnodes", "1:4", "t.py"],
+            {},
+            ("h", "torchrun --nnodes"),
+        ),
+        (["torchrun", "--nnodes", "1", "t.py"], {}, None),
+        (["torchrun", "t.py"], {"PET_NNODES": "2", "PET_NODE_RANK": "3"}, ("h-n3", "torchrun --node-rank")),
+        (
+            ["accelerate", "launch", "--num_machines", "2", "--machine_rank", "1", "t.py"],
+            {},
+            ("h-n1", "accelerate --machine_rank"),
+        ),
+        (
+            ["python", "t.py"],
+            {"SLURM_NNODES": "4", "SLURM_NODEID": "2", "SLURM_NTASKS": "4", "SLURM_PROCID": "2"},
+            ("h-n2", "SLURM_NODEID"),
+        ),
+        (
+            ["python", "t.py"],
+            {"SLURM_NNODES": "2", "SLURM_NODEID": "1", "SLURM_NTASKS": "16", "SLURM_PROCID": "9"},
+            ("h-n1-t9", "SLURM_NODEID"),
+        ),
+        (["python", "t.py"], {"SLURM_NNODES": "1", "SLURM_NODEID": "0"}, None),
+    ],
+)
 def test_node_identity_from_the_launch(command, env, expected):
     assert nodes.node_identity(command, env, hostname="h.cluster") == expected
 
@@ -258,35 +342,91 @@ def write_node(root, name, shift_ns, arrivals, pid=4242, rank="0"):
     (folder / "pyspy").mkdir()
     base = 1_800_000_000 * 10**9
     local = lambda t: t - shift_ns
-    events = [{"type": "process_start", "t": local(base), "pid": pid, "ppid": 1, "rank": rank,
-               "argv": ["train.py"]},
-              {"type": "training", "t": local(base + 1), "evidence": "init_process_group", "rank": rank}]
+    events = [
+        {
+            "type": "process_start",
+            "t": local(base),
+            "pid": pid,
+            "ppid": 1,
+            "rank": rank,
+            "argv": ["train.py"],
+        },
+        {"type": "training", "t": local(base + 1), "evidence": "init_process_group", "rank": rank},
+    ]
     for step, late in enumerate(arrivals):
         t0 = base + (step + 1) * 10**9
         enter = t0 + (50_000_000 if late else 0)
         leave = t0 + 51_000_000  # everyone leaves just after the last one entered
-        events += [{"type": "step_begin", "t": local(t0 - 400_000_000), "step": step},
-                   {"type": "span", "cat": "collective", "op": "barrier", "group": "0", "seq": step,
-                    "backend": "nccl", "start": local(enter), "t": local(leave)},
-                   {"type": "step_end", "t": local(leave + 1000), "step": step}]
+        events += [
+            {"type": "step_begin", "t": local(t0 - 400_000_000), "step": step},
+            {
+                "type": "span",
+                "cat": "collective",
+                "op": "barrier",
+                "group": "0",
+                "seq": step,
+                "backend": "nccl",
+                "start": local(enter),
+                "t": local(leave),
+            },
+            {"type": "step_end", "t": local(leave + 1000), "step": step},
+        ]
     with open(folder / "events" / f"p{pid}.jsonl", "w") as f:
         f.write("\n".join(json.dumps(e) for e in events) + "\n")
-    manifest = {"traindx_run": 1, "command": ["torchrun", "train.py"], "start_ns": local(base),
-                "end_ns": local(base + 10 * 10**9), "exit_code": 0, "host": {"hostname": name},
-                "gpus": [{"index": 0, "name": "H200"}, {"index": 1, "name": "H200"}],
-                "ranks": {rank: pid}, "missing": {}, "status": "finished", "options": {}}
+    manifest = {
+        "traindx_run": 1,
+        "command": ["torchrun", "train.py"],
+        "start_ns": local(base),
+        "end_ns": local(base + 10 * 10**9),
+        "exit_code": 0,
+        "host": {"hostname": name},
+        "gpus": [{"index": 0, "name": "H200"}, {"index": 1, "name": "H200"}],
+        "ranks": {rank: pid},
+        "missing": {},
+        "status": "finished",
+        "options": {},
+    }
     (folder / "manifest.json").write_text(json.dumps(manifest))
-    (folder / "nvml.csv").write_text("t,gpu,util\n" + "".join(
-        f"{local(base + i * 10**9)},0,{50 + i}\n" for i in range(3)))
-    (folder / "pyspy" / f"p{pid}-dump.jsonl").write_text(json.dumps(
-        {"t": local(base + 2 * 10**9), "pid": pid, "threads": [
-            {"thread_name": "MainThread", "thread_id": 1, "active": True, "owns_gil": True,
-             "frames": []}]}) + "\n")
+    (folder / "nvml.csv").write_text(
+        "t,gpu,util\n" + "".join(f"{local(base + i * 10**9)},0,{50 + i}\n" for i in range(3))
+    )
+    (folder / "pyspy" / f"p{pid}-dump.jsonl").write_text(
+        json.dumps(
+            {
+                "t": local(base + 2 * 10**9),
+                "pid": pid,
+                "threads": [
+                    {
+                        "thread_name": "MainThread",
+                        "thread_id": 1,
+                        "active": True,
+                        "owns_gil": True,
+                        "frames": [],
+                    }
+                ],
+            }
+        )
+        + "\n"
+    )
     (folder / "trace").mkdir()
     with gzip.open(folder / "trace" / f"{rank}.json.gz", "wt") as f:  # a Kineto window
-        json.dump({"baseTimeNanoseconds": local(base), "traceEvents": [
-            {"ph": "X", "cat": "kernel", "name": "gemm", "ts": 3_000_000.0, "dur": 500.0,
-             "pid": 0, "tid": 7}]}, f)
+        json.dump(
+            {
+                "baseTimeNanoseconds": local(base),
+                "traceEvents": [
+                    {
+                        "ph": "X",
+                        "cat": "kernel",
+                        "name": "gemm",
+                        "ts": 3_000_000.0,
+                        "dur": 500.0,
+                        "pid": 0,
+                        "tid": 7,
+                    }
+                ],
+            },
+            f,
+        )
     return folder
 
 
@@ -388,7 +528,8 @@ def test_a_node_that_cannot_write_its_tables_warns_in_one_line_and_keeps_its_eve
     before = digest(folder)
     _write_node_tables(folder)
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("diagnose: warning: the node's event tables were "
-                                               "not written (NotADirectoryError"), err
+    assert len(err) == 1 and err[0].startswith(
+        "diagnose: warning: the node's event tables were not written (NotADirectoryError"
+    ), err
     assert digest(folder) == before
     assert len(traindx.load_run(folder).steps) == 20

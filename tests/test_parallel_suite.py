@@ -2,6 +2,7 @@
 fixture is made once for all the tests that share it, a `serial` test has the machine to itself,
 slow tests start first, the serial ones last. Checked on an inner pytest session of tests
 written for the purpose."""
+
 import os
 
 import pytest
@@ -11,7 +12,7 @@ pytest_plugins = ["pytester"]
 
 CONFTEST = os.path.join(os.path.dirname(os.path.abspath(__file__)), "conftest.py")
 
-SHARED = '''
+SHARED = """
 import os, time, pytest
 
 def log(what):
@@ -38,9 +39,9 @@ def test_b(other):
 @pytest.mark.slow
 def test_c(made_once):
     assert made_once == os.getpid()
-'''
+"""
 
-SERIAL = '''
+SERIAL = """
 import os, time, pytest
 
 def span(name, seconds):
@@ -64,15 +65,19 @@ def test_plain(i):
 @pytest.mark.slow
 def test_long():
     span("slow", 0.2)
-'''
+"""
 
 
 @pytest.mark.slow  # an inner xdist session of three workers (~10 s on 2 busy cores)
 def test_shared_fixtures_serial_tests_and_slow_first_under_xdist(pytester, tmp_path, monkeypatch):
     log = tmp_path / "log.txt"
     monkeypatch.setenv("SUITE_LOG", str(log))
-    for name in ("PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT", "PYTEST_XDIST_TESTRUNUID",
-                 "TRAINDX_TESTS_RUN"):   # this test may itself run on a worker of the suite
+    for name in (
+        "PYTEST_XDIST_WORKER",
+        "PYTEST_XDIST_WORKER_COUNT",
+        "PYTEST_XDIST_TESTRUNUID",
+        "TRAINDX_TESTS_RUN",
+    ):  # this test may itself run on a worker of the suite
         monkeypatch.delenv(name, raising=False)
     with open(CONFTEST, encoding="utf-8") as f:
         pytester.makeconftest(f.read())
@@ -95,8 +100,10 @@ def test_shared_fixtures_serial_tests_and_slow_first_under_xdist(pytester, tmp_p
     # the serial unit comes last in its worker's order: nothing ran there after it
     serial_pid = {pids[s[0], s[1]] for s in serial}
     assert len(serial_pid) == 1
-    assert all(s < min(st for _, st, _ in serial) for name, s, _ in others
-               if pids[name, s] in serial_pid), (serial, others)
+    assert all(s < min(st for _, st, _ in serial) for name, s, _ in others if pids[name, s] in serial_pid), (
+        serial,
+        others,
+    )
     # the plain tests did run side by side (three workers)
     plain = sorted(s for s in others if s[0] == "plain")
     assert any(b[1] < a[2] for a, b in zip(plain, plain[1:])), plain

@@ -10,6 +10,7 @@ worker actors that Ray's raylet starts, not the command diagnose started.
 
 Ray on 2 cores is heavy: no dashboard, no usage stats, one CPU per node, no drain wait on SIGTERM.
 """
+
 import json
 import os
 import shutil
@@ -20,21 +21,24 @@ import tempfile
 import time
 
 import pytest
+from helpers import PY, ROOT, diagnose, only_run_dir
 
 import traindx
 from traindx.profiler import nodes
-
-from helpers import PY, ROOT, diagnose, only_run_dir
 
 JOB = os.path.join(ROOT, "tests", "jobs", "ray_train.py")
 RAY = os.path.join(os.path.dirname(PY), "ray")
 STEPS = 6
 SHIFT_S = -6.5
-RAY_ENV = {"OMP_NUM_THREADS": "1", "RAY_USAGE_STATS_ENABLED": "0", "RAY_DEDUP_LOGS": "0",
-           # a local test cluster: no token to hand from the head to the other node
-           "RAY_AUTH_MODE": "disabled",
-           # SIGTERM on a node waits up to 30 s for the cluster to drain it by default
-           "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
+RAY_ENV = {
+    "OMP_NUM_THREADS": "1",
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "RAY_DEDUP_LOGS": "0",
+    # a local test cluster: no token to hand from the head to the other node
+    "RAY_AUTH_MODE": "disabled",
+    # SIGTERM on a node waits up to 30 s for the cluster to drain it by default
+    "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",
+}
 
 
 def free_port():
@@ -82,8 +86,12 @@ def assert_ranks_of_ray_workers(run):
 
 @pytest.mark.slow
 def test_ray_train_on_a_local_cluster_started_by_the_driver(tmp_path, ray_tmp):
-    proc = diagnose(["--out", "runs", "--quiet", "--", PY, JOB, "--steps", str(STEPS)],
-                    cwd=tmp_path, env=ray_env(ray_tmp), timeout=300)
+    proc = diagnose(
+        ["--out", "runs", "--quiet", "--", PY, JOB, "--steps", str(STEPS)],
+        cwd=tmp_path,
+        env=ray_env(ray_tmp),
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     run = traindx.load_run(only_run_dir(tmp_path / "runs"))
     assert_ranks_of_ray_workers(run)
@@ -112,8 +120,11 @@ def test_ray_cluster_of_two_nodes_under_diagnose_merges_into_one_run(tmp_path, r
     from test_multinode import faketime_library
 
     library = faketime_library()
-    shifted = ({"LD_PRELOAD": library, "FAKETIME": f"{SHIFT_S:+}",
-                "FAKETIME_DONT_FAKE_MONOTONIC": "1"} if library else {})
+    shifted = (
+        {"LD_PRELOAD": library, "FAKETIME": f"{SHIFT_S:+}", "FAKETIME_DONT_FAKE_MONOTONIC": "1"}
+        if library
+        else {}
+    )
     gcs = free_port()
     common = ["--num-cpus", "1", "--block", "--disable-usage-stats"]
     logs = {}
@@ -121,24 +132,41 @@ def test_ray_cluster_of_two_nodes_under_diagnose_merges_into_one_run(tmp_path, r
     def node(name, args, env):
         logs[name] = open(tmp_path / f"{name}.out", "w")
         ports = ["--dashboard-agent-listen-port", str(free_port())]  # two nodes on one host
-        return subprocess.Popen([PY, "-m", "traindx", "--run-dir", "RUN", "--quiet", "--", RAY,
-                                 "start", *args, *common, *ports], cwd=tmp_path, env=env,
-                                stdout=logs[name], stderr=subprocess.STDOUT)
+        return subprocess.Popen(
+            [PY, "-m", "traindx", "--run-dir", "RUN", "--quiet", "--", RAY, "start", *args, *common, *ports],
+            cwd=tmp_path,
+            env=env,
+            stdout=logs[name],
+            stderr=subprocess.STDOUT,
+        )
 
     def log(name):
         return (tmp_path / f"{name}.out").read_text()[-3000:]
 
-    head = node("head", ["--head", "--port", str(gcs), "--include-dashboard", "false"],
-                ray_env(ray_tmp))
+    head = node("head", ["--head", "--port", str(gcs), "--include-dashboard", "false"], ray_env(ray_tmp))
     worker = None
     try:
         wait_for_port(gcs, head)
         worker = node("worker", ["--address", f"127.0.0.1:{gcs}"], ray_env(ray_tmp, **shifted))
         # the driver, not under diagnose: one worker per node (STRICT_SPREAD waits for both)
-        driver = subprocess.run([PY, JOB, "--steps", str(STEPS), "--address", f"127.0.0.1:{gcs}",
-                                 "--spread", "--storage", str(tmp_path / "ray_results")],
-                                cwd=tmp_path, env=ray_env(ray_tmp), text=True, capture_output=True,
-                                timeout=420)
+        driver = subprocess.run(
+            [
+                PY,
+                JOB,
+                "--steps",
+                str(STEPS),
+                "--address",
+                f"127.0.0.1:{gcs}",
+                "--spread",
+                "--storage",
+                str(tmp_path / "ray_results"),
+            ],
+            cwd=tmp_path,
+            env=ray_env(ray_tmp),
+            text=True,
+            capture_output=True,
+            timeout=420,
+        )
         assert driver.returncode == 0, driver.stdout[-2000:] + driver.stderr[-3000:]
     finally:
         for p in (worker, head):  # stopped the way scancel / a pod deletion stops a node
@@ -155,8 +183,7 @@ def test_ray_cluster_of_two_nodes_under_diagnose_merges_into_one_run(tmp_path, r
         with open(os.path.join(path, "manifest.json")) as f:
             manifest = json.load(f)
         role = "head" if name.endswith("-head") else "worker"
-        assert manifest["node"]["source"] == ("ray start --head" if role == "head"
-                                              else "ray start --address")
+        assert manifest["node"]["source"] == ("ray start --head" if role == "head" else "ray start --address")
         assert manifest["signals_forwarded"] == ["SIGTERM"]
         # diagnose exits with the node command's own status (Ray's `ray start --block` exits 1
         # on SIGTERM, with or without diagnose)
@@ -181,11 +208,14 @@ def test_ray_cluster_of_two_nodes_under_diagnose_merges_into_one_run(tmp_path, r
     assert (ends["0"] - ends["1"]).abs().max() < 0.5e9, ends
 
 
-@pytest.mark.parametrize("command,expected", [
-    (["ray", "start", "--head", "--block", "--port", "6379"], ("h-head", "ray start --head")),
-    (["/venv/bin/ray", "start", "--address=10.0.0.1:6379", "--block"], ("h", "ray start --address")),
-    (["ray", "status"], None),
-])
+@pytest.mark.parametrize(
+    "command,expected",
+    [
+        (["ray", "start", "--head", "--block", "--port", "6379"], ("h-head", "ray start --head")),
+        (["/venv/bin/ray", "start", "--address=10.0.0.1:6379", "--block"], ("h", "ray start --address")),
+        (["ray", "status"], None),
+    ],
+)
 def test_ray_node_identity(command, expected):
     assert nodes.node_identity(command, {}, hostname="h.cluster") == expected
 
@@ -209,8 +239,11 @@ def test_events_are_written_when_the_process_group_is_destroyed_before_a_quick_e
     atexit: the steps the writer still queued must be on disk by then (the steps here take
     microseconds, so without the flush the last ones sit in the 0.25 s queue and are lost)."""
     job = os.path.join(ROOT, "tests", "jobs", "quick_exit_train.py")
-    proc = diagnose(["--out", "runs", "--quiet", "--no-pyspy", "--", PY, job, "5"], cwd=tmp_path,
-                    env={"OMP_NUM_THREADS": "1"})
+    proc = diagnose(
+        ["--out", "runs", "--quiet", "--no-pyspy", "--", PY, job, "5"],
+        cwd=tmp_path,
+        env={"OMP_NUM_THREADS": "1"},
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     run = traindx.load_run(only_run_dir(tmp_path / "runs"))
     assert run.ranks == ["0"]

@@ -1,23 +1,22 @@
 """Recipe cards and the numbers on them: the reference cards round-trip through the model, the
 schema names what is wrong, MFU and $/1M tokens reproduce the cards' figures, and the A/B
 statistics (steady window, bootstrap interval, loss parity) follow FACTS.md §6."""
+
 import json
 import os
 
 import numpy as np
 import pytest
 import yaml
+from helpers import PY, diagnose, example
 
 from traindx.common.errors import UserError
 from traindx.derive import stats, throughput
 from traindx.recipes.card import CardError, RecipeCard, reference_cards, validate
 
-from helpers import PY, diagnose, example
-
 DATA = os.path.join(os.path.dirname(__file__), "data")
 
-REFERENCE = ("qwen3.8-27b-b200-attune-tp1-pp4-split17-rb14.yaml",
-             "qwen3.8-27b-b200-attune-tp1-pp2.yaml")
+REFERENCE = ("qwen3.8-27b-b200-attune-tp1-pp4-split17-rb14.yaml", "qwen3.8-27b-b200-attune-tp1-pp2.yaml")
 # AWS p6-b200.48xlarge (8 × B200), on demand, us-east-1: $113.9328 per hour
 P6_B200_PER_GPU_HOUR = 113.9328 / 8
 
@@ -125,13 +124,28 @@ def test_attention_term_of_mfu():
     assert throughput.flops_per_token(n) == 6 * n  # shape unknown: 6N only
 
 
-LLAMA2_7B = {"hidden_size": 4096, "intermediate_size": 11008, "num_attention_heads": 32,
-             "num_hidden_layers": 32, "num_key_value_heads": 32, "vocab_size": 32000,
-             "model_type": "llama"}
-QWEN3_30B_A3B = {"hidden_size": 2048, "num_hidden_layers": 48, "num_attention_heads": 32,
-                 "num_key_value_heads": 4, "head_dim": 128, "intermediate_size": 6144,
-                 "moe_intermediate_size": 768, "num_experts": 128, "num_experts_per_tok": 8,
-                 "vocab_size": 151936, "model_type": "qwen3_moe"}
+LLAMA2_7B = {
+    "hidden_size": 4096,
+    "intermediate_size": 11008,
+    "num_attention_heads": 32,
+    "num_hidden_layers": 32,
+    "num_key_value_heads": 32,
+    "vocab_size": 32000,
+    "model_type": "llama",
+}
+QWEN3_30B_A3B = {
+    "hidden_size": 2048,
+    "num_hidden_layers": 48,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "intermediate_size": 6144,
+    "moe_intermediate_size": 768,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "vocab_size": 151936,
+    "model_type": "qwen3_moe",
+}
 
 
 def test_active_params_from_hf_configs():
@@ -146,8 +160,8 @@ def test_active_params_from_hf_configs():
 
 # -- statistics ----------------------------------------------------------------------------------
 def test_steady_window():
-    assert stats.steady_window(20) == (5, 19)   # as the reference cards: steps 5-19 of 20
-    assert stats.steady_window(4) == (1, 3)     # at least the warm-up step goes
+    assert stats.steady_window(20) == (5, 19)  # as the reference cards: steps 5-19 of 20
+    assert stats.steady_window(4) == (1, 3)  # at least the warm-up step goes
     assert stats.steady_window(1) == (0, 0)
     assert stats.steady_window(10, (2, 50)) == (2, 9)
     with pytest.raises(ValueError):
@@ -163,7 +177,7 @@ def test_bootstrap_interval_brackets_the_speedup_and_is_reproducible():
     cand = 0.25 + 0.01 * rng.standard_normal(30)
     point, low, high = stats.bootstrap_speedup(base, cand)
     assert low < point < high
-    assert 7 < low and high < 9
+    assert low > 7 and high < 9
     assert stats.bootstrap_speedup(base, cand) == (point, low, high)
     # two samples of the same distribution: the interval holds 1
     same = 1.0 + 0.05 * rng.standard_normal(30)
@@ -193,13 +207,13 @@ def test_loss_parity_thresholds():
 
 
 def test_more_than_ten_percent_of_points_failing_fails():
-    golden = np.linspace(5.0, 4.0, 25)          # 20 points after skipping 5
+    golden = np.linspace(5.0, 4.0, 25)  # 20 points after skipping 5
     cand = golden.copy()
-    cand[6] *= 1.2                              # 1 of 20 points off: 5 %, passes
-    cand[8] *= 1.2                              # 2 of 20: 10 %, still passes (> 10 % fails)
+    cand[6] *= 1.2  # 1 of 20 points off: 5 %, passes
+    cand[8] *= 1.2  # 2 of 20: 10 %, still passes (> 10 % fails)
     r = stats.loss_parity(golden, cand)
     assert r.pointwise_failures == 2 and r.pointwise_passed
-    cand[10] *= 1.2                             # 3 of 20: 15 %, fails
+    cand[10] *= 1.2  # 3 of 20: 15 %, fails
     r = stats.loss_parity(golden, cand)
     assert r.pointwise_failures == 3 and not r.pointwise_passed and not r.passed
 
@@ -226,14 +240,43 @@ def test_nan_losses_fail():
 @pytest.mark.slow
 def test_card_from_a_measured_run(tmp_path):
     run_dir = tmp_path / "run"
-    proc = diagnose(["--no-pyspy", "--quiet", "--steps", "8", "--run-dir", str(run_dir), "--",
-                     PY, example("train_tiny.py"), "--steps", "20", "--threads", "1"],
-                    cwd=tmp_path)
+    proc = diagnose(
+        [
+            "--no-pyspy",
+            "--quiet",
+            "--steps",
+            "8",
+            "--run-dir",
+            str(run_dir),
+            "--",
+            PY,
+            example("train_tiny.py"),
+            "--steps",
+            "20",
+            "--threads",
+            "1",
+        ],
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr
     out = tmp_path / "card.yaml"
-    proc = diagnose(["card", str(run_dir), "--active-params", "1.5e6", "--gpu", "H200",
-                     "--price-per-gpu-hour", "3.5", "--window", "2:7", "-o", str(out)],
-                    cwd=tmp_path)
+    proc = diagnose(
+        [
+            "card",
+            str(run_dir),
+            "--active-params",
+            "1.5e6",
+            "--gpu",
+            "H200",
+            "--price-per-gpu-hour",
+            "3.5",
+            "--window",
+            "2:7",
+            "-o",
+            str(out),
+        ],
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr
     card = RecipeCard.load(str(out))
     # recompute from the raw step events of the run folder; the steps inside the torch.profiler
@@ -241,8 +284,9 @@ def test_card_from_a_measured_run(tmp_path):
     rank0 = json.loads((run_dir / "manifest.json").read_text())["ranks"]["0"]
     events = [json.loads(l) for l in open(run_dir / "events" / f"p{rank0}.jsonl")]
     durations = {e["step"]: e["duration_s"] for e in events if e["type"] == "step_end"}
-    profiled = {s for e in events if e["type"] == "torch_profile"
-                for s in range(e["first_step"], e["last_step"] + 1)}
+    profiled = {
+        s for e in events if e["type"] == "torch_profile" for s in range(e["first_step"], e["last_step"] + 1)
+    }
     measured = [s for s in range(2, 8) if s not in profiled]
     assert len(measured) >= 3
     tps = len(measured) * 1024 / sum(durations[s] for s in measured)
@@ -259,7 +303,7 @@ def test_card_from_a_measured_run(tmp_path):
 
 @pytest.mark.slow  # two short diagnose runs (~20 s)
 @pytest.mark.serial  # a period of 0.1 s over 17 steps of ~10 ms: two other tests' jobs on the
-                     # two cores blurred it (CI: no period found in the baseline)
+# two cores blurred it (CI: no period found in the baseline)
 def test_a_periodic_cost_is_judged_by_the_means(tmp_path):
     """A period-3 cost (CPU work on every third step, tests/jobs/host_loop.py) removed: over a
     window of 17 steps (7-23, after the torch.profiler window and the step it perturbs) 11-12 are
@@ -272,12 +316,30 @@ def test_a_periodic_cost_is_judged_by_the_means(tmp_path):
     env = {"OMP_NUM_THREADS": "1"}
     # the dear steps' cost (0.1 s) well above what a loaded machine adds to a cheap step at random
     for name, extra in (("base", ["--odd-seconds", "0.1", "--every", "3"]), ("cand", [])):
-        proc = diagnose(["--no-pyspy", "--quiet", "--run-dir", str(tmp_path / name), "--", PY,
-                         job, "--steps", "24", "--width", "64", *extra], cwd=tmp_path, env=env)
+        proc = diagnose(
+            [
+                "--no-pyspy",
+                "--quiet",
+                "--run-dir",
+                str(tmp_path / name),
+                "--",
+                PY,
+                job,
+                "--steps",
+                "24",
+                "--width",
+                "64",
+                *extra,
+            ],
+            cwd=tmp_path,
+            env=env,
+        )
         assert proc.returncode == 0, proc.stderr[-2000:]
     out = tmp_path / "comparison.json"
-    proc = diagnose(["compare", str(tmp_path / "base"), str(tmp_path / "cand"), "--window", "7:23",
-                     "--json", str(out)], cwd=tmp_path)
+    proc = diagnose(
+        ["compare", str(tmp_path / "base"), str(tmp_path / "cand"), "--window", "7:23", "--json", str(out)],
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     comparison = json.loads(out.read_text())
     assert comparison["step_periods"]["baseline"]["period"] == 3, comparison["step_periods"]

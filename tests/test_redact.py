@@ -1,11 +1,11 @@
 """Secrets are redacted by value as well as by name, in the manifest (env, command, options), the
 report's log view and command, and the report as a whole; non-secrets survive."""
+
 import json
 import os
 import textwrap
 
 import pytest
-
 from helpers import PY, diagnose
 
 import traindx
@@ -15,27 +15,44 @@ from traindx.common import redact
 SECRETS = [
     ("postgres://trainer:s3cr3t-pw@db.internal:5432/runs", "s3cr3t-pw"),
     ("mysql+pymysql://root:Hunter2!@10.0.0.5/db", "Hunter2!"),
-    ("DefaultEndpointsProtocol=https;AccountName=mystore;AccountKey=Zm9vYmFyYmF6cXV4MTIzNDU2Nzg5MA==;"
-     "EndpointSuffix=core.windows.net", "Zm9vYmFyYmF6cXV4MTIzNDU2Nzg5MA=="),
-    ("https://0123456789abcdef0123456789abcdef@o450123.ingest.sentry.io/1",
-     "0123456789abcdef0123456789abcdef"),
+    (
+        "DefaultEndpointsProtocol=https;AccountName=mystore;AccountKey=Zm9vYmFyYmF6cXV4MTIzNDU2Nzg5MA==;"
+        "EndpointSuffix=core.windows.net",
+        "Zm9vYmFyYmF6cXV4MTIzNDU2Nzg5MA==",
+    ),
+    (
+        "https://0123456789abcdef0123456789abcdef@o450123.ingest.sentry.io/1",
+        "0123456789abcdef0123456789abcdef",
+    ),
     ("https://mlflow-user:mlflow-pass-99@mlflow.example.com:5000", "mlflow-pass-99"),
     ("https://storage.example.com/file?sv=2021&sig=AbCdEf0123456789%2Bxyz&se=2030", "AbCdEf0123456789%2Bxyz"),
     ("ghp_" + "A1b2C3d4E5f6G7h8I9j0K1l2M3n4O5p6Q7r8", "A1b2C3d4E5f6G7h8I9j0K1l2M3n4O5p6Q7r8"),
-    ("github_pat_11ABCDEFG0123456789_abcdefghijklmnopqrstuvwxyz0123456789",
-     "11ABCDEFG0123456789_abcdefghijklmnopqrstuvwxyz0123456789"),
+    (
+        "github_pat_11ABCDEFG0123456789_abcdefghijklmnopqrstuvwxyz0123456789",
+        "11ABCDEFG0123456789_abcdefghijklmnopqrstuvwxyz0123456789",
+    ),
     ("hf_aBcDeFgHiJkLmNoPqRsTuVwXyZ01234567", "aBcDeFgHiJkLmNoPqRsTuVwXyZ01234567"),
     ("sk-proj-abcdefghijklmnopqrstuvwxyz0123456789", "abcdefghijklmnopqrstuvwxyz0123456789"),
     ("xoxb-123456789012-1234567890123-AbCdEfGhIjKlMnOpQrStUvWx", "AbCdEfGhIjKlMnOpQrStUvWx"),
     ("AKIAIOSFODNN7EXAMPLE", "AKIAIOSFODNN7EXAMPLE"),
-    ("eyJhbGciOiJIUzI1NiIsInR5cCI6IkpXVCJ9.eyJzdWIiOiIxMjM0NTY3ODkwIn0."
-     "SflKxwRJSMeKKF2QT4fwpMeJf36POk6yJV_adQssw5c", "SflKxwRJSMeKKF2QT4fwpMeJf36POk6yJV_adQssw5c"),
+    (
+        "eyJhbGciOiJIUzI1NiIsInR5cCI6IkpXVCJ9.eyJzdWIiOiIxMjM0NTY3ODkwIn0."
+        "SflKxwRJSMeKKF2QT4fwpMeJf36POk6yJV_adQssw5c",
+        "SflKxwRJSMeKKF2QT4fwpMeJf36POk6yJV_adQssw5c",
+    ),
     ("Authorization: Bearer abcdef0123456789abcdef0123", "abcdef0123456789abcdef0123"),
-    ("export WANDB_API_KEY=0123456789abcdef0123456789abcdef01234567",
-     "0123456789abcdef0123456789abcdef01234567"),
-    ("args: --wandb_key 0123456789abcdef0123456789abcdef01234567 --lr 0.1",
-     "0123456789abcdef0123456789abcdef01234567"),
-    ("-----BEGIN RSA PRIVATE KEY-----\nMIIEowIBAAKCAQEA7\n-----END RSA PRIVATE KEY-----", "MIIEowIBAAKCAQEA7"),
+    (
+        "export WANDB_API_KEY=0123456789abcdef0123456789abcdef01234567",
+        "0123456789abcdef0123456789abcdef01234567",
+    ),
+    (
+        "args: --wandb_key 0123456789abcdef0123456789abcdef01234567 --lr 0.1",
+        "0123456789abcdef0123456789abcdef01234567",
+    ),
+    (
+        "-----BEGIN RSA PRIVATE KEY-----\nMIIEowIBAAKCAQEA7\n-----END RSA PRIVATE KEY-----",
+        "MIIEowIBAAKCAQEA7",
+    ),
 ]
 # must survive untouched
 NOT_SECRETS = [
@@ -64,25 +81,75 @@ def test_non_secrets_survive(text):
 
 def test_command_line_options_named_like_secrets():
     wandb = "0123456789abcdef0123456789abcdef01234567"
-    argv = ["torchrun", "--nproc-per-node", "2", "train.py", "--wandb_key", wandb,
-            "--api-key=abc", "--hf-token", "hf_aBcDeFgHiJkLmNoPqRsTuVwXyZ01234567",
-            "--db-password", "hunter2", "--lr", "3e-4", "--key-dim", "64", "--max-tokens", "4096",
-            "--tokenizer", "meta-llama/Llama-3.1-8B", "--data", "postgres://u:pw@h/db",
-            "--use-auth", "--out", "/ckpt"]
+    argv = [
+        "torchrun",
+        "--nproc-per-node",
+        "2",
+        "train.py",
+        "--wandb_key",
+        wandb,
+        "--api-key=abc",
+        "--hf-token",
+        "hf_aBcDeFgHiJkLmNoPqRsTuVwXyZ01234567",
+        "--db-password",
+        "hunter2",
+        "--lr",
+        "3e-4",
+        "--key-dim",
+        "64",
+        "--max-tokens",
+        "4096",
+        "--tokenizer",
+        "meta-llama/Llama-3.1-8B",
+        "--data",
+        "postgres://u:pw@h/db",
+        "--use-auth",
+        "--out",
+        "/ckpt",
+    ]
     out = redact.redact_argv(argv)
-    assert out == ["torchrun", "--nproc-per-node", "2", "train.py", "--wandb_key", "<redacted>",
-                   "--api-key=<redacted>", "--hf-token", "<redacted>", "--db-password", "<redacted>",
-                   "--lr", "3e-4", "--key-dim", "64", "--max-tokens", "4096",
-                   "--tokenizer", "meta-llama/Llama-3.1-8B", "--data", "postgres://u:<redacted>@h/db",
-                   "--use-auth", "--out", "/ckpt"]
+    assert out == [
+        "torchrun",
+        "--nproc-per-node",
+        "2",
+        "train.py",
+        "--wandb_key",
+        "<redacted>",
+        "--api-key=<redacted>",
+        "--hf-token",
+        "<redacted>",
+        "--db-password",
+        "<redacted>",
+        "--lr",
+        "3e-4",
+        "--key-dim",
+        "64",
+        "--max-tokens",
+        "4096",
+        "--tokenizer",
+        "meta-llama/Llama-3.1-8B",
+        "--data",
+        "postgres://u:<redacted>@h/db",
+        "--use-auth",
+        "--out",
+        "/ckpt",
+    ]
 
 
 def test_environment_by_name_and_by_value():
-    env = {"HF_TOKEN": "x", "GITHUB_PAT": "y", "SENTRY_DSN": "https://k@o1.ingest.sentry.io/1",
-           "AWS_SECRET_ACCESS_KEY": "z", "DATABASE_URL": "postgres://u:pw@db/x",
-           "AZURE_STORAGE_CONNECTION_STRING": "AccountName=a;AccountKey=QUJDREVGR0hJSktMTU5PUA==",
-           "MLFLOW_TRACKING_URI": "https://user:pass@mlflow:5000", "TOKENIZERS_PARALLELISM": "false",
-           "PATH": "/usr/bin:/bin", "CUDA_VISIBLE_DEVICES": "0,1", "LEARNING_RATE": "3e-4"}
+    env = {
+        "HF_TOKEN": "x",
+        "GITHUB_PAT": "y",
+        "SENTRY_DSN": "https://k@o1.ingest.sentry.io/1",
+        "AWS_SECRET_ACCESS_KEY": "z",
+        "DATABASE_URL": "postgres://u:pw@db/x",
+        "AZURE_STORAGE_CONNECTION_STRING": "AccountName=a;AccountKey=QUJDREVGR0hJSktMTU5PUA==",
+        "MLFLOW_TRACKING_URI": "https://user:pass@mlflow:5000",
+        "TOKENIZERS_PARALLELISM": "false",
+        "PATH": "/usr/bin:/bin",
+        "CUDA_VISIBLE_DEVICES": "0,1",
+        "LEARNING_RATE": "3e-4",
+    }
     out = redact.redact_env(env)
     assert out["HF_TOKEN"] == out["GITHUB_PAT"] == out["SENTRY_DSN"] == "<redacted>"
     assert out["AWS_SECRET_ACCESS_KEY"] == "<redacted>"
@@ -115,9 +182,16 @@ JOB = textwrap.dedent("""
         opt.zero_grad()
         print(f"step {step} loss {float((w * w).sum()):.4f}")
 """)
-NON_SECRETS = ["9fceb02d0ae598e95dc970b74767f19372d61af8", "meta-llama/Llama-3.1-8B",
-               "/data/checkpoints/run-42/model.safetensors", "lr=3e-4", "num_tokens=4096",
-               "step 2 loss", "--lr 0.1", "postgres://trainer:<redacted>@db.internal/runs"]
+NON_SECRETS = [
+    "9fceb02d0ae598e95dc970b74767f19372d61af8",
+    "meta-llama/Llama-3.1-8B",
+    "/data/checkpoints/run-42/model.safetensors",
+    "lr=3e-4",
+    "num_tokens=4096",
+    "step 2 loss",
+    "--lr 0.1",
+    "postgres://trainer:<redacted>@db.internal/runs",
+]
 
 
 def _texts_under(folder):
@@ -149,26 +223,58 @@ def test_nothing_under_the_run_folder_holds_a_secret(tmp_path):
     trace, card - holds one; what is not a secret (paths, numbers, commit hashes, model
     names) is all still there."""
     wandb = "0123456789abcdef0123456789abcdef01234567"
-    env = {"DATABASE_URL": "postgres://trainer:pw-9f3k2@db.internal/runs",
-           "AZURE_STORAGE_CONNECTION_STRING": "AccountName=st;AccountKey=c2VjcmV0a2V5c2VjcmV0a2V5MTIzNA==",
-           "SENTRY_DSN": "https://0123456789abcdef0123456789abcdef@o1.ingest.sentry.io/1",
-           "GITHUB_PAT": "github_pat_11ABCDEFG0123456789_abcdefghijklmnopqrst",
-           "WANDB_API_KEY": "fedcba9876543210fedcba9876543210fedcba98",
-           "SERVICE_PASSWORD": "opensesame-42",
-           "TORCH_HOME": "/data/torch-home", "TRAINDX_CACHE": "1"}
-    secrets = ["pw-9f3k2", "c2VjcmV0a2V5c2VjcmV0a2V5MTIzNA==", "0123456789abcdef0123456789abcdef",
-               "ml-pass-77", "abcdefghijklmnopqrst", "fedcba9876543210fedcba9876543210fedcba98", wandb,
-               "hf_aBcDeFgHiJkLmNoPqRsTuVwXyZ01234567", "opensesame-42", "abcdef0123456789abcdef0123"]
+    env = {
+        "DATABASE_URL": "postgres://trainer:pw-9f3k2@db.internal/runs",
+        "AZURE_STORAGE_CONNECTION_STRING": "AccountName=st;AccountKey=c2VjcmV0a2V5c2VjcmV0a2V5MTIzNA==",
+        "SENTRY_DSN": "https://0123456789abcdef0123456789abcdef@o1.ingest.sentry.io/1",
+        "GITHUB_PAT": "github_pat_11ABCDEFG0123456789_abcdefghijklmnopqrst",
+        "WANDB_API_KEY": "fedcba9876543210fedcba9876543210fedcba98",
+        "SERVICE_PASSWORD": "opensesame-42",
+        "TORCH_HOME": "/data/torch-home",
+        "TRAINDX_CACHE": "1",
+    }
+    secrets = [
+        "pw-9f3k2",
+        "c2VjcmV0a2V5c2VjcmV0a2V5MTIzNA==",
+        "0123456789abcdef0123456789abcdef",
+        "ml-pass-77",
+        "abcdefghijklmnopqrst",
+        "fedcba9876543210fedcba9876543210fedcba98",
+        wandb,
+        "hf_aBcDeFgHiJkLmNoPqRsTuVwXyZ01234567",
+        "opensesame-42",
+        "abcdef0123456789abcdef0123",
+    ]
     script = tmp_path / "job.py"
     script.write_text(JOB)
     run_dir = tmp_path / "run"
-    proc = diagnose(["--quiet", "--no-nvml", "--no-pyspy", "--torch-profile", "1",
-                     "--run-dir", str(run_dir), "--", PY,
-                     str(script), "--wandb_key", wandb, "--hf-token=hf_aBcDeFgHiJkLmNoPqRsTuVwXyZ01234567",
-                     "--lr", "0.1"], cwd=tmp_path, env=env, timeout=300)
+    proc = diagnose(
+        [
+            "--quiet",
+            "--no-nvml",
+            "--no-pyspy",
+            "--torch-profile",
+            "1",
+            "--run-dir",
+            str(run_dir),
+            "--",
+            PY,
+            str(script),
+            "--wandb_key",
+            wandb,
+            "--hf-token=hf_aBcDeFgHiJkLmNoPqRsTuVwXyZ01234567",
+            "--lr",
+            "0.1",
+        ],
+        cwd=tmp_path,
+        env=env,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    for extra in (["report", str(run_dir), "--quiet", "--perfetto", str(run_dir / "trace.json.gz")],
-                  ["card", str(run_dir), "--tokens-per-step", "16", "-o", str(run_dir / "card.yaml")]):
+    for extra in (
+        ["report", str(run_dir), "--quiet", "--perfetto", str(run_dir / "trace.json.gz")],
+        ["card", str(run_dir), "--tokens-per-step", "16", "-o", str(run_dir / "card.yaml")],
+    ):
         done = diagnose(extra, cwd=tmp_path, env=env, timeout=300)
         assert done.returncode == 0, done.stderr[-3000:]
     texts = dict(_texts_under(run_dir))
@@ -178,8 +284,15 @@ def test_nothing_under_the_run_folder_holds_a_secret(tmp_path):
         for secret in secrets:
             assert secret not in text, (secret, path)
     manifest = json.loads(texts[str(run_dir / "manifest.json")])
-    assert manifest["command"] == [PY, str(script), "--wandb_key", "<redacted>",
-                                   "--hf-token=<redacted>", "--lr", "0.1"]
+    assert manifest["command"] == [
+        PY,
+        str(script),
+        "--wandb_key",
+        "<redacted>",
+        "--hf-token=<redacted>",
+        "--lr",
+        "0.1",
+    ]
     assert manifest["env"]["DATABASE_URL"] == "postgres://trainer:<redacted>@db.internal/runs"
     assert manifest["env"]["TORCH_HOME"] == "/data/torch-home"
     log = texts[str(run_dir / "log.txt")]
@@ -190,24 +303,46 @@ def test_nothing_under_the_run_folder_holds_a_secret(tmp_path):
     # the shim's own record of the process: its arguments without the secrets
     run = traindx.load_run(run_dir)
     (argv,) = [a for a in run.processes["argv"] if a]
-    assert list(argv) == [str(script), "--wandb_key", "<redacted>", "--hf-token=<redacted>",
-                          "--lr", "0.1"]
+    assert list(argv) == [str(script), "--wandb_key", "<redacted>", "--hf-token=<redacted>", "--lr", "0.1"]
     report_text = texts[str(run_dir / "report.html")]
     assert "step 2 loss" in report_text and "--lr 0.1" in report_text
 
 
 def test_a_redactor_hides_the_jobs_own_values_and_keeps_the_rest():
-    env = {"SERVICE_PASSWORD": "opensesame-42", "HF_TOKEN": "x", "PWD": "/work/project",
-           "DATABASE_URL": "postgres://u:pw-9f3k2@db/x", "TOKENIZERS_PARALLELISM": "false"}
-    argv = ["train.py", "--wandb_key", "0123456789abcdef0123456789abcdef01234567",
-            "--db-password", "hunter2", "--lr", "0.1", "--key-dim", "64"]
+    env = {
+        "SERVICE_PASSWORD": "opensesame-42",
+        "HF_TOKEN": "x",
+        "PWD": "/work/project",
+        "DATABASE_URL": "postgres://u:pw-9f3k2@db/x",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+    argv = [
+        "train.py",
+        "--wandb_key",
+        "0123456789abcdef0123456789abcdef01234567",
+        "--db-password",
+        "hunter2",
+        "--lr",
+        "0.1",
+        "--key-dim",
+        "64",
+    ]
     r = redact.Redactor.for_job(env, argv)
     line = r.line(f"{argv} pw-9f3k2 opensesame-42 in /work/project, false, hunter2 at step 64")
     for secret in ("opensesame-42", "pw-9f3k2", "hunter2", "0123456789abcdef0123456789abcdef01234567"):
         assert secret not in line
     # too short to hide everywhere (HF_TOKEN=x), a path (PWD), numbers and flags stay
     assert "/work/project" in line and "false" in line and "step 64" in line and "'--lr', '0.1'" in line
-    assert r.argv(argv) == ["train.py", "--wandb_key", "<redacted>", "--db-password", "<redacted>",
-                            "--lr", "0.1", "--key-dim", "64"]
+    assert r.argv(argv) == [
+        "train.py",
+        "--wandb_key",
+        "<redacted>",
+        "--db-password",
+        "<redacted>",
+        "--lr",
+        "0.1",
+        "--key-dim",
+        "64",
+    ]
     for text in NOT_SECRETS:
         assert r.line(text) == text

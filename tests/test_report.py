@@ -1,5 +1,6 @@
 """The report: its data for real runs, escaping of the job's strings, the Perfetto export, the
 `diagnose report` command, and the page itself opened in a real headless Chromium."""
+
 import gzip
 import json
 import os
@@ -22,30 +23,47 @@ PYTHON = sys.executable
 ARTIFACTS = os.path.join(ROOT, "test-artifacts")
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 ESCAPING_JOB = os.path.join(ROOT, "tests", "data", "report_escaping_job.py")
-MARKUP = ("<script>window.__pwned=1</script>", "<img src=x onerror=window.__pwned=2>",
-          "<b onmouseover=window.__pwned=3>worker</b>", "<script>document.title='pwned'</script>")
+MARKUP = (
+    "<script>window.__pwned=1</script>",
+    "<img src=x onerror=window.__pwned=2>",
+    "<b onmouseover=window.__pwned=3>worker</b>",
+    "<script>document.title='pwned'</script>",
+)
 
 
 def diagnose(run_dir, *job, options=(), env=None):
     cmd = [PYTHON, "-m", "traindx", "--quiet", "--run-dir", str(run_dir), *options, "--", *job]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240,
-                          env={**os.environ, **(env or {})})
+    proc = subprocess.run(
+        cmd, cwd=ROOT, capture_output=True, text=True, timeout=240, env={**os.environ, **(env or {})}
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return load_run(run_dir), proc
 
 
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
-    run, _ = diagnose(tmp_path_factory.mktemp("runs") / "tiny", PYTHON, "examples/train_tiny.py",
-                      "--steps", "6", options=("--dump-interval", "0.5", "--torch-profile", "3-4"))
+    run, _ = diagnose(
+        tmp_path_factory.mktemp("runs") / "tiny",
+        PYTHON,
+        "examples/train_tiny.py",
+        "--steps",
+        "6",
+        options=("--dump-interval", "0.5", "--torch-profile", "3-4"),
+    )
     return run
 
 
 @pytest.fixture(scope="module")
 def escaping_run(tmp_path_factory):
     # no torch.profiler window: this job is about strings, and the window's export is slow
-    run, _ = diagnose(tmp_path_factory.mktemp("runs") / "markup", PYTHON, ESCAPING_JOB, "5",
-                      options=("--dump-interval", "0.5"), env={"TRAINDX_TORCH_PROFILE": "off"})
+    run, _ = diagnose(
+        tmp_path_factory.mktemp("runs") / "markup",
+        PYTHON,
+        ESCAPING_JOB,
+        "5",
+        options=("--dump-interval", "0.5"),
+        env={"TRAINDX_TORCH_PROFILE": "off"},
+    )
     return run
 
 
@@ -54,18 +72,50 @@ def _jit_findings(run):
     runs on a CPU job without FA4), so the ranking and the verdict have something to rank."""
     steps = [int(s) for s in run.steps["step"]]
     return [
-        Finding(id="gc.gen2_in_steps", title="Generation-2 GC pauses inside steps", severity="low",
-                analyzer="gc", seconds_lost_per_step=0.01, steps_affected=tuple(steps[:2]),
-                prescriptions=(Prescription(kind="code", summary="call gc.freeze() after building the model",
-                                            change={"code": {"file": "train.py", "line": 12, "before": "model = build()",
-                                                             "after": "model = build()\ngc.freeze()"}}),)),
-        Finding(id="jit.fa4_steady_recompile", title="FA4 recompiles its backward kernel every step",
-                severity="high", analyzer="jit", seconds_lost_per_step=0.05, share_of_step=0.2,
-                steps_affected=tuple(steps[1:]), summary="max_seqlen reaches the compile key as a tensor",
-                evidence={"key_field": "single_q_block", "compiles": [{"step": s, "duration_s": 0.05} for s in steps]},
-                prescriptions=(Prescription(kind="upgrade", summary="upgrade flash-attn-4 to 4.0.0b26 or newer",
-                                            change={"upgrade": {"package": "flash-attn-4", "min_version": "4.0.0b26"}},
-                                            expected_gain_s_per_step=0.05),)),
+        Finding(
+            id="gc.gen2_in_steps",
+            title="Generation-2 GC pauses inside steps",
+            severity="low",
+            analyzer="gc",
+            seconds_lost_per_step=0.01,
+            steps_affected=tuple(steps[:2]),
+            prescriptions=(
+                Prescription(
+                    kind="code",
+                    summary="call gc.freeze() after building the model",
+                    change={
+                        "code": {
+                            "file": "train.py",
+                            "line": 12,
+                            "before": "model = build()",
+                            "after": "model = build()\ngc.freeze()",
+                        }
+                    },
+                ),
+            ),
+        ),
+        Finding(
+            id="jit.fa4_steady_recompile",
+            title="FA4 recompiles its backward kernel every step",
+            severity="high",
+            analyzer="jit",
+            seconds_lost_per_step=0.05,
+            share_of_step=0.2,
+            steps_affected=tuple(steps[1:]),
+            summary="max_seqlen reaches the compile key as a tensor",
+            evidence={
+                "key_field": "single_q_block",
+                "compiles": [{"step": s, "duration_s": 0.05} for s in steps],
+            },
+            prescriptions=(
+                Prescription(
+                    kind="upgrade",
+                    summary="upgrade flash-attn-4 to 4.0.0b26 or newer",
+                    change={"upgrade": {"package": "flash-attn-4", "min_version": "4.0.0b26"}},
+                    expected_gain_s_per_step=0.05,
+                ),
+            ),
+        ),
         Finding(id="evidence.note", title="a note", severity="info", analyzer="steps"),
     ]
 
@@ -107,7 +157,11 @@ def test_report_data_of_a_real_run_matches_its_record(tiny_run):
 def test_findings_ranked_by_seconds_lost_and_verdict_is_the_top_change(tiny_run):
     findings = _jit_findings(tiny_run)
     data = build_report_data(tiny_run, findings)
-    assert [f["id"] for f in data["findings"]] == ["jit.fa4_steady_recompile", "gc.gen2_in_steps", "evidence.note"]
+    assert [f["id"] for f in data["findings"]] == [
+        "jit.fa4_steady_recompile",
+        "gc.gen2_in_steps",
+        "evidence.note",
+    ]
     v = data["verdict"]
     assert v["kind"] == "change" and v["headline"] == "upgrade flash-attn-4 to 4.0.0b26 or newer"
     assert v["gain_s"] == 0.05 and v["text"] == "pip install -U 'flash-attn-4>=4.0.0b26'"
@@ -130,10 +184,15 @@ def test_findings_ranked_by_seconds_lost_and_verdict_is_the_top_change(tiny_run)
 
 
 def test_prescriptions_become_copyable_commands_and_diffs():
-    env = Prescription(kind="env", summary="s", change={"env": {"FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED": "1"}})
+    env = Prescription(
+        kind="env", summary="s", change={"env": {"FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED": "1"}}
+    )
     assert prescription_text(env) == ("export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1", "command")
-    code = Prescription(kind="code", summary="s", change={"code": {"file": "a.py", "line": 3,
-                                                                  "before": "x = t.max()", "after": "x = int(t.max())"}})
+    code = Prescription(
+        kind="code",
+        summary="s",
+        change={"code": {"file": "a.py", "line": 3, "before": "x = t.max()", "after": "x = int(t.max())"}},
+    )
     text, kind = prescription_text(code)
     assert kind == "diff" and "-x = t.max()" in text.splitlines() and "+x = int(t.max())" in text.splitlines()
     pre = Prescription(kind="precompile", summary="s", change={"precompile": {"from_run": "runs/x y"}})
@@ -143,11 +202,18 @@ def test_prescriptions_become_copyable_commands_and_diffs():
 
 
 def test_comparison_renders_whatever_keys_are_present():
-    view = comparison_view({"verdict": "1.9× faster, loss parity holds",
-                            "arms": {"baseline": {"median_step_s": 0.52, "tokens_per_s": 1969.0},
-                                     "candidate": {"median_step_s": 0.27, "cv": 0.03}},
-                            "speedup": 1.93, "speedup_ci": [1.81, 2.05],
-                            "loss_parity": {"pearson": 0.998, "passed": True}})
+    view = comparison_view(
+        {
+            "verdict": "1.9× faster, loss parity holds",
+            "arms": {
+                "baseline": {"median_step_s": 0.52, "tokens_per_s": 1969.0},
+                "candidate": {"median_step_s": 0.27, "cv": 0.03},
+            },
+            "speedup": 1.93,
+            "speedup_ci": [1.81, 2.05],
+            "loss_parity": {"pearson": 0.998, "passed": True},
+        }
+    )
     assert view["arms"] == ["baseline", "candidate"]
     rows = {r["label"]: r["values"] for r in view["rows"]}
     assert rows == {"median step s": ["0.52", "0.27"], "tokens per s": ["1969", ""], "cv": ["", "0.03"]}
@@ -181,11 +247,21 @@ def test_markup_from_the_job_is_escaped_everywhere(escaping_run):
     assert MARKUP[0] in frames
     assert any(MARKUP[3] in t for t in run.log["text"])
     hot = next(f for f in frames if "<script>" in f)
-    findings = [Finding(id="gil.helper_thread", title=f"{MARKUP[2]} holds the GIL in {hot}", severity="high",
-                        analyzer="gil", seconds_lost_per_step=0.2, summary=hot,
-                        evidence={"frame": hot, "stack": [{"name": hot, "file": MARKUP[1], "line": 1}]},
-                        prescriptions=(Prescription(kind="code", summary=f"stop {hot}", command=f"echo '{hot}'"),))]
-    path = write_report(run, findings, comparison={"verdict": MARKUP[0], "arms": {MARKUP[2]: {MARKUP[1]: MARKUP[3]}}})
+    findings = [
+        Finding(
+            id="gil.helper_thread",
+            title=f"{MARKUP[2]} holds the GIL in {hot}",
+            severity="high",
+            analyzer="gil",
+            seconds_lost_per_step=0.2,
+            summary=hot,
+            evidence={"frame": hot, "stack": [{"name": hot, "file": MARKUP[1], "line": 1}]},
+            prescriptions=(Prescription(kind="code", summary=f"stop {hot}", command=f"echo '{hot}'"),),
+        )
+    ]
+    path = write_report(
+        run, findings, comparison={"verdict": MARKUP[0], "arms": {MARKUP[2]: {MARKUP[1]: MARKUP[3]}}}
+    )
     html = open(path, encoding="utf-8").read()
     # exactly one script element: the report's own
     assert len(re.findall(r"<script\b", html, flags=re.I)) == 1
@@ -205,20 +281,47 @@ def test_secrets_in_the_environment_stay_out(tiny_run, tmp_path):
     run_dir = tmp_path / "run"
     shutil.copytree(tiny_run.path, run_dir)
     manifest = json.loads((run_dir / "manifest.json").read_text())
-    manifest["env"].update({"HF_TOKEN": "hf_abcdefghijklmnopqrstuvwxyz123456", "NCCL_DEBUG": "INFO",
-                            "AWS_SECRET_ACCESS_KEY": "abc", "TORCH_SECRET_TOKEN": "zz-do-not-show"})
+    manifest["env"].update(
+        {
+            "HF_TOKEN": "hf_abcdefghijklmnopqrstuvwxyz123456",
+            "NCCL_DEBUG": "INFO",
+            "AWS_SECRET_ACCESS_KEY": "abc",
+            "TORCH_SECRET_TOKEN": "zz-do-not-show",
+        }
+    )
     (run_dir / "manifest.json").write_text(json.dumps(manifest))
     html = open(write_report(load_run(run_dir), []), encoding="utf-8").read()
     assert "NCCL_DEBUG" in html
-    for secret in ("hf_abcdefghijklmnopqrstuvwxyz123456", "zz-do-not-show", "AWS_SECRET_ACCESS_KEY", "HF_TOKEN"):
+    for secret in (
+        "hf_abcdefghijklmnopqrstuvwxyz123456",
+        "zz-do-not-show",
+        "AWS_SECRET_ACCESS_KEY",
+        "HF_TOKEN",
+    ):
         assert secret not in html
 
 
 # -- Perfetto, size, command ----------------------------------------------------------------------
 def test_perfetto_export_holds_the_merged_timeline(tiny_run, tmp_path):
     out = tmp_path / "trace.json.gz"
-    proc = subprocess.run([PYTHON, "-m", "traindx", "report", tiny_run.path, "--quiet", "--perfetto", str(out),
-                           "-o", str(tmp_path / "r.html")], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            PYTHON,
+            "-m",
+            "traindx",
+            "report",
+            tiny_run.path,
+            "--quiet",
+            "--perfetto",
+            str(out),
+            "-o",
+            str(tmp_path / "r.html"),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == str(tmp_path / "r.html") and os.path.getsize(tmp_path / "r.html") > 10_000
     trace = json.load(gzip.open(out, "rt"))
@@ -226,7 +329,7 @@ def test_perfetto_export_holds_the_merged_timeline(tiny_run, tmp_path):
     steps = [e for e in events if e.get("cat") == "step"]
     assert [e["name"] for e in steps] == [f"step {i}" for i in range(6)]
     duration_us = (tiny_run.manifest["end_ns"] - tiny_run.manifest["start_ns"]) / 1000
-    assert all(0 <= e["ts"] and e["ts"] + e["dur"] <= duration_us for e in steps)
+    assert all(e["ts"] >= 0 and e["ts"] + e["dur"] <= duration_us for e in steps)
     recorded = list(tiny_run.rank_steps("0")["duration_s"])
     assert [e["dur"] / 1e6 for e in steps] == pytest.approx(recorded)
     snapshots = [e for e in events if e.get("cat") == "py-spy"]
@@ -236,15 +339,22 @@ def test_perfetto_export_holds_the_merged_timeline(tiny_run, tmp_path):
     # the torch.profiler window (asked for: on a CPU job it is off by default) lands on the same
     # clock: inside the run, and inside the recorded steps it profiled
     if os.path.exists(os.path.join(tiny_run.path, "trace", "0.json.gz")):
-        torch_ops = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("cpu_op", "python_function")]
+        torch_ops = [
+            e for e in events if e.get("ph") == "X" and e.get("cat") in ("cpu_op", "python_function")
+        ]
         assert torch_ops
         first_step, last_end = steps[0]["ts"], steps[-1]["ts"] + steps[-1]["dur"]
         assert all(first_step <= e["ts"] <= last_end for e in torch_ops)
 
 
 def test_report_command_errors_are_one_line(tmp_path):
-    proc = subprocess.run([PYTHON, "-m", "traindx", "report", str(tmp_path / "nope")], cwd=ROOT,
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [PYTHON, "-m", "traindx", "report", str(tmp_path / "nope")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 2 and proc.stderr.strip().startswith("diagnose: error: no such run folder")
     assert "Traceback" not in proc.stderr
 
@@ -259,7 +369,9 @@ def test_a_ten_minute_run_renders_under_five_megabytes(tiny_run, tmp_path):
     start = manifest["start_ns"]
     span = 600 * 10**9
     stem = f"p{manifest['ranks']['0']}"  # rank 0's files are named by its pid
-    events = [json.loads(l) for l in (run_dir / "events" / f"{stem}.jsonl").read_text().splitlines() if l.strip()]
+    events = [
+        json.loads(l) for l in (run_dir / "events" / f"{stem}.jsonl").read_text().splitlines() if l.strip()
+    ]
     step_events = [e for e in events if e["type"] in ("step_begin", "step_end", "gc")]
     others = [e for e in events if e not in step_events]
     first = min(e["t"] for e in step_events)
@@ -291,7 +403,9 @@ def test_a_ten_minute_run_renders_under_five_megabytes(tiny_run, tmp_path):
         f.write("t,gpu,util,mem_util,sm_clock_mhz,mem_used_bytes,power_w,clock_event_reasons\n")
         for i in range(1200):
             for g in range(8):
-                f.write(f"{start + i * 5 * 10**8},{g},{(i * 7 + g) % 100},{i % 50},{1500 + i % 300},{2**34},{300 + i % 400},{4 if i % 3 else 0}\n")
+                f.write(
+                    f"{start + i * 5 * 10**8},{g},{(i * 7 + g) % 100},{i % 50},{1500 + i % 300},{2**34},{300 + i % 400},{4 if i % 3 else 0}\n"
+                )
     manifest["end_ns"] = start + span
     (run_dir / "manifest.json").write_text(json.dumps(manifest))
     run = load_run(run_dir)
@@ -313,12 +427,22 @@ def _chromium_check(path, screenshot, expect_text=(), checks=None):
     os.makedirs(ARTIFACTS, exist_ok=True)
     problems = []
     with sync_api.sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=[
-            "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
-            "--disable-sync", "--no-first-run"])
+        browser = p.chromium.launch(
+            executable_path=CHROMIUM,
+            args=[
+                "--no-sandbox",
+                "--disable-gpu",
+                "--disable-background-networking",
+                "--disable-component-update",
+                "--disable-sync",
+                "--no-first-run",
+            ],
+        )
         try:
             page = browser.new_page(viewport={"width": 1280, "height": 900})
-            page.on("console", lambda m: m.type in ("error", "warning") and problems.append(f"{m.type}: {m.text}"))
+            page.on(
+                "console", lambda m: m.type in ("error", "warning") and problems.append(f"{m.type}: {m.text}")
+            )
             page.on("pageerror", lambda e: problems.append(f"pageerror: {e}"))
             page.on("dialog", lambda d: (problems.append(f"dialog: {d.message}"), d.dismiss()))
             requests = []
@@ -344,9 +468,11 @@ def _chromium_check(path, screenshot, expect_text=(), checks=None):
 @pytest.mark.slow
 def test_report_in_chromium(tiny_run):
     findings = _jit_findings(tiny_run)
-    comparison = {"verdict": "candidate 1.9× faster; loss parity holds",
-                  "arms": {"baseline": {"median_step_s": 0.52}, "candidate": {"median_step_s": 0.27}},
-                  "speedup": 1.93}
+    comparison = {
+        "verdict": "candidate 1.9× faster; loss parity holds",
+        "arms": {"baseline": {"median_step_s": 0.52}, "candidate": {"median_step_s": 0.27}},
+        "speedup": 1.93,
+    }
     path = write_report(tiny_run, findings, comparison=comparison)
     n_steps = len(tiny_run.steps)
 
@@ -367,7 +493,9 @@ def test_report_in_chromium(tiny_run):
         assert box["width"] > 800 and box["height"] > 150
         assert not page.locator("#step-chart-by-step").is_visible()
         page.click(".view-switch button[data-view=step]")
-        assert page.locator("#step-chart-by-step").is_visible() and not page.locator("#step-chart").is_visible()
+        assert (
+            page.locator("#step-chart-by-step").is_visible() and not page.locator("#step-chart").is_visible()
+        )
         assert page.locator("#step-chart-by-step rect.step").count() == n_steps
 
     _chromium_check(path, "report.png", checks=checks)
@@ -441,11 +569,16 @@ def test_report_command_shows_a_fix_comparison_from_the_run_folder(tiny_run, h20
     shutil.copytree(tiny_run.path, run_dir)
     comparison = compare_runs(h200_run, load_run(run_dir))
     (run_dir / "comparison.json").write_text(json.dumps(comparison, default=str))
-    proc = subprocess.run([PYTHON, "-m", "traindx", "report", str(run_dir), "--quiet"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [PYTHON, "-m", "traindx", "report", str(run_dir), "--quiet"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     html = open(run_dir / "report.html", encoding="utf-8").read()
-    section = html[html.index('id="comparison"'):]
+    section = html[html.index('id="comparison"') :]
     assert "Before and after" in html and "baseline" in section and "candidate" in section
     assert f"{comparison['speedup']:.2f}×" in section
     assert "loss parity" in section
@@ -471,9 +604,25 @@ def test_terminal_summary_says_what_the_html_verdict_says(tiny_run):
 
 
 def test_a_job_that_fails_before_any_step_gets_an_honest_report(tmp_path):
-    proc = subprocess.run([PYTHON, "-m", "traindx", "--quiet", "--no-pyspy", "--run-dir", str(tmp_path / "r"),
-                           "--", PYTHON, "-c", "print('<i>loading</i>'); raise SystemExit(3)"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            PYTHON,
+            "-m",
+            "traindx",
+            "--quiet",
+            "--no-pyspy",
+            "--run-dir",
+            str(tmp_path / "r"),
+            "--",
+            PYTHON,
+            "-c",
+            "print('<i>loading</i>'); raise SystemExit(3)",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 3
     assert "No training steps were recorded" in proc.stderr
     data = build_report_data(load_run(tmp_path / "r"), [])
@@ -512,8 +661,14 @@ def _have_fa4():
 @pytest.mark.skipif(not _have_fa4(), reason="flash-attn-4 / nvidia-cutlass-dsl not installed")
 @pytest.mark.slow
 def test_report_of_the_fa4_seed_cold_start(tmp_path):
-    run, _ = diagnose(tmp_path / "seed", PYTHON, "examples/fa4_seed.py", "--steps", "2",
-                      env={"TRAINDX_TORCH_PROFILE": "off"})
+    run, _ = diagnose(
+        tmp_path / "seed",
+        PYTHON,
+        "examples/fa4_seed.py",
+        "--steps",
+        "2",
+        env={"TRAINDX_TORCH_PROFILE": "off"},
+    )
     from traindx.analyzers import analyze
 
     findings = analyze(run)
@@ -545,10 +700,16 @@ def _diagnose_to_log(run_dir, *job):
     """diagnose as a user runs it with its output going to a log file (a pipe, not a terminal)
     at 80 columns; returns the run and the summary it printed."""
     cmd = [PYTHON, "-m", "traindx", "--run-dir", str(run_dir), "--", *job]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "COLUMNS": "80", "OMP_NUM_THREADS": "1"})
+    proc = subprocess.run(
+        cmd,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "COLUMNS": "80", "OMP_NUM_THREADS": "1"},
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return load_run(run_dir), proc.stderr[proc.stderr.index("─ traindx ─"):]
+    return load_run(run_dir), proc.stderr[proc.stderr.index("─ traindx ─") :]
 
 
 def _verdict_of(run):
@@ -563,6 +724,7 @@ def _page_headline(path, screenshot):
     def checks(page):
         seen["headline"] = page.inner_text("#verdict-headline").strip()
         seen["verdict"] = page.inner_text("#verdict")
+
     _chromium_check(path, screenshot, checks=checks)
     return seen
 
@@ -586,8 +748,9 @@ def test_a_healthy_run_says_it_is_healthy(tmp_path):
 
 @pytest.mark.slow
 def test_a_slow_run_names_its_top_root_finding(tmp_path):
-    run, summary = _diagnose_to_log(tmp_path / "slow", PYTHON, "examples/pathologies.py",
-                                    "--pathology", "dataloader", "--steps", "12")
+    run, summary = _diagnose_to_log(
+        tmp_path / "slow", PYTHON, "examples/pathologies.py", "--pathology", "dataloader", "--steps", "12"
+    )
     findings = read_findings(run.path)
     v = _verdict_of(run)
     top = next(f for f in findings if f.id == v.evidence["top"])
@@ -606,8 +769,9 @@ def test_a_slow_run_names_its_top_root_finding(tmp_path):
     # share the step's cores; the load decides how far under)
     # (tests/test_savings_split.py checks when the pricing writes it)
     limit = v.evidence.get("saving_limit")
-    assert limit is None or (v.evidence["gain_s"] < top.seconds_lost_per_step
-                             and limit == top.evidence["saving_limit"]), v.evidence
+    assert limit is None or (
+        v.evidence["gain_s"] < top.seconds_lost_per_step and limit == top.evidence["saving_limit"]
+    ), v.evidence
     if limit:
         assert "worker processes" in limit
         assert "this cause costs" in flat and " ".join(limit.split()) in flat
@@ -627,7 +791,7 @@ def _code_spans(text):
             depth += {"(": 1, ")": -1}.get(text[i], 0)
             if depth == 0:
                 break
-        spans.append(text[m.start():i + 1])
+        spans.append(text[m.start() : i + 1])
         pos = i + 1
 
 
@@ -647,9 +811,9 @@ def _assert_readable_at_80_columns(summary, top):
         assert any(f"+{line}" in out for out in lines), (line, summary)
     # the table has no prescription column cut with an ellipsis; the prescriptions come under it
     table_end = max(i for i, line in enumerate(lines) if line.startswith("└"))
-    assert not any("…" in line for line in lines[:table_end + 1]), summary
+    assert not any("…" in line for line in lines[: table_end + 1]), summary
     assert "first prescription" not in summary
-    assert any(line.startswith("1. ") for line in lines[table_end + 1:]), summary
+    assert any(line.startswith("1. ") for line in lines[table_end + 1 :]), summary
     # one labelled statistic per quantity: the step time's median, the ledger's mean
     stats = " ".join(lines[1:3])
     assert re.search(r"step time median [\d.]+ m?s", stats), stats
@@ -661,10 +825,25 @@ def _assert_readable_at_80_columns(summary, top):
 
 
 def test_a_run_without_steps_gets_the_no_steps_verdict(tmp_path):
-    proc = subprocess.run([PYTHON, "-m", "traindx", "--no-pyspy", "--run-dir", str(tmp_path / "r"),
-                           "--", PYTHON, "-c", "import sys; print('loading'); sys.exit(4)"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "COLUMNS": "80"})
+    proc = subprocess.run(
+        [
+            PYTHON,
+            "-m",
+            "traindx",
+            "--no-pyspy",
+            "--run-dir",
+            str(tmp_path / "r"),
+            "--",
+            PYTHON,
+            "-c",
+            "import sys; print('loading'); sys.exit(4)",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "COLUMNS": "80"},
+    )
     assert proc.returncode == 4
     run = load_run(tmp_path / "r")
     v = _verdict_of(run)
@@ -691,7 +870,9 @@ def test_time_in_events_no_analyzer_named_is_a_finding_the_verdict_points_at(h20
     data = build_summary(h200_run, found + [v])
     assert data["verdict"]["kind"] == "problem" and data["verdict"]["headline"] == f.title
     # an analyzer's root finding claims the time: no second finding for it
-    assert step_causes.analyze(h200_run, [Finding(id="jit.x", title="t", severity="high", analyzer="jit")]) == []
+    assert (
+        step_causes.analyze(h200_run, [Finding(id="jit.x", title="t", severity="high", analyzer="jit")]) == []
+    )
 
 
 def test_the_report_marks_what_fix_applies_and_what_are_alternatives(tiny_run):
@@ -705,14 +886,30 @@ def test_the_report_marks_what_fix_applies_and_what_are_alternatives(tiny_run):
 
     steps = tuple(int(s) for s in tiny_run.steps["step"])
     threads = Finding(
-        id="cpu.threads", title="Intra-op threads oversubscribe the cores", severity="medium",
-        analyzer="cpu", seconds_lost_per_step=0.02, steps_affected=steps,
+        id="cpu.threads",
+        title="Intra-op threads oversubscribe the cores",
+        severity="medium",
+        analyzer="cpu",
+        seconds_lost_per_step=0.02,
+        steps_affected=steps,
         prescriptions=(
-            Prescription(kind="env", summary="set OMP_NUM_THREADS=1", automatic=True,
-                         change={"env": {"OMP_NUM_THREADS": "1"}}, expected_gain_s_per_step=0.02),
-            Prescription(kind="env", summary="set MKL_NUM_THREADS=1", automatic=True,
-                         change={"env": {"MKL_NUM_THREADS": "1"}}, expected_gain_s_per_step=0.01),
-            Prescription(kind="code", summary="call torch.set_num_threads(1) at start-up")))
+            Prescription(
+                kind="env",
+                summary="set OMP_NUM_THREADS=1",
+                automatic=True,
+                change={"env": {"OMP_NUM_THREADS": "1"}},
+                expected_gain_s_per_step=0.02,
+            ),
+            Prescription(
+                kind="env",
+                summary="set MKL_NUM_THREADS=1",
+                automatic=True,
+                change={"env": {"MKL_NUM_THREADS": "1"}},
+                expected_gain_s_per_step=0.01,
+            ),
+            Prescription(kind="code", summary="call torch.set_num_threads(1) at start-up"),
+        ),
+    )
     data = build_report_data(tiny_run, [threads])
     marks = [p["fix"] for p in data["findings"][0]["prescriptions"]]
     # the loop measures OMP first, MKL next (within --fix-tries): the code line is by hand
@@ -736,9 +933,9 @@ def test_one_number_per_quantity_across_terminal_and_report(h200_run):
     from rich.console import Console
 
     from traindx.analyzers import analyze
+    from traindx.common.units import fmt_s
     from traindx.report.html import render_html
     from traindx.report.terminal import print_summary
-    from traindx.common.units import fmt_s
 
     findings = analyze(h200_run)
     data = build_report_data(h200_run, findings)

@@ -1,15 +1,15 @@
 """The DataLoader-workers prediction splits the data line into its off-CPU wait and its CPU
 work: a storage wait parallelises over the workers whatever the load, CPU work only as far as
 the cores give each task a share (traindx.analyzers.savings)."""
+
 import os
 
 import pytest
+from helpers import PY, diagnose
 
 import traindx
-from traindx.derive import ledger as L
 from traindx.analyzers import savings as S
-
-from helpers import PY, diagnose
+from traindx.derive import ledger as L
 
 JOBS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "jobs")
 
@@ -28,8 +28,7 @@ def test_a_wait_parallelises_over_workers_and_cpu_work_over_the_share():
     assert S.workers_step_model(0.049, 0.0015, 0.0016, 2, 2, 8) > 2 * 0.0506
     # held to the quarter core it had, the job's CPU work needs 2.5 ms / 0.25 = 10 ms a step:
     # still less than the wait, which the workers share
-    assert S.workers_step_capped(0.001, 0.0015, 0.0016, 2, 0.25, load_wait=0.048) == \
-        pytest.approx(0.0245)
+    assert S.workers_step_capped(0.001, 0.0015, 0.0016, 2, 0.25, load_wait=0.048) == pytest.approx(0.0245)
     # a CPU-bound main stage sets the step: the workers' wait is hidden behind it
     assert S.workers_step_model(0.001, 0.3, 0.3, 2, 2, 0, load_wait=0.2) == pytest.approx(0.3, rel=0.02)
 
@@ -38,7 +37,8 @@ def test_measured_stage_times_grow_only_by_the_contention_the_workers_add():
     # an idle 2-core machine, a CPU-bound loader (30 ms runnable per batch, no run-queue wait)
     # and 6 ms of compute: what the CPU model says (18 ms, test_ledger's documented case)
     assert S.workers_step_measured(0.0, 0.030, 0.0, 0.006, 2, 2, 0) == pytest.approx(
-        S.workers_step_model(0.030, 0.006, 0.006, 2, 2, 0), rel=0.05)
+        S.workers_step_model(0.030, 0.006, 0.006, 2, 2, 0), rel=0.05
+    )
     # a loader that waits on storage: 48 ms off the CPU and 7 ms runnable per batch, measured
     # at a quarter core (7 other runnable tasks on 2 cores). The wait halves over 2 workers;
     # the runnable part grows by the job's own extra tasks, at most (7 + 3) / 8
@@ -51,11 +51,9 @@ def test_measured_stage_times_grow_only_by_the_contention_the_workers_add():
 
 
 def test_loader_time_split_from_the_data_spans_or_the_whole_steps_runq():
-    evd = {"data": 0.060, "data_cpu": 0.002, "data_runq": 0.006, "thread_cpu": 0.004,
-           "thread_runq": 0.012}
+    evd = {"data": 0.060, "data_cpu": 0.002, "data_runq": 0.006, "thread_cpu": 0.004, "thread_runq": 0.012}
     split = S.loader_time_split(evd)
-    assert split == pytest.approx({"cpu": 0.002, "runq": 0.006, "wait": 0.052,
-                                   "runq_measured": True})
+    assert split == pytest.approx({"cpu": 0.002, "runq": 0.006, "wait": 0.052, "runq_measured": True})
     # an older shim: no run-queue wait on the spans, the thread's whole-step ratio (3 s of
     # waiting for a core per CPU second) prices the data CPU's
     split = S.loader_time_split(dict(evd, data_runq=None))
@@ -71,9 +69,21 @@ def test_the_split_of_a_real_loader_that_waits_then_works(tmp_path):
     spans give 20 ms a step off the CPU and 2 ms of CPU, whatever the machine's load (a
     preempted thread is runnable, not waiting), and the prediction for 2 workers halves the wait."""
     out = tmp_path / "run"
-    proc = diagnose(["--no-pyspy", "--quiet", "--run-dir", str(out), "--", PY,
-                     os.path.join(JOBS, "wait_and_work_loader.py"), "--steps", "8"],
-                    cwd=tmp_path, env={"OMP_NUM_THREADS": "1"})
+    proc = diagnose(
+        [
+            "--no-pyspy",
+            "--quiet",
+            "--run-dir",
+            str(out),
+            "--",
+            PY,
+            os.path.join(JOBS, "wait_and_work_loader.py"),
+            "--steps",
+            "8",
+        ],
+        cwd=tmp_path,
+        env={"OMP_NUM_THREADS": "1"},
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = traindx.load_run(str(out))
     evd = L.cpu_evidence(run)
@@ -88,8 +98,9 @@ def test_the_split_of_a_real_loader_that_waits_then_works(tmp_path):
     assert found, [f.id for f in traindx.analyze(run)]
     f = found[0]
     # a price well under the time lost says why (the verdict and the report print it)
-    priced = next((p.expected_gain_s_per_step for p in f.prescriptions
-                   if p.expected_gain_s_per_step is not None), None)
+    priced = next(
+        (p.expected_gain_s_per_step for p in f.prescriptions if p.expected_gain_s_per_step is not None), None
+    )
     short = priced is None or priced < 0.8 * f.seconds_lost_per_step
     assert ("saving_limit" in f.evidence) == short, (priced, f.seconds_lost_per_step, f.evidence)
     if short:

@@ -1,11 +1,11 @@
 """Scale: the period search gives the brute-force answer in O(N log N); the synthetic run
 generator writes a record the analyzers read and find its injected problems in."""
+
 import json
 import os
 import random
 import sys
 import time
-
 
 from traindx.analyzers import stability
 from traindx.analyzers.stability import find_period
@@ -15,10 +15,16 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def brute_force_period(steps, durations):
     """The definition, literally (the O(N^3) search find_period replaced)."""
-    median = sorted(durations)[len(durations) // 2] if len(durations) % 2 else \
-        sum(sorted(durations)[len(durations) // 2 - 1: len(durations) // 2 + 1]) / 2
-    slow = {s for s, d in zip(steps, durations)
-            if d > stability.SLOW_FACTOR * median and d - median > stability.MIN_EXCESS_S}
+    median = (
+        sorted(durations)[len(durations) // 2]
+        if len(durations) % 2
+        else sum(sorted(durations)[len(durations) // 2 - 1 : len(durations) // 2 + 1]) / 2
+    )
+    slow = {
+        s
+        for s, d in zip(steps, durations)
+        if d > stability.SLOW_FACTOR * median and d - median > stability.MIN_EXCESS_S
+    }
     if len(slow) < stability.MIN_OCCURRENCES:
         return None
     best = None

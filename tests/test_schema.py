@@ -1,13 +1,15 @@
 """The shim's event schema names every event type the shim writes, and its bus keeps the shim's
 modules from importing each other (steps never imports compiles)."""
+
 import ast
 import glob
 import os
 
 from traindx.profiler.shim._traindx_shim import bus, schema
 
-SHIM = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "profiler", "shim",
-                    "_traindx_shim")
+SHIM = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "profiler", "shim", "_traindx_shim"
+)
 
 
 def _emitted_types():
@@ -35,16 +37,20 @@ def test_every_event_type_the_shim_writes_is_in_the_schema():
         assert hasattr(schema, name), name
         value = getattr(schema, name)
         assert value in (schema.EVENT_TYPES if called == "emit" else schema.COMPILE_KINDS), name
-    unknown = {(value, file) for called, value, file in literals if called == "emit"
-               and value not in schema.EVENT_TYPES}
+    unknown = {
+        (value, file)
+        for called, value, file in literals
+        if called == "emit" and value not in schema.EVENT_TYPES
+    }
     assert not unknown, f"event types missing from schema.py: {sorted(unknown)}"
     assert not [x for x in literals if x[0] == "_emit_compile" and x[1] not in schema.COMPILE_KINDS]
 
 
 def test_steps_does_not_import_compiles():
     tree = ast.parse(open(os.path.join(SHIM, "steps.py"), encoding="utf-8").read())
-    imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
-                for alias in node.names}
+    imported = {
+        alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) for alias in node.names
+    }
     assert "compiles" not in imported
 
 

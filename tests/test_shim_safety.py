@@ -7,6 +7,7 @@ CPU build. The CPU equivalent used below is a TorchDispatchMode that sees every 
 run while it is active: reading a tensor's value (repr, item, comparisons) runs operators such as
 `aten._local_scalar_dense` (the one that syncs on CUDA), reading its shape/dtype/device runs none.
 """
+
 import dataclasses
 import os
 import sys
@@ -15,14 +16,14 @@ import textwrap
 import pandas as pd
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-
 from helpers import PY, ROOT, diagnose
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import traindx
 
 sys.path.insert(0, os.path.join(ROOT, "profiler", "shim"))
 from _traindx_shim import compiles  # noqa: E402
+
 from traindx.analyzers.jit import diff_keys  # noqa: E402
 
 
@@ -56,9 +57,21 @@ class PrintsItsTensor:
 
 def _fa4_like_key(max_seqlen):
     # the shape of FA4 4.0.0b17's backward compile key when max_seqlen is a 0-dim tensor
-    return (torch.bfloat16, 128, 128, 4, True, None, max_seqlen // 128 == 1, max_seqlen // 64 == 1,
-            (1, 2), PackedParams(torch.tensor([0, 100, 300]), max_seqlen), PrintsItsTensor(max_seqlen),
-            PackedParams, "sm_90")
+    return (
+        torch.bfloat16,
+        128,
+        128,
+        4,
+        True,
+        None,
+        max_seqlen // 128 == 1,
+        max_seqlen // 64 == 1,
+        (1, 2),
+        PackedParams(torch.tensor([0, 100, 300]), max_seqlen),
+        PrintsItsTensor(max_seqlen),
+        PackedParams,
+        "sm_90",
+    )
 
 
 def test_describing_a_compile_key_reads_no_tensor_data():
@@ -68,9 +81,16 @@ def test_describing_a_compile_key_reads_no_tensor_data():
         text = compiles.safe_repr(key, 4000)
         _fields = {f"key[{i}]": compiles.safe_repr(v) for i, v in enumerate(key)}
         types = {f"key[{i}]": compiles._type_label(v) for i, v in enumerate(key)}
-        args = {n: compiles.describe_value(v) for n, v in
-                {"q": q, "max_seqlen_q": key[6], "params": key[9],
-                 "odd": key[10], "seqlens": seqlens}.items()}
+        args = {
+            n: compiles.describe_value(v)
+            for n, v in {
+                "q": q,
+                "max_seqlen_q": key[6],
+                "params": key[9],
+                "odd": key[10],
+                "seqlens": seqlens,
+            }.items()
+        }
     assert log.ops == [], log.ops
     # the test can fail: what the shim did before (repr) reads the values
     with OperatorLog() as before:
@@ -82,10 +102,14 @@ def test_describing_a_compile_key_reads_no_tensor_data():
     assert "PackedParams(cu_seqlens=Tensor(shape=[3], dtype=torch.int64, device=cpu)" in text
     assert "test_shim_safety.PrintsItsTensor>" in text and "200" not in text
     assert types["key[6]"] == "Tensor" and types["key[1]"] == "int"
-    assert args["q"] == {"tensor": True, "type": "Tensor", "shape": [2, 3], "dtype": "torch.float32",
-                         "device": "cpu"}
-    assert args["odd"] == {"type": "PrintsItsTensor",
-                           "repr": "<test_shim_safety.PrintsItsTensor>"}
+    assert args["q"] == {
+        "tensor": True,
+        "type": "Tensor",
+        "shape": [2, 3],
+        "dtype": "torch.float32",
+        "device": "cpu",
+    }
+    assert args["odd"] == {"type": "PrintsItsTensor", "repr": "<test_shim_safety.PrintsItsTensor>"}
 
 
 def test_key_described_without_values_still_tells_the_jit_analyzer_what_changed():
@@ -163,11 +187,20 @@ def test_hooks_never_raise_into_the_job_and_pass_its_errors_through(tmp_path):
     script = tmp_path / "job.py"
     script.write_text(JOB)
     run_dir = tmp_path / "run"
-    bare = __import__("subprocess").run([PY, str(script)], env={**os.environ, "TRITON_INTERPRET": "1"},
-                                        capture_output=True, text=True, timeout=300)
+    bare = __import__("subprocess").run(
+        [PY, str(script)],
+        env={**os.environ, "TRITON_INTERPRET": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert bare.returncode == 0, bare.stderr[-2000:]
-    proc = diagnose(["--quiet", "--no-pyspy", "--no-nvml", "--run-dir", str(run_dir), "--",
-                     PY, str(script)], cwd=tmp_path, env={"TRITON_INTERPRET": "1"}, timeout=300)
+    proc = diagnose(
+        ["--quiet", "--no-pyspy", "--no-nvml", "--run-dir", str(run_dir), "--", PY, str(script)],
+        cwd=tmp_path,
+        env={"TRITON_INTERPRET": "1"},
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     log = open(run_dir / "log.txt", encoding="utf-8").read()
     assert "job caught AutotunerError: Autotuner error: No valid autotuner configs" in log
@@ -206,8 +239,21 @@ def test_failed_analysis_exits_non_zero_in_one_line_and_keeps_the_run(tmp_path, 
     script = tmp_path / "job.py"
     script.write_text(BREAKS_REPORT)
     run_dir = tmp_path / "run"
-    proc = diagnose(["--quiet", "--no-pyspy", "--no-nvml", "--run-dir", str(run_dir), "--",
-                     PY, str(script), str(job_exit)], cwd=tmp_path, timeout=300)
+    proc = diagnose(
+        [
+            "--quiet",
+            "--no-pyspy",
+            "--no-nvml",
+            "--run-dir",
+            str(run_dir),
+            "--",
+            PY,
+            str(script),
+            str(job_exit),
+        ],
+        cwd=tmp_path,
+        timeout=300,
+    )
     assert proc.returncode == expected, proc.stderr[-2000:]
     lines = [line for line in proc.stderr.splitlines() if line.startswith("diagnose:")]
     assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
@@ -248,9 +294,24 @@ def _windows(tmp_path, env, window, ops, job):
     script = tmp_path / "job.py"
     script.write_text(job)
     run_dir = tmp_path / "run"
-    proc = diagnose(["--quiet", "--no-pyspy", "--no-nvml", "--torch-profile", window,
-                     "--run-dir", str(run_dir), "--", PY, str(script), str(ops)],
-                    cwd=tmp_path, env=env, timeout=600)
+    proc = diagnose(
+        [
+            "--quiet",
+            "--no-pyspy",
+            "--no-nvml",
+            "--torch-profile",
+            window,
+            "--run-dir",
+            str(run_dir),
+            "--",
+            PY,
+            str(script),
+            str(ops),
+        ],
+        cwd=tmp_path,
+        env=env,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = traindx.load_run(str(run_dir))
     windows = run.events[run.events["type"] == "torch_profile"]
@@ -269,8 +330,9 @@ def _traces(run):
 
 def _retry_traces(run):
     windows = run.events[run.events["type"] == "torch_profile"].iloc[1:]
-    return {os.path.basename(p) for p in windows["path"] if isinstance(p, str)} \
-        if "path" in windows else set()
+    return (
+        {os.path.basename(p) for p in windows["path"] if isinstance(p, str)} if "path" in windows else set()
+    )
 
 
 # a step of many Python calls and few ops: Python stacks are nearly all of its trace
@@ -299,8 +361,7 @@ def test_window_that_stood_down_for_its_stacks_is_retried_once_without_them(tmp_
     """With Python stacks a step of 30,000 Python calls traces far past a 50 kB limit: the
     window stands down, and one step more without stacks is within it, so the run still has
     the kernel-level (here: op-level) evidence."""
-    run, windows = _windows(tmp_path, {"TRAINDX_TORCH_PROFILE_MAX_MB": "0.05"}, "3-3", 30000,
-                            PYTHON_HEAVY)
+    run, windows = _windows(tmp_path, {"TRAINDX_TORCH_PROFILE_MAX_MB": "0.05"}, "3-3", 30000, PYTHON_HEAVY)
     assert len(windows) == 2
     first, retry = windows.iloc[0], windows.iloc[1]
     assert "MB" in first["stood_down"] and bool(first["stacks"])
@@ -316,6 +377,7 @@ def test_window_that_stood_down_for_its_stacks_is_retried_once_without_them(tmp_
     # took the stood-down step, with no events, for a step the GPU was busy throughout)
     from traindx.analyzers.evidence import steady_steps
     from traindx.derive.steady import trace_steps
+
     assert not set(steady_steps(run)["step"]) & {3, 4, 5, 6}
     assert set(trace_steps(run, "0")["step"]) == {5}
 
@@ -336,6 +398,7 @@ def test_window_over_its_time_budget_ends_early_and_writes_nothing(tmp_path):
     # window's stop drained the device: traindx.derive.steady.perturbed_steps); later steps are measured
     # (nor do the retry's step without stacks and the one after it)
     from traindx.analyzers.evidence import steady_steps
+
     steady, last = set(steady_steps(run)["step"]), int(window["last_step"])
     windows = run.events[run.events["type"] == "torch_profile"]
     retried = {int(w["first_step"]) for _, w in windows.iloc[1:].iterrows()}

@@ -1,15 +1,15 @@
 """A step is a training iteration: real torch loops on the CPU, run under `diagnose` as a user
 would, each checked through the run folder (`traindx.load_run(run).steps`)."""
+
 import json
 import os
 import re
 import textwrap
 
 import pytest
+from helpers import PY, diagnose, only_run_dir
 
 import traindx
-
-from helpers import PY, diagnose, only_run_dir
 
 # One script, one loop shape per mode. Every iteration prints "iter i: loss ..." once, as the
 # job's own log line, after the iteration's work (nanoGPT prints after zero_grad).
@@ -188,18 +188,35 @@ LOOPS = textwrap.dedent('''
             log(i, loss.item(), t0)
 ''')
 
-LOOP_UTIL = textwrap.dedent('''
+LOOP_UTIL = textwrap.dedent("""
     def log_step(i, loss):
         print(f"iter {i}: loss {loss:.4f}", flush=True)
-''')
+""")
 
 
 def _run(tmp_path, mode, n, *options, extra=()):
     script = tmp_path / "loops.py"
     script.write_text(LOOPS)
     (tmp_path / "traindx_loop_util.py").write_text(LOOP_UTIL)
-    proc = diagnose(["--out", "runs", "--no-pyspy", "--no-nvml", "--quiet", "--torch-profile",
-                     "off", *options, "--", PY, str(script), mode, str(n), *extra], cwd=tmp_path)
+    proc = diagnose(
+        [
+            "--out",
+            "runs",
+            "--no-pyspy",
+            "--no-nvml",
+            "--quiet",
+            "--torch-profile",
+            "off",
+            *options,
+            "--",
+            PY,
+            str(script),
+            mode,
+            str(n),
+            *extra,
+        ],
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     run_dir = only_run_dir(tmp_path / "runs")
     return proc, traindx.load_run(run_dir), run_dir
@@ -270,8 +287,10 @@ def test_traindx_step_marker_wins_over_optimizer_steps(tmp_path):
     assert _events(run_dir, "step_marker")
 
 
-@pytest.mark.parametrize("mode,target", [("critic-fn", "__main__:end_of_iteration"),
-                                         ("critic-module", "traindx_loop_util:log_step")])
+@pytest.mark.parametrize(
+    "mode,target",
+    [("critic-fn", "__main__:end_of_iteration"), ("critic-module", "traindx_loop_util:log_step")],
+)
 @pytest.mark.slow
 def test_step_marker_option_names_the_jobs_function(tmp_path, mode, target):
     proc, run, run_dir = _run(tmp_path, mode, 4, "--step-marker", target)

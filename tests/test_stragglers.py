@@ -3,15 +3,15 @@ ranks): one rank made slow by sleeping, a GC storm, a slow DataLoader or recompi
 ranks meet. The finding names that rank, what the others waited for it per step, and why from
 its own ledger; a pipeline's send/recv waits are bubbles, not stragglers; healthy jobs give
 nothing, also with two CPU-burning processes beside them."""
+
 import os
 import subprocess
 import sys
 
 import pytest
+from helpers import PY, diagnose, only_run_dir
 
 import traindx
-
-from helpers import PY, diagnose, only_run_dir
 
 # every test launches 2-3 torchrun ranks under diagnose: 16-40 s each on the loaded 2-core machine
 pytestmark = pytest.mark.slow
@@ -33,16 +33,34 @@ def _job_stderr(out, lines=60):
             err = [line.split(" ", 2)[-1] for line in f if line.split(" ", 2)[1:2] == ["e"]]
     except (OSError, AssertionError):
         return ""
-    return "".join(line for line in err if not line.startswith("[I"))[-lines * 200:]
+    return "".join(line for line in err if not line.startswith("[I"))[-lines * 200 :]
 
 
 def _run(tmp_path, *job_args, nproc=2, pyspy=False):
     out = tmp_path / "runs"
-    proc = diagnose(["--out", str(out), "--quiet", *([] if pyspy else ["--no-pyspy"]), "--", TORCHRUN,
-                     "--nproc-per-node", str(nproc), JOB, *job_args], cwd=tmp_path, env=JOB_ENV,
-                    timeout=300)
-    assert proc.returncode == 0, (proc.stdout[-2000:] + proc.stderr[-3000:]
-                                  + "\n--- the ranks' stderr (log.txt) ---\n" + _job_stderr(out))
+    proc = diagnose(
+        [
+            "--out",
+            str(out),
+            "--quiet",
+            *([] if pyspy else ["--no-pyspy"]),
+            "--",
+            TORCHRUN,
+            "--nproc-per-node",
+            str(nproc),
+            JOB,
+            *job_args,
+        ],
+        cwd=tmp_path,
+        env=JOB_ENV,
+        timeout=300,
+    )
+    assert proc.returncode == 0, (
+        proc.stdout[-2000:]
+        + proc.stderr[-3000:]
+        + "\n--- the ranks' stderr (log.txt) ---\n"
+        + _job_stderr(out)
+    )
     run = traindx.load_run(only_run_dir(out))
     return run, traindx.analyze(run)
 
@@ -61,8 +79,19 @@ def burners():
 
 
 def test_sleeping_rank_of_three_is_named_with_each_others_wait(tmp_path):
-    run, findings = _run(tmp_path, "--sync", "allreduce", "--slow-rank", "2", "--cause", "sleep",
-                         "--slow-seconds", "0.25", nproc=3, pyspy=True)
+    run, findings = _run(
+        tmp_path,
+        "--sync",
+        "allreduce",
+        "--slow-rank",
+        "2",
+        "--cause",
+        "sleep",
+        "--slow-seconds",
+        "0.25",
+        nproc=3,
+        pyspy=True,
+    )
     assert sorted(set(run.steps["rank"])) == ["0", "1", "2"]
     found = _ranks(findings)
     assert set(found) == {"ranks.straggler"}, [(f.id, f.summary) for f in findings]
@@ -104,8 +133,9 @@ def test_gc_storm_on_one_rank_is_the_straggler_and_a_symptom_of_the_gc_finding(t
 
 def test_slow_data_on_one_ddp_rank_is_found_through_the_backward(tmp_path):
     """DDP's gradient all-reduces run in C++ inside backward: the ranks meet in each backward."""
-    run, findings = _run(tmp_path, "--sync", "ddp", "--slow-rank", "1", "--cause", "data",
-                         "--slow-seconds", "0.2")
+    run, findings = _run(
+        tmp_path, "--sync", "ddp", "--slow-rank", "1", "--cause", "data", "--slow-seconds", "0.2"
+    )
     assert (run.events["type"] == "ddp").sum() == 2
     f = _ranks(findings)["ranks.straggler"]
     assert f.evidence["straggler"] == "1"
@@ -132,8 +162,7 @@ def test_compiling_straggler_chains_under_its_recompile(tmp_path):
 @pytest.mark.serial
 def test_pipeline_stages_show_bubbles_not_a_straggler(tmp_path):
     # --grad-norm: an all_reduce over both stages every step as well (gradient clipping)
-    run, findings = _run(tmp_path, "--sync", "pipeline", "--grad-norm", "--width", "512",
-                         "--layers", "4")
+    run, findings = _run(tmp_path, "--sync", "pipeline", "--grad-norm", "--width", "512", "--layers", "4")
     found = _ranks(findings)
     assert "ranks.straggler" not in found, found["ranks.straggler"].summary
     bubble = found["ranks.pipeline_bubble"]
@@ -148,8 +177,7 @@ def test_pipeline_stages_show_bubbles_not_a_straggler(tmp_path):
 # step twice in six runs (cause not found yet); alone it never has
 @pytest.mark.serial
 def test_a_slow_pipeline_stage_is_a_bubble_with_the_stage_that_causes_it(tmp_path):
-    run, findings = _run(tmp_path, "--sync", "pipeline", "--grad-norm", "--slow-rank", "1",
-                         "--cause", "gc")
+    run, findings = _run(tmp_path, "--sync", "pipeline", "--grad-norm", "--slow-rank", "1", "--cause", "gc")
     found = _ranks(findings)
     assert "ranks.straggler" not in found, found["ranks.straggler"].summary
     bubble = found["ranks.pipeline_bubble"]

@@ -1,4 +1,5 @@
 """The torch.profiler trace reader streams a trace into the same table json.load gave."""
+
 import gzip
 import json
 import os
@@ -28,10 +29,23 @@ def reference(doc, rank):
         start = base + int(round(float(e["ts"]) * 1000))
         dur = float(e.get("dur") or 0.0)
         args = e.get("args") or {}
-        rows.append((rank, e.get("cat"), e.get("name", ""), start, start + int(round(dur * 1000)),
-                     dur / 1e6, e.get("pid"), e.get("tid"), args.get("Python id"),
-                     args.get("Python parent id"), args.get("device"), args.get("stream"),
-                     args.get("bytes")))
+        rows.append(
+            (
+                rank,
+                e.get("cat"),
+                e.get("name", ""),
+                start,
+                start + int(round(dur * 1000)),
+                dur / 1e6,
+                e.get("pid"),
+                e.get("tid"),
+                args.get("Python id"),
+                args.get("Python parent id"),
+                args.get("device"),
+                args.get("stream"),
+                args.get("bytes"),
+            )
+        )
     return pd.DataFrame(rows, columns=TRACE_COLUMNS)
 
 
@@ -71,18 +85,38 @@ def test_real_h200_trace_same_table_as_whole_document_reader(monkeypatch):
 
 def test_base_time_after_the_events_and_plain_json(tmp_path, monkeypatch):
     # Kineto writes baseTimeNanoseconds after traceEvents in some versions: it still applies
-    events = [{"ph": "X", "cat": "kernel", "name": "k", "pid": 0, "tid": 7, "ts": 10.5,
-               "dur": 2.25, "args": {"device": 0, "stream": 7}},
-              {"ph": "i", "name": "marker", "ts": 11},
-              {"ph": "X", "cat": "python_function", "name": "f", "pid": "Spans", "tid": 1,
-               "ts": 12, "args": {"Python id": 3, "Python parent id": 1}}]
+    events = [
+        {
+            "ph": "X",
+            "cat": "kernel",
+            "name": "k",
+            "pid": 0,
+            "tid": 7,
+            "ts": 10.5,
+            "dur": 2.25,
+            "args": {"device": 0, "stream": 7},
+        },
+        {"ph": "i", "name": "marker", "ts": 11},
+        {
+            "ph": "X",
+            "cat": "python_function",
+            "name": "f",
+            "pid": "Spans",
+            "tid": 1,
+            "ts": 12,
+            "args": {"Python id": 3, "Python parent id": 1},
+        },
+    ]
     path = tmp_path / "1.json"
-    path.write_text(json.dumps({"traceEvents": events, "traceName": "x",
-                                "baseTimeNanoseconds": 1_800_000_000_000_000_123}))
+    path.write_text(
+        json.dumps(
+            {"traceEvents": events, "traceName": "x", "baseTimeNanoseconds": 1_800_000_000_000_000_123}
+        )
+    )
     monkeypatch.setattr(torchtrace, "CHUNK_CHARS", 5)
-    with open(path) as f:  # one line of JSON is not Kineto's layout: the general reader reads it
-        with pytest.raises(torchtrace._NotKineto):
-            torchtrace._read_kineto(f, "1")
+    # one line of JSON is not Kineto's layout: the general reader reads it
+    with open(path) as f, pytest.raises(torchtrace._NotKineto):
+        torchtrace._read_kineto(f, "1")
     got = load_trace(str(path), "1")
     assert list(got["start_ns"]) == [1_800_000_000_000_010_623, 1_800_000_000_000_012_123]
     assert list(got["end_ns"]) == [1_800_000_000_000_012_873, 1_800_000_000_000_012_123]

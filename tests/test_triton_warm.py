@@ -5,6 +5,7 @@ A real Triton kernel autotuned by Triton's own Autotuner, run on the CPU by Trit
 `diagnose`: the run records real autotune events. On this CPU-only machine the warm-up must say
 in one line that it needs a GPU; its plan and FLA's config files are built without one.
 """
+
 import importlib.util
 import json
 import os
@@ -16,7 +17,7 @@ import pytest
 
 from traindx.kernel_cache.cli import triton_warm
 
-JOB = textwrap.dedent('''
+JOB = textwrap.dedent("""
     import sys, time
     import torch, triton, triton.language as tl
 
@@ -41,7 +42,7 @@ JOB = textwrap.dedent('''
         loss = ((out.mean() * w) ** 2)
         loss.backward(); opt.step(); opt.zero_grad()
         print(f"step {step} n {n} loss {float(loss):.4f}", flush=True)
-''')
+""")
 
 
 @pytest.fixture(scope="module")
@@ -51,17 +52,37 @@ def triton_run(tmp_path_factory):
     job.write_text(JOB)
     run_dir = root / "runs" / "tuned"
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, "-m", "traindx", "--quiet", "--no-pyspy", "--run-dir",
-                           str(run_dir), "--", sys.executable, str(job)], cwd=root, env=env,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "traindx",
+            "--quiet",
+            "--no-pyspy",
+            "--run-dir",
+            str(run_dir),
+            "--",
+            sys.executable,
+            str(job),
+        ],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     return run_dir
 
 
 def _kernel_cache(*args, env=None):
-    return subprocess.run([sys.executable, "-m", "traindx.kernel_cache.cli.main", *args],
-                          capture_output=True, text=True, timeout=300,
-                          env={**os.environ, **(env or {})})
+    return subprocess.run(
+        [sys.executable, "-m", "traindx.kernel_cache.cli.main", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, **(env or {})},
+    )
 
 
 @pytest.mark.slow  # one diagnose run of a Triton-interpreter job (~35 s on 2 busy cores)
@@ -77,24 +98,31 @@ def test_the_run_recorded_real_autotuning(triton_run):
 
 @pytest.mark.slow  # one diagnose run of a Triton-interpreter job (~35 s on 2 busy cores)
 def test_dry_run_plans_a_warm_up_to_the_last_step_that_tuned(triton_run):
-    proc = _kernel_cache("warm", "--from-run", str(triton_run), "--dry-run",
-                         "--triton-cache-dir", str(triton_run.parent / "tc"))
+    proc = _kernel_cache(
+        "warm",
+        "--from-run",
+        str(triton_run),
+        "--dry-run",
+        "--triton-cache-dir",
+        str(triton_run.parent / "tc"),
+    )
     assert proc.returncode == 0, proc.stderr
-    assert "--steps 2" in proc.stdout                  # tuned at steps 0 and 1
+    assert "--steps 2" in proc.stdout  # tuned at steps 0 and 1
     assert "TRITON_CACHE_DIR=" + str(triton_run.parent / "tc") in proc.stdout
     assert "autotuned scale_add: 2 key(s)" in proc.stdout
-    assert "job.py" in proc.stdout                     # the run's own command is replayed
+    assert "job.py" in proc.stdout  # the run's own command is replayed
 
 
 @pytest.mark.slow  # one diagnose run of a Triton-interpreter job (~35 s on 2 busy cores)
 def test_cpu_only_machine_says_what_it_cannot_do_in_one_line(triton_run):
-    proc = _kernel_cache("warm", "--from-run", str(triton_run), "--triton-cache-dir",
-                         str(triton_run.parent / "tc"))
+    proc = _kernel_cache(
+        "warm", "--from-run", str(triton_run), "--triton-cache-dir", str(triton_run.parent / "tc")
+    )
     assert proc.returncode == triton_warm.NO_GPU_EXIT
     assert "Traceback" not in proc.stderr
     skipped = [line for line in proc.stderr.splitlines() if "skipped Triton" in line]
     assert len(skipped) == 1 and "need a GPU" in skipped[0] and "TRITON_INTERPRET" in skipped[0]
-    assert not (triton_run.parent / "tc").exists()     # nothing half-written
+    assert not (triton_run.parent / "tc").exists()  # nothing half-written
 
 
 @pytest.mark.slow  # a second diagnose run: the warm-up itself
@@ -105,13 +133,19 @@ def test_the_warm_up_replays_the_job_and_checks_its_own_record(triton_run):
     from traindx.derive.run import load_run
 
     cache = triton_run.parent / "tc-forced"
-    proc = _kernel_cache("warm", "--from-run", str(triton_run), "--triton-cache-dir", str(cache),
-                         env={"TRAINDX_TRITON_WARM_ON_CPU": "1", "TRITON_INTERPRET": "1"})
+    proc = _kernel_cache(
+        "warm",
+        "--from-run",
+        str(triton_run),
+        "--triton-cache-dir",
+        str(cache),
+        env={"TRAINDX_TRITON_WARM_ON_CPU": "1", "TRITON_INTERPRET": "1"},
+    )
     assert "Traceback" not in proc.stderr, proc.stderr
     warmups = sorted((cache / ".warmup").iterdir())
     assert len(warmups) == 1
     warm = load_run(warmups[0])
-    assert len(warm.steps) == 2                                   # --steps 2: where the run tuned
+    assert len(warm.steps) == 2  # --steps 2: where the run tuned
     tunes = [e for e in triton_warm.triton_events(warm) if e["kind"] == "triton_autotune"]
     assert [(e.get("key_fields") or {}).get("n") for e in tunes] == ["96", "160"]
     line = next(x for x in proc.stdout.splitlines() if "scale_add" in x)
@@ -124,7 +158,10 @@ def test_the_warm_up_replays_the_job_and_checks_its_own_record(triton_run):
 
 def test_persistence_env_names_only_switches_the_installed_versions_read():
     assert triton_warm.persistence_env({"triton": "3.6.0", "fla-core": "0.6.0"}, "/c") == {
-        "TRITON_CACHE_DIR": "/c", "TRITON_CACHE_AUTOTUNING": "1", "FLA_CACHE_RESULTS": "1"}
+        "TRITON_CACHE_DIR": "/c",
+        "TRITON_CACHE_AUTOTUNING": "1",
+        "FLA_CACHE_RESULTS": "1",
+    }
     assert triton_warm.persistence_env({"triton": "3.1.0"}, "/c") == {"TRITON_CACHE_DIR": "/c"}
 
 
@@ -148,11 +185,15 @@ def _fla_cache_module(mode):
 def test_fla_config_files_load_with_flas_own_loader(tmp_path, monkeypatch):
     """The chosen configs become <kernel>.json that FLA 0.6.0 reads back: exactly in strict mode,
     and for another packed length in fuzzy mode (what stops re-tuning on a changing length)."""
-    event = {"kind": "triton_autotune", "kernel": "chunk_fwd_kernel_o", "module": "fla.ops.common.chunk_o",
-             "key_names": ["H", "K", "V", "BT", "NT"],
-             "key_fields": {"H": "16", "K": "128", "V": "128", "BT": "64", "NT": "131"},
-             "key_dtypes": {"q": "torch.bfloat16", "k": "torch.bfloat16", "g": "torch.float32"},
-             "best_config": "{'BK': 64, 'BV': 64, 'num_warps': 4, 'num_ctas': 1, 'num_stages': 3}"}
+    event = {
+        "kind": "triton_autotune",
+        "kernel": "chunk_fwd_kernel_o",
+        "module": "fla.ops.common.chunk_o",
+        "key_names": ["H", "K", "V", "BT", "NT"],
+        "key_fields": {"H": "16", "K": "128", "V": "128", "BT": "64", "NT": "131"},
+        "key_dtypes": {"q": "torch.bfloat16", "k": "torch.bfloat16", "g": "torch.float32"},
+        "best_config": "{'BK': 64, 'BV': 64, 'num_warps': 4, 'num_ctas': 1, 'num_stages': 3}",
+    }
     written = triton_warm.write_fla_configs([event], tmp_path, "3.6.0")
     assert [p.name for p in written] == ["chunk_fwd_kernel_o.json"]
     content = json.loads(written[0].read_text())
@@ -164,8 +205,11 @@ def test_fla_config_files_load_with_flas_own_loader(tmp_path, monkeypatch):
     def key(cache, nt):
         import torch
 
-        tensors = (torch.empty(1, dtype=torch.bfloat16), torch.empty(1, dtype=torch.bfloat16),
-                   torch.empty(1, dtype=torch.float32))
+        tensors = (
+            torch.empty(1, dtype=torch.bfloat16),
+            torch.empty(1, dtype=torch.bfloat16),
+            torch.empty(1, dtype=torch.float32),
+        )
         return cache.AutotuneKey.build(arg_names, event["key_names"], tensors + (16, 128, 128, 64, nt), {})
 
     strict = _fla_cache_module("strict")
@@ -176,7 +220,11 @@ def test_fla_config_files_load_with_flas_own_loader(tmp_path, monkeypatch):
 
 
 def test_fla_config_files_skip_keys_that_cannot_be_rebuilt():
-    event = {"kind": "triton_autotune", "kernel": "k", "key_names": ["x"],
-             "key_fields": {"x": "Tensor(shape=[], dtype=torch.int32, device=cuda:0)"},
-             "best_config": "{'B': 1, 'num_warps': 2}"}
+    event = {
+        "kind": "triton_autotune",
+        "kernel": "k",
+        "key_names": ["x"],
+        "key_fields": {"x": "Tensor(shape=[], dtype=torch.int32, device=cuda:0)"},
+        "best_config": "{'B': 1, 'num_warps': 2}",
+    }
     assert triton_warm.fla_config_files([event]) == {}

@@ -7,6 +7,7 @@ traindx.CardOptions(...)) -> Card` (a recipe card).
 In a training loop: `traindx.step()` at the end of each iteration marks a step (see
 docs/run-record.md, "What a step is"); it does nothing when the job is not run under `diagnose`.
 """
+
 import sys
 
 __version__ = "0.1.0"
@@ -38,11 +39,18 @@ def analyze(run):
 
 # the run record pulls in pandas: each name is loaded on first use, so `import traindx;
 # traindx.step()` in a training job stays light
-_LAZY = {"RunRecord": "traindx.derive.run", "load_run": "traindx.derive.run",
-         "fix": "traindx.cli.fixloop", "FixOptions": "traindx.cli.fixloop", "FixResult": "traindx.cli.fixloop",
-         "FixEvent": "traindx.cli.fixloop", "merge": "traindx.derive.multinode",
-         "card": "traindx.recipes.card", "CardOptions": "traindx.recipes.card",
-         "Card": "traindx.recipes.card"}
+_LAZY = {
+    "RunRecord": "traindx.derive.run",
+    "load_run": "traindx.derive.run",
+    "fix": "traindx.cli.fixloop",
+    "FixOptions": "traindx.cli.fixloop",
+    "FixResult": "traindx.cli.fixloop",
+    "FixEvent": "traindx.cli.fixloop",
+    "merge": "traindx.derive.multinode",
+    "card": "traindx.recipes.card",
+    "CardOptions": "traindx.recipes.card",
+    "Card": "traindx.recipes.card",
+}
 
 
 def __getattr__(name):
@@ -53,5 +61,17 @@ def __getattr__(name):
     raise AttributeError(f"module 'traindx' has no attribute {name!r}")
 
 
-__all__ = ["Card", "CardOptions", "FixEvent", "FixOptions", "FixResult", "RunRecord", "analyze",
-           "card", "fix", "load_run", "merge", "step"]
+__all__ = [
+    "Card",
+    "CardOptions",
+    "FixEvent",
+    "FixOptions",
+    "FixResult",
+    "RunRecord",
+    "analyze",
+    "card",
+    "fix",
+    "load_run",
+    "merge",
+    "step",
+]

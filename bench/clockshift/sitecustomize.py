@@ -6,6 +6,7 @@ tests) is not installed on the GPU machine. Every timestamp traindx records come
 time.time_ns(), in diagnose and in the shim, so both see the shifted clock. Chains to the next
 sitecustomize on sys.path, as the shim does.
 """
+
 import os
 import sys
 import time
@@ -23,7 +24,7 @@ def _chain():
 
     here = os.path.dirname(os.path.abspath(__file__))
     paths = [os.path.abspath(p or os.curdir) for p in sys.path]
-    rest = sys.path[paths.index(here) + 1:] if here in paths else []
+    rest = sys.path[paths.index(here) + 1 :] if here in paths else []
     spec = importlib.machinery.PathFinder.find_spec("sitecustomize", rest)
     if spec is not None and spec.loader is not None:
         module = importlib.util.module_from_spec(spec)

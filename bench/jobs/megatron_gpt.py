@@ -99,7 +99,7 @@ def packed_core_attention(backend):
             if psp is None or psp.qkv_format != "thd":
                 raise ValueError("PackedCoreAttention runs packed (thd) batches only")
             if backend == "fa4":
-                kw = dict(cu_seqlens_q=psp.cu_seqlens_q, cu_seqlens_k=psp.cu_seqlens_kv, causal=True)
+                kw = {"cu_seqlens_q": psp.cu_seqlens_q, "cu_seqlens_k": psp.cu_seqlens_kv, "causal": True}
                 out = self.varlen(query, key, value, max_seqlen_q=psp.max_seqlen_q, max_seqlen_k=psp.max_seqlen_kv, softmax_scale=self.softmax_scale, **kw)  # noqa: E501
                 out = out[0] if isinstance(out, tuple) else out
             else:

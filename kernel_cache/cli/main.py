@@ -10,6 +10,7 @@ On a machine without a GPU, compiles run under torch's FakeTensorMode for the --
 GPU, for that GPU. A job uses the cache with FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1 (and the
 same FLASH_ATTENTION_CUTE_DSL_CACHE_DIR, if one was given here).
 """
+
 import argparse
 import os
 import shutil
@@ -26,7 +27,6 @@ PROG = "kernel-cache"
 COLLAPSE_ABOVE = 12  # work items; above this the table folds the ones that compiled nothing
 
 
-
 def _arch_argument(text):
     """--arch: an arch FA4 builds for (kernel_cache.spec.arch_number decides); one line else."""
     import argparse
@@ -40,6 +40,7 @@ def _arch_argument(text):
         raise argparse.ArgumentTypeError(str(exc)) from None
     return text
 
+
 def _console(stderr=False):
     from rich.console import Console
 
@@ -52,31 +53,78 @@ def _console(stderr=False):
 def prepare_warm(p):
     src = p.add_argument_group("what to compile (any combination)")
     src.add_argument("--from-run", metavar="RUN", help="replay the FA4 compiles a `diagnose` run recorded")
-    src.add_argument("--spec", action="append", default=[], metavar="FIELDS",
-                     help="attention shape, e.g. hd=128,hq=16,hkv=4,dtype=bf16,causal,varlen (repeatable; see below)")
-    src.add_argument("--model", type=argtypes.existing_file, metavar="CONFIG", help="an HF config.json (Llama, Qwen3, Qwen3-MoE, Qwen3.5 hybrid, ...)")
-    src.add_argument("--int-max-seqlen", action="store_true",
-                     help="--from-run: replay a max_seqlen the run passed as a tensor as a Python int "
-                          "(tokens / sequences), i.e. compile for the job once it is fixed")
+    src.add_argument(
+        "--spec",
+        action="append",
+        default=[],
+        metavar="FIELDS",
+        help="attention shape, e.g. hd=128,hq=16,hkv=4,dtype=bf16,causal,varlen (repeatable; see below)",
+    )
+    src.add_argument(
+        "--model",
+        type=argtypes.existing_file,
+        metavar="CONFIG",
+        help="an HF config.json (Llama, Qwen3, Qwen3-MoE, Qwen3.5 hybrid, ...)",
+    )
+    src.add_argument(
+        "--int-max-seqlen",
+        action="store_true",
+        help="--from-run: replay a max_seqlen the run passed as a tensor as a Python int "
+        "(tokens / sequences), i.e. compile for the job once it is fixed",
+    )
     shp = p.add_argument_group("shape options")
-    shp.add_argument("--seqlens", metavar="N,LO-HI",
-                     help="sequence lengths and ranges (default 4096; varlen: 8-4096; see below)")
+    shp.add_argument(
+        "--seqlens",
+        metavar="N,LO-HI",
+        help="sequence lengths and ranges (default 4096; varlen: 8-4096; see below)",
+    )
     shp.add_argument("--varlen", action="store_true", help="--model: packed sequences (varlen)")
     shp.add_argument("--no-causal", action="store_true", help="--model: bidirectional attention")
-    shp.add_argument("--dtype", choices=["bf16", "fp16"], help="--model: attention dtype (default: the config's)")
+    shp.add_argument(
+        "--dtype", choices=["bf16", "fp16"], help="--model: attention dtype (default: the config's)"
+    )
     shp.add_argument("--deterministic", action="store_true", help="--model: deterministic backward")
-    shp.add_argument("--batch", type=argtypes.positive_int, metavar="N", help="--model: sequences per (packed) batch")
-    shp.add_argument("--tp", type=argtypes.positive_int, default=1, metavar="N", help="--model: tensor-parallel size (splits heads)")
+    shp.add_argument(
+        "--batch", type=argtypes.positive_int, metavar="N", help="--model: sequences per (packed) batch"
+    )
+    shp.add_argument(
+        "--tp",
+        type=argtypes.positive_int,
+        default=1,
+        metavar="N",
+        help="--model: tensor-parallel size (splits heads)",
+    )
     shp.add_argument("--fwd-only", action="store_true", help="--model: forward kernels only (inference)")
     tgt = p.add_argument_group("target")
-    tgt.add_argument("--arch", type=_arch_argument, help="GPU arch the cache is for: sm_90 (H100/H200), sm_100 (B200), sm_103 (B300), ... "
-                                     "(default: the run's, else this machine's GPU)")
-    tgt.add_argument("--num-sms", type=argtypes.positive_int, metavar="N", help="SM count of the target GPU (default: by arch/GPU)")
-    tgt.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
-                     help="cpu: compile under FakeTensorMode; cuda: with real tensors on this GPU "
-                          "(auto: cuda when a GPU of the target arch is visible)")
-    tgt.add_argument("--jobs", "-j", type=argtypes.positive_int, metavar="N", help="compiler processes (default: CPUs, at most 8)")
-    tgt.add_argument("--dry-run", action="store_true", help="list the work items and the target; compile nothing")
+    tgt.add_argument(
+        "--arch",
+        type=_arch_argument,
+        help="GPU arch the cache is for: sm_90 (H100/H200), sm_100 (B200), sm_103 (B300), ... "
+        "(default: the run's, else this machine's GPU)",
+    )
+    tgt.add_argument(
+        "--num-sms",
+        type=argtypes.positive_int,
+        metavar="N",
+        help="SM count of the target GPU (default: by arch/GPU)",
+    )
+    tgt.add_argument(
+        "--device",
+        choices=["auto", "cpu", "cuda"],
+        default="auto",
+        help="cpu: compile under FakeTensorMode; cuda: with real tensors on this GPU "
+        "(auto: cuda when a GPU of the target arch is visible)",
+    )
+    tgt.add_argument(
+        "--jobs",
+        "-j",
+        type=argtypes.positive_int,
+        metavar="N",
+        help="compiler processes (default: CPUs, at most 8)",
+    )
+    tgt.add_argument(
+        "--dry-run", action="store_true", help="list the work items and the target; compile nothing"
+    )
     _triton_arguments(p)
     p.epilog = specs.SPEC_HELP + "\n\n" + specs.__doc__.split("\n\n", 2)[2]
 
@@ -91,10 +139,20 @@ def _plan(args):
         sources.append(f"{len(parsed)} --spec")
     if args.model:
         model_specs, notes = specs.model_specs(
-            args.model, varlen=args.varlen, causal=not args.no_causal, dtype=args.dtype,
-            deterministic=args.deterministic, batch=args.batch, tp=args.tp, fwd_only=args.fwd_only)
-        items += [i for i in specs.shape_items(model_specs, args.seqlens)
-                  if i["label"] not in {x["label"] for x in items}]
+            args.model,
+            varlen=args.varlen,
+            causal=not args.no_causal,
+            dtype=args.dtype,
+            deterministic=args.deterministic,
+            batch=args.batch,
+            tp=args.tp,
+            fwd_only=args.fwd_only,
+        )
+        items += [
+            i
+            for i in specs.shape_items(model_specs, args.seqlens)
+            if i["label"] not in {x["label"] for x in items}
+        ]
         sources.append(f"{args.model}: " + "; ".join(notes))
     if args.from_run:
         replay, run_info = specs.run_items(args.from_run)
@@ -118,17 +176,25 @@ def _target(args, run_info):
     gpu = None if args.device == "cpu" else _gpu()
     if arch is None:
         if gpu is None:
-            raise UserError("no GPU here: say which GPU the cache is for with --arch "
-                            "(sm_90: H100/H200, sm_100: B200, sm_103: B300)")
+            raise UserError(
+                "no GPU here: say which GPU the cache is for with --arch "
+                "(sm_90: H100/H200, sm_100: B200, sm_103: B300)"
+            )
         arch = gpu[0]
     real = gpu is not None and gpu[0] == arch
     if args.device == "cuda" and not real:
-        raise UserError("--device cuda: " + ("no GPU visible" if gpu is None else
-                                             f"the GPU here is sm_{gpu[0]}, not sm_{arch}"))
+        raise UserError(
+            "--device cuda: "
+            + ("no GPU visible" if gpu is None else f"the GPU here is sm_{gpu[0]}, not sm_{arch}")
+        )
     run_sms = run_env.get("FLASH_ATTENTION_NUM_SMS")
-    num_sms = args.num_sms or (int(run_sms) if str(run_sms or "").isdigit() else None) \
-        or (run_info or {}).get("num_sms") or (gpu[1] if real else None) \
+    num_sms = (
+        args.num_sms
+        or (int(run_sms) if str(run_sms or "").isdigit() else None)
+        or (run_info or {}).get("num_sms")
+        or (gpu[1] if real else None)
         or specs.NUM_SMS_BY_ARCH.get(arch, 132)
+    )
     if real:
         arch_vars = {"FLASH_ATTENTION_NUM_SMS": str(num_sms)} if args.num_sms else {}
         note = f"on this GPU (sm_{arch}, {num_sms} SMs), real tensors"
@@ -155,8 +221,8 @@ def _warm_triton(args):
     Returns (exit code or None when the run has no Triton kernels, whether FA4 work remains)."""
     if not args.from_run:
         return None, True
-    from traindx.kernel_cache.cli import triton_warm
     from traindx.derive.run import load_run
+    from traindx.kernel_cache.cli import triton_warm
 
     code = triton_warm.warm_from_run(args)
     if code is None:
@@ -178,15 +244,19 @@ def run_warm(args):
     err = _console(stderr=True)
     if run_info:
         ran = run_info.get("versions") or {}
-        other = [f"{name} {ran[name]} (here {here})" for name, here in
-                 (("flash-attn-4", env.fa4), ("nvidia-cutlass-dsl", env.cutlass))
-                 if ran.get(name) and here and ran[name] != here]
+        other = [
+            f"{name} {ran[name]} (here {here})"
+            for name, here in (("flash-attn-4", env.fa4), ("nvidia-cutlass-dsl", env.cutlass))
+            if ran.get(name) and here and ran[name] != here
+        ]
         if other:
             # e.g. the run showed FA4 <= b21 recompiling; the fix upgrades FA4, then precompiles
             # the same calls: compile them with this FA4; its keys are not the run's to compare
-            err.print(f"note: the run used {', '.join(other)}: compiling the run's calls with "
-                      "this environment's FA4 (its cache serves jobs that use this one); the "
-                      "keys cannot be compared with the run's")
+            err.print(
+                f"note: the run used {', '.join(other)}: compiling the run's calls with "
+                "this environment's FA4 (its cache serves jobs that use this one); the "
+                "keys cannot be compared with the run's"
+            )
             for item in items:
                 if item["kind"] == "replay":
                     item["expect_key"], item["tensor_fields"] = None, []
@@ -200,14 +270,19 @@ def run_warm(args):
     jobs = args.jobs or warm.default_jobs(len(items))
     for line in sources:
         err.print(f"[bold]kernel-cache[/] warm: {line}")
-    err.print(f"  {len(items)} work items {note}; {min(jobs, len(items))} processes; "
-              f"cache {cache_dir}/{env.fingerprint[:12]}…")
+    err.print(
+        f"  {len(items)} work items {note}; {min(jobs, len(items))} processes; "
+        f"cache {cache_dir}/{env.fingerprint[:12]}…"
+    )
 
     if args.dry_run:
         for item in items:
-            print(item["label"] if item["kind"] == "shape" else
-                  f"{item['label']}: replay {item['function']}"
-                  + (f" (compiled {item['times_compiled']}x)" if item.get("times_compiled", 1) > 1 else ""))
+            print(
+                item["label"]
+                if item["kind"] == "shape"
+                else f"{item['label']}: replay {item['function']}"
+                + (f" (compiled {item['times_compiled']}x)" if item.get("times_compiled", 1) > 1 else "")
+            )
         return 0
     try:  # fail here, in one line, rather than in every compiler process
         (cache_dir / env.fingerprint).mkdir(parents=True, exist_ok=True)
@@ -228,45 +303,70 @@ def run_warm(args):
 
         def on_result(result):
             mark = "[green]ok[/]" if result["ok"] else "[red]failed[/]"
-            progress.console.print(f"  {mark} {result['label']} ({result.get('seconds', 0):.1f} s)",
-                                   markup=True)
+            progress.console.print(
+                f"  {mark} {result['label']} ({result.get('seconds', 0):.1f} s)", markup=True
+            )
             progress.advance(task)
 
         for item in uncacheable:
-            results.append({
-                "label": item["label"], "ok": False, "rejected": False, "kernels": [], "item": item,
-                "key_match": None, "key_diff": [], "seconds": 0.0,
-                "error": f"cannot be cached: its key holds a tensor ({', '.join(item['tensor_fields'])}; "
-                         f"compiled {item['times_compiled']}x in the run): a max_seqlen tensor leaking "
-                         "into FA4's key (FA4 <= 4.0.0b21) makes a new key every call. Pass max_seqlen "
-                         "as a Python int, or upgrade flash-attn-4 (>= 4.0.0b26)"})
+            results.append(
+                {
+                    "label": item["label"],
+                    "ok": False,
+                    "rejected": False,
+                    "kernels": [],
+                    "item": item,
+                    "key_match": None,
+                    "key_diff": [],
+                    "seconds": 0.0,
+                    "error": f"cannot be cached: its key holds a tensor ({', '.join(item['tensor_fields'])}; "
+                    f"compiled {item['times_compiled']}x in the run): a max_seqlen tensor leaking "
+                    "into FA4's key (FA4 <= 4.0.0b21) makes a new key every call. Pass max_seqlen "
+                    "as a Python int, or upgrade flash-attn-4 (>= 4.0.0b26)",
+                }
+            )
             progress.advance(task)
         for batch in (first, later):
             if batch is later and later:
                 # the pre/post kernels of a backward are usually compiled by its replay already
                 produced = {k["key"] for r in results for k in r["kernels"] if k["status"] != "not compiled"}
-                bwd_ok = any(r["ok"] for r in results
-                             if (r.get("item") or {}).get("function") == "_flash_attn_bwd")
-                covered = [i for i in later if i.get("expect_key") in produced
-                           or (i.get("other_version") and bwd_ok)]
+                bwd_ok = any(
+                    r["ok"] for r in results if (r.get("item") or {}).get("function") == "_flash_attn_bwd"
+                )
+                covered = [
+                    i for i in later if i.get("expect_key") in produced or (i.get("other_version") and bwd_ok)
+                ]
                 for item in covered:
-                    results.append({"label": item["label"], "ok": True, "rejected": False, "error": None,
-                                    "kernels": [], "covered": True, "key_match": True, "key_diff": [],
-                                    "seconds": 0.0, "item": item})
+                    results.append(
+                        {
+                            "label": item["label"],
+                            "ok": True,
+                            "rejected": False,
+                            "error": None,
+                            "kernels": [],
+                            "covered": True,
+                            "key_match": True,
+                            "key_diff": [],
+                            "seconds": 0.0,
+                            "item": item,
+                        }
+                    )
                     progress.advance(task)
                 batch = [i for i in later if i not in covered]
             if not batch:
                 continue
-            part = warm.run_warm(batch, cache_dir, arch_vars, jobs=jobs, fake=fake,
-                                 extra_env=extra_env, progress=on_result)
+            part = warm.run_warm(
+                batch, cache_dir, arch_vars, jobs=jobs, fake=fake, extra_env=extra_env, progress=on_result
+            )
             results += part.results
             if part.log_dir:
                 logs.append(os.path.join(part.log_dir, "workers.log"))
     order = {item["label"]: i for i, item in enumerate(items)}
     results.sort(key=lambda r: order.get(r["label"], 0))
     if any(k["status"] == "written" for r in results for k in r["kernels"]):
-        store.write_metadata(cache_dir / env.fingerprint, arch=f"sm_{arch}", num_sms=num_sms,
-                             source="; ".join(sources))
+        store.write_metadata(
+            cache_dir / env.fingerprint, arch=f"sm_{arch}", num_sms=num_sms, source="; ".join(sources)
+        )
     try:
         code = _summarize(results, items, cache_dir, env, time.perf_counter() - started)
     except UserError:  # FA4 rejected every item: the one-line reason is all there is to say
@@ -295,8 +395,12 @@ def _summarize(results, items, cache_dir, env, seconds):
     quiet = {"items": 0, "present": 0, "seconds": 0.0}
     for r in results:
         counts = {s: sum(1 for k in r["kernels"] if k["status"] == s) for s in ("written", "present")}
-        if len(results) > COLLAPSE_ABOVE and r["ok"] and not counts["written"] \
-                and r.get("key_match") is not False:
+        if (
+            len(results) > COLLAPSE_ABOVE
+            and r["ok"]
+            and not counts["written"]
+            and r.get("key_match") is not False
+        ):
             # a length sweep: most items only meet kernels compiled by another item
             quiet["items"] += 1
             quiet["present"] += counts["present"]
@@ -305,13 +409,21 @@ def _summarize(results, items, cache_dir, env, seconds):
         if not r["ok"]:
             outcome = ("[red]rejected by FA4:[/] " if r["rejected"] else "[red]failed:[/] ") + str(r["error"])
             args_ = (r.get("item") or {}).get("args") or {}
-            if any(isinstance(v, dict) and v.get("tensor") for k, v in args_.items()
-                   if k.startswith("max_seqlen")) and not (r.get("item") or {}).get("int_max_seqlen"):
-                outcome += (" (the run passed max_seqlen as a tensor: --int-max-seqlen compiles "
-                            "what the job needs once it passes an int)")
+            if any(
+                isinstance(v, dict) and v.get("tensor")
+                for k, v in args_.items()
+                if k.startswith("max_seqlen")
+            ) and not (r.get("item") or {}).get("int_max_seqlen"):
+                outcome += (
+                    " (the run passed max_seqlen as a tensor: --int-max-seqlen compiles "
+                    "what the job needs once it passes an int)"
+                )
         elif r.get("covered"):
-            outcome = ("left to the replays above (this FA4 compiles its own pre/post kernels)"
-                       if (r.get("item") or {}).get("other_version") else "compiled by the replays above")
+            outcome = (
+                "left to the replays above (this FA4 compiles its own pre/post kernels)"
+                if (r.get("item") or {}).get("other_version")
+                else "compiled by the replays above"
+            )
         elif r.get("key_match") is False:
             outcome = "[yellow]compiled, key differs from the run's:[/] " + "; ".join(r["key_diff"][:3])
 
@@ -321,11 +433,17 @@ def _summarize(results, items, cache_dir, env, seconds):
             outcome = "ok (for this FA4)"
         else:
             outcome = "ok"
-        table.add_row(r["label"], str(counts["written"]), str(counts["present"]),
-                      f"{r.get('seconds', 0):.1f}", outcome)
+        table.add_row(
+            r["label"], str(counts["written"]), str(counts["present"]), f"{r.get('seconds', 0):.1f}", outcome
+        )
     if quiet["items"]:
-        table.add_row(f"{quiet['items']} more work items", "0", str(quiet["present"]),
-                      f"{quiet['seconds']:.1f}", "ok, nothing new to compile")
+        table.add_row(
+            f"{quiet['items']} more work items",
+            "0",
+            str(quiet["present"]),
+            f"{quiet['seconds']:.1f}",
+            "ok, nothing new to compile",
+        )
     # distinct kernels: several work items often share one (a length sweep, fwd+bwd replays)
     status = {}
     for r in results:
@@ -335,14 +453,22 @@ def _summarize(results, items, cache_dir, env, seconds):
                 status[ident] = "written" if "written" in (status.get(ident), k["status"]) else "present"
     n_written = sum(1 for s in status.values() if s == "written")
     table.add_section()
-    table.add_row(f"{len(results)} items, {len(failed)} failed; distinct kernels", str(n_written),
-                  str(len(status) - n_written), f"{seconds:.1f}", "")
+    table.add_row(
+        f"{len(results)} items, {len(failed)} failed; distinct kernels",
+        str(n_written),
+        str(len(status) - n_written),
+        f"{seconds:.1f}",
+        "",
+    )
     out = _console()
     out.print(table)
     folder = cache_dir / env.fingerprint
     entries = store.entry_paths(cache_dir)
-    out.print(f"cache: {folder} ({len(entries)} entries, {store.human_size(sum(entries.values()))}) "
-              f"for {env.describe()}", soft_wrap=True)
+    out.print(
+        f"cache: {folder} ({len(entries)} entries, {store.human_size(sum(entries.values()))}) "
+        f"for {env.describe()}",
+        soft_wrap=True,
+    )
     out.print("a job uses it with:")
     for line in _exports(cache_dir):
         out.print(f"  {line}")
@@ -350,8 +476,10 @@ def _summarize(results, items, cache_dir, env, seconds):
         print(f"{PROG}: error: {len(failed)} of {len(results)} work items failed:", file=sys.stderr)
         for r in failed[:8]:  # the reason itself, not only a table cell a narrow terminal cuts
             error = str(r.get("error") or "no error text").strip().splitlines() or ["?"]
-            print(f"  {r.get('label')}: " + " | ".join(line.strip() for line in error[-3:])[:600],
-                  file=sys.stderr)
+            print(
+                f"  {r.get('label')}: " + " | ".join(line.strip() for line in error[-3:])[:600],
+                file=sys.stderr,
+            )
         return 1
     return 0
 
@@ -386,8 +514,9 @@ def _folders_table(folders, title):
         here = "[green]usable[/]" if f.usable else f"[red]unusable:[/] {f.reason}"
         if f.stale_files:
             here += f" ({f.stale_files} leftover temp files)"
-        table.add_row(f.fingerprint[:16] + "…", str(len(f.entries)), store.human_size(f.size), fams,
-                      f.served(), here)
+        table.add_row(
+            f.fingerprint[:16] + "…", str(len(f.entries)), store.human_size(f.size), fams, f.served(), here
+        )
     return table
 
 
@@ -396,10 +525,18 @@ def run_ls(args):
     env = store.current_environment()
     folders = store.scan(cache_dir)
     out = _console()
-    out.print(f"cache dir: {cache_dir}" + ("" if os.environ.get(store.ENABLE_VAR) == "1" else
-              f"  (note: {store.ENABLE_VAR}=1 is not set in this shell)"))
-    out.print(f"this environment: {env.describe()}; fingerprint "
-              f"{env.fingerprint[:16] + '…' if env.fingerprint else '(FA4 not installed)'}")
+    out.print(
+        f"cache dir: {cache_dir}"
+        + (
+            ""
+            if os.environ.get(store.ENABLE_VAR) == "1"
+            else f"  (note: {store.ENABLE_VAR}=1 is not set in this shell)"
+        )
+    )
+    out.print(
+        f"this environment: {env.describe()}; fingerprint "
+        f"{env.fingerprint[:16] + '…' if env.fingerprint else '(FA4 not installed)'}"
+    )
     if not folders:
         out.print("no FA4 cache entries here")
         return 0
@@ -419,8 +556,10 @@ def run_verify(args):
     fa4_fp = store.fa4_fingerprint()
     if fa4_fp != env.fingerprint:
         # our reading of the fingerprint no longer matches FA4's: trust FA4's, and say so
-        out.print(f"[yellow]warning:[/] FA4's fingerprint {fa4_fp[:12]}… differs from kernel-cache's "
-                  f"{env.fingerprint[:12]}…; checking FA4's")
+        out.print(
+            f"[yellow]warning:[/] FA4's fingerprint {fa4_fp[:12]}… differs from kernel-cache's "
+            f"{env.fingerprint[:12]}…; checking FA4's"
+        )
         for f in folders:
             f.usable = f.fingerprint == fa4_fp
             f.reason = "" if f.usable else "fingerprint differs from FA4's for this environment"
@@ -444,11 +583,16 @@ def run_verify(args):
         if args.delete_bad:
             entry.path.unlink(missing_ok=True)
     total = sum(len(f.entries) for f in usable)
-    out.print(f"{good} of {total} entries load" + (f"; {len(bad)} bad" if bad else "")
-              + (" (deleted: FA4 recompiles them on first use)" if bad and args.delete_bad else ""))
+    out.print(
+        f"{good} of {total} entries load"
+        + (f"; {len(bad)} bad" if bad else "")
+        + (" (deleted: FA4 recompiles them on first use)" if bad and args.delete_bad else "")
+    )
     if not usable or not total:
-        out.print(f"no cache entries for this environment ({env.describe()}) in {cache_dir}: "
-                  "a job would compile every kernel")
+        out.print(
+            f"no cache entries for this environment ({env.describe()}) in {cache_dir}: "
+            "a job would compile every kernel"
+        )
         return 1
     return 1 if bad else 0
 
@@ -459,11 +603,15 @@ def run_pack(args):
     if not args.all:
         folders = [f for f in folders if f.usable]
     if not folders or not any(f.entries for f in folders):
-        raise UserError(f"nothing to pack: no entries for this environment in {cache_dir}"
-                        + ("" if args.all else " (--all packs every folder)"))
+        raise UserError(
+            f"nothing to pack: no entries for this environment in {cache_dir}"
+            + ("" if args.all else " (--all packs every folder)")
+        )
     count = store.pack(cache_dir, args.tarball, folders)
-    print(f"packed {count} entries from {len(folders)} folder(s) into {args.tarball} "
-          f"({store.human_size(Path(args.tarball).stat().st_size)})")
+    print(
+        f"packed {count} entries from {len(folders)} folder(s) into {args.tarball} "
+        f"({store.human_size(Path(args.tarball).stat().st_size)})"
+    )
     return 0
 
 
@@ -501,22 +649,41 @@ def run_warm_all(args):
 
 COMMANDS = {
     "warm": (prepare_warm, run_warm_all, "precompile FA4 kernels into FA4's persistent cache"),
-    "env": (lambda p: p.add_argument("--dir", action="store_true", help="print only the cache dir"),
-            run_env, "print the exports that make a job use the cache"),
-    "ls": (lambda p: p.add_argument("--entries", action="store_true", help="list every entry"),
-           run_ls, "list cache folders, entries, sizes and which environment each serves"),
-    "verify": (lambda p: p.add_argument("--delete-bad", action="store_true",
-                                        help="delete entries that do not load"),
-               run_verify, "load every entry the way FA4 does; report the bad ones"),
-    "pack": (lambda p: (p.add_argument("tarball", type=argtypes.output_file, help="output .tar.gz"),
-                        p.add_argument("--all", action="store_true",
-                                       help="also folders for other environments")),
-             run_pack, "write the cache for this environment into a tarball"),
-    "unpack": (lambda p: p.add_argument("tarball", type=argtypes.existing_file), run_unpack,
-               "extract a tarball from `pack` into the cache dir"),
-    "clear": (lambda p: p.add_argument("--stale", action="store_true",
-                                       help="only folders that do not serve this environment"),
-              run_clear, "delete cache folders"),
+    "env": (
+        lambda p: p.add_argument("--dir", action="store_true", help="print only the cache dir"),
+        run_env,
+        "print the exports that make a job use the cache",
+    ),
+    "ls": (
+        lambda p: p.add_argument("--entries", action="store_true", help="list every entry"),
+        run_ls,
+        "list cache folders, entries, sizes and which environment each serves",
+    ),
+    "verify": (
+        lambda p: p.add_argument("--delete-bad", action="store_true", help="delete entries that do not load"),
+        run_verify,
+        "load every entry the way FA4 does; report the bad ones",
+    ),
+    "pack": (
+        lambda p: (
+            p.add_argument("tarball", type=argtypes.output_file, help="output .tar.gz"),
+            p.add_argument("--all", action="store_true", help="also folders for other environments"),
+        ),
+        run_pack,
+        "write the cache for this environment into a tarball",
+    ),
+    "unpack": (
+        lambda p: p.add_argument("tarball", type=argtypes.existing_file),
+        run_unpack,
+        "extract a tarball from `pack` into the cache dir",
+    ),
+    "clear": (
+        lambda p: p.add_argument(
+            "--stale", action="store_true", help="only folders that do not serve this environment"
+        ),
+        run_clear,
+        "delete cache folders",
+    ),
 }
 
 
@@ -524,16 +691,21 @@ WRITES_CACHE = {"warm", "unpack", "clear"}
 
 
 def build_parser():
-    parser = argtypes.ArgumentParser(prog=PROG, description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argtypes.ArgumentParser(
+        prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (prepare, _, help_text) in COMMANDS.items():
-        p = sub.add_parser(name, help=help_text, description=help_text,
-                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        p = sub.add_parser(
+            name, help=help_text, description=help_text, formatter_class=argparse.RawDescriptionHelpFormatter
+        )
         # the commands that write into the cache dir need one they can create files in
-        p.add_argument("--cache-dir", metavar="DIR", type=argtypes.output_folder
-                       if name in WRITES_CACHE else argtypes.folder_path,
-                       help=f"the cache dir (default: ${store.DIR_VAR}, else FA4's default)")
+        p.add_argument(
+            "--cache-dir",
+            metavar="DIR",
+            type=argtypes.output_folder if name in WRITES_CACHE else argtypes.folder_path,
+            help=f"the cache dir (default: ${store.DIR_VAR}, else FA4's default)",
+        )
         if prepare:
             prepare(p)
     return parser
@@ -556,8 +728,11 @@ def main(argv=None):
     except Exception as exc:  # a bug of traindx: one line (TRAINDX_DEBUG=1 shows the traceback)
         if os.environ.get("TRAINDX_DEBUG"):
             raise
-        print(f"{PROG}: internal error: {type(exc).__name__}: {argtypes.one_line(exc)} "
-              "(a bug of traindx; TRAINDX_DEBUG=1 shows where)", file=sys.stderr)
+        print(
+            f"{PROG}: internal error: {type(exc).__name__}: {argtypes.one_line(exc)} "
+            "(a bug of traindx; TRAINDX_DEBUG=1 shows where)",
+            file=sys.stderr,
+        )
         return 1
 
 

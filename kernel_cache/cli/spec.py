@@ -18,21 +18,39 @@ With varlen, a pack of more than 256 sequences switches FA4 to another scheduler
 A `max_seqlen` passed as a tensor instead of a Python int selects other keys (and in FA4 ≤ b21
 a new key per call, which no cache can fix); `--spec ...,tensor_maxseqlen` warms that variant.
 """
+
 import re
 
 from traindx.common.errors import UserError
 from traindx.common.hfconfig import load_hf_config
 from traindx.kernel_cache.store import cache as store
 
-DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
-          "half": "float16"}
+DTYPES = {
+    "bf16": "bfloat16",
+    "bfloat16": "bfloat16",
+    "fp16": "float16",
+    "float16": "float16",
+    "half": "float16",
+}
 CONFIG_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "bf16"}  # fp32 models train in bf16 attn
 DEFAULT_SEQLENS = (4096,)
 DEFAULT_BATCH = 2
 # SMs of the GPUs a job is likely to run on; FA4 only uses the count for heuristics (splits, 2CTA)
-NUM_SMS_BY_GPU = (("H100 PCIe", 114), ("H100 NVL", 132), ("H100", 132), ("H200", 132),
-                  ("H800", 132), ("H20", 78), ("GH200", 132), ("B200", 148), ("GB200", 152),
-                  ("B300", 148), ("GB300", 152), ("RTX PRO 6000", 188), ("A100", 108))
+NUM_SMS_BY_GPU = (
+    ("H100 PCIe", 114),
+    ("H100 NVL", 132),
+    ("H100", 132),
+    ("H200", 132),
+    ("H800", 132),
+    ("H20", 78),
+    ("GH200", 132),
+    ("B200", 148),
+    ("GB200", 152),
+    ("B300", 148),
+    ("GB300", 152),
+    ("RTX PRO 6000", 188),
+    ("A100", 108),
+)
 NUM_SMS_BY_ARCH = {80: 108, 90: 132, 100: 148, 103: 148, 110: 148, 120: 188}
 
 SPEC_HELP = """\
@@ -69,15 +87,30 @@ def arch_env(arch, num_sms=None):
     """The variables that make FA4 pick and CuTe DSL target an arch without that GPU."""
     n = arch_number(arch)
     suffix = "" if n // 10 == 8 else "a"
-    return {"FLASH_ATTENTION_ARCH": f"sm_{n}", "CUTE_DSL_ARCH": f"sm_{n}{suffix}",
-            "FLASH_ATTENTION_NUM_SMS": str(num_sms or NUM_SMS_BY_ARCH.get(n, 132))}
+    return {
+        "FLASH_ATTENTION_ARCH": f"sm_{n}",
+        "CUTE_DSL_ARCH": f"sm_{n}{suffix}",
+        "FLASH_ATTENTION_NUM_SMS": str(num_sms or NUM_SMS_BY_ARCH.get(n, 132)),
+    }
 
 
 # -- --spec ----------------------------------------------------------------------------------------
 def parse_spec(text):
-    spec = {"hd": None, "hdv": None, "hq": 16, "hkv": None, "dtype": "bf16", "causal": False,
-            "window": None, "varlen": False, "batch": DEFAULT_BATCH, "deterministic": False,
-            "softcap": 0.0, "fwd": False, "tensor_maxseqlen": False}
+    spec = {
+        "hd": None,
+        "hdv": None,
+        "hq": 16,
+        "hkv": None,
+        "dtype": "bf16",
+        "causal": False,
+        "window": None,
+        "varlen": False,
+        "batch": DEFAULT_BATCH,
+        "deterministic": False,
+        "softcap": 0.0,
+        "fwd": False,
+        "tensor_maxseqlen": False,
+    }
     for raw in (p.strip() for p in text.split(",")):
         if not raw:
             continue
@@ -85,7 +118,9 @@ def parse_spec(text):
         name = name.strip().lower().replace("-", "_")
         if not eq:
             if name not in _FLAGS:
-                raise UserError(f"--spec {text!r}: unknown flag {name!r} (flags: {', '.join(sorted(_FLAGS))})")
+                raise UserError(
+                    f"--spec {text!r}: unknown flag {name!r} (flags: {', '.join(sorted(_FLAGS))})"
+                )
             spec[name] = True
             continue
         value = value.strip()
@@ -102,8 +137,10 @@ def parse_spec(text):
                 spec["softcap"] = float(value)
             elif name == "window":
                 left, _, right = value.partition(":")
-                spec["window"] = [None if int(left) < 0 else int(left),
-                                  None if int(right or 0) < 0 else int(right or 0)]
+                spec["window"] = [
+                    None if int(left) < 0 else int(left),
+                    None if int(right or 0) < 0 else int(right or 0),
+                ]
             else:
                 raise UserError(f"--spec {text!r}: unknown field {name!r}")
         except ValueError:
@@ -153,16 +190,21 @@ def parse_seqlens(text, varlen=False):
             else:
                 values.add(int(part))
     except ValueError:
-        raise UserError(f"--seqlens {text!r}: expected comma-separated lengths or ranges "
-                        "(e.g. 4096 or 16-4096)") from None
+        raise UserError(
+            f"--seqlens {text!r}: expected comma-separated lengths or ranges (e.g. 4096 or 16-4096)"
+        ) from None
     if not values or any(v <= 0 for v in values):
         raise UserError(f"--seqlens {text!r}: expected positive integers")
     return sorted(values)
 
 
 def spec_label(spec, seqlen):
-    parts = [f"hd={spec['hd']}" + (f"/{spec['hdv']}" if spec["hdv"] != spec["hd"] else ""),
-             f"hq={spec['hq']}", f"hkv={spec['hkv']}", spec["dtype"]]
+    parts = [
+        f"hd={spec['hd']}" + (f"/{spec['hdv']}" if spec["hdv"] != spec["hd"] else ""),
+        f"hq={spec['hq']}",
+        f"hkv={spec['hkv']}",
+        spec["dtype"],
+    ]
     parts += [f for f in ("causal", "varlen", "deterministic") if spec[f]]
     if spec["window"]:
         parts.append("window={}:{}".format(*[-1 if w is None else w for w in spec["window"]]))
@@ -240,13 +282,21 @@ def attention_layers(config):
     layer_types = text.get("layer_types")
     if not layer_types and text.get("full_attention_interval"):
         interval = int(text["full_attention_interval"])
-        layer_types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
-                       for i in range(n_layers)]
+        layer_types = [
+            "full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n_layers)
+        ]
     if text.get("kv_lora_rank") is not None:
-        raise UserError("MLA models (DeepSeek-style kv_lora_rank) are not supported by --model yet; "
-                        "use --spec hd=192,hdv=128,... for their prefill shapes")
-    base = {"hd": int(head_dim), "hdv": int(v_head_dim or head_dim), "hq": int(heads),
-            "hkv": int(kv_heads), "window": None}
+        raise UserError(
+            "MLA models (DeepSeek-style kv_lora_rank) are not supported by --model yet; "
+            "use --spec hd=192,hdv=128,... for their prefill shapes"
+        )
+    base = {
+        "hd": int(head_dim),
+        "hdv": int(v_head_dim or head_dim),
+        "hq": int(heads),
+        "hkv": int(kv_heads),
+        "window": None,
+    }
     sliding = text.get("sliding_window")
     if text.get("use_sliding_window") is False:
         sliding = None
@@ -262,22 +312,25 @@ def attention_layers(config):
             out.append((f"{kind} ({len(layers)} layers)", dict(base)))
         elif kind in ("sliding_attention", "local_attention", "chunked_attention"):
             window = int(sliding or text.get("attention_chunk_size") or 4096)
-            out.append((f"{kind} ({len(layers)} layers, window {window})",
-                        dict(base, window=[window, 0])))
+            out.append((f"{kind} ({len(layers)} layers, window {window})", dict(base, window=[window, 0])))
         # linear_attention / mamba / ...: not FA4
     if not out:
-        raise UserError(f"config has no softmax-attention layers FA4 would run "
-                        f"(layer types: {', '.join(sorted(kinds))})")
+        raise UserError(
+            f"config has no softmax-attention layers FA4 would run (layer types: {', '.join(sorted(kinds))})"
+        )
     return out, text
 
 
-def model_specs(path, varlen=False, causal=True, dtype=None, deterministic=False, batch=None, tp=1,
-                fwd_only=False):
+def model_specs(
+    path, varlen=False, causal=True, dtype=None, deterministic=False, batch=None, tp=1, fwd_only=False
+):
     config = load_hf_config(path)
     layers, text = attention_layers(config)
     if dtype is None:
-        dtype = CONFIG_DTYPES.get(str(text.get("torch_dtype") or text.get("dtype")
-                                      or config.get("torch_dtype") or "bfloat16"), "bf16")
+        dtype = CONFIG_DTYPES.get(
+            str(text.get("torch_dtype") or text.get("dtype") or config.get("torch_dtype") or "bfloat16"),
+            "bf16",
+        )
     specs, notes = [], []
     for desc, attn in layers:
         hq, hkv = attn["hq"], attn["hkv"]
@@ -286,10 +339,21 @@ def model_specs(path, varlen=False, causal=True, dtype=None, deterministic=False
             if hq % tp:
                 raise UserError(f"--tp {tp} does not divide the {hq} query heads")
             hq, hkv = hq // tp, max(1, hkv // tp)
-        spec = {"hd": attn["hd"], "hdv": attn["hdv"], "hq": hq, "hkv": hkv, "dtype": dtype,
-                "causal": causal, "window": attn["window"], "varlen": varlen,
-                "batch": batch or DEFAULT_BATCH, "deterministic": deterministic, "softcap": 0.0,
-                "fwd": fwd_only, "tensor_maxseqlen": False}
+        spec = {
+            "hd": attn["hd"],
+            "hdv": attn["hdv"],
+            "hq": hq,
+            "hkv": hkv,
+            "dtype": dtype,
+            "causal": causal,
+            "window": attn["window"],
+            "varlen": varlen,
+            "batch": batch or DEFAULT_BATCH,
+            "deterministic": deterministic,
+            "softcap": 0.0,
+            "fwd": fwd_only,
+            "tensor_maxseqlen": False,
+        }
         specs.append(spec)
         notes.append(desc)
     return specs, notes
@@ -333,18 +397,30 @@ def run_items(run_path):
             seen[ident]["times_compiled"] += 1
             continue
         tensor_fields = [name for name, value in fields.items() if TENSOR_IN_KEY.search(str(value))]
-        item = {"kind": "replay", "function": function, "args": info.get("args") or {},
-                "expect_key": key, "expect_fields": fields, "step": _int_or_none(row.step),
-                "times_compiled": 1, "tensor_fields": tensor_fields,
-                      "label": f"{function} #{len([i for i in items if i['function'] == function]) + 1}"
-                               + (f" (step {int(row.step)})" if _int_or_none(row.step) is not None else "")}
+        item = {
+            "kind": "replay",
+            "function": function,
+            "args": info.get("args") or {},
+            "expect_key": key,
+            "expect_fields": fields,
+            "step": _int_or_none(row.step),
+            "times_compiled": 1,
+            "tensor_fields": tensor_fields,
+            "label": f"{function} #{len([i for i in items if i['function'] == function]) + 1}"
+            + (f" (step {int(row.step)})" if _int_or_none(row.step) is not None else ""),
+        }
         seen[ident] = item
         items.append(item)
     items.sort(key=lambda it: 0 if it["function"] in REPLAY_FIRST else 1)
     env = run.manifest.get("environment") or run.manifest.get("env") or {}
-    fa4_env = {k: v for k, v in env.items() if isinstance(v, str) and v != "<redacted>" and (
-        k.startswith("FLASH_ATTENTION_") or k.startswith("FA_") or k == "CUTE_DSL_ARCH")
-        and k not in (store.DIR_VAR, store.ENABLE_VAR)}
+    fa4_env = {
+        k: v
+        for k, v in env.items()
+        if isinstance(v, str)
+        and v != "<redacted>"
+        and (k.startswith("FLASH_ATTENTION_") or k.startswith("FA_") or k == "CUTE_DSL_ARCH")
+        and k not in (store.DIR_VAR, store.ENABLE_VAR)
+    }
     num_sms = None
     for gpu in run.manifest.get("gpus") or []:
         name = str(gpu.get("name", ""))
@@ -354,8 +430,13 @@ def run_items(run_path):
                 break
         if num_sms:
             break
-    return items, {"archs": sorted(archs), "num_sms": num_sms, "env": fa4_env, "run": run.path,
-                   "versions": run.manifest.get("packages") or {}}
+    return items, {
+        "archs": sorted(archs),
+        "num_sms": num_sms,
+        "env": fa4_env,
+        "run": run.path,
+        "versions": run.manifest.get("packages") or {},
+    }
 
 
 def _int_or_none(v):

@@ -17,6 +17,7 @@ says so in one line. What does not need a GPU: `--fla-config-dir DIR` writes FLA
 files (`<kernel>.json`, read with FLA_CACHE_MODE=strict|fuzzy|full, FLA_CONFIG_DIR=DIR) from the
 configs the run chose.
 """
+
 import ast
 import hashlib
 import json
@@ -43,11 +44,19 @@ def add_arguments(parser):
     from traindx.common import argtypes
 
     g = parser.add_argument_group("Triton / flash-linear-attention kernels (--from-run)")
-    g.add_argument("--triton-cache-dir", type=argtypes.output_folder, metavar="DIR",
-                   help="TRITON_CACHE_DIR to fill (default: $TRITON_CACHE_DIR, else triton-cache/ "
-                        "beside the run folders)")
-    g.add_argument("--fla-config-dir", type=argtypes.output_folder, metavar="DIR",
-                   help="also write FLA config files (<kernel>.json) from the configs the run chose")
+    g.add_argument(
+        "--triton-cache-dir",
+        type=argtypes.output_folder,
+        metavar="DIR",
+        help="TRITON_CACHE_DIR to fill (default: $TRITON_CACHE_DIR, else triton-cache/ "
+        "beside the run folders)",
+    )
+    g.add_argument(
+        "--fla-config-dir",
+        type=argtypes.output_folder,
+        metavar="DIR",
+        help="also write FLA config files (<kernel>.json) from the configs the run chose",
+    )
     g.add_argument("--no-triton", action="store_true", help="warm FA4 kernels only")
 
 
@@ -79,16 +88,22 @@ def plan(run, events):
         step = int(step) if isinstance(step, (int, float)) else 0
         last_step = max(last_step, step)
         if e.get("kind") == "triton_autotune":
-            entry = tuned.setdefault(e.get("kernel") or "?", {"keys": [], "bench_s": 0.0,
-                                                               "module": e.get("module")})
+            entry = tuned.setdefault(
+                e.get("kernel") or "?", {"keys": [], "bench_s": 0.0, "module": e.get("module")}
+            )
             entry["keys"].append(e.get("key_fields") or e.get("key"))
             entry["bench_s"] += float(e.get("bench_s", e.get("duration_s")) or 0.0)
         elif not e.get("autotune_of"):
             entry = compiled.setdefault(e.get("kernel") or "?", {"count": 0, "seconds": 0.0})
             entry["count"] += 1
             entry["seconds"] += float(e.get("duration_s") or 0.0)
-    return {"tuned": tuned, "compiled": compiled, "steps": last_step + 1,
-            "command": list(run.manifest.get("command") or []), "cwd": run.manifest.get("cwd")}
+    return {
+        "tuned": tuned,
+        "compiled": compiled,
+        "steps": last_step + 1,
+        "command": list(run.manifest.get("command") or []),
+        "cwd": run.manifest.get("cwd"),
+    }
 
 
 def default_cache_dir(run):
@@ -143,21 +158,28 @@ def fla_config_files(events, triton_version=None):
         fields = e.get("key_fields") or {}
         names = list(e.get("key_names") or fields.keys())
         values = [_literal(fields.get(n)) for n in names if n in fields]
-        if not isinstance(chosen, dict) or any(v is None and fields.get(n) != "None"
-                                               for n, v in zip(names, values)):
+        if not isinstance(chosen, dict) or any(
+            v is None and fields.get(n) != "None" for n, v in zip(names, values)
+        ):
             continue  # a value we cannot rebuild exactly (e.g. a tensor in the key)
         key = values + [str(d) for d in (e.get("key_dtypes") or {}).values()]
-        config = {"kwargs": {k: v for k, v in chosen.items() if k not in CONFIG_OPTIONS},
-                  "num_warps": chosen.get("num_warps", 4), "num_stages": chosen.get("num_stages", 3),
-                  "num_ctas": chosen.get("num_ctas", 1)}
+        config = {
+            "kwargs": {k: v for k, v in chosen.items() if k not in CONFIG_OPTIONS},
+            "num_warps": chosen.get("num_warps", 4),
+            "num_stages": chosen.get("num_stages", 3),
+            "num_ctas": chosen.get("num_ctas", 1),
+        }
         if chosen.get("maxnreg") is not None:
             config["maxnreg"] = chosen["maxnreg"]
         serial = json.dumps(key, separators=(",", ":"), sort_keys=True)
         kernel = e.get("kernel") or "?"
-        content = files.setdefault(kernel, {"kernel_name": kernel, "triton_version": triton_version,
-                                            "autotune_entries": {}})
+        content = files.setdefault(
+            kernel, {"kernel_name": kernel, "triton_version": triton_version, "autotune_entries": {}}
+        )
         content["autotune_entries"][hashlib.md5(serial.encode()).hexdigest()] = {
-            "autotune_key": key, "config": config}
+            "autotune_key": key,
+            "config": config,
+        }
     return files
 
 
@@ -173,8 +195,10 @@ def write_fla_configs(events, directory, triton_version=None):
         if path.exists():  # keep entries another run wrote
             try:
                 old = json.loads(path.read_text())
-                content["autotune_entries"] = {**(old.get("autotune_entries") or {}),
-                                               **content["autotune_entries"]}
+                content["autotune_entries"] = {
+                    **(old.get("autotune_entries") or {}),
+                    **content["autotune_entries"],
+                }
             except (OSError, ValueError):
                 pass
         path.write_text(json.dumps(content, indent=1, sort_keys=True))
@@ -184,8 +208,21 @@ def write_fla_configs(events, directory, triton_version=None):
 
 # -- the warm-up -------------------------------------------------------------------------------------
 def warmup_command(the_plan, run_dir):
-    return [sys.executable, "-m", "traindx", "--quiet", "--no-pyspy", "--torch-profile", "off",
-            "--steps", str(the_plan["steps"]), "--run-dir", str(run_dir), "--", *the_plan["command"]]
+    return [
+        sys.executable,
+        "-m",
+        "traindx",
+        "--quiet",
+        "--no-pyspy",
+        "--torch-profile",
+        "off",
+        "--steps",
+        str(the_plan["steps"]),
+        "--run-dir",
+        str(run_dir),
+        "--",
+        *the_plan["command"],
+    ]
 
 
 def _gpu_visible():
@@ -216,9 +253,17 @@ def check_warmup(the_plan, warm_run):
             status, ok = "ok, choices written", True
         else:  # an older shim: it did not say whether Triton kept the choice
             status, ok = "tuned (unverified: the record does not say whether Triton kept it)", True
-        rows.append({"kernel": kernel, "run_keys": len(info["keys"]), "warm_keys": len(got),
-                     "disk_hits": hits, "bench_s": sum(float(e.get("bench_s", e.get("duration_s")) or 0)
-                                                       for e in got), "status": status, "ok": ok})
+        rows.append(
+            {
+                "kernel": kernel,
+                "run_keys": len(info["keys"]),
+                "warm_keys": len(got),
+                "disk_hits": hits,
+                "bench_s": sum(float(e.get("bench_s", e.get("duration_s")) or 0) for e in got),
+                "status": status,
+                "ok": ok,
+            }
+        )
     return rows
 
 
@@ -238,8 +283,10 @@ def warm_from_run(args, out=print, err=None):
         # compiles alone: Triton keeps those in TRITON_CACHE_DIR by itself; replaying a whole FA4
         # job for them (e.g. inside `diagnose --fix`) would cost more than it saves
         seconds = sum(c["seconds"] for c in the_plan["compiled"].values())
-        err(f"kernel-cache warm: Triton: {len(the_plan['compiled'])} kernel(s) compiled ({seconds:.1f} s), "
-            "none autotuned: left to Triton's own cache (TRITON_CACHE_DIR)")
+        err(
+            f"kernel-cache warm: Triton: {len(the_plan['compiled'])} kernel(s) compiled ({seconds:.1f} s), "
+            "none autotuned: left to Triton's own cache (TRITON_CACHE_DIR)"
+        )
         return None
     packages = run.manifest.get("packages") or {}
     here = installed_packages()
@@ -247,37 +294,54 @@ def warm_from_run(args, out=print, err=None):
     env = persistence_env(here or packages, cache_dir)
     names = ", ".join(the_plan["tuned"]) or ", ".join(the_plan["compiled"])
     bench = sum(t["bench_s"] for t in the_plan["tuned"].values())
-    err(f"kernel-cache warm: Triton: {len(the_plan['tuned'])} autotuned kernel(s) ({bench:.1f} s of "
-        f"benchmarking in {run.path}) and {len(the_plan['compiled'])} compiled: {names}")
+    err(
+        f"kernel-cache warm: Triton: {len(the_plan['tuned'])} autotuned kernel(s) ({bench:.1f} s of "
+        f"benchmarking in {run.path}) and {len(the_plan['compiled'])} compiled: {names}"
+    )
     code = 0
     if getattr(args, "fla_config_dir", None):
         written = write_fla_configs(events, args.fla_config_dir, here.get("triton"))
-        err(f"  FLA config files: {len(written)} written to {args.fla_config_dir} (a job reads them "
-            f"with FLA_CACHE_MODE=fuzzy FLA_CONFIG_DIR={args.fla_config_dir})" if written else
-            "  FLA config files: none (the run recorded no chosen config with a rebuildable key)")
+        err(
+            f"  FLA config files: {len(written)} written to {args.fla_config_dir} (a job reads them "
+            f"with FLA_CACHE_MODE=fuzzy FLA_CONFIG_DIR={args.fla_config_dir})"
+            if written
+            else "  FLA config files: none (the run recorded no chosen config with a rebuildable key)"
+        )
     if not the_plan["command"]:
         raise UserError(f"{run.path}: the manifest holds no command to replay")
     command = warmup_command(the_plan, cache_dir / ".warmup" / time.strftime("%Y%m%d-%H%M%S"))
     exports = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
     if getattr(args, "dry_run", False):
-        out(f"triton warm-up ({the_plan['steps']} step(s), in {the_plan['cwd']}): "
-            f"{exports} {shlex.join(command)}")
+        out(
+            f"triton warm-up ({the_plan['steps']} step(s), in {the_plan['cwd']}): "
+            f"{exports} {shlex.join(command)}"
+        )
         for kernel, info in the_plan["tuned"].items():
-            out(f"  autotuned {kernel}: {len(info['keys'])} key(s), {info['bench_s']:.1f} s; "
-                f"first key {info['keys'][0]}")
+            out(
+                f"  autotuned {kernel}: {len(info['keys'])} key(s), {info['bench_s']:.1f} s; "
+                f"first key {info['keys'][0]}"
+            )
         return code
     if not _gpu_visible() and os.environ.get("TRAINDX_TRITON_WARM_ON_CPU") != "1":
-        err(f"kernel-cache: skipped Triton: the {len(the_plan['tuned'])} autotuned kernel(s) need a "
+        err(
+            f"kernel-cache: skipped Triton: the {len(the_plan['tuned'])} autotuned kernel(s) need a "
             "GPU to benchmark, and Triton's interpreter keeps no autotune results (TRITON_INTERPRET=1 "
-            "turns cache_results off): run this on a GPU node of the job's kind")
+            "turns cache_results off): run this on a GPU node of the job's kind"
+        )
         return NO_GPU_EXIT
     cache_dir.mkdir(parents=True, exist_ok=True)
     err(f"  warm-up: the run's command for {the_plan['steps']} step(s) with {exports}")
     started = time.perf_counter()
     try:
-        proc = subprocess.run(command, cwd=the_plan["cwd"] or None, env={**os.environ, **env},
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              timeout=WARMUP_TIMEOUT_S)
+        proc = subprocess.run(
+            command,
+            cwd=the_plan["cwd"] or None,
+            env={**os.environ, **env},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            timeout=WARMUP_TIMEOUT_S,
+        )
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise UserError(f"the Triton warm-up did not finish: {exc}") from None
     seconds = time.perf_counter() - started
@@ -287,9 +351,11 @@ def warm_from_run(args, out=print, err=None):
         raise UserError(f"the Triton warm-up wrote no run ({run_dir}); its output ended: {tail}")
     rows = check_warmup(the_plan, load_run(run_dir))
     for r in rows:
-        out(f"  {'ok ' if r['ok'] else 'FAIL'} {r['kernel']}: {r['warm_keys']} key(s) tuned "
+        out(
+            f"  {'ok ' if r['ok'] else 'FAIL'} {r['kernel']}: {r['warm_keys']} key(s) tuned "
             f"({r['disk_hits']} from disk, {r['bench_s']:.1f} s) for the run's {r['run_keys']}: "
-            f"{r['status']}")
+            f"{r['status']}"
+        )
     out(f"triton cache: {cache_dir} ({seconds:.0f} s, warm-up run {run_dir}); a job uses it with:")
     for k, v in env.items():
         out(f"  export {k}={shlex.quote(v)}")

@@ -5,6 +5,7 @@ after another; FA4 itself exports every compiled kernel. Processes, not threads:
 compile holds the GIL. Two processes that meet the same key are safe: FA4 writes entries under a
 file lock, to a temporary name renamed into place.
 """
+
 import multiprocessing
 import os
 import shutil
@@ -15,8 +16,8 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 
-from traindx.kernel_cache.store import cache as store
 from traindx.kernel_cache.cli import worker
+from traindx.kernel_cache.store import cache as store
 
 
 @dataclass
@@ -40,8 +41,12 @@ class WarmReport:
 
 
 def worker_env(cache_dir, arch_vars, extra_env=None):
-    env = {store.ENABLE_VAR: "1", store.DIR_VAR: str(cache_dir), "TORCH_CPP_LOG_LEVEL": "ERROR",
-           "PYTHONWARNINGS": "ignore"}
+    env = {
+        store.ENABLE_VAR: "1",
+        store.DIR_VAR: str(cache_dir),
+        "TORCH_CPP_LOG_LEVEL": "ERROR",
+        "PYTHONWARNINGS": "ignore",
+    }
     env.update(extra_env or {})
     env.update(arch_vars)
     return env
@@ -58,8 +63,12 @@ def run_warm(items, cache_dir, arch_vars, jobs=1, fake=True, extra_env=None, pro
     pending = list(items)
     pools = []
     try:
-        pool = ProcessPoolExecutor(max_workers=jobs, mp_context=ctx, initializer=worker.init,
-                                   initargs=(env, os.path.join(log_dir, "workers.log"), fake))
+        pool = ProcessPoolExecutor(
+            max_workers=jobs,
+            mp_context=ctx,
+            initializer=worker.init,
+            initargs=(env, os.path.join(log_dir, "workers.log"), fake),
+        )
         pools.append(pool)
         futures = {pool.submit(worker.run_item, item): item for item in pending}
         for future in as_completed(futures):
@@ -67,14 +76,28 @@ def run_warm(items, cache_dir, arch_vars, jobs=1, fake=True, extra_env=None, pro
             try:
                 result = future.result()
             except BrokenProcessPool:
-                result = {"label": item["label"], "ok": False, "rejected": False, "kernels": [],
-                          "error": "the compiler process died (out of memory or a crash; see "
-                                   f"{log_dir}/workers.log)", "key_match": None, "key_diff": [],
-                          "seconds": 0.0}
+                result = {
+                    "label": item["label"],
+                    "ok": False,
+                    "rejected": False,
+                    "kernels": [],
+                    "error": "the compiler process died (out of memory or a crash; see "
+                    f"{log_dir}/workers.log)",
+                    "key_match": None,
+                    "key_diff": [],
+                    "seconds": 0.0,
+                }
             except Exception as exc:  # a worker-side bug: keep the other items
-                result = {"label": item["label"], "ok": False, "rejected": False, "kernels": [],
-                          "error": f"{type(exc).__name__}: {exc}", "key_match": None,
-                          "key_diff": [], "seconds": 0.0}
+                result = {
+                    "label": item["label"],
+                    "ok": False,
+                    "rejected": False,
+                    "kernels": [],
+                    "error": f"{type(exc).__name__}: {exc}",
+                    "key_match": None,
+                    "key_diff": [],
+                    "seconds": 0.0,
+                }
             result["item"] = item
             report.results.append(result)
             if progress is not None:

@@ -5,6 +5,7 @@ Runs in a spawned process (a CuTe DSL compile holds the GIL: threads would not o
 here is imported by the parent: torch and FA4 are imported after `init` has set the environment,
 because FA4 reads its cache switches at import time.
 """
+
 import inspect
 import os
 import sys
@@ -180,6 +181,7 @@ def _rebuild(name, value, args):
                 return _cu_seqlens(shape[0] - 1, total)
             if not _state["fake"] and name.startswith("max_seqlen") and not shape:
                 import torch
+
                 return torch.tensor(_max_seqlen_guess(name, args), dtype=dtype, device="cuda")
             # a host tensor stays on the host (e.g. a max_seqlen some frameworks keep on the CPU)
             device = "cpu" if str(value.get("device", "")).startswith("cpu") else "cuda"
@@ -190,10 +192,14 @@ def _rebuild(name, value, args):
             numeric = _cutlass_type(value["callable"])
             if numeric is not None:  # FA4's pre/post kernels take cutlass dtypes (BFloat16, ...)
                 return numeric
-            raise Unreplayable(f"argument {name} is a function ({value['callable']}): "
-                               "score/mask mods cannot be rebuilt from a recording")
-        raise Unreplayable(f"argument {name} is a {value.get('type', 'custom object')}, "
-                           "which cannot be rebuilt from a recording")
+            raise Unreplayable(
+                f"argument {name} is a function ({value['callable']}): "
+                "score/mask mods cannot be rebuilt from a recording"
+            )
+        raise Unreplayable(
+            f"argument {name} is a {value.get('type', 'custom object')}, "
+            "which cannot be rebuilt from a recording"
+        )
     if isinstance(value, list):
         return [_rebuild(name, v, args) for v in value]
     return value
@@ -210,16 +216,18 @@ def _rebuild_object(name, value, args):
         for part in qualname.split("."):
             cls = getattr(cls, part)
     except (ImportError, AttributeError) as exc:
-        raise Unreplayable(f"argument {name} is a {value['class']}, which this environment "
-                           f"lacks ({exc})") from None
+        raise Unreplayable(
+            f"argument {name} is a {value['class']}, which this environment lacks ({exc})"
+        ) from None
     try:
         if "enum" in value:
             return cls[value["enum"]]
         fields = {field: _rebuild(field, recorded, args) for field, recorded in value["fields"].items()}
         return cls(**fields)
     except (KeyError, TypeError) as exc:  # another release's fields or members
-        raise Unreplayable(f"argument {name} ({value['class']}) does not rebuild in this release: "
-                           f"{exc}") from None
+        raise Unreplayable(
+            f"argument {name} ({value['class']}) does not rebuild in this release: {exc}"
+        ) from None
 
 
 def _cutlass_type(name):
@@ -250,29 +258,64 @@ def _run_shape(item):
         total = seqlen * batch
         q, k, v = (_empty((total, h, d), dtype, grad) for h, d in ((hq, hd), (hkv, hd), (hkv, hdv)))
         cu = _cu_seqlens(batch, total)
-        max_seqlen = (torch.tensor(seqlen, dtype=torch.int32, device="cuda")
-                      if item["tensor_maxseqlen"] else seqlen)
-        varlen = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max_seqlen,
-                      max_seqlen_k=max_seqlen)
+        max_seqlen = (
+            torch.tensor(seqlen, dtype=torch.int32, device="cuda") if item["tensor_maxseqlen"] else seqlen
+        )
+        varlen = {
+            "cu_seqlens_q": cu,
+            "cu_seqlens_k": cu,
+            "max_seqlen_q": max_seqlen,
+            "max_seqlen_k": max_seqlen,
+        }
     else:
-        q, k, v = (_empty((batch, seqlen, h, d), dtype, grad)
-                   for h, d in ((hq, hd), (hkv, hd), (hkv, hdv)))
+        q, k, v = (_empty((batch, seqlen, h, d), dtype, grad) for h, d in ((hq, hd), (hkv, hd), (hkv, hdv)))
         varlen = {}
     left, right = item["window"] or (None, None)
     # the arguments FlashAttnFunc / FlashAttnVarlenFunc pass (flash_attn/cute/interface.py)
     out, lse, *_ = fa._flash_attn_fwd(
-        q, k, v, softmax_scale=None, causal=item["causal"], window_size_left=left,
-        window_size_right=right, learnable_sink=None, softcap=item["softcap"], num_splits=1,
-        pack_gqa=None, score_mod=None, mask_mod=None, aux_tensors=None, aux_scalars=None,
-        return_lse=False, **varlen)
+        q,
+        k,
+        v,
+        softmax_scale=None,
+        causal=item["causal"],
+        window_size_left=left,
+        window_size_right=right,
+        learnable_sink=None,
+        softcap=item["softcap"],
+        num_splits=1,
+        pack_gqa=None,
+        score_mod=None,
+        mask_mod=None,
+        aux_tensors=None,
+        aux_scalars=None,
+        return_lse=False,
+        **varlen,
+    )
     if not grad:
         return None
     dout = torch.zeros_like(out)
     fa._flash_attn_bwd(
-        q, k, v, out, dout, lse, None, item["causal"], item["softcap"], window_size_left=left,
-        window_size_right=right, deterministic=item["deterministic"], score_mod=None,
-        score_mod_bwd=None, mask_mod=None, aux_tensors=None, aux_scalars=None, dlse=None,
-        learnable_sink=None, **varlen)
+        q,
+        k,
+        v,
+        out,
+        dout,
+        lse,
+        None,
+        item["causal"],
+        item["softcap"],
+        window_size_left=left,
+        window_size_right=right,
+        deterministic=item["deterministic"],
+        score_mod=None,
+        score_mod_bwd=None,
+        mask_mod=None,
+        aux_tensors=None,
+        aux_scalars=None,
+        dlse=None,
+        learnable_sink=None,
+        **varlen,
+    )
     return None
 
 
@@ -286,9 +329,13 @@ def _run_replay(item, variant=None):
     recorded = _fit_signature(function, recorded)
     if item.get("int_max_seqlen"):
         # as if the job passed max_seqlen as a Python int (the fix for FA4 <= b21's tensor keys)
-        recorded.update({name: _max_seqlen_guess(name, recorded) for name, value in recorded.items()
-                         if name.startswith("max_seqlen") and isinstance(value, dict)
-                         and value.get("tensor")})
+        recorded.update(
+            {
+                name: _max_seqlen_guess(name, recorded)
+                for name, value in recorded.items()
+                if name.startswith("max_seqlen") and isinstance(value, dict) and value.get("tensor")
+            }
+        )
     kwargs = {name: _rebuild(name, value, recorded) for name, value in recorded.items()}
     if "fake_mode" in inspect.signature(function).parameters:  # b36's pre/post kernels ask
         kwargs["fake_mode"] = _state["fake"]
@@ -305,8 +352,10 @@ def _fit_signature(function, recorded):
     unknown = {k: v for k, v in recorded.items() if k not in params}
     meaningful = [k for k, v in unknown.items() if v not in (None, False, 0, 0.0, [], {})]
     if meaningful:
-        raise Unreplayable(f"this FA4's {function.__name__} has no argument "
-                           f"{', '.join(meaningful)} (recorded with another release)")
+        raise Unreplayable(
+            f"this FA4's {function.__name__} has no argument "
+            f"{', '.join(meaningful)} (recorded with another release)"
+        )
     return {k: v for k, v in recorded.items() if k in params}
 
 
@@ -320,7 +369,7 @@ def replay_variants(item):
     variants = []
     for names in (("max_seqlen_q",), ("max_seqlen_k",), ("max_seqlen_q", "max_seqlen_k")):
         if all(isinstance(args.get(n), int) for n in names):
-            variants.append({n: None for n in names})
+            variants.append(dict.fromkeys(names))
     return variants
 
 
@@ -362,8 +411,7 @@ def _reason(exc):
     if not message and last is not None:
         message = f"{os.path.basename(last.filename)}:{last.lineno}: {last.line}"
     in_fa4 = any("flash_attn" in f.filename for f in frames[-3:])
-    rejected = isinstance(exc, REJECT_TYPES) and in_fa4 and not any(
-        "cutlass" in f.filename for f in frames)
+    rejected = isinstance(exc, REJECT_TYPES) and in_fa4 and not any("cutlass" in f.filename for f in frames)
     return rejected, f"{type(exc).__name__}: {message}" if not rejected else message
 
 
@@ -380,8 +428,16 @@ def _mode():
 def run_item(item):
     """Compile one work item; returns what happened to each kernel it needed."""
     start = time.perf_counter()
-    result = {"label": item["label"], "ok": False, "rejected": False, "error": None,
-              "kernels": [], "key_match": None, "key_diff": [], "pid": os.getpid()}
+    result = {
+        "label": item["label"],
+        "ok": False,
+        "rejected": False,
+        "error": None,
+        "kernels": [],
+        "key_match": None,
+        "key_diff": [],
+        "pid": os.getpid(),
+    }
     lookups = []
     try:
         _setup()

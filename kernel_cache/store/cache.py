@@ -6,6 +6,7 @@ cutlass and tvm_ffi versions and every `flash_attn/cute/*.py` source, so a folde
 exact FA4 + cutlass + Python that wrote it. Nothing here imports FA4 or cutlass (seconds each):
 versions come from the package metadata, sources from the installed files.
 """
+
 import getpass
 import hashlib
 import importlib.metadata
@@ -63,6 +64,7 @@ def fa4_source_dir():
 @dataclass(frozen=True)
 class Environment:
     """What a cache folder must match to be used: FA4 sources, cutlass, tvm_ffi, Python minor."""
+
     python: str
     fa4: str | None
     cutlass: str | None
@@ -71,12 +73,18 @@ class Environment:
     fingerprint: str | None
 
     def describe(self):
-        return (f"flash-attn-4 {self.fa4 or '?'}, nvidia-cutlass-dsl {self.cutlass or '?'}, "
-                f"tvm_ffi {self.tvm_ffi or '?'}, Python {self.python}")
+        return (
+            f"flash-attn-4 {self.fa4 or '?'}, nvidia-cutlass-dsl {self.cutlass or '?'}, "
+            f"tvm_ffi {self.tvm_ffi or '?'}, Python {self.python}"
+        )
 
     def versions(self):
-        return {"python": self.python, "flash-attn-4": self.fa4, "nvidia-cutlass-dsl": self.cutlass,
-                "apache-tvm-ffi": self.tvm_ffi}
+        return {
+            "python": self.python,
+            "flash-attn-4": self.fa4,
+            "nvidia-cutlass-dsl": self.cutlass,
+            "apache-tvm-ffi": self.tvm_ffi,
+        }
 
 
 def compute_fingerprint(cute_root, python_minor, cutlass_version, tvm_ffi_version):
@@ -106,17 +114,24 @@ def current_environment():
         fingerprint = None
         if fa4_dir is not None and cutlass and tvm_ffi:
             fingerprint = compute_fingerprint(fa4_dir, python, cutlass, tvm_ffi)
-        _current["env"] = Environment(python=python, fa4=_version("flash-attn-4"), cutlass=cutlass,
-                                      tvm_ffi=tvm_ffi, fa4_dir=str(fa4_dir) if fa4_dir else None,
-                                      fingerprint=fingerprint)
+        _current["env"] = Environment(
+            python=python,
+            fa4=_version("flash-attn-4"),
+            cutlass=cutlass,
+            tvm_ffi=tvm_ffi,
+            fa4_dir=str(fa4_dir) if fa4_dir else None,
+            fingerprint=fingerprint,
+        )
     return _current["env"]
 
 
 def require_fa4():
     env = current_environment()
     if env.fa4_dir is None:
-        raise UserError("flash-attn-4 is not installed in this Python "
-                        "(pip install 'traindx[fa4]' or flash-attn-4 + nvidia-cutlass-dsl)")
+        raise UserError(
+            "flash-attn-4 is not installed in this Python "
+            "(pip install 'traindx[fa4]' or flash-attn-4 + nvidia-cutlass-dsl)"
+        )
     if env.fingerprint is None:
         raise UserError("nvidia-cutlass-dsl / apache-tvm-ffi are not installed: FA4 cannot compile")
     return env
@@ -137,6 +152,7 @@ class Entry:
 @dataclass
 class CacheFolder:
     """One fingerprint folder: the entries for one FA4 + cutlass + Python."""
+
     path: Path
     entries: list = field(default_factory=list)
     metadata: dict | None = None
@@ -165,10 +181,11 @@ class CacheFolder:
         versions = meta.get("versions") or {}
         if versions:
             archs = sorted({w.get("arch") for w in meta.get("warmed") or [] if w.get("arch")})
-            return (f"flash-attn-4 {versions.get('flash-attn-4')}, nvidia-cutlass-dsl "
-                    f"{versions.get('nvidia-cutlass-dsl')}, tvm_ffi {versions.get('apache-tvm-ffi')}, "
-                    f"Python {versions.get('python')}"
-                    + (f"; warmed for {', '.join(archs)}" if archs else ""))
+            return (
+                f"flash-attn-4 {versions.get('flash-attn-4')}, nvidia-cutlass-dsl "
+                f"{versions.get('nvidia-cutlass-dsl')}, tvm_ffi {versions.get('apache-tvm-ffi')}, "
+                f"Python {versions.get('python')}" + (f"; warmed for {', '.join(archs)}" if archs else "")
+            )
         if self.usable:
             return current_environment().describe() + " (this environment)"
         return "unknown (not written by kernel-cache; FA4 keeps no record)"
@@ -192,8 +209,15 @@ def write_metadata(folder, arch=None, num_sms=None, source=None):
     meta["versions"] = env.versions()
     meta["fingerprint"] = env.fingerprint
     warmed = meta.setdefault("warmed", [])
-    warmed.append({"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "arch": arch, "num_sms": num_sms,
-                   "source": source, "host": os.uname().nodename})
+    warmed.append(
+        {
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            "arch": arch,
+            "num_sms": num_sms,
+            "source": source,
+            "host": os.uname().nodename,
+        }
+    )
     meta["warmed"] = warmed[-20:]
     tmp = folder / f".{METADATA_FILE}.{os.getpid()}.tmp"
     tmp.write_text(json.dumps(meta, indent=1), encoding="utf-8")
@@ -208,9 +232,11 @@ def why_unusable(folder_name, metadata, env):
         return "FA4 or cutlass is not installed here"
     versions = (metadata or {}).get("versions") or {}
     if not versions:
-        return ("fingerprint differs from this environment's "
-                f"({env.fingerprint[:12]}…): built for another FA4, cutlass, tvm_ffi or Python "
-                "(which one is unknown: it was not written by kernel-cache)")
+        return (
+            "fingerprint differs from this environment's "
+            f"({env.fingerprint[:12]}…): built for another FA4, cutlass, tvm_ffi or Python "
+            "(which one is unknown: it was not written by kernel-cache)"
+        )
     diffs = []
     for name, here in env.versions().items():
         there = versions.get(name)
@@ -219,8 +245,10 @@ def why_unusable(folder_name, metadata, env):
             diffs.append(f"{label} {there} (here {here})")
     if diffs:
         return "built for " + ", ".join(diffs)
-    return ("same versions, but the flash_attn/cute sources differ (a patched or rebuilt FA4): "
-            "FA4 will not read it")
+    return (
+        "same versions, but the flash_attn/cute sources differ (a patched or rebuilt FA4): "
+        "FA4 will not read it"
+    )
 
 
 def scan(cache_dir):
@@ -266,8 +294,8 @@ def entry_paths(cache_dir):
 def load_entry(path):
     """Load one entry the way FA4 does (cache_utils preloads the CuTe runtime libraries with
     RTLD_GLOBAL first; then cute.runtime.load_module(..., enable_tvm_ffi=True).func)."""
-    import flash_attn.cute.cache_utils as cache_utils  # noqa: F401  (the preload)
     import cutlass.cute as cute
+    import flash_attn.cute.cache_utils as cache_utils  # noqa: F401  (the preload)
 
     module = cute.runtime.load_module(str(path), enable_tvm_ffi=True)
     return getattr(module, cache_utils.JITPersistentCache.EXPORT_FUNCTION_PREFIX)
@@ -325,8 +353,14 @@ def unpack(tarball, cache_dir):
         members = []
         for m in tar.getmembers():
             parts = Path(m.name).parts
-            if (m.isdir() or not m.isfile() or len(parts) < 2 or not FINGERPRINT_RE.match(parts[0])
-                    or ".." in parts or Path(m.name).is_absolute()):
+            if (
+                m.isdir()
+                or not m.isfile()
+                or len(parts) < 2
+                or not FINGERPRINT_RE.match(parts[0])
+                or ".." in parts
+                or Path(m.name).is_absolute()
+            ):
                 if m.isdir():
                     continue
                 raise UserError(f"{tarball}: unexpected member {m.name!r} (not a kernel-cache pack)")

@@ -4,6 +4,7 @@ first on PYTHONPATH.
 It must never harm the job: every failure is swallowed (and reported in the run's events), and
 it chains to the sitecustomize this file shadows so a job's own start-up code still runs.
 """
+
 import os
 import sys
 

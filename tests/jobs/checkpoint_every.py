@@ -1,8 +1,8 @@
 """A user's job that writes a full checkpoint every --save-every steps, inline."""
-import atexit
-import shutil
 import argparse
+import atexit
 import os
+import shutil
 import tempfile
 
 import torch

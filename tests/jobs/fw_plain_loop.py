@@ -4,12 +4,12 @@ LSTM language model, batches cut from one long token tensor, clipping, and its l
 
 --save-every N: save the model every N batches (a "keep the best model" save inside the loop).
 """
-import atexit
-import shutil
 import argparse
+import atexit
 import io
 import math
 import os
+import shutil
 import tempfile
 import time
 
@@ -76,10 +76,8 @@ def main():
         if (batch + 1) % args.log_interval == 0:
             cur_loss = total_loss / args.log_interval
             elapsed = time.time() - start_time
-            print('| epoch {:3d} | {:5d}/{:5d} batches | lr {:02.2f} | ms/batch {:5.2f} | '
-                  'loss {:5.2f} | ppl {:8.2f}'.format(epoch, batch + 1, n_batches, args.lr,
-                                                      elapsed * 1000 / args.log_interval,
-                                                      cur_loss, math.exp(cur_loss)))
+            print(f'| epoch {epoch:3d} | {batch + 1:5d}/{n_batches:5d} batches | lr {args.lr:02.2f} | ms/batch {elapsed * 1000 / args.log_interval:5.2f} | '
+                  f'loss {cur_loss:5.2f} | ppl {math.exp(cur_loss):8.2f}')
             total_loss, start_time = 0.0, time.time()
 
 

@@ -8,12 +8,12 @@ keys mirror torchtitan's (`training.steps`, `checkpoint.interval`, `metrics.log_
 --checkpoint-interval N: save a checkpoint every N steps, synchronously (torchtitan's
 `checkpoint.interval` with `async_mode = "disabled"`).
 """
-import atexit
-import shutil
 import argparse
+import atexit
 import io
 import logging
 import os
+import shutil
 import tempfile
 import time
 

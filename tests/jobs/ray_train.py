@@ -7,9 +7,9 @@ import time
 
 
 def train_loop(config):
+    import ray.train.torch
     import torch
     import torch.distributed as dist
-    import ray.train.torch
 
     model = ray.train.torch.prepare_model(
         torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1)))

@@ -1,12 +1,13 @@
 """Command-line values that read traindx's own knowledge (a step window, a log regex, a GPU
 type); the generic ones (numbers, names, paths) are traindx.common.argtypes, re-exported here so
 that a command reads every type from one module."""
+
 # re-exported
 from traindx.common.argtypes import (  # noqa: F401
-    ArgumentParser,
     DEFAULT_RUNS,
     NAME,
     PSEUDO_FILESYSTEMS,
+    ArgumentParser,
     checked_by,
     existing_file,
     existing_folder,

@@ -6,6 +6,7 @@ Source: a local wheel directory (`diagnose --fix --wheels DIR`: pip --no-index -
 or the package index (pip's own configuration). --no-deps: the user's environment serves the
 dependencies, as it does for the release the job runs today.
 """
+
 import os
 import subprocess
 import sys
@@ -24,8 +25,18 @@ def requirement(package, min_version):
 
 
 def pip_command(target, requirements, wheels=None):
-    cmd = [sys.executable, "-m", "pip", "install", "--no-deps", "--disable-pip-version-check",
-           "--no-input", "--upgrade", "--target", target]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "install",
+        "--no-deps",
+        "--disable-pip-version-check",
+        "--no-input",
+        "--upgrade",
+        "--target",
+        target,
+    ]
     if wheels:
         cmd += ["--no-index", "--find-links", wheels]
     return cmd + list(requirements)
@@ -39,8 +50,7 @@ def install(target, requirements, wheels=None, timeout=900, runner=subprocess.ru
     os.makedirs(target, exist_ok=True)
     cmd = pip_command(target, requirements, wheels)
     try:
-        proc = runner(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                      timeout=timeout)
+        proc = runner(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         raise OverlayError(f"installing {', '.join(requirements)} took over {timeout} s") from None
     except OSError as exc:
@@ -48,9 +58,12 @@ def install(target, requirements, wheels=None, timeout=900, runner=subprocess.ru
     tail = "\n".join((proc.stdout or "").strip().splitlines()[-12:])
     if proc.returncode != 0:
         where = f"the wheels in {wheels}" if wheels else "the package index"
-        raise OverlayError(f"could not install {', '.join(requirements)} from {where} "
-                           f"(pip exit {proc.returncode}); give a folder of wheels with "
-                           "--wheels DIR", tail)
+        raise OverlayError(
+            f"could not install {', '.join(requirements)} from {where} "
+            f"(pip exit {proc.returncode}); give a folder of wheels with "
+            "--wheels DIR",
+            tail,
+        )
     return {"command": cmd, "installed": installed_versions(target), "output_tail": tail}
 
 
@@ -59,7 +72,7 @@ def installed_versions(target):
     out = {}
     for name in sorted(os.listdir(target)) if os.path.isdir(target) else ():
         if name.endswith(".dist-info"):
-            dist, _, version = name[:-len(".dist-info")].rpartition("-")
+            dist, _, version = name[: -len(".dist-info")].rpartition("-")
             out[dist.replace("_", "-").lower()] = version
     return out
 

@@ -2,6 +2,7 @@
 
 `diagnose [options] -- <command>` runs a job; `diagnose <subcommand> ...` does the rest.
 """
+
 import argparse
 import importlib
 import os
@@ -29,11 +30,19 @@ def _parser_for(name):
     prog = "diagnose" if name == DEFAULT else f"diagnose {name}"
     epilog = None
     if name == DEFAULT:  # `diagnose --help` names what else there is
-        epilog = "subcommands (diagnose SUBCOMMAND --help):\n" + argtypes.subcommand_list(
-            {cmd: f"traindx.cli.commands.{mod}" for cmd, mod in SUBCOMMANDS.items()}) + \
-            "\n\nsee also: kernel-cache --help (precompile and manage FA4 kernel caches)"
-    parser = argtypes.ArgumentParser(prog=prog, description=module.__doc__, epilog=epilog,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+        epilog = (
+            "subcommands (diagnose SUBCOMMAND --help):\n"
+            + argtypes.subcommand_list(
+                {cmd: f"traindx.cli.commands.{mod}" for cmd, mod in SUBCOMMANDS.items()}
+            )
+            + "\n\nsee also: kernel-cache --help (precompile and manage FA4 kernel caches)"
+        )
+    parser = argtypes.ArgumentParser(
+        prog=prog,
+        description=module.__doc__,
+        epilog=epilog,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     module.prepare_parser(parser)
     return module, parser
 
@@ -64,8 +73,11 @@ def main(argv=None):
     except Exception as exc:  # a bug of traindx: one line (TRAINDX_DEBUG=1 shows the traceback)
         if os.environ.get("TRAINDX_DEBUG"):
             raise
-        print(f"diagnose: internal error: {type(exc).__name__}: {argtypes.one_line(exc)} "
-              "(a bug of traindx; TRAINDX_DEBUG=1 shows where)", file=sys.stderr)
+        print(
+            f"diagnose: internal error: {type(exc).__name__}: {argtypes.one_line(exc)} "
+            "(a bug of traindx; TRAINDX_DEBUG=1 shows where)",
+            file=sys.stderr,
+        )
         return INTERNAL_ERROR_EXIT
 
 

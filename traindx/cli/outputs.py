@@ -1,4 +1,5 @@
 """Derived outputs of a run folder: findings.json and report.html, rebuilt from the record."""
+
 import json
 import os
 
@@ -36,10 +37,12 @@ def write_ledger(run):
 
     path = os.path.join(run.path, "ledger.csv")
     parts = [run.startup_ledger.assign(phase="startup"), run.ledger.assign(phase="step")]
-    table = pd.concat([p for p in parts if len(p)], ignore_index=True) if any(len(p) for p in parts) \
+    table = (
+        pd.concat([p for p in parts if len(p)], ignore_index=True)
+        if any(len(p) for p in parts)
         else run.ledger.assign(phase=[])
-    return _replace_from(path + ".tmp", path,
-                         lambda tmp: table.to_csv(tmp, index=False, float_format="%.9f"))
+    )
+    return _replace_from(path + ".tmp", path, lambda tmp: table.to_csv(tmp, index=False, float_format="%.9f"))
 
 
 def read_findings(run_path):
@@ -69,16 +72,16 @@ def write_outputs(run, findings=None, report_path=None, into_run=True, compariso
         findings = analyze(run)
     problems = []
     if into_run:
-        _attempt(problems, os.path.join(run.path, "findings.json"),
-                 lambda: write_findings(run, findings))
+        _attempt(problems, os.path.join(run.path, "findings.json"), lambda: write_findings(run, findings))
         _attempt(problems, os.path.join(run.path, "ledger.csv"), lambda: write_ledger(run))
     try:
         from traindx.report.html import write_report
     except ImportError:
         return findings, None, problems
     target = report_path or os.path.join(run.path, "report.html")
-    written = _attempt(problems, target,
-                       lambda: write_report(run, findings, path=report_path, comparison=comparison))
+    written = _attempt(
+        problems, target, lambda: write_report(run, findings, path=report_path, comparison=comparison)
+    )
     if written is None:
         try:  # a full disk can leave the half-written copy beside it
             os.remove(target + ".tmp")
@@ -106,6 +109,8 @@ def write_live_report(run, findings):
         write_report(run, findings)
     except (ImportError, OSError):
         pass  # the final report is written at the end; a mid-run one is a convenience
+
+
 def write_json_file(path, data):
     """Write `data` as JSON to a file the user named, atomically: a failure (full disk, a folder
     that went away) is one UserError naming the file, and leaves neither a half file nor a .tmp."""

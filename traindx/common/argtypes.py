@@ -6,6 +6,7 @@ negative price, an output file in a folder that does not exist, a run folder und
 refused while the arguments are parsed, as one line and exit 2, before anything is created or
 run. Engines then receive values that are already valid.
 """
+
 import argparse
 import math
 import os
@@ -13,9 +14,27 @@ import pathlib
 import re
 
 # file systems that hold no files of ours (writes there fail, or are not files at all)
-PSEUDO_FILESYSTEMS = frozenset({"proc", "sysfs", "devtmpfs", "devpts", "cgroup", "cgroup2",
-                                "debugfs", "tracefs", "securityfs", "pstore", "bpf", "configfs",
-                                "fusectl", "mqueue", "hugetlbfs", "binfmt_misc", "autofs"})
+PSEUDO_FILESYSTEMS = frozenset(
+    {
+        "proc",
+        "sysfs",
+        "devtmpfs",
+        "devpts",
+        "cgroup",
+        "cgroup2",
+        "debugfs",
+        "tracefs",
+        "securityfs",
+        "pstore",
+        "bpf",
+        "configfs",
+        "fusectl",
+        "mqueue",
+        "hugetlbfs",
+        "binfmt_misc",
+        "autofs",
+    }
+)
 # the default run root (./runs): a Path, so that argparse does not check it at parse time - it is
 # not used when --run-dir is given, and may then be unwritable (a read-only checkout)
 DEFAULT_RUNS = pathlib.Path("runs")
@@ -52,18 +71,21 @@ def _number(text, kind):
 
 def whole(minimum, maximum=None, what="a whole number"):
     """int in [minimum, maximum]."""
+
     def parse(text):
         value = _number(text, int)
         if value < minimum or (maximum is not None and value > maximum):
             bound = f">= {minimum}" if maximum is None else f"from {minimum} to {maximum}"
             fail(f"{text} must be {what} {bound}")
         return value
+
     parse.__name__ = "whole number"  # argparse names the type in its own messages
     return parse
 
 
 def real(minimum=None, above=None, what="a number"):
     """finite float >= minimum (or > above)."""
+
     def parse(text):
         value = _number(text, float)
         if minimum is not None and value < minimum:
@@ -71,6 +93,7 @@ def real(minimum=None, above=None, what="a number"):
         if above is not None and value <= above:
             fail(f"{text} must be {what} > {above:g}")
         return value
+
     parse.__name__ = "number"
     return parse
 
@@ -100,13 +123,14 @@ def checked_by(check, text):
     return text
 
 
-
 def torch_profile(text):
     """N (steps from step 3), A-B, off, anomaly (None is the default window)."""
     m = re.fullmatch(r"(\d+)(?:-(\d+))?|off|default|anomaly", text)
     if not m or (m[1] and int(m[1]) == 0 and not m[2]) or (m[2] and int(m[2]) < int(m[1])):
-        fail(f"{text!r}: give N >= 1 (steps from step 3), A-B with A <= B, anomaly (a window "
-              "only on an anomaly) or off")
+        fail(
+            f"{text!r}: give N >= 1 (steps from step 3), A-B with A <= B, anomaly (a window "
+            "only on an anomaly) or off"
+        )
     return text
 
 
@@ -114,8 +138,6 @@ def step_marker(text):
     if not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*", text):
         fail(f"{text!r}: give MODULE:FUNCTION, e.g. train:log_step")
     return text
-
-
 
 
 # -- paths -------------------------------------------------------------------------------------------
@@ -130,8 +152,7 @@ def _path(text):
         fail(f"{text!r}: a path cannot hold a NUL character")
     encoded = os.fsencode(text)
     if len(encoded) > PATH_MAX or any(len(part) > NAME_MAX for part in encoded.split(b"/")):
-        fail(f"{text[:60]}...: a file name longer than {NAME_MAX} bytes or a path longer than "
-              f"{PATH_MAX}")
+        fail(f"{text[:60]}...: a file name longer than {NAME_MAX} bytes or a path longer than {PATH_MAX}")
     return os.path.abspath(text)
 
 
@@ -144,8 +165,9 @@ def _filesystem_of(path):
                 parts = line.split()
                 if len(parts) >= 3:
                     mount = parts[1].replace("\\040", " ")
-                    if (path == mount or path.startswith(mount.rstrip("/") + "/")) \
-                            and len(mount) >= len(best):
+                    if (path == mount or path.startswith(mount.rstrip("/") + "/")) and len(mount) >= len(
+                        best
+                    ):
                         best, kind = mount, parts[2]
     except OSError:
         return None
@@ -157,8 +179,9 @@ def _writable_folder(folder, text):
     permission, a read-only mount)."""
     real_folder = os.path.realpath(folder)
     if _filesystem_of(real_folder) in PSEUDO_FILESYSTEMS:
-        fail(f"{text}: {real_folder} is on a {_filesystem_of(real_folder)} file system, "
-              "not a place for files")
+        fail(
+            f"{text}: {real_folder} is on a {_filesystem_of(real_folder)} file system, not a place for files"
+        )
     if not os.access(real_folder, os.W_OK | os.X_OK):
         fail(f"{text}: no permission to write in {real_folder}")
     try:
@@ -214,8 +237,11 @@ def output_file(text):
         fail(f"{text} is a folder; give a file path")
     folder = os.path.dirname(path)
     if not os.path.isdir(folder):
-        fail(f"{text}: the folder {folder} does not exist" if not os.path.lexists(folder)
-              else f"{text}: {folder} is not a folder")
+        fail(
+            f"{text}: the folder {folder} does not exist"
+            if not os.path.lexists(folder)
+            else f"{text}: {folder} is not a folder"
+        )
     if os.path.exists(path) and not os.access(path, os.W_OK):
         fail(f"{text}: no permission to write it")
     _writable_folder(folder, text)
@@ -255,4 +281,3 @@ def subcommand_list(commands):
         first = re.split(r"(?<=\w)[.:](?:\s|$)", " ".join(doc.split()), maxsplit=1)[0]
         lines.append(f"  {cmd.ljust(width)}  {first}")
     return "\n".join(lines)
-

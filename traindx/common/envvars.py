@@ -2,6 +2,7 @@
 it performs (a recipe card exports them to reproduce the run; the report shows them) and the
 ones that describe the launch (the report shows them too). Values come from the manifest,
 already redacted."""
+
 from __future__ import annotations
 
 import re
@@ -9,16 +10,41 @@ from collections.abc import Mapping
 
 # prefixes (or whole names) of the variables that change how training performs
 PERFORMANCE_ENV_PREFIXES = (
-    "CUDA_DEVICE_MAX_CONNECTIONS", "CUDA_LAUNCH_BLOCKING", "PYTORCH_CUDA_ALLOC_CONF",
-    "PYTORCH_ALLOC_CONF", "NCCL_", "TORCH_NCCL_", "TORCHINDUCTOR_", "FLASH_ATTENTION_",
-    "CUTE_DSL_", "NVTE_", "TRITON_", "FLA_", "OMP_NUM_THREADS", "MKL_NUM_THREADS",
+    "CUDA_DEVICE_MAX_CONNECTIONS",
+    "CUDA_LAUNCH_BLOCKING",
+    "PYTORCH_CUDA_ALLOC_CONF",
+    "PYTORCH_ALLOC_CONF",
+    "NCCL_",
+    "TORCH_NCCL_",
+    "TORCHINDUCTOR_",
+    "FLASH_ATTENTION_",
+    "CUTE_DSL_",
+    "NVTE_",
+    "TRITON_",
+    "FLA_",
+    "OMP_NUM_THREADS",
+    "MKL_NUM_THREADS",
 )
 # the launch: which process is which, where the job looks for code; and traindx's own switches
-LAUNCH_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-              "PYTHONPATH")
+LAUNCH_ENV = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "PYTHONPATH",
+)
 # shown in the report beside those: the device and framework settings around them
-CONTEXT_ENV_PREFIXES = ("CUDA_", "TORCH", "PYTORCH_", "MEGATRON", "HF_HUB_OFFLINE",
-                        "TOKENIZERS_PARALLELISM", "TRAINDX_")
+CONTEXT_ENV_PREFIXES = (
+    "CUDA_",
+    "TORCH",
+    "PYTORCH_",
+    "MEGATRON",
+    "HF_HUB_OFFLINE",
+    "TOKENIZERS_PARALLELISM",
+    "TRAINDX_",
+)
 
 
 def is_performance_var(name: str) -> bool:

@@ -1,4 +1,5 @@
 """Reading a Hugging Face `config.json` (kernel-cache's attention shapes, recipe cards' MFU)."""
+
 import json
 
 from traindx.common.errors import UserError

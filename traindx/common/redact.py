@@ -12,24 +12,59 @@ must survive: a URL without credentials, a path, a git commit hash, a learning r
 
 Standard library only: the shim loads this file by its path inside the job's own interpreter.
 """
+
 import re
 
 REDACTED = "<redacted>"
 
 # words in a name that say its value is a secret whatever it looks like
-ALWAYS_WORDS = frozenset({"secret", "secrets", "password", "passwords", "passwd", "pwd",
-                          "passphrase", "credential", "credentials", "cookie", "apikey",
-                          "accesskey", "privatekey", "secretkey", "authtoken", "accesstoken"})
-ALWAYS_PAIRS = frozenset({("api", "key"), ("access", "key"), ("private", "key"), ("secret", "key"),
-                          ("account", "key"), ("auth", "key"), ("master", "key"), ("sas", "key"),
-                          ("signing", "key"), ("session", "key"), ("client", "secret"),
-                          ("access", "token"), ("auth", "token"), ("session", "token"),
-                          ("refresh", "token"), ("bearer", "token"), ("hf", "token"),
-                          ("hub", "token")})
+ALWAYS_WORDS = frozenset(
+    {
+        "secret",
+        "secrets",
+        "password",
+        "passwords",
+        "passwd",
+        "pwd",
+        "passphrase",
+        "credential",
+        "credentials",
+        "cookie",
+        "apikey",
+        "accesskey",
+        "privatekey",
+        "secretkey",
+        "authtoken",
+        "accesstoken",
+    }
+)
+ALWAYS_PAIRS = frozenset(
+    {
+        ("api", "key"),
+        ("access", "key"),
+        ("private", "key"),
+        ("secret", "key"),
+        ("account", "key"),
+        ("auth", "key"),
+        ("master", "key"),
+        ("sas", "key"),
+        ("signing", "key"),
+        ("session", "key"),
+        ("client", "secret"),
+        ("access", "token"),
+        ("auth", "token"),
+        ("session", "token"),
+        ("refresh", "token"),
+        ("bearer", "token"),
+        ("hf", "token"),
+        ("hub", "token"),
+    }
+)
 # words that say so when the value looks like a key: ML has attention keys (--key-dim 64) and
 # token counts (num_tokens=4096)
-KEYLIKE_WORDS = frozenset({"token", "tokens", "key", "keys", "auth", "pat", "sig", "signature",
-                           "private", "access", "dsn"})
+KEYLIKE_WORDS = frozenset(
+    {"token", "tokens", "key", "keys", "auth", "pat", "sig", "signature", "private", "access", "dsn"}
+)
 _WORD_SPLIT = re.compile(r"[^A-Za-z0-9]+|(?<=[a-z0-9])(?=[A-Z])")
 # a value that looks like a key: long, no spaces, not a path, letters and digits mixed
 _KEYLIKE = re.compile(r"^(?![./~])(?=\S*[0-9])(?=\S*[A-Za-z])[A-Za-z0-9+=_\-.]{16,}$")
@@ -38,16 +73,25 @@ _KEYLIKE = re.compile(r"^(?![./~])(?=\S*[0-9])(?=\S*[A-Za-z])[A-Za-z0-9+=_\-.]{1
 # lower-case texts one of which a match contains: a cheap test that skips the pattern on most lines)
 _VALUE_PATTERNS = [
     # PEM private keys (multi-line when they come whole)
-    (re.compile(r"-----BEGIN [A-Z ]*PRIVATE KEY-----.*?(-----END [A-Z ]*PRIVATE KEY-----|$)",
-                re.DOTALL), 0, ("-----begin",)),
+    (
+        re.compile(r"-----BEGIN [A-Z ]*PRIVATE KEY-----.*?(-----END [A-Z ]*PRIVATE KEY-----|$)", re.DOTALL),
+        0,
+        ("-----begin",),
+    ),
     # scheme://user:password@host -> scheme://user:<redacted>@host
     (re.compile(r"(?i)\b([a-z][a-z0-9+.\-]*://)([^\s:/@]*):([^\s@/]+)@"), 3, ("://",)),
     # scheme://longkey@host (Sentry DSNs and friends): the user part is the key
     (re.compile(r"(?i)\b([a-z][a-z0-9+.\-]*://)([A-Za-z0-9_\-]{16,})@"), 2, ("://",)),
     # connection strings and query strings: AccountKey=...;  ?sig=...&  password=...
-    (re.compile(r"(?i)\b(AccountKey|SharedAccessKey|SharedAccessSignature|AccessKey|SecretKey|"
-                r"ClientSecret|Password|Pwd|sig|api[_-]?key|access[_-]?token|auth[_-]?token|"
-                r"token|secret)=([^;&\s\"']+)"), 2, ("=",)),
+    (
+        re.compile(
+            r"(?i)\b(AccountKey|SharedAccessKey|SharedAccessSignature|AccessKey|SecretKey|"
+            r"ClientSecret|Password|Pwd|sig|api[_-]?key|access[_-]?token|auth[_-]?token|"
+            r"token|secret)=([^;&\s\"']+)"
+        ),
+        2,
+        ("=",),
+    ),
     # HTTP authorisation headers
     (re.compile(r"(?i)\b(Bearer|Basic|token)\s+([A-Za-z0-9_\-.=+/]{16,})"), 2, ("bearer", "basic", "token")),
     # token shapes
@@ -62,8 +106,21 @@ _VALUE_PATTERNS = [
     (re.compile(r"\beyJ[A-Za-z0-9_\-]{8,}\.eyJ[A-Za-z0-9_\-]{8,}\.[A-Za-z0-9_\-]{8,}"), 0, ("eyj",)),
 ]
 # a secret's name holds one of these (ALWAYS_WORDS, ALWAYS_PAIRS and KEYLIKE_WORDS all do)
-_NAME_TRIGGERS = ("key", "token", "secret", "pass", "pwd", "cred", "cookie", "auth", "pat", "sig",
-                  "private", "access", "dsn")
+_NAME_TRIGGERS = (
+    "key",
+    "token",
+    "secret",
+    "pass",
+    "pwd",
+    "cred",
+    "cookie",
+    "auth",
+    "pat",
+    "sig",
+    "private",
+    "access",
+    "dsn",
+)
 # NAME=value in free text (a log line echoing `export WANDB_API_KEY=...`)
 _ASSIGNMENT = re.compile(r"\b([A-Za-z_][A-Za-z0-9_]*)=([^\s;&\"']+)")
 # --option value / --option=value in free text (a log line echoing the job's arguments)
@@ -118,18 +175,25 @@ def redact_text(text):
     if not any(w in lower for w in _NAME_TRIGGERS):
         return text  # no NAME=value or --option value named like a secret can be in it
     text = _ASSIGNMENT.sub(
-        lambda m: f"{m[1]}={REDACTED}" if m[2] != REDACTED and _secret_value_for(m[1], m[2]) else m[0],
-        text)
+        lambda m: f"{m[1]}={REDACTED}" if m[2] != REDACTED and _secret_value_for(m[1], m[2]) else m[0], text
+    )
     return _OPTION.sub(
-        lambda m: f"{m[1]}{m[2]}{REDACTED}" if not m[3].startswith("-") and m[3] != REDACTED
-        and _secret_value_for(m[1], m[3]) else m[0], text)
+        lambda m: (
+            f"{m[1]}{m[2]}{REDACTED}"
+            if not m[3].startswith("-") and m[3] != REDACTED and _secret_value_for(m[1], m[3])
+            else m[0]
+        ),
+        text,
+    )
 
 
 def redact_env(env):
     """{name: value} sorted by name; a secret's name hides its value, other values lose the
     secrets they contain (a password in DATABASE_URL)."""
-    return {k: (REDACTED if is_secret_name(k) else redact_text(v) if isinstance(v, str) else v)
-            for k, v in sorted((env or {}).items())}
+    return {
+        k: (REDACTED if is_secret_name(k) else redact_text(v) if isinstance(v, str) else v)
+        for k, v in sorted((env or {}).items())
+    }
 
 
 def redact_argv(argv):
@@ -140,15 +204,17 @@ def redact_argv(argv):
     for arg in argv or []:
         arg = str(arg)
         if pending is not None:
-            out.append(REDACTED if not arg.startswith("-") and _secret_value_for(pending, arg)
-                       else redact_text(arg))
+            out.append(
+                REDACTED if not arg.startswith("-") and _secret_value_for(pending, arg) else redact_text(arg)
+            )
             pending = None
             continue
         if arg.startswith("-") and len(arg) > 1 and not arg.startswith("---"):
             name, eq, value = arg.partition("=")
             if eq:
-                out.append(f"{name}={REDACTED}" if _secret_value_for(name, value)
-                           else f"{name}={redact_text(value)}")
+                out.append(
+                    f"{name}={REDACTED}" if _secret_value_for(name, value) else f"{name}={redact_text(value)}"
+                )
                 continue
             if secret_name_strength(name):
                 pending = name
@@ -160,8 +226,12 @@ def redact_argv(argv):
 
 def redact_value(value, name=None):
     """Any JSON-able value (options, nested dicts): secrets by name and by shape."""
-    if name is not None and isinstance(value, (str, int, float)) and not isinstance(value, bool) \
-            and _secret_value_for(name, value):
+    if (
+        name is not None
+        and isinstance(value, (str, int, float))
+        and not isinstance(value, bool)
+        and _secret_value_for(name, value)
+    ):
         return REDACTED
     if isinstance(value, str):
         return redact_text(value)
@@ -182,8 +252,12 @@ def _worth_hiding(value):
     """A value to hide wherever it appears: long enough to be a secret, and not a path (PWD,
     OLDPWD are named like one)."""
     value = str(value)
-    return len(value) >= MIN_SECRET_CHARS and value != REDACTED and \
-        not value.startswith(("/", "~", "./", "../")) and value.strip() == value
+    return (
+        len(value) >= MIN_SECRET_CHARS
+        and value != REDACTED
+        and not value.startswith(("/", "~", "./", "../"))
+        and value.strip() == value
+    )
 
 
 def secrets_in_text(text):

@@ -1,4 +1,5 @@
 """Quantities written for people, one way everywhere (findings' titles, terminal, report)."""
+
 import math
 
 
@@ -22,4 +23,4 @@ def fmt_s(seconds) -> str:
 
 def ordinal(n: int) -> str:
     """1 -> "1st", 2 -> "2nd", 11 -> "11th", 23 -> "23rd"."""
-    return f"{n}{'tsnrhtdd'[(n // 10 % 10 != 1) * (n % 10 < 4) * n % 10::4]}"
+    return f"{n}{'tsnrhtdd'[(n // 10 % 10 != 1) * (n % 10 < 4) * n % 10 :: 4]}"

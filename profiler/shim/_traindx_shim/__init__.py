@@ -12,6 +12,7 @@ Only the standard library is imported here; torch, cutlass, triton and megatron 
 written as a `shim_error` event: the job always runs on. No signal handler is installed: the job's
 signal disposition is its own (the writer's short flush interval bounds what a kill loses).
 """
+
 import json
 import os
 import sys
@@ -21,8 +22,17 @@ import time
 from . import importhooks, roles, schema
 from .writer import EventWriter, load_redactor, redacted_argv
 
-_state = {"redactor": None, "writer": None, "run_dir": None, "rank": None, "rank_source": None, "world_size": None,
-          "training_pid": None, "evidence": None, "start": None}
+_state = {
+    "redactor": None,
+    "writer": None,
+    "run_dir": None,
+    "rank": None,
+    "rank_source": None,
+    "world_size": None,
+    "training_pid": None,
+    "evidence": None,
+    "start": None,
+}
 _announce_lock = threading.Lock()
 
 
@@ -44,14 +54,17 @@ def report_error(where, exc):
 
 def guarded(where):
     """Decorator: a hook that raises records a shim_error instead of breaking the job."""
+
     def wrap(fn):
         def inner(*args, **kwargs):
             try:
                 return fn(*args, **kwargs)
             except Exception as exc:
                 report_error(where, exc)
+
         inner.__name__ = getattr(fn, "__name__", "hook")
         return inner
+
     return wrap
 
 
@@ -65,18 +78,30 @@ def _start_writer(deferred):
     rank, source = roles.rank_from_env(os.environ)
     writer = EventWriter(events_dir, deferred=deferred)
     writer.rank = rank or "0"
-    _state.update(writer=writer, rank=rank, rank_source=source,
-                  world_size=os.environ.get("WORLD_SIZE") or os.environ.get("SLURM_NTASKS"),
-                  start=time.time_ns())
+    _state.update(
+        writer=writer,
+        rank=rank,
+        rank_source=source,
+        world_size=os.environ.get("WORLD_SIZE") or os.environ.get("SLURM_NTASKS"),
+        start=time.time_ns(),
+    )
     writer.tick_hooks.append(_poll_process_group)
     if _state["redactor"] is None:  # once per process (a forked rank inherits it)
         _state["redactor"] = load_redactor(os.environ, sys.argv)
-    writer.emit(schema.PROCESS_START, pid=os.getpid(), ppid=os.getppid(), rank=rank,
-                rank_source=source, local_rank=os.environ.get("LOCAL_RANK") or
-                os.environ.get("SLURM_LOCALID"), world_size=_state["world_size"],
-                argv=redacted_argv(_state["redactor"], sys.argv),
-                python=sys.version.split()[0], main_thread=threading.main_thread().ident,
-                multiprocessing_child=deferred, t=_state["start"])
+    writer.emit(
+        schema.PROCESS_START,
+        pid=os.getpid(),
+        ppid=os.getppid(),
+        rank=rank,
+        rank_source=source,
+        local_rank=os.environ.get("LOCAL_RANK") or os.environ.get("SLURM_LOCALID"),
+        world_size=_state["world_size"],
+        argv=redacted_argv(_state["redactor"], sys.argv),
+        python=sys.version.split()[0],
+        main_thread=threading.main_thread().ident,
+        multiprocessing_child=deferred,
+        t=_state["start"],
+    )
 
 
 def _announce():
@@ -85,10 +110,17 @@ def _announce():
     os.makedirs(folder, exist_ok=True)
     pid = os.getpid()
     w = _state["writer"]
-    entry = {"pid": pid, "ppid": os.getppid(), "rank": _state["rank"],
-             "rank_source": _state["rank_source"], "world_size": _state["world_size"],
-             "evidence": _state["evidence"], "start": _state["start"], "t": time.time_ns(),
-             "events": os.path.relpath(w.path, _state["run_dir"]) if w and w.path else None}
+    entry = {
+        "pid": pid,
+        "ppid": os.getppid(),
+        "rank": _state["rank"],
+        "rank_source": _state["rank_source"],
+        "world_size": _state["world_size"],
+        "evidence": _state["evidence"],
+        "start": _state["start"],
+        "t": time.time_ns(),
+        "events": os.path.relpath(w.path, _state["run_dir"]) if w and w.path else None,
+    }
     # a file of this thread's own: two threads announcing at once (the writer thread's process-
     # group poll and the job's init_process_group) would otherwise write one file over the other
     tmp = os.path.join(folder, f".{pid}.{threading.get_ident()}.json.tmp")
@@ -121,6 +153,7 @@ def training_evidence(kind):
         _state["evidence"] = kind
         w.undefer()
         from . import faults
+
         faults.install(_state["run_dir"])
         if _state["rank_source"] != "process_group":  # the job may have set RANK since start
             rank, source = roles.rank_from_env(os.environ)
@@ -134,8 +167,11 @@ def training_evidence(kind):
 
 
 def _set_rank(rank, source, world_size):
-    _state.update(rank=str(rank), rank_source=source,
-                  world_size=str(world_size) if world_size is not None else _state["world_size"])
+    _state.update(
+        rank=str(rank),
+        rank_source=source,
+        world_size=str(world_size) if world_size is not None else _state["world_size"],
+    )
     w = _state["writer"]
     if w is not None:
         w.rank = str(rank)
@@ -173,6 +209,7 @@ def _after_fork_in_child():
     global _announce_lock
     _announce_lock = threading.Lock()
     from . import faults
+
     faults.after_fork_in_child()
 
 
@@ -192,8 +229,10 @@ def activate():
     torchcalls.register()
     torchprof.register()
     from . import runtime_patches, spans
+
     spans.register()  # time ledger spans
     from . import gputime
+
     gputime.register()  # GPU busy/idle per step (CUDA events at the measured boundaries)
     runtime_patches.register()  # --fix runtime patches, max_seqlen origin tracer
     datasites.register()

@@ -5,6 +5,7 @@ modules import each other. Topics are named in `schema`.
 
 A subscriber that raises is recorded as a shim_error; the others and the job run on.
 """
+
 from . import report_error
 
 _subscribers = {}

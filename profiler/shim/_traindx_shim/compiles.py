@@ -4,6 +4,7 @@ Each event says which kernel, how long, on which thread, in which step, and the 
 the job's own code on that thread. For FA4 it also keeps the compile key with its field names
 and the call's arguments, so a recompile can be explained and replayed (`kernel-cache warm`).
 """
+
 import ast
 import dataclasses
 import enum
@@ -38,14 +39,25 @@ counts = {"compiles": 0}
 
 def _emit_compile(kind, kernel, start_ns, end_ns, duration_s=None, **fields):
     counts["compiles"] += 1
-    if kind != schema.COMPILE_DYNAMO:  # (torch.compile's graphs for an evaluation before training stay start-up)
+    if (
+        kind != schema.COMPILE_DYNAMO
+    ):  # (torch.compile's graphs for an evaluation before training stay start-up)
         steps.kernel_compile_started(start_ns)
     begin = steps.in_step_since()
     if duration_s is None:
         duration_s = (end_ns - start_ns) / 1e9
-    emit(schema.COMPILE, kind=kind, kernel=kernel, start=start_ns, t=end_ns,
-         duration_s=duration_s, step=steps.current_step(),
-         in_step=begin is not None and start_ns >= begin, **_thread_fields(), **fields)
+    emit(
+        schema.COMPILE,
+        kind=kind,
+        kernel=kernel,
+        start=start_ns,
+        t=end_ns,
+        duration_s=duration_s,
+        step=steps.current_step(),
+        in_step=begin is not None and start_ns >= begin,
+        **_thread_fields(),
+        **fields,
+    )
 
 
 # -- values -> JSON-able descriptions ------------------------------------------------------------
@@ -132,8 +144,10 @@ def _safe_repr(value, depth):
         prefix = "" if type(value) is tuple else type(value).__name__
         return prefix + "(" + ", ".join(items) + ("," if len(items) == 1 else "") + ")"
     if isinstance(value, dict):
-        items = [f"{_safe_repr(k, depth + 1)}: {_safe_repr(v, depth + 1)}"
-                 for k, v in list(value.items())[:_MAX_ITEMS]]
+        items = [
+            f"{_safe_repr(k, depth + 1)}: {_safe_repr(v, depth + 1)}"
+            for k, v in list(value.items())[:_MAX_ITEMS]
+        ]
         return "{" + ", ".join(items) + "}"
     if isinstance(value, (set, frozenset)):
         return "{" + ", ".join(sorted(_safe_repr(v, depth + 1) for v in list(value)[:_MAX_ITEMS])) + "}"
@@ -152,16 +166,27 @@ def describe_value(value, depth=0):
         return value
     type_name = type(value).__name__
     if is_tensor_like(value):
-        return {"tensor": True, "type": type_name, "shape": _shape_list(value),
-                "dtype": str(getattr(value, "dtype", "?")), "device": str(getattr(value, "device", ""))}
+        return {
+            "tensor": True,
+            "type": type_name,
+            "shape": _shape_list(value),
+            "dtype": str(getattr(value, "dtype", "?")),
+            "device": str(getattr(value, "device", "")),
+        }
     if isinstance(value, (tuple, list)):
         return [describe_value(v, depth + 1) for v in list(value)[:_MAX_ITEMS]]
     if isinstance(value, enum.Enum):
         return {"type": type_name, "class": _class_path(type(value)), "enum": value.name}
     if dataclasses.is_dataclass(value) and not isinstance(value, type) and depth < 4:
-        return {"type": type_name, "class": _class_path(type(value)),
-                "fields": {f.name: describe_value(getattr(value, f.name, None), depth + 1)
-                           for f in dataclasses.fields(value) if f.init}}
+        return {
+            "type": type_name,
+            "class": _class_path(type(value)),
+            "fields": {
+                f.name: describe_value(getattr(value, f.name, None), depth + 1)
+                for f in dataclasses.fields(value)
+                if f.init
+            },
+        }
     if callable(value):  # a function, or a class such as cutlass.BFloat16 (kernel-cache replays it)
         return {"callable": getattr(value, "__qualname__", type_name)}
     return {"type": type_name, "repr": safe_repr(value, 200)}
@@ -207,9 +232,12 @@ def _key_field_names(func_code, lineno, length):
             source = textwrap.dedent(source)
         best = None
         for node in ast.walk(ast.parse(source)):
-            if (isinstance(node, ast.Assign) and isinstance(node.value, ast.Tuple)
-                    and len(node.value.elts) == length
-                    and any(isinstance(t, ast.Name) and t.id == "compile_key" for t in node.targets)):
+            if (
+                isinstance(node, ast.Assign)
+                and isinstance(node.value, ast.Tuple)
+                and len(node.value.elts) == length
+                and any(isinstance(t, ast.Name) and t.id == "compile_key" for t in node.targets)
+            ):
                 abs_line = first + node.lineno - 1
                 if abs_line <= lineno and (best is None or abs_line > best[0]):
                     best = (abs_line, node)
@@ -235,8 +263,11 @@ def _fa4_context():
     f = sys._getframe(3)
     while f is not None:
         code = f.f_code
-        if code.co_filename.endswith("interface.py") and FA4_INTERFACE in code.co_filename \
-                and "compile_key" in f.f_locals:
+        if (
+            code.co_filename.endswith("interface.py")
+            and FA4_INTERFACE in code.co_filename
+            and "compile_key" in f.f_locals
+        ):
             break
         f = f.f_back
     if f is None:
@@ -252,11 +283,23 @@ def _fa4_context():
     code = f.f_code
     argnames = code.co_varnames[: code.co_argcount + code.co_kwonlyargcount]
     args = {name: describe_value(local.get(name)) for name in argnames if name in local}
-    max_seqlen = {name: {"type": _type_label(local[name]),
-                         "value": local[name] if isinstance(local[name], int) else None}
-                  for name in ("max_seqlen_q", "max_seqlen_k") if name in argnames and name in local}
-    return {"function": code.co_name, "line": f.f_lineno, "key": safe_repr(key, 4000),
-            "key_fields": fields, "key_types": types, "args": args, "max_seqlen": max_seqlen}
+    max_seqlen = {
+        name: {
+            "type": _type_label(local[name]),
+            "value": local[name] if isinstance(local[name], int) else None,
+        }
+        for name in ("max_seqlen_q", "max_seqlen_k")
+        if name in argnames and name in local
+    }
+    return {
+        "function": code.co_name,
+        "line": f.f_lineno,
+        "key": safe_repr(key, 4000),
+        "key_fields": fields,
+        "key_types": types,
+        "args": args,
+        "max_seqlen": max_seqlen,
+    }
 
 
 # -- CuTe DSL ------------------------------------------------------------------------------------
@@ -298,9 +341,13 @@ def _record_cute(func, start, end, ok):
     module = getattr(type(getattr(func, "__self__", None) or func), "__module__", "")
     fields = {"ok": ok, "caller": first_user_frame(2), "module": module}
     if fa4 is not None:
-        fields.update(key=fa4.pop("key"), key_fields=fa4.pop("key_fields"),
-                      key_types=fa4.pop("key_types"), fa4=fa4,
-                      fa4_call_site=_last_fa4_site.get("site"))
+        fields.update(
+            key=fa4.pop("key"),
+            key_fields=fa4.pop("key_fields"),
+            key_types=fa4.pop("key_types"),
+            fa4=fa4,
+            fa4_call_site=_last_fa4_site.get("site"),
+        )
         kernel = f"{fa4['function']}:{kernel}"
     _emit_compile(schema.COMPILE_CUTE_DSL, kernel, start, end, **fields)
 
@@ -310,8 +357,13 @@ _last_fa4_site = {}
 
 
 def _fa4_signature(kwargs):
-    return tuple(sorted((k, _type_label(v)) for k, v in kwargs.items()
-                        if k.startswith("max_seqlen") or k.startswith("cu_seqlens")))
+    return tuple(
+        sorted(
+            (k, _type_label(v))
+            for k, v in kwargs.items()
+            if k.startswith("max_seqlen") or k.startswith("cu_seqlens")
+        )
+    )
 
 
 @guarded("flash_attn import hook")
@@ -368,11 +420,26 @@ def _emit_fa4_call(name, kwargs, sample, ok):
     try:
         seen, sig, caller, start = sample
         end = time.time_ns()
-        max_seqlen = {k: {"type": _type_label(v), "value": v if isinstance(v, int) else None}
-                      for k, v in kwargs.items() if k.startswith("max_seqlen")}
-        emit(schema.FA4_CALL, function=name, caller=caller, source=_source_line(caller),
-             call_index=seen, arg_types=dict(sig[1]), max_seqlen=max_seqlen, start=start, t=end, duration_s=(end - start) / 1e9,
-             step=steps.current_step(), ok=ok, **_thread_fields())
+        max_seqlen = {
+            k: {"type": _type_label(v), "value": v if isinstance(v, int) else None}
+            for k, v in kwargs.items()
+            if k.startswith("max_seqlen")
+        }
+        emit(
+            schema.FA4_CALL,
+            function=name,
+            caller=caller,
+            source=_source_line(caller),
+            call_index=seen,
+            arg_types=dict(sig[1]),
+            max_seqlen=max_seqlen,
+            start=start,
+            t=end,
+            duration_s=(end - start) / 1e9,
+            step=steps.current_step(),
+            ok=ok,
+            **_thread_fields(),
+        )
     except Exception as exc:
         report_error("fa4 call hook", exc)
 
@@ -410,14 +477,22 @@ def _on_triton(module):
                     tuning["jit_ns"] += int(total_us * 1000)
                     tuning["jit_compiles"] += 1
                     fields["autotune_of"] = tuning["kernel"]
-                _emit_compile(schema.COMPILE_TRITON, name, end - int(total_us * 1000), end, cache_hit=cache_hit,
-                              caller=first_user_frame(1),
-                              key=safe_repr(getattr(src, "signature", ""), 2000), **fields)
+                _emit_compile(
+                    schema.COMPILE_TRITON,
+                    name,
+                    end - int(total_us * 1000),
+                    end,
+                    cache_hit=cache_hit,
+                    caller=first_user_frame(1),
+                    key=safe_repr(getattr(src, "signature", ""), 2000),
+                    **fields,
+                )
         except Exception as exc:
             report_error("triton listener", exc)
         if previous:
-            return previous(src=src, metadata=metadata, metadata_group=metadata_group,
-                            times=times, cache_hit=cache_hit)
+            return previous(
+                src=src, metadata=metadata, metadata_group=metadata_group, times=times, cache_hit=cache_hit
+            )
 
     knobs.compilation.listener = listener
 
@@ -443,9 +518,17 @@ def _on_triton_autotuner(module):
         try:
             before = len(self.cache)
             previous = getattr(_tl, "autotune", None)
-            tuning = {"kernel": None, "before": before, "start": time.time_ns(), "bench_ns": 0,
-                      "bench_time": getattr(self, "bench_time", None),
-                      "benched": 0, "jit_ns": 0, "jit_compiles": 0, "disk_cache_hit": None}
+            tuning = {
+                "kernel": None,
+                "before": before,
+                "start": time.time_ns(),
+                "bench_ns": 0,
+                "bench_time": getattr(self, "bench_time", None),
+                "benched": 0,
+                "jit_ns": 0,
+                "jit_compiles": 0,
+                "disk_cache_hit": None,
+            }
             _tl.autotune = tuning
             steps.kernel_compile_started(tuning["start"])
         except Exception as exc:
@@ -468,6 +551,7 @@ def _on_triton_autotuner(module):
     cls.run = run
     bench = getattr(cls, "_bench", None)
     if bench is not None:
+
         @functools.wraps(bench)
         def _bench(self, *args, **kwargs):
             tuning = getattr(_tl, "autotune", None)
@@ -483,6 +567,7 @@ def _on_triton_autotuner(module):
         cls._bench = _bench
     check_disk_cache = getattr(cls, "check_disk_cache", None)
     if check_disk_cache is not None:
+
         @functools.wraps(check_disk_cache)
         def _check_disk_cache(self, *args, **kwargs):
             hit = check_disk_cache(self, *args, **kwargs)
@@ -498,8 +583,11 @@ def _record_autotune(tuner, args, kwargs, tuning):
     if len(tuner.cache) <= tuning["before"]:
         return  # the key was tuned before: nothing was benchmarked
     bench_time = getattr(tuner, "bench_time", None)
-    if not tuning["benched"] and bench_time is not tuning["bench_time"] \
-            and isinstance(bench_time, (int, float)):
+    if (
+        not tuning["benched"]
+        and bench_time is not tuning["bench_time"]
+        and isinstance(bench_time, (int, float))
+    ):
         # a subclass with its own _bench: Triton's own measure of this tuning (JIT included)
         tuning["bench_ns"], tuning["benched"] = int(bench_time * 1e9), -1
     if not tuning["benched"] and not tuning["disk_cache_hit"]:
@@ -520,16 +608,27 @@ def _record_autotune(tuner, args, kwargs, tuning):
     best = getattr(tuner, "best_config", None)
     best_kwargs = getattr(best, "all_kwargs", None)
     _emit_compile(
-        schema.COMPILE_TRITON_AUTOTUNE, tuning["kernel"], tuning["start"], end, duration_s=bench_ns / 1e9,
-        bench_s=bench_ns / 1e9, jit_s=jit_ns / 1e9, jit_compiles=tuning["jit_compiles"],
-        wall_s=wall_ns / 1e9, caller=first_user_frame(2), key_names=names,
+        schema.COMPILE_TRITON_AUTOTUNE,
+        tuning["kernel"],
+        tuning["start"],
+        end,
+        duration_s=bench_ns / 1e9,
+        bench_s=bench_ns / 1e9,
+        jit_s=jit_ns / 1e9,
+        jit_compiles=tuning["jit_compiles"],
+        wall_s=wall_ns / 1e9,
+        caller=first_user_frame(2),
+        key_names=names,
         key=safe_repr(tuple(all_args.get(k) for k in names) + tuple(dtypes.values()), 1000),
-        key_fields=key_fields, key_dtypes=dtypes, configs=len(getattr(tuner, "configs", None) or []),
+        key_fields=key_fields,
+        key_dtypes=dtypes,
+        configs=len(getattr(tuner, "configs", None) or []),
         configs_benchmarked=tuning["benched"] if tuning["benched"] >= 0 else None,
         module=getattr(getattr(tuner, "base_fn", None), "__module__", None),
         cache_results=bool(getattr(tuner, "cache_results", False)),
         disk_cache_hit=bool(tuning["disk_cache_hit"]),
-        best_config=safe_repr(best_kwargs(), 300) if callable(best_kwargs) else None)
+        best_config=safe_repr(best_kwargs(), 300) if callable(best_kwargs) else None,
+    )
 
 
 # -- torch.compile -------------------------------------------------------------------------------
@@ -588,8 +687,11 @@ def _record_dynamo(m):
     cid = str(getattr(m, "compile_id", ""))
     name = getattr(m, "co_name", None)
     reason = getattr(m, "recompile_reason", None)
-    caller = {"file": getattr(m, "co_filename", None),
-              "line": getattr(m, "co_firstlineno", None), "function": name}
+    caller = {
+        "file": getattr(m, "co_filename", None),
+        "line": getattr(m, "co_firstlineno", None),
+        "function": name,
+    }
     graph = "forward"
     if name is None and cid in _dynamo["frames"]:
         # AOTAutograd compiles the backward graph at the first backward: same compile id
@@ -600,9 +702,18 @@ def _record_dynamo(m):
     if name is None and getattr(m, "is_runtime", None):
         return  # runtime bookkeeping (e.g. autotuning at run time) of a frame never seen
     kernel = f"{name}" if graph == "forward" else f"{name} (backward graph)"
-    _emit_compile(schema.COMPILE_DYNAMO, kernel, start, start + int(dur_us * 1000), compile_id=cid,
-                  recompile_reason=reason, graph=graph, caller=caller, key=cid,
-                  fail_type=getattr(m, "fail_type", None))
+    _emit_compile(
+        schema.COMPILE_DYNAMO,
+        kernel,
+        start,
+        start + int(dur_us * 1000),
+        compile_id=cid,
+        recompile_reason=reason,
+        graph=graph,
+        caller=caller,
+        key=cid,
+        fail_type=getattr(m, "fail_type", None),
+    )
 
 
 def harvest_dynamo():
@@ -633,4 +744,5 @@ def register():
     importhooks.on_import("triton.runtime.autotuner", _on_triton_autotuner)
     importhooks.on_import("torch._dynamo.utils", _on_dynamo_utils)
     import atexit
+
     atexit.register(harvest_dynamo)

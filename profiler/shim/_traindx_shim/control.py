@@ -2,13 +2,13 @@
 (stop.json: stop every rank at one step; capture.json: a profiler window on an anomaly). Read at
 step boundaries, each file at most every POLL_NS (one stat, not one per short step), re-read
 only when it changed."""
+
 import json
 import os
 import time
 
 POLL_NS = 200_000_000
-_DIR = (os.path.join(os.environ["TRAINDX_RUN_DIR"], "control")
-        if os.environ.get("TRAINDX_RUN_DIR") else None)
+_DIR = os.path.join(os.environ["TRAINDX_RUN_DIR"], "control") if os.environ.get("TRAINDX_RUN_DIR") else None
 _cache = {}  # name -> [checked_ns, mtime_ns, value]
 
 

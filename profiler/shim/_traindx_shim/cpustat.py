@@ -24,6 +24,7 @@ threads}] of every child process: compile workers too) and load1 (/proc/loadavg)
 cores were really free to the job (a prediction that adds worker processes needs that); a
 read of /proc/stat is ~30 µs, so one per step costs nothing a step would notice.
 """
+
 import os
 import threading
 import time
@@ -31,8 +32,14 @@ import time
 from . import emit, schema
 
 CPU_THREADS = schema.CPU_THREADS
-THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "NUMEXPR_NUM_THREADS",
-              "VECLIB_MAXIMUM_THREADS", "TORCH_NUM_THREADS")
+THREAD_ENV = (
+    "OMP_NUM_THREADS",
+    "MKL_NUM_THREADS",
+    "OPENBLAS_NUM_THREADS",
+    "NUMEXPR_NUM_THREADS",
+    "VECLIB_MAXIMUM_THREADS",
+    "TORCH_NUM_THREADS",
+)
 THREAD_SNAPSHOT_STEPS = (0, 1)
 dataloader_iterators = {}  # id -> weakref of each DataLoader iterator seen (spans.py fills it)
 _TICK = [None]
@@ -62,8 +69,13 @@ def _proc_stat():
 
 
 def _snapshot():
-    return {"proc": time.process_time(), "thread": time.thread_time(),
-            "tid": threading.get_ident(), "stat": _proc_stat(), "runq": runqueue_ns()}
+    return {
+        "proc": time.process_time(),
+        "thread": time.thread_time(),
+        "tid": threading.get_ident(),
+        "stat": _proc_stat(),
+        "runq": runqueue_ns(),
+    }
 
 
 _schedstat = {}  # (pid, native thread id) -> its open schedstat (one pread a step)
@@ -76,8 +88,7 @@ def runqueue_ns():
         tid = threading.get_native_id()
         fd = _schedstat.get((os.getpid(), tid))  # a forked child's thread opens its own
         if fd is None:
-            fd = _schedstat[(os.getpid(), tid)] = os.open(f"/proc/self/task/{tid}/schedstat",
-                                                          os.O_RDONLY)
+            fd = _schedstat[(os.getpid(), tid)] = os.open(f"/proc/self/task/{tid}/schedstat", os.O_RDONLY)
         fields = os.pread(fd, 128, 0).split()
         return int(fields[0]), int(fields[1])
     except (OSError, ValueError, IndexError, AttributeError):
@@ -99,8 +110,11 @@ def emit_step(step):
         if now["runq"] and prev["runq"]:
             fields["thread_runq_s"] = (now["runq"][1] - prev["runq"][1]) / 1e9
     if now["stat"] and prev["stat"]:
-        fields.update(sys_idle_s=now["stat"][0] - prev["stat"][0],
-                      sys_total_s=now["stat"][1] - prev["stat"][1], running=now["stat"][2])
+        fields.update(
+            sys_idle_s=now["stat"][0] - prev["stat"][0],
+            sys_total_s=now["stat"][1] - prev["stat"][1],
+            running=now["stat"][2],
+        )
     if not _cores_sent[0]:
         _cores_sent[0] = True
         try:
@@ -166,9 +180,13 @@ def emit_threads(step, torch):
     """The `cpu_threads` picture (see the module docstring), at the end of the first steps."""
     if step not in THREAD_SNAPSHOT_STEPS:
         return
-    fields = {"step": step, "cpu_count": os.cpu_count(), "process_threads": _threads_of("self"),
-              "cgroup_quota_cores": _cgroup_quota_cores(),
-              "thread_env": {k: os.environ[k] for k in THREAD_ENV if k in os.environ}}
+    fields = {
+        "step": step,
+        "cpu_count": os.cpu_count(),
+        "process_threads": _threads_of("self"),
+        "cgroup_quota_cores": _cgroup_quota_cores(),
+        "thread_env": {k: os.environ[k] for k in THREAD_ENV if k in os.environ},
+    }
     try:
         fields["affinity_cores"] = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):

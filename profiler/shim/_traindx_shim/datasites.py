@@ -13,6 +13,7 @@ __next__ delivered a batch (emitted at 1, 2, 4, 8, ... such steps: a few events 
 loader of the steps is the one with the most; a test loader built after it (pytorch/examples)
 has none until the epoch ends.
 """
+
 import ast
 import functools
 import linecache
@@ -25,7 +26,7 @@ from .frames import installed_package, is_library_path
 MAX_EVENTS = 100
 DATA_USE = schema.DATA_USE
 _count = {"n": 0}
-_use = {}   # site id -> [distinct steps with a batch, last step seen, batches]
+_use = {}  # site id -> [distinct steps with a batch, last step seen, batches]
 _trees = {}
 
 
@@ -49,8 +50,12 @@ def _sites(depth):
             return frame, via
         package = _package_of(filename)
         if via is None and package and package not in ("torch",):
-            via = {"package": package, "file": filename, "line": frame.f_lineno,
-                   "function": frame.f_code.co_name}
+            via = {
+                "package": package,
+                "file": filename,
+                "line": frame.f_lineno,
+                "function": frame.f_code.co_name,
+            }
         frame = frame.f_back
     return None, via
 
@@ -90,8 +95,12 @@ def _record(kind, name, settings, depth):
     if frame is not None:
         filename, line = frame.f_code.co_filename, frame.f_lineno
         span = _call_span(filename, line, name)
-        site = {"file": filename, "line": line, "function": frame.f_code.co_name,
-                "source": linecache.getline(filename, line).rstrip("\n") or None}
+        site = {
+            "file": filename,
+            "line": line,
+            "function": frame.f_code.co_name,
+            "source": linecache.getline(filename, line).rstrip("\n") or None,
+        }
         if span:
             site.update(call_first_line=span[0], call_last_line=span[1], call_source=span[2])
     emit(schema.DATA_SITE, kind=kind, site=site, via=via, site_id=site_id, **settings)
@@ -126,11 +135,17 @@ def _on_dataloader(module):
     def __init__(self, *args, **kwargs):
         original(self, *args, **kwargs)
         try:
-            site_id = _record("DataLoader", "DataLoader",
-                              {"num_workers": self.num_workers, "pin_memory": self.pin_memory,
-                               "batch_size": self.batch_size,
-                               "persistent_workers": self.persistent_workers},
-                              depth=1)
+            site_id = _record(
+                "DataLoader",
+                "DataLoader",
+                {
+                    "num_workers": self.num_workers,
+                    "pin_memory": self.pin_memory,
+                    "batch_size": self.batch_size,
+                    "persistent_workers": self.persistent_workers,
+                },
+                depth=1,
+            )
             if site_id is not None:
                 object.__setattr__(self, "_traindx_site", site_id)
         except Exception as exc:
@@ -178,12 +193,17 @@ def _on_training_args(module):
     def __post_init__(self, *args, **kwargs):
         original(self, *args, **kwargs)
         try:
-            _record("TrainingArguments", type(self).__name__,
-                    {"num_workers": getattr(self, "dataloader_num_workers", None),
-                     "pin_memory": getattr(self, "dataloader_pin_memory", None),
-                     "batch_size": getattr(self, "per_device_train_batch_size", None),
-                     "persistent_workers": getattr(self, "dataloader_persistent_workers", None)},
-                    depth=2)
+            _record(
+                "TrainingArguments",
+                type(self).__name__,
+                {
+                    "num_workers": getattr(self, "dataloader_num_workers", None),
+                    "pin_memory": getattr(self, "dataloader_pin_memory", None),
+                    "batch_size": getattr(self, "per_device_train_batch_size", None),
+                    "persistent_workers": getattr(self, "dataloader_persistent_workers", None),
+                },
+                depth=2,
+            )
         except Exception as exc:
             report_error("TrainingArguments site", exc)
 

@@ -7,6 +7,7 @@ crashes; analyzers/steps.py quotes it beside the job's exit status.
 A job that enabled faulthandler itself (PYTHONFAULTHANDLER, -X faulthandler, its own call)
 keeps its own: it already prints the same to its stderr, which log.txt holds.
 """
+
 import faulthandler
 import os
 

@@ -13,6 +13,7 @@ Two questions, on purpose:
 Library folders are also recognised by name, not only by site-packages, because clusters install
 packages in many places (the H200 test machine keeps them in /opt/gpu-site/site).
 """
+
 import functools
 import os
 import re
@@ -20,23 +21,81 @@ import sys
 import sysconfig
 
 LIBRARY_DIRS = ("site-packages", "dist-packages")
-LOW_LEVEL_PACKAGES = frozenset({
-    "torch", "torchgen", "functorch", "flash_attn", "cutlass", "nvidia_cutlass_dsl", "tvm_ffi",
-    "triton", "numpy", "einops", "quack", "_traindx_shim", "traindx", "importlib", "concurrent",
-})
+LOW_LEVEL_PACKAGES = frozenset(
+    {
+        "torch",
+        "torchgen",
+        "functorch",
+        "flash_attn",
+        "cutlass",
+        "nvidia_cutlass_dsl",
+        "tvm_ffi",
+        "triton",
+        "numpy",
+        "einops",
+        "quack",
+        "_traindx_shim",
+        "traindx",
+        "importlib",
+        "concurrent",
+    }
+)
 # top-level names of libraries as torch.profiler shows their files (relative to sys.path)
-KNOWN_LIBRARIES = frozenset({
-    "torch", "torchvision", "torchaudio", "triton", "numpy", "transformers", "megatron",
-    "flash_attn", "cutlass", "apex", "transformer_engine", "deepspeed", "accelerate", "swift",
-    "datasets", "einops", "fla", "torchtitan", "tensordict", "pandas", "traindx", "_traindx_shim",
-    "functorch", "sympy", "safetensors", "tokenizers", "peft", "trl", "lightning",
-    "pytorch_lightning", "jinja2", "google", "tqdm", "wandb", "tensorboard", "nvtx", "pynvml",
-    "scipy", "sklearn", "filelock", "fsspec", "requests", "urllib3", "typing_extensions",
-})
+KNOWN_LIBRARIES = frozenset(
+    {
+        "torch",
+        "torchvision",
+        "torchaudio",
+        "triton",
+        "numpy",
+        "transformers",
+        "megatron",
+        "flash_attn",
+        "cutlass",
+        "apex",
+        "transformer_engine",
+        "deepspeed",
+        "accelerate",
+        "swift",
+        "datasets",
+        "einops",
+        "fla",
+        "torchtitan",
+        "tensordict",
+        "pandas",
+        "traindx",
+        "_traindx_shim",
+        "functorch",
+        "sympy",
+        "safetensors",
+        "tokenizers",
+        "peft",
+        "trl",
+        "lightning",
+        "pytorch_lightning",
+        "jinja2",
+        "google",
+        "tqdm",
+        "wandb",
+        "tensorboard",
+        "nvtx",
+        "pynvml",
+        "scipy",
+        "sklearn",
+        "filelock",
+        "fsspec",
+        "requests",
+        "urllib3",
+        "typing_extensions",
+    }
+)
 _INSTALLED = re.compile(r"[/\\](site|dist)-packages[/\\]")
 _INTERPRETER_LIB = re.compile(r"[/\\]lib[/\\]python\d\.\d+[/\\]")
-_STDLIB = tuple(os.path.realpath(p) + os.sep
-                for p in {sysconfig.get_paths().get(k) for k in ("stdlib", "platstdlib")} if p)
+_STDLIB = tuple(
+    os.path.realpath(p) + os.sep
+    for p in {sysconfig.get_paths().get(k) for k in ("stdlib", "platstdlib")}
+    if p
+)
 _cache = {}
 
 
@@ -51,8 +110,9 @@ def is_library_file(filename):
             real = os.path.realpath(filename)
             parts = real.split(os.sep)
             in_site = any(d in parts for d in LIBRARY_DIRS)
-            verdict = (any(p in LOW_LEVEL_PACKAGES for p in parts[:-1])
-                       or (real.startswith(_STDLIB) and not in_site))
+            verdict = any(p in LOW_LEVEL_PACKAGES for p in parts[:-1]) or (
+                real.startswith(_STDLIB) and not in_site
+            )
         _cache[filename] = verdict
     return verdict
 
@@ -105,7 +165,7 @@ def code_kind(path, cwd=""):
     parts = f.split("/")
     if not f.startswith("/") or (cwd and f.startswith(cwd.rstrip("/") + "/")):
         # under the job's folder, except packages unpacked into hidden folders (.venv, .fa4-b17)
-        inside = parts[len(cwd.rstrip("/").split("/")):] if f.startswith("/") else parts
+        inside = parts[len(cwd.rstrip("/").split("/")) :] if f.startswith("/") else parts
         return "library" if any(p.startswith(".") and p not in (".", "..") for p in inside[:-1]) else "user"
     if _INTERPRETER_LIB.search(f):
         return "python"

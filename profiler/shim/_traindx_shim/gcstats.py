@@ -1,4 +1,5 @@
 """GC pauses, aggregated per step (logging each gen-0 collection would cost more than it tells)."""
+
 import gc
 import time
 
@@ -24,8 +25,15 @@ def emit_step(step):
     snapshot = dict(_agg)
     _agg.clear()
     for gen, (count, total, longest, collected) in sorted(snapshot.items()):
-        emit(schema.GC, step=step, generation=gen, count=count, total_s=total / 1e9,
-             max_s=longest / 1e9, collected=collected)
+        emit(
+            schema.GC,
+            step=step,
+            generation=gen,
+            count=count,
+            total_s=total / 1e9,
+            max_s=longest / 1e9,
+            collected=collected,
+        )
 
 
 def install():

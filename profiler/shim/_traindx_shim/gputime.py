@@ -22,6 +22,7 @@ CPU-only job (one flag read per wrapped call), nor while a CUDA graph is being c
 torch.compile traces. Events are pooled and reused. Cost: bench/gpu_view_overhead.py.
 TRAINDX_GPU_TIME=off turns it off.
 """
+
 import collections
 import gc
 import os
@@ -31,12 +32,23 @@ import time
 from . import emit, importhooks, report_error, schema, steps
 
 GPU_TIME_EVENT = schema.GPU_TIME
-MAX_PENDING_STEPS = 64       # steps whose events the GPU has not reached yet; older are dropped
-MAX_MARKS_PER_STEP = 256     # a step with more measured calls keeps its first ones (and the end)
+MAX_PENDING_STEPS = 64  # steps whose events the GPU has not reached yet; older are dropped
+MAX_MARKS_PER_STEP = 256  # a step with more measured calls keeps its first ones (and the end)
 _now = time.time_ns
-_state = {"torch": None, "active": False, "checked": False, "pool": [], "marks": [],
-          "step": None, "pending": collections.deque(), "dropped": 0, "device": None,
-          "capturing": None, "compiling": None, "in_mark": False}
+_state = {
+    "torch": None,
+    "active": False,
+    "checked": False,
+    "pool": [],
+    "marks": [],
+    "step": None,
+    "pending": collections.deque(),
+    "dropped": 0,
+    "device": None,
+    "capturing": None,
+    "compiling": None,
+    "in_mark": False,
+}
 _lock = threading.Lock()
 
 
@@ -128,10 +140,17 @@ def _harvest(wait=False):
             return
         pending.popleft()
         first = marks[0][2]
-        out = [[label, h, 0.0 if i == 0 else round(first.elapsed_time(e) * 1000.0, 2)]
-               for i, (label, h, e) in enumerate(marks)]
-        emit(GPU_TIME_EVENT, step=step, device=_state["device"], marks=out,
-             **({"dropped_steps": _state["dropped"]} if _state["dropped"] else {}))
+        out = [
+            [label, h, 0.0 if i == 0 else round(first.elapsed_time(e) * 1000.0, 2)]
+            for i, (label, h, e) in enumerate(marks)
+        ]
+        emit(
+            GPU_TIME_EVENT,
+            step=step,
+            device=_state["device"],
+            marks=out,
+            **({"dropped_steps": _state["dropped"]} if _state["dropped"] else {}),
+        )
         _release(marks[:-1])  # the last mark is the next step's first: still in use
 
 
@@ -188,6 +207,7 @@ def _around(fn, start, end):
             return fn(*args, **kwargs)
         finally:
             mark(end)
+
     wrapper.__wrapped__ = fn
     for attr in ("__name__", "__qualname__", "__doc__", "__module__"):
         try:
@@ -220,12 +240,13 @@ _END_OF_SPAN = {"sync": "sync<", "collective": "coll<", "io": "io<"}
 def _on_torch(torch):
     _state["torch"] = torch
     torch.autograd.backward = _around(torch.autograd.backward, "bwd>", "bwd<")
-    from torch.optim.optimizer import (register_optimizer_step_post_hook,
-                                       register_optimizer_step_pre_hook)
+    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
     register_optimizer_step_pre_hook(_opt_pre)  # a hook's return value replaces the args:
     register_optimizer_step_post_hook(_opt_post)  # these return None
     # the spans module times syncs, collectives and checkpoints: mark where each ends
     from . import spans
+
     original = spans._span
 
     def span(cat, start, end, **extra):
@@ -233,6 +254,7 @@ def _on_torch(torch):
         label = _END_OF_SPAN.get(cat)
         if label is not None and _state["active"]:
             mark(label)
+
     spans._span = span
 
 
@@ -250,4 +272,5 @@ def register():
     # a forked child (a DataLoader worker) must not touch the parent's CUDA context
     os.register_at_fork(after_in_child=lambda: _state.update(active=False, checked=True))
     import atexit
+
     atexit.register(flush)

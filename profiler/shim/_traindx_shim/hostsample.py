@@ -28,6 +28,7 @@ Cost: one GIL acquisition per wake (~10-30 µs with a stack walk): ~0.1 % of the
 runs next): such time is under-sampled, never misattributed to a measured line. The job's
 frames are only read (no f_locals).
 """
+
 import atexit
 import bisect
 import dis
@@ -42,18 +43,21 @@ from . import emit, report_error, schema
 HOST_FRAME = schema.HOST_FRAME
 HOST_SAMPLES = schema.HOST_SAMPLES
 RATE_HZ = float(os.environ.get("TRAINDX_HOST_SAMPLE_HZ") or 50)
-MAX_BUFFERED = 100_000     # samples between two step ends (a long evaluation): later ones dropped
-MAX_KEYS = 5000            # distinct (function, line, call) keys; later ones share one
-_STDLIB = tuple(os.path.realpath(p) + os.sep
-                for p in {sysconfig.get_paths().get(k) for k in ("stdlib", "platstdlib")} if p)
+MAX_BUFFERED = 100_000  # samples between two step ends (a long evaluation): later ones dropped
+MAX_KEYS = 5000  # distinct (function, line, call) keys; later ones share one
+_STDLIB = tuple(
+    os.path.realpath(p) + os.sep
+    for p in {sysconfig.get_paths().get(k) for k in ("stdlib", "platstdlib")}
+    if p
+)
 _SHIM_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _state = {"thread": None, "pid": None, "tid": None, "running": False, "schedstat": None}
-_buf = []                  # (t_ns, key id, run-queue wait ns or None), appended by the sampler only
-_keys = {}                 # key tuple -> id
-_new_keys = []             # ids not emitted yet
-_library = {}              # filename -> (is library, module name)
-_callee = {}               # (code, lasti) -> (callee name or None, resolved)
-_instructions = {}         # code -> its instructions
+_buf = []  # (t_ns, key id, run-queue wait ns or None), appended by the sampler only
+_keys = {}  # key tuple -> id
+_new_keys = []  # ids not emitted yet
+_library = {}  # filename -> (is library, module name)
+_callee = {}  # (code, lasti) -> (callee name or None, resolved)
+_instructions = {}  # code -> its instructions
 
 
 def start(tid):
@@ -91,8 +95,7 @@ def _open_schedstat():
         except OSError:
             pass
     try:
-        _state["schedstat"] = os.open(f"/proc/self/task/{threading.get_native_id()}/schedstat",
-                                      os.O_RDONLY)
+        _state["schedstat"] = os.open(f"/proc/self/task/{threading.get_native_id()}/schedstat", os.O_RDONLY)
     except (OSError, AttributeError):
         pass
 
@@ -140,10 +143,10 @@ def _library_file(filename):
             module = None
             for marker in ("site-packages", "dist-packages"):
                 if marker in parts:
-                    module = parts[len(parts) - parts[::-1].index(marker):]
+                    module = parts[len(parts) - parts[::-1].index(marker) :]
                     break
             if module is None and real.startswith(_STDLIB):
-                module = real[len(next(p for p in _STDLIB if real.startswith(p))):].split(os.sep)
+                module = real[len(next(p for p in _STDLIB if real.startswith(p))) :].split(os.sep)
             if module is None and real.startswith(_SHIM_DIR):
                 module = ["_traindx_shim", os.path.basename(real)]
             if module is not None:
@@ -207,8 +210,7 @@ def _resolve(frame):
         code = frame.f_code
         ins = _instructions.get(code)
         if ins is None:
-            ins = _instructions[code] = [i for i in dis.get_instructions(code)
-                                         if i.opname != "CACHE"]
+            ins = _instructions[code] = [i for i in dis.get_instructions(code) if i.opname != "CACHE"]
         # the instruction running: the last one at or before f_lasti (it may point into the
         # inline caches); 3.11 runs a C function from a specialised PRECALL: its CALL follows
         at = bisect.bisect_right([i.offset for i in ins], frame.f_lasti) - 1
@@ -224,8 +226,9 @@ def _resolve(frame):
         while need > 0 and n >= 0:
             i = ins[n]
             try:
-                need -= dis.stack_effect(i.opcode, i.arg if i.opcode >= dis.HAVE_ARGUMENT else None,
-                                         jump=False)
+                need -= dis.stack_effect(
+                    i.opcode, i.arg if i.opcode >= dis.HAVE_ARGUMENT else None, jump=False
+                )
             except ValueError:
                 return None
             n -= 1
@@ -236,8 +239,9 @@ def _resolve(frame):
         if n < 0 or ins[n].opname not in _LOADS:
             return ("." + ".".join(attrs), False) if attrs else None
         head = ins[n].argval
-        obj = frame.f_globals.get(head, _MISSING) if ins[n].opname in ("LOAD_GLOBAL", "LOAD_NAME") \
-            else _MISSING
+        obj = (
+            frame.f_globals.get(head, _MISSING) if ins[n].opname in ("LOAD_GLOBAL", "LOAD_NAME") else _MISSING
+        )
         if obj is _MISSING and ins[n].opname in ("LOAD_GLOBAL", "LOAD_NAME"):
             builtins = frame.f_builtins
             obj = builtins.get(head, _MISSING) if isinstance(builtins, dict) else _MISSING
@@ -256,10 +260,11 @@ def _qualified(obj, head, attrs):
     """The qualified name of head.attrs..., looked up through modules and classes only (an
     attribute of any other object could run its code)."""
     import types
+
     names = [head]
     for attr in attrs:
         if not isinstance(obj, (types.ModuleType, type)):
-            return ".".join(names + attrs[len(names) - 1:])
+            return ".".join(names + attrs[len(names) - 1 :])
         obj = getattr(obj, attr, _MISSING)
         names.append(attr)
         if obj is _MISSING:
@@ -287,15 +292,29 @@ def flush(step):
             del _new_keys[:n]
             for key, kid in list(_keys.items()):
                 if kid in ids:
-                    emit(HOST_FRAME, id=kid, pid=_state["pid"], function=key[0], file=key[1],
-                         line=key[2], call=key[3])
+                    emit(
+                        HOST_FRAME,
+                        id=kid,
+                        pid=_state["pid"],
+                        function=key[0],
+                        file=key[1],
+                        line=key[2],
+                        call=key[3],
+                    )
         if taken:
             t0 = taken[0][0]
             fields = {}
             if all(q is not None for _, _, q in taken):
                 fields["runq_us"] = [q // 1000 for _, _, q in taken]
-            emit(HOST_SAMPLES, step=step, t0=t0, tid=_state["tid"], pid=_state["pid"],
-                 dt_us=[(t - t0) // 1000 for t, _, _ in taken], k=[k for _, k, _ in taken],
-                 **fields)
+            emit(
+                HOST_SAMPLES,
+                step=step,
+                t0=t0,
+                tid=_state["tid"],
+                pid=_state["pid"],
+                dt_us=[(t - t0) // 1000 for t, _, _ in taken],
+                k=[k for _, k, _ in taken],
+                **fields,
+            )
     except Exception as exc:
         report_error("host samples", exc)

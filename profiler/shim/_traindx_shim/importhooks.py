@@ -1,4 +1,5 @@
 """Run a callback right after the job imports a given module (never importing it ourselves)."""
+
 import importlib.abc
 import sys
 
@@ -16,6 +17,7 @@ def on_import(name, callback):
 
 def _run(name, callback, module):
     from . import report_error
+
     try:
         callback(module)
     except Exception as exc:

@@ -17,6 +17,7 @@ The mode is pushed only when the torch-function mode stack is empty, so the job'
 entered later, nest above it and are popped by their own `with` blocks; it is popped only when it
 is on top (else it turns itself off and is popped at a later call).
 """
+
 import ast
 import gc
 import linecache
@@ -30,16 +31,40 @@ from . import emit, guarded, importhooks, report_error, schema
 from .frames import first_user_frame, is_library_file
 
 MAX_SEQLEN_ARGS = ("max_seqlen_q", "max_seqlen_k")
-GIVE_UP_AFTER_CALLS = 2000       # FA4 calls while armed without seeing a traced tensor
+GIVE_UP_AFTER_CALLS = 2000  # FA4 calls while armed without seeing a traced tensor
 MAX_RECORDS = 20000
 MAX_SCAN_FILES = 1500
 # ops that copy or move a tensor: a chain that starts with one did not see the tensor being made
-MOVES = {"to", "cuda", "cpu", "clone", "contiguous", "detach", "pin_memory", "__deepcopy__",
-         "__reduce_ex__", "_to_copy"}
+MOVES = {
+    "to",
+    "cuda",
+    "cpu",
+    "clone",
+    "contiguous",
+    "detach",
+    "pin_memory",
+    "__deepcopy__",
+    "__reduce_ex__",
+    "_to_copy",
+}
 _state = {"armed": False, "done": False, "mode": None, "thread": None, "calls": 0}
 _records = {}  # id(tensor) -> (weakref, frame dict, parent record or None)
-_SKIP_DIRS = {".git", ".hg", "__pycache__", "node_modules", "site-packages", "dist-packages",
-              ".venv", "venv", "env", ".tox", "build", "dist", "runs", ".cache"}
+_SKIP_DIRS = {
+    ".git",
+    ".hg",
+    "__pycache__",
+    "node_modules",
+    "site-packages",
+    "dist-packages",
+    ".venv",
+    "venv",
+    "env",
+    ".tox",
+    "build",
+    "dist",
+    "runs",
+    ".cache",
+}
 
 
 def _source(where):
@@ -72,9 +97,13 @@ def _is_int_scalar(value):
     try:
         import torch
 
-        return (isinstance(value, torch.Tensor) and value.dim() == 0
-                and not value.is_floating_point() and not value.is_complex()
-                and value.dtype != torch.bool)
+        return (
+            isinstance(value, torch.Tensor)
+            and value.dim() == 0
+            and not value.is_floating_point()
+            and not value.is_complex()
+            and value.dtype != torch.bool
+        )
     except Exception:
         return False
 
@@ -164,8 +193,8 @@ def _is_max_call(node):
     if not isinstance(func, ast.Attribute) or func.attr not in ("max", "amax"):
         return False
     if isinstance(func.value, ast.Name) and func.value.id == "torch":
-        return len(node.args) == 1 and not node.keywords   # torch.max(x)
-    return not node.args and not node.keywords             # x.max(), x.diff().max()
+        return len(node.args) == 1 and not node.keywords  # torch.max(x)
+    return not node.args and not node.keywords  # x.max(), x.diff().max()
 
 
 def _target_names(node):
@@ -201,8 +230,7 @@ def scan_file(path, wanted):
         elif isinstance(node, ast.AnnAssign) and node.value is not None:
             pairs = [(n, node.value) for n in _target_names(node.target)]
         elif isinstance(node, ast.Dict):
-            pairs = [(str(k.value), v) for k, v in zip(node.keys, node.values)
-                     if isinstance(k, ast.Constant)]
+            pairs = [(str(k.value), v) for k, v in zip(node.keys, node.values) if isinstance(k, ast.Constant)]
         elif isinstance(node, ast.Call):
             pairs = [(kw.arg, kw.value) for kw in node.keywords if kw.arg]
         for name, value in pairs:
@@ -242,8 +270,11 @@ def _static_origins(call_site, call_source):
     hits, seen = [], 0
     for root in _roots(call_site):
         for folder, dirs, files in os.walk(root):
-            dirs[:] = [d for d in dirs if d not in _SKIP_DIRS and not d.startswith(".")
-                       and not d.endswith(".egg-info")]
+            dirs[:] = [
+                d
+                for d in dirs
+                if d not in _SKIP_DIRS and not d.startswith(".") and not d.endswith(".egg-info")
+            ]
             for name in files:
                 if not name.endswith(".py"):
                     continue
@@ -284,9 +315,11 @@ def _argument_lines(call_site):
         lines = text.splitlines()
         for node in ast.walk(ast.parse(text)):
             if isinstance(node, ast.Call) and node.lineno == call_site["line"]:
-                return [{"line": i, "source": lines[i - 1]}
-                        for i in range(node.lineno, (node.end_lineno or node.lineno) + 1)
-                        if "max_seqlen_" in lines[i - 1]]
+                return [
+                    {"line": i, "source": lines[i - 1]}
+                    for i in range(node.lineno, (node.end_lineno or node.lineno) + 1)
+                    if "max_seqlen_" in lines[i - 1]
+                ]
     except (OSError, SyntaxError, ValueError):
         pass
     return []
@@ -299,9 +332,17 @@ def _finish(arg, value, call_site, method, chain=None, candidates=None):
     call["source"] = _source(call_site)
     call["argument_lines"] = _argument_lines(call_site)
     origin = (chain or [None])[0] if method == "traced" else (candidates or [None])[0]
-    emit(schema.TENSOR_ORIGIN, arg=arg, method=method, call_site=call, origin=origin,
-         chain=chain or [], candidates=candidates or [],
-         dtype=str(getattr(value, "dtype", "")), device=str(getattr(value, "device", "")))
+    emit(
+        schema.TENSOR_ORIGIN,
+        arg=arg,
+        method=method,
+        call_site=call,
+        origin=origin,
+        chain=chain or [],
+        candidates=candidates or [],
+        dtype=str(getattr(value, "dtype", "")),
+        device=str(getattr(value, "device", "")),
+    )
 
 
 def _on_fa4_call(args, kwargs, positions):
@@ -317,8 +358,14 @@ def _on_fa4_call(args, kwargs, positions):
         if chain[0].get("op") in MOVES:
             # the first op seen only moved a tensor made elsewhere (a DataLoader worker process):
             # the line that made it is in the job's source
-            _finish(arg, value, call_site, "static", chain=chain,
-                    candidates=static_origins(call_site, _source(call_site)))
+            _finish(
+                arg,
+                value,
+                call_site,
+                "static",
+                chain=chain,
+                candidates=static_origins(call_site, _source(call_site)),
+            )
         else:
             _finish(arg, value, call_site, "traced", chain=chain)
         return
@@ -332,8 +379,7 @@ def _on_fa4_call(args, kwargs, positions):
     else:
         return
     # not traceable here: made in another process (DataLoader worker) or under the job's modes
-    _finish(arg, value, call_site, "static",
-            candidates=static_origins(call_site, _source(call_site)))
+    _finish(arg, value, call_site, "static", candidates=static_origins(call_site, _source(call_site)))
 
 
 @guarded("origin tracer install")

@@ -11,10 +11,10 @@
   FLUSH_INTERVAL_S) was lost.
 Each hook is a thin wrapper that calls the original first or last and swallows its own errors.
 """
+
 import functools
 
-from . import (get_writer, guarded, importhooks, is_training, rank_known, report_error,
-               training_evidence)
+from . import get_writer, guarded, importhooks, is_training, rank_known, report_error, training_evidence
 
 
 def _wrap_init_process_group(original):

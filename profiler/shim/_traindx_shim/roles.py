@@ -10,6 +10,7 @@ rank once it exists, else the rank its environment names.
 
 Standard library only: this module runs inside the job.
 """
+
 import os
 
 # Environment variables naming a process's global rank, most specific first. Under srun +
@@ -33,7 +34,8 @@ def is_multiprocessing_child(orig_argv):
     torch.multiprocessing.spawn rank, the resource tracker, the fork server): only training
     evidence tells these apart, so they write nothing until they show it."""
     return "--multiprocessing-fork" in orig_argv or any(
-        a.startswith("from multiprocessing.") for a in orig_argv)
+        a.startswith("from multiprocessing.") for a in orig_argv
+    )
 
 
 def events_file(pid, attempt=0):
@@ -44,7 +46,7 @@ def parse_process_file(name, suffix):
     """pid of a per-process file name 'p<pid>[.<n>]<suffix>', else None (a rank-named file)."""
     if not name.endswith(suffix) or not name.startswith("p"):
         return None
-    stem = name[1: len(name) - len(suffix)].split(".")[0]
+    stem = name[1 : len(name) - len(suffix)].split(".")[0]
     return int(stem) if stem.isdigit() else None
 
 
@@ -91,6 +93,8 @@ def read_announcements(run_dir):
 
 def announced_ranks(run_dir):
     """{label: pid} of the training processes that announced themselves in run_dir."""
-    procs = [{"pid": int(p["pid"]), "rank": p.get("rank"), "start": p.get("start")}
-             for p in read_announcements(run_dir)]
+    procs = [
+        {"pid": int(p["pid"]), "rank": p.get("rank"), "start": p.get("start")}
+        for p in read_announcements(run_dir)
+    ]
     return {label: pid for pid, label in rank_labels(procs).items()}

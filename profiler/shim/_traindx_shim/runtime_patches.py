@@ -11,6 +11,7 @@ them in a candidate run (env TRAINDX_RUNTIME_PATCHES, a comma list); never in a 
 Also registers the origin tracer (origins.py), which only acts once a tensor max_seqlen is seen,
 and notes which flash_attn the job imported (an overlay upgrade is proved by that event).
 """
+
 import inspect
 import os
 import weakref
@@ -48,8 +49,7 @@ def _as_int(tensor):
             value = int(tensor.item())
     _state["reads"] += 1
     try:
-        _values[id(tensor)] = (weakref.ref(tensor, lambda _r, k=id(tensor): _values.pop(k, None)),
-                               value)
+        _values[id(tensor)] = (weakref.ref(tensor, lambda _r, k=id(tensor): _values.pop(k, None)), value)
     except TypeError:
         pass
     return value
@@ -80,8 +80,13 @@ def _coercing(name, original):
                 _state["coerced"] += 1
                 if not _state["reported"]:
                     _state["reported"] = True
-                    emit(schema.RUNTIME_PATCH, patch=FA4_INT_MAX_SEQLEN, function=name, args=changed,
-                         note="tensor max_seqlen turned into a Python int at FA4's boundary")
+                    emit(
+                        schema.RUNTIME_PATCH,
+                        patch=FA4_INT_MAX_SEQLEN,
+                        function=name,
+                        args=changed,
+                        note="tensor max_seqlen turned into a Python int at FA4's boundary",
+                    )
         except Exception as exc:  # never in the job's way: call FA4 as the job asked
             report_error("fa4 runtime patch", exc)
         return original(*args, **kwargs)
@@ -105,8 +110,12 @@ def _patch_fa4(module):
         setattr(module, name, patched)
         original._traindx_coerces = True  # shared __dict__: the wrapper says so too
         done.append(name)
-    emit(schema.RUNTIME_PATCH_INSTALLED, patch=FA4_INT_MAX_SEQLEN, functions=done,
-         module=getattr(module, "__file__", None))
+    emit(
+        schema.RUNTIME_PATCH_INSTALLED,
+        patch=FA4_INT_MAX_SEQLEN,
+        functions=done,
+        module=getattr(module, "__file__", None),
+    )
 
 
 @guarded("package note")
@@ -123,8 +132,13 @@ def _note_flash_attn(module):
                 break
     except Exception:
         version = None
-    emit(schema.PACKAGE_LOADED, package="flash-attn-4", module=module.__name__,
-         file=getattr(module, "__file__", None), version=version)
+    emit(
+        schema.PACKAGE_LOADED,
+        package="flash-attn-4",
+        module=module.__name__,
+        file=getattr(module, "__file__", None),
+        version=version,
+    )
 
 
 def register():
@@ -137,8 +151,12 @@ def register():
 
 def atexit_summary():
     if _state["coerced"]:
-        emit(schema.RUNTIME_PATCH_SUMMARY, patch=FA4_INT_MAX_SEQLEN, calls=_state["coerced"],
-             host_reads=_state["reads"])
+        emit(
+            schema.RUNTIME_PATCH_SUMMARY,
+            patch=FA4_INT_MAX_SEQLEN,
+            calls=_state["coerced"],
+            host_reads=_state["reads"],
+        )
 
 
 try:

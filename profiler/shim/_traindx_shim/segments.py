@@ -8,6 +8,7 @@ A line file X (events/p<pid>.jsonl, log.txt, pyspy/p<pid>-dump.jsonl) of a long 
   X.rolled.json  what rolling thinned or dropped (profiler/rolling.py)
 A short run has X alone, exactly as before rolling existed.
 """
+
 import os
 import re
 
@@ -35,7 +36,7 @@ def segments(head):
     for name in names:
         if not name.startswith(base + ".s"):
             continue
-        m = _SEGMENT.fullmatch(name[len(base):])
+        m = _SEGMENT.fullmatch(name[len(base) :])
         if not m:
             continue
         n, gz = int(m[1]), bool(m[2])

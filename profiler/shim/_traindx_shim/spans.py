@@ -29,6 +29,7 @@ Clock: time.time_ns(), the axis of every other shim event. Cost per wrapped call
 one thread-ident read and one deque append (bench/span_overhead.py measures it). Wrappers never
 add a sync, never swallow the job's exceptions and step aside while torch.compile traces them.
 """
+
 import gc
 import os
 import threading
@@ -38,8 +39,8 @@ from . import cpustat, emit, importhooks, report_error
 from .frames import first_user_frame
 
 GC_SPAN_MIN_NS = int(float(os.environ.get("TRAINDX_GC_SPAN_MIN_MS") or 1.0) * 1e6)
-SYNC_SPAN_MIN_NS = 20_000      # a 5 µs .item() on an idle GPU is noise; a waiting one is not
-MAX_RARE_CALLERS = 2000        # stack walks for io spans; later ones are timed without a caller
+SYNC_SPAN_MIN_NS = 20_000  # a 5 µs .item() on an idle GPU is noise; a waiting one is not
+MAX_RARE_CALLERS = 2000  # stack walks for io spans; later ones are timed without a caller
 _now = time.time_ns
 _ident = threading.get_ident
 _thread_cpu = time.thread_time_ns
@@ -87,6 +88,7 @@ def _timed(cat, fn, with_caller=False, label=None):
                 _span(cat, start, end, **extra)
             except Exception as exc:
                 report_error(f"span {cat}", exc)
+
     wrapper.__wrapped__ = fn
     for attr in ("__name__", "__qualname__", "__doc__", "__module__"):
         try:
@@ -123,6 +125,7 @@ def _on_dataloader(module):
                 _span("data", start, _now(), cpu=(_thread_cpu() - cpu) / 1e9, **extra)
             except Exception as exc:
                 report_error("span data", exc)
+
     __next__.__wrapped__ = original
     cls.__next__ = __next__
 
@@ -130,6 +133,7 @@ def _on_dataloader(module):
 def _remember(iterators, it):
     try:
         import weakref
+
         key = id(it)
         iterators[key] = weakref.ref(it, lambda _ref, key=key: iterators.pop(key, None))
     except TypeError:
@@ -177,6 +181,7 @@ def _timed_closure(closure):
                 _span("closure", start, _now())
             except Exception as exc:
                 report_error("span closure", exc)
+
     timed.__traindx_closure__ = True
     timed.__wrapped__ = closure
     return timed
@@ -186,12 +191,13 @@ def _on_torch(torch):
     _state["torch"] = torch
     compiler = getattr(torch, "compiler", None)
     # is_dynamo_compiling is a flag read (~20 ns); is_compiling also asks the exporter (~0.5 µs)
-    _state["compiling"] = (getattr(compiler, "is_dynamo_compiling", None)
-                           or getattr(compiler, "is_compiling", None))
+    _state["compiling"] = getattr(compiler, "is_dynamo_compiling", None) or getattr(
+        compiler, "is_compiling", None
+    )
     torch.autograd.backward = _timed("backward", torch.autograd.backward)
     torch.save = _timed("io", torch.save, with_caller=True, label="torch.save")
-    from torch.optim.optimizer import (register_optimizer_step_post_hook,
-                                       register_optimizer_step_pre_hook)
+    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
     register_optimizer_step_pre_hook(_guard(_opt_pre, "optimizer pre hook"))
     register_optimizer_step_pre_hook(_wrap_closure)
     register_optimizer_step_post_hook(_guard(_opt_post, "optimizer post hook"))
@@ -203,6 +209,7 @@ def _guard(fn, where):
             fn(*args)
         except Exception as exc:
             report_error(where, exc)
+
     return hook
 
 
@@ -240,6 +247,7 @@ def _cuda_only_sync(original):
                     _span("sync", start, end)
                 except Exception as exc:
                     report_error("span sync", exc)
+
     method.__wrapped__ = original
     method.__name__ = getattr(original, "__name__", "method")
     method.__doc__ = getattr(original, "__doc__", None)
@@ -247,9 +255,22 @@ def _cuda_only_sync(original):
 
 
 # -- torch.distributed ---------------------------------------------------------------------------
-COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",
-               "reduce_scatter_tensor", "broadcast", "barrier", "all_to_all", "all_to_all_single",
-               "reduce", "gather", "scatter", "all_gather_object", "broadcast_object_list")
+COLLECTIVES = (
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "broadcast",
+    "barrier",
+    "all_to_all",
+    "all_to_all_single",
+    "reduce",
+    "gather",
+    "scatter",
+    "all_gather_object",
+    "broadcast_object_list",
+)
 POINT_TO_POINT = ("send", "recv")
 # Every rank of a group calls its collectives in the same order, so (group, seq) names one
 # collective on all ranks without any clock: a per-process counter per group, counted at the
@@ -302,8 +323,7 @@ def _blocking_only(dist, name, fn, point_to_point=False):
             end = _now()
             try:
                 group = _group_name(dist, kwargs.get("group"))
-                extra = {"op": name, "group": group,
-                         "backend": _backend(dist, kwargs.get("group"), group)}
+                extra = {"op": name, "group": group, "backend": _backend(dist, kwargs.get("group"), group)}
                 if point_to_point:
                     extra["peer"] = _peer(args, kwargs)
                 else:
@@ -312,6 +332,7 @@ def _blocking_only(dist, name, fn, point_to_point=False):
                 _span("collective", start, end, **extra)
             except Exception as exc:
                 report_error("span collective", exc)
+
     collective.__wrapped__ = fn
     collective.__name__ = getattr(fn, "__name__", "collective")
     collective.__doc__ = getattr(fn, "__doc__", None)
@@ -330,8 +351,9 @@ def _on_checkpoint(module):
     for name in ("save", "save_state_dict", "async_save"):
         fn = getattr(module, name, None)
         if callable(fn):
-            setattr(module, name, _timed("io", fn, with_caller=True,
-                                         label=f"torch.distributed.checkpoint.{name}"))
+            setattr(
+                module, name, _timed("io", fn, with_caller=True, label=f"torch.distributed.checkpoint.{name}")
+            )
 
 
 def _on_ddp(module):
@@ -345,6 +367,7 @@ def _on_ddp(module):
             emit("ddp", t=_now(), group=str(getattr(pg, "group_name", "") or "default"))
         except Exception as exc:
             report_error("ddp event", exc)
+
     for attr in ("__name__", "__qualname__", "__doc__", "__module__"):
         setattr(__init__, attr, getattr(original, attr, None))
     __init__.__wrapped__ = original  # inspect.signature (Lightning, accelerate) sees the original
@@ -367,8 +390,7 @@ def _gc_callback(phase, info):
         return
     end = _now()
     if end - start[0] >= GC_SPAN_MIN_NS:
-        _span("gc", start[0], end, generation=info.get("generation"),
-              cpu=(_thread_cpu() - start[1]) / 1e9)
+        _span("gc", start[0], end, generation=info.get("generation"), cpu=(_thread_cpu() - start[1]) / 1e9)
 
 
 def register():

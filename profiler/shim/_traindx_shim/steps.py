@@ -35,6 +35,7 @@ These hooks sit on the job's hot path: a few dict reads per call, no stack walks
 module-call wrapper is installed only while it is needed (until step 0 begins, and while a
 stop is pending).
 """
+
 import functools
 import os
 import sys
@@ -75,19 +76,27 @@ def _requested_stop():
 
 
 _state = {
-    "step": 0, "begin": None, "torch": None, "megatron": False,
+    "step": 0,
+    "begin": None,
+    "torch": None,
+    "megatron": False,
     "mode": "marker" if MARKER_SPEC else "auto",  # "marker": only markers end steps
     "marker_calls": 0,
-    "stop_pending": False, "train_thread": None,
-    "opt_created_t": None, "opt_thread": None,  # the first optimizer: arms step 0's begin
-    "first_activity": None,    # (t, what) of the first batch/forward/backward since torch import
-    "stepped": False,          # an outermost optimizer step completed at least once
-    "closer": None,            # key of the optimizer whose outermost step ends an iteration
-    "learning": True,          # the closer of the first iteration is not known yet
-    "unseen": set(),           # created optimizers not yet seen stepping (learning only)
-    "created": 0, "nested": set(),
-    "skipped": 0, "backward_depth": 0,
-    "marker_installed": False, "marker_in_main": False,
+    "stop_pending": False,
+    "train_thread": None,
+    "opt_created_t": None,
+    "opt_thread": None,  # the first optimizer: arms step 0's begin
+    "first_activity": None,  # (t, what) of the first batch/forward/backward since torch import
+    "stepped": False,  # an outermost optimizer step completed at least once
+    "closer": None,  # key of the optimizer whose outermost step ends an iteration
+    "learning": True,  # the closer of the first iteration is not known yet
+    "unseen": set(),  # created optimizers not yet seen stepping (learning only)
+    "created": 0,
+    "nested": set(),
+    "skipped": 0,
+    "backward_depth": 0,
+    "marker_installed": False,
+    "marker_in_main": False,
 }
 # outermost optimizer steps since the last boundary: [key, t_end, source], and their keys
 _cycle = []
@@ -170,8 +179,14 @@ def _end(source, t=None, retro=False):
     _state["skipped"] = 0
     if step == 0:  # a marker-only job shows no other training evidence: py-spy follows it now
         training_evidence("step")
-    emit("step_end", step=step, t=t, source=source,
-         duration_s=None if begin is None else (t - begin) / 1e9, **fields)
+    emit(
+        "step_end",
+        step=step,
+        t=t,
+        source=source,
+        duration_s=None if begin is None else (t - begin) / 1e9,
+        **fields,
+    )
     gcstats.emit_step(step)
     try:
         cpustat.emit_step(step)
@@ -190,8 +205,11 @@ def _end(source, t=None, retro=False):
         # stop at the first batch/forward/backward/optimizer step of the next iteration, so
         # the job's own end-of-iteration code (its log line, its loss) still runs for this step
         _state["stop_pending"] = True
-        emit(schema.STOP_REQUESTED, step=step,
-             reason=f"--steps {MAX_STEPS}" if MAX_STEPS and step + 1 >= MAX_STEPS else why)
+        emit(
+            schema.STOP_REQUESTED,
+            step=step,
+            reason=f"--steps {MAX_STEPS}" if MAX_STEPS and step + 1 >= MAX_STEPS else why,
+        )
         _sync_forward_hook()
     _begin(t, retro=retro)
 
@@ -234,10 +252,18 @@ def _emit_alloc(step):
         stats = torch.cuda.memory_stats()
     except Exception:
         return
-    keep = ("num_alloc_retries", "num_ooms", "num_sync_all_streams", "num_device_alloc",
-            "num_device_free", "allocated_bytes.all.current", "allocated_bytes.all.peak",
-            "reserved_bytes.all.current", "reserved_bytes.all.peak",
-            "inactive_split_bytes.all.current")
+    keep = (
+        "num_alloc_retries",
+        "num_ooms",
+        "num_sync_all_streams",
+        "num_device_alloc",
+        "num_device_free",
+        "allocated_bytes.all.current",
+        "allocated_bytes.all.peak",
+        "reserved_bytes.all.current",
+        "reserved_bytes.all.peak",
+        "inactive_split_bytes.all.current",
+    )
     emit("alloc", step=step, **{k.replace(".", "_"): stats.get(k) for k in keep})
 
 
@@ -269,15 +295,14 @@ def _guarded_activity(what):
         report_error(f"step activity ({what})", exc)
 
 
-_forward = {"active": False, "wrapper": None, "original": None, "discovering": True,
-            "is_compiling": None}
+_forward = {"active": False, "wrapper": None, "original": None, "discovering": True, "is_compiling": None}
 # 1 while the training thread is inside its outermost module call (the wrapper's inner calls)
 _forward_depth = [0]
 # the modules the training thread called outermost while discovering: {id: weakref}
 _top_modules = {}
-_hooked = {}               # id -> hook handles of the modules timed by their own hooks
-_hook_start = {}           # id(module) -> start ns of its running outermost call
-DISCOVER_STEPS = 2         # steps 0 and 1 find the outermost modules; then their hooks time them
+_hooked = {}  # id -> hook handles of the modules timed by their own hooks
+_hook_start = {}  # id(module) -> start ns of its running outermost call
+DISCOVER_STEPS = 2  # steps 0 and 1 find the outermost modules; then their hooks time them
 # called with (start_ns, end_ns) after each outermost module call of the training thread
 forward_hooks = []
 
@@ -299,8 +324,9 @@ def _sync_forward_hook():
     torch = _state["torch"]
     if torch is None:
         return
-    _forward["active"] = _state["stop_pending"] or (_state["begin"] is None and (
-        _state["opt_created_t"] is not None or _state["first_activity"] is None))
+    _forward["active"] = _state["stop_pending"] or (
+        _state["begin"] is None and (_state["opt_created_t"] is not None or _state["first_activity"] is None)
+    )
     need = _forward["active"] or _forward["discovering"]
     module_cls = torch.nn.Module
     if need and _forward["wrapper"] is None:
@@ -351,6 +377,7 @@ def _install_wrapper(torch):
 
 def _remember_module(module):
     import weakref
+
     key = id(module)
     try:
         _top_modules[key] = weakref.ref(module, lambda _r, key=key: _top_modules.pop(key, None))
@@ -375,13 +402,16 @@ def _discovered():
 
 
 def _register_hooks(key, module):
-    _hooked[key] = (module.register_forward_pre_hook(_module_pre),
-                    module.register_forward_hook(_module_post, always_call=True))
+    _hooked[key] = (
+        module.register_forward_pre_hook(_module_pre),
+        module.register_forward_hook(_module_post, always_call=True),
+    )
 
 
 def _without_forward_hooks(save):
     """torch.save of a whole module pickles its hooks: ours would then need the shim to load.
     They are taken off for the save and put back after it."""
+
     @functools.wraps(save)
     def torch_save(*args, **kwargs):
         if not _hooked:
@@ -401,6 +431,7 @@ def _without_forward_hooks(save):
                         _register_hooks(key, module)
                     except Exception as exc:
                         report_error("forward hooks", exc)
+
     return torch_save
 
 
@@ -420,8 +451,12 @@ def _module_post(module, args, output):
     start = _hook_start.pop(id(module), None)
     if start is not None:
         torch = _state["torch"]
-        _forward_done(start, time.time_ns(), threading.get_ident(),
-                      torch.is_grad_enabled() if torch is not None else True)
+        _forward_done(
+            start,
+            time.time_ns(),
+            threading.get_ident(),
+            torch.is_grad_enabled() if torch is not None else True,
+        )
     return None
 
 
@@ -545,6 +580,7 @@ def _torch_post_hook(optimizer, args, kwargs):
 def _wrap_outer_step(step_fn, source, key_of, skip_when_empty):
     """A step method that is an optimizer step of its own (GradScaler.step, Megatron's, DeepSpeed's):
     outermost, it marks the boundary even when it does not call the inner optimizer."""
+
     @functools.wraps(step_fn)
     def step(self, *args, **kwargs):
         outer = not _stack
@@ -568,10 +604,10 @@ def _wrap_outer_step(step_fn, source, key_of, skip_when_empty):
                             del _stack[i:]
                             break
                     if outer:
-                        _outer_done(frame[1], source,
-                                    skipped=frame[2] == 0 and skip_when_empty(self))
+                        _outer_done(frame[1], source, skipped=frame[2] == 0 and skip_when_empty(self))
                 except Exception as exc:
                     report_error(f"{source} step hook", exc)
+
     step.__traindx_wrapped__ = True
     return step
 
@@ -597,13 +633,13 @@ def _wrap_backward(fn):
             out = fn(*args, **kwargs)
         finally:
             _state["backward_depth"] -= 1
-        if (_state["mode"] == "auto" and not _state["created"] and not _state["stepped"]
-                and not _stack):
+        if _state["mode"] == "auto" and not _state["created"] and not _state["stepped"] and not _stack:
             try:
                 _end("backward")  # no optimizer in this job: one backward, one step
             except Exception as exc:
                 report_error("backward step boundary", exc)
         return out
+
     return backward
 
 
@@ -629,13 +665,16 @@ def _on_traindx(module):
         _state["mode"] = "marker"
         emit("step_marker", source="traindx.step", step=_state["step"])
         import atexit
+
         atexit.register(_marker_never_called)
 
 
 def _marker_never_called():
     if not _state["marker_calls"]:
-        report_error("traindx.step", LookupError(
-            "the job imported traindx but never called traindx.step(): no steps were marked"))
+        report_error(
+            "traindx.step",
+            LookupError("the job imported traindx but never called traindx.step(): no steps were marked"),
+        )
 
 
 def _marker_target():
@@ -698,8 +737,10 @@ def _on_marker_module(module):
 
 def _marker_never_found():
     if MARKER_SPEC and not _state["marker_installed"]:
-        report_error("--step-marker", LookupError(
-            f"{MARKER_SPEC}: the job never defined that function; no step was marked by it"))
+        report_error(
+            "--step-marker",
+            LookupError(f"{MARKER_SPEC}: the job never defined that function; no step was marked by it"),
+        )
 
 
 # -- installation ---------------------------------------------------------------------------------
@@ -763,8 +804,7 @@ def _on_megatron_optimizer(module):
             continue
         if not any(base.__name__ == "MegatronOptimizer" for base in cls.__mro__):
             continue
-        cls.step = _wrap_outer_step(cls.step, "megatron", lambda self, a, k: id(self),
-                                    lambda self: True)
+        cls.step = _wrap_outer_step(cls.step, "megatron", lambda self, a, k: id(self), lambda self: True)
     _state["megatron"] = True
 
 
@@ -773,8 +813,9 @@ def _on_deepspeed_engine(module):
     # DeepSpeedEngine.step runs every micro-batch; _take_model_step once per optimizer step,
     # also when an fp16 overflow makes the ZeRO optimizer skip the update
     cls = module.DeepSpeedEngine
-    cls._take_model_step = _wrap_outer_step(cls._take_model_step, "deepspeed",
-                                            lambda self, a, k: id(self), lambda self: True)
+    cls._take_model_step = _wrap_outer_step(
+        cls._take_model_step, "deepspeed", lambda self, a, k: id(self), lambda self: True
+    )
 
 
 def register():
@@ -790,4 +831,5 @@ def register():
         if module_name != "__main__":
             importhooks.on_import(module_name, _on_marker_module)
         import atexit
+
         atexit.register(_marker_never_found)

@@ -1,5 +1,6 @@
 """Where the job builds its DataLoaders (and with which settings) and where it calls
 torch.cuda.empty_cache: the lines a prescription has to point at."""
+
 import functools
 import linecache
 
@@ -18,8 +19,11 @@ def _source_line(where):
 
 def _describe_callable(fn):
     code = getattr(fn, "__code__", None) or getattr(getattr(fn, "__call__", None), "__code__", None)  # noqa: B004
-    return {"name": getattr(fn, "__qualname__", type(fn).__name__),
-            "file": getattr(code, "co_filename", None), "line": getattr(code, "co_firstlineno", None)}
+    return {
+        "name": getattr(fn, "__qualname__", type(fn).__name__),
+        "file": getattr(code, "co_filename", None),
+        "line": getattr(code, "co_firstlineno", None),
+    }
 
 
 def _on_dataloader(module):
@@ -31,11 +35,19 @@ def _on_dataloader(module):
         original_init(self, *args, **kwargs)
         try:
             where = first_user_frame()
-            emit(schema.DATALOADER, step=steps.current_step(), caller=where, source=_source_line(where),
-                 num_workers=self.num_workers, batch_size=self.batch_size,
-                 pin_memory=self.pin_memory, prefetch_factor=self.prefetch_factor,
-                 persistent_workers=self.persistent_workers,
-                 dataset=type(self.dataset).__name__, collate_fn=_describe_callable(self.collate_fn))
+            emit(
+                schema.DATALOADER,
+                step=steps.current_step(),
+                caller=where,
+                source=_source_line(where),
+                num_workers=self.num_workers,
+                batch_size=self.batch_size,
+                pin_memory=self.pin_memory,
+                prefetch_factor=self.prefetch_factor,
+                persistent_workers=self.persistent_workers,
+                dataset=type(self.dataset).__name__,
+                collate_fn=_describe_callable(self.collate_fn),
+            )
         except Exception as exc:
             report_error("DataLoader hook", exc)
 
@@ -51,8 +63,7 @@ def _on_torch_cuda(module):
             _counts["empty_cache"] += 1
             try:
                 where = first_user_frame()
-                emit(schema.EMPTY_CACHE, step=steps.current_step(), caller=where,
-                     source=_source_line(where))
+                emit(schema.EMPTY_CACHE, step=steps.current_step(), caller=where, source=_source_line(where))
             except Exception as exc:
                 report_error("empty_cache hook", exc)
         return original(*args, **kwargs)

@@ -25,6 +25,7 @@ comparisons leave them out. The default window profiles a steady step: while the
 compiled or autotuned kernels it waits (up to MAX_POSTPONE steps, then stands down), because a
 Triton autotune launches thousands of benchmark kernels whose collection alone costs seconds.
 """
+
 import atexit
 import collections
 import gzip
@@ -50,15 +51,31 @@ FINISH_FACTOR = 10.0
 # Chrome-trace JSON compresses about 8-15x: a raw file above this many times the byte limit
 # cannot fit, so it is not compressed at all
 MAX_RAW_RATIO = 15
-_state = {"window": None, "explicit": False, "profiler": None, "first": None, "torch": None,
-          "last_boundary_ns": None, "done": False, "durations": collections.deque(maxlen=64),
-          "median_s": None, "budget_s": None, "start_s": 0.0, "excess_s": 0.0, "profiled": [],
-          "after": None, "compiles_seen": 0, "postponed": 0,
-          # deep capture: a window of one step on an anomaly, once per kind (kind, why)
-          "trigger": None, "captured": set(), "capture_t": None,
-          # a window that stood down for its cost is tried once more without Python stacks
-          "lite": False}
-ANOMALY_FACTOR = 2.0   # a step this many times the median of the steps before it
+_state = {
+    "window": None,
+    "explicit": False,
+    "profiler": None,
+    "first": None,
+    "torch": None,
+    "last_boundary_ns": None,
+    "done": False,
+    "durations": collections.deque(maxlen=64),
+    "median_s": None,
+    "budget_s": None,
+    "start_s": 0.0,
+    "excess_s": 0.0,
+    "profiled": [],
+    "after": None,
+    "compiles_seen": 0,
+    "postponed": 0,
+    # deep capture: a window of one step on an anomaly, once per kind (kind, why)
+    "trigger": None,
+    "captured": set(),
+    "capture_t": None,
+    # a window that stood down for its cost is tried once more without Python stacks
+    "lite": False,
+}
+ANOMALY_FACTOR = 2.0  # a step this many times the median of the steps before it
 ANOMALY_ONLY = "anomaly"  # TRAINDX_TORCH_PROFILE=anomaly: no default window, anomaly windows only
 ANOMALY_MIN_STEPS = 3
 
@@ -126,13 +143,28 @@ def _start(step):
             os.environ.pop("KINETO_LOG_LEVEL", None)
     start_s = (time.time_ns() - t0) / 1e9
     median = statistics.median(_state["durations"]) if _state["durations"] else None
-    _state.update(profiler=prof, first=step, start_s=start_s, excess_s=0.0, profiled=[],
-                  median_s=median, budget_s=_budget_s(median))
+    _state.update(
+        profiler=prof,
+        first=step,
+        start_s=start_s,
+        excess_s=0.0,
+        profiled=[],
+        median_s=median,
+        budget_s=_budget_s(median),
+    )
     trigger = _state["trigger"]
-    emit(schema.TORCH_PROFILE_START, step=step, start_s=start_s,
-         activities=[a.name for a in activities], median_step_s=median,
-         budget_s=_state["budget_s"], max_bytes=MAX_BYTES, stacks=stacks,
-         trigger=trigger[0] if trigger else None, trigger_reason=trigger[1] if trigger else None)
+    emit(
+        schema.TORCH_PROFILE_START,
+        step=step,
+        start_s=start_s,
+        activities=[a.name for a in activities],
+        median_step_s=median,
+        budget_s=_state["budget_s"],
+        max_bytes=MAX_BYTES,
+        stacks=stacks,
+        trigger=trigger[0] if trigger else None,
+        trigger_reason=trigger[1] if trigger else None,
+    )
 
 
 def _spent_s():
@@ -151,22 +183,42 @@ def _stop(last_step, reason):
     stop_s = (t1 - t0) / 1e9
     path, size, stood_down, raw_bytes = None, None, None, None
     if _spent_s() + stop_s > budget:
-        stood_down = (f"the window had cost {_spent_s() + stop_s:.2f} s by its stop, over its "
-                      f"budget of {budget:.2f} s: trace not written")
+        stood_down = (
+            f"the window had cost {_spent_s() + stop_s:.2f} s by its stop, over its "
+            f"budget of {budget:.2f} s: trace not written"
+        )
     else:
         path, size, raw_bytes, stood_down = _export(prof, budget - _spent_s() - stop_s)
     t2 = time.time_ns()
     export_s = (t2 - t1) / 1e9
-    emit(schema.TORCH_PROFILE, first_step=_state["first"], last_step=last_step, path=path,
-         stop_s=stop_s, export_s=export_s, start_s=_state["start_s"],
-         excess_s=_state["excess_s"], cost_s=_spent_s() + stop_s + export_s,
-         budget_s=budget, median_step_s=_state["median_s"], bytes=size, raw_bytes=raw_bytes,
-         max_bytes=MAX_BYTES, profiled_steps_s=list(_state["profiled"]), ended_by=reason,
-         stood_down=stood_down, trigger=_state["trigger"][0] if _state["trigger"] else None,
-         stacks=not _state["lite"])
+    emit(
+        schema.TORCH_PROFILE,
+        first_step=_state["first"],
+        last_step=last_step,
+        path=path,
+        stop_s=stop_s,
+        export_s=export_s,
+        start_s=_state["start_s"],
+        excess_s=_state["excess_s"],
+        cost_s=_spent_s() + stop_s + export_s,
+        budget_s=budget,
+        median_step_s=_state["median_s"],
+        bytes=size,
+        raw_bytes=raw_bytes,
+        max_bytes=MAX_BYTES,
+        profiled_steps_s=list(_state["profiled"]),
+        ended_by=reason,
+        stood_down=stood_down,
+        trigger=_state["trigger"][0] if _state["trigger"] else None,
+        stacks=not _state["lite"],
+    )
     _state["after"] = {"step": last_step + 1, "cost_s": _spent_s() + stop_s + export_s}
-    if stood_down and _state["trigger"] is None and not _state["lite"] \
-            and (reason == "window end" or reason.startswith("budget")):
+    if (
+        stood_down
+        and _state["trigger"] is None
+        and not _state["lite"]
+        and (reason == "window end" or reason.startswith("budget"))
+    ):
         _retry_without_stacks(last_step)
 
 
@@ -189,8 +241,15 @@ def _export(prof, time_left_s):
         prof.export_chrome_trace(tmp)  # a .json path: kineto's own writer, no Python JSON
         raw = os.path.getsize(tmp)
         if raw > MAX_RAW_RATIO * MAX_BYTES:
-            return None, None, raw, (f"the trace holds {raw / 1e6:.0f} MB of JSON: it cannot "
-                                     f"compress under {MAX_BYTES / 1e6:.0f} MB: not written")
+            return (
+                None,
+                None,
+                raw,
+                (
+                    f"the trace holds {raw / 1e6:.0f} MB of JSON: it cannot "
+                    f"compress under {MAX_BYTES / 1e6:.0f} MB: not written"
+                ),
+            )
         why = _bounded_gzip(tmp, final, MAX_BYTES, start + time_left_s)
         if why:
             return None, None, raw, why
@@ -226,16 +285,21 @@ def _bounded_gzip(src, dst, max_bytes, deadline):
 def _anomaly(step, last_s):
     """(kind, why) when the step that just ended (or diagnose, through control/capture.json)
     calls for a deep capture of the next step and that kind has not been captured yet."""
-    if _state["torch"] is None or not _state["torch"].cuda.is_initialized() \
-            or "*" in _state["captured"]:
+    if _state["torch"] is None or not _state["torch"].cuda.is_initialized() or "*" in _state["captured"]:
         return None  # CPU jobs: py-spy's burst of snapshots is their deep capture
     durations = _state["durations"]
-    if last_s is not None and step - 1 >= 1 and len(durations) >= ANOMALY_MIN_STEPS \
-            and "slow_step" not in _state["captured"]:
+    if (
+        last_s is not None
+        and step - 1 >= 1
+        and len(durations) >= ANOMALY_MIN_STEPS
+        and "slow_step" not in _state["captured"]
+    ):
         median = statistics.median(durations)
         if median > 0 and last_s >= ANOMALY_FACTOR * median:
-            return ("slow_step", f"step {step - 1} took {last_s:.3g} s, "
-                                 f"{last_s / median:.1f}x the median {median:.3g} s")
+            return (
+                "slow_step",
+                f"step {step - 1} took {last_s:.3g} s, {last_s / median:.1f}x the median {median:.3g} s",
+            )
     request = control.read("capture.json")
     if request and request.get("t_ns") != _state["capture_t"]:
         _state["capture_t"] = request.get("t_ns")
@@ -268,9 +332,14 @@ def _boundary(step, now, previous, last_s):
     if after is not None and last_s is not None and step - 1 == after["step"]:
         _state["after"] = None
         median = _state["median_s"]
-        emit(schema.TORCH_PROFILE_AFTER, step=step - 1, duration_s=last_s, median_step_s=median,
-             excess_s=max(0.0, last_s - median) if median else None,
-             window_cost_s=after["cost_s"] + (max(0.0, last_s - median) if median else 0.0))
+        emit(
+            schema.TORCH_PROFILE_AFTER,
+            step=step - 1,
+            duration_s=last_s,
+            median_step_s=median,
+            excess_s=max(0.0, last_s - median) if median else None,
+            window_cost_s=after["cost_s"] + (max(0.0, last_s - median) if median else 0.0),
+        )
     window = _state["window"]
     counted = False
     if window is None or _state["done"]:
@@ -294,9 +363,12 @@ def _boundary(step, now, previous, last_s):
         if step > last:
             _stop(step - 1, "window end")
         elif _spent_s() + FINISH_FACTOR * _state["excess_s"] > (_state["budget_s"] or 0):
-            _stop(step - 1, f"budget: {_spent_s():.2f} s spent, stop and export projected "
-                            f"{FINISH_FACTOR * _state['excess_s']:.2f} s, budget "
-                            f"{_state['budget_s']:.2f} s")
+            _stop(
+                step - 1,
+                f"budget: {_spent_s():.2f} s spent, stop and export projected "
+                f"{FINISH_FACTOR * _state['excess_s']:.2f} s, budget "
+                f"{_state['budget_s']:.2f} s",
+            )
         return
     if last_s is not None and step - 1 >= 1 and not counted:
         _state["durations"].append(last_s)
@@ -308,24 +380,33 @@ def _boundary(step, now, previous, last_s):
         if _state["torch"]._C._autograd._profiler_enabled():
             reason = "the job runs a profiler of its own (kineto runs one at a time)"
         elif not _state["explicit"] and not _state["torch"].cuda.is_initialized():
-            reason = ("no CUDA in this job: the default window is for GPU jobs (on a CPU job its "
-                      "export can stall a step for seconds); pass --torch-profile A-B to "
-                      "profile anyway")
+            reason = (
+                "no CUDA in this job: the default window is for GPU jobs (on a CPU job its "
+                "export can stall a step for seconds); pass --torch-profile A-B to "
+                "profile anyway"
+            )
         elif not _state["explicit"] and any(a in JOB_PROFILER_FLAGS for a in sys.argv):
             reason = "the job was asked to profile itself (its own flag)"
-        elif (not _state["explicit"] and previous is not None
-              and (now - previous) / 1e9 > LONG_STEP_S):
-            reason = (f"the previous step took {(now - previous) / 1e9:.1f} s "
-                      f"(> {LONG_STEP_S:.0f} s); pass --torch-profile A-B to profile anyway")
+        elif not _state["explicit"] and previous is not None and (now - previous) / 1e9 > LONG_STEP_S:
+            reason = (
+                f"the previous step took {(now - previous) / 1e9:.1f} s "
+                f"(> {LONG_STEP_S:.0f} s); pass --torch-profile A-B to profile anyway"
+            )
         if reason:
             _state["done"] = True
             emit(schema.TORCH_PROFILE_SKIPPED, step=step, reason=reason)
             return
         if compiled and _state["trigger"]:
             _state["done"] = True
-            emit(schema.TORCH_PROFILE_SKIPPED, step=step, trigger=_state["trigger"][0], reason=(
-                "the step before compiled or autotuned kernels: the JIT findings and py-spy's "
-                "snapshots cover it (a profiled compile would cost seconds)"))
+            emit(
+                schema.TORCH_PROFILE_SKIPPED,
+                step=step,
+                trigger=_state["trigger"][0],
+                reason=(
+                    "the step before compiled or autotuned kernels: the JIT findings and py-spy's "
+                    "snapshots cover it (a profiled compile would cost seconds)"
+                ),
+            )
             return
         if compiled and not _state["explicit"]:
             # a step that compiles or autotunes is not a steady step, and a Triton autotune
@@ -336,10 +417,15 @@ def _boundary(step, now, previous, last_s):
                 _state["window"] = (first + 1, last + 1)
                 return
             _state["done"] = True
-            emit(schema.TORCH_PROFILE_SKIPPED, step=step, reason=(
-                f"kernels compiled or autotuned in each of the {MAX_POSTPONE + 1} steps before "
-                f"step {step}: no steady step to profile (the JIT findings cover what they "
-                "cost); pass --torch-profile A-B to profile anyway"))
+            emit(
+                schema.TORCH_PROFILE_SKIPPED,
+                step=step,
+                reason=(
+                    f"kernels compiled or autotuned in each of the {MAX_POSTPONE + 1} steps before "
+                    f"step {step}: no steady step to profile (the JIT findings cover what they "
+                    "cost); pass --torch-profile A-B to profile anyway"
+                ),
+            )
             return
         _start(step)
 

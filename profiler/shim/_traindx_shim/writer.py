@@ -18,6 +18,7 @@ never pays for that.
 A deferred writer (a multiprocessing child that has not shown training evidence yet: possibly a
 DataLoader worker) keeps its events in memory and writes nothing unless it is undeferred.
 """
+
 import atexit
 import collections
 import json
@@ -30,17 +31,29 @@ from .segments import segment_bytes_from_env, segment_path
 
 FLUSH_INTERVAL_S = 0.25
 MAX_DEFERRED = 10_000
-WRITE_THROUGH = frozenset({"process_start", "training", "rank_known", "optimizer_created",
-                           "compile", "stop_requested", "torch_profile_start", "torch_profile",
-                           "torch_profile_skipped"})
+WRITE_THROUGH = frozenset(
+    {
+        "process_start",
+        "training",
+        "rank_known",
+        "optimizer_created",
+        "compile",
+        "stop_requested",
+        "torch_profile_start",
+        "torch_profile",
+        "torch_profile_skipped",
+    }
+)
 
 
 # traindx/common/redact.py (standard library only), found from this file: in an installed traindx
 # the profiler package sits beside common/ (traindx/profiler/shim/...); in a source tree profiler/
 # sits beside traindx/ (profiler/shim/...)
 _PROFILER_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-REDACT_CANDIDATES = (os.path.join(os.path.dirname(_PROFILER_DIR), "common", "redact.py"),
-                     os.path.join(os.path.dirname(_PROFILER_DIR), "traindx", "common", "redact.py"))
+REDACT_CANDIDATES = (
+    os.path.join(os.path.dirname(_PROFILER_DIR), "common", "redact.py"),
+    os.path.join(os.path.dirname(_PROFILER_DIR), "traindx", "common", "redact.py"),
+)
 
 
 def load_redactor(env, argv):
@@ -155,8 +168,15 @@ class EventWriter:
                 try:
                     lines.append(json.dumps(event, default=repr))
                 except Exception as exc:  # an unserialisable field: keep the event, say why
-                    lines.append(json.dumps({"type": "shim_error", "t": event.get("t"),
-                                             "error": f"unserialisable {event.get('type')}: {exc!r}"}))
+                    lines.append(
+                        json.dumps(
+                            {
+                                "type": "shim_error",
+                                "t": event.get("t"),
+                                "error": f"unserialisable {event.get('type')}: {exc!r}",
+                            }
+                        )
+                    )
             if lines:
                 try:
                     self._write(lines)

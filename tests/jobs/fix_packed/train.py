@@ -5,7 +5,6 @@ import time
 
 import torch
 import torch.nn.functional as F
-
 from packlib.collate import collate_packed, make_samples
 from packlib.layers import ON_GPU, PackedDecoder
 

@@ -5,6 +5,7 @@ usage: diagnose analyze RUN_DIR       run the analyzers again, write RUN_DIR/fin
        diagnose analyze PYSPY_FILE    a py-spy speedscope (.json) or raw (collapsed) file that
                                       you already have: JIT compiles found from its stacks alone
 """
+
 import json
 import os
 import sys
@@ -14,16 +15,29 @@ from traindx.common.errors import UserError
 
 
 def prepare_parser(parser):
-    parser.add_argument("path", metavar="RUN_DIR|PYSPY_FILE",
-                        help="a run folder written by diagnose, or a py-spy recording")
-    parser.add_argument("-o", "--output", type=argtypes.output_file, metavar="PATH", default=None,
-                        help="also write the findings as JSON here (a py-spy file's findings are "
-                             "written only where this says)")
-    parser.add_argument("--rate", type=argtypes.positive, default=100.0, metavar="HZ",
-                        help="samples per second of a raw (collapsed) py-spy file, which counts "
-                             "samples instead of seconds (default: py-spy's own 100)")
-    parser.add_argument("--json", action="store_true",
-                        help="print the findings as JSON on stdout instead of the summary")
+    parser.add_argument(
+        "path", metavar="RUN_DIR|PYSPY_FILE", help="a run folder written by diagnose, or a py-spy recording"
+    )
+    parser.add_argument(
+        "-o",
+        "--output",
+        type=argtypes.output_file,
+        metavar="PATH",
+        default=None,
+        help="also write the findings as JSON here (a py-spy file's findings are "
+        "written only where this says)",
+    )
+    parser.add_argument(
+        "--rate",
+        type=argtypes.positive,
+        default=100.0,
+        metavar="HZ",
+        help="samples per second of a raw (collapsed) py-spy file, which counts "
+        "samples instead of seconds (default: py-spy's own 100)",
+    )
+    parser.add_argument(
+        "--json", action="store_true", help="print the findings as JSON on stdout instead of the summary"
+    )
 
 
 def _analyze_run(path):
@@ -36,8 +50,8 @@ def _analyze_run(path):
 
 
 def _analyze_file(path, rate_hz):
-    from traindx.analyzers.jit import analyze_recording
     from traindx.analyzers.findings import rank_findings
+    from traindx.analyzers.jit import analyze_recording
     from traindx.profiler import speedscope
 
     if os.path.getsize(path) == 0:
@@ -57,15 +71,16 @@ def _print_file_summary(path, findings, console=None):
     from rich.console import Console
     from rich.table import Table
     from rich.text import Text
+
     from traindx.report.terminal import SEVERITY_STYLE
 
     console = console or Console(file=sys.stderr)
     console.rule("traindx")
-    console.print(f"py-spy recording: {path} (stacks only: no steps, no compile keys)",
-                  markup=False, highlight=False)
+    console.print(
+        f"py-spy recording: {path} (stacks only: no steps, no compile keys)", markup=False, highlight=False
+    )
     if not findings:
-        console.print(Text("No JIT compiles after the first call were found in these stacks.",
-                           style="green"))
+        console.print(Text("No JIT compiles after the first call were found in these stacks.", style="green"))
         return
     table = Table(show_header=True, header_style="bold")
     table.add_column("severity")
@@ -74,8 +89,12 @@ def _print_file_summary(path, findings, console=None):
     table.add_column("first prescription")
     for f in findings:
         lost = "-" if f.seconds_lost_per_step is None else f"{f.seconds_lost_per_step:.2f} s"
-        table.add_row(Text(f.severity, style=SEVERITY_STYLE.get(f.severity, "")), Text(f.title),
-                      lost, Text(f.prescriptions[0].summary if f.prescriptions else ""))
+        table.add_row(
+            Text(f.severity, style=SEVERITY_STYLE.get(f.severity, "")),
+            Text(f.title),
+            lost,
+            Text(f.prescriptions[0].summary if f.prescriptions else ""),
+        )
     console.print(table)
     for f in findings[:3]:
         console.print(Text(f.summary, style="cyan"))

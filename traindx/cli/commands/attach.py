@@ -2,6 +2,7 @@
 
 usage: diagnose attach --pid PID [--duration S]
 """
+
 import os
 import signal
 import time
@@ -12,9 +13,16 @@ from traindx.common.errors import UserError
 
 def prepare_parser(parser):
     parser.add_argument("--pid", type=argtypes.pid, required=True, help="the training process to sample")
-    parser.add_argument("--duration", type=argtypes.positive, default=30.0, metavar="S",
-                        help="seconds to sample (default 30; stops early if the job ends)")
-    parser.add_argument("--rank", type=argtypes.name, default=None, help="rank label (default: RANK of the process, or 0)")
+    parser.add_argument(
+        "--duration",
+        type=argtypes.positive,
+        default=30.0,
+        metavar="S",
+        help="seconds to sample (default 30; stops early if the job ends)",
+    )
+    parser.add_argument(
+        "--rank", type=argtypes.name, default=None, help="rank label (default: RANK of the process, or 0)"
+    )
     parser.add_argument("--out", type=argtypes.output_folder, default=argtypes.DEFAULT_RUNS, metavar="DIR")
     parser.add_argument("--pyspy-rate", type=argtypes.pyspy_rate, default=20, metavar="HZ")
     parser.add_argument("--dump-interval", type=argtypes.non_negative, default=2.0, metavar="S")
@@ -22,11 +30,11 @@ def prepare_parser(parser):
 
 def run(args, parser):
     from traindx.cli.outputs import analyze_and_write
+    from traindx.derive.run import load_run
     from traindx.profiler import manifest as manifest_mod
     from traindx.profiler import proctree
     from traindx.profiler.launcher import new_run_dir, write_json_atomic
     from traindx.profiler.pyspy import PySpyManager
-    from traindx.derive.run import load_run
     from traindx.report.terminal import print_summary
 
     if not os.path.exists(f"/proc/{args.pid}"):
@@ -36,14 +44,24 @@ def run(args, parser):
     env = proctree.environ(args.pid)
     rank = args.rank or env.get("RANK", "0")
     run_dir = new_run_dir(args.out)
-    manifest = {"traindx_run": 1, "mode": "attach",
-                "command": manifest_mod.redact_command(proctree.cmdline(args.pid)),
-                "cwd": _cwd(args.pid), "pid": args.pid, "start_ns": time.time_ns(),
-                "end_ns": None, "exit_code": None, "host": manifest_mod.host_info(),
-                "gpus": [], "packages": manifest_mod.package_versions(),
-                "env": manifest_mod.redact_env(env), "ranks": {rank: args.pid},
-                "options": {"duration_s": args.duration, "pyspy_rate_hz": args.pyspy_rate},
-                "missing": {"shim": "attach mode: py-spy evidence only"}, "status": "attached"}
+    manifest = {
+        "traindx_run": 1,
+        "mode": "attach",
+        "command": manifest_mod.redact_command(proctree.cmdline(args.pid)),
+        "cwd": _cwd(args.pid),
+        "pid": args.pid,
+        "start_ns": time.time_ns(),
+        "end_ns": None,
+        "exit_code": None,
+        "host": manifest_mod.host_info(),
+        "gpus": [],
+        "packages": manifest_mod.package_versions(),
+        "env": manifest_mod.redact_env(env),
+        "ranks": {rank: args.pid},
+        "options": {"duration_s": args.duration, "pyspy_rate_hz": args.pyspy_rate},
+        "missing": {"shim": "attach mode: py-spy evidence only"},
+        "status": "attached",
+    }
     write_json_atomic(os.path.join(run_dir, "manifest.json"), manifest)
     pyspy = PySpyManager(os.path.join(run_dir, "pyspy"), args.pyspy_rate, args.dump_interval)
     if not pyspy.attach(args.pid, rank):

@@ -6,6 +6,7 @@ RUN/comparison.json`).
 usage: diagnose card RUN [--active-params N | --model config.json] [--gpu H200]
                          [--price-per-gpu-hour P] [--window 5:19] [--tokens-per-step N] [-o card.yaml]
 """
+
 import os
 import sys
 
@@ -16,33 +17,80 @@ from traindx.recipes.card import CardOptions, card  # noqa: F401  (the engine)
 def prepare_parser(parser):
     parser.add_argument("run_dir", metavar="RUN", help="a run folder written by diagnose")
     params = parser.add_mutually_exclusive_group()
-    params.add_argument("--active-params", type=argtypes.positive, default=None, metavar="N",
-                        help="active parameters per token (for MFU)")
-    params.add_argument("--model", type=argtypes.existing_file, default=None, metavar="CONFIG_JSON",
-                        help="the model's HuggingFace config.json: active parameters and, with "
-                             "--seq-len, the attention term of MFU")
-    parser.add_argument("--seq-len", type=argtypes.positive_int, default=None, metavar="T",
-                        help="sequence length T of the attention term 12·L·H·Q·T (with --model)")
+    params.add_argument(
+        "--active-params",
+        type=argtypes.positive,
+        default=None,
+        metavar="N",
+        help="active parameters per token (for MFU)",
+    )
+    params.add_argument(
+        "--model",
+        type=argtypes.existing_file,
+        default=None,
+        metavar="CONFIG_JSON",
+        help="the model's HuggingFace config.json: active parameters and, with "
+        "--seq-len, the attention term of MFU",
+    )
+    parser.add_argument(
+        "--seq-len",
+        type=argtypes.positive_int,
+        default=None,
+        metavar="T",
+        help="sequence length T of the attention term 12·L·H·Q·T (with --model)",
+    )
     parser.add_argument("--model-name", default=None, help="the card's model name")
-    parser.add_argument("--gpu", type=argtypes.gpu_type, default=None, metavar="TYPE",
-                        help="GPU type for the peak FLOP/s (default: the run's GPUs); "
-                             "A100, H100, H200, B200, B300, GB200")
-    parser.add_argument("--price-per-gpu-hour", type=argtypes.positive, default=None, metavar="USD",
-                        help="price of one GPU-hour, for $ per 1M tokens")
-    parser.add_argument("--window", type=argtypes.step_window, default=None, metavar="FIRST:LAST",
-                        help="steps measured, inclusive, 0-based (default: skip the first quarter)")
-    parser.add_argument("--tokens-per-step", type=argtypes.positive, default=None, metavar="N",
-                        help="tokens of one optimizer step (all GPUs), when the job does not say")
+    parser.add_argument(
+        "--gpu",
+        type=argtypes.gpu_type,
+        default=None,
+        metavar="TYPE",
+        help="GPU type for the peak FLOP/s (default: the run's GPUs); A100, H100, H200, B200, B300, GB200",
+    )
+    parser.add_argument(
+        "--price-per-gpu-hour",
+        type=argtypes.positive,
+        default=None,
+        metavar="USD",
+        help="price of one GPU-hour, for $ per 1M tokens",
+    )
+    parser.add_argument(
+        "--window",
+        type=argtypes.step_window,
+        default=None,
+        metavar="FIRST:LAST",
+        help="steps measured, inclusive, 0-based (default: skip the first quarter)",
+    )
+    parser.add_argument(
+        "--tokens-per-step",
+        type=argtypes.positive,
+        default=None,
+        metavar="N",
+        help="tokens of one optimizer step (all GPUs), when the job does not say",
+    )
     parser.add_argument("--author", default="traindx", help="the card's author name")
-    parser.add_argument("-o", "--output", type=argtypes.output_file, default=None, metavar="CARD_YAML",
-                        help="write the card here (default: print it)")
+    parser.add_argument(
+        "-o",
+        "--output",
+        type=argtypes.output_file,
+        default=None,
+        metavar="CARD_YAML",
+        help="write the card here (default: print it)",
+    )
 
 
 def options_from(args) -> CardOptions:
-    return CardOptions(active_params=args.active_params, model=args.model, seq_len=args.seq_len,
-                       model_name=args.model_name, gpu=args.gpu,
-                       price_per_gpu_hour=args.price_per_gpu_hour, window=args.window,
-                       tokens_per_step=args.tokens_per_step, author=args.author)
+    return CardOptions(
+        active_params=args.active_params,
+        model=args.model,
+        seq_len=args.seq_len,
+        model_name=args.model_name,
+        gpu=args.gpu,
+        price_per_gpu_hour=args.price_per_gpu_hour,
+        window=args.window,
+        tokens_per_step=args.tokens_per_step,
+        author=args.author,
+    )
 
 
 def build_card(run, args):

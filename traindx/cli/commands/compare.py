@@ -4,6 +4,7 @@ bootstrap 95 % interval, tokens/s, step-time CV, loss parity and a verdict.
 usage: diagnose compare RUN_A RUN_B          (RUN_A is the baseline)
        diagnose compare FIX_RUN              (a `diagnose --fix` folder: its baseline/candidate)
 """
+
 import json
 import os
 import sys
@@ -15,13 +16,28 @@ from traindx.common.errors import UserError
 def prepare_parser(parser):
     parser.add_argument("run_a", metavar="RUN_A", help="baseline run folder (or a --fix folder)")
     parser.add_argument("run_b", metavar="RUN_B", nargs="?", help="candidate run folder")
-    parser.add_argument("--window", type=argtypes.step_window, default=None, metavar="FIRST:LAST",
-                        help="steps to compare, inclusive, 0-based (default: skip the first "
-                             "quarter of the steps, the warm-up)")
-    parser.add_argument("--tokens-per-step", type=argtypes.positive, default=None, metavar="N",
-                        help="tokens of one optimizer step, when the job's log does not say")
-    parser.add_argument("--json", type=argtypes.output_file, default=None, metavar="PATH",
-                        help="also write the comparison as JSON to PATH")
+    parser.add_argument(
+        "--window",
+        type=argtypes.step_window,
+        default=None,
+        metavar="FIRST:LAST",
+        help="steps to compare, inclusive, 0-based (default: skip the first "
+        "quarter of the steps, the warm-up)",
+    )
+    parser.add_argument(
+        "--tokens-per-step",
+        type=argtypes.positive,
+        default=None,
+        metavar="N",
+        help="tokens of one optimizer step, when the job's log does not say",
+    )
+    parser.add_argument(
+        "--json",
+        type=argtypes.output_file,
+        default=None,
+        metavar="PATH",
+        help="also write the comparison as JSON to PATH",
+    )
 
 
 def resolve_arms(run_a, run_b):
@@ -34,8 +50,10 @@ def resolve_arms(run_a, run_b):
         except (OSError, ValueError, AttributeError):
             pass
         if not (os.path.isdir(base) and os.path.isdir(cand)):
-            raise UserError(f"{run_a} is not a `diagnose --fix` folder (no baseline/ and "
-                            "candidate/): give two run folders, RUN_A RUN_B")
+            raise UserError(
+                f"{run_a} is not a `diagnose --fix` folder (no baseline/ and "
+                "candidate/): give two run folders, RUN_A RUN_B"
+            )
         return base, cand
     return run_a, run_b
 
@@ -43,22 +61,25 @@ def resolve_arms(run_a, run_b):
 def run(args, parser):
     from rich.console import Console
 
-    from traindx.recipes.ab import compare_runs
-    from traindx.derive.stats import parse_window
     from traindx.derive.run import load_run
+    from traindx.derive.stats import parse_window
+    from traindx.recipes.ab import compare_runs
 
     window = parse_window(args.window) if args.window else None  # valid: argtypes.step_window
     path_a, path_b = resolve_arms(args.run_a, args.run_b)
     if os.path.realpath(path_a) == os.path.realpath(path_b):
-        raise UserError(f"{args.run_a} and {args.run_b} are the same run: compare a baseline "
-                        "with another run (or give one `diagnose --fix` folder)")
+        raise UserError(
+            f"{args.run_a} and {args.run_b} are the same run: compare a baseline "
+            "with another run (or give one `diagnose --fix` folder)"
+        )
     baseline, candidate = load_run(path_a), load_run(path_b)
     if _same_recording(baseline.manifest, candidate.manifest):
-        raise UserError(f"{path_b} is a copy of {path_a} (the same recording: same start time "
-                        "and command): compare a baseline with another run")
+        raise UserError(
+            f"{path_b} is a copy of {path_a} (the same recording: same start time "
+            "and command): compare a baseline with another run"
+        )
     try:
-        comparison = compare_runs(baseline, candidate, window=window,
-                                  tokens_per_step=args.tokens_per_step)
+        comparison = compare_runs(baseline, candidate, window=window, tokens_per_step=args.tokens_per_step)
     except ValueError as exc:
         raise UserError(str(exc)) from None
     print_comparison(comparison, Console(file=sys.stdout))
@@ -68,8 +89,12 @@ def run(args, parser):
 
 
 def _same_recording(a, b):
-    return a.get("start_ns") is not None and a.get("start_ns") == b.get("start_ns") and \
-        a.get("command") == b.get("command") and a.get("pid") == b.get("pid")
+    return (
+        a.get("start_ns") is not None
+        and a.get("start_ns") == b.get("start_ns")
+        and a.get("command") == b.get("command")
+        and a.get("pid") == b.get("pid")
+    )
 
 
 def write_comparison(comparison, path):
@@ -79,9 +104,12 @@ def write_comparison(comparison, path):
 
 
 # -- rendering ---------------------------------------------------------------------------------
-VERDICT_STYLE = {"faster and numerically equivalent": "bold green",
-                 "faster start": "bold green",
-                 "faster but numerics differ": "bold yellow", "no gain": "bold red"}
+VERDICT_STYLE = {
+    "faster and numerically equivalent": "bold green",
+    "faster start": "bold green",
+    "faster but numerics differ": "bold yellow",
+    "no gain": "bold red",
+}
 
 
 def _seconds(x):
@@ -148,12 +176,13 @@ def print_comparison(comparison, console=None):
         table.add_row("timed by", step_source_text(base), step_source_text(cand))
     table.add_row("step-time CV", _percent(base["step_time_cv"]), _percent(cand["step_time_cv"]))
     table.add_row("tokens/s", _number(base["tokens_per_s"]), _number(cand["tokens_per_s"]))
-    table.add_row("step 0 (warm-up)", _seconds(base.get("first_step_s")),
-                  _seconds(cand.get("first_step_s")))
+    table.add_row("step 0 (warm-up)", _seconds(base.get("first_step_s")), _seconds(cand.get("first_step_s")))
     table.add_row("wall time of the run", _seconds(base.get("wall_s")), _seconds(cand.get("wall_s")))
-    table.add_row("compile events (in window)",
-                  f"{base['compiles']} ({base['compiles_in_window']})",
-                  f"{cand['compiles']} ({cand['compiles_in_window']})")
+    table.add_row(
+        "compile events (in window)",
+        f"{base['compiles']} ({base['compiles_in_window']})",
+        f"{cand['compiles']} ({cand['compiles_in_window']})",
+    )
     console.print(table)
 
     if comparison["speedup"] is not None:
@@ -162,9 +191,13 @@ def print_comparison(comparison, console=None):
         console.print(Text(f"speedup: {speedup_text(comparison)}", style="bold"))
     for step in comparison["change"].get("steps", []):
         if not step.get("ok"):
-            console.print(Text(f"failed: {step['step']}: {step.get('error')}"
-                               + (f" — the candidate ran with {step['instead']}"
-                                  if step.get("instead") else ""), style="yellow"))
+            console.print(
+                Text(
+                    f"failed: {step['step']}: {step.get('error')}"
+                    + (f" — the candidate ran with {step['instead']}" if step.get("instead") else ""),
+                    style="yellow",
+                )
+            )
     if comparison.get("changes"):
         from traindx.recipes.ab import change_text
 
@@ -179,14 +212,19 @@ def print_comparison(comparison, console=None):
         console.print("loss parity: not checked (no losses in the job's log)", markup=False)
     else:
         corr = "n/a" if parity["correlation"] is None else f"{parity['correlation']:.4f}"
-        final = ("-" if parity["final_loss_difference"] is None
-                 else f"{parity['final_loss_difference']:.2%}")
-        status = Text("pass" if parity["passed"] else "FAIL",
-                      style="green" if parity["passed"] else "bold red")
-        line = Text("loss parity: ").append(status).append(
-            f" (correlation {corr}, {parity['pointwise_failures']} of {parity['points']} points "
-            f"outside tolerance, final-loss difference {final}; first {parity['skipped']} "
-            "points skipped)")
+        final = "-" if parity["final_loss_difference"] is None else f"{parity['final_loss_difference']:.2%}"
+        status = Text(
+            "pass" if parity["passed"] else "FAIL", style="green" if parity["passed"] else "bold red"
+        )
+        line = (
+            Text("loss parity: ")
+            .append(status)
+            .append(
+                f" (correlation {corr}, {parity['pointwise_failures']} of {parity['points']} points "
+                f"outside tolerance, final-loss difference {final}; first {parity['skipped']} "
+                "points skipped)"
+            )
+        )
         console.print(line)
         for reason in parity["reasons"]:
             console.print(Text(f"  ✗ {reason}", style="red"))
@@ -194,5 +232,9 @@ def print_comparison(comparison, console=None):
         console.print(Text(f"note: {problem}", style="yellow"))
     for line in comparison["change"].get("instructions", []):
         console.print(Text(f"to do by hand: {line}", style="cyan"))
-    console.print(Text(f"verdict: {comparison['verdict']}",
-                       style=VERDICT_STYLE.get(comparison["verdict"].split(" (")[0], "bold red")))
+    console.print(
+        Text(
+            f"verdict: {comparison['verdict']}",
+            style=VERDICT_STYLE.get(comparison["verdict"].split(" (")[0], "bold red"),
+        )
+    )

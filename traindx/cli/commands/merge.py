@@ -14,22 +14,28 @@ writes, beside the untouched node folders:
 then analyses the merged run and writes its report, like `diagnose` does after a job.
 Running it again re-estimates and rewrites these (e.g. after a late node's folder arrived).
 """
+
 import os
 import sys
 
 from traindx.cli import argtypes
-from traindx.profiler import nodes
 from traindx.derive.multinode import merge_parts  # noqa: F401  (the engine)
+from traindx.profiler import nodes
 from traindx.profiler.nodes import merged_manifest  # noqa: F401
 
 
 def prepare_parser(parser):
     parser.add_argument("run_dir", metavar="RUN", help="a multi-node run folder (with nodes/)")
-    parser.add_argument("--reference", type=argtypes.name, metavar="NODE", default=None,
-                        help="the node whose clock is the run's (default: the node with the "
-                             "most matched collectives)")
-    parser.add_argument("--no-report", action="store_true",
-                        help="only write the merged pieces; no analysis or report")
+    parser.add_argument(
+        "--reference",
+        type=argtypes.name,
+        metavar="NODE",
+        default=None,
+        help="the node whose clock is the run's (default: the node with the most matched collectives)",
+    )
+    parser.add_argument(
+        "--no-report", action="store_true", help="only write the merged pieces; no analysis or report"
+    )
     parser.add_argument("--quiet", action="store_true", help="print only the clock table")
 
 
@@ -41,9 +47,11 @@ def merge(run_dir, reference=None):
 def run(args, parser):
     unfinished = nodes.unfinished_nodes(args.run_dir) if os.path.isdir(args.run_dir) else []
     if unfinished:  # merging is still right for what is there; say what may be missing
-        print(f"diagnose: warning: node{'s' if len(unfinished) > 1 else ''} "
-              f"{', '.join(unfinished)} still running (or killed): merged as far as recorded",
-              file=sys.stderr)
+        print(
+            f"diagnose: warning: node{'s' if len(unfinished) > 1 else ''} "
+            f"{', '.join(unfinished)} still running (or killed): merged as far as recorded",
+            file=sys.stderr,
+        )
     clock, _ = merge_parts(args.run_dir, reference=args.reference)
     print(nodes.format_clock(clock), file=sys.stderr if args.quiet else sys.stdout)
     if args.no_report:

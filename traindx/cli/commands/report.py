@@ -5,6 +5,7 @@ usage: diagnose report RUN [--open] [--perfetto OUT] [--reanalyze] [--comparison
 The findings come from RUN/findings.json when it exists (--reanalyze runs the analyzers again);
 a before/after section is drawn from --comparison, or RUN/comparison.json when present.
 """
+
 import json
 import os
 import sys
@@ -15,17 +16,32 @@ from traindx.common.errors import UserError
 
 def prepare_parser(parser):
     parser.add_argument("run_dir", metavar="RUN", help="a run folder written by diagnose")
-    parser.add_argument("-o", "--output", type=argtypes.output_file, metavar="PATH", default=None,
-                        help="write the HTML here (default: RUN/report.html)")
+    parser.add_argument(
+        "-o",
+        "--output",
+        type=argtypes.output_file,
+        metavar="PATH",
+        default=None,
+        help="write the HTML here (default: RUN/report.html)",
+    )
     parser.add_argument("--open", action="store_true", help="open the report in a web browser")
-    parser.add_argument("--perfetto", type=argtypes.output_file, metavar="OUT", default=None,
-                        help="also write the merged timeline as Chrome/Perfetto trace JSON "
-                             "(.json or .json.gz)")
-    parser.add_argument("--reanalyze", action="store_true",
-                        help="run the analyzers again instead of reading findings.json")
-    parser.add_argument("--comparison", type=argtypes.existing_file, metavar="FILE", default=None,
-                        help="a JSON mapping to show as 'before and after' (default: "
-                             "RUN/comparison.json when present)")
+    parser.add_argument(
+        "--perfetto",
+        type=argtypes.output_file,
+        metavar="OUT",
+        default=None,
+        help="also write the merged timeline as Chrome/Perfetto trace JSON (.json or .json.gz)",
+    )
+    parser.add_argument(
+        "--reanalyze", action="store_true", help="run the analyzers again instead of reading findings.json"
+    )
+    parser.add_argument(
+        "--comparison",
+        type=argtypes.existing_file,
+        metavar="FILE",
+        default=None,
+        help="a JSON mapping to show as 'before and after' (default: RUN/comparison.json when present)",
+    )
     parser.add_argument("--quiet", action="store_true", help="print only the report's path")
 
 
@@ -77,15 +93,22 @@ def run(args, parser):
             # derived, not evidence: rebuilt from the run below (the corrupt copy overwritten)
             import warnings
 
-            warnings.warn(f"{findings_path} is unreadable ({type(exc).__name__}): the findings "
-                          "were analysed again from the run", stacklevel=2)
+            warnings.warn(
+                f"{findings_path} is unreadable ({type(exc).__name__}): the findings "
+                "were analysed again from the run",
+                stacklevel=2,
+            )
             findings = None
     # a fresh analysis goes into RUN/findings.json, unless the report goes elsewhere (-o): the
     # run folder is then left as it is
     into_run = findings is None and not args.output
-    findings, path, problems = write_outputs(record, findings, report_path=args.output,
-                                             into_run=into_run,
-                                             comparison=_comparison(args, record.path))
+    findings, path, problems = write_outputs(
+        record,
+        findings,
+        report_path=args.output,
+        into_run=into_run,
+        comparison=_comparison(args, record.path),
+    )
     for line in problems:
         print(f"diagnose: not written: {line}", file=sys.stderr)
     if path is None:
@@ -94,8 +117,9 @@ def run(args, parser):
         from traindx.report.perfetto import export_trace
 
         trace_path = export_trace(record, args.perfetto)
-        print(f"perfetto trace: {trace_path} (open it in ui.perfetto.dev or chrome://tracing)",
-              file=sys.stderr)
+        print(
+            f"perfetto trace: {trace_path} (open it in ui.perfetto.dev or chrome://tracing)", file=sys.stderr
+        )
     if args.quiet:
         print(path)
     else:

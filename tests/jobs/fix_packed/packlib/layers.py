@@ -22,8 +22,8 @@ if not ON_GPU:  # what FA4 and the CuTe DSL need to build Hopper kernels with no
                    ("FLASH_ATTENTION_NUM_SMS", "132")):
         os.environ.setdefault(_k, _v)
 
-from flash_attn.cute import flash_attn_varlen_func  # noqa: E402
 import flash_attn.cute.interface as fa_interface  # noqa: E402
+from flash_attn.cute import flash_attn_varlen_func  # noqa: E402
 
 
 def reference_attention(q, k, v, cu_seqlens):
