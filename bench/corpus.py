@@ -52,9 +52,7 @@ def _words(n: int, seed: int = 0) -> str:
 
     rnd = random.Random(seed)
     vocab = [f"w{i}" for i in range(400)]
-    lines = []
-    for _ in range(n):
-        lines.append(" ".join(rnd.choice(vocab) for _ in range(12)))
+    lines = [" ".join(rnd.choice(vocab) for _ in range(12)) for _ in range(n)]
     return "\n".join(lines) + "\n"
 
 
@@ -722,11 +720,11 @@ def table(rows):
         "printed while it ran |"
     )
     out = [head, "|---|---|---|---|---|---|---|"]
-    for r in rows:
-        out.append(
-            f"| {r['script']} | {r['cause']} | {r['top']} | {r.get('line') or ''} | "
-            f"{_yn(r.get('line_ok'))} | {_yn(r.get('usable'))} | {_live_text(r)} |"
-        )
+    out.extend(
+        f"| {r['script']} | {r['cause']} | {r['top']} | {r.get('line') or ''} | "
+        f"{_yn(r.get('line_ok'))} | {_yn(r.get('usable'))} | {_live_text(r)} |"
+        for r in rows
+    )
     ok = [r for r in rows if r.get("ok") is not None]
     out.append(
         f"\n{sum(1 for r in ok if r['ok'])} of {len(ok)} right (cause named at its line or "
