@@ -72,6 +72,7 @@ ABORT_JOB = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # 21-23 s: two diagnose runs
 def test_a_job_that_aborts_is_named_with_the_line_it_crashed_at(tmp_path):
     script = tmp_path / "job.py"
     script.write_text(ABORT_JOB)

@@ -74,6 +74,7 @@ def _fa4_like_key(max_seqlen):
     )
 
 
+@pytest.mark.slow  # 6-7 s
 def test_describing_a_compile_key_reads_no_tensor_data():
     key = _fa4_like_key(torch.tensor(200))
     q, seqlens = torch.zeros(2, 3), [torch.ones(1)]
