@@ -498,6 +498,7 @@ def _copy_run(run, tmp_path):
     return dest
 
 
+@pytest.mark.slow  # 7 s (its call alone, the shared run aside)
 def test_synthetic_gpu_evidence_thermal_throttle_is_found_power_cap_is_only_info(healthy, tmp_path):
     dest = _copy_run(healthy, tmp_path)
     steps = healthy.steps

@@ -72,6 +72,7 @@ ABORT_JOB = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # 21-23 s: two diagnose runs
 def test_a_job_that_aborts_is_named_with_the_line_it_crashed_at(tmp_path):
     script = tmp_path / "job.py"
     script.write_text(ABORT_JOB)
@@ -323,7 +324,7 @@ def test_the_job_sees_only_its_own_signal_handlers(tmp_path):
 @pytest.mark.slow
 def test_sigterm_during_a_long_c_call_ends_the_job_at_once(tmp_path):
     # a native wait that only a signal's default action interrupts: a Python-level SIGTERM
-    # handler would run only after it returns (30 s)
+    # handler would run only after it returns (300 s)
     script = tmp_path / "job.py"
     script.write_text(
         textwrap.dedent("""
@@ -333,7 +334,7 @@ def test_sigterm_during_a_long_c_call_ends_the_job_at_once(tmp_path):
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         for _ in range(3):
             model(torch.randn(2, 4)).sum().backward(); opt.step(); opt.zero_grad()
-        store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=30))
+        store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=300))
         print("waiting", os.getpid(), flush=True)
         store.wait(["never-set"])
         print("the wait returned", flush=True)
@@ -361,11 +362,13 @@ def test_sigterm_during_a_long_c_call_ends_the_job_at_once(tmp_path):
         time.sleep(0.1)
     sent = time.time()
     proc.send_signal(signal.SIGTERM)
-    while os.path.exists(f"/proc/{pid}") and time.time() - sent < 20:
+    # the signal's default action ends the job at once; a handler in Python would run only when
+    # the native wait returns (its 300 s timeout): 60 s tells the two apart at any load
+    while os.path.exists(f"/proc/{pid}") and time.time() - sent < 90:
         time.sleep(0.05)
     gone_after = time.time() - sent
-    out, err = proc.communicate(timeout=120)
-    assert gone_after < 10, f"the job took {gone_after:.1f} s to end"
+    out, err = proc.communicate(timeout=400)
+    assert gone_after < 60, f"the job took {gone_after:.1f} s to end"
     assert "the wait returned" not in out
     assert proc.returncode == 128 + signal.SIGTERM
     run = traindx.load_run(only_run_dir(events))

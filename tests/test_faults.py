@@ -183,6 +183,7 @@ def test_events_with_fields_of_the_wrong_type_are_skipped_or_survived(tmp_path):
         assert all(line.startswith("diagnose: warning: ") for line in err.splitlines() if line)
 
 
+@pytest.mark.slow  # 5-7 s
 def test_damaged_derived_files_are_rebuilt_from_the_evidence(tmp_path, monkeypatch):
     """findings.json and the Parquet event tables are copies: damaged, they are made again."""
     monkeypatch.setenv("TRAINDX_CACHE", "1")

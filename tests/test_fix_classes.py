@@ -314,6 +314,7 @@ def test_a_launch_bound_job_that_compiles_nothing_gets_its_model_compiled_where_
     assert codefix_compile.compile_model_edits(str(inside)) == []
 
 
+@pytest.mark.slow  # 25 s: --fix runs of a real job
 def test_fix_applies_the_host_read_and_pinned_copy_edits_and_parity_holds(tmp_path, monkeypatch):
     """A CPU has no device queue, so no analyzer can price a host read or a pageable copy here:
     the baseline's findings get the two GPU findings the way the H200 recorded them (the GPU
@@ -468,6 +469,7 @@ def test_host_read_edits_keep_results_on_the_device_and_leave_host_values_alone(
     assert "print('loss', crit(out, target).item())" in text
 
 
+@pytest.mark.slow  # 32-37 s: --fix runs of a real job
 def test_a_guard_read_to_the_host_becomes_an_assert_on_the_device(tmp_path):
     """`if not <tensor>.item(): raise` and `if not torch.isfinite(loss).all(): raise` wait for
     every queued kernel to decide a check: the edit keeps the check on the device
@@ -649,6 +651,7 @@ def test_a_host_dataset_built_after_a_placeholder_is_pinned_once_where_it_is_mad
     assert "    x = data[step % len(data)].pin_memory().to(dev, non_blocking=True)\n" in texts[1]
 
 
+@pytest.mark.slow  # 7 s: two runs of a real job
 def test_a_checkpoint_written_inline_gets_a_background_write_that_keeps_every_checkpoint(tmp_path):
     """The periodic checkpoint finding names the job's `torch.save(...)` line: the planner's arm
     serializes the state at the call and writes the file on a thread. The patched job still
@@ -734,6 +737,7 @@ def _per_parameter_optimizer_finding(job, cls, lost=0.010, share=0.6):
     )
 
 
+@pytest.mark.slow  # 26-29 s: --fix runs of a real job
 def test_a_per_parameter_optimizer_is_made_multi_tensor_at_the_call_that_makes_it(tmp_path):
     """gpu.launch_bound whose profiled steps were mostly torch.optim's step, one parameter at a
     time: the job's own call that makes the optimizer gets the installed torch's multi-tensor

@@ -233,30 +233,18 @@ def test_measured_forward_closures_and_host_are_booked_where_they_run():
     _assert_sums_exactly(led)
 
 
-def test_ledger_is_vectorised_at_scale():
-    """64 ranks x 2,000 steps x 6 spans: well under the time an analysis may take."""
-    import time
+def test_ledger_of_many_ranks_sums_exactly():
+    """16 ranks x 500 steps x 3 spans: every row sums to its step. The cost at scale (64 ranks x
+    2,000 steps, once asserted < 30 s here) is measured by bench/analysis_speed.py, out of the
+    suite: a wall-clock bound is one another job's load can move."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(JOBS)), "bench"))
+    from analysis_speed import ledger_tables
 
-    rng = np.random.default_rng(0)
-    n_ranks, n_steps = 64, 2000
-    step_rows, span_rows = [], []
-    for r in range(n_ranks):
-        edges = np.cumsum(rng.integers(900_000, 1_100_000, n_steps + 1))
-        for i in range(n_steps):
-            a, b = int(edges[i]), int(edges[i + 1])
-            step_rows.append((str(r), i, a, b, (b - a) / 1e9))
-            span_rows += [
-                (str(r), "data", a, a + 100_000, 1, None, None),
-                (str(r), "backward", a + 300_000, a + 700_000, 1, None, None),
-                (str(r), "optimizer", a + 700_000, a + 800_000, 1, None, None),
-            ]
-    steps = _table(step_rows, ["rank", "step", "start_ns", "end_ns", "duration_s"])
-    spans = _table(span_rows, ["rank", "cat", "start_ns", "end_ns", "tid", "caller", "call"])
-    t = time.perf_counter()
+    n_ranks, n_steps = 16, 500
+    steps, spans = ledger_tables(n_ranks, n_steps)
     led, _ = L.compute(
         steps, spans, pd.DataFrame(columns=["rank", "kind", "start_ns", "end_ns"]), pd.DataFrame()
     )
-    assert time.perf_counter() - t < 30
     assert len(led) == n_ranks * n_steps
     _assert_sums_exactly(led)
 

@@ -127,7 +127,10 @@ def test_a_cause_diluted_by_a_cold_first_step_is_judged_again_when_the_record_gr
     assert "[high] Full garbage collections inside steps" in live, (live[-2000:], doc["passes"])
     assert "cold_first_step.py:" in live
     first, *later = doc["passes"]
-    assert first["analyzers"] == "all" and first["step"] <= 4, doc["passes"]
+    # the step of the first judgement is the load's to move (step 3 quiet; a judge waiting for a
+    # core sees a later one): what follows holds wherever it fell, and the replay of the same job
+    # in test_live_window (-k just_below_the_floor) pins the first pass to step 3 by construction
+    assert first["analyzers"] == "all", doc["passes"]
     gc_shown = doc["findings"]["gc.gen2_in_step"]
     if gc_shown["analysed_step"] > first["step"]:  # not already high at the first judgement
         assert "grown" in gc_shown["trigger"], doc["passes"]

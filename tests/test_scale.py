@@ -5,7 +5,6 @@ import json
 import os
 import random
 import sys
-import time
 
 from traindx.analyzers import stability
 from traindx.analyzers.stability import find_period
@@ -76,14 +75,13 @@ def test_find_period_matches_brute_force_on_random_patterns():
     assert found > 50  # the cases exercise the periodic branch, not only "no pattern"
 
 
-def test_find_period_is_fast_on_long_runs():
+def test_find_period_finds_the_period_of_a_long_run():
+    # its speed on this run (milliseconds; the O(N^3) search took hours) is measured by
+    # bench/analysis_speed.py: a wall-clock bound here is one another job's load can move
     steps = list(range(20_000))
     durations = [0.25 + (1.5 if s % 50 == 7 else 0.0) + (s % 13) * 1e-4 for s in steps]
-    t = time.perf_counter()
     period, residue, hits = find_period(steps, durations)
-    elapsed = time.perf_counter() - t
     assert (period, residue, len(hits)) == (50, 7, 400)
-    assert elapsed < 5.0  # the O(N^3) search took hours here; this takes milliseconds
 
 
 def test_synthetic_run_is_a_run_record_the_analyzers_read(tmp_path):

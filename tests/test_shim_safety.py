@@ -74,6 +74,7 @@ def _fa4_like_key(max_seqlen):
     )
 
 
+@pytest.mark.slow  # 6-7 s
 def test_describing_a_compile_key_reads_no_tensor_data():
     key = _fa4_like_key(torch.tensor(200))
     q, seqlens = torch.zeros(2, 3), [torch.ones(1)]
@@ -385,9 +386,10 @@ def test_window_that_stood_down_for_its_stacks_is_retried_once_without_them(tmp_
 @pytest.mark.slow
 def test_window_over_its_time_budget_ends_early_and_writes_nothing(tmp_path):
     run, window = _window_run(tmp_path, {"TRAINDX_TORCH_PROFILE_BUDGET_S": "0.05"})
-    # asked for steps 3-8; ended early, at a boundary where the budget was gone (4 on a loaded
-    # machine; 6 once on a fresh clone at a load that doubled the suite's time)
-    assert int(window["first_step"]) == 3 and int(window["last_step"]) <= 6
+    # asked for steps 3-8; ended early, at a boundary where the budget was gone: 3-4 on a quiet
+    # machine, 6 once on a fresh clone at a load that doubled the suite's time. Which boundary
+    # is the load's to move; that it ended before the window's end, by its budget, is not
+    assert int(window["first_step"]) == 3 and int(window["last_step"]) < 8
     assert window["ended_by"].startswith("budget") and "stood_down" in window
     assert "over its budget" in window["stood_down"]
     assert pd.isna(window.get("path")) and _traces(run) <= _retry_traces(run)
