@@ -43,9 +43,9 @@ def analyze(run: RunRecord, only: Iterable[str] | None = None) -> list[Finding]:
             findings.extend(module.analyze(run if name in CROSS_RANK else per_rank_run))
         except Exception as exc:  # one broken analyzer must not hide the others' findings
             findings.append(failed(name, exc))
-    for name, exc in CATALOG.broken:  # declared, but its module did not import
+    for name, error in CATALOG.broken:  # declared, but its module did not import
         if not wanted or name in wanted:
-            findings.append(failed(name, exc))
+            findings.append(failed(name, error))
     findings = _linked_and_priced(findings, run)
     for name in JUDGES:  # the verdict and per-step causes: they read every finding above
         if wanted and name not in wanted:
@@ -58,7 +58,7 @@ def analyze(run: RunRecord, only: Iterable[str] | None = None) -> list[Finding]:
     return rank_findings(findings)
 
 
-def _sampled_note(run: RunRecord, sampled: list) -> Finding:
+def _sampled_note(run: RunRecord, sampled: list[str]) -> Finding:
     return Finding(
         id="analysis.ranks_sampled",
         title=f"Per-rank analysis read {len(sampled)} of {len(run.ranks)} ranks",

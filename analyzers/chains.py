@@ -239,8 +239,7 @@ def _straggler_root(f: Finding, roots: Sequence[Finding]) -> Finding | None:
     ]
     if not stragglers:
         return None
-    straggler = stragglers[0]
-    return _straggler_root(straggler, roots) or straggler
+    return _straggler_root(stragglers[0], roots) or stragglers[0]
 
 
 def _as_symptom(f: Finding, root: Finding) -> Finding:
@@ -393,7 +392,7 @@ def attach_call_sites(findings: list[Finding]) -> list[Finding]:
         mine = [
             n
             for n in notes
-            if f.id in LINE_OWNERS.get(n.evidence.get("ledger_line"), ()) and _same_rank(n, f)
+            if f.id in LINE_OWNERS.get(n.evidence.get("ledger_line") or "", ()) and _same_rank(n, f)
         ]
         used.update(id(n) for n in mine)
         out.append(_with_call_sites(f, mine) if mine else f)

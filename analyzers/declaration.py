@@ -29,7 +29,7 @@ PACKAGE = "traindx.analyzers"
 # findings the package makes itself (a sampled analysis, an analyzer that raised): no cause
 PACKAGE_NOT_CAUSES = ("traindx.", "analysis.")
 # how discover() tells an analyzer's module without importing the others (live, fixplan, ...)
-_DECLARES = re.compile(r"^DECLARATION\b", re.MULTILINE)
+_DECLARES = re.compile(r"^DECLARATION\s*(:[^=\n]*)?=", re.MULTILINE)
 
 
 @dataclass(frozen=True)
