@@ -110,9 +110,6 @@ class Catalog:
         if twice or shared:
             raise ValueError(f"declared twice: analyzers {twice}, finding ids {shared}")
 
-    def of(self, name: str) -> Declaration:
-        return next(d for d in self.declarations if d.name == name)
-
     # -- the registry ---------------------------------------------------------------------
     @property
     def registry(self) -> list[str]:
@@ -212,6 +209,8 @@ def discover(package: str = PACKAGE) -> Catalog:
             declaration = getattr(module, "DECLARATION", None)
             if isinstance(declaration, Declaration):
                 declared.append(declaration)
+    if not declared and not broken:  # an install without the sources would judge nothing
+        raise RuntimeError(f"no analyzer declared under {package} ({folders}): its .py sources are missing")
     return Catalog(tuple(declared), tuple(broken))
 
 
