@@ -18,10 +18,18 @@ import pandas as pd
 
 from traindx.analyzers import codefix
 from traindx.analyzers import evidence as ev
+from traindx.analyzers.declaration import Declaration
 from traindx.analyzers.findings import Finding, Prescription
 
 if TYPE_CHECKING:  # annotations only
     from traindx.derive.run import RunRecord
+
+DECLARATION = Declaration(
+    name="allocator",
+    order=60,
+    ids=("alloc.retries", "alloc.empty_cache"),
+    explains=("gpu_idle.host_starved", "host_work.code"),
+)
 
 EXPANDABLE = "expandable_segments:True"
 MALLOC_CALLS = (

@@ -14,11 +14,22 @@ from typing import TYPE_CHECKING
 
 from traindx.analyzers import codefix, frameworks, threads
 from traindx.analyzers import evidence as ev
+from traindx.analyzers.declaration import Declaration, Removes
 from traindx.analyzers.findings import Finding, Prescription
 from traindx.derive import ledger
 
 if TYPE_CHECKING:  # annotations only
     from traindx.derive.run import RunRecord
+
+DECLARATION = Declaration(
+    name="dataloader",
+    order=30,
+    ids=("dataloader.starvation",),
+    live_categories=("data",),
+    explains=("ranks.straggler", "ranks.pipeline_bubble", "gpu_idle.host_starved", "host_work.code"),
+    removes={"dataloader.starvation": Removes(("data",))},
+    straggler_lines={"data": "dataloader.starvation"},
+)
 
 MIN_SHARE = 0.10
 EVERY_STEP_QUANTILE = 0.25  # on a loaded machine: the wait three steps in four have at least

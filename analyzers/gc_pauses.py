@@ -14,12 +14,31 @@ import numpy as np
 
 from traindx.analyzers import codefix
 from traindx.analyzers import evidence as ev
+from traindx.analyzers.declaration import Declaration, Removes
 from traindx.analyzers.findings import Finding, Prescription
 from traindx.analyzers.frameworks import runs_megatron
 from traindx.derive import ledger
 
 if TYPE_CHECKING:  # annotations only
     from traindx.derive.run import RunRecord
+
+DECLARATION = Declaration(
+    name="gc_pauses",
+    order=40,
+    ids=("gc.gen2_in_step",),
+    live_categories=("gc",),
+    explains=(
+        "ranks.straggler",
+        "ranks.pipeline_bubble",
+        "steps.periodic_slow",
+        "steps.instability",
+        "gpu_idle.host_starved",
+        "host_work.code",
+    ),
+    removes={"gc.gen2_in_step": Removes(("gc",))},
+    straggler_lines={"gc": "gc.gen2_in_step"},
+    call_site_lines={"gc": ("gc.gen2_in_step",)},
+)
 
 MIN_SHARE = 0.03
 FREEZE = "import gc; gc.collect(); gc.freeze()  # set-up done: its objects leave the collector's view"

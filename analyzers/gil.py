@@ -12,11 +12,20 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from traindx.analyzers import evidence as ev
+from traindx.analyzers.declaration import Declaration
 from traindx.analyzers.findings import Finding, Prescription
 
 if TYPE_CHECKING:  # annotations only
     from traindx.derive.run import RunRecord
     from traindx.profiler.speedscope import Recording
+
+DECLARATION = Declaration(
+    name="gil",
+    order=20,
+    ids=("gil.contention",),
+    live_triggers=("recording",),
+    explains=("host_work.code", "host_work.periodic_line"),
+)
 
 MIN_SHARE = 0.10  # a helper thread holding the GIL 10 % of the time is worth a look
 MIN_SAMPLES = 10

@@ -14,10 +14,19 @@ from typing import TYPE_CHECKING
 import pandas as pd
 
 from traindx.analyzers import evidence as ev
+from traindx.analyzers.declaration import Declaration
 from traindx.analyzers.findings import Finding, Prescription
 
 if TYPE_CHECKING:  # annotations only
     from traindx.derive.run import RunRecord
+
+DECLARATION = Declaration(
+    name="gpu_clocks",
+    order=80,
+    ids=("gpu.throttle", "gpu.power_cap"),
+    cross_rank=True,
+    capture=True,
+)
 
 GPU_IDLE, SW_POWER_CAP, HW_SLOWDOWN = 0x1, 0x4, 0x8
 SW_THERMAL, HW_THERMAL, HW_POWER_BRAKE = 0x20, 0x40, 0x80

@@ -31,9 +31,30 @@ import pandas as pd
 from traindx.analyzers import codefix
 from traindx.analyzers import evidence as ev
 from traindx.analyzers import gpu_window as window
+from traindx.analyzers.declaration import Declaration
 from traindx.analyzers.findings import Finding, Prescription
 from traindx.profiler import gputime
 from traindx.profiler.torchtrace import gpu_window
+
+DECLARATION = Declaration(
+    name="gpu_idle",
+    order=90,
+    ids=(
+        "gpu_idle.host_starved",
+        "gpu_idle.pageable_copy",
+        "gpu_idle.exposed_communication",
+        "gpu_idle.between_steps",
+    ),
+    capture=True,
+    explains=(
+        "ranks.straggler",
+        "gpu_idle.exposed_communication",
+        "gpu_idle.host_starved",
+        "host_work.code",
+        "host_work.periodic_line",
+    ),
+    generic_at_line=("gpu_idle.host_starved",),
+)
 
 MIN_SHARE = 0.03  # a cause worth a finding: >= 3 % of the steady step
 # the GPU waiting for the host: >= 5 % and >= 200 µs (a healthy loop's launches after its one

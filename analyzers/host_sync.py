@@ -24,11 +24,23 @@ import numpy as np
 
 from traindx.analyzers import codefix, gpu_window
 from traindx.analyzers import evidence as ev
+from traindx.analyzers.declaration import Declaration
 from traindx.analyzers.findings import Finding, Prescription
 from traindx.derive import ledger
 
 if TYPE_CHECKING:  # annotations only
     from traindx.derive.run import RunRecord
+
+DECLARATION = Declaration(
+    name="host_sync",
+    order=50,
+    ids=("sync.host_device",),
+    live_categories=("sync",),
+    explains=("gpu.launch_bound", "gpu_idle.host_starved", "host_work.code"),
+    # no ledger line removed: the time the host blocks in a sync is mostly the GPU finishing
+    # queued work, which stays after the fix; its cost is the GPU idle after it
+    call_site_lines={"sync": ("sync.host_device",)},
+)
 
 SCALAR_READ = "aten::_local_scalar_dense"  # every .item()/float()/int()/bool() of a tensor
 CUDA_SYNC = re.compile(

@@ -33,8 +33,19 @@ import pandas as pd
 
 from traindx.analyzers import evidence as ev
 from traindx.analyzers.codefix import _innermost, _tree
+from traindx.analyzers.declaration import Declaration
 from traindx.analyzers.findings import Finding, Prescription
 from traindx.common.units import ordinal
+
+DECLARATION = Declaration(
+    name="host_work",
+    order=120,
+    ids=("host_work.call_site", "host_work.code", "host_work.framework_loop", "host_work.periodic_line"),
+    live_categories=("io", "other"),
+    explains=("ranks.straggler", "ranks.pipeline_bubble", "gpu_idle.host_starved", "host_work.code"),
+    straggler_lines={"host": "host_work.code"},
+    generic_at_line=("host_work.code",),
+)
 
 MIN_SHARE = 0.03  # of the steady step: a line below this is not worth a finding
 MIN_SECONDS = 0.001  # ...nor one under a millisecond a step (nothing measurable to gain)

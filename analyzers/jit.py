@@ -18,6 +18,7 @@ import pandas as pd
 
 from traindx.analyzers import evidence as ev
 from traindx.analyzers import pyspy_signatures as sig
+from traindx.analyzers.declaration import Declaration, Removes
 from traindx.analyzers.findings import Finding, Prescription
 from traindx.analyzers.frameworks import runs_megatron
 from traindx.analyzers.jit_autotune import (
@@ -57,6 +58,34 @@ from traindx.analyzers.jit_dynamo import (  # noqa: F401
 if TYPE_CHECKING:  # annotations only
     from traindx.derive.run import RunRecord
     from traindx.profiler.speedscope import Recording
+
+_STEADY = ("jit.fa4_steady_recompile", "jit.steady_recompile")
+_BY_KIND = (  # a compile py-spy saw again (pyspy_signatures.SIGNATURES' kinds)
+    "jit.inductor_steady_recompile",
+    "jit.triton_autotune_steady_recompile",
+    "jit.cute_dsl_steady_recompile",
+    "jit.triton_steady_recompile",
+)
+DECLARATION = Declaration(
+    name="jit",
+    order=140,
+    ids=(*_STEADY, *_BY_KIND, "jit.dynamo_recompile", "jit.autotune", "jit.cold_start"),
+    live_triggers=("compile",),
+    live_categories=("compile",),
+    explains=(
+        "gil.contention",
+        "ranks.straggler",
+        "gpu.launch_bound",
+        "gpu_idle.host_starved",
+        "host_work.code",
+    ),
+    recompiles=(*_STEADY, *_BY_KIND, "jit.dynamo_recompile", "jit.autotune"),
+    removes={
+        **{i: Removes(("compile",), in_steps=True) for i in _STEADY},
+        "jit.dynamo_recompile": Removes(("compile",), in_steps=True, fresh_graph_calls=True),
+        "jit.autotune": Removes(("autotune",), in_steps=True),
+    },
+)
 
 
 # -- small helpers -----------------------------------------------------------------------------

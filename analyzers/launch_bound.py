@@ -9,11 +9,14 @@ from typing import TYPE_CHECKING
 import pandas as pd
 
 from traindx.analyzers import evidence as ev
+from traindx.analyzers.declaration import Declaration
 from traindx.analyzers.findings import Finding, Prescription
 from traindx.analyzers.frameworks import runs_megatron
 
 if TYPE_CHECKING:  # annotations only
     from traindx.derive.run import RunRecord
+
+DECLARATION = Declaration(name="launch_bound", order=70, ids=("gpu.launch_bound",))
 
 MIN_IDLE_SHARE = 0.30
 MAX_MEDIAN_KERNEL_S = 20e-6

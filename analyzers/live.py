@@ -42,16 +42,41 @@ one a specific finding may still make its symptom, once it held while the record
 
 from __future__ import annotations
 
-import glob
 import json
-import math
 import os
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
-from traindx.analyzers.findings import SEVERITIES, Finding
+from traindx.analyzers.declaration import catalog
+from traindx.analyzers.findings import Finding
+
+# what is shown (re-exported: its names are part of the live judgement's)
+from traindx.analyzers.live_shown import (  # noqa: F401
+    _PROVEN_AT_ONCE,
+    CAPTURE_ANALYZERS,
+    GROW_FACTOR,
+    NOT_CAUSES,
+    SHOWN_FILE,
+    STABLE_AFTER_STEPS,
+    STOP_MARGIN_S,
+    TOP_HOLD_FACTOR,
+    ShownFindings,
+)
+
+# the options, state and control files (re-exported: part of the live judgement's names)
+from traindx.analyzers.live_state import (  # noqa: F401
+    CAPTURE_FILE,
+    STOP_FILE,
+    WINDOW_STEPS,
+    LiveOptions,
+    LiveState,
+    Routes,
+    request_capture,
+    request_stop,
+    run_is_live,
+)
 
 # the cheap stage (re-exported: its names are part of the live judgement's)
 from traindx.profiler.live_tail import (  # noqa: F401
@@ -67,23 +92,40 @@ from traindx.profiler.live_tail import (  # noqa: F401
     EventTail,
     line_outside_model,
 )
-from traindx.profiler.manifest import write_json_atomic
 
-STOP_FILE = os.path.join("control", "stop.json")
-# when each finding was first shown (time to finding, measured): {id: {t_ns, step, severity}}
-SHOWN_FILE = "live.json"
-# a recompile or re-autotune is proven by the analyzer's own rule (two compiles of one kernel,
-# key changed): finding ids of that family
-_PROVEN_AT_ONCE = ("recompile", "reautotune", "re_autotune", "autotune")
-STABLE_AFTER_STEPS = 3
-# --until-diagnosed stops on a generic top root (host code at a line) once it stayed the top
-# while the record grew to this many times the steps it became the top at (a specific rival at
-# its line that needs more steps had its chance)
-TOP_HOLD_FACTOR = 2
-CAPTURE_FILE = os.path.join("control", "capture.json")
-# stable findings of these analyzers are anomalies worth a deep capture too
-CAPTURE_ANALYZERS = ("ranks", "sync_points", "gpu_idle", "gpu_clocks")
-STOP_MARGIN_S = 1.0
+if TYPE_CHECKING:  # annotations only
+    from traindx.derive.run import RunRecord
+    from traindx.derive.so_far import EventsSoFar
+
+__all__ = [
+    "CADENCE_S",
+    "CAPTURE_ANALYZERS",
+    "CAPTURE_FILE",
+    "CATEGORY_ANALYZERS",
+    "FULL_PASS_GUESS_S",
+    "GROW_FACTOR",
+    "LINE_SHIFT",
+    "LINE_STEPS",
+    "NOT_CAUSES",
+    "ROUTED_KINDS",
+    "SHOWN_FILE",
+    "SHOW_WITHIN_STEPS",
+    "STABLE_AFTER_STEPS",
+    "START_PASSES",
+    "STOP_FILE",
+    "TRIGGER_ANALYZERS",
+    "WINDOW_STEPS",
+    "EventTail",
+    "LiveJudge",
+    "LiveOptions",
+    "LiveState",
+    "request_capture",
+    "request_stop",
+    "run_is_live",
+]
+
+# which analyzers judge what: derived from the analyzers' declarations (analyzers/declaration.py)
+_CATALOG = catalog()
 # the slow cadence: a full analysis at most this often without a trigger, and only with room
 # left in the budget for a trigger's analysis after it
 CADENCE_S = 30.0
@@ -95,119 +137,22 @@ CADENCE_S = 30.0
 START_PASSES = 3
 # a trigger that only concerns compiles is judged by the compile analyzer alone; a py-spy
 # recording (a window written) by the analyzer that reads who holds the GIL
-TRIGGER_ANALYZERS = {"compile": ("jit",), "recording": ("gil",)}
+TRIGGER_ANALYZERS = _CATALOG.trigger_analyzers
 # a slow step, a moved span line or a first line with time outside the model, when the budget
 # has no room for every analyzer, is judged by the analyzers that read the span category
 # standing out in it (a pass of a fraction of the cost, on screen before the budget refills);
 # a full pass confirms it after. Routing evidence to its readers, like a compile to the compile
 # analyzer: no verdict here.
-CATEGORY_ANALYZERS = {
-    "compile": ("jit",),
-    "data": ("dataloader",),
-    "gc": ("gc_pauses",),
-    "io": ("stability", "host_work"),
-    "sync": ("host_sync",),
-    "collective": ("ranks",),
-    "other": ("host_work",),
-}
+CATEGORY_ANALYZERS = _CATALOG.category_analyzers
 ROUTED_KINDS = frozenset({"slow_step", "line", "steps", "compile"})
 FULL_PASS_GUESS_S = 0.2  # a full pass's CPU before one was measured
 # a finding is due on screen within this many steps of the record that shows it (issue 24's
 # goal for ledger-based findings); a full pass longer than that many steps goes routed first
 SHOW_WITHIN_STEPS = 3
-# a root finding one severity below the printed floor is judged again when the record has grown
-# this many times (its share may have been diluted by a warm-up in the first steps: a warm-up is
-# at most half the steps, so a one-off of k steps is set apart from 2k + 1 steps on)
-GROW_FACTOR = 1.5
-# findings that are no cause of a slowdown (the verdict, traindx's own state, missing evidence)
-NOT_CAUSES = ("verdict.", "traindx.", "evidence.", "analysis.")
 ANALYSES_KEPT = 200  # the per-pass log kept in live.json
-# the per-step events a pass reads: each process's last WINDOW_STEPS steps (traindx.derive.so_far: a
-# rolling window, 1.25x at most; enough for a period of tens of steps to repeat)
-WINDOW_STEPS = 200
 
 
-@dataclass(frozen=True)
-class LiveOptions:
-    cpu_share: float = 0.02  # live CPU (both stages) <= this share of one core
-    poll_s: float = 0.1  # how often the events are tailed for new step ends
-    min_severity: str = "high"  # findings printed while the job runs
-    until_diagnosed: bool = False  # stop the job once the top finding is stable
-    report_every: int = 3  # rewrite report.html every N analyses (0: never), budget
-    # permitting; also after an analysis that showed a finding
-    window_steps: int = WINDOW_STEPS  # a pass judges each process's last N steps (0: all):
-    # a days-long run's live memory and pass cost bounded
-
-
-@dataclass
-class LiveState:
-    """What the live view shows: the newest analysis and the tail of the events."""
-
-    step: int = 0  # steps finished (the furthest rank)
-    last_step_s: float | None = None
-    median_step_s: float | None = None
-    compiles: int = 0
-    ledger_line: str | None = None
-    top: Finding | None = None  # the current top root finding, if any
-    analyses: int = 0
-    analysis_cpu_s: float = 0.0  # full stage (the report rewrites included)
-    cheap_cpu_s: float = 0.0  # cheap stage (tailing, signals)
-    report_cpu_s: float = 0.0  # of analysis_cpu_s: report.html rewrites
-    polls: int = 0
-    import_cpu_s: float = 0.0  # one-time imports (the final analysis's too)
-    elapsed_s: float = 0.0
-    stop_requested_at: int | None = None  # the step the job was asked to stop at
-    stable: list = field(default_factory=list)  # ids of the findings printed so far
-    captures: list = field(default_factory=list)  # deep captures asked for: kind, why, when
-    passes: list = field(default_factory=list)  # each full analysis: trigger, step, cpu_s
-    running: bool = True
-
-
-def _severity_rank(severity: str) -> int:
-    """Higher is more severe; unknown severities rank lowest."""
-    return SEVERITIES.index(severity) if severity in SEVERITIES else -1
-
-
-def _at_least(severity: str, floor: str) -> bool:
-    return _severity_rank(severity) >= _severity_rank(floor)
-
-
-def _write_json(path: str, data: dict) -> None:
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    write_json_atomic(path, data)  # no .tmp left on a full disk; the old file stands
-
-
-def request_stop(run_dir: str, at_step: int, reason: str) -> None:
-    """Ask every rank of the job to stop cleanly once it has finished `at_step` steps."""
-    _write_json(
-        os.path.join(run_dir, STOP_FILE), {"steps": int(at_step), "reason": reason, "t_ns": time.time_ns()}
-    )
-
-
-def request_capture(run_dir: str, kind: str, reason: str) -> None:
-    """Ask the shim for a torch.profiler window on the next step (once per kind, within the
-    window's budget: the shim decides)."""
-    _write_json(os.path.join(run_dir, CAPTURE_FILE), {"kind": kind, "reason": reason, "t_ns": time.time_ns()})
-
-
-def run_is_live(run_dir: str) -> bool:
-    """The manifest (or any node part's) says running; a folder without one is starting."""
-    paths = [os.path.join(run_dir, "manifest.json")]
-    paths += glob.glob(os.path.join(run_dir, "nodes", "*", "manifest.json"))
-    seen = False
-    for p in paths:
-        try:
-            with open(p, encoding="utf-8") as f:
-                status = json.load(f).get("status")
-        except (OSError, ValueError):
-            continue
-        seen = True
-        if status == "running":
-            return True
-    return not seen
-
-
-class LiveJudge:
+class LiveJudge(ShownFindings):
     """Runs the two stages on a growing run folder in a background thread."""
 
     def __init__(
@@ -216,7 +161,7 @@ class LiveJudge:
         options: LiveOptions = LiveOptions(),
         on_finding: Callable[[Finding, LiveState], None] = lambda f, s: None,
         on_state: Callable[[LiveState], None] = lambda s: None,
-        on_analysis: Callable[[object, list], None] | None = None,
+        on_analysis: Callable[[RunRecord, list[Finding]], None] | None = None,
         on_anomaly: Callable[[str, str], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ):
@@ -232,10 +177,10 @@ class LiveJudge:
         self.state = LiveState()
         self._seen: dict[str, int] = {}  # finding id -> step count of its first sighting
         self._printed: set[str] = set()
-        self._shown: dict[str, dict] = {}
+        self._shown: dict[str, dict[str, Any]] = {}
         self._start = clock()
         # CPU seconds the next analysis is expected to cost: full, or of one analyzer set
-        self._cost: dict[tuple | None, float] = {}
+        self._cost: dict[Routes, float] = {}
         self._report_cost = 0.1
         self._analysed_at = -1  # step count of the last analysis
         self._full_at = -1  # ... of the last one with every analyzer
@@ -250,8 +195,9 @@ class LiveJudge:
         self._routed: set[str] = set()  # categories whose routed pass showed a finding,
         # since the last full pass
         self._routed_first = False  # the pass due runs routed ahead of a full one
-        self._so_far = None  # the events parsed by the passes so far
-        self._top = (None, 0)  # (the top root's id, step count it became top at)
+        self._so_far: EventsSoFar | None = None  # the events parsed by the passes so far
+        # (the top root's id, step count it became top at)
+        self._top: tuple[str | None, int] = (None, 0)
         self._hold_until = 0  # a pass due at this step: has the top held?
         self._near = ""  # that finding's id
         self._grow_at = 0  # a pass due at this step: has a finding just
@@ -293,7 +239,7 @@ class LiveJudge:
         try:
             import importlib
 
-            from traindx import analyzers  # noqa: F401
+            from traindx import analyzers
             from traindx.derive import run as record  # noqa: F401
 
             for name in analyzers.REGISTRY + analyzers.JUDGES:
@@ -307,16 +253,18 @@ class LiveJudge:
         tree per version): the analyzers that place an edit read them at every pass, and the
         end-of-run analysis in any case; a one-time cost like the imports."""
         t0 = time.process_time()
-        try:
+        try:  # imported here, in the judge's thread, like the analyzers (_warm_imports)
             from traindx.analyzers import codefix
             from traindx.analyzers.evidence import job_scripts
             from traindx.derive.run import RunRecord
+            from traindx.profiler.columnar import EventTables
 
             with open(os.path.join(self.run_dir, "manifest.json"), encoding="utf-8") as f:
                 manifest = json.load(f)
             if isinstance(manifest, dict) and isinstance(manifest.get("command"), list):
                 self._sources_warm = True
-                for path in job_scripts(RunRecord(path=self.run_dir, manifest=manifest, tables=None)):
+                no_events = EventTables(files=[], labels_by_file=[], flat={}, nested={})
+                for path in job_scripts(RunRecord(path=self.run_dir, manifest=manifest, tables=no_events)):
                     codefix._tree(path)
         except (OSError, ValueError):
             pass  # not written yet: the next poll
@@ -343,7 +291,7 @@ class LiveJudge:
         share = self.options.cpu_share * (self.clock() - self._start)
         return self.spent_s() + cost <= max(share, START_PASSES * self._expected(None))
 
-    def _expected(self, only: tuple | None) -> float:
+    def _expected(self, only: Routes) -> float:
         """The CPU a pass of `only` (None: every analyzer) is expected to cost: its last one; a
         full pass never measured yet, at least twice the dearest routed pass (a full pass run
         first after routed ones would overshoot the budget on a guess)."""
@@ -407,7 +355,7 @@ class LiveJudge:
         if trigger is not None or self.tail.step != step_before or s.polls % 10 == 0:
             self.on_state(s)
 
-    def _due(self, force: bool) -> tuple[str | None, tuple | None]:
+    def _due(self, force: bool) -> tuple[str | None, Routes]:
         """(the trigger of the analysis to run now, the analyzers it runs: None for all)."""
         if force:
             return "final" if not self._pending else "+".join(sorted(self._pending)), None
@@ -458,7 +406,7 @@ class LiveJudge:
             return ("steps" if self._full_at < STABLE_AFTER_STEPS else "cadence"), None
         return None, None
 
-    def _full_pass_spans_steps(self, only: tuple | None) -> bool:
+    def _full_pass_spans_steps(self, only: Routes) -> bool:
         """Whether the pass of `only` (None: every analyzer) is expected to take as long as
         SHOW_WITHIN_STEPS of the job's steps: the job runs on while it runs, so a finding it
         shows is on screen that many steps after the record it read (its CPU is its wall time
@@ -466,7 +414,7 @@ class LiveJudge:
         step_s = self.tail.median_step_s()
         return only is None and step_s is not None and self._expected(None) >= SHOW_WITHIN_STEPS * step_s
 
-    def _route(self, kinds: set) -> tuple | None:
+    def _route(self, kinds: set[str]) -> Routes:
         """The analyzers that read what the pending triggers point at (TRIGGER_ANALYZERS,
         CATEGORY_ANALYZERS), or None: every analyzer (a trigger of another kind, one that points
         at nothing outside the model, or only at categories a routed pass showed a finding from
@@ -480,24 +428,38 @@ class LiveJudge:
             names += TRIGGER_ANALYZERS["compile"]
         return tuple(dict.fromkeys(names))
 
-    def _anomaly(self, kind: str, why: str) -> None:
-        if kind in self._captured or self.on_anomaly is None:
-            return
-        self._captured.add(kind)
-        self.state.captures.append({"kind": kind, "why": why, "t_ns": time.time_ns()})
-        try:
-            self.on_anomaly(kind, why)
-        except Exception as exc:
-            self._error(f"capture on {kind}", exc)
-
-    def _error(self, what: str, exc: BaseException) -> None:
-        text = f"{what}: {type(exc).__name__}: {exc}"
-        if text not in self.errors:
-            self.errors.append(text)
-
-    def _analyse(self, trigger: str, only: tuple | None = None) -> None:
+    def _analyse(self, trigger: str, only: Routes = None) -> None:
         t0 = time.process_time()
         covered = self.tail.step
+        judged = self._take_triggers(trigger, only)
+        shown = False
+        run = None
+        findings: list[Finding] = []
+        try:  # imported in the judge's thread (_warm_imports), never at the job's start
+            from traindx.analyzers import analyze
+            from traindx.derive.run import load_run
+            from traindx.derive.so_far import EventsSoFar
+
+            self._so_far = self._so_far or EventsSoFar(self.options.window_steps or None)
+            # only the bytes appended since the last pass are parsed; no Parquet tables of a
+            # record still growing
+            run = load_run(self.run_dir, cache=False, so_far=self._so_far)
+            findings = analyze(run, only=only)
+            shown = self._judge(run, findings, only, trigger)
+            if only is not None and shown:
+                # what it showed waits for the full pass; the same evidence again is its
+                self._routed |= judged
+        except Exception as exc:
+            self._error("analysis", exc)
+        finally:
+            self._log_pass(trigger, only, covered, time.process_time() - t0)
+        self._since_report += 1
+        if run is not None and only is None and (shown or self._since_report >= self.options.report_every):
+            self._rewrite_report(run, findings)
+
+    def _take_triggers(self, trigger: str, only: Routes) -> set[str]:
+        """The pending triggers a pass of `only` judges, taken; the span categories it judges
+        (all of those its routes point at that its analyzers read)."""
         judged: set[str] = set()
         if only is None:
             self._pending.clear()
@@ -516,235 +478,45 @@ class LiveJudge:
             if "steps" in kinds:  # the full first judgement: when there is room
                 self._first_routed = self._soft_first = True
         self._routes.clear()
-        shown = False
-        run = None
-        findings: list[Finding] = []
-        try:
-            from traindx.analyzers import analyze
-            from traindx.derive.run import load_run
-            from traindx.derive.so_far import EventsSoFar
+        return judged
 
-            self._so_far = self._so_far or EventsSoFar(self.options.window_steps or None)
-            # only the bytes appended since the last pass are parsed; no Parquet tables of a
-            # record still growing
-            run = load_run(self.run_dir, cache=False, so_far=self._so_far)
-            findings = analyze(run, only=only)
-            shown = self._judge(run, findings, only, trigger)
-            if only is not None and shown:
-                # what it showed waits for the full pass; the same evidence again is its
-                self._routed |= judged
-        except Exception as exc:
-            self._error("analysis", exc)
-        finally:
-            cost = time.process_time() - t0
-            s = self.state
-            s.analysis_cpu_s += cost
-            s.analyses += 1
-            self._cost[only] = max(cost, 0.01)
-            self._analysed_at = covered
-            if only is None:
-                self._full_at = covered
-            self._analysed_t = self.clock()
-            s.passes.append(
-                {
-                    "trigger": trigger,
-                    "step": covered,
-                    "cpu_s": round(cost, 4),
-                    "analyzers": list(only) if only else "all",
-                }
-            )
-            del s.passes[:-ANALYSES_KEPT]
-            self._write_shown()  # the per-pass log, readable while the job runs
-        self._since_report += 1
-        if (
-            run is not None
-            and self.on_analysis is not None
-            and self.options.report_every
-            and only is None
-            and (shown or self._since_report >= self.options.report_every)
-        ):
-            # lowest priority: only with room for a trigger's analysis after it
-            if self._room(self._report_cost + self._expected(None)):
-                t1 = time.process_time()
-                try:
-                    self.on_analysis(run, findings)
-                except Exception as exc:
-                    self._error("report", exc)
-                cost = time.process_time() - t1
-                self._report_cost = max(cost, 0.01)
-                self.state.analysis_cpu_s += cost
-                self.state.report_cpu_s += cost
-                self._since_report = 0
-
-    def _write_shown(self) -> None:
+    def _log_pass(self, trigger: str, only: Routes, covered: int, cost: float) -> None:
+        """A pass's cost in the budget and in live.json's per-pass log."""
         s = self.state
-        try:
-            _write_json(
-                os.path.join(self.run_dir, SHOWN_FILE),
-                {
-                    "findings": self._shown,
-                    "captures": s.captures,
-                    "analyses": s.analyses,
-                    "analysis_cpu_s": round(s.analysis_cpu_s + s.cheap_cpu_s, 4),
-                    "full_stage_cpu_s": round(s.analysis_cpu_s, 4),
-                    "cheap_stage_cpu_s": round(s.cheap_cpu_s, 4),
-                    "report_cpu_s": round(s.report_cpu_s, 4),
-                    "polls": s.polls,
-                    "import_cpu_s": round(s.import_cpu_s, 4),
-                    "passes": s.passes,
-                    # a pass that failed says why (the live view never breaks the job)
-                    "errors": self.errors,
-                },
-            )
-        except OSError as exc:
-            self._error(f"writing {SHOWN_FILE}", exc)
-
-    def _stop_step(self) -> int:
-        """A step every rank has not reached yet: the furthest rank's step now, plus the steps
-        that fit in STOP_MARGIN_S (each rank reads the request at its next step end, at most
-        CONTROL_POLL_NS late; ranks that stop at different steps would hang in a collective)."""
-        try:
-            self.tail.poll()
-        except Exception:
-            pass
-        step_s = self.state.median_step_s or self.tail.last_step_s or STOP_MARGIN_S
-        return self.tail.step + max(2, math.ceil(STOP_MARGIN_S / max(step_s, 1e-3)))
-
-    def _judge(self, run, findings: list[Finding], only: tuple | None = None, trigger: str = "") -> bool:
-        """Print what became stable; True when something was shown."""
-        s = self.state
-        covered = self.tail.step
-        steps = run.steps
-        if len(steps) and "duration_s" in steps:
-            durations = steps["duration_s"].dropna()
-            s.median_step_s = float(durations.median()) if len(durations) else None
+        s.analysis_cpu_s += cost
+        s.analyses += 1
+        self._cost[only] = max(cost, 0.01)
+        self._analysed_at = covered
         if only is None:
-            s.ledger_line = _ledger_line(run)
-        floor = self.options.min_severity
-        roots = [
-            f
-            for f in findings
-            if f.cause is None and _at_least(f.severity, floor) and not f.id.startswith(NOT_CAUSES)
-        ]
-        stable = []
-        for f in roots:
-            first = self._seen.setdefault(f.id, covered)
-            proven = (
-                any(k in f.id for k in _PROVEN_AT_ONCE)
-                or len(set(f.steps_affected)) >= 2
-                or covered >= STABLE_AFTER_STEPS
-            )
-            if proven or covered > first:
-                stable.append(f)
-        if only is None or roots:  # a partial analysis says nothing of the other analyzers
-            s.top = roots[0] if roots else s.top if only else None
-        if only is None:
-            self._watch_near(findings, covered)
-        new = [f for f in stable if f.id not in self._printed]
-        if new:
-            try:  # the step on the screen when it is printed, not the one the analysis read
-                self.tail.poll()
-            except Exception:
-                pass
-        s.step = max(s.step, self.tail.step)
-        for f in new:
-            self._printed.add(f.id)
-            s.stable.append(f.id)
-            self._shown[f.id] = {
-                "t_ns": time.time_ns(),
-                "step": s.step,
-                "analysed_step": covered,
+            self._full_at = covered
+        self._analysed_t = self.clock()
+        s.passes.append(
+            {
                 "trigger": trigger,
-                "severity": f.severity,
-                "title": f.title,
+                "step": covered,
+                "cpu_s": round(cost, 4),
+                "analyzers": list(only) if only else "all",
             }
-            self.on_finding(f, s)
-            kernel = (f.evidence or {}).get("kernel")
-            if isinstance(kernel, str) and any(k in f.id for k in _PROVEN_AT_ONCE):
-                self.tail.judged_kernels.add(kernel)
-            if f.analyzer in CAPTURE_ANALYZERS:  # a straggler, an idle GPU: capture it
-                self._anomaly(f.analyzer, f.title)
-        if new:
-            self._write_shown()
-        unconfirmed = [f for f in roots if f not in stable]
-        if unconfirmed or (only is not None and new):
-            # seen once, or found by one analyzer alone: judged again at the next step end
-            why = unconfirmed[0].id if unconfirmed else f"{new[0].id} found by {only}"
-            self._pending.setdefault("confirm", why)
+        )
+        del s.passes[:-ANALYSES_KEPT]
+        self._write_shown()  # the per-pass log, readable while the job runs
+
+    def _rewrite_report(self, run: RunRecord, findings: list[Finding]) -> None:
+        """The caller's report of a full pass (report.html), lowest priority: only with room for a
+        trigger's analysis after it."""
         if (
-            self.options.until_diagnosed and roots and s.stop_requested_at is None and only is None
-        ):  # the top is only known from a full analysis
-            top = roots[0]
-            pending = [
-                f
-                for f in roots
-                if f not in stable and _severity_rank(f.severity) >= _severity_rank(top.severity)
-            ]
-            if top.id != self._top[0]:
-                self._top = (top.id, covered)  # first seen as the top at this step count
-            if top in stable and not pending and self._top_held(top, covered):
-                at = self._stop_step()
-                request_stop(self.run_dir, at, f"diagnosed: {top.id}")
-                s.stop_requested_at = at
-        return bool(new)
-
-    def _watch_near(self, findings: list[Finding], covered: int) -> None:
-        """A root finding one severity below the floor, not printed yet, is judged again once
-        the record has grown by GROW_FACTOR: a share of the step measured over the first few
-        steps can still hold a warm-up (minGPT's first optimizer step is 5x the others, so a
-        per-step gc.collect() read medium at step 3 and high from step 5; the next pass was due
-        at the 30 s cadence, after the job). Geometric growth keeps it to a few passes over
-        any run, within the budget."""
-        floor = _severity_rank(self.options.min_severity)
-        near = [
-            f
-            for f in findings
-            if f.cause is None
-            and _severity_rank(f.severity) == floor - 1
-            and f.id not in self._printed
-            and not f.id.startswith(NOT_CAUSES)
-        ]
-        self._near = near[0].id if near else ""
-        self._grow_at = max(covered + 1, math.ceil(GROW_FACTOR * covered)) if near else 0
-
-    def _top_held(self, top: Finding, covered: int) -> bool:
-        """Whether the top root finding can be the diagnosis. A generic finding - one at a line
-        (host code at a line, a GPU starved by host work: chains.GENERIC_AT_A_LINE, the
-        symptom of a specific finding at that line once one is found) or the per-step judge's
-        finding made only while no specialised analyzer made one (step_causes) - can be
-        superseded by a specific analyzer that needs more steps (GC pauses made by that line's
-        garbage, a checkpoint every 5th step): it is the diagnosis only once it stayed the top
-        while the record grew to TOP_HOLD_FACTOR times the steps it became the top at. Until
-        then a pass is due once the record has grown that far. Specific findings hold at once."""
-        from traindx.analyzers.chains import GENERIC_AT_A_LINE
-
-        if top.id not in GENERIC_AT_A_LINE and top.analyzer != "step_causes":
-            return True
-        need = max(self._top[1] * TOP_HOLD_FACTOR, self._top[1] + 1)
-        if covered >= need:
-            return True
-        self._hold_until = need
-        return False
-
-
-def _ledger_line(run) -> str | None:
-    """The steady steps' mean ledger, its three largest lines ("data 61% · fwd/bwd 30% ...")."""
-    try:
-        from traindx.derive.ledger import CATEGORIES, LABELS
-
-        ledger = run.ledger
-        if not len(ledger):
-            return None
-        steady = ledger[ledger["step"] > ledger["step"].min()] if ledger["step"].nunique() > 2 else ledger
-        wall = float(steady["wall_s"].sum())
-        if wall <= 0:
-            return None
-        parts = []
-        for c in list(CATEGORIES) + ["unexplained"]:
-            col = f"{c}_s"
-            if col in steady:
-                parts.append((float(steady[col].sum()) / wall, LABELS.get(c, c)))
-        parts.sort(reverse=True)
-        return " · ".join(f"{label} {share:.0%}" for share, label in parts[:3] if share >= 0.01)
-    except Exception:
-        return None
+            self.on_analysis is None
+            or not self.options.report_every
+            or not self._room(self._report_cost + self._expected(None))
+        ):
+            return
+        t1 = time.process_time()
+        try:
+            self.on_analysis(run, findings)
+        except Exception as exc:
+            self._error("report", exc)
+        cost = time.process_time() - t1
+        self._report_cost = max(cost, 0.01)
+        self.state.analysis_cpu_s += cost
+        self.state.report_cpu_s += cost
+        self._since_report = 0

@@ -30,11 +30,22 @@ import pandas as pd
 
 from traindx.analyzers import evidence as ev
 from traindx.analyzers import sync_points as sp
+from traindx.analyzers.declaration import Declaration
 from traindx.analyzers.findings import Finding, Prescription
 from traindx.derive import ledger as ledger_mod
 
 if TYPE_CHECKING:  # annotations only
     from traindx.derive.run import RunRecord
+
+DECLARATION = Declaration(
+    name="ranks",
+    order=100,
+    ids=("ranks.straggler", "ranks.pipeline_bubble"),
+    cross_rank=True,
+    live_categories=("collective",),
+    capture=True,
+    explains=("gpu_idle.exposed_communication",),
+)
 
 COLLECTIVE_NAME = re.compile(
     r"^(?:gloo:|nccl:|c10d::|record_param_comms)|nccl.*(?:AllReduce|AllGather|ReduceScatter|Broadcast|"

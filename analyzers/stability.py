@@ -15,6 +15,7 @@ import pandas as pd
 
 from traindx.analyzers import evidence as ev
 from traindx.analyzers.codefix import code_change, keyword_sources, set_keywords
+from traindx.analyzers.declaration import Declaration
 from traindx.analyzers.findings import Finding, Prescription
 from traindx.analyzers.frameworks import data_sites, knob_owner, runs_megatron, user_site
 from traindx.common.units import ordinal
@@ -23,6 +24,15 @@ from traindx.profiler.logparse import parse_line
 
 if TYPE_CHECKING:  # annotations only
     from traindx.derive.run import RunRecord
+
+DECLARATION = Declaration(
+    name="stability",
+    order=110,
+    ids=("steps.checkpoint_in_step", "steps.periodic_slow", "steps.instability"),
+    live_categories=("io",),
+    explains=("gpu_idle.host_starved", "host_work.code"),
+    call_site_lines={"io": ("steps.periodic_slow",)},
+)
 
 MIN_STEPS = 8
 SLOW_FACTOR = 2.0  # a step this much slower than the median is a slow step (1.5-1.9x

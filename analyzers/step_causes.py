@@ -18,9 +18,12 @@ import numpy as np
 import pandas as pd
 
 from traindx.analyzers import evidence as ev
+from traindx.analyzers.declaration import Declaration
 from traindx.analyzers.findings import Finding, is_problem
 from traindx.analyzers.stability import SLOW_FACTOR
 from traindx.derive.steptables import EVENT_KINDS, compile_spans, event_seconds, gc_frame, run_t0, step_table
+
+DECLARATION = Declaration(name="step_causes", order=10, ids=("steps.time_in_events",), judge=True)
 
 CAUSE_SHARE = 0.3  # an event covering this share of a step names the step's cause
 EXCESS_SHARE = 0.25  # ...or this share of a slow step's time above the median

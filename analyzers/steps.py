@@ -6,10 +6,19 @@ import re
 import signal
 from typing import TYPE_CHECKING
 
+from traindx.analyzers.declaration import Declaration
 from traindx.analyzers.findings import Finding
 
 if TYPE_CHECKING:  # annotations only
     from traindx.derive.run import RunRecord
+
+DECLARATION = Declaration(
+    name="steps",
+    order=10,
+    ids=("evidence.missing", "job.exit"),
+    cross_rank=True,
+    not_causes=("evidence.missing",),
+)
 
 
 def analyze(run: RunRecord) -> list[Finding]:

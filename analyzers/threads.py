@@ -28,7 +28,15 @@ import numpy as np
 
 from traindx.analyzers import codefix
 from traindx.analyzers import evidence as ev
+from traindx.analyzers.declaration import Declaration
 from traindx.analyzers.findings import Finding, Prescription
+
+DECLARATION = Declaration(
+    name="threads",
+    order=130,
+    ids=("threads.oversubscribed", "threads.contention", "threads.machine_loaded"),
+    explains=("gpu_idle.host_starved", "host_work.code"),
+)
 
 ANALYZER = "threads"
 THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")

@@ -12,10 +12,14 @@ The report and the terminal render this finding; they never decide the headline 
 
 from __future__ import annotations
 
+from traindx.analyzers.declaration import Declaration
 from traindx.analyzers.findings import NOTE, VERDICT_PREFIX, Finding, is_problem, reading_order
 from traindx.common.units import fmt_s
 from traindx.derive import ledger as L
 from traindx.derive.steptables import steady_median, step_table, steps_per_rank
+
+_VERDICTS = ("verdict.cause", "verdict.no_steps", "verdict.healthy")
+DECLARATION = Declaration(name="verdict", order=20, ids=_VERDICTS, judge=True, not_causes=_VERDICTS)
 
 
 def _mean_steady_step(run) -> float | None:
