@@ -74,7 +74,7 @@ class ABVerdict:
             )
         if self.outcome is Outcome.CRASHED:
             return f"candidate failed (exit {self.exit_code}): the change does not work as applied"
-        return self.outcome.value
+        return str(self.outcome.value)
 
 
 def ab_verdict(

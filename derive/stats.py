@@ -137,6 +137,15 @@ class LossParity:
         return asdict(self)
 
 
+def _unchecked_parity(
+    points: int, skipped: int, failures: int, failed_share: float, reason: str
+) -> LossParity:
+    """A failed parity whose thresholds could not be computed (too few or non-finite points)."""
+    return LossParity(
+        False, points, skipped, None, False, failures, failed_share, False, None, False, [reason]
+    )
+
+
 def loss_parity(golden: Any, candidate: Any) -> LossParity:  # array-likes of losses
     """Compare two loss curves, aligned point by point (same steps); golden = the reference arm.
 
@@ -152,33 +161,10 @@ def loss_parity(golden: Any, candidate: Any) -> LossParity:  # array-likes of lo
     reasons = []
     if not np.all(np.isfinite(c)) or not np.all(np.isfinite(g)):
         bad = "candidate" if not np.all(np.isfinite(c)) else "reference"
-        return LossParity(
-            False,
-            len(g),
-            skip,
-            None,
-            False,
-            len(g),
-            1.0,
-            False,
-            None,
-            False,
-            [f"the {bad} arm has NaN/inf losses"],
-        )
+        return _unchecked_parity(len(g), skip, len(g), 1.0, f"the {bad} arm has NaN/inf losses")
     if len(g) < 2:
-        return LossParity(
-            False,
-            len(g),
-            skip,
-            None,
-            False,
-            0,
-            0.0,
-            False,
-            None,
-            False,
-            [f"only {len(g)} comparable loss point(s): need at least 2"],
-        )
+        reason = f"only {len(g)} comparable loss point(s): need at least 2"
+        return _unchecked_parity(len(g), skip, 0, 0.0, reason)
 
     # Pearson is undefined on a flat curve: then the pointwise check decides alone
     note = ""
