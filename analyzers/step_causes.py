@@ -15,6 +15,7 @@ is a finding of its own
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
@@ -22,6 +23,10 @@ import pandas as pd
 from traindx.analyzers import evidence as ev
 from traindx.analyzers.findings import Finding, is_problem
 from traindx.analyzers.stability import SLOW_FACTOR
+
+if TYPE_CHECKING:  # annotations only
+    from traindx.derive.run import RunRecord
+
 from traindx.derive.steptables import EVENT_KINDS, compile_spans, event_seconds, gc_frame, run_t0, step_table
 
 CAUSE_SHARE = 0.3  # an event covering this share of a step names the step's cause
@@ -84,7 +89,7 @@ class StepCauses:
     slow_threshold_s: float | None
 
 
-def judge_steps(run, t0: int, compiles: list | None = None) -> StepCauses:
+def judge_steps(run: RunRecord, t0: int, compiles: list[dict[str, Any]] | None = None) -> StepCauses:
     """The steps' causes, judged as the finding judges them (a pause's wait for a core is not
     its cost): what the report and the terminal draw, judged once here. compiles: the compile
     spans ({rank, kind, start_s, end_s}; default steptables.compile_spans)."""

@@ -128,7 +128,7 @@ def env_diff(before: Mapping[str, str] | None, after: Mapping[str, str] | None) 
 MIN_STEPS_FOR_INTERVAL = 5  # fewer steps per arm: no bootstrap interval, the values themselves
 
 
-def _arm_series(run):
+def _arm_series(run: RunRecord) -> tuple[pd.Series, str | None, list[int]]:
     series, source = step_times(run)
     profiled = profiled_positions(run, series, source) if source in SHIM_SOURCES else []
     return series, source, profiled
@@ -173,7 +173,7 @@ def measure_arm(
     times = series.to_numpy(dtype=float)
     tokens = tokens_override or tokens_per_step(run)
     if exclude is not None:
-        profiled = exclude
+        profiled = list(exclude)
     summary, window_times = stats.summarize_arm(times, window, tokens, exclude=profiled)
     total, in_window = compile_counts(run, summary.window)
     out = summary.to_dict()
@@ -413,7 +413,7 @@ def report_view(comparison: Mapping[str, Any]) -> dict[str, Any]:
     """The comparison as the HTML report shows it: the two arms side by side (measures only,
     not the raw step lists) and the change, speedup, parity and verdict as short facts."""
 
-    def arm(a):
+    def arm(a: Mapping[str, Any]) -> dict[str, Any]:
         window = a.get("window")
         return {
             "median step (s)": a.get("median_step_s"),
@@ -431,7 +431,10 @@ def report_view(comparison: Mapping[str, Any]) -> dict[str, Any]:
     change = comparison.get("change", {})
     cmd = change.get("command", {})
     env = change.get("env", {})
-    view = {"baseline": arm(comparison["baseline"]), "candidate": arm(comparison["candidate"])}
+    view: dict[str, Any] = {
+        "baseline": arm(comparison["baseline"]),
+        "candidate": arm(comparison["candidate"]),
+    }
     view["command change"] = (
         "unchanged" if cmd.get("same") else {"before": cmd.get("before"), "after": cmd.get("after")}
     )
@@ -449,11 +452,8 @@ def report_view(comparison: Mapping[str, Any]) -> dict[str, Any]:
         view["to do by hand"] = "; ".join(change["instructions"])
     if comparison.get("speedup") is not None:
         view["speedup"] = speedup_text(comparison)
-    for c in comparison.get("changes") or []:
-        view.setdefault("predicted vs measured", [])
-        view["predicted vs measured"].append(change_text(c))
-    if "predicted vs measured" in view:
-        view["predicted vs measured"] = "; ".join(view["predicted vs measured"])
+    if comparison.get("changes"):
+        view["predicted vs measured"] = "; ".join(change_text(c) for c in comparison["changes"])
     parity = comparison.get("loss_parity")
     if parity:
         view["loss parity"] = {
@@ -465,11 +465,8 @@ def report_view(comparison: Mapping[str, Any]) -> dict[str, Any]:
         }
     else:
         view["loss parity"] = "not checked (no losses in the job's log)"
-    for problem in comparison.get("problems", []):
-        view.setdefault("notes", [])
-        view["notes"].append(problem)
-    if "notes" in view:
-        view["notes"] = "; ".join(view["notes"])
+    if comparison.get("problems", []):
+        view["notes"] = "; ".join(comparison["problems"])
     if comparison.get("search"):  # every candidate --fix measured, this one included
         view["candidates measured"] = "; ".join(
             f"{a['arm']}: [{a['finding']}] ({a['mechanism']}) "
@@ -507,7 +504,7 @@ def speedup_text(comparison: Mapping[str, Any]) -> str:
 
 
 def change_text(c: Mapping[str, Any]) -> str:
-    def s(x):
+    def s(x: float | None) -> str:
         return "-" if x is None else f"{x:.3f} s"
 
     text = (

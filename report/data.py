@@ -9,14 +9,17 @@ the run's start (manifest start_ns), so every chart shares one x axis. Large evi
 to a few megabytes at most.
 """
 
+from __future__ import annotations
+
 import math
 import os
 import re
 import shlex
 from datetime import datetime, timezone
+from typing import TYPE_CHECKING, Any
 
-from traindx.analyzers.findings import VERDICT_PREFIX, reading_order
-from traindx.analyzers.step_causes import CAUSES, judge_steps
+from traindx.analyzers.findings import VERDICT_PREFIX, Finding, reading_order
+from traindx.analyzers.step_causes import CAUSES, StepCauses, judge_steps
 from traindx.common import redact
 from traindx.common.envvars import is_relevant_var
 from traindx.derive.ledger import startup_text
@@ -42,13 +45,18 @@ from traindx.report.steps_view import (
 )
 from traindx.report.text import clip
 
+if TYPE_CHECKING:  # annotations only
+    import pandas as pd
+
+    from traindx.derive.run import RunRecord
+
 __all__ = ["build_report_data", "build_summary", "comparison_view", "prescription_text"]
 
 
 MAX_LOG_LINES = 40
 
 
-def run_meta(run):
+def run_meta(run: RunRecord) -> dict[str, Any]:
     m = run.manifest
     start_ns, end_ns = m.get("start_ns"), m.get("end_ns")
     env = {}
@@ -81,7 +89,7 @@ def run_meta(run):
     }
 
 
-def _gpu_label(gpu):
+def _gpu_label(gpu: Any) -> str:
     if isinstance(gpu, dict):
         name = gpu.get("name") or "GPU"
         mem = gpu.get("memory_total_bytes") or gpu.get("memory_bytes")
@@ -100,7 +108,7 @@ EVIDENCE_NAMES = {
 }
 
 
-def missing_evidence(run):
+def missing_evidence(run: RunRecord) -> list[dict[str, str]]:
     """What could not be collected, one short line each (a py-spy backtrace is cut to its gist)."""
     out = []
     for what, why in sorted((run.missing or {}).items()):
@@ -121,7 +129,7 @@ def missing_evidence(run):
     return out
 
 
-def missing_summary(missing):
+def missing_summary(missing: list[dict[str, str]]) -> str:
     """'GPU inventory, GPU metrics (NVML) (NVML Shared Library Not Found)': one entry per reason."""
     by_reason = {}
     for m in missing:
@@ -129,7 +137,7 @@ def missing_summary(missing):
     return "; ".join(f"{', '.join(names)}: {reason}" for reason, names in by_reason.items())
 
 
-def _core(run, findings):
+def _core(run: RunRecord, findings: list[Finding]) -> tuple[dict[str, Any], dict[str, Any]]:
     """What both the terminal summary and the HTML report need."""
     meta = run_meta(run)
     t0 = run_t0(run)
@@ -180,7 +188,7 @@ def _core(run, findings):
     return core, drawn
 
 
-def _worst_step(st):
+def _worst_step(st: pd.DataFrame) -> dict[str, Any] | None:
     """The longest step of any rank, as the report names it; None without steps."""
     import numpy as np
 
@@ -200,7 +208,9 @@ def _worst_step(st):
     }
 
 
-def _step_stats(run, steps, meta, drawn):
+def _step_stats(
+    run: RunRecord, steps: StepCauses, meta: dict[str, Any], drawn: dict[str, Any]
+) -> dict[str, Any]:
     """The headline step numbers: counts, median and spread, the judged slow steps, the worst,
     compiles, the final loss, the gaps between steps. drawn: what _core drew of the steps."""
     import numpy as np
@@ -251,7 +261,7 @@ def _step_stats(run, steps, meta, drawn):
     }
 
 
-def _ledger(run, stats):
+def _ledger(run: RunRecord, stats: dict[str, Any]) -> dict[str, Any]:
     """The time ledger's view; its line and the start-up's (one start-up value everywhere: the
     ledger's, process start to the first step) go into `stats`."""
     try:
@@ -268,12 +278,14 @@ def _ledger(run, stats):
     return ledger
 
 
-def build_summary(run, findings):
+def build_summary(run: RunRecord, findings: list[Finding]) -> dict[str, Any]:
     """The verdict, headline numbers and ranked findings: what the terminal prints."""
     return _core(run, findings)[0]
 
 
-def build_report_data(run, findings, comparison=None):
+def build_report_data(
+    run: RunRecord, findings: list[Finding], comparison: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """Everything the HTML report shows, as plain JSON-able values."""
     data, x = _core(run, findings)
     t0, step_rows, compiles, st = x["t0"], x["step_rows"], x["compiles"], x["step_table"]

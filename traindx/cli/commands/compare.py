@@ -5,15 +5,24 @@ usage: diagnose compare RUN_A RUN_B          (RUN_A is the baseline)
        diagnose compare FIX_RUN              (a `diagnose --fix` folder: its baseline/candidate)
 """
 
+from __future__ import annotations
+
+import argparse
 import json
 import os
 import sys
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 from traindx.cli import argtypes
 from traindx.common.errors import UserError
 
+if TYPE_CHECKING:  # annotations only (rich is imported when a comparison is printed)
+    from rich.console import Console
+    from rich.table import Table
 
-def prepare_parser(parser):
+
+def prepare_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("run_a", metavar="RUN_A", help="baseline run folder (or a --fix folder)")
     parser.add_argument("run_b", metavar="RUN_B", nargs="?", help="candidate run folder")
     parser.add_argument(
@@ -40,7 +49,7 @@ def prepare_parser(parser):
     )
 
 
-def resolve_arms(run_a, run_b):
+def resolve_arms(run_a: str, run_b: str | None) -> tuple[str, str]:
     """(baseline path, candidate path); a single --fix folder stands for its two arms."""
     if run_b is None:
         base, cand = os.path.join(run_a, "baseline"), os.path.join(run_a, "candidate")
@@ -58,7 +67,7 @@ def resolve_arms(run_a, run_b):
     return run_a, run_b
 
 
-def run(args, parser):
+def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from rich.console import Console
 
     from traindx.derive.run import load_run
@@ -88,7 +97,7 @@ def run(args, parser):
     return 0
 
 
-def _same_recording(a, b):
+def _same_recording(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
     return (
         a.get("start_ns") is not None
         and a.get("start_ns") == b.get("start_ns")
@@ -97,14 +106,14 @@ def _same_recording(a, b):
     )
 
 
-def write_comparison(comparison, path):
+def write_comparison(comparison: dict[str, Any], path: str) -> Any:
     from traindx.cli.outputs import write_json_file
 
     return write_json_file(path, comparison)
 
 
 # -- rendering ---------------------------------------------------------------------------------
-def verdict_style(verdict):
+def verdict_style(verdict: str) -> str:
     """The colour of a verdict line: by the judge's outcome its text starts with (the text
     before " (", as comparison.json holds it); bold red for any other."""
     from traindx.analyzers.ab_verdict import Outcome  # numpy: kept out of `diagnose --help`
@@ -118,21 +127,21 @@ def verdict_style(verdict):
     return styles.get(verdict.split(" (")[0], "bold red")
 
 
-def _seconds(x):
+def _seconds(x: float | None) -> str:
     if x is None:
         return "-"
     return f"{x * 1000:.1f} ms" if x < 1 else f"{x:.3f} s"
 
 
-def _percent(x):
+def _percent(x: float | None) -> str:
     return "-" if x is None else f"{x * 100:.2f} %"
 
 
-def _number(x, fmt="{:,.0f}"):
+def _number(x: float | None, fmt: str = "{:,.0f}") -> str:
     return "-" if x is None else fmt.format(x)
 
 
-def print_comparison(comparison, console=None):
+def print_comparison(comparison: dict[str, Any], console: Console | None = None) -> None:
     """The comparison as a user reads it in the terminal (rich)."""
     from rich.console import Console
     from rich.text import Text
@@ -150,7 +159,7 @@ def print_comparison(comparison, console=None):
     console.print(Text(f"verdict: {comparison['verdict']}", style=verdict_style(comparison["verdict"])))
 
 
-def _print_change(change, console):
+def _print_change(change: dict[str, Any], console: Console) -> None:
     """The command and environment change, what was applied and precompiled."""
     from rich.text import Text
 
@@ -178,7 +187,7 @@ def _print_change(change, console):
         console.print(Text(f"precompiled: {step}"))
 
 
-def _arms_table(base, cand):
+def _arms_table(base: dict[str, Any], cand: dict[str, Any]) -> Table:
     """The two arms side by side."""
     from rich.table import Table
 
@@ -189,7 +198,7 @@ def _arms_table(base, cand):
     table.add_column("baseline", justify="right")
     table.add_column("candidate", justify="right")
 
-    def window(arm):
+    def window(arm: dict[str, Any]) -> str:
         return "-" if not arm["window"] else f"{arm['window'][0]}-{arm['window'][1]} ({arm['window_steps']})"
 
     table.add_row("steps recorded", str(base["steps"]), str(cand["steps"]))
@@ -209,7 +218,7 @@ def _arms_table(base, cand):
     return table
 
 
-def _print_outcome(comparison, console):
+def _print_outcome(comparison: dict[str, Any], console: Console) -> None:
     """The speedup, failed steps, predicted vs measured, and how to keep the change."""
     from rich.text import Text
 
@@ -234,7 +243,7 @@ def _print_outcome(comparison, console):
         console.print(Text(f"to keep it: {line}", style="cyan"))
 
 
-def _print_parity(parity, console):
+def _print_parity(parity: dict[str, Any] | None, console: Console) -> None:
     from rich.text import Text
 
     if parity is None:
