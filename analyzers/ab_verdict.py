@@ -33,9 +33,6 @@ SAME_GAIN_TOLERANCE = 0.10  # two wins within 10 % of each other: noise on these
 # patch or the upgrade
 MECHANISM_ORDER = {"config": 0, "source": 1, "overlay": 2, "runtime": 3, "precompile": 4}
 
-JUDGED_BY_MEAN = "mean (a periodic or occasional cost: the median step is one without it)"
-JUDGED_BY_FIRST_STEP = "the first step (a cold start removed by a warm-up)"
-
 
 class Outcome(enum.Enum):
     """What an A/B comparison showed (the value: the verdict's text, or its start)."""
@@ -47,6 +44,32 @@ class Outcome(enum.Enum):
     FASTER_START_NUMERICS_DIFFER = "faster start, numerics differ"
     NO_GAIN = "no gain"
     CRASHED = "candidate failed"  # the candidate's job exited non-zero
+
+
+class Measure(enum.Enum):
+    """What an arm's speedup is judged by (the value: fix.json's "judged_by")."""
+
+    MEDIAN = "median"
+    MEAN = "mean"  # the comparison's own statistic: the step times have a period
+    PERIODIC_MEAN = "mean (a periodic or occasional cost: the median step is one without it)"
+    FIRST_STEP = "the first step (a cold start removed by a warm-up)"
+
+    @property
+    def by_mean(self) -> bool:
+        return self in (Measure.MEAN, Measure.PERIODIC_MEAN)
+
+    @property
+    def short(self) -> str:
+        """'median', 'mean', 'the first step': the measure's name in a sentence."""
+        return str(self.value).split(" (")[0]
+
+    @classmethod
+    def of(cls, text: str | None) -> Measure:
+        """The measure a fix.json or comparison names (the median where it names none)."""
+        try:
+            return cls(text or "median")
+        except ValueError:
+            return cls.MEDIAN
 
 
 # the outcomes that count as a win: faster, and the numerics not shown to differ
@@ -135,7 +158,7 @@ class ArmEvidence:
 
     exit_code: int
     verdict: ABVerdict
-    statistic: str  # the comparison's own speedup statistic: median, or mean for a period
+    statistic: Measure  # the comparison's own speedup statistic: median, or mean for a period
     speedup: float | None
     parity_passed: bool | None
     window_values: tuple[Sequence[float], Sequence[float]]  # (baseline, candidate) seconds
@@ -148,14 +171,14 @@ class ArmEvidence:
 class Judgement:
     """How an arm was judged: by which measure, its speedup, and whether it is a significant win."""
 
-    judged_by: str
+    judged_by: Measure
     judged_speedup: float | None
     significant: bool
     mean_speedup_ci95: list[float] | None = None  # judged by the mean only
 
     def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"judged_by": self.judged_by, "judged_speedup": self.judged_speedup}
-        if self.judged_by == JUDGED_BY_MEAN:
+        out: dict[str, Any] = {"judged_by": self.judged_by.value, "judged_speedup": self.judged_speedup}
+        if self.judged_by is Measure.PERIODIC_MEAN:
             out["mean_speedup_ci95"] = self.mean_speedup_ci95
         return out
 
@@ -166,16 +189,16 @@ def judge_arm(evidence: ArmEvidence) -> Judgement:
     (its gain is the cold start: the steady steps run the same kernels either way)."""
     ran = evidence.exit_code == 0
     parity_failed = evidence.parity_passed is False
-    judgement = Judgement(evidence.statistic or "median", evidence.speedup, ran and evidence.verdict.is_win)
+    judgement = Judgement(evidence.statistic, evidence.speedup, ran and evidence.verdict.is_win)
     if evidence.periodic and ran:
         mean, interval = mean_speedup(*evidence.window_values)
         if mean is not None and interval is not None:
             significant = mean >= MIN_SPEEDUP and interval[0] > 1.0 and not parity_failed
-            judgement = Judgement(JUDGED_BY_MEAN, mean, significant, interval)
+            judgement = Judgement(Measure.PERIODIC_MEAN, mean, significant, interval)
     base_first, cand_first = evidence.first_steps
     if evidence.precompile and ran and base_first and cand_first and cand_first > 0:
         first = base_first / cand_first
-        judgement = Judgement(JUDGED_BY_FIRST_STEP, first, first >= MIN_SPEEDUP and not parity_failed)
+        judgement = Judgement(Measure.FIRST_STEP, first, first >= MIN_SPEEDUP and not parity_failed)
     return judgement
 
 
@@ -210,7 +233,7 @@ class Arm:
         return self.judgement.significant
 
     @property
-    def judged_by(self) -> str:
+    def judged_by(self) -> Measure:
         return self.judgement.judged_by
 
     @property
@@ -219,7 +242,7 @@ class Arm:
 
     def interval(self) -> list[float] | None:
         """The interval of the judged speedup (the mean's where judged by it)."""
-        if self.judged_by != "median":
+        if self.judged_by is not Measure.MEDIAN:
             return self.judgement.mean_speedup_ci95
         return self.speedup_ci95
 
@@ -256,9 +279,11 @@ class Arm:
     @classmethod
     def from_row(cls, row: Mapping[str, Any]) -> Arm:
         """An arm from its fix.json row (keys it lacks: unknown)."""
-        judged_by = row.get("judged_by") or "median"
         judgement = Judgement(
-            judged_by, row.get("judged_speedup"), bool(row.get("significant")), row.get("mean_speedup_ci95")
+            Measure.of(row.get("judged_by")),
+            row.get("judged_speedup"),
+            bool(row.get("significant")),
+            row.get("mean_speedup_ci95"),
         )
         return cls(
             name=row.get("arm") or "",
@@ -297,10 +322,10 @@ def worth_repeating(arm: Arm) -> bool:
     diverging arm are not measured again."""
     if arm.significant or arm.exit_code != 0 or arm.loss_parity is False:
         return False
-    if arm.judged_by.startswith("the first step"):
+    if arm.judged_by is Measure.FIRST_STEP:
         return False
     interval = arm.interval()
-    base = arm.baseline_mean_step_s if arm.judged_by.startswith("mean") else arm.baseline_median_step_s
+    base = arm.baseline_mean_step_s if arm.judged_by.by_mean else arm.baseline_median_step_s
     saving = arm.predicted_saving_s_per_step
     promised = bool(base and saving and saving >= (1 - 1 / MIN_SPEEDUP) * base)
     return bool((interval and interval[1] >= REPEAT_SPAN) or promised)
@@ -313,7 +338,7 @@ def as_predicted(arm: Arm) -> bool:
     significance alone settles it."""
     predicted = arm.predicted_saving_s_per_step
     base, cand = arm.baseline_median_step_s, arm.measured_step_time_s
-    if arm.judged_by != "median" and arm.judged_speedup:
+    if arm.judged_by is not Measure.MEDIAN and arm.judged_speedup:
         return True  # a periodic cost: the medians do not measure it
     if not predicted or predicted <= 0 or base is None or cand is None:
         return True
@@ -368,25 +393,23 @@ def why_not_settled(arm: Arm) -> str:
 
 
 def judged_text(
-    judged_by: str | None, speedup: float | None, interval: Sequence[float] | None, verdict: str | None
+    judged_by: Measure, speedup: float | None, interval: Sequence[float] | None, verdict: str | None
 ) -> str:
     """'1.31x by the median, interval 0.98-1.70x' (the verdict where nothing was judged)."""
     if speedup is None:
         return str(verdict)
-    by = (judged_by or "median").split(" (")[0]
+    by = judged_by.short
     return f"{speedup:.2f}x by the {by}" + (
         f", interval {interval[0]:.2f}-{interval[1]:.2f}x" if interval else ""
     )
 
 
-def typical_step_s(
-    median_step_s: float | None, window_values: Sequence[float], judged_by: str | None
-) -> float:
+def typical_step_s(median_step_s: float | None, window_values: Sequence[float], judged_by: Measure) -> float:
     """The step time a repeated arm's two recordings are compared by: the mean of its window
     where the arm is judged by the mean, else its median; infinite without a step."""
     if not len(window_values):
         return float("inf")
-    if str(judged_by or "").startswith("mean"):
+    if judged_by.by_mean:
         return float(np.mean(np.asarray(window_values, dtype=float)))
     return float(median_step_s or float("inf"))
 

@@ -9,6 +9,7 @@ from traindx.analyzers.ab_verdict import (
     Arm,
     ArmEvidence,
     Judgement,
+    Measure,
     Outcome,
     judge_arm,
     keep,
@@ -68,7 +69,7 @@ def test_a_crashed_candidate_is_no_win_and_never_kept():
 
 def test_the_comparisons_verdict_decides_significance():
     win = judge_arm(_evidence(verdict=judge_ab(1.4, 1.1, True), speedup=1.4))
-    assert win.significant and win.judged_by == "median" and win.judged_speedup == 1.4
+    assert win.significant and win.judged_by is Measure.MEDIAN and win.judged_speedup == 1.4
     lost = judge_arm(_evidence(verdict=judge_ab(1.4, 0.9, True), speedup=1.4))
     assert not lost.significant
     differ = judge_arm(_evidence(verdict=judge_ab(1.4, 1.1, False), speedup=1.4, parity=False))
@@ -81,7 +82,7 @@ def test_a_periodic_cost_is_judged_by_the_mean():
     cand = [0.1] * 20
     evidence = _evidence(verdict=judge_ab(1.0, 1.0, True), speedup=1.0, values=(base, cand), periodic=True)
     judged = judge_arm(evidence)
-    assert judged.judged_by == ab_verdict.JUDGED_BY_MEAN and judged.significant
+    assert judged.judged_by is Measure.PERIODIC_MEAN and judged.significant
     assert judged.judged_speedup == pytest.approx(3.0)
     assert judged.to_dict()["mean_speedup_ci95"][0] > 1.0
     # the same means, but the numerics differ: not significant
@@ -93,70 +94,72 @@ def test_a_periodic_cost_is_judged_by_the_mean():
 def test_a_warm_up_is_judged_by_its_first_step():
     evidence = _evidence(verdict=judge_ab(1.0, 0.95, True), speedup=1.0, firsts=(30.0, 3.0), precompile=True)
     judged = judge_arm(evidence)
-    assert judged.judged_by.startswith("the first step") and judged.judged_speedup == pytest.approx(10.0)
+    assert judged.judged_by is Measure.FIRST_STEP and judged.judged_speedup == pytest.approx(10.0)
     assert judged.significant
 
 
 def test_an_unsettled_arm_is_repeated_and_a_settled_or_broken_one_is_not():
     # not proven faster, but its interval reaches a 20 % gain: measured again
-    unsettled = _arm(judgement=Judgement("median", 1.08, False), speedup_ci95=[0.97, 1.25])
+    unsettled = _arm(judgement=Judgement(Measure.MEDIAN, 1.08, False), speedup_ci95=[0.97, 1.25])
     assert worth_repeating(unsettled)
     # an interval that rules a real gain out, and no prediction: believed
-    assert not worth_repeating(_arm(judgement=Judgement("median", 1.01, False), speedup_ci95=[0.97, 1.05]))
+    assert not worth_repeating(
+        _arm(judgement=Judgement(Measure.MEDIAN, 1.01, False), speedup_ci95=[0.97, 1.05])
+    )
     # a ledger that predicted a 30 % saving contradicts a result of no gain: measured again
     promised = _arm(
-        judgement=Judgement("median", 1.0, False),
+        judgement=Judgement(Measure.MEDIAN, 1.0, False),
         speedup_ci95=[0.97, 1.05],
         baseline_median_step_s=1.0,
         predicted_saving_s_per_step=0.3,
     )
     assert worth_repeating(promised)
     # a win, a crash, a parity failure, a cold start: never repeated
-    assert not worth_repeating(_arm(judgement=Judgement("median", 1.5, True), speedup_ci95=[1.3, 1.7]))
+    assert not worth_repeating(_arm(judgement=Judgement(Measure.MEDIAN, 1.5, True), speedup_ci95=[1.3, 1.7]))
     assert not worth_repeating(
-        _arm(exit_code=1, judgement=Judgement("median", 1.08, False), speedup_ci95=[0.97, 1.25])
+        _arm(exit_code=1, judgement=Judgement(Measure.MEDIAN, 1.08, False), speedup_ci95=[0.97, 1.25])
     )
     assert not worth_repeating(
-        _arm(loss_parity=False, judgement=Judgement("median", 1.08, False), speedup_ci95=[0.97, 1.25])
+        _arm(loss_parity=False, judgement=Judgement(Measure.MEDIAN, 1.08, False), speedup_ci95=[0.97, 1.25])
     )
-    assert not worth_repeating(_arm(judgement=Judgement(ab_verdict.JUDGED_BY_FIRST_STEP, 1.02, False)))
+    assert not worth_repeating(_arm(judgement=Judgement(Measure.FIRST_STEP, 1.02, False)))
 
 
 def test_a_win_far_under_its_prediction_does_not_settle_the_search():
     as_predicted = _arm(
-        judgement=Judgement("median", 2.0, True),
+        judgement=Judgement(Measure.MEDIAN, 2.0, True),
         baseline_median_step_s=1.0,
         measured_step_time_s=0.5,
         predicted_saving_s_per_step=0.6,
     )
     assert settles_search(as_predicted)
     partial = _arm(
-        judgement=Judgement("median", 1.2, True),
+        judgement=Judgement(Measure.MEDIAN, 1.2, True),
         baseline_median_step_s=1.0,
         measured_step_time_s=0.83,
         predicted_saving_s_per_step=0.9,
     )
     assert not settles_search(partial)
     assert ab_verdict.why_not_settled(partial) == "under half its predicted saving"
-    assert not settles_search(_arm(judgement=Judgement("median", 1.0, False)))
+    assert not settles_search(_arm(judgement=Judgement(Measure.MEDIAN, 1.0, False)))
 
 
 def test_keep_prefers_a_significant_win_then_the_least_invasive_of_equal_gains():
-    loser = _arm(name="slow", dir="slow", judgement=Judgement("median", 0.8, False))
-    even = _arm(name="even", dir="even", judgement=Judgement("median", 1.02, False))
-    win = _arm(name="win", dir="win", mechanism="source", judgement=Judgement("median", 1.5, True))
-    flag = _arm(name="flag", dir="flag", mechanism="config", judgement=Judgement("median", 1.45, True))
+    loser = _arm(name="slow", dir="slow", judgement=Judgement(Measure.MEDIAN, 0.8, False))
+    even = _arm(name="even", dir="even", judgement=Judgement(Measure.MEDIAN, 1.02, False))
+    win = _arm(name="win", dir="win", mechanism="source", judgement=Judgement(Measure.MEDIAN, 1.5, True))
+    flag = _arm(name="flag", dir="flag", mechanism="config", judgement=Judgement(Measure.MEDIAN, 1.45, True))
     assert keep([loser]) is None
     assert keep([loser, even]) is even
     assert keep([even, win]) is win
     assert keep([win, flag]) is flag  # within 10 %: the job's own flag
-    diverged = _arm(dir="d", loss_parity=False, judgement=Judgement("median", 3.0, True))
+    diverged = _arm(dir="d", loss_parity=False, judgement=Judgement(Measure.MEDIAN, 3.0, True))
     assert keep([diverged, even]) is even
 
 
 def test_an_arm_row_round_trips_through_fix_json():
     arm = _arm(
-        judgement=Judgement(ab_verdict.JUDGED_BY_MEAN, 1.3, True, [1.1, 1.5]),
+        judgement=Judgement(Measure.PERIODIC_MEAN, 1.3, True, [1.1, 1.5]),
         repeat={"first": {}},
         after="x",
     )
@@ -164,7 +167,7 @@ def test_an_arm_row_round_trips_through_fix_json():
     assert list(row)[:3] == ["judged_by", "judged_speedup", "mean_speedup_ci95"]
     assert list(row)[-2:] == ["repeat", "after"] and row["significant"] is True
     assert Arm.from_row(row) == arm
-    assert "mean_speedup_ci95" not in _arm(judgement=Judgement("median", 1.0, False)).to_row()
+    assert "mean_speedup_ci95" not in _arm(judgement=Judgement(Measure.MEDIAN, 1.0, False)).to_row()
 
 
 def _evidence(
@@ -180,7 +183,7 @@ def _evidence(
     return ArmEvidence(
         exit_code=exit_code,
         verdict=verdict or ABVerdict(Outcome.NO_GAIN),
-        statistic="median",
+        statistic=Measure.MEDIAN,
         speedup=speedup,
         parity_passed=parity,
         window_values=values,
@@ -198,7 +201,7 @@ def _arm(**fields):
         "mechanism": "config",
         "summary": "a change",
         "exit_code": 0,
-        "judgement": Judgement("median", 1.0, False),
+        "judgement": Judgement(Measure.MEDIAN, 1.0, False),
         "loss_parity": True,
         "verdict": "no gain",
     }

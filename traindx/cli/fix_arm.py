@@ -227,7 +227,7 @@ def arm_of(
     evidence = ArmEvidence(
         exit_code=code,
         verdict=verdict,
-        statistic=comparison.get("speedup_statistic") or "median",
+        statistic=judge.Measure.of(comparison.get("speedup_statistic")),
         speedup=comparison.get("speedup"),
         parity_passed=parity,
         window_values=(values.get("baseline") or [], values.get("candidate") or []),
@@ -319,7 +319,7 @@ def baseline_again_dir(root: str, arm: str) -> str:
     return os.path.join(root, f"baseline-again{suffix}")
 
 
-def _quicker(first: RunRecord, second: RunRecord, judged_by: str | None) -> RunRecord:
+def _quicker(first: RunRecord, second: RunRecord, judged_by: judge.Measure) -> RunRecord:
     """Of two recordings of one arm, the quicker (the judge's rule) by their steady steps."""
 
     def typical(run: RunRecord) -> float:

@@ -234,9 +234,13 @@ def _fix_patch(root: str, kept: Arm | None, result: FixResult) -> None:
 def _outcome_line(arm: Arm, kept: Arm | None, warm_up: str | None) -> str:
     """'kept: candidate-2 [finding] (config) 1.42x, faster and numerically equivalent; predicted ...'"""
     mark = "kept" if kept and arm.dir == kept.dir else "then kept" if arm.dir == warm_up else "tried"
-    judged = (arm.judged_by or "median").split(" (")[0]
+    by = arm.judged_by
     speed = (f"{arm.judged_speedup:.2f}x" if arm.judged_speedup is not None else "n/a") + (
-        "" if judged == "median" else f" by {judged}" if judged.startswith("the ") else f" by the {judged}"
+        ""
+        if by is judge.Measure.MEDIAN
+        else f" by {by.short}"
+        if by is judge.Measure.FIRST_STEP
+        else f" by the {by.short}"
     )
     pred, meas = arm.predicted_step_time_s, arm.measured_step_time_s
     pm = (
