@@ -14,6 +14,9 @@ is a finding of its own
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
 import numpy as np
 import pandas as pd
 
@@ -21,6 +24,10 @@ from traindx.analyzers import evidence as ev
 from traindx.analyzers.declaration import Declaration
 from traindx.analyzers.findings import Finding, is_problem
 from traindx.analyzers.stability import SLOW_FACTOR
+
+if TYPE_CHECKING:  # annotations only
+    from traindx.derive.run import RunRecord
+
 from traindx.derive.steptables import EVENT_KINDS, compile_spans, event_seconds, gc_frame, run_t0, step_table
 
 DECLARATION = Declaration(name="step_causes", order=10, ids=("steps.time_in_events",), judge=True)
@@ -71,6 +78,30 @@ def classify_steps(
     table["slow"] = slow
     table["cause"] = pd.Series(cause, index=table.index, dtype=object)
     return median, threshold
+
+
+@dataclass(frozen=True)
+class StepCauses:
+    """Every step of a run with its cause judged: the step table (derive/steptables.step_table)
+    with compile_s, gc_s (wall clock), slow and cause columns; where its times come from; the
+    median step and the slow threshold."""
+
+    table: pd.DataFrame
+    source: str | None
+    median_s: float | None
+    slow_threshold_s: float | None
+
+
+def judge_steps(run: RunRecord, t0: int, compiles: list[dict[str, Any]] | None = None) -> StepCauses:
+    """The steps' causes, judged as the finding judges them (a pause's wait for a core is not
+    its cost): what the report and the terminal draw, judged once here. compiles: the compile
+    spans ({rank, kind, start_s, end_s}; default steptables.compile_spans)."""
+    table, source = step_table(run, t0)
+    spans = compile_spans(run, t0) if compiles is None else compiles
+    secs = event_seconds(table, spans, gc_frame(run))
+    judged = without_core_wait(run, table, secs, t0) if len(table) else None
+    median, threshold = classify_steps(table, secs, judged)
+    return StepCauses(table, source, median, threshold)
 
 
 def _seconds_text(seconds: float) -> str:

@@ -19,8 +19,8 @@ MIN_CORRELATION = 0.95
 MAX_FAILED_POINT_SHARE = 0.10
 MAX_FINAL_LOSS_DIFFERENCE = 0.05
 SKIP_FIRST_SHARE = 0.20
-# an arm is "faster" when the speedup is at least this and its 95 % interval excludes 1
-MIN_SPEEDUP = 1.05
+# the fewest steps an arm needs in the window for the mean's bootstrap interval (mean_speedup)
+MIN_STEPS_FOR_MEAN = 5
 
 
 def steady_window(n_steps: int, window: tuple[int, int] | None = None) -> tuple[int, int] | None:
@@ -90,6 +90,25 @@ def bootstrap_speedup(
     return point, float(low), float(high)
 
 
+def mean_speedup(
+    baseline_s: Sequence[float] | np.ndarray,
+    candidate_s: Sequence[float] | np.ndarray,
+    n_resamples: int = 5000,
+    seed: int = 0,
+) -> tuple[float, list[float]] | tuple[None, None]:
+    """(mean(baseline) / mean(candidate), 95 % bootstrap interval) over an A/B comparison's window
+    values, or (None, None) under MIN_STEPS_FOR_MEAN steps an arm. For a periodic cost (a
+    checkpoint every k steps) the median of the step series sits in one of its modes, so the
+    median ratio misses the saving (or flips between modes, k = 2); the mean is what the cost
+    adds per step."""
+    base = np.asarray(baseline_s, dtype=float)
+    cand = np.asarray(candidate_s, dtype=float)
+    if len(base) < MIN_STEPS_FOR_MEAN or len(cand) < MIN_STEPS_FOR_MEAN or cand.mean() <= 0:
+        return None, None
+    point, low, high = bootstrap_speedup(base, cand, n_resamples=n_resamples, seed=seed, statistic="mean")
+    return point, [low, high]
+
+
 def pointwise_tolerance(golden_loss: float) -> float:
     """Relative tolerance for one point, by the golden (reference) loss level."""
     if golden_loss > 2.0:
@@ -111,11 +130,20 @@ class LossParity:
     pointwise_passed: bool
     final_loss_difference: float | None
     final_loss_passed: bool
-    reasons: list = field(default_factory=list)  # why it failed, one line each
+    reasons: list[str] = field(default_factory=list)  # why it failed, one line each
     note: str = ""
 
-    def to_dict(self):
+    def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def _unchecked_parity(
+    points: int, skipped: int, failures: int, failed_share: float, reason: str
+) -> LossParity:
+    """A failed parity whose thresholds could not be computed (too few or non-finite points)."""
+    return LossParity(
+        False, points, skipped, None, False, failures, failed_share, False, None, False, [reason]
+    )
 
 
 def loss_parity(golden: Any, candidate: Any) -> LossParity:  # array-likes of losses
@@ -133,33 +161,10 @@ def loss_parity(golden: Any, candidate: Any) -> LossParity:  # array-likes of lo
     reasons = []
     if not np.all(np.isfinite(c)) or not np.all(np.isfinite(g)):
         bad = "candidate" if not np.all(np.isfinite(c)) else "reference"
-        return LossParity(
-            False,
-            len(g),
-            skip,
-            None,
-            False,
-            len(g),
-            1.0,
-            False,
-            None,
-            False,
-            [f"the {bad} arm has NaN/inf losses"],
-        )
+        return _unchecked_parity(len(g), skip, len(g), 1.0, f"the {bad} arm has NaN/inf losses")
     if len(g) < 2:
-        return LossParity(
-            False,
-            len(g),
-            skip,
-            None,
-            False,
-            0,
-            0.0,
-            False,
-            None,
-            False,
-            [f"only {len(g)} comparable loss point(s): need at least 2"],
-        )
+        reason = f"only {len(g)} comparable loss point(s): need at least 2"
+        return _unchecked_parity(len(g), skip, 0, 0.0, reason)
 
     # Pearson is undefined on a flat curve: then the pointwise check decides alone
     note = ""
@@ -208,7 +213,7 @@ def loss_parity(golden: Any, candidate: Any) -> LossParity:  # array-likes of lo
 @dataclass
 class ArmSummary:
     steps: int  # steps recorded
-    window: tuple | None  # (first, last) step, inclusive
+    window: tuple[int, int] | None  # (first, last) step, inclusive
     window_steps: int
     median_step_s: float | None
     mean_step_s: float | None
@@ -216,7 +221,7 @@ class ArmSummary:
     tokens_per_step: float | None
     tokens_per_s: float | None  # of the whole job, over the window
 
-    def to_dict(self):
+    def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
@@ -275,13 +280,3 @@ def summarize_arm(
         ),
         w,
     )
-
-
-def verdict(speedup: float | None, ci_low: float | None, parity_passed: bool | None) -> str:
-    """The one-line verdict of an A/B comparison."""
-    faster = speedup is not None and speedup >= MIN_SPEEDUP and ci_low is not None and ci_low > 1.0
-    if not faster:
-        return "no gain"
-    if parity_passed is None:  # neither arm logged losses: say so rather than guess
-        return "faster, numerics not checked (no losses in the log)"
-    return "faster and numerically equivalent" if parity_passed else "faster but numerics differ"

@@ -10,11 +10,13 @@ from __future__ import annotations
 import difflib
 import shlex
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
 
+from traindx.analyzers.ab_verdict import MIN_SPEEDUP, ABVerdict, ab_verdict
 from traindx.derive import stats
 from traindx.derive.steady import events_of_type, perturbed_steps, profiled_steps
 from traindx.derive.steptables import SHIM_SOURCES, progress_step_seconds
@@ -126,7 +128,7 @@ def env_diff(before: Mapping[str, str] | None, after: Mapping[str, str] | None) 
 MIN_STEPS_FOR_INTERVAL = 5  # fewer steps per arm: no bootstrap interval, the values themselves
 
 
-def _arm_series(run):
+def _arm_series(run: RunRecord) -> tuple[pd.Series, str | None, list[int]]:
     series, source = step_times(run)
     profiled = profiled_positions(run, series, source) if source in SHIM_SOURCES else []
     return series, source, profiled
@@ -171,7 +173,7 @@ def measure_arm(
     times = series.to_numpy(dtype=float)
     tokens = tokens_override or tokens_per_step(run)
     if exclude is not None:
-        profiled = exclude
+        profiled = list(exclude)
     summary, window_times = stats.summarize_arm(times, window, tokens, exclude=profiled)
     total, in_window = compile_counts(run, summary.window)
     out = summary.to_dict()
@@ -206,20 +208,26 @@ def compare_runs(
     change: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The comparison dict of two loaded runs (baseline = the reference arm)."""
+    return judged_comparison(baseline, candidate, window, tokens_per_step, change)[0]
+
+
+def judged_comparison(
+    baseline: RunRecord,
+    candidate: RunRecord,
+    window: tuple[int, int] | None = None,
+    tokens_per_step: float | None = None,
+    change: Mapping[str, Any] | None = None,
+) -> tuple[dict[str, Any], ABVerdict]:
+    """(the comparison dict, its verdict as the judge decided it: what decisions match on)."""
     # the same window and the same exclusions on both sides: the steps both arms recorded, the
     # profiled steps of either arm left out of both
     base_arm, cand_arm = _arm_series(baseline), _arm_series(candidate)
     both = min(len(base_arm[0]), len(cand_arm[0]))
     if window is None and both and len(base_arm[0]) != len(cand_arm[0]):
-        bounds = stats.steady_window(both)
-        window = bounds
+        window = stats.steady_window(both)
     excluded = sorted(set(base_arm[2]) | set(cand_arm[2]))
     base, base_w = measure_arm(baseline, window, tokens_per_step, exclude=excluded, arm=base_arm)
     cand, cand_w = measure_arm(candidate, window, tokens_per_step, exclude=excluded, arm=cand_arm)
-    problems = []
-    speedup = ci = None
-    interval_note = None
-    verdict_low = None
     # a cost on every k-th step (k = 2 too) leaves the median in one mode of the step times:
     # the means measure it, as the fix loop judges a periodic finding
     periods = {
@@ -227,32 +235,103 @@ def compare_runs(
         for name, arm in (("baseline", base_arm), ("candidate", cand_arm))
     }
     periods = {name: found for name, found in periods.items() if found}
-    statistic = "mean" if periods else "median"
-    if len(base_w) and len(cand_w):
-        point, low, high = stats.bootstrap_speedup(base_w, cand_w, statistic=statistic)
-        speedup = point
-        if min(len(base_w), len(cand_w)) >= MIN_STEPS_FOR_INTERVAL:
-            ci = [low, high]
-            verdict_low = low
-        else:
-            # too few points for a bootstrap: the per-step values, and "faster" only when every
-            # candidate step beat every baseline step
-            verdict_low = float(np.min(base_w) / np.max(cand_w))
-            interval_note = (
-                f"no confidence interval: {len(base_w)} and {len(cand_w)} steps in "
-                f"the window (need {MIN_STEPS_FOR_INTERVAL} per arm); per-step "
-                f"values: baseline {[round(float(x), 4) for x in base_w]}, "
-                f"candidate {[round(float(x), 4) for x in cand_w]}"
-            )
-            problems.append(interval_note)
-    else:
-        for name, arm in (("baseline", base), ("candidate", cand)):
-            if not arm["window_steps"]:
-                problems.append(f"the {name} arm recorded no completed step")
+    speed = _speedup(base_w, cand_w, "mean" if periods else "median")
+    problems = list(speed.problems) if speed.speedup is not None else _no_steps_problems(base, cand)
+    problems += _run_problems(baseline, candidate, base, cand)
+    parity = _loss_parity(baseline, candidate, problems)
+    startup = _startup(base, cand)
+    verdict = ab_verdict(
+        speed.speedup,
+        speed.verdict_low,
+        None if parity is None else parity["passed"],
+        *((startup["first_step_speedup"], startup["first_step_saved_s"]) if startup else ()),
+    )
+    result: dict[str, Any] = {
+        "baseline": base,
+        "candidate": cand,
+        "change": {
+            "command": command_diff(list(baseline.command), list(candidate.command)),
+            "env": env_diff(baseline.manifest.get("env"), candidate.manifest.get("env")),
+        },
+        "speedup": speed.speedup,
+        "speedup_ci95": speed.ci,
+        "speedup_statistic": speed.statistic,
+        "step_periods": periods,
+        "window_values_s": {
+            "baseline": [round(float(x), 6) for x in base_w],
+            "candidate": [round(float(x), 6) for x in cand_w],
+        },
+        "excluded_steps_both_arms": [int(base_arm[0].index[i]) for i in excluded if i < len(base_arm[0])],
+        "interval_note": speed.interval_note,
+        "tokens_per_s_gain": (
+            cand["tokens_per_s"] / base["tokens_per_s"]
+            if base["tokens_per_s"] and cand["tokens_per_s"]
+            else None
+        ),
+        "startup": startup,
+        "loss_parity": parity,
+        "verdict": verdict.text(),
+        "problems": problems,
+        "thresholds": _thresholds(),
+    }
+    if change:
+        result["change"].update(change)
+    return result, verdict
 
-    for name, arm in (("baseline", base), ("candidate", cand)):
-        if arm["exit_code"] not in (0, None):
-            problems.append(f"the {name} arm exited with {arm['exit_code']}")
+
+@dataclass
+class _Speedup:
+    """The speedup of two arms' window values: the point, the interval (None under
+    MIN_STEPS_FOR_INTERVAL steps an arm), the low end the verdict reads, and why no interval."""
+
+    statistic: str
+    speedup: float | None = None
+    ci: list[float] | None = None
+    verdict_low: float | None = None
+    interval_note: str | None = None
+    problems: list[str] = field(default_factory=list)
+
+
+def _speedup(base_w: np.ndarray, cand_w: np.ndarray, statistic: str) -> _Speedup:
+    out = _Speedup(statistic)
+    if not (len(base_w) and len(cand_w)):
+        return out
+    point, low, high = stats.bootstrap_speedup(base_w, cand_w, statistic=statistic)
+    out.speedup = point
+    if min(len(base_w), len(cand_w)) >= MIN_STEPS_FOR_INTERVAL:
+        out.ci, out.verdict_low = [low, high], low
+        return out
+    # too few points for a bootstrap: the per-step values, and "faster" only when every
+    # candidate step beat every baseline step
+    out.verdict_low = float(np.min(base_w) / np.max(cand_w))
+    out.interval_note = (
+        f"no confidence interval: {len(base_w)} and {len(cand_w)} steps in "
+        f"the window (need {MIN_STEPS_FOR_INTERVAL} per arm); per-step "
+        f"values: baseline {[round(float(x), 4) for x in base_w]}, "
+        f"candidate {[round(float(x), 4) for x in cand_w]}"
+    )
+    out.problems.append(out.interval_note)
+    return out
+
+
+def _no_steps_problems(base: Mapping[str, Any], cand: Mapping[str, Any]) -> list[str]:
+    """The arms with no step in the window (no speedup was measured)."""
+    return [
+        f"the {name} arm recorded no completed step"
+        for name, arm in (("baseline", base), ("candidate", cand))
+        if not arm["window_steps"]
+    ]
+
+
+def _run_problems(
+    baseline: RunRecord, candidate: RunRecord, base: Mapping[str, Any], cand: Mapping[str, Any]
+) -> list[str]:
+    """What makes the two arms less comparable: an exit code, step counts, measurement options."""
+    problems = [
+        f"the {name} arm exited with {arm['exit_code']}"
+        for name, arm in (("baseline", base), ("candidate", cand))
+        if arm["exit_code"] not in (0, None)
+    ]
     if base["steps"] and cand["steps"] and base["steps"] != cand["steps"]:
         problems.append(
             f"the arms ran a different number of steps ({base['steps']} and "
@@ -267,9 +346,14 @@ def compare_runs(
             + ", ".join(f"{k}: {base_opts.get(k)} vs {cand_opts.get(k)}" for k in differing)
             + "): part of the difference is the measurement's own overhead"
         )
+    return problems
+
+
+def _loss_parity(baseline: RunRecord, candidate: RunRecord, problems: list[str]) -> dict[str, Any] | None:
+    """The loss-parity dict of the steps both arms logged a loss for, or None (and a note in
+    `problems` where the losses could not be compared)."""
     base_losses, cand_losses = losses(baseline), losses(candidate)
     common = sorted(set(base_losses) & set(cand_losses))
-    parity: dict[str, Any] | None = None
     unfinite = [s for s in common if not np.isfinite(cand_losses[s])]
     if len(common) == 1 and not unfinite:
         # one point is no curve: the numerics are not compared (as with no losses), not failed
@@ -277,71 +361,40 @@ def compare_runs(
             f"the two arms logged one loss at the same step ({common[0]}): no parity "
             "check (the job logs its loss too rarely for this window)"
         )
-    elif common:
+        return None
+    if common:
         parity = stats.loss_parity(
             [base_losses[s] for s in common], [cand_losses[s] for s in common]
         ).to_dict()
         parity["steps"] = [common[0], common[-1]]
         parity["baseline_losses"] = [base_losses[s] for s in common]
         parity["candidate_losses"] = [cand_losses[s] for s in common]
-    elif base_losses or cand_losses:
+        return parity
+    if base_losses or cand_losses:
         problems.append("the two arms logged losses for different steps: no parity check")
+    return None
 
-    # a precompile pays off at the start (step 0 and the job's wall time), not in the window
-    startup = None
-    if base["first_step_s"] and cand["first_step_s"]:
-        startup = {
-            "first_step_speedup": base["first_step_s"] / cand["first_step_s"],
-            "first_step_saved_s": base["first_step_s"] - cand["first_step_s"],
-        }
-    verdict = stats.verdict(speedup, verdict_low, None if parity is None else parity["passed"])
-    if (
-        verdict == "no gain"
-        and startup
-        and startup["first_step_speedup"] >= 2
-        and startup["first_step_saved_s"] >= 1.0
-    ):
-        verdict = f"faster start (step 0 {startup['first_step_speedup']:.1f}× faster), no steady-state gain"
-        if parity is not None and not parity["passed"]:
-            verdict += ", numerics differ"
-    result: dict[str, Any] = {
-        "baseline": base,
-        "candidate": cand,
-        "change": {
-            "command": command_diff(list(baseline.command), list(candidate.command)),
-            "env": env_diff(baseline.manifest.get("env"), candidate.manifest.get("env")),
-        },
-        "speedup": speedup,
-        "speedup_ci95": ci,
-        "speedup_statistic": statistic,
-        "step_periods": periods,
-        "window_values_s": {
-            "baseline": [round(float(x), 6) for x in base_w],
-            "candidate": [round(float(x), 6) for x in cand_w],
-        },
-        "excluded_steps_both_arms": [int(base_arm[0].index[i]) for i in excluded if i < len(base_arm[0])],
-        "interval_note": interval_note,
-        "tokens_per_s_gain": (
-            cand["tokens_per_s"] / base["tokens_per_s"]
-            if base["tokens_per_s"] and cand["tokens_per_s"]
-            else None
-        ),
-        "startup": startup,
-        "loss_parity": parity,
-        "verdict": verdict,
-        "problems": problems,
-        "thresholds": {
-            "min_speedup": stats.MIN_SPEEDUP,
-            "min_correlation": stats.MIN_CORRELATION,
-            "pointwise_tolerance": {"golden > 2.0": 0.10, "golden > 0.5": 0.05, "else": 0.02},
-            "max_failed_point_share": stats.MAX_FAILED_POINT_SHARE,
-            "max_final_loss_difference": stats.MAX_FINAL_LOSS_DIFFERENCE,
-            "skip_first_share": stats.SKIP_FIRST_SHARE,
-        },
+
+def _startup(base: Mapping[str, Any], cand: Mapping[str, Any]) -> dict[str, float] | None:
+    """Step 0 of both arms: a precompile pays off at the start (step 0 and the job's wall
+    time), not in the window."""
+    if not (base["first_step_s"] and cand["first_step_s"]):
+        return None
+    return {
+        "first_step_speedup": base["first_step_s"] / cand["first_step_s"],
+        "first_step_saved_s": base["first_step_s"] - cand["first_step_s"],
     }
-    if change:
-        result["change"].update(change)
-    return result
+
+
+def _thresholds() -> dict[str, Any]:
+    return {
+        "min_speedup": MIN_SPEEDUP,
+        "min_correlation": stats.MIN_CORRELATION,
+        "pointwise_tolerance": {"golden > 2.0": 0.10, "golden > 0.5": 0.05, "else": 0.02},
+        "max_failed_point_share": stats.MAX_FAILED_POINT_SHARE,
+        "max_final_loss_difference": stats.MAX_FINAL_LOSS_DIFFERENCE,
+        "skip_first_share": stats.SKIP_FIRST_SHARE,
+    }
 
 
 STEP_SOURCE_TEXT = {
@@ -360,7 +413,7 @@ def report_view(comparison: Mapping[str, Any]) -> dict[str, Any]:
     """The comparison as the HTML report shows it: the two arms side by side (measures only,
     not the raw step lists) and the change, speedup, parity and verdict as short facts."""
 
-    def arm(a):
+    def arm(a: Mapping[str, Any]) -> dict[str, Any]:
         window = a.get("window")
         return {
             "median step (s)": a.get("median_step_s"),
@@ -378,7 +431,10 @@ def report_view(comparison: Mapping[str, Any]) -> dict[str, Any]:
     change = comparison.get("change", {})
     cmd = change.get("command", {})
     env = change.get("env", {})
-    view = {"baseline": arm(comparison["baseline"]), "candidate": arm(comparison["candidate"])}
+    view: dict[str, Any] = {
+        "baseline": arm(comparison["baseline"]),
+        "candidate": arm(comparison["candidate"]),
+    }
     view["command change"] = (
         "unchanged" if cmd.get("same") else {"before": cmd.get("before"), "after": cmd.get("after")}
     )
@@ -396,11 +452,8 @@ def report_view(comparison: Mapping[str, Any]) -> dict[str, Any]:
         view["to do by hand"] = "; ".join(change["instructions"])
     if comparison.get("speedup") is not None:
         view["speedup"] = speedup_text(comparison)
-    for c in comparison.get("changes") or []:
-        view.setdefault("predicted vs measured", [])
-        view["predicted vs measured"].append(change_text(c))
-    if "predicted vs measured" in view:
-        view["predicted vs measured"] = "; ".join(view["predicted vs measured"])
+    if comparison.get("changes"):
+        view["predicted vs measured"] = "; ".join(change_text(c) for c in comparison["changes"])
     parity = comparison.get("loss_parity")
     if parity:
         view["loss parity"] = {
@@ -412,11 +465,8 @@ def report_view(comparison: Mapping[str, Any]) -> dict[str, Any]:
         }
     else:
         view["loss parity"] = "not checked (no losses in the job's log)"
-    for problem in comparison.get("problems", []):
-        view.setdefault("notes", [])
-        view["notes"].append(problem)
-    if "notes" in view:
-        view["notes"] = "; ".join(view["notes"])
+    if comparison.get("problems", []):
+        view["notes"] = "; ".join(comparison["problems"])
     if comparison.get("search"):  # every candidate --fix measured, this one included
         view["candidates measured"] = "; ".join(
             f"{a['arm']}: [{a['finding']}] ({a['mechanism']}) "
@@ -454,7 +504,7 @@ def speedup_text(comparison: Mapping[str, Any]) -> str:
 
 
 def change_text(c: Mapping[str, Any]) -> str:
-    def s(x):
+    def s(x: float | None) -> str:
         return "-" if x is None else f"{x:.3f} s"
 
     text = (

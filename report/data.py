@@ -9,18 +9,21 @@ the run's start (manifest start_ns), so every chart shares one x axis. Large evi
 to a few megabytes at most.
 """
 
+from __future__ import annotations
+
 import math
 import os
 import re
 import shlex
 from datetime import datetime, timezone
+from typing import TYPE_CHECKING, Any
 
-from traindx.analyzers.findings import VERDICT_PREFIX, reading_order
-from traindx.analyzers.step_causes import CAUSES, classify_steps, without_core_wait
+from traindx.analyzers.findings import VERDICT_PREFIX, Finding, reading_order
+from traindx.analyzers.step_causes import CAUSES, StepCauses, judge_steps
 from traindx.common import redact
 from traindx.common.envvars import is_relevant_var
 from traindx.derive.ledger import startup_text
-from traindx.derive.steptables import event_seconds, gaps_table, gc_frame, run_t0, steady_mask, step_table
+from traindx.derive.steptables import gaps_table, run_t0, steady_mask
 from traindx.report.compiles import MAX_COMPILE_ROWS, compile_events, compile_groups
 from traindx.report.findings_view import (
     comparison_view,
@@ -42,13 +45,18 @@ from traindx.report.steps_view import (
 )
 from traindx.report.text import clip
 
+if TYPE_CHECKING:  # annotations only
+    import pandas as pd
+
+    from traindx.derive.run import RunRecord
+
 __all__ = ["build_report_data", "build_summary", "comparison_view", "prescription_text"]
 
 
 MAX_LOG_LINES = 40
 
 
-def run_meta(run):
+def run_meta(run: RunRecord) -> dict[str, Any]:
     m = run.manifest
     start_ns, end_ns = m.get("start_ns"), m.get("end_ns")
     env = {}
@@ -81,7 +89,7 @@ def run_meta(run):
     }
 
 
-def _gpu_label(gpu):
+def _gpu_label(gpu: Any) -> str:
     if isinstance(gpu, dict):
         name = gpu.get("name") or "GPU"
         mem = gpu.get("memory_total_bytes") or gpu.get("memory_bytes")
@@ -100,7 +108,7 @@ EVIDENCE_NAMES = {
 }
 
 
-def missing_evidence(run):
+def missing_evidence(run: RunRecord) -> list[dict[str, str]]:
     """What could not be collected, one short line each (a py-spy backtrace is cut to its gist)."""
     out = []
     for what, why in sorted((run.missing or {}).items()):
@@ -121,7 +129,7 @@ def missing_evidence(run):
     return out
 
 
-def missing_summary(missing):
+def missing_summary(missing: list[dict[str, str]]) -> str:
     """'GPU inventory, GPU metrics (NVML) (NVML Shared Library Not Found)': one entry per reason."""
     by_reason = {}
     for m in missing:
@@ -129,48 +137,24 @@ def missing_summary(missing):
     return "; ".join(f"{', '.join(names)}: {reason}" for reason, names in by_reason.items())
 
 
-def _core(run, findings):
+def _core(run: RunRecord, findings: list[Finding]) -> tuple[dict[str, Any], dict[str, Any]]:
     """What both the terminal summary and the HTML report need."""
-    import numpy as np
-
     meta = run_meta(run)
     t0 = run_t0(run)
     # every step of every rank as columns (a thousand ranks: millions of steps); only the ranks
     # the charts draw become per-step dicts
-    st, step_source = step_table(run, t0)
     compiles = compile_events(run, t0)
-    secs = event_seconds(st, compiles, gc_frame(run))
-    # the cause judged as the finding judges it (a pause's wait for a core is not its cost);
-    # the step columns keep the wall clock the chart draws
-    median, threshold = classify_steps(st, secs, without_core_wait(run, st, secs, t0) if len(st) else None)
-    durations = st["duration_s"].to_numpy(np.float64)
-    worst = None
-    if len(st):
-        w = st.iloc[int(np.argmax(durations))]
-        worst = {
-            "step": int(w["step"]),
-            "start_s": float(w["start_s"]),
-            "end_s": float(w["end_s"]),
-            "duration_s": float(w["duration_s"]),
-            "compile_s": float(w["compile_s"]),
-            "gc_s": float(w["gc_s"]),
-            "slow": bool(w["slow"]),
-            "cause": w["cause"],
-            "rank": w["rank"],
-        }
-    # steady state: each rank's first step (warm-up) left out when there is more than one
-    steady = durations[steady_mask(st)]
-    steady_median = float(np.median(steady)) if len(steady) else None
-    mean = float(steady.mean()) if len(steady) else None
-    cv = float(np.sqrt(((steady - mean) ** 2).mean()) / mean) if len(steady) and mean else None
+    # each step's cause is the judge's (the step columns keep the wall clock the chart draws)
+    steps = judge_steps(run, t0, compiles)
+    st = steps.table
+    worst = _worst_step(st)
     causes = st["cause"][st["cause"] != "normal"] if len(st) else st.get("cause", [])
     cause_counts = {c: int(n) for c, n in causes.value_counts(sort=False).items()} if len(causes) else {}
     losses = losses_of(run)
+    median = steps.median_s
     gaps = gaps_table(st, max(1.0, 2 * median)) if median else []  # shorter: not worth a mark
     shown = timeline_ranks(st, worst["rank"] if worst else None) if len(st) else []
     step_rows = rows_of(st, shown) if len(st) else {}
-    first_rank = st["rank"].iloc[0] if len(st) else None
-    first_start = float(st["start_s"].iloc[0]) if len(st) else None
     # missing evidence has its own notice (from the manifest); not repeated as a finding
     marks = fix_marks(run, findings)
     findings_view = [
@@ -178,53 +162,18 @@ def _core(run, findings):
         for f in reading_order(findings)
         if f.id != "evidence.missing" and not f.id.startswith(VERDICT_PREFIX)
     ]
-    per_rank = st.groupby("rank", sort=False).size() if len(st) else None
-    stats = {
-        "steps": int(per_rank.max()) if per_rank is not None else 0,
-        "ranks": (len(per_rank) if per_rank is not None else 0) or len(meta["ranks"]),
-        "ranks_drawn": len(step_rows),
-        "step_source": step_source,
-        "median_step_s": median,
-        "steady_median_s": steady_median,
-        "p90_step_s": float(np.quantile(durations, 0.9)) if len(durations) else None,
-        "max_step_s": float(durations.max()) if len(durations) else None,
-        "cv": cv,
-        "slow_steps": int(st["slow"].sum()) if len(st) else 0,
-        "slow_threshold_s": threshold,
-        "slow_factor": round(threshold / median, 2) if threshold and median else None,
-        "unexplained_steps": cause_counts.get("unexplained", 0),
-        "compiles": len(compiles),
-        "compile_s": sum(c["duration_s"] for c in compiles),
-        "worst_step": {
-            "rank": worst["rank"],
-            "step": worst["step"],
-            "duration_s": worst["duration_s"],
-            "cause": worst["cause"],
-        }
-        if worst
-        else None,
-        "final_loss": losses[max(losses)] if losses else None,
-        "startup_s": first_start,
-        "gpu_util_in_steps": gpu_util_in_windows(
-            run, t0, st["start_s"].to_numpy(np.float64), st["end_s"].to_numpy(np.float64)
-        ),
-        "gap_s": sum(g["duration_s"] for g in gaps if g["rank"] == first_rank),
-        "longest_gap": max(
-            (g for g in gaps if g["rank"] == first_rank), key=lambda g: g["duration_s"], default=None
-        ),
+    drawn = {
+        "t0": t0,
+        "step_rows": step_rows,
+        "compiles": compiles,
+        "worst": worst,
+        "step_table": st,
+        "cause_counts": cause_counts,
+        "losses": losses,
+        "gaps": gaps,
     }
-    try:
-        ledger = ledger_view(run)
-    except Exception as exc:  # the report still renders without its ledger
-        ledger = {"available": False, "error": f"{type(exc).__name__}: {exc}"}
-    stats["ledger_line"] = ledger.get("line")
-    stats["startup_line"] = None
-    if ledger.get("available") and len(run.startup_ledger):
-        start = run.startup_ledger
-        start = start[start["rank"] == ledger["rank"]] if (start["rank"] == ledger["rank"]).any() else start
-        stats["startup_line"] = startup_text(start.iloc[0])
-        # one start-up value everywhere: the ledger's (process start to the first step)
-        stats["startup_s"] = float(start.iloc[0]["wall_s"])
+    stats = _step_stats(run, steps, meta, drawn)
+    ledger = _ledger(run, stats)
     missing = missing_evidence(run)
     core = {
         "run": meta,
@@ -236,24 +185,107 @@ def _core(run, findings):
         "findings": findings_view,
         "causes": CAUSES,
     }
-    return core, {
-        "t0": t0,
-        "step_rows": step_rows,
-        "compiles": compiles,
-        "worst": worst,
-        "step_table": st,
-        "cause_counts": cause_counts,
-        "losses": losses,
-        "gaps": gaps,
+    return core, drawn
+
+
+def _worst_step(st: pd.DataFrame) -> dict[str, Any] | None:
+    """The longest step of any rank, as the report names it; None without steps."""
+    import numpy as np
+
+    if not len(st):
+        return None
+    w = st.iloc[int(np.argmax(st["duration_s"].to_numpy(np.float64)))]
+    return {
+        "step": int(w["step"]),
+        "start_s": float(w["start_s"]),
+        "end_s": float(w["end_s"]),
+        "duration_s": float(w["duration_s"]),
+        "compile_s": float(w["compile_s"]),
+        "gc_s": float(w["gc_s"]),
+        "slow": bool(w["slow"]),
+        "cause": w["cause"],
+        "rank": w["rank"],
     }
 
 
-def build_summary(run, findings):
+def _step_stats(
+    run: RunRecord, steps: StepCauses, meta: dict[str, Any], drawn: dict[str, Any]
+) -> dict[str, Any]:
+    """The headline step numbers: counts, median and spread, the judged slow steps, the worst,
+    compiles, the final loss, the gaps between steps. drawn: what _core drew of the steps."""
+    import numpy as np
+
+    st, median, threshold = steps.table, steps.median_s, steps.slow_threshold_s
+    worst, compiles, losses, gaps = drawn["worst"], drawn["compiles"], drawn["losses"], drawn["gaps"]
+    durations = st["duration_s"].to_numpy(np.float64)
+    # steady state: each rank's first step (warm-up) left out when there is more than one
+    steady = durations[steady_mask(st)]
+    steady_median = float(np.median(steady)) if len(steady) else None
+    mean = float(steady.mean()) if len(steady) else None
+    cv = float(np.sqrt(((steady - mean) ** 2).mean()) / mean) if len(steady) and mean else None
+    per_rank = st.groupby("rank", sort=False).size() if len(st) else None
+    first_rank = st["rank"].iloc[0] if len(st) else None
+    return {
+        "steps": int(per_rank.max()) if per_rank is not None else 0,
+        "ranks": (len(per_rank) if per_rank is not None else 0) or len(meta["ranks"]),
+        "ranks_drawn": len(drawn["step_rows"]),
+        "step_source": steps.source,
+        "median_step_s": median,
+        "steady_median_s": steady_median,
+        "p90_step_s": float(np.quantile(durations, 0.9)) if len(durations) else None,
+        "max_step_s": float(durations.max()) if len(durations) else None,
+        "cv": cv,
+        "slow_steps": int(st["slow"].sum()) if len(st) else 0,
+        "slow_threshold_s": threshold,
+        "slow_factor": round(threshold / median, 2) if threshold and median else None,
+        "unexplained_steps": drawn["cause_counts"].get("unexplained", 0),
+        "compiles": len(compiles),
+        "compile_s": sum(c["duration_s"] for c in compiles),
+        "worst_step": {
+            "rank": worst["rank"],
+            "step": worst["step"],
+            "duration_s": worst["duration_s"],
+            "cause": worst["cause"],
+        }
+        if worst
+        else None,
+        "final_loss": losses[max(losses)] if losses else None,
+        "startup_s": float(st["start_s"].iloc[0]) if len(st) else None,
+        "gpu_util_in_steps": gpu_util_in_windows(
+            run, drawn["t0"], st["start_s"].to_numpy(np.float64), st["end_s"].to_numpy(np.float64)
+        ),
+        "gap_s": sum(g["duration_s"] for g in gaps if g["rank"] == first_rank),
+        "longest_gap": max(
+            (g for g in gaps if g["rank"] == first_rank), key=lambda g: g["duration_s"], default=None
+        ),
+    }
+
+
+def _ledger(run: RunRecord, stats: dict[str, Any]) -> dict[str, Any]:
+    """The time ledger's view; its line and the start-up's (one start-up value everywhere: the
+    ledger's, process start to the first step) go into `stats`."""
+    try:
+        ledger = ledger_view(run)
+    except Exception as exc:  # the report still renders without its ledger
+        ledger = {"available": False, "error": f"{type(exc).__name__}: {exc}"}
+    stats["ledger_line"] = ledger.get("line")
+    stats["startup_line"] = None
+    if ledger.get("available") and len(run.startup_ledger):
+        start = run.startup_ledger
+        start = start[start["rank"] == ledger["rank"]] if (start["rank"] == ledger["rank"]).any() else start
+        stats["startup_line"] = startup_text(start.iloc[0])
+        stats["startup_s"] = float(start.iloc[0]["wall_s"])
+    return ledger
+
+
+def build_summary(run: RunRecord, findings: list[Finding]) -> dict[str, Any]:
     """The verdict, headline numbers and ranked findings: what the terminal prints."""
     return _core(run, findings)[0]
 
 
-def build_report_data(run, findings, comparison=None):
+def build_report_data(
+    run: RunRecord, findings: list[Finding], comparison: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """Everything the HTML report shows, as plain JSON-able values."""
     data, x = _core(run, findings)
     t0, step_rows, compiles, st = x["t0"], x["step_rows"], x["compiles"], x["step_table"]

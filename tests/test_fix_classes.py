@@ -344,9 +344,9 @@ def test_fix_applies_the_host_read_and_pinned_copy_edits_and_parity_holds(tmp_pa
     monkeypatch.setattr(outputs, "analyze_and_write", analyze_and_write)
     # both arms measured: on a CPU nothing waits on a host read, so a first arm "as predicted"
     # is the machine's load (seen once on a fresh-clone CI run), which would end the search
-    from traindx.cli import fixloop
+    from traindx.analyzers import ab_verdict
 
-    monkeypatch.setattr(fixloop, "_as_predicted", lambda row: False)
+    monkeypatch.setattr(ab_verdict, "as_predicted", lambda arm: False)
     before = open(HOST_READS).read()
     result = fix(
         [PY, HOST_READS],

@@ -10,6 +10,7 @@ import pytest
 import yaml
 from helpers import PY, diagnose, example
 
+from traindx.analyzers import ab_verdict
 from traindx.common.errors import UserError
 from traindx.derive import stats, throughput
 from traindx.recipes.card import CardError, RecipeCard, reference_cards, validate
@@ -183,9 +184,9 @@ def test_bootstrap_interval_brackets_the_speedup_and_is_reproducible():
     same = 1.0 + 0.05 * rng.standard_normal(30)
     _, low, high = stats.bootstrap_speedup(base / 2, same)
     assert low < 1 < high
-    assert stats.verdict(1.0, low, True) == "no gain"
-    assert stats.verdict(8.0, 7.5, True) == "faster and numerically equivalent"
-    assert stats.verdict(8.0, 7.5, False) == "faster but numerics differ"
+    assert ab_verdict.verdict(1.0, low, True) == "no gain"
+    assert ab_verdict.verdict(8.0, 7.5, True) == "faster and numerically equivalent"
+    assert ab_verdict.verdict(8.0, 7.5, False) == "faster but numerics differ"
 
 
 def test_loss_parity_thresholds():

@@ -5,15 +5,24 @@ usage: diagnose compare RUN_A RUN_B          (RUN_A is the baseline)
        diagnose compare FIX_RUN              (a `diagnose --fix` folder: its baseline/candidate)
 """
 
+from __future__ import annotations
+
+import argparse
 import json
 import os
 import sys
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 from traindx.cli import argtypes
 from traindx.common.errors import UserError
 
+if TYPE_CHECKING:  # annotations only (rich is imported when a comparison is printed)
+    from rich.console import Console
+    from rich.table import Table
 
-def prepare_parser(parser):
+
+def prepare_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("run_a", metavar="RUN_A", help="baseline run folder (or a --fix folder)")
     parser.add_argument("run_b", metavar="RUN_B", nargs="?", help="candidate run folder")
     parser.add_argument(
@@ -40,7 +49,7 @@ def prepare_parser(parser):
     )
 
 
-def resolve_arms(run_a, run_b):
+def resolve_arms(run_a: str, run_b: str | None) -> tuple[str, str]:
     """(baseline path, candidate path); a single --fix folder stands for its two arms."""
     if run_b is None:
         base, cand = os.path.join(run_a, "baseline"), os.path.join(run_a, "candidate")
@@ -58,7 +67,7 @@ def resolve_arms(run_a, run_b):
     return run_a, run_b
 
 
-def run(args, parser):
+def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from rich.console import Console
 
     from traindx.derive.run import load_run
@@ -88,7 +97,7 @@ def run(args, parser):
     return 0
 
 
-def _same_recording(a, b):
+def _same_recording(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
     return (
         a.get("start_ns") is not None
         and a.get("start_ns") == b.get("start_ns")
@@ -97,44 +106,63 @@ def _same_recording(a, b):
     )
 
 
-def write_comparison(comparison, path):
+def write_comparison(comparison: dict[str, Any], path: str) -> Any:
     from traindx.cli.outputs import write_json_file
 
     return write_json_file(path, comparison)
 
 
 # -- rendering ---------------------------------------------------------------------------------
-VERDICT_STYLE = {
-    "faster and numerically equivalent": "bold green",
-    "faster start": "bold green",
-    "faster but numerics differ": "bold yellow",
-    "no gain": "bold red",
-}
+def verdict_style(verdict: str) -> str:
+    """The colour of a verdict line: by the judge's outcome its text starts with (the text
+    before " (", as comparison.json holds it); bold red for any other."""
+    from traindx.analyzers.ab_verdict import Outcome  # numpy: kept out of `diagnose --help`
+
+    styles = {
+        Outcome.FASTER.value: "bold green",
+        Outcome.FASTER_START.value: "bold green",
+        Outcome.FASTER_NUMERICS_DIFFER.value: "bold yellow",
+        Outcome.NO_GAIN.value: "bold red",
+    }
+    return styles.get(verdict.split(" (")[0], "bold red")
 
 
-def _seconds(x):
+def _seconds(x: float | None) -> str:
     if x is None:
         return "-"
     return f"{x * 1000:.1f} ms" if x < 1 else f"{x:.3f} s"
 
 
-def _percent(x):
+def _percent(x: float | None) -> str:
     return "-" if x is None else f"{x * 100:.2f} %"
 
 
-def _number(x, fmt="{:,.0f}"):
+def _number(x: float | None, fmt: str = "{:,.0f}") -> str:
     return "-" if x is None else fmt.format(x)
 
 
-def print_comparison(comparison, console=None):
+def print_comparison(comparison: dict[str, Any], console: Console | None = None) -> None:
     """The comparison as a user reads it in the terminal (rich)."""
     from rich.console import Console
-    from rich.table import Table
     from rich.text import Text
 
     console = console or Console(file=sys.stderr)
     console.rule("traindx: A/B comparison")
-    change = comparison["change"]
+    _print_change(comparison["change"], console)
+    console.print(_arms_table(comparison["baseline"], comparison["candidate"]))
+    _print_outcome(comparison, console)
+    _print_parity(comparison["loss_parity"], console)
+    for problem in comparison.get("problems", []):
+        console.print(Text(f"note: {problem}", style="yellow"))
+    for line in comparison["change"].get("instructions", []):
+        console.print(Text(f"to do by hand: {line}", style="cyan"))
+    console.print(Text(f"verdict: {comparison['verdict']}", style=verdict_style(comparison["verdict"])))
+
+
+def _print_change(change: dict[str, Any], console: Console) -> None:
+    """The command and environment change, what was applied and precompiled."""
+    from rich.text import Text
+
     cmd = change["command"]
     if cmd["same"]:
         console.print("command: unchanged", markup=False)
@@ -158,20 +186,24 @@ def print_comparison(comparison, console=None):
     for step in change.get("precompiled", []):
         console.print(Text(f"precompiled: {step}"))
 
+
+def _arms_table(base: dict[str, Any], cand: dict[str, Any]) -> Table:
+    """The two arms side by side."""
+    from rich.table import Table
+
+    from traindx.recipes.ab import step_source_text
+
     table = Table(show_header=True, header_style="bold")
     table.add_column("")
     table.add_column("baseline", justify="right")
     table.add_column("candidate", justify="right")
-    base, cand = comparison["baseline"], comparison["candidate"]
 
-    def window(arm):
+    def window(arm: dict[str, Any]) -> str:
         return "-" if not arm["window"] else f"{arm['window'][0]}-{arm['window'][1]} ({arm['window_steps']})"
 
     table.add_row("steps recorded", str(base["steps"]), str(cand["steps"]))
     table.add_row("steady window (steps)", window(base), window(cand))
     table.add_row("median step time", _seconds(base["median_step_s"]), _seconds(cand["median_step_s"]))
-    from traindx.recipes.ab import step_source_text
-
     if base.get("step_source") != "shim" or cand.get("step_source") != "shim":
         table.add_row("timed by", step_source_text(base), step_source_text(cand))
     table.add_row("step-time CV", _percent(base["step_time_cv"]), _percent(cand["step_time_cv"]))
@@ -183,11 +215,16 @@ def print_comparison(comparison, console=None):
         f"{base['compiles']} ({base['compiles_in_window']})",
         f"{cand['compiles']} ({cand['compiles_in_window']})",
     )
-    console.print(table)
+    return table
+
+
+def _print_outcome(comparison: dict[str, Any], console: Console) -> None:
+    """The speedup, failed steps, predicted vs measured, and how to keep the change."""
+    from rich.text import Text
+
+    from traindx.recipes.ab import change_text, speedup_text
 
     if comparison["speedup"] is not None:
-        from traindx.recipes.ab import speedup_text
-
         console.print(Text(f"speedup: {speedup_text(comparison)}", style="bold"))
     for step in comparison["change"].get("steps", []):
         if not step.get("ok"):
@@ -198,43 +235,32 @@ def print_comparison(comparison, console=None):
                     style="yellow",
                 )
             )
-    if comparison.get("changes"):
-        from traindx.recipes.ab import change_text
-
-        for c in comparison["changes"]:
-            console.print(Text(f"predicted vs measured: {change_text(c)}"))
+    for c in comparison.get("changes") or []:
+        console.print(Text(f"predicted vs measured: {change_text(c)}"))
     if comparison.get("fix_patch"):
         console.print(Text(f"fix.patch: {comparison['fix_patch']}", style="bold"))
     for line in comparison["change"].get("apply", []):
         console.print(Text(f"to keep it: {line}", style="cyan"))
-    parity = comparison["loss_parity"]
+
+
+def _print_parity(parity: dict[str, Any] | None, console: Console) -> None:
+    from rich.text import Text
+
     if parity is None:
         console.print("loss parity: not checked (no losses in the job's log)", markup=False)
-    else:
-        corr = "n/a" if parity["correlation"] is None else f"{parity['correlation']:.4f}"
-        final = "-" if parity["final_loss_difference"] is None else f"{parity['final_loss_difference']:.2%}"
-        status = Text(
-            "pass" if parity["passed"] else "FAIL", style="green" if parity["passed"] else "bold red"
-        )
-        line = (
-            Text("loss parity: ")
-            .append(status)
-            .append(
-                f" (correlation {corr}, {parity['pointwise_failures']} of {parity['points']} points "
-                f"outside tolerance, final-loss difference {final}; first {parity['skipped']} "
-                "points skipped)"
-            )
-        )
-        console.print(line)
-        for reason in parity["reasons"]:
-            console.print(Text(f"  ✗ {reason}", style="red"))
-    for problem in comparison.get("problems", []):
-        console.print(Text(f"note: {problem}", style="yellow"))
-    for line in comparison["change"].get("instructions", []):
-        console.print(Text(f"to do by hand: {line}", style="cyan"))
-    console.print(
-        Text(
-            f"verdict: {comparison['verdict']}",
-            style=VERDICT_STYLE.get(comparison["verdict"].split(" (")[0], "bold red"),
+        return
+    corr = "n/a" if parity["correlation"] is None else f"{parity['correlation']:.4f}"
+    final = "-" if parity["final_loss_difference"] is None else f"{parity['final_loss_difference']:.2%}"
+    status = Text("pass" if parity["passed"] else "FAIL", style="green" if parity["passed"] else "bold red")
+    line = (
+        Text("loss parity: ")
+        .append(status)
+        .append(
+            f" (correlation {corr}, {parity['pointwise_failures']} of {parity['points']} points "
+            f"outside tolerance, final-loss difference {final}; first {parity['skipped']} "
+            "points skipped)"
         )
     )
+    console.print(line)
+    for reason in parity["reasons"]:
+        console.print(Text(f"  ✗ {reason}", style="red"))

@@ -1,0 +1,98 @@
+"""What `diagnose --fix` takes and gives (FixOptions, FixEvent, FixResult) and the small helpers
+its runner's parts share. The engine is traindx/cli/fixloop.py."""
+
+from __future__ import annotations
+
+import copy
+import os
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol
+
+from traindx.common.atomic import write_json
+
+DEFAULT_TRIES = 3
+
+
+@dataclass
+class FixEvent:
+    """One thing the loop has to say. kind: stage | plan | step | output | warning | info |
+    summary (data: record, findings, report) | comparison (data: comparison, arm)."""
+
+    kind: str
+    text: str = ""
+    data: dict = field(default_factory=dict)
+
+
+class Say(Protocol):
+    """How the runner's parts report progress: say(kind, text, **data) -> a FixEvent."""
+
+    def __call__(self, kind: str, text: str = "", **data: Any) -> None: ...
+
+
+@dataclass
+class FixOptions:
+    """What `fix` needs. `record`: the launcher's Options of every arm (steps, samplers, window);
+    `run_dir`: the fix folder (default: a new one under `out`); `tries`: arms at most;
+    `reporter`: receives FixEvents; `run_job(command, run_dir, options) -> raw return code`
+    records one arm (default: the launcher's Job, the job's output echoed)."""
+
+    record: Any = None
+    run_dir: str | None = None
+    out: str = "runs"
+    wheels: str | None = None
+    tries: int = DEFAULT_TRIES
+    cwd: str | None = None
+    reporter: Callable[[FixEvent], None] | None = None
+    run_job: Callable[..., int] | None = None
+    # the baseline arm stops once its top finding is stable (run_job is then called with
+    # until_diagnosed=True: the CLI's records it under the live judgement); every candidate arm
+    # runs as many steps as the baseline did
+    until_diagnosed: bool = False
+    # a kept change whose own run still compiles kernels cold (FA4's, after the change made
+    # their keys new) gets one more arm: the same change with those kernels warmed beforehand
+    warm_up_after_fix: bool = True
+    # an arm not proven faster (the interval spans no gain and a real one, or it missed a
+    # predicted saving) is measured once more, candidate then baseline (A B B A), and each side
+    # judged by its quicker run: a neighbour's load only adds time, so one disturbed run cannot
+    # decide the search
+    repeat_inconclusive: bool = True
+
+
+@dataclass
+class FixResult:
+    """What `fix` did: fix.json's content, typed. `arms`: one dict per candidate arm tried
+    (dir, finding, mechanism, summary, predicted and measured step time, speedup, verdict,
+    parity, significant, patch); `best`: the kept arm's folder or None."""
+
+    root: str
+    status: str
+    exit_code: int
+    baseline: str
+    arms: list = field(default_factory=list)
+    best: str | None = None
+    comparison: dict | None = None
+    plan: dict | None = None
+    apply: list = field(default_factory=list)
+    # the warm-up arm run after the kept one (FixOptions.warm_up_after_fix), when it won
+    warm_up: str | None = None
+
+    @property
+    def fix_json(self) -> str:
+        return os.path.join(self.root, "fix.json")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def with_options(options: Any, **changes: Any) -> Any:
+    """A copy of the launcher Options with some fields changed."""
+    out = copy.copy(options)
+    for k, v in changes.items():
+        setattr(out, k, v)
+    return out
+
+
+def write_fix_json(path: str, data: Any) -> None:
+    """fix.json and comparison.json: indented, anything not JSON as its str()."""
+    write_json(path, data, indent=2, default=str)
