@@ -3,6 +3,7 @@ folder (grimp for lint-imports, mypy): in the repository its subpackages sit bes
 (profiler/, derive/, analyzers/, ... mapped by setuptools' package-dir in pyproject.toml)."""
 
 import os
+
 import tomllib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

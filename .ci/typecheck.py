@@ -3,11 +3,11 @@ symlinked tree of .ci/tree.py), so that imports between its subpackages are foll
 Extra arguments go to mypy. Exit code: mypy's own."""
 
 import os
-import sys
 import re
+import sys
 import tempfile
-import tomllib
 
+import tomllib
 from mypy import api
 from tree import ROOT, lay_out
 

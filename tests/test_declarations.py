@@ -40,7 +40,9 @@ def test_every_analyzer_module_declares_itself_and_the_registry_keeps_its_order(
         and _module_defines_analyze(os.path.join(folder, name))
     }
     declared = {d.name for d in catalog().declarations}
-    assert defining == declared, "a module with analyze() needs a DECLARATION (docs/DESIGN.md, "How to add an analyzer")"
+    assert defining == declared, (
+        "a module with analyze() needs a DECLARATION (docs/DESIGN.md, 'How to add an analyzer')"
+    )
     assert not catalog().broken
     # findings' order: the registration order traindx has always had, the judges last
     assert analyzers.REGISTRY == [

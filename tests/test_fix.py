@@ -844,9 +844,7 @@ def test_origin_tracer_follows_the_tensor_back_to_where_it_was_made(monkeypatch)
     assert torch._C._len_torch_function_stack() == 0  # the mode is gone again
     event = seen[-1]
     assert event["method"] == "traced" and event["origin"]["function"] == "collate"
-    assert (
-        event["origin"]["source"].strip() == "return lens.max()  # made here"
-    )
+    assert event["origin"]["source"].strip() == "return lens.max()  # made here"
     assert [hop["function"] for hop in event["chain"]] == ["collate", "move"]
 
     seen.clear()
