@@ -1,6 +1,6 @@
 """The planner's edit for a checkpoint written inline: the job's `torch.save(...)` statements
 call a helper (inserted after the module's imports) that serializes the state into memory at the
-call and writes the file on a thread (traindx.analyzers.fix_source.async_checkpoint_options)."""
+call and writes the file on a thread (traindx.analyzers.fix_derived.async_checkpoint_options)."""
 
 from __future__ import annotations
 
