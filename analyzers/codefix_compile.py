@@ -6,11 +6,17 @@ from __future__ import annotations
 
 import ast
 import collections
+from collections.abc import Sequence
+from typing import Any
 
-from traindx.analyzers.codefix import _LOOPS, _called, _imports_torch, _tree, code_change, set_keywords
+from traindx.analyzers.codefix_edit import code_change, set_keywords
+from traindx.analyzers.codefix_source import _LOOPS, _called, _imports_torch, _tree
+
+# a torch.compile of the job's file: {"line", "last_line", "source", "call", "target", "compiled", "dynamic"}
+CompileCall = dict[str, Any]
 
 
-def compile_calls(path):
+def compile_calls(path: str) -> list[CompileCall]:
     """Every `torch.compile(...)` of the file (a call or a decorator): [{"line", "last_line",
     "source" (the lines as written), "call" (the call's text), "target" (the name it is assigned
     to, or the decorated function's), "compiled" (the first argument's text), "dynamic" (the
@@ -82,7 +88,7 @@ def compile_calls(path):
     return sorted(out, key=lambda c: c["line"])
 
 
-def _segment_of(lines, node):
+def _segment_of(lines: Sequence[str], node: ast.AST) -> str:
     """The exact source text of a node (over one or several lines)."""
     first, last = node.lineno - 1, (node.end_lineno or node.lineno) - 1
     raw = [l.encode("utf-8") for l in lines[first : last + 1]]
@@ -92,7 +98,7 @@ def _segment_of(lines, node):
     return b"\n".join(parts).decode("utf-8", "replace")
 
 
-def compile_mode_edit(path, call, mode="reduce-overhead"):
+def compile_mode_edit(path: str, call: CompileCall, mode: str = "reduce-overhead") -> dict[str, Any] | None:
     """The torch.compile call with `mode=` set (reduce-overhead: CUDA graphs replay the step's
     kernels, one launch instead of hundreds), or None when it says so already."""
     if call.get("mode") in (repr(mode), f'"{mode}"'):
@@ -112,7 +118,7 @@ def compile_mode_edit(path, call, mode="reduce-overhead"):
     return dict(change, op="replace") if change else None
 
 
-def compile_arg_edits(path, call):
+def compile_arg_edits(path: str, call: CompileCall) -> list[tuple[str, dict[str, Any]]]:
     """Code changes of one torch.compile call (from compile_calls) that stop a steady recompile
     on changing shapes, best first: (label, change) for `dynamic=True` (symbolic shapes from the
     first compile) and, where the call says `dynamic=False`, `dynamic=None` (automatic dynamic:
@@ -142,7 +148,7 @@ def compile_arg_edits(path, call):
     return out
 
 
-def parameter_index(path, line, name):
+def parameter_index(path: str, line: int, name: str) -> int | None:
     """The position of parameter `name` among the positional parameters of the function defined
     at path:line (`self` not counted), or None."""
     tree, _ = _tree(path)
@@ -157,7 +163,7 @@ def parameter_index(path, line, name):
     return None
 
 
-def mark_dynamic_edits(path, compiled, index, dim):
+def mark_dynamic_edits(path: str, compiled: str, index: int, dim: int) -> list[dict[str, Any]]:
     """Code changes that mark dimension `dim` of the tensor passed at position `index` to the
     compiled callable `compiled` dynamic, on the line before each call of it inside a loop
     (`torch._dynamo.mark_dynamic(x, 1)` before `logits = compiled(x)`); only where that
@@ -194,7 +200,7 @@ def mark_dynamic_edits(path, compiled, index, dim):
 _SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Module)
 
 
-def compile_model_edits(path, mode="reduce-overhead"):
+def compile_model_edits(path: str, mode: str = "reduce-overhead") -> list[dict[str, Any]]:
     """Edits that compile the job's model where it is made, for a job that compiles nothing:
     `model.compile(mode="reduce-overhead")` (in place: the same object, so an alias and a saved
     state_dict stay what they were) for each name whose parameters the job trains

@@ -8,6 +8,8 @@ from __future__ import annotations
 import ast
 import copy
 import textwrap
+from collections.abc import Sequence
+from typing import Any
 
 from traindx.analyzers.codefix_edit import code_change, set_keywords
 from traindx.analyzers.codefix_source import (
@@ -23,7 +25,7 @@ from traindx.analyzers.codefix_source import (
 HOST_READ_METHODS = ("item", "cpu", "tolist")
 
 
-def _read_inner(node):
+def _read_inner(node: ast.AST) -> ast.expr | None:
     """The tensor expression a host read reads (`loss` of `loss.item()`, `loss.detach().cpu()`,
     `float(loss)`, `loss.cpu().item()`), or None when `node` is no host read."""
     inner = None
@@ -50,7 +52,7 @@ def _read_inner(node):
     return deeper if deeper is not None else inner
 
 
-def _outer_reads(node):
+def _outer_reads(node: ast.AST) -> list[ast.AST]:
     """The outermost host-read calls inside an expression."""
     out = []
 
@@ -83,7 +85,7 @@ _MAKERS = {
 }
 
 
-def _read_edit(stmt, lines, path):
+def _read_edit(stmt: ast.stmt, lines: Sequence[str], path: str) -> dict[str, Any] | None:
     """The device-side form of one statement that reads a tensor to the host only to keep it:
     `total += loss.item()` -> `total += loss.detach()`, `losses.append(loss.item())` ->
     `losses.append(loss.detach())`, `meter.update(loss.item(), n)` ->
@@ -128,7 +130,7 @@ def _read_edit(stmt, lines, path):
     return dict(change, op="replace") if change else None
 
 
-def device_accumulations(path, line, widen=True):
+def device_accumulations(path: str, line: int, widen: bool = True) -> list[dict[str, Any]]:
     """Edits that keep a per-step value on the device instead of reading it to the host each
     step (a host read waits for every queued kernel): `total += <expr>.item()` (or `.cpu()`,
     `.tolist()`, `float(<expr>)`) becomes `total += <expr>.detach()`, `losses.append(x.item())`
@@ -156,7 +158,7 @@ def device_accumulations(path, line, widen=True):
     return _edits_in_loops(tree, scopes, ast.stmt, _read_edit, lines, path)
 
 
-def _check_edit(stmt, lines, path):
+def _check_edit(stmt: ast.stmt, lines: Sequence[str], path: str) -> dict[str, Any] | None:
     """The device-side form of a guard that reads a tensor to the host only to raise:
     `if not <cond>.item(): raise E("msg")` -> `torch._assert_async(<cond>, "msg")` (and
     `if <cond>.item(): raise ...` -> `torch._assert_async(torch.logical_not(<cond>), ...)`):
@@ -231,7 +233,7 @@ def _check_edit(stmt, lines, path):
 _TENSOR_PREDICATES = {"all", "any", "isfinite", "isnan", "isinf", "isneginf", "isposinf", "allclose", "equal"}
 
 
-def _tensor_valued(node):
+def _tensor_valued(node: ast.AST) -> bool:
     """`<x>.all()`, `<x>.any()`, `torch.isfinite(<x>)...`: an expression that is a tensor (not
     `allclose`/`equal`, which return Python bools: excluded below)."""
     if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Attribute):
@@ -245,7 +247,7 @@ def _tensor_valued(node):
     return name in _TENSOR_PREDICATES and isinstance(owner, ast.Name) and owner.id == "torch"
 
 
-def _relative(node, first_line):
+def _relative(node: ast.AST, first_line: int) -> ast.AST:
     """A copy of node's position relative to a source slice starting at `first_line`."""
 
     node = copy.copy(node)
@@ -254,7 +256,7 @@ def _relative(node, first_line):
     return node
 
 
-def device_checks(path, line, widen=True):
+def device_checks(path: str, line: int, widen: bool = True) -> list[dict[str, Any]]:
     """Edits that keep a per-step guard on the device: `if not <tensor cond>.item(): raise ...`
     (a finiteness or range check read to the host, which waits for every queued kernel) becomes
     `torch._assert_async(<tensor cond>, "<message>")` (torch's asynchronous assert: no sync).
@@ -296,7 +298,7 @@ _DTYPES = {
 }
 
 
-def _is_device_copy(call):
+def _is_device_copy(call: ast.AST) -> bool:
     """`x.to(dev)`, `x.to(device=dev)`, `x.cuda()` not already non_blocking=True (absent, False or
     a variable that can be False): a host-to-device copy (not `x.to(torch.bfloat16)`, a cast)."""
     if not isinstance(call, ast.Call) or not isinstance(call.func, ast.Attribute):
@@ -320,7 +322,7 @@ def _is_device_copy(call):
     return not (isinstance(first, ast.Name) and first.id in ("dtype",))
 
 
-def _assigned_once_before(tree, name, line):
+def _assigned_once_before(tree: ast.AST, name: str, line: int) -> ast.Assign | None:
     """The single assignment `name = <value>` outside any loop before `line` (a host dataset
     made once), or None. A placeholder (`name = None`) and a re-assignment that pins it already
     (`name = [t.pin_memory() for t in name]`, under a flag) do not count: the value is made once."""
@@ -358,7 +360,7 @@ def _assigned_once_before(tree, name, line):
     return node
 
 
-def async_copy_edits(path, line, pinned_by_loader=False):
+def async_copy_edits(path: str, line: int, pinned_by_loader: bool = False) -> list[list[dict[str, Any]]]:
     """Ways to make the host-to-device copy at path:line asynchronous, best first; each one a
     list of code changes made together:
     - the batch comes from a DataLoader whose pin_memory=True is set with it: only

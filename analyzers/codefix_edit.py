@@ -16,7 +16,7 @@ from typing import Any
 _PAIRS = {")": "(", "]": "[", "}": "{"}
 
 
-def _unmatched(text):
+def _unmatched(text: str) -> tuple[list[str], list[str]]:
     """(brackets left open, closing brackets without their opener) of a piece of code."""
     opens, missing = [], []
     try:
@@ -35,7 +35,7 @@ def _unmatched(text):
     return opens, missing
 
 
-def _completed(text):
+def _completed(text: str) -> str:
     """A line cut out of a statement over several lines (`out = f(q, k,` or `  v=v)`), with its
     unmatched brackets closed or opened so that it can be parsed; the text itself otherwise."""
     opens, missing = _unmatched(text)

@@ -8,13 +8,18 @@ import ast
 import copy
 import functools
 import os
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, ParamSpec, TypeVar
 
 from traindx.analyzers.codefix_edit import parses
 
+P = ParamSpec("P")
+R = TypeVar("R")
+N = TypeVar("N", bound=ast.AST)
+
 
 # -- the job's own source, read to place an edit ---------------------------------------------------
-def _tree(path):
+def _tree(path: str) -> tuple[ast.Module | None, list[str]]:
     """(the file's syntax tree, its lines), parsed once per version of the file: a live
     judgement analyses the same job script at every pass (the tree is only ever read)."""
     try:
@@ -25,7 +30,7 @@ def _tree(path):
 
 
 @functools.lru_cache(maxsize=64)
-def _parsed(path, mtime_ns, size):
+def _parsed(path: str, mtime_ns: int, size: int) -> tuple[ast.Module | None, list[str]]:
     try:
         with open(path, encoding="utf-8") as f:
             text = f.read()
@@ -34,7 +39,7 @@ def _parsed(path, mtime_ns, size):
         return None, []
 
 
-def _per_version(fn):
+def _per_version(fn: Callable[P, R]) -> Callable[P, R]:
     """`fn(path, *args)` computed once per version of the file (its result copied out)."""
 
     @functools.lru_cache(maxsize=256)
@@ -52,7 +57,7 @@ def _per_version(fn):
     return wrapper
 
 
-def _called(node, name):
+def _called(node: ast.AST, name: str) -> bool:
     """True for a call `name(...)` or `x.name(...)`, name dotted from the right: gc.collect."""
     if not isinstance(node, ast.Call):
         return False
@@ -67,7 +72,7 @@ def _called(node, name):
 
 
 @_per_version
-def calls_in_loops(path, name):
+def calls_in_loops(path: str, name: str) -> list[tuple[int, str]]:
     """[(line, source line)] of every statement that is just a call `name(...)` inside a for or
     while loop of the file (the per-step `gc.collect()`, `torch.cuda.empty_cache()`)."""
     tree, lines = _tree(path)
@@ -102,12 +107,12 @@ def calls_of(path: str, name: str) -> list[dict[str, Any]]:
     return sorted(out, key=lambda c: c["line"])
 
 
-def _steps_inside(node):
+def _steps_inside(node: ast.AST) -> bool:
     return any(_called(n, "step") or _called(n, "backward") for n in ast.walk(node))
 
 
 @_per_version
-def before_training_loop(path):
+def before_training_loop(path: str) -> tuple[int, int, str] | None:
     """(first line, last line, source of the first line, or of the whole statement when it is a
     compound one) of the statement just before the outermost loop that steps an optimizer or calls backward (in the same block), where set-up
     ends; None when there is no such loop or it opens its block."""
@@ -138,7 +143,7 @@ def before_training_loop(path):
     return best
 
 
-def _innermost(tree, line, kinds):
+def _innermost(tree: ast.AST, line: int, kinds: type[N] | tuple[type[N], ...]) -> N | None:
     """The innermost node of one of `kinds` whose lines hold `line`, or None."""
     best = None
     for node in ast.walk(tree):
@@ -146,10 +151,12 @@ def _innermost(tree, line, kinds):
             if best is None or node.lineno >= best.lineno:
                 best = node
     return best
+
+
 _LOOPS = (ast.For, ast.While, ast.AsyncFor)
 
 
-def _shifted(node, lineno):
+def _shifted(node: N, lineno: int) -> N:
     """A copy of node's position on line 1 (get_source_segment of one line of text)."""
     import copy
 
@@ -158,7 +165,14 @@ def _shifted(node, lineno):
     return node
 
 
-def _edits_in_loops(tree, scopes, kind, edit, lines, path):
+def _edits_in_loops(
+    tree: ast.AST,
+    scopes: Sequence[Sequence[ast.AST]],
+    kind: type[N],
+    edit: Callable[[N, Sequence[str], str], dict[str, Any] | None],
+    lines: Sequence[str],
+    path: str,
+) -> list[dict[str, Any]]:
     """The edits `edit(node, lines, path)` makes of the `kind` nodes inside a loop (per step),
     from the first of `scopes` (node lists, narrowest first) that has any, in line order."""
     loops = [n for n in ast.walk(tree) if isinstance(n, _LOOPS)]
@@ -178,7 +192,7 @@ def _edits_in_loops(tree, scopes, kind, edit, lines, path):
     return []
 
 
-def _imports_torch(tree):
+def _imports_torch(tree: ast.AST) -> bool:
     """The module binds the name `torch` (import torch, import torch as torch)."""
     return any(
         isinstance(n, ast.Import) and any(a.name == "torch" and a.asname in (None, "torch") for a in n.names)
@@ -186,7 +200,7 @@ def _imports_torch(tree):
     )
 
 
-def _shifted_col(node, src):
+def _shifted_col(node: N, src: str) -> N:
     """node's position in src.strip() (one line)."""
     import copy
 

@@ -9,9 +9,12 @@ from __future__ import annotations
 import ast
 import os
 import re
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 from traindx.analyzers import codefix, codefix_compile, codefix_optim, codefix_save
-from traindx.analyzers.findings import Prescription
+from traindx.analyzers.codefix_compile import CompileCall
+from traindx.analyzers.findings import Finding, Prescription, SourceEdit
 from traindx.analyzers.fix_source import job_script_files, named_sites, python_files, tree_root
 
 # -- concrete edits the planner builds from a finding's named line ---------------------------------
@@ -20,12 +23,16 @@ from traindx.analyzers.fix_source import job_script_files, named_sites, python_f
 HOST_TIME_FINDINGS = ("sync.", "gpu_idle.host_starved", "gpu_idle.between_steps", "host_work.")
 
 
-def _job_sites(finding, command, cwd):
+def _code_of(p: Prescription) -> Mapping[str, Any]:
+    """The prescription's (first) code edit, {} when it has none."""
+    return (p.change.code if isinstance(p.change, SourceEdit) else None) or {}
+
+
+def _job_sites(finding: Finding, command: Sequence[str], cwd: str) -> list[tuple[str, int]]:
     """(absolute path, line) of every site the finding names inside the job's own tree."""
     out = []
     for site in named_sites(finding.evidence) + [
-        (c.get("file"), c.get("line"))
-        for c in (((p.change or {}).get("code") or {}) for p in finding.prescriptions)
+        (c.get("file"), c.get("line")) for c in map(_code_of, finding.prescriptions)
     ]:
         if not site or not site[0] or not isinstance(site[1], int):
             continue
@@ -39,30 +46,28 @@ def _job_sites(finding, command, cwd):
     return out
 
 
-def _edit_key(change):
+def _edit_key(change: Mapping[str, Any]) -> tuple[str, Any, Any]:
     return (os.path.abspath(change["file"]), change["line"], change.get("after"))
 
 
-def _known_edits(finding):
-    return {
-        _edit_key(c)
-        for c in (((p.change or {}).get("code") or {}) for p in finding.prescriptions)
-        if c.get("file") and c.get("line")
-    }
+def _known_edits(finding: Finding) -> set[tuple[str, Any, Any]]:
+    return {_edit_key(c) for c in map(_code_of, finding.prescriptions) if c.get("file") and c.get("line")}
 
 
-def _edits_prescription(summary, changes, gain):
-    changes = list(changes)
+def _edits_prescription(
+    summary: str, changes: Iterable[Mapping[str, Any]], gain: float | None
+) -> Prescription:
+    edits = tuple(changes)
     return Prescription(
         kind="code",
         summary=summary,
-        change={"code": changes[0], "codes": changes},
+        change=SourceEdit(code=edits[0], codes=edits),
         expected_gain_s_per_step=gain,
         automatic=True,
     )
 
 
-def host_read_options(finding, command, cwd):
+def host_read_options(finding: Finding, command: Sequence[str], cwd: str) -> list[Prescription]:
     """A finding about the training thread's time (a host-device sync, the GPU waiting for host
     work) at a loop that reads tensors to the host each step only to keep them (`total +=
     loss.item()`, `losses.append(float(loss))`): one arm that keeps them on the device
@@ -90,7 +95,7 @@ def host_read_options(finding, command, cwd):
     ]
 
 
-def async_copy_options(finding, command, cwd):
+def async_copy_options(finding: Finding, command: Sequence[str], cwd: str) -> list[Prescription]:
     """A host-to-device copy from pageable memory at the finding's line: the copy made
     asynchronous from pinned memory. With the DataLoader's pin_memory=True edit among the
     finding's prescriptions, both go into one arm (neither pays alone); else the host tensor
@@ -109,7 +114,7 @@ def async_copy_options(finding, command, cwd):
     pin = next(
         (
             c
-            for c in (((p.change or {}).get("code") or {}) for p in finding.prescriptions)
+            for c in map(_code_of, finding.prescriptions)
             if "pin_memory=True" in str(c.get("after") or "")
             and "pin_memory=True" not in str(c.get("before") or "")
         ),
@@ -138,7 +143,7 @@ def async_copy_options(finding, command, cwd):
     return out
 
 
-def _compile_call_for(finding, files):
+def _compile_call_for(finding: Finding, files: Sequence[str]) -> tuple[str, CompileCall] | None:
     """(path, call) of the torch.compile that made the recompiling graph: the one whose compiled
     object the call site calls (`logits = compiled(x)` -> `compiled = torch.compile(...)`), or
     the decorated function that recompiled; else the only one in the job's files."""
@@ -171,7 +176,7 @@ def _compile_call_for(finding, files):
     return same[0] if len(same) == 1 else None
 
 
-def compile_options(finding, command, cwd):
+def compile_options(finding: Finding, command: Sequence[str], cwd: str) -> list[Prescription]:
     """A steady dynamo recompile because a shape changes: the torch.compile call that made the
     recompiling graph compiled with dynamic=True (and, where it says dynamic=False, with
     dynamic=None: automatic dynamic shapes), one arm each."""
@@ -221,7 +226,9 @@ _GUARD = re.compile(
 )
 
 
-def _mark_dynamic_options(finding, files, call, lost):
+def _mark_dynamic_options(
+    finding: Finding, files: Sequence[str], call: CompileCall, lost: float | None
+) -> list[Prescription]:
     """torch._dynamo.mark_dynamic(x, dim) before the calls of the compiled object, where the
     analyzer named the compiled function's definition (no call site of its own): the guard's
     tensor is that function's parameter, passed by position at the calls in the job's loops."""
@@ -259,7 +266,7 @@ def _mark_dynamic_options(finding, files, call, lost):
 LAUNCH_BOUND_FINDINGS = ("gpu.launch_bound",)
 
 
-def _launch_bound_files(finding, command, cwd):
+def _launch_bound_files(finding: Finding, command: Sequence[str], cwd: str) -> list[str]:
     return list(
         dict.fromkeys(
             os.path.abspath(f)
@@ -268,7 +275,7 @@ def _launch_bound_files(finding, command, cwd):
     )
 
 
-def launch_bound_options(finding, command, cwd):
+def launch_bound_options(finding: Finding, command: Sequence[str], cwd: str) -> list[Prescription]:
     """A launch-bound step: the model's launches replayed by a CUDA graph, the optimizer's made
     multi-tensor where the analyzer found it launching a share of its own, and both in one arm
     (each priced by the share of the host's time it removes: the analyzer's evidence)."""
@@ -278,7 +285,7 @@ def launch_bound_options(finding, command, cwd):
     optimizer = _multi_tensor_optimizer_options(finding, command, cwd)
     out = graph + optimizer
     if graph and optimizer:
-        changes = list(graph[0].change["codes"]) + list(optimizer[0].change["codes"])
+        changes = [*_edits_of(graph[0]), *_edits_of(optimizer[0])]
         out.insert(
             0,
             _edits_prescription(
@@ -290,7 +297,11 @@ def launch_bound_options(finding, command, cwd):
     return out
 
 
-def _multi_tensor_optimizer_options(finding, command, cwd):
+def _edits_of(p: Prescription) -> tuple[Mapping[str, Any], ...]:
+    return p.change.edits if isinstance(p.change, SourceEdit) else ()
+
+
+def _multi_tensor_optimizer_options(finding: Finding, command: Sequence[str], cwd: str) -> list[Prescription]:
     """The optimizer the analyzer saw stepping one parameter at a time (torch.optim's class from
     its profiler range) made multi-tensor at the job's own calls that make it."""
 
@@ -318,7 +329,9 @@ def _multi_tensor_optimizer_options(finding, command, cwd):
     ]
 
 
-def _compile_mode_options(finding, command, cwd, gain=None):
+def _compile_mode_options(
+    finding: Finding, command: Sequence[str], cwd: str, gain: float | None = None
+) -> list[Prescription]:
     """mode="reduce-overhead" (CUDA graphs) at the job's torch.compile call where one is found
     (the job's files); in a job that compiles nothing, torch.compile of the model it trains,
     after the line that makes it."""
@@ -358,7 +371,7 @@ def _compile_mode_options(finding, command, cwd, gain=None):
     ]
 
 
-def async_checkpoint_options(finding, command, cwd):
+def async_checkpoint_options(finding: Finding, command: Sequence[str], cwd: str) -> list[Prescription]:
     """A checkpoint written on the critical path by the job's own `torch.save(...)` statement:
     one arm that serializes it into memory at the call and writes the file on a thread (the
     training goes on while the disk writes; the bytes are the step's own state; one write per
@@ -396,7 +409,7 @@ def async_checkpoint_options(finding, command, cwd):
     return out
 
 
-def derived_edit_options(finding, command, cwd):
+def derived_edit_options(finding: Finding, command: Sequence[str], cwd: str) -> list[Prescription]:
     """The concrete edits the planner builds for a finding from the line it names."""
     out = []
     for build in (host_read_options, async_copy_options, compile_options, async_checkpoint_options):

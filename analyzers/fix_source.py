@@ -13,11 +13,15 @@ makes a cost periodic, a Triton kernel's autotune key. The edits the planner bui
 a finding names are traindx.analyzers.fix_derived's.
 """
 
+from __future__ import annotations
+
 import ast
 import difflib
 import os
 import shutil
 import textwrap
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, TypedDict
 
 from traindx.analyzers.codefix import keyword_sources  # noqa: F401 (fixplan reads it here)
 from traindx.analyzers.evidence import SKIP_DIRS, python_files  # noqa: F401 (fixplan reads them here)
@@ -26,23 +30,34 @@ COPY_LIMIT_BYTES = 2 * 1024 * 1024
 MAX_FILES = 20000
 
 
+# an edit in its resolved form: {"file", "line", "last_line", "before", "after", "op", ...}
+Edit = dict[str, Any]
+
+
+class FlagSpec(TypedDict):
+    """A flag of the job's own parser: as spelled (`--workers`), and its default."""
+
+    flag: str
+    default: Any
+
+
 class PatchError(Exception):
     pass
 
 
-def _inside(path, root):
+def _inside(path: str, root: str) -> bool:
     path, root = os.path.realpath(path), os.path.realpath(root)
     return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
 
 
-def script_dir(command, cwd):
+def script_dir(command: Sequence[str], cwd: str) -> str | None:
     for token in command[:4]:
         if token.endswith(".py") and not token.startswith("-"):
             return os.path.dirname(os.path.abspath(os.path.join(cwd, token)))
     return None
 
 
-def tree_root(files, command, cwd):
+def tree_root(files: Sequence[str], command: Sequence[str], cwd: str) -> str | None:
     """The folder to copy: the cwd when it holds every patched file, else the script's folder."""
     for root in (cwd, script_dir(command, cwd)):
         if root and all(_inside(f, root) for f in files):
@@ -50,7 +65,7 @@ def tree_root(files, command, cwd):
     return None
 
 
-def _read_lines(path):
+def _read_lines(path: str) -> list[str]:
     try:
         with open(path, encoding="utf-8") as f:
             return f.read().splitlines(keepends=True)
@@ -58,7 +73,7 @@ def _read_lines(path):
         raise PatchError(f"cannot read {path}: {exc.strerror}") from None
 
 
-def normalized(edit):
+def normalized(edit: Mapping[str, Any]) -> Edit:
     """One edit form: {"file", "line", "last_line", "before", "after", "op"}. Accepts the whole-
     line form ({"before_line", "after_line"}) and Prescription.change["code"] (a fragment of the
     lines file:line..last_line, op replace | delete | insert_after)."""
@@ -74,7 +89,7 @@ def normalized(edit):
     return dict(edit, op=op, last_line=edit.get("last_line") or edit.get("line"))
 
 
-def resolve_edit(edit):
+def resolve_edit(edit: Mapping[str, Any]) -> Edit:
     """Check an edit against the file as it is. The line number is corrected when the text
     moved (found once elsewhere); raises PatchError when it is not there."""
     edit = normalized(edit)
@@ -94,18 +109,18 @@ def resolve_edit(edit):
     )
 
 
-def _holds(region, before):
+def _holds(region: str, before: str) -> bool:
     """True when the region holds the code `before` (its layout over lines aside)."""
     if not before.strip():
         return False
     return before.strip() in region or " ".join(before.split()) in " ".join(region.split())
 
 
-def _indent(text):
+def _indent(text: str) -> str:
     return text[: len(text) - len(text.lstrip())]
 
 
-def _apply_one(lines, e):
+def _apply_one(lines: list[str], e: Mapping[str, Any]) -> list[str]:
     """lines with one resolved edit made (a list of lines with their endings)."""
     first, last = e["line"] - 1, e["last_line"]
     region = "".join(lines[first:last])
@@ -140,14 +155,14 @@ def _apply_one(lines, e):
     return out
 
 
-def patched_text(path, edits):
+def patched_text(path: str, edits: Iterable[Mapping[str, Any]]) -> str:
     lines = _read_lines(path)
     for e in sorted((normalized(e) for e in edits), key=lambda e: -e["line"]):
         lines = _apply_one(lines, e)
     return "".join(lines)
 
 
-def unified_diff(root, edits):
+def unified_diff(root: str, edits: Iterable[Mapping[str, Any]]) -> str:
     """The unified diff of all edits, paths relative to root (a/ b/ prefixes, git apply -p1)."""
     by_file = {}
     for e in edits:
@@ -171,7 +186,7 @@ def unified_diff(root, edits):
     return text if text.endswith("\n") or not text else text + "\n"
 
 
-def copy_tree(root, dest, exclude=()):
+def copy_tree(root: str, dest: str, exclude: Iterable[str | None] = ()) -> int:
     """Copy the job's tree (small files copied, big ones linked). Returns the number of files."""
     exclude = {os.path.realpath(p) for p in exclude if p}
     count = 0
@@ -202,7 +217,9 @@ def copy_tree(root, dest, exclude=()):
     return count
 
 
-def make_scratch(root, dest, edits, exclude=()):
+def make_scratch(
+    root: str, dest: str, edits: Sequence[Mapping[str, Any]], exclude: Iterable[str | None] = ()
+) -> str:
     """The scratch copy with the edits made; returns the diff (fix.patch's text)."""
     diff = unified_diff(root, edits)
     if os.path.exists(dest):
@@ -228,7 +245,7 @@ def make_scratch(root, dest, edits, exclude=()):
     return diff
 
 
-def rebase_command(command, root, dest, cwd=None):
+def rebase_command(command: Sequence[str], root: str, dest: str, cwd: str | None = None) -> list[str]:
     """The command with paths inside the tree pointed at the copy: absolute ones, and (given
     the job's cwd) relative ones that name a file there, made absolute."""
     out = []
@@ -244,7 +261,7 @@ def rebase_command(command, root, dest, cwd=None):
     return out
 
 
-def runs_a_script(command):
+def runs_a_script(command: Sequence[str]) -> bool:
     """True when the command runs a Python file (`python x.py`, `torchrun ... x.py`), not a
     module (`python -m pkg.train`) or a shell script."""
     for token in command[:6]:
@@ -255,7 +272,7 @@ def runs_a_script(command):
     return False
 
 
-def rebase_pythonpath(value, root, dest):
+def rebase_pythonpath(value: str | None, root: str, dest: str) -> str | None:
     if not value:
         return value
     parts = []
@@ -267,7 +284,7 @@ def rebase_pythonpath(value, root, dest):
 
 
 # -- Triton: an autotune key that changes every step ------------------------------------------------
-def _autotune_key_node(tree, kernel):
+def _autotune_key_node(tree: ast.AST, kernel: str | None) -> ast.List | ast.Tuple | None:
     for node in ast.walk(tree):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == kernel:
             for dec in node.decorator_list:
@@ -281,7 +298,7 @@ def _autotune_key_node(tree, kernel):
     return None
 
 
-def autotune_key_edit(kernel, drop, search_files):
+def autotune_key_edit(kernel: str | None, drop: Iterable[str], search_files: Iterable[str]) -> Edit | None:
     """The edit that takes the changing arguments out of `@triton.autotune(key=[...])` of
     `kernel`, found in the first of `search_files` that defines it; None when not found."""
     import ast
@@ -316,7 +333,7 @@ def autotune_key_edit(kernel, drop, search_files):
 
 
 # -- the job's own flags: a value that comes from its argparse parser ---------------------------------
-def _parse(path):
+def _parse(path: str) -> ast.Module | None:
     try:
         with open(path, encoding="utf-8") as f:
             return ast.parse(f.read())
@@ -324,7 +341,7 @@ def _parse(path):
         return None
 
 
-def argparse_flags(path):
+def argparse_flags(path: str) -> dict[str, FlagSpec]:
     """{dest: {"flag": "--workers", "default": value or None}} of every
     `parser.add_argument("--x", ...)` in a Python file (argparse and HfArgumentParser-less
     scripts alike); {} when the file does not parse."""
@@ -354,7 +371,7 @@ def argparse_flags(path):
     return out
 
 
-def flag_of(expression, flags):
+def flag_of(expression: str | None, flags: Mapping[str, FlagSpec]) -> FlagSpec | None:
     """The job's flag an expression reads (`a.workers`, `int(args.num_workers)`), else None."""
     try:
         node = ast.parse(expression.strip(), mode="eval").body
@@ -367,7 +384,7 @@ def flag_of(expression, flags):
     return None
 
 
-def periodic_flag(path, line, flags):
+def periodic_flag(path: str, line: int, flags: Mapping[str, FlagSpec]) -> FlagSpec | None:
     """The job's flag that sets how often the code at path:line runs: an enclosing
     `if <step> % args.every == ...:` (or `if (i + 1) % args.k == 0`), else None."""
     tree = _parse(path)
@@ -390,7 +407,7 @@ def periodic_flag(path, line, flags):
 
 
 # -- edits the fix planner builds from the line a finding names ------------------------------------
-def job_script_files(command, cwd):
+def job_script_files(command: Sequence[str], cwd: str) -> list[str]:
     """The Python scripts the command runs (its first tokens), as absolute paths."""
     out = []
     for token in command[:6]:
@@ -401,7 +418,7 @@ def job_script_files(command, cwd):
     return out
 
 
-def named_sites(value, depth=0):
+def named_sites(value: object, depth: int = 0) -> list[tuple[str, int]]:
     """(file, line) pairs named anywhere in a finding's evidence (a few levels deep)."""
     if depth > 3:
         return []

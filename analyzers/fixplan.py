@@ -437,7 +437,9 @@ def _options(
     for p in fixes:
         flag = own_flag_option(p, command, cwd)
         derived += [flag, p] if flag else [p]
-    derived = less_often_options(finding, command, cwd) + derived_edit_options(finding, command, cwd) + derived
+    derived = (
+        less_often_options(finding, command, cwd) + derived_edit_options(finding, command, cwd) + derived
+    )
     fallbacks = [q for q in fixes if mechanism(q) in ("runtime", "config")]
     precompile = [p for p in finding.prescriptions if is_precompile(p)]
     out: list[Option] = []
@@ -469,7 +471,9 @@ def candidate_plans(
     cwd = cwd or os.getcwd()
     prefer = prefer or environ.get(PREFER_VAR) or None
     listing = plan_fixes(command, findings, baseline_path, environ=environ, prefer=prefer, cwd=cwd)
-    options = [o for rank, finding in enumerate(findings) for o in _options(rank, finding, command, cwd, prefer)]
+    options = [
+        o for rank, finding in enumerate(findings) for o in _options(rank, finding, command, cwd, prefer)
+    ]
     options.sort(key=lambda o: o[0])
     out: list[Candidate] = []
     seen: set[str] = set()
