@@ -13,13 +13,13 @@ from dataclasses import replace
 from typing import Any
 
 # the pieces live in codefix_edit, codefix_source and codefix_device; analyzers read them here
-from traindx.analyzers.codefix_device import (  # noqa: F401  (re-exported)
+from traindx.analyzers.codefix_device import (
     HOST_READ_METHODS,
     async_copy_edits,
     device_accumulations,
     device_checks,
 )
-from traindx.analyzers.codefix_edit import (  # noqa: F401  (re-exported)
+from traindx.analyzers.codefix_edit import (
     apply,
     code_change,
     keyword_sources,
@@ -27,7 +27,7 @@ from traindx.analyzers.codefix_edit import (  # noqa: F401  (re-exported)
     set_keywords,
     unified_diff,
 )
-from traindx.analyzers.codefix_source import (  # noqa: F401  (re-exported)
+from traindx.analyzers.codefix_source import (
     _LOOPS,
     _called,
     _imports_torch,
@@ -38,6 +38,29 @@ from traindx.analyzers.codefix_source import (  # noqa: F401  (re-exported)
     calls_of,
 )
 from traindx.analyzers.findings import Finding, NoChange, Prescription, SourceEdit
+
+# the names read here by other modules (some defined in the modules imported above)
+__all__ = [
+    "HOST_READ_METHODS",
+    "_LOOPS",
+    "_called",
+    "_imports_torch",
+    "_innermost",
+    "_tree",
+    "apply",
+    "async_copy_edits",
+    "before_training_loop",
+    "calls_in_loops",
+    "calls_of",
+    "checked",
+    "code_change",
+    "device_accumulations",
+    "device_checks",
+    "keyword_sources",
+    "parses",
+    "set_keywords",
+    "unified_diff",
+]
 
 
 def _applicable(code: Mapping[str, Any]) -> bool:

@@ -9,11 +9,13 @@ import ast
 import copy
 import textwrap
 from collections.abc import Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, TypeGuard
 
 from traindx.analyzers.codefix_edit import code_change, set_keywords
 from traindx.analyzers.codefix_source import (
     _LOOPS,
+    N,
     _edits_in_loops,
     _imports_torch,
     _innermost,
@@ -52,12 +54,12 @@ def _read_inner(node: ast.AST) -> ast.expr | None:
     return deeper if deeper is not None else inner
 
 
-def _outer_reads(node: ast.AST) -> list[ast.AST]:
+def _outer_reads(node: ast.AST) -> list[ast.expr]:
     """The outermost host-read calls inside an expression."""
-    out = []
+    out: list[ast.expr] = []
 
-    def visit(n):
-        if _read_inner(n) is not None:
+    def visit(n: ast.AST) -> None:
+        if isinstance(n, ast.expr) and _read_inner(n) is not None:
             out.append(n)
             return
         for child in ast.iter_child_nodes(n):
@@ -122,7 +124,7 @@ def _read_edit(stmt: ast.stmt, lines: Sequence[str], path: str) -> dict[str, Any
         return None
     text = lines[stmt.lineno - 1]
     segment = ast.get_source_segment(text, _shifted(read, stmt.lineno))
-    inner = ast.get_source_segment(text, _shifted(_read_inner(read), stmt.lineno))
+    inner = ast.get_source_segment(text, _shifted(inner_node, stmt.lineno))
     if not segment or not inner or text.count(segment) != 1:
         return None
     after = text.replace(segment, f"{inner}.detach()").strip()
@@ -144,7 +146,7 @@ def device_accumulations(path: str, line: int, widen: bool = True) -> list[dict[
     if tree is None:
         return []
     stmt = _innermost(tree, line, ast.stmt)
-    scopes = []
+    scopes: list[list[ast.AST]] = []
     if stmt is not None and not isinstance(
         stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef) + _LOOPS
     ):
@@ -189,7 +191,8 @@ def _check_edit(stmt: ast.stmt, lines: Sequence[str], path: str) -> dict[str, An
         or isinstance(test.func, ast.Name)
         and test.func.id == "bool"
     )
-    if explicit:
+    inner: ast.expr | None
+    if explicit and isinstance(test, ast.Call):
         inner = (
             test.func.value
             if isinstance(test.func, ast.Attribute)
@@ -219,8 +222,9 @@ def _check_edit(stmt: ast.stmt, lines: Sequence[str], path: str) -> dict[str, An
     checked_value = cond if negated else f"torch.logical_not({cond})"
     after = f"torch._assert_async({checked_value}, {message!r})"
     if guards:
-        parts = [ast.get_source_segment(source, _relative(g, first)) for g in guards]
-        if not all(parts) or any("\n" in p for p in parts):
+        found = [ast.get_source_segment(source, _relative(g, first)) for g in guards]
+        parts = [p for p in found if p]
+        if len(parts) < len(found) or any("\n" in p for p in parts):
             return None
         body = lines[stmt.body[0].lineno - 1]
         indent = body[: len(body) - len(body.lstrip())]
@@ -247,7 +251,7 @@ def _tensor_valued(node: ast.AST) -> bool:
     return name in _TENSOR_PREDICATES and isinstance(owner, ast.Name) and owner.id == "torch"
 
 
-def _relative(node: ast.AST, first_line: int) -> ast.AST:
+def _relative(node: N, first_line: int) -> N:
     """A copy of node's position relative to a source slice starting at `first_line`."""
 
     node = copy.copy(node)
@@ -266,7 +270,7 @@ def device_checks(path: str, line: int, widen: bool = True) -> list[dict[str, An
     tree, lines = _tree(path)
     if tree is None or not _imports_torch(tree):
         return []
-    scopes = []
+    scopes: list[list[ast.AST]] = []
     stmt = _innermost(tree, line, ast.If)
     if stmt is not None:
         scopes.append([stmt])
@@ -298,7 +302,7 @@ _DTYPES = {
 }
 
 
-def _is_device_copy(call: ast.AST) -> bool:
+def _is_device_copy(call: ast.AST) -> TypeGuard[ast.Call]:
     """`x.to(dev)`, `x.to(device=dev)`, `x.cuda()` not already non_blocking=True (absent, False or
     a variable that can be False): a host-to-device copy (not `x.to(torch.bfloat16)`, a cast)."""
     if not isinstance(call, ast.Call) or not isinstance(call.func, ast.Attribute):
@@ -335,9 +339,9 @@ def _assigned_once_before(tree: ast.AST, name: str, line: int) -> ast.Assign | N
             if isinstance(node, (ast.AugAssign, ast.AnnAssign, ast.For))
             else []
         )
-        for t in targets:
-            if any(isinstance(n, ast.Name) and n.id == name for n in ast.walk(t)):
-                found.append(node)
+        found.extend(
+            node for t in targets if any(isinstance(n, ast.Name) and n.id == name for n in ast.walk(t))
+        )
     found = [
         n
         for n in found
@@ -381,68 +385,102 @@ def async_copy_edits(path: str, line: int, pinned_by_loader: bool = False) -> li
         return []
     first, last = stmt.lineno, stmt.end_lineno or stmt.lineno
     text = "".join(l + "\n" for l in lines[first - 1 : last])
-    body = textwrap.dedent(text)
     try:
-        node = ast.parse(body).body[0]
+        node = ast.parse(textwrap.dedent(text)).body[0]
     except (SyntaxError, IndexError):
         return []
     copies = [n for n in ast.walk(node) if _is_device_copy(n)]
     if not copies:
         return []
-    indent = text[: len(text) - len(text.lstrip())]
+    copy_at = _CopyAt(path=path, first=first, last=last, text=text, copies=copies)
+    plain = copy_at.change(pin_receiver=False)
+    if pinned_by_loader:
+        return [[plain]] if plain else []
+    out = []
+    pin = _pin_where_made(tree, lines, copy_at) if plain else None
+    if pin and plain:
+        out.append([pin, plain])
+    per_line = copy_at.change(pin_receiver=True)
+    if per_line:
+        out.append([per_line])
+    return out
 
-    def edited(pin_receiver):
+
+@dataclass(frozen=True)
+class _CopyAt:
+    """The statement path:first..last (its text as written) and its device copies (parsed from
+    the dedented text)."""
+
+    path: str
+    first: int
+    last: int
+    text: str
+    copies: list[ast.Call]
+
+    def edited(self, pin_receiver: bool) -> str | None:
+        """The statement with every copy non_blocking=True (and its tensor pinned first)."""
+        body = textwrap.dedent(self.text)
+        indent = self.text[: len(self.text) - len(self.text.lstrip())]
         out = body
-        for call in sorted(copies, key=lambda c: (c.lineno, c.col_offset), reverse=True):
+        for call in sorted(self.copies, key=lambda c: (c.lineno, c.col_offset), reverse=True):
             segment = ast.get_source_segment(body, call)
-            receiver = ast.get_source_segment(body, call.func.value)
-            new = set_keywords(segment, {"non_blocking": "True"})
-            if new is None or receiver is None or not new.startswith(receiver):
+            func = call.func
+            receiver = ast.get_source_segment(body, func.value) if isinstance(func, ast.Attribute) else None
+            new = set_keywords(segment, {"non_blocking": "True"}) if segment is not None else None
+            if new is None or segment is None or receiver is None or not new.startswith(receiver):
                 return None
             if pin_receiver:
                 new = f"{receiver}.pin_memory(){new[len(receiver) :]}"
             out = out.replace(segment, new, 1)
         return "\n".join(indent + l if l.strip() else l for l in out.rstrip("\n").split("\n"))
 
-    def change(after_text):
+    def change(self, pin_receiver: bool) -> dict[str, Any] | None:
+        after_text = self.edited(pin_receiver)
         if after_text is None:
             return None
-        c = code_change(path, first, text.rstrip("\n"), after_text, last_line=last if last > first else None)
+        last = self.last if self.last > self.first else None
+        c = code_change(self.path, self.first, self.text.rstrip("\n"), after_text, last_line=last)
         return dict(c, op="replace") if c else None
 
-    plain = change(edited(False))
-    if pinned_by_loader:
-        return [[plain]] if plain else []
-    out = []
-    base = copies[0].func.value
+
+def _pin_where_made(tree: ast.AST, lines: Sequence[str], copy_at: _CopyAt) -> dict[str, Any] | None:
+    """The edit that pins the host tensor the copy slices, once where it is made (`data =
+    <value>.pin_memory()`, a list's tensors each); None when it is not made once before."""
+    func = copy_at.copies[0].func
+    if not isinstance(func, ast.Attribute):
+        return None
+    base = func.value
     while isinstance(base, ast.Subscript) and isinstance(
         base.slice, (ast.Slice, ast.Constant, ast.Name, ast.BinOp)
     ):
         base = base.value
-    if isinstance(base, ast.Name) and base is not copies[0].func.value:
-        made = _assigned_once_before(tree, base.id, first)
-        if made is not None and made.lineno == made.end_lineno and plain:
-            src = lines[made.lineno - 1]
-            value = ast.get_source_segment(src.strip(), _shifted_col(made.value, src))
-            if value:
-                elt = (
-                    ast.get_source_segment(src.strip(), _shifted_col(made.value.elt, src))
-                    if isinstance(made.value, ast.ListComp)
-                    else None
-                )
-                if elt and isinstance(made.value.elt, (ast.Call, ast.Name, ast.Attribute, ast.Subscript)):
-                    # each element pinned as it is made: no unpinned copy of the dataset
-                    pinned = value.replace(elt, f"{elt}.pin_memory()", 1)
-                elif isinstance(made.value, (ast.List, ast.ListComp)):
-                    pinned = f"[t.pin_memory() for t in {value}]"
-                elif isinstance(made.value, (ast.Call, ast.Name, ast.Attribute, ast.Subscript)):
-                    pinned = f"{value}.pin_memory()"
-                else:
-                    pinned = f"({value}).pin_memory()"
-                pin = code_change(path, made.lineno, src.strip(), src.strip().replace(value, pinned, 1))
-                if pin:
-                    out.append([dict(pin, op="replace"), plain])
-    per_line = change(edited(True))
-    if per_line:
-        out.append([per_line])
-    return out
+    if not isinstance(base, ast.Name) or base is func.value:
+        return None
+    made = _assigned_once_before(tree, base.id, copy_at.first)
+    if made is None or made.lineno != made.end_lineno:
+        return None
+    src = lines[made.lineno - 1]
+    value = ast.get_source_segment(src.strip(), _shifted_col(made.value, src))
+    if not value:
+        return None
+    made_value = made.value
+    elt = (
+        ast.get_source_segment(src.strip(), _shifted_col(made_value.elt, src))
+        if isinstance(made_value, ast.ListComp)
+        else None
+    )
+    if elt and isinstance(made_value, ast.ListComp) and isinstance(made_value.elt, _PINNABLE):
+        # each element pinned as it is made: no unpinned copy of the dataset
+        pinned = value.replace(elt, f"{elt}.pin_memory()", 1)
+    elif isinstance(made_value, (ast.List, ast.ListComp)):
+        pinned = f"[t.pin_memory() for t in {value}]"
+    elif isinstance(made_value, _PINNABLE):
+        pinned = f"{value}.pin_memory()"
+    else:
+        pinned = f"({value}).pin_memory()"
+    pin = code_change(copy_at.path, made.lineno, src.strip(), src.strip().replace(value, pinned, 1))
+    return dict(pin, op="replace") if pin else None
+
+
+# a value `.pin_memory()` can follow as written
+_PINNABLE = (ast.Call, ast.Name, ast.Attribute, ast.Subscript)

@@ -62,7 +62,12 @@ def parses(text: str) -> bool:
 
 
 def code_change(
-    file: str, line: int, before: str, after: str, last_line: int | None = None, op: str | None = None
+    file: str | None,
+    line: int | None,
+    before: str | None,
+    after: str | None,
+    last_line: int | None = None,
+    op: str | None = None,
 ) -> dict[str, Any] | None:
     """The `change["code"]` dict for replacing `before` by `after` at file:line (to last_line for
     a call over several lines), or None when it would not be a real, applicable diff: no file or
@@ -80,7 +85,7 @@ def code_change(
         return None
     if op != "insert_after" and after.strip() and _unmatched(before) != _unmatched(after):
         return None  # a replacement line must leave the statement's brackets as they were
-    change = {"file": file, "line": line, "before": before, "after": after}
+    change: dict[str, Any] = {"file": file, "line": line, "before": before, "after": after}
     if op:
         change["op"] = op
     if last_line and last_line > line:
@@ -151,8 +156,9 @@ def set_keywords(call_text: str, settings: Mapping[str, Any]) -> str | None:
     lines = call_text.split("\n")
     raw = [line.encode("utf-8") for line in lines]
 
-    def offset(lineno, col):  # (ast line in the wrapped text, byte column) -> index in call_text
-        i = lineno - 2
+    def offset(lineno: int | None, col: int | None) -> int:
+        """(ast line in the wrapped text, byte column) -> index in call_text."""
+        i = (lineno or 0) - 2
         return sum(len(x) + 1 for x in lines[:i]) + len(raw[i][:col].decode("utf-8", "replace"))
 
     edits = []  # (start, end, replacement)

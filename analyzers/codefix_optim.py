@@ -37,9 +37,12 @@ def multi_tensor_keyword(class_name: str) -> str | None:
 
 def _imported_from_optim(tree: ast.AST, name: str) -> bool:
     for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.module == "torch.optim":
-            if any((a.asname or a.name) == name and a.name == name for a in node.names):
-                return True
+        if (
+            isinstance(node, ast.ImportFrom)
+            and node.module == "torch.optim"
+            and any((a.asname or a.name) == name and a.name == name for a in node.names)
+        ):
+            return True
     return False
 
 

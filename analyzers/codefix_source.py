@@ -9,13 +9,12 @@ import copy
 import functools
 import os
 from collections.abc import Callable, Sequence
-from typing import Any, ParamSpec, TypeVar
+from typing import Any, TypeVar
 
 from traindx.analyzers.codefix_edit import parses
 
-P = ParamSpec("P")
 R = TypeVar("R")
-N = TypeVar("N", bound=ast.AST)
+N = TypeVar("N", bound=ast.stmt | ast.expr)  # a node with a place in the file
 
 
 # -- the job's own source, read to place an edit ---------------------------------------------------
@@ -39,15 +38,15 @@ def _parsed(path: str, mtime_ns: int, size: int) -> tuple[ast.Module | None, lis
         return None, []
 
 
-def _per_version(fn: Callable[P, R]) -> Callable[P, R]:
+def _per_version(fn: Callable[..., R]) -> Callable[..., R]:
     """`fn(path, *args)` computed once per version of the file (its result copied out)."""
 
     @functools.lru_cache(maxsize=256)
-    def once(path, mtime_ns, size, *args):
+    def once(path: str, mtime_ns: int, size: int, *args: Any) -> R:
         return fn(path, *args)
 
     @functools.wraps(fn)
-    def wrapper(path, *args):
+    def wrapper(path: str, *args: Any) -> R:
         try:
             st = os.stat(path)
         except (OSError, ValueError, TypeError):
@@ -80,9 +79,11 @@ def calls_in_loops(path: str, name: str) -> list[tuple[int, str]]:
     for loop in ast.walk(tree) if tree is not None else ():
         if not isinstance(loop, (ast.For, ast.While, ast.AsyncFor)):
             continue
-        for node in ast.walk(loop):
-            if isinstance(node, ast.Expr) and _called(node.value, name) and node.lineno == node.end_lineno:
-                out.append((node.lineno, lines[node.lineno - 1].strip()))
+        out.extend(
+            (node.lineno, lines[node.lineno - 1].strip())
+            for node in ast.walk(loop)
+            if isinstance(node, ast.Expr) and _called(node.value, name) and node.lineno == node.end_lineno
+        )
     return sorted(set(out))
 
 
@@ -93,17 +94,16 @@ def calls_of(path: str, name: str) -> list[dict[str, Any]]:
     first (torch.set_num_threads(a.threads) -> args ["a.threads"])."""
     tree, lines = _tree(path)
     text = "\n".join(lines)
-    out = []
-    for node in ast.walk(tree) if tree is not None else ():
-        if isinstance(node, ast.Call) and _called(node, name) and node.lineno == node.end_lineno:
-            out.append(
-                {
-                    "line": node.lineno,
-                    "last_line": node.end_lineno,
-                    "source": ast.get_source_segment(text, node),
-                    "args": [ast.get_source_segment(text, a) for a in node.args],
-                }
-            )
+    out = [
+        {
+            "line": node.lineno,
+            "last_line": node.end_lineno,
+            "source": ast.get_source_segment(text, node),
+            "args": [ast.get_source_segment(text, a) for a in node.args],
+        }
+        for node in (ast.walk(tree) if tree is not None else ())
+        if isinstance(node, ast.Call) and _called(node, name) and node.lineno == node.end_lineno
+    ]
     return sorted(out, key=lambda c: c["line"])
 
 
@@ -147,9 +147,12 @@ def _innermost(tree: ast.AST, line: int, kinds: type[N] | tuple[type[N], ...]) -
     """The innermost node of one of `kinds` whose lines hold `line`, or None."""
     best = None
     for node in ast.walk(tree):
-        if isinstance(node, kinds) and node.lineno <= line <= (node.end_lineno or node.lineno):
-            if best is None or node.lineno >= best.lineno:
-                best = node
+        if (
+            isinstance(node, kinds)
+            and node.lineno <= line <= (node.end_lineno or node.lineno)
+            and (best is None or node.lineno >= best.lineno)
+        ):
+            best = node
     return best
 
 
@@ -158,8 +161,6 @@ _LOOPS = (ast.For, ast.While, ast.AsyncFor)
 
 def _shifted(node: N, lineno: int) -> N:
     """A copy of node's position on line 1 (get_source_segment of one line of text)."""
-    import copy
-
     node = copy.copy(node)
     node.lineno = node.end_lineno = 1
     return node
@@ -177,11 +178,11 @@ def _edits_in_loops(
     from the first of `scopes` (node lists, narrowest first) that has any, in line order."""
     loops = [n for n in ast.walk(tree) if isinstance(n, _LOOPS)]
 
-    def in_loop(node):
+    def in_loop(node: N) -> bool:
         return any(l.lineno < node.lineno <= (l.end_lineno or l.lineno) for l in loops)
 
     for nodes in scopes:
-        out = []
+        out: list[dict[str, Any]] = []
         for node in nodes:
             if isinstance(node, kind) and in_loop(node):
                 change = edit(node, lines, path)
@@ -202,11 +203,9 @@ def _imports_torch(tree: ast.AST) -> bool:
 
 def _shifted_col(node: N, src: str) -> N:
     """node's position in src.strip() (one line)."""
-    import copy
-
     node = copy.copy(node)
     shift = len(src.encode("utf-8")) - len(src.lstrip().encode("utf-8"))
     node.lineno = node.end_lineno = 1
     node.col_offset -= shift
-    node.end_col_offset -= shift
+    node.end_col_offset = (node.end_col_offset or 0) - shift
     return node

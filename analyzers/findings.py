@@ -20,7 +20,7 @@ def severity_index(severity: str) -> int:
     return SEVERITIES.index(severity)
 
 
-def is_problem(finding) -> bool:
+def is_problem(finding: Finding) -> bool:
     """Worth changing something for: above a note, and not the run's verdict itself."""
     return finding.severity != NOTE and not finding.id.startswith(VERDICT_PREFIX)
 
@@ -42,7 +42,7 @@ class _ChangeJSON(dict[str, Any]):
 
     __setitem__ = _read_only
     __delitem__ = _read_only
-    __ior__ = _read_only  # type: ignore[assignment]
+    __ior__ = _read_only
     clear = _read_only
     pop = _read_only
     popitem = _read_only
@@ -232,7 +232,7 @@ def _parsed(data: Mapping[str, Any]) -> Change:
         return SourceEdit(code=data.get("code"), codes=None if codes is None else tuple(codes))
     if kind == "upgrade":
         up = data["upgrade"] or {}
-        return PackageVersion(package=up.get("package"), min_version=up.get("min_version"))
+        return PackageVersion(package=str(up.get("package")), min_version=up.get("min_version"))
     if kind == "precompile":
         pre = dict(data["precompile"] or {})
         return CacheWarm(from_run=pre.pop("from_run", None), env=data.get("env"), options=pre)
@@ -325,27 +325,27 @@ class Finding:
     severity: str
     analyzer: str
     summary: str = ""
-    steps_affected: tuple = ()
+    steps_affected: tuple[Any, ...] = ()
     seconds_lost_per_step: float | None = None
     share_of_step: float | None = None
-    evidence: dict = field(default_factory=dict)
-    prescriptions: tuple = ()
-    ranks: tuple = ()
+    evidence: dict[str, Any] = field(default_factory=dict)
+    prescriptions: tuple[Prescription, ...] = ()
+    ranks: tuple[Any, ...] = ()
     # causes and symptoms (linked after all analyzers ran, traindx.analyzers.chains): a symptom
     # names its root finding's id in `cause`; a root lists its symptoms' ids in `symptoms`
     cause: str | None = None
-    symptoms: tuple = ()
+    symptoms: tuple[str, ...] = ()
     # the time-ledger lines the fix removes: {"categories": [...], "steps": [...] (optional),
     # "fraction": x (optional), "fresh_graph_calls": True (optional: a recompile's model calls
     # cost more than its compile events)}; traindx.analyzers.savings.predicted_step_time reads it
-    removes: dict = field(default_factory=dict)
+    removes: dict[str, Any] = field(default_factory=dict)
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.severity not in SEVERITIES:
             raise ValueError(f"unknown severity {self.severity!r}")
 
     @property
-    def rank_key(self):
+    def rank_key(self) -> tuple[bool, int, float]:
         """Ranking: root causes before symptoms, then severity, then seconds lost per step."""
         return (self.cause is None, severity_index(self.severity), self.seconds_lost_per_step or 0.0)
 
@@ -370,17 +370,18 @@ def rank_findings(findings: Iterable[Finding]) -> list[Finding]:
     return sorted(findings, key=lambda f: f.rank_key, reverse=True)
 
 
-def reading_order(findings) -> list:
+def reading_order(findings: Iterable[Finding]) -> list[Finding]:
     """The order a person reads findings in (report, terminal, the verdict's pick): root causes
     before symptoms (each symptom right under its cause), problems before notes, then by
     seconds lost per step, then by severity."""
 
-    def key(f):
+    def key(f: Finding) -> tuple[bool, float, int]:
         return (f.severity == NOTE, -(f.seconds_lost_per_step or 0.0), -severity_index(f.severity))
 
     roots = sorted((f for f in findings if getattr(f, "cause", None) is None), key=key)
     symptoms = sorted((f for f in findings if getattr(f, "cause", None) is not None), key=key)
-    out, placed = [], set()
+    out: list[Finding] = []
+    placed: set[int] = set()
     for root in roots:
         out.append(root)
         for i, sym in enumerate(symptoms):

@@ -122,15 +122,15 @@ def async_copy_options(finding: Finding, command: Sequence[str], cwd: str) -> li
     )
     out = []
     if pin:
-        for changes in codefix.async_copy_edits(path, line, pinned_by_loader=True):
-            out.append(
-                _edits_prescription(
-                    f"DataLoader(pin_memory=True) and .to(device, non_blocking=True) at "
-                    f"{os.path.basename(path)}:{line}, together",
-                    [pin] + changes,
-                    gain,
-                )
+        out = [
+            _edits_prescription(
+                f"DataLoader(pin_memory=True) and .to(device, non_blocking=True) at "
+                f"{os.path.basename(path)}:{line}, together",
+                [pin, *changes],
+                gain,
             )
+            for changes in codefix.async_copy_edits(path, line, pinned_by_loader=True)
+        ]
     for changes in codefix.async_copy_edits(path, line):
         pinned = [c for c in changes if c["line"] != line]
         how = (
@@ -195,7 +195,7 @@ def compile_options(finding: Finding, command: Sequence[str], cwd: str) -> list[
     files = list(dict.fromkeys(os.path.abspath(f) for f in files))
     found = _compile_call_for(finding, files)
     if found is None:
-        roots = {tree_root([f], command, cwd) for f in files} - {None}
+        roots = {r for f in files if (r := tree_root([f], command, cwd)) is not None}
         tree_files = [f for r in roots for f in python_files(r, limit=300)]
         found = _compile_call_for(finding, list(dict.fromkeys(files + tree_files)))
     if found is None:
@@ -291,7 +291,7 @@ def launch_bound_options(finding: Finding, command: Sequence[str], cwd: str) -> 
             _edits_prescription(
                 f"{optimizer[0].summary}; and {graph[0].summary}",
                 changes,
-                graph[0].expected_gain_s_per_step + optimizer[0].expected_gain_s_per_step,
+                (graph[0].expected_gain_s_per_step or 0.0) + (optimizer[0].expected_gain_s_per_step or 0.0),
             ),
         )
     return out
@@ -312,7 +312,7 @@ def _multi_tensor_optimizer_options(finding: Finding, command: Sequence[str], cw
     files = _launch_bound_files(finding, command, cwd)
     edits = [e for f in files for e in codefix_optim.multi_tensor_edits(f, name)]
     if not edits:
-        roots = {tree_root([f], command, cwd) for f in files} - {None}
+        roots = {r for f in files if (r := tree_root([f], command, cwd)) is not None}
         tree_files = [f for r in roots for f in python_files(r, limit=300) if f not in files]
         edits = [e for f in tree_files for e in codefix_optim.multi_tensor_edits(f, name)]
     if not edits:

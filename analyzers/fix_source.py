@@ -23,8 +23,9 @@ import textwrap
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, TypedDict
 
-from traindx.analyzers.codefix import keyword_sources  # noqa: F401 (fixplan reads it here)
-from traindx.analyzers.evidence import SKIP_DIRS, python_files  # noqa: F401 (fixplan reads them here)
+from traindx.analyzers.codefix import keyword_sources as keyword_sources  # fix_options reads it here
+from traindx.analyzers.evidence import SKIP_DIRS
+from traindx.analyzers.evidence import python_files as python_files  # the planner reads it here
 
 COPY_LIMIT_BYTES = 2 * 1024 * 1024
 MAX_FILES = 20000
@@ -346,7 +347,7 @@ def argparse_flags(path: str) -> dict[str, FlagSpec]:
     `parser.add_argument("--x", ...)` in a Python file (argparse and HfArgumentParser-less
     scripts alike); {} when the file does not parse."""
     tree = _parse(path)
-    out = {}
+    out: dict[str, FlagSpec] = {}
     for node in ast.walk(tree) if tree is not None else ():
         if not (isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "add_argument"):
             continue
@@ -359,12 +360,11 @@ def argparse_flags(path: str) -> dict[str, FlagSpec]:
         if not longs:
             continue
         kw = {k.arg: k.value for k in node.keywords if k.arg}
-        dest = (
-            kw["dest"].value if isinstance(kw.get("dest"), ast.Constant) else longs[0][2:].replace("-", "_")
-        )
-        default = kw.get("default")
+        named = kw.get("dest")
+        dest = str(named.value) if isinstance(named, ast.Constant) else longs[0][2:].replace("-", "_")
+        given = kw.get("default")
         try:
-            default = ast.literal_eval(default) if default is not None else None
+            default = ast.literal_eval(given) if given is not None else None
         except ValueError:
             default = None
         out[dest] = {"flag": longs[0], "default": default}
@@ -374,7 +374,7 @@ def argparse_flags(path: str) -> dict[str, FlagSpec]:
 def flag_of(expression: str | None, flags: Mapping[str, FlagSpec]) -> FlagSpec | None:
     """The job's flag an expression reads (`a.workers`, `int(args.num_workers)`), else None."""
     try:
-        node = ast.parse(expression.strip(), mode="eval").body
+        node = ast.parse((expression or "").strip(), mode="eval").body
     except (SyntaxError, ValueError):
         return None
     if isinstance(node, ast.Call) and len(node.args) == 1 and not node.keywords:
@@ -400,9 +400,9 @@ def periodic_flag(path: str, line: int, flags: Mapping[str, FlagSpec]) -> FlagSp
                 and isinstance(sub.op, ast.Mod)
                 and isinstance(sub.right, ast.Attribute)
                 and sub.right.attr in flags
+                and (best is None or node.lineno > best[0])
             ):
-                if best is None or node.lineno > best[0]:
-                    best = (node.lineno, flags[sub.right.attr])
+                best = (node.lineno, flags[sub.right.attr])
     return best[1] if best else None
 
 

@@ -38,7 +38,7 @@ from traindx.analyzers.findings import (
     UnknownChange,
 )
 from traindx.analyzers.fix_derived import derived_edit_options
-from traindx.analyzers.fix_flags import (  # noqa: F401  (re-exported: the fix loop reads them here)
+from traindx.analyzers.fix_flags import (
     KNOWN_FRAMEWORKS,
     PYTHON_LAUNCHERS,
     flag_name,
@@ -46,12 +46,36 @@ from traindx.analyzers.fix_flags import (  # noqa: F401  (re-exported: the fix l
     program_args_start,
     set_flags,
 )
-from traindx.analyzers.fix_options import (  # noqa: F401  (re-exported)
+from traindx.analyzers.fix_options import (
     is_concrete,
     less_often_options,
     own_flag_option,
 )
 from traindx.kernel_cache.store.cache import DIR_VAR, ENABLE_VAR, default_cache_dir
+
+# the names read here by other modules (some defined in the modules imported above)
+__all__ = [
+    "CACHE_DIR_VAR",
+    "CACHE_ENABLE_VAR",
+    "Candidate",
+    "KNOWN_FRAMEWORKS",
+    "PREFER_VAR",
+    "PYTHON_LAUNCHERS",
+    "Plan",
+    "RUNTIME_PATCH_VAR",
+    "candidate_plans",
+    "flag_name",
+    "is_concrete",
+    "is_precompile",
+    "is_shell_script",
+    "less_often_options",
+    "mechanism",
+    "own_flag_option",
+    "plan_fixes",
+    "program_args_start",
+    "set_flags",
+    "warm_up_after",
+]
 
 # FA4's cache variables are the kernel cache's (FA4's own names)
 CACHE_DIR_VAR, CACHE_ENABLE_VAR = DIR_VAR, ENABLE_VAR
@@ -531,7 +555,8 @@ def warm_up_after(
         precompile=[kept_run_path],
         fallbacks=dict(kept.plan.fallbacks),
     )
-    plan.env.update({k: v for k, v in _env_of(p).items() if k in (CACHE_ENABLE_VAR, CACHE_DIR_VAR)})
+    # (the cache variables a warm-up sets are strings: traindx.analyzers.jit_common)
+    plan.env.update({k: str(v) for k, v in _env_of(p).items() if k in (CACHE_ENABLE_VAR, CACHE_DIR_VAR)})
     plan.env.setdefault(CACHE_ENABLE_VAR, "1")
     plan.env.setdefault(CACHE_DIR_VAR, str(default_cache_dir(environ)))
     summary = (

@@ -15,7 +15,7 @@ import numpy as np
 import pandas as pd
 from numpy.typing import ArrayLike, NDArray
 
-from traindx.analyzers.savings_workers import (  # noqa: F401  (re-exported: the method text names them here)
+from traindx.analyzers.savings_workers import (
     _workers_prediction,
     core_share_seen,
     loader_time_split,
@@ -24,6 +24,22 @@ from traindx.analyzers.savings_workers import (  # noqa: F401  (re-exported: the
     workers_step_model,
 )
 from traindx.derive.ledger import CATEGORIES, SPAN_CATEGORY, rows, steady_rows
+
+# the names read here by other modules (some defined in the modules imported above)
+__all__ = [
+    "_workers_prediction",
+    "core_share_seen",
+    "fresh_graph_calls",
+    "gc_freeze_residual",
+    "gpu_work_per_step",
+    "io_after_effect",
+    "loader_time_split",
+    "predicted_step_time",
+    "removed_seconds",
+    "workers_step_capped",
+    "workers_step_measured",
+    "workers_step_model",
+]
 
 if TYPE_CHECKING:  # annotations only
     from traindx.analyzers.findings import Finding
@@ -37,7 +53,7 @@ def _freezes_the_heap(finding: Finding) -> bool:
     return p is not None and "gc.freeze" in f"{p.command or ''} {p.summary}"
 
 
-def gc_freeze_residual(run: RunRecord, rank: int, steps: Iterable[int]) -> float | None:
+def gc_freeze_residual(run: RunRecord, rank: str, steps: Iterable[int]) -> float | None:
     """Seconds per step of the gc line that gc.freeze() leaves, from the baseline's own GC
     records on `rank` over `steps` (its steady steps); None when they cannot tell.
 
@@ -165,17 +181,17 @@ def _covered(start: ArrayLike, end: ArrayLike, s: ArrayLike, e: ArrayLike) -> ND
     us, ue = s[first], np.maximum.reduceat(reach, first)
     cum = np.concatenate([[0], np.cumsum(ue - us)])
 
-    def below(x):  # length of the union before x
+    def below(x: NDArray[np.int64]) -> NDArray[np.int64]:  # length of the union before x
         i = np.searchsorted(us, x, side="right") - 1
         inside = np.where(
             i >= 0, np.clip(x - us[np.maximum(i, 0)], 0, ue[np.maximum(i, 0)] - us[np.maximum(i, 0)]), 0
         )
-        return cum[np.maximum(i, 0)] * (i >= 0) + inside
+        return np.asarray(cum[np.maximum(i, 0)] * (i >= 0) + inside, dtype=np.int64)
 
     return below(end) - below(start)
 
 
-def fresh_graph_calls(run: RunRecord, rank: int, steps: Iterable[int]) -> dict[int, float]:
+def fresh_graph_calls(run: RunRecord, rank: str, steps: Iterable[int]) -> dict[int, float]:
     """{step: seconds} the recompiling steps of `rank` lose in their model calls beyond the
     compile events, from the shim's spans and compile events; {} without forward spans.
 
@@ -222,7 +238,7 @@ def fresh_graph_calls(run: RunRecord, rank: int, steps: Iterable[int]) -> dict[i
     return {int(k): float(v) for k, v in per_step.items()}
 
 
-def _model_calls_outside_compile(run: RunRecord, rank: int) -> pd.DataFrame:
+def _model_calls_outside_compile(run: RunRecord, rank: str) -> pd.DataFrame:
     """One row per model call (forward/backward span) of `rank` inside a step: step, cat,
     outside_s (its seconds outside compile events and GC pauses), compiles (it holds a compile);
     empty without forward spans or compile events."""

@@ -172,7 +172,7 @@ def core_share_seen(evd: Mapping[str, Any]) -> float | None:
     cpu, runq = evd.get("thread_cpu"), evd.get("thread_runq")
     if not cpu or runq is None or cpu <= 0:
         return None
-    return cpu / (cpu + max(0.0, runq))
+    return float(cpu / (cpu + max(0.0, runq)))
 
 
 def _workers_prediction(
