@@ -303,7 +303,8 @@ class Prescription:
         set_field(self, "command", command)
 
     def to_dict(self) -> JSON:
-        """The JSON form findings.json holds."""
+        """The JSON form findings.json holds (not dataclasses.asdict: it would write a change's
+        dataclass fields, not its JSON form)."""
         return {
             "kind": self.kind,
             "summary": self.summary,
