@@ -28,7 +28,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from traindx.analyzers.findings import Prescription
+from traindx.analyzers.findings import CacheWarm, EnvChange, PackageVersion, Prescription
 
 # which installed release reads which switch: traindx.common.envvars (kernel-cache warm reads it too)
 from traindx.common.envvars import FLA_PACKAGES, VERIFIED, reads, release  # noqa: F401
@@ -40,6 +40,8 @@ SOURCE = {
     "FLA_CACHE_RESULTS": "fla/utils/env.py:26,112 (0.6.0)",
     "FLA_CACHE_MODE": "fla/ops/utils/cache.py:27-62,271-334 (0.6.0)",
 }
+Packages = Mapping[str, str]  # the manifest's package versions
+Env = Mapping[str, str]  # the job's environment
 LENGTH_LIKE_DISTINCT = 3  # a numeric key field with this many values in one run: data-dependent
 
 
@@ -51,9 +53,10 @@ class KernelTuning:
     tunings: int
     bench_s: float
     first_step: int
-    key_names: list
-    changing_fields: list = field(default_factory=list)  # [(field, distinct values, examples)]
-    retune_steps: list = field(default_factory=list)
+    key_names: list[str]
+    # [(field, distinct values, examples)]
+    changing_fields: list[tuple[str, int, list[Any]]] = field(default_factory=list)
+    retune_steps: list[int] = field(default_factory=list)
     retune_bench_s: float = 0.0
     cache_results: bool | None = None  # as the job ran (None: not recorded)
     disk_hits: int = 0
@@ -62,14 +65,14 @@ class KernelTuning:
 
 @dataclass
 class Advice:
-    kernels: list  # KernelTuning, most expensive first
+    kernels: list[KernelTuning]  # most expensive first
     cold_bench_s: float  # first tuning of each kernel
     steady_bench_s: float  # tuning again for a new key
-    cold: tuple = ()  # Prescription: warm the choices before the run, keep them
-    steady: tuple = ()  # Prescription: stop the key from changing
-    notes: list = field(default_factory=list)
+    cold: tuple[Prescription, ...] = ()  # warm the choices before the run, keep them
+    steady: tuple[Prescription, ...] = ()  # stop the key from changing
+    notes: list[str] = field(default_factory=list)
 
-    def evidence(self):
+    def evidence(self) -> dict[str, Any]:
         return {
             "autotune_cold_bench_s": round(self.cold_bench_s, 3),
             "autotune_steady_bench_s": round(self.steady_bench_s, 3),
@@ -91,7 +94,7 @@ class Advice:
         }
 
 
-def _is_fla(event):
+def _is_fla(event: Mapping[str, Any]) -> bool:
     module = str(event.get("module") or "")
     caller_file = str((event.get("caller") or {}).get("file") or "")
     return (
@@ -102,7 +105,7 @@ def _is_fla(event):
     )
 
 
-def _seconds(event):
+def _seconds(event: Mapping[str, Any]) -> float:
     for name in ("bench_s", "duration_s"):
         value = event.get(name)
         if isinstance(value, (int, float)) and value == value:
@@ -110,19 +113,19 @@ def _seconds(event):
     return 0.0
 
 
-def _step(event):
+def _step(event: Mapping[str, Any]) -> int:
     step = event.get("step")
     return int(step) if isinstance(step, (int, float)) and step == step else 0
 
 
-def _key_values(event):
+def _key_values(event: Mapping[str, Any]) -> dict[str, Any]:
     values = dict(event.get("key_fields") or {})
     for arg, dtype in (event.get("key_dtypes") or {}).items():
         values[f"dtype of {arg}"] = dtype
     return values
 
 
-def _as_number(text):
+def _as_number(text: object) -> int | None:
     try:
         return int(str(text))
     except ValueError:
@@ -173,7 +176,7 @@ def summarize(events: Sequence[dict[str, Any]]) -> list[KernelTuning]:
     return kernels
 
 
-def _field_text(tuning):
+def _field_text(tuning: KernelTuning) -> str:
     parts = []
     for f, distinct, examples in tuning.changing_fields:
         numbers = [_as_number(x) for x in examples]
@@ -218,12 +221,20 @@ def advise(
     return advice
 
 
-def _cold_prescriptions(advice, packages, env, run_path, cache_dir):
-    out, notes = [], advice.notes
-    cache_dir = cache_dir or env.get("TRITON_CACHE_DIR") or "<a persistent dir>"
+@dataclass(frozen=True)
+class _ColdStart:
+    """What keeps the cold kernels' choices across runs, in the installed versions' terms."""
+
+    cold: list[KernelTuning]  # the kernels that tuned from nothing
+    plain: list[KernelTuning]  # those whose persistence is Triton's switch (FLA's where unnamed)
+    persist: dict[str, str]  # the variables that keep them
+    triton_ok: bool  # the installed Triton reads TRITON_CACHE_AUTOTUNING
+    fla_ok: bool  # the installed FLA reads FLA_CACHE_RESULTS
+
+
+def _cold_start(advice: Advice, packages: Packages, env: Env, cache_dir: str) -> _ColdStart:
+    notes = advice.notes
     cold = [k for k in advice.kernels if not k.first_from_disk]
-    fla = [k for k in cold if k.is_fla]
-    plain = [k for k in cold if not k.is_fla]
     persist = {"TRITON_CACHE_DIR": cache_dir}
     triton_ok = reads(packages, "triton", "TRITON_CACHE_AUTOTUNING")
     fla_ok = reads(packages, "fla", "FLA_CACHE_RESULTS")
@@ -238,7 +249,7 @@ def _cold_prescriptions(advice, packages, env, run_path, cache_dir):
                 "TRITON_CACHE_AUTOTUNING was checked in Triton >= "
                 f"{VERIFIED[('triton', 'TRITON_CACHE_AUTOTUNING')]} only"
             )
-    if fla:
+    if any(k.is_fla for k in cold):
         if fla_ok and str(env.get("FLA_CACHE_RESULTS", "1")) != "1":
             persist["FLA_CACHE_RESULTS"] = "1"  # the job turned FLA's default off
         elif fla_ok:
@@ -248,29 +259,28 @@ def _cold_prescriptions(advice, packages, env, run_path, cache_dir):
                 f"{SOURCE['FLA_CACHE_RESULTS']}): they were lost with TRITON_CACHE_DIR "
                 f"({env.get('TRITON_CACHE_DIR') or 'default ~/.triton/cache'})"
             )
+    return _ColdStart(cold=cold, plain=plain, persist=persist, triton_ok=triton_ok, fla_ok=fla_ok)
+
+
+def _warm_prescription(advice: Advice, start: _ColdStart, run_path: str, cache_dir: str) -> Prescription:
+    cold, persist = start.cold, start.persist
     names = ", ".join(k.kernel for k in cold[:4]) + (" …" if len(cold) > 4 else "")
-    seconds = advice.cold_bench_s
-    if run_path:
-        out.append(
-            Prescription(
-                kind="precompile",
-                summary=(
-                    f"warm Triton's cache before training: `kernel-cache warm --from-run {run_path}` "
-                    f"replays the calls that tuned {names} ({seconds:.1f} s of benchmarking) so the "
-                    "choices and the compiled kernels are on disk; then run with "
-                    + " ".join(f"{k}={v}" for k, v in persist.items())
-                ),
-                change={
-                    "precompile": {"from_run": str(run_path), "triton_cache_dir": cache_dir},
-                    "env": dict(persist),
-                },
-                automatic=True,
-                command=(
-                    " ".join(f"{k}={v}" for k, v in persist.items())
-                    + f" kernel-cache warm --from-run {run_path}"
-                ),
-            )
-        )
+    said = " ".join(f"{k}={v}" for k, v in persist.items())
+    return Prescription(
+        kind="precompile",
+        summary=(
+            f"warm Triton's cache before training: `kernel-cache warm --from-run {run_path}` "
+            f"replays the calls that tuned {names} ({advice.cold_bench_s:.1f} s of benchmarking) so the "
+            "choices and the compiled kernels are on disk; then run with " + said
+        ),
+        change=CacheWarm(from_run=str(run_path), env=dict(persist), options={"triton_cache_dir": cache_dir}),
+        automatic=True,
+        command=said + f" kernel-cache warm --from-run {run_path}",
+    )
+
+
+def _persist_prescription(start: _ColdStart, env: Env, run_path: str | None) -> Prescription:
+    persist = start.persist
     what = []
     if "TRITON_CACHE_AUTOTUNING" in persist:
         what.append(
@@ -282,52 +292,67 @@ def _cold_prescriptions(advice, packages, env, run_path, cache_dir):
             f"FLA_CACHE_RESULTS=1 is FLA's default; the job set it to "
             f"{env.get('FLA_CACHE_RESULTS')!r} ({SOURCE['FLA_CACHE_RESULTS']})"
         )
-    out.append(
-        Prescription(
-            kind="env",
-            summary=(
-                "keep autotune choices and compiled kernels across runs: "
-                + " ".join(f"{k}={v}" for k, v in persist.items())
-                + " on a disk that outlives the job ("
-                + ("; ".join(what) or "the persistent cache serves every key it has seen")
-                + ")"
-            ),
-            change={"env": dict(persist)},
-            automatic=not run_path,
-        )
+    return Prescription(
+        kind="env",
+        summary=(
+            "keep autotune choices and compiled kernels across runs: "
+            + " ".join(f"{k}={v}" for k, v in persist.items())
+            + " on a disk that outlives the job ("
+            + ("; ".join(what) or "the persistent cache serves every key it has seen")
+            + ")"
+        ),
+        change=EnvChange(env=dict(persist)),
+        automatic=not run_path,
     )
+
+
+def _cold_upgrades(advice: Advice, start: _ColdStart, packages: Packages) -> list[Prescription]:
+    out = []
     if (
-        not triton_ok
+        not start.triton_ok
         and _version(packages, "triton")
-        and plain
-        and any(k.cache_results is not True for k in plain)
+        and start.plain
+        and any(k.cache_results is not True for k in start.plain)
     ):
         out.append(
             Prescription(
                 kind="upgrade",
                 summary="upgrade Triton to >= 3.6.0 to keep autotune choices on disk "
                 "(TRITON_CACHE_AUTOTUNING=1)",
-                change={"upgrade": {"package": "triton", "min_version": "3.6.0"}},
+                change=PackageVersion(package="triton", min_version="3.6.0"),
             )
         )
-    if fla and not fla_ok and not _version(packages, "fla"):
-        notes.append(
+    fla = any(k.is_fla for k in start.cold)
+    if fla and not start.fla_ok and not _version(packages, "fla"):
+        advice.notes.append(
             "flash-linear-attention's version is not in the run's manifest: its own "
             "switches are left out (they were read in fla-core 0.6.0)"
         )
-    elif fla and not fla_ok:
+    elif fla and not start.fla_ok:
         out.append(
             Prescription(
                 kind="upgrade",
                 summary="upgrade flash-linear-attention (fla-core) to >= 0.6.0: it keeps "
                 "its autotune choices in TRITON_CACHE_DIR by default",
-                change={"upgrade": {"package": "flash-linear-attention", "min_version": "0.6.0"}},
+                change=PackageVersion(package="flash-linear-attention", min_version="0.6.0"),
             )
         )
     return out
 
 
-def _steady_prescriptions(advice, packages, env, config_dir):
+def _cold_prescriptions(
+    advice: Advice, packages: Packages, env: Env, run_path: str | None, cache_dir: str | None
+) -> list[Prescription]:
+    cache_dir = cache_dir or env.get("TRITON_CACHE_DIR") or "<a persistent dir>"
+    start = _cold_start(advice, packages, env, cache_dir)
+    out = [_warm_prescription(advice, start, run_path, cache_dir)] if run_path else []
+    out.append(_persist_prescription(start, env, run_path))
+    return out + _cold_upgrades(advice, start, packages)
+
+
+def _steady_prescriptions(
+    advice: Advice, packages: Packages, env: Env, config_dir: str | None
+) -> list[Prescription]:
     out = []
     retuning = [k for k in advice.kernels if k.retune_steps and k.changing_fields]
     for k in retuning:
@@ -372,7 +397,7 @@ def _steady_prescriptions(advice, packages, env, config_dir):
                         f"the key differs ({SOURCE['FLA_CACHE_MODE']}); kernels FLA decorates with "
                         "plain triton.autotune still tune"
                     ),
-                    change={"env": {"FLA_CACHE_MODE": "fuzzy", "FLA_CONFIG_DIR": cfg}},
+                    change=EnvChange(env={"FLA_CACHE_MODE": "fuzzy", "FLA_CONFIG_DIR": cfg}),
                 )
             )
     elif fla_retuning and _version(packages, "fla") and not reads(packages, "fla", "FLA_CACHE_MODE"):
@@ -382,7 +407,7 @@ def _steady_prescriptions(advice, packages, env, config_dir):
                 summary="upgrade flash-linear-attention (fla-core) to >= 0.6.0: the gated-delta-rule "
                 "forward kernels' autotune keys there hold no sequence length, and "
                 "FLA_CACHE_MODE=fuzzy can reuse configs across lengths",
-                change={"upgrade": {"package": "flash-linear-attention", "min_version": "0.6.0"}},
+                change=PackageVersion(package="flash-linear-attention", min_version="0.6.0"),
             )
         )
     return out

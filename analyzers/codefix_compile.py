@@ -6,11 +6,43 @@ from __future__ import annotations
 
 import ast
 import collections
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
-from traindx.analyzers.codefix import _LOOPS, _called, _imports_torch, _tree, code_change, set_keywords
+from traindx.analyzers.codefix_edit import code_change, set_keywords
+from traindx.analyzers.codefix_source import _LOOPS, _called, _imports_torch, _tree
+
+# a torch.compile of the job's file: {"line", "last_line", "source", "call", "target", "compiled", "dynamic"}
+CompileCall = dict[str, Any]
 
 
-def compile_calls(path):
+def _is_torch_compile(node: ast.AST) -> bool:
+    """`torch.compile` as written (a bare decorator)."""
+    return (
+        isinstance(node, ast.Attribute)
+        and node.attr == "compile"
+        and isinstance(node.value, ast.Name)
+        and node.value.id == "torch"
+    )
+
+
+def _bare_decorator(
+    fn: ast.FunctionDef | ast.AsyncFunctionDef, d: ast.expr, lines: Sequence[str]
+) -> CompileCall:
+    return {
+        "line": d.lineno,
+        "last_line": d.lineno,
+        "source": lines[d.lineno - 1],
+        "call": "torch.compile",
+        "target": fn.name,
+        "compiled": None,
+        "dynamic": None,
+        "mode": None,
+    }
+
+
+def compile_calls(path: str) -> list[CompileCall]:
     """Every `torch.compile(...)` of the file (a call or a decorator): [{"line", "last_line",
     "source" (the lines as written), "call" (the call's text), "target" (the name it is assigned
     to, or the decorated function's), "compiled" (the first argument's text), "dynamic" (the
@@ -18,8 +50,8 @@ def compile_calls(path):
     tree, lines = _tree(path)
     if tree is None:
         return []
-    out = []
-    owners = {}
+    out: list[CompileCall] = []
+    owners: dict[int, ast.AST] = {}
     for node in ast.walk(tree):
         if isinstance(node, ast.Assign) and len(node.targets) == 1:
             owners[id(node.value)] = node.targets[0]
@@ -28,31 +60,9 @@ def compile_calls(path):
                 owners[id(d)] = node
     for node in ast.walk(tree):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            for d in node.decorator_list:
-                if (
-                    isinstance(d, ast.Attribute)
-                    and d.attr == "compile"
-                    and isinstance(d.value, ast.Name)
-                    and d.value.id == "torch"
-                ):
-                    out.append(
-                        {
-                            "line": d.lineno,
-                            "last_line": d.lineno,
-                            "source": lines[d.lineno - 1],
-                            "call": "torch.compile",
-                            "target": node.name,
-                            "compiled": None,
-                            "dynamic": None,
-                            "mode": None,
-                        }
-                    )
-        if not _called(node, "torch.compile") and not (
-            isinstance(node, ast.Call)
-            and isinstance(node.func, ast.Attribute)
-            and node.func.attr == "compile"
-            and isinstance(node.func.value, ast.Name)
-            and node.func.value.id == "torch"
+            out.extend(_bare_decorator(node, d, lines) for d in node.decorator_list if _is_torch_compile(d))
+        if not isinstance(node, ast.Call) or not (
+            _called(node, "torch.compile") or _is_torch_compile(node.func)
         ):
             continue
         first, last = node.lineno, node.end_lineno or node.lineno
@@ -82,7 +92,7 @@ def compile_calls(path):
     return sorted(out, key=lambda c: c["line"])
 
 
-def _segment_of(lines, node):
+def _segment_of(lines: Sequence[str], node: ast.expr) -> str:
     """The exact source text of a node (over one or several lines)."""
     first, last = node.lineno - 1, (node.end_lineno or node.lineno) - 1
     raw = [l.encode("utf-8") for l in lines[first : last + 1]]
@@ -92,7 +102,7 @@ def _segment_of(lines, node):
     return b"\n".join(parts).decode("utf-8", "replace")
 
 
-def compile_mode_edit(path, call, mode="reduce-overhead"):
+def compile_mode_edit(path: str, call: CompileCall, mode: str = "reduce-overhead") -> dict[str, Any] | None:
     """The torch.compile call with `mode=` set (reduce-overhead: CUDA graphs replay the step's
     kernels, one launch instead of hundreds), or None when it says so already."""
     if call.get("mode") in (repr(mode), f'"{mode}"'):
@@ -112,7 +122,7 @@ def compile_mode_edit(path, call, mode="reduce-overhead"):
     return dict(change, op="replace") if change else None
 
 
-def compile_arg_edits(path, call):
+def compile_arg_edits(path: str, call: CompileCall) -> list[tuple[str, dict[str, Any]]]:
     """Code changes of one torch.compile call (from compile_calls) that stop a steady recompile
     on changing shapes, best first: (label, change) for `dynamic=True` (symbolic shapes from the
     first compile) and, where the call says `dynamic=False`, `dynamic=None` (automatic dynamic:
@@ -124,6 +134,7 @@ def compile_arg_edits(path, call):
     for label, value in options:
         if call.get("dynamic") == value:
             continue
+        after_call: str | None
         if call["call"] in ("torch.compile", "compile"):
             after_call = f"{call['call']}(dynamic={value})"  # a bare @torch.compile
         else:
@@ -142,7 +153,7 @@ def compile_arg_edits(path, call):
     return out
 
 
-def parameter_index(path, line, name):
+def parameter_index(path: str, line: int, name: str) -> int | None:
     """The position of parameter `name` among the positional parameters of the function defined
     at path:line (`self` not counted), or None."""
     tree, _ = _tree(path)
@@ -157,7 +168,7 @@ def parameter_index(path, line, name):
     return None
 
 
-def mark_dynamic_edits(path, compiled, index, dim):
+def mark_dynamic_edits(path: str, compiled: str, index: int, dim: int) -> list[dict[str, Any]]:
     """Code changes that mark dimension `dim` of the tensor passed at position `index` to the
     compiled callable `compiled` dynamic, on the line before each call of it inside a loop
     (`torch._dynamo.mark_dynamic(x, 1)` before `logits = compiled(x)`); only where that
@@ -175,15 +186,15 @@ def mark_dynamic_edits(path, compiled, index, dim):
             ):
                 continue
             for call in ast.walk(stmt):
+                arg = call.args[index] if isinstance(call, ast.Call) and len(call.args) > index else None
                 if (
                     isinstance(call, ast.Call)
                     and ast.unparse(call.func) == compiled
-                    and len(call.args) > index
-                    and isinstance(call.args[index], ast.Name)
+                    and isinstance(arg, ast.Name)
                 ):
                     text = lines[stmt.lineno - 1]
                     indent = text[: len(text) - len(text.lstrip())]
-                    after = f"{indent}torch._dynamo.mark_dynamic({call.args[index].id}, {dim})\n{text}"
+                    after = f"{indent}torch._dynamo.mark_dynamic({arg.id}, {dim})\n{text}"
                     change = code_change(path, stmt.lineno, text, after)
                     if change and change not in out:
                         out.append(dict(change, op="replace"))
@@ -194,20 +205,9 @@ def mark_dynamic_edits(path, compiled, index, dim):
 _SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Module)
 
 
-def compile_model_edits(path, mode="reduce-overhead"):
-    """Edits that compile the job's model where it is made, for a job that compiles nothing:
-    `model.compile(mode="reduce-overhead")` (in place: the same object, so an alias and a saved
-    state_dict stay what they were) for each name whose parameters the job trains
-    (`<name>.parameters()`) and that a loop calls, directly or through an alias (`out =
-    <name>(x)`, `step_fn = <name>` ... `step_fn(x)`, in any function: a `train(model, ...)`
-    helper's loop too). It goes after the statement of the assignment's own function (or
-    module) that holds the first assignment of the name by a call — after a whole if/else that
-    makes the model in each branch. [] when the file compiles something already (torch.compile,
-    a module's .compile()), does not `import torch`, the model is made inside a loop, or a loop
-    of that function calls it before that statement."""
-    tree, lines = _tree(path)
-    if tree is None or not _imports_torch(tree) or compile_calls(path):
-        return []
+def _trained_names(tree: ast.AST) -> set[str] | None:
+    """The names whose parameters the job trains (`<name>.parameters()`); None when one of them
+    is compiled already (`<name>.compile()`)."""
     trained = {
         n.value.id
         for n in ast.walk(tree)
@@ -221,48 +221,93 @@ def compile_model_edits(path, mode="reduce-overhead"):
         and n.func.value.id in trained
         for n in ast.walk(tree)
     ):
-        return []
-    parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+        return None
+    return trained
 
-    def scope_of(node):
-        up = parents.get(node)
+
+@dataclass
+class _Bindings:
+    """How a file binds and calls its names: the assignments of each name, the names bound to
+    it (`step_fn = model`), the loops that call each name, every node's parent."""
+
+    assigned: dict[str, list[ast.Assign]]
+    aliases: dict[str, set[str]]
+    loops_calling: dict[str, list[ast.AST]]
+    parents: dict[ast.AST, ast.AST]
+
+    def scope_of(self, node: ast.AST) -> ast.AST | None:
+        up = self.parents.get(node)
         while up is not None and not isinstance(up, _SCOPES):
-            up = parents.get(up)
+            up = self.parents.get(up)
         return up
 
-    assigned = collections.defaultdict(list)
-    aliases = collections.defaultdict(set)  # name -> the names bound to it (`step_fn = model`)
+
+def _bindings(tree: ast.AST) -> _Bindings:
+    assigned: dict[str, list[ast.Assign]] = collections.defaultdict(list)
+    aliases: dict[str, set[str]] = collections.defaultdict(set)
     for node in ast.walk(tree):
         if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
             assigned[node.targets[0].id].append(node)
             if isinstance(node.value, ast.Name):
                 aliases[node.value.id].add(node.targets[0].id)
-    loops_calling = collections.defaultdict(list)  # called name -> the loops that call it
+    loops_calling: dict[str, list[ast.AST]] = collections.defaultdict(list)
     for loop in ast.walk(tree):
         if isinstance(loop, _LOOPS):
             for c in ast.walk(loop):
                 if isinstance(c, ast.Call) and isinstance(c.func, ast.Name):
                     loops_calling[c.func.id].append(loop)
+    parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+    return _Bindings(assigned=assigned, aliases=aliases, loops_calling=loops_calling, parents=parents)
+
+
+def _compile_anchor(name: str, found: _Bindings) -> ast.stmt | None:
+    """The statement of its scope's own body after which `name` is compiled: the one holding its
+    first assignment by a call; None when it is made per iteration, or a loop of that scope
+    calls it before."""
+    loops = [loop for n in {name} | found.aliases[name] for loop in found.loops_calling.get(n, ())]
+    made = [a for a in found.assigned.get(name, ()) if isinstance(a.value, ast.Call)]
+    if not loops or not made:
+        return None
+    # where it is first made: compiled in place there, it stays compiled through `.to()`
+    # and inside a wrapper made later (DataParallel); a later `model = torch.load(...)`
+    # (reloading the best one after training) is no place to compile it
+    first = min(made, key=lambda a: a.lineno)
+    scope = found.scope_of(first)
+    anchor: ast.AST = first  # its statement in that scope's own body
+    while found.parents.get(anchor) is not scope:
+        anchor = found.parents[anchor]
+        if isinstance(anchor, _LOOPS):
+            break
+    if not isinstance(anchor, ast.stmt) or isinstance(anchor, _LOOPS):
+        return None
+    if any(found.scope_of(loop) is scope and getattr(loop, "lineno", 0) <= anchor.lineno for loop in loops):
+        return None  # called by a loop before it is made
+    return anchor
+
+
+def compile_model_edits(path: str, mode: str = "reduce-overhead") -> list[dict[str, Any]]:
+    """Edits that compile the job's model where it is made, for a job that compiles nothing:
+    `model.compile(mode="reduce-overhead")` (in place: the same object, so an alias and a saved
+    state_dict stay what they were) for each name whose parameters the job trains
+    (`<name>.parameters()`) and that a loop calls, directly or through an alias (`out =
+    <name>(x)`, `step_fn = <name>` ... `step_fn(x)`, in any function: a `train(model, ...)`
+    helper's loop too). It goes after the statement of the assignment's own function (or
+    module) that holds the first assignment of the name by a call — after a whole if/else that
+    makes the model in each branch. [] when the file compiles something already (torch.compile,
+    a module's .compile()), does not `import torch`, the model is made inside a loop, or a loop
+    of that function calls it before that statement."""
+    tree, lines = _tree(path)
+    if tree is None or not _imports_torch(tree) or compile_calls(path):
+        return []
+    trained = _trained_names(tree)
+    if trained is None:
+        return []
+    found = _bindings(tree)
     out = []
     for name in sorted(trained):
-        loops = [loop for n in {name} | aliases[name] for loop in loops_calling.get(n, ())]
-        made = [a for a in assigned.get(name, ()) if isinstance(a.value, ast.Call)]
-        if not loops or not made:
+        anchor = _compile_anchor(name, found)
+        if anchor is None:
             continue
-        # where it is first made: compiled in place there, it stays compiled through `.to()`
-        # and inside a wrapper made later (DataParallel); a later `model = torch.load(...)`
-        # (reloading the best one after training) is no place to compile it
-        first = min(made, key=lambda a: a.lineno)
-        scope = scope_of(first)
-        anchor = first  # its statement in that scope's own body
-        while parents.get(anchor) is not scope:
-            anchor = parents[anchor]
-            if isinstance(anchor, _LOOPS):
-                break
-        if isinstance(anchor, _LOOPS) or any(
-            scope_of(loop) is scope and loop.lineno <= anchor.lineno for loop in loops
-        ):
-            continue  # made per iteration, or called by a loop before it is made
         end = anchor.end_lineno or anchor.lineno
         before = "\n".join(line.rstrip("\r\n") for line in lines[anchor.lineno - 1 : end])
         change = code_change(

@@ -8,7 +8,8 @@ import ast
 import inspect
 from typing import Any
 
-from traindx.analyzers.codefix import _tree, code_change, set_keywords
+from traindx.analyzers.codefix_edit import code_change, set_keywords
+from traindx.analyzers.codefix_source import _tree
 
 OPTIM_MODULES = ("torch.optim", "optim")
 
@@ -34,15 +35,18 @@ def multi_tensor_keyword(class_name: str) -> str | None:
     return None
 
 
-def _imported_from_optim(tree, name):
+def _imported_from_optim(tree: ast.AST, name: str) -> bool:
     for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.module == "torch.optim":
-            if any((a.asname or a.name) == name and a.name == name for a in node.names):
-                return True
+        if (
+            isinstance(node, ast.ImportFrom)
+            and node.module == "torch.optim"
+            and any((a.asname or a.name) == name and a.name == name for a in node.names)
+        ):
+            return True
     return False
 
 
-def _defines(tree, name):
+def _defines(tree: ast.AST, name: str) -> bool:
     return any(isinstance(n, ast.ClassDef) and n.name == name for n in ast.walk(tree))
 
 

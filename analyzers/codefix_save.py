@@ -1,6 +1,6 @@
 """The planner's edit for a checkpoint written inline: the job's `torch.save(...)` statements
 call a helper (inserted after the module's imports) that serializes the state into memory at the
-call and writes the file on a thread (traindx.analyzers.fix_source.async_checkpoint_options)."""
+call and writes the file on a thread (traindx.analyzers.fix_derived.async_checkpoint_options)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import ast
 from collections.abc import Sequence
 from typing import Any
 
-from traindx.analyzers.codefix import _innermost, _tree, code_change
+from traindx.analyzers.codefix_edit import code_change
+from traindx.analyzers.codefix_source import _innermost, _tree
 
 BACKGROUND_SAVE = """
 
@@ -43,7 +44,7 @@ _BACKGROUND_SAVES = {}
 """
 
 
-def _is_torch_save(node):
+def _is_torch_save(node: ast.AST) -> bool:
     return (
         isinstance(node, ast.Expr)
         and isinstance(node.value, ast.Call)

@@ -9,43 +9,56 @@ checkpoints) are linked, so the copy stays cheap. Version-control, virtual-envir
 run folders are left out.
 
 The job's own source is also read here to place an edit: its argparse flags, the guard that
-makes a cost periodic, and the edits the planner builds from the line a finding names where the
-analyzer's prescription is prose (`derived_edit_options`: host reads kept on the device, pinned
-non_blocking copies, torch.compile's dynamic=/mode=, mark_dynamic).
+makes a cost periodic, a Triton kernel's autotune key. The edits the planner builds from the line
+a finding names are traindx.analyzers.fix_derived's.
 """
+
+from __future__ import annotations
 
 import ast
 import difflib
 import os
-import re
 import shutil
 import textwrap
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, TypedDict
 
-from traindx.analyzers.codefix import keyword_sources  # noqa: F401 (fixplan reads it here)
-from traindx.analyzers.evidence import SKIP_DIRS, python_files  # noqa: F401 (fixplan reads them here)
-from traindx.analyzers.findings import Prescription
+from traindx.analyzers.codefix import keyword_sources as keyword_sources  # fix_options reads it here
+from traindx.analyzers.evidence import SKIP_DIRS
+from traindx.analyzers.evidence import python_files as python_files  # the planner reads it here
 
 COPY_LIMIT_BYTES = 2 * 1024 * 1024
 MAX_FILES = 20000
+
+
+# an edit in its resolved form: {"file", "line", "last_line", "before", "after", "op", ...}
+Edit = dict[str, Any]
+
+
+class FlagSpec(TypedDict):
+    """A flag of the job's own parser: as spelled (`--workers`), and its default."""
+
+    flag: str
+    default: Any
 
 
 class PatchError(Exception):
     pass
 
 
-def _inside(path, root):
+def _inside(path: str, root: str) -> bool:
     path, root = os.path.realpath(path), os.path.realpath(root)
     return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
 
 
-def script_dir(command, cwd):
+def script_dir(command: Sequence[str], cwd: str) -> str | None:
     for token in command[:4]:
         if token.endswith(".py") and not token.startswith("-"):
             return os.path.dirname(os.path.abspath(os.path.join(cwd, token)))
     return None
 
 
-def tree_root(files, command, cwd):
+def tree_root(files: Sequence[str], command: Sequence[str], cwd: str) -> str | None:
     """The folder to copy: the cwd when it holds every patched file, else the script's folder."""
     for root in (cwd, script_dir(command, cwd)):
         if root and all(_inside(f, root) for f in files):
@@ -53,7 +66,7 @@ def tree_root(files, command, cwd):
     return None
 
 
-def _read_lines(path):
+def _read_lines(path: str) -> list[str]:
     try:
         with open(path, encoding="utf-8") as f:
             return f.read().splitlines(keepends=True)
@@ -61,7 +74,7 @@ def _read_lines(path):
         raise PatchError(f"cannot read {path}: {exc.strerror}") from None
 
 
-def normalized(edit):
+def normalized(edit: Mapping[str, Any]) -> Edit:
     """One edit form: {"file", "line", "last_line", "before", "after", "op"}. Accepts the whole-
     line form ({"before_line", "after_line"}) and Prescription.change["code"] (a fragment of the
     lines file:line..last_line, op replace | delete | insert_after)."""
@@ -77,7 +90,7 @@ def normalized(edit):
     return dict(edit, op=op, last_line=edit.get("last_line") or edit.get("line"))
 
 
-def resolve_edit(edit):
+def resolve_edit(edit: Mapping[str, Any]) -> Edit:
     """Check an edit against the file as it is. The line number is corrected when the text
     moved (found once elsewhere); raises PatchError when it is not there."""
     edit = normalized(edit)
@@ -97,18 +110,18 @@ def resolve_edit(edit):
     )
 
 
-def _holds(region, before):
+def _holds(region: str, before: str) -> bool:
     """True when the region holds the code `before` (its layout over lines aside)."""
     if not before.strip():
         return False
     return before.strip() in region or " ".join(before.split()) in " ".join(region.split())
 
 
-def _indent(text):
+def _indent(text: str) -> str:
     return text[: len(text) - len(text.lstrip())]
 
 
-def _apply_one(lines, e):
+def _apply_one(lines: list[str], e: Mapping[str, Any]) -> list[str]:
     """lines with one resolved edit made (a list of lines with their endings)."""
     first, last = e["line"] - 1, e["last_line"]
     region = "".join(lines[first:last])
@@ -143,14 +156,14 @@ def _apply_one(lines, e):
     return out
 
 
-def patched_text(path, edits):
+def patched_text(path: str, edits: Iterable[Mapping[str, Any]]) -> str:
     lines = _read_lines(path)
     for e in sorted((normalized(e) for e in edits), key=lambda e: -e["line"]):
         lines = _apply_one(lines, e)
     return "".join(lines)
 
 
-def unified_diff(root, edits):
+def unified_diff(root: str, edits: Iterable[Mapping[str, Any]]) -> str:
     """The unified diff of all edits, paths relative to root (a/ b/ prefixes, git apply -p1)."""
     by_file = {}
     for e in edits:
@@ -174,7 +187,7 @@ def unified_diff(root, edits):
     return text if text.endswith("\n") or not text else text + "\n"
 
 
-def copy_tree(root, dest, exclude=()):
+def copy_tree(root: str, dest: str, exclude: Iterable[str | None] = ()) -> int:
     """Copy the job's tree (small files copied, big ones linked). Returns the number of files."""
     exclude = {os.path.realpath(p) for p in exclude if p}
     count = 0
@@ -205,7 +218,9 @@ def copy_tree(root, dest, exclude=()):
     return count
 
 
-def make_scratch(root, dest, edits, exclude=()):
+def make_scratch(
+    root: str, dest: str, edits: Sequence[Mapping[str, Any]], exclude: Iterable[str | None] = ()
+) -> str:
     """The scratch copy with the edits made; returns the diff (fix.patch's text)."""
     diff = unified_diff(root, edits)
     if os.path.exists(dest):
@@ -231,7 +246,7 @@ def make_scratch(root, dest, edits, exclude=()):
     return diff
 
 
-def rebase_command(command, root, dest, cwd=None):
+def rebase_command(command: Sequence[str], root: str, dest: str, cwd: str | None = None) -> list[str]:
     """The command with paths inside the tree pointed at the copy: absolute ones, and (given
     the job's cwd) relative ones that name a file there, made absolute."""
     out = []
@@ -247,7 +262,7 @@ def rebase_command(command, root, dest, cwd=None):
     return out
 
 
-def runs_a_script(command):
+def runs_a_script(command: Sequence[str]) -> bool:
     """True when the command runs a Python file (`python x.py`, `torchrun ... x.py`), not a
     module (`python -m pkg.train`) or a shell script."""
     for token in command[:6]:
@@ -258,7 +273,7 @@ def runs_a_script(command):
     return False
 
 
-def rebase_pythonpath(value, root, dest):
+def rebase_pythonpath(value: str | None, root: str, dest: str) -> str | None:
     if not value:
         return value
     parts = []
@@ -270,7 +285,7 @@ def rebase_pythonpath(value, root, dest):
 
 
 # -- Triton: an autotune key that changes every step ------------------------------------------------
-def _autotune_key_node(tree, kernel):
+def _autotune_key_node(tree: ast.AST, kernel: str | None) -> ast.List | ast.Tuple | None:
     for node in ast.walk(tree):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == kernel:
             for dec in node.decorator_list:
@@ -284,7 +299,7 @@ def _autotune_key_node(tree, kernel):
     return None
 
 
-def autotune_key_edit(kernel, drop, search_files):
+def autotune_key_edit(kernel: str | None, drop: Iterable[str], search_files: Iterable[str]) -> Edit | None:
     """The edit that takes the changing arguments out of `@triton.autotune(key=[...])` of
     `kernel`, found in the first of `search_files` that defines it; None when not found."""
     import ast
@@ -319,7 +334,7 @@ def autotune_key_edit(kernel, drop, search_files):
 
 
 # -- the job's own flags: a value that comes from its argparse parser ---------------------------------
-def _parse(path):
+def _parse(path: str) -> ast.Module | None:
     try:
         with open(path, encoding="utf-8") as f:
             return ast.parse(f.read())
@@ -327,12 +342,12 @@ def _parse(path):
         return None
 
 
-def argparse_flags(path):
+def argparse_flags(path: str) -> dict[str, FlagSpec]:
     """{dest: {"flag": "--workers", "default": value or None}} of every
     `parser.add_argument("--x", ...)` in a Python file (argparse and HfArgumentParser-less
     scripts alike); {} when the file does not parse."""
     tree = _parse(path)
-    out = {}
+    out: dict[str, FlagSpec] = {}
     for node in ast.walk(tree) if tree is not None else ():
         if not (isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "add_argument"):
             continue
@@ -345,22 +360,21 @@ def argparse_flags(path):
         if not longs:
             continue
         kw = {k.arg: k.value for k in node.keywords if k.arg}
-        dest = (
-            kw["dest"].value if isinstance(kw.get("dest"), ast.Constant) else longs[0][2:].replace("-", "_")
-        )
-        default = kw.get("default")
+        named = kw.get("dest")
+        dest = str(named.value) if isinstance(named, ast.Constant) else longs[0][2:].replace("-", "_")
+        given = kw.get("default")
         try:
-            default = ast.literal_eval(default) if default is not None else None
+            default = ast.literal_eval(given) if given is not None else None
         except ValueError:
             default = None
         out[dest] = {"flag": longs[0], "default": default}
     return out
 
 
-def flag_of(expression, flags):
+def flag_of(expression: str | None, flags: Mapping[str, FlagSpec]) -> FlagSpec | None:
     """The job's flag an expression reads (`a.workers`, `int(args.num_workers)`), else None."""
     try:
-        node = ast.parse(expression.strip(), mode="eval").body
+        node = ast.parse((expression or "").strip(), mode="eval").body
     except (SyntaxError, ValueError):
         return None
     if isinstance(node, ast.Call) and len(node.args) == 1 and not node.keywords:
@@ -370,7 +384,7 @@ def flag_of(expression, flags):
     return None
 
 
-def periodic_flag(path, line, flags):
+def periodic_flag(path: str, line: int, flags: Mapping[str, FlagSpec]) -> FlagSpec | None:
     """The job's flag that sets how often the code at path:line runs: an enclosing
     `if <step> % args.every == ...:` (or `if (i + 1) % args.k == 0`), else None."""
     tree = _parse(path)
@@ -386,14 +400,14 @@ def periodic_flag(path, line, flags):
                 and isinstance(sub.op, ast.Mod)
                 and isinstance(sub.right, ast.Attribute)
                 and sub.right.attr in flags
+                and (best is None or node.lineno > best[0])
             ):
-                if best is None or node.lineno > best[0]:
-                    best = (node.lineno, flags[sub.right.attr])
+                best = (node.lineno, flags[sub.right.attr])
     return best[1] if best else None
 
 
 # -- edits the fix planner builds from the line a finding names ------------------------------------
-def job_script_files(command, cwd):
+def job_script_files(command: Sequence[str], cwd: str) -> list[str]:
     """The Python scripts the command runs (its first tokens), as absolute paths."""
     out = []
     for token in command[:6]:
@@ -404,7 +418,7 @@ def job_script_files(command, cwd):
     return out
 
 
-def named_sites(value, depth=0):
+def named_sites(value: object, depth: int = 0) -> list[tuple[str, int]]:
     """(file, line) pairs named anywhere in a finding's evidence (a few levels deep)."""
     if depth > 3:
         return []
@@ -417,407 +431,4 @@ def named_sites(value, depth=0):
     elif isinstance(value, (list, tuple)):
         for v in value[:10]:
             out += named_sites(v, depth + 1)
-    return out
-
-
-# -- concrete edits the planner builds from a finding's named line ---------------------------------
-# (an analyzer writes the most concrete change it can; where its prescription is prose, the
-# planner reads the line it names with ast and builds the edit: generic, never per file name)
-HOST_TIME_FINDINGS = ("sync.", "gpu_idle.host_starved", "gpu_idle.between_steps", "host_work.")
-
-
-def _job_sites(finding, command, cwd):
-    """(absolute path, line) of every site the finding names inside the job's own tree."""
-    out = []
-    for site in named_sites(finding.evidence) + [
-        (c.get("file"), c.get("line"))
-        for c in (((p.change or {}).get("code") or {}) for p in finding.prescriptions)
-    ]:
-        if not site or not site[0] or not isinstance(site[1], int):
-            continue
-        path = os.path.abspath(os.path.join(cwd, site[0]))
-        if (
-            os.path.isfile(path)
-            and tree_root([path], command, cwd) is not None
-            and (path, site[1]) not in out
-        ):
-            out.append((path, site[1]))
-    return out
-
-
-def _edit_key(change):
-    return (os.path.abspath(change["file"]), change["line"], change.get("after"))
-
-
-def _known_edits(finding):
-    return {
-        _edit_key(c)
-        for c in (((p.change or {}).get("code") or {}) for p in finding.prescriptions)
-        if c.get("file") and c.get("line")
-    }
-
-
-def _edits_prescription(summary, changes, gain):
-    changes = list(changes)
-    return Prescription(
-        kind="code",
-        summary=summary,
-        change={"code": changes[0], "codes": changes},
-        expected_gain_s_per_step=gain,
-        automatic=True,
-    )
-
-
-def host_read_options(finding, command, cwd):
-    """A finding about the training thread's time (a host-device sync, the GPU waiting for host
-    work) at a loop that reads tensors to the host each step only to keep them (`total +=
-    loss.item()`, `losses.append(float(loss))`): one arm that keeps them on the device
-    (`.detach()`), read once where they are printed."""
-    from traindx.analyzers import codefix
-
-    if not finding.id.startswith(HOST_TIME_FINDINGS):
-        return []
-    known, edits = _known_edits(finding), []
-    for path, line in _job_sites(finding, command, cwd):
-        # host_work measured its very line; a sync or GPU-idle finding names a function's
-        # first line or the loop (a profiler's frame, the GPU clock's stretch): widened
-        for change in codefix.device_accumulations(path, line, widen=not finding.id.startswith("host_work.")):
-            if _edit_key(change) not in known and change not in edits:
-                edits.append(change)
-    if not edits:
-        return []
-    where = ", ".join(f"{os.path.basename(c['file'])}:{c['line']} `{c['after']}`" for c in edits[:3])
-    return [
-        _edits_prescription(
-            f"keep the per-step values on the device instead of reading them to the host each step "
-            f"({where}); they are read once, where they are printed",
-            edits,
-            finding.seconds_lost_per_step,
-        )
-    ]
-
-
-def async_copy_options(finding, command, cwd):
-    """A host-to-device copy from pageable memory at the finding's line: the copy made
-    asynchronous from pinned memory. With the DataLoader's pin_memory=True edit among the
-    finding's prescriptions, both go into one arm (neither pays alone); else the host tensor
-    pinned once where it is made, or a pinned copy at the line."""
-    from traindx.analyzers import codefix
-
-    evidence = finding.evidence or {}
-    if not (finding.id.endswith("pageable_copy") or "pageable_h2d_s_per_step" in evidence):
-        return []
-    file, line = evidence.get("file"), evidence.get("line")
-    if not file or not isinstance(line, int):
-        return []
-    path = os.path.abspath(os.path.join(cwd, file))
-    if not os.path.isfile(path) or tree_root([path], command, cwd) is None:
-        return []
-    gain = finding.seconds_lost_per_step
-    pin = next(
-        (
-            c
-            for c in (((p.change or {}).get("code") or {}) for p in finding.prescriptions)
-            if "pin_memory=True" in str(c.get("after") or "")
-            and "pin_memory=True" not in str(c.get("before") or "")
-        ),
-        None,
-    )
-    out = []
-    if pin:
-        for changes in codefix.async_copy_edits(path, line, pinned_by_loader=True):
-            out.append(
-                _edits_prescription(
-                    f"DataLoader(pin_memory=True) and .to(device, non_blocking=True) at "
-                    f"{os.path.basename(path)}:{line}, together",
-                    [pin] + changes,
-                    gain,
-                )
-            )
-    for changes in codefix.async_copy_edits(path, line):
-        pinned = [c for c in changes if c["line"] != line]
-        how = (
-            f"pin the host tensor once where it is made ({os.path.basename(path)}:"
-            f"{pinned[0]['line']}) and copy with non_blocking=True"
-            if pinned
-            else "copy through pinned memory: .pin_memory().to(device, non_blocking=True)"
-        )
-        out.append(_edits_prescription(f"{how} at {os.path.basename(path)}:{line}", changes, gain))
-    return out
-
-
-def _compile_call_for(finding, files):
-    """(path, call) of the torch.compile that made the recompiling graph: the one whose compiled
-    object the call site calls (`logits = compiled(x)` -> `compiled = torch.compile(...)`), or
-    the decorated function that recompiled; else the only one in the job's files."""
-    import ast
-
-    from traindx.analyzers import codefix_compile
-
-    calls = [(path, c) for path in files for c in codefix_compile.compile_calls(path)]
-    if len(calls) <= 1:
-        return calls[0] if calls else None
-    evidence = finding.evidence or {}
-    caller = evidence.get("caller") or {}
-    called = set()
-    source = caller.get("source") or ""
-    try:
-        for node in ast.walk(ast.parse(source.strip())):
-            if isinstance(node, ast.Call):
-                called.add(ast.unparse(node.func))
-    except SyntaxError:
-        pass
-    functions = {str(k).split(".")[-1].split(" ")[0] for k in (evidence.get("functions") or {})}
-    named = [(p, c) for p, c in calls if c["target"] and (c["target"] in called or c["target"] in functions)]
-    # a steady recompile on shapes is a static compile's (automatic dynamic shapes would have
-    # turned the dimension symbolic after one recompile): the one that says dynamic=False
-    static = [(p, c) for p, c in named if c["dynamic"] == "False"]
-    if static or named:
-        return (static or named)[0]
-    same = [
-        (p, c)
-        for p, c in calls
-        if caller.get("file") and os.path.abspath(p) == os.path.abspath(caller["file"])
-    ]
-    return same[0] if len(same) == 1 else None
-
-
-def compile_options(finding, command, cwd):
-    """A steady dynamo recompile because a shape changes: the torch.compile call that made the
-    recompiling graph compiled with dynamic=True (and, where it says dynamic=False, with
-    dynamic=None: automatic dynamic shapes), one arm each."""
-    from traindx.analyzers import codefix_compile
-
-    evidence = finding.evidence or {}
-    if finding.id.startswith(LAUNCH_BOUND_FINDINGS):
-        return launch_bound_options(finding, command, cwd)
-    if not finding.id.startswith("jit.dynamo") or not (
-        evidence.get("size_changes")
-        or any(
-            "size mismatch" in str(r) or "stride mismatch" in str(r) for r in evidence.get("reasons") or {}
-        )
-    ):
-        return []
-    files = [p for p, _ in _job_sites(finding, command, cwd)] + job_script_files(command, cwd)
-    files = list(dict.fromkeys(os.path.abspath(f) for f in files))
-    found = _compile_call_for(finding, files)
-    if found is None:
-        roots = {tree_root([f], command, cwd) for f in files} - {None}
-        tree_files = [f for r in roots for f in python_files(r, limit=300)]
-        found = _compile_call_for(finding, list(dict.fromkeys(files + tree_files)))
-    if found is None:
-        return []
-    path, call = found
-    out = []
-    lost = finding.seconds_lost_per_step
-    for label, change in codefix_compile.compile_arg_edits(path, call):
-        automatic = label == "dynamic=None"
-        out.append(
-            _edits_prescription(
-                f"torch.compile(..., {label}) at {os.path.basename(path)}:{call['line']}"
-                + (
-                    " (automatic dynamic shapes: one recompile, then symbolic)"
-                    if automatic
-                    else " (symbolic shapes from the first compile: no recompile when the length changes)"
-                ),
-                [change],
-                lost * 0.95 if automatic and lost else lost,
-            )
-        )
-    return out + _mark_dynamic_options(finding, files, call, lost)
-
-
-_GUARD = re.compile(
-    r"tensor '(?:L\['(?P<quoted>[^']+)'\]|(?P<name>[^']+))' (?:size|stride) mismatch "
-    r"at index (?P<dim>\d+)"
-)
-
-
-def _mark_dynamic_options(finding, files, call, lost):
-    """torch._dynamo.mark_dynamic(x, dim) before the calls of the compiled object, where the
-    analyzer named the compiled function's definition (no call site of its own): the guard's
-    tensor is that function's parameter, passed by position at the calls in the job's loops."""
-    from traindx.analyzers import codefix_compile
-
-    evidence = finding.evidence or {}
-    caller = evidence.get("caller") or {}
-    if evidence.get("caller_kind") == "call_site" or not caller.get("file") or not call.get("target"):
-        return []  # at a call site the analyzer's own mark_dynamic edit is already a candidate
-    m = next((_GUARD.search(str(r)) for r in evidence.get("reasons") or {} if _GUARD.search(str(r))), None)
-    if m is None:
-        return []
-    index = codefix_compile.parameter_index(
-        caller["file"], int(caller.get("line") or 0), m["quoted"] or m["name"]
-    )
-    if index is None:
-        return []
-    edits = [
-        e
-        for path in files
-        for e in codefix_compile.mark_dynamic_edits(path, call["target"], index, int(m["dim"]))
-    ]
-    if not edits:
-        return []
-    return [
-        _edits_prescription(
-            f"torch._dynamo.mark_dynamic({m['quoted'] or m['name']}, {m['dim']}) before "
-            f"{call['target']}(...) at {os.path.basename(edits[0]['file'])}:{edits[0]['line']} (that "
-            "dimension symbolic from the first compile)",
-            edits,
-            lost * 0.9 if lost else lost,
-        )
-    ]
-
-
-LAUNCH_BOUND_FINDINGS = ("gpu.launch_bound",)
-
-
-def _launch_bound_files(finding, command, cwd):
-    return list(
-        dict.fromkeys(
-            os.path.abspath(f)
-            for f in [p for p, _ in _job_sites(finding, command, cwd)] + job_script_files(command, cwd)
-        )
-    )
-
-
-def launch_bound_options(finding, command, cwd):
-    """A launch-bound step: the model's launches replayed by a CUDA graph, the optimizer's made
-    multi-tensor where the analyzer found it launching a share of its own, and both in one arm
-    (each priced by the share of the host's time it removes: the analyzer's evidence)."""
-    evidence = finding.evidence or {}
-    lost = finding.seconds_lost_per_step or 0.0
-    graph = _compile_mode_options(finding, command, cwd, gain=evidence.get("cuda_graph_saving_s", lost))
-    optimizer = _multi_tensor_optimizer_options(finding, command, cwd)
-    out = graph + optimizer
-    if graph and optimizer:
-        changes = list(graph[0].change["codes"]) + list(optimizer[0].change["codes"])
-        out.insert(
-            0,
-            _edits_prescription(
-                f"{optimizer[0].summary}; and {graph[0].summary}",
-                changes,
-                graph[0].expected_gain_s_per_step + optimizer[0].expected_gain_s_per_step,
-            ),
-        )
-    return out
-
-
-def _multi_tensor_optimizer_options(finding, command, cwd):
-    """The optimizer the analyzer saw stepping one parameter at a time (torch.optim's class from
-    its profiler range) made multi-tensor at the job's own calls that make it."""
-    from traindx.analyzers import codefix_optim
-
-    optimizer = (finding.evidence or {}).get("optimizer") or {}
-    name, gain = optimizer.get("class"), optimizer.get("saving_s")
-    if not name or not gain or not any(p.expected_gain_s_per_step == gain for p in finding.prescriptions):
-        return []  # the analyzer did not prescribe it (its share too small)
-    files = _launch_bound_files(finding, command, cwd)
-    edits = [e for f in files for e in codefix_optim.multi_tensor_edits(f, name)]
-    if not edits:
-        roots = {tree_root([f], command, cwd) for f in files} - {None}
-        tree_files = [f for r in roots for f in python_files(r, limit=300) if f not in files]
-        edits = [e for f in tree_files for e in codefix_optim.multi_tensor_edits(f, name)]
-    if not edits:
-        return []
-    keyword = codefix_optim.multi_tensor_keyword(name)
-    where = ", ".join(f"{os.path.basename(e['file'])}:{e['line']}" for e in edits[:3])
-    return [
-        _edits_prescription(
-            f"{name}(..., {keyword}=True) at {where} (the optimizer's step in a few kernels, not "
-            "one per parameter)",
-            edits,
-            gain,
-        )
-    ]
-
-
-def _compile_mode_options(finding, command, cwd, gain=None):
-    """mode="reduce-overhead" (CUDA graphs) at the job's torch.compile call where one is found
-    (the job's files); in a job that compiles nothing, torch.compile of the model it trains,
-    after the line that makes it."""
-    from traindx.analyzers import codefix_compile
-
-    gain = finding.seconds_lost_per_step if gain is None else gain
-    files = _launch_bound_files(finding, command, cwd)
-    found = _compile_call_for(finding, files)
-    if found is None:
-        # a job that compiles nothing: its model compiled where it is made, in CUDA-graph mode
-        edits = [e for f in files for e in codefix_compile.compile_model_edits(f)]
-        if not edits:
-            return []
-        names = ", ".join(
-            f"{e['after'].split('.compile')[0]} at {os.path.basename(e['file'])}:"
-            f"{e.get('last_line') or e['line']}"
-            for e in edits
-        )
-        return [
-            _edits_prescription(
-                f'<model>.compile(mode="reduce-overhead") where the model is made ({names}; '
-                "CUDA graphs: the step's kernels replayed by one launch, compiled at the first steps)",
-                edits,
-                gain,
-            )
-        ]
-    path, call = found
-    change = codefix_compile.compile_mode_edit(path, call)
-    if change is None:
-        return []
-    return [
-        _edits_prescription(
-            f'torch.compile(..., mode="reduce-overhead") at {os.path.basename(path)}:{call["line"]}'
-            " (CUDA graphs: the step's kernels replayed by one launch)",
-            [change],
-            gain,
-        )
-    ]
-
-
-def async_checkpoint_options(finding, command, cwd):
-    """A checkpoint written on the critical path by the job's own `torch.save(...)` statement:
-    one arm that serializes it into memory at the call and writes the file on a thread (the
-    training goes on while the disk writes; the bytes are the step's own state; one write per
-    file at a time; the thread joined at exit, so no checkpoint is lost)."""
-    from traindx.analyzers import codefix_save
-
-    by_file: dict[str, list[int]] = {}
-    for path, line in _job_sites(finding, command, cwd):
-        by_file.setdefault(path, []).append(line)
-    evidence = finding.evidence or {}
-    lost = finding.seconds_lost_per_step
-    other = evidence.get("median_other_s")
-    timed = (evidence.get("io_in_slow_steps") or [{}])[0]
-    wall, cpu = timed.get("seconds_per_step"), timed.get("cpu_seconds_per_step")
-    if lost and isinstance(wall, (int, float)) and wall > 0 and isinstance(cpu, (int, float)):
-        # the calling thread's own CPU in the save (serializing, copying into the page cache)
-        # stays on it; only its wait for the disk moves to the thread
-        lost *= max(0.0, 1.0 - cpu / wall)
-    # the writes overlap the steps' own work, no more: a disk slower than the steps keeps
-    # them waiting (the next write of a file waits for the last), so what the thread saves
-    # per step is the smaller of the write time and the rest of the step
-    gain = min(lost, other) if lost and isinstance(other, (int, float)) and other > 0 else lost
-    out = []
-    for path, lines in by_file.items():
-        edits = codefix_save.background_save_edits(path, lines)
-        if edits:
-            where = ", ".join(f"{os.path.basename(path)}:{e['line']}" for e in edits[1:])
-            out.append(
-                _edits_prescription(
-                    f"write the checkpoint file on a background thread (serialized in memory at the call) "
-                    f"(torch.save at {where})",
-                    edits,
-                    gain,
-                )
-            )
-    return out
-
-
-def derived_edit_options(finding, command, cwd):
-    """The concrete edits the planner builds for a finding from the line it names."""
-    out = []
-    for build in (host_read_options, async_copy_options, compile_options, async_checkpoint_options):
-        try:
-            out += build(finding, command, cwd)
-        except Exception:  # a line the planner cannot read is no candidate, never a crash
-            continue
     return out
