@@ -270,7 +270,7 @@ def link(findings: Sequence[Finding]) -> list[Finding]:
 def _workers_prescribed(f: Finding) -> int | None:
     """num_workers=N of the DataLoader prescription: the batches are then made by N processes."""
     for p in f.prescriptions:
-        code = (p.change or {}).get("code") or {}
+        code = p.change.get("code") or {}
         m = re.search(r"num_workers\s*=\s*(\d+)", f"{code.get('after') or ''} {p.summary}")
         if m and int(m.group(1)) > 0:
             return int(m.group(1))
@@ -360,7 +360,7 @@ def without_losing_prescriptions(f: Finding) -> Finding:
             expected_gain_s_per_step=None,
             summary=(
                 f"{p.summary} (no gain expected on this machine as it was loaded: the "
-                f"time ledger prices it at {p.expected_gain_s_per_step * 1e3:+.1f} ms "
+                f"time ledger prices it at {(p.expected_gain_s_per_step or 0.0) * 1e3:+.1f} ms "
                 "a step; it saves time where cores are free)"
             ),
         )
@@ -445,7 +445,7 @@ def _call_site_edit(note: Finding, gain: float | None) -> Prescription:
 
 def _edit_key(p: Prescription) -> tuple[str, Any, Any] | None:
     """(file, line, op) of a prescription's code edit, None without one."""
-    code = (p.change or {}).get("code") if isinstance(p.change, dict) else None
+    code = p.change.get("code")
     if not code or not code.get("file"):
         return None
     return os.path.realpath(str(code["file"])), code.get("line"), code.get("op")

@@ -152,7 +152,7 @@ def _patch_source(
     command = fix_source.rebase_command(list(plan.command), tree, scratch, cwd=here)
     base_pp = env.get("PYTHONPATH", os.environ.get("PYTHONPATH"))
     if base_pp:
-        env["PYTHONPATH"] = fix_source.rebase_pythonpath(base_pp, tree, scratch)
+        env["PYTHONPATH"] = fix_source.rebase_pythonpath(base_pp, tree, scratch) or base_pp
     inside = not script and fix_source._inside(here, tree)
     cwd = os.path.join(scratch, os.path.relpath(here, tree)) if inside else here
     records["source_patch"] = {
@@ -184,7 +184,7 @@ def _fall_back(plan: Plan, env: dict[str, str], failed: str) -> str:
             env[RUNTIME_PATCH_VAR] = ",".join(dict.fromkeys(plan.runtime_patches))
             used.append(f"the runtime patch {name}")
         else:
-            for k, v in ((p.change or {}).get("env") or {}).items():
+            for k, v in (p.change.get("env") or {}).items():
                 env[k] = str(v)
                 used.append(f"{k}={v}")
         plan.changes.append(
