@@ -1,15 +1,22 @@
 """Compile events as the report shows them: one row per event with the key diff against the
 previous compile of the same kernel, and per-kernel groups."""
 
+from __future__ import annotations
+
 import re
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any
 
 from traindx.derive.steptables import compile_span
 from traindx.report.text import clip, frame_label, num, ranges, text_of
 
+if TYPE_CHECKING:
+    from traindx.derive.run import RunRecord
+
 MAX_COMPILE_ROWS = 200
 
 
-def compile_events(run, t0):
+def compile_events(run: RunRecord, t0: int) -> list[dict[str, Any]]:
     """Every compile event with a time, in start order, as render-ready dicts."""
     out = []
     df = run.compiles
@@ -73,10 +80,10 @@ def compile_events(run, t0):
     return out
 
 
-def compile_groups(compiles):
+def compile_groups(compiles: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """Compile events per kernel: how often, how long, in which steps and threads, and which key
     fields changed between its compiles (what a user has to fix)."""
-    groups = {}
+    groups: dict[tuple[str, str], dict[str, Any]] = {}
     for c in compiles:
         g = groups.setdefault(
             (c["rank"], c["kernel"]),

@@ -366,11 +366,11 @@ def replay_variants(item):
     args = item.get("args") or {}
     if item["function"] != "_flash_attn_fwd" or args.get("cu_seqlens_q") is None:
         return []
-    variants = []
-    for names in (("max_seqlen_q",), ("max_seqlen_k",), ("max_seqlen_q", "max_seqlen_k")):
-        if all(isinstance(args.get(n), int) for n in names):
-            variants.append(dict.fromkeys(names))
-    return variants
+    return [
+        dict.fromkeys(names)
+        for names in (("max_seqlen_q",), ("max_seqlen_k",), ("max_seqlen_q", "max_seqlen_k"))
+        if all(isinstance(args.get(n), int) for n in names)
+    ]
 
 
 def _key_text(value, limit):

@@ -7,6 +7,7 @@ exact FA4 + cutlass + Python that wrote it. Nothing here imports FA4 or cutlass 
 versions come from the package metadata, sources from the installed files.
 """
 
+import functools
 import getpass
 import hashlib
 import importlib.metadata
@@ -21,7 +22,9 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import IO
 
+from traindx.common.atomic import replace_with, write_json
 from traindx.common.errors import UserError
 
 ENABLE_VAR = "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"
@@ -219,9 +222,7 @@ def write_metadata(folder, arch=None, num_sms=None, source=None):
         }
     )
     meta["warmed"] = warmed[-20:]
-    tmp = folder / f".{METADATA_FILE}.{os.getpid()}.tmp"
-    tmp.write_text(json.dumps(meta, indent=1), encoding="utf-8")
-    os.replace(tmp, folder / METADATA_FILE)
+    write_json(folder / METADATA_FILE, meta, indent=1)
 
 
 def why_unusable(folder_name, metadata, env):
@@ -318,8 +319,9 @@ def pack(cache_dir, out_path, folders):
     """A tar.gz of the given fingerprint folders (entries and our metadata; no locks or temps)."""
     out_path = Path(out_path)
     count = 0
-    tmp = out_path.with_name(f".{out_path.name}.{os.getpid()}.tmp")
-    try:
+
+    def write(tmp: str) -> None:
+        nonlocal count
         with tarfile.open(tmp, "w:gz") as tar:
             for folder in folders:
                 for root, dirs, files in os.walk(folder.path):
@@ -329,11 +331,14 @@ def pack(cache_dir, out_path, folders):
                         if _packable(full):
                             tar.add(full, arcname=os.path.relpath(full, cache_dir), recursive=False)
                             count += name.endswith(ENTRY_SUFFIX)
-        os.replace(tmp, out_path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
+
+    replace_with(out_path, write)
     return count
+
+
+def _copy_into(source: IO[bytes], tmp: str) -> None:
+    with open(tmp, "wb") as f:
+        shutil.copyfileobj(source, f)
 
 
 def unpack(tarball, cache_dir):
@@ -372,10 +377,7 @@ def unpack(tarball, cache_dir):
                 continue
             target.parent.mkdir(parents=True, exist_ok=True)
             src = tar.extractfile(m)
-            tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-            with open(tmp, "wb") as f:
-                shutil.copyfileobj(src, f)
-            os.replace(tmp, target)
+            replace_with(target, functools.partial(_copy_into, src))
     return sorted(touched)
 
 

@@ -15,8 +15,12 @@ then analyses the merged run and writes its report, like `diagnose` does after a
 Running it again re-estimates and rewrites these (e.g. after a late node's folder arrived).
 """
 
+from __future__ import annotations
+
+import argparse
 import os
 import sys
+from typing import Any
 
 from traindx.cli import argtypes
 from traindx.derive.multinode import merge_parts  # noqa: F401  (the engine)
@@ -24,7 +28,7 @@ from traindx.profiler import nodes
 from traindx.profiler.nodes import merged_manifest  # noqa: F401
 
 
-def prepare_parser(parser):
+def prepare_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("run_dir", metavar="RUN", help="a multi-node run folder (with nodes/)")
     parser.add_argument(
         "--reference",
@@ -39,12 +43,12 @@ def prepare_parser(parser):
     parser.add_argument("--quiet", action="store_true", help="print only the clock table")
 
 
-def merge(run_dir, reference=None):
+def merge(run_dir: str, reference: str | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
     """(clock document, merged manifest): the engine's pieces (traindx.derive.multinode.merge_parts)."""
     return merge_parts(run_dir, reference=reference)
 
 
-def run(args, parser):
+def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     unfinished = nodes.unfinished_nodes(args.run_dir) if os.path.isdir(args.run_dir) else []
     if unfinished:  # merging is still right for what is there; say what may be missing
         print(
@@ -70,7 +74,7 @@ def run(args, parser):
     return 0
 
 
-def main(argv=None):
+def main(argv: list[str] | None = None) -> int | None:
     from traindx.cli.main import main as cli_main
 
     return cli_main(["merge", *(sys.argv[1:] if argv is None else argv)])
