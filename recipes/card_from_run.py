@@ -145,11 +145,14 @@ def _throughput(run: RunRecord, args: CardOptions) -> _Throughput:
         raise UserError(f"{run.path}: no completed step was recorded: nothing to measure")
     try:
         window = parse_window(args.window) if args.window else None
-        window_times, (first, last) = window_values(
+        window_times, bounds = window_values(
             times, window, profiled_positions(run, series, source) if source in SHIM_SOURCES else ()
         )
     except ValueError as exc:
         raise UserError(str(exc)) from None
+    if bounds is None:  # no step inside the window
+        raise UserError(f"{run.path}: no completed step was recorded: nothing to measure")
+    first, last = bounds
     tokens = args.tokens_per_step or tokens_per_step(run)
     if not tokens:
         raise UserError(

@@ -6,7 +6,7 @@ round-trip: same data, same section order, the leading comment kept."""
 from __future__ import annotations
 
 import io
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, fields
 from importlib import resources
 from typing import Any, ClassVar, TypeVar
@@ -55,7 +55,8 @@ class _Section:
     @classmethod
     def from_dict(cls: type[S], data: dict[str, Any]) -> S:
         known, extra, order = _split(data, cls)
-        return cls(**known, extra=extra, present=order)
+        make: Callable[..., S] = cls  # a dataclass subclass: its fields include extra and present
+        return make(**known, extra=extra, present=order)
 
     def to_dict(self) -> dict[str, Any]:
         return _join(self, self.ORDER)

@@ -18,7 +18,7 @@ MAX_COMPILE_ROWS = 200
 
 def compile_events(run: RunRecord, t0: int) -> list[dict[str, Any]]:
     """Every compile event with a time, in start order, as render-ready dicts."""
-    out = []
+    out: list[dict[str, Any]] = []
     df = run.compiles
     for c in df.itertuples() if len(df) else []:
         span = compile_span(c.start_ns, c.end_ns, c.duration_s, t0)
@@ -48,7 +48,7 @@ def compile_events(run: RunRecord, t0: int) -> list[dict[str, Any]]:
     out.sort(key=lambda e: e["start_s"])
     # the key diff against the previous compile of the same kernel on the same rank: the field
     # that changes between recompiles is what a user has to fix
-    previous = {}
+    previous: dict[tuple[str, str], dict[str, Any]] = {}
     for e in out:
         prev = previous.get((e["rank"], e["kernel"]))
         e["first"] = prev is None

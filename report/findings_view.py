@@ -236,7 +236,7 @@ def finding_view(
         "compile_groups": compile_groups(related) if len(related) > FINDING_COMPILE_ROWS else [],
         "shows_gil": f.analyzer in ("gil", "jit") or "gil" in f.id,
         "cause": getattr(f, "cause", None),
-        "cause_anchor": re.sub(r"[^a-zA-Z0-9_-]", "-", f.cause) if getattr(f, "cause", None) else None,
+        "cause_anchor": re.sub(r"[^a-zA-Z0-9_-]", "-", f.cause) if f.cause else None,
         "symptoms": list(getattr(f, "symptoms", ()) or ()),
     }
 
@@ -247,7 +247,9 @@ def verdict_view(
     """The headline, rendered from the verdict finding (analyzers/verdict.py). Findings without
     one (a findings.json from before the verdict was a finding, a hand-made list) are judged by
     that same analyzer here: the report never decides the verdict itself."""
-    v = next((f for f in findings if f.id.startswith(VERDICT_PREFIX)), None) or judge.judge(run, findings)
+    v = next((f for f in findings if f.id.startswith(VERDICT_PREFIX)), None) or judge.judge(
+        run, list(findings)
+    )
     ev = v.evidence or {}
     out = {
         "id": v.id,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import sys
 import time
+from types import TracebackType
 from typing import TextIO
 
 from rich.console import Console
@@ -95,9 +96,14 @@ class LiveView:
             self._live.__enter__()
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
         if self._live is not None:
-            self._live.__exit__(*exc)
+            self._live.__exit__(exc_type, exc, traceback)
             self._live = None
 
     def _render(self) -> Text:

@@ -78,7 +78,7 @@ def gpu_view(run: RunRecord, t0: int) -> dict[str, Any]:
     for index, g in gpu.groupby("gpu") if "gpu" in gpu else [(0, gpu)]:
         g = g.sort_values("t")
         ts = [(int(t) - t0) / 1e9 for t in g["t"]]
-        entry = {"gpu": int(index) if num(index) is not None else str(index), "metrics": {}}
+        entry: dict[str, Any] = {"gpu": int(index) if num(index) is not None else str(index), "metrics": {}}
         for col, label, unit in (
             ("util", "utilization", "%"),
             ("sm_clock_mhz", "SM clock", "MHz"),

@@ -214,7 +214,7 @@ def gil_view(run: RunRecord) -> list[dict[str, Any]]:
         # thread's sampled seconds, imports left out; one number per thread, report and finding
         main = ev.main_thread_id(idle, gil)
         window = sum(ev.training_weight(ts) for n, ts in idle.items() if ev.thread_key(n)[0] == main)
-        threads = []
+        threads: list[dict[str, Any]] = []
         for name, ts in gil.items():
             held = ev.training_weight(ts)
             threads.append(

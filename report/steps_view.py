@@ -77,7 +77,7 @@ def bin_steps(rows: list[dict[str, Any]], limit: int = MAX_STEP_BARS) -> list[di
                 "end_s": chunk[-1]["end_s"],
                 "duration_s": median([s["duration_s"] for s in chunk]),
                 "max_s": max(s["duration_s"] for s in chunk),
-                "cause": max(causes, key=causes.get) if causes else "normal",
+                "cause": max(causes, key=lambda c: causes[c]) if causes else "normal",
                 "slow": bool(slow),
                 "slow_count": len(slow),
                 "binned": len(chunk),

@@ -70,7 +70,7 @@ def wrap_keeping_code(text: str, width: int, first: str = "", indent: str = "  "
     return lines
 
 
-def _say(console: Console, text: str, style: str | None = None, first: str = "", indent: str = "  ") -> None:
+def _say(console: Console, text: str, style: str = "", first: str = "", indent: str = "  ") -> None:
     """Print prose that may hold code: wrapped at the console's width between atoms only, and
     never re-wrapped by rich (soft_wrap), so a log file holds each piece of code whole."""
     for i, line in enumerate(wrap_keeping_code(text, console.width, first, indent)):
@@ -101,7 +101,7 @@ def _stats_line(data: Mapping[str, Any]) -> list[str]:
     return parts
 
 
-def _print_parts(console: Console, parts: list[str], style: str | None = None) -> None:
+def _print_parts(console: Console, parts: list[str], style: str = "") -> None:
     """' · '-joined parts, wrapped between parts (a number never leaves its label)."""
     line = ""
     for part in parts:
@@ -165,7 +165,7 @@ def print_summary(
                 _print_parts(
                     console,
                     [f"{head} = {parts[0]}"] + parts[1:] if parts else [line],
-                    style="dim" if line is st.get("startup_line") else None,
+                    style="dim" if line is st.get("startup_line") else "",
                 )
     _print_verdict(console, v)
     problems = [f for f in data["findings"] if f["severity"] != "info"]

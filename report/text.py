@@ -15,8 +15,8 @@ redact_text = redact.redact_text  # every string shown goes through clip: log li
 
 
 def clip(text: object, limit: int = MAX_TEXT) -> str:
-    text = redact_text(str(text))
-    return text if len(text) <= limit else text[: limit - 1] + "…"
+    shown: str = redact_text(str(text))
+    return shown if len(shown) <= limit else shown[: limit - 1] + "…"
 
 
 def num(value: object) -> float | None:

@@ -178,8 +178,7 @@ def build_parser() -> argtypes.ArgumentParser:
             type=argtypes.output_folder if name in WRITES_CACHE else argtypes.folder_path,
             help=f"the cache dir (default: ${store.DIR_VAR}, else FA4's default)",
         )
-        if prepare:
-            prepare(p)
+        prepare(p)
     return parser
 
 

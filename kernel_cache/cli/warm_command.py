@@ -116,7 +116,7 @@ def target(args: argparse.Namespace, run_info: dict[str, Any] | None) -> Target:
     run_sms = run_env.get("FLASH_ATTENTION_NUM_SMS")
     num_sms = (
         args.num_sms
-        or (int(run_sms) if str(run_sms or "").isdigit() else None)
+        or (int(str(run_sms)) if str(run_sms or "").isdigit() else None)
         or (run_info or {}).get("num_sms")
         or (gpu[1] if real and gpu else None)
         or specs.NUM_SMS_BY_ARCH.get(arch, 132)

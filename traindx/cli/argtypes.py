@@ -2,6 +2,8 @@
 type); the generic ones (numbers, names, paths) are traindx.common.argtypes, re-exported here so
 that a command reads every type from one module."""
 
+from __future__ import annotations
+
 # re-exported
 from traindx.common.argtypes import (  # noqa: F401
     DEFAULT_RUNS,
@@ -31,21 +33,21 @@ from traindx.common.argtypes import (  # noqa: F401
 )
 
 
-def step_window(text):
+def step_window(text: str) -> str:
     """FIRST:LAST, both inclusive, 0-based (kept as text: recipes.stats.parse_window reads it)."""
-    from traindx.derive.stats import parse_window
+    from traindx.derive.stats import parse_window  # lazy: numpy, not for `diagnose --help`
 
     return checked_by(parse_window, text)
 
 
-def log_regex(text):
-    from traindx.profiler.logparse import compile_custom
+def log_regex(text: str) -> str:
+    from traindx.profiler.logparse import compile_custom  # lazy: only when the flag is given
 
     return checked_by(compile_custom, text)
 
 
-def gpu_type(text):
-    from traindx.derive.throughput import PEAK_BF16_TFLOPS, normalize_gpu
+def gpu_type(text: str) -> str:
+    from traindx.derive.throughput import PEAK_BF16_TFLOPS, normalize_gpu  # lazy: numpy
 
     gpu = normalize_gpu(text)
     if gpu is None:

@@ -12,8 +12,9 @@ import json
 import os
 import shutil
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 from traindx.common.atomic import write_json
 from traindx.common.errors import UserError
@@ -101,7 +102,8 @@ def record_job(
             live_options,
             on_finding=(lambda f, s: None) if quiet else view.on_finding,
             on_state=(lambda s: None) if quiet else view.on_state,
-            on_analysis=write_live_report,
+            # LiveJudge hands its own RunRecord to on_analysis
+            on_analysis=cast("Callable[[object, list[Any]], None]", write_live_report),
             on_anomaly=deep_capture,
         )
     try:
