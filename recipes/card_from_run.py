@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from traindx.common.envvars import is_performance_var
 from traindx.common.errors import UserError
+from traindx.common.hfconfig import load_hf_config
 from traindx.recipes.card_model import Author, Gpu, RecipeCard, Result
 
 if TYPE_CHECKING:
@@ -178,7 +179,6 @@ def _throughput(run: RunRecord, args: CardOptions) -> _Throughput:
 
 
 def _mfu(args: CardOptions, gpu: str | None, tps: float) -> _Mfu:
-    from traindx.common.hfconfig import load_hf_config
     from traindx.derive import throughput  # lazy: numpy, not for `diagnose card --help`
 
     shape, active, source_note, config = None, None, None, None

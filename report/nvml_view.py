@@ -7,6 +7,9 @@ import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+import pandas as pd
+
 from traindx.report.text import clip, num, ranges
 
 if TYPE_CHECKING:
@@ -17,9 +20,6 @@ MAX_GPU_POINTS = 600  # per GPU and metric
 
 def gpu_util_in_windows(run: RunRecord, t0: int, starts: Any, ends: Any) -> float | None:
     """gpu_util_in_steps over step windows given as arrays, vectorised."""
-    import numpy as np
-    import pandas as pd
-
     gpu = run.gpu
     if not len(gpu) or "util" not in gpu or not len(starts):
         return None

@@ -136,7 +136,7 @@ def default_jobs(n_items: int) -> int:
 def gpu_arch() -> tuple[int, int] | None:
     """(arch number, SM count) of the visible GPU, or None on a machine without one."""
     try:
-        import torch
+        import torch  # lazy: optional, and seconds to import
 
         if not torch.cuda.is_available():
             return None

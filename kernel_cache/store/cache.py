@@ -303,6 +303,7 @@ def entry_paths(cache_dir: str | os.PathLike[str]) -> dict[tuple[str, str], int]
 def load_entry(path: str | os.PathLike[str]) -> Any:
     """Load one entry the way FA4 does (cache_utils preloads the CuTe runtime libraries with
     RTLD_GLOBAL first; then cute.runtime.load_module(..., enable_tvm_ffi=True).func)."""
+    # lazy: FA4 and CuTe DSL are optional and slow to import; only verify loads entries
     import cutlass.cute as cute
     import flash_attn.cute.cache_utils as cache_utils  # noqa: F401  (the preload)
 
@@ -312,7 +313,7 @@ def load_entry(path: str | os.PathLike[str]) -> Any:
 
 def fa4_fingerprint() -> str:
     """FA4's own fingerprint of this environment (imports FA4: used by verify to cross-check)."""
-    from flash_attn.cute.cache_utils import _compute_source_fingerprint
+    from flash_attn.cute.cache_utils import _compute_source_fingerprint  # lazy: FA4 is optional
 
     return _compute_source_fingerprint()
 

@@ -20,12 +20,16 @@ from traindx.common.atomic import write_json
 from traindx.common.errors import UserError
 
 if TYPE_CHECKING:
+    from rich.console import Console
+
     from traindx.analyzers.live import LiveOptions
     from traindx.cli.fixloop import FixEvent
     from traindx.profiler.launcher import Options
 
 # the job succeeded but traindx could not analyse or report it: a pipeline must notice
 ANALYSIS_FAILED_EXIT = 3
+
+PrintComparison = Callable[[dict[str, Any], "Console"], object]
 
 
 @dataclass(frozen=True)
@@ -188,8 +192,11 @@ def _analyse_and_report(run_dir: str, node: dict[str, str] | None) -> bool:
     return True
 
 
-def diagnose_with_fix(command: list[str], request: JobRequest, fix_request: FixRequest) -> int:
-    """`diagnose --fix`: the engine (traindx.cli.fixloop.fix) wired to the terminal."""
+def diagnose_with_fix(
+    command: list[str], request: JobRequest, fix_request: FixRequest, print_comparison: PrintComparison
+) -> int:
+    """`diagnose --fix`: the engine (traindx.cli.fixloop.fix) wired to the terminal; the A/B
+    comparison printed by `print_comparison` (`diagnose compare`'s own)."""
     from traindx.cli.fixloop import FixOptions, fix
     from traindx.profiler import nodes
 
@@ -216,7 +223,7 @@ def diagnose_with_fix(command: list[str], request: JobRequest, fix_request: FixR
         out=request.out,
         wheels=fix_request.wheels,
         tries=fix_request.tries,
-        reporter=_FixReporter(),
+        reporter=_FixReporter(print_comparison),
         run_job=run_arm,
         until_diagnosed=fix_request.until_diagnosed,
         warm_up_after_fix=fix_request.warm_up_after_fix,
@@ -227,15 +234,15 @@ def diagnose_with_fix(command: list[str], request: JobRequest, fix_request: FixR
 class _FixReporter:
     """The --fix runner's events on stderr: stage rules, the arms' summaries, the comparison."""
 
-    def __init__(self) -> None:
+    def __init__(self, print_comparison: PrintComparison) -> None:
         from rich.console import Console
 
         self.console = Console(file=sys.stderr)
+        self.print_comparison = print_comparison
 
     def __call__(self, event: FixEvent) -> None:
         from rich.markup import escape
 
-        from traindx.cli.commands.compare import print_comparison
         from traindx.report.terminal import print_summary
 
         console = self.console
@@ -245,7 +252,7 @@ class _FixReporter:
             data: dict[str, Any] = event.data
             print_summary(data["record"], data["findings"], data["report"], console=console)
         elif event.kind == "comparison":
-            print_comparison(event.data["comparison"], console)
+            self.print_comparison(event.data["comparison"], console)
         elif event.kind == "warning":
             console.print(f"warning: {event.text}", style="yellow", markup=False)
         else:

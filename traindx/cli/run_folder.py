@@ -172,3 +172,32 @@ def kept_arm(path: str) -> str:
         if folder and os.path.isfile(os.path.join(folder, "manifest.json")):
             return str(folder)
     return path
+
+
+def merge_nodes(run_dir: str, reference: str | None = None, report: bool = True, quiet: bool = False) -> int:
+    """`diagnose merge`: the node parts of a multi-node run merged into one run over all ranks
+    (traindx.derive.multinode.merge_parts), the clock table printed, then analysed and reported."""
+    from traindx.cli.outputs import analyze_and_write  # lazy: the analyzers (pandas)
+    from traindx.derive.multinode import merge_parts
+    from traindx.derive.run import load_run
+    from traindx.profiler import nodes
+    from traindx.report.terminal import print_summary
+
+    unfinished = nodes.unfinished_nodes(run_dir) if os.path.isdir(run_dir) else []
+    if unfinished:  # merging is still right for what is there; say what may be missing
+        print(
+            f"diagnose: warning: node{'s' if len(unfinished) > 1 else ''} "
+            f"{', '.join(unfinished)} still running (or killed): merged as far as recorded",
+            file=sys.stderr,
+        )
+    clock, _ = merge_parts(run_dir, reference=reference)
+    print(nodes.format_clock(clock), file=sys.stderr if quiet else sys.stdout)
+    if not report:
+        return 0
+    record = load_run(run_dir)
+    findings, report_path = analyze_and_write(record)
+    if quiet:
+        print(report_path)
+    else:
+        print_summary(record, findings, report_path)
+    return 0

@@ -9,6 +9,7 @@ import argparse
 from typing import TYPE_CHECKING, Literal
 
 from traindx.cli import argtypes
+from traindx.cli.commands.compare import print_comparison
 from traindx.cli.recording import (  # noqa: F401  (record_job, _write_node_tables: re-exported)
     ANALYSIS_FAILED_EXIT,
     FixRequest,
@@ -258,5 +259,5 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             until_diagnosed=getattr(args, "until_diagnosed", False),
             warm_up_after_fix=getattr(args, "warm_up_after_fix", True),
         )
-        return diagnose_with_fix(command, request, fix_request)
+        return diagnose_with_fix(command, request, fix_request, print_comparison)
     return diagnose(command, request)
