@@ -13,8 +13,8 @@ from typing import Any
 
 from markupsafe import Markup, escape
 
-from traindx.report.step_chart import step_chart  # noqa: F401  (re-exported: html.py draws charts.*)
-from traindx.report.svg import (  # noqa: F401  (the palettes and fmt_s are re-exported for html.py)
+from traindx.report.step_chart import step_chart
+from traindx.report.svg import (
     CAUSE_COLOURS,
     FRAME_COLOURS,
     GPU_COLOURS,
@@ -31,6 +31,21 @@ from traindx.report.svg import (  # noqa: F401  (the palettes and fmt_s are re-e
     time_axis,
     y_grid,
 )
+
+# html.py draws charts.* and colours its legends from the palettes here
+__all__ = [
+    "CAUSE_COLOURS",
+    "FRAME_COLOURS",
+    "LEDGER_COLOURS",
+    "STATE_COLOURS",
+    "fmt_s",
+    "gpu_charts",
+    "icicle",
+    "ledger_chart",
+    "rank_heatmap",
+    "step_chart",
+    "thread_lanes",
+]
 
 
 def gpu_charts(gpu: Mapping[str, Any] | None, timeline: Mapping[str, Any]) -> list[Markup]:

@@ -258,7 +258,8 @@ def _text_config(config: Mapping[str, Any]) -> Mapping[str, Any]:
     """Multimodal configs (Qwen3.5, Qwen3-VL, Llama 4, ...) keep the language model in text_config."""
     for key in ("text_config", "llm_config", "language_config"):
         if isinstance(config.get(key), dict) and "num_attention_heads" in config[key]:
-            return config[key]
+            text_config: Mapping[str, Any] = config[key]
+            return text_config
     return config
 
 

@@ -126,7 +126,8 @@ def default_cache_dir(run: RunRecord) -> str:
     if os.environ.get("TRITON_CACHE_DIR"):
         return os.environ["TRITON_CACHE_DIR"]
     if isinstance(env.get("TRITON_CACHE_DIR"), str) and env["TRITON_CACHE_DIR"] != "<redacted>":
-        return env["TRITON_CACHE_DIR"]
+        job_dir: str = env["TRITON_CACHE_DIR"]
+        return job_dir
     return os.path.abspath(os.path.join(run.path, os.pardir, "triton-cache"))
 
 

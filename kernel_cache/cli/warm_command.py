@@ -90,7 +90,8 @@ def _arch(args: argparse.Namespace, run_info: dict[str, Any] | None) -> int | No
     if run_info and run_info["archs"]:
         if len(run_info["archs"]) > 1:
             raise UserError(f"the run compiled for several archs {run_info['archs']}: pick one with --arch")
-        return run_info["archs"][0]
+        arch: int = run_info["archs"][0]
+        return arch
     if run_env.get("FLASH_ATTENTION_ARCH"):
         return specs.arch_number(run_env["FLASH_ATTENTION_ARCH"])
     return None

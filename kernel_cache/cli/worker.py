@@ -73,7 +73,7 @@ def _instrument(cache_utils: Any) -> None:
                     _release(self.cache_path.name, digest)
                     found, status = True, "disk"
         _state["lookups"].append((self.cache_path.name, digest, key, status))
-        return found
+        return bool(found)
 
     def _try_export_to_storage(self: Any, key: Any, fn: Any) -> None:
         digest = self._key_to_hash(key)
@@ -243,7 +243,8 @@ def _max_seqlen_guess(name: str, args: Mapping[str, Any]) -> int:
     cu = args.get("cu_seqlens_q" if name.endswith("_q") else "cu_seqlens_k") or {}
     total = (ref.get("shape") or [1])[0]
     batch = max(1, (cu.get("shape") or [2])[0] - 1)
-    return -(-total // batch)
+    guess: int = -(-total // batch)
+    return guess
 
 
 # -- the two kinds of work ---------------------------------------------------------------------------
@@ -341,7 +342,8 @@ def _run_replay(item: dict[str, Any], variant: Mapping[str, Any] | None = None) 
     if "fake_mode" in inspect.signature(function).parameters:  # b36's pre/post kernels ask
         kwargs["fake_mode"] = _state["fake"]
     function(**kwargs)
-    return item["function"]
+    name: str = item["function"]
+    return name
 
 
 def _fit_signature(function: Callable[..., Any], recorded: dict[str, Any]) -> dict[str, Any]:
@@ -379,7 +381,8 @@ def _key_text(value: object, limit: int) -> str:
     compare."""
     from traindx.profiler.shim._traindx_shim.compiles import safe_repr
 
-    return safe_repr(value, limit)
+    text: str = safe_repr(value, limit)
+    return text
 
 
 def _key_check(
@@ -422,7 +425,8 @@ def _mode() -> contextlib.AbstractContextManager[Any]:
     if _state["fake"]:
         from torch._subclasses.fake_tensor import FakeTensorMode
 
-        return FakeTensorMode()
+        fake_mode: contextlib.AbstractContextManager[Any] = FakeTensorMode()
+        return fake_mode
 
     return contextlib.nullcontext()
 
@@ -488,7 +492,8 @@ def _attempt(
                 _run_shape(item)
     finally:
         _release_all()  # a compile that failed never reached the export
-    return _state["lookups"]
+    lookups: list[tuple[str, str, Any, str]] = _state["lookups"]
+    return lookups
 
 
 def _kernel_statuses(lookups: list[tuple[str, str, Any, str]]) -> list[dict[str, Any]]:

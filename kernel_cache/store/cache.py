@@ -315,7 +315,8 @@ def fa4_fingerprint() -> str:
     """FA4's own fingerprint of this environment (imports FA4: used by verify to cross-check)."""
     from flash_attn.cute.cache_utils import _compute_source_fingerprint  # lazy: FA4 is optional
 
-    return _compute_source_fingerprint()
+    fingerprint: str = _compute_source_fingerprint()
+    return fingerprint
 
 
 # -- pack / unpack / clear -----------------------------------------------------------------------
