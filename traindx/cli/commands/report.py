@@ -9,10 +9,9 @@ a before/after section is drawn from --comparison, or RUN/comparison.json when p
 from __future__ import annotations
 
 import argparse
-from typing import Any
 
 from traindx.cli import argtypes
-from traindx.cli.run_folder import ReportOptions, read_comparison, rerender
+from traindx.cli.run_folder import ReportOptions, rerender
 
 
 def prepare_parser(parser: argparse.ArgumentParser) -> None:
@@ -44,10 +43,6 @@ def prepare_parser(parser: argparse.ArgumentParser) -> None:
         help="a JSON mapping to show as 'before and after' (default: RUN/comparison.json when present)",
     )
     parser.add_argument("--quiet", action="store_true", help="print only the report's path")
-
-
-def _comparison(args: argparse.Namespace, run_path: str) -> dict[str, Any] | None:
-    return read_comparison(args.comparison, run_path)
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
