@@ -1,17 +1,24 @@
 """Compile events as the report shows them: one row per event with the key diff against the
 previous compile of the same kernel, and per-kernel groups."""
 
+from __future__ import annotations
+
 import re
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any
 
 from traindx.derive.steptables import compile_span
 from traindx.report.text import clip, frame_label, num, ranges, text_of
 
+if TYPE_CHECKING:
+    from traindx.derive.run import RunRecord
+
 MAX_COMPILE_ROWS = 200
 
 
-def compile_events(run, t0):
+def compile_events(run: RunRecord, t0: int) -> list[dict[str, Any]]:
     """Every compile event with a time, in start order, as render-ready dicts."""
-    out = []
+    out: list[dict[str, Any]] = []
     df = run.compiles
     for c in df.itertuples() if len(df) else []:
         span = compile_span(c.start_ns, c.end_ns, c.duration_s, t0)
@@ -41,7 +48,7 @@ def compile_events(run, t0):
     out.sort(key=lambda e: e["start_s"])
     # the key diff against the previous compile of the same kernel on the same rank: the field
     # that changes between recompiles is what a user has to fix
-    previous = {}
+    previous: dict[tuple[str, str], dict[str, Any]] = {}
     for e in out:
         prev = previous.get((e["rank"], e["kernel"]))
         e["first"] = prev is None
@@ -73,10 +80,10 @@ def compile_events(run, t0):
     return out
 
 
-def compile_groups(compiles):
+def compile_groups(compiles: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """Compile events per kernel: how often, how long, in which steps and threads, and which key
     fields changed between its compiles (what a user has to fix)."""
-    groups = {}
+    groups: dict[tuple[str, str], dict[str, Any]] = {}
     for c in compiles:
         g = groups.setdefault(
             (c["rank"], c["kernel"]),

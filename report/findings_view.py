@@ -1,14 +1,24 @@
 """Findings as the report shows them: prescriptions as copyable commands or diffs, evidence as
 render-ready items, the verdict finding as the headline, a --fix comparison side by side."""
 
+from __future__ import annotations
+
 import json
 import re
 import shlex
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 from traindx.analyzers import verdict as judge
 from traindx.analyzers.findings import VERDICT_PREFIX, reading_order
 from traindx.report.compiles import compile_groups
 from traindx.report.text import clip, frame_label, ranges
+
+if TYPE_CHECKING:
+    from traindx.analyzers.findings import Finding, Prescription
+    from traindx.derive.run import RunRecord
+
+Marks = dict[tuple[str, Any], Any]
 
 MAX_EVIDENCE_ROWS = 25
 
@@ -17,12 +27,12 @@ FINDING_COMPILE_ROWS = 5  # a finding shows its first compiles; the rest are sum
 rank_for_report = reading_order  # the order is defined once, in analyzers/findings.py
 
 
-def prescription_text(p):
+def prescription_text(p: Prescription) -> tuple[str | None, str | None]:
     """A copyable command or diff for a prescription, from its `change` when it has no command."""
     if p.command:
         return p.command, "command"
     change = p.change or {}
-    lines = []
+    lines: list[str] = []
     kind = "command"
     if "env" in change:
         lines += [f"export {k}={shlex.quote(str(v))}" for k, v in change["env"].items()]
@@ -50,10 +60,10 @@ def prescription_text(p):
     return ("\n".join(lines), kind) if lines else (None, None)
 
 
-def _evidence_items(evidence):
+def _evidence_items(evidence: Mapping[str, Any] | None) -> list[dict[str, Any]]:
     """A finding's evidence dict as render-ready items: text, key/value, table or preformatted.
     Empty values are left out; lists of numbers are shown inline."""
-    items = []
+    items: list[dict[str, Any]] = []
     for key, value in (evidence or {}).items():
         label = str(key).replace("_", " ")
         if value is None or value == "" or value == [] or value == {}:
@@ -95,7 +105,7 @@ def _evidence_items(evidence):
     return items
 
 
-def _cell(value):
+def _cell(value: object) -> str:
     if isinstance(value, float):
         return f"{value:.4g}"
     if isinstance(value, dict) and ("file" in value or "filename" in value):
@@ -108,7 +118,7 @@ def _cell(value):
 FIX_TRIES_DEFAULT = 3  # diagnose --fix-tries' default: the candidates measured in turn
 
 
-def fix_marks(run, findings, tries=FIX_TRIES_DEFAULT):
+def fix_marks(run: RunRecord, findings: Sequence[Finding], tries: int = FIX_TRIES_DEFAULT) -> Marks:
     """{(finding id, prescription index): "applied" | "next" | "alternative" | "by_hand"} and
     {(finding id, "planned"): [{"summary", "mechanism", "fix"}]}: what `diagnose --fix` would do
     with each prescription, from the candidates its own loop measures (traindx.analyzers.fixplan.
@@ -129,14 +139,16 @@ def fix_marks(run, findings, tries=FIX_TRIES_DEFAULT):
         )
     except Exception:  # a planner that cannot plan here: no marks, the report still renders
         return {}
-    order = {}  # (finding id, summary) -> the first candidate's place among those measured
+    order: dict[
+        tuple[str, str], int
+    ] = {}  # (finding id, summary) -> the first candidate's place among those measured
     for i, c in enumerate(candidates):
         order.setdefault((c.finding, c.summary), i)
 
-    def mark(i):
+    def mark(i: int) -> str:
         return "applied" if i == 0 else ("next" if i < tries else "alternative")
 
-    marks = {}
+    marks: Marks = {}
     for f in findings:
         own = set()
         for i, p in enumerate(f.prescriptions):
@@ -156,8 +168,10 @@ def fix_marks(run, findings, tries=FIX_TRIES_DEFAULT):
     return marks
 
 
-def finding_view(f, compiles, marks=None):
-    prescriptions = []
+def finding_view(
+    f: Finding, compiles: Sequence[Mapping[str, Any]], marks: Marks | None = None
+) -> dict[str, Any]:
+    prescriptions: list[dict[str, Any]] = []
     for i, p in enumerate(f.prescriptions):
         text, kind = prescription_text(p)
         prescriptions.append(
@@ -172,20 +186,20 @@ def finding_view(f, compiles, marks=None):
                 "planned": False,
             }
         )
-    for c in (marks or {}).get((f.id, "planned"), ()):
-        # built by --fix's planner from this finding (the job's own flag, a derived edit)
-        prescriptions.append(
-            {
-                "kind": c["mechanism"],
-                "summary": clip(c["summary"], 600),
-                "text": None,
-                "text_kind": None,
-                "expected_gain_s": None,
-                "automatic": True,
-                "fix": c["fix"],
-                "planned": True,
-            }
-        )
+    # built by --fix's planner from this finding (the job's own flag, a derived edit)
+    prescriptions.extend(
+        {
+            "kind": c["mechanism"],
+            "summary": clip(c["summary"], 600),
+            "text": None,
+            "text_kind": None,
+            "expected_gain_s": None,
+            "automatic": True,
+            "fix": c["fix"],
+            "planned": True,
+        }
+        for c in (marks or {}).get((f.id, "planned"), ())
+    )
     related = []
     if f.analyzer in ("jit", "compile", "autotune", "dynamo") or "compile" in f.id:
         kernels = set()
@@ -222,16 +236,20 @@ def finding_view(f, compiles, marks=None):
         "compile_groups": compile_groups(related) if len(related) > FINDING_COMPILE_ROWS else [],
         "shows_gil": f.analyzer in ("gil", "jit") or "gil" in f.id,
         "cause": getattr(f, "cause", None),
-        "cause_anchor": re.sub(r"[^a-zA-Z0-9_-]", "-", f.cause) if getattr(f, "cause", None) else None,
+        "cause_anchor": re.sub(r"[^a-zA-Z0-9_-]", "-", f.cause) if f.cause else None,
         "symptoms": list(getattr(f, "symptoms", ()) or ()),
     }
 
 
-def verdict_view(run, findings, findings_view):
+def verdict_view(
+    run: RunRecord, findings: Sequence[Finding], findings_view: Sequence[Mapping[str, Any]]
+) -> dict[str, Any]:
     """The headline, rendered from the verdict finding (analyzers/verdict.py). Findings without
     one (a findings.json from before the verdict was a finding, a hand-made list) are judged by
     that same analyzer here: the report never decides the verdict itself."""
-    v = next((f for f in findings if f.id.startswith(VERDICT_PREFIX)), None) or judge.judge(run, findings)
+    v = next((f for f in findings if f.id.startswith(VERDICT_PREFIX)), None) or judge.judge(
+        run, list(findings)
+    )
     ev = v.evidence or {}
     out = {
         "id": v.id,
@@ -284,13 +302,13 @@ def verdict_view(run, findings, findings_view):
     return out
 
 
-def comparison_view(comparison):
+def comparison_view(comparison: Mapping[str, Any] | None) -> dict[str, Any] | None:
     """Any mapping the --fix loop passes: arms side by side, other keys as facts. Generic on
     purpose: whatever keys are present are shown."""
     if not comparison:
         return None
     comparison = dict(comparison)
-    arms = comparison.pop("arms", None)
+    arms: Any = comparison.pop("arms", None)
     if (
         arms is None
         and isinstance(comparison.get("baseline"), dict)
@@ -300,15 +318,15 @@ def comparison_view(comparison):
     if isinstance(arms, list):
         arms = {str(a.get("name", f"arm {i}")): a for i, a in enumerate(arms) if isinstance(a, dict)}
     arm_names = list(arms or {})
-    rows = []
+    rows: list[dict[str, Any]] = []
     if arms:
         keys = list(dict.fromkeys(k for a in arms.values() for k in a if k != "name"))
-        for k in keys:
-            rows.append(
-                {"label": str(k).replace("_", " "), "values": [_fmt_value(arms[n].get(k)) for n in arm_names]}
-            )
+        rows = [
+            {"label": str(k).replace("_", " "), "values": [_fmt_value(arms[n].get(k)) for n in arm_names]}
+            for k in keys
+        ]
     headline = comparison.pop("verdict", None)
-    facts = []
+    facts: list[dict[str, Any]] = []
     for k, v in comparison.items():
         if isinstance(v, dict):
             facts.append(
@@ -327,7 +345,7 @@ def comparison_view(comparison):
     }
 
 
-def _fmt_value(v):
+def _fmt_value(v: object) -> str:
     if isinstance(v, bool):
         return "yes" if v else "no"
     if isinstance(v, float):

@@ -2,14 +2,25 @@
 events at the measured boundaries), and in the torch.profiler window the busy time by kind and
 the top kernels. Present layer: it shows derived tables, it decides nothing."""
 
+from __future__ import annotations
+
 import math
+from typing import TYPE_CHECKING, Any
+
+from traindx.analyzers.evidence import profiled_steps
+from traindx.derive import ledger as L
+from traindx.profiler import gputime
+from traindx.profiler.torchtrace import gpu_window, top_kernels
+
+if TYPE_CHECKING:
+    from traindx.derive.run import RunRecord
 
 MAX_ROWS = 60  # steps listed; a longer run is binned to this many rows
 TOP_KERNELS = 10
 MAX_NAME = 160
 
 
-def _f(value):
+def _f(value: Any) -> float | None:
     try:
         value = float(value)
     except (TypeError, ValueError):
@@ -17,16 +28,14 @@ def _f(value):
     return None if math.isnan(value) else value
 
 
-def _short(name):
+def _short(name: object) -> str:
     name = str(name or "")
     return name if len(name) <= MAX_NAME else name[: MAX_NAME - 1] + "…"
 
 
-def _ledger_parts(run, rank):
+def _ledger_parts(run: RunRecord, rank: str) -> dict[int, list[tuple[str, float]]]:
     """{step: [(label, seconds), ...]} of one rank's ledger (largest first, top 3)."""
     try:
-        from traindx.derive import ledger as L
-
         led = run.rank_rows("ledger", rank)
     except Exception:
         return {}
@@ -40,7 +49,7 @@ def _ledger_parts(run, rank):
     return out
 
 
-def _per_step(run, steps, rank):
+def _per_step(run: RunRecord, steps: Any, rank: str) -> tuple[list[dict[str, Any]], int]:
     mine = steps[(steps["rank"] == rank).to_numpy()].sort_values("step")
     parts = _ledger_parts(run, rank)
     size = max(1, math.ceil(len(mine) / MAX_ROWS))
@@ -69,18 +78,15 @@ def _per_step(run, steps, rank):
     return rows, size
 
 
-def _window(run):
+def _window(run: RunRecord) -> dict[str, Any] | None:
     """Busy time by kind and top kernels of the torch.profiler window (first rank with one)."""
-    from traindx.profiler.torchtrace import gpu_window, top_kernels
-
     trace = run.torch_trace
     if not len(trace) or not trace["cat"].isin(("kernel", "gpu_memcpy", "gpu_memset")).any():
         return None
     rank = sorted(set(trace["rank"]), key=lambda r: (len(str(r)), str(r)))[0]
     mine = trace[(trace["rank"] == rank).to_numpy()]
     steps = run.rank_steps(rank)
-    from traindx.analyzers.evidence import profiled_steps  # the window's steps, as recorded
-
+    # the window's steps, as recorded
     inside = steps[steps["step"].isin(profiled_steps(run).get(rank, set()))]
     if len(inside):
         start, end = int(inside["start_ns"].min()), int(inside["end_ns"].max())
@@ -113,11 +119,9 @@ def _window(run):
     }
 
 
-def gpu_time_view(run):
+def gpu_time_view(run: RunRecord) -> dict[str, Any]:
     """{available, rank, rows (per step: wall, GPU busy floor/ceiling share, idle, ledger's top
     lines), median, window (busy by kind, top kernels)}; available False with a reason."""
-    from traindx.profiler import gputime
-
     try:
         _, steps = gputime.for_run(run)
     except Exception as exc:  # the report renders without this block

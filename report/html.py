@@ -2,22 +2,32 @@
 Jinja2 from report.data. Autoescape is on for every value; a Content-Security-Policy lets only
 the report's own script run, so even an escaping bug could not run a job's string as code."""
 
+from __future__ import annotations
+
 import base64
 import hashlib
 import os
+from collections.abc import Mapping
 from functools import lru_cache
+from importlib.metadata import version
+from typing import TYPE_CHECKING, Any
 
 from jinja2 import Environment, FileSystemLoader, StrictUndefined, select_autoescape
 from markupsafe import Markup
 
+from traindx.common.atomic import write_text
 from traindx.report import charts
 from traindx.report.data import build_report_data
+
+if TYPE_CHECKING:
+    from traindx.analyzers.findings import Finding
+    from traindx.derive.run import RunRecord
 
 TEMPLATES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "templates")
 
 
 @lru_cache(maxsize=1)
-def _environment():
+def _environment() -> Environment:
     env = Environment(
         loader=FileSystemLoader(TEMPLATES),
         autoescape=select_autoescape(default=True, default_for_string=True),
@@ -29,21 +39,19 @@ def _environment():
     return env
 
 
-def _asset(name):
+def _asset(name: str) -> str:
     with open(os.path.join(TEMPLATES, name), encoding="utf-8") as f:
         return f.read()
 
 
-def _version():
+def _version() -> str:
     try:
-        from importlib.metadata import version
-
         return version("traindx")
     except Exception:
         return "?"
 
 
-def render_html(data):
+def render_html(data: Mapping[str, Any]) -> str:
     """The report page for report data (from build_report_data)."""
     js = _asset("report.js")
     script_hash = "sha256-" + base64.b64encode(hashlib.sha256(js.encode("utf-8")).digest()).decode()
@@ -74,7 +82,12 @@ def render_html(data):
     )
 
 
-def write_report(run, findings, path=None, comparison=None):
+def write_report(
+    run: RunRecord,
+    findings: list[Finding],
+    path: str | None = None,
+    comparison: Mapping[str, Any] | None = None,
+) -> str:
     """Render runs/<id>/report.html (or `path`); returns the path written.
 
     comparison: an optional mapping from the --fix loop (arms side by side, speedup, parity…);
@@ -82,8 +95,5 @@ def write_report(run, findings, path=None, comparison=None):
     data = build_report_data(run, findings, comparison=comparison)
     html = render_html(data)
     path = path or os.path.join(run.path, "report.html")
-    tmp = f"{path}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(html)
-    os.replace(tmp, path)
+    write_text(path, html)
     return path

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import sys
 import time
+from types import TracebackType
 from typing import TextIO
 
 from rich.console import Console
@@ -45,7 +46,7 @@ def status_text(state: LiveState) -> str:
     return " │ ".join(parts)
 
 
-def _where(value) -> str:
+def _where(value: object) -> str:
     """A frame as file:line (function); other values as they are."""
     if isinstance(value, dict) and value.get("file"):
         text = f"{value['file']}:{value.get('line', '?')}"
@@ -76,7 +77,7 @@ def finding_lines(finding: Finding, state: LiveState) -> list[str]:
 class LiveView:
     """Renders LiveJudge callbacks to a terminal (rich Live) or to a log file (plain lines)."""
 
-    def __init__(self, stream: TextIO = sys.stderr, live: bool | None = None):
+    def __init__(self, stream: TextIO = sys.stderr, live: bool | None = None) -> None:
         self.console = Console(file=stream)
         self.live = stream.isatty() if live is None else live
         self._live: Live | None = None
@@ -95,9 +96,14 @@ class LiveView:
             self._live.__enter__()
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
         if self._live is not None:
-            self._live.__exit__(*exc)
+            self._live.__exit__(exc_type, exc, traceback)
             self._live = None
 
     def _render(self) -> Text:

@@ -1,18 +1,25 @@
 """NVML's view: GPU metrics per GPU (downsampled, spikes kept), clock-throttle reasons, and the
 mean utilization while steps ran."""
 
+from __future__ import annotations
+
 import math
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import pandas as pd
 
 from traindx.report.text import clip, num, ranges
+
+if TYPE_CHECKING:
+    from traindx.derive.run import RunRecord
 
 MAX_GPU_POINTS = 600  # per GPU and metric
 
 
-def gpu_util_in_windows(run, t0, starts, ends):
+def gpu_util_in_windows(run: RunRecord, t0: int, starts: Any, ends: Any) -> float | None:
     """gpu_util_in_steps over step windows given as arrays, vectorised."""
-    import numpy as np
-    import pandas as pd
-
     gpu = run.gpu
     if not len(gpu) or "util" not in gpu or not len(starts):
         return None
@@ -27,12 +34,15 @@ def gpu_util_in_windows(run, t0, starts, ends):
     return float(util[ok].mean()) if ok.any() else None
 
 
-def _downsample(xs, ys, limit=MAX_GPU_POINTS):
+def _downsample(
+    xs: Sequence[Any], ys: Sequence[Any], limit: int = MAX_GPU_POINTS
+) -> tuple[list[Any], list[Any]]:
     """Min/max per bucket so spikes and dips survive the reduction."""
     if len(xs) <= limit:
         return list(xs), list(ys)
     size = math.ceil(len(xs) / (limit // 2))
-    ox, oy = [], []
+    ox: list[Any] = []
+    oy: list[Any] = []
     for i in range(0, len(xs), size):
         cx, cy = xs[i : i + size], ys[i : i + size]
         pairs = [(x, y) for x, y in zip(cx, cy) if y is not None]
@@ -56,7 +66,7 @@ CLOCK_REASONS = {
 }
 
 
-def gpu_view(run, t0):
+def gpu_view(run: RunRecord, t0: int) -> dict[str, Any]:
     gpu = run.gpu
     if not len(gpu):
         why = (run.missing or {}).get("nvml") or (run.missing or {}).get("gpus")
@@ -68,7 +78,7 @@ def gpu_view(run, t0):
     for index, g in gpu.groupby("gpu") if "gpu" in gpu else [(0, gpu)]:
         g = g.sort_values("t")
         ts = [(int(t) - t0) / 1e9 for t in g["t"]]
-        entry = {"gpu": int(index) if num(index) is not None else str(index), "metrics": {}}
+        entry: dict[str, Any] = {"gpu": int(index) if num(index) is not None else str(index), "metrics": {}}
         for col, label, unit in (
             ("util", "utilization", "%"),
             ("sm_clock_mhz", "SM clock", "MHz"),

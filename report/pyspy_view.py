@@ -1,16 +1,23 @@
 """py-spy's view: the GIL holder's stacks as an icicle tree, each thread's GIL share, and thread
 lanes (which thread ran, which held the GIL) around the worst step."""
 
+from __future__ import annotations
+
 import math
 import os
 import re
+from collections.abc import Mapping, Sequence
 from functools import lru_cache
+from typing import TYPE_CHECKING, Any
 
 from traindx.analyzers import evidence as ev
 from traindx.profiler import speedscope
 from traindx.profiler.shim._traindx_shim.frames import code_kind
 from traindx.report.steps_view import MAX_STEP_BARS
 from traindx.report.text import clip
+
+if TYPE_CHECKING:
+    from traindx.derive.run import RunRecord
 
 # the rule for the job's code vs a library's is the shim's (frames.code_kind); cached: a flame
 # tree asks it for every frame of every sample
@@ -26,13 +33,13 @@ MAX_LANE_SNAPSHOTS = 400
 MAX_GIL_RANKS = 8  # icicles drawn; a 64-rank job would otherwise outgrow the size budget
 
 
-def worst_rank_first(per_rank, worst):
+def worst_rank_first(per_rank: list[dict[str, Any]], worst: Mapping[str, Any] | None) -> list[dict[str, Any]]:
     if worst:
         per_rank = sorted(per_rank, key=lambda g: g["rank"] != worst["rank"])
     return per_rank[:MAX_GIL_RANKS]
 
 
-def thread_label(name, names=None):
+def thread_label(name: object, names: Mapping[str, str] | None = None) -> str:
     """py-spy's 'Thread 6263 "MainThread"' -> 'MainThread (6263)'; an empty name is looked up in
     `names` ({native thread id: Python thread name}, from py-spy's dumps)."""
     parsed = speedscope.parse_thread_label(name)
@@ -43,10 +50,23 @@ def thread_label(name, names=None):
     return f"{label} ({tid})" if label else f"thread {tid}"
 
 
-def flame_tree(threads, min_share=FLAME_MIN_SHARE, max_depth=FLAME_MAX_DEPTH, names=None, cwd=""):
+def flame_tree(
+    threads: Mapping[str, Any],
+    min_share: float = FLAME_MIN_SHARE,
+    max_depth: int = FLAME_MAX_DEPTH,
+    names: Mapping[str, str] | None = None,
+    cwd: str = "",
+) -> dict[str, Any]:
     """{thread: ThreadSamples} -> a tree {name, file, line, kind, value, children}, threads at the
     first level; nodes under min_share of all samples are dropped (their weight stays in the parent)."""
-    root = {"name": "all samples", "file": "", "line": 0, "kind": "root", "value": 0, "children": {}}
+    root: dict[str, Any] = {
+        "name": "all samples",
+        "file": "",
+        "line": 0,
+        "kind": "root",
+        "value": 0,
+        "children": {},
+    }
     for thread, ts in threads.items():
         tnode = root["children"].setdefault(
             ("thread", thread),
@@ -92,7 +112,7 @@ def flame_tree(threads, min_share=FLAME_MIN_SHARE, max_depth=FLAME_MAX_DEPTH, na
                 node = child
     total = root["value"]
 
-    def finish(node):
+    def finish(node: dict[str, Any]) -> dict[str, Any]:
         kids = [c for c in node["children"].values() if total and c["value"] / total >= min_share]
         kids.sort(key=lambda c: -c["value"])
         return {
@@ -107,10 +127,11 @@ def flame_tree(threads, min_share=FLAME_MIN_SHARE, max_depth=FLAME_MAX_DEPTH, na
     return finish(root)
 
 
-def _hottest_path(tree):
+def _hottest_path(tree: dict[str, Any]) -> list[dict[str, Any]]:
     """The heaviest chain of user/library frames under the heaviest thread: the one-line answer to
     'what held the GIL'."""
-    path, node = [], tree
+    path: list[dict[str, Any]] = []
+    node = tree
     while node["children"]:
         node = node["children"][0]
         if node["kind"] != "thread":
@@ -121,13 +142,13 @@ def _hottest_path(tree):
 _PACKAGE = re.compile(r"/(?:site-packages|dist-packages|site)/([^/]+)/(?:dsl_packages/([^/]+)/)?")
 
 
-def _package_of(file):
+def _package_of(file: str) -> str:
     """'…/site-packages/torch/autograd/function.py' -> 'torch' (the hand-overs worth showing)."""
     m = _PACKAGE.search(file or "")
     return (m[2] or m[1]) if m else ""
 
 
-def _condensed(path, keep_last=2, max_lines=12):
+def _condensed(path: list[dict[str, Any]], keep_last: int = 2, max_lines: int = 12) -> list[dict[str, Any]]:
     """The hottest path for reading: where it starts, every hand-over between the job's code,
     libraries and the stdlib, and where it ends; the rest elided."""
     keep = set(range(len(path) - keep_last, len(path))) | {0}
@@ -135,7 +156,8 @@ def _condensed(path, keep_last=2, max_lines=12):
     for i in range(1, len(path)):
         if owners[i] != owners[i - 1]:
             keep |= {i - 1, i}
-    out, last = [], -1
+    out: list[dict[str, Any]] = []
+    last = -1
     for i in sorted(k for k in keep if 0 <= k < len(path)):
         if i > last + 1:
             out.append(
@@ -162,7 +184,7 @@ def _condensed(path, keep_last=2, max_lines=12):
     return out
 
 
-def _thread_names(run, rank):
+def _thread_names(run: RunRecord, rank: str) -> dict[str, str]:
     """{native thread id: Python thread name} from py-spy's dumps of one rank."""
     d = run.dumps
     if not len(d) or "os_thread_id" not in d:
@@ -175,7 +197,7 @@ def _thread_names(run, rank):
     }
 
 
-def gil_view(run):
+def gil_view(run: RunRecord) -> list[dict[str, Any]]:
     """Per rank: the --gil recording as a tree and the share of the training time each thread
     held the GIL."""
     out = []
@@ -192,7 +214,7 @@ def gil_view(run):
         # thread's sampled seconds, imports left out; one number per thread, report and finding
         main = ev.main_thread_id(idle, gil)
         window = sum(ev.training_weight(ts) for n, ts in idle.items() if ev.thread_key(n)[0] == main)
-        threads = []
+        threads: list[dict[str, Any]] = []
         for name, ts in gil.items():
             held = ev.training_weight(ts)
             threads.append(
@@ -217,16 +239,8 @@ def gil_view(run):
     return out
 
 
-def thread_lanes(run, t0, worst, compiles, step_rows):
-    dumps = run.dumps
-    if not len(dumps) or worst is None:
-        return None
-    rank = worst["rank"]
-    d = dumps[dumps["rank"] == rank] if rank in set(dumps["rank"]) else dumps
-    times = sorted({int(t) for t in d["t"]})
-    if not times:
-        return None
-    w0, w1 = t0 + worst["start_s"] * 1e9, t0 + worst["end_s"] * 1e9
+def _chosen_snapshots(times: list[int], w0: float, w1: float) -> tuple[list[int], str]:
+    """The snapshot times drawn and the zoom: the worst step's own, else the whole run."""
     inside = [t for t in times if w0 <= t <= w1]
     if len(inside) >= 3:
         chosen, zoom = inside, "step"
@@ -236,10 +250,11 @@ def thread_lanes(run, t0, worst, compiles, step_rows):
     if len(chosen) > MAX_LANE_SNAPSHOTS:
         stride = math.ceil(len(chosen) / MAX_LANE_SNAPSHOTS)
         chosen = chosen[::stride]
-    chosen_set = set(chosen)
-    d = d[d["t"].isin(chosen_set)]
-    interval = (chosen[-1] - chosen[0]) / max(1, len(chosen) - 1) if len(chosen) > 1 else 1e9
-    lanes = {}
+    return chosen, zoom
+
+
+def _snapshots_by_thread(d: Any, t0: int) -> dict[str, list[dict[str, Any]]]:
+    lanes: dict[str, list[dict[str, Any]]] = {}
     for r in d.itertuples():
         name = r.thread_name if isinstance(r.thread_name, str) and r.thread_name else f"thread {r.thread_id}"
         frames = r.frames if isinstance(r.frames, list) else []
@@ -263,31 +278,53 @@ def thread_lanes(run, t0, worst, compiles, step_rows):
                 ],
             }
         )
-    threads = []
-    for name, snaps in lanes.items():
-        segments = []
-        for s in snaps:
-            if segments and segments[-1]["state"] == s["state"] and segments[-1]["frame"] == s["frame"]:
-                segments[-1]["end_s"] = s["t_s"] + interval / 2e9
-                continue
-            segments.append(
-                {
-                    "start_s": s["t_s"] - interval / 2e9,
-                    "end_s": s["t_s"] + interval / 2e9,
-                    "state": s["state"],
-                    "frame": s["frame"],
-                    "stack": s["stack"],
-                }
-            )
-        held = sum(1 for s in snaps if s["state"] == "gil")
-        threads.append(
+    return lanes
+
+
+def _thread_lane(name: str, snaps: list[dict[str, Any]], interval: float) -> dict[str, Any]:
+    """One thread's snapshots as segments: neighbours in one state at one frame merged."""
+    segments: list[dict[str, Any]] = []
+    for s in snaps:
+        if segments and segments[-1]["state"] == s["state"] and segments[-1]["frame"] == s["frame"]:
+            segments[-1]["end_s"] = s["t_s"] + interval / 2e9
+            continue
+        segments.append(
             {
-                "name": clip(name, 100),
-                "segments": segments,
-                "gil_snapshots": held,
-                "active_snapshots": sum(1 for s in snaps if s["state"] != "idle"),
+                "start_s": s["t_s"] - interval / 2e9,
+                "end_s": s["t_s"] + interval / 2e9,
+                "state": s["state"],
+                "frame": s["frame"],
+                "stack": s["stack"],
             }
         )
+    return {
+        "name": clip(name, 100),
+        "segments": segments,
+        "gil_snapshots": sum(1 for s in snaps if s["state"] == "gil"),
+        "active_snapshots": sum(1 for s in snaps if s["state"] != "idle"),
+    }
+
+
+def thread_lanes(
+    run: RunRecord,
+    t0: int,
+    worst: Mapping[str, Any] | None,
+    compiles: Sequence[Mapping[str, Any]],
+    step_rows: Mapping[str, Sequence[Mapping[str, Any]]],
+) -> dict[str, Any] | None:
+    """Which thread ran and which held the GIL, snapshot by snapshot, around the worst step."""
+    dumps = run.dumps
+    if not len(dumps) or worst is None:
+        return None
+    rank = worst["rank"]
+    d = dumps[dumps["rank"] == rank] if rank in set(dumps["rank"]) else dumps
+    times = sorted({int(t) for t in d["t"]})
+    if not times:
+        return None
+    chosen, zoom = _chosen_snapshots(times, t0 + worst["start_s"] * 1e9, t0 + worst["end_s"] * 1e9)
+    d = d[d["t"].isin(set(chosen))]
+    interval = (chosen[-1] - chosen[0]) / max(1, len(chosen) - 1) if len(chosen) > 1 else 1e9
+    threads = [_thread_lane(name, snaps, interval) for name, snaps in _snapshots_by_thread(d, t0).items()]
     # busiest first: the GIL holder on top, idle helper threads at the bottom
     threads.sort(key=lambda t: (-t["gil_snapshots"], -t["active_snapshots"], t["name"]))
     lo = chosen[0] / 1e9 - t0 / 1e9 - interval / 2e9

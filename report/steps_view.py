@@ -1,17 +1,23 @@
 """The step chart's and the time ledger's data: the ranks drawn step by step, bars binned beyond
 MAX_STEP_BARS, the loss curve. Step causes come from the judge (analyzers/step_causes.py)."""
 
+from __future__ import annotations
+
 import math
+from typing import TYPE_CHECKING, Any
 
 from traindx.derive import ledger as L
 from traindx.report.text import median, num
+
+if TYPE_CHECKING:
+    from traindx.derive.run import RunRecord
 
 MAX_STEP_BARS = 800  # more steps than this are binned (about one bar per pixel)
 
 MAX_TIMELINE_RANKS = 32  # ranks drawn per-step (timeline, heatmap); the rest in ranks_summary
 
 
-def timeline_ranks(st, worst_rank):
+def timeline_ranks(st: Any, worst_rank: str | None) -> list[str]:
     """The ranks drawn step by step: all of them up to MAX_TIMELINE_RANKS; beyond, the first
     rank, the worst step's rank and the ranks with the slowest median step (in rank order)."""
     ranks = list(dict.fromkeys(st["rank"]))
@@ -28,10 +34,10 @@ def timeline_ranks(st, worst_rank):
     return [r for r in ranks if r in keep]
 
 
-def rows_of(st, ranks):
+def rows_of(st: Any, ranks: list[str]) -> dict[str, list[dict[str, Any]]]:
     """{rank: [step dicts]} of the given ranks (what the charts draw)."""
     sub = st[st["rank"].isin(ranks)]
-    out = {r: [] for r in ranks}
+    out: dict[str, list[dict[str, Any]]] = {r: [] for r in ranks}
     cols = ["step", "start_s", "end_s", "duration_s", "compile_s", "gc_s", "slow", "cause"]
     for rank, group in sub.groupby("rank", sort=False):
         values = {c: group[c].tolist() for c in cols}
@@ -51,7 +57,7 @@ def rows_of(st, ranks):
     return {r: rows for r, rows in out.items() if rows}
 
 
-def bin_steps(rows, limit=MAX_STEP_BARS):
+def bin_steps(rows: list[dict[str, Any]], limit: int = MAX_STEP_BARS) -> list[dict[str, Any]]:
     """At most `limit` bars: consecutive steps are merged; a bin's bar is its median step, and its
     slowest step (with the most common slow cause) rides on top, so outliers stay visible."""
     if len(rows) <= limit:
@@ -61,7 +67,7 @@ def bin_steps(rows, limit=MAX_STEP_BARS):
     for i in range(0, len(rows), size):
         chunk = rows[i : i + size]
         slow = [s for s in chunk if s["slow"]]
-        causes = {}
+        causes: dict[str, int] = {}
         for s in slow:
             causes[s["cause"]] = causes.get(s["cause"], 0) + 1
         out.append(
@@ -71,7 +77,7 @@ def bin_steps(rows, limit=MAX_STEP_BARS):
                 "end_s": chunk[-1]["end_s"],
                 "duration_s": median([s["duration_s"] for s in chunk]),
                 "max_s": max(s["duration_s"] for s in chunk),
-                "cause": max(causes, key=causes.get) if causes else "normal",
+                "cause": max(causes, key=lambda c: causes[c]) if causes else "normal",
                 "slow": bool(slow),
                 "slow_count": len(slow),
                 "binned": len(chunk),
@@ -83,7 +89,7 @@ def bin_steps(rows, limit=MAX_STEP_BARS):
     return out
 
 
-def losses_of(run):
+def losses_of(run: RunRecord) -> dict[int, float]:
     ls = run.log_steps
     if not len(ls) or "loss" not in ls:
         return {}
@@ -95,13 +101,13 @@ def losses_of(run):
     }
 
 
-def _mean_labelled(line):
+def _mean_labelled(line: str | None) -> str | None:
     """The ledger's 'step 1.23 s = …' is a mean (its parts add up only as means): say so, so it
     never reads as a second step time beside the median."""
     return f"mean {line}" if line and line.startswith("step ") else line
 
 
-def ledger_view(run, rank=None):
+def ledger_view(run: RunRecord, rank: str | None = None) -> dict[str, Any]:
     """The time ledger of one rank (the given one, else the slowest by mean step): per-step
     stacked parts (binned beyond MAX_STEP_BARS), the run total per category, start-up, and the
     one-line breakdown of the steady steps."""

@@ -1,13 +1,21 @@
 """Terminal output: the ranked summary after a job (the live view while it runs:
 report/live_view.py)."""
 
+from __future__ import annotations
+
 import sys
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
 from traindx.common.units import fmt_s
+
+if TYPE_CHECKING:
+    from traindx.analyzers.findings import Finding
+    from traindx.derive.run import RunRecord
 
 SEVERITY_STYLE = {"critical": "bold red", "high": "red", "medium": "yellow", "low": "cyan", "info": "dim"}
 SUMMARY_ROWS = 6
@@ -24,10 +32,12 @@ FIX_MARK = {
 _OPEN, _CLOSE = "([{", ")]}"
 
 
-def _atoms(text):
+def _atoms(text: str) -> list[str]:
     """Words of text, where code stays one atom: a call or an index (DataLoader(a=1, b=2),
     x[0, 1]) or a `quoted` span never breaks inside; a prose parenthesis (like this one) does."""
-    atoms, current, stack, quoted = [], "", [], False
+    atoms: list[str] = []
+    stack: list[bool] = []
+    current, quoted = "", False
     for word in text.split():
         current = f"{current} {word}" if current else word
         for i, ch in enumerate(word):
@@ -46,7 +56,7 @@ def _atoms(text):
     return atoms
 
 
-def wrap_keeping_code(text, width, first="", indent="  "):
+def wrap_keeping_code(text: str, width: int, first: str = "", indent: str = "  ") -> list[str]:
     """Lines of at most width (when an atom fits), broken only between atoms; an atom longer
     than a line is printed whole on its own line (a terminal folds it, a log file keeps it)."""
     lines, line, empty = [], first, True
@@ -60,7 +70,7 @@ def wrap_keeping_code(text, width, first="", indent="  "):
     return lines
 
 
-def _say(console, text, style=None, first="", indent="  "):
+def _say(console: Console, text: str, style: str = "", first: str = "", indent: str = "  ") -> None:
     """Print prose that may hold code: wrapped at the console's width between atoms only, and
     never re-wrapped by rich (soft_wrap), so a log file holds each piece of code whole."""
     for i, line in enumerate(wrap_keeping_code(text, console.width, first, indent)):
@@ -70,7 +80,7 @@ def _say(console, text, style=None, first="", indent="  "):
             console.print(Text(line, style=style), soft_wrap=True)
 
 
-def _stats_line(data):
+def _stats_line(data: Mapping[str, Any]) -> list[str]:
     """The run's numbers, one labelled statistic each, as parts joined by ' · '."""
     st = data["stats"]
     parts = [
@@ -91,7 +101,7 @@ def _stats_line(data):
     return parts
 
 
-def _print_parts(console, parts, style=None):
+def _print_parts(console: Console, parts: list[str], style: str = "") -> None:
     """' · '-joined parts, wrapped between parts (a number never leaves its label)."""
     line = ""
     for part in parts:
@@ -104,7 +114,7 @@ def _print_parts(console, parts, style=None):
         console.print(Text(line, style=style), soft_wrap=True)
 
 
-def _print_verdict(console, v):
+def _print_verdict(console: Console, v: Mapping[str, Any]) -> None:
     if v["kind"] == "change":
         _say(console, v["headline"], style="bold green", first="Verdict: ")
         if v["gain_s"]:
@@ -134,7 +144,9 @@ def _print_verdict(console, v):
         _say(console, v["headline"], style="green")
 
 
-def print_summary(run, findings, report_path=None, console=None):
+def print_summary(
+    run: RunRecord, findings: list[Finding], report_path: str | None = None, console: Console | None = None
+) -> None:
     """The verdict and the top findings, from the same report data as the HTML report. Fits 80
     columns and a log file: numbers wrap between parts, code is never broken, prescriptions are
     listed under the table (numbered) rather than cut in a column."""
@@ -153,7 +165,7 @@ def print_summary(run, findings, report_path=None, console=None):
                 _print_parts(
                     console,
                     [f"{head} = {parts[0]}"] + parts[1:] if parts else [line],
-                    style="dim" if line is st.get("startup_line") else None,
+                    style="dim" if line is st.get("startup_line") else "",
                 )
     _print_verdict(console, v)
     problems = [f for f in data["findings"] if f["severity"] != "info"]
@@ -208,3 +220,31 @@ def print_summary(run, findings, report_path=None, console=None):
     if report_path:
         console.print(f"report: {report_path}", markup=False, highlight=False, soft_wrap=True)
     console.print(f"run: {run.path}", markup=False, highlight=False, soft_wrap=True)
+
+
+def print_file_summary(path: str, findings: list[Finding], console: Console | None = None) -> None:
+    """The findings of a py-spy recording on its own (`diagnose analyze FILE`): stacks only."""
+    console = console or Console(file=sys.stderr)
+    console.rule("traindx")
+    console.print(
+        f"py-spy recording: {path} (stacks only: no steps, no compile keys)", markup=False, highlight=False
+    )
+    if not findings:
+        console.print(Text("No JIT compiles after the first call were found in these stacks.", style="green"))
+        return
+    table = Table(show_header=True, header_style="bold")
+    table.add_column("severity")
+    table.add_column("finding")
+    table.add_column("per recompile", justify="right")
+    table.add_column("first prescription")
+    for f in findings:
+        lost = "-" if f.seconds_lost_per_step is None else f"{f.seconds_lost_per_step:.2f} s"
+        table.add_row(
+            Text(f.severity, style=SEVERITY_STYLE.get(f.severity, "")),
+            Text(f.title),
+            lost,
+            Text(f.prescriptions[0].summary if f.prescriptions else ""),
+        )
+    console.print(table)
+    for f in findings[:3]:
+        console.print(Text(f.summary, style="cyan"))

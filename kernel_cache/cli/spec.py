@@ -19,7 +19,11 @@ A `max_seqlen` passed as a tensor instead of a Python int selects other keys (an
 a new key per call, which no cache can fix); `--spec ...,tensor_maxseqlen` warms that variant.
 """
 
+from __future__ import annotations
+
 import re
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 from traindx.common.errors import UserError
 from traindx.common.hfconfig import load_hf_config
@@ -70,7 +74,7 @@ _FLAGS = {"causal", "varlen", "deterministic", "fwd", "tensor_maxseqlen"}
 _INTS = {"hd", "hdv", "hq", "hkv", "batch"}
 
 
-def arch_number(arch):
+def arch_number(arch: str | int) -> int:
     """'sm_90' / 'sm90a' / '90' / 90 -> 90."""
     if isinstance(arch, int):
         return arch
@@ -83,7 +87,7 @@ def arch_number(arch):
     return n
 
 
-def arch_env(arch, num_sms=None):
+def arch_env(arch: str | int, num_sms: int | None = None) -> dict[str, str]:
     """The variables that make FA4 pick and CuTe DSL target an arch without that GPU."""
     n = arch_number(arch)
     suffix = "" if n // 10 == 8 else "a"
@@ -95,8 +99,8 @@ def arch_env(arch, num_sms=None):
 
 
 # -- --spec ----------------------------------------------------------------------------------------
-def parse_spec(text):
-    spec = {
+def parse_spec(text: str) -> dict[str, Any]:
+    spec: dict[str, Any] = {
         "hd": None,
         "hdv": None,
         "hq": 16,
@@ -159,7 +163,7 @@ def parse_spec(text):
     return spec
 
 
-def expand_range(lo, hi):
+def expand_range(lo: int, hi: int) -> set[int]:
     """The lengths that stand for every length in [lo, hi]: FA4's keys change only where a length
     crosses a tile size (<= 256 rows, divided by the GQA ratio), so every multiple of 8 up to 256
     plus the powers of two above it and `hi` itself hit each distinct key of the range."""
@@ -171,19 +175,19 @@ def expand_range(lo, hi):
     return {v for v in values if lo <= v <= hi}
 
 
-def parse_seqlens(text, varlen=False):
+def parse_seqlens(text: str | None, varlen: bool = False) -> list[int]:
     """'2048,4096' or a range '16-4096' (see expand_range). Default: 4096; for varlen the range
     8-4096, since a pack's max_seqlen changes from batch to batch."""
     if text is None:
         return sorted(expand_range(8, DEFAULT_SEQLENS[0])) if varlen else list(DEFAULT_SEQLENS)
-    values = set()
+    values: set[int] = set()
     try:
         for part in str(text).replace(" ", "").split(","):
             if not part:
                 continue
-            lo, dash, hi = part.partition("-")
+            low, dash, high = part.partition("-")
             if dash:
-                lo, hi = int(lo), int(hi)
+                lo, hi = int(low), int(high)
                 if lo <= 0 or hi < lo:
                     raise ValueError
                 values |= expand_range(lo, hi)
@@ -198,7 +202,7 @@ def parse_seqlens(text, varlen=False):
     return sorted(values)
 
 
-def spec_label(spec, seqlen):
+def spec_label(spec: Mapping[str, Any], seqlen: int) -> str:
     parts = [
         f"hd={spec['hd']}" + (f"/{spec['hdv']}" if spec["hdv"] != spec["hd"] else ""),
         f"hq={spec['hq']}",
@@ -218,26 +222,27 @@ def spec_label(spec, seqlen):
     return ",".join(parts)
 
 
-def spread_order(values):
+def spread_order(values: Iterable[int]) -> list[int]:
     """Longest, shortest, then midpoints: lengths likely to need different kernels come first, so
     parallel processes rarely compile the same key at the same time."""
-    values = sorted(values)
-    if len(values) <= 2:
-        return values[::-1]
-    out, spans = [values[-1], values[0]], [(0, len(values) - 1)]
+    ordered = sorted(values)
+    if len(ordered) <= 2:
+        return ordered[::-1]
+    out, spans = [ordered[-1], ordered[0]], [(0, len(ordered) - 1)]
     while spans:
         lo, hi = spans.pop(0)
         if hi - lo < 2:
             continue
         mid = (lo + hi) // 2
-        out.append(values[mid])
+        out.append(ordered[mid])
         spans += [(lo, mid), (mid, hi)]
     return out
 
 
-def shape_items(specs, seqlens_text=None):
+def shape_items(specs: Iterable[Mapping[str, Any]], seqlens_text: str | None = None) -> list[dict[str, Any]]:
     """One work item per (spec, sequence length); duplicates dropped."""
-    items, seen = [], set()
+    items: list[dict[str, Any]] = []
+    seen: set[str] = set()
     for spec in specs:
         for seqlen in spread_order(parse_seqlens(seqlens_text, varlen=spec["varlen"])):
             item = dict(spec, kind="shape", seqlen=seqlen)
@@ -249,15 +254,16 @@ def shape_items(specs, seqlens_text=None):
 
 
 # -- --model config.json -----------------------------------------------------------------------------
-def _text_config(config):
+def _text_config(config: Mapping[str, Any]) -> Mapping[str, Any]:
     """Multimodal configs (Qwen3.5, Qwen3-VL, Llama 4, ...) keep the language model in text_config."""
     for key in ("text_config", "llm_config", "language_config"):
         if isinstance(config.get(key), dict) and "num_attention_heads" in config[key]:
-            return config[key]
+            text_config: Mapping[str, Any] = config[key]
+            return text_config
     return config
 
 
-def attention_layers(config):
+def attention_layers(config: Mapping[str, Any]) -> tuple[list[tuple[str, dict[str, Any]]], Mapping[str, Any]]:
     """[(description, attention fields)] of the softmax-attention layers FA4 runs for a model.
 
     Hybrid models (Qwen3-Next, Qwen3.5 family) interleave linear-attention layers (Gated DeltaNet,
@@ -300,13 +306,13 @@ def attention_layers(config):
     sliding = text.get("sliding_window")
     if text.get("use_sliding_window") is False:
         sliding = None
-    kinds = {}
+    kinds: dict[str, list[int]] = {}
     if layer_types:
         for i, kind in enumerate(layer_types):
             kinds.setdefault(kind, []).append(i)
     else:
         kinds["full_attention" if not sliding else "sliding_attention"] = list(range(n_layers))
-    out = []
+    out: list[tuple[str, dict[str, Any]]] = []
     for kind, layers in kinds.items():
         if kind in ("full_attention", "attention", "global_attention"):
             out.append((f"{kind} ({len(layers)} layers)", dict(base)))
@@ -322,8 +328,15 @@ def attention_layers(config):
 
 
 def model_specs(
-    path, varlen=False, causal=True, dtype=None, deterministic=False, batch=None, tp=1, fwd_only=False
-):
+    path: str,
+    varlen: bool = False,
+    causal: bool = True,
+    dtype: str | None = None,
+    deterministic: bool = False,
+    batch: int | None = None,
+    tp: int = 1,
+    fwd_only: bool = False,
+) -> tuple[list[dict[str, Any]], list[str]]:
     config = load_hf_config(path)
     layers, text = attention_layers(config)
     if dtype is None:
@@ -331,7 +344,8 @@ def model_specs(
             str(text.get("torch_dtype") or text.get("dtype") or config.get("torch_dtype") or "bfloat16"),
             "bf16",
         )
-    specs, notes = [], []
+    specs: list[dict[str, Any]] = []
+    notes: list[str] = []
     for desc, attn in layers:
         hq, hkv = attn["hq"], attn["hkv"]
         if tp > 1:
@@ -366,11 +380,11 @@ REPLAY_FIRST = ("_flash_attn_fwd", "_flash_attn_bwd")
 TENSOR_IN_KEY = re.compile(r"\b(?:Fake)?Tensor\(|\btensor\(")
 
 
-def run_items(run_path):
+def run_items(run_path: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """The distinct FA4 compiles of a run, as replay items (forward and backward first: they also
     compile the backward pre/post kernels, whose own events are then replayed only if missed).
     Returns (items, info) with info: arch, num_sms and FA4 environment variables of the run."""
-    from traindx.derive.run import load_run
+    from traindx.derive.run import load_run  # lazy: pandas, only for --from-run
 
     run = load_run(run_path)
     compiles = run.compiles
@@ -379,7 +393,9 @@ def run_items(run_path):
     fa4 = compiles[(compiles["kind"] == "cute_dsl") & compiles["fa4"].map(lambda v: isinstance(v, dict))]
     if not len(fa4):
         raise UserError(f"{run.path}: the run recorded no FA4 (CuTe DSL) compiles to replay")
-    items, seen, archs = [], {}, set()
+    items: list[dict[str, Any]] = []
+    seen: dict[tuple[Any, Any], dict[str, Any]] = {}
+    archs: set[int] = set()
     for row in fa4.itertuples():
         info = row.fa4
         function = info.get("function")
@@ -439,7 +455,7 @@ def run_items(run_path):
     }
 
 
-def _int_or_none(v):
+def _int_or_none(v: Any) -> int | None:
     try:
         return None if v is None or v != v else int(v)
     except (TypeError, ValueError):

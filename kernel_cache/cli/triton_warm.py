@@ -18,6 +18,9 @@ files (`<kernel>.json`, read with FLA_CACHE_MODE=strict|fuzzy|full, FLA_CONFIG_D
 configs the run chose.
 """
 
+from __future__ import annotations
+
+import argparse
 import ast
 import hashlib
 import json
@@ -26,10 +29,22 @@ import shlex
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Mapping
+from importlib import metadata
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
+from traindx.common import argtypes
+from traindx.common.atomic import write_text
 from traindx.common.envvars import reads
 from traindx.common.errors import UserError
+from traindx.kernel_cache.cli.warm import gpu_arch
+
+if TYPE_CHECKING:
+    from traindx.derive.run import RunRecord
+
+Say = Callable[[str], object]
+Event = dict[str, Any]
 
 TRITON_KINDS = ("triton_autotune", "triton")
 CONFIG_OPTIONS = ("num_warps", "num_ctas", "num_stages", "maxnreg", "ir_override")
@@ -39,10 +54,8 @@ NO_GPU_EXIT = 3
 WARMUP_TIMEOUT_S = 3600
 
 
-def add_arguments(parser):
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     """`kernel-cache warm` options for Triton kernels (called from cli.prepare_warm)."""
-    from traindx.common import argtypes
-
     g = parser.add_argument_group("Triton / flash-linear-attention kernels (--from-run)")
     g.add_argument(
         "--triton-cache-dir",
@@ -61,7 +74,7 @@ def add_arguments(parser):
 
 
 # -- what the run recorded -----------------------------------------------------------------------
-def triton_events(run):
+def triton_events(run: RunRecord) -> list[Event]:
     """The run's Triton compile and autotune events (all ranks) as dicts, oldest first."""
     compiles = run.compiles
     if not len(compiles) or "kind" not in compiles:
@@ -70,18 +83,19 @@ def triton_events(run):
     return [{k: v for k, v in row.items() if not _missing(v)} for row in rows.to_dict("records")]
 
 
-def _missing(value):
+def _missing(value: object) -> bool:
     return value is None or (isinstance(value, float) and value != value)
 
 
-def has_fa4_compiles(run):
+def has_fa4_compiles(run: RunRecord) -> bool:
     compiles = run.compiles
     return bool(len(compiles)) and "kind" in compiles and bool((compiles["kind"] == "cute_dsl").any())
 
 
-def plan(run, events):
+def plan(run: RunRecord, events: list[Event]) -> dict[str, Any]:
     """What a warm-up must cover: kernels, keys, and the steps the run needed to meet them all."""
-    tuned, compiled = {}, {}
+    tuned: dict[str, dict[str, Any]] = {}
+    compiled: dict[str, dict[str, Any]] = {}
     last_step = 0
     for e in events:
         step = e.get("step")
@@ -106,17 +120,18 @@ def plan(run, events):
     }
 
 
-def default_cache_dir(run):
+def default_cache_dir(run: RunRecord) -> str:
     """The TRITON_CACHE_DIR the prescriptions name: the job's own, else beside the run folders."""
     env = run.manifest.get("environment") or run.manifest.get("env") or {}
     if os.environ.get("TRITON_CACHE_DIR"):
         return os.environ["TRITON_CACHE_DIR"]
     if isinstance(env.get("TRITON_CACHE_DIR"), str) and env["TRITON_CACHE_DIR"] != "<redacted>":
-        return env["TRITON_CACHE_DIR"]
+        job_dir: str = env["TRITON_CACHE_DIR"]
+        return job_dir
     return os.path.abspath(os.path.join(run.path, os.pardir, "triton-cache"))
 
 
-def persistence_env(packages, cache_dir):
+def persistence_env(packages: Mapping[str, str], cache_dir: str | os.PathLike[str]) -> dict[str, str]:
     """The variables that make the installed Triton/FLA keep compiled kernels and choices."""
     env = {"TRITON_CACHE_DIR": str(cache_dir)}
     if reads(packages, "triton", "TRITON_CACHE_AUTOTUNING"):
@@ -126,9 +141,7 @@ def persistence_env(packages, cache_dir):
     return env
 
 
-def installed_packages():
-    from importlib import metadata
-
+def installed_packages() -> dict[str, str]:
     out = {}
     for name in ("triton", "fla-core", "flash-linear-attention"):
         try:
@@ -139,18 +152,18 @@ def installed_packages():
 
 
 # -- FLA's own config files ------------------------------------------------------------------------
-def _literal(text):
+def _literal(text: object) -> Any:
     try:
         return ast.literal_eval(str(text))
     except (ValueError, SyntaxError, MemoryError, RecursionError):
         return None
 
 
-def fla_config_files(events, triton_version=None):
+def fla_config_files(events: list[Event], triton_version: str | None = None) -> dict[str, dict[str, Any]]:
     """{kernel: file content} in the format of fla/ops/utils/cache.py (0.6.0): `autotune_entries`
     keyed by md5 of the JSON of the autotune key (key values, then the dtype of every tensor
     argument: Triton's tuning key), each with the chosen `config` split into kwargs and options."""
-    files = {}
+    files: dict[str, dict[str, Any]] = {}
     for e in events:
         if e.get("kind") != "triton_autotune" or not e.get("best_config"):
             continue
@@ -183,15 +196,17 @@ def fla_config_files(events, triton_version=None):
     return files
 
 
-def write_fla_configs(events, directory, triton_version=None):
-    directory = Path(directory)
+def write_fla_configs(
+    events: list[Event], directory: str | os.PathLike[str], triton_version: str | None = None
+) -> list[Path]:
+    folder = Path(directory)
     files = fla_config_files(events, triton_version)
     if not files:
         return []
-    directory.mkdir(parents=True, exist_ok=True)
+    folder.mkdir(parents=True, exist_ok=True)
     written = []
     for kernel, content in files.items():
-        path = directory / f"{kernel}.json"
+        path = folder / f"{kernel}.json"
         if path.exists():  # keep entries another run wrote
             try:
                 old = json.loads(path.read_text())
@@ -201,13 +216,13 @@ def write_fla_configs(events, directory, triton_version=None):
                 }
             except (OSError, ValueError):
                 pass
-        path.write_text(json.dumps(content, indent=1, sort_keys=True))
+        write_text(path, json.dumps(content, indent=1, sort_keys=True))
         written.append(path)
     return written
 
 
 # -- the warm-up -------------------------------------------------------------------------------------
-def warmup_command(the_plan, run_dir):
+def warmup_command(the_plan: Mapping[str, Any], run_dir: str | os.PathLike[str]) -> list[str]:
     return [
         sys.executable,
         "-m",
@@ -225,17 +240,15 @@ def warmup_command(the_plan, run_dir):
     ]
 
 
-def _gpu_visible():
-    from traindx.kernel_cache.cli.warm import gpu_arch
-
+def _gpu_visible() -> bool:
     return gpu_arch() is not None
 
 
-def check_warmup(the_plan, warm_run):
+def check_warmup(the_plan: Mapping[str, Any], warm_run: RunRecord) -> list[dict[str, Any]]:
     """Per tuned kernel of the plan: did the warm-up tune it with the choices kept on disk?"""
     rows = []
     events = triton_events(warm_run)
-    by_kernel = {}
+    by_kernel: dict[Any, list[Event]] = {}
     for e in events:
         if e.get("kind") == "triton_autotune":
             by_kernel.setdefault(e.get("kernel"), []).append(e)
@@ -267,11 +280,11 @@ def check_warmup(the_plan, warm_run):
     return rows
 
 
-def warm_from_run(args, out=print, err=None):
+def warm_from_run(args: argparse.Namespace, out: Say = print, err: Say | None = None) -> int | None:
     """Returns None when the run compiled no Triton kernel (nothing to do here), else an exit code."""
-    from traindx.derive.run import load_run
+    from traindx.derive.run import load_run  # lazy: pandas, only for --from-run
 
-    err = err or (lambda text: print(text, file=sys.stderr))
+    say = err or _to_stderr
     if getattr(args, "no_triton", False):
         return None
     run = load_run(args.from_run)
@@ -283,7 +296,7 @@ def warm_from_run(args, out=print, err=None):
         # compiles alone: Triton keeps those in TRITON_CACHE_DIR by itself; replaying a whole FA4
         # job for them (e.g. inside `diagnose --fix`) would cost more than it saves
         seconds = sum(c["seconds"] for c in the_plan["compiled"].values())
-        err(
+        say(
             f"kernel-cache warm: Triton: {len(the_plan['compiled'])} kernel(s) compiled ({seconds:.1f} s), "
             "none autotuned: left to Triton's own cache (TRITON_CACHE_DIR)"
         )
@@ -294,44 +307,78 @@ def warm_from_run(args, out=print, err=None):
     env = persistence_env(here or packages, cache_dir)
     names = ", ".join(the_plan["tuned"]) or ", ".join(the_plan["compiled"])
     bench = sum(t["bench_s"] for t in the_plan["tuned"].values())
-    err(
+    say(
         f"kernel-cache warm: Triton: {len(the_plan['tuned'])} autotuned kernel(s) ({bench:.1f} s of "
         f"benchmarking in {run.path}) and {len(the_plan['compiled'])} compiled: {names}"
     )
-    code = 0
     if getattr(args, "fla_config_dir", None):
-        written = write_fla_configs(events, args.fla_config_dir, here.get("triton"))
-        err(
-            f"  FLA config files: {len(written)} written to {args.fla_config_dir} (a job reads them "
-            f"with FLA_CACHE_MODE=fuzzy FLA_CONFIG_DIR={args.fla_config_dir})"
-            if written
-            else "  FLA config files: none (the run recorded no chosen config with a rebuildable key)"
-        )
+        _write_fla_config_files(events, args.fla_config_dir, here.get("triton"), say)
     if not the_plan["command"]:
         raise UserError(f"{run.path}: the manifest holds no command to replay")
     command = warmup_command(the_plan, cache_dir / ".warmup" / time.strftime("%Y%m%d-%H%M%S"))
     exports = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
     if getattr(args, "dry_run", False):
-        out(
-            f"triton warm-up ({the_plan['steps']} step(s), in {the_plan['cwd']}): "
-            f"{exports} {shlex.join(command)}"
-        )
-        for kernel, info in the_plan["tuned"].items():
-            out(
-                f"  autotuned {kernel}: {len(info['keys'])} key(s), {info['bench_s']:.1f} s; "
-                f"first key {info['keys'][0]}"
-            )
-        return code
+        _print_dry_run(the_plan, exports, command, out)
+        return 0
     if not _gpu_visible() and os.environ.get("TRAINDX_TRITON_WARM_ON_CPU") != "1":
-        err(
+        say(
             f"kernel-cache: skipped Triton: the {len(the_plan['tuned'])} autotuned kernel(s) need a "
             "GPU to benchmark, and Triton's interpreter keeps no autotune results (TRITON_INTERPRET=1 "
             "turns cache_results off): run this on a GPU node of the job's kind"
         )
         return NO_GPU_EXIT
     cache_dir.mkdir(parents=True, exist_ok=True)
-    err(f"  warm-up: the run's command for {the_plan['steps']} step(s) with {exports}")
+    say(f"  warm-up: the run's command for {the_plan['steps']} step(s) with {exports}")
     started = time.perf_counter()
+    proc, run_dir = _run_warmup(command, the_plan, env)
+    seconds = time.perf_counter() - started
+    rows = check_warmup(the_plan, load_run(run_dir))
+    for r in rows:
+        out(
+            f"  {'ok ' if r['ok'] else 'FAIL'} {r['kernel']}: {r['warm_keys']} key(s) tuned "
+            f"({r['disk_hits']} from disk, {r['bench_s']:.1f} s) for the run's {r['run_keys']}: "
+            f"{r['status']}"
+        )
+    out(f"triton cache: {cache_dir} ({seconds:.0f} s, warm-up run {run_dir}); a job uses it with:")
+    for k, v in env.items():
+        out(f"  export {k}={shlex.quote(v)}")
+    if proc.returncode not in (0, None):
+        say(f"kernel-cache: the warm-up job exited {proc.returncode} (see {run_dir}/log.txt)")
+    failed = [r for r in rows if not r["ok"]]
+    return 1 if failed or not rows else 0
+
+
+def _to_stderr(text: str) -> None:
+    print(text, file=sys.stderr)
+
+
+def _write_fla_config_files(
+    events: list[dict[str, Any]], directory: str, triton_version: str | None, say: Say
+) -> None:
+    written = write_fla_configs(events, directory, triton_version)
+    say(
+        f"  FLA config files: {len(written)} written to {directory} (a job reads them "
+        f"with FLA_CACHE_MODE=fuzzy FLA_CONFIG_DIR={directory})"
+        if written
+        else "  FLA config files: none (the run recorded no chosen config with a rebuildable key)"
+    )
+
+
+def _print_dry_run(the_plan: dict[str, Any], exports: str, command: list[str], out: Say) -> None:
+    out(
+        f"triton warm-up ({the_plan['steps']} step(s), in {the_plan['cwd']}): {exports} {shlex.join(command)}"
+    )
+    for kernel, info in the_plan["tuned"].items():
+        out(
+            f"  autotuned {kernel}: {len(info['keys'])} key(s), {info['bench_s']:.1f} s; "
+            f"first key {info['keys'][0]}"
+        )
+
+
+def _run_warmup(
+    command: list[str], the_plan: dict[str, Any], env: dict[str, str]
+) -> tuple[subprocess.CompletedProcess[str], Path]:
+    """The run's command for the plan's steps, recorded by `diagnose` into its own run folder."""
     try:
         proc = subprocess.run(
             command,
@@ -344,22 +391,8 @@ def warm_from_run(args, out=print, err=None):
         )
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise UserError(f"the Triton warm-up did not finish: {exc}") from None
-    seconds = time.perf_counter() - started
     run_dir = Path(command[command.index("--run-dir") + 1])
     if not (run_dir / "manifest.json").exists():
         tail = "\n".join(proc.stdout.splitlines()[-5:])
         raise UserError(f"the Triton warm-up wrote no run ({run_dir}); its output ended: {tail}")
-    rows = check_warmup(the_plan, load_run(run_dir))
-    for r in rows:
-        out(
-            f"  {'ok ' if r['ok'] else 'FAIL'} {r['kernel']}: {r['warm_keys']} key(s) tuned "
-            f"({r['disk_hits']} from disk, {r['bench_s']:.1f} s) for the run's {r['run_keys']}: "
-            f"{r['status']}"
-        )
-    out(f"triton cache: {cache_dir} ({seconds:.0f} s, warm-up run {run_dir}); a job uses it with:")
-    for k, v in env.items():
-        out(f"  export {k}={shlex.quote(v)}")
-    if proc.returncode not in (0, None):
-        err(f"kernel-cache: the warm-up job exited {proc.returncode} (see {run_dir}/log.txt)")
-    failed = [r for r in rows if not r["ok"]]
-    return 1 if failed or not rows else code
+    return proc, run_dir

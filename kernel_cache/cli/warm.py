@@ -6,15 +6,20 @@ compile holds the GIL. Two processes that meet the same key are safe: FA4 writes
 file lock, to a temporary name renamed into place.
 """
 
+from __future__ import annotations
+
 import multiprocessing
 import os
 import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 from traindx.kernel_cache.cli import worker
 from traindx.kernel_cache.store import cache as store
@@ -22,25 +27,27 @@ from traindx.kernel_cache.store import cache as store
 
 @dataclass
 class WarmReport:
-    results: list = field(default_factory=list)
+    results: list[dict[str, Any]] = field(default_factory=list)
     seconds: float = 0.0
     jobs: int = 1
     log_dir: str = ""
 
     @property
-    def written(self):
+    def written(self) -> int:
         return sum(1 for r in self.results for k in r["kernels"] if k["status"] == "written")
 
     @property
-    def present(self):
+    def present(self) -> int:
         return sum(1 for r in self.results for k in r["kernels"] if k["status"] == "present")
 
     @property
-    def failed(self):
+    def failed(self) -> list[dict[str, Any]]:
         return [r for r in self.results if not r["ok"]]
 
 
-def worker_env(cache_dir, arch_vars, extra_env=None):
+def worker_env(
+    cache_dir: str | Path, arch_vars: Mapping[str, str], extra_env: Mapping[str, str] | None = None
+) -> dict[str, str]:
     env = {
         store.ENABLE_VAR: "1",
         store.DIR_VAR: str(cache_dir),
@@ -52,7 +59,15 @@ def worker_env(cache_dir, arch_vars, extra_env=None):
     return env
 
 
-def run_warm(items, cache_dir, arch_vars, jobs=1, fake=True, extra_env=None, progress=None):
+def run_warm(
+    items: Sequence[dict[str, Any]],
+    cache_dir: str | Path,
+    arch_vars: Mapping[str, str],
+    jobs: int = 1,
+    fake: bool = True,
+    extra_env: Mapping[str, str] | None = None,
+    progress: Callable[[dict[str, Any]], None] | None = None,
+) -> WarmReport:
     """Compile `items`; `progress(result)` is called as each finishes. Returns a WarmReport."""
     jobs = max(1, min(jobs, len(items)))
     env = worker_env(cache_dir, arch_vars, extra_env)
@@ -61,7 +76,7 @@ def run_warm(items, cache_dir, arch_vars, jobs=1, fake=True, extra_env=None, pro
     start = time.perf_counter()
     ctx = multiprocessing.get_context("spawn")
     pending = list(items)
-    pools = []
+    pools: list[ProcessPoolExecutor] = []
     try:
         pool = ProcessPoolExecutor(
             max_workers=jobs,
@@ -114,14 +129,14 @@ def run_warm(items, cache_dir, arch_vars, jobs=1, fake=True, extra_env=None, pro
     return report
 
 
-def default_jobs(n_items):
+def default_jobs(n_items: int) -> int:
     return max(1, min(n_items, os.cpu_count() or 1, 8))
 
 
-def gpu_arch():
+def gpu_arch() -> tuple[int, int] | None:
     """(arch number, SM count) of the visible GPU, or None on a machine without one."""
     try:
-        import torch
+        import torch  # lazy: optional, and seconds to import
 
         if not torch.cuda.is_available():
             return None
@@ -131,5 +146,5 @@ def gpu_arch():
         return None
 
 
-def stderr_is_tty():
+def stderr_is_tty() -> bool:
     return sys.stderr.isatty()

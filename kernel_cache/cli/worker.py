@@ -6,17 +6,25 @@ here is imported by the parent: torch and FA4 are imported after `init` has set 
 because FA4 reads its cache switches at import time.
 """
 
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import importlib
 import inspect
 import os
 import sys
 import time
 import traceback
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
-_state = {"ready": False, "lookups": [], "exports": {}, "fake": True, "held": {}}
+_state: dict[str, Any] = {"ready": False, "lookups": [], "exports": {}, "fake": True, "held": {}}
 REJECT_TYPES = (AssertionError, ValueError, NotImplementedError, TypeError)
 
 
-def init(env, log_path=None, fake=True):
+def init(env: Mapping[str, str], log_path: str | None = None, fake: bool = True) -> None:
     os.environ.update(env)
     _state["fake"] = fake
     if log_path:
@@ -29,12 +37,11 @@ def init(env, log_path=None, fake=True):
         os.close(fd)
 
 
-def _setup():
+def _setup() -> None:
     if _state["ready"]:
         return
-    import warnings
-
     warnings.filterwarnings("ignore")
+    # after init set the environment: FA4 reads its cache switches at import time
     import flash_attn.cute.cache_utils as cache_utils
     import flash_attn.cute.interface  # noqa: F401
 
@@ -44,7 +51,7 @@ def _setup():
     _state["ready"] = True
 
 
-def _instrument(cache_utils):
+def _instrument(cache_utils: Any) -> None:
     """Observe FA4's persistent cache (which keys each call looked up, what each export did), and
     make parallel workers take turns on a key: the second one waits, then loads the first's entry
     instead of compiling the same kernel again."""
@@ -53,7 +60,7 @@ def _instrument(cache_utils):
     original_contains = cls.__contains__
     original_export = cls._try_export_to_storage
 
-    def __contains__(self, key):
+    def __contains__(self: Any, key: Any) -> bool:
         in_memory = base_contains(self, key)
         found = original_contains(self, key)
         digest = self._key_to_hash(key)
@@ -66,18 +73,18 @@ def _instrument(cache_utils):
                     _release(self.cache_path.name, digest)
                     found, status = True, "disk"
         _state["lookups"].append((self.cache_path.name, digest, key, status))
-        return found
+        return bool(found)
 
-    def _try_export_to_storage(self, key, fn):
+    def _try_export_to_storage(self: Any, key: Any, fn: Any) -> None:
         digest = self._key_to_hash(key)
         path = self.cache_path / f"{digest}.o"
-        exported = []
+        exported: list[bool] = []
 
         class Probe:  # sees whether FA4 exports or finds the entry already written
-            def __getattr__(self, name):
+            def __getattr__(self, name: str) -> Any:
                 return getattr(fn, name)
 
-            def export_to_c(self, *args, **kwargs):
+            def export_to_c(self, *args: Any, **kwargs: Any) -> Any:
                 exported.append(True)
                 return fn.export_to_c(*args, **kwargs)
 
@@ -93,7 +100,7 @@ def _instrument(cache_utils):
             status = "export failed"
         _state["exports"][(self.cache_path.name, digest)] = status
 
-    def get(self, key):  # newer releases look a key up once with get() instead of `in`
+    def get(self: Any, key: Any) -> Any:  # newer releases look a key up once with get() instead of `in`
         return cache_utils.JITCache.get(self, key) if __contains__(self, key) else None
 
     cls.__contains__ = __contains__
@@ -105,9 +112,7 @@ def _instrument(cache_utils):
 TURN_TIMEOUT_S = 900  # longer than any single compile; after it, compile anyway
 
 
-def _take_turn(path):
-    import fcntl
-
+def _take_turn(path: str | os.PathLike[str]) -> int | None:
     try:
         fd = os.open(str(path), os.O_WRONLY | os.O_CREAT, 0o644)
     except OSError:
@@ -124,22 +129,20 @@ def _take_turn(path):
             time.sleep(0.1)
 
 
-def _release(family, digest):
-    import fcntl
-
+def _release(family: str, digest: str) -> None:
     fd = _state["held"].pop((family, digest), None)
     if fd is not None:
         fcntl.flock(fd, fcntl.LOCK_UN)
         os.close(fd)
 
 
-def _release_all():
+def _release_all() -> None:
     for family, digest in list(_state["held"]):
         _release(family, digest)
 
 
 # -- tensors ---------------------------------------------------------------------------------------
-def _torch_dtype(name):
+def _torch_dtype(name: str) -> Any:
     import torch
 
     name = str(name).replace("torch.", "")
@@ -153,7 +156,7 @@ class Unreplayable(Exception):
     """A recorded argument that cannot be rebuilt (a callable, a custom object)."""
 
 
-def _empty(shape, dtype, requires_grad=False, device="cuda"):
+def _empty(shape: Sequence[int], dtype: Any, requires_grad: bool = False, device: str = "cuda") -> Any:
     import torch
 
     t = torch.zeros(tuple(shape), dtype=dtype, device=device)
@@ -162,7 +165,7 @@ def _empty(shape, dtype, requires_grad=False, device="cuda"):
     return t
 
 
-def _cu_seqlens(batch, total, device="cuda"):
+def _cu_seqlens(batch: int, total: int, device: str = "cuda") -> Any:
     import torch
 
     # even split of `total` tokens into `batch` sequences (real mode needs valid offsets)
@@ -170,7 +173,7 @@ def _cu_seqlens(batch, total, device="cuda"):
     return torch.tensor(bounds, dtype=torch.int32, device=device)
 
 
-def _rebuild(name, value, args):
+def _rebuild(name: str, value: Any, args: Mapping[str, Any]) -> Any:
     if isinstance(value, dict):
         if value.get("tensor"):
             shape = value.get("shape") or []
@@ -205,14 +208,12 @@ def _rebuild(name, value, args):
     return value
 
 
-def _rebuild_object(name, value, args):
+def _rebuild_object(name: str, value: Mapping[str, Any], args: Mapping[str, Any]) -> Any:
     """An enum member or a dataclass instance the shim recorded with its class and fields (FA4's
     resolved launch configs, its preprocess's PackGQA mode): the same class, imported again."""
-    import importlib
-
     module_name, _, qualname = str(value["class"]).partition(":")
     try:
-        cls = importlib.import_module(module_name)
+        cls: Any = importlib.import_module(module_name)
         for part in qualname.split("."):
             cls = getattr(cls, part)
     except (ImportError, AttributeError) as exc:
@@ -230,23 +231,24 @@ def _rebuild_object(name, value, args):
         ) from None
 
 
-def _cutlass_type(name):
+def _cutlass_type(name: str) -> type | None:
     import cutlass
 
     value = getattr(cutlass, str(name), None)
     return value if isinstance(value, type) else None
 
 
-def _max_seqlen_guess(name, args):
+def _max_seqlen_guess(name: str, args: Mapping[str, Any]) -> int:
     ref = args.get("q" if name.endswith("_q") else "k") or {}
     cu = args.get("cu_seqlens_q" if name.endswith("_q") else "cu_seqlens_k") or {}
     total = (ref.get("shape") or [1])[0]
     batch = max(1, (cu.get("shape") or [2])[0] - 1)
-    return -(-total // batch)
+    guess: int = -(-total // batch)
+    return guess
 
 
 # -- the two kinds of work ---------------------------------------------------------------------------
-def _run_shape(item):
+def _run_shape(item: dict[str, Any]) -> str | None:
     import torch
     from flash_attn.cute import interface as fa
 
@@ -319,7 +321,7 @@ def _run_shape(item):
     return None
 
 
-def _run_replay(item, variant=None):
+def _run_replay(item: dict[str, Any], variant: Mapping[str, Any] | None = None) -> str:
     from flash_attn.cute import interface as fa
 
     function = getattr(fa, item["function"], None)
@@ -340,10 +342,11 @@ def _run_replay(item, variant=None):
     if "fake_mode" in inspect.signature(function).parameters:  # b36's pre/post kernels ask
         kwargs["fake_mode"] = _state["fake"]
     function(**kwargs)
-    return item["function"]
+    name: str = item["function"]
+    return name
 
 
-def _fit_signature(function, recorded):
+def _fit_signature(function: Callable[..., Any], recorded: dict[str, Any]) -> dict[str, Any]:
     """A run recorded with another FA4 release may name arguments this one lacks: unset ones
     (None/False/0) are dropped; one that carries a value cannot be replayed faithfully."""
     params = inspect.signature(function).parameters
@@ -359,29 +362,32 @@ def _fit_signature(function, recorded):
     return {k: v for k, v in recorded.items() if k in params}
 
 
-def replay_variants(item):
+def replay_variants(item: dict[str, Any]) -> list[dict[str, None]]:
     """Other readings of a recorded call. The shim records FA4's locals when the compile starts;
     on sm_100 varlen, forward has by then replaced a tensor (or missing) max_seqlen by the token
     count, which as an int can select another key. Tried only when the key differs."""
     args = item.get("args") or {}
     if item["function"] != "_flash_attn_fwd" or args.get("cu_seqlens_q") is None:
         return []
-    variants = []
-    for names in (("max_seqlen_q",), ("max_seqlen_k",), ("max_seqlen_q", "max_seqlen_k")):
-        if all(isinstance(args.get(n), int) for n in names):
-            variants.append(dict.fromkeys(names))
-    return variants
+    return [
+        dict.fromkeys(names)
+        for names in (("max_seqlen_q",), ("max_seqlen_k",), ("max_seqlen_q", "max_seqlen_k"))
+        if all(isinstance(args.get(n), int) for n in names)
+    ]
 
 
-def _key_text(value, limit):
+def _key_text(value: object, limit: int) -> str:
     """A compile key as the shim wrote it (its text never reads a tensor's data), so the two
     compare."""
     from traindx.profiler.shim._traindx_shim.compiles import safe_repr
 
-    return safe_repr(value, limit)
+    text: str = safe_repr(value, limit)
+    return text
 
 
-def _key_check(item, lookups):
+def _key_check(
+    item: dict[str, Any], lookups: list[tuple[str, str, Any, str]]
+) -> tuple[bool | None, list[str]]:
     """Compare the key this replay produced with the recorded one (field by field if it differs)."""
     expect = item.get("expect_key")
     if not expect:
@@ -404,7 +410,7 @@ def _key_check(item, lookups):
     return False, diffs or ["key differs"]
 
 
-def _reason(exc):
+def _reason(exc: BaseException) -> tuple[bool, str]:
     frames = traceback.extract_tb(exc.__traceback__)
     last = frames[-1] if frames else None
     message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
@@ -415,17 +421,17 @@ def _reason(exc):
     return rejected, f"{type(exc).__name__}: {message}" if not rejected else message
 
 
-def _mode():
+def _mode() -> contextlib.AbstractContextManager[Any]:
     if _state["fake"]:
         from torch._subclasses.fake_tensor import FakeTensorMode
 
-        return FakeTensorMode()
-    import contextlib
+        fake_mode: contextlib.AbstractContextManager[Any] = FakeTensorMode()
+        return fake_mode
 
     return contextlib.nullcontext()
 
 
-def run_item(item):
+def run_item(item: dict[str, Any]) -> dict[str, Any]:
     """Compile one work item; returns what happened to each kernel it needed."""
     start = time.perf_counter()
     result = {
@@ -473,7 +479,9 @@ def run_item(item):
     return result
 
 
-def _attempt(item, variant=None):
+def _attempt(
+    item: dict[str, Any], variant: Mapping[str, Any] | None = None
+) -> list[tuple[str, str, Any, str]]:
     """Run the item's FA4 calls once; returns the cache lookups they made."""
     _state["lookups"] = []
     try:
@@ -484,11 +492,13 @@ def _attempt(item, variant=None):
                 _run_shape(item)
     finally:
         _release_all()  # a compile that failed never reached the export
-    return _state["lookups"]
+    lookups: list[tuple[str, str, Any, str]] = _state["lookups"]
+    return lookups
 
 
-def _kernel_statuses(lookups):
-    seen, keys = {}, {}
+def _kernel_statuses(lookups: list[tuple[str, str, Any, str]]) -> list[dict[str, Any]]:
+    seen: dict[tuple[str, str], str] = {}
+    keys: dict[tuple[str, str], str] = {}
     for family, digest, key, status in lookups:
         if (family, digest) in seen:
             continue

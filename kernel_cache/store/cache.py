@@ -7,6 +7,7 @@ exact FA4 + cutlass + Python that wrote it. Nothing here imports FA4 or cutlass 
 versions come from the package metadata, sources from the installed files.
 """
 
+import functools
 import getpass
 import hashlib
 import importlib.metadata
@@ -19,9 +20,12 @@ import sys
 import tarfile
 import tempfile
 import time
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import IO, Any, cast
 
+from traindx.common.atomic import replace_with, write_json
 from traindx.common.errors import UserError
 
 ENABLE_VAR = "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"
@@ -31,7 +35,7 @@ FINGERPRINT_RE = re.compile(r"^[0-9a-f]{64}$")
 ENTRY_SUFFIX = ".o"
 
 
-def default_cache_dir(environ=None):
+def default_cache_dir(environ: Mapping[str, str] | None = None) -> Path:
     """FA4's own rule: $FLASH_ATTENTION_CUTE_DSL_CACHE_DIR, else <tmp>/<user>/flash_attention_cute_dsl_cache."""
     environ = os.environ if environ is None else environ
     if environ.get(DIR_VAR):
@@ -39,19 +43,19 @@ def default_cache_dir(environ=None):
     return Path(tempfile.gettempdir()) / getpass.getuser() / "flash_attention_cute_dsl_cache"
 
 
-def resolve_cache_dir(cache_dir=None):
+def resolve_cache_dir(cache_dir: str | os.PathLike[str] | None = None) -> Path:
     return Path(cache_dir).expanduser().absolute() if cache_dir else default_cache_dir().absolute()
 
 
 # -- the current environment ---------------------------------------------------------------------
-def _version(dist):
+def _version(dist: str) -> str | None:
     try:
         return importlib.metadata.version(dist)
     except importlib.metadata.PackageNotFoundError:
         return None
 
 
-def fa4_source_dir():
+def fa4_source_dir() -> Path | None:
     try:
         spec = importlib.util.find_spec("flash_attn.cute")
     except (ImportError, ValueError):
@@ -72,13 +76,13 @@ class Environment:
     fa4_dir: str | None
     fingerprint: str | None
 
-    def describe(self):
+    def describe(self) -> str:
         return (
             f"flash-attn-4 {self.fa4 or '?'}, nvidia-cutlass-dsl {self.cutlass or '?'}, "
             f"tvm_ffi {self.tvm_ffi or '?'}, Python {self.python}"
         )
 
-    def versions(self):
+    def versions(self) -> dict[str, str | None]:
         return {
             "python": self.python,
             "flash-attn-4": self.fa4,
@@ -87,7 +91,9 @@ class Environment:
         }
 
 
-def compute_fingerprint(cute_root, python_minor, cutlass_version, tvm_ffi_version):
+def compute_fingerprint(
+    cute_root: str | os.PathLike[str], python_minor: str, cutlass_version: str, tvm_ffi_version: str
+) -> str:
     """The same hash as FA4's cache_utils._compute_source_fingerprint (checked by `verify`)."""
     h = hashlib.sha256()
     h.update(f"py{python_minor}".encode())
@@ -103,10 +109,10 @@ def compute_fingerprint(cute_root, python_minor, cutlass_version, tvm_ffi_versio
     return h.hexdigest()
 
 
-_current = {}
+_current: dict[str, Environment] = {}
 
 
-def current_environment():
+def current_environment() -> Environment:
     if "env" not in _current:
         python = f"{sys.version_info.major}.{sys.version_info.minor}"
         fa4_dir = fa4_source_dir()
@@ -125,7 +131,7 @@ def current_environment():
     return _current["env"]
 
 
-def require_fa4():
+def require_fa4() -> Environment:
     env = current_environment()
     if env.fa4_dir is None:
         raise UserError(
@@ -145,7 +151,7 @@ class Entry:
     size: int
 
     @property
-    def key_hash(self):
+    def key_hash(self) -> str:
         return self.path.name[: -len(ENTRY_SUFFIX)]
 
 
@@ -154,28 +160,28 @@ class CacheFolder:
     """One fingerprint folder: the entries for one FA4 + cutlass + Python."""
 
     path: Path
-    entries: list = field(default_factory=list)
-    metadata: dict | None = None
+    entries: list[Entry] = field(default_factory=list)
+    metadata: dict[str, Any] | None = None
     usable: bool = False
     reason: str = ""  # why it is unusable here, or "" when usable
     stale_files: int = 0  # leftover .tmp.o of an interrupted export
 
     @property
-    def fingerprint(self):
+    def fingerprint(self) -> str:
         return self.path.name
 
     @property
-    def size(self):
+    def size(self) -> int:
         return sum(e.size for e in self.entries)
 
-    def families(self):
-        out = {}
+    def families(self) -> dict[str, tuple[int, int]]:
+        out: dict[str, tuple[int, int]] = {}
         for e in self.entries:
             n, s = out.get(e.family, (0, 0))
             out[e.family] = (n + 1, s + e.size)
         return dict(sorted(out.items()))
 
-    def served(self):
+    def served(self) -> str:
         """Which FA4/cutlass/Python this folder was written for, as far as it is known."""
         meta = self.metadata or {}
         versions = meta.get("versions") or {}
@@ -191,7 +197,7 @@ class CacheFolder:
         return "unknown (not written by kernel-cache; FA4 keeps no record)"
 
 
-def read_metadata(folder):
+def read_metadata(folder: str | os.PathLike[str]) -> dict[str, Any] | None:
     try:
         with open(Path(folder) / METADATA_FILE, encoding="utf-8") as f:
             data = json.load(f)
@@ -200,11 +206,16 @@ def read_metadata(folder):
         return None
 
 
-def write_metadata(folder, arch=None, num_sms=None, source=None):
+def write_metadata(
+    folder: str | os.PathLike[str],
+    arch: str | None = None,
+    num_sms: int | None = None,
+    source: str | None = None,
+) -> None:
     """Record which environment (and arch) a folder was warmed for: FA4's fingerprint is one-way."""
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    meta = read_metadata(folder) or {}
+    path = Path(folder)
+    path.mkdir(parents=True, exist_ok=True)
+    meta = read_metadata(path) or {}
     env = current_environment()
     meta["versions"] = env.versions()
     meta["fingerprint"] = env.fingerprint
@@ -219,12 +230,10 @@ def write_metadata(folder, arch=None, num_sms=None, source=None):
         }
     )
     meta["warmed"] = warmed[-20:]
-    tmp = folder / f".{METADATA_FILE}.{os.getpid()}.tmp"
-    tmp.write_text(json.dumps(meta, indent=1), encoding="utf-8")
-    os.replace(tmp, folder / METADATA_FILE)
+    write_json(path / METADATA_FILE, meta, indent=1)
 
 
-def why_unusable(folder_name, metadata, env):
+def why_unusable(folder_name: str, metadata: Mapping[str, Any] | None, env: Environment) -> str:
     """'' if a folder serves `env`, else the reason it does not."""
     if env.fingerprint is not None and folder_name == env.fingerprint:
         return ""
@@ -251,14 +260,14 @@ def why_unusable(folder_name, metadata, env):
     )
 
 
-def scan(cache_dir):
+def scan(cache_dir: str | os.PathLike[str]) -> list[CacheFolder]:
     """Every fingerprint folder under cache_dir, with entries and whether it serves this env."""
-    cache_dir = Path(cache_dir)
+    root = Path(cache_dir)
     env = current_environment()
-    folders = []
-    if not cache_dir.is_dir():
+    folders: list[CacheFolder] = []
+    if not root.is_dir():
         return folders
-    for child in sorted(cache_dir.iterdir()):
+    for child in sorted(root.iterdir()):
         if not child.is_dir() or not FINGERPRINT_RE.match(child.name):
             continue
         folder = CacheFolder(path=child, metadata=read_metadata(child))
@@ -274,15 +283,15 @@ def scan(cache_dir):
     return folders
 
 
-def current_folder(cache_dir):
+def current_folder(cache_dir: str | os.PathLike[str]) -> Path:
     env = require_fa4()
-    return Path(cache_dir) / env.fingerprint
+    return Path(cache_dir) / (env.fingerprint or "")
 
 
-def entry_paths(cache_dir):
+def entry_paths(cache_dir: str | os.PathLike[str]) -> dict[tuple[str, str], int]:
     """{(family, hash): size} of the entries serving this environment (to diff before/after)."""
     folder = Path(cache_dir) / (current_environment().fingerprint or "-")
-    out = {}
+    out: dict[tuple[str, str], int] = {}
     if folder.is_dir():
         for f in folder.glob(f"*/*{ENTRY_SUFFIX}"):
             if not f.name.endswith(".tmp.o"):
@@ -291,9 +300,10 @@ def entry_paths(cache_dir):
 
 
 # -- verify --------------------------------------------------------------------------------------
-def load_entry(path):
+def load_entry(path: str | os.PathLike[str]) -> Any:
     """Load one entry the way FA4 does (cache_utils preloads the CuTe runtime libraries with
     RTLD_GLOBAL first; then cute.runtime.load_module(..., enable_tvm_ffi=True).func)."""
+    # lazy: FA4 and CuTe DSL are optional and slow to import; only verify loads entries
     import cutlass.cute as cute
     import flash_attn.cute.cache_utils as cache_utils  # noqa: F401  (the preload)
 
@@ -301,25 +311,28 @@ def load_entry(path):
     return getattr(module, cache_utils.JITPersistentCache.EXPORT_FUNCTION_PREFIX)
 
 
-def fa4_fingerprint():
+def fa4_fingerprint() -> str:
     """FA4's own fingerprint of this environment (imports FA4: used by verify to cross-check)."""
-    from flash_attn.cute.cache_utils import _compute_source_fingerprint
+    from flash_attn.cute.cache_utils import _compute_source_fingerprint  # lazy: FA4 is optional
 
-    return _compute_source_fingerprint()
+    fingerprint: str = _compute_source_fingerprint()
+    return fingerprint
 
 
 # -- pack / unpack / clear -----------------------------------------------------------------------
-def _packable(member_path):
+def _packable(member_path: str) -> bool:
     name = os.path.basename(member_path)
     return not (name.endswith(".lock") or name.endswith(".tmp.o") or name.endswith(".tmp"))
 
 
-def pack(cache_dir, out_path, folders):
+def pack(
+    cache_dir: str | os.PathLike[str], out_path: str | os.PathLike[str], folders: Iterable[CacheFolder]
+) -> int:
     """A tar.gz of the given fingerprint folders (entries and our metadata; no locks or temps)."""
-    out_path = Path(out_path)
     count = 0
-    tmp = out_path.with_name(f".{out_path.name}.{os.getpid()}.tmp")
-    try:
+
+    def write(tmp: str) -> None:
+        nonlocal count
         with tarfile.open(tmp, "w:gz") as tar:
             for folder in folders:
                 for root, dirs, files in os.walk(folder.path):
@@ -329,14 +342,17 @@ def pack(cache_dir, out_path, folders):
                         if _packable(full):
                             tar.add(full, arcname=os.path.relpath(full, cache_dir), recursive=False)
                             count += name.endswith(ENTRY_SUFFIX)
-        os.replace(tmp, out_path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
+
+    replace_with(out_path, write)
     return count
 
 
-def unpack(tarball, cache_dir):
+def _copy_into(source: IO[bytes], tmp: str) -> None:
+    with open(tmp, "wb") as f:
+        shutil.copyfileobj(source, f)
+
+
+def unpack(tarball: str | os.PathLike[str], cache_dir: str | os.PathLike[str]) -> list[str]:
     """Extract a pack into cache_dir; refuses members outside a fingerprint folder. Entries already
     present are kept (FA4 writes the same bytes for the same key). Returns the folders touched."""
     tarball = Path(tarball)
@@ -344,13 +360,13 @@ def unpack(tarball, cache_dir):
         raise UserError(f"no such file: {tarball}")
     cache_dir = Path(cache_dir)
     cache_dir.mkdir(parents=True, exist_ok=True)
-    touched = set()
+    touched: set[str] = set()
     try:
         tar = tarfile.open(tarball, "r:*")
     except (tarfile.TarError, OSError) as exc:
         raise UserError(f"{tarball} is not a tarball: {exc}") from None
     with tar:
-        members = []
+        members: list[tarfile.TarInfo] = []
         for m in tar.getmembers():
             parts = Path(m.name).parts
             if (
@@ -371,15 +387,12 @@ def unpack(tarball, cache_dir):
             if target.exists() and target.suffix == ENTRY_SUFFIX and target.stat().st_size > 0:
                 continue
             target.parent.mkdir(parents=True, exist_ok=True)
-            src = tar.extractfile(m)
-            tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-            with open(tmp, "wb") as f:
-                shutil.copyfileobj(src, f)
-            os.replace(tmp, target)
+            src = cast("IO[bytes]", tar.extractfile(m))  # a regular file: extractfile gives its bytes
+            replace_with(target, functools.partial(_copy_into, src))
     return sorted(touched)
 
 
-def clear(folders):
+def clear(folders: Iterable[CacheFolder]) -> int:
     removed = 0
     for folder in folders:
         removed += len(folder.entries)
@@ -387,8 +400,11 @@ def clear(folders):
     return removed
 
 
-def human_size(n):
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+def human_size(n: float) -> str:
+    if n < 1024:
+        return f"{n:.0f} B"
+    for unit in ("KiB", "MiB"):
         n /= 1024
+        if n < 1024:
+            return f"{n:.1f} {unit}"
+    return f"{n / 1024:.1f} GiB"

@@ -2,8 +2,9 @@
 type); the generic ones (numbers, names, paths) are traindx.common.argtypes, re-exported here so
 that a command reads every type from one module."""
 
-# re-exported
-from traindx.common.argtypes import (  # noqa: F401
+from __future__ import annotations
+
+from traindx.common.argtypes import (  # re-exported (__all__)
     DEFAULT_RUNS,
     NAME,
     PSEUDO_FILESYSTEMS,
@@ -30,22 +31,54 @@ from traindx.common.argtypes import (  # noqa: F401
     whole,
 )
 
+__all__ = [
+    "ArgumentParser",
+    "DEFAULT_RUNS",
+    "NAME",
+    "PSEUDO_FILESYSTEMS",
+    "checked_by",
+    "existing_file",
+    "existing_folder",
+    "fail",
+    "folder_path",
+    "gpu_type",
+    "log_regex",
+    "name",
+    "non_negative",
+    "non_negative_int",
+    "one_line",
+    "output_file",
+    "output_folder",
+    "pid",
+    "positive",
+    "positive_int",
+    "pyspy_rate",
+    "real",
+    "step_marker",
+    "step_window",
+    "subcommand_list",
+    "torch_profile",
+    "whole",
+]
 
-def step_window(text):
+
+def step_window(text: str) -> str:
     """FIRST:LAST, both inclusive, 0-based (kept as text: recipes.stats.parse_window reads it)."""
-    from traindx.derive.stats import parse_window
+    from traindx.derive.stats import parse_window  # lazy: numpy, not for `diagnose --help`
 
-    return checked_by(parse_window, text)
-
-
-def log_regex(text):
-    from traindx.profiler.logparse import compile_custom
-
-    return checked_by(compile_custom, text)
+    checked: str = checked_by(parse_window, text)
+    return checked
 
 
-def gpu_type(text):
-    from traindx.derive.throughput import PEAK_BF16_TFLOPS, normalize_gpu
+def log_regex(text: str) -> str:
+    from traindx.profiler.logparse import compile_custom  # lazy: only when the flag is given
+
+    checked: str = checked_by(compile_custom, text)
+    return checked
+
+
+def gpu_type(text: str) -> str:
+    from traindx.derive.throughput import PEAK_BF16_TFLOPS, normalize_gpu  # lazy: numpy
 
     gpu = normalize_gpu(text)
     if gpu is None:

@@ -7,24 +7,28 @@ or the package index (pip's own configuration). --no-deps: the user's environmen
 dependencies, as it does for the release the job runs today.
 """
 
+from __future__ import annotations
+
 import os
 import subprocess
 import sys
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 
 class OverlayError(Exception):
     """One line saying why, and the installer's last lines."""
 
-    def __init__(self, line, tail=""):
+    def __init__(self, line: str, tail: str = "") -> None:
         super().__init__(line)
         self.line, self.tail = line, tail
 
 
-def requirement(package, min_version):
+def requirement(package: str, min_version: str | None) -> str:
     return f"{package}>={min_version}" if min_version else package
 
 
-def pip_command(target, requirements, wheels=None):
+def pip_command(target: str, requirements: Iterable[str], wheels: str | None = None) -> list[str]:
     cmd = [
         sys.executable,
         "-m",
@@ -42,7 +46,13 @@ def pip_command(target, requirements, wheels=None):
     return cmd + list(requirements)
 
 
-def install(target, requirements, wheels=None, timeout=900, runner=subprocess.run):
+def install(
+    target: str,
+    requirements: list[str],
+    wheels: str | None = None,
+    timeout: float = 900,
+    runner: Callable[..., Any] = subprocess.run,
+) -> dict[str, Any]:
     """pip install the requirements into `target`; returns {"command", "installed": {dist: version}}.
     Raises OverlayError with one line and the output's last lines."""
     if wheels and not os.path.isdir(wheels):
@@ -67,7 +77,7 @@ def install(target, requirements, wheels=None, timeout=900, runner=subprocess.ru
     return {"command": cmd, "installed": installed_versions(target), "output_tail": tail}
 
 
-def installed_versions(target):
+def installed_versions(target: str) -> dict[str, str]:
     """{distribution name: version} of the .dist-info folders in `target`."""
     out = {}
     for name in sorted(os.listdir(target)) if os.path.isdir(target) else ():
@@ -77,7 +87,7 @@ def installed_versions(target):
     return out
 
 
-def candidate_pythonpath(target, environ=None):
+def candidate_pythonpath(target: str, environ: Mapping[str, str] | None = None) -> str:
     """PYTHONPATH of the candidate: the overlay first (the shim's folder goes before it when the
     job starts), then the user's own entries."""
     environ = os.environ if environ is None else environ

@@ -3,11 +3,15 @@
 `diagnose [options] -- <command>` runs a job; `diagnose <subcommand> ...` does the rest.
 """
 
+from __future__ import annotations
+
 import argparse
 import importlib
 import os
 import sys
 import warnings
+from types import ModuleType
+from typing import TextIO
 
 from traindx.cli import argtypes
 from traindx.common.errors import UserError
@@ -25,7 +29,7 @@ DEFAULT = "run"
 INTERNAL_ERROR_EXIT = 1
 
 
-def _parser_for(name):
+def _parser_for(name: str) -> tuple[ModuleType, argtypes.ArgumentParser]:
     module = importlib.import_module(f"traindx.cli.commands.{name}")
     prog = "diagnose" if name == DEFAULT else f"diagnose {name}"
     epilog = None
@@ -47,12 +51,19 @@ def _parser_for(name):
     return module, parser
 
 
-def _show_warning(message, category, filename, lineno, file=None, line=None):
+def _show_warning(
+    message: Warning | str,
+    category: type[Warning],
+    filename: str,
+    lineno: int,
+    file: TextIO | None = None,
+    line: str | None = None,
+) -> None:
     """What traindx skipped or could not do: one line each, on stderr."""
     print(f"diagnose: warning: {argtypes.one_line(message)}", file=sys.stderr)
 
 
-def main(argv=None):
+def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     name = SUBCOMMANDS.get(argv[0], DEFAULT) if argv else DEFAULT
     if name != DEFAULT:
@@ -63,7 +74,8 @@ def main(argv=None):
         with warnings.catch_warnings():
             warnings.simplefilter("default")
             warnings.showwarning = _show_warning  # restored by catch_warnings
-            return module.run(args, parser)
+            code: int = module.run(args, parser)
+            return code
     except UserError as exc:
         print(f"diagnose: error: {argtypes.one_line(exc)}", file=sys.stderr)
         return exc.exit_code

@@ -7,14 +7,21 @@ usage: diagnose card RUN [--active-params N | --model config.json] [--gpu H200]
                          [--price-per-gpu-hour P] [--window 5:19] [--tokens-per-step N] [-o card.yaml]
 """
 
-import os
+from __future__ import annotations
+
+import argparse
 import sys
+from typing import TYPE_CHECKING
 
 from traindx.cli import argtypes
-from traindx.recipes.card import CardOptions, card  # noqa: F401  (the engine)
+from traindx.cli.run_folder import kept_arm
+from traindx.recipes.card import CardOptions, RecipeCard, card
+
+if TYPE_CHECKING:
+    from traindx.derive.run import RunRecord
 
 
-def prepare_parser(parser):
+def prepare_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("run_dir", metavar="RUN", help="a run folder written by diagnose")
     params = parser.add_mutually_exclusive_group()
     params.add_argument(
@@ -79,7 +86,7 @@ def prepare_parser(parser):
     )
 
 
-def options_from(args) -> CardOptions:
+def options_from(args: argparse.Namespace) -> CardOptions:
     return CardOptions(
         active_params=args.active_params,
         model=args.model,
@@ -93,30 +100,18 @@ def options_from(args) -> CardOptions:
     )
 
 
-def build_card(run, args):
+def build_card(run: RunRecord, args: argparse.Namespace) -> RecipeCard:
     """(kept for callers of the old name) the card of a run from `diagnose card` arguments."""
     return card(run, options_from(args))
 
 
-def fix_arm(path):
+def fix_arm(path: str) -> str:
     """The run folder a card is made of: a `diagnose --fix` folder stands for its kept arm."""
-    import json
-
-    if os.path.isfile(os.path.join(path, "manifest.json")):
-        return path
-    try:
-        with open(os.path.join(path, "fix.json"), encoding="utf-8") as f:
-            kept = json.load(f).get("best")
-    except (OSError, ValueError):
-        kept = None
-    for folder in (kept, os.path.join(path, "candidate")):
-        if folder and os.path.isfile(os.path.join(folder, "manifest.json")):
-            return folder
-    return path
+    return kept_arm(path)
 
 
-def run(args, parser):
-    from traindx.derive.run import load_run
+def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from traindx.derive.run import load_run  # lazy: pandas, not for `diagnose card --help`
 
     record = load_run(fix_arm(args.run_dir))
     result = card(record, options_from(args))

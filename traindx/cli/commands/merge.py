@@ -15,16 +15,19 @@ then analyses the merged run and writes its report, like `diagnose` does after a
 Running it again re-estimates and rewrites these (e.g. after a late node's folder arrived).
 """
 
-import os
+from __future__ import annotations
+
+import argparse
 import sys
+from typing import Any
 
 from traindx.cli import argtypes
+from traindx.cli.run_folder import merge_nodes
 from traindx.derive.multinode import merge_parts  # noqa: F401  (the engine)
-from traindx.profiler import nodes
 from traindx.profiler.nodes import merged_manifest  # noqa: F401
 
 
-def prepare_parser(parser):
+def prepare_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("run_dir", metavar="RUN", help="a multi-node run folder (with nodes/)")
     parser.add_argument(
         "--reference",
@@ -39,38 +42,16 @@ def prepare_parser(parser):
     parser.add_argument("--quiet", action="store_true", help="print only the clock table")
 
 
-def merge(run_dir, reference=None):
+def merge(run_dir: str, reference: str | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
     """(clock document, merged manifest): the engine's pieces (traindx.derive.multinode.merge_parts)."""
     return merge_parts(run_dir, reference=reference)
 
 
-def run(args, parser):
-    unfinished = nodes.unfinished_nodes(args.run_dir) if os.path.isdir(args.run_dir) else []
-    if unfinished:  # merging is still right for what is there; say what may be missing
-        print(
-            f"diagnose: warning: node{'s' if len(unfinished) > 1 else ''} "
-            f"{', '.join(unfinished)} still running (or killed): merged as far as recorded",
-            file=sys.stderr,
-        )
-    clock, _ = merge_parts(args.run_dir, reference=args.reference)
-    print(nodes.format_clock(clock), file=sys.stderr if args.quiet else sys.stdout)
-    if args.no_report:
-        return 0
-    from traindx.cli.outputs import analyze_and_write
-    from traindx.derive.run import load_run
-
-    record = load_run(args.run_dir)
-    findings, report_path = analyze_and_write(record)
-    if args.quiet:
-        print(report_path)
-    else:
-        from traindx.report.terminal import print_summary
-
-        print_summary(record, findings, report_path)
-    return 0
+def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    return merge_nodes(args.run_dir, reference=args.reference, report=not args.no_report, quiet=args.quiet)
 
 
-def main(argv=None):
-    from traindx.cli.main import main as cli_main
+def main(argv: list[str] | None = None) -> int | None:
+    from traindx.cli.main import main as cli_main  # lazy: traindx.cli.main imports this module
 
     return cli_main(["merge", *(sys.argv[1:] if argv is None else argv)])

@@ -3,24 +3,39 @@
 usage: diagnose [options] -- <command> [args...]
 """
 
+from __future__ import annotations
+
 import argparse
-import dataclasses
-import os
-import sys
+from typing import TYPE_CHECKING, Literal
 
 from traindx.cli import argtypes
+from traindx.cli.commands.compare import print_comparison
+from traindx.cli.recording import (  # noqa: F401  (record_job, _write_node_tables: re-exported)
+    ANALYSIS_FAILED_EXIT,
+    FixRequest,
+    JobRequest,
+    diagnose,
+    diagnose_with_fix,
+    record_job,
+    runnable,
+)
+from traindx.cli.recording import write_node_tables as _write_node_tables  # noqa: F401
 from traindx.common.errors import UserError
 
-# the job succeeded but traindx could not analyse or report it: a pipeline must notice
-ANALYSIS_FAILED_EXIT = 3
+if TYPE_CHECKING:
+    from traindx.analyzers.live import LiveOptions
+    from traindx.profiler.launcher import Options
 
 
-def _one_line(text, limit=400):
-    text = " ".join(str(text).split())
-    return text if len(text) <= limit else text[: limit - 1] + "…"
+def prepare_parser(parser: argparse.ArgumentParser) -> None:
+    _add_run_arguments(parser)
+    _add_evidence_arguments(parser)
+    _add_long_run_arguments(parser)
+    _add_fix_arguments(parser)
+    _add_live_arguments(parser)
 
 
-def prepare_parser(parser):
+def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--steps",
         type=argtypes.non_negative_int,
@@ -63,6 +78,9 @@ def prepare_parser(parser):
     parser.add_argument("--no-pyspy", action="store_true", help="do not sample with py-spy")
     parser.add_argument("--no-shim", action="store_true", help="do not load the in-process shim")
     parser.add_argument("--no-nvml", action="store_true", help="do not sample GPUs through NVML")
+
+
+def _add_evidence_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--pyspy-rate",
         type=argtypes.pyspy_rate,
@@ -94,6 +112,9 @@ def prepare_parser(parser):
         metavar="REGEX",
         help="the job's own step line: a Python regex with named groups step, loss, time_ms or step_time_s",
     )
+
+
+def _add_long_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--disk-budget",
         type=argtypes.positive,
@@ -119,6 +140,9 @@ def prepare_parser(parser):
         metavar="K",
         help="long runs: py-spy windows and file segments kept whole at the end (default 3)",
     )
+
+
+def _add_fix_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--fix",
         action="store_true",
@@ -150,6 +174,9 @@ def prepare_parser(parser):
         help="with --fix: install fixed releases from the wheels in DIR into an "
         "overlay for the candidate (instead of the package index)",
     )
+
+
+def _add_live_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quiet", action="store_true", help="no live status line")
     parser.add_argument(
         "--until-diagnosed",
@@ -173,32 +200,17 @@ def prepare_parser(parser):
     parser.add_argument("command", nargs=argparse.REMAINDER, help="the training command, after --")
 
 
-def _command(args, parser):
+def _command(args: argparse.Namespace) -> list[str]:
     command = list(args.command)
     if command and command[0] == "--":
         command = command[1:]
     if not command:
         raise UserError("no command given: diagnose [options] -- <command>")
-    return _runnable(command)
+    return runnable(command)
 
 
-def _runnable(command):
-    """The command must be something the job can start as: not a folder, not a file without
-    permission to run it (the launcher would fail on it after creating the run folder)."""
-    from traindx.profiler.launcher import CommandNotFound, resolve_command
-
-    exe = command[0]
-    if os.sep in exe and os.path.isdir(exe):
-        raise UserError(f"{exe} is a folder, not a command")
-    try:
-        resolve_command(command)
-    except CommandNotFound as exc:
-        raise UserError(str(exc)) from None
-    return command
-
-
-def options_from(args, extra_env=None):
-    from traindx.profiler.launcher import Options
+def options_from(args: argparse.Namespace, extra_env: dict[str, str] | None = None) -> Options:
+    from traindx.profiler.launcher import Options  # lazy: the collectors, not for `diagnose --help`
 
     return Options(
         steps=args.steps,
@@ -219,9 +231,9 @@ def options_from(args, extra_env=None):
     )
 
 
-def live_options_from(args):
+def live_options_from(args: argparse.Namespace) -> LiveOptions | Literal[False]:
     """The live judgement the run's flags ask for (False: none)."""
-    from traindx.analyzers.live import LiveOptions
+    from traindx.analyzers.live import LiveOptions  # lazy: pandas, not for `diagnose --help`
 
     if getattr(args, "no_live", False):
         if getattr(args, "until_diagnosed", False) or getattr(args, "always_on", False):
@@ -230,217 +242,22 @@ def live_options_from(args):
     return LiveOptions(until_diagnosed=getattr(args, "until_diagnosed", False))
 
 
-def record_job(command, run_dir, options, quiet=False, live=None):
-    """Run the job under the collectors; returns its raw return code. While it runs, the
-    analyzers judge the growing record (traindx.analyzers.live) and the stable findings are printed;
-    live=None: the default live options, False: no live judgement. A run folder in use, or one
-    that holds a run already, or cannot be written is refused (UserError) before the job
-    starts; what could not be written while it ran is one line each on stderr."""
-    from traindx.analyzers.live import LiveJudge, LiveOptions, request_capture
-    from traindx.cli.outputs import write_live_report
-    from traindx.profiler.launcher import CommandNotFound, Job, RunDirRefused
-    from traindx.report.live_view import LiveView
-
-    live_options = LiveOptions() if live is None else live
-    view = LiveView(live=False if quiet else None)
-    job = Job(command, run_dir, options, on_line=view.print_line)
-
-    def deep_capture(kind, why):  # py-spy snapshots now, a profiler window on the next step
-        job.burst(kind)
-        request_capture(run_dir, kind, why)
-
-    judge = None
-    if live_options is not False:
-        judge = LiveJudge(
-            run_dir,
-            live_options,
-            on_finding=(lambda f, s: None) if quiet else view.on_finding,
-            on_state=(lambda s: None) if quiet else view.on_state,
-            on_analysis=write_live_report,
-            on_anomaly=deep_capture,
-        )
-    try:
-        with view:
-            if judge is not None:
-                judge.start()
-            try:
-                return job.run()
-            finally:
-                if judge is not None:
-                    judge.stop()
-    except (CommandNotFound, RunDirRefused) as exc:
-        raise UserError(str(exc)) from None
-    except OSError as exc:  # the OS refused to start it (not a program: ENOEXEC, EACCES)
-        if job.proc is not None:
-            raise
-        raise UserError(f"cannot start {command[0]}: {exc.strerror or exc}") from None
-    finally:
-        for line in job.not_written:
-            print(f"diagnose: not written: {_one_line(line)}", file=sys.stderr)
-
-
-def run(args, parser):
-    from traindx.cli.outputs import write_outputs
-    from traindx.derive.run import load_run
-    from traindx.profiler.launcher import exit_status, new_run_dir
-    from traindx.report.terminal import print_summary
-
-    command = _command(args, parser)
-    if args.fix:
-        from traindx.profiler import nodes
-
-        if nodes.node_identity(command, os.environ, getattr(args, "node", None)):
-            raise UserError(
-                "--fix runs the job twice on one machine; it does not drive a "
-                "multi-node run (diagnose each node, then diagnose merge)"
-            )
-        return run_fix(command, args)
-    node = _node_part(command, args)
-    try:
-        run_dir = node["dir"] if node else (args.run_dir or new_run_dir(args.out))
-    except OSError as exc:
-        raise UserError(f"cannot create a run folder under {args.out}: {exc.strerror or exc}") from None
-    try:
-        returncode = record_job(
-            command, run_dir, options_from(args), quiet=args.quiet, live=live_options_from(args)
-        )
-    except UserError:
-        if not node and not args.run_dir:  # the folder made for a job that never started
-            import shutil
-
-            shutil.rmtree(run_dir, ignore_errors=True)
-        raise
-    status = exit_status(returncode)
-    if node:
-        _record_node(run_dir, node)
-        _write_node_tables(run_dir)
-    try:
-        record = load_run(run_dir)
-        findings, report_path, problems = write_outputs(record)
-        print_summary(record, findings, report_path)
-        for line in problems:
-            print(f"diagnose: not written: {line}", file=sys.stderr)
-        if problems:
-            return status or ANALYSIS_FAILED_EXIT
-        if node:
-            print(
-                f"diagnose: node {node['name']} of the multi-node run {node['run_dir']}; once "
-                f"every node has finished: diagnose merge {node['run_dir']}",
-                file=sys.stderr,
-            )
-    except UserError as exc:
-        print(
-            f"diagnose: analysis failed: {_one_line(exc)} (the raw evidence is kept in {run_dir})",
-            file=sys.stderr,
-        )
-        return status or ANALYSIS_FAILED_EXIT
-    except Exception as exc:  # traindx's own bug: one line, and never hide the job's exit code
-        print(
-            f"diagnose: internal error during analysis: {type(exc).__name__}: {_one_line(exc)} "
-            f"(the raw evidence is kept in {run_dir})",
-            file=sys.stderr,
-        )
-        return status or ANALYSIS_FAILED_EXIT
-    return status
-
-
-def run_fix(command, args):
-    """`diagnose --fix`: the engine (traindx.cli.fixloop.fix) wired to the terminal."""
-    from rich.console import Console
-    from rich.markup import escape
-
-    from traindx.cli.commands.compare import print_comparison
-    from traindx.cli.fixloop import FixOptions, fix
-    from traindx.report.terminal import print_summary
-
-    console = Console(file=sys.stderr)
-
-    def report(event):
-        if event.kind == "stage":
-            console.rule(escape(f"traindx --fix: {event.text}"))  # "[finding.id]" is text
-        elif event.kind == "summary":
-            print_summary(event.data["record"], event.data["findings"], event.data["report"], console=console)
-        elif event.kind == "comparison":
-            print_comparison(event.data["comparison"], console)
-        elif event.kind == "warning":
-            console.print(f"warning: {event.text}", style="yellow", markup=False)
-        else:
-            console.print(event.text, markup=False, highlight=False)
-
-    tries = getattr(args, "fix_tries", 3)
-    if tries is None or tries < 1:
-        raise UserError("--fix-tries must be at least 1")
-    live = live_options_from(args)
-
-    def run_arm(cmd, run_dir, opts, until_diagnosed=False):
-        arm_live = live
-        if until_diagnosed and live is not False:  # the baseline arm of --fix --until-diagnosed
-            arm_live = dataclasses.replace(live, until_diagnosed=True)
-        elif live is not False:
-            arm_live = dataclasses.replace(live, until_diagnosed=False)  # a candidate: N steps
-        return record_job(cmd, run_dir, opts, quiet=args.quiet, live=arm_live)
-
-    options = FixOptions(
+def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    command = _command(args)
+    request = JobRequest(
         record=options_from(args),
+        live=live_options_from(args),
+        quiet=args.quiet,
         run_dir=args.run_dir,
         out=args.out,
-        wheels=getattr(args, "wheels", None),
-        tries=tries,
-        reporter=report,
-        run_job=run_arm,
-        until_diagnosed=getattr(args, "until_diagnosed", False),
-        warm_up_after_fix=getattr(args, "warm_up_after_fix", True),
+        node=getattr(args, "node", None),
     )
-    return fix(command, options).exit_code
-
-
-def _node_part(command, args):
-    """{name, source, run_dir, dir} when this diagnose is one node of a multi-node run (its own
-    folder RUN/nodes/<name>/ claimed), else None. See traindx.profiler.nodes."""
-    from traindx.profiler import nodes
-
-    identity = nodes.node_identity(command, os.environ, getattr(args, "node", None))
-    if identity is None:
-        return None
-    shared = os.path.abspath(nodes.shared_run_dir(command, os.environ, args.run_dir))
-    name, source = identity
-    folder = nodes.claim_node_dir(shared, name)
-    return {"name": os.path.basename(folder), "source": source, "run_dir": shared, "dir": folder}
-
-
-def _write_node_tables(run_dir):
-    """A node of a multi-node run turns its own ranks' events into the Parquet tables
-    (tables/events/) as its job ends, whatever their size: a few ranks parse in about a second
-    here, and the central analysis of the merged run then reads every node's tables instead of
-    parsing all ranks' JSONL on one machine. The raw files stay; failing is only a warning
-    (the central analysis parses that node's raw files instead)."""
-    from traindx.derive.run import write_tables
-
-    try:
-        problem = write_tables(run_dir)
-    except UserError as exc:
-        problem = _one_line(exc)
-    except Exception as exc:  # never fail the node's run over an optional copy of its events
-        problem = f"{type(exc).__name__}: {_one_line(exc)}"
-    if problem:
-        print(
-            f"diagnose: warning: the node's event tables were not written ({problem}); the "
-            "merged run's analysis will parse this node's raw events",
-            file=sys.stderr,
+    if args.fix:
+        fix_request = FixRequest(
+            tries=getattr(args, "fix_tries", 3),
+            wheels=getattr(args, "wheels", None),
+            until_diagnosed=getattr(args, "until_diagnosed", False),
+            warm_up_after_fix=getattr(args, "warm_up_after_fix", True),
         )
-
-
-def _record_node(run_dir, node):
-    """The node's own manifest says which node of which run it is (only this process writes it)."""
-    import json
-
-    from traindx.profiler.launcher import write_json_atomic
-
-    path = os.path.join(run_dir, "manifest.json")
-    try:
-        with open(path, encoding="utf-8") as f:
-            manifest = json.load(f)
-        manifest["node"] = {k: node[k] for k in ("name", "source", "run_dir")}
-        write_json_atomic(path, manifest)
-    except (OSError, ValueError):
-        pass  # the analysis below says what is wrong with the manifest
+        return diagnose_with_fix(command, request, fix_request, print_comparison)
+    return diagnose(command, request)
