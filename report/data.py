@@ -15,6 +15,7 @@ import math
 import os
 import re
 import shlex
+from collections.abc import Mapping
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
@@ -284,7 +285,7 @@ def build_summary(run: RunRecord, findings: list[Finding]) -> dict[str, Any]:
 
 
 def build_report_data(
-    run: RunRecord, findings: list[Finding], comparison: dict[str, Any] | None = None
+    run: RunRecord, findings: list[Finding], comparison: Mapping[str, Any] | None = None
 ) -> dict[str, Any]:
     """Everything the HTML report shows, as plain JSON-able values."""
     data, x = _core(run, findings)

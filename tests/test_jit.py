@@ -462,8 +462,7 @@ def test_a_reautotune_and_its_recompiles_are_one_finding(tmp_path):
     for s in range(4):
         fields = {"n": str(96 + 64 * s)}
         compiles.append(("triton_autotune", "scale_add", s, 0.3, fields, {"key_names": ["n"], "configs": 2}))
-        for _ in range(2):
-            compiles.append(("triton", "scale_add", s, 0.1, {}, {"autotune_of": "scale_add"}))
+        compiles.extend(("triton", "scale_add", s, 0.1, {}, {"autotune_of": "scale_add"}) for _ in range(2))
     run = _synthetic_run(tmp_path / "run", ["python", "train.py"], compiles, step_s=1.0, steps=4)
     jit = [f for f in traindx.analyze(run) if f.analyzer == "jit"]
     # the first step's tuning is the cold start (another cause: first use); nothing else
