@@ -1,8 +1,11 @@
 """torch.compile (dynamo) recompiles: which compile is a first graph, a backward or a mode
 change, and which is a recompile of a frame, with the guard that failed and the call site."""
 
+from __future__ import annotations
+
 import collections
 import re
+from typing import Any
 
 from traindx.analyzers import codefix
 from traindx.analyzers import evidence as ev
@@ -103,6 +106,46 @@ def dynamo_kinds(group):
     return [("recompile_backward" if k == "backward" and i in recompiled else k) for i, k in zip(ids, kinds)]
 
 
+def _guard_prescription(
+    m: re.Match[str] | None,
+    caller: dict[str, Any] | None,
+    site_kind: str | None,
+    where: str | None,
+    top_reason: str,
+    lost: float,
+) -> Prescription:
+    """The fix of the guard that fails: a size mismatch (`m`) marks its dimension dynamic,
+    any other guard is made stable."""
+    if m:
+        name, dim = m["name"], m["dim"]
+        short = re.sub(r"^L\['([^']+)'\].*$", r"\1", name)
+        change, arg = _mark_dynamic_change(caller if site_kind == "call_site" else None, short, dim)
+        at = (
+            f" at {where}"
+            if site_kind == "call_site"
+            else f" (the compiled function: {where})"
+            if where
+            else ""
+        )
+        passed = f" ({arg} is passed as {short})" if arg and arg != short else ""
+        return Prescription(
+            kind="code",
+            summary=f"mark dimension {dim} of {short} dynamic before the compiled call"
+            f"{at}: torch._dynamo.mark_dynamic({arg or short}, {dim}){passed}; "
+            "or compile with torch.compile(..., dynamic=None) (automatic "
+            "dynamic shapes: one recompile, then symbolic) or dynamic=True",
+            change={"code": change} if change else {},
+            expected_gain_s_per_step=lost,
+        )
+    return Prescription(
+        kind="code",
+        summary="make the guard that fails stable (the value it checks changes "
+        f"between calls{(' at ' + where) if where else ''}): "
+        f"{top_reason[:160]}",
+        expected_gain_s_per_step=lost,
+    )
+
+
 def _dynamo_finding(run, rank, group, steps):
     kinds = dynamo_kinds(group)
     recompiles = group[[k == "recompile" for k in kinds]]
@@ -134,40 +177,7 @@ def _dynamo_finding(run, rank, group, steps):
     site_kind, caller = _call_site(recompiles)
     where = _where(caller, run)
     functions = collections.Counter(str(k) for k in recompiles["kernel"])
-    prescriptions = []
-    if m:
-        name, dim = m["name"], m["dim"]
-        short = re.sub(r"^L\['([^']+)'\].*$", r"\1", name)
-        change, arg = _mark_dynamic_change(caller if site_kind == "call_site" else None, short, dim)
-        at = (
-            f" at {where}"
-            if site_kind == "call_site"
-            else f" (the compiled function: {where})"
-            if where
-            else ""
-        )
-        passed = f" ({arg} is passed as {short})" if arg and arg != short else ""
-        prescriptions.append(
-            Prescription(
-                kind="code",
-                summary=f"mark dimension {dim} of {short} dynamic before the compiled call"
-                f"{at}: torch._dynamo.mark_dynamic({arg or short}, {dim}){passed}; "
-                "or compile with torch.compile(..., dynamic=None) (automatic "
-                "dynamic shapes: one recompile, then symbolic) or dynamic=True",
-                change={"code": change} if change else {},
-                expected_gain_s_per_step=lost,
-            )
-        )
-    else:
-        prescriptions.append(
-            Prescription(
-                kind="code",
-                summary="make the guard that fails stable (the value it checks changes "
-                f"between calls{(' at ' + where) if where else ''}): "
-                f"{top_reason[:160]}",
-                expected_gain_s_per_step=lost,
-            )
-        )
+    prescriptions = [_guard_prescription(m, caller, site_kind, where, top_reason, lost)]
     steady = len(later) >= 2
     severity = _severity(share, steady=steady) if len(later) else "low"
     if severity == "info" and len(later):
