@@ -17,6 +17,7 @@ import numpy as np
 import pandas as pd
 
 from traindx.analyzers import evidence as ev
+from traindx.analyzers import host_work_code  # the loop window and a sample's kind: defined there once
 
 GPU_WORK = ("kernel", "gpu_memcpy", "gpu_memset")
 # the host waiting inside the driver: the GPU's idle while the host is in one of these is the
@@ -136,10 +137,8 @@ def busy_per_step(run, rank, trace) -> tuple[float, float] | None:
 def line_in_function(run, rank, file, function, kind=None):
     """(absolute file, line) of the job's function `function` in `file` (any directory) most
     sampled by py-spy on the training thread inside the step loop (start-up and teardown left
-    out); with `kind` ("host", "forward", ...), only samples host_work.classify_stack puts
+    out); with `kind` ("host", "forward", ...), only samples host_work_code.classify_stack puts
     there when any are. None without such samples."""
-    from traindx.analyzers import host_work  # the loop window and a sample's kind: defined there once
-
     recording = run.pyspy.get((rank, "all"))
     if not recording or not function:
         return None
@@ -148,7 +147,7 @@ def line_in_function(run, rank, file, function, kind=None):
     if main not in threads:
         return None
     samples = threads[main][1]
-    window = host_work._loop_window(samples.stacks)
+    window = host_work_code._loop_window(samples.stacks)
     lo, hi = window if window else (0, len(samples.stacks) - 1)
     base = os.path.basename(str(file or ""))
     counts, of_kind = {}, {}
@@ -166,7 +165,7 @@ def line_in_function(run, rank, file, function, kind=None):
             continue
         key = (frame.file, frame.line)
         counts[key] = counts.get(key, 0.0) + w
-        if kind and host_work.classify_stack(stack)[0] == kind:
+        if kind and host_work_code.classify_stack(stack)[0] == kind:
             of_kind[key] = of_kind.get(key, 0.0) + w
     pick = of_kind or counts
     return max(pick, key=pick.get) if pick else None
