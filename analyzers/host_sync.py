@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import re
 from collections import defaultdict
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import pandas as pd
 
 from traindx.analyzers import codefix, gpu_window
 from traindx.analyzers import evidence as ev
@@ -237,7 +238,7 @@ def _scalar_reads_by_the_job(rows, all_rows):
     return rows.loc[keep]
 
 
-def _analyze_rank(run, rank, trace):
+def _analyze_rank(run: RunRecord, rank: str, trace: pd.DataFrame) -> list[Finding]:
     all_rows = trace[trace["rank"] == rank]
     steps = ev.trace_steps(run, rank)
     if not len(steps) or not len(all_rows):
@@ -245,39 +246,110 @@ def _analyze_rank(run, rank, trace):
     start, end = steps["start_ns"].min(), steps["end_ns"].max()
     rows = all_rows[(all_rows["start_ns"] >= start) & (all_rows["end_ns"] <= end)]
     n_steps = len(steps)
-    step_s = float(steps["duration_s"].mean())
     has_cuda = bool((rows["cat"] == "cuda_runtime").any() or (rows["cat"] == "kernel").any())
     if has_cuda:
-        syncs = rows[(rows["cat"] == "cuda_runtime") & rows["name"].str.match(CUDA_SYNC)]
-        if not len(syncs):
+        found = _costed_syncs(run, rank, rows, all_rows, steps)
+        if found is None:
             return []
-        # a sync costs the GPU's idle in its statement and after it (_sync_costs); the time the
-        # CPU blocks in it while the GPU finishes queued work is not lost by itself
-        syncs = syncs.sort_values("start_ns")
-        costed = _sync_costs(run, rank, syncs, all_rows, steps)
-        # the sites below rank by the idle they cause
-        syncs = syncs.assign(
-            dur_s=[c for c, _, _ in costed],
-            site=[s for _, s, _ in costed],
-            in_model=[m for _, _, m in costed],
-        )
-        syncs = syncs[[c is not None for c, _, _ in costed]]  # torch.profiler's own (window closing)
-        if not len(syncs):
-            return []
-        blocked = float(syncs["dur_s"].sum()) / n_steps
-        # the profiler slows the host in its window: the share is of the run's steady step
-        step_s = min(step_s, ev.median_step_s(run, rank) or step_s)
-        share = blocked / step_s if step_s else 0.0
-        if share < MIN_SHARE_GPU and len(syncs) / n_steps < MIN_SYNCS_PER_STEP_CPU:
-            return []
-        severity = ev.severity_for_share(share)  # many syncs that cost little: "info", with numbers
-        lost = blocked
+        syncs, severity, lost, share = found
     else:
         syncs = _scalar_reads_by_the_job(rows, all_rows)
         per_step = len(syncs) / n_steps
         if per_step < MIN_SYNCS_PER_STEP_CPU:
             return []
         severity, lost, share = "low", None, None
+    site_list, top = _site_list(run, rank, rows, all_rows, syncs, n_steps, has_cuda)
+    where = f"{top[2]} ({top[0]}:{top[1]})" if top else "an unknown function"
+    count = len(syncs) / n_steps
+    evidence: dict[str, Any] = {
+        "rank": rank,
+        "profiled_steps": [int(s) for s in steps["step"]],
+        "syncs_per_step": round(count, 2),
+        "call_sites": site_list,
+        "syncs_in_model_per_step": round(float(syncs["in_model"].sum()) / n_steps, 2)
+        if "in_model" in syncs
+        else None,
+        "device_in_trace": has_cuda,
+        "line_note": "torch.profiler names a function by its first line (or, for one "
+        "already running when the window opened, the line it stood on); "
+        "torch.cuda.set_sync_debug_mode('warn') prints the exact line on a GPU",
+    }
+    blocked = _ledger_sync(run, rank)
+    if blocked is not None:
+        # the host's side, every step of the run (the shim times syncs on CUDA tensors): how long
+        # the training thread waited in them; mostly the GPU finishing queued work, so not the cost
+        evidence["host_blocked_in_syncs_s_per_step"] = round(blocked, 6)
+    if has_cuda:
+        summary = (
+            f"{count:.0f} syncs per step leave the GPU idle {(lost or 0.0) * 1000:.1f} ms per step "
+            f"({share:.0%}) until the CPU queues the next kernel; the most costly in {where}."
+        )
+    else:
+        summary = (
+            f"{count:.0f} host reads of tensor values per step ({SCALAR_READ}, i.e. "
+            f".item()/float()/bool()), the most in {where}. On a GPU each one waits for "
+            "every queued kernel; this run has no GPU, so the cost is not measured."
+        )
+    return [
+        Finding(
+            id="sync.host_device",
+            title=f"{count:.0f} host-device syncs per step on rank {rank}, most in {top[2] if top else '?'}",
+            severity=severity,
+            analyzer="host_sync",
+            summary=summary,
+            steps_affected=tuple(int(s) for s in steps["step"]),
+            seconds_lost_per_step=lost,
+            share_of_step=share,
+            evidence=evidence,
+            prescriptions=_sync_prescriptions(run, site_list, where, lost),
+            ranks=(rank,),
+        )
+    ]
+
+
+def _costed_syncs(
+    run: RunRecord, rank: str, rows: pd.DataFrame, all_rows: pd.DataFrame, steps: pd.DataFrame
+) -> tuple[pd.DataFrame, str, float, float] | None:
+    """(the sync calls with their cost, severity, seconds lost per step, share of the step) of
+    a CUDA run's window, or None where they are too few and cheap to name."""
+    n_steps = len(steps)
+    step_s = float(steps["duration_s"].mean())
+    syncs = rows[(rows["cat"] == "cuda_runtime") & rows["name"].str.match(CUDA_SYNC)]
+    if not len(syncs):
+        return None
+    # a sync costs the GPU's idle in its statement and after it (_sync_costs); the time the
+    # CPU blocks in it while the GPU finishes queued work is not lost by itself
+    syncs = syncs.sort_values("start_ns")
+    costed = _sync_costs(run, rank, syncs, all_rows, steps)
+    # the sites below rank by the idle they cause
+    syncs = syncs.assign(
+        dur_s=[c for c, _, _ in costed],
+        site=[s for _, s, _ in costed],
+        in_model=[m for _, _, m in costed],
+    )
+    syncs = syncs[[c is not None for c, _, _ in costed]]  # torch.profiler's own (window closing)
+    if not len(syncs):
+        return None
+    blocked = float(syncs["dur_s"].sum()) / n_steps
+    # the profiler slows the host in its window: the share is of the run's steady step
+    step_s = min(step_s, ev.median_step_s(run, rank) or step_s)
+    share = blocked / step_s if step_s else 0.0
+    if share < MIN_SHARE_GPU and len(syncs) / n_steps < MIN_SYNCS_PER_STEP_CPU:
+        return None
+    return syncs, ev.severity_for_share(share), blocked, share  # many cheap syncs: "info", with numbers
+
+
+def _site_list(
+    run: RunRecord,
+    rank: str,
+    rows: pd.DataFrame,
+    all_rows: pd.DataFrame,
+    syncs: pd.DataFrame,
+    n_steps: int,
+    has_cuda: bool,
+) -> tuple[list[dict[str, Any]], Any]:
+    """(the five call sites that cost most, each at the line py-spy sampled most in its
+    function, the top one's (file, line, function))."""
     sites = _sites(run, rank, rows, all_rows, syncs)
     ranked = sorted(sites.items(), key=lambda kv: (-kv[1][1], -kv[1][0]) if has_cuda else -kv[1][0])
     site_list = [
@@ -303,37 +375,14 @@ def _analyze_rank(run, rank, trace):
     top = ranked[0][0]
     if top and site_list[0].get("def_line") is not None:
         top = (top[0], site_list[0]["line"], top[2])
-    where = f"{top[2]} ({top[0]}:{top[1]})" if top else "an unknown function"
-    count = len(syncs) / n_steps
-    evidence = {
-        "rank": rank,
-        "profiled_steps": [int(s) for s in steps["step"]],
-        "syncs_per_step": round(count, 2),
-        "call_sites": site_list,
-        "syncs_in_model_per_step": round(float(syncs["in_model"].sum()) / n_steps, 2)
-        if "in_model" in syncs
-        else None,
-        "device_in_trace": has_cuda,
-        "line_note": "torch.profiler names a function by its first line (or, for one "
-        "already running when the window opened, the line it stood on); "
-        "torch.cuda.set_sync_debug_mode('warn') prints the exact line on a GPU",
-    }
-    blocked = _ledger_sync(run, rank)
-    if blocked is not None:
-        # the host's side, every step of the run (the shim times syncs on CUDA tensors): how long
-        # the training thread waited in them; mostly the GPU finishing queued work, so not the cost
-        evidence["host_blocked_in_syncs_s_per_step"] = round(blocked, 6)
-    if has_cuda:
-        summary = (
-            f"{count:.0f} syncs per step leave the GPU idle {lost * 1000:.1f} ms per step "
-            f"({share:.0%}) until the CPU queues the next kernel; the most costly in {where}."
-        )
-    else:
-        summary = (
-            f"{count:.0f} host reads of tensor values per step ({SCALAR_READ}, i.e. "
-            f".item()/float()/bool()), the most in {where}. On a GPU each one waits for "
-            "every queued kernel; this run has no GPU, so the cost is not measured."
-        )
+    return site_list, top
+
+
+def _sync_prescriptions(
+    run: RunRecord, site_list: list[dict[str, Any]], where: str, lost: float | None
+) -> tuple[Prescription, ...]:
+    """The device-side forms of the reads at each of the job's call sites (a sum kept, a guard
+    checked there), then the host read removed."""
     prescriptions = []
     seen = set()
     for site in site_list:
@@ -373,22 +422,7 @@ def _analyze_rank(run, rank, trace):
             expected_gain_s_per_step=lost,
         )
     )
-    prescriptions = tuple(prescriptions)
-    return [
-        Finding(
-            id="sync.host_device",
-            title=f"{count:.0f} host-device syncs per step on rank {rank}, most in {top[2] if top else '?'}",
-            severity=severity,
-            analyzer="host_sync",
-            summary=summary,
-            steps_affected=tuple(int(s) for s in steps["step"]),
-            seconds_lost_per_step=lost,
-            share_of_step=share,
-            evidence=evidence,
-            prescriptions=prescriptions,
-            ranks=(rank,),
-        )
-    ]
+    return tuple(prescriptions)
 
 
 def _source_path(run, site):
