@@ -10,7 +10,7 @@ terms of the framework that drives the run (analyzers/frameworks.py).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from traindx.analyzers import codefix, frameworks, threads
 from traindx.analyzers import evidence as ev
@@ -258,7 +258,13 @@ def _starving_site(sites, kind, served=None):
     return (starving or direct or [None])[-1]
 
 
-def _prescriptions(run, loader, lost, hot_function, rank=None):
+def _prescriptions(
+    run: RunRecord,
+    loader: dict[str, Any] | None,
+    lost: float | None,
+    hot_function: str | None,
+    rank: str | None = None,
+) -> list[Prescription]:
     """Best first: the DataLoader knob the user owns in the framework that drives the run."""
     framework = frameworks.knob_owner(run)
     settings = _worker_settings(run, loader)
@@ -267,87 +273,123 @@ def _prescriptions(run, loader, lost, hot_function, rank=None):
     setting_text = ", ".join(f"{k}={v}" for k, v in named.items())
     sites = frameworks.data_sites(run, rank)
     served = _steps_served(run, rank)
-    out = []
+    out: list[Prescription] = []
     if knob == "TrainingArguments":
-        site = _starving_site(sites, "TrainingArguments", served)
-        change = _site_change(site, "TrainingArguments", {k: repr(v) for k, v in named.items()})
-        command = [str(t) for t in run.command]
-        if any(
-            t.startswith("--per_device_train_batch_size")
-            or t.startswith("--output_dir")
-            or t.startswith("--dataloader_num_workers")
-            for t in command
-        ):
-            # the script takes TrainingArguments from its command line (HfArgumentParser)
-            out.append(
-                Prescription(
-                    kind="arg",
-                    summary=f"load batches in worker processes: --dataloader_num_workers "
-                    f"{settings['num_workers']} (TrainingArguments)",
-                    change={
-                        "arg": {
-                            "framework": "hf",
-                            "set": {"--dataloader_num_workers": str(settings["num_workers"])},
-                        }
-                    },
-                    expected_gain_s_per_step=lost,
-                    automatic=True,
-                )
-            )
-        out.append(
-            Prescription(
-                kind="code",
-                summary=f"load batches in worker processes: TrainingArguments({setting_text}){_where(site)}",
-                change={"code": change} if change else {},
-                expected_gain_s_per_step=lost,
-                automatic=bool(change),
-            )
-        )
+        out.extend(_trainer_fixes(run, sites, served, settings, named, setting_text, lost))
     elif knob == "torchtitan config":
+        out.append(_torchtitan_fix(names, settings, setting_text, lost))
+    elif knob == "Megatron flag":
+        out.append(_megatron_fix(settings, lost))
+    else:
+        out.append(_dataloader_fix(loader, sites, served, named, setting_text, lost))
+    out.extend(_hot_function_fixes(hot_function, lost))
+    return out
+
+
+def _trainer_fixes(
+    run: RunRecord,
+    sites: list[dict[str, Any]],
+    served: Any,
+    settings: dict[str, Any],
+    named: dict[str, Any],
+    setting_text: str,
+    lost: float | None,
+) -> list[Prescription]:
+    """The HF Trainer's dataloader_num_workers: on the command line when the script parses
+    TrainingArguments from it, and at the job's TrainingArguments(...) call."""
+    out = []
+    site = _starving_site(sites, "TrainingArguments", served)
+    change = _site_change(site, "TrainingArguments", {k: repr(v) for k, v in named.items()})
+    command = [str(t) for t in run.command]
+    if any(
+        t.startswith("--per_device_train_batch_size")
+        or t.startswith("--output_dir")
+        or t.startswith("--dataloader_num_workers")
+        for t in command
+    ):
+        # the script takes TrainingArguments from its command line (HfArgumentParser)
         out.append(
             Prescription(
                 kind="arg",
-                summary=f"load batches in worker processes: set {setting_text} in the "
-                "job's torchtitan config (TOML or --key=value overrides)",
+                summary=f"load batches in worker processes: --dataloader_num_workers "
+                f"{settings['num_workers']} (TrainingArguments)",
                 change={
                     "arg": {
-                        "framework": "torchtitan",
-                        "set": {f"--{names['num_workers']}": str(settings["num_workers"])},
+                        "framework": "hf",
+                        "set": {"--dataloader_num_workers": str(settings["num_workers"])},
                     }
-                },
-                expected_gain_s_per_step=lost,
-                automatic=False,
-            )
-        )
-    elif knob == "Megatron flag":
-        out.append(
-            Prescription(
-                kind="arg",
-                summary=f"load batches in more worker processes: --num-workers {settings['num_workers']}",
-                change={
-                    "arg": {"framework": "megatron", "set": {"--num-workers": str(settings["num_workers"])}}
                 },
                 expected_gain_s_per_step=lost,
                 automatic=True,
             )
         )
-    else:
-        site = _starving_site(sites, "DataLoader", served)
-        change = _site_change(site, "DataLoader", {k: repr(v) for k, v in named.items()})
-        if site is None and loader and not ev.is_library_path(str((loader.get("caller") or {}).get("file"))):
-            # no data_site event (an older shim): the torchcalls event's line, when it is the job's
-            legacy = {"site": {**(loader.get("caller") or {}), "source": loader.get("source")}}
-            change = _site_change(legacy, "DataLoader", {k: repr(v) for k, v in named.items()})
-            site = legacy
-        out.append(
-            Prescription(
-                kind="code",
-                summary=f"load batches in worker processes: DataLoader({setting_text}){_where(site)}",
-                change={"code": change} if change else {},
-                expected_gain_s_per_step=lost,
-                automatic=bool(change),
-            )
+    out.append(
+        Prescription(
+            kind="code",
+            summary=f"load batches in worker processes: TrainingArguments({setting_text}){_where(site)}",
+            change={"code": change} if change else {},
+            expected_gain_s_per_step=lost,
+            automatic=bool(change),
         )
+    )
+    return out
+
+
+def _torchtitan_fix(
+    names: dict[str, str], settings: dict[str, Any], setting_text: str, lost: float | None
+) -> Prescription:
+    return Prescription(
+        kind="arg",
+        summary=f"load batches in worker processes: set {setting_text} in the "
+        "job's torchtitan config (TOML or --key=value overrides)",
+        change={
+            "arg": {
+                "framework": "torchtitan",
+                "set": {f"--{names['num_workers']}": str(settings["num_workers"])},
+            }
+        },
+        expected_gain_s_per_step=lost,
+        automatic=False,
+    )
+
+
+def _megatron_fix(settings: dict[str, Any], lost: float | None) -> Prescription:
+    return Prescription(
+        kind="arg",
+        summary=f"load batches in more worker processes: --num-workers {settings['num_workers']}",
+        change={"arg": {"framework": "megatron", "set": {"--num-workers": str(settings["num_workers"])}}},
+        expected_gain_s_per_step=lost,
+        automatic=True,
+    )
+
+
+def _dataloader_fix(
+    loader: dict[str, Any] | None,
+    sites: list[dict[str, Any]],
+    served: Any,
+    named: dict[str, Any],
+    setting_text: str,
+    lost: float | None,
+) -> Prescription:
+    """DataLoader(num_workers=...) at the job's construction line."""
+    site = _starving_site(sites, "DataLoader", served)
+    change = _site_change(site, "DataLoader", {k: repr(v) for k, v in named.items()})
+    if site is None and loader and not ev.is_library_path(str((loader.get("caller") or {}).get("file"))):
+        # no data_site event (an older shim): the torchcalls event's line, when it is the job's
+        legacy = {"site": {**(loader.get("caller") or {}), "source": loader.get("source")}}
+        change = _site_change(legacy, "DataLoader", {k: repr(v) for k, v in named.items()})
+        site = legacy
+    return Prescription(
+        kind="code",
+        summary=f"load batches in worker processes: DataLoader({setting_text}){_where(site)}",
+        change={"code": change} if change else {},
+        expected_gain_s_per_step=lost,
+        automatic=bool(change),
+    )
+
+
+def _hot_function_fixes(hot_function: str | None, lost: float | None) -> list[Prescription]:
+    out = []
     if hot_function and "__getitem__" in hot_function:
         out.append(
             Prescription(

@@ -22,13 +22,19 @@ threads burned beside the training thread, and how much of the step the training
 was on a core.
 """
 
+from __future__ import annotations
+
 import os
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from traindx.analyzers import codefix
 from traindx.analyzers import evidence as ev
 from traindx.analyzers.findings import Finding, Prescription
+
+if TYPE_CHECKING:  # annotations only
+    from traindx.derive.run import RunRecord
 
 ANALYZER = "threads"
 THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
@@ -305,7 +311,7 @@ def _cost_text(f):
     return "; ".join(parts)
 
 
-def _analyze_rank(run, rank):
+def _analyze_rank(run: RunRecord, rank: str) -> list[Finding]:
     f = thread_facts(run, rank)
     if f is None or not f["cores"] or not f["intra_op_threads"]:
         return []
@@ -321,83 +327,99 @@ def _analyze_rank(run, rank):
             f["threads_from"] = f"the job's own {call['source']} at {call['file']}:{call['line']}"
     per_proc = max(1, (cores - workers) // procs) if cores > workers else 1
     out = []
-    common = {"analyzer": ANALYZER, "ranks": (rank,), "evidence": {**f, "threads_wanted": demand}}
+    common: dict[str, Any] = {
+        "analyzer": ANALYZER,
+        "ranks": (rank,),
+        "evidence": {**f, "threads_wanted": demand},
+    }
     # with other tasks runnable too, fewer threads than the job's share of the cores
     free = max(1, int(cores - others) // procs) if cores > others else 1
     if demand > cores and intra > per_proc:
-        ratio = demand / cores
-        per_proc = min(per_proc, free)
-        out.append(
-            Finding(
-                id="threads.oversubscribed",
-                title=(
-                    f"{demand} CPU threads on {cores} cores: {intra} intra-op thread"
-                    f"{'s' if intra > 1 else ''} x {procs} process{'es' if procs > 1 else ''}"
-                    + (f" + {workers} DataLoader workers" if workers else "")
-                ),
-                severity="medium" if ratio >= 2 else "low",
-                summary=(
-                    f"The job runs {intra} intra-op threads (from {f['threads_from']}) in each of "
-                    f"{procs} process{'es' if procs > 1 else ''}"
-                    + (f" beside {workers} DataLoader workers" if workers else "")
-                    + f" on {cores} cores it may use: torch's threads spin at their barriers and "
-                    f"take the cores the working ones need. Measured: {_cost_text(f)}."
-                ),
-                prescriptions=_prescriptions(
-                    run,
-                    f,
-                    per_proc,
-                    f"{cores} cores shared by {procs} "
-                    f"process{'es' if procs > 1 else ''}" + (f" and {workers} workers" if workers else ""),
-                ),
-                **common,
-            )
-        )
+        out.append(_oversubscribed(run, f, demand, min(per_proc, free), common))
     elif intra > 1 and demand + others > cores + 0.5:
         fit = free
         if fit < intra:
-            out.append(
-                Finding(
-                    id="threads.contention",
-                    title=(
-                        f"{intra} intra-op threads compete with {others:.1f} other runnable tasks "
-                        f"for {cores} cores"
-                    ),
-                    # info: the machine's load is not the job's, and it comes and goes (the same
-                    # job on a quiet machine has no such finding); the report shows it with the
-                    # setting that makes the job robust to it
-                    severity="info",
-                    summary=(
-                        f"Other processes keep the machine busy ({others:.1f} runnable tasks "
-                        f"beside the job on {cores} cores), so the job's {intra} intra-op threads "
-                        "wait for each other at every parallel op (a spinning barrier with a "
-                        f"thread off its core). Measured: {_cost_text(f)}."
-                    ),
-                    prescriptions=_prescriptions(run, f, fit, "fewer threads than free cores"),
-                    **common,
-                )
-            )
+            out.append(_contention(run, f, others, fit, common))
     if machine_loaded(f):
-        out.append(
-            Finding(
-                id="threads.machine_loaded",
-                title=f"The machine was loaded: {others:.1f} other runnable tasks on {cores} cores",
-                severity="info",
-                summary=(
-                    f"Beside the job, {others:.1f} tasks on average were runnable on the "
-                    f"machine's {cores} cores"
-                    + (
-                        f" (idle {f['machine_idle_share']:.0%} of the time)"
-                        if f["machine_idle_share"] is not None
-                        else ""
-                    )
-                    + ": the step times are those of a shared machine, slower and noisier than "
-                    "on a quiet one."
-                ),
-                **common,
-            )
-        )
+        out.append(_loaded(f, others, common))
     return out
+
+
+def _oversubscribed(
+    run: RunRecord, f: dict[str, Any], demand: int, per_proc: int, common: dict[str, Any]
+) -> Finding:
+    """More of the job's CPU threads than its cores."""
+    cores, intra, procs = f["cores"], f["intra_op_threads"], f["processes_on_host"]
+    workers = f["dataloader_workers"]
+    ratio = demand / cores
+    return Finding(
+        id="threads.oversubscribed",
+        title=(
+            f"{demand} CPU threads on {cores} cores: {intra} intra-op thread"
+            f"{'s' if intra > 1 else ''} x {procs} process{'es' if procs > 1 else ''}"
+            + (f" + {workers} DataLoader workers" if workers else "")
+        ),
+        severity="medium" if ratio >= 2 else "low",
+        summary=(
+            f"The job runs {intra} intra-op threads (from {f['threads_from']}) in each of "
+            f"{procs} process{'es' if procs > 1 else ''}"
+            + (f" beside {workers} DataLoader workers" if workers else "")
+            + f" on {cores} cores it may use: torch's threads spin at their barriers and "
+            f"take the cores the working ones need. Measured: {_cost_text(f)}."
+        ),
+        prescriptions=_prescriptions(
+            run,
+            f,
+            per_proc,
+            f"{cores} cores shared by {procs} "
+            f"process{'es' if procs > 1 else ''}" + (f" and {workers} workers" if workers else ""),
+        ),
+        **common,
+    )
+
+
+def _contention(
+    run: RunRecord, f: dict[str, Any], others: float, fit: int, common: dict[str, Any]
+) -> Finding:
+    """The job's intra-op threads and the machine's other runnable tasks, more than its cores."""
+    cores, intra = f["cores"], f["intra_op_threads"]
+    return Finding(
+        id="threads.contention",
+        title=(f"{intra} intra-op threads compete with {others:.1f} other runnable tasks for {cores} cores"),
+        # info: the machine's load is not the job's, and it comes and goes (the same
+        # job on a quiet machine has no such finding); the report shows it with the
+        # setting that makes the job robust to it
+        severity="info",
+        summary=(
+            f"Other processes keep the machine busy ({others:.1f} runnable tasks "
+            f"beside the job on {cores} cores), so the job's {intra} intra-op threads "
+            "wait for each other at every parallel op (a spinning barrier with a "
+            f"thread off its core). Measured: {_cost_text(f)}."
+        ),
+        prescriptions=_prescriptions(run, f, fit, "fewer threads than free cores"),
+        **common,
+    )
+
+
+def _loaded(f: dict[str, Any], others: float, common: dict[str, Any]) -> Finding:
+    cores = f["cores"]
+    return Finding(
+        id="threads.machine_loaded",
+        title=f"The machine was loaded: {others:.1f} other runnable tasks on {cores} cores",
+        severity="info",
+        summary=(
+            f"Beside the job, {others:.1f} tasks on average were runnable on the "
+            f"machine's {cores} cores"
+            + (
+                f" (idle {f['machine_idle_share']:.0%} of the time)"
+                if f["machine_idle_share"] is not None
+                else ""
+            )
+            + ": the step times are those of a shared machine, slower and noisier than "
+            "on a quiet one."
+        ),
+        **common,
+    )
 
 
 def analyze(run):
