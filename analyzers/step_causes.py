@@ -126,37 +126,47 @@ def analyze(run, findings: list | None = None) -> list:
     if not kinds:
         return []
     kind = max(kinds, key=lambda c: by_cause[c])
+    return [_time_in_events(table, kind, by_cause, counts, total_s, waited)]
+
+
+def _time_in_events(
+    table: pd.DataFrame,
+    kind: str,
+    by_cause: pd.Series,
+    counts: pd.Series,
+    total_s: float,
+    waited: dict[str, float] | None,
+) -> Finding:
+    """One kind of event holds a real share of the steady steps' time and no finding names it."""
     n_steps = int(len(table[["rank", "step"]].drop_duplicates())) or 1
     mine = table[table["cause"] == kind]
     share = float(by_cause[kind]) / total_s
-    return [
-        Finding(
-            id="steps.time_in_events",
-            title=(
-                f"{int(counts[kind])} of {n_steps} steps spent most of their time in {CAUSES[kind]} "
-                f"({_seconds_text(float(by_cause[kind]))} in all)"
-            ),
-            severity=ev.severity_for_share(share),
-            analyzer="step_causes",
-            summary=(
-                f"{share:.0%} of the steady steps' time is {CAUSES[kind]}, recorded by the shim, and no "
-                "specialised analyzer made a finding of it: see the step chart and the compile "
-                "events in the report."
-            ),
-            steps_affected=tuple(sorted({int(s) for s in mine["step"]})),
-            seconds_lost_per_step=float(by_cause[kind]) / n_steps,
-            share_of_step=share,
-            ranks=tuple(sorted(set(mine["rank"]))),
-            evidence={
-                "kind": kind,
-                "steps": int(counts[kind]),
-                "of_steps": n_steps,
-                "seconds": float(by_cause[kind]),
-                "share_of_step_time": share,
-                **({"runqueue_wait": waited} if waited else {}),
-            },
-        )
-    ]
+    return Finding(
+        id="steps.time_in_events",
+        title=(
+            f"{int(counts[kind])} of {n_steps} steps spent most of their time in {CAUSES[kind]} "
+            f"({_seconds_text(float(by_cause[kind]))} in all)"
+        ),
+        severity=ev.severity_for_share(share),
+        analyzer="step_causes",
+        summary=(
+            f"{share:.0%} of the steady steps' time is {CAUSES[kind]}, recorded by the shim, and no "
+            "specialised analyzer made a finding of it: see the step chart and the compile "
+            "events in the report."
+        ),
+        steps_affected=tuple(sorted({int(s) for s in mine["step"]})),
+        seconds_lost_per_step=float(by_cause[kind]) / n_steps,
+        share_of_step=share,
+        ranks=tuple(sorted(set(mine["rank"]))),
+        evidence={
+            "kind": kind,
+            "steps": int(counts[kind]),
+            "of_steps": n_steps,
+            "seconds": float(by_cause[kind]),
+            "share_of_step_time": share,
+            **({"runqueue_wait": waited} if waited else {}),
+        },
+    )
 
 
 def without_core_wait(
