@@ -10,25 +10,21 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 # the steady window is derived (traindx.derive.steady); the analyzers read it as ev.*
-from traindx.derive.steady import (  # noqa: F401
-    events_of_type,
-    median_step_s,
-    profiled_steps,
-    steady_steps,
-    step_of,  # noqa: F401
-    steps_seconds,
-    trace_steps,
-    warmup_count,  # noqa: F401
-)
+from traindx.derive.steady import events_of_type as events_of_type
+from traindx.derive.steady import median_step_s as median_step_s
+from traindx.derive.steady import profiled_steps as profiled_steps
+from traindx.derive.steady import steady_steps as steady_steps
+from traindx.derive.steady import step_of as step_of
+from traindx.derive.steady import steps_seconds as steps_seconds
+from traindx.derive.steady import trace_steps as trace_steps
+from traindx.derive.steady import warmup_count as warmup_count
 from traindx.profiler import speedscope
 
 # library or the job's own code: one rule set, shared with the shim and the report
-from traindx.profiler.shim._traindx_shim.frames import (  # noqa: F401
-    KNOWN_LIBRARIES,
-    LOW_LEVEL_PACKAGES,
-    is_library_path,
-    is_library_trace_file,
-)
+from traindx.profiler.shim._traindx_shim.frames import KNOWN_LIBRARIES as KNOWN_LIBRARIES
+from traindx.profiler.shim._traindx_shim.frames import LOW_LEVEL_PACKAGES as LOW_LEVEL_PACKAGES
+from traindx.profiler.shim._traindx_shim.frames import is_library_path as is_library_path
+from traindx.profiler.shim._traindx_shim.frames import is_library_trace_file as is_library_trace_file
 
 # folders no job's own source lives in (walked for the job's files by analyzers and the fix planner)
 SKIP_DIRS = {

@@ -35,24 +35,19 @@ import pandas as pd
 from traindx.analyzers import evidence as ev
 from traindx.analyzers import stability
 from traindx.analyzers.findings import Finding, Prescription
+from traindx.analyzers.host_work_code import MIN_SAMPLES as MIN_SAMPLES  # re-exported: the tests read it here
 from traindx.analyzers.host_work_code import (
-    _OWNING,  # noqa: F401  (re-exported)
-    LOADED_WAIT,  # noqa: F401  (re-exported)
-    MIN_SAMPLES,  # noqa: F401  (re-exported: the tests read it here)
     Group,
     _ancestor_lines,
     _groups_from_ledger,
     _groups_from_pyspy,
     _ledger_host_code,
-    _loop_window,  # noqa: F401  (re-exported)
     _own_step_s,
     _without_runqueue_wait,
-    classify_stack,  # noqa: F401  (re-exported)
-    pyspy_host_code,  # noqa: F401  (re-exported)
     source_line,
 )
+from traindx.analyzers.host_work_prescriptions import _async_edit as _async_edit  # re-exported: the tests
 from traindx.analyzers.host_work_prescriptions import (
-    _async_edit,  # noqa: F401  (re-exported: tests read it here)
     _call_name,
     _call_of_kind,
     _prescriptions,

@@ -19,40 +19,16 @@ from traindx.analyzers.jit_autotune import (
     _cold_start_finding,
     first_step_rows,
 )
-from traindx.analyzers.jit_common import (  # noqa: F401
-    CACHE_DIR_VAR,
-    CACHE_ENABLE_VAR,
-    FA4_BWD_FIXED,
-    FA4_FIXED,
-    FA4_PACKAGE,
-    SINGLE_BLOCK_FIELDS,
-    _col,
-    _display_path,
-    _is_tensor_field,
-    _kernel_rows,
-    _key_history,
-    _ledger_cost,
-    _release_number,
-    _severity,
-    _steps_after,
-    _where,
-    diff_keys,
-    fa4_version_before,
-    precompile_prescription,
-)
-from traindx.analyzers.jit_dynamo import (  # noqa: F401
-    _dynamo_finding,
-    dynamo_compile_kind,
-    dynamo_kinds,
-    is_dynamo_recompile,
-)
-from traindx.analyzers.jit_fa4 import (  # noqa: F401  (re-exported: the fix tests and commands read them here)
-    RUNTIME_PATCH,
-    backend_switches,
-    int_cast,
-    wrap_in_int,
-)
-from traindx.analyzers.jit_pyspy import _analyze_pyspy_only, analyze_recording  # noqa: F401  (re-exported)
+from traindx.analyzers.jit_common import _kernel_rows, _severity
+from traindx.analyzers.jit_common import diff_keys as diff_keys  # re-exported: the tests read it here
+from traindx.analyzers.jit_dynamo import _dynamo_finding, dynamo_kinds
+
+# re-exported: the commands and the tests read them here
+from traindx.analyzers.jit_fa4 import backend_switches as backend_switches
+from traindx.analyzers.jit_fa4 import int_cast as int_cast
+from traindx.analyzers.jit_fa4 import wrap_in_int as wrap_in_int
+from traindx.analyzers.jit_pyspy import _analyze_pyspy_only
+from traindx.analyzers.jit_pyspy import analyze_recording as analyze_recording
 from traindx.analyzers.jit_steady import _steady_finding
 
 if TYPE_CHECKING:  # annotations only

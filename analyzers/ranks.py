@@ -35,13 +35,7 @@ from traindx.analyzers.ranks_points import (
     _straggler_from_points,
     _syncs_every_step,
 )
-from traindx.analyzers.ranks_waits import (  # noqa: F401  (re-exported)
-    COLLECTIVE_NAME,
-    MIN_SHARE,
-    MIN_WAIT_DIFF_S,
-    POINT_TO_POINT_NAME,
-    _by_smallest_wait,
-)
+from traindx.analyzers.ranks_waits import MIN_SHARE, MIN_WAIT_DIFF_S, _by_smallest_wait
 from traindx.derive import ledger as ledger_mod
 
 if TYPE_CHECKING:  # annotations only

@@ -18,13 +18,11 @@ from traindx.analyzers.stability_causes import (
     _causes,
     _io_from_ledger,
     _run_queue_excess,
-    save_sites,  # noqa: F401  (re-exported)
+    save_sites,
 )
-from traindx.analyzers.stability_prescriptions import (  # noqa: F401  (re-exported: fixplan and the tests read them here)
-    LESS_OFTEN,
-    _periodic_prescriptions,
-    checkpoint_prescriptions,
-)
+from traindx.analyzers.stability_prescriptions import LESS_OFTEN as LESS_OFTEN  # re-exported: fixplan
+from traindx.analyzers.stability_prescriptions import _periodic_prescriptions
+from traindx.analyzers.stability_prescriptions import checkpoint_prescriptions as checkpoint_prescriptions
 from traindx.common.units import ordinal
 from traindx.derive import ledger, periods
 
