@@ -36,17 +36,17 @@ MALLOC_CALLS = (
 )
 
 
-def _alloc_conf(run):
+def _alloc_conf(run: RunRecord) -> Any:
     env = run.manifest.get("env") or {}
     return env.get("PYTORCH_CUDA_ALLOC_CONF") or env.get("PYTORCH_ALLOC_CONF") or ""
 
 
-def _with_expandable(current):
+def _with_expandable(current: Any) -> Any:
     parts = [p for p in current.split(",") if p and not p.startswith("expandable_segments")]
     return ",".join(parts + [EXPANDABLE])
 
 
-def _empty_cache_sites(run, rank, steady_ids):
+def _empty_cache_sites(run: RunRecord, rank: str, steady_ids: Any) -> Any:
     calls = ev.events_of_type(run, "empty_cache")
     if not len(calls):
         return []
@@ -71,7 +71,7 @@ def _empty_cache_sites(run, rank, steady_ids):
     return sorted(sites.values(), key=lambda e: -e["calls"])
 
 
-def _malloc_seconds_per_step(run, rank):
+def _malloc_seconds_per_step(run: RunRecord, rank: str) -> Any:
     """Seconds per profiled step the CPU spent in cudaMalloc/cudaFree (a retry frees the whole
     cache and mallocs again; cudaFree synchronizes the device), or None without a GPU trace."""
     trace = run.torch_trace
@@ -86,7 +86,7 @@ def _malloc_seconds_per_step(run, rank):
     return float(calls["dur_s"].sum()) / len(steps)
 
 
-def _idle_in_malloc_per_step(run, rank):
+def _idle_in_malloc_per_step(run: RunRecord, rank: str) -> Any:
     """Seconds per profiled step the GPU idles while the host is inside an allocator call, or
     None without a GPU trace."""
     from traindx.analyzers.gpu_window import ALLOCATOR_CALLS, idle_in_calls_per_step
@@ -172,7 +172,7 @@ def _alloc_prescriptions(
     return prescriptions
 
 
-def _analyze_rank(run, rank, rows):
+def _analyze_rank(run: RunRecord, rank: str, rows: pd.DataFrame) -> Any:
     """rows: this rank's alloc events."""
     steady = ev.steady_steps(run, rank)
     steady_ids = {int(s) for s in steady["step"]}

@@ -29,11 +29,11 @@ DATALOADER_FILE = "torch/utils/data/dataloader.py"
 TRACE_PREFIX = "enumerate(DataLoader)#"
 
 
-def _in_next(stack):
+def _in_next(stack: Any) -> Any:
     return any(f.file.endswith(DATALOADER_FILE) and f.name.endswith("__next__") for f in stack)
 
 
-def _hottest_inside_next(samples, limit=5):
+def _hottest_inside_next(samples: Any, limit: Any = 5) -> Any:
     """[(Frame, seconds)] of the job's outermost function called from DataLoader.__next__ (its
     collate_fn or its Dataset.__getitem__), hottest first."""
     counts, line_of = {}, {}
@@ -56,7 +56,7 @@ def _hottest_inside_next(samples, limit=5):
     return [(line_of[key], seconds) for key, seconds in ranked]
 
 
-def _from_pyspy(run, rank):
+def _from_pyspy(run: RunRecord, rank: str) -> Any:
     recording_all = run.pyspy.get((rank, "all"))
     if not recording_all:
         return None
@@ -80,7 +80,7 @@ def _from_pyspy(run, rank):
     }
 
 
-def _from_ledger(run, rank):
+def _from_ledger(run: RunRecord, rank: str) -> Any:
     """The measured wait: the shim times every DataLoader iterator __next__ on the training
     thread (the `data` line of the time ledger), over the steady steps. Unlike py-spy's sample
     counts it does not shrink when py-spy is starved of CPU; py-spy still names the code."""
@@ -113,7 +113,7 @@ def _from_ledger(run, rank):
     return out
 
 
-def _judged_share(run, rank, measured):
+def _judged_share(run: RunRecord, rank: str, measured: Any) -> Any:
     """(the share the finding is judged by, why): the measured share; on a loaded machine
     (threads.machine_loaded) the wait every step has (its lower quartile) or the loading work
     itself (the CPU inside __next__), whichever is larger. There a wait that comes and goes is
@@ -136,7 +136,7 @@ def _judged_share(run, rank, measured):
     }
 
 
-def _from_trace(run, rank):
+def _from_trace(run: RunRecord, rank: str) -> Any:
     trace = run.torch_trace
     if not len(trace):
         return None
@@ -181,7 +181,7 @@ def _from_trace(run, rank):
     }
 
 
-def _pick_loader(run, rank):
+def _pick_loader(run: RunRecord, rank: str) -> Any:
     loaders = ev.events_of_type(run, "dataloader")
     if not len(loaders):
         return None
@@ -193,7 +193,7 @@ def _pick_loader(run, rank):
     return {k: frameworks.plain(v) for k, v in row.to_dict().items()}
 
 
-def _worker_settings(run, loader):
+def _worker_settings(run: RunRecord, loader: Any) -> Any:
     """num_workers (and friends) worth trying: a core per worker, leaving one to the rank."""
     cpus = (run.manifest.get("host") or {}).get("cpus") or 4
     ranks = max(1, len([r for r in run.ranks if r in set(run.steps["rank"])]))
@@ -207,7 +207,7 @@ def _worker_settings(run, loader):
     return settings
 
 
-def _site_change(site, name, settings):
+def _site_change(site: Any, name: Any, settings: Any) -> Any:
     """The code change that sets `settings` (source texts) on the call of `name` at the job's
     own construction line, or None when it is not a real, applicable edit."""
     where = frameworks.user_site(site)
@@ -219,11 +219,14 @@ def _site_change(site, name, settings):
     if before and not where.get("call_source"):
         before = before.strip()
     after = codefix.set_keywords(before, settings) if before and name in before else None
-    change = codefix.code_change(where.get("file"), first, before, after, last_line=last)
+    file = where.get("file")
+    if not file or not isinstance(first, int) or not isinstance(before, str) or after is None:
+        return None  # (code_change's own refusals, said before the call)
+    change = codefix.code_change(file, first, before, after, last_line=last)
     return dict(change, op="replace") if change else None
 
 
-def _where(site):
+def _where(site: Any) -> Any:
     where = frameworks.user_site(site)
     if not where:
         return ""
@@ -231,7 +234,7 @@ def _where(site):
     return f" at {where['file']}:{first}"
 
 
-def _steps_served(run, rank):
+def _steps_served(run: RunRecord, rank: str | None) -> Any:
     """{site id: distinct steps in which that loader's __next__ delivered a batch} (the shim's
     data_use events): the loader the training loop iterates has the most."""
     uses = ev.events_of_type(run, "data_use")
@@ -242,7 +245,7 @@ def _steps_served(run, rank):
     return {int(k): int(v) for k, v in uses.groupby("site_id")["steps"].max().items()}
 
 
-def _starving_site(sites, kind, served=None):
+def _starving_site(sites: Any, kind: Any, served: Any = None) -> Any:
     """The job's own construction to change: the loader the steps iterate (data_use), else one
     built directly in its code (not re-wrapped by a framework's prepare()), the last one with
     num_workers=0 first."""

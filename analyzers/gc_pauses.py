@@ -8,7 +8,7 @@ collections per step (count, total and longest pause per generation).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
@@ -26,7 +26,7 @@ MIN_SHARE = 0.03
 FREEZE = "import gc; gc.collect(); gc.freeze()  # set-up done: its objects leave the collector's view"
 
 
-def _code_prescriptions(run, lost, collections_per_step):
+def _code_prescriptions(run: RunRecord, lost: Any, collections_per_step: Any) -> Any:
     """Concrete edits of the job's own script: a `gc.collect()` called in its loop removed (when
     about one full collection per step shows it is the cause), and `gc.freeze()` inserted where
     set-up ends (before the training loop)."""
@@ -63,7 +63,7 @@ def _code_prescriptions(run, lost, collections_per_step):
     return out
 
 
-def _from_ledger(run, rank, lost, share):
+def _from_ledger(run: RunRecord, rank: str, lost: Any, share: Any) -> Any:
     """(seconds per steady step, share) of GC from the time ledger: the shim's long GC pauses
     as intervals, each counted once even inside a data wait or a backward. Without the shim's
     spans (older runs), the per-step aggregates above stand."""
@@ -128,7 +128,7 @@ def _rank_finding(run: RunRecord, rank: str, steady: pd.DataFrame, events: pd.Da
     # how much slower the steps with a full collection are than the others
     hit = steady[steady["step"].isin(steps_hit)]["duration_s"]
     clean = steady[~steady["step"].isin(steps_hit)]["duration_s"]
-    evidence = {
+    evidence: dict[str, Any] = {
         "rank": rank,
         "steady_steps": n_steps,
         "steps_with_gen2": steps_hit,

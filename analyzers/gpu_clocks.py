@@ -41,7 +41,9 @@ def steady_span(run: RunRecord) -> tuple[int, int] | None:
     return int(steady["start_ns"].min()), int(steady["end_ns"].max())
 
 
-def _reference_clock(run, index, busy, clean, throttled, clocks) -> tuple[float, str]:
+def _reference_clock(
+    run: RunRecord, index: Any, busy: Any, clean: Any, throttled: Any, clocks: Any
+) -> tuple[float, str]:
     """(the SM clock a throttled GPU is compared with, how it was chosen). The busy samples that
     ran neither throttled nor capped; else the unthrottled busy ones' high clocks; a GPU throttled
     in every busy sample has none of its own, so its maximum SM clock from the run's GPU inventory

@@ -65,7 +65,7 @@ CLAIMED_CALL = re.compile(
 
 
 # -- per-step idle from the markers --------------------------------------------------------------
-def _host_idle_per_step(stretch_rows):
+def _host_idle_per_step(stretch_rows: pd.DataFrame) -> Any:
     """{step: (host idle ceiling, between-steps idle ceiling)}: the stretches of the ledger's
     `host` line (the training thread's code between its measured calls), and of those the ones
     after the optimizer (the loop's end-of-step code: logging, evaluation, checkpoints)."""
@@ -80,7 +80,7 @@ def _host_idle_per_step(stretch_rows):
     return {int(s): (float(host.get(s, 0.0)), float(between.get(s, 0.0))) for s in steps}
 
 
-def _host_code_top(run, rank, steps):
+def _host_code_top(run: RunRecord, rank: str, steps: pd.DataFrame) -> Any:
     """(file, line, function, call, seconds per step) of the code that ran most inside the
     ledger's host intervals (traindx.derive.ledger.host_code, py-spy samples in those intervals), or
     None where the ledger has no such table."""
@@ -114,7 +114,7 @@ def _host_code_top(run, rank, steps):
 def _host_starved(
     run: RunRecord,
     rank: str,
-    step_s: float,
+    step_s: float | None,
     host_idle: dict[int, tuple[float, float]],
     window_rows: pd.DataFrame,
 ) -> list[Finding]:
@@ -241,7 +241,7 @@ def _starved_prescriptions(
     )
 
 
-def _pageable(run: RunRecord, rank: str, trace: pd.DataFrame, step_s: float) -> list[Finding]:
+def _pageable(run: RunRecord, rank: str, trace: pd.DataFrame, step_s: float | None) -> list[Finding]:
     steps = ev.trace_steps(run, rank)
     copies = trace[(trace["cat"] == "gpu_memcpy").to_numpy()]
     if not len(copies) or not len(steps) or not step_s:
@@ -397,7 +397,7 @@ def _pageable_prescriptions(
     )
 
 
-def _exposed_communication(run, rank, trace, step_s):
+def _exposed_communication(run: RunRecord, rank: str, trace: pd.DataFrame, step_s: Any) -> Any:
     steps = ev.trace_steps(run, rank)
     if not len(steps) or not step_s:
         return []
@@ -446,7 +446,7 @@ def _exposed_communication(run, rank, trace, step_s):
     ]
 
 
-def _between_steps(run, rank, host_idle, step_s):
+def _between_steps(run: RunRecord, rank: str, host_idle: Any, step_s: Any) -> Any:
     steady = ev.steady_steps(run, rank)
     ids = [int(s) for s in steady["step"]] if len(steady) else sorted(host_idle)
     between = pd.Series({s: host_idle[s][1] for s in ids if s in host_idle}, dtype=float)
@@ -509,7 +509,7 @@ def _between_steps(run, rank, host_idle, step_s):
     ]
 
 
-def analyze(run):
+def analyze(run: RunRecord) -> Any:
     stretch_rows, _ = gputime.for_run(run)
     trace = run.torch_trace
     if not len(stretch_rows) and not (len(trace) and (trace["cat"] == "kernel").any()):

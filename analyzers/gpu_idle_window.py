@@ -7,7 +7,7 @@ from __future__ import annotations
 import linecache
 import os
 import re
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
@@ -16,6 +16,8 @@ from traindx.analyzers import evidence as ev
 from traindx.analyzers import gpu_window as window
 
 if TYPE_CHECKING:  # annotations only
+    from traindx.derive.run import RunRecord
+
     pass
 
 
@@ -36,7 +38,7 @@ BLOCKING_RUNTIME = re.compile(
 
 
 # -- the window: idle gaps tied to the host's code -----------------------------------------------
-def _main_tid(py):
+def _main_tid(py: pd.DataFrame) -> Any:
     """The training thread among the profiled Python threads: the busiest one that is not
     traindx's own (the shim's 50 Hz host sampler wakes often enough to out-count a training
     thread of few, long steps)."""
@@ -48,13 +50,13 @@ def _main_tid(py):
     return theirs[0] if theirs else counts.index[0]
 
 
-def _frames_at(py, t):
+def _frames_at(py: pd.DataFrame, t: Any) -> Any:
     """(innermost user frame (file, def line, function) or None, innermost call name) at t."""
     users, calls = _frames_at_points(py, np.array([t], dtype=np.int64))
     return users[0], calls[0]
 
 
-def _innermost(starts, ends, order, points):
+def _innermost(starts: Any, ends: Any, order: Any, points: pd.DataFrame) -> Any:
     """Index (into the event arrays) of the innermost event enclosing each sorted point, -1 for
     none: events of one thread nest, so visiting them by start and overwriting leaves the
     innermost."""
@@ -66,7 +68,7 @@ def _innermost(starts, ends, order, points):
     return out
 
 
-def _frames_at_points(py, points):
+def _frames_at_points(py: pd.DataFrame, points: pd.DataFrame) -> Any:
     """_frames_at for many points at once (sorted int64 ns)."""
     if not len(py) or not len(points):
         return [None] * len(points), [None] * len(points)
@@ -83,7 +85,7 @@ def _frames_at_points(py, points):
     return users, calls
 
 
-def _categories(spans, points):
+def _categories(spans: pd.DataFrame, points: pd.DataFrame) -> Any:
     """The measured call (span category) covering each sorted point, 'host' where none does."""
     out = np.full(len(points), "host", dtype=object)
     if not len(spans) or not len(points):
@@ -96,7 +98,7 @@ def _categories(spans, points):
     return out
 
 
-def _window_idle(run, rank, trace):
+def _window_idle(run: RunRecord, rank: str, trace: pd.DataFrame) -> Any:
     """(per-step idle seconds in the window, rows of idle seconds per step by (category, user
     frame, call)) for one rank's profiled steps; (None, empty) without a usable window."""
     steps = ev.trace_steps(run, rank)
@@ -125,14 +127,16 @@ def _window_idle(run, rank, trace):
     if not total:
         return 0.0, pd.DataFrame()
     spacing = max(total / MAX_POINTS, 50_000)  # one point per 50 µs of idle at least
-    points, weights, long_gap = [], [], []
+    at: list[float] = []
+    weights: list[float] = []
+    long_gap: list[bool] = []
     for a, b in gaps:
         n = max(1, int((b - a) // spacing))
         weight = (b - a) / n
-        points.extend(a + (k + 0.5) * weight for k in range(n))
+        at.extend(a + (k + 0.5) * weight for k in range(n))
         weights.extend([weight / 1e9 / n_steps] * n)
         long_gap.extend([b - a >= MIN_HOST_GAP_NS] * n)
-    points = np.asarray(points, dtype=np.int64)  # gaps are in time order: sorted
+    points = np.asarray(at, dtype=np.int64)  # gaps are in time order: sorted
     users, calls = _frames_at_points(py, points)
     runtime = trace[trace["cat"].isin(("cuda_runtime", "cuda_driver")).to_numpy()]
     runtime = runtime[runtime["name"].str.match(BLOCKING_RUNTIME).to_numpy()]
@@ -156,7 +160,7 @@ def _window_idle(run, rank, trace):
     return total / 1e9 / n_steps, grouped
 
 
-def _line_from_pyspy(run, rank, user):
+def _line_from_pyspy(run: RunRecord, rank: str, user: Any) -> Any:
     """(absolute file, call line) of the user's function `user` = (file, def line, function) in
     the py-spy samples of the training thread inside the step loop: its most sampled line in
     the host's own code (between the measured calls), else its most sampled line. The whole
@@ -167,12 +171,12 @@ def _line_from_pyspy(run, rank, user):
     return window.line_in_function(run, rank, user[0], user[2], kind="host")
 
 
-def _source(file, line):
+def _source(file: Any, line: Any) -> Any:
     text = linecache.getline(file, line) if file and os.path.exists(file) else ""
     return text.rstrip("\n")
 
 
-def _call_label(call):
+def _call_label(call: Any) -> Any:
     call = call or ""
     m = re.match(r"<built-in (?:method|function) (\w+)", call)
     if m:

@@ -41,7 +41,7 @@ MIN_SYNCS_PER_STEP_CPU = 3  # one scalar read per step (the loss for the log) is
 MIN_SHARE_GPU = 0.03
 
 
-def _sites(run, rank, rows, all_rows, syncs):
+def _sites(run: RunRecord, rank: str, rows: pd.DataFrame, all_rows: pd.DataFrame, syncs: pd.DataFrame) -> Any:
     """{(file, line, function) or None: [count, seconds]} for the sync events."""
     py = all_rows[all_rows["cat"] == "python_function"]
     sites = defaultdict(lambda: [0, 0.0])
@@ -71,7 +71,7 @@ OWN_SYNC_FRAME = re.compile(r"^torch/profiler/|^torch/autograd/profiler|^_traind
 class _Frames:
     """One thread's python_function events as arrays, with each call's children."""
 
-    def __init__(self, py):
+    def __init__(self, py: pd.DataFrame) -> None:
         order = np.argsort(py["start_ns"].to_numpy(np.int64), kind="stable")
         py = py.iloc[order]
         self.start = py["start_ns"].to_numpy(np.int64)
@@ -81,7 +81,8 @@ class _Frames:
         self.name = py["name"].to_numpy(object)
         parsed = {n: ev.parse_trace_frame(n) for n in set(self.name)}
         self.own = np.array(
-            [bool(parsed[n]) and not ev.is_library_trace_file(parsed[n][0]) for n in self.name], dtype=bool
+            [(p := parsed[n]) is not None and not ev.is_library_trace_file(p[0]) for n in self.name],
+            dtype=np.bool_,
         )
         self.children = {}
         for i, parent in enumerate(self.parent):
@@ -89,7 +90,7 @@ class _Frames:
                 self.children.setdefault(parent, []).append(i)
 
 
-def _statement_ops(frames, op_start, op_end, t_ns, previous_sync_ns):
+def _statement_ops(frames: Any, op_start: Any, op_end: Any, t_ns: Any, previous_sync_ns: Any) -> Any:
     """([(start, end)] of the tensor ops of the statement that ends in the sync at t_ns, the
     job's function it is in as (file, def line, function), whether a module's forward holds
     it); (None, None, False) for a sync of
@@ -124,7 +125,9 @@ def _statement_ops(frames, op_start, op_end, t_ns, previous_sync_ns):
     return list(zip(op_start[keep], op_end[keep])), site, in_model
 
 
-def _sync_costs(run, rank, syncs, all_rows, steps):
+def _sync_costs(
+    run: RunRecord, rank: str, syncs: pd.DataFrame, all_rows: pd.DataFrame, steps: pd.DataFrame
+) -> Any:
     """Per sync event, (the seconds a step would save without it, the job's function it is
     in or None, whether it is inside a model's forward): the GPU's idle while the host
     runs the statement that ends in it (its tensor ops, the read, the wait; a host-bound loop
@@ -150,12 +153,13 @@ def _sync_costs(run, rank, syncs, all_rows, steps):
         np.concatenate([owned["start_ns"].to_numpy(np.int64), tool["start_ns"].to_numpy(np.int64)]),
         np.concatenate([owned["end_ns"].to_numpy(np.int64), tool["end_ns"].to_numpy(np.int64)]),
     )
-    idle = [i for _, _, _, i in gw.window_steps(run, rank, all_rows)]
-    idle = np.concatenate(idle) if idle else np.empty((0, 2), np.int64)
+    pieces = [i for _, _, _, i in gw.window_steps(run, rank, all_rows)]
+    idle = np.concatenate(pieces) if pieces else np.empty((0, 2), np.int64)
     gpu = all_rows[all_rows["cat"].isin(gw.GPU_WORK).to_numpy()]
     starts = np.sort(gpu["start_ns"].to_numpy(np.int64))
     window_end = int(steps["end_ns"].max())
-    costs, previous = [], {}
+    costs: list[tuple[float | None, Any, bool]] = []
+    previous: dict[Any, int] = {}
     for row in syncs.itertuples():
         start, end = int(row.start_ns), int(row.end_ns)
         if row.tid not in frames:
@@ -181,7 +185,7 @@ def _sync_costs(run, rank, syncs, all_rows, steps):
     return costs
 
 
-def _tool_frames(py):
+def _tool_frames(py: pd.DataFrame) -> Any:
     """torch.profiler's and traindx's own calls that hold none of the job's code (not the
     wrappers that run the job)."""
     if not len(py):
@@ -190,7 +194,10 @@ def _tool_frames(py):
     names = py["name"].to_numpy(object)
     parsed = {n: ev.parse_trace_frame(n) for n in set(names)}
     own = py[
-        np.array([bool(parsed[n]) and not ev.is_library_trace_file(parsed[n][0]) for n in names], dtype=bool)
+        np.array(
+            [(p := parsed[n]) is not None and not ev.is_library_trace_file(p[0]) for n in names],
+            dtype=np.bool_,
+        )
     ].sort_values("start_ns")
     starts, ends = own["start_ns"].to_numpy(np.int64), own["end_ns"].to_numpy(np.int64)
     i = np.searchsorted(starts, tool["start_ns"].to_numpy(np.int64), "left")
@@ -200,7 +207,7 @@ def _tool_frames(py):
     return tool[~holds]
 
 
-def _intersect(a, b):
+def _intersect(a: Any, b: Any) -> Any:
     """The intersection of two merged interval arrays, merged."""
     out, i, j = [], 0, 0
     while i < len(a) and j < len(b):
@@ -214,7 +221,7 @@ def _intersect(a, b):
     return np.asarray(out, np.int64).reshape(-1, 2)
 
 
-def _scalar_reads_by_the_job(rows, all_rows):
+def _scalar_reads_by_the_job(rows: pd.DataFrame, all_rows: pd.DataFrame) -> Any:
     """Scalar reads the job's own code asks for inside a model's forward (an nn.Module call).
     On a CPU-only run this is the honest proxy for a sync: model activations live on the GPU,
     while reads in batch preparation, in DataLoader.__next__, in logging, or inside libraries
@@ -425,7 +432,7 @@ def _sync_prescriptions(
     return tuple(prescriptions)
 
 
-def _source_path(run, site):
+def _source_path(run: RunRecord, site: Any) -> Any:
     """The file a call site names, as the job's own file on this machine: py-spy's absolute
     path, else the name itself, else under the job's working directory, else the job's script
     of that name (torch.profiler names a file by its base name)."""
@@ -439,7 +446,7 @@ def _source_path(run, site):
     return same[0] if same else name
 
 
-def _ledger_sync(run, rank):
+def _ledger_sync(run: RunRecord, rank: str) -> Any:
     """Seconds per steady step the training thread spent in syncs (the ledger's sync line), or
     None without the shim's sync spans (CPU runs, older runs)."""
     spans = run.rank_rows("spans", rank)

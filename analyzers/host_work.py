@@ -28,7 +28,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import pandas as pd
 
@@ -91,7 +91,7 @@ COMPUTE_KINDS = ("python", "tensor", "numpy")
 COMPUTE_MIN_SHARE = 0.15
 
 
-def _severity(kind, share, has_gpu):
+def _severity(kind: Any, share: Any, has_gpu: Any) -> Any:
     if kind in COMPUTE_KINDS and not has_gpu and share < COMPUTE_MIN_SHARE:
         return "info"
     return ev.severity_for_share(share)
@@ -101,7 +101,7 @@ def _steady(run: RunRecord, rank: str) -> pd.DataFrame:
     return ledger.steady_rows(run, rank)
 
 
-def _claimed(src, led):
+def _claimed(src: Any, led: pd.DataFrame) -> Any:
     """The ledger line a call of this source line is booked in, when that line is non-zero."""
     for rx, cat in MEASURED_ELSEWHERE:
         if src and rx.search(src) and f"{cat}_s" in led and float(led[f"{cat}_s"].sum()) > 0:
@@ -109,7 +109,9 @@ def _claimed(src, led):
     return None
 
 
-def _call_site_note(run, rank, g, src, line_name, seconds, share, cwd):
+def _call_site_note(
+    run: RunRecord, rank: str, g: Any, src: Any, line_name: Any, seconds: Any, share: Any, cwd: str | None
+) -> Any:
     """An info note: the user's explicit call of something the shim books in `line_name`."""
     path = _display(g["file"], cwd)
     raw = None
@@ -146,7 +148,9 @@ def _call_site_note(run, rank, g, src, line_name, seconds, share, cwd):
     )
 
 
-def _call_sites_from_pyspy(run, rank, led, step_s, cwd, noted):
+def _call_sites_from_pyspy(
+    run: RunRecord, rank: str, led: pd.DataFrame, step_s: Any, cwd: str | None, noted: Any
+) -> Any:
     """The call-site notes py-spy's samples show that the ledger's host samples cannot: an
     explicit call booked in another line (a gc.collect() in the loop) runs inside that line's
     span, outside every host interval, and holds the GIL, so the shim's own sampler thread
@@ -167,7 +171,7 @@ def _call_sites_from_pyspy(run, rank, led, step_s, cwd, noted):
     return out
 
 
-def _display(path, cwd):
+def _display(path: Any, cwd: str | None) -> Any:
     if cwd and path and path.startswith(cwd.rstrip("/") + "/"):
         return path[len(cwd.rstrip("/")) + 1 :]
     return path
@@ -269,7 +273,10 @@ def _line_findings(
         if claimed:
             # its time is another ledger line's and that line's analyzer judges it; the call
             # site goes to that finding (chains.attach_call_sites), not a finding of its own
-            booked = min(g.get("seconds_sampled", seconds), float(ctx.led[f"{claimed}_s"].mean()))
+            booked = min(
+                cast(float, g.get("seconds_sampled", seconds)),
+                float(ctx.led[f"{claimed}_s"].mean()),
+            )
             if booked / ctx.step_s >= MIN_SHARE and g["file"] and not ev.is_library_path(g["file"]):
                 findings.append(
                     _call_site_note(ctx.run, ctx.rank, g, src, claimed, booked, booked / ctx.step_s, ctx.cwd)
@@ -409,7 +416,8 @@ def _periodic_line_finding(
     """The finding of a ledger line that differs with a period and no code named for it, and
     the candidates in the order the next such line reads them (the tied lines first)."""
     evidence: dict[str, Any] = {"rank": ctx.rank, "period": p}
-    code_text, pres = " The record names no code for it.", ()
+    code_text = " The record names no code for it."
+    pres: tuple[Prescription, ...] = ()
     if tied:
         # several lines cost what the excess spreads over the period: name them all, the
         # one most sampled first (py-spy cannot say which one runs only on those steps)
@@ -493,7 +501,7 @@ def _likely_code(
 UNCLAIMED_LINES = ("host", "forward_backward", "unexplained", "optimizer")
 
 
-def _matching_period(group, periods, seconds):
+def _matching_period(group: pd.DataFrame, periods: Any, seconds: Any) -> Any:
     """The period found in the ledger lines this code's time is booked in, when the code's
     own steps show it (ledger.host_code per step), or - py-spy has no steps - when its cost is
     the excess spread over the period (the caller keeps that only when one line fits)."""
@@ -513,7 +521,7 @@ def _matching_period(group, periods, seconds):
     return None
 
 
-def analyze(run):
+def analyze(run: RunRecord) -> Any:
     findings = []
     if not len(run.ledger):
         return findings

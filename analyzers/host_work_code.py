@@ -7,12 +7,15 @@ from __future__ import annotations
 import os
 import re
 from collections import defaultdict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
 
 from traindx.analyzers import evidence as ev
+
+if TYPE_CHECKING:  # annotations only
+    from traindx.derive.run import RunRecord
 
 MIN_SAMPLES = 3  # py-spy samples of a line before it is named at all
 LOADED_WAIT = 0.10  # of the step waiting for a core: a line needs MIN_SAMPLES that saw
@@ -51,7 +54,7 @@ _ZERO_GRAD = re.compile(r"(^|\.)zero_grad$")
 
 
 # -- where the code comes from ------------------------------------------------------------------
-def _lib_category(frame) -> str | None:
+def _lib_category(frame: pd.DataFrame) -> str | None:
     path = (frame.file or "").replace("\\", "/")
     for fragment, names, cat in _OWNING:
         if fragment in path and (names is None or frame.name in names or frame.name.split(".")[-1] in names):
@@ -59,7 +62,7 @@ def _lib_category(frame) -> str | None:
     return None
 
 
-def classify_stack(stack):
+def classify_stack(stack: Any) -> Any:
     """("host", user frame, library frame beneath it or None) for a sample of host work, or
     (category, None, None) for a sample inside a measured call, or (None, None, None) for a
     sample with no user frame (the interpreter, a framework between its calls)."""
@@ -90,7 +93,7 @@ def classify_stack(stack):
     return "host", user, lib_below
 
 
-def _module_of(path):
+def _module_of(path: Any) -> Any:
     """'numpy.core.fromnumeric' of '/…/site-packages/numpy/core/fromnumeric.py'."""
     path = (path or "").replace("\\", "/")
     for marker in ("site-packages/", "dist-packages/", "/lib/python3"):
@@ -103,7 +106,7 @@ def _module_of(path):
     return path.strip("/<>").replace("/", ".").replace("frozen ", "")
 
 
-def source_line(path, line, cwd=None):
+def source_line(path: Any, line: Any, cwd: str | None = None) -> Any:
     """The job's source line (stripped), or None when the file is not readable here."""
     for candidate in (path, os.path.join(cwd or "", path)):
         try:
@@ -116,7 +119,7 @@ def source_line(path, line, cwd=None):
     return None
 
 
-def _loop_window(stacks):
+def _loop_window(stacks: Any) -> Any:
     """(first, last) sample index inside a measured call: the step loop, start-up and teardown
     left out (py-spy keeps sample order)."""
     kinds = [classify_stack(st)[0] for st in stacks]
@@ -132,7 +135,7 @@ def _loop_window(stacks):
     return (idx[0], idx[-1]) if idx else None
 
 
-def pyspy_host_code(run, rank):
+def pyspy_host_code(run: RunRecord, rank: str) -> Any:
     """(DataFrame like ledger.host_code for one rank without steps: function, file, line, call,
     lib_file, share, samples) from py-spy, or None without a recording of the training thread."""
     rec_all = run.pyspy.get((rank, "all"))
@@ -197,7 +200,7 @@ def pyspy_host_code(run, rank):
     ), total
 
 
-def _ledger_host_code(run):
+def _ledger_host_code(run: RunRecord) -> Any:
     """traindx.derive.ledger.host_code(run) when the derive layer has it (helper `ledger`), else None."""
     from traindx.derive import ledger
 
@@ -213,7 +216,7 @@ def _ledger_host_code(run):
     return table
 
 
-def _host_capacity(led):
+def _host_capacity(led: pd.DataFrame) -> Any:
     """Seconds per steady step the ledger books host work in: `host` once measured, else the
     lines it is folded into today (fwd/bwd is a residual, unexplained the gaps, and a closure
     run by the optimizer step - Lightning's training_step - is inside the optimizer line)."""
@@ -223,7 +226,7 @@ def _host_capacity(led):
 
 
 # -- framework between its own calls -------------------------------------------------------------
-def _ancestor_lines(run, rank):
+def _ancestor_lines(run: RunRecord, rank: str) -> Any:
     """(file, line) of the user frames that lead into the optimizer step or backward from
     above (a framework's fit() call, the script's train() call): code at those lines is the
     framework's loop between its measured calls, not a line of the user's loop body."""
@@ -252,7 +255,7 @@ def _ancestor_lines(run, rank):
 
 
 # -- per-line groups of host code --------------------------------------------------------------
-def _groups_from_ledger(table, rank, led):
+def _groups_from_ledger(table: pd.DataFrame, rank: str, led: pd.DataFrame) -> Any:
     """Per line seconds per steady step from ledger.host_code (and per step, for periods)."""
     t = table[table["rank"].astype(str) == str(rank)]
     steps = {int(s) for s in led["step"]}
@@ -281,7 +284,7 @@ def _groups_from_ledger(table, rank, led):
     return out
 
 
-def _own_step_s(run, rank, led):
+def _own_step_s(run: RunRecord, rank: str, led: pd.DataFrame) -> Any:
     """The steady step less the training thread's run-queue wait (the shim's `cpu` events,
     thread_runq_s), or None where a steady step has no such record: the step as the job's own
     work and blocking calls made it, whatever share of the cores other processes left it."""
@@ -293,7 +296,7 @@ def _own_step_s(run, rank, led):
     return own if own > 0 else None
 
 
-def _groups_from_pyspy(run, rank, led):
+def _groups_from_pyspy(run: RunRecord, rank: str, led: pd.DataFrame) -> Any:
     found = pyspy_host_code(run, rank)
     if found is None:
         return []
@@ -344,7 +347,7 @@ def _groups_from_pyspy(run, rank, led):
     return out
 
 
-def _without_runqueue_wait(group, own_step, step_s):
+def _without_runqueue_wait(group: pd.DataFrame, own_step: Any, step_s: Any) -> None:
     """A line's cost with the time its thread waited there for a core left out, and its share
     of the step's own time (the step less all its run-queue wait): on a loaded machine a preempted thread stays at the line its time slice ended in,
     so a line of a few ms of Python can absorb tens of ms of other processes' time in one step

@@ -1,9 +1,12 @@
 """host_work's reading of a line (the kind of work it ends in, its call) and the generic fixes that
 fit it, with a concrete edit (the line run on a background thread) where one exists."""
 
+from __future__ import annotations
+
 import ast
 import os
 import re
+from typing import Any
 
 from traindx.analyzers.codefix import _innermost, _tree
 from traindx.analyzers.findings import Prescription
@@ -40,7 +43,7 @@ _KINDS = (
 )
 
 
-def _call_name(lib, src):
+def _call_name(lib: Any, src: Any) -> Any:
     if lib is not None:
         name = lib.name.split(".")[-1]
         return f"{_module_of(lib.file)}.{name}"
@@ -52,7 +55,7 @@ def _call_name(lib, src):
     return None
 
 
-def _call_of_kind(src, kind):
+def _call_of_kind(src: Any, kind: Any) -> Any:
     """The call of a source line that gives it its kind (`time.sleep` in `x = f.read(); time.
     sleep(1)` for "sleep"), else its first call."""
     calls = re.findall(r"([A-Za-z_][\w.]*)\s*\(", src or "")
@@ -63,7 +66,7 @@ def _call_of_kind(src, kind):
     return calls[0] if calls else (src[:60] if src else None)
 
 
-def kind_of(call, src, lib_file=None):
+def kind_of(call: Any, src: Any, lib_file: Any = None) -> Any:
     text = " ".join(t for t in (call, src, lib_file) if isinstance(t, str) and t)  # NaN: none
     for kind, rx in _KINDS:
         if rx.search(text):
@@ -72,7 +75,7 @@ def kind_of(call, src, lib_file=None):
 
 
 # -- prescriptions -----------------------------------------------------------------------------
-def _async_edit(src, path, line, cwd, daemon=True):
+def _async_edit(src: Any, path: Any, line: Any, cwd: str | None, daemon: Any = True) -> Any:
     """A concrete edit that runs the line's work on a background thread, or None when the line
     is not such work. It qualifies when each of its statements (one, or several joined by `;`)
     is a bare call or an assignment to names that nothing in its function (or module) reads:
@@ -85,13 +88,14 @@ def _async_edit(src, path, line, cwd, daemon=True):
         tree = ast.parse(src)
     except SyntaxError:
         return None
-    work, assigned = [], set()
+    work: list[ast.expr] = []
+    assigned: set[str] = set()
     for node in tree.body:
         if isinstance(node, ast.Expr) and isinstance(node.value, ast.Call):
             work.append(node.value)
         elif isinstance(node, ast.Assign) and all(isinstance(t, ast.Name) for t in node.targets):
             work.append(node.value)
-            assigned.update(t.id for t in node.targets)
+            assigned.update(t.id for t in node.targets if isinstance(t, ast.Name))
         else:
             return None
     if not work:
@@ -104,19 +108,29 @@ def _async_edit(src, path, line, cwd, daemon=True):
         return None
     raw = lines[line - 1]
     indent = raw[: len(raw) - len(raw.lstrip())]
-    parts = [ast.get_source_segment(src, value) for value in work]
+    parts = [ast.get_source_segment(src, value) or "" for value in work]
     target = parts[0] if len(parts) == 1 else "(" + ", ".join(parts) + ")"
     after = f"{indent}__import__('threading').Thread(target=lambda: {target}, daemon={bool(daemon)}).start()"
     return {"file": path, "line": line, "before": raw, "after": after, "op": "replace"}
 
 
-def _names_read(file_tree, line):
+def _names_read(file_tree: Any, line: Any) -> Any:
     """The names read anywhere in the function holding `line` (the module, at top level)."""
     scope = _innermost(file_tree, line, (ast.FunctionDef, ast.AsyncFunctionDef)) or file_tree
     return {n.id for n in ast.walk(scope) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
 
 
-def _prescriptions(kind, where, src, path, line, seconds, has_gpu, cwd, period=None):
+def _prescriptions(
+    kind: Any,
+    where: Any,
+    src: Any,
+    path: Any,
+    line: Any,
+    seconds: Any,
+    has_gpu: Any,
+    cwd: str | None,
+    period: Any = None,
+) -> Any:
     out = []
     if period:
         out.append(

@@ -8,7 +8,7 @@ Reads the shim's compile events when there are any; else detects compiles from p
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
@@ -35,7 +35,7 @@ if TYPE_CHECKING:  # annotations only
     from traindx.derive.run import RunRecord
 
 
-def _analyze_rank(run, rank, compiles):
+def _analyze_rank(run: RunRecord, rank: str, compiles: pd.DataFrame) -> Any:
     findings = []
     steps = run.rank_steps(rank).dropna(subset=["duration_s"])
     compiles = compiles[compiles["ok"].fillna(True).astype(bool)] if "ok" in compiles else compiles
@@ -86,7 +86,7 @@ def _analyze_rank(run, rank, compiles):
     return _merge_fa4_steady(findings)
 
 
-def _compiles_while_tuning(group, tunes):
+def _compiles_while_tuning(group: pd.DataFrame, tunes: pd.DataFrame) -> Any:
     """Per compile of a Triton kernel: made while that kernel autotuned (the shim marks a
     compile inside an autotuner's run with `autotune_of`; without the mark, a compile inside one
     of the kernel's autotune intervals or in a step where it autotuned)."""
@@ -104,7 +104,7 @@ def _compiles_while_tuning(group, tunes):
     return marked | inside | same_step
 
 
-def _merge_fa4_steady(findings):
+def _merge_fa4_steady(findings: Any) -> Any:
     """One FA4 leak finding per rank: the kernels it recompiles are listed inside."""
     steady = [f for f in findings if f.id == "jit.fa4_steady_recompile"]
     if len(steady) <= 1:

@@ -36,7 +36,7 @@ _INDUCTOR_AUTOTUNE_FILES = (
 )
 
 
-def first_step_rows(group):
+def first_step_rows(group: pd.DataFrame) -> Any:
     """The rows of one kernel's events in the step of its first event (its cold start)."""
     first = _col(next(group.itertuples()), "step")
     if first is None:
@@ -44,7 +44,7 @@ def first_step_rows(group):
     return group[group["step"].fillna(first) <= first]
 
 
-def inductor_autotune_seconds(run, rank):
+def inductor_autotune_seconds(run: RunRecord, rank: str) -> Any:
     """py-spy seconds of Inductor's max-autotune benchmarking on `rank` (any thread), or 0."""
     rec = run.pyspy.get((rank, "all")) if hasattr(run, "pyspy") else None
     total = 0.0
@@ -216,7 +216,7 @@ def _advice(run: RunRecord, rows: pd.DataFrame) -> autotune_advice.Advice:
     )
 
 
-def _inductor_caches_off(run):
+def _inductor_caches_off(run: RunRecord) -> Any:
     env = run.manifest.get("env") or {}
     return [
         name
@@ -225,7 +225,7 @@ def _inductor_caches_off(run):
     ]
 
 
-def _inductor_cache_prescription(run):
+def _inductor_cache_prescription(run: RunRecord) -> Any:
     """torch.compile's cold start: its FX graph and AOTAutograd caches are on by default (torch
     2.13), so there is nothing to switch on. Never relocate a cache the user already placed (a
     fresh folder would make the next run cold); where none is set, the default folder is under
@@ -263,7 +263,7 @@ def _inductor_cache_prescription(run):
 _FLA_PATH = re.compile(r"[/\\]fla[/\\]")
 
 
-def _beside_runs(run, name):
+def _beside_runs(run: RunRecord, name: Any) -> Any:
     """A persistent cache folder next to the run folders (the runs' parent)."""
     return os.path.abspath(os.path.join(run.path, os.pardir, name))
 

@@ -5,12 +5,17 @@ from __future__ import annotations
 
 import collections
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import pandas as pd
 
 from traindx.analyzers import codefix
 from traindx.analyzers import evidence as ev
 from traindx.analyzers.findings import Finding, Prescription
 from traindx.analyzers.jit_common import _col, _ledger_cost, _severity, _steps_after, _where
+
+if TYPE_CHECKING:  # annotations only
+    from traindx.derive.run import RunRecord
 
 _VALUES = re.compile(r"\. expected \d+, actual \d+")
 
@@ -30,7 +35,7 @@ _MODE_CHANGE = re.compile(
 )
 
 
-def dynamo_compile_kind(row):
+def dynamo_compile_kind(row: Any) -> Any:
     """What one dynamo compile event is: 'first' (the frame's first graph), 'backward' (the
     backward graph AOTAutograd builds at the first backward: not a recompile), 'mode' (a graph
     for another grad/train/autocast mode: once per mode, not a recompile), or 'recompile' (a
@@ -51,18 +56,18 @@ def dynamo_compile_kind(row):
     return "recompile"
 
 
-def is_dynamo_recompile(row):
+def is_dynamo_recompile(row: Any) -> Any:
     """A dynamo compile of a frame it compiled before because a guard on the data failed (not a
     backward graph, not a graph for another grad/train mode)."""
     return dynamo_compile_kind(row) == "recompile"
 
 
-def _strip_compile_id(reason):
+def _strip_compile_id(reason: Any) -> Any:
     """ "0/1: tensor 'x' size mismatch ..." -> "tensor 'x' size mismatch ..." (first line)."""
     return re.sub(r"^\s*\[?[\d/!]+\]?:\s*", "", str(reason).strip().splitlines()[0])
 
 
-def _call_site(recompiles):
+def _call_site(recompiles: pd.DataFrame) -> Any:
     """The job's line that calls the compiled function with the changing input: the shim's
     `call_site` (the caller when the compile started) when recorded, else the compiled
     function's own definition (`caller`)."""
@@ -74,7 +79,7 @@ def _call_site(recompiles):
     return None, None
 
 
-def _mark_dynamic_change(site, name, dim):
+def _mark_dynamic_change(site: Any, name: Any, dim: Any) -> Any:
     """A real code change at the call site: mark the argument's dimension dynamic on the line
     before the call. Needs the call's source line; None otherwise."""
     source = (site or {}).get("source")
@@ -97,7 +102,7 @@ def _mark_dynamic_change(site, name, dim):
     return codefix.code_change(site["file"], int(site["line"]), source.rstrip(), after), arg
 
 
-def dynamo_kinds(group):
+def dynamo_kinds(group: pd.DataFrame) -> Any:
     """dynamo_compile_kind of each row; the backward graph of a recompiled frame is
     'recompile_backward' (its cost is the recompile's, its count is not another one)."""
     kinds = [dynamo_compile_kind(r) for r in group.itertuples()]
@@ -146,7 +151,7 @@ def _guard_prescription(
     )
 
 
-def _dynamo_finding(run, rank, group, steps):
+def _dynamo_finding(run: RunRecord, rank: str, group: pd.DataFrame, steps: pd.DataFrame) -> Any:
     kinds = dynamo_kinds(group)
     recompiles = group[[k == "recompile" for k in kinds]]
     costs = group[[k in ("recompile", "recompile_backward") for k in kinds]]

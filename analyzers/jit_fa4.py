@@ -9,6 +9,8 @@ import re
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+import pandas as pd
+
 from traindx.analyzers import evidence as ev
 from traindx.analyzers.findings import Prescription
 from traindx.analyzers.frameworks import runs_megatron
@@ -31,14 +33,14 @@ if TYPE_CHECKING:  # annotations only
 _MAX_SEQLEN_ARG = re.compile(r"\b(max_seqlen_[qk])\s*=\s*([A-Za-z_](?:[\w.]|\([^()]*\))*)")
 
 
-def int_cast(source: str) -> str | None:
+def int_cast(source: str | None) -> str | None:
     """The FA4 call line with its max_seqlen arguments cast to int, or None if it has none."""
     if not source or not _MAX_SEQLEN_ARG.search(source):
         return None
     return _MAX_SEQLEN_ARG.sub(lambda m: m[0] if m[2].startswith("int(") else f"{m[1]}=int({m[2]})", source)
 
 
-def _call_cast_edits(where: dict | None) -> list[dict]:
+def _call_cast_edits(where: dict[str, Any] | None) -> list[dict[str, Any]]:
     """The int casts of the call statement at `where` (a user frame: file, line), one edit per
     line of the call that passes max_seqlen_q/k (a call often spans several lines; the cast
     goes on the line that names the argument). [] when the file or the call cannot be read."""
@@ -119,14 +121,14 @@ def backend_switches(run: RunRecord) -> list[Prescription]:
 
 
 # -- the shim's events ---------------------------------------------------------------------------
-def _fa4_calls(run, rank):
+def _fa4_calls(run: RunRecord, rank: str) -> Any:
     calls = ev.events_of_type(run, "fa4_call")
     if not len(calls):
         return calls
     return calls[calls["rank"] == rank]
 
 
-def _tensor_max_seqlen_call(calls):
+def _tensor_max_seqlen_call(calls: pd.DataFrame) -> Any:
     """The first recorded FA4 call that passed max_seqlen as a tensor, as a dict, or None."""
     for row in calls.itertuples():
         types = _col(row, "arg_types") or {}
@@ -142,7 +144,7 @@ def _tensor_max_seqlen_call(calls):
     return None
 
 
-def wrap_in_int(line: str) -> str | None:
+def wrap_in_int(line: str | None) -> str | None:
     """The source line with the expression that makes a 0-dim tensor max (`x.max()`,
     `x.diff().max()`, `x.amax()`, `torch.max(x)`) wrapped in int(...), or None when the line has
     none or the result would not parse. Handles `name = ...`, `"key": ...,` and `key=...,` lines."""
@@ -181,7 +183,7 @@ def wrap_in_int(line: str) -> str | None:
     return None
 
 
-def _is_max_call(node):
+def _is_max_call(node: Any) -> Any:
     import ast
 
     if (
@@ -195,7 +197,7 @@ def _is_max_call(node):
     return not node.args and not node.keywords
 
 
-def _tensor_origin(run, rank):
+def _tensor_origin(run: RunRecord, rank: str) -> Any:
     """The shim's `tensor_origin` event for this rank (origins.py): where the tensor max_seqlen
     that reached FA4 was made, as {"origin": frame, "chain": [...], "call_site": frame, ...}."""
     rows = ev.events_of_type(run, "tensor_origin")
@@ -387,7 +389,7 @@ def _patch_and_upgrade(run: RunRecord, gain: float | None, backward_only: bool) 
     ]
 
 
-def _origin_text(run, origin, where, source):
+def _origin_text(run: RunRecord, origin: Any, where: Any, source: Any) -> Any:
     """Both lines: where the tensor is made and where it reaches FA4."""
     passed = f"It reaches FA4 at {where or 'the FA4 call'}" + (f": `{source}`" if source else "")
     made = (origin or {}).get("origin") or {}

@@ -39,7 +39,7 @@ if TYPE_CHECKING:  # annotations only
     pass
 
 
-def _tensor_fields(group):
+def _tensor_fields(group: pd.DataFrame) -> Any:
     out = set()
     for row in group.itertuples():
         fields, types = _col(row, "key_fields"), _col(row, "key_types") or {}
@@ -48,13 +48,13 @@ def _tensor_fields(group):
     return out
 
 
-def _threads(group):
+def _threads(group: pd.DataFrame) -> Any:
     names = collections.Counter(str(t) for t in group["thread"])
     main = bool(group["is_main_thread"].fillna(True).astype(bool).all())
     return names, main
 
 
-def _gil_evidence(run, rank, thread_name):
+def _gil_evidence(run: RunRecord, rank: str, thread_name: Any) -> Any:
     """What py-spy saw of the compiling thread: its GIL share while compiling, and dump
     snapshots where it held the GIL while the main thread did not run."""
     out = {}
@@ -327,7 +327,7 @@ def _steady_finding(
     )
 
 
-def _generic_recompile_prescriptions(run, kind, kernel, fields, gain):
+def _generic_recompile_prescriptions(run: RunRecord, kind: Any, kernel: Any, fields: Any, gain: Any) -> Any:
     out = []
     field_text = ", ".join(fields) or "the key"
     if kind == "cute_dsl":

@@ -33,7 +33,7 @@ OPTIMIZER_STEP = "Optimizer.step#"
 MIN_OPTIMIZER_SHARE = 0.25
 
 
-def _optimizer_ranges(rows):
+def _optimizer_ranges(rows: pd.DataFrame) -> Any:
     """[(start_ns, end_ns, class name)] of torch.optim's step ranges in the trace."""
     marks = rows[(rows["cat"] == "user_annotation") & rows["name"].astype(str).str.startswith(OPTIMIZER_STEP)]
     return [
@@ -42,14 +42,14 @@ def _optimizer_ranges(rows):
     ]
 
 
-def _inside(frame, ranges):
+def _inside(frame: pd.DataFrame, ranges: Any) -> Any:
     hit = pd.Series(False, index=frame.index)
     for start, end, _ in ranges:
         hit |= (frame["start_ns"] >= start) & (frame["end_ns"] <= end)
     return hit
 
 
-def _steady_spans(run, rank):
+def _steady_spans(run: RunRecord, rank: str) -> Any:
     """(forward/backward s, optimizer s, step s): the time ledger's means over the steady steps,
     or None where the ledger has no optimizer span (no shim hooks on an optimizer)."""
     try:

@@ -22,9 +22,10 @@ as their share of the step (`ranks.pipeline_bubble`), never as stragglers.
 from __future__ import annotations
 
 from collections import Counter
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import pandas as pd
 
 from traindx.analyzers import evidence as ev
 from traindx.analyzers import sync_points as sp
@@ -43,12 +44,12 @@ if TYPE_CHECKING:  # annotations only
 
 
 # -- pipeline bubbles: blocking send/recv -------------------------------------------------------
-def _bubbles(run, ranks, spans):
+def _bubbles(run: RunRecord, ranks: list[Any], spans: pd.DataFrame) -> list[Finding]:
     p2p = spans[sp.is_point_to_point(spans)] if len(spans) else spans
     if not len(p2p):
         return []
     steady = ev.steady_steps(run)
-    per_rank = {}
+    per_rank: dict[Any, dict[str, Any]] = {}
     for rank, rows in p2p.groupby("rank"):
         st = steady[steady["rank"] == rank]
         if not len(st):
@@ -119,7 +120,7 @@ def _bubbles(run, ranks, spans):
     ]
 
 
-def _slow_stage(run, per_rank, worst):
+def _slow_stage(run: RunRecord, per_rank: dict[Any, dict[str, Any]], worst: Any) -> dict[str, Any] | None:
     """The neighbour the most-waiting stage waits for, when the stages are unbalanced (its bubble
     at least MIN_SHARE of the step below the waiting one's), with its ledger lines (waits left
     out) beyond the waiting stage's: what makes that stage slow."""
@@ -140,13 +141,13 @@ def _slow_stage(run, per_rank, worst):
 
 
 # -- 3. ranks that do not wait for each other --------------------------------------------------
-def _by_step_time(run, ranks):
+def _by_step_time(run: RunRecord, ranks: list[Any]) -> list[Finding]:
     step_s = {r: ev.median_step_s(run, r) for r in ranks}
     known = {r: v for r, v in step_s.items() if v}
     if len(known) < 2:
         return []
-    slow = max(known, key=known.get)
-    fast = min(known, key=known.get)
+    slow = max(known, key=known.__getitem__)
+    fast = min(known, key=known.__getitem__)
     diff = known[slow] - known[fast]
     if diff < MIN_WAIT_DIFF_S or diff / known[slow] < 0.2:
         return []

@@ -55,19 +55,19 @@ CAUSES = {  # ledger line before the late arrival -> what the user reads
 SLOWER_CLOCK = 0.9  # the straggler's GPU at <= 90 % of the others' SM clock: a slower GPU
 
 
-def _steady_ids(run, ranks):
+def _steady_ids(run: RunRecord, ranks: list[Any]) -> Any:
     steady = ev.steady_steps(run)
     return {r: set(g.astype(int)) for r, g in steady.groupby("rank")["step"]}
 
 
-def _median_steps(run, ranks):
+def _median_steps(run: RunRecord, ranks: list[Any]) -> Any:
     """{rank: median steady step seconds} from one pass (ev.median_step_s per rank rescans)."""
     steady = ev.steady_steps(run)
     med = steady.groupby("rank")["duration_s"].median().to_dict() if len(steady) else {}
     return {r: (float(med[r]) if r in med else ev.median_step_s(run, r)) for r in ranks}
 
 
-def _steady_ledger(run):
+def _steady_ledger(run: RunRecord) -> Any:
     """ledger_mod.steady_rows(run), by a join instead of a Python scan of the rows."""
     steady = ev.steady_steps(run)
     led = run.ledger
@@ -77,7 +77,7 @@ def _steady_ledger(run):
     return led.astype({"step": "int64"}).merge(keys, on=["rank", "step"], how="inner")
 
 
-def _gpu_clocks(run, ranks):
+def _gpu_clocks(run: RunRecord, ranks: list[Any]) -> Any:
     """{rank: median SM clock (MHz) of its GPU while busy} when NVML sampled one GPU per rank
     (the rank's LOCAL_RANK-th of the job's GPUs, the usual one-GPU-per-rank launch)."""
     gpu = run.gpu
@@ -98,7 +98,7 @@ def _gpu_clocks(run, ranks):
     return out
 
 
-def _late_cause(run, seg, straggler, late_keys, n_steps):
+def _late_cause(run: RunRecord, seg: pd.DataFrame, straggler: Any, late_keys: Any, n_steps: Any) -> Any:
     """Seconds per step of each ledger line by which the straggler's stretch before its late
     arrivals exceeds the other ranks' stretch before the same meeting points."""
     cats = list(ledger_mod.CATEGORIES) + ["unexplained"]
@@ -115,7 +115,7 @@ def _late_cause(run, seg, straggler, late_keys, n_steps):
     return {c: float(x) for c, x in zip(cats, excess) if x > 0.0005}  # sub-ms: noise
 
 
-def _step_points(run):
+def _step_points(run: RunRecord) -> Any:
     """CUDA runs: NCCL collectives return to the host at once (the GPU waits, not the host), and
     the host waits later, in its next sync (.item(), synchronize). There each step is the
     meeting point and a rank's wait is its step's host-sync plus collective lines: the rank
@@ -138,7 +138,7 @@ def _step_points(run):
     ).reset_index(drop=True)
 
 
-def _step_cause(run, straggler, late_steps, n_steps):
+def _step_cause(run: RunRecord, straggler: Any, late_steps: Any, n_steps: Any) -> Any:
     """By step: the straggler's ledger lines (waits left out) beyond the others' in those steps."""
     led = _steady_ledger(run)
     led = led[led["step"].isin(late_steps)]
@@ -150,7 +150,7 @@ def _step_cause(run, straggler, late_steps, n_steps):
     return {c: float(x) for c, x in zip(cats, excess.to_numpy()) if x > 0.0005}
 
 
-def _syncs_every_step(run):
+def _syncs_every_step(run: RunRecord) -> Any:
     """CUDA runs in which every rank's host waits for its GPU in (nearly) every steady step: only
     there does a step's sync line hold the wait for the others (a rank that never syncs runs
     ahead of its GPU, and its waits land wherever its launch queue fills up)."""
@@ -163,7 +163,7 @@ def _syncs_every_step(run):
     return bool(((led["sync_s"] > 0).groupby(led["rank"]).mean() >= 0.8).all())
 
 
-def _core_wait_excess(run, straggler, ranks, steps):
+def _core_wait_excess(run: RunRecord, straggler: Any, ranks: list[Any], steps: pd.DataFrame) -> Any:
     """Per step (a Series over `steps`) the seconds the straggler's training thread waited for a
     core beyond the other ranks' mean in the same step (the shim's run-queue wait), or None
     when the run has no such record."""
@@ -395,7 +395,7 @@ def _why_late(
     return label
 
 
-def _trace_doing(run, rank, cost):
+def _trace_doing(run: RunRecord, rank: str, cost: Any) -> Any:
     waits = _trace_waits(run, [rank])
     if rank not in waits:
         return None
@@ -403,7 +403,7 @@ def _trace_doing(run, rank, cost):
     return _what_straggler_does(run, rank, rows, all_rows, coll, cost)
 
 
-def _pyspy_doing(run, rank):
+def _pyspy_doing(run: RunRecord, rank: str) -> Any:
     spy = _pyspy_waits(run, [rank])
     if rank not in spy:
         return None
@@ -414,7 +414,7 @@ def _pyspy_doing(run, rank):
     return {"hottest_frames": frames} if frames else None
 
 
-def _prescriptions(run, straggler, top, cost, slower_gpu):
+def _prescriptions(run: RunRecord, straggler: Any, top: Any, cost: Any, slower_gpu: Any) -> Any:
     out = []
     if top in ("compile", "autotune"):
         out.append(
@@ -474,7 +474,16 @@ def _prescriptions(run, straggler, top, cost, slower_gpu):
     return tuple(out)
 
 
-def _straggler_finding(run, ranks, straggler, cost, share, detail, top, label):
+def _straggler_finding(
+    run: RunRecord,
+    ranks: list[Any],
+    straggler: Any,
+    cost: float,
+    share: float,
+    detail: dict[str, Any],
+    top: str | None,
+    label: str,
+) -> Finding:
     because = detail.get("late_because_per_step_s") or {}
     why = " · ".join(
         f"{ledger_mod.LABELS.get(c, c)} +{v * 1000:.0f} ms" for c, v in list(because.items())[:3]

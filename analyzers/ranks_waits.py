@@ -7,6 +7,8 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING, Any
 
+import pandas as pd
+
 from traindx.analyzers import evidence as ev
 from traindx.analyzers.findings import Finding, Prescription
 
@@ -31,7 +33,7 @@ MIN_SHARE = 0.05
 MIN_WAIT_DIFF_S = 0.005
 
 
-def _trace_waits(run, ranks):
+def _trace_waits(run: RunRecord, ranks: list[Any]) -> Any:
     """{rank: (wait seconds per profiled step, steps, collective rows)} from the traces."""
     trace = run.torch_trace
     if not len(trace):
@@ -52,11 +54,11 @@ def _trace_waits(run, ranks):
     return out
 
 
-def _in_collective(stack):
+def _in_collective(stack: Any) -> Any:
     return any(f.file.endswith(C10D_FILE) for f in stack)
 
 
-def _pyspy_waits(run, ranks):
+def _pyspy_waits(run: RunRecord, ranks: list[Any]) -> Any:
     """{rank: (share of main-thread samples in torch.distributed, ThreadSamples)}."""
     out = {}
     for rank in ranks:
@@ -74,7 +76,9 @@ def _pyspy_waits(run, ranks):
     return out
 
 
-def _what_straggler_does(run, rank, rows, all_rows, coll, diff_s):
+def _what_straggler_does(
+    run: RunRecord, rank: str, rows: pd.DataFrame, all_rows: pd.DataFrame, coll: Any, diff_s: Any
+) -> Any:
     """From the trace: the innermost Python call on the straggler that takes about as long as
     the others wait, and the job's function around it."""
     if rows is None:
@@ -104,7 +108,7 @@ def _what_straggler_does(run, rank, rows, all_rows, coll, diff_s):
     }
 
 
-def _compiles_on(run, rank, steady_ids):
+def _compiles_on(run: RunRecord, rank: str, steady_ids: Any) -> Any:
     comp = run.compiles
     if not len(comp):
         return None

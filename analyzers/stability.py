@@ -69,7 +69,7 @@ def find_period(steps: Sequence[int], durations: Sequence[float]) -> tuple[int, 
     return None
 
 
-def _period_of(steps, slow):
+def _period_of(steps: Sequence[int], slow: Any) -> tuple[int, int, list[int]] | None:
     """find_period's search for one set of slow steps."""
     steps_arr = np.asarray(steps, dtype=np.int64)
     if len(np.unique(steps_arr)) != len(steps_arr):
@@ -101,16 +101,16 @@ def _period_of(steps, slow):
             best = (score, period, residue)
     if best is None:
         return None
-    _, period, residue = best
-    return period, residue, [s for s in steps if s % period == residue and s in slow]
+    _, best_period, best_residue = best
+    return best_period, best_residue, [s for s in steps if s % best_period == best_residue and s in slow]
 
 
-def _find_period_with_repeats(steps, slow):
+def _find_period_with_repeats(steps: Sequence[int], slow: Any) -> tuple[int, int, list[int]] | None:
     """find_period for step lists that repeat a step number (a restarted step counter): each
     listed step counts, as in the definition; O(N) per period with per-residue counts."""
     steps_arr = np.asarray(steps, dtype=np.int64)
     is_slow = np.isin(steps_arr, np.array(sorted(slow), dtype=np.int64))
-    best = None
+    best: tuple[tuple[float, int], int, int] | None = None
     for period in range(2, len(steps) // MIN_OCCURRENCES + 1):
         res = steps_arr % period
         on = np.bincount(res, minlength=period)
@@ -124,11 +124,11 @@ def _find_period_with_repeats(steps, slow):
                 best = (score, period, int(residue))
     if best is None:
         return None
-    _, period, residue = best
-    return period, residue, [s for s in steps if s % period == residue and s in slow]
+    _, best_period, best_residue = best
+    return best_period, best_residue, [s for s in steps if s % best_period == best_residue and s in slow]
 
 
-def _period_of_timed_io(run, rank, steps):
+def _period_of_timed_io(run: RunRecord, rank: str, steps: list[int]) -> tuple[int, int, list[int]] | None:
     """The period of the shim-timed writes (torch.save, DCP) in the steps, when the step times
     are too noisy for one to show (a busy machine): the ledger's io seconds per step are
     measured, so their pattern does not depend on the load."""
@@ -141,7 +141,9 @@ def _period_of_timed_io(run, rank, steps):
     return find_period(steps, [float(x) for x in io])
 
 
-def _period_of_timed_io_past_warmup(run, rank, steady_steps):
+def _period_of_timed_io_past_warmup(
+    run: RunRecord, rank: str, steady_steps: list[int]
+) -> tuple[int, int, list[int]] | None:
     """The timed writes' period over every step after step 0, its hits in the steady window:
     the warm-up rule takes leading steps slower than 1.5x the later ones (up to half the run),
     and on a machine whose load fell mid-run that can be the half that held most of the saves
@@ -159,7 +161,7 @@ def _period_of_timed_io_past_warmup(run, rank, steady_steps):
     return (period, residue, hits) if hits else None
 
 
-def _checkpoint_in_steps(run, rank):
+def _checkpoint_in_steps(run: RunRecord, rank: str) -> Any:
     """Checkpoints written inside the steps when the step times are too noisy (a busy machine)
     for a period to show: py-spy's samples inside the writer, against the steps' time."""
     saves = save_sites(run, rank)
@@ -365,7 +367,7 @@ LINE_PERIOD_MAX = periods.LINE_PERIOD_MAX
 LINE_MIN_EXCESS_SHARE = periods.LINE_MIN_EXCESS_SHARE
 
 
-def line_periods(led, step_s):
+def line_periods(led: pd.DataFrame, step_s: Any) -> Any:
     """[{line, label, period, residue, steps, excess_s, slow_s, other_s}] of the ledger lines
     (one rank's steady rows) whose value depends on the step number modulo a period: each line
     is compared across steps on its own, so +50 % on odd steps - which never makes a step 2x the

@@ -19,14 +19,14 @@ if TYPE_CHECKING:  # annotations only
     from traindx.derive.run import RunRecord
 
 
-def _normalise(text):
+def _normalise(text: Any) -> Any:
     return re.sub(r"\d+", "N", text.strip())[:160]
 
 
-_LOG_INDEX = [None, None]  # (the log DataFrame, its index): every rank asks about the same log
+_LOG_INDEX: list[Any] = [None, None]  # (the log DataFrame, its index): every rank asks about the same log
 
 
-def _log_index(log):
+def _log_index(log: pd.DataFrame) -> Any:
     """(sorted t, normalised text) of the log lines other than per-step log lines."""
     if _LOG_INDEX[0] is not log:
         keep = [bool(text.strip()) and not parse_line(text) for text in log["text"]]
@@ -36,7 +36,7 @@ def _log_index(log):
     return _LOG_INDEX[1]
 
 
-def _log_in_steps(run, step_rows):
+def _log_in_steps(run: RunRecord, step_rows: pd.DataFrame) -> Any:
     """Lines the job printed inside the given steps, other than its per-step log line.
 
     The log is sorted and filtered once; each step then takes its lines by binary search on t
@@ -65,7 +65,7 @@ def _log_in_steps(run, step_rows):
     return found
 
 
-def _io_in_steps(run, rank, step_rows):
+def _io_in_steps(run: RunRecord, rank: str, step_rows: pd.DataFrame) -> Any:
     """The checkpoint/file writes the shim timed inside the given steps, by call and caller:
     [{"call", "caller", "steps", "seconds_per_step"}], most time first."""
     spans = run.spans
@@ -116,7 +116,7 @@ def _io_in_steps(run, rank, step_rows):
     return sorted(out, key=lambda g: -g["seconds_per_step"] * g["steps"])
 
 
-def _call_text(io):
+def _call_text(io: Any) -> Any:
     caller = io.get("caller") or {}
     where = f" at {caller.get('file')}:{caller.get('line')}" if caller.get("file") else ""
     return f"{io['call']}{where}"
@@ -163,10 +163,10 @@ def save_sites(run: RunRecord, rank: str) -> list[dict[str, Any]]:
     ]
 
 
-def _causes(run, rank, slow_rows, normal_rows):
+def _causes(run: RunRecord, rank: str, slow_rows: pd.DataFrame, normal_rows: pd.DataFrame) -> Any:
     """What the slow steps have that the others do not: checkpoint/file writes (the shim's
     timed torch.save/DCP calls, with the job's line), log lines, gen-2 collections."""
-    causes = {}
+    causes: dict[str, Any] = {}
     io = [g for g in _io_in_steps(run, rank, slow_rows) if g["steps"] >= max(2, 0.6 * len(slow_rows))]
     if io:
         causes["io_in_slow_steps"] = io[:3]
@@ -193,7 +193,7 @@ def _causes(run, rank, slow_rows, normal_rows):
     return causes
 
 
-def _run_queue_excess(run, rank, slow_rows, normal_rows):
+def _run_queue_excess(run: RunRecord, rank: str, slow_rows: pd.DataFrame, normal_rows: pd.DataFrame) -> Any:
     """Seconds the training thread waited for a core in a slow step beyond a normal one (the
     shim's per-step run-queue delay, median of each), or None where it was not recorded."""
     events = run.of_type("cpu")
@@ -214,7 +214,9 @@ def _run_queue_excess(run, rank, slow_rows, normal_rows):
     return round(max(0.0, float(slow.median() - normal.median())), 4)
 
 
-def _io_from_ledger(run, rank, steady, causes, lost, share):
+def _io_from_ledger(
+    run: RunRecord, rank: str, steady: pd.DataFrame, causes: Any, lost: Any, share: Any
+) -> Any:
     """With a timed write behind the slow steps, what removing it saves is the ledger's
     checkpoint/io seconds per steady step (exact, and unchanged by a busy machine); otherwise
     the slow steps' excess over the others stands."""

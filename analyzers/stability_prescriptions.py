@@ -18,7 +18,7 @@ if TYPE_CHECKING:  # annotations only
 LESS_OFTEN = 10  # a periodic cost made this many times rarer (fixplan's flag arms too)
 
 
-def _periodic_prescriptions(run, causes, lost, period):
+def _periodic_prescriptions(run: RunRecord, causes: Any, lost: Any, period: Any) -> Any:
     text = " ".join(c["text"] for c in causes.get("log_lines_in_slow_steps", [])).lower()
     out = []
     io = causes.get("io_in_slow_steps")
@@ -79,7 +79,7 @@ def _periodic_prescriptions(run, causes, lost, period):
 
 
 def checkpoint_prescriptions(
-    run: RunRecord, saves: Sequence[dict[str, Any]], lost: float, period: int | None
+    run: RunRecord, saves: Sequence[dict[str, Any]], lost: float | None, period: int | None
 ) -> list[Prescription]:
     """A checkpoint every `period` steps, written at the job's own line: save asynchronously,
     in the framework's terms."""
@@ -120,7 +120,7 @@ def checkpoint_prescriptions(
                         f"{edit['line']} (the Trainer saves synchronously)"
                     ),
                     change={"code": {k: v for k, v in edit.items() if k != "save_steps"}},
-                    expected_gain_s_per_step=lost * (1 - 1 / LESS_OFTEN),
+                    expected_gain_s_per_step=None if lost is None else lost * (1 - 1 / LESS_OFTEN),
                     automatic=True,
                 )
             )

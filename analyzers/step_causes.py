@@ -14,6 +14,8 @@ is a finding of its own
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 import numpy as np
 import pandas as pd
 
@@ -21,6 +23,9 @@ from traindx.analyzers import evidence as ev
 from traindx.analyzers.findings import Finding, is_problem
 from traindx.analyzers.stability import SLOW_FACTOR
 from traindx.derive.steptables import EVENT_KINDS, compile_spans, event_seconds, gc_frame, run_t0, step_table
+
+if TYPE_CHECKING:  # annotations only
+    from traindx.derive.run import RunRecord
 
 CAUSE_SHARE = 0.3  # an event covering this share of a step names the step's cause
 EXCESS_SHARE = 0.25  # ...or this share of a slow step's time above the median
@@ -38,7 +43,7 @@ CAUSES = {
 
 
 def classify_steps(
-    table: pd.DataFrame, secs: np.ndarray, judged: tuple | None = None
+    table: pd.DataFrame, secs: np.ndarray, judged: tuple[Any, Any] | None = None
 ) -> tuple[float | None, float | None]:
     """Adds compile_s, gc_s (wall clock), slow and cause columns to the step table (in place);
     returns (median, slow threshold). secs: steptables.event_seconds of the same table.
@@ -74,7 +79,7 @@ def _seconds_text(seconds: float) -> str:
     return f"{seconds:.1f} s" if seconds >= 1 else f"{seconds * 1e3:.0f} ms"
 
 
-def analyze(run, findings: list | None = None) -> list:
+def analyze(run: RunRecord, findings: list[Finding] | None = None) -> list[Finding]:
     """[steps.time_in_events] when no root finding above info exists and one kind of event
     holds a real share of the steady steps' time (not a cold start); else []."""
     if any(is_problem(f) and f.cause is None for f in findings or ()):
@@ -170,7 +175,7 @@ def _time_in_events(
 
 
 def without_core_wait(
-    run, table: pd.DataFrame, secs: np.ndarray, t0: int
+    run: RunRecord, table: pd.DataFrame, secs: np.ndarray, t0: int
 ) -> tuple[np.ndarray, np.ndarray] | None:
     """On a loaded machine a span's wall time holds the time the training thread waited for a
     core: its cost is its wall time less that wait, judged against the step's own time. GC

@@ -28,6 +28,7 @@ import os
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import pandas as pd
 
 from traindx.analyzers import codefix
 from traindx.analyzers import evidence as ev
@@ -42,14 +43,14 @@ LOADED_OTHERS = 0.5  # other runnable tasks per core (mean at the step ends): a 
 MIN_STEPS = 3
 
 
-def _first(frame, names):
+def _first(frame: pd.DataFrame, names: Any) -> Any:
     for name in names:
         if name in frame and frame[name].notna().any():
             return float(frame[name].dropna().iloc[0])
     return None
 
 
-def _env_threads(run) -> int | None:
+def _env_threads(run: RunRecord) -> int | None:
     env = run.manifest.get("env") or {}
     for name in THREAD_ENV:
         value = str(env.get(name) or "").strip()
@@ -58,7 +59,7 @@ def _env_threads(run) -> int | None:
     return None
 
 
-def thread_facts(run, rank):
+def thread_facts(run: RunRecord, rank: str) -> Any:
     """What the record says about threads and cores on `rank` over its steady steps, or None
     without the shim's cpu events."""
     cpu = run.of_type("cpu")
@@ -140,16 +141,16 @@ def thread_facts(run, rank):
     }
 
 
-def machine_loaded(facts: dict | None) -> bool:
+def machine_loaded(facts: dict[str, Any] | None) -> bool:
     """True when other processes kept the cores busy over the steady steps (facts: thread_facts):
     at least LOADED_OTHERS other runnable tasks per core. Waits measured then include the time
     the training thread waited for a core."""
     if not facts or not facts.get("cores"):
         return False
-    return (facts.get("other_runnable_tasks") or 0.0) >= LOADED_OTHERS * facts["cores"]
+    return bool((facts.get("other_runnable_tasks") or 0.0) >= LOADED_OTHERS * facts["cores"])
 
 
-def _processes_on_host(run):
+def _processes_on_host(run: RunRecord) -> Any:
     """Training processes of one host: the ranks (a multi-node run's nodes each have theirs)."""
     ranks = run.manifest.get("ranks")
     n = len(ranks) if isinstance(ranks, (list, dict)) and ranks else len(run.ranks) or 1
@@ -159,16 +160,16 @@ def _processes_on_host(run):
     return max(1, n)
 
 
-def _setting(threads):
+def _setting(threads: Any) -> Any:
     return f"OMP_NUM_THREADS={threads} (or torch.set_num_threads({threads}) at the top of the script)"
 
 
-def _int(value):
+def _int(value: Any) -> Any:
     text = str(value or "").strip()
     return int(text) if text.isdigit() and int(text) > 0 else None
 
 
-def _job_set_threads(run, f):
+def _job_set_threads(run: RunRecord, f: Any) -> Any:
     """True when torch's intra-op count is not what the environment or torch's default gives
     it: the job (or a library it calls) called torch.set_num_threads. torch caps
     OMP_NUM_THREADS and its default at the cores, so more threads than cores come only from
@@ -193,7 +194,7 @@ def _job_set_threads(run, f):
     return bool(counts) and intra > max(counts)
 
 
-def _job_files(run):
+def _job_files(run: RunRecord) -> Any:
     """The job's scripts, then the other Python files of its own folder (a few hundred)."""
     scripts = ev.job_scripts(run)
     rest = []
@@ -204,7 +205,7 @@ def _job_files(run):
     return scripts + sorted(rest)
 
 
-def own_thread_call(run, f):
+def own_thread_call(run: RunRecord, f: Any) -> Any:
     """The job's own `torch.set_num_threads(...)` that set the thread count the record shows
     ({file, line, source, args}), or None: a call with that literal count, else (when the record
     says the job set the count itself) its first call."""
@@ -223,7 +224,7 @@ def own_thread_call(run, f):
     return first if _job_set_threads(run, f) else None
 
 
-def _own_call_prescriptions(run, f, threads, why):
+def _own_call_prescriptions(run: RunRecord, f: Any, threads: Any, why: Any) -> Any:
     """The job's own call set to `threads`; the environment variable would change nothing."""
 
     call = f.get("thread_call")
@@ -248,7 +249,7 @@ def _own_call_prescriptions(run, f, threads, why):
                 last_line=spot[1],
                 op="insert_after",
             )
-            if spot
+            if spot and where is not None
             else None
         )
         return (
@@ -257,7 +258,7 @@ def _own_call_prescriptions(run, f, threads, why):
                 summary=(
                     f"Run {threads} intra-op thread{plural} per process: call "
                     f"torch.set_num_threads({threads}) after set-up"
-                    + (f" ({where}:{spot[1]})" if change else "")
+                    + (f" ({where}:{spot[1]})" if change and spot else "")
                     + f"; {why}. Something in the job sets {f['intra_op_threads']} "
                     f"threads itself: {ignored}"
                 ),
@@ -282,7 +283,7 @@ def _own_call_prescriptions(run, f, threads, why):
     return (code,)
 
 
-def _prescriptions(run, f, threads, why):
+def _prescriptions(run: RunRecord, f: Any, threads: Any, why: Any) -> Any:
     own = _own_call_prescriptions(run, f, threads, why)
     if own:
         return own
@@ -297,7 +298,7 @@ def _prescriptions(run, f, threads, why):
     )
 
 
-def _cost_text(f):
+def _cost_text(f: Any) -> Any:
     parts = []
     if f["other_threads_cpu_s_per_step"] is not None:
         parts.append(
@@ -422,7 +423,7 @@ def _loaded(f: dict[str, Any], others: float, common: dict[str, Any]) -> Finding
     )
 
 
-def analyze(run):
+def analyze(run: RunRecord) -> Any:
     findings = []
     ranks = sorted(set(run.ledger["rank"]), key=str) if len(run.ledger) else []
     for rank in ranks:

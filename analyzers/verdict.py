@@ -23,7 +23,7 @@ if TYPE_CHECKING:  # annotations only
     from traindx.derive.run import RunRecord
 
 
-def _mean_steady_step(run) -> float | None:
+def _mean_steady_step(run: RunRecord) -> float | None:
     """The mean steady step of the slowest rank, from the ledger (the unit findings' savings are
     in); None without a ledger."""
     try:
@@ -33,7 +33,7 @@ def _mean_steady_step(run) -> float | None:
         return None
 
 
-def _pick(findings: list) -> Finding | None:
+def _pick(findings: list[Finding]) -> Finding | None:
     """The root finding to act on first: the first (reading order) with a prescription, else the
     first root problem."""
     roots = [f for f in reading_order(findings) if is_problem(f) and f.cause is None]
@@ -87,7 +87,7 @@ def _cause_verdict(run: RunRecord, top: Finding, median: float | None, counts: d
     )
 
 
-def judge(run, findings: list) -> Finding:
+def judge(run: RunRecord, findings: list[Finding]) -> Finding:
     """The verdict of a run from its (linked, priced) findings."""
     findings = [f for f in findings if not f.id.startswith(VERDICT_PREFIX)]
     table, source = step_table(run)
@@ -128,6 +128,6 @@ def judge(run, findings: list) -> Finding:
     )
 
 
-def analyze(run, findings: list | None = None) -> list:
+def analyze(run: RunRecord, findings: list[Finding] | None = None) -> list[Finding]:
     """Registry entry: [the verdict] (run last, over every other finding)."""
     return [judge(run, list(findings or []))]
