@@ -172,7 +172,7 @@ def _alloc_prescriptions(
     return prescriptions
 
 
-def _analyze_rank(run: RunRecord, rank: str, rows: pd.DataFrame) -> Any:
+def _analyze_rank(run: RunRecord, rank: str, rows: pd.DataFrame) -> list[Finding]:
     """rows: this rank's alloc events."""
     steady = ev.steady_steps(run, rank)
     steady_ids = {int(s) for s in steady["step"]}

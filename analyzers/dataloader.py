@@ -226,7 +226,7 @@ def _site_change(site: Any, name: Any, settings: Any) -> Any:
     return dict(change, op="replace") if change else None
 
 
-def _where(site: Any) -> Any:
+def _where(site: Any) -> str:
     where = frameworks.user_site(site)
     if not where:
         return ""

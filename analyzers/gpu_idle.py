@@ -397,7 +397,7 @@ def _pageable_prescriptions(
     )
 
 
-def _exposed_communication(run: RunRecord, rank: str, trace: pd.DataFrame, step_s: Any) -> Any:
+def _exposed_communication(run: RunRecord, rank: str, trace: pd.DataFrame, step_s: Any) -> list[Finding]:
     steps = ev.trace_steps(run, rank)
     if not len(steps) or not step_s:
         return []
@@ -446,7 +446,7 @@ def _exposed_communication(run: RunRecord, rank: str, trace: pd.DataFrame, step_
     ]
 
 
-def _between_steps(run: RunRecord, rank: str, host_idle: Any, step_s: Any) -> Any:
+def _between_steps(run: RunRecord, rank: str, host_idle: Any, step_s: Any) -> list[Finding]:
     steady = ev.steady_steps(run, rank)
     ids = [int(s) for s in steady["step"]] if len(steady) else sorted(host_idle)
     between = pd.Series({s: host_idle[s][1] for s in ids if s in host_idle}, dtype=float)
@@ -509,7 +509,7 @@ def _between_steps(run: RunRecord, rank: str, host_idle: Any, step_s: Any) -> An
     ]
 
 
-def analyze(run: RunRecord) -> Any:
+def analyze(run: RunRecord) -> list[Finding]:
     stretch_rows, _ = gputime.for_run(run)
     trace = run.torch_trace
     if not len(stretch_rows) and not (len(trace) and (trace["cat"] == "kernel").any()):

@@ -111,7 +111,7 @@ def _claimed(src: Any, led: pd.DataFrame) -> Any:
 
 def _call_site_note(
     run: RunRecord, rank: str, g: Any, src: Any, line_name: Any, seconds: Any, share: Any, cwd: str | None
-) -> Any:
+) -> Finding:
     """An info note: the user's explicit call of something the shim books in `line_name`."""
     path = _display(g["file"], cwd)
     raw = None
@@ -521,7 +521,7 @@ def _matching_period(group: pd.DataFrame, periods: Any, seconds: Any) -> Any:
     return None
 
 
-def analyze(run: RunRecord) -> Any:
+def analyze(run: RunRecord) -> list[Finding]:
     findings = []
     if not len(run.ledger):
         return findings

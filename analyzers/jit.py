@@ -35,7 +35,7 @@ if TYPE_CHECKING:  # annotations only
     from traindx.derive.run import RunRecord
 
 
-def _analyze_rank(run: RunRecord, rank: str, compiles: pd.DataFrame) -> Any:
+def _analyze_rank(run: RunRecord, rank: str, compiles: pd.DataFrame) -> list[Finding]:
     findings = []
     steps = run.rank_steps(rank).dropna(subset=["duration_s"])
     compiles = compiles[compiles["ok"].fillna(True).astype(bool)] if "ok" in compiles else compiles
@@ -104,7 +104,7 @@ def _compiles_while_tuning(group: pd.DataFrame, tunes: pd.DataFrame) -> Any:
     return marked | inside | same_step
 
 
-def _merge_fa4_steady(findings: Any) -> Any:
+def _merge_fa4_steady(findings: list[Finding]) -> list[Finding]:
     """One FA4 leak finding per rank: the kernels it recompiles are listed inside."""
     steady = [f for f in findings if f.id == "jit.fa4_steady_recompile"]
     if len(steady) <= 1:

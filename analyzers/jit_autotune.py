@@ -225,7 +225,7 @@ def _inductor_caches_off(run: RunRecord) -> Any:
     ]
 
 
-def _inductor_cache_prescription(run: RunRecord) -> Any:
+def _inductor_cache_prescription(run: RunRecord) -> Prescription:
     """torch.compile's cold start: its FX graph and AOTAutograd caches are on by default (torch
     2.13), so there is nothing to switch on. Never relocate a cache the user already placed (a
     fresh folder would make the next run cold); where none is set, the default folder is under

@@ -28,7 +28,7 @@ SINGLE_BLOCK_FIELDS = ("single_q_block", "single_k_block")
 _TENSOR_REPR = re.compile(r"\b(Fake)?Tensor\(|\btensor\(")
 
 
-def _where(frame: pd.DataFrame, run: RunRecord = None) -> Any:
+def _where(frame: pd.DataFrame, run: RunRecord = None) -> str | None:
     if not isinstance(frame, dict) or not frame.get("file"):
         return None
     cwd = run.manifest.get("cwd") if run is not None else None
@@ -86,7 +86,7 @@ def _col(row: Any, name: Any) -> Any:
     return value
 
 
-def precompile_prescription(run: RunRecord, gain: Any = None, note: Any = "") -> Any:
+def precompile_prescription(run: RunRecord, gain: Any = None, note: Any = "") -> Prescription:
     env = run.manifest.get("env") or run.manifest.get("environment") or {}
     cache_dir = env.get(CACHE_DIR_VAR)
     if not cache_dir or cache_dir == "<redacted>":

@@ -35,7 +35,7 @@ _MODE_CHANGE = re.compile(
 )
 
 
-def dynamo_compile_kind(row: Any) -> Any:
+def dynamo_compile_kind(row: Any) -> str:
     """What one dynamo compile event is: 'first' (the frame's first graph), 'backward' (the
     backward graph AOTAutograd builds at the first backward: not a recompile), 'mode' (a graph
     for another grad/train/autocast mode: once per mode, not a recompile), or 'recompile' (a
@@ -151,7 +151,7 @@ def _guard_prescription(
     )
 
 
-def _dynamo_finding(run: RunRecord, rank: str, group: pd.DataFrame, steps: pd.DataFrame) -> Any:
+def _dynamo_finding(run: RunRecord, rank: str, group: pd.DataFrame, steps: pd.DataFrame) -> Finding | None:
     kinds = dynamo_kinds(group)
     recompiles = group[[k == "recompile" for k in kinds]]
     costs = group[[k in ("recompile", "recompile_backward") for k in kinds]]

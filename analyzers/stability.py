@@ -161,7 +161,7 @@ def _period_of_timed_io_past_warmup(
     return (period, residue, hits) if hits else None
 
 
-def _checkpoint_in_steps(run: RunRecord, rank: str) -> Any:
+def _checkpoint_in_steps(run: RunRecord, rank: str) -> Finding | None:
     """Checkpoints written inside the steps when the step times are too noisy (a busy machine)
     for a period to show: py-spy's samples inside the writer, against the steps' time."""
     saves = save_sites(run, rank)

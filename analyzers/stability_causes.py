@@ -116,7 +116,7 @@ def _io_in_steps(run: RunRecord, rank: str, step_rows: pd.DataFrame) -> Any:
     return sorted(out, key=lambda g: -g["seconds_per_step"] * g["steps"])
 
 
-def _call_text(io: Any) -> Any:
+def _call_text(io: Any) -> str:
     caller = io.get("caller") or {}
     where = f" at {caller.get('file')}:{caller.get('line')}" if caller.get("file") else ""
     return f"{io['call']}{where}"

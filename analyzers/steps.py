@@ -97,7 +97,7 @@ def _job_exit(run: RunRecord) -> list[Finding]:
     ]
 
 
-def _crashing_frame(text: str) -> Any:
+def _crashing_frame(text: str) -> str | None:
     """'file:line in function' innermost in the crashing thread of a faulthandler dump."""
     lines = text.splitlines()
     for i, line in enumerate(lines):

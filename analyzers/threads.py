@@ -160,7 +160,7 @@ def _processes_on_host(run: RunRecord) -> Any:
     return max(1, n)
 
 
-def _setting(threads: Any) -> Any:
+def _setting(threads: Any) -> str:
     return f"OMP_NUM_THREADS={threads} (or torch.set_num_threads({threads}) at the top of the script)"
 
 
@@ -423,7 +423,7 @@ def _loaded(f: dict[str, Any], others: float, common: dict[str, Any]) -> Finding
     )
 
 
-def analyze(run: RunRecord) -> Any:
+def analyze(run: RunRecord) -> list[Finding]:
     findings = []
     ranks = sorted(set(run.ledger["rank"]), key=str) if len(run.ledger) else []
     for rank in ranks:
