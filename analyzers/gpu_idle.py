@@ -80,7 +80,7 @@ def _host_idle_per_step(stretch_rows: pd.DataFrame) -> Any:
     return {int(s): (float(host.get(s, 0.0)), float(between.get(s, 0.0))) for s in steps}
 
 
-def _host_code_top(run: RunRecord, rank: str, steps: pd.DataFrame) -> Any:
+def _host_code_top(run: RunRecord, rank: str, steps: set[int]) -> Any:
     """(file, line, function, call, seconds per step) of the code that ran most inside the
     ledger's host intervals (traindx.derive.ledger.host_code, py-spy samples in those intervals), or
     None where the ledger has no such table."""

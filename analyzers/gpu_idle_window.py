@@ -56,7 +56,7 @@ def _frames_at(py: pd.DataFrame, t: Any) -> Any:
     return users[0], calls[0]
 
 
-def _innermost(starts: Any, ends: Any, order: Any, points: pd.DataFrame) -> Any:
+def _innermost(starts: np.ndarray, ends: np.ndarray, order: np.ndarray, points: np.ndarray) -> Any:
     """Index (into the event arrays) of the innermost event enclosing each sorted point, -1 for
     none: events of one thread nest, so visiting them by start and overwriting leaves the
     innermost."""
@@ -68,7 +68,7 @@ def _innermost(starts: Any, ends: Any, order: Any, points: pd.DataFrame) -> Any:
     return out
 
 
-def _frames_at_points(py: pd.DataFrame, points: pd.DataFrame) -> Any:
+def _frames_at_points(py: pd.DataFrame, points: np.ndarray) -> Any:
     """_frames_at for many points at once (sorted int64 ns)."""
     if not len(py) or not len(points):
         return [None] * len(points), [None] * len(points)
@@ -85,7 +85,7 @@ def _frames_at_points(py: pd.DataFrame, points: pd.DataFrame) -> Any:
     return users, calls
 
 
-def _categories(spans: pd.DataFrame, points: pd.DataFrame) -> Any:
+def _categories(spans: pd.DataFrame, points: np.ndarray) -> Any:
     """The measured call (span category) covering each sorted point, 'host' where none does."""
     out = np.full(len(points), "host", dtype=object)
     if not len(spans) or not len(points):

@@ -501,7 +501,7 @@ def _likely_code(
 UNCLAIMED_LINES = ("host", "forward_backward", "unexplained", "optimizer")
 
 
-def _matching_period(group: pd.DataFrame, periods: Any, seconds: Any) -> Any:
+def _matching_period(group: Group, periods: list[dict[str, Any]], seconds: float) -> Any:
     """The period found in the ledger lines this code's time is booked in, when the code's
     own steps show it (ledger.host_code per step), or - py-spy has no steps - when its cost is
     the excess spread over the period (the caller keeps that only when one line fits)."""

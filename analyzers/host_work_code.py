@@ -16,6 +16,7 @@ from traindx.analyzers import evidence as ev
 
 if TYPE_CHECKING:  # annotations only
     from traindx.derive.run import RunRecord
+    from traindx.profiler.speedscope import Frame
 
 MIN_SAMPLES = 3  # py-spy samples of a line before it is named at all
 LOADED_WAIT = 0.10  # of the step waiting for a core: a line needs MIN_SAMPLES that saw
@@ -54,7 +55,7 @@ _ZERO_GRAD = re.compile(r"(^|\.)zero_grad$")
 
 
 # -- where the code comes from ------------------------------------------------------------------
-def _lib_category(frame: pd.DataFrame) -> str | None:
+def _lib_category(frame: Frame) -> str | None:
     path = (frame.file or "").replace("\\", "/")
     for fragment, names, cat in _OWNING:
         if fragment in path and (names is None or frame.name in names or frame.name.split(".")[-1] in names):
@@ -347,7 +348,7 @@ def _groups_from_pyspy(run: RunRecord, rank: str, led: pd.DataFrame) -> Any:
     return out
 
 
-def _without_runqueue_wait(group: pd.DataFrame, own_step: Any, step_s: Any) -> None:
+def _without_runqueue_wait(group: Group, own_step: float, step_s: float) -> None:
     """A line's cost with the time its thread waited there for a core left out, and its share
     of the step's own time (the step less all its run-queue wait): on a loaded machine a preempted thread stays at the line its time slice ended in,
     so a line of a few ms of Python can absorb tens of ms of other processes' time in one step

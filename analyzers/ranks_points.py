@@ -163,7 +163,7 @@ def _syncs_every_step(run: RunRecord) -> Any:
     return bool(((led["sync_s"] > 0).groupby(led["rank"]).mean() >= 0.8).all())
 
 
-def _core_wait_excess(run: RunRecord, straggler: Any, ranks: list[Any], steps: pd.DataFrame) -> Any:
+def _core_wait_excess(run: RunRecord, straggler: Any, ranks: list[Any], steps: pd.Index) -> Any:
     """Per step (a Series over `steps`) the seconds the straggler's training thread waited for a
     core beyond the other ranks' mean in the same step (the shim's run-queue wait), or None
     when the run has no such record."""
