@@ -46,7 +46,7 @@ def _with_expandable(current: Any) -> Any:
     return ",".join(parts + [EXPANDABLE])
 
 
-def _empty_cache_sites(run: RunRecord, rank: str, steady_ids: Any) -> Any:
+def _empty_cache_sites(run: RunRecord, rank: str, steady_ids: set[int]) -> Any:
     calls = ev.events_of_type(run, "empty_cache")
     if not len(calls):
         return []

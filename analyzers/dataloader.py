@@ -18,7 +18,10 @@ from traindx.analyzers.findings import Finding, Prescription
 from traindx.derive import ledger
 
 if TYPE_CHECKING:  # annotations only
+    from collections.abc import Sequence
+
     from traindx.derive.run import RunRecord
+    from traindx.profiler.speedscope import Frame
 
 MIN_SHARE = 0.10
 EVERY_STEP_QUANTILE = 0.25  # on a loaded machine: the wait three steps in four have at least
@@ -29,7 +32,7 @@ DATALOADER_FILE = "torch/utils/data/dataloader.py"
 TRACE_PREFIX = "enumerate(DataLoader)#"
 
 
-def _in_next(stack: Any) -> Any:
+def _in_next(stack: Sequence[Frame]) -> Any:
     return any(f.file.endswith(DATALOADER_FILE) and f.name.endswith("__next__") for f in stack)
 
 
@@ -245,7 +248,7 @@ def _steps_served(run: RunRecord, rank: str | None) -> Any:
     return {int(k): int(v) for k, v in uses.groupby("site_id")["steps"].max().items()}
 
 
-def _starving_site(sites: Any, kind: Any, served: Any = None) -> Any:
+def _starving_site(sites: Any, kind: str, served: Any = None) -> Any:
     """The job's own construction to change: the loader the steps iterate (data_use), else one
     built directly in its code (not re-wrapped by a framework's prepare()), the last one with
     num_workers=0 first."""

@@ -26,7 +26,7 @@ MIN_SHARE = 0.03
 FREEZE = "import gc; gc.collect(); gc.freeze()  # set-up done: its objects leave the collector's view"
 
 
-def _code_prescriptions(run: RunRecord, lost: Any, collections_per_step: Any) -> Any:
+def _code_prescriptions(run: RunRecord, lost: float, collections_per_step: Any) -> Any:
     """Concrete edits of the job's own script: a `gc.collect()` called in its loop removed (when
     about one full collection per step shows it is the cause), and `gc.freeze()` inserted where
     set-up ends (before the training loop)."""
@@ -63,7 +63,7 @@ def _code_prescriptions(run: RunRecord, lost: Any, collections_per_step: Any) ->
     return out
 
 
-def _from_ledger(run: RunRecord, rank: str, lost: Any, share: Any) -> Any:
+def _from_ledger(run: RunRecord, rank: str, lost: float | None, share: float | None) -> Any:
     """(seconds per steady step, share) of GC from the time ledger: the shim's long GC pauses
     as intervals, each counted once even inside a data wait or a backward. Without the shim's
     spans (older runs), the per-step aggregates above stand."""

@@ -23,7 +23,7 @@ MIN_SAMPLES = 10
 COMPILER_MARKERS = ("cutlass/base_dsl", "triton/compiler", "torch/_inductor", "torch/_dynamo")
 
 
-def _dump_confirmation(run: RunRecord, rank: str, thread_name: Any) -> Any:
+def _dump_confirmation(run: RunRecord, rank: str, thread_name: str) -> Any:
     """From the timestamped py-spy dumps: {"in_steps": (held, snapshots), "in_steady_steps":
     (held, snapshots)}: how often the thread owned the GIL when a snapshot fell in a step, and
     in a step of the steady window (warm-up, such as a cold-start compile, left out)."""
@@ -51,7 +51,7 @@ def _dump_confirmation(run: RunRecord, rank: str, thread_name: Any) -> Any:
 MIN_STEADY_SNAPSHOTS = 3
 
 
-def _steady_compile_fraction(run: RunRecord, rank: str, thread_name: Any) -> Any:
+def _steady_compile_fraction(run: RunRecord, rank: str, thread_name: str) -> Any:
     """(fraction of the thread's compile seconds that fall in steady steps, its compile seconds)
     from the shim's compile events, or None: a compiling thread's GIL time is its compile time,
     and the shim knows in which step each compile ran."""

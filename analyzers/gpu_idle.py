@@ -350,7 +350,7 @@ def _copy_line(
 
 
 def _pageable_prescriptions(
-    run: RunRecord, rank: str, file: Any, line: Any, src: str, saving: float
+    run: RunRecord, rank: str, file: str, line: int, src: str, saving: float
 ) -> tuple[Prescription, ...]:
     """Pinned memory and asynchronous copies: through the job's DataLoader (pin_memory=True, the
     copy at the line made non_blocking) where it has one, else pinned host tensors."""
@@ -397,7 +397,9 @@ def _pageable_prescriptions(
     )
 
 
-def _exposed_communication(run: RunRecord, rank: str, trace: pd.DataFrame, step_s: Any) -> list[Finding]:
+def _exposed_communication(
+    run: RunRecord, rank: str, trace: pd.DataFrame, step_s: float | None
+) -> list[Finding]:
     steps = ev.trace_steps(run, rank)
     if not len(steps) or not step_s:
         return []
@@ -446,7 +448,7 @@ def _exposed_communication(run: RunRecord, rank: str, trace: pd.DataFrame, step_
     ]
 
 
-def _between_steps(run: RunRecord, rank: str, host_idle: Any, step_s: Any) -> list[Finding]:
+def _between_steps(run: RunRecord, rank: str, host_idle: Any, step_s: float | None) -> list[Finding]:
     steady = ev.steady_steps(run, rank)
     ids = [int(s) for s in steady["step"]] if len(steady) else sorted(host_idle)
     between = pd.Series({s: host_idle[s][1] for s in ids if s in host_idle}, dtype=float)

@@ -171,8 +171,8 @@ def _line_from_pyspy(run: RunRecord, rank: str, user: Any) -> Any:
     return window.line_in_function(run, rank, user[0], user[2], kind="host")
 
 
-def _source(file: Any, line: Any) -> Any:
-    text = linecache.getline(file, line) if file and os.path.exists(file) else ""
+def _source(file: str | None, line: int | None) -> str:
+    text = linecache.getline(file, line) if file and line is not None and os.path.exists(file) else ""
     return text.rstrip("\n")
 
 

@@ -138,7 +138,7 @@ def busy_per_step(run: RunRecord, rank: str, trace: pd.DataFrame) -> tuple[float
     return wall, max(0.0, wall - idle)
 
 
-def line_in_function(run: RunRecord, rank: str, file: Any, function: Any, kind: Any = None) -> Any:
+def line_in_function(run: RunRecord, rank: str, file: str, function: Any, kind: str = None) -> Any:
     """(absolute file, line) of the job's function `function` in `file` (any directory) most
     sampled by py-spy on the training thread inside the step loop (start-up and teardown left
     out); with `kind` ("host", "forward", ...), only samples host_work_code.classify_stack puts

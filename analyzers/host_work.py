@@ -91,7 +91,7 @@ COMPUTE_KINDS = ("python", "tensor", "numpy")
 COMPUTE_MIN_SHARE = 0.15
 
 
-def _severity(kind: Any, share: Any, has_gpu: Any) -> Any:
+def _severity(kind: str | None, share: float, has_gpu: bool) -> str:
     if kind in COMPUTE_KINDS and not has_gpu and share < COMPUTE_MIN_SHARE:
         return "info"
     return ev.severity_for_share(share)
@@ -101,7 +101,7 @@ def _steady(run: RunRecord, rank: str) -> pd.DataFrame:
     return ledger.steady_rows(run, rank)
 
 
-def _claimed(src: Any, led: pd.DataFrame) -> Any:
+def _claimed(src: str | None, led: pd.DataFrame) -> Any:
     """The ledger line a call of this source line is booked in, when that line is non-zero."""
     for rx, cat in MEASURED_ELSEWHERE:
         if src and rx.search(src) and f"{cat}_s" in led and float(led[f"{cat}_s"].sum()) > 0:
@@ -110,7 +110,14 @@ def _claimed(src: Any, led: pd.DataFrame) -> Any:
 
 
 def _call_site_note(
-    run: RunRecord, rank: str, g: Any, src: Any, line_name: Any, seconds: Any, share: Any, cwd: str | None
+    run: RunRecord,
+    rank: str,
+    g: Any,
+    src: str | None,
+    line_name: Any,
+    seconds: float,
+    share: float | None,
+    cwd: str | None,
 ) -> Finding:
     """An info note: the user's explicit call of something the shim books in `line_name`."""
     path = _display(g["file"], cwd)
@@ -149,7 +156,7 @@ def _call_site_note(
 
 
 def _call_sites_from_pyspy(
-    run: RunRecord, rank: str, led: pd.DataFrame, step_s: Any, cwd: str | None, noted: Any
+    run: RunRecord, rank: str, led: pd.DataFrame, step_s: float | None, cwd: str | None, noted: Any
 ) -> Any:
     """The call-site notes py-spy's samples show that the ledger's host samples cannot: an
     explicit call booked in another line (a gc.collect() in the loop) runs inside that line's
@@ -171,7 +178,7 @@ def _call_sites_from_pyspy(
     return out
 
 
-def _display(path: Any, cwd: str | None) -> Any:
+def _display(path: str, cwd: str | None) -> Any:
     if cwd and path and path.startswith(cwd.rstrip("/") + "/"):
         return path[len(cwd.rstrip("/")) + 1 :]
     return path

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import re
 from collections import defaultdict
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -63,7 +64,7 @@ def _lib_category(frame: Frame) -> str | None:
     return None
 
 
-def classify_stack(stack: Any) -> Any:
+def classify_stack(stack: Sequence[Frame]) -> Any:
     """("host", user frame, library frame beneath it or None) for a sample of host work, or
     (category, None, None) for a sample inside a measured call, or (None, None, None) for a
     sample with no user frame (the interpreter, a framework between its calls)."""
@@ -94,7 +95,7 @@ def classify_stack(stack: Any) -> Any:
     return "host", user, lib_below
 
 
-def _module_of(path: Any) -> Any:
+def _module_of(path: str | None) -> Any:
     """'numpy.core.fromnumeric' of '/…/site-packages/numpy/core/fromnumeric.py'."""
     path = (path or "").replace("\\", "/")
     for marker in ("site-packages/", "dist-packages/", "/lib/python3"):
@@ -107,7 +108,7 @@ def _module_of(path: Any) -> Any:
     return path.strip("/<>").replace("/", ".").replace("frozen ", "")
 
 
-def source_line(path: Any, line: Any, cwd: str | None = None) -> Any:
+def source_line(path: str, line: int, cwd: str | None = None) -> Any:
     """The job's source line (stripped), or None when the file is not readable here."""
     for candidate in (path, os.path.join(cwd or "", path)):
         try:

@@ -43,7 +43,7 @@ _KINDS = (
 )
 
 
-def _call_name(lib: Any, src: Any) -> Any:
+def _call_name(lib: Any, src: str | None) -> Any:
     if lib is not None:
         name = lib.name.split(".")[-1]
         return f"{_module_of(lib.file)}.{name}"
@@ -55,7 +55,7 @@ def _call_name(lib: Any, src: Any) -> Any:
     return None
 
 
-def _call_of_kind(src: Any, kind: Any) -> Any:
+def _call_of_kind(src: str | None, kind: str) -> Any:
     """The call of a source line that gives it its kind (`time.sleep` in `x = f.read(); time.
     sleep(1)` for "sleep"), else its first call."""
     calls = re.findall(r"([A-Za-z_][\w.]*)\s*\(", src or "")
@@ -66,7 +66,7 @@ def _call_of_kind(src: Any, kind: Any) -> Any:
     return calls[0] if calls else (src[:60] if src else None)
 
 
-def kind_of(call: Any, src: Any, lib_file: Any = None) -> Any:
+def kind_of(call: Any, src: str | None, lib_file: Any = None) -> Any:
     text = " ".join(t for t in (call, src, lib_file) if isinstance(t, str) and t)  # NaN: none
     for kind, rx in _KINDS:
         if rx.search(text):
@@ -75,7 +75,7 @@ def kind_of(call: Any, src: Any, lib_file: Any = None) -> Any:
 
 
 # -- prescriptions -----------------------------------------------------------------------------
-def _async_edit(src: Any, path: Any, line: Any, cwd: str | None, daemon: Any = True) -> Any:
+def _async_edit(src: str | None, path: str, line: int, cwd: str | None, daemon: Any = True) -> Any:
     """A concrete edit that runs the line's work on a background thread, or None when the line
     is not such work. It qualifies when each of its statements (one, or several joined by `;`)
     is a bare call or an assignment to names that nothing in its function (or module) reads:
@@ -114,22 +114,22 @@ def _async_edit(src: Any, path: Any, line: Any, cwd: str | None, daemon: Any = T
     return {"file": path, "line": line, "before": raw, "after": after, "op": "replace"}
 
 
-def _names_read(file_tree: Any, line: Any) -> Any:
+def _names_read(file_tree: Any, line: int) -> Any:
     """The names read anywhere in the function holding `line` (the module, at top level)."""
     scope = _innermost(file_tree, line, (ast.FunctionDef, ast.AsyncFunctionDef)) or file_tree
     return {n.id for n in ast.walk(scope) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
 
 
 def _prescriptions(
-    kind: Any,
+    kind: str,
     where: Any,
-    src: Any,
-    path: Any,
-    line: Any,
-    seconds: Any,
-    has_gpu: Any,
+    src: str | None,
+    path: str,
+    line: int,
+    seconds: float,
+    has_gpu: bool,
     cwd: str | None,
-    period: Any = None,
+    period: int | None = None,
 ) -> Any:
     out = []
     if period:

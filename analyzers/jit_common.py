@@ -35,7 +35,7 @@ def _where(frame: Any, run: RunRecord | None = None) -> str | None:
     return f"{_display_path(frame['file'], cwd)}:{frame.get('line')}"
 
 
-def _display_path(path: Any, cwd: str | None = None) -> Any:
+def _display_path(path: str, cwd: str | None = None) -> Any:
     """A path relative to the job's folder when it is inside it (what a user types)."""
     if cwd and path.startswith(cwd.rstrip(os.sep) + os.sep):
         return os.path.relpath(path, cwd)
@@ -86,7 +86,7 @@ def _col(row: Any, name: Any) -> Any:
     return value
 
 
-def precompile_prescription(run: RunRecord, gain: Any = None, note: Any = "") -> Prescription:
+def precompile_prescription(run: RunRecord, gain: float | None = None, note: Any = "") -> Prescription:
     env = run.manifest.get("env") or run.manifest.get("environment") or {}
     cache_dir = env.get(CACHE_DIR_VAR)
     if not cache_dir or cache_dir == "<redacted>":
@@ -146,7 +146,9 @@ def _key_history(group: pd.DataFrame) -> Any:
     return changed_count, identity_count, example, identical_pairs
 
 
-def _ledger_cost(run: RunRecord, rank: str, after: Any, lost: Any, share: Any, category: Any) -> Any:
+def _ledger_cost(
+    run: RunRecord, rank: str, after: Any, lost: float | None, share: float | None, category: Any
+) -> Any:
     """(seconds per step, share of the step) of a recompiling kernel, from the time ledger: its
     own compile seconds per step, but never more than the exclusive `category` seconds of the
     ledger over the same steps (nested or overlapping compile events count once), as a share

@@ -54,7 +54,7 @@ def _threads(group: pd.DataFrame) -> Any:
     return names, main
 
 
-def _gil_evidence(run: RunRecord, rank: str, thread_name: Any) -> Any:
+def _gil_evidence(run: RunRecord, rank: str, thread_name: str) -> Any:
     """What py-spy saw of the compiling thread: its GIL share while compiling, and dump
     snapshots where it held the GIL while the main thread did not run."""
     out = {}
@@ -327,7 +327,9 @@ def _steady_finding(
     )
 
 
-def _generic_recompile_prescriptions(run: RunRecord, kind: Any, kernel: Any, fields: Any, gain: Any) -> Any:
+def _generic_recompile_prescriptions(
+    run: RunRecord, kind: str, kernel: Any, fields: Any, gain: float | None
+) -> Any:
     out = []
     field_text = ", ".join(fields) or "the key"
     if kind == "cute_dsl":

@@ -98,7 +98,7 @@ class Compile:
         return frame.name if frame else None
 
 
-def _short(path: Any) -> Any:
+def _short(path: str) -> Any:
     """A path from its package on: '.../site-packages/flash_attn/cute/x.py' -> 'flash_attn/cute/x.py'."""
     m = re.search(r"[/\\](site|dist)-packages[/\\](.+)$", path or "")
     if m:
@@ -131,7 +131,7 @@ def classify(stack: Sequence[Frame]) -> tuple[str, int] | None:
 SITE_DEPTH = 4  # frames above the compiler that tell one call site from another
 
 
-def _site(stack: Any, entry: Any) -> Any:
+def _site(stack: Sequence[Frame], entry: Any) -> Any:
     """The frames that called into the compiler (innermost last), up to SITE_DEPTH: two calls
     of one helper from different lines of its caller are different kernels."""
     callers = [f for f in stack[:entry] if not COMPILER_PATH.search(f.file or "")]
@@ -150,7 +150,7 @@ def _site_frame(site: Any) -> Any:
 PIPELINE_DEPTH = 5  # the compiler's stage functions below its entry (deeper code loops)
 
 
-def _restarted(previous: Any, stack: Any, entry: Any) -> Any:
+def _restarted(previous: Any, stack: Sequence[Frame], entry: Any) -> Any:
     """True when `stack` is a new compile after `previous` at the same site: at the first frame
     where they differ, within the compiler's pipeline functions near its entry (deeper code
     loops), the same function is at an earlier line."""

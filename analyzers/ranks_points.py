@@ -98,7 +98,7 @@ def _gpu_clocks(run: RunRecord, ranks: list[Any]) -> Any:
     return out
 
 
-def _late_cause(run: RunRecord, seg: pd.DataFrame, straggler: Any, late_keys: Any, n_steps: Any) -> Any:
+def _late_cause(run: RunRecord, seg: pd.DataFrame, straggler: Any, late_keys: Any, n_steps: int) -> Any:
     """Seconds per step of each ledger line by which the straggler's stretch before its late
     arrivals exceeds the other ranks' stretch before the same meeting points."""
     cats = list(ledger_mod.CATEGORIES) + ["unexplained"]
@@ -138,7 +138,7 @@ def _step_points(run: RunRecord) -> Any:
     ).reset_index(drop=True)
 
 
-def _step_cause(run: RunRecord, straggler: Any, late_steps: Any, n_steps: Any) -> Any:
+def _step_cause(run: RunRecord, straggler: Any, late_steps: Any, n_steps: int) -> Any:
     """By step: the straggler's ledger lines (waits left out) beyond the others' in those steps."""
     led = _steady_ledger(run)
     led = led[led["step"].isin(late_steps)]
@@ -395,7 +395,7 @@ def _why_late(
     return label
 
 
-def _trace_doing(run: RunRecord, rank: str, cost: Any) -> Any:
+def _trace_doing(run: RunRecord, rank: str, cost: float) -> Any:
     waits = _trace_waits(run, [rank])
     if rank not in waits:
         return None
@@ -414,7 +414,7 @@ def _pyspy_doing(run: RunRecord, rank: str) -> Any:
     return {"hottest_frames": frames} if frames else None
 
 
-def _prescriptions(run: RunRecord, straggler: Any, top: Any, cost: Any, slower_gpu: Any) -> Any:
+def _prescriptions(run: RunRecord, straggler: Any, top: Any, cost: float, slower_gpu: Any) -> Any:
     out = []
     if top in ("compile", "autotune"):
         out.append(

@@ -13,7 +13,10 @@ from traindx.analyzers import evidence as ev
 from traindx.analyzers.findings import Finding, Prescription
 
 if TYPE_CHECKING:  # annotations only
+    from collections.abc import Sequence
+
     from traindx.derive.run import RunRecord
+    from traindx.profiler.speedscope import Frame
 
 
 COLLECTIVE_NAME = re.compile(
@@ -54,7 +57,7 @@ def _trace_waits(run: RunRecord, ranks: list[Any]) -> Any:
     return out
 
 
-def _in_collective(stack: Any) -> Any:
+def _in_collective(stack: Sequence[Frame]) -> Any:
     return any(f.file.endswith(C10D_FILE) for f in stack)
 
 
@@ -108,7 +111,7 @@ def _what_straggler_does(
     }
 
 
-def _compiles_on(run: RunRecord, rank: str, steady_ids: Any) -> Any:
+def _compiles_on(run: RunRecord, rank: str, steady_ids: set[int]) -> Any:
     comp = run.compiles
     if not len(comp):
         return None

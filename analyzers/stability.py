@@ -367,7 +367,7 @@ LINE_PERIOD_MAX = periods.LINE_PERIOD_MAX
 LINE_MIN_EXCESS_SHARE = periods.LINE_MIN_EXCESS_SHARE
 
 
-def line_periods(led: pd.DataFrame, step_s: Any) -> Any:
+def line_periods(led: pd.DataFrame, step_s: float) -> Any:
     """[{line, label, period, residue, steps, excess_s, slow_s, other_s}] of the ledger lines
     (one rank's steady rows) whose value depends on the step number modulo a period: each line
     is compared across steps on its own, so +50 % on odd steps - which never makes a step 2x the

@@ -215,8 +215,8 @@ def _run_queue_excess(run: RunRecord, rank: str, slow_rows: pd.DataFrame, normal
 
 
 def _io_from_ledger(
-    run: RunRecord, rank: str, steady: pd.DataFrame, causes: Any, lost: Any, share: Any
-) -> Any:
+    run: RunRecord, rank: str, steady: pd.DataFrame, causes: dict[str, Any], lost: float, share: float
+) -> tuple[float, float]:
     """With a timed write behind the slow steps, what removing it saves is the ledger's
     checkpoint/io seconds per steady step (exact, and unchanged by a busy machine); otherwise
     the slow steps' excess over the others stands."""

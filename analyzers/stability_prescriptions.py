@@ -18,7 +18,9 @@ if TYPE_CHECKING:  # annotations only
 LESS_OFTEN = 10  # a periodic cost made this many times rarer (fixplan's flag arms too)
 
 
-def _periodic_prescriptions(run: RunRecord, causes: Any, lost: Any, period: Any) -> Any:
+def _periodic_prescriptions(
+    run: RunRecord, causes: dict[str, Any], lost: float | None, period: int | None
+) -> Any:
     text = " ".join(c["text"] for c in causes.get("log_lines_in_slow_steps", [])).lower()
     out = []
     io = causes.get("io_in_slow_steps")
