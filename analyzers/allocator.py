@@ -12,7 +12,7 @@ those calls overlaps kernels queued before them).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 
@@ -44,17 +44,17 @@ MALLOC_CALLS = (
 )
 
 
-def _alloc_conf(run):
+def _alloc_conf(run: RunRecord) -> Any:
     env = run.manifest.get("env") or {}
     return env.get("PYTORCH_CUDA_ALLOC_CONF") or env.get("PYTORCH_ALLOC_CONF") or ""
 
 
-def _with_expandable(current):
+def _with_expandable(current: Any) -> Any:
     parts = [p for p in current.split(",") if p and not p.startswith("expandable_segments")]
     return ",".join(parts + [EXPANDABLE])
 
 
-def _empty_cache_sites(run, rank, steady_ids):
+def _empty_cache_sites(run: RunRecord, rank: str, steady_ids: set[int]) -> Any:
     calls = ev.events_of_type(run, "empty_cache")
     if not len(calls):
         return []
@@ -79,7 +79,7 @@ def _empty_cache_sites(run, rank, steady_ids):
     return sorted(sites.values(), key=lambda e: -e["calls"])
 
 
-def _malloc_seconds_per_step(run, rank):
+def _malloc_seconds_per_step(run: RunRecord, rank: str) -> Any:
     """Seconds per profiled step the CPU spent in cudaMalloc/cudaFree (a retry frees the whole
     cache and mallocs again; cudaFree synchronizes the device), or None without a GPU trace."""
     trace = run.torch_trace
@@ -94,7 +94,7 @@ def _malloc_seconds_per_step(run, rank):
     return float(calls["dur_s"].sum()) / len(steps)
 
 
-def _idle_in_malloc_per_step(run, rank):
+def _idle_in_malloc_per_step(run: RunRecord, rank: str) -> Any:
     """Seconds per profiled step the GPU idles while the host is inside an allocator call, or
     None without a GPU trace."""
     from traindx.analyzers.gpu_window import ALLOCATOR_CALLS, idle_in_calls_per_step
@@ -105,26 +105,12 @@ def _idle_in_malloc_per_step(run, rank):
     return idle_in_calls_per_step(run, rank, trace[(trace["rank"] == rank).to_numpy()], ALLOCATOR_CALLS)
 
 
-def _analyze_rank(run, rank, rows):
-    """rows: this rank's alloc events."""
-    steady = ev.steady_steps(run, rank)
-    steady_ids = {int(s) for s in steady["step"]}
-    rows = rows.sort_values("step")
-    if not len(rows) or "num_alloc_retries" not in rows:
-        return []
-    retries = pd.to_numeric(rows["num_alloc_retries"], errors="coerce").fillna(0)
-    grew = rows.assign(new_retries=retries.diff().fillna(retries.iloc[0]))
-    in_window = grew[grew["step"].isin(steady_ids)]
-    new_retries = int(in_window["new_retries"].sum())
-    empty_cache = _empty_cache_sites(run, rank, steady_ids)
-    empties_in_steps = sum(s["in_steady_steps"] for s in empty_cache)
-    if new_retries <= 0 and not empties_in_steps:
-        return []
-    # cost: how much slower the steps with a retry are than the steps without
-    hit_ids = {int(s) for s in in_window[in_window["new_retries"] > 0]["step"]}
-    durations = steady.set_index("step")["duration_s"]
-    with_retry = durations[durations.index.isin(hit_ids)]
-    without = durations[~durations.index.isin(hit_ids)]
+def _retry_cost(
+    run: RunRecord, rank: str, with_retry: pd.Series, without: pd.Series, durations: pd.Series
+) -> tuple[float | None, str | None, float | None, float | None]:
+    """(seconds lost per step, how it was measured, cudaMalloc/cudaFree seconds per step, the
+    GPU's idle in them per step): from the torch.profiler window where it has the calls, else
+    the steps with a retry against those without."""
     lost, cost_method = None, None
     malloc = _malloc_seconds_per_step(run, rank)
     idle = _idle_in_malloc_per_step(run, rank)
@@ -143,34 +129,16 @@ def _analyze_rank(run, rank, rows):
     elif len(with_retry) and len(without):
         lost = max(0.0, float(with_retry.median() - without.median())) * len(with_retry) / len(durations)
         cost_method = "median step with a retry minus without, times the share of such steps"
-    mean_step = float(durations.mean()) if len(durations) else None
-    share = lost / mean_step if lost is not None and mean_step else None
-    last = rows.iloc[-1]
-    reserved = float(last.get("reserved_bytes_all_current") or 0)
-    allocated = float(last.get("allocated_bytes_all_current") or 0)
-    inactive = float(last.get("inactive_split_bytes_all_current") or 0)
-    evidence = {
-        "rank": rank,
-        "alloc_retries_in_steady_steps": new_retries,
-        "steps_with_retries": sorted(hit_ids),
-        "num_ooms": int(pd.to_numeric(rows["num_ooms"], errors="coerce").fillna(0).max())
-        if "num_ooms" in rows
-        else None,
-        "reserved_gib": round(reserved / 2**30, 2),
-        "allocated_gib": round(allocated / 2**30, 2),
-        "inactive_split_gib": round(inactive / 2**30, 2),
-        "fragmentation": round(1 - allocated / reserved, 3) if reserved else None,
-        "median_step_with_retry_s": round(float(with_retry.median()), 4) if len(with_retry) else None,
-        "median_step_without_s": round(float(without.median()), 4) if len(without) else None,
-        "empty_cache_calls": empty_cache[:5],
-        "PYTORCH_CUDA_ALLOC_CONF": _alloc_conf(run) or None,
-        "cost_method": cost_method,
-        "malloc_free_s_per_step": None if malloc is None else round(malloc, 6),
-        "gpu_idle_in_malloc_free_s_per_step": None if idle is None else round(idle, 6),
-    }
-    severity = ev.severity_for_share(share) if share is not None else "low"
-    if new_retries and severity == "info":
-        severity = "low"  # every retry is a device-wide sync: worth fixing even when cheap here
+    return lost, cost_method, malloc, idle
+
+
+def _alloc_prescriptions(
+    run: RunRecord,
+    empty_cache: list[dict[str, Any]],
+    empties_in_steps: int,
+    new_retries: int,
+    lost: float | None,
+) -> list[Prescription]:
     prescriptions = []
     # the empty_cache() line first: it is the cause when it runs inside the steps (the
     # allocator setting only softens what it does); each removal is measured by --fix
@@ -209,6 +177,59 @@ def _analyze_rank(run, rank, rows):
                 automatic=True,
             )
         )
+    return prescriptions
+
+
+def _analyze_rank(run: RunRecord, rank: str, rows: pd.DataFrame) -> list[Finding]:
+    """rows: this rank's alloc events."""
+    steady = ev.steady_steps(run, rank)
+    steady_ids = {int(s) for s in steady["step"]}
+    rows = rows.sort_values("step")
+    if not len(rows) or "num_alloc_retries" not in rows:
+        return []
+    retries = pd.to_numeric(rows["num_alloc_retries"], errors="coerce").fillna(0)
+    grew = rows.assign(new_retries=retries.diff().fillna(retries.iloc[0]))
+    in_window = grew[grew["step"].isin(steady_ids)]
+    new_retries = int(in_window["new_retries"].sum())
+    empty_cache = _empty_cache_sites(run, rank, steady_ids)
+    empties_in_steps = sum(s["in_steady_steps"] for s in empty_cache)
+    if new_retries <= 0 and not empties_in_steps:
+        return []
+    # cost: how much slower the steps with a retry are than the steps without
+    hit_ids = {int(s) for s in in_window[in_window["new_retries"] > 0]["step"]}
+    durations = steady.set_index("step")["duration_s"]
+    with_retry = durations[durations.index.isin(hit_ids)]
+    without = durations[~durations.index.isin(hit_ids)]
+    lost, cost_method, malloc, idle = _retry_cost(run, rank, with_retry, without, durations)
+    mean_step = float(durations.mean()) if len(durations) else None
+    share = lost / mean_step if lost is not None and mean_step else None
+    last = rows.iloc[-1]
+    reserved = float(last.get("reserved_bytes_all_current") or 0)
+    allocated = float(last.get("allocated_bytes_all_current") or 0)
+    inactive = float(last.get("inactive_split_bytes_all_current") or 0)
+    evidence = {
+        "rank": rank,
+        "alloc_retries_in_steady_steps": new_retries,
+        "steps_with_retries": sorted(hit_ids),
+        "num_ooms": int(pd.to_numeric(rows["num_ooms"], errors="coerce").fillna(0).max())
+        if "num_ooms" in rows
+        else None,
+        "reserved_gib": round(reserved / 2**30, 2),
+        "allocated_gib": round(allocated / 2**30, 2),
+        "inactive_split_gib": round(inactive / 2**30, 2),
+        "fragmentation": round(1 - allocated / reserved, 3) if reserved else None,
+        "median_step_with_retry_s": round(float(with_retry.median()), 4) if len(with_retry) else None,
+        "median_step_without_s": round(float(without.median()), 4) if len(without) else None,
+        "empty_cache_calls": empty_cache[:5],
+        "PYTORCH_CUDA_ALLOC_CONF": _alloc_conf(run) or None,
+        "cost_method": cost_method,
+        "malloc_free_s_per_step": None if malloc is None else round(malloc, 6),
+        "gpu_idle_in_malloc_free_s_per_step": None if idle is None else round(idle, 6),
+    }
+    severity = ev.severity_for_share(share) if share is not None else "low"
+    if new_retries and severity == "info":
+        severity = "low"  # every retry is a device-wide sync: worth fixing even when cheap here
+    prescriptions = _alloc_prescriptions(run, empty_cache, empties_in_steps, new_retries, lost)
     what = []
     if new_retries:
         what.append(f"{new_retries} allocator retries in {len(hit_ids)} steady steps")

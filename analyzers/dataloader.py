@@ -10,7 +10,7 @@ terms of the framework that drives the run (analyzers/frameworks.py).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from traindx.analyzers import codefix, frameworks, threads
 from traindx.analyzers import evidence as ev
@@ -19,7 +19,10 @@ from traindx.analyzers.findings import Finding, Prescription
 from traindx.derive import ledger
 
 if TYPE_CHECKING:  # annotations only
+    from collections.abc import Sequence
+
     from traindx.derive.run import RunRecord
+    from traindx.profiler.speedscope import Frame
 
 DECLARATION = Declaration(
     name="dataloader",
@@ -40,11 +43,11 @@ DATALOADER_FILE = "torch/utils/data/dataloader.py"
 TRACE_PREFIX = "enumerate(DataLoader)#"
 
 
-def _in_next(stack):
+def _in_next(stack: Sequence[Frame]) -> Any:
     return any(f.file.endswith(DATALOADER_FILE) and f.name.endswith("__next__") for f in stack)
 
 
-def _hottest_inside_next(samples, limit=5):
+def _hottest_inside_next(samples: Any, limit: Any = 5) -> Any:
     """[(Frame, seconds)] of the job's outermost function called from DataLoader.__next__ (its
     collate_fn or its Dataset.__getitem__), hottest first."""
     counts, line_of = {}, {}
@@ -67,7 +70,7 @@ def _hottest_inside_next(samples, limit=5):
     return [(line_of[key], seconds) for key, seconds in ranked]
 
 
-def _from_pyspy(run, rank):
+def _from_pyspy(run: RunRecord, rank: str) -> Any:
     recording_all = run.pyspy.get((rank, "all"))
     if not recording_all:
         return None
@@ -91,7 +94,7 @@ def _from_pyspy(run, rank):
     }
 
 
-def _from_ledger(run, rank):
+def _from_ledger(run: RunRecord, rank: str) -> Any:
     """The measured wait: the shim times every DataLoader iterator __next__ on the training
     thread (the `data` line of the time ledger), over the steady steps. Unlike py-spy's sample
     counts it does not shrink when py-spy is starved of CPU; py-spy still names the code."""
@@ -124,7 +127,7 @@ def _from_ledger(run, rank):
     return out
 
 
-def _judged_share(run, rank, measured):
+def _judged_share(run: RunRecord, rank: str, measured: Any) -> Any:
     """(the share the finding is judged by, why): the measured share; on a loaded machine
     (threads.machine_loaded) the wait every step has (its lower quartile) or the loading work
     itself (the CPU inside __next__), whichever is larger. There a wait that comes and goes is
@@ -147,7 +150,7 @@ def _judged_share(run, rank, measured):
     }
 
 
-def _from_trace(run, rank):
+def _from_trace(run: RunRecord, rank: str) -> Any:
     trace = run.torch_trace
     if not len(trace):
         return None
@@ -192,7 +195,7 @@ def _from_trace(run, rank):
     }
 
 
-def _pick_loader(run, rank):
+def _pick_loader(run: RunRecord, rank: str) -> Any:
     loaders = ev.events_of_type(run, "dataloader")
     if not len(loaders):
         return None
@@ -204,7 +207,7 @@ def _pick_loader(run, rank):
     return {k: frameworks.plain(v) for k, v in row.to_dict().items()}
 
 
-def _worker_settings(run, loader):
+def _worker_settings(run: RunRecord, loader: Any) -> Any:
     """num_workers (and friends) worth trying: a core per worker, leaving one to the rank."""
     cpus = (run.manifest.get("host") or {}).get("cpus") or 4
     ranks = max(1, len([r for r in run.ranks if r in set(run.steps["rank"])]))
@@ -218,7 +221,7 @@ def _worker_settings(run, loader):
     return settings
 
 
-def _site_change(site, name, settings):
+def _site_change(site: Any, name: Any, settings: Any) -> Any:
     """The code change that sets `settings` (source texts) on the call of `name` at the job's
     own construction line, or None when it is not a real, applicable edit."""
     where = frameworks.user_site(site)
@@ -230,11 +233,14 @@ def _site_change(site, name, settings):
     if before and not where.get("call_source"):
         before = before.strip()
     after = codefix.set_keywords(before, settings) if before and name in before else None
-    change = codefix.code_change(where.get("file"), first, before, after, last_line=last)
+    file = where.get("file")
+    if not file or not isinstance(first, int) or not isinstance(before, str) or after is None:
+        return None  # (code_change's own refusals, said before the call)
+    change = codefix.code_change(file, first, before, after, last_line=last)
     return dict(change, op="replace") if change else None
 
 
-def _where(site):
+def _where(site: Any) -> str:
     where = frameworks.user_site(site)
     if not where:
         return ""
@@ -242,7 +248,7 @@ def _where(site):
     return f" at {where['file']}:{first}"
 
 
-def _steps_served(run, rank):
+def _steps_served(run: RunRecord, rank: str | None) -> Any:
     """{site id: distinct steps in which that loader's __next__ delivered a batch} (the shim's
     data_use events): the loader the training loop iterates has the most."""
     uses = ev.events_of_type(run, "data_use")
@@ -253,7 +259,7 @@ def _steps_served(run, rank):
     return {int(k): int(v) for k, v in uses.groupby("site_id")["steps"].max().items()}
 
 
-def _starving_site(sites, kind, served=None):
+def _starving_site(sites: Any, kind: str, served: Any = None) -> Any:
     """The job's own construction to change: the loader the steps iterate (data_use), else one
     built directly in its code (not re-wrapped by a framework's prepare()), the last one with
     num_workers=0 first."""
@@ -269,7 +275,13 @@ def _starving_site(sites, kind, served=None):
     return (starving or direct or [None])[-1]
 
 
-def _prescriptions(run, loader, lost, hot_function, rank=None):
+def _prescriptions(
+    run: RunRecord,
+    loader: dict[str, Any] | None,
+    lost: float | None,
+    hot_function: str | None,
+    rank: str | None = None,
+) -> list[Prescription]:
     """Best first: the DataLoader knob the user owns in the framework that drives the run."""
     framework = frameworks.knob_owner(run)
     settings = _worker_settings(run, loader)
@@ -278,87 +290,123 @@ def _prescriptions(run, loader, lost, hot_function, rank=None):
     setting_text = ", ".join(f"{k}={v}" for k, v in named.items())
     sites = frameworks.data_sites(run, rank)
     served = _steps_served(run, rank)
-    out = []
+    out: list[Prescription] = []
     if knob == "TrainingArguments":
-        site = _starving_site(sites, "TrainingArguments", served)
-        change = _site_change(site, "TrainingArguments", {k: repr(v) for k, v in named.items()})
-        command = [str(t) for t in run.command]
-        if any(
-            t.startswith("--per_device_train_batch_size")
-            or t.startswith("--output_dir")
-            or t.startswith("--dataloader_num_workers")
-            for t in command
-        ):
-            # the script takes TrainingArguments from its command line (HfArgumentParser)
-            out.append(
-                Prescription(
-                    kind="arg",
-                    summary=f"load batches in worker processes: --dataloader_num_workers "
-                    f"{settings['num_workers']} (TrainingArguments)",
-                    change={
-                        "arg": {
-                            "framework": "hf",
-                            "set": {"--dataloader_num_workers": str(settings["num_workers"])},
-                        }
-                    },
-                    expected_gain_s_per_step=lost,
-                    automatic=True,
-                )
-            )
-        out.append(
-            Prescription(
-                kind="code",
-                summary=f"load batches in worker processes: TrainingArguments({setting_text}){_where(site)}",
-                change={"code": change} if change else {},
-                expected_gain_s_per_step=lost,
-                automatic=bool(change),
-            )
-        )
+        out.extend(_trainer_fixes(run, sites, served, settings, named, setting_text, lost))
     elif knob == "torchtitan config":
+        out.append(_torchtitan_fix(names, settings, setting_text, lost))
+    elif knob == "Megatron flag":
+        out.append(_megatron_fix(settings, lost))
+    else:
+        out.append(_dataloader_fix(loader, sites, served, named, setting_text, lost))
+    out.extend(_hot_function_fixes(hot_function, lost))
+    return out
+
+
+def _trainer_fixes(
+    run: RunRecord,
+    sites: list[dict[str, Any]],
+    served: Any,
+    settings: dict[str, Any],
+    named: dict[str, Any],
+    setting_text: str,
+    lost: float | None,
+) -> list[Prescription]:
+    """The HF Trainer's dataloader_num_workers: on the command line when the script parses
+    TrainingArguments from it, and at the job's TrainingArguments(...) call."""
+    out = []
+    site = _starving_site(sites, "TrainingArguments", served)
+    change = _site_change(site, "TrainingArguments", {k: repr(v) for k, v in named.items()})
+    command = [str(t) for t in run.command]
+    if any(
+        t.startswith("--per_device_train_batch_size")
+        or t.startswith("--output_dir")
+        or t.startswith("--dataloader_num_workers")
+        for t in command
+    ):
+        # the script takes TrainingArguments from its command line (HfArgumentParser)
         out.append(
             Prescription(
                 kind="arg",
-                summary=f"load batches in worker processes: set {setting_text} in the "
-                "job's torchtitan config (TOML or --key=value overrides)",
+                summary=f"load batches in worker processes: --dataloader_num_workers "
+                f"{settings['num_workers']} (TrainingArguments)",
                 change={
                     "arg": {
-                        "framework": "torchtitan",
-                        "set": {f"--{names['num_workers']}": str(settings["num_workers"])},
+                        "framework": "hf",
+                        "set": {"--dataloader_num_workers": str(settings["num_workers"])},
                     }
-                },
-                expected_gain_s_per_step=lost,
-                automatic=False,
-            )
-        )
-    elif knob == "Megatron flag":
-        out.append(
-            Prescription(
-                kind="arg",
-                summary=f"load batches in more worker processes: --num-workers {settings['num_workers']}",
-                change={
-                    "arg": {"framework": "megatron", "set": {"--num-workers": str(settings["num_workers"])}}
                 },
                 expected_gain_s_per_step=lost,
                 automatic=True,
             )
         )
-    else:
-        site = _starving_site(sites, "DataLoader", served)
-        change = _site_change(site, "DataLoader", {k: repr(v) for k, v in named.items()})
-        if site is None and loader and not ev.is_library_path(str((loader.get("caller") or {}).get("file"))):
-            # no data_site event (an older shim): the torchcalls event's line, when it is the job's
-            legacy = {"site": {**(loader.get("caller") or {}), "source": loader.get("source")}}
-            change = _site_change(legacy, "DataLoader", {k: repr(v) for k, v in named.items()})
-            site = legacy
-        out.append(
-            Prescription(
-                kind="code",
-                summary=f"load batches in worker processes: DataLoader({setting_text}){_where(site)}",
-                change={"code": change} if change else {},
-                expected_gain_s_per_step=lost,
-                automatic=bool(change),
-            )
+    out.append(
+        Prescription(
+            kind="code",
+            summary=f"load batches in worker processes: TrainingArguments({setting_text}){_where(site)}",
+            change={"code": change} if change else {},
+            expected_gain_s_per_step=lost,
+            automatic=bool(change),
         )
+    )
+    return out
+
+
+def _torchtitan_fix(
+    names: dict[str, str], settings: dict[str, Any], setting_text: str, lost: float | None
+) -> Prescription:
+    return Prescription(
+        kind="arg",
+        summary=f"load batches in worker processes: set {setting_text} in the "
+        "job's torchtitan config (TOML or --key=value overrides)",
+        change={
+            "arg": {
+                "framework": "torchtitan",
+                "set": {f"--{names['num_workers']}": str(settings["num_workers"])},
+            }
+        },
+        expected_gain_s_per_step=lost,
+        automatic=False,
+    )
+
+
+def _megatron_fix(settings: dict[str, Any], lost: float | None) -> Prescription:
+    return Prescription(
+        kind="arg",
+        summary=f"load batches in more worker processes: --num-workers {settings['num_workers']}",
+        change={"arg": {"framework": "megatron", "set": {"--num-workers": str(settings["num_workers"])}}},
+        expected_gain_s_per_step=lost,
+        automatic=True,
+    )
+
+
+def _dataloader_fix(
+    loader: dict[str, Any] | None,
+    sites: list[dict[str, Any]],
+    served: Any,
+    named: dict[str, Any],
+    setting_text: str,
+    lost: float | None,
+) -> Prescription:
+    """DataLoader(num_workers=...) at the job's construction line."""
+    site = _starving_site(sites, "DataLoader", served)
+    change = _site_change(site, "DataLoader", {k: repr(v) for k, v in named.items()})
+    if site is None and loader and not ev.is_library_path(str((loader.get("caller") or {}).get("file"))):
+        # no data_site event (an older shim): the torchcalls event's line, when it is the job's
+        legacy = {"site": {**(loader.get("caller") or {}), "source": loader.get("source")}}
+        change = _site_change(legacy, "DataLoader", {k: repr(v) for k, v in named.items()})
+        site = legacy
+    return Prescription(
+        kind="code",
+        summary=f"load batches in worker processes: DataLoader({setting_text}){_where(site)}",
+        change={"code": change} if change else {},
+        expected_gain_s_per_step=lost,
+        automatic=bool(change),
+    )
+
+
+def _hot_function_fixes(hot_function: str | None, lost: float | None) -> list[Prescription]:
+    out = []
     if hot_function and "__getitem__" in hot_function:
         out.append(
             Prescription(

@@ -10,25 +10,21 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 # the steady window is derived (traindx.derive.steady); the analyzers read it as ev.*
-from traindx.derive.steady import (  # noqa: F401
-    events_of_type,
-    median_step_s,
-    profiled_steps,
-    steady_steps,
-    step_of,  # noqa: F401
-    steps_seconds,
-    trace_steps,
-    warmup_count,  # noqa: F401
-)
+from traindx.derive.steady import events_of_type as events_of_type
+from traindx.derive.steady import median_step_s as median_step_s
+from traindx.derive.steady import profiled_steps as profiled_steps
+from traindx.derive.steady import steady_steps as steady_steps
+from traindx.derive.steady import step_of as step_of
+from traindx.derive.steady import steps_seconds as steps_seconds
+from traindx.derive.steady import trace_steps as trace_steps
+from traindx.derive.steady import warmup_count as warmup_count
 from traindx.profiler import speedscope
 
 # library or the job's own code: one rule set, shared with the shim and the report
-from traindx.profiler.shim._traindx_shim.frames import (  # noqa: F401
-    KNOWN_LIBRARIES,
-    LOW_LEVEL_PACKAGES,
-    is_library_path,
-    is_library_trace_file,
-)
+from traindx.profiler.shim._traindx_shim.frames import KNOWN_LIBRARIES as KNOWN_LIBRARIES
+from traindx.profiler.shim._traindx_shim.frames import LOW_LEVEL_PACKAGES as LOW_LEVEL_PACKAGES
+from traindx.profiler.shim._traindx_shim.frames import is_library_path as is_library_path
+from traindx.profiler.shim._traindx_shim.frames import is_library_trace_file as is_library_trace_file
 
 # folders no job's own source lives in (walked for the job's files by analyzers and the fix planner)
 SKIP_DIRS = {
@@ -117,7 +113,7 @@ def thread_key(name: str) -> tuple[str, str]:
     return speedscope.parse_thread_label(name) or (name, name)
 
 
-def _name_from_root_frames(samples):
+def _name_from_root_frames(samples: Any) -> Any:
     """py-spy 0.4 sometimes leaves 'thread (718): MainThread' as a root frame of the samples."""
     for stack in samples.stacks[:50]:
         for frame in stack[:2]:
@@ -263,7 +259,9 @@ def job_scripts(run: RunRecord) -> list[str]:
     return out
 
 
-def step_runq_s(run: RunRecord, rank: Sequence, step: Sequence, end_s: Sequence, duration_s: Sequence) -> Any:
+def step_runq_s(
+    run: RunRecord, rank: Sequence[Any], step: Sequence[Any], end_s: Sequence[Any], duration_s: Sequence[Any]
+) -> Any:
     """Per step (parallel arrays, one rank's steps in order within each rank) the training
     thread's run-queue wait inside the step: the shim's `cpu` event of that step
     (thread_runq_s) covers one step end to the next, gaps between steps included, so the step's
@@ -323,7 +321,9 @@ def gc_core_waits(run: RunRecord) -> Any:
     )
 
 
-def waits_inside(waits: pd.DataFrame, rank: Sequence, start_ns: Sequence, end_ns: Sequence) -> Any:
+def waits_inside(
+    waits: pd.DataFrame, rank: Sequence[Any], start_ns: Sequence[Any], end_ns: Sequence[Any]
+) -> Any:
     """Seconds of gc_core_waits inside each (rank, start_ns, end_ns) window, a pause cut by a
     window's edge counted by its overlap (its wait taken as spread evenly over it)."""
     import numpy as np
@@ -340,7 +340,7 @@ def waits_inside(waits: pd.DataFrame, rank: Sequence, start_ns: Sequence, end_ns
     return out
 
 
-def ledger_step_runq_s(run: RunRecord, rank: str, steps: Sequence) -> Any:
+def ledger_step_runq_s(run: RunRecord, rank: str, steps: Sequence[Any]) -> Any:
     """step_runq_s of the given steps of one rank's ledger rows (its gaps measured over all of
     them, start-up row included), or None where the run has no such record or one of the
     steps lacks it."""

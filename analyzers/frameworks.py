@@ -125,7 +125,7 @@ def detect(run: RunRecord) -> dict[str, Any]:
     framework shows. Strong: the framework's code in the record, or the command runs it."""
     votes, weak = {}, {}
 
-    def vote(name, why, strong=True):
+    def vote(name: Any, why: Any, strong: Any = True) -> None:
         (votes if strong else weak).setdefault(name, []).append(why)
 
     for site in data_sites(run):
@@ -182,7 +182,9 @@ def knob_owner(run: RunRecord) -> str:
 
 def user_site(site: Mapping[str, Any] | None) -> dict[str, Any] | None:
     """The construction's site when it is the job's own code (never a file under site-packages)."""
-    where = (site or {}).get("site") if isinstance((site or {}).get("site"), dict) else None
+    where: dict[str, Any] | None = (
+        (site or {}).get("site") if isinstance((site or {}).get("site"), dict) else None
+    )
     if not where or not where.get("file") or ev.is_library_path(where["file"]):
         return None
     return where

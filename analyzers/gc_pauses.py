@@ -8,9 +8,10 @@ collections per step (count, total and longest pause per generation).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import pandas as pd
 
 from traindx.analyzers import codefix
 from traindx.analyzers import evidence as ev
@@ -44,7 +45,7 @@ MIN_SHARE = 0.03
 FREEZE = "import gc; gc.collect(); gc.freeze()  # set-up done: its objects leave the collector's view"
 
 
-def _code_prescriptions(run, lost, collections_per_step):
+def _code_prescriptions(run: RunRecord, lost: float, collections_per_step: Any) -> Any:
     """Concrete edits of the job's own script: a `gc.collect()` called in its loop removed (when
     about one full collection per step shows it is the cause), and `gc.freeze()` inserted where
     set-up ends (before the training loop)."""
@@ -81,7 +82,7 @@ def _code_prescriptions(run, lost, collections_per_step):
     return out
 
 
-def _from_ledger(run, rank, lost, share):
+def _from_ledger(run: RunRecord, rank: str, lost: float | None, share: float | None) -> Any:
     """(seconds per steady step, share) of GC from the time ledger: the shim's long GC pauses
     as intervals, each counted once even inside a data wait or a backward. Without the shim's
     spans (older runs), the per-step aggregates above stand."""
@@ -104,7 +105,7 @@ def _from_ledger(run, rank, lost, share):
 
 
 def analyze(run: RunRecord) -> list[Finding]:
-    findings = []
+    findings: list[Finding] = []
     gc = run.gc
     if not len(gc) or "generation" not in gc:
         return findings
@@ -113,100 +114,109 @@ def analyze(run: RunRecord) -> list[Finding]:
         steady = ev.steady_steps(run, rank)
         if not len(steady) or rank not in by_rank:
             continue
-        steady_ids = {int(s) for s in steady["step"]}
-        events = by_rank[rank]
-        events = events[events["step"].isin(steady_ids)]
-        full = events[events["generation"] == 2]
-        if not len(full):
-            continue
-        n_steps = len(steady)
-        step_s = float(steady["duration_s"].median())
-        mean_step_s = float(steady["duration_s"].mean())
-        lost = float(full["total_s"].sum()) / n_steps
-        share = lost / mean_step_s if mean_step_s else 0.0
-        lost, share = _from_ledger(run, rank, lost, share)
-        if share < MIN_SHARE:
-            continue
-        steps_hit = sorted(int(s) for s in full["step"])
-        by_generation = {
-            int(g): {
-                "collections": int(rows["count"].sum()),
-                "total_s": round(float(rows["total_s"].sum()), 4),
-                "longest_s": round(float(rows["max_s"].max()), 4),
-            }
-            for g, rows in events.groupby("generation")
-        }
-        # how much slower the steps with a full collection are than the others
-        hit = steady[steady["step"].isin(steps_hit)]["duration_s"]
-        clean = steady[~steady["step"].isin(steps_hit)]["duration_s"]
-        evidence = {
-            "rank": rank,
-            "steady_steps": n_steps,
-            "steps_with_gen2": steps_hit,
-            "gen2_collections": int(full["count"].sum()),
-            "gen2_seconds": round(float(full["total_s"].sum()), 4),
-            "longest_gen2_pause_s": round(float(full["max_s"].max()), 4),
-            "by_generation": by_generation,
-            "median_step_with_gen2_s": round(float(hit.median()), 4) if len(hit) else None,
-            "median_step_without_s": round(float(clean.median()), 4) if len(clean) else None,
-        }
-        prescriptions = []
-        if runs_megatron(run.command):
-            prescriptions.append(
-                Prescription(
-                    kind="arg",
-                    summary="Megatron: --manual-gc --manual-gc-interval 100 (collect on all ranks "
-                    "together, every 100 steps, instead of inside random steps)",
-                    change={
-                        "arg": {
-                            "framework": "megatron",
-                            "set": {"--manual-gc": True, "--manual-gc-interval": "100"},
-                        }
-                    },
-                    expected_gain_s_per_step=lost,
-                    automatic=True,
-                )
-            )
-        prescriptions.extend(_code_prescriptions(run, lost, evidence["gen2_collections"] / max(n_steps, 1)))
-        prescriptions.append(
-            Prescription(
-                kind="code",
-                summary="call gc.collect(); gc.freeze() once after the model, data and caches are "
-                "built (before the training loop): the long-lived graph leaves the "
-                "collector's view and a full collection walks only new objects",
-                command="gc.collect(); gc.freeze()  # once, after set-up, before the training loop",
-                expected_gain_s_per_step=lost,
-            )
-        )
-        prescriptions.append(
-            Prescription(
-                kind="code",
-                summary="or collect between steps: gc.disable() after setup and gc.collect() every N "
-                "steps at the step end; or raise the gen-2 threshold "
-                "(gc.set_threshold(700, 10, 1000))",
-                command="gc.disable()  # after set-up; then at a step end: if step % 100 == 0: gc.collect()",
-                expected_gain_s_per_step=lost,
-            )
-        )
-        findings.append(
-            Finding(
-                id="gc.gen2_in_step",
-                title=f"Full garbage collections inside steps cost {lost * 1000:.0f} ms per step "
-                f"on rank {rank}",
-                severity=ev.severity_for_share(share),
-                analyzer="gc_pauses",
-                summary=(
-                    f"{evidence['gen2_collections']} generation-2 collections in "
-                    f"{len(steps_hit)} of {n_steps} steady steps, {evidence['gen2_seconds']:.2f} s "
-                    f"in all (longest {evidence['longest_gen2_pause_s'] * 1000:.0f} ms); median "
-                    f"step {step_s * 1000:.0f} ms."
-                ),
-                steps_affected=tuple(steps_hit),
-                seconds_lost_per_step=lost,
-                share_of_step=share,
-                evidence=evidence,
-                prescriptions=tuple(prescriptions),
-                ranks=(rank,),
-            )
-        )
+        found = _rank_finding(run, rank, steady, by_rank[rank])
+        if found is not None:
+            findings.append(found)
     return findings
+
+
+def _rank_finding(run: RunRecord, rank: str, steady: pd.DataFrame, events: pd.DataFrame) -> Finding | None:
+    """Full (generation-2) collections inside one rank's steady steps, or None below MIN_SHARE."""
+    steady_ids = {int(s) for s in steady["step"]}
+    events = events[events["step"].isin(steady_ids)]
+    full = events[events["generation"] == 2]
+    if not len(full):
+        return None
+    n_steps = len(steady)
+    step_s = float(steady["duration_s"].median())
+    mean_step_s = float(steady["duration_s"].mean())
+    lost = float(full["total_s"].sum()) / n_steps
+    share = lost / mean_step_s if mean_step_s else 0.0
+    lost, share = _from_ledger(run, rank, lost, share)
+    if share < MIN_SHARE:
+        return None
+    steps_hit = sorted(int(s) for s in full["step"])
+    by_generation = {
+        int(g): {
+            "collections": int(rows["count"].sum()),
+            "total_s": round(float(rows["total_s"].sum()), 4),
+            "longest_s": round(float(rows["max_s"].max()), 4),
+        }
+        for g, rows in events.groupby("generation")
+    }
+    # how much slower the steps with a full collection are than the others
+    hit = steady[steady["step"].isin(steps_hit)]["duration_s"]
+    clean = steady[~steady["step"].isin(steps_hit)]["duration_s"]
+    evidence: dict[str, Any] = {
+        "rank": rank,
+        "steady_steps": n_steps,
+        "steps_with_gen2": steps_hit,
+        "gen2_collections": int(full["count"].sum()),
+        "gen2_seconds": round(float(full["total_s"].sum()), 4),
+        "longest_gen2_pause_s": round(float(full["max_s"].max()), 4),
+        "by_generation": by_generation,
+        "median_step_with_gen2_s": round(float(hit.median()), 4) if len(hit) else None,
+        "median_step_without_s": round(float(clean.median()), 4) if len(clean) else None,
+    }
+    return Finding(
+        id="gc.gen2_in_step",
+        title=f"Full garbage collections inside steps cost {lost * 1000:.0f} ms per step on rank {rank}",
+        severity=ev.severity_for_share(share),
+        analyzer="gc_pauses",
+        summary=(
+            f"{evidence['gen2_collections']} generation-2 collections in "
+            f"{len(steps_hit)} of {n_steps} steady steps, {evidence['gen2_seconds']:.2f} s "
+            f"in all (longest {evidence['longest_gen2_pause_s'] * 1000:.0f} ms); median "
+            f"step {step_s * 1000:.0f} ms."
+        ),
+        steps_affected=tuple(steps_hit),
+        seconds_lost_per_step=lost,
+        share_of_step=share,
+        evidence=evidence,
+        prescriptions=_gc_prescriptions(run, lost, evidence["gen2_collections"] / max(n_steps, 1)),
+        ranks=(rank,),
+    )
+
+
+def _gc_prescriptions(run: RunRecord, lost: float, per_step: float) -> tuple[Prescription, ...]:
+    """Megatron's manual GC, the job's own gc lines, gc.freeze() after set-up, or collecting
+    between steps."""
+    prescriptions = []
+    if runs_megatron(run.command):
+        prescriptions.append(
+            Prescription(
+                kind="arg",
+                summary="Megatron: --manual-gc --manual-gc-interval 100 (collect on all ranks "
+                "together, every 100 steps, instead of inside random steps)",
+                change={
+                    "arg": {
+                        "framework": "megatron",
+                        "set": {"--manual-gc": True, "--manual-gc-interval": "100"},
+                    }
+                },
+                expected_gain_s_per_step=lost,
+                automatic=True,
+            )
+        )
+    prescriptions.extend(_code_prescriptions(run, lost, per_step))
+    prescriptions.append(
+        Prescription(
+            kind="code",
+            summary="call gc.collect(); gc.freeze() once after the model, data and caches are "
+            "built (before the training loop): the long-lived graph leaves the "
+            "collector's view and a full collection walks only new objects",
+            command="gc.collect(); gc.freeze()  # once, after set-up, before the training loop",
+            expected_gain_s_per_step=lost,
+        )
+    )
+    prescriptions.append(
+        Prescription(
+            kind="code",
+            summary="or collect between steps: gc.disable() after setup and gc.collect() every N "
+            "steps at the step end; or raise the gen-2 threshold "
+            "(gc.set_threshold(700, 10, 1000))",
+            command="gc.disable()  # after set-up; then at a step end: if step % 100 == 0: gc.collect()",
+            expected_gain_s_per_step=lost,
+        )
+    )
+    return tuple(prescriptions)

@@ -9,7 +9,7 @@ delivery) and cost time; the software power cap is what a GPU under full load no
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 
@@ -50,7 +50,9 @@ def steady_span(run: RunRecord) -> tuple[int, int] | None:
     return int(steady["start_ns"].min()), int(steady["end_ns"].max())
 
 
-def _reference_clock(run, index, busy, clean, throttled, clocks) -> tuple[float, str]:
+def _reference_clock(
+    run: RunRecord, index: Any, busy: Any, clean: Any, throttled: Any, clocks: Any
+) -> tuple[float, str]:
     """(the SM clock a throttled GPU is compared with, how it was chosen). The busy samples that
     ran neither throttled nor capped; else the unthrottled busy ones' high clocks; a GPU throttled
     in every busy sample has none of its own, so its maximum SM clock from the run's GPU inventory
@@ -97,74 +99,91 @@ def analyze(run: RunRecord) -> list[Finding]:
         }
         share_throttled = len(throttled) / len(busy)
         if share_throttled >= MIN_THROTTLED_SHARE:
-            f_thr = float(pd.to_numeric(throttled["sm_clock_mhz"], errors="coerce").median())
-            slow = max(0.0, 1 - f_thr / reference) if reference else 0.0
-            share = share_throttled * slow
-            bits = {
-                name: int(((throttled["clock_event_reasons"].astype("int64") & bit) != 0).sum())
-                for bit, name in SLOWDOWN_BITS.items()
-            }
-            bits = {k: v for k, v in bits.items() if v}
-            severity = ev.severity_for_share(share)
-            if severity == "info":
-                severity = "low"  # a thermal or hardware slowdown is a fault even when small
-            thermal = any("Thermal" in k for k in bits)
             findings.append(
-                Finding(
-                    id="gpu.throttle",
-                    title=f"GPU {int(index)} throttled ({', '.join(bits)}) in {share_throttled:.0%} of "
-                    "busy samples",
-                    severity=severity,
-                    analyzer="gpu_clocks",
-                    summary=(
-                        f"While busy, GPU {int(index)} ran at {f_thr:.0f} MHz when throttled "
-                        f"against {reference:.0f} MHz {against}; about {share:.0%} of the step "
-                        "time is lost if the work is compute-bound."
-                    ),
-                    seconds_lost_per_step=share * step_s if step_s else None,
-                    share_of_step=share,
-                    evidence={
-                        **base,
-                        "throttled_samples": len(throttled),
-                        "throttled_share": round(share_throttled, 3),
-                        "median_throttled_sm_clock_mhz": round(f_thr),
-                        "reasons": bits,
-                    },
-                    prescriptions=(
-                        Prescription(
-                            kind="system",
-                            summary=(
-                                "check the cooling of this GPU (nvidia-smi -q -d TEMPERATURE,PERFORMANCE); "
-                                "move the job off a node whose GPU runs hot"
-                                if thermal
-                                else "check the node's power delivery (HW slowdown / power brake: "
-                                "nvidia-smi -q -d PERFORMANCE); move the job to another node"
-                            ),
-                            command=f"nvidia-smi -i {int(index)} -q -d PERFORMANCE,TEMPERATURE,POWER",
-                        ),
-                    ),
-                )
+                _throttle_finding(int(index), throttled, share_throttled, reference, against, base, step_s)
             )
         share_capped = len(capped) / len(busy)
         if share_capped >= 0.5:
-            f_cap = float(pd.to_numeric(capped["sm_clock_mhz"], errors="coerce").median())
-            findings.append(
-                Finding(
-                    id="gpu.power_cap",
-                    title=f"GPU {int(index)} runs at its power cap in {share_capped:.0%} of busy samples",
-                    severity="info",
-                    analyzer="gpu_clocks",
-                    summary=(
-                        f"SM clock {f_cap:.0f} MHz at {base['median_power_w']} W: the GPU is "
-                        "power-limited, as a fully loaded GPU normally is. If the power limit was "
-                        "lowered on purpose (nvidia-smi -pl), raising it buys clock."
-                    ),
-                    evidence={
-                        **base,
-                        "capped_samples": len(capped),
-                        "capped_share": round(share_capped, 3),
-                        "median_capped_sm_clock_mhz": round(f_cap),
-                    },
-                )
-            )
+            findings.append(_power_cap_finding(int(index), capped, share_capped, base))
     return findings
+
+
+def _throttle_finding(
+    index: int,
+    throttled: pd.DataFrame,
+    share_throttled: float,
+    reference: float,
+    against: str,
+    base: dict[str, Any],
+    step_s: float | None,
+) -> Finding:
+    """A GPU slowed down (thermal, hardware, power brake) in a share of its busy samples."""
+    f_thr = float(pd.to_numeric(throttled["sm_clock_mhz"], errors="coerce").median())
+    slow = max(0.0, 1 - f_thr / reference) if reference else 0.0
+    share = share_throttled * slow
+    bits = {
+        name: int(((throttled["clock_event_reasons"].astype("int64") & bit) != 0).sum())
+        for bit, name in SLOWDOWN_BITS.items()
+    }
+    bits = {k: v for k, v in bits.items() if v}
+    severity = ev.severity_for_share(share)
+    if severity == "info":
+        severity = "low"  # a thermal or hardware slowdown is a fault even when small
+    thermal = any("Thermal" in k for k in bits)
+    return Finding(
+        id="gpu.throttle",
+        title=f"GPU {index} throttled ({', '.join(bits)}) in {share_throttled:.0%} of busy samples",
+        severity=severity,
+        analyzer="gpu_clocks",
+        summary=(
+            f"While busy, GPU {index} ran at {f_thr:.0f} MHz when throttled "
+            f"against {reference:.0f} MHz {against}; about {share:.0%} of the step "
+            "time is lost if the work is compute-bound."
+        ),
+        seconds_lost_per_step=share * step_s if step_s else None,
+        share_of_step=share,
+        evidence={
+            **base,
+            "throttled_samples": len(throttled),
+            "throttled_share": round(share_throttled, 3),
+            "median_throttled_sm_clock_mhz": round(f_thr),
+            "reasons": bits,
+        },
+        prescriptions=(
+            Prescription(
+                kind="system",
+                summary=(
+                    "check the cooling of this GPU (nvidia-smi -q -d TEMPERATURE,PERFORMANCE); "
+                    "move the job off a node whose GPU runs hot"
+                    if thermal
+                    else "check the node's power delivery (HW slowdown / power brake: "
+                    "nvidia-smi -q -d PERFORMANCE); move the job to another node"
+                ),
+                command=f"nvidia-smi -i {index} -q -d PERFORMANCE,TEMPERATURE,POWER",
+            ),
+        ),
+    )
+
+
+def _power_cap_finding(
+    index: int, capped: pd.DataFrame, share_capped: float, base: dict[str, Any]
+) -> Finding:
+    """A GPU at its power cap in most of its busy samples (info: a loaded GPU normally is)."""
+    f_cap = float(pd.to_numeric(capped["sm_clock_mhz"], errors="coerce").median())
+    return Finding(
+        id="gpu.power_cap",
+        title=f"GPU {index} runs at its power cap in {share_capped:.0%} of busy samples",
+        severity="info",
+        analyzer="gpu_clocks",
+        summary=(
+            f"SM clock {f_cap:.0f} MHz at {base['median_power_w']} W: the GPU is "
+            "power-limited, as a fully loaded GPU normally is. If the power limit was "
+            "lowered on purpose (nvidia-smi -pl), raising it buys clock."
+        ),
+        evidence={
+            **base,
+            "capped_samples": len(capped),
+            "capped_share": round(share_capped, 3),
+            "median_capped_sm_clock_mhz": round(f_cap),
+        },
+    )

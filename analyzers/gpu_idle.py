@@ -21,20 +21,33 @@ Host-device syncs and empty_cache() have their own analyzers (host_sync, allocat
 ending in those calls is left to them.
 """
 
-import linecache
+from __future__ import annotations
+
 import os
 import re
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
 
-from traindx.analyzers import codefix
+from traindx.analyzers import codefix, dataloader, frameworks
 from traindx.analyzers import evidence as ev
 from traindx.analyzers import gpu_window as window
 from traindx.analyzers.declaration import Declaration
 from traindx.analyzers.findings import Finding, Prescription
+from traindx.analyzers.gpu_idle_window import (
+    _call_label,
+    _frames_at,
+    _line_from_pyspy,
+    _main_tid,
+    _source,
+    _window_idle,
+)
 from traindx.profiler import gputime
 from traindx.profiler.torchtrace import gpu_window
+
+if TYPE_CHECKING:  # annotations only
+    from traindx.derive.run import RunRecord
 
 DECLARATION = Declaration(
     name="gpu_idle",
@@ -56,15 +69,11 @@ DECLARATION = Declaration(
     generic_at_line=("gpu_idle.host_starved",),
 )
 
+
 MIN_SHARE = 0.03  # a cause worth a finding: >= 3 % of the steady step
 # the GPU waiting for the host: >= 5 % and >= 200 µs (a healthy loop's launches after its one
 # loss read per step leave the GPU a few hundred µs idle: that is launch latency, not a cause)
 MIN_HOST_SHARE, MIN_HOST_S = 0.05, 200e-6
-MIN_GAP_NS = 20_000  # shorter gaps are launch latency, not the host's work
-# a gap the host's own work makes: the GPU waits longer than the launches between two kernels
-# take (tens of µs; a few hundred after a sync, while Python refills the queue)
-MIN_HOST_GAP_NS = 250_000
-MAX_POINTS = 2000  # points sampled over a window's idle time, at most
 # H2D copy speed from pinned memory when the window has none to measure (PCIe 5 x16: 64 GB/s
 # raw; ~50 GB/s is typical of pinned copies on an H100/H200 host; a lead, not measured here)
 PINNED_H2D_BPS = 50e9
@@ -75,19 +84,10 @@ CLAIMED_CALL = re.compile(
     r"\bnonzero|run_backward|allreduce|all_reduce|allgather|all_gather|"
     r"reduce_scatter|broadcast|barrier)\b|^cu"
 )
-SYNC_LABELS = ("sync<",)
-# the host blocked inside the driver (allocating, freeing, waiting for the GPU, a synchronous
-# copy) is not the host's own work: those calls have their findings (allocator, host_sync,
-# pageable copies)
-BLOCKING_RUNTIME = re.compile(
-    r"^(?:cudaMalloc|cudaFree|cuMemAlloc|cuMemFree|cudaHostAlloc|"
-    r"cudaStreamSynchronize|cudaDeviceSynchronize|cudaEventSynchronize|"
-    r"cuStreamSynchronize|cuCtxSynchronize|cudaMemcpy)"
-)
 
 
 # -- per-step idle from the markers --------------------------------------------------------------
-def _host_idle_per_step(stretch_rows):
+def _host_idle_per_step(stretch_rows: pd.DataFrame) -> Any:
     """{step: (host idle ceiling, between-steps idle ceiling)}: the stretches of the ledger's
     `host` line (the training thread's code between its measured calls), and of those the ones
     after the optimizer (the loop's end-of-step code: logging, evaluation, checkpoints)."""
@@ -102,7 +102,7 @@ def _host_idle_per_step(stretch_rows):
     return {int(s): (float(host.get(s, 0.0)), float(between.get(s, 0.0))) for s in steps}
 
 
-def _host_code_top(run, rank, steps):
+def _host_code_top(run: RunRecord, rank: str, steps: set[int]) -> Any:
     """(file, line, function, call, seconds per step) of the code that ran most inside the
     ledger's host intervals (traindx.derive.ledger.host_code, py-spy samples in those intervals), or
     None where the ledger has no such table."""
@@ -132,158 +132,71 @@ def _host_code_top(run, rank, steps):
     return file, int(line), function, call, seconds / max(1, len(set(steps)))
 
 
-# -- the window: idle gaps tied to the host's code -----------------------------------------------
-def _main_tid(py):
-    """The training thread among the profiled Python threads: the busiest one that is not
-    traindx's own (the shim's 50 Hz host sampler wakes often enough to out-count a training
-    thread of few, long steps)."""
-    if not len(py):
-        return None
-    ours = set(py["tid"][py["name"].str.contains("_traindx_shim/", regex=False).to_numpy()])
-    counts = py["tid"].value_counts()
-    theirs = [t for t in counts.index if t not in ours]
-    return theirs[0] if theirs else counts.index[0]
-
-
-def _frames_at(py, t):
-    """(innermost user frame (file, def line, function) or None, innermost call name) at t."""
-    users, calls = _frames_at_points(py, np.array([t], dtype=np.int64))
-    return users[0], calls[0]
-
-
-def _innermost(starts, ends, order, points):
-    """Index (into the event arrays) of the innermost event enclosing each sorted point, -1 for
-    none: events of one thread nest, so visiting them by start and overwriting leaves the
-    innermost."""
-    out = np.full(len(points), -1, dtype=np.int64)
-    for i in order:
-        lo, hi = np.searchsorted(points, starts[i], "left"), np.searchsorted(points, ends[i], "right")
-        if hi > lo:
-            out[lo:hi] = i
-    return out
-
-
-def _frames_at_points(py, points):
-    """_frames_at for many points at once (sorted int64 ns)."""
-    if not len(py) or not len(points):
-        return [None] * len(points), [None] * len(points)
-    names = py["name"].to_numpy(object)
-    starts, ends = py["start_ns"].to_numpy(np.int64), py["end_ns"].to_numpy(np.int64)
-    order = np.argsort(starts, kind="stable")
-    parsed = {n: ev.parse_trace_frame(n) for n in set(names)}
-    user_name = {n: p for n, p in parsed.items() if p and not ev.is_library_trace_file(p[0])}
-    is_user = np.array([n in user_name for n in names], dtype=bool)
-    inner = _innermost(starts, ends, order, points)
-    inner_user = _innermost(starts, ends, order[is_user[order]], points)
-    calls = [names[i] if i >= 0 else None for i in inner]
-    users = [user_name[names[i]] if i >= 0 else None for i in inner_user]
-    return users, calls
-
-
-def _categories(spans, points):
-    """The measured call (span category) covering each sorted point, 'host' where none does."""
-    out = np.full(len(points), "host", dtype=object)
-    if not len(spans) or not len(points):
-        return out
-    starts, ends = spans["start_ns"].to_numpy(np.int64), spans["end_ns"].to_numpy(np.int64)
-    cats = spans["cat"].to_numpy(object)
-    which = _innermost(starts, ends, np.argsort(starts, kind="stable"), points)
-    hit = which >= 0
-    out[hit] = cats[which[hit]]
-    return out
-
-
-def _window_idle(run, rank, trace):
-    """(per-step idle seconds in the window, rows of idle seconds per step by (category, user
-    frame, call)) for one rank's profiled steps; (None, empty) without a usable window."""
-    steps = ev.trace_steps(run, rank)
-    gpu = trace[trace["cat"].isin(("kernel", "gpu_memcpy", "gpu_memset")).to_numpy()]
-    if not len(steps) or not len(gpu):
-        return None, pd.DataFrame()
-    py = trace[(trace["cat"] == "python_function").to_numpy()]
-    py = py[(py["tid"] == _main_tid(py)).to_numpy()] if len(py) else py
-    spans = run.spans
-    spans = spans[(spans["rank"] == rank).to_numpy()] if len(spans) else spans
-    busy = sorted(zip(gpu["start_ns"].to_numpy(np.int64), gpu["end_ns"].to_numpy(np.int64)))
-    gaps = []
-    for step in steps.itertuples():
-        s0, s1 = int(step.start_ns), int(step.end_ns)
-        cursor = s0
-        for a, b in busy:
-            if b <= cursor or a >= s1:
-                continue
-            if a - cursor >= MIN_GAP_NS:
-                gaps.append((cursor, a))
-            cursor = max(cursor, b)
-        if s1 - cursor >= MIN_GAP_NS:
-            gaps.append((cursor, s1))
-    total = sum(b - a for a, b in gaps)
-    n_steps = len(steps)
-    if not total:
-        return 0.0, pd.DataFrame()
-    spacing = max(total / MAX_POINTS, 50_000)  # one point per 50 µs of idle at least
-    points, weights, long_gap = [], [], []
-    for a, b in gaps:
-        n = max(1, int((b - a) // spacing))
-        weight = (b - a) / n
-        points.extend(a + (k + 0.5) * weight for k in range(n))
-        weights.extend([weight / 1e9 / n_steps] * n)
-        long_gap.extend([b - a >= MIN_HOST_GAP_NS] * n)
-    points = np.asarray(points, dtype=np.int64)  # gaps are in time order: sorted
-    users, calls = _frames_at_points(py, points)
-    runtime = trace[trace["cat"].isin(("cuda_runtime", "cuda_driver")).to_numpy()]
-    runtime = runtime[runtime["name"].str.match(BLOCKING_RUNTIME).to_numpy()]
-    blocked = _innermost(
-        runtime["start_ns"].to_numpy(np.int64),
-        runtime["end_ns"].to_numpy(np.int64),
-        np.argsort(runtime["start_ns"].to_numpy(np.int64), kind="stable"),
-        points,
-    )
-    runtime_names = runtime["name"].to_numpy(object)
-    calls = [runtime_names[b] if b >= 0 else c for b, c in zip(blocked, calls)]
-    rows = list(zip(_categories(spans, points), users, calls, long_gap, weights))
-    table = pd.DataFrame(rows, columns=["category", "user", "call", "long_gap", "seconds"])
-    table["user"] = table["user"].map(lambda u: u if u is None else tuple(u))
-    grouped = (
-        table.groupby(["category", "user", "call", "long_gap"], dropna=False)["seconds"]
-        .sum()
-        .reset_index()
-        .sort_values("seconds", ascending=False)
-    )
-    return total / 1e9 / n_steps, grouped
-
-
-def _line_from_pyspy(run, rank, user):
-    """(absolute file, call line) of the user's function `user` = (file, def line, function) in
-    the py-spy samples of the training thread inside the step loop: its most sampled line in
-    the host's own code (between the measured calls), else its most sampled line. The whole
-    run would name set-up lines (model construction, the first CUDA call) that outweigh the
-    loop's."""
-    if not user:
-        return None
-    return window.line_in_function(run, rank, user[0], user[2], kind="host")
-
-
-def _source(file, line):
-    text = linecache.getline(file, line) if file and os.path.exists(file) else ""
-    return text.rstrip("\n")
-
-
-def _call_label(call):
-    call = call or ""
-    m = re.match(r"<built-in (?:method|function) (\w+)", call)
-    if m:
-        return m.group(1)
-    parsed = ev.parse_trace_frame(call)
-    return f"{parsed[0]}:{parsed[2]}" if parsed else call
-
-
 # -- findings -----------------------------------------------------------------------------------
-def _host_starved(run, rank, step_s, host_idle, window_rows):
+def _host_starved(
+    run: RunRecord,
+    rank: str,
+    step_s: float | None,
+    host_idle: dict[int, tuple[float, float]],
+    window_rows: pd.DataFrame,
+) -> list[Finding]:
     steady = ev.steady_steps(run, rank)
     ids = {int(s) for s in steady["step"]} if len(steady) else set(host_idle)
     per_step = [host_idle[s][0] for s in ids if s in host_idle]
     marker_s = float(np.median(per_step)) if per_step else None
+    found = _starving_code(run, rank, ids, marker_s, window_rows)
+    if found is None:
+        return []
+    file, line, function, where, lost, top_calls, source, window_host_s = found
+    lost = min(max(lost, 0.0), step_s or 0.0)
+    if not step_s or lost < max(MIN_HOST_SHARE * step_s, MIN_HOST_S):
+        return []
+    src = _source(file, line) if where else ""
+    share = lost / step_s
+    evidence = {
+        "rank": rank,
+        "function": function,
+        "file": file,
+        "line": line,
+        "source": src,
+        "calls": top_calls,
+        "gpu_idle_s_per_step": round(lost, 6),
+        "code_from": source,
+        "window_idle_host_s_per_step": window_host_s,
+        "marker_host_idle_s_per_step": None if marker_s is None else round(marker_s, 6),
+    }
+    what = ", ".join(c["call"] for c in top_calls[:2])
+    return [
+        Finding(
+            id="gpu_idle.host_starved",
+            title=(
+                f"The GPU waits {lost * 1000:.1f} ms a step ({share:.0%}) for host work in "
+                f"{function}() at {os.path.basename(file)}:{line}"
+            ),
+            severity=ev.severity_for_share(share),
+            analyzer="gpu_idle",
+            summary=(
+                f"Between its measured calls the training thread runs {function}() "
+                f"({what}) while the GPU has nothing queued: {lost * 1000:.1f} ms of GPU idle "
+                f"per step of {step_s * 1000:.1f} ms (GPU clock at every step; the code from "
+                f"the {source})."
+            ),
+            seconds_lost_per_step=lost,
+            share_of_step=share,
+            evidence=evidence,
+            prescriptions=_starved_prescriptions(function, file, line, what, lost),
+            ranks=(rank,),
+        )
+    ]
+
+
+def _starving_code(
+    run: RunRecord, rank: str, ids: set[int], marker_s: float | None, window_rows: pd.DataFrame
+) -> tuple[Any, Any, Any, Any, float, list[dict[str, Any]], str, float | None] | None:
+    """(file, line, function, where, idle seconds per step, top calls, where the code is from,
+    the window's host idle per step) of the host code the GPU waits for: the window's idle
+    gaps tied to the user's function that holds the most, else the ledger's host code with the
+    markers' idle; None without either."""
     host_rows = pd.DataFrame()
     if len(window_rows):
         host_rows = window_rows[
@@ -306,36 +219,29 @@ def _host_starved(run, rank, step_s, host_idle, window_rows):
         ]
         where = _line_from_pyspy(run, rank, user)
         file, line = where if where else (user[0], user[1])
-        function, source = user[2], "torch.profiler window"
-        window_host_s = round(window_host, 6)
-    else:
-        # no window: the per-step clock says how long, the ledger's host code says where
-        top = _host_code_top(run, rank, ids) if marker_s else None
-        if top is None:
-            return []
-        file, line, function, call, seconds = top
-        where, lost = (file, line), min(marker_s, seconds)
-        top_calls = [{"call": call or "its own Python code", "seconds_per_step": round(seconds, 6)}]
-        source, window_host_s = "py-spy samples in the ledger's host intervals", None
-    lost = min(max(lost, 0.0), step_s or 0.0)
-    if not step_s or lost < max(MIN_HOST_SHARE * step_s, MIN_HOST_S):
-        return []
-    src = _source(file, line) if where else ""
-    share = lost / step_s
-    evidence = {
-        "rank": rank,
-        "function": function,
-        "file": file,
-        "line": line,
-        "source": src,
-        "calls": top_calls,
-        "gpu_idle_s_per_step": round(lost, 6),
-        "code_from": source,
-        "window_idle_host_s_per_step": window_host_s,
-        "marker_host_idle_s_per_step": None if marker_s is None else round(marker_s, 6),
-    }
-    what = ", ".join(c["call"] for c in top_calls[:2])
-    prescriptions = (
+        return file, line, user[2], where, lost, top_calls, "torch.profiler window", round(window_host, 6)
+    # no window: the per-step clock says how long, the ledger's host code says where
+    top = _host_code_top(run, rank, ids) if marker_s else None
+    if top is None or marker_s is None:
+        return None
+    file, line, function, call, seconds = top
+    top_calls = [{"call": call or "its own Python code", "seconds_per_step": round(seconds, 6)}]
+    return (
+        file,
+        line,
+        function,
+        (file, line),
+        min(marker_s, seconds),
+        top_calls,
+        "py-spy samples in the ledger's host intervals",
+        None,
+    )
+
+
+def _starved_prescriptions(
+    function: str, file: str, line: int, what: str, lost: float
+) -> tuple[Prescription, ...]:
+    return (
         Prescription(
             kind="code",
             summary=(
@@ -355,31 +261,9 @@ def _host_starved(run, rank, step_s, host_idle, window_rows):
             expected_gain_s_per_step=lost,
         ),
     )
-    return [
-        Finding(
-            id="gpu_idle.host_starved",
-            title=(
-                f"The GPU waits {lost * 1000:.1f} ms a step ({share:.0%}) for host work in "
-                f"{function}() at {os.path.basename(file)}:{line}"
-            ),
-            severity=ev.severity_for_share(share),
-            analyzer="gpu_idle",
-            summary=(
-                f"Between its measured calls the training thread runs {function}() "
-                f"({what}) while the GPU has nothing queued: {lost * 1000:.1f} ms of GPU idle "
-                f"per step of {step_s * 1000:.1f} ms (GPU clock at every step; the code from "
-                f"the {source})."
-            ),
-            seconds_lost_per_step=lost,
-            share_of_step=share,
-            evidence=evidence,
-            prescriptions=prescriptions,
-            ranks=(rank,),
-        )
-    ]
 
 
-def _pageable(run, rank, trace, step_s):
+def _pageable(run: RunRecord, rank: str, trace: pd.DataFrame, step_s: float | None) -> list[Finding]:
     steps = ev.trace_steps(run, rank)
     copies = trace[(trace["cat"] == "gpu_memcpy").to_numpy()]
     if not len(copies) or not len(steps) or not step_s:
@@ -393,6 +277,54 @@ def _pageable(run, rank, trace, step_s):
     nbytes = float(np.nansum(pageable["bytes"].to_numpy(np.float64))) / n
     big = pinned[(pinned["bytes"] >= 1 << 20).to_numpy()]
     bw = float((big["bytes"] / big["dur_s"]).max()) if len(big) else PINNED_H2D_BPS
+    saving, floor_s, share_of_window = _pageable_saving(run, rank, trace, step_s, seconds, nbytes, bw)
+    if saving < MIN_SHARE * step_s:
+        return []
+    file, line, src = _copy_line(run, rank, trace, pageable)
+    share = saving / step_s
+    at = f" at {os.path.basename(file)}:{line}" if file else ""
+    return [
+        Finding(
+            id="gpu_idle.pageable_copy",
+            title=(
+                f"Host-to-device copies from pageable memory: {seconds * 1000:.1f} ms a step "
+                f"({nbytes / 1e6:.0f} MB at {nbytes / seconds / 1e9 if seconds else 0:.1f} GB/s)"
+            ),
+            severity=ev.severity_for_share(share),
+            analyzer="gpu_idle",
+            summary=(
+                f"Each step copies {nbytes / 1e6:.0f} MB to the GPU from pageable memory"
+                f"{at}: the driver stages "
+                f"it through a pinned buffer and the host waits; from pinned memory at "
+                f"{bw / 1e9:.0f} GB/s it would take {nbytes / bw * 1000:.1f} ms and run "
+                f"asynchronously."
+            ),
+            seconds_lost_per_step=saving,
+            share_of_step=share,
+            evidence={
+                "rank": rank,
+                "pageable_h2d_s_per_step": round(seconds, 6),
+                "bytes_per_step": int(nbytes),
+                "pinned_reference_GBps": round(bw / 1e9, 1),
+                "pinned_reference": "measured in this window" if len(big) else "lead",
+                "gpu_work_left_s_per_step": None if floor_s is None else round(floor_s, 6),
+                "copy_share_of_window_step": None if share_of_window is None else round(share_of_window, 4),
+                "steady_step_s": round(step_s, 6),
+                "file": file,
+                "line": line,
+                "source": src,
+            },
+            prescriptions=_pageable_prescriptions(run, rank, file, line, src, saving),
+            ranks=(rank,),
+        )
+    ]
+
+
+def _pageable_saving(
+    run: RunRecord, rank: str, trace: pd.DataFrame, step_s: float, seconds: float, nbytes: float, bw: float
+) -> tuple[float, float | None, float | None]:
+    """(seconds a steady step saves with pinned copies, the GPU work left per step, the copies'
+    share of the window's step) of `seconds` of pageable copies of `nbytes` a step."""
     saving = max(0.0, seconds - nbytes / bw)
     busy = window.busy_per_step(run, rank, trace)
     floor_s = share_of_window = None
@@ -408,9 +340,14 @@ def _pageable(run, rank, trace, step_s):
         # slow copies hid shows again)
         floor_s = max(0.0, busy[1] - seconds) + nbytes / bw
         saving = max(0.0, min(saving, step_s - floor_s))
-    if saving < MIN_SHARE * step_s:
-        return []
-    # the line: the user's frame around the runtime call that issued the largest copy
+    return saving, floor_s, share_of_window
+
+
+def _copy_line(
+    run: RunRecord, rank: str, trace: pd.DataFrame, pageable: pd.DataFrame
+) -> tuple[Any, Any, str]:
+    """(file, line, source) of the user's frame around the runtime call that issued the largest
+    pageable copy."""
     runtime = trace[
         (trace["cat"] == "cuda_runtime").to_numpy() & trace["name"].str.startswith("cudaMemcpy").to_numpy()
     ]
@@ -431,92 +368,60 @@ def _pageable(run, rank, trace, step_s):
     where = _line_from_pyspy(run, rank, user) if user else None
     file, line = where if where else ((user[0], user[1]) if user else (None, None))
     src = _source(file, line) if where else ""
+    return file, line, src
+
+
+def _pageable_prescriptions(
+    run: RunRecord, rank: str, file: str, line: int, src: str, saving: float
+) -> tuple[Prescription, ...]:
+    """Pinned memory and asynchronous copies: through the job's DataLoader (pin_memory=True, the
+    copy at the line made non_blocking) where it has one, else pinned host tensors."""
+    at = f" at {os.path.basename(file)}:{line}" if file else ""
     loader = len(ev.events_of_type(run, "span")) and (run.spans["cat"] == "data").any()
+    if not loader:
+        return (
+            Prescription(
+                kind="code",
+                summary=(
+                    "keep the host tensors in pinned memory (tensor.pin_memory() once, where they are "
+                    f"made) and copy with .to(device, non_blocking=True){at}"
+                ),
+                expected_gain_s_per_step=saving,
+            ),
+        )
     change = {}
     m = re.search(r"\.(to|cuda)\(([^()]*)\)", src or "")
-    if loader and m and "non_blocking" not in m.group(2):
+    if m and "non_blocking" not in m.group(2):
         # with the loader's pinned batches, the copy at this line becomes asynchronous
         args = m.group(2).strip()
         new = f".{m.group(1)}({args + ', ' if args else ''}non_blocking=True)"
         code = codefix.code_change(file, line, src, src.replace(m.group(0), new, 1))
         if code:
             change = {"code": code}
-    share = saving / step_s
-    if loader:
-        from traindx.analyzers import dataloader, frameworks  # the construction line of the job's DataLoader
-
-        site = dataloader._starving_site(frameworks.data_sites(run, rank), "DataLoader")
-        pin = dataloader._site_change(site, "DataLoader", {"pin_memory": "True"}) if site else None
-        prescriptions = (
-            Prescription(
-                kind="code",
-                summary=(
-                    f"DataLoader(..., pin_memory=True){dataloader._where(site) if site else ''}: its "
-                    "pinning thread copies each batch to pinned memory off the training thread"
-                ),
-                change={"code": pin} if pin else {},
-                expected_gain_s_per_step=saving,
-            ),
-            Prescription(
-                kind="code",
-                summary=(
-                    f"with it, copy asynchronously: .to(device, non_blocking=True)"
-                    f"{f' at {os.path.basename(file)}:{line}' if file else ''}"
-                ),
-                change=change,
-                expected_gain_s_per_step=saving,
-            ),
-        )
-    else:
-        prescriptions = (
-            Prescription(
-                kind="code",
-                summary=(
-                    "keep the host tensors in pinned memory (tensor.pin_memory() once, where they are "
-                    f"made) and copy with .to(device, non_blocking=True)"
-                    f"{f' at {os.path.basename(file)}:{line}' if file else ''}"
-                ),
-                expected_gain_s_per_step=saving,
-            ),
-        )
-    return [
-        Finding(
-            id="gpu_idle.pageable_copy",
-            title=(
-                f"Host-to-device copies from pageable memory: {seconds * 1000:.1f} ms a step "
-                f"({nbytes / 1e6:.0f} MB at {nbytes / seconds / 1e9 if seconds else 0:.1f} GB/s)"
-            ),
-            severity=ev.severity_for_share(share),
-            analyzer="gpu_idle",
+    site = dataloader._starving_site(frameworks.data_sites(run, rank), "DataLoader")
+    pin = dataloader._site_change(site, "DataLoader", {"pin_memory": "True"}) if site else None
+    return (
+        Prescription(
+            kind="code",
             summary=(
-                f"Each step copies {nbytes / 1e6:.0f} MB to the GPU from pageable memory"
-                f"{f' at {os.path.basename(file)}:{line}' if file else ''}: the driver stages "
-                f"it through a pinned buffer and the host waits; from pinned memory at "
-                f"{bw / 1e9:.0f} GB/s it would take {nbytes / bw * 1000:.1f} ms and run "
-                f"asynchronously."
+                f"DataLoader(..., pin_memory=True){dataloader._where(site) if site else ''}: its "
+                "pinning thread copies each batch to pinned memory off the training thread"
             ),
-            seconds_lost_per_step=saving,
-            share_of_step=share,
-            evidence={
-                "rank": rank,
-                "pageable_h2d_s_per_step": round(seconds, 6),
-                "bytes_per_step": int(nbytes),
-                "pinned_reference_GBps": round(bw / 1e9, 1),
-                "pinned_reference": "measured in this window" if len(big) else "lead",
-                "gpu_work_left_s_per_step": None if floor_s is None else round(floor_s, 6),
-                "copy_share_of_window_step": None if share_of_window is None else round(share_of_window, 4),
-                "steady_step_s": round(step_s, 6),
-                "file": file,
-                "line": line,
-                "source": src,
-            },
-            prescriptions=prescriptions,
-            ranks=(rank,),
-        )
-    ]
+            change={"code": pin} if pin else {},
+            expected_gain_s_per_step=saving,
+        ),
+        Prescription(
+            kind="code",
+            summary=f"with it, copy asynchronously: .to(device, non_blocking=True){at}",
+            change=change,
+            expected_gain_s_per_step=saving,
+        ),
+    )
 
 
-def _exposed_communication(run, rank, trace, step_s):
+def _exposed_communication(
+    run: RunRecord, rank: str, trace: pd.DataFrame, step_s: float | None
+) -> list[Finding]:
     steps = ev.trace_steps(run, rank)
     if not len(steps) or not step_s:
         return []
@@ -565,7 +470,7 @@ def _exposed_communication(run, rank, trace, step_s):
     ]
 
 
-def _between_steps(run, rank, host_idle, step_s):
+def _between_steps(run: RunRecord, rank: str, host_idle: Any, step_s: float | None) -> list[Finding]:
     steady = ev.steady_steps(run, rank)
     ids = [int(s) for s in steady["step"]] if len(steady) else sorted(host_idle)
     between = pd.Series({s: host_idle[s][1] for s in ids if s in host_idle}, dtype=float)
@@ -628,7 +533,7 @@ def _between_steps(run, rank, host_idle, step_s):
     ]
 
 
-def analyze(run):
+def analyze(run: RunRecord) -> list[Finding]:
     stretch_rows, _ = gputime.for_run(run)
     trace = run.torch_trace
     if not len(stretch_rows) and not (len(trace) and (trace["cat"] == "kernel").any()):

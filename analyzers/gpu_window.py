@@ -12,11 +12,16 @@ from __future__ import annotations
 
 import os
 import re
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
 
 from traindx.analyzers import evidence as ev
+from traindx.analyzers import host_work_code  # the loop window and a sample's kind: defined there once
+
+if TYPE_CHECKING:  # annotations only
+    from traindx.derive.run import RunRecord
 
 GPU_WORK = ("kernel", "gpu_memcpy", "gpu_memset")
 # the host waiting inside the driver: the GPU's idle while the host is in one of these is the
@@ -31,7 +36,7 @@ WAIT_CALLS = re.compile(
 )
 
 
-def merged(starts, ends) -> np.ndarray:
+def merged(starts: Any, ends: Any) -> np.ndarray:
     """The union of intervals [start, end) as a sorted (n, 2) int64 array."""
     s, e = np.asarray(starts, np.int64), np.asarray(ends, np.int64)
     if not len(s):
@@ -92,7 +97,7 @@ def idle_intervals(trace: pd.DataFrame, start_ns: int, end_ns: int, opens_window
     return np.asarray(out, np.int64).reshape(-1, 2)
 
 
-def window_steps(run, rank, trace):
+def window_steps(run: RunRecord, rank: str, trace: pd.DataFrame) -> Any:
     """[(step, start_ns, end_ns, idle intervals)] of one rank's profiled steps."""
     steps = ev.trace_steps(run, rank)
     profiled = {int(s) for s in steps["step"]}
@@ -109,7 +114,7 @@ def window_steps(run, rank, trace):
     ]
 
 
-def idle_in_calls_per_step(run, rank, trace, pattern) -> float | None:
+def idle_in_calls_per_step(run: RunRecord, rank: str, trace: pd.DataFrame, pattern: Any) -> float | None:
     """Seconds per profiled step the GPU idles while the host is inside a runtime/driver call
     whose name matches `pattern` (any thread); None without profiled steps or GPU work."""
     if not len(trace) or not trace["cat"].isin(GPU_WORK).any():
@@ -123,7 +128,7 @@ def idle_in_calls_per_step(run, rank, trace, pattern) -> float | None:
     return sum(overlap_s(idle, inside) for _, _, _, idle in steps) / len(steps)
 
 
-def busy_per_step(run, rank, trace) -> tuple[float, float] | None:
+def busy_per_step(run: RunRecord, rank: str, trace: pd.DataFrame) -> tuple[float, float] | None:
     """(mean profiled step, mean GPU busy seconds in it), or None."""
     steps = window_steps(run, rank, trace)
     if not steps:
@@ -133,13 +138,11 @@ def busy_per_step(run, rank, trace) -> tuple[float, float] | None:
     return wall, max(0.0, wall - idle)
 
 
-def line_in_function(run, rank, file, function, kind=None):
+def line_in_function(run: RunRecord, rank: str, file: str, function: Any, kind: str = None) -> Any:
     """(absolute file, line) of the job's function `function` in `file` (any directory) most
     sampled by py-spy on the training thread inside the step loop (start-up and teardown left
-    out); with `kind` ("host", "forward", ...), only samples host_work.classify_stack puts
+    out); with `kind` ("host", "forward", ...), only samples host_work_code.classify_stack puts
     there when any are. None without such samples."""
-    from traindx.analyzers import host_work  # the loop window and a sample's kind: defined there once
-
     recording = run.pyspy.get((rank, "all"))
     if not recording or not function:
         return None
@@ -148,7 +151,7 @@ def line_in_function(run, rank, file, function, kind=None):
     if main not in threads:
         return None
     samples = threads[main][1]
-    window = host_work._loop_window(samples.stacks)
+    window = host_work_code._loop_window(samples.stacks)
     lo, hi = window if window else (0, len(samples.stacks) - 1)
     base = os.path.basename(str(file or ""))
     counts, of_kind = {}, {}
@@ -166,7 +169,7 @@ def line_in_function(run, rank, file, function, kind=None):
             continue
         key = (frame.file, frame.line)
         counts[key] = counts.get(key, 0.0) + w
-        if kind and host_work.classify_stack(stack)[0] == kind:
+        if kind and host_work_code.classify_stack(stack)[0] == kind:
             of_kind[key] = of_kind.get(key, 0.0) + w
     pick = of_kind or counts
-    return max(pick, key=pick.get) if pick else None
+    return max(pick, key=pick.__getitem__) if pick else None

@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import re
 from collections import defaultdict
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import pandas as pd
 
 from traindx.analyzers import codefix, gpu_window
 from traindx.analyzers import evidence as ev
@@ -52,7 +53,7 @@ MIN_SYNCS_PER_STEP_CPU = 3  # one scalar read per step (the loss for the log) is
 MIN_SHARE_GPU = 0.03
 
 
-def _sites(run, rank, rows, all_rows, syncs):
+def _sites(run: RunRecord, rank: str, rows: pd.DataFrame, all_rows: pd.DataFrame, syncs: pd.DataFrame) -> Any:
     """{(file, line, function) or None: [count, seconds]} for the sync events."""
     py = all_rows[all_rows["cat"] == "python_function"]
     sites = defaultdict(lambda: [0, 0.0])
@@ -67,7 +68,7 @@ def _sites(run, rank, rows, all_rows, syncs):
 
 
 # frames of a measured call (a module's forward, backward, the optimizer step, the DataLoader):
-# a sync's statement never reaches back past one (host_work._OWNING names the same calls)
+# a sync's statement never reaches back past one (host_work_code._OWNING names the same calls)
 MEASURED_FRAME = re.compile(
     r"torch/nn/modules/module\.py\(\d+\): _(wrapped_)?call_impl$|"
     r"run_backward|^torch/autograd/|torch/_tensor\.py\(\d+\): backward$|"
@@ -82,7 +83,7 @@ OWN_SYNC_FRAME = re.compile(r"^torch/profiler/|^torch/autograd/profiler|^_traind
 class _Frames:
     """One thread's python_function events as arrays, with each call's children."""
 
-    def __init__(self, py):
+    def __init__(self, py: pd.DataFrame) -> None:
         order = np.argsort(py["start_ns"].to_numpy(np.int64), kind="stable")
         py = py.iloc[order]
         self.start = py["start_ns"].to_numpy(np.int64)
@@ -92,7 +93,8 @@ class _Frames:
         self.name = py["name"].to_numpy(object)
         parsed = {n: ev.parse_trace_frame(n) for n in set(self.name)}
         self.own = np.array(
-            [bool(parsed[n]) and not ev.is_library_trace_file(parsed[n][0]) for n in self.name], dtype=bool
+            [(p := parsed[n]) is not None and not ev.is_library_trace_file(p[0]) for n in self.name],
+            dtype=np.bool_,
         )
         self.children = {}
         for i, parent in enumerate(self.parent):
@@ -100,7 +102,7 @@ class _Frames:
                 self.children.setdefault(parent, []).append(i)
 
 
-def _statement_ops(frames, op_start, op_end, t_ns, previous_sync_ns):
+def _statement_ops(frames: Any, op_start: Any, op_end: Any, t_ns: Any, previous_sync_ns: Any) -> Any:
     """([(start, end)] of the tensor ops of the statement that ends in the sync at t_ns, the
     job's function it is in as (file, def line, function), whether a module's forward holds
     it); (None, None, False) for a sync of
@@ -135,7 +137,9 @@ def _statement_ops(frames, op_start, op_end, t_ns, previous_sync_ns):
     return list(zip(op_start[keep], op_end[keep])), site, in_model
 
 
-def _sync_costs(run, rank, syncs, all_rows, steps):
+def _sync_costs(
+    run: RunRecord, rank: str, syncs: pd.DataFrame, all_rows: pd.DataFrame, steps: pd.DataFrame
+) -> Any:
     """Per sync event, (the seconds a step would save without it, the job's function it is
     in or None, whether it is inside a model's forward): the GPU's idle while the host
     runs the statement that ends in it (its tensor ops, the read, the wait; a host-bound loop
@@ -161,12 +165,13 @@ def _sync_costs(run, rank, syncs, all_rows, steps):
         np.concatenate([owned["start_ns"].to_numpy(np.int64), tool["start_ns"].to_numpy(np.int64)]),
         np.concatenate([owned["end_ns"].to_numpy(np.int64), tool["end_ns"].to_numpy(np.int64)]),
     )
-    idle = [i for _, _, _, i in gw.window_steps(run, rank, all_rows)]
-    idle = np.concatenate(idle) if idle else np.empty((0, 2), np.int64)
+    pieces = [i for _, _, _, i in gw.window_steps(run, rank, all_rows)]
+    idle = np.concatenate(pieces) if pieces else np.empty((0, 2), np.int64)
     gpu = all_rows[all_rows["cat"].isin(gw.GPU_WORK).to_numpy()]
     starts = np.sort(gpu["start_ns"].to_numpy(np.int64))
     window_end = int(steps["end_ns"].max())
-    costs, previous = [], {}
+    costs: list[tuple[float | None, Any, bool]] = []
+    previous: dict[Any, int] = {}
     for row in syncs.itertuples():
         start, end = int(row.start_ns), int(row.end_ns)
         if row.tid not in frames:
@@ -192,7 +197,7 @@ def _sync_costs(run, rank, syncs, all_rows, steps):
     return costs
 
 
-def _tool_frames(py):
+def _tool_frames(py: pd.DataFrame) -> Any:
     """torch.profiler's and traindx's own calls that hold none of the job's code (not the
     wrappers that run the job)."""
     if not len(py):
@@ -201,7 +206,10 @@ def _tool_frames(py):
     names = py["name"].to_numpy(object)
     parsed = {n: ev.parse_trace_frame(n) for n in set(names)}
     own = py[
-        np.array([bool(parsed[n]) and not ev.is_library_trace_file(parsed[n][0]) for n in names], dtype=bool)
+        np.array(
+            [(p := parsed[n]) is not None and not ev.is_library_trace_file(p[0]) for n in names],
+            dtype=np.bool_,
+        )
     ].sort_values("start_ns")
     starts, ends = own["start_ns"].to_numpy(np.int64), own["end_ns"].to_numpy(np.int64)
     i = np.searchsorted(starts, tool["start_ns"].to_numpy(np.int64), "left")
@@ -211,7 +219,7 @@ def _tool_frames(py):
     return tool[~holds]
 
 
-def _intersect(a, b):
+def _intersect(a: Any, b: Any) -> Any:
     """The intersection of two merged interval arrays, merged."""
     out, i, j = [], 0, 0
     while i < len(a) and j < len(b):
@@ -225,7 +233,7 @@ def _intersect(a, b):
     return np.asarray(out, np.int64).reshape(-1, 2)
 
 
-def _scalar_reads_by_the_job(rows, all_rows):
+def _scalar_reads_by_the_job(rows: pd.DataFrame, all_rows: pd.DataFrame) -> Any:
     """Scalar reads the job's own code asks for inside a model's forward (an nn.Module call).
     On a CPU-only run this is the honest proxy for a sync: model activations live on the GPU,
     while reads in batch preparation, in DataLoader.__next__, in logging, or inside libraries
@@ -249,7 +257,7 @@ def _scalar_reads_by_the_job(rows, all_rows):
     return rows.loc[keep]
 
 
-def _analyze_rank(run, rank, trace):
+def _analyze_rank(run: RunRecord, rank: str, trace: pd.DataFrame) -> list[Finding]:
     all_rows = trace[trace["rank"] == rank]
     steps = ev.trace_steps(run, rank)
     if not len(steps) or not len(all_rows):
@@ -257,39 +265,110 @@ def _analyze_rank(run, rank, trace):
     start, end = steps["start_ns"].min(), steps["end_ns"].max()
     rows = all_rows[(all_rows["start_ns"] >= start) & (all_rows["end_ns"] <= end)]
     n_steps = len(steps)
-    step_s = float(steps["duration_s"].mean())
     has_cuda = bool((rows["cat"] == "cuda_runtime").any() or (rows["cat"] == "kernel").any())
     if has_cuda:
-        syncs = rows[(rows["cat"] == "cuda_runtime") & rows["name"].str.match(CUDA_SYNC)]
-        if not len(syncs):
+        found = _costed_syncs(run, rank, rows, all_rows, steps)
+        if found is None:
             return []
-        # a sync costs the GPU's idle in its statement and after it (_sync_costs); the time the
-        # CPU blocks in it while the GPU finishes queued work is not lost by itself
-        syncs = syncs.sort_values("start_ns")
-        costed = _sync_costs(run, rank, syncs, all_rows, steps)
-        # the sites below rank by the idle they cause
-        syncs = syncs.assign(
-            dur_s=[c for c, _, _ in costed],
-            site=[s for _, s, _ in costed],
-            in_model=[m for _, _, m in costed],
-        )
-        syncs = syncs[[c is not None for c, _, _ in costed]]  # torch.profiler's own (window closing)
-        if not len(syncs):
-            return []
-        blocked = float(syncs["dur_s"].sum()) / n_steps
-        # the profiler slows the host in its window: the share is of the run's steady step
-        step_s = min(step_s, ev.median_step_s(run, rank) or step_s)
-        share = blocked / step_s if step_s else 0.0
-        if share < MIN_SHARE_GPU and len(syncs) / n_steps < MIN_SYNCS_PER_STEP_CPU:
-            return []
-        severity = ev.severity_for_share(share)  # many syncs that cost little: "info", with numbers
-        lost = blocked
+        syncs, severity, lost, share = found
     else:
         syncs = _scalar_reads_by_the_job(rows, all_rows)
         per_step = len(syncs) / n_steps
         if per_step < MIN_SYNCS_PER_STEP_CPU:
             return []
         severity, lost, share = "low", None, None
+    site_list, top = _site_list(run, rank, rows, all_rows, syncs, n_steps, has_cuda)
+    where = f"{top[2]} ({top[0]}:{top[1]})" if top else "an unknown function"
+    count = len(syncs) / n_steps
+    evidence: dict[str, Any] = {
+        "rank": rank,
+        "profiled_steps": [int(s) for s in steps["step"]],
+        "syncs_per_step": round(count, 2),
+        "call_sites": site_list,
+        "syncs_in_model_per_step": round(float(syncs["in_model"].sum()) / n_steps, 2)
+        if "in_model" in syncs
+        else None,
+        "device_in_trace": has_cuda,
+        "line_note": "torch.profiler names a function by its first line (or, for one "
+        "already running when the window opened, the line it stood on); "
+        "torch.cuda.set_sync_debug_mode('warn') prints the exact line on a GPU",
+    }
+    blocked = _ledger_sync(run, rank)
+    if blocked is not None:
+        # the host's side, every step of the run (the shim times syncs on CUDA tensors): how long
+        # the training thread waited in them; mostly the GPU finishing queued work, so not the cost
+        evidence["host_blocked_in_syncs_s_per_step"] = round(blocked, 6)
+    if has_cuda:
+        summary = (
+            f"{count:.0f} syncs per step leave the GPU idle {(lost or 0.0) * 1000:.1f} ms per step "
+            f"({share:.0%}) until the CPU queues the next kernel; the most costly in {where}."
+        )
+    else:
+        summary = (
+            f"{count:.0f} host reads of tensor values per step ({SCALAR_READ}, i.e. "
+            f".item()/float()/bool()), the most in {where}. On a GPU each one waits for "
+            "every queued kernel; this run has no GPU, so the cost is not measured."
+        )
+    return [
+        Finding(
+            id="sync.host_device",
+            title=f"{count:.0f} host-device syncs per step on rank {rank}, most in {top[2] if top else '?'}",
+            severity=severity,
+            analyzer="host_sync",
+            summary=summary,
+            steps_affected=tuple(int(s) for s in steps["step"]),
+            seconds_lost_per_step=lost,
+            share_of_step=share,
+            evidence=evidence,
+            prescriptions=_sync_prescriptions(run, site_list, where, lost),
+            ranks=(rank,),
+        )
+    ]
+
+
+def _costed_syncs(
+    run: RunRecord, rank: str, rows: pd.DataFrame, all_rows: pd.DataFrame, steps: pd.DataFrame
+) -> tuple[pd.DataFrame, str, float, float] | None:
+    """(the sync calls with their cost, severity, seconds lost per step, share of the step) of
+    a CUDA run's window, or None where they are too few and cheap to name."""
+    n_steps = len(steps)
+    step_s = float(steps["duration_s"].mean())
+    syncs = rows[(rows["cat"] == "cuda_runtime") & rows["name"].str.match(CUDA_SYNC)]
+    if not len(syncs):
+        return None
+    # a sync costs the GPU's idle in its statement and after it (_sync_costs); the time the
+    # CPU blocks in it while the GPU finishes queued work is not lost by itself
+    syncs = syncs.sort_values("start_ns")
+    costed = _sync_costs(run, rank, syncs, all_rows, steps)
+    # the sites below rank by the idle they cause
+    syncs = syncs.assign(
+        dur_s=[c for c, _, _ in costed],
+        site=[s for _, s, _ in costed],
+        in_model=[m for _, _, m in costed],
+    )
+    syncs = syncs[[c is not None for c, _, _ in costed]]  # torch.profiler's own (window closing)
+    if not len(syncs):
+        return None
+    blocked = float(syncs["dur_s"].sum()) / n_steps
+    # the profiler slows the host in its window: the share is of the run's steady step
+    step_s = min(step_s, ev.median_step_s(run, rank) or step_s)
+    share = blocked / step_s if step_s else 0.0
+    if share < MIN_SHARE_GPU and len(syncs) / n_steps < MIN_SYNCS_PER_STEP_CPU:
+        return None
+    return syncs, ev.severity_for_share(share), blocked, share  # many cheap syncs: "info", with numbers
+
+
+def _site_list(
+    run: RunRecord,
+    rank: str,
+    rows: pd.DataFrame,
+    all_rows: pd.DataFrame,
+    syncs: pd.DataFrame,
+    n_steps: int,
+    has_cuda: bool,
+) -> tuple[list[dict[str, Any]], Any]:
+    """(the five call sites that cost most, each at the line py-spy sampled most in its
+    function, the top one's (file, line, function))."""
     sites = _sites(run, rank, rows, all_rows, syncs)
     ranked = sorted(sites.items(), key=lambda kv: (-kv[1][1], -kv[1][0]) if has_cuda else -kv[1][0])
     site_list = [
@@ -315,37 +394,14 @@ def _analyze_rank(run, rank, trace):
     top = ranked[0][0]
     if top and site_list[0].get("def_line") is not None:
         top = (top[0], site_list[0]["line"], top[2])
-    where = f"{top[2]} ({top[0]}:{top[1]})" if top else "an unknown function"
-    count = len(syncs) / n_steps
-    evidence = {
-        "rank": rank,
-        "profiled_steps": [int(s) for s in steps["step"]],
-        "syncs_per_step": round(count, 2),
-        "call_sites": site_list,
-        "syncs_in_model_per_step": round(float(syncs["in_model"].sum()) / n_steps, 2)
-        if "in_model" in syncs
-        else None,
-        "device_in_trace": has_cuda,
-        "line_note": "torch.profiler names a function by its first line (or, for one "
-        "already running when the window opened, the line it stood on); "
-        "torch.cuda.set_sync_debug_mode('warn') prints the exact line on a GPU",
-    }
-    blocked = _ledger_sync(run, rank)
-    if blocked is not None:
-        # the host's side, every step of the run (the shim times syncs on CUDA tensors): how long
-        # the training thread waited in them; mostly the GPU finishing queued work, so not the cost
-        evidence["host_blocked_in_syncs_s_per_step"] = round(blocked, 6)
-    if has_cuda:
-        summary = (
-            f"{count:.0f} syncs per step leave the GPU idle {lost * 1000:.1f} ms per step "
-            f"({share:.0%}) until the CPU queues the next kernel; the most costly in {where}."
-        )
-    else:
-        summary = (
-            f"{count:.0f} host reads of tensor values per step ({SCALAR_READ}, i.e. "
-            f".item()/float()/bool()), the most in {where}. On a GPU each one waits for "
-            "every queued kernel; this run has no GPU, so the cost is not measured."
-        )
+    return site_list, top
+
+
+def _sync_prescriptions(
+    run: RunRecord, site_list: list[dict[str, Any]], where: str, lost: float | None
+) -> tuple[Prescription, ...]:
+    """The device-side forms of the reads at each of the job's call sites (a sum kept, a guard
+    checked there), then the host read removed."""
     prescriptions = []
     seen = set()
     for site in site_list:
@@ -385,25 +441,10 @@ def _analyze_rank(run, rank, trace):
             expected_gain_s_per_step=lost,
         )
     )
-    prescriptions = tuple(prescriptions)
-    return [
-        Finding(
-            id="sync.host_device",
-            title=f"{count:.0f} host-device syncs per step on rank {rank}, most in {top[2] if top else '?'}",
-            severity=severity,
-            analyzer="host_sync",
-            summary=summary,
-            steps_affected=tuple(int(s) for s in steps["step"]),
-            seconds_lost_per_step=lost,
-            share_of_step=share,
-            evidence=evidence,
-            prescriptions=prescriptions,
-            ranks=(rank,),
-        )
-    ]
+    return tuple(prescriptions)
 
 
-def _source_path(run, site):
+def _source_path(run: RunRecord, site: Any) -> Any:
     """The file a call site names, as the job's own file on this machine: py-spy's absolute
     path, else the name itself, else under the job's working directory, else the job's script
     of that name (torch.profiler names a file by its base name)."""
@@ -417,7 +458,7 @@ def _source_path(run, site):
     return same[0] if same else name
 
 
-def _ledger_sync(run, rank):
+def _ledger_sync(run: RunRecord, rank: str) -> Any:
     """Seconds per steady step the training thread spent in syncs (the ledger's sync line), or
     None without the shim's sync spans (CPU runs, older runs)."""
     spans = run.rank_rows("spans", rank)

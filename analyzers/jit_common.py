@@ -2,9 +2,14 @@
 names and cache switches, compile-key history, the ledger's cost of a kernel's compiles, and the
 FA4 precompile prescription."""
 
+from __future__ import annotations
+
 import collections
 import os
 import re
+from typing import TYPE_CHECKING, Any
+
+import pandas as pd
 
 from traindx.analyzers import evidence as ev
 from traindx.analyzers.findings import Prescription
@@ -16,25 +21,28 @@ FA4_BWD_FIXED = "4.0.0b22"
 from traindx.kernel_cache.store.cache import DIR_VAR as CACHE_DIR_VAR  # noqa: E402
 from traindx.kernel_cache.store.cache import ENABLE_VAR as CACHE_ENABLE_VAR  # noqa: E402
 
+if TYPE_CHECKING:  # annotations only
+    from traindx.derive.run import RunRecord
+
 SINGLE_BLOCK_FIELDS = ("single_q_block", "single_k_block")
 _TENSOR_REPR = re.compile(r"\b(Fake)?Tensor\(|\btensor\(")
 
 
-def _where(frame, run=None):
+def _where(frame: Any, run: RunRecord | None = None) -> str | None:
     if not isinstance(frame, dict) or not frame.get("file"):
         return None
     cwd = run.manifest.get("cwd") if run is not None else None
     return f"{_display_path(frame['file'], cwd)}:{frame.get('line')}"
 
 
-def _display_path(path, cwd=None):
+def _display_path(path: str, cwd: str | None = None) -> Any:
     """A path relative to the job's folder when it is inside it (what a user types)."""
     if cwd and path.startswith(cwd.rstrip(os.sep) + os.sep):
         return os.path.relpath(path, cwd)
     return path
 
 
-def _release_number(version):
+def _release_number(version: Any) -> Any:
     """4.0.0b17 -> (4, 0, 0, 17); a final release sorts after every beta."""
     m = re.match(r"^(\d+)\.(\d+)\.(\d+)(?:b(\d+))?", str(version or ""))
     if not m:
@@ -42,23 +50,23 @@ def _release_number(version):
     return (int(m[1]), int(m[2]), int(m[3]), int(m[4]) if m[4] is not None else 10**6)
 
 
-def fa4_version_before(run, release):
+def fa4_version_before(run: RunRecord, release: Any) -> Any:
     have = _release_number((run.manifest.get("packages") or {}).get(FA4_PACKAGE))
     return None if have is None else have < _release_number(release)
 
 
-def _severity(share, steady=False):
+def _severity(share: float | None, steady: bool = False) -> str:
     severity = ev.severity_for_share(share)
     if steady and share is not None and share >= 0.5:
         return "critical"
     return severity
 
 
-def _is_tensor_field(value, type_name):
+def _is_tensor_field(value: Any, type_name: Any) -> Any:
     return type_name == "Tensor" or bool(_TENSOR_REPR.search(str(value)))
 
 
-def diff_keys(previous, current, previous_types=None, current_types=None):
+def diff_keys(previous: Any, current: Any, previous_types: Any = None, current_types: Any = None) -> Any:
     """(fields whose value changed, fields that compare equal by text but hold a tensor: the key
     differs by object identity) between two compile keys given as {field: repr}."""
     previous, current = previous or {}, current or {}
@@ -71,14 +79,14 @@ def diff_keys(previous, current, previous_types=None, current_types=None):
     return changed, identity
 
 
-def _col(row, name):
+def _col(row: Any, name: Any) -> Any:
     value = getattr(row, name, None)
     if isinstance(value, float) and value != value:
         return None
     return value
 
 
-def precompile_prescription(run, gain=None, note=""):
+def precompile_prescription(run: RunRecord, gain: float | None = None, note: Any = "") -> Prescription:
     env = run.manifest.get("env") or run.manifest.get("environment") or {}
     cache_dir = env.get(CACHE_DIR_VAR)
     if not cache_dir or cache_dir == "<redacted>":
@@ -103,11 +111,11 @@ def precompile_prescription(run, gain=None, note=""):
     )
 
 
-def _steps_after(steps, first_step):
+def _steps_after(steps: pd.DataFrame, first_step: Any) -> Any:
     return steps[steps["step"] > first_step]
 
 
-def _kernel_rows(compiles):
+def _kernel_rows(compiles: pd.DataFrame) -> Any:
     """{(kind, kernel): DataFrame of its compiles in time order}."""
     out = collections.OrderedDict()
     for (kind, kernel), group in compiles.sort_values("start_ns").groupby(["kind", "kernel"], sort=False):
@@ -115,7 +123,7 @@ def _kernel_rows(compiles):
     return out
 
 
-def _key_history(group):
+def _key_history(group: pd.DataFrame) -> Any:
     """Changed fields over consecutive compiles: Counter of field -> times it changed, Counter of
     identity-only tensor fields, an example of one change, and how many pairs had no visible
     change at all."""
@@ -138,7 +146,9 @@ def _key_history(group):
     return changed_count, identity_count, example, identical_pairs
 
 
-def _ledger_cost(run, rank, after, lost, share, category):
+def _ledger_cost(
+    run: RunRecord, rank: str, after: Any, lost: float | None, share: float | None, category: Any
+) -> Any:
     """(seconds per step, share of the step) of a recompiling kernel, from the time ledger: its
     own compile seconds per step, but never more than the exclusive `category` seconds of the
     ledger over the same steps (nested or overlapping compile events count once), as a share

@@ -1,13 +1,21 @@
 """torch.compile (dynamo) recompiles: which compile is a first graph, a backward or a mode
 change, and which is a recompile of a frame, with the guard that failed and the call site."""
 
+from __future__ import annotations
+
 import collections
 import re
+from typing import TYPE_CHECKING, Any
+
+import pandas as pd
 
 from traindx.analyzers import codefix
 from traindx.analyzers import evidence as ev
 from traindx.analyzers.findings import Finding, Prescription
 from traindx.analyzers.jit_common import _col, _ledger_cost, _severity, _steps_after, _where
+
+if TYPE_CHECKING:  # annotations only
+    from traindx.derive.run import RunRecord
 
 _VALUES = re.compile(r"\. expected \d+, actual \d+")
 
@@ -27,7 +35,7 @@ _MODE_CHANGE = re.compile(
 )
 
 
-def dynamo_compile_kind(row):
+def dynamo_compile_kind(row: Any) -> str:
     """What one dynamo compile event is: 'first' (the frame's first graph), 'backward' (the
     backward graph AOTAutograd builds at the first backward: not a recompile), 'mode' (a graph
     for another grad/train/autocast mode: once per mode, not a recompile), or 'recompile' (a
@@ -48,18 +56,18 @@ def dynamo_compile_kind(row):
     return "recompile"
 
 
-def is_dynamo_recompile(row):
+def is_dynamo_recompile(row: Any) -> Any:
     """A dynamo compile of a frame it compiled before because a guard on the data failed (not a
     backward graph, not a graph for another grad/train mode)."""
     return dynamo_compile_kind(row) == "recompile"
 
 
-def _strip_compile_id(reason):
+def _strip_compile_id(reason: Any) -> Any:
     """ "0/1: tensor 'x' size mismatch ..." -> "tensor 'x' size mismatch ..." (first line)."""
     return re.sub(r"^\s*\[?[\d/!]+\]?:\s*", "", str(reason).strip().splitlines()[0])
 
 
-def _call_site(recompiles):
+def _call_site(recompiles: pd.DataFrame) -> Any:
     """The job's line that calls the compiled function with the changing input: the shim's
     `call_site` (the caller when the compile started) when recorded, else the compiled
     function's own definition (`caller`)."""
@@ -71,7 +79,7 @@ def _call_site(recompiles):
     return None, None
 
 
-def _mark_dynamic_change(site, name, dim):
+def _mark_dynamic_change(site: Any, name: Any, dim: Any) -> Any:
     """A real code change at the call site: mark the argument's dimension dynamic on the line
     before the call. Needs the call's source line; None otherwise."""
     source = (site or {}).get("source")
@@ -94,7 +102,7 @@ def _mark_dynamic_change(site, name, dim):
     return codefix.code_change(site["file"], int(site["line"]), source.rstrip(), after), arg
 
 
-def dynamo_kinds(group):
+def dynamo_kinds(group: pd.DataFrame) -> Any:
     """dynamo_compile_kind of each row; the backward graph of a recompiled frame is
     'recompile_backward' (its cost is the recompile's, its count is not another one)."""
     kinds = [dynamo_compile_kind(r) for r in group.itertuples()]
@@ -103,7 +111,47 @@ def dynamo_kinds(group):
     return [("recompile_backward" if k == "backward" and i in recompiled else k) for i, k in zip(ids, kinds)]
 
 
-def _dynamo_finding(run, rank, group, steps):
+def _guard_prescription(
+    m: re.Match[str] | None,
+    caller: dict[str, Any] | None,
+    site_kind: str | None,
+    where: str | None,
+    top_reason: str,
+    lost: float,
+) -> Prescription:
+    """The fix of the guard that fails: a size mismatch (`m`) marks its dimension dynamic,
+    any other guard is made stable."""
+    if m:
+        name, dim = m["name"], m["dim"]
+        short = re.sub(r"^L\['([^']+)'\].*$", r"\1", name)
+        change, arg = _mark_dynamic_change(caller if site_kind == "call_site" else None, short, dim)
+        at = (
+            f" at {where}"
+            if site_kind == "call_site"
+            else f" (the compiled function: {where})"
+            if where
+            else ""
+        )
+        passed = f" ({arg} is passed as {short})" if arg and arg != short else ""
+        return Prescription(
+            kind="code",
+            summary=f"mark dimension {dim} of {short} dynamic before the compiled call"
+            f"{at}: torch._dynamo.mark_dynamic({arg or short}, {dim}){passed}; "
+            "or compile with torch.compile(..., dynamic=None) (automatic "
+            "dynamic shapes: one recompile, then symbolic) or dynamic=True",
+            change={"code": change} if change else {},
+            expected_gain_s_per_step=lost,
+        )
+    return Prescription(
+        kind="code",
+        summary="make the guard that fails stable (the value it checks changes "
+        f"between calls{(' at ' + where) if where else ''}): "
+        f"{top_reason[:160]}",
+        expected_gain_s_per_step=lost,
+    )
+
+
+def _dynamo_finding(run: RunRecord, rank: str, group: pd.DataFrame, steps: pd.DataFrame) -> Finding | None:
     kinds = dynamo_kinds(group)
     recompiles = group[[k == "recompile" for k in kinds]]
     costs = group[[k in ("recompile", "recompile_backward") for k in kinds]]
@@ -134,40 +182,7 @@ def _dynamo_finding(run, rank, group, steps):
     site_kind, caller = _call_site(recompiles)
     where = _where(caller, run)
     functions = collections.Counter(str(k) for k in recompiles["kernel"])
-    prescriptions = []
-    if m:
-        name, dim = m["name"], m["dim"]
-        short = re.sub(r"^L\['([^']+)'\].*$", r"\1", name)
-        change, arg = _mark_dynamic_change(caller if site_kind == "call_site" else None, short, dim)
-        at = (
-            f" at {where}"
-            if site_kind == "call_site"
-            else f" (the compiled function: {where})"
-            if where
-            else ""
-        )
-        passed = f" ({arg} is passed as {short})" if arg and arg != short else ""
-        prescriptions.append(
-            Prescription(
-                kind="code",
-                summary=f"mark dimension {dim} of {short} dynamic before the compiled call"
-                f"{at}: torch._dynamo.mark_dynamic({arg or short}, {dim}){passed}; "
-                "or compile with torch.compile(..., dynamic=None) (automatic "
-                "dynamic shapes: one recompile, then symbolic) or dynamic=True",
-                change={"code": change} if change else {},
-                expected_gain_s_per_step=lost,
-            )
-        )
-    else:
-        prescriptions.append(
-            Prescription(
-                kind="code",
-                summary="make the guard that fails stable (the value it checks changes "
-                f"between calls{(' at ' + where) if where else ''}): "
-                f"{top_reason[:160]}",
-                expected_gain_s_per_step=lost,
-            )
-        )
+    prescriptions = [_guard_prescription(m, caller, site_kind, where, top_reason, lost)]
     steady = len(later) >= 2
     severity = _severity(share, steady=steady) if len(later) else "low"
     if severity == "info" and len(later):

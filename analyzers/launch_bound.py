@@ -4,7 +4,7 @@ with NVML utilisation as a second witness."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 
@@ -36,7 +36,7 @@ OPTIMIZER_STEP = "Optimizer.step#"
 MIN_OPTIMIZER_SHARE = 0.25
 
 
-def _optimizer_ranges(rows):
+def _optimizer_ranges(rows: pd.DataFrame) -> Any:
     """[(start_ns, end_ns, class name)] of torch.optim's step ranges in the trace."""
     marks = rows[(rows["cat"] == "user_annotation") & rows["name"].astype(str).str.startswith(OPTIMIZER_STEP)]
     return [
@@ -45,14 +45,14 @@ def _optimizer_ranges(rows):
     ]
 
 
-def _inside(frame, ranges):
+def _inside(frame: pd.DataFrame, ranges: Any) -> Any:
     hit = pd.Series(False, index=frame.index)
     for start, end, _ in ranges:
         hit |= (frame["start_ns"] >= start) & (frame["end_ns"] <= end)
     return hit
 
 
-def _steady_spans(run, rank):
+def _steady_spans(run: RunRecord, rank: str) -> Any:
     """(forward/backward s, optimizer s, step s): the time ledger's means over the steady steps,
     or None where the ledger has no optimizer span (no shim hooks on an optimizer)."""
     try:
@@ -67,14 +67,12 @@ def _steady_spans(run, rank):
     return (fb, opt, wall) if opt > 0 and wall > 0 else None
 
 
-def _analyze_rank(run, rank, trace):
-    rows = trace[trace["rank"] == rank]
-    kernels = rows[rows["cat"] == "kernel"]
-    steps = ev.trace_steps(run, rank)
-    if not len(kernels) or not len(steps):
-        return []
+def _profiled_steps(
+    rows: pd.DataFrame, kernels: pd.DataFrame, steps: pd.DataFrame, ranges: list[tuple[int, int, str]]
+) -> list[dict[str, Any]]:
+    """Per profiled step: its kernels, the GPU's busy time, the launch calls (one by one, and
+    the optimizer's) and the optimizer's time."""
     per_step = []
-    ranges = _optimizer_ranges(rows)
     for step in steps.itertuples():
         k = kernels[(kernels["start_ns"] >= step.start_ns) & (kernels["start_ns"] <= step.end_ns)]
         launches = rows[
@@ -99,6 +97,17 @@ def _analyze_rank(run, rank, trace):
                 "median_kernel_s": float(k["dur_s"].median()) if len(k) else None,
             }
         )
+    return per_step
+
+
+def _analyze_rank(run: RunRecord, rank: str, trace: pd.DataFrame) -> list[Finding]:
+    rows = trace[trace["rank"] == rank]
+    kernels = rows[rows["cat"] == "kernel"]
+    steps = ev.trace_steps(run, rank)
+    if not len(kernels) or not len(steps):
+        return []
+    ranges = _optimizer_ranges(rows)
+    per_step = _profiled_steps(rows, kernels, steps, ranges)
     table = pd.DataFrame(per_step)
     if (table["kernels"] > 0).any():
         # a step the trace only touches (its window's last boundary) is no profiled step
@@ -124,7 +133,7 @@ def _analyze_rank(run, rank, trace):
     ):
         return []
     lost = step_s - busy_s
-    evidence = {
+    evidence: dict[str, Any] = {
         "rank": rank,
         "profiled_steps": per_step,
         "gpu_busy_share": round(1 - idle_share, 3),
@@ -135,6 +144,52 @@ def _analyze_rank(run, rank, trace):
         "window_step_s": round(window_step_s, 6),
         "steady_step_s": round(step_s, 6),
     }
+    optimizer_class = ranges[0][2] if ranges else None
+    optimizer_share, graph_saving = _price_fixes(run, rank, table, optimizer_class, lost, evidence)
+    util = _nvml_util(run, steps)
+    if util is not None:
+        evidence["nvml_util_mean"] = util
+    optimizer_named = bool(optimizer_class) and optimizer_share >= MIN_OPTIMIZER_SHARE
+    return [
+        Finding(
+            id="gpu.launch_bound",
+            title=f"Launch-bound: the GPU is busy {1 - idle_share:.0%} of the step on rank {rank} "
+            f"({kernels_per_step:.0f} kernels of median {median_kernel * 1e6:.0f} µs)",
+            severity=ev.severity_for_share(idle_share),
+            analyzer="launch_bound",
+            summary=(
+                f"In the profiled steps the GPU ran kernels {busy_s * 1000:.1f} ms a step, of a "
+                f"{step_s * 1000:.1f} ms step; {kernels_per_step:.0f} kernels per step with a median of "
+                f"{median_kernel * 1e6:.0f} µs: the CPU's launches, not the GPU, set the pace."
+                + (
+                    f" {optimizer_class}.step was {optimizer_share:.0%} of the step, launching "
+                    f"{evidence['optimizer']['share_of_launches']:.0%} of the kernels."
+                    if optimizer_named
+                    else ""
+                )
+            ),
+            steps_affected=tuple(int(s) for s in table["step"]),
+            seconds_lost_per_step=lost,
+            share_of_step=idle_share,
+            evidence=evidence,
+            prescriptions=_launch_prescriptions(
+                run, optimizer_class, optimizer_share, graph_saving, lost, evidence
+            ),
+            ranks=(rank,),
+        )
+    ]
+
+
+def _price_fixes(
+    run: RunRecord,
+    rank: str,
+    table: pd.DataFrame,
+    optimizer_class: str | None,
+    lost: float,
+    evidence: dict[str, Any],
+) -> tuple[float, float]:
+    """(the optimizer's share of the step, what a CUDA graph saves); the prices and the
+    optimizer's launches go into `evidence`."""
     # a CUDA graph of the model's forward/backward removes the host's launching there; an
     # optimizer stepping each parameter by itself launches outside any such graph, and a
     # multi-tensor optimizer removes that. Each fix is priced by the host's time in its part of
@@ -143,7 +198,6 @@ def _analyze_rank(run, rank, trace):
     # 400 layers, AdamW(fused=False): ledger 54 ms forward/backward and 74 ms optimizer of a
     # 136 ms step; the graph alone saved 58 ms, the fused optimizer alone 74 ms. The profiled
     # step's share (the optimizer's range 45 % of it) under-priced the optimizer by 26 %.
-    optimizer_class = ranges[0][2] if ranges else None
     window_share = min(1.0, float(table["optimizer_s"].sum()) / max(1e-9, float(table["duration_s"].sum())))
     spans = _steady_spans(run, rank)
     if spans is not None:
@@ -168,12 +222,27 @@ def _analyze_rank(run, rank, trace):
             "share_of_step": round(optimizer_share, 3),
             "saving_s": optimizer_saving,
         }
+    return optimizer_share, graph_saving
+
+
+def _nvml_util(run: RunRecord, steps: pd.DataFrame) -> float | None:
+    """NVML's mean GPU utilisation over the profiled steps, or None without samples there."""
     gpu = run.gpu
-    if len(gpu):
-        span = (int(steps["start_ns"].min()), int(steps["end_ns"].max()))
-        util = pd.to_numeric(gpu[(gpu["t"] >= span[0]) & (gpu["t"] <= span[1])]["util"], errors="coerce")
-        if len(util.dropna()):
-            evidence["nvml_util_mean"] = round(float(util.mean()), 1)
+    if not len(gpu):
+        return None
+    span = (int(steps["start_ns"].min()), int(steps["end_ns"].max()))
+    util = pd.to_numeric(gpu[(gpu["t"] >= span[0]) & (gpu["t"] <= span[1])]["util"], errors="coerce")
+    return round(float(util.mean()), 1) if len(util.dropna()) else None
+
+
+def _launch_prescriptions(
+    run: RunRecord,
+    optimizer_class: str | None,
+    optimizer_share: float,
+    graph_saving: float,
+    lost: float,
+    evidence: dict[str, Any],
+) -> tuple[Prescription, ...]:
     prescriptions = [
         Prescription(
             kind="code",
@@ -215,32 +284,7 @@ def _analyze_rank(run, rank, trace):
                 expected_gain_s_per_step=lost,
             ),
         )
-    return [
-        Finding(
-            id="gpu.launch_bound",
-            title=f"Launch-bound: the GPU is busy {1 - idle_share:.0%} of the step on rank {rank} "
-            f"({kernels_per_step:.0f} kernels of median {median_kernel * 1e6:.0f} µs)",
-            severity=ev.severity_for_share(idle_share),
-            analyzer="launch_bound",
-            summary=(
-                f"In the profiled steps the GPU ran kernels {busy_s * 1000:.1f} ms a step, of a "
-                f"{step_s * 1000:.1f} ms step; {kernels_per_step:.0f} kernels per step with a median of "
-                f"{median_kernel * 1e6:.0f} µs: the CPU's launches, not the GPU, set the pace."
-                + (
-                    f" {optimizer_class}.step was {optimizer_share:.0%} of the step, launching "
-                    f"{evidence['optimizer']['share_of_launches']:.0%} of the kernels."
-                    if optimizer_class and optimizer_share >= MIN_OPTIMIZER_SHARE
-                    else ""
-                )
-            ),
-            steps_affected=tuple(int(s) for s in table["step"]),
-            seconds_lost_per_step=lost,
-            share_of_step=idle_share,
-            evidence=evidence,
-            prescriptions=tuple(prescriptions),
-            ranks=(rank,),
-        )
-    ]
+    return tuple(prescriptions)
 
 
 def analyze(run: RunRecord) -> list[Finding]:

@@ -15,7 +15,7 @@ import os
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from traindx.analyzers import evidence as ev
 from traindx.profiler import speedscope
@@ -73,32 +73,32 @@ class Compile:
 
     thread: str
     kind: str
-    site: tuple  # the frames that asked for the compile (innermost last)
+    site: tuple[Any, ...]  # the frames that asked for the compile (innermost last)
     first_sample: int
     samples: int = 0
     seconds: float = 0.0
-    kernel_files: collections.Counter = field(default_factory=collections.Counter)
+    kernel_files: collections.Counter[str] = field(default_factory=collections.Counter)
 
     @property
-    def site_frame(self):
+    def site_frame(self) -> Any:
         return _site_frame(self.site)
 
     @property
-    def site_label(self):
+    def site_label(self) -> Any:
         frame = self.site_frame
         return f"{frame.name} ({_short(frame.file)}:{frame.line})" if frame else "?"
 
     @property
-    def kernel_file(self):
+    def kernel_file(self) -> Any:
         return self.kernel_files.most_common(1)[0][0] if self.kernel_files else None
 
     @property
-    def function(self):
+    def function(self) -> Any:
         frame = self.site_frame
         return frame.name if frame else None
 
 
-def _short(path):
+def _short(path: str) -> Any:
     """A path from its package on: '.../site-packages/flash_attn/cute/x.py' -> 'flash_attn/cute/x.py'."""
     m = re.search(r"[/\\](site|dist)-packages[/\\](.+)$", path or "")
     if m:
@@ -131,14 +131,14 @@ def classify(stack: Sequence[Frame]) -> tuple[str, int] | None:
 SITE_DEPTH = 4  # frames above the compiler that tell one call site from another
 
 
-def _site(stack, entry):
+def _site(stack: Sequence[Frame], entry: Any) -> Any:
     """The frames that called into the compiler (innermost last), up to SITE_DEPTH: two calls
     of one helper from different lines of its caller are different kernels."""
     callers = [f for f in stack[:entry] if not COMPILER_PATH.search(f.file or "")]
     return tuple(callers[-SITE_DEPTH:])
 
 
-def _site_frame(site):
+def _site_frame(site: Any) -> Any:
     """The frame to name a site by: FA4's interface function (_flash_attn_fwd/_flash_attn_bwd)
     when it is on the stack, else the direct caller of the compiler."""
     for frame in site:
@@ -150,7 +150,7 @@ def _site_frame(site):
 PIPELINE_DEPTH = 5  # the compiler's stage functions below its entry (deeper code loops)
 
 
-def _restarted(previous, stack, entry):
+def _restarted(previous: Any, stack: Sequence[Frame], entry: Any) -> Any:
     """True when `stack` is a new compile after `previous` at the same site: at the first frame
     where they differ, within the compiler's pipeline functions near its entry (deeper code
     loops), the same function is at an earlier line."""
@@ -252,17 +252,17 @@ class SiteSummary:
     site_label: str
     function: str
     kernel_file: str | None
-    compiles: list
+    compiles: list[Compile]
     total_seconds: float
     thread_seconds: float  # all samples of that thread (outside imports)
     recording_seconds: float  # all samples of the recording (outside imports)
 
     @property
-    def count(self):
+    def count(self) -> Any:
         return len(self.compiles)
 
     @property
-    def recompiles(self):
+    def recompiles(self) -> Any:
         return self.compiles[1:]
 
 

@@ -30,7 +30,11 @@ if TYPE_CHECKING:  # annotations only
 
 from traindx.derive.steptables import EVENT_KINDS, compile_spans, event_seconds, gc_frame, run_t0, step_table
 
+if TYPE_CHECKING:  # annotations only
+    from traindx.derive.run import RunRecord
+
 DECLARATION = Declaration(name="step_causes", order=10, ids=("steps.time_in_events",), judge=True)
+
 
 CAUSE_SHARE = 0.3  # an event covering this share of a step names the step's cause
 EXCESS_SHARE = 0.25  # ...or this share of a slow step's time above the median
@@ -48,7 +52,7 @@ CAUSES = {
 
 
 def classify_steps(
-    table: pd.DataFrame, secs: np.ndarray, judged: tuple | None = None
+    table: pd.DataFrame, secs: np.ndarray, judged: tuple[Any, Any] | None = None
 ) -> tuple[float | None, float | None]:
     """Adds compile_s, gc_s (wall clock), slow and cause columns to the step table (in place);
     returns (median, slow threshold). secs: steptables.event_seconds of the same table.
@@ -108,7 +112,7 @@ def _seconds_text(seconds: float) -> str:
     return f"{seconds:.1f} s" if seconds >= 1 else f"{seconds * 1e3:.0f} ms"
 
 
-def analyze(run, findings: list | None = None) -> list:
+def analyze(run: RunRecord, findings: list[Finding] | None = None) -> list[Finding]:
     """[steps.time_in_events] when no root finding above info exists and one kind of event
     holds a real share of the steady steps' time (not a cold start); else []."""
     if any(is_problem(f) and f.cause is None for f in findings or ()):
@@ -160,41 +164,51 @@ def analyze(run, findings: list | None = None) -> list:
     if not kinds:
         return []
     kind = max(kinds, key=lambda c: by_cause[c])
+    return [_time_in_events(table, kind, by_cause, counts, total_s, waited)]
+
+
+def _time_in_events(
+    table: pd.DataFrame,
+    kind: str,
+    by_cause: pd.Series,
+    counts: pd.Series,
+    total_s: float,
+    waited: dict[str, float] | None,
+) -> Finding:
+    """One kind of event holds a real share of the steady steps' time and no finding names it."""
     n_steps = int(len(table[["rank", "step"]].drop_duplicates())) or 1
     mine = table[table["cause"] == kind]
     share = float(by_cause[kind]) / total_s
-    return [
-        Finding(
-            id="steps.time_in_events",
-            title=(
-                f"{int(counts[kind])} of {n_steps} steps spent most of their time in {CAUSES[kind]} "
-                f"({_seconds_text(float(by_cause[kind]))} in all)"
-            ),
-            severity=ev.severity_for_share(share),
-            analyzer="step_causes",
-            summary=(
-                f"{share:.0%} of the steady steps' time is {CAUSES[kind]}, recorded by the shim, and no "
-                "specialised analyzer made a finding of it: see the step chart and the compile "
-                "events in the report."
-            ),
-            steps_affected=tuple(sorted({int(s) for s in mine["step"]})),
-            seconds_lost_per_step=float(by_cause[kind]) / n_steps,
-            share_of_step=share,
-            ranks=tuple(sorted(set(mine["rank"]))),
-            evidence={
-                "kind": kind,
-                "steps": int(counts[kind]),
-                "of_steps": n_steps,
-                "seconds": float(by_cause[kind]),
-                "share_of_step_time": share,
-                **({"runqueue_wait": waited} if waited else {}),
-            },
-        )
-    ]
+    return Finding(
+        id="steps.time_in_events",
+        title=(
+            f"{int(counts[kind])} of {n_steps} steps spent most of their time in {CAUSES[kind]} "
+            f"({_seconds_text(float(by_cause[kind]))} in all)"
+        ),
+        severity=ev.severity_for_share(share),
+        analyzer="step_causes",
+        summary=(
+            f"{share:.0%} of the steady steps' time is {CAUSES[kind]}, recorded by the shim, and no "
+            "specialised analyzer made a finding of it: see the step chart and the compile "
+            "events in the report."
+        ),
+        steps_affected=tuple(sorted({int(s) for s in mine["step"]})),
+        seconds_lost_per_step=float(by_cause[kind]) / n_steps,
+        share_of_step=share,
+        ranks=tuple(sorted(set(mine["rank"]))),
+        evidence={
+            "kind": kind,
+            "steps": int(counts[kind]),
+            "of_steps": n_steps,
+            "seconds": float(by_cause[kind]),
+            "share_of_step_time": share,
+            **({"runqueue_wait": waited} if waited else {}),
+        },
+    )
 
 
 def without_core_wait(
-    run, table: pd.DataFrame, secs: np.ndarray, t0: int
+    run: RunRecord, table: pd.DataFrame, secs: np.ndarray, t0: int
 ) -> tuple[np.ndarray, np.ndarray] | None:
     """On a loaded machine a span's wall time holds the time the training thread waited for a
     core: its cost is its wall time less that wait, judged against the step's own time. GC

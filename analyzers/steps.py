@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 import signal
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from traindx.analyzers.declaration import Declaration
 from traindx.analyzers.findings import Finding
@@ -47,7 +47,7 @@ _CRASH_LINE = re.compile(
 STDERR_TAIL_LINES = 40
 
 
-def _exit_words(code: int, forwarded: list) -> str:
+def _exit_words(code: int, forwarded: list[Any]) -> str:
     """'SIGABRT (exit 134)' for a signal (the launcher records -N), 'exit 3' otherwise."""
     if code < 0:
         try:
@@ -106,7 +106,7 @@ def _job_exit(run: RunRecord) -> list[Finding]:
     ]
 
 
-def _crashing_frame(text: str):
+def _crashing_frame(text: str) -> str | None:
     """'file:line in function' innermost in the crashing thread of a faulthandler dump."""
     lines = text.splitlines()
     for i, line in enumerate(lines):

@@ -21,7 +21,7 @@ upstream stage is the schedule's bubble, not a straggler's victim.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
@@ -71,7 +71,7 @@ def uses_ddp(run: RunRecord) -> bool:
     return bool(len(run.of_type("ddp")))
 
 
-def _matched_collectives(spans):
+def _matched_collectives(spans: pd.DataFrame) -> Any:
     coll = spans[~is_point_to_point(spans) & spans["seq"].notna()]
     if not len(coll):
         return pd.DataFrame(columns=POINT_COLUMNS)
@@ -98,7 +98,7 @@ def _matched_collectives(spans):
     )
 
 
-def _ddp_backwards(run):
+def _ddp_backwards(run: RunRecord) -> Any:
     """Each backward of a DDP job, keyed by step and its order in the step, on every rank."""
     spans = run.spans
     bwd = spans[spans["cat"] == "backward"]

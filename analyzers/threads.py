@@ -22,14 +22,21 @@ threads burned beside the training thread, and how much of the step the training
 was on a core.
 """
 
+from __future__ import annotations
+
 import os
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import pandas as pd
 
 from traindx.analyzers import codefix
 from traindx.analyzers import evidence as ev
 from traindx.analyzers.declaration import Declaration
 from traindx.analyzers.findings import Finding, Prescription
+
+if TYPE_CHECKING:  # annotations only
+    from traindx.derive.run import RunRecord
 
 DECLARATION = Declaration(
     name="threads",
@@ -38,20 +45,21 @@ DECLARATION = Declaration(
     explains=("gpu_idle.host_starved", "host_work.code"),
 )
 
+
 ANALYZER = "threads"
 THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 LOADED_OTHERS = 0.5  # other runnable tasks per core (mean at the step ends): a loaded machine
 MIN_STEPS = 3
 
 
-def _first(frame, names):
+def _first(frame: pd.DataFrame, names: Any) -> Any:
     for name in names:
         if name in frame and frame[name].notna().any():
             return float(frame[name].dropna().iloc[0])
     return None
 
 
-def _env_threads(run) -> int | None:
+def _env_threads(run: RunRecord) -> int | None:
     env = run.manifest.get("env") or {}
     for name in THREAD_ENV:
         value = str(env.get(name) or "").strip()
@@ -60,7 +68,7 @@ def _env_threads(run) -> int | None:
     return None
 
 
-def thread_facts(run, rank):
+def thread_facts(run: RunRecord, rank: str) -> Any:
     """What the record says about threads and cores on `rank` over its steady steps, or None
     without the shim's cpu events."""
     cpu = run.of_type("cpu")
@@ -142,16 +150,16 @@ def thread_facts(run, rank):
     }
 
 
-def machine_loaded(facts: dict | None) -> bool:
+def machine_loaded(facts: dict[str, Any] | None) -> bool:
     """True when other processes kept the cores busy over the steady steps (facts: thread_facts):
     at least LOADED_OTHERS other runnable tasks per core. Waits measured then include the time
     the training thread waited for a core."""
     if not facts or not facts.get("cores"):
         return False
-    return (facts.get("other_runnable_tasks") or 0.0) >= LOADED_OTHERS * facts["cores"]
+    return bool((facts.get("other_runnable_tasks") or 0.0) >= LOADED_OTHERS * facts["cores"])
 
 
-def _processes_on_host(run):
+def _processes_on_host(run: RunRecord) -> Any:
     """Training processes of one host: the ranks (a multi-node run's nodes each have theirs)."""
     ranks = run.manifest.get("ranks")
     n = len(ranks) if isinstance(ranks, (list, dict)) and ranks else len(run.ranks) or 1
@@ -161,16 +169,16 @@ def _processes_on_host(run):
     return max(1, n)
 
 
-def _setting(threads):
+def _setting(threads: Any) -> str:
     return f"OMP_NUM_THREADS={threads} (or torch.set_num_threads({threads}) at the top of the script)"
 
 
-def _int(value):
+def _int(value: Any) -> Any:
     text = str(value or "").strip()
     return int(text) if text.isdigit() and int(text) > 0 else None
 
 
-def _job_set_threads(run, f):
+def _job_set_threads(run: RunRecord, f: Any) -> Any:
     """True when torch's intra-op count is not what the environment or torch's default gives
     it: the job (or a library it calls) called torch.set_num_threads. torch caps
     OMP_NUM_THREADS and its default at the cores, so more threads than cores come only from
@@ -195,7 +203,7 @@ def _job_set_threads(run, f):
     return bool(counts) and intra > max(counts)
 
 
-def _job_files(run):
+def _job_files(run: RunRecord) -> Any:
     """The job's scripts, then the other Python files of its own folder (a few hundred)."""
     scripts = ev.job_scripts(run)
     rest = []
@@ -206,7 +214,7 @@ def _job_files(run):
     return scripts + sorted(rest)
 
 
-def own_thread_call(run, f):
+def own_thread_call(run: RunRecord, f: Any) -> Any:
     """The job's own `torch.set_num_threads(...)` that set the thread count the record shows
     ({file, line, source, args}), or None: a call with that literal count, else (when the record
     says the job set the count itself) its first call."""
@@ -225,7 +233,7 @@ def own_thread_call(run, f):
     return first if _job_set_threads(run, f) else None
 
 
-def _own_call_prescriptions(run, f, threads, why):
+def _own_call_prescriptions(run: RunRecord, f: Any, threads: Any, why: Any) -> Any:
     """The job's own call set to `threads`; the environment variable would change nothing."""
 
     call = f.get("thread_call")
@@ -250,7 +258,7 @@ def _own_call_prescriptions(run, f, threads, why):
                 last_line=spot[1],
                 op="insert_after",
             )
-            if spot
+            if spot and where is not None
             else None
         )
         return (
@@ -259,7 +267,7 @@ def _own_call_prescriptions(run, f, threads, why):
                 summary=(
                     f"Run {threads} intra-op thread{plural} per process: call "
                     f"torch.set_num_threads({threads}) after set-up"
-                    + (f" ({where}:{spot[1]})" if change else "")
+                    + (f" ({where}:{spot[1]})" if change and spot else "")
                     + f"; {why}. Something in the job sets {f['intra_op_threads']} "
                     f"threads itself: {ignored}"
                 ),
@@ -284,7 +292,7 @@ def _own_call_prescriptions(run, f, threads, why):
     return (code,)
 
 
-def _prescriptions(run, f, threads, why):
+def _prescriptions(run: RunRecord, f: Any, threads: Any, why: Any) -> Any:
     own = _own_call_prescriptions(run, f, threads, why)
     if own:
         return own
@@ -299,7 +307,7 @@ def _prescriptions(run, f, threads, why):
     )
 
 
-def _cost_text(f):
+def _cost_text(f: Any) -> Any:
     parts = []
     if f["other_threads_cpu_s_per_step"] is not None:
         parts.append(
@@ -313,7 +321,7 @@ def _cost_text(f):
     return "; ".join(parts)
 
 
-def _analyze_rank(run, rank):
+def _analyze_rank(run: RunRecord, rank: str) -> list[Finding]:
     f = thread_facts(run, rank)
     if f is None or not f["cores"] or not f["intra_op_threads"]:
         return []
@@ -329,86 +337,102 @@ def _analyze_rank(run, rank):
             f["threads_from"] = f"the job's own {call['source']} at {call['file']}:{call['line']}"
     per_proc = max(1, (cores - workers) // procs) if cores > workers else 1
     out = []
-    common = {"analyzer": ANALYZER, "ranks": (rank,), "evidence": {**f, "threads_wanted": demand}}
+    common: dict[str, Any] = {
+        "analyzer": ANALYZER,
+        "ranks": (rank,),
+        "evidence": {**f, "threads_wanted": demand},
+    }
     # with other tasks runnable too, fewer threads than the job's share of the cores
     free = max(1, int(cores - others) // procs) if cores > others else 1
     if demand > cores and intra > per_proc:
-        ratio = demand / cores
-        per_proc = min(per_proc, free)
-        out.append(
-            Finding(
-                id="threads.oversubscribed",
-                title=(
-                    f"{demand} CPU threads on {cores} cores: {intra} intra-op thread"
-                    f"{'s' if intra > 1 else ''} x {procs} process{'es' if procs > 1 else ''}"
-                    + (f" + {workers} DataLoader workers" if workers else "")
-                ),
-                severity="medium" if ratio >= 2 else "low",
-                summary=(
-                    f"The job runs {intra} intra-op threads (from {f['threads_from']}) in each of "
-                    f"{procs} process{'es' if procs > 1 else ''}"
-                    + (f" beside {workers} DataLoader workers" if workers else "")
-                    + f" on {cores} cores it may use: torch's threads spin at their barriers and "
-                    f"take the cores the working ones need. Measured: {_cost_text(f)}."
-                ),
-                prescriptions=_prescriptions(
-                    run,
-                    f,
-                    per_proc,
-                    f"{cores} cores shared by {procs} "
-                    f"process{'es' if procs > 1 else ''}" + (f" and {workers} workers" if workers else ""),
-                ),
-                **common,
-            )
-        )
+        out.append(_oversubscribed(run, f, demand, min(per_proc, free), common))
     elif intra > 1 and demand + others > cores + 0.5:
         fit = free
         if fit < intra:
-            out.append(
-                Finding(
-                    id="threads.contention",
-                    title=(
-                        f"{intra} intra-op threads compete with {others:.1f} other runnable tasks "
-                        f"for {cores} cores"
-                    ),
-                    # info: the machine's load is not the job's, and it comes and goes (the same
-                    # job on a quiet machine has no such finding); the report shows it with the
-                    # setting that makes the job robust to it
-                    severity="info",
-                    summary=(
-                        f"Other processes keep the machine busy ({others:.1f} runnable tasks "
-                        f"beside the job on {cores} cores), so the job's {intra} intra-op threads "
-                        "wait for each other at every parallel op (a spinning barrier with a "
-                        f"thread off its core). Measured: {_cost_text(f)}."
-                    ),
-                    prescriptions=_prescriptions(run, f, fit, "fewer threads than free cores"),
-                    **common,
-                )
-            )
+            out.append(_contention(run, f, others, fit, common))
     if machine_loaded(f):
-        out.append(
-            Finding(
-                id="threads.machine_loaded",
-                title=f"The machine was loaded: {others:.1f} other runnable tasks on {cores} cores",
-                severity="info",
-                summary=(
-                    f"Beside the job, {others:.1f} tasks on average were runnable on the "
-                    f"machine's {cores} cores"
-                    + (
-                        f" (idle {f['machine_idle_share']:.0%} of the time)"
-                        if f["machine_idle_share"] is not None
-                        else ""
-                    )
-                    + ": the step times are those of a shared machine, slower and noisier than "
-                    "on a quiet one."
-                ),
-                **common,
-            )
-        )
+        out.append(_loaded(f, others, common))
     return out
 
 
-def analyze(run):
+def _oversubscribed(
+    run: RunRecord, f: dict[str, Any], demand: int, per_proc: int, common: dict[str, Any]
+) -> Finding:
+    """More of the job's CPU threads than its cores."""
+    cores, intra, procs = f["cores"], f["intra_op_threads"], f["processes_on_host"]
+    workers = f["dataloader_workers"]
+    ratio = demand / cores
+    return Finding(
+        id="threads.oversubscribed",
+        title=(
+            f"{demand} CPU threads on {cores} cores: {intra} intra-op thread"
+            f"{'s' if intra > 1 else ''} x {procs} process{'es' if procs > 1 else ''}"
+            + (f" + {workers} DataLoader workers" if workers else "")
+        ),
+        severity="medium" if ratio >= 2 else "low",
+        summary=(
+            f"The job runs {intra} intra-op threads (from {f['threads_from']}) in each of "
+            f"{procs} process{'es' if procs > 1 else ''}"
+            + (f" beside {workers} DataLoader workers" if workers else "")
+            + f" on {cores} cores it may use: torch's threads spin at their barriers and "
+            f"take the cores the working ones need. Measured: {_cost_text(f)}."
+        ),
+        prescriptions=_prescriptions(
+            run,
+            f,
+            per_proc,
+            f"{cores} cores shared by {procs} "
+            f"process{'es' if procs > 1 else ''}" + (f" and {workers} workers" if workers else ""),
+        ),
+        **common,
+    )
+
+
+def _contention(
+    run: RunRecord, f: dict[str, Any], others: float, fit: int, common: dict[str, Any]
+) -> Finding:
+    """The job's intra-op threads and the machine's other runnable tasks, more than its cores."""
+    cores, intra = f["cores"], f["intra_op_threads"]
+    return Finding(
+        id="threads.contention",
+        title=(f"{intra} intra-op threads compete with {others:.1f} other runnable tasks for {cores} cores"),
+        # info: the machine's load is not the job's, and it comes and goes (the same
+        # job on a quiet machine has no such finding); the report shows it with the
+        # setting that makes the job robust to it
+        severity="info",
+        summary=(
+            f"Other processes keep the machine busy ({others:.1f} runnable tasks "
+            f"beside the job on {cores} cores), so the job's {intra} intra-op threads "
+            "wait for each other at every parallel op (a spinning barrier with a "
+            f"thread off its core). Measured: {_cost_text(f)}."
+        ),
+        prescriptions=_prescriptions(run, f, fit, "fewer threads than free cores"),
+        **common,
+    )
+
+
+def _loaded(f: dict[str, Any], others: float, common: dict[str, Any]) -> Finding:
+    cores = f["cores"]
+    return Finding(
+        id="threads.machine_loaded",
+        title=f"The machine was loaded: {others:.1f} other runnable tasks on {cores} cores",
+        severity="info",
+        summary=(
+            f"Beside the job, {others:.1f} tasks on average were runnable on the "
+            f"machine's {cores} cores"
+            + (
+                f" (idle {f['machine_idle_share']:.0%} of the time)"
+                if f["machine_idle_share"] is not None
+                else ""
+            )
+            + ": the step times are those of a shared machine, slower and noisier than "
+            "on a quiet one."
+        ),
+        **common,
+    )
+
+
+def analyze(run: RunRecord) -> list[Finding]:
     findings = []
     ranks = sorted(set(run.ledger["rank"]), key=str) if len(run.ledger) else []
     for rank in ranks:

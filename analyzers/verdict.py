@@ -12,17 +12,22 @@ The report and the terminal render this finding; they never decide the headline 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from traindx.analyzers.declaration import Declaration
 from traindx.analyzers.findings import NOTE, VERDICT_PREFIX, Finding, is_problem, reading_order
 from traindx.common.units import fmt_s
 from traindx.derive import ledger as L
 from traindx.derive.steptables import steady_median, step_table, steps_per_rank
 
+if TYPE_CHECKING:  # annotations only
+    from traindx.derive.run import RunRecord
+
 _VERDICTS = ("verdict.cause", "verdict.no_steps", "verdict.healthy")
 DECLARATION = Declaration(name="verdict", order=20, ids=_VERDICTS, judge=True, not_causes=_VERDICTS)
 
 
-def _mean_steady_step(run) -> float | None:
+def _mean_steady_step(run: RunRecord) -> float | None:
     """The mean steady step of the slowest rank, from the ledger (the unit findings' savings are
     in); None without a ledger."""
     try:
@@ -32,14 +37,61 @@ def _mean_steady_step(run) -> float | None:
         return None
 
 
-def _pick(findings: list) -> Finding | None:
+def _pick(findings: list[Finding]) -> Finding | None:
     """The root finding to act on first: the first (reading order) with a prescription, else the
     first root problem."""
     roots = [f for f in reading_order(findings) if is_problem(f) and f.cause is None]
     return next((f for f in roots if f.prescriptions), roots[0] if roots else None)
 
 
-def judge(run, findings: list) -> Finding:
+def _cause_verdict(run: RunRecord, top: Finding, median: float | None, counts: dict[str, Any]) -> Finding:
+    """The verdict that names the root finding to act on first, with its first fix's speed-up."""
+    p = top.prescriptions[0] if top.prescriptions else None
+    gain = (
+        p.expected_gain_s_per_step
+        if p is not None and p.expected_gain_s_per_step is not None
+        else top.seconds_lost_per_step
+    )
+    # savings are per mean step (the ledger's lines): the speed-up is against the mean steady
+    # step when the ledger gives one and the saving fits in it, else the median
+    mean = _mean_steady_step(run)
+    step_s = mean if mean and gain and gain <= mean else median
+    speedup = step_s / (step_s - gain) if gain and step_s and 0 < gain < step_s else None
+    headline = p.summary if p is not None else top.title
+    return Finding(
+        id="verdict.cause",
+        title=headline,
+        severity=NOTE,
+        analyzer="verdict",
+        summary=(
+            f"The change to make first: {headline} (why: {top.title})."
+            if p is not None
+            else f"The main problem, with no prescription: {top.title}."
+        ),
+        seconds_lost_per_step=top.seconds_lost_per_step,
+        share_of_step=top.share_of_step,
+        ranks=top.ranks,
+        evidence={
+            "top": top.id,
+            "top_title": top.title,
+            "top_severity": top.severity,
+            "seconds_per_step": top.seconds_lost_per_step,
+            "prescription": 0 if p else None,
+            "gain_s": gain,
+            "step_s": step_s,
+            # a saving well under the time lost says why (the pricing's words)
+            "saving_limit": top.evidence.get("saving_limit")
+            if gain is not None and top.seconds_lost_per_step and gain < top.seconds_lost_per_step
+            else None,
+            "step_statistic": "mean" if step_s is not None and step_s == mean else "median",
+            "after_step_s": (step_s - gain if speedup and step_s is not None and gain is not None else None),
+            "speedup": speedup,
+            **counts,
+        },
+    )
+
+
+def judge(run: RunRecord, findings: list[Finding]) -> Finding:
     """The verdict of a run from its (linked, priced) findings."""
     findings = [f for f in findings if not f.id.startswith(VERDICT_PREFIX)]
     table, source = step_table(run)
@@ -48,51 +100,7 @@ def judge(run, findings: list) -> Finding:
     counts = {"steps": n_steps, "ranks": ranks, "median_step_s": median, "step_source": source}
     top = _pick(findings)
     if top is not None:
-        p = top.prescriptions[0] if top.prescriptions else None
-        gain = (
-            p.expected_gain_s_per_step
-            if p is not None and p.expected_gain_s_per_step is not None
-            else top.seconds_lost_per_step
-        )
-        # savings are per mean step (the ledger's lines): the speed-up is against the mean steady
-        # step when the ledger gives one and the saving fits in it, else the median
-        mean = _mean_steady_step(run)
-        step_s = mean if mean and gain and gain <= mean else median
-        speedup = step_s / (step_s - gain) if gain and step_s and 0 < gain < step_s else None
-        headline = p.summary if p is not None else top.title
-        return Finding(
-            id="verdict.cause",
-            title=headline,
-            severity=NOTE,
-            analyzer="verdict",
-            summary=(
-                f"The change to make first: {headline} (why: {top.title})."
-                if p is not None
-                else f"The main problem, with no prescription: {top.title}."
-            ),
-            seconds_lost_per_step=top.seconds_lost_per_step,
-            share_of_step=top.share_of_step,
-            ranks=top.ranks,
-            evidence={
-                "top": top.id,
-                "top_title": top.title,
-                "top_severity": top.severity,
-                "seconds_per_step": top.seconds_lost_per_step,
-                "prescription": 0 if p else None,
-                "gain_s": gain,
-                "step_s": step_s,
-                # a saving well under the time lost says why (the pricing's words)
-                "saving_limit": top.evidence.get("saving_limit")
-                if gain is not None and top.seconds_lost_per_step and gain < top.seconds_lost_per_step
-                else None,
-                "step_statistic": "mean" if step_s is not None and step_s == mean else "median",
-                "after_step_s": (
-                    step_s - gain if speedup and step_s is not None and gain is not None else None
-                ),
-                "speedup": speedup,
-                **counts,
-            },
-        )
+        return _cause_verdict(run, top, median, counts)
     if not n_steps:
         status = (run.manifest or {}).get("exit_code")
         return Finding(
@@ -124,6 +132,6 @@ def judge(run, findings: list) -> Finding:
     )
 
 
-def analyze(run, findings: list | None = None) -> list:
+def analyze(run: RunRecord, findings: list[Finding] | None = None) -> list[Finding]:
     """Registry entry: [the verdict] (run last, over every other finding)."""
     return [judge(run, list(findings or []))]
