@@ -11,7 +11,7 @@ from typing import Any
 
 from traindx.derive.record_tables import none_if_nan
 from traindx.derive.so_far import EventsSoFar
-from traindx.profiler import columnar, nodes
+from traindx.profiler import columnar, eventcache, nodes
 from traindx.profiler.columnar import CorruptEvidenceWarning, TruncatedEvidenceWarning
 from traindx.profiler.shim._traindx_shim import schema
 from traindx.profiler.shim._traindx_shim.roles import rank_labels
@@ -48,10 +48,10 @@ def load_tables(
     """
     files = columnar.event_files(path, manifest)
     multi = any(x.node is not None for x in files) or bool((manifest or {}).get("nodes"))
-    read = columnar.may_read_cache(cache)
-    write = write_cache and columnar.use_cache(files, cache)
-    fp = columnar.fingerprint(files) if (read or write) else None
-    hit = columnar.read_cache(path, fp) if read else None
+    read = eventcache.may_read_cache(cache)
+    write = write_cache and eventcache.use_cache(files, cache)
+    fp = eventcache.fingerprint(files) if (read or write) else None
+    hit = eventcache.read_cache(path, fp) if read else None
     if hit is not None:
         index, paths = hit
         columnar.warn_all(_notes_from_json(index["notes"]), stacklevel=4)
@@ -218,7 +218,7 @@ def _node_tables(
     out, base = {}, 0
     for folder, node, _ in nodes.parts(path, manifest or {}):
         own = columnar.event_files(folder)
-        hit = columnar.read_cache(folder, columnar.fingerprint(own)) if own else None
+        hit = eventcache.read_cache(folder, eventcache.fingerprint(own)) if own else None
         if hit is not None and "per_process" in hit[0] and len(hit[0]["summary"]) == len(own):
             out[base] = hit
         base += len(own)

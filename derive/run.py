@@ -301,7 +301,7 @@ def _evidence_present(path: str) -> list[str]:
 
 
 # the manifest's fields and their JSON types (launcher, attach, merge write them)
-MANIFEST_SHAPES = {
+MANIFEST_SHAPES: dict[str, type | tuple[type, ...]] = {
     "command": list,
     "gpus": list,
     "signals_forwarded": list,
@@ -380,7 +380,7 @@ def load_run(
             f"{path}` once every node has finished"
         )
     manifest, problem = _read_manifest(manifest_path)
-    if problem is not None:
+    if manifest is None:  # problem says why
         evidence = _evidence_present(path)
         if not evidence:
             raise UserError(f"{path} is not a traindx run ({problem})")
