@@ -14,14 +14,14 @@ from traindx.derive.run import RunRecord, load_run
 from traindx.profiler import clocks
 from traindx.profiler.nodes import (
     CLOCK_FILE,
-    _merge_log,
-    _merge_nvml,
-    _merge_pyspy,
-    _read_manifest,
-    _write_json,
     combine,
+    merge_log,
+    merge_nvml,
+    merge_pyspy,
     merged_manifest,
     node_dirs,
+    read_manifest,
+    write_json,
 )
 
 
@@ -37,7 +37,7 @@ def merge_parts(run_dir: str, reference: str | None = None) -> tuple[dict[str, A
         )
     if reference is not None and reference not in found:
         raise UserError(f"--reference {reference}: no such node (nodes: {', '.join(found)})")
-    manifests = {n: _read_manifest(d) for n, d in found.items()}
+    manifests = {n: read_manifest(d) for n, d in found.items()}
     loaded = {n: load_node_events(d) for n, d in found.items()}
     by_node: dict[str, list[tuple[Any, list[dict[str, Any]]]]] = {}
     for n, (rows, _, _) in loaded.items():
@@ -61,7 +61,7 @@ def merge_parts(run_dir: str, reference: str | None = None) -> tuple[dict[str, A
         "note": "offset_ns is added to every timestamp of that node; the true offset lies "
         "within offset_ns ± error_ns if the node's clock ran at a constant offset",
     }
-    _write_json(os.path.join(run_dir, CLOCK_FILE), clock)
+    write_json(os.path.join(run_dir, CLOCK_FILE), clock)
 
     ordered = list(found)
     _, _, labels = combine([(n, offsets[n], loaded[n]) for n in ordered])
@@ -72,11 +72,11 @@ def merge_parts(run_dir: str, reference: str | None = None) -> tuple[dict[str, A
     for n in ordered:
         gpu_base[n] = count
         count += len(manifests[n].get("gpus") or [])
-    if not _merge_nvml(parts, os.path.join(run_dir, "nvml.csv"), gpu_base):
+    if not merge_nvml(parts, os.path.join(run_dir, "nvml.csv"), gpu_base):
         manifest["missing"].setdefault("nvml", "no node recorded NVML samples")
-    _merge_log(parts, os.path.join(run_dir, "log.txt"))
-    _merge_pyspy(parts, labels, os.path.join(run_dir, "pyspy"))
-    _write_json(os.path.join(run_dir, "manifest.json"), manifest)
+    merge_log(parts, os.path.join(run_dir, "log.txt"))
+    merge_pyspy(parts, labels, os.path.join(run_dir, "pyspy"))
+    write_json(os.path.join(run_dir, "manifest.json"), manifest)
     return clock, manifest
 
 

@@ -90,10 +90,9 @@ class _Window:
                 if len(self.buf) - self.pos > MAX_EVENT_CHARS or not self.more():
                     raise
                 continue
-            if end == len(self.buf) and not self.eof and isinstance(value, (int, float)):
-                # a number cut at the window's edge decodes as a shorter number: read on
-                if self.more():
-                    continue
+            # a number cut at the window's edge decodes as a shorter number: read on
+            if end == len(self.buf) and not self.eof and isinstance(value, (int, float)) and self.more():
+                continue
             self.pos = end
             return value
 
