@@ -18,6 +18,7 @@ import re
 import statistics
 import time
 from collections import deque
+from collections.abc import Collection
 
 # deep capture: a step this many times the running median (of the last ANOMALY_WINDOW steady
 # steps, once ANOMALY_MIN_STEPS are known) or a kernel compiled again is an anomaly
@@ -301,11 +302,11 @@ def _top_outside(line: dict[str, float]) -> str | None:
     """The category outside the model's spans with the largest share of a step, if any has
     LINE_SHIFT or more."""
     outside = {c: v for c, v in line.items() if c not in MODEL_SPANS}
-    top = max(outside, key=outside.get, default=None)
+    top = max(outside, key=lambda c: outside[c], default=None)
     return top if top is not None and outside[top] >= LINE_SHIFT else None
 
 
-def _mean_line(lines) -> dict[str, float]:
+def _mean_line(lines: Collection[dict[str, float]]) -> dict[str, float]:
     """Per category, the median share of the steps' lines (one odd step of LINE_STEPS moves
     nothing). Of an even count, the mean of the middle two: the upper one of every category
     summed to more than the step (of two lines, a cold first step's forward and the next

@@ -11,6 +11,8 @@ rank once it exists, else the rank its environment names.
 Standard library only: this module runs inside the job.
 """
 
+from __future__ import annotations  # annotations stay text: no typing at import in the job
+
 import os
 
 # Environment variables naming a process's global rank, most specific first. Under srun +
@@ -42,7 +44,7 @@ def events_file(pid, attempt=0):
     return f"p{pid}.jsonl" if not attempt else f"p{pid}.{attempt}.jsonl"
 
 
-def parse_process_file(name, suffix):
+def parse_process_file(name: str, suffix: str) -> int | None:
     """pid of a per-process file name 'p<pid>[.<n>]<suffix>', else None (a rank-named file)."""
     if not name.endswith(suffix) or not name.startswith("p"):
         return None
@@ -50,7 +52,7 @@ def parse_process_file(name, suffix):
     return int(stem) if stem.isdigit() else None
 
 
-def rank_labels(processes):
+def rank_labels(processes: list[dict]) -> dict:
     """{pid: label} for training processes given as dicts {pid, rank (str or None), start}.
 
     A rank that is not known is taken as "0" (a job without a process group is one rank).
@@ -91,7 +93,7 @@ def read_announcements(run_dir):
     return out
 
 
-def announced_ranks(run_dir):
+def announced_ranks(run_dir: str) -> dict:
     """{label: pid} of the training processes that announced themselves in run_dir."""
     procs = [
         {"pid": int(p["pid"]), "rank": p.get("rank"), "start": p.get("start")}
