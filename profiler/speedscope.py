@@ -2,6 +2,7 @@
 
 import json
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from traindx.common.errors import UserError
@@ -43,7 +44,7 @@ class Frame:
 @dataclass
 class ThreadSamples:
     thread: str
-    stacks: list[tuple[Frame, ...]] = field(default_factory=list)  # each a tuple of Frame, root first
+    stacks: list[Sequence[Frame]] = field(default_factory=list)  # each a tuple of Frame, root first
     weights: list[float] = field(default_factory=list)
 
 
