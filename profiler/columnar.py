@@ -34,7 +34,7 @@ import shutil
 import warnings
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -48,6 +48,7 @@ from traindx.profiler.eventparse import (  # noqa: F401  (re-exported: the run l
     FILE,
     SEQ,
     CorruptEvidenceWarning,
+    EventFile,
     FileParse,
     TruncatedEvidenceWarning,
     parse_file,
@@ -59,13 +60,6 @@ TIME_COLUMNS = ("t", "start")  # ns on the writer's clock: a node's offset appli
 
 Array = npt.NDArray[Any]
 OrderKeys = tuple[Array, Array]  # a frame's rows' (file, line) keys
-
-
-class EventFile(NamedTuple):
-    path: str
-    rel: str  # the path relative to the run folder
-    node: str | None  # a merged multi-node run's node, else None
-    offset_ns: int  # added to the file's times (its node's clock offset)
 
 
 def event_files(run_path: str, manifest: dict[str, Any] | None = None) -> list[EventFile]:

@@ -9,18 +9,15 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from traindx.profiler.eventparse import FILE
+from traindx.profiler.eventparse import FILE, EventFile
 from traindx.profiler.shim._traindx_shim.segments import segments
-
-if TYPE_CHECKING:  # annotations only (columnar imports this module)
-    from traindx.profiler.columnar import EventFile
 
 CACHE_DIR = os.path.join("tables", "events")
 CACHE_VERSION = "3"

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -33,6 +33,15 @@ Notes = list[tuple[type[Warning], str]]
 # (warning class, message), identity (events: process_start/rank_known/training in file order,
 # types, first_t, count, t_min)
 FileParse = tuple[dict[str, Any], dict[str, list[dict[str, Any]]], Notes, dict[str, Any]]
+
+
+class EventFile(NamedTuple):
+    """One events file of a run (traindx.profiler.columnar.event_files)."""
+
+    path: str
+    rel: str  # the path relative to the run folder
+    node: str | None  # a merged multi-node run's node, else None
+    offset_ns: int  # added to the file's times (its node's clock offset)
 
 
 class TruncatedEvidenceWarning(UserWarning):

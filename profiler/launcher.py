@@ -263,6 +263,8 @@ class Job:
         self, env: dict[str, str], manifest: dict[str, Any], relay: OutputRelay, pyspy: PySpyManager
     ) -> int:
         """Start the job with its output to the relay and py-spy on it; its return code."""
+        job_out: int | None
+        job_err: int | None
         try:
             job_out, job_err = relay.start()
         except OSError as exc:  # the job's output then goes straight to the terminal
