@@ -12,7 +12,7 @@ from typing import Any
 from traindx.derive.record_tables import none_if_nan
 from traindx.derive.so_far import EventsSoFar
 from traindx.profiler import columnar, eventcache, nodes
-from traindx.profiler.columnar import CorruptEvidenceWarning, TruncatedEvidenceWarning
+from traindx.profiler.columnar import CorruptEvidenceWarning, FileParse, TruncatedEvidenceWarning
 from traindx.profiler.shim._traindx_shim import schema
 from traindx.profiler.shim._traindx_shim.roles import rank_labels
 
@@ -80,13 +80,7 @@ def load_tables(
     ]
     per_process = [p for p in known.info_of_file if p is not None]
     labels, table = _label_processes(per_process, label_of_file, multi)
-    flat: dict[str, list[Any]] = {}
-    nested: dict[str, list[Any]] = {}
-    for tables_of_file, rows_of_file, _, _ in parsed:
-        for typ, t in tables_of_file.items():
-            flat.setdefault(typ, []).append(t)
-        for typ, rows in rows_of_file.items():
-            nested.setdefault(typ, []).extend(rows)
+    flat, nested = _by_type(parsed)
     del parsed
     tables = columnar.EventTables(
         files,
@@ -109,6 +103,18 @@ def load_tables(
         }
         tables.write_cache(path, fp, meta)
     return tables, table, labels
+
+
+def _by_type(parsed: list[FileParse]) -> tuple[dict[str, list[Any]], dict[str, list[dict[str, Any]]]]:
+    """Every file's parse gathered per event type: ({type: [Arrow tables]}, {type: [rows]})."""
+    flat: dict[str, list[Any]] = {}
+    nested: dict[str, list[dict[str, Any]]] = {}
+    for tables_of_file, rows_of_file, _, _ in parsed:
+        for typ, t in tables_of_file.items():
+            flat.setdefault(typ, []).append(t)
+        for typ, rows in rows_of_file.items():
+            nested.setdefault(typ, []).extend(rows)
+    return flat, nested
 
 
 class _KnownFiles:
