@@ -63,7 +63,8 @@ def rank_processes(root_pid: int) -> dict[int, str | None]:
     the top-most Python process on each branch whose environment names a rank (its own
     children are DataLoader workers and the like), else the top-most Python processes."""
     children = children_map()
-    found, topmost = {}, []
+    found: dict[int, str | None] = {}
+    topmost: list[int] = []
     stack = [(root_pid, False)]
     while stack:
         pid, below_python = stack.pop()

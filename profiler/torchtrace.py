@@ -195,8 +195,8 @@ def _num(value: Any) -> float:
         return math.nan
 
 
-def _read(f: TextIO, rank: str) -> tuple[pd.DataFrame, int]:
-    """(DataFrame of the 'X' events, baseTimeNanoseconds) of one open text stream."""
+def _read(f: TextIO, rank: str) -> pd.DataFrame:
+    """The DataFrame of the 'X' events of one open text stream (on baseTimeNanoseconds)."""
     decoder = json.JSONDecoder()
     win = _Window(f)
     if win.skip() != "{":
@@ -552,7 +552,7 @@ def gpu_window(trace: pd.DataFrame, start_ns: int, end_ns: int) -> dict[str, Any
     }
 
 
-def top_kernels(trace: pd.DataFrame, limit: int = 10) -> list[dict[str, Any]]:
+def top_kernels(trace: pd.DataFrame, limit: int = 10) -> pd.DataFrame:
     """The kernels (and copies) with the most GPU time in the window: name, kind, calls,
     seconds, share of all GPU time."""
     gpu = trace[trace["cat"].isin(GPU_CATS).to_numpy()]
@@ -573,7 +573,7 @@ def top_kernels(trace: pd.DataFrame, limit: int = 10) -> list[dict[str, Any]]:
     return out.head(limit).reset_index(drop=True)
 
 
-def pageable_copies(trace: pd.DataFrame) -> list[dict[str, Any]]:
+def pageable_copies(trace: pd.DataFrame) -> pd.DataFrame:
     """Host-to-device copies from pageable memory in the window (Kineto names them 'Memcpy HtoD
     (Pageable -> Device)'), each with its bytes and seconds."""
     copies = trace[

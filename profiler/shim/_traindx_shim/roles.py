@@ -14,6 +14,7 @@ Standard library only: this module runs inside the job.
 from __future__ import annotations  # annotations stay text: no typing at import in the job
 
 import os
+from collections.abc import Mapping, Sequence  # already loaded by the interpreter: no cost
 
 # Environment variables naming a process's global rank, most specific first. Under srun +
 # torchrun SLURM_PROCID is the node, not the rank: RANK (set by torchrun) wins when present.
@@ -22,7 +23,7 @@ EVENTS_DIR = "events"
 ANNOUNCE_DIR = "procs"  # procs/<pid>.json: a training process says so, for the py-spy manager
 
 
-def rank_from_env(env):
+def rank_from_env(env: Mapping[str, str]) -> tuple[str | None, str | None]:
     """(rank, variable) from an environment mapping, or (None, None)."""
     for name in RANK_ENV:
         value = (env.get(name) or "").strip()
@@ -31,7 +32,7 @@ def rank_from_env(env):
     return None, None
 
 
-def is_multiprocessing_child(orig_argv):
+def is_multiprocessing_child(orig_argv: Sequence[str]) -> bool:
     """A Python that multiprocessing started with spawn or forkserver (a DataLoader worker, a
     torch.multiprocessing.spawn rank, the resource tracker, the fork server): only training
     evidence tells these apart, so they write nothing until they show it."""
@@ -70,7 +71,7 @@ def rank_labels(processes: list[dict]) -> dict:
     return labels
 
 
-def read_announcements(run_dir):
+def read_announcements(run_dir: str) -> list[dict]:
     """The procs/<pid>.json files: [{pid, rank, start, ...}] (unreadable ones skipped)."""
     import json
 
