@@ -11,6 +11,9 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
+
+Array = npt.NDArray[Any]
 
 LINE_PERIOD_MAX = 8  # longer periods are the slow-step search's business
 LINE_MIN_EXCESS_SHARE = 0.03  # of the mean step: the dear steps' excess on that line
@@ -36,14 +39,16 @@ def series_period(steps: Sequence[int], values: Sequence[float]) -> dict[str, An
     return period_of(steps_arr[order], values_arr[order], float(values_arr.mean()))
 
 
-def _auc(on, off):
+def _auc(on: Array, off: Array) -> float:
     """Share of (dear-residue step, other step) pairs where the dear one is larger."""
     if not len(on) or not len(off):
         return 0.0
     return float((on[:, None] > off[None, :]).mean())
 
 
-def _best_auc_per_period(ranks, residues_by_period, counts_by_period):
+def _best_auc_per_period(
+    ranks: Array, residues_by_period: list[Array], counts_by_period: list[Array]
+) -> Array:
     """Per period: the largest rank-sum AUC of one residue against the others (Mann-Whitney),
     for each row of `ranks` (observed first, then permutations); shape (rows, periods)."""
     rows, n = ranks.shape
@@ -59,7 +64,7 @@ def _best_auc_per_period(ranks, residues_by_period, counts_by_period):
     return out
 
 
-def period_of(steps, values, step_s):
+def period_of(steps: Array, values: Array, step_s: float) -> dict[str, Any] | None:
     """The shortest period whose dearest residue is larger than the other steps nearly always
     (rank AUC), beyond what any period reaches on the same values shuffled (a family-wise
     permutation test over every period tried: a noisy line aligns with some period by chance),
@@ -90,7 +95,7 @@ def period_of(steps, values, step_s):
             continue
         residues = res[j]
         medians = {r: float(np.median(values[residues == r])) for r in range(period)}
-        top = max(medians, key=medians.get)
+        top = max(medians, key=lambda r: medians[r])
         mask = residues == top
         on, off = values[mask], values[~mask]
         slow, other = float(np.median(on)), float(np.median(off))

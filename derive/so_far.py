@@ -15,12 +15,15 @@ Derive layer: no judgement here.
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from traindx.profiler import columnar
+from traindx.profiler.columnar import FileParse
 from traindx.profiler.shim._traindx_shim import schema
+from traindx.profiler.shim._traindx_shim.segments import segments
 
 # event types written once a step or more (a long run's growth); the rest are a few rows a
 # process (identity, DataLoader sites, sampled frames' names, compiles and their keys)
@@ -48,9 +51,11 @@ class EventsSoFar:
     for the per-step event types). A file that shrank or rolled into segments is parsed whole.
     The tables it gives are the batch parse's of the rows kept (same rows, same FILE/SEQ keys)."""
 
-    def __init__(self, keep_steps: int | None = None):
+    def __init__(self, keep_steps: int | None = None) -> None:
         self.keep_steps = keep_steps
-        self._files = {}  # path -> (bytes parsed, lines parsed, that part's parse result)
+        self._files: dict[
+            str, tuple[int, int, tuple[Any, Any, Any, Any, int]]
+        ] = {}  # path -> (bytes parsed, lines parsed, that part's parse result)
         self.frames = columnar.FramesKept()  # the pandas tables of the last load, per type
         self.dropped: dict[str, int] = {}  # rows trimmed off so far, per event type
         self.steps_dropped = 0  # step_end rows trimmed off so far (all files)
@@ -62,20 +67,20 @@ class EventsSoFar:
             n += sum(t.num_rows for t in flat.values()) + sum(len(r) for r in nested.values())
         return n
 
-    def parse(self, files, indices):
+    def parse(self, files: list[columnar.EventFile], indices: list[int]) -> list[FileParse]:
         out = []
         for i, x in zip(indices, files):
             try:
                 out.append(self._parse_one(i, x.path))
             except (OSError, ValueError, pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError):
                 self._files.pop(x.path, None)
-                out.append(columnar._parse_file(i, x.path))
+                out.append(columnar.parse_file(i, x.path))
         return out
 
-    def _parse_one(self, index, path):
+    def _parse_one(self, index: int, path: str) -> FileParse:
         size = os.path.getsize(path)
         done, lines, old = self._files.get(path, (0, 0, None))
-        if size < done or columnar.segments(path) or (old is not None and old[4] != index):
+        if size < done or segments(path) or (old is not None and old[4] != index):
             if old is not None:  # the frames kept were of rows that are no longer the file's
                 self.frames = columnar.FramesKept()
             done, lines, old = 0, 0, None  # shrank, rolled, or another file index: whole
@@ -85,19 +90,19 @@ class EventsSoFar:
         data = data[: data.rfind(b"\n") + 1]  # complete lines only: the rest comes next time
         if not data and old is not None:
             return old[:4]
-        new = columnar._parse_file(index, path, data=data, whole_lines=True)
+        new = columnar.parse_file(index, path, data=data, whole_lines=True)
         merged = new if old is None else _merge_parts(old[:4], _shift_seq(new, lines))
         if self.keep_steps:
             merged = self._trim(merged)
         self._files[path] = (done + len(data), lines + data.count(b"\n"), (*merged, index))
         return merged
 
-    def _trim(self, part):
+    def _trim(self, part: FileParse) -> FileParse:
         """The part without its per-step rows before its last keep_steps steps, once it holds
         TRIM_SLACK more steps than that."""
         flat, nested, notes, ident = part
         begins = _times(flat, nested, schema.STEP_BEGIN)
-        keep = int(self.keep_steps)
+        keep = int(self.keep_steps or 0)
         if len(begins) <= keep + max(1, int(keep * TRIM_SLACK)):
             return part
         begins.sort()
@@ -126,13 +131,13 @@ class EventsSoFar:
         self.frames.forget(trimmed)
         return flat, nested, notes, ident
 
-    def _count(self, typ, n):
+    def _count(self, typ: str, n: int) -> None:
         self.dropped[typ] = self.dropped.get(typ, 0) + n
         if typ == schema.STEP_END:
             self.steps_dropped += n
 
 
-def _times(flat, nested, typ):
+def _times(flat: dict[str, Any], nested: dict[str, list[dict[str, Any]]], typ: str) -> list[Any]:
     out = []
     tab = flat.get(typ)
     if tab is not None and "t" in tab.schema.names:
@@ -141,7 +146,7 @@ def _times(flat, nested, typ):
     return out
 
 
-def _shift_seq(part, lines):
+def _shift_seq(part: FileParse, lines: int) -> FileParse:
     """A parse of appended bytes with its line numbers counted from the file's start."""
     flat, nested, notes, ident = part
     flat = {
@@ -163,7 +168,7 @@ def _shift_seq(part, lines):
     return flat, nested, notes, ident
 
 
-def _merge_parts(old, new):
+def _merge_parts(old: FileParse, new: FileParse) -> FileParse:
     """One file's parse result from its earlier part's and its appended part's."""
     (f0, n0, notes0, i0), (f1, n1, notes1, i1) = old, new
     flat = dict(f0)

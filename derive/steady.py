@@ -4,18 +4,15 @@ steady window between them, per rank. Derived from the run record; no judgement.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import numpy as np
 import pandas as pd
 
+from traindx.derive.runview import RunView
 from traindx.profiler.shim._traindx_shim import schema
 
-if TYPE_CHECKING:  # annotations only
-    from traindx.derive.run import RunRecord
 
-
-def profiled_steps(run: RunRecord, traced_only: bool = False) -> dict[str, set[int]]:
+def profiled_steps(run: RunView, traced_only: bool = False) -> dict[str, set[int]]:
     """{rank: set(step)} of the steps inside a torch.profiler window (slower by design);
     traced_only: only the windows whose trace was written (one that stood down for its cost
     left none: its steps hold no events)."""
@@ -30,7 +27,7 @@ def profiled_steps(run: RunRecord, traced_only: bool = False) -> dict[str, set[i
     return out
 
 
-def perturbed_steps(run: RunRecord) -> dict[str, set[int]]:
+def perturbed_steps(run: RunView) -> dict[str, set[int]]:
     """{rank: set(step)} a steady measure leaves out for the torch.profiler: the window's steps
     and the step after each window. The window's stop collects kineto's events after the device
     has drained, so on a GPU-bound job the next step starts with an empty queue and its host
@@ -55,7 +52,7 @@ def warmup_count(durations: Sequence[float]) -> int:
     return count
 
 
-def steady_steps(run: RunRecord, rank: str | None = None, keep_profiled: bool = False) -> pd.DataFrame:
+def steady_steps(run: RunView, rank: str | None = None, keep_profiled: bool = False) -> pd.DataFrame:
     """The steps of the steady window, per rank: no warm-up, no torch.profiler window (nor the
     step after it: perturbed_steps).
     Built once per run for every rank (vectorised warm-up count), then sliced per rank."""
@@ -66,7 +63,7 @@ def steady_steps(run: RunRecord, rank: str | None = None, keep_profiled: bool = 
     return run.rank_rows(key, rank, table)
 
 
-def _steady_all(run, keep_profiled):
+def _steady_all(run: RunView, keep_profiled: bool) -> pd.DataFrame:
     steps = run.steps.dropna(subset=["duration_s"])
     if not len(steps):
         return steps.iloc[0:0]
@@ -98,14 +95,14 @@ def _steady_all(run, keep_profiled):
     return out
 
 
-def steps_seconds(run: RunRecord, rank: str) -> float:
+def steps_seconds(run: RunView, rank: str) -> float:
     """Total seconds of all the completed steps of a rank: what py-spy seconds spent in the
     training loop compare against (py-spy has no timestamps; set-up and exit are not steps)."""
     steps = run.rank_steps(rank).dropna(subset=["duration_s"])
     return float(steps["duration_s"].sum()) if len(steps) else 0.0
 
 
-def median_step_s(run: RunRecord, rank: str | None = None) -> float | None:
+def median_step_s(run: RunView, rank: str | None = None) -> float | None:
     steady = steady_steps(run, rank)
     if len(steady):
         return float(steady["duration_s"].median())
@@ -117,24 +114,25 @@ def median_step_s(run: RunRecord, rank: str | None = None) -> float | None:
     return float(logged.iloc[len(logged) // 4 :].median()) if len(logged) else None
 
 
-def step_of(run: RunRecord, rank: str, t_ns: int) -> int | None:
+def step_of(run: RunView, rank: str, t_ns: int) -> int | None:
     steps = run.rank_steps(rank)
     hit = steps[(steps["start_ns"] <= t_ns) & (steps["end_ns"] >= t_ns)]
     return None if not len(hit) else int(hit["step"].iloc[0])
 
 
-def trace_steps(run: RunRecord, rank: str) -> pd.DataFrame:
+def trace_steps(run: RunView, rank: str) -> pd.DataFrame:
     """Steps of `rank` inside its torch.profiler windows that wrote a trace, as rows of
     run.steps."""
     steps = run.rank_steps(rank)
     return steps[steps["step"].isin(profiled_steps(run, traced_only=True).get(rank, set()))]
 
 
-def events_of_type(run: RunRecord, type_: str) -> pd.DataFrame:
+def events_of_type(run: object, type_: str) -> pd.DataFrame:
     """The events of one type: RunRecord.of_type (the per-type table); for a record-like object
     with only a wide `events` frame, that frame filtered."""
     if hasattr(run, "of_type"):
-        return run.of_type(type_)
+        table: pd.DataFrame = run.of_type(type_)
+        return table
     events = getattr(run, "events", None)
     if events is None or not len(events) or "type" not in events:
         return pd.DataFrame()

@@ -8,11 +8,17 @@ first step. Analyzers judge from these tables and the report draws them; neither
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 import pandas as pd
 
 from traindx.derive import ledger as L
+from traindx.derive.runview import RunView
+from traindx.profiler import gputime
+
+Array = npt.NDArray[Any]
 
 STEP_COLUMNS = ["rank", "step", "start_s", "end_s", "duration_s"]
 # kinds of time a step can hold, in the order they win ties ("gc" last: it is not an event span)
@@ -21,12 +27,13 @@ EVENT_KINDS = ("compile", "autotune", "dynamo", "gc")
 COMPILE_KIND = {"cute_dsl": "compile", "triton": "compile", "triton_autotune": "autotune", "dynamo": "dynamo"}
 
 
-def run_t0(run) -> int:
+def run_t0(run: RunView) -> int:
     """The run's time origin (ns): manifest start, else the first recorded event."""
-    return run.manifest.get("start_ns") or (run.t_min or 0)
+    t0: int = run.manifest.get("start_ns") or (run.t_min or 0)
+    return t0
 
 
-def step_table(run, t0: int | None = None) -> tuple[pd.DataFrame, str | None]:
+def step_table(run: RunView, t0: int | None = None) -> tuple[pd.DataFrame, str | None]:
     """Every rank's steps as columns (rank, step, start_s, end_s, duration_s), in run.steps
     order, seconds since t0; from the shim, else from the job's log lines. Returns (table,
     source) with source "shim", "log" or None. Vectorised: a thousand ranks have millions of
@@ -86,12 +93,12 @@ def steps_per_rank(table: pd.DataFrame) -> int:
     return int(table.groupby("rank", sort=False).size().max()) if len(table) else 0
 
 
-def gc_frame(run) -> pd.DataFrame:
+def gc_frame(run: RunView) -> pd.DataFrame:
     """(rank, step, gc) seconds in GC per step: the ledger's gc line when the shim timed GC
     pauses as intervals (start-up's collections then stay in start-up, not in step 0), else the
     shim's per-step aggregates (one grouped sum, not a Python loop over every event)."""
 
-    def frame(rank, step, gc):
+    def frame(rank: Any, step: Any, gc: Any) -> pd.DataFrame:
         return pd.DataFrame(
             {
                 "rank": pd.Series(np.asarray(rank).astype(str).astype(object), dtype=object),
@@ -124,7 +131,7 @@ def gc_frame(run) -> pd.DataFrame:
     return frame([], [], [])
 
 
-def event_seconds(table: pd.DataFrame, compiles: list, gc: pd.DataFrame) -> np.ndarray:
+def event_seconds(table: pd.DataFrame, compiles: list[dict[str, Any]], gc: pd.DataFrame) -> Array:
     """(steps x EVENT_KINDS) seconds each step spent in each kind of event: compile events'
     overlap with the step's window, and the step's GC seconds (clamped to the step: the first
     GC aggregate also holds collections from before step 0). compiles: dicts with rank, kind,
@@ -133,7 +140,7 @@ def event_seconds(table: pd.DataFrame, compiles: list, gc: pd.DataFrame) -> np.n
     secs = np.zeros((n, len(EVENT_KINDS)))
     if not n:
         return secs
-    by_rank: dict = {}
+    by_rank: dict[str, list[dict[str, Any]]] = {}
     for e in compiles:
         by_rank.setdefault(e["rank"], []).append(e)
     if by_rank:
@@ -156,7 +163,7 @@ def event_seconds(table: pd.DataFrame, compiles: list, gc: pd.DataFrame) -> np.n
     return secs
 
 
-def gaps_table(table: pd.DataFrame, floor_s: float) -> list:
+def gaps_table(table: pd.DataFrame, floor_s: float) -> list[dict[str, Any]]:
     """Wall time between one step's end and the next one's start (same rank) of at least
     floor_s: evaluation, checkpointing, a profiler export; no step's duration counts it."""
     if len(table) < 2:
@@ -182,11 +189,11 @@ def gaps_table(table: pd.DataFrame, floor_s: float) -> list:
     ]
 
 
-def compile_span(start_ns, end_ns, duration_s, t0: int) -> tuple[float, float] | None:
+def compile_span(start_ns: Any, end_ns: Any, duration_s: Any, t0: int) -> tuple[float, float] | None:
     """(start_s, end_s) since t0 of one compile event (start from end - duration when only the
     end was recorded), or None without a time."""
 
-    def num(v):
+    def num(v: Any) -> float | None:
         try:
             f = float(v)
         except (TypeError, ValueError):
@@ -202,7 +209,7 @@ def compile_span(start_ns, end_ns, duration_s, t0: int) -> tuple[float, float] |
     return (start - t0) / 1e9, (end - t0) / 1e9
 
 
-def compile_spans(run, t0: int | None = None) -> list:
+def compile_spans(run: RunView, t0: int | None = None) -> list[dict[str, Any]]:
     """Every compile event as {rank, kind, start_s, end_s} (what event_seconds reads)."""
     t0 = run_t0(run) if t0 is None else t0
     df = run.compiles
@@ -219,11 +226,9 @@ def compile_spans(run, t0: int | None = None) -> list:
 SHIM_SOURCES = ("shim", "shim:gpu")
 
 
-def gpu_step_seconds(run) -> pd.Series:
+def gpu_step_seconds(run: RunView) -> pd.Series:
     """Per (rank, step): the GPU's time from one step boundary to the next (the shim's CUDA
     events at the boundaries, traindx.profiler.gputime), empty without GPU work."""
-    from traindx.profiler import gputime
-
     _, table = gputime.for_run(run)
     if not len(table):
         return pd.Series([], dtype=float)
@@ -232,7 +237,7 @@ def gpu_step_seconds(run) -> pd.Series:
     return table.set_index(["rank", "step"])["gpu_s"].astype(float)
 
 
-def progress_step_seconds(run) -> tuple[pd.Series, str | None]:
+def progress_step_seconds(run: RunView) -> tuple[pd.Series, str | None]:
     """Step durations in seconds, in step order (a Series indexed by step number): the shim's
     optimizer steps (the slowest rank's duration per step, since a synchronous job waits for
     it), else the job's own log; and where they came from.

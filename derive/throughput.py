@@ -88,9 +88,10 @@ def tokens_per_s_per_gpu(tokens: float, seconds: float, n_gpus: int) -> float:
 # -- the model's shape from a HuggingFace config.json ------------------------------------------
 
 
-def _text_config(config):
+def _text_config(config: Mapping[str, Any]) -> Mapping[str, Any]:
     # multimodal configs (Qwen3.5/3.6 VL, ...) keep the language model under text_config
-    return config.get("text_config") or config.get("language_config") or config
+    text: Mapping[str, Any] = config.get("text_config") or config.get("language_config") or config
+    return text
 
 
 def model_shape(config: Mapping[str, Any]) -> dict[str, Any]:
@@ -131,4 +132,5 @@ def active_params_from_config(config: Mapping[str, Any]) -> float:
     else:
         mlp = 3 * h * int(c["intermediate_size"])  # gated MLP: gate, up, down
     head = h * int(c["vocab_size"])
-    return layers * (attention + mlp) + head
+    total: float = layers * (attention + mlp) + head  # an int: a float only by annotation
+    return total

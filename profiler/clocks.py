@@ -23,6 +23,13 @@ before the others arrive. A span that does not say its backend counts only if it
 """
 
 from collections import defaultdict
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+# (key (group, seq, op), node, process, start ns, end ns) of one collective
+Span = tuple[tuple[str, int, Any], str, Any, int, int]
+# {(node A, node B): [lo, hi, collectives]}: bounds on off_B - off_A
+Bounds = dict[tuple[str, str], list[int]]
 
 ALWAYS_SYNCHRONISING = frozenset({"barrier", "all_gather_object"})
 SYNCHRONISING_ON_CPU_BACKENDS = frozenset(
@@ -40,13 +47,13 @@ CPU_BLOCKING_BACKENDS = frozenset({"gloo", "mpi"})
 METHOD = "collective interval constraints (enter-before-leave), shortest paths to the reference"
 
 
-def synchronising(op, backend):
+def synchronising(op: Any, backend: Any) -> bool:
     if op in ALWAYS_SYNCHRONISING:
         return True
     return op in SYNCHRONISING_ON_CPU_BACKENDS and str(backend or "").lower() in CPU_BLOCKING_BACKENDS
 
 
-def collective_spans(events, node, process):
+def collective_spans(events: Iterable[dict[str, Any]], node: str, process: Any) -> list[Span]:
     """(key, node, process, start, end) of the usable collectives among one process's events;
     key = (group, seq, op)."""
     out = []
@@ -63,25 +70,25 @@ def collective_spans(events, node, process):
     return out
 
 
-def pairwise_bounds(spans):
+def pairwise_bounds(spans: Iterable[Span]) -> Bounds:
     """{(A, B): [lo, hi, n]} bounds on off_B - off_A from matched collectives (A < B).
 
     A key seen twice in one process (a restarted rank counting again from 0) is ambiguous and
     dropped."""
-    by_key = defaultdict(list)
+    by_key: defaultdict[tuple[str, int, Any], list[tuple[str, Any, int, int]]] = defaultdict(list)
     for key, node, process, start, end in spans:
         by_key[key].append((node, process, start, end))
-    bounds = {}
+    bounds: Bounds = {}
     for entries in by_key.values():
         procs = [(n, p) for n, p, _, _ in entries]
         if len(set(procs)) != len(procs):
             continue
-        per_node = {}
+        per_node: dict[str, tuple[int, int]] = {}
         for node, _, start, end in entries:
-            s, e = per_node.get(node, (None, None))
+            s, e = per_node.get(node, (start, end))
             # every rank's entry precedes every rank's exit: the latest entry and the earliest
             # exit of a node carry all of its information
-            per_node[node] = (start if s is None else max(s, start), end if e is None else min(e, end))
+            per_node[node] = (max(s, start), min(e, end))
         nodes = sorted(per_node)
         for i, a in enumerate(nodes):
             for b in nodes[i + 1 :]:
@@ -95,11 +102,13 @@ def pairwise_bounds(spans):
     return bounds
 
 
-def _shortest(nodes, edges, source):
+def _shortest(
+    nodes: list[str], edges: dict[tuple[str, str], float], source: str
+) -> tuple[dict[str, float], bool]:
     """Bellman-Ford distances from source over edges {(u, v): w}; (dist, negative_cycle)."""
     inf = float("inf")
     dist = dict.fromkeys(nodes, inf)
-    dist[source] = 0
+    dist[source] = 0.0
     for _ in range(len(nodes)):
         changed = False
         for (u, v), w in edges.items():
@@ -111,39 +120,41 @@ def _shortest(nodes, edges, source):
     return dist, True
 
 
-def solve(nodes, bounds, reference=None):
+def solve(
+    nodes: Iterable[str], bounds: Bounds, reference: str | None = None
+) -> tuple[dict[str, dict[str, Any]], dict[str, Any] | None]:
     """Per node: offset_ns (add it to the node's timestamps to put them on the reference
     node's clock), error_ns (half the width of the interval the evidence allows: the true
     offset is within offset_ns ± error_ns), constraints (matched collectives with the
     reference, direct or through other nodes), method, and consistent / note."""
-    nodes = sorted(nodes)
-    if not nodes:
+    ordered = sorted(nodes)
+    if not ordered:
         return {}, None
-    count = defaultdict(int)
+    count: defaultdict[str, int] = defaultdict(int)
     for (a, b), (_, _, n) in bounds.items():
         count[a] += n
         count[b] += n
-    reference = reference or max(nodes, key=lambda n: (count[n], -nodes.index(n)))
+    reference = reference or max(ordered, key=lambda n: (count[n], -ordered.index(n)))
     # difference constraints: off_b - off_a <= hi (edge a->b, hi), off_a - off_b <= -lo (b->a)
-    edges = {}
+    edges: dict[tuple[str, str], float] = {}
     conflicts = []
-    for (a, b), (lo, hi, n) in bounds.items():
-        if lo > hi:
+    for (a, b), (low, high, n) in bounds.items():
+        if low > high:
             conflicts.append(
                 f"{a}~{b}: the {n} collectives allow no common offset "
-                f"(lower bound {lo} ns > upper bound {hi} ns)"
+                f"(lower bound {low} ns > upper bound {high} ns)"
             )
-        edges[(a, b)] = min(edges.get((a, b), float("inf")), hi)
-        edges[(b, a)] = min(edges.get((b, a), float("inf")), -lo)
-    upper, cycle_up = _shortest(nodes, edges, reference)  # off_X - off_ref <= upper[X]
+        edges[(a, b)] = min(edges.get((a, b), float("inf")), high)
+        edges[(b, a)] = min(edges.get((b, a), float("inf")), -low)
+    upper, cycle_up = _shortest(ordered, edges, reference)  # off_X - off_ref <= upper[X]
     reverse = {(v, u): w for (u, v), w in edges.items()}
-    lower_neg, cycle_lo = _shortest(nodes, reverse, reference)  # off_ref - off_X <= lower_neg[X]
+    lower_neg, cycle_lo = _shortest(ordered, reverse, reference)  # off_ref - off_X <= lower_neg[X]
     consistent = not conflicts and not cycle_up and not cycle_lo
     out = {}
-    for node in nodes:
+    for node in ordered:
         hi, lo = upper[node], -lower_neg[node]
         n = sum(c for (a, b), (_, _, c) in bounds.items() if node in (a, b))
-        entry = {
+        entry: dict[str, Any] = {
             "offset_ns": 0,
             "error_ns": None,
             "constraints": n,
@@ -173,7 +184,7 @@ def solve(nodes, bounds, reference=None):
             if lo > hi:
                 entry["note"] = "inconsistent: the bounds cross; the error bound is not guaranteed"
         out[node] = entry
-    result = {"reference": reference, "consistent": consistent, "conflicts": conflicts}
+    result: dict[str, Any] = {"reference": reference, "consistent": consistent, "conflicts": conflicts}
     if not consistent and not conflicts:
         result["conflicts"] = [
             "the constraints through several nodes contradict each other "
@@ -182,7 +193,9 @@ def solve(nodes, bounds, reference=None):
     return out, result
 
 
-def align(node_events, reference=None):
+def align(
+    node_events: Mapping[str, Iterable[tuple[Any, list[dict[str, Any]]]]], reference: str | None = None
+) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
     """node_events: {node: [(process id, [events])]} -> (per-node offsets, summary)."""
     spans = []
     for node, processes in node_events.items():

@@ -21,10 +21,15 @@ interval - idle. The idle interval of a stretch on the host clock is [g0, min(g1
 host did then is what the GPU waited for (analyzers tie it to the ledger and py-spy).
 """
 
+from typing import Any
+
 import numpy as np
 import pandas as pd
 
 from traindx.profiler.shim._traindx_shim.gputime import GPU_TIME_EVENT  # the shim's event type
+
+# (step, [(mark label, host ns, GPU us since the step's first mark)]) of one step
+StepMarks = tuple[int, list[tuple[str, int, float]]]
 
 KERNEL_FREE_OPEN = {"data>": "data", "gc>": "gc"}
 KERNEL_FREE_CLOSE = {"data<": "data", "gc<": "gc"}
@@ -72,7 +77,7 @@ CALL_OPEN = {"bwd>": "backward", "opt>": "optimizer"}
 CALL_CLOSE = {"bwd<": "backward", "opt<": "optimizer"}
 
 
-def line_of(first, last, kernel_free_region, open_call=None):
+def line_of(first: str, last: str, kernel_free_region: str | None, open_call: str | None = None) -> str:
     """The ledger line of the stretch between marks `first` and `last`: a measured call, the
     kernel-free region it lies in (data, gc), the measured call it lies in (`open_call`), a
     sync's wait (the stretch ends where a sync span ends), else the training thread's own code
@@ -88,9 +93,9 @@ def line_of(first, last, kernel_free_region, open_call=None):
     return "host"
 
 
-def _marks_of(events):
+def _marks_of(events: pd.DataFrame) -> dict[Any, list[StepMarks]]:
     """Per rank, the steps' marks in step order: [(step, [(label, h_ns, g_us)...])]."""
-    out = {}
+    out: dict[Any, list[StepMarks]] = {}
     if not len(events) or "marks" not in events:
         return out
     for rank, rows in events.groupby("rank", sort=True):
@@ -107,18 +112,19 @@ def _marks_of(events):
     return out
 
 
-def _place(seq):
+def _place(seq: list[StepMarks]) -> list[list[float]]:
     """Absolute GPU times (host-clock ns) of every mark of one rank's steps."""
     # chains of steps: a step's first mark is the previous step's last when they are consecutive
-    chains = []
+    chains: list[list[int]] = []
     for i, (step, marks) in enumerate(seq):
         if i and seq[i - 1][0] + 1 == step and seq[i - 1][1][-1][1] == marks[0][1]:
             chains[-1].append(i)
         else:
             chains.append([i])
-    placed = [None] * len(seq)
+    placed: list[list[float]] = [[] for _ in seq]
     for chain in chains:
-        rel, total = [], 0.0  # ns from the chain's first mark to each step's first mark
+        rel: list[float] = []
+        total = 0.0  # ns from the chain's first mark to each step's first mark
         for j, i in enumerate(chain):
             if j:
                 total += seq[chain[j - 1]][1][-1][2] * 1000.0
@@ -133,12 +139,14 @@ def _place(seq):
     return placed
 
 
-def stretches(events):
+def stretches(events: pd.DataFrame) -> pd.DataFrame:
     """One row per stretch between consecutive marks (STRETCH_COLUMNS); times in ns."""
     rows = []
     for rank, seq in _marks_of(events).items():
         placed = _place(seq)
-        open_regions, open_call, previous = [], None, None
+        open_regions: list[str] = []
+        open_call: str | None = None
+        previous: int | None = None
         for (step, marks), gs in zip(seq, placed):
             if previous is not None and step != previous + 1:
                 open_call = None  # a step missing in between: what was open is unknown
@@ -187,7 +195,7 @@ def stretches(events):
     return pd.DataFrame(rows, columns=STRETCH_COLUMNS)
 
 
-def steps_table(stretch_rows):
+def steps_table(stretch_rows: pd.DataFrame) -> pd.DataFrame:
     """One row per rank-step (STEP_COLUMNS): its wall time on the host, its span on the GPU, the
     GPU's idle time (floor, ceiling) and busy time (floor, ceiling; shares of the wall time)."""
     if not len(stretch_rows):
@@ -224,14 +232,15 @@ def steps_table(stretch_rows):
     return out[STEP_COLUMNS]
 
 
-def for_run(run):
+def for_run(run: Any) -> tuple[pd.DataFrame, pd.DataFrame]:
     """(stretches, steps) of a run, derived once and shared (run.cached)."""
 
-    def build():
+    def build() -> tuple[pd.DataFrame, pd.DataFrame]:
         events = run.of_type(GPU_TIME_EVENT) if hasattr(run, "of_type") else pd.DataFrame()
         rows = stretches(events)
         return rows, steps_table(rows)
 
     if hasattr(run, "cached"):
-        return run.cached("gpu_time", build)
+        cached: tuple[pd.DataFrame, pd.DataFrame] = run.cached("gpu_time", build)
+        return cached
     return build()

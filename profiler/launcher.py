@@ -13,6 +13,8 @@ import shutil
 import signal
 import subprocess
 import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from traindx.common import redact
 from traindx.profiler import manifest as manifest_mod
@@ -34,7 +36,7 @@ class CommandNotFound(Exception):
     pass
 
 
-def resolve_command(command):
+def resolve_command(command: Sequence[str]) -> None:
     exe = command[0]
     if os.sep in exe:
         if not os.path.exists(exe):
@@ -47,7 +49,7 @@ def resolve_command(command):
         raise CommandNotFound(f"command not found: {exe}")
 
 
-def new_run_dir(root):
+def new_run_dir(root: str) -> str:
     stamp = time.strftime("%Y%m%d-%H%M%S")
     os.makedirs(root, exist_ok=True)
     for i in range(1000):
@@ -60,30 +62,30 @@ def new_run_dir(root):
     raise RuntimeError("could not create a run folder")
 
 
-def _reason(exc):
+def _reason(exc: BaseException) -> str:
     return getattr(exc, "strerror", None) or f"{type(exc).__name__}: {exc}"
 
 
 class Options:
     def __init__(
         self,
-        steps=0,
-        pyspy=True,
-        shim=True,
-        nvml=True,
-        pyspy_rate_hz=20,
-        dump_interval_s=2.0,
-        nvml_interval_s=0.5,
-        extra_env=None,
-        torch_profile=None,
-        step_marker=None,
-        log_regex=None,
-        disk_budget_mb=2048,
-        window_s=600.0,
-        keep_windows=3,
-        pyspy_record=True,
-        cwd=None,
-    ):
+        steps: int = 0,
+        pyspy: bool = True,
+        shim: bool = True,
+        nvml: bool = True,
+        pyspy_rate_hz: int = 20,
+        dump_interval_s: float = 2.0,
+        nvml_interval_s: float = 0.5,
+        extra_env: dict[str, str] | None = None,
+        torch_profile: str | None = None,
+        step_marker: str | None = None,
+        log_regex: str | None = None,
+        disk_budget_mb: float = 2048,
+        window_s: float = 600.0,
+        keep_windows: int = 3,
+        pyspy_record: bool = True,
+        cwd: str | None = None,
+    ) -> None:
         self.steps = steps
         self.pyspy = pyspy
         self.shim = shim
@@ -103,16 +105,16 @@ class Options:
         self.pyspy_record = pyspy_record
         self.cwd = cwd  # the job's working directory (None: this process's); --fix's scratch copy
 
-    def budget(self):
+    def budget(self) -> rolling.Budget:
         return rolling.Budget(
             rank_bytes=int(self.disk_budget_mb * rolling.MB), window_s=self.window_s, keep=self.keep_windows
         )
 
-    def as_dict(self):
+    def as_dict(self) -> dict[str, Any]:
         return dict(vars(self))
 
 
-def job_environment(run_dir, options, base=None):
+def job_environment(run_dir: str, options: Options, base: Mapping[str, str] | None = None) -> dict[str, str]:
     env = dict(os.environ if base is None else base)
     env.update(options.extra_env)
     env["PYTHONUNBUFFERED"] = "1"  # the job's output is a pipe (to the relay); keep it live
@@ -132,20 +134,26 @@ def job_environment(run_dir, options, base=None):
 class Job:
     """One run of the command: start, pass output through, forward signals, collect, finish."""
 
-    def __init__(self, command, run_dir, options, on_line=None):
+    def __init__(
+        self,
+        command: Sequence[str],
+        run_dir: str,
+        options: Options,
+        on_line: Callable[[str, str], object] | None = None,
+    ) -> None:
         self.command = list(command)
         self.run_dir = run_dir
         self.options = options
         self.on_line = on_line or (lambda stream, text: None)
-        self.proc = None
-        self.missing = {}
-        self.signals = []
-        self.not_written = []  # one line per file (or part of one) a failed write left out
-        self._pyspy = None
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.missing: dict[str, Any] = {}
+        self.signals: list[str] = []
+        self.not_written: list[str] = []  # one line per file (or part of one) a failed write left out
+        self._pyspy: PySpyManager | None = None
         self.redactor = redact.Redactor.for_job(os.environ, self.command)  # run() adds the job env
 
     # -- signals -----------------------------------------------------------------------------
-    def _forward(self, signum, frame):
+    def _forward(self, signum: int, frame: object) -> None:
         self.signals.append(signal.Signals(signum).name)
         if self.proc is not None and self.proc.poll() is None:
             try:
@@ -153,7 +161,7 @@ class Job:
             except ProcessLookupError:
                 pass
 
-    def run(self):
+    def run(self) -> int | None:
         """Record the job; returns its raw return code (None: it never started). Raises
         CommandNotFound, or RunDirRefused before anything starts."""
         resolve_command(self.command)
@@ -163,7 +171,7 @@ class Job:
         finally:
             lock.release()
 
-    def _write_manifest(self, manifest, what):
+    def _write_manifest(self, manifest: dict[str, Any], what: str) -> bool:
         try:
             write_json_atomic(os.path.join(self.run_dir, "manifest.json"), manifest)
             return True
@@ -171,38 +179,10 @@ class Job:
             self.not_written.append(f"manifest.json {what} ({_reason(exc)})")
             return False
 
-    def _record(self):
+    def _record(self) -> int | None:
         env = job_environment(self.run_dir, self.options)
         self.redactor = redact.Redactor.for_job(env, self.command)
-        manifest = {
-            "traindx_run": 1,
-            "command": self.redactor.argv(self.command),
-            "cwd": self.options.cwd or os.getcwd(),
-            "start_ns": time.time_ns(),
-            "end_ns": None,
-            "exit_code": None,
-            "host": manifest_mod.host_info(),
-            "gpus": [],
-            "packages": manifest_mod.package_versions(),
-            "env": manifest_mod.redact_env(env),
-            "options": manifest_mod.redact_options(self.options.as_dict()),
-            "ranks": {},
-            "missing": self.missing,
-            "status": "running",
-        }
-        manifest["options"]["extra_env"] = manifest_mod.redact_env(self.options.extra_env)
-        try:
-            manifest["gpus"] = gpu_inventory()
-        except Exception as exc:
-            self.missing["gpus"] = f"no GPU inventory: {type(exc).__name__}: {exc}"
-        try:
-            os.makedirs(os.path.join(self.run_dir, "events"), exist_ok=True)
-            write_json_atomic(os.path.join(self.run_dir, "manifest.json"), manifest)
-        except OSError as exc:  # nothing can be recorded: the job is not started for nothing
-            raise RunDirRefused(
-                f"cannot write the run folder {self.run_dir} ({_reason(exc)}): the job was not started"
-            ) from None
-
+        manifest = self._first_manifest(env)
         nvml = NvmlSampler(os.path.join(self.run_dir, "nvml.csv"), self.options.nvml_interval_s, env=env)
         if self.options.nvml and not nvml.start():
             self.missing["nvml"] = nvml.error
@@ -238,47 +218,93 @@ class Job:
         self._pyspy = pyspy
         roller = rolling.Roller(self.run_dir, budget, self.options.log_regex)
         roller.start()
-        returncode = None
         try:
-            try:
-                job_out, job_err = relay.start()
-            except OSError as exc:  # the job's output then goes straight to the terminal
-                job_out = job_err = None
-                self.missing["log"] = f"no output relay: {_reason(exc)}"
-            try:
-                self.proc = subprocess.Popen(
-                    self.command,
-                    env=env,
-                    cwd=self.options.cwd,
-                    stdout=job_out,
-                    stderr=job_err,
-                    stdin=subprocess.DEVNULL,
-                    start_new_session=True,
-                )
-            except OSError as exc:
-                raise CommandNotFound(f"cannot start {self.command[0]}: {_reason(exc)}") from None
-            finally:
-                for fd in (job_out, job_err):  # the job holds them now; the relay the read ends
-                    if fd is not None:
-                        os.close(fd)
-            manifest["pid"] = self.proc.pid  # lets a re-analysis tell whether the job lives on
-            self._write_manifest(manifest, "was not updated with the job's pid")
-            if self.options.pyspy:
-                if not pyspy.start(self.proc.pid, self.run_dir if self.options.shim else None):
-                    self.missing["pyspy"] = pyspy.error
-            else:
-                self.missing["pyspy"] = "disabled (--no-pyspy)"
-            if not self.options.shim:
-                self.missing["shim"] = "disabled (--no-shim)"
-            returncode = self._wait()
+            return self._start_and_wait(env, manifest, relay, pyspy)
         finally:
             relay.finish()  # still under the forwarding handlers: a Ctrl-C here is the job's
             for s, h in previous.items():
                 signal.signal(s, h)
             self._finish(manifest, nvml, pyspy, roller, relay)
-        return returncode
 
-    def _finish(self, manifest, nvml, pyspy, roller, relay):
+    def _first_manifest(self, env: dict[str, str]) -> dict[str, Any]:
+        """The manifest written before the job starts (status `running`); RunDirRefused when
+        it cannot be written: the job is then not started for nothing."""
+        manifest = {
+            "traindx_run": 1,
+            "command": self.redactor.argv(self.command),
+            "cwd": self.options.cwd or os.getcwd(),
+            "start_ns": time.time_ns(),
+            "end_ns": None,
+            "exit_code": None,
+            "host": manifest_mod.host_info(),
+            "gpus": [],
+            "packages": manifest_mod.package_versions(),
+            "env": manifest_mod.redact_env(env),
+            "options": manifest_mod.redact_options(self.options.as_dict()),
+            "ranks": {},
+            "missing": self.missing,
+            "status": "running",
+        }
+        manifest["options"]["extra_env"] = manifest_mod.redact_env(self.options.extra_env)
+        try:
+            manifest["gpus"] = gpu_inventory()
+        except Exception as exc:
+            self.missing["gpus"] = f"no GPU inventory: {type(exc).__name__}: {exc}"
+        try:
+            os.makedirs(os.path.join(self.run_dir, "events"), exist_ok=True)
+            write_json_atomic(os.path.join(self.run_dir, "manifest.json"), manifest)
+        except OSError as exc:  # nothing can be recorded: the job is not started for nothing
+            raise RunDirRefused(
+                f"cannot write the run folder {self.run_dir} ({_reason(exc)}): the job was not started"
+            ) from None
+        return manifest
+
+    def _start_and_wait(
+        self, env: dict[str, str], manifest: dict[str, Any], relay: OutputRelay, pyspy: PySpyManager
+    ) -> int:
+        """Start the job with its output to the relay and py-spy on it; its return code."""
+        job_out: int | None
+        job_err: int | None
+        try:
+            job_out, job_err = relay.start()
+        except OSError as exc:  # the job's output then goes straight to the terminal
+            job_out = job_err = None
+            self.missing["log"] = f"no output relay: {_reason(exc)}"
+        try:
+            self.proc = subprocess.Popen(
+                self.command,
+                env=env,
+                cwd=self.options.cwd,
+                stdout=job_out,
+                stderr=job_err,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        except OSError as exc:
+            raise CommandNotFound(f"cannot start {self.command[0]}: {_reason(exc)}") from None
+        finally:
+            for fd in (job_out, job_err):  # the job holds them now; the relay the read ends
+                if fd is not None:
+                    os.close(fd)
+        manifest["pid"] = self.proc.pid  # lets a re-analysis tell whether the job lives on
+        self._write_manifest(manifest, "was not updated with the job's pid")
+        if self.options.pyspy:
+            if not pyspy.start(self.proc.pid, self.run_dir if self.options.shim else None):
+                self.missing["pyspy"] = pyspy.error
+        else:
+            self.missing["pyspy"] = "disabled (--no-pyspy)"
+        if not self.options.shim:
+            self.missing["shim"] = "disabled (--no-shim)"
+        return self._wait()
+
+    def _finish(
+        self,
+        manifest: dict[str, Any],
+        nvml: NvmlSampler,
+        pyspy: PySpyManager,
+        roller: rolling.Roller,
+        relay: OutputRelay,
+    ) -> None:
         nvml.stop()
         pyspy.stop()
         roller.stop()
@@ -321,12 +347,13 @@ class Job:
                 "interrupted"
             )
 
-    def burst(self, kind):
+    def burst(self, kind: str) -> None:
         """Deep capture on an anomaly: a burst of py-spy snapshots of every training process."""
         if self._pyspy is not None and self.options.pyspy:
             self._pyspy.burst(kind)
 
-    def _wait(self):
+    def _wait(self) -> int:
+        assert self.proc is not None  # started by _start_and_wait
         while True:
             try:
                 return self.proc.wait()
@@ -334,7 +361,7 @@ class Job:
                 continue
 
 
-def exit_status(returncode):
+def exit_status(returncode: int | None) -> int:
     """The shell's convention: a job killed by signal N exits 128+N."""
     if returncode is None:
         return 1

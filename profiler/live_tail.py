@@ -18,6 +18,8 @@ import re
 import statistics
 import time
 from collections import deque
+from collections.abc import Collection
+from typing import Any
 
 # deep capture: a step this many times the running median (of the last ANOMALY_WINDOW steady
 # steps, once ANOMALY_MIN_STEPS are known) or a kernel compiled again is an anomaly
@@ -59,14 +61,14 @@ class EventTail:
         self.compiles = 0
         self.step_ends = 0
         self._durations: dict[str, list[float]] = {}  # per events file (one process)
-        self._keys: dict[str, set] = {}  # kernel -> compile keys seen
+        self._keys: dict[str, set[Any]] = {}  # kernel -> compile keys seen
         self._span_s: dict[str, dict[str, float]] = {}  # per file: span seconds since its step
-        self._lines: dict[str, deque] = {}  # per file: the last steps' share lines
+        self._lines: dict[str, deque[dict[str, float]]] = {}  # per file: the last steps' share lines
         self._reference: dict[str, dict[str, float]] = {}  # per file: the line last judged
         self._settling: dict[str, int] = {}
-        self._fired: dict[tuple, int] = {}  # (trigger kind, source) -> times raised
-        self.judged_kernels: set = set()  # kernels whose recompiles were shown
-        self._compile_due: list[tuple] = []  # (step, kernel, why): until that step ends
+        self._fired: dict[tuple[str, str], int] = {}  # (trigger kind, source) -> times raised
+        self.judged_kernels: set[str] = set()  # kernels whose recompiles were shown
+        self._compile_due: list[tuple[int, str, str]] = []  # (step, kernel, why): until that step ends
         self.recompiled_in: int | None = None  # first step a kernel compiled again in
         self.anomalies: list[tuple[str, str]] = []  # (kind, why) found since the last take
         self.triggers: list[tuple[str, str]] = []  # (kind, why) worth a judgement
@@ -121,7 +123,7 @@ class EventTail:
                     self._settling[path] = LINE_STEPS  # on the line of the next ones
                 self._reference[path] = _mean_line(lines)
 
-    def _on_step(self, path: str, e: dict) -> None:
+    def _on_step(self, path: str, e: dict[str, Any]) -> None:
         spans = self._span_s.pop(path, {})
         d = e.get("duration_s")
         if not isinstance(d, (int, float)) or int(e.get("step", 0)) < 1:
@@ -166,7 +168,7 @@ class EventTail:
                     )
                     self._settling[path] = LINE_STEPS  # one trigger per move
 
-    def _on_compile(self, e: dict) -> None:
+    def _on_compile(self, e: dict[str, Any]) -> None:
         kernel = e.get("kernel")
         if kernel is None:
             return
@@ -301,11 +303,11 @@ def _top_outside(line: dict[str, float]) -> str | None:
     """The category outside the model's spans with the largest share of a step, if any has
     LINE_SHIFT or more."""
     outside = {c: v for c, v in line.items() if c not in MODEL_SPANS}
-    top = max(outside, key=outside.get, default=None)
+    top = max(outside, key=lambda c: outside[c], default=None)
     return top if top is not None and outside[top] >= LINE_SHIFT else None
 
 
-def _mean_line(lines) -> dict[str, float]:
+def _mean_line(lines: Collection[dict[str, float]]) -> dict[str, float]:
     """Per category, the median share of the steps' lines (one odd step of LINE_STEPS moves
     nothing). Of an even count, the mean of the middle two: the upper one of every category
     summed to more than the step (of two lines, a cold first step's forward and the next
@@ -314,8 +316,8 @@ def _mean_line(lines) -> dict[str, float]:
     return {c: statistics.median(line.get(c, 0.0) for line in lines) for c in cats}
 
 
-def line_outside_model(line: dict | None) -> float:
+def line_outside_model(line: dict[str, float] | None) -> float:
     """The share of a span line outside the model's own forward/backward/optimizer spans."""
     if not line:
         return 0.0
-    return 1.0 - min(1.0, sum(line.get(c, 0.0) for c in MODEL_SPANS))
+    return 1.0 - min(1.0, float(sum(line.get(c, 0.0) for c in MODEL_SPANS)))

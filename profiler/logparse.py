@@ -8,8 +8,11 @@ line is {'step', 'loss', 'step_time_s', 'format', 'tokens'}; `step` is None wher
 not carry one (HF Trainer's dicts): RunRecord.log_steps gives those the shim's step count.
 """
 
+from __future__ import annotations
+
 import ast
 import re
+from typing import Any
 
 # CSI sequences (colours, cursor moves) and the OSC / lone-escape leftovers of progress bars
 _ANSI = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)|\x1b[@-Z\\-_]")
@@ -55,18 +58,20 @@ _EVAL_LOSS = re.compile(r"\b(?:val|eval|valid|validation|test)\w*[ _/]loss", re.
 _TOKENS = re.compile(r"tokens per step:\s*(?P<tokens>\d+)")
 
 
-def strip_ansi(text):
+def strip_ansi(text: str) -> str:
     return _ANSI.sub("", text)
 
 
-def _float(value):
+def _float(value: Any) -> float | None:
     try:
         return float(value)
     except (TypeError, ValueError):
         return None
 
 
-def _row(step, loss, step_time_s, fmt, tokens=None):
+def _row(
+    step: Any, loss: Any, step_time_s: float | None, fmt: str, tokens: float | None = None
+) -> dict[str, Any]:
     return {
         "step": step,
         "loss": _float(loss) if loss is not None else None,
@@ -76,7 +81,7 @@ def _row(step, loss, step_time_s, fmt, tokens=None):
     }
 
 
-def compile_custom(pattern):
+def compile_custom(pattern: str) -> re.Pattern[str]:
     """The user's --log-regex, compiled; raises ValueError with a sentence when it cannot work."""
     try:
         regex = re.compile(pattern)
@@ -91,7 +96,7 @@ def compile_custom(pattern):
     return regex
 
 
-def _custom(regex, text):
+def _custom(regex: re.Pattern[str], text: str) -> dict[str, Any] | None:
     m = regex.search(text)
     if not m:
         return None
@@ -104,7 +109,7 @@ def _custom(regex, text):
     return _row(int(step) if step and step.isdigit() else None, groups.get("loss"), seconds, "custom")
 
 
-def _hf_dict(text):
+def _hf_dict(text: str) -> dict[str, Any] | None:
     m = _DICT.search(text)
     if not m:
         return None
@@ -124,7 +129,7 @@ def _hf_dict(text):
     return _row(step, record.get("loss"), None, "dict")
 
 
-def _lightning(text):
+def _lightning(text: str) -> dict[str, Any] | None:
     """The last progress-bar state of a line (tqdm rewrites its bar with carriage returns)."""
     for part in reversed(text.split("\r")):
         m = _LIGHTNING.search(part.strip())
@@ -135,7 +140,7 @@ def _lightning(text):
     return None
 
 
-def parse_line(text, custom=None):
+def parse_line(text: str, custom: re.Pattern[str] | None = None) -> dict[str, Any] | None:
     """{'step', 'loss', 'step_time_s', 'format', 'tokens'} for a line that reports a step, else
     None. `custom`: a compiled --log-regex, tried first."""
     if not text:

@@ -1,6 +1,9 @@
 """The run's manifest: what ran, where, with which packages, and what evidence is missing; and
 the run folder's lock (one recording per folder) and the end of a run whose recorder died."""
 
+from __future__ import annotations
+
+import fcntl
 import getpass
 import importlib.metadata
 import json
@@ -9,8 +12,11 @@ import platform
 import socket
 import sys
 import time
+from collections.abc import Mapping, Sequence
+from typing import Any
 
-from traindx.common import redact
+from traindx.common import atomic, redact
+from traindx.profiler.shim._traindx_shim.roles import announced_ranks
 
 TRACKED_PACKAGES = (
     "torch",
@@ -25,38 +31,28 @@ TRACKED_PACKAGES = (
 REDACTED = redact.REDACTED
 
 
-def write_json_atomic(path, data):
-    """Written beside and renamed into place: a failure (a full disk) leaves the previous file
-    whole and no stray .tmp; the OSError is the caller's to report."""
-    tmp = path + ".tmp"
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(data, f, indent=2, default=str)
-        os.replace(tmp, path)
-    except OSError:
-        try:
-            os.remove(tmp)
-        except OSError:
-            pass
-        raise
+def write_json_atomic(path: str, data: Any) -> None:
+    """Written beside and renamed into place (traindx.common.atomic): a failure (a full disk)
+    leaves the previous file whole and no stray temporary; the OSError is the caller's to report."""
+    atomic.write_json(path, data, indent=2, default=str)
 
 
-def redact_env(env):
+def redact_env(env: Mapping[str, str]) -> dict[str, str]:
     """The job's environment as the manifest keeps it: secrets hidden by name and by value."""
     return redact.redact_env(env)
 
 
-def redact_command(command):
+def redact_command(command: Sequence[str]) -> list[str]:
     """The command as the manifest keeps it (the job itself runs with the real one)."""
     return redact.redact_argv(command)
 
 
-def redact_options(options):
+def redact_options(options: Any) -> Any:
     return redact.redact_value(options)
 
 
-def package_versions():
-    versions = {}
+def package_versions() -> dict[str, str | None]:
+    versions: dict[str, str | None] = {}
     for name in TRACKED_PACKAGES:
         try:
             versions[name] = importlib.metadata.version(name)
@@ -65,7 +61,7 @@ def package_versions():
     return versions
 
 
-def host_info():
+def host_info() -> dict[str, Any]:
     try:
         user = getpass.getuser()
     except Exception:
@@ -95,29 +91,27 @@ class RunLock:
     no holder was interrupted. The descriptor is not inherited (the job and the collectors
     never hold it)."""
 
-    def __init__(self, fd):
+    def __init__(self, fd: int | None) -> None:
         self.fd = fd
 
-    def release(self):
+    def release(self) -> None:
         if self.fd is not None:
             os.close(self.fd)  # closing drops the lock
             self.fd = None
 
 
-def _reason(exc):
+def _reason(exc: BaseException) -> str:
     return getattr(exc, "strerror", None) or str(exc)
 
 
-def _lock_path(run_dir):
+def _lock_path(run_dir: str) -> str:
     return os.path.join(run_dir, LOCK_NAME)
 
 
-def claim_run_dir(run_dir):
+def claim_run_dir(run_dir: str) -> RunLock:
     """Take RUN for one new recording; returns its RunLock. Refused (RunDirRefused) when another
     diagnose records into it, when it already holds a run (never merged into), or when it
     cannot be written."""
-    import fcntl
-
     if os.path.lexists(run_dir) and not os.path.isdir(run_dir):
         raise RunDirRefused(f"{run_dir} is a file, not a folder: give a folder for the run")
     _refuse_a_used_folder(run_dir)  # before the lock file: a used folder gets nothing new
@@ -149,7 +143,7 @@ def claim_run_dir(run_dir):
     return RunLock(fd)
 
 
-def _refuse_a_used_folder(run_dir):
+def _refuse_a_used_folder(run_dir: str) -> None:
     if any(os.path.lexists(os.path.join(run_dir, name)) for name in RUN_EVIDENCE):
         holder = recorder_alive(run_dir)
         if holder is not None:
@@ -164,7 +158,7 @@ def _refuse_a_used_folder(run_dir):
         )
 
 
-def _read_holder(fd):
+def _read_holder(fd: int) -> str:
     try:
         text = os.pread(fd, 200, 0).decode(errors="replace").split()
     except OSError:
@@ -172,10 +166,8 @@ def _read_holder(fd):
     return f" (pid {text[0]} on {text[1]})" if len(text) >= 2 else ""
 
 
-def recorder_alive(run_dir):
+def recorder_alive(run_dir: str) -> str | None:
     """' (pid N on HOST)' when a diagnose holds RUN's lock now, else None."""
-    import fcntl
-
     try:
         fd = os.open(_lock_path(run_dir), os.O_RDONLY)
     except OSError:
@@ -189,12 +181,12 @@ def recorder_alive(run_dir):
     return None
 
 
-def describe_run(run_dir):
+def describe_run(run_dir: str) -> str:
     """'finished, exit code 0, 2026-12-01 10:33' or 'running' ... for a one-line message."""
     try:
         with open(os.path.join(run_dir, "manifest.json"), encoding="utf-8") as f:
             m = json.load(f)
-        status = m.get("status") or "unknown status"
+        status: str = m.get("status") or "unknown status"
         if status == "running" and recorder_alive(run_dir) is None:
             status = "interrupted: its diagnose is gone"
         when = m.get("start_ns")
@@ -208,7 +200,7 @@ def describe_run(run_dir):
         return "evidence without a readable manifest"
 
 
-def finish_interrupted(run_dir):
+def finish_interrupted(run_dir: str) -> str | None:
     """A run whose recorder died (SIGKILL, OOM, a lost machine) says `running` for ever: once no
     diagnose holds its lock, mark it `interrupted` with what the folder itself tells (its end:
     the newest evidence; its ranks: the shim's announcements). Returns one line for the user,
@@ -226,8 +218,6 @@ def finish_interrupted(run_dir):
         return (
             f"{run_dir} is still being recorded (diagnose{holder.rstrip()}): analysing what it holds so far"
         )
-    from traindx.profiler.shim._traindx_shim.roles import announced_ranks
-
     missing = manifest.setdefault("missing", {})
     note = (
         "diagnose ended before the job did (killed?): the job's exit code and the "
@@ -251,7 +241,7 @@ def finish_interrupted(run_dir):
     return f"{run_dir}: its recorder was interrupted; the run is marked `interrupted`"
 
 
-def _is_our_job(pid, run_dir):
+def _is_our_job(pid: int, run_dir: str) -> bool:
     try:
         with open(f"/proc/{pid}/environ", "rb") as f:
             env = f.read()
@@ -260,7 +250,7 @@ def _is_our_job(pid, run_dir):
     return f"TRAINDX_RUN_DIR={os.path.abspath(run_dir)}".encode() in env.split(b"\0")
 
 
-def _newest_evidence_ns(run_dir):
+def _newest_evidence_ns(run_dir: str) -> int | None:
     newest = 0
     for root, _, files in os.walk(run_dir):
         for name in files:

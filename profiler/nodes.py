@@ -25,9 +25,19 @@ import os
 import re
 import shutil
 import socket
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
+import pandas as pd
+
+from traindx.common import atomic
 from traindx.common.errors import UserError
+from traindx.profiler.clocks import METHOD
+from traindx.profiler.shim._traindx_shim.roles import parse_process_file
 from traindx.profiler.torchtrace import load_traces as load_folder
+
+# (folder, node or None, clock offset in ns) of one part of a run
+Part = tuple[str, Any, int]
 
 NODES_DIR = "nodes"
 CLOCK_FILE = "clock.json"
@@ -35,7 +45,7 @@ _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _TORCHRUN_MODULES = ("torch.distributed.run", "torch.distributed.launch")
 
 
-def _flag(argv, *names):
+def _flag(argv: Sequence[str], *names: str) -> str | None:
     """Value of `--name V` / `--name=V` in argv (first of names found), else None."""
     for i, arg in enumerate(argv):
         for name in names:
@@ -46,13 +56,13 @@ def _flag(argv, *names):
     return None
 
 
-def _max_nodes(value):
+def _max_nodes(value: object) -> int:
     """torchrun's --nnodes: 'N' or 'MIN:MAX' -> the largest node count, else 0."""
     parts = str(value or "").split(":")
     return max((int(p) for p in parts if p.strip().isdigit()), default=0)
 
 
-def _launcher_args(command):
+def _launcher_args(command: Sequence[str]) -> tuple[str | None, Sequence[str]]:
     """(kind, its arguments) when the command starts a known multi-node launcher."""
     if not command:
         return None, []
@@ -70,7 +80,9 @@ def _launcher_args(command):
     return None, []
 
 
-def node_identity(command, env, explicit=None, hostname=None):
+def node_identity(
+    command: Sequence[str], env: Mapping[str, str], explicit: str | None = None, hostname: str | None = None
+) -> tuple[str, str] | None:
     """(node name, source) when this diagnose is one node of a multi-node run, else None.
 
     Sources, first match wins: `--node NAME`; SLURM with more than one node (SLURM_NODEID, and
@@ -115,7 +127,7 @@ def node_identity(command, env, explicit=None, hostname=None):
     return None
 
 
-def _check_ray_start(args):
+def _check_ray_start(args: Sequence[str]) -> None:
     """`ray start` without --block daemonizes the node and returns at once: diagnose would end
     while the raylet (and the workers it starts later) keeps running, unrecorded."""
     if "--block" not in args:
@@ -125,7 +137,7 @@ def _check_ray_start(args):
         )
 
 
-def shared_run_dir(command, env, run_dir):
+def shared_run_dir(command: Sequence[str], env: Mapping[str, str], run_dir: str | None) -> str:
     """The shared run folder of a multi-node run: --run-dir, else an id every node of the
     launch knows (Slurm's job id, torchrun's --rdzv-id) under ./runs."""
     if run_dir:
@@ -142,7 +154,7 @@ def shared_run_dir(command, env, run_dir):
     )
 
 
-def claim_node_dir(run_dir, name):
+def claim_node_dir(run_dir: str, name: str) -> str:
     """Create RUN/nodes/<name> exclusively (a taken name gets -2, -3, ...); returns its path."""
     root = os.path.join(run_dir, NODES_DIR)
     os.makedirs(root, exist_ok=True)
@@ -156,7 +168,7 @@ def claim_node_dir(run_dir, name):
     raise UserError(f"could not claim a node folder under {root}")
 
 
-def node_dirs(run_dir):
+def node_dirs(run_dir: str) -> dict[str, str]:
     """{node name: folder} of the node parts in a run folder that have a manifest."""
     root = os.path.join(run_dir, NODES_DIR)
     try:
@@ -166,11 +178,11 @@ def node_dirs(run_dir):
     return {n: os.path.join(root, n) for n in names if os.path.isfile(os.path.join(root, n, "manifest.json"))}
 
 
-def is_multinode(run_dir):
+def is_multinode(run_dir: str) -> bool:
     return bool(node_dirs(run_dir))
 
 
-def read_clock(run_dir):
+def read_clock(run_dir: str) -> dict[str, int]:
     """{node: offset_ns} from RUN/clock.json (an unknown offset counts as 0)."""
     path = os.path.join(run_dir, CLOCK_FILE)
     try:
@@ -181,7 +193,7 @@ def read_clock(run_dir):
         raise UserError(f"{path} is missing or corrupt: run `diagnose merge {run_dir}`") from None
 
 
-def parts(run_dir, manifest):
+def parts(run_dir: str, manifest: Mapping[str, Any]) -> list[Part]:
     """[(folder, node, offset_ns)] whose evidence makes up the run: the run folder itself, or
     for a merged multi-node run each node's folder with the offset that puts its clock on the
     reference node's."""
@@ -196,7 +208,7 @@ def parts(run_dir, manifest):
 TIME_FIELDS = ("t", "start", "end")
 
 
-def shift_events(events, node, offset_ns):
+def shift_events(events: list[dict[str, Any]], node: str, offset_ns: int) -> list[dict[str, Any]]:
     """The one place a node's timestamps move onto the reference clock: every time field of
     every event gets offset_ns; the event is tagged with its node."""
     for event in events:
@@ -208,14 +220,15 @@ def shift_events(events, node, offset_ns):
     return events
 
 
-def rename_labels(per_node):
+def rename_labels(per_node: Iterable[tuple[Any, Mapping[Any, str]]]) -> dict[tuple[Any, Any], str]:
     """{(node, pid): label} from each node's [(node, {pid: label})] in the merged manifest's
     node order. Rank labels are the job's global ranks, so they do not repeat across nodes;
     when they do (two single-node jobs, ranks of unknown rank), the first node keeps the plain
     label and the others get '<label>@<node>'."""
-    labels, taken = {}, set()
+    labels: dict[tuple[Any, Any], str] = {}
+    taken: set[str] = set()
     for node, node_labels in per_node:
-        rename = {}
+        rename: dict[str, str] = {}
         for label in sorted(set(node_labels.values()), key=lambda r: (len(r), r)):
             rename[label] = label if label not in taken else f"{label}@{node}"
         taken.update(rename.values())
@@ -223,7 +236,9 @@ def rename_labels(per_node):
     return labels
 
 
-def combine(loaded):
+def combine(
+    loaded: list[tuple[str, int, tuple[list[dict[str, Any]], list[dict[str, Any]], Mapping[Any, str]]]],
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[tuple[Any, Any], str]]:
     """One run's (rows, process table, labels) from its nodes' [(node, offset_ns, (rows, table,
     {pid: label}))]: rows moved onto the reference clock and relabelled (`rename_labels`);
     processes are (node, pid): a pid may repeat on another host."""
@@ -242,18 +257,18 @@ def combine(loaded):
     return rows, table, labels
 
 
-def _renamed(labels, node, node_labels, label):
+def _renamed(
+    labels: Mapping[tuple[Any, Any], str], node: str, node_labels: Mapping[Any, str], label: str
+) -> str:
     for pid, old in node_labels.items():
         if old == label:
             return labels[(node, pid)]
     return label
 
 
-def load_traces(run_dir, manifest):
+def load_traces(run_dir: str, manifest: Mapping[str, Any]) -> tuple[Any, dict[str, str]]:
     """torchtrace.load_traces of the run, or of every node of a merged run with the node's
     offset added to start_ns/end_ns (trace files are named by global rank)."""
-    import pandas as pd
-
     tables, errors = [], {}
     for folder, node, offset in parts(run_dir, manifest):
         table, errs = load_folder(folder)
@@ -268,7 +283,7 @@ def load_traces(run_dir, manifest):
 
 
 # -- merging the node parts (diagnose merge) ---------------------------------------------------------
-def _read_manifest(folder):
+def read_manifest(folder: str) -> dict[str, Any]:
     path = os.path.join(folder, "manifest.json")
     try:
         with open(path, encoding="utf-8") as f:
@@ -280,14 +295,11 @@ def _read_manifest(folder):
     return manifest
 
 
-def _write_json(path, data):
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(data, f, indent=2, default=str)
-    os.replace(tmp, path)
+def write_json(path: str, data: Any) -> None:
+    atomic.write_json(path, data, indent=2, default=str)
 
 
-def clock_line(per_node, reference):
+def clock_line(per_node: Mapping[str, Any], reference: str) -> str:
     """One line for the report's host table: each node's offset and bound."""
     out = []
     for n, e in per_node.items():
@@ -298,16 +310,26 @@ def clock_line(per_node, reference):
     return "; ".join(out) + f" (reference {reference}; clock.json)"
 
 
-def merged_manifest(node_manifests, offsets, labels, clock_summary, per_node_clock=None):
+def merged_manifest(
+    node_manifests: Mapping[str, dict[str, Any]],
+    offsets: Mapping[str, int],
+    labels: Mapping[tuple[Any, Any], str],
+    clock_summary: Mapping[str, Any],
+    per_node_clock: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
     """One manifest over the nodes (the reference node's command, options and packages)."""
     reference = clock_summary.get("reference") or next(iter(node_manifests))
     base = dict(node_manifests[reference])
-    shifted = lambda m, key: (m.get(key) + offsets.get(n, 0)) if isinstance(m.get(key), int) else None
+
+    def shifted(m: Mapping[str, Any], key: str, node: str) -> int | None:
+        value = m.get(key)
+        return value + offsets.get(node, 0) if isinstance(value, int) else None
+
     starts, ends, gpus, missing, per_node = [], [], [], {}, {}
     codes = []
     for n, m in node_manifests.items():
-        starts.append(shifted(m, "start_ns"))
-        ends.append(shifted(m, "end_ns"))
+        starts.append(shifted(m, "start_ns", n))
+        ends.append(shifted(m, "end_ns", n))
         for g in m.get("gpus") or []:  # run_index: the GPU's index in the merged nvml.csv
             g = dict(g) if isinstance(g, dict) else {"gpu": g}
             gpus.append(dict(g, node=n, run_index=len(gpus)))
@@ -361,15 +383,13 @@ def merged_manifest(node_manifests, offsets, labels, clock_summary, per_node_clo
     return base
 
 
-def _is_rank(label):
+def _is_rank(label: str | None) -> bool:
     return label is not None
 
 
-def _merge_nvml(parts, out_path, gpu_base):
+def merge_nvml(parts: list[Part], out_path: str, gpu_base: Mapping[str, int]) -> bool:
     """Every node's nvml.csv on the reference clock; GPU indices made run-wide (the merged
     manifest's gpus list), the node kept in its own column."""
-    import pandas as pd
-
     frames = []
     for folder, node, offset in parts:
         path = os.path.join(folder, "nvml.csv")
@@ -394,7 +414,7 @@ def _merge_nvml(parts, out_path, gpu_base):
     return True
 
 
-def _merge_log(parts, out_path):
+def merge_log(parts: list[Part], out_path: str) -> None:
     lines = []
     for folder, node, offset in parts:
         path = os.path.join(folder, "log.txt")
@@ -407,16 +427,14 @@ def _merge_log(parts, out_path):
                     lines.append((int(t) + offset, rest))
     lines.sort(key=lambda x: x[0])
     with open(out_path, "w", encoding="utf-8") as f:
-        for t, rest in lines:
-            f.write(f"{t} {rest}\n")
+        for t_ns, rest in lines:
+            f.write(f"{t_ns} {rest}\n")
 
 
-def _merge_pyspy(parts, labels, out_dir):
+def merge_pyspy(parts: list[Part], labels: Mapping[tuple[Any, Any], str], out_dir: str) -> None:
     """py-spy files of each node's ranks, named by the rank (pids may repeat across nodes);
     recordings are linked (no timestamps inside), dump snapshots rewritten on the reference
     clock."""
-    from traindx.profiler.shim._traindx_shim.roles import parse_process_file
-
     if os.path.isdir(out_dir):
         shutil.rmtree(out_dir)
     os.makedirs(out_dir)
@@ -430,7 +448,7 @@ def _merge_pyspy(parts, labels, out_dir):
             stem, dot, ext = name.partition(".")
             who, _, flavour = stem.rpartition("-")
             pid = parse_process_file(who, "")
-            label = labels.get((node, pid)) if pid is not None else who
+            label: str | None = labels.get((node, pid)) if pid is not None else who
             if label is None or not flavour:
                 continue
             target = os.path.join(out_dir, f"{label}-{flavour}{dot}{ext}")
@@ -454,18 +472,16 @@ def _merge_pyspy(parts, labels, out_dir):
                     shutil.copyfile(os.path.join(src, name), target)
 
 
-def unfinished_nodes(run_dir: str) -> list:
+def unfinished_nodes(run_dir: str) -> list[str]:
     """Nodes whose part still says `running` (still running, or killed)."""
     return [
         n
         for n, d in node_dirs(os.path.abspath(run_dir)).items()
-        if _read_manifest(d).get("status") == "running"
+        if read_manifest(d).get("status") == "running"
     ]
 
 
-def format_clock(clock: dict) -> str:
-    from traindx.profiler.clocks import METHOD
-
+def format_clock(clock: dict[str, Any]) -> str:
     lines = [
         f"clock reference: {clock['reference']} ({clock['usable_collectives']} matched collectives usable)"
     ]

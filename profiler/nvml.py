@@ -6,17 +6,22 @@ resolve hides it and every entry after it), narrowed to the ranks' devices when 
 NVML sees the whole node, so without this a shared node's other jobs would be read as ours.
 """
 
+from __future__ import annotations
+
+import io
 import os
 import threading
 import time
+from collections.abc import Callable, Mapping
+from typing import Any
 
 COLUMNS = ["t", "gpu", "util", "mem_util", "sm_clock_mhz", "mem_used_bytes", "power_w", "clock_event_reasons"]
 
 
-def gpu_inventory():
+def gpu_inventory() -> list[dict[str, Any]]:
     """[{index, name, uuid, memory_bytes, max_sm_clock_mhz}] or raises the reason NVML is
     unusable."""
-    import pynvml
+    import pynvml  # only where NVML is read: a machine without it runs on
 
     pynvml.nvmlInit()
     gpus = []
@@ -40,7 +45,7 @@ def gpu_inventory():
     return gpus
 
 
-def _mig_uuids(pynvml, handle):
+def _mig_uuids(pynvml: Any, handle: Any) -> list[str]:
     """UUIDs of the MIG instances of a GPU in MIG mode ([] otherwise, or when NVML cannot say)."""
     try:
         current, _ = pynvml.nvmlDeviceGetMigMode(handle)
@@ -59,7 +64,7 @@ def _mig_uuids(pynvml, handle):
         return []
 
 
-def _resolve(entry, inventory):
+def _resolve(entry: str, inventory: list[dict[str, Any]]) -> tuple[int | None, str]:
     """(NVML index, how) of one CUDA_VISIBLE_DEVICES entry, or (None, why not)."""
     if entry.lstrip("-").isdigit():
         n = int(entry)
@@ -87,7 +92,12 @@ def _resolve(entry, inventory):
     return None, f"{entry}: {'ambiguous' if hits else 'no such'} GPU UUID"
 
 
-def select_gpus(inventory, visible=None, rank_devices=None, device_order=None):
+def select_gpus(
+    inventory: list[dict[str, Any]],
+    visible: str | None = None,
+    rank_devices: Any = None,
+    device_order: str | None = None,
+) -> tuple[list[int], str]:
     """(NVML indices to sample, why) for a job.
 
     inventory: gpu_inventory()'s list. visible: the job's CUDA_VISIBLE_DEVICES (None: unset).
@@ -127,7 +137,7 @@ def select_gpus(inventory, visible=None, rank_devices=None, device_order=None):
     return chosen, why
 
 
-def _text(value):
+def _text(value: Any) -> Any:
     return value.decode() if isinstance(value, bytes) else value
 
 
@@ -135,21 +145,28 @@ class NvmlSampler:
     """Samples the job's GPUs (select_gpus) every `interval_s` into a CSV, the `gpu` column being
     the NVML index (as in the manifest's `gpus`); a missing driver leaves `error` set."""
 
-    def __init__(self, path, interval_s=0.5, env=None, rank_devices=None):
+    def __init__(
+        self,
+        path: str,
+        interval_s: float = 0.5,
+        env: Mapping[str, str] | None = None,
+        rank_devices: Any = None,
+    ) -> None:
         self.path = path
         self.interval_s = interval_s
-        self.error = None
+        self.error: str | None = None
         # the job's environment decides which GPUs are its own (default: this process's)
         self.env = os.environ if env is None else env
         self.rank_devices = rank_devices
-        self.selection = None  # {"gpus": [NVML index], "why": text}: for the manifest
-        self.write_error = None  # what a failed write of nvml.csv left out
+        self.selection: dict[str, Any] | None = None  # {"gpus": [NVML index], "why": text}: for the manifest
+        self.write_error: str | None = None  # what a failed write of nvml.csv left out
         self._stop = threading.Event()
-        self._thread = None
+        self._thread: threading.Thread | None = None
+        self._handles: list[tuple[int, Any]] = []
 
-    def start(self):
+    def start(self) -> bool:
         try:
-            import pynvml
+            import pynvml  # only where NVML is read: a machine without it runs on
 
             inventory = gpu_inventory()
             indices, why = select_gpus(
@@ -170,8 +187,8 @@ class NvmlSampler:
         self._thread.start()
         return True
 
-    def _sample(self, pynvml, index, h):
-        def safe(fn, default=""):
+    def _sample(self, pynvml: Any, index: int, h: Any) -> list[Any]:
+        def safe(fn: Callable[[], Any], default: Any = "") -> Any:
             try:
                 return fn()
             except pynvml.NVMLError:
@@ -189,8 +206,8 @@ class NvmlSampler:
             safe(lambda: pynvml.nvmlDeviceGetCurrentClocksEventReasons(h)),
         ]
 
-    def _loop(self):
-        import pynvml
+    def _loop(self) -> None:
+        import pynvml  # only where NVML is read: a machine without it runs on
 
         out = None
         try:
@@ -212,16 +229,16 @@ class NvmlSampler:
                 except OSError:
                     pass
 
-    def stop(self):
+    def stop(self) -> None:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
 
 
-def load_csv(path):
+def load_csv(path: str) -> tuple[Any, str | None]:
     """(DataFrame of COLUMNS, problem or None) of an nvml.csv: rows that are not samples (a cut
     last line, garbage bytes) are dropped; a file that holds none is reported, never raised."""
-    import pandas as pd
+    import pandas as pd  # pandas: kept out of the launcher, which samples with this module
 
     empty = pd.DataFrame(columns=COLUMNS)
     try:
@@ -231,8 +248,6 @@ def load_csv(path):
         return empty, f"{path}: unreadable ({exc.strerror}); GPU metrics skipped"
     if not raw.strip():
         return empty, None
-    import io
-
     text = raw.decode("utf-8", errors="replace").replace("\x00", "")
     try:
         df = pd.read_csv(io.StringIO(text), on_bad_lines="skip", dtype=str)

@@ -8,11 +8,12 @@ parent only. No program name is looked at.
 """
 
 import os
+from typing import Any
 
 from traindx.profiler.shim._traindx_shim.roles import is_multiprocessing_child, rank_from_env
 
 
-def _read(path, mode="r"):
+def _read(path: str, mode: str = "r") -> Any:
     try:
         with open(path, mode) as f:
             return f.read()
@@ -20,8 +21,8 @@ def _read(path, mode="r"):
         return None
 
 
-def children_map():
-    children = {}
+def children_map() -> dict[int, list[int]]:
+    children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -34,12 +35,12 @@ def children_map():
     return children
 
 
-def cmdline(pid):
+def cmdline(pid: int) -> list[str]:
     raw = _read(f"/proc/{pid}/cmdline", "rb")
     return [] if not raw else [a.decode(errors="replace") for a in raw.split(b"\0") if a]
 
 
-def environ(pid):
+def environ(pid: int) -> dict[str, str]:
     raw = _read(f"/proc/{pid}/environ", "rb")
     env = {}
     for item in (raw or b"").split(b"\0"):
@@ -49,7 +50,7 @@ def environ(pid):
     return env
 
 
-def is_python(pid):
+def is_python(pid: int) -> bool:
     try:
         exe = os.path.basename(os.readlink(f"/proc/{pid}/exe"))
     except OSError:
@@ -57,12 +58,13 @@ def is_python(pid):
     return exe.startswith("python") or exe.startswith("pypy")
 
 
-def rank_processes(root_pid):
+def rank_processes(root_pid: int) -> dict[int, str | None]:
     """{pid: rank or None} of the Python processes under root_pid to sample without the shim:
     the top-most Python process on each branch whose environment names a rank (its own
     children are DataLoader workers and the like), else the top-most Python processes."""
     children = children_map()
-    found, topmost = {}, []
+    found: dict[int, str | None] = {}
+    topmost: list[int] = []
     stack = [(root_pid, False)]
     while stack:
         pid, below_python = stack.pop()

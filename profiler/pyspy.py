@@ -14,10 +14,14 @@ import subprocess
 import sys
 import threading
 import time
+from typing import IO, Any
 
 from traindx.profiler import rolling
 from traindx.profiler.proctree import rank_processes
 from traindx.profiler.shim._traindx_shim import roles
+
+# (flavour, py-spy record process, its log file) of one recorder
+Recorder = tuple[str, "subprocess.Popen[bytes]", IO[str]]
 
 # a burst of snapshots on an anomaly: this many, this far apart (each dump pauses nothing: it
 # is --nonblocking, and costs the diagnose side ~10-30 ms of CPU)
@@ -25,7 +29,7 @@ BURST_COUNT = 5
 BURST_INTERVAL_S = 0.2
 
 
-def find_pyspy():
+def find_pyspy() -> str | None:
     """The py-spy binary: $TRAINDX_PYSPY when set, beside this interpreter (a venv's scripts),
     then on PATH."""
     named = os.environ.get("TRAINDX_PYSPY")
@@ -40,29 +44,39 @@ def find_pyspy():
 class RankSampler:
     """Both recorders and the dump loop of one process."""
 
-    def __init__(self, pyspy, pid, rank, out_dir, rate_hz, dump_interval_s, budget=None, record=True):
+    def __init__(
+        self,
+        pyspy: str,
+        pid: int,
+        rank: str,
+        out_dir: str,
+        rate_hz: int,
+        dump_interval_s: float,
+        budget: rolling.Budget | None = None,
+        record: bool = True,
+    ) -> None:
         self.pyspy, self.pid, self.rank = pyspy, pid, rank
         self.record = record  # False (--always-on): dumps only, no recorder sampling all along
         self.out_dir = out_dir
         self.rate_hz = rate_hz
         self.dump_interval_s = dump_interval_s
         self.budget = budget or rolling.Budget()
-        self.recorders = []  # the current window's
+        self.recorders: list[Recorder] = []  # the current window's
         self.window = 0
-        self._logs = {}
-        self.errors = []
+        self._logs: dict[str, IO[str]] = {}
+        self.errors: list[str] = []
         self.dumps_ok = 0
         self._wake = threading.Event()  # a burst request or the stop: the dump loop wakes at once
         self._burst = 0
-        self._burst_kind = None
-        self.dump_errors = []
+        self._burst_kind: str | None = None
+        self.dump_errors: list[str] = []
         self._stop = threading.Event()
         self._window_lock = threading.Lock()
-        self._dump_thread = None
-        self._window_thread = None
+        self._dump_thread: threading.Thread | None = None
+        self._window_thread: threading.Thread | None = None
 
-    def _start_recorders(self):
-        recorders = []
+    def _start_recorders(self) -> list[Recorder]:
+        recorders: list[Recorder] = []
         if not self.record:
             return recorders
         for flavour, flag in (("all", "--idle"), ("gil", "--gil")):
@@ -101,7 +115,7 @@ class RankSampler:
             )
         return recorders
 
-    def start(self):
+    def start(self) -> None:
         self.recorders = self._start_recorders()
         if self.dump_interval_s > 0:
             self._dump_thread = threading.Thread(
@@ -114,7 +128,7 @@ class RankSampler:
             )
             self._window_thread.start()
 
-    def _window_loop(self):
+    def _window_loop(self) -> None:
         """At each window's end (the first one short: Budget.window_length): the next window's
         recorders first, then the old ones told to write (no gap in the samples), then the
         windows past the start-up ones and the last `keep` folded."""
@@ -149,25 +163,25 @@ class RankSampler:
                     except Exception as exc:  # the windows stay as they are: nothing lost
                         self._note(self.errors, f"py-spy {flavour} windows not folded: {exc}")
 
-    def _windows_bytes(self):
+    def _windows_bytes(self) -> int:
         return sum(
             self._size(p)
             for p in glob.glob(os.path.join(self.out_dir, f"{self.rank}-*" + rolling.SPEEDSCOPE))
         )
 
     @staticmethod
-    def _size(path):
+    def _size(path: str) -> int:
         try:
             return os.path.getsize(path)
         except OSError:
             return 0
 
     @staticmethod
-    def _note(where, text, limit=20):
+    def _note(where: list[str], text: str, limit: int = 20) -> None:
         if len(where) < limit:  # a launcher running for days keeps no growing list
             where.append(text)
 
-    def _finish(self, flavour, proc, timeout=20):
+    def _finish(self, flavour: str, proc: subprocess.Popen[bytes], timeout: float = 20) -> None:
         if proc.poll() is None:
             proc.send_signal(2)
             try:
@@ -178,7 +192,7 @@ class RankSampler:
         if proc.returncode not in (0, None, -2):
             self._note(self.errors, f"py-spy {flavour} recorder exited {proc.returncode}")
 
-    def _dump_loop(self):
+    def _dump_loop(self) -> None:
         path = os.path.join(self.out_dir, f"{self.rank}-dump.jsonl")
         try:
             self._dumps(path)
@@ -190,7 +204,7 @@ class RankSampler:
                 f"({exc.strerror or exc})",
             )
 
-    def _dumps(self, path):
+    def _dumps(self, path: str) -> None:
         out = rolling.RollingLines(path, self.budget.segment_bytes(rolling.DUMPS_SHARE), mode="a")
         with out:
             while not self._stop.is_set():
@@ -224,7 +238,7 @@ class RankSampler:
                     threads = json.loads(proc.stdout)
                 except ValueError:
                     continue
-                record = {"t": t, "pid": self.pid}
+                record: dict[str, Any] = {"t": t, "pid": self.pid}
                 if trigger:
                     record["trigger"] = trigger
                 out.write(
@@ -254,14 +268,14 @@ class RankSampler:
                     + "\n"
                 )
 
-    def burst(self, kind, count=None):
+    def burst(self, kind: str, count: int | None = None) -> None:
         """Take `count` snapshots BURST_INTERVAL_S apart now (an anomaly: the live judge saw a
         step twice the running median, or a kernel compiled again)."""
         self._burst_kind = kind
         self._burst = BURST_COUNT if count is None else count
         self._wake.set()
 
-    def stop(self, timeout=20):
+    def stop(self, timeout: float = 20) -> None:
         if self._stop.is_set():
             return
         with self._window_lock:  # no new window starts once stopping began
@@ -301,23 +315,32 @@ class PySpyManager:
     tree's environments are all there is (proctree.rank_processes).
     """
 
-    def __init__(self, out_dir, rate_hz=20, dump_interval_s=2.0, poll_s=0.2, budget=None, record=True):
+    def __init__(
+        self,
+        out_dir: str,
+        rate_hz: int = 20,
+        dump_interval_s: float = 2.0,
+        poll_s: float = 0.2,
+        budget: rolling.Budget | None = None,
+        record: bool = True,
+    ) -> None:
         self.out_dir = out_dir
         self.record = record
         self.budget = budget
         self.rate_hz = rate_hz
         self.dump_interval_s = dump_interval_s
         self.poll_s = poll_s
-        self.samplers = {}
-        self.ranks = {}  # {pid: rank label} in attach mode; see rank_labels()
-        self.env_ranks = {}  # {pid: rank or None} without the shim
-        self.error = None
+        self.samplers: dict[int, RankSampler] = {}
+        self.ranks: dict[int, str] = {}  # {pid: rank label} in attach mode; see rank_labels()
+        self.env_ranks: dict[int, str | None] = {}  # {pid: rank or None} without the shim
+        self.error: str | None = None
         self.pyspy = find_pyspy()
-        self._run_dir = None
+        self._run_dir: str | None = None
+        self._root = 0
         self._stop = threading.Event()
-        self._thread = None
+        self._thread: threading.Thread | None = None
 
-    def start(self, root_pid, run_dir=None):
+    def start(self, root_pid: int, run_dir: str | None = None) -> bool:
         """Sample the training processes under root_pid; run_dir: where the shim announces
         them (None: the shim is off)."""
         if self.pyspy is None:
@@ -330,7 +353,7 @@ class PySpyManager:
         self._thread.start()
         return True
 
-    def _found(self):
+    def _found(self) -> list[int]:
         if self._run_dir is not None:
             return [int(a["pid"]) for a in roles.read_announcements(self._run_dir)]
 
@@ -339,7 +362,10 @@ class PySpyManager:
             self.env_ranks.setdefault(pid, rank)
         return list(found)
 
-    def _watch(self):
+    def _watch(self) -> None:
+        pyspy = self.pyspy
+        if pyspy is None:  # start() refused already
+            return
         while not self._stop.is_set():
             try:
                 found = self._found()
@@ -349,7 +375,7 @@ class PySpyManager:
                 if pid in self.samplers or not os.path.exists(f"/proc/{pid}"):
                     continue
                 sampler = RankSampler(
-                    self.pyspy,
+                    pyspy,
                     pid,
                     f"p{pid}",
                     self.out_dir,
@@ -367,7 +393,7 @@ class PySpyManager:
             self._drop_unranked()
             self._stop.wait(self.poll_s)
 
-    def _drop_unranked(self):
+    def _drop_unranked(self) -> None:
         """Without the shim, the top-most Python was sampled while no process had a rank; once
         ranks appear (torchrun's workers) it was their launcher: stop it, leave it unlabelled."""
         if self._run_dir is not None or not any(r is not None for r in self.env_ranks.values()):
@@ -377,14 +403,14 @@ class PySpyManager:
                 del self.env_ranks[pid]
                 threading.Thread(target=self.samplers[pid].stop, daemon=True).start()
 
-    def rank_labels(self):
+    def rank_labels(self) -> dict[str, int]:
         """{label: pid} of what was sampled without the shim (with it: roles.announced_ranks)."""
         procs = [{"pid": pid, "rank": rank, "start": 0} for pid, rank in self.env_ranks.items()]
         labels = {label: pid for pid, label in roles.rank_labels(procs).items()}
         labels.update({label: pid for pid, label in self.ranks.items()})
         return labels
 
-    def attach(self, pid, rank="0"):
+    def attach(self, pid: int, rank: str = "0") -> bool:
         """attach mode: sample one given process."""
         if self.pyspy is None:
             self.error = "py-spy not found (pip install py-spy)"
@@ -398,7 +424,7 @@ class PySpyManager:
         self.samplers[pid] = sampler
         return True
 
-    def burst(self, kind):
+    def burst(self, kind: str) -> None:
         """A burst of snapshots of every training process (see RankSampler.burst)."""
         for sampler in list(self.samplers.values()):
             try:
@@ -406,14 +432,14 @@ class PySpyManager:
             except Exception:
                 pass  # evidence only: never the job's problem
 
-    def stop(self):
+    def stop(self) -> None:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
         for sampler in self.samplers.values():
             sampler.stop()
 
-    def errors(self):
+    def errors(self) -> list[str]:
         out = [self.error] if self.error else []
         for sampler in self.samplers.values():
             out.extend(sampler.errors)

@@ -12,6 +12,8 @@ whole run's proportions stay. Every change is written beside and renamed into pl
 any moment leaves complete files, at worst one segment counted twice, never a lost one.
 """
 
+from __future__ import annotations
+
 import glob
 import gzip
 import json
@@ -19,12 +21,20 @@ import os
 import re
 import shutil
 import threading
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
+from traindx.common import atomic
 from traindx.common.errors import UserError
 from traindx.profiler.logparse import compile_custom, parse_line
 from traindx.profiler.shim._traindx_shim.segments import segment_path, segments, summary_path
 from traindx.profiler.speedscope import ThreadSamples, load
+
+# thin(lines, note): the lines a rolled segment keeps, filling in `note` for its summary
+Thin = Callable[[Iterable[str], dict[str, Any]], Iterator[str]]
+# {thread: {stack: seconds}} of folded py-spy windows
+Totals = dict[str, dict[Any, float]]
 
 MB = 1 << 20
 MIN_SEGMENT_BYTES = 4096
@@ -54,15 +64,15 @@ class Budget:
         window 1 too when window 0 was the short first one."""
         return 2 if self.window_length(0) < self.window_s else 1
 
-    def cap(self, share):
+    def cap(self, share: float) -> int:
         return int(self.rank_bytes * share)
 
-    def segment_bytes(self, share):
+    def segment_bytes(self, share: float) -> int:
         # head + the kept segments + the live one take at most half the family's cap; the
         # rolled (gzipped, thinned) segments the other half
         return max(MIN_SEGMENT_BYTES, self.cap(share) // (2 * (self.keep + 2)))
 
-    def as_dict(self):
+    def as_dict(self) -> dict[str, Any]:
         return {
             "rank_bytes": self.rank_bytes,
             "window_s": self.window_s,
@@ -76,7 +86,7 @@ class Budget:
 class RollingLines:
     """An append-only line file written in segments of `segment_bytes` (0: one file)."""
 
-    def __init__(self, head, segment_bytes=0, mode="w"):
+    def __init__(self, head: str, segment_bytes: int = 0, mode: str = "w") -> None:
         self.head = head
         self.segment_bytes = segment_bytes
         self._file = open(head, mode, encoding="utf-8")
@@ -84,7 +94,7 @@ class RollingLines:
         existing = segments(head)
         self._n = existing[-1][0] if existing else 0
 
-    def write(self, text):
+    def write(self, text: str) -> None:
         self._file.write(text)
         self._file.flush()
         self._written += len(text.encode("utf-8", "replace"))
@@ -94,24 +104,24 @@ class RollingLines:
             self._file = open(segment_path(self.head, self._n), "w", encoding="utf-8")
             self._written = 0
 
-    def flush(self):
+    def flush(self) -> None:
         self._file.flush()
 
-    def __enter__(self):
+    def __enter__(self) -> RollingLines:
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def close(self):
+    def close(self) -> None:
         self._file.close()
 
     @property
-    def name(self):
+    def name(self) -> str:
         return self.head
 
 
-def read_text(head):
+def read_text(head: str) -> str:
     """The whole text of a rolling line file, segments in order (gzipped ones decompressed);
     the head alone for a short run."""
     parts = []
@@ -135,7 +145,7 @@ def read_text(head):
     return "".join(parts)
 
 
-def read_bytes(head):
+def read_bytes(head: str) -> bytes:
     """read_text's bytes: the head and its segments in order, each ending on a whole line."""
     parts = []
     with open(head, "rb") as f:
@@ -155,19 +165,19 @@ def read_bytes(head):
     return b"".join(parts)
 
 
-def family_bytes(head):
+def family_bytes(head: str) -> int:
     total = _size(head) + _size(summary_path(head))
     return total + sum(_size(path) for _, path, _ in segments(head))
 
 
-def _size(path):
+def _size(path: str) -> int:
     try:
         return os.path.getsize(path)
     except OSError:
         return 0
 
 
-def _read_summary(head):
+def _read_summary(head: str) -> dict[str, Any]:
     try:
         with open(summary_path(head), encoding="utf-8") as f:
             data = json.load(f)
@@ -176,23 +186,22 @@ def _read_summary(head):
         return {}
 
 
-def _write_json_atomic(path, data):
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(data, f, separators=(",", ":"), default=str)
-    os.replace(tmp, path)
+def _write_json_atomic(path: str, data: Any) -> None:
+    atomic.write_json(path, data, separators=(",", ":"), default=str)
 
 
-def _gzip_segment(path):
+def _gzip_segment(path: str) -> None:
     """path -> path.gz (written beside, renamed in, then the plain one removed)."""
-    tmp = path + ".gz.tmp"
-    with open(path, "rb") as src, gzip.open(tmp, "wb", compresslevel=6) as dst:
-        shutil.copyfileobj(src, dst, 1 << 20)
-    os.replace(tmp, path + ".gz")
+
+    def write(tmp: str) -> None:
+        with open(path, "rb") as src, gzip.open(tmp, "wb", compresslevel=6) as dst:
+            shutil.copyfileobj(src, dst, 1 << 20)
+
+    atomic.replace_with(path + ".gz", write)
     os.remove(path)
 
 
-def settle(head, keep, cap, thin=None, live=True):
+def settle(head: str, keep: int, cap: int, thin: Thin | None = None, live: bool = True) -> None:
     """Roll one line file: gzip the closed segments older than the last `keep`, then, while the
     family is over `cap` bytes, thin the oldest gzipped segment (thin(lines, note): a generator
     of the lines kept, filling in `note` for the summary) and past that drop it. live: the newest segment is still being written."""
@@ -222,7 +231,7 @@ def settle(head, keep, cap, thin=None, live=True):
             os.remove(path)
 
 
-def _merge_note(summary, key, note):
+def _merge_note(summary: dict[str, Any], key: str, note: dict[str, Any]) -> None:
     """One running total per kind of change, however many segments: the summary stays small."""
     into = summary.setdefault(key, {"segments": 0})
     into["segments"] += 1
@@ -237,7 +246,7 @@ def _merge_note(summary, key, note):
             into[k] = v
 
 
-def rolled_summaries(run_dir):
+def rolled_summaries(run_dir: str) -> dict[str, Any]:
     """{file relative to the run: its <file>.rolled.json} for everything rolling thinned or
     dropped (for the manifest)."""
     out = {}
@@ -249,30 +258,32 @@ def rolled_summaries(run_dir):
     return out
 
 
-def _lines_of(path):
+def _lines_of(path: str) -> Iterator[str]:
     with gzip.open(path, "rt", encoding="utf-8", errors="replace", newline="\n") as f:  # read_text
         for line in f:
             yield line.rstrip("\n")
 
 
-def _thin_segment(path, thin):
+def _thin_segment(path: str, thin: Thin) -> dict[str, Any]:
     """Stream the segment through thin(lines, note) (a generator of the lines kept; it fills in
     `note`) into a new gzip renamed over it: memory stays one step's worth, whatever the size."""
-    note = {}
-    tmp = path + ".tmp"
-    with gzip.open(tmp, "wt", encoding="utf-8", compresslevel=6) as f:
-        for line in thin(_lines_of(path), note):
-            f.write(line + "\n")
-    os.replace(tmp, path)
+    note: dict[str, Any] = {}
+
+    def write(tmp: str) -> None:
+        with gzip.open(tmp, "wt", encoding="utf-8", compresslevel=6) as f:
+            for line in thin(_lines_of(path), note):
+                f.write(line + "\n")
+
+    atomic.replace_with(path, write)
     return note
 
 
-def _describe(path):
+def _describe(path: str) -> dict[str, Any]:
     """What a dropped segment held: its lines, their time span (log, events, dumps all start
     with a time or carry "t"), and for events the steps that ended in it."""
-    note = {"lines": 0}
+    note: dict[str, Any] = {"lines": 0}
 
-    def seen(key_first, key_last, value):
+    def seen(key_first: str, key_last: str, value: int) -> None:
         note[key_first] = min(note.get(key_first, value), value)
         note[key_last] = max(note.get(key_last, value), value)
 
@@ -298,15 +309,16 @@ def _describe(path):
 MERGED_SPANS = frozenset({"data", "backward", "optimizer", "sync", "collective"})
 
 
-def thin_events(lines, note):
+def thin_events(lines: Iterable[str], note: dict[str, Any]) -> Iterator[str]:
     """Every event, except that each step's spans of one category on one thread become one span
     (`merged`: how many; from the first's start, as long as their sum): the ledger's per-step
     seconds stay, the per-call detail (a collective's group and seq, each sync's site) goes.
     `io` and `gc` spans are rare and stay as they are."""
-    merged, step = {}, None
+    merged: dict[tuple[Any, str, Any], tuple[int, int, int]] = {}
+    step = None
     note.update(spans_merged=0, spans_left=0)
 
-    def merged_spans():
+    def merged_spans() -> Iterator[str]:
         for (_, cat, tid), (start, total, n) in merged.items():
             note["spans_left"] += 1
             yield json.dumps(
@@ -337,10 +349,10 @@ def thin_events(lines, note):
     yield from merged_spans()
 
 
-def thin_log(custom=None):
+def thin_log(custom: re.Pattern[str] | None = None) -> Thin:
     """The job's step/loss lines (profiler/logparse.py's formats, `--log-regex`) and nothing else."""
 
-    def thin(lines, note):
+    def thin(lines: Iterable[str], note: dict[str, Any]) -> Iterator[str]:
         note["lines_dropped"] = 0
         for line in lines:
             text = line.split(" ", 2)[2] if line.count(" ") >= 2 else ""
@@ -352,7 +364,7 @@ def thin_log(custom=None):
     return thin
 
 
-def thin_dumps(lines, note, frames=3):
+def thin_dumps(lines: Iterable[str], note: dict[str, Any], frames: int = 3) -> Iterator[str]:
     """Each snapshot with its threads' top `frames` frames: the GIL timeline stays."""
     note["snapshots"] = 0
     for line in lines:
@@ -371,24 +383,25 @@ _WINDOW = re.compile(r"^(?P<base>.+?)(?:\.w(?P<n>\d{6})|\.(?P<rolled>rolled))?$"
 SPEEDSCOPE = ".speedscope.json"
 
 
-def window_path(out_dir, stem_flavour, n):
+def window_path(out_dir: str, stem_flavour: str, n: int) -> str:
     """Window n's speedscope file: window 0 keeps the name of a run without windows."""
     suffix = "" if n == 0 else f".w{n:06d}"
     return os.path.join(out_dir, f"{stem_flavour}{suffix}{SPEEDSCOPE}")
 
 
-def rolled_window_path(out_dir, stem_flavour):
+def rolled_window_path(out_dir: str, stem_flavour: str) -> str:
     return os.path.join(out_dir, f"{stem_flavour}.rolled{SPEEDSCOPE}")
 
 
-def fold_windows(out_dir, stem_flavour, through, first=1):
+def fold_windows(out_dir: str, stem_flavour: str, through: int, first: int = 1) -> None:
     """Fold windows `first`..`through` into the rolled summary (the windows before `first` are
     start-up, kept whole): per thread, each distinct stack once
     with its summed weight (seconds), then remove their files. The summary says the last window
     it holds (`traindx_folded_through`: they roll off in order), so a window still present after a
     kill between the two steps is not read twice, and the summary does not grow with the run."""
     rolled = rolled_window_path(out_dir, stem_flavour)
-    totals, folded_through = {}, first - 1
+    totals: Totals = {}
+    folded_through = first - 1
     if os.path.exists(rolled):
         try:
             folded_through = int(_read_json(rolled).get("traindx_folded_through", first - 1))
@@ -412,20 +425,22 @@ def fold_windows(out_dir, stem_flavour, through, first=1):
             os.remove(path)
 
 
-def _read_json(path):
+def _read_json(path: str) -> Any:
     with open(path, encoding="utf-8") as f:
         return json.load(f)
 
 
-def _add(totals, threads):
+def _add(totals: Totals, threads: dict[str, ThreadSamples]) -> None:
     for name, ts in threads.items():
         per = totals.setdefault(name, {})
         for stack, weight in zip(ts.stacks, ts.weights):
             per[stack] = per.get(stack, 0) + weight
 
 
-def _write_speedscope(path, totals, folded_through, folded_from=1):
-    frames, index, profiles = [], {}, []
+def _write_speedscope(path: str, totals: Totals, folded_through: int, folded_from: int = 1) -> None:
+    frames: list[dict[str, Any]] = []
+    index: dict[Any, int] = {}
+    profiles: list[dict[str, Any]] = []
     for name, stacks in totals.items():
         samples, weights = [], []
         for stack, weight in stacks.items():
@@ -461,17 +476,20 @@ def _write_speedscope(path, totals, folded_through, folded_from=1):
     _write_json_atomic(path, doc)
 
 
-def load_pyspy(pyspy_dir):
+def load_pyspy(pyspy_dir: str) -> dict[tuple[str, str], tuple[dict[str, ThreadSamples], list[str]]]:
     """{(file stem, 'all'|'gil'): ({thread: ThreadSamples}, [error])}: window 0, the rolled
     summary, then the kept windows in order, each thread's samples concatenated."""
-    groups = {}
+    groups: dict[tuple[str, str], list[tuple[int | None, str]]] = {}
     for path in glob.glob(os.path.join(pyspy_dir, "*" + SPEEDSCOPE)):
         m = _WINDOW.match(os.path.basename(path)[: -len(SPEEDSCOPE)])
+        assert m is not None  # the pattern matches any name
         stem, _, source = m["base"].rpartition("-")
         groups.setdefault((stem, source), []).append((None if m["rolled"] else int(m["n"] or 0), path))
     out = {}
     for key, files in sorted(groups.items()):
-        threads, errors, first, folded = {}, [], 1, 0
+        threads: dict[str, ThreadSamples] = {}
+        errors: list[str] = []
+        first, folded = 1, 0
         for n, path in files:
             if n is None:  # the summary: the windows it holds, read in their place
                 try:
@@ -503,25 +521,25 @@ class Roller:
     """Settles every rolling file of a run folder now and then, in the launcher (never in the
     job's processes)."""
 
-    def __init__(self, run_dir, budget, log_regex=None):
+    def __init__(self, run_dir: str, budget: Budget, log_regex: str | None = None) -> None:
         self.run_dir = run_dir
         self.budget = budget
         self.log_regex = log_regex
-        self.errors = []
+        self.errors: list[str] = []
         self._stop = threading.Event()
-        self._thread = None
+        self._thread: threading.Thread | None = None
         # how often: what the job writes between two settles is the budget's overshoot
         self.interval_s = max(0.25, min(5.0, (budget.window_s or 20) / 4))
 
-    def start(self):
+    def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="traindx-roller", daemon=True)
         self._thread.start()
 
-    def _loop(self):
+    def _loop(self) -> None:
         while not self._stop.wait(self.interval_s):
             self.settle_all(live=True)
 
-    def settle_all(self, live):
+    def settle_all(self, live: bool) -> None:
         b = self.budget
         try:
             custom = None
@@ -529,7 +547,7 @@ class Roller:
                 custom = compile_custom(self.log_regex)
         except ValueError:
             custom = None
-        families = [
+        families: list[tuple[str, int, Thin]] = [
             (path, b.cap(EVENTS_SHARE), thin_events)
             for path in glob.glob(os.path.join(self.run_dir, "events", "*.jsonl"))
         ]
@@ -547,7 +565,7 @@ class Roller:
                 if len(self.errors) < 20:
                     self.errors.append(f"rolling {os.path.basename(head)}: {type(exc).__name__}: {exc}")
 
-    def stop(self):
+    def stop(self) -> None:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=30)

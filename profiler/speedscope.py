@@ -2,6 +2,7 @@
 
 import json
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from traindx.common.errors import UserError
@@ -14,14 +15,14 @@ _THREAD_LABEL = re.compile(r'^Thread (?P<tid>\d+|0x[0-9a-fA-F]+)(?: "(?P<name>.*
 _ROOT_FRAME = re.compile(r"^thread \((?P<tid>0x[0-9a-fA-F]+|\d+)\)(?::\s*(?P<name>.*))?$|^process \d+:")
 
 
-def parse_thread_label(label):
+def parse_thread_label(label: object) -> tuple[str, str] | None:
     """(thread id, thread name) of a py-spy thread label like 'Thread 8485 "MainThread"' (the
     name "" when py-spy left it empty), or None for a label of another shape."""
     m = _THREAD_LABEL.match(str(label or ""))
     return (m["tid"], m["name"] or "") if m else None
 
 
-def root_frame(name):
+def root_frame(name: str | None) -> tuple[str | None, str | None] | None:
     """A py-spy root frame's (thread id or None, thread name or None), or None when `name` is
     a frame of the program. Only frames without a file can be root frames."""
     m = _ROOT_FRAME.match(name or "")
@@ -36,22 +37,22 @@ class Frame:
     file: str
     line: int
 
-    def label(self):
+    def label(self) -> str:
         return f"{self.name} ({self.file}:{self.line})" if self.file else self.name
 
 
 @dataclass
 class ThreadSamples:
     thread: str
-    stacks: list = field(default_factory=list)  # each a tuple of Frame, root first
-    weights: list = field(default_factory=list)
+    stacks: list[Sequence[Frame]] = field(default_factory=list)  # each a tuple of Frame, root first
+    weights: list[float] = field(default_factory=list)
 
 
 # a py-spy recording: {thread label: ThreadSamples}
 Recording = dict[str, ThreadSamples]
 
 
-def load(path):
+def load(path: str) -> Recording:
     """{thread name: ThreadSamples} from a speedscope or raw py-spy file."""
     try:
         with open(path, "rb") as f:
@@ -69,14 +70,14 @@ def load(path):
     return _from_collapsed(path, text)
 
 
-def _from_speedscope(path, text):
+def _from_speedscope(path: str, text: str) -> Recording:
     try:
         doc = json.loads(text)
         frames = [
             Frame(f.get("name", "?"), f.get("file") or "", int(f.get("line") or 0))
             for f in doc["shared"]["frames"]
         ]
-        threads = {}
+        threads: Recording = {}
         for profile in doc["profiles"]:
             name = profile.get("name", "thread")
             ts = threads.setdefault(name, ThreadSamples(name))
@@ -90,7 +91,7 @@ def _from_speedscope(path, text):
         raise UserError(f"{path} is not a valid speedscope file ({type(exc).__name__}: {exc})") from None
 
 
-def _strip_thread_root(stack):
+def _strip_thread_root(stack: tuple[Frame, ...]) -> tuple[Frame, ...]:
     """Drop the bare root frames; a named one ('thread (718): MainThread') stays: it is the
     thread's name when the label has none (analyzers/evidence.merge_threads)."""
     while stack and not stack[0].file:
@@ -104,8 +105,8 @@ def _strip_thread_root(stack):
 _COLLAPSED_FRAME = re.compile(r"^(?P<name>.*?) \((?P<file>[^():]+)(?::(?P<line>\d+))?\)$")
 
 
-def _from_collapsed(path, text):
-    threads = {}
+def _from_collapsed(path: str, text: str) -> Recording:
+    threads: Recording = {}
     for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue

@@ -28,6 +28,11 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # annotations only: imported where the log opens
+    from traindx.profiler.rolling import RollingLines
 
 # a line longer than this without a newline is cut into pieces (memory stays bounded)
 MAX_LINE_BYTES = 1 << 20
@@ -40,23 +45,24 @@ CLOSED = "="  # tee -> diagnose: every writer has closed the job's pipes (no dae
 LOG_QUEUE_BATCHES = 4096  # each at most one 64 KiB read
 
 
-def _write_all(fd, data):
+def _write_all(fd: int, data: bytes) -> None:
     while data:
         n = os.write(fd, data)
         data = data[n:]
 
 
-def redactor(config):
+def redactor(config: dict[str, Any]) -> Callable[[str], str]:
     """The function every logged line goes through (traindx/common/redact.py: one definition of a
     secret for everything traindx writes): the job's own secret values, sent over the socket
     (never on a command line or in an environment), then every token shape."""
+    # imported here: the tee starts (and passes output through) whatever this import costs
     from traindx.common import redact
 
     return redact.Redactor(config.get("secret_values") or ()).line
 
 
 class Tee:
-    def __init__(self, out_fd, err_fd, sock, config):
+    def __init__(self, out_fd: int, err_fd: int, sock: socket.socket | None, config: dict[str, Any]) -> None:
         self.streams = {out_fd: "o", err_fd: "e"}
         self.partial = {out_fd: b"", err_fd: b""}
         self.terminal = {"o": 1, "e": 2}
@@ -66,22 +72,23 @@ class Tee:
         self.unsupervised_bytes = 0  # written to the log with no roller keeping its budget
         self.supervised = sock is not None
         self._send_lock = threading.Lock()
-        self._queue = queue.Queue(LOG_QUEUE_BATCHES)
-        self._writer = None
-        self.log = None
+        self._queue: queue.Queue[tuple[int, str, list[str]] | None] = queue.Queue(LOG_QUEUE_BATCHES)
+        self._writer: threading.Thread | None = None
+        self.log: RollingLines | None = None
         if config.get("log"):
             try:
-                from traindx.profiler.rolling import RollingLines
+                # imported here: a failed import is one problem line; the output still passes
+                from traindx.profiler import rolling
 
-                self.log = RollingLines(config["log"], int(config.get("segment_bytes") or 0))
+                self.log = rolling.RollingLines(config["log"], int(config.get("segment_bytes") or 0))
             except Exception as exc:
                 self.problem(f"log.txt was not written: {_reason(exc)}")
 
     # -- to diagnose -------------------------------------------------------------------------
-    def _send(self, tag, text):
+    def _send(self, tag: str, text: str) -> bool:
         return self._send_lines(tag, [text])
 
-    def _send_lines(self, tag, texts):
+    def _send_lines(self, tag: str, texts: list[str]) -> bool:
         with self._send_lock:
             if self.sock is None:
                 return False
@@ -92,11 +99,11 @@ class Tee:
                 self._detach_locked()
                 return False
 
-    def _detach(self):
+    def _detach(self) -> None:
         with self._send_lock:
             self._detach_locked()
 
-    def _detach_locked(self):
+    def _detach_locked(self) -> None:
         if self.sock is not None:
             try:
                 self.sock.close()
@@ -105,11 +112,11 @@ class Tee:
         self.sock = None
         self.supervised = False
 
-    def problem(self, text):
+    def problem(self, text: str) -> None:
         self._send("!", " ".join(text.split()))
 
     # -- lines -------------------------------------------------------------------------------
-    def lines(self, tag, raws, t):
+    def lines(self, tag: str, raws: list[bytes], t: int) -> None:
         """Lines read together from one stream: one message to diagnose (or one write to the
         terminal) and one batch for the log writer."""
         texts = [raw.decode("utf-8", "replace") for raw in raws]
@@ -121,7 +128,7 @@ class Tee:
         if self.log is not None:
             self._queue.put((t, tag, texts))
 
-    def _write_log(self):
+    def _write_log(self) -> None:
         """The log writer thread: redacts and writes each queued line, in order."""
         while True:
             item = self._queue.get()
@@ -145,7 +152,7 @@ class Tee:
                     f"({_reason(exc)}); it still reached the terminal"
                 )
 
-    def _close_log(self):
+    def _close_log(self) -> None:
         log, self.log = self.log, None
         if log is not None:
             try:
@@ -153,7 +160,7 @@ class Tee:
             except Exception:
                 pass
 
-    def _read(self, fd, sel):
+    def _read(self, fd: int, sel: selectors.BaseSelector) -> None:
         try:
             chunk = os.read(fd, 65536)
         except OSError:
@@ -176,16 +183,19 @@ class Tee:
             self.lines(tag, complete, t)
         self.partial[fd] = rest
 
-    def _control(self, sel):
+    def _control(self, sel: selectors.BaseSelector) -> None:
+        sock = self.sock
+        if sock is None:
+            return
         try:
-            data = self.sock.recv(4096)
+            data = sock.recv(4096)
         except OSError:
             data = b""
         if not data or DONE in data:  # gone (killed) or done: the terminal directly from now
-            sel.unregister(self.sock)
+            sel.unregister(sock)
             self._detach()
 
-    def run(self):
+    def run(self) -> None:
         # the reader gets the GIL back from the log writer's regexes quickly: the job's pipes
         # are drained at once whatever the redaction costs
         sys.setswitchinterval(0.0005)
@@ -214,11 +224,11 @@ class Tee:
         self._detach()
 
 
-def _reason(exc):
+def _reason(exc: BaseException) -> str:
     return getattr(exc, "strerror", None) or f"{type(exc).__name__}: {exc}"
 
 
-def _read_config(sock):
+def _read_config(sock: socket.socket) -> dict[str, Any]:
     data = b""
     while not data.endswith(b"\n"):
         chunk = sock.recv(65536)
@@ -226,7 +236,8 @@ def _read_config(sock):
             break
         data += chunk
     try:
-        return json.loads(data.decode("utf-8", "replace") or "{}")
+        config = json.loads(data.decode("utf-8", "replace") or "{}")
+        return config if isinstance(config, dict) else {}
     except ValueError:
         return {}
 
@@ -243,7 +254,14 @@ class OutputRelay:
     LOG_DRAIN_S = 120.0  # the relay's log writer finishing a burst of output
     module = "traindx.profiler.tee"
 
-    def __init__(self, log_path, segment_bytes, cap_bytes, on_line, secret_values=()):
+    def __init__(
+        self,
+        log_path: str,
+        segment_bytes: int,
+        cap_bytes: int,
+        on_line: Callable[[str, str], object],
+        secret_values: Iterable[str] = (),
+    ) -> None:
         self.config = {
             "log": log_path,
             "segment_bytes": segment_bytes,
@@ -251,13 +269,13 @@ class OutputRelay:
             "secret_values": list(secret_values),
         }
         self.on_line = on_line
-        self.problems = []
-        self.proc = None
+        self.problems: list[str] = []
+        self.proc: subprocess.Popen[bytes] | None = None
         self._pipes_closed = threading.Event()
-        self._sock = None
-        self._thread = None
+        self._sock: socket.socket | None = None
+        self._thread: threading.Thread | None = None
 
-    def start(self):
+    def start(self) -> tuple[int, int]:
         """(stdout fd, stderr fd) for the job; raises OSError when no tee could start."""
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
@@ -301,13 +319,14 @@ class OutputRelay:
         self._thread.start()
         return out_w, err_w
 
-    def _follow(self):
+    def _follow(self) -> None:
         try:
             self._relay()
         except (OSError, ValueError):
             pass  # the socket closed under it by finish(): the tee prints by itself
 
-    def _relay(self):
+    def _relay(self) -> None:
+        assert self._sock is not None  # start() set it
         with self._sock.makefile("rb") as lines:
             for raw in lines:
                 tag, _, text = raw.decode("utf-8", "replace").rstrip("\n").partition(" ")
@@ -327,9 +346,9 @@ class OutputRelay:
                     except (OSError, ValueError):
                         pass
 
-    def finish(self):
+    def finish(self) -> None:
         """The job has ended: its last lines are printed, then the tee goes on by itself."""
-        if self._thread is None:
+        if self._thread is None or self._sock is None:
             return
         self._pipes_closed.wait(self.DRAIN_S)
         if self._pipes_closed.is_set():  # no one else holds them: log.txt is complete soon
@@ -347,19 +366,20 @@ class OutputRelay:
             self.proc.returncode = 0  # it lives on by design: no "still running" warning
 
 
-def main(argv=None):
+def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     # a Ctrl-C or a hang-up is for the job (diagnose forwards it); this ends with the pipes
     for name in ("SIGINT", "SIGHUP", "SIGTSTP", "SIGTTOU", "SIGTTIN"):
         signal.signal(getattr(signal, name), signal.SIG_IGN)
     out_fd, err_fd, sock_fd = (int(a) for a in argv[:3])
-    sock = socket.socket(fileno=sock_fd)
+    given = socket.socket(fileno=sock_fd)
+    sock: socket.socket | None = given
     try:
-        config = _read_config(sock)
+        config = _read_config(given)
     except OSError:
         config = {}
     if not config.get("log"):  # diagnose died before it said where the log goes: pass through
-        sock.close()
+        given.close()
         sock = None
     if sock is not None:
         try:

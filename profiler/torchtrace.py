@@ -19,8 +19,10 @@ import json
 import math
 import os
 import zlib
+from typing import Any, TextIO
 
 import numpy as np
+import numpy.typing as npt
 import pandas as pd
 
 from traindx.common.errors import UserError
@@ -40,6 +42,7 @@ TRACE_COLUMNS = [
     "stream",
     "bytes",
 ]  # bytes: of a memcpy/memset
+Array = npt.NDArray[Any]
 CHUNK_CHARS = 1 << 20  # 1 Mi characters of text per read
 MAX_EVENT_CHARS = 1 << 26  # one event (or top-level value other than traceEvents) past 64 Mi: corrupt
 _WS = " \t\n\r"
@@ -48,13 +51,13 @@ _WS = " \t\n\r"
 class _Window:
     """A sliding window of text over a stream, for raw_decode."""
 
-    def __init__(self, f):
+    def __init__(self, f: TextIO) -> None:
         self.f = f
         self.buf = ""
         self.pos = 0
         self.eof = False
 
-    def more(self):
+    def more(self) -> bool:
         """Read another chunk (dropping what was consumed); False at the end of the stream."""
         if self.eof:
             return False
@@ -66,7 +69,7 @@ class _Window:
         self.pos = 0
         return True
 
-    def skip(self, chars=_WS):
+    def skip(self, chars: str = _WS) -> str:
         """Move past `chars`; the next character, or '' at the end of the stream."""
         while True:
             buf, pos = self.buf, self.pos
@@ -79,7 +82,7 @@ class _Window:
             if not self.more():
                 return ""
 
-    def decode(self, decoder):
+    def decode(self, decoder: json.JSONDecoder) -> Any:
         """The next JSON value, reading more text while the window holds only part of it."""
         while True:
             try:
@@ -90,10 +93,9 @@ class _Window:
                 if len(self.buf) - self.pos > MAX_EVENT_CHARS or not self.more():
                     raise
                 continue
-            if end == len(self.buf) and not self.eof and isinstance(value, (int, float)):
-                # a number cut at the window's edge decodes as a shorter number: read on
-                if self.more():
-                    continue
+            # a number cut at the window's edge decodes as a shorter number: read on
+            if end == len(self.buf) and not self.eof and isinstance(value, (int, float)) and self.more():
+                continue
             self.pos = end
             return value
 
@@ -105,18 +107,20 @@ class _Columns:
 
     BATCH = 2048  # ~1.5 KB of Python objects per decoded event: a few MB at a time
 
-    def __init__(self):
-        self.batch = []
-        self.numeric = {k: [] for k in ("ts", "dur", "py_id", "py_parent", "device", "stream", "bytes")}
-        self.codes = {k: [] for k in ("cat", "name", "pid", "tid")}
-        self.values = {k: {} for k in ("cat", "name", "pid", "tid")}
+    def __init__(self) -> None:
+        self.batch: list[dict[str, Any]] = []
+        self.numeric: dict[str, list[Array]] = {
+            k: [] for k in ("ts", "dur", "py_id", "py_parent", "device", "stream", "bytes")
+        }
+        self.codes: dict[str, list[Array]] = {k: [] for k in ("cat", "name", "pid", "tid")}
+        self.values: dict[str, dict[Any, int]] = {k: {} for k in ("cat", "name", "pid", "tid")}
 
-    def add(self, e):
+    def add(self, e: dict[str, Any]) -> None:
         self.batch.append(e)
         if len(self.batch) >= self.BATCH:
             self.flush()
 
-    def flush(self):
+    def flush(self) -> None:
         batch, self.batch = self.batch, []
         if not batch:
             return
@@ -143,10 +147,10 @@ class _Columns:
             codes = [table.setdefault(_hashable(e.get(key, default)), len(table)) for e in batch]
             self.codes[column].append(np.asarray(codes, dtype=np.int64))
 
-    def frame(self, rank, base):
+    def frame(self, rank: str, base: int) -> pd.DataFrame:
         self.flush()
 
-        def joined(parts, dtype):
+        def joined(parts: list[Array], dtype: type) -> Array:
             return np.concatenate(parts) if parts else np.zeros(0, dtype)
 
         ts, dur = joined(self.numeric["ts"], np.float64), joined(self.numeric["dur"], np.float64)
@@ -167,7 +171,7 @@ class _Columns:
             cols[column] = joined(self.numeric[column], np.float64)
         return pd.DataFrame(cols, columns=TRACE_COLUMNS)
 
-    def _decoded(self, column):
+    def _decoded(self, column: str) -> Array:
         uniques = np.empty(len(self.values[column]), dtype=object)
         for value, c in self.values[column].items():
             uniques[c] = value
@@ -175,14 +179,14 @@ class _Columns:
         return uniques[np.concatenate(codes)] if codes else np.empty(0, dtype=object)
 
 
-_EMPTY = {}
+_EMPTY: dict[str, Any] = {}
 
 
-def _hashable(value):
+def _hashable(value: Any) -> Any:
     return value if not isinstance(value, (list, dict)) else json.dumps(value)
 
 
-def _num(value):
+def _num(value: Any) -> float:
     if value is None or isinstance(value, bool):
         return math.nan
     try:
@@ -191,8 +195,8 @@ def _num(value):
         return math.nan
 
 
-def _read(f, rank):
-    """(DataFrame of the 'X' events, baseTimeNanoseconds) of one open text stream."""
+def _read(f: TextIO, rank: str) -> pd.DataFrame:
+    """The DataFrame of the 'X' events of one open text stream (on baseTimeNanoseconds)."""
     decoder = json.JSONDecoder()
     win = _Window(f)
     if win.skip() != "{":
@@ -251,8 +255,8 @@ class _NotKineto(Exception):
     pass
 
 
-def _fast_schema():
-    import pyarrow as pa
+def _fast_schema() -> Any:
+    import pyarrow as pa  # pyarrow (~1 s to import): only when a trace is read
 
     args = pa.struct(
         [
@@ -279,9 +283,9 @@ def _fast_schema():
     )
 
 
-def _fast_events(text, schema):
+def _fast_events(text: str, schema: Any) -> Any:
     """Arrow table of the 'X' events in `text`: whole Kineto events, each ending in "\n  }"."""
-    import pyarrow as pa
+    import pyarrow as pa  # pyarrow (~1 s to import): only when a trace is read
     import pyarrow.compute as pc
     import pyarrow.json as pa_json
 
@@ -325,9 +329,9 @@ def _fast_events(text, schema):
     return pa.table(out)
 
 
-def _read_kineto(f, rank):
+def _read_kineto(f: TextIO, rank: str) -> tuple[pd.DataFrame, int]:
     """(DataFrame, base) of a Kineto-layout trace, or _NotKineto."""
-    import pyarrow as pa
+    import pyarrow as pa  # pyarrow (~1 s to import): only when a trace is read
 
     schema = _fast_schema()
     head = f.read(FAST_CHUNK_CHARS)
@@ -376,7 +380,7 @@ def _read_kineto(f, rank):
     return _kineto_frame(columns, rank, base), base
 
 
-def _kineto_frame(columns, rank, base):
+def _kineto_frame(columns: dict[str, Any], rank: str, base: int) -> pd.DataFrame:
     n = len(columns["ts"])
     ts = columns.pop("ts").to_numpy()
     start = base + np.rint(ts * 1000).astype(np.int64)
@@ -414,7 +418,7 @@ def _kineto_frame(columns, rank, base):
     return pd.DataFrame(cols, columns=TRACE_COLUMNS, copy=False)
 
 
-def load_trace(path, rank, fast=True):
+def load_trace(path: str, rank: str, fast: bool = True) -> pd.DataFrame:
     """The complete ('X') events of one trace file as a DataFrame of TRACE_COLUMNS (fast=False:
     always the general streaming reader)."""
     try:
@@ -443,9 +447,10 @@ def load_trace(path, rank, fast=True):
         ) from None
 
 
-def load_traces(run_path):
+def load_traces(run_path: str) -> tuple[pd.DataFrame, dict[str, str]]:
     """(table of every rank's events, {path: error} for files that could not be read)."""
-    frames, errors = [], {}
+    frames: list[pd.DataFrame] = []
+    errors: dict[str, str] = {}
     for path in sorted(glob.glob(os.path.join(run_path, "trace", "*.json.gz"))):
         # trace/<rank>.json.gz, and trace/<rank>.anomaly-<kind>.json.gz: a deep capture's window
         rank = os.path.basename(path)[: -len(".json.gz")].split(".anomaly-")[0]
@@ -476,7 +481,7 @@ COMM_KERNEL_WORDS = (
 )
 
 
-def gpu_kind(cat, name):
+def gpu_kind(cat: Any, name: Any) -> str | None:
     """'communication' (NCCL and custom all-reduce kernels), 'copy' (memcpy, memset) or
     'compute' (every other kernel) of one GPU event."""
     if cat in ("gpu_memcpy", "gpu_memset"):
@@ -487,7 +492,7 @@ def gpu_kind(cat, name):
     return "compute"
 
 
-def _union_ns(starts, ends):
+def _union_ns(starts: Array, ends: Array) -> tuple[int, Array]:
     """Total length (ns) of the union of intervals, and the merged intervals."""
     if not len(starts):
         return 0, np.zeros((0, 2), dtype=np.int64)
@@ -501,7 +506,7 @@ def _union_ns(starts, ends):
     return int((merged[:, 1] - merged[:, 0]).sum()), merged
 
 
-def _overlap_ns(a, b):
+def _overlap_ns(a: Array, b: Array) -> int:
     """Length of the intersection of two sets of merged, sorted intervals."""
     i = j = total = 0
     while i < len(a) and j < len(b):
@@ -515,7 +520,7 @@ def _overlap_ns(a, b):
     return int(total)
 
 
-def gpu_window(trace, start_ns, end_ns):
+def gpu_window(trace: pd.DataFrame, start_ns: int, end_ns: int) -> dict[str, Any]:
     """The GPU's time inside [start_ns, end_ns] of one rank's window (rows of the trace table):
     seconds busy (the union of every kernel, copy and memset, all streams), busy by kind (each
     kind's own union: they overlap when streams run together), communication not overlapped by
@@ -547,7 +552,7 @@ def gpu_window(trace, start_ns, end_ns):
     }
 
 
-def top_kernels(trace, limit=10):
+def top_kernels(trace: pd.DataFrame, limit: int = 10) -> pd.DataFrame:
     """The kernels (and copies) with the most GPU time in the window: name, kind, calls,
     seconds, share of all GPU time."""
     gpu = trace[trace["cat"].isin(GPU_CATS).to_numpy()]
@@ -568,7 +573,7 @@ def top_kernels(trace, limit=10):
     return out.head(limit).reset_index(drop=True)
 
 
-def pageable_copies(trace):
+def pageable_copies(trace: pd.DataFrame) -> pd.DataFrame:
     """Host-to-device copies from pageable memory in the window (Kineto names them 'Memcpy HtoD
     (Pageable -> Device)'), each with its bytes and seconds."""
     copies = trace[

@@ -8,10 +8,13 @@ run. Engines then receive values that are already valid.
 """
 
 import argparse
+import importlib
 import math
 import os
 import pathlib
 import re
+from collections.abc import Callable, Mapping
+from typing import Any, NoReturn
 
 # file systems that hold no files of ours (writes there fail, or are not files at all)
 PSEUDO_FILESYSTEMS = frozenset(
@@ -44,22 +47,22 @@ NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:@+-]{0,127}$")
 class ArgumentParser(argparse.ArgumentParser):
     """argparse with one-line errors: `prog: error: what (see prog --help)`, exit 2."""
 
-    def error(self, message):
+    def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-def one_line(message, limit=600):
+def one_line(message: object, limit: int = 600) -> str:
     """An error as the one line the CLI prints (an OS or library message may span several)."""
     text = " ".join(str(message).split())
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
-def fail(message):
+def fail(message: str) -> NoReturn:
     raise argparse.ArgumentTypeError(message)
 
 
 # -- numbers ---------------------------------------------------------------------------------------
-def _number(text, kind):
+def _number(text: str, kind: type[int] | type[float]) -> Any:
     try:
         value = kind(text)
     except (TypeError, ValueError):
@@ -69,11 +72,11 @@ def _number(text, kind):
     return value
 
 
-def whole(minimum, maximum=None, what="a whole number"):
+def whole(minimum: int, maximum: int | None = None, what: str = "a whole number") -> Callable[[str], int]:
     """int in [minimum, maximum]."""
 
-    def parse(text):
-        value = _number(text, int)
+    def parse(text: str) -> int:
+        value: int = _number(text, int)
         if value < minimum or (maximum is not None and value > maximum):
             bound = f">= {minimum}" if maximum is None else f"from {minimum} to {maximum}"
             fail(f"{text} must be {what} {bound}")
@@ -83,11 +86,13 @@ def whole(minimum, maximum=None, what="a whole number"):
     return parse
 
 
-def real(minimum=None, above=None, what="a number"):
+def real(
+    minimum: float | None = None, above: float | None = None, what: str = "a number"
+) -> Callable[[str], float]:
     """finite float >= minimum (or > above)."""
 
-    def parse(text):
-        value = _number(text, float)
+    def parse(text: str) -> float:
+        value: float = _number(text, float)
         if minimum is not None and value < minimum:
             fail(f"{text} must be {what} >= {minimum:g}")
         if above is not None and value <= above:
@@ -107,14 +112,14 @@ pid = whole(1, 4194304, what="a process id")  # the kernel's pid_max limit
 
 
 # -- names and formats ---------------------------------------------------------------------------------
-def name(text):
+def name(text: str) -> str:
     """A label that becomes part of a file or folder name (a node, a rank)."""
     if not NAME.match(text or "") or text in (".", ".."):
         fail(f"{text!r}: use letters, digits and . _ - : @ + (no '/', at most 128)")
     return text
 
 
-def checked_by(check, text):
+def checked_by(check: Callable[[str], object], text: str) -> str:
     """text, once check(text) accepts it; its ValueError is the one-line refusal."""
     try:
         check(text)
@@ -123,7 +128,7 @@ def checked_by(check, text):
     return text
 
 
-def torch_profile(text):
+def torch_profile(text: str) -> str:
     """N (steps from step 3), A-B, off, anomaly (None is the default window)."""
     m = re.fullmatch(r"(\d+)(?:-(\d+))?|off|default|anomaly", text)
     if not m or (m[1] and int(m[1]) == 0 and not m[2]) or (m[2] and int(m[2]) < int(m[1])):
@@ -134,7 +139,7 @@ def torch_profile(text):
     return text
 
 
-def step_marker(text):
+def step_marker(text: str) -> str:
     if not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*", text):
         fail(f"{text!r}: give MODULE:FUNCTION, e.g. train:log_step")
     return text
@@ -144,7 +149,7 @@ def step_marker(text):
 NAME_MAX, PATH_MAX = 255, 4096  # bytes: Linux's limits for one path component and a path
 
 
-def _path(text):
+def _path(text: str) -> str:
     """The absolute path of a path argument the OS can take at all (no NUL, no name too long)."""
     if not text:
         fail("an empty path")
@@ -156,9 +161,10 @@ def _path(text):
     return os.path.abspath(text)
 
 
-def _filesystem_of(path):
+def _filesystem_of(path: str) -> str | None:
     """The file system type of the mount holding `path` (None when unknown)."""
-    best, kind = "", None
+    best: str = ""
+    kind: str | None = None
     try:
         with open("/proc/self/mounts", encoding="utf-8", errors="replace") as f:
             for line in f:
@@ -174,7 +180,7 @@ def _filesystem_of(path):
     return kind
 
 
-def _writable_folder(folder, text):
+def _writable_folder(folder: str, text: str) -> None:
     """Refuse a folder we could not create files in (a file, a pseudo file system, no write
     permission, a read-only mount)."""
     real_folder = os.path.realpath(folder)
@@ -191,7 +197,7 @@ def _writable_folder(folder, text):
         pass
 
 
-def _existing_ancestor(path):
+def _existing_ancestor(path: str) -> str:
     path = os.path.abspath(path)
     while not os.path.lexists(path):
         parent = os.path.dirname(path)
@@ -201,7 +207,7 @@ def _existing_ancestor(path):
     return path
 
 
-def output_folder(text):
+def output_folder(text: str) -> str:
     """A folder to write into: it exists as a folder, or can be created (its nearest existing
     ancestor is a writable folder, not a file)."""
     path = _path(text)
@@ -217,7 +223,7 @@ def output_folder(text):
     return text
 
 
-def folder_path(text):
+def folder_path(text: str) -> str:
     """A folder that is read if it exists (nothing on its path is a file, nor on a pseudo file
     system); it need not be writable."""
     path = _path(text)
@@ -230,7 +236,7 @@ def folder_path(text):
     return text
 
 
-def output_file(text):
+def output_file(text: str) -> str:
     """A file to write: not a folder, in a folder that exists and takes files."""
     path = _path(text)
     if os.path.isdir(path):
@@ -248,7 +254,7 @@ def output_file(text):
     return text
 
 
-def existing_folder(text):
+def existing_folder(text: str) -> str:
     _path(text)
     if not os.path.exists(text):
         fail(f"no such folder: {text}")
@@ -259,7 +265,7 @@ def existing_folder(text):
     return text
 
 
-def existing_file(text):
+def existing_file(text: str) -> str:
     _path(text)
     if not os.path.exists(text):
         fail(f"no such file: {text}")
@@ -270,10 +276,8 @@ def existing_file(text):
     return text
 
 
-def subcommand_list(commands):
+def subcommand_list(commands: Mapping[str, str]) -> str:
     """The epilog of a parser with subcommands: one line each, from each module's docstring."""
-    import importlib
-
     width = max(len(n) for n in commands)
     lines = []
     for cmd, module_name in commands.items():

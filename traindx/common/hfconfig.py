@@ -1,11 +1,12 @@
 """Reading a Hugging Face `config.json` (kernel-cache's attention shapes, recipe cards' MFU)."""
 
 import json
+from typing import Any
 
 from traindx.common.errors import UserError
 
 
-def load_hf_config(path):
+def load_hf_config(path: str) -> dict[str, Any]:
     """The config as a dict; a UserError naming the file for anything that is not one."""
     try:
         with open(path, encoding="utf-8") as f:

@@ -13,7 +13,12 @@ must survive: a URL without credentials, a path, a git commit hash, a learning r
 Standard library only: the shim loads this file by its path inside the job's own interpreter.
 """
 
+from __future__ import annotations  # annotations stay text in the job's interpreter
+
+import functools
 import re
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 REDACTED = "<redacted>"
 
@@ -127,11 +132,11 @@ _ASSIGNMENT = re.compile(r"\b([A-Za-z_][A-Za-z0-9_]*)=([^\s;&\"']+)")
 _OPTION = re.compile(r"(?<![\w-])(--?[A-Za-z][A-Za-z0-9_\-]*)(=|[ \t]+)([^\s\"',]+)")
 
 
-def name_words(name):
+def name_words(name: str) -> list[str]:
     return [w.lower() for w in _WORD_SPLIT.split(str(name)) if w]
 
 
-def secret_name_strength(name):
+def secret_name_strength(name: str) -> str | None:
     """'always' (any value is a secret), 'keylike' (a key-shaped value is), or None."""
     words = name_words(name)
     if any(w in ALWAYS_WORDS for w in words) or any(p in ALWAYS_PAIRS for p in zip(words, words[1:])):
@@ -141,29 +146,29 @@ def secret_name_strength(name):
     return None
 
 
-def is_secret_name(name):
+def is_secret_name(name: str) -> bool:
     """An environment variable named like a secret: its value is never shown."""
     return secret_name_strength(name) is not None
 
 
-def looks_like_key(value):
+def looks_like_key(value: str) -> bool:
     """Long, no spaces, not a path, letters and digits mixed: a token, a hex or base64 key."""
     return bool(_KEYLIKE.match(str(value)))
 
 
-def _secret_value_for(name, value):
+def _secret_value_for(name: str, value: Any) -> bool:
     strength = secret_name_strength(name)
     return strength == "always" or (strength == "keylike" and looks_like_key(value))
 
 
-def _hide_group(match, group):
+def _hide_group(match: re.Match[str], group: int | str) -> str:
     if match[group] == REDACTED:
         return match[0]
     start, end = match.start(group) - match.start(), match.end(group) - match.start()
     return match[0][:start] + REDACTED + match[0][end:]
 
 
-def redact_text(text):
+def redact_text(text: str) -> str:
     """Secrets found by their shape (and NAME=value pairs named like one) replaced."""
     if not text:
         return text
@@ -171,7 +176,7 @@ def redact_text(text):
     lower = text.lower()
     for pattern, group, triggers in _VALUE_PATTERNS:
         if any(t in lower for t in triggers):
-            text = pattern.sub(lambda m, g=group: _hide_group(m, g), text)
+            text = pattern.sub(functools.partial(_hide_group, group=group), text)
     if not any(w in lower for w in _NAME_TRIGGERS):
         return text  # no NAME=value or --option value named like a secret can be in it
     text = _ASSIGNMENT.sub(
@@ -187,7 +192,7 @@ def redact_text(text):
     )
 
 
-def redact_env(env):
+def redact_env(env: Mapping[str, Any] | None) -> dict[str, Any]:
     """{name: value} sorted by name; a secret's name hides its value, other values lose the
     secrets they contain (a password in DATABASE_URL)."""
     return {
@@ -196,11 +201,11 @@ def redact_env(env):
     }
 
 
-def redact_argv(argv):
+def redact_argv(argv: Iterable[Any] | None) -> list[str]:
     """A command line with the values of secret options hidden: `--api-key=...`, `--hf-token X`,
     `--wandb_key <40 hex>`; and secrets inside any argument found by their shape."""
     out = []
-    pending = None  # the option whose value is the next argument
+    pending: str | None = None  # the option whose value is the next argument
     for arg in argv or []:
         arg = str(arg)
         if pending is not None:
@@ -224,7 +229,7 @@ def redact_argv(argv):
     return out
 
 
-def redact_value(value, name=None):
+def redact_value(value: Any, name: str | None = None) -> Any:
     """Any JSON-able value (options, nested dicts): secrets by name and by shape."""
     if (
         name is not None
@@ -248,7 +253,7 @@ def redact_value(value, name=None):
 MIN_SECRET_CHARS = 6  # shorter values (HF_TOKEN=x, AUTH=1) would erase ordinary words and numbers
 
 
-def _worth_hiding(value):
+def _worth_hiding(value: object) -> bool:
     """A value to hide wherever it appears: long enough to be a secret, and not a path (PWD,
     OLDPWD are named like one)."""
     value = str(value)
@@ -260,7 +265,7 @@ def _worth_hiding(value):
     )
 
 
-def secrets_in_text(text):
+def secrets_in_text(text: object) -> list[str]:
     """The secret parts of a text found by their shape (a URL's password, a token)."""
     out = []
     for pattern, group, _ in _VALUE_PATTERNS:
@@ -271,7 +276,7 @@ def secrets_in_text(text):
     return out
 
 
-def secret_values(env=None, argv=None):
+def secret_values(env: Mapping[str, Any] | None = None, argv: Iterable[Any] | None = None) -> list[str]:
     """The secret values of a job: those of environment variables named like a secret, the
     secrets inside other variables (a password in DATABASE_URL), the values of options named like
     one (`--wandb_key KEY`, `--hf_token=...`) and token-shaped arguments."""
@@ -283,7 +288,7 @@ def secret_values(env=None, argv=None):
             values.append(value)
         else:
             values += secrets_in_text(value)
-    pending = None
+    pending: str | None = None
     for arg in argv or []:
         arg = str(arg)
         if pending is not None:
@@ -309,17 +314,17 @@ class Redactor:
         r.line("args: ['--wandb_key', 'KEY']")  ->  "args: ['--wandb_key', '<redacted>']"
     """
 
-    def __init__(self, values=()):
+    def __init__(self, values: Iterable[Any] = ()) -> None:
         known = sorted({str(v) for v in values if _worth_hiding(v)}, key=len, reverse=True)
         self.count = len(known)
         self.values = tuple(known)  # for a process that redacts the same way (the log relay)
         self._known = re.compile("|".join(map(re.escape, known))) if known else None
 
     @classmethod
-    def for_job(cls, env=None, argv=None):
+    def for_job(cls, env: Mapping[str, Any] | None = None, argv: Iterable[Any] | None = None) -> Redactor:
         return cls(secret_values(env, argv))
 
-    def line(self, text):
+    def line(self, text: str) -> str:
         """One line (or any text) with the known values and every secret shape hidden."""
         if not text:
             return text
@@ -330,11 +335,11 @@ class Redactor:
 
     __call__ = line
 
-    def argv(self, argv):
+    def argv(self, argv: Iterable[Any] | None) -> list[str]:
         """A command line: options named like secrets (redact_argv), then the known values."""
         return [self.line(a) if a != REDACTED else a for a in redact_argv(argv)]
 
-    def value(self, value, name=None):
+    def value(self, value: Any, name: str | None = None) -> Any:
         """Any JSON-able value (redact_value), then the known values in its strings."""
         value = redact_value(value, name)
         if isinstance(value, str):

@@ -3,7 +3,7 @@
 import math
 
 
-def fmt_s(seconds) -> str:
+def fmt_s(seconds: float | None) -> str:
     """Seconds for people: 280 s, 12.3 s, 1.23 s, 45.6 ms, 12 µs; '–' for None/NaN."""
     if seconds is None or (isinstance(seconds, float) and math.isnan(seconds)):
         return "–"

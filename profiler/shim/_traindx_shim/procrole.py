@@ -81,9 +81,12 @@ def _on_distributed(c10d):
         wrapped = getattr(c10d, attr, None)
         for name in ("torch.distributed", "torch.distributed.device_mesh"):
             module = sys.modules.get(name)
-            if module is not None and getattr(module, attr, None) is not None:
-                if not getattr(getattr(module, attr), "__traindx_wrapped__", False):
-                    setattr(module, attr, wrapped)
+            if (
+                module is not None
+                and getattr(module, attr, None) is not None
+                and not getattr(getattr(module, attr), "__traindx_wrapped__", False)
+            ):
+                setattr(module, attr, wrapped)
 
 
 def _on_optimizer_step(optimizer, args, kwargs):

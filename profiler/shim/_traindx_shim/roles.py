@@ -11,7 +11,10 @@ rank once it exists, else the rank its environment names.
 Standard library only: this module runs inside the job.
 """
 
+from __future__ import annotations  # annotations stay text: no typing at import in the job
+
 import os
+from collections.abc import Mapping, Sequence  # already loaded by the interpreter: no cost
 
 # Environment variables naming a process's global rank, most specific first. Under srun +
 # torchrun SLURM_PROCID is the node, not the rank: RANK (set by torchrun) wins when present.
@@ -20,7 +23,7 @@ EVENTS_DIR = "events"
 ANNOUNCE_DIR = "procs"  # procs/<pid>.json: a training process says so, for the py-spy manager
 
 
-def rank_from_env(env):
+def rank_from_env(env: Mapping[str, str]) -> tuple[str | None, str | None]:
     """(rank, variable) from an environment mapping, or (None, None)."""
     for name in RANK_ENV:
         value = (env.get(name) or "").strip()
@@ -29,7 +32,7 @@ def rank_from_env(env):
     return None, None
 
 
-def is_multiprocessing_child(orig_argv):
+def is_multiprocessing_child(orig_argv: Sequence[str]) -> bool:
     """A Python that multiprocessing started with spawn or forkserver (a DataLoader worker, a
     torch.multiprocessing.spawn rank, the resource tracker, the fork server): only training
     evidence tells these apart, so they write nothing until they show it."""
@@ -42,7 +45,7 @@ def events_file(pid, attempt=0):
     return f"p{pid}.jsonl" if not attempt else f"p{pid}.{attempt}.jsonl"
 
 
-def parse_process_file(name, suffix):
+def parse_process_file(name: str, suffix: str) -> int | None:
     """pid of a per-process file name 'p<pid>[.<n>]<suffix>', else None (a rank-named file)."""
     if not name.endswith(suffix) or not name.startswith("p"):
         return None
@@ -50,7 +53,7 @@ def parse_process_file(name, suffix):
     return int(stem) if stem.isdigit() else None
 
 
-def rank_labels(processes):
+def rank_labels(processes: list[dict]) -> dict:
     """{pid: label} for training processes given as dicts {pid, rank (str or None), start}.
 
     A rank that is not known is taken as "0" (a job without a process group is one rank).
@@ -68,7 +71,7 @@ def rank_labels(processes):
     return labels
 
 
-def read_announcements(run_dir):
+def read_announcements(run_dir: str) -> list[dict]:
     """The procs/<pid>.json files: [{pid, rank, start, ...}] (unreadable ones skipped)."""
     import json
 
@@ -91,7 +94,7 @@ def read_announcements(run_dir):
     return out
 
 
-def announced_ranks(run_dir):
+def announced_ranks(run_dir: str) -> dict:
     """{label: pid} of the training processes that announced themselves in run_dir."""
     procs = [
         {"pid": int(p["pid"]), "rank": p.get("rank"), "start": p.get("start")}

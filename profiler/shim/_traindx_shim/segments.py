@@ -9,6 +9,8 @@ A line file X (events/p<pid>.jsonl, log.txt, pyspy/p<pid>-dump.jsonl) of a long 
 A short run has X alone, exactly as before rolling existed.
 """
 
+from __future__ import annotations  # annotations stay text: no typing at import in the job
+
 import os
 import re
 
@@ -16,15 +18,15 @@ _SEGMENT = re.compile(r"\.s(\d{6})(\.gz)?$")
 SEGMENT_BYTES_ENV = "TRAINDX_EVENTS_SEGMENT_BYTES"
 
 
-def segment_path(head, n):
+def segment_path(head: str, n: int) -> str:
     return f"{head}.s{n:06d}"
 
 
-def summary_path(head):
+def summary_path(head: str) -> str:
     return head + ".rolled.json"
 
 
-def segments(head):
+def segments(head: str) -> list[tuple[int, str, bool]]:
     """[(n, path, gzipped)] of the segments after the head, in order; a segment present both
     plain and gzipped (the launcher stopped between the two steps of rolling it) is the plain one."""
     folder, base = os.path.split(head)

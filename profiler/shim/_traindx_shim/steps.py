@@ -539,10 +539,9 @@ def _outer_done(key, source, skipped):
 def _push(kind, key):
     if _stack:
         _stack[-1][2] += 1
-        if kind == "torch" and not any(frame[1] == key for frame in _stack):
-            if key not in _state["nested"]:
-                _state["nested"].add(key)
-                _state["unseen"].discard(key)
+        if kind == "torch" and not any(frame[1] == key for frame in _stack) and key not in _state["nested"]:
+            _state["nested"].add(key)
+            _state["unseen"].discard(key)
     frame = [kind, key, 0]
     _stack.append(frame)
     return frame

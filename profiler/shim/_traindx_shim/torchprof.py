@@ -327,19 +327,81 @@ def on_boundary(step):
         _state["last_boundary_ns"] = time.time_ns()
 
 
+def _emit_after(step, last_s, after):
+    """The step after a window: its duration against the median (the window's tail cost)."""
+    _state["after"] = None
+    median = _state["median_s"]
+    emit(
+        schema.TORCH_PROFILE_AFTER,
+        step=step - 1,
+        duration_s=last_s,
+        median_step_s=median,
+        excess_s=max(0.0, last_s - median) if median else None,
+        window_cost_s=after["cost_s"] + (max(0.0, last_s - median) if median else 0.0),
+    )
+
+
+def _skip_reason(now, previous):
+    """Why the window's first step is not profiled at all, or None."""
+    if _state["torch"]._C._autograd._profiler_enabled():
+        return "the job runs a profiler of its own (kineto runs one at a time)"
+    if not _state["explicit"] and not _state["torch"].cuda.is_initialized():
+        return (
+            "no CUDA in this job: the default window is for GPU jobs (on a CPU job its "
+            "export can stall a step for seconds); pass --torch-profile A-B to "
+            "profile anyway"
+        )
+    if not _state["explicit"] and any(a in JOB_PROFILER_FLAGS for a in sys.argv):
+        return "the job was asked to profile itself (its own flag)"
+    if not _state["explicit"] and previous is not None and (now - previous) / 1e9 > LONG_STEP_S:
+        return (
+            f"the previous step took {(now - previous) / 1e9:.1f} s "
+            f"(> {LONG_STEP_S:.0f} s); pass --torch-profile A-B to profile anyway"
+        )
+    return None
+
+
+def _skipped_for_compiles(step, first, last):
+    """The window's first step comes after compiles: an anomaly's capture is skipped, the
+    default window moves on a step (at most MAX_POSTPONE times, then none). True: not now."""
+    if _state["trigger"]:
+        _state["done"] = True
+        emit(
+            schema.TORCH_PROFILE_SKIPPED,
+            step=step,
+            trigger=_state["trigger"][0],
+            reason=(
+                "the step before compiled or autotuned kernels: the JIT findings and py-spy's "
+                "snapshots cover it (a profiled compile would cost seconds)"
+            ),
+        )
+        return True
+    if _state["explicit"]:
+        return False
+    # a step that compiles or autotunes is not a steady step, and a Triton autotune
+    # launches thousands of benchmark kernels: kineto's stop alone would cost seconds
+    # (measured on an H200: 5.3 median steps). Profile a later step, or none.
+    if _state["postponed"] < MAX_POSTPONE:
+        _state["postponed"] += 1
+        _state["window"] = (first + 1, last + 1)
+        return True
+    _state["done"] = True
+    emit(
+        schema.TORCH_PROFILE_SKIPPED,
+        step=step,
+        reason=(
+            f"kernels compiled or autotuned in each of the {MAX_POSTPONE + 1} steps before "
+            f"step {step}: no steady step to profile (the JIT findings cover what they "
+            "cost); pass --torch-profile A-B to profile anyway"
+        ),
+    )
+    return True
+
+
 def _boundary(step, now, previous, last_s):
     after = _state["after"]
     if after is not None and last_s is not None and step - 1 == after["step"]:
-        _state["after"] = None
-        median = _state["median_s"]
-        emit(
-            schema.TORCH_PROFILE_AFTER,
-            step=step - 1,
-            duration_s=last_s,
-            median_step_s=median,
-            excess_s=max(0.0, last_s - median) if median else None,
-            window_cost_s=after["cost_s"] + (max(0.0, last_s - median) if median else 0.0),
-        )
+        _emit_after(step, last_s, after)
     window = _state["window"]
     counted = False
     if window is None or _state["done"]:
@@ -376,56 +438,12 @@ def _boundary(step, now, previous, last_s):
     if step == first:
         if steps.MAX_STEPS and step >= steps.MAX_STEPS:
             return  # `diagnose --steps N` stops the job before this step runs
-        reason = None
-        if _state["torch"]._C._autograd._profiler_enabled():
-            reason = "the job runs a profiler of its own (kineto runs one at a time)"
-        elif not _state["explicit"] and not _state["torch"].cuda.is_initialized():
-            reason = (
-                "no CUDA in this job: the default window is for GPU jobs (on a CPU job its "
-                "export can stall a step for seconds); pass --torch-profile A-B to "
-                "profile anyway"
-            )
-        elif not _state["explicit"] and any(a in JOB_PROFILER_FLAGS for a in sys.argv):
-            reason = "the job was asked to profile itself (its own flag)"
-        elif not _state["explicit"] and previous is not None and (now - previous) / 1e9 > LONG_STEP_S:
-            reason = (
-                f"the previous step took {(now - previous) / 1e9:.1f} s "
-                f"(> {LONG_STEP_S:.0f} s); pass --torch-profile A-B to profile anyway"
-            )
+        reason = _skip_reason(now, previous)
         if reason:
             _state["done"] = True
             emit(schema.TORCH_PROFILE_SKIPPED, step=step, reason=reason)
             return
-        if compiled and _state["trigger"]:
-            _state["done"] = True
-            emit(
-                schema.TORCH_PROFILE_SKIPPED,
-                step=step,
-                trigger=_state["trigger"][0],
-                reason=(
-                    "the step before compiled or autotuned kernels: the JIT findings and py-spy's "
-                    "snapshots cover it (a profiled compile would cost seconds)"
-                ),
-            )
-            return
-        if compiled and not _state["explicit"]:
-            # a step that compiles or autotunes is not a steady step, and a Triton autotune
-            # launches thousands of benchmark kernels: kineto's stop alone would cost seconds
-            # (measured on an H200: 5.3 median steps). Profile a later step, or none.
-            if _state["postponed"] < MAX_POSTPONE:
-                _state["postponed"] += 1
-                _state["window"] = (first + 1, last + 1)
-                return
-            _state["done"] = True
-            emit(
-                schema.TORCH_PROFILE_SKIPPED,
-                step=step,
-                reason=(
-                    f"kernels compiled or autotuned in each of the {MAX_POSTPONE + 1} steps before "
-                    f"step {step}: no steady step to profile (the JIT findings cover what they "
-                    "cost); pass --torch-profile A-B to profile anyway"
-                ),
-            )
+        if compiled and _skipped_for_compiles(step, first, last):
             return
         _start(step)
 
