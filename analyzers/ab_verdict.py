@@ -128,7 +128,7 @@ def ab_verdict(
     return ABVerdict(Outcome.NO_GAIN)
 
 
-def crashed(exit_code: int) -> ABVerdict:
+def crashed(exit_code: int | None) -> ABVerdict:
     """A candidate that crashed (an unknown flag, a broken env) proves nothing but that."""
     return ABVerdict(Outcome.CRASHED, exit_code=exit_code)
 
@@ -156,7 +156,7 @@ def periodic_cost(finding: Finding | None, comparison: Mapping[str, Any] | None 
 class ArmEvidence:
     """What one candidate arm measured against its baseline, as the judge reads it."""
 
-    exit_code: int
+    exit_code: int | None
     verdict: ABVerdict
     statistic: Measure  # the comparison's own speedup statistic: median, or mean for a period
     speedup: float | None
@@ -212,7 +212,7 @@ class Arm:
     finding: str | None
     mechanism: str | None
     summary: str | None
-    exit_code: int
+    exit_code: int | None
     judgement: Judgement
     predicted_saving_s_per_step: float | None = None
     predicted_step_time_s: float | None = None

@@ -347,7 +347,7 @@ def removed_seconds(run: RunRecord, finding: Finding) -> float | None:
     return float(per_row.groupby(led["rank"]).mean().max()) * fraction
 
 
-def gpu_work_per_step(run: RunRecord, ranks: Sequence[int] = ()) -> float | None:
+def gpu_work_per_step(run: RunRecord, ranks: Sequence[str] = ()) -> float | None:
     """Seconds the GPU is busy (kernels, copies, memsets) in a mean profiled step, the largest
     over the ranks named (all when none): no change on the host shortens a step below it. None
     without a torch.profiler window holding GPU work."""

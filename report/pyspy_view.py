@@ -46,8 +46,8 @@ def thread_label(name: object, names: Mapping[str, str] | None = None) -> str:
     if not parsed:  # not a py-spy thread label
         return str(name)
     tid, label = parsed
-    label = label or (names or {}).get(tid)
-    return f"{label} ({tid})" if label else f"thread {tid}"
+    shown = label or (names or {}).get(tid)
+    return f"{shown} ({tid})" if shown else f"thread {tid}"
 
 
 def flame_tree(

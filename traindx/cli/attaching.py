@@ -54,7 +54,7 @@ def attach(options: AttachOptions) -> int:
     env = proctree.environ(pid)
     rank = options.rank or env.get("RANK", "0")
     run_dir = new_run_dir(options.out)
-    manifest = {
+    manifest: dict[str, Any] = {
         "traindx_run": 1,
         "mode": "attach",
         "command": manifest_mod.redact_command(proctree.cmdline(pid)),

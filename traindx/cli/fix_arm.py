@@ -38,7 +38,7 @@ class FixContext:
     root: str
     options: FixOptions
     record_options: Any  # the launcher's Options of every arm
-    run_job: Callable[..., int]
+    run_job: Callable[..., int | None]
     say: Say
 
 
@@ -49,7 +49,7 @@ class ArmRun:
 
     arm: Arm
     comparison: dict[str, Any]
-    code: int
+    code: int | None
     findings: list[Finding]
 
 
@@ -66,7 +66,7 @@ class _Prepared:
     records: dict[str, Any]
     precompiled: list[dict[str, Any]]
     apply: list[str]
-    code: int = 0
+    code: int | None = 0
     change: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -214,7 +214,7 @@ def arm_of(
     cand: Candidate,
     comparison: dict[str, Any],
     verdict: ABVerdict,
-    code: int,
+    code: int | None,
     patch: str | None,
     finding: Finding | None = None,
 ) -> Arm:

@@ -44,7 +44,7 @@ class FixOptions:
     tries: int = DEFAULT_TRIES
     cwd: str | None = None
     reporter: Callable[[FixEvent], None] | None = None
-    run_job: Callable[..., int] | None = None
+    run_job: Callable[..., int | None] | None = None
     # the baseline arm stops once its top finding is stable (run_job is then called with
     # until_diagnosed=True: the CLI's records it under the live judgement); every candidate arm
     # runs as many steps as the baseline did
@@ -67,7 +67,7 @@ class FixResult:
 
     root: str
     status: str
-    exit_code: int
+    exit_code: int | None
     baseline: str
     arms: list = field(default_factory=list)
     best: str | None = None

@@ -41,7 +41,7 @@ def run_loop(
     options: FixOptions,
     record_options: Any,
     cwd: str,
-    run_job: Callable[..., int],
+    run_job: Callable[..., int | None],
     say: Say,
     result: FixResult,
     reuse: int | None,
@@ -75,7 +75,7 @@ def _baseline(
     command: list[str],
     options: FixOptions,
     record_options: Any,
-    run_job: Callable[..., int],
+    run_job: Callable[..., int | None],
     say: Say,
     result: FixResult,
     reuse: int | None,
@@ -85,7 +85,7 @@ def _baseline(
     say("stage", "baseline arm")
     if reuse is not None:
         say("info", f"baseline: reusing the finished run in {base_dir}")
-        code = reuse
+        code: int | None = reuse
     else:
         os.makedirs(base_dir)
         code = (

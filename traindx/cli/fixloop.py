@@ -140,7 +140,7 @@ def _finished_baseline(base_dir: str, command: list) -> int | None:
     return int(manifest.get("exit_code") or 0)
 
 
-def _default_job(command: list, run_dir: str, options: Any, until_diagnosed: bool = False) -> int:
+def _default_job(command: list, run_dir: str, options: Any, until_diagnosed: bool = False) -> int | None:
     """(until_diagnosed: no live judgement here, the arm runs its steps.)"""
 
     def echo(stream: str, text: str) -> None:

@@ -80,8 +80,8 @@ def record_job(
     options: Options,
     quiet: bool = False,
     live: LiveOptions | Literal[False] | None = None,
-) -> int:
-    """Run the job under the collectors; returns its raw return code. While it runs, the
+) -> int | None:
+    """Run the job under the collectors; returns its raw return code (None: it never started). While it runs, the
     analyzers judge the growing record (traindx.analyzers.live) and the stable findings are printed;
     live=None: the default live options, False: no live judgement. A run folder in use, or one
     that holds a run already, or cannot be written is refused (UserError) before the job
@@ -115,7 +115,7 @@ def record_job(
             if judge is not None:
                 judge.start()
             try:
-                return int(job.run())
+                return job.run()
             finally:
                 if judge is not None:
                     judge.stop()
@@ -194,7 +194,7 @@ def _analyse_and_report(run_dir: str, node: dict[str, str] | None) -> bool:
 
 def diagnose_with_fix(
     command: list[str], request: JobRequest, fix_request: FixRequest, print_comparison: PrintComparison
-) -> int:
+) -> int | None:
     """`diagnose --fix`: the engine (traindx.cli.fixloop.fix) wired to the terminal; the A/B
     comparison printed by `print_comparison` (`diagnose compare`'s own)."""
     from traindx.cli.fixloop import FixOptions, fix
@@ -209,7 +209,7 @@ def diagnose_with_fix(
         raise UserError("--fix-tries must be at least 1")
     live = request.live
 
-    def run_arm(cmd: list[str], run_dir: str, opts: Options, until_diagnosed: bool = False) -> int:
+    def run_arm(cmd: list[str], run_dir: str, opts: Options, until_diagnosed: bool = False) -> int | None:
         arm_live = live
         if until_diagnosed and live is not False:  # the baseline arm of --fix --until-diagnosed
             arm_live = dataclasses.replace(live, until_diagnosed=True)
@@ -228,7 +228,7 @@ def diagnose_with_fix(
         until_diagnosed=fix_request.until_diagnosed,
         warm_up_after_fix=fix_request.warm_up_after_fix,
     )
-    return int(fix(command, options).exit_code)
+    return fix(command, options).exit_code
 
 
 class _FixReporter:

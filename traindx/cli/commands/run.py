@@ -242,7 +242,7 @@ def live_options_from(args: argparse.Namespace) -> LiveOptions | Literal[False]:
     return LiveOptions(until_diagnosed=getattr(args, "until_diagnosed", False))
 
 
-def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int | None:
     command = _command(args)
     request = JobRequest(
         record=options_from(args),
