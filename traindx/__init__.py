@@ -8,12 +8,21 @@ In a training loop: `traindx.step()` at the end of each iteration marks a step (
 docs/run-record.md, "What a step is"); it does nothing when the job is not run under `diagnose`.
 """
 
+from __future__ import annotations
+
+import importlib
+import os
 import sys
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # annotations only: the names below are loaded on first use
+    from traindx.analyzers.findings import Finding
+    from traindx.derive.run import RunRecord
 
 __version__ = "0.1.0"
 
 
-def step():
+def step() -> None:
     """Mark the end of one training iteration for `diagnose` (a no-op when not recording).
 
     Use it where traindx cannot see an iteration by itself: no torch optimizer, several
@@ -27,14 +36,14 @@ def step():
         steps.marker()
 
 
-def analyze(run):
+def analyze(run: RunRecord | str | os.PathLike[str]) -> list[Finding]:
     """Ranked findings of every registered analyzer for a loaded run (or a run folder path)."""
-    from traindx.analyzers import analyze as _analyze
+    # lazy: the analyzers pull in pandas, and `import traindx` must stay light in a training job
+    from traindx.analyzers import analyze as analyze_run
     from traindx.derive.run import RunRecord, load_run
 
-    if not isinstance(run, RunRecord):
-        run = load_run(run)
-    return _analyze(run)
+    record = run if isinstance(run, RunRecord) else load_run(os.fspath(run))
+    return analyze_run(record)
 
 
 # the run record pulls in pandas: each name is loaded on first use, so `import traindx;
@@ -53,10 +62,8 @@ _LAZY = {
 }
 
 
-def __getattr__(name):
+def __getattr__(name: str) -> Any:
     if name in _LAZY:
-        import importlib
-
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'traindx' has no attribute {name!r}")
 
