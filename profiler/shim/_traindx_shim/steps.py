@@ -36,9 +36,10 @@ module-call wrapper is installed only while it is needed (until step 0 begins, a
 stop is pending).
 """
 
+from __future__ import annotations
+
 import functools
 import os
-import sys
 import threading
 import time
 
@@ -57,13 +58,39 @@ from . import (
     schema,
     training_evidence,
 )
+from .forward import (  # noqa: F401  (re-exported: bench/forward_overhead.py drives them through steps)
+    DISCOVER_STEPS,
+    _discovered,
+    _forward,
+    _hooked,
+    _module_post,
+    _module_pre,
+    _skip_in_dynamo,
+    _sync_forward_hook,
+    _without_forward_hooks,
+    forward_hooks,
+)
+from .markers import (
+    _install_marker_in_main,
+    _marker_in_main,
+    _marker_never_found,
+    _marker_target,
+    _on_marker_module,
+    _on_traindx,
+)
+from .stepstate import MARKER_SPEC, _state
+
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing into the job (mypy knows the name)
+if TYPE_CHECKING:
+    from collections.abc import Callable
+    from types import ModuleType
+    from typing import Any
 
 MAX_STEPS = int(os.environ.get("TRAINDX_MAX_STEPS") or 0)
-MARKER_SPEC = (os.environ.get("TRAINDX_STEP_MARKER") or "").strip()
 _PID = os.getpid()
 
 
-def _requested_stop():
+def _requested_stop() -> tuple[int, str]:
     """(steps, reason) once `diagnose --until-diagnosed` asked every rank to stop at one step
     (control/stop.json); (0, "") until then."""
     request = control.read("stop.json")
@@ -75,49 +102,26 @@ def _requested_stop():
         return 0, ""
 
 
-_state = {
-    "step": 0,
-    "begin": None,
-    "torch": None,
-    "megatron": False,
-    "mode": "marker" if MARKER_SPEC else "auto",  # "marker": only markers end steps
-    "marker_calls": 0,
-    "stop_pending": False,
-    "train_thread": None,
-    "opt_created_t": None,
-    "opt_thread": None,  # the first optimizer: arms step 0's begin
-    "first_activity": None,  # (t, what) of the first batch/forward/backward since torch import
-    "stepped": False,  # an outermost optimizer step completed at least once
-    "closer": None,  # key of the optimizer whose outermost step ends an iteration
-    "learning": True,  # the closer of the first iteration is not known yet
-    "unseen": set(),  # created optimizers not yet seen stepping (learning only)
-    "created": 0,
-    "nested": set(),
-    "skipped": 0,
-    "backward_depth": 0,
-    "marker_installed": False,
-    "marker_in_main": False,
-}
 # outermost optimizer steps since the last boundary: [key, t_end, source], and their keys
-_cycle = []
-_cycle_keys = set()
+_cycle: list[list[Any]] = []
+_cycle_keys: set[int] = set()
 # running step calls, outermost first: [kind, key, calls nested directly inside]
-_stack = []
+_stack: list[list[Any]] = []
 
 
-def current_step():
+def current_step() -> int:
     return _state["step"]
 
 
-def in_step_since():
+def in_step_since() -> int | None:
     return _state["begin"]
 
 
 # called at each step boundary with the step about to begin (the torch.profiler window)
-boundary_hooks = []
+boundary_hooks: list[Callable[[int], object]] = []
 
 
-def _call_boundary_hooks(step):
+def _call_boundary_hooks(step: int) -> None:
     for hook in boundary_hooks:
         try:
             hook(step)
@@ -125,7 +129,7 @@ def _call_boundary_hooks(step):
             report_error("step boundary hook", exc)
 
 
-def _begin(t, retro=False):
+def _begin(t: int, retro: bool = False) -> None:
     if boundary_hooks:
         _call_boundary_hooks(_state["step"])
         if not retro:
@@ -134,7 +138,7 @@ def _begin(t, retro=False):
     emit("step_begin", step=_state["step"], t=t)
 
 
-def _begin_step0(t, by, retro=False):
+def _begin_step0(t: int, by: str, retro: bool = False) -> None:
     """Step 0 begins: what came before it is start-up (its GC is emitted as step -1)."""
     if not retro:
         gcstats.emit_step(-1)
@@ -149,7 +153,7 @@ def _begin_step0(t, by, retro=False):
         hostsample.start(threading.get_ident())
 
 
-def kernel_compile_started(t):
+def kernel_compile_started(t: int) -> None:
     """A kernel compile or autotune (Triton, CuTe DSL) after the optimizer exists, before any
     batch, forward or backward was seen: a job that calls its kernels outside nn.Modules (a
     functional FLA or FA4 call) has begun its first iteration there, so its first compile and
@@ -163,7 +167,7 @@ def kernel_compile_started(t):
     _begin_step0(t, "kernel compile", retro=True)
 
 
-def _end(source, t=None, retro=False):
+def _end(source: str, t: int | None = None, retro: bool = False) -> None:
     t = time.time_ns() if t is None else t
     step = _state["step"]
     if _state["begin"] is None and step == 0:
@@ -214,7 +218,7 @@ def _end(source, t=None, retro=False):
     _begin(t, retro=retro)
 
 
-def _after_step(step):
+def _after_step(step: int) -> None:
     """The forward's discovery ends after DISCOVER_STEPS steps; the host sampler follows the
     thread that ends the steps."""
     if not _trains_here():
@@ -226,13 +230,13 @@ def _after_step(step):
         hostsample.start(tid)
 
 
-def _trains_here():
+def _trains_here() -> bool:
     """This process is the one that imported the shim, or one that showed training evidence
     (a fork-started rank); never a DataLoader worker."""
     return os.getpid() == _PID or is_training()
 
 
-def _stop_now(where):
+def _stop_now(where: str) -> None:
     # only the training thread stops, never a DataLoader worker or a prefetch thread
     if os.getpid() != _PID or threading.get_ident() != _state["train_thread"]:
         return
@@ -244,7 +248,7 @@ def _stop_now(where):
     raise SystemExit(0)
 
 
-def _emit_alloc(step):
+def _emit_alloc(step: int) -> None:
     torch = _state["torch"]
     if torch is None or not torch.cuda.is_initialized():
         return
@@ -268,7 +272,7 @@ def _emit_alloc(step):
 
 
 # -- activity: what begins step 0 and where a pending stop happens --------------------------------
-def _activity(what):
+def _activity(what: str) -> None:
     if _state["marker_in_main"] and not _state["marker_installed"]:
         _install_marker_in_main()
     if _state["stop_pending"]:
@@ -286,7 +290,7 @@ def _activity(what):
         _sync_forward_hook()
 
 
-def _guarded_activity(what):
+def _guarded_activity(what: str) -> None:
     try:
         _activity(what)
     except SystemExit:
@@ -295,199 +299,11 @@ def _guarded_activity(what):
         report_error(f"step activity ({what})", exc)
 
 
-_forward = {"active": False, "wrapper": None, "original": None, "discovering": True, "is_compiling": None}
-# 1 while the training thread is inside its outermost module call (the wrapper's inner calls)
-_forward_depth = [0]
-# the modules the training thread called outermost while discovering: {id: weakref}
-_top_modules = {}
-_hooked = {}  # id -> hook handles of the modules timed by their own hooks
-_hook_start = {}  # id(module) -> start ns of its running outermost call
-DISCOVER_STEPS = 2  # steps 0 and 1 find the outermost modules; then their hooks time them
-# called with (start_ns, end_ns) after each outermost module call of the training thread
-forward_hooks = []
-
-
-def _sync_forward_hook():
-    """The forward pass the ledger measures (a `forward` span) is the training thread's
-    outermost nn.Module call. Watching every module call costs every one of them, so:
-
-    - a wrapper of nn.Module.__call__, only while it is needed: until step 0 begins (an
-      activity), while a stop is pending, and for the first DISCOVER_STEPS steps, in which it
-      learns which modules the training thread calls outermost (the model, a loss module) and
-      times them (an inner call costs one frame and a flag read: bench/forward_overhead.py);
-    - then a forward pre-hook and an always-called forward hook on those modules only (their own
-      calls cost a few µs; every other module call nothing).
-
-    Not a global module hook: torch.compile(module) warns on the job's stderr when one exists,
-    and dynamo guards on their number (one more recompile). The wrapper and the hooks step aside
-    while dynamo traces, so they leave no guard behind."""
-    torch = _state["torch"]
-    if torch is None:
-        return
-    _forward["active"] = _state["stop_pending"] or (
-        _state["begin"] is None and (_state["opt_created_t"] is not None or _state["first_activity"] is None)
-    )
-    need = _forward["active"] or _forward["discovering"]
-    module_cls = torch.nn.Module
-    if need and _forward["wrapper"] is None:
-        _install_wrapper(torch)
-    elif not need and module_cls.__call__ is _forward["wrapper"]:
-        # restored unless someone wrapped it after us (then ours stays, inactive)
-        module_cls.__call__ = _forward["original"]
-        _forward["wrapper"] = None
-
-
-def _install_wrapper(torch):
-    module_cls = torch.nn.Module
-    original = module_cls.__call__
-    compiler = torch.compiler
-    # a flag read (~20 ns); is_compiling also asks the exporter (~0.5 µs): too dear per call
-    is_compiling = getattr(compiler, "is_dynamo_compiling", None) or compiler.is_compiling
-    _forward["is_compiling"] = is_compiling
-    grad_enabled = torch.is_grad_enabled
-    depth, now, ident = _forward_depth, time.time_ns, threading.get_ident
-
-    def __call__(self, *args, **kwargs):
-        # first: while dynamo traces, nothing below is read (no guard on our state)
-        if is_compiling() or depth[0]:
-            return original(self, *args, **kwargs)
-        if _forward["active"]:
-            _guarded_activity("forward")
-        tid = ident()
-        train = _state["train_thread"] or _state["opt_thread"]
-        if not _forward["discovering"] or (train is not None and tid != train):
-            return original(self, *args, **kwargs)  # another thread's model: not the step's
-        key = id(self)
-        if key not in _top_modules:
-            _remember_module(self)
-        if key in _hooked:
-            return original(self, *args, **kwargs)  # its own hooks time it
-        depth[0] = 1
-        start = now()
-        try:
-            return original(self, *args, **kwargs)
-        finally:
-            depth[0] = 0
-            _forward_done(start, now(), tid, grad_enabled())
-
-    _forward["wrapper"], _forward["original"] = __call__, original
-    module_cls.__call__ = __call__
-    _skip_in_dynamo(sys.modules.get("torch._dynamo.eval_frame"))
-
-
-def _remember_module(module):
-    import weakref
-
-    key = id(module)
-    try:
-        _top_modules[key] = weakref.ref(module, lambda _r, key=key: _top_modules.pop(key, None))
-    except TypeError:
-        pass
-
-
-def _discovered():
-    """Discovery is over: the outermost modules get hooks of their own; the wrapper goes."""
-    _forward["discovering"] = False
-    torch = _state["torch"]
-    for key, ref in list(_top_modules.items()):
-        module = ref()
-        if module is None or key in _hooked:
-            continue
-        try:
-            _register_hooks(key, module)
-        except Exception as exc:
-            report_error("forward hooks", exc)
-    if torch is not None:
-        _sync_forward_hook()
-
-
-def _register_hooks(key, module):
-    _hooked[key] = (
-        module.register_forward_pre_hook(_module_pre),
-        module.register_forward_hook(_module_post, always_call=True),
-    )
-
-
-def _without_forward_hooks(save):
-    """torch.save of a whole module pickles its hooks: ours would then need the shim to load.
-    They are taken off for the save and put back after it."""
-
-    @functools.wraps(save)
-    def torch_save(*args, **kwargs):
-        if not _hooked:
-            return save(*args, **kwargs)
-        taken = list(_hooked)
-        for key in taken:
-            for handle in _hooked.pop(key):
-                handle.remove()
-        try:
-            return save(*args, **kwargs)
-        finally:
-            for key in taken:
-                ref = _top_modules.get(key)
-                module = ref() if ref is not None else None
-                if module is not None:
-                    try:
-                        _register_hooks(key, module)
-                    except Exception as exc:
-                        report_error("forward hooks", exc)
-
-    return torch_save
-
-
-def _module_pre(module, args):
-    check = _forward["is_compiling"]
-    if check is not None and check():
-        return None
-    if threading.get_ident() == _state["train_thread"] and not _forward_depth[0]:
-        _hook_start.setdefault(id(module), time.time_ns())
-    return None
-
-
-def _module_post(module, args, output):
-    check = _forward["is_compiling"]
-    if check is not None and check():
-        return None
-    start = _hook_start.pop(id(module), None)
-    if start is not None:
-        torch = _state["torch"]
-        _forward_done(
-            start,
-            time.time_ns(),
-            threading.get_ident(),
-            torch.is_grad_enabled() if torch is not None else True,
-        )
-    return None
-
-
-def _forward_done(start, end, tid, grad):
-    try:
-        if grad:
-            emit("span", cat="forward", start=start, t=end, tid=tid)
-        else:  # an evaluation's forward (no_grad): the same line, told apart for the judge
-            emit("span", cat="forward", start=start, t=end, tid=tid, grad=False)
-        for hook in forward_hooks:
-            hook(start, end)
-    except Exception as exc:
-        report_error("forward span", exc)
-
-
-def _skip_in_dynamo(eval_frame):
-    """torch.compile(module) keeps the module's __call__ of the moment it compiled: ours, if the
-    wrapper was in place. Dynamo must not start a graph at our frame (its guards would watch our
-    state, and its compiles would name our file): it skips it as it skips nn.Module.__call__ and
-    compiles the module's own code below it. Inlined (a submodule called inside a compiled
-    forward) it still traces through, as before."""
-    if eval_frame is None or _forward["wrapper"] is None:
-        return
-    try:
-        eval_frame.skip_code(_forward["wrapper"].__code__)
-    except Exception as exc:
-        report_error("dynamo skip of the module-call wrapper", exc)
+_forward["activity"] = _guarded_activity  # what the module-call wrapper does while active
 
 
 # -- optimizer steps ------------------------------------------------------------------------------
-def _outer_pre(key):
+def _outer_pre(key: int) -> None:
     """An outermost optimizer step begins."""
     if _state["stop_pending"]:
         _stop_now("optimizer step")
@@ -506,12 +322,12 @@ def _outer_pre(key):
             _stop_now("optimizer step")  # this iteration is already past its start
 
 
-def _clear_cycle():
+def _clear_cycle() -> None:
     del _cycle[:]
     _cycle_keys.clear()
 
 
-def _outer_done(key, source, skipped):
+def _outer_done(key: int, source: str, skipped: bool) -> None:
     """An outermost optimizer step returned (`skipped`: it did not update the weights)."""
     if skipped:
         _state["skipped"] += 1
@@ -536,7 +352,7 @@ def _outer_done(key, source, skipped):
             _end(source, t)
 
 
-def _push(kind, key):
+def _push(kind: str, key: int) -> list[Any]:
     if _stack:
         _stack[-1][2] += 1
         if kind == "torch" and not any(frame[1] == key for frame in _stack) and key not in _state["nested"]:
@@ -547,7 +363,7 @@ def _push(kind, key):
     return frame
 
 
-def _torch_pre_hook(optimizer, args, kwargs):
+def _torch_pre_hook(optimizer: object, args: object, kwargs: object) -> None:
     try:
         key = id(optimizer)
         for i in range(len(_stack) - 1, -1, -1):
@@ -563,7 +379,7 @@ def _torch_pre_hook(optimizer, args, kwargs):
         report_error("optimizer pre hook", exc)
 
 
-def _torch_post_hook(optimizer, args, kwargs):
+def _torch_post_hook(optimizer: object, args: object, kwargs: object) -> None:
     try:
         key = id(optimizer)
         for i in range(len(_stack) - 1, -1, -1):
@@ -576,12 +392,17 @@ def _torch_post_hook(optimizer, args, kwargs):
         report_error("optimizer post hook", exc)
 
 
-def _wrap_outer_step(step_fn, source, key_of, skip_when_empty):
+def _wrap_outer_step(
+    step_fn: Callable[..., Any],
+    source: str,
+    key_of: Callable[[Any, tuple[Any, ...], dict[str, Any]], int],
+    skip_when_empty: Callable[[Any], bool],
+) -> Callable[..., Any]:
     """A step method that is an optimizer step of its own (GradScaler.step, Megatron's, DeepSpeed's):
     outermost, it marks the boundary even when it does not call the inner optimizer."""
 
     @functools.wraps(step_fn)
-    def step(self, *args, **kwargs):
+    def step(self: Any, *args: Any, **kwargs: Any) -> Any:
         outer = not _stack
         frame = None
         try:
@@ -607,23 +428,23 @@ def _wrap_outer_step(step_fn, source, key_of, skip_when_empty):
                 except Exception as exc:
                     report_error(f"{source} step hook", exc)
 
-    step.__traindx_wrapped__ = True
+    step.__traindx_wrapped__ = True  # type: ignore[attr-defined]  # a function's own attribute
     return step
 
 
-def _scaler_key(scaler, args, kwargs):
+def _scaler_key(scaler: object, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
     return id(args[0] if args else kwargs.get("optimizer"))
 
 
-def _scaler_skips(scaler):
+def _scaler_skips(scaler: object) -> bool:
     # a disabled scaler calls optimizer.step() itself; an enabled one skips it on inf grads
     return bool(getattr(scaler, "_enabled", True))
 
 
 # -- backward: the fallback boundary and an activity ----------------------------------------------
-def _wrap_backward(fn):
+def _wrap_backward(fn: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(fn)
-    def backward(*args, **kwargs):
+    def backward(*args: Any, **kwargs: Any) -> Any:
         if _state["backward_depth"]:
             return fn(*args, **kwargs)  # Tensor.backward calls torch.autograd.backward
         _guarded_activity("backward")
@@ -643,7 +464,7 @@ def _wrap_backward(fn):
 
 
 # -- the step marker ------------------------------------------------------------------------------
-def marker(source="traindx.step"):
+def marker(source: str = "traindx.step") -> None:
     """One iteration ended (traindx.step(), --step-marker)."""
     try:
         if _state["stop_pending"]:
@@ -656,95 +477,9 @@ def marker(source="traindx.step"):
         report_error("step marker", exc)
 
 
-def _on_traindx(module):
-    # a job that imports traindx marks its own steps with traindx.step(): from now on only
-    # markers end steps (deciding at the first call would be too late: the optimizer steps of
-    # that first iteration would already be steps of their own)
-    if _state["mode"] != "marker":
-        _state["mode"] = "marker"
-        emit("step_marker", source="traindx.step", step=_state["step"])
-        import atexit
-
-        atexit.register(_marker_never_called)
-
-
-def _marker_never_called():
-    if not _state["marker_calls"]:
-        report_error(
-            "traindx.step",
-            LookupError("the job imported traindx but never called traindx.step(): no steps were marked"),
-        )
-
-
-def _marker_target():
-    module_name, _, qualname = MARKER_SPEC.partition(":")
-    return module_name, qualname
-
-
-def _install_marker(module):
-    """Wrap `qualname` in `module`: each return of it ends a step."""
-    if _state["marker_installed"]:
-        return True
-    _, qualname = _marker_target()
-    owner = module
-    parts = qualname.split(".")
-    for part in parts[:-1]:
-        owner = getattr(owner, part, None)
-        if owner is None:
-            return False
-    name = parts[-1]
-    raw = vars(owner).get(name) if hasattr(owner, "__dict__") else None
-    if raw is None:
-        raw = getattr(owner, name, None)
-    if raw is None:
-        return False
-    kind = type(raw) if isinstance(raw, (staticmethod, classmethod)) else None
-    fn = raw.__func__ if kind else raw
-    if not callable(fn):
-        return False
-
-    @functools.wraps(fn)
-    def marked(*args, **kwargs):
-        out = fn(*args, **kwargs)
-        marker("--step-marker")
-        return out
-
-    setattr(owner, name, kind(marked) if kind else marked)
-    _state["marker_installed"] = True
-    emit("step_marker_installed", target=MARKER_SPEC)
-    return True
-
-
-def _marker_in_main():
-    """Whether --step-marker names a function of the script itself (`__main__` or its name)."""
-    module_name, _ = _marker_target()
-    stem = os.path.splitext(os.path.basename(sys.argv[0] if sys.argv else ""))[0]
-    return module_name in ("__main__", stem)
-
-
-def _install_marker_in_main():
-    # the script's functions exist only once its top level has run: retried at each activity
-    main = sys.modules.get("__main__")
-    if main is not None and _state["marker_in_main"]:
-        _install_marker(main)
-
-
-def _on_marker_module(module):
-    if not _install_marker(module):
-        report_error("--step-marker", LookupError(f"{MARKER_SPEC}: no such function in that module"))
-
-
-def _marker_never_found():
-    if MARKER_SPEC and not _state["marker_installed"]:
-        report_error(
-            "--step-marker",
-            LookupError(f"{MARKER_SPEC}: the job never defined that function; no step was marked by it"),
-        )
-
-
 # -- installation ---------------------------------------------------------------------------------
 @guarded("torch import hook")
-def _on_torch(torch):
+def _on_torch(torch: Any) -> None:
     _state["torch"] = torch
     from torch.optim.optimizer import (
         Optimizer,
@@ -756,7 +491,7 @@ def _on_torch(torch):
     register_optimizer_step_post_hook(_torch_post_hook)
     original_init = Optimizer.__init__
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         original_init(self, *args, **kwargs)
         try:
             _state["created"] += 1
@@ -784,11 +519,11 @@ def _on_torch(torch):
 
 
 @guarded("DataLoader step hook")
-def _on_dataloader(module):
+def _on_dataloader(module: Any) -> None:
     cls = module._BaseDataLoaderIter
     original = cls.__next__
 
-    def __next__(self):
+    def __next__(self: Any) -> Any:
         _guarded_activity("batch")
         return original(self)
 
@@ -796,19 +531,22 @@ def _on_dataloader(module):
 
 
 @guarded("megatron import hook")
-def _on_megatron_optimizer(module):
+def _on_megatron_optimizer(module: ModuleType) -> None:
     for name in dir(module):
         cls = getattr(module, name)
         if not isinstance(cls, type) or "step" not in vars(cls):
             continue
         if not any(base.__name__ == "MegatronOptimizer" for base in cls.__mro__):
             continue
-        cls.step = _wrap_outer_step(cls.step, "megatron", lambda self, a, k: id(self), lambda self: True)
+        megatron_cls: Any = cls  # one with a step of its own (checked above)
+        megatron_cls.step = _wrap_outer_step(
+            megatron_cls.step, "megatron", lambda self, a, k: id(self), lambda self: True
+        )
     _state["megatron"] = True
 
 
 @guarded("deepspeed import hook")
-def _on_deepspeed_engine(module):
+def _on_deepspeed_engine(module: Any) -> None:
     # DeepSpeedEngine.step runs every micro-batch; _take_model_step once per optimizer step,
     # also when an fp16 overflow makes the ZeRO optimizer skip the update
     cls = module.DeepSpeedEngine
@@ -817,7 +555,7 @@ def _on_deepspeed_engine(module):
     )
 
 
-def register():
+def register() -> None:
     importhooks.on_import("torch", _on_torch)
     importhooks.on_import("torch._dynamo.eval_frame", guarded("dynamo import hook")(_skip_in_dynamo))
     importhooks.on_import("torch.utils.data.dataloader", _on_dataloader)
