@@ -5,11 +5,13 @@ It must never harm the job: every failure is swallowed (and reported in the run'
 it chains to the sitecustomize this file shadows so a job's own start-up code still runs.
 """
 
+from __future__ import annotations
+
 import os
 import sys
 
 
-def _chain_shadowed_sitecustomize():
+def _chain_shadowed_sitecustomize() -> None:
     # Python imports the first sitecustomize on sys.path; ours shadows any later one.
     import importlib.machinery
     import importlib.util

@@ -13,6 +13,8 @@ written as a `shim_error` event: the job always runs on. No signal handler is in
 signal disposition is its own (the writer's short flush interval bounds what a kill loses).
 """
 
+from __future__ import annotations
+
 import json
 import os
 import sys
@@ -22,7 +24,12 @@ import time
 from . import importhooks, roles, schema
 from .writer import EventWriter, load_redactor, redacted_argv
 
-_state = {
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing into the job (mypy knows the name)
+if TYPE_CHECKING:
+    from collections.abc import Callable
+    from typing import Any
+
+_state: dict[str, Any] = {
     "redactor": None,
     "writer": None,
     "run_dir": None,
@@ -36,27 +43,27 @@ _state = {
 _announce_lock = threading.Lock()
 
 
-def get_writer():
+def get_writer() -> Any:
     return _state["writer"]
 
 
-def emit(type_, **fields):
+def emit(type_: str, **fields: Any) -> None:
     w = _state["writer"]
     if w is not None:
         w.emit(type_, **fields)
 
 
-def report_error(where, exc):
+def report_error(where: str, exc: BaseException) -> None:
     redactor = _state["redactor"]  # an exception's text may quote a URL or an argument
     error = repr(exc)
     emit(schema.SHIM_ERROR, where=where, error=redactor.line(error) if redactor else error)
 
 
-def guarded(where):
+def guarded(where: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Decorator: a hook that raises records a shim_error instead of breaking the job."""
 
-    def wrap(fn):
-        def inner(*args, **kwargs):
+    def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
+        def inner(*args: Any, **kwargs: Any) -> Any:
             try:
                 return fn(*args, **kwargs)
             except Exception as exc:
@@ -68,11 +75,11 @@ def guarded(where):
     return wrap
 
 
-def is_training():
+def is_training() -> bool:
     return _state["training_pid"] == os.getpid()
 
 
-def _start_writer(deferred):
+def _start_writer(deferred: bool) -> None:
     events_dir = os.path.join(_state["run_dir"], roles.EVENTS_DIR)
     os.makedirs(events_dir, exist_ok=True)
     rank, source = roles.rank_from_env(os.environ)
@@ -104,7 +111,7 @@ def _start_writer(deferred):
     )
 
 
-def _announce():
+def _announce() -> None:
     """procs/<pid>.json: this pid trains (the py-spy manager starts its recorders on it)."""
     folder = os.path.join(_state["run_dir"], roles.ANNOUNCE_DIR)
     os.makedirs(folder, exist_ok=True)
@@ -129,7 +136,7 @@ def _announce():
     os.replace(tmp, os.path.join(folder, f"{pid}.json"))
 
 
-def training_evidence(kind):
+def training_evidence(kind: str) -> None:
     """This process trains (kind: 'init_process_group', 'optimizer', 'optimizer_step',
     'backward', ...). The first call per process announces it; later calls cost one compare."""
     if _state["training_pid"] == os.getpid():
@@ -166,7 +173,7 @@ def training_evidence(kind):
             report_error("announce training process", exc)
 
 
-def _set_rank(rank, source, world_size):
+def _set_rank(rank: int | str, source: str | None, world_size: str | int | None) -> None:
     _state.update(
         rank=str(rank),
         rank_source=source,
@@ -178,7 +185,7 @@ def _set_rank(rank, source, world_size):
     emit(schema.RANK_KNOWN, rank=str(rank), source=source, world_size=_state["world_size"])
 
 
-def rank_known(rank, world_size, source="process_group"):
+def rank_known(rank: int | str, world_size: int | str | None, source: str = "process_group") -> None:
     """The process group told this process its rank (it wins over any environment variable)."""
     if _state["writer"] is None or _state["writer"].pid != os.getpid():
         training_evidence("init_process_group")  # a forked child: a writer of its own first
@@ -193,7 +200,7 @@ def rank_known(rank, world_size, source="process_group"):
                 report_error("announce rank", exc)
 
 
-def _poll_process_group():
+def _poll_process_group() -> None:
     """From the writer thread: a process group made by a path our wrapper missed (a library that
     imported init_process_group by name before the hook) still reveals the rank."""
     if _state["rank_source"] == "process_group":
@@ -205,7 +212,7 @@ def _poll_process_group():
     rank_known(dist.get_rank(), dist.get_world_size())
 
 
-def _after_fork_in_child():
+def _after_fork_in_child() -> None:
     global _announce_lock
     _announce_lock = threading.Lock()
     from . import faults
@@ -213,7 +220,7 @@ def _after_fork_in_child():
     faults.after_fork_in_child()
 
 
-def activate():
+def activate() -> None:
     _state["run_dir"] = os.environ["TRAINDX_RUN_DIR"]
     _start_writer(deferred=roles.is_multiprocessing_child(getattr(sys, "orig_argv", sys.argv)))
     os.register_at_fork(after_in_child=_after_fork_in_child)

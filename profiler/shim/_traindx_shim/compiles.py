@@ -5,6 +5,8 @@ the job's own code on that thread. For FA4 it also keeps the compile key with it
 and the call's arguments, so a recompile can be explained and replayed (`kernel-cache warm`).
 """
 
+from __future__ import annotations
+
 import functools
 import inspect
 import linecache
@@ -23,22 +25,30 @@ from .values import (  # noqa: F401  (safe_repr, describe_value, _type_label: re
     safe_repr,
 )
 
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing into the job (mypy knows the name)
+if TYPE_CHECKING:
+    from collections.abc import Callable
+    from types import FrameType, ModuleType
+    from typing import Any
+
 FA4_INTERFACE = "flash_attn" + ("\\" if sys.platform == "win32" else "/") + "cute"
 FA4_CALL_SAMPLES = 8  # stack walks per (function, argument-type signature); later calls are counted
 _fa4_calls = {}
 _main_ident = threading.main_thread().ident
 
 
-def _thread_fields():
+def _thread_fields() -> dict[str, Any]:
     th = threading.current_thread()
     return {"thread": th.name, "thread_id": th.ident, "is_main_thread": th.ident == _main_ident}
 
 
 # kernel compiles and autotunes recorded so far (the torch.profiler window profiles steady steps)
-counts = {"compiles": 0}
+counts: dict[str, int] = {"compiles": 0}
 
 
-def _emit_compile(kind, kernel, start_ns, end_ns, duration_s=None, **fields):
+def _emit_compile(
+    kind: str, kernel: str | None, start_ns: int, end_ns: int, duration_s: float | None = None, **fields: Any
+) -> None:
     counts["compiles"] += 1
     if (
         kind != schema.COMPILE_DYNAMO
@@ -61,9 +71,9 @@ def _emit_compile(kind, kernel, start_ns, end_ns, duration_s=None, **fields):
     )
 
 
-def _fa4_context():
+def _fa4_context() -> dict[str, Any] | None:
     """The FA4 interface frame that asked for this compile: function, key fields, arguments."""
-    f = sys._getframe(3)
+    f: FrameType | None = sys._getframe(3)
     while f is not None:
         code = f.f_code
         if (
@@ -107,12 +117,12 @@ def _fa4_context():
 
 # -- CuTe DSL ------------------------------------------------------------------------------------
 @guarded("cutlass import hook")
-def _on_cute_compiler(module):
+def _on_cute_compiler(module: ModuleType) -> None:
     cls = module.CompileCallable
     original = cls._compile
 
     @functools.wraps(original)
-    def _compile(self, func, *args, **kwargs):
+    def _compile(self: Any, func: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         start = time.time_ns()
         ok = False
         try:
@@ -129,7 +139,7 @@ def _on_cute_compiler(module):
     cls._compile = _compile
 
 
-def _kernel_name(func):
+def _kernel_name(func: Callable[..., Any]) -> str:
     bound = getattr(func, "__self__", None)
     if bound is not None:
         return f"{type(bound).__qualname__}.{getattr(func, '__name__', '?')}"
@@ -138,11 +148,11 @@ def _kernel_name(func):
     return type(func).__qualname__
 
 
-def _record_cute(func, start, end, ok):
+def _record_cute(func: Callable[..., Any], start: int, end: int, ok: bool) -> None:
     fa4 = _fa4_context()
     kernel = _kernel_name(func)
     module = getattr(type(getattr(func, "__self__", None) or func), "__module__", "")
-    fields = {"ok": ok, "caller": first_user_frame(2), "module": module}
+    fields: dict[str, Any] = {"ok": ok, "caller": first_user_frame(2), "module": module}
     if fa4 is not None:
         fields.update(
             key=fa4.pop("key"),
@@ -159,7 +169,7 @@ def _record_cute(func, start, end, ok):
 _last_fa4_site = {}
 
 
-def _fa4_signature(kwargs):
+def _fa4_signature(kwargs: Any) -> tuple[Any, ...]:
     return tuple(
         sorted(
             (k, _type_label(v))
@@ -170,7 +180,7 @@ def _fa4_signature(kwargs):
 
 
 @guarded("flash_attn import hook")
-def _on_fa4_interface(module):
+def _on_fa4_interface(module: ModuleType) -> None:
     for name in ("flash_attn_varlen_func", "flash_attn_func"):
         original = getattr(module, name, None)
         if original is None:
@@ -184,7 +194,7 @@ def _on_fa4_interface(module):
         importhooks.on_import("flash_attn.cute", lambda pkg: _wrap_package_names(pkg, module))
 
 
-def _wrap_package_names(package, interface):
+def _wrap_package_names(package: ModuleType, interface: ModuleType) -> None:
     for name in ("flash_attn_varlen_func", "flash_attn_func"):
         wrapped = getattr(interface, name, None)
         current = getattr(package, name, None)
@@ -192,9 +202,9 @@ def _wrap_package_names(package, interface):
             setattr(package, name, wrapped)
 
 
-def _wrap_fa4_entry(name, original):
+def _wrap_fa4_entry(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
-    def entry(*args, **kwargs):
+    def entry(*args: Any, **kwargs: Any) -> Any:
         sample = None
         try:
             sig = (name, _fa4_signature(kwargs))
@@ -219,7 +229,7 @@ def _wrap_fa4_entry(name, original):
     return entry
 
 
-def _emit_fa4_call(name, kwargs, sample, ok):
+def _emit_fa4_call(name: str, kwargs: Any, sample: tuple[Any, Any, Any, int], ok: bool) -> None:
     try:
         seen, sig, caller, start = sample
         end = time.time_ns()
@@ -247,7 +257,7 @@ def _emit_fa4_call(name, kwargs, sample, ok):
         report_error("fa4 call hook", exc)
 
 
-def _source_line(where):
+def _source_line(where: dict[str, Any] | None) -> str | None:
     if not where:
         return None
     return linecache.getline(where["file"], where["line"]).strip()[:300] or None
@@ -262,20 +272,20 @@ _tl = threading.local()
 
 
 @guarded("triton import hook")
-def _on_triton(module):
+def _on_triton(module: ModuleType) -> None:
     knobs = getattr(module, "knobs", None)
     if knobs is None:
         return
     previous = knobs.compilation.listener
 
-    def listener(*, src, metadata, metadata_group, times, cache_hit):
+    def listener(*, src: Any, metadata: Any, metadata_group: Any, times: Any, cache_hit: bool) -> Any:
         try:
             if not cache_hit:
                 total_us = getattr(times, "total", None) or 0
                 end = time.time_ns()
                 name = getattr(getattr(src, "fn", None), "__name__", None) or getattr(src, "name", "?")
                 tuning = getattr(_tl, "autotune", None)
-                fields = {}
+                fields: dict[str, Any] = {}
                 if tuning is not None:
                     tuning["jit_ns"] += int(total_us * 1000)
                     tuning["jit_compiles"] += 1
@@ -300,7 +310,7 @@ def _on_triton(module):
     knobs.compilation.listener = listener
 
 
-def _autotune_kernel_name(tuner):
+def _autotune_kernel_name(tuner: Any) -> str:
     fn = getattr(tuner, "base_fn", None) or getattr(tuner, "fn", None)
     for _ in range(8):  # Heuristics / nested wrappers hold the JITFunction in .fn
         name = getattr(fn, "__name__", None)
@@ -311,13 +321,14 @@ def _autotune_kernel_name(tuner):
 
 
 @guarded("triton autotuner hook")
-def _on_triton_autotuner(module):
+def _on_triton_autotuner(module: ModuleType) -> None:
     cls = module.Autotuner
     original = cls.run
 
     @functools.wraps(original)
-    def run(self, *args, **kwargs):
-        tuning = previous = None
+    def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+        tuning: dict[str, Any] | None = None
+        previous = None
         try:
             before = len(self.cache)
             previous = getattr(_tl, "autotune", None)
@@ -356,7 +367,7 @@ def _on_triton_autotuner(module):
     if bench is not None:
 
         @functools.wraps(bench)
-        def _bench(self, *args, **kwargs):
+        def _bench(self: Any, *args: Any, **kwargs: Any) -> Any:
             tuning = getattr(_tl, "autotune", None)
             if tuning is None:
                 return bench(self, *args, **kwargs)
@@ -372,7 +383,7 @@ def _on_triton_autotuner(module):
     if check_disk_cache is not None:
 
         @functools.wraps(check_disk_cache)
-        def _check_disk_cache(self, *args, **kwargs):
+        def _check_disk_cache(self: Any, *args: Any, **kwargs: Any) -> Any:
             hit = check_disk_cache(self, *args, **kwargs)
             tuning = getattr(_tl, "autotune", None)
             if tuning is not None:
@@ -382,7 +393,7 @@ def _on_triton_autotuner(module):
         cls.check_disk_cache = _check_disk_cache
 
 
-def _record_autotune(tuner, args, kwargs, tuning):
+def _record_autotune(tuner: Any, args: Any, kwargs: Any, tuning: dict[str, Any]) -> None:
     if len(tuner.cache) <= tuning["before"]:
         return  # the key was tuned before: nothing was benchmarked
     bench_time = getattr(tuner, "bench_time", None)
@@ -440,19 +451,19 @@ def _record_autotune(tuner, args, kwargs, tuning):
 # wraps that function and records each compile then (on the compiling thread, in its step). The
 # deque is still read at each step end for entries the wrapper could not see (a thread whose
 # metrics context was made before the shim's hook), matched by identity so none is counted twice.
-_dynamo = {"utils": None, "frames": {}, "seen": {}, "wrapped": False}
+_dynamo: dict[str, Any] = {"utils": None, "frames": {}, "seen": {}, "wrapped": False}
 _dynamo_lock = threading.Lock()
 
 
 @guarded("dynamo utils hook")
-def _on_dynamo_utils(module):
+def _on_dynamo_utils(module: Any) -> None:
     _dynamo["utils"] = module
     original = getattr(module, "record_compilation_metrics", None)
     if original is None or getattr(original, "_traindx_wrapped", False):
         return
 
     @functools.wraps(original)
-    def record_compilation_metrics(*args, **kwargs):
+    def record_compilation_metrics(*args: Any, **kwargs: Any) -> Any:
         deque = getattr(module, "_compilation_metrics", None)
         last = deque[-1] if deque else None
         try:
@@ -465,12 +476,12 @@ def _on_dynamo_utils(module):
             except Exception as exc:
                 report_error("dynamo metrics hook", exc)
 
-    record_compilation_metrics._traindx_wrapped = True
+    record_compilation_metrics._traindx_wrapped = True  # type: ignore[attr-defined]
     module.record_compilation_metrics = record_compilation_metrics
     _dynamo["wrapped"] = True
 
 
-def _record_dynamo(m):
+def _record_dynamo(m: Any) -> None:
     """One compile event for one CompilationMetrics entry, once."""
     seen = _dynamo["seen"]  # id -> weak reference: holds nothing alive (entries are unhashable)
     with _dynamo_lock:
@@ -478,7 +489,8 @@ def _record_dynamo(m):
         if ref is not None and ref() is m:
             return
         key = id(m)
-        seen[key] = weakref.ref(m, lambda r, key=key: seen.pop(key, None) if seen.get(key) is r else None)
+        forget = lambda r, key=key: seen.pop(key, None) if seen.get(key) is r else None
+        seen[key] = weakref.ref(m, forget)
     start_us = getattr(m, "start_time_us", None)
     if start_us is None:
         return
@@ -519,7 +531,7 @@ def _record_dynamo(m):
     )
 
 
-def harvest_dynamo():
+def harvest_dynamo() -> None:
     """Entries the wrapper did not see (called at each step end and at exit)."""
     utils = _dynamo["utils"]
     if utils is None:
@@ -535,11 +547,11 @@ def harvest_dynamo():
             report_error("dynamo metrics harvest", exc)
 
 
-def _on_step_ended(step):
+def _on_step_ended(step: int) -> None:
     harvest_dynamo()
 
 
-def register():
+def register() -> None:
     bus.subscribe(schema.STEP_ENDED, _on_step_ended)
     importhooks.on_import("cutlass.base_dsl.compiler", _on_cute_compiler)
     importhooks.on_import("flash_attn.cute.interface", _on_fa4_interface)

@@ -3,16 +3,22 @@
 step boundaries, each file at most every POLL_NS (one stat, not one per short step), re-read
 only when it changed."""
 
+from __future__ import annotations
+
 import json
 import os
 import time
 
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing into the job (mypy knows the name)
+if TYPE_CHECKING:
+    from typing import Any
+
 POLL_NS = 200_000_000
 _DIR = os.path.join(os.environ["TRAINDX_RUN_DIR"], "control") if os.environ.get("TRAINDX_RUN_DIR") else None
-_cache = {}  # name -> [checked_ns, mtime_ns, value]
+_cache: dict[str, list[Any]] = {}  # name -> [checked_ns, mtime_ns, value]
 
 
-def read(name):
+def read(name: str) -> Any:
     """The request in control/<name> as a dict, or None (none yet, unreadable)."""
     if _DIR is None:
         return None

@@ -25,11 +25,17 @@ cores were really free to the job (a prediction that adds worker processes needs
 read of /proc/stat is ~30 µs, so one per step costs nothing a step would notice.
 """
 
+from __future__ import annotations
+
 import os
 import threading
 import time
 
 from . import emit, schema
+
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing into the job (mypy knows the name)
+if TYPE_CHECKING:
+    from typing import Any
 
 CPU_THREADS = schema.CPU_THREADS
 THREAD_ENV = (
@@ -41,13 +47,15 @@ THREAD_ENV = (
     "TORCH_NUM_THREADS",
 )
 THREAD_SNAPSHOT_STEPS = (0, 1)
-dataloader_iterators = {}  # id -> weakref of each DataLoader iterator seen (spans.py fills it)
-_TICK = [None]
-_prev = {}
+dataloader_iterators: dict[
+    int, Any
+] = {}  # id -> weakref of each DataLoader iterator seen (spans.py fills it)
+_TICK: list[Any] = [None]
+_prev: dict[Any, Any] = {}
 _cores_sent = [False]
 
 
-def _proc_stat():
+def _proc_stat() -> tuple[float, float, int | None] | None:
     """(idle core-seconds, total core-seconds since boot, runnable tasks now), or None off
     Linux. Only the first line of /proc/stat is read (on a many-core host the file is long:
     a line per core and the interrupt counts), the runnable count from /proc/loadavg."""
@@ -68,7 +76,7 @@ def _proc_stat():
     return (ticks[3] + ticks[4]) / _TICK[0], sum(ticks) / _TICK[0], running
 
 
-def _snapshot():
+def _snapshot() -> dict[str, Any]:
     return {
         "proc": time.process_time(),
         "thread": time.thread_time(),
@@ -78,10 +86,12 @@ def _snapshot():
     }
 
 
-_schedstat = {}  # (pid, native thread id) -> its open schedstat (one pread a step)
+_schedstat: dict[
+    tuple[int, int], Any
+] = {}  # (pid, native thread id) -> its open schedstat (one pread a step)
 
 
-def runqueue_ns():
+def runqueue_ns() -> tuple[int, int] | None:
     """(on-CPU ns, run-queue wait ns) of the calling thread so far (/proc/self/task/<tid>/
     schedstat), or None off Linux or where the kernel keeps no schedstat."""
     try:
@@ -95,7 +105,7 @@ def runqueue_ns():
         return None
 
 
-def emit_step(step):
+def emit_step(step: int) -> None:
     """The CPU evidence of the step that just ended; the first call only takes the snapshot the
     next one is measured from (so a step's deltas never include start-up)."""
     now = _snapshot()
@@ -124,7 +134,7 @@ def emit_step(step):
     emit(schema.CPU, step=step, **fields)
 
 
-def _threads_of(pid):
+def _threads_of(pid: int | str) -> int | None:
     try:
         with open(f"/proc/{pid}/status", "rb") as f:
             for line in f:
@@ -135,7 +145,7 @@ def _threads_of(pid):
     return None
 
 
-def _children():
+def _children() -> list[dict[str, Any]]:
     out = []
     try:
         tasks = os.listdir("/proc/self/task")
@@ -158,7 +168,7 @@ def _children():
     return out
 
 
-def _cgroup_quota_cores():
+def _cgroup_quota_cores() -> float | None:
     """Cores the cgroup lets this process use (quota / period), None without a quota."""
     try:
         with open("/sys/fs/cgroup/cpu.max", "rb") as f:
@@ -168,19 +178,19 @@ def _cgroup_quota_cores():
         pass
     try:
         with open("/sys/fs/cgroup/cpu/cpu.cfs_quota_us", "rb") as f:
-            quota = int(f.read())
+            quota_us = int(f.read())
         with open("/sys/fs/cgroup/cpu/cpu.cfs_period_us", "rb") as f:
-            period = int(f.read())
-        return None if quota <= 0 else quota / period
+            period_us = int(f.read())
+        return None if quota_us <= 0 else quota_us / period_us
     except (OSError, ValueError):
         return None
 
 
-def emit_threads(step, torch):
+def emit_threads(step: int, torch: Any) -> None:
     """The `cpu_threads` picture (see the module docstring), at the end of the first steps."""
     if step not in THREAD_SNAPSHOT_STEPS:
         return
-    fields = {
+    fields: dict[str, Any] = {
         "step": step,
         "cpu_count": os.cpu_count(),
         "process_threads": _threads_of("self"),

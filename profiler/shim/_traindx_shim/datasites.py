@@ -14,6 +14,8 @@ loader of the steps is the one with the most; a test loader built after it (pyto
 has none until the epoch ends.
 """
 
+from __future__ import annotations
+
 import ast
 import functools
 import linecache
@@ -23,26 +25,31 @@ import sys
 from . import emit, importhooks, report_error, schema
 from .frames import installed_package, is_library_path
 
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing into the job (mypy knows the name)
+if TYPE_CHECKING:
+    from types import FrameType, ModuleType
+    from typing import Any
+
 MAX_EVENTS = 100
 DATA_USE = schema.DATA_USE
-_count = {"n": 0}
-_use = {}  # site id -> [distinct steps with a batch, last step seen, batches]
-_trees = {}
+_count: dict[str, int] = {"n": 0}
+_use: dict[Any, list[Any]] = {}  # site id -> [distinct steps with a batch, last step seen, batches]
+_trees: dict[Any, Any] = {}
 
 
-def _is_library(filename):
+def _is_library(filename: str) -> bool:
     # frames.is_library_path on the file's real path (a venv may link into a shared install)
     return not filename or filename.startswith("<") or is_library_path(os.path.realpath(filename))
 
 
-def _package_of(filename):
+def _package_of(filename: str) -> str | None:
     return installed_package(os.path.realpath(filename))
 
 
-def _sites(depth):
+def _sites(depth: int) -> tuple[FrameType | None, dict[str, Any] | None]:
     """(the innermost frame of the job's own code, the innermost framework frame between it and
     the constructor that is not torch itself)."""
-    frame = sys._getframe(depth + 1)
+    frame: FrameType | None = sys._getframe(depth + 1)
     via = None
     while frame is not None:
         filename = frame.f_code.co_filename
@@ -60,7 +67,7 @@ def _sites(depth):
     return None, via
 
 
-def _call_span(filename, line, name):
+def _call_span(filename: str, line: int, name: str) -> tuple[int, int | None, str | None] | None:
     """(first line, last line, source) of the call of `name` that covers `line`, else None."""
     try:
         tree = _trees.get(filename)
@@ -85,7 +92,7 @@ def _call_span(filename, line, name):
         return None
 
 
-def _record(kind, name, settings, depth):
+def _record(kind: str, name: str, settings: dict[str, Any], depth: int) -> Any:
     if _count["n"] >= MAX_EVENTS:
         return None
     _count["n"] += 1
@@ -107,12 +114,12 @@ def _record(kind, name, settings, depth):
     return site_id
 
 
-def _current_step():
+def _current_step() -> int | None:
     steps = sys.modules.get("_traindx_shim.steps")
     return steps.current_step() if steps is not None else None
 
 
-def _used(site_id):
+def _used(site_id: Any) -> None:
     """A batch of loader `site_id` was delivered: count the distinct steps that saw one."""
     entry = _use.get(site_id)
     if entry is None:
@@ -127,12 +134,12 @@ def _used(site_id):
             emit(DATA_USE, site_id=site_id, steps=n, batches=entry[2], step=step)
 
 
-def _on_dataloader(module):
+def _on_dataloader(module: Any) -> None:
     cls = module.DataLoader
     original = cls.__init__
 
     @functools.wraps(original)  # Lightning re-creates DataLoaders from __init__'s signature
-    def __init__(self, *args, **kwargs):
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         original(self, *args, **kwargs)
         try:
             site_id = _record(
@@ -156,7 +163,7 @@ def _on_dataloader(module):
     original_iter = cls.__iter__
 
     @functools.wraps(original_iter)
-    def __iter__(self):
+    def __iter__(self: Any) -> Any:
         iterator = original_iter(self)
         try:
             site_id = self.__dict__.get("_traindx_site")
@@ -171,7 +178,7 @@ def _on_dataloader(module):
     iter_cls = module._BaseDataLoaderIter
     original_next = iter_cls.__next__
 
-    def __next__(self):
+    def __next__(self: Any) -> Any:
         batch = original_next(self)
         site_id = getattr(self, "_traindx_site", None)
         if site_id is not None:
@@ -181,16 +188,16 @@ def _on_dataloader(module):
                 report_error("DataLoader use", exc)
         return batch
 
-    __next__.__wrapped__ = original_next
+    __next__.__wrapped__ = original_next  # type: ignore[attr-defined]
     iter_cls.__next__ = __next__
 
 
-def _on_training_args(module):
+def _on_training_args(module: ModuleType) -> None:
     cls = module.TrainingArguments
     original = cls.__post_init__
 
     @functools.wraps(original)
-    def __post_init__(self, *args, **kwargs):
+    def __post_init__(self: Any, *args: Any, **kwargs: Any) -> None:
         original(self, *args, **kwargs)
         try:
             _record(
@@ -210,6 +217,6 @@ def _on_training_args(module):
     cls.__post_init__ = __post_init__
 
 
-def register():
+def register() -> None:
     importhooks.on_import("torch.utils.data.dataloader", _on_dataloader)
     importhooks.on_import("transformers.training_args", _on_training_args)

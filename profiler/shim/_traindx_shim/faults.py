@@ -8,18 +8,24 @@ A job that enabled faulthandler itself (PYTHONFAULTHANDLER, -X faulthandler, its
 keeps its own: it already prints the same to its stderr, which log.txt holds.
 """
 
+from __future__ import annotations
+
 import faulthandler
 import os
 
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing into the job (mypy knows the name)
+if TYPE_CHECKING:
+    from typing import Any
+
 FAULTS_DIR = "faults"
-_state = {"file": None, "pid": None}
+_state: dict[str, Any] = {"file": None, "pid": None}
 
 
-def fault_file(run_dir, pid):
+def fault_file(run_dir: str, pid: int) -> str:
     return os.path.join(run_dir, FAULTS_DIR, f"p{pid}.txt")
 
 
-def install(run_dir):
+def install(run_dir: str) -> None:
     """Dump every thread's stack into this process's fault file on a fatal signal: at start in
     the process that imported the shim, else once it trains (a DataLoader worker gets no file; a
     forked rank replaces the handler it inherited, which wrote into its parent's file)."""
@@ -37,7 +43,7 @@ def install(run_dir):
         pass  # no stacks on a crash; nothing else changes
 
 
-def after_fork_in_child():
+def after_fork_in_child() -> None:
     """A forked child (a DataLoader worker, until it shows it trains) does not write into its
     parent's fault file: the handler it inherited is turned off, as it would be without us."""
     if _state["pid"] is not None and _state["pid"] != os.getpid():

@@ -14,11 +14,18 @@ Library folders are also recognised by name, not only by site-packages, because 
 packages in many places (the H200 test machine keeps them in /opt/gpu-site/site).
 """
 
+from __future__ import annotations
+
 import functools
 import os
 import re
 import sys
 import sysconfig
+
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing into the job (mypy knows the name)
+if TYPE_CHECKING:
+    from types import FrameType
+    from typing import Any
 
 LIBRARY_DIRS = ("site-packages", "dist-packages")
 LOW_LEVEL_PACKAGES = frozenset(
@@ -96,10 +103,10 @@ _STDLIB = tuple(
     for p in {sysconfig.get_paths().get(k) for k in ("stdlib", "platstdlib")}
     if p
 )
-_cache = {}
+_cache: dict[Any, Any] = {}
 
 
-def is_library_file(filename):
+def is_library_file(filename: str) -> bool:
     """The shim's question, on a real file of this interpreter: Python itself or a low-level
     package (frameworks in site-packages are the job's code)."""
     verdict = _cache.get(filename)
@@ -117,7 +124,7 @@ def is_library_file(filename):
     return verdict
 
 
-def is_library_path(path):
+def is_library_path(path: str) -> bool:
     """Installed code, not the job's own file: site-packages, the interpreter's lib, `<frozen …>`
     and the low-level packages wherever a cluster installs them. For absolute paths (py-spy's,
     the shim's callers)."""
@@ -127,7 +134,7 @@ def is_library_path(path):
     return any(p in LOW_LEVEL_PACKAGES for p in parts)
 
 
-def is_library_trace_file(path):
+def is_library_trace_file(path: str) -> bool:
     """torch.profiler strips the sys.path prefix, so tell libraries by their top-level name."""
     if is_library_path(path) and path.startswith(("/", "<")):
         return True
@@ -136,7 +143,7 @@ def is_library_trace_file(path):
     return top in KNOWN_LIBRARIES or top in sys.stdlib_module_names
 
 
-def installed_package(path):
+def installed_package(path: str) -> str | None:
     """The top-level package of a file under site-packages ('…/site-packages/torch/x.py' ->
     'torch'), or None."""
     parts = re.split(r"[/\\]", path or "")
@@ -150,7 +157,7 @@ def installed_package(path):
 
 
 @functools.lru_cache(maxsize=65536)
-def code_kind(path, cwd=""):
+def code_kind(path: str, cwd: str = "") -> str:
     """How the report colours a frame's file: user (the job's own files), library, python (the
     stdlib), traindx (our hooks) or native (no file)."""
     f = path or ""
@@ -172,14 +179,14 @@ def code_kind(path, cwd=""):
     return "library"  # elsewhere on the machine: an installed package (e.g. /opt/…/site)
 
 
-def describe(frame):
+def describe(frame: FrameType) -> dict[str, Any]:
     code = frame.f_code
     return {"file": code.co_filename, "line": frame.f_lineno, "function": code.co_name}
 
 
-def first_user_frame(depth=1):
+def first_user_frame(depth: int = 1) -> dict[str, Any] | None:
     """The innermost frame of the calling thread that belongs to the job, or None."""
-    frame = sys._getframe(depth + 1)
+    frame: FrameType | None = sys._getframe(depth + 1)
     while frame is not None:
         if not is_library_file(frame.f_code.co_filename):
             return describe(frame)

@@ -1,15 +1,21 @@
 """GC pauses, aggregated per step (logging each gen-0 collection would cost more than it tells)."""
 
+from __future__ import annotations
+
 import gc
 import time
 
 from . import emit, schema
 
-_agg = {}
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing into the job (mypy knows the name)
+if TYPE_CHECKING:
+    from typing import Any
+
+_agg: dict[Any, Any] = {}
 _start = [0]
 
 
-def _callback(phase, info):
+def _callback(phase: str, info: dict[str, Any]) -> None:
     if phase == "start":
         _start[0] = time.perf_counter_ns()
         return
@@ -19,7 +25,7 @@ def _callback(phase, info):
     _agg[gen] = (count + 1, total + pause, max(longest, pause), collected + info.get("collected", 0))
 
 
-def emit_step(step):
+def emit_step(step: int) -> None:
     if not _agg:
         return
     snapshot = dict(_agg)
@@ -36,5 +42,5 @@ def emit_step(step):
         )
 
 
-def install():
+def install() -> None:
     gc.callbacks.append(_callback)

@@ -23,6 +23,8 @@ torch.compile traces. Events are pooled and reused. Cost: bench/gpu_view_overhea
 TRAINDX_GPU_TIME=off turns it off.
 """
 
+from __future__ import annotations
+
 import collections
 import gc
 import os
@@ -31,11 +33,17 @@ import time
 
 from . import emit, importhooks, report_error, schema, steps
 
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing into the job (mypy knows the name)
+if TYPE_CHECKING:
+    from collections.abc import Callable
+    from types import ModuleType
+    from typing import Any
+
 GPU_TIME_EVENT = schema.GPU_TIME
 MAX_PENDING_STEPS = 64  # steps whose events the GPU has not reached yet; older are dropped
 MAX_MARKS_PER_STEP = 256  # a step with more measured calls keeps its first ones (and the end)
 _now = time.time_ns
-_state = {
+_state: dict[str, Any] = {
     "torch": None,
     "active": False,
     "checked": False,
@@ -52,7 +60,7 @@ _state = {
 _lock = threading.Lock()
 
 
-def _can_record():
+def _can_record() -> bool:
     """CUDA is in use here and the caller is not inside a graph capture or a dynamo trace."""
     if not _state["active"]:
         return False
@@ -66,7 +74,7 @@ def _can_record():
         return False
 
 
-def mark(label):
+def mark(label: str) -> None:
     """Record one event on the current stream, paired with the host clock."""
     if not _can_record() or _state["in_mark"]:
         return  # in_mark: a GC pass that starts inside a mark marks nothing (marks stay in order)
@@ -86,7 +94,7 @@ def mark(label):
         _state["in_mark"] = False
 
 
-def _boundary(step):
+def _boundary(step: int) -> None:
     """At each step boundary (the step about to begin): close the last step, read finished ones.
     A step hook only once CUDA is in use (_maybe_start): a CPU job's step boundaries stay as
     they are (any boundary hook makes the next step begin after the hooks have run)."""
@@ -116,7 +124,7 @@ def _boundary(step):
         report_error("gpu time boundary", exc)
 
 
-def _close(step, marks):
+def _close(step: int, marks: list[Any]) -> None:
     pending = _state["pending"]
     pending.append((step, marks))
     while len(pending) > MAX_PENDING_STEPS:
@@ -124,11 +132,11 @@ def _close(step, marks):
         _release(pending.popleft()[1][:-1])
 
 
-def _release(marks):
+def _release(marks: list[Any]) -> None:
     _state["pool"].extend(m[2] for m in marks)
 
 
-def _harvest(wait=False):
+def _harvest(wait: bool = False) -> None:
     """Emit every pending step whose events have all completed (oldest first; stop at the first
     that has not: the GPU reaches them in order)."""
     pending = _state["pending"]
@@ -154,7 +162,7 @@ def _harvest(wait=False):
         _release(marks[:-1])  # the last mark is the next step's first: still in use
 
 
-def _maybe_start():
+def _maybe_start() -> None:
     """After each measured call until CUDA is in use: one flag read, then torch's own
     is_initialized (never initialising CUDA here); once it is, the step hook goes in."""
     if _state["active"] or _state["checked"]:
@@ -163,7 +171,7 @@ def _maybe_start():
         steps.boundary_hooks.append(_boundary)
 
 
-def _cuda_ready():
+def _cuda_ready() -> bool:
     torch = _state["torch"]
     if torch is None:
         return False
@@ -183,7 +191,7 @@ def _cuda_ready():
         return False
 
 
-def flush():
+def flush() -> None:
     """At exit: the events still pending are waited for (the job is over) and emitted."""
     if not _state["active"]:
         return
@@ -195,8 +203,8 @@ def flush():
 
 
 # -- the measured calls ----------------------------------------------------------------------
-def _around(fn, start, end):
-    def wrapper(*args, **kwargs):
+def _around(fn: Callable[..., Any], start: str, end: str) -> Callable[..., Any]:
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
         if not _state["active"]:
             try:
                 return fn(*args, **kwargs)
@@ -208,7 +216,7 @@ def _around(fn, start, end):
         finally:
             mark(end)
 
-    wrapper.__wrapped__ = fn
+    wrapper.__wrapped__ = fn  # type: ignore[attr-defined]
     for attr in ("__name__", "__qualname__", "__doc__", "__module__"):
         try:
             setattr(wrapper, attr, getattr(fn, attr))
@@ -217,17 +225,17 @@ def _around(fn, start, end):
     return wrapper
 
 
-def _on_dataloader(module):
+def _on_dataloader(module: ModuleType) -> None:
     cls = module._BaseDataLoaderIter
     cls.__next__ = _around(cls.__next__, "data>", "data<")
 
 
-def _opt_pre(optimizer, args, kwargs):
+def _opt_pre(optimizer: Any, args: Any, kwargs: Any) -> None:
     if _state["active"]:
         mark("opt>")
 
 
-def _opt_post(optimizer, args, kwargs):
+def _opt_post(optimizer: Any, args: Any, kwargs: Any) -> None:
     if _state["active"]:
         mark("opt<")
     else:
@@ -237,7 +245,7 @@ def _opt_post(optimizer, args, kwargs):
 _END_OF_SPAN = {"sync": "sync<", "collective": "coll<", "io": "io<"}
 
 
-def _on_torch(torch):
+def _on_torch(torch: Any) -> None:
     _state["torch"] = torch
     torch.autograd.backward = _around(torch.autograd.backward, "bwd>", "bwd<")
     from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
@@ -249,7 +257,7 @@ def _on_torch(torch):
 
     original = spans._span
 
-    def span(cat, start, end, **extra):
+    def span(cat: str, start: int, end: int, **extra: Any) -> None:
         original(cat, start, end, **extra)
         label = _END_OF_SPAN.get(cat)
         if label is not None and _state["active"]:
@@ -258,12 +266,12 @@ def _on_torch(torch):
     spans._span = span
 
 
-def _gc_callback(phase, info):
+def _gc_callback(phase: str, info: dict[str, Any]) -> None:
     if _state["active"]:
         mark("gc>" if phase == "start" else "gc<")
 
 
-def register():
+def register() -> None:
     if (os.environ.get("TRAINDX_GPU_TIME") or "").lower() in ("0", "off", "no"):
         return  # the overhead benchmark's control arm
     importhooks.on_import("torch", _on_torch)

@@ -29,6 +29,8 @@ runs next): such time is under-sampled, never misattributed to a measured line. 
 frames are only read (no f_locals).
 """
 
+from __future__ import annotations
+
 import atexit
 import bisect
 import dis
@@ -39,6 +41,11 @@ import threading
 import time
 
 from . import emit, report_error, schema
+
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing into the job (mypy knows the name)
+if TYPE_CHECKING:
+    from types import FrameType
+    from typing import Any
 
 HOST_FRAME = schema.HOST_FRAME
 HOST_SAMPLES = schema.HOST_SAMPLES
@@ -51,16 +58,20 @@ _STDLIB = tuple(
     if p
 )
 _SHIM_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
-_state = {"thread": None, "pid": None, "tid": None, "running": False, "schedstat": None}
-_buf = []  # (t_ns, key id, run-queue wait ns or None), appended by the sampler only
-_keys = {}  # key tuple -> id
-_new_keys = []  # ids not emitted yet
-_library = {}  # filename -> (is library, module name)
-_callee = {}  # (code, lasti) -> (callee name or None, resolved)
-_instructions = {}  # code -> its instructions
+_state: dict[str, Any] = {"thread": None, "pid": None, "tid": None, "running": False, "schedstat": None}
+_buf: list[
+    tuple[int, int, int | None]
+] = []  # (t_ns, key id, run-queue wait ns or None), appended by the sampler only
+_keys: dict[tuple[Any, ...], int] = {}  # key tuple -> id
+_new_keys: list[int] = []  # ids not emitted yet
+_library: dict[str, tuple[bool, str | None]] = {}  # filename -> (is library, module name)
+_callee: dict[
+    tuple[Any, int], tuple[str | None, bool]
+] = {}  # (code, lasti) -> (callee name or None, resolved)
+_instructions: dict[Any, Any] = {}  # code -> its instructions
 
 
-def start(tid):
+def start(tid: int) -> None:
     """Sample thread `tid` from now on (called at step 0's begin and when the training thread
     changes); starts the sampler once per process."""
     _state["tid"] = tid
@@ -76,7 +87,7 @@ def start(tid):
     atexit.register(_stop_thread)
 
 
-def _stop_thread():
+def _stop_thread() -> None:
     """At exit, before the interpreter finalizes: end the sampler and wait for it, so that no
     thread of ours is mid-call when CPython stops the daemon threads."""
     th = _state["thread"]
@@ -86,7 +97,7 @@ def _stop_thread():
     th.join(timeout=1.0)
 
 
-def _open_schedstat():
+def _open_schedstat() -> None:
     """Keep the training thread's schedstat open (called on that thread): one pread a sample."""
     old, _state["schedstat"] = _state["schedstat"], None
     if old is not None:
@@ -100,7 +111,7 @@ def _open_schedstat():
         pass
 
 
-def _runqueue_ns():
+def _runqueue_ns() -> int | None:
     fd = _state["schedstat"]
     if fd is None:
         return None
@@ -110,7 +121,7 @@ def _runqueue_ns():
         return None
 
 
-def _loop():
+def _loop() -> None:
     period = 1.0 / RATE_HZ
     frames = sys._current_frames
     now = time.time_ns
@@ -131,7 +142,7 @@ def _loop():
             return
 
 
-def _library_file(filename):
+def _library_file(filename: str) -> tuple[bool, str | None]:
     """(is a library's file, its module name) - site-packages, the standard library, `<...>`."""
     got = _library.get(filename)
     if got is None:
@@ -160,9 +171,9 @@ def _library_file(filename):
     return got
 
 
-def _key_id(leaf):
+def _key_id(leaf: FrameType) -> int:
     user = None
-    frame = leaf
+    frame: FrameType | None = leaf
     while frame is not None:
         if not _library_file(frame.f_code.co_filename)[0]:
             user = frame
@@ -183,7 +194,7 @@ def _key_id(leaf):
     return got
 
 
-def _call_of(leaf):
+def _call_of(leaf: FrameType) -> str | None:
     code = leaf.f_code
     cache_key = (code, leaf.f_lasti)
     got = _callee.get(cache_key)
@@ -201,7 +212,7 @@ _LOADS = ("LOAD_GLOBAL", "LOAD_NAME", "LOAD_FAST", "LOAD_DEREF", "LOAD_CLOSURE")
 _ATTRS = ("LOAD_ATTR", "LOAD_METHOD")
 
 
-def _resolve(frame):
+def _resolve(frame: FrameType) -> tuple[str, bool] | None:
     """The callee of the call the frame is in, when its bytecode names it: `time.sleep`,
     `numpy.load` (resolved through the frame's globals, modules and classes only), `f.read` (a
     local: the name as written), with whether it was resolved; None when the frame is not in a
@@ -256,7 +267,7 @@ _MISSING = object()
 _PUBLIC_MODULE = {"posix": "os", "nt": "os", "_io": "io"}  # the names users write
 
 
-def _qualified(obj, head, attrs):
+def _qualified(obj: Any, head: str, attrs: list[str]) -> str:
     """The qualified name of head.attrs..., looked up through modules and classes only (an
     attribute of any other object could run its code)."""
     import types
@@ -279,7 +290,7 @@ def _qualified(obj, head, attrs):
     return ".".join(names)
 
 
-def flush(step):
+def flush(step: int) -> None:
     """The samples since the last flush (and the keys they use) as events; at each step end."""
     global _buf
     if not _buf and not _new_keys:
@@ -305,7 +316,7 @@ def flush(step):
             t0 = taken[0][0]
             fields = {}
             if all(q is not None for _, _, q in taken):
-                fields["runq_us"] = [q // 1000 for _, _, q in taken]
+                fields["runq_us"] = [q // 1000 for _, _, q in taken if q is not None]
             emit(
                 HOST_SAMPLES,
                 step=step,

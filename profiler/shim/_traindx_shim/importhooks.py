@@ -1,13 +1,22 @@
 """Run a callback right after the job imports a given module (never importing it ourselves)."""
 
+from __future__ import annotations
+
 import importlib.abc
 import sys
 
-_callbacks = {}  # module name -> [callback(module)]
-_done = set()
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing into the job (mypy knows the name)
+if TYPE_CHECKING:
+    from collections.abc import Callable, Sequence
+    from importlib.machinery import ModuleSpec
+    from types import ModuleType
+    from typing import Any
+
+_callbacks: dict[str, list[Callable[[ModuleType], object]]] = {}  # module name -> [callback(module)]
+_done: set[str] = set()
 
 
-def on_import(name, callback):
+def on_import(name: str, callback: Callable[..., Any]) -> None:
     module = sys.modules.get(name)
     if module is not None and getattr(module, "__spec__", None) is not None and name not in _finder.pending:
         _run(name, callback, module)
@@ -15,7 +24,7 @@ def on_import(name, callback):
         _callbacks.setdefault(name, []).append(callback)
 
 
-def _run(name, callback, module):
+def _run(name: str, callback: Callable[..., Any], module: ModuleType) -> None:
     from . import report_error
 
     try:
@@ -25,10 +34,12 @@ def _run(name, callback, module):
 
 
 class _Finder(importlib.abc.MetaPathFinder):
-    def __init__(self):
-        self.pending = set()
+    def __init__(self) -> None:
+        self.pending: set[str] = set()
 
-    def find_spec(self, name, path=None, target=None):
+    def find_spec(
+        self, name: str, path: Sequence[str] | None = None, target: ModuleType | None = None
+    ) -> ModuleSpec | None:
         if name not in _callbacks or name in self.pending:
             return None
         self.pending.add(name)
@@ -48,13 +59,13 @@ class _Finder(importlib.abc.MetaPathFinder):
             return spec
         original = loader.exec_module
 
-        def exec_module(module):
+        def exec_module(module: ModuleType) -> None:
             original(module)
             for callback in _callbacks.pop(name, []):
                 _run(name, callback, module)
 
         try:
-            loader.exec_module = exec_module
+            loader.exec_module = exec_module  # type: ignore[method-assign]
         except Exception:
             return spec
         return spec
@@ -63,6 +74,6 @@ class _Finder(importlib.abc.MetaPathFinder):
 _finder = _Finder()
 
 
-def install():
+def install() -> None:
     if _finder not in sys.meta_path:
         sys.meta_path.insert(0, _finder)

@@ -18,6 +18,8 @@ entered later, nest above it and are popped by their own `with` blocks; it is po
 is on top (else it turns itself off and is popped at a later call).
 """
 
+from __future__ import annotations
+
 import ast
 import gc
 import linecache
@@ -29,6 +31,11 @@ import weakref
 
 from . import emit, guarded, importhooks, report_error, schema
 from .frames import first_user_frame, is_library_file
+
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing into the job (mypy knows the name)
+if TYPE_CHECKING:
+    from collections.abc import Callable
+    from typing import Any
 
 MAX_SEQLEN_ARGS = ("max_seqlen_q", "max_seqlen_k")
 GIVE_UP_AFTER_CALLS = 2000  # FA4 calls while armed without seeing a traced tensor
@@ -47,8 +54,8 @@ MOVES = {
     "__reduce_ex__",
     "_to_copy",
 }
-_state = {"armed": False, "done": False, "mode": None, "thread": None, "calls": 0}
-_records = {}  # id(tensor) -> (weakref, frame dict, parent record or None)
+_state: dict[str, Any] = {"armed": False, "done": False, "mode": None, "thread": None, "calls": 0}
+_records: dict[int, tuple[Any, Any, Any]] = {}  # id(tensor) -> (weakref, frame dict, parent record or None)
 _SKIP_DIRS = {
     ".git",
     ".hg",
@@ -67,20 +74,22 @@ _SKIP_DIRS = {
 }
 
 
-def _source(where):
+def _source(where: dict[str, Any] | None) -> str | None:
     if not where or not where.get("file"):
         return None
     return linecache.getline(where["file"], where["line"]).rstrip("\n")[:400] or None
 
 
 # -- the tracer -------------------------------------------------------------------------------------
-def _make_tracer():
+def _make_tracer() -> Any:
     import torch
 
     class CreationTracer(torch.overrides.TorchFunctionMode):
         active = True
 
-        def __torch_function__(self, func, types, args=(), kwargs=None):
+        def __torch_function__(
+            self, func: Callable[..., Any], types: object, args: Any = (), kwargs: Any = None
+        ) -> Any:
             result = func(*args, **(kwargs or {}))
             if self.active:
                 try:
@@ -93,7 +102,7 @@ def _make_tracer():
     return CreationTracer()
 
 
-def _is_int_scalar(value):
+def _is_int_scalar(value: Any) -> bool:
     try:
         import torch
 
@@ -108,14 +117,14 @@ def _is_int_scalar(value):
         return False
 
 
-def _lookup(value):
+def _lookup(value: Any) -> tuple[Any, Any, Any] | None:
     entry = _records.get(id(value))
     if entry is not None and entry[0]() is value:
         return entry
     return None
 
 
-def _note(result, args, kwargs, func=None):
+def _note(result: Any, args: Any, kwargs: Any, func: Callable[..., Any] | None = None) -> None:
     if not _is_int_scalar(result) or len(_records) >= MAX_RECORDS:
         return
     if any(result is a for a in args):  # `.to(same device)`, `.contiguous()`: the same tensor
@@ -131,10 +140,11 @@ def _note(result, args, kwargs, func=None):
         return
     where = dict(where, op=getattr(func, "__name__", None))
     key = id(result)
-    _records[key] = (weakref.ref(result, lambda _r, k=key: _records.pop(k, None)), where, parent)
+    forget = lambda _r, k=key: _records.pop(k, None)
+    _records[key] = (weakref.ref(result, forget), where, parent)
 
 
-def _arm():
+def _arm() -> bool:
     import torch
 
     if torch._C._len_torch_function_stack() != 0:
@@ -145,7 +155,7 @@ def _arm():
     return True
 
 
-def _disarm():
+def _disarm() -> None:
     mode = _state["mode"]
     if mode is None:
         return
@@ -161,7 +171,7 @@ def _disarm():
         report_error("origin tracer disarm", exc)
 
 
-def _chain(entry):
+def _chain(entry: tuple[Any, Any, Any] | None) -> list[dict[str, Any]]:
     out = []
     while entry is not None and len(out) < 8:
         where = dict(entry[1])
@@ -175,7 +185,7 @@ def _chain(entry):
 _ARG_EXPR = re.compile(r"\b(max_seqlen_[qk])\s*=\s*([A-Za-z_][\w.]*(?:\[[^\]]*\])?)")
 
 
-def _call_names(call_source):
+def _call_names(call_source: str | None) -> set[str]:
     """Names the call passes as max_seqlen (`max_seqlen_q=packed.max_seqlen` -> 'max_seqlen')."""
     names = set()
     for _, expr in _ARG_EXPR.findall(call_source or ""):
@@ -185,7 +195,7 @@ def _call_names(call_source):
     return names
 
 
-def _is_max_call(node):
+def _is_max_call(node: ast.AST) -> bool:
     """`x.max()`, `x.diff().max()`, `x.amax()`, `torch.max(x)` — not already int()/.item()."""
     if not isinstance(node, ast.Call):
         return False
@@ -197,7 +207,7 @@ def _is_max_call(node):
     return not node.args and not node.keywords  # x.max(), x.diff().max()
 
 
-def _target_names(node):
+def _target_names(node: ast.AST) -> list[str]:
     if isinstance(node, ast.Name):
         return [node.id]
     if isinstance(node, ast.Attribute):
@@ -209,11 +219,11 @@ def _target_names(node):
     return []
 
 
-def _matches(name, wanted):
+def _matches(name: str, wanted: set[str]) -> bool:
     return name in wanted or "max_seqlen" in name or "max_len" in name
 
 
-def scan_file(path, wanted):
+def scan_file(path: str, wanted: set[str]) -> list[tuple[int, str, str]]:
     """[(line, name, source line)] of the places in one file that make a tensor max_seqlen."""
     try:
         with open(path, encoding="utf-8") as f:
@@ -240,7 +250,7 @@ def scan_file(path, wanted):
     return sorted(set(hits))
 
 
-def _roots(call_site):
+def _roots(call_site: dict[str, Any] | None) -> list[str]:
     roots = []
     if call_site and call_site.get("file"):
         d = os.path.dirname(os.path.abspath(call_site["file"]))
@@ -253,7 +263,7 @@ def _roots(call_site):
     return list(dict.fromkeys(roots))
 
 
-def static_origins(call_site, call_source):
+def static_origins(call_site: dict[str, Any] | None, call_source: str | None) -> list[dict[str, Any]]:
     # the parse trees are garbage-free and short-lived: without this, in a job's large heap
     # (torch, a framework, a model) their allocations trigger full collections, 50x the parse
     enabled = gc.isenabled()
@@ -265,7 +275,7 @@ def static_origins(call_site, call_source):
             gc.enable()
 
 
-def _static_origins(call_site, call_source):
+def _static_origins(call_site: dict[str, Any] | None, call_source: str | None) -> list[dict[str, Any]]:
     wanted = _call_names(call_source)
     hits, seen = [], 0
     for root in _roots(call_site):
@@ -294,7 +304,7 @@ def _static_origins(call_site, call_source):
 
 
 # -- FA4's entry ------------------------------------------------------------------------------------
-def _tensor_arg(args, kwargs, positions):
+def _tensor_arg(args: Any, kwargs: Any, positions: dict[str, int]) -> tuple[Any, Any]:
     for arg in MAX_SEQLEN_ARGS:
         value = kwargs.get(arg)
         if value is None and arg in positions and positions[arg] < len(args):
@@ -304,7 +314,7 @@ def _tensor_arg(args, kwargs, positions):
     return None, None
 
 
-def _argument_lines(call_site):
+def _argument_lines(call_site: dict[str, Any] | None) -> list[dict[str, Any]]:
     """The lines of the call statement at call_site that pass max_seqlen (a call often spans
     several lines; the cast belongs on the one that names the argument)."""
     if not call_site or not call_site.get("file"):
@@ -325,13 +335,21 @@ def _argument_lines(call_site):
     return []
 
 
-def _finish(arg, value, call_site, method, chain=None, candidates=None):
+def _finish(
+    arg: Any,
+    value: Any,
+    call_site: dict[str, Any] | None,
+    method: str,
+    chain: list[dict[str, Any]] | None = None,
+    candidates: list[dict[str, Any]] | None = None,
+) -> None:
     _state["done"] = True
     _disarm()
     call = dict(call_site or {})
     call["source"] = _source(call_site)
     call["argument_lines"] = _argument_lines(call_site)
-    origin = (chain or [None])[0] if method == "traced" else (candidates or [None])[0]
+    found = chain if method == "traced" else candidates
+    origin = found[0] if found else None
     emit(
         schema.TENSOR_ORIGIN,
         arg=arg,
@@ -345,7 +363,7 @@ def _finish(arg, value, call_site, method, chain=None, candidates=None):
     )
 
 
-def _on_fa4_call(args, kwargs, positions):
+def _on_fa4_call(args: Any, kwargs: Any, positions: dict[str, int]) -> None:
     if _state["done"]:
         return
     arg, value = _tensor_arg(args, kwargs, positions)
@@ -383,7 +401,7 @@ def _on_fa4_call(args, kwargs, positions):
 
 
 @guarded("origin tracer install")
-def _install(module):
+def _install(module: Any) -> None:
     import inspect
 
     original = getattr(module, "_flash_attn_fwd", None)
@@ -395,7 +413,7 @@ def _install(module):
         params = []
     positions = {a: params.index(a) for a in MAX_SEQLEN_ARGS if a in params}
 
-    def traced(*args, **kwargs):
+    def traced(*args: Any, **kwargs: Any) -> Any:
         try:
             _on_fa4_call(args, kwargs, positions)
         except Exception as exc:
@@ -410,7 +428,7 @@ def _install(module):
     module._flash_attn_fwd = traced
 
 
-def register():
+def register() -> None:
     if os.environ.get("TRAINDX_ORIGINS", "1") == "0":
         return
     importhooks.on_import("flash_attn.cute.interface", _install)

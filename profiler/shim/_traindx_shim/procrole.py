@@ -12,14 +12,21 @@
 Each hook is a thin wrapper that calls the original first or last and swallows its own errors.
 """
 
+from __future__ import annotations
+
 import functools
 
 from . import get_writer, guarded, importhooks, is_training, rank_known, report_error, training_evidence
 
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing into the job (mypy knows the name)
+if TYPE_CHECKING:
+    from collections.abc import Callable
+    from typing import Any
 
-def _wrap_init_process_group(original):
+
+def _wrap_init_process_group(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
-    def init_process_group(*args, **kwargs):
+    def init_process_group(*args: Any, **kwargs: Any) -> Any:
         result = original(*args, **kwargs)
         try:
             import torch.distributed as dist
@@ -30,13 +37,13 @@ def _wrap_init_process_group(original):
             report_error("init_process_group hook", exc)
         return result
 
-    init_process_group.__traindx_wrapped__ = True
+    init_process_group.__traindx_wrapped__ = True  # type: ignore[attr-defined]
     return init_process_group
 
 
-def _wrap_destroy_process_group(original):
+def _wrap_destroy_process_group(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
-    def destroy_process_group(*args, **kwargs):
+    def destroy_process_group(*args: Any, **kwargs: Any) -> Any:
         try:
             writer = get_writer()
             if writer is not None:
@@ -45,13 +52,13 @@ def _wrap_destroy_process_group(original):
             report_error("destroy_process_group hook", exc)
         return original(*args, **kwargs)
 
-    destroy_process_group.__traindx_wrapped__ = True
+    destroy_process_group.__traindx_wrapped__ = True  # type: ignore[attr-defined]
     return destroy_process_group
 
 
-def _wrap_evidence(original, kind):
+def _wrap_evidence(original: Callable[..., Any], kind: str) -> Callable[..., Any]:
     @functools.wraps(original)
-    def wrapper(*args, **kwargs):
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
         if not is_training():
             try:
                 training_evidence(kind)
@@ -59,11 +66,11 @@ def _wrap_evidence(original, kind):
                 report_error(f"{kind} evidence", exc)
         return original(*args, **kwargs)
 
-    wrapper.__traindx_wrapped__ = True
+    wrapper.__traindx_wrapped__ = True  # type: ignore[attr-defined]
     return wrapper
 
 
-def _patch(owner, name, make):
+def _patch(owner: Any, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
     original = getattr(owner, name, None)
     if original is None or getattr(original, "__traindx_wrapped__", False):
         return
@@ -71,7 +78,7 @@ def _patch(owner, name, make):
 
 
 @guarded("distributed import hook")
-def _on_distributed(c10d):
+def _on_distributed(c10d: Any) -> None:
     import sys
 
     _patch(c10d, "init_process_group", _wrap_init_process_group)
@@ -89,7 +96,7 @@ def _on_distributed(c10d):
                 setattr(module, attr, wrapped)
 
 
-def _on_optimizer_step(optimizer, args, kwargs):
+def _on_optimizer_step(optimizer: Any, args: Any, kwargs: Any) -> None:
     if not is_training():
         try:
             training_evidence("optimizer_step")
@@ -98,7 +105,7 @@ def _on_optimizer_step(optimizer, args, kwargs):
 
 
 @guarded("torch import hook (training evidence)")
-def _on_torch(torch):
+def _on_torch(torch: Any) -> None:
     from torch.optim.optimizer import Optimizer, register_optimizer_step_pre_hook
 
     _patch(Optimizer, "__init__", lambda f: _wrap_evidence(f, "optimizer"))
@@ -108,5 +115,5 @@ def _on_torch(torch):
         _on_distributed(torch.distributed.distributed_c10d)
 
 
-def register():
+def register() -> None:
     importhooks.on_import("torch", _on_torch)

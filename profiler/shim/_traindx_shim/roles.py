@@ -41,7 +41,7 @@ def is_multiprocessing_child(orig_argv: Sequence[str]) -> bool:
     )
 
 
-def events_file(pid, attempt=0):
+def events_file(pid: int, attempt: int = 0) -> str:
     return f"p{pid}.jsonl" if not attempt else f"p{pid}.{attempt}.jsonl"
 
 

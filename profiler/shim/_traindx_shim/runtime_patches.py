@@ -12,29 +12,37 @@ Also registers the origin tracer (origins.py), which only acts once a tensor max
 and notes which flash_attn the job imported (an overlay upgrade is proved by that event).
 """
 
+from __future__ import annotations
+
 import inspect
 import os
 import weakref
 
 from . import emit, guarded, importhooks, origins, report_error, schema
 
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing into the job (mypy knows the name)
+if TYPE_CHECKING:
+    from collections.abc import Callable
+    from types import ModuleType
+    from typing import Any
+
 PATCH_VAR = "TRAINDX_RUNTIME_PATCHES"
 FA4_INT_MAX_SEQLEN = "fa4_int_max_seqlen"
 FA4_PRIVATE = ("_flash_attn_fwd", "_flash_attn_bwd")
 MAX_SEQLEN_ARGS = ("max_seqlen_q", "max_seqlen_k")
-_state = {"coerced": 0, "reads": 0, "reported": False}
-_values = {}  # id(tensor) -> (weakref, int): one host read per tensor object
+_state: dict[str, Any] = {"coerced": 0, "reads": 0, "reported": False}
+_values: dict[int, tuple[Any, int]] = {}  # id(tensor) -> (weakref, int): one host read per tensor object
 
 
-def requested():
+def requested() -> set[str]:
     return {p.strip() for p in os.environ.get(PATCH_VAR, "").split(",") if p.strip()}
 
 
-def _is_tensor(value):
+def _is_tensor(value: Any) -> bool:
     return hasattr(value, "dim") and hasattr(value, "dtype") and hasattr(value, "shape")
 
 
-def _as_int(tensor):
+def _as_int(tensor: Any) -> Any:
     entry = _values.get(id(tensor))
     if entry is not None and entry[0]() is tensor:
         return entry[1]
@@ -49,20 +57,21 @@ def _as_int(tensor):
             value = int(tensor.item())
     _state["reads"] += 1
     try:
-        _values[id(tensor)] = (weakref.ref(tensor, lambda _r, k=id(tensor): _values.pop(k, None)), value)
+        forget = lambda _r, k=id(tensor): _values.pop(k, None)
+        _values[id(tensor)] = (weakref.ref(tensor, forget), value)
     except TypeError:
         pass
     return value
 
 
-def _coercing(name, original):
+def _coercing(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
     try:
         params = list(inspect.signature(original).parameters)
     except (TypeError, ValueError):
         params = []
     positions = {arg: params.index(arg) for arg in MAX_SEQLEN_ARGS if arg in params}
 
-    def patched(*args, **kwargs):
+    def patched(*args: Any, **kwargs: Any) -> Any:
         try:
             changed = []
             for arg in MAX_SEQLEN_ARGS:
@@ -72,9 +81,9 @@ def _coercing(name, original):
                 elif arg in positions and positions[arg] < len(args):
                     value = args[positions[arg]]
                     if _is_tensor(value) and value.dim() == 0:
-                        args = list(args)
-                        args[positions[arg]] = _as_int(value)
-                        args = tuple(args)
+                        as_list = list(args)
+                        as_list[positions[arg]] = _as_int(value)
+                        args = tuple(as_list)
                         changed.append(arg)
             if changed:
                 _state["coerced"] += 1
@@ -100,7 +109,7 @@ def _coercing(name, original):
 
 
 @guarded("fa4 runtime patch install")
-def _patch_fa4(module):
+def _patch_fa4(module: ModuleType) -> None:
     done = []
     for name in FA4_PRIVATE:
         original = getattr(module, name, None)
@@ -119,7 +128,7 @@ def _patch_fa4(module):
 
 
 @guarded("package note")
-def _note_flash_attn(module):
+def _note_flash_attn(module: Any) -> None:
     """Which flash_attn the job imported and its release: proves an overlay took effect."""
     version = None
     try:
@@ -127,7 +136,8 @@ def _note_flash_attn(module):
 
         path = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(module.__file__))))
         for dist in metadata.distributions(path=[path]):
-            if (dist.metadata.get("Name") or "").lower().replace("_", "-") == "flash-attn-4":
+            name = dist.metadata.get("Name")  # type: ignore[attr-defined]  # an email Message
+            if (name or "").lower().replace("_", "-") == "flash-attn-4":
                 version = dist.version
                 break
     except Exception:
@@ -141,7 +151,7 @@ def _note_flash_attn(module):
     )
 
 
-def register():
+def register() -> None:
     importhooks.on_import("flash_attn.cute.interface", _note_flash_attn)
     if FA4_INT_MAX_SEQLEN in requested():
         importhooks.on_import("flash_attn.cute.interface", _patch_fa4)
@@ -149,7 +159,7 @@ def register():
     origins.register()
 
 
-def atexit_summary():
+def atexit_summary() -> None:
     if _state["coerced"]:
         emit(
             schema.RUNTIME_PATCH_SUMMARY,

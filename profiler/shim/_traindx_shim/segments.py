@@ -14,6 +14,10 @@ from __future__ import annotations  # annotations stay text: no typing at import
 import os
 import re
 
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing into the job (mypy knows the name)
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
 _SEGMENT = re.compile(r"\.s(\d{6})(\.gz)?$")
 SEGMENT_BYTES_ENV = "TRAINDX_EVENTS_SEGMENT_BYTES"
 
@@ -48,7 +52,7 @@ def segments(head: str) -> list[tuple[int, str, bool]]:
     return [(n, path, gz) for n, (path, gz) in sorted(found.items())]
 
 
-def segment_bytes_from_env(environ=None):
+def segment_bytes_from_env(environ: Mapping[str, str] = None) -> int:
     """The events segment size the launcher asked for (0: never rotate)."""
     value = (os.environ if environ is None else environ).get(SEGMENT_BYTES_ENV, "")
     return int(value) if value.isdigit() else 0

@@ -30,6 +30,8 @@ one thread-ident read and one deque append (bench/span_overhead.py measures it).
 add a sync, never swallow the job's exceptions and step aside while torch.compile traces them.
 """
 
+from __future__ import annotations
+
 import gc
 import os
 import threading
@@ -38,21 +40,27 @@ import time
 from . import cpustat, emit, importhooks, report_error
 from .frames import first_user_frame
 
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing into the job (mypy knows the name)
+if TYPE_CHECKING:
+    from collections.abc import Callable
+    from types import ModuleType
+    from typing import Any
+
 GC_SPAN_MIN_NS = int(float(os.environ.get("TRAINDX_GC_SPAN_MIN_MS") or 1.0) * 1e6)
 SYNC_SPAN_MIN_NS = 20_000  # a 5 µs .item() on an idle GPU is noise; a waiting one is not
 MAX_RARE_CALLERS = 2000  # stack walks for io spans; later ones are timed without a caller
 _now = time.time_ns
 _ident = threading.get_ident
 _thread_cpu = time.thread_time_ns
-_state = {"torch": None, "sync_installed": False, "callers": 0, "compiling": None}
-_opt_start = {}
+_state: dict[str, Any] = {"torch": None, "sync_installed": False, "callers": 0, "compiling": None}
+_opt_start: dict[Any, Any] = {}
 
 
-def _span(cat, start, end, **extra):
+def _span(cat: str, start: int, end: int, **extra: Any) -> None:
     emit("span", cat=cat, start=start, t=end, tid=_ident(), **extra)
 
 
-def _compiling():
+def _compiling() -> bool:
     """True while torch.compile traces the caller: a wrapper must then be invisible (no clock
     reads that would break the graph)."""
     check = _state["compiling"]
@@ -62,8 +70,10 @@ def _compiling():
         return False
 
 
-def _timed(cat, fn, with_caller=False, label=None):
-    def wrapper(*args, **kwargs):
+def _timed(
+    cat: str, fn: Callable[..., Any], with_caller: bool = False, label: str | None = None
+) -> Callable[..., Any]:
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
         if _compiling():
             return fn(*args, **kwargs)
         start = _now()
@@ -74,7 +84,7 @@ def _timed(cat, fn, with_caller=False, label=None):
         finally:
             end = _now()
             try:
-                extra = {}
+                extra: dict[str, Any] = {}
                 if with_caller and _state["callers"] < MAX_RARE_CALLERS:
                     _state["callers"] += 1
                     extra["caller"] = first_user_frame()
@@ -84,12 +94,12 @@ def _timed(cat, fn, with_caller=False, label=None):
                     extra["cpu"] = (_thread_cpu() - cpu) / 1e9
                     after = cpustat.runqueue_ns() if runq is not None else None
                     if after is not None:  # runnable, off a core: a loaded machine's, not the disk's
-                        extra["runq"] = (after[1] - runq[1]) / 1e9
+                        extra["runq"] = (after[1] - runq[1]) / 1e9  # type: ignore[index]  # runq: set with after
                 _span(cat, start, end, **extra)
             except Exception as exc:
                 report_error(f"span {cat}", exc)
 
-    wrapper.__wrapped__ = fn
+    wrapper.__wrapped__ = fn  # type: ignore[attr-defined]
     for attr in ("__name__", "__qualname__", "__doc__", "__module__"):
         try:
             setattr(wrapper, attr, getattr(fn, attr))
@@ -99,13 +109,13 @@ def _timed(cat, fn, with_caller=False, label=None):
 
 
 # -- the DataLoader ----------------------------------------------------------------------------
-def _on_dataloader(module):
+def _on_dataloader(module: Any) -> None:
     cls = module._BaseDataLoaderIter
     original = cls.__next__
 
     iterators = cpustat.dataloader_iterators
 
-    def __next__(self):
+    def __next__(self: Any) -> Any:
         if id(self) not in iterators:  # its workers, for the cpu_threads picture
             _remember(iterators, self)
         start, cpu, queued = _now(), _thread_cpu(), cpustat.runqueue_ns()
@@ -118,34 +128,35 @@ def _on_dataloader(module):
                 # but waited for a core. The rest of the span the thread was off the CPU
                 # (sleeping, blocked on storage or on a worker's queue): the savings model
                 # parallelises that part over workers and the CPU part only over free cores
-                extra = {}
+                extra: dict[str, Any] = {}
                 after = cpustat.runqueue_ns() if queued else None
                 if after:
-                    extra["runq"] = (after[1] - queued[1]) / 1e9
+                    extra["runq"] = (after[1] - queued[1]) / 1e9  # type: ignore[index]  # queued: set with after
                 _span("data", start, _now(), cpu=(_thread_cpu() - cpu) / 1e9, **extra)
             except Exception as exc:
                 report_error("span data", exc)
 
-    __next__.__wrapped__ = original
+    __next__.__wrapped__ = original  # type: ignore[attr-defined]
     cls.__next__ = __next__
 
 
-def _remember(iterators, it):
+def _remember(iterators: dict[int, Any], it: object) -> None:
     try:
         import weakref
 
         key = id(it)
-        iterators[key] = weakref.ref(it, lambda _ref, key=key: iterators.pop(key, None))
+        forget = lambda _ref, key=key: iterators.pop(key, None)
+        iterators[key] = weakref.ref(it, forget)
     except TypeError:
         pass
 
 
 # -- torch: backward, optimizer, torch.save, syncs -----------------------------------------------
-def _opt_pre(optimizer, args, kwargs):
+def _opt_pre(optimizer: Any, args: Any, kwargs: Any) -> None:
     _opt_start[_ident()] = _now()
 
 
-def _opt_post(optimizer, args, kwargs):
+def _opt_post(optimizer: Any, args: Any, kwargs: Any) -> None:
     end = _now()
     start = _opt_start.pop(_ident(), None)
     if start is not None:
@@ -154,7 +165,7 @@ def _opt_post(optimizer, args, kwargs):
         _maybe_install_sync()
 
 
-def _wrap_closure(optimizer, args, kwargs):
+def _wrap_closure(optimizer: Any, args: Any, kwargs: Any) -> tuple[Any, Any] | None:
     """A pre hook: the step's closure (positional or `closure=`) timed as a `closure` span."""
     if _compiling():
         return None
@@ -171,8 +182,8 @@ def _wrap_closure(optimizer, args, kwargs):
     return None
 
 
-def _timed_closure(closure):
-    def timed(*a, **k):
+def _timed_closure(closure: Callable[..., Any]) -> Callable[..., Any]:
+    def timed(*a: Any, **k: Any) -> Any:
         start = _now()
         try:
             return closure(*a, **k)
@@ -182,12 +193,12 @@ def _timed_closure(closure):
             except Exception as exc:
                 report_error("span closure", exc)
 
-    timed.__traindx_closure__ = True
-    timed.__wrapped__ = closure
+    timed.__traindx_closure__ = True  # type: ignore[attr-defined]
+    timed.__wrapped__ = closure  # type: ignore[attr-defined]
     return timed
 
 
-def _on_torch(torch):
+def _on_torch(torch: Any) -> None:
     _state["torch"] = torch
     compiler = getattr(torch, "compiler", None)
     # is_dynamo_compiling is a flag read (~20 ns); is_compiling also asks the exporter (~0.5 µs)
@@ -203,8 +214,8 @@ def _on_torch(torch):
     register_optimizer_step_post_hook(_guard(_opt_post, "optimizer post hook"))
 
 
-def _guard(fn, where):
-    def hook(*args):
+def _guard(fn: Callable[..., Any], where: str) -> Callable[..., None]:
+    def hook(*args: Any) -> None:
         try:
             fn(*args)
         except Exception as exc:
@@ -213,7 +224,7 @@ def _guard(fn, where):
     return hook
 
 
-def _maybe_install_sync():
+def _maybe_install_sync() -> None:
     """Sync wrappers only where a device queue exists: checked after each optimizer step until
     the job has initialised CUDA itself (never initialising it here)."""
     torch = _state["torch"]
@@ -227,8 +238,8 @@ def _maybe_install_sync():
         setattr(Tensor, name, _cuda_only_sync(original))
 
 
-def _cuda_only_sync(original):
-    def method(self, *args, **kwargs):
+def _cuda_only_sync(original: Callable[..., Any]) -> Callable[..., Any]:
+    def method(self: Any, *args: Any, **kwargs: Any) -> Any:
         if _compiling():
             return original(self, *args, **kwargs)
         try:
@@ -248,7 +259,7 @@ def _cuda_only_sync(original):
                 except Exception as exc:
                     report_error("span sync", exc)
 
-    method.__wrapped__ = original
+    method.__wrapped__ = original  # type: ignore[attr-defined]
     method.__name__ = getattr(original, "__name__", "method")
     method.__doc__ = getattr(original, "__doc__", None)
     return method
@@ -276,11 +287,11 @@ POINT_TO_POINT = ("send", "recv")
 # collective on all ranks without any clock: a per-process counter per group, counted at the
 # outermost wrapped call (all_gather_object calls all_gather inside; that inner call is the same
 # on every rank, but counting it once keeps seq equal to the job's own calls).
-_seq = {}
+_seq: dict[Any, Any] = {}
 _depth = threading.local()
 
 
-def _group_name(dist, group):
+def _group_name(dist: Any, group: Any) -> str:
     try:
         if group is None:
             group = dist.distributed_c10d._get_default_group()
@@ -289,10 +300,10 @@ def _group_name(dist, group):
         return "default"
 
 
-_backends = {}
+_backends: dict[Any, Any] = {}
 
 
-def _backend(dist, group, name):
+def _backend(dist: Any, group: Any, name: str) -> str:
     """The group's backend ('gloo', 'nccl', ...), once per group: whether a blocking call waits
     for the other ranks (gloo) or only enqueues (nccl) decides if its span can align clocks."""
     if name not in _backends:
@@ -303,15 +314,17 @@ def _backend(dist, group, name):
     return _backends[name]
 
 
-def _peer(args, kwargs):
+def _peer(args: Any, kwargs: Any) -> int | None:
     peer = kwargs.get("dst", kwargs.get("src", kwargs.get("group_dst", kwargs.get("group_src"))))
     if peer is None and len(args) > 1:
         peer = args[1]
     return peer if isinstance(peer, int) else None
 
 
-def _blocking_only(dist, name, fn, point_to_point=False):
-    def collective(*args, **kwargs):
+def _blocking_only(
+    dist: Any, name: str, fn: Callable[..., Any], point_to_point: bool = False
+) -> Callable[..., Any]:
+    def collective(*args: Any, **kwargs: Any) -> Any:
         if kwargs.get("async_op") or _compiling() or getattr(_depth, "n", 0):
             return fn(*args, **kwargs)
         start = _now()
@@ -323,7 +336,11 @@ def _blocking_only(dist, name, fn, point_to_point=False):
             end = _now()
             try:
                 group = _group_name(dist, kwargs.get("group"))
-                extra = {"op": name, "group": group, "backend": _backend(dist, kwargs.get("group"), group)}
+                extra: dict[str, Any] = {
+                    "op": name,
+                    "group": group,
+                    "backend": _backend(dist, kwargs.get("group"), group),
+                }
                 if point_to_point:
                     extra["peer"] = _peer(args, kwargs)
                 else:
@@ -333,13 +350,13 @@ def _blocking_only(dist, name, fn, point_to_point=False):
             except Exception as exc:
                 report_error("span collective", exc)
 
-    collective.__wrapped__ = fn
+    collective.__wrapped__ = fn  # type: ignore[attr-defined]
     collective.__name__ = getattr(fn, "__name__", "collective")
     collective.__doc__ = getattr(fn, "__doc__", None)
     return collective
 
 
-def _on_distributed(module):
+def _on_distributed(module: ModuleType) -> None:
     for names, p2p in ((COLLECTIVES, False), (POINT_TO_POINT, True)):
         for name in names:
             fn = getattr(module, name, None)
@@ -347,7 +364,7 @@ def _on_distributed(module):
                 setattr(module, name, _blocking_only(module, name, fn, point_to_point=p2p))
 
 
-def _on_checkpoint(module):
+def _on_checkpoint(module: ModuleType) -> None:
     for name in ("save", "save_state_dict", "async_save"):
         fn = getattr(module, name, None)
         if callable(fn):
@@ -356,11 +373,11 @@ def _on_checkpoint(module):
             )
 
 
-def _on_ddp(module):
+def _on_ddp(module: ModuleType) -> None:
     cls = module.DistributedDataParallel
     original = cls.__init__
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         original(self, *args, **kwargs)
         try:
             pg = getattr(self, "process_group", None)
@@ -370,15 +387,15 @@ def _on_ddp(module):
 
     for attr in ("__name__", "__qualname__", "__doc__", "__module__"):
         setattr(__init__, attr, getattr(original, attr, None))
-    __init__.__wrapped__ = original  # inspect.signature (Lightning, accelerate) sees the original
+    __init__.__wrapped__ = original  # type: ignore[attr-defined]  # inspect.signature (Lightning, accelerate) sees the original
     cls.__init__ = __init__
 
 
 # -- GC ------------------------------------------------------------------------------------------
-_gc_start = {}
+_gc_start: dict[Any, Any] = {}
 
 
-def _gc_callback(phase, info):
+def _gc_callback(phase: str, info: dict[str, Any]) -> None:
     # the thread's CPU clock beside the wall clock (one clock_gettime, well under a µs; a
     # schedstat pread at every gen-0 pass would cost more): a collection holds the GIL and never
     # sleeps, so its wall time less its CPU time is the time it waited for a core
@@ -393,7 +410,7 @@ def _gc_callback(phase, info):
         _span("gc", start[0], end, generation=info.get("generation"), cpu=(_thread_cpu() - start[1]) / 1e9)
 
 
-def register():
+def register() -> None:
     importhooks.on_import("torch", _on_torch)
     importhooks.on_import("torch.utils.data.dataloader", _on_dataloader)
     importhooks.on_import("torch.distributed", _on_distributed)

@@ -1,23 +1,31 @@
 """Where the job builds its DataLoaders (and with which settings) and where it calls
 torch.cuda.empty_cache: the lines a prescription has to point at."""
 
+from __future__ import annotations
+
 import functools
 import linecache
 
 from . import emit, importhooks, report_error, schema, steps
 from .frames import first_user_frame
 
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing into the job (mypy knows the name)
+if TYPE_CHECKING:
+    from collections.abc import Callable
+    from types import ModuleType
+    from typing import Any
+
 MAX_EMPTY_CACHE_EVENTS = 1000
-_counts = {"empty_cache": 0}
+_counts: dict[str, int] = {"empty_cache": 0}
 
 
-def _source_line(where):
+def _source_line(where: dict[str, Any] | None) -> str | None:
     if not where:
         return None
     return linecache.getline(where["file"], where["line"]).strip() or None
 
 
-def _describe_callable(fn):
+def _describe_callable(fn: Callable[..., Any]) -> dict[str, Any]:
     code = getattr(fn, "__code__", None) or getattr(getattr(fn, "__call__", None), "__code__", None)  # noqa: B004
     return {
         "name": getattr(fn, "__qualname__", type(fn).__name__),
@@ -26,12 +34,12 @@ def _describe_callable(fn):
     }
 
 
-def _on_dataloader(module):
+def _on_dataloader(module: ModuleType) -> None:
     cls = module.DataLoader
     original_init = cls.__init__
 
     @functools.wraps(original_init)  # Lightning re-creates DataLoaders from this signature
-    def __init__(self, *args, **kwargs):
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         original_init(self, *args, **kwargs)
         try:
             where = first_user_frame()
@@ -54,11 +62,11 @@ def _on_dataloader(module):
     cls.__init__ = __init__
 
 
-def _on_torch_cuda(module):
+def _on_torch_cuda(module: Any) -> None:
     original = module.empty_cache
 
     @functools.wraps(original)
-    def empty_cache(*args, **kwargs):
+    def empty_cache(*args: Any, **kwargs: Any) -> Any:
         if _counts["empty_cache"] < MAX_EMPTY_CACHE_EVENTS:
             _counts["empty_cache"] += 1
             try:
@@ -71,6 +79,6 @@ def _on_torch_cuda(module):
     module.empty_cache = empty_cache
 
 
-def register():
+def register() -> None:
     importhooks.on_import("torch.utils.data.dataloader", _on_dataloader)
     importhooks.on_import("torch.cuda", _on_torch_cuda)

@@ -26,6 +26,8 @@ compiled or autotuned kernels it waits (up to MAX_POSTPONE steps, then stands do
 Triton autotune launches thousands of benchmark kernels whose collection alone costs seconds.
 """
 
+from __future__ import annotations
+
 import atexit
 import collections
 import gzip
@@ -35,6 +37,10 @@ import sys
 import time
 
 from . import compiles, control, emit, get_writer, importhooks, report_error, schema, steps
+
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing into the job (mypy knows the name)
+if TYPE_CHECKING:
+    from typing import Any
 
 # a job that profiles itself keeps its profiler: kineto runs one at a time
 JOB_PROFILER_FLAGS = ("--profile", "--use-pytorch-profiler", "--torch-profile", "--profiler")
@@ -51,7 +57,7 @@ FINISH_FACTOR = 10.0
 # Chrome-trace JSON compresses about 8-15x: a raw file above this many times the byte limit
 # cannot fit, so it is not compressed at all
 MAX_RAW_RATIO = 15
-_state = {
+_state: dict[str, Any] = {
     "window": None,
     "explicit": False,
     "profiler": None,
@@ -80,7 +86,7 @@ ANOMALY_ONLY = "anomaly"  # TRAINDX_TORCH_PROFILE=anomaly: no default window, an
 ANOMALY_MIN_STEPS = 3
 
 
-def _budget_s(median_s):
+def _budget_s(median_s: float | None) -> float:
     raw = os.environ.get("TRAINDX_TORCH_PROFILE_BUDGET_S")
     if raw:
         return float(raw)
@@ -89,7 +95,7 @@ def _budget_s(median_s):
     return max(median_s or 0.0, MIN_BUDGET_S)
 
 
-def parse_window(text):
+def parse_window(text: str | None) -> tuple[int, int] | None:
     """(first, last) steps, None for off or anomaly-only; raises ValueError for what it cannot
     read."""
     text = (text or "").strip().lower()
@@ -98,8 +104,8 @@ def parse_window(text):
     if text in ("off", "0", "none", "no", ANOMALY_ONLY):
         return None
     if "-" in text:
-        first, _, last = text.partition("-")
-        first, last = int(first), int(last)
+        low, _, high = text.partition("-")
+        first, last = int(low), int(high)
     else:
         first = DEFAULT_START
         last = first + int(text) - 1
@@ -108,7 +114,7 @@ def parse_window(text):
     return first, last
 
 
-def _trace_path():
+def _trace_path() -> str:
     run_dir = os.environ["TRAINDX_RUN_DIR"]
     w = get_writer()
     rank = w.rank if w is not None else os.environ.get("RANK", "0")
@@ -120,7 +126,7 @@ def _trace_path():
     return os.path.join(folder, f"{rank}.json.gz")
 
 
-def _start(step):
+def _start(step: int) -> None:
     torch = _state["torch"]
     from torch.profiler import ProfilerActivity, profile
 
@@ -167,11 +173,11 @@ def _start(step):
     )
 
 
-def _spent_s():
+def _spent_s() -> float:
     return _state["start_s"] + _state["excess_s"]
 
 
-def _stop(last_step, reason):
+def _stop(last_step: int, reason: str) -> None:
     """Stop the profiler; export its trace only within the time and byte budget."""
     prof = _state["profiler"]
     _state["profiler"] = None
@@ -222,7 +228,7 @@ def _stop(last_step, reason):
         _retry_without_stacks(last_step)
 
 
-def _retry_without_stacks(last_step):
+def _retry_without_stacks(last_step: int) -> None:
     """A window that stood down for its cost left the job with no kernel-level evidence, and the
     jobs it stands down on are mostly launch-bound ones (thousands of small ops a step), where
     the Python stacks are most of the cost (H200, a 140 ms step of tiny kernels: 1.7 s with
@@ -231,7 +237,7 @@ def _retry_without_stacks(last_step):
     _state.update(window=(last_step + 2, last_step + 2), done=False, lite=True)
 
 
-def _export(prof, time_left_s):
+def _export(prof: Any, time_left_s: float) -> tuple[str | None, int | None, int, str | None]:
     """(path, bytes, raw bytes, why it stood down): kineto writes the JSON (C++), then it is
     gzipped in chunks, abandoned as soon as it passes the byte limit or the time left."""
     final = _trace_path()
@@ -261,7 +267,7 @@ def _export(prof, time_left_s):
             pass
 
 
-def _bounded_gzip(src, dst, max_bytes, deadline):
+def _bounded_gzip(src: str, dst: str, max_bytes: int, deadline: float) -> str | None:
     with open(src, "rb") as fin, open(dst, "wb") as raw:
         gz = gzip.GzipFile(filename="", fileobj=raw, mode="wb", compresslevel=6)
         why = None
@@ -282,7 +288,7 @@ def _bounded_gzip(src, dst, max_bytes, deadline):
     return why
 
 
-def _anomaly(step, last_s):
+def _anomaly(step: int, last_s: float | None) -> tuple[str, str] | None:
     """(kind, why) when the step that just ended (or diagnose, through control/capture.json)
     calls for a deep capture of the next step and that kind has not been captured yet."""
     if _state["torch"] is None or not _state["torch"].cuda.is_initialized() or "*" in _state["captured"]:
@@ -309,13 +315,13 @@ def _anomaly(step, last_s):
     return None
 
 
-def _compiled_since_last_boundary():
+def _compiled_since_last_boundary() -> bool:
     seen, now = _state["compiles_seen"], compiles.counts["compiles"]
     _state["compiles_seen"] = now
     return now > seen
 
 
-def on_boundary(step):
+def on_boundary(step: int) -> None:
     """Called as `step` begins (so the previous one has just ended)."""
     now = time.time_ns()
     previous = _state["last_boundary_ns"]
@@ -327,7 +333,7 @@ def on_boundary(step):
         _state["last_boundary_ns"] = time.time_ns()
 
 
-def _emit_after(step, last_s, after):
+def _emit_after(step: int, last_s: float, after: dict[str, Any]) -> None:
     """The step after a window: its duration against the median (the window's tail cost)."""
     _state["after"] = None
     median = _state["median_s"]
@@ -341,7 +347,7 @@ def _emit_after(step, last_s, after):
     )
 
 
-def _skip_reason(now, previous):
+def _skip_reason(now: int, previous: int | None) -> str | None:
     """Why the window's first step is not profiled at all, or None."""
     if _state["torch"]._C._autograd._profiler_enabled():
         return "the job runs a profiler of its own (kineto runs one at a time)"
@@ -361,7 +367,7 @@ def _skip_reason(now, previous):
     return None
 
 
-def _skipped_for_compiles(step, first, last):
+def _skipped_for_compiles(step: int, first: int, last: int) -> bool:
     """The window's first step comes after compiles: an anomaly's capture is skipped, the
     default window moves on a step (at most MAX_POSTPONE times, then none). True: not now."""
     if _state["trigger"]:
@@ -398,7 +404,7 @@ def _skipped_for_compiles(step, first, last):
     return True
 
 
-def _boundary(step, now, previous, last_s):
+def _boundary(step: int, now: int, previous: int | None, last_s: float | None) -> None:
     after = _state["after"]
     if after is not None and last_s is not None and step - 1 == after["step"]:
         _emit_after(step, last_s, after)
@@ -448,7 +454,7 @@ def _boundary(step, now, previous, last_s):
         _start(step)
 
 
-def _at_exit():
+def _at_exit() -> None:
     if _state["profiler"] is not None:
         try:
             _stop(steps.current_step(), "job exit")
@@ -459,13 +465,13 @@ def _at_exit():
             report_error("torch.profiler export at exit", exc)
 
 
-def _yield_to_the_job(torch):
+def _yield_to_the_job(torch: Any) -> None:
     """Kineto runs one profiler at a time: when the job starts its own while the window is open,
     close the window first (its trace is written) so the job's profiler works as it would."""
     profile = torch.autograd.profiler.profile
     original = profile._prepare_trace
 
-    def _prepare_trace(self, *args, **kwargs):
+    def _prepare_trace(self: Any, *args: Any, **kwargs: Any) -> Any:
         ours = _state["profiler"]
         if ours is not None and getattr(ours, "profiler", None) is not self:
             try:
@@ -477,7 +483,7 @@ def _yield_to_the_job(torch):
     profile._prepare_trace = _prepare_trace
 
 
-def _on_torch(torch):
+def _on_torch(torch: Any) -> None:
     _state["torch"] = torch
     steps.boundary_hooks.append(on_boundary)
     atexit.register(_at_exit)
@@ -487,7 +493,7 @@ def _on_torch(torch):
         report_error("torch.profiler yield hook", exc)
 
 
-def register():
+def register() -> None:
     raw = os.environ.get("TRAINDX_TORCH_PROFILE")
     try:
         _state["window"] = parse_window(raw)

@@ -5,6 +5,8 @@ names of a compile key's fields read from the source that built it.
 Standard library only: this module runs inside the job.
 """
 
+from __future__ import annotations
+
 import ast
 import dataclasses
 import enum
@@ -13,7 +15,12 @@ import re
 import sys
 import textwrap
 
-_key_names_cache = {}
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing into the job (mypy knows the name)
+if TYPE_CHECKING:
+    from types import CodeType
+    from typing import Any
+
+_key_names_cache: dict[Any, Any] = {}
 
 
 # -- values -> JSON-able descriptions ------------------------------------------------------------
@@ -25,17 +32,17 @@ _TORCH_SAFE_TYPES = frozenset({"dtype", "device", "layout", "memory_format", "qs
 _MAX_ITEMS = 64
 
 
-def is_tensor_like(value):
+def is_tensor_like(value: Any) -> bool:
     """A torch tensor (FakeTensor, Parameter, subclasses) or an array: has shape and dtype.
     Looked up on the type, so a tensor subclass's __getattr__ never runs."""
     cls = type(value)
     return hasattr(cls, "shape") and hasattr(cls, "dtype") and not isinstance(value, type)
 
 
-def _tensor_text(value):
+def _tensor_text(value: Any) -> str:
     """'Tensor(shape=[], dtype=torch.int32, device=cuda:0)': metadata only, no data."""
     try:
-        shape = list(value.shape)
+        shape: list[Any] | str = list(value.shape)
     except Exception:
         shape = "?"
     try:
@@ -50,17 +57,17 @@ def _tensor_text(value):
     return f"{name}(shape={shape}, dtype={dtype}, device={device})"
 
 
-def _is_torch_tensor(value):
+def _is_torch_tensor(value: Any) -> bool:
     torch = sys.modules.get("torch")
     return torch is not None and isinstance(value, torch.Tensor)
 
 
-def _is_numpy_scalar(value):
+def _is_numpy_scalar(value: Any) -> bool:
     numpy = sys.modules.get("numpy")
     return numpy is not None and isinstance(value, numpy.generic)
 
 
-def _has_vetted_repr(value):
+def _has_vetted_repr(value: Any) -> bool:
     cls = type(value)
     if cls in _SAFE_REPR_TYPES or _is_numpy_scalar(value):
         return True
@@ -72,7 +79,7 @@ def _has_vetted_repr(value):
     return inspect.isfunction(value) or inspect.isbuiltin(value) or inspect.ismethod(value)
 
 
-def safe_repr(value, limit=300, _depth=0):
+def safe_repr(value: Any, limit: int = 300, _depth: int = 0) -> str:
     """Text for a compile-key element that two compiles can be compared by, built without ever
     reading a tensor's data or running an object's own __repr__."""
     try:
@@ -82,7 +89,7 @@ def safe_repr(value, limit=300, _depth=0):
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
-def _safe_repr(value, depth):
+def _safe_repr(value: Any, depth: int) -> str:
     if is_tensor_like(value) and not _is_numpy_scalar(value):
         return _tensor_text(value)
     if isinstance(value, type):
@@ -114,7 +121,7 @@ def _safe_repr(value, depth):
     return f"<{type(value).__module__}.{type(value).__qualname__}>"
 
 
-def describe_value(value, depth=0):
+def describe_value(value: Any, depth: int = 0) -> Any:
     """Shapes and dtypes for tensors (never their data: that could sync or fail in fake mode).
     Enum members and dataclass instances (FA4's resolved FwdConfig/BwdConfig, its PackGQA mode)
     keep their class and fields, so `kernel-cache warm` can build them again."""
@@ -148,11 +155,11 @@ def describe_value(value, depth=0):
     return {"type": type_name, "repr": safe_repr(value, 200)}
 
 
-def _class_path(cls):
+def _class_path(cls: type) -> str:
     return f"{getattr(cls, '__module__', '?')}:{getattr(cls, '__qualname__', cls.__name__)}"
 
 
-def _shape_list(value):
+def _shape_list(value: Any) -> list[Any] | None:
     try:
         return list(value.shape)
     except Exception:
@@ -166,14 +173,14 @@ _KEY_EXPRESSION_NAMES = (
 )
 
 
-def _canonical_key_name(expression):
+def _canonical_key_name(expression: str) -> str:
     for pattern, name in _KEY_EXPRESSION_NAMES:
         if pattern.match(expression):
             return name
     return expression
 
 
-def _key_field_names(func_code, lineno, length):
+def _key_field_names(func_code: CodeType, lineno: int, length: int) -> list[str] | None:
     """Names of the elements of the `compile_key = (...)` tuple built before `lineno` in FA4's
     source, parsed once per function: FA4 builds its keys from named locals. A function may build
     its key in several branches (per architecture): the nearest one of the right length wins."""
@@ -186,7 +193,7 @@ def _key_field_names(func_code, lineno, length):
         source = "".join(lines)
         if lines[0].startswith((" ", "\t")):
             source = textwrap.dedent(source)
-        best = None
+        best: tuple[int, Any] | None = None
         for node in ast.walk(ast.parse(source)):
             if (
                 isinstance(node, ast.Assign)
@@ -207,7 +214,7 @@ def _key_field_names(func_code, lineno, length):
     return names
 
 
-def _type_label(value):
+def _type_label(value: Any) -> str:
     """'Tensor' for any torch tensor (FakeTensor, Parameter, ...): the analyzer's word for it."""
     if is_tensor_like(value) and hasattr(type(value), "device"):
         return "Tensor"

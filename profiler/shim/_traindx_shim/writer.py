@@ -19,6 +19,8 @@ A deferred writer (a multiprocessing child that has not shown training evidence 
 DataLoader worker) keeps its events in memory and writes nothing unless it is undeferred.
 """
 
+from __future__ import annotations
+
 import atexit
 import collections
 import json
@@ -28,6 +30,11 @@ import time
 
 from .roles import events_file
 from .segments import segment_bytes_from_env, segment_path
+
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing into the job (mypy knows the name)
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+    from typing import Any
 
 FLUSH_INTERVAL_S = 0.25
 MAX_DEFERRED = 10_000
@@ -56,7 +63,7 @@ REDACT_CANDIDATES = (
 )
 
 
-def load_redactor(env, argv):
+def load_redactor(env: Mapping[str, str], argv: list[str]) -> Any:
     """traindx.common.redact.Redactor of this process's secrets (its environment and arguments), loaded
     from its file (the job's interpreter need not be able to import traindx); None if it cannot
     be (the caller then writes no argument values at all)."""
@@ -66,7 +73,7 @@ def load_redactor(env, argv):
         if not os.path.isfile(path):
             continue
         try:
-            spec = importlib.util.spec_from_file_location("_traindx_redact", path)
+            spec: Any = importlib.util.spec_from_file_location("_traindx_redact", path)
             module = importlib.util.module_from_spec(spec)
             spec.loader.exec_module(module)
             return module.Redactor.for_job(dict(env), list(argv))
@@ -75,7 +82,7 @@ def load_redactor(env, argv):
     return None
 
 
-def redacted_argv(redactor, argv):
+def redacted_argv(redactor: Any, argv: list[str]) -> list[str]:
     """argv for an event: secrets hidden; without a redactor only the program name is kept."""
     argv = [str(a) for a in argv]
     if redactor is None:
@@ -84,18 +91,18 @@ def redacted_argv(redactor, argv):
 
 
 class EventWriter:
-    def __init__(self, events_dir, deferred=False):
+    def __init__(self, events_dir: str, deferred: bool = False) -> None:
         self.events_dir = events_dir
         self.pid = os.getpid()
         self.rank = "0"  # the best-known rank label, for other files of this process (traces)
-        self.path = None
+        self.path: Any = None  # the first segment's, once open
         self.deferred = deferred
         self.dropped = 0
         self.tick_hooks = []  # called from the flush thread (cheap checks, e.g. a process group)
         self._queue = collections.deque()
         self._lock = threading.Lock()
-        self._file = None
-        self._thread = None
+        self._file: Any = None  # the open segment
+        self._thread: threading.Thread | None = None
         self._segment_bytes = segment_bytes_from_env()
         self._segment = 0
         self._written = 0
@@ -104,7 +111,7 @@ class EventWriter:
         if not deferred:
             self._start()
 
-    def _start(self):
+    def _start(self) -> None:
         for attempt in range(100):  # "x": a reused pid never appends to an earlier process's file
             path = os.path.join(self.events_dir, events_file(self.pid, attempt))
             try:
@@ -116,14 +123,14 @@ class EventWriter:
         self._thread = threading.Thread(target=self._loop, name="traindx-writer", daemon=True)
         self._thread.start()
 
-    def undefer(self):
+    def undefer(self) -> None:
         """This process trains after all: open its file and write what it kept."""
         if self.deferred and os.getpid() == self.pid:
             self.deferred = False
             self._start()
             self.flush()
 
-    def emit(self, type_, **fields):
+    def emit(self, type_: str, **fields: Any) -> None:
         if os.getpid() != self.pid:  # a forked child (DataLoader worker) is not this process
             return
         fields["type"] = type_
@@ -135,7 +142,7 @@ class EventWriter:
         if type_ in WRITE_THROUGH and not self.deferred:
             self.flush()
 
-    def _loop(self):
+    def _loop(self) -> None:
         while not self._wake.wait(FLUSH_INTERVAL_S):
             for hook in self.tick_hooks:
                 try:
@@ -144,7 +151,7 @@ class EventWriter:
                     pass
             self.flush()
 
-    def close(self):
+    def close(self) -> None:
         """At exit (atexit: after the handlers registered later, which may still emit): end the
         flush thread and wait for it, then write what is queued. No thread of ours is then
         mid-write when CPython finalizes and stops daemon threads where they stand (a thread
@@ -158,7 +165,7 @@ class EventWriter:
             thread.join(timeout=2.0)
         self.flush()
 
-    def flush(self):
+    def flush(self) -> None:
         if os.getpid() != self.pid or self.deferred or self._file is None:
             return
         with self._lock:
@@ -183,7 +190,7 @@ class EventWriter:
                 except Exception:
                     pass
 
-    def _write(self, lines):
+    def _write(self, lines: list[str]) -> None:
         if not self._segment_bytes:
             self._file.write("\n".join(lines) + "\n")
             self._file.flush()
@@ -203,7 +210,7 @@ class EventWriter:
             self._file.flush()
         self._written = size
 
-    def _next_segment(self):
+    def _next_segment(self) -> None:
         """Close this segment (whole lines only) and continue in the next one."""
         for _ in range(1000):
             self._segment += 1
