@@ -43,7 +43,7 @@ _state: dict[str, Any] = {
 _announce_lock = threading.Lock()
 
 
-def get_writer() -> Any:
+def get_writer() -> EventWriter | None:
     return _state["writer"]
 
 

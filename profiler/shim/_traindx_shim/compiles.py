@@ -17,13 +17,13 @@ import weakref
 
 from . import bus, emit, guarded, importhooks, report_error, schema, steps
 from .frames import first_user_frame
-from .values import (  # noqa: F401  (safe_repr, describe_value, _type_label: re-exported)
+from .values import (
     _key_field_names,
-    _type_label,
-    describe_value,
     is_tensor_like,
-    safe_repr,
 )
+from .values import _type_label as _type_label  # re-exported
+from .values import describe_value as describe_value  # re-exported
+from .values import safe_repr as safe_repr  # re-exported: kernel_cache/cli/worker.py
 
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing into the job (mypy knows the name)
 if TYPE_CHECKING:

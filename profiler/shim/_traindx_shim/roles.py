@@ -16,6 +16,10 @@ from __future__ import annotations  # annotations stay text: no typing at import
 import os
 from collections.abc import Mapping, Sequence  # already loaded by the interpreter: no cost
 
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing into the job (mypy knows the name)
+if TYPE_CHECKING:
+    from typing import Any
+
 # Environment variables naming a process's global rank, most specific first. Under srun +
 # torchrun SLURM_PROCID is the node, not the rank: RANK (set by torchrun) wins when present.
 RANK_ENV = ("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")
@@ -53,7 +57,7 @@ def parse_process_file(name: str, suffix: str) -> int | None:
     return int(stem) if stem.isdigit() else None
 
 
-def rank_labels(processes: list[dict]) -> dict:
+def rank_labels(processes: list[dict[str, Any]]) -> dict[Any, str]:
     """{pid: label} for training processes given as dicts {pid, rank (str or None), start}.
 
     A rank that is not known is taken as "0" (a job without a process group is one rank).
@@ -71,7 +75,7 @@ def rank_labels(processes: list[dict]) -> dict:
     return labels
 
 
-def read_announcements(run_dir: str) -> list[dict]:
+def read_announcements(run_dir: str) -> list[dict[str, Any]]:
     """The procs/<pid>.json files: [{pid, rank, start, ...}] (unreadable ones skipped)."""
     import json
 
@@ -94,7 +98,7 @@ def read_announcements(run_dir: str) -> list[dict]:
     return out
 
 
-def announced_ranks(run_dir: str) -> dict:
+def announced_ranks(run_dir: str) -> dict[str, int]:
     """{label: pid} of the training processes that announced themselves in run_dir."""
     procs = [
         {"pid": int(p["pid"]), "rank": p.get("rank"), "start": p.get("start")}

@@ -6,8 +6,6 @@ Standard library only and no imports at all: the shim reads it inside the job, t
 here first; tests/test_schema.py checks that the shim emits no type this module does not name.
 """
 
-from __future__ import annotations
-
 # -- a process and its role ---------------------------------------------------------------------
 PROCESS_START = "process_start"  # pid, ppid, rank, argv, python, main_thread, t
 RANK_KNOWN = "rank_known"  # rank, source (env | process_group), world_size
