@@ -20,6 +20,7 @@ from traindx.analyzers import codefix
 from traindx.analyzers import evidence as ev
 from traindx.analyzers.declaration import Declaration
 from traindx.analyzers.findings import Finding, Prescription
+from traindx.analyzers.gpu_window import ALLOCATOR_CALLS, idle_in_calls_per_step
 
 if TYPE_CHECKING:  # annotations only
     from traindx.derive.run import RunRecord
@@ -97,8 +98,6 @@ def _malloc_seconds_per_step(run: RunRecord, rank: str) -> Any:
 def _idle_in_malloc_per_step(run: RunRecord, rank: str) -> Any:
     """Seconds per profiled step the GPU idles while the host is inside an allocator call, or
     None without a GPU trace."""
-    from traindx.analyzers.gpu_window import ALLOCATOR_CALLS, idle_in_calls_per_step
-
     trace = run.torch_trace
     if not len(trace):
         return None

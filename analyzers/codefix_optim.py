@@ -18,7 +18,7 @@ def multi_tensor_keyword(class_name: str) -> str | None:
     """ "fused" or "foreach": the keyword of torch.optim's `class_name` that steps every
     parameter in a few kernels (fused first: one kernel per group), read from the installed
     torch's signature; None where the class takes neither or torch is not importable."""
-    try:
+    try:  # torch is optional where a run is analysed (an extra)
         import torch.optim
     except ImportError:
         return None

@@ -9,6 +9,9 @@ import re
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+import pandas as pd
+
 # the steady window is derived (traindx.derive.steady); the analyzers read it as ev.*
 from traindx.derive.steady import events_of_type as events_of_type
 from traindx.derive.steady import median_step_s as median_step_s
@@ -267,9 +270,6 @@ def step_runq_s(
     (thread_runq_s) covers one step end to the next, gaps between steps included, so the step's
     part is taken as spread evenly over that time. NaN where a step has no such record; None
     when the run has none (recorded without the run-queue delay)."""
-    import numpy as np
-    import pandas as pd
-
     cpu = run.of_type("cpu")
     if not len(cpu) or "thread_runq_s" not in cpu or cpu["thread_runq_s"].isna().all():
         return None
@@ -300,8 +300,6 @@ def gc_core_waits(run: RunRecord) -> Any:
     thread's CPU time inside it (`span` events, cat gc, cpu): a collection holds the GIL and never
     sleeps, so its wall time less that CPU is time the thread waited for a core. Empty for runs
     recorded without it."""
-    import pandas as pd
-
     spans = run.of_type("span")
     cols = ["rank", "start_ns", "end_ns", "wait_s"]
     if not len(spans) or "cpu" not in spans or "cat" not in spans:
@@ -326,8 +324,6 @@ def waits_inside(
 ) -> Any:
     """Seconds of gc_core_waits inside each (rank, start_ns, end_ns) window, a pause cut by a
     window's edge counted by its overlap (its wait taken as spread evenly over it)."""
-    import numpy as np
-
     ranks = np.asarray(rank).astype(str)
     a, b = np.asarray(start_ns, np.int64), np.asarray(end_ns, np.int64)
     out = np.zeros(len(ranks))
@@ -344,9 +340,6 @@ def ledger_step_runq_s(run: RunRecord, rank: str, steps: Sequence[Any]) -> Any:
     """step_runq_s of the given steps of one rank's ledger rows (its gaps measured over all of
     them, start-up row included), or None where the run has no such record or one of the
     steps lacks it."""
-    import numpy as np
-    import pandas as pd
-
     rows = run.rank_rows("ledger", rank).sort_values("start_ns")
     runq = step_runq_s(run, rows["rank"], rows["step"], rows["end_ns"].to_numpy(float) / 1e9, rows["wall_s"])
     if runq is None:

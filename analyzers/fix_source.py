@@ -302,8 +302,6 @@ def _autotune_key_node(tree: ast.AST, kernel: str | None) -> ast.List | ast.Tupl
 def autotune_key_edit(kernel: str | None, drop: Iterable[str], search_files: Iterable[str]) -> Edit | None:
     """The edit that takes the changing arguments out of `@triton.autotune(key=[...])` of
     `kernel`, found in the first of `search_files` that defines it; None when not found."""
-    import ast
-
     for path in search_files:
         try:
             with open(path, encoding="utf-8") as f:

@@ -43,6 +43,7 @@ from traindx.analyzers.gpu_idle_window import (
     _source,
     _window_idle,
 )
+from traindx.derive.ledger import host_code
 from traindx.profiler import gputime
 from traindx.profiler.torchtrace import gpu_window
 
@@ -106,10 +107,6 @@ def _host_code_top(run: RunRecord, rank: str, steps: set[int]) -> Any:
     """(file, line, function, call, seconds per step) of the code that ran most inside the
     ledger's host intervals (traindx.derive.ledger.host_code, py-spy samples in those intervals), or
     None where the ledger has no such table."""
-    try:
-        from traindx.derive.ledger import host_code
-    except ImportError:
-        return None
     try:
         table = host_code(run)
     except Exception:

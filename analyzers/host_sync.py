@@ -16,6 +16,7 @@ cost cannot be measured.
 
 from __future__ import annotations
 
+import os
 import re
 from collections import defaultdict
 from typing import TYPE_CHECKING, Any
@@ -448,8 +449,6 @@ def _source_path(run: RunRecord, site: Any) -> Any:
     """The file a call site names, as the job's own file on this machine: py-spy's absolute
     path, else the name itself, else under the job's working directory, else the job's script
     of that name (torch.profiler names a file by its base name)."""
-    import os
-
     name = str(site["file"])
     for candidate in (site.get("path"), name, os.path.join(run.manifest.get("cwd") or "", name)):
         if candidate and os.path.isfile(candidate):

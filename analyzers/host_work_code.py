@@ -14,6 +14,7 @@ import numpy as np
 import pandas as pd
 
 from traindx.analyzers import evidence as ev
+from traindx.derive import ledger
 
 if TYPE_CHECKING:  # annotations only
     from traindx.derive.run import RunRecord
@@ -204,8 +205,6 @@ def pyspy_host_code(run: RunRecord, rank: str) -> Any:
 
 def _ledger_host_code(run: RunRecord) -> Any:
     """traindx.derive.ledger.host_code(run) when the derive layer has it (helper `ledger`), else None."""
-    from traindx.derive import ledger
-
     fn = getattr(ledger, "host_code", None)
     if fn is None:
         return None

@@ -3,6 +3,7 @@ change, and which is a recompile of a frame, with the guard that failed and the 
 
 from __future__ import annotations
 
+import ast
 import collections
 import re
 from typing import TYPE_CHECKING, Any
@@ -85,7 +86,6 @@ def _mark_dynamic_change(site: Any, name: Any, dim: Any) -> Any:
     source = (site or {}).get("source")
     if not source or not site.get("line"):
         return None, None
-    import ast
 
     try:
         call = next((n for n in ast.walk(ast.parse(source.strip())) if isinstance(n, ast.Call)), None)

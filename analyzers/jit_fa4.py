@@ -148,8 +148,6 @@ def wrap_in_int(line: str | None) -> str | None:
     """The source line with the expression that makes a 0-dim tensor max (`x.max()`,
     `x.diff().max()`, `x.amax()`, `torch.max(x)`) wrapped in int(...), or None when the line has
     none or the result would not parse. Handles `name = ...`, `"key": ...,` and `key=...,` lines."""
-    import ast
-
     if not line or not line.strip():
         return None
     indent = line[: len(line) - len(line.lstrip())]
@@ -184,8 +182,6 @@ def wrap_in_int(line: str | None) -> str | None:
 
 
 def _is_max_call(node: Any) -> Any:
-    import ast
-
     if (
         not isinstance(node, ast.Call)
         or not isinstance(node.func, ast.Attribute)

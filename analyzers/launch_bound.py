@@ -12,6 +12,7 @@ from traindx.analyzers import evidence as ev
 from traindx.analyzers.declaration import Declaration
 from traindx.analyzers.findings import Finding, Prescription
 from traindx.analyzers.frameworks import runs_megatron
+from traindx.derive.ledger import steady_rows
 
 if TYPE_CHECKING:  # annotations only
     from traindx.derive.run import RunRecord
@@ -56,8 +57,6 @@ def _steady_spans(run: RunRecord, rank: str) -> Any:
     """(forward/backward s, optimizer s, step s): the time ledger's means over the steady steps,
     or None where the ledger has no optimizer span (no shim hooks on an optimizer)."""
     try:
-        from traindx.derive.ledger import steady_rows
-
         rows = steady_rows(run, rank)
     except Exception:  # the derive layer cannot build it: the window's share prices it
         return None

@@ -236,7 +236,7 @@ class LiveJudge(ShownFindings):
         the live budget: the end-of-run analysis imports the same modules in any case, and
         counting it would hold the first analyses back by tens of seconds."""
         t0 = time.process_time()
-        try:
+        try:  # imported in the judge's thread, after the job started (not counted in its budget)
             import importlib
 
             from traindx import analyzers

@@ -15,6 +15,7 @@ import numpy as np
 import pandas as pd
 from numpy.typing import ArrayLike, NDArray
 
+from traindx.analyzers import gpu_window
 from traindx.analyzers.savings_workers import (
     _workers_prediction,
     core_share_seen,
@@ -351,8 +352,6 @@ def gpu_work_per_step(run: RunRecord, ranks: Sequence[str] = ()) -> float | None
     """Seconds the GPU is busy (kernels, copies, memsets) in a mean profiled step, the largest
     over the ranks named (all when none): no change on the host shortens a step below it. None
     without a torch.profiler window holding GPU work."""
-    from traindx.analyzers import gpu_window
-
     trace = run.torch_trace
     if not len(trace) or not trace["cat"].isin(gpu_window.GPU_WORK).any():
         return None

@@ -383,8 +383,6 @@ def line_periods(led: pd.DataFrame, step_s: float) -> Any:
     is compared across steps on its own, so +50 % on odd steps - which never makes a step 2x the
     median, the slow-step search's bar - is found on the line that carries it. The shortest
     period that explains a line wins (a period-2 pattern also fits 4, 6, 8)."""
-    from traindx.derive import ledger
-
     if len(led) < 6 or step_s <= 0:
         return []
     led = led.sort_values("step")

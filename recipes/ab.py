@@ -18,6 +18,7 @@ import pandas as pd
 
 from traindx.analyzers.ab_verdict import MIN_SPEEDUP, ABVerdict, ab_verdict
 from traindx.derive import stats
+from traindx.derive.periods import series_period
 from traindx.derive.steady import events_of_type, perturbed_steps, profiled_steps
 from traindx.derive.steptables import SHIM_SOURCES, progress_step_seconds
 
@@ -141,8 +142,6 @@ def step_period(
 ) -> dict[str, Any] | None:
     """{period, residue, excess_s} of the arm's step times over the window (a cost on every
     k-th step, k = 2 included: traindx.derive.periods.series_period), else None."""
-    from traindx.derive.periods import series_period
-
     series = arm[0]
     positions, bounds = stats.window_positions(len(series), window, exclude)
     if bounds is None:

@@ -19,6 +19,8 @@ from collections.abc import Mapping
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from traindx.analyzers.findings import VERDICT_PREFIX, Finding, reading_order
 from traindx.analyzers.step_causes import CAUSES, StepCauses, judge_steps
 from traindx.common import redact
@@ -191,8 +193,6 @@ def _core(run: RunRecord, findings: list[Finding]) -> tuple[dict[str, Any], dict
 
 def _worst_step(st: pd.DataFrame) -> dict[str, Any] | None:
     """The longest step of any rank, as the report names it; None without steps."""
-    import numpy as np
-
     if not len(st):
         return None
     w = st.iloc[int(np.argmax(st["duration_s"].to_numpy(np.float64)))]
@@ -214,8 +214,6 @@ def _step_stats(
 ) -> dict[str, Any]:
     """The headline step numbers: counts, median and spread, the judged slow steps, the worst,
     compiles, the final loss, the gaps between steps. drawn: what _core drew of the steps."""
-    import numpy as np
-
     st, median, threshold = steps.table, steps.median_s, steps.slow_threshold_s
     worst, compiles, losses, gaps = drawn["worst"], drawn["compiles"], drawn["losses"], drawn["gaps"]
     durations = st["duration_s"].to_numpy(np.float64)

@@ -7,6 +7,7 @@ and the call's arguments, so a recompile can be explained and replayed (`kernel-
 
 from __future__ import annotations
 
+import atexit
 import functools
 import inspect
 import linecache
@@ -558,6 +559,5 @@ def register() -> None:
     importhooks.on_import("triton", _on_triton)
     importhooks.on_import("triton.runtime.autotuner", _on_triton_autotuner)
     importhooks.on_import("torch._dynamo.utils", _on_dynamo_utils)
-    import atexit
 
     atexit.register(harvest_dynamo)

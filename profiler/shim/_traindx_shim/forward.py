@@ -12,6 +12,7 @@ import functools
 import sys
 import threading
 import time
+import weakref
 
 from . import emit, report_error
 from .stepstate import _state
@@ -111,8 +112,6 @@ def _install_wrapper(torch: Any) -> None:
 
 
 def _remember_module(module: Any) -> None:
-    import weakref
-
     key = id(module)
     try:
         forget = lambda _r, key=key: _top_modules.pop(key, None)

@@ -25,6 +25,7 @@ TRAINDX_GPU_TIME=off turns it off.
 
 from __future__ import annotations
 
+import atexit
 import collections
 import gc
 import os
@@ -248,6 +249,7 @@ _END_OF_SPAN = {"sync": "sync<", "collective": "coll<", "io": "io<"}
 def _on_torch(torch: Any) -> None:
     _state["torch"] = torch
     torch.autograd.backward = _around(torch.autograd.backward, "bwd>", "bwd<")
+    # torch is imported here only once the job has imported it: the shim never imports it first
     from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
     register_optimizer_step_pre_hook(_opt_pre)  # a hook's return value replaces the args:
@@ -279,6 +281,5 @@ def register() -> None:
     gc.callbacks.append(_gc_callback)
     # a forked child (a DataLoader worker) must not touch the parent's CUDA context
     os.register_at_fork(after_in_child=lambda: _state.update(active=False, checked=True))
-    import atexit
 
     atexit.register(flush)

@@ -39,6 +39,7 @@ import sys
 import sysconfig
 import threading
 import time
+import types
 
 from . import emit, report_error, schema
 
@@ -270,8 +271,6 @@ _PUBLIC_MODULE = {"posix": "os", "nt": "os", "_io": "io"}  # the names users wri
 def _qualified(obj: Any, head: str, attrs: list[str]) -> str:
     """The qualified name of head.attrs..., looked up through modules and classes only (an
     attribute of any other object could run its code)."""
-    import types
-
     names = [head]
     for attr in attrs:
         if not isinstance(obj, (types.ModuleType, type)):

@@ -25,7 +25,7 @@ def on_import(name: str, callback: Callable[..., Any]) -> None:
 
 
 def _run(name: str, callback: Callable[..., Any], module: ModuleType) -> None:
-    from . import report_error
+    from . import report_error  # the package's __init__ imports this module: no cycle at load
 
     try:
         callback(module)

@@ -4,6 +4,7 @@ so that each of its returns ends a step (steps.marker). The shared state is step
 
 from __future__ import annotations
 
+import atexit
 import functools
 import os
 import sys
@@ -24,7 +25,6 @@ def _on_traindx(module: ModuleType) -> None:
     if _state["mode"] != "marker":
         _state["mode"] = "marker"
         emit("step_marker", source="traindx.step", step=_state["step"])
-        import atexit
 
         atexit.register(_marker_never_called)
 

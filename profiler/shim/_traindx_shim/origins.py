@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ast
 import gc
+import inspect
 import linecache
 import os
 import re
@@ -82,6 +83,7 @@ def _source(where: dict[str, Any] | None) -> str | None:
 
 # -- the tracer -------------------------------------------------------------------------------------
 def _make_tracer() -> Any:
+    # torch is imported here only once the job has imported it: the shim never imports it first
     import torch
 
     class CreationTracer(torch.overrides.TorchFunctionMode):
@@ -104,6 +106,7 @@ def _make_tracer() -> Any:
 
 def _is_int_scalar(value: Any) -> bool:
     try:
+        # torch is imported here only once the job has imported it: the shim never imports it first
         import torch
 
         return (
@@ -145,6 +148,7 @@ def _note(result: Any, args: Any, kwargs: Any, func: Callable[..., Any] | None =
 
 
 def _arm() -> bool:
+    # torch is imported here only once the job has imported it: the shim never imports it first
     import torch
 
     if torch._C._len_torch_function_stack() != 0:
@@ -161,6 +165,7 @@ def _disarm() -> None:
         return
     mode.active = False
     try:
+        # torch is imported here only once the job has imported it: the shim never imports it first
         import torch
 
         n = torch._C._len_torch_function_stack()
@@ -402,8 +407,6 @@ def _on_fa4_call(args: Any, kwargs: Any, positions: dict[str, int]) -> None:
 
 @guarded("origin tracer install")
 def _install(module: Any) -> None:
-    import inspect
-
     original = getattr(module, "_flash_attn_fwd", None)
     if original is None:
         return

@@ -15,6 +15,7 @@ Each hook is a thin wrapper that calls the original first or last and swallows i
 from __future__ import annotations
 
 import functools
+import sys
 
 from . import get_writer, guarded, importhooks, is_training, rank_known, report_error, training_evidence
 
@@ -29,6 +30,7 @@ def _wrap_init_process_group(original: Callable[..., Any]) -> Callable[..., Any]
     def init_process_group(*args: Any, **kwargs: Any) -> Any:
         result = original(*args, **kwargs)
         try:
+            # torch is imported here only once the job has imported it: the shim never imports it first
             import torch.distributed as dist
 
             training_evidence("init_process_group")
@@ -79,8 +81,6 @@ def _patch(owner: Any, name: str, make: Callable[[Callable[..., Any]], Callable[
 
 @guarded("distributed import hook")
 def _on_distributed(c10d: Any) -> None:
-    import sys
-
     _patch(c10d, "init_process_group", _wrap_init_process_group)
     _patch(c10d, "destroy_process_group", _wrap_destroy_process_group)
     # modules that bound the names before us; what still slips through, the writer's poll finds
@@ -106,6 +106,7 @@ def _on_optimizer_step(optimizer: Any, args: Any, kwargs: Any) -> None:
 
 @guarded("torch import hook (training evidence)")
 def _on_torch(torch: Any) -> None:
+    # torch is imported here only once the job has imported it: the shim never imports it first
     from torch.optim.optimizer import Optimizer, register_optimizer_step_pre_hook
 
     _patch(Optimizer, "__init__", lambda f: _wrap_evidence(f, "optimizer"))

@@ -13,6 +13,7 @@ Standard library only: this module runs inside the job.
 
 from __future__ import annotations  # annotations stay text: no typing at import in the job
 
+import json
 import os
 from collections.abc import Mapping, Sequence  # already loaded by the interpreter: no cost
 
@@ -77,8 +78,6 @@ def rank_labels(processes: list[dict[str, Any]]) -> dict[Any, str]:
 
 def read_announcements(run_dir: str) -> list[dict[str, Any]]:
     """The procs/<pid>.json files: [{pid, rank, start, ...}] (unreadable ones skipped)."""
-    import json
-
     folder = os.path.join(run_dir, ANNOUNCE_DIR)
     out = []
     try:

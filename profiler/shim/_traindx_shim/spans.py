@@ -36,6 +36,7 @@ import gc
 import os
 import threading
 import time
+import weakref
 
 from . import cpustat, emit, importhooks, report_error
 from .frames import first_user_frame
@@ -142,8 +143,6 @@ def _on_dataloader(module: Any) -> None:
 
 def _remember(iterators: dict[int, Any], it: object) -> None:
     try:
-        import weakref
-
         key = id(it)
         forget = lambda _ref, key=key: iterators.pop(key, None)
         iterators[key] = weakref.ref(it, forget)
@@ -207,6 +206,7 @@ def _on_torch(torch: Any) -> None:
     )
     torch.autograd.backward = _timed("backward", torch.autograd.backward)
     torch.save = _timed("io", torch.save, with_caller=True, label="torch.save")
+    # torch is imported here only once the job has imported it: the shim never imports it first
     from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
     register_optimizer_step_pre_hook(_guard(_opt_pre, "optimizer pre hook"))

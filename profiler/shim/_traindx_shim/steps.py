@@ -38,6 +38,7 @@ stop is pending).
 
 from __future__ import annotations
 
+import atexit
 import functools
 import os
 import threading
@@ -481,6 +482,7 @@ def marker(source: str = "traindx.step") -> None:
 @guarded("torch import hook")
 def _on_torch(torch: Any) -> None:
     _state["torch"] = torch
+    # torch is imported here only once the job has imported it: the shim never imports it first
     from torch.optim.optimizer import (
         Optimizer,
         register_optimizer_step_post_hook,
@@ -567,6 +569,5 @@ def register() -> None:
         _state["marker_in_main"] = _marker_in_main()
         if module_name != "__main__":
             importhooks.on_import(module_name, _on_marker_module)
-        import atexit
 
         atexit.register(_marker_never_found)

@@ -128,6 +128,7 @@ def _trace_path() -> str:
 
 def _start(step: int) -> None:
     torch = _state["torch"]
+    # torch is imported here only once the job has imported it: the shim never imports it first
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU]

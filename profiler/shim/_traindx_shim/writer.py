@@ -67,7 +67,7 @@ def load_redactor(env: Mapping[str, str], argv: list[str]) -> Any:
     """traindx.common.redact.Redactor of this process's secrets (its environment and arguments), loaded
     from its file (the job's interpreter need not be able to import traindx); None if it cannot
     be (the caller then writes no argument values at all)."""
-    import importlib.util
+    import importlib.util  # only where a job writes argument values: the shim's start stays small
 
     for path in REDACT_CANDIDATES:
         if not os.path.isfile(path):

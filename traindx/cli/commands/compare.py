@@ -3,6 +3,8 @@ bootstrap 95 % interval, tokens/s, step-time CV, loss parity and a verdict.
 
 usage: diagnose compare RUN_A RUN_B          (RUN_A is the baseline)
        diagnose compare FIX_RUN              (a `diagnose --fix` folder: its baseline/candidate)
+
+rich, pandas and the recipes are imported where they are used: `diagnose compare --help` needs none.
 """
 
 from __future__ import annotations
