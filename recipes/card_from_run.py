@@ -138,7 +138,8 @@ def _throughput(run: RunRecord, args: CardOptions) -> _Throughput:
     # lazy: pandas and numpy, not for `diagnose card --help`
     from traindx.derive import throughput
     from traindx.derive.stats import parse_window, window_values
-    from traindx.recipes.ab import SHIM_SOURCES, profiled_positions, step_times, tokens_per_step
+    from traindx.derive.steptables import SHIM_SOURCES
+    from traindx.recipes.ab import profiled_positions, step_times, tokens_per_step
 
     series, source = step_times(run)
     times = series.to_numpy(dtype=float)

@@ -236,7 +236,7 @@ class RecipeCard:
         return (self.correctness or {}).get("convergence")
 
 
-class _CardDumper(yaml.SafeDumper):
+class _CardDumper(yaml.SafeDumper):  # type: ignore[misc]  # PyYAML has no type stubs installed: Any
     """Multi-line strings as literal blocks (`run: |`), as in the reference cards."""
 
 

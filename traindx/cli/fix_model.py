@@ -21,7 +21,7 @@ class FixEvent:
 
     kind: str
     text: str = ""
-    data: dict = field(default_factory=dict)
+    data: dict[str, Any] = field(default_factory=dict)
 
 
 class Say(Protocol):
@@ -69,11 +69,11 @@ class FixResult:
     status: str
     exit_code: int | None
     baseline: str
-    arms: list = field(default_factory=list)
+    arms: list[dict[str, Any]] = field(default_factory=list)
     best: str | None = None
-    comparison: dict | None = None
-    plan: dict | None = None
-    apply: list = field(default_factory=list)
+    comparison: dict[str, Any] | None = None
+    plan: dict[str, Any] | None = None
+    apply: list[str] = field(default_factory=list)
     # the warm-up arm run after the kept one (FixOptions.warm_up_after_fix), when it won
     warm_up: str | None = None
 
@@ -81,7 +81,7 @@ class FixResult:
     def fix_json(self) -> str:
         return os.path.join(self.root, "fix.json")
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 

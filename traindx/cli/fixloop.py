@@ -72,7 +72,7 @@ from traindx.common.errors import UserError
 from traindx.profiler.launcher import CommandNotFound, Job, Options, new_run_dir, resolve_command
 
 
-def fix(command: list, options: FixOptions | None = None) -> FixResult:
+def fix(command: list[str], options: FixOptions | None = None) -> FixResult:
     """Baseline, candidates by predicted saving, measured arms, the kept one (module doc)."""
     options = options or FixOptions()
     record_options = options.record or Options()
@@ -112,7 +112,7 @@ def fix(command: list, options: FixOptions | None = None) -> FixResult:
     return result
 
 
-def _fix_document(command: list, result: FixResult) -> dict:
+def _fix_document(command: list[str], result: FixResult) -> dict[str, Any]:
     doc = result.to_dict()
     doc["command"] = command
     best = next((a for a in result.arms if a["dir"] == result.best), None)
@@ -121,7 +121,7 @@ def _fix_document(command: list, result: FixResult) -> dict:
     return doc
 
 
-def _finished_baseline(base_dir: str, command: list) -> int | None:
+def _finished_baseline(base_dir: str, command: list[str]) -> int | None:
     """The raw exit code of a finished baseline of this command in base_dir, else None; a
     folder holding anything else is refused."""
     path = os.path.join(base_dir, "manifest.json")
@@ -140,7 +140,7 @@ def _finished_baseline(base_dir: str, command: list) -> int | None:
     return int(manifest.get("exit_code") or 0)
 
 
-def _default_job(command: list, run_dir: str, options: Any, until_diagnosed: bool = False) -> int | None:
+def _default_job(command: list[str], run_dir: str, options: Any, until_diagnosed: bool = False) -> int | None:
     """(until_diagnosed: no live judgement here, the arm runs its steps.)"""
 
     def echo(stream: str, text: str) -> None:

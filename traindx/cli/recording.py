@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from rich.console import Console
 
     from traindx.analyzers.live import LiveOptions
-    from traindx.cli.fixloop import FixEvent
+    from traindx.cli.fix_model import FixEvent
     from traindx.profiler.launcher import Options
 
 # the job succeeded but traindx could not analyse or report it: a pipeline must notice
@@ -197,7 +197,8 @@ def diagnose_with_fix(
 ) -> int | None:
     """`diagnose --fix`: the engine (traindx.cli.fixloop.fix) wired to the terminal; the A/B
     comparison printed by `print_comparison` (`diagnose compare`'s own)."""
-    from traindx.cli.fixloop import FixOptions, fix
+    from traindx.cli.fix_model import FixOptions
+    from traindx.cli.fixloop import fix
     from traindx.profiler import nodes
 
     if nodes.node_identity(command, os.environ, request.node):
