@@ -9,6 +9,7 @@ import argparse
 
 from traindx.cli import argtypes
 from traindx.cli.attaching import AttachOptions, attach
+from traindx.cli.commands import options
 
 
 def prepare_parser(parser: argparse.ArgumentParser) -> None:
@@ -23,9 +24,8 @@ def prepare_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--rank", type=argtypes.name, default=None, help="rank label (default: RANK of the process, or 0)"
     )
-    parser.add_argument("--out", type=argtypes.output_folder, default=argtypes.DEFAULT_RUNS, metavar="DIR")
-    parser.add_argument("--pyspy-rate", type=argtypes.pyspy_rate, default=20, metavar="HZ")
-    parser.add_argument("--dump-interval", type=argtypes.non_negative, default=2.0, metavar="S")
+    options.add_out(parser)
+    options.add_sampling(parser)
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:

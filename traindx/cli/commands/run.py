@@ -9,6 +9,7 @@ import argparse
 from typing import TYPE_CHECKING, Literal
 
 from traindx.cli import argtypes
+from traindx.cli.commands import options
 from traindx.cli.commands.compare import print_comparison
 from traindx.cli.recording import (  # noqa: F401  (record_job, _write_node_tables: re-exported)
     ANALYSIS_FAILED_EXIT,
@@ -51,13 +52,7 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
         help="each return of this function of the job ends a step (instead of "
         "optimizer steps); __main__:FUNCTION for the script itself",
     )
-    parser.add_argument(
-        "--out",
-        type=argtypes.output_folder,
-        default=argtypes.DEFAULT_RUNS,
-        metavar="DIR",
-        help="folder the run folder is created in (default: ./runs)",
-    )
+    options.add_out(parser)
     parser.add_argument(
         "--run-dir",
         type=argtypes.output_folder,
@@ -81,20 +76,7 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_evidence_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--pyspy-rate",
-        type=argtypes.pyspy_rate,
-        default=20,
-        metavar="HZ",
-        help="samples per second of each py-spy recorder (default 20)",
-    )
-    parser.add_argument(
-        "--dump-interval",
-        type=argtypes.non_negative,
-        default=2.0,
-        metavar="S",
-        help="seconds between py-spy GIL snapshots (0: none; default 2)",
-    )
+    options.add_sampling(parser)
     parser.add_argument(
         "--torch-profile",
         type=argtypes.torch_profile,
