@@ -8,7 +8,9 @@ run. Engines then receive values that are already valid.
 """
 
 import argparse
+import ast
 import importlib
+import importlib.util
 import math
 import os
 import pathlib
@@ -276,12 +278,23 @@ def existing_file(text: str) -> str:
     return text
 
 
+def _module_docstring(module_name: str) -> str | None:
+    """A module's docstring read from its source, without importing it: `diagnose -- cmd` builds
+    this list at every start, and importing each subcommand's module would import pandas and the
+    analyzers before the job starts."""
+    spec = importlib.util.find_spec(module_name)
+    if spec is None or not spec.origin or not spec.origin.endswith(".py"):
+        return importlib.import_module(module_name).__doc__
+    with open(spec.origin, encoding="utf-8") as source:
+        return ast.get_docstring(ast.parse(source.read()))
+
+
 def subcommand_list(commands: Mapping[str, str]) -> str:
     """The epilog of a parser with subcommands: one line each, from each module's docstring."""
     width = max(len(n) for n in commands)
     lines = []
     for cmd, module_name in commands.items():
-        doc = (importlib.import_module(module_name).__doc__ or "").strip().split("\n\n")[0]
+        doc = (_module_docstring(module_name) or "").strip().split("\n\n")[0]
         first = re.split(r"(?<=\w)[.:](?:\s|$)", " ".join(doc.split()), maxsplit=1)[0]
         lines.append(f"  {cmd.ljust(width)}  {first}")
     return "\n".join(lines)
