@@ -12,6 +12,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -64,6 +65,14 @@ def new_run_dir(root: str) -> str:
 
 def _reason(exc: BaseException) -> str:
     return getattr(exc, "strerror", None) or f"{type(exc).__name__}: {exc}"
+
+
+def write_output(stream: str, data: bytes) -> None:
+    """The job's bytes onto diagnose's own stdout ("o") or stderr, unchanged."""
+    (sys.stdout if stream == "o" else sys.stderr).flush()  # what diagnose printed comes first
+    fd = 1 if stream == "o" else 2
+    while data:
+        data = data[os.write(fd, data) :]
 
 
 class Options:
@@ -139,12 +148,13 @@ class Job:
         command: Sequence[str],
         run_dir: str,
         options: Options,
-        on_line: Callable[[str, str], object] | None = None,
+        on_output: Callable[[str, bytes], object] | None = None,
     ) -> None:
         self.command = list(command)
         self.run_dir = run_dir
         self.options = options
-        self.on_line = on_line or (lambda stream, text: None)
+        # the job's bytes as it wrote them ("o"/"e", a read of its pipe): the caller writes them
+        self.on_output = on_output or write_output
         self.proc: subprocess.Popen[bytes] | None = None
         self.missing: dict[str, Any] = {}
         self.signals: list[str] = []
@@ -205,7 +215,7 @@ class Job:
             os.path.join(self.run_dir, "log.txt"),
             budget.segment_bytes(rolling.LOG_SHARE),
             budget.cap(rolling.LOG_SHARE),
-            self.on_line,
+            self.on_output,
             secret_values=self.redactor.values,
         )
         pyspy = PySpyManager(
@@ -277,7 +287,7 @@ class Job:
                 cwd=self.options.cwd,
                 stdout=job_out,
                 stderr=job_err,
-                stdin=subprocess.DEVNULL,
+                stdin=None,  # the job reads what diagnose was given (a pipe, a file, the terminal)
                 start_new_session=True,
             )
         except OSError as exc:

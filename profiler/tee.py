@@ -7,10 +7,16 @@ stops reading after the job's end. This process runs in its own session (a Ctrl-
 diagnose does not reach it), holds the read ends of the job's stdout and stderr, and ends only
 when every writer has closed them (the job and whatever it started), as the terminal would.
 
-While diagnose is there, each line goes to diagnose over a socket (diagnose prints it, so the
-live status line stays intact) and, timestamped and redacted, into log.txt. When diagnose says
-it is done recording, or is gone without saying so, lines go straight to the terminal (the
-stdout/stderr this process inherited from diagnose) and on into log.txt, up to the log's budget.
+The job's bytes pass through unchanged: each read of a pipe goes on as it was read (binary
+output, invalid UTF-8, a line of any length, a carriage return), never decoded on the way to the
+terminal or to whatever the caller pipes diagnose into. While diagnose is there, each read goes
+to diagnose over the socket as one frame (diagnose writes it, so the live status line stays
+intact); when diagnose says it is done recording, or is gone without saying so, reads go
+straight to the terminal (the stdout/stderr this process inherited from diagnose).
+
+log.txt keeps, timestamped and redacted, the lines it can read as text: a line's bytes that are
+not UTF-8 are shown as U+FFFD and the line says how many there were; a binary line is one note
+of its size; a line past MAX_LINE_BYTES is logged in pieces (the terminal still gets it whole).
 A write that fails (a full disk) stops the log with one message to diagnose; the output still
 reaches the terminal. Nothing here may raise into the pipes' writers: every error is caught.
 
@@ -24,6 +30,7 @@ import queue
 import selectors
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -34,12 +41,18 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # annotations only: imported where the log opens
     from traindx.profiler.rolling import RollingLines
 
-# a line longer than this without a newline is cut into pieces (memory stays bounded)
+# a line longer than this without a newline is logged in pieces (memory stays bounded)
 MAX_LINE_BYTES = 1 << 20
-# messages on the socket: "o TEXT" / "e TEXT" (a line of the job's), "! TEXT" (a problem)
+# frames on the socket, tee -> diagnose: one tag byte, the payload's length (4 bytes, big
+# endian), the payload: b"o" / b"e" (the job's bytes as read), b"!" (a problem, UTF-8 text),
+# b"=" (every writer has closed the job's pipes: no daemon holds them)
+FRAME = struct.Struct(">cI")
+PROBLEM = b"!"
+CLOSED = b"="
 DONE = b"done\n"  # diagnose -> tee: recording is over, print straight to the terminal from now
 READY = b"+\n"  # tee -> diagnose, once: reading the pipes from now
-CLOSED = "="  # tee -> diagnose: every writer has closed the job's pipes (no daemon holds them)
+# a line with more than this share of its characters not text is binary: logged as its size
+BINARY_SHARE = 0.5
 # lines waiting for the log (redaction costs ~40 us a line): a burst of output is not slowed
 # by it; past this many batches (256 MiB at most), reading the pipes waits for the log
 LOG_QUEUE_BATCHES = 4096  # each at most one 64 KiB read
@@ -61,6 +74,29 @@ def redactor(config: dict[str, Any]) -> Callable[[str], str]:
     return redact.Redactor(config.get("secret_values") or ()).line
 
 
+def log_text(raw: bytes) -> str:
+    """One line of the job's output as log.txt keeps it: its text, where bytes that are not
+    UTF-8 and control characters (but tab, carriage return, escape) are shown as U+FFFD with a
+    note of how many there were; a binary line (mostly such bytes) as a note of its size."""
+    text = raw.decode("utf-8", "replace")
+    if text.isprintable() and "\ufffd" not in text:
+        return text
+    unreadable = 0
+    chars = []
+    for ch in text:
+        if ch.isprintable() and ch != "\ufffd" or ch in "\t\r\x1b":
+            chars.append(ch)
+        else:
+            chars.append("\ufffd")
+            unreadable += 1
+    if not unreadable:
+        return text
+    if unreadable > len(text) * BINARY_SHARE:
+        return f"[traindx: {len(raw)} bytes of binary output, not kept in log.txt]"
+    plural = "s" if unreadable != 1 else ""
+    return f"{''.join(chars)} [traindx: {unreadable} byte{plural} not text here, shown as \ufffd]"
+
+
 class Tee:
     def __init__(self, out_fd: int, err_fd: int, sock: socket.socket | None, config: dict[str, Any]) -> None:
         self.streams = {out_fd: "o", err_fd: "e"}
@@ -72,7 +108,7 @@ class Tee:
         self.unsupervised_bytes = 0  # written to the log with no roller keeping its budget
         self.supervised = sock is not None
         self._send_lock = threading.Lock()
-        self._queue: queue.Queue[tuple[int, str, list[str]] | None] = queue.Queue(LOG_QUEUE_BATCHES)
+        self._queue: queue.Queue[tuple[int, str, list[bytes]] | None] = queue.Queue(LOG_QUEUE_BATCHES)
         self._writer: threading.Thread | None = None
         self.log: RollingLines | None = None
         if config.get("log"):
@@ -85,15 +121,12 @@ class Tee:
                 self.problem(f"log.txt was not written: {_reason(exc)}")
 
     # -- to diagnose -------------------------------------------------------------------------
-    def _send(self, tag: str, text: str) -> bool:
-        return self._send_lines(tag, [text])
-
-    def _send_lines(self, tag: str, texts: list[str]) -> bool:
+    def _send(self, tag: bytes, payload: bytes) -> bool:
         with self._send_lock:
             if self.sock is None:
                 return False
             try:
-                self.sock.sendall("".join(f"{tag} {text}\n" for text in texts).encode("utf-8", "replace"))
+                self.sock.sendall(FRAME.pack(tag, len(payload)) + payload)
                 return True
             except OSError:
                 self._detach_locked()
@@ -113,32 +146,28 @@ class Tee:
         self.supervised = False
 
     def problem(self, text: str) -> None:
-        self._send("!", " ".join(text.split()))
+        self._send(PROBLEM, " ".join(text.split()).encode("utf-8", "replace"))
 
-    # -- lines -------------------------------------------------------------------------------
-    def lines(self, tag: str, raws: list[bytes], t: int) -> None:
-        """Lines read together from one stream: one message to diagnose (or one write to the
-        terminal) and one batch for the log writer."""
-        texts = [raw.decode("utf-8", "replace") for raw in raws]
-        if not self._send_lines(tag, texts):
+    # -- output --------------------------------------------------------------------------------
+    def output(self, tag: str, chunk: bytes) -> None:
+        """One read of the job's pipe, as it was read: to diagnose, else to the terminal."""
+        if not self._send(tag.encode(), chunk):
             try:
-                _write_all(self.terminal[tag], b"".join(raw + b"\n" for raw in raws))
+                _write_all(self.terminal[tag], chunk)
             except OSError:
                 pass  # no terminal any more (hung up): the log still gets the lines
-        if self.log is not None:
-            self._queue.put((t, tag, texts))
 
     def _write_log(self) -> None:
-        """The log writer thread: redacts and writes each queued line, in order."""
+        """The log writer thread: decodes, redacts and writes each queued line, in order."""
         while True:
             item = self._queue.get()
             if item is None:
                 return
-            t, tag, texts = item
+            t, tag, raws = item
             if self.log is None:
                 continue
             try:
-                entry = "".join(f"{t} {tag} {self.redact(text)}\n" for text in texts)
+                entry = "".join(f"{t} {tag} {self.redact(log_text(raw))}\n" for raw in raws)
                 self.log.write(entry)
                 if not self.supervised:
                     self.unsupervised_bytes += len(entry)
@@ -168,11 +197,14 @@ class Tee:
         t = time.time_ns()
         tag = self.streams[fd]
         if not chunk:
-            if self.partial[fd]:
-                self.lines(tag, [self.partial[fd]], t)
+            if self.partial[fd] and self.log is not None:
+                self._queue.put((t, tag, [self.partial[fd]]))
             sel.unregister(fd)
             os.close(fd)
             del self.streams[fd]
+            return
+        self.output(tag, chunk)
+        if self.log is None:
             return
         pending = self.partial[fd] + chunk
         *complete, rest = pending.split(b"\n")
@@ -180,7 +212,7 @@ class Tee:
             complete.append(rest[:MAX_LINE_BYTES])
             rest = rest[MAX_LINE_BYTES:]
         if complete:
-            self.lines(tag, complete, t)
+            self._queue.put((t, tag, complete))
         self.partial[fd] = rest
 
     def _control(self, sel: selectors.BaseSelector) -> None:
@@ -216,7 +248,7 @@ class Tee:
                         self._read(key.fd, sel)
                 except Exception as exc:  # never stop reading the job's pipes
                     self.problem(f"output relay: {_reason(exc)}")
-        self._send(CLOSED, "")
+        self._send(CLOSED, b"")
         if self._writer is not None:
             self._queue.put(None)
             self._writer.join()
@@ -243,8 +275,8 @@ def _read_config(sock: socket.socket) -> dict[str, Any]:
 
 
 class OutputRelay:
-    """diagnose's side: starts the tee, gives the job the write ends of its pipes, prints what
-    the tee forwards, and lets go once the job has ended (not waiting for a daemon the job left
+    """diagnose's side: starts the tee, gives the job the write ends of its pipes, hands what
+    the tee forwards (the job's bytes, unchanged) to on_output, and lets go once the job has ended (not waiting for a daemon the job left
     holding its output)."""
 
     # after the job's end, the tee is waited for this long to reach the end of its pipes; past
@@ -259,7 +291,7 @@ class OutputRelay:
         log_path: str,
         segment_bytes: int,
         cap_bytes: int,
-        on_line: Callable[[str, str], object],
+        on_output: Callable[[str, bytes], object],
         secret_values: Iterable[str] = (),
     ) -> None:
         self.config = {
@@ -268,7 +300,7 @@ class OutputRelay:
             "cap_bytes": cap_bytes,
             "secret_values": list(secret_values),
         }
-        self.on_line = on_line
+        self.on_output = on_output
         self.problems: list[str] = []
         self.proc: subprocess.Popen[bytes] | None = None
         self._pipes_closed = threading.Event()
@@ -327,24 +359,28 @@ class OutputRelay:
 
     def _relay(self) -> None:
         assert self._sock is not None  # start() set it
-        with self._sock.makefile("rb") as lines:
-            for raw in lines:
-                tag, _, text = raw.decode("utf-8", "replace").rstrip("\n").partition(" ")
-                if tag == "!":
-                    self.problems.append(text)
-                    continue
-                if tag == CLOSED:
+        with self._sock.makefile("rb") as frames:
+            while True:
+                head = frames.read(FRAME.size)
+                if len(head) < FRAME.size:
+                    return
+                tag, size = FRAME.unpack(head)
+                payload = frames.read(size)
+                if tag == PROBLEM:
+                    self.problems.append(payload.decode("utf-8", "replace"))
+                elif tag == CLOSED:
                     self._pipes_closed.set()
-                    continue
-                try:
-                    self.on_line(tag, text)
-                except Exception:
-                    sink = sys.stdout if tag == "o" else sys.stderr
-                    try:
-                        sink.write(text + "\n")
-                        sink.flush()
-                    except (OSError, ValueError):
-                        pass
+                else:
+                    self._pass(tag.decode(), payload)
+
+    def _pass(self, tag: str, data: bytes) -> None:
+        try:
+            self.on_output(tag, data)
+        except Exception:
+            try:
+                _write_all(1 if tag == "o" else 2, data)
+            except OSError:
+                pass
 
     def finish(self) -> None:
         """The job has ended: its last lines are printed, then the tee goes on by itself."""

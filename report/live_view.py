@@ -4,6 +4,7 @@ and each stable finding printed once, with its first prescription. It only rende
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from types import TracebackType
@@ -122,11 +123,28 @@ class LiveView:
                 line, markup=False, highlight=False, soft_wrap=True, style=style if i == 0 else ""
             )
 
-    def print_line(self, stream: str, text: str) -> None:
-        """The job's own output, above the live line."""
-        if self._live is not None:
-            self._live.console.print(text, markup=False, highlight=False, emoji=False)
-        else:
-            out = sys.stdout if stream == "o" else sys.stderr
-            out.write(text + "\n")
-            out.flush()
+    def write_output(self, stream: str, data: bytes) -> None:
+        """The job's own bytes ("o": stdout, else stderr), unchanged, above the live line."""
+        fd = 1 if stream == "o" else 2
+        live = self._live
+        if live is None:
+            (sys.stdout if stream == "o" else sys.stderr).flush()
+            _write_all(fd, data)
+            return
+        # rich draws the status line again at its next refresh; until then it is erased so
+        # that the job's bytes start where it was (rich's own print does the same)
+        with live._lock:
+            try:
+                self.console.control(live._live_render.position_cursor())
+                self.console.file.flush()
+            except Exception:  # rich's internals moved: the bytes still go out whole
+                pass
+            _write_all(fd, data)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    try:
+        while data:
+            data = data[os.write(fd, data) :]
+    except OSError:
+        pass  # the terminal or the reader of diagnose's output is gone

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -143,13 +142,8 @@ def _finished_baseline(base_dir: str, command: list[str]) -> int | None:
 def _default_job(command: list[str], run_dir: str, options: Any, until_diagnosed: bool = False) -> int | None:
     """(until_diagnosed: no live judgement here, the arm runs its steps.)"""
 
-    def echo(stream: str, text: str) -> None:
-        out = sys.stdout if stream == "o" else sys.stderr
-        out.write(text + "\n")
-        out.flush()
-
     try:
-        return Job(command, run_dir, options, on_line=echo).run()
+        return Job(command, run_dir, options).run()  # output to our stdout/stderr
     except CommandNotFound as exc:
         raise UserError(str(exc)) from None
 

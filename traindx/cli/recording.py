@@ -93,7 +93,7 @@ def record_job(
 
     live_options = LiveOptions() if live is None else live
     view = LiveView(live=False if quiet else None)
-    job = Job(command, run_dir, options, on_line=view.print_line)
+    job = Job(command, run_dir, options, on_output=view.write_output)
 
     def deep_capture(kind: str, why: str) -> None:  # py-spy snapshots now, a profiler window next step
         job.burst(kind)
