@@ -65,7 +65,7 @@ def run_meta(run: RunRecord) -> dict[str, Any]:
     env = {}
     for name, value in sorted((m.get("env") or {}).items()):
         if is_relevant_var(name):  # anything else in the (redacted) env stays out
-            env[name] = redact.REDACTED if redact.is_secret_name(name) else clip(value, 400)
+            env[name] = redact.REDACTED if redact.secret_env(name, value) else clip(value, 400)
     command = m.get("command") or []
     return {
         "id": os.path.basename(run.path.rstrip(os.sep)),

@@ -4,11 +4,13 @@ its runner's parts share. The engine is traindx/cli/fixloop.py."""
 from __future__ import annotations
 
 import copy
+import json
 import os
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
+from traindx.common import redact
 from traindx.common.atomic import write_json
 
 DEFAULT_TRIES = 3
@@ -94,5 +96,7 @@ def with_options(options: Any, **changes: Any) -> Any:
 
 
 def write_fix_json(path: str, data: Any) -> None:
-    """fix.json and comparison.json: indented, anything not JSON as its str()."""
-    write_json(path, data, indent=2, default=str)
+    """fix.json and comparison.json: indented, anything not JSON as its str(), every secret
+    (of the job's environment, of the commands it holds, by name and by shape) hidden."""
+    document = json.loads(json.dumps(data, default=str))  # JSON values only, then redacted
+    write_json(path, redact.redact_document(document, os.environ), indent=2)

@@ -67,6 +67,7 @@ from traindx.cli.fix_prepare import (  # noqa: F401  (re-exported)
     warm_cache,
 )
 from traindx.cli.fix_runner import run_loop
+from traindx.cli.fix_scrub import scrub_copies
 from traindx.common.errors import UserError
 from traindx.profiler.launcher import CommandNotFound, Job, Options, new_run_dir, resolve_command
 
@@ -107,6 +108,8 @@ def fix(command: list[str], options: FixOptions | None = None) -> FixResult:
         raise
     finally:
         write_fix_json(result.fix_json, _fix_document(command, result))
+        for problem in scrub_copies(root, command, os.environ):
+            say("warning", f"a copy of the job's files may still hold a secret: {problem}")
     say("info", f"fix: {root}")
     return result
 

@@ -35,6 +35,10 @@ ALWAYS_WORDS = frozenset(
         "credential",
         "credentials",
         "cookie",
+        "cred",
+        "creds",
+        "pass",
+        "passcode",
         "apikey",
         "accesskey",
         "privatekey",
@@ -70,6 +74,34 @@ ALWAYS_PAIRS = frozenset(
 KEYLIKE_WORDS = frozenset(
     {"token", "tokens", "key", "keys", "auth", "pat", "sig", "signature", "private", "access", "dsn"}
 )
+# parts of a name, inside any word (MYCO_CREDS, DBPASSWORD, XAPIKEY): a secret's name whatever
+# its spelling
+ALWAYS_PARTS = (
+    "secret",
+    "passw",
+    "passwd",
+    "passcode",
+    "passphrase",
+    "cred",
+    "apikey",
+    "accesskey",
+    "privatekey",
+    "secretkey",
+    "signingkey",
+    "authtoken",
+    "accesstoken",
+    "sessiontoken",
+    "refreshtoken",
+)
+# parts that make an environment variable's value a secret unless it is plainly not one (a
+# flag, a number: TOKENIZERS_PARALLELISM=false, NCCL_IB_PKEY=0)
+ENV_PARTS = ("key", "token", "pass", "auth", "pwd", "cookie", "private", "dsn")
+_HARMLESS = re.compile(
+    r"(?i)^(?:|true|false|yes|no|on|off|none|null|auto|[-+]?\d{1,10}(?:\.\d+)?(?:e[-+]?\d+)?)$"
+)
+# a value that is a random key by its shape alone: long, upper and lower case and digits mixed
+# (a hex hash, a path, a model name or a UUID is not)
+_RANDOM_KEY = re.compile(r"^(?=\S*[0-9])(?=\S*[a-z])(?=\S*[A-Z])[A-Za-z0-9+/_\-]{24,}={0,2}$")
 _WORD_SPLIT = re.compile(r"[^A-Za-z0-9]+|(?<=[a-z0-9])(?=[A-Z])")
 # a value that looks like a key: long, no spaces, not a path, letters and digits mixed
 _KEYLIKE = re.compile(r"^(?![./~])(?=\S*[0-9])(?=\S*[A-Za-z])[A-Za-z0-9+=_\-.]{16,}$")
@@ -128,6 +160,13 @@ _NAME_TRIGGERS = (
 )
 # NAME=value in free text (a log line echoing `export WANDB_API_KEY=...`)
 _ASSIGNMENT = re.compile(r"\b([A-Za-z_][A-Za-z0-9_]*)=([^\s;&\"']+)")
+# name: value / 'name': 'value' / "name": "value" / name = 'value' in free text (a config the
+# job prints as a dict, JSON or YAML); a quoted value may hold spaces
+_KEY_QUOTED = re.compile(
+    r"""(?<![\w.\-])(["']?)([A-Za-z_][A-Za-z0-9_.\-]*)\1[ \t]*[:=][ \t]*(["'])(.*?)(?<!\\)\3"""
+)
+_KEY_BARE = re.compile(r"""(?<![\w.\-])(["']?)([A-Za-z_][A-Za-z0-9_.\-]*)\1[ \t]*:[ \t]+([^\s,;'"}\])]+)""")
+_NO_VALUE = frozenset({"", "none", "null", "nil", "~", "true", "false", REDACTED.lower()})
 # --option value / --option=value in free text (a log line echoing the job's arguments)
 _OPTION = re.compile(r"(?<![\w-])(--?[A-Za-z][A-Za-z0-9_\-]*)(=|[ \t]+)([^\s\"',]+)")
 
@@ -141,14 +180,39 @@ def secret_name_strength(name: str) -> str | None:
     words = name_words(name)
     if any(w in ALWAYS_WORDS for w in words) or any(p in ALWAYS_PAIRS for p in zip(words, words[1:])):
         return "always"
+    joined = "".join(words)
+    if any(part in joined for part in ALWAYS_PARTS):
+        return "always"
     if any(w in KEYLIKE_WORDS for w in words):
         return "keylike"
     return None
 
 
 def is_secret_name(name: str) -> bool:
-    """An environment variable named like a secret: its value is never shown."""
+    """A name that says its value may be a secret."""
     return secret_name_strength(name) is not None
+
+
+def is_harmless(value: object) -> bool:
+    """A flag or a small number: no secret, whatever its name (TOKENIZERS_PARALLELISM=false)."""
+    return bool(_HARMLESS.match(str(value).strip()))
+
+
+def looks_random(value: object) -> bool:
+    """A value that is a key by its shape alone (long, mixed case and digits)."""
+    return bool(_RANDOM_KEY.match(str(value)))
+
+
+def secret_env(name: str, value: object) -> bool:
+    """An environment variable whose value is a secret: named like one (any spelling: *CRED*,
+    *PASS*, *TOKEN*, *KEY*, *SECRET*, *AUTH*, ...) unless the value is a flag or a small
+    number, or whatever its name when the value is a random key by its shape."""
+    if secret_name_strength(name) == "always":
+        return True
+    joined = "".join(name_words(name))
+    if (any(part in joined for part in ENV_PARTS) or secret_name_strength(name)) and not is_harmless(value):
+        return True
+    return isinstance(value, str) and looks_random(value)
 
 
 def looks_like_key(value: str) -> bool:
@@ -159,6 +223,26 @@ def looks_like_key(value: str) -> bool:
 def _secret_value_for(name: str, value: Any) -> bool:
     strength = secret_name_strength(name)
     return strength == "always" or (strength == "keylike" and looks_like_key(value))
+
+
+def _secret_pair(name: str, value: str) -> bool:
+    """A name: value pair a job printed (a dict, JSON, YAML) that holds a secret."""
+    if value.strip().lower() in _NO_VALUE:
+        return False
+    strength = secret_name_strength(name)
+    if strength == "always":
+        return True
+    # named like a key or a token: anything but a flag, a number, a path or words
+    return (
+        strength == "keylike"
+        and len(value) >= MIN_SECRET_CHARS
+        and not (is_harmless(value) or "/" in value or any(c.isspace() for c in value))
+    )
+
+
+def _hide_pairs(text: str) -> str:
+    text = _KEY_QUOTED.sub(lambda m: _hide_group(m, 4) if _secret_pair(m[2], m[4]) else m[0], text)
+    return _KEY_BARE.sub(lambda m: _hide_group(m, 3) if _secret_pair(m[2], m[3]) else m[0], text)
 
 
 def _hide_group(match: re.Match[str], group: int | str) -> str:
@@ -179,6 +263,7 @@ def redact_text(text: str) -> str:
             text = pattern.sub(functools.partial(_hide_group, group=group), text)
     if not any(w in lower for w in _NAME_TRIGGERS):
         return text  # no NAME=value or --option value named like a secret can be in it
+    text = _hide_pairs(text)
     text = _ASSIGNMENT.sub(
         lambda m: f"{m[1]}={REDACTED}" if m[2] != REDACTED and _secret_value_for(m[1], m[2]) else m[0], text
     )
@@ -196,7 +281,7 @@ def redact_env(env: Mapping[str, Any] | None) -> dict[str, Any]:
     """{name: value} sorted by name; a secret's name hides its value, other values lose the
     secrets they contain (a password in DATABASE_URL)."""
     return {
-        k: (REDACTED if is_secret_name(k) else redact_text(v) if isinstance(v, str) else v)
+        k: (REDACTED if secret_env(k, v) else redact_text(v) if isinstance(v, str) else v)
         for k, v in sorted((env or {}).items())
     }
 
@@ -284,7 +369,9 @@ def secret_values(env: Mapping[str, Any] | None = None, argv: Iterable[Any] | No
     for name, value in (env or {}).items():
         if not isinstance(value, str) or not value:
             continue
-        if _secret_value_for(name, value):
+        if secret_env(name, value) and (
+            secret_name_strength(name) == "always" or not any(c.isspace() for c in value)
+        ):  # hidden wherever it appears: a value with spaces must be named a secret outright
             values.append(value)
         else:
             values += secrets_in_text(value)
@@ -349,3 +436,26 @@ class Redactor:
         if isinstance(value, (list, tuple)):
             return [self.value(v) for v in value]
         return value
+
+
+def _argv_lists(value: Any) -> Iterable[list[str]]:
+    """Every list of strings inside a JSON-able value (the command lines a document holds)."""
+    if isinstance(value, dict):
+        for v in value.values():
+            yield from _argv_lists(v)
+    elif isinstance(value, (list, tuple)):
+        if value and all(isinstance(v, str) for v in value):
+            yield list(value)
+        else:
+            for v in value:
+                yield from _argv_lists(v)
+
+
+def redact_document(value: Any, env: Mapping[str, Any] | None = None) -> Any:
+    """A document traindx writes outside a run's own recorder (fix.json, a comparison): the
+    secrets of the environment it ran in and of every command line it holds hidden wherever they
+    appear, then every secret by name and by shape (Redactor.value)."""
+    values = secret_values(env)
+    for argv in _argv_lists(value):
+        values += secret_values(None, argv)
+    return Redactor(values).value(value)
