@@ -159,6 +159,8 @@ class Job:
         self.missing: dict[str, Any] = {}
         self.signals: list[str] = []
         self.not_written: list[str] = []  # one line per file (or part of one) a failed write left out
+        self.folder_gone: str | None = None  # the run folder was deleted while the job ran
+        self._folder_id: tuple[int, int] | None = None
         self._pyspy: PySpyManager | None = None
         self.redactor = redact.Redactor.for_job(os.environ, self.command)  # run() adds the job env
 
@@ -176,10 +178,19 @@ class Job:
         CommandNotFound, or RunDirRefused before anything starts."""
         resolve_command(self.command)
         lock = manifest_mod.claim_run_dir(self.run_dir)
+        st = os.stat(self.run_dir)
+        self._folder_id = (st.st_dev, st.st_ino)  # a folder made again at its path is another
         try:
             return self._record()
         finally:
             lock.release()
+
+    def _same_folder(self) -> bool:
+        try:
+            st = os.stat(self.run_dir)
+        except OSError:
+            return False
+        return (st.st_dev, st.st_ino) == self._folder_id
 
     def _write_manifest(self, manifest: dict[str, Any], what: str) -> bool:
         try:
@@ -234,7 +245,10 @@ class Job:
             relay.finish()  # still under the forwarding handlers: a Ctrl-C here is the job's
             for s, h in previous.items():
                 signal.signal(s, h)
-            self._finish(manifest, nvml, pyspy, roller, relay)
+            try:  # the job has ended: nothing here may change its exit code
+                self._finish(manifest, nvml, pyspy, roller, relay)
+            except Exception as exc:
+                self.not_written.append(f"the end of the run ({_reason(exc)})")
 
     def _first_manifest(self, env: dict[str, str]) -> dict[str, Any]:
         """The manifest written before the job starts (status `running`); RunDirRefused when
@@ -315,6 +329,18 @@ class Job:
         roller: rolling.Roller,
         relay: OutputRelay,
     ) -> None:
+        if not self._same_folder():  # deleted while the job ran: one line, no more
+            for stop in (nvml.stop, pyspy.stop, roller.stop):
+                try:
+                    stop()
+                except Exception:
+                    pass
+            self.not_written = []
+            self.folder_gone = (
+                f"the run folder {self.run_dir} was deleted while the job ran: nothing "
+                f"was recorded (the job's exit code {self.proc.returncode if self.proc else None} passes through)"
+            )
+            return
         nvml.stop()
         pyspy.stop()
         roller.stop()

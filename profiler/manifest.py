@@ -114,10 +114,12 @@ def claim_run_dir(run_dir: str) -> RunLock:
     cannot be written."""
     if os.path.lexists(run_dir) and not os.path.isdir(run_dir):
         raise RunDirRefused(f"{run_dir} is a file, not a folder: give a folder for the run")
+    _refuse_links(run_dir)
     _refuse_a_used_folder(run_dir)  # before the lock file: a used folder gets nothing new
     try:
         os.makedirs(run_dir, exist_ok=True)
-        fd = os.open(_lock_path(run_dir), os.O_RDWR | os.O_CREAT, 0o644)
+        # never through a link planted meanwhile (O_NOFOLLOW: ELOOP)
+        fd = os.open(_lock_path(run_dir), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
     except OSError as exc:
         raise RunDirRefused(f"cannot write the run folder {run_dir}: {_reason(exc)}") from None
     try:
@@ -141,6 +143,19 @@ def claim_run_dir(run_dir: str) -> RunLock:
         os.close(fd)
         raise RunDirRefused(f"cannot write the run folder {run_dir}: {_reason(exc)}") from None
     return RunLock(fd)
+
+
+def _refuse_links(run_dir: str) -> None:
+    """A run folder is traindx's alone: one that holds a symbolic link (to a file or a folder
+    elsewhere, which a write of ours would go through) is refused."""
+    for folder, dirs, files in os.walk(run_dir):  # os.walk does not descend into linked folders
+        for name in dirs + files:
+            path = os.path.join(folder, name)
+            if os.path.islink(path):
+                raise RunDirRefused(
+                    f"{run_dir} holds a symbolic link ({os.path.relpath(path, run_dir)} -> "
+                    f"{os.readlink(path)}): a run folder is traindx's alone; give a new --run-dir"
+                )
 
 
 def _refuse_a_used_folder(run_dir: str) -> None:

@@ -296,8 +296,11 @@ class RankSampler:
                         proc.kill()
             log.close()  # the same log file every window of this flavour appended to
             if proc.returncode not in (0, None, -2):
-                with open(log.name) as f:
-                    tail = f.read().strip().splitlines()[-1:] or ["no output"]
+                try:
+                    with open(log.name) as f:
+                        tail = f.read().strip().splitlines()[-1:] or ["no output"]
+                except OSError as exc:  # the run folder deleted under it
+                    tail = [f"its log is gone ({exc.strerror})"]
                 self.errors.append(f"py-spy {flavour} recorder exited {proc.returncode}: {tail[0]}")
         if self._dump_thread is not None:
             self._dump_thread.join(timeout=12)

@@ -23,7 +23,7 @@ import shutil
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TextIO
 
 from traindx.common import atomic
 from traindx.common.errors import UserError
@@ -83,13 +83,19 @@ class Budget:
 
 
 # -- line files ------------------------------------------------------------------------------
+def _open_own(path: str, mode: str) -> TextIO:
+    """A text file of the run folder for writing ("w" or "a"), never through a symbolic link."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | (os.O_APPEND if mode == "a" else os.O_TRUNC)
+    return os.fdopen(os.open(path, flags, 0o644), mode, encoding="utf-8")
+
+
 class RollingLines:
     """An append-only line file written in segments of `segment_bytes` (0: one file)."""
 
     def __init__(self, head: str, segment_bytes: int = 0, mode: str = "w") -> None:
         self.head = head
         self.segment_bytes = segment_bytes
-        self._file = open(head, mode, encoding="utf-8")
+        self._file = _open_own(head, mode)
         self._written = self._file.tell()
         existing = segments(head)
         self._n = existing[-1][0] if existing else 0
@@ -101,7 +107,7 @@ class RollingLines:
         if self.segment_bytes and self._written >= self.segment_bytes and text.endswith("\n"):
             self._n += 1
             self._file.close()
-            self._file = open(segment_path(self.head, self._n), "w", encoding="utf-8")
+            self._file = _open_own(segment_path(self.head, self._n), "w")
             self._written = 0
 
     def flush(self) -> None:

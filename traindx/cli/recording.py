@@ -126,6 +126,8 @@ def record_job(
             raise
         raise UserError(f"cannot start {command[0]}: {exc.strerror or exc}") from None
     finally:
+        if job.folder_gone:
+            print(f"diagnose: warning: {job.folder_gone}", file=sys.stderr)
         for line in job.not_written:
             print(f"diagnose: not written: {one_line(line)}", file=sys.stderr)
 
@@ -147,6 +149,8 @@ def diagnose(command: list[str], request: JobRequest) -> int:
             shutil.rmtree(run_dir, ignore_errors=True)
         raise
     status: int = exit_status(returncode)
+    if not os.path.isfile(os.path.join(run_dir, "manifest.json")):  # deleted while the job ran
+        return status  # (record_job said so in one line)
     if node:
         record_node(run_dir, node)
         write_node_tables(run_dir)

@@ -80,8 +80,7 @@ def is_training() -> bool:
 
 
 def _start_writer(deferred: bool) -> None:
-    events_dir = os.path.join(_state["run_dir"], roles.EVENTS_DIR)
-    os.makedirs(events_dir, exist_ok=True)
+    events_dir = roles.own_dir(os.path.join(_state["run_dir"], roles.EVENTS_DIR))
     rank, source = roles.rank_from_env(os.environ)
     writer = EventWriter(events_dir, deferred=deferred)
     writer.rank = rank or "0"
@@ -113,8 +112,7 @@ def _start_writer(deferred: bool) -> None:
 
 def _announce() -> None:
     """procs/<pid>.json: this pid trains (the py-spy manager starts its recorders on it)."""
-    folder = os.path.join(_state["run_dir"], roles.ANNOUNCE_DIR)
-    os.makedirs(folder, exist_ok=True)
+    folder = roles.own_dir(os.path.join(_state["run_dir"], roles.ANNOUNCE_DIR))
     pid = os.getpid()
     w = _state["writer"]
     entry = {
@@ -131,7 +129,7 @@ def _announce() -> None:
     # a file of this thread's own: two threads announcing at once (the writer thread's process-
     # group poll and the job's init_process_group) would otherwise write one file over the other
     tmp = os.path.join(folder, f".{pid}.{threading.get_ident()}.json.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
+    with roles.open_new_text(tmp) as f:
         json.dump(entry, f)
     os.replace(tmp, os.path.join(folder, f"{pid}.json"))
 

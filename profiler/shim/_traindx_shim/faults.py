@@ -13,6 +13,8 @@ from __future__ import annotations
 import faulthandler
 import os
 
+from . import roles
+
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing into the job (mypy knows the name)
 if TYPE_CHECKING:
     from typing import Any
@@ -34,9 +36,9 @@ def install(run_dir: str) -> None:
     if faulthandler.is_enabled() and _state["pid"] is None:
         return  # the job's own
     try:
-        os.makedirs(os.path.join(run_dir, FAULTS_DIR), exist_ok=True)
+        roles.own_dir(os.path.join(run_dir, FAULTS_DIR))
         # kept open for the process's life: the handler writes to its descriptor
-        f = open(fault_file(run_dir, os.getpid()), "a", encoding="utf-8")
+        f = roles.open_new_text(fault_file(run_dir, os.getpid()), append=True)
         faulthandler.enable(file=f, all_threads=True)
         _state["file"], _state["pid"] = f, os.getpid()
     except (OSError, RuntimeError, ValueError):

@@ -28,6 +28,21 @@ EVENTS_DIR = "events"
 ANNOUNCE_DIR = "procs"  # procs/<pid>.json: a training process says so, for the py-spy manager
 
 
+def own_dir(path: str) -> str:
+    """A folder of the run folder, made if need be; a symbolic link there (planted while the
+    job runs) is never written through: OSError (the callers skip that evidence)."""
+    os.makedirs(path, exist_ok=True)
+    if os.path.islink(path):
+        raise OSError(40, "a symbolic link in the run folder is never followed", path)  # ELOOP
+    return path
+
+
+def open_new_text(path: str, append: bool = False) -> Any:
+    """A file of the run folder opened for writing, never through a symbolic link."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | (os.O_APPEND if append else os.O_TRUNC)
+    return os.fdopen(os.open(path, flags, 0o644), "a" if append else "w", encoding="utf-8")
+
+
 def rank_from_env(env: Mapping[str, str]) -> tuple[str | None, str | None]:
     """(rank, variable) from an environment mapping, or (None, None)."""
     for name in RANK_ENV:

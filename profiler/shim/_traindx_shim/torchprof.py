@@ -36,7 +36,7 @@ import statistics
 import sys
 import time
 
-from . import compiles, control, emit, get_writer, importhooks, report_error, schema, steps
+from . import compiles, control, emit, get_writer, importhooks, report_error, roles, schema, steps
 
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing into the job (mypy knows the name)
 if TYPE_CHECKING:
@@ -118,8 +118,7 @@ def _trace_path() -> str:
     run_dir = os.environ["TRAINDX_RUN_DIR"]
     w = get_writer()
     rank = w.rank if w is not None else os.environ.get("RANK", "0")
-    folder = os.path.join(run_dir, "trace")
-    os.makedirs(folder, exist_ok=True)
+    folder = roles.own_dir(os.path.join(run_dir, "trace"))
     trigger = _state["trigger"]
     if trigger:  # an anomaly's window beside the default one (the loader reads both)
         return os.path.join(folder, f"{rank}.anomaly-{trigger[0]}.json.gz")
