@@ -1,9 +1,13 @@
 """kernel-cache: precompiling FA4 kernels on a CPU (real FA4 under FakeTensorMode) so that a job
 compiles nothing, replaying a recorded run's compiles, and managing the cache folder."""
 
+import contextlib
+import errno
+import io
 import json
 import os
 import shutil
+import struct
 import subprocess
 import sys
 import tarfile
@@ -149,11 +153,19 @@ def test_arch_env():
 
 
 # -- the cache folder (no compile) -----------------------------------------------------------------
+def elf_object(payload=100):
+    """A whole ELF64 relocatable object as far as its header tells (two section headers at its
+    end), as FA4's exported entries are."""
+    header = b"\x7fELF" + bytes([2, 1, 1, 0]) + bytes(8)
+    header += struct.pack("<HHIQQQIHHHHHH", 1, 62, 1, 0, 0, 64 + payload, 0, 64, 0, 0, 64, 2, 0)
+    return header + bytes(payload) + bytes(2 * 64)
+
+
 def fake_folder(cache_dir, fingerprint, versions=None, n=2):
     folder = Path(cache_dir) / fingerprint
     for i in range(n):
         (folder / "fwd").mkdir(parents=True, exist_ok=True)
-        (folder / "fwd" / f"{i:064x}.o").write_bytes(b"\x7fELF" + bytes(100))
+        (folder / "fwd" / f"{i:064x}.o").write_bytes(elf_object())
         (folder / "fwd" / f"{i:064x}.lock").write_bytes(b"")
     if versions:
         (folder / store.METADATA_FILE).write_text(json.dumps({"versions": versions}))
@@ -205,6 +217,73 @@ def test_pack_unpack_clear(tmp_path):
         tar.add(__file__, arcname="../evil.o")
     proc = kernel_cache("unpack", bad, "--cache-dir", dst)
     assert proc.returncode == 2 and "not a kernel-cache pack" in proc.stderr
+
+
+def test_clear_deletes_only_folders_the_cache_made(tmp_path):
+    """Issue 39: a folder named like a fingerprint that holds anything FA4 and kernel-cache do not
+    write (a thesis, a link) is kept, with one line saying why; the cache's own go."""
+    ours = fake_folder(tmp_path, "e" * 64, versions={"python": "3.99"})
+    thesis = tmp_path / ("d" * 64) / "thesis.tex"
+    thesis.parent.mkdir()
+    thesis.write_text("\\chapter{Four years of work}")
+    linked = fake_folder(tmp_path, "f" * 64)
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me")
+    (linked / "fwd" / ("0" * 64 + ".lock")).unlink()
+    (linked / "fwd" / ("0" * 64 + ".lock")).symlink_to(victim)
+    proc = kernel_cache("clear", "--cache-dir", tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert not ours.exists() and thesis.read_text().startswith("\\chapter") and victim.read_text() == "keep me"
+    assert linked.is_dir()
+    kept = proc.stderr.strip().splitlines()
+    assert len(kept) == 2 and any("thesis.tex" in line for line in kept) and "Traceback" not in proc.stderr
+    assert "removed 2 entries in 1 folder(s)" in proc.stdout
+
+
+def test_entry_problem_tells_a_cut_object_from_a_whole_one(tmp_path):
+    whole = tmp_path / "whole.o"
+    whole.write_bytes(elf_object())
+    assert store.entry_problem(whole, whole.stat().st_size) is None
+    for data, said in [
+        (elf_object()[:-10], "truncated"),
+        (elf_object()[:30], "truncated"),
+        (b"\x7fEL", "truncated"),
+        (b"", "empty"),
+        (b"#!/bin/sh\n", "no ELF header"),
+    ]:
+        whole.write_bytes(data)
+        assert said in store.entry_problem(whole, len(data))
+
+
+@needs_fa4
+@pytest.mark.slow  # verify imports FA4 and cutlass (~20 s)
+def test_damaged_entries_make_a_folder_unusable_and_are_never_packed(tmp_path, monkeypatch):
+    """Issue 39: `ls` does not call a folder with cut entries usable, `pack` refuses it in one
+    line, and `verify --delete-bad` on a read-only cache says so in one line."""
+    from traindx.kernel_cache.cli import main as kernel_cache_cli
+
+    env = store.current_environment()
+    folder = fake_folder(tmp_path, env.fingerprint, n=2)
+    for entry in (folder / "fwd").glob("*.o"):
+        entry.write_bytes(elf_object()[:100])  # a full disk cut both
+    proc = kernel_cache("ls", "--cache-dir", tmp_path)
+    assert proc.returncode == 0 and "usable" in proc.stdout
+    assert "unusable" in proc.stdout and "damaged" in proc.stdout, proc.stdout
+    proc = kernel_cache("pack", tmp_path / "c.tar.gz", "--cache-dir", tmp_path)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1 and "not packed" in proc.stderr
+    assert not (tmp_path / "c.tar.gz").exists()
+
+    def read_only(self, missing_ok=False):
+        raise OSError(errno.EROFS, "Read-only file system", str(self))
+
+    monkeypatch.setattr(Path, "unlink", read_only)
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = kernel_cache_cli.main(["verify", "--delete-bad", "--cache-dir", str(tmp_path)])
+    text = out.getvalue() + err.getvalue()
+    assert code == 1 and "internal error" not in text and "Traceback" not in text
+    assert "2 of 2 bad entries could not be deleted" in " ".join(text.split()), text
+    assert len(list((folder / "fwd").glob("*.o"))) == 2
 
 
 def test_env_prints_the_two_exports(tmp_path):

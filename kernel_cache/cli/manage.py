@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from pathlib import Path
 
+from rich.markup import escape
 from rich.table import Table
 
 from traindx.common.errors import UserError
@@ -34,7 +36,7 @@ def folders_table(folders: list[store.CacheFolder], title: str) -> Table:
     table.add_column("here")
     for f in folders:
         fams = ", ".join(f"{name} {n}" for name, (n, _) in f.families().items()) or "-"
-        here = "[green]usable[/]" if f.usable else f"[red]unusable:[/] {f.reason}"
+        here = "[green]usable[/]" if f.usable else f"[red]unusable:[/] {escape(f.reason)}"
         if f.stale_files:
             here += f" ({f.stale_files} leftover temp files)"
         table.add_row(
@@ -83,6 +85,23 @@ def _load_error(entry: store.Entry) -> str | None:
         return f"{type(exc).__name__}: {message}"
 
 
+def _delete(bad: list[tuple[store.Entry, str | None]]) -> str | None:
+    """Delete the bad entries; one line on what could not be (a read-only cache), else None."""
+    failed = []
+    for entry, _ in bad:
+        try:
+            entry.path.unlink(missing_ok=True)
+        except OSError as exc:
+            failed.append((entry, exc.strerror or str(exc)))
+    if not failed:
+        return None
+    entry, why = failed[0]
+    return (
+        f"{len(failed)} of {len(bad)} bad entries could not be deleted from {entry.path.parent.parent} "
+        f"({why}); FA4 will fail to load them and recompile each time: give a writable --cache-dir"
+    )
+
+
 def run_verify(args: argparse.Namespace) -> int:
     env = store.require_fa4()
     cache_dir = store.resolve_cache_dir(args.cache_dir)
@@ -96,24 +115,30 @@ def run_verify(args: argparse.Namespace) -> int:
             f"{(env.fingerprint or '')[:12]}…; checking FA4's"
         )
         for f in folders:
-            f.usable = f.fingerprint == fa4_fp
-            f.reason = "" if f.usable else "fingerprint differs from FA4's for this environment"
-    usable = [f for f in folders if f.usable]
+            f.serves = f.fingerprint == fa4_fp
+            f.reason = "" if f.serves else "fingerprint differs from FA4's for this environment"
+    usable = [f for f in folders if f.serves]  # damaged entries are checked (and deleted) too
     for folder in folders:
-        if not folder.usable:
-            out.print(f"[yellow]skipped[/] {folder.path}: unusable here: {folder.reason}")
-    checked = [(entry, _load_error(entry)) for folder in usable for entry in folder.entries]
+        if not folder.serves:
+            out.print(f"[yellow]skipped[/] {folder.path}: unusable here: {escape(folder.reason)}")
+    damaged = {e.path: why for f in usable for e, why in f.bad}  # by their bytes: never loaded
+    checked = [(e, damaged.get(e.path) or _load_error(e)) for folder in usable for e in folder.entries]
     bad = [(entry, why) for entry, why in checked if why is not None]
     good = len(checked) - len(bad)
     for entry, why in bad:
-        out.print(f"[red]bad[/] {entry.path}: {why}", soft_wrap=True)
-        if args.delete_bad:
-            entry.path.unlink(missing_ok=True)
+        out.print(f"[red]bad[/] {escape(str(entry.path))}: {escape(why)}", soft_wrap=True)
+    not_deleted = _delete(bad) if args.delete_bad else None
+    if not_deleted:
+        out.print(f"[red]not deleted:[/] {escape(not_deleted)}", soft_wrap=True)
     total = sum(len(f.entries) for f in usable)
     out.print(
         f"{good} of {total} entries load"
         + (f"; {len(bad)} bad" if bad else "")
-        + (" (deleted: FA4 recompiles them on first use)" if bad and args.delete_bad else "")
+        + (
+            " (deleted: FA4 recompiles them on first use)"
+            if bad and args.delete_bad and not not_deleted
+            else ""
+        )
     )
     if not usable or not total:
         out.print(
@@ -128,11 +153,18 @@ def run_pack(args: argparse.Namespace) -> int:
     cache_dir = store.resolve_cache_dir(args.cache_dir)
     folders = store.scan(cache_dir)
     if not args.all:
-        folders = [f for f in folders if f.usable]
+        folders = [f for f in folders if f.serves]
     if not folders or not any(f.entries for f in folders):
         raise UserError(
             f"nothing to pack: no entries for this environment in {cache_dir}"
             + ("" if args.all else " (--all packs every folder)")
+        )
+    bad = [(f, e, why) for f in folders for e, why in f.bad]
+    if bad:
+        folder, entry, why = bad[0]
+        raise UserError(
+            f"not packed: {len(bad)} damaged entries in {cache_dir} (first: {entry.path}: {why}); "
+            "kernel-cache verify --delete-bad removes them"
         )
     count = store.pack(cache_dir, args.tarball, folders)
     print(
@@ -160,7 +192,10 @@ def run_clear(args: argparse.Namespace) -> int:
     cache_dir = store.resolve_cache_dir(args.cache_dir)
     folders = store.scan(cache_dir)
     if args.stale:
-        folders = [f for f in folders if not f.usable]
-    removed = store.clear(folders)
-    print(f"removed {removed} entries in {len(folders)} folder(s) from {cache_dir}")
-    return 0
+        folders = [f for f in folders if not f.serves]
+    removed, kept = store.clear(folders)
+    for line in kept:
+        print(f"kernel-cache: {line}", file=sys.stderr)
+    print(f"removed {removed} entries in {len(folders) - len(kept)} folder(s) from {cache_dir}")
+    # a folder kept because it is not the cache's is no failure; one that could not be removed is
+    return 1 if any("not cleared" in line for line in kept) else 0

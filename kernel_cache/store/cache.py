@@ -16,6 +16,7 @@ import json
 import os
 import re
 import shutil
+import struct
 import sys
 import tarfile
 import tempfile
@@ -33,6 +34,11 @@ DIR_VAR = "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR"
 METADATA_FILE = "traindx-kernel-cache.json"  # ours, in the fingerprint folder; FA4 ignores it
 FINGERPRINT_RE = re.compile(r"^[0-9a-f]{64}$")
 ENTRY_SUFFIX = ".o"
+# the files FA4 writes in a family folder (cache_utils: <sha256>.o, <sha256>.lock, and
+# .<sha256>.<pid>.tmp.o while it exports); a family folder's name (get_jit_cache's)
+FA4_FILE_RE = re.compile(r"^(?:[0-9a-f]{64}\.(?:o|lock)|\.[0-9a-f]{64}\.\d+\.tmp\.o)$")
+FAMILY_RE = re.compile(r"^[A-Za-z0-9_.\-]+$")
+ELF_HEADER = 64  # an ELF64 header's size
 
 
 def default_cache_dir(environ: Mapping[str, str] | None = None) -> Path:
@@ -162,9 +168,11 @@ class CacheFolder:
     path: Path
     entries: list[Entry] = field(default_factory=list)
     metadata: dict[str, Any] | None = None
-    usable: bool = False
+    usable: bool = False  # serves this environment and holds no damaged entry
     reason: str = ""  # why it is unusable here, or "" when usable
     stale_files: int = 0  # leftover .tmp.o of an interrupted export
+    serves: bool = False  # its fingerprint is this environment's (whatever its entries)
+    bad: list[tuple[Entry, str]] = field(default_factory=list)  # damaged entries, with why
 
     @property
     def fingerprint(self) -> str:
@@ -277,10 +285,64 @@ def scan(cache_dir: str | os.PathLike[str]) -> list[CacheFolder]:
                     folder.stale_files += 1
                 elif f.suffix == ENTRY_SUFFIX and f.is_file():
                     folder.entries.append(Entry(path=f, family=family_dir.name, size=f.stat().st_size))
+        folder.bad = [(e, why) for e in folder.entries if (why := entry_problem(e.path, e.size))]
         folder.reason = why_unusable(child.name, folder.metadata, env)
+        folder.serves = not folder.reason
+        if folder.serves and folder.bad:
+            entry, why = folder.bad[0]
+            folder.reason = (
+                f"{len(folder.bad)} of {len(folder.entries)} entries damaged (first: "
+                f"{entry.family}/{entry.path.name}: {why}); kernel-cache verify --delete-bad removes them"
+            )
         folder.usable = not folder.reason
         folders.append(folder)
     return folders
+
+
+def entry_problem(path: str | os.PathLike[str], size: int) -> str | None:
+    """Why an entry cannot be a whole object file, by its bytes alone (no FA4): empty, not
+    ELF, or shorter than its ELF header says (cut by a full disk or a copy). None: whole."""
+    if size == 0:
+        return "empty file"
+    try:
+        with open(path, "rb") as f:
+            head = f.read(ELF_HEADER)
+    except OSError as exc:
+        return f"unreadable ({exc.strerror or exc})"
+    if not head.startswith(b"\x7fELF"):
+        return (
+            f"truncated: {size} bytes"
+            if b"\x7fELF".startswith(head)
+            else "not an object file (no ELF header)"
+        )
+    if len(head) < ELF_HEADER or head[4] != 2 or head[5] not in (1, 2):
+        return f"truncated or not ELF64: {size} bytes"
+    order = "<" if head[5] == 1 else ">"
+    phoff, shoff = struct.unpack_from(order + "QQ", head, 0x20)
+    phentsize, phnum, shentsize, shnum = struct.unpack_from(order + "HHHH", head, 0x36)
+    extent = max(ELF_HEADER, phoff + phentsize * phnum, shoff + shentsize * shnum)
+    if extent > size:
+        return f"truncated: {size} bytes of the {extent} its header declares"
+    return None
+
+
+def foreign_files(folder: str | os.PathLike[str]) -> list[str]:
+    """What a fingerprint folder holds that neither FA4 nor kernel-cache writes (paths relative
+    to it; a symbolic link is always foreign): such a folder is not the cache's to delete."""
+    root = Path(folder)
+    foreign = []
+    for child in sorted(root.iterdir()):
+        if child.is_symlink():
+            foreign.append(child.name)
+        elif child.is_dir() and FAMILY_RE.match(child.name):
+            foreign.extend(
+                f"{child.name}/{f.name}"
+                for f in sorted(child.iterdir())
+                if f.is_symlink() or not f.is_file() or not FA4_FILE_RE.match(f.name)
+            )
+        elif not (child.is_file() and child.name.lstrip(".").startswith(METADATA_FILE)):
+            foreign.append(child.name)
+    return foreign
 
 
 def current_folder(cache_dir: str | os.PathLike[str]) -> Path:
@@ -392,12 +454,28 @@ def unpack(tarball: str | os.PathLike[str], cache_dir: str | os.PathLike[str]) -
     return sorted(touched)
 
 
-def clear(folders: Iterable[CacheFolder]) -> int:
+def clear(folders: Iterable[CacheFolder]) -> tuple[int, list[str]]:
+    """Delete the folders that hold only what FA4 and kernel-cache write; (entries removed, one
+    line per folder kept because it holds something else: it is not the cache's)."""
     removed = 0
+    kept = []
     for folder in folders:
+        try:
+            foreign = foreign_files(folder.path)
+        except OSError as exc:
+            kept.append(f"{folder.path}: not cleared ({exc.strerror or exc})")
+            continue
+        if foreign:
+            more = f" and {len(foreign) - 1} more" if len(foreign) > 1 else ""
+            kept.append(f"{folder.path}: kept, it holds files kernel-cache did not make ({foreign[0]}{more})")
+            continue
+        try:
+            shutil.rmtree(folder.path)
+        except OSError as exc:
+            kept.append(f"{folder.path}: not cleared ({exc.strerror or exc})")
+            continue
         removed += len(folder.entries)
-        shutil.rmtree(folder.path, ignore_errors=True)
-    return removed
+    return removed, kept
 
 
 def human_size(n: float) -> str:
