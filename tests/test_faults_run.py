@@ -426,6 +426,8 @@ def test_a_relay_that_cannot_start_says_so_and_a_running_one_relays_and_logs_bot
     os.close(out)
     os.close(err)
     relay.finish()
-    assert sorted(seen) == [("e", "three"), ("o", "one"), ("o", "two")]
+    # the job's bytes as read, unchanged (no newline added to "two")
+    assert b"".join(d for t, d in seen if t == "o") == b"one\ntwo"
+    assert b"".join(d for t, d in seen if t == "e") == b"three\n"
     logged = [line.split(" ", 2)[1:] for line in (tmp_path / "log.txt").read_text().splitlines()]
     assert sorted(logged) == [["e", "three"], ["o", "one"], ["o", "two"]]
