@@ -79,7 +79,10 @@ def load_tables(
         for x in files
     ]
     per_process = [p for p in known.info_of_file if p is not None]
-    labels, table = _label_processes(per_process, label_of_file, multi)
+    replaced, exec_notes = _replaced_images(per_process)
+    labels, table = _label_processes(per_process, label_of_file, multi, replaced)
+    columnar.warn_all(exec_notes, stacklevel=4)
+    notes += exec_notes
     flat, nested = _by_type(parsed)
     del parsed
     tables = columnar.EventTables(
@@ -143,16 +146,48 @@ class _KnownFiles:
         return known
 
 
+def _replaced_images(per_process: list[ProcessInfo]) -> tuple[set[int], Notes]:
+    """A process that replaced its program (os.execv: the same pid, a second events file) is one
+    rank with two programs whose steps would collide: the first program that trains (else the
+    first) is analysed; the files of the others are kept but not analysed, said in one note.
+    Returns (the indices of the files left out, the notes)."""
+    by_pid: dict[tuple[Any, int], list[ProcessInfo]] = {}
+    for p in per_process:
+        by_pid.setdefault((p["node"], p["pid"]), []).append(p)
+    left_out: set[int] = set()
+    notes: Notes = []
+    for (_, pid), images in by_pid.items():
+        if len(images) < 2:
+            continue
+        images = sorted(images, key=lambda p: (not p["training"], p["start"]))
+        kept, others = images[0], images[1:]
+        left_out.update(p["index"] for p in others)
+        notes.append(
+            (
+                TruncatedEvidenceWarning,
+                f"process {pid} replaced its program (exec) while the job ran: {len(images)} "
+                f"programs under one pid; the steps of {' '.join(kept['argv'] or ['its first'])!s:.120} "
+                f"are analysed, the events of the other{'s' if len(others) > 1 else ''} "
+                f"({', '.join(p['file'] for p in others)}) are kept but not analysed",
+            )
+        )
+    return left_out, notes
+
+
 def _label_processes(
-    per_process: list[ProcessInfo], label_of_file: list[str | None], multi: bool
+    per_process: list[ProcessInfo],
+    label_of_file: list[str | None],
+    multi: bool,
+    replaced: set[int] = frozenset(),
 ) -> tuple[Labels, list[dict[str, Any]]]:
     """(labels, process table rows) of the run's processes; each rank's file gets its label in
-    label_of_file."""
+    label_of_file (not the files of a program an exec replaced: `replaced`)."""
+    ranked = [p for p in per_process if p["index"] not in replaced]
     has_label_files = any(label is not None for label in label_of_file)
     key: Callable[[ProcessInfo], Hashable]
     if multi:
         by_node: dict[Any, list[ProcessInfo]] = {}
-        for p in per_process:
+        for p in ranked:
             by_node.setdefault(p["node"], []).append(p)
         per_node = [
             (node, rank_labels(_rank_processes(procs, has_label_files))) for node, procs in by_node.items()
@@ -160,11 +195,11 @@ def _label_processes(
         labels = nodes.rename_labels(per_node)
         key = lambda p: (p["node"], p["pid"])  # noqa: E731
     else:
-        labels = rank_labels(_rank_processes(per_process, has_label_files))
+        labels = rank_labels(_rank_processes(ranked, has_label_files))
         key = lambda p: p["pid"]  # noqa: E731
     table = []
     for p in per_process:
-        label = labels.get(key(p))
+        label = None if p["index"] in replaced else labels.get(key(p))
         row = {
             "pid": p["pid"],
             "ppid": p["ppid"],

@@ -9,14 +9,16 @@ plain Python (no torch)."""
 
 import json
 import os
+import shutil
 import subprocess
 import textwrap
 
 import pytest
-from helpers import PY
+from helpers import PY, ROOT
 
 from traindx.cli import fix_model, fix_scrub
 
+DATA = os.path.join(ROOT, "tests", "data")
 SECRETS = {
     "MYCO_CRED": "credvalue-9912",
     "ACME_PASSCODE": "pc_value_7731",
@@ -185,3 +187,16 @@ def test_a_run_folder_deleted_mid_run_is_one_warning_and_the_jobs_exit_code(tmp_
     err = proc.stderr.decode()
     assert proc.returncode == 5 and proc.stdout == b"deleted\n", err
     assert err.count("diagnose:") == 1 and "deleted while the job ran" in err and "Traceback" not in err
+
+
+def test_a_process_replaced_by_exec_is_reported_and_says_so(tmp_path):
+    """Issue 39: a job that execs into another program under the same pid used to end in
+    "internal error: shapes (60,) (40,)" (two programs' steps under one rank)."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(os.path.join(DATA, "exec-replaced"), run_dir)
+    proc = _diagnose(["report", str(run_dir)], tmp_path)
+    err = proc.stderr.decode()
+    assert proc.returncode == 0 and "internal error" not in err and "Traceback" not in err, err
+    assert "replaced its program (exec)" in err and "p2911.1.jsonl" in err
+    assert "12 steps recorded on 1 rank" in proc.stdout.decode()
+    assert (run_dir / "report.html").is_file()

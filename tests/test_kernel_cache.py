@@ -233,7 +233,9 @@ def test_clear_deletes_only_folders_the_cache_made(tmp_path):
     (linked / "fwd" / ("0" * 64 + ".lock")).symlink_to(victim)
     proc = kernel_cache("clear", "--cache-dir", tmp_path)
     assert proc.returncode == 0, proc.stderr
-    assert not ours.exists() and thesis.read_text().startswith("\\chapter") and victim.read_text() == "keep me"
+    assert (
+        not ours.exists() and thesis.read_text().startswith("\\chapter") and victim.read_text() == "keep me"
+    )
     assert linked.is_dir()
     kept = proc.stderr.strip().splitlines()
     assert len(kept) == 2 and any("thesis.tex" in line for line in kept) and "Traceback" not in proc.stderr
