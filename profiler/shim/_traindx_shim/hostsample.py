@@ -41,7 +41,7 @@ import threading
 import time
 import types
 
-from . import emit, report_error, schema
+from . import emit, report_error, roles, schema
 
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing into the job (mypy knows the name)
 if TYPE_CHECKING:
@@ -84,7 +84,7 @@ def start(tid: int) -> None:
     _state["stop"] = False
     th = threading.Thread(target=_loop, name="traindx-hostsample", daemon=True)
     _state["thread"] = th
-    th.start()
+    roles.start_thread(th)
     atexit.register(_stop_thread)
 
 

@@ -28,6 +28,49 @@ EVENTS_DIR = "events"
 ANNOUNCE_DIR = "procs"  # procs/<pid>.json: a training process says so, for the py-spy manager
 
 
+SMALL_STACK_BYTES = 512 * 1024  # the shim's threads never recurse deeply
+M_ARENA_MAX = -8  # glibc's mallopt parameter
+_limited: list[bool] = []  # [whether the process has an address-space limit], once known
+
+
+def _address_space_limited() -> bool:
+    """Under `ulimit -v` each of the shim's threads would take a 64 MiB malloc arena and an
+    8 MiB stack of the job's address space: a job that fits bare would not under diagnose. Once
+    such a limit is seen, glibc keeps one arena for the process (mallopt M_ARENA_MAX=1, what
+    MALLOC_ARENA_MAX=1 does; docs/overhead.md) and the shim's threads get small stacks."""
+    if not _limited:
+        try:
+            import resource  # a small C module, only here
+
+            soft = resource.getrlimit(resource.RLIMIT_AS)[0]
+            _limited.append(soft != resource.RLIM_INFINITY)
+        except (ImportError, OSError, ValueError):
+            _limited.append(False)
+        if _limited[0]:
+            try:
+                import ctypes  # ~0.4 MB of address space, only under a limit
+
+                ctypes.CDLL(None).mallopt(M_ARENA_MAX, 1)
+            except (ImportError, OSError, AttributeError):
+                pass  # not glibc: its allocator's own way
+    return _limited[0]
+
+
+def start_thread(thread: Any) -> None:
+    """Start one of the shim's own threads: under an address-space limit with a small stack and
+    no malloc arena of its own (the job's threads keep the default stack)."""
+    if not _address_space_limited():
+        thread.start()
+        return
+    import threading  # already imported by the caller
+
+    previous = threading.stack_size(SMALL_STACK_BYTES)
+    try:
+        thread.start()
+    finally:
+        threading.stack_size(previous)
+
+
 def own_dir(path: str) -> str:
     """A folder of the run folder, made if need be; a symbolic link there (planted while the
     job runs) is never written through: OSError (the callers skip that evidence)."""

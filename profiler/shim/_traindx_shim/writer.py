@@ -28,7 +28,7 @@ import os
 import threading
 import time
 
-from .roles import events_file
+from .roles import events_file, start_thread
 from .segments import segment_bytes_from_env, segment_path
 
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing into the job (mypy knows the name)
@@ -121,7 +121,7 @@ class EventWriter:
             except FileExistsError:
                 continue
         self._thread = threading.Thread(target=self._loop, name="traindx-writer", daemon=True)
-        self._thread.start()
+        start_thread(self._thread)
 
     def undefer(self) -> None:
         """This process trains after all: open its file and write what it kept."""
