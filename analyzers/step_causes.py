@@ -28,6 +28,7 @@ from traindx.analyzers.stability import SLOW_FACTOR
 if TYPE_CHECKING:  # annotations only
     from traindx.derive.run import RunRecord
 
+from traindx.derive.steady import stopped_steps
 from traindx.derive.steptables import EVENT_KINDS, compile_spans, event_seconds, gc_frame, run_t0, step_table
 
 if TYPE_CHECKING:  # annotations only
@@ -46,6 +47,7 @@ CAUSES = {
     "dynamo": "torch.compile recompile",
     "gc": "garbage collection",
     "warmup": "first step",
+    "stopped": "the job was stopped (SIGSTOP)",
     "unexplained": "slow, cause not recorded",
     "normal": "normal",
 }
@@ -105,7 +107,17 @@ def judge_steps(run: RunRecord, t0: int, compiles: list[dict[str, Any]] | None =
     secs = event_seconds(table, spans, gc_frame(run))
     judged = without_core_wait(run, table, secs, t0) if len(table) else None
     median, threshold = classify_steps(table, secs, judged)
+    _mark_stopped(run, table)
     return StepCauses(table, source, median, threshold)
+
+
+def _mark_stopped(run: RunRecord, table: pd.DataFrame) -> None:
+    """A step a stop of the job (SIGSTOP) overlaps has that cause, whatever else it held."""
+    stopped = stopped_steps(run)
+    if not stopped or not len(table):
+        return
+    hit = [int(s) in stopped.get(str(r), ()) for r, s in zip(table["rank"], table["step"])]
+    table.loc[hit, "cause"] = "stopped"
 
 
 def _seconds_text(seconds: float) -> str:

@@ -3,12 +3,15 @@ steady window between them, per rank. Derived from the run record; no judgement.
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Sequence
 
 import numpy as np
 import pandas as pd
 
 from traindx.derive.runview import RunView
+from traindx.profiler.proctree import STOPPED_FILE
 from traindx.profiler.shim._traindx_shim import schema
 
 
@@ -27,15 +30,58 @@ def profiled_steps(run: RunView, traced_only: bool = False) -> dict[str, set[int
     return out
 
 
+def stopped_intervals(run: RunView) -> list[tuple[int, int, int]]:
+    """(pid, start_ns, end_ns) of each stop of one of the job's processes by a signal (state T:
+    SIGSTOP), as the launcher saw it (manifest "stopped"; while the job runs, its file of the
+    stops so far); unreadable entries skipped."""
+    stops = run.manifest.get("stopped") if isinstance(run.manifest, dict) else None
+    if stops is None:  # the job still runs: the launcher's file of the stops so far
+        try:
+            with open(os.path.join(run.path, STOPPED_FILE), encoding="utf-8") as f:
+                stops = json.load(f)
+        except (OSError, ValueError, TypeError):
+            stops = []
+    out = []
+    for s in stops if isinstance(stops, list) else []:
+        try:
+            start, end = int(s["start_ns"]), int(s["end_ns"])
+            pid = int(s.get("pid") or 0)
+        except (TypeError, ValueError, KeyError, AttributeError):
+            continue
+        if end >= start:
+            out.append((pid, start, end))
+    return out
+
+
+def stopped_steps(run: RunView) -> dict[str, set[int]]:
+    """{rank: set(step)} of the steps a stop of the job overlaps (every rank: a stopped process
+    holds up those that wait for it)."""
+    stops = stopped_intervals(run)
+    steps = run.steps
+    if not stops or not len(steps) or "start_ns" not in steps or "end_ns" not in steps:
+        return {}
+    start = pd.to_numeric(steps["start_ns"], errors="coerce").to_numpy(np.float64)
+    end = pd.to_numeric(steps["end_ns"], errors="coerce").to_numpy(np.float64)
+    hit = np.zeros(len(steps), bool)
+    for _, a, b in stops:
+        hit |= (start <= b) & (end >= a)
+    out: dict[str, set[int]] = {}
+    for rank, step in zip(steps["rank"][hit], steps["step"][hit]):
+        out.setdefault(str(rank), set()).add(int(step))
+    return out
+
+
 def perturbed_steps(run: RunView) -> dict[str, set[int]]:
-    """{rank: set(step)} a steady measure leaves out for the torch.profiler: the window's steps
-    and the step after each window. The window's stop collects kineto's events after the device
+    """{rank: set(step)} a steady measure leaves out: the torch.profiler window's steps and the
+    step after each window, and the steps a stop of the job (SIGSTOP) overlaps. The window's stop collects kineto's events after the device
     has drained, so on a GPU-bound job the next step starts with an empty queue and its host
     time is the host's alone (H200, a 22 ms GPU step: 6 ms after each window)."""
     out = {rank: set(steps) for rank, steps in profiled_steps(run).items()}
     for rank, steps in list(out.items()):
         ends = {s for s in steps if s + 1 not in steps}
         steps.update(s + 1 for s in ends)
+    for rank, steps in stopped_steps(run).items():  # the job was stopped: not its code's time
+        out.setdefault(rank, set()).update(steps)
     return out
 
 

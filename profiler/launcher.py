@@ -19,7 +19,7 @@ from typing import Any
 
 from traindx.common import redact
 from traindx.profiler import manifest as manifest_mod
-from traindx.profiler import rolling
+from traindx.profiler import proctree, rolling
 
 # RunDirRefused: raised by Job.run (the CLI catches it from here); write_json_atomic: callers
 # import it from here too
@@ -161,6 +161,7 @@ class Job:
         self.not_written: list[str] = []  # one line per file (or part of one) a failed write left out
         self.folder_gone: str | None = None  # the run folder was deleted while the job ran
         self._folder_id: tuple[int, int] | None = None
+        self._stopwatch: proctree.StopWatch | None = None
         self._pyspy: PySpyManager | None = None
         self.redactor = redact.Redactor.for_job(os.environ, self.command)  # run() adds the job env
 
@@ -310,6 +311,8 @@ class Job:
             for fd in (job_out, job_err):  # the job holds them now; the relay the read ends
                 if fd is not None:
                     os.close(fd)
+        self._stopwatch = proctree.StopWatch(self.proc.pid, os.path.join(self.run_dir, proctree.STOPPED_FILE))
+        self._stopwatch.start()
         manifest["pid"] = self.proc.pid  # lets a re-analysis tell whether the job lives on
         self._write_manifest(manifest, "was not updated with the job's pid")
         if self.options.pyspy:
@@ -329,6 +332,7 @@ class Job:
         roller: rolling.Roller,
         relay: OutputRelay,
     ) -> None:
+        stops = self._stopwatch.stop() if self._stopwatch is not None else []
         if not self._same_folder():  # deleted while the job ran: one line, no more
             for stop in (nvml.stop, pyspy.stop, roller.stop):
                 try:
@@ -352,6 +356,8 @@ class Job:
             self.not_written.extend(relay.problems)
         if roller.errors:
             self.missing["rolling"] = "; ".join(roller.errors)[:1000]
+        if stops:  # the job's processes stopped by a signal (SIGSTOP): not its code's time
+            manifest["stopped"] = stops
         rolled = rolling.rolled_summaries(self.run_dir)
         if rolled:  # what a long run thinned or dropped to stay in its budget
             manifest["rolled"] = rolled

@@ -1,4 +1,5 @@
-"""The job's process tree in /proc: for py-spy when the shim is off (`--no-shim`).
+"""The job's process tree in /proc: for py-spy when the shim is off (`--no-shim`), and which of
+its processes were stopped (StopWatch, always).
 
 With the shim on, training processes announce themselves (see shim/_traindx_shim/roles.py) and
 nothing here is needed. Without it, the only evidence is each process's environment at start:
@@ -8,8 +9,11 @@ parent only. No program name is looked at.
 """
 
 import os
+import threading
+import time
 from typing import Any
 
+from traindx.common import atomic
 from traindx.profiler.shim._traindx_shim.roles import is_multiprocessing_child, rank_from_env
 
 
@@ -78,3 +82,100 @@ def rank_processes(root_pid: int) -> dict[int, str | None]:
                 topmost.append(pid)
         stack.extend((child, below_python or python) for child in children.get(pid, []))
     return found or dict.fromkeys(topmost)
+
+
+# -- stopped processes ---------------------------------------------------------------------------
+MIN_STOP_S = 0.5  # a shorter stop is within the watch's own resolution
+STOPPED_FILE = "stopped.json"  # in the run folder, while the job runs
+
+
+def state(pid: int) -> str | None:
+    """The process's state letter (/proc/<pid>/stat: R, S, D, T stopped by a signal, t traced,
+    Z ...), or None when it is gone."""
+    stat = _read(f"/proc/{pid}/stat")
+    if not stat:
+        return None
+    fields = stat[stat.rfind(")") + 2 :].split()
+    return fields[0] if fields else None
+
+
+def descendants(root: int) -> list[int]:
+    """root and every process under it."""
+    children = children_map()
+    out, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        todo.extend(children.get(pid, ()))
+    return out
+
+
+class StopWatch:
+    """Which processes of the job were stopped (state T: SIGSTOP, SIGTSTP; a debugger's stop is
+    `t` and is not counted) and when: a thread of diagnose reading /proc every POLL_S (the tree
+    every TREE_S). `stops`: [{pid, start_ns, end_ns, seconds}] of stops of at least MIN_STOP_S:
+    start and end are the first and last polls that saw it stopped (inside the stop: a step
+    they overlap was stopped), `seconds` its length estimated (one poll longer on average). A
+    stopped process runs nothing, so it cannot say so itself."""
+
+    POLL_S = 0.1
+    TREE_S = 2.0
+
+    def __init__(self, root: int, path: str | None = None) -> None:
+        self.root = root
+        self.path = path  # STOPPED_FILE of the run folder: the stops so far, for the live judge
+        self.stops: list[dict[str, Any]] = []
+        self._seen: dict[int, list[int]] = {}  # pid -> [first, last] poll that saw it stopped
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="traindx-stopwatch", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _loop(self) -> None:
+        pids: list[int] = [self.root]
+        next_tree = 0.0
+        while not self._done.wait(self.POLL_S):
+            try:
+                if time.monotonic() >= next_tree:
+                    pids = descendants(self.root)
+                    next_tree = time.monotonic() + self.TREE_S
+                self.poll(pids)
+            except Exception:
+                pass  # evidence only: never diagnose's problem
+
+    def poll(self, pids: list[int]) -> None:
+        now = time.time_ns()
+        for pid in pids:
+            if state(pid) == "T":
+                if pid not in self._seen:
+                    self._seen[pid] = [now, now]
+                    self._write()
+                self._seen[pid][1] = now
+            elif pid in self._seen:
+                self._close(pid)
+                self._write()
+
+    def _write(self) -> None:
+        """The stops so far (an open one up to its last poll) into STOPPED_FILE."""
+        if self.path is None:
+            return
+        open_now = [{"pid": p, "start_ns": a, "end_ns": b, "open": True} for p, (a, b) in self._seen.items()]
+        try:
+            atomic.write_json(self.path, self.stops + open_now)
+        except (OSError, ValueError):
+            pass  # the live judge then sees the stop at the end, in the manifest
+
+    def _close(self, pid: int) -> None:
+        first, last = self._seen.pop(pid)
+        seconds = (last - first) / 1e9 + self.POLL_S
+        if seconds >= MIN_STOP_S:
+            self.stops.append({"pid": pid, "start_ns": first, "end_ns": last, "seconds": round(seconds, 2)})
+
+    def stop(self) -> list[dict[str, Any]]:
+        self._done.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=2)
+        for pid in list(self._seen):
+            self._close(pid)
+        return self.stops

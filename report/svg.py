@@ -23,6 +23,7 @@ CAUSE_COLOURS = {
     "dynamo": "#d6428f",
     "gc": "#e3a21a",
     "warmup": "#9aa5b1",
+    "stopped": "#343a40",
     "unexplained": "#6c757d",
 }
 COMPILE_COLOURS = {

@@ -218,3 +218,42 @@ def test_a_job_that_fits_an_address_space_limit_bare_fits_under_diagnose(tmp_pat
     assert bare.returncode == 0 and bare.stdout == b"allocated 200 MiB\n", bare.stderr
     proc = _diagnose(["--quiet", "--no-nvml", "--run-dir", str(tmp_path / "run"), "--", *job], tmp_path)
     assert proc.returncode == 0 and proc.stdout == b"allocated 200 MiB\n", proc.stderr.decode()[-2000:]
+
+
+STOPPED_JOB = textwrap.dedent("""
+    import os, subprocess, sys
+    import torch
+    torch.set_num_threads(1)
+    w = torch.nn.Parameter(torch.ones(128, 128))
+    opt = torch.optim.SGD([w], lr=0.01)
+    x = torch.randn(32, 128)
+    for step in range(40):
+        loss = (x @ w).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if step == 20 and sys.argv[1] != "0":  # someone stops the job, and continues it later
+            me = os.getpid()
+            subprocess.Popen(["sh", "-c", f"kill -STOP {me}; sleep {sys.argv[1]}; kill -CONT {me}"])
+""")
+
+
+@pytest.mark.slow  # a torch job (~10 s)
+def test_a_job_stopped_by_sigstop_is_told_so_and_no_cause_in_its_code(tmp_path):
+    """Issue 39: a job stopped with SIGSTOP got two high host-work findings (its pause blamed on
+    the forward). The stop is the launcher's evidence (/proc state T): the report says "the job
+    was stopped (SIGSTOP) for 2 s", its step's cause is the stop, no finding above low."""
+    (tmp_path / "job.py").write_text(STOPPED_JOB)
+    run_dir = tmp_path / "run"
+    proc = _diagnose(
+        ["--no-pyspy", "--no-nvml", "--run-dir", str(run_dir), "--", PY, "job.py", "2"], tmp_path
+    )
+    err = proc.stderr.decode()
+    assert proc.returncode == 0, err[-3000:]
+    findings = json.loads((run_dir / "findings.json").read_text())
+    (stopped,) = [f for f in findings if f["id"] == "process.stopped"]
+    assert stopped["title"].startswith("The job was stopped (SIGSTOP) for ")
+    assert 1.5 <= stopped["evidence"]["seconds"] <= 3.5, stopped["evidence"]
+    assert "(the job was stopped (SIGSTOP))" in err  # the slowest step's cause
+    loud = [f["title"] for f in findings if f["severity"] in ("medium", "high", "critical")]
+    assert not loud, loud
