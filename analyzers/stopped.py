@@ -16,7 +16,9 @@ from traindx.profiler.proctree import StopWatch
 if TYPE_CHECKING:  # annotations only
     from traindx.derive.run import RunRecord
 
-DECLARATION = Declaration(name="stopped", order=150, ids=("process.stopped",), not_causes=("process.stopped",))
+DECLARATION = Declaration(
+    name="stopped", order=150, ids=("process.stopped",), not_causes=("process.stopped",)
+)
 
 
 def _seconds(ns: int) -> str:

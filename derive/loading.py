@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Hashable
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 from traindx.derive.record_tables import none_if_nan
@@ -178,7 +179,7 @@ def _label_processes(
     per_process: list[ProcessInfo],
     label_of_file: list[str | None],
     multi: bool,
-    replaced: set[int] = frozenset(),
+    replaced: AbstractSet[int] = frozenset(),
 ) -> tuple[Labels, list[dict[str, Any]]]:
     """(labels, process table rows) of the run's processes; each rank's file gets its label in
     label_of_file (not the files of a program an exec replaced: `replaced`)."""

@@ -23,7 +23,7 @@ import shutil
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any, TextIO
+from typing import IO, Any
 
 from traindx.common import atomic
 from traindx.common.errors import UserError
@@ -83,7 +83,7 @@ class Budget:
 
 
 # -- line files ------------------------------------------------------------------------------
-def _open_own(path: str, mode: str) -> TextIO:
+def _open_own(path: str, mode: str) -> IO[str]:
     """A text file of the run folder for writing ("w" or "a"), never through a symbolic link."""
     flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | (os.O_APPEND if mode == "a" else os.O_TRUNC)
     return os.fdopen(os.open(path, flags, 0o644), mode, encoding="utf-8")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 from rich.markup import escape
@@ -85,7 +86,7 @@ def _load_error(entry: store.Entry) -> str | None:
         return f"{type(exc).__name__}: {message}"
 
 
-def _delete(bad: list[tuple[store.Entry, str | None]]) -> str | None:
+def _delete(bad: Sequence[tuple[store.Entry, str]]) -> str | None:
     """Delete the bad entries; one line on what could not be (a read-only cache), else None."""
     failed = []
     for entry, _ in bad:
