@@ -221,7 +221,7 @@ def test_a_job_that_fits_an_address_space_limit_bare_fits_under_diagnose(tmp_pat
 
 
 STOPPED_JOB = textwrap.dedent("""
-    import os, subprocess, sys
+    import os, subprocess, sys, time
     import torch
     torch.set_num_threads(1)
     w = torch.nn.Parameter(torch.ones(128, 128))
@@ -235,6 +235,7 @@ STOPPED_JOB = textwrap.dedent("""
         if step == 20 and sys.argv[1] != "0":  # someone stops the job, and continues it later
             me = os.getpid()
             subprocess.Popen(["sh", "-c", f"kill -STOP {me}; sleep {sys.argv[1]}; kill -CONT {me}"])
+            time.sleep(0.5)  # the stop comes in this step (the rest of the loop takes 3 ms)
 """)
 
 
