@@ -7,6 +7,8 @@ files; a run folder holding a planted symbolic link is refused before anything i
 through it; a run folder deleted mid-run leaves the job's exit code. Each job is a second of
 plain Python (no torch)."""
 
+import contextlib
+import io
 import json
 import os
 import shutil
@@ -17,6 +19,7 @@ import pytest
 from helpers import PY, ROOT
 
 from traindx.cli import fix_model, fix_scrub
+from traindx.cli import main as cli
 
 DATA = os.path.join(ROOT, "tests", "data")
 SECRETS = {
@@ -167,12 +170,14 @@ def test_a_run_folder_with_a_planted_link_is_refused_and_nothing_written_through
         run_dir = tmp_path / f"run-{planted.strip('.')}"
         run_dir.mkdir()
         (run_dir / planted).symlink_to(target)
-        proc = _diagnose(
-            ["--quiet", "--no-pyspy", "--no-nvml", "--run-dir", str(run_dir), "--", PY, "job.py"], tmp_path
-        )
-        err = proc.stderr.decode()
-        assert proc.returncode == 2 and len(err.strip().splitlines()) == 1 and "symbolic link" in err, err
-        assert b"ran" not in proc.stdout
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):  # in-process: fast
+            code = cli.main(
+                ["--quiet", "--no-pyspy", "--no-nvml", "--run-dir", str(run_dir), "--", PY, "job.py"]
+            )
+        err = err.getvalue()
+        assert code == 2 and len(err.strip().splitlines()) == 1 and "symbolic link" in err, err
+        assert not os.path.exists(run_dir / "manifest.json")
     assert (victim / "lock").read_text() == "precious" and os.listdir(victim / "procs") == []
 
 
