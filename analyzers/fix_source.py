@@ -5,7 +5,9 @@ candidate runs from the copy, and `fix.patch` (a unified diff, paths relative to
 
 The tree: the job's working directory, or the folder of its script when the patched file lies
 outside the working directory. Python files and small files are copied; large files (data,
-checkpoints) are linked, so the copy stays cheap. Version-control, virtual-environment, cache and
+checkpoints) are cloned (copy-on-write) or copied, never linked back to the user's file, unless
+the arm runs in a private view of the file system (`link_big`: traindx.cli.fix_confine's
+namespace, where a link resolves to that view and a write through it is the arm's own). Version-control, virtual-environment, cache and
 run folders are left out.
 
 The job's own source is also read here to place an edit: its argparse flags, the guard that
@@ -26,8 +28,12 @@ from typing import Any, TypedDict
 from traindx.analyzers.codefix import keyword_sources as keyword_sources  # fix_options reads it here
 from traindx.analyzers.evidence import SKIP_DIRS
 from traindx.analyzers.evidence import python_files as python_files  # the planner reads it here
+from traindx.common.copying import clone_or_copy
 
 COPY_LIMIT_BYTES = 2 * 1024 * 1024
+# the large files of a scratch copy, cloned or copied: past this many bytes they are linked
+# (link_big) or the copy is refused
+BIG_COPY_BUDGET_BYTES = 2 * 1024**3
 MAX_FILES = 20000
 
 
@@ -187,10 +193,13 @@ def unified_diff(root: str, edits: Iterable[Mapping[str, Any]]) -> str:
     return text if text.endswith("\n") or not text else text + "\n"
 
 
-def copy_tree(root: str, dest: str, exclude: Iterable[str | None] = ()) -> int:
-    """Copy the job's tree (small files copied, big ones linked). Returns the number of files."""
+def copy_tree(root: str, dest: str, exclude: Iterable[str | None] = (), link_big: bool = False) -> int:
+    """Copy the job's tree: every file cloned (copy-on-write) or copied, never linked back to
+    the user's file; past BIG_COPY_BUDGET_BYTES of large files, those are linked when the arm
+    runs in a private view (link_big: a write through the link is the view's), else the copy
+    is refused. Returns the number of files."""
     exclude = {os.path.realpath(p) for p in exclude if p}
-    count = 0
+    count, big = 0, 0
     for folder, dirs, files in os.walk(root):
         dirs[:] = [
             d
@@ -209,23 +218,39 @@ def copy_tree(root: str, dest: str, exclude: Iterable[str | None] = ()) -> int:
             if count > MAX_FILES:
                 raise PatchError(f"{root} holds over {MAX_FILES} files: too big to copy")
             try:
-                if os.path.islink(src) or os.path.getsize(src) > COPY_LIMIT_BYTES:
+                size = os.path.getsize(src)
+                if os.path.islink(src):
+                    os.symlink(os.path.realpath(src), dst)  # the user's own link, to its target
+                    continue
+                if size > COPY_LIMIT_BYTES:
+                    big += size
+                if big > BIG_COPY_BUDGET_BYTES and size > COPY_LIMIT_BYTES:
+                    if not link_big:
+                        raise PatchError(
+                            f"{root} holds over {BIG_COPY_BUDGET_BYTES // 1024**3} GB of large "
+                            "files: too big to copy, and a link would let the candidate write "
+                            "into them (no private view here)"
+                        )
                     os.symlink(os.path.realpath(src), dst)
                 else:
-                    shutil.copy2(src, dst)
+                    clone_or_copy(src, dst)
             except OSError:
                 continue
     return count
 
 
 def make_scratch(
-    root: str, dest: str, edits: Sequence[Mapping[str, Any]], exclude: Iterable[str | None] = ()
+    root: str,
+    dest: str,
+    edits: Sequence[Mapping[str, Any]],
+    exclude: Iterable[str | None] = (),
+    link_big: bool = False,
 ) -> str:
     """The scratch copy with the edits made; returns the diff (fix.patch's text)."""
     diff = unified_diff(root, edits)
     if os.path.exists(dest):
         shutil.rmtree(dest)
-    copy_tree(root, dest, exclude)
+    copy_tree(root, dest, exclude, link_big=link_big)
     by_file = {}
     for e in edits:
         by_file.setdefault(os.path.realpath(e["file"]), []).append(e)

@@ -94,6 +94,7 @@ class Options:
         keep_windows: int = 3,
         pyspy_record: bool = True,
         cwd: str | None = None,
+        wrap: list[str] | None = None,
     ) -> None:
         self.steps = steps
         self.pyspy = pyspy
@@ -113,6 +114,9 @@ class Options:
         # False (--always-on): py-spy only dumps every dump_interval_s, no recorders
         self.pyspy_record = pyspy_record
         self.cwd = cwd  # the job's working directory (None: this process's); --fix's scratch copy
+        # argv the command runs under (--fix: traindx.cli.fix_confine's private view; it execs
+        # the command, so the job keeps the pid it starts with)
+        self.wrap = wrap
 
     def budget(self) -> rolling.Budget:
         return rolling.Budget(
@@ -297,7 +301,7 @@ class Job:
             self.missing["log"] = f"no output relay: {_reason(exc)}"
         try:
             self.proc = subprocess.Popen(
-                self.command,
+                list(getattr(self.options, "wrap", None) or []) + self.command,
                 env=env,
                 cwd=self.options.cwd,
                 stdout=job_out,

@@ -118,7 +118,14 @@ def _prepare(ctx: FixContext, name: str, cand: Candidate) -> _Prepared:
         say("warning", line)
     options = ctx.options
     command, env, cwd, records = prepare_candidate(
-        plan, ctx.root, say, ctx.record_options.cwd, out=options.out, wheels=options.wheels, arm=name
+        plan,
+        ctx.root,
+        say,
+        ctx.record_options.cwd,
+        out=options.out,
+        wheels=options.wheels,
+        arm=name,
+        link_big=options.confine == "namespace",
     )
     precompiled = [_precompile(plan, source, env, say) for source in plan.precompile]
     apply = apply_commands(plan, records, ctx.command)

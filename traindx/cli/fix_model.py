@@ -59,6 +59,11 @@ class FixOptions:
     # judged by its quicker run: a neighbour's load only adds time, so one disturbed run cannot
     # decide the search
     repeat_inconclusive: bool = True
+    # where each arm's writes go (traindx.cli.fix_confine): "auto" (a private view where user
+    # namespaces are allowed, else a private copy), "namespace", "copy"
+    confine: str = "auto"
+    # the kept arm's captured writes copied where the job wrote them, once --fix ends
+    keep_outputs: bool = False
 
 
 @dataclass
@@ -78,6 +83,8 @@ class FixResult:
     apply: list[str] = field(default_factory=list)
     # the warm-up arm run after the kept one (FixOptions.warm_up_after_fix), when it won
     warm_up: str | None = None
+    # how the arms' writes were confined, and where the kept arm's are (fix_confine.finish)
+    confinement: dict | None = None
 
     @property
     def fix_json(self) -> str:

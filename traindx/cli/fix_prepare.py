@@ -66,8 +66,10 @@ def prepare_candidate(
     out: str = "runs",
     wheels: str | None = None,
     arm: str = "candidate",
+    link_big: bool = False,
 ) -> tuple[list[str], dict[str, str], str, dict[str, Any]]:
-    """Make what the candidate needs: the overlay, the scratch copy with fix.patch. Returns
+    """Make what the candidate needs: the overlay, the scratch copy with fix.patch (its large
+    files linked only with link_big: the arm runs in a private view, fix_confine). Returns
     (command, env, cwd, records); a step that fails says why and what runs instead."""
     env = dict(plan.env)
     here = cwd or os.getcwd()
@@ -76,7 +78,7 @@ def prepare_candidate(
     if plan.overlays:
         _install_overlay(plan, env, records, root, wheels, say)
     if plan.source_edits:
-        patched = _patch_source(plan, env, records, root, here, out, arm, say)
+        patched = _patch_source(plan, env, records, root, here, (out, arm), say, link_big)
         if patched is not None:
             command, run_cwd = patched
     return command, env, run_cwd, records
@@ -123,12 +125,13 @@ def _patch_source(
     records: dict[str, Any],
     root: str,
     here: str,
-    out: str,
-    arm: str,
+    out_arm: tuple[str, str],
     say: Say,
+    link_big: bool,
 ) -> tuple[list[str], str] | None:
     """The plan's source edits on a scratch copy of the job's tree (<arm>.patch beside it):
     (the command rebased onto the copy, the folder it runs in), None when it failed."""
+    out, arm = out_arm
     files = [e["file"] for e in plan.source_edits]
     tree = fix_source.tree_root(files, plan.command, here) or ""
     scratch = os.path.join(root, "scratch", arm, os.path.basename(tree.rstrip(os.sep)) or "tree")
@@ -136,7 +139,7 @@ def _patch_source(
         if not tree:
             raise fix_source.PatchError("the patched files do not share one tree with the job")
         exclude = [root, os.path.abspath(os.path.join(here, out))]
-        diff = fix_source.make_scratch(tree, scratch, plan.source_edits, exclude=exclude)
+        diff = fix_source.make_scratch(tree, scratch, plan.source_edits, exclude=exclude, link_big=link_big)
         patch_path = os.path.join(root, f"{arm}.patch")
         write_text(patch_path, diff)
     except (OSError, fix_source.PatchError) as exc:

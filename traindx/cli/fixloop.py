@@ -28,6 +28,7 @@ whether an arm is a win, is measured again, settles the search or is kept, is th
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Mapping
@@ -51,6 +52,7 @@ from traindx.analyzers.fixplan import (  # noqa: F401  (the plan API, re-exporte
     set_flags,
     warm_up_after,
 )
+from traindx.cli import fix_confine
 from traindx.cli.fix_arm import attribute_changes  # noqa: F401  (re-exported)
 from traindx.cli.fix_model import (  # noqa: F401  (re-exported: the engine's API)
     DEFAULT_TRIES,
@@ -100,18 +102,36 @@ def fix(command: list[str], options: FixOptions | None = None) -> FixResult:
         raise UserError(f"{os.path.join(root, 'candidate')} already holds a run: give --fix a new --run-dir")
     reuse = _finished_baseline(base_dir, command)
     result = FixResult(root=root, status="baseline", exit_code=0, baseline=base_dir)
+    if options.confine not in ("auto", "namespace", "copy"):
+        raise UserError(f"unknown confinement {options.confine!r} (auto, namespace or copy)")
+    confiner = fix_confine.Confiner(root, cwd, method=None if options.confine == "auto" else options.confine)
+    options = dataclasses.replace(options, confine=confiner.method)
+    for kind, line in confiner.notice(_runs_at_most(options, reuse)):
+        say(kind, line)
     try:
-        run_loop(command, options, record_options, cwd, run_job, say, result, reuse)
+        run_loop(
+            command, options, record_options, cwd, confiner.wrap_runner(run_job, say), say, result, reuse
+        )
     except BaseException:
         if result.status not in ("done", "nothing to apply", "baseline failed"):
             result.status = f"interrupted during {result.status}"
         raise
     finally:
-        write_fix_json(result.fix_json, _fix_document(command, result))
-        for problem in scrub_copies(root, command, os.environ):
-            say("warning", f"a copy of the job's files may still hold a secret: {problem}")
+        try:
+            result.confinement = confiner.finish(result.best, options.keep_outputs, say)
+        finally:
+            write_fix_json(result.fix_json, _fix_document(command, result))
+            for problem in scrub_copies(root, command, os.environ):
+                say("warning", f"a copy of the job's files may still hold a secret: {problem}")
     say("info", f"fix: {root}")
     return result
+
+
+def _runs_at_most(options: FixOptions, reuse: int | None) -> int:
+    """How many times --fix may run the job: the baseline, each candidate (measured again with
+    the baseline when not proven), the warm-up arm."""
+    per_arm = 3 if options.repeat_inconclusive else 1
+    return (0 if reuse is not None else 1) + options.tries * per_arm + (1 if options.warm_up_after_fix else 0)
 
 
 def _fix_document(command: list[str], result: FixResult) -> dict[str, Any]:

@@ -52,6 +52,7 @@ class FixRequest:
     wheels: str | None = None
     until_diagnosed: bool = False
     warm_up_after_fix: bool = True
+    keep_outputs: bool = False
 
 
 def one_line(text: object, limit: int = 400) -> str:
@@ -232,6 +233,7 @@ def diagnose_with_fix(
         run_job=run_arm,
         until_diagnosed=fix_request.until_diagnosed,
         warm_up_after_fix=fix_request.warm_up_after_fix,
+        keep_outputs=fix_request.keep_outputs,
     )
     return fix(command, options).exit_code
 

@@ -149,6 +149,13 @@ def _add_fix_arguments(parser: argparse.ArgumentParser) -> None:
         "still compiles cold (kernel-cache warm --from-run <kept arm>)",
     )
     parser.add_argument(
+        "--keep-outputs",
+        action="store_true",
+        help="with --fix: every arm's file writes are confined to its own folder (your "
+        "files are never touched); this copies the kept arm's writes (checkpoints, "
+        "results) to where the job wrote them once --fix ends",
+    )
+    parser.add_argument(
         "--wheels",
         type=argtypes.existing_folder,
         default=None,
@@ -240,6 +247,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int | None
             wheels=getattr(args, "wheels", None),
             until_diagnosed=getattr(args, "until_diagnosed", False),
             warm_up_after_fix=getattr(args, "warm_up_after_fix", True),
+            keep_outputs=getattr(args, "keep_outputs", False),
         )
         return diagnose_with_fix(command, request, fix_request, print_comparison)
     return diagnose(command, request)

@@ -1,0 +1,205 @@
+"""`diagnose --fix` never writes where the user's files are (issue 39, item 1; its rows of the
+fault suite): every arm's writes are confined to its own folder, a private overlay view where
+user namespaces are allowed (traindx.cli.fix_confine), a private copy where they are not.
+
+Rows: a job saving ckpt.pt and out/final.txt relative to its cwd, appending to a results file
+by absolute path outside the run folder and to a > 2 MB file beside its script, under --fix
+(baseline, a source-patch candidate run from a scratch copy): the user's tree and the outside
+file byte-identical after; the kept arm's writes copied into place on request and the others'
+dropped; a write where no overlay goes refused; the scratch copy never links back to a user
+file; without a namespace, a private copy and a warning for a write through an absolute path."""
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from helpers import PY, ROOT, diagnose
+
+from traindx.analyzers import fix_source
+from traindx.cli import fix_confine
+from traindx.profiler.launcher import Options
+
+JOB = os.path.join(ROOT, "tests", "jobs", "fix_writes_outputs.py")
+NAMESPACE = fix_confine.probe()
+needs_namespace = pytest.mark.skipif(NAMESPACE is not None, reason=f"no user namespace here: {NAMESPACE}")
+
+
+def _hashes(root, skip=None):
+    """{relative path: sha256} of every file (and each folder's listing) under root."""
+    out = {}
+    for folder, dirs, files in os.walk(root):
+        dirs[:] = sorted(d for d in dirs if os.path.join(folder, d) != skip)
+        out[os.path.relpath(folder, root) + "/"] = sorted(dirs + files)
+        for name in files:
+            path = os.path.join(folder, name)
+            with open(path, "rb") as f:
+                out[os.path.relpath(path, root)] = hashlib.sha256(f.read()).hexdigest()
+    return out
+
+
+def _user_tree(tmp_path):
+    proj, elsewhere = tmp_path / "proj", tmp_path / "elsewhere"
+    (proj / "out").mkdir(parents=True)
+    elsewhere.mkdir()
+    (proj / "job.py").write_text(open(JOB).read())
+    (proj / "big.bin").write_bytes(os.urandom(3 * 1024 * 1024))
+    (proj / "ckpt.pt").write_text("the user's own checkpoint\n")
+    (proj / "out" / "final.txt").write_text("the user's own result\n")
+    (elsewhere / "results.txt").write_text("line 0\n")
+    return proj, elsewhere
+
+
+@needs_namespace
+@pytest.mark.slow
+def test_fix_leaves_the_users_tree_and_every_outside_path_byte_identical(tmp_path):
+    proj, elsewhere = _user_tree(tmp_path)
+    fix_dir = proj / "runs" / "fix"  # the run folder inside the user's tree, as by default
+    (proj / "runs").mkdir()
+    before = (_hashes(proj), _hashes(elsewhere))
+    proc = diagnose(
+        [
+            "--fix",
+            "--no-pyspy",
+            "--quiet",
+            "--steps",
+            "8",
+            "--fix-tries",
+            "1",
+            "--no-warm-up",
+            "--run-dir",
+            str(fix_dir),
+            "--",
+            PY,
+            "job.py",
+            "--steps",
+            "8",
+            "--index-size",
+            "60000",
+            "--results",
+            str(elsewhere / "results.txt"),
+        ],
+        cwd=proj,
+        env={"OMP_NUM_THREADS": "1"},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (_hashes(proj, skip=str(fix_dir)), _hashes(elsewhere)) == before
+    fix = json.loads((fix_dir / "fix.json").read_text())
+    assert fix["arms"] and fix["arms"][0]["mechanism"] == "source"  # run from the scratch copy
+    assert fix["confinement"]["method"] == "namespace"
+    assert "runs the job up to 4 times" in proc.stderr and "not confined: what the job sends" in proc.stderr
+    # every arm wrote, each into its own folder; only the kept arm's writes stay
+    kept = fix["best"] or fix["baseline"]
+    wrote = {os.path.relpath(real, tmp_path) for real, _ in fix_confine.captured_files(kept)}
+    if fix["best"]:
+        assert {"proj/ckpt.pt", "proj/out/final.txt", "elsewhere/results.txt"} <= wrote
+    for arm in (fix["baseline"], *(a["dir"] for a in fix["arms"])):
+        assert os.path.exists(os.path.join(arm, "captured")) == (arm == fix["best"])
+    # the scratch copy holds no link back to a file of the user's tree
+    for folder, _, files in os.walk(fix_dir / "scratch"):
+        for name in files:
+            assert not os.path.islink(os.path.join(folder, name)), name
+
+
+def _run(command, run_dir, options):
+    """A run_job without the recorder: the command under the arm's wrap, in its cwd."""
+    env = dict(os.environ, **(options.extra_env or {}))
+    wrap = list(options.wrap or [])
+    return subprocess.run(wrap + command, cwd=options.cwd, env=env, capture_output=True, text=True)
+
+
+WRITER = """
+import os, sys
+tag = sys.argv[1]
+open("ckpt.pt", "w").write(tag)
+os.makedirs("out", exist_ok=True)
+open("out/final.txt", "w").write(tag)
+open(sys.argv[2], "a").write(tag + "\\n")
+open("big.bin", "ab").write(tag.encode())
+try:
+    open("/traindx-confine-probe-" + tag, "w").write(tag)
+    print("root-write: made")
+except OSError as exc:
+    print("root-write:", exc.strerror)
+open(os.path.join(os.environ.get("TMPDIR", "/tmp"), "t-" + tag), "w").write(tag)
+"""
+
+
+@needs_namespace
+def test_each_arm_writes_into_its_own_view_and_the_kept_ones_outputs_are_kept_on_request(tmp_path):
+    proj, elsewhere = _user_tree(tmp_path)
+    (proj / "writer.py").write_text(WRITER)
+    root = proj / "runs" / "fix"
+    root.mkdir(parents=True)
+    before = _hashes(elsewhere), _hashes(proj, skip=str(root))
+    said = []
+    confiner = fix_confine.Confiner(str(root), str(proj))
+    run = confiner.wrap_runner(_run, lambda kind, text="", **data: said.append((kind, text)))
+    results = str(elsewhere / "results.txt")
+    arms = {}
+    for tag in ("A", "B"):
+        arm = root / tag
+        arm.mkdir()
+        proc = run([sys.executable, "writer.py", tag, results], str(arm), Options(cwd=str(proj)))
+        assert proc.returncode == 0, proc.stderr
+        # a write where no overlay goes (a file in /) is refused or captured, never made
+        assert not os.path.exists(f"/traindx-confine-probe-{tag}"), proc.stdout
+        arms[tag] = str(arm)
+    assert (_hashes(elsewhere), _hashes(proj, skip=str(root))) == before
+    out = confiner.finish(arms["B"], keep_outputs=True, say=lambda *a, **k: None)
+    assert not os.path.exists(os.path.join(arms["A"], "captured"))
+    assert (proj / "ckpt.pt").read_text() == "B" and (proj / "out" / "final.txt").read_text() == "B"
+    assert (elsewhere / "results.txt").read_text() == "line 0\nB\n"  # one line: the kept arm's
+    assert (proj / "big.bin").read_bytes().endswith(b"B") and os.path.getsize(proj / "big.bin") == 3 * 2**20 + 1
+    assert str(proj / "ckpt.pt") in out["kept_outputs"]
+
+
+@needs_namespace
+def test_the_view_passes_the_jobs_exit_code_and_refuses_a_spec_it_cannot_make(tmp_path):
+    confiner = fix_confine.Confiner(str(tmp_path / "fix"), str(tmp_path))
+    (tmp_path / "fix" / "arm").mkdir(parents=True)
+    options = confiner.prepare(str(tmp_path / "fix" / "arm"), Options(cwd=str(tmp_path)), lambda *a, **k: None)
+    proc = _run([sys.executable, "-c", "import os; print(os.getpid()); raise SystemExit(7)"], None, options)
+    assert proc.returncode == 7
+    bad = [*options.wrap[:-2], json.dumps({"overlays": [["/nonexistent-x", "/nonexistent-u", "/n-w"]]}), "--"]
+    proc = subprocess.run([*bad, "true"], capture_output=True, text=True)
+    assert proc.returncode == 126 and len(proc.stderr.strip().splitlines()) == 1
+    assert "the job was not started" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_without_a_user_namespace_each_arm_runs_in_a_private_copy(tmp_path):
+    proj, elsewhere = _user_tree(tmp_path)
+    (proj / "writer.py").write_text(WRITER)
+    root = proj / "runs" / "fix"
+    (root / "A").mkdir(parents=True)
+    said = []
+    confiner = fix_confine.Confiner(str(root), str(proj), method="copy", why="a test")
+    assert "private copy" in confiner.notice(3)[0][1] and "up to 3 times" in confiner.notice(3)[0][1]
+    options = confiner.prepare(str(root / "A"), Options(cwd=str(proj)), lambda *a, **k: None)
+    assert options.cwd.startswith(str(root / "A")) and options.extra_env["TMPDIR"].startswith(str(root))
+    for folder, _, files in os.walk(options.cwd):
+        for name in files:
+            path = os.path.join(folder, name)
+            original = proj / os.path.relpath(path, options.cwd)
+            assert not os.path.islink(path) and os.stat(path).st_ino != os.stat(original).st_ino
+    proc = _run([sys.executable, "writer.py", "A", str(proj / "ckpt.pt")], None, options)
+    assert proc.returncode == 0, proc.stderr
+    confiner.after(str(root / "A"), lambda kind, text="", **d: said.append((kind, text)))
+    assert (proj / "out" / "final.txt").read_text() == "the user's own result\n"
+    # the absolute path into the user's tree is not confinable this way: said after the arm
+    assert any(kind == "warning" and "ckpt.pt" in text for kind, text in said), said
+
+
+def test_a_scratch_copy_never_links_a_large_file_back_to_the_users(tmp_path):
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    (tree / "big.bin").write_bytes(os.urandom(3 * 1024 * 1024))
+    (tree / "job.py").write_text("print(1)\n")
+    fix_source.copy_tree(str(tree), str(tmp_path / "copy"))
+    copy = tmp_path / "copy" / "big.bin"
+    assert not copy.is_symlink() and os.stat(copy).st_ino != os.stat(tree / "big.bin").st_ino
+    with open(copy, "ab") as f:
+        f.write(b"x")
+    assert os.path.getsize(tree / "big.bin") == 3 * 1024 * 1024

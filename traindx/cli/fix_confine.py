@@ -1,0 +1,409 @@
+"""Every arm of `diagnose --fix` writes only into its own folder.
+
+The job runs several times (the baseline, each candidate, repeats); run in the user's own
+folder, every run would overwrite the user's outputs (checkpoints, result files) with an arm's
+that may not be kept. So each arm runs in a private view of the file system:
+
+- **namespace** (where the kernel allows unprivileged user namespaces with overlayfs, Linux
+  5.11 and later; most desktops, CI runners and cluster nodes): the job starts through
+  profiler/confine_exec.py in a user namespace owning a mount namespace of its own; every
+  writable folder is an overlay mounted in place (the folder as it was, read-only below, the
+  arm's writes kept in `<arm>/captured/`), /dev/shm an empty private tmpfs, what cannot be
+  overlaid read-only (a write there fails: refused, never made), and the --fix folder bound back
+  as itself (the arms' evidence is real). Paths mean what they meant: no copy, no link.
+- **copy** (no user namespace here): the arm runs in a private copy of its working folder
+  (reflinked where the file system can, real copies otherwise; never a link back), with a
+  private TMPDIR; what it could still write elsewhere (an absolute path) is checked after the
+  arm: the user's folder is compared file by file with its state before the first arm, and any
+  change is said.
+
+Network, databases and other machines cannot be confined: `notice` says so before the first
+arm, with how many times the job will run. The kept arm's captured writes are kept (and copied
+into place with `keep_outputs`); the other arms' are deleted when --fix ends.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import stat
+import subprocess
+import sys
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from traindx.cli.fix_model import Say, with_options
+from traindx.common.copying import clone_or_copy
+from traindx.common.errors import UserError
+from traindx.profiler.launcher import SHIM_DIR
+
+EXEC = os.path.join(os.path.dirname(SHIM_DIR), "confine_exec.py")
+CAPTURED = "captured"
+# file systems that hold no user files: never overlaid, never made read-only
+SPECIAL_FS = {
+    "proc",
+    "sysfs",
+    "devtmpfs",
+    "devpts",
+    "cgroup",
+    "cgroup2",
+    "mqueue",
+    "securityfs",
+    "debugfs",
+    "tracefs",
+    "pstore",
+    "bpf",
+    "configfs",
+    "fusectl",
+    "hugetlbfs",
+    "binfmt_misc",
+    "autofs",
+    "efivarfs",
+    "rpc_pipefs",
+    "nsfs",
+    "selinuxfs",
+}
+COPY_LIMIT_BYTES = 4 * 1024**3  # copy mode: a working folder larger than this is refused
+MAX_FILES = 100000
+LINKED_DIRS = {".git", ".hg", ".svn", ".venv", "venv", ".tox", "node_modules"}
+
+_probed: dict[str, str | None] = {}
+
+
+@dataclass(frozen=True)
+class Mount:
+    point: str
+    fstype: str
+    writable: bool
+
+
+def mounts(path: str = "/proc/self/mountinfo") -> list[Mount]:
+    """The mounts this process sees, the visible one per mount point (the last mounted)."""
+    out: dict[str, Mount] = {}
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return []
+    for line in lines:
+        left, _, right = line.partition(" - ")
+        fields, tail = left.split(), right.split()
+        if len(fields) < 6 or not tail:
+            continue
+        point = fields[4].encode().decode("unicode_escape")
+        out.pop(point, None)
+        out[point] = Mount(point, tail[0], "ro" not in fields[5].split(","))
+    return list(out.values())
+
+
+def _under(path: str, root: str) -> bool:
+    return path != root and path.startswith(root.rstrip("/") + "/")
+
+
+@dataclass
+class Zones:
+    """What the view makes of each folder: overlaid, private tmpfs, made read-only."""
+
+    overlays: list[str] = field(default_factory=list)
+    tmpfs: list[str] = field(default_factory=list)
+    readonly: list[str] = field(default_factory=list)
+
+
+def plan_zones(table: Sequence[Mount]) -> Zones:
+    """Cover the file system with in-place overlays: a folder with no mount below it is one
+    overlay; a folder with mounts below is covered child by child (its own files stay
+    read-only). Special file systems are left alone; a tmpfs on one (/dev/shm) is replaced by a
+    private tmpfs; every other writable mount is made read-only under the overlays."""
+    zones = Zones()
+    special = [m.point for m in table if m.fstype in SPECIAL_FS]
+    visible = [m for m in table if not any(m.point == s or _under(m.point, s) for s in special)]
+    # shared memory (/dev/shm) lies on a special file system: an empty one of the arm's own
+    zones.tmpfs = [
+        m.point
+        for m in table
+        if m.fstype == "tmpfs" and m.writable and m not in visible and os.path.basename(m.point) == "shm"
+    ]
+
+    def cover(path: str) -> None:
+        inside = [m for m in table if _under(m.point, path)]
+        if not inside:
+            zones.overlays.append(path)
+            return
+        try:
+            entries = sorted(os.scandir(path), key=lambda e: e.name)
+        except OSError:
+            return
+        for entry in entries:
+            if not entry.is_dir(follow_symlinks=False):
+                continue
+            here = next((m for m in table if m.point == entry.path), None)
+            if entry.path in special or (here is not None and not here.writable):
+                continue
+            if any(entry.path == s or _under(entry.path, s) for s in special):
+                continue
+            cover(entry.path)
+
+    cover("/")
+    zones.readonly = [m.point for m in visible if m.writable and m.point not in zones.overlays]
+    return zones
+
+
+def probe() -> str | None:
+    """None when an unprivileged user namespace can mount an overlay here, else why not."""
+    if "namespace" not in _probed:
+        if not sys.platform.startswith("linux"):
+            _probed["namespace"] = "not Linux"
+        else:
+            try:
+                proc = subprocess.run(
+                    [sys.executable, "-I", "-S", EXEC, "--probe"],
+                    capture_output=True,
+                    text=True,
+                    timeout=30,
+                )
+                reason = None if proc.returncode == 0 else (proc.stderr.strip() or "the probe failed")
+            except (OSError, subprocess.TimeoutExpired) as exc:
+                reason = str(exc)
+            _probed["namespace"] = reason
+    return _probed["namespace"]
+
+
+class Confiner:
+    """Makes each arm's view (namespace) or private copy (copy) and cleans up after --fix."""
+
+    def __init__(self, root: str, cwd: str, method: str | None = None, why: str | None = None) -> None:
+        self.root, self.cwd = os.path.realpath(root), os.path.realpath(cwd)
+        self.why = why
+        self.method = method or ("namespace" if probe() is None else "copy")
+        if method is None and self.method == "copy":
+            self.why = probe()
+        self.arms: list[str] = []
+        self.before: dict[str, tuple[int, int]] | None = None
+
+    # -- before the first arm ---------------------------------------------------------------
+    def notice(self, runs: int) -> list[tuple[str, str]]:
+        """What the user is told before the first arm runs: (kind, line)."""
+        if self.method == "namespace":
+            how = (
+                "each arm's file writes are confined to its own folder (a private overlay of "
+                "every writable folder; a write where no overlay can go is refused)"
+            )
+        else:
+            how = (
+                f"this machine allows no user namespace ({self.why}): each arm runs in a "
+                f"private copy of {self.cwd}; a write to an absolute path outside it is not "
+                f"confined (after each arm, {self.cwd} is checked for changes)"
+            )
+        return [
+            (
+                "info" if self.method == "namespace" else "warning",
+                f"--fix runs the job up to {runs} times; {how}; the kept arm's writes are kept "
+                "in its folder (--keep-outputs copies them into place)",
+            ),
+            (
+                "warning",
+                "not confined: what the job sends over the network (a database, a remote store, "
+                "an experiment tracker, a queue) and processes it starts on other machines "
+                "happen at each run",
+            ),
+        ]
+
+    # -- one arm -----------------------------------------------------------------------------
+    def wrap_runner(self, run_job: Callable[..., int | None], say: Say) -> Callable[..., int | None]:
+        """run_job, each call run in the arm's private view."""
+
+        def confined(command: list[str], run_dir: str, options: Any, **kw: Any) -> int | None:
+            arm_options = self.prepare(run_dir, options, say)
+            try:
+                return run_job(command, run_dir, arm_options, **kw)
+            finally:
+                self.after(run_dir, say)
+
+        return confined
+
+    def prepare(self, run_dir: str, options: Any, say: Say) -> Any:
+        self.arms.append(run_dir)
+        if self.method == "namespace":
+            return with_options(options, wrap=self._view(run_dir))
+        if self.before is None:
+            self.before = snapshot(self.cwd, exclude=[self.root])
+        cwd = os.path.realpath(options.cwd or self.cwd)
+        copy = os.path.join(run_dir, CAPTURED, "tree")
+        copy_tree(self.cwd, copy, exclude=[self.root])
+        tmp = os.path.join(run_dir, CAPTURED, "tmp")
+        os.makedirs(tmp, exist_ok=True)
+        env = dict(options.extra_env or {}, TMPDIR=tmp)
+        inside = cwd == self.cwd or _under(cwd, self.cwd)
+        new_cwd = os.path.join(copy, os.path.relpath(cwd, self.cwd)) if inside else cwd
+        return with_options(options, cwd=new_cwd, extra_env=env)
+
+    def _view(self, run_dir: str) -> list[str]:
+        zones = plan_zones(mounts())
+        captured = os.path.join(run_dir, CAPTURED)
+        overlays, where = [], {}
+        for i, path in enumerate(zones.overlays):
+            upper, work = os.path.join(captured, str(i), "upper"), os.path.join(captured, str(i), "work")
+            os.makedirs(upper)
+            os.makedirs(work)
+            overlays.append([path, upper, work])
+            where[str(i)] = path
+        with open(os.path.join(captured, "zones.json"), "w", encoding="utf-8") as f:
+            json.dump(where, f, indent=1)
+        spec = {
+            "overlays": overlays,
+            "tmpfs": zones.tmpfs,
+            "real": [self.root],
+            "readonly": zones.readonly,
+            "full_map": os.getuid() == 0,
+        }
+        return [sys.executable, "-I", "-S", EXEC, json.dumps(spec), "--"]
+
+    def after(self, run_dir: str, say: Say) -> None:
+        """Overlay work folders removed; in copy mode, the user's folder checked."""
+        captured = os.path.join(run_dir, CAPTURED)
+        for name in os.listdir(captured) if os.path.isdir(captured) else ():
+            work = os.path.join(captured, name, "work")
+            if os.path.isdir(work):
+                remove(work)
+            upper = os.path.join(captured, name, "upper")
+            if os.path.isdir(upper) and not os.listdir(upper):
+                remove(os.path.join(captured, name))
+        if self.method == "copy":
+            remove(os.path.join(captured, "tree"))
+            if self.before is not None:
+                changed = changes(self.before, snapshot(self.cwd, exclude=[self.root]))
+                if changed:
+                    say(
+                        "warning",
+                        f"{os.path.basename(run_dir)} changed {len(changed)} file(s) in {self.cwd} "
+                        f"through an absolute path (not confinable here): {', '.join(changed[:5])}",
+                    )
+
+    # -- after the last arm ------------------------------------------------------------------
+    def finish(self, kept: str | None, keep_outputs: bool, say: Say) -> dict[str, Any]:
+        """The other arms' captured writes deleted; the kept one's listed (and, with
+        keep_outputs, copied into place). Returns fix.json's "confinement"."""
+        for arm in self.arms:
+            if arm != kept:
+                remove(os.path.join(arm, CAPTURED))
+        out: dict[str, Any] = {"method": self.method, "why": self.why, "kept_outputs": None}
+        if kept is None:
+            return out
+        files = captured_files(kept)
+        out["captured"] = os.path.join(kept, CAPTURED)
+        out["captured_files"] = len(files)
+        if keep_outputs:
+            copied = keep_captured(files)
+            out["kept_outputs"] = copied
+            say(
+                "info",
+                f"kept the outputs of {os.path.basename(kept)}: {len(copied)} file(s) copied into place",
+            )
+        elif files:
+            say(
+                "info",
+                f"the writes of {os.path.basename(kept)} ({len(files)} file(s)) are in "
+                f"{out['captured']} (--keep-outputs copies them into place)",
+            )
+        return out
+
+
+def captured_files(arm: str) -> list[tuple[str, str]]:
+    """(where the job wrote it, the captured copy) of every regular file an arm wrote."""
+    captured = os.path.join(arm, CAPTURED)
+    try:
+        with open(os.path.join(captured, "zones.json"), encoding="utf-8") as f:
+            zones = json.load(f)
+    except (OSError, ValueError):
+        return []
+    out = []
+    for name, real in sorted(zones.items()):
+        upper = os.path.join(captured, name, "upper")
+        for folder, _, files in os.walk(upper):
+            for file in files:
+                src = os.path.join(folder, file)
+                if stat.S_ISREG(os.lstat(src).st_mode):
+                    out.append((os.path.join(real, os.path.relpath(src, upper)), src))
+    return out
+
+
+def keep_captured(files: Iterable[tuple[str, str]]) -> list[str]:
+    """Each captured file copied where the job wrote it; the paths written."""
+    done = []
+    for real, src in files:
+        try:
+            os.makedirs(os.path.dirname(real), exist_ok=True)
+            shutil.copy2(src, real)
+            done.append(real)
+        except OSError:
+            continue
+    return done
+
+
+def remove(path: str) -> None:
+    """rmtree that also clears the mode-0 folders overlayfs leaves in its work folder."""
+
+    def retry(func: Callable[..., Any], p: str, _exc: Any) -> None:
+        try:
+            os.chmod(os.path.dirname(p), 0o700)
+            if os.path.isdir(p) and not os.path.islink(p):
+                os.chmod(p, 0o700)
+            func(p)
+        except OSError:
+            pass
+
+    if os.path.lexists(path):
+        shutil.rmtree(path, onerror=retry)
+
+
+# -- copy mode ----------------------------------------------------------------------------------
+def copy_tree(root: str, dest: str, exclude: Sequence[str] = ()) -> None:
+    """A private copy of root (every file a clone or a copy, never a link back; version-control
+    and environment folders, which a job reads, linked as folders); refused in one line when
+    root is too large to copy."""
+    skip = {os.path.realpath(p) for p in exclude}
+    total, count = 0, 0
+    for folder, dirs, files in os.walk(root):
+        target = os.path.join(dest, os.path.relpath(folder, root))
+        os.makedirs(target, exist_ok=True)
+        for d in [d for d in dirs if d in LINKED_DIRS]:
+            os.symlink(os.path.realpath(os.path.join(folder, d)), os.path.join(target, d))
+        dirs[:] = [
+            d for d in dirs if d not in LINKED_DIRS and os.path.realpath(os.path.join(folder, d)) not in skip
+        ]
+        for name in files:
+            src, dst = os.path.join(folder, name), os.path.join(target, name)
+            if os.path.islink(src):
+                os.symlink(os.path.realpath(src), dst)  # the user's own link, to its target
+                continue
+            count += 1
+            total += os.path.getsize(src)
+            if total > COPY_LIMIT_BYTES or count > MAX_FILES:
+                raise UserError(
+                    f"--fix: this machine allows no user namespace, and {root} is too large to "
+                    f"copy for each arm (over {COPY_LIMIT_BYTES // 1024**3} GB or {MAX_FILES} "
+                    "files): run --fix where user namespaces are allowed, or from a smaller folder"
+                )
+            clone_or_copy(src, dst)
+
+
+def snapshot(root: str, exclude: Sequence[str] = ()) -> dict[str, tuple[int, int]]:
+    """{path: (size, mtime_ns)} of every file under root."""
+    skip = {os.path.realpath(p) for p in exclude}
+    out = {}
+    for folder, dirs, files in os.walk(root):
+        dirs[:] = [d for d in dirs if os.path.realpath(os.path.join(folder, d)) not in skip]
+        for name in files:
+            path = os.path.join(folder, name)
+            try:
+                st = os.lstat(path)
+            except OSError:
+                continue
+            out[path] = (st.st_size, st.st_mtime_ns)
+    return out
+
+
+def changes(before: dict[str, tuple[int, int]], after: dict[str, tuple[int, int]]) -> list[str]:
+    return sorted(p for p in set(before) | set(after) if before.get(p) != after.get(p))
