@@ -23,6 +23,7 @@ import ctypes
 import json
 import os
 import sys
+from typing import Any
 
 CLONE_NEWNS = 0x00020000
 CLONE_NEWUSER = 0x10000000
@@ -127,7 +128,7 @@ def _flags_of(path: str) -> int:
     return sum(ms for st, ms in pairs if f & st)
 
 
-def set_up(spec: dict) -> list[str]:
+def set_up(spec: dict[str, Any]) -> list[str]:
     """Every mount of the spec; returns one line per part that could not be made (a folder
     then stays read-only, never written through)."""
     problems: list[str] = []
