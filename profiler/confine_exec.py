@@ -15,8 +15,9 @@ library only. SPEC (traindx.cli.fix_confine builds it):
 Unprivileged: a user namespace (unshare -U) owning a mount namespace (-m); the mounts live as
 long as the job's processes and are seen by no one else. Overlays are mounted in place (a
 directory over itself), so every path means what it meant; the upper and work folders are
-reached through descriptors opened before any mount covers them. `--probe` exits 0 when the
-whole mechanism works here (an overlay of a temporary folder), else 1 with the reason.
+reached through descriptors opened before any mount covers them. `--probe [DIR]` exits 0 when
+the whole mechanism works here (an overlay of a temporary folder, its upper in DIR), else 1
+with the reason.
 """
 
 import ctypes
@@ -163,11 +164,13 @@ def set_up(spec: dict[str, Any]) -> list[str]:
     return problems
 
 
-def probe() -> int:
-    """Exit 0 when a user namespace can mount an overlay here, else 1 and the reason."""
+def probe(where: str | None = None) -> int:
+    """Exit 0 when a user namespace can mount an overlay here (its upper folder in `where`, the
+    --fix folder: overlayfs refuses some file systems as upper, NFS among them), else 1 and
+    the reason."""
     import tempfile
 
-    with tempfile.TemporaryDirectory(prefix="traindx-probe-") as tmp:
+    with tempfile.TemporaryDirectory(prefix=".traindx-probe-", dir=where) as tmp:
         lower, upper, work = (os.path.join(tmp, p) for p in ("lower", "upper", "work"))
         for p in (lower, upper, work):
             os.mkdir(p)
@@ -188,12 +191,14 @@ def probe() -> int:
         if code == 0 and os.path.exists(os.path.join(lower, "w")):
             sys.stderr.write("the overlay wrote through to the real folder\n")
             return 1
+        for name in os.listdir(work):  # overlayfs leaves a mode-0 folder there
+            os.chmod(os.path.join(work, name), 0o700)
         return 0 if code == 0 else 1
 
 
 def main(argv: list[str]) -> int:
     if argv[:1] == ["--probe"]:
-        return probe()
+        return probe(argv[1] if len(argv) > 1 else None)
     if len(argv) < 3 or argv[1] != "--":
         sys.stderr.write("usage: confine_exec.py SPEC_JSON -- command...\n")
         return 2

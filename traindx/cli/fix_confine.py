@@ -150,15 +150,17 @@ def plan_zones(table: Sequence[Mount]) -> Zones:
     return zones
 
 
-def probe() -> str | None:
-    """None when an unprivileged user namespace can mount an overlay here, else why not."""
-    if "namespace" not in _probed:
+def probe(where: str | None = None) -> str | None:
+    """None when an unprivileged user namespace can mount an overlay whose writes go to a
+    folder in `where` (the --fix folder), else why not."""
+    key = os.path.realpath(where) if where else ""
+    if key not in _probed:
         if not sys.platform.startswith("linux"):
-            _probed["namespace"] = "not Linux"
+            _probed[key] = "not Linux"
         else:
             try:
                 proc = subprocess.run(
-                    [sys.executable, "-I", "-S", EXEC, "--probe"],
+                    [sys.executable, "-I", "-S", EXEC, "--probe", *([key] if key else [])],
                     capture_output=True,
                     text=True,
                     timeout=30,
@@ -166,8 +168,8 @@ def probe() -> str | None:
                 reason = None if proc.returncode == 0 else (proc.stderr.strip() or "the probe failed")
             except (OSError, subprocess.TimeoutExpired) as exc:
                 reason = str(exc)
-            _probed["namespace"] = reason
-    return _probed["namespace"]
+            _probed[key] = " ".join((reason or "").split())[:300] or None
+    return _probed[key]
 
 
 class Confiner:
@@ -176,9 +178,10 @@ class Confiner:
     def __init__(self, root: str, cwd: str, method: str | None = None, why: str | None = None) -> None:
         self.root, self.cwd = os.path.realpath(root), os.path.realpath(cwd)
         self.why = why
-        self.method = method or ("namespace" if probe() is None else "copy")
-        if method is None and self.method == "copy":
-            self.why = probe()
+        if method is None:
+            self.why = probe(self.root)
+            method = "namespace" if self.why is None else "copy"
+        self.method = method
         self.arms: list[str] = []
         self.before: dict[str, tuple[int, int]] | None = None
 
