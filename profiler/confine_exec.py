@@ -9,6 +9,7 @@ library only. SPEC (traindx.cli.fix_confine builds it):
     {"overlays": [[dir, upper, work], ...],   # dir seen as itself + its writes kept in upper
      "tmpfs": [dir, ...],                      # an empty private tmpfs over dir
      "real": [dir, ...],                       # dir bound back as itself, writes real (the run folder)
+     "sockets": [path, ...],                   # Unix sockets of processes outside, bound back
      "readonly": [mount point, ...],           # every other writable mount: read-only
      "full_map": bool}                          # map every uid (root outside) or only ours
 
@@ -139,6 +140,13 @@ def set_up(spec: dict[str, Any]) -> list[str]:
         fds.append((lower, os.open(lower, flags), os.open(upper, flags), os.open(work, flags)))
     # the run folder, held before an overlay covers it
     real = [(path, os.open(path, os.O_PATH | os.O_DIRECTORY)) for path in spec.get("real", [])]
+    # a socket seen through an overlay is another inode: connect() would be refused
+    sockets = []
+    for path in spec.get("sockets", []):
+        try:
+            sockets.append((path, os.open(path, os.O_PATH)))
+        except OSError:
+            continue
     for lower, low_fd, up_fd, work_fd in fds:
         try:
             _overlay(low_fd, up_fd, work_fd, lower)
@@ -152,6 +160,12 @@ def set_up(spec: dict[str, Any]) -> list[str]:
     # overlays cover the run folder where it lies inside one: bound back, real again
     for path, fd in real:
         _mount(f"/proc/self/fd/{fd}", path, None, MS_BIND | MS_REC, None)
+        os.close(fd)
+    for path, fd in sockets:
+        try:
+            _mount(f"/proc/self/fd/{fd}", path, None, MS_BIND, None)
+        except SetupError:
+            pass  # it went away meanwhile
         os.close(fd)
     for point in spec.get("readonly", []):
         try:

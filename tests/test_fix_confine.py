@@ -12,8 +12,10 @@ file; without a namespace, a private copy and a warning for a write through an a
 import hashlib
 import json
 import os
+import socket
 import subprocess
 import sys
+import threading
 
 import pytest
 from helpers import PY, ROOT, diagnose
@@ -118,11 +120,12 @@ os.makedirs("out", exist_ok=True)
 open("out/final.txt", "w").write(tag)
 open(sys.argv[2], "a").write(tag + "\\n")
 open("big.bin", "ab").write(tag.encode())
-try:
-    open("/traindx-confine-probe-" + tag, "w").write(tag)
-    print("root-write: made")
-except OSError as exc:
-    print("root-write:", exc.strerror)
+if sys.argv[3:] == ["--write-in-root"]:
+    try:
+        open("/traindx-confine-probe-" + tag, "w").write(tag)
+        print("root-write: made")
+    except OSError as exc:
+        print("root-write:", exc.strerror)
 open(os.path.join(os.environ.get("TMPDIR", "/tmp"), "t-" + tag), "w").write(tag)
 """
 
@@ -142,7 +145,8 @@ def test_each_arm_writes_into_its_own_view_and_the_kept_ones_outputs_are_kept_on
     for tag in ("A", "B"):
         arm = root / tag
         arm.mkdir()
-        proc = run([sys.executable, "writer.py", tag, results], str(arm), Options(cwd=str(proj)))
+        argv = [sys.executable, "writer.py", tag, results, "--write-in-root"]
+        proc = run(argv, str(arm), Options(cwd=str(proj)))
         assert proc.returncode == 0, proc.stderr
         # a write where no overlay goes (a file in /) is refused or captured, never made
         assert not os.path.exists(f"/traindx-confine-probe-{tag}"), proc.stdout
@@ -158,14 +162,23 @@ def test_each_arm_writes_into_its_own_view_and_the_kept_ones_outputs_are_kept_on
 
 
 @needs_namespace
-def test_the_view_passes_the_jobs_exit_code_and_refuses_a_spec_it_cannot_make(tmp_path):
+def test_the_view_passes_the_exit_code_keeps_outside_sockets_and_refuses_what_it_cannot_make(tmp_path):
+    server = socket.socket(socket.AF_UNIX)  # a service of the machine's (a Ray cluster, X, PMIx)
+    server.bind(str(tmp_path / "service.sock"))
+    server.listen(1)
+    threading.Thread(target=lambda: server.accept()[0].sendall(b"hello"), daemon=True).start()
     confiner = fix_confine.Confiner(str(tmp_path / "fix"), str(tmp_path))
     (tmp_path / "fix" / "arm").mkdir(parents=True)
     options = confiner.prepare(
         str(tmp_path / "fix" / "arm"), Options(cwd=str(tmp_path)), lambda *a, **k: None
     )
-    proc = _run([sys.executable, "-c", "import os; print(os.getpid()); raise SystemExit(7)"], None, options)
-    assert proc.returncode == 7
+    client = "import socket, sys; c = socket.socket(socket.AF_UNIX); c.connect(sys.argv[1]); print(c.recv(5))"
+    proc = _run(
+        [sys.executable, "-c", client + "; raise SystemExit(7)", str(tmp_path / "service.sock")],
+        None,
+        options,
+    )
+    assert proc.returncode == 7 and "b'hello'" in proc.stdout, proc.stderr
     bad = [*options.wrap[:-2], json.dumps({"overlays": [["/nonexistent-x", "/nonexistent-u", "/n-w"]]}), "--"]
     proc = subprocess.run([*bad, "true"], capture_output=True, text=True)
     assert proc.returncode == 126 and len(proc.stderr.strip().splitlines()) == 1

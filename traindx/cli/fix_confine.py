@@ -30,6 +30,7 @@ import shutil
 import stat
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -65,6 +66,10 @@ SPECIAL_FS = {
     "nsfs",
     "selinuxfs",
 }
+# runtime folders hold the sockets and pid files of the machine's services: left read-only
+# (a socket seen through an overlay refuses connections)
+RUNTIME_DIRS = {"/run", "/var/run", "/var/lock"}
+SOCKET_SCAN_ENTRIES = 20000
 COPY_LIMIT_BYTES = 4 * 1024**3  # copy mode: a working folder larger than this is refused
 MAX_FILES = 100000
 LINKED_DIRS = {".git", ".hg", ".svn", ".venv", "venv", ".tox", "node_modules"}
@@ -109,6 +114,7 @@ class Zones:
     overlays: list[str] = field(default_factory=list)
     tmpfs: list[str] = field(default_factory=list)
     readonly: list[str] = field(default_factory=list)
+    sockets: list[str] = field(default_factory=list)
 
 
 def plan_zones(table: Sequence[Mount]) -> Zones:
@@ -127,6 +133,8 @@ def plan_zones(table: Sequence[Mount]) -> Zones:
     ]
 
     def cover(path: str) -> None:
+        if path in RUNTIME_DIRS:
+            return
         inside = [m for m in table if _under(m.point, path)]
         if not inside:
             zones.overlays.append(path)
@@ -147,7 +155,33 @@ def plan_zones(table: Sequence[Mount]) -> Zones:
 
     cover("/")
     zones.readonly = [m.point for m in visible if m.writable and m.point not in zones.overlays]
+    zones.sockets = sockets_in(
+        [tempfile.gettempdir(), "/tmp", "/var/tmp", os.environ.get("XDG_RUNTIME_DIR", "")]
+    )
     return zones
+
+
+def sockets_in(folders: Iterable[str], limit: int = SOCKET_SCAN_ENTRIES) -> list[str]:
+    """The Unix sockets in the temporary folders (a Ray cluster's, an X server's, a PMIx
+    server's), bound back into the view so the job can still connect to them."""
+    out, seen, queue = [], 0, [f for f in dict.fromkeys(folders) if f and os.path.isdir(f)]
+    while queue and seen < limit:
+        folder = queue.pop()
+        try:
+            entries = list(os.scandir(folder))
+        except OSError:
+            continue
+        for entry in entries:
+            seen += 1
+            try:
+                mode = entry.stat(follow_symlinks=False).st_mode
+            except OSError:
+                continue
+            if stat.S_ISSOCK(mode):
+                out.append(entry.path)
+            elif stat.S_ISDIR(mode):
+                queue.append(entry.path)
+    return sorted(out)
 
 
 def probe(where: str | None = None) -> str | None:
@@ -179,6 +213,7 @@ class Confiner:
         self.root, self.cwd = os.path.realpath(root), os.path.realpath(cwd)
         self.why = why
         if method is None:
+            os.makedirs(self.root, exist_ok=True)
             self.why = probe(self.root)
             method = "namespace" if self.why is None else "copy"
         self.method = method
@@ -259,6 +294,7 @@ class Confiner:
             "tmpfs": zones.tmpfs,
             "real": [self.root],
             "readonly": zones.readonly,
+            "sockets": zones.sockets,
             "full_map": os.getuid() == 0,
         }
         return [sys.executable, "-I", "-S", EXEC, json.dumps(spec), "--"]
@@ -381,6 +417,8 @@ def copy_tree(root: str, dest: str, exclude: Sequence[str] = ()) -> None:
             if os.path.islink(src):
                 os.symlink(os.path.realpath(src), dst)  # the user's own link, to its target
                 continue
+            if not os.path.isfile(src):
+                continue  # a socket, a pipe: nothing a copy can hold
             count += 1
             total += os.path.getsize(src)
             if total > COPY_LIMIT_BYTES or count > MAX_FILES:

@@ -6,12 +6,16 @@ from __future__ import annotations
 
 import os
 import shutil
+import stat
 
 FICLONE = 0x40049409  # ioctl: this file shares the other's extents (Linux, copy-on-write file systems)
 
 
 def clone_or_copy(src: str, dst: str) -> str:
-    """Copy src to dst (metadata too); returns "clone" or "copy" (what was done)."""
+    """Copy src to dst (metadata too); returns "clone" or "copy" (what was done). A file that
+    is not a regular one (a pipe would block the open) raises OSError."""
+    if not stat.S_ISREG(os.stat(src).st_mode):
+        raise OSError(f"{src} is not a regular file")
     try:
         import fcntl  # not on every platform; only Linux has FICLONE
 
