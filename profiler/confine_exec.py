@@ -25,6 +25,7 @@ import ctypes
 import json
 import os
 import sys
+import tempfile
 from typing import Any
 
 CLONE_NEWNS = 0x00020000
@@ -182,8 +183,6 @@ def probe(where: str | None = None) -> int:
     """Exit 0 when a user namespace can mount an overlay here (its upper folder in `where`, the
     --fix folder: overlayfs refuses some file systems as upper, NFS among them), else 1 and
     the reason."""
-    import tempfile
-
     with tempfile.TemporaryDirectory(prefix=".traindx-probe-", dir=where) as tmp:
         lower, upper, work = (os.path.join(tmp, p) for p in ("lower", "upper", "work"))
         for p in (lower, upper, work):
