@@ -84,7 +84,7 @@ class FixResult:
     # the warm-up arm run after the kept one (FixOptions.warm_up_after_fix), when it won
     warm_up: str | None = None
     # how the arms' writes were confined, and where the kept arm's are (fix_confine.finish)
-    confinement: dict | None = None
+    confinement: dict[str, Any] | None = None
 
     @property
     def fix_json(self) -> str:
