@@ -18,8 +18,8 @@ that may not be kept. So each arm runs in a private view of the file system:
   change is said.
 
 Network, databases and other machines cannot be confined: `notice` says so before the first
-arm, with how many times the job will run. The kept arm's captured writes are kept (and copied
-into place with `keep_outputs`); the other arms' are deleted when --fix ends.
+arm, with how many times the job will run. When --fix ends every arm's captured writes are
+deleted, the kept arm's first copied to where the job wrote them on request (`keep_outputs`).
 """
 
 from __future__ import annotations
@@ -72,6 +72,7 @@ RUNTIME_DIRS = {"/run", "/var/run", "/var/lock"}
 SOCKET_SCAN_ENTRIES = 20000
 COPY_LIMIT_BYTES = 4 * 1024**3  # copy mode: a working folder larger than this is refused
 MAX_FILES = 100000
+MAX_LISTED = 50  # fix.json lists at most this many of the kept arm's outputs
 LINKED_DIRS = {".git", ".hg", ".svn", ".venv", "venv", ".tox", "node_modules"}
 
 _probed: dict[str, str | None] = {}
@@ -238,7 +239,7 @@ class Confiner:
             (
                 "info" if self.method == "namespace" else "warning",
                 f"--fix runs the job up to {runs} times; {how}; the kept arm's writes are kept "
-                "in its folder (--keep-outputs copies them into place)",
+                "on request (--keep-outputs)",
             ),
             (
                 "warning",
@@ -322,30 +323,31 @@ class Confiner:
 
     # -- after the last arm ------------------------------------------------------------------
     def finish(self, kept: str | None, keep_outputs: bool, say: Say) -> dict[str, Any]:
-        """The other arms' captured writes deleted; the kept one's listed (and, with
-        keep_outputs, copied into place). Returns fix.json's "confinement"."""
-        for arm in self.arms:
-            if arm != kept:
-                remove(os.path.join(arm, CAPTURED))
+        """Every arm's captured writes deleted (they are the job's outputs, its configs and
+        tokens among them: none stays in the --fix folder); the kept arm's first listed and,
+        with keep_outputs, copied to where the job wrote them. Returns fix.json's
+        "confinement"."""
         out: dict[str, Any] = {"method": self.method, "why": self.why, "kept_outputs": None}
-        if kept is None:
-            return out
-        files = captured_files(kept)
-        out["captured"] = os.path.join(kept, CAPTURED)
-        out["captured_files"] = len(files)
-        if keep_outputs:
-            copied = keep_captured(files)
-            out["kept_outputs"] = copied
+        files = captured_files(kept) if kept else []
+        if kept:
+            out["outputs"] = [real for real, _ in files[:MAX_LISTED]]
+            out["outputs_count"] = len(files)
+        if kept and keep_outputs:
+            out["kept_outputs"] = keep_captured(files)
             say(
                 "info",
-                f"kept the outputs of {os.path.basename(kept)}: {len(copied)} file(s) copied into place",
+                f"--keep-outputs: the writes of {os.path.basename(kept)} copied into place "
+                f"({len(out['kept_outputs'])} file(s))",
             )
         elif files:
+            shown = ", ".join(real for real, _ in files[:3]) + (", ..." if len(files) > 3 else "")
             say(
                 "info",
-                f"the writes of {os.path.basename(kept)} ({len(files)} file(s)) are in "
-                f"{out['captured']} (--keep-outputs copies them into place)",
+                f"the writes of {os.path.basename(kept or '')} ({len(files)} file(s): {shown}) were "
+                "discarded with every other arm's; --keep-outputs copies the kept arm's into place",
             )
+        for arm in self.arms:
+            remove(os.path.join(arm, CAPTURED))
         return out
 
 
