@@ -221,3 +221,26 @@ def test_a_scratch_copy_never_links_a_large_file_back_to_the_users(tmp_path):
     with open(copy, "ab") as f:
         f.write(b"x")
     assert os.path.getsize(tree / "big.bin") == 3 * 1024 * 1024
+
+
+def test_the_view_covers_every_writable_folder_and_says_where_a_mount_below_leaves_files_read_only(
+    tmp_path, monkeypatch
+):
+    proj = tmp_path / "proj"
+    for sub in ("data", "src"):
+        (proj / sub).mkdir(parents=True)
+    table = [
+        fix_confine.Mount("/", "ext4", True),
+        fix_confine.Mount("/proc", "proc", True),
+        fix_confine.Mount("/dev", "devtmpfs", True),
+        fix_confine.Mount("/dev/shm", "tmpfs", True),
+        fix_confine.Mount(str(proj / "data"), "xfs", True),  # a data volume mounted in the job's folder
+    ]
+    zones = fix_confine.plan_zones(table)
+    assert {str(proj / "data"), str(proj / "src")} <= set(zones.overlays)
+    assert str(proj) in zones.partial and str(proj) not in zones.overlays
+    assert not any(z == "/proc" or z.startswith(("/proc/", "/dev/")) for z in zones.overlays)
+    assert zones.tmpfs == ["/dev/shm"] and zones.readonly == ["/"]
+    monkeypatch.setattr(fix_confine, "mounts", lambda: table)
+    notice = fix_confine.Confiner(str(proj / "runs"), str(proj), method="namespace").notice(4)
+    assert any(kind == "warning" and "holds a mount below it" in text for kind, text in notice)

@@ -116,6 +116,8 @@ class Zones:
     tmpfs: list[str] = field(default_factory=list)
     readonly: list[str] = field(default_factory=list)
     sockets: list[str] = field(default_factory=list)
+    # folders covered child by child (a mount below them): a file directly in one is read-only
+    partial: list[str] = field(default_factory=list)
 
 
 def plan_zones(table: Sequence[Mount]) -> Zones:
@@ -140,6 +142,7 @@ def plan_zones(table: Sequence[Mount]) -> Zones:
         if not inside:
             zones.overlays.append(path)
             return
+        zones.partial.append(path)
         try:
             entries = sorted(os.scandir(path), key=lambda e: e.name)
         except OSError:
@@ -235,6 +238,18 @@ class Confiner:
                 f"private copy of {self.cwd}; a write to an absolute path outside it is not "
                 f"confined (after each arm, {self.cwd} is checked for changes)"
             )
+        lines = []
+        if self.method == "namespace":
+            mounted = [p for p in plan_zones(mounts()).partial if p == self.cwd or _under(p, self.cwd)]
+            if mounted:
+                lines.append(
+                    (
+                        "warning",
+                        f"{', '.join(mounted[:3])} holds a mount below it: a file the job writes "
+                        "directly in it is refused (read-only in the view); its subfolders are "
+                        "confined as usual",
+                    )
+                )
         return [
             (
                 "info" if self.method == "namespace" else "warning",
@@ -247,6 +262,7 @@ class Confiner:
                 "an experiment tracker, a queue) and processes it starts on other machines "
                 "happen at each run",
             ),
+            *lines,
         ]
 
     # -- one arm -----------------------------------------------------------------------------
