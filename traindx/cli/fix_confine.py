@@ -270,7 +270,14 @@ class Confiner:
         """run_job, each call run in the arm's private view."""
 
         def confined(command: list[str], run_dir: str, options: Any, **kw: Any) -> int | None:
-            arm_options = self.prepare(run_dir, options, say)
+            try:
+                arm_options = self.prepare(run_dir, options, say)
+            except OSError as exc:  # a full disk, an unreadable file of the working folder
+                raise UserError(
+                    f"--fix: could not prepare the private view of {run_dir}: "
+                    f"{exc.strerror or exc}{f' ({exc.filename})' if exc.filename else ''}; "
+                    "the arm was not started"
+                ) from None
             try:
                 return run_job(command, run_dir, arm_options, **kw)
             finally:
@@ -381,7 +388,11 @@ def captured_files(arm: str) -> list[tuple[str, str]]:
         for folder, _, files in os.walk(upper):
             for file in files:
                 src = os.path.join(folder, file)
-                if stat.S_ISREG(os.lstat(src).st_mode):
+                try:
+                    regular = stat.S_ISREG(os.lstat(src).st_mode)  # not a whiteout (a deletion)
+                except OSError:
+                    continue
+                if regular:
                     out.append((os.path.join(real, os.path.relpath(src, upper)), src))
     return out
 
