@@ -10,6 +10,9 @@ library only. SPEC (traindx.cli.fix_confine builds it):
      "tmpfs": [dir, ...],                      # an empty private tmpfs over dir
      "real": [dir, ...],                       # dir bound back as itself, writes real (the run folder)
      "sockets": [path, ...],                   # Unix sockets of processes outside, bound back
+     "tops": [[dir, private], ...],            # a folder with mounts below: its private copy
+                                               # bound over it (its subfolders overlaid or bound)
+     "binds": [path, ...],                     # a mount below a top, bound back as it was
      "readonly": [mount point, ...],           # every other writable mount: read-only
      "full_map": bool}                          # map every uid (root outside) or only ours
 
@@ -87,8 +90,11 @@ def _unshare_mapped_by_helper() -> None:
         code = 1
         try:
             if os.read(ready_r, 1) == b"1":
-                _write(f"/proc/{me}/uid_map", "0 0 4294967295\n")
-                _write(f"/proc/{me}/gid_map", "0 0 4294967295\n")
+                for kind, own in (("uid", os.getuid()), ("gid", os.getgid())):
+                    try:
+                        _write(f"/proc/{me}/{kind}_map", "0 0 4294967295\n")
+                    except OSError:  # inside a namespace that maps fewer ids: our own
+                        _write(f"/proc/{me}/{kind}_map", f"{own} {own} 1\n")
                 code = 0
         except OSError as exc:
             sys.stderr.write(f"traindx: confinement: uid map: {exc}\n")
@@ -117,9 +123,9 @@ def _overlay(lower: int, upper: int, work: int, target: str) -> None:
         _mount("overlay", target, "overlay", 0, opts)
 
 
-def _flags_of(path: str) -> int:
+def _flags_of(where: str | int) -> int:
     """The per-mount flags a remount inside a user namespace must keep (they are locked)."""
-    f = os.statvfs(path).f_flag
+    f = os.statvfs(where).f_flag
     pairs = (
         (os.ST_NOSUID, MS_NOSUID),
         (os.ST_NODEV, MS_NODEV),
@@ -135,10 +141,20 @@ def set_up(spec: dict[str, Any]) -> list[str]:
     """Every mount of the spec; returns one line per part that could not be made (a folder
     then stays read-only, never written through)."""
     problems: list[str] = []
+    flags = os.O_PATH | os.O_DIRECTORY
+    # every folder a mount comes from is held first: a top bound over its parent hides it
     fds: list[tuple[str, int, int, int]] = []
     for lower, upper, work in spec.get("overlays", []):
-        flags = os.O_PATH | os.O_DIRECTORY
         fds.append((lower, os.open(lower, flags), os.open(upper, flags), os.open(work, flags)))
+    tops = [(folder, os.open(private, flags)) for folder, private in spec.get("tops", [])]
+    binds = [(path, os.open(path, flags)) for path in spec.get("binds", [])]
+    # the mounts made read-only, held as they are now (a top may come to cover one's path)
+    readonly = []
+    for point in spec.get("readonly", []):
+        try:
+            readonly.append((point, os.open(point, flags)))
+        except OSError as exc:
+            problems.append(f"{point}: stays writable ({exc.strerror})")
     # the run folder, held before an overlay covers it
     real = [(path, os.open(path, os.O_PATH | os.O_DIRECTORY)) for path in spec.get("real", [])]
     # a socket seen through an overlay is another inode: connect() would be refused
@@ -148,11 +164,18 @@ def set_up(spec: dict[str, Any]) -> list[str]:
             sockets.append((path, os.open(path, os.O_PATH)))
         except OSError:
             continue
+    for folder, fd in tops:  # parents first: a nested top lands on its parent's copy
+        _mount(f"/proc/self/fd/{fd}", folder, None, MS_BIND, None)
+        os.close(fd)
     for lower, low_fd, up_fd, work_fd in fds:
         try:
             _overlay(low_fd, up_fd, work_fd, lower)
         except SetupError as exc:
             problems.append(f"{lower}: {exc} (read-only instead)")
+            _read_only_bind(low_fd, lower, problems)
+    for path, fd in binds:
+        _mount(f"/proc/self/fd/{fd}", path, None, MS_BIND | MS_REC, None)
+        os.close(fd)
     for path in spec.get("tmpfs", []):
         try:
             _mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777")
@@ -168,15 +191,25 @@ def set_up(spec: dict[str, Any]) -> list[str]:
         except SetupError:
             pass  # it went away meanwhile
         os.close(fd)
-    for point in spec.get("readonly", []):
+    for point, fd in readonly:
         try:
-            _mount(None, point, None, MS_REMOUNT | MS_BIND | MS_RDONLY | _flags_of(point), None)
+            _mount(None, f"/proc/self/fd/{fd}", None, MS_REMOUNT | MS_BIND | MS_RDONLY | _flags_of(fd), None)
         except (SetupError, OSError) as exc:
             problems.append(f"{point}: stays writable ({exc})")
+        os.close(fd)
     for _, *opened in fds:
         for fd in opened:
             os.close(fd)
     return problems
+
+
+def _read_only_bind(fd: int, target: str, problems: list[str]) -> None:
+    """The folder bound over itself read-only (inside a top, its place would be empty)."""
+    try:
+        _mount(f"/proc/self/fd/{fd}", target, None, MS_BIND | MS_REC, None)
+        _mount(None, target, None, MS_REMOUNT | MS_BIND | MS_RDONLY | _flags_of(fd), None)
+    except (SetupError, OSError) as exc:
+        problems.append(f"{target}: {exc}")
 
 
 def probe(where: str | None = None) -> int:

@@ -12,6 +12,7 @@ file; without a namespace, a private copy and a warning for a write through an a
 import hashlib
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -223,9 +224,7 @@ def test_a_scratch_copy_never_links_a_large_file_back_to_the_users(tmp_path):
     assert os.path.getsize(tree / "big.bin") == 3 * 1024 * 1024
 
 
-def test_the_view_covers_every_writable_folder_and_says_where_a_mount_below_leaves_files_read_only(
-    tmp_path, monkeypatch
-):
+def test_the_view_covers_every_writable_folder_and_a_working_folder_with_a_mount_below(tmp_path, monkeypatch):
     proj = tmp_path / "proj"
     for sub in ("data", "src"):
         (proj / sub).mkdir(parents=True)
@@ -236,11 +235,55 @@ def test_the_view_covers_every_writable_folder_and_says_where_a_mount_below_leav
         fix_confine.Mount("/dev/shm", "tmpfs", True),
         fix_confine.Mount(str(proj / "data"), "xfs", True),  # a data volume mounted in the job's folder
     ]
-    zones = fix_confine.plan_zones(table)
+    zones = fix_confine.plan_zones(table, str(proj))
     assert {str(proj / "data"), str(proj / "src")} <= set(zones.overlays)
-    assert str(proj) in zones.partial and str(proj) not in zones.overlays
+    assert zones.tops == [str(proj)] and str(proj) not in zones.overlays  # its own files: a private copy
     assert not any(z == "/proc" or z.startswith(("/proc/", "/dev/")) for z in zones.overlays)
     assert zones.tmpfs == ["/dev/shm"] and zones.readonly == ["/"]
+    # a folder above the working one keeps its own files read-only, and says so if it is the cwd
+    assert str(tmp_path) in fix_confine.plan_zones(table, str(proj / "src")).partial
     monkeypatch.setattr(fix_confine, "mounts", lambda: table)
-    notice = fix_confine.Confiner(str(proj / "runs"), str(proj), method="namespace").notice(4)
-    assert any(kind == "warning" and "holds a mount below it" in text for kind, text in notice)
+    notice = fix_confine.Confiner(str(proj / "src" / "runs"), str(proj / "src"), method="namespace").notice(4)
+    assert not any("holds a mount below it" in text for _, text in notice)
+
+
+INNER = """
+import subprocess, sys
+from traindx.cli import fix_confine
+from traindx.profiler.launcher import Options
+proj, arm = sys.argv[1], sys.argv[2]
+confiner = fix_confine.Confiner(proj + "/runs/fix", proj)
+assert confiner.method == "namespace", confiner.why
+options = confiner.prepare(arm, Options(cwd=proj), lambda *a, **k: None)
+job = "echo new > ckpt.pt && mkdir out && echo f > out/final.txt && echo more >> data/shard.txt && cat data/shard.txt"
+proc = subprocess.run(options.wrap + ["sh", "-c", job], cwd=proj, capture_output=True, text=True)
+print(proc.returncode, proc.stdout.split(), proc.stderr)
+confiner.after(arm, lambda *a, **k: None)
+print(sorted(real[len(proj) + 1 :] for real, _ in fix_confine.captured_files(arm)))
+"""
+
+
+@needs_namespace
+@pytest.mark.skipif(shutil.which("unshare") is None, reason="no unshare(1) here")
+def test_a_working_folder_with_a_data_volume_mounted_below_is_confined_too(tmp_path):
+    """The job's folder holds a mount (a container's data volume): its own files come from a
+    private copy bound over it, the volume is overlaid; nothing of either changes."""
+    proj = tmp_path / "proj"
+    (proj / "data").mkdir(parents=True)
+    (proj / "ckpt.pt").write_text("the user's own checkpoint\n")
+    arm = proj / "runs" / "fix" / "A"
+    arm.mkdir(parents=True)
+    volume = "mount -t tmpfs tmpfs data && echo shard > data/shard.txt && "
+    outer = f'{volume}exec "$0" -c "$1" "$2" "$3"'  # the volume is an inherited (locked) mount inside
+    proc = subprocess.run(
+        ["unshare", "-Urm", "sh", "-c", outer, sys.executable, INNER, str(proj), str(arm)],
+        cwd=proj,
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=ROOT),
+    )
+    assert proc.returncode == 0, proc.stderr
+    ran, captured = proc.stdout.strip().splitlines()[-2:]
+    assert ran.startswith("0 ['shard', 'more']"), proc.stdout
+    assert captured == str(sorted(["ckpt.pt", "out/final.txt", "data/shard.txt"]))
+    assert (proj / "ckpt.pt").read_text() == "the user's own checkpoint\n" and not (proj / "out").exists()

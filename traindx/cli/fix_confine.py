@@ -116,11 +116,15 @@ class Zones:
     tmpfs: list[str] = field(default_factory=list)
     readonly: list[str] = field(default_factory=list)
     sockets: list[str] = field(default_factory=list)
-    # folders covered child by child (a mount below them): a file directly in one is read-only
+    # folders covered child by child (a mount below them): a file directly in one is read-only,
+    # unless the folder is a top: the working folder or one below it, whose own files get a
+    # private copy bound over it (its mounts below bound back as they were: binds)
     partial: list[str] = field(default_factory=list)
+    tops: list[str] = field(default_factory=list)
+    binds: list[str] = field(default_factory=list)
 
 
-def plan_zones(table: Sequence[Mount]) -> Zones:
+def plan_zones(table: Sequence[Mount], tree: str | None = None) -> Zones:
     """Cover the file system with in-place overlays: a folder with no mount below it is one
     overlay; a folder with mounts below is covered child by child (its own files stay
     read-only). Special file systems are left alone; a tmpfs on one (/dev/shm) is replaced by a
@@ -143,6 +147,9 @@ def plan_zones(table: Sequence[Mount]) -> Zones:
             zones.overlays.append(path)
             return
         zones.partial.append(path)
+        top = tree is not None and (path == tree or _under(path, tree)) and _small_top(path)
+        if top:
+            zones.tops.append(path)
         try:
             entries = sorted(os.scandir(path), key=lambda e: e.name)
         except OSError:
@@ -151,9 +158,13 @@ def plan_zones(table: Sequence[Mount]) -> Zones:
             if not entry.is_dir(follow_symlinks=False):
                 continue
             here = next((m for m in table if m.point == entry.path), None)
-            if entry.path in special or (here is not None and not here.writable):
-                continue
-            if any(entry.path == s or _under(entry.path, s) for s in special):
+            if (
+                entry.path in special
+                or (here is not None and not here.writable)
+                or any(entry.path == s or _under(entry.path, s) for s in special)
+            ):
+                if top:
+                    zones.binds.append(entry.path)
                 continue
             cover(entry.path)
 
@@ -163,6 +174,33 @@ def plan_zones(table: Sequence[Mount]) -> Zones:
         [tempfile.gettempdir(), "/tmp", "/var/tmp", os.environ.get("XDG_RUNTIME_DIR", "")]
     )
     return zones
+
+
+def _small_top(folder: str) -> bool:
+    """True when the files directly in folder are few and small enough to copy for each arm."""
+    total, count = 0, 0
+    try:
+        for entry in os.scandir(folder):
+            if entry.is_file(follow_symlinks=False):
+                total += entry.stat(follow_symlinks=False).st_size
+                count += 1
+    except OSError:
+        return False
+    return total <= COPY_LIMIT_BYTES and count <= MAX_FILES
+
+
+def make_top(folder: str, private: str) -> None:
+    """The private copy of a top: its files cloned or copied, its links as they are, an empty
+    folder in place of each subfolder (an overlay or a bind lands there in the view)."""
+    os.makedirs(private)
+    for entry in os.scandir(folder):
+        dst = os.path.join(private, entry.name)
+        if entry.is_symlink():
+            os.symlink(os.readlink(entry.path), dst)
+        elif entry.is_dir(follow_symlinks=False):
+            os.mkdir(dst)
+        elif entry.is_file(follow_symlinks=False):
+            clone_or_copy(entry.path, dst)
 
 
 def sockets_in(folders: Iterable[str], limit: int = SOCKET_SCAN_ENTRIES) -> list[str]:
@@ -240,7 +278,10 @@ class Confiner:
             )
         lines = []
         if self.method == "namespace":
-            mounted = [p for p in plan_zones(mounts()).partial if p == self.cwd or _under(p, self.cwd)]
+            zones = plan_zones(mounts(), self.cwd)
+            mounted = [
+                p for p in zones.partial if (p == self.cwd or _under(p, self.cwd)) and p not in zones.tops
+            ]
             if mounted:
                 lines.append(
                     (
@@ -302,9 +343,14 @@ class Confiner:
         return with_options(options, cwd=new_cwd, extra_env=env)
 
     def _view(self, run_dir: str) -> list[str]:
-        zones = plan_zones(mounts())
+        zones = plan_zones(mounts(), self.cwd)
         captured = os.path.join(run_dir, CAPTURED)
-        overlays, where = [], {}
+        overlays, where, tops = [], {}, []
+        for i, folder in enumerate(zones.tops):
+            private = os.path.join(captured, f"top-{i}")
+            make_top(folder, private)
+            tops.append([folder, private])
+            where[f"top-{i}"] = folder
         for i, path in enumerate(zones.overlays):
             upper, work = os.path.join(captured, str(i), "upper"), os.path.join(captured, str(i), "work")
             os.makedirs(upper)
@@ -319,6 +365,8 @@ class Confiner:
             "real": [self.root],
             "readonly": zones.readonly,
             "sockets": zones.sockets,
+            "tops": tops,
+            "binds": zones.binds,
             "full_map": os.getuid() == 0,
         }
         return [sys.executable, "-I", "-S", EXEC, json.dumps(spec), "--"]
@@ -384,7 +432,9 @@ def captured_files(arm: str) -> list[tuple[str, str]]:
         return []
     out = []
     for name, real in sorted(zones.items()):
-        upper = os.path.join(captured, name, "upper")
+        upper = (
+            os.path.join(captured, name) if name.startswith("top-") else os.path.join(captured, name, "upper")
+        )
         for folder, _, files in os.walk(upper):
             for file in files:
                 src = os.path.join(folder, file)
@@ -392,9 +442,19 @@ def captured_files(arm: str) -> list[tuple[str, str]]:
                     regular = stat.S_ISREG(os.lstat(src).st_mode)  # not a whiteout (a deletion)
                 except OSError:
                     continue
-                if regular:
-                    out.append((os.path.join(real, os.path.relpath(src, upper)), src))
+                dest = os.path.join(real, os.path.relpath(src, upper))
+                if regular and not (name.startswith("top-") and _same(src, dest)):
+                    out.append((dest, src))
     return out
+
+
+def _same(copy: str, original: str) -> bool:
+    """A top's copy still as it was made (size and modification time of the original)."""
+    try:
+        a, b = os.lstat(copy), os.lstat(original)
+    except OSError:
+        return False
+    return (a.st_size, a.st_mtime_ns) == (b.st_size, b.st_mtime_ns)
 
 
 def keep_captured(files: Iterable[tuple[str, str]]) -> list[str]:
