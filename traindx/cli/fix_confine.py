@@ -147,7 +147,7 @@ def plan_zones(table: Sequence[Mount], tree: str | None = None) -> Zones:
             zones.overlays.append(path)
             return
         zones.partial.append(path)
-        top = tree is not None and (path == tree or _under(path, tree)) and _small_top(path)
+        top = tree is not None and path != "/" and (path == tree or _under(path, tree)) and _small_top(path)
         if top:
             zones.tops.append(path)
         try:
