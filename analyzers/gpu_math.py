@@ -285,12 +285,30 @@ def _holds_back(view: G.RankGpu) -> list[dict[str, Any]]:
     ]
 
 
+def _achieved(view: G.RankGpu, device: str | None) -> dict[str, Any] | None:
+    """The matmuls' achieved FLOP/s (the profiler's counts over the matmul/conv kernels' time)
+    against the device's peak at the precision most of that time ran in."""
+    mm_s = sum(view.precisions.values())
+    if not view.matmul_flops or not mm_s:
+        return None
+    precision = max(view.precisions, key=view.precisions.__getitem__)
+    peak = device_peaks.peak_flops(device, precision if precision != "unread" else "bf16")
+    rate = view.matmul_flops / mm_s
+    return {
+        "flops_per_s": rate,
+        "precision": precision,
+        "peak_flops": peak,
+        "fraction_of_peak": rate / peak if peak else None,
+    }
+
+
 def _efficiency_finding(run: RunRecord, view: G.RankGpu, mfu: dict[str, Any] | None) -> Finding:
     math_s = view.families.get("attention", 0.0) + sum(
         s for p, s in view.precisions.items() if p != "fp32"
     )
     math_share = math_s / view.wall_s if view.wall_s else 0.0
     value = (mfu or {}).get("mfu")
+    achieved = _achieved(view, device_peaks.device_name(run.manifest))
     efficient = value >= EFFICIENT_MFU if value is not None else math_share >= EFFICIENT_MATH_SHARE
     back = _holds_back(view)
     mfu_words = f"MFU {value:.1%}" if value is not None else "MFU unknown"
@@ -317,6 +335,7 @@ def _efficiency_finding(run: RunRecord, view: G.RankGpu, mfu: dict[str, Any] | N
             "tensor_math_share": math_share,
             "busy_share": view.busy_s / view.wall_s if view.wall_s else None,
             "holds_back": back,
+            "matmul_achieved": achieved,
             "rank": view.rank,
         },
     )
