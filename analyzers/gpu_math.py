@@ -21,6 +21,7 @@ from traindx.common.units import fmt_s
 from traindx.derive import device_peaks
 from traindx.derive import gpu_efficiency as G
 from traindx.derive import kernel_classes as K
+from traindx.derive.steady import events_of_type
 
 if TYPE_CHECKING:  # annotations only
     from traindx.derive.run import RunRecord
@@ -64,7 +65,7 @@ def _step_saving(view: G.RankGpu, gpu_saved_s: float) -> float:
 
 def _settings(run: RunRecord, rank: str) -> dict[str, Any]:
     """The math settings the shim read as the window started (empty for older records)."""
-    starts = G.events_of_type(run, "torch_profile_start")
+    starts = events_of_type(run, "torch_profile_start")
     for e in starts.to_dict("records") if len(starts) else []:
         if str(e.get("rank")) == str(rank) and e.get("float32_matmul_precision"):
             return e
@@ -104,7 +105,7 @@ def _fp32_finding(run: RunRecord, view: G.RankGpu, device: str | None) -> Findin
     prescriptions.append(
         Prescription(
             kind="code",
-            summary="run the forward under torch.autocast(\"cuda\", dtype=torch.bfloat16) (the loss "
+            summary='run the forward under torch.autocast("cuda", dtype=torch.bfloat16) (the loss '
             "outside it): BF16 tensor cores",
             expected_gain_s_per_step=gain_bf16,
             command='with torch.autocast("cuda", dtype=torch.bfloat16):\n    out = model(x)',
@@ -148,12 +149,19 @@ def _copy_site(run: RunRecord, rank: str) -> dict[str, Any] | None:
     copy call (torch.profiler's Python frames), its statement from py-spy's samples."""
     trace = run.torch_trace
     mine = trace[(trace["rank"] == rank).to_numpy()]
-    calls = mine[(mine["cat"] == "cuda_runtime").to_numpy() & mine["name"].astype(str).str.startswith("cudaMemcpy").to_numpy()]
-    copies = mine[(mine["cat"] == "gpu_memcpy").to_numpy() & mine["name"].astype(str).str.contains("DtoH").to_numpy()]
+    calls = mine[
+        (mine["cat"] == "cuda_runtime").to_numpy()
+        & mine["name"].astype(str).str.startswith("cudaMemcpy").to_numpy()
+    ]
+    copies = mine[
+        (mine["cat"] == "gpu_memcpy").to_numpy() & mine["name"].astype(str).str.contains("DtoH").to_numpy()
+    ]
     if not len(calls) or not len(copies):
         return None
     big = copies.sort_values("dur_s").iloc[-1]
-    call = calls[(calls["start_ns"] <= big["end_ns"]).to_numpy() & (calls["end_ns"] >= big["start_ns"]).to_numpy()]
+    call = calls[
+        (calls["start_ns"] <= big["end_ns"]).to_numpy() & (calls["end_ns"] >= big["start_ns"]).to_numpy()
+    ]
     call = call if len(call) else calls[(calls["start_ns"] <= big["start_ns"]).to_numpy()].tail(1)
     if not len(call):
         return None
@@ -163,7 +171,11 @@ def _copy_site(run: RunRecord, rank: str) -> dict[str, Any] | None:
     if where is None:
         return None
     line = gpu_window.line_in_function(run, rank, where[0], where[2])
-    return {"file": line[0] if line else where[0], "line": line[1] if line else where[1], "function": where[2]}
+    return {
+        "file": line[0] if line else where[0],
+        "line": line[1] if line else where[1],
+        "function": where[2],
+    }
 
 
 def _dtoh_finding(run: RunRecord, view: G.RankGpu) -> Finding | None:
@@ -303,9 +315,7 @@ def _achieved(view: G.RankGpu, device: str | None) -> dict[str, Any] | None:
 
 
 def _efficiency_finding(run: RunRecord, view: G.RankGpu, mfu: dict[str, Any] | None) -> Finding:
-    math_s = view.families.get("attention", 0.0) + sum(
-        s for p, s in view.precisions.items() if p != "fp32"
-    )
+    math_s = view.families.get("attention", 0.0) + sum(s for p, s in view.precisions.items() if p != "fp32")
     math_share = math_s / view.wall_s if view.wall_s else 0.0
     value = (mfu or {}).get("mfu")
     achieved = _achieved(view, device_peaks.device_name(run.manifest))

@@ -109,7 +109,9 @@ def sync_waits(trace: pd.DataFrame, start_ns: int, end_ns: int, n_steps: int) ->
     for lo, hi in waits:
         covered += np.clip(np.minimum(ge, hi) - np.maximum(gs, lo), 0, None)
     is_copy = gpu["cat"].to_numpy() == "gpu_memcpy"
-    pageable = is_copy & gpu["name"].astype(str).str.contains("DtoH (Device -> Pageable", regex=False).to_numpy()
+    pageable = (
+        is_copy & gpu["name"].astype(str).str.contains("DtoH (Device -> Pageable", regex=False).to_numpy()
+    )
     out["copy_s"] = float(covered[is_copy].sum()) / 1e9 / n
     out["dtoh_pageable_s"] = float(covered[pageable].sum()) / 1e9 / n
     out["kernels_s"] = float(covered[~is_copy].sum()) / 1e9 / n
@@ -132,7 +134,8 @@ def rank_views(run: RunView) -> dict[str, RankGpu]:
         gpu = mine[mine["cat"].isin(GPU_CATS).to_numpy()]
         gpu = gpu[(gpu["end_ns"] > start).to_numpy() & (gpu["start_ns"] < end).to_numpy()]
         busy, _ = _union_ns(
-            np.clip(gpu["start_ns"].to_numpy(np.int64), start, end), np.clip(gpu["end_ns"].to_numpy(np.int64), start, end)
+            np.clip(gpu["start_ns"].to_numpy(np.int64), start, end),
+            np.clip(gpu["end_ns"].to_numpy(np.int64), start, end),
         )
         counted = profiled_flops(run, str(rank))
         out[str(rank)] = RankGpu(
@@ -187,13 +190,27 @@ def model_flops_utilisation(run: RunView, views: dict[str, RankGpu] | None = Non
     views = rank_views(run) if views is None else views
     counted = [v.matmul_flops for v in views.values() if v.matmul_flops]
     if params and tokens:
-        flops, method = 6.0 * params * tokens, f"6·N·tokens (N={params:.4g} trained parameters, {tokens:.6g} tokens/step)"
+        flops, method = (
+            6.0 * params * tokens,
+            f"6·N·tokens (N={params:.4g} trained parameters, {tokens:.6g} tokens/step)",
+        )
     elif counted:
-        flops, method = float(np.median(counted)), "the matmul/conv FLOPs torch.profiler counted in its window"
+        flops, method = (
+            float(np.median(counted)),
+            "the matmul/conv FLOPs torch.profiler counted in its window",
+        )
     else:
-        return {"mfu": None, "device": device, "note": "model FLOPs unknown (no parameter count, no FLOP counts)"}
+        return {
+            "mfu": None,
+            "device": device,
+            "note": "model FLOPs unknown (no parameter count, no FLOP counts)",
+        }
     if peak is None or not step_s:
-        return {"mfu": None, "device": device, "note": f"no peak known for {device}" if peak is None else "no steps"}
+        return {
+            "mfu": None,
+            "device": device,
+            "note": f"no peak known for {device}" if peak is None else "no steps",
+        }
     return {
         "mfu": flops / step_s / peak,
         "model_flops_per_step": flops,

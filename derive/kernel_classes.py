@@ -161,7 +161,8 @@ def cudnn_search_spans(trace: pd.DataFrame) -> list[tuple[int, int]]:
     if not len(convs):
         return []
     syncs = trace[
-        (trace["cat"].to_numpy() == "cuda_runtime") & trace["name"].astype(str).str.match(SYNC_CALLS).to_numpy()
+        (trace["cat"].to_numpy() == "cuda_runtime")
+        & trace["name"].astype(str).str.match(SYNC_CALLS).to_numpy()
     ]
     if not len(syncs):
         return []
@@ -213,7 +214,9 @@ def class_rows(
     n = max(int(n_steps), 1)
     g["share"] = g["seconds"] / total
     g["gb_per_s"] = np.where(
-        (g["family"] == "copy") & (g["seconds"] > 0), g["bytes"] / g["seconds"].where(g["seconds"] > 0, 1) / 1e9, np.nan
+        (g["family"] == "copy") & (g["seconds"] > 0),
+        g["bytes"] / g["seconds"].where(g["seconds"] > 0, 1) / 1e9,
+        np.nan,
     )
     g["calls"] = g["calls"] / n
     g["seconds"] = g["seconds"] / n

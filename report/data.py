@@ -206,9 +206,13 @@ def _gpu_stats(run: RunRecord, findings: list[Finding]) -> dict[str, Any]:
     if classes:
         c = classes[0]
         wall = c["wall_s"] or 1.0
-        parts = [f"{r['label']} {r['seconds'] / wall:.0%}" for r in c["rows"][:4] if r["seconds"] > 0.01 * wall]
+        parts = [
+            f"{r['label']} {r['seconds'] / wall:.0%}" for r in c["rows"][:4] if r["seconds"] > 0.01 * wall
+        ]
         parts.append(f"idle {c['idle_s'] / wall:.0%}")
-        out["gpu_classes_line"] = f"GPU (rank {c['rank']}, per step {fmt_s(c['wall_s'])}) = " + " · ".join(parts)
+        out["gpu_classes_line"] = f"GPU (rank {c['rank']}, per step {fmt_s(c['wall_s'])}) = " + " · ".join(
+            parts
+        )
     return out
 
 

@@ -17,7 +17,6 @@ from . import emit, importhooks, runtime_patches, schema
 
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing into the job (mypy knows the name)
 if TYPE_CHECKING:
-    from types import ModuleType
     from typing import Any
 
 FP32_MATMUL_HIGH = "fp32_matmul_high"
@@ -25,7 +24,7 @@ CUDNN_BENCHMARK_OFF = "cudnn_benchmark_off"
 PATCHES = (FP32_MATMUL_HIGH, CUDNN_BENCHMARK_OFF)
 
 
-def _fp32_high(torch: ModuleType) -> None:
+def _fp32_high(torch: Any) -> None:
     original = torch.set_float32_matmul_precision
     original("high")
 
@@ -36,11 +35,11 @@ def _fp32_high(torch: ModuleType) -> None:
     emit(schema.RUNTIME_PATCH_INSTALLED, patch=FP32_MATMUL_HIGH)
 
 
-def _benchmark_off(torch: ModuleType) -> None:
+def _benchmark_off(torch: Any) -> None:
     cudnn = torch.backends.cudnn
     cudnn.benchmark = False
     holder = type(cudnn)
-    prop = holder.__dict__.get("benchmark")
+    prop: Any = holder.__dict__.get("benchmark")
     if prop is not None and hasattr(prop, "__set__"):
         getter = prop.__get__
 
