@@ -201,6 +201,7 @@ def _stop(last_step: int, reason: str) -> None:
     t2 = time.time_ns()
     export_s = (t2 - t1) / 1e9
     flops = _flop_counts(prof, budget - _spent_s() - stop_s - export_s) if path else None
+    flops_s = (time.time_ns() - t2) / 1e9
     emit(
         schema.TORCH_PROFILE,
         first_step=_state["first"],
@@ -222,6 +223,7 @@ def _stop(last_step: int, reason: str) -> None:
         trigger=_state["trigger"][0] if _state["trigger"] else None,
         stacks=not _state["lite"],
         flops=flops,
+        flops_s=flops_s,
     )
     _state["after"] = {"step": last_step + 1, "cost_s": _spent_s() + stop_s + export_s}
     if (
