@@ -73,7 +73,9 @@ def _row(root, case):
 
 def main(argv):
     root = argv[1]
-    print("| case | headline finding | right cause | predicted ms/step | twin measured ms/step | ±25 % | MFU | twin above low |")
+    print(
+        "| case | headline finding | right cause | predicted ms/step | twin measured ms/step | ±25 % | MFU | twin above low |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for case in argv[2:] or CASES:
         print(_row(root, case))

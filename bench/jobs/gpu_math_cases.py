@@ -106,8 +106,13 @@ def build(a, dev):
     if a.case == "cudnn_shapes":
         ch = 8 if a.small else 64
         model = nn.Sequential(
-            nn.Conv2d(3, ch, 3, padding=1), nn.ReLU(), nn.Conv2d(ch, ch, 3, padding=1), nn.ReLU(),
-            nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(ch, 10),
+            nn.Conv2d(3, ch, 3, padding=1),
+            nn.ReLU(),
+            nn.Conv2d(ch, ch, 3, padding=1),
+            nn.ReLU(),
+            nn.AdaptiveAvgPool2d(1),
+            nn.Flatten(),
+            nn.Linear(ch, 10),
         )
     elif a.case == "sdpa_math":
         dim = sdpa_dim(a)
@@ -165,8 +170,10 @@ def main(argv=None):
     width = sizes(a)[0]
     many = a.case == "foreach_off"
     opt = torch.optim.AdamW(
-        model.parameters(), lr=1e-4,
-        foreach=False if many and not a.fixed else None, fused=True if many and a.fixed and cuda else None,
+        model.parameters(),
+        lr=1e-4,
+        foreach=False if many and not a.fixed else None,
+        fused=True if many and a.fixed and cuda else None,
     )
     autocast = (a.case == "fp32" and a.fixed) or (a.case == "sdpa_math" and a.fixed)
     kept, correct, seen = [], 0, 0
