@@ -28,7 +28,7 @@ if TYPE_CHECKING:  # annotations only
 
 DECLARATION = Declaration(
     name="gpu_math",
-    order=47,
+    order=95,
     ids=("gpu.fp32_math", "gpu.dtoh_copy", "gpu.cudnn_retune", "gpu.efficiency"),
     not_causes=("gpu.efficiency",),
     explains=("sync.host_device",),
