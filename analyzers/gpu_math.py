@@ -136,6 +136,7 @@ def _fp32_finding(run: RunRecord, view: G.RankGpu, device: str | None) -> Findin
             "kernels": _rows_of(view, lambda r: r["precision"] == "fp32"),
         },
         prescriptions=tuple(prescriptions),
+        removes={"gpu_work": True},  # GPU time, no ledger line: priced by the prescriptions
     )
 
 
@@ -218,6 +219,7 @@ def _dtoh_finding(run: RunRecord, view: G.RankGpu) -> Finding | None:
             "sync": dict(view.sync),
             **({"file": site["file"], "line": site["line"], "function": site["function"]} if site else {}),
         },
+        removes={"gpu_work": True},
         prescriptions=(
             Prescription(
                 kind="code",
