@@ -11,6 +11,7 @@ the GPU, sets the pace of the idle part).
 
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING, Any
 
 from traindx.analyzers import evidence as ev
@@ -29,7 +30,7 @@ if TYPE_CHECKING:  # annotations only
 DECLARATION = Declaration(
     name="gpu_math",
     order=95,
-    ids=("gpu.fp32_math", "gpu.dtoh_copy", "gpu.cudnn_retune", "gpu.efficiency"),
+    ids=("gpu.fp32_math", "gpu.dtoh_copy", "gpu.cudnn_retune", "gpu.matmul_below_peak", "gpu.efficiency"),
     not_causes=("gpu.efficiency",),
     explains=("sync.host_device",),
 )
@@ -40,6 +41,9 @@ MIN_FP32_SHARE = 0.2  # of the busy GPU time: fp32 CUDA-core math worth a precis
 MIN_DTOH_BYTES = 16e6  # per step: a device-to-host copy larger than a metric or a loss
 MIN_DTOH_SHARE = 0.05  # of the step
 MIN_SEARCH_SHARE = 0.05  # of the step: host time in cuDNN algorithm searches
+MIN_MATMUL_SHARE = 0.2  # of the step: matmul time worth judging against its peak
+LOW_FRACTION = 0.3  # of the precision's peak: a matmul this slow has a shape problem
+REACHABLE = 0.6  # of the peak a well-shaped GEMM reaches (H200 bf16 8192^3: ~0.8, FACTS.md §6)
 EFFICIENT_MFU = 0.35  # model FLOP/s over the BF16 peak a well-fed training step reaches
 EFFICIENT_MATH_SHARE = 0.6  # without an MFU: tensor-core math's share of the step
 
@@ -278,6 +282,51 @@ def _cudnn_finding(run: RunRecord, view: G.RankGpu) -> Finding | None:
     )
 
 
+def _below_peak_finding(run: RunRecord, view: G.RankGpu) -> Finding | None:
+    """Matmuls far under the device's rate at their precision (the profiler's FLOP counts over
+    their kernels' time): tiny or odd shapes. Unaligned kernels (CUTLASS/cuBLAS `align1`,
+    `align2`: a leading dimension not a multiple of 8) are named."""
+    got = _achieved(view, device_peaks.device_name(run.manifest))
+    mm_s = sum(s for p, s in view.precisions.items() if p != "fp32")
+    if not got or not got["fraction_of_peak"] or not view.wall_s or mm_s / view.wall_s < MIN_MATMUL_SHARE:
+        return None
+    if got["fraction_of_peak"] >= LOW_FRACTION or not view.matmul_flops:
+        return None
+    saving = _step_saving(view, mm_s - view.matmul_flops / (REACHABLE * got["peak_flops"]))
+    unaligned = _rows_of(view, lambda r: r["family"] in ("matmul", "conv"))
+    names = run.torch_trace
+    mine = names[(names["rank"] == view.rank).to_numpy() & (names["cat"] == "kernel").to_numpy()]
+    odd = sorted({str(n)[:120] for n in mine["name"] if re.search(r"align[12](?!\d)", str(n))})[:3]
+    return Finding(
+        id="gpu.matmul_below_peak",
+        title=(
+            f"Matmuls run at {got['fraction_of_peak']:.0%} of the device's {got['precision']} peak "
+            f"({got['flops_per_s'] / 1e12:.0f} TFLOP/s): {fmt_s(mm_s)} a step"
+            + (" in unaligned kernels" if odd else "")
+        ),
+        severity=_severity(saving / view.wall_s),
+        analyzer="gpu_math",
+        summary=(
+            "The profiler's FLOP counts over the matmul kernels' time are far under the device's rate: "
+            "tiny or odd shapes (dimensions not multiples of 8, small batches) keep the tensor cores "
+            "idle. Pad hidden sizes, vocabularies and batch dimensions to multiples of 64, or batch "
+            f"small matmuls together. Saving: down to {REACHABLE:.0%} of the peak."
+        ),
+        seconds_lost_per_step=saving,
+        share_of_step=mm_s / view.wall_s,
+        ranks=(view.rank,),
+        evidence={"achieved": got, "matmul_s_per_step": mm_s, "unaligned_kernels": odd, "kernels": unaligned},
+        prescriptions=(
+            Prescription(
+                kind="code",
+                summary="pad the matmul dimensions (hidden size, vocabulary, batch x sequence) to multiples of 64",
+                expected_gain_s_per_step=saving,
+            ),
+        ),
+        removes={"gpu_work": True},
+    )
+
+
 def _holds_back(view: G.RankGpu) -> list[dict[str, Any]]:
     """What the step's time goes to besides tensor-core math, largest first."""
     fam = view.families
@@ -361,13 +410,13 @@ def analyze(run: RunRecord) -> list[Finding]:
     device = device_peaks.device_name(run.manifest)
     out: list[Finding] = []
     for v in views.values():
-        for make in (_dtoh_finding, _cudnn_finding):
-            f = make(run, v)
-            if f is not None:
-                out.append(f)
-        fp32 = _fp32_finding(run, v, device)
-        if fp32 is not None:
-            out.append(fp32)
+        made = (
+            _dtoh_finding(run, v),
+            _cudnn_finding(run, v),
+            _fp32_finding(run, v, device),
+            _below_peak_finding(run, v),
+        )
+        out.extend(f for f in made if f is not None)
     if device is not None:
         out.append(_efficiency_finding(run, view, G.model_flops_utilisation(run, views)))
     return out
