@@ -249,8 +249,11 @@ def test_cudnn_search_is_found_from_the_conv_ops_that_wait():
                 }
             )
     run.__dict__["torch_trace"] = pd.concat([trace, pd.DataFrame(rows)], ignore_index=True)
-    found = gpu_math.analyze(run)
+    found = analyze(run)
     retune = next(f for f in found if f.id == "gpu.cudnn_retune")
+    sync = next((f for f in found if f.id == "sync.host_device"), None)
+    assert sync is None or sync.cause == "gpu.cudnn_retune" or sync.severity == "info"
+    assert next(f for f in found if f.id == "verdict.cause").evidence["top"] == "gpu.cudnn_retune"
     assert retune.evidence["searches_per_step"] == 4
     assert retune.prescriptions[0].change.patch == gpu_math.CUDNN_PATCH
     assert retune.seconds_lost_per_step == pytest.approx(0.01, rel=1e-6)
