@@ -16,6 +16,7 @@ import pytest
 
 import traindx
 from traindx.analyzers import gpu_math
+from traindx.analyzers.fixplan import candidate_plans
 from traindx.derive import device_peaks, gpu_efficiency
 from traindx.derive.kernel_classes import classify
 from traindx.recipes.card_from_run import card
@@ -176,6 +177,9 @@ def test_fp32_gemms_are_named_with_the_precision_switch_as_a_runtime_patch():
     assert autocast.expected_gain_s_per_step > patch.expected_gain_s_per_step
     verdict = next(f for f in found if f.id == "verdict.cause")
     assert verdict.evidence["top"] == "gpu.fp32_math"
+    # --fix's plan: a candidate arm with the shim's patch (the fix loop checks its losses)
+    arms = candidate_plans(run.command, found, run.path, cwd=run.manifest.get("cwd"))
+    assert arms[0].finding == "gpu.fp32_math" and arms[0].plan.runtime_patches == [gpu_math.FP32_PATCH]
 
 
 def _fixture_tool():
