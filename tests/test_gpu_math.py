@@ -178,7 +178,7 @@ def test_fp32_gemms_are_named_with_the_precision_switch_as_a_runtime_patch():
     verdict = next(f for f in found if f.id == "verdict.cause")
     assert verdict.evidence["top"] == "gpu.fp32_math"
     # --fix's plan: a candidate arm with the shim's patch (the fix loop checks its losses)
-    arms = candidate_plans(run.command, found, run.path, cwd=run.manifest.get("cwd"))
+    arms, _ = candidate_plans(run.command, found, run.path, cwd=run.manifest.get("cwd"))
     assert arms[0].finding == "gpu.fp32_math" and arms[0].plan.runtime_patches == [gpu_math.FP32_PATCH]
 
 
