@@ -72,7 +72,7 @@ def _settings(run: RunRecord, rank: str) -> dict[str, Any]:
     starts = events_of_type(run, "torch_profile_start")
     for e in starts.to_dict("records") if len(starts) else []:
         if str(e.get("rank")) == str(rank) and e.get("float32_matmul_precision"):
-            return e
+            return {str(k): v for k, v in e.items()}
     return {}
 
 
