@@ -30,7 +30,14 @@ if TYPE_CHECKING:  # annotations only
 DECLARATION = Declaration(
     name="gpu_math",
     order=95,
-    ids=("gpu.fp32_math", "gpu.dtoh_copy", "gpu.cudnn_retune", "gpu.matmul_below_peak", "gpu.efficiency"),
+    ids=(
+        "gpu.fp32_math",
+        "gpu.dtoh_copy",
+        "gpu.cudnn_retune",
+        "gpu.matmul_below_peak",
+        "gpu.attention_math_path",
+        "gpu.efficiency",
+    ),
     not_causes=("gpu.efficiency",),
     explains=("sync.host_device",),
 )
@@ -41,6 +48,7 @@ MIN_FP32_SHARE = 0.2  # of the busy GPU time: fp32 CUDA-core math worth a precis
 MIN_DTOH_BYTES = 16e6  # per step: a device-to-host copy larger than a metric or a loss
 MIN_DTOH_SHARE = 0.05  # of the step
 MIN_SEARCH_SHARE = 0.05  # of the step: host time in cuDNN algorithm searches
+MIN_ATTENTION_SHARE = 0.05  # of the step: SDPA's math path worth a fused backend
 MIN_MATMUL_SHARE = 0.2  # of the step: matmul time worth judging against its peak
 LOW_FRACTION = 0.3  # of the precision's peak: a matmul this slow has a shape problem
 REACHABLE = 0.6  # of the peak a well-shaped GEMM reaches (H200 bf16 8192^3: ~0.8, FACTS.md §6)
@@ -242,7 +250,7 @@ def _cudnn_finding(run: RunRecord, view: G.RankGpu) -> Finding | None:
     spans = K.cudnn_search_spans(mine)
     if not spans:
         return None
-    host_s = sum(hi - lo for lo, hi in spans) / 1e9 / max(view.steps, 1)
+    host_s = sum(hi - lo for _, lo, hi in spans) / 1e9 / max(view.steps, 1)
     share = host_s / view.wall_s if view.wall_s else 0.0
     if share < MIN_SEARCH_SHARE:
         return None
@@ -327,6 +335,51 @@ def _below_peak_finding(run: RunRecord, view: G.RankGpu) -> Finding | None:
     )
 
 
+def _math_path_finding(view: G.RankGpu) -> Finding | None:
+    """SDPA's unfused math path (bmm, scale, mask, softmax, bmm: the T x T scores go through
+    memory): its kernels' time, priced at least by its kernels that are not GEMMs (a fused
+    kernel does them in registers)."""
+    rows = view.rows
+    math = rows[(rows["label"] == K.SDPA_MATH_LABEL).to_numpy()] if len(rows) else rows
+    seconds = float(math["seconds"].sum()) if len(math) else 0.0
+    if not view.wall_s or seconds / view.wall_s < MIN_ATTENTION_SHARE:
+        return None
+    gemm = float(math[math["precision"].notna().to_numpy()]["seconds"].sum())
+    saving = _step_saving(view, seconds - gemm)
+    share = seconds / view.wall_s
+    return Finding(
+        id="gpu.attention_math_path",
+        title=f"Attention runs on SDPA's unfused math path: {fmt_s(seconds)} a step ({share:.0%} of the step)",
+        severity=_severity(share),
+        analyzer="gpu_math",
+        summary=(
+            "scaled_dot_product_attention fell back to its math path (no fused kernel took the "
+            "inputs: a head size not a multiple of 8, fp32 inputs, an attention mask the fused "
+            "kernels do not take, dropout on an old backend). The scores go through memory as "
+            "separate kernels. Saving: at least the math path's kernels that are not GEMMs."
+        ),
+        seconds_lost_per_step=saving,
+        share_of_step=share,
+        ranks=(view.rank,),
+        evidence={"math_path_s_per_step": seconds, "gemm_s_per_step": gemm},
+        prescriptions=(
+            Prescription(
+                kind="code",
+                summary="let a fused SDPA backend take the attention: bf16/fp16 inputs (autocast), a "
+                "head size that is a multiple of 8, is_causal=True instead of a float mask; check with "
+                "torch.nn.attention.sdpa_kernel(SDPBackend.FLASH_ATTENTION)",
+                expected_gain_s_per_step=saving,
+            ),
+        ),
+        removes={"gpu_work": True},
+    )
+
+
+def _math_path_seconds(view: G.RankGpu) -> float:
+    rows = view.rows
+    return float(rows[(rows["label"] == K.SDPA_MATH_LABEL).to_numpy()]["seconds"].sum()) if len(rows) else 0.0
+
+
 def _holds_back(view: G.RankGpu) -> list[dict[str, Any]]:
     """What the step's time goes to besides tensor-core math, largest first."""
     fam = view.families
@@ -339,6 +392,7 @@ def _holds_back(view: G.RankGpu) -> list[dict[str, Any]]:
         + fam.get("other", 0.0),
         "communication": fam.get("communication", 0.0),
         "autotune / benchmark launches": fam.get("autotune", 0.0),
+        "SDPA's unfused math path": _math_path_seconds(view),
     }
     wall = view.wall_s or 1.0
     return [
@@ -366,7 +420,12 @@ def _achieved(view: G.RankGpu, device: str | None) -> dict[str, Any] | None:
 
 
 def _efficiency_finding(run: RunRecord, view: G.RankGpu, mfu: dict[str, Any] | None) -> Finding:
-    math_s = view.families.get("attention", 0.0) + sum(s for p, s in view.precisions.items() if p != "fp32")
+    unfused = _math_path_seconds(view)
+    math_s = (
+        view.families.get("attention", 0.0)
+        - unfused
+        + sum(s for p, s in view.precisions.items() if p != "fp32")
+    )
     math_share = math_s / view.wall_s if view.wall_s else 0.0
     value = (mfu or {}).get("mfu")
     achieved = _achieved(view, device_peaks.device_name(run.manifest))
@@ -415,6 +474,7 @@ def analyze(run: RunRecord) -> list[Finding]:
             _cudnn_finding(run, v),
             _fp32_finding(run, v, device),
             _below_peak_finding(run, v),
+            _math_path_finding(v),
         )
         out.extend(f for f in made if f is not None)
     if device is not None:

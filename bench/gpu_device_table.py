@@ -29,7 +29,7 @@ EXPECTED = {
     "cudnn_shapes": "gpu.cudnn_retune",
     "dtoh_metric": "gpu.dtoh_copy",
     "odd_matmul": "gpu.matmul_below_peak",
-    "sdpa_math": "gpu.",  # no attention-backend finding yet: any GPU-math cause
+    "sdpa_math": "gpu.attention_math_path",
     "foreach_off": "gpu.launch_bound",
     "grow_memory": "alloc.",
 }

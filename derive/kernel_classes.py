@@ -13,9 +13,9 @@ Kineto's "Memcpy DtoH (Device -> Pageable)" labels:
 - attention backend: FlashAttention 4 (CuTe DSL kernels: `flash` and `cute`), 3 (`Sm90`
   FlashAttn kernels), 2 (`flash_fwd_kernel`, `flash_bwd_…`, PyTorch's vendored `pytorch_flash`),
   cuDNN (`cudnn` with `sdpa`/`fmha`/`flash`), memory-efficient (`fmha_cutlass`,
-  `efficient_attention`); SDPA's math path is bmm + softmax: its GEMMs are matmuls, its softmax
-  kernels are labelled as the math path's when the window holds the op
-  `aten::_scaled_dot_product_attention_math`;
+  `efficient_attention`); SDPA's math path is bmm + softmax: every kernel launched inside the
+  host op `aten::_scaled_dot_product_attention_math` (matched by Kineto's `correlation`) is
+  labelled the math path's, its GEMMs included (without correlation, only its softmax kernels);
 - autotune: kernels that ran inside a compile/autotune interval (Triton's, Inductor's benchmark
   launches) or inside cuDNN's algorithm search (a conv op that synchronised the host: cuDNN
   benchmark mode times its candidates with events and waits for them).
@@ -47,6 +47,7 @@ FAMILIES = (
 )
 TENSOR_PRECISIONS = ("tf32", "bf16", "fp16", "fp8")
 SDPA_MATH_OP = "aten::_scaled_dot_product_attention_math"
+SDPA_MATH_LABEL = "SDPA math path (bmm + softmax, unfused)"
 CONV_OPS = ("aten::cudnn_convolution", "aten::convolution_backward", "aten::cudnn_convolution_transpose")
 SYNC_CALLS = re.compile(
     r"^(cudaStreamSynchronize|cudaDeviceSynchronize|cudaEventSynchronize|cuStreamSynchronize|"
@@ -153,9 +154,10 @@ def _intervals_mask(starts: np.ndarray[Any, Any], spans: list[tuple[int, int]]) 
     return mask
 
 
-def cudnn_search_spans(trace: pd.DataFrame) -> list[tuple[int, int]]:
-    """[(start_ns, end_ns)] of the conv ops (host side) in which the host waited on the device: cuDNN
-    benchmark mode's algorithm search (it times candidates with events and synchronises)."""
+def cudnn_search_spans(trace: pd.DataFrame) -> list[tuple[Any, int, int]]:
+    """[(tid, start_ns, end_ns)] of the conv ops (host side) in which the host waited on the
+    device: cuDNN benchmark mode's algorithm search (it times candidates with events and
+    synchronises)."""
     cpu = trace[trace["cat"].to_numpy() == "cpu_op"]
     convs = cpu[cpu["name"].isin(CONV_OPS).to_numpy()]
     if not len(convs):
@@ -168,10 +170,42 @@ def cudnn_search_spans(trace: pd.DataFrame) -> list[tuple[int, int]]:
         return []
     t = syncs["start_ns"].to_numpy(np.int64)
     spans = []
-    for lo, hi in zip(convs["start_ns"].to_numpy(np.int64), convs["end_ns"].to_numpy(np.int64)):
+    for tid, lo, hi in zip(
+        convs["tid"], convs["start_ns"].to_numpy(np.int64), convs["end_ns"].to_numpy(np.int64)
+    ):
         if ((t >= lo) & (t < hi)).any():
-            spans.append((int(lo), int(hi)))
+            spans.append((tid, int(lo), int(hi)))
     return spans
+
+
+def launched_inside(
+    gpu: pd.DataFrame, trace: pd.DataFrame, spans: list[tuple[Any, int, int]]
+) -> np.ndarray[Any, Any]:
+    """Which GPU events were launched (their cudaLaunchKernel/cudaMemcpy*, matched by Kineto's
+    `correlation`) inside one of the host spans [(tid, start_ns, end_ns)]."""
+    out = np.zeros(len(gpu), dtype=bool)
+    if not spans or "correlation" not in gpu or "correlation" not in trace:
+        return out
+    host = trace[
+        trace["cat"].isin(("cuda_runtime", "cuda_driver")).to_numpy()
+        & trace["correlation"].notna().to_numpy()
+    ]
+    launch = {int(c): (t, tid) for c, t, tid in zip(host["correlation"], host["start_ns"], host["tid"])}
+    by_tid: dict[Any, list[tuple[int, int]]] = {}
+    for tid, lo, hi in spans:
+        by_tid.setdefault(tid, []).append((int(lo), int(hi)))
+    for i, c in enumerate(gpu["correlation"].to_numpy(float)):
+        hit = launch.get(int(c)) if c == c else None
+        if hit is not None:
+            t, tid = hit
+            out[i] = any(lo <= t < hi for lo, hi in by_tid.get(tid, ()))
+    return out
+
+
+def op_spans(trace: pd.DataFrame, names: tuple[str, ...]) -> list[tuple[Any, int, int]]:
+    """[(tid, start_ns, end_ns)] of the host ops (cpu_op events) with these names."""
+    ops = trace[(trace["cat"].to_numpy() == "cpu_op") & trace["name"].isin(names).to_numpy()]
+    return [(tid, int(lo), int(hi)) for tid, lo, hi in zip(ops["tid"], ops["start_ns"], ops["end_ns"])]
 
 
 def class_rows(
@@ -189,10 +223,23 @@ def class_rows(
     gpu = gpu[(gpu["end_ns"] > start_ns).to_numpy() & (gpu["start_ns"] < end_ns).to_numpy()]
     if not len(gpu):
         return pd.DataFrame(columns=columns)
-    math_path = bool((trace["name"].to_numpy() == SDPA_MATH_OP).any())
-    classes = [classify(c, n, math_path) for c, n in zip(gpu["cat"], gpu["name"])]
-    spans = list(autotune_spans or []) + cudnn_search_spans(trace)
-    tuned = _intervals_mask(gpu["start_ns"].to_numpy(np.int64), spans) if spans else np.zeros(len(gpu), bool)
+    math_ops = op_spans(trace, (SDPA_MATH_OP,))
+    in_math = launched_inside(gpu, trace, math_ops)
+    classes = [
+        KernelClass("attention", SDPA_MATH_LABEL, classify(c, n).precision)
+        if m
+        else classify(c, n, bool(math_ops))
+        for c, n, m in zip(gpu["cat"], gpu["name"], in_math)
+    ]
+    searches = cudnn_search_spans(trace)
+    tuned = _intervals_mask(gpu["start_ns"].to_numpy(np.int64), list(autotune_spans or []))
+    if searches:  # kernels launched inside the search (by correlation), else started inside it
+        by_launch = launched_inside(gpu, trace, [(t, lo, hi) for t, lo, hi in searches])
+        tuned |= (
+            by_launch
+            if by_launch.any()
+            else _intervals_mask(gpu["start_ns"].to_numpy(np.int64), [(lo, hi) for _, lo, hi in searches])
+        )
     frame = pd.DataFrame(
         {
             "family": ["autotune" if t else k.family for k, t in zip(classes, tuned)],

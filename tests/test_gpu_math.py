@@ -368,3 +368,43 @@ def test_shim_counts_flops_and_applies_the_math_patches():
     counts, precision, benchmark = out.stdout.strip().rsplit(" ", 2)
     assert eval(counts) == {"aten::addmm": 2 * 16 * 64 * 32, "aten::mm": 2 * 16 * 64 * 32}
     assert (precision, benchmark) == ("high", "False")
+
+
+def test_sdpa_math_path_kernels_found_by_their_launch():
+    """Kernels whose launches (Kineto's correlation) fall inside the host op
+    aten::_scaled_dot_product_attention_math are SDPA's unfused math path: the recorded run with
+    that op around its elementwise and reduction launches (real kernels, real launches)."""
+    run = load(POWER)
+    trace = run.torch_trace
+    kernels = trace[(trace["cat"] == "kernel").to_numpy()]
+    picked = kernels[kernels["name"].str.contains("elementwise_kernel|reduce_kernel", regex=True).to_numpy()]
+    launches = trace[
+        trace["cat"].isin(("cuda_runtime",)).to_numpy()
+        & trace["correlation"].isin(picked["correlation"]).to_numpy()
+    ]
+    ops = pd.DataFrame(
+        {
+            "rank": "0",
+            "cat": "cpu_op",
+            "name": "aten::_scaled_dot_product_attention_math",
+            "start_ns": launches["start_ns"].to_numpy() - 1,
+            "end_ns": launches["end_ns"].to_numpy() + 1,
+            "dur_s": 0.0,
+            "tid": launches["tid"].to_numpy(),
+        }
+    )
+    run.__dict__["torch_trace"] = pd.concat([trace, ops], ignore_index=True)
+    view = gpu_efficiency.rank_views(run)["0"]
+    math_rows = view.rows[(view.rows["family"] == "attention").to_numpy()]
+    assert set(math_rows["label"]) == {"SDPA math path (bmm + softmax, unfused)"}
+    found = gpu_math.analyze(run)
+    math = next(f for f in found if f.id == "gpu.attention_math_path")
+    assert math.evidence["math_path_s_per_step"] == pytest.approx(float(math_rows["seconds"].sum()))
+    # cuBLASLt's split-K reduction among them is a GEMM's: not counted in the saving
+    gemm = float(math_rows[math_rows["precision"].notna().to_numpy()]["seconds"].sum())
+    assert (
+        math.evidence["gemm_s_per_step"] == pytest.approx(gemm)
+        and gemm < math.evidence["math_path_s_per_step"]
+    )
+    eff = next(f for f in found if f.id == "gpu.efficiency")
+    assert any(b["what"] == "SDPA's unfused math path" for b in eff.evidence["holds_back"])
