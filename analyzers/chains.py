@@ -126,6 +126,11 @@ def _root_for(f: Finding, roots: Sequence[Finding]) -> Finding | None:
         return _launch_bound_cause(f, roots)
     if f.id in ("steps.periodic_slow", "steps.instability"):
         return _slow_steps_cause(f, roots)
+    if f.id == "sync.host_device":
+        # syncs that are cuDNN's algorithm search or a large device-to-host copy: that is the cause
+        gpu = [r for r in roots if r.id in ("gpu.cudnn_retune", "gpu.dtoh_copy") and _same_rank(r, f)]
+        if gpu:
+            return max(gpu, key=_lost)
     # a generic finding (the GPU starved by host work, host code at a line) whose line is the
     # line of a specific finding on its rank (a pageable copy, a host sync, a GC call) is that
     # finding's symptom: one cause, one finding, the specific prescription

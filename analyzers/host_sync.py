@@ -29,6 +29,7 @@ from traindx.analyzers import evidence as ev
 from traindx.analyzers.declaration import Declaration
 from traindx.analyzers.findings import Finding, Prescription
 from traindx.derive import ledger
+from traindx.derive.gpu_efficiency import sync_waits
 
 if TYPE_CHECKING:  # annotations only
     from traindx.derive.run import RunRecord
@@ -299,11 +300,20 @@ def _analyze_rank(run: RunRecord, rank: str, trace: pd.DataFrame) -> list[Findin
         # the host's side, every step of the run (the shim times syncs on CUDA tensors): how long
         # the training thread waited in them; mostly the GPU finishing queued work, so not the cost
         evidence["host_blocked_in_syncs_s_per_step"] = round(blocked, 6)
+    waits = sync_waits(rows, int(start), int(end), n_steps) if has_cuda else None
+    if waits is not None:
+        # what the host waited for in them: a copy (its own cost, gpu.dtoh_copy) or queued kernels
+        evidence["host_waited_for"] = {k: round(v, 6) for k, v in waits.items()}
     if has_cuda:
         summary = (
             f"{count:.0f} syncs per step leave the GPU idle {(lost or 0.0) * 1000:.1f} ms per step "
             f"({share:.0%}) until the CPU queues the next kernel; the most costly in {where}."
         )
+        if waits and waits["blocked_s"]:
+            summary += (
+                f" The host blocks {waits['blocked_s'] * 1000:.1f} ms per step in them, waiting for "
+                f"copies {waits['copy_s'] * 1000:.1f} ms and queued kernels {waits['kernels_s'] * 1000:.1f} ms."
+            )
     else:
         summary = (
             f"{count:.0f} host reads of tensor values per step ({SCALAR_READ}, i.e. "

@@ -432,7 +432,10 @@ def predicted_step_time(run: RunRecord, finding: Finding, gain: float | None = N
     else:
         method, spread = _ledger_method(run, finding, led)
     predicted = None if baseline is None or removed is None else max(0.0, baseline - removed)
-    floor = gpu_work_per_step(run, ranks)
+    # a fix that takes GPU work away (a faster precision, a copy not made) lowers the floor too
+    floor = (
+        None if (getattr(finding, "removes", None) or {}).get("gpu_work") else gpu_work_per_step(run, ranks)
+    )
     if predicted is not None and floor is not None and floor > predicted:
         # host time removed from a step the GPU was busy through part of: the step cannot end
         # before the GPU's own work in it (the H200 seed job: 10.3 s of compile removed from a

@@ -23,7 +23,7 @@ from traindx.derive.steptables import steady_median, step_table, steps_per_rank
 if TYPE_CHECKING:  # annotations only
     from traindx.derive.run import RunRecord
 
-_VERDICTS = ("verdict.cause", "verdict.no_steps", "verdict.healthy")
+_VERDICTS = ("verdict.cause", "verdict.no_steps", "verdict.healthy", "verdict.inefficient")
 DECLARATION = Declaration(name="verdict", order=20, ids=_VERDICTS, judge=True, not_causes=_VERDICTS)
 
 
@@ -37,11 +37,21 @@ def _mean_steady_step(run: RunRecord) -> float | None:
         return None
 
 
+def _gain(f: Finding) -> float:
+    """What acting on a finding saves per step: its best prescription's expected gain, else the
+    time it loses."""
+    gains = [p.expected_gain_s_per_step for p in f.prescriptions if p.expected_gain_s_per_step is not None]
+    return max(gains) if gains else (f.seconds_lost_per_step or 0.0)
+
+
 def _pick(findings: list[Finding]) -> Finding | None:
-    """The root finding to act on first: the first (reading order) with a prescription, else the
-    first root problem."""
+    """The root finding to act on first: the one with a prescription whose fix saves the most
+    (ties: reading order), else the first root problem."""
     roots = [f for f in reading_order(findings) if is_problem(f) and f.cause is None]
-    return next((f for f in roots if f.prescriptions), roots[0] if roots else None)
+    prescribed = [f for f in roots if f.prescriptions]
+    if prescribed:
+        return max(prescribed, key=_gain)  # max keeps the first of equals: reading order
+    return roots[0] if roots else None
 
 
 def _cause_verdict(run: RunRecord, top: Finding, median: float | None, counts: dict[str, Any]) -> Finding:
@@ -91,6 +101,26 @@ def _cause_verdict(run: RunRecord, top: Finding, median: float | None, counts: d
     )
 
 
+def _inefficient_verdict(slow_gpu: Finding, median: float | None, counts: dict[str, Any]) -> Finding:
+    """No cause found, but the busy GPU is far from the device's peak: not healthy."""
+    mfu = slow_gpu.evidence.get("mfu")
+    back = slow_gpu.evidence.get("holds_back") or []
+    held = "; ".join(f"{b['what']} {b['share']:.0%} of the step" for b in back[:3])
+    reach = f"at {mfu:.1%} of its BF16 peak (MFU)" if mfu is not None else "far from its peak"
+    return Finding(
+        id="verdict.inefficient",
+        title=f"No slowdown cause found, but the GPU runs {reach}" + (f": {held}" if held else ""),
+        severity=NOTE,
+        analyzer="verdict",
+        summary=(
+            f"Median step {fmt_s(median) if median is not None else '?'}; tensor-core math "
+            f"{slow_gpu.evidence.get('tensor_math_share') or 0.0:.0%} of the step. No analyzer named "
+            "a fix; what holds the GPU back is listed (largest first)."
+        ),
+        evidence={**counts, "top": slow_gpu.id, "mfu": mfu, "holds_back": back},
+    )
+
+
 def judge(run: RunRecord, findings: list[Finding]) -> Finding:
     """The verdict of a run from its (linked, priced) findings."""
     findings = [f for f in findings if not f.id.startswith(VERDICT_PREFIX)]
@@ -115,6 +145,11 @@ def judge(run: RunRecord, findings: list[Finding]) -> Finding:
             ),
             evidence={**counts, "exit_code": status},
         )
+    slow_gpu = next(
+        (f for f in findings if f.id == "gpu.efficiency" and f.evidence.get("efficient") is False), None
+    )
+    if slow_gpu is not None:
+        return _inefficient_verdict(slow_gpu, median, counts)
     title = f"Healthy: no slowdown found in {n_steps} steps"
     if median is not None:
         title += f" (median step {fmt_s(median)})"

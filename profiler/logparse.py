@@ -189,5 +189,6 @@ def parse_line(text: str, custom: re.Pattern[str] | None = None) -> dict[str, An
             return parsed
     m = _GENERIC.search(text)
     if m and not _EVAL_LOSS.search(text):
-        return _row(int(m["step"]), m["loss"], None, "generic")
+        tokens = _TOKENS.search(text)
+        return _row(int(m["step"]), m["loss"], None, "generic", int(tokens["tokens"]) if tokens else None)
     return None

@@ -41,7 +41,8 @@ TRACE_COLUMNS = [
     "device",
     "stream",
     "bytes",
-]  # bytes: of a memcpy/memset
+    "correlation",
+]  # bytes: of a memcpy/memset; correlation: links a kernel to its launch (cudaLaunchKernel)
 Array = npt.NDArray[Any]
 CHUNK_CHARS = 1 << 20  # 1 Mi characters of text per read
 MAX_EVENT_CHARS = 1 << 26  # one event (or top-level value other than traceEvents) past 64 Mi: corrupt
@@ -110,7 +111,7 @@ class _Columns:
     def __init__(self) -> None:
         self.batch: list[dict[str, Any]] = []
         self.numeric: dict[str, list[Array]] = {
-            k: [] for k in ("ts", "dur", "py_id", "py_parent", "device", "stream", "bytes")
+            k: [] for k in ("ts", "dur", "py_id", "py_parent", "device", "stream", "bytes", "correlation")
         }
         self.codes: dict[str, list[Array]] = {k: [] for k in ("cat", "name", "pid", "tid")}
         self.values: dict[str, dict[Any, int]] = {k: {} for k in ("cat", "name", "pid", "tid")}
@@ -135,6 +136,7 @@ class _Columns:
             ("device", "device"),
             ("stream", "stream"),
             ("bytes", "bytes"),
+            ("correlation", "correlation"),
         ):
             num[column].append(np.fromiter((_num(a.get(key)) for a in args), np.float64, n))
         for column, key, default in (
@@ -167,7 +169,7 @@ class _Columns:
             "pid": pd.Series(self._decoded("pid"), dtype=object).infer_objects(),
             "tid": pd.Series(self._decoded("tid"), dtype=object).infer_objects(),
         }
-        for column in ("py_id", "py_parent", "device", "stream", "bytes"):
+        for column in ("py_id", "py_parent", "device", "stream", "bytes", "correlation"):
             cols[column] = joined(self.numeric[column], np.float64)
         return pd.DataFrame(cols, columns=TRACE_COLUMNS)
 
@@ -265,6 +267,7 @@ def _fast_schema() -> Any:
             ("device", pa.int64()),
             ("stream", pa.int64()),
             ("bytes", pa.int64()),
+            ("correlation", pa.int64()),
         ]
     )
     return pa.schema(
@@ -324,6 +327,7 @@ def _fast_events(text: str, schema: Any) -> Any:
         ("device", "device"),
         ("stream", "stream"),
         ("bytes", "bytes"),
+        ("correlation", "correlation"),
     ):
         out[column] = pc.filter(pc.struct_field(table["args"], key, memory_pool=pool), keep, memory_pool=pool)
     return pa.table(out)
@@ -412,7 +416,7 @@ def _kineto_frame(columns: dict[str, Any], rank: str, base: int) -> pd.DataFrame
             )
             values = values.map(lambda v: int(v) if isinstance(v, float) and v == v else v)
         cols[column] = values
-    for column in ("py_id", "py_parent", "device", "stream", "bytes"):
+    for column in ("py_id", "py_parent", "device", "stream", "bytes", "correlation"):
         cols[column] = columns.pop(column).to_numpy(zero_copy_only=False).astype(np.float64)
     # copy=False: no second copy of every column while pandas builds its blocks
     return pd.DataFrame(cols, columns=TRACE_COLUMNS, copy=False)

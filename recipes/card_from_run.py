@@ -179,10 +179,31 @@ def _throughput(run: RunRecord, args: CardOptions) -> _Throughput:
     )
 
 
-def _mfu(args: CardOptions, gpu: str | None, tps: float) -> _Mfu:
+def _mfu_from_run(run: RunRecord, gpu: str | None, tps: float) -> _Mfu:
+    """MFU with no flags: 6N with N the parameters the job's optimizer trains (the shim's count),
+    else the FLOPs torch.profiler counted per step (derive/gpu_efficiency.py)."""
+    from traindx.derive import gpu_efficiency, throughput  # lazy: pandas, not for `diagnose card --help`
+
+    params = gpu_efficiency.trained_parameters(run)
+    active = int(params) if params else None
+    source = "the parameters the job's optimizer trains (traindx shim)" if active else None
+    if active and gpu in throughput.PEAK_BF16_TFLOPS:
+        note = f"6N with N = {active} trained parameters (read from the run); peak {throughput.PEAK_BF16_TFLOPS[gpu]:g} TFLOP/s BF16 dense ({gpu})"
+        return _Mfu(active, source, _significant(throughput.mfu(tps, gpu, active)), note, None)
+    got = gpu_efficiency.model_flops_utilisation(run)
+    if not got or got.get("mfu") is None:
+        why = (got or {}).get("note") or f"no peak FLOP/s for GPU {gpu or 'none (a CPU run)'}"
+        note = f"not computed: {why}; give --active-params N or --model config.json"
+        return _Mfu(active, source, None, note, None)
+    return _Mfu(active, source, _significant(float(got["mfu"])), str(got["note"]), None)
+
+
+def _mfu(args: CardOptions, gpu: str | None, tps: float, run: RunRecord | None = None) -> _Mfu:
     from traindx.derive import throughput  # lazy: numpy, not for `diagnose card --help`
 
     shape, active, source_note, config = None, None, None, None
+    if not args.model and not args.active_params and run is not None:
+        return _mfu_from_run(run, gpu, tps)
     if args.model:
         try:
             config = load_hf_config(args.model)
@@ -272,7 +293,7 @@ def card(run: RunRecord, options: CardOptions | None = None) -> RecipeCard:
     args = options or CardOptions()
     measured = _throughput(run, args)
     gpu, gpu_name = _gpu_of(run, args.gpu)
-    mfu = _mfu(args, gpu, measured.tps)
+    mfu = _mfu(args, gpu, measured.tps, run)
     usd = (
         _significant(throughput.usd_per_million_tokens(args.price_per_gpu_hour, measured.tps))
         if args.price_per_gpu_hour

@@ -25,6 +25,7 @@ from traindx.analyzers.findings import VERDICT_PREFIX, Finding, reading_order
 from traindx.analyzers.step_causes import CAUSES, StepCauses, judge_steps
 from traindx.common import redact
 from traindx.common.envvars import is_relevant_var
+from traindx.common.units import fmt_s
 from traindx.derive.ledger import startup_text
 from traindx.derive.steptables import gaps_table, run_t0, steady_mask
 from traindx.report.compiles import MAX_COMPILE_ROWS, compile_events, compile_groups
@@ -35,7 +36,7 @@ from traindx.report.findings_view import (
     prescription_text,
     verdict_view,
 )
-from traindx.report.gpu import gpu_time_view
+from traindx.report.gpu import gpu_time_view, kernel_class_view
 from traindx.report.nvml_view import gpu_util_in_windows, gpu_view
 from traindx.report.pyspy_view import gil_view, thread_lanes, worst_rank_first
 from traindx.report.steps_view import (
@@ -176,6 +177,7 @@ def _core(run: RunRecord, findings: list[Finding]) -> tuple[dict[str, Any], dict
         "gaps": gaps,
     }
     stats = _step_stats(run, steps, meta, drawn)
+    stats.update(_gpu_stats(run, findings))
     ledger = _ledger(run, stats)
     missing = missing_evidence(run)
     core = {
@@ -189,6 +191,29 @@ def _core(run: RunRecord, findings: list[Finding]) -> tuple[dict[str, Any], dict
         "causes": CAUSES,
     }
     return core, drawn
+
+
+def _gpu_stats(run: RunRecord, findings: list[Finding]) -> dict[str, Any]:
+    """MFU as the judge computed it (the gpu.efficiency finding), and the slowest rank's GPU
+    time by kernel class as one line (the derived table): only for a GPU run."""
+    eff = next((f for f in findings if f.id == "gpu.efficiency"), None)
+    out: dict[str, Any] = {"mfu": None, "mfu_note": None, "gpu_classes_line": None}
+    if eff is None:
+        return out
+    out["mfu"] = eff.evidence.get("mfu")
+    out["mfu_note"] = eff.evidence.get("mfu_note")
+    classes = kernel_class_view(run)
+    if classes:
+        c = classes[0]
+        wall = c["wall_s"] or 1.0
+        parts = [
+            f"{r['label']} {r['seconds'] / wall:.0%}" for r in c["rows"][:4] if r["seconds"] > 0.01 * wall
+        ]
+        parts.append(f"idle {c['idle_s'] / wall:.0%}")
+        out["gpu_classes_line"] = f"GPU (rank {c['rank']}, per step {fmt_s(c['wall_s'])}) = " + " · ".join(
+            parts
+        )
+    return out
 
 
 def _worst_step(st: pd.DataFrame) -> dict[str, Any] | None:

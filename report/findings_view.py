@@ -276,6 +276,8 @@ def verdict_view(
     }
     if v.id == "verdict.no_steps":
         out.update(kind="nosteps", median_step_s=None)
+    elif v.id == "verdict.inefficient":
+        out.update(kind="inefficient")
     elif v.id == "verdict.cause":
         top = next((f for f in findings_view if f["id"] == ev.get("top")), None)
         p = (

@@ -8,6 +8,7 @@ import math
 from typing import TYPE_CHECKING, Any
 
 from traindx.analyzers.evidence import profiled_steps
+from traindx.derive import gpu_efficiency
 from traindx.derive import ledger as L
 from traindx.profiler import gputime
 from traindx.profiler.torchtrace import gpu_window, top_kernels
@@ -119,21 +120,67 @@ def _window(run: RunRecord) -> dict[str, Any] | None:
     }
 
 
+MAX_CLASS_RANKS = 8  # ranks whose kernel-class table is listed (the slowest first)
+
+
+def kernel_class_view(run: RunRecord) -> list[dict[str, Any]]:
+    """Per rank (slowest first), the profiled window's GPU time by kernel class, per step: the
+    derived table (derive/kernel_classes.py) and what the host's syncs waited for."""
+    try:
+        views = run.cached("gpu_math.views", lambda: gpu_efficiency.rank_views(run))
+    except Exception:  # the report renders without this block
+        return []
+    out = []
+    for v in sorted(views.values(), key=lambda v: -v.wall_s)[:MAX_CLASS_RANKS]:
+        rows = [
+            {
+                "family": r["family"],
+                "label": r["label"],
+                "calls": float(r["calls"]),
+                "seconds": float(r["seconds"]),
+                "share": float(r["share"]),
+                "of_step": float(r["seconds"]) / v.wall_s if v.wall_s else None,
+                "bytes": _f(r["bytes"]),
+                "gb_per_s": _f(r["gb_per_s"]),
+            }
+            for r in v.rows.to_dict("records")
+        ]
+        out.append(
+            {
+                "rank": v.rank,
+                "steps": v.steps,
+                "wall_s": v.wall_s,
+                "busy_s": v.busy_s,
+                "idle_s": max(0.0, v.wall_s - v.busy_s),
+                "rows": rows,
+                "sync": dict(v.sync),
+            }
+        )
+    return out
+
+
 def gpu_time_view(run: RunRecord) -> dict[str, Any]:
     """{available, rank, rows (per step: wall, GPU busy floor/ceiling share, idle, ledger's top
     lines), median, window (busy by kind, top kernels)}; available False with a reason."""
     try:
         _, steps = gputime.for_run(run)
     except Exception as exc:  # the report renders without this block
-        return {"available": False, "reason": f"{type(exc).__name__}: {exc}", "window": None}
+        return {
+            "available": False,
+            "reason": f"{type(exc).__name__}: {exc}",
+            "window": None,
+            "classes": kernel_class_view(run),
+        }
     try:
         window = _window(run)
     except Exception:
         window = None
+    classes = kernel_class_view(run)
     if not len(steps):
         return {
             "available": False,
             "window": window,
+            "classes": classes,
             "reason": "no per-step GPU clock (a CPU job, or a run recorded without it)",
         }
     means = steps.groupby("rank")["wall_s"].mean()
@@ -155,4 +202,5 @@ def gpu_time_view(run: RunRecord) -> dict[str, Any]:
         "bin_size": size,
         "median": median,
         "window": window,
+        "classes": classes,
     }

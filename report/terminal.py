@@ -94,6 +94,10 @@ def _stats_line(data: Mapping[str, Any]) -> list[str]:
         if w["cause"] != "normal":
             slowest += f" ({data['causes'].get(w['cause'], w['cause'])})"
         parts.append(slowest)
+    if st.get("mfu") is not None:
+        parts.append(f"MFU {st['mfu']:.1%}")
+    elif st.get("mfu_note"):
+        parts.append(f"MFU unknown ({st['mfu_note']})")
     if st["compiles"]:
         parts.append(
             f"{st['compiles']} JIT compile{'s' if st['compiles'] != 1 else ''}, {fmt_s(st['compile_s'])}"
@@ -137,6 +141,8 @@ def _print_verdict(console: Console, v: Mapping[str, Any]) -> None:
         _say(console, why, style="dim", first="  ", indent="    ")
     elif v["kind"] == "problem":
         _say(console, v["headline"], style="bold yellow", first="Main problem: ")
+    elif v["kind"] == "inefficient":
+        _say(console, v["headline"], style="bold yellow", first="Verdict: ")
     elif v["kind"] == "nosteps":
         _say(console, v["headline"], style="yellow")
         _say(console, v["summary"], style="dim", first="  ", indent="  ")
@@ -158,7 +164,7 @@ def print_summary(
     console.rule("traindx")
     if st["steps"]:
         _print_parts(console, _stats_line(data))
-        for line in (st.get("ledger_line"), st.get("startup_line")):
+        for line in (st.get("ledger_line"), st.get("gpu_classes_line"), st.get("startup_line")):
             if line:
                 head, _, rest = line.partition(" = ")
                 parts = rest.split(" · ") if rest else []

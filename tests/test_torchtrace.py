@@ -44,6 +44,7 @@ def reference(doc, rank):
                 args.get("device"),
                 args.get("stream"),
                 args.get("bytes"),
+                args.get("correlation"),
             )
         )
     return pd.DataFrame(rows, columns=TRACE_COLUMNS)

@@ -233,12 +233,13 @@ def activate() -> None:
     compiles.register()
     torchcalls.register()
     torchprof.register()
-    from . import runtime_patches, spans
+    from . import math_patches, runtime_patches, spans
 
     spans.register()  # time ledger spans
     from . import gputime
 
     gputime.register()  # GPU busy/idle per step (CUDA events at the measured boundaries)
     runtime_patches.register()  # --fix runtime patches, max_seqlen origin tracer
+    math_patches.register()  # --fix math patches (fp32 matmul precision, cuDNN benchmark)
     datasites.register()
     importhooks.install()

@@ -478,6 +478,21 @@ def marker(source: str = "traindx.step") -> None:
         report_error("step marker", exc)
 
 
+def _trained_params(optimizer: Any) -> int | None:
+    """The elements of the parameters an optimizer trains (MFU's N); None if unreadable."""
+    try:
+        seen: set[int] = set()
+        total = 0
+        for group in optimizer.param_groups:
+            for p in group.get("params", ()):
+                if id(p) not in seen and getattr(p, "requires_grad", True):
+                    seen.add(id(p))
+                    total += int(p.numel())
+        return total
+    except Exception:
+        return None
+
+
 # -- installation ---------------------------------------------------------------------------------
 @guarded("torch import hook")
 def _on_torch(torch: Any) -> None:
@@ -502,7 +517,7 @@ def _on_torch(torch: Any) -> None:
             if _state["opt_created_t"] is None:
                 _state["opt_created_t"] = time.time_ns()
                 _state["opt_thread"] = threading.get_ident()
-                emit("optimizer_created", optimizer=type(self).__name__)
+                emit("optimizer_created", optimizer=type(self).__name__, params=_trained_params(self))
                 _sync_forward_hook()
         except Exception as exc:
             report_error("optimizer init hook", exc)

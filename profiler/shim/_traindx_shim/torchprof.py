@@ -135,7 +135,9 @@ def _start(step: int) -> None:
         activities.append(ProfilerActivity.CUDA)
     # with_stack records every Python call: most of a launch-bound step's profiling cost
     stacks = not _state["lite"]
-    prof = profile(activities=activities, with_stack=stacks, record_shapes=False)
+    # with_flops: torch counts the FLOPs of matmuls and convolutions from their sizes (no
+    # record_shapes: the sizes are kept for those ops only); summed per op at the stop
+    prof = profile(activities=activities, with_stack=stacks, record_shapes=False, with_flops=True)
     t0 = time.time_ns()
     # kineto prints "USDT: ... profiler_start/stop" on the job's stderr at its highest log level;
     # it reads the level once, at its first start: quiet it there unless the job chose a level
@@ -170,6 +172,7 @@ def _start(step: int) -> None:
         stacks=stacks,
         trigger=trigger[0] if trigger else None,
         trigger_reason=trigger[1] if trigger else None,
+        **_math_settings(torch),
     )
 
 
@@ -197,6 +200,8 @@ def _stop(last_step: int, reason: str) -> None:
         path, size, raw_bytes, stood_down = _export(prof, budget - _spent_s() - stop_s)
     t2 = time.time_ns()
     export_s = (t2 - t1) / 1e9
+    flops = _flop_counts(prof, budget - _spent_s() - stop_s - export_s) if path else None
+    flops_s = (time.time_ns() - t2) / 1e9
     emit(
         schema.TORCH_PROFILE,
         first_step=_state["first"],
@@ -217,6 +222,8 @@ def _stop(last_step: int, reason: str) -> None:
         stood_down=stood_down,
         trigger=_state["trigger"][0] if _state["trigger"] else None,
         stacks=not _state["lite"],
+        flops=flops,
+        flops_s=flops_s,
     )
     _state["after"] = {"step": last_step + 1, "cost_s": _spent_s() + stop_s + export_s}
     if (
@@ -226,6 +233,59 @@ def _stop(last_step: int, reason: str) -> None:
         and (reason == "window end" or reason.startswith("budget"))
     ):
         _retry_without_stacks(last_step)
+
+
+FLOP_OPS = (
+    "aten::mm",
+    "aten::addmm",
+    "aten::bmm",
+    "aten::baddbmm",
+    "aten::_scaled_mm",
+    "aten::conv1d",
+    "aten::conv2d",
+    "aten::conv3d",
+    "aten::convolution",
+)
+
+
+def _flop_counts(prof: Any, time_left_s: float) -> dict[str, float] | None:
+    """{op: FLOPs} torch.profiler counted in the window (matmuls and convolutions, each op's own
+    count: an op nested in another counted op is not counted twice); None when reading the events
+    would pass the window's time budget (their number times a measured ~2 µs each) or fails."""
+    try:
+        if time_left_s <= 0:
+            return None
+        t0 = time.perf_counter()
+        counts: dict[str, float] = {}
+        open_until: dict[Any, int] = {}  # thread -> end (µs) of the counted op it is inside
+        for e in sorted(prof.events(), key=lambda e: e.time_range.start):
+            flops = getattr(e, "flops", 0) or 0
+            if not flops or e.name not in FLOP_OPS:
+                continue
+            if e.time_range.start < open_until.get(e.thread, -1):
+                continue  # inside a counted op (conv2d -> convolution)
+            open_until[e.thread] = e.time_range.end
+            counts[e.name] = counts.get(e.name, 0.0) + float(flops)
+            if time.perf_counter() - t0 > time_left_s:
+                return None
+        return counts
+    except Exception as exc:  # a profiler without FLOP counts: the window stands without them
+        report_error("torch.profiler flop counts", exc)
+        return None
+
+
+def _math_settings(torch: Any) -> dict[str, Any]:
+    """The settings that pick the kernels' math: float32 matmul precision, TF32 switches, cuDNN
+    benchmark mode (read as the window starts)."""
+    try:
+        return {
+            "float32_matmul_precision": torch.get_float32_matmul_precision(),
+            "cuda_matmul_allow_tf32": bool(torch.backends.cuda.matmul.allow_tf32),
+            "cudnn_allow_tf32": bool(torch.backends.cudnn.allow_tf32),
+            "cudnn_benchmark": bool(torch.backends.cudnn.benchmark),
+        }
+    except Exception:
+        return {}
 
 
 def _retry_without_stacks(last_step: int) -> None:
