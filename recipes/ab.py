@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pandas as pd
 
+from traindx.analyzers import parity as loss_parity_rules
 from traindx.analyzers.ab_verdict import MIN_SPEEDUP, ABVerdict, ab_verdict
 from traindx.derive import stats
 from traindx.derive.periods import series_period
@@ -362,7 +363,7 @@ def _loss_parity(baseline: RunRecord, candidate: RunRecord, problems: list[str])
         )
         return None
     if common:
-        parity = stats.loss_parity(
+        parity = loss_parity_rules.loss_parity(
             [base_losses[s] for s in common], [cand_losses[s] for s in common]
         ).to_dict()
         parity["steps"] = [common[0], common[-1]]
@@ -386,14 +387,7 @@ def _startup(base: Mapping[str, Any], cand: Mapping[str, Any]) -> dict[str, floa
 
 
 def _thresholds() -> dict[str, Any]:
-    return {
-        "min_speedup": MIN_SPEEDUP,
-        "min_correlation": stats.MIN_CORRELATION,
-        "pointwise_tolerance": {"golden > 2.0": 0.10, "golden > 0.5": 0.05, "else": 0.02},
-        "max_failed_point_share": stats.MAX_FAILED_POINT_SHARE,
-        "max_final_loss_difference": stats.MAX_FINAL_LOSS_DIFFERENCE,
-        "skip_first_share": stats.SKIP_FIRST_SHARE,
-    }
+    return {"min_speedup": MIN_SPEEDUP, **loss_parity_rules.thresholds()}
 
 
 STEP_SOURCE_TEXT = {
@@ -457,6 +451,7 @@ def report_view(comparison: Mapping[str, Any]) -> dict[str, Any]:
     if parity:
         view["loss parity"] = {
             "result": "pass" if parity["passed"] else "fail",
+            "decided by": parity.get("rule") or "correlation, pointwise tolerance and final loss",
             "correlation": parity["correlation"],
             "points outside tolerance": f"{parity['pointwise_failures']} of {parity['points']}",
             "final-loss difference": parity["final_loss_difference"],

@@ -10,7 +10,7 @@ import pytest
 import yaml
 from helpers import PY, diagnose, example
 
-from traindx.analyzers import ab_verdict
+from traindx.analyzers import ab_verdict, parity
 from traindx.common.errors import UserError
 from traindx.derive import stats, throughput
 from traindx.recipes.card import CardError, RecipeCard, reference_cards, validate
@@ -191,20 +191,20 @@ def test_bootstrap_interval_brackets_the_speedup_and_is_reproducible():
 
 def test_loss_parity_thresholds():
     golden = np.linspace(6.0, 3.0, 20) + 0.05 * np.sin(np.arange(20))
-    same = stats.loss_parity(golden, golden)
+    same = parity.loss_parity(golden, golden)
     assert same.passed and same.correlation == pytest.approx(1.0) and same.skipped == 4
     # 4 % off everywhere: inside the 10 % pointwise tolerance and the 5 % final-loss limit
-    assert stats.loss_parity(golden, golden * 1.04).passed
+    assert parity.loss_parity(golden, golden * 1.04).passed
     # 8 % off: pointwise fine at loss > 2, the final loss 8 % off fails
-    off = stats.loss_parity(golden, golden * 1.08)
+    off = parity.loss_parity(golden, golden * 1.08)
     assert not off.passed and not off.final_loss_passed and off.pointwise_passed
     # 12 % off: every point fails the 10 % tolerance
-    far = stats.loss_parity(golden, golden * 1.12)
+    far = parity.loss_parity(golden, golden * 1.12)
     assert far.pointwise_failures == far.points and not far.pointwise_passed
     # the tolerance tightens with the loss level
-    assert stats.pointwise_tolerance(2.5) == 0.10
-    assert stats.pointwise_tolerance(1.0) == 0.05
-    assert stats.pointwise_tolerance(0.3) == 0.02
+    assert parity.pointwise_tolerance(2.5) == 0.10
+    assert parity.pointwise_tolerance(1.0) == 0.05
+    assert parity.pointwise_tolerance(0.3) == 0.02
 
 
 def test_more_than_ten_percent_of_points_failing_fails():
@@ -212,17 +212,17 @@ def test_more_than_ten_percent_of_points_failing_fails():
     cand = golden.copy()
     cand[6] *= 1.2  # 1 of 20 points off: 5 %, passes
     cand[8] *= 1.2  # 2 of 20: 10 %, still passes (> 10 % fails)
-    r = stats.loss_parity(golden, cand)
+    r = parity.loss_parity(golden, cand)
     assert r.pointwise_failures == 2 and r.pointwise_passed
     cand[10] *= 1.2  # 3 of 20: 15 %, fails
-    r = stats.loss_parity(golden, cand)
+    r = parity.loss_parity(golden, cand)
     assert r.pointwise_failures == 3 and not r.pointwise_passed and not r.passed
 
 
 def test_anticorrelated_losses_fail():
     golden = np.linspace(5.0, 4.5, 20) + 0.02 * np.sin(np.arange(20) * 1.7)
     cand = golden.mean() - (golden - golden.mean())  # mirrored: small differences, wrong shape
-    r = stats.loss_parity(golden, cand)
+    r = parity.loss_parity(golden, cand)
     assert r.correlation < 0 and not r.correlation_passed and not r.passed
 
 
@@ -230,10 +230,10 @@ def test_nan_losses_fail():
     golden = np.linspace(5.0, 4.0, 10)
     cand = golden.copy()
     cand[-1] = np.nan
-    r = stats.loss_parity(golden, cand)
+    r = parity.loss_parity(golden, cand)
     assert not r.passed and "NaN" in r.reasons[0]
     # one point is too few for a curve, but a NaN in it is still a failure
-    r = stats.loss_parity([5.0], [np.nan])
+    r = parity.loss_parity([5.0], [np.nan])
     assert not r.passed and "NaN" in r.reasons[0]
 
 
