@@ -43,6 +43,7 @@ DATA_USE = "data_use"  # a loader's batches reached N steps (site_id: which one)
 DDP = "ddp"  # a DDP reducer ran (group)
 EMPTY_CACHE = "empty_cache"  # torch.cuda.empty_cache() called (caller)
 TENSOR_ORIGIN = "tensor_origin"  # the line that made a tensor argument (max_seqlen)
+SWITCH = "switch"  # a process-wide setting that taxes every op (name, value, on, via, caller, step)
 
 # -- torch.profiler window ----------------------------------------------------------------------
 TORCH_PROFILE_START = "torch_profile_start"
@@ -85,6 +86,7 @@ EVENT_TYPES = frozenset(
         DDP,
         EMPTY_CACHE,
         TENSOR_ORIGIN,
+        SWITCH,
         TORCH_PROFILE_START,
         TORCH_PROFILE,
         TORCH_PROFILE_AFTER,

@@ -1,0 +1,448 @@
+"""Switches that tax every op: process-wide settings left on that slow every operation or step.
+
+The shim records each one at torch's import and whenever the job changes it (`switch` events, with
+the job's line: profiler/shim/_traindx_shim/switches.py): autograd anomaly detection,
+deterministic algorithms, a float64 default dtype, an intra-op thread count far from the cores,
+a profiler, tracer or tracemalloc the job started itself, CUDA memory-history recording, Python's
+development mode and the debug variables of torch, dynamo, NCCL and the distributed package.
+
+A switch that is on during the steady steps and costs time on this job (a CUDA variable costs
+nothing on a CPU-only run, a dynamo variable nothing where nothing compiles) is a finding naming
+the line or the variable that set it. Its cost is predicted as a share of the ledger lines it
+slows (anomaly mode: a third of forward and backward, from a tiny transformer that ran 48 %
+slower with it) and measured by `--fix`: an edit of the job's line that turns it off, and the
+shim's runtime patch `switch_off:<name>` (the setter called with the switch off, the variable
+unset) where the line is not the job's.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import pandas as pd
+
+from traindx.analyzers import codefix
+from traindx.analyzers import evidence as ev
+from traindx.analyzers.declaration import Declaration
+from traindx.analyzers.findings import Finding, Prescription, SourceEdit
+
+if TYPE_CHECKING:  # annotations only
+    from traindx.derive.run import RunRecord
+
+IDS = (
+    "switches.anomaly",
+    "switches.deterministic",
+    "switches.default_dtype",
+    "switches.num_threads",
+    "switches.profiler",
+    "switches.trace",
+    "switches.tracemalloc",
+    "switches.memory_history",
+    "switches.debug_env",
+    "switches.python_dev_mode",
+)
+DECLARATION = Declaration(
+    name="switches",
+    order=35,
+    ids=IDS,
+    explains=("steps.instability", "host_work.code", "gpu_idle.host_starved", "gpu.launch_bound"),
+)
+OFF_PATCH = "switch_off:"
+MODEL_LINES = ("forward_backward", "optimizer")
+
+
+@dataclass(frozen=True)
+class Known:
+    """What one switch costs and how it is turned off at its line."""
+
+    title: str
+    why: str
+    lines: tuple[str, ...]  # the ledger lines it slows
+    fraction: float  # the share of those lines it adds (predicted; --fix measures)
+    gpu_only: bool = False
+    off_edit: tuple[str, str] | None = None  # (regex on the line, replacement); None: delete the line
+
+
+KNOWN: dict[str, Known] = {
+    "anomaly": Known(
+        "autograd anomaly detection left on",
+        "every op of the forward records its stack for the backward, and every backward node is "
+        "checked for NaN",
+        MODEL_LINES,
+        0.32,
+        off_edit=(r"\bdetect_anomaly\(\s*\)", "set_detect_anomaly(False)"),
+    ),
+    "deterministic": Known(
+        "deterministic algorithms forced",
+        "ops without a deterministic kernel take slower ones (atomics-free scatter, no cuDNN autotune)",
+        MODEL_LINES,
+        0.10,
+        gpu_only=True,
+    ),
+    "default_dtype": Known(
+        "float64 default dtype",
+        "every new float tensor and parameter is float64: twice the memory traffic, and on a GPU a "
+        "small fraction of its float32 throughput",
+        MODEL_LINES,
+        0.40,
+    ),
+    "num_threads": Known(
+        "intra-op threads far from the cores",
+        "torch's intra-op pool has far fewer threads than the cores the process may use",
+        MODEL_LINES,
+        0.30,
+    ),
+    "profiler": Known(
+        "a profiler the job started itself",
+        "every op is recorded (with its shapes and stack where asked) while it is active",
+        MODEL_LINES,
+        0.20,
+    ),
+    "trace": Known(
+        "a Python tracer or profile function the job set",
+        "every Python call (and line, for a tracer) of every thread it covers runs a Python callback",
+        ("forward_backward", "optimizer", "host", "data"),
+        0.50,
+    ),
+    "tracemalloc": Known(
+        "tracemalloc started by the job",
+        "every Python allocation records its traceback",
+        ("host", "data", "forward_backward"),
+        0.20,
+    ),
+    "memory_history": Known(
+        "CUDA memory history recording",
+        "every allocation and free records a stack trace",
+        MODEL_LINES,
+        0.10,
+        gpu_only=True,
+    ),
+    "python_dev_mode": Known(
+        "Python development mode (-X dev)",
+        "debug hooks on every allocation and extra runtime checks",
+        ("host", "data", "forward_backward"),
+        0.15,
+    ),
+}
+# debug variables: (what it costs, the ledger lines, fraction, gpu only, needs, the value that turns it off)
+# needs: "" always, "compile" a torch.compile in the run, "ranks" more than one rank
+ENV_COSTS: dict[str, tuple[str, tuple[str, ...], float, bool, str, str | None]] = {
+    "CUDA_LAUNCH_BLOCKING": ("every kernel launch waits for the kernel", MODEL_LINES, 0.50, True, "", "0"),
+    "PYTORCH_NO_CUDA_MEMORY_CACHING": (
+        "every allocation is a cudaMalloc and every free a synchronizing cudaFree",
+        MODEL_LINES,
+        0.40,
+        True,
+        "",
+        None,
+    ),
+    "TORCH_LOGS": (
+        "dynamo and inductor log every graph, guard and recompile",
+        ("compile",),
+        0.3,
+        False,
+        "compile",
+        None,
+    ),
+    "TORCHDYNAMO_VERBOSE": ("dynamo logs every frame it traces", ("compile",), 0.2, False, "compile", "0"),
+    "TORCH_COMPILE_DEBUG": (
+        "every compile writes its debug folder",
+        ("compile",),
+        0.5,
+        False,
+        "compile",
+        "0",
+    ),
+    "TORCHINDUCTOR_DEBUG": (
+        "every compile writes its debug folder",
+        ("compile",),
+        0.5,
+        False,
+        "compile",
+        "0",
+    ),
+    "TORCH_SHOW_CPP_STACKTRACES": (
+        "every raised C++ error (and each caught one in dynamo) symbolizes a stack",
+        ("compile", "host"),
+        0.05,
+        False,
+        "",
+        "0",
+    ),
+    "TORCH_CPP_LOG_LEVEL": ("C++ info logging", ("collective",), 0.05, False, "ranks", "WARNING"),
+    "TORCH_DISTRIBUTED_DEBUG": (
+        "every collective is checked against the other ranks' first",
+        ("collective", "sync"),
+        0.3,
+        False,
+        "ranks",
+        "OFF",
+    ),
+    "NCCL_DEBUG": ("NCCL logs (TRACE: every collective)", ("collective",), 0.1, False, "ranks", "WARN"),
+    "TORCH_NCCL_BLOCKING_WAIT": (
+        "every collective blocks the host",
+        ("collective", "sync"),
+        0.3,
+        True,
+        "ranks",
+        "0",
+    ),
+    "NCCL_BLOCKING_WAIT": (
+        "every collective blocks the host",
+        ("collective", "sync"),
+        0.3,
+        True,
+        "ranks",
+        "0",
+    ),
+    "TORCH_NCCL_DESYNC_DEBUG": (
+        "collectives tracked for desync reports",
+        ("collective",),
+        0.1,
+        False,
+        "ranks",
+        "0",
+    ),
+    "PYTHONTRACEMALLOC": (
+        "every Python allocation records its traceback",
+        ("host", "data", "forward_backward"),
+        0.2,
+        False,
+        "",
+        None,
+    ),
+    "PYTHONMALLOC": (
+        "the debug allocator checks every allocation",
+        ("host", "data", "forward_backward"),
+        0.2,
+        False,
+        "",
+        None,
+    ),
+}
+
+
+def _plain(value: Any) -> Any:
+    """A value of the event table as plain Python (numpy scalars do not compare as JSON does)."""
+    if isinstance(value, float) and value != value:
+        return None
+    return value.item() if hasattr(value, "item") and not isinstance(value, (str, bytes)) else value
+
+
+def _events(run: RunRecord) -> pd.DataFrame:
+    table = ev.events_of_type(run, "switch")
+    if not len(table) or "name" not in table:
+        return pd.DataFrame()
+    return table
+
+
+def _line_seconds(run: RunRecord, rank: str, lines: Sequence[str]) -> tuple[float | None, float | None]:
+    """(mean seconds per steady step of these ledger lines, mean steady step) of one rank."""
+    led = run.ledger
+    if not len(led):
+        return None, None
+    steady = {int(s) for s in ev.steady_steps(run, rank)["step"]}
+    rows = led[(led["rank"] == rank) & led["step"].isin(steady)]
+    if not len(rows):
+        return None, None
+    cols = [f"{c}_s" for c in lines if f"{c}_s" in rows]
+    return float(rows[cols].sum(axis=1).mean()), float(rows["wall_s"].mean())
+
+
+def _on_in_steps(rows: pd.DataFrame, first_steady: int) -> pd.Series | None:
+    """The event that shows the switch on in the steady steps (the job's own, not turned off by a
+    --fix arm), or None: the last change before the window is on, or one inside it is."""
+    rows = rows.sort_values("step", kind="stable")
+    on = rows["on"].fillna(False).astype(bool)
+    if "forced_off" in rows:
+        on = on & ~rows["forced_off"].fillna(False).astype(bool)
+    before = rows[rows["step"].fillna(-1) < first_steady]
+    if len(before) and bool(on.loc[before.index[-1]]):
+        return before.iloc[-1]
+    inside = rows[(rows["step"].fillna(-1) >= first_steady) & on]
+    return inside.iloc[0] if len(inside) else None
+
+
+def _edit(known: Known | None, caller: dict[str, Any], source: str) -> dict[str, Any] | None:
+    """The edit of the job's line that turns the switch off: the context made its off form, a
+    `True` made `False`, else the statement deleted."""
+    file, line = caller.get("file"), caller.get("line")
+    if not file or ev.is_library_path(str(file)) or not source:
+        return None
+    if known is not None and known.off_edit and re.search(known.off_edit[0], source):
+        return codefix.code_change(file, line, source, re.sub(known.off_edit[0], known.off_edit[1], source))
+    if re.search(r"\(\s*(mode\s*=\s*)?True\b", source):
+        return codefix.code_change(file, line, source, re.sub(r"\bTrue\b", "False", source, count=1))
+    if source.startswith(("with ", "if ", "for ", "while ")) or "=" in source.split("(")[0]:
+        return None  # a block's head or an assignment: not a statement to delete
+    return codefix.code_change(file, line, source, "", op="delete")
+
+
+def _prescriptions(name: str, known: Known | None, row: pd.Series, gain: float | None) -> list[Prescription]:
+    caller = row.get("caller") if isinstance(row.get("caller"), dict) else {}
+    source = str(row.get("source") or "")
+    where = f"{caller.get('file')}:{caller.get('line')}" if caller else None
+    out = []
+    edit = _edit(known, caller or {}, source) if caller else None
+    if edit:
+        after = edit.get("after") or "(line removed)"
+        out.append(
+            Prescription(
+                kind="code",
+                summary=f"turn {name} off at {where}: `{source}` → `{after}`",
+                change=SourceEdit(code=edit),
+                expected_gain_s_per_step=gain,
+                automatic=True,
+            )
+        )
+    out.append(
+        Prescription(
+            kind="runtime",
+            summary=f"measure the job with {name} off (the shim turns it off; keep it with the edit"
+            + (f" at {where})" if where else ")"),
+            change={"runtime": {"patch": OFF_PATCH + name}},
+            expected_gain_s_per_step=gain,
+            automatic=True,
+        )
+    )
+    return out
+
+
+def _cost(
+    run: RunRecord, rank: str, lines: Sequence[str], fraction: float
+) -> tuple[float | None, float | None]:
+    """(predicted seconds per step, its share of the step)."""
+    seconds, step = _line_seconds(run, rank, lines)
+    if seconds is None or not step:
+        return None, None
+    gain = seconds * fraction
+    return gain, gain / step
+
+
+def _finding(
+    run: RunRecord, rank: str, name: str, row: pd.Series, first_steady: int, context: dict[str, bool]
+) -> Finding | None:
+    env = name.startswith("env:")
+    var = name[4:] if env else ""
+    known = None if env else KNOWN.get(name)
+    moot = False  # nothing on this run it could slow (a CUDA variable without a GPU)
+    if env:
+        if var not in ENV_COSTS:
+            return None
+        why, lines, fraction, gpu_only, needs, off_value = ENV_COSTS[var]
+        moot = bool(needs and not context.get(needs))
+        title = f"debug variable {var}={row.get('value')} left on"
+    elif known is not None:
+        why, lines, fraction, gpu_only, title = (
+            known.why,
+            known.lines,
+            known.fraction,
+            known.gpu_only,
+            known.title,
+        )
+        off_value = None
+    else:
+        return None
+    moot = moot or (gpu_only and not context.get("gpu", False))
+    gain, share = _cost(run, rank, lines, fraction)
+    if moot:
+        severity = "info"
+        title += " (costs nothing on this run)"
+    else:
+        severity = ev.severity_for_share(share) if share is not None else "medium"
+        if name in ("anomaly", "default_dtype", "trace") and severity in ("info", "low"):
+            severity = "medium"  # a debugging switch with no benefit to training: worth turning off
+    caller = row.get("caller") if isinstance(row.get("caller"), dict) else None
+    where = f"{caller['file']}:{caller['line']}" if caller else None
+    if env:
+        set_by = row.get("set_by")
+        where_text = (
+            "the job's environment" if set_by != "job" else "the job's own code, before torch's import"
+        )
+        summary = f"{var}={row.get('value')} (set by {where_text}): {why}"
+        prescriptions = []
+        if off_value is not None:
+            prescriptions.append(
+                Prescription(
+                    kind="env",
+                    summary=f"{var}={off_value} (or unset it): {why.split(':')[0]} no more",
+                    change={"env": {var: off_value}},
+                    expected_gain_s_per_step=gain,
+                    automatic=True,
+                )
+            )
+        prescriptions.append(
+            Prescription(
+                kind="runtime",
+                summary=f"measure the job with {var} unset (the shim unsets it; keep it with `unset {var}`)",
+                change={"runtime": {"patch": f"{OFF_PATCH}env:{var}"}},
+                expected_gain_s_per_step=gain,
+                automatic=True,
+            )
+        )
+    else:
+        value = _plain(row.get("value"))
+        summary = (
+            f"{title} ({name} = {value}"
+            + (f", set at {where}: `{row.get('source')}`" if where else "")
+            + f"): {why}"
+        )
+        prescriptions = _prescriptions(name, known, row, gain)
+    if share is not None:
+        summary += f"; predicted {gain * 1000:.1f} ms a step ({share:.0%}) until --fix measures it"
+    return Finding(
+        id="switches.debug_env" if env else f"switches.{name}",
+        title=title + (f" at {where}" if where else ""),
+        severity=severity,
+        analyzer="switches",
+        summary=summary,
+        seconds_lost_per_step=gain,
+        share_of_step=share,
+        evidence={
+            "switch": name,
+            "value": _plain(row.get("value")),
+            "set_at": caller,
+            "source": _plain(row.get("source")),
+            "set_by": _plain(row.get("set_by")) or ("job" if caller else None),
+            "step": None if pd.isna(row.get("step")) else int(row["step"]),
+            "changes": int(_plain(row.get("changes")) or 1),
+            "cost_lines": list(lines),
+            "cost_fraction_predicted": fraction,
+        },
+        prescriptions=tuple(prescriptions),
+        ranks=(rank,),
+        removes={"categories": list(lines), "fraction": fraction},
+    )
+
+
+def _context(run: RunRecord) -> dict[str, bool]:
+    compiles = run.compiles
+    dynamo = bool(len(compiles)) and "kind" in compiles and bool((compiles["kind"] == "dynamo").any())
+    return {"gpu": bool(len(run.gpu)), "compile": dynamo, "ranks": len(run.ranks) > 1}
+
+
+def analyze(run: RunRecord) -> list[Finding]:
+    events = _events(run)
+    if not len(events):
+        return []
+    context = _context(run)
+    out: list[Finding] = []
+    for rank in sorted({str(r) for r in events["rank"].dropna()}):
+        steady = ev.steady_steps(run, rank)
+        if not len(steady):
+            continue
+        first_steady = int(steady["step"].min())
+        mine = events[events["rank"].astype(str) == rank]
+        for name, rows in mine.groupby("name", sort=True):
+            row = _on_in_steps(rows, first_steady)
+            if row is None:
+                continue
+            finding = _finding(run, rank, str(name), row, first_steady, context)
+            if finding is not None:
+                out.append(finding)
+        if out:
+            break  # one rank tells it: every rank runs the same code (the first rank's lines)
+    return out
