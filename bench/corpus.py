@@ -69,6 +69,8 @@ class Script:
     getitem_file: str | None = None
     getitem_anchor: str | None = None  # line after which the slow __getitem__ goes
     getitem_patch_class: str | None = None  # or: patch this dataset object's class after the anchor
+    setup_file: str | None = None  # the file whose set-up (before training) gets a switch turned on
+    setup_anchor: str | None = None  # line after which the switch line goes (runs once)
     env: dict = field(default_factory=dict)
     prepare: Callable | None = None
 
@@ -124,6 +126,8 @@ SCRIPTS = {
         "self.loss",
         getitem_file="minGPT/projects/chargpt/chargpt.py",
         getitem_anchor=r"^\s+def __getitem__",
+        setup_file="minGPT/projects/chargpt/chargpt.py",
+        setup_anchor=r"^\s+set_seed\(config",
         env={"PYTHONPATH": "minGPT"},
         prepare=_prep_mingpt,
     ),
@@ -160,6 +164,13 @@ SCRIPTS = {
 
 # cause -> (what the table expects, inserted per-step code or None)
 CAUSES = ("healthy", "read150", "odd_host", "threads16", "save", "slow_getitem", "gc_collect", "item")
+# switches left on after debugging, turned on once in the script's set-up (not in the default run)
+SWITCH_CAUSES = {
+    # hunting a NaN: anomaly detection, forgotten there
+    "anomaly": "import torch as _tdx_torch; _tdx_torch.autograd.set_detect_anomaly(True)",
+    # a numerics check in double precision, forgotten there
+    "float64": "import torch as _tdx_torch; _tdx_torch.set_default_dtype(_tdx_torch.float64)",
+}
 
 
 def _insert_after(path, pattern, lines_of_indent, first_only=True):
@@ -226,6 +237,11 @@ def prepare(corpus, script, cause, work, busy_s, at=None):
     if cause in per_step:
         _prelude(loop)
         where = (script.loop_file, _insert_after(loop, script.loop_anchor, per_step[cause]))
+    elif cause in SWITCH_CAUSES:
+        if not script.setup_file:
+            return None
+        path = os.path.join(d, script.setup_file)
+        where = (script.setup_file, _insert_after(path, script.setup_anchor, lambda i: SWITCH_CAUSES[cause]))
     elif cause == "threads16":
         env.update(OMP_NUM_THREADS="16", MKL_NUM_THREADS="16")
     elif cause == "slow_getitem":
@@ -431,6 +447,8 @@ USABLE = {
     "threads16": r"OMP_NUM_THREADS|set_num_threads",
     "save": r"less often|async|interval|every",
     "slow_getitem": r"num_workers",
+    "anomaly": r"set_detect_anomaly\(False\)|switch_off:anomaly",
+    "float64": r"set_default_dtype|switch_off:default_dtype",
     "gc_collect": r"gc\.collect|gc\.freeze|remove",
     "item": r"item",
 }
@@ -588,7 +606,7 @@ def main(argv=None):
                         {
                             "script": name,
                             "cause": cause,
-                            "top": "n/a (no DataLoader)",
+                            "top": "n/a (no place for this cause)",
                             "line": "",
                             "line_ok": None,
                             "usable": None,

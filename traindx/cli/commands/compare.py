@@ -264,5 +264,7 @@ def _print_parity(parity: dict[str, Any] | None, console: Console) -> None:
         )
     )
     console.print(line)
+    if parity.get("rule"):
+        console.print(f"  decided by: {parity['rule']}", markup=False)
     for reason in parity["reasons"]:
         console.print(Text(f"  ✗ {reason}", style="red"))
