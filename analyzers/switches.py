@@ -64,6 +64,7 @@ class Known:
     fraction: float  # the share of those lines it adds (predicted; --fix measures)
     gpu_only: bool = False
     off_edit: tuple[str, str] | None = None  # (regex on the line, replacement); None: delete the line
+    keywords: tuple[str, ...] = ()  # a framework's argument that turns it on (`Trainer(detect_anomaly=True)`)
 
 
 KNOWN: dict[str, Known] = {
@@ -74,6 +75,7 @@ KNOWN: dict[str, Known] = {
         MODEL_LINES,
         0.45,
         off_edit=(r"\bdetect_anomaly\(\s*\)", "set_detect_anomaly(False)"),
+        keywords=("detect_anomaly",),
     ),
     "deterministic": Known(
         "deterministic algorithms forced",
@@ -81,6 +83,7 @@ KNOWN: dict[str, Known] = {
         MODEL_LINES,
         0.10,
         gpu_only=True,
+        keywords=("deterministic",),
     ),
     "default_dtype": Known(
         "float64 default dtype",
@@ -272,6 +275,10 @@ def _edit(known: Known | None, caller: dict[str, Any], source: str) -> dict[str,
     file, line = caller.get("file"), caller.get("line")
     if not file or ev.is_library_path(str(file)) or not source:
         return None
+    for keyword in known.keywords if known is not None else ():
+        flag = re.compile(r"\b" + re.escape(keyword) + r"(\s*=\s*)True\b")
+        if flag.search(source):  # a framework's argument: the job's own line
+            return codefix.code_change(file, line, source, flag.sub(keyword + r"\1False", source, count=1))
     if known is not None and known.off_edit and re.search(known.off_edit[0], source):
         return codefix.code_change(file, line, source, re.sub(known.off_edit[0], known.off_edit[1], source))
     if re.search(r"\(\s*(mode\s*=\s*)?True\b", source):
@@ -281,9 +288,40 @@ def _edit(known: Known | None, caller: dict[str, Any], source: str) -> dict[str,
     return codefix.code_change(file, line, source, "", op="delete")
 
 
-def _prescriptions(name: str, known: Known | None, row: pd.Series, gain: float | None) -> list[Prescription]:
-    caller = row.get("caller") if isinstance(row.get("caller"), dict) else {}
-    source = str(row.get("source") or "")
+def _framework_argument(run: RunRecord, known: Known | None) -> tuple[dict[str, Any], str] | None:
+    """(the job's line, its source) that passes a framework the argument turning the switch on
+    (`Trainer(detect_anomaly=True)`): where the setter's caller is the framework's own file, in
+    site-packages, the job's argument is the line to change."""
+    if known is None or not known.keywords:
+        return None
+    pattern = re.compile(r"\b(" + "|".join(map(re.escape, known.keywords)) + r")\s*=\s*True\b")
+    for path in ev.job_scripts(run):
+        try:
+            with open(path, encoding="utf-8", errors="replace") as f:
+                lines = f.read().splitlines()
+        except OSError:
+            continue
+        for number, text in enumerate(lines, 1):
+            if pattern.search(text) and not text.lstrip().startswith("#"):
+                return {"file": path, "line": number, "function": None}, text.strip()
+    return None
+
+
+def _set_at(run: RunRecord, known: Known | None, row: pd.Series) -> tuple[dict[str, Any] | None, str]:
+    """(the job's line that turned the switch on, its source): the setter's caller, or, where that
+    is a framework's file in site-packages, the job's line passing the framework's argument."""
+    caller = row.get("caller") if isinstance(row.get("caller"), dict) else None
+    source = str(_plain(row.get("source")) or "")
+    if caller and ev.is_library_path(str(caller.get("file") or "")):
+        found = _framework_argument(run, known)
+        if found is not None:
+            return found
+    return caller, source
+
+
+def _prescriptions(
+    name: str, known: Known | None, caller: dict[str, Any] | None, source: str, gain: float | None
+) -> list[Prescription]:
     where = f"{caller.get('file')}:{caller.get('line')}" if caller else None
     out = []
     edit = _edit(known, caller or {}, source) if caller else None
@@ -355,7 +393,7 @@ def _finding(
         severity = ev.severity_for_share(share) if share is not None else "medium"
         if name in ("anomaly", "default_dtype", "trace") and severity in ("info", "low"):
             severity = "medium"  # a debugging switch with no benefit to training: worth turning off
-    caller = row.get("caller") if isinstance(row.get("caller"), dict) else None
+    caller, source = _set_at(run, known, row)
     where = f"{caller['file']}:{caller['line']}" if caller else None
     if env:
         set_by = row.get("set_by")
@@ -390,7 +428,7 @@ def _finding(
             + (f", set at {where}: `{row.get('source')}`" if where else "")
             + f"): {why}"
         )
-        prescriptions = _prescriptions(name, known, row, gain)
+        prescriptions = _prescriptions(name, known, caller, source, gain)
     if share is not None:
         summary += f"; predicted {gain * 1000:.1f} ms a step ({share:.0%}) until --fix measures it"
     return Finding(
@@ -405,7 +443,8 @@ def _finding(
             "switch": name,
             "value": _plain(row.get("value")),
             "set_at": caller,
-            "source": _plain(row.get("source")),
+            "source": source or None,
+            "setter_called_at": row.get("caller") if isinstance(row.get("caller"), dict) else None,
             "set_by": _plain(row.get("set_by")) or ("job" if caller else None),
             "step": None if pd.isna(row.get("step")) else int(row["step"]),
             "changes": int(_plain(row.get("changes")) or 1),
