@@ -18,7 +18,7 @@ unset) where the line is not the job's.
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -64,6 +64,7 @@ class Known:
     fraction: float  # the share of those lines it adds (predicted; --fix measures)
     gpu_only: bool = False
     off_edit: tuple[str, str] | None = None  # (regex on the line, replacement); None: delete the line
+    cpu_fraction: float | None = None  # the share on a run without a GPU, where it differs
     keywords: tuple[str, ...] = ()  # a framework's argument that turns it on (`Trainer(detect_anomaly=True)`)
 
 
@@ -91,6 +92,9 @@ KNOWN: dict[str, Known] = {
         "small fraction of its float32 throughput",
         MODEL_LINES,
         0.40,
+        # a CPU runs float64 at half its float32 rate at most, and small models are bound by the
+        # per-op overhead (minGPT's gpt-nano: 1.01x on a loaded 2-core machine)
+        cpu_fraction=0.10,
     ),
     "num_threads": Known(
         "intra-op threads far from the cores",
@@ -288,13 +292,8 @@ def _edit(known: Known | None, caller: dict[str, Any], source: str) -> dict[str,
     return codefix.code_change(file, line, source, "", op="delete")
 
 
-def _framework_argument(run: RunRecord, known: Known | None) -> tuple[dict[str, Any], str] | None:
-    """(the job's line, its source) that passes a framework the argument turning the switch on
-    (`Trainer(detect_anomaly=True)`): where the setter's caller is the framework's own file, in
-    site-packages, the job's argument is the line to change."""
-    if known is None or not known.keywords:
-        return None
-    pattern = re.compile(r"\b(" + "|".join(map(re.escape, known.keywords)) + r")\s*=\s*True\b")
+def _job_lines(run: RunRecord) -> Iterator[tuple[str, int, str]]:
+    """(file, line number, text) of every line of the job's own scripts but comments."""
     for path in ev.job_scripts(run):
         try:
             with open(path, encoding="utf-8", errors="replace") as f:
@@ -302,8 +301,20 @@ def _framework_argument(run: RunRecord, known: Known | None) -> tuple[dict[str, 
         except OSError:
             continue
         for number, text in enumerate(lines, 1):
-            if pattern.search(text) and not text.lstrip().startswith("#"):
-                return {"file": path, "line": number, "function": None}, text.strip()
+            if not text.lstrip().startswith("#"):
+                yield path, number, text
+
+
+def _framework_argument(run: RunRecord, known: Known | None) -> tuple[dict[str, Any], str] | None:
+    """(the job's line, its source) that passes a framework the argument turning the switch on
+    (`Trainer(detect_anomaly=True)`): where the setter's caller is the framework's own file, in
+    site-packages, the job's argument is the line to change."""
+    if known is None or not known.keywords:
+        return None
+    pattern = re.compile(r"\b(" + "|".join(map(re.escape, known.keywords)) + r")\s*=\s*True\b")
+    for path, number, text in _job_lines(run):
+        if pattern.search(text):
+            return {"file": path, "line": number, "function": None}, text.strip()
     return None
 
 
@@ -349,6 +360,48 @@ def _prescriptions(
     return out
 
 
+def _severity(name: str, share: float | None, moot: bool) -> str:
+    if moot:
+        return "info"
+    severity = ev.severity_for_share(share) if share is not None else "medium"
+    if name in ("anomaly", "trace") and severity in ("info", "low"):
+        return "medium"  # a debugging switch with no benefit to training: worth turning off
+    return severity
+
+
+def _env_line(run: RunRecord, var: str) -> tuple[dict[str, Any], str] | None:
+    """The job's own line that sets the variable (`os.environ["NCCL_DEBUG"] = "INFO"`)."""
+    pattern = re.compile(r"[\"']" + re.escape(var) + r"[\"']")
+    for path, number, text in _job_lines(run):
+        if pattern.search(text) and "=" in text:
+            return {"file": path, "line": number, "function": None}, text.strip()
+    return None
+
+
+def _env_prescriptions(var: str, why: str, off_value: str | None, gain: float | None) -> list[Prescription]:
+    out = []
+    if off_value is not None:
+        out.append(
+            Prescription(
+                kind="env",
+                summary=f"{var}={off_value} (or unset it): {why.split(':')[0]} no more",
+                change={"env": {var: off_value}},
+                expected_gain_s_per_step=gain,
+                automatic=True,
+            )
+        )
+    out.append(
+        Prescription(
+            kind="runtime",
+            summary=f"measure the job with {var} unset (the shim unsets it; keep it with `unset {var}`)",
+            change={"runtime": {"patch": f"{OFF_PATCH}env:{var}"}},
+            expected_gain_s_per_step=gain,
+            automatic=True,
+        )
+    )
+    return out
+
+
 def _cost(
     run: RunRecord, rank: str, lines: Sequence[str], fraction: float
 ) -> tuple[float | None, float | None]:
@@ -382,54 +435,32 @@ def _finding(
             known.title,
         )
         off_value = None
+        if known.cpu_fraction is not None and not context.get("gpu", False):
+            fraction = known.cpu_fraction
     else:
         return None
     moot = moot or (gpu_only and not context.get("gpu", False))
     gain, share = _cost(run, rank, lines, fraction)
-    if moot:
-        severity = "info"
-        title += " (costs nothing on this run)"
-    else:
-        severity = ev.severity_for_share(share) if share is not None else "medium"
-        if name in ("anomaly", "default_dtype", "trace") and severity in ("info", "low"):
-            severity = "medium"  # a debugging switch with no benefit to training: worth turning off
+    severity = _severity(name, share, moot)
+    title += " (costs nothing on this run)" if moot else ""
     caller, source = _set_at(run, known, row)
     where = f"{caller['file']}:{caller['line']}" if caller else None
     if env:
-        set_by = row.get("set_by")
-        where_text = (
-            "the job's environment" if set_by != "job" else "the job's own code, before torch's import"
-        )
-        summary = f"{var}={row.get('value')} (set by {where_text}): {why}"
-        prescriptions = []
-        if off_value is not None:
-            prescriptions.append(
-                Prescription(
-                    kind="env",
-                    summary=f"{var}={off_value} (or unset it): {why.split(':')[0]} no more",
-                    change={"env": {var: off_value}},
-                    expected_gain_s_per_step=gain,
-                    automatic=True,
-                )
-            )
-        prescriptions.append(
-            Prescription(
-                kind="runtime",
-                summary=f"measure the job with {var} unset (the shim unsets it; keep it with `unset {var}`)",
-                change={"runtime": {"patch": f"{OFF_PATCH}env:{var}"}},
-                expected_gain_s_per_step=gain,
-                automatic=True,
-            )
-        )
+        if row.get("set_by") == "job":
+            caller, source = _env_line(run, var) or (None, "")
+            where = f"{caller['file']}:{caller['line']}" if caller else None
+        set_by = f"the job's own code at {where}" if where else "the job's environment"
+        if row.get("set_by") == "job" and not where:
+            set_by = "the job's own code, before torch's import"
+        summary = f"{var}={row.get('value')} (set by {set_by}): {why}"
+        prescriptions = _env_prescriptions(var, why, off_value, gain)
     else:
         value = _plain(row.get("value"))
         summary = (
-            f"{title} ({name} = {value}"
-            + (f", set at {where}: `{row.get('source')}`" if where else "")
-            + f"): {why}"
+            f"{title} ({name} = {value}" + (f", set at {where}: `{source}`" if where else "") + f"): {why}"
         )
         prescriptions = _prescriptions(name, known, caller, source, gain)
-    if share is not None:
+    if share is not None and gain is not None:
         summary += f"; predicted {gain * 1000:.1f} ms a step ({share:.0%}) until --fix measures it"
     return Finding(
         id="switches.debug_env" if env else f"switches.{name}",

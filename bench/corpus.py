@@ -71,6 +71,9 @@ class Script:
     getitem_patch_class: str | None = None  # or: patch this dataset object's class after the anchor
     setup_file: str | None = None  # the file whose set-up (before training) gets a switch turned on
     setup_anchor: str | None = None  # line after which the switch line goes (runs once)
+    framework_call: str | None = (
+        None  # regex up to the framework's constructor's "(": its switch arguments go there
+    )
     env: dict = field(default_factory=dict)
     prepare: Callable | None = None
 
@@ -143,6 +146,9 @@ SCRIPTS = {
         getitem_file="pl_transformer.py",
         getitem_anchor=r"^\s+dataset = WikiText2\(\)",
         getitem_patch_class="dataset",
+        setup_file="pl_transformer.py",
+        setup_anchor=r"^\s+dataset = WikiText2\(\)",
+        framework_call=r"\bTrainer\(",
         env={"PL_TRAINER_MAX_STEPS": "100000"},
         prepare=_prep_lightning,
     ),
@@ -164,7 +170,9 @@ SCRIPTS = {
 
 # cause -> (what the table expects, inserted per-step code or None)
 CAUSES = ("healthy", "read150", "odd_host", "threads16", "save", "slow_getitem", "gc_collect", "item")
-# switches left on after debugging, turned on once in the script's set-up (not in the default run)
+# switches left on after debugging, turned on once in the script's set-up (not in the default run);
+# where the script builds a framework's trainer, its own argument turns the switch on instead
+SWITCH_ARGUMENTS = {"anomaly": "detect_anomaly=True"}
 SWITCH_CAUSES = {
     # hunting a NaN: anomaly detection, forgotten there
     "anomaly": "import torch as _tdx_torch; _tdx_torch.autograd.set_detect_anomaly(True)",
@@ -192,6 +200,22 @@ def _insert_after(path, pattern, lines_of_indent, first_only=True):
                 f.write("".join(src))
             return f"{i + 2}-{i + 1 + len(text.split(chr(10)))}"
     raise SystemExit(f"pattern {pattern!r} not found in {path}")
+
+
+def _add_argument(path, call, argument):
+    """Pass `argument` first to the first call matching `call` (a regex ending at its "("); returns
+    the line's number as "n-n"."""
+    with open(path) as f:
+        src = f.read().splitlines(keepends=True)
+    rx = re.compile(call)
+    for i, line in enumerate(src):
+        m = rx.search(line)
+        if m:
+            src[i] = line[: m.end()] + argument + ", " + line[m.end() :]
+            with open(path, "w") as f:
+                f.write("".join(src))
+            return f"{i + 1}-{i + 1}"
+    raise SystemExit(f"pattern {call!r} not found in {path}")
 
 
 def _prelude(path):
@@ -241,7 +265,11 @@ def prepare(corpus, script, cause, work, busy_s, at=None):
         if not script.setup_file:
             return None
         path = os.path.join(d, script.setup_file)
-        where = (script.setup_file, _insert_after(path, script.setup_anchor, lambda i: SWITCH_CAUSES[cause]))
+        if script.framework_call and cause in SWITCH_ARGUMENTS:
+            where = (script.setup_file, _add_argument(path, script.framework_call, SWITCH_ARGUMENTS[cause]))
+        else:
+            text = SWITCH_CAUSES[cause]
+            where = (script.setup_file, _insert_after(path, script.setup_anchor, lambda i: text))
     elif cause == "threads16":
         env.update(OMP_NUM_THREADS="16", MKL_NUM_THREADS="16")
     elif cause == "slow_getitem":
