@@ -46,7 +46,7 @@ IDS = (
 )
 DECLARATION = Declaration(
     name="switches",
-    order=35,
+    order=135,
     ids=IDS,
     explains=("steps.instability", "host_work.code", "gpu_idle.host_starved", "gpu.launch_bound"),
 )

@@ -164,6 +164,8 @@ SCRIPTS = {
         getitem_file="fabric_lm.py",
         getitem_anchor=r"^\s+dataset = WikiText2\(\)",
         getitem_patch_class="dataset",
+        setup_file="fabric_lm.py",
+        setup_anchor=r"^\s+dataset = WikiText2\(\)",
         prepare=_prep_lightning,
     ),
 }

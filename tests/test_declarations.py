@@ -60,6 +60,7 @@ def test_every_analyzer_module_declares_itself_and_the_registry_keeps_its_order(
         "stability",
         "host_work",
         "threads",
+        "switches",
         "jit",
         "stopped",
     ]
