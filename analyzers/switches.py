@@ -347,6 +347,17 @@ def _prescriptions(
                 automatic=True,
             )
         )
+    if name == "profiler":  # the shim cannot take a profiler away from a job that reads it after
+        out.append(
+            Prescription(
+                kind="code",
+                summary=f"profile a few steps only (torch.profiler.schedule(wait=..., warmup=..., "
+                f"active=...) with prof.step() per step), or leave the profiler out of the training run "
+                f"({where or 'where the job enters it'})",
+                expected_gain_s_per_step=gain,
+            )
+        )
+        return out
     out.append(
         Prescription(
             kind="runtime",
