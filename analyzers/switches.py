@@ -127,6 +127,13 @@ KNOWN: dict[str, Known] = {
         0.10,
         gpu_only=True,
     ),
+    "eval_grad": Known(
+        "an evaluation that builds an autograd graph",
+        "a model in eval mode ran with grad enabled and nothing ran backward through its output: "
+        "its forward recorded the graph and kept its activations for nothing",
+        ("forward_backward",),
+        0.10,
+    ),
     "python_dev_mode": Known(
         "Python development mode (-X dev)",
         "debug hooks on every allocation and extra runtime checks",
@@ -335,7 +342,7 @@ def _prescriptions(
 ) -> list[Prescription]:
     where = f"{caller.get('file')}:{caller.get('line')}" if caller else None
     out = []
-    edit = _edit(known, caller or {}, source) if caller else None
+    edit = _edit(known, caller or {}, source) if caller and name != "eval_grad" else None
     if edit:
         after = edit.get("after") or "(line removed)"
         out.append(
@@ -347,6 +354,16 @@ def _prescriptions(
                 automatic=True,
             )
         )
+    if name == "eval_grad":
+        out.append(
+            Prescription(
+                kind="code",
+                summary=f"run the evaluation at {where or 'its call'} under `with torch.no_grad():` "
+                "(or `torch.inference_mode()`, or `@torch.no_grad()` on its function)",
+                expected_gain_s_per_step=gain,
+            )
+        )
+        return out
     if name == "profiler":  # the shim cannot take a profiler away from a job that reads it after
         out.append(
             Prescription(

@@ -41,6 +41,9 @@ _hook_start: dict[int, int] = {}  # id(module) -> start ns of its running outerm
 DISCOVER_STEPS = 2  # steps 0 and 1 find the outermost modules; then their hooks time them
 # called with (start_ns, end_ns) after each outermost module call of the training thread
 forward_hooks: list[Callable[[int, int], object]] = []
+# called with (module, output) after an outermost call of a module in eval mode with grad enabled
+# (hooked modules, after discovery): an evaluation that builds a graph (switches.py)
+eval_grad_hooks: list[Callable[[Any, Any], object]] = []
 
 
 def _sync_forward_hook() -> None:
@@ -186,12 +189,11 @@ def _module_post(module: Any, args: object, output: object) -> None:
     start = _hook_start.pop(id(module), None)
     if start is not None:
         torch = _state["torch"]
-        _forward_done(
-            start,
-            time.time_ns(),
-            threading.get_ident(),
-            torch.is_grad_enabled() if torch is not None else True,
-        )
+        grad = torch.is_grad_enabled() if torch is not None else True
+        _forward_done(start, time.time_ns(), threading.get_ident(), grad)
+        if grad and eval_grad_hooks and not getattr(module, "training", True):
+            for hook in eval_grad_hooks:
+                hook(module, output)
     return None
 
 

@@ -24,9 +24,10 @@ import functools
 import linecache
 import os
 import sys
+import weakref
 
-from . import emit, importhooks, report_error, schema, steps
-from .frames import describe, is_library_file
+from . import emit, forward, importhooks, report_error, schema, steps
+from .frames import describe, first_user_frame, is_library_file
 from .runtime_patches import requested
 
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing into the job (mypy knows the name)
@@ -308,7 +309,65 @@ def install_trace_hooks() -> None:
         setattr(owner, attr, wrapped)
 
 
+_watched: dict[int, Any] = {}  # id(output tensor) -> weakref: evaluation graphs not yet dropped
+_used: dict[int, int] = {}  # id(module) -> backward passes seen through its eval-mode outputs
+_reported: set[tuple[str, int]] = set()
+MAX_WATCHED = 64
+USED_ENOUGH = 3  # a module in eval mode whose outputs are backpropagated: trained so on purpose
+
+
+def _graph_tensor(output: Any) -> Any:
+    """The first tensor of a module's output that carries a graph (a tensor, a tuple or list, a
+    dict or a ModelOutput), or None."""
+    items = (
+        output.values()
+        if isinstance(output, dict)
+        else output
+        if isinstance(output, (tuple, list))
+        else (output,)
+    )
+    for item in items:
+        if getattr(item, "requires_grad", False) and getattr(item, "grad_fn", None) is not None:
+            return item
+    return None
+
+
+def _on_eval_grad(module: Any, output: Any) -> None:
+    """An outermost module in eval mode ran with grad enabled: watch its output's graph; dropped
+    without a backward through it, the evaluation built a graph nobody used (`eval_grad`, at the
+    job's line that called the model). Stack walks only for such calls, bounded."""
+    try:
+        if len(_watched) >= MAX_WATCHED or _used.get(id(module), 0) >= USED_ENOUGH:
+            return
+        if _counts.get("eval_grad", 0) >= MAX_EVENTS_PER_SWITCH:
+            return
+        tensor = _graph_tensor(output)
+        where = first_user_frame() if tensor is not None else None
+        if where is None or (where["file"], where["line"]) in _reported:
+            return
+        fired = [False]
+        key = id(module)
+
+        def backward_reached(grad: Any) -> None:
+            fired[0] = True
+            _used[key] = _used.get(key, 0) + 1
+
+        def dropped(ref: Any, site: dict[str, Any] = where, name: str = type(module).__name__) -> None:
+            _watched.pop(id(ref), None)
+            place = (site["file"], site["line"])
+            if not fired[0] and place not in _reported:
+                _reported.add(place)
+                _record("eval_grad", f"{place[0]}:{place[1]}", True, "forward", site, module=name)
+
+        tensor.register_hook(backward_reached)
+        ref = weakref.ref(tensor, dropped)
+        _watched[id(ref)] = ref
+    except Exception as exc:
+        report_error("eval grad hook", exc)
+
+
 def register() -> None:
+    forward.eval_grad_hooks.append(_on_eval_grad)
     _unset_requested_env()  # before the job runs: the variables of a candidate that turns them off
     install_trace_hooks()
     importhooks.on_import("torch", _on_torch)
