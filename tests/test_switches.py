@@ -1,6 +1,7 @@
 """Switches that tax every op: a tiny transformer with autograd anomaly detection left on (a real
 job under diagnose) is named at the line that turned it on, with the edit that turns it off and
-the shim's runtime patch; the healthy twin is quiet; the runtime patch really turns it off."""
+the shim's runtime patch; its evaluation without torch.no_grad() at the model's call; the healthy
+twin is quiet; the runtime patch really turns anomaly mode off."""
 
 from __future__ import annotations
 
@@ -30,7 +31,9 @@ def runs(tmp_path_factory):
     base = tmp_path_factory.mktemp("switches")
     # the third arm is what a --fix candidate runs: the shim's patch turns anomaly mode off
     patched = ["env", "TRAINDX_RUNTIME_PATCHES=switch_off:anomaly"]
-    arms = {"anomaly": ([], ["--anomaly"]), "healthy": ([], []), "patched": (patched, ["--anomaly"])}
+    # the anomaly arm also evaluates every 5th step without torch.no_grad()
+    slowed = ["--anomaly", "--eval-every", "5"]
+    arms = {"anomaly": ([], slowed), "healthy": ([], []), "patched": (patched, slowed)}
     outs = {name: str(base / name) for name in arms}
     procs = diagnose_side_by_side(
         [
@@ -63,6 +66,12 @@ def test_anomaly_mode_is_named_at_its_line_with_the_edit_that_turns_it_off(runs)
     assert f["seconds_lost_per_step"] > 0
 
 
+def test_an_evaluation_without_no_grad_is_named_at_the_model_call(runs):
+    found = [f for f in _findings(runs["anomaly"]) if f["id"] == "switches.eval_grad"]
+    assert found and found[0]["evidence"]["set_at"]["line"] == _line_of("val = nn.functional")
+    assert "torch.no_grad()" in found[0]["prescriptions"][0]["summary"]
+
+
 def test_fix_measures_the_edit_then_the_runtime_patch(runs):
     run = traindx.load_run(runs["anomaly"])
     findings = [f for f in traindx.analyze(run) if f.id == "switches.anomaly"]
@@ -80,4 +89,4 @@ def test_the_runtime_patch_turns_it_off(runs):
     run = traindx.load_run(runs["patched"])
     switch = run.of_type("switch")
     assert len(switch) and bool(switch["forced_off"].iloc[0]) and switch["name"].iloc[0] == "anomaly"
-    assert not [f for f in traindx.analyze(run) if f.id.startswith("switches.") and is_problem(f)]
+    assert not [f for f in traindx.analyze(run) if f.id == "switches.anomaly" and is_problem(f)]
