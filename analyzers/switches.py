@@ -363,6 +363,16 @@ def _prescriptions(
                 expected_gain_s_per_step=gain,
             )
         )
+        out.append(
+            Prescription(
+                kind="runtime",
+                summary="measure the job with its evaluations run without grad (the shim turns grad off "
+                "around the model's calls in eval mode; keep it with torch.no_grad() there)",
+                change={"runtime": {"patch": OFF_PATCH + name}},
+                expected_gain_s_per_step=gain,
+                automatic=True,
+            )
+        )
         return out
     if name == "profiler":  # the shim cannot take a profiler away from a job that reads it after
         out.append(

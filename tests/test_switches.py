@@ -30,7 +30,7 @@ def _line_of(text: str) -> int:
 def runs(tmp_path_factory):
     base = tmp_path_factory.mktemp("switches")
     # the third arm is what a --fix candidate runs: the shim's patch turns anomaly mode off
-    patched = ["env", "TRAINDX_RUNTIME_PATCHES=switch_off:anomaly"]
+    patched = ["env", "TRAINDX_RUNTIME_PATCHES=switch_off:anomaly,switch_off:eval_grad"]
     # the anomaly arm also evaluates every 5th step without torch.no_grad()
     slowed = ["--anomaly", "--eval-every", "5"]
     arms = {"anomaly": ([], slowed), "healthy": ([], []), "patched": (patched, slowed)}
@@ -85,8 +85,17 @@ def test_healthy_twin_is_quiet(runs):
     assert not [f for f in loud if not f["id"].startswith("verdict.")], loud
 
 
-def test_the_runtime_patch_turns_it_off(runs):
+def test_the_runtime_patches_turn_them_off(runs):
     run = traindx.load_run(runs["patched"])
     switch = run.of_type("switch")
     assert len(switch) and bool(switch["forced_off"].iloc[0]) and switch["name"].iloc[0] == "anomaly"
-    assert not [f for f in traindx.analyze(run) if f.id == "switches.anomaly" and is_problem(f)]
+    assert not [f for f in traindx.analyze(run) if f.id.startswith("switches.") and is_problem(f)]
+    # the evaluations ran without grad: their forward spans say so
+    events = [
+        json.loads(line)
+        for name in os.listdir(os.path.join(runs["patched"], "events"))
+        if name.endswith(".jsonl")
+        for line in open(os.path.join(runs["patched"], "events", name))
+    ]
+    no_grad = [e for e in events if e.get("cat") == "forward" and e.get("grad") is False]
+    assert len(no_grad) >= 2  # steps 5 and 10 (step 0 runs before the hooks are on)

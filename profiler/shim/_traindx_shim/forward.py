@@ -44,6 +44,9 @@ forward_hooks: list[Callable[[int, int], object]] = []
 # called with (module, output) after an outermost call of a module in eval mode with grad enabled
 # (hooked modules, after discovery): an evaluation that builds a graph (switches.py)
 eval_grad_hooks: list[Callable[[Any, Any], object]] = []
+# called with (module, True) before and (module, False) after an outermost call of a module in eval
+# mode (a --fix arm that runs evaluations without grad: switches.py)
+eval_call_hooks: list[Callable[[Any, bool], object]] = []
 
 
 def _sync_forward_hook() -> None:
@@ -179,6 +182,9 @@ def _module_pre(module: Any, args: object) -> None:
         return None
     if threading.get_ident() == _state["train_thread"] and not _forward_depth[0]:
         _hook_start.setdefault(id(module), time.time_ns())
+        if eval_call_hooks and not getattr(module, "training", True):
+            for call_hook in eval_call_hooks:
+                call_hook(module, True)
     return None
 
 
@@ -191,9 +197,13 @@ def _module_post(module: Any, args: object, output: object) -> None:
         torch = _state["torch"]
         grad = torch.is_grad_enabled() if torch is not None else True
         _forward_done(start, time.time_ns(), threading.get_ident(), grad)
-        if grad and eval_grad_hooks and not getattr(module, "training", True):
+        evaluating = not getattr(module, "training", True)
+        if grad and eval_grad_hooks and evaluating:
             for hook in eval_grad_hooks:
                 hook(module, output)
+        if eval_call_hooks and evaluating:
+            for call_hook in eval_call_hooks:
+                call_hook(module, False)
     return None
 
 

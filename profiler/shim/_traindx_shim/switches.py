@@ -366,8 +366,26 @@ def _on_eval_grad(module: Any, output: Any) -> None:
         report_error("eval grad hook", exc)
 
 
+_grad_before: list[bool] = []
+
+
+def _eval_without_grad(module: Any, entering: bool) -> None:
+    """A --fix arm's `switch_off:eval_grad`: an outermost module in eval mode runs without grad."""
+    try:
+        torch = sys.modules["torch"]
+        if entering:
+            _grad_before.append(torch.is_grad_enabled())
+            torch.set_grad_enabled(False)
+        elif _grad_before:
+            torch.set_grad_enabled(_grad_before.pop())
+    except Exception as exc:
+        report_error("eval without grad", exc)
+
+
 def register() -> None:
     forward.eval_grad_hooks.append(_on_eval_grad)
+    if _off("eval_grad"):
+        forward.eval_call_hooks.append(_eval_without_grad)
     _unset_requested_env()  # before the job runs: the variables of a candidate that turns them off
     install_trace_hooks()
     importhooks.on_import("torch", _on_torch)
