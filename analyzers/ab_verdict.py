@@ -5,8 +5,8 @@ comparison's outcome; the --fix runner (traindx/cli/fixloop.py and its parts) ru
 `judge_arm`, `worth_repeating`, `settles_search` and `keep`. Decisions match on `Outcome`, never
 on its prose: the text a user reads is rendered from it (`ABVerdict.text`).
 
-The statistics (bootstrap intervals, loss parity) are derive/stats.py's; the thresholds that
-turn them into a verdict are here.
+The statistics (bootstrap intervals, a loss curve's trend and noise) are derive/stats.py's; the
+thresholds that turn them into a verdict are here, and loss parity's in analyzers/parity.py.
 """
 
 from __future__ import annotations
