@@ -24,6 +24,7 @@ import functools
 import linecache
 import os
 import sys
+import threading
 import weakref
 
 from . import emit, forward, importhooks, report_error, schema, steps
@@ -293,8 +294,6 @@ def _on_tracemalloc(module: Any) -> None:
 
 def install_trace_hooks() -> None:
     """sys.settrace / sys.setprofile / threading.settrace|setprofile of the job."""
-    import threading
-
     for owner, attr in (
         (sys, "settrace"),
         (sys, "setprofile"),
