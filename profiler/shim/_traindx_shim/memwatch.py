@@ -3,6 +3,7 @@ it keeps growing.
 
 One `mem` event at each step end of the training process:
   rss_bytes        resident set size (/proc/self/statm: one read of a few bytes)
+  heap_bytes       bytes malloc has handed out (glibc's mallinfo2), the host's growth signal
   dev_alloc_bytes  torch.cuda.memory_allocated() (from the step's `alloc` stats, GPU only)
   dev_reserved_bytes
 and, on the first step end and every LIMIT_EVERY steps after, what memory is left:
@@ -39,9 +40,10 @@ if TYPE_CHECKING:
     from typing import Any
 
 LIMIT_EVERY = 32  # steps between reads of /proc/meminfo and the cgroup's limit
-GROW_STEPS = 4  # consecutive step ends that each grew
+GROW_STEPS = 6  # step ends looked at: memory grew on all but one of them
 GROW_MIN_BYTES = 4 << 20  # ... by this much in all (host or device)
-HUNT_FROM_STEP = 3  # the warm-up's allocations (the allocator's cache, optimizer state) come first
+GROW_STEADY_MIN_BYTES = 16 << 10  # ... or on every one of them, by this much in all
+HUNT_FROM_STEP = 4  # the warm-up's allocations (the allocator's cache, optimizer state) come first
 HUNT_GAP = 3  # steps between the two censuses
 HUNT_MAX_TENSORS = 200_000  # a census stops counting beyond this many graph-holding tensors
 TRACE_FRAMES = 10
@@ -65,6 +67,51 @@ def rss_bytes() -> int | None:
             fd = _state["statm"] = os.open("/proc/self/statm", os.O_RDONLY)
         return int(os.pread(fd, 64, 0).split()[1]) * _PAGE
     except (OSError, ValueError, IndexError, AttributeError):
+        return None
+
+
+def heap_bytes() -> int | None:
+    """Bytes malloc has handed out and not had back (glibc's mallinfo2: in-use chunks of every
+    arena plus mmapped chunks; ~16 us). Unlike RSS it does not hide a leak in pages the heap had
+    freed and reuses, nor move when malloc trims; None off glibc."""
+    fn = _state.get("mallinfo", False)
+    if fn is False:
+        fn = _state["mallinfo"] = _mallinfo2()
+    if fn is None:
+        return None
+    try:
+        info = fn()
+        return int(info.uordblks + info.hblkhd)
+    except Exception:
+        return None
+
+
+def _mallinfo2() -> Any:
+    try:
+        import ctypes  # lazily: only a training process at its first step end needs it (torch imported it)
+
+        class MallInfo2(ctypes.Structure):
+            _fields_ = [
+                (name, ctypes.c_size_t)
+                for name in (
+                    "arena",
+                    "ordblks",
+                    "smblks",
+                    "hblks",
+                    "hblkhd",
+                    "usmblks",
+                    "fsmblks",
+                    "uordblks",
+                    "fordblks",
+                    "keepcost",
+                )
+            ]
+
+        fn = ctypes.CDLL(None).mallinfo2
+        fn.restype = MallInfo2
+        fn.argtypes = []
+        return fn
+    except (OSError, AttributeError, ImportError):
         return None
 
 
@@ -105,7 +152,7 @@ def host_limits() -> dict[str, Any]:
 
 def emit_step(step: int, torch: Any, dev: dict[str, Any] | None) -> None:
     """The step's memory; a hunt begun, or finished, when memory keeps growing."""
-    fields: dict[str, Any] = {"rss_bytes": rss_bytes()}
+    fields: dict[str, Any] = {"rss_bytes": rss_bytes(), "heap_bytes": heap_bytes()}
     dev_alloc = None
     if dev:
         dev_alloc = dev.get("allocated_bytes_all_current")
@@ -122,7 +169,7 @@ def emit_step(step: int, torch: Any, dev: dict[str, Any] | None) -> None:
                 _state["dev_total"] = 0
     emit(schema.MEM, step=step, **fields)
     history = _state["history"]
-    history.append((step, fields["rss_bytes"] or 0, dev_alloc or 0))
+    history.append((step, fields["heap_bytes"] or fields["rss_bytes"] or 0, dev_alloc or 0))
     del history[: -(GROW_STEPS + 1)]
     hunt = _state["hunt"]
     if hunt is not None:
@@ -130,11 +177,19 @@ def emit_step(step: int, torch: Any, dev: dict[str, Any] | None) -> None:
             _finish(step, torch, hunt)
     elif not _state["hunted"] and step >= HUNT_FROM_STEP and len(history) > GROW_STEPS:
         for column in (1, 2):
-            values = [h[column] for h in history]
-            rises = sum(b > a for a, b in zip(values, values[1:]))
-            if rises >= GROW_STEPS - 1 and values[-1] - values[0] >= GROW_MIN_BYTES:
+            if _keeps_growing([h[column] for h in history]):
                 _begin(step, torch, device=column == 2)
                 break
+
+
+def _keeps_growing(values: list[int]) -> bool:
+    """Grew on nearly every step by a lot, or on every step by a little (the heap's in-use bytes
+    are exact: a few kB kept per step, a loss with its graph nodes, rise on every step)."""
+    rises = sum(b > a for a, b in zip(values, values[1:]))
+    grew = values[-1] - values[0]
+    return (rises >= GROW_STEPS - 1 and grew >= GROW_MIN_BYTES) or (
+        rises == len(values) - 1 and grew >= GROW_STEADY_MIN_BYTES
+    )
 
 
 def _is_graph_tensor(obj: object, tensor_type: Any) -> bool:
