@@ -39,7 +39,19 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 
 # defines the helpers the inserted lines call; one line, so the script's lines move by one only
-PRELUDE = "import time as _tdx_time, gc as _tdx_gc; _tdx_n = [0]\n"
+PRELUDE = "import time as _tdx_time, gc as _tdx_gc; _tdx_n = [0]; _tdx_kept = []\n"
+# every 2nd step: a sample-image grid of the model's weights written as a PNG (torch ops and
+# Pillow's encoder), repeated for about `s` seconds so its size follows the healthy step
+GRID = (
+    "import torch as _tdx_torch, PIL.Image as _tdx_img\n"
+    "_tdx_t0 = _tdx_time.perf_counter()\n"
+    "while _tdx_time.perf_counter() - _tdx_t0 < {s:.4f}:\n"
+    "    with _tdx_torch.no_grad():\n"
+    "        _tdx_w = _tdx_torch.cat([p.detach().flatten()[:32768] for p in {model}.parameters()])\n"
+    "        _tdx_w = ((_tdx_w - _tdx_w.min()) / (_tdx_w.max() - _tdx_w.min() + 1e-8) * 255).to(_tdx_torch.uint8)\n"
+    "        _tdx_w = _tdx_torch.nn.functional.pad(_tdx_w, (0, (-len(_tdx_w)) % 256)).reshape(-1, 256)\n"
+    "        _tdx_img.fromarray(_tdx_w.repeat_interleave(2, 0).repeat_interleave(2, 1).numpy()).save('samples.png')"
+)
 BUSY = "_tdx_t0 = _tdx_time.perf_counter()\nwhile _tdx_time.perf_counter() - _tdx_t0 < {s:.4f}: pass"
 
 
@@ -159,7 +171,18 @@ SCRIPTS = {
 }
 
 # cause -> (what the table expects, inserted per-step code or None)
-CAUSES = ("healthy", "read150", "odd_host", "threads16", "save", "slow_getitem", "gc_collect", "item")
+CAUSES = (
+    "healthy",
+    "read150",
+    "odd_host",
+    "threads16",
+    "save",
+    "slow_getitem",
+    "gc_collect",
+    "item",
+    "keep_loss",
+    "grid2",
+)
 
 
 def _insert_after(path, pattern, lines_of_indent, first_only=True):
@@ -222,6 +245,11 @@ def prepare(corpus, script, cause, work, busy_s, at=None):
         ),
         "gc_collect": lambda i: "_tdx_gc.collect()",
         "item": lambda i: f"_tdx_loss_value = {script.loss}.item()",
+        # the loss kept with its autograd graph (its graph nodes stay alive, step after step)
+        "keep_loss": lambda i: f"_tdx_kept.append({script.loss})",
+        # a sample-image grid written every 2nd step (+68 % on those steps, +34 % on average)
+        "grid2": lambda i: "_tdx_n[0] += 1\nif _tdx_n[0] % 2 == 0:\n"
+        + _nest(GRID.format(s=busy_s * 1.36, model=script.model)),
     }
     if cause in per_step:
         _prelude(loop)
@@ -433,6 +461,8 @@ USABLE = {
     "slow_getitem": r"num_workers",
     "gc_collect": r"gc\.collect|gc\.freeze|remove",
     "item": r"item",
+    "keep_loss": r"\.item\(\)|\.detach\(\)",
+    "grid2": r"less often|async|every|thread",
 }
 
 

@@ -32,6 +32,7 @@ import os
 import sys
 import time
 import tracemalloc
+import weakref
 
 from . import emit, frames, report_error, schema
 
@@ -43,6 +44,7 @@ LIMIT_EVERY = 32  # steps between reads of /proc/meminfo and the cgroup's limit
 GROW_STEPS = 6  # step ends looked at: memory grew on all but one of them
 GROW_MIN_BYTES = 4 << 20  # ... by this much in all (host or device)
 GROW_STEADY_MIN_BYTES = 16 << 10  # ... or on every one of them, by this much in all
+GROW_STEADY_STEP_BYTES = 2 << 10  # ... and at least this much on each
 HUNT_FROM_STEP = 4  # the warm-up's allocations (the allocator's cache, optimizer state) come first
 HUNT_GAP = 3  # steps between the two censuses
 HUNT_MAX_TENSORS = 200_000  # a census stops counting beyond this many graph-holding tensors
@@ -185,27 +187,41 @@ def emit_step(step: int, torch: Any, dev: dict[str, Any] | None) -> None:
 def _keeps_growing(values: list[int]) -> bool:
     """Grew on nearly every step by a lot, or on every step by a little (the heap's in-use bytes
     are exact: a few kB kept per step, a loss with its graph nodes, rise on every step)."""
-    rises = sum(b > a for a, b in zip(values, values[1:]))
+    steps = [b - a for a, b in zip(values, values[1:])]
     grew = values[-1] - values[0]
-    return (rises >= GROW_STEPS - 1 and grew >= GROW_MIN_BYTES) or (
-        rises == len(values) - 1 and grew >= GROW_STEADY_MIN_BYTES
+    return (sum(d > 0 for d in steps) >= GROW_STEPS - 1 and grew >= GROW_MIN_BYTES) or (
+        min(steps) >= GROW_STEADY_STEP_BYTES and grew >= GROW_STEADY_MIN_BYTES
     )
 
 
-def _is_graph_tensor(obj: object, tensor_type: Any) -> bool:
-    # the type's MRO, not isinstance: an object's own __class__ (a module's __getattr__) is never asked
-    return tensor_type in type(obj).__mro__ and obj.grad_fn is not None  # type: ignore[attr-defined]
-
-
 def _census(torch: Any) -> dict[int, Any]:
-    """{id: tensor} of the tensors alive now that hold an autograd graph."""
+    """{id: tensor} of the tensors alive now that hold an autograd graph. Whether a type is a
+    tensor type is asked once per type (its MRO, not isinstance: a module's __getattr__ for
+    __class__ is never called)."""
     out: dict[int, Any] = {}
     tensor_type = torch.Tensor
+    is_tensor: dict[type, bool] = {}
     for obj in gc.get_objects():
-        if _is_graph_tensor(obj, tensor_type):
+        kind = type(obj)
+        known = is_tensor.get(kind)
+        if known is None:
+            known = is_tensor[kind] = tensor_type in kind.__mro__
+        if known and obj.grad_fn is not None:
             out[id(obj)] = obj
             if len(out) >= HUNT_MAX_TENSORS:
                 break
+    return out
+
+
+def _refs(census: dict[int, Any]) -> dict[int, Any]:
+    """The census as weak references: an id seen again later is the same tensor only while its
+    reference is alive (a new tensor often gets a freed one's address)."""
+    out = {}
+    for key, t in census.items():
+        try:
+            out[key] = weakref.ref(t)
+        except TypeError:
+            pass
     return out
 
 
@@ -213,7 +229,7 @@ def _begin(step: int, torch: Any, device: bool) -> None:
     t0 = time.perf_counter()
     _state["hunted"] = True
     try:
-        census = set(_census(torch))
+        census = _refs(_census(torch))
         if not tracemalloc.is_tracing():
             tracemalloc.start(TRACE_FRAMES)
         if device:
@@ -232,13 +248,18 @@ def _finish(step: int, torch: Any, hunt: dict[str, Any]) -> None:
     fields: dict[str, Any] = {}
     try:
         alive = _census(torch)
-        new = {i: t for i, t in alive.items() if i not in hunt["census"]}
+        before = hunt["census"]
+        new = {i: t for i, t in alive.items() if i not in before or before[i]() is not t}
+        t1 = time.perf_counter()
         fields["graph_tensors"] = len(alive)
         fields["new_graph_tensors"] = len(new)
         del alive
         fields["holders"] = _holders(new)
         del new
-        fields["sites"] = _grown_sites()
+        t2 = time.perf_counter()
+        if not fields["holders"]:  # what else the steps kept: the Python allocations that survive
+            fields["sites"] = _grown_sites()
+        fields["times_s"] = [round(t1 - t0, 4), round(t2 - t1, 4), round(time.perf_counter() - t2, 4)]
         if hunt["device"]:
             fields["device_sites"] = device_sites(_device_snapshot(torch))
     except Exception as exc:
