@@ -45,18 +45,28 @@ MIN_GROWN = 8 * MB  # over the window
 MIN_RANK_CORR = 0.8  # memory rises with the step number
 MIN_HELD_RISES = 0.8  # ... or, with graph-holding tensors found kept, rose on this share of steps
 LEVEL_OFF = 0.3  # the second half's rate under this share of the whole window's: it levels off
+HUNT_SETTLE = 3  # steps after the hunt whose memory still holds its residue
+MIN_POINTS_AFTER_HUNT = 10
 WARMUP_SHARE = 0.25  # leading share of the recorded steps left out (and at least 2 steps)
 CRITICAL_RUNWAY = 2000  # steps until memory runs out
+HIGH_RUNWAY = 200_000
 ADD_METHODS = ("append", "extend", "insert", "appendleft", "add", "put")
 
 
 def _window(table: pd.DataFrame, column: str, hunted: set[int]) -> pd.DataFrame:
-    """The series after its warm-up, less the steps the shim's own hunt perturbed (tracemalloc's
-    traces are memory too)."""
+    """The series after its warm-up, less the steps the shim's own hunt perturbed and a few
+    after them (tracemalloc's traces and the censuses are memory too, freed when the collector
+    runs next): the steps after the hunt alone when there are enough of them."""
     rows = table.dropna(subset=[column])
     skip = max(2, int(len(rows) * WARMUP_SHARE))
     rows = rows.iloc[skip:]
-    return rows[~rows["step"].isin(hunted)]
+    if not hunted:
+        return rows
+    settled = max(hunted) + HUNT_SETTLE
+    after = rows[rows["step"] > settled]
+    if len(after) >= MIN_POINTS_AFTER_HUNT:
+        return after
+    return rows[(rows["step"] < min(hunted)) | (rows["step"] > settled)]
 
 
 def _judge_series(rows: pd.DataFrame, column: str, where: str, held_graphs: bool) -> dict[str, Any] | None:
@@ -268,10 +278,12 @@ def _finding(
     last = table.iloc[-1]
     runway, bound = _runway(last, where, g["rate"])
     loc = _location(held[held["grew"] == where] if len(held) else held) or _location(held)
-    held_by = bool(loc.get("holder"))
-    severity = (
-        "critical" if runway is not None and runway < CRITICAL_RUNWAY else "high" if held_by else "medium"
-    )
+    if runway is not None and runway < CRITICAL_RUNWAY:
+        severity = "critical"
+    elif (runway is not None and runway < HIGH_RUNWAY) or g["rate"] >= MB:
+        severity = "high"
+    else:
+        severity = "medium"
     runs_out = None if runway is None else int(g["last_step"]) + runway
     summary = (
         f"{column} rose from {_size(g['last'] - g['grew'])} to {_size(g['last'])} over steps "
