@@ -213,6 +213,7 @@ def _location(held: pd.DataFrame) -> dict[str, Any]:
 
 def _runway(last: pd.Series, where: str, rate: float) -> tuple[int | None, str | None]:
     """(steps until memory runs out at `rate`, what bounds it)."""
+    bound: str | None
     if where == "device":
         room, bound = mem.device_headroom(last), "the device's memory"
     else:

@@ -52,6 +52,7 @@ def test_every_analyzer_module_declares_itself_and_the_registry_keeps_its_order(
         "gc_pauses",
         "host_sync",
         "allocator",
+        "memory",
         "launch_bound",
         "gpu_clocks",
         "gpu_idle",
