@@ -45,6 +45,11 @@ MIN_GROWN = 8 * MB  # over the window
 MIN_RANK_CORR = 0.8  # memory rises with the step number
 MIN_HELD_RISES = 0.8  # ... or, with graph-holding tensors found kept, rose on this share of steps
 LEVEL_OFF = 0.3  # the second half's rate under this share of the whole window's: it levels off
+SERIES_LABEL = {
+    "heap_bytes": "The heap's in-use memory (malloc)",
+    "rss_bytes": "Resident memory (RSS)",
+    "dev_alloc_bytes": "GPU memory allocated",
+}
 HUNT_SETTLE = 3  # steps after the hunt whose memory still holds its residue
 MIN_POINTS_AFTER_HUNT = 10
 WARMUP_SHARE = 0.25  # leading share of the recorded steps left out (and at least 2 steps)
@@ -287,7 +292,7 @@ def _finding(
         severity = "medium"
     runs_out = None if runway is None else int(g["last_step"]) + runway
     summary = (
-        f"{column} rose from {_size(g['last'] - g['grew'])} to {_size(g['last'])} over steps "
+        f"{SERIES_LABEL.get(column, column)} rose from {_size(g['last'] - g['grew'])} to {_size(g['last'])} over steps "
         f"{g['first_step']}-{g['last_step']} ({_size(g['rate'])} a step; first half "
         f"{_size(g['first_rate'])}, second half {_size(g['last_rate'])} a step: it does not level off)."
     )
