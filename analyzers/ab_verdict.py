@@ -425,7 +425,8 @@ def quicker(first: _T, second: _T, first_s: float, second_s: float) -> _T:
 
 def demoted_by_arms(findings: Sequence[Finding], arms: Sequence[Arm]) -> list[Finding]:
     """The baseline's findings with what --fix measured: a finding whose every measured arm was
-    slower than the baseline (judged speed-up under 1, the arm ran) is at most low, its
+    slower than the baseline (judged speed-up under 1, its interval too where it has one; the arm
+    ran) is at most low, its
     measurement in evidence["fix_measured"]: a prescription measured to slow the job down is
     never a problem to act on. An arm is the finding's when it names the finding's id and one of
     its prescriptions' summaries."""
@@ -436,7 +437,8 @@ def demoted_by_arms(findings: Sequence[Finding], arms: Sequence[Arm]) -> list[Fi
         if not arm.finding or arm.after or arm.exit_code not in (0, None) or speedup is None:
             continue
         key = (arm.finding, arm.summary or "")
-        if speedup < 1.0:
+        interval = arm.interval()
+        if speedup < 1.0 and (not interval or interval[1] < 1.0):  # slower beyond its noise
             slower[key] = round(float(speedup), 3)
         else:
             faster.add(key)

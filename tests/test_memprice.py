@@ -212,6 +212,9 @@ def test_fix_measured_slower_is_at_most_low():
     out = ab_verdict.demoted_by_arms(findings, [slow, fast])
     assert [f.severity for f in out] == ["low", "high"]
     assert out[0].evidence["fix_measured"] == [0.93]
+    # no gain within the noise is not slower: the finding stands
+    slow.speedup_ci95 = [0.85, 1.04]
+    assert ab_verdict.demoted_by_arms(findings, [slow])[0].severity == "medium"
 
 
 class _Run:
