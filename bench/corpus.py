@@ -85,6 +85,7 @@ class Script:
     env: dict = field(default_factory=dict)
     prepare: Callable | None = None
     flag_causes: dict = field(default_factory=dict)  # cause -> arguments added to the command
+    only_causes: tuple = ()  # the causes this script is run with (empty: all)
 
 
 def _prep_wlm(d):
@@ -110,12 +111,13 @@ def _prep_mingpt(d):
 
 
 def _prep_timm(d):
-    """A tiny ImageFolder (2 classes of 96 random 40x40 PNGs, 8 for validation)."""
+    """A tiny ImageFolder (2 classes of 200 random 40x40 PNGs, 8 for validation: one epoch is 50
+    steps of 8, so --steps 30 ends before the epoch's own checkpoint and validation)."""
     import numpy as np
     from PIL import Image
 
     rng = np.random.default_rng(0)
-    for split, n in (("train", 96), ("validation", 8)):
+    for split, n in (("train", 200), ("validation", 8)):
         for c in ("a", "b"):
             os.makedirs(os.path.join(d, "data", split, c), exist_ok=True)
             for i in range(n):
@@ -210,6 +212,8 @@ SCRIPTS = {
         prepare=_prep_timm,
         # timm's own flag: a recovery checkpoint every 2nd step, written inside timm's package
         flag_causes={"recovery2": ["--recovery-interval=2"]},
+        # its step is a closure (`_backward`): the per-step insertions do not apply
+        only_causes=("healthy", "recovery2"),
     ),
     "fabric": Script(
         "fabric",
@@ -312,8 +316,10 @@ def prepare(corpus, script, cause, work, busy_s, at=None):
             + _nest(GRID.format(s=busy_s * 1.36, model=script.model))
         ),
     }
-    if cause in FLAG_CAUSES and cause not in script.flag_causes:
-        return None  # another script's own flag
+    if (cause in FLAG_CAUSES and cause not in script.flag_causes) or (
+        script.only_causes and cause not in script.only_causes
+    ):
+        return None  # another script's own flag, or a cause this script is not run with
     if cause in script.flag_causes:
         env["TRAINDX_CORPUS_ARGS"] = json.dumps(script.flag_causes[cause])
     elif cause in per_step:
@@ -704,7 +710,9 @@ def main(argv=None):
                         {
                             "script": name,
                             "cause": cause,
-                            "top": "n/a (no DataLoader)",
+                            "top": "n/a (not this script's cause)"
+                            if cause != "slow_getitem"
+                            else "n/a (no DataLoader)",
                             "line": "",
                             "line_ok": None,
                             "usable": None,
