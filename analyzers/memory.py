@@ -91,8 +91,17 @@ def _judge_series(rows: pd.DataFrame, column: str, where: str, held_graphs: bool
 
 
 def _holds_graphs(held: pd.DataFrame) -> bool:
-    for holders in held.get("holders", pd.Series(dtype=object)):
-        if isinstance(holders, list) and any(int(h.get("new") or 0) >= 2 for h in holders):
+    """The hunt saw graph-holding tensors accumulate: more of them alive than at its start, and
+    a container that gained two or more while holding older ones too (a step's own output and
+    loss in a dict are new every step, and as many as before)."""
+    for row in held.to_dict("records"):
+        holders = row.get("holders")
+        before, after = row.get("graph_tensors_before"), row.get("graph_tensors")
+        if isinstance(before, (int, float)) and isinstance(after, (int, float)) and after - before < 2:
+            continue
+        if isinstance(holders, list) and any(
+            int(h.get("new") or 0) >= 2 and int(h.get("size") or 0) > int(h.get("new") or 0) for h in holders
+        ):
             return True
     return False
 

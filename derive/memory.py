@@ -43,9 +43,22 @@ def memory_table(run: RunView) -> pd.DataFrame:
 
 
 def held_table(run: RunView) -> pd.DataFrame:
-    """The shim's hunts (`mem_held`): rank, step, since_step, grew, holders, sites, device_sites."""
+    """The shim's hunts (`mem_held`): rank, step, since_step, grew, holders, sites, device_sites,
+    graph_tensors (alive at its end) and graph_tensors_before (at its start; absent in older
+    records)."""
     events = events_of_type(run, schema.MEM_HELD)
-    cols = ["rank", "step", "since_step", "grew", "holders", "sites", "device_sites", "cost_s"]
+    cols = [
+        "rank",
+        "step",
+        "since_step",
+        "grew",
+        "holders",
+        "sites",
+        "device_sites",
+        "graph_tensors",
+        "graph_tensors_before",
+        "cost_s",
+    ]
     if not len(events):
         return pd.DataFrame(columns=cols)
     out = events.reindex(columns=cols).copy()

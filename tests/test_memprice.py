@@ -106,6 +106,17 @@ def test_growth_that_levels_off_is_warm_up():
     assert memory._judge_series(window, "heap_bytes", "host", True) is not None
 
 
+def test_a_steps_own_output_is_no_accumulation():
+    """A dict holding this step's output and loss (new at every census, as many as before) is no
+    accumulation; a list that gained two losses beside its older ones is."""
+    step_dict = {"kind": "dict", "size": 2, "new": 2, "grad_fn": "AddmmBackward0", "owner": None}
+    kept = {"kind": "list", "size": 9, "new": 2, "grad_fn": "NllLossBackward0", "owner": {"name": "h"}}
+    held = pd.DataFrame([{"holders": [step_dict], "graph_tensors": 2, "graph_tensors_before": 2}])
+    assert not memory._holds_graphs(held)
+    held = pd.DataFrame([{"holders": [step_dict, kept], "graph_tensors": 10, "graph_tensors_before": 7}])
+    assert memory._holds_graphs(held)
+
+
 def test_runway_and_device_sites():
     row = pd.Series(
         {"host_available_bytes": 1000 * MB, "cgroup_limit_bytes": 800 * MB, "cgroup_usage_bytes": 600 * MB}

@@ -252,6 +252,7 @@ def _finish(step: int, torch: Any, hunt: dict[str, Any]) -> None:
         new = {i: t for i, t in alive.items() if i not in before or before[i]() is not t}
         t1 = time.perf_counter()
         fields["graph_tensors"] = len(alive)
+        fields["graph_tensors_before"] = len(before)
         fields["new_graph_tensors"] = len(new)
         del alive
         fields["holders"] = _holders(new)
