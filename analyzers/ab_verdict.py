@@ -428,7 +428,8 @@ def demoted_by_arms(findings: Sequence[Finding], arms: Sequence[Arm]) -> list[Fi
     slower than the baseline (judged speed-up under 1, its interval too where it has one; the arm
     ran) is at most low, its
     measurement in evidence["fix_measured"]: a prescription measured to slow the job down is
-    never a problem to act on. An arm is the finding's when it names the finding's id and one of
+    never a problem to act on. Where the finding has another concrete fix not measured yet, it
+    keeps its severity and the slower fix goes last. An arm is the finding's when it names the finding's id and one of
     its prescriptions' summaries."""
     slower: dict[tuple[str, str], float] = {}
     faster: set[tuple[str, str]] = set()
@@ -446,8 +447,18 @@ def demoted_by_arms(findings: Sequence[Finding], arms: Sequence[Arm]) -> list[Fi
     for f in findings:
         keys = [(f.id, p.summary) for p in f.prescriptions]
         measured = [slower[k] for k in keys if k in slower]
-        if measured and not any(k in faster for k in keys):
-            severity = f.severity if severity_index(f.severity) <= severity_index("low") else "low"
-            f = replace(f, severity=severity, evidence={**f.evidence, "fix_measured": measured})
-        out.append(f)
+        if not measured or any(k in faster for k in keys):
+            out.append(f)
+            continue
+        evidence = {**f.evidence, "fix_measured": measured}
+        untried = [
+            p for p, k in zip(f.prescriptions, keys) if k not in slower and p.automatic and len(p.change)
+        ]
+        if untried:
+            # another concrete fix is still to be measured: the slower one goes last
+            order = sorted(range(len(keys)), key=lambda i: keys[i] in slower)
+            out.append(replace(f, prescriptions=tuple(f.prescriptions[i] for i in order), evidence=evidence))
+            continue
+        severity = f.severity if severity_index(f.severity) <= severity_index("low") else "low"
+        out.append(replace(f, severity=severity, evidence=evidence))
     return out

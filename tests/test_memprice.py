@@ -223,6 +223,25 @@ def test_fix_measured_slower_is_at_most_low():
     out = ab_verdict.demoted_by_arms(findings, [slow, fast])
     assert [f.severity for f in out] == ["low", "high"]
     assert out[0].evidence["fix_measured"] == [0.93]
+    # another concrete fix still to try: the finding stands, the slower fix goes last
+    two = _finding("dataloader.starvation", "medium", "workers")
+    two = Finding(
+        **{
+            **two.__dict__,
+            "prescriptions": two.prescriptions
+            + (
+                Prescription(
+                    kind="arg",
+                    summary="flag",
+                    change={"env": {"X": "1"}},
+                    expected_gain_s_per_step=0.01,
+                    automatic=True,
+                ),
+            ),
+        }
+    )
+    kept = ab_verdict.demoted_by_arms([two], [slow])[0]
+    assert kept.severity == "medium" and [p.summary for p in kept.prescriptions] == ["flag", "workers"]
     # no gain within the noise is not slower: the finding stands
     slow.speedup_ci95 = [0.85, 1.04]
     assert ab_verdict.demoted_by_arms(findings, [slow])[0].severity == "medium"
