@@ -13,7 +13,7 @@ import pytest
 from helpers import PY, diagnose
 
 import traindx
-from traindx.analyzers import ab_verdict, dataloader, host_work, memory, stability_prescriptions
+from traindx.analyzers import ab_verdict, dataloader, fix_options, host_work, memory, stability_prescriptions
 from traindx.analyzers.ab_verdict import Arm, Judgement, Measure
 from traindx.analyzers.findings import ArgChange, Finding, Prescription
 from traindx.derive import memory as mem
@@ -267,3 +267,20 @@ def test_framework_write_prescribed_as_the_jobs_flag(monkeypatch):
     assert isinstance(first.change, ArgChange) and dict(first.change.flags) == {"--recovery-interval": "20"}
     assert all("site-packages" not in p.summary for p in out)
     assert "timm" in out[-1].summary and "--recovery-interval" in out[-1].summary
+
+
+def test_a_literal_guard_is_made_rarer_in_the_jobs_line(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("n = 0\nfor step in range(10):\n    n += 1\n    if n % 2 == 0:\n        write_grid()\n")
+    finding = Finding(
+        id="host_work.code",
+        title="t",
+        severity="high",
+        analyzer="host_work",
+        seconds_lost_per_step=0.05,
+        evidence={"file": "train.py", "line": 5, "period": 2},
+    )
+    (p,) = fix_options.less_often_options(finding, ["python", "train.py"], str(tmp_path))
+    code = p.change["code"]
+    assert code["line"] == 4 and code["before"] == "n % 2" and code["after"] == "n % 20"
+    assert p.automatic and p.expected_gain_s_per_step == pytest.approx(0.045)
