@@ -433,6 +433,30 @@ def _hot_function_fixes(hot_function: str | None, lost: float | None) -> list[Pr
     return out
 
 
+def _unless_workers_cost_more(
+    run: RunRecord,
+    rank: str,
+    measured: dict[str, Any],
+    workers: Any,
+    evidence: dict[str, Any],
+    prescriptions: list[Prescription],
+    share: float,
+) -> tuple[list[Prescription], str]:
+    """(prescriptions, severity): where the training process makes a batch faster than a worker's
+    batch costs it, the cost model says workers will not pay: no workers prescription, and the
+    finding at most low (its size stays a note); `evidence` says why."""
+    severity = ev.severity_for_share(share)
+    per_batch = _in_process_per_batch(run, rank, measured)
+    if per_batch is None or workers or per_batch > WORKER_BATCH_S:
+        return prescriptions, severity
+    evidence["workers_will_not_pay"] = {
+        "in_process_per_batch_s": round(per_batch, 6),
+        "worker_batch_s": WORKER_BATCH_S,
+    }
+    kept = [p for p in prescriptions if "worker" not in p.summary]
+    return kept, ("low" if severity_index(severity) > severity_index("low") else severity)
+
+
 def _in_process_per_batch(run: RunRecord, rank: str, measured: dict[str, Any]) -> float | None:
     """Seconds per batch the training process spends making a batch itself (the loader's CPU on
     the training thread, else its wait, over the batches of the steady steps); None without
@@ -505,17 +529,15 @@ def analyze(run: RunRecord) -> list[Finding]:
             }
         workers = (loader or {}).get("num_workers")
         settings = "" if workers is None else f" (num_workers={int(workers)})"
-        prescriptions = _prescriptions(run, loader, lost, hot_function, rank)
-        severity = ev.severity_for_share(share)
-        per_batch = _in_process_per_batch(run, rank, measured)
-        if per_batch is not None and not workers and per_batch <= WORKER_BATCH_S:
-            # the cost model says workers will not pay: the finding stays, as a note of size
-            evidence["workers_will_not_pay"] = {
-                "in_process_per_batch_s": round(per_batch, 6),
-                "worker_batch_s": WORKER_BATCH_S,
-            }
-            prescriptions = [p for p in prescriptions if "worker" not in p.summary]
-            severity = "low" if severity_index(severity) > severity_index("low") else severity
+        prescriptions, severity = _unless_workers_cost_more(
+            run,
+            rank,
+            measured,
+            workers,
+            evidence,
+            _prescriptions(run, loader, lost, hot_function, rank),
+            share,
+        )
         findings.append(
             Finding(
                 id="dataloader.starvation",
