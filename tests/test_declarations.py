@@ -56,11 +56,13 @@ def test_every_analyzer_module_declares_itself_and_the_registry_keeps_its_order(
         "launch_bound",
         "gpu_clocks",
         "gpu_idle",
+        "gpu_math",
         "ranks",
         "stability",
         "host_work",
         "threads",
         "jit",
+        "stopped",
     ]
     assert analyzers.JUDGES == ["step_causes", "verdict"]
     assert {"steps", "ranks", "gpu_clocks"} == analyzers.CROSS_RANK
