@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 import numpy as np
 
-from traindx.analyzers.findings import Finding
+from traindx.analyzers.findings import Finding, severity_index
 from traindx.derive.stats import mean_speedup
 
 # an arm is "faster" when the speedup is at least this and its 95 % interval excludes 1
@@ -421,3 +421,44 @@ def quicker(first: _T, second: _T, first_s: float, second_s: float) -> _T:
     """Of two recordings of one arm, the one whose typical steady step took less (first_s,
     second_s): load from outside the job only adds time."""
     return second if second_s < first_s else first
+
+
+def demoted_by_arms(findings: Sequence[Finding], arms: Sequence[Arm]) -> list[Finding]:
+    """The baseline's findings with what --fix measured: a finding whose every measured arm was
+    slower than the baseline (judged speed-up under 1, its interval too where it has one; the arm
+    ran) is at most low, its
+    measurement in evidence["fix_measured"]: a prescription measured to slow the job down is
+    never a problem to act on. Where the finding has another concrete fix not measured yet, it
+    keeps its severity and the slower fix goes last. An arm is the finding's when it names the finding's id and one of
+    its prescriptions' summaries."""
+    slower: dict[tuple[str, str], float] = {}
+    faster: set[tuple[str, str]] = set()
+    for arm in arms:
+        speedup = arm.judged_speedup
+        if not arm.finding or arm.after or arm.exit_code not in (0, None) or speedup is None:
+            continue
+        key = (arm.finding, arm.summary or "")
+        interval = arm.interval()
+        if speedup < 1.0 and (not interval or interval[1] < 1.0):  # slower beyond its noise
+            slower[key] = round(float(speedup), 3)
+        else:
+            faster.add(key)
+    out = []
+    for f in findings:
+        keys = [(f.id, p.summary) for p in f.prescriptions]
+        measured = [slower[k] for k in keys if k in slower]
+        if not measured or any(k in faster for k in keys):
+            out.append(f)
+            continue
+        evidence = {**f.evidence, "fix_measured": measured}
+        untried = [
+            p for p, k in zip(f.prescriptions, keys) if k not in slower and p.automatic and len(p.change)
+        ]
+        if untried:
+            # another concrete fix is still to be measured: the slower one goes last
+            order = sorted(range(len(keys)), key=lambda i: keys[i] in slower)
+            out.append(replace(f, prescriptions=tuple(f.prescriptions[i] for i in order), evidence=evidence))
+            continue
+        severity = f.severity if severity_index(f.severity) <= severity_index("low") else "low"
+        out.append(replace(f, severity=severity, evidence=evidence))
+    return out

@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from traindx.analyzers import fix_source
+from traindx.analyzers.codefix import code_change
 from traindx.analyzers.findings import ArgChange, Finding, Prescription, SourceEdit
 from traindx.analyzers.fix_flags import flag_name, flag_value, frequency_flags, program_args_start
 from traindx.analyzers.fix_source import FlagSpec
@@ -140,11 +141,42 @@ def less_often_options(finding: Finding, command: Sequence[str], cwd: str) -> li
     option = _less_often_option(lost, out, seen)
     for flag, value, why in _guard_flags(finding, command, cwd):
         option(flag, value, why)
+    out.extend(_literal_guard_options(finding, command, cwd, lost, seen))
     period = (finding.evidence or {}).get("period")
     if isinstance(period, int) and period > 0:
         for flag, value in frequency_flags(command):
             if value == str(period):
                 option(flag, value, f"the command's frequency flag equals the measured period {period}")
+    return out
+
+
+def _literal_guard_options(
+    finding: Finding, command: Sequence[str], cwd: str, lost: float, seen: set[str]
+) -> list[Prescription]:
+    """A costly line of the job's own files under `if <expr> % k == ...:` with a literal k: k
+    raised tenfold in that line (a code edit; the line's file is the job's, never site-packages)."""
+    out = []
+    for site in _sites(finding.evidence):
+        path = os.path.abspath(os.path.join(cwd, site[0]))
+        if not os.path.isfile(path) or fix_source.tree_root([path], command, cwd) is None:
+            continue
+        guard = fix_source.periodic_literal(path, site[1])
+        if guard is None or f"{path}:{guard[0]}" in seen:
+            continue
+        seen.add(f"{path}:{guard[0]}")
+        line, text, k = guard
+        after = text[: text.rfind("%")] + f"% {k * LESS_OFTEN}"
+        change = code_change(path, line, text, after)
+        if change:
+            out.append(
+                Prescription(
+                    kind="code",
+                    summary=f"do it {LESS_OFTEN}x less often: `{after}` at {site[0]}:{line} (was `{text}`)",
+                    change=SourceEdit(code=change),
+                    expected_gain_s_per_step=lost * (1 - 1 / LESS_OFTEN),
+                    automatic=True,
+                )
+            )
     return out
 
 

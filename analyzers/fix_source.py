@@ -429,6 +429,34 @@ def periodic_flag(path: str, line: int, flags: Mapping[str, FlagSpec]) -> FlagSp
     return best[1] if best else None
 
 
+def periodic_literal(path: str, line: int) -> tuple[int, str, int] | None:
+    """(the guard's line, its `<expr> % k` text, k) of an enclosing `if <expr> % k == ...:` with
+    a literal k >= 2 (the innermost), else None: a cost that runs every k-th step by a number
+    written in the job's own file."""
+    tree = _parse(path)
+    best = None
+    for node in ast.walk(tree) if tree is not None else ():
+        if not isinstance(node, ast.If) or not node.body:
+            continue
+        if not node.body[0].lineno <= line <= (node.body[-1].end_lineno or line):
+            continue
+        for sub in ast.walk(node.test):
+            if (
+                isinstance(sub, ast.BinOp)
+                and isinstance(sub.op, ast.Mod)
+                and isinstance(sub.right, ast.Constant)
+                and type(sub.right.value) is int
+                and sub.right.value >= 2
+                and sub.lineno == sub.end_lineno == node.lineno
+                and (best is None or node.lineno > best[0])
+            ):
+                with open(path, encoding="utf-8", errors="replace") as f:
+                    text = ast.get_source_segment(f.read(), sub)
+                if text:
+                    best = (node.lineno, text, int(sub.right.value))
+    return best
+
+
 # -- edits the fix planner builds from the line a finding names ------------------------------------
 def job_script_files(command: Sequence[str], cwd: str) -> list[str]:
     """The Python scripts the command runs (its first tokens), as absolute paths."""

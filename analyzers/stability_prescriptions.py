@@ -8,8 +8,11 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from traindx.analyzers.codefix import code_change, keyword_sources, set_keywords
-from traindx.analyzers.findings import Prescription
+from traindx.analyzers.evidence import is_library_path
+from traindx.analyzers.findings import ArgChange, Prescription
+from traindx.analyzers.fix_flags import frequency_flags
 from traindx.analyzers.frameworks import data_sites, knob_owner, runs_megatron, user_site
+from traindx.profiler.shim._traindx_shim.frames import installed_package
 
 if TYPE_CHECKING:  # annotations only
     from traindx.derive.run import RunRecord
@@ -89,6 +92,13 @@ def checkpoint_prescriptions(
     where = f"{top['file']}:{top['line']}"
     framework = knob_owner(run)
     out = []
+    if is_library_path(str(top.get("file") or "")):
+        # the write is a framework's own code: the job's argument that drives it is the fix,
+        # never a file under site-packages
+        flag = _driving_flag(run, period, lost, top)
+        where = _library_where(str(top["file"]), top.get("line"), flag)
+        if flag is not None:
+            out.append(flag)
     if framework == "torchtitan":
         out.append(
             Prescription(
@@ -148,6 +158,38 @@ def checkpoint_prescriptions(
         summary = f"{top['function']} ({where}) writes a checkpoint {when} on the critical path: {how}"
     out.append(Prescription(kind="code", summary=summary, expected_gain_s_per_step=lost))
     return out
+
+
+def _library_where(path: str, line: Any, flag: Prescription | None) -> str:
+    """'timm (checkpoint_saver.py:103), driven by --recovery-interval 2': a framework's line named
+    by its package, and the job's flag that drives it."""
+    package = installed_package(path) or "a library"
+    text = f"{package}'s code ({path.replace(chr(92), '/').rsplit('/', 1)[-1]}:{line})"
+    if flag is not None and isinstance(flag.change, ArgChange):
+        text += f", driven by the job's {next(iter(flag.change.flags), '')}"
+    return text
+
+
+def _driving_flag(
+    run: RunRecord, period: int | None, lost: float | None, top: dict[str, Any]
+) -> Prescription | None:
+    """The job's own frequency flag on the command line whose value is the measured period: the
+    argument that drives a framework's periodic write, raised tenfold."""
+    if not period:
+        return None
+    for flag, value in frequency_flags(run.command):
+        if value is not None and value.strip() == str(period):
+            new = period * LESS_OFTEN
+            return Prescription(
+                kind="arg",
+                summary=f"do it {LESS_OFTEN}x less often: {flag} {new} (was {value}: the job's own flag "
+                f"drives {top.get('call') or 'the write'} inside {installed_package(str(top['file'])) or 'a library'}"
+                f" every {period} steps)",
+                change=ArgChange(framework="argparse", flags={flag: str(new)}),
+                expected_gain_s_per_step=None if lost is None else lost * (1 - 1 / LESS_OFTEN),
+                automatic=True,
+            )
+    return None
 
 
 def _trainer_save_edit(run: RunRecord, period: int | None) -> dict[str, Any] | None:

@@ -10,6 +10,7 @@ name the cause at the right line with a prescription a user can apply?
     minGPT/                                karpathy/minGPT (the whole repository)
     pl_transformer.py                      Lightning examples/pytorch/basics/transformer.py
     fabric_lm.py                           Lightning examples/fabric/language_model/train.py
+    timm_train.py                          huggingface/pytorch-image-models train.py (with --site)
 This file holds none of their code: it copies them to a scratch folder, writes tiny synthetic
 data beside them, and injects each cause by inserting a line into the scratch copy at a line
 found by a pattern (the training loop's optimizer step, the dataset's __getitem__), so the
@@ -39,7 +40,19 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 
 # defines the helpers the inserted lines call; one line, so the script's lines move by one only
-PRELUDE = "import time as _tdx_time, gc as _tdx_gc; _tdx_n = [0]\n"
+PRELUDE = "import time as _tdx_time, gc as _tdx_gc; _tdx_n = [0]; _tdx_kept = []\n"
+# every 2nd step: a sample-image grid of the model's weights written as a PNG (torch ops and
+# Pillow's encoder), repeated for about `s` seconds so its size follows the healthy step
+GRID = (
+    "import torch as _tdx_torch, PIL.Image as _tdx_img\n"
+    "_tdx_t0 = _tdx_time.perf_counter()\n"
+    "while _tdx_time.perf_counter() - _tdx_t0 < {s:.4f}:\n"
+    "    with _tdx_torch.no_grad():\n"
+    "        _tdx_w = _tdx_torch.cat([p.detach().flatten()[:32768] for p in {model}.parameters()])\n"
+    "        _tdx_w = ((_tdx_w - _tdx_w.min()) / (_tdx_w.max() - _tdx_w.min() + 1e-8) * 255).to(_tdx_torch.uint8)\n"
+    "        _tdx_w = _tdx_torch.nn.functional.pad(_tdx_w, (0, (-len(_tdx_w)) % 256)).reshape(-1, 256)\n"
+    "        _tdx_img.fromarray(_tdx_w.repeat_interleave(2, 0).repeat_interleave(2, 1).numpy()).save('samples.png')"
+)
 BUSY = "_tdx_t0 = _tdx_time.perf_counter()\nwhile _tdx_time.perf_counter() - _tdx_t0 < {s:.4f}: pass"
 
 
@@ -76,6 +89,8 @@ class Script:
     )
     env: dict = field(default_factory=dict)
     prepare: Callable | None = None
+    flag_causes: dict = field(default_factory=dict)  # cause -> arguments added to the command
+    only_causes: tuple = ()  # the causes this script is run with (empty: all)
 
 
 def _prep_wlm(d):
@@ -98,6 +113,38 @@ def _prep_mingpt(d):
         # chargpt samples from the context "O God, O God!" every 500 iterations: its characters
         # must be in the vocabulary
         f.write("O God, O God!\n" + _words(400))
+
+
+def _prep_timm(d):
+    """A tiny ImageFolder (2 classes of 200 random 40x40 PNGs, 8 for validation: one epoch is 50
+    steps of 8, so --steps 30 ends before the epoch's own checkpoint and validation)."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for split, n in (("train", 200), ("validation", 8)):
+        for c in ("a", "b"):
+            os.makedirs(os.path.join(d, "data", split, c), exist_ok=True)
+            for i in range(n):
+                img = Image.fromarray(rng.integers(0, 255, (40, 40, 3), dtype=np.uint8))
+                img.save(os.path.join(d, "data", split, c, f"{i}.png"))
+    shutil.move(os.path.join(d, "timm_train.py"), os.path.join(d, "train.py"))
+
+
+def guard_torchvision(site):
+    """torchvision from the registry beside the CPU torch (FACTS §9): its two fake-kernel
+    registrations of compiled ops guarded by `_has_ops()` in the copy installed at `site` (a
+    folder named site-packages, so that timm's files read as a framework's)."""
+    path = os.path.join(site, "torchvision", "_meta_registrations.py")
+    with open(path) as f:
+        text = f.read()
+    for op in ("nms", "qnms"):
+        text = text.replace(
+            f'@torch.library.register_fake("torchvision::{op}")',
+            f'@(torch.library.register_fake("torchvision::{op}") if torchvision.extension._has_ops() else (lambda f: f))',
+        )
+    with open(path, "w") as f:
+        f.write(text)
 
 
 SCRIPTS = {
@@ -152,6 +199,32 @@ SCRIPTS = {
         env={"PL_TRAINER_MAX_STEPS": "100000"},
         prepare=_prep_lightning,
     ),
+    "timm": Script(
+        "timm",
+        ["timm_train.py"],
+        "train.py",
+        [
+            "--data-dir=data",
+            "--model=resnet10t",
+            "--img-size=32",
+            "-b=8",
+            "--epochs=1",
+            "--device=cpu",
+            "--workers=0",
+            "--log-interval=1000",
+            "--no-prefetcher",
+            "--num-classes=2",
+        ],
+        "train.py",
+        r"^\s+optimizer\.step\(\)",
+        "model",
+        "loss",
+        prepare=_prep_timm,
+        # timm's own flag: a recovery checkpoint every 2nd step, written inside timm's package
+        flag_causes={"recovery2": ["--recovery-interval=2"]},
+        # its step is a closure (`_backward`): the per-step insertions do not apply
+        only_causes=("healthy", "recovery2"),
+    ),
     "fabric": Script(
         "fabric",
         ["fabric_lm.py"],
@@ -170,8 +243,21 @@ SCRIPTS = {
     ),
 }
 
+FLAG_CAUSES = ("recovery2",)  # a script's own flag set on its command line
 # cause -> (what the table expects, inserted per-step code or None)
-CAUSES = ("healthy", "read150", "odd_host", "threads16", "save", "slow_getitem", "gc_collect", "item")
+CAUSES = (
+    "healthy",
+    "read150",
+    "odd_host",
+    "threads16",
+    "save",
+    "slow_getitem",
+    "gc_collect",
+    "item",
+    "keep_loss",
+    "grid2",
+    "recovery2",
+)
 # switches left on after debugging, turned on once in the script's set-up (not in the default run);
 # where the script builds a framework's trainer, its own argument turns the switch on instead
 SWITCH_ARGUMENTS = {"anomaly": "detect_anomaly=True"}
@@ -259,8 +345,21 @@ def prepare(corpus, script, cause, work, busy_s, at=None):
         ),
         "gc_collect": lambda i: "_tdx_gc.collect()",
         "item": lambda i: f"_tdx_loss_value = {script.loss}.item()",
+        # the loss kept with its autograd graph (its graph nodes stay alive, step after step)
+        "keep_loss": lambda i: f"_tdx_kept.append({script.loss})",
+        # a sample-image grid written every 2nd step (+68 % on those steps, +34 % on average)
+        "grid2": lambda i: (
+            "_tdx_n[0] += 1\nif _tdx_n[0] % 2 == 0:\n"
+            + _nest(GRID.format(s=busy_s * 1.36, model=script.model))
+        ),
     }
-    if cause in per_step:
+    if (cause in FLAG_CAUSES and cause not in script.flag_causes) or (
+        script.only_causes and cause not in script.only_causes
+    ):
+        return None  # another script's own flag, or a cause this script is not run with
+    if cause in script.flag_causes:
+        env["TRAINDX_CORPUS_ARGS"] = json.dumps(script.flag_causes[cause])
+    elif cause in per_step:
         _prelude(loop)
         where = (script.loop_file, _insert_after(loop, script.loop_anchor, per_step[cause]))
     elif cause in SWITCH_CAUSES:
@@ -311,17 +410,21 @@ def _job_env(d, env):
 def _run(d, script, env, run_dir, options, timeout):
     """`diagnose <options> --run-dir run_dir -- python <script>` in the scratch copy; returns the
     folder and the wall seconds (a run past the timeout keeps what it wrote)."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "traindx",
-        *options,
-        "--run-dir",
-        run_dir,
-        "--",
-        sys.executable,
-        script.main,
-    ] + script.argv
+    cmd = (
+        [
+            sys.executable,
+            "-m",
+            "traindx",
+            *options,
+            "--run-dir",
+            run_dir,
+            "--",
+            sys.executable,
+            script.main,
+        ]
+        + script.argv
+        + json.loads(env.get("TRAINDX_CORPUS_ARGS") or "[]")
+    )
     t0 = time.time()
     try:
         subprocess.run(
@@ -481,6 +584,9 @@ USABLE = {
     "float64": r"set_default_dtype|switch_off:default_dtype",
     "gc_collect": r"gc\.collect|gc\.freeze|remove",
     "item": r"item",
+    "keep_loss": r"\.item\(\)|\.detach\(\)",
+    "grid2": r"less often|async|every|thread",
+    "recovery2": r"--recovery-interval",
 }
 
 
@@ -514,6 +620,11 @@ def judge(cause, run_dir, injected):
     gains = [p.get("expected_gain_s_per_step") for p in top.get("prescriptions") or []]
     positive = all(g is None or g > 0 for g in gains)
     usable = bool(cause in USABLE and re.search(USABLE[cause], pres)) and positive
+    if cause == "recovery2":  # a setting: the job's flag, never a file under site-packages
+        pres_text = json.dumps([p.get("change") for p in top.get("prescriptions") or []][:1])
+        line_ok = "--recovery-interval" in pres_text and "site-packages" not in str(
+            (top.get("prescriptions") or [{}])[0].get("summary")
+        )
     if cause in ("threads16", "slow_getitem", "save") and not injected:
         line_ok = True  # a setting, not a line: the prescription says which
     if cause == "slow_getitem" and not line_ok:
@@ -593,6 +704,12 @@ def main(argv=None):
     ap.add_argument("--out", default=os.path.join(tempfile.gettempdir(), "traindx-corpus"))
     ap.add_argument("--timeout", type=int, default=300)
     ap.add_argument("--json", help="write the rows here")
+    ap.add_argument(
+        "--site",
+        help="a folder named site-packages holding torchvision and timm (pip install --no-deps "
+        "--target DIR/site-packages torchvision==0.28.0 timm): put first on the jobs' PYTHONPATH, "
+        "torchvision's compiled-op registrations guarded (FACTS §9); the timm script needs it",
+    )
     ap.add_argument("--keep", action="store_true", help="keep the scratch copies")
     ap.add_argument("--fix", action="store_true", help="run diagnose --fix on each slowed copy")
     ap.add_argument("--fix-tries", type=int, default=2)
@@ -613,6 +730,11 @@ def main(argv=None):
         help="with --rejudge: judge the findings.json already there (no reanalysis)",
     )
     a = ap.parse_args(argv)
+    if a.site:
+        guard_torchvision(os.path.abspath(a.site))
+        os.environ["PYTHONPATH"] = os.pathsep.join(
+            [os.path.abspath(a.site)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])
+        )
     if a.rejudge:
         return rejudge(a.rejudge, a.json, os.path.abspath(a.corpus), not a.judge_only)
     corpus = os.path.abspath(a.corpus)
@@ -636,7 +758,9 @@ def main(argv=None):
                         {
                             "script": name,
                             "cause": cause,
-                            "top": "n/a (no place for this cause)",
+                            "top": "n/a (not this script's cause)"
+                            if cause != "slow_getitem"
+                            else "n/a (no DataLoader)",
                             "line": "",
                             "line_ok": None,
                             "usable": None,

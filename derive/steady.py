@@ -82,6 +82,24 @@ def perturbed_steps(run: RunView) -> dict[str, set[int]]:
         steps.update(s + 1 for s in ends)
     for rank, steps in stopped_steps(run).items():  # the job was stopped: not its code's time
         out.setdefault(rank, set()).update(steps)
+    for rank, steps in memory_hunt_steps(run).items():
+        out.setdefault(rank, set()).update(steps)
+    return out
+
+
+def memory_hunt_steps(run: RunView) -> dict[str, set[int]]:
+    """{rank: set(step)} the shim's memory hunt slowed (memwatch.py): it runs at a step's end, so
+    its censuses land in the next step, and tracemalloc slows the steps in between."""
+    out: dict[str, set[int]] = {}
+    begun = events_of_type(run, schema.MEM_HUNT)
+    if not len(begun):
+        return out
+    held = events_of_type(run, schema.MEM_HELD)
+    for e in begun.itertuples():
+        first = int(e.step) + 1
+        done = held[(held["rank"] == e.rank) & (held["since_step"] == e.step)] if len(held) else held
+        last = int(done["step"].iloc[0]) + 1 if len(done) else first + 64
+        out.setdefault(str(e.rank), set()).update(range(first, last + 1))
     return out
 
 

@@ -20,6 +20,7 @@ from traindx.analyzers.fixplan import (
     candidate_plans,
     warm_up_after,
 )
+from traindx.cli import outputs
 from traindx.cli.fix_arm import FixContext, analyze_arm, run_arm, search_row
 from traindx.cli.fix_model import FixOptions, FixResult, Say, with_options, write_fix_json
 from traindx.derive.run import load_run
@@ -54,6 +55,7 @@ def run_loop(
     if not candidates:
         return
     search = _search(ctx, candidates, alternatives, result)
+    _baseline_measured(ctx, search.arms)
     kept = judge.keep(search.arms)
     result.best = kept.dir if kept else None
     # the job's exit code passes through: the kept arm's, else the last arm's
@@ -168,6 +170,15 @@ def _search(
         if i + 1 < tries:
             ctx.say("info", f"{name}: {judge.why_not_settled(arm)}; trying the next candidate")
     return search
+
+
+def _baseline_measured(ctx: FixContext, arms: list[Arm]) -> None:
+    """The baseline's findings.json again with what the arms measured (the judge demotes a
+    finding whose fix measured slower: ab_verdict.demoted_by_arms)."""
+    demoted = judge.demoted_by_arms(ctx.findings, arms)
+    if any(a.severity != b.severity for a, b in zip(demoted, ctx.findings)):
+        ctx.findings[:] = demoted
+        outputs.write_findings(ctx.baseline, demoted)
 
 
 def _redraw_kept(ctx: FixContext, search: _Search, kept: Arm) -> None:

@@ -27,6 +27,9 @@ SPAN = "span"  # cat, start, end, tid, caller: the time ledger's lines
 GC = "gc"  # per-step collector pauses
 ALLOC = "alloc"  # per-step CUDA caching-allocator stats
 CPU = "cpu"  # per-step CPU seconds of the process and training thread
+MEM = "mem"  # per-step resident memory (and device memory), what is left (memwatch.py)
+MEM_HUNT = "mem_hunt"  # memory kept growing: the census of graph-holding tensors began (step, grew)
+MEM_HELD = "mem_held"  # the hunt's result: holders, allocation sites, the device's surviving blocks
 CPU_THREADS = "cpu_threads"  # intra/inter-op threads, workers' threads, usable cores
 HOST_SAMPLES = "host_samples"  # the training thread's stacks in a step (t0, dt_us, k, runq_us)
 HOST_FRAME = "host_frame"  # a sampled frame named once (id, function, file, line)
@@ -74,6 +77,9 @@ EVENT_TYPES = frozenset(
         GC,
         ALLOC,
         CPU,
+        MEM,
+        MEM_HUNT,
+        MEM_HELD,
         CPU_THREADS,
         HOST_SAMPLES,
         HOST_FRAME,

@@ -55,6 +55,7 @@ from . import (
     hostsample,
     importhooks,
     is_training,
+    memwatch,
     report_error,
     schema,
     training_evidence,
@@ -201,7 +202,12 @@ def _end(source: str, t: int | None = None, retro: bool = False) -> None:
         report_error("cpu evidence", exc)
     hostsample.flush(step)
     bus.publish(schema.STEP_ENDED, step)  # compiles: torch.compile's metrics of this step
-    _emit_alloc(step)
+    dev = _emit_alloc(step)
+    if _trains_here():
+        try:
+            memwatch.emit_step(step, _state["torch"], dev)
+        except Exception as exc:
+            report_error("memory evidence", exc)
     _after_step(step)
     _state["step"] = step + 1
     _state["train_thread"] = threading.get_ident()
@@ -249,14 +255,15 @@ def _stop_now(where: str) -> None:
     raise SystemExit(0)
 
 
-def _emit_alloc(step: int) -> None:
+def _emit_alloc(step: int) -> dict[str, Any] | None:
+    """The caching allocator's stats of the step (GPU only), also returned for the memory line."""
     torch = _state["torch"]
     if torch is None or not torch.cuda.is_initialized():
-        return
+        return None
     try:
         stats = torch.cuda.memory_stats()
     except Exception:
-        return
+        return None
     keep = (
         "num_alloc_retries",
         "num_ooms",
@@ -269,7 +276,9 @@ def _emit_alloc(step: int) -> None:
         "reserved_bytes.all.peak",
         "inactive_split_bytes.all.current",
     )
-    emit("alloc", step=step, **{k.replace(".", "_"): stats.get(k) for k in keep})
+    fields = {k.replace(".", "_"): stats.get(k) for k in keep}
+    emit("alloc", step=step, **fields)
+    return fields
 
 
 # -- activity: what begins step 0 and where a pending stop happens --------------------------------

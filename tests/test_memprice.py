@@ -1,0 +1,286 @@
+"""Memory over time and pricing (issue 36, items 4 and 5): a loss kept with its graph found at its
+line with its rate, its healthy twin quiet; a periodic line priced as its mean per step; a
+DataLoader whose in-memory batches cost less than a worker's transfer kept at most low; a
+finding whose --fix arm measured slower demoted; a framework's periodic write prescribed as the
+job's flag, never as a file under site-packages."""
+
+import json
+import os
+import shutil
+
+import pandas as pd
+import pytest
+from helpers import PY, diagnose
+
+import traindx
+from traindx.analyzers import ab_verdict, dataloader, fix_options, host_work, memory, stability_prescriptions
+from traindx.analyzers.ab_verdict import Arm, Judgement, Measure
+from traindx.analyzers.findings import ArgChange, Finding, Prescription
+from traindx.derive import memory as mem
+from traindx.profiler.shim._traindx_shim import memwatch
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+JOB = os.path.join(TESTS, "jobs", "keep_loss.py")
+INMEMORY = os.path.join(TESTS, "data", "cpu-lightning-inmemory-loader")
+MB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def kept_and_twin(tmp_path_factory):
+    """The job run twice under diagnose, 30 steps each: the loss kept with its graph, and as a
+    number."""
+    folder = tmp_path_factory.mktemp("keep_loss")
+    shutil.copy(JOB, folder / "keep_loss.py")
+    runs = {}
+    for name, extra in (("kept", ["--keep-graph"]), ("twin", [])):
+        run_dir = str(folder / name)
+        proc = diagnose(
+            [
+                "--quiet",
+                "--no-pyspy",
+                "--steps",
+                "30",
+                "--run-dir",
+                run_dir,
+                "--",
+                PY,
+                "keep_loss.py",
+                "40",
+                *extra,
+            ],
+            cwd=str(folder),
+        )
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        with open(os.path.join(run_dir, "findings.json")) as f:
+            runs[name] = (traindx.load_run(run_dir), json.load(f))
+    return folder, runs
+
+
+@pytest.mark.slow
+def test_loss_kept_with_its_graph_is_named_at_its_line(kept_and_twin):
+    folder, runs = kept_and_twin
+    run, findings = runs["kept"]
+    table = mem.memory_table(run)
+    assert len(table) >= 25 and table["heap_bytes"].notna().all() and table["rss_bytes"].notna().all()
+    assert table["host_available_bytes"].notna().all()  # read at step 0, carried forward
+    growth = [f for f in findings if f["id"] == "memory.growth"]
+    assert growth, [f["id"] for f in findings]
+    f = growth[0]
+    assert f["severity"] in ("medium", "high", "critical")
+    assert f["evidence"]["rate_mb_per_step"] > 0 and f["evidence"]["runs_out_at_step"] > 30
+    holder = f["evidence"]["holder"]
+    assert holder["owner"]["name"] == "history" and holder["grad_fn"].startswith("NllLoss")
+    # the line that keeps it, and the fix there
+    src = open(folder / "keep_loss.py").read().splitlines()
+    at = f["evidence"]["at"]
+    assert src[at["line"] - 1].strip() == "history.append(loss)"
+    code = f["prescriptions"][0]["change"]["code"]
+    assert code["after"] == "history.append(loss.item())" and code["line"] == at["line"]
+
+
+@pytest.mark.slow
+def test_healthy_twin_stays_quiet(kept_and_twin):
+    _, runs = kept_and_twin
+    run, findings = runs["twin"]
+    assert not [f for f in findings if f["id"] == "memory.growth"]
+    assert not len(run.of_type("mem_held"))  # no hunt: the heap did not keep growing
+
+
+def _series(values, start=0):
+    return pd.DataFrame({"step": range(start, start + len(values)), "heap_bytes": values})
+
+
+def test_growth_that_levels_off_is_warm_up():
+    warm = [100 * MB + min(s, 8) * 4 * MB for s in range(30)]  # grows 8 steps, then flat
+    leak = [100 * MB + s * 2 * MB for s in range(30)]
+    assert (
+        memory._judge_series(memory._window(_series(warm), "heap_bytes", set()), "heap_bytes", "host", False)
+        is None
+    )
+    g = memory._judge_series(memory._window(_series(leak), "heap_bytes", set()), "heap_bytes", "host", False)
+    assert g is not None and abs(g["rate"] - 2 * MB) < 1e-3 * MB
+    # a small steady rise counts only where the hunt found graph-holding tensors kept
+    small = [100 * MB + s * 12_000 for s in range(30)]
+    window = memory._window(_series(small), "heap_bytes", set())
+    assert memory._judge_series(window, "heap_bytes", "host", False) is None
+    assert memory._judge_series(window, "heap_bytes", "host", True) is not None
+
+
+def test_a_steps_own_output_is_no_accumulation():
+    """A dict holding this step's output and loss (new at every census, as many as before) is no
+    accumulation; a list that gained two losses beside its older ones is."""
+    step_dict = {"kind": "dict", "size": 2, "new": 2, "grad_fn": "AddmmBackward0", "owner": None}
+    kept = {"kind": "list", "size": 9, "new": 2, "grad_fn": "NllLossBackward0", "owner": {"name": "h"}}
+    held = pd.DataFrame([{"holders": [step_dict], "graph_tensors": 2, "graph_tensors_before": 2}])
+    assert not memory._holds_graphs(held)
+    held = pd.DataFrame([{"holders": [step_dict, kept], "graph_tensors": 10, "graph_tensors_before": 7}])
+    assert memory._holds_graphs(held)
+
+
+def test_runway_and_device_sites():
+    row = pd.Series(
+        {"host_available_bytes": 1000 * MB, "cgroup_limit_bytes": 800 * MB, "cgroup_usage_bytes": 600 * MB}
+    )
+    assert mem.host_headroom(row) == (200 * MB, "the cgroup's memory limit")
+    steps, bound = memory._runway(row, "host", 2 * MB)
+    assert steps == 100 and bound == "the cgroup's memory limit"
+    dev = pd.Series({"dev_total_bytes": 80 * 1024 * MB, "dev_reserved_bytes": 79 * 1024 * MB})
+    assert memory._runway(dev, "device", 512 * MB) == (2, "the device's memory")
+    # the allocator's history (torch.cuda.memory._snapshot's shape): surviving blocks by line
+    snapshot = {
+        "segments": [
+            {
+                "blocks": [
+                    {
+                        "state": "active_allocated",
+                        "size": 4 * MB,
+                        "frames": [
+                            {"filename": "/x/site-packages/torch/nn/functional.py", "line": 10},
+                            {"filename": "/job/train.py", "line": 42},
+                        ],
+                    },
+                    {
+                        "state": "active_allocated",
+                        "size": 4 * MB,
+                        "frames": [{"filename": "/job/train.py", "line": 42}],
+                    },
+                    {
+                        "state": "inactive",
+                        "size": 64 * MB,
+                        "frames": [{"filename": "/job/train.py", "line": 7}],
+                    },
+                    {"state": "active_allocated", "size": MB, "frames": []},
+                ]
+            }
+        ]
+    }
+    assert memwatch.device_sites(snapshot) == [
+        {"file": "/job/train.py", "line": 42, "size": 8 * MB, "count": 2}
+    ]
+
+
+def test_adds_to_finds_the_line(tmp_path):
+    path = tmp_path / "train.py"
+    path.write_text(
+        "losses = []\nfor i in range(3):\n    out = f(i)\n    losses.append(out)\n    d['k'] = out\n"
+    )
+    assert [a["line"] for a in memory.adds_to(str(path), "losses")] == [4]
+    assert memory.adds_to(str(path), "losses")[0]["value"] == "out"
+
+
+def test_periodic_line_priced_as_its_mean_per_step():
+    per_step = pd.Series([0.001, 0.101] * 10, index=range(20))
+    g = {"file": "train.py", "line": 9, "seconds": 0.004, "share": 0.05, "per_step": per_step}
+    period = {"period": 2, "excess_s": 0.1, "steps": list(range(1, 20, 2))}
+    priced = host_work._priced_by_period(g, period, step_s=0.2)
+    assert priced["seconds"] == pytest.approx(0.05) and priced["share"] == pytest.approx(0.25)
+    assert priced["priced_by"]["line_seconds"] == 0.004
+
+
+def test_in_memory_loader_workers_never_above_low(monkeypatch):
+    """Lightning's own demo data (in-memory tensors) recorded on a loaded machine; judged as if
+    quiet (its measured 45 % share), workers would not pay: at most low, no workers prescribed."""
+    run = traindx.load_run(INMEMORY)
+    monkeypatch.setattr(dataloader, "_judged_share", lambda run, rank, m: (m["share"], None))
+    found = dataloader.analyze(run)
+    assert found and found[0].share_of_step > 0.3
+    f = found[0]
+    assert f.severity in ("info", "low") and "workers_will_not_pay" in f.evidence
+    assert not any("worker" in p.summary for p in f.prescriptions)
+
+
+def _finding(fid, severity, summary):
+    return Finding(
+        id=fid,
+        title=fid,
+        severity=severity,
+        analyzer="x",
+        prescriptions=(
+            Prescription(
+                kind="code", summary=summary, change={}, expected_gain_s_per_step=0.01, automatic=True
+            ),
+        ),
+    )
+
+
+def test_fix_measured_slower_is_at_most_low():
+    slow = Arm(
+        "candidate",
+        "/a",
+        "dataloader.starvation",
+        "source",
+        "workers",
+        0,
+        Judgement(Measure.MEDIAN, 0.93, False),
+    )
+    fast = Arm(
+        "candidate-2", "/b", "host_work.code", "source", "async", 0, Judgement(Measure.MEDIAN, 1.8, True)
+    )
+    findings = [
+        _finding("dataloader.starvation", "medium", "workers"),
+        _finding("host_work.code", "high", "async"),
+    ]
+    out = ab_verdict.demoted_by_arms(findings, [slow, fast])
+    assert [f.severity for f in out] == ["low", "high"]
+    assert out[0].evidence["fix_measured"] == [0.93]
+    # another concrete fix still to try: the finding stands, the slower fix goes last
+    two = _finding("dataloader.starvation", "medium", "workers")
+    two = Finding(
+        **{
+            **two.__dict__,
+            "prescriptions": two.prescriptions
+            + (
+                Prescription(
+                    kind="arg",
+                    summary="flag",
+                    change={"env": {"X": "1"}},
+                    expected_gain_s_per_step=0.01,
+                    automatic=True,
+                ),
+            ),
+        }
+    )
+    kept = ab_verdict.demoted_by_arms([two], [slow])[0]
+    assert kept.severity == "medium" and [p.summary for p in kept.prescriptions] == ["flag", "workers"]
+    # no gain within the noise is not slower: the finding stands
+    slow.speedup_ci95 = [0.85, 1.04]
+    assert ab_verdict.demoted_by_arms(findings, [slow])[0].severity == "medium"
+
+
+class _Run:
+    command = ["python", "train.py", "--model", "m", "--recovery-interval", "2", "--epochs", "1"]
+
+
+def test_framework_write_prescribed_as_the_jobs_flag(monkeypatch):
+    monkeypatch.setattr(stability_prescriptions, "knob_owner", lambda run: "plain")
+    saves = [
+        {
+            "file": "/venv/lib/python3.11/site-packages/timm/utils/checkpoint_saver.py",
+            "line": 103,
+            "call": "torch.save",
+            "function": "save_recovery",
+            "seconds": 0.2,
+        }
+    ]
+    out = stability_prescriptions.checkpoint_prescriptions(_Run(), saves, 0.1, 2)
+    first = out[0]
+    assert isinstance(first.change, ArgChange) and dict(first.change.flags) == {"--recovery-interval": "20"}
+    assert all("site-packages" not in p.summary for p in out)
+    assert "timm" in out[-1].summary and "--recovery-interval" in out[-1].summary
+
+
+def test_a_literal_guard_is_made_rarer_in_the_jobs_line(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("n = 0\nfor step in range(10):\n    n += 1\n    if n % 2 == 0:\n        write_grid()\n")
+    finding = Finding(
+        id="host_work.code",
+        title="t",
+        severity="high",
+        analyzer="host_work",
+        seconds_lost_per_step=0.05,
+        evidence={"file": "train.py", "line": 5, "period": 2},
+    )
+    (p,) = fix_options.less_often_options(finding, ["python", "train.py"], str(tmp_path))
+    code = p.change["code"]
+    assert code["line"] == 4 and code["before"] == "n % 2" and code["after"] == "n % 20"
+    assert p.automatic and p.expected_gain_s_per_step == pytest.approx(0.045)
