@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, cast
 import pandas as pd
 
 from traindx.analyzers import evidence as ev
-from traindx.analyzers import stability
+from traindx.analyzers import hooks, stability
 from traindx.analyzers.declaration import Declaration
 from traindx.analyzers.findings import Finding, Prescription
 from traindx.analyzers.host_work_code import MIN_SAMPLES as MIN_SAMPLES  # re-exported: the tests read it here
@@ -238,6 +238,8 @@ def _analyze_rank(run: RunRecord, rank: str) -> list[Finding]:
     from_ledger = bool(groups)
     if not groups:
         groups = _groups_from_pyspy(run, rank, led)
+    in_hooks = hooks.hook_functions(run)  # the hooks analyzer names the lines of the job's hooks
+    groups = [g for g in groups if (str(g["function"]), str(g["file"])) not in in_hooks]
     ctx = _Rank(
         run=run,
         rank=rank,

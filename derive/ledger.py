@@ -9,7 +9,8 @@ compile; a GC inside a data wait counts once, as GC; a forward and backward insi
 step's closure - Lightning's training_step - count as fwd/bwd, not optimizer).
 
 `forward_backward` (fwd/bwd) is the measured forward (outermost module calls) plus backward and
-nothing else. `host` is the training thread's time between its measured calls (and the parts
+nothing else: the job's own hooks that torch runs inside them (the shim's `hook` spans: module
+and tensor hooks whose code is the job's or a framework's) are host time. `host` is the training thread's time between its measured calls (and the parts
 of an optimizer step's closure outside forward and backward): the job's own loop code,
 `host_code(run)` splits it by the code that ran there. `unexplained` is what no interval covers:
 a rank whose training thread the spans never show (no span at all). Each row sums to its wall
@@ -41,6 +42,7 @@ from traindx.derive.ledger_sweep import (  # noqa: F401  (re-exported)
     SPAN_CATEGORY,
     STARTUP_STEP,
     SWEEP_CLOSURE,
+    SWEEP_HOOK,
     SWEEP_HOST,
     TRAINING_THREAD_ONLY,
     Array,
@@ -187,7 +189,7 @@ def host_code(run: RunView) -> pd.DataFrame:
             if not len(mine):
                 continue
             cat = categories_at(spans, comp, ws, we, t, residual=not forward)
-            host = (cat == SWEEP_HOST) | (cat == SWEEP_CLOSURE)
+            host = (cat == SWEEP_HOST) | (cat == SWEEP_CLOSURE) | (cat == SWEEP_HOOK)
             kept.append(
                 mine[host].assign(
                     step=rows_["step"].to_numpy(np.int64)[w[host]],
