@@ -95,9 +95,9 @@ def accumulation_divisor(path: str, line: int, scale: float) -> str | None:
 
 
 def accumulate_edit(path: str, step_line: int, divisor: str) -> dict[str, Any] | None:
-    """The run of statements around the optimizer step at path:step_line (clipping, the step,
-    zero_grad) put under `if (i + 1) % <divisor> == 0:` of the loop's counter; None when the
-    loop has no counter to test or the block is not one run of statements."""
+    """The run of statements of the loop's body around the optimizer step at path:step_line
+    (the clipping before it, the step, a zero_grad after it) put under
+    `if (i + 1) % <divisor> == 0:` of the loop's counter; None when the loop has no counter."""
     tree, lines = _tree(path)
     if tree is None:
         return None
@@ -105,29 +105,17 @@ def accumulate_edit(path: str, step_line: int, divisor: str) -> dict[str, Any] |
     if loop is None:
         return None
     counter = _counter(loop)
-    body = _body_holding(loop, step_line)
-    if counter is None or body is None:
+    body = loop.body
+    at = next((i for i, s in enumerate(body) if s.lineno <= step_line <= (s.end_lineno or s.lineno)), None)
+    if counter is None or at is None:
         return None
-    picked = [i for i, s in enumerate(body) if _calls_optimizer(s)]
-    if not picked:
-        return None
-    block = body[picked[0] : picked[-1] + 1]
-    first, last = block[0].lineno, block[-1].end_lineno or block[-1].lineno
+    first_i = last_i = at
+    while first_i > 0 and _calls_optimizer(body[first_i - 1]):
+        first_i -= 1
+    while last_i + 1 < len(body) and _calls_optimizer(body[last_i + 1]):
+        last_i += 1
+    first, last = body[first_i].lineno, body[last_i].end_lineno or body[last_i].lineno
     original = lines[first - 1 : last]
     indent = original[0][: len(original[0]) - len(original[0].lstrip())]
     after = [f"{indent}if ({counter} + 1) % {divisor} == 0:"] + ["    " + ln if ln.strip() else ln for ln in original]
     return code_change(path, first, "\n".join(original), "\n".join(after), last_line=last)
-
-
-def _body_holding(loop: ast.For, line: int) -> list[ast.stmt] | None:
-    """The innermost statement list under the loop that holds `line` directly."""
-    best: list[ast.stmt] | None = None
-    for node in ast.walk(loop):
-        for field in ("body", "orelse", "finalbody"):
-            stmts = getattr(node, field, None)
-            if not isinstance(stmts, list) or not stmts or not isinstance(stmts[0], ast.stmt):
-                continue
-            if any(s.lineno <= line <= (s.end_lineno or s.lineno) for s in stmts):
-                if best is None or stmts[0].lineno >= best[0].lineno:
-                    best = stmts
-    return best

@@ -10,6 +10,8 @@ name the cause at the right line with a prescription a user can apply?
     minGPT/                                karpathy/minGPT (the whole repository)
     pl_transformer.py                      Lightning examples/pytorch/basics/transformer.py
     fabric_lm.py                           Lightning examples/fabric/language_model/train.py
+    ignite_mnist.py                        pytorch/ignite examples/mnist/mnist.py
+Causes inside the model's own work (hook, metric_cb, lr0, outside, badaccum): bench/corpus_model.py.
 This file holds none of their code: it copies them to a scratch folder, writes tiny synthetic
 data beside them, and injects each cause by inserting a line into the scratch copy at a line
 found by a pattern (the training loop's optimizer step, the dataset's __getitem__), so the
@@ -34,6 +36,9 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from corpus_model import MODEL_CAUSES, USABLE_MODEL, _prep_ignite, apply_edits  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -168,6 +173,17 @@ SCRIPTS = {
         setup_anchor=r"^\s+dataset = WikiText2\(\)",
         prepare=_prep_lightning,
     ),
+    "ignite": Script(
+        "ignite",
+        ["ignite_mnist.py"],
+        "ignite_mnist.py",
+        ["--epochs", "1", "--batch_size", "64", "--log_interval", "10"],
+        "ignite_mnist.py",
+        r"^\s+def log_training_loss",
+        "model",
+        "engine.state.output",
+        prepare=_prep_ignite,
+    ),
 }
 
 # cause -> (what the table expects, inserted per-step code or None)
@@ -260,6 +276,11 @@ def prepare(corpus, script, cause, work, busy_s, at=None):
         "gc_collect": lambda i: "_tdx_gc.collect()",
         "item": lambda i: f"_tdx_loss_value = {script.loss}.item()",
     }
+    if cause in MODEL_CAUSES:
+        where = apply_edits(d, script.name, cause)
+        if where is None:
+            return None
+        return d, env, where
     if cause in per_step:
         _prelude(loop)
         where = (script.loop_file, _insert_after(loop, script.loop_anchor, per_step[cause]))
@@ -481,6 +502,7 @@ USABLE = {
     "float64": r"set_default_dtype|switch_off:default_dtype",
     "gc_collect": r"gc\.collect|gc\.freeze|remove",
     "item": r"item",
+    **USABLE_MODEL,
 }
 
 
