@@ -344,9 +344,10 @@ def _line_finding(
         pres = ()
     else:
         every = f" on every {ordinal(period['period'])} step" if period else ""
+        callback = _callback_dispatch(g)
         title = (
-            f"Host work in the training loop{every}: {g['function']}() at {where}, "
-            f"{seconds * 1e3:.0f} ms a step ({share:.0%})"
+            f"{'A framework callback' if callback else 'Host work in the training loop'}{every}: "
+            f"{g['function']}() at {where}, {seconds * 1e3:.0f} ms a step ({share:.0%})"
         )
         severity = _severity(kind, share, ctx.has_gpu)
         what = KIND_TEXT[kind] + (f" ({call})" if call else "")
@@ -364,6 +365,14 @@ def _line_finding(
                 period["period"] if period else None,
             )
         )
+        if callback:
+            summary += (
+                f" The framework calls it back on every step ({callback}): it is the job's "
+                "callback, not the data or the model."
+            )
+            pres = (_callback_prescription(g, where, callback, seconds),) + tuple(
+                p for p in pres if "DataLoader" not in p.summary
+            )
     evidence: dict[str, Any] = {
         "rank": ctx.rank,
         "function": g["function"],
@@ -376,6 +385,8 @@ def _line_finding(
         "method": g["method"],
         "step_s": round(ctx.step_s, 5),
     }
+    if g.get("via"):
+        evidence["called_by"] = g["via"]
     for k in ("samples", "share_of_loop_samples", "runqueue_wait"):
         if g.get(k) is not None:
             evidence[k] = g[k]
@@ -393,6 +404,35 @@ def _line_finding(
         evidence=evidence,
         prescriptions=pres,
         ranks=(ctx.rank,),
+    )
+
+
+# a framework's callback or event dispatch (whatever the framework: Lightning's _call_callback_hooks,
+# HF's CallbackHandler.call_event, Ignite's Engine._fire_event, Keras' CallbackList, skorch's notify)
+_DISPATCH = re.compile(r"callback|event|notify|fire|dispatch|handler", re.IGNORECASE)
+
+
+def _callback_dispatch(g: Group) -> str | None:
+    """The framework function that calls this host line's function back on every step, when it
+    dispatches callbacks or events (or the function is an `on_*` callback method)."""
+    via = g.get("via")
+    if not isinstance(via, str) or not via:
+        return None
+    own = str(g.get("function") or "").rsplit(".", 1)[-1]
+    if _DISPATCH.search(via.rsplit(".", 1)[-1]) or own.startswith("on_"):
+        return via
+    return None
+
+
+def _callback_prescription(g: Group, where: str, via: str, seconds: float) -> Prescription:
+    return Prescription(
+        kind="code",
+        summary=(
+            f"run the callback at {where} less often (the framework's interval or event filter, "
+            "e.g. every N iterations / on epoch end), or update its metric incrementally instead "
+            "of recomputing it over everything seen so far on every batch"
+        ),
+        expected_gain_s_per_step=seconds,
     )
 
 

@@ -87,15 +87,16 @@ def has_spans(run: RunView) -> bool:
 
 
 # -- what ran inside the host line --------------------------------------------------------------
-HOST_CODE_COLUMNS = ["rank", "step", "function", "file", "line", "call", "seconds", "samples", "runq_s"]
+HOST_CODE_COLUMNS = ["rank", "step", "function", "file", "line", "call", "seconds", "samples", "runq_s", "via"]
 
 
 def host_samples(run: RunView) -> pd.DataFrame:
     """The shim's samples of the training thread (hostsample.py), one row each: rank, pid, tid,
-    t_ns, function, file, line, call, runq_frac (the share of the time since the thread's
+    t_ns, function, file, line, call, via (the library function that called the job's frame
+    back: a framework's callback dispatch; None for the loop's own calls), runq_frac (the share of the time since the thread's
     previous sample that it spent runnable but waiting for a core; NaN where the shim could not
     read the kernel's run-queue delay, or for a thread's first sample)."""
-    cols = ["rank", "pid", "tid", "t_ns", "function", "file", "line", "call", "runq_frac"]
+    cols = ["rank", "pid", "tid", "t_ns", "function", "file", "line", "call", "via", "runq_frac"]
     ev = run.of_type("host_samples")
     frames = run.of_type("host_frame")
     if not len(ev) or not len(frames) or "dt_us" not in ev:
@@ -128,6 +129,7 @@ def host_samples(run: RunView) -> pd.DataFrame:
             "file": frames["file"].to_numpy(object),
             "line": frames["line"].to_numpy(object),
             "call": frames["call"].to_numpy(object) if "call" in frames else None,
+            "via": frames["via"].to_numpy(object) if "via" in frames else None,
         }
     )
     keys = keys.drop_duplicates(["rank", "pid", "k"], keep="last")
@@ -199,9 +201,9 @@ def host_code(run: RunView) -> pd.DataFrame:
         if not kept:
             return pd.DataFrame(columns=HOST_CODE_COLUMNS)
         df = pd.concat(kept, ignore_index=True)
-        for col in ("function", "file", "call"):
+        for col in ("function", "file", "call", "via"):
             df[col] = df[col].astype(object).where(df[col].notna(), "")
-        keys = ["rank", "step", "function", "file", "line", "call"]
+        keys = ["rank", "step", "function", "file", "line", "call", "via"]
         # a thread's first sample has no interval before it: its rank's mean share
         df["runq_frac"] = df["runq_frac"].fillna(df.groupby("rank")["runq_frac"].transform("mean"))
         g = df.groupby(keys, sort=False, dropna=False).agg(
@@ -215,6 +217,7 @@ def host_code(run: RunView) -> pd.DataFrame:
         g["samples"] = g["n"].astype("int64")
         g["runq_s"] = g["host_s"] * g["runq"] / total
         g["call"] = g["call"].where(g["call"] != "", None)
+        g["via"] = g["via"].where(g["via"] != "", None)
         g = g.sort_values(["rank", "step", "seconds"], ascending=[True, True, False], kind="stable")
         return g.reset_index(drop=True)[HOST_CODE_COLUMNS]
 

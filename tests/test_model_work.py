@@ -120,3 +120,20 @@ def test_freeze_edit_and_accumulate_edit_apply(tmp_path):
     text = codefix_edit.apply(acc, src)
     assert "    if (step + 1) % accum == 0:\n        torch.nn.utils.clip_grad_norm_" in text
     assert "        opt.zero_grad()\n    log(step)" in text
+
+
+def test_a_library_calling_the_jobs_code_back_is_named():
+    import copy
+    import sys
+
+    from traindx.profiler.shim._traindx_shim import hostsample
+
+    class Handler:
+        def __deepcopy__(self, memo):  # the standard library's copy calls the job's code back
+            return [hostsample._via(sys._getframe()), helper()]
+
+    def helper():
+        return hostsample._via(sys._getframe())
+
+    via, via_helper = copy.deepcopy(Handler())
+    assert via == via_helper == "copy.deepcopy"

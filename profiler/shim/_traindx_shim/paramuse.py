@@ -139,6 +139,8 @@ def _pre_step(optimizer: Any, args: Any, kwargs: Any) -> None:
 
 
 def _step_ended(step: int) -> None:
+    if _timing["handles"] and step >= _timing["step"]:
+        _timed_forward(step)
     if not _state["done"] and step >= CHECK_STEP and _state["optimizers"]:
         _state["done"] = True
         _check(step)
@@ -182,7 +184,44 @@ def _check(step: int) -> None:
     )
     if total_unused and _freeze_requested():
         _freeze(roots, unused)
+    elif total_unused:
+        _time_forward(roots, groups, step)
     _state["with_grad"] = {}
+
+
+# -- what the unused modules' forward costs (their backward is priced from it) ---------------------
+_timing: dict[str, Any] = {"handles": [], "step": None, "ns": 0, "calls": 0, "open": {}}
+
+
+def _time_forward(roots: list[Any], groups: list[dict[str, Any]], step: int) -> None:
+    """Time the forward of the unused modules over the next step (hooks taken off after it)."""
+    import time
+
+    by_root = {type(r).__name__: r for r in roots}
+    now = time.perf_counter_ns
+
+    def pre(module: Any, args: Any) -> None:
+        _timing["open"][id(module)] = now()
+
+    def post(module: Any, args: Any, output: Any) -> None:
+        start = _timing["open"].pop(id(module), None)
+        if start is not None:
+            _timing["ns"] += now() - start
+            _timing["calls"] += 1
+
+    for g in groups:
+        root = by_root.get(g["root"])
+        module = root.get_submodule(g["module"]) if root is not None else None
+        if module is not None:
+            _timing["handles"] += [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
+    _timing["step"] = step + 1
+
+
+def _timed_forward(step: int) -> None:
+    for handle in _timing["handles"]:
+        handle.remove()
+    _timing["handles"] = []
+    emit(schema.PARAM_USE, step=step, unused_forward_s=_timing["ns"] / 1e9, forward_calls=_timing["calls"])
 
 
 def _unused_modules(
