@@ -30,7 +30,13 @@ def freeze_edit(path: str, line: int) -> dict[str, Any] | None:
     stmt = _innermost(tree, line, (ast.Assign, ast.AnnAssign))
     if stmt is None:
         return None
-    targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target]
+    targets = (
+        stmt.targets
+        if isinstance(stmt, ast.Assign)
+        else [stmt.target]
+        if isinstance(stmt, ast.AnnAssign)
+        else []
+    )
     if len(targets) != 1 or not isinstance(targets[0], (ast.Name, ast.Attribute)):
         return None
     target = ast.unparse(targets[0])
@@ -117,5 +123,7 @@ def accumulate_edit(path: str, step_line: int, divisor: str) -> dict[str, Any] |
     first, last = body[first_i].lineno, body[last_i].end_lineno or body[last_i].lineno
     original = lines[first - 1 : last]
     indent = original[0][: len(original[0]) - len(original[0].lstrip())]
-    after = [f"{indent}if ({counter} + 1) % {divisor} == 0:"] + ["    " + ln if ln.strip() else ln for ln in original]
+    after = [f"{indent}if ({counter} + 1) % {divisor} == 0:"] + [
+        "    " + ln if ln.strip() else ln for ln in original
+    ]
     return code_change(path, first, "\n".join(original), "\n".join(after), last_line=last)

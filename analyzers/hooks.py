@@ -70,7 +70,9 @@ def _per_site(run: RunRecord, rank: str, led: pd.DataFrame) -> dict[int, float]:
     return {int(k): float(v) for k, v in per.items()}
 
 
-def _inner_line(run: RunRecord, rank: str, steps: set[int], function: str, file: str) -> dict[str, Any] | None:
+def _inner_line(
+    run: RunRecord, rank: str, steps: set[int], function: str, file: str
+) -> dict[str, Any] | None:
     """The dearest line inside the hook and the call it ends in (the shim's host samples)."""
     code = ledger.host_code(run)
     if not len(code):
@@ -86,7 +88,9 @@ def _inner_line(run: RunRecord, rank: str, steps: set[int], function: str, file:
     g = rows.groupby(["line", "call"], dropna=False)["seconds"].sum().sort_values(ascending=False)
     line, call = g.index[0]
     if isinstance(call, str):  # torch's functions as users write them
-        call = call.replace("torch._VariableFunctionsClass.", "torch.").replace("torch._C.TensorBase.", "Tensor.")
+        call = call.replace("torch._VariableFunctionsClass.", "torch.").replace(
+            "torch._C.TensorBase.", "Tensor."
+        )
     return {"line": int(line), "call": call if isinstance(call, str) else None}
 
 

@@ -51,6 +51,8 @@ from traindx.analyzers.host_work_prescriptions import _async_edit as _async_edit
 from traindx.analyzers.host_work_prescriptions import (
     _call_name,
     _call_of_kind,
+    _callback_dispatch,
+    _callback_prescription,
     _prescriptions,
     kind_of,
 )
@@ -366,13 +368,7 @@ def _line_finding(
             )
         )
         if callback:
-            summary += (
-                f" The framework calls it back on every step ({callback}): it is the job's "
-                "callback, not the data or the model."
-            )
-            pres = (_callback_prescription(g, where, callback, seconds),) + tuple(
-                p for p in pres if "DataLoader" not in p.summary
-            )
+            summary, pres = _as_callback(g, where, callback, summary, pres)
     evidence: dict[str, Any] = {
         "rank": ctx.rank,
         "function": g["function"],
@@ -407,33 +403,16 @@ def _line_finding(
     )
 
 
-# a framework's callback or event dispatch (whatever the framework: Lightning's _call_callback_hooks,
-# HF's CallbackHandler.call_event, Ignite's Engine._fire_event, Keras' CallbackList, skorch's notify)
-_DISPATCH = re.compile(r"callback|event|notify|fire|dispatch|handler", re.IGNORECASE)
-
-
-def _callback_dispatch(g: Group) -> str | None:
-    """The framework function that calls this host line's function back on every step, when it
-    dispatches callbacks or events (or the function is an `on_*` callback method)."""
-    via = g.get("via")
-    if not isinstance(via, str) or not via:
-        return None
-    own = str(g.get("function") or "").rsplit(".", 1)[-1]
-    if _DISPATCH.search(via.rsplit(".", 1)[-1]) or own.startswith("on_"):
-        return via
-    return None
-
-
-def _callback_prescription(g: Group, where: str, via: str, seconds: float) -> Prescription:
-    return Prescription(
-        kind="code",
-        summary=(
-            f"run the callback at {where} less often (the framework's interval or event filter, "
-            "e.g. every N iterations / on epoch end), or update its metric incrementally instead "
-            "of recomputing it over everything seen so far on every batch"
-        ),
-        expected_gain_s_per_step=seconds,
+def _as_callback(
+    g: Group, where: str, callback: str, summary: str, pres: tuple[Prescription, ...]
+) -> tuple[str, tuple[Prescription, ...]]:
+    """A framework's per-step callback: said so, and its own fix first (no DataLoader workers)."""
+    summary += (
+        f" The framework calls it back on every step ({callback}): it is the job's callback, "
+        "not the data or the model."
     )
+    rest = tuple(p for p in pres if "DataLoader" not in p.summary)
+    return summary, (_callback_prescription(g, where, callback, g["seconds"]),) + rest
 
 
 def _host_code_summary(

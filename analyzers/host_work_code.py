@@ -268,7 +268,9 @@ def _groups_from_ledger(table: pd.DataFrame, rank: str, led: pd.DataFrame) -> An
     waits = "runq_s" in t and t["runq_s"].notna().any()
     if "via" not in t:
         t = t.assign(via=None)
-    for (fn, file, line, call, via), g in t.groupby(["function", "file", "line", "call", "via"], dropna=False):
+    for (fn, file, line, call, via), g in t.groupby(
+        ["function", "file", "line", "call", "via"], dropna=False
+    ):
         per_step = g.groupby("step")["seconds"].sum()
         out.append(
             {

@@ -104,7 +104,10 @@ def _unused_finding(run: RunRecord, rank: str, event: dict[str, Any]) -> Finding
         built = g.get("built") or {}
         where = f"{_display(str(built['file']), cwd)}:{built['line']}" if built.get("file") else None
         reason = " and ".join(REASONS.get(r, r) for r in str(g.get("reason", "")).split(",") if r)
-        named.append(f"{name} ({g.get('cls')}, {int(g.get('numel') or 0):,} parameters, {reason}" + (f", built at {where})" if where else ")"))
+        named.append(
+            f"{name} ({g.get('cls')}, {int(g.get('numel') or 0):,} parameters, {reason}"
+            + (f", built at {where})" if where else ")")
+        )
         if built.get("file") and not ev.is_library_path(str(built["file"])):
             edit = codefix_params.freeze_edit(str(built["file"]), int(built["line"]))
             if edit:
@@ -182,7 +185,11 @@ def _accum_finding(run: RunRecord, rank: str, event: dict[str, Any]) -> Finding 
         return None
     n = int(round(scale))
     sites = event.get("sites") or {}
-    step_site, clip_site, bwd_site = sites.get("optimizer") or {}, sites.get("clip") or {}, sites.get("backward") or {}
+    step_site, clip_site, bwd_site = (
+        sites.get("optimizer") or {},
+        sites.get("clip") or {},
+        sites.get("backward") or {},
+    )
     divisor = None
     if bwd_site.get("file"):
         divisor = codefix_params.accumulation_divisor(str(bwd_site["file"]), int(bwd_site["line"]), float(n))
@@ -200,30 +207,7 @@ def _accum_finding(run: RunRecord, rank: str, event: dict[str, Any]) -> Finding 
     for label, site in (("optimizer.step()", step_site), ("clipping", clip_site if any(clip) else {})):
         if site.get("file"):
             lines.append(f"{label} at {_display(str(site['file']), cwd)}:{site['line']}")
-    pres = []
-    edit = None
-    if step_site.get("file") and not ev.is_library_path(str(step_site["file"])):
-        edit = codefix_params.accumulate_edit(str(step_site["file"]), int(step_site["line"]), divisor or str(n))
-    if edit:
-        pres.append(
-            Prescription(
-                kind="code",
-                summary=f"step, clip and zero the gradients every {n}th micro-batch "
-                f"({_display(edit['file'], cwd)}:{edit['line']}): the loss is scaled for {n}",
-                change=SourceEdit(code=edit),
-                expected_gain_s_per_step=lost,
-                # by hand: it changes what a step is (N micro-batches) and the numerics (the
-                # update the loss was scaled for), so an A/B of step times and losses cannot judge it
-                automatic=False,
-            )
-        )
-    pres.append(
-        Prescription(
-            kind="code",
-            summary=f"call optimizer.step(), the clipping and zero_grad() once per {n} backward passes "
-            f"(the loss is divided by {divisor or n}), not after every micro-batch",
-        )
-    )
+    pres = _accum_prescriptions(step_site, n, divisor, lost, cwd)
     return Finding(
         id="param_use.step_per_microbatch",
         title=f"The optimizer steps every micro-batch, the loss is scaled for {n}: " + ", ".join(lines),
@@ -250,9 +234,41 @@ def _accum_finding(run: RunRecord, rank: str, event: dict[str, Any]) -> Finding 
             "clip_per_step": clip,
             "sites": sites,
         },
-        prescriptions=tuple(pres),
+        prescriptions=pres,
         removes={"categories": ["optimizer"], "fraction": (n - 1) / n},
     )
+
+
+def _accum_prescriptions(
+    step_site: dict[str, Any], n: int, divisor: str | None, lost: float, cwd: str | None
+) -> tuple[Prescription, ...]:
+    pres = []
+    edit = None
+    if step_site.get("file") and not ev.is_library_path(str(step_site["file"])):
+        edit = codefix_params.accumulate_edit(
+            str(step_site["file"]), int(step_site["line"]), divisor or str(n)
+        )
+    if edit:
+        pres.append(
+            Prescription(
+                kind="code",
+                summary=f"step, clip and zero the gradients every {n}th micro-batch "
+                f"({_display(edit['file'], cwd)}:{edit['line']}): the loss is scaled for {n}",
+                change=SourceEdit(code=edit),
+                expected_gain_s_per_step=lost,
+                # by hand: it changes what a step is (N micro-batches) and the numerics (the
+                # update the loss was scaled for), so an A/B of step times and losses cannot judge it
+                automatic=False,
+            )
+        )
+    pres.append(
+        Prescription(
+            kind="code",
+            summary=f"call optimizer.step(), the clipping and zero_grad() once per {n} backward passes "
+            f"(the loss is divided by {divisor or n}), not after every micro-batch",
+        )
+    )
+    return tuple(pres)
 
 
 def analyze(run: RunRecord) -> list[Finding]:
@@ -268,4 +284,3 @@ def analyze(run: RunRecord) -> list[Finding]:
         if f is not None:
             findings.append(f)
     return findings
-

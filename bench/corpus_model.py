@@ -114,7 +114,11 @@ EDITS = {
                 "replace",
             )
         ],
-        "outside": [Edit("main.py", r"AdamW\(model\.parameters\(\), ", "AdamW(model.decoder.parameters(), ", "replace")],
+        "outside": [
+            Edit(
+                "main.py", r"AdamW\(model\.parameters\(\), ", "AdamW(model.decoder.parameters(), ", "replace"
+            )
+        ],
         "badaccum": [
             Edit(
                 "main.py",

@@ -87,7 +87,18 @@ def has_spans(run: RunView) -> bool:
 
 
 # -- what ran inside the host line --------------------------------------------------------------
-HOST_CODE_COLUMNS = ["rank", "step", "function", "file", "line", "call", "seconds", "samples", "runq_s", "via"]
+HOST_CODE_COLUMNS = [
+    "rank",
+    "step",
+    "function",
+    "file",
+    "line",
+    "call",
+    "seconds",
+    "samples",
+    "runq_s",
+    "via",
+]
 
 
 def host_samples(run: RunView) -> pd.DataFrame:

@@ -85,7 +85,11 @@ def test_hook_is_host_work_not_the_models_compute(sick):
 @pytest.mark.slow
 def test_healthy_twin_is_quiet(healthy):
     run_dir, findings = healthy
-    loud = [f["id"] for f in findings if f["severity"] not in ("info", "low") and not f["id"].startswith("verdict.")]
+    loud = [
+        f["id"]
+        for f in findings
+        if f["severity"] not in ("info", "low") and not f["id"].startswith("verdict.")
+    ]
     assert not [i for i in loud if i.startswith(("param_use.", "hooks."))], loud
     events = load_run(run_dir).of_type("param_use")
     assert len(events) and int(events["unused_numel"].iloc[-1]) == 0

@@ -51,16 +51,18 @@ def _skips() -> set[tuple[str, int]]:
 
 
 def _code_of(hook: Any) -> Any:
+    """The code object a hook runs: a function's, a bound method's, a partial's, a callable object's."""
     target = hook
-    for _ in range(4):  # functools.partial, bound methods, callable objects
+    for _ in range(4):
         code = getattr(target, "__code__", None)
         if code is not None:
             return code
-        target = getattr(target, "func", None) or getattr(target, "__func__", None) or getattr(
-            type(target), "__call__", None
-        )
-        if target is None:
+        inner = getattr(target, "func", None) or getattr(target, "__func__", None)
+        if inner is None and not isinstance(target, type):
+            inner = vars(type(target)).get("__call__")  # a callable object: its class's method
+        if inner is None:
             return None
+        target = inner
     return None
 
 
@@ -96,7 +98,13 @@ def _timed(hook: Any, kind: str) -> Any:
     if skipped:
         if sid not in _skipped:
             _skipped.add(sid)
-            emit(schema.RUNTIME_PATCH, patch=f"{SKIP_PREFIX}site{sid}", site=sid, kind=kind, note="hook not called")
+            emit(
+                schema.RUNTIME_PATCH,
+                patch=f"{SKIP_PREFIX}site{sid}",
+                site=sid,
+                kind=kind,
+                note="hook not called",
+            )
 
         def skip(*args: Any, **kwargs: Any) -> Any:
             return None
@@ -160,7 +168,9 @@ TENSOR_HOOKS = (("register_hook", "tensor hook"), ("register_post_accumulate_gra
 @guarded("hook timing install")
 def _on_torch(torch: Any) -> None:
     compiler = getattr(torch, "compiler", None)
-    _state["compiling"] = getattr(compiler, "is_dynamo_compiling", None) or getattr(compiler, "is_compiling", None)
+    _state["compiling"] = getattr(compiler, "is_dynamo_compiling", None) or getattr(
+        compiler, "is_compiling", None
+    )
     module_cls = torch.nn.Module
     for name, kind in MODULE_HOOKS:
         if hasattr(module_cls, name):

@@ -83,9 +83,13 @@ def _wrap_module_init(torch: Any) -> None:
         try:
             if self in _built:
                 return
-            frame = sys._getframe(1)
+            frame: Any = sys._getframe(1)
             # up through the module's own constructors (super().__init__ chains)
-            while frame is not None and frame.f_code.co_name == "__init__" and frame.f_locals.get("self") is self:
+            while (
+                frame is not None
+                and frame.f_code.co_name == "__init__"
+                and frame.f_locals.get("self") is self
+            ):
                 frame = frame.f_back
             site = _user_frame(frame)
             if site is not None:
@@ -283,7 +287,7 @@ def _loss_scale(tensor: Any) -> float | None:
     name = type(fn).__name__ if fn is not None else ""
     if not name.startswith(("DivBackward", "MulBackward")):
         return None
-    other = getattr(fn, "_saved_other", None)
+    other: Any = getattr(fn, "_saved_other", None)
     if hasattr(other, "dim"):
         if other.dim() != 0 or other.device.type != "cpu":
             return None
