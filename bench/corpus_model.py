@@ -81,6 +81,15 @@ IGNITE_METRIC_CB = (
     "    engine.state.metrics['epoch_class_means'] = torch.stack([xs[ys == c].median(0).values for c in range(10)])"
 )
 
+PL_METRIC_CB = (
+    "class EpochMetric(L.Callback):  # a metric over all of the epoch's batches, on every batch\n"
+    "    def __init__(self):\n"
+    "        self.seen = []\n"
+    "    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):\n"
+    "        with torch.no_grad():\n"
+    "            self.seen.append(pl_module.model.embedding(batch[0]).flatten(0, 1))\n"
+    "        trainer.epoch_embedding_median = torch.cat(self.seen).median(0).values"
+)
 WLM_BODY = "[*model.encoder.parameters(), *model.rnn.parameters()]"
 EDITS = {
     "ignite": {
@@ -103,6 +112,18 @@ EDITS = {
                 "replace",
             )
         ],
+    },
+    "pl_trainer": {
+        "metric_cb": [
+            Edit("pl_transformer.py", r"^\s+# Trainer", PL_METRIC_CB),
+            Edit(
+                "pl_transformer.py",
+                r"max_epochs=20\)",
+                "max_epochs=20, callbacks=[EpochMetric()])",
+                "replace",
+            ),
+        ],
+        "hook": [Edit("pl_transformer.py", r"^\s+model = LanguageModel\(", HOOK.format(model="model"))],
     },
     "wlm": {
         "hook": [Edit("main.py", r"^criterion = nn\.NLLLoss\(\)", HOOK.format(model="model"))],

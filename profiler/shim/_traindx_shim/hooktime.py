@@ -1,6 +1,7 @@
 """The job's own code that torch runs inside the model's work: module forward (pre-)hooks,
-backward (pre-)hooks, global module hooks and tensor hooks whose function is the job's code (a
-framework's included; torch's own and traindx's are not). Each such hook is wrapped when it is
+backward (pre-)hooks, global module hooks and tensor hooks whose function is in the job's own
+files (an installed package's hooks - torch's, traindx's, a framework's parameter gathering -
+are the model's machinery and stay untouched). Each such hook is wrapped when it is
 registered: a call that lasts HOOK_SPAN_MIN_NS or more becomes a `hook` span (site = the hook's
 id), so the ledger books it as host work, never as fwd/bwd; each hook is named once in a
 `hook_site` event (id, kind, function, file, line of its definition).
@@ -20,7 +21,7 @@ import threading
 import time
 
 from . import emit, guarded, importhooks, report_error, schema
-from .frames import is_library_file
+from .frames import is_library_file, is_library_path
 
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing into the job (mypy knows the name)
 if TYPE_CHECKING:
@@ -67,9 +68,10 @@ def _code_of(hook: Any) -> Any:
 
 
 def _site(hook: Any, kind: str) -> tuple[int, bool] | None:
-    """(site id, skipped) of a hook that is the job's code; None for torch's, traindx's."""
+    """(site id, skipped) of a hook in the job's own files; None for an installed package's (torch's,
+    traindx's, a framework's machinery such as DeepSpeed's parameter gathering: the model's work)."""
     code = _code_of(hook)
-    if code is None or is_library_file(code.co_filename):
+    if code is None or is_library_file(code.co_filename) or is_library_path(code.co_filename):
         return None
     got = _sites.get(code)
     if got is None:
