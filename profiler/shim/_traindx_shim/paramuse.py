@@ -23,7 +23,10 @@ at model build and in the first steps.
 from __future__ import annotations
 
 import functools
+import os
 import sys
+import time
+import weakref
 
 from . import bus, emit, guarded, importhooks, report_error, schema
 from .forward import _top_modules
@@ -54,8 +57,6 @@ _state: dict[str, Any] = {
 
 
 def _freeze_requested() -> bool:
-    import os
-
     return FREEZE_PATCH in {p.strip() for p in os.environ.get("TRAINDX_RUNTIME_PATCHES", "").split(",")}
 
 
@@ -71,8 +72,6 @@ def _user_frame(frame: Any) -> dict[str, Any] | None:
 
 # -- where a module was built ---------------------------------------------------------------------
 def _wrap_module_init(torch: Any) -> None:
-    import weakref
-
     global _built
     _built = weakref.WeakKeyDictionary()
     original = torch.nn.Module.__init__
@@ -199,8 +198,6 @@ _timing: dict[str, Any] = {"handles": [], "step": None, "ns": 0, "calls": 0, "op
 
 def _time_forward(roots: list[Any], groups: list[dict[str, Any]], step: int) -> None:
     """Time the forward of the unused modules over the next step (hooks taken off after it)."""
-    import time
-
     by_root = {type(r).__name__: r for r in roots}
     now = time.perf_counter_ns
 
@@ -342,6 +339,7 @@ def _emit_accum() -> None:
 
 @guarded("param use hooks")
 def _on_torch(torch: Any) -> None:
+    # imported only once the job imported torch (the shim never imports it itself)
     from torch.optim.optimizer import register_optimizer_step_pre_hook
 
     _wrap_module_init(torch)
