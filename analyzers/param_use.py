@@ -91,11 +91,13 @@ def _unused_finding(run: RunRecord, rank: str, event: dict[str, Any]) -> Finding
     fraction = unused / grad
     backward = _backward_s(run, rank, led)
     saving = backward * fraction
-    fwd = event.get("unused_forward_s")
-    if isinstance(fwd, (int, float)) and fwd > 0:
-        # their backward is about twice their forward (gradients of the weights and of the
-        # inputs), within the backward measured
-        saving = max(saving, min(2.0 * float(fwd), backward))
+    for key in ("unused_forward_s", "unused_prefix_s"):
+        fwd = event.get(key)
+        if isinstance(fwd, (int, float)) and fwd > 0:
+            # their backward (and, where they run first, that of everything before their end)
+            # is about twice its forward: gradients of the weights and of the inputs; within
+            # the backward measured
+            saving = max(saving, min(2.0 * float(fwd), backward))
     share = saving / step_s if step_s > 0 else 0.0
     cwd = run.manifest.get("cwd")
     edits, named = [], []

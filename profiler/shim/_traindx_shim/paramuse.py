@@ -193,28 +193,67 @@ def _check(step: int) -> None:
 
 
 # -- what the unused modules' forward costs (their backward is priced from it) ---------------------
-_timing: dict[str, Any] = {"handles": [], "step": None, "ns": 0, "calls": 0, "open": {}}
+_timing: dict[str, Any] = {
+    "handles": [],
+    "step": None,
+    "ns": 0,  # the unused modules' own forward
+    "calls": 0,
+    "open": {},
+    "prefix_ns": 0,  # root call start -> last unused module's end, where nothing trained ran before
+    "call": None,  # the running root call: [start, last unused end, a trained module began first]
+}
 
 
 def _time_forward(roots: list[Any], groups: list[dict[str, Any]], step: int) -> None:
-    """Time the forward of the unused modules over the next step (hooks taken off after it)."""
+    """Time the forward of the unused modules over the next step (hooks taken off after it), and,
+    where they run first in the root's forward (no trained module before them: a frozen body
+    under a trained head), the forward from the root call's start to their end: backward never
+    has to reach that part once they are frozen."""
     by_root = {type(r).__name__: r for r in roots}
     now = time.perf_counter_ns
+    unused_ids = set()
 
     def pre(module: Any, args: Any) -> None:
         _timing["open"][id(module)] = now()
 
     def post(module: Any, args: Any, output: Any) -> None:
         start = _timing["open"].pop(id(module), None)
+        end = now()
         if start is not None:
-            _timing["ns"] += now() - start
+            _timing["ns"] += end - start
             _timing["calls"] += 1
+        call = _timing["call"]
+        if call is not None and not call[2]:
+            call[1] = end
+
+    def trained(module: Any, args: Any) -> None:
+        call = _timing["call"]
+        if call is not None and call[1] is None:
+            call[2] = True  # a trained module ran before any unused one ended
+
+    def root_pre(module: Any, args: Any) -> None:
+        if _timing["call"] is None:
+            _timing["call"] = [now(), None, False]
+
+    def root_post(module: Any, args: Any, output: Any) -> None:
+        call, _timing["call"] = _timing["call"], None
+        if call is not None and call[1] is not None and not call[2]:
+            _timing["prefix_ns"] += call[1] - call[0]
 
     for g in groups:
         root = by_root.get(g["root"])
         module = root.get_submodule(g["module"]) if root is not None else None
         if module is not None:
+            unused_ids.update(id(m) for m in module.modules())
             _timing["handles"] += [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
+    for root in roots:
+        _timing["handles"] += [
+            root.register_forward_pre_hook(root_pre),
+            root.register_forward_hook(root_post),
+        ]
+        for m in root.modules():
+            if id(m) not in unused_ids and any(True for _ in m.parameters(recurse=False)):
+                _timing["handles"].append(m.register_forward_pre_hook(trained))
     _timing["step"] = step + 1
 
 
@@ -222,7 +261,13 @@ def _timed_forward(step: int) -> None:
     for handle in _timing["handles"]:
         handle.remove()
     _timing["handles"] = []
-    emit(schema.PARAM_USE, step=step, unused_forward_s=_timing["ns"] / 1e9, forward_calls=_timing["calls"])
+    emit(
+        schema.PARAM_USE,
+        step=step,
+        unused_forward_s=_timing["ns"] / 1e9,
+        unused_prefix_s=_timing["prefix_ns"] / 1e9,
+        forward_calls=_timing["calls"],
+    )
 
 
 def _unused_modules(
