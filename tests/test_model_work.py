@@ -62,8 +62,8 @@ def test_step_every_micro_batch_named_with_its_lines(sick):
     (f,) = _by_id(findings, "param_use.step_per_microbatch")
     ev = f["evidence"]
     assert ev["loss_scale"] == 4 and ev["divisor"] == "grad_accum_steps"
-    assert ev["sites"]["optimizer"]["line"] == 56 and ev["sites"]["clip"]["line"] == 55
-    assert "model_work.py:56" in f["title"] and "model_work.py:55" in f["title"]
+    assert ev["sites"]["optimizer"]["line"] == 57 and ev["sites"]["clip"]["line"] == 56
+    assert "model_work.py:57" in f["title"] and "model_work.py:56" in f["title"]
     edit = f["prescriptions"][0]["change"]["code"]
     assert edit["after"].lstrip().startswith("if (i + 1) % grad_accum_steps == 0:")
     assert not f["prescriptions"][0]["automatic"]  # it changes what a step is: by hand
@@ -91,8 +91,11 @@ def test_healthy_twin_is_quiet(healthy):
         if f["severity"] not in ("info", "low") and not f["id"].startswith("verdict.")
     ]
     assert not [i for i in loud if i.startswith(("param_use.", "hooks."))], loud
-    events = load_run(run_dir).of_type("param_use")
+    run = load_run(run_dir)
+    events = run.of_type("param_use")
     assert len(events) and int(events["unused_numel"].iloc[-1]) == 0
+    # the job's cheap tensor hook is known (and costs no finding)
+    assert "tensor hook" in set(run.of_type("hook_site")["kind"])
 
 
 def test_freeze_edit_and_accumulate_edit_apply(tmp_path):

@@ -47,6 +47,7 @@ else:
     opt = torch.optim.AdamW(model.head.parameters(), lr=1e-3)
 grad_accum_steps = 4
 batches = [(torch.randn(256, 192), torch.randint(0, 10, (256,))) for _ in range(8)]
+model.head.weight.register_hook(lambda grad: grad)  # a cheap tensor hook: timed, no finding
 for i in range(48):
     x, y = batches[i % 8]
     loss = nn.functional.cross_entropy(model(x), y) / grad_accum_steps
