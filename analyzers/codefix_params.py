@@ -127,3 +127,43 @@ def accumulate_edit(path: str, step_line: int, divisor: str) -> dict[str, Any] |
         "    " + ln if ln.strip() else ln for ln in original
     ]
     return code_change(path, first, "\n".join(original), "\n".join(after), last_line=last)
+
+
+def every_nth_call_edit(path: str, line: int, n: int) -> dict[str, Any] | None:
+    """The function holding path:line (a callback the framework calls every step) made to do its
+    work on every n-th call only: a call counter and an early return put before its first
+    statement (after its docstring); on `self` for a method, on the function itself otherwise.
+    None when the line is in no function or the function has no statement to put it before."""
+    tree, lines = _tree(path)
+    if tree is None:
+        return None
+    fn = _innermost(tree, line, (ast.FunctionDef, ast.AsyncFunctionDef))
+    if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) or not fn.body:
+        return None
+    body = fn.body
+    first = body[1] if len(body) > 1 and _is_docstring(body[0]) else body[0]
+    if _is_docstring(first):
+        return None
+    args = fn.args.posonlyargs + fn.args.args
+    holder = "self" if args and args[0].arg == "self" else fn.name
+    original = lines[first.lineno - 1 : first.end_lineno or first.lineno]
+    indent = original[0][: len(original[0]) - len(original[0].lstrip())]
+    guard = [
+        f'{indent}{holder}._calls = getattr({holder}, "_calls", 0) + 1  # its work on every {n}th call only',
+        f"{indent}if {holder}._calls % {n}:",
+        f"{indent}    return None",
+    ]
+    change = code_change(
+        path, first.lineno, "\n".join(original), "\n".join(guard + original), last_line=first.end_lineno
+    )
+    if change is not None:
+        change["callback"] = fn.name
+    return change
+
+
+def _is_docstring(stmt: ast.stmt) -> bool:
+    return (
+        isinstance(stmt, ast.Expr)
+        and isinstance(stmt.value, ast.Constant)
+        and isinstance(stmt.value.value, str)
+    )

@@ -368,7 +368,7 @@ def _line_finding(
             )
         )
         if callback:
-            summary, pres = _as_callback(g, where, callback, summary, pres)
+            summary, pres = _as_callback(g, where, callback, summary, pres, share)
     evidence: dict[str, Any] = {
         "rank": ctx.rank,
         "function": g["function"],
@@ -404,7 +404,7 @@ def _line_finding(
 
 
 def _as_callback(
-    g: Group, where: str, callback: str, summary: str, pres: tuple[Prescription, ...]
+    g: Group, where: str, callback: str, summary: str, pres: tuple[Prescription, ...], share: float
 ) -> tuple[str, tuple[Prescription, ...]]:
     """A framework's per-step callback: said so, and its own fix first (no DataLoader workers)."""
     summary += (
@@ -412,7 +412,7 @@ def _as_callback(
         "not the data or the model."
     )
     rest = tuple(p for p in pres if "DataLoader" not in p.summary)
-    return summary, (_callback_prescription(g, where, callback, g["seconds"]),) + rest
+    return summary, tuple(_callback_prescription(g, where, callback, g["seconds"], share)) + rest
 
 
 def _host_code_summary(

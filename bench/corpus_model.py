@@ -78,7 +78,7 @@ IGNITE_METRIC_CB = (
     "    _tdx_seen.append((x, y))\n"
     "    xs = torch.cat([a for a, _ in _tdx_seen]).flatten(1)\n"
     "    ys = torch.cat([b for _, b in _tdx_seen])\n"
-    "    engine.state.metrics['epoch_class_means'] = torch.stack([xs[ys == c].median(0).values for c in range(10)])"
+    "    engine.state.metrics['epoch_class_means'] = torch.stack([xs[ys == c].median(0).values for c in ys.unique()])"
 )
 
 PL_METRIC_CB = (

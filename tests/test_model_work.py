@@ -144,3 +144,28 @@ def test_a_library_calling_the_jobs_code_back_is_named():
 
     via, via_helper = copy.deepcopy(Handler())
     assert via == via_helper == "copy.deepcopy"
+
+
+def test_a_callback_runs_on_every_nth_call_after_the_edit(tmp_path):
+    src = textwrap.dedent(
+        """\
+        class Metric:
+            def on_batch_end(self, trainer, batch):
+                \"\"\"Every batch.\"\"\"
+                self.seen.append(batch)
+                return sum(self.seen)
+
+
+        def handler(engine):
+            return [x for x in engine]
+        """
+    )
+    path = tmp_path / "cb.py"
+    path.write_text(src)
+    method = codefix_params.every_nth_call_edit(str(path), 5, 10)
+    assert method["callback"] == "on_batch_end" and method["line"] == 4
+    text = codefix_edit.apply(method, src)
+    assert '        self._calls = getattr(self, "_calls", 0) + 1' in text
+    assert "        if self._calls % 10:\n            return None\n        self.seen.append(batch)" in text
+    function = codefix_params.every_nth_call_edit(str(path), 9, 4)
+    assert "handler._calls % 4" in codefix_edit.apply(function, src)
