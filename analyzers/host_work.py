@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, cast
 import pandas as pd
 
 from traindx.analyzers import evidence as ev
-from traindx.analyzers import stability
+from traindx.analyzers import hooks, stability
 from traindx.analyzers.declaration import Declaration
 from traindx.analyzers.findings import Finding, Prescription
 from traindx.analyzers.host_work_code import MIN_SAMPLES as MIN_SAMPLES  # re-exported: the tests read it here
@@ -51,6 +51,8 @@ from traindx.analyzers.host_work_prescriptions import _async_edit as _async_edit
 from traindx.analyzers.host_work_prescriptions import (
     _call_name,
     _call_of_kind,
+    _callback_dispatch,
+    _callback_prescription,
     _prescriptions,
     kind_of,
 )
@@ -238,6 +240,8 @@ def _analyze_rank(run: RunRecord, rank: str) -> list[Finding]:
     from_ledger = bool(groups)
     if not groups:
         groups = _groups_from_pyspy(run, rank, led)
+    in_hooks = hooks.hook_functions(run)  # the hooks analyzer names the lines of the job's hooks
+    groups = [g for g in groups if (str(g["function"]), str(g["file"])) not in in_hooks]
     ctx = _Rank(
         run=run,
         rank=rank,
@@ -373,9 +377,10 @@ def _line_finding(
         pres = ()
     else:
         every = f" on every {ordinal(period['period'])} step" if period else ""
+        callback = _callback_dispatch(g)
         title = (
-            f"Host work in the training loop{every}: {g['function']}() at {where}, "
-            f"{seconds * 1e3:.0f} ms a step ({share:.0%})"
+            f"{'A framework callback' if callback else 'Host work in the training loop'}{every}: "
+            f"{g['function']}() at {where}, {seconds * 1e3:.0f} ms a step ({share:.0%})"
         )
         severity = _severity(kind, share, ctx.has_gpu)
         what = KIND_TEXT[kind] + (f" ({call})" if call else "")
@@ -393,6 +398,8 @@ def _line_finding(
                 period["period"] if period else None,
             )
         )
+        if callback:
+            summary, pres = _as_callback(g, where, callback, summary, pres, share)
     evidence: dict[str, Any] = {
         "rank": ctx.rank,
         "function": g["function"],
@@ -405,6 +412,8 @@ def _line_finding(
         "method": g["method"],
         "step_s": round(ctx.step_s, 5),
     }
+    if g.get("via"):
+        evidence["called_by"] = g["via"]
     for k in ("samples", "share_of_loop_samples", "runqueue_wait", "priced_by"):
         if g.get(k) is not None:
             evidence[k] = g[k]
@@ -423,6 +432,18 @@ def _line_finding(
         prescriptions=pres,
         ranks=(ctx.rank,),
     )
+
+
+def _as_callback(
+    g: Group, where: str, callback: str, summary: str, pres: tuple[Prescription, ...], share: float
+) -> tuple[str, tuple[Prescription, ...]]:
+    """A framework's per-step callback: said so, and its own fix first (no DataLoader workers)."""
+    summary += (
+        f" The framework calls it back on every step ({callback}): it is the job's callback, "
+        "not the data or the model."
+    )
+    rest = tuple(p for p in pres if "DataLoader" not in p.summary)
+    return summary, tuple(_callback_prescription(g, where, callback, g["seconds"], share)) + rest
 
 
 def _host_code_summary(

@@ -266,7 +266,11 @@ def _groups_from_ledger(table: pd.DataFrame, rank: str, led: pd.DataFrame) -> An
     n = max(1, len(led))
     out = []
     waits = "runq_s" in t and t["runq_s"].notna().any()
-    for (fn, file, line, call), g in t.groupby(["function", "file", "line", "call"], dropna=False):
+    if "via" not in t:
+        t = t.assign(via=None)
+    for (fn, file, line, call, via), g in t.groupby(
+        ["function", "file", "line", "call", "via"], dropna=False
+    ):
         per_step = g.groupby("step")["seconds"].sum()
         out.append(
             {
@@ -274,6 +278,7 @@ def _groups_from_ledger(table: pd.DataFrame, rank: str, led: pd.DataFrame) -> An
                 "file": file,
                 "line": int(line),
                 "call": call,
+                "via": via if isinstance(via, str) else None,
                 "lib_file": None,
                 "seconds": float(per_step.sum()) / n,
                 "runq_s": float(g["runq_s"].fillna(0.0).sum()) / n if waits else None,

@@ -4,13 +4,15 @@ fit it, with a concrete edit (the line run on a background thread) where one exi
 from __future__ import annotations
 
 import ast
+import math
 import os
 import re
 from typing import Any
 
+from traindx.analyzers import codefix_params
 from traindx.analyzers.codefix import _innermost, _tree
 from traindx.analyzers.findings import Prescription
-from traindx.analyzers.host_work_code import _module_of
+from traindx.analyzers.host_work_code import Group, _module_of
 from traindx.common.units import ordinal
 
 # the kind of work a line ends in -> how it reads
@@ -197,4 +199,54 @@ def _prescriptions(
                 expected_gain_s_per_step=seconds,
             )
         )
+    return out
+
+
+# a framework's callback or event dispatch (whatever the framework: Lightning's _call_callback_hooks,
+# HF's CallbackHandler.call_event, Ignite's Engine._fire_event, Keras' CallbackList, skorch's notify)
+_DISPATCH = re.compile(r"callback|event|notify|fire|dispatch|handler", re.IGNORECASE)
+
+
+def _callback_dispatch(g: Group) -> str | None:
+    """The framework function that calls this host line's function back on every step, when it
+    dispatches callbacks or events (or the function is an `on_*` callback method)."""
+    via = g.get("via")
+    if not isinstance(via, str) or not via:
+        return None
+    own = str(g.get("function") or "").rsplit(".", 1)[-1]
+    if _DISPATCH.search(via.rsplit(".", 1)[-1]) or own.startswith("on_"):
+        return via
+    return None
+
+
+def _callback_prescription(
+    g: Group, where: str, via: str, seconds: float, share: float
+) -> list[Prescription]:
+    """Its own fixes: the edit that runs it on every n-th call only (n puts it under 2 % of the
+    step), which --fix measures, then the words."""
+    out = []
+    n = max(2, min(100, math.ceil(share / 0.02)))
+    edit = codefix_params.every_nth_call_edit(str(g["file"]), int(g["line"]), n) if g.get("file") else None
+    if edit:
+        out.append(
+            Prescription(
+                kind="code",
+                summary=f"run the callback {edit['callback']}() at {where} on every {n}th call only "
+                "(a call counter and an early return at its top)",
+                change={"code": edit},
+                expected_gain_s_per_step=seconds * (1 - 1 / n),
+                automatic=True,
+            )
+        )
+    out.append(
+        Prescription(
+            kind="code",
+            summary=(
+                f"run the callback at {where} less often (the framework's interval or event filter, "
+                "e.g. every N iterations / on epoch end), or update its metric incrementally instead "
+                "of recomputing it over everything seen so far on every batch"
+            ),
+            expected_gain_s_per_step=seconds,
+        )
+    )
     return out

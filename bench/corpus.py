@@ -11,6 +11,8 @@ name the cause at the right line with a prescription a user can apply?
     pl_transformer.py                      Lightning examples/pytorch/basics/transformer.py
     fabric_lm.py                           Lightning examples/fabric/language_model/train.py
     timm_train.py                          huggingface/pytorch-image-models train.py (with --site)
+    ignite_mnist.py                        pytorch/ignite examples/mnist/mnist.py
+Causes inside the model's own work (hook, metric_cb, lr0, outside, badaccum): bench/corpus_model.py.
 This file holds none of their code: it copies them to a scratch folder, writes tiny synthetic
 data beside them, and injects each cause by inserting a line into the scratch copy at a line
 found by a pattern (the training loop's optimizer step, the dataset's __getitem__), so the
@@ -35,6 +37,9 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from corpus_model import MODEL_CAUSES, USABLE_MODEL, _prep_ignite, apply_edits  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -241,6 +246,17 @@ SCRIPTS = {
         setup_anchor=r"^\s+dataset = WikiText2\(\)",
         prepare=_prep_lightning,
     ),
+    "ignite": Script(
+        "ignite",
+        ["ignite_mnist.py"],
+        "ignite_mnist.py",
+        ["--epochs", "1", "--batch_size", "64", "--log_interval", "10"],
+        "ignite_mnist.py",
+        r"^\s+def log_training_loss",
+        "model",
+        "engine.state.output",
+        prepare=_prep_ignite,
+    ),
 }
 
 FLAG_CAUSES = ("recovery2",)  # a script's own flag set on its command line
@@ -353,6 +369,11 @@ def prepare(corpus, script, cause, work, busy_s, at=None):
             + _nest(GRID.format(s=busy_s * 1.36, model=script.model))
         ),
     }
+    if cause in MODEL_CAUSES:
+        where = apply_edits(d, script.name, cause)
+        if where is None:
+            return None
+        return d, env, where
     if (cause in FLAG_CAUSES and cause not in script.flag_causes) or (
         script.only_causes and cause not in script.only_causes
     ):
@@ -587,6 +608,7 @@ USABLE = {
     "keep_loss": r"\.item\(\)|\.detach\(\)",
     "grid2": r"less often|async|every|thread",
     "recovery2": r"--recovery-interval",
+    **USABLE_MODEL,
 }
 
 

@@ -9,7 +9,8 @@ compile; a GC inside a data wait counts once, as GC; a forward and backward insi
 step's closure - Lightning's training_step - count as fwd/bwd, not optimizer).
 
 `forward_backward` (fwd/bwd) is the measured forward (outermost module calls) plus backward and
-nothing else. `host` is the training thread's time between its measured calls (and the parts
+nothing else: the job's own hooks that torch runs inside them (the shim's `hook` spans: module
+and tensor hooks whose code is the job's or a framework's) are host time. `host` is the training thread's time between its measured calls (and the parts
 of an optimizer step's closure outside forward and backward): the job's own loop code,
 `host_code(run)` splits it by the code that ran there. `unexplained` is what no interval covers:
 a rank whose training thread the spans never show (no span at all). Each row sums to its wall
@@ -41,6 +42,7 @@ from traindx.derive.ledger_sweep import (  # noqa: F401  (re-exported)
     SPAN_CATEGORY,
     STARTUP_STEP,
     SWEEP_CLOSURE,
+    SWEEP_HOOK,
     SWEEP_HOST,
     TRAINING_THREAD_ONLY,
     Array,
@@ -85,15 +87,27 @@ def has_spans(run: RunView) -> bool:
 
 
 # -- what ran inside the host line --------------------------------------------------------------
-HOST_CODE_COLUMNS = ["rank", "step", "function", "file", "line", "call", "seconds", "samples", "runq_s"]
+HOST_CODE_COLUMNS = [
+    "rank",
+    "step",
+    "function",
+    "file",
+    "line",
+    "call",
+    "seconds",
+    "samples",
+    "runq_s",
+    "via",
+]
 
 
 def host_samples(run: RunView) -> pd.DataFrame:
     """The shim's samples of the training thread (hostsample.py), one row each: rank, pid, tid,
-    t_ns, function, file, line, call, runq_frac (the share of the time since the thread's
+    t_ns, function, file, line, call, via (the library function that called the job's frame
+    back: a framework's callback dispatch; None for the loop's own calls), runq_frac (the share of the time since the thread's
     previous sample that it spent runnable but waiting for a core; NaN where the shim could not
     read the kernel's run-queue delay, or for a thread's first sample)."""
-    cols = ["rank", "pid", "tid", "t_ns", "function", "file", "line", "call", "runq_frac"]
+    cols = ["rank", "pid", "tid", "t_ns", "function", "file", "line", "call", "via", "runq_frac"]
     ev = run.of_type("host_samples")
     frames = run.of_type("host_frame")
     if not len(ev) or not len(frames) or "dt_us" not in ev:
@@ -126,6 +140,7 @@ def host_samples(run: RunView) -> pd.DataFrame:
             "file": frames["file"].to_numpy(object),
             "line": frames["line"].to_numpy(object),
             "call": frames["call"].to_numpy(object) if "call" in frames else None,
+            "via": frames["via"].to_numpy(object) if "via" in frames else None,
         }
     )
     keys = keys.drop_duplicates(["rank", "pid", "k"], keep="last")
@@ -187,7 +202,7 @@ def host_code(run: RunView) -> pd.DataFrame:
             if not len(mine):
                 continue
             cat = categories_at(spans, comp, ws, we, t, residual=not forward)
-            host = (cat == SWEEP_HOST) | (cat == SWEEP_CLOSURE)
+            host = (cat == SWEEP_HOST) | (cat == SWEEP_CLOSURE) | (cat == SWEEP_HOOK)
             kept.append(
                 mine[host].assign(
                     step=rows_["step"].to_numpy(np.int64)[w[host]],
@@ -197,9 +212,9 @@ def host_code(run: RunView) -> pd.DataFrame:
         if not kept:
             return pd.DataFrame(columns=HOST_CODE_COLUMNS)
         df = pd.concat(kept, ignore_index=True)
-        for col in ("function", "file", "call"):
+        for col in ("function", "file", "call", "via"):
             df[col] = df[col].astype(object).where(df[col].notna(), "")
-        keys = ["rank", "step", "function", "file", "line", "call"]
+        keys = ["rank", "step", "function", "file", "line", "call", "via"]
         # a thread's first sample has no interval before it: its rank's mean share
         df["runq_frac"] = df["runq_frac"].fillna(df.groupby("rank")["runq_frac"].transform("mean"))
         g = df.groupby(keys, sort=False, dropna=False).agg(
@@ -213,6 +228,7 @@ def host_code(run: RunView) -> pd.DataFrame:
         g["samples"] = g["n"].astype("int64")
         g["runq_s"] = g["host_s"] * g["runq"] / total
         g["call"] = g["call"].where(g["call"] != "", None)
+        g["via"] = g["via"].where(g["via"] != "", None)
         g = g.sort_values(["rank", "step", "seconds"], ascending=[True, True, False], kind="stable")
         return g.reset_index(drop=True)[HOST_CODE_COLUMNS]
 

@@ -30,7 +30,8 @@ CATEGORIES = (
     "optimizer",
     "host",
 )
-# the sweep's own order: an optimizer step's closure is host time, and beats the optimizer line
+# the sweep's own order: an optimizer step's closure is host time, and beats the optimizer line;
+# the job's hooks inside forward and backward (the shim's `hook` spans) are host time too
 _SWEEP = (
     "compile",
     "autotune",
@@ -39,6 +40,7 @@ _SWEEP = (
     "sync",
     "collective",
     "data",
+    "hook",
     "forward_backward",
     "closure",
     "optimizer",
@@ -161,14 +163,15 @@ def _sweep(win_start: Array, win_end: Array, intervals: Intervals) -> Array:
 
 
 SWEEP_CLOSURE, SWEEP_HOST = _SWEEP.index("closure"), _SWEEP.index("host")
-_TO_PUBLIC = [i for i, c in enumerate(_SWEEP) if c != "closure"] + [len(_SWEEP)]
+SWEEP_HOOK = _SWEEP.index("hook")
+_TO_PUBLIC = [i for i, c in enumerate(_SWEEP) if c not in ("closure", "hook")] + [len(_SWEEP)]
 
 
 def _fold(ns: Array) -> Array:
     """The sweep's columns (_SWEEP + unexplained) as the ledger's (CATEGORIES + unexplained):
-    a closure's own time is host time."""
+    a closure's own time and the job's hooks are host time."""
     ns = ns.copy()
-    ns[:, SWEEP_HOST] += ns[:, SWEEP_CLOSURE]
+    ns[:, SWEEP_HOST] += ns[:, SWEEP_CLOSURE] + ns[:, SWEEP_HOOK]
     return ns[:, _TO_PUBLIC]
 
 

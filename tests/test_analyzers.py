@@ -1106,7 +1106,7 @@ def test_host_code_whose_lines_call_no_library_still_names_the_top_line(monkeypa
     code = ledger.host_code(run).copy()
     assert len(code)
     code["call"] = float("nan")
-    monkeypatch.setattr(ledger, "host_code", lambda _run: code)
+    monkeypatch.setattr(gpu_idle, "host_code", lambda _run: code)
     steps = sorted(set(code["step"]))
     top = gpu_idle._host_code_top(run, str(code["rank"].iloc[0]), steps)
     assert top is not None

@@ -59,6 +59,8 @@ def test_every_analyzer_module_declares_itself_and_the_registry_keeps_its_order(
         "gpu_math",
         "ranks",
         "stability",
+        "hooks",
+        "param_use",
         "host_work",
         "threads",
         "switches",

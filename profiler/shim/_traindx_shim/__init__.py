@@ -233,9 +233,11 @@ def activate() -> None:
     compiles.register()
     torchcalls.register()
     torchprof.register()
-    from . import math_patches, runtime_patches, spans
+    from . import hooktime, math_patches, paramuse, runtime_patches, spans
 
     spans.register()  # time ledger spans
+    paramuse.register()  # gradients nobody updates, optimizer steps per backward
+    hooktime.register()  # the job's hooks and callbacks inside the step
     from . import gputime
 
     gputime.register()  # GPU busy/idle per step (CUDA events at the measured boundaries)

@@ -8,6 +8,8 @@ A daemon thread (`traindx-hostsample`) wakes TRAINDX_HOST_SAMPLE_HZ times a seco
 
   function, file, line  the innermost frame of the job's own code (outside site-packages and
                         the standard library; the leaf when every frame is a library's)
+  via                   the library function that called that frame back when the job's code
+                        is further up the stack too (a framework's callback dispatch), or None
   call                  what the stack ends in: the callee of the leaf frame's pending call
                         when it is a C function or a name the bytecode shows (`time.sleep`,
                         `numpy.load`, `f.read`), else the leaf frame's module.function
@@ -183,16 +185,37 @@ def _key_id(leaf: FrameType) -> int:
     own = user or leaf
     code = own.f_code
     call = _call_of(leaf)
-    key = (getattr(code, "co_qualname", code.co_name), code.co_filename, own.f_lineno, call)
+    key = (getattr(code, "co_qualname", code.co_name), code.co_filename, own.f_lineno, call, _via(user))
     got = _keys.get(key)
     if got is None:
         if len(_keys) >= MAX_KEYS:
-            key = ("(other)", "", 0, None)
+            key = ("(other)", "", 0, None, None)
             got = _keys.get(key)
         if got is None:
             got = _keys[key] = len(_keys)
             _new_keys.append(got)
     return got
+
+
+def _via(user: FrameType | None) -> str | None:
+    """The library function that called the job's frame back, when the job's code is further up
+    the stack too (a framework's callback or event dispatch calling the job's handler): its
+    module.qualname; None for code the job's own loop calls."""
+    if user is None:
+        return None
+    caller = user.f_back
+    while caller is not None and not _library_file(caller.f_code.co_filename)[0]:
+        caller = caller.f_back  # up through the job's own frames (a helper the callback calls)
+    if caller is None:
+        return None
+    frame = caller.f_back
+    while frame is not None:
+        if not _library_file(frame.f_code.co_filename)[0]:
+            module = _library_file(caller.f_code.co_filename)[1]
+            code = caller.f_code
+            return f"{module}.{getattr(code, 'co_qualname', code.co_name)}" if module else None
+        frame = frame.f_back
+    return None
 
 
 def _call_of(leaf: FrameType) -> str | None:
@@ -310,6 +333,7 @@ def flush(step: int) -> None:
                         file=key[1],
                         line=key[2],
                         call=key[3],
+                        via=key[4],
                     )
         if taken:
             t0 = taken[0][0]

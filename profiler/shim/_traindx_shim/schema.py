@@ -47,6 +47,9 @@ DDP = "ddp"  # a DDP reducer ran (group)
 EMPTY_CACHE = "empty_cache"  # torch.cuda.empty_cache() called (caller)
 TENSOR_ORIGIN = "tensor_origin"  # the line that made a tensor argument (max_seqlen)
 SWITCH = "switch"  # a process-wide setting that taxes every op (name, value, on, via, caller, step)
+PARAM_USE = "param_use"  # parameters with a gradient that no optimizer updates (paramuse.py)
+GRAD_ACCUM = "grad_accum"  # backward, optimizer steps and clips per step, the loss scale
+HOOK_SITE = "hook_site"  # a hook or callback of the job timed in the step (id, kind, function, file, line)
 
 # -- torch.profiler window ----------------------------------------------------------------------
 TORCH_PROFILE_START = "torch_profile_start"
@@ -93,6 +96,9 @@ EVENT_TYPES = frozenset(
         EMPTY_CACHE,
         TENSOR_ORIGIN,
         SWITCH,
+        PARAM_USE,
+        GRAD_ACCUM,
+        HOOK_SITE,
         TORCH_PROFILE_START,
         TORCH_PROFILE,
         TORCH_PROFILE_AFTER,

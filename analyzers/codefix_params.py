@@ -1,0 +1,169 @@
+"""Edits of the job's own code for work nobody uses (judge layer, fix planning): a module whose
+parameters get gradients no optimizer uses frozen where it is built, and an optimizer step taken
+every micro-batch put under the accumulation condition the loss is scaled for."""
+
+from __future__ import annotations
+
+import ast
+import re
+from typing import Any
+
+from traindx.analyzers.codefix_edit import code_change
+from traindx.analyzers.codefix_source import _innermost, _tree
+
+ACCUMULATION = re.compile(r"accum", re.IGNORECASE)  # how frameworks and scripts name the setting
+OPTIMIZER_CALLS = ("step", "zero_grad", "clip_grad_norm_", "clip_grad_value_", "update", "unscale_")
+
+
+def _segment(lines: list[str], node: ast.AST) -> str:
+    first, last = node.lineno, node.end_lineno or node.lineno  # type: ignore[attr-defined]
+    return "\n".join(lines[first - 1 : last])
+
+
+def freeze_edit(path: str, line: int) -> dict[str, Any] | None:
+    """`<target>.requires_grad_(False)` inserted after the assignment at path:line that builds
+    the module (`self.encoder = Encoder(...)`), or None when that line assigns no single name
+    or attribute."""
+    tree, lines = _tree(path)
+    if tree is None:
+        return None
+    stmt = _innermost(tree, line, (ast.Assign, ast.AnnAssign))
+    if stmt is None:
+        return None
+    targets = (
+        stmt.targets
+        if isinstance(stmt, ast.Assign)
+        else [stmt.target]
+        if isinstance(stmt, ast.AnnAssign)
+        else []
+    )
+    if len(targets) != 1 or not isinstance(targets[0], (ast.Name, ast.Attribute)):
+        return None
+    target = ast.unparse(targets[0])
+    return code_change(
+        path,
+        stmt.lineno,
+        _segment(lines, stmt),
+        f"{target}.requires_grad_(False)",
+        last_line=stmt.end_lineno,
+        op="insert_after",
+    )
+
+
+def _calls_optimizer(stmt: ast.stmt) -> bool:
+    for node in ast.walk(stmt):
+        if isinstance(node, ast.Call):
+            f = node.func
+            name = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else ""
+            if name in OPTIMIZER_CALLS:
+                return True
+    return False
+
+
+def _counter(loop: ast.For) -> str | None:
+    """The loop's micro-batch counter: `for i in ...` or `for i, batch in enumerate(...)`."""
+    target = loop.target
+    if isinstance(target, ast.Name):
+        return target.id
+    if (
+        isinstance(target, ast.Tuple)
+        and target.elts
+        and isinstance(target.elts[0], ast.Name)
+        and isinstance(loop.iter, ast.Call)
+        and isinstance(loop.iter.func, ast.Name)
+        and loop.iter.func.id == "enumerate"
+    ):
+        return target.elts[0].id
+    return None
+
+
+def accumulation_divisor(path: str, line: int, scale: float) -> str | None:
+    """The expression the loss is divided by in the loop holding path:line when it names the
+    job's accumulation setting (or is the number `scale` itself, in a file that names one)."""
+    tree, lines = _tree(path)
+    if tree is None:
+        return None
+    loop = _innermost(tree, line, (ast.For, ast.While))
+    scope = loop if loop is not None else tree
+    text = "\n".join(lines)
+    for node in ast.walk(scope):
+        if isinstance(node, (ast.BinOp, ast.AugAssign)) and isinstance(node.op, ast.Div):
+            right = ast.unparse(node.right if isinstance(node, ast.BinOp) else node.value)
+            if ACCUMULATION.search(right):
+                return right
+            try:
+                value = float(ast.literal_eval(right))
+            except (ValueError, SyntaxError, TypeError):
+                continue
+            if value == scale and ACCUMULATION.search(text):
+                return right
+    return None
+
+
+def accumulate_edit(path: str, step_line: int, divisor: str) -> dict[str, Any] | None:
+    """The run of statements of the loop's body around the optimizer step at path:step_line
+    (the clipping before it, the step, a zero_grad after it) put under
+    `if (i + 1) % <divisor> == 0:` of the loop's counter; None when the loop has no counter."""
+    tree, lines = _tree(path)
+    if tree is None:
+        return None
+    loop = _innermost(tree, step_line, ast.For)
+    if loop is None:
+        return None
+    counter = _counter(loop)
+    body = loop.body
+    at = next((i for i, s in enumerate(body) if s.lineno <= step_line <= (s.end_lineno or s.lineno)), None)
+    if counter is None or at is None:
+        return None
+    first_i = last_i = at
+    while first_i > 0 and _calls_optimizer(body[first_i - 1]):
+        first_i -= 1
+    while last_i + 1 < len(body) and _calls_optimizer(body[last_i + 1]):
+        last_i += 1
+    first, last = body[first_i].lineno, body[last_i].end_lineno or body[last_i].lineno
+    original = lines[first - 1 : last]
+    indent = original[0][: len(original[0]) - len(original[0].lstrip())]
+    after = [f"{indent}if ({counter} + 1) % {divisor} == 0:"] + [
+        "    " + ln if ln.strip() else ln for ln in original
+    ]
+    return code_change(path, first, "\n".join(original), "\n".join(after), last_line=last)
+
+
+def every_nth_call_edit(path: str, line: int, n: int) -> dict[str, Any] | None:
+    """The function holding path:line (a callback the framework calls every step) made to do its
+    work on every n-th call only: a call counter and an early return put before its first
+    statement (after its docstring); on `self` for a method, on the function itself otherwise.
+    None when the line is in no function or the function has no statement to put it before."""
+    tree, lines = _tree(path)
+    if tree is None:
+        return None
+    fn = _innermost(tree, line, (ast.FunctionDef, ast.AsyncFunctionDef))
+    if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) or not fn.body:
+        return None
+    body = fn.body
+    first = body[1] if len(body) > 1 and _is_docstring(body[0]) else body[0]
+    if _is_docstring(first):
+        return None
+    args = fn.args.posonlyargs + fn.args.args
+    holder = "self" if args and args[0].arg == "self" else fn.name
+    original = lines[first.lineno - 1 : first.end_lineno or first.lineno]
+    indent = original[0][: len(original[0]) - len(original[0].lstrip())]
+    guard = [
+        f'{indent}{holder}._calls = getattr({holder}, "_calls", 0) + 1  # its work on every {n}th call only',
+        f"{indent}if {holder}._calls % {n}:",
+        f"{indent}    return None",
+    ]
+    change = code_change(
+        path, first.lineno, "\n".join(original), "\n".join(guard + original), last_line=first.end_lineno
+    )
+    if change is not None:
+        change["callback"] = fn.name
+    return change
+
+
+def _is_docstring(stmt: ast.stmt) -> bool:
+    return (
+        isinstance(stmt, ast.Expr)
+        and isinstance(stmt.value, ast.Constant)
+        and isinstance(stmt.value.value, str)
+    )

@@ -1,0 +1,171 @@
+"""Work inside the model's own step judged: gradients nobody uses, an optimizer that steps every
+micro-batch where the loss is scaled for accumulation, and the job's hooks booked as host work.
+
+One real tiny job with all three (tests/jobs/model_work.py) and its healthy twin, each recorded
+once under `diagnose` and checked for several things; the source edits on small files."""
+
+import json
+import os
+import textwrap
+
+import pytest
+
+from tests.helpers import PY, ROOT, diagnose, only_run_dir
+from traindx.analyzers import codefix_edit, codefix_params
+from traindx.derive import ledger
+from traindx.derive.run import load_run
+
+JOB = os.path.join(ROOT, "tests", "jobs", "model_work.py")
+
+
+def _record(tmp_path_factory, name, *args, env=None):
+    out = tmp_path_factory.mktemp(name)
+    proc = diagnose(["--quiet", "--no-pyspy", "--out", str(out), "--", PY, JOB, *args], cwd=ROOT, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    run_dir = only_run_dir(str(out))
+    with open(os.path.join(run_dir, "findings.json")) as f:
+        return run_dir, json.load(f)
+
+
+@pytest.fixture(scope="module")
+def sick(tmp_path_factory):
+    return _record(tmp_path_factory, "sick")
+
+
+@pytest.fixture(scope="module")
+def healthy(tmp_path_factory):
+    return _record(tmp_path_factory, "healthy", "--healthy")
+
+
+def _by_id(findings, fid):
+    return [f for f in findings if f["id"] == fid]
+
+
+@pytest.mark.slow
+def test_unused_gradients_named_at_the_line_that_builds_them(sick):
+    _, findings = sick
+    (f,) = _by_id(findings, "param_use.unused_grads")
+    assert f["severity"] in ("medium", "high")
+    (module,) = f["evidence"]["modules"]
+    assert module["module"] == "encoder" and module["reason"] == "lr0"
+    assert module["built"]["file"] == JOB and module["built"]["line"] == 23  # self.encoder = ...
+    code, runtime = f["prescriptions"][0], f["prescriptions"][1]
+    assert code["automatic"] and code["change"]["code"]["op"] == "insert_after"
+    assert code["change"]["code"]["after"] == "self.encoder.requires_grad_(False)"
+    assert runtime["change"] == {"runtime": {"patch": "freeze_unused_params"}}
+    assert f["seconds_lost_per_step"] > 0
+
+
+@pytest.mark.slow
+def test_step_every_micro_batch_named_with_its_lines(sick):
+    _, findings = sick
+    (f,) = _by_id(findings, "param_use.step_per_microbatch")
+    ev = f["evidence"]
+    assert ev["loss_scale"] == 4 and ev["divisor"] == "grad_accum_steps"
+    assert ev["sites"]["optimizer"]["line"] == 57 and ev["sites"]["clip"]["line"] == 56
+    assert "model_work.py:57" in f["title"] and "model_work.py:56" in f["title"]
+    edit = f["prescriptions"][0]["change"]["code"]
+    assert edit["after"].lstrip().startswith("if (i + 1) % grad_accum_steps == 0:")
+    assert not f["prescriptions"][0]["automatic"]  # it changes what a step is: by hand
+
+
+@pytest.mark.slow
+def test_hook_is_host_work_not_the_models_compute(sick):
+    run_dir, findings = sick
+    (f,) = _by_id(findings, "hooks.in_step")
+    assert f["evidence"]["function"] == "record" and f["evidence"]["line"] == 36
+    assert f["evidence"]["kind"] == "forward hook"
+    assert f["prescriptions"][0]["change"]["runtime"]["patch"].endswith("model_work.py:36")
+    # the ledger books the hook's calls as host, never as fwd/bwd; host_work leaves its lines
+    led = ledger.steady_rows(load_run(run_dir))
+    assert float(led["host_s"].mean()) >= f["seconds_lost_per_step"] * 0.9
+    assert not [x for x in findings if x["id"] == "host_work.code" and "record" in x["title"]]
+
+
+@pytest.mark.slow
+def test_healthy_twin_is_quiet(healthy):
+    run_dir, findings = healthy
+    loud = [
+        f["id"]
+        for f in findings
+        if f["severity"] not in ("info", "low") and not f["id"].startswith("verdict.")
+    ]
+    assert not [i for i in loud if i.startswith(("param_use.", "hooks."))], loud
+    run = load_run(run_dir)
+    events = run.of_type("param_use")
+    assert len(events) and int(events["unused_numel"].iloc[-1]) == 0
+    # the job's cheap tensor hook is known (and costs no finding)
+    assert "tensor hook" in set(run.of_type("hook_site")["kind"])
+
+
+def test_freeze_edit_and_accumulate_edit_apply(tmp_path):
+    src = textwrap.dedent(
+        """\
+        import torch
+        class M(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.body = torch.nn.Linear(
+                    4, 4)
+        accum = 2
+        for step, batch in enumerate(range(8)):
+            loss = batch / accum
+            loss.backward()
+            # keep it stable
+            torch.nn.utils.clip_grad_norm_([], 1.0)
+            opt.step()
+            opt.zero_grad()
+            log(step)
+        """
+    )
+    path = tmp_path / "train.py"
+    path.write_text(src)
+    freeze = codefix_params.freeze_edit(str(path), 5)
+    assert freeze and freeze["last_line"] == 6 and freeze["after"] == "self.body.requires_grad_(False)"
+    assert codefix_params.accumulation_divisor(str(path), 10, 2.0) == "accum"
+    acc = codefix_params.accumulate_edit(str(path), 13, "accum")
+    text = codefix_edit.apply(acc, src)
+    assert "    if (step + 1) % accum == 0:\n        torch.nn.utils.clip_grad_norm_" in text
+    assert "        opt.zero_grad()\n    log(step)" in text
+
+
+def test_a_library_calling_the_jobs_code_back_is_named():
+    import copy
+    import sys
+
+    from traindx.profiler.shim._traindx_shim import hostsample
+
+    class Handler:
+        def __deepcopy__(self, memo):  # the standard library's copy calls the job's code back
+            return [hostsample._via(sys._getframe()), helper()]
+
+    def helper():
+        return hostsample._via(sys._getframe())
+
+    via, via_helper = copy.deepcopy(Handler())
+    assert via == via_helper == "copy.deepcopy"
+
+
+def test_a_callback_runs_on_every_nth_call_after_the_edit(tmp_path):
+    src = textwrap.dedent(
+        """\
+        class Metric:
+            def on_batch_end(self, trainer, batch):
+                \"\"\"Every batch.\"\"\"
+                self.seen.append(batch)
+                return sum(self.seen)
+
+
+        def handler(engine):
+            return [x for x in engine]
+        """
+    )
+    path = tmp_path / "cb.py"
+    path.write_text(src)
+    method = codefix_params.every_nth_call_edit(str(path), 5, 10)
+    assert method["callback"] == "on_batch_end" and method["line"] == 4
+    text = codefix_edit.apply(method, src)
+    assert '        self._calls = getattr(self, "_calls", 0) + 1' in text
+    assert "        if self._calls % 10:\n            return None\n        self.seen.append(batch)" in text
+    function = codefix_params.every_nth_call_edit(str(path), 9, 4)
+    assert "handler._calls % 4" in codefix_edit.apply(function, src)
