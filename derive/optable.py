@@ -1,0 +1,115 @@
+"""The op table: every recorded op of a multi-rank job, one row each, whatever recorded it.
+
+Columns (`COLUMNS`): rank, dp, pp, tp (the rank's data-, pipeline- and tensor-parallel
+coordinates), step, mb (micro-batch, -1 where the op has none), optype (Megatron's timer names,
+`OpType`), seq (the op's order among the ops of its type on its rank in its step), start and
+duration (seconds; start on any axis, each step is made relative to its own first op), chunk and
+gchunk (the model chunk on the stage and in the whole model under an interleaved schedule; -1
+where unknown). Readers of each evidence format (`traindx.profiler.straggler_trace`,
+`megatron_timers`, ...) return this table; `traindx.derive.depmodel` and `replay` read only it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+
+COLUMNS = ("rank", "dp", "pp", "tp", "step", "mb", "optype", "seq", "start", "duration", "chunk", "gchunk")
+INT_COLUMNS = ("rank", "dp", "pp", "tp", "step", "mb", "seq", "chunk", "gchunk")
+
+
+class OpType:
+    """Op types, named as Megatron's timers name them."""
+
+    FWD = "forward-compute"
+    BWD = "backward-compute"
+    FWD_SEND = "forward-send"
+    FWD_RECV = "forward-recv"
+    BWD_SEND = "backward-send"
+    BWD_RECV = "backward-recv"
+    PARAMS_AG = "params-all-gather"
+    GRADS_RS = "grads-reduce-scatter"
+    GRADS_AR = "grads-all-reduce"  # plain DDP: one all-reduce of the gradients per step (or bucket)
+    SEPARATE_AR = "separate-grads-all-reduce"
+    LAYERNORM_AR = "layernorm-grads-all-reduce"
+    EMBEDDING_AR = "embedding-grads-all-reduce"
+    CLIP = "optimizer-clip-main-grad"
+    OPTIMIZER = "optimizer"
+    GC = "gc"
+
+    COMPUTE = (FWD, BWD)
+    P2P = (FWD_SEND, FWD_RECV, BWD_SEND, BWD_RECV)
+    DP_COMM = (PARAMS_AG, GRADS_RS, GRADS_AR, SEPARATE_AR)
+    # ops that move data between ranks: the ideal duration is their median, not their mean
+    COMM = (*P2P, *DP_COMM, LAYERNORM_AR, EMBEDDING_AR, CLIP)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The job's parallel layout as far as the op table shows it (TP ranks fold into a worker)."""
+
+    dp: int
+    pp: int
+    tp: int
+    vpp: int  # model chunks per stage (1: no interleaving)
+    dp_sync: bool  # data-parallel collectives present (dp > 1, or a context-parallel split)
+
+    @property
+    def workers(self) -> int:
+        return self.dp * self.pp
+
+
+def normalize(table: pd.DataFrame) -> pd.DataFrame:
+    """The table with every column of `COLUMNS`, typed, starts relative to each step's first op,
+    sorted by step, rank, start. Missing optional columns get their defaults; a missing
+    required one raises ValueError."""
+    required = {"rank", "step", "optype", "start", "duration"}
+    missing = required - set(table.columns)
+    if missing:
+        raise ValueError(f"op table lacks the columns {sorted(missing)}")
+    out = pd.DataFrame(index=table.index)
+    for col, default in (("dp", None), ("pp", 0), ("tp", 0), ("mb", -1), ("chunk", -1), ("gchunk", -1)):
+        if col in table.columns:
+            out[col] = table[col].to_numpy()
+        elif col == "dp":
+            out[col] = table["rank"].to_numpy()
+        else:
+            out[col] = default
+    out["rank"] = table["rank"].to_numpy()
+    out["step"] = table["step"].to_numpy()
+    out["optype"] = table["optype"].astype(str).to_numpy()
+    out["start"] = table["start"].to_numpy(dtype=np.float64)
+    out["duration"] = np.clip(table["duration"].to_numpy(dtype=np.float64), 0.0, None)
+    if not np.isfinite(out["start"].to_numpy()).all() or not np.isfinite(out["duration"].to_numpy()).all():
+        raise ValueError("op table holds a start or duration that is not a number")
+    for col in INT_COLUMNS:
+        if col != "seq":
+            out[col] = out[col].astype(np.int64)
+    out["start"] -= out.groupby("step")["start"].transform("min")
+    if "seq" in table.columns:
+        out["seq"] = table["seq"].to_numpy().astype(np.int64)
+    else:
+        out = out.sort_values(["step", "rank", "start"], kind="stable")
+        out["seq"] = out.groupby(["step", "rank", "optype"]).cumcount().astype(np.int64)
+    out["optype"] = out["optype"].astype("category")
+    return out[list(COLUMNS)].sort_values(["step", "rank", "start"], kind="stable").reset_index(drop=True)
+
+
+def layout_of(table: pd.DataFrame, vpp: int | None = None, dp_sync: bool | None = None) -> Layout:
+    """The layout the table shows; `vpp` and `dp_sync` from the job's metadata when known."""
+    dp = int(table["dp"].max()) + 1
+    pp = int(table["pp"].max()) + 1
+    tp = int(table["tp"].max()) + 1
+    if vpp is None:
+        vpp = int(table["chunk"].max()) + 1 if (table["chunk"] >= 0).any() else 1
+    return Layout(dp=dp, pp=pp, tp=tp, vpp=max(1, vpp), dp_sync=dp > 1 if dp_sync is None else dp_sync)
+
+
+def step_times(table: pd.DataFrame) -> pd.Series:
+    """Recorded wall time of each step: its last op's end less its first op's start."""
+    end = table["start"] + table["duration"]
+    frame = pd.DataFrame({"step": table["step"], "start": table["start"], "end": end})
+    grouped = frame.groupby("step")
+    return (grouped["end"].max() - grouped["start"].min()).rename("step_time")

@@ -1,0 +1,198 @@
+"""What-if analysis of a multi-rank job's op table: how much faster would each step be if ...
+
+- the *ideal*: every op took the typical time of its type (mean duration for compute, median
+  transfer for communication); S = replayed step time / ideal step time (the slowdown the
+  stragglers cost);
+- attribution: only one op type, one DP rank, one stage kept as recorded, the rest ideal
+  (S_t, S_dp, S_stage: the slowdown that group alone causes); a worker's score is the smaller of
+  its DP rank's and its stage's;
+- M_W: the share of the slowdown removed by fixing the top 3 % of workers by score; M_S: by
+  fixing the last stage (and each stage: `stage_share`); M_Q: by making each compute op as long as
+  its type's mean *on its own stage* (the compute variation inside a stage: across DP ranks,
+  micro-batches and steps); `micro_batch_spread`: how much the micro-batches of one worker-step
+  differ and whether a micro-batch's forward and backward move together (a long sequence makes
+  both long; a slow worker does not make one micro-batch longer than another).
+
+Pure computation: the numbers; `traindx.analyzers.whatif` judges them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from traindx.derive import depmodel, optable, replay
+from traindx.derive.optable import Layout, OpType
+
+TOP_WORKER_SHARE = 0.03  # M_W fixes this share of the workers (at least one)
+PP_COMM_LABEL = {
+    OpType.FWD_SEND: "forward-pp-comm",
+    OpType.FWD_RECV: "forward-pp-comm",
+    OpType.BWD_SEND: "backward-pp-comm",
+    OpType.BWD_RECV: "backward-pp-comm",
+}
+
+
+@dataclass
+class WhatIf:
+    layout: Layout
+    steps: list[int]
+    recorded: list[float]  # per step, from the table
+    replayed: list[float]  # per step, the model on the recorded work (no launch gaps)
+    ideal: list[float]
+    slowdown: float  # S
+    by_optype: dict[str, float] = field(default_factory=dict)
+    by_dp: dict[int, float] = field(default_factory=dict)
+    by_stage: dict[int, float] = field(default_factory=dict)
+    worker_score: dict[tuple[int, int], float] = field(default_factory=dict)  # (stage, dp) -> score
+    top_workers: list[tuple[int, int]] = field(default_factory=list)
+    m_w: float = 0.0
+    m_s: float = 0.0  # the last stage
+    stage_share: dict[int, float] = field(default_factory=dict)
+    m_q: float = 0.0
+    mb_spread: float | None = None
+    mb_correlation: float | None = None
+    optype_share: dict[str, float] = field(default_factory=dict)  # share removed fixing one type
+    replay_error: float = 0.0  # mean recorded / mean replayed - 1 (the launch gaps)
+    dropped_rows: int = 0
+    sim: dict[str, Any] = field(default_factory=dict)  # what the timelines need (not serialised)
+
+    @property
+    def t_replayed(self) -> float:
+        return float(np.mean(self.replayed))
+
+    @property
+    def t_ideal(self) -> float:
+        return float(np.mean(self.ideal))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "layout": vars(self.layout),
+            "steps": len(self.steps),
+            "step_time_recorded_s": float(np.mean(self.recorded)),
+            "step_time_replayed_s": self.t_replayed,
+            "step_time_ideal_s": self.t_ideal,
+            "S": self.slowdown,
+            "M_W": self.m_w,
+            "M_S": self.m_s,
+            "M_Q": self.m_q,
+            "mb_spread": self.mb_spread,
+            "mb_correlation": self.mb_correlation,
+            "by_optype": self.by_optype,
+            "optype_share": self.optype_share,
+            "by_dp": {str(k): v for k, v in self.by_dp.items()},
+            "by_stage": {str(k): v for k, v in self.by_stage.items()},
+            "stage_share": {str(k): v for k, v in self.stage_share.items()},
+            "top_workers": [{"stage": s, "dp": d} for s, d in self.top_workers],
+            "worker_score": [
+                {"stage": s, "dp": d, "score": v} for (s, d), v in sorted(self.worker_score.items())
+            ],
+            "replay_error": self.replay_error,
+            "dropped_rows": self.dropped_rows,
+        }
+
+
+def _share(t_ori: float, t_fixed: float, t_ideal: float) -> float:
+    gap = t_ori - t_ideal
+    return float((t_ori - t_fixed) / gap) if gap > 0 else 0.0
+
+
+def _stagewise_work(model: depmodel.DepModel, cube: replay.Cube) -> np.ndarray:
+    """The recorded work with each compute op at its type's mean on its own stage."""
+    work = cube.work.copy()
+    keys = model.nodes["pp"].astype(str) + "|" + model.nodes["optype"].astype(str)
+    for key in pd.unique(keys):
+        nodes = np.flatnonzero(keys.to_numpy() == key)
+        if str(model.nodes["optype"].iloc[nodes[0]]) in OpType.COMM:
+            continue
+        values = cube.work[nodes][cube.present[nodes]]
+        if values.size:
+            work[nodes] = float(values.mean())
+    return work
+
+
+def micro_batch_spread(table: pd.DataFrame) -> tuple[float | None, float | None]:
+    """(spread, correlation) of the micro-batches' compute times on one worker in one step:
+    the mean coefficient of variation of forward and backward durations across the
+    micro-batches, and the correlation of a micro-batch's forward and backward durations once
+    the worker-step mean is taken out (a long sequence makes both long). None where
+    micro-batches are not recorded."""
+    comp = table[table["optype"].isin(OpType.COMPUTE) & (table["mb"] >= 0)]
+    if comp.empty:
+        return None, None
+    keys = ["pp", "dp", "step", "chunk", "mb"]
+    wide = comp.pivot_table(index=keys, columns="optype", values="duration", aggfunc="sum", observed=True)
+    if OpType.FWD not in wide or OpType.BWD not in wide:
+        return None, None
+    wide = wide[[OpType.FWD, OpType.BWD]].dropna()
+    if len(wide) < 8:
+        return None, None
+    per = wide.groupby(level=["pp", "dp", "step"])
+    mean = per.transform("mean")
+    spread = float((per.std() / per.mean()).mean().mean())
+    resid = wide - mean
+    f, b = resid[OpType.FWD].to_numpy(), resid[OpType.BWD].to_numpy()
+    if f.std() == 0 or b.std() == 0:
+        return (0.0 if math.isnan(spread) else spread), 0.0
+    return (0.0 if math.isnan(spread) else spread), float(np.corrcoef(f, b)[0, 1])
+
+
+def analyze(table: pd.DataFrame, vpp: int | None = None, dp_sync: bool | None = None) -> WhatIf:
+    """The what-if analysis of a normalised op table (`traindx.derive.optable.normalize`)."""
+    layout = optable.layout_of(table, vpp=vpp, dp_sync=dp_sync)
+    model = depmodel.build(table, layout)
+    cube = replay.cube(table, model, layout.dp)
+    node_optype = model.nodes["optype"].astype(str)
+    ideal = replay.ideal_work(node_optype, cube)
+    rec = cube.work
+    both = replay.replay(model, np.stack([rec, ideal], axis=1), keep=True)
+    t_rep_steps, t_ideal_steps = both.step_time[0], both.step_time[1]
+    t_ori, t_ideal = float(t_rep_steps.mean()), float(t_ideal_steps.mean())
+    recorded = optable.step_times(table).reindex(cube.steps).to_numpy()
+    res = WhatIf(
+        layout=layout,
+        steps=[int(s) for s in cube.steps],
+        recorded=[float(x) for x in recorded],
+        replayed=[float(x) for x in t_rep_steps],
+        ideal=[float(x) for x in t_ideal_steps],
+        slowdown=t_ori / t_ideal if t_ideal > 0 else 1.0,
+        replay_error=float(np.mean(recorded) / t_ori - 1) if t_ori > 0 else 0.0,
+        dropped_rows=cube.dropped_rows,
+    )
+    res.sim = {"model": model, "cube": cube, "replayed": both}
+    n, s, p = rec.shape
+    node_pp = model.nodes["pp"].to_numpy()
+    labels = node_optype.map(lambda o: PP_COMM_LABEL.get(o, o)).to_numpy()
+    optypes = list(pd.unique(labels))
+    # attribution: keep one group as recorded, everything else ideal
+    masks: list[np.ndarray] = [(labels == o)[:, None, None] for o in optypes]
+    masks += [(np.arange(p) == d)[None, None, :] for d in range(p)]
+    masks += [(node_pp == st)[:, None, None] for st in range(layout.pp)]
+    kept = replay.replay_mixed(model, ideal, rec, masks)
+    res.by_optype = {o: float(kept[k] / t_ideal) for k, o in enumerate(optypes)}
+    res.by_dp = {d: float(kept[len(optypes) + d] / t_ideal) for d in range(p)}
+    res.by_stage = {st: float(kept[len(optypes) + p + st] / t_ideal) for st in range(layout.pp)}
+    res.worker_score = {(st, d): min(res.by_dp[d], res.by_stage[st]) for st in range(layout.pp) for d in range(p)}
+    n_top = max(1, math.ceil(len(res.worker_score) * TOP_WORKER_SHARE))
+    ranked = sorted(res.worker_score, key=lambda w: (-res.worker_score[w], w[1] * layout.pp + w[0]))
+    res.top_workers = ranked[:n_top]
+    # fixes: the recorded run with one group made ideal
+    top = np.zeros((n, 1, p), dtype=bool)
+    for st, d in res.top_workers:
+        top[node_pp == st, 0, d] = True
+    fixes = [top] + [(node_pp == st)[:, None, None] for st in range(layout.pp)]
+    fixes += [(labels == o)[:, None, None] for o in optypes]
+    fixed = replay.replay_mixed(model, rec, ideal, fixes)
+    res.m_w = _share(t_ori, float(fixed[0]), t_ideal)
+    res.stage_share = {st: _share(t_ori, float(fixed[1 + st]), t_ideal) for st in range(layout.pp)}
+    res.m_s = res.stage_share[layout.pp - 1]
+    res.optype_share = {o: _share(t_ori, float(fixed[1 + layout.pp + k]), t_ideal) for k, o in enumerate(optypes)}
+    stagewise = _stagewise_work(model, cube)
+    within = replay.replay_mixed(model, rec, stagewise, [np.ones((n, 1, 1), dtype=bool)])
+    res.m_q = _share(t_ori, float(within[0]), t_ideal)
+    res.mb_spread, res.mb_correlation = micro_batch_spread(table)
+    return res
