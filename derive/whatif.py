@@ -57,6 +57,7 @@ class WhatIf:
     mb_spread: float | None = None
     mb_correlation: float | None = None
     optype_share: dict[str, float] = field(default_factory=dict)  # share removed fixing one type
+    stage_compute: dict[int, float] = field(default_factory=dict)  # compute s per worker-step
     replay_error: float = 0.0  # mean recorded / mean replayed - 1 (the launch gaps)
     dropped_rows: int = 0
     sim: dict[str, Any] = field(default_factory=dict)  # what the timelines need (not serialised)
@@ -91,6 +92,7 @@ class WhatIf:
             "worker_score": [
                 {"stage": s, "dp": d, "score": v} for (s, d), v in sorted(self.worker_score.items())
             ],
+            "stage_compute": {str(k): v for k, v in self.stage_compute.items()},
             "replay_error": self.replay_error,
             "dropped_rows": self.dropped_rows,
         }
@@ -195,4 +197,7 @@ def analyze(table: pd.DataFrame, vpp: int | None = None, dp_sync: bool | None = 
     within = replay.replay_mixed(model, rec, stagewise, [np.ones((n, 1, 1), dtype=bool)])
     res.m_q = _share(t_ori, float(within[0]), t_ideal)
     res.mb_spread, res.mb_correlation = micro_batch_spread(table)
+    comp = table[table["optype"].isin(OpType.COMPUTE)]
+    per_worker_step = comp.groupby(["pp", "dp", "step"], observed=True)["duration"].sum()
+    res.stage_compute = {int(k): float(v) for k, v in per_worker_step.groupby(level="pp").mean().items()}
     return res

@@ -4,6 +4,10 @@ usage: diagnose analyze RUN_DIR       run the analyzers again, write RUN_DIR/fin
                                       report.html, print the ranked summary
        diagnose analyze PYSPY_FILE    a py-spy speedscope (.json) or raw (collapsed) file that
                                       you already have: JIT compiles found from its stacks alone
+       diagnose analyze TRACE.parquet an op-level trace of a multi-rank job (rank, dp, stage, step,
+                                      optype, start, duration; meta-NAME.yaml beside it): what the
+                                      stragglers cost (a dependency-aware replay), which worker,
+                                      stage, op type or sequence-length imbalance, and the fix
 """
 
 from __future__ import annotations
@@ -24,7 +28,15 @@ if TYPE_CHECKING:
 
 def prepare_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "path", metavar="RUN_DIR|PYSPY_FILE", help="a run folder written by diagnose, or a py-spy recording"
+        "path",
+        metavar="RUN_DIR|PYSPY_FILE|TRACE",
+        help="a run folder written by diagnose, a py-spy recording, or an op trace (.parquet)",
+    )
+    parser.add_argument(
+        "--timelines",
+        metavar="DIR",
+        default=None,
+        help="an op trace: write the recorded, replayed and ideal timelines here (Perfetto JSON)",
     )
     parser.add_argument(
         "-o",
@@ -67,6 +79,16 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             from traindx.report.terminal import print_summary  # lazy: rich, pandas
 
             print_summary(record, findings, report_path)
+    elif path.endswith(".parquet"):
+        from traindx.cli.trace_file import analyze_trace  # lazy: pandas, the replay
+        from traindx.report import whatif_view
+
+        result, findings = analyze_trace(path)
+        if args.timelines:
+            for written in whatif_view.write_timelines(result, args.timelines):
+                print(f"diagnose: timeline {written}", file=sys.stderr)
+        if not args.json:
+            whatif_view.print_summary(args.path, result, findings)
     else:
         from traindx.cli.pyspy_file import analyze_file  # lazy: the analyzers (pandas)
         from traindx.report.terminal import print_file_summary

@@ -1,0 +1,187 @@
+"""Judge a what-if analysis across ranks (`traindx.derive.whatif.WhatIf`): how much the
+stragglers cost the job, which kind of problem it is, and what to change.
+
+Categories, first that holds:
+- one worker: fixing the worst 3 % of workers removes at least half the slowdown (M_W);
+- sequence lengths: making compute even inside each stage removes at least half (M_Q), the
+  micro-batches of one worker-step differ (spread) and a micro-batch's forward and backward
+  move together (a long sequence is long on both: data, not hardware);
+- a stage: fixing one stage removes at least half (M_S for the last one);
+- an op type: fixing one op type removes at least half;
+- spread: none of these alone.
+The op table's own timer names are the only vocabulary: no job, file or flag of ours is keyed on.
+"""
+
+from __future__ import annotations
+
+from traindx.analyzers.findings import Finding, NoChange, Prescription
+from traindx.derive.whatif import WhatIf
+
+ANALYZER = "whatif"
+DECISIVE_SHARE = 0.5  # a mechanism that removes half the slowdown names the category
+SPREAD_MIN = 0.05  # micro-batch compute times differing by 5 % (coefficient of variation)
+CORRELATION_MIN = 0.5
+HEALTHY_BELOW = 1.05  # S under 5 %: no straggler finding above a note
+
+
+def _severity(slowdown: float) -> str:
+    if slowdown >= 1.3:
+        return "high"
+    if slowdown >= 1.1:
+        return "medium"
+    if slowdown >= HEALTHY_BELOW:
+        return "low"
+    return "info"
+
+
+def category(r: WhatIf) -> tuple[str, str]:
+    """(category, what it names): one_worker / sequence_lengths / stage / optype / spread."""
+    if r.m_w >= DECISIVE_SHARE:
+        names = ", ".join(f"stage {s} DP rank {d}" for s, d in r.top_workers)
+        return "one_worker", names
+    if (
+        r.m_q >= DECISIVE_SHARE
+        and (r.mb_spread or 0.0) >= SPREAD_MIN
+        and (r.mb_correlation or 0.0) >= CORRELATION_MIN
+    ):
+        return "sequence_lengths", "micro-batches of unequal length across DP ranks"
+    if r.stage_share:
+        stage = max(r.stage_share, key=lambda s: r.stage_share[s])
+        if r.stage_share[stage] >= DECISIVE_SHARE:
+            return "stage", _stage_name(stage, r.layout.pp)
+    if r.optype_share:
+        optype = max(r.optype_share, key=lambda o: r.optype_share[o])
+        if r.optype_share[optype] >= DECISIVE_SHARE:
+            return "optype", optype
+    return "spread", "no single worker, stage or op type"
+
+
+def _stage_name(stage: int, pp: int) -> str:
+    if pp > 1 and stage == pp - 1:
+        return f"the last stage ({stage})"
+    if pp > 1 and stage == 0:
+        return "the first stage (0)"
+    return f"stage {stage}"
+
+
+def _pct(x: float) -> str:
+    return f"{x * 100:.0f} %"
+
+
+def _stage_prescription(r: WhatIf, stage: int, gain: float) -> Prescription:
+    loads = r.stage_compute
+    others = [v for s, v in loads.items() if s != stage]
+    excess = loads.get(stage, 0.0) / (sum(others) / len(others)) - 1 if others and sum(others) > 0 else 0.0
+    keep = 1 / (1 + excess) if excess > 0 else 1.0
+    if stage == r.layout.pp - 1:
+        flag, extra = "--decoder-last-pipeline-num-layers", "--account-for-loss-in-pipeline-split"
+    elif stage == 0:
+        flag, extra = "--decoder-first-pipeline-num-layers", "--account-for-embedding-in-pipeline-split"
+    else:
+        flag, extra = "--pipeline-model-parallel-layout", ""
+    summary = (
+        f"Move layers off {_stage_name(stage, r.layout.pp)}: it computes {_pct(max(excess, 0.0))} more per "
+        f"step than the other stages; give it about {_pct(keep)} of their layer count (Megatron: {flag}"
+        + (f", or {extra}" if extra else "")
+        + ")"
+    )
+    return Prescription("arg", summary, NoChange(), expected_gain_s_per_step=gain, command=f"{flag} N")
+
+
+def _prescriptions(kind: str, r: WhatIf) -> tuple[Prescription, ...]:
+    gap = r.t_replayed - r.t_ideal
+    if kind == "one_worker":
+        workers = ", ".join(f"stage {s} DP rank {d}" for s, d in r.top_workers)
+        return (
+            Prescription(
+                "backend",
+                f"Drain or repair the node of {workers} (check its GPU clocks, thermals, NIC and "
+                "ECC errors), or restart the job without it",
+                NoChange(),
+                expected_gain_s_per_step=r.m_w * gap,
+            ),
+        )
+    if kind == "sequence_lengths":
+        return (
+            Prescription(
+                "code",
+                "Balance sequence lengths across DP ranks: pack or bucket samples by token count "
+                "so every rank's micro-batches carry about the same number of tokens (attention "
+                "grows faster than linearly with length)",
+                NoChange(),
+                expected_gain_s_per_step=r.m_q * gap,
+            ),
+        )
+    if kind == "stage":
+        stage = max(r.stage_share, key=lambda s: r.stage_share[s])
+        return (_stage_prescription(r, stage, r.stage_share[stage] * gap),)
+    if kind == "optype":
+        optype = max(r.optype_share, key=lambda o: r.optype_share[o])
+        return (
+            Prescription(
+                "backend",
+                f"Find why {optype} varies between ranks and steps (its slow instances cost the "
+                "job); for a collective, the network path of the ranks that see it late",
+                NoChange(),
+                expected_gain_s_per_step=r.optype_share[optype] * gap,
+            ),
+        )
+    return ()
+
+
+def judge(r: WhatIf, source: str) -> list[Finding]:
+    """The findings of a what-if analysis of `source` (a trace file or run folder)."""
+    kind, what = category(r)
+    severity = _severity(r.slowdown)
+    gap = r.t_replayed - r.t_ideal
+    top_types = sorted(r.optype_share.items(), key=lambda kv: -kv[1])[:3]
+    types = ", ".join(f"{o} {_pct(v)}" for o, v in top_types if v > 0.01)
+    evidence = {"category": kind, "names": what, "source": source, **r.to_dict()}
+    if severity == "info":
+        title = f"No straggler cost: the steps are within {_pct(r.slowdown - 1)} of their ideal"
+        return [Finding("whatif.healthy", title, "info", ANALYZER, summary=title, evidence=evidence)]
+    label = {
+        "one_worker": f"one worker ({what})",
+        "sequence_lengths": "sequence lengths that differ between DP ranks",
+        "stage": f"stage imbalance: {what}",
+        "optype": f"op type {what}",
+        "spread": "stragglers spread over workers, stages and op types",
+    }[kind]
+    title = f"Stragglers cost {_pct(r.slowdown - 1)} of step time (S = {r.slowdown:.2f}): {label}"
+    summary = (
+        f"Replayed step {r.t_replayed:.3f} s vs ideal {r.t_ideal:.3f} s. Share of the slowdown removed by "
+        f"fixing the worst workers M_W = {_pct(r.m_w)}, the last stage M_S = {_pct(r.m_s)}, compute "
+        f"variation inside stages M_Q = {_pct(r.m_q)}. By op type: {types or 'none above 1 %'}."
+    )
+    findings = [
+        Finding(
+            f"whatif.{kind}",
+            title,
+            severity,
+            ANALYZER,
+            summary=summary,
+            seconds_lost_per_step=gap,
+            share_of_step=gap / r.t_replayed if r.t_replayed > 0 else None,
+            evidence=evidence,
+            prescriptions=_prescriptions(kind, r),
+            ranks=tuple(f"stage{s}/dp{d}" for s, d in r.top_workers) if kind == "one_worker" else (),
+        )
+    ]
+    if kind != "stage" and r.stage_share:  # a second mechanism worth naming: an unequal split
+        stage = max(r.stage_share, key=lambda s: r.stage_share[s])
+        share = r.stage_share[stage]
+        worker_stages = {s for s, _ in r.top_workers} if kind == "one_worker" else set()
+        if share >= DECISIVE_SHARE and r.layout.pp > 1 and stage not in worker_stages:
+            findings.append(
+                Finding(
+                    "whatif.stage",
+                    f"Also {_stage_name(stage, r.layout.pp)} is long: fixing it alone removes {_pct(share)}",
+                    "low" if severity != "high" else "medium",
+                    ANALYZER,
+                    summary=f"Stage shares: {', '.join(f'{s}: {_pct(v)}' for s, v in r.stage_share.items())}",
+                    seconds_lost_per_step=share * gap,
+                    evidence={"stage_share": {str(k): v for k, v in r.stage_share.items()}},
+                    prescriptions=(_stage_prescription(r, stage, share * gap),),
+                )
+            )
+    return findings
