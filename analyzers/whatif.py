@@ -37,8 +37,7 @@ def _severity(slowdown: float) -> str:
 def category(r: WhatIf) -> tuple[str, str]:
     """(category, what it names): one_worker / sequence_lengths / stage / optype / spread."""
     if r.m_w >= DECISIVE_SHARE:
-        names = ", ".join(f"stage {s} DP rank {d}" for s, d in r.top_workers)
-        return "one_worker", names
+        return "one_worker", _workers(r)
     if (
         r.m_q >= DECISIVE_SHARE
         and (r.mb_spread or 0.0) >= SPREAD_MIN
@@ -54,6 +53,13 @@ def category(r: WhatIf) -> tuple[str, str]:
         if r.optype_share[optype] >= DECISIVE_SHARE:
             return "optype", optype
     return "spread", "no single worker, stage or op type"
+
+
+def _workers(r: WhatIf) -> str:
+    """The worst worker, and how many more the top 3 % holds (equal scores: the same DP rank)."""
+    stage, dp = r.top_workers[0]
+    more = len(r.top_workers) - 1
+    return f"stage {stage} DP rank {dp}" + (f" (+{more} more in the top 3 %)" if more else "")
 
 
 def _stage_name(stage: int, pp: int) -> str:
@@ -91,7 +97,7 @@ def _stage_prescription(r: WhatIf, stage: int, gain: float) -> Prescription:
 def _prescriptions(kind: str, r: WhatIf) -> tuple[Prescription, ...]:
     gap = r.t_replayed - r.t_ideal
     if kind == "one_worker":
-        workers = ", ".join(f"stage {s} DP rank {d}" for s, d in r.top_workers)
+        workers = _workers(r)
         return (
             Prescription(
                 "backend",

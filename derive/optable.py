@@ -62,8 +62,8 @@ class Layout:
 
 
 def normalize(table: pd.DataFrame) -> pd.DataFrame:
-    """The table with every column of `COLUMNS`, typed, starts relative to each step's first op,
-    sorted by step, rank, start. Missing optional columns get their defaults; a missing
+    """The table with every column of `COLUMNS`, typed, starts relative to each step's first op
+    (rows in the order given). Missing optional columns get their defaults; a missing
     required one raises ValueError."""
     required = {"rank", "step", "optype", "start", "duration"}
     missing = required - set(table.columns)
@@ -79,7 +79,8 @@ def normalize(table: pd.DataFrame) -> pd.DataFrame:
             out[col] = default
     out["rank"] = table["rank"].to_numpy()
     out["step"] = table["step"].to_numpy()
-    out["optype"] = table["optype"].astype(str).to_numpy()
+    optype = table["optype"]
+    out["optype"] = optype.to_numpy() if isinstance(optype.dtype, pd.CategoricalDtype) else optype.astype(str)
     out["start"] = table["start"].to_numpy(dtype=np.float64)
     out["duration"] = np.clip(table["duration"].to_numpy(dtype=np.float64), 0.0, None)
     if not np.isfinite(out["start"].to_numpy()).all() or not np.isfinite(out["duration"].to_numpy()).all():
@@ -94,7 +95,7 @@ def normalize(table: pd.DataFrame) -> pd.DataFrame:
         out = out.sort_values(["step", "rank", "start"], kind="stable")
         out["seq"] = out.groupby(["step", "rank", "optype"]).cumcount().astype(np.int64)
     out["optype"] = out["optype"].astype("category")
-    return out[list(COLUMNS)].sort_values(["step", "rank", "start"], kind="stable").reset_index(drop=True)
+    return out[list(COLUMNS)].reset_index(drop=True)
 
 
 def layout_of(table: pd.DataFrame, vpp: int | None = None, dp_sync: bool | None = None) -> Layout:

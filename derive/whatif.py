@@ -123,7 +123,7 @@ def micro_batch_spread(table: pd.DataFrame) -> tuple[float | None, float | None]
     micro-batches, and the correlation of a micro-batch's forward and backward durations once
     the worker-step mean is taken out (a long sequence makes both long). None where
     micro-batches are not recorded."""
-    comp = table[table["optype"].isin(OpType.COMPUTE) & (table["mb"] >= 0)]
+    comp = table[table["optype"].isin(OpType.COMPUTE) & (table["mb"] >= 0) & (table["tp"] == table["tp"].min())]
     if comp.empty:
         return None, None
     keys = ["pp", "dp", "step", "chunk", "mb"]
@@ -180,7 +180,10 @@ def analyze(table: pd.DataFrame, vpp: int | None = None, dp_sync: bool | None = 
     res.by_stage = {st: float(kept[len(optypes) + p + st] / t_ideal) for st in range(layout.pp)}
     res.worker_score = {(st, d): min(res.by_dp[d], res.by_stage[st]) for st in range(layout.pp) for d in range(p)}
     n_top = max(1, math.ceil(len(res.worker_score) * TOP_WORKER_SHARE))
-    ranked = sorted(res.worker_score, key=lambda w: (-res.worker_score[w], w[1] * layout.pp + w[0]))
+    ranked = sorted(
+        res.worker_score,
+        key=lambda w: (-res.worker_score[w], -res.by_stage[w[0]], -res.by_dp[w[1]], w[1] * layout.pp + w[0]),
+    )
     res.top_workers = ranked[:n_top]
     # fixes: the recorded run with one group made ideal
     top = np.zeros((n, 1, p), dtype=bool)
