@@ -7,8 +7,8 @@ Categories, first that holds:
   micro-batches of one worker-step differ (spread) and a micro-batch's forward and backward
   move together (a long sequence is long on both: data, not hardware);
 - a stage: fixing one stage removes at least half (M_S for the last one);
-- an op type: fixing one op type removes at least half;
-- spread: none of these alone.
+- an op type: fixing one op type removes at least half, more than 1.3 x its part of the work;
+- spread: none of these alone (noise-like variation: at most a low finding, nothing to fix).
 The op table's own timer names are the only vocabulary: no job, file or flag of ours is keyed on.
 """
 
@@ -22,6 +22,7 @@ DECISIVE_SHARE = 0.5  # a mechanism that removes half the slowdown names the cat
 SPREAD_MIN = 0.05  # micro-batch compute times differing by 5 % (coefficient of variation)
 CORRELATION_MIN = 0.5
 HEALTHY_BELOW = 1.05  # S under 5 %: no straggler finding above a note
+OVER_ITS_TIME = 1.3  # an op type at fault: its share of the slowdown over 1.3 x its share of the work
 
 
 def _severity(slowdown: float) -> str:
@@ -44,13 +45,16 @@ def category(r: WhatIf) -> tuple[str, str]:
         and (r.mb_correlation or 0.0) >= CORRELATION_MIN
     ):
         return "sequence_lengths", "micro-batches of unequal length across DP ranks"
-    if r.stage_share:
+    if r.stage_share and r.layout.pp > 1:
         stage = max(r.stage_share, key=lambda s: r.stage_share[s])
         if r.stage_share[stage] >= DECISIVE_SHARE:
             return "stage", _stage_name(stage, r.layout.pp)
     if r.optype_share:
         optype = max(r.optype_share, key=lambda o: r.optype_share[o])
-        if r.optype_share[optype] >= DECISIVE_SHARE:
+        share = r.optype_share[optype]
+        # an op type at fault costs more than its part of the work: noise costs each type in
+        # proportion to its time
+        if share >= DECISIVE_SHARE and share >= OVER_ITS_TIME * r.optype_time.get(optype, 0.0):
             return "optype", optype
     return "spread", "no single worker, stage or op type"
 
@@ -139,6 +143,8 @@ def judge(r: WhatIf, source: str) -> list[Finding]:
     """The findings of a what-if analysis of `source` (a trace file or run folder)."""
     kind, what = category(r)
     severity = _severity(r.slowdown)
+    if kind == "spread" and severity != "info":  # variation with no target: nothing to fix
+        severity = "low"
     gap = r.t_replayed - r.t_ideal
     top_types = sorted(r.optype_share.items(), key=lambda kv: -kv[1])[:3]
     types = ", ".join(f"{o} {_pct(v)}" for o, v in top_types if v > 0.01)

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
-from traindx.derive.optable import Layout, OpType
+from traindx.derive.optable import Layout, OpType, is_dp_collective
 
 EPS = 5e-5  # seconds: a receive "after the last compute" allows for clock error
 
@@ -211,10 +211,23 @@ def _dp_and_tail(b: _Builder, stage: int) -> None:
         prev = int(i)
 
 
+def _program_order(b: _Builder) -> None:
+    """No pipeline: each rank runs its ops one after the other; collectives join every rank."""
+    b.chain([int(i) for i in b.tpl.index])
+    for i, optype in zip(b.tpl.index, b.tpl["optype"], strict=True):
+        if is_dp_collective(str(optype)) or optype == OpType.CLIP:
+            b.group([int(i)], dp_sync=b.layout.dp_sync)
+
+
 def build(table: pd.DataFrame, layout: Layout) -> DepModel:
-    """The dependency model of the normalised op table `table` (`traindx.derive.optable`)."""
+    """The dependency model of the normalised op table `table` (`traindx.derive.optable`):
+    a pipeline's (1F1B or interleaved) when the table has several stages or send/recv ops,
+    else program order on each rank."""
     tpl = _template(table)
     b = _Builder(tpl, layout)
+    if layout.pp == 1 and not tpl["optype"].isin(OpType.P2P).any():
+        _program_order(b)
+        return _finish(b, tpl)
     valid: dict[tuple[int, str], list[int]] = {}
     for stage in range(layout.pp):
         b.chain(b.ops(stage, *OpType.COMPUTE))
@@ -235,10 +248,14 @@ def build(table: pd.DataFrame, layout: Layout) -> DepModel:
     clips = [i for s in range(layout.pp) for i in b.ops(s, OpType.CLIP)[:1]]
     b.group(clips, dp_sync=layout.dp_sync)
     if layout.dp_sync:
-        for i in b.tpl.index[b.tpl["optype"].isin(OpType.DP_COMM)]:
+        for i in b.tpl.index[b.tpl["optype"].map(is_dp_collective)]:
             b.group([int(i)], dp_sync=True)
     for i in b.tpl.index[b.tpl["optype"].isin(OpType.COMM)]:
         b.group([int(i)], dp_sync=False)  # an unmatched send/recv: its own transfer only
+    return _finish(b, tpl)
+
+
+def _finish(b: _Builder, tpl: pd.DataFrame) -> DepModel:
     for i in range(len(tpl)):
         if i not in b.grouped:
             b.groups.append(Group((i,), comm=False, dp_sync=False))

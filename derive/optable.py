@@ -39,11 +39,24 @@ class OpType:
     OPTIMIZER = "optimizer"
     GC = "gc"
 
+    DDP_BACKWARD = "backward-grads-all-reduce"  # DDP: backward with its all-reduces inside
+    COLLECTIVE_PREFIX = "collective-"  # a blocking torch.distributed collective every rank joins
+
     COMPUTE = (FWD, BWD)
     P2P = (FWD_SEND, FWD_RECV, BWD_SEND, BWD_RECV)
     DP_COMM = (PARAMS_AG, GRADS_RS, GRADS_AR, SEPARATE_AR)
     # ops that move data between ranks: the ideal duration is their median, not their mean
     COMM = (*P2P, *DP_COMM, LAYERNORM_AR, EMBEDDING_AR, CLIP)
+
+
+def is_dp_collective(optype: str) -> bool:
+    """An op every data-parallel rank of the stage meets at."""
+    return optype in OpType.DP_COMM or optype == OpType.DDP_BACKWARD or optype.startswith(OpType.COLLECTIVE_PREFIX)
+
+
+def is_comm(optype: str) -> bool:
+    """An op that moves data between ranks (its typical time is its median transfer)."""
+    return optype in OpType.COMM or is_dp_collective(optype)
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ import numpy as np
 import pandas as pd
 
 from traindx.derive.depmodel import DepModel
-from traindx.derive.optable import OpType
+from traindx.derive.optable import is_comm
 
 
 @dataclass
@@ -103,7 +103,7 @@ def ideal_work(table_optypes: pd.Series, cube_: Cube) -> np.ndarray:
         values = cube_.work[nodes][cube_.present[nodes]]
         if values.size == 0:
             typical = 0.0
-        elif optype in OpType.COMM:
+        elif is_comm(str(optype)):
             typical = float(np.median(values))
         else:
             typical = float(values.mean())

@@ -19,7 +19,7 @@ Pure computation: the numbers; `traindx.analyzers.whatif` judges them.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -51,12 +51,14 @@ class WhatIf:
     worker_score: dict[tuple[int, int], float] = field(default_factory=dict)  # (stage, dp) -> score
     top_workers: list[tuple[int, int]] = field(default_factory=list)
     m_w: float = 0.0
+    fix_top_speedup: float = 1.0  # replayed / the top workers at the typical work of the others
     m_s: float = 0.0  # the last stage
     stage_share: dict[int, float] = field(default_factory=dict)
     m_q: float = 0.0
     mb_spread: float | None = None
     mb_correlation: float | None = None
     optype_share: dict[str, float] = field(default_factory=dict)  # share removed fixing one type
+    optype_time: dict[str, float] = field(default_factory=dict)  # its share of the ideal work
     stage_compute: dict[int, float] = field(default_factory=dict)  # compute s per worker-step
     replay_error: float = 0.0  # mean recorded / mean replayed - 1 (the launch gaps)
     dropped_rows: int = 0
@@ -79,12 +81,14 @@ class WhatIf:
             "step_time_ideal_s": self.t_ideal,
             "S": self.slowdown,
             "M_W": self.m_w,
+            "fix_top_speedup": self.fix_top_speedup,
             "M_S": self.m_s,
             "M_Q": self.m_q,
             "mb_spread": self.mb_spread,
             "mb_correlation": self.mb_correlation,
             "by_optype": self.by_optype,
             "optype_share": self.optype_share,
+            "optype_time": self.optype_time,
             "by_dp": {str(k): v for k, v in self.by_dp.items()},
             "by_stage": {str(k): v for k, v in self.by_stage.items()},
             "stage_share": {str(k): v for k, v in self.stage_share.items()},
@@ -109,12 +113,22 @@ def _stagewise_work(model: depmodel.DepModel, cube: replay.Cube) -> np.ndarray:
     keys = model.nodes["pp"].astype(str) + "|" + model.nodes["optype"].astype(str)
     for key in pd.unique(keys):
         nodes = np.flatnonzero(keys.to_numpy() == key)
-        if str(model.nodes["optype"].iloc[nodes[0]]) in OpType.COMM:
+        if optable.is_comm(str(model.nodes["optype"].iloc[nodes[0]])):
             continue
         values = cube.work[nodes][cube.present[nodes]]
         if values.size:
             work[nodes] = float(values.mean())
     return work
+
+
+def _typical_elsewhere(node_optype: pd.Series, cube: replay.Cube, chosen: np.ndarray) -> np.ndarray:
+    """Each op type's typical work over the workers *not* chosen (a fixed worker runs like the
+    others; the plain ideal's mean would still hold its own slow ops)."""
+    mask = np.broadcast_to(chosen, cube.work.shape)
+    present = cube.present & ~mask
+    if not present.any():
+        present = cube.present
+    return replay.ideal_work(node_optype, replace(cube, present=present))
 
 
 def micro_batch_spread(table: pd.DataFrame) -> tuple[float | None, float | None]:
@@ -193,9 +207,14 @@ def analyze(table: pd.DataFrame, vpp: int | None = None, dp_sync: bool | None = 
     fixes += [(labels == o)[:, None, None] for o in optypes]
     fixed = replay.replay_mixed(model, rec, ideal, fixes)
     res.m_w = _share(t_ori, float(fixed[0]), t_ideal)
+    others = _typical_elsewhere(node_optype, cube, top)
+    fixed_top = replay.replay_mixed(model, rec, others, [top])
+    res.fix_top_speedup = t_ori / float(fixed_top[0]) if fixed_top[0] > 0 else 1.0
     res.stage_share = {st: _share(t_ori, float(fixed[1 + st]), t_ideal) for st in range(layout.pp)}
     res.m_s = res.stage_share[layout.pp - 1]
     res.optype_share = {o: _share(t_ori, float(fixed[1 + layout.pp + k]), t_ideal) for k, o in enumerate(optypes)}
+    total = float(ideal.sum())
+    res.optype_time = {o: float(ideal[labels == o].sum()) / total if total > 0 else 0.0 for o in optypes}
     stagewise = _stagewise_work(model, cube)
     within = replay.replay_mixed(model, rec, stagewise, [np.ones((n, 1, 1), dtype=bool)])
     res.m_q = _share(t_ori, float(within[0]), t_ideal)

@@ -33,3 +33,19 @@ def analyze_trace(path: str) -> tuple[whatif.WhatIf, list[Finding]]:
     except depmodel.ModelError as exc:
         raise UserError(f"{path}: {exc}") from None
     return result, judge(result, source=os.path.basename(path))
+
+
+def analyze_run(path: str) -> tuple[whatif.WhatIf, list[Finding]]:
+    """The what-if analysis of a run folder of several ranks (its spans per rank and step)."""
+    from traindx.derive.optable_runs import from_run  # lazy: only `--what-if` reads spans so
+    from traindx.derive.run import load_run
+
+    record = load_run(path)
+    table = from_run(record)
+    if table.empty or table["rank"].nunique() < 2:
+        raise UserError(f"{path}: no spans of several ranks in common steps: nothing to replay across ranks")
+    try:
+        result = whatif.analyze(table)
+    except depmodel.ModelError as exc:
+        raise UserError(f"{path}: {exc}") from None
+    return result, judge(result, source=os.path.basename(os.path.normpath(path)))

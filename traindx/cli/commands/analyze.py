@@ -33,6 +33,12 @@ def prepare_parser(parser: argparse.ArgumentParser) -> None:
         help="a run folder written by diagnose, a py-spy recording, or an op trace (.parquet)",
     )
     parser.add_argument(
+        "--what-if",
+        action="store_true",
+        help="a run folder of several ranks: the what-if replay across ranks of its spans "
+        "(what each straggler, stage and op type costs) instead of the analyzers",
+    )
+    parser.add_argument(
         "--timelines",
         metavar="DIR",
         default=None,
@@ -73,7 +79,17 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     path = os.path.abspath(args.path)
     if not os.path.exists(path):
         raise UserError(f"no such run folder or file: {args.path}")
-    if os.path.isdir(path):
+    if os.path.isdir(path) and args.what_if:
+        from traindx.cli.trace_file import analyze_run  # lazy: pandas, the replay
+        from traindx.report import whatif_view
+
+        result, findings = analyze_run(path)
+        if args.timelines:
+            for written in whatif_view.write_timelines(result, args.timelines):
+                print(f"diagnose: timeline {written}", file=sys.stderr)
+        if not args.json:
+            whatif_view.print_summary(args.path, result, findings)
+    elif os.path.isdir(path):
         record, findings, report_path = _analyze_run(path)
         if not args.json:
             from traindx.report.terminal import print_summary  # lazy: rich, pandas

@@ -1,0 +1,90 @@
+"""The op table of a traindx run folder of several ranks: the shim's spans per rank and step.
+
+forward -> forward-compute, backward -> backward-compute, optimizer -> optimizer, a blocking
+collective -> collective-<op> (a data-parallel collective: every rank of the job meets there),
+data -> data, io -> io. Under DistributedDataParallel (the run holds a `ddp` event) the gradient
+all-reduces run inside backward, where no wrapper sees them: each backward is then the ranks'
+meeting point, `backward-grads-all-reduce`, a collective whose own work is its end less the
+latest rank's start. Every rank is a DP rank of one pipeline stage (our spans name no stage).
+
+Pure computation: no judgement.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+from traindx.derive.optable import OpType, normalize
+from traindx.derive.runview import RunView
+
+SPAN_OPTYPE = {
+    "forward": OpType.FWD,
+    "backward": OpType.BWD,
+    "optimizer": OpType.OPTIMIZER,
+    "data": "data",
+    "io": "io",
+}
+DDP_BACKWARD = "backward-grads-all-reduce"
+
+
+def from_run(run: RunView) -> pd.DataFrame:
+    """The normalised op table of the run's steps (empty when no spans fall in a step)."""
+    spans = run.of_type("span")
+    steps = run.steps
+    if not len(spans) or not len(steps) or "cat" not in spans:
+        return pd.DataFrame()
+    ddp = len(run.of_type("ddp")) > 0
+    spans = spans[spans["cat"].isin([*SPAN_OPTYPE, "collective"])].copy()
+    if "grad" in spans:  # a forward under no_grad (evaluation) is not a training op
+        spans = spans[~((spans["cat"] == "forward") & (spans["grad"].astype(object) == False))]  # noqa: E712
+    optype = spans["cat"].map(SPAN_OPTYPE)
+    if "op" in spans:
+        coll = spans["cat"] == "collective"
+        optype = optype.where(~coll, "collective-" + spans["op"].astype(str))
+    if ddp:
+        optype = optype.replace({OpType.BWD: DDP_BACKWARD})
+    spans["optype"] = optype
+    spans = spans[spans["optype"].notna() & ~spans["optype"].astype(str).str.endswith(("send", "recv"))]
+    ranks = sorted(steps["rank"].astype(str).unique(), key=lambda r: (len(r), r))
+    rank_ix = {r: i for i, r in enumerate(ranks)}
+    rows = []
+    for rank, own in spans.groupby(spans["rank"].astype(str)):
+        windows = steps[steps["rank"].astype(str) == rank].sort_values("start_ns")
+        if not len(windows) or rank not in rank_ix:
+            continue
+        starts = windows["start_ns"].to_numpy(np.int64)
+        ends = windows["end_ns"].to_numpy(np.int64)
+        s = own["start"].to_numpy(np.int64)
+        k = np.searchsorted(starts, s, side="right") - 1
+        inside = (k >= 0) & (s < ends[np.clip(k, 0, None)])
+        own = own[inside]
+        rows.append(
+            pd.DataFrame(
+                {
+                    "rank": rank_ix[rank],
+                    "dp": rank_ix[rank],
+                    "step": windows["step"].to_numpy()[k[inside]],
+                    "optype": own["optype"].astype(str).to_numpy(),
+                    "start": own["start"].to_numpy(np.int64) / 1e9,
+                    "duration": (own["t"].to_numpy(np.int64) - own["start"].to_numpy(np.int64)) / 1e9,
+                }
+            )
+        )
+    if not rows:
+        return pd.DataFrame()
+    table = pd.concat(rows, ignore_index=True)
+    # steps every rank ran (a rank's first or last partial step is not comparable)
+    per_step = table.groupby("step")["rank"].nunique()
+    table = table[table["step"].isin(per_step.index[per_step == len(ranks)])]
+    if table.empty:
+        return table
+    # the same ops on every rank: keep (optype, seq) pairs every rank recorded in every step
+    table = normalize(table)
+    counts = table.groupby(["optype", "seq"], observed=True)[["rank", "step"]].nunique()
+    n_steps = table["step"].nunique()
+    full = counts[(counts["rank"] == len(ranks)) & (counts["step"] == n_steps)].index
+    keep = pd.MultiIndex.from_frame(table[["optype", "seq"]].astype({"optype": str})).isin(
+        [(str(o), int(s)) for o, s in full]
+    )
+    return table[keep].reset_index(drop=True)
