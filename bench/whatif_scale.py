@@ -30,7 +30,14 @@ def main() -> None:
     a = ap.parse_args()
     t0 = time.time()
     raw = whatif_synth.make(
-        dp=a.dp, pp=a.pp, mb=a.mb, steps=a.steps, tp=a.tp, with_tp_column=True, slow_worker=(1, 7, 1.5), noise=0.005
+        dp=a.dp,
+        pp=a.pp,
+        mb=a.mb,
+        steps=a.steps,
+        tp=a.tp,
+        with_tp_column=True,
+        slow_worker=(1, 7, 1.5),
+        noise=0.005,
     )
     t1 = time.time()
     table = optable.normalize(raw.rename(columns=RENAMES))

@@ -46,11 +46,21 @@ def make(
 ) -> pd.DataFrame:
     rng = np.random.default_rng(seed)
     shape = (steps, dp)
-    lat, ag_t, rs_t, emb_t, clip_t, opt_t, ln_t = 0.0005, 0.01, 0.02, 0.004, 0.002, 0.01, 0.0001
-    lengths = np.exp(rng.normal(0.0, seq_cv, (steps, dp, mb)) - seq_cv**2 / 2) if seq_cv > 0 else np.ones((steps, dp, mb))
+    lat, ag_t, rs_t = 0.0005, 0.01, 0.02
+    lengths = (
+        np.exp(rng.normal(0.0, seq_cv, (steps, dp, mb)) - seq_cv**2 / 2)
+        if seq_cv > 0
+        else np.ones((steps, dp, mb))
+    )
 
     def dur(optype: str, stage: int, i: int) -> np.ndarray:
-        base = fwd if optype == F else 2 * fwd if optype == B else {"grads-reduce-scatter": rs_t}.get(optype, 0.0)
+        base = (
+            fwd
+            if optype == F
+            else 2 * fwd
+            if optype == B
+            else {"grads-reduce-scatter": rs_t}.get(optype, 0.0)
+        )
         d = base * rng.lognormal(0.0, noise, shape)
         if optype in (F, B):
             d = d * (lengths[:, :, i] if optype == F else lengths[:, :, i] ** 1.2)
@@ -65,8 +75,7 @@ def make(
     rows: list[tuple[int, str, int, int, np.ndarray, np.ndarray]] = []  # stage, optype, seq, mb, start, dur
     zero = np.zeros(shape)
     ag_end = zero + ag_t
-    for s in range(pp):
-        rows.append((s, "params-all-gather", 0, -1, zero.copy(), ag_end.copy()))
+    rows += [(s, "params-all-gather", 0, -1, zero.copy(), ag_end.copy()) for s in range(pp)]
     end: dict[tuple[int, str, int], np.ndarray] = {}
     recv_start: dict[tuple[int, str, int], np.ndarray] = {}
     cur = [ag_end.copy() for _ in range(pp)]
@@ -101,7 +110,13 @@ def make(
             kind = "forward-send" if optype == F else "backward-send"
             group_end = np.maximum(e, recv_start[(peer, optype, i)]) + lat
             rows.append((s, kind, i, -1, e, group_end - e))
-    # the tail: gc, layernorm, embedding (first & last stage), reduce-scatter (DP), clip (all), optimizer
+    _tail(rows, cur, pp, zero, dur)
+    return _frame(rows, steps, dp, pp, tp, with_tp_column, rng)
+
+
+def _tail(rows: list, cur: list, pp: int, zero: np.ndarray, dur) -> None:
+    """gc, layernorm, embedding (first & last stage), reduce-scatter (DP), clip (all), optimizer."""
+    ln_t, emb_t, clip_t, opt_t = 0.0001, 0.004, 0.002, 0.01
     t = [cur[s].copy() for s in range(pp)]
     for s in range(pp):
         rows.append((s, "gc", 0, -1, t[s].copy(), zero.copy()))
@@ -121,10 +136,11 @@ def make(
     for s in range(pp):
         rows.append((s, "optimizer-clip-main-grad", 0, -1, t[s].copy(), clip_start + clip_t - t[s]))
         rows.append((s, "optimizer", 0, -1, clip_start + clip_t, zero + opt_t))
-    return _frame(rows, steps, dp, pp, tp, with_tp_column, rng)
 
 
-def _frame(rows: list, steps: int, dp: int, pp: int, tp: int, with_tp: bool, rng: np.random.Generator) -> pd.DataFrame:
+def _frame(
+    rows: list, steps: int, dp: int, pp: int, tp: int, with_tp: bool, rng: np.random.Generator
+) -> pd.DataFrame:
     n = steps * dp
     step_ix = np.repeat(np.arange(steps), dp)
     dp_ix = np.tile(np.arange(dp), steps)

@@ -80,7 +80,8 @@ class _Builder:
         self.tpl = tpl
         self.layout = layout
         self.index = {
-            (int(p), str(o), int(s)): i for i, (p, o, s) in enumerate(zip(tpl["pp"], tpl["optype"], tpl["seq"]))
+            (int(p), str(o), int(s)): i
+            for i, (p, o, s) in enumerate(zip(tpl["pp"], tpl["optype"], tpl["seq"]))
         }
         self.parents: list[list[int]] = [[] for _ in range(len(tpl))]
         self.groups: list[Group] = []
@@ -134,7 +135,9 @@ def _p2p(b: _Builder, stage: int, valid: dict[tuple[int, str], list[int]]) -> No
                 comp = comps[j + offset]
                 gchunk = int(tpl.at[comp, "gchunk"])
                 if gchunk < 0:
-                    gchunk = int(tpl.at[comp, "chunk"]) * lay.pp + stage if tpl.at[comp, "chunk"] >= 0 else stage
+                    gchunk = (
+                        int(tpl.at[comp, "chunk"]) * lay.pp + stage if tpl.at[comp, "chunk"] >= 0 else stage
+                    )
                 peer = gchunk + delta[optype]
                 if kind == "send":
                     b.dep(op, comp)
@@ -204,11 +207,13 @@ def _dp_and_tail(b: _Builder, stage: int) -> None:
         OpType.OPTIMIZER,
     }
     rows = b.tpl[b.tpl["pp"] == stage]
-    prev: int | None = None
-    for i, optype in zip(rows.index, rows["optype"], strict=True):
-        if optype not in known and prev is not None:
-            b.dep(int(i), prev)
-        prev = int(i)
+    order = [int(i) for i in rows.index]
+    for k, (i, optype) in enumerate(zip(order, rows["optype"], strict=True)):
+        if optype not in known:
+            if k > 0:
+                b.dep(i, order[k - 1])
+            if k + 1 < len(order):
+                b.dep(order[k + 1], i)
 
 
 def _program_order(b: _Builder) -> None:
@@ -290,6 +295,8 @@ def topological_order(model: DepModel) -> list[int]:
             if indegree[c] == 0:
                 ready.append(c)
     if len(order) != n:
-        raise ModelError(f"the ops wait on each other in a cycle ({n - len(order)} of {n} groups never start)")
+        raise ModelError(
+            f"the ops wait on each other in a cycle ({n - len(order)} of {n} groups never start)"
+        )
     # stable, readable: parents first, then by template start
     return order

@@ -51,7 +51,11 @@ class OpType:
 
 def is_dp_collective(optype: str) -> bool:
     """An op every data-parallel rank of the stage meets at."""
-    return optype in OpType.DP_COMM or optype == OpType.DDP_BACKWARD or optype.startswith(OpType.COLLECTIVE_PREFIX)
+    return (
+        optype in OpType.DP_COMM
+        or optype == OpType.DDP_BACKWARD
+        or optype.startswith(OpType.COLLECTIVE_PREFIX)
+    )
 
 
 def is_comm(optype: str) -> bool:

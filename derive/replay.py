@@ -37,12 +37,15 @@ def _node_ids(table: pd.DataFrame, model: DepModel) -> np.ndarray:
     n_seq = int(max(table["seq"].max(), model.nodes["seq"].max())) + 1
     n_pp = int(max(table["pp"].max(), model.nodes["pp"].max())) + 1
     lut = np.full(n_pp * len(cats) * n_seq, -1, dtype=np.int64)
-    for i, (p, o, s) in enumerate(zip(model.nodes["pp"], model.nodes["optype"], model.nodes["seq"], strict=True)):
+    for i, (p, o, s) in enumerate(
+        zip(model.nodes["pp"], model.nodes["optype"], model.nodes["seq"], strict=True)
+    ):
         if str(o) in cats:
             lut[(int(p) * len(cats) + cats[str(o)]) * n_seq + int(s)] = i
     codes = np.asarray(optypes.codes, dtype=np.int64)
     key = (table["pp"].to_numpy(np.int64) * len(cats) + codes) * n_seq + table["seq"].to_numpy(np.int64)
-    return lut[key]
+    ids: np.ndarray = lut[key]
+    return ids
 
 
 def cube(table: pd.DataFrame, model: DepModel, dp: int) -> Cube:
@@ -52,9 +55,9 @@ def cube(table: pd.DataFrame, model: DepModel, dp: int) -> Cube:
     n, s = model.size, len(steps)
     tp = int(table["tp"].max()) + 1
     step_ix = np.searchsorted(steps, table["step"].to_numpy()[keep])
-    flat = ((node[keep] * s + step_ix) * dp + table["dp"].to_numpy(np.int64)[keep]) * tp + table["tp"].to_numpy(
-        np.int64
-    )[keep]
+    flat = ((node[keep] * s + step_ix) * dp + table["dp"].to_numpy(np.int64)[keep]) * tp + table[
+        "tp"
+    ].to_numpy(np.int64)[keep]
     dur = np.full(n * s * dp * tp, np.nan)
     dur[flat] = table["duration"].to_numpy(np.float64)[keep]
     st = np.full(n * s * dp * tp, np.nan)
@@ -81,7 +84,7 @@ def cube(table: pd.DataFrame, model: DepModel, dp: int) -> Cube:
 def transfer_times(model: DepModel, start: np.ndarray, duration: np.ndarray) -> np.ndarray:
     """Each op's work: the duration of a compute op; for a communication op, its end less the
     latest start among its group (clipped at zero)."""
-    work = duration.copy()
+    work: np.ndarray = duration.copy()
     end = start + duration
     for grp in model.groups:
         if not grp.comm:
@@ -132,8 +135,9 @@ def replay(model: DepModel, work: np.ndarray, keep: bool = False) -> Replayed:
         if not ps:
             return zero
         if len(ps) == 1:
-            return end[ps[0]]
-        out = np.maximum(end[ps[0]], end[ps[1]])
+            one: np.ndarray = end[ps[0]]
+            return one
+        out: np.ndarray = np.maximum(end[ps[0]], end[ps[1]])
         for p in ps[2:]:
             np.maximum(out, end[p], out=out)
         return out

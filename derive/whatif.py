@@ -6,6 +6,9 @@
 - attribution: only one op type, one DP rank, one stage kept as recorded, the rest ideal
   (S_t, S_dp, S_stage: the slowdown that group alone causes); a worker's score is the smaller of
   its DP rank's and its stage's;
+- balance_dp_speedup: each compute op at its mean over the DP ranks in its step (the work
+  spread evenly, the step-to-step and communication variation kept: what balancing tokens
+  per DP rank gives);
 - M_W: the share of the slowdown removed by fixing the top 3 % of workers by score; M_S: by
   fixing the last stage (and each stage: `stage_share`); M_Q: by making each compute op as long as
   its type's mean *on its own stage* (the compute variation inside a stage: across DP ranks,
@@ -52,6 +55,7 @@ class WhatIf:
     top_workers: list[tuple[int, int]] = field(default_factory=list)
     m_w: float = 0.0
     fix_top_speedup: float = 1.0  # replayed / the top workers at the typical work of the others
+    balance_dp_speedup: float = 1.0  # replayed / each compute op at its mean over the DP ranks
     m_s: float = 0.0  # the last stage
     stage_share: dict[int, float] = field(default_factory=dict)
     m_q: float = 0.0
@@ -82,6 +86,7 @@ class WhatIf:
             "S": self.slowdown,
             "M_W": self.m_w,
             "fix_top_speedup": self.fix_top_speedup,
+            "balance_dp_speedup": self.balance_dp_speedup,
             "M_S": self.m_s,
             "M_Q": self.m_q,
             "mb_spread": self.mb_spread,
@@ -109,7 +114,7 @@ def _share(t_ori: float, t_fixed: float, t_ideal: float) -> float:
 
 def _stagewise_work(model: depmodel.DepModel, cube: replay.Cube) -> np.ndarray:
     """The recorded work with each compute op at its type's mean on its own stage."""
-    work = cube.work.copy()
+    work: np.ndarray = cube.work.copy()
     keys = model.nodes["pp"].astype(str) + "|" + model.nodes["optype"].astype(str)
     for key in pd.unique(keys):
         nodes = np.flatnonzero(keys.to_numpy() == key)
@@ -137,7 +142,9 @@ def micro_batch_spread(table: pd.DataFrame) -> tuple[float | None, float | None]
     micro-batches, and the correlation of a micro-batch's forward and backward durations once
     the worker-step mean is taken out (a long sequence makes both long). None where
     micro-batches are not recorded."""
-    comp = table[table["optype"].isin(OpType.COMPUTE) & (table["mb"] >= 0) & (table["tp"] == table["tp"].min())]
+    comp = table[
+        table["optype"].isin(OpType.COMPUTE) & (table["mb"] >= 0) & (table["tp"] == table["tp"].min())
+    ]
     if comp.empty:
         return None, None
     keys = ["pp", "dp", "step", "chunk", "mb"]
@@ -192,7 +199,9 @@ def analyze(table: pd.DataFrame, vpp: int | None = None, dp_sync: bool | None = 
     res.by_optype = {o: float(kept[k] / t_ideal) for k, o in enumerate(optypes)}
     res.by_dp = {d: float(kept[len(optypes) + d] / t_ideal) for d in range(p)}
     res.by_stage = {st: float(kept[len(optypes) + p + st] / t_ideal) for st in range(layout.pp)}
-    res.worker_score = {(st, d): min(res.by_dp[d], res.by_stage[st]) for st in range(layout.pp) for d in range(p)}
+    res.worker_score = {
+        (st, d): min(res.by_dp[d], res.by_stage[st]) for st in range(layout.pp) for d in range(p)
+    }
     n_top = max(1, math.ceil(len(res.worker_score) * TOP_WORKER_SHARE))
     ranked = sorted(
         res.worker_score,
@@ -212,7 +221,14 @@ def analyze(table: pd.DataFrame, vpp: int | None = None, dp_sync: bool | None = 
     res.fix_top_speedup = t_ori / float(fixed_top[0]) if fixed_top[0] > 0 else 1.0
     res.stage_share = {st: _share(t_ori, float(fixed[1 + st]), t_ideal) for st in range(layout.pp)}
     res.m_s = res.stage_share[layout.pp - 1]
-    res.optype_share = {o: _share(t_ori, float(fixed[1 + layout.pp + k]), t_ideal) for k, o in enumerate(optypes)}
+    res.optype_share = {
+        o: _share(t_ori, float(fixed[1 + layout.pp + k]), t_ideal) for k, o in enumerate(optypes)
+    }
+    balanced = rec.copy()
+    compute = ~node_optype.map(optable.is_comm).to_numpy()
+    balanced[compute] = np.broadcast_to(rec[compute].mean(axis=-1, keepdims=True), rec[compute].shape)
+    even = replay.replay_mixed(model, rec, balanced, [np.ones((n, 1, 1), dtype=bool)])
+    res.balance_dp_speedup = t_ori / float(even[0]) if even[0] > 0 else 1.0
     total = float(ideal.sum())
     res.optype_time = {o: float(ideal[labels == o].sum()) / total if total > 0 else 0.0 for o in optypes}
     stagewise = _stagewise_work(model, cube)

@@ -75,7 +75,7 @@ def read(path: str) -> TraceFile:
     if raw.empty:
         raise UserError(f"{path}: the trace holds no ops")
     table = raw.rename(columns=RENAMES)
-    keep = [c for c in ("rank", "dp", "pp", "step", "mb", "optype", "seq", "start", "duration", "chunk", "gchunk")]
+    keep = ["rank", "dp", "pp", "step", "mb", "optype", "seq", "start", "duration", "chunk", "gchunk"]
     table = table[[c for c in keep if c in table.columns]]
     meta_path = meta_path_for(path)
     meta: dict[str, Any] = {}

@@ -17,7 +17,13 @@ from rich.text import Text
 from traindx.analyzers.findings import Finding
 from traindx.derive.whatif import WhatIf
 
-SEVERITY_STYLE = {"high": "bold red", "critical": "bold red", "medium": "yellow", "low": "cyan", "info": "green"}
+SEVERITY_STYLE = {
+    "high": "bold red",
+    "critical": "bold red",
+    "medium": "yellow",
+    "low": "cyan",
+    "info": "green",
+}
 SHADES = " .:-=+*#%@"
 
 
@@ -72,10 +78,7 @@ def _events(r: WhatIf, which: int, max_steps: int) -> list[dict[str, Any]]:
     sim = r.sim
     model, cube, rep = sim["model"], sim["cube"], sim["replayed"]
     start = rep.start[:, which] if which >= 0 else cube.start
-    if which >= 0:
-        end = rep.end[:, which]
-    else:
-        end = cube.start + cube.duration
+    end = rep.end[:, which] if which >= 0 else cube.start + cube.duration
     optypes = model.nodes["optype"].astype(str).to_numpy()
     stages = model.nodes["pp"].to_numpy()
     events: list[dict[str, Any]] = []
@@ -100,8 +103,10 @@ def _events(r: WhatIf, which: int, max_steps: int) -> list[dict[str, Any]]:
         offset += float(np.nanmax(end[:, s, :])) if end.size else 0.0
     for d in range(start.shape[2]):
         events.append({"name": "process_name", "ph": "M", "pid": d, "args": {"name": f"DP rank {d}"}})
-        for st in range(r.layout.pp):
-            events.append({"name": "thread_name", "ph": "M", "pid": d, "tid": st, "args": {"name": f"stage {st}"}})
+        events.extend(
+            {"name": "thread_name", "ph": "M", "pid": d, "tid": st, "args": {"name": f"stage {st}"}}
+            for st in range(r.layout.pp)
+        )
     return events
 
 

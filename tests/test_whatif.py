@@ -72,3 +72,36 @@ def test_synthetic_fault(name):
     assert result.slowdown > 1.05 and findings[0].prescriptions
     if expected == "one_worker":
         assert result.top_workers[0] == (1, 2)
+
+
+def _megatron_log(path, slow_rank):
+    """A log as Megatron prints it with --timing-log-level 2 --timing-log-option all (the format
+    strings of megatron/core/timers.py), 4 DP ranks, one of them slow in its compute."""
+    lines = []
+    for k in range(1, 7):
+        lines.append(
+            f" [2026-12-05 00:00:{k:02d}] iteration {k * 10:8d}/     100 | consumed samples: {k * 640:12d} |"
+            " elapsed time per iteration (ms): 812.3 |"
+        )
+        lines.append("times across ranks (ms):")
+        for timer, base in (
+            ("forward-compute", 200.0),
+            ("backward-compute", 400.0),
+            ("all-grads-sync", 50.0),
+            ("optimizer", 30.0),
+        ):
+            lines.append(f"  {timer}:")
+            for r in range(4):
+                slow = 1.5 if r == slow_rank and timer.endswith("compute") else 1.0
+                lines.append(f"     rank {r:2d}: {base * slow * (1 + 0.01 * ((r + k) % 3)):.2f}")
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)
+
+
+def test_megatron_timers(tmp_path, capsys):
+    assert main(["analyze", _megatron_log(tmp_path / "slow.log", slow_rank=2), "--json"]) == 0
+    head = json.loads(capsys.readouterr().out)[0]
+    assert head["id"] == "whatif.one_worker" and head["evidence"]["top_workers"][0] == {"stage": 0, "dp": 2}
+    assert "Drain or repair" in head["prescriptions"][0]["summary"]
+    assert main(["analyze", _megatron_log(tmp_path / "even.log", slow_rank=-1), "--json"]) == 0
+    assert [f["severity"] for f in json.loads(capsys.readouterr().out)] == ["info"]

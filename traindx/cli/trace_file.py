@@ -1,5 +1,6 @@
-"""`diagnose analyze trace-X.parquet`: the what-if analysis across ranks of an op-level trace
-(the straggler study's format, with its meta-X.yaml beside it). Reads, derives, judges, presents;
+"""`diagnose analyze trace-X.parquet` (an op-level trace in the straggler study's format, with its
+meta-X.yaml beside it), `diagnose analyze train.log` (Megatron's per-rank timers) and
+`diagnose analyze RUN --what-if`: the what-if analysis across ranks. Reads, derives, judges;
 decides nothing itself."""
 
 from __future__ import annotations
@@ -10,7 +11,8 @@ from traindx.analyzers.findings import Finding
 from traindx.analyzers.whatif import judge
 from traindx.common.errors import UserError
 from traindx.derive import depmodel, optable, whatif
-from traindx.profiler import straggler_trace
+from traindx.derive.optable_megatron import from_timers
+from traindx.profiler import megatron_timers, straggler_trace
 
 
 def is_trace(path: str) -> bool:
@@ -49,3 +51,23 @@ def analyze_run(path: str) -> tuple[whatif.WhatIf, list[Finding]]:
     except depmodel.ModelError as exc:
         raise UserError(f"{path}: {exc}") from None
     return result, judge(result, source=os.path.basename(os.path.normpath(path)))
+
+
+def is_megatron_log(path: str) -> bool:
+    return megatron_timers.looks_like(path)
+
+
+def analyze_megatron_log(path: str, tp: int, pp: int) -> tuple[whatif.WhatIf, list[Finding]]:
+    """The what-if analysis of Megatron's per-rank timers in a training log."""
+    log = megatron_timers.read(path)
+    if log.rows.empty:
+        hint = " (printed with --timing-log-option minmax: rerun with --timing-log-option all)"
+        raise UserError(f"{path}: no per-rank Megatron timer block" + (hint if log.minmax_blocks else ""))
+    table = from_timers(log.rows, tp=tp, pp=pp)
+    if table.empty or table["rank"].nunique() < 2:
+        raise UserError(f"{path}: the timer blocks name no forward/backward/optimizer times of several ranks")
+    try:
+        result = whatif.analyze(table)
+    except depmodel.ModelError as exc:
+        raise UserError(f"{path}: {exc}") from None
+    return result, judge(result, source=os.path.basename(path))

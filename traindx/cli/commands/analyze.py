@@ -4,6 +4,8 @@ usage: diagnose analyze RUN_DIR       run the analyzers again, write RUN_DIR/fin
                                       report.html, print the ranked summary
        diagnose analyze PYSPY_FILE    a py-spy speedscope (.json) or raw (collapsed) file that
                                       you already have: JIT compiles found from its stacks alone
+       diagnose analyze TRAIN.log     a Megatron log with per-rank timers (--timing-log-level 2
+                                      --timing-log-option all; --tp/--pp: the layout): the same
        diagnose analyze TRACE.parquet an op-level trace of a multi-rank job (rank, dp, stage, step,
                                       optype, start, duration; meta-NAME.yaml beside it): what the
                                       stragglers cost (a dependency-aware replay), which worker,
@@ -37,6 +39,20 @@ def prepare_parser(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="a run folder of several ranks: the what-if replay across ranks of its spans "
         "(what each straggler, stage and op type costs) instead of the analyzers",
+    )
+    parser.add_argument(
+        "--tp",
+        type=argtypes.positive_int,
+        default=1,
+        metavar="N",
+        help="a Megatron log: the job's tensor-parallel size (ranks map tp, dp, pp; default 1)",
+    )
+    parser.add_argument(
+        "--pp",
+        type=argtypes.positive_int,
+        default=1,
+        metavar="N",
+        help="a Megatron log: the job's pipeline-parallel size (default 1)",
     )
     parser.add_argument(
         "--timelines",
@@ -75,6 +91,12 @@ def _analyze_run(path: str) -> tuple[RunRecord, list[Finding], str | None]:
     return record, findings, report_path
 
 
+def _is_megatron_log(path: str) -> bool:
+    from traindx.profiler.megatron_timers import looks_like  # lazy: pandas
+
+    return looks_like(path)
+
+
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     path = os.path.abspath(args.path)
     if not os.path.exists(path):
@@ -103,6 +125,13 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         if args.timelines:
             for written in whatif_view.write_timelines(result, args.timelines):
                 print(f"diagnose: timeline {written}", file=sys.stderr)
+        if not args.json:
+            whatif_view.print_summary(args.path, result, findings)
+    elif _is_megatron_log(path):
+        from traindx.cli.trace_file import analyze_megatron_log  # lazy: pandas, the replay
+        from traindx.report import whatif_view
+
+        result, findings = analyze_megatron_log(path, args.tp, args.pp)
         if not args.json:
             whatif_view.print_summary(args.path, result, findings)
     else:
