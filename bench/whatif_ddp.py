@@ -19,7 +19,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BIN = os.path.dirname(sys.executable)
 JOB = os.path.join(ROOT, "bench", "jobs", "whatif_ddp.py")
 CASES = {
-    "allreduce-slow-rank": (["--sync", "allreduce", "--slow-rank", "1", "--slow-ms", "10"], "fix_top_speedup"),
+    "allreduce-slow-rank": (
+        ["--sync", "allreduce", "--slow-rank", "1", "--slow-ms", "10"],
+        "fix_top_speedup",
+    ),
     "allreduce-unequal-work": (["--sync", "allreduce", "--skew", "0.6"], "balance_dp_speedup"),
     "ddp-slow-rank": (["--sync", "ddp", "--slow-rank", "1", "--slow-ms", "10"], "fix_top_speedup"),
     "ddp-unequal-work": (["--sync", "ddp", "--skew", "0.6"], "balance_dp_speedup"),
@@ -27,15 +30,33 @@ CASES = {
 
 
 def launch(run_dir, nproc, steps, rows, args):
-    cmd = [os.path.join(BIN, "diagnose"), "--run-dir", run_dir, "--quiet", "--no-pyspy", "--",
-           os.path.join(BIN, "torchrun"), "--nproc-per-node", str(nproc), JOB, "--steps", str(steps),
-           "--rows", str(rows), *args]
+    cmd = [
+        os.path.join(BIN, "diagnose"),
+        "--run-dir",
+        run_dir,
+        "--quiet",
+        "--no-pyspy",
+        "--",
+        os.path.join(BIN, "torchrun"),
+        "--nproc-per-node",
+        str(nproc),
+        JOB,
+        "--steps",
+        str(steps),
+        "--rows",
+        str(rows),
+        *args,
+    ]
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 def whatif(run_dir):
-    out = subprocess.run([os.path.join(BIN, "diagnose"), "analyze", run_dir, "--what-if", "--json"],
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [os.path.join(BIN, "diagnose"), "analyze", run_dir, "--what-if", "--json"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     findings = json.loads(out)
     return findings[0]
 
@@ -56,7 +77,10 @@ def main():
         sync = args[:2]
         for k in range(a.repeat):
             faulty, twin = (os.path.join(a.out, f"{name}-{k}-{arm}") for arm in ("faulty", "twin"))
-            procs = [launch(faulty, a.nproc, a.steps, a.rows, args), launch(twin, a.nproc, a.steps, a.rows, sync)]
+            procs = [
+                launch(faulty, a.nproc, a.steps, a.rows, args),
+                launch(twin, a.nproc, a.steps, a.rows, sync),
+            ]
             if any(p.wait() != 0 for p in procs):
                 print(f"| {name} | {k} | failed | | | | | |")
                 continue
@@ -64,9 +88,11 @@ def main():
             t_f = f["evidence"]["step_time_recorded_s"]
             t_t = t["evidence"]["step_time_recorded_s"]
             measured, predicted = t_f / t_t, f["evidence"][metric]
-            print(f"| {name} | {k} | {t_f:.4f} | {t_t:.4f} | {measured:.2f} | {predicted:.2f} ({metric}) | "
-                  f"{(predicted - measured) / measured * 100:+.0f} % | {f['id']} / twin {t['id']} {t['severity']} |",
-                  flush=True)
+            print(
+                f"| {name} | {k} | {t_f:.4f} | {t_t:.4f} | {measured:.2f} | {predicted:.2f} ({metric}) | "
+                f"{(predicted - measured) / measured * 100:+.0f} % | {f['id']} / twin {t['id']} {t['severity']} |",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":
