@@ -7,7 +7,9 @@ Categories, first that holds:
   micro-batches of one worker-step differ (spread) and a micro-batch's forward and backward
   move together (a long sequence is long on both: data, not hardware);
 - a stage: fixing one stage removes at least half (M_S for the last one);
-- an op type: fixing one op type removes at least half, more than 1.3 x its part of the work;
+- an op type: fixing one op type removes at least half, more than 1.3 x its part of the work, and
+  its tail (mean / median - 1) is twice any other type's, and those others are steady (tail
+  under 25 %: on a noisy host every type varies, and none is at fault);
 - spread: none of these alone (noise-like variation: at most a low finding, nothing to fix).
 The op table's own timer names are the only vocabulary: no job, file or flag of ours is keyed on.
 """
@@ -23,6 +25,9 @@ SPREAD_MIN = 0.05  # micro-batch compute times differing by 5 % (coefficient of 
 CORRELATION_MIN = 0.5
 HEALTHY_BELOW = 1.05  # S under 5 %: no straggler finding above a note
 OVER_ITS_TIME = 1.3  # an op type at fault: its share of the slowdown over 1.3 x its share of the work
+TAIL_OVER_OTHERS = 2.0  # ... and its tail (mean / median - 1) twice that of every other type
+MIN_TIME = 0.05  # that is at least 5 % of the work (a noisy host slows every type alike)
+NOISY_TAIL = 0.25  # another type's tail over this: the host is noisy, no one type is at fault
 
 
 def _severity(slowdown: float) -> str:
@@ -54,7 +59,13 @@ def category(r: WhatIf) -> tuple[str, str]:
         share = r.optype_share[optype]
         # an op type at fault costs more than its part of the work: noise costs each type in
         # proportion to its time
-        if share >= DECISIVE_SHARE and share >= OVER_ITS_TIME * r.optype_time.get(optype, 0.0):
+        tail = r.optype_tail.get(optype, 0.0)
+        others = [
+            v for o, v in r.optype_tail.items() if o != optype and r.optype_time.get(o, 0.0) >= MIN_TIME
+        ]
+        quiet_others = max(others, default=0.0) <= NOISY_TAIL
+        heavier = quiet_others and tail >= TAIL_OVER_OTHERS * max(others, default=0.0)
+        if share >= DECISIVE_SHARE and share >= OVER_ITS_TIME * r.optype_time.get(optype, 0.0) and heavier:
             return "optype", optype
     return "spread", "no single worker, stage or op type"
 
@@ -106,7 +117,8 @@ def _prescriptions(kind: str, r: WhatIf) -> tuple[Prescription, ...]:
             Prescription(
                 "backend",
                 f"Drain or repair the node of {workers} (check its GPU clocks, thermals, NIC and "
-                "ECC errors), or restart the job without it",
+                "ECC errors), or restart the job without it; if that rank is given more data than "
+                "the others (uneven shards or sequence lengths), balance the data instead",
                 NoChange(),
                 expected_gain_s_per_step=r.m_w * gap,
             ),

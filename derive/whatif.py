@@ -63,6 +63,7 @@ class WhatIf:
     mb_correlation: float | None = None
     optype_share: dict[str, float] = field(default_factory=dict)  # share removed fixing one type
     optype_time: dict[str, float] = field(default_factory=dict)  # its share of the ideal work
+    optype_tail: dict[str, float] = field(default_factory=dict)  # mean / median work - 1
     stage_compute: dict[int, float] = field(default_factory=dict)  # compute s per worker-step
     replay_error: float = 0.0  # mean recorded / mean replayed - 1 (the launch gaps)
     dropped_rows: int = 0
@@ -94,6 +95,7 @@ class WhatIf:
             "by_optype": self.by_optype,
             "optype_share": self.optype_share,
             "optype_time": self.optype_time,
+            "optype_tail": self.optype_tail,
             "by_dp": {str(k): v for k, v in self.by_dp.items()},
             "by_stage": {str(k): v for k, v in self.by_stage.items()},
             "stage_share": {str(k): v for k, v in self.stage_share.items()},
@@ -229,6 +231,10 @@ def analyze(table: pd.DataFrame, vpp: int | None = None, dp_sync: bool | None = 
     balanced[compute] = np.broadcast_to(rec[compute].mean(axis=-1, keepdims=True), rec[compute].shape)
     even = replay.replay_mixed(model, rec, balanced, [np.ones((n, 1, 1), dtype=bool)])
     res.balance_dp_speedup = t_ori / float(even[0]) if even[0] > 0 else 1.0
+    for o in optypes:
+        values = rec[labels == o][cube.present[labels == o]]
+        med = float(np.median(values)) if values.size else 0.0
+        res.optype_tail[o] = float(values.mean()) / med - 1 if med > 0 else 0.0
     total = float(ideal.sum())
     res.optype_time = {o: float(ideal[labels == o].sum()) / total if total > 0 else 0.0 for o in optypes}
     stagewise = _stagewise_work(model, cube)
