@@ -4,9 +4,11 @@ and synthetic 1F1B traces (an event-driven generator of their own, bench/whatif_
 per fault and a healthy twin, checked end to end: the replay reproduces the recorded steps, the
 category is named and the healthy twin stays quiet."""
 
+import gzip
 import json
 import os
 import sys
+import tarfile
 
 import pytest
 
@@ -21,9 +23,13 @@ sys.path.insert(0, os.path.join(os.path.dirname(TESTS), "bench"))
 import whatif_synth  # noqa: E402
 
 
-def test_published_trace_st(capsys):
-    code = main(["analyze", os.path.join(ST, "trace-ST.parquet"), "--json"])
+def test_published_trace_st(capsys, tmp_path):
+    code = main(["analyze", os.path.join(ST, "trace-ST.parquet"), "--json", "--timelines", str(tmp_path)])
     assert code == 0
+    for name in ("recorded", "ideal"):  # Perfetto: a process per DP rank, a track per stage
+        with gzip.open(tmp_path / f"{name}.json.gz", "rt") as f:
+            events = json.load(f)["traceEvents"]
+        assert {e["tid"] for e in events if e["ph"] == "X"} == {0, 1, 2, 3}
     findings = json.loads(capsys.readouterr().out)
     head = findings[0]
     assert head["id"] == "whatif.stage" and "last stage" in head["title"]
@@ -105,3 +111,22 @@ def test_megatron_timers(tmp_path, capsys):
     assert "Drain or repair" in head["prescriptions"][0]["summary"]
     assert main(["analyze", _megatron_log(tmp_path / "even.log", slow_rank=-1), "--json"]) == 0
     assert [f["severity"] for f in json.loads(capsys.readouterr().out)] == ["info"]
+
+
+@pytest.fixture(scope="module")
+def ddp_runs(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("whatif-runs")
+    with tarfile.open(os.path.join(TESTS, "data", "cpu-whatif-slow-rank.tar.xz")) as tar:
+        tar.extractall(folder, filter="data")
+    return folder / "cpu-whatif-slow-rank"
+
+
+def test_run_folder_slow_rank_and_twin(ddp_runs, capsys):
+    assert main(["analyze", str(ddp_runs / "faulty"), "--what-if", "--json"]) == 0
+    head = json.loads(capsys.readouterr().out)[0]
+    assert head["id"] == "whatif.one_worker" and head["severity"] == "high"
+    assert head["evidence"]["top_workers"] == [{"stage": 0, "dp": 1}]
+    assert head["evidence"]["fix_top_speedup"] > 1.3  # the twin ran 2.0x faster
+    assert main(["analyze", str(ddp_runs / "twin"), "--what-if", "--json"]) == 0
+    twin = json.loads(capsys.readouterr().out)
+    assert all(f["severity"] in ("info", "low") for f in twin)
