@@ -20,12 +20,20 @@ import pandas as pd
 F, B = "forward-compute", "backward-compute"
 
 
-def _program(stage: int, pp: int, mb: int) -> list[tuple[str, int]]:
-    warm = min(pp - stage - 1, mb)
-    prog = [(F, i) for i in range(warm)]
-    for i in range(mb - warm):
-        prog += [(F, warm + i), (B, i)]
-    prog += [(B, i) for i in range(mb - warm, mb)]
+def _program(stage: int, pp: int, mb: int, vpp: int = 1) -> list[tuple[str, int, int]]:
+    """(compute, chunk, micro-batch) in the order the stage runs them: 1F1B, interleaved when
+    vpp > 1 (Megatron's order: micro-batches in groups of pp, chunk by chunk)."""
+    total = mb * vpp
+
+    def unit(k: int, forward: bool) -> tuple[int, int]:
+        chunk = (k // pp) % vpp
+        return (chunk if forward else vpp - 1 - chunk), (k // (pp * vpp)) * pp + k % pp
+
+    warm = min((pp - stage - 1) * 2 + (vpp - 1) * pp if vpp > 1 else pp - stage - 1, total)
+    prog = [(F, *unit(k, True)) for k in range(warm)]
+    for j in range(total - warm):
+        prog += [(F, *unit(warm + j, True)), (B, *unit(j, False))]
+    prog += [(B, *unit(k, False)) for k in range(total - warm, total)]
     return prog
 
 
@@ -43,6 +51,7 @@ def make(
     slow_optype: tuple[str, float, float] | None = None,
     noise: float = 0.01,
     with_tp_column: bool = False,
+    vpp: int = 1,
 ) -> pd.DataFrame:
     rng = np.random.default_rng(seed)
     shape = (steps, dp)
@@ -63,7 +72,7 @@ def make(
         )
         d = base * rng.lognormal(0.0, noise, shape)
         if optype in (F, B):
-            d = d * (lengths[:, :, i] if optype == F else lengths[:, :, i] ** 1.2)
+            d = d * (lengths[:, :, i] if optype == F else lengths[:, :, i] ** 1.2) / vpp
             if slow_stage is not None and slow_stage[0] == stage:
                 d = d * slow_stage[1]
             if slow_worker is not None and slow_worker[0] == stage:
@@ -76,42 +85,78 @@ def make(
     zero = np.zeros(shape)
     ag_end = zero + ag_t
     rows += [(s, "params-all-gather", 0, -1, zero.copy(), ag_end.copy()) for s in range(pp)]
-    end: dict[tuple[int, str, int], np.ndarray] = {}
-    recv_start: dict[tuple[int, str, int], np.ndarray] = {}
+    cur = _pipeline(rows, pp, vpp, mb, ag_end, dur, lat)
+    _tail(rows, cur, pp, zero, dur)
+    return _frame(rows, steps, dp, pp, tp, with_tp_column, rng)
+
+
+def _pipeline(rows: list, pp: int, vpp: int, mb: int, ag_end: np.ndarray, dur, lat: float) -> list:
+    """Run every stage's program; a compute waits for its input from the previous model chunk
+    (forward) or the next one (backward). Every compute records a receive before it and a send
+    after it; where the model has no peer (its first / last chunk) they are no-ops of no time,
+    as Megatron's interleaved schedule records them; without interleaving the first and last
+    stage record none."""
+    n_chunks = pp * vpp
+    end: dict[tuple[int, str, int, int], np.ndarray] = {}
+    recv_start: dict[tuple[int, str, int, int], np.ndarray] = {}
+    seq: dict[tuple[int, str], int] = {}
+
+    def emit(stage: int, optype: str, mbi: int, start: np.ndarray, d: np.ndarray, chunk: int = -1) -> None:
+        k = seq.get((stage, optype), 0)
+        seq[(stage, optype)] = k + 1
+        rows.append((stage, optype, k, mbi, start, d, chunk))
+
     cur = [ag_end.copy() for _ in range(pp)]
-    progs = [_program(s, pp, mb) for s in range(pp)]
+    progs = [_program(s, pp, mb, vpp) for s in range(pp)]
     ptr = [0] * pp
     while any(ptr[s] < len(progs[s]) for s in range(pp)):
         moved = False
         for s in range(pp):
             while ptr[s] < len(progs[s]):
-                optype, i = progs[s][ptr[s]]
-                peer = s - 1 if optype == F else s + 1
-                if 0 <= peer < pp and (peer, optype, i) not in end:
+                optype, c, i = progs[s][ptr[s]]
+                g = c * pp + s
+                pg = g - 1 if optype == F else g + 1
+                peer = (pg % pp, optype, pg // pp, i)
+                has_peer = 0 <= pg < n_chunks
+                if has_peer and peer not in end:
                     break
                 start = cur[s]
-                if 0 <= peer < pp:
-                    arrive = np.maximum(start, end[(peer, optype, i)]) + lat
-                    kind = "forward-recv" if optype == F else "backward-recv"
-                    rows.append((s, kind, i, -1, start, arrive - start))
-                    recv_start[(s, optype, i)] = start
+                kind = "forward-recv" if optype == F else "backward-recv"
+                if has_peer:
+                    arrive = np.maximum(start, end[peer]) + lat
+                    emit(s, kind, -1, start, arrive - start)
+                    recv_start[(s, optype, c, i)] = start
                     start = arrive
+                elif vpp > 1:
+                    emit(s, kind, -1, start, start * 0)
                 d = dur(optype, s, i)
-                rows.append((s, optype, i, i, start, d))
-                end[(s, optype, i)] = start + d
+                emit(s, optype, i, start, d, c)
+                end[(s, optype, c, i)] = start + d
                 cur[s] = start + d
                 ptr[s] += 1
                 moved = True
+                if vpp > 1 and not 0 <= (g + 1 if optype == F else g - 1) < n_chunks:
+                    emit(s, "forward-send" if optype == F else "backward-send", -1, cur[s], start * 0)
+                elif 0 <= (g + 1 if optype == F else g - 1) < n_chunks:
+                    rows.append(("send", s, optype, c, i))  # its end is known once the peer posts
         if not moved:
-            raise RuntimeError("1F1B programs deadlocked")
-    for (s, optype, i), e in list(end.items()):  # sends: end with their receive
-        peer = s + 1 if optype == F else s - 1
-        if 0 <= peer < pp:
-            kind = "forward-send" if optype == F else "backward-send"
-            group_end = np.maximum(e, recv_start[(peer, optype, i)]) + lat
-            rows.append((s, kind, i, -1, e, group_end - e))
-    _tail(rows, cur, pp, zero, dur)
-    return _frame(rows, steps, dp, pp, tp, with_tp_column, rng)
+            raise RuntimeError("pipeline programs deadlocked")
+    out = []
+    for row in rows:
+        if row[0] != "send":
+            out.append(row)
+            continue
+        _, s, optype, c, i = row
+        g = c * pp + s
+        ng = g + 1 if optype == F else g - 1
+        e = end[(s, optype, c, i)]
+        group_end = np.maximum(e, recv_start[(ng % pp, optype, ng // pp, i)]) + lat
+        kind = "forward-send" if optype == F else "backward-send"
+        k = seq.get((s, kind), 0)
+        seq[(s, kind)] = k + 1
+        out.append((s, kind, k, -1, e, group_end - e, -1))
+    rows[:] = out
+    return cur
 
 
 def _tail(rows: list, cur: list, pp: int, zero: np.ndarray, dur) -> None:
@@ -149,7 +194,13 @@ def _frame(
     code = {o: k for k, o in enumerate(optypes)}
     for t in range(tp if with_tp else 1):
         jitter = 1.0 if t == 0 else 1.0 + 0.002 * rng.random()
-        for s, optype, seq, mbi, start, d in rows:
+        for row in rows:
+            s, optype, seq, mbi, start, d = row[:6]
+            chunk = (
+                row[6]
+                if len(row) > 6
+                else (0 if optype in ("params-all-gather", "grads-reduce-scatter") else -1)
+            )
             parts.append(
                 {
                     "dp_rank": dp_ix.astype(np.int32),
@@ -161,15 +212,15 @@ def _frame(
                     "duration": (d.reshape(-1) * jitter).astype(np.float64),
                     "seq_id": np.full(n, seq, np.int32),
                     "mb_id": np.full(n, mbi, np.int16),
+                    "mc": np.full(n, chunk, np.int8),
                 }
             )
     cols = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
     parts.clear()
     frame = pd.DataFrame(cols)
     frame["optype"] = pd.Categorical.from_codes(frame["optype"].to_numpy(), optypes)
-    frame["mc"] = np.int8(0)
-    frame["gmc"] = frame["stage"].astype(np.int16)
-    frame["gmc"] = frame["gmc"].where(frame["optype"].isin([F, B]), -1)
+    gmc = frame["mc"].astype(np.int16) * pp + frame["stage"]
+    frame["gmc"] = gmc.where(frame["optype"].isin([F, B]), -1).astype(np.int16)
     frame["rank"] = (frame["dp_rank"] * pp + frame["stage"]) * (tp if with_tp else 1) + frame["tp"]
     if not with_tp:
         frame = frame.drop(columns=["tp"])

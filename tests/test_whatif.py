@@ -1,6 +1,6 @@
 """What-if across ranks: `diagnose analyze TRACE.parquet` on a published production trace (the
 straggler study's "ST": its last stage is long), checked against the published S, M_S and M_W;
-and synthetic 1F1B traces (an event-driven generator of their own, bench/whatif_synth.py), one
+and synthetic 1F1B and interleaved traces (an event-driven generator of their own, bench/whatif_synth.py), one
 per fault and a healthy twin, checked end to end: the replay reproduces the recorded steps, the
 category is named and the healthy twin stays quiet."""
 
@@ -59,6 +59,7 @@ CASES = {
     "last_stage": ({"slow_stage": (3, 1.5)}, "stage"),
     "sequence": ({"seq_cv": 0.4}, "sequence_lengths"),
     "optype": ({"slow_optype": ("grads-reduce-scatter", 0.2, 20.0)}, "optype"),
+    "interleaved_worker": ({"slow_worker": (1, 2, 1.6), "vpp": 2}, "one_worker"),
 }
 
 
