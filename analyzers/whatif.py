@@ -23,6 +23,7 @@ ANALYZER = "whatif"
 DECISIVE_SHARE = 0.5  # a mechanism that removes half the slowdown names the category
 SPREAD_MIN = 0.05  # micro-batch compute times differing by 5 % (coefficient of variation)
 CORRELATION_MIN = 0.5
+MODEL_FIT = 0.10  # replayed steps this far (relative) from the recorded ones: say the model may not fit
 HEALTHY_BELOW = 1.05  # S under 5 %: no straggler finding above a note
 OVER_ITS_TIME = 1.3  # an op type at fault: its share of the slowdown over 1.3 x its share of the work
 TAIL_OVER_OTHERS = 2.0  # ... and its tail (mean / median - 1) twice that of every other type
@@ -151,6 +152,22 @@ def _prescriptions(kind: str, r: WhatIf) -> tuple[Prescription, ...]:
     return ()
 
 
+def _model_fit(r: WhatIf) -> Finding:
+    recorded = r.t_replayed * (1 + r.replay_error)
+    title = (
+        f"The replay is {_pct(abs(r.replay_error))} off the recorded steps ({recorded:.3f} s recorded, "
+        f"{r.t_replayed:.3f} s replayed): time outside the recorded ops, or a schedule the model does not know"
+    )
+    return Finding(
+        "whatif.model_fit",
+        title,
+        "info",
+        ANALYZER,
+        summary=title + "; S and the shares are relative to the replayed step (docs/what-if.md)",
+        evidence={"replay_error": r.replay_error},
+    )
+
+
 def judge(r: WhatIf, source: str) -> list[Finding]:
     """The findings of a what-if analysis of `source` (a trace file or run folder)."""
     kind, what = category(r)
@@ -163,7 +180,8 @@ def judge(r: WhatIf, source: str) -> list[Finding]:
     evidence = {"category": kind, "names": what, "source": source, **r.to_dict()}
     if severity == "info":
         title = f"No straggler cost: the steps are within {_pct(r.slowdown - 1)} of their ideal"
-        return [Finding("whatif.healthy", title, "info", ANALYZER, summary=title, evidence=evidence)]
+        healthy = [Finding("whatif.healthy", title, "info", ANALYZER, summary=title, evidence=evidence)]
+        return healthy + ([_model_fit(r)] if abs(r.replay_error) > MODEL_FIT else [])
     label = {
         "one_worker": f"one worker ({what})",
         "sequence_lengths": "sequence lengths that differ between DP ranks",
@@ -191,6 +209,8 @@ def judge(r: WhatIf, source: str) -> list[Finding]:
             ranks=tuple(f"stage{s}/dp{d}" for s, d in r.top_workers) if kind == "one_worker" else (),
         )
     ]
+    if abs(r.replay_error) > MODEL_FIT:
+        findings.append(_model_fit(r))
     if kind != "stage" and r.stage_share:  # a second mechanism worth naming: an unequal split
         stage = max(r.stage_share, key=lambda s: r.stage_share[s])
         share = r.stage_share[stage]

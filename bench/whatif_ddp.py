@@ -4,7 +4,7 @@ torchrun (gloo): one slow rank, and unequal work per rank (bench/jobs/whatif_ddp
 Each case runs its faulty arm and its healthy twin side by side (the same load on the shared
 machine), both under `diagnose`; then `diagnose analyze RUN --what-if --json` on the faulty arm.
 Predicted speed-up: `fix_top_speedup` (slow rank) or `balance_dp_speedup` (unequal work);
-measured: the faulty arm's mean step over the twin's (steps every rank ran, from the spans).
+measured: the faulty arm's median step over the twin's (steps every rank ran, from the spans).
 
     .venv/bin/python bench/whatif_ddp.py [--nproc 2] [--steps 30] [--repeat 1] [--out /tmp/whatif-ddp]
 """
@@ -66,6 +66,7 @@ def main():
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--rows", type=int, default=512)
+    ap.add_argument("--layer-ms", type=float, default=5.0)
     ap.add_argument("--repeat", type=int, default=1)
     ap.add_argument("--out", default="/tmp/whatif-ddp")
     ap.add_argument("--cases", nargs="*", default=list(CASES))
@@ -78,15 +79,15 @@ def main():
         for k in range(a.repeat):
             faulty, twin = (os.path.join(a.out, f"{name}-{k}-{arm}") for arm in ("faulty", "twin"))
             procs = [
-                launch(faulty, a.nproc, a.steps, a.rows, args),
-                launch(twin, a.nproc, a.steps, a.rows, sync),
+                launch(faulty, a.nproc, a.steps, a.rows, [*args, "--layer-ms", str(a.layer_ms)]),
+                launch(twin, a.nproc, a.steps, a.rows, [*sync, "--layer-ms", str(a.layer_ms)]),
             ]
             if any(p.wait() != 0 for p in procs):
                 print(f"| {name} | {k} | failed | | | | | |")
                 continue
             f, t = whatif(faulty), whatif(twin)
-            t_f = f["evidence"]["step_time_recorded_s"]
-            t_t = t["evidence"]["step_time_recorded_s"]
+            t_f = f["evidence"]["step_time_recorded_median_s"]
+            t_t = t["evidence"]["step_time_recorded_median_s"]
             measured, predicted = t_f / t_t, f["evidence"][metric]
             print(
                 f"| {name} | {k} | {t_f:.4f} | {t_t:.4f} | {measured:.2f} | {predicted:.2f} ({metric}) | "

@@ -82,6 +82,7 @@ class WhatIf:
             "layout": vars(self.layout),
             "steps": len(self.steps),
             "step_time_recorded_s": float(np.mean(self.recorded)),
+            "step_time_recorded_median_s": float(np.median(self.recorded)),
             "step_time_replayed_s": self.t_replayed,
             "step_time_ideal_s": self.t_ideal,
             "S": self.slowdown,

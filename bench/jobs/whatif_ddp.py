@@ -9,6 +9,9 @@
                   and backward alike (hooks: a throttled or faulty host)
 --skew X          unequal work: rank r gets rows x (1 + X * (2r/(world-1) - 1)), the global
                   batch unchanged (sequence-length or bucketing imbalance across DP ranks)
+--layer-ms T      each layer also waits T ms per --rows rows in forward, 2T in backward: device
+                  time stood in by a sleep, so that the step's length follows the work and not the
+                  load of a shared 2-core machine (the matmuls themselves stay small)
 Healthy twin: the same command without --slow-rank / with --skew 0.
 """
 
@@ -30,6 +33,7 @@ def main() -> None:
     p.add_argument("--width", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--rows", type=int, default=256, help="rows per rank per step (before skew)")
+    p.add_argument("--layer-ms", type=float, default=0.0)
     a = p.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -39,23 +43,24 @@ def main() -> None:
     for _ in range(a.layers):
         mods += [torch.nn.Linear(a.width, a.width), torch.nn.GELU()]
     model = torch.nn.Sequential(*mods)
-    if rank == a.slow_rank:
-        delay = a.slow_ms / 1000.0
-
-        def slow_forward(module, inputs, output):
-            time.sleep(delay)
-
-        def slow_backward(module, grad_in, grad_out):
-            time.sleep(delay)
-
-        for m in model:
-            if isinstance(m, torch.nn.Linear):
-                m.register_forward_hook(slow_forward)
-                m.register_full_backward_hook(slow_backward)
-    net = torch.nn.parallel.DistributedDataParallel(model) if a.sync == "ddp" else model
-    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
     share = 1.0 + a.skew * (2 * rank / max(1, world - 1) - 1) if world > 1 else 1.0
     rows = max(1, round(a.rows * share))
+    device_s = a.layer_ms / 1000.0 * rows / a.rows
+    extra_s = a.slow_ms / 1000.0 if rank == a.slow_rank else 0.0
+
+    def on_forward(module, inputs, output):
+        time.sleep(device_s + extra_s)
+
+    def on_backward(module, grad_in, grad_out):
+        time.sleep(2 * device_s + extra_s)
+
+    if device_s + extra_s > 0:
+        for m in model:
+            if isinstance(m, torch.nn.Linear):
+                m.register_forward_hook(on_forward)
+                m.register_full_backward_hook(on_backward)
+    net = torch.nn.parallel.DistributedDataParallel(model) if a.sync == "ddp" else model
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
     g = torch.Generator().manual_seed(rank)
     x, y = torch.randn(rows, a.width, generator=g), torch.randn(rows, a.width, generator=g)
     for step in range(1, a.steps + 1):

@@ -32,8 +32,8 @@ def analyze_trace(path: str) -> tuple[whatif.WhatIf, list[Finding]]:
         dp_sync = int(meta.get("dp_size", 1)) * int(meta.get("dsp_size", 1)) > 1
     try:
         result = whatif.analyze(table, vpp=int(vpp) if vpp else None, dp_sync=dp_sync)
-    except depmodel.ModelError as exc:
-        raise UserError(f"{path}: {exc}") from None
+    except (depmodel.ModelError, ValueError, KeyError, IndexError) as exc:  # a trace of another shape
+        raise UserError(f"{path}: cannot replay this trace ({type(exc).__name__}: {exc})") from None
     return result, judge(result, source=os.path.basename(path))
 
 
