@@ -10,7 +10,9 @@ Categories, first that holds:
 - an op type: fixing one op type removes at least half, more than 1.3 x its part of the work, and
   its tail (mean / median - 1) is twice any other type's, and those others are steady (tail
   under 25 %: on a noisy host every type varies, and none is at fault);
-- spread: none of these alone (noise-like variation: at most a low finding, nothing to fix).
+- spread: none of these alone (noise-like variation: at most a low finding, nothing to fix);
+  also an op type's straggling on a host whose training threads waited for a CPU 5 % of the
+  step or more (a run folder's run-queue record): the host, not the op, varies.
 The op table's own timer names are the only vocabulary: no job, file or flag of ours is keyed on.
 """
 
@@ -23,6 +25,7 @@ ANALYZER = "whatif"
 DECISIVE_SHARE = 0.5  # a mechanism that removes half the slowdown names the category
 SPREAD_MIN = 0.05  # micro-batch compute times differing by 5 % (coefficient of variation)
 CORRELATION_MIN = 0.5
+OVERSUBSCRIBED = 0.05  # training threads runnable but off-CPU this share of the step: a busy host
 MODEL_FIT = 0.10  # replayed steps this far (relative) from the recorded ones: say the model may not fit
 HEALTHY_BELOW = 1.05  # S under 5 %: no straggler finding above a note
 OVER_ITS_TIME = 1.3  # an op type at fault: its share of the slowdown over 1.3 x its share of the work
@@ -172,6 +175,9 @@ def judge(r: WhatIf, source: str) -> list[Finding]:
     """The findings of a what-if analysis of `source` (a trace file or run folder)."""
     kind, what = category(r)
     severity = _severity(r.slowdown)
+    oversubscribed = (r.runq_share or 0.0) >= OVERSUBSCRIBED
+    if kind in ("spread", "optype") and oversubscribed and severity != "info":
+        kind, what = "spread", f"the host: ranks waited {_pct(r.runq_share or 0.0)} of each step for a CPU"
     if kind == "spread" and severity != "info":  # variation with no target: nothing to fix
         severity = "low"
     gap = r.t_replayed - r.t_ideal
@@ -187,7 +193,7 @@ def judge(r: WhatIf, source: str) -> list[Finding]:
         "sequence_lengths": "sequence lengths that differ between DP ranks",
         "stage": f"stage imbalance: {what}",
         "optype": f"op type {what}",
-        "spread": "stragglers spread over workers, stages and op types",
+        "spread": f"stragglers spread over workers, stages and op types ({what})",
     }[kind]
     title = f"Stragglers cost {_pct(r.slowdown - 1)} of step time (S = {r.slowdown:.2f}): {label}"
     summary = (

@@ -88,3 +88,15 @@ def from_run(run: RunView) -> pd.DataFrame:
         [(str(o), int(s)) for o, s in full]
     )
     return table[keep].reset_index(drop=True)
+
+
+def runq_share(run: RunView) -> float | None:
+    """The share of the ranks' step time their training thread spent runnable but waiting for
+    a CPU (the shim's per-step `cpu` events: thread_runq_s), None when not recorded."""
+    cpu = run.of_type("cpu")
+    steps = run.steps
+    if not len(cpu) or "thread_runq_s" not in cpu or not len(steps):
+        return None
+    waited = pd.to_numeric(cpu["thread_runq_s"], errors="coerce").fillna(0.0).sum()
+    total = float(steps["duration_s"].sum()) if "duration_s" in steps else 0.0
+    return float(waited / total) if total > 0 else None

@@ -66,6 +66,7 @@ class WhatIf:
     optype_tail: dict[str, float] = field(default_factory=dict)  # mean / median work - 1
     stage_compute: dict[int, float] = field(default_factory=dict)  # compute s per worker-step
     replay_error: float = 0.0  # mean recorded / mean replayed - 1 (the launch gaps)
+    runq_share: float | None = None  # a run folder's: step time spent waiting for a CPU
     dropped_rows: int = 0
     sim: dict[str, Any] = field(default_factory=dict)  # what the timelines need (not serialised)
 
@@ -106,6 +107,7 @@ class WhatIf:
             ],
             "stage_compute": {str(k): v for k, v in self.stage_compute.items()},
             "replay_error": self.replay_error,
+            "runq_share": self.runq_share,
             "dropped_rows": self.dropped_rows,
         }
 

@@ -39,7 +39,7 @@ def analyze_trace(path: str) -> tuple[whatif.WhatIf, list[Finding]]:
 
 def analyze_run(path: str) -> tuple[whatif.WhatIf, list[Finding]]:
     """The what-if analysis of a run folder of several ranks (its spans per rank and step)."""
-    from traindx.derive.optable_runs import from_run  # lazy: only `--what-if` reads spans so
+    from traindx.derive.optable_runs import from_run, runq_share  # lazy: only `--what-if` reads spans so
     from traindx.derive.run import load_run
 
     record = load_run(path)
@@ -50,6 +50,7 @@ def analyze_run(path: str) -> tuple[whatif.WhatIf, list[Finding]]:
         result = whatif.analyze(table)
     except depmodel.ModelError as exc:
         raise UserError(f"{path}: {exc}") from None
+    result.runq_share = runq_share(record)
     return result, judge(result, source=os.path.basename(os.path.normpath(path)))
 
 
