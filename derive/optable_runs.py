@@ -3,9 +3,9 @@
 forward -> forward-compute, backward -> backward-compute, optimizer -> optimizer, a blocking
 collective -> collective-<op> (a data-parallel collective: every rank of the job meets there),
 data -> data, io -> io. Under DistributedDataParallel (the run holds a `ddp` event) the gradient
-all-reduces run inside backward, where no wrapper sees them: each backward is then the ranks'
-meeting point, `backward-grads-all-reduce`, a collective whose own work is its end less the
-latest rank's start. Every rank is a DP rank of one pipeline stage (our spans name no stage).
+all-reduces run inside backward, where no wrapper sees them: each backward is split into its
+compute (estimated, `_split_ddp_backward`) and a grads-all-reduce that every rank meets at.
+Every rank is a DP rank of one pipeline stage (our spans name no stage).
 
 Pure computation: no judgement.
 """
@@ -74,6 +74,8 @@ def from_run(run: RunView) -> pd.DataFrame:
     if not rows:
         return pd.DataFrame()
     table = pd.concat(rows, ignore_index=True)
+    if ddp:
+        table = _split_ddp_backward(table)
     # steps every rank ran (a rank's first or last partial step is not comparable)
     per_step = table.groupby("step")["rank"].nunique()
     table = table[table["step"].isin(per_step.index[per_step == len(ranks)])]
@@ -88,6 +90,38 @@ def from_run(run: RunView) -> pd.DataFrame:
         [(str(o), int(s)) for o, s in full]
     )
     return table[keep].reset_index(drop=True)
+
+
+def _split_ddp_backward(table: pd.DataFrame) -> pd.DataFrame:
+    """Each DDP backward as its own compute, then the wait for the gradients' all-reduce.
+
+    The rank that reached a backward last waited least: its backward over its forward is the
+    job's backward-per-forward ratio in that step; every rank's backward compute is that ratio
+    times its own forward (capped at the span), the rest of its span the all-reduce (a DP
+    collective). Holds when a rank's backward grows with its forward (more data, a slower
+    device); a rank slow in forward only (host work) gets its backward overestimated."""
+    is_bwd = (table["optype"] == DDP_BACKWARD).to_numpy()
+    if not is_bwd.any():
+        return table
+    b = table[is_bwd].sort_values(["rank", "step", "start"])
+    k_ix = b.groupby(["rank", "step"]).cumcount().to_numpy()
+    per = b.groupby(["rank", "step"])["start"].transform("size").to_numpy()
+    fwd = table[table["optype"] == OpType.FWD].groupby(["rank", "step"])["duration"].sum()
+    fwd_each = fwd.reindex(pd.MultiIndex.from_frame(b[["rank", "step"]])).to_numpy(dtype=float) / per
+    frame = pd.DataFrame({"step": b["step"].to_numpy(), "k": k_ix, "start": b["start"].to_numpy()})
+    last = frame.groupby(["step", "k"])["start"].idxmax().to_numpy()
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio_last = b["duration"].to_numpy()[last] / fwd_each[last]
+    ratio = pd.Series(
+        ratio_last, index=pd.MultiIndex.from_arrays([frame["step"].to_numpy()[last], k_ix[last]])
+    )
+    k = ratio.reindex(pd.MultiIndex.from_arrays([frame["step"].to_numpy(), k_ix])).to_numpy(dtype=float)
+    span = b["duration"].to_numpy(dtype=float)
+    guess = k * fwd_each
+    compute = np.clip(np.where(np.isfinite(guess), guess, span), 0.0, span)
+    comp = b.assign(optype=OpType.BWD, duration=compute)
+    reduce = b.assign(optype=OpType.GRADS_AR, start=b["start"].to_numpy() + compute, duration=span - compute)
+    return pd.concat([table[~is_bwd], comp, reduce], ignore_index=True)
 
 
 def runq_share(run: RunView) -> float | None:
