@@ -169,6 +169,20 @@ def micro_batch_spread(table: pd.DataFrame) -> tuple[float | None, float | None]
     return (0.0 if math.isnan(spread) else spread), float(np.corrcoef(f, b)[0, 1])
 
 
+@dataclass
+class _Ctx:
+    model: depmodel.DepModel
+    cube: replay.Cube
+    rec: np.ndarray
+    ideal: np.ndarray
+    node_optype: pd.Series
+    node_pp: np.ndarray
+    labels: np.ndarray
+    optypes: list[str]
+    t_ori: float
+    t_ideal: float
+
+
 def analyze(table: pd.DataFrame, vpp: int | None = None, dp_sync: bool | None = None) -> WhatIf:
     """The what-if analysis of a normalised op table (`traindx.derive.optable.normalize`)."""
     layout = optable.layout_of(table, vpp=vpp, dp_sync=dp_sync)
@@ -176,8 +190,7 @@ def analyze(table: pd.DataFrame, vpp: int | None = None, dp_sync: bool | None = 
     cube = replay.cube(table, model, layout.dp)
     node_optype = model.nodes["optype"].astype(str)
     ideal = replay.ideal_work(node_optype, cube)
-    rec = cube.work
-    both = replay.replay(model, np.stack([rec, ideal], axis=1), keep=True)
+    both = replay.replay(model, np.stack([cube.work, ideal], axis=1), keep=True)
     t_rep_steps, t_ideal_steps = both.step_time[0], both.step_time[1]
     t_ori, t_ideal = float(t_rep_steps.mean()), float(t_ideal_steps.mean())
     recorded = optable.step_times(table).reindex(cube.steps).to_numpy()
@@ -192,59 +205,85 @@ def analyze(table: pd.DataFrame, vpp: int | None = None, dp_sync: bool | None = 
         dropped_rows=cube.dropped_rows,
     )
     res.sim = {"model": model, "cube": cube, "replayed": both}
-    n, s, p = rec.shape
-    node_pp = model.nodes["pp"].to_numpy()
     labels = node_optype.map(lambda o: PP_COMM_LABEL.get(o, o)).to_numpy()
-    optypes = list(pd.unique(labels))
-    # attribution: keep one group as recorded, everything else ideal
-    masks: list[np.ndarray] = [(labels == o)[:, None, None] for o in optypes]
-    masks += [(np.arange(p) == d)[None, None, :] for d in range(p)]
-    masks += [(node_pp == st)[:, None, None] for st in range(layout.pp)]
-    kept = replay.replay_mixed(model, ideal, rec, masks)
-    res.by_optype = {o: float(kept[k] / t_ideal) for k, o in enumerate(optypes)}
-    res.by_dp = {d: float(kept[len(optypes) + d] / t_ideal) for d in range(p)}
-    res.by_stage = {st: float(kept[len(optypes) + p + st] / t_ideal) for st in range(layout.pp)}
-    res.worker_score = {
-        (st, d): min(res.by_dp[d], res.by_stage[st]) for st in range(layout.pp) for d in range(p)
-    }
-    n_top = max(1, math.ceil(len(res.worker_score) * TOP_WORKER_SHARE))
-    ranked = sorted(
-        res.worker_score,
-        key=lambda w: (-res.worker_score[w], -res.by_stage[w[0]], -res.by_dp[w[1]], w[1] * layout.pp + w[0]),
+    ctx = _Ctx(
+        model,
+        cube,
+        cube.work,
+        ideal,
+        node_optype,
+        model.nodes["pp"].to_numpy(),
+        labels,
+        [str(o) for o in pd.unique(labels)],
+        t_ori,
+        t_ideal,
     )
-    res.top_workers = ranked[:n_top]
-    # fixes: the recorded run with one group made ideal
-    top = np.zeros((n, 1, p), dtype=bool)
-    for st, d in res.top_workers:
-        top[node_pp == st, 0, d] = True
-    fixes = [top] + [(node_pp == st)[:, None, None] for st in range(layout.pp)]
-    fixes += [(labels == o)[:, None, None] for o in optypes]
-    fixed = replay.replay_mixed(model, rec, ideal, fixes)
-    res.m_w = _share(t_ori, float(fixed[0]), t_ideal)
-    others = _typical_elsewhere(node_optype, cube, top)
-    fixed_top = replay.replay_mixed(model, rec, others, [top])
-    res.fix_top_speedup = t_ori / float(fixed_top[0]) if fixed_top[0] > 0 else 1.0
-    res.stage_share = {st: _share(t_ori, float(fixed[1 + st]), t_ideal) for st in range(layout.pp)}
-    res.m_s = res.stage_share[layout.pp - 1]
-    res.optype_share = {
-        o: _share(t_ori, float(fixed[1 + layout.pp + k]), t_ideal) for k, o in enumerate(optypes)
-    }
-    balanced = rec.copy()
-    compute = ~node_optype.map(optable.is_comm).to_numpy()
-    balanced[compute] = np.broadcast_to(rec[compute].mean(axis=-1, keepdims=True), rec[compute].shape)
-    even = replay.replay_mixed(model, rec, balanced, [np.ones((n, 1, 1), dtype=bool)])
-    res.balance_dp_speedup = t_ori / float(even[0]) if even[0] > 0 else 1.0
-    for o in optypes:
-        values = rec[labels == o][cube.present[labels == o]]
-        med = float(np.median(values)) if values.size else 0.0
-        res.optype_tail[o] = float(values.mean()) / med - 1 if med > 0 else 0.0
-    total = float(ideal.sum())
-    res.optype_time = {o: float(ideal[labels == o].sum()) / total if total > 0 else 0.0 for o in optypes}
-    stagewise = _stagewise_work(model, cube)
-    within = replay.replay_mixed(model, rec, stagewise, [np.ones((n, 1, 1), dtype=bool)])
-    res.m_q = _share(t_ori, float(within[0]), t_ideal)
+    _attribute(res, ctx)
+    _fixes(res, ctx)
     res.mb_spread, res.mb_correlation = micro_batch_spread(table)
     comp = table[table["optype"].isin(OpType.COMPUTE)]
     per_worker_step = comp.groupby(["pp", "dp", "step"], observed=True)["duration"].sum()
     res.stage_compute = {int(k): float(v) for k, v in per_worker_step.groupby(level="pp").mean().items()}
     return res
+
+
+def _attribute(res: WhatIf, c: _Ctx) -> None:
+    """Keep one group as recorded, everything else ideal: S_t, S_dp, S_stage, worker scores."""
+    n, _, p = c.rec.shape
+    pp = res.layout.pp
+    masks: list[np.ndarray] = [(c.labels == o)[:, None, None] for o in c.optypes]
+    masks += [(np.arange(p) == d)[None, None, :] for d in range(p)]
+    masks += [(c.node_pp == st)[:, None, None] for st in range(pp)]
+    kept = replay.replay_mixed(c.model, c.ideal, c.rec, masks)
+    k = len(c.optypes)
+    res.by_optype = {o: float(kept[i] / c.t_ideal) for i, o in enumerate(c.optypes)}
+    res.by_dp = {d: float(kept[k + d] / c.t_ideal) for d in range(p)}
+    res.by_stage = {st: float(kept[k + p + st] / c.t_ideal) for st in range(pp)}
+    res.worker_score = {(st, d): min(res.by_dp[d], res.by_stage[st]) for st in range(pp) for d in range(p)}
+    n_top = max(1, math.ceil(len(res.worker_score) * TOP_WORKER_SHARE))
+    ranked = sorted(
+        res.worker_score,
+        key=lambda w: (-res.worker_score[w], -res.by_stage[w[0]], -res.by_dp[w[1]], w[1] * pp + w[0]),
+    )
+    res.top_workers = ranked[:n_top]
+
+
+def _fixes(res: WhatIf, c: _Ctx) -> None:
+    """The recorded run with one group made ideal (M_W, M_S, shares), and the other fixes."""
+    n, _, p = c.rec.shape
+    pp = res.layout.pp
+    top = np.zeros((n, 1, p), dtype=bool)
+    for st, d in res.top_workers:
+        top[c.node_pp == st, 0, d] = True
+    fixes = [top] + [(c.node_pp == st)[:, None, None] for st in range(pp)]
+    fixes += [(c.labels == o)[:, None, None] for o in c.optypes]
+    fixed = replay.replay_mixed(c.model, c.rec, c.ideal, fixes)
+    res.m_w = _share(c.t_ori, float(fixed[0]), c.t_ideal)
+    res.stage_share = {st: _share(c.t_ori, float(fixed[1 + st]), c.t_ideal) for st in range(pp)}
+    res.m_s = res.stage_share[pp - 1]
+    res.optype_share = {
+        o: _share(c.t_ori, float(fixed[1 + pp + k]), c.t_ideal) for k, o in enumerate(c.optypes)
+    }
+    everything = np.ones((n, 1, 1), dtype=bool)
+    others = _typical_elsewhere(c.node_optype, c.cube, top)
+    balanced = c.rec.copy()
+    compute = ~c.node_optype.map(optable.is_comm).to_numpy()
+    balanced[compute] = np.broadcast_to(c.rec[compute].mean(axis=-1, keepdims=True), c.rec[compute].shape)
+    t_top, t_even, t_within = (
+        float(replay.replay_mixed(c.model, c.rec, alt, [mask])[0])
+        for alt, mask in (
+            (others, top),
+            (balanced, everything),
+            (_stagewise_work(c.model, c.cube), everything),
+        )
+    )
+    res.fix_top_speedup = c.t_ori / t_top if t_top > 0 else 1.0
+    res.balance_dp_speedup = c.t_ori / t_even if t_even > 0 else 1.0
+    res.m_q = _share(c.t_ori, t_within, c.t_ideal)
+    total = float(c.ideal.sum())
+    for o in c.optypes:
+        sel = c.labels == o
+        values = c.rec[sel][c.cube.present[sel]]
+        med = float(np.median(values)) if values.size else 0.0
+        res.optype_tail[o] = float(values.mean()) / med - 1 if med > 0 else 0.0
+        res.optype_time[o] = float(c.ideal[sel].sum()) / total if total > 0 else 0.0
