@@ -11,8 +11,9 @@ Categories, first that holds:
   its tail (mean / median - 1) is twice any other type's, and those others are steady (tail
   under 25 %: on a noisy host every type varies, and none is at fault);
 - spread: none of these alone (noise-like variation: at most a low finding, nothing to fix);
-  also an op type's straggling on a host whose training threads waited for a CPU 5 % of the
-  step or more (a run folder's run-queue record): the host, not the op, varies.
+  also an op type's straggling, or a worker that alone costs under 20 %, on a host whose
+  training threads waited for a CPU 5 % of the step or more (a run folder's run-queue record):
+  the host, not the op or the worker, varies.
 The op table's own timer names are the only vocabulary: no job, file or flag of ours is keyed on.
 """
 
@@ -26,6 +27,7 @@ DECISIVE_SHARE = 0.5  # a mechanism that removes half the slowdown names the cat
 SPREAD_MIN = 0.05  # micro-batch compute times differing by 5 % (coefficient of variation)
 CORRELATION_MIN = 0.5
 OVERSUBSCRIBED = 0.05  # training threads runnable but off-CPU this share of the step: a busy host
+BUSY_HOST_WORKER = 0.2  # ... where a worker is named only if it alone costs 20 % of the step
 MODEL_FIT = 0.10  # replayed steps this far (relative) from the recorded ones: say the model may not fit
 HEALTHY_BELOW = 1.05  # S under 5 %: no straggler finding above a note
 OVER_ITS_TIME = 1.3  # an op type at fault: its share of the slowdown over 1.3 x its share of the work
@@ -176,7 +178,9 @@ def judge(r: WhatIf, source: str) -> list[Finding]:
     kind, what = category(r)
     severity = _severity(r.slowdown)
     oversubscribed = (r.runq_share or 0.0) >= OVERSUBSCRIBED
-    if kind in ("spread", "optype") and oversubscribed and severity != "info":
+    top_cost = r.worker_score.get(r.top_workers[0], 1.0) - 1 if r.top_workers else 0.0
+    host_noise = kind in ("spread", "optype") or (kind == "one_worker" and top_cost < BUSY_HOST_WORKER)
+    if oversubscribed and host_noise and severity != "info":
         kind, what = "spread", f"the host: ranks waited {_pct(r.runq_share or 0.0)} of each step for a CPU"
     if kind == "spread" and severity != "info":  # variation with no target: nothing to fix
         severity = "low"
