@@ -102,15 +102,18 @@ def normalize(table: pd.DataFrame) -> pd.DataFrame:
     out["duration"] = np.clip(table["duration"].to_numpy(dtype=np.float64), 0.0, None)
     if not np.isfinite(out["start"].to_numpy()).all() or not np.isfinite(out["duration"].to_numpy()).all():
         raise ValueError("op table holds a start or duration that is not a number")
-    for col in INT_COLUMNS:
+    for col in INT_COLUMNS:  # int32: a table of 10^8 ops stays a few GiB
         if col != "seq":
-            out[col] = out[col].astype(np.int64)
-    out["start"] -= out.groupby("step")["start"].transform("min")
+            out[col] = out[col].astype(np.int32)
+    steps, step_ix = np.unique(out["step"].to_numpy(), return_inverse=True)
+    first = np.full(len(steps), np.inf)
+    np.minimum.at(first, step_ix, out["start"].to_numpy())
+    out["start"] = out["start"].to_numpy() - first[step_ix]
     if "seq" in table.columns:
-        out["seq"] = table["seq"].to_numpy().astype(np.int64)
+        out["seq"] = table["seq"].to_numpy().astype(np.int32)
     else:
         out = out.sort_values(["step", "rank", "start"], kind="stable")
-        out["seq"] = out.groupby(["step", "rank", "optype"]).cumcount().astype(np.int64)
+        out["seq"] = out.groupby(["step", "rank", "optype"]).cumcount().astype(np.int32)
     out["optype"] = out["optype"].astype("category")
     return out[list(COLUMNS)].reset_index(drop=True)
 
