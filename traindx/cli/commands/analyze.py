@@ -1,15 +1,16 @@
-"""Analyze evidence that already exists: a run folder, or a py-spy recording on its own.
+"""Analyze evidence that already exists: a run folder, a py-spy recording, an op trace.
 
 usage: diagnose analyze RUN_DIR       run the analyzers again, write RUN_DIR/findings.json and
                                       report.html, print the ranked summary
        diagnose analyze PYSPY_FILE    a py-spy speedscope (.json) or raw (collapsed) file that
                                       you already have: JIT compiles found from its stacks alone
-       diagnose analyze TRAIN.log     a Megatron log with per-rank timers (--timing-log-level 2
-                                      --timing-log-option all; --tp/--pp: the layout): the same
        diagnose analyze TRACE.parquet an op-level trace of a multi-rank job (rank, dp, stage, step,
                                       optype, start, duration; meta-NAME.yaml beside it): what the
                                       stragglers cost (a dependency-aware replay), which worker,
                                       stage, op type or sequence-length imbalance, and the fix
+       diagnose analyze TRAIN.log     the same from a Megatron log's per-rank timers
+                                      (--timing-log-level 2 --timing-log-option all; --tp/--pp)
+       diagnose analyze RUN_DIR --what-if   the same from a run folder of several ranks
 """
 
 from __future__ import annotations
