@@ -67,11 +67,34 @@ def _reason(exc: BaseException) -> str:
     return getattr(exc, "strerror", None) or f"{type(exc).__name__}: {exc}"
 
 
+def inheritable_fds() -> tuple[int, ...]:
+    """The descriptors above 2 that a child would inherit now (a caller's `3>file`)."""
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:
+        return ()
+    found = []
+    for name in names:
+        fd = int(name) if name.isdigit() else -1
+        try:
+            if fd > 2 and os.get_inheritable(fd):
+                found.append(fd)
+        except OSError:
+            continue  # the listing's own descriptor, closed since
+    return tuple(sorted(found))
+
+
+# what diagnose's caller handed it beyond stdin/stdout/stderr (a `3>file`, a pipe a wrapper
+# reads): the job gets them at the same numbers, as it would bare. Taken at import, before
+# anything of ours (a library opening files without close-on-exec) could add to them.
+CALLER_FDS = inheritable_fds()
+
+
 def write_output(stream: str, data: bytes) -> None:
     """The job's bytes onto diagnose's own stdout ("o") or stderr, unchanged."""
     (sys.stdout if stream == "o" else sys.stderr).flush()  # what diagnose printed comes first
     fd = 1 if stream == "o" else 2
-    while data:
+    while data:  # a BrokenPipeError goes up: the relay closes the job's end of the pipe
         data = data[os.write(fd, data) :]
 
 
@@ -307,6 +330,7 @@ class Job:
                 stdout=job_out,
                 stderr=job_err,
                 stdin=None,  # the job reads what diagnose was given (a pipe, a file, the terminal)
+                pass_fds=self._caller_fds(),
                 start_new_session=True,
             )
         except OSError as exc:
@@ -327,6 +351,14 @@ class Job:
         if not self.options.shim:
             self.missing["shim"] = "disabled (--no-shim)"
         return self._wait()
+
+    def _caller_fds(self) -> tuple[int, ...]:
+        """The caller's extra descriptors, still open, for the job; none under --fix's view
+        (a descriptor on a user's file would let every arm write there)."""
+        if getattr(self.options, "wrap", None):
+            return ()
+        still = set(inheritable_fds())
+        return tuple(fd for fd in CALLER_FDS if fd in still)
 
     def _finish(
         self,

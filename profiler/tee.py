@@ -51,6 +51,9 @@ PROBLEM = b"!"
 CLOSED = b"="
 DONE = b"done\n"  # diagnose -> tee: recording is over, print straight to the terminal from now
 READY = b"+\n"  # tee -> diagnose, once: reading the pipes from now
+# diagnose -> tee: the reader of diagnose's stdout ("o") or stderr ("e") is gone (EPIPE): the
+# job's end of that pipe is closed, so its next write fails as it would bare (a `| head`)
+GONE = {"o": b"gone o\n", "e": b"gone e\n"}
 # a line with more than this share of its characters not text is binary: logged as its size
 BINARY_SHARE = 0.5
 # lines waiting for the log (redaction costs ~40 us a line): a burst of output is not slowed
@@ -72,6 +75,14 @@ def redactor(config: dict[str, Any]) -> Callable[[str], str]:
     from traindx.common import redact
 
     return redact.Redactor(config.get("secret_values") or ()).line
+
+
+def line_stream() -> Callable[[Callable[[str], str]], Callable[[str], str]]:
+    """A maker of one stream's line redactor (what spans lines: a private key's body)."""
+    # imported here, as in redactor()
+    from traindx.common import redact
+
+    return lambda one: redact.LineStream(one).line
 
 
 def log_text(raw: bytes) -> str:
@@ -104,9 +115,12 @@ class Tee:
         self.terminal = {"o": 1, "e": 2}
         self.sock = sock
         self.redact = redactor(config)
+        self._line_stream = line_stream()
+        self._streams: dict[str, Callable[[str], str]] = {}  # per tag: a key spans lines
         self.cap = int(config.get("cap_bytes") or 0)
         self.unsupervised_bytes = 0  # written to the log with no roller keeping its budget
         self.supervised = sock is not None
+        self.gone: set[str] = set()  # streams whose reader is gone (EPIPE)
         self._send_lock = threading.Lock()
         self._queue: queue.Queue[tuple[int, str, list[bytes]] | None] = queue.Queue(LOG_QUEUE_BATCHES)
         self._writer: threading.Thread | None = None
@@ -154,8 +168,19 @@ class Tee:
         if not self._send(tag.encode(), chunk):
             try:
                 _write_all(self.terminal[tag], chunk)
+            except BrokenPipeError:
+                self.gone.add(tag)  # its reader is gone: the job's next write fails, as bare
             except OSError:
                 pass  # no terminal any more (hung up): the log still gets the lines
+
+    def _drop(self, fd: int, sel: selectors.BaseSelector, t: int) -> None:
+        """Stop reading one of the job's pipes (its end, or its reader's): close our end."""
+        if self.partial[fd] and self.log is not None:
+            self._queue.put((t, self.streams[fd], [self.partial[fd]]))
+        self.partial[fd] = b""
+        sel.unregister(fd)
+        os.close(fd)
+        del self.streams[fd]
 
     def _write_log(self) -> None:
         """The log writer thread: decodes, redacts and writes each queued line, in order."""
@@ -167,7 +192,8 @@ class Tee:
             if self.log is None:
                 continue
             try:
-                entry = "".join(f"{t} {tag} {self.redact(log_text(raw))}\n" for raw in raws)
+                stream = self._streams.setdefault(tag, self._line_stream(self.redact))
+                entry = "".join(f"{t} {tag} {stream(log_text(raw))}\n" for raw in raws)
                 self.log.write(entry)
                 if not self.supervised:
                     self.unsupervised_bytes += len(entry)
@@ -197,14 +223,12 @@ class Tee:
         t = time.time_ns()
         tag = self.streams[fd]
         if not chunk:
-            if self.partial[fd] and self.log is not None:
-                self._queue.put((t, tag, [self.partial[fd]]))
-            sel.unregister(fd)
-            os.close(fd)
-            del self.streams[fd]
+            self._drop(fd, sel, t)
             return
         self.output(tag, chunk)
-        if self.log is None:
+        if tag in self.gone:
+            self._drop(fd, sel, t)
+        if self.log is None or fd not in self.streams:
             return
         pending = self.partial[fd] + chunk
         *complete, rest = pending.split(b"\n")
@@ -223,6 +247,11 @@ class Tee:
             data = sock.recv(4096)
         except OSError:
             data = b""
+        for tag, message in GONE.items():
+            if message in data:
+                self.gone.add(tag)
+                for fd in [fd for fd, name in self.streams.items() if name == tag]:
+                    self._drop(fd, sel, time.time_ns())
         if not data or DONE in data:  # gone (killed) or done: the terminal directly from now
             sel.unregister(sock)
             self._detach()
@@ -304,6 +333,7 @@ class OutputRelay:
         self.problems: list[str] = []
         self.proc: subprocess.Popen[bytes] | None = None
         self._pipes_closed = threading.Event()
+        self._gone: set[str] = set()
         self._sock: socket.socket | None = None
         self._thread: threading.Thread | None = None
 
@@ -376,6 +406,14 @@ class OutputRelay:
     def _pass(self, tag: str, data: bytes) -> None:
         try:
             self.on_output(tag, data)
+        except BrokenPipeError:  # whoever read this stream is gone: the job hears it as bare
+            if tag not in self._gone:
+                self._gone.add(tag)
+                try:
+                    assert self._sock is not None
+                    self._sock.sendall(GONE[tag])
+                except (OSError, AssertionError, KeyError):
+                    pass
         except Exception:
             try:
                 _write_all(1 if tag == "o" else 2, data)

@@ -146,5 +146,7 @@ def _write_all(fd: int, data: bytes) -> None:
     try:
         while data:
             data = data[os.write(fd, data) :]
+    except BrokenPipeError:
+        raise  # the reader of this stream is gone: the relay closes the job's end (as bare)
     except OSError:
-        pass  # the terminal or the reader of diagnose's output is gone
+        pass  # the terminal is gone (hung up)

@@ -17,7 +17,7 @@ from __future__ import annotations  # annotations stay text in the job's interpr
 
 import functools
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 REDACTED = "<redacted>"
@@ -436,6 +436,32 @@ class Redactor:
         if isinstance(value, (list, tuple)):
             return [self.value(v) for v in value]
         return value
+
+
+_PEM_BEGIN = re.compile(r"-----BEGIN [A-Z0-9 ]*PRIVATE KEY( BLOCK)?-----")
+_PEM_END = re.compile(r"-----END [A-Z0-9 ]*PRIVATE KEY( BLOCK)?-----")
+
+
+class LineStream:
+    """Lines of one stream (a job's stdout) redacted one by one, with what spans lines: the body
+    of a private key printed line by line (BEGIN ... END) is hidden whole, not only its header."""
+
+    def __init__(self, redact_line: Callable[[str], str]) -> None:
+        self.redact_line = redact_line
+        self.in_key = False
+
+    def line(self, text: str) -> str:
+        if self.in_key:
+            end = _PEM_END.search(text)
+            if end:
+                self.in_key = False
+                return REDACTED + self.redact_line(text[end.end() :])
+            return REDACTED
+        begin = _PEM_BEGIN.search(text)
+        if begin and not _PEM_END.search(text, begin.end()):
+            self.in_key = True
+            return self.redact_line(text[: begin.start()]) + REDACTED
+        return self.redact_line(text)
 
 
 def _argv_lists(value: Any) -> Iterable[list[str]]:
