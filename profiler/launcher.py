@@ -336,7 +336,7 @@ class Job:
         except OSError as exc:
             raise CommandNotFound(f"cannot start {self.command[0]}: {_reason(exc)}") from None
         finally:
-            for fd in (job_out, job_err):  # the job holds them now; the relay the read ends
+            for fd in {job_out, job_err}:  # the job holds them now (one for both: 2>&1)
                 if fd is not None:
                     os.close(fd)
         self._stopwatch = proctree.StopWatch(self.proc.pid, os.path.join(self.run_dir, proctree.STOPPED_FILE))

@@ -30,6 +30,7 @@ import queue
 import selectors
 import signal
 import socket
+import stat
 import struct
 import subprocess
 import sys
@@ -59,6 +60,19 @@ BINARY_SHARE = 0.5
 # lines waiting for the log (redaction costs ~40 us a line): a burst of output is not slowed
 # by it; past this many batches (256 MiB at most), reading the pipes waits for the log
 LOG_QUEUE_BATCHES = 4096  # each at most one 64 KiB read
+
+
+def same_sink(a: int, b: int) -> bool:
+    """Whether descriptors a and b write into the same pipe or file (a caller's `2>&1` into a
+    pipe or a file; a terminal is left out: there stderr stays told apart for the notes)."""
+    try:
+        sa, sb = os.fstat(a), os.fstat(b)
+    except OSError:
+        return False
+    kind = stat.S_IFMT(sa.st_mode)
+    if kind not in (stat.S_IFIFO, stat.S_IFREG):
+        return False
+    return (sa.st_dev, sa.st_ino, kind) == (sb.st_dev, sb.st_ino, stat.S_IFMT(sb.st_mode))
 
 
 def _write_all(fd: int, data: bytes) -> None:
@@ -110,7 +124,7 @@ def log_text(raw: bytes) -> str:
 
 class Tee:
     def __init__(self, out_fd: int, err_fd: int, sock: socket.socket | None, config: dict[str, Any]) -> None:
-        self.streams = {out_fd: "o", err_fd: "e"}
+        self.streams = {err_fd: "e", out_fd: "o"}  # one pipe for both (2>&1): "o"
         self.partial = {out_fd: b"", err_fd: b""}
         self.terminal = {"o": 1, "e": 2}
         self.sock = sock
@@ -340,22 +354,24 @@ class OutputRelay:
     def start(self) -> tuple[int, int]:
         """(stdout fd, stderr fd) for the job; raises OSError when no tee could start."""
         out_r, out_w = os.pipe()
-        err_r, err_w = os.pipe()
+        # stdout and stderr into one file or pipe (`2>&1 | tee`): one pipe for the job's both,
+        # so that their order is the job's own (two pipes read side by side reorder them)
+        err_r, err_w = (out_r, out_w) if same_sink(1, 2) else os.pipe()
         mine, theirs = socket.socketpair()
         try:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", self.module, str(out_r), str(err_r), str(theirs.fileno())],
-                pass_fds=(out_r, err_r, theirs.fileno()),
+                pass_fds=tuple({out_r, err_r, theirs.fileno()}),
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
             )
         except BaseException:
-            for fd in (out_w, err_w):
+            for fd in {out_w, err_w}:
                 os.close(fd)
             mine.close()
             raise
         finally:
-            for fd in (out_r, err_r):
+            for fd in {out_r, err_r}:
                 os.close(fd)
             theirs.close()
         # the job starts only once the relay runs: a relay that died at start (not importable,
@@ -370,7 +386,7 @@ class OutputRelay:
             ready = b""
         if ready != READY:
             mine.close()
-            for fd in (out_w, err_w):
+            for fd in {out_w, err_w}:
                 os.close(fd)
             if self.proc.poll() is None:
                 self.proc.kill()
