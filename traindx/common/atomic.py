@@ -48,8 +48,10 @@ def write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
 
 
 def write_text(path: str | os.PathLike[str], text: str, encoding: str = "utf-8") -> None:
+    # a file name read under a non-UTF-8 locale (LC_ALL=C) holds its bytes as surrogates:
+    # written back as those bytes, not an error
     def write(tmp: str) -> None:
-        with open(tmp, "w", encoding=encoding) as f:
+        with open(tmp, "w", encoding=encoding, errors="surrogateescape") as f:
             f.write(text)
 
     replace_with(path, write)
