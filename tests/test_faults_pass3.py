@@ -1,0 +1,96 @@
+"""Fault rows of issue 39, third pass (no row of the first two): what a caller does around
+`diagnose` reaches the job as it would bare. A reader that goes away (`| head`) is an EPIPE
+for the job, not a job run to its end with exit 0; a descriptor the caller opened (`3>file`)
+is the job's at the same number, not the shim's evidence file; `2>&1` into a pipe or a file
+keeps the job's order of stdout and stderr; a private key printed line by line is hidden whole
+in the run folder; a run folder with a non-ASCII name under LC_ALL=C (no UTF-8 coercion) gets
+its report (was "internal error"). Each job is a second of plain Python (no torch)."""
+
+import os
+import subprocess
+import textwrap
+
+from helpers import PY
+
+KEY_BODY = "b3BlbnNzaC1rZXktdjEAAAAABG5vbmUAAAAEbm9uZQAAAAAAAAABAAABlwAAAAdzc2gtcn"
+MIXED = textwrap.dedent(f"""
+    import os, sys
+    for i in range(50):
+        os.write(1, b"O%d\\n" % i)
+        os.write(2, b"E%d\\n" % i)
+    print("-----BEGIN OPENSSH PRIVATE KEY-----", flush=True)
+    print("{KEY_BODY}", flush=True)
+    print("-----END OPENSSH PRIVATE KEY-----", flush=True)
+    os.write(3, b"to the caller's fd 3\\n")
+    os.close(1)
+    os.write(2, b"stderr after stdout closed\\n")
+    sys.exit(3)
+""")
+FLOOD = textwrap.dedent("""
+    import sys
+    block = b"x" * 65536
+    try:
+        for _ in range(800):  # 50 MB: a reader that left is seen at the first writes after it
+            sys.stdout.buffer.write(block)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        sys.exit(7)
+""")
+
+
+def _env(**extra):
+    env = {k: v for k, v in os.environ.items() if k != "TRAINDX_RUN_DIR"}
+    env.update(extra)
+    return env
+
+
+def _sh(script, cwd, **extra):
+    return subprocess.run(
+        ["bash", "-c", script], cwd=cwd, env=_env(**extra), capture_output=True, text=True, timeout=300
+    )
+
+
+def _files_text(folder):
+    for root, _, names in os.walk(folder):
+        for name in names:
+            with open(os.path.join(root, name), "rb") as f:
+                yield os.path.join(root, name), f.read().decode("utf-8", "replace")
+
+
+def test_the_callers_fds_order_and_a_printed_private_key(tmp_path):
+    (tmp_path / "job.py").write_text(MIXED)
+    bare = _sh(f"{PY} job.py 3>bare3.txt >bare.txt 2>&1; echo $?", tmp_path)
+    run = tmp_path / "run"
+    dx = _sh(
+        f"{PY} -m traindx --quiet --no-pyspy --run-dir run -- {PY} job.py 3>dx3.txt >dx.txt 2>&1; echo $?",
+        tmp_path,
+    )
+    assert bare.stdout.strip() == dx.stdout.strip() == "3"
+    assert (tmp_path / "dx3.txt").read_text() == (tmp_path / "bare3.txt").read_text() != ""
+    mine = (tmp_path / "dx.txt").read_text()
+    assert "internal error" not in mine and "Traceback" not in mine
+    job_lines = [line for line in mine.splitlines() if line[:1] in "OE-bs" and "traindx" not in line]
+    assert job_lines == (tmp_path / "bare.txt").read_text().splitlines()
+    for path, text in _files_text(run):
+        assert KEY_BODY not in text, path
+    assert "stderr after stdout closed" in (run / "log.txt").read_text()  # the lines after it kept
+
+
+def test_a_reader_that_goes_away_is_an_epipe_for_the_job(tmp_path):
+    (tmp_path / "flood.py").write_text(FLOOD)
+    dx = _sh(
+        f"{PY} -m traindx --quiet --no-pyspy --run-dir run -- {PY} flood.py 2>err.txt | head -c 10 >/dev/null;"
+        " echo ${PIPESTATUS[0]}",
+        tmp_path,
+    )
+    assert dx.stdout.strip() == "7"  # the job's own exit on BrokenPipeError, as bare
+    assert "Traceback" not in (tmp_path / "err.txt").read_text()
+
+
+def test_a_non_ascii_run_folder_under_a_c_locale_gets_its_report(tmp_path):
+    (tmp_path / "job.py").write_text("import sys; print('plain'); sys.exit(2)\n")
+    c_locale = {"LC_ALL": "C", "LANG": "C", "PYTHONUTF8": "0", "PYTHONCOERCECLOCALE": "0"}
+    dx = _sh(f"{PY} -m traindx --quiet --no-pyspy --run-dir 'run \u00fc' -- {PY} job.py", tmp_path, **c_locale)
+    assert dx.returncode == 2
+    assert "internal error" not in dx.stderr and "Traceback" not in dx.stderr
+    assert (tmp_path / "run \u00fc" / "report.html").is_file()
