@@ -90,7 +90,9 @@ def test_a_reader_that_goes_away_is_an_epipe_for_the_job(tmp_path):
 def test_a_non_ascii_run_folder_under_a_c_locale_gets_its_report(tmp_path):
     (tmp_path / "job.py").write_text("import sys; print('plain'); sys.exit(2)\n")
     c_locale = {"LC_ALL": "C", "LANG": "C", "PYTHONUTF8": "0", "PYTHONCOERCECLOCALE": "0"}
-    dx = _sh(f"{PY} -m traindx --quiet --no-pyspy --run-dir 'run \u00fc' -- {PY} job.py", tmp_path, **c_locale)
+    dx = _sh(
+        f"{PY} -m traindx --quiet --no-pyspy --run-dir 'run \u00fc' -- {PY} job.py", tmp_path, **c_locale
+    )
     assert dx.returncode == 2
     assert "internal error" not in dx.stderr and "Traceback" not in dx.stderr
     assert (tmp_path / "run \u00fc" / "report.html").is_file()
