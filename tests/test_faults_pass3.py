@@ -13,6 +13,9 @@ import textwrap
 from helpers import PY
 
 KEY_BODY = "b3BlbnNzaC1rZXktdjEAAAAABG5vbmUAAAAEbm9uZQAAAAAAAAABAAABlwAAAAdzc2gtcn"
+# printed by the job (netrc, curl -u, a cookie, `k = v` with blanks, prose) or on its command line
+PRINTED = ["n3tRcP4ssw0rd", "curlPassw0rd99", "csrfT0kenValue88", "wJalrXUtnFEMI/K7MDENG", "pw_LastLine42"]
+ARGV = ["--hub-auth", "authArgValue66", "-u", "bob:argvCurlPw77"]
 MIXED = textwrap.dedent(f"""
     import os, sys
     for i in range(50):
@@ -21,6 +24,11 @@ MIXED = textwrap.dedent(f"""
     print("-----BEGIN OPENSSH PRIVATE KEY-----", flush=True)
     print("{KEY_BODY}", flush=True)
     print("-----END OPENSSH PRIVATE KEY-----", flush=True)
+    print("machine api.wandb.ai login alice password {PRINTED[0]}")
+    print("curl -u alice:{PRINTED[1]} https://example.com")
+    print("Cookie: sessionid=abc; csrftoken={PRINTED[2]}")
+    print("aws_secret_access_key = {PRINTED[3]}EXAMPLEKEY")
+    print("login failed for alice with password {PRINTED[4]}", flush=True)
     os.write(3, b"to the caller's fd 3\\n")
     os.close(1)
     os.write(2, b"stderr after stdout closed\\n")
@@ -62,17 +70,18 @@ def test_the_callers_fds_order_and_a_printed_private_key(tmp_path):
     bare = _sh(f"{PY} job.py 3>bare3.txt >bare.txt 2>&1; echo $?", tmp_path)
     run = tmp_path / "run"
     dx = _sh(
-        f"{PY} -m traindx --quiet --no-pyspy --run-dir run -- {PY} job.py 3>dx3.txt >dx.txt 2>&1; echo $?",
+        f"{PY} -m traindx --quiet --no-pyspy --run-dir run -- {PY} job.py {' '.join(ARGV)} 3>dx3.txt >dx.txt 2>&1;"
+        " echo $?",
         tmp_path,
     )
     assert bare.stdout.strip() == dx.stdout.strip() == "3"
     assert (tmp_path / "dx3.txt").read_text() == (tmp_path / "bare3.txt").read_text() != ""
     mine = (tmp_path / "dx.txt").read_text()
     assert "internal error" not in mine and "Traceback" not in mine
-    job_lines = [line for line in mine.splitlines() if line[:1] in "OE-bs" and "traindx" not in line]
-    assert job_lines == (tmp_path / "bare.txt").read_text().splitlines()
+    assert mine.startswith((tmp_path / "bare.txt").read_text())  # the job's bytes, its order, then ours
     for path, text in _files_text(run):
-        assert KEY_BODY not in text, path
+        for secret in [KEY_BODY, *PRINTED, ARGV[1], ARGV[3]]:
+            assert secret.split(":")[-1] not in text, (secret, path)
     assert "stderr after stdout closed" in (run / "log.txt").read_text()  # the lines after it kept
 
 

@@ -104,10 +104,16 @@ _HARMLESS = re.compile(
 _RANDOM_KEY = re.compile(r"^(?=\S*[0-9])(?=\S*[a-z])(?=\S*[A-Z])[A-Za-z0-9+/_\-]{24,}={0,2}$")
 _WORD_SPLIT = re.compile(r"[^A-Za-z0-9]+|(?<=[a-z0-9])(?=[A-Z])")
 # a value that looks like a key: long, no spaces, not a path, letters and digits mixed
-_KEYLIKE = re.compile(r"^(?![./~])(?=\S*[0-9])(?=\S*[A-Za-z])[A-Za-z0-9+=_\-.]{16,}$")
+_KEYLIKE = re.compile(r"^(?![./~])(?=\S*[0-9])(?=\S*[A-Za-z])[A-Za-z0-9+=_\-.]{12,}$")
 
 # values that are secrets wherever they appear: (pattern, the group that is the secret (0: all),
 # lower-case texts one of which a match contains: a cheap test that skips the pattern on most lines)
+# the word password (netrc's `password X`, prose `with password X`) before a value that is not a
+# word (it holds a digit or a sign): `password reset` stays
+_PASSWORD_WORD = re.compile(
+    r"(?i)\b(password|passwd|passphrase|passcode)([ \t]+)(?=\S*[0-9_\-!@#$%^&*+=.])([^\s'\"]{6,})"
+)
+_USER_PASS = re.compile(r"(?<![\w-])(-u|--user|--proxy-user)([ \t]+|=)([^\s:'\"]+):([^\s'\"]+)")
 _VALUE_PATTERNS = [
     # PEM private keys (multi-line when they come whole)
     (
@@ -129,6 +135,9 @@ _VALUE_PATTERNS = [
         2,
         ("=",),
     ),
+    # netrc's `password X` and prose; curl's -u user:password
+    (_PASSWORD_WORD, 3, ("pass",)),
+    (_USER_PASS, 4, ("-u", "--user")),
     # HTTP authorisation headers
     (re.compile(r"(?i)\b(Bearer|Basic|token)\s+([A-Za-z0-9_\-.=+/]{16,})"), 2, ("bearer", "basic", "token")),
     # token shapes
@@ -159,7 +168,7 @@ _NAME_TRIGGERS = (
     "dsn",
 )
 # NAME=value in free text (a log line echoing `export WANDB_API_KEY=...`)
-_ASSIGNMENT = re.compile(r"\b([A-Za-z_][A-Za-z0-9_]*)=([^\s;&\"']+)")
+_ASSIGNMENT = re.compile(r"\b([A-Za-z_][A-Za-z0-9_]*)[ \t]*=[ \t]*([^\s;&\"'=][^\s;&\"']*)")
 # name: value / 'name': 'value' / "name": "value" / name = 'value' in free text (a config the
 # job prints as a dict, JSON or YAML); a quoted value may hold spaces
 _KEY_QUOTED = re.compile(
@@ -183,7 +192,7 @@ def secret_name_strength(name: str) -> str | None:
     joined = "".join(words)
     if any(part in joined for part in ALWAYS_PARTS):
         return "always"
-    if any(w in KEYLIKE_WORDS for w in words):
+    if any(w in KEYLIKE_WORDS or w.endswith(("token", "tokens")) for w in words):
         return "keylike"
     return None
 
@@ -220,7 +229,13 @@ def looks_like_key(value: str) -> bool:
     return bool(_KEYLIKE.match(str(value)))
 
 
+# options whose value is user:password (curl -u, wget --user, --proxy-user)
+_USER_OPTIONS = frozenset({"-u", "--user", "--proxy-user", "-U"})
+
+
 def _secret_value_for(name: str, value: Any) -> bool:
+    if name in _USER_OPTIONS and ":" in str(value):
+        return True
     strength = secret_name_strength(name)
     return strength == "always" or (strength == "keylike" and looks_like_key(value))
 
@@ -265,7 +280,7 @@ def redact_text(text: str) -> str:
         return text  # no NAME=value or --option value named like a secret can be in it
     text = _hide_pairs(text)
     text = _ASSIGNMENT.sub(
-        lambda m: f"{m[1]}={REDACTED}" if m[2] != REDACTED and _secret_value_for(m[1], m[2]) else m[0], text
+        lambda m: _hide_group(m, 2) if m[2] != REDACTED and _secret_value_for(m[1], m[2]) else m[0], text
     )
     return _OPTION.sub(
         lambda m: (
@@ -306,7 +321,7 @@ def redact_argv(argv: Iterable[Any] | None) -> list[str]:
                     f"{name}={REDACTED}" if _secret_value_for(name, value) else f"{name}={redact_text(value)}"
                 )
                 continue
-            if secret_name_strength(name):
+            if secret_name_strength(name) or name in _USER_OPTIONS:
                 pending = name
             out.append(arg)
             continue
