@@ -186,6 +186,7 @@ class Job:
         self.missing: dict[str, Any] = {}
         self.signals: list[str] = []
         self.not_written: list[str] = []  # one line per file (or part of one) a failed write left out
+        self._ignored: list[signal.Signals] = []  # ignored when diagnose started
         self.folder_gone: str | None = None  # the run folder was deleted while the job ran
         self._folder_id: tuple[int, int] | None = None
         self._stopwatch: proctree.StopWatch | None = None
@@ -241,9 +242,11 @@ class Job:
             self.missing["nvml"] = "disabled (--no-nvml)"
 
         previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+        # a signal ignored here (nohup, a shell's background job) is the job's to ignore: it
+        # inherits SIG_IGN (the forwarder is set only once it has started), and a job that
+        # catches it anyway (its own handler) gets it from diagnose as it would bare
+        self._ignored = [s for s, h in previous.items() if h is signal.SIG_IGN]
         for s, h in previous.items():
-            # a signal ignored here (nohup, a shell's background job) stays ignored: the job
-            # inherits that, as it would without diagnose; a caught one would reach it as default
             if h is not signal.SIG_IGN:
                 signal.signal(s, self._forward)
         budget = self.options.budget()
@@ -339,6 +342,8 @@ class Job:
             for fd in {job_out, job_err}:  # the job holds them now (one for both: 2>&1)
                 if fd is not None:
                     os.close(fd)
+        for s in self._ignored:
+            signal.signal(s, self._forward)
         self._stopwatch = proctree.StopWatch(self.proc.pid, os.path.join(self.run_dir, proctree.STOPPED_FILE))
         self._stopwatch.start()
         manifest["pid"] = self.proc.pid  # lets a re-analysis tell whether the job lives on

@@ -7,6 +7,7 @@ in the run folder; a run folder with a non-ASCII name under LC_ALL=C (no UTF-8 c
 its report (was "internal error"). Each job is a second of plain Python (no torch)."""
 
 import os
+import signal
 import subprocess
 import textwrap
 
@@ -105,3 +106,28 @@ def test_a_non_ascii_run_folder_under_a_c_locale_gets_its_report(tmp_path):
     assert dx.returncode == 2
     assert "internal error" not in dx.stderr and "Traceback" not in dx.stderr
     assert (tmp_path / "run \u00fc" / "report.html").is_file()
+
+
+CATCHER = textwrap.dedent("""
+    import signal, sys, time
+    signal.signal(signal.SIGINT, lambda s, f: sys.exit(42))
+    print("ready", flush=True)
+    time.sleep(10)
+""")
+
+
+def test_a_signal_ignored_by_the_caller_still_reaches_a_job_that_catches_it(tmp_path):
+    # a shell script's background job (`diagnose ... &`) starts with SIGINT ignored; bare, the
+    # job's own handler would take a `kill -INT`: under diagnose too (it was dropped)
+    (tmp_path / "job.py").write_text(CATCHER)
+    proc = subprocess.Popen(
+        [PY, "-m", "traindx", "--quiet", "--no-pyspy", "--run-dir", "run", "--", PY, "job.py"],
+        cwd=tmp_path,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
+    )
+    assert proc.stdout is not None and proc.stdout.readline() == b"ready\n"
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=60) == 42
