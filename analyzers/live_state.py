@@ -4,6 +4,7 @@ ledger line shown beside the step count."""
 
 from __future__ import annotations
 
+import errno
 import glob
 import json
 import os
@@ -73,7 +74,10 @@ def at_least(severity: str, floor: str) -> bool:
 
 
 def write_control(path: str, data: dict[str, Any]) -> None:
-    os.makedirs(os.path.dirname(path), exist_ok=True)
+    folder = os.path.dirname(path)
+    if os.path.islink(folder):  # the run folder replaced by a link while the job ran
+        raise OSError(errno.ELOOP, f"{folder} is a symbolic link now: not written through")
+    os.makedirs(folder, exist_ok=True)
     write_json(path, data, indent=2, default=str)  # no temp file left on a full disk; the old file stands
 
 

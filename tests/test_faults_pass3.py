@@ -131,3 +131,18 @@ def test_a_signal_ignored_by_the_caller_still_reaches_a_job_that_catches_it(tmp_
     assert proc.stdout is not None and proc.stdout.readline() == b"ready\n"
     proc.send_signal(signal.SIGINT)
     assert proc.wait(timeout=60) == 42
+
+
+def test_a_run_folder_replaced_by_a_link_mid_run_is_not_written_through(tmp_path):
+    # the live judge writes live.json (and stop/capture requests) into the run folder while the
+    # job runs: a folder swapped for a link to a user's folder must not get them
+    from traindx.analyzers.live_state import write_control
+
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (tmp_path / "run").symlink_to(victim)
+    try:
+        write_control(str(tmp_path / "run" / "live.json"), {"findings": {}})
+    except OSError:
+        pass
+    assert os.listdir(victim) == []
