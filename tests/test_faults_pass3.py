@@ -13,6 +13,8 @@ import textwrap
 
 from helpers import PY
 
+from traindx.analyzers.live_state import write_control
+
 KEY_BODY = "b3BlbnNzaC1rZXktdjEAAAAABG5vbmUAAAAEbm9uZQAAAAAAAAABAAABlwAAAAdzc2gtcn"
 # printed by the job (netrc, curl -u, a cookie, `k = v` with blanks, prose) or on its command line
 PRINTED = ["n3tRcP4ssw0rd", "curlPassw0rd99", "csrfT0kenValue88", "wJalrXUtnFEMI/K7MDENG", "pw_LastLine42"]
@@ -136,8 +138,6 @@ def test_a_signal_ignored_by_the_caller_still_reaches_a_job_that_catches_it(tmp_
 def test_a_run_folder_replaced_by_a_link_mid_run_is_not_written_through(tmp_path):
     # the live judge writes live.json (and stop/capture requests) into the run folder while the
     # job runs: a folder swapped for a link to a user's folder must not get them
-    from traindx.analyzers.live_state import write_control
-
     victim = tmp_path / "victim"
     victim.mkdir()
     (tmp_path / "run").symlink_to(victim)
