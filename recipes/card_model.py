@@ -15,6 +15,7 @@ import yaml
 
 from traindx.common.atomic import write_text
 from traindx.common.errors import UserError
+from traindx.common.redact import redact_value
 from traindx.recipes.card_schema import SCHEMA_VERSION, CardError, validate
 
 S = TypeVar("S", bound="_Section")
@@ -208,7 +209,8 @@ class RecipeCard:
         return _join(self, CARD_ORDER)
 
     def to_yaml(self) -> str:
-        data = self.to_dict()
+        # a card is shared: no secret in it (a model name from a config's URL with a password)
+        data = redact_value(self.to_dict())
         problems = validate(data)
         if problems:
             raise CardError(problems, "card to write")

@@ -6,12 +6,13 @@ keeps the job's order of stdout and stderr; a private key printed line by line i
 in the run folder; a run folder with a non-ASCII name under LC_ALL=C (no UTF-8 coercion) gets
 its report (was "internal error"). Each job is a second of plain Python (no torch)."""
 
+import json
 import os
 import signal
 import subprocess
 import textwrap
 
-from helpers import PY
+from helpers import PY, ROOT
 
 from traindx.analyzers.live_state import write_control
 
@@ -146,3 +147,37 @@ def test_a_run_folder_replaced_by_a_link_mid_run_is_not_written_through(tmp_path
     except OSError:
         pass
     assert os.listdir(victim) == []
+
+
+def test_a_card_holds_no_password_from_the_models_config(tmp_path):
+    # `diagnose card --model config.json` names the model by the config's _name_or_path: a URL
+    # with a password there must not reach the card (cards are shared)
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": 256,
+        "intermediate_size": 512,
+        "num_attention_heads": 4,
+        "num_hidden_layers": 2,
+        "num_key_value_heads": 4,
+        "vocab_size": 1000,
+        "_name_or_path": "https://alice:cfgUrlPw123@hf.internal/m",
+    }
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    run = os.path.join(ROOT, "tests", "data", "cpu-gc-hook", "run")
+    args = [
+        PY,
+        "-m",
+        "traindx",
+        "card",
+        run,
+        "--model",
+        "config.json",
+        "--tokens-per-step",
+        "4096",
+        "-o",
+        "c.yaml",
+    ]
+    done = subprocess.run(args, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    card = (tmp_path / "c.yaml").read_text()
+    assert "cfgUrlPw123" not in card and "hf.internal" in card
