@@ -10,12 +10,12 @@ import time
 from types import TracebackType
 from typing import TextIO
 
-from rich.console import Console
 from rich.live import Live
 from rich.text import Text
 
 from traindx.analyzers.findings import Finding
 from traindx.analyzers.live import LiveState
+from traindx.report.console import Console
 
 SEVERITY_STYLE = {"critical": "bold red", "high": "red", "medium": "yellow", "low": "cyan", "info": "dim"}
 PLAIN_STATUS_EVERY_S = 30.0  # a log file gets a status line this often, not at every refresh

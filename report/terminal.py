@@ -7,11 +7,11 @@ import sys
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
 from traindx.common.units import fmt_s
+from traindx.report.console import Console
 
 if TYPE_CHECKING:
     from traindx.analyzers.findings import Finding

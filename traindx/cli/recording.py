@@ -20,11 +20,10 @@ from traindx.common.atomic import write_json
 from traindx.common.errors import UserError
 
 if TYPE_CHECKING:
-    from rich.console import Console
-
     from traindx.analyzers.live import LiveOptions
     from traindx.cli.fix_model import FixEvent
     from traindx.profiler.launcher import Options
+    from traindx.report.console import Console
 
 # the job succeeded but traindx could not analyse or report it: a pipeline must notice
 ANALYSIS_FAILED_EXIT = 3
@@ -242,7 +241,7 @@ class _FixReporter:
     """The --fix runner's events on stderr: stage rules, the arms' summaries, the comparison."""
 
     def __init__(self, print_comparison: PrintComparison) -> None:
-        from rich.console import Console
+        from traindx.report.console import Console
 
         self.console = Console(file=sys.stderr)
         self.print_comparison = print_comparison

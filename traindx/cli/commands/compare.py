@@ -20,8 +20,9 @@ from traindx.cli import argtypes
 from traindx.common.errors import UserError
 
 if TYPE_CHECKING:  # annotations only (rich is imported when a comparison is printed)
-    from rich.console import Console
     from rich.table import Table
+
+    from traindx.report.console import Console
 
 
 def prepare_parser(parser: argparse.ArgumentParser) -> None:
@@ -70,11 +71,10 @@ def resolve_arms(run_a: str, run_b: str | None) -> tuple[str, str]:
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from rich.console import Console
-
     from traindx.derive.run import load_run
     from traindx.derive.stats import parse_window
     from traindx.recipes.ab import compare_runs
+    from traindx.report.console import Console
 
     window = parse_window(args.window) if args.window else None  # valid: argtypes.step_window
     path_a, path_b = resolve_arms(args.run_a, args.run_b)
@@ -145,8 +145,9 @@ def _number(x: float | None, fmt: str = "{:,.0f}") -> str:
 
 def print_comparison(comparison: dict[str, Any], console: Console | None = None) -> None:
     """The comparison as a user reads it in the terminal (rich)."""
-    from rich.console import Console
     from rich.text import Text
+
+    from traindx.report.console import Console
 
     console = console or Console(file=sys.stderr)
     console.rule("traindx: A/B comparison")
