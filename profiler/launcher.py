@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from traindx.common import redact
+from traindx.common import redact, stdfds
 from traindx.profiler import manifest as manifest_mod
 from traindx.profiler import proctree, rolling
 
@@ -334,6 +334,8 @@ class Job:
                 stderr=job_err,
                 stdin=None,  # the job reads what diagnose was given (a pipe, a file, the terminal)
                 pass_fds=self._caller_fds(),
+                # a std stream the caller had closed is closed for the job too (rare: only then)
+                preexec_fn=stdfds.close_again if stdfds.CLOSED else None,
                 start_new_session=True,
             )
         except OSError as exc:

@@ -181,3 +181,28 @@ def test_a_card_holds_no_password_from_the_models_config(tmp_path):
     assert done.returncode == 0, done.stderr
     card = (tmp_path / "c.yaml").read_text()
     assert "cfgUrlPw123" not in card and "hf.internal" in card
+
+
+CLOSED_JOB = textwrap.dedent("""
+    import sys
+    print("stdin", "closed" if sys.stdin is None else "open", file=sys.stderr)
+    print("stdout", "closed" if sys.stdout is None else "open", file=sys.stderr)
+    sys.exit(3)
+""")
+
+
+def test_closed_std_streams_stay_closed_for_the_job_and_our_output_never_changes_its_code(tmp_path):
+    (tmp_path / "job.py").write_text(CLOSED_JOB)
+    bare = _sh(f"{PY} job.py <&- >&- 2>bare.txt; echo $?", tmp_path)
+    dx = _sh(
+        f"{PY} -m traindx --quiet --no-pyspy --run-dir run -- {PY} job.py <&- >&- 2>dx.txt; echo $?", tmp_path
+    )
+    assert bare.stdout.strip() == dx.stdout.strip() == "3"
+    assert (tmp_path / "dx.txt").read_text().startswith((tmp_path / "bare.txt").read_text())
+    assert "stdout closed" in (tmp_path / "bare.txt").read_text()
+    # diagnose's own verdict into a reader that left (`| head -1`): the job's code still
+    piped = _sh(
+        f"{PY} -m traindx --no-pyspy --run-dir run2 -- {PY} job.py 2>&1 | head -c 1; echo ${{PIPESTATUS[0]}}",
+        tmp_path,
+    )
+    assert piped.stdout.strip().endswith("3")

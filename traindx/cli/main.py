@@ -14,6 +14,7 @@ from types import ModuleType
 from typing import TextIO
 
 from traindx.cli import argtypes
+from traindx.common import stdfds
 from traindx.common.errors import UserError
 
 SUBCOMMANDS = {
@@ -64,6 +65,7 @@ def _show_warning(
 
 
 def main(argv: list[str] | None = None) -> int:
+    stdfds.hold_closed()  # before anything is opened: a closed stdout is never our file's number
     argv = list(sys.argv[1:] if argv is None else argv)
     name = SUBCOMMANDS.get(argv[0], DEFAULT) if argv else DEFAULT
     if name != DEFAULT:
