@@ -6,6 +6,6 @@ output, which the job's caller may still be reading on the other stream."""
 from rich.console import Console as RichConsole
 
 
-class Console(RichConsole):  # type: ignore[misc]  # rich is typed; keeps mypy quiet if stubs move
+class Console(RichConsole):
     def on_broken_pipe(self) -> None:
         self.quiet = True  # nothing more from this console; the job's bytes go on unchanged
