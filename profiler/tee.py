@@ -24,6 +24,7 @@ usage (by the launcher only): python -m traindx.profiler.tee OUT_FD ERR_FD SOCKE
 then one JSON line on the socket: {"log": path, "segment_bytes": n, "cap_bytes": n}
 """
 
+import fcntl
 import json
 import os
 import queue
@@ -34,8 +35,10 @@ import stat
 import struct
 import subprocess
 import sys
+import termios
 import threading
 import time
+import tty
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -60,6 +63,26 @@ BINARY_SHARE = 0.5
 # lines waiting for the log (redaction costs ~40 us a line): a burst of output is not slowed
 # by it; past this many batches (256 MiB at most), reading the pipes waits for the log
 LOG_QUEUE_BATCHES = 4096  # each at most one 64 KiB read
+
+
+def channel_for(fd: int) -> tuple[int, int]:
+    """(read end, the job's end) for what the job writes to fd: a pipe, or where diagnose's fd
+    is a terminal, a pseudo-terminal of its size in raw mode. The job then sees a terminal as it
+    would bare (isatty: colours, progress bars, line-buffered prints) and its bytes come through
+    unchanged (raw: no newline turned into CR LF)."""
+    if os.isatty(fd):
+        try:
+            master, slave = os.openpty()
+        except OSError:
+            return os.pipe()
+        try:
+            tty.setraw(slave)
+            size = fcntl.ioctl(fd, termios.TIOCGWINSZ, b"\0" * 8)
+            fcntl.ioctl(slave, termios.TIOCSWINSZ, size)
+        except (OSError, termios.error):
+            pass  # the defaults: still a terminal
+        return master, slave
+    return os.pipe()
 
 
 def same_sink(a: int, b: int) -> bool:
@@ -353,10 +376,10 @@ class OutputRelay:
 
     def start(self) -> tuple[int, int]:
         """(stdout fd, stderr fd) for the job; raises OSError when no tee could start."""
-        out_r, out_w = os.pipe()
+        out_r, out_w = channel_for(1)
         # stdout and stderr into one file or pipe (`2>&1 | tee`): one pipe for the job's both,
         # so that their order is the job's own (two pipes read side by side reorder them)
-        err_r, err_w = (out_r, out_w) if same_sink(1, 2) else os.pipe()
+        err_r, err_w = (out_r, out_w) if same_sink(1, 2) else channel_for(2)
         mine, theirs = socket.socketpair()
         try:
             self.proc = subprocess.Popen(

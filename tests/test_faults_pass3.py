@@ -6,11 +6,16 @@ keeps the job's order of stdout and stderr; a private key printed line by line i
 in the run folder; a run folder with a non-ASCII name under LC_ALL=C (no UTF-8 coercion) gets
 its report (was "internal error"). Each job is a second of plain Python (no torch)."""
 
+import fcntl
 import json
 import os
+import pty
 import signal
+import struct
 import subprocess
+import termios
 import textwrap
+import tty
 
 from helpers import PY, ROOT
 
@@ -206,3 +211,36 @@ def test_closed_std_streams_stay_closed_for_the_job_and_our_output_never_changes
         tmp_path,
     )
     assert piped.stdout.strip().endswith("3")
+
+
+def test_a_job_run_in_a_terminal_sees_a_terminal(tmp_path):
+    # bare in a terminal, a job's stdout is a terminal (colours, progress bars, line-buffered
+    # prints, its width): under diagnose too, its bytes unchanged (no CR added)
+    (tmp_path / "job.py").write_text(
+        "import os, sys\nos.write(1, b'tty=%d cols=%d\\n' % (sys.stdout.isatty(), os.get_terminal_size().columns)"
+        " if sys.stdout.isatty() else b'tty=0\\n')\nsys.exit(4)\n"
+    )
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 97, 0, 0))
+    tty.setraw(slave)
+    proc = subprocess.Popen(
+        [PY, "-m", "traindx", "--quiet", "--no-pyspy", "--run-dir", "run", "--", PY, "job.py"],
+        cwd=tmp_path,
+        env=_env(),
+        stdout=slave,
+        stderr=subprocess.DEVNULL,
+        stdin=subprocess.DEVNULL,
+    )
+    os.close(slave)
+    out = b""
+    while True:
+        try:
+            chunk = os.read(master, 4096)
+        except OSError:  # EIO: every writer closed
+            break
+        if not chunk:
+            break
+        out += chunk
+    os.close(master)
+    assert proc.wait(timeout=60) == 4
+    assert out == b"tty=1 cols=97\n"
