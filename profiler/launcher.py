@@ -67,6 +67,18 @@ def _reason(exc: BaseException) -> str:
     return getattr(exc, "strerror", None) or f"{type(exc).__name__}: {exc}"
 
 
+def working_folder() -> str:
+    """This process's working folder, also when it was deleted (the job starts there all the
+    same, as it would bare): then the path it had, marked so."""
+    try:
+        return os.getcwd()
+    except OSError:
+        try:
+            return os.readlink("/proc/self/cwd")  # "/old/path (deleted)"
+        except OSError:
+            return os.environ.get("PWD", "") + " (deleted)"
+
+
 def inheritable_fds() -> tuple[int, ...]:
     """The descriptors above 2 that a child would inherit now (a caller's `3>file`)."""
     try:
@@ -287,7 +299,7 @@ class Job:
         manifest = {
             "traindx_run": 1,
             "command": self.redactor.argv(self.command),
-            "cwd": self.options.cwd or os.getcwd(),
+            "cwd": self.options.cwd or working_folder(),
             "start_ns": time.time_ns(),
             "end_ns": None,
             "exit_code": None,

@@ -244,3 +244,14 @@ def test_a_job_run_in_a_terminal_sees_a_terminal(tmp_path):
     os.close(master)
     assert proc.wait(timeout=60) == 4
     assert out == b"tty=1 cols=97\n"
+
+
+def test_a_job_started_in_a_deleted_folder_runs_as_it_would_bare(tmp_path):
+    (tmp_path / "gone").mkdir()
+    job = "import sys; print('ran'); sys.exit(3)"
+    dx = _sh(
+        f'cd gone && rmdir ../gone && {PY} -m traindx --quiet --no-pyspy --run-dir {tmp_path}/run -- {PY} -c "{job}"',
+        tmp_path,
+    )
+    assert dx.returncode == 3, dx.stderr
+    assert dx.stdout == "ran\n"
