@@ -180,10 +180,11 @@ def _small_top(folder: str) -> bool:
     """True when the files directly in folder are few and small enough to copy for each arm."""
     total, count = 0, 0
     try:
-        for entry in os.scandir(folder):
-            if entry.is_file(follow_symlinks=False):
-                total += entry.stat(follow_symlinks=False).st_size
-                count += 1
+        with os.scandir(folder) as entries:
+            for entry in entries:
+                if entry.is_file(follow_symlinks=False):
+                    total += entry.stat(follow_symlinks=False).st_size
+                    count += 1
     except OSError:
         return False
     return total <= COPY_LIMIT_BYTES and count <= MAX_FILES
@@ -193,14 +194,15 @@ def make_top(folder: str, private: str) -> None:
     """The private copy of a top: its files cloned or copied, its links as they are, an empty
     folder in place of each subfolder (an overlay or a bind lands there in the view)."""
     os.makedirs(private)
-    for entry in os.scandir(folder):
-        dst = os.path.join(private, entry.name)
-        if entry.is_symlink():
-            os.symlink(os.readlink(entry.path), dst)
-        elif entry.is_dir(follow_symlinks=False):
-            os.mkdir(dst)
-        elif entry.is_file(follow_symlinks=False):
-            clone_or_copy(entry.path, dst)
+    with os.scandir(folder) as entries:  # closed also when a copy fails (a full disk)
+        for entry in entries:
+            dst = os.path.join(private, entry.name)
+            if entry.is_symlink():
+                os.symlink(os.readlink(entry.path), dst)
+            elif entry.is_dir(follow_symlinks=False):
+                os.mkdir(dst)
+            elif entry.is_file(follow_symlinks=False):
+                clone_or_copy(entry.path, dst)
 
 
 def sockets_in(folders: Iterable[str], limit: int = SOCKET_SCAN_ENTRIES) -> list[str]:
