@@ -130,8 +130,12 @@ class Options:
         pyspy_record: bool = True,
         cwd: str | None = None,
         wrap: list[str] | None = None,
+        caller_fds: bool = True,
     ) -> None:
         self.steps = steps
+        # the caller's extra descriptors (`3>file`) reach the job; not for --fix's arms (one on
+        # a user's file would let every arm write there)
+        self.caller_fds = caller_fds
         self.pyspy = pyspy
         self.shim = shim
         self.nvml = nvml
@@ -374,7 +378,7 @@ class Job:
     def _caller_fds(self) -> tuple[int, ...]:
         """The caller's extra descriptors, still open, for the job; none under --fix's view
         (a descriptor on a user's file would let every arm write there)."""
-        if getattr(self.options, "wrap", None):
+        if getattr(self.options, "wrap", None) or not getattr(self.options, "caller_fds", True):
             return ()
         still = set(inheritable_fds())
         return tuple(fd for fd in CALLER_FDS if fd in still)

@@ -20,6 +20,9 @@ import tty
 from helpers import PY, ROOT
 
 from traindx.analyzers.live_state import write_control
+from traindx.cli import fix_confine
+from traindx.profiler import launcher
+from traindx.profiler.launcher import Options
 
 KEY_BODY = "b3BlbnNzaC1rZXktdjEAAAAABG5vbmUAAAAEbm9uZQAAAAAAAAABAAABlwAAAAdzc2gtcn"
 # printed by the job (netrc, curl -u, a cookie, `k = v` with blanks, prose) or on its command line
@@ -255,3 +258,22 @@ def test_a_job_started_in_a_deleted_folder_runs_as_it_would_bare(tmp_path):
     )
     assert dx.returncode == 3, dx.stderr
     assert dx.stdout == "ran\n"
+
+
+def test_fix_arms_never_get_the_callers_extra_descriptors(tmp_path, monkeypatch):
+    # a `3>file` of the caller's reaches a plain run's job (above); an arm of --fix (in either
+    # confinement) must not get it: every arm would write the caller's file
+    (tmp_path / "proj" / "fix" / "A").mkdir(parents=True)
+    confiner = fix_confine.Confiner(
+        str(tmp_path / "proj" / "fix"), str(tmp_path / "proj"), method="copy", why="t"
+    )
+    plain = Options(cwd=str(tmp_path / "proj"))
+    arm = confiner.prepare(str(tmp_path / "proj" / "fix" / "A"), plain, lambda *a: None)
+    fd = os.open(os.devnull, os.O_WRONLY)
+    os.set_inheritable(fd, True)
+    monkeypatch.setattr(launcher, "CALLER_FDS", (fd,))
+    try:
+        assert fd in launcher.Job(["true"], str(tmp_path / "run"), plain)._caller_fds()
+        assert fd not in launcher.Job(["true"], str(tmp_path / "run"), arm)._caller_fds()
+    finally:
+        os.close(fd)

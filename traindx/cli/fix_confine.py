@@ -331,7 +331,7 @@ class Confiner:
     def prepare(self, run_dir: str, options: Any, say: Say) -> Any:
         self.arms.append(run_dir)
         if self.method == "namespace":
-            return with_options(options, wrap=self._view(run_dir))
+            return with_options(options, wrap=self._view(run_dir), caller_fds=False)
         if self.before is None:
             self.before = snapshot(self.cwd, exclude=[self.root])
         cwd = os.path.realpath(options.cwd or self.cwd)
@@ -342,7 +342,7 @@ class Confiner:
         env = dict(options.extra_env or {}, TMPDIR=tmp)
         inside = cwd == self.cwd or _under(cwd, self.cwd)
         new_cwd = os.path.join(copy, os.path.relpath(cwd, self.cwd)) if inside else cwd
-        return with_options(options, cwd=new_cwd, extra_env=env)
+        return with_options(options, cwd=new_cwd, extra_env=env, caller_fds=False)
 
     def _view(self, run_dir: str) -> list[str]:
         zones = plan_zones(mounts(), self.cwd)
