@@ -5,6 +5,7 @@ import gzip
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import threading
 import time
@@ -381,12 +382,20 @@ def test_an_accelerated_long_run_stays_in_its_budget_and_still_analyses(tmp_path
     budget = budget_mb * rolling.MB
     done = int(out.rsplit("done: ", 1)[1].split()[0])
 
-    # disk: under the budget at the end; while running, over it by at most what the job writes
-    # between two settles of the roller (0.75 s here, ~0.2-0.5 MB at this job's rate, more when
-    # the machine starves the launcher; at the default 5 s it is ~0.1% of 2 GB)
+    # disk: under the budget at the end; while running, over it by what the job writes between
+    # two settles of the roller (0.75 s here, ~0.2-0.5 MB at this job's rate; seconds more when a
+    # loaded machine keeps the launcher's roller from a core, so a single sample's height is the
+    # scheduler's, not the roller's). What the roller owes is a level: the evidence does not grow
+    # with the run. Without live rolling this job's evidence grows ~50 KB/s, ~1.5 MB over the
+    # 30 s compared here.
     assert _evidence_bytes(run_dir) <= budget, sorted(os.listdir(run_dir))
-    during = [b for t, b, _, _ in samples if t > 5]
-    assert during and max(during) <= 1.75 * budget, max(during)
+    during = [(t, b) for t, b, _, _ in samples if t > 5]
+    assert len(during) >= 12, during
+    third = len(during) // 3
+    early = statistics.median(b for _, b in during[:third])
+    late = statistics.median(b for _, b in during[-third:])
+    assert late <= early + 0.5 * budget, (early, late)
+    assert statistics.median(b for _, b in during) <= 2 * budget, during
 
     # the launcher's memory does not grow with the run (the log, dumps and queues stream to disk)
     # (counted from the live judge's first analysis: its imports, pandas and the analyzers, are a
