@@ -26,7 +26,7 @@ from traindx.analyzers import evidence as ev
 from traindx.analyzers.declaration import Declaration
 from traindx.analyzers.findings import Finding, Prescription
 from traindx.derive import memory as mem
-from traindx.derive.steady import memory_hunt_steps
+from traindx.derive.steady import perturbed_steps
 
 if TYPE_CHECKING:  # annotations only
     from traindx.derive.run import RunRecord
@@ -336,7 +336,8 @@ def analyze(run: RunRecord) -> list[Finding]:
     if not len(table):
         return []
     held = mem.held_table(run)
-    hunted = memory_hunt_steps(run)
+    # the steps traindx itself grew memory in: the shim's hunt, a torch.profiler window's buffers
+    hunted = perturbed_steps(run)
     out = []
     for rank, rows in table.groupby("rank", sort=False):
         rank_held = held[held["rank"] == rank] if len(held) else held

@@ -59,7 +59,20 @@ _state: dict[str, Any] = {
     "hunt": None,  # {"step": n, "census": {...}, "t": cost so far, "device": bool}
     "hunted": False,
     "dev_total": None,
+    # steps whose growth is traindx's own (a torch.profiler window's buffers): [first, last]
+    "ours": None,
 }
+
+
+def ours_from(step: int) -> None:
+    """From this step on, memory grows by traindx's own doing (until ours_until)."""
+    _state["ours"] = [step, 1 << 62]
+
+
+def ours_until(step: int) -> None:
+    """traindx's own growth ends with this step: the growth check starts again after it."""
+    if _state["ours"] is not None:
+        _state["ours"][1] = step
 
 
 def rss_bytes() -> int | None:
@@ -171,6 +184,10 @@ def emit_step(step: int, torch: Any, dev: dict[str, Any] | None) -> None:
                 _state["dev_total"] = 0
     emit(schema.MEM, step=step, **fields)
     history = _state["history"]
+    ours = _state["ours"]
+    if ours is not None and ours[0] <= step <= ours[1]:
+        history.clear()  # the growth check starts again after the steps our profiler grew
+        return
     history.append((step, fields["heap_bytes"] or fields["rss_bytes"] or 0, dev_alloc or 0))
     del history[: -(GROW_STEPS + 1)]
     hunt = _state["hunt"]

@@ -36,7 +36,7 @@ import statistics
 import sys
 import time
 
-from . import compiles, control, emit, get_writer, importhooks, report_error, roles, schema, steps
+from . import compiles, control, emit, get_writer, importhooks, memwatch, report_error, roles, schema, steps
 
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing into the job (mypy knows the name)
 if TYPE_CHECKING:
@@ -127,6 +127,7 @@ def _trace_path() -> str:
 
 def _start(step: int) -> None:
     torch = _state["torch"]
+    memwatch.ours_from(step)  # the profiler's buffers grow the process: not the job's memory
     # torch is imported here only once the job has imported it: the shim never imports it first
     from torch.profiler import ProfilerActivity, profile
 
@@ -185,6 +186,7 @@ def _stop(last_step: int, reason: str) -> None:
     prof = _state["profiler"]
     _state["profiler"] = None
     _state["done"] = True
+    memwatch.ours_until(last_step + 1)  # the export frees (or keeps) them in the step after
     budget = _state["budget_s"] or MIN_BUDGET_S
     t0 = time.time_ns()
     prof.stop()
