@@ -459,8 +459,8 @@ def _unless_workers_cost_more(
 
 def _in_process_per_batch(run: RunRecord, rank: str, measured: dict[str, Any]) -> float | None:
     """Seconds per batch the training process spends making a batch itself (the loader's CPU on
-    the training thread, else its wait, over the batches of the steady steps); None without
-    the shim's data spans."""
+    the training thread or the wait every step has, whichever is larger, over the batches of the
+    steady steps); None without the shim's data spans."""
     if measured.get("source") != "time ledger":
         return None
     led = ledger.steady_rows(run, rank)
@@ -471,8 +471,10 @@ def _in_process_per_batch(run: RunRecord, rank: str, measured: dict[str, Any]) -
     data = data[(data["start_ns"] >= led["start_ns"].min()) & (data["end_ns"] <= led["end_ns"].max())]
     if not len(data):
         return None
-    per_step = measured.get("cpu_per_step_s") or measured.get("per_step_s") or 0.0
-    return float(per_step) * len(led) / len(data)
+    # the loading CPU, or the wait every step has (its lower quartile): a loader that waits on
+    # storage spends little CPU, and workers overlap exactly that wait
+    per_step = max(measured.get("cpu_per_step_s") or 0.0, measured.get("every_step_s") or 0.0)
+    return float(per_step or measured.get("per_step_s") or 0.0) * len(led) / len(data)
 
 
 def analyze(run: RunRecord) -> list[Finding]:
