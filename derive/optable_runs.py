@@ -4,7 +4,9 @@ forward -> forward-compute, backward -> backward-compute, optimizer -> optimizer
 collective -> collective-<op> (a data-parallel collective: every rank of the job meets there),
 data -> data, io -> io. Under DistributedDataParallel (the run holds a `ddp` event) the gradient
 all-reduces run inside backward, where no wrapper sees them: each backward is split into its
-compute (estimated, `_split_ddp_backward`) and a grads-all-reduce that every rank meets at.
+compute and a grads-all-reduce that every rank meets at (`_split_ddp_backward`): at the span's
+grads_ready (the shim's clock at the last parameter gradient accumulated on that rank), or, in a
+run recorded without it, by an estimate.
 Every rank is a DP rank of one pipeline stage (our spans name no stage).
 
 Pure computation: no judgement.
@@ -59,6 +61,11 @@ def from_run(run: RunView) -> pd.DataFrame:
         k = np.searchsorted(starts, s, side="right") - 1
         inside = (k >= 0) & (s < ends[np.clip(k, 0, None)])
         own = own[inside]
+        ready = (
+            pd.to_numeric(own["grads_ready"], errors="coerce").to_numpy(dtype=float) / 1e9
+            if "grads_ready" in own
+            else np.full(len(own), np.nan)
+        )
         rows.append(
             pd.DataFrame(
                 {
@@ -68,14 +75,14 @@ def from_run(run: RunView) -> pd.DataFrame:
                     "optype": own["optype"].astype(str).to_numpy(),
                     "start": own["start"].to_numpy(np.int64) / 1e9,
                     "duration": (own["t"].to_numpy(np.int64) - own["start"].to_numpy(np.int64)) / 1e9,
+                    "ready": ready,
                 }
             )
         )
     if not rows:
         return pd.DataFrame()
     table = pd.concat(rows, ignore_index=True)
-    if ddp:
-        table = _split_ddp_backward(table)
+    table = _split_ddp_backward(table) if ddp else table.drop(columns="ready")
     # steps every rank ran (a rank's first or last partial step is not comparable)
     per_step = table.groupby("step")["rank"].nunique()
     table = table[table["step"].isin(per_step.index[per_step == len(ranks)])]
@@ -95,15 +102,31 @@ def from_run(run: RunView) -> pd.DataFrame:
 def _split_ddp_backward(table: pd.DataFrame) -> pd.DataFrame:
     """Each DDP backward as its own compute, then the wait for the gradients' all-reduce.
 
-    The rank that reached a backward last waited least: its backward over its forward is the
-    job's backward-per-forward ratio in that step; every rank's backward compute is that ratio
-    times its own forward (capped at the span), the rest of its span the all-reduce (a DP
-    collective). Holds when a rank's backward grows with its forward (more data, a slower
-    device); a rank slow in forward only (host work) gets its backward overestimated."""
+    Measured where the span holds its rank's grads_ready (compute: start to the last gradient
+    accumulated; the rest: the all-reduce, i.e. the wait for the other ranks and the last
+    bucket's transfer). Else estimated (`_estimated_compute`)."""
     is_bwd = (table["optype"] == DDP_BACKWARD).to_numpy()
     if not is_bwd.any():
-        return table
+        return table.drop(columns="ready")
     b = table[is_bwd].sort_values(["rank", "step", "start"])
+    span = b["duration"].to_numpy(dtype=float)
+    measured = b["ready"].to_numpy(dtype=float) - b["start"].to_numpy(dtype=float)
+    compute = np.where(np.isfinite(measured), measured, np.nan)
+    if np.isnan(compute).any():
+        compute = np.where(np.isnan(compute), _estimated_compute(table, b), compute)
+    compute = np.clip(compute, 0.0, span)
+    comp = b.assign(optype=OpType.BWD, duration=compute)
+    reduce = b.assign(optype=OpType.GRADS_AR, start=b["start"].to_numpy() + compute, duration=span - compute)
+    return pd.concat([table[~is_bwd], comp, reduce], ignore_index=True).drop(columns="ready")
+
+
+def _estimated_compute(table: pd.DataFrame, b: pd.DataFrame) -> np.ndarray:
+    """Backward compute without grads_ready (an older recording), per row of b (sorted by rank,
+    step, start). The rank that reached a backward last waited least: its backward over its
+    forward is the job's backward-per-forward ratio in that step; every rank's backward compute
+    is that ratio times its own forward (the span where unknown). Holds when a rank's backward
+    grows with its forward (more data, a slower device); a rank slow by a fixed amount (host
+    work, a delay in every layer) gets the others' backward underestimated."""
     k_ix = b.groupby(["rank", "step"]).cumcount().to_numpy()
     per = b.groupby(["rank", "step"])["start"].transform("size").to_numpy()
     fwd = table[table["optype"] == OpType.FWD].groupby(["rank", "step"])["duration"].sum()
@@ -116,12 +139,9 @@ def _split_ddp_backward(table: pd.DataFrame) -> pd.DataFrame:
         ratio_last, index=pd.MultiIndex.from_arrays([frame["step"].to_numpy()[last], k_ix[last]])
     )
     k = ratio.reindex(pd.MultiIndex.from_arrays([frame["step"].to_numpy(), k_ix])).to_numpy(dtype=float)
-    span = b["duration"].to_numpy(dtype=float)
     guess = k * fwd_each
-    compute = np.clip(np.where(np.isfinite(guess), guess, span), 0.0, span)
-    comp = b.assign(optype=OpType.BWD, duration=compute)
-    reduce = b.assign(optype=OpType.GRADS_AR, start=b["start"].to_numpy() + compute, duration=span - compute)
-    return pd.concat([table[~is_bwd], comp, reduce], ignore_index=True)
+    span = b["duration"].to_numpy(dtype=float)
+    return np.where(np.isfinite(guess), guess, span)
 
 
 def runq_share(run: RunView) -> float | None:

@@ -97,16 +97,17 @@ def transfer_times(model: DepModel, start: np.ndarray, duration: np.ndarray) -> 
     return work
 
 
-def ideal_work(table_optypes: pd.Series, cube_: Cube) -> np.ndarray:
+def ideal_work(table_optypes: pd.Series, cube_: Cube, median: bool = False) -> np.ndarray:
     """Every op at the typical work of its type: the mean for compute, the median for
-    communication (a few long waits should not set a transfer's typical time)."""
+    communication (a few long waits should not set a transfer's typical time); with median,
+    the median for compute too."""
     ideal = np.empty_like(cube_.work)
     for optype in pd.unique(table_optypes):
         nodes = np.flatnonzero(table_optypes.to_numpy() == optype)
         values = cube_.work[nodes][cube_.present[nodes]]
         if values.size == 0:
             typical = 0.0
-        elif is_comm(str(optype)):
+        elif median or is_comm(str(optype)):
             typical = float(np.median(values))
         else:
             typical = float(values.mean())

@@ -132,13 +132,15 @@ def _stagewise_work(model: depmodel.DepModel, cube: replay.Cube) -> np.ndarray:
 
 
 def _typical_elsewhere(node_optype: pd.Series, cube: replay.Cube, chosen: np.ndarray) -> np.ndarray:
-    """Each op type's typical work over the workers *not* chosen (a fixed worker runs like the
-    others; the plain ideal's mean would still hold its own slow ops)."""
+    """Each op type's median work over the workers *not* chosen: a fixed worker runs like the
+    others (the plain ideal's mean would still hold its own slow ops), and not with their
+    one-off stalls (a process descheduled once in 30 steps on a busy host) spread over its
+    every step, as their mean would."""
     mask = np.broadcast_to(chosen, cube.work.shape)
     present = cube.present & ~mask
     if not present.any():
         present = cube.present
-    return replay.ideal_work(node_optype, replace(cube, present=present))
+    return replay.ideal_work(node_optype, replace(cube, present=present), median=True)
 
 
 def micro_batch_spread(table: pd.DataFrame) -> tuple[float | None, float | None]:

@@ -4,7 +4,10 @@ One `span` event per call: {"type": "span", "cat": ..., "start": ns, "t": end ns
 ident} and, for rare calls (checkpoints, file writes), the caller in the job's code. Categories:
 
   data        the DataLoader iterator's __next__ (the step waits for its batch)
-  backward    torch.autograd.backward (Tensor.backward goes through it)
+  backward    torch.autograd.backward (Tensor.backward goes through it); under DDP with
+              grads_ready: when the last of the model's parameter gradients was accumulated on
+              this rank (its own backward compute ended; the rest of the span waits for the
+              gradients' all-reduce, i.e. for the other ranks)
   optimizer   torch's global optimizer pre/post hooks (every torch optimizer)
   closure     the closure an optimizer step calls (Lightning's training_step, LBFGS): the
               ledger books the forward and backward inside it as fwd/bwd, the rest as host
@@ -18,7 +21,8 @@ ident} and, for rare calls (checkpoints, file writes), the caller in the job's c
               the group); blocking send/recv with op, group and peer
   ddp         not a span: one `ddp` event per DistributedDataParallel model built (its gradient
               all-reduces run in C++ inside backward, where no Python wrapper sees them: the
-              straggler analysis then treats each backward as the ranks' meeting point)
+              straggler analysis then treats each backward as the ranks' meeting point, split at
+              the backward span's grads_ready)
   gc          garbage collections of at least GC_SPAN_MIN_NS (shorter ones stay aggregated per
               step in gcstats: a gen-0 pass every few ms is not worth an event each), with
               generation and cpu (seconds of the training thread's CPU time inside the collection)
@@ -107,6 +111,52 @@ def _timed(
         except Exception:
             pass
     return wrapper
+
+
+def _timed_backward(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """The backward span, with grads_ready when a DDP model's gradients were stamped in it."""
+
+    def backward(*args: Any, **kwargs: Any) -> Any:
+        if _compiling():
+            return fn(*args, **kwargs)
+        _grads[0] = 0
+        start = _now()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            end = _now()
+            try:
+                ready = _grads[0]
+                _span("backward", start, end, **({"grads_ready": ready} if start <= ready <= end else {}))
+            except Exception as exc:
+                report_error("span backward", exc)
+
+    backward.__wrapped__ = fn  # type: ignore[attr-defined]
+    for attr in ("__name__", "__qualname__", "__doc__", "__module__"):
+        try:
+            setattr(backward, attr, getattr(fn, attr))
+        except Exception:
+            pass
+    return backward
+
+
+_grads = [0]  # the clock at the last parameter gradient accumulated (DDP models only)
+
+
+def _grad_ready(_param: Any) -> None:
+    _grads[0] = _now()
+
+
+def _stamp_grads(ddp: Any) -> None:
+    """A clock read after each of a DDP model's parameter gradients is accumulated (one list
+    store a parameter a backward): the last stamp of a backward is where this rank's own
+    compute ended and its wait for the all-reduce (the other ranks) began."""
+    module = getattr(ddp, "module", None)
+    if module is None:
+        return
+    for param in module.parameters():
+        if param.requires_grad and hasattr(param, "register_post_accumulate_grad_hook"):
+            param.register_post_accumulate_grad_hook(_grad_ready)
 
 
 # -- the DataLoader ----------------------------------------------------------------------------
@@ -204,7 +254,7 @@ def _on_torch(torch: Any) -> None:
     _state["compiling"] = getattr(compiler, "is_dynamo_compiling", None) or getattr(
         compiler, "is_compiling", None
     )
-    torch.autograd.backward = _timed("backward", torch.autograd.backward)
+    torch.autograd.backward = _timed_backward(torch.autograd.backward)
     torch.save = _timed("io", torch.save, with_caller=True, label="torch.save")
     # torch is imported here only once the job has imported it: the shim never imports it first
     from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
@@ -382,6 +432,7 @@ def _on_ddp(module: ModuleType) -> None:
         try:
             pg = getattr(self, "process_group", None)
             emit("ddp", t=_now(), group=str(getattr(pg, "group_name", "") or "default"))
+            _stamp_grads(self)
         except Exception as exc:
             report_error("ddp event", exc)
 
