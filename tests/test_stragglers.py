@@ -137,6 +137,13 @@ def test_slow_data_on_one_ddp_rank_is_found_through_the_backward(tmp_path):
         tmp_path, "--sync", "ddp", "--slow-rank", "1", "--cause", "data", "--slow-seconds", "0.2"
     )
     assert (run.events["type"] == "ddp").sum() == 2
+    # each backward says where its rank's own gradients were ready: the fast rank's soon, the
+    # rest of its backward waits for the slow rank's gradients
+    bwd = run.events[(run.events["type"] == "span") & (run.events["cat"] == "backward")]
+    ready, start, end = (bwd[c].astype(float) for c in ("grads_ready", "start", "t"))
+    assert ready.notna().all() and (ready >= start).all() and (ready <= end).all()
+    fast = (bwd["rank"].astype(str) == "0").to_numpy()
+    assert ((ready - start)[fast] < 0.5 * (end - start)[fast]).mean() > 0.5
     f = _ranks(findings)["ranks.straggler"]
     assert f.evidence["straggler"] == "1"
     assert "DDP backwards" in f.evidence["source"]

@@ -10,11 +10,16 @@ import os
 import sys
 import tarfile
 
+import numpy as np
+import pandas as pd
 import pytest
 
 from traindx.analyzers.whatif import category, judge
 from traindx.cli.main import main
 from traindx.derive import optable, whatif
+from traindx.derive.optable_runs import split_ddp_backward
+from traindx.derive.optable_runs import from_run
+from traindx.derive.run import load_run
 from traindx.profiler.straggler_trace import RENAMES
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -131,3 +136,53 @@ def test_run_folder_slow_rank_and_twin(ddp_runs, capsys):
     assert main(["analyze", str(ddp_runs / "twin"), "--what-if", "--json"]) == 0
     twin = json.loads(capsys.readouterr().out)
     assert all(f["severity"] in ("info", "low") for f in twin)
+
+
+@pytest.fixture(scope="module")
+def ddp_model_runs(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("whatif-ddp-runs")
+    with tarfile.open(os.path.join(TESTS, "data", "cpu-whatif-ddp-slow-rank.tar.xz")) as tar:
+        tar.extractall(folder, filter="data")
+    return folder / "cpu-whatif-ddp-slow-rank"
+
+
+def test_ddp_slow_rank_split_at_grads_ready_predicts_the_twin(ddp_model_runs, capsys):
+    """torch DDP reduces gradients inside backward: each rank's backward is split where its own
+    gradients were ready (the shim's grads_ready), so fixing the slow rank predicts what the
+    healthy twin measured (recorded side by side)."""
+    faulty = ddp_model_runs / "faulty"
+    table = from_run(load_run(str(faulty)))
+    per = table.groupby(["rank", "optype"], observed=True)["duration"].median()
+    # the fast rank computes less and waits more in its backward than the slow one
+    assert per[(0, "backward-compute")] < per[(1, "backward-compute")]
+    assert per[(0, "grads-all-reduce")] > 5 * per[(1, "grads-all-reduce")]
+    assert main(["analyze", str(faulty), "--what-if", "--json"]) == 0
+    head = json.loads(capsys.readouterr().out)[0]
+    assert head["id"] == "whatif.one_worker" and head["evidence"]["top_workers"] == [{"stage": 0, "dp": 1}]
+    assert main(["analyze", str(ddp_model_runs / "twin"), "--what-if", "--json"]) == 0
+    twin = json.loads(capsys.readouterr().out)
+    assert all(f["severity"] in ("info", "low") for f in twin)
+    measured = (
+        head["evidence"]["step_time_recorded_median_s"] / twin[0]["evidence"]["step_time_recorded_median_s"]
+    )
+    assert head["evidence"]["fix_top_speedup"] == pytest.approx(measured, rel=0.25)
+
+
+def test_ddp_backward_split_without_grads_ready_is_estimated():
+    """A run recorded before grads_ready: the backward is split by the estimate (the rank that
+    reached backward last sets the backward-per-forward ratio); with it, at grads_ready."""
+    rows = []
+    for step in range(2):
+        for rank, (fwd, bwd_start, ready) in enumerate(((0.02, 0.02, 0.06), (0.04, 0.04, 0.12))):
+            base = step * 1.0
+            rows.append((rank, step, "forward-compute", base, fwd, np.nan))
+            rows.append((rank, step, "backward-grads-all-reduce", base + bwd_start, 0.13 - bwd_start, base + ready))
+    table = pd.DataFrame(rows, columns=["rank", "step", "optype", "start", "duration", "ready"])
+    measured = split_ddp_backward(table)
+    comp = measured[measured["optype"] == "backward-compute"].groupby("rank")["duration"].median()
+    assert comp.to_numpy() == pytest.approx([0.04, 0.08])
+    estimated = split_ddp_backward(table.assign(ready=np.nan))
+    comp = estimated[estimated["optype"] == "backward-compute"].groupby("rank")["duration"].median()
+    assert comp.to_numpy() == pytest.approx([0.045, 0.09])  # rank 1 came last: 0.09 / 0.04 of forward
+    ar = estimated[estimated["optype"] == "grads-all-reduce"]
+    assert (ar["start"] + ar["duration"]).round(9).nunique() == 2  # one end per step, every rank
