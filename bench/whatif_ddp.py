@@ -71,8 +71,11 @@ def main():
     ap.add_argument("--out", default="/tmp/whatif-ddp")
     ap.add_argument("--cases", nargs="*", default=list(CASES))
     a = ap.parse_args()
-    print("| case | run | faulty step s | twin step s | measured speed-up | predicted | error | finding |")
-    print("|---|---|---|---|---|---|---|---|")
+    print(f"load average at start: {os.getloadavg()[0]:.1f}")
+    print(
+        "| case | run | faulty step s | twin step s | measured speed-up | predicted | error | finding | runq |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
     for name in a.cases:
         args, metric = CASES[name]
         sync = args[:2]
@@ -83,7 +86,7 @@ def main():
                 launch(twin, a.nproc, a.steps, a.rows, [*sync, "--layer-ms", str(a.layer_ms)]),
             ]
             if any(p.wait() != 0 for p in procs):
-                print(f"| {name} | {k} | failed | | | | | |")
+                print(f"| {name} | {k} | failed | | | | | | |")
                 continue
             f, t = whatif(faulty), whatif(twin)
             t_f = f["evidence"]["step_time_recorded_median_s"]
@@ -91,9 +94,12 @@ def main():
             measured, predicted = t_f / t_t, f["evidence"][metric]
             print(
                 f"| {name} | {k} | {t_f:.4f} | {t_t:.4f} | {measured:.2f} | {predicted:.2f} ({metric}) | "
-                f"{(predicted - measured) / measured * 100:+.0f} % | {f['id']} / twin {t['id']} {t['severity']} |",
+                f"{(predicted - measured) / measured * 100:+.0f} % | {f['id']} / twin {t['id']} {t['severity']} | "
+                f"{f['evidence'].get('runq_share') or 0:.0%} |",
                 flush=True,
             )
+
+    print(f"load average at end: {os.getloadavg()[0]:.1f}")
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ forward -> forward-compute, backward -> backward-compute, optimizer -> optimizer
 collective -> collective-<op> (a data-parallel collective: every rank of the job meets there),
 data -> data, io -> io. Under DistributedDataParallel (the run holds a `ddp` event) the gradient
 all-reduces run inside backward, where no wrapper sees them: each backward is split into its
-compute and a grads-all-reduce that every rank meets at (`_split_ddp_backward`): at the span's
+compute and a grads-all-reduce that every rank meets at (`split_ddp_backward`): at the span's
 grads_ready (the shim's clock at the last parameter gradient accumulated on that rank), or, in a
 run recorded without it, by an estimate.
 Every rank is a DP rank of one pipeline stage (our spans name no stage).
@@ -82,7 +82,7 @@ def from_run(run: RunView) -> pd.DataFrame:
     if not rows:
         return pd.DataFrame()
     table = pd.concat(rows, ignore_index=True)
-    table = _split_ddp_backward(table) if ddp else table.drop(columns="ready")
+    table = split_ddp_backward(table) if ddp else table.drop(columns="ready")
     # steps every rank ran (a rank's first or last partial step is not comparable)
     per_step = table.groupby("step")["rank"].nunique()
     table = table[table["step"].isin(per_step.index[per_step == len(ranks)])]
@@ -99,7 +99,7 @@ def from_run(run: RunView) -> pd.DataFrame:
     return table[keep].reset_index(drop=True)
 
 
-def _split_ddp_backward(table: pd.DataFrame) -> pd.DataFrame:
+def split_ddp_backward(table: pd.DataFrame) -> pd.DataFrame:
     """Each DDP backward as its own compute, then the wait for the gradients' all-reduce.
 
     Measured where the span holds its rank's grads_ready (compute: start to the last gradient

@@ -176,7 +176,9 @@ def test_ddp_backward_split_without_grads_ready_is_estimated():
         for rank, (fwd, bwd_start, ready) in enumerate(((0.02, 0.02, 0.06), (0.04, 0.04, 0.12))):
             base = step * 1.0
             rows.append((rank, step, "forward-compute", base, fwd, np.nan))
-            rows.append((rank, step, "backward-grads-all-reduce", base + bwd_start, 0.13 - bwd_start, base + ready))
+            rows.append(
+                (rank, step, "backward-grads-all-reduce", base + bwd_start, 0.13 - bwd_start, base + ready)
+            )
     table = pd.DataFrame(rows, columns=["rank", "step", "optype", "start", "duration", "ready"])
     measured = split_ddp_backward(table)
     comp = measured[measured["optype"] == "backward-compute"].groupby("rank")["duration"].median()

@@ -23,7 +23,7 @@ STOP_REQUESTED = "stop_requested"  # --steps N reached: the job stops at its nex
 STOP = "stop"  # the shim stopped the job (step, at)
 
 # -- measured intervals and per-step aggregates -----------------------------------------------
-SPAN = "span"  # cat, start, end, tid, caller: the time ledger's lines
+SPAN = "span"  # cat, start, end, tid, caller (a DDP backward: grads_ready): the time ledger's lines
 GC = "gc"  # per-step collector pauses
 ALLOC = "alloc"  # per-step CUDA caching-allocator stats
 CPU = "cpu"  # per-step CPU seconds of the process and training thread
