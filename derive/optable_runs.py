@@ -141,7 +141,8 @@ def _estimated_compute(table: pd.DataFrame, b: pd.DataFrame) -> np.ndarray:
     k = ratio.reindex(pd.MultiIndex.from_arrays([frame["step"].to_numpy(), k_ix])).to_numpy(dtype=float)
     guess = k * fwd_each
     span = b["duration"].to_numpy(dtype=float)
-    return np.where(np.isfinite(guess), guess, span)
+    out: np.ndarray = np.where(np.isfinite(guess), guess, span)
+    return out
 
 
 def runq_share(run: RunView) -> float | None:

@@ -17,8 +17,7 @@ import pytest
 from traindx.analyzers.whatif import category, judge
 from traindx.cli.main import main
 from traindx.derive import optable, whatif
-from traindx.derive.optable_runs import split_ddp_backward
-from traindx.derive.optable_runs import from_run
+from traindx.derive.optable_runs import from_run, split_ddp_backward
 from traindx.derive.run import load_run
 from traindx.profiler.straggler_trace import RENAMES
 
