@@ -207,8 +207,40 @@ def make_top(folder: str, private: str) -> None:
 
 def sockets_in(folders: Iterable[str], limit: int = SOCKET_SCAN_ENTRIES) -> list[str]:
     """The Unix sockets in the temporary folders (a Ray cluster's, an X server's, a PMIx
-    server's), bound back into the view so the job can still connect to them."""
-    out, seen, queue = [], 0, [f for f in dict.fromkeys(folders) if f and os.path.isdir(f)]
+    server's), bound back into the view so the job can still connect to them: those the kernel
+    lists as bound (/proc/net/unix: every listening path, however deep), else a bounded walk."""
+    roots = [os.path.realpath(f) for f in dict.fromkeys(folders) if f and os.path.isdir(f)]
+    bound = _bound_sockets()
+    if bound is not None:
+        return sorted(p for p in bound if any(_under(p, r) for r in roots) and _is_socket(p))
+    return _walk_for_sockets(roots, limit)
+
+
+def _bound_sockets() -> set[str] | None:
+    """The paths of the Unix sockets bound in this network namespace, or None where the kernel
+    does not list them."""
+    try:
+        with open("/proc/net/unix", encoding="utf-8", errors="surrogateescape") as table:
+            rows = table.read().splitlines()[1:]
+    except OSError:
+        return None
+    return {
+        fields[7]
+        for fields in (row.split(None, 7) for row in rows)
+        if len(fields) == 8 and fields[7].startswith("/")
+    }
+
+
+def _is_socket(path: str) -> bool:
+    try:
+        return stat.S_ISSOCK(os.stat(path, follow_symlinks=False).st_mode)
+    except OSError:
+        return False
+
+
+def _walk_for_sockets(roots: list[str], limit: int) -> list[str]:
+    """The sockets found walking the folders, at most `limit` entries seen."""
+    out, seen, queue = [], 0, list(roots)
     while queue and seen < limit:
         folder = queue.pop()
         try:
