@@ -71,6 +71,9 @@ SPECIAL_FS = {
 RUNTIME_DIRS = {"/run", "/var/run", "/var/lock"}
 SOCKET_SCAN_ENTRIES = 20000
 COPY_LIMIT_BYTES = 4 * 1024**3  # copy mode: a working folder larger than this is refused
+# a writable folder outside the working one with a mount below (/tmp): its own files are copied
+# for each arm up to this size, else they stay read-only in the view (said before the first arm)
+TOP_LIMITS = (256 * 1024**2, 10000)  # bytes, files
 MAX_FILES = 100000
 MAX_LISTED = 50  # fix.json lists at most this many of the kept arm's outputs
 LINKED_DIRS = {".git", ".hg", ".svn", ".venv", "venv", ".tox", "node_modules"}
@@ -147,9 +150,17 @@ def plan_zones(table: Sequence[Mount], tree: str | None = None) -> Zones:
             zones.overlays.append(path)
             return
         zones.partial.append(path)
-        top = tree is not None and path != "/" and (path == tree or _under(path, tree)) and _small_top(path)
+        in_tree = tree is not None and (path == tree or _under(path, tree))
+        # the working folder's own files get a private copy; so do those of any other writable
+        # folder above a mount (/tmp with a tmpfs below it), when they are few and small
+        top = (
+            path != "/"
+            and _writable(table, path)
+            and _small_top(path, *((COPY_LIMIT_BYTES, MAX_FILES) if in_tree else TOP_LIMITS))
+        )
         if top:
             zones.tops.append(path)
+            zones.sockets.extend(_special_entries(path))
         try:
             entries = sorted(os.scandir(path), key=lambda e: e.name)
         except OSError:
@@ -170,13 +181,35 @@ def plan_zones(table: Sequence[Mount], tree: str | None = None) -> Zones:
 
     cover("/")
     zones.readonly = [m.point for m in visible if m.writable and m.point not in zones.overlays]
-    zones.sockets = sockets_in(
-        [tempfile.gettempdir(), "/tmp", "/var/tmp", os.environ.get("XDG_RUNTIME_DIR", "")]
-    )
+    found = sockets_in([tempfile.gettempdir(), "/tmp", "/var/tmp", os.environ.get("XDG_RUNTIME_DIR", "")])
+    zones.sockets = sorted(set(zones.sockets) | set(found))
     return zones
 
 
-def _small_top(folder: str) -> bool:
+def _writable(table: Sequence[Mount], path: str) -> bool:
+    """Whether the mount that holds path is writable (a read-only one stays as it is)."""
+    holder = max(
+        (m for m in table if m.point == path or _under(path, m.point) or m.point == "/"),
+        key=lambda m: len(m.point),
+        default=None,
+    )
+    return holder is None or holder.writable
+
+
+def _special_entries(folder: str) -> list[str]:
+    """Sockets and pipes directly in a top: a placeholder in its copy, the real one bound back."""
+    try:
+        with os.scandir(folder) as entries:
+            return [
+                e.path
+                for e in entries
+                if not (e.is_dir(follow_symlinks=False) or e.is_file(follow_symlinks=False) or e.is_symlink())
+            ]
+    except OSError:
+        return []
+
+
+def _small_top(folder: str, limit: int = COPY_LIMIT_BYTES, max_files: int = MAX_FILES) -> bool:
     """True when the files directly in folder are few and small enough to copy for each arm."""
     total, count = 0, 0
     try:
@@ -187,13 +220,14 @@ def _small_top(folder: str) -> bool:
                     count += 1
     except OSError:
         return False
-    return total <= COPY_LIMIT_BYTES and count <= MAX_FILES
+    return total <= limit and count <= max_files
 
 
 def make_top(folder: str, private: str) -> None:
     """The private copy of a top: its files cloned or copied, its links as they are, an empty
     folder in place of each subfolder (an overlay or a bind lands there in the view)."""
     os.makedirs(private)
+    state: dict[str, list[int]] = {}  # the copies as made: what differs after the arm, it wrote
     with os.scandir(folder) as entries:  # closed also when a copy fails (a full disk)
         for entry in entries:
             dst = os.path.join(private, entry.name)
@@ -203,6 +237,13 @@ def make_top(folder: str, private: str) -> None:
                 os.mkdir(dst)
             elif entry.is_file(follow_symlinks=False):
                 clone_or_copy(entry.path, dst)
+            else:  # a socket, a pipe: the real one is bound back on this placeholder
+                os.close(os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+            if not entry.is_dir(follow_symlinks=False):
+                made = os.lstat(dst)
+                state[entry.name] = [made.st_size, made.st_mtime_ns]
+    with open(private + ".json", "w", encoding="utf-8") as f:
+        json.dump(state, f)
 
 
 def sockets_in(folders: Iterable[str], limit: int = SOCKET_SCAN_ENTRIES) -> list[str]:
@@ -312,17 +353,17 @@ class Confiner:
             )
         lines = []
         if self.method == "namespace":
-            zones = plan_zones(mounts(), self.cwd)
-            mounted = [
-                p for p in zones.partial if (p == self.cwd or _under(p, self.cwd)) and p not in zones.tops
-            ]
+            table = mounts()
+            zones = plan_zones(table, self.cwd)
+            mounted = [p for p in zones.partial if p != "/" and p not in zones.tops and _writable(table, p)]
             if mounted:
                 lines.append(
                     (
                         "warning",
-                        f"{', '.join(mounted[:3])} holds a mount below it: a file the job writes "
-                        "directly in it is refused (read-only in the view); its subfolders are "
-                        "confined as usual",
+                        f"{', '.join(mounted[:3])} holds a mount below it and too many files to "
+                        "copy for each arm: a file the job writes directly in it is refused "
+                        "(read-only in the view, a job may fail there and not bare); its "
+                        "subfolders are confined as usual",
                     )
                 )
         return [
@@ -466,6 +507,7 @@ def captured_files(arm: str) -> list[tuple[str, str]]:
         return []
     out = []
     for name, real in sorted(zones.items()):
+        made = _top_state(os.path.join(captured, name)) if name.startswith("top-") else None
         upper = (
             os.path.join(captured, name) if name.startswith("top-") else os.path.join(captured, name, "upper")
         )
@@ -477,13 +519,30 @@ def captured_files(arm: str) -> list[tuple[str, str]]:
                 except OSError:
                     continue
                 dest = os.path.join(real, os.path.relpath(src, upper))
-                if regular and not (name.startswith("top-") and _same(src, dest)):
+                if regular and not (name.startswith("top-") and _same(src, dest, made, upper)):
                     out.append((dest, src))
     return out
 
 
-def _same(copy: str, original: str) -> bool:
-    """A top's copy still as it was made (size and modification time of the original)."""
+def _top_state(private: str) -> dict[str, list[int]] | None:
+    try:
+        with open(private + ".json", encoding="utf-8") as f:
+            state: dict[str, list[int]] = json.load(f)
+        return state
+    except (OSError, ValueError):
+        return None
+
+
+def _same(copy: str, original: str, made: dict[str, list[int]] | None = None, top: str = "") -> bool:
+    """A top's copy still as it was made: its size and modification time as recorded when it
+    was made (a file of /tmp that another process changed meanwhile is not the arm's), else
+    as the original's."""
+    if made is not None:
+        try:
+            now = os.lstat(copy)
+        except OSError:
+            return False
+        return made.get(os.path.relpath(copy, top)) == [now.st_size, now.st_mtime_ns]
     try:
         a, b = os.lstat(copy), os.lstat(original)
     except OSError:
