@@ -333,3 +333,22 @@ def test_a_writable_folder_outside_the_tree_with_a_mount_below_stays_writable_in
     assert ran.startswith("0 ['x', 'vol', 'y']"), proc.stdout
     assert captured == str(["vol/y.txt", "x.txt"])
     assert (scratch / "x.txt").read_text() == "the user's x\n" and not (scratch / "vol" / "y.txt").exists()
+
+
+@needs_namespace
+def test_what_runs_before_an_arm_in_its_name_writes_into_its_view_never_the_users_cache(tmp_path):
+    """The kernel-cache warm-up of a --fix arm wrote the user's real cache (the one write
+    outside the run folder): it runs in the arm's view now, the arm's job sees its kernels, the
+    user's cache is unchanged, and the kernels are the arm's outputs (kept on request)."""
+    cache, arm = tmp_path / "cache", tmp_path / "fix" / "A"
+    cache.mkdir()
+    arm.mkdir(parents=True)
+    confiner = fix_confine.Confiner(str(tmp_path / "fix"), str(tmp_path))
+    runner = confiner.wrap_runner(
+        lambda command, run_dir, options: _run(command, None, options).stdout, print
+    )
+    warm = subprocess.run([*runner.view_for(str(arm)), "sh", "-c", f"echo kernel > {cache}/k.o"])
+    assert warm.returncode == 0
+    assert runner(["cat", str(cache / "k.o")], str(arm), Options(cwd=str(tmp_path))) == "kernel\n"
+    assert os.listdir(cache) == []
+    assert [real for real, _ in fix_confine.captured_files(str(arm))] == [str(cache / "k.o")]

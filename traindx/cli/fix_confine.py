@@ -336,6 +336,7 @@ class Confiner:
         self.method = method
         self.arms: list[str] = []
         self.before: dict[str, tuple[int, int]] | None = None
+        self._views: dict[str, list[str]] = {}
 
     # -- before the first arm ---------------------------------------------------------------
     def notice(self, runs: int) -> list[tuple[str, str]]:
@@ -349,7 +350,8 @@ class Confiner:
             how = (
                 f"this machine allows no user namespace ({self.why}): each arm runs in a "
                 f"private copy of {self.cwd}; a write to an absolute path outside it is not "
-                f"confined (after each arm, {self.cwd} is checked for changes)"
+                f"confined (a kernel-cache warm-up writes the job's cache itself; after each "
+                f"arm, {self.cwd} is checked for changes)"
             )
         lines = []
         if self.method == "namespace":
@@ -399,12 +401,24 @@ class Confiner:
             finally:
                 self.after(run_dir, say)
 
+        # what runs before an arm in its name (the kernel-cache warm-up) runs in its view too
+        confined.view_for = self.view_for  # type: ignore[attr-defined]
         return confined
+
+    def view_for(self, run_dir: str) -> list[str]:
+        """The argv prefix that runs a command in run_dir's private view (made once: the arm's
+        job then sees what ran before it there, e.g. the kernels a warm-up compiled); [] in copy
+        mode (a warm-up then writes the cache itself, as said before the first arm)."""
+        if self.method != "namespace":
+            return []
+        if run_dir not in self._views:
+            self._views[run_dir] = self._view(run_dir)
+        return self._views[run_dir]
 
     def prepare(self, run_dir: str, options: Any, say: Say) -> Any:
         self.arms.append(run_dir)
         if self.method == "namespace":
-            return with_options(options, wrap=self._view(run_dir), caller_fds=False)
+            return with_options(options, wrap=self.view_for(run_dir), caller_fds=False)
         if self.before is None:
             self.before = snapshot(self.cwd, exclude=[self.root])
         cwd = os.path.realpath(options.cwd or self.cwd)
