@@ -308,7 +308,16 @@ def test_a_job_writing_a_low_fd_never_writes_our_evidence_plain_or_as_a_fix_arm(
     finally:
         os.close(fd)
     assert callers.read_text() == ""
-    for run, said in (("plain", "not written: Bad file descriptor"), ("arm", "written")):
+    # under `ulimit -n 64` (no fd 100): still far above the job's numbers
+    low = _sh(
+        f"ulimit -n 64; {PY} -m traindx --quiet --no-pyspy --run-dir limited -- {PY} fdn.py 3", tmp_path
+    )
+    assert low.returncode == 0, low.stderr
+    for run, said in (
+        ("plain", "not written: Bad file descriptor"),
+        ("arm", "written"),
+        ("limited", "not written: Bad file descriptor"),
+    ):
         assert (tmp_path / run / "log.txt").read_text().splitlines()[-1].endswith(said), run
         for path, text in _files_text(tmp_path / run):
             assert "JOB-BYTES-ON-A-LOW-FD" not in text, path

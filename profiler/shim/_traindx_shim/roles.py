@@ -88,14 +88,27 @@ def open_high(path: str, flags: int, mode: int = 0o644) -> int:
     """os.open, its descriptor moved to >= HIGH_FD and close-on-exec: the lowest free number
     (3 in a job started with 0-2 only) stays the job's, so a job that writes its fd 3 (a
     caller's `3>file` it expects, or none) never writes into our evidence. Where the limit on
-    open files is below HIGH_FD, the number os.open gave."""
+    open files is below HIGH_FD, at three quarters of it; the number os.open gave if even that
+    is taken."""
     fd = os.open(path, flags | os.O_CLOEXEC, mode)
+    for floor in (HIGH_FD, _floor_under_limit()):
+        try:
+            high = fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, floor)
+        except OSError:  # EINVAL: the floor is past the limit (`ulimit -n 64`); EMFILE
+            continue
+        os.close(fd)
+        return high
+    return fd
+
+
+def _floor_under_limit() -> int:
+    """Where the limit on open files is below HIGH_FD: three quarters of it (48 of 64), still
+    far above the numbers a job uses on its own."""
     try:
-        high = fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, HIGH_FD)
-    except OSError:
-        return fd
-    os.close(fd)
-    return high
+        soft = os.sysconf("SC_OPEN_MAX")
+    except (OSError, ValueError):
+        return 3
+    return max(3, soft * 3 // 4)
 
 
 def open_new_text(path: str, append: bool = False) -> Any:
