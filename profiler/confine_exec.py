@@ -145,11 +145,14 @@ def set_up(spec: dict[str, Any]) -> list[str]:
     # every folder a mount comes from is held first: a top bound over its parent hides it
     fds: list[tuple[str, int, int, int]] = []
     for lower, upper, work in spec.get("overlays", []):
+        up_fd, work_fd = os.open(upper, flags), os.open(work, flags)  # ours: missing is an error
         try:
             low_fd = os.open(lower, flags)
         except FileNotFoundError:  # another process's temporary folder, gone since the plan
+            os.close(up_fd)
+            os.close(work_fd)
             continue
-        fds.append((lower, low_fd, os.open(upper, flags), os.open(work, flags)))
+        fds.append((lower, low_fd, up_fd, work_fd))
     tops = [(folder, os.open(private, flags)) for folder, private in spec.get("tops", [])]
     binds = []
     for path in spec.get("binds", []):
