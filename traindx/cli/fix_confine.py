@@ -305,26 +305,7 @@ def _walk_for_sockets(roots: list[str], limit: int) -> list[str]:
                 out.append(entry.path)
             elif stat.S_ISDIR(mode):
                 queue.append(entry.path)
-    return sorted(set(out))
-
-
-def _bound_sockets(table: str = "/proc/net/unix") -> list[str]:
-    """The paths of the Unix sockets bound in this network namespace that exist as sockets."""
-    try:
-        with open(table, encoding="utf-8", errors="surrogateescape") as f:
-            rows = f.read().splitlines()[1:]
-    except OSError:
-        return []
-    out = []
-    for row in rows:
-        parts = row.split(None, 7)
-        if len(parts) == 8 and parts[7].startswith("/"):
-            try:
-                if stat.S_ISSOCK(os.lstat(parts[7]).st_mode):
-                    out.append(parts[7])
-            except OSError:
-                continue
-    return out
+    return sorted(out)
 
 
 def probe(where: str | None = None) -> str | None:
