@@ -145,9 +145,21 @@ def set_up(spec: dict[str, Any]) -> list[str]:
     # every folder a mount comes from is held first: a top bound over its parent hides it
     fds: list[tuple[str, int, int, int]] = []
     for lower, upper, work in spec.get("overlays", []):
-        fds.append((lower, os.open(lower, flags), os.open(upper, flags), os.open(work, flags)))
+        up_fd, work_fd = os.open(upper, flags), os.open(work, flags)  # ours: missing is an error
+        try:
+            low_fd = os.open(lower, flags)
+        except FileNotFoundError:  # another process's temporary folder, gone since the plan
+            os.close(up_fd)
+            os.close(work_fd)
+            continue
+        fds.append((lower, low_fd, up_fd, work_fd))
     tops = [(folder, os.open(private, flags)) for folder, private in spec.get("tops", [])]
-    binds = [(path, os.open(path, flags)) for path in spec.get("binds", [])]
+    binds = []
+    for path in spec.get("binds", []):
+        try:
+            binds.append((path, os.open(path, flags)))
+        except FileNotFoundError:  # gone since the plan
+            continue
     # the mounts made read-only, held as they are now (a top may come to cover one's path)
     readonly = []
     for point in spec.get("readonly", []):

@@ -349,9 +349,10 @@ class Job:
                 stdout=job_out,
                 stderr=job_err,
                 stdin=None,  # the job reads what diagnose was given (a pipe, a file, the terminal)
-                pass_fds=self._caller_fds(),
-                # a std stream the caller had closed is closed for the job too (rare: only then)
-                preexec_fn=stdfds.close_again if stdfds.CLOSED else None,
+                pass_fds=self._caller_fds() or self._nulled_fds(),
+                # a std stream the caller had closed is closed for the job too, and under --fix
+                # the caller's extra numbers hold /dev/null (rare: only then)
+                preexec_fn=self._preexec(),
                 start_new_session=True,
             )
         except OSError as exc:
@@ -374,6 +375,26 @@ class Job:
         if not self.options.shim:
             self.missing["shim"] = "disabled (--no-shim)"
         return self._wait()
+
+    def _nulled_fds(self) -> tuple[int, ...]:
+        """Under --fix, the caller's extra numbers, still open: the arm finds /dev/null there
+        (a job that writes its fd 3 writes nowhere, as confined, never into a file of ours)."""
+        if self._caller_fds():
+            return ()
+        still = set(inheritable_fds())
+        return tuple(fd for fd in CALLER_FDS if fd in still)
+
+    def _preexec(self) -> Callable[[], None] | None:
+        nulled = self._nulled_fds()
+        if not nulled and not stdfds.CLOSED:
+            return None
+
+        def before_exec() -> None:  # in the child, between fork and exec
+            if nulled:
+                stdfds.null_on(nulled)
+            stdfds.close_again()
+
+        return before_exec
 
     def _caller_fds(self) -> tuple[int, ...]:
         """The caller's extra descriptors, still open, for the job; none under --fix's view

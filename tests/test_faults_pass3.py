@@ -277,3 +277,48 @@ def test_fix_arms_never_get_the_callers_extra_descriptors(tmp_path, monkeypatch)
         assert fd not in launcher.Job(["true"], str(tmp_path / "run"), arm)._caller_fds()
     finally:
         os.close(fd)
+
+
+FD_N = textwrap.dedent("""
+    import os, sys
+    try:
+        os.write(int(sys.argv[1]), b"JOB-BYTES-ON-A-LOW-FD\\n")
+        print("written")
+    except OSError as exc:
+        print("not written:", exc.strerror)
+""")
+
+
+def test_a_job_writing_a_low_fd_never_writes_our_evidence_plain_or_as_a_fix_arm(tmp_path, monkeypatch):
+    # the shim's files are opened in the job's process: at the lowest free number (3) a job's
+    # `os.write(3, ...)` wrote into its events file. They live at >= 100 now; and an arm of --fix,
+    # not given the caller's `N>file`, finds /dev/null at N (the job runs on, writes nowhere)
+    (tmp_path / "fdn.py").write_text(FD_N)
+    plain = launcher.Job(
+        [PY, "fdn.py", "3"], str(tmp_path / "plain"), Options(cwd=str(tmp_path), pyspy=False)
+    )
+    assert plain.run() == 0
+    callers = tmp_path / "callers.txt"
+    fd = os.open(callers, os.O_WRONLY | os.O_CREAT)
+    os.set_inheritable(fd, True)
+    monkeypatch.setattr(launcher, "CALLER_FDS", (fd,))
+    try:
+        options = Options(cwd=str(tmp_path), pyspy=False, caller_fds=False)
+        assert launcher.Job([PY, "fdn.py", str(fd)], str(tmp_path / "arm"), options).run() == 0
+    finally:
+        os.close(fd)
+    assert callers.read_text() == ""
+    # under `ulimit -n 64` (no fd 100): still far above the job's numbers
+    low = _sh(
+        f"ulimit -n 64; {PY} -m traindx --quiet --no-pyspy --run-dir limited -- {PY} fdn.py 3", tmp_path
+    )
+    assert low.returncode == 0, low.stderr
+    for run, said in (
+        ("plain", "not written: Bad file descriptor"),
+        ("arm", "written"),
+        ("limited", "not written: Bad file descriptor"),
+    ):
+        assert (tmp_path / run / "log.txt").read_text().splitlines()[-1].endswith(said), run
+        for path, text in _files_text(tmp_path / run):
+            assert "JOB-BYTES-ON-A-LOW-FD" not in text, path
+        assert os.listdir(tmp_path / run / "events"), run

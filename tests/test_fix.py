@@ -376,7 +376,12 @@ def test_fix_warms_the_cache_for_a_cold_start(tmp_path):
     assert comparison["change"]["env"]["added"] == {"FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED": "1"}
     warmed = comparison["precompile_runs"]
     assert warmed and warmed[0]["exit_code"] == 0
-    assert os.listdir(tmp_path / "fa4-cache")  # the warm-up wrote FA4's cache
+    # the warm-up wrote FA4's cache in the candidate's view, never the user's: its kernels are
+    # among the kept arm's outputs (--keep-outputs copies them into place)
+    assert not (tmp_path / "fa4-cache").exists() or not os.listdir(tmp_path / "fa4-cache")
+    confinement = json.loads((fix_dir / "fix.json").read_text())["confinement"]
+    if confinement["method"] == "namespace":
+        assert any(p.startswith(str(tmp_path / "fa4-cache") + "/") for p in confinement["outputs"])
     candidate = traindx.load_run(fix_dir / "candidate")
     assert len(candidate.compiles) == 0  # every kernel came from the cache
     base_first = comparison["baseline"]["step_times_s"][0]

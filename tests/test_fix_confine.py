@@ -237,11 +237,13 @@ def test_the_view_covers_every_writable_folder_and_a_working_folder_with_a_mount
     ]
     zones = fix_confine.plan_zones(table, str(proj))
     assert {str(proj / "data"), str(proj / "src")} <= set(zones.overlays)
-    assert zones.tops == [str(proj)] and str(proj) not in zones.overlays  # its own files: a private copy
+    assert str(proj) in zones.tops and str(proj) not in zones.overlays  # its own files: a private copy
+    assert all(str(proj) == top or str(proj).startswith(top + "/") for top in zones.tops)  # its parents
     assert not any(z == "/proc" or z.startswith(("/proc/", "/dev/")) for z in zones.overlays)
     assert zones.tmpfs == ["/dev/shm"] and zones.readonly == ["/"]
-    # a folder above the working one keeps its own files read-only, and says so if it is the cwd
-    assert str(tmp_path) in fix_confine.plan_zones(table, str(proj / "src")).partial
+    # a writable folder above the working one gets a private copy of its own files too
+    above = fix_confine.plan_zones(table, str(proj / "src"))
+    assert str(tmp_path) in above.partial and str(tmp_path) in above.tops
     monkeypatch.setattr(fix_confine, "mounts", lambda: table)
     notice = fix_confine.Confiner(str(proj / "src" / "runs"), str(proj / "src"), method="namespace").notice(4)
     assert not any("holds a mount below it" in text for _, text in notice)
@@ -287,3 +289,66 @@ def test_a_working_folder_with_a_data_volume_mounted_below_is_confined_too(tmp_p
     assert ran.startswith("0 ['shard', 'more']"), proc.stdout
     assert captured == str(sorted(["ckpt.pt", "out/final.txt", "data/shard.txt"]))
     assert (proj / "ckpt.pt").read_text() == "the user's own checkpoint\n" and not (proj / "out").exists()
+
+
+ABOVE = """
+import subprocess, sys
+from traindx.cli import fix_confine
+from traindx.profiler.launcher import Options
+proj, arm, scratch = sys.argv[1:4]
+confiner = fix_confine.Confiner(proj + "/runs/fix", proj)
+assert confiner.method == "namespace", confiner.why
+print([text for _, text in confiner.notice(3) if "holds a mount below it" in text])
+options = confiner.prepare(arm, Options(cwd=proj), lambda *a, **k: None)
+job = f"echo x > {scratch}/x.txt && echo y >> {scratch}/vol/y.txt && cat {scratch}/x.txt {scratch}/vol/y.txt"
+proc = subprocess.run(options.wrap + ["sh", "-c", job], cwd=proj, capture_output=True, text=True)
+print(proc.returncode, proc.stdout.split(), proc.stderr.strip().splitlines()[-1:])
+confiner.after(arm, lambda *a, **k: None)
+print(sorted(real[len(scratch) + 1 :] for real, _ in fix_confine.captured_files(arm)))
+"""
+
+
+@needs_namespace
+@pytest.mark.skipif(shutil.which("unshare") is None, reason="no unshare(1) here")
+def test_a_writable_folder_outside_the_tree_with_a_mount_below_stays_writable_in_the_view(tmp_path):
+    """/tmp with a tmpfs mounted below it (fault pass 3, row 53): its own files were read-only in
+    the view, so a job writing /tmp/x failed under --fix and not bare. Its files now come from a
+    private copy bound over it (like the working folder's), the mount below overlaid."""
+    proj, scratch = tmp_path / "proj", tmp_path / "scratch"
+    (scratch / "vol").mkdir(parents=True)
+    (proj / "runs" / "fix" / "A").mkdir(parents=True)
+    (scratch / "x.txt").write_text("the user's x\n")
+    outer = 'mount -t tmpfs tmpfs "$4/vol" && echo vol > "$4/vol/y.txt" && exec "$0" -c "$1" "$2" "$3" "$4"'
+    args = [sys.executable, ABOVE, str(proj), str(proj / "runs" / "fix" / "A"), str(scratch)]
+    proc = subprocess.run(
+        ["unshare", "-Urm", "sh", "-c", outer, *args],
+        cwd=proj,
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=ROOT),
+    )
+    assert proc.returncode == 0, proc.stderr
+    notice, ran, captured = proc.stdout.strip().splitlines()[-3:]
+    assert str(scratch) not in notice  # nothing stays read-only there
+    assert ran.startswith("0 ['x', 'vol', 'y']"), proc.stdout
+    assert captured == str(["vol/y.txt", "x.txt"])
+    assert (scratch / "x.txt").read_text() == "the user's x\n" and not (scratch / "vol" / "y.txt").exists()
+
+
+@needs_namespace
+def test_what_runs_before_an_arm_in_its_name_writes_into_its_view_never_the_users_cache(tmp_path):
+    """The kernel-cache warm-up of a --fix arm wrote the user's real cache (the one write
+    outside the run folder): it runs in the arm's view now, the arm's job sees its kernels, the
+    user's cache is unchanged, and the kernels are the arm's outputs (kept on request)."""
+    cache, arm = tmp_path / "cache", tmp_path / "fix" / "A"
+    cache.mkdir()
+    arm.mkdir(parents=True)
+    confiner = fix_confine.Confiner(str(tmp_path / "fix"), str(tmp_path))
+    runner = confiner.wrap_runner(
+        lambda command, run_dir, options: _run(command, None, options).stdout, print
+    )
+    warm = subprocess.run([*runner.view_for(str(arm)), "sh", "-c", f"echo kernel > {cache}/k.o"])
+    assert warm.returncode == 0
+    assert runner(["cat", str(cache / "k.o")], str(arm), Options(cwd=str(tmp_path))) == "kernel\n"
+    assert os.listdir(cache) == []
+    assert [real for real, _ in fix_confine.captured_files(str(arm))] == [str(cache / "k.o")]

@@ -127,19 +127,29 @@ def _prepare(ctx: FixContext, name: str, cand: Candidate) -> _Prepared:
         arm=name,
         link_big=options.confine == "namespace",
     )
-    precompiled = [_precompile(plan, source, env, say) for source in plan.precompile]
-    apply = apply_commands(plan, records, ctx.command)
     arm_dir = os.path.join(ctx.root, name)
     os.makedirs(arm_dir)
+    precompiled = [_precompile(plan, source, env, say, _view(ctx, arm_dir)) for source in plan.precompile]
+    apply = apply_commands(plan, records, ctx.command)
     extra = dict(ctx.record_options.extra_env or {})
     extra.update(env)
     return _Prepared(name, arm_dir, cand, command, extra, cwd, records, precompiled, apply)
 
 
-def _precompile(plan: Plan, source: str, cand_env: dict[str, str], say: Say) -> dict[str, Any]:
+def _view(ctx: FixContext, run_dir: str) -> list[str]:
+    """The argv prefix of run_dir's private view (fix_confine.Confiner.view_for), [] if none."""
+    view_for = getattr(ctx.run_job, "view_for", None)
+    return list(view_for(run_dir)) if view_for is not None else []
+
+
+def _precompile(
+    plan: Plan, source: str, cand_env: dict[str, str], say: Say, wrap: list[str]
+) -> dict[str, Any]:
+    """The warm-up in the arm's view: the kernels it compiles are the arm's writes (the job's
+    cache seen there), never the user's cache's unless the arm is kept with --keep-outputs."""
     env = dict(os.environ)
     env.update(cand_env)
-    rc, output = warm_cache(source, env, say)
+    rc, output = warm_cache(source, env, say, wrap)
     if rc != 0:
         plan.warnings.append(
             f"kernel-cache warm --from-run {source} exited with {rc}: "
@@ -285,6 +295,8 @@ def _repeat(
     )
     again_dir, base_again_dir = prep.dir + "-again", baseline_again_dir(ctx.root, prep.name)
     os.makedirs(again_dir)
+    for source in prep.plan.precompile:  # the repeat starts in a view of its own: warmed again
+        _precompile(prep.plan, source, dict(prep.extra_env), ctx.say, _view(ctx, again_dir))
     again_code = ctx.run_job(prep.command, again_dir, _arm_options(ctx, prep))
     os.makedirs(base_again_dir)
     base_again_code = ctx.run_job(ctx.command, base_again_dir, ctx.record_options)

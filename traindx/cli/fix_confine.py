@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import stat
 import subprocess
 import sys
@@ -35,13 +34,24 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from traindx.cli.fix_captured import (  # noqa: F401  (re-exported: the arms' files live there)
+    CAPTURED,
+    COPY_LIMIT_BYTES,
+    LINKED_DIRS,
+    MAX_FILES,
+    captured_files,
+    changes,
+    copy_tree,
+    keep_captured,
+    remove,
+    snapshot,
+)
 from traindx.cli.fix_model import Say, with_options
 from traindx.common.copying import clone_or_copy
 from traindx.common.errors import UserError
 from traindx.profiler.launcher import SHIM_DIR
 
 EXEC = os.path.join(os.path.dirname(SHIM_DIR), "confine_exec.py")
-CAPTURED = "captured"
 # file systems that hold no user files: never overlaid, never made read-only
 SPECIAL_FS = {
     "proc",
@@ -70,10 +80,10 @@ SPECIAL_FS = {
 # (a socket seen through an overlay refuses connections)
 RUNTIME_DIRS = {"/run", "/var/run", "/var/lock"}
 SOCKET_SCAN_ENTRIES = 20000
-COPY_LIMIT_BYTES = 4 * 1024**3  # copy mode: a working folder larger than this is refused
-MAX_FILES = 100000
+# a writable folder outside the working one with a mount below (/tmp): its own files are copied
+# for each arm up to this size, else they stay read-only in the view (said before the first arm)
+TOP_LIMITS = (256 * 1024**2, 10000)  # bytes, files
 MAX_LISTED = 50  # fix.json lists at most this many of the kept arm's outputs
-LINKED_DIRS = {".git", ".hg", ".svn", ".venv", "venv", ".tox", "node_modules"}
 
 _probed: dict[str, str | None] = {}
 
@@ -147,9 +157,17 @@ def plan_zones(table: Sequence[Mount], tree: str | None = None) -> Zones:
             zones.overlays.append(path)
             return
         zones.partial.append(path)
-        top = tree is not None and path != "/" and (path == tree or _under(path, tree)) and _small_top(path)
+        in_tree = tree is not None and (path == tree or _under(path, tree))
+        # the working folder's own files get a private copy; so do those of any other writable
+        # folder above a mount (/tmp with a tmpfs below it), when they are few and small
+        top = (
+            path != "/"
+            and _writable(table, path)
+            and _small_top(path, *((COPY_LIMIT_BYTES, MAX_FILES) if in_tree else TOP_LIMITS))
+        )
         if top:
             zones.tops.append(path)
+            zones.sockets.extend(_special_entries(path))
         try:
             entries = sorted(os.scandir(path), key=lambda e: e.name)
         except OSError:
@@ -170,13 +188,35 @@ def plan_zones(table: Sequence[Mount], tree: str | None = None) -> Zones:
 
     cover("/")
     zones.readonly = [m.point for m in visible if m.writable and m.point not in zones.overlays]
-    zones.sockets = sockets_in(
-        [tempfile.gettempdir(), "/tmp", "/var/tmp", os.environ.get("XDG_RUNTIME_DIR", "")]
-    )
+    found = sockets_in([tempfile.gettempdir(), "/tmp", "/var/tmp", os.environ.get("XDG_RUNTIME_DIR", "")])
+    zones.sockets = sorted(set(zones.sockets) | set(found))
     return zones
 
 
-def _small_top(folder: str) -> bool:
+def _writable(table: Sequence[Mount], path: str) -> bool:
+    """Whether the mount that holds path is writable (a read-only one stays as it is)."""
+    holder = max(
+        (m for m in table if m.point == path or _under(path, m.point) or m.point == "/"),
+        key=lambda m: len(m.point),
+        default=None,
+    )
+    return holder is None or holder.writable
+
+
+def _special_entries(folder: str) -> list[str]:
+    """Sockets and pipes directly in a top: a placeholder in its copy, the real one bound back."""
+    try:
+        with os.scandir(folder) as entries:
+            return [
+                e.path
+                for e in entries
+                if not (e.is_dir(follow_symlinks=False) or e.is_file(follow_symlinks=False) or e.is_symlink())
+            ]
+    except OSError:
+        return []
+
+
+def _small_top(folder: str, limit: int = COPY_LIMIT_BYTES, max_files: int = MAX_FILES) -> bool:
     """True when the files directly in folder are few and small enough to copy for each arm."""
     total, count = 0, 0
     try:
@@ -187,13 +227,14 @@ def _small_top(folder: str) -> bool:
                     count += 1
     except OSError:
         return False
-    return total <= COPY_LIMIT_BYTES and count <= MAX_FILES
+    return total <= limit and count <= max_files
 
 
 def make_top(folder: str, private: str) -> None:
     """The private copy of a top: its files cloned or copied, its links as they are, an empty
     folder in place of each subfolder (an overlay or a bind lands there in the view)."""
     os.makedirs(private)
+    state: dict[str, list[int]] = {}  # the copies as made: what differs after the arm, it wrote
     with os.scandir(folder) as entries:  # closed also when a copy fails (a full disk)
         for entry in entries:
             dst = os.path.join(private, entry.name)
@@ -203,6 +244,13 @@ def make_top(folder: str, private: str) -> None:
                 os.mkdir(dst)
             elif entry.is_file(follow_symlinks=False):
                 clone_or_copy(entry.path, dst)
+            else:  # a socket, a pipe: the real one is bound back on this placeholder
+                os.close(os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+            if not entry.is_dir(follow_symlinks=False):
+                made = os.lstat(dst)
+                state[entry.name] = [made.st_size, made.st_mtime_ns]
+    with open(private + ".json", "w", encoding="utf-8") as f:
+        json.dump(state, f)
 
 
 def sockets_in(folders: Iterable[str], limit: int = SOCKET_SCAN_ENTRIES) -> list[str]:
@@ -295,6 +343,7 @@ class Confiner:
         self.method = method
         self.arms: list[str] = []
         self.before: dict[str, tuple[int, int]] | None = None
+        self._views: dict[str, list[str]] = {}
 
     # -- before the first arm ---------------------------------------------------------------
     def notice(self, runs: int) -> list[tuple[str, str]]:
@@ -308,21 +357,22 @@ class Confiner:
             how = (
                 f"this machine allows no user namespace ({self.why}): each arm runs in a "
                 f"private copy of {self.cwd}; a write to an absolute path outside it is not "
-                f"confined (after each arm, {self.cwd} is checked for changes)"
+                f"confined (a kernel-cache warm-up writes the job's cache itself; after each "
+                f"arm, {self.cwd} is checked for changes)"
             )
         lines = []
         if self.method == "namespace":
-            zones = plan_zones(mounts(), self.cwd)
-            mounted = [
-                p for p in zones.partial if (p == self.cwd or _under(p, self.cwd)) and p not in zones.tops
-            ]
+            table = mounts()
+            zones = plan_zones(table, self.cwd)
+            mounted = [p for p in zones.partial if p != "/" and p not in zones.tops and _writable(table, p)]
             if mounted:
                 lines.append(
                     (
                         "warning",
-                        f"{', '.join(mounted[:3])} holds a mount below it: a file the job writes "
-                        "directly in it is refused (read-only in the view); its subfolders are "
-                        "confined as usual",
+                        f"{', '.join(mounted[:3])} holds a mount below it and too many files to "
+                        "copy for each arm: a file the job writes directly in it is refused "
+                        "(read-only in the view, a job may fail there and not bare); its "
+                        "subfolders are confined as usual",
                     )
                 )
         return [
@@ -358,12 +408,24 @@ class Confiner:
             finally:
                 self.after(run_dir, say)
 
+        # what runs before an arm in its name (the kernel-cache warm-up) runs in its view too
+        confined.view_for = self.view_for  # type: ignore[attr-defined]
         return confined
+
+    def view_for(self, run_dir: str) -> list[str]:
+        """The argv prefix that runs a command in run_dir's private view (made once: the arm's
+        job then sees what ran before it there, e.g. the kernels a warm-up compiled); [] in copy
+        mode (a warm-up then writes the cache itself, as said before the first arm)."""
+        if self.method != "namespace":
+            return []
+        if run_dir not in self._views:
+            self._views[run_dir] = self._view(run_dir)
+        return self._views[run_dir]
 
     def prepare(self, run_dir: str, options: Any, say: Say) -> Any:
         self.arms.append(run_dir)
         if self.method == "namespace":
-            return with_options(options, wrap=self._view(run_dir), caller_fds=False)
+            return with_options(options, wrap=self.view_for(run_dir), caller_fds=False)
         if self.before is None:
             self.before = snapshot(self.cwd, exclude=[self.root])
         cwd = os.path.realpath(options.cwd or self.cwd)
@@ -454,120 +516,3 @@ class Confiner:
         for arm in self.arms:
             remove(os.path.join(arm, CAPTURED))
         return out
-
-
-def captured_files(arm: str) -> list[tuple[str, str]]:
-    """(where the job wrote it, the captured copy) of every regular file an arm wrote."""
-    captured = os.path.join(arm, CAPTURED)
-    try:
-        with open(os.path.join(captured, "zones.json"), encoding="utf-8") as f:
-            zones = json.load(f)
-    except (OSError, ValueError):
-        return []
-    out = []
-    for name, real in sorted(zones.items()):
-        upper = (
-            os.path.join(captured, name) if name.startswith("top-") else os.path.join(captured, name, "upper")
-        )
-        for folder, _, files in os.walk(upper):
-            for file in files:
-                src = os.path.join(folder, file)
-                try:
-                    regular = stat.S_ISREG(os.lstat(src).st_mode)  # not a whiteout (a deletion)
-                except OSError:
-                    continue
-                dest = os.path.join(real, os.path.relpath(src, upper))
-                if regular and not (name.startswith("top-") and _same(src, dest)):
-                    out.append((dest, src))
-    return out
-
-
-def _same(copy: str, original: str) -> bool:
-    """A top's copy still as it was made (size and modification time of the original)."""
-    try:
-        a, b = os.lstat(copy), os.lstat(original)
-    except OSError:
-        return False
-    return (a.st_size, a.st_mtime_ns) == (b.st_size, b.st_mtime_ns)
-
-
-def keep_captured(files: Iterable[tuple[str, str]]) -> list[str]:
-    """Each captured file copied where the job wrote it; the paths written."""
-    done = []
-    for real, src in files:
-        try:
-            os.makedirs(os.path.dirname(real), exist_ok=True)
-            shutil.copy2(src, real)
-            done.append(real)
-        except OSError:
-            continue
-    return done
-
-
-def remove(path: str) -> None:
-    """rmtree that also clears the mode-0 folders overlayfs leaves in its work folder."""
-
-    def retry(func: Callable[..., Any], p: str, _exc: Any) -> None:
-        try:
-            os.chmod(os.path.dirname(p), 0o700)
-            if os.path.isdir(p) and not os.path.islink(p):
-                os.chmod(p, 0o700)
-            func(p)
-        except OSError:
-            pass
-
-    if os.path.lexists(path):
-        shutil.rmtree(path, onerror=retry)
-
-
-# -- copy mode ----------------------------------------------------------------------------------
-def copy_tree(root: str, dest: str, exclude: Sequence[str] = ()) -> None:
-    """A private copy of root (every file a clone or a copy, never a link back; version-control
-    and environment folders, which a job reads, linked as folders); refused in one line when
-    root is too large to copy."""
-    skip = {os.path.realpath(p) for p in exclude}
-    total, count = 0, 0
-    for folder, dirs, files in os.walk(root):
-        target = os.path.join(dest, os.path.relpath(folder, root))
-        os.makedirs(target, exist_ok=True)
-        for d in [d for d in dirs if d in LINKED_DIRS]:
-            os.symlink(os.path.realpath(os.path.join(folder, d)), os.path.join(target, d))
-        dirs[:] = [
-            d for d in dirs if d not in LINKED_DIRS and os.path.realpath(os.path.join(folder, d)) not in skip
-        ]
-        for name in files:
-            src, dst = os.path.join(folder, name), os.path.join(target, name)
-            if os.path.islink(src):
-                os.symlink(os.path.realpath(src), dst)  # the user's own link, to its target
-                continue
-            if not os.path.isfile(src):
-                continue  # a socket, a pipe: nothing a copy can hold
-            count += 1
-            total += os.path.getsize(src)
-            if total > COPY_LIMIT_BYTES or count > MAX_FILES:
-                raise UserError(
-                    f"--fix: this machine allows no user namespace, and {root} is too large to "
-                    f"copy for each arm (over {COPY_LIMIT_BYTES // 1024**3} GB or {MAX_FILES} "
-                    "files): run --fix where user namespaces are allowed, or from a smaller folder"
-                )
-            clone_or_copy(src, dst)
-
-
-def snapshot(root: str, exclude: Sequence[str] = ()) -> dict[str, tuple[int, int]]:
-    """{path: (size, mtime_ns)} of every file under root."""
-    skip = {os.path.realpath(p) for p in exclude}
-    out = {}
-    for folder, dirs, files in os.walk(root):
-        dirs[:] = [d for d in dirs if os.path.realpath(os.path.join(folder, d)) not in skip]
-        for name in files:
-            path = os.path.join(folder, name)
-            try:
-                st = os.lstat(path)
-            except OSError:
-                continue
-            out[path] = (st.st_size, st.st_mtime_ns)
-    return out
-
-
-def changes(before: dict[str, tuple[int, int]], after: dict[str, tuple[int, int]]) -> list[str]:
-    return sorted(p for p in set(before) | set(after) if before.get(p) != after.get(p))

@@ -8,6 +8,7 @@ import os
 import shlex
 import subprocess
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 from traindx.analyzers import fix_source
@@ -19,12 +20,13 @@ from traindx.common.atomic import write_text
 WARM_TIMEOUT_S = 1800
 
 
-def warm_cache(from_run: str, env: dict[str, str], say: Say) -> tuple[int, str]:
+def warm_cache(from_run: str, env: dict[str, str], say: Say, wrap: Sequence[str] = ()) -> tuple[int, str]:
     """`kernel-cache warm --from-run RUN` in a process with the candidate's environment: the
     cache only serves the exact FA4 it was written by, so it must import the FA4 the job
-    imports (the job's PYTHONPATH), not traindx's own."""
+    imports (the job's PYTHONPATH), not traindx's own. `wrap`: the arm's private view (its
+    writes to the cache are the arm's, kept like its other outputs only on request)."""
     code = "import sys; from traindx.kernel_cache.cli.main import main; sys.exit(main(sys.argv[1:]))"
-    argv = [sys.executable, "-c", code, "warm", "--from-run", from_run]
+    argv = [*wrap, sys.executable, "-c", code, "warm", "--from-run", from_run]
     say("step", f"precompiling: kernel-cache warm --from-run {from_run}")
     try:
         proc = subprocess.run(

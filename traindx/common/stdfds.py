@@ -33,3 +33,13 @@ def close_again() -> None:
             os.close(fd)
         except OSError:
             pass
+
+
+def null_on(fds: tuple[int, ...]) -> None:
+    """In the job's process before its exec: /dev/null at each of these numbers (inheritable)."""
+    null = os.open(os.devnull, os.O_RDWR)
+    for fd in fds:
+        if fd != null:
+            os.dup2(null, fd)
+    if null not in fds:
+        os.close(null)

@@ -31,7 +31,7 @@ import os
 import threading
 import time
 
-from . import emit, schema
+from . import emit, roles, schema
 
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing into the job (mypy knows the name)
 if TYPE_CHECKING:
@@ -98,7 +98,9 @@ def runqueue_ns() -> tuple[int, int] | None:
         tid = threading.get_native_id()
         fd = _schedstat.get((os.getpid(), tid))  # a forked child's thread opens its own
         if fd is None:
-            fd = _schedstat[(os.getpid(), tid)] = os.open(f"/proc/self/task/{tid}/schedstat", os.O_RDONLY)
+            fd = _schedstat[(os.getpid(), tid)] = roles.open_high(
+                f"/proc/self/task/{tid}/schedstat", os.O_RDONLY
+            )
         fields = os.pread(fd, 128, 0).split()
         return int(fields[0]), int(fields[1])
     except (OSError, ValueError, IndexError, AttributeError):

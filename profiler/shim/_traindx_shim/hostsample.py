@@ -109,7 +109,9 @@ def _open_schedstat() -> None:
         except OSError:
             pass
     try:
-        _state["schedstat"] = os.open(f"/proc/self/task/{threading.get_native_id()}/schedstat", os.O_RDONLY)
+        _state["schedstat"] = roles.open_high(
+            f"/proc/self/task/{threading.get_native_id()}/schedstat", os.O_RDONLY
+        )
     except (OSError, AttributeError):
         pass
 

@@ -34,7 +34,7 @@ import time
 import tracemalloc
 import weakref
 
-from . import emit, frames, report_error, schema
+from . import emit, frames, report_error, roles, schema
 
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing into the job (mypy knows the name)
 if TYPE_CHECKING:
@@ -79,7 +79,7 @@ def rss_bytes() -> int | None:
     fd = _state["statm"]
     try:
         if fd is None:
-            fd = _state["statm"] = os.open("/proc/self/statm", os.O_RDONLY)
+            fd = _state["statm"] = roles.open_high("/proc/self/statm", os.O_RDONLY)
         return int(os.pread(fd, 64, 0).split()[1]) * _PAGE
     except (OSError, ValueError, IndexError, AttributeError):
         return None

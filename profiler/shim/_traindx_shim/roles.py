@@ -13,6 +13,7 @@ Standard library only: this module runs inside the job.
 
 from __future__ import annotations  # annotations stay text: no typing at import in the job
 
+import fcntl
 import json
 import os
 from collections.abc import Mapping, Sequence  # already loaded by the interpreter: no cost
@@ -80,10 +81,46 @@ def own_dir(path: str) -> str:
     return path
 
 
+HIGH_FD = 100  # the shim's descriptors live at or above this number, never at the job's low ones
+
+
+def open_high(path: str, flags: int, mode: int = 0o644) -> int:
+    """os.open, its descriptor moved to >= HIGH_FD and close-on-exec: the lowest free number
+    (3 in a job started with 0-2 only) stays the job's, so a job that writes its fd 3 (a
+    caller's `3>file` it expects, or none) never writes into our evidence. Where the limit on
+    open files is below HIGH_FD, at three quarters of it; the number os.open gave if even that
+    is taken."""
+    fd = os.open(path, flags | os.O_CLOEXEC, mode)
+    for floor in (HIGH_FD, _floor_under_limit()):
+        try:
+            high = fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, floor)
+        except OSError:  # EINVAL: the floor is past the limit (`ulimit -n 64`); EMFILE
+            continue
+        os.close(fd)
+        return high
+    return fd
+
+
+def _floor_under_limit() -> int:
+    """Where the limit on open files is below HIGH_FD: three quarters of it (48 of 64), still
+    far above the numbers a job uses on its own."""
+    try:
+        soft = os.sysconf("SC_OPEN_MAX")
+    except (OSError, ValueError):
+        return 3
+    return max(3, soft * 3 // 4)
+
+
 def open_new_text(path: str, append: bool = False) -> Any:
     """A file of the run folder opened for writing, never through a symbolic link."""
     flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | (os.O_APPEND if append else os.O_TRUNC)
-    return os.fdopen(os.open(path, flags, 0o644), "a" if append else "w", encoding="utf-8")
+    return os.fdopen(open_high(path, flags), "a" if append else "w", encoding="utf-8")
+
+
+def open_exclusive_text(path: str) -> Any:
+    """A new file of the run folder (FileExistsError when it exists: open(path, "x")), high."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+    return os.fdopen(open_high(path, flags), "w", encoding="utf-8")
 
 
 def rank_from_env(env: Mapping[str, str]) -> tuple[str | None, str | None]:

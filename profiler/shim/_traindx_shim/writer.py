@@ -28,7 +28,7 @@ import os
 import threading
 import time
 
-from .roles import events_file, start_thread
+from .roles import events_file, open_exclusive_text, start_thread
 from .segments import segment_bytes_from_env, segment_path
 
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing into the job (mypy knows the name)
@@ -115,7 +115,7 @@ class EventWriter:
         for attempt in range(100):  # "x": a reused pid never appends to an earlier process's file
             path = os.path.join(self.events_dir, events_file(self.pid, attempt))
             try:
-                self._file = open(path, "x", encoding="utf-8")
+                self._file = open_exclusive_text(path)
                 self.path = path
                 break
             except FileExistsError:
@@ -215,7 +215,7 @@ class EventWriter:
         for _ in range(1000):
             self._segment += 1
             try:
-                new = open(segment_path(self.path, self._segment), "x", encoding="utf-8")
+                new = open_exclusive_text(segment_path(self.path, self._segment))
             except FileExistsError:
                 continue
             self._file.close()
