@@ -22,7 +22,7 @@ import difflib
 import os
 import shutil
 import textwrap
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, TypedDict
 
 from traindx.analyzers.codefix import keyword_sources as keyword_sources  # fix_options reads it here
@@ -407,25 +407,31 @@ def flag_of(expression: str | None, flags: Mapping[str, FlagSpec]) -> FlagSpec |
     return None
 
 
-def periodic_flag(path: str, line: int, flags: Mapping[str, FlagSpec]) -> FlagSpec | None:
-    """The job's flag that sets how often the code at path:line runs: an enclosing
-    `if <step> % args.every == ...:` (or `if (i + 1) % args.k == 0`), else None."""
+def _modulo_guards(path: str, line: int) -> Iterator[tuple[ast.If, ast.BinOp]]:
+    """(if, `<expr> % <k>`) for each `if` whose body holds path:line and whose test takes a
+    modulo: the guards that make the line run every k-th time."""
     tree = _parse(path)
-    best = None
     for node in ast.walk(tree) if tree is not None else ():
         if not isinstance(node, ast.If) or not node.body:
             continue
         if not node.body[0].lineno <= line <= (node.body[-1].end_lineno or line):
             continue
         for sub in ast.walk(node.test):
-            if (
-                isinstance(sub, ast.BinOp)
-                and isinstance(sub.op, ast.Mod)
-                and isinstance(sub.right, ast.Attribute)
-                and sub.right.attr in flags
-                and (best is None or node.lineno > best[0])
-            ):
-                best = (node.lineno, flags[sub.right.attr])
+            if isinstance(sub, ast.BinOp) and isinstance(sub.op, ast.Mod):
+                yield node, sub
+
+
+def periodic_flag(path: str, line: int, flags: Mapping[str, FlagSpec]) -> FlagSpec | None:
+    """The job's flag that sets how often the code at path:line runs: an enclosing
+    `if <step> % args.every == ...:` (or `if (i + 1) % args.k == 0`), else None."""
+    best = None
+    for node, mod in _modulo_guards(path, line):
+        if (
+            isinstance(mod.right, ast.Attribute)
+            and mod.right.attr in flags
+            and (best is None or node.lineno > best[0])
+        ):
+            best = (node.lineno, flags[mod.right.attr])
     return best[1] if best else None
 
 
@@ -433,27 +439,19 @@ def periodic_literal(path: str, line: int) -> tuple[int, str, int] | None:
     """(the guard's line, its `<expr> % k` text, k) of an enclosing `if <expr> % k == ...:` with
     a literal k >= 2 (the innermost), else None: a cost that runs every k-th step by a number
     written in the job's own file."""
-    tree = _parse(path)
     best = None
-    for node in ast.walk(tree) if tree is not None else ():
-        if not isinstance(node, ast.If) or not node.body:
-            continue
-        if not node.body[0].lineno <= line <= (node.body[-1].end_lineno or line):
-            continue
-        for sub in ast.walk(node.test):
-            if (
-                isinstance(sub, ast.BinOp)
-                and isinstance(sub.op, ast.Mod)
-                and isinstance(sub.right, ast.Constant)
-                and type(sub.right.value) is int
-                and sub.right.value >= 2
-                and sub.lineno == sub.end_lineno == node.lineno
-                and (best is None or node.lineno > best[0])
-            ):
-                with open(path, encoding="utf-8", errors="replace") as f:
-                    text = ast.get_source_segment(f.read(), sub)
-                if text:
-                    best = (node.lineno, text, int(sub.right.value))
+    for node, mod in _modulo_guards(path, line):
+        if (
+            isinstance(mod.right, ast.Constant)
+            and type(mod.right.value) is int
+            and mod.right.value >= 2
+            and mod.lineno == mod.end_lineno == node.lineno
+            and (best is None or node.lineno > best[0])
+        ):
+            with open(path, encoding="utf-8", errors="replace") as f:
+                text = ast.get_source_segment(f.read(), mod)
+            if text:
+                best = (node.lineno, text, int(mod.right.value))
     return best
 
 
