@@ -228,6 +228,25 @@ def print_summary(
     console.print(f"run: {run.path}", markup=False, highlight=False, soft_wrap=True)
 
 
+def findings_table(findings: list[Finding], lost_header: str, digits: int) -> Table:
+    """Severity, title, seconds lost (under `lost_header`) and the first prescription of each
+    finding, one row each."""
+    table = Table(show_header=True, header_style="bold")
+    table.add_column("severity")
+    table.add_column("finding")
+    table.add_column(lost_header, justify="right")
+    table.add_column("first prescription")
+    for f in findings:
+        lost = "-" if f.seconds_lost_per_step is None else f"{f.seconds_lost_per_step:.{digits}f} s"
+        table.add_row(
+            Text(f.severity, style=SEVERITY_STYLE.get(f.severity, "")),
+            Text(f.title),
+            lost,
+            Text(f.prescriptions[0].summary if f.prescriptions else ""),
+        )
+    return table
+
+
 def print_file_summary(path: str, findings: list[Finding], console: Console | None = None) -> None:
     """The findings of a py-spy recording on its own (`diagnose analyze FILE`): stacks only."""
     console = console or Console(file=sys.stderr)
@@ -238,19 +257,6 @@ def print_file_summary(path: str, findings: list[Finding], console: Console | No
     if not findings:
         console.print(Text("No JIT compiles after the first call were found in these stacks.", style="green"))
         return
-    table = Table(show_header=True, header_style="bold")
-    table.add_column("severity")
-    table.add_column("finding")
-    table.add_column("per recompile", justify="right")
-    table.add_column("first prescription")
-    for f in findings:
-        lost = "-" if f.seconds_lost_per_step is None else f"{f.seconds_lost_per_step:.2f} s"
-        table.add_row(
-            Text(f.severity, style=SEVERITY_STYLE.get(f.severity, "")),
-            Text(f.title),
-            lost,
-            Text(f.prescriptions[0].summary if f.prescriptions else ""),
-        )
-    console.print(table)
+    console.print(findings_table(findings, "per recompile", digits=2))
     for f in findings[:3]:
         console.print(Text(f.summary, style="cyan"))

@@ -11,19 +11,12 @@ from typing import Any
 
 import numpy as np
 from rich.console import Console
-from rich.table import Table
 from rich.text import Text
 
 from traindx.analyzers.findings import Finding
 from traindx.derive.whatif import WhatIf
+from traindx.report.terminal import findings_table
 
-SEVERITY_STYLE = {
-    "high": "bold red",
-    "critical": "bold red",
-    "medium": "yellow",
-    "low": "cyan",
-    "info": "green",
-}
 SHADES = " .:-=+*#%@"
 
 
@@ -55,18 +48,7 @@ def print_summary(path: str, r: WhatIf, findings: list[Finding], console: Consol
         markup=False,
         highlight=False,
     )
-    table = Table(show_header=True, header_style="bold")
-    for col in ("severity", "finding", "lost / step", "first prescription"):
-        table.add_column(col)
-    for f in findings:
-        lost = "-" if f.seconds_lost_per_step is None else f"{f.seconds_lost_per_step:.3f} s"
-        table.add_row(
-            Text(f.severity, style=SEVERITY_STYLE.get(f.severity, "")),
-            Text(f.title),
-            lost,
-            Text(f.prescriptions[0].summary if f.prescriptions else ""),
-        )
-    console.print(table)
+    console.print(findings_table(findings, "lost / step", digits=3))
     for f in findings[:1]:
         console.print(Text(f.summary, style="cyan"))
     if lay.dp * lay.pp <= 4096:
