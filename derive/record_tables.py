@@ -217,9 +217,11 @@ def spread_coalesced(rows: list[dict[str, Any]]) -> None:
             j + 1 < len(rows) and rows[j + 1]["t"] == rows[i]["t"] and rows[j + 1]["step"] == rows[i]["step"]
         ):
             j += 1
-        if j > i and i > 0:
+        # the first run has no line before it to bound it: spread it only when each of its lines
+        # is a training loss (one per step: two never belong to one step), from step 0 on
+        if j > i and (i > 0 or all(r.get("loss") is not None for r in rows[i : j + 1])):
             last = rows[i]["step"]
-            first = max(rows[i - 1]["step"] + 1, last - (j - i))
+            first = max(rows[i - 1]["step"] + 1 if i > 0 else 0, last - (j - i))
             for k in range(i, j + 1):
                 rows[k]["step"] = min(first + (k - i), last)
         i = j + 1

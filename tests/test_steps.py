@@ -365,3 +365,8 @@ def test_log_lines_that_arrived_in_one_read_take_the_steps_before_their_stamp():
     assert placed([3, 6, 6, 6], [30, 65, 65, 65]) == [3, 4, 5, 6]
     assert placed([1, 1, 2, 2], [10, 10, 20, 20]) == [1, 1, 2, 2]
     assert placed([1, 2, 2], [10, 20, 25]) == [1, 2, 2]
+    # the first two loss dicts read at once, stamped after step 2 ended (a fresh-clone CI run:
+    # 2, 2, 3, ...): one loss line per step, so the first takes step 1
+    rows = [{"step": s, "t": t, "loss": 1.0} for s, t in zip([2, 2, 3], [20, 20, 30])]
+    _spread_coalesced(rows)
+    assert [r["step"] for r in rows] == [1, 2, 3]
