@@ -4,7 +4,7 @@
 # now counts FLOPs), then `diagnose --fix` on the cases --fix can change by itself (fp32 and
 # tf32_off: the fp32_matmul_high runtime patch; cudnn_shapes: cudnn_benchmark_off), then the
 # table of predicted vs measured (bench/gpu_device_table.py). Results in $OUT:
-#   gpu_device_table.md, fix-<case>.json, gpu_device_runs.tgz (the run folders, trimmed)
+#   gpu_device_table.md, fix-<case>.json, runs-<case>-<case>.tgz (two cases each) and runs-fix.tgz (the run folders)
 # usage (repo root, on the device machine, this branch checked out; the bundle installed as in
 # bench/gpu_view.sh's header):
 #   bash .gpu-bundle/b/install.sh | tail -1; export PYTHONPATH=/opt/gpu-boot
@@ -38,5 +38,12 @@ if [ "$FIX" = on ]; then
     cp "$RUNS/fix-$c/fix.json" "$OUT/fix-$c.json" 2>/dev/null
   done
 fi
-(cd /tmp && tar czf "$OUT/gpu_device_runs.tgz" --exclude='*-gil.speedscope.json' gpu_device_runs)
+# one archive per two cases (at most 8 files of 16 MiB come back from the device)
+set -- $CASES
+while [ $# -gt 0 ]; do
+  pair="$1 ${2:-}"; shift; [ $# -gt 0 ] && shift
+  dirs=$(for c in $pair; do echo gpu_device_runs/$c-bad gpu_device_runs/$c-fixed; done)
+  (cd /tmp && tar czf "$OUT/runs-${pair// /-}.tgz" --exclude='*-gil.speedscope.json' $dirs)
+done
+[ "$FIX" = on ] && (cd /tmp && tar czf "$OUT/runs-fix.tgz" --exclude='*-gil.speedscope.json' gpu_device_runs/fix-*)
 ls -la "$OUT"

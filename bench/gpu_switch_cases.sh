@@ -16,4 +16,4 @@ for c in healthy $CASES; do
   echo "rc $?"; grep -E "^step (5|$((STEPS - 1))) " "$RUNS/$c.out" | tr '\n' ' '; echo
 done
 $PY bench/gpu_switch_table.py "$RUNS" $CASES | tee "$OUT/gpu_switch_table.md"
-(cd /tmp && tar czf "$OUT/gpu_switch_runs.tgz" --exclude='*-gil.speedscope.json' gpu_switch_runs)
+(cd /tmp && tar czf "$OUT/gpu_switch_runs.tgz" --exclude="*-gil.speedscope.json" --exclude="*.pt.trace.json*" gpu_switch_runs)
