@@ -11,7 +11,8 @@ where the loss is scaled for accumulation.
   while the optimizer steps (and clips) after every backward: the gradients of one micro-batch,
   scaled for N, make a whole update. Named when N is the job's own accumulation setting (the
   divisor names it, or a flag of the command line sets it to N), with the lines of the step and
-  clip calls and, where the loop has a counter, the edit that steps every N-th micro-batch.
+  clip calls and, where the loop has a counter, the edit that steps every N-th micro-batch
+  (`--fix` applies it; the A/B compares seconds per micro-batch, as the step boundary moves).
 """
 
 from __future__ import annotations
@@ -258,9 +259,9 @@ def _accum_prescriptions(
                 f"({_display(edit['file'], cwd)}:{edit['line']}): the loss is scaled for {n}",
                 change=SourceEdit(code=edit),
                 expected_gain_s_per_step=lost,
-                # by hand: it changes what a step is (N micro-batches) and the numerics (the
-                # update the loss was scaled for), so an A/B of step times and losses cannot judge it
-                automatic=False,
+                # it changes what a step is (N micro-batches): the A/B judges it per micro-batch
+                # and its loss parity by the `updates` rule (recipes/ab_unit.py, parity.py)
+                automatic=True,
             )
         )
     pres.append(

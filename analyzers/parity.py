@@ -17,6 +17,11 @@ Which of them decides depends on what the curve can show (the comparison names t
   differently, another shuffle) moves each point within that noise and is no change of numerics.
   Then the two curves' levels decide: their means agree within the tolerance or within twice
   their standard error, and the candidate is not noisier than twice the baseline.
+- `updates`: the arms update the weights at different rates (gradient accumulation put right:
+  one update per N micro-batches where the baseline updated after each; recipes/ab_unit.py). The
+  loss at a step then differs by design, so no per-step rule checks the numerics: the candidate
+  passes when its losses are finite and it does not diverge (its last point not above the
+  baseline's highest by more than the pointwise tolerance). The other rules' figures are reported.
 """
 
 from __future__ import annotations
@@ -42,11 +47,15 @@ NOISE_OVER_TOLERANCE = 0.5
 LEVEL_STANDARD_ERRORS = 2.0
 MAX_NOISE_RATIO = 2.0
 
-TREND, POINTWISE, LEVEL, UNCHECKED = "trend", "pointwise", "level", "unchecked"
+TREND, POINTWISE, LEVEL, UPDATES, UNCHECKED = "trend", "pointwise", "level", "updates", "unchecked"
 RULE_TEXT = {
     TREND: "trend: correlation, pointwise tolerance and final loss (a curve with a trend above its noise)",
     POINTWISE: "pointwise tolerance and final loss (few or flat points: correlation not used)",
     LEVEL: "level within noise (a flat noisy curve: a different data order moves points, not the level)",
+    UPDATES: (
+        "updates: the arms update the weights at different rates (one update per N micro-batches), "
+        "so loss per step is no numerics check; finite losses and no divergence decide"
+    ),
     UNCHECKED: "no comparable curve",
 }
 
@@ -74,7 +83,7 @@ class LossParity:
     final_loss_passed: bool
     reasons: list[str] = field(default_factory=list)  # why it failed, one line each
     note: str = ""
-    decided_by: str = UNCHECKED  # trend | pointwise | level | unchecked
+    decided_by: str = UNCHECKED  # trend | pointwise | level | updates | unchecked
     rule: str = RULE_TEXT[UNCHECKED]  # the rule that decided, in words
     trend: float | None = None  # the baseline's fitted change over the window
     noise: float | None = None  # its points' deviation from that line
@@ -125,8 +134,10 @@ def _same_level(g: np.ndarray, c: np.ndarray, noise: float) -> tuple[bool, float
     return True, relative, ""
 
 
-def loss_parity(golden: Any, candidate: Any) -> LossParity:  # array-likes of losses
+def loss_parity(golden: Any, candidate: Any, update_ratio: float | None = None) -> LossParity:
     """Compare two loss curves, aligned point by point (same steps); golden = the reference arm.
+    `update_ratio`: the candidate's micro-batches per weight update over the baseline's, where
+    they differ (the `updates` rule decides).
 
     Returns a LossParity whose `decided_by` names the rule that decided (module docstring). Too
     few points, or a NaN/inf loss in either arm, fail.
@@ -157,7 +168,14 @@ def loss_parity(golden: Any, candidate: Any) -> LossParity:  # array-likes of lo
     reasons: list[str] = []
     level_difference = None
     passed = pointwise_ok and final_ok
-    if _has_trend(len(g), trend, noise):
+    if update_ratio is not None and abs(update_ratio - 1.0) > 1e-9:
+        decided_by = UPDATES
+        correlation_ok = True  # reported, not used
+        ceiling = float(np.max(g)) * (1.0 + pointwise_tolerance(float(np.max(g))))
+        passed = bool(c[-1] <= ceiling)
+        if not passed:
+            reasons.append(f"the candidate diverged: its last loss {c[-1]:.4g} > {ceiling:.4g}")
+    elif _has_trend(len(g), trend, noise):
         decided_by = TREND
         passed = passed and correlation_ok
         if not correlation_ok:
@@ -172,7 +190,7 @@ def loss_parity(golden: Any, candidate: Any) -> LossParity:  # array-likes of lo
             decided_by = LEVEL
             passed, level_difference, why = _same_level(g, c, noise)
             reasons += [why] if why else []
-    if decided_by != LEVEL:
+    if decided_by not in (LEVEL, UPDATES):
         if not pointwise_ok:
             reasons.append(
                 f"{failures} of {len(g)} points outside the pointwise tolerance (> {MAX_FAILED_POINT_SHARE:.0%})"

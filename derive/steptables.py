@@ -266,3 +266,29 @@ def progress_step_seconds(run: RunView) -> tuple[pd.Series, str | None]:
     if len(log):
         return log.groupby("step")["step_time_s"].last().sort_index().astype(float), "log"
     return pd.Series([], dtype=float), None
+
+
+def backwards_per_step(run: RunView) -> pd.Series:
+    """Backward calls (the shim's `backward` spans) that began inside each step, by step number
+    (the largest count over the ranks): the micro-batches one optimizer step holds. Empty when
+    the shim recorded no step boundary or no backward."""
+    steps, spans = run.steps, run.spans
+    if not len(steps) or not len(spans):
+        return pd.Series([], dtype=float)
+    steps = steps.dropna(subset=["start_ns", "end_ns"])
+    bwd = spans[spans["cat"] == "backward"]
+    counts: dict[int, int] = {}
+    by_rank = bwd.groupby("rank", sort=False) if "rank" in bwd else [(None, bwd)]
+    for rank, rows in by_rank:
+        own = steps[steps["rank"] == rank] if rank is not None and "rank" in steps else steps
+        own = own.sort_values("start_ns")
+        if not len(own):
+            continue
+        start = own["start_ns"].to_numpy(np.int64)
+        end = own["end_ns"].to_numpy(np.int64)
+        at = rows["start_ns"].to_numpy(np.int64)
+        i = np.searchsorted(start, at, side="right") - 1
+        inside = (i >= 0) & (at < end[np.maximum(i, 0)])
+        for step, n in zip(*np.unique(own["step"].to_numpy()[i[inside]], return_counts=True), strict=True):
+            counts[int(step)] = max(counts.get(int(step), 0), int(n))
+    return pd.Series(counts, dtype=float).sort_index()

@@ -22,6 +22,7 @@ from traindx.derive import stats
 from traindx.derive.periods import series_period
 from traindx.derive.steady import events_of_type, perturbed_steps, profiled_steps
 from traindx.derive.steptables import SHIM_SOURCES, progress_step_seconds
+from traindx.recipes.ab_unit import per_micro_batch
 
 if TYPE_CHECKING:  # annotations only
     from traindx.derive.run import RunRecord
@@ -222,6 +223,8 @@ def judged_comparison(
     # the same window and the same exclusions on both sides: the steps both arms recorded, the
     # profiled steps of either arm left out of both
     base_arm, cand_arm = _arm_series(baseline), _arm_series(candidate)
+    # the same unit of work in both arms: seconds per micro-batch where the step boundary moved
+    base_arm, cand_arm, unit = per_micro_batch(baseline, candidate, base_arm, cand_arm)
     both = min(len(base_arm[0]), len(cand_arm[0]))
     if window is None and both and len(base_arm[0]) != len(cand_arm[0]):
         window = stats.steady_window(both)
@@ -238,7 +241,7 @@ def judged_comparison(
     speed = _speedup(base_w, cand_w, "mean" if periods else "median")
     problems = list(speed.problems) if speed.speedup is not None else _no_steps_problems(base, cand)
     problems += _run_problems(baseline, candidate, base, cand)
-    parity = _loss_parity(baseline, candidate, problems)
+    parity = _loss_parity(baseline, candidate, problems, unit)
     startup = _startup(base, cand)
     verdict = ab_verdict(
         speed.speedup,
@@ -256,6 +259,7 @@ def judged_comparison(
         "speedup": speed.speedup,
         "speedup_ci95": speed.ci,
         "speedup_statistic": speed.statistic,
+        "unit": unit or {"name": "step"},
         "step_periods": periods,
         "window_values_s": {
             "baseline": [round(float(x), 6) for x in base_w],
@@ -349,9 +353,12 @@ def _run_problems(
     return problems
 
 
-def _loss_parity(baseline: RunRecord, candidate: RunRecord, problems: list[str]) -> dict[str, Any] | None:
+def _loss_parity(
+    baseline: RunRecord, candidate: RunRecord, problems: list[str], unit: Mapping[str, Any] | None = None
+) -> dict[str, Any] | None:
     """The loss-parity dict of the steps both arms logged a loss for, or None (and a note in
-    `problems` where the losses could not be compared)."""
+    `problems` where the losses could not be compared). `unit`: the arms update the weights at
+    another rate (recipes/ab_unit.py): the `updates` rule decides."""
     base_losses, cand_losses = losses(baseline), losses(candidate)
     common = sorted(set(base_losses) & set(cand_losses))
     unfinite = [s for s in common if not np.isfinite(cand_losses[s])]
@@ -364,7 +371,9 @@ def _loss_parity(baseline: RunRecord, candidate: RunRecord, problems: list[str])
         return None
     if common:
         parity = loss_parity_rules.loss_parity(
-            [base_losses[s] for s in common], [cand_losses[s] for s in common]
+            [base_losses[s] for s in common],
+            [cand_losses[s] for s in common],
+            update_ratio=float(unit["update_ratio"]) if unit else None,
         ).to_dict()
         parity["steps"] = [common[0], common[-1]]
         parity["baseline_losses"] = [base_losses[s] for s in common]

@@ -12,8 +12,11 @@ import pytest
 
 from tests.helpers import PY, ROOT, diagnose, only_run_dir
 from traindx.analyzers import codefix_edit, codefix_params
+from traindx.analyzers.findings import Finding
+from traindx.analyzers.fixplan import plan_fixes
 from traindx.derive import ledger
 from traindx.derive.run import load_run
+from traindx.recipes.ab import compare_runs
 
 JOB = os.path.join(ROOT, "tests", "jobs", "model_work.py")
 
@@ -66,7 +69,24 @@ def test_step_every_micro_batch_named_with_its_lines(sick):
     assert "model_work.py:57" in f["title"] and "model_work.py:56" in f["title"]
     edit = f["prescriptions"][0]["change"]["code"]
     assert edit["after"].lstrip().startswith("if (i + 1) % grad_accum_steps == 0:")
-    assert not f["prescriptions"][0]["automatic"]  # it changes what a step is: by hand
+    assert f["prescriptions"][0]["automatic"]  # --fix applies it; the A/B judges per micro-batch
+    plan = plan_fixes([PY, JOB], [Finding.from_dict(f)], sick[0], environ={}, cwd=ROOT)
+    assert [e for e in plan.source_edits if "grad_accum_steps == 0" in json.dumps(e)], plan.to_dict()
+
+
+@pytest.mark.slow
+def test_accumulation_fixed_is_judged_per_micro_batch(sick, healthy):
+    # the healthy twin steps every 4th micro-batch: its step holds 4 backward passes, the sick
+    # job's 1; a comparison of step times would call it 4x slower
+    result = compare_runs(load_run(sick[0]), load_run(healthy[0]))
+    unit = result["unit"]
+    assert unit["name"] == "micro-batch"
+    assert unit["backward_per_step"] == {"baseline": 1.0, "candidate": 4.0}
+    base, cand = result["window_values_s"]["baseline"], result["window_values_s"]["candidate"]
+    assert len(cand) >= 5 and len(base) >= 5
+    parity = result["loss_parity"]
+    assert parity["decided_by"] == "updates" and parity["passed"], parity
+    assert "numerics" not in result["verdict"]
 
 
 @pytest.mark.slow
