@@ -20,10 +20,16 @@ def _segment(lines: list[str], node: ast.AST) -> str:
     return "\n".join(lines[first - 1 : last])
 
 
-def freeze_edit(path: str, line: int) -> dict[str, Any] | None:
+def attribute_access(path: str) -> str:
+    """`encoder.layer.0` as Python reaches it from the object: `.encoder.layer[0]`."""
+    return "".join(f"[{p}]" if p.isdigit() else f".{p}" for p in path.split(".") if p)
+
+
+def freeze_edit(path: str, line: int, inner: str = "") -> dict[str, Any] | None:
     """`<target>.requires_grad_(False)` inserted after the assignment at path:line that builds
     the module (`self.encoder = Encoder(...)`), or None when that line assigns no single name
-    or attribute."""
+    or attribute. `inner`: the module's path inside what that line builds (`encoder` of a model
+    an installed package builds: `model.encoder.requires_grad_(False)` after `model = ...`)."""
     tree, lines = _tree(path)
     if tree is None:
         return None
@@ -39,7 +45,7 @@ def freeze_edit(path: str, line: int) -> dict[str, Any] | None:
     )
     if len(targets) != 1 or not isinstance(targets[0], (ast.Name, ast.Attribute)):
         return None
-    target = ast.unparse(targets[0])
+    target = ast.unparse(targets[0]) + attribute_access(inner)
     return code_change(
         path,
         stmt.lineno,
@@ -58,6 +64,31 @@ def _calls_optimizer(stmt: ast.stmt) -> bool:
             if name in OPTIMIZER_CALLS:
                 return True
     return False
+
+
+def _calls_backward(stmt: ast.stmt) -> bool:
+    """A backward in the statement: the step around it cannot be put under the condition whole."""
+    return any(
+        isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and "backward" in node.func.attr
+        for node in ast.walk(stmt)
+    )
+
+
+def _block_of(body: list[ast.stmt], line: int) -> tuple[list[ast.stmt], int | None]:
+    """The list of statements (a loop's, an if's or else's, a with's body) holding line, and
+    the index of the statement there that holds it: the innermost one whose statement holds
+    no backward."""
+    at = next((i for i, s in enumerate(body) if s.lineno <= line <= (s.end_lineno or s.lineno)), None)
+    if at is None:
+        return body, None
+    stmt = body[at]
+    # a compound statement is put under the condition whole unless the backward is in it too
+    if isinstance(stmt, (ast.If, ast.With, ast.Try)) and stmt.lineno != line and _calls_backward(stmt):
+        for inner in (stmt.body, getattr(stmt, "orelse", []), getattr(stmt, "finalbody", [])):
+            found, i = _block_of(inner, line)
+            if i is not None:
+                return found, i
+    return body, at
 
 
 def _counter(loop: ast.For) -> str | None:
@@ -100,6 +131,60 @@ def accumulation_divisor(path: str, line: int, scale: float) -> str | None:
     return None
 
 
+def _only_zero_grad(stmt: ast.stmt) -> bool:
+    calls = [n for n in ast.walk(stmt) if isinstance(n, ast.Call)]
+    return bool(calls) and all(
+        (n.func.attr if isinstance(n.func, ast.Attribute) else getattr(n.func, "id", "")) == "zero_grad"
+        for n in calls
+    )
+
+
+def _assigned_after(loop: ast.For, line: int, expr: str) -> bool:
+    """A name of expr is (re)assigned in the loop's body after line: not yet bound there."""
+    try:
+        names = {n.id for n in ast.walk(ast.parse(expr, mode="eval")) if isinstance(n, ast.Name)}
+    except SyntaxError:
+        return True
+    for node in ast.walk(loop):
+        if isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)) and node.lineno > line:
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            if any(isinstance(t, ast.Name) and t.id in names for t in targets):
+                return True
+    return False
+
+
+def accumulate_edits(
+    path: str, step_line: int, divisor: str, value: int | None = None
+) -> list[dict[str, Any]]:
+    """accumulate_edit, and a zero_grad the loop's body runs before its backward (at the top of
+    each micro-batch, where it would drop the gradients accumulated so far) put under
+    `if <counter> % <divisor> == 0:`: the gradients are zeroed at the start of each N micro-batches.
+    Empty when the step cannot be put under the condition."""
+    main = accumulate_edit(path, step_line, divisor)
+    if main is None:
+        return []
+    tree, lines = _tree(path)
+    loop = _innermost(tree, step_line, ast.For) if tree is not None else None
+    counter = _counter(loop) if loop is not None else None
+    if loop is None or counter is None:
+        return [main]
+    edits = [main]
+    for stmt in loop.body:
+        if _calls_backward(stmt) or stmt.lineno >= main["line"]:
+            break
+        if _only_zero_grad(stmt):
+            first, last = stmt.lineno, stmt.end_lineno or stmt.lineno
+            original = lines[first - 1 : last]
+            indent = original[0][: len(original[0]) - len(original[0].lstrip())]
+            n = str(value) if value is not None and _assigned_after(loop, first, divisor) else divisor
+            after = [f"{indent}if {counter} % {n} == 0:  # zero at the first of N micro-batches"]
+            after += ["    " + ln if ln.strip() else ln for ln in original]
+            zero = code_change(path, first, "\n".join(original), "\n".join(after), last_line=last)
+            if zero is not None:
+                edits.insert(0, zero)
+    return edits
+
+
 def accumulate_edit(path: str, step_line: int, divisor: str) -> dict[str, Any] | None:
     """The run of statements of the loop's body around the optimizer step at path:step_line
     (the clipping before it, the step, a zero_grad after it) put under
@@ -111,14 +196,19 @@ def accumulate_edit(path: str, step_line: int, divisor: str) -> dict[str, Any] |
     if loop is None:
         return None
     counter = _counter(loop)
-    body = loop.body
-    at = next((i for i, s in enumerate(body) if s.lineno <= step_line <= (s.end_lineno or s.lineno)), None)
-    if counter is None or at is None:
+    body, at = _block_of(loop.body, step_line)
+    if counter is None or at is None or not _calls_optimizer(body[at]) or _calls_backward(body[at]):
+        # the job's line only reaches the step through a framework (`trainer.fit()` in a loop
+        # over folds): the loop there is not the micro-batches'
         return None
     first_i = last_i = at
-    while first_i > 0 and _calls_optimizer(body[first_i - 1]):
+    while first_i > 0 and _calls_optimizer(body[first_i - 1]) and not _calls_backward(body[first_i - 1]):
         first_i -= 1
-    while last_i + 1 < len(body) and _calls_optimizer(body[last_i + 1]):
+    while (
+        last_i + 1 < len(body)
+        and _calls_optimizer(body[last_i + 1])
+        and not _calls_backward(body[last_i + 1])
+    ):
         last_i += 1
     first, last = body[first_i].lineno, body[last_i].end_lineno or body[last_i].lineno
     original = lines[first - 1 : last]

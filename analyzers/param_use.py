@@ -101,7 +101,7 @@ def _unused_finding(run: RunRecord, rank: str, event: dict[str, Any]) -> Finding
             saving = max(saving, min(2.0 * float(fwd), backward))
     share = saving / step_s if step_s > 0 else 0.0
     cwd = run.manifest.get("cwd")
-    edits, named = [], []
+    edits, named, own_freezes = [], [], []
     for g in groups:
         name = f"{g.get('root')}.{g['module']}" if g.get("module") else str(g.get("root"))
         built = g.get("built") or {}
@@ -112,9 +112,14 @@ def _unused_finding(run: RunRecord, rank: str, event: dict[str, Any]) -> Finding
             + (f", built at {where})" if where else ")")
         )
         if built.get("file") and not ev.is_library_path(str(built["file"])):
-            edit = codefix_params.freeze_edit(str(built["file"]), int(built["line"]))
+            edit = codefix_params.freeze_edit(
+                str(built["file"]), int(built["line"]), str(g.get("built_path") or "")
+            )
             if edit:
                 edits.append(edit)
+                own = _own_freeze(g, edit)
+                if own:
+                    own_freezes.append(own)
     pres = []
     if edits:
         pres.append(
@@ -126,6 +131,10 @@ def _unused_finding(run: RunRecord, rank: str, event: dict[str, Any]) -> Finding
                 expected_gain_s_per_step=saving,
                 automatic=True,
             )
+        )
+    if own_freezes:
+        pres.append(
+            Prescription(kind="code", summary="or the framework's own freezing: " + "; ".join(own_freezes))
         )
     pres.append(
         Prescription(
@@ -157,6 +166,18 @@ def _unused_finding(run: RunRecord, rank: str, event: dict[str, Any]) -> Finding
         prescriptions=tuple(pres),
         removes={"categories": ["forward_backward"], "fraction": _fwd_fraction(led, saving)},
     )
+
+
+def _own_freeze(group: dict[str, Any], edit: dict[str, Any]) -> str | None:
+    """The model's own freezing methods (`freeze_*` of the class the job's line builds: a
+    framework's), on the object that line assigns, named beside the edit; None when it has none."""
+    methods = [str(m) for m in group.get("freeze_methods") or []]
+    target = str(edit.get("after", "")).split(".requires_grad_(")[0]
+    inner = codefix_params.attribute_access(str(group.get("built_path") or ""))
+    owner = target[: len(target) - len(inner)] if inner and target.endswith(inner) else target
+    if not methods or not owner:
+        return None
+    return ", ".join(f"{owner}.{m}()" for m in methods) + f" ({group.get('built_cls')}'s own)"
 
 
 def _fwd_fraction(led: Any, saving: float) -> float:
@@ -197,7 +218,8 @@ def _accum_finding(run: RunRecord, rank: str, event: dict[str, Any]) -> Finding 
     if bwd_site.get("file"):
         divisor = codefix_params.accumulation_divisor(str(bwd_site["file"]), int(bwd_site["line"]), float(n))
     flag = _accumulation_flag(run, n)
-    if divisor is None and flag is None:
+    setting = _setting(event, n)
+    if divisor is None and flag is None and setting is None:
         return None
     led = ledger.steady_rows(run, rank)
     if not len(led):
@@ -210,7 +232,7 @@ def _accum_finding(run: RunRecord, rank: str, event: dict[str, Any]) -> Finding 
     for label, site in (("optimizer.step()", step_site), ("clipping", clip_site if any(clip) else {})):
         if site.get("file"):
             lines.append(f"{label} at {_display(str(site['file']), cwd)}:{site['line']}")
-    pres = _accum_prescriptions(step_site, n, divisor, lost, cwd)
+    pres = _accum_prescriptions(step_site, n, divisor or (setting or {}).get("expr"), lost, cwd, setting)
     return Finding(
         id="param_use.step_per_microbatch",
         title=f"The optimizer steps every micro-batch, the loss is scaled for {n}: " + ", ".join(lines),
@@ -220,6 +242,7 @@ def _accum_finding(run: RunRecord, rank: str, event: dict[str, Any]) -> Finding 
             f"Each backward is followed by an optimizer step ({', '.join(lines)}), but the loss "
             f"reaches backward divided by {divisor or n}"
             + (f" (the job's {flag} {n})" if flag else "")
+            + (f" (the job's {setting['owner']}.{setting['name']} = {n})" if setting else "")
             + f": every update uses 1/{n} of the gradient it was scaled for, and the step, the "
             f"clipping and zero_grad run {n}x as often as the accumulation asks "
             f"({lost * 1e3:.1f} ms a step of optimizer work, {share:.0%})."
@@ -232,6 +255,7 @@ def _accum_finding(run: RunRecord, rank: str, event: dict[str, Any]) -> Finding 
             "loss_scale": n,
             "divisor": divisor,
             "flag": flag,
+            "setting": setting,
             "backward_per_step": backward,
             "optimizer_per_step": optimizer,
             "clip_per_step": clip,
@@ -242,28 +266,76 @@ def _accum_finding(run: RunRecord, rank: str, event: dict[str, Any]) -> Finding 
     )
 
 
+def _setting(event: dict[str, Any], n: int) -> dict[str, Any] | None:
+    """The accumulation setting of n the shim saw on the stack at backward (a framework's
+    argument or the job's config object), the one the job's code reaches by name first."""
+    found = [s for s in event.get("settings") or [] if isinstance(s, dict) and s.get("value") == n]
+    found.sort(key=lambda s: "expr" not in s)
+    return found[0] if found else None
+
+
+def _framework_prescription(setting: dict[str, Any] | None, n: int, edit: bool) -> Prescription | None:
+    """The framework's own accumulation: its mechanism where the job's code reaches the object
+    (`with accelerator.accumulate(model):`), else its argument (`Trainer(accumulate_grad_batches=4)`)
+    where the framework steps; never an edit of its files."""
+    if not setting:
+        return None
+    owner, name = str(setting.get("owner")), str(setting.get("name"))
+    holder = str(setting.get("expr") or "").rsplit(".", 1)[0]
+    mechanisms = [str(m) for m in setting.get("mechanisms") or []]
+    if holder and mechanisms:
+        return Prescription(
+            kind="code",
+            summary=f"or the framework's own accumulation ({owner}.{name} = {n}): each micro-batch's "
+            f"forward, backward and step inside {' / '.join(f'{holder}.{m}(...)' for m in mechanisms)}, "
+            "which steps every N-th call",
+        )
+    if edit:
+        return None
+    return Prescription(
+        kind="arg",
+        summary=f"the framework steps: set its own argument {owner}({name}={n}) where the job builds it, "
+        "and leave the loss's scaling to it",
+    )
+
+
 def _accum_prescriptions(
-    step_site: dict[str, Any], n: int, divisor: str | None, lost: float, cwd: str | None
+    step_site: dict[str, Any],
+    n: int,
+    divisor: str | None,
+    lost: float,
+    cwd: str | None,
+    setting: dict[str, Any] | None = None,
 ) -> tuple[Prescription, ...]:
     pres = []
-    edit = None
+    edit, edits = None, []
     if step_site.get("file") and not ev.is_library_path(str(step_site["file"])):
-        edit = codefix_params.accumulate_edit(
+        edits = codefix_params.accumulate_edits(
             str(step_site["file"]), int(step_site["line"]), divisor or str(n)
         )
+        edit = edits[-1] if edits else None
     if edit:
         pres.append(
             Prescription(
                 kind="code",
                 summary=f"step, clip and zero the gradients every {n}th micro-batch "
-                f"({_display(edit['file'], cwd)}:{edit['line']}): the loss is scaled for {n}",
-                change=SourceEdit(code=edit),
+                f"({_display(edit['file'], cwd)}:{edit['line']}"
+                + (
+                    f", the zero_grad at :{edits[0]['line']} at the first of each {n}"
+                    if len(edits) > 1
+                    else ""
+                )
+                + f"): the loss is scaled for {n}",
+                change=SourceEdit(code=edit, codes=tuple(edits) if len(edits) > 1 else None),
                 expected_gain_s_per_step=lost,
                 # it changes what a step is (N micro-batches): the A/B judges it per micro-batch
                 # and its loss parity by the `updates` rule (recipes/ab_unit.py, parity.py)
                 automatic=True,
             )
         )
+    own = _framework_prescription(setting, n, edit is not None)
+    if own is not None:
+        pres.append(own)
     pres.append(
         Prescription(
             kind="code",

@@ -149,6 +149,38 @@ def test_freeze_edit_and_accumulate_edit_apply(tmp_path):
     assert "        opt.zero_grad()\n    log(step)" in text
 
 
+def test_accumulate_edit_zeroes_at_the_first_micro_batch_and_leaves_backward_out(tmp_path):
+    src = textwrap.dedent(
+        """\
+        import sys
+        for i, batch in enumerate(range(8)):
+            opt.zero_grad()
+            if "--x" in sys.argv:
+                loss = model(batch)
+            else:
+                loss = model(batch) * 2
+                accelerator.backward(loss)
+                accelerator.clip_grad_norm_(params, 1.0)
+                opt.step()
+            accum = 4
+        """
+    )
+    path = tmp_path / "train.py"
+    path.write_text(src)
+    zero, step = codefix_params.accumulate_edits(str(path), 10, "accum", 4)
+    text = codefix_edit.apply(zero, codefix_edit.apply(step, src))  # bottom up, as --fix applies them
+    # the zero_grad at the top of each micro-batch would drop what was accumulated; `accum` is
+    # bound only later in the loop: the number itself
+    assert "    if i % 4 == 0:  # zero at the first of N micro-batches\n        opt.zero_grad()" in text
+    # the step is inside the branch that holds the backward: only it goes under the condition
+    assert (
+        "        accelerator.backward(loss)\n        if (i + 1) % accum == 0:\n"
+        "            accelerator.clip_grad_norm_(params, 1.0)\n            opt.step()\n"
+    ) in text
+    # a line that reaches the step only through a framework (no optimizer call there): no edit
+    assert codefix_params.accumulate_edits(str(path), 5, "accum", 4) == []
+
+
 def test_a_library_calling_the_jobs_code_back_is_named():
     import copy
     import sys

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import sys
 import time
 import weakref
@@ -53,6 +54,7 @@ _state: dict[str, Any] = {
     "scales": [],
     "sites": {},  # "backward" | "optimizer" | "clip" -> frame
     "frozen": 0,
+    "settings": {},  # "<class>.<attribute>" -> an accumulation setting seen on the stack at backward
 }
 
 
@@ -192,6 +194,36 @@ def _check(step: int) -> None:
     _state["with_grad"] = {}
 
 
+def _built_owner(root: Any, name: str) -> dict[str, Any]:
+    """Where the job's line that built the module `name` of `root` hands it over: the outermost
+    module (root included) built at the same line of the job's files. A module an installed
+    package builds inside a model the job creates (a transformers model's encoder) has the job's
+    line of the whole model: the freeze is then `<that model>.<built_path>`. `freeze_methods`:
+    the owner's own freezing methods (a framework's `freeze_*`), named for the prescription."""
+    built = _built or {}
+    site = built.get(root.get_submodule(name))
+    if not site:
+        return {}
+    key = (site.get("file"), site.get("line"))
+    parts = name.split(".") if name else []
+    for depth in range(len(parts) + 1):  # outermost first
+        prefix = ".".join(parts[:depth])
+        owner = root.get_submodule(prefix)
+        other = built.get(owner)
+        if other and (other.get("file"), other.get("line")) == key:
+            methods = sorted(
+                m
+                for m in dir(type(owner))
+                if m.startswith("freeze") and callable(getattr(type(owner), m, None))
+            )
+            return {
+                "built_path": ".".join(parts[depth:]),
+                "built_cls": type(owner).__name__,
+                "freeze_methods": methods[:8],
+            }
+    return {}
+
+
 # -- what the unused modules' forward costs (their backward is priced from it) ---------------------
 _timing: dict[str, Any] = {
     "handles": [],
@@ -296,6 +328,7 @@ def _unused_modules(
                 "numel": sum(p.numel() for p in params),
                 "reason": ",".join(reasons),
                 "built": (_built or {}).get(module),
+                **_built_owner(root, name),
             }
         )
     return groups, n_grad, n_unused
@@ -339,6 +372,68 @@ def _loss_scale(tensor: Any) -> float | None:
     return float(other) if name.startswith("Div") else 1.0 / float(other)
 
 
+_ACCUM_NAME = re.compile(r"accum", re.IGNORECASE)  # how frameworks and scripts name the setting
+_PLAIN = (int, float, str, bytes, bool, type(None), list, tuple, dict, set)
+
+
+def _accum_value(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= 4096 else None
+
+
+def _settings_of(value: Any) -> list[tuple[str, int]]:
+    """(attribute, value) of an object's accumulation settings: its own attributes and its
+    class's properties whose name says accumulation, with a whole number (a framework's
+    `gradient_accumulation_steps`, `accumulate_grad_batches`, a config's)."""
+    found = []
+    for name, v in list(getattr(value, "__dict__", {}).items())[:400]:
+        if _ACCUM_NAME.search(name) and _accum_value(v) is not None:
+            found.append((name, int(v)))
+    for klass in type(value).__mro__[:-1]:
+        for name, attr in list(vars(klass).items()):
+            if isinstance(attr, property) and _ACCUM_NAME.search(name):
+                try:
+                    v = getattr(value, name)
+                except Exception:  # a property that needs state the object lacks
+                    continue
+                if _accum_value(v) is not None:
+                    found.append((name, int(v)))
+    return found
+
+
+def _scan_settings(frame: Any) -> None:
+    """The accumulation settings of the objects the frames calling backward hold (the job's
+    `args`, a framework's Trainer, Accelerator or its arguments): the setting the loss is scaled
+    for wherever a framework or the code sets it, with the job's local name that reaches it."""
+    seen = _state["settings"]
+    depth = 0
+    while frame is not None and depth < 40 and len(seen) < 16:
+        user = not is_library_file(frame.f_code.co_filename) and not is_library_path(frame.f_code.co_filename)
+        for local, value in list(frame.f_locals.items())[:200]:
+            if isinstance(value, (*_PLAIN, type)):
+                continue
+            for name, v in _settings_of(value):
+                key = f"{type(value).__qualname__}.{name}"
+                entry = seen.setdefault(
+                    key,
+                    {
+                        "owner": type(value).__qualname__,
+                        "module": type(value).__module__,
+                        "name": name,
+                        "value": v,
+                    },
+                )
+                if user and "expr" not in entry:
+                    entry["expr"] = f"{local}.{name}"
+                    entry["site"] = describe(frame)
+                    entry["mechanisms"] = sorted(
+                        m
+                        for m in dir(type(value))
+                        if _ACCUM_NAME.search(m) and callable(getattr(type(value), m, None))
+                    )[:4]
+        frame = frame.f_back
+        depth += 1
+
+
 def _wrap_backward(fn: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(fn)
     def backward(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -347,6 +442,8 @@ def _wrap_backward(fn: Callable[..., Any]) -> Callable[..., Any]:
                 _count("backward")
                 if len(_state["scales"]) < 8:
                     _state["scales"].append(_loss_scale(self))
+                if len(_state["scales"]) <= 2:
+                    _scan_settings(sys._getframe(1))
             except Exception as exc:
                 report_error("grad accumulation", exc)
         return fn(self, *args, **kwargs)
@@ -379,6 +476,7 @@ def _emit_accum() -> None:
         clip=[c["clip"] for c in per],
         loss_scale=scales[0] if scales and all(abs(s - scales[0]) < 1e-9 for s in scales) else None,
         sites=_state["sites"],
+        settings=list(_state["settings"].values()),
     )
 
 
