@@ -221,3 +221,44 @@ def test_a_callback_runs_on_every_nth_call_after_the_edit(tmp_path):
     assert "        if self._calls % 10:\n            return None\n        self.seen.append(batch)" in text
     function = codefix_params.every_nth_call_edit(str(path), 9, 4)
     assert "handler._calls % 4" in codefix_edit.apply(function, src)
+
+
+def test_the_accumulation_setting_is_read_from_the_objects_calling_backward():
+    import sys
+
+    from traindx.analyzers import param_use
+    from traindx.profiler.shim._traindx_shim import paramuse
+
+    class State:  # a framework keeps the number elsewhere and shows it as a property
+        num_steps = 4
+
+    class Runner:  # no name of ours: any object the job holds whose setting says accumulation
+        def __init__(self):
+            self.state = State()
+
+        @property
+        def gradient_accumulation_steps(self):
+            return self.state.num_steps
+
+        def accumulate(self, model):
+            return model
+
+    runner = Runner()  # held by this frame: the scan reads it
+    saved = dict(paramuse._state["settings"])
+    paramuse._state["settings"].clear()
+    try:
+        paramuse._scan_settings(sys._getframe())
+        assert runner.gradient_accumulation_steps == 4
+        found = paramuse._state["settings"]["Runner.gradient_accumulation_steps"]
+    finally:
+        paramuse._state["settings"].clear()
+        paramuse._state["settings"].update(saved)
+    assert found["name"] == "gradient_accumulation_steps" and found["value"] == 4
+    assert found["expr"] == "runner.gradient_accumulation_steps" and found["mechanisms"] == ["accumulate"]
+    # the framework's own mechanism is prescribed where the job holds the object ...
+    own = param_use._framework_prescription(found, 4, edit=True)
+    assert own is not None and "runner.accumulate(...)" in own.summary
+    # ... its argument where the framework steps (no edit of the job's loop), never its files
+    arg = param_use._framework_prescription({**found, "expr": None, "mechanisms": []}, 4, edit=False)
+    assert arg is not None and "Runner(gradient_accumulation_steps=4)" in arg.summary
+    assert arg.change is None or "site-packages" not in str(arg.change)

@@ -412,11 +412,11 @@ def _scan_settings(frame: Any) -> None:
             if isinstance(value, (*_PLAIN, type)):
                 continue
             for name, v in _settings_of(value):
-                key = f"{type(value).__qualname__}.{name}"
+                key = f"{type(value).__name__}.{name}"
                 entry = seen.setdefault(
                     key,
                     {
-                        "owner": type(value).__qualname__,
+                        "owner": type(value).__name__,
                         "module": type(value).__module__,
                         "name": name,
                         "value": v,
