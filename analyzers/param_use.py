@@ -232,7 +232,12 @@ def _accum_finding(run: RunRecord, rank: str, event: dict[str, Any]) -> Finding 
     for label, site in (("optimizer.step()", step_site), ("clipping", clip_site if any(clip) else {})):
         if site.get("file"):
             lines.append(f"{label} at {_display(str(site['file']), cwd)}:{site['line']}")
-    pres = _accum_prescriptions(step_site, n, divisor or (setting or {}).get("expr"), lost, cwd, setting)
+    # where the framework steps, its own setting (of another value) is the argument to prescribe
+    owned = setting or next(
+        (x for x in event.get("settings") or [] if isinstance(x, dict) and x.get("module") != "__main__"),
+        None,
+    )
+    pres = _accum_prescriptions(step_site, n, divisor or (setting or {}).get("expr"), lost, cwd, owned)
     return Finding(
         id="param_use.step_per_microbatch",
         title=f"The optimizer steps every micro-batch, the loss is scaled for {n}: " + ", ".join(lines),

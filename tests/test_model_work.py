@@ -142,6 +142,9 @@ def test_freeze_edit_and_accumulate_edit_apply(tmp_path):
     path.write_text(src)
     freeze = codefix_params.freeze_edit(str(path), 5)
     assert freeze and freeze["last_line"] == 6 and freeze["after"] == "self.body.requires_grad_(False)"
+    # a module an installed package builds inside what the job's line builds: reached from it
+    inner = codefix_params.freeze_edit(str(path), 5, "encoder.layer.0")
+    assert inner and inner["after"] == "self.body.encoder.layer[0].requires_grad_(False)"
     assert codefix_params.accumulation_divisor(str(path), 10, 2.0) == "accum"
     acc = codefix_params.accumulate_edit(str(path), 13, "accum")
     text = codefix_edit.apply(acc, src)

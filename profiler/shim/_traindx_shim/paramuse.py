@@ -356,9 +356,22 @@ def _count(kind: str) -> None:
 
 
 def _loss_scale(tensor: Any) -> float | None:
-    """The number the loss was divided (or multiplied) by at the root of its graph: a Python
-    number (a wrapped CPU scalar, read without a device sync)."""
+    """The number the loss was divided (or multiplied) by at the root of its graph: Python
+    numbers (wrapped CPU scalars, read without a device sync), multiplied down a chain of them
+    (the job's `loss / 4` under a framework's own `/ accumulate_grad_batches` of 1)."""
     fn = getattr(tensor, "grad_fn", None)
+    total, found = 1.0, False
+    for _ in range(4):
+        scale = _node_scale(fn)
+        if scale is None:
+            break
+        total, found = total * scale, True
+        nxt = getattr(fn, "next_functions", ())
+        fn = nxt[0][0] if nxt else None
+    return total if found else None
+
+
+def _node_scale(fn: Any) -> float | None:
     name = type(fn).__name__ if fn is not None else ""
     if not name.startswith(("DivBackward", "MulBackward")):
         return None
