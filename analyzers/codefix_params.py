@@ -56,6 +56,26 @@ def freeze_edit(path: str, line: int, inner: str = "") -> dict[str, Any] | None:
     )
 
 
+def calls_optimizer_at(path: str, line: int) -> bool:
+    """The statement at path:line itself calls the optimizer (step, clipping, zero_grad), rather
+    than reaching it through a framework (`trainer.fit(...)`)."""
+    tree, _ = _tree(path)
+    stmt = _innermost(tree, line, ast.stmt) if tree is not None else None
+    return isinstance(stmt, ast.stmt) and _calls_optimizer(stmt)
+
+
+def constructor_line(path: str, cls: str) -> int | None:
+    """The first line of path that calls `cls(...)` (or `<module>.cls(...)`): where the job builds
+    a framework's object whose argument is prescribed."""
+    tree, _ = _tree(path)
+    for node in ast.walk(tree) if tree is not None else ():
+        if isinstance(node, ast.Call):
+            f = node.func
+            if (isinstance(f, ast.Name) and f.id == cls) or (isinstance(f, ast.Attribute) and f.attr == cls):
+                return int(node.lineno)
+    return None
+
+
 def _calls_optimizer(stmt: ast.stmt) -> bool:
     for node in ast.walk(stmt):
         if isinstance(node, ast.Call):

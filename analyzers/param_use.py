@@ -231,12 +231,17 @@ def _accum_finding(run: RunRecord, rank: str, event: dict[str, Any]) -> Finding 
     lines = []
     for label, site in (("optimizer.step()", step_site), ("clipping", clip_site if any(clip) else {})):
         if site.get("file"):
-            lines.append(f"{label} at {_display(str(site['file']), cwd)}:{site['line']}")
+            where = f"{_display(str(site['file']), cwd)}:{site['line']}"
+            direct = codefix_params.calls_optimizer_at(str(site["file"]), int(site["line"]))
+            lines.append(f"{label} at {where}" if direct else f"{label} by the framework, from {where}")
     # where the framework steps, its own setting (of another value) is the argument to prescribe
     owned = setting or next(
         (x for x in event.get("settings") or [] if isinstance(x, dict) and x.get("module") != "__main__"),
         None,
     )
+    if owned and step_site.get("file") and "line" not in owned:
+        built = codefix_params.constructor_line(str(step_site["file"]), str(owned.get("owner")))
+        owned = {**owned, "built": f"{_display(str(step_site['file']), cwd)}:{built}"} if built else owned
     pres = _accum_prescriptions(step_site, n, divisor or (setting or {}).get("expr"), lost, cwd, owned)
     return Finding(
         id="param_use.step_per_microbatch",
@@ -299,8 +304,9 @@ def _framework_prescription(setting: dict[str, Any] | None, n: int, edit: bool) 
         return None
     return Prescription(
         kind="arg",
-        summary=f"the framework steps: set its own argument {owner}({name}={n}) where the job builds it, "
-        "and leave the loss's scaling to it",
+        summary=f"the framework steps: set its own argument {owner}({name}={n}) where the job builds it"
+        + (f" ({setting['built']})" if setting.get("built") else "")
+        + ", and leave the loss's scaling to it (it divides the loss by that number itself)",
     )
 
 
