@@ -322,7 +322,7 @@ def _accum_prescriptions(
     edit, edits = None, []
     if step_site.get("file") and not ev.is_library_path(str(step_site["file"])):
         edits = codefix_params.accumulate_edits(
-            str(step_site["file"]), int(step_site["line"]), divisor or str(n)
+            str(step_site["file"]), int(step_site["line"]), divisor or str(n), n
         )
         edit = edits[-1] if edits else None
     if edit:
