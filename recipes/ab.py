@@ -274,7 +274,8 @@ def judged_comparison(
         ),
         "startup": startup,
         "loss_parity": parity,
-        "verdict": verdict.text(),
+        "verdict": verdict.text()
+        + (f" (per micro-batch; loss parity: {parity['decided_by']})" if unit and parity else ""),
         "problems": problems,
         "thresholds": _thresholds(),
     }
