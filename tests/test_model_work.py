@@ -86,7 +86,10 @@ def test_accumulation_fixed_is_judged_per_micro_batch(sick, healthy):
     assert len(cand) >= 5 and len(base) >= 5
     parity = result["loss_parity"]
     assert parity["decided_by"] == "updates" and parity["passed"], parity
-    assert "numerics differ" not in result["verdict"] and "(per micro-batch; loss parity: updates)" in result["verdict"]
+    assert (
+        "numerics differ" not in result["verdict"]
+        and "(per micro-batch; loss parity: updates)" in result["verdict"]
+    )
 
 
 @pytest.mark.slow

@@ -67,3 +67,15 @@ def test_a_trainer_job_on_a_random_dataset_keeps_its_workers_arm():
     r = parity.loss_parity(golden, candidate)
     assert r.correlation < -0.8 and r.pointwise_failures == 0
     assert r.passed and r.decided_by == parity.POINTWISE
+
+
+def test_arms_that_update_at_another_rate_are_judged_by_the_updates_rule():
+    # accumulation put right: one update per 4 micro-batches; the per-step losses differ by
+    # design (points outside tolerance), which is no numerics failure
+    base = [2.3, 2.0, 1.8, 1.6, 1.5, 1.4, 1.3, 1.25, 1.2, 1.15]
+    cand = [2.3, 2.2, 2.1, 2.0, 1.9, 1.85, 1.8, 1.75, 1.7, 1.65]
+    assert not parity.loss_parity(base, cand).passed  # as a numerics check it would fail
+    p = parity.loss_parity(base, cand, update_ratio=4.0)
+    assert p.passed and p.decided_by == "updates" and "different rates" in p.rule
+    diverged = parity.loss_parity(base, [*cand[:-1], 9.0], update_ratio=4.0)
+    assert not diverged.passed and "diverged" in diverged.reasons[0]
