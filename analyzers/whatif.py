@@ -46,8 +46,22 @@ def _severity(slowdown: float) -> str:
     return "info"
 
 
+def _heaviest_stage(r: WhatIf) -> int | None:
+    """The stage whose fix removes at least half the slowdown (the most), None if none does."""
+    if not r.stage_share or r.layout.pp < 2:
+        return None
+    stage = max(r.stage_share, key=lambda s: r.stage_share[s])
+    return stage if r.stage_share[stage] >= DECISIVE_SHARE else None
+
+
 def category(r: WhatIf) -> tuple[str, str]:
-    """(category, what it names): one_worker / sequence_lengths / stage / optype / spread."""
+    """(category, what it names): one_worker / sequence_lengths / stage / optype / spread.
+
+    With one pipeline (DP 1) each stage is one worker: timing cannot tell a slow node from a
+    stage that carries more work, and the stage's split, which the user controls, is named."""
+    single = _heaviest_stage(r) if r.layout.dp == 1 else None
+    if single is not None:
+        return "stage", _stage_name(single, r.layout.pp)
     if r.m_w >= DECISIVE_SHARE:
         return "one_worker", _workers(r)
     if (
@@ -56,10 +70,9 @@ def category(r: WhatIf) -> tuple[str, str]:
         and (r.mb_correlation or 0.0) >= CORRELATION_MIN
     ):
         return "sequence_lengths", "micro-batches of unequal length across DP ranks"
-    if r.stage_share and r.layout.pp > 1:
-        stage = max(r.stage_share, key=lambda s: r.stage_share[s])
-        if r.stage_share[stage] >= DECISIVE_SHARE:
-            return "stage", _stage_name(stage, r.layout.pp)
+    stage = _heaviest_stage(r)
+    if stage is not None:
+        return "stage", _stage_name(stage, r.layout.pp)
     if r.optype_share:
         optype = max(r.optype_share, key=lambda o: r.optype_share[o])
         share = r.optype_share[optype]
@@ -111,6 +124,12 @@ def _stage_prescription(r: WhatIf, stage: int, gain: float) -> Prescription:
         f"step than the other stages; give it about {_pct(keep)} of their layer count (Megatron: {flag}"
         + (f", or {extra}" if extra else "")
         + ")"
+        + (
+            "; with one pipeline a slow node on that stage reads the same: if the stages hold equal "
+            "layers, check that node"
+            if r.layout.dp == 1
+            else ""
+        )
     )
     return Prescription("arg", summary, NoChange(), expected_gain_s_per_step=gain, command=f"{flag} N")
 

@@ -58,6 +58,7 @@ class WhatIf:
     balance_dp_speedup: float = 1.0  # replayed / each compute op at its mean over the DP ranks
     m_s: float = 0.0  # the last stage
     stage_share: dict[int, float] = field(default_factory=dict)
+    stage_speedup: dict[int, float] = field(default_factory=dict)  # replayed / that stage made ideal
     m_q: float = 0.0
     mb_spread: float | None = None
     mb_correlation: float | None = None
@@ -101,6 +102,7 @@ class WhatIf:
             "by_dp": {str(k): v for k, v in self.by_dp.items()},
             "by_stage": {str(k): v for k, v in self.by_stage.items()},
             "stage_share": {str(k): v for k, v in self.stage_share.items()},
+            "stage_speedup": {str(k): v for k, v in self.stage_speedup.items()},
             "top_workers": [{"stage": s, "dp": d} for s, d in self.top_workers],
             "worker_score": [
                 {"stage": s, "dp": d, "score": v} for (s, d), v in sorted(self.worker_score.items())
@@ -185,9 +187,12 @@ class _Ctx:
     t_ideal: float
 
 
-def analyze(table: pd.DataFrame, vpp: int | None = None, dp_sync: bool | None = None) -> WhatIf:
-    """The what-if analysis of a normalised op table (`traindx.derive.optable.normalize`)."""
-    layout = optable.layout_of(table, vpp=vpp, dp_sync=dp_sync)
+def analyze(
+    table: pd.DataFrame, vpp: int | None = None, dp_sync: bool | None = None, serial: bool = False
+) -> WhatIf:
+    """The what-if analysis of a normalised op table (`traindx.derive.optable.normalize`);
+    `serial`: each rank's ops were blocking calls of one thread (a traindx run folder)."""
+    layout = optable.layout_of(table, vpp=vpp, dp_sync=dp_sync, serial=serial)
     model = depmodel.build(table, layout)
     cube = replay.cube(table, model, layout.dp)
     node_optype = model.nodes["optype"].astype(str)
@@ -195,7 +200,8 @@ def analyze(table: pd.DataFrame, vpp: int | None = None, dp_sync: bool | None = 
     both = replay.replay(model, np.stack([cube.work, ideal], axis=1), keep=True)
     t_rep_steps, t_ideal_steps = both.step_time[0], both.step_time[1]
     t_ori, t_ideal = float(t_rep_steps.mean()), float(t_ideal_steps.mean())
-    recorded = optable.step_times(table).reindex(cube.steps).to_numpy()
+    per_rank = layout.serial and layout.pp > 1
+    recorded = optable.step_times(table, per_rank=per_rank).reindex(cube.steps).to_numpy()
     res = WhatIf(
         layout=layout,
         steps=[int(s) for s in cube.steps],
@@ -263,6 +269,7 @@ def _fixes(res: WhatIf, c: _Ctx) -> None:
     res.m_w = _share(c.t_ori, float(fixed[0]), c.t_ideal)
     res.stage_share = {st: _share(c.t_ori, float(fixed[1 + st]), c.t_ideal) for st in range(pp)}
     res.m_s = res.stage_share[pp - 1]
+    res.stage_speedup = {st: c.t_ori / float(fixed[1 + st]) if fixed[1 + st] > 0 else 1.0 for st in range(pp)}
     res.optype_share = {
         o: _share(c.t_ori, float(fixed[1 + pp + k]), c.t_ideal) for k, o in enumerate(c.optypes)
     }
