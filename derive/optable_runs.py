@@ -96,7 +96,11 @@ def _whole_steps(table: pd.DataFrame) -> pd.DataFrame:
     opened after its first op, a step cut short, would shift every later op's order)."""
     counts = table.groupby(["rank", "step"]).size()
     usual = counts.groupby(level="rank").agg(lambda c: c.mode().iloc[0])
-    ok = (counts == usual.reindex(counts.index.get_level_values("rank")).to_numpy()).groupby(level="step").all()
+    ok = (
+        (counts == usual.reindex(counts.index.get_level_values("rank")).to_numpy())
+        .groupby(level="step")
+        .all()
+    )
     whole = ok.index[ok]
     return table[table["step"].isin(whole)] if len(whole) else table
 
@@ -181,7 +185,8 @@ def pipeline_coordinates(spans: pd.DataFrame, ranks: list[str]) -> dict[str, tup
         return None
     coords: dict[str, tuple[int, str]] = {}
     for rank in ranks:
-        chain, r = [], rank
+        chain: list[str] = []
+        r: str | None = rank
         while r is not None and r not in coords:
             if r in chain or r not in prev:
                 return None  # a cycle, or a peer that ran no steps
@@ -206,7 +211,9 @@ def _p2p_optypes(spans: pd.DataFrame, coords: dict[str, tuple[int, int]]) -> pd.
     is_p2p = ((spans["cat"] == "collective") & spans["op"].astype(str).isin(["send", "recv"])).to_numpy()
     mine = spans["rank"].astype(str).map(stage).to_numpy(dtype=float)
     peer = pd.to_numeric(spans["peer"], errors="coerce")
-    theirs = peer.map(lambda q: stage.get(str(int(q)), np.nan) if pd.notna(q) else np.nan).to_numpy(dtype=float)
+    theirs = peer.map(lambda q: stage.get(str(int(q)), np.nan) if pd.notna(q) else np.nan).to_numpy(
+        dtype=float
+    )
     send = (spans["op"].astype(str) == "send").to_numpy()
     forward = (theirs > mine) == send
     named = np.where(forward, "forward-", "backward-") + np.where(send, "send", "recv")
