@@ -151,8 +151,8 @@ def _host_gaps(frame: pd.DataFrame, windows: pd.DataFrame) -> pd.DataFrame:
 
 
 def _in_steps(spans: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
-    """The spans that fall inside one of their rank's steps."""
-    keep = np.zeros(len(spans), dtype=bool)
+    """The spans that fall inside one of their rank's steps, with that step (`in_step`)."""
+    step = np.full(len(spans), -1, dtype=np.int64)
     rank_of = spans["rank"].astype(str).to_numpy()
     start = spans["start"].to_numpy(np.int64)
     for rank, windows in steps.groupby(steps["rank"].astype(str)):
@@ -160,27 +160,28 @@ def _in_steps(spans: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
         w = windows.sort_values("start_ns")
         starts, ends = w["start_ns"].to_numpy(np.int64), w["end_ns"].to_numpy(np.int64)
         k = np.searchsorted(starts, start[mine], side="right") - 1
-        keep[mine] = (k >= 0) & (start[mine] < ends[np.clip(k, 0, None)])
-    return spans[keep]
+        inside = (k >= 0) & (start[mine] < ends[np.clip(k, 0, None)])
+        step[mine] = np.where(inside, w["step"].to_numpy(np.int64)[np.clip(k, 0, None)], -1)
+    return spans.assign(in_step=step)[step >= 0]
 
 
 def pipeline_coordinates(spans: pd.DataFrame, ranks: list[str]) -> dict[str, tuple[int, int]] | None:
     """Each rank's (stage, pipeline) from its blocking send/recv spans inside steps, None when the
     run has none or they do not form whole pipelines (every pipeline with the same stages).
 
-    A rank's first point-to-point op decides: a receive from rank q puts it one stage after q
-    (GPipe, 1F1B and their kin all start a step by passing the first micro-batch forward), a
-    send makes it a first stage. The pipeline (the DP coordinate) is the first stage it leads
+    A rank's first point-to-point op in a step (the most common over its steps: a step window
+    may open after it) decides: a receive from rank q puts it one stage after q (GPipe, 1F1B
+    and their kin all start a step by passing the first micro-batch forward), a send makes it
+    a first stage. The pipeline (the DP coordinate) is the first stage it leads
     back to, numbered in rank order."""
     p2p = spans[(spans["cat"] == "collective") & spans["op"].astype(str).isin(["send", "recv"])]
     p2p = p2p[pd.to_numeric(p2p["peer"], errors="coerce").notna()]
     if p2p.empty:
         return None
-    first = p2p.sort_values("start").groupby(p2p["rank"].astype(str)).head(1)
-    prev = {
-        str(r): (str(int(float(q))) if op == "recv" else None)
-        for r, op, q in zip(first["rank"], first["op"].astype(str), first["peer"], strict=True)
-    }
+    first = p2p.sort_values("start").groupby([p2p["rank"].astype(str), p2p["in_step"]]).head(1)
+    kind = first["op"].astype(str) + ":" + pd.to_numeric(first["peer"]).astype(int).astype(str)
+    usual = kind.groupby(first["rank"].astype(str)).agg(lambda k: k.mode().iloc[0])
+    prev = {str(r): (k.split(":")[1] if k.startswith("recv:") else None) for r, k in usual.items()}
     if set(prev) != set(ranks):
         return None
     coords: dict[str, tuple[int, str]] = {}
