@@ -100,5 +100,5 @@ def test_diagnose_runs_the_what_if_itself_on_several_ranks(runs):
 
 
 def test_one_rank_gets_no_what_if():
-    run = traindx.load_run(os.path.join(DATA, "cpu-gc-hook"))
+    run = traindx.load_run(os.path.join(DATA, "cpu-gc-hook", "run"))
     assert whatif_run.analyze(run) == []
