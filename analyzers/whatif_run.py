@@ -5,8 +5,8 @@ here only where it matters:
 
 - a stage, sequence lengths or an op type at fault: at the judged severity (no per-rank analyzer
   sees those);
-- one worker: at most low (the ranks analyzer names the late rank and why; the what-if adds what
-  fixing it gives the job);
+- one worker: a note (info: the ranks analyzer names the late rank and why, and judges it; the
+  what-if adds what fixing it gives the job, and never changes the verdict);
 - spread, a healthy job, the replay's fit: nothing (the full analysis says them).
 
 A run of one rank, or whose ops cannot be replayed (no common steps, a schedule the model does
@@ -31,7 +31,6 @@ DECLARATION = Declaration(
     cross_rank=True,
 )
 KEPT = {"whatif.stage", "whatif.sequence_lengths", "whatif.optype"}
-SEVERITY_RANK = {"info": 0, "low": 1, "medium": 2, "high": 3}
 
 
 def analyze(run: RunRecord) -> list[Finding]:
@@ -45,10 +44,10 @@ def analyze(run: RunRecord) -> list[Finding]:
     result.runq_share = runq_share(run)
     out = []
     for f in judge(result, source="this run"):
-        if SEVERITY_RANK.get(f.severity, 0) == 0:
+        if f.severity == "info":
             continue
         if f.id in KEPT:
             out.append(replace(f, analyzer=DECLARATION.name))
         elif f.id == "whatif.one_worker":
-            out.append(replace(f, analyzer=DECLARATION.name, severity="low"))
+            out.append(replace(f, analyzer=DECLARATION.name, severity="info"))
     return out
