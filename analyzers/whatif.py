@@ -11,9 +11,10 @@ Categories, first that holds:
   its tail (mean / median - 1) is twice any other type's, and those others are steady (tail
   under 25 %: on a noisy host every type varies, and none is at fault);
 - spread: none of these alone (noise-like variation: at most a low finding, nothing to fix);
-  also an op type's straggling, or a worker that alone costs under 20 %, on a host whose
-  training threads waited for a CPU 5 % of the step or more (a run folder's run-queue record):
-  the host, not the op or the worker, varies.
+  also an op type's straggling, a worker that alone costs under 20 %, or a stage that computes
+  less than 10 % more than the others, on a host whose training threads waited for a CPU 5 % of
+  the step or more (a run folder's run-queue record): the host, not the op, the worker or the
+  split, varies.
 The op table's own timer names are the only vocabulary: no job, file or flag of ours is keyed on.
 """
 
@@ -28,6 +29,7 @@ SPREAD_MIN = 0.05  # micro-batch compute times differing by 5 % (coefficient of 
 CORRELATION_MIN = 0.5
 OVERSUBSCRIBED = 0.05  # training threads runnable but off-CPU this share of the step: a busy host
 BUSY_HOST_WORKER = 0.2  # ... where a worker is named only if it alone costs 20 % of the step
+BUSY_HOST_STAGE = 0.1  # ... and a stage only if it computes 10 % more than the others
 MODEL_FIT = 0.10  # replayed steps this far (relative) from the recorded ones: say the model may not fit
 HEALTHY_BELOW = 1.05  # S under 5 %: no straggler finding above a note
 OVER_ITS_TIME = 1.3  # an op type at fault: its share of the slowdown over 1.3 x its share of the work
@@ -46,8 +48,22 @@ def _severity(slowdown: float) -> str:
     return "info"
 
 
+def _heaviest_stage(r: WhatIf) -> int | None:
+    """The stage whose fix removes at least half the slowdown (the most), None if none does."""
+    if not r.stage_share or r.layout.pp < 2:
+        return None
+    stage = max(r.stage_share, key=lambda s: r.stage_share[s])
+    return stage if r.stage_share[stage] >= DECISIVE_SHARE else None
+
+
 def category(r: WhatIf) -> tuple[str, str]:
-    """(category, what it names): one_worker / sequence_lengths / stage / optype / spread."""
+    """(category, what it names): one_worker / sequence_lengths / stage / optype / spread.
+
+    With one pipeline (DP 1) each stage is one worker: timing cannot tell a slow node from a
+    stage that carries more work, and the stage's split, which the user controls, is named."""
+    single = _heaviest_stage(r) if r.layout.dp == 1 else None
+    if single is not None:
+        return "stage", _stage_name(single, r.layout.pp)
     if r.m_w >= DECISIVE_SHARE:
         return "one_worker", _workers(r)
     if (
@@ -56,10 +72,9 @@ def category(r: WhatIf) -> tuple[str, str]:
         and (r.mb_correlation or 0.0) >= CORRELATION_MIN
     ):
         return "sequence_lengths", "micro-batches of unequal length across DP ranks"
-    if r.stage_share and r.layout.pp > 1:
-        stage = max(r.stage_share, key=lambda s: r.stage_share[s])
-        if r.stage_share[stage] >= DECISIVE_SHARE:
-            return "stage", _stage_name(stage, r.layout.pp)
+    stage = _heaviest_stage(r)
+    if stage is not None:
+        return "stage", _stage_name(stage, r.layout.pp)
     if r.optype_share:
         optype = max(r.optype_share, key=lambda o: r.optype_share[o])
         share = r.optype_share[optype]
@@ -95,10 +110,15 @@ def _pct(x: float) -> str:
     return f"{x * 100:.0f} %"
 
 
-def _stage_prescription(r: WhatIf, stage: int, gain: float) -> Prescription:
+def _stage_excess(r: WhatIf, stage: int) -> float:
+    """How much more the stage computes per step than the others' mean (0.5: 50 % more)."""
     loads = r.stage_compute
     others = [v for s, v in loads.items() if s != stage]
-    excess = loads.get(stage, 0.0) / (sum(others) / len(others)) - 1 if others and sum(others) > 0 else 0.0
+    return loads.get(stage, 0.0) / (sum(others) / len(others)) - 1 if others and sum(others) > 0 else 0.0
+
+
+def _stage_prescription(r: WhatIf, stage: int, gain: float) -> Prescription:
+    excess = _stage_excess(r, stage)
     keep = 1 / (1 + excess) if excess > 0 else 1.0
     if stage == r.layout.pp - 1:
         flag, extra = "--decoder-last-pipeline-num-layers", "--account-for-loss-in-pipeline-split"
@@ -111,6 +131,12 @@ def _stage_prescription(r: WhatIf, stage: int, gain: float) -> Prescription:
         f"step than the other stages; give it about {_pct(keep)} of their layer count (Megatron: {flag}"
         + (f", or {extra}" if extra else "")
         + ")"
+        + (
+            "; with one pipeline a slow node on that stage reads the same: if the stages hold equal "
+            "layers, check that node"
+            if r.layout.dp == 1
+            else ""
+        )
     )
     return Prescription("arg", summary, NoChange(), expected_gain_s_per_step=gain, command=f"{flag} N")
 
@@ -179,7 +205,11 @@ def judge(r: WhatIf, source: str) -> list[Finding]:
     severity = _severity(r.slowdown)
     oversubscribed = (r.runq_share or 0.0) >= OVERSUBSCRIBED
     top_cost = r.worker_score.get(r.top_workers[0], 1.0) - 1 if r.top_workers else 0.0
-    host_noise = kind in ("spread", "optype") or (kind == "one_worker" and top_cost < BUSY_HOST_WORKER)
+    host_noise = (
+        kind in ("spread", "optype")
+        or (kind == "one_worker" and top_cost < BUSY_HOST_WORKER)
+        or (kind == "stage" and _stage_excess(r, _heaviest_stage(r) or 0) < BUSY_HOST_STAGE)
+    )
     if oversubscribed and host_noise and severity != "info":
         kind, what = "spread", f"the host: ranks waited {_pct(r.runq_share or 0.0)} of each step for a CPU"
     if kind == "spread" and severity != "info":  # variation with no target: nothing to fix
@@ -225,7 +255,8 @@ def judge(r: WhatIf, source: str) -> list[Finding]:
         stage = max(r.stage_share, key=lambda s: r.stage_share[s])
         share = r.stage_share[stage]
         worker_stages = {s for s, _ in r.top_workers} if kind == "one_worker" else set()
-        if share >= DECISIVE_SHARE and r.layout.pp > 1 and stage not in worker_stages:
+        noise = oversubscribed and _stage_excess(r, stage) < BUSY_HOST_STAGE
+        if share >= DECISIVE_SHARE and r.layout.pp > 1 and stage not in worker_stages and not noise:
             findings.append(
                 Finding(
                     "whatif.stage",

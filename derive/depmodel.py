@@ -224,14 +224,40 @@ def _program_order(b: _Builder) -> None:
             b.group([int(i)], dp_sync=b.layout.dp_sync)
 
 
+def _serial_pipeline(b: _Builder) -> None:
+    """Blocking calls on one thread per rank (a traindx run folder): each stage runs its ops in
+    recorded order, whatever the schedule (GPipe, 1F1B, ...); the k-th forward send of a stage
+    meets the k-th forward receive of the next stage, the k-th backward send the k-th backward
+    receive of the previous one; collectives join the stage's ranks of every DP rank."""
+    lay = b.layout
+    for stage in range(lay.pp):
+        b.chain([int(i) for i in b.tpl.index[b.tpl["pp"] == stage]])
+    pairs = ((OpType.FWD_SEND, OpType.FWD_RECV, 1), (OpType.BWD_SEND, OpType.BWD_RECV, -1))
+    for stage in range(lay.pp):
+        for send, recv, step in pairs:
+            if 0 <= stage + step < lay.pp:
+                sends, recvs = b.ops(stage, send), b.ops(stage + step, recv)
+                for k in range(min(len(sends), len(recvs))):
+                    b.group([sends[k], recvs[k]], dp_sync=False)
+    for i, optype in zip(b.tpl.index, b.tpl["optype"], strict=True):
+        if is_dp_collective(str(optype)) or optype == OpType.CLIP:
+            b.group([int(i)], dp_sync=lay.dp_sync)
+        elif optype in OpType.P2P:
+            b.group([int(i)], dp_sync=False)  # an unmatched send/recv: its own transfer only
+
+
 def build(table: pd.DataFrame, layout: Layout) -> DepModel:
     """The dependency model of the normalised op table `table` (`traindx.derive.optable`):
     a pipeline's (1F1B or interleaved) when the table has several stages or send/recv ops,
-    else program order on each rank."""
+    else program order on each rank; with `layout.serial`, program order on each stage and
+    its send/recv pairs across stages."""
     tpl = _template(table)
     b = _Builder(tpl, layout)
     if layout.pp == 1 and not tpl["optype"].isin(OpType.P2P).any():
         _program_order(b)
+        return _finish(b, tpl)
+    if layout.serial:
+        _serial_pipeline(b)
         return _finish(b, tpl)
     valid: dict[tuple[int, str], list[int]] = {}
     for stage in range(layout.pp):

@@ -72,6 +72,7 @@ class Layout:
     tp: int
     vpp: int  # model chunks per stage (1: no interleaving)
     dp_sync: bool  # data-parallel collectives present (dp > 1, or a context-parallel split)
+    serial: bool = False  # each rank's ops block one another (send/recv on the training thread)
 
     @property
     def workers(self) -> int:
@@ -118,19 +119,30 @@ def normalize(table: pd.DataFrame) -> pd.DataFrame:
     return out[list(COLUMNS)].reset_index(drop=True)
 
 
-def layout_of(table: pd.DataFrame, vpp: int | None = None, dp_sync: bool | None = None) -> Layout:
-    """The layout the table shows; `vpp` and `dp_sync` from the job's metadata when known."""
+def layout_of(
+    table: pd.DataFrame, vpp: int | None = None, dp_sync: bool | None = None, serial: bool = False
+) -> Layout:
+    """The layout the table shows; `vpp` and `dp_sync` from the job's metadata when known;
+    `serial`: the ops were recorded as blocking calls of one thread per rank."""
     dp = int(table["dp"].max()) + 1
     pp = int(table["pp"].max()) + 1
     tp = int(table["tp"].max()) + 1
     if vpp is None:
         vpp = int(table["chunk"].max()) + 1 if (table["chunk"] >= 0).any() else 1
-    return Layout(dp=dp, pp=pp, tp=tp, vpp=max(1, vpp), dp_sync=dp > 1 if dp_sync is None else dp_sync)
+    return Layout(
+        dp=dp, pp=pp, tp=tp, vpp=max(1, vpp), dp_sync=dp > 1 if dp_sync is None else dp_sync, serial=serial
+    )
 
 
-def step_times(table: pd.DataFrame) -> pd.Series:
-    """Recorded wall time of each step: its last op's end less its first op's start."""
+def step_times(table: pd.DataFrame, per_rank: bool = False) -> pd.Series:
+    """Recorded wall time of each step: its last op's end less its first op's start; with
+    `per_rank`, the longest rank's (a pipeline's stages start a step at different times: the
+    last stage's ends before the first stage's does, and the next one starts then)."""
     end = table["start"] + table["duration"]
     frame = pd.DataFrame({"step": table["step"], "start": table["start"], "end": end})
+    if per_rank:
+        by_rank = frame.assign(rank=table["rank"]).groupby(["step", "rank"])
+        span = by_rank["end"].max() - by_rank["start"].min()
+        return span.groupby(level="step").max().rename("step_time")
     grouped = frame.groupby("step")
     return (grouped["end"].max() - grouped["start"].min()).rename("step_time")

@@ -7,7 +7,12 @@ all-reduces run inside backward, where no wrapper sees them: each backward is sp
 compute and a grads-all-reduce that every rank meets at (`split_ddp_backward`): at the span's
 grads_ready (the shim's clock at the last parameter gradient accumulated on that rank), or, in a
 run recorded without it, by an estimate.
-Every rank is a DP rank of one pipeline stage (our spans name no stage).
+A blocking send/recv (the shim's collective spans with op send/recv and the peer's rank) is a
+pipeline op: each rank's stage follows from its peers (`pipeline_coordinates`: a rank whose first
+point-to-point op in a step is a receive sits one stage after the rank it receives from; one that
+sends first is a first stage), a send to a later stage is a forward-send, to an earlier one a
+backward-send, and likewise the receives; the forward and backward spans between them are the
+micro-batches' computes. A run without send/recv is one stage of DP ranks.
 
 Pure computation: no judgement.
 """
@@ -47,38 +52,23 @@ def from_run(run: RunView) -> pd.DataFrame:
     if ddp:
         optype = optype.replace({OpType.BWD: DDP_BACKWARD})
     spans["optype"] = optype
-    spans = spans[spans["optype"].notna() & ~spans["optype"].astype(str).str.endswith(("send", "recv"))]
     ranks = sorted(steps["rank"].astype(str).unique(), key=lambda r: (len(r), r))
     rank_ix = {r: i for i, r in enumerate(ranks)}
+    spans = spans[spans["optype"].notna()]
+    coords = pipeline_coordinates(_in_steps(spans, steps), ranks) if "peer" in spans else None
+    if coords is not None:
+        spans = spans.assign(optype=_p2p_optypes(spans, coords))
+        spans = spans[spans["optype"].notna()]
+    else:
+        spans = spans[~spans["optype"].astype(str).str.endswith(("send", "recv"))]
     rows = []
     for rank, own in spans.groupby(spans["rank"].astype(str)):
         windows = steps[steps["rank"].astype(str) == rank].sort_values("start_ns")
         if not len(windows) or rank not in rank_ix:
             continue
-        starts = windows["start_ns"].to_numpy(np.int64)
-        ends = windows["end_ns"].to_numpy(np.int64)
-        s = own["start"].to_numpy(np.int64)
-        k = np.searchsorted(starts, s, side="right") - 1
-        inside = (k >= 0) & (s < ends[np.clip(k, 0, None)])
-        own = own[inside]
-        ready = (
-            pd.to_numeric(own["grads_ready"], errors="coerce").to_numpy(dtype=float) / 1e9
-            if "grads_ready" in own
-            else np.full(len(own), np.nan)
-        )
-        rows.append(
-            pd.DataFrame(
-                {
-                    "rank": rank_ix[rank],
-                    "dp": rank_ix[rank],
-                    "step": windows["step"].to_numpy()[k[inside]],
-                    "optype": own["optype"].astype(str).to_numpy(),
-                    "start": own["start"].to_numpy(np.int64) / 1e9,
-                    "duration": (own["t"].to_numpy(np.int64) - own["start"].to_numpy(np.int64)) / 1e9,
-                    "ready": ready,
-                }
-            )
-        )
+        pp, dp = coords[rank] if coords is not None else (0, rank_ix[rank])
+        frame = _rank_rows(own, windows).assign(rank=rank_ix[rank], dp=dp, pp=pp)
+        rows.append(_host_gaps(frame, windows) if coords is not None else frame)
     if not rows:
         return pd.DataFrame()
     table = pd.concat(rows, ignore_index=True)
@@ -86,17 +76,152 @@ def from_run(run: RunView) -> pd.DataFrame:
     # steps every rank ran (a rank's first or last partial step is not comparable)
     per_step = table.groupby("step")["rank"].nunique()
     table = table[table["step"].isin(per_step.index[per_step == len(ranks)])]
+    table = _whole_steps(table)
     if table.empty:
         return table
-    # the same ops on every rank: keep (optype, seq) pairs every rank recorded in every step
+    # the same ops on every rank of a stage: keep (stage, optype, seq) its ranks recorded in every step
     table = normalize(table)
-    counts = table.groupby(["optype", "seq"], observed=True)[["rank", "step"]].nunique()
+    per_stage = table.groupby("pp")["rank"].nunique()
+    counts = table.groupby(["pp", "optype", "seq"], observed=True)[["rank", "step"]].nunique()
     n_steps = table["step"].nunique()
-    full = counts[(counts["rank"] == len(ranks)) & (counts["step"] == n_steps)].index
-    keep = pd.MultiIndex.from_frame(table[["optype", "seq"]].astype({"optype": str})).isin(
-        [(str(o), int(s)) for o, s in full]
-    )
+    stage_ranks = per_stage.reindex(counts.index.get_level_values("pp")).to_numpy()
+    full = counts[(counts["rank"].to_numpy() == stage_ranks) & (counts["step"] == n_steps)].index
+    keys = table[["pp", "optype", "seq"]].astype({"optype": str})
+    keep = pd.MultiIndex.from_frame(keys).isin([(int(p), str(o), int(s)) for p, o, s in full])
     return table[keep].reset_index(drop=True)
+
+
+def _whole_steps(table: pd.DataFrame) -> pd.DataFrame:
+    """The steps where every rank recorded its usual number of ops (a first step whose window
+    opened after its first op, a step cut short, would shift every later op's order)."""
+    counts = table.groupby(["rank", "step"]).size()
+    usual = counts.groupby(level="rank").agg(lambda c: c.mode().iloc[0])
+    ok = (
+        (counts == usual.reindex(counts.index.get_level_values("rank")).to_numpy())
+        .groupby(level="step")
+        .all()
+    )
+    whole = ok.index[ok]
+    return table[table["step"].isin(whole)] if len(whole) else table
+
+
+def _rank_rows(own: pd.DataFrame, windows: pd.DataFrame) -> pd.DataFrame:
+    """One rank's spans inside its steps (windows sorted by start) as op rows."""
+    starts = windows["start_ns"].to_numpy(np.int64)
+    ends = windows["end_ns"].to_numpy(np.int64)
+    s = own["start"].to_numpy(np.int64)
+    k = np.searchsorted(starts, s, side="right") - 1
+    inside = (k >= 0) & (s < ends[np.clip(k, 0, None)])
+    own = own[inside]
+    ready = (
+        pd.to_numeric(own["grads_ready"], errors="coerce").to_numpy(dtype=float) / 1e9
+        if "grads_ready" in own
+        else np.full(len(own), np.nan)
+    )
+    return pd.DataFrame(
+        {
+            "step": windows["step"].to_numpy()[k[inside]],
+            "optype": own["optype"].astype(str).to_numpy(),
+            "start": own["start"].to_numpy(np.int64) / 1e9,
+            "duration": (own["t"].to_numpy(np.int64) - own["start"].to_numpy(np.int64)) / 1e9,
+            "ready": ready,
+        }
+    )
+
+
+def _host_gaps(frame: pd.DataFrame, windows: pd.DataFrame) -> pd.DataFrame:
+    """The rank's own time between its recorded ops (from the step's start): a `host` op before
+    every op (zero long where the ops touch, so that every step holds the same ops). Between
+    blocking calls of one thread the gap is the thread's own work (Python, copies, the loss),
+    never a wait: a replay without it would lose that time."""
+    if frame.empty:
+        return frame
+    frame = frame.sort_values(["step", "start"], kind="stable")
+    step_start = windows.set_index("step")["start_ns"].astype(np.int64) / 1e9
+    ends = (frame["start"] + frame["duration"]).to_numpy()
+    same = frame["step"].to_numpy()[1:] == frame["step"].to_numpy()[:-1]
+    prev = np.empty(len(frame))
+    prev[0] = np.nan
+    prev[1:] = np.where(same, np.maximum.accumulate(ends)[:-1], np.nan)
+    first = np.isnan(prev)
+    prev[first] = step_start.reindex(frame["step"].to_numpy()[first]).to_numpy()
+    gap = np.clip(np.nan_to_num(frame["start"].to_numpy() - prev), 0.0, None)
+    host = frame.assign(optype="host", start=frame["start"].to_numpy() - gap, duration=gap, ready=np.nan)
+    return pd.concat([frame, host], ignore_index=True).sort_values(["step", "start"], kind="stable")
+
+
+def _in_steps(spans: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
+    """The spans that fall inside one of their rank's steps, with that step (`in_step`)."""
+    step = np.full(len(spans), -1, dtype=np.int64)
+    rank_of = spans["rank"].astype(str).to_numpy()
+    start = spans["start"].to_numpy(np.int64)
+    for rank, windows in steps.groupby(steps["rank"].astype(str)):
+        mine = rank_of == rank
+        w = windows.sort_values("start_ns")
+        starts, ends = w["start_ns"].to_numpy(np.int64), w["end_ns"].to_numpy(np.int64)
+        k = np.searchsorted(starts, start[mine], side="right") - 1
+        inside = (k >= 0) & (start[mine] < ends[np.clip(k, 0, None)])
+        step[mine] = np.where(inside, w["step"].to_numpy(np.int64)[np.clip(k, 0, None)], -1)
+    return spans.assign(in_step=step)[step >= 0]
+
+
+def pipeline_coordinates(spans: pd.DataFrame, ranks: list[str]) -> dict[str, tuple[int, int]] | None:
+    """Each rank's (stage, pipeline) from its blocking send/recv spans inside steps, None when the
+    run has none or they do not form whole pipelines (every pipeline with the same stages).
+
+    A rank's first point-to-point op in a step (the most common over its steps: a step window
+    may open after it) decides: a receive from rank q puts it one stage after q (GPipe, 1F1B
+    and their kin all start a step by passing the first micro-batch forward), a send makes it
+    a first stage. The pipeline (the DP coordinate) is the first stage it leads
+    back to, numbered in rank order."""
+    p2p = spans[(spans["cat"] == "collective") & spans["op"].astype(str).isin(["send", "recv"])]
+    p2p = p2p[pd.to_numeric(p2p["peer"], errors="coerce").notna()]
+    if p2p.empty:
+        return None
+    first = p2p.sort_values("start").groupby([p2p["rank"].astype(str), p2p["in_step"]]).head(1)
+    kind = first["op"].astype(str) + ":" + pd.to_numeric(first["peer"]).astype(int).astype(str)
+    usual = kind.groupby(first["rank"].astype(str)).agg(lambda k: k.mode().iloc[0])
+    prev = {str(r): (k.split(":")[1] if k.startswith("recv:") else None) for r, k in usual.items()}
+    if set(prev) != set(ranks):
+        return None
+    coords: dict[str, tuple[int, str]] = {}
+    for rank in ranks:
+        chain: list[str] = []
+        r: str | None = rank
+        while r is not None and r not in coords:
+            if r in chain or r not in prev:
+                return None  # a cycle, or a peer that ran no steps
+            chain.append(r)
+            r = prev[r]
+        stage, root = (-1, chain[-1]) if r is None else coords[r]
+        for c in reversed(chain):
+            stage += 1
+            coords[c] = (stage, root)
+    roots = sorted({root for _, root in coords.values()}, key=lambda r: (len(r), r))
+    out = {r: (stage, roots.index(root)) for r, (stage, root) in coords.items()}
+    pp = max(s for s, _ in out.values()) + 1
+    if pp < 2 or len(out) != pp * len(roots) or len(set(out.values())) != len(out):
+        return None
+    return out
+
+
+def _p2p_optypes(spans: pd.DataFrame, coords: dict[str, tuple[int, int]]) -> pd.Series:
+    """forward/backward-send/recv by the peer's stage (before or after the rank's); None for a
+    send/recv with a peer outside the pipelines."""
+    stage = {r: s for r, (s, _) in coords.items()}
+    is_p2p = ((spans["cat"] == "collective") & spans["op"].astype(str).isin(["send", "recv"])).to_numpy()
+    mine = spans["rank"].astype(str).map(stage).to_numpy(dtype=float)
+    peer = pd.to_numeric(spans["peer"], errors="coerce")
+    theirs = peer.map(lambda q: stage.get(str(int(q)), np.nan) if pd.notna(q) else np.nan).to_numpy(
+        dtype=float
+    )
+    send = (spans["op"].astype(str) == "send").to_numpy()
+    forward = (theirs > mine) == send
+    named = np.where(forward, "forward-", "backward-") + np.where(send, "send", "recv")
+    valid = np.isfinite(mine) & np.isfinite(theirs) & (mine != theirs)
+    optype = spans["optype"].astype(object).to_numpy().copy()
+    optype[is_p2p] = np.where(valid[is_p2p], named[is_p2p], None)
+    return pd.Series(optype, index=spans.index)
 
 
 def split_ddp_backward(table: pd.DataFrame) -> pd.DataFrame:

@@ -58,6 +58,8 @@ class WhatIf:
     balance_dp_speedup: float = 1.0  # replayed / each compute op at its mean over the DP ranks
     m_s: float = 0.0  # the last stage
     stage_share: dict[int, float] = field(default_factory=dict)
+    stage_speedup: dict[int, float] = field(default_factory=dict)  # replayed / that stage made ideal
+    balance_stages_speedup: float = 1.0  # replayed / each compute op at its mean over the stages
     m_q: float = 0.0
     mb_spread: float | None = None
     mb_correlation: float | None = None
@@ -101,6 +103,8 @@ class WhatIf:
             "by_dp": {str(k): v for k, v in self.by_dp.items()},
             "by_stage": {str(k): v for k, v in self.by_stage.items()},
             "stage_share": {str(k): v for k, v in self.stage_share.items()},
+            "stage_speedup": {str(k): v for k, v in self.stage_speedup.items()},
+            "balance_stages_speedup": self.balance_stages_speedup,
             "top_workers": [{"stage": s, "dp": d} for s, d in self.top_workers],
             "worker_score": [
                 {"stage": s, "dp": d, "score": v} for (s, d), v in sorted(self.worker_score.items())
@@ -128,6 +132,27 @@ def _stagewise_work(model: depmodel.DepModel, cube: replay.Cube) -> np.ndarray:
         values = cube.work[nodes][cube.present[nodes]]
         if values.size:
             work[nodes] = float(values.mean())
+    return work
+
+
+def _stages_balanced(model: depmodel.DepModel, cube: replay.Cube) -> np.ndarray:
+    """The recorded work with each compute op at the mean of the same op (type and order) over
+    the stages, in its step and DP rank: the layers moved until every stage computes alike,
+    the step-to-step and communication variation kept."""
+    work: np.ndarray = cube.work.copy()
+    nodes_ = model.nodes
+    keys = nodes_["optype"].astype(str) + "|" + nodes_["seq"].astype(str)
+    for key in pd.unique(keys):
+        nodes = np.flatnonzero(keys.to_numpy() == key)
+        if len(nodes) < 2 or optable.is_comm(str(nodes_["optype"].iloc[nodes[0]])):
+            continue
+        if str(nodes_["optype"].iloc[nodes[0]]) not in OpType.COMPUTE:
+            continue
+        present = cube.present[nodes]
+        total = np.where(present, cube.work[nodes], 0.0).sum(axis=0)
+        count = present.sum(axis=0)
+        mean = np.divide(total, count, out=np.zeros_like(total), where=count > 0)
+        work[nodes] = np.where(count > 0, mean, cube.work[nodes])
     return work
 
 
@@ -185,9 +210,12 @@ class _Ctx:
     t_ideal: float
 
 
-def analyze(table: pd.DataFrame, vpp: int | None = None, dp_sync: bool | None = None) -> WhatIf:
-    """The what-if analysis of a normalised op table (`traindx.derive.optable.normalize`)."""
-    layout = optable.layout_of(table, vpp=vpp, dp_sync=dp_sync)
+def analyze(
+    table: pd.DataFrame, vpp: int | None = None, dp_sync: bool | None = None, serial: bool = False
+) -> WhatIf:
+    """The what-if analysis of a normalised op table (`traindx.derive.optable.normalize`);
+    `serial`: each rank's ops were blocking calls of one thread (a traindx run folder)."""
+    layout = optable.layout_of(table, vpp=vpp, dp_sync=dp_sync, serial=serial)
     model = depmodel.build(table, layout)
     cube = replay.cube(table, model, layout.dp)
     node_optype = model.nodes["optype"].astype(str)
@@ -195,7 +223,8 @@ def analyze(table: pd.DataFrame, vpp: int | None = None, dp_sync: bool | None = 
     both = replay.replay(model, np.stack([cube.work, ideal], axis=1), keep=True)
     t_rep_steps, t_ideal_steps = both.step_time[0], both.step_time[1]
     t_ori, t_ideal = float(t_rep_steps.mean()), float(t_ideal_steps.mean())
-    recorded = optable.step_times(table).reindex(cube.steps).to_numpy()
+    per_rank = layout.serial and layout.pp > 1
+    recorded = optable.step_times(table, per_rank=per_rank).reindex(cube.steps).to_numpy()
     res = WhatIf(
         layout=layout,
         steps=[int(s) for s in cube.steps],
@@ -263,6 +292,7 @@ def _fixes(res: WhatIf, c: _Ctx) -> None:
     res.m_w = _share(c.t_ori, float(fixed[0]), c.t_ideal)
     res.stage_share = {st: _share(c.t_ori, float(fixed[1 + st]), c.t_ideal) for st in range(pp)}
     res.m_s = res.stage_share[pp - 1]
+    res.stage_speedup = {st: c.t_ori / float(fixed[1 + st]) if fixed[1 + st] > 0 else 1.0 for st in range(pp)}
     res.optype_share = {
         o: _share(c.t_ori, float(fixed[1 + pp + k]), c.t_ideal) for k, o in enumerate(c.optypes)
     }
@@ -271,15 +301,17 @@ def _fixes(res: WhatIf, c: _Ctx) -> None:
     balanced = c.rec.copy()
     compute = ~c.node_optype.map(optable.is_comm).to_numpy()
     balanced[compute] = np.broadcast_to(c.rec[compute].mean(axis=-1, keepdims=True), c.rec[compute].shape)
-    t_top, t_even, t_within = (
+    t_top, t_even, t_within, t_stages = (
         float(replay.replay_mixed(c.model, c.rec, alt, [mask])[0])
         for alt, mask in (
             (others, top),
             (balanced, everything),
             (_stagewise_work(c.model, c.cube), everything),
+            (_stages_balanced(c.model, c.cube) if pp > 1 else c.rec, everything),
         )
     )
     res.fix_top_speedup = c.t_ori / t_top if t_top > 0 else 1.0
+    res.balance_stages_speedup = c.t_ori / t_stages if t_stages > 0 else 1.0
     res.balance_dp_speedup = c.t_ori / t_even if t_even > 0 else 1.0
     res.m_q = _share(c.t_ori, t_within, c.t_ideal)
     total = float(c.ideal.sum())

@@ -58,6 +58,7 @@ def test_every_analyzer_module_declares_itself_and_the_registry_keeps_its_order(
         "gpu_idle",
         "gpu_math",
         "ranks",
+        "whatif_run",
         "stability",
         "hooks",
         "param_use",
@@ -68,7 +69,7 @@ def test_every_analyzer_module_declares_itself_and_the_registry_keeps_its_order(
         "stopped",
     ]
     assert analyzers.JUDGES == ["step_causes", "verdict"]
-    assert {"steps", "ranks", "gpu_clocks"} == analyzers.CROSS_RANK
+    assert {"steps", "ranks", "gpu_clocks", "whatif_run"} == analyzers.CROSS_RANK
 
 
 @pytest.fixture(scope="module")

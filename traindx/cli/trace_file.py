@@ -47,7 +47,7 @@ def analyze_run(path: str) -> tuple[whatif.WhatIf, list[Finding]]:
     if table.empty or table["rank"].nunique() < 2:
         raise UserError(f"{path}: no spans of several ranks in common steps: nothing to replay across ranks")
     try:
-        result = whatif.analyze(table)
+        result = whatif.analyze(table, serial=True)
     except depmodel.ModelError as exc:
         raise UserError(f"{path}: {exc}") from None
     result.runq_share = runq_share(record)
