@@ -76,6 +76,7 @@ def host_info() -> dict[str, Any]:
 
 
 # -- one run per folder ----------------------------------------------------------------------
+CAPTURED = "captured"  # --fix: what an arm wrote in its view, and its private copies of the job's folders
 LOCK_NAME = ".traindx.lock"
 # what a run folder holds once a run was recorded into it (any one: the folder is taken)
 RUN_EVIDENCE = ("manifest.json", "events", "log.txt", "pyspy", "nvml.csv", "trace", "findings.json")
@@ -147,7 +148,9 @@ def claim_run_dir(run_dir: str) -> RunLock:
 
 def _refuse_links(run_dir: str) -> None:
     """A run folder is traindx's alone: one that holds a symbolic link (to a file or a folder
-    elsewhere, which a write of ours would go through) is refused."""
+    elsewhere, which a write of ours would go through) is refused. --fix's own CAPTURED folder is
+    not walked: an arm's private copies of the job's folders keep their links as they are (a
+    copy of /usr/local holds cuda -> /etc/alternatives/cuda), and no write of ours goes there."""
     for folder, dirs, files in os.walk(run_dir):  # os.walk does not descend into linked folders
         for name in dirs + files:
             path = os.path.join(folder, name)
@@ -156,6 +159,8 @@ def _refuse_links(run_dir: str) -> None:
                     f"{run_dir} holds a symbolic link ({os.path.relpath(path, run_dir)} -> "
                     f"{os.readlink(path)}): a run folder is traindx's alone; give a new --run-dir"
                 )
+        if folder == run_dir and CAPTURED in dirs:
+            dirs.remove(CAPTURED)  # a real folder (a planted link was refused above)
 
 
 def _refuse_a_used_folder(run_dir: str) -> None:

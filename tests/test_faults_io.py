@@ -263,3 +263,33 @@ def test_a_job_stopped_by_sigstop_is_told_so_and_no_cause_in_its_code(tmp_path):
     assert "(the job was stopped (SIGSTOP))" in err  # the slowest step's cause
     loud = [f["title"] for f in findings if f["severity"] in ("medium", "high", "critical")]
     assert not loud, loud
+
+
+def test_fix_arms_own_copies_of_the_jobs_folders_may_hold_links(tmp_path):
+    """--fix's arm folder holds private copies of the job's folders with their links as they are
+    (on a GPU machine a copy of /usr/local holds cuda-13 -> /etc/alternatives/cuda-13): the run
+    is recorded; a link elsewhere in the same folder is still refused."""
+    (tmp_path / "job.py").write_text("print('ran')\n")
+    run_dir = tmp_path / "arm"
+    (run_dir / "captured" / "top-0").mkdir(parents=True)
+    (run_dir / "captured" / "top-0" / "cuda").symlink_to(tmp_path)
+    args = [
+        "--quiet",
+        "--no-pyspy",
+        "--no-nvml",
+        "--run-dir",
+        str(run_dir),
+        "--",
+        PY,
+        str(tmp_path / "job.py"),
+    ]
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        assert cli.main(args) == 0
+    assert os.path.exists(run_dir / "manifest.json")
+    other = tmp_path / "other"
+    (other / "captured").mkdir(parents=True)
+    (other / "notes").symlink_to(tmp_path)
+    err = io.StringIO()
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+        assert cli.main(args[:4] + [str(other)] + args[5:]) == 2
+    assert "symbolic link" in err.getvalue()

@@ -13,8 +13,8 @@ from typing import Any
 
 from traindx.common.copying import clone_or_copy
 from traindx.common.errors import UserError
+from traindx.profiler.manifest import CAPTURED
 
-CAPTURED = "captured"
 COPY_LIMIT_BYTES = 4 * 1024**3  # copy mode: a working folder larger than this is refused
 MAX_FILES = 100000
 LINKED_DIRS = {".git", ".hg", ".svn", ".venv", "venv", ".tox", "node_modules"}
