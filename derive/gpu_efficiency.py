@@ -21,7 +21,7 @@ import pandas as pd
 
 from traindx.derive import device_peaks, kernel_classes
 from traindx.derive.runview import RunView
-from traindx.derive.steady import events_of_type, profiled_steps
+from traindx.derive.steady import events_of_type, median_step_s, profiled_steps
 from traindx.derive.steptables import steady_median, step_table
 from traindx.profiler.torchtrace import GPU_CATS, _union_ns
 
@@ -44,15 +44,49 @@ class RankGpu:
     sync: dict[str, float] = field(default_factory=dict)  # sync_waits()
 
 
-def _window_bounds(run: RunView, rank: str, mine: pd.DataFrame) -> tuple[int, int, int] | None:
+def _window_bounds(run: RunView, rank: str, mine: pd.DataFrame) -> list[tuple[int, int]] | None:
+    """The profiled steps' own intervals (a window may skip a step and leaves out the profiler's
+    start and stop between steps: spanning them would count their seconds as GPU idle), else
+    the GPU events' extent as one step."""
     steps = run.rank_steps(rank)
     inside = steps[steps["step"].isin(profiled_steps(run).get(rank, set()))] if len(steps) else steps
     if len(inside):
-        return int(inside["start_ns"].min()), int(inside["end_ns"].max()), len(inside)
+        return [(int(a), int(b)) for a, b in zip(inside["start_ns"], inside["end_ns"]) if b > a] or None
     gpu = mine[mine["cat"].isin(GPU_CATS).to_numpy()]
     if not len(gpu):
         return None
-    return int(gpu["start_ns"].min()), int(gpu["end_ns"].max()), 1
+    return [(int(gpu["start_ns"].min()), int(gpu["end_ns"].max()))]
+
+
+def _busy_in(gpu: pd.DataFrame, spans: list[tuple[int, int]]) -> int:
+    """Nanoseconds the GPU was busy inside the spans (its events' union, clipped to each)."""
+    lo, hi = gpu["start_ns"].to_numpy(np.int64), gpu["end_ns"].to_numpy(np.int64)
+    total = 0
+    for start, end in spans:
+        keep = (hi > start) & (lo < end)
+        if keep.any():
+            total += _union_ns(np.clip(lo[keep], start, end), np.clip(hi[keep], start, end))[0]
+    return int(total)
+
+
+def _launched_in(mine: pd.DataFrame, spans: list[tuple[int, int]]) -> pd.DataFrame | None:
+    """The GPU events the profiled steps launched (by the launch's correlation id), wherever they
+    ran: a step that ends at the optimizer's launch runs its kernels during the next step, so
+    a step's own interval does not hold its GPU work. None when the trace has no correlations."""
+    if "correlation" not in mine.columns:
+        return None
+    host = mine[mine["cat"].isin(("cuda_runtime", "cuda_driver")).to_numpy()]
+    t = host["start_ns"].to_numpy(np.int64)
+    inside = np.zeros(len(host), dtype=bool)
+    for start, end in spans:
+        inside |= (t >= start) & (t < end)
+    ids = set(pd.to_numeric(host["correlation"][inside], errors="coerce").dropna().astype(np.int64))
+    if not ids:
+        return None
+    gpu = mine[mine["cat"].isin(GPU_CATS).to_numpy()]
+    mine_ids = pd.to_numeric(gpu["correlation"], errors="coerce")
+    launched = gpu[mine_ids.isin(ids).to_numpy()]
+    return launched if len(launched) else None
 
 
 def _compile_spans(run: RunView, rank: str) -> list[tuple[int, int]]:
@@ -94,7 +128,9 @@ def sync_waits(trace: pd.DataFrame, start_ns: int, end_ns: int, n_steps: int) ->
     that covers a queue of kernels costs only the GPU idle it leaves after."""
     rt = trace[(trace["cat"].to_numpy() == "cuda_runtime")]
     names = rt["name"].astype(str)
-    syncs = rt[(names.str.match(kernel_classes.SYNC_CALLS) | (names == "cudaMemcpy")).to_numpy()]
+    # a copy call blocks the host until its copy ends where the copy is synchronous: cudaMemcpy,
+    # and cudaMemcpyAsync to or from pageable memory (`.cpu()`); one that returns at once adds µs
+    syncs = rt[(names.str.match(kernel_classes.SYNC_CALLS) | names.str.startswith("cudaMemcpy")).to_numpy()]
     syncs = syncs[(syncs["start_ns"] >= start_ns).to_numpy() & (syncs["start_ns"] < end_ns).to_numpy()]
     n = max(int(n_steps), 1)
     out = {"calls": len(syncs) / n, "blocked_s": 0.0, "copy_s": 0.0, "dtoh_pageable_s": 0.0, "kernels_s": 0.0}
@@ -126,22 +162,30 @@ def rank_views(run: RunView) -> dict[str, RankGpu]:
     out = {}
     for rank in sorted(set(trace["rank"]), key=lambda r: (len(str(r)), str(r))):
         mine = trace[(trace["rank"] == rank).to_numpy()]
-        bounds = _window_bounds(run, str(rank), mine)
-        if bounds is None:
+        spans = _window_bounds(run, str(rank), mine)
+        if spans is None:
             continue
-        start, end, n = bounds
-        rows = kernel_classes.class_rows(mine, start, end, n, _compile_spans(run, str(rank)))
-        gpu = mine[mine["cat"].isin(GPU_CATS).to_numpy()]
-        gpu = gpu[(gpu["end_ns"] > start).to_numpy() & (gpu["start_ns"] < end).to_numpy()]
-        busy, _ = _union_ns(
-            np.clip(gpu["start_ns"].to_numpy(np.int64), start, end),
-            np.clip(gpu["end_ns"].to_numpy(np.int64), start, end),
-        )
+        n = len(spans)
+        gpu = _launched_in(mine, spans)
+        if gpu is None:  # no correlations: the GPU events inside the steps' intervals
+            start, end = spans[0][0], spans[-1][1]
+            busy = _busy_in(mine[mine["cat"].isin(GPU_CATS).to_numpy()], spans)
+            classed = mine
+        else:
+            start = min(spans[0][0], int(gpu["start_ns"].min()))
+            end = max(spans[-1][1], int(gpu["end_ns"].max()))
+            busy = _union_ns(gpu["start_ns"].to_numpy(np.int64), gpu["end_ns"].to_numpy(np.int64))[0]
+            classed = pd.concat([mine[~mine["cat"].isin(GPU_CATS).to_numpy()], gpu])
+        rows = kernel_classes.class_rows(classed, start, end, n, _compile_spans(run, str(rank)))
+        # a step's wall: the rank's steady median (the profiled steps themselves are perturbed:
+        # the profiler's start and stop drain the GPU between them), else the window's mean
+        window_s = sum(b - a for a, b in spans) / 1e9 / n
+        wall = median_step_s(run, str(rank)) or window_s
         counted = profiled_flops(run, str(rank))
         out[str(rank)] = RankGpu(
             rank=str(rank),
             steps=n,
-            wall_s=(end - start) / 1e9 / n,
+            wall_s=wall,
             busy_s=busy / 1e9 / n,
             rows=rows,
             families=kernel_classes.family_seconds(rows),

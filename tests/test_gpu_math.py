@@ -144,10 +144,21 @@ def test_recorded_h200_runs_gain_the_class_table_and_keep_their_findings():
 
 
 def test_a_gpu_run_without_a_cause_but_far_from_peak_is_not_called_healthy():
+    """The recorded healthy bf16 GEMM job keeps its GPU busy (its kernels, counted by the step that
+    launched them, fill the steady step) and is healthy; the same run with its GEMMs renamed to
+    elementwise kernels does no tensor-core math: not healthy, held back by memory-bound kernels,
+    and still nothing above info (no cause to prescribe)."""
     found = analyze(load(NONE))
+    assert next(f for f in found if f.id.startswith("verdict.")).id == "verdict.healthy"
+    eff = next(f for f in found if f.id == "gpu.efficiency")
+    assert eff.evidence["busy_share"] > 0.8
+    elementwise = "void at::native::vectorized_elementwise_kernel<8, at::native::AddFunctor<float> >(int)"
+    found = analyze(
+        _with_kernels_renamed(NONE, lambda c, n: elementwise if str(n).startswith("nvjet") else n)
+    )
     verdict = next(f for f in found if f.id.startswith("verdict."))
     assert verdict.id == "verdict.inefficient" and verdict.evidence["holds_back"]
-    assert "GPU idle" in verdict.title
+    assert "memory-bound kernels" in verdict.title
     assert [f for f in found if f.severity not in ("info",)] == []  # nothing above info
 
 
