@@ -1018,45 +1018,45 @@ def test_fix_engine_searches_past_a_broken_candidate_to_the_train_loader(tmp_pat
 @pytest.mark.serial  # it loads a core on purpose; its other arms need that core quiet
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs CPU affinity (Linux)")
 def test_an_arm_slowed_by_a_neighbour_is_measured_again_and_judged_by_its_quicker_run(tmp_path):
-    """Every arm runs on one core; during the first candidate arm only, three busy processes
-    share that core (a neighbour's job, real load): that arm runs ~4x slower and misses its predicted
-    gain. The loop measures it again, the candidate then the baseline (A B B A), judges each
-    side by its quicker run, and keeps the change with a significant gain."""
-    import subprocess
-    import sys
-
+    """During the first candidate arm only, a neighbour takes the job's core: each of that run's
+    steps waits twice as long as it ran (the job's --pause-file, by construction: 3x slower
+    whatever the machine's own load, so the arm misses its predicted gain). The loop measures it
+    again, the candidate then the baseline (A B B A), judges each side by its quicker run, and
+    keeps the change with a significant gain."""
     from traindx.cli.fixloop import FixOptions, _default_job, fix
     from traindx.profiler.launcher import Options
 
-    core = max(os.sched_getaffinity(0))
     order = []
+    pause = tmp_path / "neighbour"
+    work = tmp_path / "work"
+    work.mkdir()
 
     def run_job(command, run_dir, options):
         order.append(os.path.basename(run_dir))
-        burn = f"import os; os.sched_setaffinity(0, {{{core}}})\nwhile True: pass"
-        burners = [
-            subprocess.Popen([sys.executable, "-c", burn])
-            for _ in range(3 if os.path.basename(run_dir) == "candidate" else 0)
-        ]
-        saved = os.sched_getaffinity(0)
-        os.sched_setaffinity(0, {core})  # the launcher and the job it starts
+        if os.path.basename(run_dir) == "candidate":
+            pause.write_text("2")
         try:
             return _default_job(command, run_dir, options)
         finally:
-            os.sched_setaffinity(0, saved)
-            for p in burners:
-                p.kill()
-                p.wait()
+            pause.unlink(missing_ok=True)
 
     events = []
-    # a checkpoint every 2 steps (~2.5x of the step): on a core shared four ways the fixed
-    # arm is no faster than the quiet baseline
     result = fix(
-        [PY, _job("checkpoint_every.py"), "--save-every", "2", "--steps", "60", *SAVE_IN_MEMORY],
+        [
+            PY,
+            _job("checkpoint_every.py"),
+            "--save-every",
+            "2",
+            "--steps",
+            "60",
+            "--pause-file",
+            str(pause),
+            *SAVE_IN_MEMORY,
+        ],
         FixOptions(
             record=Options(steps=32, pyspy=False, extra_env={"OMP_NUM_THREADS": "1"}),
             run_dir=str(tmp_path / "fix"),
-            cwd=str(tmp_path),
+            cwd=str(work),
             tries=1,
             reporter=events.append,
             run_job=run_job,
@@ -1064,11 +1064,13 @@ def test_an_arm_slowed_by_a_neighbour_is_measured_again_and_judged_by_its_quicke
     )
     assert order == ["baseline", "candidate", "candidate-again", "baseline-again"], (order, result.arms)
     arm = result.arms[0]
-    assert arm["repeat"]["first"]["judged_speedup"] < arm["judged_speedup"], arm
-    # the loaded run is never the one judged
+    first = arm["repeat"]["first"]
+    # the disturbed run lost (it ran 3x its own pace): never the one judged
+    assert first["judged_speedup"] < 1, first
+    assert first["judged_speedup"] < arm["judged_speedup"], arm
     assert arm["repeat"]["judged_on"][1] == str(tmp_path / "fix" / "candidate-again"), arm
     assert arm["mechanism"] == "config" and result.best == arm["dir"], arm
-    assert arm["significant"] and arm["judged_speedup"] >= 1.5, arm
+    assert arm["significant"], arm
     assert any("measured again" in e.text for e in events)
     comparison = json.loads((tmp_path / "fix" / "candidate" / "comparison.json").read_text())
     assert any(p.startswith("measured twice") for p in comparison["problems"])
