@@ -400,6 +400,31 @@ def _line_finding(
         )
         if callback:
             summary, pres = _as_callback(g, where, callback, summary, pres, share)
+    return Finding(
+        id="host_work.framework_loop" if framework else "host_work.code",
+        title=title,
+        severity=severity,
+        analyzer=ANALYZER,
+        summary=summary,
+        steps_affected=tuple(period["steps"]) if period else (),
+        seconds_lost_per_step=seconds,
+        share_of_step=share,
+        evidence=_line_evidence(ctx, g, path, call, kind, src, period),
+        prescriptions=pres,
+        ranks=(ctx.rank,),
+    )
+
+
+def _line_evidence(
+    ctx: _Rank,
+    g: Group,
+    path: str,
+    call: str | None,
+    kind: str,
+    src: str | None,
+    period: dict[str, Any] | None,
+) -> dict[str, Any]:
+    """A host line's evidence: where it is, what it calls, how it was priced."""
     evidence: dict[str, Any] = {
         "rank": ctx.rank,
         "function": g["function"],
@@ -408,7 +433,7 @@ def _line_finding(
         "call": call,
         "kind": kind,
         "source": src,
-        "seconds_per_step": round(seconds, 5),
+        "seconds_per_step": round(g["seconds"], 5),
         "method": g["method"],
         "step_s": round(ctx.step_s, 5),
     }
@@ -419,19 +444,7 @@ def _line_finding(
             evidence[k] = g[k]
     if period:
         evidence["period"] = period
-    return Finding(
-        id="host_work.framework_loop" if framework else "host_work.code",
-        title=title,
-        severity=severity,
-        analyzer=ANALYZER,
-        summary=summary,
-        steps_affected=tuple(period["steps"]) if period else (),
-        seconds_lost_per_step=seconds,
-        share_of_step=share,
-        evidence=evidence,
-        prescriptions=pres,
-        ranks=(ctx.rank,),
-    )
+    return evidence
 
 
 def _as_callback(
