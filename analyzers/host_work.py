@@ -54,6 +54,7 @@ from traindx.analyzers.host_work_prescriptions import (
     _callback_dispatch,
     _callback_prescription,
     _prescriptions,
+    host_code_summary,
     kind_of,
 )
 from traindx.common.units import ordinal
@@ -384,7 +385,7 @@ def _line_finding(
         )
         severity = _severity(kind, share, ctx.has_gpu)
         what = KIND_TEXT[kind] + (f" ({call})" if call else "")
-        summary = _host_code_summary(g, src, where, what, share, period)
+        summary = host_code_summary(g, src, where, what, share, period)
         pres = tuple(
             _prescriptions(
                 kind,
@@ -457,35 +458,6 @@ def _as_callback(
     )
     rest = tuple(p for p in pres if "DataLoader" not in p.summary)
     return summary, tuple(_callback_prescription(g, where, callback, g["seconds"], share)) + rest
-
-
-def _host_code_summary(
-    g: Group, src: str | None, where: str, what: str, share: float, period: dict[str, Any] | None
-) -> str:
-    seconds = g["seconds"]
-    summary = (
-        f"The training thread spends {seconds:.3f} s a step ({share:.0%} of the "
-        f"step) at {where} in {g['function']}()"
-        + (f": `{src}`" if src else "")
-        + f", ending in {what}. No other line of "
-        "the ledger covers it: the step waits for it."
-    )
-    waited = g.get("runqueue_wait")
-    if waited and waited["step_s"] - waited["step_own_s"] > 0.001:
-        summary += (
-            f" The machine was loaded: the thread waited "
-            f"{(waited['step_s'] - waited['step_own_s']) * 1e3:.0f} ms of each "
-            f"{waited['step_s'] * 1e3:.0f} ms step for a core "
-            f"({waited['line_runq_s'] * 1e3:.0f} ms of it at this line); the share "
-            f"is of the {waited['step_own_s'] * 1e3:.0f} ms it ran or blocked."
-        )
-    if period:
-        summary += (
-            f" It differs from step to step: every {ordinal(period['period'])} step "
-            f"(steps ≡ {period['residue']} mod {period['period']}) the "
-            f"{period['label']} line is {period['excess_s'] * 1e3:.0f} ms longer."
-        )
-    return summary
 
 
 def _periodic_line_finding(
