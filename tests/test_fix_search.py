@@ -164,7 +164,7 @@ def test_fix_engine_searches_past_a_broken_candidate_to_the_train_loader(tmp_pat
 
 
 @pytest.mark.slow
-@pytest.mark.serial  # it loads a core on purpose; its other arms need that core quiet
+@pytest.mark.serial  # the checkpoint job's period-2 cost, judged by its mean: alone, as below
 def test_an_arm_slowed_by_a_neighbour_is_measured_again_and_judged_by_its_quicker_run(tmp_path):
     """During the first candidate arm only, a neighbour takes the job's core: each of that run's
     steps waits four times as long as it ran (the job's --pause-file, by construction: 5x slower
