@@ -477,6 +477,48 @@ def _in_process_per_batch(run: RunRecord, rank: str, measured: dict[str, Any]) -
     return float(per_step or measured.get("per_step_s") or 0.0) * len(led) / len(data)
 
 
+_LOADER_SETTINGS = (
+    "caller",
+    "source",
+    "num_workers",
+    "batch_size",
+    "pin_memory",
+    "prefetch_factor",
+    "persistent_workers",
+    "dataset",
+    "collate_fn",
+)
+
+
+def _evidence(
+    rank: str,
+    measured: dict[str, Any],
+    hot: list[Any],
+    loaded: Any,
+    trace_view: dict[str, Any] | None,
+    loader: dict[str, Any] | None,
+) -> dict[str, Any]:
+    """A starvation finding's evidence: the wait measured, where it was measured from, the
+    loader's settings."""
+    evidence: dict[str, Any] = {
+        "rank": rank,
+        "share_in_dataloader": round(measured["share"], 3),
+        "seconds_in_dataloader": round(measured["seconds"], 3),
+        "source": measured["source"],
+        "method": measured["method"],
+        "hottest_frames_inside": hot,
+    }
+    if measured.get("cpu_per_step_s") is not None:
+        evidence["cpu_in_dataloader_per_step_s"] = round(measured["cpu_per_step_s"], 4)
+    if loaded:
+        evidence["machine_loaded"] = loaded
+    if trace_view and measured["source"] != "torch.profiler":
+        evidence["torch_profiler"] = {k: trace_view[k] for k in ("share", "per_step_s", "steps")}
+    if loader:
+        evidence["dataloader"] = {k: loader.get(k) for k in _LOADER_SETTINGS}
+    return evidence
+
+
 def analyze(run: RunRecord) -> list[Finding]:
     findings = []
     ranks = sorted(set(run.steps["rank"])) if len(run.steps) else []
@@ -500,35 +542,7 @@ def analyze(run: RunRecord) -> list[Finding]:
         loader = _pick_loader(run, rank)
         hot = measured["hot"] or (trace_view or {}).get("hot") or []
         hot_function = hot[0]["frame"] if hot else None
-        evidence = {
-            "rank": rank,
-            "share_in_dataloader": round(share, 3),
-            "seconds_in_dataloader": round(measured["seconds"], 3),
-            "source": measured["source"],
-            "method": measured["method"],
-            "hottest_frames_inside": hot,
-        }
-        if measured.get("cpu_per_step_s") is not None:
-            evidence["cpu_in_dataloader_per_step_s"] = round(measured["cpu_per_step_s"], 4)
-        if loaded:
-            evidence["machine_loaded"] = loaded
-        if trace_view and measured["source"] != "torch.profiler":
-            evidence["torch_profiler"] = {k: trace_view[k] for k in ("share", "per_step_s", "steps")}
-        if loader:
-            evidence["dataloader"] = {
-                k: loader.get(k)
-                for k in (
-                    "caller",
-                    "source",
-                    "num_workers",
-                    "batch_size",
-                    "pin_memory",
-                    "prefetch_factor",
-                    "persistent_workers",
-                    "dataset",
-                    "collate_fn",
-                )
-            }
+        evidence = _evidence(rank, measured, hot, loaded, trace_view, loader)
         workers = (loader or {}).get("num_workers")
         settings = "" if workers is None else f" (num_workers={int(workers)})"
         prescriptions, severity = _unless_workers_cost_more(

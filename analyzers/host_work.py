@@ -54,6 +54,7 @@ from traindx.analyzers.host_work_prescriptions import (
     _callback_dispatch,
     _callback_prescription,
     _prescriptions,
+    host_code_summary,
     kind_of,
 )
 from traindx.common.units import ordinal
@@ -384,7 +385,7 @@ def _line_finding(
         )
         severity = _severity(kind, share, ctx.has_gpu)
         what = KIND_TEXT[kind] + (f" ({call})" if call else "")
-        summary = _host_code_summary(g, src, where, what, share, period)
+        summary = host_code_summary(g, src, where, what, share, period)
         pres = tuple(
             _prescriptions(
                 kind,
@@ -400,6 +401,31 @@ def _line_finding(
         )
         if callback:
             summary, pres = _as_callback(g, where, callback, summary, pres, share)
+    return Finding(
+        id="host_work.framework_loop" if framework else "host_work.code",
+        title=title,
+        severity=severity,
+        analyzer=ANALYZER,
+        summary=summary,
+        steps_affected=tuple(period["steps"]) if period else (),
+        seconds_lost_per_step=seconds,
+        share_of_step=share,
+        evidence=_line_evidence(ctx, g, path, call, kind, src, period),
+        prescriptions=pres,
+        ranks=(ctx.rank,),
+    )
+
+
+def _line_evidence(
+    ctx: _Rank,
+    g: Group,
+    path: str,
+    call: str | None,
+    kind: str,
+    src: str | None,
+    period: dict[str, Any] | None,
+) -> dict[str, Any]:
+    """A host line's evidence: where it is, what it calls, how it was priced."""
     evidence: dict[str, Any] = {
         "rank": ctx.rank,
         "function": g["function"],
@@ -408,7 +434,7 @@ def _line_finding(
         "call": call,
         "kind": kind,
         "source": src,
-        "seconds_per_step": round(seconds, 5),
+        "seconds_per_step": round(g["seconds"], 5),
         "method": g["method"],
         "step_s": round(ctx.step_s, 5),
     }
@@ -419,19 +445,7 @@ def _line_finding(
             evidence[k] = g[k]
     if period:
         evidence["period"] = period
-    return Finding(
-        id="host_work.framework_loop" if framework else "host_work.code",
-        title=title,
-        severity=severity,
-        analyzer=ANALYZER,
-        summary=summary,
-        steps_affected=tuple(period["steps"]) if period else (),
-        seconds_lost_per_step=seconds,
-        share_of_step=share,
-        evidence=evidence,
-        prescriptions=pres,
-        ranks=(ctx.rank,),
-    )
+    return evidence
 
 
 def _as_callback(
@@ -444,35 +458,6 @@ def _as_callback(
     )
     rest = tuple(p for p in pres if "DataLoader" not in p.summary)
     return summary, tuple(_callback_prescription(g, where, callback, g["seconds"], share)) + rest
-
-
-def _host_code_summary(
-    g: Group, src: str | None, where: str, what: str, share: float, period: dict[str, Any] | None
-) -> str:
-    seconds = g["seconds"]
-    summary = (
-        f"The training thread spends {seconds:.3f} s a step ({share:.0%} of the "
-        f"step) at {where} in {g['function']}()"
-        + (f": `{src}`" if src else "")
-        + f", ending in {what}. No other line of "
-        "the ledger covers it: the step waits for it."
-    )
-    waited = g.get("runqueue_wait")
-    if waited and waited["step_s"] - waited["step_own_s"] > 0.001:
-        summary += (
-            f" The machine was loaded: the thread waited "
-            f"{(waited['step_s'] - waited['step_own_s']) * 1e3:.0f} ms of each "
-            f"{waited['step_s'] * 1e3:.0f} ms step for a core "
-            f"({waited['line_runq_s'] * 1e3:.0f} ms of it at this line); the share "
-            f"is of the {waited['step_own_s'] * 1e3:.0f} ms it ran or blocked."
-        )
-    if period:
-        summary += (
-            f" It differs from step to step: every {ordinal(period['period'])} step "
-            f"(steps ≡ {period['residue']} mod {period['period']}) the "
-            f"{period['label']} line is {period['excess_s'] * 1e3:.0f} ms longer."
-        )
-    return summary
 
 
 def _periodic_line_finding(

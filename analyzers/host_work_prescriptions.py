@@ -250,3 +250,34 @@ def _callback_prescription(
         )
     )
     return out
+
+
+def host_code_summary(
+    g: Group, src: str | None, where: str, what: str, share: float, period: dict[str, Any] | None
+) -> str:
+    """A host line's summary: its seconds and share, its code, what it ends in, the machine's
+    load where the thread waited for a core, its period."""
+    seconds = g["seconds"]
+    summary = (
+        f"The training thread spends {seconds:.3f} s a step ({share:.0%} of the "
+        f"step) at {where} in {g['function']}()"
+        + (f": `{src}`" if src else "")
+        + f", ending in {what}. No other line of "
+        "the ledger covers it: the step waits for it."
+    )
+    waited = g.get("runqueue_wait")
+    if waited and waited["step_s"] - waited["step_own_s"] > 0.001:
+        summary += (
+            f" The machine was loaded: the thread waited "
+            f"{(waited['step_s'] - waited['step_own_s']) * 1e3:.0f} ms of each "
+            f"{waited['step_s'] * 1e3:.0f} ms step for a core "
+            f"({waited['line_runq_s'] * 1e3:.0f} ms of it at this line); the share "
+            f"is of the {waited['step_own_s'] * 1e3:.0f} ms it ran or blocked."
+        )
+    if period:
+        summary += (
+            f" It differs from step to step: every {ordinal(period['period'])} step "
+            f"(steps ≡ {period['residue']} mod {period['period']}) the "
+            f"{period['label']} line is {period['excess_s'] * 1e3:.0f} ms longer."
+        )
+    return summary

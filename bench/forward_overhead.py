@@ -49,6 +49,15 @@ def main():
     os.makedirs(events, exist_ok=True)
     shim._state["writer"] = EventWriter(events)
     import torch
+
+    _forward_hooks(torch, args)
+    _sampler_overhead(torch, args)
+    _sample_cost()
+    shim._state["writer"].flush()
+
+
+def _forward_hooks(torch, args):
+    """The forward's cost with the discovery wrapper, then with the outermost module's hooks."""
     import torch.nn as nn
 
     bare_call = nn.Module.__call__
@@ -95,8 +104,10 @@ def main():
         f" +{(h - b) / 1e3:.2f} µs per forward ({100 * (h - b) / b:+.1f} %), inner calls untouched"
     )
 
-    # the sampler: the same work with it on and off (a step in progress, this thread sampled)
-    lin = nn.Linear(256, 256)
+
+def _sampler_overhead(torch, args):
+    """The sampler: the same work with it on and off (a step in progress, this thread sampled)."""
+    lin = torch.nn.Linear(256, 256)
     opt = torch.optim.SGD(lin.parameters(), lr=0.01)
     data = torch.randn(64, 256)
 
@@ -125,8 +136,11 @@ def main():
             f"{name} with the sampler at {hostsample.RATE_HZ:g} Hz: off {o / 1e6:.3f} ms, "
             f"on {s / 1e6:.3f} ms of CPU ({100 * (s - o) / o:+.2f} %)"
         )
-    # the cost of one sample (sys._current_frames + the stack walk + the key look-up) for a
-    # stack 60 frames deep, taken on the sampler thread while this one holds the GIL
+
+
+def _sample_cost():
+    """The cost of one sample (sys._current_frames + the stack walk + the key look-up) for a
+    stack 60 frames deep, taken on the sampler thread while this one holds the GIL."""
     depth_frames = 60
 
     def deep(k):
@@ -154,7 +168,6 @@ def main():
         f"one sample of a {depth_frames}-frame stack: {per_sample / 1e3:.1f} µs of CPU"
         f" = {100 * per_sample * hostsample.RATE_HZ / 1e9:.2f} % of a core at {hostsample.RATE_HZ:g} Hz"
     )
-    shim._state["writer"].flush()
 
 
 if __name__ == "__main__":

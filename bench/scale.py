@@ -205,7 +205,7 @@ def size_mb(path):
     return total / 1e6
 
 
-def main(argv=None):
+def _parser():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--grid", default="8x1000,8x4000,64x2000,256x2000,1024x2000")
     p.add_argument("--timeout", type=float, default=600)
@@ -231,7 +231,11 @@ def main(argv=None):
         choices=["yes", "no"],
         help="with --nodes-of: each node writes its tables first (as its diagnose does)",
     )
-    a = p.parse_args(argv)
+    return p
+
+
+def main(argv=None):
+    a = _parser().parse_args(argv)
     cells = []
     for item in a.grid.split(","):
         r, _, s = item.strip().partition("x")
@@ -251,31 +255,7 @@ def main(argv=None):
             results.append(row)
             print(json.dumps(row), file=sys.stderr)
             continue
-        path = run_dir(a.work, ranks, steps, a.seed)
-        shutil.rmtree(os.path.join(path, "tables"), ignore_errors=True)
-        if a.cache == "warm" or a.what == "load-cached":  # warm it in a child not measured
-            subprocess.run(command_for("load-cached", path), stdout=subprocess.DEVNULL, check=False)
-        if a.what == "report":  # analysis rebuilds them; a stale one must not be measured
-            for name in ("findings.json", "report.html"):
-                if os.path.exists(os.path.join(path, name)):
-                    os.remove(os.path.join(path, name))
-        wall, rss, rc, to, tail = measure(command_for(a.what, path), a.timeout, a.max_gb)
-        row = {
-            "ranks": ranks,
-            "steps": steps,
-            "record_mb": round(size_mb(path), 1),
-            "wall_s": round(wall, 2),
-            "peak_rss_mb": round(rss, 1),
-            "rc": rc,
-            "timed_out": to,
-            "load_1min_before": round(os.getloadavg()[0], 2),
-        }
-        if rc and not to:
-            row["stderr"] = tail
-            if any(
-                "MemoryError" in line or "bad_alloc" in line or "Cannot allocate" in line for line in tail
-            ):
-                row["out_of_memory_limit_gb"] = a.max_gb
+        row, to = _measured_cell(a, ranks, steps)
         if to or row.get("out_of_memory_limit_gb"):
             timed_out_at = ranks * steps
         results.append(row)
@@ -300,6 +280,34 @@ def main(argv=None):
             f.write(table)
     print(table)
     return 0
+
+
+def _measured_cell(a, ranks, steps):
+    """One cell of the grid: its run written (once), the command measured in a child."""
+    path = run_dir(a.work, ranks, steps, a.seed)
+    shutil.rmtree(os.path.join(path, "tables"), ignore_errors=True)
+    if a.cache == "warm" or a.what == "load-cached":  # warm it in a child not measured
+        subprocess.run(command_for("load-cached", path), stdout=subprocess.DEVNULL, check=False)
+    if a.what == "report":  # analysis rebuilds them; a stale one must not be measured
+        for name in ("findings.json", "report.html"):
+            if os.path.exists(os.path.join(path, name)):
+                os.remove(os.path.join(path, name))
+    wall, rss, rc, to, tail = measure(command_for(a.what, path), a.timeout, a.max_gb)
+    row = {
+        "ranks": ranks,
+        "steps": steps,
+        "record_mb": round(size_mb(path), 1),
+        "wall_s": round(wall, 2),
+        "peak_rss_mb": round(rss, 1),
+        "rc": rc,
+        "timed_out": to,
+        "load_1min_before": round(os.getloadavg()[0], 2),
+    }
+    if rc and not to:
+        row["stderr"] = tail
+        if any("MemoryError" in line or "bad_alloc" in line or "Cannot allocate" in line for line in tail):
+            row["out_of_memory_limit_gb"] = a.max_gb
+    return row, to
 
 
 def markdown(doc):

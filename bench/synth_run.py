@@ -57,14 +57,8 @@ def _compile_event(rank, i, start, end, step):
     }
 
 
-def write_rank(out_dir, rank, world, steps, seed, slow_rank, log_lines, pid=None, skew_ns=0, barrier=False):
-    """skew_ns: how far this host's clock reads ahead of true time (every timestamp has it).
-    barrier: the process group's first barrier (torch.distributed: a blocking collective that
-    every rank enters before any leaves), which `diagnose merge` aligns the node clocks with."""
-    rng = random.Random(seed * 1_000_003 + rank)
-    pid = PID0 + rank if pid is None else pid
-    path = os.path.join(out_dir, "events", f"p{pid}.jsonl")
-    t = T0 + skew_ns + rank * 1_000_000  # ranks start a millisecond apart
+def _start_lines(rng, pid, rank, world, steps, t, skew_ns, barrier):
+    """A rank's process_start, and its first barrier where asked."""
     lines = [
         _dump(
             {
@@ -100,6 +94,109 @@ def write_rank(out_dir, rank, world, steps, seed, slow_rank, log_lines, pid=None
                 }
             )
         )
+    return lines
+
+
+def _step_lines(lines, rng, rank, step, begin, slow_rank, allocated):
+    """One step's events appended to lines: its boundaries, spans, compiles, gc and allocator
+    counters. Returns the step's end and the allocated bytes after it."""
+    lines.append(_dump({"step": step, "t": begin, "type": "step_begin"}))
+    duration = STEP_S * rng.uniform(0.97, 1.03)
+    if step == 0:
+        duration += 8.0  # warm-up: imports, compiles, the allocator
+    if step > 0 and step % PERIOD == 0:
+        duration += PERIOD_EXTRA_S
+    if rank == slow_rank:
+        duration *= SLOW_RANK_FACTOR
+    if step < 3:  # a few compiles in the first steps
+        for i in range(2):
+            c_end = begin + int((0.2 + 0.3 * i) * 1e9)
+            lines.append(_dump(_compile_event(rank, step * 2 + i, c_end - 150_000_000, c_end, step)))
+    end = begin + int(duration * 1e9)
+    # the training thread's spans: the batch wait, backward (after an unhooked forward),
+    # the optimizer step; what is left of the step is forward and the loop's own code
+    d_end = begin + int(0.02 * (end - begin))
+    b_start = begin + int(0.35 * (end - begin))
+    b_end = begin + int(0.85 * (end - begin))
+    o_end = begin + int(0.95 * (end - begin))
+    for cat, s0, s1 in (
+        ("data", begin + 10_000, d_end),
+        ("backward", b_start, b_end),
+        ("optimizer", b_end + 10_000, o_end),
+    ):
+        lines.append(_dump({"cat": cat, "start": s0, "t": s1, "tid": MAIN_TID, "type": "span"}))
+    lines.append(
+        _dump(
+            {
+                "step": step,
+                "t": end,
+                "source": "torch.optim",
+                "duration_s": (end - begin) / 1e9,
+                "type": "step_end",
+            }
+        )
+    )
+    gens = [0] + ([1] if step % 10 == 0 else []) + ([2] if rank == slow_rank and step % 7 == 3 else [])
+    for g in gens:
+        count = rng.randint(600, 900)
+        total = (0.05 if g == 2 else 0.002) * rng.uniform(0.8, 1.2)
+        lines.append(
+            _dump(
+                {
+                    "step": step,
+                    "generation": g,
+                    "count": count,
+                    "total_s": round(total, 9),
+                    "max_s": round(total / 3, 9),
+                    "collected": rng.randint(0, 30000),
+                    "type": "gc",
+                    "t": end + 1000,
+                }
+            )
+        )
+    allocated += rng.randint(-1_000_000, 1_000_000)
+    lines.append(
+        _dump(
+            {
+                "step": step,
+                "num_alloc_retries": 0,
+                "num_ooms": 0,
+                "num_sync_all_streams": 0,
+                "num_device_alloc": 102,
+                "num_device_free": 0,
+                "allocated_bytes_all_current": allocated,
+                "allocated_bytes_all_peak": 16_087_230_464,
+                "reserved_bytes_all_current": 16_477_323_264,
+                "reserved_bytes_all_peak": 16_477_323_264,
+                "inactive_split_bytes_all_current": 425_159_168,
+                "type": "alloc",
+                "t": end + 2000,
+            }
+        )
+    )
+    return end, allocated
+
+
+def _log_lines(log_lines, end_times, steps):
+    """Rank 0's log: a checkpoint line every PERIOD steps, a step line every step."""
+    for step, begin, end in end_times:
+        if step > 0 and step % PERIOD == 0:
+            log_lines.append(f"{begin + 100_000_000} o saving checkpoint to ckpt/step_{step}.pt")
+        log_lines.append(
+            f"{end - 1000} o step {step} | loss {2.5 - step / (steps * 2):.4f} "
+            f"| step time {(end - begin) / 1e9:.3f} s"
+        )
+
+
+def write_rank(out_dir, rank, world, steps, seed, slow_rank, log_lines, pid=None, skew_ns=0, barrier=False):
+    """skew_ns: how far this host's clock reads ahead of true time (every timestamp has it).
+    barrier: the process group's first barrier (torch.distributed: a blocking collective that
+    every rank enters before any leaves), which `diagnose merge` aligns the node clocks with."""
+    rng = random.Random(seed * 1_000_003 + rank)
+    pid = PID0 + rank if pid is None else pid
+    path = os.path.join(out_dir, "events", f"p{pid}.jsonl")
+    t = T0 + skew_ns + rank * 1_000_000  # ranks start a millisecond apart
+    lines = _start_lines(rng, pid, rank, world, steps, t, skew_ns, barrier)
     t += 2_000_000_000
     lines.append(_dump({"optimizer": "AdamW", "type": "optimizer_created", "t": t}))
     lines.append(_dump({"evidence": "optimizer", "rank": str(rank), "type": "training", "t": t + 1000}))
@@ -107,92 +204,13 @@ def write_rank(out_dir, rank, world, steps, seed, slow_rank, log_lines, pid=None
     end_times = []
     for step in range(steps):
         begin = t
-        lines.append(_dump({"step": step, "t": begin, "type": "step_begin"}))
-        duration = STEP_S * rng.uniform(0.97, 1.03)
-        if step == 0:
-            duration += 8.0  # warm-up: imports, compiles, the allocator
-        if step > 0 and step % PERIOD == 0:
-            duration += PERIOD_EXTRA_S
-        if rank == slow_rank:
-            duration *= SLOW_RANK_FACTOR
-        if step < 3:  # a few compiles in the first steps
-            for i in range(2):
-                c_end = begin + int((0.2 + 0.3 * i) * 1e9)
-                lines.append(_dump(_compile_event(rank, step * 2 + i, c_end - 150_000_000, c_end, step)))
-        end = begin + int(duration * 1e9)
-        # the training thread's spans: the batch wait, backward (after an unhooked forward),
-        # the optimizer step; what is left of the step is forward and the loop's own code
-        d_end = begin + int(0.02 * (end - begin))
-        b_start = begin + int(0.35 * (end - begin))
-        b_end = begin + int(0.85 * (end - begin))
-        o_end = begin + int(0.95 * (end - begin))
-        for cat, s0, s1 in (
-            ("data", begin + 10_000, d_end),
-            ("backward", b_start, b_end),
-            ("optimizer", b_end + 10_000, o_end),
-        ):
-            lines.append(_dump({"cat": cat, "start": s0, "t": s1, "tid": MAIN_TID, "type": "span"}))
-        lines.append(
-            _dump(
-                {
-                    "step": step,
-                    "t": end,
-                    "source": "torch.optim",
-                    "duration_s": (end - begin) / 1e9,
-                    "type": "step_end",
-                }
-            )
-        )
+        end, allocated = _step_lines(lines, rng, rank, step, begin, slow_rank, allocated)
         end_times.append((step, begin, end))
-        gens = [0] + ([1] if step % 10 == 0 else []) + ([2] if rank == slow_rank and step % 7 == 3 else [])
-        for g in gens:
-            count = rng.randint(600, 900)
-            total = (0.05 if g == 2 else 0.002) * rng.uniform(0.8, 1.2)
-            lines.append(
-                _dump(
-                    {
-                        "step": step,
-                        "generation": g,
-                        "count": count,
-                        "total_s": round(total, 9),
-                        "max_s": round(total / 3, 9),
-                        "collected": rng.randint(0, 30000),
-                        "type": "gc",
-                        "t": end + 1000,
-                    }
-                )
-            )
-        allocated += rng.randint(-1_000_000, 1_000_000)
-        lines.append(
-            _dump(
-                {
-                    "step": step,
-                    "num_alloc_retries": 0,
-                    "num_ooms": 0,
-                    "num_sync_all_streams": 0,
-                    "num_device_alloc": 102,
-                    "num_device_free": 0,
-                    "allocated_bytes_all_current": allocated,
-                    "allocated_bytes_all_peak": 16_087_230_464,
-                    "reserved_bytes_all_current": 16_477_323_264,
-                    "reserved_bytes_all_peak": 16_477_323_264,
-                    "inactive_split_bytes_all_current": 425_159_168,
-                    "type": "alloc",
-                    "t": end + 2000,
-                }
-            )
-        )
         t = end + 50_000
     with open(path, "w", encoding="utf-8") as f:
         f.write("\n".join(lines) + "\n")
     if rank == 0:
-        for step, begin, end in end_times:
-            if step > 0 and step % PERIOD == 0:
-                log_lines.append(f"{begin + 100_000_000} o saving checkpoint to ckpt/step_{step}.pt")
-            log_lines.append(
-                f"{end - 1000} o step {step} | loss {2.5 - step / (steps * 2):.4f} "
-                f"| step time {(end - begin) / 1e9:.3f} s"
-            )
+        _log_lines(log_lines, end_times, steps)
     return end_times[-1][2] if end_times else t
 
 
@@ -226,19 +244,36 @@ def write_run(out_dir, ranks, steps, seed=0, nvml=True, node=None):
     with open(os.path.join(out_dir, "log.txt"), "w", encoding="utf-8") as f:
         f.write("\n".join(log_lines) + ("\n" if log_lines else ""))
     if nvml:
-        rng = random.Random(seed)
-        with open(os.path.join(out_dir, "nvml.csv"), "w", encoding="utf-8") as f:
-            f.write("t,gpu,util,mem_util,sm_clock_mhz,mem_used_bytes,power_w,clock_event_reasons\n")
-            t = T0 + skew
-            gpus = min(ranks, 8)  # one node's GPUs: NVML sees the node, not the job
-            while t < last_end:
-                for g in range(gpus):
-                    f.write(
-                        f"{t},{g},{rng.randint(85, 100)},{rng.randint(30, 60)},1980,"
-                        f"{60_000_000_000 + g},{rng.uniform(500, 700):.3f},0\n"
-                    )
-                t += int(NVML_INTERVAL_S * 1e9)
-    manifest = {
+        _write_nvml(out_dir, seed, T0 + skew, last_end, min(ranks, 8))
+    manifest = _manifest(ranks, steps, seed, nvml, node, skew, last_end, slow_rank, own)
+    if node is not None:  # what diagnose's _record_node adds to a node's manifest
+        manifest["node"] = {
+            "name": os.path.basename(out_dir),
+            "source": "--node",
+            "run_dir": os.path.dirname(os.path.dirname(os.path.abspath(out_dir))),
+        }
+    with open(os.path.join(out_dir, "manifest.json"), "w", encoding="utf-8") as f:
+        json.dump(manifest, f, indent=2)
+    return out_dir
+
+
+def _write_nvml(out_dir, seed, t, last_end, gpus):
+    """nvml.csv from t to the last step's end: one node's GPUs (NVML sees the node, not the job)."""
+    rng = random.Random(seed)
+    with open(os.path.join(out_dir, "nvml.csv"), "w", encoding="utf-8") as f:
+        f.write("t,gpu,util,mem_util,sm_clock_mhz,mem_used_bytes,power_w,clock_event_reasons\n")
+        while t < last_end:
+            for g in range(gpus):
+                f.write(
+                    f"{t},{g},{rng.randint(85, 100)},{rng.randint(30, 60)},1980,"
+                    f"{60_000_000_000 + g},{rng.uniform(500, 700):.3f},0\n"
+                )
+            t += int(NVML_INTERVAL_S * 1e9)
+
+
+def _manifest(ranks, steps, seed, nvml, node, skew, last_end, slow_rank, own):
+    """The run's manifest.json, as the launcher writes it."""
+    return {
         "traindx_run": 1,
         "command": ["python3", "train.py", "--steps", str(steps)],
         "cwd": "/job",
@@ -282,15 +317,6 @@ def write_run(out_dir, ranks, steps, seed=0, nvml=True, node=None):
         "status": "finished",
         "signals_forwarded": [],
     }
-    if node is not None:  # what diagnose's _record_node adds to a node's manifest
-        manifest["node"] = {
-            "name": os.path.basename(out_dir),
-            "source": "--node",
-            "run_dir": os.path.dirname(os.path.dirname(os.path.abspath(out_dir))),
-        }
-    with open(os.path.join(out_dir, "manifest.json"), "w", encoding="utf-8") as f:
-        json.dump(manifest, f, indent=2)
-    return out_dir
 
 
 def node_skew_ns(n):

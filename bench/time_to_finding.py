@@ -348,7 +348,7 @@ def pass_growth(run_dir, counts=(3, 50, 150), grown=2, reps=5):
     return rows
 
 
-def main():
+def _parser():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--out", default=None)
     ap.add_argument(
@@ -392,7 +392,11 @@ def main():
     )
     ap.add_argument("--judge", choices=["new", "old"], default="new")
     ap.add_argument("--old-rev", default="HEAD")
-    a = ap.parse_args()
+    return ap
+
+
+def main():
+    a = _parser().parse_args()
     rows = []
     if a.pass_growth:
         for run_dir in a.pass_growth:
@@ -413,33 +417,40 @@ def main():
                 with_onset(rows[-1], run_dir)
             print(json.dumps(rows[-1]), flush=True)
     else:
-        cases = dict(CASES)
-        if a.seed:
-            cases["fa4-seed"] = (
-                ["examples/fa4_seed.py", "--max-seqlen-as", "tensor"],
-                20,
-                "jit.",
-                {"PYTHONPATH": os.path.abspath(a.seed)},
-            )
-        burners = [subprocess.Popen([sys.executable, "-c", "while 1: pass"]) for _ in range(a.load)]
-        try:
-            for rep in range(1, a.reps + 1):
-                for name, (job, steps, expect, env) in cases.items():
-                    if a.only and name not in a.only:
-                        continue
-                    if a.job_args and "examples/pathologies.py" in job:
-                        job = job + a.job_args.split()
-                    row = run_case(name, job, steps, expect, env, onset=a.onset)
-                    row.update(burners=a.load, rep=rep)
-                    rows.append(row)
-                    print(json.dumps(row), flush=True)
-        finally:
-            for b in burners:
-                b.kill()
-                b.wait()
+        rows += _run_cases(a)
     if a.out:
         with open(a.out, "w") as f:
             json.dump(rows, f, indent=1)
+
+
+def _run_cases(a):
+    """Every case (or --only's) run --reps times, interleaved, beside --load CPU burners."""
+    rows = []
+    cases = dict(CASES)
+    if a.seed:
+        cases["fa4-seed"] = (
+            ["examples/fa4_seed.py", "--max-seqlen-as", "tensor"],
+            20,
+            "jit.",
+            {"PYTHONPATH": os.path.abspath(a.seed)},
+        )
+    burners = [subprocess.Popen([sys.executable, "-c", "while 1: pass"]) for _ in range(a.load)]
+    try:
+        for rep in range(1, a.reps + 1):
+            for name, (job, steps, expect, env) in cases.items():
+                if a.only and name not in a.only:
+                    continue
+                if a.job_args and "examples/pathologies.py" in job:
+                    job = job + a.job_args.split()
+                row = run_case(name, job, steps, expect, env, onset=a.onset)
+                row.update(burners=a.load, rep=rep)
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    finally:
+        for b in burners:
+            b.kill()
+            b.wait()
+    return rows
 
 
 if __name__ == "__main__":

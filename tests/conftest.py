@@ -8,6 +8,7 @@ import glob
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -249,3 +250,19 @@ def pytest_runtest_protocol(item, nextitem):
     keep = alone and nextitem is not None and nextitem.get_closest_marker("serial") is not None
     with _alone_or_shared(alone, keep):
         return (yield)
+
+
+# -- a real GPU run: the seed case recorded on an H200 (tests/data/h200-seed-b17-tensor), read by
+# the report's tests (one copy per module that asks for it) --------------------------------------
+H200_RUN = os.path.join(TESTS, "data", "h200-seed-b17-tensor")
+
+
+@pytest.fixture(scope="module")
+def h200_run(tmp_path_factory):
+    if not os.path.isdir(H200_RUN):
+        pytest.skip("the H200 run record is not in tests/data")
+    dest = tmp_path_factory.mktemp("h200") / "run"
+    shutil.copytree(H200_RUN, dest)
+    from traindx.derive.run import load_run  # lazy: conftest is imported before every test module
+
+    return load_run(dest)

@@ -259,7 +259,8 @@ def test_a_job_stopped_by_sigstop_is_told_so_and_no_cause_in_its_code(tmp_path):
     findings = json.loads((run_dir / "findings.json").read_text())
     (stopped,) = [f for f in findings if f["id"] == "process.stopped"]
     assert stopped["title"].startswith("The job was stopped (SIGSTOP) for ")
-    assert 1.5 <= stopped["evidence"]["seconds"] <= 3.5, stopped["evidence"]
+    # stopped 2 s by construction; a load only delays the `kill -CONT` (seconds, not the whole run)
+    assert 1.5 <= stopped["evidence"]["seconds"] <= 8, stopped["evidence"]
     assert "(the job was stopped (SIGSTOP))" in err  # the slowest step's cause
     loud = [f["title"] for f in findings if f["severity"] in ("medium", "high", "critical")]
     assert not loud, loud

@@ -1,27 +1,24 @@
-"""The report: its data for real runs, escaping of the job's strings, the Perfetto export, the
-`diagnose report` command, and the page itself opened in a real headless Chromium."""
+"""The HTML report, the terminal summary and the Perfetto export of a real tiny run: its data
+matches the record, markup from the job is escaped everywhere, secrets stay out, the size stays
+small, and the page renders in a real browser. The H200 run's report: test_report_h200.py; the
+verdict: test_report_verdict.py."""
 
 import gzip
 import json
 import os
 import re
 import shutil
-import statistics
 import subprocess
-import sys
 
 import pytest
+from report_helpers import PYTHON, ROOT, _chromium_check, diagnose
 
 from traindx.analyzers.findings import Finding, Prescription
 from traindx.cli.outputs import read_findings
 from traindx.derive.run import load_run
-from traindx.report.data import build_report_data, build_summary, comparison_view, prescription_text
+from traindx.report.data import build_report_data, build_summary
 from traindx.report.html import write_report
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PYTHON = sys.executable
-ARTIFACTS = os.path.join(ROOT, "test-artifacts")
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 ESCAPING_JOB = os.path.join(ROOT, "tests", "data", "report_escaping_job.py")
 MARKUP = (
     "<script>window.__pwned=1</script>",
@@ -29,15 +26,6 @@ MARKUP = (
     "<b onmouseover=window.__pwned=3>worker</b>",
     "<script>document.title='pwned'</script>",
 )
-
-
-def diagnose(run_dir, *job, options=(), env=None):
-    cmd = [PYTHON, "-m", "traindx", "--quiet", "--run-dir", str(run_dir), *options, "--", *job]
-    proc = subprocess.run(
-        cmd, cwd=ROOT, capture_output=True, text=True, timeout=240, env={**os.environ, **(env or {})}
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return load_run(run_dir), proc
 
 
 @pytest.fixture(scope="module")
@@ -181,46 +169,6 @@ def test_findings_ranked_by_seconds_lost_and_verdict_is_the_top_change(tiny_run)
         assert v["speedup"] == (pytest.approx(step / (step - 0.05)) if step and step > 0.05 else None)
     # the terminal summary is built from the same data
     assert build_summary(tiny_run, findings)["verdict"] == v
-
-
-def test_prescriptions_become_copyable_commands_and_diffs():
-    env = Prescription(
-        kind="env", summary="s", change={"env": {"FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED": "1"}}
-    )
-    assert prescription_text(env) == ("export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1", "command")
-    code = Prescription(
-        kind="code",
-        summary="s",
-        change={"code": {"file": "a.py", "line": 3, "before": "x = t.max()", "after": "x = int(t.max())"}},
-    )
-    text, kind = prescription_text(code)
-    assert kind == "diff" and "-x = t.max()" in text.splitlines() and "+x = int(t.max())" in text.splitlines()
-    pre = Prescription(kind="precompile", summary="s", change={"precompile": {"from_run": "runs/x y"}})
-    assert prescription_text(pre)[0] == "kernel-cache warm --from-run 'runs/x y'"
-    given = Prescription(kind="arg", summary="s", command="swift sft --attn_impl flash_attn")
-    assert prescription_text(given) == ("swift sft --attn_impl flash_attn", "command")
-
-
-def test_comparison_renders_whatever_keys_are_present():
-    view = comparison_view(
-        {
-            "verdict": "1.9× faster, loss parity holds",
-            "arms": {
-                "baseline": {"median_step_s": 0.52, "tokens_per_s": 1969.0},
-                "candidate": {"median_step_s": 0.27, "cv": 0.03},
-            },
-            "speedup": 1.93,
-            "speedup_ci": [1.81, 2.05],
-            "loss_parity": {"pearson": 0.998, "passed": True},
-        }
-    )
-    assert view["arms"] == ["baseline", "candidate"]
-    rows = {r["label"]: r["values"] for r in view["rows"]}
-    assert rows == {"median step s": ["0.52", "0.27"], "tokens per s": ["1969", ""], "cv": ["", "0.03"]}
-    facts = {f["label"]: f for f in view["facts"]}
-    assert facts["speedup ci"]["value"] == "[1.81, 2.05]"
-    assert ["passed", "yes"] in facts["loss parity"]["pairs"]
-    assert comparison_view(None) is None
 
 
 # -- escaping -------------------------------------------------------------------------------------
@@ -417,54 +365,6 @@ def test_a_ten_minute_run_renders_under_five_megabytes(tiny_run, tmp_path):
     assert data["gpu"]["available"] and len(data["gpu"]["series"]) == 8
 
 
-# -- a real browser -------------------------------------------------------------------------------
-def _chromium_check(path, screenshot, expect_text=(), checks=None):
-    """Open the report in headless Chromium: no console errors, the page's script ran, the key
-    elements are drawn; keeps a full-page screenshot under test-artifacts/."""
-    if not CHROMIUM:
-        pytest.skip("chromium is not installed (.ci/run installs Debian's chromium)")
-    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright (the dev extra) drives Chromium")
-    os.makedirs(ARTIFACTS, exist_ok=True)
-    problems = []
-    with sync_api.sync_playwright() as p:
-        browser = p.chromium.launch(
-            executable_path=CHROMIUM,
-            args=[
-                "--no-sandbox",
-                "--disable-gpu",
-                "--disable-background-networking",
-                "--disable-component-update",
-                "--disable-sync",
-                "--no-first-run",
-            ],
-        )
-        try:
-            page = browser.new_page(viewport={"width": 1280, "height": 900})
-            page.on(
-                "console", lambda m: m.type in ("error", "warning") and problems.append(f"{m.type}: {m.text}")
-            )
-            page.on("pageerror", lambda e: problems.append(f"pageerror: {e}"))
-            page.on("dialog", lambda d: (problems.append(f"dialog: {d.message}"), d.dismiss()))
-            requests = []
-            page.on("request", lambda r: r.url.startswith("file://") or requests.append(r.url))
-            page.goto("file://" + os.path.abspath(path))
-            page.wait_for_selector("html[data-ready='1']", timeout=10_000)
-            assert page.evaluate("window.__pwned") is None
-            assert page.title() != "pwned" and page.title().startswith("traindx")
-            assert page.inner_text("#verdict-headline").strip()
-            assert page.locator("#step-chart rect.step").count() >= 1
-            body = page.inner_text("body")
-            for text in expect_text:
-                assert text in body
-            if checks:
-                checks(page)
-            page.screenshot(path=os.path.join(ARTIFACTS, screenshot), full_page=True)
-        finally:
-            browser.close()
-    assert not problems, problems
-    assert not requests, f"the report reached for the network: {requests}"
-
-
 @pytest.mark.slow
 def test_report_in_chromium(tiny_run):
     findings = _jit_findings(tiny_run)
@@ -499,65 +399,6 @@ def test_report_in_chromium(tiny_run):
         assert page.locator("#step-chart-by-step rect.step").count() == n_steps
 
     _chromium_check(path, "report.png", checks=checks)
-
-
-# -- a real GPU run: the seed case recorded on an H200 (tests/data/h200-seed-b17-tensor) ----------
-H200_RUN = os.path.join(ROOT, "tests", "data", "h200-seed-b17-tensor")
-
-
-@pytest.fixture(scope="module")
-def h200_run(tmp_path_factory):
-    if not os.path.isdir(H200_RUN):
-        pytest.skip("the H200 run record is not in tests/data")
-    dest = tmp_path_factory.mktemp("h200") / "run"
-    shutil.copytree(H200_RUN, dest)
-    return load_run(dest)
-
-
-def test_report_data_of_the_h200_seed_run(h200_run):
-    from traindx.analyzers import analyze
-
-    data = build_report_data(h200_run, analyze(h200_run))
-    # the verdict is the JIT analyzer's fix, and its gain is nearly the whole step
-    v = data["verdict"]
-    assert v["kind"] == "change" and "max_seqlen" in v["headline"]
-    assert v["gain_s"] > 0.5 * data["stats"]["steady_median_s"]
-    # every step after the first is mostly a compile of the same backward kernel
-    steps = data["timeline"]["ranks"]["0"]
-    assert all(s["cause"] == "compile" for s in steps[1:])
-    recompiles = [c for c in data["compiles"] if "_flash_attn_bwd" in c["kernel"] and not c["first"]]
-    assert recompiles and all(c["key_diff"] for c in recompiles)
-    assert any("tensor" in d["after"] for c in recompiles for d in c["key_diff"])
-    # the GPU sat idle while the steps compiled; the GIL holder is the autograd thread, named
-    assert data["gpu"]["available"] and data["stats"]["gpu_util_in_steps"] < 20
-    assert {"util", "sm_clock_mhz", "power_w"} <= set(data["gpu"]["series"][0]["metrics"])
-    top = data["gil"][0]["threads"][0]
-    assert top["thread"].startswith("Dummy-1") and top["gil_share"] > 0.5
-    kinds = {n["kind"] for n in data["gil"][0]["hottest"]}
-    assert "library" in kinds and "user" not in {data["gil"][0]["hottest"][-1]["kind"]}
-
-
-@pytest.mark.slow
-def test_h200_report_in_chromium(h200_run):
-    from traindx.analyzers import analyze
-
-    path = write_report(h200_run, analyze(h200_run))
-
-    def checks(page):
-        assert page.locator("#gpu svg.gpu-chart").count() == 3
-        assert page.locator("#gpu svg.gpu-chart polyline").count() == 3
-        assert "max_seqlen" in page.inner_text("#verdict-headline")
-        assert page.locator("#findings table.compiles tr").count() > 5
-        assert "Dummy-1" in page.inner_text("#lanes")
-        # a click on the main thread's frame in the icicle widens it to the full width
-        main = page.locator('#gil svg.icicle g.frame[data-d="1"][data-name^="MainThread"]').first
-        before = float(main.locator("rect").get_attribute("width"))
-        main.click()
-        assert before < 600 < float(main.locator("rect").get_attribute("width"))
-        page.locator('#gil svg.icicle g.frame[data-d="0"]').first.click()
-        assert float(main.locator("rect").get_attribute("width")) == pytest.approx(before, abs=0.01)
-
-    _chromium_check(path, "report-h200-seed.png", checks=checks)
 
 
 def test_report_command_shows_a_fix_comparison_from_the_run_folder(tiny_run, h200_run, tmp_path):
@@ -601,278 +442,6 @@ def test_terminal_summary_says_what_the_html_verdict_says(tiny_run):
     assert "pip install -U 'flash-attn-4>=4.0.0b26'" in text
     # the same ranking: the JIT finding before the GC one, the info finding as a note after the table
     assert text.index("FA4 recompiles") < text.index("Generation-2 GC") < text.index("note: a note")
-
-
-def test_a_job_that_fails_before_any_step_gets_an_honest_report(tmp_path):
-    proc = subprocess.run(
-        [
-            PYTHON,
-            "-m",
-            "traindx",
-            "--quiet",
-            "--no-pyspy",
-            "--run-dir",
-            str(tmp_path / "r"),
-            "--",
-            PYTHON,
-            "-c",
-            "print('<i>loading</i>'); raise SystemExit(3)",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 3
-    assert "No training steps were recorded" in proc.stderr
-    data = build_report_data(load_run(tmp_path / "r"), [])
-    assert data["verdict"]["kind"] == "nosteps" and data["run"]["exit_code"] == 3
-    html = (tmp_path / "r" / "report.html").read_text()
-    assert "exited with code 3" in html and "&lt;i&gt;loading&lt;/i&gt;" in html
-
-
-def test_perfetto_export_of_the_h200_run_has_compiles_on_their_thread_and_gpu_counters(h200_run, tmp_path):
-    from traindx.report.perfetto import export_trace
-
-    trace = json.load(open(export_trace(h200_run, str(tmp_path / "t.json"))))
-    events = trace["traceEvents"]
-    tracks = {(e["pid"], e["tid"]): e["args"]["name"] for e in events if e.get("name") == "thread_name"}
-    compiles = [e for e in events if str(e.get("cat", "")).startswith("compile")]
-    assert len(compiles) == len(h200_run.compiles)
-    backward = [e for e in compiles if "_flash_attn_bwd" in e["name"]]
-    assert backward and {tracks[(e["pid"], e["tid"])] for e in backward} == {"thread Dummy-1"}
-    # each compile sits inside the run, and the recompiles inside their steps
-    steps = {e["args"]["step"]: e for e in events if e.get("cat") == "step"}
-    for e in backward:
-        step = steps[e["args"]["step"]]
-        assert step["ts"] - 1e3 <= e["ts"] and e["ts"] + e["dur"] <= step["ts"] + step["dur"] + 1e3
-    counters = {e["name"] for e in events if e["ph"] == "C"}
-    assert {"GPU 0 util %", "GPU 0 SM clock MHz", "GPU 0 power W"} <= counters
-
-
-# -- the FA4 seed example on the CPU (real flash_attn.cute compiling in fake mode) -----------------
-def _have_fa4():
-    import importlib.util
-
-    return all(importlib.util.find_spec(m) is not None for m in ("flash_attn", "cutlass"))
-
-
-@pytest.mark.fa4
-@pytest.mark.skipif(not _have_fa4(), reason="flash-attn-4 / nvidia-cutlass-dsl not installed")
-@pytest.mark.slow
-def test_report_of_the_fa4_seed_cold_start(tmp_path):
-    run, _ = diagnose(
-        tmp_path / "seed",
-        PYTHON,
-        "examples/fa4_seed.py",
-        "--steps",
-        "2",
-        env={"TRAINDX_TORCH_PROFILE": "off"},
-    )
-    from traindx.analyzers import analyze
-
-    findings = analyze(run)
-    data = build_report_data(run, findings)
-    first = data["timeline"]["ranks"]["0"][0]
-    assert first["cause"] == "compile" and first["compile_s"] > 0.5 * first["duration_s"]
-    kernels = {c["kernel"].split(":")[0] for c in data["compiles"]}
-    assert {"_flash_attn_fwd", "_flash_attn_bwd"} <= kernels
-    assert all(c["first"] and c["step"] == 0 for c in data["compiles"])
-    backward = next(c for c in data["compiles"] if c["kernel"].startswith("_flash_attn_bwd"))
-    assert backward["is_main_thread"] is False and backward["call_site"].endswith(")")
-    # the lanes draw the autograd thread that compiles (whether one of py-spy's 2 s snapshots
-    # falls inside its compile depends on timing: not asserted)
-    lanes = {t["name"]: t for t in data["lanes"]["threads"]}
-    assert backward["thread"] in lanes
-    assert any(c["thread"] == backward["thread"] for c in data["lanes"]["compiles"])
-    path = write_report(run, findings)
-
-    def checks(page):
-        assert page.locator("#step-chart rect.compile-mark").count() == len(data["compiles"])
-        assert page.locator("#lanes svg rect.lane-compile").count() >= 1
-        assert "_flash_attn_bwd" in page.inner_text("#compiles")
-
-    _chromium_check(path, "report-fa4-seed.png", checks=checks)
-
-
-# -- the verdict: a finding of the judge layer, rendered the same in the terminal and the page ----
-def _diagnose_to_log(run_dir, *job):
-    """diagnose as a user runs it with its output going to a log file (a pipe, not a terminal)
-    at 80 columns; returns the run and the summary it printed."""
-    cmd = [PYTHON, "-m", "traindx", "--run-dir", str(run_dir), "--", *job]
-    proc = subprocess.run(
-        cmd,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "COLUMNS": "80", "OMP_NUM_THREADS": "1"},
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return load_run(run_dir), proc.stderr[proc.stderr.index("─ traindx ─") :]
-
-
-def _verdict_of(run):
-    verdicts = [f for f in read_findings(run.path) if f.id.startswith("verdict.")]
-    assert len(verdicts) == 1, [f.id for f in verdicts]
-    return verdicts[0]
-
-
-def _page_headline(path, screenshot):
-    seen = {}
-
-    def checks(page):
-        seen["headline"] = page.inner_text("#verdict-headline").strip()
-        seen["verdict"] = page.inner_text("#verdict")
-
-    _chromium_check(path, screenshot, checks=checks)
-    return seen
-
-
-@pytest.mark.slow
-def test_a_healthy_run_says_it_is_healthy(tmp_path):
-    run, summary = _diagnose_to_log(tmp_path / "healthy", PYTHON, "examples/train_tiny.py", "--steps", "10")
-    findings = read_findings(run.path)
-    assert [f.id for f in findings if f.severity != "info"] == []
-    v = _verdict_of(run)
-    durations = run.steps["duration_s"].tolist()
-    assert v.id == "verdict.healthy" and v.evidence["steps"] == 10
-    assert v.evidence["median_step_s"] == pytest.approx(statistics.median(durations[1:]))
-    assert "healthy" in v.title.lower() and "10 steps" in v.title
-    # the terminal and the page print the finding's title; neither says there were no steps
-    assert v.title in summary and "No training steps" not in summary
-    seen = _page_headline(os.path.join(run.path, "report.html"), "report-healthy.png")
-    assert seen["headline"] == v.title and "No training steps" not in seen["verdict"]
-    assert "10 steps" in seen["verdict"]
-
-
-@pytest.mark.slow
-def test_a_slow_run_names_its_top_root_finding(tmp_path):
-    run, summary = _diagnose_to_log(
-        tmp_path / "slow", PYTHON, "examples/pathologies.py", "--pathology", "dataloader", "--steps", "12"
-    )
-    findings = read_findings(run.path)
-    v = _verdict_of(run)
-    top = next(f for f in findings if f.id == v.evidence["top"])
-    assert v.id == "verdict.cause" and top.id == "dataloader.starvation" and top.cause is None
-    # the headline is the top root's first prescription, its seconds and title travel with it
-    assert v.title == top.prescriptions[0].summary
-    assert v.evidence["top_title"] == top.title
-    assert v.evidence["seconds_per_step"] == top.seconds_lost_per_step
-    assert "Verdict:" in summary and "No training steps" not in summary
-    flat = " ".join(summary.split())
-    assert f"Verdict: {v.title}" in flat and f"why: {top.title}" in flat
-    seen = _page_headline(os.path.join(run.path, "report.html"), "report-slow.png")
-    assert seen["headline"] == v.title and top.title in seen["verdict"]
-    assert "No training steps" not in seen["verdict"]
-    # a saving well under the time the cause costs says why, beside both numbers (workers that
-    # share the step's cores; the load decides how far under)
-    # (tests/test_savings_split.py checks when the pricing writes it)
-    limit = v.evidence.get("saving_limit")
-    assert limit is None or (
-        v.evidence["gain_s"] < top.seconds_lost_per_step and limit == top.evidence["saving_limit"]
-    ), v.evidence
-    if limit:
-        assert "worker processes" in limit
-        assert "this cause costs" in flat and " ".join(limit.split()) in flat
-        assert " ".join(limit.split()) in " ".join(seen["verdict"].split())
-    _assert_readable_at_80_columns(summary, top)
-
-
-def _code_spans(text):
-    """The calls of a sentence, outermost: 'DataLoader(a=1, b=2)' (a name, then its brackets)."""
-    spans, pos = [], 0
-    while True:
-        m = re.compile(r"[\w.]+\(").search(text, pos)
-        if not m:
-            return spans
-        depth, i = 0, m.end() - 1
-        for i in range(m.end() - 1, len(text)):
-            depth += {"(": 1, ")": -1}.get(text[i], 0)
-            if depth == 0:
-                break
-        spans.append(text[m.start() : i + 1])
-        pos = i + 1
-
-
-def _assert_readable_at_80_columns(summary, top):
-    """What a person reads in a log file of an 80-column job: code whole, prescriptions under
-    the table, every number with its label."""
-    lines = summary.splitlines()
-    p = top.prescriptions[0]
-    # code in the verdict is never wrapped mid-expression: each bracketed call sits on one line
-    calls = [c for c in _code_spans(p.summary) if len(c) < 76]
-    assert calls, p.summary
-    for call in calls:
-        assert any(call in line for line in lines), (call, summary)
-    # the diff of the prescription: every line whole
-    code = (p.change or {}).get("code") or {}
-    for line in str(code.get("after", "")).splitlines():
-        assert any(f"+{line}" in out for out in lines), (line, summary)
-    # the table has no prescription column cut with an ellipsis; the prescriptions come under it
-    table_end = max(i for i, line in enumerate(lines) if line.startswith("└"))
-    assert not any("…" in line for line in lines[: table_end + 1]), summary
-    assert "first prescription" not in summary
-    assert any(line.startswith("1. ") for line in lines[table_end + 1 :]), summary
-    # one labelled statistic per quantity: the step time's median, the ledger's mean
-    stats = " ".join(lines[1:3])
-    assert re.search(r"step time median [\d.]+ m?s", stats), stats
-    assert any(re.match(r"mean step [\d.]+ s = ", line) for line in lines), summary
-    assert not any(re.match(r"step [\d.]+ s = ", line) for line in lines), summary
-    # a number never leaves its label: wraps fall between ' · ' parts
-    for line in lines:
-        assert not re.match(r"^\s*[\d.]+ m?s\b", line), (line, summary)
-
-
-def test_a_run_without_steps_gets_the_no_steps_verdict(tmp_path):
-    proc = subprocess.run(
-        [
-            PYTHON,
-            "-m",
-            "traindx",
-            "--no-pyspy",
-            "--run-dir",
-            str(tmp_path / "r"),
-            "--",
-            PYTHON,
-            "-c",
-            "import sys; print('loading'); sys.exit(4)",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "COLUMNS": "80"},
-    )
-    assert proc.returncode == 4
-    run = load_run(tmp_path / "r")
-    v = _verdict_of(run)
-    assert v.id == "verdict.no_steps" and v.evidence["steps"] == 0 and v.evidence["exit_code"] == 4
-    assert v.title in proc.stderr and "Healthy" not in proc.stderr
-    if CHROMIUM:  # a page without steps draws no step chart: read the headline from the HTML
-        html = open(os.path.join(run.path, "report.html"), encoding="utf-8").read()
-        assert f'id="verdict-headline">{v.title}<' in html and "exited with code 4" in html
-
-
-def test_time_in_events_no_analyzer_named_is_a_finding_the_verdict_points_at(h200_run):
-    """Steps that are mostly compiles, with no specialised finding (here: the JIT analyzer's left
-    out), still get a finding of the judge layer, and the verdict names it (no report-made
-    headline that findings.json never sees)."""
-    from traindx.analyzers import step_causes, verdict
-
-    found = step_causes.analyze(h200_run, [])
-    assert [f.id for f in found] == ["steps.time_in_events"]
-    f = found[0]
-    assert f.evidence["kind"] == "compile" and f.severity in ("medium", "high")
-    assert f.evidence["steps"] >= len(h200_run.steps) - 2 and f.share_of_step >= 0.1
-    v = verdict.judge(h200_run, found)
-    assert v.id == "verdict.cause" and v.evidence["top"] == "steps.time_in_events"
-    data = build_summary(h200_run, found + [v])
-    assert data["verdict"]["kind"] == "problem" and data["verdict"]["headline"] == f.title
-    # an analyzer's root finding claims the time: no second finding for it
-    assert (
-        step_causes.analyze(h200_run, [Finding(id="jit.x", title="t", severity="high", analyzer="jit")]) == []
-    )
 
 
 def test_the_report_marks_what_fix_applies_and_what_are_alternatives(tiny_run):
@@ -923,31 +492,3 @@ def test_the_report_marks_what_fix_applies_and_what_are_alternatives(tiny_run):
     text = out.getvalue()
     assert "1. the verdict above [--fix applies this]" in text
     assert "diagnose --fix applies this" in text and "+ 2 alternatives in the report" in text
-
-
-def test_one_number_per_quantity_across_terminal_and_report(h200_run):
-    """The GIL share the report's table shows is the GIL finding's own; start-up is one value
-    in the terminal, the numbers and the step chart; compile counts say what they count."""
-    import io
-
-    from rich.console import Console
-
-    from traindx.analyzers import analyze
-    from traindx.common.units import fmt_s
-    from traindx.report.html import render_html
-    from traindx.report.terminal import print_summary
-
-    findings = analyze(h200_run)
-    data = build_report_data(h200_run, findings)
-    gil = next(f for f in findings if f.id == "gil.contention")
-    row = next(t for t in data["gil"][0]["threads"] if t["thread"].startswith(gil.evidence["thread"]))
-    assert row["gil_share"] == pytest.approx(gil.evidence["gil_share"], abs=0.001)
-    startup = data["ledger"]["startup"]["wall_s"]
-    assert data["stats"]["startup_s"] == startup
-    out = io.StringIO()
-    print_summary(h200_run, findings, console=Console(file=out, width=80))
-    html = render_html(data)
-    assert f"start-up {fmt_s(startup)}" in html and f"start-up {fmt_s(startup)[:-2]}" in out.getvalue()
-    n = data["timeline"]["cause_counts"].get("compile")
-    assert n and f"JIT compile ({n} steps)" in html
-    assert f"{data['stats']['compiles']} JIT compiles" in out.getvalue()

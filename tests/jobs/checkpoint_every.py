@@ -4,6 +4,7 @@ import atexit
 import os
 import shutil
 import tempfile
+import time
 
 import torch
 from torch import nn
@@ -13,7 +14,14 @@ p.add_argument("--steps", type=int, default=25)
 p.add_argument("--save-every", type=int, default=5)
 p.add_argument("--vocab", type=int, default=200_000)
 p.add_argument("--save-dir", default=None, help="where the checkpoints go (default: the temp dir)")
+p.add_argument("--pause-file", default=None,
+               help="a neighbour's load, by construction (tests): if this file exists when the job "
+               "starts, each step then waits the number it holds times as long as the step ran")
 args = p.parse_args()
+pause = 0.0
+if args.pause_file and os.path.exists(args.pause_file):
+    with open(args.pause_file) as f:
+        pause = float(f.read())
 
 torch.manual_seed(0)
 torch.set_num_threads(1)
@@ -36,6 +44,7 @@ out = tempfile.mkdtemp(prefix="ckpt-", dir=args.save_dir)
 atexit.register(shutil.rmtree, out, True)  # ~220 MB at most: leave no trace in /tmp
 previous = []
 for step in range(args.steps):
+    started = time.perf_counter()
     ids = torch.randint(0, args.vocab, (256, 16))
     loss = model(ids).pow(2).mean()
     loss.backward()
@@ -51,3 +60,5 @@ for step in range(args.steps):
             os.remove(path)
         previous = saved
     print(f"step {step} loss {loss.item():.4f}", flush=True)
+    if pause:
+        time.sleep(pause * (time.perf_counter() - started))

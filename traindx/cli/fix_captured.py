@@ -13,7 +13,7 @@ from typing import Any
 
 from traindx.common.copying import clone_or_copy
 from traindx.common.errors import UserError
-from traindx.profiler.manifest import CAPTURED
+from traindx.profiler.manifest import CAPTURED as CAPTURED  # re-exported: fix_confine reads it here
 
 COPY_LIMIT_BYTES = 4 * 1024**3  # copy mode: a working folder larger than this is refused
 MAX_FILES = 100000

@@ -1,0 +1,365 @@
+"""`diagnose --fix` on jobs shaped like public scripts: every concrete edit a measured candidate,
+the search past a broken one, an arm measured again when a neighbour slowed it (issue 21)."""
+
+import json
+import os
+import shutil
+import subprocess
+
+import pytest
+from fix_helpers import _line_of
+from helpers import PY, diagnose
+
+import traindx
+from traindx.analyzers.findings import Prescription
+from traindx.cli.fixloop import set_flags
+
+
+# -- every concrete edit a measured candidate (issue 21) ---------------------------------------------
+def _job(name):
+    return os.path.join(os.path.dirname(os.path.abspath(__file__)), "jobs", name)
+
+
+def _git_apply_to_clean_copy(tmp_path, files, patch):
+    """fix.patch applies with `git apply` to a clean copy of the user's tree; returns the copy."""
+    import shutil
+
+    clean = tmp_path / "clean"
+    clean.mkdir()
+    for f in files:
+        shutil.copy(f, clean / os.path.basename(f))
+    subprocess.run(["git", "init", "-q"], cwd=clean, check=True)
+    proc = subprocess.run(["git", "apply", str(patch)], cwd=clean, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    return clean
+
+
+def test_source_edits_delete_insert_and_own_flags(tmp_path):
+    from traindx.analyzers import fix_source
+    from traindx.analyzers.fixplan import own_flag_option
+
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import argparse, gc\n"
+        "p = argparse.ArgumentParser()\n"
+        "p.add_argument('--workers', type=int, default=0)\n"
+        "p.add_argument('--log-every', dest='every', type=int, default=1)\n"
+        "args = p.parse_args()\n"
+        "model = dict(a=1,\n"
+        "             b=2)\n"
+        "for step in range(3):\n"
+        "    if step % args.every == 0:\n"
+        "        gc.collect()\n"
+    )
+    edits = [
+        {"file": str(script), "line": 10, "before": "gc.collect()", "after": "", "op": "delete"},
+        {
+            "file": str(script),
+            "line": 6,
+            "last_line": 7,
+            "before": "model = dict(a=1,",
+            "after": "import gc; gc.freeze()",
+            "op": "insert_after",
+        },
+    ]
+    text = fix_source.patched_text(str(script), [fix_source.resolve_edit(e) for e in edits])
+    lines = text.splitlines()
+    assert lines[7] == "import gc; gc.freeze()"  # after the statement's last line
+    assert lines[-1] == "        pass"  # the emptied block stays Python
+    import ast
+
+    ast.parse(text)
+    flags = fix_source.argparse_flags(str(script))
+    assert flags["every"]["flag"] == "--log-every" and flags["workers"]["default"] == 0
+    assert fix_source.periodic_flag(str(script), 10, flags)["flag"] == "--log-every"
+    code = Prescription(
+        kind="code",
+        summary="workers",
+        automatic=True,
+        change={
+            "code": {
+                "file": str(script),
+                "line": 12,
+                "before": "DataLoader(ds, num_workers=args.workers)",
+                "after": "DataLoader(ds, num_workers=2, persistent_workers=True)",
+            }
+        },
+    )
+    flag = own_flag_option(code, ["python", str(script)], str(tmp_path))
+    assert flag.change == {"arg": {"framework": "argparse", "set": {"--workers": "2"}}}
+    # a config system with dotted overrides (minGPT's CfgNode: `--trainer.num_workers=0`), no
+    # add_argument to read: the flag on the command line whose last part names the attribute
+    trainer = tmp_path / "trainer.py"
+    trainer.write_text("loader = DataLoader(ds, num_workers=config.num_workers)\n")
+    code = Prescription(
+        kind="code",
+        summary="workers",
+        automatic=True,
+        change={
+            "code": {
+                "file": str(trainer),
+                "line": 1,
+                "before": "DataLoader(ds, num_workers=config.num_workers)",
+                "after": "DataLoader(ds, num_workers=2, persistent_workers=True)",
+            }
+        },
+    )
+    command = ["python", "chargpt.py", "--trainer.batch_size=16", "--trainer.num_workers=0"]
+    flag = own_flag_option(code, command, str(tmp_path))
+    assert flag.change == {"arg": {"framework": "argparse", "set": {"--trainer.num_workers": "2"}}}
+    assert set_flags(command, flag.change["arg"]["set"])[-1] == "--trainer.num_workers=2"
+    assert own_flag_option(code, ["python", "chargpt.py", "--trainer.batch_size=16"], str(tmp_path)) is None
+
+
+@pytest.mark.slow
+def test_fix_engine_searches_past_a_broken_candidate_to_the_train_loader(tmp_path):
+    """Python API, no argparse: the first candidate (the job's own --workers flag) is broken on
+    purpose (its command gets an unknown flag: the job exits 2); the search goes on to the next
+    one, the code edit of the loader the steps iterate (the train loader, not the test loader
+    built after it with the same kwargs), measures it and keeps it in fix.patch."""
+    from traindx.cli.fixloop import FixOptions, _default_job, fix
+    from traindx.profiler.launcher import Options
+
+    job = _job("fix_two_loaders.py")
+    events = []
+
+    def run_job(command, run_dir, options):
+        if os.path.basename(run_dir) == "candidate":
+            command = command + ["--no-such-flag"]
+        return _default_job(command, run_dir, options)
+
+    result = fix(
+        [PY, job],
+        FixOptions(
+            record=Options(steps=16, pyspy=False, extra_env={"OMP_NUM_THREADS": "1"}),
+            run_dir=str(tmp_path / "fix"),
+            cwd=str(tmp_path),
+            reporter=events.append,
+            run_job=run_job,
+        ),
+    )
+    assert result.status == "done" and result.exit_code == 0
+    first, second = result.arms[:2]
+    assert first["mechanism"] == "config" and first["exit_code"] == 2 and not first["significant"]
+    assert second["mechanism"] == "source" and second["significant"], second
+    assert second["speedup"] >= 1.5 and second["loss_parity"] is True
+    assert result.best == second["dir"]
+    assert second["predicted_step_time_s"] and second["measured_step_time_s"]
+    fix_json = json.loads((tmp_path / "fix" / "fix.json").read_text())
+    assert fix_json["best"] == second["dir"] and len(fix_json["arms"]) == 2
+    patch = (tmp_path / "fix" / "fix.patch").read_text()
+    train_line = _line_of(job, "train_loader = DataLoader(")
+    assert f"@@ -{train_line - 3}," in patch and "test_loader" not in "".join(
+        l for l in patch.splitlines() if l.startswith(("+", "-")) and not l.startswith(("+++", "---"))
+    )
+    assert "+train_loader = DataLoader(Samples(400), shuffle=False, num_workers=2" in patch
+    clean = _git_apply_to_clean_copy(tmp_path, [job], tmp_path / "fix" / "fix.patch")
+    assert "num_workers=2" in (clean / "fix_two_loaders.py").read_text()
+    assert any(e.kind == "comparison" for e in events) and any(
+        "trying the next candidate" in e.text for e in events
+    )
+    # the card engine, no argparse: the kept arm's card carries its loss-parity check
+    card = traindx.card(traindx.load_run(result.best), traindx.CardOptions(tokens_per_step=8))
+    assert card.result.tokens_per_s_per_gpu > 0 and card.correctness["result"] == "pass"
+
+
+@pytest.mark.slow
+@pytest.mark.serial  # the checkpoint job's period-2 cost, judged by its mean: alone, as below
+def test_an_arm_slowed_by_a_neighbour_is_measured_again_and_judged_by_its_quicker_run(tmp_path):
+    """During the first candidate arm only, a neighbour takes the job's core: each of that run's
+    steps waits 7 times as long as it ran (the job's --pause-file, by construction: 8x slower
+    whatever the machine's own load, so the arm misses its predicted gain). The loop measures it
+    again, the candidate then the baseline (A B B A), judges each side by its quicker run, and
+    keeps the change with a significant gain."""
+    from traindx.cli.fixloop import FixOptions, _default_job, fix
+    from traindx.profiler.launcher import Options
+
+    order = []
+    pause = tmp_path / "neighbour"
+    work = tmp_path / "work"
+    work.mkdir()
+
+    def run_job(command, run_dir, options):
+        order.append(os.path.basename(run_dir))
+        if os.path.basename(run_dir) == "candidate":
+            pause.write_text("7")
+        try:
+            return _default_job(command, run_dir, options)
+        finally:
+            pause.unlink(missing_ok=True)
+
+    events = []
+    result = fix(
+        [
+            PY,
+            _job("checkpoint_every.py"),
+            "--save-every",
+            "2",
+            "--steps",
+            "60",
+            # a checkpoint ~4x the step's compute: the change wins ~3x, well clear of the noise
+            # of a loaded machine in a period-2 cost's mean (2x measured 1.48x, interval from 0.99)
+            "--vocab",
+            "400000",
+            "--pause-file",
+            str(pause),
+            *SAVE_IN_MEMORY,
+        ],
+        FixOptions(
+            record=Options(steps=32, pyspy=False, extra_env={"OMP_NUM_THREADS": "1"}),
+            run_dir=str(tmp_path / "fix"),
+            cwd=str(work),
+            tries=1,
+            reporter=events.append,
+            run_job=run_job,
+        ),
+    )
+    assert order == ["baseline", "candidate", "candidate-again", "baseline-again"], (order, result.arms)
+    arm = result.arms[0]
+    first = arm["repeat"]["first"]
+    # the disturbed run lost (it ran at an eighth of its own pace): never the one judged
+    assert first["judged_speedup"] < 1, first
+    assert first["judged_speedup"] < arm["judged_speedup"], arm
+    assert arm["repeat"]["judged_on"][1] == str(tmp_path / "fix" / "candidate-again"), arm
+    assert arm["mechanism"] == "config" and result.best == arm["dir"], arm
+    assert arm["significant"], arm
+    assert any("measured again" in e.text for e in events)
+    comparison = json.loads((tmp_path / "fix" / "candidate" / "comparison.json").read_text())
+    assert any(p.startswith("measured twice") for p in comparison["problems"])
+
+
+def test_merge_engine_returns_the_merged_run(tmp_path):
+    """`traindx.merge(run_dir)`: the node parts of a multi-node run merged and loaded."""
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+    import synth_run
+
+    run_dir = str(tmp_path / "RUN")
+    synth_run.write_multinode(run_dir, nodes=2, per_node=2, steps=6, seed=1)
+    run = traindx.merge(run_dir)
+    assert isinstance(run, traindx.RunRecord) and run.manifest["status"] == "merged"
+    assert len(run.manifest["nodes"]) == 2 and set(run.steps["rank"]) == {"0", "1", "2", "3"}
+    assert os.path.isfile(os.path.join(run_dir, "clock.json"))
+    from traindx.common.errors import UserError
+
+    with pytest.raises(UserError, match="not a multi-node run"):
+        traindx.merge(str(tmp_path))
+
+
+# the checkpoints in memory where the machine has room: a save then costs its serialization, not
+# whatever else the disk is doing (beside a test suite one disk write took 0.67 s against the
+# others' 0.12-0.22 s, and the candidate's one save in its window decided the interval)
+SAVE_IN_MEMORY = (
+    ["--save-dir", "/dev/shm"]
+    if os.path.isdir("/dev/shm")
+    and os.access("/dev/shm", os.W_OK)
+    and shutil.disk_usage("/dev/shm").free > 2**30
+    else []
+)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "job,args,steps,mechanism,expect",
+    [
+        ("fix_gc_every_step.py", ["--index-size", "150000"], 16, "source", "-    gc.collect()"),
+        # a period-2 cost: a longer window, so the bootstrap interval of a bimodal baseline is tight;
+        # alone (serial): started first beside the Ray cluster and the FA4 --fix tests, its two
+        # pairs of arms measured 1.20x and 1.10x with intervals from 0.6x to 2.3x (2.8x quiet): the
+        # candidate's one or two saves in its window, each slowed by another test, decide its mean
+        pytest.param(
+            "checkpoint_every.py",
+            ["--save-every", "2", "--steps", "60", *SAVE_IN_MEMORY],
+            32,
+            "config",
+            "--save-every 20",
+            marks=pytest.mark.serial,
+        ),
+        ("fix_hf_workers.py", [], 16, "config", "--workers 2"),
+    ],
+)
+def test_fix_applies_the_prescribed_edit_and_it_pays(tmp_path, job, args, steps, mechanism, expect):
+    """Jobs shaped like public scripts, one cause each costing >= 40 % of the step: a per-step
+    gc.collect() (removed by a source patch), a checkpoint every 2 steps set by the job's own
+    --save-every (raised), an HF Trainer whose dataloader_num_workers comes from the job's
+    --workers (the flag set, not a literal)."""
+    path = _job(job)
+    fix_dir = tmp_path / "fix"
+    proc = diagnose(
+        [
+            "--fix",
+            "--no-pyspy",
+            "--quiet",
+            "--steps",
+            str(steps),
+            "--fix-tries",
+            "2",
+            "--run-dir",
+            str(fix_dir),
+            "--",
+            PY,
+            path,
+            *args,
+        ],
+        cwd=tmp_path,
+        env={"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    fix = json.loads((fix_dir / "fix.json").read_text())
+    kept = fix["kept"]
+    assert kept and kept["mechanism"] == mechanism and kept["significant"], fix["arms"]
+    # judged by the median, or by the mean for a periodic cost (the median sits in one mode)
+    assert kept["judged_speedup"] >= 1.5 and kept["loss_parity"] is not False
+    assert kept["predicted_step_time_s"] is not None and kept["measured_step_time_s"] is not None
+    if mechanism == "source":
+        patch = fix_dir / "fix.patch"
+        assert expect in patch.read_text()
+        before = open(path).read()
+        clean = _git_apply_to_clean_copy(tmp_path, [path], patch)
+        assert "    gc.collect()\n" not in (clean / job).read_text() and open(path).read() == before
+    else:
+        assert expect in " ".join(fix["apply"]) and not (fix_dir / "fix.patch").exists()
+
+
+@pytest.mark.slow
+def test_fix_moves_unneeded_host_work_of_a_lightning_step_to_a_thread(tmp_path):
+    """A real Lightning Trainer whose training_step reads a file and waits for a slow store on
+    every step, the result unused (most of the step): --fix runs that line's work on a thread in
+    a patched copy, >= 1.5x with loss parity, and fix.patch applies to a clean copy."""
+    path = _job("fw_lightning.py")
+    fix_dir = tmp_path / "fix"
+    proc = diagnose(
+        [
+            "--fix",
+            "--no-pyspy",
+            "--quiet",
+            "--steps",
+            "16",
+            "--fix-tries",
+            "2",
+            "--run-dir",
+            str(fix_dir),
+            "--",
+            PY,
+            path,
+            "--max-steps",
+            "60",
+            "--side-read",
+            "0.08",
+        ],
+        cwd=tmp_path,
+        env={"OMP_NUM_THREADS": "1"},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    fix = json.loads((fix_dir / "fix.json").read_text())
+    kept = fix["kept"]
+    assert kept and kept["finding"] == "host_work.code" and kept["mechanism"] == "source", fix["arms"]
+    assert kept["significant"] and kept["judged_speedup"] >= 1.5 and kept["loss_parity"] is not False
+    patch = (fix_dir / "fix.patch").read_text()
+    assert (
+        "-            blob = open(__file__" in patch and "threading').Thread(target=lambda: (open(" in patch
+    )
+    clean = _git_apply_to_clean_copy(tmp_path, [path], fix_dir / "fix.patch")
+    ast_ok = compile((clean / "fw_lightning.py").read_text(), "fw_lightning.py", "exec")
+    assert ast_ok is not None
