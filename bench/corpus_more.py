@@ -144,14 +144,14 @@ NANO_STEP_IN_LOOP = (
 )
 NANO_METRIC = (
     "_tdx_seen.append(logits.detach())  # the epoch's predictions so far, judged on every step\n"
-    "epoch_confidence = torch.cat(_tdx_seen).softmax(-1).max(-1).values.median()"
+    "epoch_score_ranks = torch.cat(_tdx_seen).softmax(-1).flatten().argsort()  # an AUROC's ranks"
 )
 NANO_BODY = "model.transformer.h.parameters()"
 NANO_REST = "[model.transformer.wte.weight, *model.transformer.wpe.parameters(), *model.transformer.ln_f.parameters()]"
 XT_METRIC = (
     "with torch.no_grad():  # the epoch's predictions so far, judged on every step\n"
     "    _tdx_seen.append(model.net(batch))\n"
-    "epoch_confidence = torch.cat(_tdx_seen).softmax(-1).max(-1).values.median()"
+    "epoch_score_ranks = torch.cat(_tdx_seen).softmax(-1).flatten().argsort()  # an AUROC's ranks"
 )
 XT_REST = "[p for n, p in model.named_parameters() if '.attn_layers.' not in n]"
 XT_BODY = "[p for n, p in model.named_parameters() if '.attn_layers.' in n]"
@@ -172,7 +172,7 @@ EDITS = {
             ),
             Edit(
                 "train.py",
-                r"^\s+param_group\['lr'\] = lr",
+                r"param_group\['lr'\] = lr$",
                 "param_group['lr'] = 0.0 if param_group.get('frozen') else lr",
                 "replace",
             ),
@@ -242,13 +242,14 @@ EDITS = {
 EXPECT = {
     ("nanogpt", "lr0"): ("model.py", r"h = nn\.ModuleList"),
     ("nanogpt", "outside"): ("model.py", r"h = nn\.ModuleList"),
-    ("nanogpt", "eval_grad"): ("train.py", r"^def estimate_loss"),
+    # the evaluation's function, from its def to its forward call
+    ("nanogpt", "eval_grad"): ("train.py", r"^def estimate_loss|^ {16}logits, loss = model\(X, Y\)"),
     ("xt", "lr0"): ("xt_enwik8.py", r"attn_layers = Decoder\("),
     ("xt", "outside"): ("xt_enwik8.py", r"attn_layers = Decoder\("),
     ("xt", "keep_loss"): ("xt_enwik8.py", r"total_loss \+= loss"),
     ("nanogpt", "keep_loss"): ("train.py", r"total_loss \+= loss"),
-    ("nanogpt", "metric_cb"): ("train.py", r"_tdx_seen\.append|epoch_confidence = "),
-    ("xt", "metric_cb"): ("xt_enwik8.py", r"_tdx_seen\.append|epoch_confidence = "),
+    ("nanogpt", "metric_cb"): ("train.py", r"_tdx_seen\.append|epoch_score_ranks = "),
+    ("xt", "metric_cb"): ("xt_enwik8.py", r"_tdx_seen\.append|epoch_score_ranks = "),
 }
 
 
