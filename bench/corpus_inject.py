@@ -155,6 +155,8 @@ def prepare(corpus, script, cause, work, busy_s, at=None):
     where = None
     if cause in MODEL_CAUSES or (cause in MORE_CAUSES and has_edits(script.name, cause)):
         where = apply_edits(d, script.name, cause)
+        if cause in script.flag_causes:  # the edit's own flags (how often the edited code runs)
+            env["TRAINDX_CORPUS_ARGS"] = json.dumps(script.flag_causes[cause])
         return None if where is None else (d, env, where)
     if cause in FLAG_CAUSES and cause not in script.flag_causes:
         return None  # another script's own flag

@@ -96,7 +96,7 @@ def script_fields():
                 "--block_size=64",
                 "--batch_size=8",
                 "--gradient_accumulation_steps=4",
-                "--eval_interval=5",
+                "--eval_interval=1000000",  # nanoGPT's default (2000) is past the run: one eval, at 0
                 "--eval_iters=2",
                 "--max_iters=100000",
                 "--warmup_iters=10",
@@ -109,6 +109,8 @@ def script_fields():
             "setup_file": "train.py",
             "setup_anchor": r"^torch\.manual_seed\(",
             "prepare": prep_nanogpt,
+            # grad left on in an evaluation run every 5th iteration (its own flag; the edit below)
+            "flag_causes": {"eval_grad": ["--eval_interval=5"]},
             "only_causes": ISSUE36,
         },
         "xt": {
