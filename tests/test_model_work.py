@@ -294,3 +294,29 @@ def test_loss_scale_read_through_a_frameworks_own_division_and_its_clipping_coun
     finally:
         paramuse._state.clear()
         paramuse._state.update(state)
+
+
+def test_freeze_edit_reaches_a_module_built_inside_a_module_dict(tmp_path):
+    """A block list built as one entry of `nn.ModuleDict(dict(...))` (nanoGPT's model) is frozen
+    by its own path, never the whole dict (its embeddings are updated)."""
+    src = textwrap.dedent(
+        """\
+        class GPT:
+            def __init__(self, n):
+                self.transformer = nn.ModuleDict(dict(
+                    wte = nn.Embedding(65, 8),
+                    h = nn.ModuleList([Block() for _ in range(n)]),
+                ))
+                self.head = nn.Sequential(
+                    nn.Linear(8, 8),
+                )
+        """
+    )
+    path = tmp_path / "m.py"
+    path.write_text(src)
+    edit = codefix_params.freeze_edit(str(path), 5)
+    assert edit["after"].strip() == "self.transformer.h.requires_grad_(False)"
+    assert (
+        codefix_params.freeze_edit(str(path), 3)["after"].strip() == "self.transformer.requires_grad_(False)"
+    )
+    assert codefix_params.freeze_edit(str(path), 8) is None  # one layer of a Sequential: not the whole
