@@ -45,7 +45,8 @@ def freeze_edit(path: str, line: int, inner: str = "") -> dict[str, Any] | None:
     )
     if len(targets) != 1 or not isinstance(targets[0], (ast.Name, ast.Attribute)):
         return None
-    inside = _container_path(stmt.value, line) if stmt.value is not None else None
+    value = stmt.value if isinstance(stmt, (ast.Assign, ast.AnnAssign)) else None
+    inside = _container_path(value, line) if value is not None else None
     if inside is None:
         return None  # built inside something else the line assigns: freezing that freezes more
     target = ast.unparse(targets[0]) + attribute_access(".".join(p for p in (inside, inner) if p))
