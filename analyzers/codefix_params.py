@@ -45,7 +45,11 @@ def freeze_edit(path: str, line: int, inner: str = "") -> dict[str, Any] | None:
     )
     if len(targets) != 1 or not isinstance(targets[0], (ast.Name, ast.Attribute)):
         return None
-    target = ast.unparse(targets[0]) + attribute_access(inner)
+    value = stmt.value if isinstance(stmt, (ast.Assign, ast.AnnAssign)) else None
+    inside = _container_path(value, line) if value is not None else None
+    if inside is None:
+        return None  # built inside something else the line assigns: freezing that freezes more
+    target = ast.unparse(targets[0]) + attribute_access(".".join(p for p in (inside, inner) if p))
     return code_change(
         path,
         stmt.lineno,
@@ -54,6 +58,41 @@ def freeze_edit(path: str, line: int, inner: str = "") -> dict[str, Any] | None:
         last_line=stmt.end_lineno,
         op="insert_after",
     )
+
+
+def _is_mapping_call(node: ast.AST) -> bool:
+    f = node.func if isinstance(node, ast.Call) else None
+    name = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else ""
+    return name == "dict" or name.endswith("ModuleDict")
+
+
+def _container_path(value: ast.expr, line: int) -> str | None:
+    """The attribute path, inside what an assignment builds, of the module built at `line`: ""
+    for the assigned value itself (it starts at that line), `h` for `nn.ModuleDict(dict(h=
+    nn.ModuleList(...)))` or `{"h": ...}`; None when the line is inside anything else."""
+    if value.lineno == line:
+        return ""
+    if isinstance(value, ast.Dict):
+        for key, item in zip(value.keys, value.values, strict=True):
+            if (
+                isinstance(key, ast.Constant)
+                and isinstance(key.value, str)
+                and item.lineno <= line <= (item.end_lineno or item.lineno)
+            ):
+                rest = _container_path(item, line)
+                return None if rest is None else ".".join(p for p in (key.value, rest) if p)
+        return None
+    if not _is_mapping_call(value):
+        return None
+    assert isinstance(value, ast.Call)
+    for arg in value.args[:1]:
+        if arg.lineno <= line <= (arg.end_lineno or arg.lineno):
+            return _container_path(arg, line)
+    for kw in value.keywords:
+        if kw.arg and kw.value.lineno <= line <= (kw.value.end_lineno or kw.value.lineno):
+            rest = _container_path(kw.value, line)
+            return None if rest is None else ".".join(p for p in (kw.arg, rest) if p)
+    return None
 
 
 def calls_optimizer_at(path: str, line: int) -> bool:

@@ -171,6 +171,13 @@ EXPECT = {
 }
 
 
+def _more():
+    """The edits of bench/corpus_more.py's scripts (imported here, late: it imports this module)."""
+    import corpus_more  # noqa: PLC0415 -- late: corpus_more imports this module
+
+    return corpus_more.EDITS, corpus_more.EXPECT
+
+
 def _apply(d, edit):
     """Apply one edit; returns the 1-based lines it inserted or changed (first, last)."""
     path = os.path.join(d, edit.file)
@@ -195,7 +202,7 @@ def _apply(d, edit):
 
 
 def _expected(d, script, cause):
-    spec = EXPECT.get((script, cause))
+    spec = EXPECT.get((script, cause)) or _more()[1].get((script, cause))
     if spec is None:
         return None
     path, pattern = spec
@@ -207,7 +214,7 @@ def _expected(d, script, cause):
 def apply_edits(d, script, cause):
     """The cause's edits made in the scratch copy `d`; "file:first-last" of the lines a right
     finding names, or None when the script has no such cause."""
-    edits = EDITS.get(script, {}).get(cause)
+    edits = EDITS.get(script, {}).get(cause) or _more()[0].get(script, {}).get(cause)
     if not edits:
         return None
     where = None

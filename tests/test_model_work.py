@@ -268,3 +268,55 @@ def test_the_accumulation_setting_is_read_from_the_objects_calling_backward():
     arg = param_use._framework_prescription({**found, "expr": None, "mechanisms": []}, 4, edit=False)
     assert arg is not None and "Runner(gradient_accumulation_steps=4)" in arg.summary
     assert arg.change is None or "site-packages" not in str(arg.change)
+
+
+def test_loss_scale_read_through_a_frameworks_own_division_and_its_clipping_counted():
+    """Accelerate's backward divides the job's `loss / 4` by its own accumulation steps (1) and
+    clips with torch.nn.utils.clip_grads_with_norm_: the scale is the chain's product, the
+    clipping one count per call (clip_grad_norm_ calling the others inside counts once)."""
+    import torch
+
+    from traindx.profiler.shim._traindx_shim import paramuse
+
+    w = torch.ones(3, requires_grad=True)
+    loss = (w * 2.0).sum()
+    assert paramuse._loss_scale(loss / 4 / 1) == 4.0
+    assert paramuse._loss_scale(loss * 0.25) == 4.0
+    assert paramuse._loss_scale(loss) is None
+    calls = []
+    clip = paramuse._wrap_clip(lambda *a: calls.append(a) or inner())
+    inner = paramuse._wrap_clip(lambda: None)
+    state = dict(paramuse._state)
+    try:
+        paramuse._state.update(accum_done=False, counts={}, sites={})
+        clip(1)
+        assert paramuse._state["counts"][paramuse._steps["step"]]["clip"] == 1
+    finally:
+        paramuse._state.clear()
+        paramuse._state.update(state)
+
+
+def test_freeze_edit_reaches_a_module_built_inside_a_module_dict(tmp_path):
+    """A block list built as one entry of `nn.ModuleDict(dict(...))` (nanoGPT's model) is frozen
+    by its own path, never the whole dict (its embeddings are updated)."""
+    src = textwrap.dedent(
+        """\
+        class GPT:
+            def __init__(self, n):
+                self.transformer = nn.ModuleDict(dict(
+                    wte = nn.Embedding(65, 8),
+                    h = nn.ModuleList([Block() for _ in range(n)]),
+                ))
+                self.head = nn.Sequential(
+                    nn.Linear(8, 8),
+                )
+        """
+    )
+    path = tmp_path / "m.py"
+    path.write_text(src)
+    edit = codefix_params.freeze_edit(str(path), 5)
+    assert edit["after"].strip() == "self.transformer.h.requires_grad_(False)"
+    assert (
+        codefix_params.freeze_edit(str(path), 3)["after"].strip() == "self.transformer.requires_grad_(False)"
+    )
+    assert codefix_params.freeze_edit(str(path), 8) is None  # one layer of a Sequential: not the whole

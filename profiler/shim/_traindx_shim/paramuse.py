@@ -467,14 +467,22 @@ def _wrap_backward(fn: Callable[..., Any]) -> Callable[..., Any]:
 def _wrap_clip(fn: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(fn)
     def clip(*args: Any, **kwargs: Any) -> Any:
-        if not _state["accum_done"]:
-            try:
-                _count("clip")
-            except Exception as exc:
-                report_error("grad accumulation", exc)
-        return fn(*args, **kwargs)
+        if _state["accum_done"] or _clipping[0]:
+            return fn(*args, **kwargs)
+        try:
+            _count("clip")
+        except Exception as exc:
+            report_error("grad accumulation", exc)
+        _clipping[0] = True  # one count per clipping call (clip_grad_norm_ may call the others)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _clipping[0] = False
 
     return clip
+
+
+_clipping = [False]
 
 
 def _emit_accum() -> None:
@@ -502,7 +510,8 @@ def _on_torch(torch: Any) -> None:
     register_optimizer_step_pre_hook(_pre_step)
     torch.Tensor.backward = _wrap_backward(torch.Tensor.backward)
     utils = torch.nn.utils
-    for name in ("clip_grad_norm_", "clip_grad_value_"):
+    # clip_grads_with_norm_: the clipping of frameworks that compute the norm themselves (Accelerate)
+    for name in ("clip_grad_norm_", "clip_grad_value_", "clip_grads_with_norm_"):
         if hasattr(utils, name):
             setattr(utils, name, _wrap_clip(getattr(utils, name)))
     bus.subscribe(schema.STEP_ENDED, _step_ended)
