@@ -71,7 +71,10 @@ def _window(table: pd.DataFrame, column: str, hunted: set[int]) -> pd.DataFrame:
     after = rows[rows["step"] > settled]
     if len(after) >= MIN_POINTS_AFTER_HUNT:
         return after
-    return rows[(rows["step"] < min(hunted)) | (rows["step"] > settled)]
+    # each perturbed stretch left out with the steps that settle after it (a profiler window
+    # early and a hunt late leave the steady steps between them)
+    near = {step + k for step in hunted for k in range(HUNT_SETTLE + 1)}
+    return rows[~rows["step"].isin(near)]
 
 
 def _judge_series(rows: pd.DataFrame, column: str, where: str, held_graphs: bool) -> dict[str, Any] | None:
@@ -346,7 +349,10 @@ def analyze(run: RunRecord) -> list[Finding]:
         for where, column in (("device", "dev_alloc_bytes"), ("host", host)):
             if column not in rows or not rows[column].notna().any():
                 continue
-            window = _window(rows, column, hunted.get(str(rank), set()))
+            # traindx's perturbations (the hunt's tracemalloc and censuses, the profiler's
+            # buffers) are host memory: the device series keeps those steps
+            perturbed = hunted.get(str(rank), set()) if where == "host" else set()
+            window = _window(rows, column, perturbed)
             g = _judge_series(window, column, where, _holds_graphs(rank_held))
             if g is not None:
                 out.append(_finding(str(rank), where, column, g, rows, rank_held))
