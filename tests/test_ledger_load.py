@@ -67,10 +67,21 @@ def quiet_and_loaded(tmp_path_factory):
 @pytest.mark.serial  # its quiet arms need a machine no other test loads; its loaded arms two burners
 @pytest.mark.parametrize("job", list(LOAD_JOBS))
 def test_same_findings_and_severities_with_cpu_burners_beside(quiet_and_loaded, job):
+    """Every finding of the quiet run is found under load at the same severity, and the headline
+    is the same; load may add a finding no higher than medium (the host's own code really runs
+    slower beside burners: at load 17 a collate line became medium), never a new high one."""
     quiet, loaded = quiet_and_loaded[job]
-    a, b = _problems(traindx.analyze(quiet)), _problems(traindx.analyze(loaded))
+    found_quiet, found_loaded = traindx.analyze(quiet), traindx.analyze(loaded)
+    a, b = _problems(found_quiet), _problems(found_loaded)
     assert a, f"{job}: nothing found on a quiet machine"
-    assert a == b, f"{job}: quiet {a} vs loaded {b}"
+    assert set(a) <= set(b), f"{job}: quiet {a} vs loaded {b}"
+    extra = set(b) - set(a)
+    assert all(sev in ("low", "medium") for _, sev in extra), f"{job}: quiet {a} vs loaded {b}"
+    top = [
+        next(f.evidence.get("top") for f in found if f.id.startswith("verdict."))
+        for found in (found_quiet, found_loaded)
+    ]
+    assert top[0] == top[1], f"{job}: headline {top[0]} quiet vs {top[1]} loaded"
 
 
 # -- chains ---------------------------------------------------------------------------------------
