@@ -13,6 +13,7 @@ from traindx.analyzers.declaration import Declaration
 from traindx.analyzers.findings import Finding, Prescription
 from traindx.analyzers.frameworks import runs_megatron
 from traindx.derive.ledger import steady_rows
+from traindx.derive.steady import events_of_type
 
 if TYPE_CHECKING:  # annotations only
     from traindx.derive.run import RunRecord
@@ -286,10 +287,80 @@ def _launch_prescriptions(
     return tuple(prescriptions)
 
 
+# a per-parameter optimizer step judged without a profiled window (it stood down: tens of
+# thousands of launches cost more to trace than its budget): tensors it loops over, and the share
+# of its step the multi-tensor path removes (the H200's 2,000-tensor AdamW: 272 of 277 ms)
+MIN_LOOPED_TENSORS = 100
+MULTI_TENSOR_SAVING = 0.9
+
+
+def _looped_optimizer(run: RunRecord) -> list[Finding]:
+    """A GPU run whose optimizer was told foreach=False (one parameter's kernels at a time) and
+    whose optimizer line is a large share of the step: named from the shim's record of how the
+    optimizer was made and the ledger, where no torch.profiler window could be traced."""
+    if not len(run.gpu):
+        return []
+    made = events_of_type(run, "optimizer_created")
+    if not len(made) or "foreach" not in made.columns:
+        return []
+    first = made.iloc[0]
+    tensors = pd.to_numeric(pd.Series([first.get("tensors")]), errors="coerce").iloc[0]
+    if first.get("foreach") is not False or not tensors or tensors < MIN_LOOPED_TENSORS:
+        return []
+    rank = str(first.get("rank", "0"))
+    rows = steady_rows(run)
+    rows = rows[rows["rank"].astype(str) == rank] if len(rows) else rows
+    if not len(rows) or "optimizer_s" not in rows:
+        return []
+    optimizer_s, step_s = float(rows["optimizer_s"].median()), float(rows["wall_s"].median())
+    share = optimizer_s / step_s if step_s else 0.0
+    if share < MIN_OPTIMIZER_SHARE:
+        return []
+    name = str(first.get("optimizer") or "the optimizer")
+    saving = optimizer_s * MULTI_TENSOR_SAVING
+    evidence: dict[str, Any] = {
+        "rank": rank,
+        "optimizer": {"class": name, "share": round(share, 3), "saving_s": saving},
+        "tensors": int(tensors),
+        "foreach": False,
+        "optimizer_s_per_step": optimizer_s,
+        "steady_step_s": step_s,
+        "profiled": False,
+    }
+    return [
+        Finding(
+            id="gpu.launch_bound",
+            title=f"{name} steps {int(tensors)} parameter tensors one at a time "
+            f"({share:.0%} of the step on rank {rank})",
+            severity=ev.severity_for_share(saving / step_s if step_s else 0.0),
+            analyzer="launch_bound",
+            summary=(
+                f"The optimizer was made with foreach=False: its step launches each parameter's "
+                f"kernels on its own, {optimizer_s * 1000:.1f} ms of a {step_s * 1000:.1f} ms step. "
+                "The multi-tensor path does the same math in a few launches per group. (No "
+                "torch.profiler window was traced: this step's launches cost more to trace than "
+                "its budget.)"
+            ),
+            seconds_lost_per_step=saving,
+            share_of_step=share,
+            ranks=(rank,),
+            evidence=evidence,
+            prescriptions=(
+                Prescription(
+                    kind="code",
+                    summary=f"a multi-tensor optimizer: {name}(..., fused=True) where it has a fused "
+                    "kernel (Adam, AdamW, SGD, Adagrad), else foreach=True, instead of foreach=False",
+                    expected_gain_s_per_step=saving,
+                ),
+            ),
+        )
+    ]
+
+
 def analyze(run: RunRecord) -> list[Finding]:
     trace = run.torch_trace
     if not len(trace) or not (trace["cat"] == "kernel").any():
-        return []
+        return _looped_optimizer(run)
     findings = []
     for rank, rows in sorted(trace.groupby("rank", sort=False), key=lambda item: item[0]):
         findings.extend(_analyze_rank(run, rank, rows))  # one pass, not one scan per rank

@@ -31,6 +31,6 @@ done
 mkdir -p "$OUT/pipe"
 log pipeline; SKIP_PIP=1 OUT="$OUT/pipe" timeout -k 5 150 bash bench/gpu_pipeline.sh --device cuda 2>&1 | tail -25
 log cases
-STEPS=20 GPU_DEVICE_FIX=off timeout -k 5 170 bash bench/gpu_device_cases.sh dtoh_metric odd_matmul sdpa_math grow_memory 2>&1 | grep -E "^==|^\||rc " | tail -20
+STEPS=20 GPU_DEVICE_FIX=off timeout -k 5 200 bash bench/gpu_device_cases.sh dtoh_metric odd_matmul sdpa_math grow_memory foreach_off 2>&1 | grep -E "^==|^\||rc " | tail -20
 (cd /tmp && tar czf "$OUT/fixruns.tgz" --exclude='*-gil.speedscope.json' --exclude='captured' fx-*)
 cd "$OUT" && tar czf /tmp/round2.tgz . && rm -rf ./* && mv /tmp/round2.tgz . && ls -la

@@ -502,6 +502,21 @@ def _trained_params(optimizer: Any) -> int | None:
         return None
 
 
+def _implementation(optimizer: Any) -> dict[str, Any]:
+    """How the optimizer steps: its parameter tensors and the foreach/fused choices it was
+    given (None: torch's default, multi-tensor on CUDA), read without touching the tensors."""
+    try:
+        defaults = getattr(optimizer, "defaults", {}) or {}
+        tensors = sum(len(group.get("params", ())) for group in optimizer.param_groups)
+        return {
+            "tensors": int(tensors),
+            "foreach": defaults.get("foreach"),
+            "fused": defaults.get("fused"),
+        }
+    except Exception:
+        return {}
+
+
 # -- installation ---------------------------------------------------------------------------------
 @guarded("torch import hook")
 def _on_torch(torch: Any) -> None:
@@ -526,7 +541,12 @@ def _on_torch(torch: Any) -> None:
             if _state["opt_created_t"] is None:
                 _state["opt_created_t"] = time.time_ns()
                 _state["opt_thread"] = threading.get_ident()
-                emit("optimizer_created", optimizer=type(self).__name__, params=_trained_params(self))
+                emit(
+                    "optimizer_created",
+                    optimizer=type(self).__name__,
+                    params=_trained_params(self),
+                    **_implementation(self),
+                )
                 _sync_forward_hook()
         except Exception as exc:
             report_error("optimizer init hook", exc)
