@@ -274,7 +274,8 @@ def _prescriptions(loc: dict[str, Any]) -> list[Prescription]:
                 summary=f"keep `{value}.{method}()` at {at['file']}:{at['line']} instead of `{value}`: {why}",
                 change={"code": at["change"]} if at.get("change") else {},
                 expected_gain_s_per_step=None,
-                automatic=False,
+                # --fix applies it and judges the arm by the memory's slope (ab_verdict.judge_arm)
+                automatic=bool(at.get("change")),
             )
         ]
     if holder.get("owner"):
@@ -360,3 +361,20 @@ def analyze(run: RunRecord) -> list[Finding]:
                 out.append(_finding(str(rank), where, column, g, rows, rank_held))
                 break  # device growth also shows in the host's pages of a pinned copy: one finding
     return out
+
+
+def steady_rate(run: RunRecord) -> dict[str, Any] | None:
+    """The first rank's memory slope after its warm-up and the shim's hunt (bytes a step, of the
+    series this module judges), for the A/B of a fix that keeps less: None without a record."""
+    table = mem.memory_table(run)
+    if not len(table):
+        return None
+    rank = str(table["rank"].iloc[0])
+    rows = table[table["rank"] == rank]
+    for column in ("dev_alloc_bytes", "heap_bytes", "rss_bytes"):
+        if column in rows and rows[column].notna().any():
+            window = _window(rows, column, perturbed_steps(run).get(rank, set()))
+            g = mem.growth(window["step"].tolist(), window[column].tolist())
+            if g is not None:
+                return {"series": column, "rate_bytes_per_step": round(float(g["rate"]), 1), "points": g["points"]}
+    return None
