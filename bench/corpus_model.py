@@ -9,6 +9,8 @@ wasted work sits in the user's own code as it would in a real job.
 | `lr0` | the model's body "frozen" by a learning rate of 0 in the optimizer's param groups |
 | `outside` | the model's body left out of the optimizer, requires_grad left on |
 | `badaccum` | the loss divided for 4-step accumulation, the optimizer step and clipping run every micro-batch |
+| `sum_loss` | the running loss summed as the tensor (`total_loss += loss`, its `.item()` dropped): its graph grows every step |
+| `eval_grad` | the `torch.no_grad()` around the evaluation removed (`with torch.no_grad():` made `if True:`) |
 
 Scripts added here: pytorch/ignite `examples/mnist/mnist.py` as `ignite_mnist.py` (Ignite's
 Engine, create_supervised_trainer, event handlers), with torchvision's MNIST replaced by a
@@ -19,7 +21,7 @@ import os
 import re
 from dataclasses import dataclass
 
-MODEL_CAUSES = ("hook", "metric_cb", "lr0", "outside", "badaccum")
+MODEL_CAUSES = ("hook", "metric_cb", "lr0", "outside", "badaccum", "sum_loss", "eval_grad")
 
 # what a usable prescription says for each cause
 USABLE_MODEL = {
@@ -28,6 +30,8 @@ USABLE_MODEL = {
     "lr0": r"requires_grad_\(False\)|freeze",
     "outside": r"requires_grad_\(False\)|freeze",
     "badaccum": r"every \d+|once per \d+|accumulat",
+    "sum_loss": r"\.item\(\)|\.detach\(\)",
+    "eval_grad": r"no_grad|inference_mode",
 }
 
 HOOK = (
@@ -140,6 +144,8 @@ EDITS = {
                 "main.py", r"AdamW\(model\.parameters\(\), ", "AdamW(model.decoder.parameters(), ", "replace"
             )
         ],
+        "sum_loss": [Edit("main.py", r"total_loss \+= loss\.item\(\)", "total_loss += loss", "replace")],
+        "eval_grad": [Edit("main.py", r"^\s+with torch\.no_grad\(\):", "    if True:", "replace")],
         "badaccum": [
             Edit(
                 "main.py",
