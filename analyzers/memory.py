@@ -157,6 +157,11 @@ def adds_to(path: str, name: str, first: int | None = None, last: int | None = N
                 "last_line": end,
                 "source": "\n".join(lines[lineno - 1 : end]),
                 "value": ast.get_source_segment("\n".join(lines), value),
+                # where the value sits on a one-line statement (the edit replaces it there:
+                # `total_loss += loss` has `loss` inside `total_loss` too)
+                "value_cols": (value.col_offset, value.end_col_offset)
+                if value.lineno == lineno and value.end_lineno == lineno
+                else None,
             }
         )
     return sorted(out, key=lambda e: e["line"])
@@ -194,11 +199,10 @@ def _held_at(holder: dict[str, Any]) -> dict[str, Any] | None:
             f"{value}.{method}()" if value.isidentifier() or value.endswith(")") else f"({value}).{method}()"
         )
         line_text = site["source"]
-        if site["line"] == site["last_line"] and value in line_text:
-            before = line_text.strip()
-            change = codefix.code_change(
-                str(path), site["line"], before, before.replace(value, after_value, 1)
-            )
+        cols = site.get("value_cols")
+        if site["line"] == site["last_line"] and cols and line_text[cols[0] : cols[1]] == value:
+            after = (line_text[: cols[0]] + after_value + line_text[cols[1] :]).strip()
+            change = codefix.code_change(str(path), site["line"], line_text.strip(), after)
     return {
         "file": path,
         "line": site["line"],
