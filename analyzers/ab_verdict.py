@@ -364,6 +364,9 @@ def worth_repeating(arm: Arm) -> bool:
         return False
     if arm.judged_by is Measure.FIRST_STEP:
         return False
+    slopes = arm.judgement.memory_slopes
+    if arm.judged_by is Measure.MEMORY and slopes and slopes[1] <= LEAK_GONE_SHARE * slopes[0]:
+        return True  # the memory no longer grows but the step measured slower: load, or the edit?
     interval = arm.interval()
     base = arm.baseline_mean_step_s if arm.judged_by.by_mean else arm.baseline_median_step_s
     saving = arm.predicted_saving_s_per_step
@@ -442,9 +445,11 @@ def judged_text(
     """'1.31x by the median, interval 0.98-1.70x' (the verdict where nothing was judged)."""
     if judged_by is Measure.MEMORY and memory_slopes:
         base, cand = memory_slopes
-        return f"memory {base / 1024:.1f} kB a step → {cand / 1024:.1f} kB a step" + (
-            f"; step time {speedup:.2f}x by the median" if speedup is not None else ""
-        ) + (f", interval {interval[0]:.2f}-{interval[1]:.2f}x" if interval else "")
+        return (
+            f"memory {base / 1024:.1f} kB a step → {cand / 1024:.1f} kB a step"
+            + (f"; step time {speedup:.2f}x by the median" if speedup is not None else "")
+            + (f", interval {interval[0]:.2f}-{interval[1]:.2f}x" if interval else "")
+        )
     if speedup is None:
         return str(verdict)
     by = judged_by.short

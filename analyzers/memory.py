@@ -380,5 +380,9 @@ def steady_rate(run: RunRecord) -> dict[str, Any] | None:
             window = _window(rows, column, perturbed_steps(run).get(rank, set()))
             g = mem.growth(window["step"].tolist(), window[column].tolist())
             if g is not None:
-                return {"series": column, "rate_bytes_per_step": round(float(g["rate"]), 1), "points": g["points"]}
+                return {
+                    "series": column,
+                    "rate_bytes_per_step": round(float(g["rate"]), 1),
+                    "points": g["points"],
+                }
     return None

@@ -69,7 +69,19 @@ class Known:
     gpu_lines: tuple[str, ...] = ()  # lines it slows besides `lines` on a GPU run (the GPU's own time)
 
 
-BLOCK_HEADS = ("with ", "if ", "for ", "while ", "def ", "class ", "try", "elif ", "else", "return ", "yield ")
+BLOCK_HEADS = (
+    "with ",
+    "if ",
+    "for ",
+    "while ",
+    "def ",
+    "class ",
+    "try",
+    "elif ",
+    "else",
+    "return ",
+    "yield ",
+)
 KNOWN: dict[str, Known] = {
     "anomaly": Known(
         "autograd anomaly detection left on",
@@ -328,7 +340,9 @@ def _no_grad_edit(caller: dict[str, Any], source: str) -> dict[str, Any] | None:
     found = re.search(r"^import torch(?: as (\w+))?\s*$", text, re.M)
     if found is None:
         return None
-    return codefix.code_change(str(path), line, source, f"with {found.group(1) or 'torch'}.no_grad(): {source}")
+    return codefix.code_change(
+        str(path), line, source, f"with {found.group(1) or 'torch'}.no_grad(): {source}"
+    )
 
 
 def _job_lines(run: RunRecord) -> Iterator[tuple[str, int, str]]:
@@ -440,6 +454,8 @@ def _severity(name: str, share: float | None, moot: bool) -> str:
     severity = ev.severity_for_share(share) if share is not None else "medium"
     if name in ("anomaly", "trace") and severity in ("info", "low"):
         return "medium"  # a debugging switch with no benefit to training: worth turning off
+    if name == "eval_grad" and severity == "info":
+        return "low"  # memory and work for nothing, whatever its time: at least worth saying
     return severity
 
 

@@ -276,7 +276,10 @@ def judged_comparison(
         "startup": startup,
         "loss_parity": parity,
         # the memory's slope of each arm (a fix that keeps less is judged by it: ab_verdict)
-        "memory_slope": {"baseline": memory_rules.steady_rate(baseline), "candidate": memory_rules.steady_rate(candidate)},
+        "memory_slope": {
+            "baseline": memory_rules.steady_rate(baseline),
+            "candidate": memory_rules.steady_rate(candidate),
+        },
         "verdict": verdict.text()
         + (f" (per micro-batch; loss parity: {parity['decided_by']})" if unit and parity else ""),
         "problems": problems,

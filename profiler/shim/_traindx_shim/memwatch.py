@@ -416,7 +416,12 @@ def _variable_graphs(torch: Any) -> dict[tuple[Any, ...], dict[str, Any]]:
         code = frame.f_code
         path = code.co_filename
         if not path.startswith(_SHIM_DIR) and not frames.is_library_path(path):
-            where = {"file": path, "function": code.co_name, "first_line": code.co_firstlineno, "line": frame.f_lineno}
+            where = {
+                "file": path,
+                "function": code.co_name,
+                "first_line": code.co_firstlineno,
+                "line": frame.f_lineno,
+            }
             scope = "global" if frame.f_locals is frame.f_globals else "local"
             items = list(frame.f_locals.items())
             owner = frame.f_locals.get("self")
@@ -436,7 +441,9 @@ def _variable_graphs(torch: Any) -> dict[tuple[Any, ...], dict[str, Any]]:
     return out
 
 
-def _grown_graphs(before: dict[tuple[Any, ...], Any], after: dict[tuple[Any, ...], Any]) -> list[dict[str, Any]]:
+def _grown_graphs(
+    before: dict[tuple[Any, ...], Any], after: dict[tuple[Any, ...], Any]
+) -> list[dict[str, Any]]:
     """The variables whose tensor's graph grew between the two censuses (as `_holders`' entries:
     `size` the graph's nodes now, `new` the nodes it gained)."""
     out = []
