@@ -233,8 +233,8 @@ def judge_leak_arm(evidence: ArmEvidence) -> Judgement | None:
     base, cand = evidence.memory_slopes
     if base is None or cand is None or base <= 0:
         return None
-    interval = evidence.speedup_ci95
-    slower = evidence.speedup is not None and evidence.speedup < 1.0 and bool(interval) and interval[1] < 1.0
+    interval = list(evidence.speedup_ci95 or ())
+    slower = evidence.speedup is not None and evidence.speedup < 1.0 and len(interval) == 2 and interval[1] < 1.0
     significant = cand <= LEAK_GONE_SHARE * base and not slower and evidence.parity_passed is not False
     return Judgement(Measure.MEMORY, evidence.speedup, significant, memory_slopes=[base, cand])
 

@@ -69,19 +69,8 @@ class Known:
     gpu_lines: tuple[str, ...] = ()  # lines it slows besides `lines` on a GPU run (the GPU's own time)
 
 
-BLOCK_HEADS = (
-    "with ",
-    "if ",
-    "for ",
-    "while ",
-    "def ",
-    "class ",
-    "try",
-    "elif ",
-    "else",
-    "return ",
-    "yield ",
-)
+# a line a `with ...:` cannot prefix: a block's head, a return (it parses only in its function)
+BLOCK_HEAD = re.compile(r"(with|if|for|while|def|class|try|elif|else|return|yield|async)\b")
 KNOWN: dict[str, Known] = {
     "anomaly": Known(
         "autograd anomaly detection left on",
@@ -330,7 +319,7 @@ def _no_grad_edit(caller: dict[str, Any], source: str) -> dict[str, Any] | None:
     path, line = caller.get("file"), caller.get("line")
     if not path or not isinstance(line, int) or ev.is_library_path(str(path)):
         return None
-    if not source or source.rstrip().endswith((":", "\\", "(", ",")) or source.startswith(BLOCK_HEADS):
+    if not source or source.rstrip().endswith((":", "\\", "(", ",")) or BLOCK_HEAD.match(source):
         return None
     try:
         with open(str(path), encoding="utf-8", errors="replace") as f:

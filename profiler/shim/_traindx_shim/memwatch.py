@@ -411,7 +411,7 @@ def _variable_graphs(torch: Any) -> dict[tuple[Any, ...], dict[str, Any]]:
     by a step's graph every step, which no container census sees."""
     out: dict[tuple[Any, ...], dict[str, Any]] = {}
     tensor_type = torch.Tensor
-    frame = sys._getframe(1)
+    frame: Any = sys._getframe(1)
     while frame is not None:
         code = frame.f_code
         path = code.co_filename
