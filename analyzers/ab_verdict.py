@@ -229,12 +229,13 @@ def memory_slopes(comparison: Mapping[str, Any]) -> tuple[float | None, float | 
 def judge_leak_arm(evidence: ArmEvidence) -> Judgement | None:
     """A fix for memory that grows every step saves memory, not time: significant when the
     candidate's slope is at most LEAK_GONE_SHARE of the baseline's, the numerics kept and its
-    step time not slower beyond its interval (None without both slopes)."""
+    step time not slower by 5 % beyond its interval (None without both slopes)."""
     base, cand = evidence.memory_slopes
     if base is None or cand is None or base <= 0:
         return None
     interval = list(evidence.speedup_ci95 or ())
-    slower = evidence.speedup is not None and evidence.speedup < 1.0 and len(interval) == 2 and interval[1] < 1.0
+    # slower: by more than a gain must reach (MIN_SPEEDUP), its whole interval too (load moves it)
+    slower = evidence.speedup is not None and len(interval) == 2 and interval[1] < 1 / MIN_SPEEDUP
     significant = cand <= LEAK_GONE_SHARE * base and not slower and evidence.parity_passed is not False
     return Judgement(Measure.MEMORY, evidence.speedup, significant, memory_slopes=[base, cand])
 

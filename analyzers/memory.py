@@ -179,7 +179,7 @@ def _function_end(path: str, first_line: int | None) -> int | None:
     return None
 
 
-def _held_at(holder: dict[str, Any]) -> dict[str, Any] | None:
+def _held_at(holder: dict[str, Any], gpu: bool = False) -> dict[str, Any] | None:
     """The line that adds the tensors to the holder's container, with its fix: `.item()` for a
     scalar, `.detach()` for a larger tensor."""
     owner = holder.get("owner") or {}
@@ -192,7 +192,8 @@ def _held_at(holder: dict[str, Any]) -> dict[str, Any] | None:
         return None
     site = adds[0]
     value = site["value"]
-    method = "item" if holder.get("shape") == [] else "detach"
+    # a scalar as a Python number; on a GPU `.item()` waits for the device every step: `.detach()`
+    method = "item" if holder.get("shape") == [] and not gpu else "detach"
     change = None
     if value and f".{method}()" not in value and "\n" not in value:
         after_value = (
@@ -213,7 +214,7 @@ def _held_at(holder: dict[str, Any]) -> dict[str, Any] | None:
     }
 
 
-def _location(held: pd.DataFrame) -> dict[str, Any]:
+def _location(held: pd.DataFrame, gpu: bool = False) -> dict[str, Any]:
     """Where the growth is held: the container that gained graph-holding tensors (and the line
     that adds to it), else the allocation sites that grew, from the rank's last hunt."""
     if not len(held):
@@ -221,7 +222,7 @@ def _location(held: pd.DataFrame) -> dict[str, Any]:
     row = held.iloc[-1]
     holders = row["holders"] if isinstance(row["holders"], list) else []
     for holder in holders:
-        at = _held_at(holder)
+        at = _held_at(holder, gpu)
         if at is not None:
             return {"holder": holder, "at": at}
     if holders:
@@ -298,11 +299,17 @@ def _prescriptions(loc: dict[str, Any]) -> list[Prescription]:
 
 
 def _finding(
-    rank: str, where: str, column: str, g: dict[str, Any], table: pd.DataFrame, held: pd.DataFrame
+    rank: str,
+    where: str,
+    column: str,
+    g: dict[str, Any],
+    table: pd.DataFrame,
+    held: pd.DataFrame,
+    gpu: bool = False,
 ) -> Finding:
     last = table.iloc[-1]
     runway, bound = _runway(last, where, g["rate"])
-    loc = _location(held[held["grew"] == where] if len(held) else held) or _location(held)
+    loc = _location(held[held["grew"] == where] if len(held) else held, gpu) or _location(held, gpu)
     if runway is not None and runway < CRITICAL_RUNWAY:
         severity = "critical"
     elif (runway is not None and runway < HIGH_RUNWAY) or g["rate"] >= MB:
@@ -362,7 +369,7 @@ def analyze(run: RunRecord) -> list[Finding]:
             window = _window(rows, column, perturbed)
             g = _judge_series(window, column, where, _holds_graphs(rank_held))
             if g is not None:
-                out.append(_finding(str(rank), where, column, g, rows, rank_held))
+                out.append(_finding(str(rank), where, column, g, rows, rank_held, bool(len(run.gpu))))
                 break  # device growth also shows in the host's pages of a pinned copy: one finding
     return out
 

@@ -154,6 +154,7 @@ def test_a_leak_arm_is_judged_by_the_memory_slope():
     assert j.judged_by is Measure.MEMORY and j.significant and j.memory_slopes == [6000.0, 300.0]
     assert not judged((6000.0, 3000.0)).significant  # still grows
     assert not judged((6000.0, 0.0), speedup=0.7, ci=(0.6, 0.8)).significant  # slower beyond its noise
+    assert judged((6000.0, 300.0), speedup=0.89, ci=(0.74, 0.999)).significant  # within 5 %: load
     assert not judged((6000.0, 0.0), parity=False).significant
     arm = Arm("a", "d", "memory.growth", "source", "s", 0, j, speedup=0.98)
     assert ab_verdict.keep([arm]) is arm  # kept although its step time did not gain

@@ -411,6 +411,7 @@ def _variable_graphs(torch: Any) -> dict[tuple[Any, ...], dict[str, Any]]:
     by a step's graph every step, which no container census sees."""
     out: dict[tuple[Any, ...], dict[str, Any]] = {}
     tensor_type = torch.Tensor
+    seen: set[int] = set()
     frame: Any = sys._getframe(1)
     while frame is not None:
         code = frame.f_code
@@ -423,19 +424,23 @@ def _variable_graphs(torch: Any) -> dict[tuple[Any, ...], dict[str, Any]]:
                 "line": frame.f_lineno,
             }
             scope = "global" if frame.f_locals is frame.f_globals else "local"
-            items = list(frame.f_locals.items())
+            items = [(name, v, scope, where) for name, v in list(frame.f_locals.items())]
             owner = frame.f_locals.get("self")
             if owner is not None and isinstance(getattr(owner, "__dict__", None), dict):
-                items += [(name, v) for name, v in vars(owner).items() if isinstance(name, str)]
-            for name, value in items:
+                items += [(name, v, "attribute", where) for name, v in list(vars(owner).items())]
+            if scope == "local" and id(frame.f_globals) not in seen:  # the function's module's globals
+                seen.add(id(frame.f_globals))
+                module = {"file": path, "function": "<module>", "first_line": 1, "line": None}
+                items += [(name, v, "global", module) for name, v in list(frame.f_globals.items())]
+            for name, value, kind, at in items:
                 if isinstance(value, tensor_type) and value.grad_fn is not None and isinstance(name, str):
-                    key = (path, code.co_name, code.co_firstlineno, name)
+                    key = (at["file"], at["function"], at["first_line"], name)
                     if key not in out:
                         out[key] = {
                             "nodes": _graph_nodes(value.grad_fn),
                             "grad_fn": type(value.grad_fn).__name__,
                             "shape": list(value.shape),
-                            "owner": {"name": name, "scope": scope, **where},
+                            "owner": {"name": name, "scope": kind, **at},
                         }
         frame = frame.f_back
     return out
