@@ -146,10 +146,12 @@ def verdict(speedup: float | None, ci_low: float | None, parity_passed: bool | N
 def periodic_cost(finding: Finding | None, comparison: Mapping[str, Any] | None = None) -> bool:
     """A cost the median cannot see: periodic (a checkpoint every k steps), or in fewer than
     half of the window's steps (a full GC every 7 steps: the median step is a step without
-    it). Judged by the mean and its bootstrap interval instead."""
+    it; a finding whose evidence says `occasional`: an evaluation now and then). Judged by the
+    mean and its bootstrap interval instead."""
     if finding is None:
         return False
-    if (finding.evidence or {}).get("period") or (finding.removes or {}).get("steps"):
+    evidence = finding.evidence or {}
+    if evidence.get("period") or evidence.get("occasional") or (finding.removes or {}).get("steps"):
         return True
     window = len(((comparison or {}).get("window_values_s") or {}).get("baseline") or ())
     affected = len(finding.steps_affected or ())

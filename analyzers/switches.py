@@ -562,6 +562,8 @@ def _finding(
             "changes": int(_plain(row.get("changes")) or 1),
             "cost_lines": list(lines),
             "cost_fraction_predicted": fraction,
+            # an evaluation runs now and then: the median step is one without it (--fix: the mean)
+            **({"occasional": True} if name == "eval_grad" else {}),
         },
         prescriptions=tuple(prescriptions),
         ranks=(rank,),
