@@ -179,6 +179,15 @@ def _function_end(path: str, first_line: int | None) -> int | None:
     return None
 
 
+def _atom(value: str) -> bool:
+    """`value` takes `.item()` without parentheses: a name, attribute, call or subscript."""
+    try:
+        node = ast.parse(value, mode="eval").body
+    except SyntaxError:
+        return False
+    return isinstance(node, (ast.Name, ast.Attribute, ast.Call, ast.Subscript))
+
+
 def _held_at(holder: dict[str, Any], gpu: bool = False) -> dict[str, Any] | None:
     """The line that adds the tensors to the holder's container, with its fix: `.item()` for a
     scalar, `.detach()` for a larger tensor."""
@@ -196,9 +205,7 @@ def _held_at(holder: dict[str, Any], gpu: bool = False) -> dict[str, Any] | None
     method = "item" if holder.get("shape") == [] and not gpu else "detach"
     change = None
     if value and f".{method}()" not in value and "\n" not in value:
-        after_value = (
-            f"{value}.{method}()" if value.isidentifier() or value.endswith(")") else f"({value}).{method}()"
-        )
+        after_value = f"{value}.{method}()" if _atom(value) else f"({value}).{method}()"
         line_text = site["source"]
         cols = site.get("value_cols")
         if site["line"] == site["last_line"] and cols and line_text[cols[0] : cols[1]] == value:
