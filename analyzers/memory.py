@@ -9,7 +9,10 @@ host's or the device's memory runs out at that rate, and where it is held: when 
 growth it took a census of the tensors that hold an autograd graph twice, a few steps apart, and
 named the containers that gained some (a list a loss is appended to, with its graph: every
 activation of the step stays alive) and the variable that holds each; this module finds the line
-that adds to it and prescribes `.item()` (a scalar) or `.detach()`. Without such a holder, the
+that adds to it and prescribes `.item()` (a scalar; `.detach()` on a GPU run) or `.detach()`; a
+running sum (`total += loss`: one tensor, its graph growing) is found by the variable whose graph
+gained nodes between the censuses. The edit is automatic: `--fix` judges its arm by the memory's
+slope (`steady_rate`, ab_verdict.judge_leak_arm). Without such a holder, the
 Python allocation sites that grew (tracemalloc) or, on a GPU, the lines whose allocator blocks
 survive (the allocator's history) are named instead.
 """

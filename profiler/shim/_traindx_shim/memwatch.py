@@ -18,7 +18,8 @@ that hold an autograd graph (gc.get_objects: tensors with a grad_fn) and starts 
 on a GPU, the caching allocator's history); HUNT_GAP steps later it takes the census again and
 writes a `mem_held` event: the containers (a list, a dict, a deque) and variables that hold more
 of those tensors than before (by name: the frame's local or the module's global, with its file,
-function and the frame's line), where the new tensors were made (tracemalloc's traceback), the
+function and the frame's line), the variables of the job's frames on the stack whose tensor's
+autograd graph gained nodes (a running sum `total += loss`, counted up to GRAPH_MAX_NODES), where the new tensors were made (tracemalloc's traceback), the
 Python allocation sites that grew most in between (tracemalloc), and on a GPU the lines whose
 allocator blocks survive (torch.cuda.memory._snapshot). Its own cost is in `cost_s`; the steps
 in between are `perturbed` (tracemalloc slows every allocation). The judgement is the analyzer's
