@@ -366,3 +366,10 @@ def test_a_literal_guard_is_made_rarer_in_the_jobs_line(tmp_path):
     code = p.change["code"]
     assert code["line"] == 4 and code["before"] == "n % 2" and code["after"] == "n % 20"
     assert p.automatic and p.expected_gain_s_per_step == pytest.approx(0.045)
+
+
+def test_an_occasional_cost_is_judged_by_the_mean():
+    """An evaluation now and then (evidence `occasional`): the median step is one without it."""
+    f = Finding(id="switches.eval_grad", title="t", severity="low", analyzer="switches", summary="s")
+    assert not ab_verdict.periodic_cost(f)
+    assert ab_verdict.periodic_cost(Finding(**{**f.__dict__, "evidence": {"occasional": True}}))
