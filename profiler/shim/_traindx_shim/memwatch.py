@@ -19,9 +19,9 @@ on a GPU, the caching allocator's history); HUNT_GAP steps later it takes the ce
 writes a `mem_held` event: the containers (a list, a dict, a deque) and variables that hold more
 of those tensors than before (by name: the frame's local or the module's global, with its file,
 function and the frame's line), the variables of the job's frames on the stack whose tensor's
-autograd graph gained nodes (a running sum `total += loss`, counted up to GRAPH_MAX_NODES), where the new tensors were made (tracemalloc's traceback), the
-Python allocation sites that grew most in between (tracemalloc), and on a GPU the lines whose
-allocator blocks survive (torch.cuda.memory._snapshot). Its own cost is in `cost_s`; the steps
+autograd graph gained nodes (a running sum `total += loss`, counted up to GRAPH_MAX_NODES), where
+the new tensors were made (tracemalloc's traceback), the Python allocation sites that grew most
+in between (tracemalloc), and on a GPU the lines whose allocator blocks survive (torch.cuda.memory._snapshot). Its own cost is in `cost_s`; the steps
 in between are `perturbed` (tracemalloc slows every allocation). The judgement is the analyzer's
 (traindx.analyzers.memory): this only records.
 """
@@ -434,7 +434,8 @@ def _variable_graphs(torch: Any) -> dict[tuple[Any, ...], dict[str, Any]]:
                 module = {"file": path, "function": "<module>", "first_line": 1, "line": None}
                 items += [(name, v, "global", module) for name, v in list(frame.f_globals.items())]
             for name, value, kind, at in items:
-                if isinstance(value, tensor_type) and value.grad_fn is not None and isinstance(name, str):
+                # a tensor by its type's MRO (isinstance may ask a proxy's __getattr__ for __class__)
+                if tensor_type in type(value).__mro__ and value.grad_fn is not None and isinstance(name, str):
                     key = (at["file"], at["function"], at["first_line"], name)
                     if key not in out:
                         out[key] = {
