@@ -394,7 +394,9 @@ def steady_rate(run: RunRecord) -> dict[str, Any] | None:
     rows = table[table["rank"] == rank]
     for column in ("dev_alloc_bytes", "heap_bytes", "rss_bytes"):
         if column in rows and rows[column].notna().any():
-            window = _window(rows, column, perturbed_steps(run).get(rank, set()))
+            # as analyze(): traindx's perturbations are host memory, the device series keeps them
+            hunted = perturbed_steps(run).get(rank, set()) if column != "dev_alloc_bytes" else set()
+            window = _window(rows, column, hunted)
             g = mem.growth(window["step"].tolist(), window[column].tolist())
             if g is not None:
                 return {
