@@ -142,9 +142,7 @@ KNOWN: dict[str, Known] = {
         "its forward recorded the graph and kept its activations for nothing",
         ("forward_backward",),
         0.10,
-        # on a CPU the graph an evaluation records costs a few per cent of its own forward and
-        # holds host memory only: the runtime arm measured 0.93-1.0x on tiny CPU models
-        cpu_fraction=0.01,
+        cpu_fraction=0.01,  # a CPU evaluation's graph: a few % of its forward (measured 0.93-1.0x)
     ),
     "python_dev_mode": Known(
         "Python development mode (-X dev)",
