@@ -26,6 +26,9 @@ MIN_SPEEDUP = 1.05
 # a precompile pays off at the start: step 0 at least this many times faster, by this many seconds
 FASTER_START_FACTOR = 2.0
 FASTER_START_MIN_SAVED_S = 1.0
+# a fix for memory that grows every step (a tensor kept with its graph) is judged by the slope:
+# kept when the candidate's is at most this share of the baseline's, its step not slower
+LEAK_GONE_SHARE = 0.2
 REPEAT_SPAN = 1.2  # an interval reaching a 20 % gain does not rule a real one out
 UNSURE_SHARE = 0.5  # a win under half its predicted saving: the next candidate is tried too
 SAME_GAIN_TOLERANCE = 0.10  # two wins within 10 % of each other: noise on these machines
@@ -53,6 +56,7 @@ class Measure(enum.Enum):
     MEAN = "mean"  # the comparison's own statistic: the step times have a period
     PERIODIC_MEAN = "mean (a periodic or occasional cost: the median step is one without it)"
     FIRST_STEP = "the first step (a cold start removed by a warm-up)"
+    MEMORY = "the memory's slope (a leak removed; the step time must not be slower)"
 
     @property
     def by_mean(self) -> bool:
@@ -142,10 +146,12 @@ def verdict(speedup: float | None, ci_low: float | None, parity_passed: bool | N
 def periodic_cost(finding: Finding | None, comparison: Mapping[str, Any] | None = None) -> bool:
     """A cost the median cannot see: periodic (a checkpoint every k steps), or in fewer than
     half of the window's steps (a full GC every 7 steps: the median step is a step without
-    it). Judged by the mean and its bootstrap interval instead."""
+    it; a finding whose evidence says `occasional`: an evaluation now and then). Judged by the
+    mean and its bootstrap interval instead."""
     if finding is None:
         return False
-    if (finding.evidence or {}).get("period") or (finding.removes or {}).get("steps"):
+    evidence = finding.evidence or {}
+    if evidence.get("period") or evidence.get("occasional") or (finding.removes or {}).get("steps"):
         return True
     window = len(((comparison or {}).get("window_values_s") or {}).get("baseline") or ())
     affected = len(finding.steps_affected or ())
@@ -165,6 +171,9 @@ class ArmEvidence:
     first_steps: tuple[float | None, float | None]  # (baseline, candidate) step 0 seconds
     periodic: bool = False  # periodic_cost of the arm's finding
     precompile: bool = False  # the arm warms a kernel cache before it runs
+    leak: bool = False  # the arm's finding is memory that grows every step
+    memory_slopes: tuple[float | None, float | None] = (None, None)  # bytes a step (baseline, candidate)
+    speedup_ci95: Sequence[float] | None = None  # the step time's interval
 
 
 @dataclass(frozen=True)
@@ -175,11 +184,14 @@ class Judgement:
     judged_speedup: float | None
     significant: bool
     mean_speedup_ci95: list[float] | None = None  # judged by the mean only
+    memory_slopes: list[float] | None = None  # judged by the memory: bytes a step (baseline, candidate)
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"judged_by": self.judged_by.value, "judged_speedup": self.judged_speedup}
         if self.judged_by is Measure.PERIODIC_MEAN:
             out["mean_speedup_ci95"] = self.mean_speedup_ci95
+        if self.judged_by is Measure.MEMORY:
+            out["memory_slopes_bytes_per_step"] = self.memory_slopes
         return out
 
 
@@ -199,7 +211,35 @@ def judge_arm(evidence: ArmEvidence) -> Judgement:
     if evidence.precompile and ran and base_first and cand_first and cand_first > 0:
         first = base_first / cand_first
         judgement = Judgement(Measure.FIRST_STEP, first, first >= MIN_SPEEDUP and not parity_failed)
+    if evidence.leak and ran:
+        judgement = judge_leak_arm(evidence) or judgement
     return judgement
+
+
+def leak_finding(finding: Finding | None) -> bool:
+    """The finding is memory that keeps growing (its fix is judged by the memory's slope)."""
+    return finding is not None and finding.id == "memory.growth"
+
+
+def memory_slopes(comparison: Mapping[str, Any]) -> tuple[float | None, float | None]:
+    """(baseline, candidate) bytes a step from a comparison's "memory_slope"."""
+    slope = comparison.get("memory_slope") or {}
+    rates = [((slope.get(side) or {}).get("rate_bytes_per_step")) for side in ("baseline", "candidate")]
+    return (rates[0], rates[1])
+
+
+def judge_leak_arm(evidence: ArmEvidence) -> Judgement | None:
+    """A fix for memory that grows every step saves memory, not time: significant when the
+    candidate's slope is at most LEAK_GONE_SHARE of the baseline's, the numerics kept and its
+    step time not slower by 5 % beyond its interval (None without both slopes)."""
+    base, cand = evidence.memory_slopes
+    if base is None or cand is None or base <= 0:
+        return None
+    interval = list(evidence.speedup_ci95 or ())
+    # slower: by more than a gain must reach (MIN_SPEEDUP), its whole interval too (load moves it)
+    slower = evidence.speedup is not None and len(interval) == 2 and interval[1] < 1 / MIN_SPEEDUP
+    significant = cand <= LEAK_GONE_SHARE * base and not slower and evidence.parity_passed is not False
+    return Judgement(Measure.MEMORY, evidence.speedup, significant, memory_slopes=[base, cand])
 
 
 @dataclass
@@ -242,6 +282,8 @@ class Arm:
 
     def interval(self) -> list[float] | None:
         """The interval of the judged speedup (the mean's where judged by it)."""
+        if self.judged_by is Measure.MEMORY:
+            return self.speedup_ci95
         if self.judged_by is not Measure.MEDIAN:
             return self.judgement.mean_speedup_ci95
         return self.speedup_ci95
@@ -284,6 +326,7 @@ class Arm:
             row.get("judged_speedup"),
             bool(row.get("significant")),
             row.get("mean_speedup_ci95"),
+            row.get("memory_slopes_bytes_per_step"),
         )
         return cls(
             name=row.get("arm") or "",
@@ -324,6 +367,9 @@ def worth_repeating(arm: Arm) -> bool:
         return False
     if arm.judged_by is Measure.FIRST_STEP:
         return False
+    slopes = arm.judgement.memory_slopes
+    if arm.judged_by is Measure.MEMORY and slopes and slopes[1] <= LEAK_GONE_SHARE * slopes[0]:
+        return True  # the memory no longer grows but the step measured slower: load, or the edit?
     interval = arm.interval()
     base = arm.baseline_mean_step_s if arm.judged_by.by_mean else arm.baseline_median_step_s
     saving = arm.predicted_saving_s_per_step
@@ -362,7 +408,7 @@ def keep(arms: Sequence[Arm]) -> Arm | None:
         if a.exit_code == 0
         and a.loss_parity is not False
         and a.judged_speedup is not None
-        and a.judged_speedup >= 1.0
+        and (a.judged_speedup >= 1.0 or (a.judged_by is Measure.MEMORY and a.significant))
     ]
     wins = [a for a in ok if a.significant]
     pool = wins or ok
@@ -393,9 +439,20 @@ def why_not_settled(arm: Arm) -> str:
 
 
 def judged_text(
-    judged_by: Measure, speedup: float | None, interval: Sequence[float] | None, verdict: str | None
+    judged_by: Measure,
+    speedup: float | None,
+    interval: Sequence[float] | None,
+    verdict: str | None,
+    memory_slopes: Sequence[float] | None = None,
 ) -> str:
     """'1.31x by the median, interval 0.98-1.70x' (the verdict where nothing was judged)."""
+    if judged_by is Measure.MEMORY and memory_slopes:
+        base, cand = memory_slopes
+        return (
+            f"memory {base / 1024:.1f} kB a step → {cand / 1024:.1f} kB a step"
+            + (f"; step time {speedup:.2f}x by the median" if speedup is not None else "")
+            + (f", interval {interval[0]:.2f}-{interval[1]:.2f}x" if interval else "")
+        )
     if speedup is None:
         return str(verdict)
     by = judged_by.short

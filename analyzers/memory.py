@@ -9,7 +9,10 @@ host's or the device's memory runs out at that rate, and where it is held: when 
 growth it took a census of the tensors that hold an autograd graph twice, a few steps apart, and
 named the containers that gained some (a list a loss is appended to, with its graph: every
 activation of the step stays alive) and the variable that holds each; this module finds the line
-that adds to it and prescribes `.item()` (a scalar) or `.detach()`. Without such a holder, the
+that adds to it and prescribes `.item()` (a scalar; `.detach()` on a GPU run) or `.detach()`; a
+running sum (`total += loss`: one tensor, its graph growing) is found by the variable whose graph
+gained nodes between the censuses. The edit is automatic: `--fix` judges its arm by the memory's
+slope (`steady_rate`, ab_verdict.judge_leak_arm). Without such a holder, the
 Python allocation sites that grew (tracemalloc) or, on a GPU, the lines whose allocator blocks
 survive (the allocator's history) are named instead.
 """
@@ -99,6 +102,8 @@ def _holds_graphs(held: pd.DataFrame) -> bool:
     loss in a dict are new every step, and as many as before)."""
     for row in held.to_dict("records"):
         holders = row.get("holders")
+        if isinstance(holders, list) and any(h.get("kind") == "graph" for h in holders):
+            return True  # a variable's one tensor whose graph grew between the censuses
         before, after = row.get("graph_tensors_before"), row.get("graph_tensors")
         if isinstance(before, (int, float)) and isinstance(after, (int, float)) and after - before < 2:
             continue
@@ -155,6 +160,11 @@ def adds_to(path: str, name: str, first: int | None = None, last: int | None = N
                 "last_line": end,
                 "source": "\n".join(lines[lineno - 1 : end]),
                 "value": ast.get_source_segment("\n".join(lines), value),
+                # where the value sits on a one-line statement (the edit replaces it there:
+                # `total_loss += loss` has `loss` inside `total_loss` too)
+                "value_cols": (value.col_offset, value.end_col_offset)
+                if value.lineno == lineno and value.end_lineno == lineno
+                else None,
             }
         )
     return sorted(out, key=lambda e: e["line"])
@@ -172,7 +182,16 @@ def _function_end(path: str, first_line: int | None) -> int | None:
     return None
 
 
-def _held_at(holder: dict[str, Any]) -> dict[str, Any] | None:
+def _atom(value: str) -> bool:
+    """`value` takes `.item()` without parentheses: a name, attribute, call or subscript."""
+    try:
+        node = ast.parse(value, mode="eval").body
+    except SyntaxError:
+        return False
+    return isinstance(node, (ast.Name, ast.Attribute, ast.Call, ast.Subscript))
+
+
+def _held_at(holder: dict[str, Any], gpu: bool = False) -> dict[str, Any] | None:
     """The line that adds the tensors to the holder's container, with its fix: `.item()` for a
     scalar, `.detach()` for a larger tensor."""
     owner = holder.get("owner") or {}
@@ -185,18 +204,16 @@ def _held_at(holder: dict[str, Any]) -> dict[str, Any] | None:
         return None
     site = adds[0]
     value = site["value"]
-    method = "item" if holder.get("shape") == [] else "detach"
+    # a scalar as a Python number; on a GPU `.item()` waits for the device every step: `.detach()`
+    method = "item" if holder.get("shape") == [] and not gpu else "detach"
     change = None
     if value and f".{method}()" not in value and "\n" not in value:
-        after_value = (
-            f"{value}.{method}()" if value.isidentifier() or value.endswith(")") else f"({value}).{method}()"
-        )
+        after_value = f"{value}.{method}()" if _atom(value) else f"({value}).{method}()"
         line_text = site["source"]
-        if site["line"] == site["last_line"] and value in line_text:
-            before = line_text.strip()
-            change = codefix.code_change(
-                str(path), site["line"], before, before.replace(value, after_value, 1)
-            )
+        cols = site.get("value_cols")
+        if site["line"] == site["last_line"] and cols and line_text[cols[0] : cols[1]] == value:
+            after = (line_text[: cols[0]] + after_value + line_text[cols[1] :]).strip()
+            change = codefix.code_change(str(path), site["line"], line_text.strip(), after)
     return {
         "file": path,
         "line": site["line"],
@@ -207,7 +224,7 @@ def _held_at(holder: dict[str, Any]) -> dict[str, Any] | None:
     }
 
 
-def _location(held: pd.DataFrame) -> dict[str, Any]:
+def _location(held: pd.DataFrame, gpu: bool = False) -> dict[str, Any]:
     """Where the growth is held: the container that gained graph-holding tensors (and the line
     that adds to it), else the allocation sites that grew, from the rank's last hunt."""
     if not len(held):
@@ -215,7 +232,7 @@ def _location(held: pd.DataFrame) -> dict[str, Any]:
     row = held.iloc[-1]
     holders = row["holders"] if isinstance(row["holders"], list) else []
     for holder in holders:
-        at = _held_at(holder)
+        at = _held_at(holder, gpu)
         if at is not None:
             return {"holder": holder, "at": at}
     if holders:
@@ -272,7 +289,8 @@ def _prescriptions(loc: dict[str, Any]) -> list[Prescription]:
                 summary=f"keep `{value}.{method}()` at {at['file']}:{at['line']} instead of `{value}`: {why}",
                 change={"code": at["change"]} if at.get("change") else {},
                 expected_gain_s_per_step=None,
-                automatic=False,
+                # --fix applies it and judges the arm by the memory's slope (ab_verdict.judge_arm)
+                automatic=bool(at.get("change")),
             )
         ]
     if holder.get("owner"):
@@ -291,11 +309,17 @@ def _prescriptions(loc: dict[str, Any]) -> list[Prescription]:
 
 
 def _finding(
-    rank: str, where: str, column: str, g: dict[str, Any], table: pd.DataFrame, held: pd.DataFrame
+    rank: str,
+    where: str,
+    column: str,
+    g: dict[str, Any],
+    table: pd.DataFrame,
+    held: pd.DataFrame,
+    gpu: bool = False,
 ) -> Finding:
     last = table.iloc[-1]
     runway, bound = _runway(last, where, g["rate"])
-    loc = _location(held[held["grew"] == where] if len(held) else held) or _location(held)
+    loc = _location(held[held["grew"] == where] if len(held) else held, gpu) or _location(held, gpu)
     if runway is not None and runway < CRITICAL_RUNWAY:
         severity = "critical"
     elif (runway is not None and runway < HIGH_RUNWAY) or g["rate"] >= MB:
@@ -355,6 +379,29 @@ def analyze(run: RunRecord) -> list[Finding]:
             window = _window(rows, column, perturbed)
             g = _judge_series(window, column, where, _holds_graphs(rank_held))
             if g is not None:
-                out.append(_finding(str(rank), where, column, g, rows, rank_held))
+                out.append(_finding(str(rank), where, column, g, rows, rank_held, bool(len(run.gpu))))
                 break  # device growth also shows in the host's pages of a pinned copy: one finding
     return out
+
+
+def steady_rate(run: RunRecord) -> dict[str, Any] | None:
+    """The first rank's memory slope after its warm-up and the shim's hunt (bytes a step, of the
+    series this module judges), for the A/B of a fix that keeps less: None without a record."""
+    table = mem.memory_table(run)
+    if not len(table):
+        return None
+    rank = str(table["rank"].iloc[0])
+    rows = table[table["rank"] == rank]
+    for column in ("dev_alloc_bytes", "heap_bytes", "rss_bytes"):
+        if column in rows and rows[column].notna().any():
+            # as analyze(): traindx's perturbations are host memory, the device series keeps them
+            hunted = perturbed_steps(run).get(rank, set()) if column != "dev_alloc_bytes" else set()
+            window = _window(rows, column, hunted)
+            g = mem.growth(window["step"].tolist(), window[column].tolist())
+            if g is not None:
+                return {
+                    "series": column,
+                    "rate_bytes_per_step": round(float(g["rate"]), 1),
+                    "points": g["points"],
+                }
+    return None

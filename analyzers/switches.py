@@ -69,6 +69,8 @@ class Known:
     gpu_lines: tuple[str, ...] = ()  # lines it slows besides `lines` on a GPU run (the GPU's own time)
 
 
+# a line a `with ...:` cannot prefix: a block's head, a return (it parses only in its function)
+BLOCK_HEAD = re.compile(r"(with|if|for|while|def|class|try|elif|else|return|yield|async)\b")
 KNOWN: dict[str, Known] = {
     "anomaly": Known(
         "autograd anomaly detection left on",
@@ -140,6 +142,7 @@ KNOWN: dict[str, Known] = {
         "its forward recorded the graph and kept its activations for nothing",
         ("forward_backward",),
         0.10,
+        cpu_fraction=0.01,  # a CPU evaluation's graph: a few % of its forward (measured 0.93-1.0x)
     ),
     "python_dev_mode": Known(
         "Python development mode (-X dev)",
@@ -307,6 +310,28 @@ def _edit(known: Known | None, caller: dict[str, Any], source: str) -> dict[str,
     return codefix.code_change(file, line, source, "", op="delete")
 
 
+def _no_grad_edit(caller: dict[str, Any], source: str) -> dict[str, Any] | None:
+    """The evaluation's call wrapped in no_grad on its own line (`with torch.no_grad(): out =
+    model(x)`): a one-line simple statement of a file that imports torch at its top (its name
+    for it), else None (a block's head, a statement over several lines)."""
+    path, line = caller.get("file"), caller.get("line")
+    if not path or not isinstance(line, int) or ev.is_library_path(str(path)):
+        return None
+    if not source or source.rstrip().endswith((":", "\\", "(", ",")) or BLOCK_HEAD.match(source):
+        return None
+    try:
+        with open(str(path), encoding="utf-8", errors="replace") as f:
+            text = f.read()
+    except OSError:
+        return None
+    found = re.search(r"^import torch(?: as (\w+))?\s*$", text, re.M)
+    if found is None:
+        return None
+    return codefix.code_change(
+        str(path), line, source, f"with {found.group(1) or 'torch'}.no_grad(): {source}"
+    )
+
+
 def _job_lines(run: RunRecord) -> Iterator[tuple[str, int, str]]:
     """(file, line number, text) of every line of the job's own scripts but comments."""
     for path in ev.job_scripts(run):
@@ -363,12 +388,16 @@ def _prescriptions(
             )
         )
     if name == "eval_grad":
+        wrapped = _no_grad_edit(caller or {}, source)
         out.append(
             Prescription(
                 kind="code",
                 summary=f"run the evaluation at {where or 'its call'} under `with torch.no_grad():` "
-                "(or `torch.inference_mode()`, or `@torch.no_grad()` on its function)",
+                "(or `torch.inference_mode()`, or `@torch.no_grad()` on its function)"
+                + (f": `{source}` → `{wrapped['after']}`" if wrapped else ""),
+                change=SourceEdit(code=wrapped) if wrapped else {},
                 expected_gain_s_per_step=gain,
+                automatic=wrapped is not None,
             )
         )
         out.append(
@@ -412,6 +441,8 @@ def _severity(name: str, share: float | None, moot: bool) -> str:
     severity = ev.severity_for_share(share) if share is not None else "medium"
     if name in ("anomaly", "trace") and severity in ("info", "low"):
         return "medium"  # a debugging switch with no benefit to training: worth turning off
+    if name == "eval_grad" and severity == "info":
+        return "low"  # memory and work for nothing, whatever its time: at least worth saying
     return severity
 
 
@@ -529,6 +560,8 @@ def _finding(
             "changes": int(_plain(row.get("changes")) or 1),
             "cost_lines": list(lines),
             "cost_fraction_predicted": fraction,
+            # an evaluation runs now and then: the median step is one without it (--fix: the mean)
+            **({"occasional": True} if name == "eval_grad" else {}),
         },
         prescriptions=tuple(prescriptions),
         ranks=(rank,),

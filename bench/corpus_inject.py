@@ -13,7 +13,7 @@ from corpus_more import MORE_CAUSES, has_edits
 from corpus_scripts import FLAG_CAUSES, SWITCH_ARGUMENTS, SWITCH_CAUSES
 
 # defines the helpers the inserted lines call; one line, so the script's lines move by one only
-PRELUDE = "import time as _tdx_time, gc as _tdx_gc; _tdx_n = [0]; _tdx_kept = []\n"
+PRELUDE = "import time as _tdx_time, gc as _tdx_gc; _tdx_n = [0]; _tdx_kept = []; _tdx_total = 0.0\n"
 # every 2nd step: a sample-image grid of the model's weights written as a PNG (torch ops and
 # Pillow's encoder), repeated for about `s` seconds so its size follows the healthy step
 GRID = (
@@ -92,6 +92,8 @@ def _per_step(script, busy_s):
         "item": lambda i: f"_tdx_loss_value = {script.loss}.item()",
         # the loss kept with its autograd graph (its graph nodes stay alive, step after step)
         "keep_loss": lambda i: f"_tdx_kept.append({script.loss})",
+        # the losses summed as tensors (one tensor whose graph grows by a step's every step)
+        "running_sum": lambda i: f"global _tdx_total\n_tdx_total += {script.loss}",
         # a sample-image grid written every 2nd step (+68 % on those steps, +34 % on average)
         "grid2": lambda i: (
             "_tdx_n[0] += 1\nif _tdx_n[0] % 2 == 0:\n"

@@ -6,7 +6,7 @@ import os
 import re
 import sys
 
-from corpus_model import USABLE_MODEL
+from corpus_model import TWIN_CAUSES, USABLE_MODEL
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -84,6 +84,7 @@ USABLE = {
     "gc_collect": r"gc\.collect|gc\.freeze|remove",
     "item": r"item",
     "keep_loss": r"\.item\(\)|\.detach\(\)",
+    "running_sum": r"\.item\(\)|\.detach\(\)",
     "grid2": r"less often|async|every|thread",
     "recovery2": r"--recovery-interval",
     "eval_grad": r"no_grad|inference_mode",
@@ -99,7 +100,7 @@ def judge(cause, run_dir, injected):
     top = _top(found)
     if top is None:
         # .item() costs nothing on a CPU tensor; a save below 3 % of the step is worth no finding
-        ok = cause in ("healthy", "item") or (cause == "save" and _io_share(run_dir) < 0.03)
+        ok = cause in ("healthy", "item", *TWIN_CAUSES) or (cause == "save" and _io_share(run_dir) < 0.03)
         return {"top": "-", "line": "", "line_ok": ok, "usable": ok, "ok": ok}
     lines = _lines_of(top)
     line = ""
@@ -135,7 +136,7 @@ def judge(cause, run_dir, injected):
             for p in top.get("prescriptions") or []
         ]
         line_ok = any("DataLoader(" in b and not re.search(r"\b(val|test|eval)", b) for b in befores)
-    if cause == "healthy":
+    if cause == "healthy" or cause in TWIN_CAUSES:
         usable = line_ok = False
     ok = line_ok and usable
     return {

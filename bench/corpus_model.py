@@ -9,6 +9,9 @@ wasted work sits in the user's own code as it would in a real job.
 | `lr0` | the model's body "frozen" by a learning rate of 0 in the optimizer's param groups |
 | `outside` | the model's body left out of the optimizer, requires_grad left on |
 | `badaccum` | the loss divided for 4-step accumulation, the optimizer step and clipping run every micro-batch |
+| `sum_loss` | the running loss summed as the tensor (`total_loss += loss`, its `.item()` dropped): its graph grows every step |
+| `eval_often` | (a healthy twin) epochs of 11 steps, 8 of them: the script's own evaluation, under its `torch.no_grad()`, every 11 steps |
+| `eval_grad` | as `eval_often`, the `torch.no_grad()` around the evaluation removed (`with torch.no_grad():` made `if True:`) |
 
 Scripts added here: pytorch/ignite `examples/mnist/mnist.py` as `ignite_mnist.py` (Ignite's
 Engine, create_supervised_trainer, event handlers), with torchvision's MNIST replaced by a
@@ -19,7 +22,9 @@ import os
 import re
 from dataclasses import dataclass
 
-MODEL_CAUSES = ("hook", "metric_cb", "lr0", "outside", "badaccum")
+MODEL_CAUSES = ("hook", "metric_cb", "lr0", "outside", "badaccum", "sum_loss", "eval_often", "eval_grad")
+# model causes that are healthy twins of another (nothing to find)
+TWIN_CAUSES = ("eval_often",)
 
 # what a usable prescription says for each cause
 USABLE_MODEL = {
@@ -28,6 +33,8 @@ USABLE_MODEL = {
     "lr0": r"requires_grad_\(False\)|freeze",
     "outside": r"requires_grad_\(False\)|freeze",
     "badaccum": r"every \d+|once per \d+|accumulat",
+    "sum_loss": r"\.item\(\)|\.detach\(\)",
+    "eval_grad": r"no_grad|inference_mode",
 }
 
 HOOK = (
@@ -90,6 +97,11 @@ PL_METRIC_CB = (
     "            self.seen.append(pl_module.model.embedding(batch[0]).flatten(0, 1))\n"
     "        trainer.epoch_embedding_median = torch.cat(self.seen).median(0).values"
 )
+# the script's own evaluation inside the recorded steps: short epochs (11 steps of 35 tokens), 8 of them
+WLM_SHORT_EPOCHS = [
+    Edit("main.py", r"^args = parser\.parse_args\(\)", "args.epochs = 8"),
+    Edit("main.py", r"^train_data = batchify\(corpus\.train", "train_data = train_data[:385]"),
+]
 WLM_BODY = "[*model.encoder.parameters(), *model.rnn.parameters()]"
 EDITS = {
     "ignite": {
@@ -140,6 +152,12 @@ EDITS = {
                 "main.py", r"AdamW\(model\.parameters\(\), ", "AdamW(model.decoder.parameters(), ", "replace"
             )
         ],
+        "sum_loss": [Edit("main.py", r"total_loss \+= loss\.item\(\)", "total_loss += loss", "replace")],
+        "eval_often": WLM_SHORT_EPOCHS,
+        "eval_grad": [
+            Edit("main.py", r"^\s+with torch\.no_grad\(\):", "    if True:", "replace"),
+            *WLM_SHORT_EPOCHS,
+        ],
         "badaccum": [
             Edit(
                 "main.py",
@@ -166,6 +184,7 @@ EXPECT = {
     ("ignite", "outside"): ("ignite_mnist.py", r"self\.conv[12] = "),
     ("wlm", "lr0"): ("model.py", r"self\.(encoder|rnn) = "),
     ("wlm", "outside"): ("model.py", r"self\.(encoder|rnn) = "),
+    ("wlm", "eval_grad"): ("main.py", r"^def evaluate\(|^    return total_loss / \(len\(data_source\)"),
     ("wlm", "badaccum"): ("main.py", r"optimizer\.step\(\)|clip_grad_norm_"),
     ("mingpt", "badaccum"): ("minGPT/mingpt/trainer.py", r"self\.optimizer\.step\(\)|clip_grad_norm_"),
 }

@@ -10,6 +10,7 @@ import time
 
 from corpus_inject import prepare
 from corpus_judge import _fmt, _healthy_step, _num, judge, table
+from corpus_model import TWIN_CAUSES
 from corpus_scripts import SCRIPTS
 
 
@@ -104,6 +105,7 @@ def judge_fix(corpus, script, cause, fix_dir, busy_s, reproduce=None):
         "measured_s": kept.get("measured_mean_step_s") or kept.get("measured_step_time_s"),
         "apply": fix.get("apply") or [],
         "patch_applies": None,
+        "memory_slopes": kept.get("memory_slopes_bytes_per_step"),
     }
     patch = os.path.join(fix_dir, "fix.patch")
     if kept and os.path.isfile(patch):
@@ -122,11 +124,12 @@ def judge_fix(corpus, script, cause, fix_dir, busy_s, reproduce=None):
     row["ok"] = bool(
         kept
         and kept.get("significant")
-        and (row["speedup"] or 0) >= 1.5
+        # a fix for a leak is judged by the memory's slope (its step time only must not be slower)
+        and ((row["speedup"] or 0) >= 1.5 or row["memory_slopes"] is not None)
         and row["parity"] is not False
         and row["patch_applies"] is not False
     )
-    if cause == "healthy":  # the healthy twin: nothing to change, no arm run
+    if cause == "healthy" or cause in TWIN_CAUSES:  # the healthy twin: nothing to change, no arm run
         row["ok"] = not arms
     return row
 

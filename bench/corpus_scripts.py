@@ -217,6 +217,7 @@ CAUSES = (
     "gc_collect",
     "item",
     "keep_loss",
+    "running_sum",
     "grid2",
     "recovery2",
     "eval_grad",

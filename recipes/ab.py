@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pandas as pd
 
+from traindx.analyzers import memory as memory_rules
 from traindx.analyzers import parity as loss_parity_rules
 from traindx.analyzers.ab_verdict import MIN_SPEEDUP, ABVerdict, ab_verdict
 from traindx.derive import stats
@@ -274,6 +275,11 @@ def judged_comparison(
         ),
         "startup": startup,
         "loss_parity": parity,
+        # the memory's slope of each arm (a fix that keeps less is judged by it: ab_verdict)
+        "memory_slope": {
+            "baseline": memory_rules.steady_rate(baseline),
+            "candidate": memory_rules.steady_rate(candidate),
+        },
         "verdict": verdict.text()
         + (f" (per micro-batch; loss parity: {parity['decided_by']})" if unit and parity else ""),
         "problems": problems,

@@ -32,7 +32,7 @@ def kept_and_twin(tmp_path_factory):
     folder = tmp_path_factory.mktemp("keep_loss")
     shutil.copy(JOB, folder / "keep_loss.py")
     runs = {}
-    for name, extra in (("kept", ["--keep-graph"]), ("twin", [])):
+    for name, extra in (("kept", ["--keep-graph"]), ("summed", ["--sum-graph"]), ("twin", [])):
         run_dir = str(folder / name)
         proc = diagnose(
             [
@@ -76,6 +76,88 @@ def test_loss_kept_with_its_graph_is_named_at_its_line(kept_and_twin):
     assert src[at["line"] - 1].strip() == "history.append(loss)"
     code = f["prescriptions"][0]["change"]["code"]
     assert code["after"] == "history.append(loss.item())" and code["line"] == at["line"]
+
+
+@pytest.mark.slow
+def test_a_running_sum_of_losses_is_named_at_its_line(kept_and_twin):
+    """`total += loss`: no container gains tensors, one tensor's graph grows every step; the
+    finding names the variable and the `+=` line, with `.item()` there as an automatic edit."""
+    folder, runs = kept_and_twin
+    _, findings = runs["summed"]
+    growth = [f for f in findings if f["id"] == "memory.growth"]
+    assert growth, [f["id"] for f in findings]
+    f = growth[0]
+    holder, at = f["evidence"]["holder"], f["evidence"]["at"]
+    assert holder["kind"] == "graph" and holder["owner"]["name"] == "total"
+    src = open(folder / "keep_loss.py").read().splitlines()
+    assert src[at["line"] - 1].strip() == "total += loss"
+    p = f["prescriptions"][0]
+    assert p["automatic"] and p["change"]["code"]["after"] == "total += loss.item()"
+
+
+@pytest.mark.slow
+def test_fix_applies_the_edit_and_judges_it_by_the_memory_slope(kept_and_twin, tmp_path):
+    folder, _ = kept_and_twin
+    fix_dir = str(tmp_path / "fix")
+    proc = diagnose(
+        [
+            "--fix",
+            "--quiet",
+            "--no-pyspy",
+            "--steps",
+            "30",
+            "--run-dir",
+            fix_dir,
+            "--",
+            PY,
+            "keep_loss.py",
+            "40",
+            "--sum-graph",
+        ],
+        cwd=str(folder),
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    with open(os.path.join(fix_dir, "fix.json")) as f:
+        fix = json.load(f)
+    kept = fix["kept"]
+    assert kept and kept["finding"] == "memory.growth" and kept["mechanism"] == "source"
+    assert (
+        kept["judged_by"] == Measure.MEMORY.value and kept["significant"] and kept["loss_parity"] is not False
+    )
+    base, cand = kept["memory_slopes_bytes_per_step"]
+    assert cand <= ab_verdict.LEAK_GONE_SHARE * base
+    with open(os.path.join(fix_dir, "fix.patch")) as f:
+        patch = f.read()
+    assert "+        total += loss.item()\n" in patch and "-        total += loss\n" in patch
+
+
+def test_a_leak_arm_is_judged_by_the_memory_slope():
+    verdict = ab_verdict.ab_verdict(1.0, 0.9, True)
+
+    def judged(slopes, speedup=1.0, ci=(0.9, 1.1), parity=True):
+        return ab_verdict.judge_arm(
+            ab_verdict.ArmEvidence(
+                0,
+                verdict,
+                Measure.MEDIAN,
+                speedup,
+                parity,
+                ([], []),
+                (None, None),
+                leak=True,
+                memory_slopes=slopes,
+                speedup_ci95=list(ci),
+            )
+        )
+
+    j = judged((6000.0, 300.0))
+    assert j.judged_by is Measure.MEMORY and j.significant and j.memory_slopes == [6000.0, 300.0]
+    assert not judged((6000.0, 3000.0)).significant  # still grows
+    assert not judged((6000.0, 0.0), speedup=0.7, ci=(0.6, 0.8)).significant  # slower beyond its noise
+    assert judged((6000.0, 300.0), speedup=0.89, ci=(0.74, 0.999)).significant  # within 5 %: load
+    assert not judged((6000.0, 0.0), parity=False).significant
+    arm = Arm("a", "d", "memory.growth", "source", "s", 0, j, speedup=0.98)
+    assert ab_verdict.keep([arm]) is arm  # kept although its step time did not gain
 
 
 @pytest.mark.slow
@@ -284,3 +366,10 @@ def test_a_literal_guard_is_made_rarer_in_the_jobs_line(tmp_path):
     code = p.change["code"]
     assert code["line"] == 4 and code["before"] == "n % 2" and code["after"] == "n % 20"
     assert p.automatic and p.expected_gain_s_per_step == pytest.approx(0.045)
+
+
+def test_an_occasional_cost_is_judged_by_the_mean():
+    """An evaluation now and then (evidence `occasional`): the median step is one without it."""
+    f = Finding(id="switches.eval_grad", title="t", severity="low", analyzer="switches", summary="s")
+    assert not ab_verdict.periodic_cost(f)
+    assert ab_verdict.periodic_cost(Finding(**{**f.__dict__, "evidence": {"occasional": True}}))

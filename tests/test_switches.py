@@ -70,6 +70,11 @@ def test_an_evaluation_without_no_grad_is_named_at_the_model_call(runs):
     found = [f for f in _findings(runs["anomaly"]) if f["id"] == "switches.eval_grad"]
     assert found and found[0]["evidence"]["set_at"]["line"] == _line_of("val = nn.functional")
     assert "torch.no_grad()" in found[0]["prescriptions"][0]["summary"]
+    # the call wrapped on its line, applied by --fix; on a CPU its own model says it pays little
+    code = found[0]["prescriptions"][0]["change"]["code"]
+    assert code["line"] == _line_of("val = nn.functional") and found[0]["prescriptions"][0]["automatic"]
+    assert code["after"] == "with torch.no_grad(): " + code["before"] and code["before"].startswith("val = ")
+    assert found[0]["severity"] == "low"
 
 
 def test_fix_measures_the_edit_then_the_runtime_patch(runs):

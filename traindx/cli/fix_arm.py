@@ -251,6 +251,9 @@ def arm_of(
         first_steps=((base.get("step_times_s") or [None])[0], (cand_arm.get("step_times_s") or [None])[0]),
         periodic=judge.periodic_cost(finding, comparison),
         precompile=bool(getattr(cand.plan, "precompile", None)),
+        leak=judge.leak_finding(finding),
+        memory_slopes=judge.memory_slopes(comparison),
+        speedup_ci95=comparison.get("speedup_ci95"),
     )
     return Arm(
         name=name,

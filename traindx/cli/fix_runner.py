@@ -246,6 +246,11 @@ def _outcome_line(arm: Arm, kept: Arm | None, warm_up: str | None) -> str:
     """'kept: candidate-2 [finding] (config) 1.42x, faster and numerically equivalent; predicted ...'"""
     mark = "kept" if kept and arm.dir == kept.dir else "then kept" if arm.dir == warm_up else "tried"
     by = arm.judged_by
+    if by is judge.Measure.MEMORY:
+        slopes = arm.judgement.memory_slopes
+        text = judge.judged_text(by, arm.judged_speedup, arm.interval(), arm.verdict, slopes)
+        won = "memory no longer grows" if arm.significant else "memory still grows, or the step is slower"
+        return f"{mark}: {arm.name} [{arm.finding}] ({arm.mechanism}) {text}: {won} (decided by: {by.value})"
     speed = (f"{arm.judged_speedup:.2f}x" if arm.judged_speedup is not None else "n/a") + (
         ""
         if by is judge.Measure.MEDIAN

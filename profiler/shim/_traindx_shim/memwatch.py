@@ -18,9 +18,10 @@ that hold an autograd graph (gc.get_objects: tensors with a grad_fn) and starts 
 on a GPU, the caching allocator's history); HUNT_GAP steps later it takes the census again and
 writes a `mem_held` event: the containers (a list, a dict, a deque) and variables that hold more
 of those tensors than before (by name: the frame's local or the module's global, with its file,
-function and the frame's line), where the new tensors were made (tracemalloc's traceback), the
-Python allocation sites that grew most in between (tracemalloc), and on a GPU the lines whose
-allocator blocks survive (torch.cuda.memory._snapshot). Its own cost is in `cost_s`; the steps
+function and the frame's line), the variables of the job's frames on the stack whose tensor's
+autograd graph gained nodes (a running sum `total += loss`, counted up to GRAPH_MAX_NODES), where
+the new tensors were made (tracemalloc's traceback), the Python allocation sites that grew most
+in between (tracemalloc), and on a GPU the lines whose allocator blocks survive (torch.cuda.memory._snapshot). Its own cost is in `cost_s`; the steps
 in between are `perturbed` (tracemalloc slows every allocation). The judgement is the analyzer's
 (traindx.analyzers.memory): this only records.
 """
@@ -48,6 +49,7 @@ GROW_STEADY_STEP_BYTES = 2 << 10  # ... and at least this much on each
 HUNT_FROM_STEP = 4  # the warm-up's allocations (the allocator's cache, optimizer state) come first
 HUNT_GAP = 3  # steps between the two censuses
 HUNT_MAX_TENSORS = 200_000  # a census stops counting beyond this many graph-holding tensors
+GRAPH_MAX_NODES = 50_000  # a variable's graph is counted up to this many autograd nodes
 TRACE_FRAMES = 10
 TOP = 8
 _SHIM_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -247,6 +249,7 @@ def _begin(step: int, torch: Any, device: bool) -> None:
     _state["hunted"] = True
     try:
         census = _refs(_census(torch))
+        graphs = _variable_graphs(torch)
         if not tracemalloc.is_tracing():
             tracemalloc.start(TRACE_FRAMES)
         if device:
@@ -255,7 +258,7 @@ def _begin(step: int, torch: Any, device: bool) -> None:
         report_error("memory hunt", exc)
         return
     cost = time.perf_counter() - t0
-    _state["hunt"] = {"step": step, "census": census, "cost": cost, "device": device}
+    _state["hunt"] = {"step": step, "census": census, "graphs": graphs, "cost": cost, "device": device}
     emit(schema.MEM_HUNT, step=step, grew="device" if device else "host", cost_s=round(cost, 6))
 
 
@@ -272,7 +275,7 @@ def _finish(step: int, torch: Any, hunt: dict[str, Any]) -> None:
         fields["graph_tensors_before"] = len(before)
         fields["new_graph_tensors"] = len(new)
         del alive
-        fields["holders"] = _holders(new)
+        fields["holders"] = _holders(new) + _grown_graphs(hunt.get("graphs") or {}, _variable_graphs(torch))
         del new
         t2 = time.perf_counter()
         if not fields["holders"]:  # what else the steps kept: the Python allocations that survive
@@ -385,6 +388,85 @@ def _holders(new: dict[int, Any]) -> list[dict[str, Any]]:
                 "grad_fn": type(last.grad_fn).__name__,
                 "shape": list(last.shape),
                 "owner": owners.get(id(container)),
+            }
+        )
+    return out
+
+
+def _graph_nodes(fn: Any) -> int:
+    """The autograd nodes reachable from `fn` (up to GRAPH_MAX_NODES)."""
+    seen = {id(fn)}
+    todo = [fn]
+    while todo and len(seen) < GRAPH_MAX_NODES:
+        for nxt, _ in todo.pop().next_functions:
+            if nxt is not None and id(nxt) not in seen:
+                seen.add(id(nxt))
+                todo.append(nxt)
+    return len(seen)
+
+
+def _variable_graphs(torch: Any) -> dict[tuple[Any, ...], dict[str, Any]]:
+    """{(file, function, first line, name): the variable's graph} for the variables of the job's
+    frames on the stack now (its locals, a module's globals, `self`'s attributes) that hold a
+    tensor with an autograd graph: a running sum `total += loss` is one tensor whose graph grows
+    by a step's graph every step, which no container census sees."""
+    out: dict[tuple[Any, ...], dict[str, Any]] = {}
+    tensor_type = torch.Tensor
+    seen: set[int] = set()
+    frame: Any = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        path = code.co_filename
+        if not path.startswith(_SHIM_DIR) and not frames.is_library_path(path):
+            where = {
+                "file": path,
+                "function": code.co_name,
+                "first_line": code.co_firstlineno,
+                "line": frame.f_lineno,
+            }
+            scope = "global" if frame.f_locals is frame.f_globals else "local"
+            items = [(name, v, scope, where) for name, v in list(frame.f_locals.items())]
+            owner = frame.f_locals.get("self")
+            if owner is not None and isinstance(getattr(owner, "__dict__", None), dict):
+                items += [(name, v, "attribute", where) for name, v in list(vars(owner).items())]
+            if scope == "local" and id(frame.f_globals) not in seen:  # the function's module's globals
+                seen.add(id(frame.f_globals))
+                module = {"file": path, "function": "<module>", "first_line": 1, "line": None}
+                items += [(name, v, "global", module) for name, v in list(frame.f_globals.items())]
+            for name, value, kind, at in items:
+                # a tensor by its type's MRO (isinstance may ask a proxy's __getattr__ for __class__)
+                if tensor_type in type(value).__mro__ and value.grad_fn is not None and isinstance(name, str):
+                    key = (at["file"], at["function"], at["first_line"], name)
+                    if key not in out:
+                        out[key] = {
+                            "nodes": _graph_nodes(value.grad_fn),
+                            "grad_fn": type(value.grad_fn).__name__,
+                            "shape": list(value.shape),
+                            "owner": {"name": name, "scope": kind, **at},
+                        }
+        frame = frame.f_back
+    return out
+
+
+def _grown_graphs(
+    before: dict[tuple[Any, ...], Any], after: dict[tuple[Any, ...], Any]
+) -> list[dict[str, Any]]:
+    """The variables whose tensor's graph grew between the two censuses (as `_holders`' entries:
+    `size` the graph's nodes now, `new` the nodes it gained)."""
+    out = []
+    for key, now in after.items():
+        then = before.get(key)
+        if then is None or now["nodes"] - then["nodes"] < 2:
+            continue
+        out.append(
+            {
+                "kind": "graph",
+                "size": now["nodes"],
+                "new": now["nodes"] - then["nodes"],
+                "nbytes": 0,
+                "grad_fn": now["grad_fn"],
+                "shape": now["shape"],
+                "owner": now["owner"],
             }
         )
     return out
