@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import pandas as pd
 
 from traindx.analyzers import evidence as ev
@@ -305,7 +306,9 @@ def _looped_optimizer(run: RunRecord) -> list[Finding]:
         return []
     first = made.iloc[0]
     tensors = pd.to_numeric(pd.Series([first.get("tensors")]), errors="coerce").iloc[0]
-    if first.get("foreach") is not False or not tensors or tensors < MIN_LOOPED_TENSORS:
+    foreach = first.get("foreach")
+    told_off = isinstance(foreach, (bool, np.bool_)) and not foreach  # None/NaN: torch's default
+    if not told_off or not tensors or tensors < MIN_LOOPED_TENSORS:
         return []
     rank = str(first.get("rank", "0"))
     rows = steady_rows(run)
