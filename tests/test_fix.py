@@ -222,7 +222,7 @@ def test_compare_calls_a_learning_rate_change_not_equivalent(tmp_path):
     of = {"median": np.median, "mean": np.mean}[comparison["speedup_statistic"]]
     windows = comparison["window_values_s"]
     ratio = of(windows["baseline"]) / of(windows["candidate"])
-    assert comparison["speedup"] == pytest.approx(ratio, rel=1e-6)
+    assert comparison["speedup"] == pytest.approx(ratio, rel=1e-4)  # the windows are written rounded
     assert comparison["baseline"]["tokens_per_step"] == 8 * 128
     assert comparison["change"]["command"]["same"] is True
 

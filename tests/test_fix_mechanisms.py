@@ -338,6 +338,7 @@ def test_comparison_uses_one_window_and_no_interval_under_five_steps():
             self.log_steps = pd.DataFrame()
             self.events = pd.DataFrame()
             self.compiles = pd.DataFrame()
+            self.spans = pd.DataFrame()
             self.manifest = {"exit_code": 0}
             self.command = ["python", "t.py"]
             self.path = "x"

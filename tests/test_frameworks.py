@@ -32,9 +32,10 @@ CORPUS = {
 }
 PATHOLOGY = {
     "hf_trainer": ["--slow-getitem", "0.05"],
-    # enough py-spy samples to see the thread on a fast, quiet machine too: 24 steps at 50 Hz
-    # (test_accelerate_gil_holding_logger_thread) sample as often as 60 steps at 20 Hz did
-    "accelerate": ["--logger-thread", "--steps", "24"],
+    # enough py-spy samples to see the thread on a fast, quiet machine too, and on a loaded one
+    # where py-spy and the job share two busy cores: 48 steps at 50 Hz
+    # (test_accelerate_gil_holding_logger_thread; 24 steps found nothing beside two burners once)
+    "accelerate": ["--logger-thread", "--steps", "48"],
     "lightning": ["--slow-getitem", "0.02"],
     "torchtitan": ["--checkpoint.interval", "3", "--training.steps", "18"],
     "nanogpt": ["--vary_block_size=True", "--max_iters=6"],
