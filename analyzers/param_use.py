@@ -29,6 +29,8 @@ from traindx.analyzers.findings import Finding, Prescription, RuntimePatch, Sour
 from traindx.derive import ledger
 
 if TYPE_CHECKING:  # annotations only
+    import pandas as pd
+
     from traindx.derive.run import RunRecord
 
 DECLARATION = Declaration(
@@ -80,28 +82,30 @@ def _display(path: str, cwd: str | None) -> str:
     return path
 
 
-def _unused_finding(run: RunRecord, rank: str, event: dict[str, Any]) -> Finding | None:
-    grad, unused = float(event.get("grad_numel") or 0), float(event.get("unused_numel") or 0)
-    groups = [g for g in event.get("unused") or [] if isinstance(g, dict)]
-    if grad <= 0 or unused / grad < MIN_UNUSED_SHARE or not groups:
-        return None
-    led = ledger.steady_rows(run, rank)
-    if not len(led):
-        return None
-    step_s = float(led["wall_s"].mean())
-    fraction = unused / grad
+def _unused_saving(
+    run: RunRecord, rank: str, led: pd.DataFrame, event: dict[str, Any], fraction: float
+) -> float:
+    """Backward seconds a step their gradients cost: their share of the gradients, or where the
+    shim timed their forward, about twice it (gradients of the weights and of the inputs; where
+    they run first, of everything before their end), within the backward measured."""
     backward = _backward_s(run, rank, led)
     saving = backward * fraction
     for key in ("unused_forward_s", "unused_prefix_s"):
         fwd = event.get(key)
         if isinstance(fwd, (int, float)) and fwd > 0:
-            # their backward (and, where they run first, that of everything before their end)
-            # is about twice its forward: gradients of the weights and of the inputs; within
-            # the backward measured
             saving = max(saving, min(2.0 * float(fwd), backward))
-    share = saving / step_s if step_s > 0 else 0.0
+    return saving
+
+
+def _unused_prescriptions(
+    run: RunRecord, groups: list[dict[str, Any]], saving: float
+) -> tuple[list[str], list[Prescription]]:
+    """(the modules named, the prescriptions): the freeze where each is built, the framework's
+    own freezing, the runtime freeze --fix measures."""
     cwd = run.manifest.get("cwd")
-    edits, named, own_freezes = [], [], []
+    edits: list[dict[str, Any]] = []
+    named: list[str] = []
+    own_freezes: list[str] = []
     for g in groups:
         name = f"{g.get('root')}.{g['module']}" if g.get("module") else str(g.get("root"))
         built = g.get("built") or {}
@@ -120,7 +124,7 @@ def _unused_finding(run: RunRecord, rank: str, event: dict[str, Any]) -> Finding
                 own = _own_freeze(g, edit)
                 if own:
                     own_freezes.append(own)
-    pres = []
+    pres: list[Prescription] = []
     if edits:
         pres.append(
             Prescription(
@@ -146,6 +150,22 @@ def _unused_finding(run: RunRecord, rank: str, event: dict[str, Any]) -> Finding
             automatic=True,
         )
     )
+    return named, pres
+
+
+def _unused_finding(run: RunRecord, rank: str, event: dict[str, Any]) -> Finding | None:
+    grad, unused = float(event.get("grad_numel") or 0), float(event.get("unused_numel") or 0)
+    groups = [g for g in event.get("unused") or [] if isinstance(g, dict)]
+    if grad <= 0 or unused / grad < MIN_UNUSED_SHARE or not groups:
+        return None
+    led = ledger.steady_rows(run, rank)
+    if not len(led):
+        return None
+    step_s = float(led["wall_s"].mean())
+    fraction = unused / grad
+    saving = _unused_saving(run, rank, led, event, fraction)
+    share = saving / step_s if step_s > 0 else 0.0
+    named, pres = _unused_prescriptions(run, groups, saving)
     return Finding(
         id="param_use.unused_grads",
         title=f"Gradients nobody uses: {named[0].split(' (')[0]}"

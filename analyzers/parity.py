@@ -134,6 +134,45 @@ def _same_level(g: np.ndarray, c: np.ndarray, noise: float) -> tuple[bool, float
     return True, relative, ""
 
 
+def _decide(
+    g: np.ndarray,
+    c: np.ndarray,
+    update_ratio: float | None,
+    passed: bool,
+    correlation: float | None,
+    correlation_ok: bool,
+    trend: float,
+    noise: float | None,
+) -> tuple[bool, str, bool, list[str], float | None]:
+    """Which rule decides and its answer: (passed, decided_by, correlation_ok, reasons, level
+    difference). `passed` comes in as the pointwise and final-loss answer."""
+    reasons: list[str] = []
+    level_difference = None
+    if update_ratio is not None and abs(update_ratio - 1.0) > 1e-9:
+        decided_by = UPDATES
+        correlation_ok = True  # reported, not used
+        ceiling = float(np.max(g)) * (1.0 + pointwise_tolerance(float(np.max(g))))
+        passed = bool(c[-1] <= ceiling)
+        if not passed:
+            reasons.append(f"the candidate diverged: its last loss {c[-1]:.4g} > {ceiling:.4g}")
+    elif _has_trend(len(g), trend, noise):
+        decided_by = TREND
+        passed = passed and correlation_ok
+        if not correlation_ok:
+            shown = correlation if correlation is None else round(correlation, 4)
+            reasons.append(f"correlation {shown} < {MIN_CORRELATION}")
+    else:
+        decided_by = POINTWISE
+        correlation_ok = True  # reported, not used
+        level = abs(float(np.mean(g)))
+        noisy = noise is not None and noise >= NOISE_OVER_TOLERANCE * pointwise_tolerance(level) * level
+        if noisy and noise is not None and not passed:
+            decided_by = LEVEL
+            passed, level_difference, why = _same_level(g, c, noise)
+            reasons += [why] if why else []
+    return passed, decided_by, correlation_ok, reasons, level_difference
+
+
 def loss_parity(golden: Any, candidate: Any, update_ratio: float | None = None) -> LossParity:
     """Compare two loss curves, aligned point by point (same steps); golden = the reference arm.
     `update_ratio`: the candidate's micro-batches per weight update over the baseline's, where
@@ -165,31 +204,9 @@ def loss_parity(golden: Any, candidate: Any, update_ratio: float | None = None) 
     final_difference = float(abs(c[-1] - g[-1]) / max(abs(g[-1]), 1e-12))
     final_ok = final_difference <= MAX_FINAL_LOSS_DIFFERENCE
 
-    reasons: list[str] = []
-    level_difference = None
-    passed = pointwise_ok and final_ok
-    if update_ratio is not None and abs(update_ratio - 1.0) > 1e-9:
-        decided_by = UPDATES
-        correlation_ok = True  # reported, not used
-        ceiling = float(np.max(g)) * (1.0 + pointwise_tolerance(float(np.max(g))))
-        passed = bool(c[-1] <= ceiling)
-        if not passed:
-            reasons.append(f"the candidate diverged: its last loss {c[-1]:.4g} > {ceiling:.4g}")
-    elif _has_trend(len(g), trend, noise):
-        decided_by = TREND
-        passed = passed and correlation_ok
-        if not correlation_ok:
-            shown = correlation if correlation is None else round(correlation, 4)
-            reasons.append(f"correlation {shown} < {MIN_CORRELATION}")
-    else:
-        decided_by = POINTWISE
-        correlation_ok = True  # reported, not used
-        level = abs(float(np.mean(g)))
-        noisy = noise is not None and noise >= NOISE_OVER_TOLERANCE * pointwise_tolerance(level) * level
-        if noisy and noise is not None and not passed:
-            decided_by = LEVEL
-            passed, level_difference, why = _same_level(g, c, noise)
-            reasons += [why] if why else []
+    passed, decided_by, correlation_ok, reasons, level_difference = _decide(
+        g, c, update_ratio, pointwise_ok and final_ok, correlation, correlation_ok, trend, noise
+    )
     if decided_by not in (LEVEL, UPDATES):
         if not pointwise_ok:
             reasons.append(

@@ -56,6 +56,7 @@ from . import (
     importhooks,
     is_training,
     memwatch,
+    optinfo,
     report_error,
     schema,
     training_evidence,
@@ -487,36 +488,6 @@ def marker(source: str = "traindx.step") -> None:
         report_error("step marker", exc)
 
 
-def _trained_params(optimizer: Any) -> int | None:
-    """The elements of the parameters an optimizer trains (MFU's N); None if unreadable."""
-    try:
-        seen: set[int] = set()
-        total = 0
-        for group in optimizer.param_groups:
-            for p in group.get("params", ()):
-                if id(p) not in seen and getattr(p, "requires_grad", True):
-                    seen.add(id(p))
-                    total += int(p.numel())
-        return total
-    except Exception:
-        return None
-
-
-def _implementation(optimizer: Any) -> dict[str, Any]:
-    """How the optimizer steps: its parameter tensors and the foreach/fused choices it was
-    given (None: torch's default, multi-tensor on CUDA), read without touching the tensors."""
-    try:
-        defaults = getattr(optimizer, "defaults", {}) or {}
-        tensors = sum(len(group.get("params", ())) for group in optimizer.param_groups)
-        return {
-            "tensors": int(tensors),
-            "foreach": defaults.get("foreach"),
-            "fused": defaults.get("fused"),
-        }
-    except Exception:
-        return {}
-
-
 # -- installation ---------------------------------------------------------------------------------
 @guarded("torch import hook")
 def _on_torch(torch: Any) -> None:
@@ -544,8 +515,8 @@ def _on_torch(torch: Any) -> None:
                 emit(
                     "optimizer_created",
                     optimizer=type(self).__name__,
-                    params=_trained_params(self),
-                    **_implementation(self),
+                    params=optinfo.trained_params(self),
+                    **optinfo.implementation(self),
                 )
                 _sync_forward_hook()
         except Exception as exc:
