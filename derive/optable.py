@@ -141,7 +141,12 @@ def layout_of(
     if vpp is None:
         vpp = int(table["chunk"].max()) + 1 if (table["chunk"] >= 0).any() else 1
     return Layout(
-        dp=dp, pp=pp, tp=tp, vpp=max(1, vpp), dp_sync=dp > 1 if dp_sync is None else dp_sync, serial=serial,
+        dp=dp,
+        pp=pp,
+        tp=tp,
+        vpp=max(1, vpp),
+        dp_sync=dp > 1 if dp_sync is None else dp_sync,
+        serial=serial,
         oneway_sends=oneway_sends,
     )
 

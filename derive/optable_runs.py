@@ -242,7 +242,9 @@ def _send_waits(spans: pd.DataFrame) -> pd.DataFrame:
             continue
         ends = np.array(list(rows[field]), dtype=np.int64)
         extra.append(
-            rows.assign(start=ends[:, 0], t=ends[:, 1], optype=rows["optype"].astype(str) + suffix, op=kind + suffix)
+            rows.assign(
+                start=ends[:, 0], t=ends[:, 1], optype=rows["optype"].astype(str) + suffix, op=kind + suffix
+            )
         )
     return pd.concat([spans, *extra]) if extra else spans
 

@@ -39,7 +39,11 @@ def analyze_trace(path: str) -> tuple[whatif.WhatIf, list[Finding]]:
 
 def analyze_run(path: str) -> tuple[whatif.WhatIf, list[Finding]]:
     """The what-if analysis of a run folder of several ranks (its spans per rank and step)."""
-    from traindx.derive.optable_runs import from_run, nonblocking_sends, runq_share  # lazy: only `--what-if` reads spans so
+    from traindx.derive.optable_runs import (  # lazy: only `--what-if` reads spans so
+        from_run,
+        nonblocking_sends,
+        runq_share,
+    )
     from traindx.derive.run import load_run
 
     record = load_run(path)

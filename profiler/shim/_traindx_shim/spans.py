@@ -419,13 +419,14 @@ def _on_distributed(module: ModuleType) -> None:
                 setattr(module, name, _blocking_only(module, name, fn, point_to_point=p2p))
     c10d = getattr(module, "distributed_c10d", None)
     for name, op in (("isend", "send"), ("irecv", "recv")):
-        fn = getattr(module, name, None)
-        if callable(fn) and c10d is not None and getattr(c10d, name, None) is fn:
-            # the same wrapper in both namespaces: P2POp and batch_isend_irecv compare an op
-            # against distributed_c10d's own isend/irecv (`op is isend`)
-            wrapped = _nonblocking(module, op, fn)
-            setattr(module, name, wrapped)
-            setattr(c10d, name, wrapped)
+        original = getattr(module, name, None)
+        if original is None or c10d is None or getattr(c10d, name, None) is not original:
+            continue
+        # the same wrapper in both namespaces: P2POp and batch_isend_irecv compare an op
+        # against distributed_c10d's own isend/irecv (`op is isend`)
+        wrapped = _nonblocking(module, op, original)
+        setattr(module, name, wrapped)
+        setattr(c10d, name, wrapped)
 
 
 # -- non-blocking point-to-point: isend/irecv and their Work's wait ---------------------------------
@@ -471,7 +472,7 @@ def _remember_p2p(dist: Any, op: str, work: Any, start: int, end: int, args: Any
     _pending[id(work)] = (work, op, peer, nbytes, start, end, _group_name(dist, group))
 
 
-def _install_wait(cls: type) -> None:
+def _install_wait(cls: Any) -> None:
     _state["wait_installed"] = True
     original = cls.wait
 
@@ -496,7 +497,7 @@ def _install_wait(cls: type) -> None:
 
     wait.__wrapped__ = original  # type: ignore[attr-defined]
     wait.__doc__ = getattr(original, "__doc__", None)
-    cls.wait = wait  # type: ignore[method-assign]
+    cls.wait = wait
 
 
 def _on_checkpoint(module: ModuleType) -> None:
