@@ -437,7 +437,7 @@ _pending: dict[int, tuple[Any, ...]] = {}
 MAX_PENDING = 100_000  # Works never waited on (a job that polls is_completed): forgotten past this
 
 
-def _nonblocking(dist: Any, op: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+def _nonblocking(dist: Any, op: str, fn: Any) -> Callable[..., Any]:
     def p2p(*args: Any, **kwargs: Any) -> Any:
         if _compiling():
             return fn(*args, **kwargs)
