@@ -67,26 +67,31 @@ def test_the_heavy_stage_is_named_and_the_twin_stays_quiet(runs):
 
 
 def test_work_wait_is_wrapped_only_once_a_job_calls_isend(tmp_path):
+    # two processes (gloo cannot send to itself): the first starts the second
     script = tmp_path / "job.py"
     script.write_text(
         textwrap.dedent(f"""
+        import subprocess, sys
         import torch, torch.distributed as dist
-        dist.init_process_group("gloo", init_method="file://{tmp_path}/store", rank=0, world_size=1)
+        rank = int(sys.argv[1]) if len(sys.argv) > 1 else 0
+        other = None if rank else subprocess.Popen([sys.executable, __file__, "1"])
+        dist.init_process_group("gloo", init_method="file://{tmp_path}/store", rank=rank, world_size=2)
         before = hasattr(dist.Work.wait, "__wrapped__")
         dist.all_reduce(torch.ones(4), async_op=True).wait()
         still = hasattr(dist.Work.wait, "__wrapped__")
         out, into = torch.ones(256), torch.empty(256)
-        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, out, 0), dist.P2POp(dist.irecv, into, 0)])
-        for w in works:
+        ops = [dist.P2POp(dist.isend, out, 1 - rank), dist.P2POp(dist.irecv, into, 1 - rank)]
+        for w in dist.batch_isend_irecv(ops):
             w.wait()
         print("wrapped", before, still, hasattr(dist.Work.wait, "__wrapped__"), bool(into.sum() == 256))
         dist.destroy_process_group()
+        sys.exit(other.wait() if other else 0)
     """)
     )
     proc = diagnose(["--out", "runs", "--quiet", "--no-pyspy", "--", PY, str(script)], cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "wrapped False False True True" in proc.stdout
+    assert proc.stdout.count("wrapped False False True True") == 2
     spans = traindx.load_run(only_run_dir(tmp_path / "runs")).of_type("span")
     p2p = spans[spans["nonblocking"].astype(object) == True]  # noqa: E712
-    assert sorted(p2p["op"]) == ["recv", "send"]
-    assert set(p2p["peer"]) == {0} and set(p2p["bytes"]) == {1024}
+    assert sorted(p2p["op"]) == ["recv", "recv", "send", "send"]
+    assert set(p2p["peer"]) == {0, 1} and set(p2p["bytes"]) == {1024}
