@@ -439,7 +439,8 @@ MAX_PENDING = 100_000  # Works never waited on (a job that polls is_completed): 
 
 def _nonblocking(dist: Any, op: str, fn: Any) -> Callable[..., Any]:
     def p2p(*args: Any, **kwargs: Any) -> Any:
-        if _compiling():
+        # inside a wrapped blocking send/recv (torch's send calls isend and waits): that span is its
+        if _compiling() or getattr(_depth, "n", 0):
             return fn(*args, **kwargs)
         start = _now()
         work = fn(*args, **kwargs)
