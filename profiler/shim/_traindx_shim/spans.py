@@ -440,7 +440,7 @@ MAX_PENDING = 100_000  # Works never waited on (a job that polls is_completed): 
 def _nonblocking(dist: Any, op: str, fn: Any) -> Callable[..., Any]:
     def p2p(*args: Any, **kwargs: Any) -> Any:
         # inside a wrapped blocking send/recv (torch's send calls isend and waits): that span is its
-        if _compiling() or getattr(_depth, "n", 0):
+        if getattr(_depth, "n", 0) or _compiling():
             return fn(*args, **kwargs)
         start = _now()
         work = fn(*args, **kwargs)
