@@ -21,7 +21,7 @@ from traindx.analyzers.declaration import Declaration
 from traindx.analyzers.findings import Finding
 from traindx.analyzers.whatif import judge
 from traindx.derive import depmodel, whatif
-from traindx.derive.optable_runs import from_run, runq_share
+from traindx.derive.optable_runs import from_run, nonblocking_sends, runq_share
 from traindx.derive.run import RunRecord
 
 DECLARATION = Declaration(
@@ -38,7 +38,7 @@ def analyze(run: RunRecord) -> list[Finding]:
     if table.empty or table["rank"].nunique() < 2:
         return []
     try:
-        result = whatif.analyze(table, serial=True)
+        result = whatif.analyze(table, serial=True, oneway_sends=nonblocking_sends(run))
     except (depmodel.ModelError, ValueError, KeyError, IndexError):  # ops of a shape the model cannot replay
         return []
     result.runq_share = runq_share(run)

@@ -1,6 +1,8 @@
 """What-if predictions vs a balanced twin's measured speed-up, on pipeline jobs under torchrun
 (gloo): one stage carries more layers than the others (bench/jobs/whatif_pipeline.py, a GPipe
-schedule with blocking send/recv; `--device cuda` puts every stage on cuda:0).
+schedule with blocking send/recv; `--device cuda` puts every stage on cuda:0; `--job pipelining`:
+bench/jobs/whatif_pipelining.py, torch.distributed.pipelining's PipelineStage with its
+Schedule1F1B or ScheduleGPipe, isend/irecv under the hood).
 
 Each case runs its faulty arm and its balanced twin (the same layers in all, split evenly) side by
 side (the same load on a shared machine), both under `diagnose` (the automatic what-if of a run of
@@ -10,6 +12,7 @@ stages); measured: the faulty arm's median step over the twin's (the longest ran
 the spans).
 
     .venv/bin/python bench/whatif_pipeline.py [--repeat 1] [--out /tmp/whatif-pipe] [--device cpu]
+    .venv/bin/python bench/whatif_pipeline.py --job pipelining [--schedule 1f1b|gpipe] --cases pp2-first-heavy
 """
 
 import argparse
@@ -20,7 +23,10 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BIN = os.path.dirname(sys.executable)
-JOB = os.path.join(ROOT, "bench", "jobs", "whatif_pipeline.py")
+JOBS = {  # --job: the hand-written GPipe (blocking send/recv) or torch.distributed.pipelining
+    "blocking": os.path.join(ROOT, "bench", "jobs", "whatif_pipeline.py"),
+    "pipelining": os.path.join(ROOT, "bench", "jobs", "whatif_pipelining.py"),
+}
 CASES = {  # name: (faulty split, balanced split)
     "pp2-first-heavy": ("6,2", "4,4"),
     "pp2-last-heavy": ("2,6", "4,4"),
@@ -36,7 +42,7 @@ def launch(run_dir, split, a, log):
         os.path.join(BIN, "torchrun"),
         "--nproc-per-node",
         str(len(split.split(","))),
-        JOB,
+        JOBS[a.job],
         "--split",
         split,
         "--steps",
@@ -49,9 +55,8 @@ def launch(run_dir, split, a, log):
         str(a.width),
         "--layer-ms",
         str(a.layer_ms),
-        "--device",
-        a.device,
     ]
+    cmd += ["--device", a.device] if a.job == "blocking" else ["--schedule", a.schedule]
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
 
 
@@ -80,6 +85,8 @@ def main():
     ap.add_argument("--width", type=int, default=256)
     ap.add_argument("--layer-ms", type=float, default=2.0)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--job", default="blocking", choices=list(JOBS))
+    ap.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b"), help="--job pipelining's")
     ap.add_argument("--repeat", type=int, default=1)
     ap.add_argument("--out", default="/tmp/whatif-pipe")
     ap.add_argument("--cases", nargs="*", default=list(CASES))

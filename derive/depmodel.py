@@ -49,6 +49,10 @@ class DepModel:
     parents: list[list[int]]
     groups: list[Group]
     order: list[int] = field(default_factory=list)  # group ids, parents first
+    # (wait, call) of non-blocking point-to-point ops: a receive's wait waits for the peer's
+    # isend call, a send's wait for the peer's irecv call; the wait's work is its end less
+    # max(own start, the call's end)
+    after: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def size(self) -> int:
@@ -86,6 +90,7 @@ class _Builder:
         self.parents: list[list[int]] = [[] for _ in range(len(tpl))]
         self.groups: list[Group] = []
         self.grouped: set[int] = set()
+        self.after: list[tuple[int, int]] = []
 
     def dep(self, child: int, parent: int) -> None:
         if parent != child and parent not in self.parents[child]:
@@ -228,7 +233,9 @@ def _serial_pipeline(b: _Builder) -> None:
     """Blocking calls on one thread per rank (a traindx run folder): each stage runs its ops in
     recorded order, whatever the schedule (GPipe, 1F1B, ...); the k-th forward send of a stage
     meets the k-th forward receive of the next stage, the k-th backward send the k-th backward
-    receive of the previous one; collectives join the stage's ranks of every DP rank."""
+    receive of the previous one (with `layout.oneway_sends`, isend/irecv: the receive's wait
+    waits for the isend call, the send's wait for the irecv call, each call for nothing);
+    collectives join the stage's ranks of every DP rank."""
     lay = b.layout
     for stage in range(lay.pp):
         b.chain([int(i) for i in b.tpl.index[b.tpl["pp"] == stage]])
@@ -237,12 +244,21 @@ def _serial_pipeline(b: _Builder) -> None:
         for send, recv, step in pairs:
             if 0 <= stage + step < lay.pp:
                 sends, recvs = b.ops(stage, send), b.ops(stage + step, recv)
+                waits, posts = b.ops(stage, f"{send}-wait"), b.ops(stage + step, f"{recv}-post")
                 for k in range(min(len(sends), len(recvs))):
-                    b.group([sends[k], recvs[k]], dp_sync=False)
+                    if lay.oneway_sends:  # isend/irecv: each wait waits for the other side's call
+                        b.dep(recvs[k], sends[k])
+                        b.after.append((recvs[k], sends[k]))
+                        if k < min(len(waits), len(posts)):
+                            b.dep(waits[k], posts[k])
+                            b.after.append((waits[k], posts[k]))
+                    else:
+                        b.group([sends[k], recvs[k]], dp_sync=False)
+    paired = {n for pair in b.after for n in pair}
     for i, optype in zip(b.tpl.index, b.tpl["optype"], strict=True):
         if is_dp_collective(str(optype)) or optype == OpType.CLIP:
             b.group([int(i)], dp_sync=lay.dp_sync)
-        elif optype in OpType.P2P:
+        elif optype in OpType.P2P and int(i) not in paired:
             b.group([int(i)], dp_sync=False)  # an unmatched send/recv: its own transfer only
 
 
@@ -291,7 +307,7 @@ def _finish(b: _Builder, tpl: pd.DataFrame) -> DepModel:
         if i not in b.grouped:
             b.groups.append(Group((i,), comm=False, dp_sync=False))
     nodes = tpl[["pp", "optype", "seq", "chunk", "gchunk"]].assign(t0=tpl["start"]).reset_index(drop=True)
-    model = DepModel(nodes=nodes, parents=b.parents, groups=b.groups)
+    model = DepModel(nodes=nodes, parents=b.parents, groups=b.groups, after=b.after)
     model.order = topological_order(model)
     return model
 

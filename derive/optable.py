@@ -29,6 +29,10 @@ class OpType:
     FWD_RECV = "forward-recv"
     BWD_SEND = "backward-send"
     BWD_RECV = "backward-recv"
+    FWD_SEND_WAIT = "forward-send-wait"  # an isend's Work.wait (where the sender may block)
+    BWD_SEND_WAIT = "backward-send-wait"
+    FWD_RECV_POST = "forward-recv-post"  # an irecv's call (the receive is posted; its wait is the recv)
+    BWD_RECV_POST = "backward-recv-post"
     PARAMS_AG = "params-all-gather"
     GRADS_RS = "grads-reduce-scatter"
     GRADS_AR = "grads-all-reduce"  # plain DDP: one all-reduce of the gradients per step (or bucket)
@@ -46,7 +50,8 @@ class OpType:
     P2P = (FWD_SEND, FWD_RECV, BWD_SEND, BWD_RECV)
     DP_COMM = (PARAMS_AG, GRADS_RS, GRADS_AR, SEPARATE_AR)
     # ops that move data between ranks: the ideal duration is their median, not their mean
-    COMM = (*P2P, *DP_COMM, LAYERNORM_AR, EMBEDDING_AR, CLIP)
+    NONBLOCKING = (FWD_SEND_WAIT, BWD_SEND_WAIT, FWD_RECV_POST, BWD_RECV_POST)
+    COMM = (*P2P, *NONBLOCKING, *DP_COMM, LAYERNORM_AR, EMBEDDING_AR, CLIP)
 
 
 def is_dp_collective(optype: str) -> bool:
@@ -73,6 +78,7 @@ class Layout:
     vpp: int  # model chunks per stage (1: no interleaving)
     dp_sync: bool  # data-parallel collectives present (dp > 1, or a context-parallel split)
     serial: bool = False  # each rank's ops block one another (send/recv on the training thread)
+    oneway_sends: bool = False  # serial, but a send never waits for its receive (isend + wait)
 
     @property
     def workers(self) -> int:
@@ -120,17 +126,28 @@ def normalize(table: pd.DataFrame) -> pd.DataFrame:
 
 
 def layout_of(
-    table: pd.DataFrame, vpp: int | None = None, dp_sync: bool | None = None, serial: bool = False
+    table: pd.DataFrame,
+    vpp: int | None = None,
+    dp_sync: bool | None = None,
+    serial: bool = False,
+    oneway_sends: bool = False,
 ) -> Layout:
     """The layout the table shows; `vpp` and `dp_sync` from the job's metadata when known;
-    `serial`: the ops were recorded as blocking calls of one thread per rank."""
+    `serial`: the ops were recorded as blocking calls of one thread per rank; `oneway_sends`:
+    its sends were non-blocking (isend: the data leaves at the call, the sender goes on)."""
     dp = int(table["dp"].max()) + 1
     pp = int(table["pp"].max()) + 1
     tp = int(table["tp"].max()) + 1
     if vpp is None:
         vpp = int(table["chunk"].max()) + 1 if (table["chunk"] >= 0).any() else 1
     return Layout(
-        dp=dp, pp=pp, tp=tp, vpp=max(1, vpp), dp_sync=dp > 1 if dp_sync is None else dp_sync, serial=serial
+        dp=dp,
+        pp=pp,
+        tp=tp,
+        vpp=max(1, vpp),
+        dp_sync=dp > 1 if dp_sync is None else dp_sync,
+        serial=serial,
+        oneway_sends=oneway_sends,
     )
 
 

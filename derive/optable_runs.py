@@ -13,6 +13,9 @@ point-to-point op in a step is a receive sits one stage after the rank it receiv
 sends first is a first stage), a send to a later stage is a forward-send, to an earlier one a
 backward-send, and likewise the receives; the forward and backward spans between them are the
 micro-batches' computes. A run without send/recv is one stage of DP ranks.
+Non-blocking isend/irecv (the shim records them once their Work's wait returns) read the same: a
+receive spans its wait (where the rank blocks), a send its isend call (`nonblocking_sends` tells
+the dependency model that such a send does not wait for its receive).
 
 Pure computation: no judgement.
 """
@@ -58,7 +61,7 @@ def from_run(run: RunView) -> pd.DataFrame:
     coords = pipeline_coordinates(_in_steps(spans, steps), ranks) if "peer" in spans else None
     if coords is not None:
         spans = spans.assign(optype=_p2p_optypes(spans, coords))
-        spans = spans[spans["optype"].notna()]
+        spans = _send_waits(spans[spans["optype"].notna()])
     else:
         spans = spans[~spans["optype"].astype(str).str.endswith(("send", "recv"))]
     rows = []
@@ -224,6 +227,28 @@ def _p2p_optypes(spans: pd.DataFrame, coords: dict[str, tuple[int, int]]) -> pd.
     return pd.Series(optype, index=spans.index)
 
 
+def _send_waits(spans: pd.DataFrame) -> pd.DataFrame:
+    """A non-blocking op's second half as a span of its own: a send's wait (the shim's `wait`,
+    [start, end] ns) as <direction>-send-wait (the sender blocks there until its receiver has
+    posted the receive), a receive's irecv call (`issue`) as <direction>-recv-post."""
+    extra = []
+    for field, kind, suffix in (("wait", "send", "-wait"), ("issue", "recv", "-post")):
+        if field not in spans:
+            continue
+        has = spans[field].map(lambda w: isinstance(w, (list, tuple)) and len(w) == 2).to_numpy(dtype=bool)
+        mine = spans["optype"].astype(str).str.endswith(kind).to_numpy()
+        rows = spans[has & mine]
+        if rows.empty:
+            continue
+        ends = np.array(list(rows[field]), dtype=np.int64)
+        extra.append(
+            rows.assign(
+                start=ends[:, 0], t=ends[:, 1], optype=rows["optype"].astype(str) + suffix, op=kind + suffix
+            )
+        )
+    return pd.concat([spans, *extra]) if extra else spans
+
+
 def split_ddp_backward(table: pd.DataFrame) -> pd.DataFrame:
     """Each DDP backward as its own compute, then the wait for the gradients' all-reduce.
 
@@ -268,6 +293,17 @@ def _estimated_compute(table: pd.DataFrame, b: pd.DataFrame) -> np.ndarray:
     span = b["duration"].to_numpy(dtype=float)
     out: np.ndarray = np.where(np.isfinite(guess), guess, span)
     return out
+
+
+def nonblocking_sends(run: RunView) -> bool:
+    """Whether the run's sends were non-blocking (isend, batch_isend_irecv: the shim marks their
+    spans `nonblocking`): the data leaves at the call and the sender goes on, so a send never
+    waits for its receive (`Layout.oneway_sends`)."""
+    spans = run.of_type("span")
+    if not len(spans) or "nonblocking" not in spans or "op" not in spans:
+        return False
+    flagged = spans["nonblocking"].astype(object) == True  # noqa: E712
+    return bool((flagged & (spans["op"].astype(str) == "send")).any())
 
 
 def runq_share(run: RunView) -> float | None:

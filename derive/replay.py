@@ -83,7 +83,8 @@ def cube(table: pd.DataFrame, model: DepModel, dp: int) -> Cube:
 
 def transfer_times(model: DepModel, start: np.ndarray, duration: np.ndarray) -> np.ndarray:
     """Each op's work: the duration of a compute op; for a communication op, its end less the
-    latest start among its group (clipped at zero)."""
+    latest start among its group (clipped at zero); for the receive of a non-blocking send, its
+    end less its own start or the send's end, whichever is later."""
     work: np.ndarray = duration.copy()
     end = start + duration
     for grp in model.groups:
@@ -94,6 +95,8 @@ def transfer_times(model: DepModel, start: np.ndarray, duration: np.ndarray) -> 
         if grp.dp_sync:
             latest = latest.max(axis=-1, keepdims=True)
         work[members] = np.clip(end[members] - latest, 0.0, None)
+    for recv, send in model.after:
+        work[recv] = np.clip(end[recv] - np.maximum(start[recv], end[send]), 0.0, None)
     return work
 
 

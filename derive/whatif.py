@@ -37,6 +37,10 @@ PP_COMM_LABEL = {
     OpType.FWD_RECV: "forward-pp-comm",
     OpType.BWD_SEND: "backward-pp-comm",
     OpType.BWD_RECV: "backward-pp-comm",
+    OpType.FWD_SEND_WAIT: "forward-pp-comm",
+    OpType.BWD_SEND_WAIT: "backward-pp-comm",
+    OpType.FWD_RECV_POST: "forward-pp-comm",
+    OpType.BWD_RECV_POST: "backward-pp-comm",
 }
 
 
@@ -211,11 +215,16 @@ class _Ctx:
 
 
 def analyze(
-    table: pd.DataFrame, vpp: int | None = None, dp_sync: bool | None = None, serial: bool = False
+    table: pd.DataFrame,
+    vpp: int | None = None,
+    dp_sync: bool | None = None,
+    serial: bool = False,
+    oneway_sends: bool = False,
 ) -> WhatIf:
     """The what-if analysis of a normalised op table (`traindx.derive.optable.normalize`);
-    `serial`: each rank's ops were blocking calls of one thread (a traindx run folder)."""
-    layout = optable.layout_of(table, vpp=vpp, dp_sync=dp_sync, serial=serial)
+    `serial`: each rank's ops were blocking calls of one thread (a traindx run folder);
+    `oneway_sends`: its sends were isends (the receive waits for the send, not the reverse)."""
+    layout = optable.layout_of(table, vpp=vpp, dp_sync=dp_sync, serial=serial, oneway_sends=oneway_sends)
     model = depmodel.build(table, layout)
     cube = replay.cube(table, model, layout.dp)
     node_optype = model.nodes["optype"].astype(str)

@@ -39,7 +39,11 @@ def analyze_trace(path: str) -> tuple[whatif.WhatIf, list[Finding]]:
 
 def analyze_run(path: str) -> tuple[whatif.WhatIf, list[Finding]]:
     """The what-if analysis of a run folder of several ranks (its spans per rank and step)."""
-    from traindx.derive.optable_runs import from_run, runq_share  # lazy: only `--what-if` reads spans so
+    from traindx.derive.optable_runs import (  # lazy: only `--what-if` reads spans so
+        from_run,
+        nonblocking_sends,
+        runq_share,
+    )
     from traindx.derive.run import load_run
 
     record = load_run(path)
@@ -47,7 +51,7 @@ def analyze_run(path: str) -> tuple[whatif.WhatIf, list[Finding]]:
     if table.empty or table["rank"].nunique() < 2:
         raise UserError(f"{path}: no spans of several ranks in common steps: nothing to replay across ranks")
     try:
-        result = whatif.analyze(table, serial=True)
+        result = whatif.analyze(table, serial=True, oneway_sends=nonblocking_sends(record))
     except depmodel.ModelError as exc:
         raise UserError(f"{path}: {exc}") from None
     result.runq_share = runq_share(record)

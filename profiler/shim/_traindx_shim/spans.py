@@ -18,7 +18,12 @@ ident} and, for rare calls (checkpoints, file writes), the caller in the job's c
               installed only once CUDA is initialised: on CPU there is no device to wait for
   collective  blocking torch.distributed collectives (async_op=False) with op, group (process
               group name) and seq (per-group call counter: the same number on every rank of
-              the group); blocking send/recv with op, group and peer
+              the group); blocking send/recv with op, group and peer; non-blocking
+              isend/irecv (batch_isend_irecv and torch.distributed.pipelining call them) once
+              their Work's wait() returns: a recv spans that wait (where the rank blocks), with
+              `issue` ([start, end] ns of the irecv call: the receive was posted then); a send
+              spans the isend call (its data left then), with
+              `wait` ([start, end] ns of its wait); both with `nonblocking: true` and bytes
   ddp         not a span: one `ddp` event per DistributedDataParallel model built (its gradient
               all-reduces run in C++ inside backward, where no Python wrapper sees them: the
               straggler analysis then treats each backward as the ranks' meeting point, split at
@@ -412,6 +417,88 @@ def _on_distributed(module: ModuleType) -> None:
             fn = getattr(module, name, None)
             if callable(fn):
                 setattr(module, name, _blocking_only(module, name, fn, point_to_point=p2p))
+    c10d = getattr(module, "distributed_c10d", None)
+    for name, op in (("isend", "send"), ("irecv", "recv")):
+        original = getattr(module, name, None)
+        if original is None or c10d is None or getattr(c10d, name, None) is not original:
+            continue
+        # the same wrapper in both namespaces: P2POp and batch_isend_irecv compare an op
+        # against distributed_c10d's own isend/irecv (`op is isend`)
+        wrapped = _nonblocking(module, op, original)
+        setattr(module, name, wrapped)
+        setattr(c10d, name, wrapped)
+
+
+# -- non-blocking point-to-point: isend/irecv and their Work's wait ---------------------------------
+# An isend/irecv returns a Work; the rank blocks only in that Work's wait(). Work.wait is wrapped
+# (on the class, once the job first calls isend/irecv: nothing for jobs that never do) and looks
+# the Work up among the pending ones: one dict lookup for any other Work.
+_pending: dict[int, tuple[Any, ...]] = {}
+MAX_PENDING = 100_000  # Works never waited on (a job that polls is_completed): forgotten past this
+
+
+def _nonblocking(dist: Any, op: str, fn: Any) -> Callable[..., Any]:
+    def p2p(*args: Any, **kwargs: Any) -> Any:
+        # inside a wrapped blocking send/recv (torch's send calls isend and waits): that span is its
+        if getattr(_depth, "n", 0) or _compiling():
+            return fn(*args, **kwargs)
+        start = _now()
+        work = fn(*args, **kwargs)
+        end = _now()
+        if work is not None:
+            try:
+                _remember_p2p(dist, op, work, start, end, args, kwargs)
+            except Exception as exc:
+                report_error("span isend/irecv", exc)
+        return work
+
+    p2p.__wrapped__ = fn  # type: ignore[attr-defined]
+    p2p.__name__ = getattr(fn, "__name__", "p2p")
+    p2p.__doc__ = getattr(fn, "__doc__", None)
+    return p2p
+
+
+def _remember_p2p(dist: Any, op: str, work: Any, start: int, end: int, args: Any, kwargs: Any) -> None:
+    if not _state.get("wait_installed"):
+        _install_wait(type(work))
+    group = kwargs.get("group")
+    peer = _peer(args, kwargs)
+    local = kwargs.get("group_dst", kwargs.get("group_src"))
+    if isinstance(local, int) and group is not None and kwargs.get("dst", kwargs.get("src")) is None:
+        peer = int(dist.get_global_rank(group, local))  # the library passes the group's rank
+    tensor = args[0] if args else kwargs.get("tensor")
+    nbytes = int(tensor.numel() * tensor.element_size()) if tensor is not None else None
+    if len(_pending) >= MAX_PENDING:
+        _pending.clear()
+    _pending[id(work)] = (work, op, peer, nbytes, start, end, _group_name(dist, group))
+
+
+def _install_wait(cls: Any) -> None:
+    _state["wait_installed"] = True
+    original = cls.wait
+
+    def wait(self: Any, *args: Any, **kwargs: Any) -> Any:
+        entry = _pending.pop(id(self), None) if _pending else None
+        if entry is None or entry[0] is not self:
+            return original(self, *args, **kwargs)
+        start = _now()
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            end = _now()
+            try:
+                _, op, peer, nbytes, issued, issue_end, group = entry
+                extra: dict[str, Any] = {"op": op, "group": group, "peer": peer, "bytes": nbytes}
+                if op == "recv":
+                    _span("collective", start, end, nonblocking=True, issue=[issued, issue_end], **extra)
+                else:
+                    _span("collective", issued, issue_end, nonblocking=True, wait=[start, end], **extra)
+            except Exception as exc:
+                report_error("span wait", exc)
+
+    wait.__wrapped__ = original  # type: ignore[attr-defined]
+    wait.__doc__ = getattr(original, "__doc__", None)
+    cls.wait = wait
 
 
 def _on_checkpoint(module: ModuleType) -> None:
