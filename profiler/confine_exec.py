@@ -258,9 +258,13 @@ def main(argv: list[str]) -> int:
     if argv[:1] == ["--probe"]:
         return probe(argv[1] if len(argv) > 1 else None)
     if len(argv) < 3 or argv[1] != "--":
-        sys.stderr.write("usage: confine_exec.py SPEC_JSON -- command...\n")
+        sys.stderr.write("usage: confine_exec.py SPEC_JSON|@SPEC_FILE -- command...\n")
         return 2
-    spec = json.loads(argv[0])
+    if argv[0].startswith("@"):  # the spec's file (fix_confine writes it beside the arm)
+        with open(argv[0][1:], encoding="utf-8") as f:
+            spec = json.load(f)
+    else:
+        spec = json.loads(argv[0])
     command = argv[2:]
     cwd = os.getcwd()
     try:

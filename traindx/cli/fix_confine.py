@@ -465,7 +465,12 @@ class Confiner:
             "binds": zones.binds,
             "full_map": os.getuid() == 0,
         }
-        return [sys.executable, "-I", "-S", EXEC, json.dumps(spec), "--"]
+        # the spec goes in a file: as one argument it can pass the kernel's 128 kB limit on a
+        # single argument (a machine with thousands of sockets under its temporary folders)
+        view = os.path.join(captured, "view.json")
+        with open(view, "w", encoding="utf-8") as f:
+            json.dump(spec, f)
+        return [sys.executable, "-I", "-S", EXEC, "@" + view, "--"]
 
     def after(self, run_dir: str, say: Say) -> None:
         """Overlay work folders removed; in copy mode, the user's folder checked."""
