@@ -83,7 +83,9 @@ def test_work_wait_is_wrapped_only_once_a_job_calls_isend(tmp_path):
         ops = [dist.P2POp(dist.isend, out, 1 - rank), dist.P2POp(dist.irecv, into, 1 - rank)]
         for w in dist.batch_isend_irecv(ops):
             w.wait()
-        print("wrapped", before, still, hasattr(dist.Work.wait, "__wrapped__"), bool(into.sum() == 256))
+        # one write per process (an unbuffered print writes each word apart: two ranks interleave)
+        line = " ".join(str(x) for x in (before, still, hasattr(dist.Work.wait, "__wrapped__"), bool(into.sum() == 256)))
+        sys.stdout.write("wrapped " + line + "\\n")
         dist.destroy_process_group()
         sys.exit(other.wait() if other else 0)
     """)
