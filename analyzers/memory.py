@@ -83,15 +83,21 @@ def _window(table: pd.DataFrame, column: str, hunted: set[int]) -> pd.DataFrame:
 def _judge_series(rows: pd.DataFrame, column: str, where: str, held_graphs: bool) -> dict[str, Any] | None:
     """The growth of one series when it does not level off, else None: a large rate; or any
     steady rise when the shim's hunt found containers gaining graph-holding tensors (a loss kept
-    with its graph nodes costs a few kB a step: the heap's in-use bytes show it exactly)."""
+    with its graph nodes costs a few kB a step: the heap's in-use bytes show it exactly). With
+    such a holder the rise is judged step by step, at the median step's rate: something else
+    freed once (a transient of the job's or a thread's, released by a late collection) drops the
+    series a level below its start without ending the leak, which a fit over the levels reads as
+    no growth; a container emptied every few steps falls more than once."""
     g = mem.growth(rows["step"].tolist(), rows[column].tolist())
-    if g is None or g["rate"] <= 0 or g["rank_corr"] < MIN_RANK_CORR:
+    if g is None:
+        return None
+    if held_graphs and min(g["rises"], g["last_rises"]) >= MIN_HELD_RISES and g["falls"] <= 1:
+        return {**g, "rate": g["median_step"]}  # (rises on most steps: the median is a rise)
+    if g["rate"] <= 0 or g["rank_corr"] < MIN_RANK_CORR:
         return None  # (not every step's RSS rises: malloc grows its heap in chunks)
     if g["last_rate"] < LEVEL_OFF * g["rate"]:
         return None  # levels off: a warm-up that lasted longer (the overall rate is the warm-up's)
     if g["rate"] >= MIN_RATE[where] and g["grew"] >= MIN_GROWN:
-        return g
-    if held_graphs and g["rises"] >= MIN_HELD_RISES:
         return g
     return None
 

@@ -225,6 +225,29 @@ def spread_coalesced(rows: list[dict[str, Any]]) -> None:
             for k in range(i, j + 1):
                 rows[k]["step"] = min(first + (k - i), last)
         i = j + 1
+    _one_loss_per_step(rows)
+
+
+MAX_SHARED_LOSS_STEPS = 0.25  # of the loss lines: more share a step, they are per micro-batch
+
+
+def _one_loss_per_step(rows: list[dict[str, Any]]) -> None:
+    """Training losses placed by time are one per step, but a line read late can land on the
+    next step beside that step's own although stamped apart (a loaded CI run's HF Trainer dicts:
+    steps 1, 2, 3, 5, 5, 6). A stamp is never early, so each loss takes the latest step before
+    the next loss's. Lines printed more often than steps (per micro-batch: many share a step),
+    or more of them than steps before, are left as placed."""
+    losses = [r for r in rows if r.get("loss") is not None]
+    shared = sum(a["step"] == b["step"] for a, b in zip(losses, losses[1:]))
+    if not shared or shared > MAX_SHARED_LOSS_STEPS * len(losses):
+        return
+    steps: list[int] = []
+    for r in reversed(losses):
+        steps.append(int(r["step"]) if not steps else min(int(r["step"]), steps[-1] - 1))
+    if steps[-1] < 0:
+        return
+    for r, step in zip(reversed(losses), steps):
+        r["step"] = step
 
 
 def _next_of_same_stream(streams: list[Any]) -> list[int | None]:

@@ -370,3 +370,13 @@ def test_log_lines_that_arrived_in_one_read_take_the_steps_before_their_stamp():
     rows = [{"step": s, "t": t, "loss": 1.0} for s, t in zip([2, 2, 3], [20, 20, 30])]
     _spread_coalesced(rows)
     assert [r["step"] for r in rows] == [1, 2, 3]
+    # a loaded CI run: loss dicts read apart, the fourth only after step 5 ended (1, 2, 3, 5, 5):
+    # a stamp is never early, so the fourth takes step 4; losses printed per micro-batch (four
+    # on each step) stay where they were placed
+    for steps in ([1, 2, 3, 5, 5, 6], [1, 2, 4, 5, 5, 6]):
+        rows = [{"step": s, "t": 10 * k, "loss": 1.0} for k, s in enumerate(steps)]
+        _spread_coalesced(rows)
+        assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    rows = [{"step": 1 + k // 4, "t": 10 * k, "loss": 1.0} for k in range(12)]
+    _spread_coalesced(rows)
+    assert [r["step"] for r in rows] == [1 + k // 4 for k in range(12)]
