@@ -25,6 +25,8 @@ MIN_GAP_NS = 20_000  # shorter gaps are launch latency, not the host's work
 # a gap the host's own work makes: the GPU waits longer than the launches between two kernels
 # take (tens of µs; a few hundred after a sync, while Python refills the queue)
 MIN_HOST_GAP_NS = 250_000
+SHIM_FRAME = "_traindx_shim/"  # how the profiler names the shim's frames
+OWN_CATEGORY = "traindx"
 MAX_POINTS = 2000  # points sampled over a window's idle time, at most
 SYNC_LABELS = ("sync<",)
 # the host blocked inside the driver (allocating, freeing, waiting for the GPU, a synchronous
@@ -44,7 +46,7 @@ def _main_tid(py: pd.DataFrame) -> Any:
     thread of few, long steps)."""
     if not len(py):
         return None
-    ours = set(py["tid"][py["name"].str.contains("_traindx_shim/", regex=False).to_numpy()])
+    ours = set(py["tid"][py["name"].str.contains(SHIM_FRAME, regex=False).to_numpy()])
     counts = py["tid"].value_counts()
     theirs = [t for t in counts.index if t not in ours]
     return theirs[0] if theirs else counts.index[0]
@@ -70,19 +72,31 @@ def _innermost(starts: np.ndarray, ends: np.ndarray, order: np.ndarray, points: 
 
 def _frames_at_points(py: pd.DataFrame, points: np.ndarray) -> Any:
     """_frames_at for many points at once (sorted int64 ns)."""
+    users, calls, _ = _frames_and_owner_at_points(py, points)
+    return users, calls
+
+
+def _frames_and_owner_at_points(py: pd.DataFrame, points: np.ndarray) -> Any:
+    """(users, calls, ours) for sorted points: ours, where the innermost frame that is not a
+    library's is traindx's shim (its own step-end work: writing an event, timing the GPU, and
+    the library calls it makes). The shim's wrappers around the job's calls are never that
+    frame while the job's code runs inside them (the job's frame is innermer)."""
     if not len(py) or not len(points):
-        return [None] * len(points), [None] * len(points)
+        return [None] * len(points), [None] * len(points), np.zeros(len(points), dtype=bool)
     names = py["name"].to_numpy(object)
     starts, ends = py["start_ns"].to_numpy(np.int64), py["end_ns"].to_numpy(np.int64)
     order = np.argsort(starts, kind="stable")
     parsed = {n: ev.parse_trace_frame(n) for n in set(names)}
     user_name = {n: p for n, p in parsed.items() if p and not ev.is_library_trace_file(p[0])}
     is_user = np.array([n in user_name for n in names], dtype=bool)
+    is_ours = np.array([SHIM_FRAME in n for n in names], dtype=bool)
     inner = _innermost(starts, ends, order, points)
     inner_user = _innermost(starts, ends, order[is_user[order]], points)
+    inner_ours = _innermost(starts, ends, order[(is_user | is_ours)[order]], points)
     calls = [names[i] if i >= 0 else None for i in inner]
     users = [user_name[names[i]] if i >= 0 else None for i in inner_user]
-    return users, calls
+    ours = np.array([i >= 0 and bool(is_ours[i]) for i in inner_ours], dtype=bool)
+    return users, calls, ours
 
 
 def _categories(spans: pd.DataFrame, points: np.ndarray) -> Any:
@@ -137,7 +151,7 @@ def _window_idle(run: RunRecord, rank: str, trace: pd.DataFrame) -> Any:
         weights.extend([weight / 1e9 / n_steps] * n)
         long_gap.extend([b - a >= MIN_HOST_GAP_NS] * n)
     points = np.asarray(at, dtype=np.int64)  # gaps are in time order: sorted
-    users, calls = _frames_at_points(py, points)
+    users, calls, ours = _frames_and_owner_at_points(py, points)
     runtime = trace[trace["cat"].isin(("cuda_runtime", "cuda_driver")).to_numpy()]
     runtime = runtime[runtime["name"].str.match(BLOCKING_RUNTIME).to_numpy()]
     blocked = _innermost(
@@ -148,7 +162,9 @@ def _window_idle(run: RunRecord, rank: str, trace: pd.DataFrame) -> Any:
     )
     runtime_names = runtime["name"].to_numpy(object)
     calls = [runtime_names[b] if b >= 0 else c for b, c in zip(blocked, calls)]
-    rows = list(zip(_categories(spans, points), users, calls, long_gap, weights))
+    categories = _categories(spans, points)
+    categories[ours & (categories == "host")] = OWN_CATEGORY  # traindx's, not the job's host work
+    rows = list(zip(categories, users, calls, long_gap, weights))
     table = pd.DataFrame(rows, columns=["category", "user", "call", "long_gap", "seconds"])
     table["user"] = table["user"].map(lambda u: u if u is None else tuple(u))
     grouped = (
