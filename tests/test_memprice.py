@@ -21,6 +21,7 @@ from traindx.profiler.shim._traindx_shim import memwatch
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 JOB = os.path.join(TESTS, "jobs", "keep_loss.py")
+LOCAL_JOB = os.path.join(TESTS, "jobs", "keep_loss_local.py")
 INMEMORY = os.path.join(TESTS, "data", "cpu-lightning-inmemory-loader")
 MB = 1 << 20
 
@@ -76,6 +77,41 @@ def test_loss_kept_with_its_graph_is_named_at_its_line(kept_and_twin):
     assert src[at["line"] - 1].strip() == "history.append(loss)"
     code = f["prescriptions"][0]["change"]["code"]
     assert code["after"] == "history.append(loss.item())" and code["line"] == at["line"]
+
+
+@pytest.mark.slow
+def test_a_list_local_to_the_training_function_is_named_at_its_line(tmp_path):
+    """The outputs kept for an epoch metric in a list local to `train()`: a running function's
+    locals are no object the collector sees (Python >= 3.11), so the owner is found on the
+    stack: the variable, its function and the `.append` line, `.detach()` there automatic."""
+    shutil.copy(LOCAL_JOB, tmp_path / "keep_loss_local.py")
+    run_dir = str(tmp_path / "run")
+    proc = diagnose(
+        [
+            "--quiet",
+            "--no-pyspy",
+            "--steps",
+            "30",
+            "--run-dir",
+            run_dir,
+            "--",
+            PY,
+            "keep_loss_local.py",
+            "40",
+        ],
+        cwd=str(tmp_path),
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    with open(os.path.join(run_dir, "findings.json")) as f:
+        growth = [g for g in json.load(f) if g["id"] == "memory.growth"]
+    assert growth
+    owner = growth[0]["evidence"]["holder"]["owner"]
+    assert (owner["name"], owner["scope"], owner["function"]) == ("predictions", "local", "train")
+    src = (tmp_path / "keep_loss_local.py").read_text().splitlines()
+    at = growth[0]["evidence"]["at"]
+    assert src[at["line"] - 1].strip() == "predictions.append(out)"
+    p = growth[0]["prescriptions"][0]
+    assert p["automatic"] and p["change"]["code"]["after"] == "predictions.append(out.detach())"
 
 
 @pytest.mark.slow

@@ -330,7 +330,7 @@ def _owners(containers: list[Any]) -> dict[int, dict[str, Any]]:
     frame's line now), a module's global, or an object's attribute. One scan of the heap."""
     wanted = {id(c): c for c in containers}
     modules = {id(getattr(m, "__dict__", None)): m for m in list(sys.modules.values())}
-    out: dict[int, dict[str, Any]] = {}
+    out = _stack_owners(wanted)
     for ref in gc.get_referrers(*containers):
         if type(ref).__name__ == "frame":
             code = ref.f_code
@@ -357,6 +357,39 @@ def _owners(containers: list[Any]) -> dict[int, dict[str, Any]]:
         for name, value in items:
             if id(value) in wanted and isinstance(name, str) and id(value) not in out:
                 out[id(value)] = {"name": name, **where}
+    return out
+
+
+def _stack_owners(wanted: dict[int, Any]) -> dict[int, dict[str, Any]]:
+    """The owners among the locals (and `self`'s attributes) of the job's frames on this
+    thread's stack. Since Python 3.11 a running function's locals live outside any object the
+    collector sees (gc.get_referrers finds no frame for them, at most a stale f_locals dict
+    with no name of its frame): a list local to the training loop is found only here."""
+    out: dict[int, dict[str, Any]] = {}
+    frame: Any = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        path = code.co_filename
+        if (
+            not path.startswith(_SHIM_DIR)
+            and not frames.is_library_path(path)
+            and frame.f_locals is not frame.f_globals
+        ):
+            where = {
+                "file": path,
+                "function": code.co_name,
+                "first_line": code.co_firstlineno,
+                "line": frame.f_lineno,
+            }
+            local = list(frame.f_locals.items())
+            items = [(name, value, "local") for name, value in local]
+            owner = frame.f_locals.get("self")
+            if owner is not None and isinstance(getattr(owner, "__dict__", None), dict):
+                items += [(name, value, "attribute") for name, value in list(vars(owner).items())]
+            for name, value, scope in items:
+                if id(value) in wanted and isinstance(name, str) and id(value) not in out:
+                    out[id(value)] = {"name": name, "scope": scope, **where}
+        frame = frame.f_back
     return out
 
 
