@@ -11,16 +11,19 @@ the GPU, sets the pace of the idle part).
 
 from __future__ import annotations
 
+import ast
+import re
 from typing import TYPE_CHECKING, Any
 
+from traindx.analyzers import codefix, gpu_window
 from traindx.analyzers import evidence as ev
-from traindx.analyzers import gpu_window
 from traindx.analyzers.declaration import Declaration
 from traindx.analyzers.findings import NOTE, Finding, Prescription
 from traindx.common.units import fmt_s
 from traindx.derive import device_peaks
 from traindx.derive import gpu_efficiency as G
 from traindx.derive import kernel_classes as K
+from traindx.derive.ledger import host_code, steady_rows
 from traindx.derive.steady import events_of_type
 
 if TYPE_CHECKING:  # annotations only
@@ -46,6 +49,7 @@ CUDNN_PATCH = "cudnn_benchmark_off"
 MIN_FP32_SHARE = 0.2  # of the busy GPU time: fp32 CUDA-core math worth a precision switch
 MIN_DTOH_BYTES = 16e6  # per step: a device-to-host copy larger than a metric or a loss
 MIN_DTOH_SHARE = 0.05  # of the step
+MIN_ON_HOST_SHARE = 0.02  # of the step: the host's work on the copy named in the title
 MIN_SEARCH_SHARE = 0.05  # of the step: host time in cuDNN algorithm searches
 MIN_ATTENTION_SHARE = 0.05  # of the step: SDPA's math path worth a fused backend
 MIN_MATMUL_SHARE = 0.2  # of the step: matmul time worth judging against its peak
@@ -183,12 +187,85 @@ def _copy_site(run: RunRecord, rank: str) -> dict[str, Any] | None:
     where = ev.enclosing_user_function(py, row["tid"], int(row["start_ns"])) if len(py) else None
     if where is None:
         return None
-    line = gpu_window.line_in_function(run, rank, where[0], where[2])
+    method = _copying_method(ev.enclosing_frames(py, row["tid"], int(row["start_ns"])))
+    line = gpu_window.line_in_function(run, rank, where[0], where[2], calling=method)
     return {
         "file": line[0] if line else where[0],
         "line": line[1] if line else where[1],
         "function": where[2],
     }
+
+
+_BUILTIN_METHOD = re.compile(r"^<built-in method (\w+) of ")
+
+
+def _copying_method(frames: list[str]) -> str | None:
+    """The tensor method the copy ran in ('cpu', 'item', 'tolist', 'numpy', 'to'), from the
+    profiler's frames around it (innermost first)."""
+    for name in frames:
+        m = _BUILTIN_METHOD.match(str(name))
+        if m:
+            return m.group(1)
+        parsed = ev.parse_trace_frame(str(name))
+        if parsed and parsed[2] in ("numpy", "tolist", "cpu", "to"):
+            return parsed[2]
+    return None
+
+
+def _names_stored_at(tree: ast.AST, line: int) -> set[str]:
+    return {
+        t.id
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.lineno == line
+        for t in (node.targets if isinstance(node, ast.Assign) else [node.target])
+        if isinstance(t, ast.Name)
+    }
+
+
+def _readers_of_copy(path: str, line: int) -> set[int]:
+    """The copy's line and the lines after it in its function that read the name it was
+    assigned to, up to that name's next assignment (the host's work on the copied value)."""
+    tree, _ = codefix._tree(path)
+    if tree is None:
+        return {line}
+    names = _names_stored_at(tree, line)
+    scopes = [
+        n
+        for n in ast.walk(tree)
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+        and n.lineno <= line <= (n.end_lineno or n.lineno)
+    ]
+    scope: ast.AST = min(scopes, key=lambda n: (n.end_lineno or n.lineno) - n.lineno) if scopes else tree
+    out = {line}
+    for name in names:
+        uses = [
+            n
+            for n in ast.walk(scope)
+            if isinstance(n, ast.Name) and n.id == name and getattr(n, "lineno", 0) > line
+        ]
+        stores = [n.lineno for n in uses if isinstance(n.ctx, ast.Store)]
+        until = min(stores) if stores else None
+        out |= {n.lineno for n in uses if isinstance(n.ctx, ast.Load) and (until is None or n.lineno < until)}
+    return out
+
+
+def _host_work_on_copy(run: RunRecord, rank: str, site: dict[str, Any]) -> tuple[float, list[int]]:
+    """(seconds per steady step, lines) the training thread works on the host on what it
+    copied (the ledger's host code at the copy's line and at the lines that read its value:
+    an argmax over logits copied to take an accuracy), all of it gone once the value is
+    reduced on the device."""
+    lines = _readers_of_copy(str(site["file"]), int(site["line"]))
+    table = host_code(run)
+    steady = steady_rows(run, rank)
+    if not len(table) or not len(steady):
+        return 0.0, sorted(lines)
+    mine = table[
+        (table["rank"].astype(str) == str(rank)).to_numpy()
+        & table["step"].isin(steady["step"]).to_numpy()
+        & (table["file"].astype(str) == str(site["file"])).to_numpy()
+        & table["line"].isin(lines).to_numpy()
+    ]
+    return float(mine["seconds"].sum()) / len(steady), sorted(lines)
 
 
 def _dtoh_finding(run: RunRecord, view: G.RankGpu) -> Finding | None:
@@ -205,10 +282,14 @@ def _dtoh_finding(run: RunRecord, view: G.RankGpu) -> Finding | None:
     pageable = float(dtoh[dtoh["label"].str.contains("pageable").to_numpy()]["bytes"].sum())
     site = _copy_site(run, view.rank)
     at = f" at {site['file']}:{site['line']}" if site else ""
+    on_host, host_lines = _host_work_on_copy(run, view.rank, site) if site else (0.0, [])
     title = (
         f"{nbytes / 1e6:.0f} MB copied from the device to the host every step{at}: "
         f"{fmt_s(cost)} ({share:.0%} of the step) the host waits for"
+        + (f", and {fmt_s(on_host)} it works on the copy" if on_host >= MIN_ON_HOST_SHARE * view.wall_s else "")
     )
+    cost += on_host
+    share = cost / view.wall_s if view.wall_s else 0.0
     return Finding(
         id="gpu.dtoh_copy",
         title=title,
@@ -218,6 +299,13 @@ def _dtoh_finding(run: RunRecord, view: G.RankGpu) -> Finding | None:
             f"The host blocks {fmt_s(view.sync.get('blocked_s', 0.0))} per step in syncs; "
             f"{fmt_s(waited)} of that is device-to-host copying"
             + (f" ({pageable / 1e6:.0f} MB into pageable memory, staged by the driver)" if pageable else "")
+            + (
+                f"; then it works {fmt_s(on_host)} per step on the copy (lines "
+                + ", ".join(str(n) for n in host_lines)
+                + ")"
+                if on_host
+                else ""
+            )
             + ". Compute the value on the device and copy only the result (a scalar, a count), "
             "or copy asynchronously into pinned memory and read it steps later."
         ),
@@ -228,6 +316,8 @@ def _dtoh_finding(run: RunRecord, view: G.RankGpu) -> Finding | None:
             "bytes_per_step": nbytes,
             "pageable_bytes_per_step": pageable,
             "copy_s_per_step": seconds,
+            "host_on_copy_s_per_step": round(on_host, 6),
+            "host_lines": host_lines,
             "sync": dict(view.sync),
             **({"file": site["file"], "line": site["line"], "function": site["function"]} if site else {}),
         },

@@ -10,6 +10,7 @@ stream; idle is the rest of each profiled step.
 
 from __future__ import annotations
 
+import linecache
 import os
 import re
 from typing import TYPE_CHECKING, Any
@@ -138,11 +139,16 @@ def busy_per_step(run: RunRecord, rank: str, trace: pd.DataFrame) -> tuple[float
     return wall, max(0.0, wall - idle)
 
 
-def line_in_function(run: RunRecord, rank: str, file: str, function: Any, kind: str = None) -> Any:
+def line_in_function(
+    run: RunRecord, rank: str, file: str, function: Any, kind: str | None = None, calling: str | None = None
+) -> Any:
     """(absolute file, line) of the job's function `function` in `file` (any directory) most
     sampled by py-spy on the training thread inside the step loop (start-up and teardown left
     out); with `kind` ("host", "forward", ...), only samples host_work_code.classify_stack puts
-    there when any are. None without such samples."""
+    there when any are; with `calling` (a method's name: "cpu"), only lines whose source calls
+    it when any do (the profiler names the copy's method, py-spy the lines: the function's
+    busiest line is often another one, an optimizer step waiting on the GPU). None without
+    such samples."""
     recording = run.pyspy.get((rank, "all"))
     if not recording or not function:
         return None
@@ -154,7 +160,9 @@ def line_in_function(run: RunRecord, rank: str, file: str, function: Any, kind: 
     window = host_work_code._loop_window(samples.stacks)
     lo, hi = window if window else (0, len(samples.stacks) - 1)
     base = os.path.basename(str(file or ""))
-    counts, of_kind = {}, {}
+    counts: dict[Any, float] = {}
+    of_kind: dict[Any, float] = {}
+    of_call: dict[Any, float] = {}
     for stack, w in zip(samples.stacks[lo : hi + 1], samples.weights[lo : hi + 1]):
         frame = next(
             (
@@ -171,5 +179,7 @@ def line_in_function(run: RunRecord, rank: str, file: str, function: Any, kind: 
         counts[key] = counts.get(key, 0.0) + w
         if kind and host_work_code.classify_stack(stack)[0] == kind:
             of_kind[key] = of_kind.get(key, 0.0) + w
-    pick = of_kind or counts
+        if calling and f".{calling}(" in linecache.getline(frame.file, frame.line):
+            of_call[key] = of_call.get(key, 0.0) + w
+    pick = of_call or of_kind or counts
     return max(pick, key=pick.__getitem__) if pick else None
