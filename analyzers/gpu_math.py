@@ -61,7 +61,7 @@ EFFICIENT_MATH_SHARE = 0.6  # without an MFU: tensor-core math's share of the st
 
 
 def _views(run: RunRecord) -> dict[str, G.RankGpu]:
-    return run.cached("gpu_math.views", lambda: G.rank_views(run))
+    return G.cached_rank_views(run)
 
 
 def _slowest(views: dict[str, G.RankGpu]) -> G.RankGpu | None:
@@ -223,11 +223,12 @@ def _names_stored_at(tree: ast.AST, line: int) -> set[str]:
 
 
 def _readers_of_copy(path: str, line: int) -> set[int]:
-    """The copy's line and the lines after it in its function that read the name it was
-    assigned to, up to that name's next assignment (the host's work on the copied value)."""
+    """The lines after the copy's in its function that read the name it was assigned to, up to
+    that name's next assignment (the host's work on the copied value; the copy's own line is
+    left out: what else it does, a forward whose output it copies, is no work on the copy)."""
     tree, _ = codefix._tree(path)
     if tree is None:
-        return {line}
+        return set()
     names = _names_stored_at(tree, line)
     scopes = [
         n
@@ -236,7 +237,7 @@ def _readers_of_copy(path: str, line: int) -> set[int]:
         and n.lineno <= line <= (n.end_lineno or n.lineno)
     ]
     scope: ast.AST = min(scopes, key=lambda n: (n.end_lineno or n.lineno) - n.lineno) if scopes else tree
-    out = {line}
+    out: set[int] = set()
     for name in names:
         uses = [
             n
@@ -251,10 +252,11 @@ def _readers_of_copy(path: str, line: int) -> set[int]:
 
 def _host_work_on_copy(run: RunRecord, rank: str, site: dict[str, Any]) -> tuple[float, list[int]]:
     """(seconds per steady step, lines) the training thread works on the host on what it
-    copied (the ledger's host code at the copy's line and at the lines that read its value:
-    an argmax over logits copied to take an accuracy), all of it gone once the value is
-    reduced on the device."""
+    copied (the ledger's host code at the lines that read its value: an argmax over logits
+    copied to take an accuracy), all of it gone once the value is reduced on the device."""
     lines = _readers_of_copy(str(site["file"]), int(site["line"]))
+    if not lines:
+        return 0.0, []
     table = host_code(run)
     steady = steady_rows(run, rank)
     if not len(table) or not len(steady):
@@ -286,7 +288,11 @@ def _dtoh_finding(run: RunRecord, view: G.RankGpu) -> Finding | None:
     title = (
         f"{nbytes / 1e6:.0f} MB copied from the device to the host every step{at}: "
         f"{fmt_s(cost)} ({share:.0%} of the step) the host waits for"
-        + (f", and {fmt_s(on_host)} it works on the copy" if on_host >= MIN_ON_HOST_SHARE * view.wall_s else "")
+        + (
+            f", and {fmt_s(on_host)} it works on the copy"
+            if on_host >= MIN_ON_HOST_SHARE * view.wall_s
+            else ""
+        )
     )
     cost += on_host
     share = cost / view.wall_s if view.wall_s else 0.0
@@ -300,7 +306,7 @@ def _dtoh_finding(run: RunRecord, view: G.RankGpu) -> Finding | None:
             f"{fmt_s(waited)} of that is device-to-host copying"
             + (f" ({pageable / 1e6:.0f} MB into pageable memory, staged by the driver)" if pageable else "")
             + (
-                f"; then it works {fmt_s(on_host)} per step on the copy (lines "
+                f"; then it works {fmt_s(on_host)} per step on the copy (line "
                 + ", ".join(str(n) for n in host_lines)
                 + ")"
                 if on_host
@@ -431,17 +437,23 @@ def _below_peak_finding(run: RunRecord, view: G.RankGpu) -> Finding | None:
     )
 
 
-def _math_path_finding(view: G.RankGpu) -> Finding | None:
+def _math_path_finding(view: G.RankGpu, device: str | None) -> Finding | None:
     """SDPA's unfused math path (bmm, scale, mask, softmax, bmm: the T x T scores go through
-    memory): its kernels' time, priced at least by its kernels that are not GEMMs (a fused
-    kernel does them in registers)."""
+    memory), forward and backward: its kernels' time, priced by its kernels that are not GEMMs
+    (a fused kernel does them in registers) and, where its GEMMs ran in fp32 on the CUDA cores
+    (a float mask or fp32 inputs upcast the math path), their time a fused bf16 kernel does on
+    the tensor cores (the device's peak ratio)."""
     rows = view.rows
     math = rows[(rows["label"] == K.SDPA_MATH_LABEL).to_numpy()] if len(rows) else rows
     seconds = float(math["seconds"].sum()) if len(math) else 0.0
     if not view.wall_s or seconds / view.wall_s < MIN_ATTENTION_SHARE:
         return None
     gemm = float(math[math["precision"].notna().to_numpy()]["seconds"].sum())
-    saving = _step_saving(view, seconds - gemm)
+    fp32_gemm = float(math[(math["precision"] == "fp32").to_numpy()]["seconds"].sum())
+    peak = device_peaks.match_device(device)
+    fp32, bf16 = (peak.tflops.get("fp32"), peak.tflops.get("bf16")) if peak else (None, None)
+    on_tensor_cores = fp32_gemm * (1.0 - fp32 / bf16) if fp32 and bf16 and bf16 > fp32 else 0.0
+    saving = _step_saving(view, seconds - gemm + on_tensor_cores)
     share = seconds / view.wall_s
     return Finding(
         id="gpu.attention_math_path",
@@ -452,12 +464,17 @@ def _math_path_finding(view: G.RankGpu) -> Finding | None:
             "scaled_dot_product_attention fell back to its math path (no fused kernel took the "
             "inputs: a head size not a multiple of 8, fp32 inputs, an attention mask the fused "
             "kernels do not take, dropout on an old backend). The scores go through memory as "
-            "separate kernels. Saving: at least the math path's kernels that are not GEMMs."
+            "separate kernels. Saving: the math path's kernels that are not GEMMs, and its fp32 GEMMs "
+            "at the tensor cores' rate."
         ),
         seconds_lost_per_step=saving,
         share_of_step=share,
         ranks=(view.rank,),
-        evidence={"math_path_s_per_step": seconds, "gemm_s_per_step": gemm},
+        evidence={
+            "math_path_s_per_step": seconds,
+            "gemm_s_per_step": gemm,
+            "fp32_gemm_s_per_step": fp32_gemm,
+        },
         prescriptions=(
             Prescription(
                 kind="code",
@@ -570,7 +587,7 @@ def analyze(run: RunRecord) -> list[Finding]:
             _cudnn_finding(run, v),
             _fp32_finding(run, v, device),
             _below_peak_finding(run, v),
-            _math_path_finding(v),
+            _math_path_finding(v, device),
         )
         out.extend(f for f in made if f is not None)
     if device is not None:

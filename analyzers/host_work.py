@@ -58,6 +58,7 @@ from traindx.analyzers.host_work_prescriptions import (
     kind_of,
 )
 from traindx.common.units import ordinal
+from traindx.derive import gpu_efficiency as G
 from traindx.derive import ledger
 
 if TYPE_CHECKING:
@@ -211,6 +212,10 @@ class _Rank:
     has_gpu: bool
     framework_lines: set[tuple[str, int]]
     periods: list[dict[str, Any]]
+    # the GPU's idle seconds per step in the torch.profiler window (None: no window): host work
+    # done while the GPU runs the queued kernels costs the step nothing, so a line's price is
+    # at most this (gpu_idle names what the GPU waits for)
+    gpu_idle_s: float | None = None
 
 
 def _period_key(period: dict[str, Any]) -> str:
@@ -227,6 +232,11 @@ def _ambiguous_periods(groups: list[Group], periods: list[dict[str, Any]]) -> di
             if p is not None:
                 fits.setdefault(_period_key(p), []).append(g)
     return {k: v for k, v in fits.items() if len(v) > 1}
+
+
+def _gpu_idle_s(run: RunRecord, rank: str) -> float | None:
+    view = G.cached_rank_views(run).get(str(rank)) if run.manifest.get("gpus") else None
+    return None if view is None else max(0.0, view.wall_s - view.busy_s)
 
 
 def _analyze_rank(run: RunRecord, rank: str) -> list[Finding]:
@@ -252,6 +262,7 @@ def _analyze_rank(run: RunRecord, rank: str) -> list[Finding]:
         has_gpu=bool(run.manifest.get("gpus")),
         framework_lines=_ancestor_lines(run, rank) if run.pyspy.get((rank, "all")) else set(),
         periods=stability.line_periods(led, step_s),
+        gpu_idle_s=_gpu_idle_s(run, rank),
     )
     ambiguous = _ambiguous_periods(groups, ctx.periods)
     own_step = _own_step_s(run, rank, led)
@@ -319,12 +330,31 @@ def _line_findings(
             seconds, share = g["seconds"], g["share"]
             if g.get("priced_by"):
                 priced_lines.add((g["file"], g["line"]))
+        if ctx.gpu_idle_s is not None and not period and seconds > ctx.gpu_idle_s:
+            g = _overlapped_by_gpu(g, ctx.gpu_idle_s, ctx.step_s)
+            seconds, share = g["seconds"], g["share"]
         if share < MIN_SHARE or seconds < MIN_SECONDS or g.get("few_samples"):
             continue
         if period:
             used_periods.add(_period_key(period))
         findings.append(_line_finding(ctx, g, src, share, period))
     return findings, candidates, used_periods, noted
+
+
+def _overlapped_by_gpu(g: Group, gpu_idle_s: float, step_s: float) -> Group:
+    """A line of every step on a GPU job priced at the GPU's idle at most: the rest of its host
+    time ran while the GPU worked through the kernels already queued (an H200 twin's 1 ms of
+    host work at 52 % MFU was called medium)."""
+    return {
+        **g,
+        "seconds": gpu_idle_s,
+        "share": gpu_idle_s / step_s,
+        "priced_by": {
+            "method": "the GPU's idle in the profiled steps (the rest overlaps its work)",
+            "line_seconds": round(float(g["seconds"]), 5),
+            "gpu_idle_s": round(gpu_idle_s, 5),
+        },
+    }
 
 
 def _priced_by_period(g: Group, period: dict[str, Any], step_s: float) -> Group:

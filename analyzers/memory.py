@@ -56,7 +56,7 @@ SERIES_LABEL = {
 HUNT_SETTLE = 3  # steps after the hunt whose memory still holds its residue
 MIN_POINTS_AFTER_HUNT = 10
 WARMUP_SHARE = 0.25  # leading share of the recorded steps left out (and at least 2 steps)
-CRITICAL_RUNWAY = 2000  # steps until memory runs out
+CRITICAL_RUNWAY = 10_000  # steps until memory runs out: a run of hours crashes (the verdict's first)
 HIGH_RUNWAY = 200_000
 ADD_METHODS = ("append", "extend", "insert", "appendleft", "add", "put")
 

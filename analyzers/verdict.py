@@ -46,9 +46,11 @@ def _gain(f: Finding) -> float:
 
 def _pick(findings: list[Finding]) -> Finding | None:
     """The root finding to act on first: the one with a prescription whose fix saves the most
-    (ties: reading order), else the first root problem."""
+    (ties: reading order), else the first root problem. Critical ones come first: a run that
+    will stop (memory that runs out within hours) is worse than any speed it could gain."""
     roots = [f for f in reading_order(findings) if is_problem(f) and f.cause is None]
     prescribed = [f for f in roots if f.prescriptions]
+    prescribed = [f for f in prescribed if f.severity == "critical"] or prescribed
     if prescribed:
         return max(prescribed, key=_gain)  # max keeps the first of equals: reading order
     return roots[0] if roots else None

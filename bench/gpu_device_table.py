@@ -31,7 +31,7 @@ EXPECTED = {
     "odd_matmul": "gpu.matmul_below_peak",
     "sdpa_math": "gpu.attention_math_path",
     "foreach_off": "gpu.launch_bound",
-    "grow_memory": "alloc.",
+    "grow_memory": "memory.growth",
 }
 GOAL = 0.25
 

@@ -28,7 +28,7 @@ import tempfile
 KEEP_FILES = ("manifest.json", "nvml.csv", "log.txt")
 KEEP_DIRS = ("events", "procs")
 EVENT_KEYS = ("ph", "cat", "name", "ts", "dur", "pid", "tid")
-ARG_KEYS = ("Python id", "Python parent id", "device", "stream", "bytes", "correlation")
+ARG_KEYS = ("Python id", "Python parent id", "device", "stream", "bytes", "correlation", "Sequence number")
 # python_function calls kept below the job's own frames: its calls and theirs (what the GPU
 # analyzers read: the statement a sync ends, the call an idle gap ends in); deeper library
 # internals (torch's own Python under a call) are left out

@@ -154,6 +154,11 @@ def sync_waits(trace: pd.DataFrame, start_ns: int, end_ns: int, n_steps: int) ->
     return out
 
 
+def cached_rank_views(run: RunView) -> dict[str, RankGpu]:
+    """rank_views, computed once per loaded run (the GPU analyzers and host_work read it)."""
+    return run.cached("gpu_efficiency.rank_views", lambda: rank_views(run))
+
+
 def rank_views(run: RunView) -> dict[str, RankGpu]:
     """{rank: RankGpu} of every rank with GPU events in its torch.profiler window."""
     trace = getattr(run, "torch_trace", None)
@@ -231,7 +236,7 @@ def model_flops_utilisation(run: RunView, views: dict[str, RankGpu] | None = Non
     table, _ = step_table(run)
     step_s = steady_median(table) if len(table) else None
     params, tokens = trained_parameters(run), tokens_per_step(run)
-    views = rank_views(run) if views is None else views
+    views = cached_rank_views(run) if views is None else views
     counted = [v.matmul_flops for v in views.values() if v.matmul_flops]
     if params and tokens:
         flops, method = (

@@ -15,7 +15,9 @@ Kineto's "Memcpy DtoH (Device -> Pageable)" labels:
   cuDNN (`cudnn` with `sdpa`/`fmha`/`flash`), memory-efficient (`fmha_cutlass`,
   `efficient_attention`); SDPA's math path is bmm + softmax: every kernel launched inside the
   host op `aten::_scaled_dot_product_attention_math` (matched by Kineto's `correlation`) is
-  labelled the math path's, its GEMMs included (without correlation, only its softmax kernels);
+  labelled the math path's, its GEMMs included, and so is every kernel its backward nodes launch
+  (the nodes that carry the sequence numbers of the ops inside it; without correlation, only
+  its softmax kernels);
 - autotune: kernels that ran inside a compile/autotune interval (Triton's, Inductor's benchmark
   launches) or inside cuDNN's algorithm search (a conv op that synchronised the host: cuDNN
   benchmark mode times its candidates with events and waits for them).
@@ -202,6 +204,31 @@ def launched_inside(
     return out
 
 
+def backward_spans(trace: pd.DataFrame, spans: list[tuple[Any, int, int]]) -> list[tuple[Any, int, int]]:
+    """[(tid, start_ns, end_ns)] of the backward nodes of the forward ops run inside the host
+    spans: autograd gives a node the sequence number of the forward op that made it (Kineto's
+    "Sequence number"), and the backward's kernels are launched inside the node's op on the
+    autograd thread, outside the forward op's span. [] without sequence numbers."""
+    if not spans or "seq" not in trace:
+        return []
+    cpu = trace[(trace["cat"].to_numpy() == "cpu_op") & trace["seq"].notna().to_numpy()]
+    if not len(cpu):
+        return []
+    starts = cpu["start_ns"].to_numpy(np.int64)
+    tids = cpu["tid"].to_numpy(object)
+    inside = np.zeros(len(cpu), dtype=bool)
+    for tid, lo, hi in spans:
+        inside |= (tids == tid) & (starts >= lo) & (starts < hi)
+    made = set(cpu["seq"].to_numpy(float)[inside])
+    # the backward side: the same numbers on ops that are not aten's forward ops
+    nodes = cpu[
+        ~inside
+        & cpu["seq"].isin(made).to_numpy()
+        & ~cpu["name"].astype(str).str.startswith("aten::").to_numpy()
+    ]
+    return [(tid, int(lo), int(hi)) for tid, lo, hi in zip(nodes["tid"], nodes["start_ns"], nodes["end_ns"])]
+
+
 def op_spans(trace: pd.DataFrame, names: tuple[str, ...]) -> list[tuple[Any, int, int]]:
     """[(tid, start_ns, end_ns)] of the host ops (cpu_op events) with these names."""
     ops = trace[(trace["cat"].to_numpy() == "cpu_op") & trace["name"].isin(names).to_numpy()]
@@ -224,7 +251,7 @@ def class_rows(
     if not len(gpu):
         return pd.DataFrame(columns=columns)
     math_ops = op_spans(trace, (SDPA_MATH_OP,))
-    in_math = launched_inside(gpu, trace, math_ops)
+    in_math = launched_inside(gpu, trace, math_ops + backward_spans(trace, math_ops))
     classes = [
         KernelClass("attention", SDPA_MATH_LABEL, classify(c, n).precision)
         if m

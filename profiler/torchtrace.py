@@ -42,7 +42,20 @@ TRACE_COLUMNS = [
     "stream",
     "bytes",
     "correlation",
-]  # bytes: of a memcpy/memset; correlation: links a kernel to its launch (cudaLaunchKernel)
+    "seq",
+]  # bytes: of a memcpy/memset; correlation: links a kernel to its launch (cudaLaunchKernel);
+# seq: autograd's sequence number, shared by a forward op and the backward node it made
+# (column, Kineto's args key) of the numeric columns read from an event's args
+NUMERIC_ARGS = (
+    ("py_id", "Python id"),
+    ("py_parent", "Python parent id"),
+    ("device", "device"),
+    ("stream", "stream"),
+    ("bytes", "bytes"),
+    ("correlation", "correlation"),
+    ("seq", "Sequence number"),
+)
+NUMERIC_COLUMNS = tuple(column for column, _ in NUMERIC_ARGS)
 Array = npt.NDArray[Any]
 CHUNK_CHARS = 1 << 20  # 1 Mi characters of text per read
 MAX_EVENT_CHARS = 1 << 26  # one event (or top-level value other than traceEvents) past 64 Mi: corrupt
@@ -110,9 +123,7 @@ class _Columns:
 
     def __init__(self) -> None:
         self.batch: list[dict[str, Any]] = []
-        self.numeric: dict[str, list[Array]] = {
-            k: [] for k in ("ts", "dur", "py_id", "py_parent", "device", "stream", "bytes", "correlation")
-        }
+        self.numeric: dict[str, list[Array]] = {k: [] for k in ("ts", "dur", *NUMERIC_COLUMNS)}
         self.codes: dict[str, list[Array]] = {k: [] for k in ("cat", "name", "pid", "tid")}
         self.values: dict[str, dict[Any, int]] = {k: {} for k in ("cat", "name", "pid", "tid")}
 
@@ -130,14 +141,7 @@ class _Columns:
         num["ts"].append(np.fromiter((float(e["ts"]) for e in batch), np.float64, n))
         num["dur"].append(np.fromiter((float(e.get("dur") or 0.0) for e in batch), np.float64, n))
         args = [e.get("args") or _EMPTY for e in batch]
-        for column, key in (
-            ("py_id", "Python id"),
-            ("py_parent", "Python parent id"),
-            ("device", "device"),
-            ("stream", "stream"),
-            ("bytes", "bytes"),
-            ("correlation", "correlation"),
-        ):
+        for column, key in NUMERIC_ARGS:
             num[column].append(np.fromiter((_num(a.get(key)) for a in args), np.float64, n))
         for column, key, default in (
             ("cat", "cat", None),
@@ -169,7 +173,7 @@ class _Columns:
             "pid": pd.Series(self._decoded("pid"), dtype=object).infer_objects(),
             "tid": pd.Series(self._decoded("tid"), dtype=object).infer_objects(),
         }
-        for column in ("py_id", "py_parent", "device", "stream", "bytes", "correlation"):
+        for column in NUMERIC_COLUMNS:
             cols[column] = joined(self.numeric[column], np.float64)
         return pd.DataFrame(cols, columns=TRACE_COLUMNS)
 
@@ -260,16 +264,7 @@ class _NotKineto(Exception):
 def _fast_schema() -> Any:
     import pyarrow as pa  # pyarrow (~1 s to import): only when a trace is read
 
-    args = pa.struct(
-        [
-            ("Python id", pa.int64()),
-            ("Python parent id", pa.int64()),
-            ("device", pa.int64()),
-            ("stream", pa.int64()),
-            ("bytes", pa.int64()),
-            ("correlation", pa.int64()),
-        ]
-    )
+    args = pa.struct([(key, pa.int64()) for _, key in NUMERIC_ARGS])
     return pa.schema(
         [
             ("ph", pa.string()),
@@ -321,14 +316,7 @@ def _fast_events(text: str, schema: Any) -> Any:
     out = {}
     for k in ("cat", "name", "ts", "dur", "pid", "pid_s", "tid", "tid_s"):
         out[k] = pc.filter(table[k], keep, memory_pool=pool)
-    for column, key in (
-        ("py_id", "Python id"),
-        ("py_parent", "Python parent id"),
-        ("device", "device"),
-        ("stream", "stream"),
-        ("bytes", "bytes"),
-        ("correlation", "correlation"),
-    ):
+    for column, key in NUMERIC_ARGS:
         out[column] = pc.filter(pc.struct_field(table["args"], key, memory_pool=pool), keep, memory_pool=pool)
     return pa.table(out)
 
@@ -416,7 +404,7 @@ def _kineto_frame(columns: dict[str, Any], rank: str, base: int) -> pd.DataFrame
             )
             values = values.map(lambda v: int(v) if isinstance(v, float) and v == v else v)
         cols[column] = values
-    for column in ("py_id", "py_parent", "device", "stream", "bytes", "correlation"):
+    for column in NUMERIC_COLUMNS:
         cols[column] = columns.pop(column).to_numpy(zero_copy_only=False).astype(np.float64)
     # copy=False: no second copy of every column while pandas builds its blocks
     return pd.DataFrame(cols, columns=TRACE_COLUMNS, copy=False)

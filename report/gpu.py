@@ -127,7 +127,7 @@ def kernel_class_view(run: RunRecord) -> list[dict[str, Any]]:
     """Per rank (slowest first), the profiled window's GPU time by kernel class, per step: the
     derived table (derive/kernel_classes.py) and what the host's syncs waited for."""
     try:
-        views = run.cached("gpu_math.views", lambda: gpu_efficiency.rank_views(run))
+        views = gpu_efficiency.cached_rank_views(run)
     except Exception:  # the report renders without this block
         return []
     out = []

@@ -45,6 +45,7 @@ def reference(doc, rank):
                 args.get("stream"),
                 args.get("bytes"),
                 args.get("correlation"),
+                args.get("Sequence number"),
             )
         )
     return pd.DataFrame(rows, columns=TRACE_COLUMNS)
