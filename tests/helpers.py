@@ -5,6 +5,7 @@ import enum
 import os
 import subprocess
 import sys
+import tarfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(ROOT, "examples")
@@ -61,6 +62,14 @@ def diagnose_side_by_side(runs, cwd, env=None, timeout=600):
                 proc.kill()
                 proc.wait()
     return done
+
+
+def recorded_runs(name, folder):
+    """Extract tests/data/<name>.tar.xz (run folders recorded on the device, see its README)
+    into folder; returns folder."""
+    with tarfile.open(os.path.join(ROOT, "tests", "data", f"{name}.tar.xz")) as tar:
+        tar.extractall(folder, filter="data")
+    return folder
 
 
 def only_run_dir(out_dir):

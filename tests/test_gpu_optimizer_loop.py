@@ -1,22 +1,16 @@
 """An optimizer told foreach=False over thousands of tensors on the H200, named where the
 torch.profiler window could not be traced (recorded run folders: tests/data/h200-foreach-off.README)."""
 
-import os
-import tarfile
-
 import pytest
+from helpers import recorded_runs
 
 import traindx
 from traindx.analyzers.findings import is_problem
 
-DATA = os.path.join(os.path.dirname(__file__), "data", "h200-foreach-off.tar.xz")
-
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("foreach")
-    with tarfile.open(DATA) as tar:
-        tar.extractall(folder, filter="data")
+    folder = recorded_runs("h200-foreach-off", tmp_path_factory.mktemp("foreach"))
     return {arm: traindx.load_run(str(folder / f"foreach_off-{arm}")) for arm in ("bad", "fixed")}
 
 

@@ -8,14 +8,12 @@ GEMMs were booked as the model's fp32 matmuls (the fp32 finding led with the wro
 the math path's by autograd's sequence numbers (tests/data/h200-sdpa-math.README)."""
 
 import os
-import tarfile
 
 import pytest
+from helpers import recorded_runs
 
 import traindx
 
-DATA = os.path.join(os.path.dirname(__file__), "data", "h200-dtoh-metric.tar.xz")
-SDPA_DATA = os.path.join(os.path.dirname(__file__), "data", "h200-sdpa-math.tar.xz")
 SDPA_TWIN_SAVED_S = 0.0111  # the fused twin's median step less the math path's
 RECORDED_JOB = "/work/main/bench/jobs/gpu_math_cases.py"  # where the job ran on the device
 TWIN_SAVED_S = 0.3021  # the fixed twin's median step less this one's, measured beside it
@@ -23,9 +21,7 @@ TWIN_SAVED_S = 0.3021  # the fixed twin's median step less this one's, measured 
 
 @pytest.fixture(scope="module")
 def found(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("dtoh")
-    with tarfile.open(DATA) as tar:
-        tar.extractall(folder, filter="data")
+    folder = recorded_runs("h200-dtoh-metric", tmp_path_factory.mktemp("dtoh"))
     run_dir = folder / "dtoh_metric-bad"
     source = str(run_dir / "source" / "gpu_math_cases.py")
     # the recorded paths point at the job's source as it ran, shipped beside the run
@@ -61,8 +57,7 @@ def test_the_hosts_work_on_the_copy_is_in_the_price(found):
 
 
 def test_the_math_paths_backward_is_the_math_paths_not_fp32_matmuls(tmp_path):
-    with tarfile.open(SDPA_DATA) as tar:
-        tar.extractall(tmp_path, filter="data")
+    recorded_runs("h200-sdpa-math", tmp_path)
     findings = traindx.analyze(traindx.load_run(str(tmp_path / "sdpa_math-bad")))
     assert not [f for f in findings if f.id == "gpu.fp32_math"]
     math = next(f for f in findings if f.id == "gpu.attention_math_path")

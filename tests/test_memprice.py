@@ -32,29 +32,23 @@ def kept_and_twin(tmp_path_factory):
     number."""
     folder = tmp_path_factory.mktemp("keep_loss")
     shutil.copy(JOB, folder / "keep_loss.py")
-    runs = {}
-    for name, extra in (("kept", ["--keep-graph"]), ("summed", ["--sum-graph"]), ("twin", [])):
-        run_dir = str(folder / name)
-        proc = diagnose(
-            [
-                "--quiet",
-                "--no-pyspy",
-                "--steps",
-                "30",
-                "--run-dir",
-                run_dir,
-                "--",
-                PY,
-                "keep_loss.py",
-                "40",
-                *extra,
-            ],
-            cwd=str(folder),
-        )
-        assert proc.returncode == 0, proc.stderr[-2000:]
-        with open(os.path.join(run_dir, "findings.json")) as f:
-            runs[name] = (traindx.load_run(run_dir), json.load(f))
+    runs = {
+        name: _diagnosed(folder, name, "keep_loss.py", extra)
+        for name, extra in (("kept", ["--keep-graph"]), ("summed", ["--sum-graph"]), ("twin", []))
+    }
     return folder, runs
+
+
+def _diagnosed(folder, name, script, extra=()):
+    """`diagnose` over `script 40 *extra` in folder, 30 steps recorded: (run, findings.json)."""
+    run_dir = str(folder / name)
+    proc = diagnose(
+        ["--quiet", "--no-pyspy", "--steps", "30", "--run-dir", run_dir, "--", PY, script, "40", *extra],
+        cwd=str(folder),
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    with open(os.path.join(run_dir, "findings.json")) as f:
+        return traindx.load_run(run_dir), json.load(f)
 
 
 @pytest.mark.slow
@@ -85,25 +79,8 @@ def test_a_list_local_to_the_training_function_is_named_at_its_line(tmp_path):
     locals are no object the collector sees (Python >= 3.11), so the owner is found on the
     stack: the variable, its function and the `.append` line, `.detach()` there automatic."""
     shutil.copy(LOCAL_JOB, tmp_path / "keep_loss_local.py")
-    run_dir = str(tmp_path / "run")
-    proc = diagnose(
-        [
-            "--quiet",
-            "--no-pyspy",
-            "--steps",
-            "30",
-            "--run-dir",
-            run_dir,
-            "--",
-            PY,
-            "keep_loss_local.py",
-            "40",
-        ],
-        cwd=str(tmp_path),
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    with open(os.path.join(run_dir, "findings.json")) as f:
-        growth = [g for g in json.load(f) if g["id"] == "memory.growth"]
+    _, findings = _diagnosed(tmp_path, "run", "keep_loss_local.py")
+    growth = [g for g in findings if g["id"] == "memory.growth"]
     assert growth
     owner = growth[0]["evidence"]["holder"]["owner"]
     assert (owner["name"], owner["scope"], owner["function"]) == ("predictions", "local", "train")

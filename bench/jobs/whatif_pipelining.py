@@ -14,33 +14,12 @@ on the returned works.
 """
 
 import argparse
-import time
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
-
-
-def build_stage(layers: int, width: int, layer_s: float) -> torch.nn.Module:
-    mods: list[torch.nn.Module] = []
-    for _ in range(layers):
-        mods += [torch.nn.Linear(width, width), torch.nn.GELU()]
-    stage = torch.nn.Sequential(*mods)
-
-    def on_forward(module, inputs, output):
-        if layer_s:
-            time.sleep(layer_s)
-
-    def on_backward(module, grad_in, grad_out):
-        if layer_s:
-            time.sleep(2 * layer_s)
-
-    for m in stage:
-        if isinstance(m, torch.nn.Linear):
-            m.register_forward_hook(on_forward)
-            m.register_full_backward_hook(on_backward)
-    return stage
+from whatif_pipeline import build_stage  # the same stages as the blocking job (this folder)
 
 
 def main() -> None:
@@ -60,7 +39,7 @@ def main() -> None:
     if len(split) != world:
         raise SystemExit(f"--split names {len(split)} stages for {world} ranks")
     torch.manual_seed(rank)
-    module = build_stage(split[rank], a.width, a.layer_ms / 1000.0)
+    module = build_stage(split[rank], a.width, a.layer_ms / 1000.0, "cpu")
     stage = PipelineStage(module, rank, world, torch.device("cpu"))
     loss_fn = lambda y, t: F.mse_loss(y, t)  # noqa: E731
     cls = ScheduleGPipe if a.schedule == "gpipe" else Schedule1F1B
