@@ -373,11 +373,17 @@ def rank_findings(findings: Iterable[Finding]) -> list[Finding]:
 
 def reading_order(findings: Iterable[Finding]) -> list[Finding]:
     """The order a person reads findings in (report, terminal, the verdict's pick): root causes
-    before symptoms (each symptom right under its cause), problems before notes, then by
-    seconds lost per step, then by severity."""
+    before symptoms (each symptom right under its cause), problems before notes, critical ones
+    first (a run that will stop: the verdict's pick too), then by seconds lost per step, then by
+    severity."""
 
-    def key(f: Finding) -> tuple[bool, float, int]:
-        return (f.severity == NOTE, -(f.seconds_lost_per_step or 0.0), -severity_index(f.severity))
+    def key(f: Finding) -> tuple[bool, bool, float, int]:
+        return (
+            f.severity == NOTE,
+            f.severity != "critical",
+            -(f.seconds_lost_per_step or 0.0),
+            -severity_index(f.severity),
+        )
 
     roots = sorted((f for f in findings if getattr(f, "cause", None) is None), key=key)
     symptoms = sorted((f for f in findings if getattr(f, "cause", None) is not None), key=key)
