@@ -366,31 +366,41 @@ def _stack_owners(wanted: dict[int, Any]) -> dict[int, dict[str, Any]]:
     collector sees (gc.get_referrers finds no frame for them, at most a stale f_locals dict
     with no name of its frame): a list local to the training loop is found only here."""
     out: dict[int, dict[str, Any]] = {}
-    frame: Any = sys._getframe(1)
+    for frame, where in _job_frames(sys._getframe(1)):
+        if frame.f_locals is frame.f_globals:
+            continue  # a module's code: its globals are the collector's to find
+        for name, value, scope in _frame_variables(frame, "local"):
+            if id(value) in wanted and isinstance(name, str) and id(value) not in out:
+                out[id(value)] = {"name": name, "scope": scope, **where}
+    return out
+
+
+def _job_frames(frame: Any) -> Any:
+    """(frame, where it is: file, function, first line, line) of the job's frames from `frame`
+    outwards (traindx's and libraries' left out)."""
     while frame is not None:
         code = frame.f_code
         path = code.co_filename
-        if (
-            not path.startswith(_SHIM_DIR)
-            and not frames.is_library_path(path)
-            and frame.f_locals is not frame.f_globals
-        ):
-            where = {
-                "file": path,
-                "function": code.co_name,
-                "first_line": code.co_firstlineno,
-                "line": frame.f_lineno,
-            }
-            local = list(frame.f_locals.items())
-            items = [(name, value, "local") for name, value in local]
-            owner = frame.f_locals.get("self")
-            if owner is not None and isinstance(getattr(owner, "__dict__", None), dict):
-                items += [(name, value, "attribute") for name, value in list(vars(owner).items())]
-            for name, value, scope in items:
-                if id(value) in wanted and isinstance(name, str) and id(value) not in out:
-                    out[id(value)] = {"name": name, "scope": scope, **where}
+        if not path.startswith(_SHIM_DIR) and not frames.is_library_path(path):
+            yield (
+                frame,
+                {
+                    "file": path,
+                    "function": code.co_name,
+                    "first_line": code.co_firstlineno,
+                    "line": frame.f_lineno,
+                },
+            )
         frame = frame.f_back
-    return out
+
+
+def _frame_variables(frame: Any, scope: str) -> list[tuple[Any, Any, str]]:
+    """(name, value, scope) of a frame's variables, and `self`'s attributes ("attribute")."""
+    items = [(name, value, scope) for name, value in list(frame.f_locals.items())]
+    owner = frame.f_locals.get("self")
+    if owner is not None and isinstance(getattr(owner, "__dict__", None), dict):
+        items += [(name, value, "attribute") for name, value in list(vars(owner).items())]
+    return items
 
 
 def _holders(new: dict[int, Any]) -> list[dict[str, Any]]:
@@ -446,38 +456,25 @@ def _variable_graphs(torch: Any) -> dict[tuple[Any, ...], dict[str, Any]]:
     out: dict[tuple[Any, ...], dict[str, Any]] = {}
     tensor_type = torch.Tensor
     seen: set[int] = set()
-    frame: Any = sys._getframe(1)
-    while frame is not None:
-        code = frame.f_code
-        path = code.co_filename
-        if not path.startswith(_SHIM_DIR) and not frames.is_library_path(path):
-            where = {
-                "file": path,
-                "function": code.co_name,
-                "first_line": code.co_firstlineno,
-                "line": frame.f_lineno,
-            }
-            scope = "global" if frame.f_locals is frame.f_globals else "local"
-            items = [(name, v, scope, where) for name, v in list(frame.f_locals.items())]
-            owner = frame.f_locals.get("self")
-            if owner is not None and isinstance(getattr(owner, "__dict__", None), dict):
-                items += [(name, v, "attribute", where) for name, v in list(vars(owner).items())]
-            if scope == "local" and id(frame.f_globals) not in seen:  # the function's module's globals
-                seen.add(id(frame.f_globals))
-                module = {"file": path, "function": "<module>", "first_line": 1, "line": None}
-                items += [(name, v, "global", module) for name, v in list(frame.f_globals.items())]
-            for name, value, kind, at in items:
-                # a tensor by its type's MRO (isinstance may ask a proxy's __getattr__ for __class__)
-                if tensor_type in type(value).__mro__ and value.grad_fn is not None and isinstance(name, str):
-                    key = (at["file"], at["function"], at["first_line"], name)
-                    if key not in out:
-                        out[key] = {
-                            "nodes": _graph_nodes(value.grad_fn),
-                            "grad_fn": type(value.grad_fn).__name__,
-                            "shape": list(value.shape),
-                            "owner": {"name": name, "scope": kind, **at},
-                        }
-        frame = frame.f_back
+    for frame, where in _job_frames(sys._getframe(1)):
+        path = where["file"]
+        scope = "global" if frame.f_locals is frame.f_globals else "local"
+        items = [(name, v, kind, where) for name, v, kind in _frame_variables(frame, scope)]
+        if scope == "local" and id(frame.f_globals) not in seen:  # the function's module's globals
+            seen.add(id(frame.f_globals))
+            module = {"file": path, "function": "<module>", "first_line": 1, "line": None}
+            items += [(name, v, "global", module) for name, v in list(frame.f_globals.items())]
+        for name, value, kind, at in items:
+            # a tensor by its type's MRO (isinstance may ask a proxy's __getattr__ for __class__)
+            if tensor_type in type(value).__mro__ and value.grad_fn is not None and isinstance(name, str):
+                key = (at["file"], at["function"], at["first_line"], name)
+                if key not in out:
+                    out[key] = {
+                        "nodes": _graph_nodes(value.grad_fn),
+                        "grad_fn": type(value.grad_fn).__name__,
+                        "shape": list(value.shape),
+                        "owner": {"name": name, "scope": kind, **at},
+                    }
     return out
 
 
