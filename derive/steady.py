@@ -73,7 +73,9 @@ def stopped_steps(run: RunView) -> dict[str, set[int]]:
 
 # why a steady measure leaves a step out, in the words a card or a report gives a reader
 PROFILER_WINDOW = "inside a torch.profiler window (slower by design)"
-AFTER_PROFILER_WINDOW = "the step after a torch.profiler window (its stop drains the device: the step starts with an empty queue)"
+AFTER_PROFILER_WINDOW = (
+    "the step after a torch.profiler window (its stop drains the device: the step starts with an empty queue)"
+)
 STOPPED = "the job was stopped by a signal (SIGSTOP) during it: not its code's time"
 MEMORY_HUNT = "traindx's memory hunt ran (tracemalloc and its censuses slow these steps)"
 
