@@ -71,19 +71,40 @@ def stopped_steps(run: RunView) -> dict[str, set[int]]:
     return out
 
 
+# why a steady measure leaves a step out, in the words a card or a report gives a reader
+PROFILER_WINDOW = "inside a torch.profiler window (slower by design)"
+AFTER_PROFILER_WINDOW = (
+    "the step after a torch.profiler window (its stop drains the device: the step starts with an empty queue)"
+)
+STOPPED = "the job was stopped by a signal (SIGSTOP) during it: not its code's time"
+MEMORY_HUNT = "traindx's memory hunt ran (tracemalloc and its censuses slow these steps)"
+
+
+def perturbed_causes(run: RunView) -> dict[str, dict[str, set[int]]]:
+    """{why: {rank: set(step)}} of the steps a steady measure leaves out, by cause (the keys
+    are PROFILER_WINDOW, AFTER_PROFILER_WINDOW, STOPPED, MEMORY_HUNT, in that order; a step may
+    be under several). The window's stop collects kineto's events after the device has drained,
+    so on a GPU-bound job the next step starts with an empty queue and its host time is the
+    host's alone (H200, a 22 ms GPU step: 6 ms after each window)."""
+    window = profiled_steps(run)
+    after = {rank: {s + 1 for s in steps if s + 1 not in steps} for rank, steps in window.items()}
+    causes = {
+        PROFILER_WINDOW: window,
+        AFTER_PROFILER_WINDOW: after,
+        STOPPED: stopped_steps(run),
+        MEMORY_HUNT: memory_hunt_steps(run),
+    }
+    return {why: by_rank for why, by_rank in causes.items() if any(by_rank.values())}
+
+
 def perturbed_steps(run: RunView) -> dict[str, set[int]]:
-    """{rank: set(step)} a steady measure leaves out: the torch.profiler window's steps and the
-    step after each window, and the steps a stop of the job (SIGSTOP) overlaps. The window's stop collects kineto's events after the device
-    has drained, so on a GPU-bound job the next step starts with an empty queue and its host
-    time is the host's alone (H200, a 22 ms GPU step: 6 ms after each window)."""
-    out = {rank: set(steps) for rank, steps in profiled_steps(run).items()}
-    for rank, steps in list(out.items()):
-        ends = {s for s in steps if s + 1 not in steps}
-        steps.update(s + 1 for s in ends)
-    for rank, steps in stopped_steps(run).items():  # the job was stopped: not its code's time
-        out.setdefault(rank, set()).update(steps)
-    for rank, steps in memory_hunt_steps(run).items():
-        out.setdefault(rank, set()).update(steps)
+    """{rank: set(step)} a steady measure leaves out: every cause of perturbed_causes (the
+    torch.profiler window's steps and the step after each window, the steps a stop of the job
+    overlaps, the steps traindx's memory hunt slowed)."""
+    out: dict[str, set[int]] = {}
+    for by_rank in perturbed_causes(run).values():
+        for rank, steps in by_rank.items():
+            out.setdefault(rank, set()).update(steps)
     return out
 
 

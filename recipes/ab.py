@@ -21,7 +21,7 @@ from traindx.analyzers import parity as loss_parity_rules
 from traindx.analyzers.ab_verdict import MIN_SPEEDUP, ABVerdict, ab_verdict
 from traindx.derive import stats
 from traindx.derive.periods import series_period
-from traindx.derive.steady import events_of_type, perturbed_steps, profiled_steps
+from traindx.derive.steady import events_of_type, perturbed_causes, profiled_steps
 from traindx.derive.steptables import SHIM_SOURCES, progress_step_seconds
 from traindx.recipes.ab_unit import per_micro_batch
 
@@ -51,17 +51,32 @@ def step_times(run: RunRecord) -> tuple[pd.Series, str | None]:
     return progress_step_seconds(run)
 
 
-def profiled_positions(run: RunRecord, series: pd.Series, source: str | None = "shim") -> list[int]:
-    """Positions in `series` of the steps a torch.profiler window perturbed (its own and the
-    step after it: traindx.derive.steady.perturbed_steps); on the GPU's clock the step before it too:
-    the window opens at that step's end boundary, whose event the GPU reaches only after the
-    profiler's start-up (H200: 10 ms against 5.3 ms)."""
-    perturbed = perturbed_steps(run)
-    profiled = set().union(*perturbed.values())
+BEFORE_PROFILER_WINDOW = (
+    "the step before a torch.profiler window (on the GPU's clock the window's start-up lands in it)"
+)
+
+
+def left_out_steps(run: RunRecord, series: pd.Series, source: str | None = "shim") -> dict[int, str]:
+    """{step: why} of the steps of `series` a steady measure leaves out (any rank's:
+    traindx.derive.steady.perturbed_causes, the first cause named); on the GPU's clock the step
+    before each torch.profiler window too: the window opens at that step's end boundary, whose
+    event the GPU reaches only after the profiler's start-up (H200: 10 ms against 5.3 ms)."""
+    why: dict[int, str] = {}
+    for cause, by_rank in perturbed_causes(run).items():
+        for step in sorted(set().union(*by_rank.values())):
+            why.setdefault(int(step), cause)
     if source == "shim:gpu":
         windows = set().union(*profiled_steps(run).values())
-        profiled |= {s - 1 for s in windows if s - 1 not in windows}
-    return [i for i, step in enumerate(series.index) if step in profiled]
+        for step in sorted(s - 1 for s in windows if s - 1 not in windows):
+            why.setdefault(int(step), BEFORE_PROFILER_WINDOW)
+    steps = {int(s) for s in series.index}
+    return {s: w for s, w in sorted(why.items()) if s in steps}
+
+
+def profiled_positions(run: RunRecord, series: pd.Series, source: str | None = "shim") -> list[int]:
+    """Positions in `series` of the steps a steady measure leaves out (left_out_steps)."""
+    left_out = left_out_steps(run, series, source)
+    return [i for i, step in enumerate(series.index) if step in left_out]
 
 
 def losses(run: RunRecord) -> dict[int, float]:

@@ -95,6 +95,8 @@ RESULT_ORDER = [
     "steps_per_run",
     "window",
     "window_tokens",
+    "steps_measured",
+    "steps_left_out",
     "runs",
     "profiler",
     "gpu_hours",
@@ -114,6 +116,8 @@ class Result(_Section):
     steps_per_run: int | None = None
     window: list[int] | None = None  # [first, last], inclusive, 0-based steps
     window_tokens: int | None = None
+    steps_measured: list[int] | None = None  # the window's steps the figures are over
+    steps_left_out: list[dict[str, Any]] | None = None  # [{steps: [...], why: "..."}] of the window's others
     runs: int | None = None
     profiler: bool | None = None
     gpu_hours: float | None = None

@@ -107,6 +107,8 @@ SCHEMA = {
             "steps_per_run": (INT, False),
             "window": (("list", INT), False),
             "window_tokens": (("nullable", INT), False),
+            "steps_measured": (("list", INT), False),
+            "steps_left_out": (("list", {"steps": (("list", INT), True), "why": (STR, True)}), False),
             "runs": (INT, False),
             "profiler": (BOOL, False),
             "gpu_hours": (("nullable", NUM), False),

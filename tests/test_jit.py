@@ -118,8 +118,11 @@ def test_b17_tensor_backward_recompiles_every_step_names_field_and_line(b17_tens
     assert not any(
         "off the training process" in p.summary for x in findings if x.cause is None for p in x.prescriptions
     )
-    # savings come from the ledger's compile line and never exceed the step
-    steady = run.ledger[run.ledger["step"].isin([1, 2])]
+    # savings come from the ledger's compile line over the steps after the kernel's first compile
+    # (the finding names that step: the steps are the finding's, not chosen here) and never
+    # exceed the step
+    steady = run.ledger[run.ledger["step"] > f.evidence["first_step"]]
+    assert len(steady) >= 2
     assert first.expected_gain_s_per_step <= steady["wall_s"].mean() + 1e-9
     assert first.expected_gain_s_per_step == pytest.approx(steady["compile_s"].mean(), rel=1e-6)
 

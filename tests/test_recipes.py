@@ -280,15 +280,26 @@ def test_card_from_a_measured_run(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr
     card = RecipeCard.load(str(out))
-    # recompute from the raw step events of the run folder; the steps inside the torch.profiler
-    # window (slower on purpose) are left out
+    # the card names the window's steps it measured and those it left out, each with why; which
+    # steps traindx perturbs depends on the machine (a memory hunt fires on some runs of this job,
+    # not on others), so the recompute from the raw step events goes over the steps the card names
+    # and checks that each one left out is one the run's own events say traindx perturbed
     rank0 = json.loads((run_dir / "manifest.json").read_text())["ranks"]["0"]
     events = [json.loads(l) for l in open(run_dir / "events" / f"p{rank0}.jsonl")]
     durations = {e["step"]: e["duration_s"] for e in events if e["type"] == "step_end"}
+    measured = card.result.steps_measured
+    left_out = {s: g["why"] for g in card.result.steps_left_out for s in g["steps"]}
+    assert sorted(measured + list(left_out)) == list(range(2, 8))
     profiled = {
         s for e in events if e["type"] == "torch_profile" for s in range(e["first_step"], e["last_step"] + 1)
     }
-    measured = [s for s in range(2, 8) if s not in profiled]
+    hunts = [e["step"] for e in events if e["type"] == "mem_hunt"]
+    assert profiled & set(range(2, 8)) <= set(left_out)  # slower on purpose: never measured
+    for step, why in left_out.items():
+        by_profiler = step in profiled or step - 1 in profiled
+        by_hunt = any(h < step for h in hunts)
+        assert by_profiler or by_hunt, (step, why)
+        assert why in card.notes
     assert len(measured) >= 3
     tps = len(measured) * 1024 / sum(durations[s] for s in measured)
     assert card.result.tokens_per_s_per_gpu == pytest.approx(tps, rel=1e-3)
@@ -384,3 +395,59 @@ def test_a_gpu_job_with_no_sync_is_timed_on_the_gpu_clock_not_by_how_fast_it_que
     assert 1.04 < result["speedup"] < 1.15, result["speedup"]
     assert result["baseline"]["step_source"] == "shim:gpu"
     assert result["verdict"].startswith("faster")
+
+
+def _write_run(folder, durations, extra_events):
+    """A run folder as `diagnose` writes one, built in code: one process (rank 0) whose steps
+    took `durations` seconds (1,000 tokens each), with the shim's `extra_events`."""
+    t = 1_000_000_000_000
+    events = [{"type": "process_start", "pid": 100, "ppid": 1, "rank": 0, "t": t}]
+    for step, seconds in enumerate(durations):
+        events.append({"type": "step_begin", "step": step, "t": t})
+        t += int(seconds * 1e9)
+        events.append({"type": "step_end", "step": step, "t": t, "duration_s": seconds, "tokens": 1000})
+    (folder / "events").mkdir(parents=True)
+    lines = [json.dumps(e) for e in events + extra_events]
+    (folder / "events" / "p100.jsonl").write_text("\n".join(lines) + "\n")
+    manifest = {
+        "traindx_run": 1,
+        "command": [PY, "train.py"],
+        "status": "finished",
+        "exit_code": 0,
+        "ranks": {"0": 100},
+        "start_ns": events[0]["t"],
+        "end_ns": t,
+    }
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+
+
+def test_card_names_the_steps_it_left_out_and_why(tmp_path):
+    from traindx.derive.run import load_run
+    from traindx.recipes.card_from_run import CardOptions, card
+
+    # 12 steps of 0.1 s, but the torch.profiler window (3-4) and the step after it (5) run at
+    # 0.3 s, and the memory hunt begun at step 7's end (held at step 10) slows 8-11 to 0.2 s
+    durations = [0.5, 0.2, 0.1, 0.3, 0.3, 0.3, 0.1, 0.1, 0.2, 0.2, 0.2, 0.2]
+    _write_run(
+        tmp_path,
+        durations,
+        [
+            {"type": "torch_profile", "first_step": 3, "last_step": 4, "t": 0},
+            {"type": "mem_hunt", "step": 7, "grew": "host", "cost_s": 0.01, "t": 0},
+            {"type": "mem_held", "step": 10, "since_step": 7, "grew": "host", "t": 0},
+        ],
+    )
+    got = card(load_run(str(tmp_path)), CardOptions(window="2:11"))
+    assert got.result.window == [2, 11]
+    assert got.result.steps_measured == [2, 6, 7]
+    left_out = {tuple(g["steps"]): g["why"] for g in got.result.steps_left_out}
+    assert list(left_out) == [(3, 4), (5,), (8, 9, 10, 11)]
+    assert "torch.profiler window" in left_out[(3, 4)] and "after" in left_out[(5,)]
+    assert "memory hunt" in left_out[(8, 9, 10, 11)]
+    # the figure is over the measured steps alone: 3 steps of 0.1 s, 1,000 tokens each
+    assert got.result.tokens_per_s_per_gpu == pytest.approx(10_000)
+    assert got.result.window_tokens == 3000
+    # and a reader of the card (the YAML written, read back) sees the same
+    again = RecipeCard.from_yaml(got.to_yaml())
+    assert again.result.steps_left_out == got.result.steps_left_out
+    assert "steps 8, 9, 10, 11: traindx's memory hunt" in again.notes
