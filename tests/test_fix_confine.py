@@ -21,8 +21,8 @@ import threading
 import pytest
 from helpers import PY, ROOT, diagnose
 
-from traindx.fixing.plan import source as fix_source
 from traindx.fixing.run import confine as fix_confine
+from traindx.fixing.run import scratch
 from traindx.profiler.launcher import Options
 
 JOB = os.path.join(ROOT, "tests", "jobs", "fix_writes_outputs.py")
@@ -216,7 +216,7 @@ def test_a_scratch_copy_never_links_a_large_file_back_to_the_users(tmp_path):
     tree.mkdir()
     (tree / "big.bin").write_bytes(os.urandom(3 * 1024 * 1024))
     (tree / "job.py").write_text("print(1)\n")
-    fix_source.copy_tree(str(tree), str(tmp_path / "copy"))
+    scratch.copy_tree(str(tree), str(tmp_path / "copy"))
     copy = tmp_path / "copy" / "big.bin"
     assert not copy.is_symlink() and os.stat(copy).st_ino != os.stat(tree / "big.bin").st_ino
     with open(copy, "ab") as f:

@@ -28,25 +28,25 @@ from traindx.analyzers.codefix.edit import (
     unified_diff,
 )
 from traindx.analyzers.codefix.source import (
-    _LOOPS,
-    _called,
-    _imports_torch,
-    _innermost,
-    _tree,
+    LOOP_NODES,
     before_training_loop,
     calls_in_loops,
     calls_of,
+    imports_torch,
+    innermost_node,
+    is_call_of,
+    source_tree,
 )
 from traindx.analyzers.core.findings import Finding, NoChange, Prescription, SourceEdit
 
 # the names read here by other modules (some defined in the modules imported above)
 __all__ = [
     "HOST_READ_METHODS",
-    "_LOOPS",
-    "_called",
-    "_imports_torch",
-    "_innermost",
-    "_tree",
+    "LOOP_NODES",
+    "is_call_of",
+    "imports_torch",
+    "innermost_node",
+    "source_tree",
     "apply",
     "async_copy_edits",
     "before_training_loop",

@@ -14,14 +14,14 @@ from typing import Any, TypeGuard
 
 from traindx.analyzers.codefix.edit import code_change, set_keywords
 from traindx.analyzers.codefix.source import (
-    _LOOPS,
+    LOOP_NODES,
     N,
     _edits_in_loops,
-    _imports_torch,
-    _innermost,
     _shifted,
     _shifted_col,
-    _tree,
+    imports_torch,
+    innermost_node,
+    source_tree,
 )
 
 HOST_READ_METHODS = ("item", "cpu", "tolist")
@@ -142,17 +142,17 @@ def device_accumulations(path: str, line: int, widen: bool = True) -> list[dict[
     script's module-level loop); widen=False: the statement at `line` only (a finding that
     measured that very line). Only statements in a loop (per step). [code change dicts]; []
     when there is none."""
-    tree, lines = _tree(path)
+    tree, lines = source_tree(path)
     if tree is None:
         return []
-    stmt = _innermost(tree, line, ast.stmt)
+    stmt = innermost_node(tree, line, ast.stmt)
     scopes: list[list[ast.AST]] = []
     if stmt is not None and not isinstance(
-        stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef) + _LOOPS
+        stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef) + LOOP_NODES
     ):
         scopes.append([stmt])
-    for kinds in (_LOOPS, (ast.FunctionDef, ast.AsyncFunctionDef)) if widen else ():
-        node = _innermost(tree, line, kinds)
+    for kinds in (LOOP_NODES, (ast.FunctionDef, ast.AsyncFunctionDef)) if widen else ():
+        node = innermost_node(tree, line, kinds)
         if node is not None:
             scopes.append(list(ast.walk(node)))
     if widen:
@@ -267,15 +267,15 @@ def device_checks(path: str, line: int, widen: bool = True) -> list[dict[str, An
     The statement at `line` when it is one; else those in the innermost loop holding `line`,
     else in its function (a profiler names a function by its first line). Only in a module that
     imports torch, only guards inside a loop (per step or per layer). [code change dicts]."""
-    tree, lines = _tree(path)
-    if tree is None or not _imports_torch(tree):
+    tree, lines = source_tree(path)
+    if tree is None or not imports_torch(tree):
         return []
     scopes: list[list[ast.AST]] = []
-    stmt = _innermost(tree, line, ast.If)
+    stmt = innermost_node(tree, line, ast.If)
     if stmt is not None:
         scopes.append([stmt])
-    for kinds in (_LOOPS, (ast.FunctionDef, ast.AsyncFunctionDef)) if widen else ():
-        node = _innermost(tree, line, kinds)
+    for kinds in (LOOP_NODES, (ast.FunctionDef, ast.AsyncFunctionDef)) if widen else ():
+        node = innermost_node(tree, line, kinds)
         if node is not None:
             scopes.append(list(ast.walk(node)))
     return _edits_in_loops(tree, scopes, ast.If, _check_edit, lines, path)
@@ -356,7 +356,7 @@ def _assigned_once_before(tree: ast.AST, name: str, line: int) -> ast.Assign | N
     if len(found) != 1 or not isinstance(found[0], ast.Assign) or found[0].lineno >= line:
         return None
     node = found[0]
-    loops = [n for n in ast.walk(tree) if isinstance(n, _LOOPS)]
+    loops = [n for n in ast.walk(tree) if isinstance(n, LOOP_NODES)]
     if any(l.lineno <= node.lineno <= (l.end_lineno or l.lineno) for l in loops):
         return None
     if len(node.targets) != 1 or not isinstance(node.targets[0], ast.Name):
@@ -375,12 +375,12 @@ def async_copy_edits(path: str, line: int, pinned_by_loader: bool = False) -> li
     - else `x.pin_memory().to(dev, non_blocking=True)` at the line (a pinned staging copy on the
       host, the transfer asynchronous).
     [] when the statement holds no device copy."""
-    tree, lines = _tree(path)
+    tree, lines = source_tree(path)
     if tree is None:
         return []
-    stmt = _innermost(tree, line, ast.stmt)
+    stmt = innermost_node(tree, line, ast.stmt)
     if stmt is None or isinstance(
-        stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef) + _LOOPS + (ast.If, ast.With, ast.Try)
+        stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef) + LOOP_NODES + (ast.If, ast.With, ast.Try)
     ):
         return []
     first, last = stmt.lineno, stmt.end_lineno or stmt.lineno

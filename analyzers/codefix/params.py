@@ -9,7 +9,7 @@ import re
 from typing import Any
 
 from traindx.analyzers.codefix.edit import code_change
-from traindx.analyzers.codefix.source import _innermost, _tree
+from traindx.analyzers.codefix.source import innermost_node, source_tree
 
 ACCUMULATION = re.compile(r"accum", re.IGNORECASE)  # how frameworks and scripts name the setting
 OPTIMIZER_CALLS = ("step", "zero_grad", "clip_grad_norm_", "clip_grad_value_", "update", "unscale_")
@@ -30,10 +30,10 @@ def freeze_edit(path: str, line: int, inner: str = "") -> dict[str, Any] | None:
     the module (`self.encoder = Encoder(...)`), or None when that line assigns no single name
     or attribute. `inner`: the module's path inside what that line builds (`encoder` of a model
     an installed package builds: `model.encoder.requires_grad_(False)` after `model = ...`)."""
-    tree, lines = _tree(path)
+    tree, lines = source_tree(path)
     if tree is None:
         return None
-    stmt = _innermost(tree, line, (ast.Assign, ast.AnnAssign))
+    stmt = innermost_node(tree, line, (ast.Assign, ast.AnnAssign))
     if stmt is None:
         return None
     targets = (
@@ -98,15 +98,15 @@ def _container_path(value: ast.expr, line: int) -> str | None:
 def calls_optimizer_at(path: str, line: int) -> bool:
     """The statement at path:line itself calls the optimizer (step, clipping, zero_grad), rather
     than reaching it through a framework (`trainer.fit(...)`)."""
-    tree, _ = _tree(path)
-    stmt = _innermost(tree, line, ast.stmt) if tree is not None else None
+    tree, _ = source_tree(path)
+    stmt = innermost_node(tree, line, ast.stmt) if tree is not None else None
     return isinstance(stmt, ast.stmt) and _calls_optimizer(stmt)
 
 
 def constructor_line(path: str, cls: str) -> int | None:
     """The first line of path that calls `cls(...)` (or `<module>.cls(...)`): where the job builds
     a framework's object whose argument is prescribed."""
-    tree, _ = _tree(path)
+    tree, _ = source_tree(path)
     for node in ast.walk(tree) if tree is not None else ():
         if isinstance(node, ast.Call):
             f = node.func
@@ -170,10 +170,10 @@ def _counter(loop: ast.For) -> str | None:
 def accumulation_divisor(path: str, line: int, scale: float) -> str | None:
     """The expression the loss is divided by in the loop holding path:line when it names the
     job's accumulation setting (or is the number `scale` itself, in a file that names one)."""
-    tree, lines = _tree(path)
+    tree, lines = source_tree(path)
     if tree is None:
         return None
-    loop = _innermost(tree, line, (ast.For, ast.While))
+    loop = innermost_node(tree, line, (ast.For, ast.While))
     scope = loop if loop is not None else tree
     text = "\n".join(lines)
     for node in ast.walk(scope):
@@ -222,8 +222,8 @@ def accumulate_edits(
     main = accumulate_edit(path, step_line, divisor)
     if main is None:
         return []
-    tree, lines = _tree(path)
-    loop = _innermost(tree, step_line, ast.For) if tree is not None else None
+    tree, lines = source_tree(path)
+    loop = innermost_node(tree, step_line, ast.For) if tree is not None else None
     counter = _counter(loop) if loop is not None else None
     if loop is None or counter is None:
         return [main]
@@ -248,10 +248,10 @@ def accumulate_edit(path: str, step_line: int, divisor: str) -> dict[str, Any] |
     """The run of statements of the loop's body around the optimizer step at path:step_line
     (the clipping before it, the step, a zero_grad after it) put under
     `if (i + 1) % <divisor> == 0:` of the loop's counter; None when the loop has no counter."""
-    tree, lines = _tree(path)
+    tree, lines = source_tree(path)
     if tree is None:
         return None
-    loop = _innermost(tree, step_line, ast.For)
+    loop = innermost_node(tree, step_line, ast.For)
     if loop is None:
         return None
     counter = _counter(loop)
@@ -283,10 +283,10 @@ def every_nth_call_edit(path: str, line: int, n: int) -> dict[str, Any] | None:
     work on every n-th call only: a call counter and an early return put before its first
     statement (after its docstring); on `self` for a method, on the function itself otherwise.
     None when the line is in no function or the function has no statement to put it before."""
-    tree, lines = _tree(path)
+    tree, lines = source_tree(path)
     if tree is None:
         return None
-    fn = _innermost(tree, line, (ast.FunctionDef, ast.AsyncFunctionDef))
+    fn = innermost_node(tree, line, (ast.FunctionDef, ast.AsyncFunctionDef))
     if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) or not fn.body:
         return None
     body = fn.body

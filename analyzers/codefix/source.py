@@ -18,7 +18,7 @@ N = TypeVar("N", bound=ast.stmt | ast.expr)  # a node with a place in the file
 
 
 # -- the job's own source, read to place an edit ---------------------------------------------------
-def _tree(path: str) -> tuple[ast.Module | None, list[str]]:
+def source_tree(path: str) -> tuple[ast.Module | None, list[str]]:
     """(the file's syntax tree, its lines), parsed once per version of the file: a live
     judgement analyses the same job script at every pass (the tree is only ever read)."""
     try:
@@ -56,7 +56,7 @@ def _per_version(fn: Callable[..., R]) -> Callable[..., R]:
     return wrapper
 
 
-def _called(node: ast.AST, name: str) -> bool:
+def is_call_of(node: ast.AST, name: str) -> bool:
     """True for a call `name(...)` or `x.name(...)`, name dotted from the right: gc.collect."""
     if not isinstance(node, ast.Call):
         return False
@@ -74,7 +74,7 @@ def _called(node: ast.AST, name: str) -> bool:
 def calls_in_loops(path: str, name: str) -> list[tuple[int, str]]:
     """[(line, source line)] of every statement that is just a call `name(...)` inside a for or
     while loop of the file (the per-step `gc.collect()`, `torch.cuda.empty_cache()`)."""
-    tree, lines = _tree(path)
+    tree, lines = source_tree(path)
     out = []
     for loop in ast.walk(tree) if tree is not None else ():
         if not isinstance(loop, (ast.For, ast.While, ast.AsyncFor)):
@@ -82,7 +82,7 @@ def calls_in_loops(path: str, name: str) -> list[tuple[int, str]]:
         out.extend(
             (node.lineno, lines[node.lineno - 1].strip())
             for node in ast.walk(loop)
-            if isinstance(node, ast.Expr) and _called(node.value, name) and node.lineno == node.end_lineno
+            if isinstance(node, ast.Expr) and is_call_of(node.value, name) and node.lineno == node.end_lineno
         )
     return sorted(set(out))
 
@@ -92,7 +92,7 @@ def calls_of(path: str, name: str) -> list[dict[str, Any]]:
     """[{line, last_line, source, args}] of every call `name(...)` (name dotted from the right)
     in the file: the call's own text as written and its positional arguments' texts, first line
     first (torch.set_num_threads(a.threads) -> args ["a.threads"])."""
-    tree, lines = _tree(path)
+    tree, lines = source_tree(path)
     text = "\n".join(lines)
     out = [
         {
@@ -102,13 +102,13 @@ def calls_of(path: str, name: str) -> list[dict[str, Any]]:
             "args": [ast.get_source_segment(text, a) for a in node.args],
         }
         for node in (ast.walk(tree) if tree is not None else ())
-        if isinstance(node, ast.Call) and _called(node, name) and node.lineno == node.end_lineno
+        if isinstance(node, ast.Call) and is_call_of(node, name) and node.lineno == node.end_lineno
     ]
     return sorted(out, key=lambda c: c["line"])
 
 
 def _steps_inside(node: ast.AST) -> bool:
-    return any(_called(n, "step") or _called(n, "backward") for n in ast.walk(node))
+    return any(is_call_of(n, "step") or is_call_of(n, "backward") for n in ast.walk(node))
 
 
 @_per_version
@@ -116,7 +116,7 @@ def before_training_loop(path: str) -> tuple[int, int, str] | None:
     """(first line, last line, source of the first line, or of the whole statement when it is a
     compound one) of the statement just before the outermost loop that steps an optimizer or calls backward (in the same block), where set-up
     ends; None when there is no such loop or it opens its block."""
-    tree, lines = _tree(path)
+    tree, lines = source_tree(path)
     if tree is None:
         return None
     best = None
@@ -143,7 +143,7 @@ def before_training_loop(path: str) -> tuple[int, int, str] | None:
     return best
 
 
-def _innermost(tree: ast.AST, line: int, kinds: type[N] | tuple[type[N], ...]) -> N | None:
+def innermost_node(tree: ast.AST, line: int, kinds: type[N] | tuple[type[N], ...]) -> N | None:
     """The innermost node of one of `kinds` whose lines hold `line`, or None."""
     best = None
     for node in ast.walk(tree):
@@ -156,7 +156,7 @@ def _innermost(tree: ast.AST, line: int, kinds: type[N] | tuple[type[N], ...]) -
     return best
 
 
-_LOOPS = (ast.For, ast.While, ast.AsyncFor)
+LOOP_NODES = (ast.For, ast.While, ast.AsyncFor)
 
 
 def _shifted(node: N, lineno: int) -> N:
@@ -176,7 +176,7 @@ def _edits_in_loops(
 ) -> list[dict[str, Any]]:
     """The edits `edit(node, lines, path)` makes of the `kind` nodes inside a loop (per step),
     from the first of `scopes` (node lists, narrowest first) that has any, in line order."""
-    loops = [n for n in ast.walk(tree) if isinstance(n, _LOOPS)]
+    loops = [n for n in ast.walk(tree) if isinstance(n, LOOP_NODES)]
 
     def in_loop(node: N) -> bool:
         return any(l.lineno < node.lineno <= (l.end_lineno or l.lineno) for l in loops)
@@ -193,7 +193,7 @@ def _edits_in_loops(
     return []
 
 
-def _imports_torch(tree: ast.AST) -> bool:
+def imports_torch(tree: ast.AST) -> bool:
     """The module binds the name `torch` (import torch, import torch as torch)."""
     return any(
         isinstance(n, ast.Import) and any(a.name == "torch" and a.asname in (None, "torch") for a in n.names)

@@ -19,7 +19,7 @@ import numpy as np
 import pandas as pd
 
 from traindx.analyzers.core import evidence as ev
-from traindx.analyzers.core import host_code as host_work_code
+from traindx.analyzers.core import stacks  # the loop window and a sample's kind: defined there once
 
 if TYPE_CHECKING:  # annotations only
     from traindx.derive.run import RunRecord
@@ -144,7 +144,7 @@ def line_in_function(
 ) -> Any:
     """(absolute file, line) of the job's function `function` in `file` (any directory) most
     sampled by py-spy on the training thread inside the step loop (start-up and teardown left
-    out); with `kind` ("host", "forward", ...), only samples host_work_code.classify_stack puts
+    out); with `kind` ("host", "forward", ...), only samples stacks.classify_stack puts
     there when any are; with `calling` (a method's name: "cpu"), only lines whose source calls
     it when any do (the profiler names the copy's method, py-spy the lines: the function's
     busiest line is often another one, an optimizer step waiting on the GPU). None without
@@ -157,7 +157,7 @@ def line_in_function(
     if main not in threads:
         return None
     samples = threads[main][1]
-    window = host_work_code._loop_window(samples.stacks)
+    window = stacks.loop_window(samples.stacks)
     lo, hi = window if window else (0, len(samples.stacks) - 1)
     base = os.path.basename(str(file or ""))
     counts: dict[Any, float] = {}
@@ -177,7 +177,7 @@ def line_in_function(
             continue
         key = (frame.file, frame.line)
         counts[key] = counts.get(key, 0.0) + w
-        if kind and host_work_code.classify_stack(stack)[0] == kind:
+        if kind and stacks.classify_stack(stack)[0] == kind:
             of_kind[key] = of_kind.get(key, 0.0) + w
         if calling and f".{calling}(" in linecache.getline(frame.file, frame.line):
             of_call[key] = of_call.get(key, 0.0) + w

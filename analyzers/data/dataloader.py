@@ -228,7 +228,7 @@ def _worker_settings(run: RunRecord, loader: Any) -> Any:
     return settings
 
 
-def _site_change(site: Any, name: Any, settings: Any) -> Any:
+def loader_site_change(site: Any, name: Any, settings: Any) -> Any:
     """The code change that sets `settings` (source texts) on the call of `name` at the job's
     own construction line, or None when it is not a real, applicable edit."""
     where = frameworks.user_site(site)
@@ -247,7 +247,7 @@ def _site_change(site: Any, name: Any, settings: Any) -> Any:
     return dict(change, op="replace") if change else None
 
 
-def _where(site: Any) -> str:
+def site_text(site: Any) -> str:
     where = frameworks.user_site(site)
     if not where:
         return ""
@@ -266,7 +266,7 @@ def _steps_served(run: RunRecord, rank: str | None) -> Any:
     return {int(k): int(v) for k, v in uses.groupby("site_id")["steps"].max().items()}
 
 
-def _starving_site(sites: Any, kind: str, served: Any = None) -> Any:
+def starving_site(sites: Any, kind: str, served: Any = None) -> Any:
     """The job's own construction to change: the loader the steps iterate (data_use), else one
     built directly in its code (not re-wrapped by a framework's prepare()), the last one with
     num_workers=0 first."""
@@ -322,8 +322,8 @@ def _trainer_fixes(
     """The HF Trainer's dataloader_num_workers: on the command line when the script parses
     TrainingArguments from it, and at the job's TrainingArguments(...) call."""
     out = []
-    site = _starving_site(sites, "TrainingArguments", served)
-    change = _site_change(site, "TrainingArguments", {k: repr(v) for k, v in named.items()})
+    site = starving_site(sites, "TrainingArguments", served)
+    change = loader_site_change(site, "TrainingArguments", {k: repr(v) for k, v in named.items()})
     command = [str(t) for t in run.command]
     if any(
         t.startswith("--per_device_train_batch_size")
@@ -350,7 +350,7 @@ def _trainer_fixes(
     out.append(
         Prescription(
             kind="code",
-            summary=f"load batches in worker processes: TrainingArguments({setting_text}){_where(site)}",
+            summary=f"load batches in worker processes: TrainingArguments({setting_text}){site_text(site)}",
             change={"code": change} if change else {},
             expected_gain_s_per_step=lost,
             automatic=bool(change),
@@ -396,16 +396,16 @@ def _dataloader_fix(
     lost: float | None,
 ) -> Prescription:
     """DataLoader(num_workers=...) at the job's construction line."""
-    site = _starving_site(sites, "DataLoader", served)
-    change = _site_change(site, "DataLoader", {k: repr(v) for k, v in named.items()})
+    site = starving_site(sites, "DataLoader", served)
+    change = loader_site_change(site, "DataLoader", {k: repr(v) for k, v in named.items()})
     if site is None and loader and not ev.is_library_path(str((loader.get("caller") or {}).get("file"))):
         # no data_site event (an older shim): the torchcalls event's line, when it is the job's
         legacy = {"site": {**(loader.get("caller") or {}), "source": loader.get("source")}}
-        change = _site_change(legacy, "DataLoader", {k: repr(v) for k, v in named.items()})
+        change = loader_site_change(legacy, "DataLoader", {k: repr(v) for k, v in named.items()})
         site = legacy
     return Prescription(
         kind="code",
-        summary=f"load batches in worker processes: DataLoader({setting_text}){_where(site)}",
+        summary=f"load batches in worker processes: DataLoader({setting_text}){site_text(site)}",
         change={"code": change} if change else {},
         expected_gain_s_per_step=lost,
         automatic=bool(change),

@@ -71,7 +71,7 @@ def _sites(run: RunRecord, rank: str, rows: pd.DataFrame, all_rows: pd.DataFrame
 
 
 # frames of a measured call (a module's forward, backward, the optimizer step, the DataLoader):
-# a sync's statement never reaches back past one (host_work_code._OWNING names the same calls)
+# a sync's statement never reaches back past one (core/stacks.OWNING names the same calls)
 MEASURED_FRAME = re.compile(
     r"torch/nn/modules/module\.py\(\d+\): _(wrapped_)?call_impl$|"
     r"run_backward|^torch/autograd/|torch/_tensor\.py\(\d+\): backward$|"

@@ -397,13 +397,13 @@ def _pageable_prescriptions(
         code = codefix.code_change(file, line, src, src.replace(m.group(0), new, 1))
         if code:
             change = {"code": code}
-    site = dataloader._starving_site(frameworks.data_sites(run, rank), "DataLoader")
-    pin = dataloader._site_change(site, "DataLoader", {"pin_memory": "True"}) if site else None
+    site = dataloader.starving_site(frameworks.data_sites(run, rank), "DataLoader")
+    pin = dataloader.loader_site_change(site, "DataLoader", {"pin_memory": "True"}) if site else None
     return (
         Prescription(
             kind="code",
             summary=(
-                f"DataLoader(..., pin_memory=True){dataloader._where(site) if site else ''}: its "
+                f"DataLoader(..., pin_memory=True){dataloader.site_text(site) if site else ''}: its "
                 "pinning thread copies each batch to pinned memory off the training thread"
             ),
             change={"code": pin} if pin else {},

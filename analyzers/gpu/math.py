@@ -227,7 +227,7 @@ def _readers_of_copy(path: str, line: int) -> set[int]:
     """The lines after the copy's in its function that read the name it was assigned to, up to
     that name's next assignment (the host's work on the copied value; the copy's own line is
     left out: what else it does, a forward whose output it copies, is no work on the copy)."""
-    tree, _ = codefix._tree(path)
+    tree, _ = codefix.source_tree(path)
     if tree is None:
         return set()
     names = _names_stored_at(tree, line)

@@ -9,10 +9,10 @@ import os
 import re
 from typing import Any
 
-from traindx.analyzers.codefix import _innermost, _tree
+from traindx.analyzers.codefix import innermost_node, source_tree
 from traindx.analyzers.codefix import params as codefix_params
 from traindx.analyzers.core.findings import Prescription
-from traindx.analyzers.core.host_code import Group, _module_of
+from traindx.analyzers.host.code import Group, module_of
 from traindx.common.units import ordinal
 
 # the kind of work a line ends in -> how it reads
@@ -48,7 +48,7 @@ _KINDS = (
 def _call_name(lib: Any, src: str | None) -> Any:
     if lib is not None:
         name = lib.name.split(".")[-1]
-        return f"{_module_of(lib.file)}.{name}"
+        return f"{module_of(lib.file)}.{name}"
     if src:
         m = re.search(r"([A-Za-z_][\w.]*)\s*\(", src)
         if m:
@@ -103,7 +103,7 @@ def _async_edit(src: str | None, path: str, line: int, cwd: str | None, daemon: 
     if not work:
         return None
     real = next((c for c in (path, os.path.join(cwd or "", path)) if os.path.isfile(c)), None)
-    file_tree, lines = _tree(real) if real else (None, [])
+    file_tree, lines = source_tree(real) if real else (None, [])
     if not 0 < line <= len(lines) or (
         assigned and (file_tree is None or _names_read(file_tree, line) & assigned)
     ):
@@ -118,7 +118,7 @@ def _async_edit(src: str | None, path: str, line: int, cwd: str | None, daemon: 
 
 def _names_read(file_tree: Any, line: int) -> Any:
     """The names read anywhere in the function holding `line` (the module, at top level)."""
-    scope = _innermost(file_tree, line, (ast.FunctionDef, ast.AsyncFunctionDef)) or file_tree
+    scope = innermost_node(file_tree, line, (ast.FunctionDef, ast.AsyncFunctionDef)) or file_tree
     return {n.id for n in ast.walk(scope) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
 
 

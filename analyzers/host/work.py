@@ -35,18 +35,18 @@ import pandas as pd
 from traindx.analyzers.core import evidence as ev
 from traindx.analyzers.core.declaration import Declaration
 from traindx.analyzers.core.findings import Finding, Prescription
-from traindx.analyzers.core.host_code import MIN_SAMPLES as MIN_SAMPLES  # re-exported: the tests read it here
-from traindx.analyzers.core.host_code import (
-    Group,
-    _ancestor_lines,
-    _groups_from_ledger,
-    _groups_from_pyspy,
-    _ledger_host_code,
-    _own_step_s,
-    _without_runqueue_wait,
-    source_line,
-)
 from traindx.analyzers.host import hooks
+from traindx.analyzers.host.code import MIN_SAMPLES as MIN_SAMPLES  # re-exported: the tests read it here
+from traindx.analyzers.host.code import (
+    Group,
+    ancestor_lines,
+    groups_from_ledger,
+    groups_from_pyspy,
+    ledger_host_code,
+    own_step_s,
+    source_line,
+    without_runqueue_wait,
+)
 from traindx.analyzers.host.prescriptions import _async_edit as _async_edit  # re-exported: the tests
 from traindx.analyzers.host.prescriptions import (
     _call_name,
@@ -179,7 +179,7 @@ def _call_sites_from_pyspy(
     span, outside every host interval, and holds the GIL, so the shim's own sampler thread
     takes no sample there; py-spy, outside the process, sees the thread at the user's line."""
     out = []
-    for g in _groups_from_pyspy(run, rank, led):
+    for g in groups_from_pyspy(run, rank, led):
         if (g["file"], g["line"]) in noted or not g["file"] or ev.is_library_path(g["file"]):
             continue
         src = source_line(g["file"], g["line"], cwd)
@@ -247,11 +247,11 @@ def _analyze_rank(run: RunRecord, rank: str) -> list[Finding]:
     step_s = float(led["wall_s"].mean())
     if step_s <= 0:
         return []
-    table = _ledger_host_code(run)
-    groups = _groups_from_ledger(table, rank, led) if table is not None else []
+    table = ledger_host_code(run)
+    groups = groups_from_ledger(table, rank, led) if table is not None else []
     from_ledger = bool(groups)
     if not groups:
-        groups = _groups_from_pyspy(run, rank, led)
+        groups = groups_from_pyspy(run, rank, led)
     in_hooks = hooks.hook_functions(run)  # the hooks analyzer names the lines of the job's hooks
     groups = [g for g in groups if (str(g["function"]), str(g["file"])) not in in_hooks]
     ctx = _Rank(
@@ -261,15 +261,15 @@ def _analyze_rank(run: RunRecord, rank: str) -> list[Finding]:
         step_s=step_s,
         cwd=run.manifest.get("cwd"),
         has_gpu=bool(run.manifest.get("gpus")),
-        framework_lines=_ancestor_lines(run, rank) if run.pyspy.get((rank, "all")) else set(),
+        framework_lines=ancestor_lines(run, rank) if run.pyspy.get((rank, "all")) else set(),
         periods=stability.line_periods(led, step_s),
         gpu_idle_s=_gpu_idle_s(run, rank),
     )
     ambiguous = _ambiguous_periods(groups, ctx.periods)
-    own_step = _own_step_s(run, rank, led)
+    own_step = own_step_s(run, rank, led)
     for g in groups:
         if own_step is not None and g.get("runq_s") is not None:
-            _without_runqueue_wait(g, own_step, step_s)
+            without_runqueue_wait(g, own_step, step_s)
     findings, candidates, used_periods, noted = _line_findings(ctx, groups, ambiguous)
     if from_ledger:
         findings.extend(_call_sites_from_pyspy(run, rank, led, step_s, ctx.cwd, noted))

@@ -265,7 +265,7 @@ class LiveJudge(ShownFindings):
                 self._sources_warm = True
                 no_events = EventTables(files=[], labels_by_file=[], flat={}, nested={})
                 for path in job_scripts(RunRecord(path=self.run_dir, manifest=manifest, tables=no_events)):
-                    codefix._tree(path)
+                    codefix.source_tree(path)
         except (OSError, ValueError):
             pass  # not written yet: the next poll
         except Exception as exc:

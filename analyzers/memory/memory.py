@@ -131,7 +131,7 @@ def adds_to(path: str, name: str, first: int | None = None, last: int | None = N
     """The statements of `path` (between lines first..last) that add a value to the container
     `name` (`name.append(x)`, `.extend`, `.insert`, `name[k] = x`, `name += [x]`, and
     `self.name.append(x)`): [{line, last_line, source, value}], in file order."""
-    tree, lines = codefix._tree(path)
+    tree, lines = codefix.source_tree(path)
     if tree is None:
         return []
     out = []
@@ -177,7 +177,7 @@ def adds_to(path: str, name: str, first: int | None = None, last: int | None = N
 
 
 def _function_end(path: str, first_line: int | None) -> int | None:
-    tree, _ = codefix._tree(path)
+    tree, _ = codefix.source_tree(path)
     if tree is None or not first_line:
         return None
     for node in ast.walk(tree):

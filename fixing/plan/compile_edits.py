@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from traindx.analyzers.codefix.edit import code_change, set_keywords
-from traindx.analyzers.codefix.source import _LOOPS, _called, _imports_torch, _tree
+from traindx.analyzers.codefix.source import LOOP_NODES, imports_torch, is_call_of, source_tree
 
 # a torch.compile of the job's file: {"line", "last_line", "source", "call", "target", "compiled", "dynamic"}
 CompileCall = dict[str, Any]
@@ -47,7 +47,7 @@ def compile_calls(path: str) -> list[CompileCall]:
     "source" (the lines as written), "call" (the call's text), "target" (the name it is assigned
     to, or the decorated function's), "compiled" (the first argument's text), "dynamic" (the
     keyword's text or None)}]."""
-    tree, lines = _tree(path)
+    tree, lines = source_tree(path)
     if tree is None:
         return []
     out: list[CompileCall] = []
@@ -62,7 +62,7 @@ def compile_calls(path: str) -> list[CompileCall]:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
             out.extend(_bare_decorator(node, d, lines) for d in node.decorator_list if _is_torch_compile(d))
         if not isinstance(node, ast.Call) or not (
-            _called(node, "torch.compile") or _is_torch_compile(node.func)
+            is_call_of(node, "torch.compile") or _is_torch_compile(node.func)
         ):
             continue
         first, last = node.lineno, node.end_lineno or node.lineno
@@ -156,7 +156,7 @@ def compile_arg_edits(path: str, call: CompileCall) -> list[tuple[str, dict[str,
 def parameter_index(path: str, line: int, name: str) -> int | None:
     """The position of parameter `name` among the positional parameters of the function defined
     at path:line (`self` not counted), or None."""
-    tree, _ = _tree(path)
+    tree, _ = source_tree(path)
     for node in ast.walk(tree) if tree is not None else ():
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.lineno <= line <= (
             node.body[0].lineno if node.body else node.lineno
@@ -173,10 +173,10 @@ def mark_dynamic_edits(path: str, compiled: str, index: int, dim: int) -> list[d
     compiled callable `compiled` dynamic, on the line before each call of it inside a loop
     (`torch._dynamo.mark_dynamic(x, 1)` before `logits = compiled(x)`); only where that
     argument is a plain name. [] when there is none."""
-    tree, lines = _tree(path)
+    tree, lines = source_tree(path)
     if tree is None or not compiled:
         return []
-    loops = [n for n in ast.walk(tree) if isinstance(n, _LOOPS)]
+    loops = [n for n in ast.walk(tree) if isinstance(n, LOOP_NODES)]
     out = []
     for loop in loops:
         for stmt in ast.walk(loop):
@@ -252,7 +252,7 @@ def _bindings(tree: ast.AST) -> _Bindings:
                 aliases[node.value.id].add(node.targets[0].id)
     loops_calling: dict[str, list[ast.AST]] = collections.defaultdict(list)
     for loop in ast.walk(tree):
-        if isinstance(loop, _LOOPS):
+        if isinstance(loop, LOOP_NODES):
             for c in ast.walk(loop):
                 if isinstance(c, ast.Call) and isinstance(c.func, ast.Name):
                     loops_calling[c.func.id].append(loop)
@@ -276,9 +276,9 @@ def _compile_anchor(name: str, found: _Bindings) -> ast.stmt | None:
     anchor: ast.AST = first  # its statement in that scope's own body
     while found.parents.get(anchor) is not scope:
         anchor = found.parents[anchor]
-        if isinstance(anchor, _LOOPS):
+        if isinstance(anchor, LOOP_NODES):
             break
-    if not isinstance(anchor, ast.stmt) or isinstance(anchor, _LOOPS):
+    if not isinstance(anchor, ast.stmt) or isinstance(anchor, LOOP_NODES):
         return None
     if any(found.scope_of(loop) is scope and getattr(loop, "lineno", 0) <= anchor.lineno for loop in loops):
         return None  # called by a loop before it is made
@@ -296,8 +296,8 @@ def compile_model_edits(path: str, mode: str = "reduce-overhead") -> list[dict[s
     makes the model in each branch. [] when the file compiles something already (torch.compile,
     a module's .compile()), does not `import torch`, the model is made inside a loop, or a loop
     of that function calls it before that statement."""
-    tree, lines = _tree(path)
-    if tree is None or not _imports_torch(tree) or compile_calls(path):
+    tree, lines = source_tree(path)
+    if tree is None or not imports_torch(tree) or compile_calls(path):
         return []
     trained = _trained_names(tree)
     if trained is None:

@@ -9,7 +9,7 @@ import inspect
 from typing import Any
 
 from traindx.analyzers.codefix.edit import code_change, set_keywords
-from traindx.analyzers.codefix.source import _tree
+from traindx.analyzers.codefix.source import source_tree
 
 OPTIM_MODULES = ("torch.optim", "optim")
 
@@ -53,7 +53,7 @@ def _defines(tree: ast.AST, name: str) -> bool:
 def optimizer_calls(path: str, class_name: str) -> list[ast.Call]:
     """The calls that make torch.optim's `class_name` in the file: `torch.optim.X(...)`,
     `optim.X(...)`, or `X(...)` imported from torch.optim; never a class of the file's own."""
-    tree, _ = _tree(path)
+    tree, _ = source_tree(path)
     if tree is None or _defines(tree, class_name):
         return []
     bare = _imported_from_optim(tree, class_name)
@@ -82,7 +82,7 @@ def multi_tensor_edits(path: str, class_name: str) -> list[dict[str, Any]]:
     if keyword is None:
         return []
     other = "foreach" if keyword == "fused" else "fused"
-    _, lines = _tree(path)
+    _, lines = source_tree(path)
     source = "\n".join(lines)
     out = []
     for node in optimizer_calls(path, class_name):

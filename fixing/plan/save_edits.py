@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from traindx.analyzers.codefix.edit import code_change
-from traindx.analyzers.codefix.source import _innermost, _tree
+from traindx.analyzers.codefix.source import innermost_node, source_tree
 
 BACKGROUND_SAVE = """
 
@@ -60,7 +60,7 @@ def background_save_edits(path: str, lines: Sequence[int]) -> list[dict[str, Any
     thread: the helper inserted after the module's last top-level import (it needs the module's
     own `import torch`), then each statement calling it. [] when none of the lines is such a
     statement, or the module does not import torch at its top."""
-    tree, text = _tree(path)
+    tree, text = source_tree(path)
     if tree is None:
         return []
     imports = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
@@ -71,7 +71,7 @@ def background_save_edits(path: str, lines: Sequence[int]) -> list[dict[str, Any
         return []
     calls = []
     for line in lines:
-        stmt = _innermost(tree, line, ast.stmt)
+        stmt = innermost_node(tree, line, ast.stmt)
         if stmt is not None and _is_torch_save(stmt) and stmt not in calls:
             calls.append(stmt)
     if not calls:

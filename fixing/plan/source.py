@@ -1,14 +1,8 @@
-"""Source patches for a `--fix` candidate, without touching the user's files: the job's own
-source tree is copied to a scratch folder inside the fix folder, the change is made there, the
-candidate runs from the copy, and `fix.patch` (a unified diff, paths relative to the tree's root,
-`git apply`-able there) is what the user applies after the proof.
-
-The tree: the job's working directory, or the folder of its script when the patched file lies
-outside the working directory. Python files and small files are copied; large files (data,
-checkpoints) are cloned (copy-on-write) or copied, never linked back to the user's file, unless
-the arm runs in a private view of the file system (`link_big`: traindx.fixing.run.confine's
-namespace, where a link resolves to that view and a write through it is the arm's own). Version-control, virtual-environment, cache and
-run folders are left out.
+"""Source patches for a `--fix` candidate, decided without touching any file: the edits resolved
+against the job's source and checked to hold, the patched text and `fix.patch` (a unified diff,
+paths relative to the tree's root, `git apply`-able there), the tree to copy (the job's working
+directory, or the folder of its script when the patched file lies outside it) and the command and
+PYTHONPATH pointed at the copy. The copy itself is made by traindx.fixing.run.scratch.
 
 The job's own source is also read here to place an edit: its argparse flags, the guard that
 makes a cost periodic, a Triton kernel's autotune key. The edits the planner builds from the line
@@ -20,22 +14,12 @@ from __future__ import annotations
 import ast
 import difflib
 import os
-import shutil
 import textwrap
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, TypedDict
 
 from traindx.analyzers.codefix import keyword_sources as keyword_sources  # fix_options reads it here
-from traindx.analyzers.core.evidence import SKIP_DIRS
 from traindx.analyzers.core.evidence import python_files as python_files  # the planner reads it here
-from traindx.common.copying import clone_or_copy
-
-COPY_LIMIT_BYTES = 2 * 1024 * 1024
-# the large files of a scratch copy, cloned or copied: past this many bytes they are linked
-# (link_big) or the copy is refused
-BIG_COPY_BUDGET_BYTES = 2 * 1024**3
-MAX_FILES = 20000
-
 
 # an edit in its resolved form: {"file", "line", "last_line", "before", "after", "op", ...}
 Edit = dict[str, Any]
@@ -52,7 +36,7 @@ class PatchError(Exception):
     pass
 
 
-def _inside(path: str, root: str) -> bool:
+def inside(path: str, root: str) -> bool:
     path, root = os.path.realpath(path), os.path.realpath(root)
     return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
 
@@ -67,7 +51,7 @@ def script_dir(command: Sequence[str], cwd: str) -> str | None:
 def tree_root(files: Sequence[str], command: Sequence[str], cwd: str) -> str | None:
     """The folder to copy: the cwd when it holds every patched file, else the script's folder."""
     for root in (cwd, script_dir(command, cwd)):
-        if root and all(_inside(f, root) for f in files):
+        if root and all(inside(f, root) for f in files):
             return os.path.realpath(root)
     return None
 
@@ -193,84 +177,6 @@ def unified_diff(root: str, edits: Iterable[Mapping[str, Any]]) -> str:
     return text if text.endswith("\n") or not text else text + "\n"
 
 
-def copy_tree(root: str, dest: str, exclude: Iterable[str | None] = (), link_big: bool = False) -> int:
-    """Copy the job's tree: every file cloned (copy-on-write) or copied, never linked back to
-    the user's file; past BIG_COPY_BUDGET_BYTES of large files, those are linked when the arm
-    runs in a private view (link_big: a write through the link is the view's), else the copy
-    is refused. Returns the number of files."""
-    exclude = {os.path.realpath(p) for p in exclude if p}
-    count, big = 0, 0
-    for folder, dirs, files in os.walk(root):
-        dirs[:] = [
-            d
-            for d in dirs
-            if d not in SKIP_DIRS
-            and not d.endswith(".egg-info")
-            and os.path.realpath(os.path.join(folder, d)) not in exclude
-        ]
-        rel = os.path.relpath(folder, root)
-        target = os.path.join(dest, rel) if rel != "." else dest
-        os.makedirs(target, exist_ok=True)
-        for name in files:
-            src = os.path.join(folder, name)
-            dst = os.path.join(target, name)
-            count += 1
-            if count > MAX_FILES:
-                raise PatchError(f"{root} holds over {MAX_FILES} files: too big to copy")
-            try:
-                size = os.path.getsize(src)
-                if os.path.islink(src):
-                    os.symlink(os.path.realpath(src), dst)  # the user's own link, to its target
-                    continue
-                if size > COPY_LIMIT_BYTES:
-                    big += size
-                if big > BIG_COPY_BUDGET_BYTES and size > COPY_LIMIT_BYTES:
-                    if not link_big:
-                        raise PatchError(
-                            f"{root} holds over {BIG_COPY_BUDGET_BYTES // 1024**3} GB of large "
-                            "files: too big to copy, and a link would let the candidate write "
-                            "into them (no private view here)"
-                        )
-                    os.symlink(os.path.realpath(src), dst)
-                else:
-                    clone_or_copy(src, dst)
-            except OSError:
-                continue
-    return count
-
-
-def make_scratch(
-    root: str,
-    dest: str,
-    edits: Sequence[Mapping[str, Any]],
-    exclude: Iterable[str | None] = (),
-    link_big: bool = False,
-) -> str:
-    """The scratch copy with the edits made; returns the diff (fix.patch's text)."""
-    diff = unified_diff(root, edits)
-    if os.path.exists(dest):
-        shutil.rmtree(dest)
-    copy_tree(root, dest, exclude, link_big=link_big)
-    by_file = {}
-    for e in edits:
-        by_file.setdefault(os.path.realpath(e["file"]), []).append(e)
-    for path, file_edits in by_file.items():
-        copy = os.path.join(dest, os.path.relpath(path, root))
-        text = patched_text(path, file_edits)
-        if path.endswith(".py"):
-            try:
-                ast.parse(text)
-            except SyntaxError as exc:
-                raise PatchError(
-                    f"the edited {os.path.basename(path)} does not parse: {exc.msg} at line {exc.lineno}"
-                ) from None
-        if os.path.islink(copy):
-            os.unlink(copy)
-        with open(copy, "w", encoding="utf-8") as f:
-            f.write(text)
-    return diff
-
-
 def rebase_command(command: Sequence[str], root: str, dest: str, cwd: str | None = None) -> list[str]:
     """The command with paths inside the tree pointed at the copy: absolute ones, and (given
     the job's cwd) relative ones that name a file there, made absolute."""
@@ -281,7 +187,7 @@ def rebase_command(command: Sequence[str], root: str, dest: str, cwd: str | None
             if os.path.isabs(token)
             else (os.path.join(cwd, token) if cwd and not token.startswith("-") else None)
         )
-        if path and (os.path.isabs(token) or os.path.isfile(path)) and _inside(path, root):
+        if path and (os.path.isabs(token) or os.path.isfile(path)) and inside(path, root):
             token = os.path.join(dest, os.path.relpath(os.path.realpath(path), root))
         out.append(token)
     return out
@@ -303,7 +209,7 @@ def rebase_pythonpath(value: str | None, root: str, dest: str) -> str | None:
         return value
     parts = []
     for p in value.split(os.pathsep):
-        if p and os.path.isabs(p) and _inside(p, root):
+        if p and os.path.isabs(p) and inside(p, root):
             p = os.path.join(dest, os.path.relpath(os.path.realpath(p), root))
         parts.append(p)
     return os.pathsep.join(parts)

@@ -16,6 +16,7 @@ from traindx.fixing.plan import source as fix_source
 from traindx.fixing.plan.planner import RUNTIME_PATCH_VAR, Plan, mechanism
 from traindx.fixing.run import overlay as fix_overlay
 from traindx.fixing.run.model import Say
+from traindx.fixing.run.scratch import make_scratch
 
 WARM_TIMEOUT_S = 1800
 
@@ -141,7 +142,7 @@ def _patch_source(
         if not tree:
             raise fix_source.PatchError("the patched files do not share one tree with the job")
         exclude = [root, os.path.abspath(os.path.join(here, out))]
-        diff = fix_source.make_scratch(tree, scratch, plan.source_edits, exclude=exclude, link_big=link_big)
+        diff = make_scratch(tree, scratch, plan.source_edits, exclude=exclude, link_big=link_big)
         patch_path = os.path.join(root, f"{arm}.patch")
         write_text(patch_path, diff)
     except (OSError, fix_source.PatchError) as exc:
@@ -158,7 +159,7 @@ def _patch_source(
     base_pp = env.get("PYTHONPATH", os.environ.get("PYTHONPATH"))
     if base_pp:
         env["PYTHONPATH"] = fix_source.rebase_pythonpath(base_pp, tree, scratch) or base_pp
-    inside = not script and fix_source._inside(here, tree)
+    inside = not script and fix_source.inside(here, tree)
     cwd = os.path.join(scratch, os.path.relpath(here, tree)) if inside else here
     records["source_patch"] = {
         "tree": tree,

@@ -1,24 +1,22 @@
-"""host_work's sources of code: which py-spy samples are host work (a measured call's frame owns
-everything beneath it), and the per-line groups of host code from the ledger's host intervals or
-from py-spy's samples, with their seconds per steady step."""
+"""host_work's sources of code: the per-line groups of host code from the ledger's host intervals
+or from py-spy's samples (core/stacks.py says which samples are host work), with their seconds per
+steady step, and the job's source line a group names."""
 
 from __future__ import annotations
 
 import os
-import re
 from collections import defaultdict
-from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
 
 from traindx.analyzers.core import evidence as ev
+from traindx.analyzers.core.stacks import OPTIMIZER_PATHS, classify_stack, loop_window, owning_category
 from traindx.derive import ledger
 
 if TYPE_CHECKING:  # annotations only
     from traindx.derive.run import RunRecord
-    from traindx.profiler.speedscope import Frame
 
 MIN_SAMPLES = 3  # py-spy samples of a line before it is named at all
 LOADED_WAIT = 0.10  # of the step waiting for a core: a line needs MIN_SAMPLES that saw
@@ -27,76 +25,7 @@ LOADED_WAIT = 0.10  # of the step waiting for a core: a line needs MIN_SAMPLES t
 Group = dict[str, Any]  # one line of host code: function, file, line, call, seconds, ...
 
 
-# a frame of a measured call owns everything beneath it (its time is another ledger line);
-# (path fragment, function names or None for any), checked on library frames only
-_OWNING = (
-    (
-        "torch/nn/modules/module.py",
-        {"_call_impl", "_wrapped_call_impl", "Module._call_impl", "Module._wrapped_call_impl"},
-        "forward",
-    ),
-    ("torch/autograd/", None, "backward"),
-    ("torch/_tensor.py", {"backward", "Tensor.backward"}, "backward"),
-    ("torch/utils/data/dataloader.py", None, "data"),
-    ("torch/serialization.py", None, "io"),
-    ("torch/distributed/checkpoint/", None, "io"),
-    ("torch/_dynamo/", None, "compile"),
-    ("torch/_inductor/", None, "compile"),
-    ("triton/", None, "compile"),
-)
-# frames of the optimizer step: they own their own work, not a closure's user code beneath them
-_OPTIMIZER = ("torch/optim/",)
-# torch's own training utilities between backward and the step (gradient clipping, zero_grad,
-# the LR scheduler): the optimizer's work, not host work a user would move or cache
-_TRAINING_MATH = (
-    "torch/nn/utils/clip_grad.py",
-    "torch/optim/lr_scheduler.py",
-    "torch/nn/utils/parametrize.py",
-)
-_ZERO_GRAD = re.compile(r"(^|\.)zero_grad$")
-
-
-# -- where the code comes from ------------------------------------------------------------------
-def _lib_category(frame: Frame) -> str | None:
-    path = (frame.file or "").replace("\\", "/")
-    for fragment, names, cat in _OWNING:
-        if fragment in path and (names is None or frame.name in names or frame.name.split(".")[-1] in names):
-            return cat
-    return None
-
-
-def classify_stack(stack: Sequence[Frame]) -> Any:
-    """("host", user frame, library frame beneath it or None) for a sample of host work, or
-    (category, None, None) for a sample inside a measured call, or (None, None, None) for a
-    sample with no user frame (the interpreter, a framework between its calls)."""
-    owner = None
-    user, lib_below = None, None
-    for frame in stack:
-        library = ev.is_library_path(frame.file)
-        if not library:
-            if owner in (None, "optimizer", "training_math"):
-                owner, user, lib_below = None, frame, None
-            continue
-        path = (frame.file or "").replace("\\", "/")
-        cat = _lib_category(frame)
-        if cat is not None:
-            return cat, None, None
-        if any(p in path for p in _TRAINING_MATH) or _ZERO_GRAD.search(frame.name or ""):
-            owner = "training_math"
-            continue
-        if any(p in path for p in _OPTIMIZER):
-            owner = "optimizer"
-            continue
-        if user is not None and lib_below is None:
-            lib_below = frame
-    if owner is not None:
-        return owner, None, None
-    if user is None:
-        return None, None, None
-    return "host", user, lib_below
-
-
-def _module_of(path: str | None) -> Any:
+def module_of(path: str | None) -> Any:
     """'numpy.core.fromnumeric' of '/…/site-packages/numpy/core/fromnumeric.py'."""
     path = (path or "").replace("\\", "/")
     for marker in ("site-packages/", "dist-packages/", "/lib/python3"):
@@ -122,22 +51,6 @@ def source_line(path: str, line: int, cwd: str | None = None) -> Any:
     return None
 
 
-def _loop_window(stacks: Any) -> Any:
-    """(first, last) sample index inside a measured call: the step loop, start-up and teardown
-    left out (py-spy keeps sample order)."""
-    kinds = [classify_stack(st)[0] for st in stacks]
-    idx = [
-        i for i, k in enumerate(kinds) if k in ("forward", "backward", "data", "optimizer", "training_math")
-    ]
-    if not idx:
-        # a model so small that py-spy never caught it in a measured call: the training
-        # thread's samples outside imports, from its first own line on
-        idx = [
-            i for i, (k, st) in enumerate(zip(kinds, stacks)) if k is not None and not ev.is_import_sample(st)
-        ]
-    return (idx[0], idx[-1]) if idx else None
-
-
 def pyspy_host_code(run: RunRecord, rank: str) -> Any:
     """(DataFrame like ledger.host_code for one rank without steps: function, file, line, call,
     lib_file, share, samples) from py-spy, or None without a recording of the training thread."""
@@ -149,7 +62,7 @@ def pyspy_host_code(run: RunRecord, rank: str) -> Any:
     if tid not in threads:
         return None
     samples = threads[tid][1]
-    window = _loop_window(samples.stacks)
+    window = loop_window(samples.stacks)
     if window is None:
         return None
     lo, hi = window
@@ -203,7 +116,7 @@ def pyspy_host_code(run: RunRecord, rank: str) -> Any:
     ), total
 
 
-def _ledger_host_code(run: RunRecord) -> Any:
+def ledger_host_code(run: RunRecord) -> Any:
     """traindx.derive.ledger.host_code(run) when the derive layer has it (helper `ledger`), else None."""
     fn = getattr(ledger, "host_code", None)
     if fn is None:
@@ -217,7 +130,7 @@ def _ledger_host_code(run: RunRecord) -> Any:
     return table
 
 
-def _host_capacity(led: pd.DataFrame) -> Any:
+def host_capacity(led: pd.DataFrame) -> Any:
     """Seconds per steady step the ledger books host work in: `host` once measured, else the
     lines it is folded into today (fwd/bwd is a residual, unexplained the gaps, and a closure
     run by the optimizer step - Lightning's training_step - is inside the optimizer line)."""
@@ -227,7 +140,7 @@ def _host_capacity(led: pd.DataFrame) -> Any:
 
 
 # -- framework between its own calls -------------------------------------------------------------
-def _ancestor_lines(run: RunRecord, rank: str) -> Any:
+def ancestor_lines(run: RunRecord, rank: str) -> Any:
     """(file, line) of the user frames that lead into the optimizer step or backward from
     above (a framework's fit() call, the script's train() call): code at those lines is the
     framework's loop between its measured calls, not a line of the user's loop body."""
@@ -246,7 +159,7 @@ def _ancestor_lines(run: RunRecord, rank: str) -> Any:
                 if not ev.is_library_path(f.file):
                     lib_after = False
                     last_user = f
-                elif _lib_category(f) or any(p in (f.file or "") for p in _OPTIMIZER):
+                elif owning_category(f) or any(p in (f.file or "") for p in OPTIMIZER_PATHS):
                     break
                 else:
                     lib_after = True
@@ -256,7 +169,7 @@ def _ancestor_lines(run: RunRecord, rank: str) -> Any:
 
 
 # -- per-line groups of host code --------------------------------------------------------------
-def _groups_from_ledger(table: pd.DataFrame, rank: str, led: pd.DataFrame) -> Any:
+def groups_from_ledger(table: pd.DataFrame, rank: str, led: pd.DataFrame) -> Any:
     """Per line seconds per steady step from ledger.host_code (and per step, for periods)."""
     t = table[table["rank"].astype(str) == str(rank)]
     steps = {int(s) for s in led["step"]}
@@ -290,7 +203,7 @@ def _groups_from_ledger(table: pd.DataFrame, rank: str, led: pd.DataFrame) -> An
     return out
 
 
-def _own_step_s(run: RunRecord, rank: str, led: pd.DataFrame) -> Any:
+def own_step_s(run: RunRecord, rank: str, led: pd.DataFrame) -> Any:
     """The steady step less the training thread's run-queue wait (the shim's `cpu` events,
     thread_runq_s), or None where a steady step has no such record: the step as the job's own
     work and blocking calls made it, whatever share of the cores other processes left it."""
@@ -302,7 +215,7 @@ def _own_step_s(run: RunRecord, rank: str, led: pd.DataFrame) -> Any:
     return own if own > 0 else None
 
 
-def _groups_from_pyspy(run: RunRecord, rank: str, led: pd.DataFrame) -> Any:
+def groups_from_pyspy(run: RunRecord, rank: str, led: pd.DataFrame) -> Any:
     found = pyspy_host_code(run, rank)
     if found is None:
         return []
@@ -320,14 +233,14 @@ def _groups_from_pyspy(run: RunRecord, rank: str, led: pd.DataFrame) -> Any:
         if len(steps) and "duration_s" in steps
         else float(led["wall_s"].mean())
     )
-    capacity = _host_capacity(led)
+    capacity = host_capacity(led)
     out = []
     for r in table.itertuples():
         seconds = min(r.share * mean_step, capacity)
         sampled = r.share * mean_step  # before the cap: a call booked in another line
         lib_fn = r.lib_function if isinstance(r.lib_function, str) else None
         lib_file = r.lib_file if isinstance(r.lib_file, str) else None
-        call = f"{_module_of(lib_file)}.{lib_fn.split('.')[-1]}" if lib_fn else None
+        call = f"{module_of(lib_file)}.{lib_fn.split('.')[-1]}" if lib_fn else None
         out.append(
             {
                 "function": r.function,
@@ -353,7 +266,7 @@ def _groups_from_pyspy(run: RunRecord, rank: str, led: pd.DataFrame) -> Any:
     return out
 
 
-def _without_runqueue_wait(group: Group, own_step: float, step_s: float) -> None:
+def without_runqueue_wait(group: Group, own_step: float, step_s: float) -> None:
     """A line's cost with the time its thread waited there for a core left out, and its share
     of the step's own time (the step less all its run-queue wait): on a loaded machine a preempted thread stays at the line its time slice ended in,
     so a line of a few ms of Python can absorb tens of ms of other processes' time in one step
