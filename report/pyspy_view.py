@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from traindx.analyzers.core import evidence as ev
 from traindx.profiler import speedscope
-from traindx.profiler.shim._traindx_shim.frames import code_kind
+from traindx.profiler.code_paths import code_kind
 from traindx.report.steps_view import MAX_STEP_BARS
 from traindx.report.text import clip
 

@@ -24,10 +24,10 @@ from traindx.derive.steady import warmup_count as warmup_count
 from traindx.profiler import speedscope
 
 # library or the job's own code: one rule set, shared with the shim and the report
-from traindx.profiler.shim._traindx_shim.frames import KNOWN_LIBRARIES as KNOWN_LIBRARIES
-from traindx.profiler.shim._traindx_shim.frames import LOW_LEVEL_PACKAGES as LOW_LEVEL_PACKAGES
-from traindx.profiler.shim._traindx_shim.frames import is_library_path as is_library_path
-from traindx.profiler.shim._traindx_shim.frames import is_library_trace_file as is_library_trace_file
+from traindx.profiler.code_paths import KNOWN_LIBRARIES as KNOWN_LIBRARIES
+from traindx.profiler.code_paths import LOW_LEVEL_PACKAGES as LOW_LEVEL_PACKAGES
+from traindx.profiler.code_paths import is_library_path as is_library_path
+from traindx.profiler.code_paths import is_library_trace_file as is_library_trace_file
 
 # folders no job's own source lives in (walked for the job's files by analyzers and the fix planner)
 SKIP_DIRS = {

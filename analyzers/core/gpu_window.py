@@ -10,7 +10,6 @@ stream; idle is the rest of each profiled step.
 
 from __future__ import annotations
 
-import linecache
 import os
 import re
 from typing import TYPE_CHECKING, Any
@@ -20,6 +19,7 @@ import pandas as pd
 
 from traindx.analyzers.core import evidence as ev
 from traindx.analyzers.core import stacks  # the loop window and a sample's kind: defined there once
+from traindx.derive.sources import source_line
 
 if TYPE_CHECKING:  # annotations only
     from traindx.derive.run import RunRecord
@@ -179,7 +179,7 @@ def line_in_function(
         counts[key] = counts.get(key, 0.0) + w
         if kind and stacks.classify_stack(stack)[0] == kind:
             of_kind[key] = of_kind.get(key, 0.0) + w
-        if calling and f".{calling}(" in linecache.getline(frame.file, frame.line):
+        if calling and f".{calling}(" in (source_line(frame.file, frame.line) or ""):
             of_call[key] = of_call.get(key, 0.0) + w
     pick = of_call or of_kind or counts
     return max(pick, key=pick.__getitem__) if pick else None

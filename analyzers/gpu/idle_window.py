@@ -4,8 +4,6 @@ call or the driver call it blocked in), and the line py-spy names in that frame.
 
 from __future__ import annotations
 
-import linecache
-import os
 import re
 from typing import TYPE_CHECKING, Any
 
@@ -14,6 +12,7 @@ import pandas as pd
 
 from traindx.analyzers.core import evidence as ev
 from traindx.analyzers.core import gpu_window as window
+from traindx.derive.sources import source_line
 
 if TYPE_CHECKING:  # annotations only
     from traindx.derive.run import RunRecord
@@ -188,8 +187,7 @@ def _line_from_pyspy(run: RunRecord, rank: str, user: Any) -> Any:
 
 
 def _source(file: str | None, line: int | None) -> str:
-    text = linecache.getline(file, line) if file and line is not None and os.path.exists(file) else ""
-    return text.rstrip("\n")
+    return source_line(file, line) or ""
 
 
 def _call_label(call: Any) -> Any:

@@ -4,7 +4,7 @@ steady step, and the job's source line a group names."""
 
 from __future__ import annotations
 
-import os
+import re
 from collections import defaultdict
 from typing import TYPE_CHECKING, Any
 
@@ -14,6 +14,7 @@ import pandas as pd
 from traindx.analyzers.core import evidence as ev
 from traindx.analyzers.core.stacks import OPTIMIZER_PATHS, classify_stack, loop_window, owning_category
 from traindx.derive import ledger
+from traindx.derive.sources import source_line as job_source_line
 
 if TYPE_CHECKING:  # annotations only
     from traindx.derive.run import RunRecord
@@ -23,6 +24,13 @@ LOADED_WAIT = 0.10  # of the step waiting for a core: a line needs MIN_SAMPLES t
 # it run or block (not wait) before it is named
 
 Group = dict[str, Any]  # one line of host code: function, file, line, call, seconds, ...
+
+# calls whose time the shim books into another ledger line (its analyzer names them)
+MEASURED_ELSEWHERE = (
+    (re.compile(r"gc\.collect\s*\("), "gc"),
+    (re.compile(r"\.(item|tolist|cpu)\s*\(\s*\)|\bsynchronize\s*\("), "sync"),
+    (re.compile(r"\b(torch\.save|save_checkpoint)\s*\("), "io"),
+)
 
 
 def module_of(path: str | None) -> Any:
@@ -40,15 +48,8 @@ def module_of(path: str | None) -> Any:
 
 def source_line(path: str, line: int, cwd: str | None = None) -> Any:
     """The job's source line (stripped), or None when the file is not readable here."""
-    for candidate in (path, os.path.join(cwd or "", path)):
-        try:
-            with open(candidate, encoding="utf-8", errors="replace") as f:
-                for n, text in enumerate(f, 1):
-                    if n == line:
-                        return text.strip()
-        except OSError:
-            continue
-    return None
+    text = job_source_line(path, line, cwd)
+    return text.strip() if text is not None else None
 
 
 def pyspy_host_code(run: RunRecord, rank: str) -> Any:
@@ -287,3 +288,18 @@ def without_runqueue_wait(group: Group, own_step: float, step_s: float) -> None:
         own_samples = group["samples"] * group["seconds"] / wall
         group["runqueue_wait"]["own_samples"] = round(own_samples, 2)
         group["few_samples"] = own_samples < MIN_SAMPLES
+
+
+def claimed_line(src: str | None, led: pd.DataFrame) -> Any:
+    """The ledger line a call of this source line is booked in, when that line is non-zero."""
+    for rx, cat in MEASURED_ELSEWHERE:
+        if src and rx.search(src) and f"{cat}_s" in led and float(led[f"{cat}_s"].sum()) > 0:
+            return cat
+    return None
+
+
+def display_path(path: str, cwd: str | None) -> Any:
+    """A file as the user names it: relative to the job's working folder when it lies inside it."""
+    if cwd and path and path.startswith(cwd.rstrip("/") + "/"):
+        return path[len(cwd.rstrip("/")) + 1 :]
+    return path

@@ -20,6 +20,7 @@ import pandas as pd
 from traindx.analyzers.core import evidence as ev
 from traindx.analyzers.core.declaration import Declaration
 from traindx.analyzers.core.findings import Finding, Prescription, RuntimePatch
+from traindx.analyzers.host.code import display_path
 from traindx.derive import ledger
 
 if TYPE_CHECKING:  # annotations only
@@ -94,19 +95,13 @@ def _inner_line(
     return {"line": int(line), "call": call if isinstance(call, str) else None}
 
 
-def _display(path: str, cwd: str | None) -> str:
-    if cwd and path.startswith(cwd.rstrip("/") + "/"):
-        return path[len(cwd.rstrip("/")) + 1 :]
-    return path
-
-
 def _finding(
     run: RunRecord, rank: str, site: Any, seconds: float, led: pd.DataFrame, steps: set[int]
 ) -> Finding:
     step_s = float(led["wall_s"].mean())
     host_s = float(led["host_s"].mean())
     cwd = run.manifest.get("cwd")
-    path = _display(str(site["file"]), cwd)
+    path = display_path(str(site["file"]), cwd)
     where = f"{path}:{int(site['line'])}"
     share = seconds / step_s
     inner = _inner_line(run, rank, steps, str(site["function"]), str(site["file"]))

@@ -25,8 +25,6 @@ line that is dear every k-th step (k = 2 included) is named with its period.
 
 from __future__ import annotations
 
-import os
-import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
@@ -40,6 +38,8 @@ from traindx.analyzers.host.code import MIN_SAMPLES as MIN_SAMPLES  # re-exporte
 from traindx.analyzers.host.code import (
     Group,
     ancestor_lines,
+    claimed_line,
+    display_path,
     groups_from_ledger,
     groups_from_pyspy,
     ledger_host_code,
@@ -61,6 +61,7 @@ from traindx.analyzers.model import stability
 from traindx.common.units import ordinal
 from traindx.derive import gpu_efficiency as G
 from traindx.derive import ledger
+from traindx.derive.sources import source_line as job_source_line
 
 if TYPE_CHECKING:
     from traindx.derive.run import RunRecord
@@ -78,13 +79,6 @@ DECLARATION = Declaration(
 MIN_SHARE = 0.03  # of the steady step: a line below this is not worth a finding
 MIN_SECONDS = 0.001  # ...nor one under a millisecond a step (nothing measurable to gain)
 ANALYZER = "host_work"
-
-# calls whose time the shim books into another ledger line (its analyzer names them)
-MEASURED_ELSEWHERE = (
-    (re.compile(r"gc\.collect\s*\("), "gc"),
-    (re.compile(r"\.(item|tolist|cpu)\s*\(\s*\)|\bsynchronize\s*\("), "sync"),
-    (re.compile(r"\b(torch\.save|save_checkpoint)\s*\("), "io"),
-)
 
 KIND_TEXT = {
     "sleep": "a blocking sleep",
@@ -117,14 +111,6 @@ def _steady(run: RunRecord, rank: str) -> pd.DataFrame:
     return ledger.steady_rows(run, rank)
 
 
-def _claimed(src: str | None, led: pd.DataFrame) -> Any:
-    """The ledger line a call of this source line is booked in, when that line is non-zero."""
-    for rx, cat in MEASURED_ELSEWHERE:
-        if src and rx.search(src) and f"{cat}_s" in led and float(led[f"{cat}_s"].sum()) > 0:
-            return cat
-    return None
-
-
 def _call_site_note(
     run: RunRecord,
     rank: str,
@@ -136,15 +122,8 @@ def _call_site_note(
     cwd: str | None,
 ) -> Finding:
     """An info note: the user's explicit call of something the shim books in `line_name`."""
-    path = _display(g["file"], cwd)
-    raw = None
-    for candidate in (g["file"], os.path.join(cwd or "", g["file"])):
-        try:
-            with open(candidate, encoding="utf-8", errors="replace") as f:
-                raw = f.read().splitlines()[g["line"] - 1]
-            break
-        except (OSError, IndexError):
-            continue
+    path = display_path(g["file"], cwd)
+    raw = job_source_line(g["file"], g["line"], cwd)
     return Finding(
         id="host_work.call_site",
         title=f"{src} at {path}:{g['line']} ({line_name} line)",
@@ -183,7 +162,7 @@ def _call_sites_from_pyspy(
         if (g["file"], g["line"]) in noted or not g["file"] or ev.is_library_path(g["file"]):
             continue
         src = source_line(g["file"], g["line"], cwd)
-        claimed = _claimed(src, led)
+        claimed = claimed_line(src, led)
         if not claimed or g.get("few_samples"):
             continue
         # the line's own cost is its ledger line's (a GC span less its wait for a core)
@@ -192,12 +171,6 @@ def _call_sites_from_pyspy(
             out.append(_call_site_note(run, rank, g, src, claimed, booked, booked / step_s, cwd))
             noted.add((g["file"], g["line"]))
     return out
-
-
-def _display(path: str, cwd: str | None) -> Any:
-    if cwd and path and path.startswith(cwd.rstrip("/") + "/"):
-        return path[len(cwd.rstrip("/")) + 1 :]
-    return path
 
 
 @dataclass(frozen=True)
@@ -305,7 +278,7 @@ def _line_findings(
         seconds = g["seconds"]
         share = g.get("share", seconds / ctx.step_s)
         src = source_line(g["file"], g["line"], ctx.cwd)
-        claimed = _claimed(src, ctx.led)
+        claimed = claimed_line(src, ctx.led)
         if claimed:
             # its time is another ledger line's and that line's analyzer judges it; the call
             # site goes to that finding (chains.attach_call_sites), not a finding of its own
@@ -390,7 +363,7 @@ def _line_finding(
     kind = kind_of(g["call"], src, g.get("lib_file"))
     # a group without a library call holds NaN there (pandas), which is truthy
     call = (g["call"] if isinstance(g["call"], str) else None) or _call_of_kind(src, kind)
-    path = _display(g["file"], ctx.cwd)
+    path = display_path(g["file"], ctx.cwd)
     where = f"{path}:{g['line']}"
     framework = (g["file"], g["line"]) in ctx.framework_lines
     pres: tuple[Prescription, ...]
@@ -512,7 +485,7 @@ def _periodic_line_finding(
         evidence["candidates"] = [
             {
                 "function": g["function"],
-                "file": _display(g["file"], ctx.cwd),
+                "file": display_path(g["file"], ctx.cwd),
                 "line": g["line"],
                 "seconds_per_step": round(g["seconds"], 5),
             }
@@ -553,7 +526,7 @@ def _likely_code(
     """(text, fixes) naming the host code py-spy saw most of as the periodic line's likely
     code; its details go into `evidence`."""
     g, src = candidate
-    path = _display(g["file"], ctx.cwd)
+    path = display_path(g["file"], ctx.cwd)
     where = f"{path}:{g['line']}"
     call = (g["call"] if isinstance(g["call"], str) else None) or _call_name(None, src)
     kind = kind_of(call, src, g.get("lib_file"))

@@ -22,6 +22,7 @@ from traindx.analyzers.jit.common import (
     _display_path,
     fa4_version_before,
 )
+from traindx.derive.sources import source_text
 
 if TYPE_CHECKING:  # annotations only
     from traindx.derive.run import RunRecord
@@ -46,11 +47,12 @@ def _call_cast_edits(where: dict[str, Any] | None) -> list[dict[str, Any]]:
     goes on the line that names the argument). [] when the file or the call cannot be read."""
     if not where or not where.get("file") or not where.get("line"):
         return []
+    text = source_text(where["file"])
     try:
-        with open(where["file"], encoding="utf-8") as f:
-            text = f.read()
-        tree = ast.parse(text)
-    except (OSError, SyntaxError, ValueError, UnicodeDecodeError):
+        tree = ast.parse(text) if text is not None else None
+    except (SyntaxError, ValueError):
+        return []
+    if text is None or tree is None:
         return []
     lines = text.splitlines(keepends=True)
     calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and n.lineno == where["line"]]

@@ -12,7 +12,7 @@ from traindx.analyzers.codefix.flags import frequency_flags
 from traindx.analyzers.core.evidence import is_library_path
 from traindx.analyzers.core.findings import ArgChange, Prescription
 from traindx.analyzers.core.frameworks import data_sites, knob_owner, runs_megatron, user_site
-from traindx.profiler.shim._traindx_shim.frames import installed_package
+from traindx.profiler.code_paths import installed_package
 
 if TYPE_CHECKING:  # annotations only
     from traindx.derive.run import RunRecord

@@ -28,6 +28,7 @@ from traindx.analyzers import codefix
 from traindx.analyzers.core import evidence as ev
 from traindx.analyzers.core.declaration import Declaration
 from traindx.analyzers.core.findings import Finding, Prescription, SourceEdit
+from traindx.derive.sources import source_lines, source_text
 
 if TYPE_CHECKING:  # annotations only
     from traindx.derive.run import RunRecord
@@ -319,10 +320,8 @@ def _no_grad_edit(caller: dict[str, Any], source: str) -> dict[str, Any] | None:
         return None
     if not source or source.rstrip().endswith((":", "\\", "(", ",")) or BLOCK_HEAD.match(source):
         return None
-    try:
-        with open(str(path), encoding="utf-8", errors="replace") as f:
-            text = f.read()
-    except OSError:
+    text = source_text(str(path))
+    if text is None:
         return None
     found = re.search(r"^import torch(?: as (\w+))?\s*$", text, re.M)
     if found is None:
@@ -335,12 +334,7 @@ def _no_grad_edit(caller: dict[str, Any], source: str) -> dict[str, Any] | None:
 def _job_lines(run: RunRecord) -> Iterator[tuple[str, int, str]]:
     """(file, line number, text) of every line of the job's own scripts but comments."""
     for path in ev.job_scripts(run):
-        try:
-            with open(path, encoding="utf-8", errors="replace") as f:
-                lines = f.read().splitlines()
-        except OSError:
-            continue
-        for number, text in enumerate(lines, 1):
+        for number, text in enumerate(source_lines(path), 1):
             if not text.lstrip().startswith("#"):
                 yield path, number, text
 
