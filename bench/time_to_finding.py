@@ -72,14 +72,14 @@ def with_onset(row, run_dir):
     the onset (the batch analysis of the record cut there names it), and from the first step
     count at which a finding of that onset can be *stable* by the live rule (seen in two
     steady steps: STABLE_AFTER_STEPS; a recompile or re-autotune at once)."""
-    from traindx.analyzers.live.live import _PROVEN_AT_ONCE, STABLE_AFTER_STEPS
+    from traindx.analyzers.live.live import PROVEN_AT_ONCE, STABLE_AFTER_STEPS
 
     if not row.get("first_finding"):
         return row
     row["onset_step"] = onset_step(run_dir, row["first_finding"], row["step_shown"])
     if row["onset_step"] is not None:
         row["steps_after_onset"] = row["step_shown"] - row["onset_step"]
-        proven = any(k in row["first_finding"] for k in _PROVEN_AT_ONCE)
+        proven = any(k in row["first_finding"] for k in PROVEN_AT_ONCE)
         row["stable_from_step"] = row["onset_step"] if proven else max(row["onset_step"], STABLE_AFTER_STEPS)
         row["steps_after_stable_onset"] = row["step_shown"] - row["stable_from_step"]
         # seconds from the end of the step that made the record show it (the onset's last

@@ -141,7 +141,7 @@ def test_the_derived_tables_are_the_declarations():
         for i in ("verdict.cause", "evidence.missing", "traindx.analyzer_failed.x")
     )
     assert not "job.exit".startswith(live.NOT_CAUSES)
-    assert c.recompiles == live._PROVEN_AT_ONCE and "jit.cold_start" not in c.recompiles
+    assert c.recompiles == live.PROVEN_AT_ONCE and "jit.cold_start" not in c.recompiles
 
 
 FAKE = """

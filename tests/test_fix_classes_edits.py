@@ -414,7 +414,7 @@ def test_host_work_whose_results_nothing_reads_goes_to_a_background_thread(tmp_p
     """A line of host work in the loop (a read and a wait joined by `;`, as in a slowed public
     script) whose assigned name nothing reads: its work runs on a thread, in order; a line whose
     result the step reads keeps its place (the DataLoader advice is the fix there)."""
-    from traindx.analyzers.host.work import _async_edit
+    from traindx.analyzers.host.work import async_edit
 
     script = tmp_path / "train.py"
     script.write_text(
@@ -427,17 +427,17 @@ def test_host_work_whose_results_nothing_reads_goes_to_a_background_thread(tmp_p
         "        log.flush()\n"
     )
     lines = script.read_text().splitlines()
-    edit = _async_edit(lines[3].strip(), str(script), 4, str(tmp_path), daemon=True)
+    edit = async_edit(lines[3].strip(), str(script), 4, str(tmp_path), daemon=True)
     assert edit["after"] == (
         "        __import__('threading').Thread(target=lambda: "
         "(open(__file__, 'rb').read(), time.sleep(0.15)), daemon=True).start()"
     )
     patched = lines[:3] + [edit["after"]] + lines[4:]
     ast.parse("\n".join(patched))
-    assert _async_edit(lines[4].strip(), str(script), 5, str(tmp_path)) is None  # `batch` is read
+    assert async_edit(lines[4].strip(), str(script), 5, str(tmp_path)) is None  # `batch` is read
     assert (
         "target=lambda: log.flush()"
-        in _async_edit(lines[6].strip(), str(script), 7, str(tmp_path), daemon=False)["after"]
+        in async_edit(lines[6].strip(), str(script), 7, str(tmp_path), daemon=False)["after"]
     )
 
 

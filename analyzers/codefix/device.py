@@ -16,11 +16,11 @@ from traindx.analyzers.codefix.edit import code_change, set_keywords
 from traindx.analyzers.codefix.source import (
     LOOP_NODES,
     N,
-    _edits_in_loops,
-    _shifted,
-    _shifted_col,
+    edits_in_loops,
     imports_torch,
     innermost_node,
+    shifted,
+    shifted_col,
     source_tree,
 )
 
@@ -123,8 +123,8 @@ def _read_edit(stmt: ast.stmt, lines: Sequence[str], path: str) -> dict[str, Any
     if not isinstance(inner_node, (ast.Name, ast.Attribute, ast.Subscript, ast.Call)):
         return None
     text = lines[stmt.lineno - 1]
-    segment = ast.get_source_segment(text, _shifted(read, stmt.lineno))
-    inner = ast.get_source_segment(text, _shifted(inner_node, stmt.lineno))
+    segment = ast.get_source_segment(text, shifted(read, stmt.lineno))
+    inner = ast.get_source_segment(text, shifted(inner_node, stmt.lineno))
     if not segment or not inner or text.count(segment) != 1:
         return None
     after = text.replace(segment, f"{inner}.detach()").strip()
@@ -157,7 +157,7 @@ def device_accumulations(path: str, line: int, widen: bool = True) -> list[dict[
             scopes.append(list(ast.walk(node)))
     if widen:
         scopes.append(list(ast.walk(tree)))  # a module-level loop: the script is the scope
-    return _edits_in_loops(tree, scopes, ast.stmt, _read_edit, lines, path)
+    return edits_in_loops(tree, scopes, ast.stmt, _read_edit, lines, path)
 
 
 def _check_edit(stmt: ast.stmt, lines: Sequence[str], path: str) -> dict[str, Any] | None:
@@ -278,7 +278,7 @@ def device_checks(path: str, line: int, widen: bool = True) -> list[dict[str, An
         node = innermost_node(tree, line, kinds)
         if node is not None:
             scopes.append(list(ast.walk(node)))
-    return _edits_in_loops(tree, scopes, ast.If, _check_edit, lines, path)
+    return edits_in_loops(tree, scopes, ast.If, _check_edit, lines, path)
 
 
 # -- host-to-device copies -------------------------------------------------------------------------
@@ -460,12 +460,12 @@ def _pin_where_made(tree: ast.AST, lines: Sequence[str], copy_at: _CopyAt) -> di
     if made is None or made.lineno != made.end_lineno:
         return None
     src = lines[made.lineno - 1]
-    value = ast.get_source_segment(src.strip(), _shifted_col(made.value, src))
+    value = ast.get_source_segment(src.strip(), shifted_col(made.value, src))
     if not value:
         return None
     made_value = made.value
     elt = (
-        ast.get_source_segment(src.strip(), _shifted_col(made_value.elt, src))
+        ast.get_source_segment(src.strip(), shifted_col(made_value.elt, src))
         if isinstance(made_value, ast.ListComp)
         else None
     )

@@ -159,14 +159,14 @@ def innermost_node(tree: ast.AST, line: int, kinds: type[N] | tuple[type[N], ...
 LOOP_NODES = (ast.For, ast.While, ast.AsyncFor)
 
 
-def _shifted(node: N, lineno: int) -> N:
+def shifted(node: N, lineno: int) -> N:
     """A copy of node's position on line 1 (get_source_segment of one line of text)."""
     node = copy.copy(node)
     node.lineno = node.end_lineno = 1
     return node
 
 
-def _edits_in_loops(
+def edits_in_loops(
     tree: ast.AST,
     scopes: Sequence[Sequence[ast.AST]],
     kind: type[N],
@@ -201,7 +201,7 @@ def imports_torch(tree: ast.AST) -> bool:
     )
 
 
-def _shifted_col(node: N, src: str) -> N:
+def shifted_col(node: N, src: str) -> N:
     """node's position in src.strip() (one line)."""
     node = copy.copy(node)
     shift = len(src.encode("utf-8")) - len(src.lstrip().encode("utf-8"))

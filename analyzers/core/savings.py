@@ -17,9 +17,9 @@ from numpy.typing import ArrayLike, NDArray
 
 from traindx.analyzers.core import gpu_window
 from traindx.analyzers.core.savings_workers import (
-    _workers_prediction,
     core_share_seen,
     loader_time_split,
+    workers_prediction,
     workers_step_capped,
     workers_step_measured,
     workers_step_model,
@@ -28,7 +28,7 @@ from traindx.derive.ledger import CATEGORIES, SPAN_CATEGORY, rows, steady_rows
 
 # the names read here by other modules (some defined in the modules imported above)
 __all__ = [
-    "_workers_prediction",
+    "workers_prediction",
     "core_share_seen",
     "fresh_graph_calls",
     "gc_freeze_residual",
@@ -299,7 +299,7 @@ def removed_seconds(run: RunRecord, finding: Finding) -> float | None:
     (fresh_graph_calls), "workers": N optional: the lines move to N
     processes beside the step, on "cpus": C cores per rank, "fraction": x optional}), over its
     ranks' steady steps (the slowest rank's mean); None when the finding names no ledger line.
-    Lines that move into N worker processes: the CPU model of _workers_prediction where the shim
+    Lines that move into N worker processes: the CPU model of workers_prediction where the shim
     recorded CPU evidence (a step can then also get slower than before: a negative saving),
     else the overlap bound below."""
     removes = getattr(finding, "removes", None) or {}
@@ -314,7 +314,7 @@ def removed_seconds(run: RunRecord, finding: Finding) -> float | None:
         return None
     workers = removes.get("workers")
     if workers and cats == ["data"] and not removes.get("steps"):
-        model = _workers_prediction(run, finding, removes)
+        model = workers_prediction(run, finding, removes)
         if model is not None:
             baseline = float(led.groupby("rank")["wall_s"].mean().max())
             return (baseline - model[0]) * float(removes.get("fraction", 1.0))
@@ -369,7 +369,7 @@ def _ledger_method(run: RunRecord, finding: Finding, led: pd.DataFrame) -> tuple
     method = "ledger lines the fix removes, mean per steady step"
     removes = getattr(finding, "removes", None) or {}
     model = (
-        _workers_prediction(run, finding, removes)
+        workers_prediction(run, finding, removes)
         if removes.get("workers")
         and list(removes.get("categories", ())) == ["data"]
         and not removes.get("steps")
@@ -409,7 +409,7 @@ def predicted_step_time(run: RunRecord, finding: Finding, gain: float | None = N
     removed, "categories": ..., "method": ...}; removed/predicted are None when the finding names
     no ledger line (then fall back to the prescription's expected_gain_s_per_step). A fix that
     moves the data line into DataLoader workers adds "predicted_range_s": [fast, slow] and the
-    "cpu_evidence" it came from (_workers_prediction): its result depends on how many cores
+    "cpu_evidence" it came from (workers_prediction): its result depends on how many cores
     the job really gets beside the machine's other work, which one baseline run bounds but does
     not fix. `gain`: the candidate's own predicted saving, used where no ledger line prices it."""
     led = steady_rows(run)

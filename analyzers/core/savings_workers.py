@@ -175,7 +175,7 @@ def core_share_seen(evd: Mapping[str, Any]) -> float | None:
     return float(cpu / (cpu + max(0.0, runq)))
 
 
-def _workers_prediction(
+def workers_prediction(
     run: RunRecord, finding: Finding, removes: Mapping[str, Any]
 ) -> tuple[float, tuple[float, float], Evidence] | None:
     """(predicted step, (low, high), cpu evidence) for a fix that moves the data line into

@@ -38,12 +38,12 @@ from traindx.analyzers.core.declaration import Declaration
 from traindx.analyzers.core.findings import Finding, Prescription
 from traindx.analyzers.data import dataloader
 from traindx.analyzers.gpu.idle_window import (
-    _call_label,
-    _frames_at,
-    _line_from_pyspy,
-    _main_tid,
     _source,
-    _window_idle,
+    call_label,
+    frames_at,
+    line_from_pyspy,
+    main_tid,
+    window_idle,
 )
 from traindx.derive.ledger import host_code
 from traindx.profiler import gputime
@@ -213,10 +213,10 @@ def _starving_code(
         lost = window_s if marker_s is None else min(window_s, marker_s)
         calls = host_rows[(host_rows["user"] == user).to_numpy()]
         top_calls = [
-            {"call": _call_label(c), "seconds_per_step": round(float(v), 6)}
+            {"call": call_label(c), "seconds_per_step": round(float(v), 6)}
             for c, v in calls.groupby("call")["seconds"].sum().sort_values(ascending=False).head(4).items()
         ]
-        where = _line_from_pyspy(run, rank, user)
+        where = line_from_pyspy(run, rank, user)
         file, line = where if where else (user[0], user[1])
         return file, line, user[2], where, lost, top_calls, "torch.profiler window", round(window_host, 6)
     # no window: the per-step clock says how long, the ledger's host code says where
@@ -360,11 +360,11 @@ def _copy_line(
     tid = (
         issuing["tid"].iloc[0]
         if len(issuing) and (py["tid"] == issuing["tid"].iloc[0]).any()
-        else _main_tid(py)
+        else main_tid(py)
     )
     py = py[(py["tid"] == tid).to_numpy()] if len(py) else py
-    user, _ = _frames_at(py, t)
-    where = _line_from_pyspy(run, rank, user) if user else None
+    user, _ = frames_at(py, t)
+    where = line_from_pyspy(run, rank, user) if user else None
     file, line = where if where else ((user[0], user[1]) if user else (None, None))
     src = _source(file, line) if where else ""
     return file, line, src
@@ -549,7 +549,7 @@ def analyze(run: RunRecord) -> list[Finding]:
         rank_trace = trace[(trace["rank"] == rank).to_numpy()] if len(trace) else trace
         window_rows = pd.DataFrame()
         if len(rank_trace):
-            _, window_rows = _window_idle(run, rank, rank_trace)
+            _, window_rows = window_idle(run, rank, rank_trace)
             findings += _pageable(run, rank, rank_trace, step_s)
             findings += _exposed_communication(run, rank, rank_trace, step_s)
         findings += _host_starved(run, rank, step_s, host_idle, window_rows)

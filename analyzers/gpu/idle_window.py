@@ -39,7 +39,7 @@ BLOCKING_RUNTIME = re.compile(
 
 
 # -- the window: idle gaps tied to the host's code -----------------------------------------------
-def _main_tid(py: pd.DataFrame) -> Any:
+def main_tid(py: pd.DataFrame) -> Any:
     """The training thread among the profiled Python threads: the busiest one that is not
     traindx's own (the shim's 50 Hz host sampler wakes often enough to out-count a training
     thread of few, long steps)."""
@@ -51,7 +51,7 @@ def _main_tid(py: pd.DataFrame) -> Any:
     return theirs[0] if theirs else counts.index[0]
 
 
-def _frames_at(py: pd.DataFrame, t: Any) -> Any:
+def frames_at(py: pd.DataFrame, t: Any) -> Any:
     """(innermost user frame (file, def line, function) or None, innermost call name) at t."""
     users, calls = _frames_at_points(py, np.array([t], dtype=np.int64))
     return users[0], calls[0]
@@ -70,7 +70,7 @@ def _innermost(starts: np.ndarray, ends: np.ndarray, order: np.ndarray, points: 
 
 
 def _frames_at_points(py: pd.DataFrame, points: np.ndarray) -> Any:
-    """_frames_at for many points at once (sorted int64 ns)."""
+    """frames_at for many points at once (sorted int64 ns)."""
     users, calls, _ = _frames_and_owner_at_points(py, points)
     return users, calls
 
@@ -111,7 +111,7 @@ def _categories(spans: pd.DataFrame, points: np.ndarray) -> Any:
     return out
 
 
-def _window_idle(run: RunRecord, rank: str, trace: pd.DataFrame) -> Any:
+def window_idle(run: RunRecord, rank: str, trace: pd.DataFrame) -> Any:
     """(per-step idle seconds in the window, rows of idle seconds per step by (category, user
     frame, call)) for one rank's profiled steps; (None, empty) without a usable window."""
     steps = ev.trace_steps(run, rank)
@@ -119,7 +119,7 @@ def _window_idle(run: RunRecord, rank: str, trace: pd.DataFrame) -> Any:
     if not len(steps) or not len(gpu):
         return None, pd.DataFrame()
     py = trace[(trace["cat"] == "python_function").to_numpy()]
-    py = py[(py["tid"] == _main_tid(py)).to_numpy()] if len(py) else py
+    py = py[(py["tid"] == main_tid(py)).to_numpy()] if len(py) else py
     spans = run.spans
     spans = spans[(spans["rank"] == rank).to_numpy()] if len(spans) else spans
     busy = sorted(zip(gpu["start_ns"].to_numpy(np.int64), gpu["end_ns"].to_numpy(np.int64)))
@@ -175,7 +175,7 @@ def _window_idle(run: RunRecord, rank: str, trace: pd.DataFrame) -> Any:
     return total / 1e9 / n_steps, grouped
 
 
-def _line_from_pyspy(run: RunRecord, rank: str, user: Any) -> Any:
+def line_from_pyspy(run: RunRecord, rank: str, user: Any) -> Any:
     """(absolute file, call line) of the user's function `user` = (file, def line, function) in
     the py-spy samples of the training thread inside the step loop: its most sampled line in
     the host's own code (between the measured calls), else its most sampled line. The whole
@@ -190,7 +190,7 @@ def _source(file: str | None, line: int | None) -> str:
     return source_line(file, line) or ""
 
 
-def _call_label(call: Any) -> Any:
+def call_label(call: Any) -> Any:
     call = call or ""
     m = re.match(r"<built-in (?:method|function) (\w+)", call)
     if m:

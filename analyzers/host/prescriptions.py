@@ -45,7 +45,7 @@ _KINDS = (
 )
 
 
-def _call_name(lib: Any, src: str | None) -> Any:
+def call_name(lib: Any, src: str | None) -> Any:
     if lib is not None:
         name = lib.name.split(".")[-1]
         return f"{module_of(lib.file)}.{name}"
@@ -57,7 +57,7 @@ def _call_name(lib: Any, src: str | None) -> Any:
     return None
 
 
-def _call_of_kind(src: str | None, kind: str) -> Any:
+def call_of_kind(src: str | None, kind: str) -> Any:
     """The call of a source line that gives it its kind (`time.sleep` in `x = f.read(); time.
     sleep(1)` for "sleep"), else its first call."""
     calls = re.findall(r"([A-Za-z_][\w.]*)\s*\(", src or "")
@@ -77,7 +77,7 @@ def kind_of(call: Any, src: str | None, lib_file: Any = None) -> Any:
 
 
 # -- prescriptions -----------------------------------------------------------------------------
-def _async_edit(src: str | None, path: str, line: int, cwd: str | None, daemon: Any = True) -> Any:
+def async_edit(src: str | None, path: str, line: int, cwd: str | None, daemon: Any = True) -> Any:
     """A concrete edit that runs the line's work on a background thread, or None when the line
     is not such work. It qualifies when each of its statements (one, or several joined by `;`)
     is a bare call or an assignment to names that nothing in its function (or module) reads:
@@ -146,7 +146,7 @@ def _prescriptions(
             )
         )
     edit = (
-        _async_edit(src, path, line, cwd, daemon=kind in ("sleep", "wait"))
+        async_edit(src, path, line, cwd, daemon=kind in ("sleep", "wait"))
         if kind in ("sleep", "wait", "file", "logging", "image", "python")
         else None
     )
@@ -207,7 +207,7 @@ def _prescriptions(
 _DISPATCH = re.compile(r"callback|event|notify|fire|dispatch|handler", re.IGNORECASE)
 
 
-def _callback_dispatch(g: Group) -> str | None:
+def callback_dispatch(g: Group) -> str | None:
     """The framework function that calls this host line's function back on every step, when it
     dispatches callbacks or events (or the function is an `on_*` callback method)."""
     via = g.get("via")
@@ -219,9 +219,7 @@ def _callback_dispatch(g: Group) -> str | None:
     return None
 
 
-def _callback_prescription(
-    g: Group, where: str, via: str, seconds: float, share: float
-) -> list[Prescription]:
+def callback_prescription(g: Group, where: str, via: str, seconds: float, share: float) -> list[Prescription]:
     """Its own fixes: the edit that runs it on every n-th call only (n puts it under 2 % of the
     step), which --fix measures, then the words."""
     out = []

@@ -47,16 +47,16 @@ from traindx.analyzers.host.code import (
     source_line,
     without_runqueue_wait,
 )
-from traindx.analyzers.host.prescriptions import _async_edit as _async_edit  # re-exported: the tests
 from traindx.analyzers.host.prescriptions import (
-    _call_name,
-    _call_of_kind,
-    _callback_dispatch,
-    _callback_prescription,
     _prescriptions,
+    call_name,
+    call_of_kind,
+    callback_dispatch,
+    callback_prescription,
     host_code_summary,
     kind_of,
 )
+from traindx.analyzers.host.prescriptions import async_edit as async_edit  # re-exported: the tests
 from traindx.analyzers.model import stability
 from traindx.common.units import ordinal
 from traindx.derive import gpu_efficiency as G
@@ -362,7 +362,7 @@ def _line_finding(
     seconds = g["seconds"]
     kind = kind_of(g["call"], src, g.get("lib_file"))
     # a group without a library call holds NaN there (pandas), which is truthy
-    call = (g["call"] if isinstance(g["call"], str) else None) or _call_of_kind(src, kind)
+    call = (g["call"] if isinstance(g["call"], str) else None) or call_of_kind(src, kind)
     path = display_path(g["file"], ctx.cwd)
     where = f"{path}:{g['line']}"
     framework = (g["file"], g["line"]) in ctx.framework_lines
@@ -382,7 +382,7 @@ def _line_finding(
         pres = ()
     else:
         every = f" on every {ordinal(period['period'])} step" if period else ""
-        callback = _callback_dispatch(g)
+        callback = callback_dispatch(g)
         title = (
             f"{'A framework callback' if callback else 'Host work in the training loop'}{every}: "
             f"{g['function']}() at {where}, {seconds * 1e3:.0f} ms a step ({share:.0%})"
@@ -461,7 +461,7 @@ def _as_callback(
         "not the data or the model."
     )
     rest = tuple(p for p in pres if "DataLoader" not in p.summary)
-    return summary, tuple(_callback_prescription(g, where, callback, g["seconds"], share)) + rest
+    return summary, tuple(callback_prescription(g, where, callback, g["seconds"], share)) + rest
 
 
 def _periodic_line_finding(
@@ -528,7 +528,7 @@ def _likely_code(
     g, src = candidate
     path = display_path(g["file"], ctx.cwd)
     where = f"{path}:{g['line']}"
-    call = (g["call"] if isinstance(g["call"], str) else None) or _call_name(None, src)
+    call = (g["call"] if isinstance(g["call"], str) else None) or call_name(None, src)
     kind = kind_of(call, src, g.get("lib_file"))
     code_text = (
         f" The host code py-spy saw most of in the loop is {g['function']}() at "

@@ -15,13 +15,13 @@ import pandas as pd
 from traindx.analyzers.core.findings import Finding, Prescription
 from traindx.analyzers.jit import autotune_advice
 from traindx.analyzers.jit.common import (
-    _col,
-    _key_history,
-    _ledger_cost,
     _severity,
-    _steps_after,
     _where,
+    col,
+    key_history,
+    ledger_cost,
     precompile_prescription,
+    steps_after,
 )
 
 if TYPE_CHECKING:  # annotations only
@@ -38,7 +38,7 @@ _INDUCTOR_AUTOTUNE_FILES = (
 
 def first_step_rows(group: pd.DataFrame) -> Any:
     """The rows of one kernel's events in the step of its first event (its cold start)."""
-    first = _col(next(group.itertuples()), "step")
+    first = col(next(group.itertuples()), "step")
     if first is None:
         return group.iloc[:1]
     return group[group["step"].fillna(first) <= first]
@@ -57,7 +57,7 @@ def inductor_autotune_seconds(run: RunRecord, rank: str) -> Any:
     return total
 
 
-def _cold_start_finding(
+def cold_start_finding(
     run: RunRecord, rank: str, firsts: pd.DataFrame, steps: pd.DataFrame, tunes: pd.DataFrame | None = None
 ) -> Finding | None:
     """First use of every kernel: its compiles and, for an autotuned kernel, the benchmarking of
@@ -81,8 +81,8 @@ def _cold_start_finding(
             "kernel": r.kernel,
             "kind": r.kind,
             "seconds": round(float(r.duration_s), 3),
-            "step": _col(r, "step"),
-            "thread": _col(r, "thread"),
+            "step": col(r, "step"),
+            "thread": col(r, "thread"),
         }
         for r in both.sort_values("duration_s", ascending=False).itertuples()
     ][:12]
@@ -159,7 +159,7 @@ def _cold_prescriptions(
                 kind="env",
                 summary="keep Triton's compiled kernels on a persistent disk "
                 "(TRITON_CACHE_DIR) so later runs load them",
-                change={"env": {"TRITON_CACHE_DIR": _beside_runs(run, "triton-cache")}},
+                change={"env": {"TRITON_CACHE_DIR": beside_runs(run, "triton-cache")}},
                 automatic=True,
                 expected_gain_s_per_step=None,
             )
@@ -211,8 +211,8 @@ def _advice(run: RunRecord, rows: pd.DataFrame) -> autotune_advice.Advice:
         run.manifest.get("packages"),
         env=run.manifest.get("env") or run.manifest.get("environment"),
         run_path=run.path,
-        cache_dir=_beside_runs(run, "triton-cache"),
-        config_dir=_beside_runs(run, "fla-configs"),
+        cache_dir=beside_runs(run, "triton-cache"),
+        config_dir=beside_runs(run, "fla-configs"),
     )
 
 
@@ -255,7 +255,7 @@ def _inductor_cache_prescription(run: RunRecord) -> Prescription:
         "folder under /tmp: keep it on a persistent disk "
         "(TORCHINDUCTOR_CACHE_DIR) so restarts and the job's other machines "
         "reuse it",
-        change={"env": {"TORCHINDUCTOR_CACHE_DIR": _beside_runs(run, "inductor-cache")}},
+        change={"env": {"TORCHINDUCTOR_CACHE_DIR": beside_runs(run, "inductor-cache")}},
         automatic=False,
     )
 
@@ -263,12 +263,12 @@ def _inductor_cache_prescription(run: RunRecord) -> Prescription:
 _FLA_PATH = re.compile(r"[/\\]fla[/\\]")
 
 
-def _beside_runs(run: RunRecord, name: Any) -> Any:
+def beside_runs(run: RunRecord, name: Any) -> Any:
     """A persistent cache folder next to the run folders (the runs' parent)."""
     return os.path.abspath(os.path.join(run.path, os.pardir, name))
 
 
-def _autotune_finding(
+def autotune_finding(
     run: RunRecord,
     rank: str,
     kernel: str,
@@ -281,15 +281,15 @@ def _autotune_finding(
     cause, so their seconds are this finding's, not a second finding's."""
     if len(group) < 2:
         return None
-    changed, _, example, _ = _key_history(group)
-    first_step = int(_col(next(group.itertuples()), "step") or 0)
+    changed, _, example, _ = key_history(group)
+    first_step = int(col(next(group.itertuples()), "step") or 0)
     later = group[group["step"].fillna(-1) > first_step]
     if not len(later):
         return None
     lost, share, folded, compile_lost = _autotune_cost(run, rank, group, steps, first_step, later, recompiles)
     fields = [f for f, _ in changed.most_common()]
     key_names = next(
-        (_col(r, "key_names") for r in group.itertuples() if isinstance(_col(r, "key_names"), list)), None
+        (col(r, "key_names") for r in group.itertuples() if isinstance(col(r, "key_names"), list)), None
     )
     fields = [f for f in fields if not key_names or f in key_names] or fields
     prescriptions, advice_evidence = _autotune_prescriptions(run, kernel, group, fields, lost)
@@ -346,18 +346,18 @@ def _autotune_cost(
 ) -> tuple[float, float | None, pd.DataFrame, float]:
     """(seconds lost per step, its share of a step, the compiles folded in, their seconds per
     step) of a kernel's autotuning after its first step."""
-    after = _steps_after(steps, first_step)
+    after = steps_after(steps, first_step)
     n_after = max(len(after), 1)
     lost = float(later["duration_s"].sum()) / n_after
     median_after = float(after["duration_s"].median()) if len(after) else None
     share = min(lost / median_after, 1.0) if median_after else None
-    lost, share = _ledger_cost(run, rank, after, lost, share, "autotune")
+    lost, share = ledger_cost(run, rank, after, lost, share, "autotune")
     folded = (
         recompiles[recompiles["step"].fillna(-1) > first_step] if recompiles is not None else group.iloc[0:0]
     )
     compile_lost = 0.0
     if len(folded):
-        compile_lost, _ = _ledger_cost(
+        compile_lost, _ = ledger_cost(
             run, rank, after, float(folded["duration_s"].sum()) / n_after, None, "compile"
         )
         lost += compile_lost
@@ -373,15 +373,14 @@ def _autotune_prescriptions(
     # flash-linear-attention's own switches only when its code is the kernel's (module path),
     # not because the package is installed next to a kernel of the job's own
     is_fla = any(
-        _FLA_PATH.search(str(_col(r, "kernel_file") or (_col(r, "caller") or {}).get("file", "")))
-        or str(_col(r, "module") or "").startswith("fla.")
+        _FLA_PATH.search(str(col(r, "kernel_file") or (col(r, "caller") or {}).get("file", "")))
+        or str(col(r, "module") or "").startswith("fla.")
         for r in group.itertuples()
     )
     caller = (
-        next((_col(r, "caller") for r in group.itertuples() if isinstance(_col(r, "caller"), dict)), None)
-        or {}
+        next((col(r, "caller") for r in group.itertuples() if isinstance(col(r, "caller"), dict)), None) or {}
     )
-    kernel_file = next((_col(r, "kernel_file") for r in group.itertuples() if _col(r, "kernel_file")), None)
+    kernel_file = next((col(r, "kernel_file") for r in group.itertuples() if col(r, "kernel_file")), None)
     prescriptions: list[Prescription] = []
     advice_evidence: dict[str, Any] = {}
     if is_fla:
@@ -400,7 +399,7 @@ def _autotune_prescriptions(
                 kind="code",
                 summary=f"take {', '.join(fields)} out of @triton.autotune(key=[...]) of {kernel} "
                 f"(launched at {where or '?'}): every new value benchmarks all "
-                f"{_col(next(group.itertuples()), 'configs') or ''} configs again; or bucket "
+                f"{col(next(group.itertuples()), 'configs') or ''} configs again; or bucket "
                 f"it at the launch (triton.next_power_of_2({fields[0]}))",
                 change={
                     "code": {
@@ -433,7 +432,7 @@ def _autotune_prescriptions(
         Prescription(
             kind="env",
             summary="keep Triton's cache on a persistent disk (TRITON_CACHE_DIR)",
-            change={"env": {"TRITON_CACHE_DIR": _beside_runs(run, "triton-cache")}},
+            change={"env": {"TRITON_CACHE_DIR": beside_runs(run, "triton-cache")}},
             automatic=not is_fla,
             expected_gain_s_per_step=None,
         )

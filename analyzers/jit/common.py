@@ -32,10 +32,10 @@ def _where(frame: Any, run: RunRecord | None = None) -> str | None:
     if not isinstance(frame, dict) or not frame.get("file"):
         return None
     cwd = run.manifest.get("cwd") if run is not None else None
-    return f"{_display_path(frame['file'], cwd)}:{frame.get('line')}"
+    return f"{display_path(frame['file'], cwd)}:{frame.get('line')}"
 
 
-def _display_path(path: str, cwd: str | None = None) -> Any:
+def display_path(path: str, cwd: str | None = None) -> Any:
     """A path relative to the job's folder when it is inside it (what a user types)."""
     if cwd and path.startswith(cwd.rstrip(os.sep) + os.sep):
         return os.path.relpath(path, cwd)
@@ -62,7 +62,7 @@ def _severity(share: float | None, steady: bool = False) -> str:
     return severity
 
 
-def _is_tensor_field(value: Any, type_name: Any) -> Any:
+def is_tensor_field(value: Any, type_name: Any) -> Any:
     return type_name == "Tensor" or bool(_TENSOR_REPR.search(str(value)))
 
 
@@ -75,11 +75,11 @@ def diff_keys(previous: Any, current: Any, previous_types: Any = None, current_t
     identity = []
     if not changed:
         types = {**(previous_types or {}), **(current_types or {})}
-        identity = [k for k, v in current.items() if _is_tensor_field(v, types.get(k))]
+        identity = [k for k, v in current.items() if is_tensor_field(v, types.get(k))]
     return changed, identity
 
 
-def _col(row: Any, name: Any) -> Any:
+def col(row: Any, name: Any) -> Any:
     value = getattr(row, name, None)
     if isinstance(value, float) and value != value:
         return None
@@ -111,11 +111,11 @@ def precompile_prescription(run: RunRecord, gain: float | None = None, note: Any
     )
 
 
-def _steps_after(steps: pd.DataFrame, first_step: Any) -> Any:
+def steps_after(steps: pd.DataFrame, first_step: Any) -> Any:
     return steps[steps["step"] > first_step]
 
 
-def _kernel_rows(compiles: pd.DataFrame) -> Any:
+def kernel_rows(compiles: pd.DataFrame) -> Any:
     """{(kind, kernel): DataFrame of its compiles in time order}."""
     out = collections.OrderedDict()
     for (kind, kernel), group in compiles.sort_values("start_ns").groupby(["kind", "kernel"], sort=False):
@@ -123,7 +123,7 @@ def _kernel_rows(compiles: pd.DataFrame) -> Any:
     return out
 
 
-def _key_history(group: pd.DataFrame) -> Any:
+def key_history(group: pd.DataFrame) -> Any:
     """Changed fields over consecutive compiles: Counter of field -> times it changed, Counter of
     identity-only tensor fields, an example of one change, and how many pairs had no visible
     change at all."""
@@ -131,12 +131,12 @@ def _key_history(group: pd.DataFrame) -> Any:
     example, identical_pairs = None, 0
     rows = list(group.itertuples())
     for a, b in zip(rows, rows[1:]):
-        fa, fb = _col(a, "key_fields"), _col(b, "key_fields")
+        fa, fb = col(a, "key_fields"), col(b, "key_fields")
         if not isinstance(fa, dict) or not isinstance(fb, dict):
-            if _col(a, "key") is not None and _col(a, "key") == _col(b, "key"):
+            if col(a, "key") is not None and col(a, "key") == col(b, "key"):
                 identical_pairs += 1
             continue
-        changed, identity = diff_keys(fa, fb, _col(a, "key_types"), _col(b, "key_types"))
+        changed, identity = diff_keys(fa, fb, col(a, "key_types"), col(b, "key_types"))
         changed_count.update(changed)
         identity_count.update(identity)
         if not changed:
@@ -146,7 +146,7 @@ def _key_history(group: pd.DataFrame) -> Any:
     return changed_count, identity_count, example, identical_pairs
 
 
-def _ledger_cost(
+def ledger_cost(
     run: RunRecord, rank: str, after: Any, lost: float | None, share: float | None, category: Any
 ) -> Any:
     """(seconds per step, share of the step) of a recompiling kernel, from the time ledger: its

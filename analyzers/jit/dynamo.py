@@ -13,7 +13,7 @@ import pandas as pd
 from traindx.analyzers import codefix
 from traindx.analyzers.core import evidence as ev
 from traindx.analyzers.core.findings import Finding, Prescription
-from traindx.analyzers.jit.common import _col, _ledger_cost, _severity, _steps_after, _where
+from traindx.analyzers.jit.common import _severity, _where, col, ledger_cost, steps_after
 
 if TYPE_CHECKING:  # annotations only
     from traindx.derive.run import RunRecord
@@ -43,12 +43,12 @@ def dynamo_compile_kind(row: Any) -> str:
     guard on the data failed: a shape, a dtype, a Python value).
 
     Read defensively: `graph`, `kernel`, `recompile_reason`, `compile_id` or `key` ('F/N')."""
-    kernel = str(_col(row, "kernel") or "")
-    if _col(row, "graph") == "backward" or kernel.endswith("(backward graph)") or kernel in ("", "None"):
+    kernel = str(col(row, "kernel") or "")
+    if col(row, "graph") == "backward" or kernel.endswith("(backward graph)") or kernel in ("", "None"):
         return "backward"  # (AOTAutograd's backward compile has no code object of its own)
-    reason = _col(row, "recompile_reason")
+    reason = col(row, "recompile_reason")
     reason = reason if isinstance(reason, str) else ""
-    m = _COMPILE_ID.search(str(_col(row, "compile_id") or _col(row, "key") or ""))
+    m = _COMPILE_ID.search(str(col(row, "compile_id") or col(row, "key") or ""))
     again = bool(reason) or bool(m and int(m["count"]) > 0)
     if not again:
         return "first"
@@ -74,7 +74,7 @@ def _call_site(recompiles: pd.DataFrame) -> Any:
     function's own definition (`caller`)."""
     for name in ("call_site", "caller"):
         for r in recompiles.itertuples():
-            value = _col(r, name)
+            value = col(r, name)
             if isinstance(value, dict) and value.get("file") and not ev.is_library_path(value["file"]):
                 return name, value
     return None, None
@@ -106,7 +106,7 @@ def dynamo_kinds(group: pd.DataFrame) -> Any:
     """dynamo_compile_kind of each row; the backward graph of a recompiled frame is
     'recompile_backward' (its cost is the recompile's, its count is not another one)."""
     kinds = [dynamo_compile_kind(r) for r in group.itertuples()]
-    ids = [str(_col(r, "compile_id") or _col(r, "key") or "") for r in group.itertuples()]
+    ids = [str(col(r, "compile_id") or col(r, "key") or "") for r in group.itertuples()]
     recompiled = {i for i, k in zip(ids, kinds) if k == "recompile" and i}
     return [("recompile_backward" if k == "backward" and i in recompiled else k) for i, k in zip(ids, kinds)]
 
@@ -151,15 +151,15 @@ def _guard_prescription(
     )
 
 
-def _dynamo_finding(run: RunRecord, rank: str, group: pd.DataFrame, steps: pd.DataFrame) -> Finding | None:
+def dynamo_finding(run: RunRecord, rank: str, group: pd.DataFrame, steps: pd.DataFrame) -> Finding | None:
     kinds = dynamo_kinds(group)
     recompiles = group[[k == "recompile" for k in kinds]]
     costs = group[[k in ("recompile", "recompile_backward") for k in kinds]]
     not_recompiles = collections.Counter(k for k in kinds if k in ("backward", "mode"))
     if not len(recompiles):
         return None
-    first_step = int(_col(next(group.itertuples()), "step") or 0)
-    after = _steps_after(steps, first_step)
+    first_step = int(col(next(group.itertuples()), "step") or 0)
+    after = steps_after(steps, first_step)
     later = recompiles[recompiles["step"].fillna(-1) > first_step]
     later_costs = costs[costs["step"].fillna(-1) > first_step]
     n_after = max(len(after), 1)
@@ -167,7 +167,7 @@ def _dynamo_finding(run: RunRecord, rank: str, group: pd.DataFrame, steps: pd.Da
     median_after = float(after["duration_s"].median()) if len(after) else None
     share = min(lost / median_after, 1.0) if median_after else None
     if len(later):
-        lost, share = _ledger_cost(run, rank, after, lost, share, "compile")
+        lost, share = ledger_cost(run, rank, after, lost, share, "compile")
     raw = [_strip_compile_id(r) for r in recompiles["recompile_reason"] if isinstance(r, str) and r]
     reasons = collections.Counter(_VALUES.sub("", r) for r in raw)
     if not reasons:

@@ -18,8 +18,8 @@ from traindx.analyzers.jit.common import (
     FA4_BWD_FIXED,
     FA4_FIXED,
     FA4_PACKAGE,
-    _col,
-    _display_path,
+    col,
+    display_path,
     fa4_version_before,
 )
 from traindx.derive.sources import source_text
@@ -123,25 +123,25 @@ def backend_switches(run: RunRecord) -> list[Prescription]:
 
 
 # -- the shim's events ---------------------------------------------------------------------------
-def _fa4_calls(run: RunRecord, rank: str) -> Any:
+def fa4_calls(run: RunRecord, rank: str) -> Any:
     calls = ev.events_of_type(run, "fa4_call")
     if not len(calls):
         return calls
     return calls[calls["rank"] == rank]
 
 
-def _tensor_max_seqlen_call(calls: pd.DataFrame) -> Any:
+def tensor_max_seqlen_call(calls: pd.DataFrame) -> Any:
     """The first recorded FA4 call that passed max_seqlen as a tensor, as a dict, or None."""
     for row in calls.itertuples():
-        types = _col(row, "arg_types") or {}
+        types = col(row, "arg_types") or {}
         if any(k.startswith("max_seqlen") and "Tensor" in str(v) for k, v in types.items()):
             return {
-                "caller": _col(row, "caller"),
-                "source": _col(row, "source"),
-                "function": _col(row, "function"),
+                "caller": col(row, "caller"),
+                "source": col(row, "source"),
+                "function": col(row, "function"),
                 "arg_types": types,
-                "thread": _col(row, "thread"),
-                "step": _col(row, "step"),
+                "thread": col(row, "thread"),
+                "step": col(row, "step"),
             }
     return None
 
@@ -204,15 +204,15 @@ def _tensor_origin(run: RunRecord, rank: str) -> Any:
     if "rank" in rows:
         rows = rows[rows["rank"].astype(str) == str(rank)]
     for row in rows.itertuples():
-        origin = _col(row, "origin")
+        origin = col(row, "origin")
         if isinstance(origin, dict) and origin.get("file"):
             return {
                 "origin": origin,
-                "chain": _col(row, "chain") or [],
-                "candidates": _col(row, "candidates") or [],
-                "call_site": _col(row, "call_site"),
-                "method": _col(row, "method"),
-                "arg": _col(row, "arg"),
+                "chain": col(row, "chain") or [],
+                "candidates": col(row, "candidates") or [],
+                "call_site": col(row, "call_site"),
+                "method": col(row, "method"),
+                "arg": col(row, "arg"),
             }
     return None
 
@@ -220,7 +220,7 @@ def _tensor_origin(run: RunRecord, rank: str) -> Any:
 RUNTIME_PATCH = "fa4_int_max_seqlen"
 
 
-def _leak_prescriptions(
+def leak_prescriptions(
     run: RunRecord,
     where: str | None,
     caller: dict[str, Any] | None,
@@ -292,7 +292,7 @@ def _origin_cast(
     gain: float | None,
 ) -> Prescription:
     """The int cast at the line that makes the tensor max_seqlen."""
-    made_where = f"{_display_path(made['file'], run.manifest.get('cwd'))}:{made.get('line')}"
+    made_where = f"{display_path(made['file'], run.manifest.get('cwd'))}:{made.get('line')}"
     return Prescription(
         kind="code",
         summary=f"make max_seqlen a Python int where it is created, {made_where} "
@@ -343,10 +343,10 @@ def _call_cast(
     own = list({(e["file"], e["line"]): e for e in own}.values())
     first = {**call_code, "before_line": source, "after_line": call_after, "role": "call_site"}
     lines = [
-        f"{_display_path(caller['file'], cwd)}:{call_line}: {source.strip()}  ->  {call_after.strip()}"
-    ] + [f"{_display_path(e['file'], cwd)}:{e['line']}: {e['before']}  ->  {e['after']}" for e in own]
+        f"{display_path(caller['file'], cwd)}:{call_line}: {source.strip()}  ->  {call_after.strip()}"
+    ] + [f"{display_path(e['file'], cwd)}:{e['line']}: {e['before']}  ->  {e['after']}" for e in own]
     sites = ", ".join(
-        [where or "the FA4 call"] + [f"{_display_path(e['file'], cwd)}:{e['line']}" for e in own]
+        [where or "the FA4 call"] + [f"{display_path(e['file'], cwd)}:{e['line']}" for e in own]
     )
     return Prescription(
         kind="code",
@@ -397,7 +397,7 @@ def _origin_text(run: RunRecord, origin: Any, where: Any, source: Any) -> Any:
         origin.get("method"), origin.get("method") or ""
     )
     text = (
-        f"The tensor is made at {_display_path(made['file'], run.manifest.get('cwd'))}:"
+        f"The tensor is made at {display_path(made['file'], run.manifest.get('cwd'))}:"
         f"{made.get('line')}"
         + (f": `{str(made.get('source') or '').strip()}`" if made.get("source") else "")
         + (f" ({how})" if how else "")

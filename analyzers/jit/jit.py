@@ -16,21 +16,21 @@ import pandas as pd
 from traindx.analyzers.core.declaration import Declaration, Removes
 from traindx.analyzers.core.findings import Finding, Prescription
 from traindx.analyzers.jit.autotune import (
-    _autotune_finding,
-    _cold_start_finding,
+    autotune_finding,
+    cold_start_finding,
     first_step_rows,
 )
-from traindx.analyzers.jit.common import _kernel_rows, _severity
+from traindx.analyzers.jit.common import _severity, kernel_rows
 from traindx.analyzers.jit.common import diff_keys as diff_keys  # re-exported: the tests read it here
-from traindx.analyzers.jit.dynamo import _dynamo_finding, dynamo_kinds
+from traindx.analyzers.jit.dynamo import dynamo_finding, dynamo_kinds
 
 # re-exported: the commands and the tests read them here
 from traindx.analyzers.jit.fa4 import backend_switches as backend_switches
 from traindx.analyzers.jit.fa4 import int_cast as int_cast
 from traindx.analyzers.jit.fa4 import wrap_in_int as wrap_in_int
-from traindx.analyzers.jit.pyspy import _analyze_pyspy_only
+from traindx.analyzers.jit.pyspy import analyze_pyspy_only
 from traindx.analyzers.jit.pyspy import analyze_recording as analyze_recording
-from traindx.analyzers.jit.steady import _steady_finding
+from traindx.analyzers.jit.steady import steady_finding
 
 if TYPE_CHECKING:  # annotations only
     from traindx.derive.run import RunRecord
@@ -68,7 +68,7 @@ def _analyze_rank(run: RunRecord, rank: str, compiles: pd.DataFrame) -> list[Fin
     findings = []
     steps = run.rank_steps(rank).dropna(subset=["duration_s"])
     compiles = compiles[compiles["ok"].fillna(True).astype(bool)] if "ok" in compiles else compiles
-    kernels = _kernel_rows(compiles[compiles["kind"].isin(["cute_dsl", "triton"])])
+    kernels = kernel_rows(compiles[compiles["kind"].isin(["cute_dsl", "triton"])])
     tunes = compiles[compiles["kind"] == "triton_autotune"].sort_values("start_ns")
     tuned = set(tunes["kernel"]) if len(tunes) else set()
     firsts, cold_tunes, folded = [], [], {}
@@ -88,22 +88,22 @@ def _analyze_rank(run: RunRecord, rank: str, compiles: pd.DataFrame) -> list[Fin
             )
             if len(group) < 2:
                 continue
-        found = _steady_finding(run, rank, kind, kernel, group, steps)
+        found = steady_finding(run, rank, kind, kernel, group, steps)
         if found:
             findings.append(found)
     for kernel, group in tunes.groupby("kernel", sort=False):
         cold_tunes.append(first_step_rows(group))
-        found = _autotune_finding(run, rank, kernel, group, steps, folded.get(kernel))
+        found = autotune_finding(run, rank, kernel, group, steps, folded.get(kernel))
         if found:
             findings.append(found)
     dynamo = compiles[compiles["kind"] == "dynamo"].sort_values("start_ns")
     if len(dynamo):
         firsts.append(dynamo[[k in ("first", "backward", "mode") for k in dynamo_kinds(dynamo)]])
-        found = _dynamo_finding(run, rank, dynamo, steps)
+        found = dynamo_finding(run, rank, dynamo, steps)
         if found:
             findings.append(found)
     if firsts or cold_tunes:
-        cold = _cold_start_finding(
+        cold = cold_start_finding(
             run,
             rank,
             pd.concat(firsts) if firsts else compiles.iloc[0:0],
@@ -177,5 +177,5 @@ def analyze(run: RunRecord) -> list[Finding]:
         for rank, group in compiles.groupby("rank"):
             ranks_with_events.add(str(rank))
             findings.extend(_analyze_rank(run, rank, group))
-    pyspy_only = [f for f in _analyze_pyspy_only(run) if str(f.ranks[0]) not in ranks_with_events]
+    pyspy_only = [f for f in analyze_pyspy_only(run) if str(f.ranks[0]) not in ranks_with_events]
     return findings + pyspy_only

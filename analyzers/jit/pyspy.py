@@ -163,7 +163,7 @@ def _fa4_site_prescriptions(per: float) -> list[Prescription]:
     ]
 
 
-def _analyze_pyspy_only(run: RunRecord) -> Any:
+def analyze_pyspy_only(run: RunRecord) -> Any:
     findings = []
     pyspy = run.pyspy
     for (rank, source), recording in sorted(pyspy.items()):

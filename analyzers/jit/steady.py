@@ -12,24 +12,24 @@ import pandas as pd
 
 from traindx.analyzers.core.findings import Finding, Prescription
 from traindx.analyzers.jit import pyspy_signatures as sig
-from traindx.analyzers.jit.autotune import _beside_runs
+from traindx.analyzers.jit.autotune import beside_runs
 from traindx.analyzers.jit.common import (
     SINGLE_BLOCK_FIELDS,
-    _col,
-    _is_tensor_field,
-    _key_history,
-    _ledger_cost,
     _severity,
-    _steps_after,
     _where,
+    col,
+    is_tensor_field,
+    key_history,
+    ledger_cost,
     precompile_prescription,
+    steps_after,
 )
 from traindx.analyzers.jit.fa4 import (
-    _fa4_calls,
-    _leak_prescriptions,
     _origin_text,
-    _tensor_max_seqlen_call,
     _tensor_origin,
+    fa4_calls,
+    leak_prescriptions,
+    tensor_max_seqlen_call,
 )
 
 if TYPE_CHECKING:  # annotations only
@@ -42,9 +42,9 @@ if TYPE_CHECKING:  # annotations only
 def _tensor_fields(group: pd.DataFrame) -> Any:
     out = set()
     for row in group.itertuples():
-        fields, types = _col(row, "key_fields"), _col(row, "key_types") or {}
+        fields, types = col(row, "key_fields"), col(row, "key_types") or {}
         if isinstance(fields, dict):
-            out |= {k for k, v in fields.items() if _is_tensor_field(v, types.get(k))}
+            out |= {k for k, v in fields.items() if is_tensor_field(v, types.get(k))}
     return out
 
 
@@ -90,7 +90,7 @@ def _recompile_cost(
 ) -> tuple[int, float | None, float | None, float | None]:
     """(steps after the first, seconds lost per step, its share of a step, the median step
     after the first) of the compiles after a kernel's first step."""
-    after = _steps_after(steps, first_step)
+    after = steps_after(steps, first_step)
     n_after = max(len(after), len(set(later["step"])))
     lost = float(later["duration_s"].sum()) / n_after if n_after else None
     median_after = float(after["duration_s"].median()) if len(after) else None
@@ -100,7 +100,7 @@ def _recompile_cost(
     share = (lost / median_after) if lost is not None and median_after else None
     if share is not None:
         share = min(share, 1.0)
-    lost, share = _ledger_cost(run, rank, after, lost, share, "compile")
+    lost, share = ledger_cost(run, rank, after, lost, share, "compile")
     return n_after, lost, share, median_after
 
 
@@ -117,14 +117,14 @@ def _fa4_site(
     evidence["fa4_function"] = fa4.get("function")
     evidence["fa4_max_seqlen"] = fa4.get("max_seqlen")
     site = next(
-        (_col(r, "fa4_call_site") for r in group.itertuples() if isinstance(_col(r, "fa4_call_site"), dict)),
+        (col(r, "fa4_call_site") for r in group.itertuples() if isinstance(col(r, "fa4_call_site"), dict)),
         None,
     )
     caller = (tensor_call or {}).get("caller") or site
     source = (tensor_call or {}).get("source")
     if caller is None:
         caller = next(
-            (_col(r, "caller") for r in group.itertuples() if isinstance(_col(r, "caller"), dict)), None
+            (col(r, "caller") for r in group.itertuples() if isinstance(col(r, "caller"), dict)), None
         )
     where = _where(caller, run)
     evidence["caller"] = caller
@@ -222,11 +222,11 @@ def _leak_text(
 def _fa4_facts(run: RunRecord, rank: str, group: pd.DataFrame) -> tuple[Any, dict[str, Any] | None, bool]:
     """(the FA4 call the compiles record, the first recorded FA4 call given a tensor max_seqlen,
     whether a compile's FA4 arguments hold one)."""
-    fa4 = next((r.fa4 for r in group.itertuples() if isinstance(_col(r, "fa4"), dict)), None)
-    calls = _fa4_calls(run, rank)
-    tensor_call = _tensor_max_seqlen_call(calls) if len(calls) else None
+    fa4 = next((r.fa4 for r in group.itertuples() if isinstance(col(r, "fa4"), dict)), None)
+    calls = fa4_calls(run, rank)
+    tensor_call = tensor_max_seqlen_call(calls) if len(calls) else None
     tensor_in_args = any(
-        isinstance(_col(r, "fa4"), dict)
+        isinstance(col(r, "fa4"), dict)
         and any((v or {}).get("type") == "Tensor" for v in (r.fa4.get("max_seqlen") or {}).values())
         for r in group.itertuples()
     )
@@ -245,7 +245,7 @@ def _compile_counts(group: pd.DataFrame, later: pd.DataFrame, first_step: int) -
     }
 
 
-def _steady_finding(
+def steady_finding(
     run: RunRecord, rank: str, kind: str, kernel: str, group: pd.DataFrame, steps: pd.DataFrame
 ) -> Finding | None:
     """A kernel compiled again after the step it first compiled in: a finding, or None."""
@@ -256,7 +256,7 @@ def _steady_finding(
     if not len(later):
         return None
     n_after, lost, share, median_after = _recompile_cost(run, rank, later, steps, first_step)
-    changed, identity, example, identical_pairs = _key_history(group)
+    changed, identity, example, identical_pairs = key_history(group)
     tensor_fields = _tensor_fields(group)
     threads, on_main = _threads(group)
     thread_name = threads.most_common(1)[0][0]
@@ -300,7 +300,7 @@ def _steady_finding(
         )
         title, summary = _leak_text(said, fa4_function, why, _origin_text(run, origin, where, source))
         backward_only = fa4_function == "_flash_attn_bwd"
-        prescriptions = _leak_prescriptions(
+        prescriptions = leak_prescriptions(
             run, where, caller, source, lost, backward_only, origin, _kernel_sites(group)
         )
         finding_id = "jit.fa4_steady_recompile"
@@ -355,7 +355,7 @@ def _generic_recompile_prescriptions(
             Prescription(
                 kind="env",
                 summary="keep Triton's compiled kernels across runs (TRITON_CACHE_DIR on a persistent disk)",
-                change={"env": {"TRITON_CACHE_DIR": _beside_runs(run, "triton-cache")}},
+                change={"env": {"TRITON_CACHE_DIR": beside_runs(run, "triton-cache")}},
                 expected_gain_s_per_step=gain,
                 automatic=True,
             )

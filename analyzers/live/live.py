@@ -54,10 +54,10 @@ from traindx.analyzers.core.findings import Finding
 
 # what is shown (re-exported: its names are part of the live judgement's)
 from traindx.analyzers.live.shown import (  # noqa: F401
-    _PROVEN_AT_ONCE,
     CAPTURE_ANALYZERS,
     GROW_FACTOR,
     NOT_CAUSES,
+    PROVEN_AT_ONCE,
     SHOWN_FILE,
     STABLE_AFTER_STEPS,
     STOP_MARGIN_S,

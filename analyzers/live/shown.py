@@ -36,7 +36,7 @@ _CATALOG = catalog()
 SHOWN_FILE = "live.json"
 # a recompile or re-autotune is proven by the analyzer's own rule (two compiles of one kernel,
 # key changed): the ids of that family (a substring of a finding's id)
-_PROVEN_AT_ONCE = _CATALOG.recompiles
+PROVEN_AT_ONCE = _CATALOG.recompiles
 STABLE_AFTER_STEPS = 3
 # --until-diagnosed stops on a generic top root (host code at a line) once it stayed the top
 # while the record grew to this many times the steps it became the top at (a specific rival at
@@ -168,7 +168,7 @@ class ShownFindings:
         for f in roots:
             first = self._seen.setdefault(f.id, covered)
             proven = (
-                any(k in f.id for k in _PROVEN_AT_ONCE)
+                any(k in f.id for k in PROVEN_AT_ONCE)
                 or len(set(f.steps_affected)) >= 2
                 or covered >= STABLE_AFTER_STEPS
             )
@@ -192,7 +192,7 @@ class ShownFindings:
             }
             self.on_finding(f, s)
             kernel = (f.evidence or {}).get("kernel")
-            if isinstance(kernel, str) and any(k in f.id for k in _PROVEN_AT_ONCE):
+            if isinstance(kernel, str) and any(k in f.id for k in PROVEN_AT_ONCE):
                 self.tail.judged_kernels.add(kernel)
             if f.analyzer in CAPTURE_ANALYZERS:  # a straggler, an idle GPU: capture it
                 self._anomaly(f.analyzer, f.title)

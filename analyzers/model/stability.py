@@ -18,17 +18,17 @@ from traindx.analyzers.core.step_causes import (
     SLOW_FACTOR as SLOW_FACTOR,  # owned by the core: step causes read it
 )
 from traindx.analyzers.model.stability_causes import (
-    _call_text,
     _causes,
-    _io_from_ledger,
-    _run_queue_excess,
+    call_text,
+    io_from_ledger,
+    run_queue_excess,
     save_sites,
 )
 from traindx.analyzers.model.stability_prescriptions import LESS_OFTEN as LESS_OFTEN  # re-exported: fixplan
-from traindx.analyzers.model.stability_prescriptions import _periodic_prescriptions
 from traindx.analyzers.model.stability_prescriptions import (
     checkpoint_prescriptions as checkpoint_prescriptions,
 )
+from traindx.analyzers.model.stability_prescriptions import periodic_prescriptions
 from traindx.common.units import ordinal
 from traindx.derive import ledger, periods
 
@@ -242,7 +242,7 @@ def _periodic_cause_text(causes: dict[str, Any]) -> str:
     if causes.get("io_in_slow_steps"):
         io = causes["io_in_slow_steps"][0]
         return (
-            f" In them the job calls {_call_text(io)} "
+            f" In them the job calls {call_text(io)} "
             f"({io['seconds_per_step']:.2f} s each time, timed by the shim)."
         )
     if causes.get("save_sites"):
@@ -271,7 +271,7 @@ def _periodic_finding(
     lost = excess / len(steady)
     share = lost / mean if mean else 0.0
     causes = _causes(run, rank, slow_rows, normal_rows)
-    lost, share = _io_from_ledger(run, rank, steady, causes, lost, share)
+    lost, share = io_from_ledger(run, rank, steady, causes, lost, share)
     cause_text = _periodic_cause_text(causes)
     severity = ev.severity_for_share(share)
     if not causes and len(hits) < MIN_UNEXPLAINED:
@@ -305,7 +305,7 @@ def _periodic_finding(
             "median_other_s": round(normal_median, 4),
             **causes,
         },
-        prescriptions=tuple(_periodic_prescriptions(run, causes, lost, period)),
+        prescriptions=tuple(periodic_prescriptions(run, causes, lost, period)),
         ranks=(rank,),
     )
 
@@ -323,7 +323,7 @@ def _instability_finding(run: RunRecord, rank: str, rest: pd.DataFrame) -> Findi
     # where the job saves checkpoints is a fact of the run, not of these slow steps (a
     # periodic save's steps are not among them): it explains nothing here
     causes.pop("save_sites", None)
-    waited = _run_queue_excess(run, rank, slow_rows, rest.drop(slow_rows.index))
+    waited = run_queue_excess(run, rank, slow_rows, rest.drop(slow_rows.index))
     if waited is not None:
         causes["run_queue_wait_in_slow_steps_s"] = waited
     cause_text = (

@@ -116,7 +116,7 @@ def _io_in_steps(run: RunRecord, rank: str, step_rows: pd.DataFrame) -> Any:
     return sorted(out, key=lambda g: -g["seconds_per_step"] * g["steps"])
 
 
-def _call_text(io: Any) -> str:
+def call_text(io: Any) -> str:
     caller = io.get("caller") or {}
     where = f" at {caller.get('file')}:{caller.get('line')}" if caller.get("file") else ""
     return f"{io['call']}{where}"
@@ -193,7 +193,7 @@ def _causes(run: RunRecord, rank: str, slow_rows: pd.DataFrame, normal_rows: pd.
     return causes
 
 
-def _run_queue_excess(run: RunRecord, rank: str, slow_rows: pd.DataFrame, normal_rows: pd.DataFrame) -> Any:
+def run_queue_excess(run: RunRecord, rank: str, slow_rows: pd.DataFrame, normal_rows: pd.DataFrame) -> Any:
     """Seconds the training thread waited for a core in a slow step beyond a normal one (the
     shim's per-step run-queue delay, median of each), or None where it was not recorded."""
     events = run.of_type("cpu")
@@ -214,7 +214,7 @@ def _run_queue_excess(run: RunRecord, rank: str, slow_rows: pd.DataFrame, normal
     return round(max(0.0, float(slow.median() - normal.median())), 4)
 
 
-def _io_from_ledger(
+def io_from_ledger(
     run: RunRecord, rank: str, steady: pd.DataFrame, causes: dict[str, Any], lost: float, share: float
 ) -> tuple[float, float]:
     """With a timed write behind the slow steps, what removing it saves is the ledger's

@@ -21,7 +21,7 @@ if TYPE_CHECKING:  # annotations only
 LESS_OFTEN = 10  # a periodic cost made this many times rarer (fixplan's flag arms too)
 
 
-def _periodic_prescriptions(
+def periodic_prescriptions(
     run: RunRecord, causes: dict[str, Any], lost: float | None, period: int | None
 ) -> Any:
     text = " ".join(c["text"] for c in causes.get("log_lines_in_slow_steps", [])).lower()

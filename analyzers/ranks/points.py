@@ -16,11 +16,11 @@ from traindx.analyzers.ranks import sync_points as sp
 from traindx.analyzers.ranks.waits import (
     MIN_SHARE,
     MIN_WAIT_DIFF_S,
-    _compiles_on,
-    _in_collective,
-    _pyspy_waits,
-    _trace_waits,
-    _what_straggler_does,
+    compiles_on,
+    in_collective,
+    pyspy_waits,
+    trace_waits,
+    what_straggler_does,
 )
 from traindx.derive import ledger as ledger_mod
 
@@ -67,7 +67,7 @@ def _median_steps(run: RunRecord, ranks: list[Any]) -> Any:
     return {r: (float(med[r]) if r in med else ev.median_step_s(run, r)) for r in ranks}
 
 
-def _steady_ledger(run: RunRecord) -> Any:
+def steady_ledger(run: RunRecord) -> Any:
     """ledger_mod.steady_rows(run), by a join instead of a Python scan of the rows."""
     steady = ev.steady_steps(run)
     led = run.ledger
@@ -115,12 +115,12 @@ def _late_cause(run: RunRecord, seg: pd.DataFrame, straggler: Any, late_keys: An
     return {c: float(x) for c, x in zip(cats, excess) if x > 0.0005}  # sub-ms: noise
 
 
-def _step_points(run: RunRecord) -> Any:
+def step_points(run: RunRecord) -> Any:
     """CUDA runs: NCCL collectives return to the host at once (the GPU waits, not the host), and
     the host waits later, in its next sync (.item(), synchronize). There each step is the
     meeting point and a rank's wait is its step's host-sync plus collective lines: the rank
     that waited least there was the one the others' GPUs waited for."""
-    led = _steady_ledger(run)
+    led = steady_ledger(run)
     if not len(led):
         return led
     counts = led.groupby("step")["rank"].transform("nunique")
@@ -140,7 +140,7 @@ def _step_points(run: RunRecord) -> Any:
 
 def _step_cause(run: RunRecord, straggler: Any, late_steps: Any, n_steps: int) -> Any:
     """By step: the straggler's ledger lines (waits left out) beyond the others' in those steps."""
-    led = _steady_ledger(run)
+    led = steady_ledger(run)
     led = led[led["step"].isin(late_steps)]
     cats = [c for c in list(ledger_mod.CATEGORIES) + ["unexplained"] if c not in ("sync", "collective")]
     sums = led.groupby("rank")[[f"{c}_s" for c in cats]].sum()
@@ -150,14 +150,14 @@ def _step_cause(run: RunRecord, straggler: Any, late_steps: Any, n_steps: int) -
     return {c: float(x) for c, x in zip(cats, excess.to_numpy()) if x > 0.0005}
 
 
-def _syncs_every_step(run: RunRecord) -> Any:
+def syncs_every_step(run: RunRecord) -> Any:
     """CUDA runs in which every rank's host waits for its GPU in (nearly) every steady step: only
     there does a step's sync line hold the wait for the others (a rank that never syncs runs
     ahead of its GPU, and its waits land wherever its launch queue fills up)."""
     spans = run.spans
     if not len(spans) or not (spans["cat"] == "sync").any():
         return False
-    led = _steady_ledger(run)
+    led = steady_ledger(run)
     if not len(led):
         return False
     return bool(((led["sync_s"] > 0).groupby(led["rank"]).mean() >= 0.8).all())
@@ -256,7 +256,7 @@ def _repeated_cost(
     return cost, share, late_steps, robust
 
 
-def _straggler_from_points(
+def straggler_from_points(
     run: RunRecord, ranks: list[Any], points: pd.DataFrame, by_step: bool = False
 ) -> Finding | None:
     steps = run.steps.dropna(subset=["start_ns", "end_ns"])
@@ -305,7 +305,7 @@ def _straggler_from_points(
     late = points[points["key"].isin(late_keys)]
     others_wait = _others_wait(run, late, straggler, n_steps, by_step, detail)
     ops = Counter(late.loc[late["rank"] == straggler, "op"].astype(str))
-    led = _steady_ledger(run)
+    led = steady_ledger(run)
     detail.update(
         {
             "straggler": straggler,
@@ -377,7 +377,7 @@ def _why_late(
             slower_gpu = {"straggler_mhz": clocks[straggler], "others_mhz": float(np.median(rest))}
     if clocks:
         detail["gpu_sm_clock_mhz"] = {r: round(v) for r, v in clocks.items()}
-    compiles = _compiles_on(run, straggler, steady_ids)
+    compiles = compiles_on(run, straggler, steady_ids)
     if compiles and top in ("compile", "autotune"):
         detail["straggler_compiles_in_steady_steps"] = compiles
     label = (
@@ -396,18 +396,18 @@ def _why_late(
 
 
 def _trace_doing(run: RunRecord, rank: str, cost: float) -> Any:
-    waits = _trace_waits(run, [rank])
+    waits = trace_waits(run, [rank])
     if rank not in waits:
         return None
     _, _, coll, rows, all_rows = waits[rank]
-    return _what_straggler_does(run, rank, rows, all_rows, coll, cost)
+    return what_straggler_does(run, rank, rows, all_rows, coll, cost)
 
 
 def _pyspy_doing(run: RunRecord, rank: str) -> Any:
-    spy = _pyspy_waits(run, [rank])
+    spy = pyspy_waits(run, [rank])
     if rank not in spy:
         return None
-    hot = ev.hottest_frames(spy[rank][1], keep=lambda s: not _in_collective(s))
+    hot = ev.hottest_frames(spy[rank][1], keep=lambda s: not in_collective(s))
     frames = ev.frames_evidence(hot) if hot else []
     # the job's own code first (py-spy's thread root and library frames are not what it does)
     frames = sorted(frames, key=lambda f: not f.get("file") or ev.is_library_path(f["file"]))

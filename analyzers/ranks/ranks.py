@@ -32,12 +32,12 @@ from traindx.analyzers.core.declaration import Declaration
 from traindx.analyzers.core.findings import Finding, Prescription
 from traindx.analyzers.ranks import sync_points as sp
 from traindx.analyzers.ranks.points import (
-    _steady_ledger,
-    _step_points,
-    _straggler_from_points,
-    _syncs_every_step,
+    steady_ledger,
+    step_points,
+    straggler_from_points,
+    syncs_every_step,
 )
-from traindx.analyzers.ranks.waits import MIN_SHARE, MIN_WAIT_DIFF_S, _by_smallest_wait
+from traindx.analyzers.ranks.waits import MIN_SHARE, MIN_WAIT_DIFF_S, by_smallest_wait
 from traindx.derive import ledger as ledger_mod
 
 if TYPE_CHECKING:  # annotations only
@@ -142,7 +142,7 @@ def _slow_stage(run: RunRecord, per_rank: dict[Any, dict[str, Any]], worst: Any)
     slow = min(peers, key=lambda r: per_rank[r]["share_of_step"])
     if per_rank[worst]["share_of_step"] - per_rank[slow]["share_of_step"] < 2 * MIN_SHARE:
         return None
-    led = _steady_ledger(run)
+    led = steady_ledger(run)
     cats = [c for c in list(ledger_mod.CATEGORIES) + ["unexplained"] if c not in ("sync", "collective")]
     means = led.groupby("rank")[[f"{c}_s" for c in cats]].mean()
     if slow not in means.index or worst not in means.index:
@@ -194,24 +194,24 @@ def analyze(run: RunRecord) -> list[Finding]:
         # and the machine's load, not a straggler
         return findings
     points = sp.meeting_points(run, spans)
-    if len(points) and _syncs_every_step(run):
+    if len(points) and syncs_every_step(run):
         # NCCL: the host does not wait in the collective; it waits in the step's syncs
-        found = _straggler_from_points(run, ranks, _step_points(run), by_step=True)
+        found = straggler_from_points(run, ranks, step_points(run), by_step=True)
         if found is None:
-            found = _straggler_from_points(run, ranks, points)  # a CPU group (gloo) in a GPU job
+            found = straggler_from_points(run, ranks, points)  # a CPU group (gloo) in a GPU job
         if found is None:
             # a rank slow on its GPU only: every host waits for its own GPU about as long, and
             # only the GPUs' NCCL kernels (the torch.profiler window) show who waited
-            legacy = _by_smallest_wait(run, ranks, sources=("torch.profiler",))
+            legacy = by_smallest_wait(run, ranks, sources=("torch.profiler",))
             return findings + (legacy or [])
         return findings + ([found] if found else [])
     if len(points):
         # the ranks meet: the straggler, if any, is who they waited for (none: a healthy job)
-        found = _straggler_from_points(run, ranks, points)
+        found = straggler_from_points(run, ranks, points)
         return findings + ([found] if found else [])
     if len(spans) and sp.is_point_to_point(spans).all():
         return findings  # they only exchange point to point: bubbles, not stragglers
-    legacy = _by_smallest_wait(run, ranks)
+    legacy = by_smallest_wait(run, ranks)
     if legacy is not None:
         return findings + legacy
     return findings + _by_step_time(run, ranks)

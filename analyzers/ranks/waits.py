@@ -36,7 +36,7 @@ MIN_SHARE = 0.05
 MIN_WAIT_DIFF_S = 0.005
 
 
-def _trace_waits(run: RunRecord, ranks: list[Any]) -> Any:
+def trace_waits(run: RunRecord, ranks: list[Any]) -> Any:
     """{rank: (wait seconds per profiled step, steps, collective rows)} from the traces."""
     trace = run.torch_trace
     if not len(trace):
@@ -57,11 +57,11 @@ def _trace_waits(run: RunRecord, ranks: list[Any]) -> Any:
     return out
 
 
-def _in_collective(stack: Sequence[Frame]) -> Any:
+def in_collective(stack: Sequence[Frame]) -> Any:
     return any(f.file.endswith(C10D_FILE) for f in stack)
 
 
-def _pyspy_waits(run: RunRecord, ranks: list[Any]) -> Any:
+def pyspy_waits(run: RunRecord, ranks: list[Any]) -> Any:
     """{rank: (share of main-thread samples in torch.distributed, ThreadSamples)}."""
     out = {}
     for rank in ranks:
@@ -75,11 +75,11 @@ def _pyspy_waits(run: RunRecord, ranks: list[Any]) -> Any:
         samples = threads[main][1]
         total = ev.steps_seconds(run, rank) or ev.training_weight(samples)
         if total > 0:
-            out[rank] = (min(1.0, ev.training_weight(samples, keep=_in_collective) / total), samples)
+            out[rank] = (min(1.0, ev.training_weight(samples, keep=in_collective) / total), samples)
     return out
 
 
-def _what_straggler_does(
+def what_straggler_does(
     run: RunRecord, rank: str, rows: pd.DataFrame, all_rows: pd.DataFrame, coll: Any, diff_s: Any
 ) -> Any:
     """From the trace: the innermost Python call on the straggler that takes about as long as
@@ -111,7 +111,7 @@ def _what_straggler_does(
     }
 
 
-def _compiles_on(run: RunRecord, rank: str, steady_ids: set[int]) -> Any:
+def compiles_on(run: RunRecord, rank: str, steady_ids: set[int]) -> Any:
     comp = run.compiles
     if not len(comp):
         return None
@@ -126,19 +126,19 @@ def _compiles_on(run: RunRecord, rank: str, steady_ids: set[int]) -> Any:
 
 
 # -- 2. runs without spans: the smallest wait in the trace or in py-spy --------------------------
-def _by_smallest_wait(
+def by_smallest_wait(
     run: RunRecord, ranks: list[Any], sources: tuple[str, ...] = ("torch.profiler", "py-spy")
 ) -> list[Finding] | None:
     """[finding] or [] from the trace / py-spy waits; None when neither has them."""
     step_s = {r: ev.median_step_s(run, r) for r in ranks}
     median_step = sorted(v for v in step_s.values() if v)[len(ranks) // 2] if any(step_s.values()) else None
-    waits = _trace_waits(run, ranks)
+    waits = trace_waits(run, ranks)
     source, per_rank_wait = None, {}
     if len(waits) >= 2:
         source = "torch.profiler"
         per_rank_wait = {r: w[0] for r, w in waits.items()}
     elif "py-spy" in sources:
-        spy = _pyspy_waits(run, ranks)
+        spy = pyspy_waits(run, ranks)
         if len(spy) >= 2 and median_step:
             source = "py-spy"
             per_rank_wait = {r: share * median_step for r, (share, _) in spy.items()}
@@ -152,13 +152,13 @@ def _by_smallest_wait(
         return []
     if source == "torch.profiler":
         _, n, coll, rows, all_rows = waits[straggler]
-        doing = _what_straggler_does(run, straggler, rows, all_rows, coll, diff)
+        doing = what_straggler_does(run, straggler, rows, all_rows, coll, diff)
     else:
-        samples = _pyspy_waits(run, [straggler])[straggler][1]
-        hot = ev.hottest_frames(samples, keep=lambda s: not _in_collective(s))
+        samples = pyspy_waits(run, [straggler])[straggler][1]
+        hot = ev.hottest_frames(samples, keep=lambda s: not in_collective(s))
         doing = {"hottest_frames": ev.frames_evidence(hot)} if hot else None
     steady_ids = {int(s) for s in ev.steady_steps(run, straggler)["step"]}
-    compiles = _compiles_on(run, straggler, steady_ids)
+    compiles = compiles_on(run, straggler, steady_ids)
     detail: dict[str, Any] = {
         "source": source,
         "method": "the rank with the smallest wait in "
