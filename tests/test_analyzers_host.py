@@ -346,12 +346,16 @@ def test_a_write_run_asynchronously_is_never_cut_off_at_exit(tmp_path):
     src = "slow_write(OUT)"
     (write,) = [
         p
-        for p in host_work._prescriptions("file", "loop.py:5", src, str(job), 5, 0.5, False, str(tmp_path))
+        for p in host_work.line_prescriptions(
+            "file", "loop.py:5", src, str(job), 5, 0.5, False, str(tmp_path)
+        )
         if p.change
     ]
     (wait,) = [
         p
-        for p in host_work._prescriptions("sleep", "loop.py:5", src, str(job), 5, 0.5, False, str(tmp_path))
+        for p in host_work.line_prescriptions(
+            "sleep", "loop.py:5", src, str(job), 5, 0.5, False, str(tmp_path)
+        )
         if p.change
     ]
     assert "daemon=False" in write.change["code"]["after"]

@@ -38,9 +38,9 @@ from traindx.analyzers.core.declaration import Declaration
 from traindx.analyzers.core.findings import Finding, Prescription
 from traindx.analyzers.data import dataloader
 from traindx.analyzers.gpu.idle_window import (
-    _source,
     call_label,
     frames_at,
+    job_line_text,
     line_from_pyspy,
     main_tid,
     window_idle,
@@ -150,7 +150,7 @@ def _host_starved(
     lost = min(max(lost, 0.0), step_s or 0.0)
     if not step_s or lost < max(MIN_HOST_SHARE * step_s, MIN_HOST_S):
         return []
-    src = _source(file, line) if where else ""
+    src = job_line_text(file, line) if where else ""
     share = lost / step_s
     evidence = {
         "rank": rank,
@@ -366,7 +366,7 @@ def _copy_line(
     user, _ = frames_at(py, t)
     where = line_from_pyspy(run, rank, user) if user else None
     file, line = where if where else ((user[0], user[1]) if user else (None, None))
-    src = _source(file, line) if where else ""
+    src = job_line_text(file, line) if where else ""
     return file, line, src
 
 

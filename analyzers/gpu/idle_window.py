@@ -186,7 +186,7 @@ def line_from_pyspy(run: RunRecord, rank: str, user: Any) -> Any:
     return window.line_in_function(run, rank, user[0], user[2], kind="host")
 
 
-def _source(file: str | None, line: int | None) -> str:
+def job_line_text(file: str | None, line: int | None) -> str:
     return source_line(file, line) or ""
 
 

@@ -122,7 +122,7 @@ def _names_read(file_tree: Any, line: int) -> Any:
     return {n.id for n in ast.walk(scope) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
 
 
-def _prescriptions(
+def line_prescriptions(
     kind: str,
     where: Any,
     src: str | None,

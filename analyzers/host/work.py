@@ -47,16 +47,16 @@ from traindx.analyzers.host.code import (
     source_line,
     without_runqueue_wait,
 )
+from traindx.analyzers.host.prescriptions import async_edit as async_edit  # re-exported: the tests
 from traindx.analyzers.host.prescriptions import (
-    _prescriptions,
     call_name,
     call_of_kind,
     callback_dispatch,
     callback_prescription,
     host_code_summary,
     kind_of,
+    line_prescriptions,
 )
-from traindx.analyzers.host.prescriptions import async_edit as async_edit  # re-exported: the tests
 from traindx.analyzers.model import stability
 from traindx.common.units import ordinal
 from traindx.derive import gpu_efficiency as G
@@ -391,7 +391,7 @@ def _line_finding(
         what = KIND_TEXT[kind] + (f" ({call})" if call else "")
         summary = host_code_summary(g, src, where, what, share, period)
         pres = tuple(
-            _prescriptions(
+            line_prescriptions(
                 kind,
                 where,
                 src,
@@ -550,7 +550,7 @@ def _likely_code(
         samples=g.get("samples"),
     )
     pres = tuple(
-        _prescriptions(kind, where, src, g["file"], g["line"], lost, ctx.has_gpu, ctx.cwd, p["period"])
+        line_prescriptions(kind, where, src, g["file"], g["line"], lost, ctx.has_gpu, ctx.cwd, p["period"])
     )
     return code_text, pres
 

@@ -15,9 +15,9 @@ import pandas as pd
 from traindx.analyzers.core.findings import Finding, Prescription
 from traindx.analyzers.jit import autotune_advice
 from traindx.analyzers.jit.common import (
-    _severity,
-    _where,
     col,
+    compile_severity,
+    frame_where,
     key_history,
     ledger_cost,
     precompile_prescription,
@@ -297,7 +297,7 @@ def autotune_finding(
         id="jit.autotune",
         title=f"Triton autotunes {kernel} again after warm-up "
         f"(key field(s) changing: {', '.join(fields) or '?'})",
-        severity=_severity(share, steady=True),
+        severity=compile_severity(share, steady=True),
         analyzer="jit",
         summary=(
             f"{kernel} autotuned {len(later)} more time(s) after step {first_step}, "
@@ -393,7 +393,7 @@ def _autotune_prescriptions(
         )
         advice_evidence = advice.evidence()
     if not is_fla and fields:
-        where = _where(caller, run)
+        where = frame_where(caller, run)
         prescriptions.append(
             Prescription(
                 kind="code",

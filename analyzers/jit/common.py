@@ -28,7 +28,7 @@ SINGLE_BLOCK_FIELDS = ("single_q_block", "single_k_block")
 _TENSOR_REPR = re.compile(r"\b(Fake)?Tensor\(|\btensor\(")
 
 
-def _where(frame: Any, run: RunRecord | None = None) -> str | None:
+def frame_where(frame: Any, run: RunRecord | None = None) -> str | None:
     if not isinstance(frame, dict) or not frame.get("file"):
         return None
     cwd = run.manifest.get("cwd") if run is not None else None
@@ -55,7 +55,7 @@ def fa4_version_before(run: RunRecord, release: Any) -> Any:
     return None if have is None else have < _release_number(release)
 
 
-def _severity(share: float | None, steady: bool = False) -> str:
+def compile_severity(share: float | None, steady: bool = False) -> str:
     severity = ev.severity_for_share(share)
     if steady and share is not None and share >= 0.5:
         return "critical"

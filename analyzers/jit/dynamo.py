@@ -13,7 +13,7 @@ import pandas as pd
 from traindx.analyzers import codefix
 from traindx.analyzers.core import evidence as ev
 from traindx.analyzers.core.findings import Finding, Prescription
-from traindx.analyzers.jit.common import _severity, _where, col, ledger_cost, steps_after
+from traindx.analyzers.jit.common import col, compile_severity, frame_where, ledger_cost, steps_after
 
 if TYPE_CHECKING:  # annotations only
     from traindx.derive.run import RunRecord
@@ -180,11 +180,11 @@ def dynamo_finding(run: RunRecord, rank: str, group: pd.DataFrame, steps: pd.Dat
         if x and x["expected"]
     ]
     site_kind, caller = _call_site(recompiles)
-    where = _where(caller, run)
+    where = frame_where(caller, run)
     functions = collections.Counter(str(k) for k in recompiles["kernel"])
     prescriptions = [_guard_prescription(m, caller, site_kind, where, top_reason, lost)]
     steady = len(later) >= 2
-    severity = _severity(share, steady=steady) if len(later) else "low"
+    severity = compile_severity(share, steady=steady) if len(later) else "low"
     if severity == "info" and len(later):
         severity = "low"
     skipped = ", ".join(

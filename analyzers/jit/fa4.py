@@ -195,7 +195,7 @@ def _is_max_call(node: Any) -> Any:
     return not node.args and not node.keywords
 
 
-def _tensor_origin(run: RunRecord, rank: str) -> Any:
+def tensor_origin_event(run: RunRecord, rank: str) -> Any:
     """The shim's `tensor_origin` event for this rank (origins.py): where the tensor max_seqlen
     that reached FA4 was made, as {"origin": frame, "chain": [...], "call_site": frame, ...}."""
     rows = ev.events_of_type(run, "tensor_origin")
@@ -387,7 +387,7 @@ def _patch_and_upgrade(run: RunRecord, gain: float | None, backward_only: bool) 
     ]
 
 
-def _origin_text(run: RunRecord, origin: Any, where: Any, source: Any) -> Any:
+def tensor_origin_text(run: RunRecord, origin: Any, where: Any, source: Any) -> Any:
     """Both lines: where the tensor is made and where it reaches FA4."""
     passed = f"It reaches FA4 at {where or 'the FA4 call'}" + (f": `{source}`" if source else "")
     made = (origin or {}).get("origin") or {}

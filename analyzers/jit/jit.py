@@ -20,7 +20,7 @@ from traindx.analyzers.jit.autotune import (
     cold_start_finding,
     first_step_rows,
 )
-from traindx.analyzers.jit.common import _severity, kernel_rows
+from traindx.analyzers.jit.common import compile_severity, kernel_rows
 from traindx.analyzers.jit.common import diff_keys as diff_keys  # re-exported: the tests read it here
 from traindx.analyzers.jit.dynamo import dynamo_finding, dynamo_kinds
 
@@ -153,7 +153,7 @@ def _merge_fa4_steady(findings: list[Finding]) -> list[Finding]:
     merged = Finding(
         id=top.id,
         title=top.title,
-        severity=_severity(min(share, 1.0), steady=True),
+        severity=compile_severity(min(share, 1.0), steady=True),
         analyzer=top.analyzer,
         summary=top.summary + f" {len(others)} other FA4 kernel(s) "
         f"recompile too; together {total:.2f} s per step.",

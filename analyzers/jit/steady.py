@@ -15,9 +15,9 @@ from traindx.analyzers.jit import pyspy_signatures as sig
 from traindx.analyzers.jit.autotune import beside_runs
 from traindx.analyzers.jit.common import (
     SINGLE_BLOCK_FIELDS,
-    _severity,
-    _where,
     col,
+    compile_severity,
+    frame_where,
     is_tensor_field,
     key_history,
     ledger_cost,
@@ -25,11 +25,11 @@ from traindx.analyzers.jit.common import (
     steps_after,
 )
 from traindx.analyzers.jit.fa4 import (
-    _origin_text,
-    _tensor_origin,
     fa4_calls,
     leak_prescriptions,
     tensor_max_seqlen_call,
+    tensor_origin_event,
+    tensor_origin_text,
 )
 
 if TYPE_CHECKING:  # annotations only
@@ -126,10 +126,10 @@ def _fa4_site(
         caller = next(
             (col(r, "caller") for r in group.itertuples() if isinstance(col(r, "caller"), dict)), None
         )
-    where = _where(caller, run)
+    where = frame_where(caller, run)
     evidence["caller"] = caller
     evidence["caller_source"] = source
-    origin = _tensor_origin(run, rank)
+    origin = tensor_origin_event(run, rank)
     if origin:
         evidence["tensor_origin"] = origin
     if tensor_call:
@@ -298,7 +298,7 @@ def steady_finding(
             thread_name,
             evidence,
         )
-        title, summary = _leak_text(said, fa4_function, why, _origin_text(run, origin, where, source))
+        title, summary = _leak_text(said, fa4_function, why, tensor_origin_text(run, origin, where, source))
         backward_only = fa4_function == "_flash_attn_bwd"
         prescriptions = leak_prescriptions(
             run, where, caller, source, lost, backward_only, origin, _kernel_sites(group)
@@ -315,7 +315,7 @@ def steady_finding(
     return Finding(
         id=finding_id,
         title=title,
-        severity=_severity(share, steady=True),
+        severity=compile_severity(share, steady=True),
         analyzer="jit",
         summary=summary,
         steps_affected=steps_affected,

@@ -18,11 +18,11 @@ from traindx.analyzers.core.step_causes import (
     SLOW_FACTOR as SLOW_FACTOR,  # owned by the core: step causes read it
 )
 from traindx.analyzers.model.stability_causes import (
-    _causes,
     call_text,
     io_from_ledger,
     run_queue_excess,
     save_sites,
+    slow_step_causes,
 )
 from traindx.analyzers.model.stability_prescriptions import LESS_OFTEN as LESS_OFTEN  # re-exported: fixplan
 from traindx.analyzers.model.stability_prescriptions import (
@@ -270,7 +270,7 @@ def _periodic_finding(
     excess = float((slow_rows["duration_s"] - normal_median).sum())
     lost = excess / len(steady)
     share = lost / mean if mean else 0.0
-    causes = _causes(run, rank, slow_rows, normal_rows)
+    causes = slow_step_causes(run, rank, slow_rows, normal_rows)
     lost, share = io_from_ledger(run, rank, steady, causes, lost, share)
     cause_text = _periodic_cause_text(causes)
     severity = ev.severity_for_share(share)
@@ -319,7 +319,7 @@ def _instability_finding(run: RunRecord, rank: str, rest: pd.DataFrame) -> Findi
     lost = float(d.mean() - d.median())
     slowest = rest.sort_values("duration_s", ascending=False).head(5)
     slow_rows = rest[rest["duration_s"] > SLOW_FACTOR * float(d.median())]
-    causes = _causes(run, rank, slow_rows, rest.drop(slow_rows.index)) if len(slow_rows) else {}
+    causes = slow_step_causes(run, rank, slow_rows, rest.drop(slow_rows.index)) if len(slow_rows) else {}
     # where the job saves checkpoints is a fact of the run, not of these slow steps (a
     # periodic save's steps are not among them): it explains nothing here
     causes.pop("save_sites", None)

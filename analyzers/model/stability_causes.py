@@ -163,7 +163,7 @@ def save_sites(run: RunRecord, rank: str) -> list[dict[str, Any]]:
     ]
 
 
-def _causes(run: RunRecord, rank: str, slow_rows: pd.DataFrame, normal_rows: pd.DataFrame) -> Any:
+def slow_step_causes(run: RunRecord, rank: str, slow_rows: pd.DataFrame, normal_rows: pd.DataFrame) -> Any:
     """What the slow steps have that the others do not: checkpoint/file writes (the shim's
     timed torch.save/DCP calls, with the job's line), log lines, gen-2 collections."""
     causes: dict[str, Any] = {}
