@@ -11,7 +11,7 @@ import re
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-PACKAGES = ("traindx", "profiler", "derive", "analyzers", "recipes", "report", "kernel_cache")
+PACKAGES = ("traindx", "profiler", "derive", "analyzers", "fixing", "recipes", "report", "kernel_cache")
 SAYS_WHY = re.compile(r"import(ed|s)? (here|only|where|when|lazily|after)|lazy", re.IGNORECASE)
 
 

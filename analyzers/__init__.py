@@ -1,6 +1,6 @@
 """Analyzers: one module per pathology, each a pure function `analyze(run) -> [Finding]`.
 
-Each declares itself in its own module (`DECLARATION`, analyzers/declaration.py): the registry
+Each declares itself in its own module (`DECLARATION`, analyzers/core/declaration.py): the registry
 below is derived from those declarations. An analyzer that raises is reported as a finding about
 traindx itself, never as a crash of the whole analysis.
 """
@@ -12,21 +12,23 @@ import warnings
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
-from traindx.analyzers import chains
 from traindx.analyzers.codefix import checked
-from traindx.analyzers.declaration import catalog
-from traindx.analyzers.findings import Finding, rank_findings
-from traindx.analyzers.sampling import representative_ranks
+from traindx.analyzers.core import chains
+from traindx.analyzers.core.declaration import catalog
+from traindx.analyzers.core.findings import Finding, rank_findings
+from traindx.analyzers.core.sampling import representative_ranks
 
 if TYPE_CHECKING:  # annotations only
     from traindx.derive.run import RunRecord
 
 CATALOG = catalog()
-# module names under traindx.analyzers, in the order they run; each exposes analyze(run) -> [Finding]
+# analyzer names, in the order they run; each one's module exposes analyze(run) -> [Finding]
 REGISTRY = CATALOG.registry
+# analyzer name -> its module's dotted path (traindx.analyzers.jit.jit)
+MODULES = CATALOG.modules
 # judged last, over every other finding once linked and priced: analyze(run, findings) -> [Finding]
 JUDGES = CATALOG.judges
-# read every rank at once (the rest read the sampled ranks on a large job: analyzers/sampling.py)
+# read every rank at once (the rest read the sampled ranks on a large job: analyzers/core/sampling.py)
 CROSS_RANK = CATALOG.cross_rank
 
 
@@ -39,7 +41,7 @@ def analyze(run: RunRecord, only: Iterable[str] | None = None) -> list[Finding]:
         if wanted and name not in wanted:
             continue
         try:
-            module = importlib.import_module(f"{__name__}.{name}")
+            module = importlib.import_module(MODULES[name])
             findings.extend(module.analyze(run if name in CROSS_RANK else per_rank_run))
         except Exception as exc:  # one broken analyzer must not hide the others' findings
             findings.append(failed(name, exc))
@@ -51,7 +53,7 @@ def analyze(run: RunRecord, only: Iterable[str] | None = None) -> list[Finding]:
         if wanted and name not in wanted:
             continue
         try:
-            module = importlib.import_module(f"{__name__}.{name}")
+            module = importlib.import_module(MODULES[name])
             findings = findings + module.analyze(run, findings)
         except Exception as exc:  # the findings stay; the report says no verdict was made
             findings.append(failed(name, exc))

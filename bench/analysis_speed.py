@@ -29,7 +29,7 @@ import pandas as pd
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from traindx.analyzers.stability import find_period  # noqa: E402
+from traindx.analyzers.model.stability import find_period  # noqa: E402
 from traindx.derive import ledger as L  # noqa: E402
 
 BOUNDS_S = {"find_period": 5.0, "ledger": 30.0}  # what the tests asserted before the move

@@ -11,7 +11,7 @@ import sys
 import warnings
 
 import traindx
-from traindx.analyzers.findings import is_problem
+from traindx.analyzers.core.findings import is_problem
 
 CASES = (
     "fp32",

@@ -13,7 +13,7 @@ import sys
 import warnings
 
 import traindx
-from traindx.analyzers.findings import is_problem
+from traindx.analyzers.core.findings import is_problem
 
 CASES = ("anomaly", "deterministic", "memory_history", "launch_blocking", "no_caching", "float64")
 GOAL = 0.25

@@ -40,7 +40,7 @@ TOOL_FRAMES = ("torch/profiler/", "torch/autograd/profiler", "_traindx_shim/")
 
 def _library_depths(events):
     """{Python id: calls between it and the nearest enclosing frame of the job's own code}."""
-    from traindx.analyzers import evidence as ev
+    from traindx.analyzers.core import evidence as ev
 
     parent, own = {}, {}
     for e in events:

@@ -11,7 +11,7 @@ import sys
 import warnings
 
 import traindx
-from traindx.analyzers import evidence as ev
+from traindx.analyzers.core import evidence as ev
 from traindx.profiler import gputime
 
 CASES = ("host_batch", "pageable", "empty_cache", "item_sync", "tiny_kernels")

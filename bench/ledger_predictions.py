@@ -1,7 +1,7 @@
 """Predicted vs measured: does the time ledger predict what a fix saves?
 
 For each case: run the job under `diagnose` (no py-spy), take the top root finding, ask
-traindx.analyzers.savings.predicted_step_time(run, finding) for the step time after its fix, then run the
+traindx.analyzers.core.savings.predicted_step_time(run, finding) for the step time after its fix, then run the
 fixed job under `diagnose` the same way and measure its mean steady step from its own ledger.
 Prints a table (and --json) of baseline, predicted, measured, and the error of the predicted
 saving against the measured saving (the issue's goal: within ±25 %).
@@ -226,7 +226,7 @@ def one_pair(name, tmp):
     finding = next((f for f in findings if f.id == wanted), findings[0] if findings else None)
     if finding is None:
         return {"case": name, "error": "no finding"}
-    from traindx.analyzers.savings import predicted_step_time
+    from traindx.analyzers.core.savings import predicted_step_time
 
     pred = predicted_step_time(run, finding)
     if pred["predicted_step_s"] is None:

@@ -9,8 +9,8 @@ import sys
 
 from playwright.sync_api import sync_playwright
 
-from traindx.cli.outputs import analyze_and_write
 from traindx.derive.run import load_run
+from traindx.report.outputs import analyze_and_write
 
 
 def main(argv=None):

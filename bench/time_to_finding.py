@@ -14,7 +14,7 @@ is then the step shown minus that count, a measure of the live judgement alone.
 Replay (`--replay RUN_DIR ...`): a finished run folder's events are written again, in time
 order, into a scratch folder while a LiveJudge follows it on a clock that is the events' own
 time: CPU per pass and the step each finding is shown at, deterministic for one recorded job;
-`--judge old` replays with analyzers/live.py of git HEAD~N (`--old-rev`) to compare.
+`--judge old` replays with analyzers/live/live.py of git HEAD~N (`--old-rev`) to compare.
 
     python bench/time_to_finding.py --onset --out bench/results/time_to_finding.json [--load 2]
     python bench/time_to_finding.py --replay RUN_DIR [--judge old --old-rev main]
@@ -72,14 +72,14 @@ def with_onset(row, run_dir):
     the onset (the batch analysis of the record cut there names it), and from the first step
     count at which a finding of that onset can be *stable* by the live rule (seen in two
     steady steps: STABLE_AFTER_STEPS; a recompile or re-autotune at once)."""
-    from traindx.analyzers.live import _PROVEN_AT_ONCE, STABLE_AFTER_STEPS
+    from traindx.analyzers.live.live import PROVEN_AT_ONCE, STABLE_AFTER_STEPS
 
     if not row.get("first_finding"):
         return row
     row["onset_step"] = onset_step(run_dir, row["first_finding"], row["step_shown"])
     if row["onset_step"] is not None:
         row["steps_after_onset"] = row["step_shown"] - row["onset_step"]
-        proven = any(k in row["first_finding"] for k in _PROVEN_AT_ONCE)
+        proven = any(k in row["first_finding"] for k in PROVEN_AT_ONCE)
         row["stable_from_step"] = row["onset_step"] if proven else max(row["onset_step"], STABLE_AFTER_STEPS)
         row["steps_after_stable_onset"] = row["step_shown"] - row["stable_from_step"]
         # seconds from the end of the step that made the record show it (the onset's last
@@ -195,11 +195,14 @@ def onset_step(run_dir, finding_id, up_to):
 
 def _judge_module(which, rev):
     if which == "new":
-        import traindx.analyzers.live as module
+        import traindx.analyzers.live.live as module
 
         return module
     src = subprocess.run(
-        ["git", "-C", ROOT, "show", f"{rev}:analyzers/live.py"], check=True, capture_output=True, text=True
+        ["git", "-C", ROOT, "show", f"{rev}:analyzers/live/live.py"],
+        check=True,
+        capture_output=True,
+        text=True,
     ).stdout
     path = os.path.join(tempfile.mkdtemp(), "live_old.py")
     open(path, "w").write(src)

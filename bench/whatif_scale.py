@@ -15,7 +15,7 @@ import time
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 import whatif_synth  # noqa: E402
 
-from traindx.analyzers.whatif import category  # noqa: E402
+from traindx.analyzers.ranks.whatif import category  # noqa: E402
 from traindx.derive import optable, whatif  # noqa: E402
 from traindx.profiler.straggler_trace import RENAMES  # noqa: E402
 

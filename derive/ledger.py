@@ -316,7 +316,7 @@ def steady_rows(run: RunView, rank: str | None = None) -> pd.DataFrame:
     return run.rank_rows("steady_ledger", rank, table)
 
 
-# -- CPU evidence (derived; the savings model that prices findings is traindx.analyzers.savings) ---
+# -- CPU evidence (derived; the savings model that prices findings is traindx.analyzers.core.savings) ---
 def cpu_evidence(run: RunView, ranks: Iterable[str] | None = None) -> dict[str, Any] | None:
     """What the shim measured about CPU over the steady steps (the slowest rank of `ranks`), or
     None when the run has no `cpu` events (an older shim, `attach`): per step, in seconds,

@@ -1,7 +1,7 @@
 """Memory over time: per rank and step, the process's resident memory and the device's allocated
 and reserved memory, what was left (MemAvailable, the cgroup's limit, the device's total), and
 the shim's hunt for where growing memory is held (`mem_held`). Statistics of a series' growth
-(its rate, and whether it levels off); no judgement (traindx.analyzers.memory judges).
+(its rate, and whether it levels off); no judgement (traindx.analyzers.memory.memory judges).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """A/B statistics: the steady window, medians, a bootstrap interval on the speedup, and a loss
-curve's trend and noise (what the loss-parity judge, traindx.analyzers.parity, reads).
+curve's trend and noise (what the loss-parity judge, traindx.analyzers.core.parity, reads).
 """
 
 from __future__ import annotations

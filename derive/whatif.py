@@ -16,7 +16,7 @@
   differ and whether a micro-batch's forward and backward move together (a long sequence makes
   both long; a slow worker does not make one micro-batch longer than another).
 
-Pure computation: the numbers; `traindx.analyzers.whatif` judges them.
+Pure computation: the numbers; `traindx.analyzers.ranks.whatif` judges them.
 """
 
 from __future__ import annotations

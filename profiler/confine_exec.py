@@ -4,7 +4,7 @@
 
 Run as a file, never imported from the package (importing traindx would load numpy's thread
 pools, and a process with threads cannot enter a user namespace): it imports the standard
-library only. SPEC (traindx.cli.fix_confine builds it):
+library only. SPEC (traindx.fixing.run.confine builds it):
 
     {"overlays": [[dir, upper, work], ...],   # dir seen as itself + its writes kept in upper
      "tmpfs": [dir, ...],                      # an empty private tmpfs over dir

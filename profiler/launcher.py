@@ -153,7 +153,7 @@ class Options:
         # False (--always-on): py-spy only dumps every dump_interval_s, no recorders
         self.pyspy_record = pyspy_record
         self.cwd = cwd  # the job's working directory (None: this process's); --fix's scratch copy
-        # argv the command runs under (--fix: traindx.cli.fix_confine's private view; it execs
+        # argv the command runs under (--fix: traindx.fixing.run.confine's private view; it execs
         # the command, so the job keeps the pid it starts with)
         self.wrap = wrap
 

@@ -4,7 +4,7 @@
 compile and span lines parsed) and keeps per-step signals: the step time against its running
 median, every kernel's compile keys, a per-step line of span shares (compile time included).
 It makes no judgement: it says when the record holds something new worth judging (a
-*trigger*) and which span category stands out in it (what its pass reads first); traindx.analyzers.live
+*trigger*) and which span category stands out in it (what its pass reads first); traindx.analyzers.live.live
 decides what runs when.
 """
 

@@ -16,9 +16,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pandas as pd
 
-from traindx.analyzers import memory as memory_rules
-from traindx.analyzers import parity as loss_parity_rules
-from traindx.analyzers.ab_verdict import MIN_SPEEDUP, ABVerdict, ab_verdict
+from traindx.analyzers.core import parity as loss_parity_rules
+from traindx.analyzers.core.ab_verdict import MIN_SPEEDUP, ABVerdict, ab_verdict
+from traindx.analyzers.memory import memory as memory_rules
 from traindx.derive import stats
 from traindx.derive.periods import series_period
 from traindx.derive.steady import events_of_type, perturbed_causes, profiled_steps

@@ -5,7 +5,7 @@ per N backward passes where the baseline stepped after each) does N micro-batche
 of its steps: its step time is no measure against the baseline's. Where the two arms' backward
 calls per step differ, each step's time is divided by its backward calls, so both arms are judged
 in seconds per micro-batch, whichever the step boundary is; and the loss per step is then no
-check of the numerics (the weights are updated at another rate): analyzers/parity.py's `updates`
+check of the numerics (the weights are updated at another rate): analyzers/core/parity.py's `updates`
 rule decides.
 """
 

@@ -2,8 +2,8 @@
 RunRecord and its findings as plain JSON-able values (pure: no I/O beyond the record itself).
 
 A renderer only renders: the step table and the per-step event seconds are derived
-(derive/steptables.py), each step's cause and the verdict are judged (analyzers/step_causes.py,
-analyzers/verdict.py), and the views below only shape them for display. Times are seconds since
+(derive/steptables.py), each step's cause and the verdict are judged (analyzers/core/step_causes.py,
+analyzers/core/verdict.py), and the views below only shape them for display. Times are seconds since
 the run's start (manifest start_ns), so every chart shares one x axis. Large evidence is reduced
 (steps binned, samples merged into a pruned tree, metrics downsampled) so a 10-minute run renders
 to a few megabytes at most.
@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from traindx.analyzers.findings import VERDICT_PREFIX, Finding, reading_order
-from traindx.analyzers.step_causes import CAUSES, StepCauses, judge_steps
+from traindx.analyzers.core.findings import VERDICT_PREFIX, Finding, reading_order
+from traindx.analyzers.core.step_causes import CAUSES, StepCauses, judge_steps
 from traindx.common import redact
 from traindx.common.envvars import is_relevant_var
 from traindx.common.units import fmt_s

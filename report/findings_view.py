@@ -9,13 +9,13 @@ import shlex
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from traindx.analyzers import verdict as judge
-from traindx.analyzers.findings import VERDICT_PREFIX, reading_order
+from traindx.analyzers.core import verdict as judge
+from traindx.analyzers.core.findings import VERDICT_PREFIX, reading_order
 from traindx.report.compiles import compile_groups
 from traindx.report.text import clip, frame_label, ranges
 
 if TYPE_CHECKING:
-    from traindx.analyzers.findings import Finding, Prescription
+    from traindx.analyzers.core.findings import Finding, Prescription
     from traindx.derive.run import RunRecord
 
 Marks = dict[tuple[str, Any], Any]
@@ -24,7 +24,7 @@ MAX_EVIDENCE_ROWS = 25
 
 FINDING_COMPILE_ROWS = 5  # a finding shows its first compiles; the rest are summed up per kernel
 
-rank_for_report = reading_order  # the order is defined once, in analyzers/findings.py
+rank_for_report = reading_order  # the order is defined once, in analyzers/core/findings.py
 
 
 def prescription_text(p: Prescription) -> tuple[str | None, str | None]:
@@ -121,14 +121,14 @@ FIX_TRIES_DEFAULT = 3  # diagnose --fix-tries' default: the candidates measured 
 def fix_marks(run: RunRecord, findings: Sequence[Finding], tries: int = FIX_TRIES_DEFAULT) -> Marks:
     """{(finding id, prescription index): "applied" | "next" | "alternative" | "by_hand"} and
     {(finding id, "planned"): [{"summary", "mechanism", "fix"}]}: what `diagnose --fix` would do
-    with each prescription, from the candidates its own loop measures (traindx.analyzers.fixplan.
+    with each prescription, from the candidates its own loop measures (traindx.fixing.plan.planner.
     candidate_plans: the first is applied, the next ones are tried in turn while none gains,
     up to --fix-tries). A candidate the planner builds itself (the job's own flag for a literal,
     an edit it derives from the finding) is listed under "planned", so a prescription it comes
     from is not called "by hand". {} when the plan cannot be made here."""
     try:
         # lazily: the fix loop imports the CLI's commands, which import this report
-        from traindx.analyzers.fixplan import candidate_plans
+        from traindx.fixing.plan.planner import candidate_plans
 
         m = run.manifest or {}
         command = m.get("command") or []
@@ -244,7 +244,7 @@ def finding_view(
 def verdict_view(
     run: RunRecord, findings: Sequence[Finding], findings_view: Sequence[Mapping[str, Any]]
 ) -> dict[str, Any]:
-    """The headline, rendered from the verdict finding (analyzers/verdict.py). Findings without
+    """The headline, rendered from the verdict finding (analyzers/core/verdict.py). Findings without
     one (a findings.json from before the verdict was a finding, a hand-made list) are judged by
     that same analyzer here: the report never decides the verdict itself."""
     v = next((f for f in findings if f.id.startswith(VERDICT_PREFIX)), None) or judge.judge(

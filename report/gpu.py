@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any
 
-from traindx.analyzers.evidence import profiled_steps
+from traindx.analyzers.core.evidence import profiled_steps
 from traindx.derive import gpu_efficiency
 from traindx.derive import ledger as L
 from traindx.profiler import gputime

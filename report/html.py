@@ -20,7 +20,7 @@ from traindx.report import charts
 from traindx.report.data import build_report_data
 
 if TYPE_CHECKING:
-    from traindx.analyzers.findings import Finding
+    from traindx.analyzers.core.findings import Finding
     from traindx.derive.run import RunRecord
 
 TEMPLATES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "templates")

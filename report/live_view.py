@@ -1,6 +1,6 @@
 """The live view while a job runs: a status line (rich Live on a terminal, plain lines in a log)
 and each stable finding printed once, with its first prescription. It only renders what
-`traindx.analyzers.live.LiveJudge` decided."""
+`traindx.analyzers.live.live.LiveJudge` decided."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from typing import TextIO
 from rich.live import Live
 from rich.text import Text
 
-from traindx.analyzers.findings import Finding
-from traindx.analyzers.live import LiveState
+from traindx.analyzers.core.findings import Finding
+from traindx.analyzers.live.live import LiveState
 from traindx.report.console import Console
 
 SEVERITY_STYLE = {"critical": "bold red", "high": "red", "medium": "yellow", "low": "cyan", "info": "dim"}

@@ -10,9 +10,9 @@ from collections.abc import Mapping, Sequence
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
-from traindx.analyzers import evidence as ev
+from traindx.analyzers.core import evidence as ev
 from traindx.profiler import speedscope
-from traindx.profiler.shim._traindx_shim.frames import code_kind
+from traindx.profiler.code_paths import code_kind
 from traindx.report.steps_view import MAX_STEP_BARS
 from traindx.report.text import clip
 
@@ -210,7 +210,7 @@ def gil_view(run: RunRecord) -> list[dict[str, Any]]:
             continue
         names = _thread_names(run, rank)
         total_gil = sum(sum(ts.weights) for ts in gil.values())
-        # the GIL finding's own measure (analyzers/gil.py): a thread's GIL seconds over the main
+        # the GIL finding's own measure (analyzers/host/gil.py): a thread's GIL seconds over the main
         # thread's sampled seconds, imports left out; one number per thread, report and finding
         main = ev.main_thread_id(idle, gil)
         window = sum(ev.training_weight(ts) for n, ts in idle.items() if ev.thread_key(n)[0] == main)

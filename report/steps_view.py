@@ -1,5 +1,5 @@
 """The step chart's and the time ledger's data: the ranks drawn step by step, bars binned beyond
-MAX_STEP_BARS, the loss curve. Step causes come from the judge (analyzers/step_causes.py)."""
+MAX_STEP_BARS, the loss curve. Step causes come from the judge (analyzers/core/step_causes.py)."""
 
 from __future__ import annotations
 

@@ -14,13 +14,13 @@ from traindx.common.units import fmt_s
 from traindx.report.console import Console
 
 if TYPE_CHECKING:
-    from traindx.analyzers.findings import Finding
+    from traindx.analyzers.core.findings import Finding
     from traindx.derive.run import RunRecord
 
 SEVERITY_STYLE = {"critical": "bold red", "high": "red", "medium": "yellow", "low": "cyan", "info": "dim"}
 SUMMARY_ROWS = 6
 CODE_LINES = 6  # lines of a diff or command printed under the verdict
-# what traindx.cli.fixloop's plan does with a prescription (report.findings_view.fix_marks)
+# what traindx.fixing.run.loop's plan does with a prescription (report.findings_view.fix_marks)
 FIX_MARK = {
     "applied": "--fix applies this",
     "next": "--fix tries this next",

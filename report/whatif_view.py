@@ -13,7 +13,7 @@ import numpy as np
 from rich.console import Console
 from rich.text import Text
 
-from traindx.analyzers.findings import Finding
+from traindx.analyzers.core.findings import Finding
 from traindx.derive.whatif import WhatIf
 from traindx.report.terminal import findings_table
 

@@ -2,8 +2,8 @@
 
 import ast
 
-from traindx.analyzers import fix_source
-from traindx.analyzers.findings import Finding, Prescription
+from traindx.analyzers.core.findings import Finding, Prescription
+from traindx.fixing.plan import source as fix_source
 
 
 def _line_of(path, text):

@@ -1,6 +1,6 @@
 """What the --fix test modules share: a finding with prescriptions, a line of a file."""
 
-from traindx.analyzers.findings import Finding
+from traindx.analyzers.core.findings import Finding
 
 
 def _finding(id_, *prescriptions, severity="high"):

@@ -1,10 +1,10 @@
-"""The A/B judge (traindx.analyzers.ab_verdict): the outcome of a comparison and every --fix arm
+"""The A/B judge (traindx.analyzers.core.ab_verdict): the outcome of a comparison and every --fix arm
 decision from given numbers, no run recorded."""
 
 import pytest
 
-from traindx.analyzers import ab_verdict
-from traindx.analyzers.ab_verdict import (
+from traindx.analyzers.core import ab_verdict
+from traindx.analyzers.core.ab_verdict import (
     ABVerdict,
     Arm,
     ArmEvidence,
@@ -16,10 +16,10 @@ from traindx.analyzers.ab_verdict import (
     settles_search,
     worth_repeating,
 )
-from traindx.analyzers.ab_verdict import (
+from traindx.analyzers.core.ab_verdict import (
     ab_verdict as judge_ab,
 )
-from traindx.analyzers.findings import Finding
+from traindx.analyzers.core.findings import Finding
 
 
 def test_a_faster_arm_whose_interval_is_above_one_is_a_win_with_parity():

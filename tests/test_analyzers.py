@@ -85,7 +85,7 @@ def test_default_torch_profile_window_is_stored_for_perfetto_and_left_out_of_the
     assert doc["traceEvents"] and doc["baseTimeNanoseconds"] > 0
     windows = healthy.events[healthy.events["type"] == "torch_profile"]
     assert list(windows["first_step"]) == [3] and list(windows["last_step"]) == [4]
-    from traindx.analyzers.evidence import steady_steps
+    from traindx.analyzers.core.evidence import steady_steps
 
     assert not steady_steps(healthy)["step"].isin([3, 4]).any()
     # the trace lies on the run's clock: its ops fall inside the profiled steps
@@ -213,7 +213,7 @@ def test_synthetic_gpu_evidence_thermal_throttle_is_found_power_cap_is_only_info
     # the analyzer reads the samples of its steady window (the profiled steps in it): on a
     # loaded machine the fixture's warm-up can reach half the run, so the throttled half is that
     # window's second half (the window without the profiled steps was shorter: 34 % throttled)
-    from traindx.analyzers.gpu_clocks import steady_span
+    from traindx.analyzers.gpu.clocks import steady_span
 
     start, end = steady_span(healthy)
     mid = (start + end) // 2
@@ -436,7 +436,8 @@ def test_a_data_wait_that_comes_and_goes_on_a_loaded_machine_is_no_starvation():
     """Recorded Lightning runs on a loaded 2-core machine (tests/data/cpu-lightning-loaded): the
     healthy job's data wait (12 % of the steps, mostly waiting for a core) is no finding; the
     starving job's (a wait in every step) stays one, at its size."""
-    from traindx.analyzers import dataloader, threads
+    from traindx.analyzers.data import dataloader
+    from traindx.analyzers.host import threads
 
     healthy = traindx.load_run(os.path.join(LOADED_LIGHTNING, "healthy"))
     measured = dataloader._from_ledger(healthy, "0")

@@ -81,7 +81,7 @@ def test_line_periods_find_period_two_that_never_doubles_a_step():
     import numpy as np
     import pandas as pd
 
-    from traindx.analyzers.stability import find_period, line_periods
+    from traindx.analyzers.model.stability import find_period, line_periods
 
     rng = np.random.default_rng(0)
     steps = np.arange(2, 42)
@@ -145,7 +145,7 @@ def test_threads_above_the_cores_are_oversubscription_with_the_setting(tmp_path_
     assert code.change["code"]["line"] == line
     wanted = int(code.change["code"]["after"].removeprefix("torch.set_num_threads(").rstrip(")"))
     assert 1 <= wanted <= cores and code.automatic
-    from traindx.analyzers import fixplan
+    from traindx.fixing.plan import planner as fixplan
 
     flag = fixplan.own_flag_option(code, [str(t) for t in run.command], str(out))
     assert flag is not None and flag.change["arg"]["set"] == {"--threads": str(wanted)}
@@ -195,8 +195,8 @@ def test_threads_set_by_a_literal_in_the_job_prescribe_that_line_not_the_env(tmp
 def test_a_prescription_priced_at_no_gain_promises_nothing():
     """The savings model can price a fix below zero (more DataLoader workers on cores the step
     already fills): the prescription keeps its change but promises no gain, and says why."""
-    from traindx.analyzers.chains import without_losing_prescriptions
-    from traindx.analyzers.findings import Finding, Prescription
+    from traindx.analyzers.core.chains import without_losing_prescriptions
+    from traindx.analyzers.core.findings import Finding, Prescription
 
     workers = Prescription(
         kind="code", summary="num_workers=2", change={"code": {"line": 3}}, expected_gain_s_per_step=-0.00126
@@ -226,7 +226,7 @@ def test_host_time_spent_waiting_for_a_core_is_not_charged_to_its_line():
     thread ran ~8 ms of each ~60 ms step; the host intervals' wall time is mostly the thread
     waiting for a core at the line its time slice ended in (two samples), which the wall-clock
     split charged to the framework's call at 12 % and 7 % of the step."""
-    from traindx.analyzers import host_work
+    from traindx.analyzers.host import work as host_work
     from traindx.derive import ledger
 
     run = traindx.load_run(os.path.join(LOADED_LIGHTNING, "healthy-runq"))
@@ -260,7 +260,8 @@ def test_a_gc_pause_spent_waiting_for_a_core_is_not_charged_to_gc():
     the training thread's CPU clock: one young-generation pass in steady step 4 took 7.2 ms of
     wall time for 0.2 ms of CPU, more than the 4.1 ms of CPU the thread got in the whole 23 ms
     step. Priced by its wall time it was 31 % of that step and 5 % of the steady steps' time."""
-    from traindx.analyzers import gc_pauses, step_causes
+    from traindx.analyzers.core import step_causes
+    from traindx.analyzers.host import gc_pauses
     from traindx.derive import ledger
     from traindx.derive.steptables import compile_spans, event_seconds, gc_frame, run_t0, step_table
 
@@ -332,7 +333,7 @@ def test_a_write_run_asynchronously_is_never_cut_off_at_exit(tmp_path):
     import subprocess
     import sys
 
-    from traindx.analyzers import host_work
+    from traindx.analyzers.host import work as host_work
 
     job = tmp_path / "loop.py"
     job.write_text(
@@ -345,12 +346,16 @@ def test_a_write_run_asynchronously_is_never_cut_off_at_exit(tmp_path):
     src = "slow_write(OUT)"
     (write,) = [
         p
-        for p in host_work._prescriptions("file", "loop.py:5", src, str(job), 5, 0.5, False, str(tmp_path))
+        for p in host_work.line_prescriptions(
+            "file", "loop.py:5", src, str(job), 5, 0.5, False, str(tmp_path)
+        )
         if p.change
     ]
     (wait,) = [
         p
-        for p in host_work._prescriptions("sleep", "loop.py:5", src, str(job), 5, 0.5, False, str(tmp_path))
+        for p in host_work.line_prescriptions(
+            "sleep", "loop.py:5", src, str(job), 5, 0.5, False, str(tmp_path)
+        )
         if p.change
     ]
     assert "daemon=False" in write.change["code"]["after"]
@@ -369,7 +374,7 @@ def test_host_code_whose_lines_call_no_library_still_names_the_top_line(monkeypa
     no library call (NaN in host_code's `call`). pandas' groupby drops NaN keys by default, so a
     step made only of such lines once left an empty table and an IndexError on an H200 run; the
     line must still be named, with no call."""
-    from traindx.analyzers import gpu_idle
+    from traindx.analyzers.gpu import idle as gpu_idle
     from traindx.derive import ledger
 
     run = traindx.load_run(os.path.join(LOADED_LIGHTNING, "healthy-runq"))

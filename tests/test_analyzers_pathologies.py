@@ -11,7 +11,7 @@ from helpers import PY, example
 
 import traindx
 from traindx.analyzers import analyze
-from traindx.analyzers import evidence as ev
+from traindx.analyzers.core import evidence as ev
 
 PATHOLOGIES = example("pathologies.py")
 TORCHRUN = os.path.join(os.path.dirname(PY), "torchrun")
@@ -38,7 +38,7 @@ def test_gil_burning_thread_is_named_with_its_function(tmp_path_factory):
     assert finding.evidence["hottest_frames"][0]["file"].endswith("pathologies.py")
     # the share a busy machine leaves the thread varies (0.25-0.6 seen): above the analyzer's
     # floor and worth a medium or high finding is what the user reads
-    from traindx.analyzers import gil
+    from traindx.analyzers.host import gil
 
     assert finding.evidence["gil_share"] >= gil.MIN_SHARE
     assert finding.severity in ("medium", "high")
@@ -48,7 +48,7 @@ def test_gil_burning_thread_is_named_with_its_function(tmp_path_factory):
 def test_gil_from_the_seed_reports_py_spy_file_alone():
     """The H200 recording of the seed case (py-spy --gil --idle, FA4 4.0.0b17, tensor
     max_seqlen): the autograd thread holds the GIL while the CuTe DSL compiles."""
-    from traindx.analyzers.gil import analyze_recording
+    from traindx.analyzers.host.gil import analyze_recording
     from traindx.profiler import speedscope
 
     path = os.path.join(os.path.dirname(__file__), "data", "h200-fa4-b17-tensor-maxseqlen.speedscope.json")
@@ -206,7 +206,7 @@ def test_a_period_far_above_a_loaded_machines_noise_is_still_found():
     """10 ms steps, a 0.25 s save every 4th step, and eight steps elsewhere 3x slow (a busy
     machine): the 2x set is too noisy for a period (10 saves among 18 slow steps), the saves
     alone are not."""
-    from traindx.analyzers.stability import find_period
+    from traindx.analyzers.model.stability import find_period
 
     steps = list(range(2, 42))
     noise = {5, 6, 9, 16, 22, 25, 30, 36}  # no period of their own
@@ -217,7 +217,7 @@ def test_a_period_far_above_a_loaded_machines_noise_is_still_found():
 
 
 def test_period_detection_ignores_noise_without_a_period():
-    from traindx.analyzers.stability import find_period
+    from traindx.analyzers.model.stability import find_period
 
     steps = list(range(2, 30))
     noisy = [

@@ -1,4 +1,4 @@
-"""Autotune prescriptions in the installed versions' own terms (analyzers/autotune_advice.py).
+"""Autotune prescriptions in the installed versions' own terms (analyzers/jit/autotune_advice.py).
 
 The events have the shape the shim records for `triton_autotune` (kernel, module, key names and
 values, dtypes, bench seconds, cache_results, disk hit, chosen config) and the numbers of the
@@ -7,7 +7,7 @@ issue's H200 run: FLA 0.6.0 `chunk_gated_delta_rule` forward, ~37 s of first-cal
 
 import pytest
 
-from traindx.analyzers import autotune_advice as aa
+from traindx.analyzers.jit import autotune_advice as aa
 
 FLA_060 = {"triton": "3.6.0", "fla-core": "0.6.0", "flash-linear-attention": "0.6.0", "torch": "2.11.0"}
 DTYPES = {"k": "torch.bfloat16", "w": "torch.bfloat16", "u": "torch.bfloat16", "g": "torch.float32"}

@@ -1,4 +1,4 @@
-"""A prescription's change is a tagged union (traindx.analyzers.findings.Change): each kind reads
+"""A prescription's change is a tagged union (traindx.analyzers.core.findings.Change): each kind reads
 from and writes back the JSON form findings.json holds, byte for byte; an old findings.json loads;
 fix planning refuses a change of no known kind."""
 
@@ -10,7 +10,7 @@ import pickle
 
 import pytest
 
-from traindx.analyzers.findings import (
+from traindx.analyzers.core.findings import (
     ArgChange,
     CacheWarm,
     EnvChange,
@@ -23,7 +23,7 @@ from traindx.analyzers.findings import (
     UnknownChange,
     change_from_json,
 )
-from traindx.analyzers.fixplan import mechanism, plan_fixes
+from traindx.fixing.plan.planner import mechanism, plan_fixes
 
 DATA = os.path.join(os.path.dirname(__file__), "data")
 
@@ -131,7 +131,7 @@ def test_an_old_findings_json_loads_and_writes_back_byte_identical():
         with open(path, encoding="utf-8") as f:
             text = f.read()
         findings = [Finding.from_dict(d) for d in json.loads(text)]
-        # as traindx.cli.outputs.write_findings writes it
+        # as traindx.report.outputs.write_findings writes it
         assert json.dumps([f.to_dict() for f in findings], indent=2, default=str) == text, path
     old = {
         "id": "threads.oversubscribed",

@@ -1,4 +1,4 @@
-"""Each analyzer declares itself once (analyzers/declaration.py): the registry, the cause chains'
+"""Each analyzer declares itself once (analyzers/core/declaration.py): the registry, the cause chains'
 tables and the live judgement's are derived from the declarations, and the declarations are
 true of what the analyzers make on the recorded runs of tests/data."""
 
@@ -12,8 +12,9 @@ import pytest
 
 import traindx
 from traindx import analyzers
-from traindx.analyzers import chains, live
-from traindx.analyzers.declaration import Catalog, Declaration, Removes, catalog, discover
+from traindx.analyzers.core import chains
+from traindx.analyzers.core.declaration import Catalog, Declaration, Removes, catalog, discover
+from traindx.analyzers.live import live
 
 DATA = os.path.join(os.path.dirname(__file__), "data")
 # every recorded run: between them they cover all analyzers but step_causes, and links of
@@ -33,13 +34,14 @@ def _module_defines_analyze(path):
 def test_every_analyzer_module_declares_itself_and_the_registry_keeps_its_order():
     folder = os.path.dirname(analyzers.__file__)
     defining = {
-        name[:-3]
-        for name in os.listdir(folder)
+        "traindx.analyzers." + os.path.relpath(os.path.join(where, name), folder)[:-3].replace(os.sep, ".")
+        for where, _, names in os.walk(folder)
+        for name in names
         if name.endswith(".py")
         and name != "__init__.py"
-        and _module_defines_analyze(os.path.join(folder, name))
+        and _module_defines_analyze(os.path.join(where, name))
     }
-    declared = {d.name for d in catalog().declarations}
+    declared = {d.module for d in catalog().declarations}
     assert defining == declared, (
         "a module with analyze() needs a DECLARATION (docs/DESIGN.md, 'How to add an analyzer')"
     )
@@ -139,11 +141,11 @@ def test_the_derived_tables_are_the_declarations():
         for i in ("verdict.cause", "evidence.missing", "traindx.analyzer_failed.x")
     )
     assert not "job.exit".startswith(live.NOT_CAUSES)
-    assert c.recompiles == live._PROVEN_AT_ONCE and "jit.cold_start" not in c.recompiles
+    assert c.recompiles == live.PROVEN_AT_ONCE and "jit.cold_start" not in c.recompiles
 
 
 FAKE = """
-from traindx.analyzers.declaration import Declaration, Removes
+from traindx.analyzers.core.declaration import Declaration, Removes
 
 DECLARATION = Declaration(
     name="fake_io",
@@ -171,10 +173,10 @@ def test_a_new_analyzers_declaration_reaches_every_derived_table(tmp_path, monke
     package = tmp_path / "fake_analyzers"
     package.mkdir()
     (package / "__init__.py").write_text("")
-    for name in [d.name for d in catalog().declarations]:
+    for d in catalog().declarations:
         # traindx's analyzers, declared again in the fake package (their modules stay traindx's)
-        (package / f"{name}.py").write_text(
-            f"from traindx.analyzers import {name} as real\n\nDECLARATION = real.DECLARATION\n"
+        (package / f"{d.name}.py").write_text(
+            f"import {d.module} as real\n\nDECLARATION = real.DECLARATION\n"
         )
     (package / "fake_io.py").write_text(textwrap.dedent(FAKE))
     (package / "helper.py").write_text(

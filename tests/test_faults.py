@@ -435,7 +435,7 @@ def test_the_tracebacks_of_the_issue_are_one_line_errors(tmp_path, cpu_run):
 def _without_callers(src, dst):
     """The py-spy recording with every compiling stack cut at the compiler's entry (py-spy
     sometimes unwinds no caller): the compile sites then have no calling function."""
-    from traindx.analyzers.pyspy_signatures import COMPILER_PATH
+    from traindx.analyzers.jit.pyspy_signatures import COMPILER_PATH
 
     with open(src, encoding="utf-8") as f:
         doc = json.load(f)
@@ -488,6 +488,7 @@ def _analyzed(run_dir):
 def test_a_failing_analyzer_loses_only_its_own_finding(tmp_path, monkeypatch):
     import importlib
 
+    from traindx import analyzers
     from traindx.analyzers import AnalyzerFailedWarning
 
     run_dir = _copy(SEED_RUN, tmp_path / "run")
@@ -495,7 +496,7 @@ def test_a_failing_analyzer_loses_only_its_own_finding(tmp_path, monkeypatch):
     healthy = {f.id: f for f in analyze(run)}
     assert {"jit.fa4_steady_recompile", "gil.contention"} <= set(healthy)
     for name, lost in (("gil", "gil.contention"), ("jit", "jit.fa4_steady_recompile")):
-        module = importlib.import_module(f"traindx.analyzers.{name}")
+        module = importlib.import_module(analyzers.MODULES[name])
 
         def broken(run, name=name):
             raise RuntimeError(f"{name} broke\non two lines")
@@ -515,7 +516,8 @@ def test_a_failing_analyzer_loses_only_its_own_finding(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_a_failing_step_after_the_analyzers_keeps_their_findings(tmp_path, monkeypatch):
-    from traindx.analyzers import AnalyzerFailedWarning, chains, codefix
+    from traindx.analyzers import AnalyzerFailedWarning, codefix
+    from traindx.analyzers.core import chains
 
     run_dir = _copy(SEED_RUN, tmp_path / "run")
     run, analyze = _analyzed(run_dir)

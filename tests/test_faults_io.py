@@ -18,8 +18,9 @@ import textwrap
 import pytest
 from helpers import PY, ROOT
 
-from traindx.cli import fix_model, fix_scrub
 from traindx.cli import main as cli
+from traindx.fixing.run import model as fix_model
+from traindx.fixing.run import scrub as fix_scrub
 
 DATA = os.path.join(ROOT, "tests", "data")
 SECRETS = {

@@ -19,8 +19,8 @@ import tty
 
 from helpers import PY, ROOT
 
-from traindx.analyzers.live_state import write_control
-from traindx.cli import fix_confine
+from traindx.analyzers.live.state import write_control
+from traindx.fixing.run import confine as fix_confine
 from traindx.profiler import launcher
 from traindx.profiler.launcher import Options
 

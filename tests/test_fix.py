@@ -11,8 +11,8 @@ from fix_helpers import _finding
 from helpers import PY, diagnose, diagnose_side_by_side, example
 
 import traindx
-from traindx.analyzers.findings import Prescription
-from traindx.cli.fixloop import plan_fixes, program_args_start, set_flags
+from traindx.analyzers.core.findings import Prescription
+from traindx.fixing.run.loop import plan_fixes, program_args_start, set_flags
 from traindx.recipes.card import RecipeCard
 
 TINY = example("train_tiny.py")

@@ -13,10 +13,10 @@ from fix_class_helpers import _edited, _line_of, _pageable
 from helpers import PY, ROOT, diagnose
 
 import traindx
-from traindx.analyzers import fix_source
-from traindx.analyzers.findings import Finding, Prescription
-from traindx.analyzers.fixplan import candidate_plans
+from traindx.analyzers.core.findings import Finding, Prescription
 from traindx.derive.ledger import steady_rows
+from traindx.fixing.plan import source as fix_source
+from traindx.fixing.plan.planner import candidate_plans
 
 JOBS = os.path.join(ROOT, "tests", "jobs")
 HOST_READS = os.path.join(JOBS, "fix_host_reads.py")
@@ -224,7 +224,7 @@ def test_a_launch_bound_job_that_compiles_nothing_gets_its_model_compiled_where_
     assert [line.split()[1] for line in proc.stdout.splitlines()] == ["0", "1", "2"]
     # a job that compiles already: its own call gets the mode (the other test); no torch import,
     # or a model made in the loop: nothing
-    from traindx.analyzers import codefix_compile
+    from traindx.fixing.plan import compile_edits as codefix_compile
 
     assert codefix_compile.compile_model_edits(str(patched)) == []  # it compiles now
     bare = tmp_path / "bare.py"
@@ -272,10 +272,11 @@ def test_fix_applies_the_host_read_and_pinned_copy_edits_and_parity_holds(tmp_pa
     view's host_starved at the loop, pageable_copy at the copy line with the loader's real
     construction site from the shim's data_site events). The loop plans them, applies each on a
     scratch copy, runs it: the edited job still runs, the patch is right, parity passes."""
-    from traindx.analyzers import dataloader, frameworks
-    from traindx.cli import outputs
-    from traindx.cli.fixloop import FixOptions, fix
+    from traindx.analyzers.core import frameworks
+    from traindx.analyzers.data import dataloader
+    from traindx.fixing.run.loop import FixOptions, fix
     from traindx.profiler.launcher import Options
+    from traindx.report import outputs
 
     real = outputs.analyze_and_write
     copy_line = _line_of(HOST_READS, "x = x.to(dev)")
@@ -284,8 +285,8 @@ def test_fix_applies_the_host_read_and_pinned_copy_edits_and_parity_holds(tmp_pa
         findings, report = real(record, *args, **kwargs)
         if os.path.basename(record.path) != "baseline":
             return findings, report
-        site = dataloader._starving_site(frameworks.data_sites(record, "0"), "DataLoader")
-        pin = dataloader._site_change(site, "DataLoader", {"pin_memory": "True"})
+        site = dataloader.starving_site(frameworks.data_sites(record, "0"), "DataLoader")
+        pin = dataloader.loader_site_change(site, "DataLoader", {"pin_memory": "True"})
         assert pin and "DataLoader(data, batch_size=16, shuffle=False, pin_memory=True)" in pin["after"]
         return [
             _host_starved(HOST_READS, copy_line, 0.03),
@@ -295,7 +296,7 @@ def test_fix_applies_the_host_read_and_pinned_copy_edits_and_parity_holds(tmp_pa
     monkeypatch.setattr(outputs, "analyze_and_write", analyze_and_write)
     # both arms measured: on a CPU nothing waits on a host read, so a first arm "as predicted"
     # is the machine's load (seen once on a fresh-clone CI run), which would end the search
-    from traindx.analyzers import ab_verdict
+    from traindx.analyzers.core import ab_verdict
 
     monkeypatch.setattr(ab_verdict, "as_predicted", lambda arm: False)
     before = open(HOST_READS).read()

@@ -13,9 +13,9 @@ from fix_class_helpers import _edited, _line_of, _pageable
 from helpers import PY, ROOT, diagnose
 
 import traindx
-from traindx.analyzers import fix_source
-from traindx.analyzers.findings import Finding, Prescription
-from traindx.analyzers.fixplan import candidate_plans
+from traindx.analyzers.core.findings import Finding, Prescription
+from traindx.fixing.plan import source as fix_source
+from traindx.fixing.plan.planner import candidate_plans
 
 
 def test_host_read_edits_keep_results_on_the_device_and_leave_host_values_alone(tmp_path):
@@ -122,7 +122,7 @@ def test_a_guard_read_to_the_host_becomes_an_assert_on_the_device(tmp_path):
 def test_an_occasional_cost_is_judged_by_the_mean_and_a_slower_arm_is_never_kept():
     """A full GC in 3 of 23 steps: the median step is one without it, so the arm is judged by
     the mean; an arm slower than the baseline is not kept, whatever else ran."""
-    from traindx.cli.fixloop import _keep, _periodic
+    from traindx.fixing.run.loop import _keep, _periodic
 
     window = {"window_values_s": {"baseline": [0.05] * 20 + [0.9] * 3, "candidate": [0.06] * 23}}
     gc_steps = Finding(
@@ -378,7 +378,7 @@ def test_a_per_parameter_optimizer_is_made_multi_tensor_at_the_call_that_makes_i
     )
     assert proc.stdout == baseline.stdout  # the same updates, in fewer kernels
 
-    from traindx.analyzers import codefix_optim
+    from traindx.fixing.plan import optim_edits as codefix_optim
 
     # a fused kernel where the class has one; a multi-line call; foreach=True made None
     sgd = tmp_path / "sgd.py"
@@ -414,7 +414,7 @@ def test_host_work_whose_results_nothing_reads_goes_to_a_background_thread(tmp_p
     """A line of host work in the loop (a read and a wait joined by `;`, as in a slowed public
     script) whose assigned name nothing reads: its work runs on a thread, in order; a line whose
     result the step reads keeps its place (the DataLoader advice is the fix there)."""
-    from traindx.analyzers.host_work import _async_edit
+    from traindx.analyzers.host.work import async_edit
 
     script = tmp_path / "train.py"
     script.write_text(
@@ -427,17 +427,17 @@ def test_host_work_whose_results_nothing_reads_goes_to_a_background_thread(tmp_p
         "        log.flush()\n"
     )
     lines = script.read_text().splitlines()
-    edit = _async_edit(lines[3].strip(), str(script), 4, str(tmp_path), daemon=True)
+    edit = async_edit(lines[3].strip(), str(script), 4, str(tmp_path), daemon=True)
     assert edit["after"] == (
         "        __import__('threading').Thread(target=lambda: "
         "(open(__file__, 'rb').read(), time.sleep(0.15)), daemon=True).start()"
     )
     patched = lines[:3] + [edit["after"]] + lines[4:]
     ast.parse("\n".join(patched))
-    assert _async_edit(lines[4].strip(), str(script), 5, str(tmp_path)) is None  # `batch` is read
+    assert async_edit(lines[4].strip(), str(script), 5, str(tmp_path)) is None  # `batch` is read
     assert (
         "target=lambda: log.flush()"
-        in _async_edit(lines[6].strip(), str(script), 7, str(tmp_path), daemon=False)["after"]
+        in async_edit(lines[6].strip(), str(script), 7, str(tmp_path), daemon=False)["after"]
     )
 
 

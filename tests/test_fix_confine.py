@@ -1,6 +1,6 @@
 """`diagnose --fix` never writes where the user's files are (issue 39, item 1; its rows of the
 fault suite): every arm's writes are confined to its own folder, a private overlay view where
-user namespaces are allowed (traindx.cli.fix_confine), a private copy where they are not.
+user namespaces are allowed (traindx.fixing.run.confine), a private copy where they are not.
 
 Rows: a job saving ckpt.pt and out/final.txt relative to its cwd, appending to a results file
 by absolute path outside the run folder and to a > 2 MB file beside its script, under --fix
@@ -21,8 +21,8 @@ import threading
 import pytest
 from helpers import PY, ROOT, diagnose
 
-from traindx.analyzers import fix_source
-from traindx.cli import fix_confine
+from traindx.fixing.run import confine as fix_confine
+from traindx.fixing.run import scratch
 from traindx.profiler.launcher import Options
 
 JOB = os.path.join(ROOT, "tests", "jobs", "fix_writes_outputs.py")
@@ -216,7 +216,7 @@ def test_a_scratch_copy_never_links_a_large_file_back_to_the_users(tmp_path):
     tree.mkdir()
     (tree / "big.bin").write_bytes(os.urandom(3 * 1024 * 1024))
     (tree / "job.py").write_text("print(1)\n")
-    fix_source.copy_tree(str(tree), str(tmp_path / "copy"))
+    scratch.copy_tree(str(tree), str(tmp_path / "copy"))
     copy = tmp_path / "copy" / "big.bin"
     assert not copy.is_symlink() and os.stat(copy).st_ino != os.stat(tree / "big.bin").st_ino
     with open(copy, "ab") as f:
@@ -251,7 +251,7 @@ def test_the_view_covers_every_writable_folder_and_a_working_folder_with_a_mount
 
 INNER = """
 import subprocess, sys
-from traindx.cli import fix_confine
+from traindx.fixing.run import confine as fix_confine
 from traindx.profiler.launcher import Options
 proj, arm = sys.argv[1], sys.argv[2]
 confiner = fix_confine.Confiner(proj + "/runs/fix", proj)
@@ -293,7 +293,7 @@ def test_a_working_folder_with_a_data_volume_mounted_below_is_confined_too(tmp_p
 
 ABOVE = """
 import subprocess, sys
-from traindx.cli import fix_confine
+from traindx.fixing.run import confine as fix_confine
 from traindx.profiler.launcher import Options
 proj, arm, scratch = sys.argv[1:4]
 confiner = fix_confine.Confiner(proj + "/runs/fix", proj)

@@ -13,8 +13,8 @@ from fix_helpers import _finding, _line_of
 from helpers import PY, ROOT, diagnose
 
 import traindx
-from traindx.analyzers.findings import Prescription
-from traindx.cli.fixloop import plan_fixes
+from traindx.analyzers.core.findings import Prescription
+from traindx.fixing.run.loop import plan_fixes
 
 # -- issue 14: four mechanisms, none of which edits the user's files -----------------------------
 # A held-out packed-sequence job laid out like a framework (tests/jobs/fix_packed): its collator
@@ -209,7 +209,7 @@ def test_fix_overlay_upgrade_from_a_wheel_folder(packed_source_fix, tmp_path):
 
 
 def test_overlay_failure_is_one_line_and_the_candidate_falls_back(tmp_path):
-    from traindx.cli import fix_overlay
+    from traindx.fixing.run import overlay as fix_overlay
 
     (tmp_path / "empty").mkdir()
     with pytest.raises(fix_overlay.OverlayError) as exc:
@@ -285,7 +285,7 @@ def test_plan_picks_the_preferred_mechanism_and_keeps_the_rest_listed(tmp_path):
 
 
 def test_wrap_in_int_gives_code_that_parses():
-    from traindx.analyzers.jit import wrap_in_int
+    from traindx.analyzers.jit.jit import wrap_in_int
 
     assert wrap_in_int("    max_seqlen = seqlens.max()") == "    max_seqlen = int(seqlens.max())"
     assert (
@@ -311,7 +311,7 @@ def test_static_origin_scan_finds_the_assignment_in_the_job_source():
 
 
 def test_autotune_key_edit_drops_the_changing_argument(tmp_path):
-    from traindx.analyzers import fix_source
+    from traindx.fixing.plan import source as fix_source
 
     kernel = tmp_path / "kernels.py"
     kernel.write_text(
@@ -406,7 +406,7 @@ def _autotune_run(tmp_path, kernel_file):
 
 
 def test_triton_autotune_key_is_patched_in_the_kernels_own_terms(tmp_path):
-    from traindx.analyzers import jit
+    from traindx.analyzers.jit import jit
 
     job = tmp_path / "job"
     shutil.copytree(os.path.join(ROOT, "tests", "jobs", "fix_triton"), job)
@@ -426,7 +426,7 @@ def test_triton_autotune_key_is_patched_in_the_kernels_own_terms(tmp_path):
         os.chdir(old)
     edit = plan.source_edits[0]
     assert edit["file"] == str(kernel_file) and edit["after_line"].strip() == 'key=["D"])'
-    from traindx.analyzers import fix_source
+    from traindx.fixing.plan import source as fix_source
 
     diff = fix_source.unified_diff(str(job), plan.source_edits)
     assert diff.startswith("--- a/fastnorm/kernels.py\n+++ b/fastnorm/kernels.py\n")

@@ -11,8 +11,8 @@ from fix_helpers import _line_of
 from helpers import PY, diagnose
 
 import traindx
-from traindx.analyzers.findings import Prescription
-from traindx.cli.fixloop import set_flags
+from traindx.analyzers.core.findings import Prescription
+from traindx.fixing.run.loop import set_flags
 
 
 # -- every concrete edit a measured candidate (issue 21) ---------------------------------------------
@@ -35,8 +35,8 @@ def _git_apply_to_clean_copy(tmp_path, files, patch):
 
 
 def test_source_edits_delete_insert_and_own_flags(tmp_path):
-    from traindx.analyzers import fix_source
-    from traindx.analyzers.fixplan import own_flag_option
+    from traindx.fixing.plan import source as fix_source
+    from traindx.fixing.plan.planner import own_flag_option
 
     script = tmp_path / "train.py"
     script.write_text(
@@ -117,7 +117,7 @@ def test_fix_engine_searches_past_a_broken_candidate_to_the_train_loader(tmp_pat
     purpose (its command gets an unknown flag: the job exits 2); the search goes on to the next
     one, the code edit of the loader the steps iterate (the train loader, not the test loader
     built after it with the same kwargs), measures it and keeps it in fix.patch."""
-    from traindx.cli.fixloop import FixOptions, _default_job, fix
+    from traindx.fixing.run.loop import FixOptions, _default_job, fix
     from traindx.profiler.launcher import Options
 
     job = _job("fix_two_loaders.py")
@@ -171,7 +171,7 @@ def test_an_arm_slowed_by_a_neighbour_is_measured_again_and_judged_by_its_quicke
     whatever the machine's own load, so the arm misses its predicted gain). The loop measures it
     again, the candidate then the baseline (A B B A), judges each side by its quicker run, and
     keeps the change with a significant gain."""
-    from traindx.cli.fixloop import FixOptions, _default_job, fix
+    from traindx.fixing.run.loop import FixOptions, _default_job, fix
     from traindx.profiler.launcher import Options
 
     order = []

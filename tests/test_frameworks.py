@@ -15,7 +15,8 @@ import pytest
 from helpers import PY, ROOT, diagnose, only_run_dir
 
 import traindx
-from traindx.analyzers import analyze, codefix, frameworks
+from traindx.analyzers import analyze, codefix
+from traindx.analyzers.core import frameworks
 from traindx.profiler.logparse import compile_custom, parse_line
 
 JOBS = os.path.join(ROOT, "tests", "jobs")
@@ -194,7 +195,7 @@ def test_code_change_refuses_prose_and_applies_real_edits(tmp_path):
 def test_knobs_need_strong_evidence(tmp_path):
     """A flag or config key is prescribed when the framework's code ran or the command runs it;
     a log line in its format alone is not enough (any script can print one)."""
-    from traindx.analyzers.stability import checkpoint_prescriptions
+    from traindx.analyzers.model.stability import checkpoint_prescriptions
 
     def run_of(command, log=""):
         folder = tmp_path / str(len(list(tmp_path.iterdir())))

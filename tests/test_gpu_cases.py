@@ -56,7 +56,7 @@ def h200_cases(tmp_path_factory):
 
 
 def _measured(h200_cases, case):
-    from traindx.analyzers import evidence as ev
+    from traindx.analyzers.core import evidence as ev
 
     bad, _ = h200_cases(f"{case}-bad", analyze=False)
     fixed, _ = h200_cases(f"{case}-fixed", analyze=False)
@@ -171,8 +171,8 @@ def test_h200_launch_bound_job_gets_a_fused_optimizer_and_a_compiled_model_as_ca
     the model compiled in CUDA-graph mode where the job makes it, and both in one arm first,
     each priced by the time ledger's optimizer and forward/backward spans (bench/jobs/gpu_cases.py as it is
     now; the analyzer's own prescriptions are prose)."""
-    from traindx.analyzers import fix_source
-    from traindx.analyzers.fixplan import candidate_plans
+    from traindx.fixing.plan import source as fix_source
+    from traindx.fixing.plan.planner import candidate_plans
 
     run, findings = h200_cases("tiny_kernels-bad")
     finding = next(f for f in findings if f.id == "gpu.launch_bound")
@@ -204,7 +204,7 @@ def test_h200_launch_bound_job_gets_a_fused_optimizer_and_a_compiled_model_as_ca
     assert finding.evidence["priced_by"].startswith("the time ledger's")
     # each arm's predicted step is its own prescription's saving, not the finding's first one
     # (the finding names no ledger line; H200 session 30: every arm was priced as the graph)
-    from traindx.analyzers.savings import predicted_step_time
+    from traindx.analyzers.core.savings import predicted_step_time
 
     for cand in launch:
         pred = predicted_step_time(run, finding, gain=cand.predicted_saving_s_per_step)
@@ -286,7 +286,7 @@ def test_derive_a_measured_call_keeps_its_line_across_the_step_mark():
 
 
 def test_window_idle_overlap_and_the_first_step_of_a_window():
-    from traindx.analyzers import gpu_window as gw
+    from traindx.analyzers.core import gpu_window as gw
 
     trace = pd.DataFrame(
         {"cat": ["kernel", "kernel", "gpu_memcpy"], "start_ns": [300, 600, 650], "end_ns": [500, 700, 900]}
@@ -303,7 +303,7 @@ def test_window_idle_overlap_and_the_first_step_of_a_window():
 def test_a_sync_statement_reaches_back_to_the_previous_measured_call():
     """The tensor ops before a host read, back to the model's last module call, are the read's
     statement; a module call, an own function or the previous sync bound it."""
-    from traindx.analyzers import host_sync
+    from traindx.analyzers.gpu import host_sync
 
     py = pd.DataFrame(
         [
@@ -336,8 +336,8 @@ def test_a_sync_statement_reaches_back_to_the_previous_measured_call():
 
 
 def test_chains_one_cause_one_finding_for_gpu_views():
-    from traindx.analyzers import chains
-    from traindx.analyzers.findings import Finding, Prescription
+    from traindx.analyzers.core import chains
+    from traindx.analyzers.core.findings import Finding, Prescription
 
     def finding(id_, seconds, **evidence):
         return Finding(

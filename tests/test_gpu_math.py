@@ -15,10 +15,10 @@ import pandas as pd
 import pytest
 
 import traindx
-from traindx.analyzers import gpu_math
-from traindx.analyzers.fixplan import candidate_plans
+from traindx.analyzers.gpu import math as gpu_math
 from traindx.derive import device_peaks, gpu_efficiency
 from traindx.derive.kernel_classes import classify
+from traindx.fixing.plan.planner import candidate_plans
 from traindx.recipes.card_from_run import card
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -5,7 +5,7 @@ import pytest
 from helpers import recorded_runs
 
 import traindx
-from traindx.analyzers.findings import is_problem
+from traindx.analyzers.core.findings import is_problem
 from traindx.derive.steady import median_step_s
 
 

@@ -19,7 +19,7 @@ import pytest
 from gpu_view_helpers import DATA, ROOT, load
 
 import traindx
-from traindx.analyzers import gpu_idle
+from traindx.analyzers.gpu import idle as gpu_idle
 from traindx.profiler import gputime as derive
 from traindx.profiler.torchtrace import gpu_kind, gpu_window, load_trace, top_kernels
 
@@ -348,7 +348,7 @@ def test_idle_between_steps_every_fifth_step(tmp_path, shim):
     f = found[0]
     steady = {
         int(s)
-        for s in __import__("traindx.analyzers.evidence", fromlist=["x"]).steady_steps(run, "0")["step"]
+        for s in __import__("traindx.analyzers.core.evidence", fromlist=["x"]).steady_steps(run, "0")["step"]
     }
     assert set(f.steps_affected) == {s for s in steady if s % 5 == 0}
     assert f.evidence["period"] == 5

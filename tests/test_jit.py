@@ -13,7 +13,7 @@ from conftest import fa4_available
 from helpers import PY, ROOT, diagnose, example
 
 import traindx
-from traindx.cli.outputs import read_findings
+from traindx.report.outputs import read_findings
 
 FA4_SEED = example("fa4_seed.py")
 FIXTURE = os.path.join(ROOT, "tests", "data", "h200-fa4-b17-tensor-maxseqlen.speedscope.json")
@@ -165,7 +165,7 @@ def test_b17_tensor_gil_evidence_from_pyspy(b17_tensor):
 @pytest.mark.slow
 def test_b17_tensor_pyspy_alone_counts_the_same_recompiles(b17_tensor):
     """What `diagnose attach` would have: the same run's py-spy recording without the shim."""
-    from traindx.analyzers.jit import analyze_recording
+    from traindx.analyzers.jit.jit import analyze_recording
 
     run, _, _ = b17_tensor
     if ("0", "all") not in run.pyspy:
@@ -383,7 +383,7 @@ def test_autotune_again_after_warmup_names_the_changing_key(tmp_path):
     ],
 )
 def test_backend_switch_is_recognised_from_the_command(tmp_path, command, env, expected):
-    from traindx.analyzers.jit import backend_switches
+    from traindx.analyzers.jit.jit import backend_switches
 
     run = _synthetic_run(tmp_path / "run", command, [])
     run.manifest["env"] = env

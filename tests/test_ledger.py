@@ -12,8 +12,8 @@ import pytest
 from ledger_helpers import CATEGORY_COLUMNS, JOBS, _assert_sums_exactly, _run
 
 import traindx
-from traindx.analyzers import savings as S
-from traindx.analyzers.findings import Finding
+from traindx.analyzers.core import savings as S
+from traindx.analyzers.core.findings import Finding
 from traindx.derive import ledger as L
 
 

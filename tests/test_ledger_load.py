@@ -14,8 +14,8 @@ from helpers import PY, diagnose_side_by_side, only_run_dir
 from ledger_helpers import JOBS, _assert_sums_exactly, _run
 
 import traindx
-from traindx.analyzers import savings as S
-from traindx.analyzers.findings import Finding
+from traindx.analyzers.core import savings as S
+from traindx.analyzers.core.findings import Finding
 from traindx.derive import ledger as L
 
 
@@ -86,8 +86,8 @@ def test_same_findings_and_severities_with_cpu_burners_beside(quiet_and_loaded, 
 
 # -- chains ---------------------------------------------------------------------------------------
 def test_compiling_straggler_and_launch_bound_are_symptoms_of_the_recompile():
-    from traindx.analyzers import chains
-    from traindx.analyzers.findings import Prescription, rank_findings
+    from traindx.analyzers.core import chains
+    from traindx.analyzers.core.findings import Prescription, rank_findings
 
     rx = (Prescription(kind="code", summary="fix it", expected_gain_s_per_step=1.0),)
     jit = Finding(

@@ -10,7 +10,7 @@ import time
 import pytest
 from helpers import PY, diagnose, example
 
-from traindx.analyzers.live import LINE_SHIFT, LINE_STEPS, EventTail
+from traindx.analyzers.live.live import LINE_SHIFT, LINE_STEPS, EventTail
 
 JOBS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "jobs")
 
@@ -99,7 +99,7 @@ def test_a_cause_diluted_by_a_cold_first_step_is_judged_again_when_the_record_gr
     medium (the one-off dilutes its share) and prints nothing; the record grown by GROW_FACTOR,
     it is judged again, high, and on the screen while the job runs. Its healthy twin prints
     nothing."""
-    from traindx.analyzers.live import GROW_FACTOR
+    from traindx.analyzers.live.live import GROW_FACTOR
 
     job = os.path.join(JOBS, "cold_first_step.py")
     shown = {}
@@ -400,7 +400,7 @@ def test_a_gil_recording_written_is_a_trigger_once_its_file_stands_still(tmp_pat
     """py-spy writes a window's samples when the window ends (the first one is short): the
     cheap stage announces each GIL recording once, not while its file is still being written,
     and never the rolled summary (windows already announced)."""
-    from traindx.analyzers.live import TRIGGER_ANALYZERS
+    from traindx.analyzers.live.live import TRIGGER_ANALYZERS
     from traindx.profiler.live_tail import FILES_EVERY_S, RECORDING_SETTLE_S
 
     os.makedirs(tmp_path / "events")
@@ -520,7 +520,7 @@ def test_incremental_read_gives_the_batch_tables_at_every_point_of_a_growing_run
     (tmp_path / "manifest.json").write_text(json.dumps(manifest))
     # as the live passes read it: their window (longer than this recording: every row kept;
     # tests/test_live_window.py: a run longer than its window)
-    from traindx.analyzers.live import LiveOptions
+    from traindx.analyzers.live.live import LiveOptions
 
     so_far, path = EventsSoFar(LiveOptions().window_steps), tmp_path / "events" / name
     cuts = [len(data) // 3, len(data) * 2 // 3, len(data)]  # mid-line, but the last

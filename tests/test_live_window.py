@@ -116,7 +116,7 @@ def _replay(src, dst, judge_options, on_analysis=None):
     """A recorded run written again into `dst`, event by event in time order, a LiveJudge
     polled at every step end on a clock that is the events' own time. Returns the judge and
     [(finding id, step on screen)]."""
-    from traindx.analyzers.live import LiveJudge
+    from traindx.analyzers.live.live import LiveJudge
 
     events = []
     for name in os.listdir(os.path.join(src, "events")):
@@ -159,7 +159,7 @@ def test_without_room_for_every_analyzer_a_slow_step_is_judged_by_its_categorys_
     and shows the GC finding; once the budget has room, the full pass confirms it on the same
     record, and the last full pass (the run through its end, within the window) finds what
     the batch analysis of the finished run finds."""
-    from traindx.analyzers.live import CATEGORY_ANALYZERS, LiveJudge, LiveOptions
+    from traindx.analyzers.live.live import CATEGORY_ANALYZERS, LiveJudge, LiveOptions
 
     finals = []
     room = {"s": 0.2}
@@ -208,7 +208,7 @@ def test_a_full_pass_longer_than_three_steps_is_preceded_by_the_routed_one(tmp_p
     that many steps sooner), and its triggers stay pending, so the full pass follows at the
     next step end whatever the routed pass showed; a full pass shorter than that (10 ms) runs
     at once, with nothing routed."""
-    from traindx.analyzers.live import SHOW_WITHIN_STEPS, LiveJudge, LiveOptions
+    from traindx.analyzers.live.live import SHOW_WITHIN_STEPS, LiveJudge, LiveOptions
 
     def expected(self, only):
         return full_s if only is None else full_s / 10
@@ -239,7 +239,7 @@ def test_the_budget_starts_with_three_full_passes_at_their_measured_cost(tmp_pat
     """A job's first seconds hold START_PASSES full passes at the cost the last one measured
     (0.4 s each on a slow host: 1.2 s, where a share of a few seconds would hold none); over a
     long run the share of one core decides."""
-    from traindx.analyzers.live import START_PASSES, LiveJudge, LiveOptions
+    from traindx.analyzers.live.live import START_PASSES, LiveJudge, LiveOptions
 
     now = [0.0]
     judge = LiveJudge(str(tmp_path), LiveOptions(cpu_share=0.02), clock=lambda: now[0])
@@ -262,7 +262,7 @@ def test_a_finding_just_below_the_floor_is_judged_again_as_the_record_grows(tmp_
     as medium: the one-off is still in the steady window. Nothing else would judge again
     before the 30 s cadence (a ~5 s job); the record grown by GROW_FACTOR, it is judged again,
     reads high and is shown."""
-    from traindx.analyzers.live import GROW_FACTOR, LiveOptions
+    from traindx.analyzers.live.live import GROW_FACTOR, LiveOptions
 
     judge, shown = _replay(COLD, str(tmp_path / "run"), LiveOptions(report_every=0))
     assert not judge.errors, judge.errors

@@ -13,10 +13,15 @@ import pytest
 from helpers import PY, diagnose
 
 import traindx
-from traindx.analyzers import ab_verdict, dataloader, fix_options, host_work, memory, stability_prescriptions
-from traindx.analyzers.ab_verdict import Arm, Judgement, Measure
-from traindx.analyzers.findings import ArgChange, Finding, Prescription
+from traindx.analyzers.core import ab_verdict
+from traindx.analyzers.core.ab_verdict import Arm, Judgement, Measure
+from traindx.analyzers.core.findings import ArgChange, Finding, Prescription
+from traindx.analyzers.data import dataloader
+from traindx.analyzers.host import work as host_work
+from traindx.analyzers.memory import memory
+from traindx.analyzers.model import stability_prescriptions
 from traindx.derive import memory as mem
+from traindx.fixing.plan import options as fix_options
 from traindx.profiler.shim._traindx_shim import memwatch
 
 TESTS = os.path.dirname(os.path.abspath(__file__))

@@ -11,11 +11,12 @@ import textwrap
 import pytest
 
 from tests.helpers import PY, ROOT, diagnose, only_run_dir
-from traindx.analyzers import codefix_edit, codefix_params
-from traindx.analyzers.findings import Finding
-from traindx.analyzers.fixplan import plan_fixes
+from traindx.analyzers.codefix import edit as codefix_edit
+from traindx.analyzers.codefix import params as codefix_params
+from traindx.analyzers.core.findings import Finding
 from traindx.derive import ledger
 from traindx.derive.run import load_run
+from traindx.fixing.plan.planner import plan_fixes
 from traindx.recipes.ab import compare_runs
 
 JOB = os.path.join(ROOT, "tests", "jobs", "model_work.py")
@@ -232,7 +233,7 @@ def test_a_callback_runs_on_every_nth_call_after_the_edit(tmp_path):
 def test_the_accumulation_setting_is_read_from_the_objects_calling_backward():
     import sys
 
-    from traindx.analyzers import param_use
+    from traindx.analyzers.model import param_use
     from traindx.profiler.shim._traindx_shim import paramuse
 
     class State:  # a framework keeps the number elsewhere and shows it as a property

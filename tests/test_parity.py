@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from traindx.analyzers import parity
+from traindx.analyzers.core import parity
 
 
 def test_flat_noisy_five_points_anticorrelated_but_inside_tolerance_pass():

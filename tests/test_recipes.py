@@ -10,7 +10,7 @@ import pytest
 import yaml
 from helpers import PY, diagnose, example
 
-from traindx.analyzers import ab_verdict, parity
+from traindx.analyzers.core import ab_verdict, parity
 from traindx.common.errors import UserError
 from traindx.derive import stats, throughput
 from traindx.recipes.card import CardError, RecipeCard, reference_cards, validate

@@ -13,11 +13,11 @@ import subprocess
 import pytest
 from report_helpers import PYTHON, ROOT, _chromium_check, diagnose
 
-from traindx.analyzers.findings import Finding, Prescription
-from traindx.cli.outputs import read_findings
+from traindx.analyzers.core.findings import Finding, Prescription
 from traindx.derive.run import load_run
 from traindx.report.data import build_report_data, build_summary
 from traindx.report.html import write_report
+from traindx.report.outputs import read_findings
 
 ESCAPING_JOB = os.path.join(ROOT, "tests", "data", "report_escaping_job.py")
 MARKUP = (
@@ -445,7 +445,7 @@ def test_terminal_summary_says_what_the_html_verdict_says(tiny_run):
 
 
 def test_the_report_marks_what_fix_applies_and_what_are_alternatives(tiny_run):
-    """--fix's planner (traindx.cli.fixloop) decides; the report and the terminal mark each
+    """--fix's planner (traindx.fixing.run.loop) decides; the report and the terminal mark each
     prescription as the one applied, an alternative, or by hand."""
     import io
 

@@ -6,7 +6,7 @@ import json
 import pytest
 from report_helpers import PYTHON, _chromium_check, diagnose
 
-from traindx.analyzers.findings import Finding
+from traindx.analyzers.core.findings import Finding
 from traindx.report.data import build_report_data, build_summary
 from traindx.report.html import write_report
 
@@ -125,7 +125,7 @@ def test_time_in_events_no_analyzer_named_is_a_finding_the_verdict_points_at(h20
     """Steps that are mostly compiles, with no specialised finding (here: the JIT analyzer's left
     out), still get a finding of the judge layer, and the verdict names it (no report-made
     headline that findings.json never sees)."""
-    from traindx.analyzers import step_causes, verdict
+    from traindx.analyzers.core import step_causes, verdict
 
     found = step_causes.analyze(h200_run, [])
     assert [f.id for f in found] == ["steps.time_in_events"]

@@ -10,10 +10,10 @@ import subprocess
 import pytest
 from report_helpers import CHROMIUM, PYTHON, ROOT, _chromium_check
 
-from traindx.analyzers.findings import Prescription
-from traindx.cli.outputs import read_findings
+from traindx.analyzers.core.findings import Prescription
 from traindx.derive.run import load_run
 from traindx.report.data import build_report_data, comparison_view, prescription_text
+from traindx.report.outputs import read_findings
 
 
 def test_prescriptions_become_copyable_commands_and_diffs():

@@ -1,6 +1,6 @@
 """The DataLoader-workers prediction splits the data line into its off-CPU wait and its CPU
 work: a storage wait parallelises over the workers whatever the load, CPU work only as far as
-the cores give each task a share (traindx.analyzers.savings)."""
+the cores give each task a share (traindx.analyzers.core.savings)."""
 
 import os
 
@@ -8,7 +8,7 @@ import pytest
 from helpers import PY, diagnose
 
 import traindx
-from traindx.analyzers import savings as S
+from traindx.analyzers.core import savings as S
 from traindx.derive import ledger as L
 
 JOBS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "jobs")

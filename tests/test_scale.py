@@ -6,8 +6,8 @@ import os
 import random
 import sys
 
-from traindx.analyzers import stability
-from traindx.analyzers.stability import find_period
+from traindx.analyzers.model import stability
+from traindx.analyzers.model.stability import find_period
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -121,7 +121,8 @@ def test_large_jobs_analyze_a_sample_of_ranks_that_keeps_the_odd_one(tmp_path, m
     sys.path.insert(0, os.path.join(ROOT, "bench"))
     import synth_run
 
-    from traindx.analyzers import analyze, sampling
+    from traindx.analyzers import analyze
+    from traindx.analyzers.core import sampling
     from traindx.derive.run import load_run
 
     path = synth_run.write_run(str(tmp_path / "run"), ranks=10, steps=160, seed=2)

@@ -24,7 +24,7 @@ import traindx
 sys.path.insert(0, os.path.join(ROOT, "profiler", "shim"))
 from _traindx_shim import compiles  # noqa: E402
 
-from traindx.analyzers.jit import diff_keys  # noqa: E402
+from traindx.analyzers.jit.jit import diff_keys  # noqa: E402
 
 
 class OperatorLog(TorchDispatchMode):
@@ -376,7 +376,7 @@ def test_window_that_stood_down_for_its_stacks_is_retried_once_without_them(tmp_
     # both windows and the step after each stay out of the step statistics; only the one that
     # wrote a trace is a profiled step of the trace's (the GPU-busy floor of a prediction once
     # took the stood-down step, with no events, for a step the GPU was busy throughout)
-    from traindx.analyzers.evidence import steady_steps
+    from traindx.analyzers.core.evidence import steady_steps
     from traindx.derive.steady import trace_steps
 
     assert not set(steady_steps(run)["step"]) & {3, 4, 5, 6}
@@ -399,7 +399,7 @@ def test_window_over_its_time_budget_ends_early_and_writes_nothing(tmp_path):
     # the profiled step stays out of the step statistics, and so does the one after it (the
     # window's stop drained the device: traindx.derive.steady.perturbed_steps); later steps are measured
     # (nor do the retry's step without stacks and the one after it)
-    from traindx.analyzers.evidence import steady_steps
+    from traindx.analyzers.core.evidence import steady_steps
 
     steady, last = set(steady_steps(run)["step"]), int(window["last_step"])
     windows = run.events[run.events["type"] == "torch_profile"]

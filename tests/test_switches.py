@@ -12,8 +12,8 @@ import pytest
 from helpers import PY, ROOT, diagnose_side_by_side, only_run_dir
 
 import traindx
-from traindx.analyzers.findings import is_problem
-from traindx.analyzers.fixplan import candidate_plans
+from traindx.analyzers.core.findings import is_problem
+from traindx.fixing.plan.planner import candidate_plans
 
 pytestmark = pytest.mark.slow  # three real jobs side by side (~25 s on two loaded cores)
 

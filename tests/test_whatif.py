@@ -14,7 +14,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from traindx.analyzers.whatif import category, judge
+from traindx.analyzers.ranks.whatif import category, judge
 from traindx.cli.main import main
 from traindx.derive import optable, whatif
 from traindx.derive.optable_runs import from_run, split_ddp_backward

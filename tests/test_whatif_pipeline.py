@@ -12,7 +12,7 @@ import pytest
 from helpers import PY, diagnose, only_run_dir
 
 import traindx
-from traindx.analyzers import whatif_run
+from traindx.analyzers.ranks import whatif_run
 from traindx.derive.optable import OpType
 from traindx.derive.optable_runs import from_run
 

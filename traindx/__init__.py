@@ -16,7 +16,7 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # annotations only: the names below are loaded on first use
-    from traindx.analyzers.findings import Finding
+    from traindx.analyzers.core.findings import Finding
     from traindx.derive.run import RunRecord
 
 __version__ = "0.1.0"
@@ -51,10 +51,10 @@ def analyze(run: RunRecord | str | os.PathLike[str]) -> list[Finding]:
 _LAZY = {
     "RunRecord": "traindx.derive.run",
     "load_run": "traindx.derive.run",
-    "fix": "traindx.cli.fixloop",
-    "FixOptions": "traindx.cli.fixloop",
-    "FixResult": "traindx.cli.fixloop",
-    "FixEvent": "traindx.cli.fixloop",
+    "fix": "traindx.fixing.run.loop",
+    "FixOptions": "traindx.fixing.run.loop",
+    "FixResult": "traindx.fixing.run.loop",
+    "FixEvent": "traindx.fixing.run.loop",
     "merge": "traindx.derive.multinode",
     "card": "traindx.recipes.card",
     "CardOptions": "traindx.recipes.card",

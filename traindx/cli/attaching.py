@@ -38,12 +38,12 @@ def _write_manifest(run_dir: str, manifest: dict[str, Any]) -> None:
 
 
 def attach(options: AttachOptions) -> int:
-    from traindx.cli.outputs import analyze_and_write
     from traindx.derive.run import load_run
     from traindx.profiler import manifest as manifest_mod
     from traindx.profiler import proctree
     from traindx.profiler.launcher import new_run_dir
     from traindx.profiler.pyspy import PySpyManager
+    from traindx.report.outputs import analyze_and_write
     from traindx.report.terminal import print_summary
 
     pid = options.pid

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import os
 
-from traindx.analyzers.findings import Finding, rank_findings
-from traindx.analyzers.jit import analyze_recording
+from traindx.analyzers.core.findings import Finding, rank_findings
+from traindx.analyzers.jit.jit import analyze_recording
 from traindx.common.errors import UserError
 from traindx.profiler import speedscope
 

@@ -1,6 +1,6 @@
 """`diagnose -- <command>`: the job run under the collectors with the live judgement, then the
 record analysed and reported; for one node of a multi-node run, its own folder and event tables;
-for `--fix`, the fix runner (traindx.cli.fixloop) wired to the terminal.
+for `--fix`, the fix runner (traindx.fixing.run.loop) wired to the terminal.
 
 The collectors, the analyzers and pandas are imported where they are used: `diagnose --help`
 imports this module (through traindx.cli.commands.run) and needs none of them."""
@@ -20,8 +20,8 @@ from traindx.common.atomic import write_json
 from traindx.common.errors import UserError
 
 if TYPE_CHECKING:
-    from traindx.analyzers.live import LiveOptions
-    from traindx.cli.fix_model import FixEvent
+    from traindx.analyzers.live.live import LiveOptions
+    from traindx.fixing.run.model import FixEvent
     from traindx.profiler.launcher import Options
     from traindx.report.console import Console
 
@@ -82,14 +82,14 @@ def record_job(
     live: LiveOptions | Literal[False] | None = None,
 ) -> int | None:
     """Run the job under the collectors; returns its raw return code (None: it never started). While it runs, the
-    analyzers judge the growing record (traindx.analyzers.live) and the stable findings are printed;
+    analyzers judge the growing record (traindx.analyzers.live.live) and the stable findings are printed;
     live=None: the default live options, False: no live judgement. A run folder in use, or one
     that holds a run already, or cannot be written is refused (UserError) before the job
     starts; what could not be written while it ran is one line each on stderr."""
-    from traindx.analyzers.live import LiveJudge, LiveOptions, request_capture
-    from traindx.cli.outputs import write_live_report
+    from traindx.analyzers.live.live import LiveJudge, LiveOptions, request_capture
     from traindx.profiler.launcher import CommandNotFound, Job, RunDirRefused
     from traindx.report.live_view import LiveView
+    from traindx.report.outputs import write_live_report
 
     live_options = LiveOptions() if live is None else live
     view = LiveView(live=False if quiet else None)
@@ -176,8 +176,8 @@ def diagnose(command: list[str], request: JobRequest) -> int:
 def _analyse_and_report(run_dir: str, node: dict[str, str] | None) -> bool:
     """findings.json, ledger.csv and report.html written, the summary printed; False when an
     output could not be written (one line each on stderr)."""
-    from traindx.cli.outputs import write_outputs
     from traindx.derive.run import load_run
+    from traindx.report.outputs import write_outputs
     from traindx.report.terminal import print_summary
 
     record = load_run(run_dir)
@@ -199,10 +199,10 @@ def _analyse_and_report(run_dir: str, node: dict[str, str] | None) -> bool:
 def diagnose_with_fix(
     command: list[str], request: JobRequest, fix_request: FixRequest, print_comparison: PrintComparison
 ) -> int | None:
-    """`diagnose --fix`: the engine (traindx.cli.fixloop.fix) wired to the terminal; the A/B
+    """`diagnose --fix`: the engine (traindx.fixing.run.loop.fix) wired to the terminal; the A/B
     comparison printed by `print_comparison` (`diagnose compare`'s own)."""
-    from traindx.cli.fix_model import FixOptions
-    from traindx.cli.fixloop import fix
+    from traindx.fixing.run.loop import fix
+    from traindx.fixing.run.model import FixOptions
     from traindx.profiler import nodes
 
     if nodes.node_identity(command, os.environ, request.node):

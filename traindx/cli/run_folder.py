@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from traindx.common.errors import UserError
 
 if TYPE_CHECKING:
-    from traindx.analyzers.findings import Finding
+    from traindx.analyzers.core.findings import Finding
     from traindx.derive.run import RunRecord
 
 
@@ -63,7 +63,7 @@ def read_comparison(comparison: str | None, run_path: str) -> dict[str, Any] | N
 def _stored_findings(record: RunRecord, reanalyze: bool) -> list[Finding] | None:
     """RUN/findings.json, unless asked to analyse again; None when it is not there or unreadable
     (derived, not evidence: rebuilt from the run, the corrupt copy overwritten)."""
-    from traindx.cli.outputs import read_findings  # lazy: the analyzers (pandas)
+    from traindx.report.outputs import read_findings  # lazy: the analyzers (pandas)
 
     findings_path = os.path.join(record.path, "findings.json")
     if reanalyze or not os.path.exists(findings_path):
@@ -81,8 +81,8 @@ def _stored_findings(record: RunRecord, reanalyze: bool) -> list[Finding] | None
 
 def rerender(options: ReportOptions) -> int:
     """Re-render a run's report (and export its timeline); 1 when an output was not written."""
-    from traindx.cli.outputs import write_outputs  # lazy: the analyzers (pandas)
     from traindx.derive.run import load_run
+    from traindx.report.outputs import write_outputs  # lazy: the analyzers (pandas)
     from traindx.report.perfetto import export_trace
     from traindx.report.terminal import print_summary
 
@@ -130,7 +130,7 @@ def rerender(options: ReportOptions) -> int:
 def watch(run_dir: str, poll_s: float) -> int:
     """The live status and each stable finding of a run folder being written elsewhere, until
     the run ends."""
-    from traindx.analyzers.live import LiveJudge, LiveOptions, run_is_live  # lazy: pandas
+    from traindx.analyzers.live.live import LiveJudge, LiveOptions, run_is_live  # lazy: pandas
     from traindx.report.live_view import LiveView
 
     shown = run_dir
@@ -177,10 +177,10 @@ def kept_arm(path: str) -> str:
 def merge_nodes(run_dir: str, reference: str | None = None, report: bool = True, quiet: bool = False) -> int:
     """`diagnose merge`: the node parts of a multi-node run merged into one run over all ranks
     (traindx.derive.multinode.merge_parts), the clock table printed, then analysed and reported."""
-    from traindx.cli.outputs import analyze_and_write  # lazy: the analyzers (pandas)
     from traindx.derive.multinode import merge_parts
     from traindx.derive.run import load_run
     from traindx.profiler import nodes
+    from traindx.report.outputs import analyze_and_write  # lazy: the analyzers (pandas)
     from traindx.report.terminal import print_summary
 
     unfinished = nodes.unfinished_nodes(run_dir) if os.path.isdir(run_dir) else []

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import os
 
-from traindx.analyzers.findings import Finding
-from traindx.analyzers.whatif import judge
+from traindx.analyzers.core.findings import Finding
+from traindx.analyzers.ranks.whatif import judge
 from traindx.common.errors import UserError
 from traindx.derive import depmodel, optable, whatif
 from traindx.derive.optable_megatron import from_timers

@@ -2,7 +2,7 @@
 SIGILL): `faults/p<pid>.txt`, written by the standard library's faulthandler from inside the
 signal handler, so a crash in C++ (a `std::terminate` at teardown, a segfault in an extension)
 still leaves which Python line each thread was on. The file stays empty unless the process
-crashes; analyzers/steps.py quotes it beside the job's exit status.
+crashes; analyzers/run/steps.py quotes it beside the job's exit status.
 
 A job that enabled faulthandler itself (PYTHONFAULTHANDLER, -X faulthandler, its own call)
 keeps its own: it already prints the same to its stderr, which log.txt holds.

@@ -14,8 +14,17 @@ from .stepstate import MARKER_SPEC, _state
 
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing into the job (mypy knows the name)
 if TYPE_CHECKING:
+    from collections.abc import Callable
     from types import ModuleType
     from typing import Any
+
+# steps.marker, handed over by steps when it installs: this module cannot import steps (steps
+# imports it), and a wrapped --step-marker function ends a step through it
+_end_step: list[Callable[[str], None]] = []
+
+
+def set_step_end(end_step: Callable[[str], None]) -> None:
+    _end_step[:] = [end_step]
 
 
 def _on_traindx(module: ModuleType) -> None:
@@ -64,12 +73,14 @@ def _install_marker(module: ModuleType) -> bool:
     if not callable(fn):
         return False
 
-    from .steps import marker  # imported here: steps imports this module
+    if not _end_step:
+        return False
+    end_step = _end_step[0]
 
     @functools.wraps(fn)
     def marked(*args: Any, **kwargs: Any) -> Any:
         out = fn(*args, **kwargs)
-        marker("--step-marker")
+        end_step("--step-marker")
         return out
 
     setattr(owner, name, kind(marked) if kind else marked)

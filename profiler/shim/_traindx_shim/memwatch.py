@@ -23,7 +23,7 @@ autograd graph gained nodes (a running sum `total += loss`, counted up to GRAPH_
 the new tensors were made (tracemalloc's traceback), the Python allocation sites that grew most
 in between (tracemalloc), and on a GPU the lines whose allocator blocks survive (torch.cuda.memory._snapshot). Its own cost is in `cost_s`; the steps
 in between are `perturbed` (tracemalloc slows every allocation). The judgement is the analyzer's
-(traindx.analyzers.memory): this only records.
+(traindx.analyzers.memory.memory): this only records.
 """
 
 from __future__ import annotations

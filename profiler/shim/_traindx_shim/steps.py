@@ -80,6 +80,7 @@ from .markers import (
     _marker_target,
     _on_marker_module,
     _on_traindx,
+    set_step_end,
 )
 from .stepstate import MARKER_SPEC, _state
 
@@ -573,6 +574,7 @@ def _on_deepspeed_engine(module: Any) -> None:
 
 
 def register() -> None:
+    set_step_end(marker)  # a wrapped --step-marker function ends steps through it
     importhooks.on_import("torch", _on_torch)
     importhooks.on_import("torch._dynamo.eval_frame", guarded("dynamo import hook")(_skip_in_dynamo))
     importhooks.on_import("torch.utils.data.dataloader", _on_dataloader)

@@ -25,7 +25,7 @@ from traindx.cli import argtypes
 from traindx.common.errors import UserError
 
 if TYPE_CHECKING:
-    from traindx.analyzers.findings import Finding
+    from traindx.analyzers.core.findings import Finding
     from traindx.derive.run import RunRecord
 
 
@@ -84,8 +84,8 @@ def prepare_parser(parser: argparse.ArgumentParser) -> None:
 
 
 def _analyze_run(path: str) -> tuple[RunRecord, list[Finding], str | None]:
-    from traindx.cli.outputs import analyze_and_write  # lazy: the analyzers (pandas)
     from traindx.derive.run import load_run
+    from traindx.report.outputs import analyze_and_write  # lazy: the analyzers (pandas)
 
     record = load_run(path)
     findings, report_path = analyze_and_write(record)
@@ -144,7 +144,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             print_file_summary(path, findings)
     payload = [f.to_dict() for f in findings]
     if args.output:
-        from traindx.cli.outputs import write_json_file  # lazy: the analyzers (pandas)
+        from traindx.report.outputs import write_json_file  # lazy: the analyzers (pandas)
 
         write_json_file(args.output, payload)
     if args.json:

@@ -109,7 +109,7 @@ def _same_recording(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
 
 
 def write_comparison(comparison: dict[str, Any], path: str) -> Any:
-    from traindx.cli.outputs import write_json_file
+    from traindx.report.outputs import write_json_file
 
     return write_json_file(path, comparison)
 
@@ -118,7 +118,7 @@ def write_comparison(comparison: dict[str, Any], path: str) -> Any:
 def verdict_style(verdict: str) -> str:
     """The colour of a verdict line: by the judge's outcome its text starts with (the text
     before " (", as comparison.json holds it); bold red for any other."""
-    from traindx.analyzers.ab_verdict import Outcome  # numpy: kept out of `diagnose --help`
+    from traindx.analyzers.core.ab_verdict import Outcome  # numpy: kept out of `diagnose --help`
 
     styles = {
         Outcome.FASTER.value: "bold green",

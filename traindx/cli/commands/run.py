@@ -24,7 +24,7 @@ from traindx.cli.recording import write_node_tables as _write_node_tables  # noq
 from traindx.common.errors import UserError
 
 if TYPE_CHECKING:
-    from traindx.analyzers.live import LiveOptions
+    from traindx.analyzers.live.live import LiveOptions
     from traindx.profiler.launcher import Options
 
 
@@ -222,7 +222,7 @@ def options_from(args: argparse.Namespace, extra_env: dict[str, str] | None = No
 
 def live_options_from(args: argparse.Namespace) -> LiveOptions | Literal[False]:
     """The live judgement the run's flags ask for (False: none)."""
-    from traindx.analyzers.live import LiveOptions  # lazy: pandas, not for `diagnose --help`
+    from traindx.analyzers.live.live import LiveOptions  # lazy: pandas, not for `diagnose --help`
 
     if getattr(args, "no_live", False):
         if getattr(args, "until_diagnosed", False) or getattr(args, "always_on", False):

@@ -1,0 +1,106 @@
+"""Which py-spy samples are which kind of work: a measured call's library frame owns everything
+beneath it (forward, backward, data, io, compile), the optimizer's and torch's training utilities
+own theirs, and a sample whose innermost user frame sits under none of them is host work. Read by
+the GPU window (core/gpu_window.py) and the host family (host/code.py)."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from traindx.analyzers.core import evidence as ev
+
+if TYPE_CHECKING:  # annotations only
+    from traindx.profiler.speedscope import Frame
+
+
+# a frame of a measured call owns everything beneath it (its time is another ledger line);
+# (path fragment, function names or None for any), checked on library frames only
+OWNING = (
+    (
+        "torch/nn/modules/module.py",
+        {"_call_impl", "_wrapped_call_impl", "Module._call_impl", "Module._wrapped_call_impl"},
+        "forward",
+    ),
+    ("torch/autograd/", None, "backward"),
+    ("torch/_tensor.py", {"backward", "Tensor.backward"}, "backward"),
+    ("torch/utils/data/dataloader.py", None, "data"),
+    ("torch/serialization.py", None, "io"),
+    ("torch/distributed/checkpoint/", None, "io"),
+    ("torch/_dynamo/", None, "compile"),
+    ("torch/_inductor/", None, "compile"),
+    ("triton/", None, "compile"),
+)
+
+
+# frames of the optimizer step: they own their own work, not a closure's user code beneath them
+OPTIMIZER_PATHS = ("torch/optim/",)
+
+
+# torch's own training utilities between backward and the step (gradient clipping, zero_grad,
+# the LR scheduler): the optimizer's work, not host work a user would move or cache
+_TRAINING_MATH = (
+    "torch/nn/utils/clip_grad.py",
+    "torch/optim/lr_scheduler.py",
+    "torch/nn/utils/parametrize.py",
+)
+
+
+_ZERO_GRAD = re.compile(r"(^|\.)zero_grad$")
+
+
+# -- where the code comes from ------------------------------------------------------------------
+def owning_category(frame: Frame) -> str | None:
+    path = (frame.file or "").replace("\\", "/")
+    for fragment, names, cat in OWNING:
+        if fragment in path and (names is None or frame.name in names or frame.name.split(".")[-1] in names):
+            return cat
+    return None
+
+
+def classify_stack(stack: Sequence[Frame]) -> Any:
+    """("host", user frame, library frame beneath it or None) for a sample of host work, or
+    (category, None, None) for a sample inside a measured call, or (None, None, None) for a
+    sample with no user frame (the interpreter, a framework between its calls)."""
+    owner = None
+    user, lib_below = None, None
+    for frame in stack:
+        library = ev.is_library_path(frame.file)
+        if not library:
+            if owner in (None, "optimizer", "training_math"):
+                owner, user, lib_below = None, frame, None
+            continue
+        path = (frame.file or "").replace("\\", "/")
+        cat = owning_category(frame)
+        if cat is not None:
+            return cat, None, None
+        if any(p in path for p in _TRAINING_MATH) or _ZERO_GRAD.search(frame.name or ""):
+            owner = "training_math"
+            continue
+        if any(p in path for p in OPTIMIZER_PATHS):
+            owner = "optimizer"
+            continue
+        if user is not None and lib_below is None:
+            lib_below = frame
+    if owner is not None:
+        return owner, None, None
+    if user is None:
+        return None, None, None
+    return "host", user, lib_below
+
+
+def loop_window(stacks: Any) -> Any:
+    """(first, last) sample index inside a measured call: the step loop, start-up and teardown
+    left out (py-spy keeps sample order)."""
+    kinds = [classify_stack(st)[0] for st in stacks]
+    idx = [
+        i for i, k in enumerate(kinds) if k in ("forward", "backward", "data", "optimizer", "training_math")
+    ]
+    if not idx:
+        # a model so small that py-spy never caught it in a measured call: the training
+        # thread's samples outside imports, from its first own line on
+        idx = [
+            i for i, (k, st) in enumerate(zip(kinds, stacks)) if k is not None and not ev.is_import_sample(st)
+        ]
+    return (idx[0], idx[-1]) if idx else None

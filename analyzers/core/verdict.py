@@ -1,0 +1,174 @@
+"""The run's verdict: one finding, judged after every analyzer and the cause/symptom linking ran.
+
+Exactly one of
+  verdict.cause    a root finding above info exists: evidence["top"] is the id of the one to act
+                   on first (the first, in reading order, with a prescription; else the first),
+                   with its title, seconds per step, and the saving its first prescription expects
+  verdict.healthy  the run has steps and no finding above info: it says so, with the steps and
+                   the median step
+  verdict.no_steps the job exited before any step finished
+The report and the terminal render this finding; they never decide the headline themselves.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from traindx.analyzers.core.declaration import Declaration
+from traindx.analyzers.core.findings import NOTE, VERDICT_PREFIX, Finding, is_problem, reading_order
+from traindx.common.units import fmt_s
+from traindx.derive import ledger as L
+from traindx.derive.steptables import steady_median, step_table, steps_per_rank
+
+if TYPE_CHECKING:  # annotations only
+    from traindx.derive.run import RunRecord
+
+_VERDICTS = ("verdict.cause", "verdict.no_steps", "verdict.healthy", "verdict.inefficient")
+DECLARATION = Declaration(name="verdict", order=20, ids=_VERDICTS, judge=True, not_causes=_VERDICTS)
+
+
+def _mean_steady_step(run: RunRecord) -> float | None:
+    """The mean steady step of the slowest rank, from the ledger (the unit findings' savings are
+    in); None without a ledger."""
+    try:
+        steady = L.steady_rows(run)
+        return float(steady.groupby("rank")["wall_s"].mean().max()) if len(steady) else None
+    except Exception:  # a run without spans still gets a verdict, priced on the median
+        return None
+
+
+def _gain(f: Finding) -> float:
+    """What acting on a finding saves per step: its best prescription's expected gain, else the
+    time it loses."""
+    gains = [p.expected_gain_s_per_step for p in f.prescriptions if p.expected_gain_s_per_step is not None]
+    return max(gains) if gains else (f.seconds_lost_per_step or 0.0)
+
+
+def _pick(findings: list[Finding]) -> Finding | None:
+    """The root finding to act on first: the one with a prescription whose fix saves the most
+    (ties: reading order), else the first root problem. Critical ones come first: a run that
+    will stop (memory that runs out within hours) is worse than any speed it could gain."""
+    roots = [f for f in reading_order(findings) if is_problem(f) and f.cause is None]
+    prescribed = [f for f in roots if f.prescriptions]
+    prescribed = [f for f in prescribed if f.severity == "critical"] or prescribed
+    if prescribed:
+        return max(prescribed, key=_gain)  # max keeps the first of equals: reading order
+    return roots[0] if roots else None
+
+
+def _cause_verdict(run: RunRecord, top: Finding, median: float | None, counts: dict[str, Any]) -> Finding:
+    """The verdict that names the root finding to act on first, with its first fix's speed-up."""
+    p = top.prescriptions[0] if top.prescriptions else None
+    gain = (
+        p.expected_gain_s_per_step
+        if p is not None and p.expected_gain_s_per_step is not None
+        else top.seconds_lost_per_step
+    )
+    # savings are per mean step (the ledger's lines): the speed-up is against the mean steady
+    # step when the ledger gives one and the saving fits in it, else the median
+    mean = _mean_steady_step(run)
+    step_s = mean if mean and gain and gain <= mean else median
+    speedup = step_s / (step_s - gain) if gain and step_s and 0 < gain < step_s else None
+    headline = p.summary if p is not None else top.title
+    return Finding(
+        id="verdict.cause",
+        title=headline,
+        severity=NOTE,
+        analyzer="verdict",
+        summary=(
+            f"The change to make first: {headline} (why: {top.title})."
+            if p is not None
+            else f"The main problem, with no prescription: {top.title}."
+        ),
+        seconds_lost_per_step=top.seconds_lost_per_step,
+        share_of_step=top.share_of_step,
+        ranks=top.ranks,
+        evidence={
+            "top": top.id,
+            "top_title": top.title,
+            "top_severity": top.severity,
+            "seconds_per_step": top.seconds_lost_per_step,
+            "prescription": 0 if p else None,
+            "gain_s": gain,
+            "step_s": step_s,
+            # a saving well under the time lost says why (the pricing's words)
+            "saving_limit": top.evidence.get("saving_limit")
+            if gain is not None and top.seconds_lost_per_step and gain < top.seconds_lost_per_step
+            else None,
+            "step_statistic": "mean" if step_s is not None and step_s == mean else "median",
+            "after_step_s": (step_s - gain if speedup and step_s is not None and gain is not None else None),
+            "speedup": speedup,
+            **counts,
+        },
+    )
+
+
+def _inefficient_verdict(slow_gpu: Finding, median: float | None, counts: dict[str, Any]) -> Finding:
+    """No cause found, but the busy GPU is far from the device's peak: not healthy."""
+    mfu = slow_gpu.evidence.get("mfu")
+    back = slow_gpu.evidence.get("holds_back") or []
+    held = "; ".join(f"{b['what']} {b['share']:.0%} of the step" for b in back[:3])
+    reach = f"at {mfu:.1%} of its BF16 peak (MFU)" if mfu is not None else "far from its peak"
+    return Finding(
+        id="verdict.inefficient",
+        title=f"No slowdown cause found, but the GPU runs {reach}" + (f": {held}" if held else ""),
+        severity=NOTE,
+        analyzer="verdict",
+        summary=(
+            f"Median step {fmt_s(median) if median is not None else '?'}; tensor-core math "
+            f"{slow_gpu.evidence.get('tensor_math_share') or 0.0:.0%} of the step. No analyzer named "
+            "a fix; what holds the GPU back is listed (largest first)."
+        ),
+        evidence={**counts, "top": slow_gpu.id, "mfu": mfu, "holds_back": back},
+    )
+
+
+def judge(run: RunRecord, findings: list[Finding]) -> Finding:
+    """The verdict of a run from its (linked, priced) findings."""
+    findings = [f for f in findings if not f.id.startswith(VERDICT_PREFIX)]
+    table, source = step_table(run)
+    n_steps, ranks = steps_per_rank(table), int(table["rank"].nunique()) if len(table) else 0
+    median = steady_median(table)
+    counts = {"steps": n_steps, "ranks": ranks, "median_step_s": median, "step_source": source}
+    top = _pick(findings)
+    if top is not None:
+        return _cause_verdict(run, top, median, counts)
+    if not n_steps:
+        status = (run.manifest or {}).get("exit_code")
+        return Finding(
+            id="verdict.no_steps",
+            title="No training steps were recorded: nothing to measure",
+            severity=NOTE,
+            analyzer="verdict",
+            summary=(
+                "The job exited before any optimizer step finished"
+                + (f" (exit code {status})" if status not in (None, 0) else "")
+                + "."
+            ),
+            evidence={**counts, "exit_code": status},
+        )
+    slow_gpu = next(
+        (f for f in findings if f.id == "gpu.efficiency" and f.evidence.get("efficient") is False), None
+    )
+    if slow_gpu is not None:
+        return _inefficient_verdict(slow_gpu, median, counts)
+    title = f"Healthy: no slowdown found in {n_steps} steps"
+    if median is not None:
+        title += f" (median step {fmt_s(median)})"
+    return Finding(
+        id="verdict.healthy",
+        title=title,
+        severity=NOTE,
+        analyzer="verdict",
+        summary=(
+            f"{n_steps} steps on {ranks} rank{'s' if ranks != 1 else ''}, median step "
+            f"{fmt_s(median) if median is not None else '?'}; no analyzer found a "
+            "finding above info: nothing to change."
+        ),
+        evidence=counts,
+    )
+
+
+def analyze(run: RunRecord, findings: list[Finding] | None = None) -> list[Finding]:
+    """Registry entry: [the verdict] (run last, over every other finding)."""
+    return [judge(run, list(findings or []))]

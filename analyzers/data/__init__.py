@@ -1,0 +1,1 @@
+"""The data family: the input pipeline (DataLoader)."""

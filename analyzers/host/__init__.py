@@ -1,0 +1,1 @@
+"""The host family: host work in the loop, the GIL, threads, GC pauses, module hooks."""

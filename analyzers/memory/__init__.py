@@ -1,0 +1,1 @@
+"""The memory family: memory growth and leaks, the caching allocator."""

@@ -1,0 +1,1 @@
+"""Run-level facts: the steps and missing evidence, a stopped process."""

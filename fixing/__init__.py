@@ -1,0 +1,1 @@
+"""`--fix`: the pure decisions (plan/, judge layer) and the processes that carry them out (run/, present layer)."""
