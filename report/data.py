@@ -4,10 +4,10 @@ beyond the record itself).
 
 A renderer only renders: the step table and the per-step event seconds are derived
 (derive/steptables.py); the findings, their order, the verdict, each step's cause and what --fix
-would do are the judgement's, made once by the judge; the views below only shape them for display. Times are seconds since
-the run's start (manifest start_ns), so every chart shares one x axis. Large evidence is reduced
-(steps binned, samples merged into a pruned tree, metrics downsampled) so a 10-minute run renders
-to a few megabytes at most.
+would do are the judgement's, made once by the judge; the views below only shape them for
+display. Times are seconds since the run's start (manifest start_ns), so every chart shares one
+x axis. Large evidence is reduced (steps binned, samples merged into a pruned tree, metrics
+downsampled) so a 10-minute run renders to a few megabytes at most.
 """
 
 from __future__ import annotations
