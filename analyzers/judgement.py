@@ -58,7 +58,7 @@ class FixPlan:
         }
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # eq=False: its step table is a DataFrame (no truth value)
 class Judgement:
     """A run judged: what every renderer shows, none of it decided again by the renderer.
 
