@@ -79,13 +79,14 @@ class Judgement:
 
     def findings_json(self) -> list[JSON]:
         """findings.json: one entry per finding (Finding.to_dict, in `findings` order) with its
-        --fix plan under "fix" where one was made, and the verdict's entry with the step
-        causes' summary under "steps" (the per-step rows are the report's, not this file's)."""
+        --fix plan under "fix" where it has one (a prescription, a planned candidate), and the
+        verdict's entry with the step causes' summary under "steps" (the per-step rows are the
+        report's, not this file's)."""
         out = []
         for f in self.findings:
             entry = f.to_dict()
             plan = self.plans.get(f.id)
-            if plan is not None:
+            if plan is not None and (plan.marks or plan.planned):
                 entry["fix"] = plan.to_dict()
             if f.id == self.verdict.id:
                 entry["steps"] = self.steps_summary()

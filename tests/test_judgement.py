@@ -104,7 +104,7 @@ def judgement(run):
         findings=(GC, SYMPTOM, NOTE, VERDICT),
         reading=(GC, SYMPTOM, NOTE),
         verdict=VERDICT,
-        plans={GC.id: PLAN},
+        plans={GC.id: PLAN, SYMPTOM.id: FixPlan(())},  # the symptom: nothing for --fix to do
         steps=StepCauses(table, source, median, 1.5 * median),
     )
 
