@@ -1,12 +1,13 @@
 """The report's data: everything the HTML report and the terminal summary show, built once from a
-RunRecord and its findings as plain JSON-able values (pure: no I/O beyond the record itself).
+RunRecord and its Judgement (analyzers/judgement.py) as plain JSON-able values (pure: no I/O
+beyond the record itself).
 
 A renderer only renders: the step table and the per-step event seconds are derived
-(derive/steptables.py), each step's cause and the verdict are judged (analyzers/core/step_causes.py,
-analyzers/core/verdict.py), and the views below only shape them for display. Times are seconds since
-the run's start (manifest start_ns), so every chart shares one x axis. Large evidence is reduced
-(steps binned, samples merged into a pruned tree, metrics downsampled) so a 10-minute run renders
-to a few megabytes at most.
+(derive/steptables.py); the findings, their order, the verdict, each step's cause and what --fix
+would do are the judgement's, made once by the judge; the views below only shape them for
+display. Times are seconds since the run's start (manifest start_ns), so every chart shares one
+x axis. Large evidence is reduced (steps binned, samples merged into a pruned tree, metrics
+downsampled) so a 10-minute run renders to a few megabytes at most.
 """
 
 from __future__ import annotations
@@ -21,8 +22,6 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from traindx.analyzers.core.findings import VERDICT_PREFIX, Finding, reading_order
-from traindx.analyzers.core.step_causes import CAUSES, StepCauses, judge_steps
 from traindx.common import redact
 from traindx.common.envvars import is_relevant_var
 from traindx.common.units import fmt_s
@@ -32,7 +31,6 @@ from traindx.report.compiles import MAX_COMPILE_ROWS, compile_events, compile_gr
 from traindx.report.findings_view import (
     comparison_view,
     finding_view,
-    fix_marks,
     prescription_text,
     verdict_view,
 )
@@ -50,8 +48,12 @@ from traindx.report.steps_view import (
 from traindx.report.text import clip
 
 if TYPE_CHECKING:  # annotations only
+    from collections.abc import Sequence
+
     import pandas as pd
 
+    from traindx.analyzers.core.findings import Finding
+    from traindx.judgement import Judgement, StepCauses
     from traindx.derive.run import RunRecord
 
 __all__ = ["build_report_data", "build_summary", "comparison_view", "prescription_text"]
@@ -141,7 +143,7 @@ def missing_summary(missing: list[dict[str, str]]) -> str:
     return "; ".join(f"{', '.join(names)}: {reason}" for reason, names in by_reason.items())
 
 
-def _core(run: RunRecord, findings: list[Finding]) -> tuple[dict[str, Any], dict[str, Any]]:
+def _core(run: RunRecord, judgement: Judgement) -> tuple[dict[str, Any], dict[str, Any]]:
     """What both the terminal summary and the HTML report need."""
     meta = run_meta(run)
     t0 = run_t0(run)
@@ -149,7 +151,7 @@ def _core(run: RunRecord, findings: list[Finding]) -> tuple[dict[str, Any], dict
     # the charts draw become per-step dicts
     compiles = compile_events(run, t0)
     # each step's cause is the judge's (the step columns keep the wall clock the chart draws)
-    steps = judge_steps(run, t0, compiles)
+    steps = judgement.steps
     st = steps.table
     worst = _worst_step(st)
     causes = st["cause"][st["cause"] != "normal"] if len(st) else st.get("cause", [])
@@ -160,11 +162,10 @@ def _core(run: RunRecord, findings: list[Finding]) -> tuple[dict[str, Any], dict
     shown = timeline_ranks(st, worst["rank"] if worst else None) if len(st) else []
     step_rows = rows_of(st, shown) if len(st) else {}
     # missing evidence has its own notice (from the manifest); not repeated as a finding
-    marks = fix_marks(run, findings)
     findings_view = [
-        finding_view(f, compiles, marks)
-        for f in reading_order(findings)
-        if f.id != "evidence.missing" and not f.id.startswith(VERDICT_PREFIX)
+        finding_view(f, compiles, judgement.plans.get(f.id))
+        for f in judgement.reading
+        if f.id != "evidence.missing"
     ]
     drawn = {
         "t0": t0,
@@ -177,7 +178,7 @@ def _core(run: RunRecord, findings: list[Finding]) -> tuple[dict[str, Any], dict
         "gaps": gaps,
     }
     stats = _step_stats(run, steps, meta, drawn)
-    stats.update(_gpu_stats(run, findings))
+    stats.update(_gpu_stats(run, judgement.findings))
     ledger = _ledger(run, stats)
     missing = missing_evidence(run)
     core = {
@@ -185,15 +186,15 @@ def _core(run: RunRecord, findings: list[Finding]) -> tuple[dict[str, Any], dict
         "ledger": ledger,
         "missing": missing,
         "missing_summary": missing_summary(missing),
-        "verdict": verdict_view(run, findings, findings_view),
+        "verdict": verdict_view(judgement.verdict, findings_view),
         "stats": stats,
         "findings": findings_view,
-        "causes": CAUSES,
+        "causes": dict(judgement.causes),
     }
     return core, drawn
 
 
-def _gpu_stats(run: RunRecord, findings: list[Finding]) -> dict[str, Any]:
+def _gpu_stats(run: RunRecord, findings: Sequence[Finding]) -> dict[str, Any]:
     """MFU as the judge computed it (the gpu.efficiency finding), and the slowest rank's GPU
     time by kernel class as one line (the derived table): only for a GPU run."""
     eff = next((f for f in findings if f.id == "gpu.efficiency"), None)
@@ -302,16 +303,16 @@ def _ledger(run: RunRecord, stats: dict[str, Any]) -> dict[str, Any]:
     return ledger
 
 
-def build_summary(run: RunRecord, findings: list[Finding]) -> dict[str, Any]:
+def build_summary(run: RunRecord, judgement: Judgement) -> dict[str, Any]:
     """The verdict, headline numbers and ranked findings: what the terminal prints."""
-    return _core(run, findings)[0]
+    return _core(run, judgement)[0]
 
 
 def build_report_data(
-    run: RunRecord, findings: list[Finding], comparison: Mapping[str, Any] | None = None
+    run: RunRecord, judgement: Judgement, comparison: Mapping[str, Any] | None = None
 ) -> dict[str, Any]:
     """Everything the HTML report shows, as plain JSON-able values."""
-    data, x = _core(run, findings)
+    data, x = _core(run, judgement)
     t0, step_rows, compiles, st = x["t0"], x["step_rows"], x["compiles"], x["step_table"]
     compile_s, compile_n = {}, {}
     for c in compiles:

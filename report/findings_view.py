@@ -9,22 +9,16 @@ import shlex
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from traindx.analyzers.core import verdict as judge
-from traindx.analyzers.core.findings import VERDICT_PREFIX, reading_order
 from traindx.report.compiles import compile_groups
 from traindx.report.text import clip, frame_label, ranges
 
 if TYPE_CHECKING:
     from traindx.analyzers.core.findings import Finding, Prescription
-    from traindx.derive.run import RunRecord
-
-Marks = dict[tuple[str, Any], Any]
+    from traindx.judgement import FixPlan
 
 MAX_EVIDENCE_ROWS = 25
 
 FINDING_COMPILE_ROWS = 5  # a finding shows its first compiles; the rest are summed up per kernel
-
-rank_for_report = reading_order  # the order is defined once, in analyzers/core/findings.py
 
 
 def prescription_text(p: Prescription) -> tuple[str | None, str | None]:
@@ -115,62 +109,11 @@ def _cell(value: object) -> str:
     return clip("" if value is None else value, 400)
 
 
-FIX_TRIES_DEFAULT = 3  # diagnose --fix-tries' default: the candidates measured in turn
-
-
-def fix_marks(run: RunRecord, findings: Sequence[Finding], tries: int = FIX_TRIES_DEFAULT) -> Marks:
-    """{(finding id, prescription index): "applied" | "next" | "alternative" | "by_hand"} and
-    {(finding id, "planned"): [{"summary", "mechanism", "fix"}]}: what `diagnose --fix` would do
-    with each prescription, from the candidates its own loop measures (traindx.fixing.plan.planner.
-    candidate_plans: the first is applied, the next ones are tried in turn while none gains,
-    up to --fix-tries). A candidate the planner builds itself (the job's own flag for a literal,
-    an edit it derives from the finding) is listed under "planned", so a prescription it comes
-    from is not called "by hand". {} when the plan cannot be made here."""
-    try:
-        # lazily: the fix loop imports the CLI's commands, which import this report
-        from traindx.fixing.plan.planner import candidate_plans
-
-        m = run.manifest or {}
-        command = m.get("command") or []
-        if not isinstance(command, list) or not command:
-            return {}
-        candidates, _ = candidate_plans(
-            command, [f for f in findings if f.prescriptions], run.path, environ={}, cwd=m.get("cwd") or None
-        )
-    except Exception:  # a planner that cannot plan here: no marks, the report still renders
-        return {}
-    order: dict[
-        tuple[str, str], int
-    ] = {}  # (finding id, summary) -> the first candidate's place among those measured
-    for i, c in enumerate(candidates):
-        order.setdefault((c.finding, c.summary), i)
-
-    def mark(i: int) -> str:
-        return "applied" if i == 0 else ("next" if i < tries else "alternative")
-
-    marks: Marks = {}
-    for f in findings:
-        own = set()
-        for i, p in enumerate(f.prescriptions):
-            at = order.get((f.id, p.summary))
-            if at is not None:
-                own.add(p.summary)
-                marks[(f.id, i)] = mark(at)
-            else:
-                marks[(f.id, i)] = "alternative" if p.automatic else "by_hand"
-        planned = [
-            {"summary": c.summary, "mechanism": c.mechanism, "fix": mark(i)}
-            for i, c in enumerate(candidates)
-            if c.finding == f.id and c.summary not in own
-        ]
-        if planned:
-            marks[(f.id, "planned")] = planned
-    return marks
-
-
 def finding_view(
-    f: Finding, compiles: Sequence[Mapping[str, Any]], marks: Marks | None = None
+    f: Finding, compiles: Sequence[Mapping[str, Any]], plan: FixPlan | None = None
 ) -> dict[str, Any]:
+    """A finding as the report shows it; plan: what --fix would do with it (the judgement's)."""
+    marks = plan.marks if plan is not None else ()
     prescriptions: list[dict[str, Any]] = []
     for i, p in enumerate(f.prescriptions):
         text, kind = prescription_text(p)
@@ -182,23 +125,23 @@ def finding_view(
                 "text_kind": kind,
                 "expected_gain_s": p.expected_gain_s_per_step,
                 "automatic": p.automatic,
-                "fix": (marks or {}).get((f.id, i)),
+                "fix": marks[i] if i < len(marks) else None,
                 "planned": False,
             }
         )
     # built by --fix's planner from this finding (the job's own flag, a derived edit)
     prescriptions.extend(
         {
-            "kind": c["mechanism"],
-            "summary": clip(c["summary"], 600),
+            "kind": c.mechanism,
+            "summary": clip(c.summary, 600),
             "text": None,
             "text_kind": None,
             "expected_gain_s": None,
             "automatic": True,
-            "fix": c["fix"],
+            "fix": c.fix,
             "planned": True,
         }
-        for c in (marks or {}).get((f.id, "planned"), ())
+        for c in (plan.planned if plan is not None else ())
     )
     related = []
     if f.analyzer in ("jit", "compile", "autotune", "dynamo") or "compile" in f.id:
@@ -241,15 +184,9 @@ def finding_view(
     }
 
 
-def verdict_view(
-    run: RunRecord, findings: Sequence[Finding], findings_view: Sequence[Mapping[str, Any]]
-) -> dict[str, Any]:
-    """The headline, rendered from the verdict finding (analyzers/core/verdict.py). Findings without
-    one (a findings.json from before the verdict was a finding, a hand-made list) are judged by
-    that same analyzer here: the report never decides the verdict itself."""
-    v = next((f for f in findings if f.id.startswith(VERDICT_PREFIX)), None) or judge.judge(
-        run, list(findings)
-    )
+def verdict_view(v: Finding, findings_view: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """The headline, rendered from the judgement's verdict finding (analyzers/verdict.py): the
+    report never decides the verdict itself."""
     ev = v.evidence or {}
     out = {
         "id": v.id,

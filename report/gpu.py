@@ -7,9 +7,9 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any
 
-from traindx.analyzers.core.evidence import profiled_steps
 from traindx.derive import gpu_efficiency
 from traindx.derive import ledger as L
+from traindx.derive.steady import profiled_steps
 from traindx.profiler import gputime
 from traindx.profiler.torchtrace import gpu_window, top_kernels
 

@@ -20,7 +20,7 @@ from traindx.report import charts
 from traindx.report.data import build_report_data
 
 if TYPE_CHECKING:
-    from traindx.analyzers.core.findings import Finding
+    from traindx.judgement import Judgement
     from traindx.derive.run import RunRecord
 
 TEMPLATES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "templates")
@@ -84,15 +84,15 @@ def render_html(data: Mapping[str, Any]) -> str:
 
 def write_report(
     run: RunRecord,
-    findings: list[Finding],
+    judgement: Judgement,
     path: str | None = None,
     comparison: Mapping[str, Any] | None = None,
 ) -> str:
-    """Render runs/<id>/report.html (or `path`); returns the path written.
+    """Render a judged run's runs/<id>/report.html (or `path`); returns the path written.
 
     comparison: an optional mapping from the --fix loop (arms side by side, speedup, parity…);
     whatever keys it has are shown in a 'Before and after' section."""
-    data = build_report_data(run, findings, comparison=comparison)
+    data = build_report_data(run, judgement, comparison=comparison)
     html = render_html(data)
     path = path or os.path.join(run.path, "report.html")
     write_text(path, html)

@@ -1,15 +1,16 @@
-"""Derived outputs of a run folder: findings.json and report.html, rebuilt from the record."""
+"""Derived outputs of a run folder: findings.json and report.html, rebuilt from the record. The run
+is judged once (traindx.analyzers.judgement.judge_run) and every output renders that Judgement."""
 
 from __future__ import annotations
 
 import json
 import os
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from traindx.analyzers import analyze
 from traindx.analyzers.core.findings import Finding
+from traindx.judgement import Judgement, judge_run
 from traindx.common.atomic import replace_with, write_json
 from traindx.common.errors import UserError
 
@@ -21,9 +22,13 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 
-def write_findings(run: RunRecord, findings: list[Finding]) -> str:
+def write_findings(run: RunRecord, judged: Judgement | Sequence[Finding]) -> str:
+    """RUN/findings.json: the judgement's findings with their --fix plans and the step causes
+    (Judgement.findings_json); a bare list of findings (the --fix runner's measured rewrite) as
+    it is."""
     path = os.path.join(run.path, "findings.json")
-    write_json(path, [x.to_dict() for x in findings], indent=2, default=str)
+    entries = judged.findings_json() if isinstance(judged, Judgement) else [x.to_dict() for x in judged]
+    write_json(path, entries, indent=2, default=str)
     return path
 
 
@@ -61,49 +66,48 @@ def _attempt(problems: list[str], what: str, write: Callable[[], T]) -> T | None
 
 def write_outputs(
     run: RunRecord,
-    findings: list[Finding] | None = None,
+    judgement: Judgement | None = None,
     report_path: str | None = None,
     into_run: bool = True,
     comparison: Mapping[str, Any] | None = None,
-) -> tuple[list[Finding], str | None, list[str]]:
-    """Analyze a loaded run (unless `findings` are given) and write what derives from it:
+) -> tuple[Judgement, str | None, list[str]]:
+    """Judge a loaded run (unless its `judgement` is given) and write what renders it:
     findings.json and ledger.csv in the run folder (unless into_run is False: `report -o
     elsewhere` leaves the run folder as it is) and the HTML report (at report_path, default
-    RUN/report.html). Returns (findings, report path or None, problems): a write that fails is
+    RUN/report.html). Returns (judgement, report path or None, problems): a write that fails is
     one line in problems, never an exception, and the other outputs are still written."""
-    if findings is None:
-        findings = analyze(run)
-    the_findings = findings
+    judged = judge_run(run) if judgement is None else judgement
     problems: list[str] = []
     if into_run:
-        _attempt(problems, os.path.join(run.path, "findings.json"), lambda: write_findings(run, the_findings))
+        _attempt(problems, os.path.join(run.path, "findings.json"), lambda: write_findings(run, judged))
         _attempt(problems, os.path.join(run.path, "ledger.csv"), lambda: write_ledger(run))
     try:
         from traindx.report.html import write_report  # lazy: Jinja2 is loaded only to render
     except ImportError:
-        return findings, None, problems
+        return judged, None, problems
     target = report_path or os.path.join(run.path, "report.html")
     written = _attempt(
-        problems, target, lambda: write_report(run, the_findings, path=report_path, comparison=comparison)
+        problems, target, lambda: write_report(run, judged, path=report_path, comparison=comparison)
     )
-    return findings, written, problems
+    return judged, written, problems
 
 
-def analyze_and_write(run: RunRecord, console: Console | None = None) -> tuple[list[Finding], str | None]:
-    """Analyze a loaded run, write findings.json and report.html; returns (findings, report path
-    or None). What could not be written is one line each on stderr."""
-    findings, report_path, problems = write_outputs(run)
+def analyze_and_write(run: RunRecord, console: Console | None = None) -> tuple[Judgement, str | None]:
+    """Judge a loaded run, write findings.json and report.html; returns (the judgement, report
+    path or None). What could not be written is one line each on stderr."""
+    judgement, report_path, problems = write_outputs(run)
     for line in problems:
         print(f"diagnose: not written: {line}", file=sys.stderr)
-    return findings, report_path
+    return judgement, report_path
 
 
 def write_live_report(run: RunRecord, findings: list[Finding]) -> None:
-    """report.html rewritten while the job runs (write-then-rename: it can be opened mid-run)."""
+    """report.html rewritten while the job runs (write-then-rename: it can be opened mid-run),
+    rendering the live judge's findings completed into a judgement."""
     try:
         from traindx.report.html import write_report  # lazy: Jinja2 is loaded only to render
 
-        write_report(run, findings)
+        write_report(run, judge_run(run, findings))
     except (ImportError, OSError):
         pass  # the final report is written at the end; a mid-run one is a convenience
 

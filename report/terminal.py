@@ -15,12 +15,13 @@ from traindx.report.console import Console
 
 if TYPE_CHECKING:
     from traindx.analyzers.core.findings import Finding
+    from traindx.judgement import Judgement
     from traindx.derive.run import RunRecord
 
 SEVERITY_STYLE = {"critical": "bold red", "high": "red", "medium": "yellow", "low": "cyan", "info": "dim"}
 SUMMARY_ROWS = 6
 CODE_LINES = 6  # lines of a diff or command printed under the verdict
-# what traindx.fixing.run.loop's plan does with a prescription (report.findings_view.fix_marks)
+# what --fix's plan does with a prescription (the judgement's plans: analyzers/judgement.py)
 FIX_MARK = {
     "applied": "--fix applies this",
     "next": "--fix tries this next",
@@ -151,15 +152,22 @@ def _print_verdict(console: Console, v: Mapping[str, Any]) -> None:
 
 
 def print_summary(
-    run: RunRecord, findings: list[Finding], report_path: str | None = None, console: Console | None = None
+    run: RunRecord, judgement: Judgement, report_path: str | None = None, console: Console | None = None
 ) -> None:
-    """The verdict and the top findings, from the same report data as the HTML report. Fits 80
-    columns and a log file: numbers wrap between parts, code is never broken, prescriptions are
-    listed under the table (numbered) rather than cut in a column."""
+    """The verdict and the top findings of a judged run, from the same report data as the HTML
+    report (report.data.build_summary)."""
     from traindx.report.data import build_summary  # pandas: not for the live status line
 
+    render_summary(build_summary(run, judgement), run.path, report_path, console)
+
+
+def render_summary(
+    data: Mapping[str, Any], run_path: str, report_path: str | None = None, console: Console | None = None
+) -> None:
+    """Print summary data (report.data.build_summary). Fits 80 columns and a log file: numbers
+    wrap between parts, code is never broken, prescriptions are listed under the table
+    (numbered) rather than cut in a column."""
     console = console or Console(file=sys.stderr)
-    data = build_summary(run, findings)
     v, st = data["verdict"], data["stats"]
     console.rule("traindx")
     if st["steps"]:
@@ -225,7 +233,7 @@ def print_summary(
         _say(console, "not collected: " + data["missing_summary"], style="dim")
     if report_path:
         console.print(f"report: {report_path}", markup=False, highlight=False, soft_wrap=True)
-    console.print(f"run: {run.path}", markup=False, highlight=False, soft_wrap=True)
+    console.print(f"run: {run_path}", markup=False, highlight=False, soft_wrap=True)
 
 
 def findings_table(findings: list[Finding], lost_header: str, digits: int) -> Table:

@@ -147,21 +147,22 @@ def test_planner_builds_host_read_copy_and_compile_edits_from_the_named_lines(tm
     # under their finding (first applied, the next ones tried in turn), never called "by hand"
     from types import SimpleNamespace
 
-    from traindx.report.findings_view import finding_view, fix_marks
+    from traindx.judgement import fix_plans
+    from traindx.report.findings_view import finding_view
 
     run = SimpleNamespace(
         manifest={"command": [PY, str(job)], "cwd": str(tmp_path)}, path=str(tmp_path / "b")
     )
-    marks = fix_marks(run, findings)
-    planned = {f.id: [c["fix"] for c in marks.get((f.id, "planned"), [])] for f in findings}
+    plans = fix_plans(run, findings)
+    planned = {f.id: [c.fix for c in plans[f.id].planned] for f in findings}
     assert planned["jit.dynamo_recompile"][:2] == ["applied", "next"]  # dynamic=True, then None
     assert "next" in planned["gpu_idle.host_starved"] or "alternative" in planned["gpu_idle.host_starved"]
-    view = finding_view(findings[0], [], marks)
+    view = finding_view(findings[0], [], plans[findings[0].id])
     built = [p for p in view["prescriptions"] if p["planned"]]
     assert built and built[0]["summary"] == by["gpu_idle.host_starved"][0].summary
     assert (
-        sum(m == "applied" for k, m in marks.items() if k[1] != "planned")
-        + sum(c["fix"] == "applied" for k, v in marks.items() if k[1] == "planned" for c in v)
+        sum(m == "applied" for plan in plans.values() for m in plan.marks)
+        + sum(c.fix == "applied" for plan in plans.values() for c in plan.planned)
         == 1
     )
 
@@ -273,6 +274,7 @@ def test_fix_applies_the_host_read_and_pinned_copy_edits_and_parity_holds(tmp_pa
     construction site from the shim's data_site events). The loop plans them, applies each on a
     scratch copy, runs it: the edited job still runs, the patch is right, parity passes."""
     from traindx.analyzers.core import frameworks
+    from traindx.judgement import judge_run
     from traindx.analyzers.data import dataloader
     from traindx.fixing.run.loop import FixOptions, fix
     from traindx.profiler.launcher import Options
@@ -282,16 +284,17 @@ def test_fix_applies_the_host_read_and_pinned_copy_edits_and_parity_holds(tmp_pa
     copy_line = _line_of(HOST_READS, "x = x.to(dev)")
 
     def analyze_and_write(record, *args, **kwargs):
-        findings, report = real(record, *args, **kwargs)
+        judged, report = real(record, *args, **kwargs)
         if os.path.basename(record.path) != "baseline":
-            return findings, report
-        site = dataloader.starving_site(frameworks.data_sites(record, "0"), "DataLoader")
-        pin = dataloader.loader_site_change(site, "DataLoader", {"pin_memory": "True"})
+            return judged, report
+        site = dataloader._starving_site(frameworks.data_sites(record, "0"), "DataLoader")
+        pin = dataloader._site_change(site, "DataLoader", {"pin_memory": "True"})
         assert pin and "DataLoader(data, batch_size=16, shuffle=False, pin_memory=True)" in pin["after"]
-        return [
+        added = [
             _host_starved(HOST_READS, copy_line, 0.03),
             _pageable(HOST_READS, copy_line, 0.02, loader_pin=pin),
-        ] + list(findings), report
+        ]
+        return judge_run(record, added + list(judged.findings)), report
 
     monkeypatch.setattr(outputs, "analyze_and_write", analyze_and_write)
     # both arms measured: on a CPU nothing waits on a host read, so a first arm "as predicted"

@@ -340,10 +340,11 @@ def test_mfu_with_no_flags_in_the_verdict_line_report_and_card(tmp_path):
     assert next(f for f in found if f.id == "gpu.efficiency").evidence["mfu"] == pytest.approx(expected)
     from rich.console import Console
 
+    from traindx.analyzers.judgement import judge_run
     from traindx.report.terminal import print_summary
 
     console = Console(record=True, width=100)
-    print_summary(run, found, console=console)
+    print_summary(run, judge_run(run, found), console=console)
     text = console.export_text()
     assert f"MFU {expected:.1%}" in text and "GPU (rank 0" in text and "matmul bf16" in text
     c = card(run)

@@ -14,6 +14,7 @@ import pytest
 from report_helpers import PYTHON, ROOT, _chromium_check, diagnose
 
 from traindx.analyzers.core.findings import Finding, Prescription
+from traindx.judgement import judge_run
 from traindx.derive.run import load_run
 from traindx.report.data import build_report_data, build_summary
 from traindx.report.html import write_report
@@ -111,7 +112,7 @@ def _jit_findings(run):
 # -- report data ---------------------------------------------------------------------------------
 def test_report_data_of_a_real_run_matches_its_record(tiny_run):
     findings = read_findings(tiny_run.path)
-    data = build_report_data(tiny_run, findings)
+    data = build_report_data(tiny_run, judge_run(tiny_run, findings))
     steps = data["timeline"]["ranks"]["0"]
     recorded = tiny_run.rank_steps("0")
     assert [s["step"] for s in steps] == list(recorded["step"]) == list(range(6))
@@ -144,7 +145,7 @@ def test_report_data_of_a_real_run_matches_its_record(tiny_run):
 
 def test_findings_ranked_by_seconds_lost_and_verdict_is_the_top_change(tiny_run):
     findings = _jit_findings(tiny_run)
-    data = build_report_data(tiny_run, findings)
+    data = build_report_data(tiny_run, judge_run(tiny_run, findings))
     assert [f["id"] for f in data["findings"]] == [
         "jit.fa4_steady_recompile",
         "gc.gen2_in_steps",
@@ -168,7 +169,7 @@ def test_findings_ranked_by_seconds_lost_and_verdict_is_the_top_change(tiny_run)
         step = v["median_step_s"]
         assert v["speedup"] == (pytest.approx(step / (step - 0.05)) if step and step > 0.05 else None)
     # the terminal summary is built from the same data
-    assert build_summary(tiny_run, findings)["verdict"] == v
+    assert build_summary(tiny_run, judge_run(tiny_run, findings))["verdict"] == v
 
 
 # -- escaping -------------------------------------------------------------------------------------
@@ -208,7 +209,9 @@ def test_markup_from_the_job_is_escaped_everywhere(escaping_run):
         )
     ]
     path = write_report(
-        run, findings, comparison={"verdict": MARKUP[0], "arms": {MARKUP[2]: {MARKUP[1]: MARKUP[3]}}}
+        run,
+        judge_run(run, findings),
+        comparison={"verdict": MARKUP[0], "arms": {MARKUP[2]: {MARKUP[1]: MARKUP[3]}}},
     )
     html = open(path, encoding="utf-8").read()
     # exactly one script element: the report's own
@@ -238,7 +241,8 @@ def test_secrets_in_the_environment_stay_out(tiny_run, tmp_path):
         }
     )
     (run_dir / "manifest.json").write_text(json.dumps(manifest))
-    html = open(write_report(load_run(run_dir), []), encoding="utf-8").read()
+    run = load_run(run_dir)
+    html = open(write_report(run, judge_run(run, [])), encoding="utf-8").read()
     assert "NCCL_DEBUG" in html
     for secret in (
         "hf_abcdefghijklmnopqrstuvwxyz123456",
@@ -358,10 +362,10 @@ def test_a_ten_minute_run_renders_under_five_megabytes(tiny_run, tmp_path):
     (run_dir / "manifest.json").write_text(json.dumps(manifest))
     run = load_run(run_dir)
     assert len(run.steps) >= 5000
-    path = write_report(run, _jit_findings(tiny_run))
+    path = write_report(run, judge_run(run, _jit_findings(tiny_run)))
     size = os.path.getsize(path)
     assert size <= 5 * 2**20, f"{size / 2**20:.1f} MB"
-    data = build_report_data(run, [])
+    data = build_report_data(run, judge_run(run, []))
     assert data["gpu"]["available"] and len(data["gpu"]["series"]) == 8
 
 
@@ -373,7 +377,7 @@ def test_report_in_chromium(tiny_run):
         "arms": {"baseline": {"median_step_s": 0.52}, "candidate": {"median_step_s": 0.27}},
         "speedup": 1.93,
     }
-    path = write_report(tiny_run, findings, comparison=comparison)
+    path = write_report(tiny_run, judge_run(tiny_run, findings), comparison=comparison)
     n_steps = len(tiny_run.steps)
 
     def checks(page):
@@ -434,10 +438,12 @@ def test_terminal_summary_says_what_the_html_verdict_says(tiny_run):
 
     findings = _jit_findings(tiny_run)
     out = io.StringIO()
-    print_summary(tiny_run, findings, "report.html", console=Console(file=out, width=200))
+    print_summary(
+        tiny_run, judge_run(tiny_run, findings), "report.html", console=Console(file=out, width=200)
+    )
     text = out.getvalue()
-    html = open(write_report(tiny_run, findings), encoding="utf-8").read()
-    headline = build_summary(tiny_run, findings)["verdict"]["headline"]
+    html = open(write_report(tiny_run, judge_run(tiny_run, findings)), encoding="utf-8").read()
+    headline = build_summary(tiny_run, judge_run(tiny_run, findings))["verdict"]["headline"]
     assert f"Verdict: {headline}" in text and headline in html
     assert "pip install -U 'flash-attn-4>=4.0.0b26'" in text
     # the same ranking: the JIT finding before the GC one, the info finding as a note after the table
@@ -479,16 +485,16 @@ def test_the_report_marks_what_fix_applies_and_what_are_alternatives(tiny_run):
             Prescription(kind="code", summary="call torch.set_num_threads(1) at start-up"),
         ),
     )
-    data = build_report_data(tiny_run, [threads])
+    data = build_report_data(tiny_run, judge_run(tiny_run, [threads]))
     marks = [p["fix"] for p in data["findings"][0]["prescriptions"]]
     # the loop measures OMP first, MKL next (within --fix-tries): the code line is by hand
     assert marks == ["applied", "next", "by_hand"]
     assert data["verdict"]["fix"] == "applied" and data["verdict"]["headline"] == "set OMP_NUM_THREADS=1"
-    html = open(write_report(tiny_run, [threads]), encoding="utf-8").read()
+    html = open(write_report(tiny_run, judge_run(tiny_run, [threads])), encoding="utf-8").read()
     assert html.count('data-fix="applied"') == 1 and html.count('data-fix="next"') == 1
     assert html.count('data-fix="by_hand"') == 1
     out = io.StringIO()
-    print_summary(tiny_run, [threads], console=Console(file=out, width=80))
+    print_summary(tiny_run, judge_run(tiny_run, [threads]), console=Console(file=out, width=80))
     text = out.getvalue()
     assert "1. the verdict above [--fix applies this]" in text
     assert "diagnose --fix applies this" in text and "+ 2 alternatives in the report" in text

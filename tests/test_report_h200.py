@@ -7,14 +7,13 @@ import pytest
 from report_helpers import PYTHON, _chromium_check, diagnose
 
 from traindx.analyzers.core.findings import Finding
+from traindx.judgement import judge_run
 from traindx.report.data import build_report_data, build_summary
 from traindx.report.html import write_report
 
 
 def test_report_data_of_the_h200_seed_run(h200_run):
-    from traindx.analyzers import analyze
-
-    data = build_report_data(h200_run, analyze(h200_run))
+    data = build_report_data(h200_run, judge_run(h200_run))
     # the verdict is the JIT analyzer's fix, and its gain is nearly the whole step
     v = data["verdict"]
     assert v["kind"] == "change" and "max_seqlen" in v["headline"]
@@ -36,9 +35,7 @@ def test_report_data_of_the_h200_seed_run(h200_run):
 
 @pytest.mark.slow
 def test_h200_report_in_chromium(h200_run):
-    from traindx.analyzers import analyze
-
-    path = write_report(h200_run, analyze(h200_run))
+    path = write_report(h200_run, judge_run(h200_run))
 
     def checks(page):
         assert page.locator("#gpu svg.gpu-chart").count() == 3
@@ -98,7 +95,7 @@ def test_report_of_the_fa4_seed_cold_start(tmp_path):
     from traindx.analyzers import analyze
 
     findings = analyze(run)
-    data = build_report_data(run, findings)
+    data = build_report_data(run, judge_run(run, findings))
     first = data["timeline"]["ranks"]["0"][0]
     assert first["cause"] == "compile" and first["compile_s"] > 0.5 * first["duration_s"]
     kernels = {c["kernel"].split(":")[0] for c in data["compiles"]}
@@ -111,7 +108,7 @@ def test_report_of_the_fa4_seed_cold_start(tmp_path):
     lanes = {t["name"]: t for t in data["lanes"]["threads"]}
     assert backward["thread"] in lanes
     assert any(c["thread"] == backward["thread"] for c in data["lanes"]["compiles"])
-    path = write_report(run, findings)
+    path = write_report(run, judge_run(run, findings))
 
     def checks(page):
         assert page.locator("#step-chart rect.compile-mark").count() == len(data["compiles"])
@@ -134,7 +131,7 @@ def test_time_in_events_no_analyzer_named_is_a_finding_the_verdict_points_at(h20
     assert f.evidence["steps"] >= len(h200_run.steps) - 2 and f.share_of_step >= 0.1
     v = verdict.judge(h200_run, found)
     assert v.id == "verdict.cause" and v.evidence["top"] == "steps.time_in_events"
-    data = build_summary(h200_run, found + [v])
+    data = build_summary(h200_run, judge_run(h200_run, found + [v]))
     assert data["verdict"]["kind"] == "problem" and data["verdict"]["headline"] == f.title
     # an analyzer's root finding claims the time: no second finding for it
     assert (
@@ -155,14 +152,14 @@ def test_one_number_per_quantity_across_terminal_and_report(h200_run):
     from traindx.report.terminal import print_summary
 
     findings = analyze(h200_run)
-    data = build_report_data(h200_run, findings)
+    data = build_report_data(h200_run, judge_run(h200_run, findings))
     gil = next(f for f in findings if f.id == "gil.contention")
     row = next(t for t in data["gil"][0]["threads"] if t["thread"].startswith(gil.evidence["thread"]))
     assert row["gil_share"] == pytest.approx(gil.evidence["gil_share"], abs=0.001)
     startup = data["ledger"]["startup"]["wall_s"]
     assert data["stats"]["startup_s"] == startup
     out = io.StringIO()
-    print_summary(h200_run, findings, console=Console(file=out, width=80))
+    print_summary(h200_run, judge_run(h200_run, findings), console=Console(file=out, width=80))
     html = render_html(data)
     assert f"start-up {fmt_s(startup)}" in html and f"start-up {fmt_s(startup)[:-2]}" in out.getvalue()
     n = data["timeline"]["cause_counts"].get("compile")

@@ -11,6 +11,7 @@ import pytest
 from report_helpers import CHROMIUM, PYTHON, ROOT, _chromium_check
 
 from traindx.analyzers.core.findings import Prescription
+from traindx.judgement import judge_run
 from traindx.derive.run import load_run
 from traindx.report.data import build_report_data, comparison_view, prescription_text
 from traindx.report.outputs import read_findings
@@ -78,7 +79,8 @@ def test_a_job_that_fails_before_any_step_gets_an_honest_report(tmp_path):
     )
     assert proc.returncode == 3
     assert "No training steps were recorded" in proc.stderr
-    data = build_report_data(load_run(tmp_path / "r"), [])
+    run = load_run(tmp_path / "r")
+    data = build_report_data(run, judge_run(run, []))
     assert data["verdict"]["kind"] == "nosteps" and data["run"]["exit_code"] == 3
     html = (tmp_path / "r" / "report.html").read_text()
     assert "exited with code 3" in html and "&lt;i&gt;loading&lt;/i&gt;" in html

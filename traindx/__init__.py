@@ -1,6 +1,8 @@
 """traindx: finds why a training run is slow, prescribes the fix, applies it, proves it.
 
-Notebook API: `run = traindx.load_run(path)`; `findings = traindx.analyze(run)`.
+Notebook API: `run = traindx.load_run(path)`; `findings = traindx.analyze(run)`; the judged
+document every output renders (findings, verdict, step causes, --fix plans): `traindx.judge_run(run)
+-> Judgement`.
 Engines, no argparse: `traindx.fix(command, traindx.FixOptions(...)) -> FixResult` (the --fix
 loop), `traindx.merge(run_dir) -> RunRecord` (a multi-node run's parts), `traindx.card(run,
 traindx.CardOptions(...)) -> Card` (a recipe card).
@@ -56,6 +58,8 @@ _LAZY = {
     "FixResult": "traindx.fixing.run.loop",
     "FixEvent": "traindx.fixing.run.loop",
     "merge": "traindx.derive.multinode",
+    "judge_run": "traindx.judgement",
+    "Judgement": "traindx.judgement",
     "card": "traindx.recipes.card",
     "CardOptions": "traindx.recipes.card",
     "Card": "traindx.recipes.card",
@@ -74,10 +78,12 @@ __all__ = [
     "FixEvent",
     "FixOptions",
     "FixResult",
+    "Judgement",
     "RunRecord",
     "analyze",
     "card",
     "fix",
+    "judge_run",
     "load_run",
     "merge",
     "step",

@@ -11,10 +11,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from traindx.analyzers import analyze
 from traindx.analyzers.core import ab_verdict as judge
 from traindx.analyzers.core.ab_verdict import ABVerdict, Arm, ArmEvidence
 from traindx.analyzers.core.findings import Finding
+from traindx.judgement import Judgement, judge_run
 from traindx.analyzers.core.savings import predicted_step_time
 from traindx.common.errors import UserError
 from traindx.derive.ledger import steady_rows
@@ -98,10 +98,10 @@ def run_arm(
     kept = arm.dir if judge.settles_search(arm) else None
     comparison["search"] = [search_row(a) for a in searched] + [search_row(arm, kept)]
     write_fix_json(os.path.join(prep.dir, "comparison.json"), comparison)
-    record, cand_findings, cand_report = analyze_arm(prep.dir, ctx.say, comparison=comparison)
-    ctx.say("summary", name, record=record, findings=cand_findings, report=cand_report)
+    record, judged, cand_report = analyze_arm(prep.dir, ctx.say, comparison=comparison)
+    ctx.say("summary", name, record=record, judgement=judged, report=cand_report)
     ctx.say("comparison", name, comparison=comparison, arm=prep.dir)
-    return ArmRun(arm, comparison, prep.code, cand_findings)
+    return ArmRun(arm, comparison, prep.code, list(judged.findings))
 
 
 def _prepare(ctx: FixContext, name: str, cand: Candidate) -> _Prepared:
@@ -365,25 +365,25 @@ def search_row(arm: Arm, kept: str | None = None) -> dict[str, Any]:
 
 def analyze_arm(
     run_dir: str, say: Say, comparison: dict[str, Any] | None = None
-) -> tuple[RunRecord, list[Finding], str | None]:
-    """Load, analyze, write findings.json and report.html (with the comparison, if any)."""
+) -> tuple[RunRecord, Judgement, str | None]:
+    """Load, judge, write findings.json and report.html (with the comparison, if any)."""
     record = load_run(run_dir)
     try:
-        findings, report_path = outputs.analyze_and_write(record)
+        judged, report_path = outputs.analyze_and_write(record)
     except UserError:
         raise
     except Exception as exc:  # a broken report must not stop the loop: the findings decide
         say("warning", f"internal error writing the report of {run_dir}: {type(exc).__name__}: {exc}")
-        findings, report_path = analyze(record), None
-        outputs.write_findings(record, findings)
-        return record, findings, report_path
+        judged, report_path = judge_run(record), None
+        outputs.write_findings(record, judged)
+        return record, judged, report_path
     if comparison is not None:
-        report_path = _draw_comparison(record, findings, comparison, say) or report_path
-    return record, findings, report_path
+        report_path = _draw_comparison(record, judged, comparison, say) or report_path
+    return record, judged, report_path
 
 
 def _draw_comparison(
-    record: RunRecord, findings: list[Finding], comparison: dict[str, Any], say: Say
+    record: RunRecord, judged: Judgement, comparison: dict[str, Any], say: Say
 ) -> str | None:
     """The report redrawn with the comparison; None where it could not be."""
     try:
@@ -391,7 +391,7 @@ def _draw_comparison(
     except ImportError:
         return None
     try:
-        return write_report(record, findings, comparison=report_view(comparison))
+        return write_report(record, judged, comparison=report_view(comparison))
     except Exception as exc:  # the comparison is already in comparison.json
         say("warning", f"internal error drawing the comparison into the report: {type(exc).__name__}: {exc}")
         return None

@@ -95,7 +95,8 @@ def _baseline(
             if options.until_diagnosed
             else run_job(command, base_dir, record_options)
         )
-    baseline, findings, report = analyze_arm(base_dir, say)
+    baseline, judged, report = analyze_arm(base_dir, say)
+    findings = list(judged.findings)
     if options.until_diagnosed and len(baseline.steps):
         # the candidates run the steps the baseline ran (its own stop, or the job's end)
         steps = int(baseline.steps.groupby("rank").size().max())
@@ -106,7 +107,7 @@ def _baseline(
             f"baseline: {'stopped once diagnosed, after' if stopped else 'ran'} "
             f"{record_options.steps} steps; each candidate runs as many",
         )
-    say("summary", "baseline", record=baseline, findings=findings, report=report)
+    say("summary", "baseline", record=baseline, judgement=judged, report=report)
     result.exit_code = exit_status(code)
     if result.exit_code != 0:
         result.status = "baseline failed"

@@ -88,8 +88,8 @@ def attach(options: AttachOptions) -> int:
         manifest["missing"]["pyspy"] = "; ".join(pyspy.errors())[:1000]
     _write_manifest(run_dir, manifest)
     record = load_run(run_dir)
-    findings, report_path = analyze_and_write(record)
-    print_summary(record, findings, report_path)
+    judgement, report_path = analyze_and_write(record)
+    print_summary(record, judgement, report_path)
     return 0
 
 

@@ -181,8 +181,8 @@ def _analyse_and_report(run_dir: str, node: dict[str, str] | None) -> bool:
     from traindx.report.terminal import print_summary
 
     record = load_run(run_dir)
-    findings, report_path, problems = write_outputs(record)
-    print_summary(record, findings, report_path)
+    judgement, report_path, problems = write_outputs(record)
+    print_summary(record, judgement, report_path)
     for line in problems:
         print(f"diagnose: not written: {line}", file=sys.stderr)
     if problems:
@@ -256,7 +256,7 @@ class _FixReporter:
             console.rule(escape(f"traindx --fix: {event.text}"))  # "[finding.id]" is text
         elif event.kind == "summary":
             data: dict[str, Any] = event.data
-            print_summary(data["record"], data["findings"], data["report"], console=console)
+            print_summary(data["record"], data["judgement"], data["report"], console=console)
         elif event.kind == "comparison":
             self.print_comparison(event.data["comparison"], console)
         elif event.kind == "warning":

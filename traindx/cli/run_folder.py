@@ -97,14 +97,18 @@ def rerender(options: ReportOptions) -> int:
         note = finish_interrupted(options.run_dir)
         if note:
             print(f"diagnose: {note}", file=sys.stderr)
+    from traindx.judgement import judge_run
+
     record = load_run(options.run_dir)
     findings = _stored_findings(record, options.reanalyze)
     # a fresh analysis goes into RUN/findings.json, unless the report goes elsewhere (-o): the
     # run folder is then left as it is
     into_run = findings is None and not output
-    findings, path, problems = write_outputs(
+    # judged again here, once: the stored findings completed (verdict, step causes, --fix plans)
+    # or, without them, the analyzers run; the outputs and the summary render this judgement
+    judgement, path, problems = write_outputs(
         record,
-        findings,
+        judge_run(record, findings),
         report_path=output,
         into_run=into_run,
         comparison=read_comparison(options.comparison, record.path),
@@ -121,7 +125,7 @@ def rerender(options: ReportOptions) -> int:
     if options.quiet:
         print(path)
     else:
-        print_summary(record, findings, path)
+        print_summary(record, judgement, path)
     if options.open and not webbrowser.open("file://" + os.path.abspath(path)):
         print(f"diagnose: no web browser found; open {path} yourself", file=sys.stderr)
     return 1 if problems else 0
@@ -195,9 +199,9 @@ def merge_nodes(run_dir: str, reference: str | None = None, report: bool = True,
     if not report:
         return 0
     record = load_run(run_dir)
-    findings, report_path = analyze_and_write(record)
+    judgement, report_path = analyze_and_write(record)
     if quiet:
         print(report_path)
     else:
-        print_summary(record, findings, report_path)
+        print_summary(record, judgement, report_path)
     return 0

@@ -19,13 +19,13 @@ import argparse
 import json
 import os
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from traindx.cli import argtypes
 from traindx.common.errors import UserError
 
 if TYPE_CHECKING:
-    from traindx.analyzers.core.findings import Finding
+    from traindx.judgement import Judgement
     from traindx.derive.run import RunRecord
 
 
@@ -83,13 +83,13 @@ def prepare_parser(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _analyze_run(path: str) -> tuple[RunRecord, list[Finding], str | None]:
+def _analyze_run(path: str) -> tuple[RunRecord, Judgement, str | None]:
     from traindx.derive.run import load_run
     from traindx.report.outputs import analyze_and_write  # lazy: the analyzers (pandas)
 
     record = load_run(path)
-    findings, report_path = analyze_and_write(record)
-    return record, findings, report_path
+    judgement, report_path = analyze_and_write(record)
+    return record, judgement, report_path
 
 
 def _is_megatron_log(path: str) -> bool:
@@ -102,6 +102,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     path = os.path.abspath(args.path)
     if not os.path.exists(path):
         raise UserError(f"no such run folder or file: {args.path}")
+    payload: list[Any] | None = None
     if os.path.isdir(path) and args.what_if:
         from traindx.cli.trace_file import analyze_run  # lazy: pandas, the replay
         from traindx.report import whatif_view
@@ -113,11 +114,13 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         if not args.json:
             whatif_view.print_summary(args.path, result, findings)
     elif os.path.isdir(path):
-        record, findings, report_path = _analyze_run(path)
+        record, judgement, report_path = _analyze_run(path)
+        findings = list(judgement.findings)
+        payload = judgement.findings_json()  # as its findings.json holds them (with --fix plans)
         if not args.json:
             from traindx.report.terminal import print_summary  # lazy: rich, pandas
 
-            print_summary(record, findings, report_path)
+            print_summary(record, judgement, report_path)
     elif path.endswith(".parquet"):
         from traindx.cli.trace_file import analyze_trace  # lazy: pandas, the replay
         from traindx.report import whatif_view
@@ -142,7 +145,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         findings = analyze_file(path, args.rate)
         if not args.json:
             print_file_summary(path, findings)
-    payload = [f.to_dict() for f in findings]
+    if payload is None:
+        payload = [f.to_dict() for f in findings]
     if args.output:
         from traindx.report.outputs import write_json_file  # lazy: the analyzers (pandas)
 
