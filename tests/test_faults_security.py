@@ -1,0 +1,108 @@
+"""Fault rows of issue 48, Security: a run folder, a node's part and a kernel cache folder are
+untrusted input (received from someone else, or on storage others can write), and what the job
+prints is the job's. Nothing of theirs may become a path outside the folder, be written through
+a planted link, run as native code from a folder someone else controls, reach the terminal as a
+control sequence, or keep a secret in a file traindx writes. Inputs are built in code."""
+
+import contextlib
+import io
+import json
+import os
+
+import test_multinode
+
+from traindx.cli import main as cli
+from traindx.common import atomic
+
+
+def _diagnose(argv):
+    """(exit code, stdout, stderr) of diagnose run in this process (fast: no interpreter start)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = cli.main(argv)
+    return code, out.getvalue(), err.getvalue()
+
+
+def _two_node_run(tmp_path, rank="0"):
+    """RUN/nodes/{alpha,beta}: alpha's rank label is `rank`, with a py-spy file of its own."""
+    run = tmp_path / "shared" / "run"
+    run.mkdir(parents=True)
+    alpha = test_multinode.write_node(run, "alpha", 0, [True, False], rank="0")
+    events = alpha / "events" / "p4242.jsonl"
+    events.write_text(events.read_text().replace('"rank": "0"', f'"rank": "{rank}"'))
+    (alpha / "pyspy" / "p4242-evil.pth").write_text("import os; os.system('echo pwned')\n")
+    test_multinode.write_node(run, "beta", 0, [False, True], rank="1", pid=77)
+    return run
+
+
+def _files(folder):
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*"))
+
+
+def test_a_nodes_rank_label_that_is_a_path_writes_nothing_outside_the_run(tmp_path):
+    # was: pyspy/../../outside/x-evil.pth, a .pth that ran at the next Python start
+    run = _two_node_run(tmp_path, rank="../../outside/x")
+    outside = tmp_path / "shared" / "outside"
+    outside.mkdir()
+    code, _, err = _diagnose(["merge", str(run), "--no-report"])
+    assert code == 0, err
+    assert os.listdir(outside) == [] and _files(tmp_path / "shared") == sorted(
+        ["outside", "run", *(f"run/{p}" for p in _files(run))]
+    )
+    merged = os.listdir(run / "pyspy")
+    assert len(merged) == 3 and all("/" not in n and not n.startswith(".") for n in merged), merged
+    ranks = json.loads((run / "manifest.json").read_text())["ranks"]
+    assert sorted(ranks) == ["1", "_.._outside_x"]
+
+
+def test_merge_writes_through_no_planted_link_and_reads_none_of_a_part(tmp_path):
+    run = _two_node_run(tmp_path)
+    victim = tmp_path / "bashrc"
+    victim.write_text("precious\n")
+    (run / "log.txt").symlink_to(victim)  # was: the nodes' log lines appended to it
+    (run / "nodes" / "alpha" / "log.txt").write_text("1800000000000000000 0 echo hacked\n")
+    code, _, err = _diagnose(["merge", str(run), "--no-report"])
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "symbolic link" in err, err
+    assert victim.read_text() == "precious\n"
+    # a planted pyspy/ folder link is neither emptied nor written into
+    (run / "log.txt").unlink()
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    (theirs / "keep").write_text("kept")
+    (run / "pyspy").symlink_to(theirs)
+    code, _, err = _diagnose(["merge", str(run), "--no-report"])
+    assert code == 2 and "symbolic link" in err and os.listdir(theirs) == ["keep"], err
+    # a part's log.txt linked to a file of whoever merges is not copied into the merged log
+    (run / "pyspy").unlink()
+    secret = tmp_path / "id_rsa"
+    secret.write_text("1800000000000000000 0 PRIVATE-KEY\n")
+    (run / "nodes" / "beta" / "log.txt").symlink_to(secret)
+    code, _, err = _diagnose(["merge", str(run), "--no-report"])
+    assert code == 0, err
+    assert "PRIVATE-KEY" not in (run / "log.txt").read_text()
+
+
+def test_the_atomic_writer_refuses_links_and_paths_leaving_its_root(tmp_path):
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    run = tmp_path / "run"
+    (run / "sub").mkdir(parents=True)
+    (run / "out.txt").symlink_to(victim)
+    (run / "linked").symlink_to(tmp_path)
+    for path, root in (
+        (run / "out.txt", None),
+        (run / "linked" / "victim", run),
+        (run / "sub" / ".." / ".." / "victim", run),
+    ):
+        try:
+            atomic.write_text(path, "written", root=root)
+        except atomic.LinkRefused:
+            pass
+        assert victim.read_text() == "precious", path
+    # a link planted at the writer's temporary name is replaced, not written through
+    target = run / "sub" / "f.txt"
+    tmp = atomic._temporary_path(str(target))
+    os.symlink(victim, tmp)
+    atomic.write_text(target, "mine", root=run)
+    assert victim.read_text() == "precious" and target.read_text() == "mine"
+    assert sorted(os.listdir(run / "sub")) == ["f.txt"]
