@@ -20,6 +20,7 @@ Ray: a node of a Ray cluster is the command that starts it, `ray start --head --
 raylet (its child), so they inherit the shim from it like any other child of the job.
 """
 
+import functools
 import json
 import os
 import re
@@ -468,8 +469,9 @@ def merge_pyspy(parts: list[Part], labels: Mapping[tuple[Any, Any], str], out_di
                     text = "".join(_shifted_snapshots(f, node, offset))
                 atomic.write_text(target, text, root=out_dir)
             else:
-                copy = os.path.join(src, name)
-                atomic.replace_with(target, lambda tmp, copy=copy: _link_or_copy(copy, tmp), root=out_dir)
+                atomic.replace_with(
+                    target, functools.partial(_link_or_copy, os.path.join(src, name)), root=out_dir
+                )
 
 
 def _link_or_copy(src: str, tmp: str) -> None:
