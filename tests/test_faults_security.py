@@ -8,11 +8,16 @@ import contextlib
 import io
 import json
 import os
+import tarfile
 
+import pytest
+import test_kernel_cache
 import test_multinode
 
 from traindx.cli import main as cli
 from traindx.common import atomic
+from traindx.kernel_cache.cli import main as kernel_cache_cli
+from traindx.kernel_cache.store import cache as store
 
 
 def _diagnose(argv):
@@ -20,6 +25,13 @@ def _diagnose(argv):
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         code = cli.main(argv)
+    return code, out.getvalue(), err.getvalue()
+
+
+def _kernel_cache(argv):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = kernel_cache_cli.main([str(a) for a in argv])
     return code, out.getvalue(), err.getvalue()
 
 
@@ -106,3 +118,79 @@ def test_the_atomic_writer_refuses_links_and_paths_leaving_its_root(tmp_path):
     atomic.write_text(target, "mine", root=run)
     assert victim.read_text() == "precious" and target.read_text() == "mine"
     assert sorted(os.listdir(run / "sub")) == ["f.txt"]
+
+
+FP = "a" * 64  # a fingerprint folder (not this environment's: `--all` packs it, unpack takes it)
+
+
+def _cache(folder):
+    folder.mkdir(mode=0o700)
+    return test_kernel_cache.fake_folder(folder, FP, versions={"python": "3.99"}, n=2)
+
+
+def test_unpack_writes_no_kernel_through_a_planted_link(tmp_path):
+    src = _cache(tmp_path / "src").parent
+    tarball = tmp_path / "k.tar.gz"
+    assert _kernel_cache(["pack", tarball, "--all", "--cache-dir", src])[0] == 0
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "libc.so").write_text("precious")
+    for planted, target in ((f"{FP}/fwd", victim), (f"{FP}/fwd/{0:064x}.o", victim / "libc.so")):
+        dst = tmp_path / f"dst{len(planted)}"
+        dst.mkdir(mode=0o700)
+        os.makedirs(dst / os.path.dirname(planted), exist_ok=True)
+        os.symlink(target, dst / planted)
+        code, _, err = _kernel_cache(["unpack", tarball, "--cache-dir", dst])
+        assert code == 2 and len(err.strip().splitlines()) == 1 and "symbolic link" in err, err
+        assert os.listdir(victim) == ["libc.so"] and (victim / "libc.so").read_text() == "precious"
+
+
+def test_a_cache_folder_someone_else_controls_is_refused_in_one_line(tmp_path):
+    cache = _cache(tmp_path / "cache").parent
+    assert _kernel_cache(["ls", "--cache-dir", cache])[0] == 0
+    os.chmod(cache, 0o777)  # anyone could plant a kernel there (FA4 loads them as native code)
+    code, _, err = _kernel_cache(["ls", "--cache-dir", cache])
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "writable by others" in err, err
+    os.chmod(cache, 0o700)
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)  # a folder above it, writable by all and not sticky
+    os.rename(cache, shared / "cache")
+    code, _, err = _kernel_cache(["ls", "--cache-dir", shared / "cache"])
+    assert code == 2 and "writable by others" in err and str(shared) in err, err
+    if os.geteuid() != 0:
+        pytest.skip("a folder owned by another user needs root to make")
+    os.chown(shared / "cache", 65534, 65534)  # made first by another user (as in /tmp/<user>)
+    os.chmod(shared, 0o755)
+    code, _, err = _kernel_cache(["env", "--cache-dir", shared / "cache"])
+    assert code == 2 and "owned by another user" in err, err
+
+
+def test_pack_ships_only_kernels_and_round_trips_deduplicated_entries(tmp_path):
+    folder = _cache(tmp_path / "src")
+    (folder / ".env").write_text("HF_TOKEN=hf_abcdefghijklmnopqrstuvwxyz0123\n")
+    (folder / "fwd" / "notes.txt").write_text("private")
+    one, two = (folder / "fwd" / f"{i:064x}.o" for i in (0, 1))
+    two.unlink()
+    os.link(one, two)  # a deduplicated cache (hardlink, rdfind): one inode, two entries
+    tarball = tmp_path / "k.tar.gz"
+    code, _, err = _kernel_cache(["pack", tarball, "--all", "--cache-dir", folder.parent])
+    assert code == 0, err
+    with tarfile.open(tarball) as tar:
+        members = tar.getmembers()
+    names = sorted(m.name for m in members)
+    assert names == sorted(
+        [f"{FP}/{store.METADATA_FILE}", f"{FP}/fwd/{0:064x}.o", f"{FP}/fwd/{1:064x}.o"]
+    ), names
+    assert all(m.isfile() for m in members)
+    dst = tmp_path / "dst"
+    dst.mkdir(mode=0o700)
+    code, _, err = _kernel_cache(["unpack", tarball, "--cache-dir", dst])
+    assert "error" not in err, err
+    assert (dst / FP / "fwd" / f"{1:064x}.o").read_bytes() == one.read_bytes()
+    # a pack that ships anything else is not taken
+    evil = tmp_path / "evil.tar.gz"
+    with tarfile.open(evil, "w:gz") as tar:
+        tar.add(folder / ".env", arcname=f"{FP}/.env")
+    code, _, err = _kernel_cache(["unpack", evil, "--cache-dir", dst])
+    assert code == 2 and "not a kernel-cache pack" in err and not (dst / FP / ".env").exists()
