@@ -179,9 +179,9 @@ def test_pack_ships_only_kernels_and_round_trips_deduplicated_entries(tmp_path):
     with tarfile.open(tarball) as tar:
         members = tar.getmembers()
     names = sorted(m.name for m in members)
-    assert names == sorted(
-        [f"{FP}/{store.METADATA_FILE}", f"{FP}/fwd/{0:064x}.o", f"{FP}/fwd/{1:064x}.o"]
-    ), names
+    assert names == sorted([f"{FP}/{store.METADATA_FILE}", f"{FP}/fwd/{0:064x}.o", f"{FP}/fwd/{1:064x}.o"]), (
+        names
+    )
     assert all(m.isfile() for m in members)
     dst = tmp_path / "dst"
     dst.mkdir(mode=0o700)
