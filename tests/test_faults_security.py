@@ -5,14 +5,21 @@ a planted link, run as native code from a folder someone else controls, reach th
 control sequence, or keep a secret in a file traindx writes. Inputs are built in code."""
 
 import contextlib
+import fcntl
 import io
 import json
 import os
+import pty
+import shutil
+import struct
+import subprocess
 import tarfile
+import termios
 
 import pytest
 import test_kernel_cache
 import test_multinode
+from helpers import PY
 
 from traindx.cli import main as cli
 from traindx.common import atomic
@@ -194,3 +201,114 @@ def test_pack_ships_only_kernels_and_round_trips_deduplicated_entries(tmp_path):
         tar.add(folder / ".env", arcname=f"{FP}/.env")
     code, _, err = _kernel_cache(["unpack", evil, "--cache-dir", dst])
     assert code == 2 and "not a kernel-cache pack" in err and not (dst / FP / ".env").exists()
+
+
+# -- what the job names and prints, shown and written by diagnose -----------------------------------
+TOKEN = "hf_QwErTyUiOpAsDfGhJkLzXcVbNm123456"
+PAYLOADS = (b"\x1b]52", b"\x1b]0;", b"\x1b[2J", b"\x9b")  # clipboard write, window title, clear screen
+# the hot function's name holds OSC 52, OSC 0 and CSI 2J; its hot line a token and escape bytes
+ESCAPE_JOB = (
+    "import time\nimport torch\n\n\ndef work(seconds):\n    t0 = time.perf_counter()\n"
+    f'    while time.perf_counter() - t0 < seconds: hub_token = "{TOKEN}"; bell = "\x1b]0;src\x07\x1b[2J"\n\n\n'
+    '_n = "work\\x1b]52;c;cHduZWQ=\\x07\\x1b]0;owned\\x07\\x1b[2J"\n'
+    "work.__code__ = work.__code__.replace(co_name=_n, co_qualname=_n)\n"
+    "model = torch.nn.Linear(64, 1)\nopt = torch.optim.SGD(model.parameters(), lr=0.01)\n"
+    "for step in range(40):\n    loss = model(torch.randn(8, 64)).pow(2).mean()\n    opt.zero_grad()\n"
+    "    loss.backward()\n    opt.step()\n    work(0.1)\n"
+)
+
+
+def _in_a_terminal(argv, cwd):
+    """(exit code, every byte diagnose wrote to its terminal): stdout and stderr on one pty."""
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 50, 120, 0, 0))
+    env = {k: v for k, v in os.environ.items() if k != "TRAINDX_RUN_DIR"}
+    proc = subprocess.Popen(
+        [PY, "-m", "traindx", *argv], cwd=cwd, env=env, stdout=slave, stderr=slave, stdin=subprocess.DEVNULL
+    )
+    os.close(slave)
+    out = b""
+    while True:
+        try:
+            chunk = os.read(master, 65536)
+        except OSError:  # EIO: every writer closed
+            break
+        if not chunk:
+            break
+        out += chunk
+    os.close(master)
+    return proc.wait(timeout=300), out
+
+
+def _file_texts(folder):
+    for root, _, names in os.walk(folder):
+        for name in names:
+            with open(os.path.join(root, name), "rb") as f:
+                yield os.path.join(root, name), f.read()
+
+
+def test_the_jobs_control_sequences_and_token_reach_no_terminal_and_no_file(tmp_path):
+    """Issue 48: OSC 52 / OSC 0 / CSI 2J in the hot function's name reached the live finding,
+    the status, the verdict and the table raw; the token on the hot line stayed verbatim in
+    findings.json and the live lines. One real job in a terminal."""
+    (tmp_path / "job.py").write_text(ESCAPE_JOB)
+    code, out = _in_a_terminal(["--run-dir", "run", "--no-nvml", "--", PY, "job.py"], tmp_path)
+    assert code == 0, out[-3000:]
+    assert b"work" in out and b"job.py:7" in out, out[-3000:]  # the finding is there, made safe
+    assert not [p for p in PAYLOADS if p in out], out[-3000:]
+    assert TOKEN.encode() not in out
+    leaked = [path for path, data in _file_texts(tmp_path / "run") if TOKEN.encode() in data]
+    assert leaked == []
+    # a received folder's command, shown by `compare`
+    for arm in ("a", "b"):
+        shutil.copytree(tmp_path / "run", tmp_path / arm)
+        manifest = json.loads((tmp_path / arm / "manifest.json").read_text())
+        manifest["command"] = ["python", f"train_{arm}.py\x1b]52;c;cHduZWQ=\x07\x1b[2J", f"--token={TOKEN}"]
+        manifest["start_ns"] += arm == "b"
+        (tmp_path / arm / "manifest.json").write_text(json.dumps(manifest))
+    code, out = _in_a_terminal(["compare", "a", "b"], tmp_path)
+    assert code == 0 and b"train_a.py" in out, out[-3000:]
+    assert not [p for p in PAYLOADS if p in out] and TOKEN.encode() not in out, out[-3000:]
+
+
+def test_live_lines_status_and_plain_prints_are_made_safe_and_rich_keeps_its_colours():
+    from traindx.report import live_view  # its Finding and LiveState wherever analyzers keep them
+
+    name = "work\x1b]52;c;cHduZWQ=\x07\x1b]0;owned\x07\x1b[2J\x9b2J()"
+    finding = live_view.Finding(
+        id="host_work.loop",
+        title=f"Host work in the training loop: {name}",
+        severity="high",
+        analyzer="host_work",
+        evidence={"line": f'job.py:7 hub_token = "{TOKEN}"'},
+    )
+    state = live_view.LiveState(step=3, top=finding, analyses=1)
+    shown = io.StringIO()
+    view = live_view.LiveView(stream=shown, live=False)
+    view.on_state(state)  # the status line
+    view.on_finding(finding, state)  # the live finding
+    text = shown.getvalue()
+    assert "Host work in the training loop: work" in text and "job.py:7" in text, text
+    assert not [p for p in PAYLOADS if p.decode("latin-1") in text] and TOKEN not in text, repr(text)
+    # diagnose's own plain lines (warnings, paths) go through the same function
+    from traindx.common.termsafe import safe_std_streams
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), safe_std_streams():
+        print(f"diagnose: warning: {name} --token={TOKEN}")
+    assert out.getvalue().startswith("diagnose: warning: work") and "\x1b" not in out.getvalue()
+    assert TOKEN not in out.getvalue()
+    # rich's own styles still reach a terminal
+    coloured = io.StringIO()
+    live_view.Console(file=coloured, force_terminal=True, color_system="standard").print(f"[bold]{name}[/]")
+    assert coloured.getvalue().startswith("\x1b[1") and "work" in coloured.getvalue()  # bold, as asked
+    assert "\x1b]" not in coloured.getvalue()
+
+
+def test_every_json_and_text_file_written_is_redacted_by_the_one_writer(tmp_path):
+    finding = {"evidence": {"source": f'hub_token = "{TOKEN}"'}, "steps": [1, 2], "lost": 0.02}
+    atomic.write_json(tmp_path / "findings.json", [finding], indent=2)
+    atomic.write_text(tmp_path / "card.yaml", f"name: x\nurl: https://user:{TOKEN}@example.com/x\n")
+    for name in ("findings.json", "card.yaml"):
+        assert TOKEN not in (tmp_path / name).read_text(), name
+    assert json.loads((tmp_path / "findings.json").read_text())[0]["steps"] == [1, 2]

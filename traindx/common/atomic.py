@@ -13,6 +13,12 @@ folder) no component below it may be one and the path may not leave it (`../`); 
 file is created exclusively, never through a link (O_EXCL | O_NOFOLLOW). A refusal is
 LinkRefused: an OSError for callers that report failed writes, a UserError (one line) for those
 that do not.
+
+No secret is written either: every string of a JSON document and the text of write_text pass
+through redact.redact_text (a token's shape, `NAME=value` named like a secret), so a token on the
+job's hot source line, quoted by a finding, never lands in findings.json. `redact=False` is for
+text that must stay byte-exact and holds nothing the job printed or wrote unredacted (a patch to
+apply; the HTML report, whose shown strings are redacted where they are made).
 (The in-job shim cannot import traindx and keeps its own writer: profiler/shim/_traindx_shim.)
 """
 
@@ -25,6 +31,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from traindx.common import redact as redaction
 from traindx.common.errors import UserError
 
 __all__ = ["LinkRefused", "refuse_links", "replace_with", "write_bytes", "write_json", "write_text"]
@@ -97,7 +104,12 @@ def write_bytes(path: str | os.PathLike[str], data: bytes, root: Root = None) ->
     replace_with(path, write, root)
 
 
-def write_text(path: str | os.PathLike[str], text: str, encoding: str = "utf-8", root: Root = None) -> None:
+def write_text(
+    path: str | os.PathLike[str], text: str, encoding: str = "utf-8", root: Root = None, redact: bool = True
+) -> None:
+    if redact:
+        text = redaction.redact_text(text)
+
     # a file name read under a non-UTF-8 locale (LC_ALL=C) holds its bytes as surrogates:
     # written back as those bytes, not an error
     def write(tmp: str) -> None:
@@ -108,6 +120,18 @@ def write_text(path: str | os.PathLike[str], text: str, encoding: str = "utf-8",
 
 
 def write_json(path: str | os.PathLike[str], obj: Any, root: Root = None, **dump_options: Any) -> None:
-    """json.dump(obj) atomically; `dump_options` go to json.dump (indent, default, ...). The text
-    is made before the file is opened, so an object that cannot be serialised touches nothing."""
-    write_text(path, json.dumps(obj, **dump_options), root=root)
+    """json.dump(obj) atomically, every string value redacted; `dump_options` go to json.dump
+    (indent, default, ...). The text is made before the file is opened, so an object that
+    cannot be serialised touches nothing."""
+    write_text(path, json.dumps(redacted(obj), **dump_options), root=root, redact=False)
+
+
+def redacted(obj: Any) -> Any:
+    """A JSON-able value with every string value passed through redact_text (keys are ours)."""
+    if isinstance(obj, str):
+        return redaction.redact_text(obj)
+    if isinstance(obj, dict):
+        return {k: redacted(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [redacted(v) for v in obj]
+    return obj
