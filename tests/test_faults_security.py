@@ -312,3 +312,19 @@ def test_every_json_and_text_file_written_is_redacted_by_the_one_writer(tmp_path
     for name in ("findings.json", "card.yaml"):
         assert TOKEN not in (tmp_path / name).read_text(), name
     assert json.loads((tmp_path / "findings.json").read_text())[0]["steps"] == [1, 2]
+
+
+def test_a_received_folders_planted_tables_link_is_neither_emptied_nor_written(tmp_path, monkeypatch):
+    # was: the event cache's rmtree + rename went through RUN/tables -> the reader's folder,
+    # deleting what was there (tables/events/) and leaving our Parquet files in its place
+    import traindx
+
+    monkeypatch.setenv("TRAINDX_CACHE", "1")  # the cache is written for large runs only
+    folder = test_multinode.write_node(tmp_path, "alpha", 0, [True, False], rank="0")
+    victim = tmp_path / "victim"
+    (victim / "events").mkdir(parents=True)
+    (victim / "events" / "thesis.tex").write_text("four years")
+    (folder / "tables").symlink_to(victim)
+    run = traindx.load_run(str(folder))
+    assert len(run.steps) == 2
+    assert os.listdir(victim / "events") == ["thesis.tex"]
