@@ -328,3 +328,21 @@ def test_a_received_folders_planted_tables_link_is_neither_emptied_nor_written(t
     run = traindx.load_run(str(folder))
     assert len(run.steps) == 2
     assert os.listdir(victim / "events") == ["thesis.tex"]
+
+
+def test_the_verdicts_diff_shows_the_hot_line_without_its_escapes_or_token():
+    from traindx.report import terminal
+
+    hot = f'-    while busy(): hub_token = "{TOKEN}"; bell = "\x1b]0;src\x07\x1b[2J"'
+    verdict = {
+        "kind": "change",
+        "headline": "Move the work out of the loop",
+        "gain_s": None,
+        "text": f"--- a/job.py\n+++ b/job.py\n{hot}\n+    pass",
+        "finding_title": "Host work in the training loop: work\x1b]52;c;cHduZWQ=\x07()",
+    }
+    shown = io.StringIO()
+    terminal._print_verdict(terminal.Console(file=shown, width=200), verdict)
+    text = shown.getvalue()
+    assert "while busy(): hub_token" in text and "Host work in the training loop: work" in text, text
+    assert not [p for p in PAYLOADS if p.decode("latin-1") in text] and TOKEN not in text, repr(text)
