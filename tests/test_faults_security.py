@@ -346,3 +346,17 @@ def test_the_verdicts_diff_shows_the_hot_line_without_its_escapes_or_token():
     text = shown.getvalue()
     assert "while busy(): hub_token" in text and "Host work in the training loop: work" in text, text
     assert not [p for p in PAYLOADS if p.decode("latin-1") in text] and TOKEN not in text, repr(text)
+
+
+def test_a_fix_arm_never_runs_with_a_cache_folder_someone_else_controls(tmp_path):
+    from types import SimpleNamespace
+
+    from traindx.cli import fix_arm  # the --fix arm's warm-up (moves with the fix package)
+
+    cache = _cache(tmp_path / "cache").parent
+    os.chmod(cache, 0o777)
+    plan, said = SimpleNamespace(warnings=[]), []
+    cand_env = {store.ENABLE_VAR: "1", store.DIR_VAR: str(cache)}
+    got = fix_arm._precompile(plan, str(tmp_path / "run"), cand_env, lambda *a: said.append(a), [])
+    assert cand_env[store.ENABLE_VAR] == "0" and got["exit_code"] is None
+    assert len(plan.warnings) == 1 and "writable by others" in plan.warnings[0]
