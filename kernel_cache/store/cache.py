@@ -62,12 +62,22 @@ def resolve_cache_dir(cache_dir: str | os.PathLike[str] | None = None) -> Path:
     return path
 
 
+def _overflow_uid() -> int:
+    """The owner root's files show in a user namespace (a --fix arm's view): /tmp stays sticky."""
+    try:
+        with open("/proc/sys/kernel/overflowuid", encoding="ascii") as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return 65534
+
+
 def cache_dir_problem(path: str | os.PathLike[str]) -> str:
     """'' when only this user (or root) can change what the cache folder holds, else why not.
 
     The folder (when it exists) must be owned by this user and writable by no one else, and no
     folder above it may be writable by others either, except a root-owned sticky one such as
-    /tmp (there no one can rename or remove another's entry). FA4's default sits in /tmp/<user>/: anyone can make that
+    /tmp (there no one can rename or remove another's entry; in a user namespace root shows as
+    the overflow uid). FA4's default sits in /tmp/<user>/: anyone can make that
     folder first and plant kernels in it."""
     uid = os.geteuid()
     real = Path(os.path.realpath(path))
@@ -78,7 +88,7 @@ def cache_dir_problem(path: str | os.PathLike[str]) -> str:
             continue  # made by FA4 or kernel-cache, as this user
         except OSError as exc:
             return f"{folder} cannot be checked ({exc.strerror or exc})"
-        sticky = bool(st.st_mode & stat.S_ISVTX) and st.st_uid == 0
+        sticky = bool(st.st_mode & stat.S_ISVTX) and st.st_uid in (0, _overflow_uid())
         if i == 0 and st.st_uid != uid:
             return f"{folder} is owned by another user (uid {st.st_uid})"
         if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not (i > 0 and sticky):
