@@ -195,6 +195,17 @@ def test_pack_ships_only_kernels_and_round_trips_deduplicated_entries(tmp_path):
     code, _, err = _kernel_cache(["unpack", tarball, "--cache-dir", dst])
     assert "error" not in err, err
     assert (dst / FP / "fwd" / f"{1:064x}.o").read_bytes() == one.read_bytes()
+    # a pack an earlier version made, with a link member for the deduplicated entry, is taken
+    old = tmp_path / "old.tar.gz"
+    with tarfile.open(old, "w:gz") as tar:
+        tar.add(one, arcname=f"{FP}/fwd/{0:064x}.o")
+        tar.add(two, arcname=f"{FP}/fwd/{1:064x}.o")
+    with tarfile.open(old) as tar:
+        assert tar.getmembers()[1].islnk()
+    again = tmp_path / "again"
+    again.mkdir(mode=0o700)
+    code, _, err = _kernel_cache(["unpack", old, "--cache-dir", again])
+    assert "error" not in err and (again / FP / "fwd" / f"{1:064x}.o").read_bytes() == one.read_bytes(), err
     # a pack that ships anything else is not taken
     evil = tmp_path / "evil.tar.gz"
     with tarfile.open(evil, "w:gz") as tar:

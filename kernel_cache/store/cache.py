@@ -442,7 +442,7 @@ def is_kernel_member(name: str) -> bool:
         len(parts) == 3
         and bool(FAMILY_RE.match(parts[1]))
         and parts[1] not in (".", "..")
-        and (bool(ENTRY_FILE_RE.match(parts[2])))
+        and bool(ENTRY_FILE_RE.match(parts[2]))
     )
 
 
