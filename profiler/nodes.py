@@ -439,12 +439,12 @@ def merge_log(parts: list[Part], out_path: str) -> None:
                 if t.isdigit():
                     lines.append((int(t) + offset, rest))
     lines.sort(key=lambda x: x[0])
-    atomic.write_text(out_path, "".join(f"{t_ns} {rest}\n" for t_ns, rest in lines))
+    atomic.write_lines(out_path, (f"{t_ns} {rest}\n" for t_ns, rest in lines))
 
 
 def merge_pyspy(parts: list[Part], labels: Mapping[tuple[Any, Any], str], out_dir: str) -> None:
     """py-spy files of each node's ranks, named by the rank (pids may repeat across nodes);
-    recordings are copied (no timestamps inside), dump snapshots rewritten on the reference
+    recordings are hard-linked or copied (no timestamps inside), dump snapshots rewritten on the reference
     clock. Every name is a safe label and every write stays in out_dir, through no link."""
     atomic.refuse_links(out_dir)  # a planted pyspy -> elsewhere is neither emptied nor written into
     if os.path.isdir(out_dir):
@@ -466,8 +466,7 @@ def merge_pyspy(parts: list[Part], labels: Mapping[tuple[Any, Any], str], out_di
             target = os.path.join(out_dir, safe_label(f"{label}-{flavour}{dot}{ext}"))
             if name.endswith("-dump.jsonl"):
                 with open(os.path.join(src, name), encoding="utf-8", errors="replace") as f:
-                    text = "".join(_shifted_snapshots(f, node, offset))
-                atomic.write_text(target, text, root=out_dir)
+                    atomic.write_lines(target, _shifted_snapshots(f, node, offset), root=out_dir)
             else:
                 atomic.replace_with(
                     target, functools.partial(_link_or_copy, os.path.join(src, name)), root=out_dir

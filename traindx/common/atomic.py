@@ -28,13 +28,21 @@ import errno
 import json
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from traindx.common import redact as redaction
 from traindx.common.errors import UserError
 
-__all__ = ["LinkRefused", "refuse_links", "replace_with", "write_bytes", "write_json", "write_text"]
+__all__ = [
+    "LinkRefused",
+    "refuse_links",
+    "replace_with",
+    "write_bytes",
+    "write_json",
+    "write_lines",
+    "write_text",
+]
 
 Root = str | os.PathLike[str] | None
 
@@ -115,6 +123,17 @@ def write_text(
     def write(tmp: str) -> None:
         with open(tmp, "w", encoding=encoding, errors="surrogateescape") as f:
             f.write(text)
+
+    replace_with(path, write, root)
+
+
+def write_lines(path: str | os.PathLike[str], lines: Iterable[str], root: Root = None) -> None:
+    """write_text of lines that need not all be in memory at once (each redacted)."""
+
+    def write(tmp: str) -> None:
+        with open(tmp, "w", encoding="utf-8", errors="surrogateescape") as f:
+            for line in lines:
+                f.write(redaction.redact_text(line))
 
     replace_with(path, write, root)
 
