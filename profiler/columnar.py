@@ -42,6 +42,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from traindx.common import atomic
 from traindx.profiler import eventcache, nodes
 from traindx.profiler.eventcache import CACHE_DIR  # noqa: F401  (re-exported: tests read it here)
 from traindx.profiler.eventparse import (  # noqa: F401  (re-exported: the run loader reads them here)
@@ -251,6 +252,9 @@ class EventTables:
         tmp = folder + f".tmp{os.getpid()}"
         written: eventcache.CachedPaths = {}
         try:
+            # a received folder's planted tables/ link: neither emptied nor written into
+            atomic.refuse_links(os.path.join(tmp, "index.json"), root=run_path)
+            atomic.refuse_links(os.path.join(folder, "index.json"), root=run_path)
             shutil.rmtree(tmp, ignore_errors=True)
             os.makedirs(tmp)
             for i, typ in enumerate(self.types):

@@ -20,11 +20,13 @@ Ray: a node of a Ray cluster is the command that starts it, `ray start --head --
 raylet (its child), so they inherit the shim from it like any other child of the job.
 """
 
+import functools
 import json
 import os
 import re
 import shutil
 import socket
+import stat
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -33,7 +35,7 @@ import pandas as pd
 from traindx.common import atomic
 from traindx.common.errors import UserError
 from traindx.profiler.clocks import METHOD
-from traindx.profiler.shim._traindx_shim.roles import parse_process_file
+from traindx.profiler.shim._traindx_shim.roles import parse_process_file, safe_label
 from traindx.profiler.torchtrace import load_traces as load_folder
 
 # (folder, node or None, clock offset in ns) of one part of a run
@@ -200,8 +202,10 @@ def parts(run_dir: str, manifest: Mapping[str, Any]) -> list[Part]:
     if not manifest.get("nodes"):
         return [(run_dir, None, 0)]
     offsets = read_clock(run_dir)
-    return [
-        (os.path.join(run_dir, NODES_DIR, node), node, offsets.get(node, 0)) for node in manifest["nodes"]
+    return [  # a node name that is not a plain folder name (`../x`) names no part of this run
+        (os.path.join(run_dir, NODES_DIR, node), node, offsets.get(node, 0))
+        for node in manifest["nodes"]
+        if isinstance(node, str) and safe_label(node) == node
     ]
 
 
@@ -230,7 +234,7 @@ def rename_labels(per_node: Iterable[tuple[Any, Mapping[Any, str]]]) -> dict[tup
     for node, node_labels in per_node:
         rename: dict[str, str] = {}
         for label in sorted(set(node_labels.values()), key=lambda r: (len(r), r)):
-            rename[label] = label if label not in taken else f"{label}@{node}"
+            rename[label] = safe_label(label if label not in taken else f"{label}@{node}")
         taken.update(rename.values())
         labels.update({(node, pid): rename[label] for pid, label in node_labels.items()})
     return labels
@@ -387,13 +391,21 @@ def _is_rank(label: str | None) -> bool:
     return label is not None
 
 
+def _regular(path: str) -> bool:
+    """A plain file of a node's part: a link there (to a file of whoever merges) is not read."""
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
 def merge_nvml(parts: list[Part], out_path: str, gpu_base: Mapping[str, int]) -> bool:
     """Every node's nvml.csv on the reference clock; GPU indices made run-wide (the merged
     manifest's gpus list), the node kept in its own column."""
     frames = []
     for folder, node, offset in parts:
         path = os.path.join(folder, "nvml.csv")
-        if not os.path.exists(path) or os.path.getsize(path) == 0:
+        if not _regular(path) or os.path.getsize(path) == 0:
             continue
         try:
             df = pd.read_csv(path, on_bad_lines="skip")
@@ -410,7 +422,8 @@ def merge_nvml(parts: list[Part], out_path: str, gpu_base: Mapping[str, int]) ->
         frames.append(df)
     if not frames:
         return False
-    pd.concat(frames, ignore_index=True).sort_values("t", kind="stable").to_csv(out_path, index=False)
+    merged = pd.concat(frames, ignore_index=True).sort_values("t", kind="stable")
+    atomic.replace_with(out_path, lambda tmp: merged.to_csv(tmp, index=False))
     return True
 
 
@@ -418,7 +431,7 @@ def merge_log(parts: list[Part], out_path: str) -> None:
     lines = []
     for folder, node, offset in parts:
         path = os.path.join(folder, "log.txt")
-        if not os.path.exists(path):
+        if not _regular(path):
             continue
         with open(path, encoding="utf-8", errors="replace") as f:
             for line in f:
@@ -426,15 +439,14 @@ def merge_log(parts: list[Part], out_path: str) -> None:
                 if t.isdigit():
                     lines.append((int(t) + offset, rest))
     lines.sort(key=lambda x: x[0])
-    with open(out_path, "w", encoding="utf-8") as f:
-        for t_ns, rest in lines:
-            f.write(f"{t_ns} {rest}\n")
+    atomic.write_lines(out_path, (f"{t_ns} {rest}\n" for t_ns, rest in lines))
 
 
 def merge_pyspy(parts: list[Part], labels: Mapping[tuple[Any, Any], str], out_dir: str) -> None:
     """py-spy files of each node's ranks, named by the rank (pids may repeat across nodes);
-    recordings are linked (no timestamps inside), dump snapshots rewritten on the reference
-    clock."""
+    recordings are hard-linked or copied (no timestamps inside), dump snapshots rewritten on the reference
+    clock. Every name is a safe label and every write stays in out_dir, through no link."""
+    atomic.refuse_links(out_dir)  # a planted pyspy -> elsewhere is neither emptied nor written into
     if os.path.isdir(out_dir):
         shutil.rmtree(out_dir)
     os.makedirs(out_dir)
@@ -449,27 +461,35 @@ def merge_pyspy(parts: list[Part], labels: Mapping[tuple[Any, Any], str], out_di
             who, _, flavour = stem.rpartition("-")
             pid = parse_process_file(who, "")
             label: str | None = labels.get((node, pid)) if pid is not None else who
-            if label is None or not flavour:
+            if label is None or not flavour or not _regular(os.path.join(src, name)):
                 continue
-            target = os.path.join(out_dir, f"{label}-{flavour}{dot}{ext}")
+            target = os.path.join(out_dir, safe_label(f"{label}-{flavour}{dot}{ext}"))
             if name.endswith("-dump.jsonl"):
-                with (
-                    open(os.path.join(src, name), encoding="utf-8", errors="replace") as f,
-                    open(target, "w", encoding="utf-8") as out,
-                ):
-                    for line in f:
-                        try:
-                            snap = json.loads(line)
-                            snap["t"] = int(snap["t"]) + offset
-                            snap["node"] = node
-                            out.write(json.dumps(snap) + "\n")
-                        except (ValueError, KeyError, TypeError):
-                            continue  # a cut-off line: the node's own file keeps it
+                with open(os.path.join(src, name), encoding="utf-8", errors="replace") as f:
+                    atomic.write_lines(target, _shifted_snapshots(f, node, offset), root=out_dir)
             else:
-                try:
-                    os.link(os.path.join(src, name), target)
-                except OSError:
-                    shutil.copyfile(os.path.join(src, name), target)
+                atomic.replace_with(
+                    target, functools.partial(_link_or_copy, os.path.join(src, name)), root=out_dir
+                )
+
+
+def _link_or_copy(src: str, tmp: str) -> None:
+    os.remove(tmp)  # the writer's own empty file: a hard link takes its name (no second copy)
+    try:
+        os.link(src, tmp, follow_symlinks=False)
+    except OSError:
+        shutil.copyfile(src, tmp, follow_symlinks=False)
+
+
+def _shifted_snapshots(lines: Iterable[str], node: Any, offset: int) -> Iterable[str]:
+    for line in lines:
+        try:
+            snap = json.loads(line)
+            snap["t"] = int(snap["t"]) + offset
+            snap["node"] = node
+            yield json.dumps(snap) + "\n"
+        except (ValueError, KeyError, TypeError):
+            continue  # a cut-off line: the node's own file keeps it
 
 
 def unfinished_nodes(run_dir: str) -> list[str]:

@@ -55,7 +55,8 @@ class RankSampler:
         budget: rolling.Budget | None = None,
         record: bool = True,
     ) -> None:
-        self.pyspy, self.pid, self.rank = pyspy, pid, rank
+        # the rank names this process's files: a safe label whatever the job announced
+        self.pyspy, self.pid, self.rank = pyspy, pid, roles.safe_label(rank)
         self.record = record  # False (--always-on): dumps only, no recorder sampling all along
         self.out_dir = out_dir
         self.rate_hz = rate_hz

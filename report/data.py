@@ -53,8 +53,8 @@ if TYPE_CHECKING:  # annotations only
     import pandas as pd
 
     from traindx.analyzers.core.findings import Finding
-    from traindx.judgement import Judgement, StepCauses
     from traindx.derive.run import RunRecord
+    from traindx.judgement import Judgement, StepCauses
 
 __all__ = ["build_report_data", "build_summary", "comparison_view", "prescription_text"]
 

@@ -20,8 +20,8 @@ from traindx.report import charts
 from traindx.report.data import build_report_data
 
 if TYPE_CHECKING:
-    from traindx.judgement import Judgement
     from traindx.derive.run import RunRecord
+    from traindx.judgement import Judgement
 
 TEMPLATES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "templates")
 

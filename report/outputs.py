@@ -10,9 +10,9 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from traindx.analyzers.core.findings import Finding
-from traindx.judgement import Judgement, judge_run
 from traindx.common.atomic import replace_with, write_json
 from traindx.common.errors import UserError
+from traindx.judgement import Judgement, judge_run
 
 if TYPE_CHECKING:
     from rich.console import Console

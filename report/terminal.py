@@ -15,8 +15,8 @@ from traindx.report.console import Console
 
 if TYPE_CHECKING:
     from traindx.analyzers.core.findings import Finding
-    from traindx.judgement import Judgement
     from traindx.derive.run import RunRecord
+    from traindx.judgement import Judgement
 
 SEVERITY_STYLE = {"critical": "bold red", "high": "red", "medium": "yellow", "low": "cyan", "info": "dim"}
 SUMMARY_ROWS = 6

@@ -10,11 +10,11 @@ import sys
 from typing import Any
 
 import numpy as np
-from rich.console import Console
 from rich.text import Text
 
 from traindx.analyzers.core.findings import Finding
 from traindx.derive.whatif import WhatIf
+from traindx.report.console import Console
 from traindx.report.terminal import findings_table
 
 SHADES = " .:-=+*#%@"

@@ -274,9 +274,9 @@ def test_fix_applies_the_host_read_and_pinned_copy_edits_and_parity_holds(tmp_pa
     construction site from the shim's data_site events). The loop plans them, applies each on a
     scratch copy, runs it: the edited job still runs, the patch is right, parity passes."""
     from traindx.analyzers.core import frameworks
-    from traindx.judgement import judge_run
     from traindx.analyzers.data import dataloader
     from traindx.fixing.run.loop import FixOptions, fix
+    from traindx.judgement import judge_run
     from traindx.profiler.launcher import Options
     from traindx.report import outputs
 

@@ -11,9 +11,9 @@ import pytest
 from rich.console import Console
 
 from traindx.analyzers.core.findings import Finding, Prescription
-from traindx.judgement import FixPlan, Judgement, PlannedFix, StepCauses, judge_run
 from traindx.derive.run import load_run
 from traindx.derive.steptables import run_t0, step_table
+from traindx.judgement import FixPlan, Judgement, PlannedFix, StepCauses, judge_run
 from traindx.report.data import build_report_data
 from traindx.report.html import render_html
 from traindx.report.outputs import read_findings, write_findings

@@ -14,8 +14,8 @@ import pytest
 from report_helpers import PYTHON, ROOT, _chromium_check, diagnose
 
 from traindx.analyzers.core.findings import Finding, Prescription
-from traindx.judgement import judge_run
 from traindx.derive.run import load_run
+from traindx.judgement import judge_run
 from traindx.report.data import build_report_data, build_summary
 from traindx.report.html import write_report
 from traindx.report.outputs import read_findings

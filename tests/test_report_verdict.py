@@ -11,8 +11,8 @@ import pytest
 from report_helpers import CHROMIUM, PYTHON, ROOT, _chromium_check
 
 from traindx.analyzers.core.findings import Prescription
-from traindx.judgement import judge_run
 from traindx.derive.run import load_run
+from traindx.judgement import judge_run
 from traindx.report.data import build_report_data, comparison_view, prescription_text
 from traindx.report.outputs import read_findings
 

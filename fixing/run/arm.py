@@ -14,7 +14,6 @@ from typing import Any
 from traindx.analyzers.core import ab_verdict as judge
 from traindx.analyzers.core.ab_verdict import ABVerdict, Arm, ArmEvidence
 from traindx.analyzers.core.findings import Finding
-from traindx.judgement import Judgement, judge_run
 from traindx.analyzers.core.savings import predicted_step_time
 from traindx.common.errors import UserError
 from traindx.derive.ledger import steady_rows
@@ -22,6 +21,8 @@ from traindx.derive.run import RunRecord, load_run
 from traindx.fixing.plan.planner import PREFER_VAR, Candidate, Plan
 from traindx.fixing.run.model import FixOptions, Say, with_options, write_fix_json
 from traindx.fixing.run.prepare import apply_commands, last_lines, prepare_candidate, warm_cache
+from traindx.judgement import Judgement, judge_run
+from traindx.kernel_cache.store import cache as cache_store
 from traindx.profiler.launcher import exit_status
 from traindx.recipes.ab import judged_comparison, measure_arm, report_view
 from traindx.report import outputs
@@ -146,9 +147,21 @@ def _precompile(
     plan: Plan, source: str, cand_env: dict[str, str], say: Say, wrap: list[str]
 ) -> dict[str, Any]:
     """The warm-up in the arm's view: the kernels it compiles are the arm's writes (the job's
-    cache seen there), never the user's cache's unless the arm is kept with --keep-outputs."""
+    cache seen there), never the user's cache's unless the arm is kept with --keep-outputs.
+    A cache folder someone else controls is not used: FA4 would load its .o files as native
+    code into the candidate, which then runs without the persistent cache."""
     env = dict(os.environ)
     env.update(cand_env)
+    folder = env.get(cache_store.DIR_VAR) or str(cache_store.default_cache_dir(env))
+    problem = cache_store.cache_dir_problem(folder)
+    if problem:
+        cand_env[cache_store.ENABLE_VAR] = "0"
+        plan.warnings.append(
+            f"kernel cache {folder} not used: {problem}; the candidate runs without FA4's "
+            "persistent cache (it compiles its kernels)"
+        )
+        say("warning", plan.warnings[-1])
+        return {"from_run": source, "exit_code": None, "output_tail": problem}
     rc, output = warm_cache(source, env, say, wrap)
     if rc != 0:
         plan.warnings.append(

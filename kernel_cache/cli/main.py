@@ -20,6 +20,7 @@ from collections.abc import Callable
 
 from traindx.common import argtypes
 from traindx.common.errors import UserError
+from traindx.common.termsafe import safe_std_streams
 from traindx.kernel_cache.cli import manage, triton_warm
 from traindx.kernel_cache.cli import spec as specs
 from traindx.kernel_cache.cli.output import PROG
@@ -183,6 +184,11 @@ def build_parser() -> argtypes.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int | None:
+    with safe_std_streams():  # no control sequence from a run or a pack reaches the terminal
+        return _main(argv)
+
+
+def _main(argv: list[str] | None) -> int | None:
     parser = build_parser()
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     if not args.command:

@@ -5,8 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from rich.console import Console
-
+from traindx.common.console import Console
 from traindx.kernel_cache.store import cache as store
 
 PROG = "kernel-cache"

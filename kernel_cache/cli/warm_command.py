@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from traindx.common.console import Console
 from traindx.common.errors import UserError
 from traindx.kernel_cache.cli import spec as specs
 from traindx.kernel_cache.cli import triton_warm, warm

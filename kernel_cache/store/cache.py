@@ -16,6 +16,7 @@ import json
 import os
 import re
 import shutil
+import stat
 import struct
 import sys
 import tarfile
@@ -26,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, cast
 
-from traindx.common.atomic import replace_with, write_json
+from traindx.common.atomic import LinkRefused, replace_with, write_json
 from traindx.common.errors import UserError
 
 ENABLE_VAR = "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"
@@ -50,7 +51,49 @@ def default_cache_dir(environ: Mapping[str, str] | None = None) -> Path:
 
 
 def resolve_cache_dir(cache_dir: str | os.PathLike[str] | None = None) -> Path:
-    return Path(cache_dir).expanduser().absolute() if cache_dir else default_cache_dir().absolute()
+    """The cache folder to use, refused (UserError, one line) when someone else controls it."""
+    path = Path(cache_dir).expanduser().absolute() if cache_dir else default_cache_dir().absolute()
+    problem = cache_dir_problem(path)
+    if problem:
+        raise UserError(
+            f"kernel cache {path} not used: {problem}; FA4 loads its .o files as native code "
+            f"(give your own folder with --cache-dir or ${DIR_VAR})"
+        )
+    return path
+
+
+def _overflow_uid() -> int:
+    """The owner root's files show in a user namespace (a --fix arm's view): /tmp stays sticky."""
+    try:
+        with open("/proc/sys/kernel/overflowuid", encoding="ascii") as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return 65534
+
+
+def cache_dir_problem(path: str | os.PathLike[str]) -> str:
+    """'' when only this user (or root) can change what the cache folder holds, else why not.
+
+    The folder (when it exists) must be owned by this user and writable by no one else, and no
+    folder above it may be writable by others either, except a root-owned sticky one such as
+    /tmp (there no one can rename or remove another's entry; in a user namespace root shows as
+    the overflow uid). FA4's default sits in /tmp/<user>/: anyone can make that
+    folder first and plant kernels in it."""
+    uid = os.geteuid()
+    real = Path(os.path.realpath(path))
+    for i, folder in enumerate([real, *real.parents]):
+        try:
+            st = os.stat(folder)
+        except FileNotFoundError:
+            continue  # made by FA4 or kernel-cache, as this user
+        except OSError as exc:
+            return f"{folder} cannot be checked ({exc.strerror or exc})"
+        sticky = bool(st.st_mode & stat.S_ISVTX) and st.st_uid in (0, _overflow_uid())
+        if i == 0 and st.st_uid != uid:
+            return f"{folder} is owned by another user (uid {st.st_uid})"
+        if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not (i > 0 and sticky):
+            return f"{folder} is writable by others (mode {stat.S_IMODE(st.st_mode):o})"
+    return ""
 
 
 # -- the current environment ---------------------------------------------------------------------
@@ -382,27 +425,62 @@ def fa4_fingerprint() -> str:
 
 
 # -- pack / unpack / clear -----------------------------------------------------------------------
-def _packable(member_path: str) -> bool:
-    name = os.path.basename(member_path)
-    return not (name.endswith(".lock") or name.endswith(".tmp.o") or name.endswith(".tmp"))
+ENTRY_FILE_RE = re.compile(r"^[0-9a-f]{64}\.o$")
+
+
+def is_kernel_member(name: str) -> bool:
+    """What a pack holds and unpack takes: `<fingerprint>/<family>/<sha256>.o` (a kernel) or
+    `<fingerprint>/traindx-kernel-cache.json` (which environment it serves). Nothing else: a
+    cache folder is shared storage, and anything else in it (a `.env`, a planted file) is not
+    the cache's to ship or to take."""
+    parts = name.split("/")
+    if not parts or not FINGERPRINT_RE.match(parts[0]):
+        return False
+    if len(parts) == 2:
+        return parts[1] == METADATA_FILE
+    return (
+        len(parts) == 3
+        and bool(FAMILY_RE.match(parts[1]))
+        and parts[1] not in (".", "..")
+        and bool(ENTRY_FILE_RE.match(parts[2]))
+    )
+
+
+def _regular_file(path: str) -> os.stat_result | None:
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    return st if stat.S_ISREG(st.st_mode) else None
 
 
 def pack(
     cache_dir: str | os.PathLike[str], out_path: str | os.PathLike[str], folders: Iterable[CacheFolder]
 ) -> int:
-    """A tar.gz of the given fingerprint folders (entries and our metadata; no locks or temps)."""
+    """A tar.gz of the given fingerprint folders: their kernels and our metadata only, each a
+    plain file member (a hard-linked, deduplicated entry too: unpack takes no link member),
+    with no owner names."""
     count = 0
+
+    def add(tar: tarfile.TarFile, full: str, st: os.stat_result) -> None:
+        info = tarfile.TarInfo(os.path.relpath(full, cache_dir))
+        info.size, info.mtime, info.mode = st.st_size, int(st.st_mtime), 0o644
+        with open(full, "rb") as f:
+            tar.addfile(info, f)
 
     def write(tmp: str) -> None:
         nonlocal count
         with tarfile.open(tmp, "w:gz") as tar:
             for folder in folders:
-                for root, dirs, files in os.walk(folder.path):
+                for root, dirs, files in os.walk(folder.path):  # does not enter linked folders
                     dirs.sort()
                     for name in sorted(files):
                         full = os.path.join(root, name)
-                        if _packable(full):
-                            tar.add(full, arcname=os.path.relpath(full, cache_dir), recursive=False)
+                        st = _regular_file(full)
+                        if st is not None and is_kernel_member(
+                            os.path.relpath(full, cache_dir).replace(os.sep, "/")
+                        ):
+                            add(tar, full, st)
                             count += name.endswith(ENTRY_SUFFIX)
 
     replace_with(out_path, write)
@@ -414,9 +492,18 @@ def _copy_into(source: IO[bytes], tmp: str) -> None:
         shutil.copyfileobj(source, f)
 
 
+def _takes(m: tarfile.TarInfo, kernels: set[str]) -> bool:
+    """A kernel or metadata member: a plain file, or a hard link to one of the pack's own (what
+    packs of earlier versions held for deduplicated entries)."""
+    if not is_kernel_member(m.name):
+        return False
+    return m.isfile() or (m.islnk() and m.linkname in kernels)
+
+
 def unpack(tarball: str | os.PathLike[str], cache_dir: str | os.PathLike[str]) -> list[str]:
-    """Extract a pack into cache_dir; refuses members outside a fingerprint folder. Entries already
-    present are kept (FA4 writes the same bytes for the same key). Returns the folders touched."""
+    """Extract a pack into cache_dir; refuses a pack with a member that is not a kernel or our
+    metadata. Entries already present are kept (FA4 writes the same bytes for the same key);
+    nothing is written through a link in cache_dir. Returns the folders touched."""
     tarball = Path(tarball)
     if not tarball.is_file():
         raise UserError(f"no such file: {tarball}")
@@ -429,29 +516,37 @@ def unpack(tarball: str | os.PathLike[str], cache_dir: str | os.PathLike[str]) -
         raise UserError(f"{tarball} is not a tarball: {exc}") from None
     with tar:
         members: list[tarfile.TarInfo] = []
+        kernels: set[str] = set()
         for m in tar.getmembers():
-            parts = Path(m.name).parts
-            if (
-                m.isdir()
-                or not m.isfile()
-                or len(parts) < 2
-                or not FINGERPRINT_RE.match(parts[0])
-                or ".." in parts
-                or Path(m.name).is_absolute()
-            ):
-                if m.isdir():
-                    continue
-                raise UserError(f"{tarball}: unexpected member {m.name!r} (not a kernel-cache pack)")
-            members.append(m)
-            touched.add(parts[0])
-        for m in members:
-            target = cache_dir / m.name
-            if target.exists() and target.suffix == ENTRY_SUFFIX and target.stat().st_size > 0:
+            if m.isdir():
                 continue
-            target.parent.mkdir(parents=True, exist_ok=True)
-            src = cast("IO[bytes]", tar.extractfile(m))  # a regular file: extractfile gives its bytes
-            replace_with(target, functools.partial(_copy_into, src))
+            if not _takes(m, kernels):
+                raise UserError(
+                    f"{tarball}: unexpected member {m.name!r} (not a kernel-cache pack: it holds "
+                    "only <fingerprint>/<family>/<sha256>.o kernels)"
+                )
+            kernels.add(m.name)
+            members.append(m)
+            touched.add(m.name.split("/")[0])
+        for m in members:
+            _take(tar, m, cache_dir)
     return sorted(touched)
+
+
+def _take(tar: tarfile.TarFile, m: tarfile.TarInfo, cache_dir: Path) -> None:
+    target = cache_dir / m.name
+    st = _regular_file(str(target))
+    if st is not None and target.suffix == ENTRY_SUFFIX and st.st_size > 0:
+        return
+    for folder in reversed([p for p in target.parents if cache_dir in p.parents]):
+        if folder.is_symlink():
+            raise UserError(f"{folder} is a symbolic link: the kernel cache is not written through it")
+        folder.mkdir(exist_ok=True)
+    src = cast("IO[bytes]", tar.extractfile(m))  # a regular file or a link to one: its bytes
+    try:
+        replace_with(target, functools.partial(_copy_into, src), root=cache_dir)
+    except LinkRefused as exc:
+        raise UserError(f"{exc}: the kernel cache is not written through links") from None
 
 
 def clear(folders: Iterable[CacheFolder]) -> tuple[int, list[str]]:

@@ -16,6 +16,7 @@ from typing import TextIO
 from traindx.cli import argtypes
 from traindx.common import stdfds
 from traindx.common.errors import UserError
+from traindx.common.termsafe import safe_std_streams
 
 SUBCOMMANDS = {
     "attach": "attach",
@@ -65,6 +66,11 @@ def _show_warning(
 
 
 def main(argv: list[str] | None = None) -> int:
+    with safe_std_streams():  # no control sequence of the job reaches the terminal (termsafe)
+        return _main(argv)
+
+
+def _main(argv: list[str] | None) -> int:
     stdfds.hold_closed()  # before anything is opened: a closed stdout is never our file's number
     argv = list(sys.argv[1:] if argv is None else argv)
     name = SUBCOMMANDS.get(argv[0], DEFAULT) if argv else DEFAULT

@@ -16,6 +16,7 @@ from __future__ import annotations  # annotations stay text: no typing at import
 import fcntl
 import json
 import os
+import re
 from collections.abc import Mapping, Sequence  # already loaded by the interpreter: no cost
 
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing into the job (mypy knows the name)
@@ -153,6 +154,16 @@ def parse_process_file(name: str, suffix: str) -> int | None:
     return int(stem) if stem.isdigit() else None
 
 
+_UNSAFE = re.compile(r"[^A-Za-z0-9._@+-]")
+
+
+def safe_label(text: str) -> str:
+    """A label (a rank, a node) as a path component: a rank comes from the job or a received
+    folder and names files (pyspy/<label>-...), so only letters, digits and '._@+-', never a
+    leading dot ('.', '..', a hidden file), at most 64 characters; anything else becomes '_'."""
+    return _UNSAFE.sub("_", text).lstrip(".")[:64] or "_"
+
+
 def rank_labels(processes: list[dict[str, Any]]) -> dict[Any, str]:
     """{pid: label} for training processes given as dicts {pid, rank (str or None), start}.
 
@@ -164,7 +175,7 @@ def rank_labels(processes: list[dict[str, Any]]) -> dict[Any, str]:
     labels, taken = {}, set()
     ordered = sorted(processes, key=lambda p: (p.get("rank") is None, p.get("start") or 0, p["pid"]))
     for p in ordered:
-        rank = str(p["rank"]) if p.get("rank") is not None else "0"
+        rank = safe_label(str(p["rank"])) if p.get("rank") is not None else "0"
         label = rank if rank not in taken else f"{rank}-p{p['pid']}"
         taken.add(label)
         labels[p["pid"]] = label

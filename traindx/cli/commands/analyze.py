@@ -25,8 +25,8 @@ from traindx.cli import argtypes
 from traindx.common.errors import UserError
 
 if TYPE_CHECKING:
-    from traindx.judgement import Judgement
     from traindx.derive.run import RunRecord
+    from traindx.judgement import Judgement
 
 
 def prepare_parser(parser: argparse.ArgumentParser) -> None:
