@@ -11,8 +11,10 @@ import signal
 import subprocess
 import textwrap
 
+import numpy as np
 from helpers import PY, ROOT
 
+from traindx.analyzers import parity
 from traindx.profiler.launcher import SHIM_DIR
 
 JOBS = os.path.join(ROOT, "tests", "jobs")
@@ -80,3 +82,19 @@ def test_a_ctrl_c_while_the_shim_starts_ends_the_process_as_ctrl_c(tmp_path):
     )
     assert "Fatal Python error" not in proc.stderr
     assert proc.returncode == -signal.SIGINT, proc.stderr[-2000:]  # as an uncaught Ctrl-C ends Python
+
+
+def test_parity_never_passes_with_the_points_outside_tolerance():
+    # two unseeded runs of a flat noisy job: every point differs by 30 %, the means agree; the
+    # level rule (a data order moves points within the noise) passed it
+    swing = np.array([1, -1] * 6)
+    baseline, candidate = 2.3 * (1 + 0.15 * swing), 2.3 * (1 - 0.15 * swing)
+    r = parity.loss_parity(baseline, candidate)
+    assert r.pointwise_failures == r.points == 10 and r.final_loss_difference > 0.25
+    assert not r.passed and "points outside the pointwise tolerance" in r.reasons[0]
+    # a data order on the same noise (about half the points out by chance) still passes
+    rng = np.random.default_rng(0)
+    other_order = parity.loss_parity(
+        2.3 * (1 + 0.1 * rng.standard_normal(20)), 2.3 * (1 + 0.1 * rng.standard_normal(20))
+    )
+    assert other_order.passed and 0 < other_order.pointwise_failures <= other_order.points / 2
