@@ -6,12 +6,15 @@ isolated interpreter or a C locale is stated rather than misjudged, an interrupt
 reported as interrupted, a source patch keeps the program's bindings, and parity passes only
 within tolerance."""
 
+import json
 import os
 import signal
 import subprocess
 import textwrap
+import time
 
 import numpy as np
+import pytest
 from helpers import PY, ROOT
 
 from traindx.analyzers import parity
@@ -98,3 +101,48 @@ def test_parity_never_passes_with_the_points_outside_tolerance():
         2.3 * (1 + 0.1 * rng.standard_normal(20)), 2.3 * (1 + 0.1 * rng.standard_normal(20))
     )
     assert other_order.passed and 0 < other_order.pointwise_failures <= other_order.points / 2
+
+
+def _wait_for(predicate, timeout=240):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def _arm_is_running(arm):
+    try:
+        manifest = json.loads((arm / "manifest.json").read_text())
+        return bool(manifest.get("pid")) and (arm / "log.txt").read_text().count("step ") >= 2
+    except (OSError, ValueError):
+        return False
+
+
+@pytest.mark.slow
+def test_a_fix_arm_stopped_by_ctrl_c_is_interrupted_not_a_failed_change(tmp_path):
+    fix = tmp_path / "fix"
+    job = [PY, os.path.join(JOBS, "fix_gc_every_step.py"), "--index-size", "150000", "--steps", "200"]
+    args = ["--fix", "--no-pyspy", "--quiet", "--steps", "8", "--fix-tries", "1", "--run-dir", str(fix)]
+    proc = subprocess.Popen(
+        [PY, "-m", "traindx", *args, "--", *job],
+        cwd=tmp_path,
+        env=_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert _wait_for(lambda: _arm_is_running(fix / "candidate")), "the candidate arm never ran"
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=240)
+    finally:
+        proc.kill()
+    doc = json.loads((fix / "fix.json").read_text())
+    arm = doc["arms"][0]
+    assert "interrupted" in arm["verdict"] and "does not work" not in arm["verdict"], arm["verdict"]
+    assert doc["status"] == "interrupted during candidate"
+    assert (
+        proc.returncode == 130 and "internal error" not in err
+    )  # the job's own KeyboardInterrupt traceback is as bare
