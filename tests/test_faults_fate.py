@@ -146,3 +146,19 @@ def test_a_fix_arm_stopped_by_ctrl_c_is_interrupted_not_a_failed_change(tmp_path
     assert (
         proc.returncode == 130 and "internal error" not in err
     )  # the job's own KeyboardInterrupt traceback is as bare
+
+
+def test_traindx_own_processes_run_no_sitecustomize_of_the_jobs(tmp_path):
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(
+        "import os\nwith open(os.path.join(os.path.dirname(__file__), 'ran.txt'), 'a') as f:\n"
+        "    f.write(f'{os.getpid()}\\n')\nprint('the job site ran', flush=True)\n"
+    )
+    (tmp_path / "job.py").write_text("import os\nprint('job pid', os.getpid())\n")
+    dx = _diagnose(["--run-dir", "run", "--", PY, "job.py"], tmp_path, PYTHONPATH=str(tmp_path / "site"))
+    assert dx.returncode == 0, dx.stderr[-2000:]
+    ran = (tmp_path / "site" / "ran.txt").read_text().split()
+    job_pid = dx.stdout.split("job pid ")[1].split()[0]
+    # the job's, and diagnose's own (Python runs it before any code of traindx's); not the relay's
+    assert job_pid in ran and len(ran) == 2, ran
+    assert dx.stdout.count("the job site ran") == 2

@@ -90,7 +90,7 @@ def _unraisable(u: Any) -> None:
     exc = u.exc_value
     if exc is not None and _ours(_hook_code(u.object)):
         if _raised_by_us(exc):
-            from . import report_error
+            from . import report_error  # the package imports this module (a cycle at import)
 
             report_error("hook", exc)
             return
