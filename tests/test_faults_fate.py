@@ -29,9 +29,9 @@ def _env(**extra):
     return env
 
 
-def _diagnose(args, cwd, timeout=300, **extra):
+def _diagnose(args, cwd, timeout=300, quiet=True, **extra):
     return subprocess.run(
-        [PY, "-m", "traindx", "--quiet", "--no-pyspy", *args],
+        [PY, "-m", "traindx", *(["--quiet"] if quiet else []), "--no-pyspy", *args],
         cwd=cwd,
         env=_env(**extra),
         capture_output=True,
@@ -162,3 +162,15 @@ def test_traindx_own_processes_run_no_sitecustomize_of_the_jobs(tmp_path):
     # the job's, and diagnose's own (Python runs it before any code of traindx's); not the relay's
     assert job_pid in ran and len(ran) == 2, ran
     assert dx.stdout.count("the job site ran") == 2
+
+
+def test_the_first_line_says_where_the_evidence_goes(tmp_path):
+    (tmp_path / "job.py").write_text("print('hello')\n")
+    dx = _diagnose(["--", PY, "job.py"], tmp_path, quiet=False)
+    assert dx.returncode == 0, dx.stderr[-2000:]
+    first = dx.stderr.splitlines()[0]
+    runs = tmp_path / "runs"
+    (run,) = runs.iterdir()  # the default ./runs, inside the job's folder: said so
+    assert (
+        first.startswith(f"diagnose: evidence goes to {run}") and "inside the job's working folder" in first
+    )
