@@ -174,3 +174,37 @@ def test_the_first_line_says_where_the_evidence_goes(tmp_path):
     assert (
         first.startswith(f"diagnose: evidence goes to {run}") and "inside the job's working folder" in first
     )
+
+
+# the token is read through globals() (no Name node reads it): a scan for readers misses it
+TOKEN_JOB = textwrap.dedent("""
+    import time
+    for step in range(3):
+        hub_token = "hf_" + "x" * 8; time.sleep(0.01)  # noqa: E702
+    print("uploading with", globals()["hub_token"][:3])
+""")
+
+
+def test_a_source_patch_keeps_the_programs_bindings(tmp_path):
+    from traindx.analyzers import fix_source
+    from traindx.analyzers.host_work import _async_edit
+
+    tree = tmp_path / "job"
+    tree.mkdir()
+    script = tree / "train.py"
+    script.write_text(TOKEN_JOB)
+    line = TOKEN_JOB.splitlines().index('    hub_token = "hf_" + "x" * 8; time.sleep(0.01)  # noqa: E702') + 1
+    src = script.read_text().splitlines()[line - 1].split("  #")[0].strip()
+    edit = _async_edit(src, str(script), line, str(tree))
+    assert edit is not None and "Thread(" in edit["after"]
+    fix_source.make_scratch(str(tree), str(tmp_path / "scratch"), [edit])
+    run = subprocess.run(
+        [PY, str(tmp_path / "scratch" / "train.py")], capture_output=True, text=True, timeout=60
+    )
+    assert run.returncode == 0 and "uploading with hf_" in run.stdout, run.stderr[-1500:]
+    # an edit that moves the assignment into the thread's lambda is refused, whoever makes it
+    moved = dict(
+        edit, after='    __import__("threading").Thread(target=lambda: ("hf_", time.sleep(0.01))).start()'
+    )
+    with pytest.raises(fix_source.PatchError, match="hub_token unassigned"):
+        fix_source.make_scratch(str(tree), str(tmp_path / "scratch2"), [moved])
