@@ -123,6 +123,32 @@ def _inefficient_verdict(slow_gpu: Finding, median: float | None, counts: dict[s
     )
 
 
+def _shim_never_loaded(run: RunRecord) -> bool:
+    """The shim was asked for and no process of the job ran it (an isolated interpreter:
+    python -I/-E/-S, env -i; or not a Python job): steps were never recorded in-process."""
+    return bool((run.manifest.get("options") or {}).get("shim")) and "shim" in run.missing
+
+
+def _no_shim_verdict(run: RunRecord, counts: dict[str, Any]) -> Finding:
+    """No steps because nothing could record them, not because the job trained none."""
+    status = run.manifest.get("exit_code")
+    return Finding(
+        id="verdict.no_shim",
+        title="No steps measured: the shim could not be loaded in the job's interpreter",
+        severity=NOTE,
+        analyzer="verdict",
+        summary=(
+            "The job ran without traindx's in-process recorder (an isolated interpreter: "
+            "python -I, -E or -S, or an emptied environment such as env -i, ignores the "
+            "PYTHONPATH that loads it): step times come from py-spy and the log only, and neither "
+            "showed steps here; whether the job trained is not known"
+            + (f" (it exited with code {status})" if status not in (None, 0) else "")
+            + ". Run it without the isolation flag to measure it."
+        ),
+        evidence={**counts, "exit_code": status, "shim": run.missing.get("shim")},
+    )
+
+
 def judge(run: RunRecord, findings: list[Finding]) -> Finding:
     """The verdict of a run from its (linked, priced) findings."""
     findings = [f for f in findings if not f.id.startswith(VERDICT_PREFIX)]
@@ -133,6 +159,8 @@ def judge(run: RunRecord, findings: list[Finding]) -> Finding:
     top = _pick(findings)
     if top is not None:
         return _cause_verdict(run, top, median, counts)
+    if not n_steps and _shim_never_loaded(run):
+        return _no_shim_verdict(run, counts)
     if not n_steps:
         status = (run.manifest or {}).get("exit_code")
         return Finding(

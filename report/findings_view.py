@@ -274,8 +274,8 @@ def verdict_view(
         "saving_limit": None,
         "step_statistic": "median",
     }
-    if v.id == "verdict.no_steps":
-        out.update(kind="nosteps", median_step_s=None)
+    if v.id in ("verdict.no_steps", "verdict.no_shim"):
+        out.update(kind="nosteps", median_step_s=None, noshim=v.id == "verdict.no_shim")
     elif v.id == "verdict.inefficient":
         out.update(kind="inefficient")
     elif v.id == "verdict.cause":

@@ -208,3 +208,17 @@ def test_a_source_patch_keeps_the_programs_bindings(tmp_path):
     )
     with pytest.raises(fix_source.PatchError, match="hub_token unassigned"):
         fix_source.make_scratch(str(tree), str(tmp_path / "scratch2"), [moved])
+
+
+STEPS_JOB = (
+    "import time\nfor step in range(10):\n    time.sleep(0.02)\n    print(f'step {step}', flush=True)\n"
+)
+
+
+@pytest.mark.parametrize("isolation", [["-I"], ["-E"]])
+def test_an_isolated_interpreter_is_stated_not_taken_for_a_job_without_steps(tmp_path, isolation):
+    (tmp_path / "job.py").write_text(STEPS_JOB)
+    dx = _diagnose(["--run-dir", "run", "--", PY, *isolation, "job.py"], tmp_path)
+    assert dx.returncode == 0 and "step 9" in dx.stdout, dx.stderr[-2000:]
+    assert "exited before any optimizer step" not in dx.stderr
+    assert "the shim could not be loaded" in dx.stderr
