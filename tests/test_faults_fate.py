@@ -222,3 +222,20 @@ def test_an_isolated_interpreter_is_stated_not_taken_for_a_job_without_steps(tmp
     assert dx.returncode == 0 and "step 9" in dx.stdout, dx.stderr[-2000:]
     assert "exited before any optimizer step" not in dx.stderr
     assert "the shim could not be loaded" in dx.stderr
+
+
+def test_a_non_ascii_folder_under_the_c_locale_is_stated_not_called_healthy(tmp_path):
+    # the job's interpreter keeps its path undecoded (no UTF-8 mode): py-spy cannot read its file
+    # names, so its host work by source line cannot be found; "Healthy" was the misjudgement
+    folder = tmp_path / "j\u00f6b"
+    folder.mkdir()
+    (folder / "train.py").write_text(open(os.path.join(JOBS, "host_loop.py")).read())
+    c_locale = {"LC_ALL": "C", "LANG": "C", "PYTHONUTF8": "0", "PYTHONCOERCECLOCALE": "0"}
+    dx = _diagnose(
+        ["--run-dir", str(tmp_path / "run"), "--", PY, "train.py", "--steps", "12", "--read-seconds", "0.08"],
+        folder,
+        **c_locale,
+    )
+    assert dx.returncode == 0, dx.stderr[-2000:]
+    assert "Healthy" not in dx.stderr
+    assert "source lines could not be read" in " ".join(dx.stderr.split())
