@@ -239,3 +239,45 @@ def test_a_non_ascii_folder_under_the_c_locale_is_stated_not_called_healthy(tmp_
     assert dx.returncode == 0, dx.stderr[-2000:]
     assert "Healthy" not in dx.stderr
     assert "source lines could not be read" in " ".join(dx.stderr.split())
+
+
+# 5 MB of output (the run folder keeps a copy of the log), then a 16 MB checkpoint: bare, it
+# fits a 20 MB disk; the evidence must leave it the room
+DISK_JOB = textwrap.dedent("""
+    import os, time
+    line = "x" * 1000
+    for step in range(5000):
+        print(f"step {step} loss 1.0 {line}")
+        if step % 1000 == 999:
+            time.sleep(0.5)
+    time.sleep(1.0)
+    with open("checkpoint.bin", "wb") as f:
+        f.write(os.urandom(16 << 20))
+    print("checkpoint saved", flush=True)
+""")
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=20m", "tmpfs", str(disk)], capture_output=True
+    )
+    if mounted.returncode != 0:
+        pytest.skip("a small disk needs `mount -t tmpfs` (root)")
+    try:
+        yield disk
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], capture_output=True)
+
+
+def test_the_evidence_leaves_a_small_disk_to_the_jobs_checkpoint(small_disk):
+    (small_disk / "job.py").write_text(DISK_JOB)
+    bare = subprocess.run([PY, "job.py"], cwd=small_disk, capture_output=True, text=True, timeout=120)
+    assert bare.returncode == 0 and "checkpoint saved" in bare.stdout, bare.stderr[-1000:]
+    os.remove(small_disk / "checkpoint.bin")
+    dx = _diagnose(["--", PY, "job.py"], small_disk)  # the default ./runs: on the same small disk
+    assert "No space left" not in dx.stderr and "checkpoint saved" in dx.stdout, dx.stderr[-2000:]
+    assert dx.returncode == 0
+    assert (small_disk / "checkpoint.bin").stat().st_size == 16 << 20
