@@ -8,6 +8,7 @@ within tolerance."""
 
 import json
 import os
+import pty
 import signal
 import subprocess
 import textwrap
@@ -165,12 +166,31 @@ def test_traindx_own_processes_run_no_sitecustomize_of_the_jobs(tmp_path):
 
 
 def test_the_first_line_says_where_the_evidence_goes(tmp_path):
+    # a person at a terminal (stderr a terminal): told before the job starts
     (tmp_path / "job.py").write_text("print('hello')\n")
-    dx = _diagnose(["--", PY, "job.py"], tmp_path, quiet=False)
-    assert dx.returncode == 0, dx.stderr[-2000:]
-    first = dx.stderr.splitlines()[0]
-    runs = tmp_path / "runs"
-    (run,) = runs.iterdir()  # the default ./runs, inside the job's folder: said so
+    master, slave = pty.openpty()
+    proc = subprocess.Popen(
+        [PY, "-m", "traindx", "--no-pyspy", "--", PY, "job.py"],
+        cwd=tmp_path,
+        env=_env(COLUMNS="200"),
+        stdout=subprocess.DEVNULL,
+        stderr=slave,
+        stdin=subprocess.DEVNULL,
+    )
+    os.close(slave)
+    out = b""
+    while True:
+        try:
+            chunk = os.read(master, 4096)
+        except OSError:  # EIO: every writer closed
+            break
+        if not chunk:
+            break
+        out += chunk
+    assert proc.wait(timeout=120) == 0
+    os.close(master)
+    first = out.decode("utf-8", "replace").splitlines()[0]
+    (run,) = (tmp_path / "runs").iterdir()  # the default ./runs, inside the job's folder: said so
     assert (
         first.startswith(f"diagnose: evidence goes to {run}") and "inside the job's working folder" in first
     )

@@ -155,7 +155,10 @@ def diagnose(command: list[str], request: JobRequest) -> int:
         run_dir = node["dir"] if node else (request.run_dir or new_run_dir(request.out))
     except OSError as exc:
         raise UserError(f"cannot create a run folder under {request.out}: {exc.strerror or exc}") from None
-    if not request.quiet:  # --quiet: the job's bytes first, ours after (the last line names the run)
+    # to a person at a terminal only: into a pipe or a file the job's bytes come first, ours
+    # after (a reader that leaves at the first byte must meet the job's), and the last line
+    # names the run anyway
+    if not request.quiet and sys.stderr.isatty():
         say_where(run_dir)
     try:
         returncode = record_job(command, run_dir, request.record, quiet=request.quiet, live=request.live)
