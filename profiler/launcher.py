@@ -18,8 +18,8 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from traindx.common import redact, stdfds
+from traindx.profiler import diskfloor, proctree, rolling
 from traindx.profiler import manifest as manifest_mod
-from traindx.profiler import proctree, rolling
 
 # RunDirRefused: raised by Job.run (the CLI catches it from here); write_json_atomic: callers
 # import it from here too
@@ -157,10 +157,14 @@ class Options:
         # the command, so the job keeps the pid it starts with)
         self.wrap = wrap
 
-    def budget(self) -> rolling.Budget:
-        return rolling.Budget(
-            rank_bytes=int(self.disk_budget_mb * rolling.MB), window_s=self.window_s, keep=self.keep_windows
-        )
+    def budget(self, run_dir: str | None = None) -> rolling.Budget:
+        """The disk budget; with run_dir, at most EVIDENCE_FREE_SHARE of the space free on its
+        disk now (the rest is the job's: on a small disk a checkpoint must still fit)."""
+        rank_bytes = int(self.disk_budget_mb * rolling.MB)
+        free = diskfloor.free_bytes(run_dir) if run_dir else None
+        if free is not None:
+            rank_bytes = min(rank_bytes, int(free * diskfloor.EVIDENCE_FREE_SHARE))
+        return rolling.Budget(rank_bytes=rank_bytes, window_s=self.window_s, keep=self.keep_windows)
 
     def as_dict(self) -> dict[str, Any]:
         return dict(vars(self))
@@ -179,7 +183,7 @@ def job_environment(run_dir: str, options: Options, base: Mapping[str, str] | No
             env["TRAINDX_TORCH_PROFILE"] = str(options.torch_profile)
         if options.step_marker:
             env["TRAINDX_STEP_MARKER"] = options.step_marker
-        env[SEGMENT_BYTES_ENV] = str(options.budget().segment_bytes(rolling.EVENTS_SHARE))
+        env[SEGMENT_BYTES_ENV] = str(options.budget(run_dir).segment_bytes(rolling.EVENTS_SHARE))
     return env
 
 
@@ -265,7 +269,7 @@ class Job:
         for s, h in previous.items():
             if h is not signal.SIG_IGN:
                 signal.signal(s, self._forward)
-        budget = self.options.budget()
+        budget = self.options.budget(self.run_dir)
         manifest["budget"] = budget.as_dict()
         # the job's output streams to disk in segments (by the relay): nothing per line stays
         # in memory here
@@ -436,6 +440,12 @@ class Job:
             self.not_written.extend(relay.problems)
         if roller.errors:
             self.missing["rolling"] = "; ".join(roller.errors)[:1000]
+        if roller.shed_bytes:  # the evidence yielded the disk to the job: said, with what went
+            self.missing["disk"] = (
+                f"free space on the run folder's disk fell under its floor: "
+                f"{max(roller.shed_bytes, 0) / rolling.MB:.1f} MB of older evidence shed "
+                "(what each dropped segment held is in its *.rolled.json)"
+            )
         if stops:  # the job's processes stopped by a signal (SIGSTOP): not its code's time
             manifest["stopped"] = stops
         rolled = rolling.rolled_summaries(self.run_dir)

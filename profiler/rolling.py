@@ -27,6 +27,7 @@ from typing import IO, Any
 
 from traindx.common import atomic
 from traindx.common.errors import UserError
+from traindx.profiler.diskfloor import FLOOR_CHECK_S, folder_bytes, under_floor
 from traindx.profiler.logparse import compile_custom, parse_line
 from traindx.profiler.shim._traindx_shim.segments import segment_path, segments, summary_path
 from traindx.profiler.speedscope import ThreadSamples, load
@@ -37,6 +38,9 @@ Thin = Callable[[Iterable[str], dict[str, Any]], Iterator[str]]
 Totals = dict[str, dict[Any, float]]
 
 MB = 1 << 20
+# a budget this small (a small disk's share) is settled at every floor check: a few seconds of
+# the job's output would otherwise overshoot it several times
+SMALL_BUDGET_BYTES = 256 * MB
 MIN_SEGMENT_BYTES = 4096
 # shares of the per-rank budget (the log is the job's, counted once); py-spy's windows fold
 # early when over theirs; nvml.csv is not rolled (a fixed ~120 B/s per GPU: docs/long-runs.md)
@@ -532,6 +536,7 @@ class Roller:
         self.budget = budget
         self.log_regex = log_regex
         self.errors: list[str] = []
+        self.shed_bytes = 0  # evidence shed under the free-space floor (-1: the floor hit, nothing to shed)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         # how often: what the job writes between two settles is the budget's overshoot
@@ -542,10 +547,26 @@ class Roller:
         self._thread.start()
 
     def _loop(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            self.settle_all(live=True)
+        waited = 0.0
+        while not self._stop.wait(FLOOR_CHECK_S):
+            waited += FLOOR_CHECK_S
+            if under_floor(self.run_dir):
+                self.shed()
+            elif waited >= self.interval_s or self.budget.rank_bytes < SMALL_BUDGET_BYTES:
+                waited = 0.0
+                self.settle_all(live=True)
 
-    def settle_all(self, live: bool) -> None:
+    def shed(self) -> None:
+        """Free space under the floor: every rolled segment goes (what each held is written
+        down in its family's rolled.json); only the heads and the last segments stay."""
+        before = folder_bytes(self.run_dir)
+        self.settle_all(live=True, caps_scale=0.0)
+        freed = max(0, before - folder_bytes(self.run_dir))
+        if not self.shed_bytes and not freed:
+            self.shed_bytes = -1  # said once even when nothing could go
+        self.shed_bytes = max(self.shed_bytes, 0) + freed
+
+    def settle_all(self, live: bool, caps_scale: float = 1.0) -> None:
         b = self.budget
         try:
             custom = None
@@ -566,7 +587,7 @@ class Roller:
             families.append((log, b.cap(LOG_SHARE), thin_log(custom)))
         for head, cap, thin in families:
             try:
-                settle(head, b.keep, cap, thin, live=live)
+                settle(head, b.keep, int(cap * caps_scale), None if caps_scale == 0 else thin, live=live)
             except Exception as exc:  # rolling must never stop the run; the loss is said
                 if len(self.errors) < 20:
                     self.errors.append(f"rolling {os.path.basename(head)}: {type(exc).__name__}: {exc}")

@@ -42,6 +42,8 @@ import tty
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
+from traindx.profiler import ownpython
+
 if TYPE_CHECKING:  # annotations only: imported where the log opens
     from traindx.profiler.rolling import RollingLines
 
@@ -383,7 +385,7 @@ class OutputRelay:
         mine, theirs = socket.socketpair()
         try:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", self.module, str(out_r), str(err_r), str(theirs.fileno())],
+                ownpython.module_command(self.module, str(out_r), str(err_r), str(theirs.fileno())),
                 pass_fds=tuple({out_r, err_r, theirs.fileno()}),
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,

@@ -211,9 +211,9 @@ def verdict_view(v: Finding, findings_view: Sequence[Mapping[str, Any]]) -> dict
         "saving_limit": None,
         "step_statistic": "median",
     }
-    if v.id == "verdict.no_steps":
-        out.update(kind="nosteps", median_step_s=None)
-    elif v.id == "verdict.inefficient":
+    if v.id in ("verdict.no_steps", "verdict.no_shim"):
+        out.update(kind="nosteps", median_step_s=None, noshim=v.id == "verdict.no_shim")
+    elif v.id in ("verdict.inefficient", "verdict.unreadable_files"):
         out.update(kind="inefficient")
     elif v.id == "verdict.cause":
         top = next((f for f in findings_view if f["id"] == ev.get("top")), None)

@@ -412,8 +412,9 @@ def test_a_per_parameter_optimizer_is_made_multi_tensor_at_the_call_that_makes_i
 
 def test_host_work_whose_results_nothing_reads_goes_to_a_background_thread(tmp_path):
     """A line of host work in the loop (a read and a wait joined by `;`, as in a slowed public
-    script) whose assigned name nothing reads: its work runs on a thread, in order; a line whose
-    result the step reads keeps its place (the DataLoader advice is the fix there)."""
+    script): the calls after its assignments run on a thread, in order, the assignments stay (a
+    patch never unbinds a name); a line that only assigns keeps its place (the DataLoader advice
+    is the fix there)."""
     from traindx.analyzers.host.work import async_edit
 
     script = tmp_path / "train.py"
@@ -428,9 +429,10 @@ def test_host_work_whose_results_nothing_reads_goes_to_a_background_thread(tmp_p
     )
     lines = script.read_text().splitlines()
     edit = async_edit(lines[3].strip(), str(script), 4, str(tmp_path), daemon=True)
+    # the assignment stays (a patch never unbinds a name), the calls after it go to the thread
     assert edit["after"] == (
-        "        __import__('threading').Thread(target=lambda: "
-        "(open(__file__, 'rb').read(), time.sleep(0.15)), daemon=True).start()"
+        "        blob = open(__file__, 'rb').read(); __import__('threading').Thread(target=lambda: "
+        "time.sleep(0.15), daemon=True).start()"
     )
     patched = lines[:3] + [edit["after"]] + lines[4:]
     ast.parse("\n".join(patched))

@@ -358,7 +358,8 @@ def test_fix_moves_unneeded_host_work_of_a_lightning_step_to_a_thread(tmp_path):
     assert kept["significant"] and kept["judged_speedup"] >= 1.5 and kept["loss_parity"] is not False
     patch = (fix_dir / "fix.patch").read_text()
     assert (
-        "-            blob = open(__file__" in patch and "threading').Thread(target=lambda: (open(" in patch
+        "-            blob = open(__file__" in patch
+        and "threading').Thread(target=lambda: time.sleep(" in patch
     )
     clean = _git_apply_to_clean_copy(tmp_path, [path], fix_dir / "fix.patch")
     ast_ok = compile((clean / "fw_lightning.py").read_text(), "fw_lightning.py", "exec")

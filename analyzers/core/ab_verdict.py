@@ -47,6 +47,7 @@ class Outcome(enum.Enum):
     FASTER_START_NUMERICS_DIFFER = "faster start, numerics differ"
     NO_GAIN = "no gain"
     CRASHED = "candidate failed"  # the candidate's job exited non-zero
+    INTERRUPTED = "interrupted"  # a signal to diagnose (Ctrl-C, SIGTERM) ended the arm: not judged
 
 
 class Measure(enum.Enum):
@@ -87,6 +88,7 @@ class ABVerdict:
     outcome: Outcome
     first_step_speedup: float | None = None  # FASTER_START*: step 0's speedup
     exit_code: int | None = None  # CRASHED: the candidate's exit status
+    signals: tuple[str, ...] = ()  # INTERRUPTED: the signals diagnose forwarded to the arm's job
 
     @property
     def is_win(self) -> bool:
@@ -99,6 +101,8 @@ class ABVerdict:
             return text + (
                 ", numerics differ" if self.outcome is Outcome.FASTER_START_NUMERICS_DIFFER else ""
             )
+        if self.outcome is Outcome.INTERRUPTED:
+            return f"interrupted ({', '.join(self.signals)} to the arm's job): not judged"
         if self.outcome is Outcome.CRASHED:
             return f"candidate failed (exit {self.exit_code}): the change does not work as applied"
         return str(self.outcome.value)
@@ -135,6 +139,12 @@ def ab_verdict(
 def crashed(exit_code: int | None) -> ABVerdict:
     """A candidate that crashed (an unknown flag, a broken env) proves nothing but that."""
     return ABVerdict(Outcome.CRASHED, exit_code=exit_code)
+
+
+def interrupted(signals: Sequence[str]) -> ABVerdict:
+    """An arm the user stopped (the signals diagnose forwarded to its job) says nothing of the
+    change: its exit status is the signal's, not the change's."""
+    return ABVerdict(Outcome.INTERRUPTED, signals=tuple(signals))
 
 
 def verdict(speedup: float | None, ci_low: float | None, parity_passed: bool | None) -> str:
@@ -199,7 +209,7 @@ def judge_arm(evidence: ArmEvidence) -> Judgement:
     """A significant win: the comparison's verdict a win for an arm that ran; for a periodic
     cost the means (MIN_SPEEDUP, interval above 1, parity kept); for a warm-up the first step
     (its gain is the cold start: the steady steps run the same kernels either way)."""
-    ran = evidence.exit_code == 0
+    ran = evidence.exit_code == 0 and evidence.verdict.outcome is not Outcome.INTERRUPTED
     parity_failed = evidence.parity_passed is False
     judgement = Judgement(evidence.statistic, evidence.speedup, ran and evidence.verdict.is_win)
     if evidence.periodic and ran:

@@ -115,8 +115,29 @@ def _correlation(g: np.ndarray, c: np.ndarray) -> tuple[float | None, bool, str]
     return correlation, correlation >= MIN_CORRELATION, ""
 
 
-def _same_level(g: np.ndarray, c: np.ndarray, noise: float) -> tuple[bool, float, str]:
-    """(the levels agree within the noise, their relative difference, why not)."""
+def _noise_explains(failures: int, points: int, level: float, noise: float, cand_noise: float) -> str:
+    """Why not, where more points leave the tolerance than the two curves' noise explains: two
+    independent draws differ by N(0, sqrt(noise^2 + cand_noise^2)) at a point, so a share p of
+    the points leaves the tolerance by chance; more than p*n plus two binomial standard errors is
+    no data order (10 of 10 points outside with a p of one half happens 1 time in 1000). A noise
+    that would put most points outside (p over one half) leaves the tolerance no meaning: parity
+    is not shown, whatever the levels, so more than half the points outside never passes."""
+    spread = math.sqrt(noise**2 + cand_noise**2)
+    share = math.erfc(pointwise_tolerance(level) * abs(level) / (spread * math.sqrt(2))) if spread else 0.0
+    allowed = min(
+        points * share + LEVEL_STANDARD_ERRORS * math.sqrt(points * share * (1 - share)), points / 2
+    )
+    if failures > allowed:
+        return (
+            f"{failures} of {points} points outside the pointwise tolerance, more than the noise "
+            f"explains (about {points * share:.1f})"
+        )
+    return ""
+
+
+def _same_level(g: np.ndarray, c: np.ndarray, noise: float, failures: int) -> tuple[bool, float, str]:
+    """(the levels agree within the noise and the points leave the tolerance no more often than
+    that noise explains, their relative difference, why not)."""
     level = float(np.mean(g))
     difference = float(abs(np.mean(c) - level))
     relative = difference / max(abs(level), 1e-12)
@@ -131,7 +152,8 @@ def _same_level(g: np.ndarray, c: np.ndarray, noise: float) -> tuple[bool, float
         )
     if difference > allowed:
         return False, relative, f"the mean loss differs by {relative:.1%}, beyond the noise and the tolerance"
-    return True, relative, ""
+    too_many = _noise_explains(failures, len(g), level, noise, cand_noise or 0.0)
+    return not too_many, relative, too_many
 
 
 def _decide(
@@ -143,6 +165,7 @@ def _decide(
     correlation_ok: bool,
     trend: float,
     noise: float | None,
+    failures: int,
 ) -> tuple[bool, str, bool, list[str], float | None]:
     """Which rule decides and its answer: (passed, decided_by, correlation_ok, reasons, level
     difference). `passed` comes in as the pointwise and final-loss answer."""
@@ -168,7 +191,7 @@ def _decide(
         noisy = noise is not None and noise >= NOISE_OVER_TOLERANCE * pointwise_tolerance(level) * level
         if noisy and noise is not None and not passed:
             decided_by = LEVEL
-            passed, level_difference, why = _same_level(g, c, noise)
+            passed, level_difference, why = _same_level(g, c, noise, failures)
             reasons += [why] if why else []
     return passed, decided_by, correlation_ok, reasons, level_difference
 
@@ -205,7 +228,7 @@ def loss_parity(golden: Any, candidate: Any, update_ratio: float | None = None) 
     final_ok = final_difference <= MAX_FINAL_LOSS_DIFFERENCE
 
     passed, decided_by, correlation_ok, reasons, level_difference = _decide(
-        g, c, update_ratio, pointwise_ok and final_ok, correlation, correlation_ok, trend, noise
+        g, c, update_ratio, pointwise_ok and final_ok, correlation, correlation_ok, trend, noise, failures
     )
     if decided_by not in (LEVEL, UPDATES):
         if not pointwise_ok:

@@ -123,6 +123,59 @@ def _inefficient_verdict(slow_gpu: Finding, median: float | None, counts: dict[s
     )
 
 
+def _shim_never_loaded(run: RunRecord) -> bool:
+    """The shim was asked for and no process of the job ran it (an isolated interpreter:
+    python -I/-E/-S, env -i; or not a Python job): steps were never recorded in-process."""
+    return bool((run.manifest.get("options") or {}).get("shim")) and "shim" in run.missing
+
+
+def _no_shim_verdict(run: RunRecord, counts: dict[str, Any]) -> Finding:
+    """No steps because nothing could record them, not because the job trained none."""
+    status = run.manifest.get("exit_code")
+    return Finding(
+        id="verdict.no_shim",
+        title="No steps measured: the shim could not be loaded in the job's interpreter",
+        severity=NOTE,
+        analyzer="verdict",
+        summary=(
+            "The job ran without traindx's in-process recorder (an isolated interpreter: "
+            "python -I, -E or -S, or an emptied environment such as env -i, ignores the "
+            "PYTHONPATH that loads it): step times come from py-spy and the log only, and neither "
+            "showed steps here; whether the job trained is not known"
+            + (f" (it exited with code {status})" if status not in (None, 0) else "")
+            + ". Run it without the isolation flag to measure it."
+        ),
+        evidence={**counts, "exit_code": status, "shim": run.missing.get("shim")},
+    )
+
+
+def _unreadable_files(run: RunRecord) -> bool:
+    """A process of the job kept its paths undecoded (the shim's process_start says): py-spy
+    could not read its file names, so no finding by source line was possible."""
+    starts = run.of_type("process_start")
+    return "undecodable_paths" in starts and bool(
+        starts["undecodable_paths"].fillna(False).astype(bool).any()
+    )
+
+
+def _unreadable_verdict(n_steps: int, median: float | None, counts: dict[str, Any]) -> Finding:
+    """No cause found where the stacks could not name the job's files: not 'Healthy'."""
+    return Finding(
+        id="verdict.unreadable_files",
+        title=f"No slowdown cause found in {n_steps} steps, but the job's own source lines could not be read",
+        severity=NOTE,
+        analyzer="verdict",
+        summary=(
+            f"Median step {fmt_s(median) if median is not None else '?'}. The job's interpreter "
+            "could not decode its file paths (a folder name that is not ASCII under a C/POSIX "
+            "locale without UTF-8 mode), so py-spy's stacks lost the job's file names and the "
+            "causes found by source line (host work in the loop, say) could not be looked for. "
+            "Run it under a UTF-8 locale (LC_ALL=C.UTF-8) or with PYTHONUTF8=1 to have them."
+        ),
+        evidence={**counts, "undecodable_paths": True},
+    )
+
+
 def judge(run: RunRecord, findings: list[Finding]) -> Finding:
     """The verdict of a run from its (linked, priced) findings."""
     findings = [f for f in findings if not f.id.startswith(VERDICT_PREFIX)]
@@ -133,6 +186,8 @@ def judge(run: RunRecord, findings: list[Finding]) -> Finding:
     top = _pick(findings)
     if top is not None:
         return _cause_verdict(run, top, median, counts)
+    if not n_steps and _shim_never_loaded(run):
+        return _no_shim_verdict(run, counts)
     if not n_steps:
         status = (run.manifest or {}).get("exit_code")
         return Finding(
@@ -152,6 +207,8 @@ def judge(run: RunRecord, findings: list[Finding]) -> Finding:
     )
     if slow_gpu is not None:
         return _inefficient_verdict(slow_gpu, median, counts)
+    if _unreadable_files(run):
+        return _unreadable_verdict(n_steps, median, counts)
     title = f"Healthy: no slowdown found in {n_steps} steps"
     if median is not None:
         title += f" (median step {fmt_s(median)})"

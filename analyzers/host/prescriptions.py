@@ -9,8 +9,8 @@ import os
 import re
 from typing import Any
 
-from traindx.analyzers.codefix import innermost_node, source_tree
 from traindx.analyzers.codefix import params as codefix_params
+from traindx.analyzers.codefix import source_tree
 from traindx.analyzers.core.findings import Prescription
 from traindx.analyzers.host.code import Group, module_of
 from traindx.common.units import ordinal
@@ -79,47 +79,36 @@ def kind_of(call: Any, src: str | None, lib_file: Any = None) -> Any:
 # -- prescriptions -----------------------------------------------------------------------------
 def async_edit(src: str | None, path: str, line: int, cwd: str | None, daemon: Any = True) -> Any:
     """A concrete edit that runs the line's work on a background thread, or None when the line
-    is not such work. It qualifies when each of its statements (one, or several joined by `;`)
-    is a bare call or an assignment to names that nothing in its function (or module) reads:
-    the values are computed on the thread, in order, and the unread names dropped. A write (a
-    file, a log) runs on a non-daemon thread, so the run's end waits for it and nothing written
-    is lost; a wait may never end, so its thread is a daemon."""
+    is not such work. The line is statements joined by `;`: assignments to names, then bare
+    calls. The calls after the last assignment run on the thread, in order; the assignments stay
+    where they are, so every name the line bound is still bound when the next line runs (a
+    patch never unbinds a name: fix_source.check_bindings). A write (a file, a log) runs on a
+    non-daemon thread, so the run's end waits for it and nothing written is lost; a wait may
+    never end, so its thread is a daemon."""
     if not src or src.endswith((":", "\\", ",", "(")):
         return None
     try:
         tree = ast.parse(src)
     except SyntaxError:
         return None
-    work: list[ast.expr] = []
-    assigned: set[str] = set()
-    for node in tree.body:
-        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Call):
-            work.append(node.value)
-        elif isinstance(node, ast.Assign) and all(isinstance(t, ast.Name) for t in node.targets):
-            work.append(node.value)
-            assigned.update(t.id for t in node.targets if isinstance(t, ast.Name))
-        else:
+    kept = 0  # the statements up to the last assignment stay on the training thread
+    for i, node in enumerate(tree.body):
+        if isinstance(node, ast.Assign) and all(isinstance(t, ast.Name) for t in node.targets):
+            kept = i + 1
+        elif not (isinstance(node, ast.Expr) and isinstance(node.value, ast.Call)):
             return None
-    if not work:
-        return None
+    work = [node.value for node in tree.body[kept:] if isinstance(node, ast.Expr)]
     real = next((c for c in (path, os.path.join(cwd or "", path)) if os.path.isfile(c)), None)
-    file_tree, lines = source_tree(real) if real else (None, [])
-    if not 0 < line <= len(lines) or (
-        assigned and (file_tree is None or _names_read(file_tree, line) & assigned)
-    ):
+    lines = source_tree(real)[1] if real else []
+    if not work or not 0 < line <= len(lines):
         return None
     raw = lines[line - 1]
     indent = raw[: len(raw) - len(raw.lstrip())]
+    stay = "".join((ast.get_source_segment(src, node) or "") + "; " for node in tree.body[:kept])
     parts = [ast.get_source_segment(src, value) or "" for value in work]
     target = parts[0] if len(parts) == 1 else "(" + ", ".join(parts) + ")"
-    after = f"{indent}__import__('threading').Thread(target=lambda: {target}, daemon={bool(daemon)}).start()"
-    return {"file": path, "line": line, "before": raw, "after": after, "op": "replace"}
-
-
-def _names_read(file_tree: Any, line: int) -> Any:
-    """The names read anywhere in the function holding `line` (the module, at top level)."""
-    scope = innermost_node(file_tree, line, (ast.FunctionDef, ast.AsyncFunctionDef)) or file_tree
-    return {n.id for n in ast.walk(scope) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+    thread = f"__import__('threading').Thread(target=lambda: {target}, daemon={bool(daemon)}).start()"
+    return {"file": path, "line": line, "before": raw, "after": indent + stay + thread, "op": "replace"}
 
 
 def line_prescriptions(

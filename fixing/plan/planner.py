@@ -358,7 +358,9 @@ def _source_edit(
         return None
     keys = ("file", "line", "last_line", "before", "after", "op", "before_line", "after_line")
     try:
-        return fix_source.resolve_edit({k: code[k] for k in keys if k in code})
+        edit = fix_source.resolve_edit({k: code[k] for k in keys if k in code})
+        fix_source.check_bindings(edit["file"], [edit])  # a patch never unbinds a name
+        return edit
     except fix_source.PatchError as exc:
         plan.warnings.append(f"source patch not applied: {exc}")
         return None

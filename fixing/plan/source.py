@@ -153,6 +153,58 @@ def patched_text(path: str, edits: Iterable[Mapping[str, Any]]) -> str:
     return "".join(lines)
 
 
+def _bound_names(tree: ast.AST) -> dict[str, set[str]]:
+    """{scope: the names it binds}: the module (""), each function and class by its dotted path;
+    assignments, for/with/except/match targets, imports, defs, a function's parameters."""
+    out: dict[str, set[str]] = {"": set()}
+
+    def visit(node: ast.AST, scope: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                out.setdefault(scope, set()).add(child.name)
+                inner = f"{scope}.{child.name}" if scope else child.name
+                names = out.setdefault(inner, set())
+                if not isinstance(child, ast.ClassDef):
+                    names.update(a.arg for a in ast.walk(child.args) if isinstance(a, ast.arg))
+                visit(child, inner)
+                continue
+            name = None
+            if isinstance(child, ast.Name) and isinstance(child.ctx, ast.Store):
+                name = child.id
+            elif isinstance(child, ast.alias) and child.name != "*":
+                name = child.asname or child.name.split(".")[0]
+            elif isinstance(child, (ast.ExceptHandler, ast.MatchAs, ast.MatchStar)):
+                name = child.name
+            if name:
+                out.setdefault(scope, set()).add(name)
+            visit(child, scope)
+
+    visit(tree, "")
+    return out
+
+
+def check_bindings(path: str, edits: Iterable[Mapping[str, Any]]) -> None:
+    """PatchError when the edits leave a name unassigned in a scope that assigned it (a statement
+    moved into a thread's lambda, say): the program would then read a name it never bound, or
+    another one of the same name. A patch may add bindings, never take one away."""
+    if not path.endswith(".py"):
+        return
+    with open(path, encoding="utf-8") as f:
+        old = f.read()
+    try:
+        before, after = _bound_names(ast.parse(old)), _bound_names(ast.parse(patched_text(path, edits)))
+    except SyntaxError:
+        return  # the parse check says so (make_scratch)
+    for scope, names in before.items():
+        lost = sorted(names - after.get(scope, set()))
+        if lost:
+            where = f"{scope}()" if scope else "the module"
+            raise PatchError(
+                f"the edit of {os.path.basename(path)} leaves {', '.join(lost)} unassigned in {where}, "
+                "which assigned it: the program's meaning would change"
+            )
+
+
 def unified_diff(root: str, edits: Iterable[Mapping[str, Any]]) -> str:
     """The unified diff of all edits, paths relative to root (a/ b/ prefixes, git apply -p1)."""
     by_file = {}

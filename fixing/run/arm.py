@@ -5,6 +5,7 @@ module runs and records, it decides nothing."""
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 from collections.abc import Callable, Sequence
@@ -94,7 +95,7 @@ def run_arm(
     prep.change = _change(prep, alternatives)
     finding = next((f for f in ctx.findings if f.id == cand.finding), None)
     comparison, arm = _judge(ctx, prep, finding, ctx.baseline, candidate)
-    if ctx.options.repeat_inconclusive and judge.worth_repeating(arm):
+    if ctx.options.repeat_inconclusive and judge.worth_repeating(arm) and not comparison.get("interrupted"):
         comparison, arm = _repeat(ctx, prep, finding, (comparison, arm), candidate)
     kept = arm.dir if judge.settles_search(arm) else None
     comparison["search"] = [search_row(a) for a in searched] + [search_row(arm, kept)]
@@ -217,7 +218,16 @@ def _judge(
     if prep.records.get("overlay"):
         comparison["overlay"] = prep.records["overlay"]
     code = exit_status(prep.code)
-    if code != 0:
+    signals = interrupted_by(prep.dir)
+    if signals:
+        verdict = judge.interrupted(signals)
+        comparison["verdict"] = verdict.text()
+        comparison["interrupted"] = signals
+        comparison["problems"].append(
+            f"the arm was interrupted ({', '.join(signals)} forwarded to its job, exit {code}): "
+            "what it measured is no judgement of the change"
+        )
+    elif code != 0:
         verdict = judge.crashed(code)
         comparison["verdict"] = verdict.text()
         tail = _stderr_tail(prep.dir)
@@ -236,6 +246,17 @@ def _judge(
     return comparison, arm_of(
         prep.name, prep.dir, prep.candidate, comparison, verdict, code, prep.patch, finding
     )
+
+
+def interrupted_by(run_dir: str) -> list[str]:
+    """The signals diagnose forwarded to the job of the run in run_dir (a Ctrl-C, a SIGTERM):
+    the user's, not the change's."""
+    try:
+        with open(os.path.join(run_dir, "manifest.json"), encoding="utf-8") as f:
+            signals = json.load(f).get("signals_forwarded")
+    except (OSError, ValueError, AttributeError):
+        return []
+    return [str(s) for s in signals] if isinstance(signals, list) else []
 
 
 def arm_of(
@@ -315,8 +336,15 @@ def _repeat(
         _precompile(prep.plan, source, dict(prep.extra_env), ctx.say, _view(ctx, again_dir))
     again_code = ctx.run_job(prep.command, again_dir, _arm_options(ctx, prep))
     os.makedirs(base_again_dir)
-    base_again_code = ctx.run_job(ctx.command, base_again_dir, ctx.record_options)
-    if exit_status(again_code) == 0 and exit_status(base_again_code) == 0:
+    stopped = interrupted_by(again_dir)
+    base_again_code = None if stopped else ctx.run_job(ctx.command, base_again_dir, ctx.record_options)
+    stopped = stopped or interrupted_by(base_again_dir)
+    if stopped:  # the user stopped the repeat: the first pair stands, and the search ends
+        comparison["interrupted"] = stopped
+        comparison["problems"].append(
+            f"measured again, but interrupted ({', '.join(stopped)}): judged by the first pair"
+        )
+    elif exit_status(again_code) == 0 and exit_status(base_again_code) == 0:
         base_pick = _quicker(ctx.baseline, load_run(base_again_dir), arm.judged_by)
         cand_pick = _quicker(candidate, load_run(again_dir), arm.judged_by)
         comparison, arm = _judge(ctx, prep, finding, base_pick, cand_pick)

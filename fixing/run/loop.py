@@ -97,6 +97,7 @@ def fix(command: list[str], options: FixOptions | None = None) -> FixResult:
         raise UserError(str(exc)) from None
     root = os.path.abspath(options.run_dir or new_run_dir(options.out))
     os.makedirs(root, exist_ok=True)
+    say("info", f"evidence goes to {root} (the baseline's and each arm's run folders)")
     base_dir = os.path.join(root, "baseline")
     if os.path.exists(os.path.join(root, "candidate", "manifest.json")):
         raise UserError(f"{os.path.join(root, 'candidate')} already holds a run: give --fix a new --run-dir")

@@ -166,6 +166,8 @@ def _search(
         search.candidates[arm.dir], search.findings[arm.dir] = cand, measured.findings
         search.arms.append(arm)
         result.arms.append(arm.to_row())
+        if measured.comparison.get("interrupted"):  # recorded as interrupted; the user stopped --fix
+            raise KeyboardInterrupt
         if judge.settles_search(arm):
             break
         if i + 1 < tries:

@@ -16,7 +16,7 @@ from typing import Any
 
 from traindx.analyzers.core.evidence import SKIP_DIRS
 from traindx.common.copying import clone_or_copy
-from traindx.fixing.plan.source import PatchError, patched_text, unified_diff
+from traindx.fixing.plan.source import PatchError, check_bindings, patched_text, unified_diff
 
 COPY_LIMIT_BYTES = 2 * 1024 * 1024
 # the large files of a scratch copy, cloned or copied: past this many bytes they are linked
@@ -88,6 +88,7 @@ def make_scratch(
         by_file.setdefault(os.path.realpath(e["file"]), []).append(e)
     for path, file_edits in by_file.items():
         copy = os.path.join(dest, os.path.relpath(path, root))
+        check_bindings(path, file_edits)  # a patch never unbinds a name the program assigns
         text = patched_text(path, file_edits)
         if path.endswith(".py"):
             try:

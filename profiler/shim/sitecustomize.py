@@ -30,10 +30,23 @@ try:
 except Exception as exc:  # the job's own sitecustomize failed: Python would print and go on too
     print(f"traindx: the job's sitecustomize raised {exc!r}", file=sys.stderr)
 
+
+def _interrupted_at_start() -> None:
+    # Ctrl-C while the shim starts (the job's code not yet running): the process ends as Python
+    # ends on an uncaught KeyboardInterrupt, killed by SIGINT; raised out of here it would be a
+    # "Fatal Python error: init_import_site", exit 1, a failure bare Python never showed the job
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGINT)
+
+
 if os.environ.get("TRAINDX_RUN_DIR"):
     try:
         import _traindx_shim
 
         _traindx_shim.activate()
+    except KeyboardInterrupt:
+        _interrupted_at_start()
     except Exception as exc:
         print(f"traindx: shim disabled: {exc!r}", file=sys.stderr)

@@ -132,6 +132,19 @@ def record_job(
             print(f"diagnose: not written: {one_line(line)}", file=sys.stderr)
 
 
+def say_where(run_dir: str) -> None:
+    """diagnose's first line: where the evidence goes (the default ./runs sits in the job's
+    working folder, where a job that lists its folder sees it)."""
+    where = os.path.abspath(run_dir)
+    inside = os.path.commonpath([where, os.getcwd()]) == os.getcwd()
+    print(
+        f"diagnose: evidence goes to {where}"
+        + (" (inside the job's working folder; --out or --run-dir puts it elsewhere)" if inside else ""),
+        file=sys.stderr,
+        flush=True,
+    )
+
+
 def diagnose(command: list[str], request: JobRequest) -> int:
     """Record the job, analyse and report the record; the exit code: the job's, else
     ANALYSIS_FAILED_EXIT when the job succeeded and its analysis or report did not."""
@@ -142,6 +155,11 @@ def diagnose(command: list[str], request: JobRequest) -> int:
         run_dir = node["dir"] if node else (request.run_dir or new_run_dir(request.out))
     except OSError as exc:
         raise UserError(f"cannot create a run folder under {request.out}: {exc.strerror or exc}") from None
+    # to a person at a terminal only: into a pipe or a file the job's bytes come first, ours
+    # after (a reader that leaves at the first byte must meet the job's), and the last line
+    # names the run anyway
+    if not request.quiet and sys.stderr.isatty():
+        say_where(run_dir)
     try:
         returncode = record_job(command, run_dir, request.record, quiet=request.quiet, live=request.live)
     except UserError:

@@ -79,6 +79,22 @@ def is_training() -> bool:
     return _state["training_pid"] == os.getpid()
 
 
+def _undecodable_paths() -> bool:
+    """The interpreter kept some of this process's paths as lone surrogates: bytes it could not
+    decode (a non-ASCII folder under a C locale without UTF-8 mode). py-spy cannot read such a
+    file name, so its stacks lose the job's own files; the report says so (analyzers/verdict)."""
+    try:
+        paths = [os.getcwd(), *sys.argv[:1], *sys.path]
+    except OSError:
+        paths = [*sys.argv[:1], *sys.path]
+    for path in paths:
+        try:
+            str(path).encode("utf-8")
+        except UnicodeEncodeError:
+            return True
+    return False
+
+
 def _start_writer(deferred: bool) -> None:
     events_dir = roles.own_dir(os.path.join(_state["run_dir"], roles.EVENTS_DIR))
     rank, source = roles.rank_from_env(os.environ)
@@ -104,6 +120,7 @@ def _start_writer(deferred: bool) -> None:
         world_size=_state["world_size"],
         argv=redacted_argv(_state["redactor"], sys.argv),
         python=sys.version.split()[0],
+        undecodable_paths=_undecodable_paths(),
         main_thread=threading.main_thread().ident,
         multiprocessing_child=deferred,
         t=_state["start"],
@@ -216,14 +233,18 @@ def _after_fork_in_child() -> None:
     from . import faults
 
     faults.after_fork_in_child()
+    from . import handback
+
+    handback.install()  # the forking thread is the child's main thread
 
 
 def activate() -> None:
     _state["run_dir"] = os.environ["TRAINDX_RUN_DIR"]
     _start_writer(deferred=roles.is_multiprocessing_child(getattr(sys, "orig_argv", sys.argv)))
     os.register_at_fork(after_in_child=_after_fork_in_child)
-    from . import compiles, datasites, faults, gcstats, procrole, steps, torchcalls, torchprof
+    from . import compiles, datasites, faults, gcstats, handback, procrole, steps, torchcalls, torchprof
 
+    handback.install()  # before any hook: a signal's exception that lands in one reaches the job
     if not _state["writer"].deferred:  # a possible DataLoader worker: once it trains
         faults.install(_state["run_dir"])
 
