@@ -23,7 +23,7 @@ from traindx.derive import device_peaks, kernel_classes
 from traindx.derive.runview import RunView
 from traindx.derive.steady import events_of_type, median_step_s, profiled_steps
 from traindx.derive.steptables import steady_median, step_table
-from traindx.profiler.torchtrace import GPU_CATS, _union_ns
+from traindx.profiler.torchtrace import GPU_CATS, union_ns
 
 MATMUL_FLOP_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_scaled_mm")
 CONV_FLOP_OPS = ("aten::conv2d", "aten::conv1d", "aten::conv3d", "aten::convolution")
@@ -65,7 +65,7 @@ def _busy_in(gpu: pd.DataFrame, spans: list[tuple[int, int]]) -> int:
     for start, end in spans:
         keep = (hi > start) & (lo < end)
         if keep.any():
-            total += _union_ns(np.clip(lo[keep], start, end), np.clip(hi[keep], start, end))[0]
+            total += union_ns(np.clip(lo[keep], start, end), np.clip(hi[keep], start, end))[0]
     return int(total)
 
 
@@ -137,7 +137,7 @@ def sync_waits(trace: pd.DataFrame, start_ns: int, end_ns: int, n_steps: int) ->
     if not len(syncs):
         return out
     s, e = syncs["start_ns"].to_numpy(np.int64), syncs["end_ns"].to_numpy(np.int64)
-    blocked, waits = _union_ns(s, e)
+    blocked, waits = union_ns(s, e)
     out["blocked_s"] = blocked / 1e9 / n
     gpu = trace[trace["cat"].isin(GPU_CATS).to_numpy()]
     gs, ge = gpu["start_ns"].to_numpy(np.int64), gpu["end_ns"].to_numpy(np.int64)
@@ -179,7 +179,7 @@ def rank_views(run: RunView) -> dict[str, RankGpu]:
         else:
             start = min(spans[0][0], int(gpu["start_ns"].min()))
             end = max(spans[-1][1], int(gpu["end_ns"].max()))
-            busy = _union_ns(gpu["start_ns"].to_numpy(np.int64), gpu["end_ns"].to_numpy(np.int64))[0]
+            busy = union_ns(gpu["start_ns"].to_numpy(np.int64), gpu["end_ns"].to_numpy(np.int64))[0]
             classed = pd.concat([mine[~mine["cat"].isin(GPU_CATS).to_numpy()], gpu])
         rows = kernel_classes.class_rows(classed, start, end, n, _compile_spans(run, str(rank)))
         # a step's wall: the rank's steady median (the profiled steps themselves are perturbed:

@@ -484,7 +484,7 @@ def gpu_kind(cat: Any, name: Any) -> str | None:
     return "compute"
 
 
-def _union_ns(starts: Array, ends: Array) -> tuple[int, Array]:
+def union_ns(starts: Array, ends: Array) -> tuple[int, Array]:
     """Total length (ns) of the union of intervals, and the merged intervals."""
     if not len(starts):
         return 0, np.zeros((0, 2), dtype=np.int64)
@@ -522,11 +522,11 @@ def gpu_window(trace: pd.DataFrame, start_ns: int, end_ns: int) -> dict[str, Any
     s = np.clip(gpu["start_ns"].to_numpy(np.int64), start_ns, end_ns)
     e = np.clip(gpu["end_ns"].to_numpy(np.int64), start_ns, end_ns)
     kinds = np.array([gpu_kind(c, n) for c, n in zip(gpu["cat"], gpu["name"])], dtype=object)
-    busy, _ = _union_ns(s, e)
+    busy, _ = union_ns(s, e)
     by_kind, merged = {}, {}
     for kind in ("compute", "communication", "copy"):
         m = kinds == kind
-        by_kind[kind], merged[kind] = _union_ns(s[m], e[m])
+        by_kind[kind], merged[kind] = union_ns(s[m], e[m])
     exposed = by_kind["communication"] - _overlap_ns(merged["communication"], merged["compute"])
     copies = gpu[gpu["cat"].to_numpy() == "gpu_memcpy"]
     wall = max(0, end_ns - start_ns)
