@@ -25,6 +25,20 @@ def _read(path: str, mode: str = "r") -> Any:
         return None
 
 
+def cpu_seconds(pid: int) -> float | None:
+    """CPU seconds (user + system) of a process so far, its reaped children's included
+    (/proc/<pid>/stat; a zombie not yet reaped still has them); None when it is gone."""
+    raw = _read(f"/proc/{pid}/stat")
+    if not raw:
+        return None
+    try:
+        fields = raw[raw.rindex(")") + 2 :].split()
+        ticks = sum(int(v) for v in fields[11:15])  # utime stime cutime cstime
+        return ticks / float(os.sysconf("SC_CLK_TCK"))
+    except (ValueError, OSError):
+        return None
+
+
 def children_map() -> dict[int, list[int]]:
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):

@@ -107,16 +107,17 @@ def runqueue_ns() -> tuple[int, int] | None:
         return None
 
 
-def emit_step(step: int) -> None:
+def emit_step(step: int, own: dict[str, Any] | None = None) -> None:
     """The CPU evidence of the step that just ended; the first call only takes the snapshot the
-    next one is measured from (so a step's deltas never include start-up)."""
+    next one is measured from (so a step's deltas never include start-up). own: the shim's own
+    cost in the step (selfcost.step_fields)."""
     now = _snapshot()
     prev = dict(_prev)
     _prev.clear()
     _prev.update(now)
     if not prev:
         return
-    fields = {"proc_cpu_s": now["proc"] - prev["proc"]}
+    fields = {"proc_cpu_s": now["proc"] - prev["proc"], **(own or {})}
     if now["tid"] == prev["tid"]:  # a retro step begin may be taken on another thread
         fields["thread_cpu_s"] = now["thread"] - prev["thread"]
         if now["runq"] and prev["runq"]:
