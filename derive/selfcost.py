@@ -81,14 +81,23 @@ def _on_purpose(run: RunView) -> dict[str, Any]:
     windows = run.of_type(schema.TORCH_PROFILE)
     after = run.of_type(schema.TORCH_PROFILE_AFTER)
     excess = float(_num(windows, "excess_s").sum()) + float(_num(after, "excess_s").sum())
-    steps = sorted(
-        {
-            int(s)
-            for f, l in zip(_num(windows, "first_step"), _num(windows, "last_step"))
-            for s in range(int(f), int(l) + 1)
-        }
-    )
-    return {"perturbed_steps": steps, "perturbed_s": excess}
+    steps = {
+        int(s)
+        for first, last in zip(_num(windows, "first_step"), _num(windows, "last_step"))
+        for s in range(int(first), int(last) + 1)
+    }
+    # the profiler's start, stop and export, and a memory hunt's censuses: the shim's work at
+    # the step ends they ran at (its `cpu` events' shim_purpose_ns)
+    cpu = run.of_type(schema.CPU)
+    work = float(_num(cpu, "shim_purpose_ns").sum()) / 1e9
+    hunts = run.of_type(schema.MEM_HUNT)
+    steps.update(int(s) for s in _num(hunts, "step"))
+    return {
+        "perturbed_steps": sorted(steps),
+        "perturbed_s": excess + work,
+        "hunts": len(hunts),
+        "profiler_windows": len(windows),
+    }
 
 
 def self_cost(run: RunView) -> dict[str, Any] | None:
@@ -102,9 +111,7 @@ def _build(run: RunView) -> dict[str, Any] | None:
     if not len(cpu):
         return None
     steps = len(cpu)
-    led = run.ledger
-    wall = led[led["step"] >= FIRST_STEP]["wall_s"] if len(led) else pd.Series(dtype=float)
-    step_s = float(wall.median()) if len(wall) else math.nan
+    step_s = _period(run)
     shim = float(_num(cpu, "shim_ns").sum()) / 1e9 / steps
     threads = float(_num(cpu, "shim_threads_cpu_s").sum()) / steps
     out: dict[str, Any] = {
@@ -121,6 +128,17 @@ def _build(run: RunView) -> dict[str, Any] | None:
     out["pct"] = 100.0 * per_step / bare if bare > 0 else math.nan
     out.update(_shed(run))
     return out
+
+
+def _period(run: RunView) -> float:
+    """The median step as the job's own clock sees it: begin to next begin (the shim's step-end
+    work falls between the two), over the steady steps."""
+    st = run.steps.dropna(subset=["start_ns"])
+    st = st[st["step"] >= FIRST_STEP].sort_values(["rank", "step"])
+    if len(st) < 2:
+        return math.nan
+    gaps = st.groupby("rank", sort=False)["start_ns"].diff().dropna() / 1e9
+    return float(gaps.median()) if len(gaps) else math.nan
 
 
 def _shed(run: RunView) -> dict[str, Any]:
@@ -157,7 +175,12 @@ def cost_line(cost: dict[str, Any] | None) -> str | None:
         where = (
             f"steps {steps[0]}-{steps[-1]}" if len(steps) > 1 else f"step {steps[0]}" if steps else "a window"
         )
-        line += f"; {cost['perturbed_s']:.2f} s once for the torch.profiler window ({where})"
+        what = [
+            w
+            for w, n in (("a torch.profiler window", "profiler_windows"), ("a memory hunt", "hunts"))
+            if cost.get(n)
+        ]
+        line += f"; {cost['perturbed_s']:.2f} s once for {' and '.join(what) or 'a closer look'} ({where})"
     if cost.get("shed"):
         line += "; over its budget it shed: " + ", ".join(s["what"] for s in cost["shed"])
     return line

@@ -218,11 +218,17 @@ def print_summary(
                 )
         if len(problems) > SUMMARY_ROWS:
             console.print(f"… and {len(problems) - SUMMARY_ROWS} more in the report", markup=False)
-    notes = [f for f in data["findings"] if f["severity"] == "info" and f["id"] != "evidence.missing"]
+    notes = [
+        f
+        for f in data["findings"]
+        if f["severity"] == "info" and f["id"] not in ("evidence.missing", "traindx.cost")
+    ]
     for f in notes[:3]:
         _say(console, f"note: {f['title']}", style="dim")
     if data["missing"]:
         _say(console, "not collected: " + data["missing_summary"], style="dim")
+    if st.get("cost_line"):  # every run states what it cost the job
+        _say(console, st["cost_line"], style="dim")
     if report_path:
         console.print(f"report: {report_path}", markup=False, highlight=False, soft_wrap=True)
     console.print(f"run: {run.path}", markup=False, highlight=False, soft_wrap=True)

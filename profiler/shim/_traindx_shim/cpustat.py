@@ -62,11 +62,11 @@ def _proc_stat() -> tuple[float, float, int | None] | None:
     try:
         if _TICK[0] is None:
             _TICK[0] = float(os.sysconf("SC_CLK_TCK"))
-        with open("/proc/stat", "rb") as f:
-            first = f.readline().decode("ascii", "replace")
-        with open("/proc/loadavg", "rb") as f:
-            load = f.read(256).decode("ascii", "replace").split()
-    except (OSError, ValueError):
+        # held open, read with one pread each: an open and a close per step cost as much again
+        # (~60 + 35 µs on the 2-core VM, against ~20 + 5 µs)
+        first = os.pread(_held("/proc/stat"), 512, 0).split(b"\n", 1)[0].decode("ascii", "replace")
+        load = os.pread(_held("/proc/loadavg"), 256, 0).decode("ascii", "replace").split()
+    except (OSError, ValueError, AttributeError):
         return None
     if not first.startswith("cpu "):
         return None
@@ -74,6 +74,17 @@ def _proc_stat() -> tuple[float, float, int | None] | None:
     ticks = [int(v) for v in first.split()[1:9]]
     running = int(load[3].split("/")[0]) if len(load) > 3 and "/" in load[3] else None
     return (ticks[3] + ticks[4]) / _TICK[0], sum(ticks) / _TICK[0], running
+
+
+_held_fds: dict[str, int] = {}
+
+
+def _held(path: str) -> int:
+    """A machine-wide /proc file, opened once per process (a forked child keeps the same file)."""
+    fd = _held_fds.get(path)
+    if fd is None:
+        fd = _held_fds[path] = roles.open_high(path, os.O_RDONLY)
+    return fd
 
 
 def _snapshot() -> dict[str, Any]:

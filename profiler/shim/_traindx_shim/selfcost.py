@@ -46,6 +46,7 @@ _pending: dict[str, int] = {}
 _parts: dict[str, int] = {}
 _state: dict[str, Any] = {
     "carry_ns": 0,  # the previous step end's work: it ran inside the step now ending
+    "purpose_ns": 0,  # the part of it spent on purpose (profiler window, memory hunt)
     "threads_cpu": None,  # {ident: ns} at the last step end
     "window_cost": 0,
     "window_wall": 0,
@@ -66,21 +67,25 @@ def add(kind: str, ns: int) -> None:
         _pending[kind] = _pending.get(kind, 0) + ns
 
 
-def step_end_work(ns: int, parts: dict[str, int]) -> None:
-    """The step end's own work (steps._end), booked to the step it ran in: the next one."""
-    _state["carry_ns"] += ns
+def step_end_work(ns: int, parts: dict[str, int], purpose_ns: int = 0) -> None:
+    """The step end's own work (steps._end), booked to the step it ran in: the next one.
+    purpose_ns: the part of it spent looking closer on purpose (a torch.profiler window's start,
+    stop and export; a memory hunt's census): stated once, never judged as a per-step cost."""
+    _state["carry_ns"] += max(0, ns - purpose_ns)
+    _state["purpose_ns"] += purpose_ns
     for k, v in parts.items():
         _parts[k] = _parts.get(k, 0) + v
 
 
-def _threads_cpu_ns() -> dict[int, int]:
+def _threads_cpu_ns() -> dict[tuple[int, str], int]:
+    """{(ident, name): CPU ns so far} of the shim's own live threads."""
     out = {}
     for th in list(roles.OWN_THREADS):
         ident = th.ident
         if ident is None or not th.is_alive():
             continue
         try:
-            out[ident] = time.clock_gettime_ns(time.pthread_getcpuclockid(ident))
+            out[(ident, th.name)] = time.clock_gettime_ns(time.pthread_getcpuclockid(ident))
         except (AttributeError, OSError, ValueError):
             continue
     return out
@@ -88,18 +93,23 @@ def _threads_cpu_ns() -> dict[int, int]:
 
 def step_fields(step: int, wall_ns: int | None) -> dict[str, Any]:
     """The step's own cost (fields of its `cpu` event); judges the budget."""
-    carried = _state["carry_ns"]
+    carried, purpose = _state["carry_ns"], _state["purpose_ns"]
     own = sum(_pending.values()) + carried
     for k, v in _pending.items():
         _parts["wrap." + k] = _parts.get("wrap." + k, 0) + v
     _pending.clear()
-    _state["carry_ns"] = 0
+    _state["carry_ns"] = _state["purpose_ns"] = 0
     now = _threads_cpu_ns()
     prev = _state["threads_cpu"]
     _state["threads_cpu"] = now
-    threads = 0 if prev is None else sum(max(0, v - prev.get(k, v)) for k, v in now.items())
-    _parts["threads"] = _parts.get("threads", 0) + threads
+    threads = 0
+    for k, v in now.items() if prev is not None else ():
+        used = max(0, v - prev.get(k, v))
+        threads += used
+        _parts["thread." + k[1]] = _parts.get("thread." + k[1], 0) + used
     fields: dict[str, Any] = {"shim_ns": own, "shim_end_ns": carried, "shim_threads_cpu_s": threads / 1e9}
+    if purpose:
+        fields["shim_purpose_ns"] = purpose
     if wall_ns and step >= FIRST_JUDGED_STEP:
         _state["steps"] += 1
         _state["wall_ns"] += wall_ns

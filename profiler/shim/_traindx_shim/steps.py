@@ -214,7 +214,8 @@ def _end(source: str, t: int | None = None, retro: bool = False) -> None:
     done = time.time_ns()
     parts["step.begin"] = done - mark  # the boundary hooks: a torch.profiler window's export
     # the work after the boundary is the next step's time, and traindx's line of its ledger
-    selfcost.step_end_work(done - work0, parts)
+    purpose = parts["step.begin"] + (parts["step.mem"] if parts.pop("hunting", 0) else 0)
+    selfcost.step_end_work(done - work0, parts, purpose)
     emit("span", cat="traindx", start=max(t, work0), t=done, tid=threading.get_ident())
 
 

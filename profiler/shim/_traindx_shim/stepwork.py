@@ -30,12 +30,15 @@ def evidence(step: int, wall_ns: int | None, torch: Any, trains_here: bool) -> d
     bus.publish(schema.STEP_ENDED, step)  # compiles: torch.compile's metrics of this step
     dev = emit_alloc(step, torch)
     t4 = time.time_ns()
+    hunt = memwatch._state["hunt"]
     if trains_here:
         try:
             memwatch.emit_step(step, torch, dev)
         except Exception as exc:
             report_error("memory evidence", exc)
     t5 = time.time_ns()
+    # a memory hunt's census ran in it (begun, or its second census): on purpose, not per step
+    parts["hunting"] = int(hunt is not None or memwatch._state["hunt"] is not None)
     parts.update(
         {
             "step.gc": t1 - t0,
