@@ -105,7 +105,7 @@ _STEP_LOSS = {
 def own_cost(run: RunRecord) -> list[Finding]:
     """`traindx.cost`: what traindx cost this job (traindx.derive.selfcost), its parts in the
     evidence; none for a run without the shim's own accounting."""
-    from traindx.derive.selfcost import cost_line, self_cost
+    from traindx.derive.selfcost import cost_line, self_cost  # lazy: pandas, as the analyzers
 
     cost = self_cost(run)
     line = cost_line(cost)

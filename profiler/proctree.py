@@ -25,6 +25,19 @@ def _read(path: str, mode: str = "r") -> Any:
         return None
 
 
+HELPER_NICE = 5  # traindx's helpers yield a contended core to the job (weight ~3:1), never starve
+
+
+def lower_priority(pid: int = 0) -> None:
+    """A helper process (or, by its native id, a thread of diagnose) runs at HELPER_NICE: where
+    the job and the helpers compete for cores (a loaded machine, a few cores), the job wins.
+    Best effort: where it is not allowed, nothing changes."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, pid, max(HELPER_NICE, os.getpriority(os.PRIO_PROCESS, pid)))
+    except (OSError, AttributeError):
+        pass
+
+
 def cpu_seconds(pid: int) -> float | None:
     """CPU seconds (user + system) of a process so far, its reaped children's included
     (/proc/<pid>/stat; a zombie not yet reaped still has them); None when it is gone."""

@@ -81,7 +81,7 @@ class RankSampler:
         recorders: list[Recorder] = []
         if not self.record:
             return recorders
-        for flavour, flag in (("all", "--idle"), ("gil", "--gil")):
+        for flavour, flag in (("all", "--idle"), ("gil", "--gil")):  # each at HELPER_NICE
             out = rolling.window_path(self.out_dir, f"{self.rank}-{flavour}", self.window)
             if flavour not in self._logs:
                 self._logs[flavour] = open(os.path.join(self.out_dir, f"{self.rank}-{flavour}.log"), "w")
@@ -115,6 +115,7 @@ class RankSampler:
                     log,
                 )
             )
+            proctree.lower_priority(recorders[-1][1].pid)
         return recorders
 
     def start(self) -> None:

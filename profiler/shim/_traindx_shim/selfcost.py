@@ -103,10 +103,10 @@ def step_fields(step: int, wall_ns: int | None) -> dict[str, Any]:
     prev = _state["threads_cpu"]
     _state["threads_cpu"] = now
     threads = 0
-    for k, v in now.items() if prev is not None else ():
-        used = max(0, v - prev.get(k, v))
+    for thread, ns in now.items() if prev is not None else ():
+        used = max(0, ns - prev.get(thread, ns))
         threads += used
-        _parts["thread." + k[1]] = _parts.get("thread." + k[1], 0) + used
+        _parts["thread." + thread[1]] = _parts.get("thread." + thread[1], 0) + used
     fields: dict[str, Any] = {"shim_ns": own, "shim_end_ns": carried, "shim_threads_cpu_s": threads / 1e9}
     if purpose:
         fields["shim_purpose_ns"] = purpose
