@@ -132,8 +132,11 @@ class Options:
         cwd: str | None = None,
         wrap: list[str] | None = None,
         caller_fds: bool = True,
+        cost_budget_pct: float | None = None,
     ) -> None:
         self.steps = steps
+        # the share of step time the shim may cost before it sheds work (None: its default, 1 %)
+        self.cost_budget_pct = cost_budget_pct
         # the caller's extra descriptors (`3>file`) reach the job; not for --fix's arms (one on
         # a user's file would let every arm write there)
         self.caller_fds = caller_fds
@@ -180,6 +183,8 @@ def job_environment(run_dir: str, options: Options, base: Mapping[str, str] | No
             env["TRAINDX_TORCH_PROFILE"] = str(options.torch_profile)
         if options.step_marker:
             env["TRAINDX_STEP_MARKER"] = options.step_marker
+        if options.cost_budget_pct is not None:
+            env["TRAINDX_BUDGET_PCT"] = str(options.cost_budget_pct)
         env[SEGMENT_BYTES_ENV] = str(options.budget().segment_bytes(rolling.EVENTS_SHARE))
     return env
 
