@@ -179,3 +179,26 @@ def test_a_run_without_the_shims_accounting_states_nothing(tmp_path):
     run = _write_run(tmp_path / "run", shim_ns=None)
     assert self_cost(run) is None
     assert "traindx.cost" not in {f.id for f in analyze(run)}
+
+
+@pytest.mark.slow
+def test_a_real_run_states_what_it_cost_the_job(tmp_path):
+    """A real loop under diagnose: the terminal's last lines, the report and findings.json say
+    what traindx cost this job; the manifest holds the helpers' CPU; the ledger has traindx's
+    line, the shim's step-end work there and not in the job's host time."""
+    from helpers import PY, diagnose
+
+    job = os.path.join(os.path.dirname(os.path.abspath(__file__)), "jobs", "fw_plain_loop.py")
+    run_dir = tmp_path / "run"
+    proc = diagnose(["--run-dir", str(run_dir), "--", PY, job, "--batches", "24"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    said = " ".join(proc.stderr.split())
+    assert "traindx cost this job ~" in said and "% of step time" in said
+    found = {f["id"]: f for f in json.loads((run_dir / "findings.json").read_text())}
+    stated = found["traindx.cost"]["evidence"]
+    assert stated["steps"] > 10 and stated["shim_s_per_step"] > 0 and np.isfinite(stated["pct"])
+    assert "verdict-own-cost" in (run_dir / "report.html").read_text()
+    helpers = json.loads((run_dir / "manifest.json").read_text())["self_cost"]["helpers_cpu_s"]
+    assert {"pyspy", "relay", "diagnose"} <= set(helpers)
+    led = traindx.load_run(str(run_dir)).ledger
+    assert (led["traindx_s"] > 0).any()
