@@ -32,7 +32,7 @@ def shim_cost(monkeypatch):
     fresh = dict(selfcost._state, carry_ns=0, purpose_ns=0, threads_cpu=None, window_cost=0, window_wall=0)
     fresh.update(window_steps=0, level=0, steps=0, wall_ns=0, shim_ns=0, threads_ns=0)
     monkeypatch.setattr(selfcost, "_state", fresh)
-    monkeypatch.setattr(selfcost, "shed_state", {"sample_scale": 1.0, "data_runq": True})
+    monkeypatch.setattr(selfcost, "shed_state", {"sample_scale": 1.0, "data_runq": True, "stat_every": 1})
     monkeypatch.setattr(selfcost, "BUDGET_PCT", 1.0)
     return emitted
 
@@ -58,8 +58,9 @@ def test_a_step_states_its_wrappers_and_the_previous_step_ends_work(shim_cost):
 
 def test_over_its_budget_the_shim_sheds_work_and_says_so(shim_cost):
     """1 ms of its own in each 10 ms step (11 % > the 1 % budget): after a window of steps the
-    host sampler halves its rate, then the data spans' run-queue reads go, then the sampler's
-    floor; each level is one `shed` event. Under the budget nothing is shed."""
+    host sampler halves its rate, then the data spans' run-queue reads go and the machine's
+    /proc/stat is read every STAT_EVERY steps, then the sampler's floor; each level is one
+    `shed` event. Under the budget nothing is shed."""
     for step in range(selfcost.FIRST_JUDGED_STEP, selfcost.FIRST_JUDGED_STEP + selfcost.WINDOW):
         selfcost.step_end_work(10_000, {})  # 0.1 % of the step: under the budget
         selfcost.step_fields(step, 10_000_000)
@@ -71,7 +72,7 @@ def test_over_its_budget_the_shim_sheds_work_and_says_so(shim_cost):
     sheds = [f for kind, f in shim_cost if kind == "shed"]
     assert [s["level"] for s in sheds] == [1, 2, 3]  # three levels, then it stays
     assert sheds[0]["cost_pct"] > 1.0 and sheds[0]["budget_pct"] == 1.0
-    assert selfcost.shed_state == {"sample_scale": 0.0, "data_runq": False}
+    assert selfcost.shed_state == {"sample_scale": 0.0, "data_runq": False, "stat_every": selfcost.STAT_EVERY}
 
 
 def _table(rows, cols):
@@ -202,3 +203,20 @@ def test_a_real_run_states_what_it_cost_the_job(tmp_path):
     assert {"pyspy", "relay", "diagnose"} <= set(helpers)
     led = traindx.load_run(str(run_dir)).ledger
     assert (led["traindx_s"] > 0).any()
+
+
+def test_shed_machine_reads_span_the_steps_between_them(shim_cost, monkeypatch):
+    """/proc/stat read every 3rd step: the steps between carry no machine fields, and each
+    reading says how many wall seconds it covers (sys_span_s), so idle cores stay a rate."""
+    from _traindx_shim import cpustat
+
+    events = []
+    monkeypatch.setattr(cpustat, "emit", lambda type_, **f: events.append(f))
+    monkeypatch.setattr(cpustat, "_prev", {})
+    monkeypatch.setattr(cpustat, "_machine", {"stat": None, "t": None})
+    selfcost.shed_state["stat_every"] = 3
+    for step in range(1, 8):
+        cpustat.emit_step(step)
+    read = [e["step"] for e in events if "sys_total_s" in e]
+    assert read == [3, 6] and all(e["sys_span_s"] > 0 for e in events if "sys_total_s" in e)
+    assert [e["step"] for e in events] == [2, 3, 4, 5, 6, 7]  # every step keeps its own CPU fields

@@ -17,7 +17,8 @@ Budget (TRAINDX_BUDGET_PCT, default 1; 0: never shed): when the shim's cost over
 WINDOW steps exceeds it, the shim sheds work, cheapest evidence first, one level per window,
 and says so in a `shed` event {step, level, what, cost_pct}: 1 the host sampler at half its
 rate (down to MIN_SAMPLE_HZ); 2 the run-queue reads of the data spans off; 3 the host sampler
-at its floor. The cost of the helpers (py-spy, the output relay, NVML) is read by `diagnose`
+at its floor (level 2 also reads the machine's /proc/stat every STAT_EVERY steps: each reading
+then spans them, `sys_span_s`). The cost of the helpers (py-spy, the output relay, NVML) is read by `diagnose`
 from /proc; their share of the job's time is the derive layer's (traindx.derive.selfcost).
 """
 
@@ -40,6 +41,7 @@ WINDOW = 20  # steps the budget is judged over
 FIRST_JUDGED_STEP = 5  # start-up steps (imports, first allocations) are not the steady cost
 SUMMARY_EVERY = 100
 MIN_SAMPLE_HZ = 5.0
+STAT_EVERY = 10  # shed level 2: /proc/stat read every this many steps
 _now = time.time_ns
 # wrappers' own ns per kind since the last step end, and over the run
 _pending: dict[str, int] = {}
@@ -58,7 +60,7 @@ _state: dict[str, Any] = {
     "threads_ns": 0,
 }
 # what a shed level turns down: read by the code that does the work (hostsample, spans)
-shed_state: dict[str, Any] = {"sample_scale": 1.0, "data_runq": True}
+shed_state: dict[str, Any] = {"sample_scale": 1.0, "data_runq": True, "stat_every": 1}
 
 
 def add(kind: str, ns: int) -> None:
@@ -137,8 +139,8 @@ def _judge(step: int, cost_ns: int, wall_ns: int) -> None:
         shed_state["sample_scale"] = 0.5
         what = "host sampler at half its rate"
     elif level == 2:
-        shed_state["data_runq"] = False
-        what = "run-queue reads of the data spans off"
+        shed_state.update(data_runq=False, stat_every=STAT_EVERY)
+        what = f"run-queue reads of the data spans off, machine-wide CPU read every {STAT_EVERY} steps"
     else:
         shed_state["sample_scale"] = 0.0  # the sampler's floor (MIN_SAMPLE_HZ)
         what = f"host sampler at {MIN_SAMPLE_HZ:g} Hz"
