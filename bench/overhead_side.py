@@ -5,6 +5,10 @@ timestamped as it is read; only the steps both jobs ran in the same wall-clock w
 (after --skip warm-up steps of each). A pair's ratio: the diagnosed job's median step over the
 bare one's in that window. --reps pairs per arm, which one starts first alternating.
 
+Each command starts in a session of its own, as `diagnose` starts its job: where the kernel's
+autogroup is on (/proc/sys/kernel/sched_autogroup_enabled) a session is a scheduling group of
+its own, and a bare job sharing the bench's would get a smaller share of a loaded machine.
+
 What it cannot see: the helpers' CPU taxes the bare job beside them too (by its share of the
 machine), so a helper's cost is underestimated by that share; the shim's in-job cost is not.
 
@@ -31,7 +35,16 @@ from traindx.profiler.logparse import parse_line  # noqa: E402
 
 def _launch(command):
     """Start a command; its step times with the wall-clock time each line was read."""
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, bufsize=1)
+    # a session of its own each, as diagnose starts its job: with the kernel's autogroup on, a
+    # session is a scheduling group, and a job sharing one would get a smaller share
+    proc = subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        bufsize=1,
+        start_new_session=True,
+    )
     steps = []
 
     def read():

@@ -28,14 +28,23 @@ def _read(path: str, mode: str = "r") -> Any:
 HELPER_NICE = 5  # traindx's helpers yield a contended core to the job (weight ~3:1), never starve
 
 
-def lower_priority(pid: int = 0) -> None:
+def lower_priority(pid: int = 0, own_session: bool = False) -> None:
     """A helper process (or, by its native id, a thread of diagnose) runs at HELPER_NICE: where
     the job and the helpers compete for cores (a loaded machine, a few cores), the job wins.
-    Best effort: where it is not allowed, nothing changes."""
+    own_session: the helper leads a session of its own, which the kernel's autogroup (on by
+    default on desktop and many cloud kernels) makes a scheduling group of its own, where a
+    process's nice counts only against its group: the group's nice is set too. Best effort:
+    where it is not allowed, nothing changes."""
     try:
         os.setpriority(os.PRIO_PROCESS, pid, max(HELPER_NICE, os.getpriority(os.PRIO_PROCESS, pid)))
     except (OSError, AttributeError):
         pass
+    if own_session and pid:
+        try:
+            with open(f"/proc/{pid}/autogroup", "w") as f:
+                f.write(str(HELPER_NICE))
+        except OSError:
+            pass
 
 
 def cpu_seconds(pid: int) -> float | None:

@@ -115,7 +115,7 @@ class RankSampler:
                     log,
                 )
             )
-            proctree.lower_priority(recorders[-1][1].pid)
+            proctree.lower_priority(recorders[-1][1].pid, own_session=True)
         return recorders
 
     def start(self) -> None:
