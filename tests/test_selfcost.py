@@ -220,3 +220,31 @@ def test_shed_machine_reads_span_the_steps_between_them(shim_cost, monkeypatch):
     read = [e["step"] for e in events if "sys_total_s" in e]
     assert read == [3, 6] and all(e["sys_span_s"] > 0 for e in events if "sys_total_s" in e)
     assert [e["step"] for e in events] == [2, 3, 4, 5, 6, 7]  # every step keeps its own CPU fields
+
+
+def test_allocator_stats_read_from_the_nested_dict_match_torchs_flat_form(monkeypatch):
+    """The step's `alloc` fields are read from the allocator's nested dict (no per-step flatten
+    of ~300 entries); they are the values torch.cuda.memory_stats() would give for the same
+    allocator state (torch's own flattening of that dict)."""
+    import torch
+    from _traindx_shim import stepwork
+
+    nested = {
+        "num_alloc_retries": 2,
+        "num_ooms": 0,
+        "num_device_alloc": 11,
+        "allocated_bytes": {"all": {"current": 5 << 20, "peak": 7 << 20}, "small_pool": {"current": 1}},
+        "reserved_bytes": {"all": {"current": 8 << 20, "peak": 9 << 20}},
+        "inactive_split_bytes": {"all": {"current": 3}},
+    }
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "memory_stats_as_nested_dict", lambda device=None: nested)
+    # torch's flattening of the same nested dict (memory_stats reads it through its own module)
+    monkeypatch.setattr(torch.cuda.memory, "memory_stats_as_nested_dict", lambda device=None: nested)
+    flat = torch.cuda.memory_stats()
+    emitted = []
+    monkeypatch.setattr(stepwork, "emit", lambda type_, **f: emitted.append(f))
+    fields = stepwork.emit_alloc(3, torch)
+    assert fields == {k.replace(".", "_"): flat.get(k) for k in stepwork.ALLOC_KEYS}
+    assert fields["allocated_bytes_all_current"] == 5 << 20 and fields["num_sync_all_streams"] is None
+    assert emitted == [dict(step=3, **fields)]
