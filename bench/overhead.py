@@ -65,7 +65,10 @@ def run_arm(command, diagnose_args, run_dir):
             *command,
         ]
     t0 = time.time()
-    proc = subprocess.run(command, capture_output=True, text=True)
+    # a session of its own for every arm, as diagnose starts its job: where the kernel's autogroup
+    # is on, a session is a scheduling group, and a bare job sharing the caller's would get a
+    # different share of a loaded machine than the diagnosed one
+    proc = subprocess.run(command, capture_output=True, text=True, start_new_session=True)
     if proc.returncode != 0:
         raise SystemExit(f"arm failed ({proc.returncode}): {proc.stderr[-2000:]}")
     return proc.stdout, time.time() - t0
