@@ -122,6 +122,11 @@ def _build(run: RunView) -> dict[str, Any] | None:
     }
     out.update(_helpers(run, cpu, steps))
     out.update(_on_purpose(run))
+    # what looking closer on purpose cost, as a share of the whole run's steps (windows that
+    # recur, on a job whose steps vary, add up)
+    n_steps = int(run.steps["step"].max()) + 1 if len(run.steps) else 0
+    if n_steps and math.isfinite(step_s):
+        out["perturbed_pct"] = 100.0 * out["perturbed_s"] / (n_steps * step_s)
     per_step = shim + threads + out["helpers_s_per_step"]
     out["per_step_s"] = per_step
     bare = step_s - per_step
@@ -176,11 +181,15 @@ def cost_line(cost: dict[str, Any] | None) -> str | None:
             f"steps {steps[0]}-{steps[-1]}" if len(steps) > 1 else f"step {steps[0]}" if steps else "a window"
         )
         what = [
-            w
-            for w, n in (("a torch.profiler window", "profiler_windows"), ("a memory hunt", "hunts"))
+            f"{cost[n]} {w}{'s' if cost[n] > 1 else ''}"
+            for w, n in (("torch.profiler window", "profiler_windows"), ("memory hunt", "hunts"))
             if cost.get(n)
         ]
-        line += f"; {cost['perturbed_s']:.2f} s once for {' and '.join(what) or 'a closer look'} ({where})"
+        line += (
+            f"; {cost['perturbed_s']:.2f} s on purpose for {' and '.join(what) or 'a closer look'} ({where}"
+        )
+        share = cost.get("perturbed_pct")
+        line += f": {share:.1f} % of this run's steps)" if share is not None and math.isfinite(share) else ")"
     if cost.get("shed"):
         line += "; over its budget it shed: " + ", ".join(s["what"] for s in cost["shed"])
     return line
