@@ -74,6 +74,43 @@ def run_arm(command, diagnose_args, run_dir):
     return proc.stdout, time.time() - t0
 
 
+def summarize(command, a, arms, results, spreads, stated):
+    """The JSON summary (medians, pair ratios, spreads, stated costs), its table printed."""
+    med = {arm: statistics.median(v) for arm, v in results.items()}
+    summary = {
+        "command": command,
+        "reps": a.reps,
+        "skip": a.skip,
+        "arms": dict(arms),
+        "median_step_s": med,
+        "per_rep_step_s": results,
+        "spread_iqr_over_median": spreads,
+        "stated": stated if a.stated else None,
+        "ratios": {},
+    }
+    for arm in arms:
+        if arm == "bare":
+            continue
+        pair = [d / b for b, d in zip(results["bare"], results[arm])]
+        summary["ratios"][arm] = {
+            "ratio_of_medians": med[arm] / med["bare"],
+            "pairwise_ratios": pair,
+            "median_pairwise_ratio": statistics.median(pair),
+        }
+        pcts = [c["pct"] for c in stated.get(arm, []) if c and c.get("pct") is not None]
+        if pcts:
+            summary["ratios"][arm]["median_stated_pct"] = statistics.median(pcts)
+    print(json.dumps(summary, indent=2))
+    for arm, r in summary["ratios"].items():
+        print(
+            f"{arm:12s} median of pair ratios {r['median_pairwise_ratio']:.4f}  ratio of medians "
+            f"{r['ratio_of_medians']:.4f}  spread {statistics.median(spreads[arm]):.3f} (bare "
+            f"{statistics.median(spreads['bare']):.3f})"
+            + (f"  stated {r['median_stated_pct']:.2f} %" if "median_stated_pct" in r else "")
+        )
+    return summary
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--reps", type=int, default=3)
@@ -123,38 +160,7 @@ def main(argv=None):
                     f"{len(times)} steps, IQR/median {spreads[arm][-1]:.3f} (wall {wall:.1f} s){said}",
                     flush=True,
                 )
-    med = {arm: statistics.median(v) for arm, v in results.items()}
-    summary = {
-        "command": command,
-        "reps": a.reps,
-        "skip": a.skip,
-        "arms": dict(arms),
-        "median_step_s": med,
-        "per_rep_step_s": results,
-        "spread_iqr_over_median": spreads,
-        "stated": stated if a.stated else None,
-        "ratios": {},
-    }
-    for arm in arms:
-        if arm == "bare":
-            continue
-        pair = [d / b for b, d in zip(results["bare"], results[arm])]
-        summary["ratios"][arm] = {
-            "ratio_of_medians": med[arm] / med["bare"],
-            "pairwise_ratios": pair,
-            "median_pairwise_ratio": statistics.median(pair),
-        }
-        pcts = [c["pct"] for c in stated.get(arm, []) if c and c.get("pct") is not None]
-        if pcts:
-            summary["ratios"][arm]["median_stated_pct"] = statistics.median(pcts)
-    print(json.dumps(summary, indent=2))
-    for arm, r in summary["ratios"].items():
-        print(
-            f"{arm:12s} median of pair ratios {r['median_pairwise_ratio']:.4f}  ratio of medians "
-            f"{r['ratio_of_medians']:.4f}  spread {statistics.median(spreads[arm]):.3f} (bare "
-            f"{statistics.median(spreads['bare']):.3f})"
-            + (f"  stated {r['median_stated_pct']:.2f} %" if "median_stated_pct" in r else "")
-        )
+    summary = summarize(command, a, arms, results, spreads, stated)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(summary, f, indent=2)
