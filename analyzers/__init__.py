@@ -37,6 +37,10 @@ def analyze(run: RunRecord, only: Iterable[str] | None = None) -> list[Finding]:
     sampled = representative_ranks(run)
     per_rank_run = run if len(sampled) == len(run.ranks) else run.subset(sampled)
     findings = [] if per_rank_run is run else [_sampled_note(run, sampled)]
+    try:  # what recording cost this job: every run states it
+        findings.extend(own_cost(run))
+    except Exception as exc:
+        findings.append(failed("self_cost", exc))
     for name in REGISTRY:
         if wanted and name not in wanted:
             continue
@@ -98,6 +102,33 @@ _STEP_LOSS = {
     "savings": "prescriptions keep their own gain estimates",
     "codefix": "code prescriptions are unchecked",
 }
+
+
+def own_cost(run: RunRecord) -> list[Finding]:
+    """`traindx.cost`: what traindx cost this job (traindx.derive.selfcost), its parts in the
+    evidence; none for a run without the shim's own accounting."""
+    from traindx.derive.selfcost import cost_line, self_cost  # lazy: pandas, as the analyzers
+
+    cost = self_cost(run)
+    line = cost_line(cost)
+    if cost is None or line is None:
+        return []
+    return [
+        Finding(
+            id="traindx.cost",
+            title=line,
+            severity="info",
+            analyzer="self_cost",
+            summary=(
+                "Measured by traindx itself: its code's time on the job's threads and its threads' CPU "
+                "(the shim), the helpers' CPU (py-spy, the output relay, NVML, the live judge) priced at "
+                "the job's wait for a core, and the steps it perturbed on purpose (a torch.profiler "
+                "window, a memory hunt). The time ledger books the first as `traindx`, never as the "
+                "job's host work."
+            ),
+            evidence=cost,
+        )
+    ]
 
 
 def failed(name: str, exc: BaseException) -> Finding:

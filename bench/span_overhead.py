@@ -5,7 +5,10 @@ DataLoader iterator's __next__, torch.autograd.backward, the optimizer's global 
 Tensor.item wrapper on a CPU tensor), with the event writer live. Prints ns per call and the
 overhead per step for a typical step (1 data wait, 1 backward, 1 optimizer step, 20 CPU .item()).
 
-usage: TRAINDX_RUN_DIR=$(mktemp -d) python bench/span_overhead.py [--calls 200000]
+--step-end: also the shim's step-end work, part by part (profiler/shim/_traindx_shim/stepwork.py,
+what each step's `cpu` event states as shim_end_ns), best of 5 repetitions of --calls/100 calls.
+
+usage: TRAINDX_RUN_DIR=$(mktemp -d) python bench/span_overhead.py [--calls 200000] [--step-end]
 """
 
 import argparse
@@ -19,7 +22,7 @@ sys.path.insert(0, os.path.join(ROOT, "profiler", "shim"))
 os.environ.setdefault("TRAINDX_RUN_DIR", tempfile.mkdtemp(prefix="span-bench-"))
 
 import _traindx_shim as shim  # noqa: E402
-from _traindx_shim import cpustat, spans  # noqa: E402
+from _traindx_shim import cpustat, gcstats, hostsample, memwatch, selfcost, spans, stepwork  # noqa: E402
 from _traindx_shim.writer import EventWriter  # noqa: E402
 
 
@@ -33,6 +36,7 @@ def per_call_ns(fn, calls):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--calls", type=int, default=200_000)
+    p.add_argument("--step-end", action="store_true", help="also time the step end's parts")
     args = p.parse_args()
     shim._state["writer"] = EventWriter(os.path.join(os.environ["TRAINDX_RUN_DIR"], "bench.jsonl"), "0")
 
@@ -71,6 +75,41 @@ def main():
         f"overhead per typical step (1 data wait, 1 backward, 1 optimizer step, 20 .item()): "
         f"{per_step / 1000:.1f} µs"
     )
+    if args.step_end:
+        step_end(torch, max(100, args.calls // 100))
+
+
+def best_of(fn, calls, reps=5):
+    """ns per call: the best of `reps` timings (a loaded machine only adds)."""
+    return min(per_call_ns(fn, calls) for _ in range(reps))
+
+
+def step_end(torch, calls):
+    """The step end's parts, as stepwork.evidence runs them on a CPU job (torch imported)."""
+    shim._state["run_dir"] = os.environ["TRAINDX_RUN_DIR"]
+    shim._start_writer(False)  # a real writer: its thread flushes to disk as in a run
+    memwatch._state["hunted"] = True  # this loop's queued events grow the heap: no memory hunt
+    step = [10]
+
+    def whole():
+        step[0] += 1
+        stepwork.evidence(step[0], 10_000_000, torch, True)
+
+    rows = {
+        "gc aggregate (gcstats.emit_step)": lambda: gcstats.emit_step(10),
+        "cpu evidence (cpustat.emit_step)": lambda: cpustat.emit_step(10),
+        "  /proc/stat + /proc/loadavg": cpustat._proc_stat,
+        "  schedstat (run-queue wait)": cpustat.runqueue_ns,
+        "own cost (selfcost.step_fields)": lambda: selfcost.step_fields(1, 10_000_000),
+        "host samples flush (none pending)": lambda: hostsample.flush(10),
+        "allocator stats (CPU: none)": lambda: stepwork.emit_alloc(10, torch),
+        "memory: rss (statm)": memwatch.rss_bytes,
+        "memory: heap (mallinfo2)": memwatch.heap_bytes,
+        "one event emitted": lambda: shim.emit("span", cat="forward", start=1, t=2, tid=3),
+        "the whole step end (stepwork.evidence)": whole,
+    }
+    for name, fn in rows.items():
+        print(f"{name:40s} {best_of(fn, calls) / 1000:9.1f} µs")
 
 
 if __name__ == "__main__":

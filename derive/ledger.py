@@ -376,6 +376,10 @@ def cpu_evidence(run: RunView, ranks: Iterable[str] | None = None) -> dict[str, 
     out["cores"] = int(cores.iloc[0]) if len(cores) else (run.manifest.get("host") or {}).get("cpus")
     if "running" in cpu and cpu["running"].notna().any():
         out["running"] = float(cpu["running"].mean())
-    if "sys_idle_s" in cpu and cpu["sys_idle_s"].notna().any() and wall > 0:
+    if "sys_span_s" in cpu and cpu["sys_span_s"].notna().any():  # readings may span several steps
+        read = cpu.dropna(subset=["sys_idle_s", "sys_span_s"])
+        span = float(read["sys_span_s"].sum())
+        out["idle"] = float(read["sys_idle_s"].sum()) / span if span > 0 else None
+    elif "sys_idle_s" in cpu and cpu["sys_idle_s"].notna().any() and wall > 0:
         out["idle"] = float(cpu["sys_idle_s"].mean()) / wall
     return out

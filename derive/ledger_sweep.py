@@ -22,6 +22,7 @@ CATEGORIES = (
     "compile",
     "autotune",
     "gc",
+    "traindx",
     "io",
     "sync",
     "collective",
@@ -36,6 +37,7 @@ _SWEEP = (
     "compile",
     "autotune",
     "gc",
+    "traindx",
     "io",
     "sync",
     "collective",
@@ -53,6 +55,7 @@ LABELS = {
     "compile": "compile",
     "autotune": "autotune",
     "gc": "gc",
+    "traindx": "traindx",
     "io": "checkpoint/io",
     "sync": "host sync",
     "collective": "collective",
@@ -63,7 +66,17 @@ LABELS = {
     "unexplained": "unexplained",
 }
 # spans that count only on the thread(s) that drive the steps; compiles and GC pause every thread
-TRAINING_THREAD_ONLY = ("data", "backward", "forward", "closure", "optimizer", "io", "sync", "collective")
+TRAINING_THREAD_ONLY = (
+    "data",
+    "backward",
+    "forward",
+    "closure",
+    "optimizer",
+    "io",
+    "sync",
+    "collective",
+    "traindx",
+)
 # the shim's span category -> the ledger's
 SPAN_CATEGORY = {"backward": "forward_backward", "forward": "forward_backward"}
 STARTUP_STEP = -1
@@ -443,13 +456,15 @@ def compute(
     compiles: pd.DataFrame,
     events: pd.DataFrame,
     forward_measured: bool | None = None,
+    cpu: pd.DataFrame | None = None,
 ) -> tuple[pd.DataFrame, pd.DataFrame]:
     """(ledger of the steps, start-up ledger): one row per rank-step / per rank, COLUMNS.
 
     Every rank at once: each rank's times move to a block of their own on one axis (rank id x
     the run's time span), so one sort and sweep serves all ranks and no interval can reach
     another rank's windows; the split is the per-rank one, exactly. forward_measured: see
-    measured_forward (None: from the spans alone)."""
+    measured_forward (None: from the spans alone). cpu: the shim's `cpu` events (its own time
+    per step: _own_wrappers)."""
     steps = steps.dropna(subset=["start_ns", "end_ns"])
     empty = pd.DataFrame(columns=COLUMNS)
     if not len(steps):
@@ -468,7 +483,31 @@ def compute(
     for lo in range(0, len(ranks), per_chunk):
         wsel, chunk = _chunk_ns(w, measured, _Axis(base, width, lo), lo + per_chunk, residual)
         ns[wsel] = chunk
-    return _tables(ns, w, ranks)
+    ledger, startup = _tables(ns, w, ranks)
+    return _own_wrappers(ledger, cpu), startup
+
+
+def _own_wrappers(ledger: pd.DataFrame, cpu: pd.DataFrame | None) -> pd.DataFrame:
+    """The shim's wrappers' own time in each step (its `cpu` event: shim_ns less the step end's
+    work, which is a `traindx` span already) moves from the host line to traindx's: it ran
+    between the job's measured calls, where the host line would book it as the job's."""
+    if cpu is None or not len(ledger) or not len(cpu) or "shim_ns" not in cpu:
+        return ledger
+    cpu = cpu[cpu["shim_ns"].notna()]
+    if not len(cpu):
+        return ledger
+    end = pd.to_numeric(cpu["shim_end_ns"], errors="coerce").fillna(0) if "shim_end_ns" in cpu else 0
+    wrap = (pd.to_numeric(cpu["shim_ns"], errors="coerce").fillna(0) - end).clip(lower=0) / 1e9
+    key = pd.MultiIndex.from_arrays([cpu["rank"].astype(str), cpu["step"].astype("int64")])
+    per = pd.Series(wrap.to_numpy(float), index=key).groupby(level=[0, 1]).sum()
+    rows = pd.MultiIndex.from_arrays([ledger["rank"].astype(str), ledger["step"].astype("int64")])
+    moved = np.minimum(per.reindex(rows).fillna(0.0).to_numpy(float), ledger["host_s"].to_numpy(float))
+    if not moved.any():
+        return ledger
+    out = ledger.copy()
+    out["host_s"] = out["host_s"] - moved
+    out["traindx_s"] = out["traindx_s"] + moved
+    return out
 
 
 def _covered(times: Array, starts: Array, ends: Array) -> Array:

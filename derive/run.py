@@ -216,6 +216,7 @@ class RunRecord:
             self.compiles,
             self.of_type(schema.PROCESS_START),
             forward_measured=measured_forward(self.spans, self.of_type(schema.HOST_SAMPLES)),
+            cpu=self.of_type(schema.CPU),
         )
 
     @property

@@ -9,6 +9,7 @@ line in `not_written`; the job's return code is returned whatever could not be w
 """
 
 import os
+import resource
 import shutil
 import signal
 import subprocess
@@ -131,8 +132,11 @@ class Options:
         cwd: str | None = None,
         wrap: list[str] | None = None,
         caller_fds: bool = True,
+        cost_budget_pct: float | None = None,
     ) -> None:
         self.steps = steps
+        # the share of step time the shim may cost before it sheds work (None: its default, 1 %)
+        self.cost_budget_pct = cost_budget_pct
         # the caller's extra descriptors (`3>file`) reach the job; not for --fix's arms (one on
         # a user's file would let every arm write there)
         self.caller_fds = caller_fds
@@ -183,6 +187,8 @@ def job_environment(run_dir: str, options: Options, base: Mapping[str, str] | No
             env["TRAINDX_TORCH_PROFILE"] = str(options.torch_profile)
         if options.step_marker:
             env["TRAINDX_STEP_MARKER"] = options.step_marker
+        if options.cost_budget_pct is not None:
+            env["TRAINDX_BUDGET_PCT"] = str(options.cost_budget_pct)
         env[SEGMENT_BYTES_ENV] = str(options.budget(run_dir).segment_bytes(rolling.EVENTS_SHARE))
     return env
 
@@ -211,6 +217,8 @@ class Job:
         self._folder_id: tuple[int, int] | None = None
         self._stopwatch: proctree.StopWatch | None = None
         self._pyspy: PySpyManager | None = None
+        self._job_started: tuple[int, float] | None = None  # (ns, this process's CPU s) at the job's start
+        self._helpers: dict[str, float | None] = {}  # the helpers' CPU seconds while the job ran
         self.redactor = redact.Redactor.for_job(os.environ, self.command)  # run() adds the job env
 
     # -- signals -----------------------------------------------------------------------------
@@ -293,6 +301,8 @@ class Job:
         try:
             return self._start_and_wait(env, manifest, relay, pyspy)
         finally:
+            # the relay's CPU before it is reaped (its own process; a zombie still has it)
+            self._helpers["relay"] = proctree.cpu_seconds(relay.proc.pid) if relay.proc else None
             relay.finish()  # still under the forwarding handlers: a Ctrl-C here is the job's
             for s, h in previous.items():
                 signal.signal(s, h)
@@ -367,6 +377,8 @@ class Job:
                     os.close(fd)
         for s in self._ignored:
             signal.signal(s, self._forward)
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        self._job_started = (time.time_ns(), usage.ru_utime + usage.ru_stime)
         self._stopwatch = proctree.StopWatch(self.proc.pid, os.path.join(self.run_dir, proctree.STOPPED_FILE))
         self._stopwatch.start()
         manifest["pid"] = self.proc.pid  # lets a re-analysis tell whether the job lives on
@@ -432,6 +444,7 @@ class Job:
         nvml.stop()
         pyspy.stop()
         roller.stop()
+        self._own_cost(manifest, pyspy)
         if nvml.write_error:
             self.missing["nvml"] = nvml.write_error + " were not written"
             self.not_written.append(self.missing["nvml"])
@@ -478,6 +491,21 @@ class Job:
                 f"`diagnose report --reanalyze {self.run_dir}` marks it "
                 "interrupted"
             )
+
+    def _own_cost(self, manifest: dict[str, Any], pyspy: PySpyManager) -> None:
+        """What traindx's helpers took while the job ran (derive/selfcost.py prices it): CPU
+        seconds of py-spy (recorders, snapshots), the output relay, and this process (NVML,
+        the live judge, the relay's reader), from the job's start to its end."""
+        if self._job_started is None:
+            return
+        t0, cpu0 = self._job_started
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        self._helpers["pyspy"] = pyspy.cpu_seconds() if self.options.pyspy else None
+        self._helpers["diagnose"] = usage.ru_utime + usage.ru_stime - cpu0
+        manifest["self_cost"] = {
+            "wall_s": (time.time_ns() - t0) / 1e9,
+            "helpers_cpu_s": {k: round(v, 4) for k, v in self._helpers.items() if v is not None},
+        }
 
     def burst(self, kind: str) -> None:
         """Deep capture on an anomaly: a burst of py-spy snapshots of every training process."""

@@ -9,6 +9,7 @@ writes its file), and windows past the first and the last `keep` are folded into
 import glob
 import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -16,7 +17,7 @@ import threading
 import time
 from typing import IO, Any
 
-from traindx.profiler import rolling
+from traindx.profiler import proctree, rolling
 from traindx.profiler.proctree import rank_processes
 from traindx.profiler.shim._traindx_shim import roles
 
@@ -67,6 +68,7 @@ class RankSampler:
         self._logs: dict[str, IO[str]] = {}
         self.errors: list[str] = []
         self.dumps_ok = 0
+        self.cpu_s = 0.0  # the recorders' and snapshots' CPU seconds while the job ran
         self._wake = threading.Event()  # a burst request or the stop: the dump loop wakes at once
         self._burst = 0
         self._burst_kind: str | None = None
@@ -80,7 +82,7 @@ class RankSampler:
         recorders: list[Recorder] = []
         if not self.record:
             return recorders
-        for flavour, flag in (("all", "--idle"), ("gil", "--gil")):
+        for flavour, flag in (("all", "--idle"), ("gil", "--gil")):  # each at HELPER_NICE
             out = rolling.window_path(self.out_dir, f"{self.rank}-{flavour}", self.window)
             if flavour not in self._logs:
                 self._logs[flavour] = open(os.path.join(self.out_dir, f"{self.rank}-{flavour}.log"), "w")
@@ -114,6 +116,7 @@ class RankSampler:
                     log,
                 )
             )
+            proctree.lower_priority(recorders[-1][1].pid, own_session=True)
         return recorders
 
     def start(self) -> None:
@@ -183,6 +186,7 @@ class RankSampler:
             where.append(text)
 
     def _finish(self, flavour: str, proc: subprocess.Popen[bytes], timeout: float = 20) -> None:
+        self.cpu_s += proctree.cpu_seconds(proc.pid) or 0.0  # before it writes its file
         if proc.poll() is None:
             proc.send_signal(2)
             try:
@@ -218,6 +222,8 @@ class RankSampler:
                     self._burst -= 1
                     trigger = self._burst_kind
                 t = time.time_ns()
+                # the snapshot's CPU: this thread's reaped child (the only one reaped meanwhile)
+                before = resource.getrusage(resource.RUSAGE_CHILDREN)
                 try:
                     proc = subprocess.run(
                         [self.pyspy, "dump", "--pid", str(self.pid), "--json", "--nonblocking"],
@@ -227,6 +233,9 @@ class RankSampler:
                     )
                 except (subprocess.TimeoutExpired, OSError):
                     continue
+                finally:
+                    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+                    self.cpu_s += after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
                 if proc.returncode != 0:
                     if not os.path.exists(f"/proc/{self.pid}"):
                         return
@@ -285,6 +294,7 @@ class RankSampler:
         if self._window_thread is not None:
             self._window_thread.join(timeout=60)
         for flavour, proc, log in self.recorders:
+            self.cpu_s += proctree.cpu_seconds(proc.pid) or 0.0  # unreaped yet: /proc still has it
             if proc.poll() is None:
                 # the target is gone or going: py-spy writes its file when it sees that; nudge it
                 try:
@@ -442,6 +452,10 @@ class PySpyManager:
             self._thread.join(timeout=5)
         for sampler in self.samplers.values():
             sampler.stop()
+
+    def cpu_seconds(self) -> float:
+        """CPU seconds py-spy took while the job ran (recorders and snapshots, every rank)."""
+        return sum(s.cpu_s for s in list(self.samplers.values()))
 
     def errors(self) -> list[str]:
         out = [self.error] if self.error else []

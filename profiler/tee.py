@@ -67,6 +67,21 @@ BINARY_SHARE = 0.5
 LOG_QUEUE_BATCHES = 4096  # each at most one 64 KiB read
 
 
+PIPE_BYTES = 1 << 20  # the job's pipe: a relay held up for a moment never blocks its prints
+
+
+def _pipe() -> tuple[int, int]:
+    """A pipe of PIPE_BYTES where the system allows it (Linux's default is 64 KiB: a job that
+    prints fast would wait in its print whenever the relay or diagnose is briefly busy, a wait
+    that is traindx's, not the job's)."""
+    r, w = os.pipe()
+    try:
+        fcntl.fcntl(w, getattr(fcntl, "F_SETPIPE_SZ", 1031), PIPE_BYTES)
+    except OSError:
+        pass  # over /proc/sys/fs/pipe-max-size: the default size stays
+    return r, w
+
+
 def channel_for(fd: int) -> tuple[int, int]:
     """(read end, the job's end) for what the job writes to fd: a pipe, or where diagnose's fd
     is a terminal, a pseudo-terminal of its size in raw mode. The job then sees a terminal as it
@@ -76,7 +91,7 @@ def channel_for(fd: int) -> tuple[int, int]:
         try:
             master, slave = os.openpty()
         except OSError:
-            return os.pipe()
+            return _pipe()
         try:
             tty.setraw(slave)
             size = fcntl.ioctl(fd, termios.TIOCGWINSZ, b"\0" * 8)
@@ -84,7 +99,7 @@ def channel_for(fd: int) -> tuple[int, int]:
         except (OSError, termios.error):
             pass  # the defaults: still a terminal
         return master, slave
-    return os.pipe()
+    return _pipe()
 
 
 def same_sink(a: int, b: int) -> bool:
@@ -383,6 +398,11 @@ class OutputRelay:
         # so that their order is the job's own (two pipes read side by side reorder them)
         err_r, err_w = (out_r, out_w) if same_sink(1, 2) else channel_for(2)
         mine, theirs = socket.socketpair()
+        for end, opt in ((theirs, socket.SO_SNDBUF), (mine, socket.SO_RCVBUF)):
+            try:  # room for the job's output while diagnose is busy (its live judge)
+                end.setsockopt(socket.SOL_SOCKET, opt, 4 * PIPE_BYTES)
+            except OSError:
+                pass
         try:
             self.proc = subprocess.Popen(
                 ownpython.module_command(self.module, str(out_r), str(err_r), str(theirs.fileno())),

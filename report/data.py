@@ -179,6 +179,9 @@ def _core(run: RunRecord, judgement: Judgement) -> tuple[dict[str, Any], dict[st
     }
     stats = _step_stats(run, steps, meta, drawn)
     stats.update(_gpu_stats(run, judgement.findings))
+    # what recording cost the job (the traindx.cost finding): every run states it
+    own = next((f for f in judgement.findings if f.id == "traindx.cost"), None)
+    stats["cost_line"] = own.title if own is not None else None
     ledger = _ledger(run, stats)
     missing = missing_evidence(run)
     core = {

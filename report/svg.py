@@ -47,6 +47,7 @@ LEDGER_COLOURS = {
     "compile": "#e4572e",
     "autotune": "#9c51b6",
     "gc": "#e3a21a",
+    "traindx": "#d9c7ef",
     "io": "#8c564b",
     "sync": "#17a2b8",
     "collective": "#2ca58d",

@@ -226,14 +226,22 @@ def render_summary(
                 )
         if len(problems) > SUMMARY_ROWS:
             console.print(f"… and {len(problems) - SUMMARY_ROWS} more in the report", markup=False)
-    notes = [f for f in data["findings"] if f["severity"] == "info" and f["id"] != "evidence.missing"]
+    _print_notes(console, data)
+    if report_path:
+        console.print(f"report: {report_path}", markup=False, highlight=False, soft_wrap=True)
+    console.print(f"run: {run_path}", markup=False, highlight=False, soft_wrap=True)
+
+
+def _print_notes(console: Console, data: Mapping[str, Any]) -> None:
+    """The first notes, what was not collected, and what recording cost the job (every run)."""
+    skip = ("evidence.missing", "traindx.cost")
+    notes = [f for f in data["findings"] if f["severity"] == "info" and f["id"] not in skip]
     for f in notes[:3]:
         _say(console, f"note: {f['title']}", style="dim")
     if data["missing"]:
         _say(console, "not collected: " + data["missing_summary"], style="dim")
-    if report_path:
-        console.print(f"report: {report_path}", markup=False, highlight=False, soft_wrap=True)
-    console.print(f"run: {run_path}", markup=False, highlight=False, soft_wrap=True)
+    if data["stats"].get("cost_line"):
+        _say(console, data["stats"]["cost_line"], style="dim")
 
 
 def findings_table(findings: list[Finding], lost_header: str, digits: int) -> Table:

@@ -269,7 +269,7 @@ def test_synthetic_gpu_evidence_allocator_retries_prescribe_expandable_segments(
     with open(dest / "events" / "0.jsonl", "a") as f:
         for row in healthy.steps.itertuples():
             retries += 2 if row.step % 3 == 0 else 0
-            # the keys the shim writes from torch.cuda.memory_stats() (steps._emit_alloc)
+            # the keys the shim writes from torch.cuda.memory_stats() (stepwork.emit_alloc)
             f.write(
                 json.dumps(
                     {

@@ -19,6 +19,7 @@ from traindx.judgement import judge_run
 from traindx.report.data import build_report_data, build_summary
 from traindx.report.html import write_report
 from traindx.report.outputs import read_findings
+from traindx.report.pyspy_view import FLAME_MIN_SHARE
 
 ESCAPING_JOB = os.path.join(ROOT, "tests", "data", "report_escaping_job.py")
 MARKUP = (
@@ -137,7 +138,12 @@ def test_report_data_of_a_real_run_matches_its_record(tiny_run):
     assert top["thread"].startswith("MainThread") and 0 < top["gil_share"] <= 1
     assert all(t["gil_s"] <= top["gil_s"] for t in gil["threads"])
     tree = gil["tree"]
-    assert tree["value"] == pytest.approx(sum(c["value"] for c in tree["children"]))
+    # threads under FLAME_MIN_SHARE of the samples are dropped, their weight kept in the root
+    # (the shim's host sampler, once it sheds its rate, holds the GIL for a sample or two)
+    shown = sum(c["value"] for c in tree["children"])
+    dropped = len(gil["threads"]) - len(tree["children"])
+    assert shown <= tree["value"] + 1e-9
+    assert tree["value"] - shown <= dropped * FLAME_MIN_SHARE * tree["value"] + 1e-9
     assert data["lanes"]["threads"] and data["lanes"]["snapshots"] >= 3
     assert any("iteration" in line["text"] for line in data["log_tail"])
     json.dumps(data)  # plain data, ready for any renderer

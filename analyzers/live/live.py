@@ -92,6 +92,7 @@ from traindx.profiler.live_tail import (  # noqa: F401
     EventTail,
     line_outside_model,
 )
+from traindx.profiler.proctree import lower_priority
 
 if TYPE_CHECKING:  # annotations only
     from traindx.derive.run import RunRecord
@@ -225,6 +226,7 @@ class LiveJudge(ShownFindings):
         return self.state
 
     def _loop(self) -> None:
+        lower_priority(threading.get_native_id())  # the judge yields a contended core to the job
         self._warm_imports()
         while not self._stop.wait(self.options.poll_s):
             if not self._sources_warm:

@@ -43,6 +43,7 @@ CAUSES = {  # ledger line before the late arrival -> what the user reads
     "compile": "compiling",
     "autotune": "autotuning kernels",
     "gc": "garbage collection",
+    "traindx": "traindx's own recording (its step-end work)",
     "io": "checkpoint/file I/O",
     "sync": "waiting for its GPU (host-device sync)",
     "data": "waiting for its data",

@@ -242,13 +242,25 @@ def activate() -> None:
     _state["run_dir"] = os.environ["TRAINDX_RUN_DIR"]
     _start_writer(deferred=roles.is_multiprocessing_child(getattr(sys, "orig_argv", sys.argv)))
     os.register_at_fork(after_in_child=_after_fork_in_child)
-    from . import compiles, datasites, faults, gcstats, handback, procrole, steps, torchcalls, torchprof
+    from . import (
+        compiles,
+        datasites,
+        faults,
+        gcstats,
+        handback,
+        procrole,
+        selfcost,
+        steps,
+        torchcalls,
+        torchprof,
+    )
 
     handback.install()  # before any hook: a signal's exception that lands in one reaches the job
     if not _state["writer"].deferred:  # a possible DataLoader worker: once it trains
         faults.install(_state["run_dir"])
 
     gcstats.install()
+    selfcost.register()  # what the shim cost this process, at its exit
     procrole.register()
     steps.register()
     compiles.register()

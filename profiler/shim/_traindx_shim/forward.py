@@ -14,7 +14,7 @@ import threading
 import time
 import weakref
 
-from . import emit, report_error
+from . import emit, report_error, selfcost
 from .stepstate import _state
 
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing into the job (mypy knows the name)
@@ -181,10 +181,12 @@ def _module_pre(module: Any, args: object) -> None:
     if check is not None and check():
         return None
     if threading.get_ident() == _state["train_thread"] and not _forward_depth[0]:
-        _hook_start.setdefault(id(module), time.time_ns())
+        entered = time.time_ns()
+        _hook_start.setdefault(id(module), entered)
         if eval_call_hooks and not getattr(module, "training", True):
             for call_hook in eval_call_hooks:
                 call_hook(module, True)
+        selfcost.add("forward", time.time_ns() - entered)
     return None
 
 
@@ -194,9 +196,10 @@ def _module_post(module: Any, args: object, output: object) -> None:
         return None
     start = _hook_start.pop(id(module), None)
     if start is not None:
+        end = time.time_ns()
         torch = _state["torch"]
         grad = torch.is_grad_enabled() if torch is not None else True
-        _forward_done(start, time.time_ns(), threading.get_ident(), grad)
+        _forward_done(start, end, threading.get_ident(), grad)
         evaluating = not getattr(module, "training", True)
         if grad and eval_grad_hooks and evaluating:
             for hook in eval_grad_hooks:
@@ -204,6 +207,7 @@ def _module_post(module: Any, args: object, output: object) -> None:
         if eval_call_hooks and evaluating:
             for call_hook in eval_call_hooks:
                 call_hook(module, False)
+        selfcost.add("forward", time.time_ns() - end)
     return None
 
 

@@ -43,7 +43,7 @@ import threading
 import time
 import types
 
-from . import emit, report_error, roles, schema
+from . import emit, report_error, roles, schema, selfcost
 
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing into the job (mypy knows the name)
 if TYPE_CHECKING:
@@ -130,8 +130,10 @@ def _loop() -> None:
     period = 1.0 / RATE_HZ
     frames = sys._current_frames
     now = time.time_ns
+    shed = selfcost.shed_state  # above the budget the shim samples less (selfcost.py)
     while not _state.get("stop"):
-        time.sleep(period)
+        scale = shed["sample_scale"]
+        time.sleep(period / scale if scale > 0 else max(period, 1.0 / selfcost.MIN_SAMPLE_HZ))
         tid = _state["tid"]
         if not _state["running"] or tid is None or len(_buf) >= MAX_BUFFERED:
             continue

@@ -58,9 +58,13 @@ def _address_space_limited() -> bool:
     return _limited[0]
 
 
+OWN_THREADS: list[Any] = []  # the shim's own threads (selfcost.py reads their CPU clocks)
+
+
 def start_thread(thread: Any) -> None:
     """Start one of the shim's own threads: under an address-space limit with a small stack and
     no malloc arena of its own (the job's threads keep the default stack)."""
+    OWN_THREADS[:] = [t for t in OWN_THREADS if t.is_alive()] + [thread]
     if not _address_space_limited():
         thread.start()
         return

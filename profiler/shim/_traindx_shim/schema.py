@@ -34,6 +34,8 @@ CPU_THREADS = "cpu_threads"  # intra/inter-op threads, workers' threads, usable 
 HOST_SAMPLES = "host_samples"  # the training thread's stacks in a step (t0, dt_us, k, runq_us)
 HOST_FRAME = "host_frame"  # a sampled frame named once (id, function, file, line)
 GPU_TIME = "gpu_time"  # CUDA events at the step's measured boundaries
+SELF_COST = "self_cost"  # the shim's own cost so far: steps, wall_ns, shim_ns, threads_ns, parts
+SHED = "shed"  # the shim shed work above its budget (step, level, what, cost_pct, budget_pct)
 
 # -- compiles ------------------------------------------------------------------------------------
 COMPILE = "compile"  # kind (COMPILE_KINDS), kernel, key, key diff, caller, thread
@@ -87,6 +89,8 @@ EVENT_TYPES = frozenset(
         HOST_SAMPLES,
         HOST_FRAME,
         GPU_TIME,
+        SELF_COST,
+        SHED,
         COMPILE,
         FA4_CALL,
         DATALOADER,

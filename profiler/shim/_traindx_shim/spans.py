@@ -47,7 +47,7 @@ import threading
 import time
 import weakref
 
-from . import cpustat, emit, importhooks, report_error
+from . import cpustat, emit, importhooks, report_error, selfcost
 from .frames import first_user_frame
 
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing into the job (mypy knows the name)
@@ -86,9 +86,10 @@ def _timed(
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         if _compiling():
             return fn(*args, **kwargs)
-        start = _now()
+        entered = _now()
         cpu = _thread_cpu() if with_caller else 0
         runq = cpustat.runqueue_ns() if with_caller else None
+        start = _now()
         try:
             return fn(*args, **kwargs)
         finally:
@@ -106,6 +107,7 @@ def _timed(
                     if after is not None:  # runnable, off a core: a loaded machine's, not the disk's
                         extra["runq"] = (after[1] - runq[1]) / 1e9  # type: ignore[index]  # runq: set with after
                 _span(cat, start, end, **extra)
+                selfcost.add(cat, _now() - entered - (end - start))
             except Exception as exc:
                 report_error(f"span {cat}", exc)
 
@@ -133,6 +135,7 @@ def _timed_backward(fn: Callable[..., Any]) -> Callable[..., Any]:
             try:
                 ready = _grads[0]
                 _span("backward", start, end, **({"grads_ready": ready} if start <= ready <= end else {}))
+                selfcost.add("backward", _now() - end)
             except Exception as exc:
                 report_error("span backward", exc)
 
@@ -172,12 +175,17 @@ def _on_dataloader(module: Any) -> None:
     iterators = cpustat.dataloader_iterators
 
     def __next__(self: Any) -> Any:
+        entered = _now()
         if id(self) not in iterators:  # its workers, for the cpu_threads picture
             _remember(iterators, self)
-        start, cpu, queued = _now(), _thread_cpu(), cpustat.runqueue_ns()
+        # the run-queue reads (~8 µs each) are the first evidence shed above the budget
+        queued = cpustat.runqueue_ns() if selfcost.shed_state["data_runq"] else None
+        cpu = _thread_cpu()
+        start = _now()
         try:
             return original(self)
         finally:
+            end = _now()
             try:
                 # cpu: the training thread's own CPU seconds in it (loading in-process is CPU
                 # work there; waiting for a worker's batch is not); runq: seconds it was runnable
@@ -188,7 +196,8 @@ def _on_dataloader(module: Any) -> None:
                 after = cpustat.runqueue_ns() if queued else None
                 if after:
                     extra["runq"] = (after[1] - queued[1]) / 1e9  # type: ignore[index]  # queued: set with after
-                _span("data", start, _now(), cpu=(_thread_cpu() - cpu) / 1e9, **extra)
+                _span("data", start, end, cpu=(_thread_cpu() - cpu) / 1e9, **extra)
+                selfcost.add("data", _now() - entered - (end - start))
             except Exception as exc:
                 report_error("span data", exc)
 
@@ -217,6 +226,7 @@ def _opt_post(optimizer: Any, args: Any, kwargs: Any) -> None:
         _span("optimizer", start, end)
     if not _state["sync_installed"]:
         _maybe_install_sync()
+    selfcost.add("optimizer", _now() - end)
 
 
 def _wrap_closure(optimizer: Any, args: Any, kwargs: Any) -> tuple[Any, Any] | None:

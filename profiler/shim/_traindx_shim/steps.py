@@ -45,9 +45,7 @@ import threading
 import time
 
 from . import (
-    bus,
     control,
-    cpustat,
     emit,
     gcstats,
     get_writer,
@@ -55,10 +53,11 @@ from . import (
     hostsample,
     importhooks,
     is_training,
-    memwatch,
     optinfo,
     report_error,
     schema,
+    selfcost,
+    stepwork,
     training_evidence,
 )
 from .forward import (  # noqa: F401  (re-exported: bench/forward_overhead.py drives them through steps)
@@ -172,7 +171,8 @@ def kernel_compile_started(t: int) -> None:
 
 
 def _end(source: str, t: int | None = None, retro: bool = False) -> None:
-    t = time.time_ns() if t is None else t
+    work0 = time.time_ns()
+    t = work0 if t is None else t
     step = _state["step"]
     if _state["begin"] is None and step == 0:
         # no batch/forward/backward seen: step 0 began with the first activity, else at the
@@ -195,21 +195,7 @@ def _end(source: str, t: int | None = None, retro: bool = False) -> None:
         duration_s=None if begin is None else (t - begin) / 1e9,
         **fields,
     )
-    gcstats.emit_step(step)
-    try:
-        cpustat.emit_step(step)
-        if _trains_here():
-            cpustat.emit_threads(step, _state["torch"])
-    except Exception as exc:
-        report_error("cpu evidence", exc)
-    hostsample.flush(step)
-    bus.publish(schema.STEP_ENDED, step)  # compiles: torch.compile's metrics of this step
-    dev = _emit_alloc(step)
-    if _trains_here():
-        try:
-            memwatch.emit_step(step, _state["torch"], dev)
-        except Exception as exc:
-            report_error("memory evidence", exc)
+    parts = stepwork.evidence(step, None if begin is None else t - begin, _state["torch"], _trains_here())
     _after_step(step)
     _state["step"] = step + 1
     _state["train_thread"] = threading.get_ident()
@@ -224,7 +210,14 @@ def _end(source: str, t: int | None = None, retro: bool = False) -> None:
             reason=f"--steps {MAX_STEPS}" if MAX_STEPS and step + 1 >= MAX_STEPS else why,
         )
         _sync_forward_hook()
+    mark = time.time_ns()
     _begin(t, retro=retro)
+    done = time.time_ns()
+    parts["step.begin"] = done - mark  # the boundary hooks: a torch.profiler window's export
+    # the work after the boundary is the next step's time, and traindx's line of its ledger
+    purpose = parts["step.begin"] + (parts["step.mem"] if parts.pop("hunting", 0) else 0)
+    selfcost.step_end_work(done - work0, parts, purpose)
+    emit("span", cat="traindx", start=max(t, work0), t=done, tid=threading.get_ident())
 
 
 def _after_step(step: int) -> None:
@@ -255,32 +248,6 @@ def _stop_now(where: str) -> None:
     if w is not None:
         w.flush()
     raise SystemExit(0)
-
-
-def _emit_alloc(step: int) -> dict[str, Any] | None:
-    """The caching allocator's stats of the step (GPU only), also returned for the memory line."""
-    torch = _state["torch"]
-    if torch is None or not torch.cuda.is_initialized():
-        return None
-    try:
-        stats = torch.cuda.memory_stats()
-    except Exception:
-        return None
-    keep = (
-        "num_alloc_retries",
-        "num_ooms",
-        "num_sync_all_streams",
-        "num_device_alloc",
-        "num_device_free",
-        "allocated_bytes.all.current",
-        "allocated_bytes.all.peak",
-        "reserved_bytes.all.current",
-        "reserved_bytes.all.peak",
-        "inactive_split_bytes.all.current",
-    )
-    fields = {k.replace(".", "_"): stats.get(k) for k in keep}
-    emit("alloc", step=step, **fields)
-    return fields
 
 
 # -- activity: what begins step 0 and where a pending stop happens --------------------------------

@@ -186,6 +186,14 @@ def _add_live_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--no-live", action="store_true", help="judge only after the job ends (no analysis while it runs)"
     )
+    parser.add_argument(
+        "--cost-budget",
+        type=float,
+        default=None,
+        metavar="PCT",
+        help="the share of step time traindx may cost the job before it sheds work (lower "
+        "sampling rates, fewer reads; it says so); default 1, 0.5 with --always-on, 0: never shed",
+    )
     parser.add_argument("command", nargs=argparse.REMAINDER, help="the training command, after --")
 
 
@@ -217,7 +225,17 @@ def options_from(args: argparse.Namespace, extra_env: dict[str, str] | None = No
         window_s=getattr(args, "window", 600),
         keep_windows=getattr(args, "keep_windows", 3),
         pyspy_record=not getattr(args, "always_on", False),
+        cost_budget_pct=_cost_budget(args),
     )
+
+
+def _cost_budget(args: argparse.Namespace) -> float | None:
+    budget = getattr(args, "cost_budget", None)
+    if budget is not None and budget < 0:
+        raise UserError(f"--cost-budget {budget:g}: a share of step time is 0 or more (0: never shed)")
+    if budget is None and getattr(args, "always_on", False):
+        return 0.5  # always-on runs for days: half the default's cost
+    return budget
 
 
 def live_options_from(args: argparse.Namespace) -> LiveOptions | Literal[False]:
