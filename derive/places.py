@@ -1,0 +1,552 @@
+"""Where a step's GPU and host time goes in the model's own structure: each GPU event and each
+host op of the torch.profiler window tied to a place = (module path, phase), with the user's
+function that launched it, and what its work needs at the device's roofline.
+
+The evidence is the window itself, no extra instrumentation: its Python tracer (`with_stack`)
+records every `nn.Module` call as a `python_function` event named "nn.Module: <Class>_<n>"
+(one per instance) around the ops it runs, and every Python function (the job's own ones give
+the line); `with_flops` records each op's input sizes and dtypes (profiler/opargs.py). A hook per
+module call (forward pre/post hooks with record_function ranges) would cost a Python call and
+two range events per module per step; the tracer's events are there already, so they are used.
+A window without stacks (the retry of a window that stood down) has no module events: its
+places are phases only.
+
+- module: the chain of module calls around the op ("GPT_0.Block_3.Linear_7"); a backward op
+  takes its forward op's chain through autograd's sequence number (the backward node carries
+  the number of the forward op that made it);
+- phase: `optimizer` (inside torch.optim's "Optimizer.step#…"/"Optimizer.zero_grad#…" ranges),
+  `backward` (inside an autograd node, "autograd::engine::evaluate_function: …"), `recompute`
+  (a module call or a forward op with a sequence number inside an autograd node: the forward
+  re-run during backward, as activation checkpointing does), `evaluation` (a module call whose
+  ops carry no sequence number: under no_grad / inference_mode), `forward` (the rest that has
+  a sequence number) and `other` (ops outside any module with none: copies, loss bookkeeping);
+- line: the innermost frame of the job's own code around the op ("model.py(45): forward": the
+  function and the line it starts at, as the tracer names it); a backward op takes its forward's;
+- GPU time: each kernel, copy and memset of the profiled steps, by the launch that made it
+  (Kineto's correlation) and that launch's place; host time: the outermost ops' own time, less
+  the time they were blocked in a sync (`wait_s`: host time that is the GPU's);
+- need: per op, FLOPs (matmul, bmm, convolution, attention, from their input sizes) at the peak
+  of the precision its kernels ran in, or the bytes its inputs and output occupy at the memory
+  bandwidth, whichever is longer (device_peaks.py); an estimate of the floor, not a model of it.
+
+Derive layer: tables and arithmetic, no judgement.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import sys
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from traindx.derive import device_peaks
+from traindx.derive import kernel_classes as K
+
+PHASES = ("forward", "backward", "recompute", "optimizer", "evaluation", "other")
+PLACE_COLUMNS = [
+    "module",
+    "phase",
+    "line",
+    "gpu_s",
+    "kernels",
+    "host_s",
+    "wait_s",
+    "flops",
+    "bytes",
+    "need_s",
+    "top_kernels",
+]
+MODULE_PREFIX = "nn.Module: "
+NODE_PREFIX = "autograd::engine::evaluate_function:"
+OPTIMIZER_PREFIXES = ("Optimizer.step#", "Optimizer.zero_grad#")
+NO_MODULE = "(no module)"
+# frames that are not the job's own: the standard library, torch and the frameworks' packages
+# (the tracer names a frame by its path under sys.path: "torch/nn/modules/linear.py(125): forward")
+LIBRARIES = frozenset(
+    {
+        "torch",
+        "torchvision",
+        "torchaudio",
+        "triton",
+        "numpy",
+        "transformers",
+        "accelerate",
+        "lightning",
+        "pytorch_lightning",
+        "lightning_fabric",
+        "timm",
+        "deepspeed",
+        "apex",
+        "flash_attn",
+        "megatron",
+        "peft",
+        "diffusers",
+        "_traindx_shim",
+        "traindx",
+        "site-packages",
+        "dist-packages",
+    }
+    | set(getattr(sys, "stdlib_module_names", ()))
+)
+_FRAME = re.compile(r"^(?P<path>[^<(][^(]*)\((?P<line>\d+)\): (?P<func>.+)$")
+_ITEM_BYTES = {
+    "float": 4,
+    "double": 8,
+    "c10::BFloat16": 2,
+    "c10::Half": 2,
+    "long int": 8,
+    "int": 4,
+    "short int": 2,
+    "bool": 1,
+    "unsigned char": 1,
+    "signed char": 1,
+    "c10::Float8_e4m3fn": 1,
+    "c10::Float8_e5m2": 1,
+}
+_DTYPE_PRECISION = {"float": "fp32", "c10::BFloat16": "bf16", "c10::Half": "fp16", "c10::Float8_e4m3fn": "fp8"}
+
+
+def is_job_frame(name: str) -> bool:
+    """A tracer frame of the job's own code (not a built-in, the standard library, torch or a
+    framework)."""
+    m = _FRAME.match(name)
+    if not m:
+        return False
+    head = m.group("path").replace("\\", "/").lstrip("./").split("/")[0]
+    return head.removesuffix(".py") not in LIBRARIES and "site-packages" not in m.group("path")
+
+
+def frame_text(name: str | None) -> str | None:
+    """'model.py(45): forward' -> 'model.py:45 forward'."""
+    m = _FRAME.match(name or "")
+    return f"{m.group('path')}:{m.group('line')} {m.group('func')}" if m else None
+
+
+@dataclass
+class Context:
+    """Where one host event ran: its place, its line and the innermost op around it."""
+
+    module: str
+    phase: str
+    line: str | None
+    op: int  # row position of the innermost cpu_op (-1: none)
+    outermost: bool  # a cpu_op with no cpu_op around it
+    root: int = -1  # row position of the outermost cpu_op around it (-1: none)
+
+
+def _containers(rows: pd.DataFrame) -> pd.DataFrame:
+    """The host events a query can be inside: ops, annotations, module calls, the job's frames."""
+    cat = rows["cat"].to_numpy()
+    names = rows["name"].astype(str)
+    py = cat == "python_function"
+    keep_py = py & (names.str.startswith(MODULE_PREFIX).to_numpy() | names.map(is_job_frame).to_numpy(bool))
+    keep = (cat == "cpu_op") | (cat == "user_annotation") | keep_py
+    out = rows[keep]
+    kind = np.where(
+        out["cat"].to_numpy() == "cpu_op",
+        0,
+        np.where(out["cat"].to_numpy() == "user_annotation", 1, 2),
+    )
+    kind = np.where((kind == 2) & ~out["name"].astype(str).str.startswith(MODULE_PREFIX).to_numpy(), 3, kind)
+    return out.assign(_kind=kind)
+
+
+def _stack_contexts(rows: pd.DataFrame, queries: np.ndarray[Any, Any]) -> dict[int, list[tuple[Any, ...]]]:
+    """{row position: the stack of containers (outer to inner) at its start} for each query
+    (row positions into `rows`), per thread: a sweep over the containers in time order."""
+    cont = _containers(rows)
+    out: dict[int, list[tuple[Any, ...]]] = {}
+    tids = rows["tid"].to_numpy(object)
+    starts = rows["start_ns"].to_numpy(np.int64)
+    for tid in pd.unique(tids[queries]):
+        mine = cont[(cont["tid"].to_numpy(object) == tid)]
+        order = np.lexsort((-mine["end_ns"].to_numpy(np.int64), mine["start_ns"].to_numpy(np.int64)))
+        c_start = mine["start_ns"].to_numpy(np.int64)[order]
+        c_end = mine["end_ns"].to_numpy(np.int64)[order]
+        c_item = list(
+            zip(
+                mine["_kind"].to_numpy()[order],
+                mine["name"].astype(str).to_numpy()[order],
+                mine["seq"].to_numpy(float)[order],
+                mine.index.to_numpy()[order],
+            )
+        )
+        q = queries[tids[queries] == tid]
+        q = q[np.argsort(starts[q], kind="stable")]
+        stack: list[tuple[int, tuple[Any, ...]]] = []
+        ci = 0
+        for pos in q:
+            t = starts[pos]
+            while ci < len(c_start) and c_start[ci] <= t:
+                while stack and stack[-1][0] <= c_start[ci]:
+                    stack.pop()
+                stack.append((int(c_end[ci]), c_item[ci]))
+                ci += 1
+            while stack and stack[-1][0] <= t:
+                stack.pop()
+            out[int(pos)] = [item for _, item in stack]
+    return out
+
+
+def _context(stack: list[tuple[Any, ...]], row_index: Any, index_pos: dict[Any, int]) -> tuple[Context, float]:
+    """A stack's place (its backward modules still unresolved) and the autograd node's sequence
+    number (NaN outside a node)."""
+    optimizer = any(k == 1 and n.startswith(OPTIMIZER_PREFIXES) for k, n, _, _ in stack)
+    node = next((i for i, (k, n, _, _) in enumerate(stack) if k == 0 and n.startswith(NODE_PREFIX)), None)
+    modules = [n[len(MODULE_PREFIX) :] for k, n, _, _ in stack if k == 2]
+    frames = [n for k, n, _, _ in stack if k == 3]
+    ops = [(i, s, n) for i, (k, n, s, _) in enumerate(stack) if k == 0]
+    op = index_pos.get(stack[ops[-1][0]][3], -1) if ops else -1
+    outermost = len(ops) == 1 and stack[ops[0][0]][3] == row_index
+    line = frames[-1] if frames else None
+    node_seq = float("nan")
+    if optimizer:
+        phase = "optimizer"
+    elif node is not None:
+        node_seq = stack[node][2]
+        after = stack[node + 1 :]
+        redo = any(k == 2 for k, _, _, _ in after) or any(
+            k == 0 and s == s and n.startswith("aten::") for k, n, s, _ in after
+        )
+        phase = "recompute" if redo else "backward"
+        modules = [n[len(MODULE_PREFIX) :] for k, n, _, _ in after if k == 2]
+        line = next((n for k, n, _, _ in reversed(after) if k == 3), None)
+    elif modules:
+        phase = "module?"  # forward or evaluation: decided by the module call's ops
+    else:
+        phase = "forward" if any(s == s for _, s, _ in ops) else "other"
+    root = index_pos.get(stack[ops[0][0]][3], -1) if ops else -1
+    return Context(".".join(modules) if modules else NO_MODULE, phase, line, op, outermost, root), node_seq
+
+
+def attribute(rows: pd.DataFrame) -> dict[int, Context]:
+    """{row position: Context} for every cpu_op and CUDA runtime/driver call of one rank's
+    window (`rows`: that rank's trace table, indexed 0..n-1)."""
+    rows = rows.reset_index(drop=True)
+    cat = rows["cat"].to_numpy()
+    queries = np.flatnonzero((cat == "cpu_op") | (cat == "cuda_runtime") | (cat == "cuda_driver"))
+    stacks = _stack_contexts(rows, queries)
+    index_pos = {i: i for i in range(len(rows))}
+    seq = rows["seq"].to_numpy(float)
+    tids = rows["tid"].to_numpy(object)
+    starts = rows["start_ns"].to_numpy(np.int64)
+    seq_ops = {tid: np.sort(starts[(cat == "cpu_op") & (seq == seq) & (tids == tid)]) for tid in pd.unique(tids)}
+    out: dict[int, Context] = {}
+    nodes: dict[int, float] = {}
+    forward_of: dict[float, Context] = {}
+    for pos in queries:
+        stack = stacks.get(int(pos), [])
+        ctx, node_seq = _context(stack, pos, index_pos)
+        if ctx.phase == "module?":
+            ctx.phase = "forward" if _module_has_seq(stack, rows, seq_ops) else "evaluation"
+        out[int(pos)] = ctx
+        if node_seq == node_seq:
+            nodes[int(pos)] = node_seq
+        elif cat[pos] == "cpu_op" and seq[pos] == seq[pos] and ctx.phase in ("forward", "other"):
+            forward_of.setdefault(float(seq[pos]), ctx)
+    for pos, node_seq in nodes.items():
+        ctx, fwd = out[pos], forward_of.get(node_seq)
+        if fwd is None:
+            continue
+        if ctx.phase == "backward" or ctx.module == NO_MODULE:
+            ctx.module = fwd.module
+        if ctx.line is None:
+            ctx.line = fwd.line
+    return out
+
+
+def _module_has_seq(stack: list[tuple[Any, ...]], rows: pd.DataFrame, seq_ops: dict[Any, Any]) -> bool:
+    """Whether the outermost module call of the stack ran an op with a sequence number."""
+    outer = next((item for item in stack if item[0] == 2), None)
+    if outer is None:
+        return True
+    pos = int(outer[3])
+    tid, lo, hi = rows.at[pos, "tid"], int(rows.at[pos, "start_ns"]), int(rows.at[pos, "end_ns"])
+    starts = seq_ops.get(tid)
+    if starts is None or not len(starts):
+        return False
+    i = int(np.searchsorted(starts, lo))
+    return i < len(starts) and starts[i] < hi
+
+
+def op_work(name: str, dims: Any, types: Any) -> tuple[float, float, str | None]:
+    """(FLOPs, bytes, precision from the dtype) of one op from its input sizes; an estimate:
+    bytes are the inputs and an output the size of the largest input (a matmul's its own)."""
+    tensors = [
+        (d, t) for d, t in zip(dims or [], types or []) if isinstance(d, list) and d and all(isinstance(x, int) for x in d)
+    ]
+    sizes = [math.prod(d) * _ITEM_BYTES.get(str(t), 4) for d, t in tensors]
+    dtype = next((str(t) for _, t in tensors if str(t) in _DTYPE_PRECISION), None)
+    precision = _DTYPE_PRECISION.get(dtype) if dtype else None
+    flops, out_bytes = 0.0, max(sizes, default=0)
+    shapes = [d for d, _ in tensors]
+    item = _ITEM_BYTES.get(dtype or "", 4)
+    try:
+        if name in ("aten::mm", "aten::_scaled_mm") and len(shapes) >= 2:
+            (m, k), n = shapes[0][-2:], shapes[1][-1]
+            flops, out_bytes = 2.0 * m * k * n, m * n * item
+        elif name == "aten::addmm" and len(shapes) >= 3:
+            (m, k), n = shapes[1][-2:], shapes[2][-1]
+            flops, out_bytes = 2.0 * m * k * n, m * n * item
+        elif name in ("aten::bmm", "aten::baddbmm") and len(shapes) >= 2:
+            a, b = shapes[-2], shapes[-1]
+            flops, out_bytes = 2.0 * math.prod(a) * b[-1], math.prod(a[:-1]) * b[-1] * item
+        elif "convolution_backward" in name and len(shapes) >= 3:
+            grad, weight = shapes[0], shapes[2]
+            flops = 2.0 * 2.0 * grad[0] * math.prod(grad[2:]) * math.prod(weight)
+        elif "conv" in name and len(shapes) >= 2 and len(shapes[0]) >= 3:
+            x, weight = shapes[0], shapes[1]  # the output's size taken as the input's (stride 1)
+            flops = 2.0 * x[0] * math.prod(x[2:]) * math.prod(weight)
+        elif "scaled_dot_product" in name and len(shapes) >= 3 and len(shapes[0]) == 4:
+            q, k = shapes[0], shapes[1]
+            flops = 4.0 * q[0] * q[1] * q[2] * k[2] * q[3] * (2.0 if "backward" in name else 1.0)
+    except (ValueError, TypeError, IndexError):
+        flops = 0.0
+    return float(flops), float(sum(sizes) + out_bytes), precision
+
+
+def _in_spans(t: np.ndarray[Any, Any], spans: list[tuple[int, int]]) -> np.ndarray[Any, Any]:
+    inside = np.zeros(len(t), dtype=bool)
+    for lo, hi in spans:
+        inside |= (t >= lo) & (t < hi)
+    return inside
+
+
+def _op_need(rows: pd.DataFrame, args: pd.DataFrame | None, device: str | None) -> dict[int, tuple[float, float, str | None]]:
+    """{cpu_op row position: (FLOPs, bytes, dtype precision)} of the ops whose sizes were read."""
+    if args is None or not len(args):
+        return {}
+    cpu = rows[rows["cat"].to_numpy() == "cpu_op"][["tid", "start_ns", "name"]].reset_index()
+    merged = cpu.merge(args.drop(columns=["name"]), on=["tid", "start_ns"], how="inner")
+    return {
+        int(i): op_work(str(n), d, t)
+        for i, n, d, t in zip(merged["index"], merged["name"], merged["dims"], merged["types"])
+    }
+
+
+def _need_s(flops: float, nbytes: float, precision: str | None, device: str | None) -> float:
+    """Seconds the work needs at the device's roofline (NaN when the device is unknown)."""
+    peak = device_peaks.peak_flops(device, precision or "fp32") if flops else None
+    bw = device_peaks.bandwidth(device)
+    if bw is None:
+        return float("nan")
+    return max(flops / peak if peak else 0.0, nbytes / bw)
+
+
+def gpu_events(
+    rows: pd.DataFrame,
+    contexts: dict[int, Context],
+    spans: list[tuple[int, int]],
+    work: dict[int, tuple[float, float, str | None]],
+    device: str | None,
+) -> pd.DataFrame:
+    """One row per GPU event the profiled steps launched: its place, line, class, seconds, and
+    its share of its op's FLOPs, bytes and roofline time."""
+    rows = rows.reset_index(drop=True)
+    cat = rows["cat"].to_numpy()
+    launch = np.flatnonzero(np.isin(cat, ("cuda_runtime", "cuda_driver")) & rows["correlation"].notna().to_numpy())
+    launch = launch[_in_spans(rows["start_ns"].to_numpy(np.int64)[launch], spans)]
+    by_corr = {int(c): int(p) for c, p in zip(rows["correlation"].to_numpy(float)[launch], launch)}
+    gpu = rows[np.isin(cat, K.GPU_CATS) & rows["correlation"].notna().to_numpy()]
+    out = []
+    for name, gcat, dur, corr in zip(gpu["name"], gpu["cat"], gpu["dur_s"], gpu["correlation"].to_numpy(float)):
+        pos = by_corr.get(int(corr))
+        if pos is None:
+            continue
+        ctx, kc = contexts.get(pos), K.classify(gcat, name)
+        if ctx is None:
+            continue
+        out.append((ctx.module, ctx.phase, ctx.line, str(name), kc.family, kc.label, kc.precision, float(dur), ctx.op))
+    cols = ["module", "phase", "line", "name", "family", "label", "precision", "seconds", "op"]
+    events = pd.DataFrame(out, columns=cols)
+    # an op's work split over its GPU events by their time (a GEMM and its bias kernel)
+    op_time = events.groupby("op")["seconds"].transform("sum").replace(0.0, np.nan)
+    share = (events["seconds"] / op_time).fillna(0.0).to_numpy(float)
+    flops, nbytes, need = [], [], []
+    for op, w, prec, fam in zip(events["op"], share, events["precision"], events["family"]):
+        f, b, dtype_prec = work.get(int(op), (math.nan, math.nan, None))
+        p = prec if fam in ("matmul", "conv", "attention") and prec else dtype_prec
+        flops.append(f * w)
+        nbytes.append(b * w)
+        need.append(_need_s(f, b, p, device) * w if f == f else math.nan)
+    return events.assign(flops=flops, bytes=nbytes, need_s=need)
+
+
+def host_ops(rows: pd.DataFrame, contexts: dict[int, Context], spans: list[tuple[int, int]]) -> pd.DataFrame:
+    """The outermost host ops of the profiled steps with their place, seconds and the seconds
+    their sync calls held them (waiting for the GPU)."""
+    rows = rows.reset_index(drop=True)
+    names = rows["name"].astype(str)
+    sync = (rows["cat"].to_numpy() == "cuda_runtime") & (
+        names.str.match(K.SYNC_CALLS).to_numpy() | names.str.startswith("cudaMemcpy").to_numpy()
+    )
+    waits: Counter[int] = Counter()
+    for pos in np.flatnonzero(sync):
+        ctx = contexts.get(int(pos))
+        if ctx is not None and ctx.root >= 0:
+            waits[ctx.root] += int(rows.at[pos, "end_ns"] - rows.at[pos, "start_ns"])
+    t = rows["start_ns"].to_numpy(np.int64)
+    out = []
+    for pos, ctx in contexts.items():
+        if ctx.outermost and rows.at[pos, "cat"] == "cpu_op" and _in_spans(t[pos : pos + 1], spans)[0]:
+            dur = float(rows.at[pos, "dur_s"])
+            wait = min(dur, waits.get(pos, 0) / 1e9)
+            out.append((ctx.module, ctx.phase, ctx.line, dur - wait, wait))
+    return pd.DataFrame(out, columns=["module", "phase", "line", "host_s", "wait_s"])
+
+
+def _top_kernels(events: pd.DataFrame, limit: int = 3) -> list[dict[str, Any]]:
+    g = events.groupby(["name", "family", "label"], sort=False)["seconds"].agg(["sum", "size"])
+    g = g.sort_values("sum", ascending=False).head(limit)
+    return [
+        {"name": str(n)[:120], "family": str(f), "label": str(lab), "seconds": float(s), "calls": int(c)}
+        for (n, f, lab), (s, c) in zip(g.index, g.to_numpy())
+    ]
+
+
+def place_table(events: pd.DataFrame, host: pd.DataFrame, n_steps: int) -> pd.DataFrame:
+    """The places (module, phase) per step, most GPU time first: GPU seconds, kernels, host
+    seconds, host seconds waiting for the GPU, FLOPs, bytes, roofline seconds, the line that
+    took the most GPU time (or host time) and the top kernels."""
+    n = max(int(n_steps), 1)
+    keys = ["module", "phase"]
+    rows: dict[tuple[str, str], dict[str, Any]] = {}
+    for key, g in events.groupby(keys, sort=False) if len(events) else []:
+        lines = g.groupby(g["line"].fillna(""))["seconds"].sum()
+        need = g["need_s"].to_numpy(float)
+        rows[key] = {
+            "gpu_s": float(g["seconds"].sum()) / n,
+            "kernels": len(g) / n,
+            "flops": float(np.nansum(g["flops"].to_numpy(float))) / n,
+            "bytes": float(np.nansum(g["bytes"].to_numpy(float))) / n,
+            "need_s": float(np.nansum(need)) / n if np.isfinite(need).any() else math.nan,
+            "line": frame_text(str(lines.idxmax())) if len(lines) and lines.idxmax() else None,
+            "top_kernels": _top_kernels(g),
+        }
+    for key, g in host.groupby(keys, sort=False) if len(host) else []:
+        row = rows.setdefault(key, {"gpu_s": 0.0, "kernels": 0.0, "flops": 0.0, "bytes": 0.0, "need_s": math.nan})
+        row["host_s"] = float(g["host_s"].sum()) / n
+        row["wait_s"] = float(g["wait_s"].sum()) / n
+        if not row.get("line"):
+            lines = g.groupby(g["line"].fillna(""))["host_s"].sum()
+            row["line"] = frame_text(str(lines.idxmax())) if len(lines) and lines.idxmax() else None
+    table = pd.DataFrame(
+        [{"module": k[0], "phase": k[1], **v} for k, v in rows.items()], columns=PLACE_COLUMNS
+    )
+    table[["host_s", "wait_s"]] = table[["host_s", "wait_s"]].fillna(0.0)
+    table["top_kernels"] = [v if isinstance(v, list) else [] for v in table["top_kernels"]]
+    order = table["gpu_s"] + table["host_s"]
+    return table.loc[order.sort_values(ascending=False).index].reset_index(drop=True)
+
+
+def rollup(table: pd.DataFrame, depth: int) -> pd.DataFrame:
+    """The places table summed to module paths of at most `depth` levels (per phase)."""
+    if not len(table):
+        return table
+    cut = table.assign(module=[".".join(str(m).split(".")[:depth]) for m in table["module"]])
+    num = ["gpu_s", "kernels", "host_s", "wait_s", "flops", "bytes", "need_s"]
+    g = cut.groupby(["module", "phase"], sort=False)
+    out = g[num].sum(min_count=1).reset_index()
+    out["line"] = g["line"].first().to_numpy()
+    return out.sort_values("gpu_s", ascending=False).reset_index(drop=True)
+
+
+@dataclass
+class RankPlaces:
+    """One rank's profiled window by place, per step."""
+
+    rank: str
+    steps: int
+    wall_s: float  # the rank's steady median step
+    busy_s: float  # the GPU's busy time per step (gpu_efficiency)
+    table: pd.DataFrame  # place_table
+    events: pd.DataFrame  # gpu_events
+    modules: bool  # the window recorded module calls (a window without stacks did not)
+    sizes: bool  # the window recorded op sizes (FLOPs and bytes known)
+
+
+def _rank_args(run_path: str, rank: str) -> pd.DataFrame | None:
+    import glob
+    import os
+
+    from traindx.common.errors import UserError
+    from traindx.profiler.opargs import read_op_args
+
+    frames = []
+    for path in sorted(glob.glob(os.path.join(run_path, "trace", f"{rank}.*json.gz"))):
+        if os.path.basename(path).split(".")[0] != str(rank):
+            continue
+        try:
+            frames.append(read_op_args(path))
+        except UserError:
+            continue
+    frames = [f for f in frames if len(f)]
+    return pd.concat(frames, ignore_index=True) if frames else None
+
+
+def rank_places(
+    rows: pd.DataFrame,
+    spans: list[tuple[int, int]],
+    args: pd.DataFrame | None,
+    device: str | None,
+    rank: str = "0",
+    wall_s: float | None = None,
+    busy_s: float | None = None,
+) -> RankPlaces:
+    """The places of one rank's window rows inside the profiled steps' spans."""
+    rows = rows.reset_index(drop=True)
+    contexts = attribute(rows)
+    work = _op_need(rows, args, device)
+    events = gpu_events(rows, contexts, spans, work, device)
+    host = host_ops(rows, contexts, spans)
+    n = max(len(spans), 1)
+    window_s = sum(b - a for a, b in spans) / 1e9 / n
+    names = rows["name"].astype(str)
+    return RankPlaces(
+        rank=str(rank),
+        steps=n,
+        wall_s=wall_s or window_s,
+        busy_s=busy_s if busy_s is not None else float(events["seconds"].sum()) / n,
+        table=place_table(events, host, n),
+        events=events,
+        modules=bool(names.str.startswith(MODULE_PREFIX).any()),
+        sizes=bool(work),
+    )
+
+
+def cached_places(run: Any) -> dict[str, RankPlaces]:
+    """{rank: RankPlaces} of every rank with a torch.profiler window, once per loaded run."""
+    return run.cached("places.rank_places", lambda: _run_places(run))
+
+
+def _run_places(run: Any) -> dict[str, RankPlaces]:
+    from traindx.derive import gpu_efficiency as G
+    from traindx.derive.steady import median_step_s
+
+    trace = getattr(run, "torch_trace", None)
+    if trace is None or not len(trace):
+        return {}
+    views = G.cached_rank_views(run)
+    device = device_peaks.device_name(run.manifest)
+    out = {}
+    for rank in sorted(set(trace["rank"]), key=lambda r: (len(str(r)), str(r))):
+        mine = trace[(trace["rank"] == rank).to_numpy()]
+        spans = G._window_bounds(run, str(rank), mine)
+        if not spans:
+            continue
+        view = views.get(str(rank))
+        out[str(rank)] = rank_places(
+            mine,
+            spans,
+            _rank_args(run.path, str(rank)),
+            device,
+            str(rank),
+            wall_s=median_step_s(run, str(rank)),
+            busy_s=view.busy_s if view is not None else None,
+        )
+    return out
