@@ -353,12 +353,21 @@ def gpu_events(
     launch = launch[_in_spans(rows["start_ns"].to_numpy(np.int64)[launch], spans)]
     by_corr = {int(c): int(p) for c, p in zip(rows["correlation"].to_numpy(float)[launch], launch)}
     gpu = rows[np.isin(cat, K.GPU_CATS) & rows["correlation"].notna().to_numpy()]
+    # SDPA's math path (its forward op and the backward nodes of the ops inside it): one class,
+    # as the class table names it
+    math_ops = K.op_spans(rows, (K.SDPA_MATH_OP,))
+    in_math = K.launched_inside(gpu, rows, math_ops + K.backward_spans(rows, math_ops))
     out = []
-    for name, gcat, dur, corr in zip(gpu["name"], gpu["cat"], gpu["dur_s"], gpu["correlation"].to_numpy(float)):
+    for name, gcat, dur, corr, m in zip(
+        gpu["name"], gpu["cat"], gpu["dur_s"], gpu["correlation"].to_numpy(float), in_math
+    ):
         pos = by_corr.get(int(corr))
         if pos is None:
             continue
-        ctx, kc = contexts.get(pos), K.classify(gcat, name)
+        kc = K.classify(gcat, name, bool(math_ops))
+        if m:
+            kc = K.KernelClass("attention", K.SDPA_MATH_LABEL, kc.precision)
+        ctx = contexts.get(pos)
         if ctx is None:
             continue
         out.append((ctx.module, ctx.phase, ctx.line, str(name), kc.family, kc.label, kc.precision, float(dur), ctx.op))
