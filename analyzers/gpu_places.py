@@ -131,7 +131,8 @@ def _note(view: P.RankPlaces) -> Finding:
         summary=(
             "The profiled steps' GPU and host time by module and phase (forward, backward, "
             "forward recomputed in backward, optimizer, evaluation), with what the work needs at "
-            "the device's roofline:\n" + places_text(rows)
+            "the device's roofline:\n"
+            + places_text(rows)
             + ("" if view.modules else "\n(the window had no Python stacks: no module paths)")
         ),
         ranks=(view.rank,),

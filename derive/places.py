@@ -108,7 +108,12 @@ _ITEM_BYTES = {
     "c10::Float8_e4m3fn": 1,
     "c10::Float8_e5m2": 1,
 }
-_DTYPE_PRECISION = {"float": "fp32", "c10::BFloat16": "bf16", "c10::Half": "fp16", "c10::Float8_e4m3fn": "fp8"}
+_DTYPE_PRECISION = {
+    "float": "fp32",
+    "c10::BFloat16": "bf16",
+    "c10::Half": "fp16",
+    "c10::Float8_e4m3fn": "fp8",
+}
 
 
 def is_job_frame(name: str) -> bool:
@@ -193,7 +198,9 @@ def _stack_contexts(rows: pd.DataFrame, queries: np.ndarray[Any, Any]) -> dict[i
     return out
 
 
-def _context(stack: list[tuple[Any, ...]], row_index: Any, index_pos: dict[Any, int]) -> tuple[Context, float]:
+def _context(
+    stack: list[tuple[Any, ...]], row_index: Any, index_pos: dict[Any, int]
+) -> tuple[Context, float]:
     """A stack's place (its backward modules still unresolved) and the autograd node's sequence
     number (NaN outside a node)."""
     optimizer = any(k == 1 and n.startswith(OPTIMIZER_PREFIXES) for k, n, _, _ in stack)
@@ -235,7 +242,9 @@ def attribute(rows: pd.DataFrame) -> dict[int, Context]:
     seq = rows["seq"].to_numpy(float)
     tids = rows["tid"].to_numpy(object)
     starts = rows["start_ns"].to_numpy(np.int64)
-    seq_ops = {tid: np.sort(starts[(cat == "cpu_op") & (seq == seq) & (tids == tid)]) for tid in pd.unique(tids)}
+    seq_ops = {
+        tid: np.sort(starts[(cat == "cpu_op") & (seq == seq) & (tids == tid)]) for tid in pd.unique(tids)
+    }
     out: dict[int, Context] = {}
     nodes: dict[int, float] = {}
     forward_of: dict[float, Context] = {}
@@ -278,7 +287,9 @@ def op_work(name: str, dims: Any, types: Any) -> tuple[float, float, str | None]
     """(FLOPs, bytes, precision from the dtype) of one op from its input sizes; an estimate:
     bytes are the inputs and an output the size of the largest input (a matmul's its own)."""
     tensors = [
-        (d, t) for d, t in zip(dims or [], types or []) if isinstance(d, list) and d and all(isinstance(x, int) for x in d)
+        (d, t)
+        for d, t in zip(dims or [], types or [])
+        if isinstance(d, list) and d and all(isinstance(x, int) for x in d)
     ]
     sizes = [math.prod(d) * _ITEM_BYTES.get(str(t), 4) for d, t in tensors]
     dtype = next((str(t) for _, t in tensors if str(t) in _DTYPE_PRECISION), None)
@@ -317,7 +328,9 @@ def _in_spans(t: np.ndarray[Any, Any], spans: list[tuple[int, int]]) -> np.ndarr
     return inside
 
 
-def _op_need(rows: pd.DataFrame, args: pd.DataFrame | None, device: str | None) -> dict[int, tuple[float, float, str | None]]:
+def _op_need(
+    rows: pd.DataFrame, args: pd.DataFrame | None, device: str | None
+) -> dict[int, tuple[float, float, str | None]]:
     """{cpu_op row position: (FLOPs, bytes, dtype precision)} of the ops whose sizes were read."""
     if args is None or not len(args):
         return {}
@@ -349,7 +362,9 @@ def gpu_events(
     its share of its op's FLOPs, bytes and roofline time."""
     rows = rows.reset_index(drop=True)
     cat = rows["cat"].to_numpy()
-    launch = np.flatnonzero(np.isin(cat, ("cuda_runtime", "cuda_driver")) & rows["correlation"].notna().to_numpy())
+    launch = np.flatnonzero(
+        np.isin(cat, ("cuda_runtime", "cuda_driver")) & rows["correlation"].notna().to_numpy()
+    )
     launch = launch[_in_spans(rows["start_ns"].to_numpy(np.int64)[launch], spans)]
     by_corr = {int(c): int(p) for c, p in zip(rows["correlation"].to_numpy(float)[launch], launch)}
     gpu = rows[np.isin(cat, K.GPU_CATS) & rows["correlation"].notna().to_numpy()]
@@ -370,7 +385,19 @@ def gpu_events(
         ctx = contexts.get(pos)
         if ctx is None:
             continue
-        out.append((ctx.module, ctx.phase, ctx.line, str(name), kc.family, kc.label, kc.precision, float(dur), ctx.op))
+        out.append(
+            (
+                ctx.module,
+                ctx.phase,
+                ctx.line,
+                str(name),
+                kc.family,
+                kc.label,
+                kc.precision,
+                float(dur),
+                ctx.op,
+            )
+        )
     cols = ["module", "phase", "line", "name", "family", "label", "precision", "seconds", "op"]
     events = pd.DataFrame(out, columns=cols)
     # an op's work split over its GPU events by their time (a GEMM and its bias kernel)
@@ -438,7 +465,9 @@ def place_table(events: pd.DataFrame, host: pd.DataFrame, n_steps: int) -> pd.Da
             "top_kernels": _top_kernels(g),
         }
     for key, g in host.groupby(keys, sort=False) if len(host) else []:
-        row = rows.setdefault(key, {"gpu_s": 0.0, "kernels": 0.0, "flops": 0.0, "bytes": 0.0, "need_s": math.nan})
+        row = rows.setdefault(
+            key, {"gpu_s": 0.0, "kernels": 0.0, "flops": 0.0, "bytes": 0.0, "need_s": math.nan}
+        )
         row["host_s"] = float(g["host_s"].sum()) / n
         row["wait_s"] = float(g["wait_s"].sum()) / n
         if not row.get("line"):

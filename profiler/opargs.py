@@ -20,8 +20,11 @@ import pandas as pd
 from traindx.common.errors import UserError
 
 OPARG_COLUMNS = ["tid", "start_ns", "name", "dims", "types"]
-_HEAD = re.compile(r'^\s*"ph": "X", "cat": "cpu_op", "name": "((?:[^"\\]|\\.)*)", .*"tid": ("?[^,"]*"?)')
-_TS = re.compile(r'^\s*"ts": ([-0-9.eE+]+)')
+_PH = re.compile(r'"ph": "X"')
+_CAT = re.compile(r'"cat": "([^"]*)"')
+_NAME = re.compile(r'"name": "((?:[^"\\]|\\.)*)"')
+_TID = re.compile(r'"tid": ("[^"]*"|[-0-9]+)')
+_TS = re.compile(r'"ts": ([-0-9.eE+]+)')
 _DIMS = re.compile(r'"Input Dims": (\[.*?\])(?:, "[A-Z][^"]*":|\s*$)')
 _TYPES = re.compile(r'"Input type": (\[.*?\])(?:, "[A-Z][^"]*":|\s*$)')
 _BASE = re.compile(r'"baseTimeNanoseconds": (\d+)')
@@ -41,35 +44,34 @@ def read_op_args(path: str) -> pd.DataFrame:
     trace table's), name, dims (list per input, [] for a scalar), types (list of dtype names)."""
     rows: list[tuple[Any, float, str, Any, Any]] = []
     base = 0
-    head: tuple[str, Any] | None = None
-    ts: float | None = None
+    event: dict[str, Any] = {}
     try:
         opener = gzip.open if path.endswith(".gz") else open
         with opener(path, "rt", encoding="utf-8") as f:
             for i, line in enumerate(f):
                 if i > MAX_LINES:
                     return pd.DataFrame(columns=OPARG_COLUMNS)
-                m = _HEAD.match(line)
-                if m:
-                    head, ts = (m.group(1), _tid(m.group(2))), None
-                    continue
-                if head is None:
+                if _PH.search(line):  # a new event: its keys follow on this line or the next ones
+                    event = {"open": True}
+                elif not event:
                     if '"baseTimeNanoseconds"' in line:
                         b = _BASE.search(line)
                         base = int(b.group(1)) if b else base
                     continue
-                if ts is None:
-                    t = _TS.match(line)
-                    if t:
-                        ts = float(t.group(1))
-                    continue
+                _keys(line, event)
                 if '"Input Dims"' in line:
                     d, ty = _DIMS.search(line), _TYPES.search(line)
-                    if d:
-                        rows.append((head[1], ts, head[0], d.group(1), ty.group(1) if ty else "[]"))
-                    head = None
-                elif line.strip().startswith("}"):
-                    head = None
+                    if d and event.get("cat") == "cpu_op" and "ts" in event and "tid" in event:
+                        rows.append(
+                            (
+                                event["tid"],
+                                event["ts"],
+                                event.get("name", ""),
+                                d.group(1),
+                                ty.group(1) if ty else "[]",
+                            )
+                        )
+                    event = {}
     except (OSError, EOFError, ValueError, UnicodeDecodeError) as exc:
         raise UserError(f"{path}: the op shapes could not be read ({type(exc).__name__}: {exc})") from None
     if not rows:
@@ -79,6 +81,18 @@ def read_op_args(path: str) -> pd.DataFrame:
     frame["dims"] = [_loads(s) for s in frame["dims"]]
     frame["types"] = [_loads(s) for s in frame["types"]]
     return frame[OPARG_COLUMNS]
+
+
+def _keys(line: str, event: dict[str, Any]) -> None:
+    """The event's cat, name, tid and ts where this line holds them (Kineto writes them on one
+    line or one a line, by version)."""
+    for key, pattern in (("cat", _CAT), ("name", _NAME), ("tid", _TID), ("ts", _TS)):
+        if key not in event:
+            m = pattern.search(line)
+            if m:
+                event[key] = (
+                    float(m.group(1)) if key == "ts" else _tid(m.group(1)) if key == "tid" else m.group(1)
+                )
 
 
 def _loads(text: str) -> Any:
