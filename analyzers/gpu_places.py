@@ -82,7 +82,7 @@ def _place_rows(view: P.RankPlaces, limit: int = TOP_PLACES) -> list[dict[str, A
             {
                 "module": r["module"],
                 "phase": r["phase"],
-                "line": r["line"],
+                "line": r["line"] if isinstance(r["line"], str) else None,
                 "gpu_s": r["gpu_s"],
                 "host_s": r["host_s"],
                 "wait_s": r["wait_s"],
@@ -111,17 +111,30 @@ def places_text(rows: list[dict[str, Any]], limit: int = 6) -> str:
     return "\n".join(lines)
 
 
+def _short(module: str, root: str | None) -> str:
+    """A module path less the model's own root call (every place shares it)."""
+    return module[len(root) + 1 :] if root and module.startswith(root + ".") else module
+
+
 def _note(view: P.RankPlaces) -> Finding:
     rows = _place_rows(view)
-    phases = view.table.groupby("phase")["gpu_s"].sum().sort_values(ascending=False)
+    gpu = bool(len(view.events))
+    column = "gpu_s" if gpu else "host_s"
+    phases = view.table.groupby("phase")[column].sum().sort_values(ascending=False)
     split = ", ".join(f"{p} {fmt_s(s)}" for p, s in phases.items() if s > 0)
-    top = rows[0] if rows else None
+    roots = {str(r["module"]).split(".")[0] for r in rows if r["module"] != P.NO_MODULE}
+    root = next(iter(roots)) if len(roots) == 1 else None
+    ranked = sorted(rows, key=lambda r: r[column], reverse=True)[:3]
+    top = " · ".join(
+        f"{_short(str(r['module']), root)} {r['phase']} {fmt_s(r[column])}"
+        + (f" ({r[column] / view.wall_s:.0%})" if view.wall_s else "")
+        for r in ranked
+    )
     title = (
-        f"where the GPU time goes: {top['module']} {top['phase']} {fmt_s(top['gpu_s'])} a step"
-        + (f" ({top['share']:.0%})" if top and top.get("share") is not None else "")
+        f"where the {'GPU' if gpu else 'host'} time of a step goes: {top}"
         + (f"; by phase {split}" if split else "")
-        if top
-        else "where the GPU time goes: no GPU work in the window"
+        if ranked
+        else "where the time goes: nothing in the window"
     )
     return Finding(
         id="gpu.places",
@@ -160,15 +173,18 @@ def _headroom(run: RunRecord, rank: str) -> tuple[float, float] | None:
 
 def _recompute(run: RunRecord, view: P.RankPlaces) -> Finding | None:
     rows = view.table[(view.table["phase"] == "recompute").to_numpy()]
-    gpu_s = float(rows["gpu_s"].sum()) if len(rows) else 0.0
+    gpu = bool(len(view.events))  # a CPU job's window: the host's time is its price
+    column = "gpu_s" if gpu else "host_s"
+    gpu_s = float(rows[column].sum()) if len(rows) else 0.0
     if not view.wall_s or gpu_s / view.wall_s < MIN_RECOMPUTE_SHARE:
         return None
-    roots = rows.assign(root=[m.split(".")[0] for m in rows["module"]]).groupby("root")["gpu_s"].sum()
+    rows = rows.sort_values(column, ascending=False)
+    roots = rows.assign(root=[m.split(".")[0] for m in rows["module"]]).groupby("root")[column].sum()
     classes = sorted({_class_of(r) for r in roots.index if r != P.NO_MODULE})
     where = ", ".join(classes) or "forward ops"
     top = rows.iloc[0]
     share = gpu_s / view.wall_s
-    saving = _step_saving(view, gpu_s)
+    saving = _step_saving(view, gpu_s) if gpu else gpu_s
     room = _headroom(run, view.rank)
     room_text = (
         f"; the device's allocator peaked at {room[0] / 2**30:.1f} of {room[1] / 2**30:.1f} GiB "
@@ -180,7 +196,8 @@ def _recompute(run: RunRecord, view: P.RankPlaces) -> Finding | None:
         id="gpu.recompute",
         title=(
             f"the forward of {where} ({len(roots)} call{'s' if len(roots) != 1 else ''}) runs again inside "
-            f"backward: {fmt_s(gpu_s)} of GPU a step ({share:.0%} of the step), activation checkpointing"
+            f"backward: {fmt_s(gpu_s)} of {'GPU' if gpu else 'host'} time a step ({share:.0%} of the step), "
+            "activation checkpointing"
         ),
         severity=_severity(saving / view.wall_s),
         analyzer="gpu_places",
@@ -419,14 +436,20 @@ def analyze(run: RunRecord) -> list[Finding]:
     device = device_peaks.device_name(run.manifest)
     out: list[Finding] = []
     for view in views.values():
-        if not len(view.events):
+        if not len(view.table):
             continue
-        mechanisms = [f for f in (_recompute(run, view), _layout(view, device), _cast(view, device)) if f]
+        gpu = bool(len(view.events))
+        made = (
+            _recompute(run, view),
+            _layout(view, device) if gpu else None,
+            _cast(view, device) if gpu else None,
+        )
+        mechanisms = [f for f in made if f]
         taken = {str(k["name"]) for f in mechanisms for k in f.evidence.get("top_kernels") or []}
-        if any(f.id == "gpu.recompute" for f in mechanisms):
+        if any(f.id == "gpu.recompute" for f in mechanisms) and gpu:
             taken |= set(view.events[(view.events["phase"] == "recompute").to_numpy()]["name"].astype(str))
         out.extend(mechanisms)
-        out.extend(_slow_places(view, taken))
+        out.extend(_slow_places(view, taken) if gpu else [])
     view = _slowest(views)
     if view is not None and len(view.table):
         out.append(_note(view))

@@ -19,15 +19,18 @@ _STEP = re.compile(r"^step (\d+) .* ms ([0-9.]+)")
 
 
 def step_median_ms(out_path):
-    values = []
+    steps = {}
     try:
         with open(out_path, encoding="utf-8", errors="replace") as f:
             for line in f:
                 m = _STEP.match(line)
-                if m and int(m.group(1)) >= 10:
-                    values.append(float(m.group(2)))
+                if m:
+                    steps[int(m.group(1))] = float(m.group(2))
     except OSError:
         return None
+    # steps 10 on (warm-up and the profiler window left out); a short CPU check: its second half
+    first = min(10, max(steps, default=0) // 2)
+    values = [ms for step, ms in steps.items() if step >= first]
     return statistics.median(values) if values else None
 
 

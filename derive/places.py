@@ -142,6 +142,7 @@ class Context:
     op: int  # row position of the innermost cpu_op (-1: none)
     outermost: bool  # a cpu_op with no cpu_op around it
     root: int = -1  # row position of the outermost cpu_op around it (-1: none)
+    redo_root: bool = False  # the outermost op of a forward re-run inside an autograd node
 
 
 def _containers(rows: pd.DataFrame) -> pd.DataFrame:
@@ -212,6 +213,7 @@ def _context(
     outermost = len(ops) == 1 and stack[ops[0][0]][3] == row_index
     line = frames[-1] if frames else None
     node_seq = float("nan")
+    redo_root = False
     if optimizer:
         phase = "optimizer"
     elif node is not None:
@@ -221,6 +223,7 @@ def _context(
             k == 0 and s == s and n.startswith("aten::") for k, n, s, _ in after
         )
         phase = "recompute" if redo else "backward"
+        redo_root = redo and _first_redone_op(after) == row_index
         modules = [n[len(MODULE_PREFIX) :] for k, n, _, _ in after if k == 2]
         line = next((n for k, n, _, _ in reversed(after) if k == 3), None)
     elif modules:
@@ -228,7 +231,8 @@ def _context(
     else:
         phase = "forward" if any(s == s for _, s, _ in ops) else "other"
     root = index_pos.get(stack[ops[0][0]][3], -1) if ops else -1
-    return Context(".".join(modules) if modules else NO_MODULE, phase, line, op, outermost, root), node_seq
+    module = ".".join(modules) if modules else NO_MODULE
+    return Context(module, phase, line, op, outermost, root, redo_root), node_seq
 
 
 def attribute(rows: pd.DataFrame) -> dict[int, Context]:
@@ -267,6 +271,18 @@ def attribute(rows: pd.DataFrame) -> dict[int, Context]:
         if ctx.line is None:
             ctx.line = fwd.line
     return out
+
+
+def _first_redone_op(after: list[tuple[Any, ...]]) -> Any:
+    """The row index of the first op re-run inside a node (the stack after the node): the first
+    op inside its first module call, else its first forward op (one with a sequence number)."""
+    module = next((i for i, item in enumerate(after) if item[0] == 2), None)
+    for i, (k, n, s, index) in enumerate(after):
+        if k == 0 and (
+            (module is not None and i > module) or (module is None and s == s and n.startswith("aten::"))
+        ):
+            return index
+    return None
 
 
 def _module_has_seq(stack: list[tuple[Any, ...]], rows: pd.DataFrame, seq_ops: dict[Any, Any]) -> bool:
@@ -418,7 +434,8 @@ def host_ops(rows: pd.DataFrame, contexts: dict[int, Context], spans: list[tuple
     their sync calls held them (waiting for the GPU)."""
     rows = rows.reset_index(drop=True)
     names = rows["name"].astype(str)
-    sync = (rows["cat"].to_numpy() == "cuda_runtime") & (
+    cat = rows["cat"].to_numpy()
+    sync = (cat == "cuda_runtime") & (
         names.str.match(K.SYNC_CALLS).to_numpy() | names.str.startswith("cudaMemcpy").to_numpy()
     )
     waits: Counter[int] = Counter()
@@ -427,12 +444,22 @@ def host_ops(rows: pd.DataFrame, contexts: dict[int, Context], spans: list[tuple
         if ctx is not None and ctx.root >= 0:
             waits[ctx.root] += int(rows.at[pos, "end_ns"] - rows.at[pos, "start_ns"])
     t = rows["start_ns"].to_numpy(np.int64)
+    dur = rows["dur_s"].to_numpy(float)
+    # a forward re-run inside an autograd node is its own unit, taken out of the node's time
+    redone: Counter[int] = Counter()
+    for pos, ctx in contexts.items():
+        if ctx.redo_root and ctx.root >= 0:
+            redone[ctx.root] += int(round(dur[pos] * 1e9))
     out = []
     for pos, ctx in contexts.items():
-        if ctx.outermost and rows.at[pos, "cat"] == "cpu_op" and _in_spans(t[pos : pos + 1], spans)[0]:
-            dur = float(rows.at[pos, "dur_s"])
-            wait = min(dur, waits.get(pos, 0) / 1e9)
-            out.append((ctx.module, ctx.phase, ctx.line, dur - wait, wait))
+        if (
+            (ctx.outermost or ctx.redo_root)
+            and cat[pos] == "cpu_op"
+            and _in_spans(t[pos : pos + 1], spans)[0]
+        ):
+            own = float(dur[pos]) - (redone.get(pos, 0) / 1e9 if ctx.outermost else 0.0)
+            wait = min(own, waits.get(pos, 0) / 1e9) if ctx.outermost else 0.0
+            out.append((ctx.module, ctx.phase, ctx.line, max(0.0, own - wait), wait))
     return pd.DataFrame(out, columns=["module", "phase", "line", "host_s", "wait_s"])
 
 
