@@ -318,6 +318,12 @@ def _cast(view: P.RankPlaces, device: str | None) -> Finding | None:
     fp32_s = float(fp32["seconds"].sum()) / view.steps
     if not len(low) or not view.wall_s or fp32_s / view.wall_s < MIN_CAST_SHARE:
         return None
+    # a cast is local: fewer modules multiply in fp32 than in 16 bits (a job whose math is fp32
+    # throughout, with a few 16-bit kernels, is gpu_math's fp32 finding: autocast is off)
+    fp32_modules = set(fp32["module"]) - {P.NO_MODULE}
+    low_modules = set(low["module"]) - {P.NO_MODULE}
+    if not fp32_modules or len(fp32_modules) >= len(low_modules):
+        return None
     peak = device_peaks.match_device(device)
     target = str(low.groupby("precision")["seconds"].sum().idxmax())
     ratio = (peak.tflops["fp32"] / peak.tflops[target]) if peak and target in peak.tflops else 0.0
