@@ -372,23 +372,38 @@ def _cast(view: P.RankPlaces, device: str | None) -> Finding | None:
     )
 
 
-def _slow_places(view: P.RankPlaces, taken: set[str]) -> list[Finding]:
+def _explained(view: P.RankPlaces, ids: set[str]) -> pd.Series:
+    """The GPU events a mechanism found has named (the generic place finding leaves them out)."""
+    e = view.events
+    names = e["name"].astype(str)
+    mask = pd.Series(False, index=e.index)
+    if "gpu.recompute" in ids:
+        mask |= e["phase"] == "recompute"
+    if "gpu.layout_nchw" in ids:
+        mask |= names.str.contains(_TRANSPOSE) | (
+            names.str.contains(_NORM) & ~names.str.contains(_CHANNELS_LAST)
+        )
+    if "gpu.cast_in_autocast" in ids:
+        mask |= e["family"].isin(("matmul", "conv")) & (e["precision"] == "fp32")
+    return mask
+
+
+def _slow_places(view: P.RankPlaces, explained: pd.Series) -> list[Finding]:
     """Places ≥ MIN_PLACE_SHARE of the step and ≥ MIN_NEED_RATIO × their roofline time, the
     deepest such module of each branch, per phase (kernels a mechanism named left out)."""
     e = view.events
     if not len(e) or not view.wall_s:
         return []
-    e = e[~e["name"].isin(taken).to_numpy()]
+    e = e[~explained.to_numpy()]
     depth = max((len(str(m).split(".")) for m in e["module"]), default=1)
     hits: list[tuple[int, str, str, pd.DataFrame]] = []
     for d in range(depth, 0, -1):
         cut = e.assign(place=[".".join(str(m).split(".")[:d]) for m in e["module"]])
         for (place, phase), g in cut.groupby(["place", "phase"], sort=False):
             gpu_s = float(g["seconds"].sum()) / view.steps
-            need = g["need_s"].to_numpy(float)
-            if gpu_s / view.wall_s < MIN_PLACE_SHARE or not (need == need).all():
-                continue
-            need_s = float(need.sum()) / view.steps
+            need_s = _need_of(g) / view.steps
+            if gpu_s / view.wall_s < MIN_PLACE_SHARE or not need_s > 0:
+                continue  # unknown, or no work the sizes could price (a fill, an index)
             if gpu_s < MIN_NEED_RATIO * need_s:
                 continue
             if any(p.startswith(place + ".") or p == place for _, p, ph, _ in hits if ph == phase):
@@ -397,9 +412,21 @@ def _slow_places(view: P.RankPlaces, taken: set[str]) -> list[Finding]:
     return [_slow_place(view, place, phase, g) for _, place, phase, g in hits[:3]]
 
 
+def _need_of(g: pd.DataFrame) -> float:
+    """Roofline seconds of a place's events; the events of ops without recorded sizes are taken
+    to need what the others need per second of theirs (NaN when they are over a fifth of it)."""
+    need = g["need_s"].to_numpy(float)
+    seconds = g["seconds"].to_numpy(float)
+    known = need == need
+    total, covered = float(seconds.sum()), float(seconds[known].sum())
+    if not total or covered < 0.8 * total:
+        return math.nan
+    return float(need[known].sum()) * total / covered
+
+
 def _slow_place(view: P.RankPlaces, place: str, phase: str, g: pd.DataFrame) -> Finding:
     gpu_s = float(g["seconds"].sum()) / view.steps
-    need_s = float(g["need_s"].sum()) / view.steps
+    need_s = _need_of(g) / view.steps
     kernels = P._top_kernels(g)
     _, line = _where(g)
     saving = _step_saving(view, max(0.0, gpu_s - need_s / REACHABLE))
@@ -451,11 +478,8 @@ def analyze(run: RunRecord) -> list[Finding]:
             _cast(view, device) if gpu else None,
         )
         mechanisms = [f for f in made if f]
-        taken = {str(k["name"]) for f in mechanisms for k in f.evidence.get("top_kernels") or []}
-        if any(f.id == "gpu.recompute" for f in mechanisms) and gpu:
-            taken |= set(view.events[(view.events["phase"] == "recompute").to_numpy()]["name"].astype(str))
         out.extend(mechanisms)
-        out.extend(_slow_places(view, taken) if gpu else [])
+        out.extend(_slow_places(view, _explained(view, {f.id for f in mechanisms})) if gpu else [])
     view = _slowest(views)
     if view is not None and len(view.table):
         out.append(_note(view))

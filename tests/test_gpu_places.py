@@ -221,3 +221,33 @@ class _run_without_memory:
 
     def of_type(self, type_):
         return pd.DataFrame()
+
+
+def test_a_place_far_from_what_its_work_needs_is_named_at_its_module(tmp_path):
+    """Every kernel at 1.5x its op's roofline time but the head's forward at 50x: the head's
+    forward is the place named, with its dominant kernel; at 1.5x everywhere, nothing is."""
+    path, rows = record(tmp_path, checkpointed=False)
+    rows = with_kernels(rows, None)
+    view = P.rank_places(rows, spans_of(rows), read_op_args(path), H100)
+    events = view.events[np.isfinite(view.events["need_s"].to_numpy(float))].copy()
+    assert len(events) and (events["need_s"] > 0).all()
+    events["seconds"] = events["need_s"] * 1.5
+    head = (events["module"].str.endswith("Linear_6") & (events["phase"] == "forward")).to_numpy()
+    assert head.any()
+    slow = events.copy()
+    slow.loc[head, "seconds"] = slow.loc[head, "need_s"] * 50
+    for frame, expect in ((slow, True), (events, False)):
+        view.events = frame
+        view.wall_s = view.busy_s = float(frame["seconds"].sum()) / view.steps
+        found = gpu_places._slow_places(view, pd.Series(False, index=frame.index))
+        if not expect:
+            assert found == []
+            continue
+        assert [(f.evidence["module"].split(".")[-1], f.evidence["phase"]) for f in found] == [
+            ("Linear_6", "forward")
+        ]
+        f = found[0]
+        assert f.evidence["gpu_s_per_step"] / f.evidence["need_s_per_step"] == pytest.approx(50, rel=0.01)
+        assert (
+            f.evidence["top_kernels"][0]["name"] == BF16_GEMM and "needs" in f.title or "roofline" in f.title
+        )
