@@ -394,7 +394,9 @@ def _slow_places(view: P.RankPlaces, explained: pd.Series) -> list[Finding]:
     e = view.events
     if not len(e) or not view.wall_s:
         return []
-    e = e[~explained.to_numpy()]
+    # copies and collectives move bytes over a link, not through the SMs: their own analyzers
+    # judge them (pageable copies, device-to-host copies, exposed communication)
+    e = e[~explained.to_numpy() & ~e["family"].isin(("copy", "memset", "communication")).to_numpy()]
     depth = max((len(str(m).split(".")) for m in e["module"]), default=1)
     hits: list[tuple[int, str, str, pd.DataFrame]] = []
     for d in range(depth, 0, -1):
