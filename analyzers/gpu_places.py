@@ -32,6 +32,7 @@ from traindx.analyzers.findings import NOTE, Finding, Prescription
 from traindx.common.units import fmt_s
 from traindx.derive import device_peaks
 from traindx.derive import places as P
+from traindx.derive.memory import memory_table
 
 if TYPE_CHECKING:  # annotations only
     from traindx.derive.run import RunRecord
@@ -156,8 +157,6 @@ def _note(view: P.RankPlaces) -> Finding:
 def _headroom(run: RunRecord, rank: str) -> tuple[float, float] | None:
     """(peak reserved bytes, total bytes) of the device (the shim's memory events)."""
     try:
-        from traindx.derive.memory import memory_table
-
         table = memory_table(run)
     except Exception:  # an older record: no headroom to quote
         return None
@@ -482,7 +481,7 @@ def analyze(run: RunRecord) -> list[Finding]:
         mechanisms = [f for f in made if f]
         out.extend(mechanisms)
         out.extend(_slow_places(view, _explained(view, {f.id for f in mechanisms})) if gpu else [])
-    view = _slowest(views)
-    if view is not None and len(view.table):
-        out.append(_note(view))
+    slowest = _slowest(views)
+    if slowest is not None and len(slowest.table):
+        out.append(_note(slowest))
     return out

@@ -34,7 +34,9 @@ Derive layer: tables and arithmetic, no judgement.
 
 from __future__ import annotations
 
+import glob
 import math
+import os
 import re
 import sys
 from collections import Counter
@@ -44,8 +46,13 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from traindx.common.errors import UserError
 from traindx.derive import device_peaks
+from traindx.derive import gpu_efficiency as G
 from traindx.derive import kernel_classes as K
+from traindx.derive import opwork as W
+from traindx.derive.steady import median_step_s
+from traindx.profiler.opargs import read_op_args
 
 PHASES = ("forward", "backward", "recompute", "optimizer", "evaluation", "other")
 PLACE_COLUMNS = [
@@ -94,26 +101,6 @@ LIBRARIES = frozenset(
     | set(getattr(sys, "stdlib_module_names", ()))
 )
 _FRAME = re.compile(r"^(?P<path>[^<(][^(]*)\((?P<line>\d+)\): (?P<func>.+)$")
-_ITEM_BYTES = {
-    "float": 4,
-    "double": 8,
-    "c10::BFloat16": 2,
-    "c10::Half": 2,
-    "long int": 8,
-    "int": 4,
-    "short int": 2,
-    "bool": 1,
-    "unsigned char": 1,
-    "signed char": 1,
-    "c10::Float8_e4m3fn": 1,
-    "c10::Float8_e5m2": 1,
-}
-_DTYPE_PRECISION = {
-    "float": "fp32",
-    "c10::BFloat16": "bf16",
-    "c10::Half": "fp16",
-    "c10::Float8_e4m3fn": "fp8",
-}
 
 
 def is_job_frame(name: str) -> bool:
@@ -262,8 +249,8 @@ def attribute(rows: pd.DataFrame) -> dict[int, Context]:
             nodes[int(pos)] = node_seq
         elif cat[pos] == "cpu_op" and seq[pos] == seq[pos] and ctx.phase in ("forward", "other"):
             forward_of.setdefault(float(seq[pos]), ctx)
-    for pos, node_seq in nodes.items():
-        ctx, fwd = out[pos], forward_of.get(node_seq)
+    for inside, node_seq in nodes.items():
+        ctx, fwd = out[inside], forward_of.get(node_seq)
         if fwd is None:
             continue
         if ctx.phase == "backward" or ctx.module == NO_MODULE:
@@ -299,44 +286,6 @@ def _module_has_seq(stack: list[tuple[Any, ...]], rows: pd.DataFrame, seq_ops: d
     return i < len(starts) and starts[i] < hi
 
 
-def op_work(name: str, dims: Any, types: Any) -> tuple[float, float, str | None]:
-    """(FLOPs, bytes, precision from the dtype) of one op from its input sizes; an estimate:
-    bytes are the inputs and an output the size of the largest input (a matmul's its own)."""
-    tensors = [
-        (d, t)
-        for d, t in zip(dims or [], types or [])
-        if isinstance(d, list) and d and all(isinstance(x, int) for x in d)
-    ]
-    sizes = [math.prod(d) * _ITEM_BYTES.get(str(t), 4) for d, t in tensors]
-    dtype = next((str(t) for _, t in tensors if str(t) in _DTYPE_PRECISION), None)
-    precision = _DTYPE_PRECISION.get(dtype) if dtype else None
-    flops, out_bytes = 0.0, max(sizes, default=0)
-    shapes = [d for d, _ in tensors]
-    item = _ITEM_BYTES.get(dtype or "", 4)
-    try:
-        if name in ("aten::mm", "aten::_scaled_mm") and len(shapes) >= 2:
-            (m, k), n = shapes[0][-2:], shapes[1][-1]
-            flops, out_bytes = 2.0 * m * k * n, m * n * item
-        elif name == "aten::addmm" and len(shapes) >= 3:
-            (m, k), n = shapes[1][-2:], shapes[2][-1]
-            flops, out_bytes = 2.0 * m * k * n, m * n * item
-        elif name in ("aten::bmm", "aten::baddbmm") and len(shapes) >= 2:
-            a, b = shapes[-2], shapes[-1]
-            flops, out_bytes = 2.0 * math.prod(a) * b[-1], math.prod(a[:-1]) * b[-1] * item
-        elif "convolution_backward" in name and len(shapes) >= 3:
-            grad, weight = shapes[0], shapes[2]
-            flops = 2.0 * 2.0 * grad[0] * math.prod(grad[2:]) * math.prod(weight)
-        elif "conv" in name and len(shapes) >= 2 and len(shapes[0]) >= 3:
-            x, weight = shapes[0], shapes[1]  # the output's size taken as the input's (stride 1)
-            flops = 2.0 * x[0] * math.prod(x[2:]) * math.prod(weight)
-        elif "scaled_dot_product" in name and len(shapes) >= 3 and len(shapes[0]) == 4:
-            q, k = shapes[0], shapes[1]
-            flops = 4.0 * q[0] * q[1] * q[2] * k[2] * q[3] * (2.0 if "backward" in name else 1.0)
-    except (ValueError, TypeError, IndexError):
-        flops = 0.0
-    return float(flops), float(sum(sizes) + out_bytes), precision
-
-
 def _in_spans(t: np.ndarray[Any, Any], spans: list[tuple[int, int]]) -> np.ndarray[Any, Any]:
     inside = np.zeros(len(t), dtype=bool)
     for lo, hi in spans:
@@ -353,18 +302,9 @@ def _op_need(
     cpu = rows[rows["cat"].to_numpy() == "cpu_op"][["tid", "start_ns", "name"]].reset_index()
     merged = cpu.merge(args.drop(columns=["name"]), on=["tid", "start_ns"], how="inner")
     return {
-        int(i): op_work(str(n), d, t)
+        int(i): W.op_work(str(n), d, t)
         for i, n, d, t in zip(merged["index"], merged["name"], merged["dims"], merged["types"])
     }
-
-
-def _need_s(flops: float, nbytes: float, precision: str | None, device: str | None) -> float:
-    """Seconds the work needs at the device's roofline (NaN when the device is unknown)."""
-    peak = device_peaks.peak_flops(device, precision or "fp32") if flops else None
-    bw = device_peaks.bandwidth(device)
-    if bw is None:
-        return float("nan")
-    return max(flops / peak if peak else 0.0, nbytes / bw)
 
 
 def gpu_events(
@@ -425,7 +365,7 @@ def gpu_events(
         p = prec if fam in ("matmul", "conv", "attention") and prec else dtype_prec
         flops.append(f * w)
         nbytes.append(b * w)
-        need.append(_need_s(f, b, p, device) * w if f == f else math.nan)
+        need.append(W.need_s(f, b, p, device) * w if f == f else math.nan)
     return events.assign(flops=flops, bytes=nbytes, need_s=need)
 
 
@@ -439,10 +379,10 @@ def host_ops(rows: pd.DataFrame, contexts: dict[int, Context], spans: list[tuple
         names.str.match(K.SYNC_CALLS).to_numpy() | names.str.startswith("cudaMemcpy").to_numpy()
     )
     waits: Counter[int] = Counter()
-    for pos in np.flatnonzero(sync):
-        ctx = contexts.get(int(pos))
-        if ctx is not None and ctx.root >= 0:
-            waits[ctx.root] += int(rows.at[pos, "end_ns"] - rows.at[pos, "start_ns"])
+    for call in np.flatnonzero(sync):
+        held = contexts.get(int(call))
+        if held is not None and held.root >= 0:
+            waits[held.root] += int(rows.at[call, "end_ns"] - rows.at[call, "start_ns"])
     t = rows["start_ns"].to_numpy(np.int64)
     dur = rows["dur_s"].to_numpy(float)
     # a forward re-run inside an autograd node is its own unit, taken out of the node's time
@@ -536,12 +476,6 @@ class RankPlaces:
 
 
 def _rank_args(run_path: str, rank: str) -> pd.DataFrame | None:
-    import glob
-    import os
-
-    from traindx.common.errors import UserError
-    from traindx.profiler.opargs import read_op_args
-
     frames = []
     for path in sorted(glob.glob(os.path.join(run_path, "trace", f"{rank}.*json.gz"))):
         if os.path.basename(path).split(".")[0] != str(rank):
@@ -586,13 +520,11 @@ def rank_places(
 
 def cached_places(run: Any) -> dict[str, RankPlaces]:
     """{rank: RankPlaces} of every rank with a torch.profiler window, once per loaded run."""
-    return run.cached("places.rank_places", lambda: _run_places(run))
+    built: dict[str, RankPlaces] = run.cached("places.rank_places", lambda: _run_places(run))
+    return built
 
 
 def _run_places(run: Any) -> dict[str, RankPlaces]:
-    from traindx.derive import gpu_efficiency as G
-    from traindx.derive.steady import median_step_s
-
     trace = getattr(run, "torch_trace", None)
     if trace is None or not len(trace):
         return {}

@@ -16,6 +16,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from traindx.analyzers import gpu_places  # noqa: E402
+from traindx.derive import opwork as W  # noqa: E402
 from traindx.derive import places as P  # noqa: E402
 from traindx.profiler.opargs import read_op_args  # noqa: E402
 from traindx.profiler.torchtrace import load_trace  # noqa: E402
@@ -146,7 +147,7 @@ def test_the_op_sizes_give_flops_and_bytes(tmp_path):
     path, rows = record(tmp_path, checkpointed=False)
     args = read_op_args(path)
     mm = args[args["name"] == "aten::addmm"].iloc[0]
-    flops, nbytes, precision = P.op_work("aten::addmm", mm["dims"], mm["types"])
+    flops, nbytes, precision = W.op_work("aten::addmm", mm["dims"], mm["types"])
     assert flops == 2 * 32 * 64 * 256  # the first Linear: [32, 64] x [64, 256]
     assert nbytes == 4 * (256 + 32 * 64 + 64 * 256 + 32 * 256) and precision == "fp32"
     # every op with sizes lines up with the trace table's op (same thread, same start)
