@@ -236,6 +236,7 @@ def attribute(rows: pd.DataFrame) -> dict[int, Context]:
     seq_ops = {
         tid: np.sort(starts[(cat == "cpu_op") & (seq == seq) & (tids == tid)]) for tid in pd.unique(tids)
     }
+    bounds = (tids, starts, rows["end_ns"].to_numpy(np.int64))
     out: dict[int, Context] = {}
     nodes: dict[int, float] = {}
     forward_of: dict[float, Context] = {}
@@ -243,7 +244,7 @@ def attribute(rows: pd.DataFrame) -> dict[int, Context]:
         stack = stacks.get(int(pos), [])
         ctx, node_seq = _context(stack, pos, index_pos)
         if ctx.phase == "module?":
-            ctx.phase = "forward" if _module_has_seq(stack, rows, seq_ops) else "evaluation"
+            ctx.phase = "forward" if _module_has_seq(stack, bounds, seq_ops) else "evaluation"
         out[int(pos)] = ctx
         if node_seq == node_seq:
             nodes[int(pos)] = node_seq
@@ -272,13 +273,15 @@ def _first_redone_op(after: list[tuple[Any, ...]]) -> Any:
     return None
 
 
-def _module_has_seq(stack: list[tuple[Any, ...]], rows: pd.DataFrame, seq_ops: dict[Any, Any]) -> bool:
+def _module_has_seq(
+    stack: list[tuple[Any, ...]], bounds: tuple[Any, Any, Any], seq_ops: dict[Any, Any]
+) -> bool:
     """Whether the outermost module call of the stack ran an op with a sequence number."""
     outer = next((item for item in stack if item[0] == 2), None)
     if outer is None:
         return True
     pos = int(outer[3])
-    tid, lo, hi = rows.at[pos, "tid"], int(rows.at[pos, "start_ns"]), int(rows.at[pos, "end_ns"])
+    tid, lo, hi = bounds[0][pos], int(bounds[1][pos]), int(bounds[2][pos])
     starts = seq_ops.get(tid)
     if starts is None or not len(starts):
         return False

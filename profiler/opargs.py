@@ -58,6 +58,8 @@ def read_op_args(path: str) -> pd.DataFrame:
                         b = _BASE.search(line)
                         base = int(b.group(1)) if b else base
                     continue
+                if event.get("cat", "cpu_op") != "cpu_op":
+                    continue  # a Python frame, a kernel: no sizes to read
                 _keys(line, event)
                 if '"Input Dims"' in line:
                     d, ty = _DIMS.search(line), _TYPES.search(line)
