@@ -53,7 +53,7 @@ REACHABLE = 0.6  # of the roofline a well-made kernel reaches (gpu_math.REACHABL
 TOP_PLACES = 8
 _TRANSPOSE = re.compile(r"nchwtonhwc|nhwctonchw", re.I)
 _NORM = re.compile(r"batch_norm|batchnorm|bn_fw|bn_bw|instance_norm|group_norm|layer_norm", re.I)
-_CHANNELS_LAST = re.compile(r"channels_last|nhwc|cudnn", re.I)
+_CHANNELS_LAST = re.compile(r"channels_last|nhwc", re.I)
 _INDEX = re.compile(r"_\d+$")
 
 
