@@ -28,8 +28,8 @@ for c in $CASES; do
   for arm in bad fixed; do
     flag=""; [ $arm = fixed ] && flag=--fixed
     log "$c $arm"
-    timeout -k 5 150 diagnose --quiet --steps "$STEPS" "${EXTRA[@]}" --run-dir "$RUNS/$c-$arm" -- \
-      $PY bench/jobs/mechanism_cases.py --case $c $flag "${SMALL[@]}" --steps $((STEPS + 5)) > "$RUNS/$c-$arm.out" 2>&1
+    timeout -k 5 150 diagnose --quiet --steps "$STEPS" ${EXTRA[@]+"${EXTRA[@]}"} --run-dir "$RUNS/$c-$arm" -- \
+      $PY bench/jobs/mechanism_cases.py --case $c $flag ${SMALL[@]+"${SMALL[@]}"} --steps $((STEPS + 5)) > "$RUNS/$c-$arm.out" 2>&1
     echo "rc $?"; grep -E "^step (5|$((STEPS - 1))) " "$RUNS/$c-$arm.out" | tr '\n' ' '; echo
   done
 done

@@ -252,3 +252,31 @@ def test_a_place_far_from_what_its_work_needs_is_named_at_its_module(tmp_path):
         assert (
             f.evidence["top_kernels"][0]["name"] == BF16_GEMM and "needs" in f.title or "roofline" in f.title
         )
+
+
+def test_a_recorded_h200_window_is_placed_by_module_and_phase(tmp_path):
+    """The SDPA math-path job recorded on the H200 (tests/data/h200-sdpa-math.README): its GPU
+    time sits in its attention module, forward and backward (the backward kernels on autograd's
+    thread, placed through the sequence numbers), at the job's forward; the sizes price it."""
+    import warnings
+
+    from helpers import recorded_runs
+
+    import traindx
+
+    folder = recorded_runs("h200-sdpa-math", tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        run = traindx.load_run(str(folder / "sdpa_math-bad"))
+    view = P.cached_places(run)["0"]
+    assert view.modules and view.sizes
+    top = view.table.head(2)
+    assert {m.split(".")[-1] for m in top["module"]} == {"Attention_0"}
+    assert set(top["phase"]) == {"forward", "backward"}
+    assert all(str(line).startswith("gpu_math_cases.py:") for line in top["line"])
+    # every GPU second of the profiled steps is placed once: the places sum to the kernels' time
+    assert view.table["gpu_s"].sum() == pytest.approx(view.events["seconds"].sum() / view.steps)
+    assert view.table["gpu_s"].sum() == pytest.approx(view.busy_s, rel=0.05)
+    assert (top["need_s"] > 0).all() and (top["need_s"] < top["gpu_s"]).all()
+    note = next(f for f in gpu_places.analyze(run) if f.id == "gpu.places")
+    assert "Attention_0 backward" in note.title and note.evidence["places"][0]["line"]
