@@ -20,7 +20,7 @@ import pandas as pd
 from traindx.common.errors import UserError
 
 OPARG_COLUMNS = ["tid", "start_ns", "name", "dims", "types"]
-_PH = re.compile(r'"ph": "X"')
+_PH = '"ph": "X"'
 _CAT = re.compile(r'"cat": "([^"]*)"')
 _NAME = re.compile(r'"name": "((?:[^"\\]|\\.)*)"')
 _TID = re.compile(r'"tid": ("[^"]*"|[-0-9]+)')
@@ -51,7 +51,7 @@ def read_op_args(path: str) -> pd.DataFrame:
             for i, line in enumerate(f):
                 if i > MAX_LINES:
                     return pd.DataFrame(columns=OPARG_COLUMNS)
-                if _PH.search(line):  # a new event: its keys follow on this line or the next ones
+                if '"ph": "X"' in line:  # a new event: its keys follow on this line or the next ones
                     event = {"open": True}
                 elif not event:
                     if '"baseTimeNanoseconds"' in line:
