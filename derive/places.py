@@ -393,13 +393,10 @@ def host_ops(rows: pd.DataFrame, contexts: dict[int, Context], spans: list[tuple
     for pos, ctx in contexts.items():
         if ctx.redo_root and ctx.root >= 0:
             redone[ctx.root] += int(round(dur[pos] * 1e9))
+    inside = _in_spans(t, spans)
     out = []
     for pos, ctx in contexts.items():
-        if (
-            (ctx.outermost or ctx.redo_root)
-            and cat[pos] == "cpu_op"
-            and _in_spans(t[pos : pos + 1], spans)[0]
-        ):
+        if (ctx.outermost or ctx.redo_root) and cat[pos] == "cpu_op" and inside[pos]:
             own = float(dur[pos]) - (redone.get(pos, 0) / 1e9 if ctx.outermost else 0.0)
             wait = min(own, waits.get(pos, 0) / 1e9) if ctx.outermost else 0.0
             out.append((ctx.module, ctx.phase, ctx.line, max(0.0, own - wait), wait))
