@@ -70,7 +70,12 @@ def op_work(name: str, dims: Any, types: Any) -> tuple[float, float, str | None]
             flops = 4.0 * q[0] * q[1] * q[2] * k[2] * q[3] * (2.0 if "backward" in name else 1.0)
     except (ValueError, TypeError, IndexError):
         flops = 0.0
-    return float(flops), float(sum(sizes) + out_bytes), precision
+    moved = float(sum(sizes) + out_bytes)
+    if ("norm" in name and "batch" in name) or "group_norm" in name or "instance_norm" in name:
+        # training normalisation reads its input twice (statistics, then normalisation): 3
+        # passes forward, 5 backward (grad and input for the reductions, again for grad_input)
+        moved *= 5.0 / 3.0 if "backward" in name else 1.5
+    return float(flops), moved, precision
 
 
 def need_s(flops: float, nbytes: float, precision: str | None, device: str | None) -> float:

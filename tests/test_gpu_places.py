@@ -150,6 +150,12 @@ def test_the_op_sizes_give_flops_and_bytes(tmp_path):
     flops, nbytes, precision = W.op_work("aten::addmm", mm["dims"], mm["types"])
     assert flops == 2 * 32 * 64 * 256  # the first Linear: [32, 64] x [64, 256]
     assert nbytes == 4 * (256 + 32 * 64 + 64 * 256 + 32 * 256) and precision == "fp32"
+    # a training BatchNorm reads its input twice (statistics, then normalisation): 3 passes
+    act = 8 * 4 * 16 * 16 * 2
+    _, bn_bytes, bn_precision = W.op_work(
+        "aten::native_batch_norm", [[8, 4, 16, 16], [4], [4], [4], [4]], ["c10::BFloat16"] + ["float"] * 4
+    )
+    assert bn_bytes == pytest.approx(1.5 * (2 * act + 4 * 4 * 4)) and bn_precision == "bf16"
     # every op with sizes lines up with the trace table's op (same thread, same start)
     cpu = rows[rows["cat"] == "cpu_op"]
     assert len(args.merge(cpu, on=["tid", "start_ns"])) == len(args)
