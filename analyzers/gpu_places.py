@@ -121,6 +121,7 @@ def _note(view: P.RankPlaces) -> Finding:
     rows = _place_rows(view)
     gpu = bool(len(view.events))
     column = "gpu_s" if gpu else "host_s"
+    waited = float(view.table["wait_s"].sum())
     phases = view.table.groupby("phase")[column].sum().sort_values(ascending=False)
     split = ", ".join(f"{p} {fmt_s(s)}" for p, s in phases.items() if s > 0)
     roots = {str(r["module"]).split(".")[0] for r in rows if r["module"] != P.NO_MODULE}
@@ -147,10 +148,22 @@ def _note(view: P.RankPlaces) -> Finding:
             "forward recomputed in backward, optimizer, evaluation), with what the work needs at "
             "the device's roofline:\n"
             + places_text(rows)
+            + (
+                f"\nThe host waited {fmt_s(waited)} a step for the GPU (syncs, a full launch queue): "
+                "GPU time, not host work."
+                if waited
+                else ""
+            )
             + ("" if view.modules else "\n(the window had no Python stacks: no module paths)")
         ),
         ranks=(view.rank,),
-        evidence={"places": rows, "steps": view.steps, "wall_s": view.wall_s, "busy_s": view.busy_s},
+        evidence={
+            "places": rows,
+            "steps": view.steps,
+            "wall_s": view.wall_s,
+            "busy_s": view.busy_s,
+            "host_waiting_for_gpu_s": waited,
+        },
     )
 
 

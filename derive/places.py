@@ -24,7 +24,9 @@ places are phases only.
   function and the line it starts at, as the tracer names it); a backward op takes its forward's;
 - GPU time: each kernel, copy and memset of the profiled steps, by the launch that made it
   (Kineto's correlation) and that launch's place; host time: the outermost ops' own time, less
-  the time they were blocked in a sync (`wait_s`: host time that is the GPU's);
+  the time they were blocked waiting for the GPU (`wait_s`: host time that is the GPU's): in a
+  sync, a synchronous copy or cudaFree, or in a launch that found the GPU's queue full (a launch
+  of over 50 µs: a busy GPU makes the host wait wherever its next launch happens to be);
 - need: per op, FLOPs (matmul, bmm, convolution, attention, from their input sizes) at the peak
   of the precision its kernels ran in, or the bytes its inputs and output occupy at the memory
   bandwidth, whichever is longer (device_peaks.py); an estimate of the floor, not a model of it.
@@ -69,6 +71,8 @@ PLACE_COLUMNS = [
     "top_kernels",
 ]
 MODULE_PREFIX = "nn.Module: "
+# a kernel launch takes a few µs; one this long waited for room in the GPU's full launch queue
+LAUNCH_BLOCKED_NS = 50_000
 NODE_PREFIX = "autograd::engine::evaluate_function:"
 OPTIMIZER_PREFIXES = ("Optimizer.step#", "Optimizer.zero_grad#")
 NO_MODULE = "(no module)"
@@ -378,8 +382,13 @@ def host_ops(rows: pd.DataFrame, contexts: dict[int, Context], spans: list[tuple
     rows = rows.reset_index(drop=True)
     names = rows["name"].astype(str)
     cat = rows["cat"].to_numpy()
-    sync = (cat == "cuda_runtime") & (
-        names.str.match(K.SYNC_CALLS).to_numpy() | names.str.startswith("cudaMemcpy").to_numpy()
+    dur_ns = (rows["end_ns"] - rows["start_ns"]).to_numpy(np.int64)
+    runtime = (cat == "cuda_runtime") | (cat == "cuda_driver")
+    sync = runtime & (
+        names.str.match(K.SYNC_CALLS).to_numpy()
+        | names.str.startswith(("cudaMemcpy", "cudaFree")).to_numpy()
+        # a launch that blocks: the GPU's queue is full, the host waits for the busy GPU
+        | (names.str.contains("LaunchKernel").to_numpy() & (dur_ns > LAUNCH_BLOCKED_NS))
     )
     waits: Counter[int] = Counter()
     for call in np.flatnonzero(sync):

@@ -286,3 +286,28 @@ def test_a_recorded_h200_window_is_placed_by_module_and_phase(tmp_path):
     assert (top["need_s"] > 0).all() and (top["need_s"] < top["gpu_s"]).all()
     note = next(f for f in gpu_places.analyze(run) if f.id == "gpu.places")
     assert "Attention_0 backward" in note.title and note.evidence["places"][0]["line"]
+
+
+def test_host_time_blocked_on_a_busy_gpu_is_the_gpus(tmp_path):
+    """A launch that waits for room in a full launch queue (and a sync) is host time that is the
+    GPU's: booked as the place's wait, out of its host time; a launch of a few µs is not."""
+    _, rows = record(tmp_path, checkpointed=False)
+    rows = rows.reset_index(drop=True)
+    contexts = P.attribute(rows)
+    linear = next(
+        pos
+        for pos, ctx in contexts.items()
+        if ctx.outermost and rows.at[pos, "name"] == "aten::linear" and ctx.phase == "forward"
+    )
+    lo, dur = int(rows.at[linear, "start_ns"]), int(rows.at[linear, "end_ns"] - rows.at[linear, "start_ns"])
+    blocked, quick = dur // 2, 3_000
+    add = [
+        {**_row("cuda_runtime", "cudaLaunchKernel", lo + 10, blocked), "tid": rows.at[linear, "tid"]},
+        {**_row("cuda_runtime", "cudaLaunchKernel", lo + 20 + blocked, quick), "tid": rows.at[linear, "tid"]},
+    ]
+    rows = pd.concat([rows, pd.DataFrame(add)], ignore_index=True)
+    host = P.host_ops(rows, P.attribute(rows), spans_of(rows))
+    module = contexts[linear].module
+    mine = host[(host["module"] == module) & (host["phase"] == "forward")]
+    assert mine["wait_s"].sum() == pytest.approx(blocked / 1e9)
+    assert mine["host_s"].sum() + mine["wait_s"].sum() == pytest.approx(dur / 1e9)
