@@ -191,7 +191,7 @@ def _stack_contexts(rows: pd.DataFrame, queries: np.ndarray[Any, Any]) -> dict[i
 
 
 def _context(
-    stack: list[tuple[Any, ...]], row_index: Any, index_pos: dict[Any, int]
+    stack: list[tuple[Any, ...]], row_index: Any, index_pos: dict[Any, int], stacks: bool = True
 ) -> tuple[Context, float]:
     """A stack's place (its backward modules still unresolved) and the autograd node's sequence
     number (NaN outside a node)."""
@@ -210,8 +210,10 @@ def _context(
     elif node is not None:
         node_seq = stack[node][2]
         after = stack[node + 1 :]
-        redo = any(k == 2 for k, _, _, _ in after) or any(
-            k == 0 and s == s and n.startswith("aten::") for k, n, s, _ in after
+        # a module call inside a node; without Python stacks, a forward op (one with a sequence
+        # number): with stacks that alone is a double backward's graph (create_graph), not a re-run
+        redo = any(k == 2 for k, _, _, _ in after) or (
+            not stacks and any(k == 0 and s == s and n.startswith("aten::") for k, n, s, _ in after)
         )
         phase = "recompute" if redo else "backward"
         redo_root = redo and _first_redone_op(after) == row_index
@@ -232,7 +234,8 @@ def attribute(rows: pd.DataFrame) -> dict[int, Context]:
     rows = rows.reset_index(drop=True)
     cat = rows["cat"].to_numpy()
     queries = np.flatnonzero((cat == "cpu_op") | (cat == "cuda_runtime") | (cat == "cuda_driver"))
-    stacks = _stack_contexts(rows, queries)
+    contexts_at = _stack_contexts(rows, queries)
+    stacks = bool(rows["name"].astype(str).str.startswith(MODULE_PREFIX).any())
     index_pos = {i: i for i in range(len(rows))}
     seq = rows["seq"].to_numpy(float)
     tids = rows["tid"].to_numpy(object)
@@ -245,8 +248,8 @@ def attribute(rows: pd.DataFrame) -> dict[int, Context]:
     nodes: dict[int, float] = {}
     forward_of: dict[float, Context] = {}
     for pos in queries:
-        stack = stacks.get(int(pos), [])
-        ctx, node_seq = _context(stack, pos, index_pos)
+        stack = contexts_at.get(int(pos), [])
+        ctx, node_seq = _context(stack, pos, index_pos, stacks)
         if ctx.phase == "module?":
             ctx.phase = "forward" if _module_has_seq(stack, bounds, seq_ops) else "evaluation"
         out[int(pos)] = ctx

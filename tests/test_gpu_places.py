@@ -311,3 +311,21 @@ def test_host_time_blocked_on_a_busy_gpu_is_the_gpus(tmp_path):
     mine = host[(host["module"] == module) & (host["phase"] == "forward")]
     assert mine["wait_s"].sum() == pytest.approx(blocked / 1e9)
     assert mine["host_s"].sum() + mine["wait_s"].sum() == pytest.approx(dur / 1e9)
+
+
+def test_a_double_backward_is_not_a_recompute(tmp_path):
+    """A gradient penalty (create_graph=True) runs forward ops with sequence numbers inside
+    autograd nodes, but no module: backward, not a forward re-run."""
+    torch.manual_seed(0)
+    model = Net(checkpointed=False)
+    x = torch.randn(16, 64)
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], with_stack=True, with_flops=True) as p:
+        loss = model(x).square().mean()
+        grads = torch.autograd.grad(loss, list(model.parameters()), create_graph=True)
+        (loss + sum(g.square().sum() for g in grads)).backward()
+    path = os.path.join(str(tmp_path), "double.json")
+    p.export_chrome_trace(path)
+    phases = {ctx.phase for ctx in P.attribute(load_trace(path, "0")).values()}
+    assert "backward" in phases and "recompute" not in phases
