@@ -131,3 +131,25 @@ def device_name(manifest: dict[str, object] | None) -> str | None:
             if isinstance(g, dict) and g.get("name"):
                 return str(g["name"])
     return None
+
+
+# memory bandwidth, TB/s (HBM, the same datasheets: A100 80GB SXM4 2.039, H100 SXM5 3.35, H100
+# PCIe 2.0, H200 4.8 (SXM and NVL), B200/B300 8 per GPU, GB200 8 per GPU): the roofline of the
+# kernels that move bytes rather than multiply (elementwise, normalisation, reductions, copies)
+_BANDWIDTH_TBS = {
+    "A100": 2.039,
+    "H100 PCIe": 2.0,
+    "H100": 3.35,
+    "H200 NVL": 4.8,
+    "H200": 4.8,
+    "GB200": 8.0,
+    "B300": 8.0,
+    "B200": 8.0,
+}
+
+
+def bandwidth(name: str | None) -> float | None:
+    """Bytes/s of the device's memory (datasheet), None when the device is unknown."""
+    peak = match_device(name)
+    tbs = _BANDWIDTH_TBS.get(peak.key) if peak is not None else None
+    return tbs * 1e12 if tbs else None

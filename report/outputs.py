@@ -1,5 +1,5 @@
 """Derived outputs of a run folder: findings.json and report.html, rebuilt from the record. The run
-is judged once (traindx.analyzers.judgement.judge_run) and every output renders that Judgement."""
+is judged once (traindx.judgement.judge_run) and every output renders that Judgement."""
 
 from __future__ import annotations
 

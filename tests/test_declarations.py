@@ -59,6 +59,7 @@ def test_every_analyzer_module_declares_itself_and_the_registry_keeps_its_order(
         "gpu_clocks",
         "gpu_idle",
         "gpu_math",
+        "gpu_places",
         "ranks",
         "whatif_run",
         "stability",

@@ -340,7 +340,7 @@ def test_mfu_with_no_flags_in_the_verdict_line_report_and_card(tmp_path):
     assert next(f for f in found if f.id == "gpu.efficiency").evidence["mfu"] == pytest.approx(expected)
     from rich.console import Console
 
-    from traindx.analyzers.judgement import judge_run
+    from traindx.judgement import judge_run
     from traindx.report.terminal import print_summary
 
     console = Console(record=True, width=100)
