@@ -69,7 +69,8 @@ def valid_event(event: dict[str, Any]) -> bool:
     if event.get("start") is not None and not _is_time(event["start"]):
         return False
     if event["type"] in (schema.STEP_BEGIN, schema.STEP_END):
-        return isinstance(event.get("step"), int)
+        step = event.get("step")  # an int64 (10**23 is no step number any table can hold)
+        return isinstance(step, int) and not isinstance(step, bool) and -MAX_NS - 1 <= step <= MAX_NS
     return True
 
 

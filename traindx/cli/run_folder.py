@@ -44,6 +44,10 @@ def read_comparison(comparison: str | None, run_path: str) -> dict[str, Any] | N
     try:  # RUN/comparison.json is a run folder's file: no link, FIFO or device (untrusted)
         data = untrusted.load_json(os.path.realpath(path) if comparison else path, bounded=False)
     except (OSError, ValueError) as exc:
+        if not comparison:  # the run folder's own copy: the report goes on without it
+            why = getattr(exc, "strerror", None) or type(exc).__name__
+            warnings.warn(f"{path} is not readable JSON ({why}): no 'before and after'", stacklevel=2)
+            return None
         raise UserError(
             f"{path} is not readable JSON ({getattr(exc, 'strerror', None) or type(exc).__name__})"
         ) from None
@@ -73,7 +77,7 @@ def _stored_findings(record: RunRecord, reanalyze: bool) -> list[Finding] | None
         return read_findings(record.path)
     except (OSError, ValueError, TypeError, KeyError, AttributeError, RecursionError) as exc:
         warnings.warn(
-            f"{findings_path} is unreadable ({type(exc).__name__}): the findings "
+            f"{findings_path} is unreadable ({getattr(exc, 'strerror', None) or type(exc).__name__}): the findings "
             "were analysed again from the run",
             stacklevel=3,
         )
@@ -132,6 +136,7 @@ def watch(run_dir: str, poll_s: float) -> int:
     """The live status and each stable finding of a run folder being written elsewhere, until
     the run ends."""
     from traindx.analyzers.live import LiveJudge, LiveOptions, run_is_live  # lazy: pandas
+    from traindx.derive.run import refuse_links
     from traindx.report.live_view import LiveView
 
     shown = run_dir
@@ -145,6 +150,7 @@ def watch(run_dir: str, poll_s: float) -> int:
         raise UserError(f"{shown} is not a traindx run (no manifest.json, no nodes/)")
     if not poll_s > 0:
         raise UserError("--poll must be > 0 seconds")
+    refuse_links(run_dir)  # read as it is, never through a link (traindx.derive.run)
     view = LiveView()
     judge = LiveJudge(run_dir, LiveOptions(poll_s=poll_s), on_finding=view.on_finding, on_state=view.on_state)
     gone = None
