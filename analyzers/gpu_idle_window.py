@@ -4,8 +4,6 @@ call or the driver call it blocked in), and the line py-spy names in that frame.
 
 from __future__ import annotations
 
-import linecache
-import os
 import re
 from typing import TYPE_CHECKING, Any
 
@@ -14,6 +12,7 @@ import pandas as pd
 
 from traindx.analyzers import evidence as ev
 from traindx.analyzers import gpu_window as window
+from traindx.common import untrusted
 
 if TYPE_CHECKING:  # annotations only
     from traindx.derive.run import RunRecord
@@ -188,8 +187,11 @@ def _line_from_pyspy(run: RunRecord, rank: str, user: Any) -> Any:
 
 
 def _source(file: str | None, line: int | None) -> str:
-    text = linecache.getline(file, line) if file and line is not None and os.path.exists(file) else ""
-    return text.rstrip("\n")
+    try:  # this machine's file: never for a folder recorded elsewhere (untrusted)
+        lines = untrusted.local_text(file).splitlines() if file and line is not None else []
+    except OSError:
+        lines = []
+    return lines[line - 1] if line is not None and 1 <= line <= len(lines) else ""
 
 
 def _call_label(call: Any) -> Any:

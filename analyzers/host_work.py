@@ -57,6 +57,7 @@ from traindx.analyzers.host_work_prescriptions import (
     host_code_summary,
     kind_of,
 )
+from traindx.common import untrusted
 from traindx.common.units import ordinal
 from traindx.derive import gpu_efficiency as G
 from traindx.derive import ledger
@@ -138,9 +139,8 @@ def _call_site_note(
     path = _display(g["file"], cwd)
     raw = None
     for candidate in (g["file"], os.path.join(cwd or "", g["file"])):
-        try:
-            with open(candidate, encoding="utf-8", errors="replace") as f:
-                raw = f.read().splitlines()[g["line"] - 1]
+        try:  # this machine's file: never for a folder recorded elsewhere (untrusted)
+            raw = untrusted.local_text(candidate).splitlines()[g["line"] - 1]
             break
         except (OSError, IndexError):
             continue

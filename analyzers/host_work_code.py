@@ -14,6 +14,7 @@ import numpy as np
 import pandas as pd
 
 from traindx.analyzers import evidence as ev
+from traindx.common import untrusted
 from traindx.derive import ledger
 
 if TYPE_CHECKING:  # annotations only
@@ -112,11 +113,9 @@ def _module_of(path: str | None) -> Any:
 def source_line(path: str, line: int, cwd: str | None = None) -> Any:
     """The job's source line (stripped), or None when the file is not readable here."""
     for candidate in (path, os.path.join(cwd or "", path)):
-        try:
-            with open(candidate, encoding="utf-8", errors="replace") as f:
-                for n, text in enumerate(f, 1):
-                    if n == line:
-                        return text.strip()
+        try:  # this machine's file: never for a folder recorded elsewhere, never a FIFO (untrusted)
+            lines = untrusted.local_text(candidate).splitlines()
+            return lines[line - 1].strip() if 1 <= line <= len(lines) else None
         except OSError:
             continue
     return None

@@ -10,6 +10,7 @@ import json
 import os
 import resource
 import shutil
+import socket
 import subprocess
 
 import pytest
@@ -229,3 +230,46 @@ def test_the_reading_layer_bounds_nesting_and_inflation():
     with pytest.raises(ValueError):
         untrusted.loads("[" * 200_000 + "]" * 200_000)
     assert untrusted.loads('{"a": [1, {"b": 2}]}') == {"a": [1, {"b": 2}]}
+
+
+def _pointing_at(run_dir, theirs, hostname):
+    """The run's frames point at `theirs` (its recorded checkout was /work/wt/mend), recorded on
+    `hostname`."""
+    for path in run_dir.rglob("*"):
+        if path.is_file():
+            text = path.read_text(encoding="utf-8", errors="surrogateescape")
+            path.write_text(
+                text.replace("/work/wt/mend", str(theirs)), encoding="utf-8", errors="surrogateescape"
+            )
+    _set_manifest(run_dir, '"hostname": "vm"', json.dumps({"hostname": hostname})[1:-1])
+
+
+def test_a_folder_recorded_elsewhere_never_quotes_this_machines_files(tmp_path, monkeypatch):
+    monkeypatch.delenv(untrusted.LOCAL_ENV, raising=False)  # tests/conftest.py sets it
+    theirs = tmp_path / "theirs"
+    os.makedirs(theirs / "tests" / "jobs")
+    lines = [f"# line {n}\n" for n in range(1, 40)]
+    lines[12] = "    gc.collect()  # private-7781\n"  # the line the recorded gc.collect() was on
+    (theirs / "tests" / "jobs" / "gc_in_step_hook.py").write_text("".join(lines))
+    received = _run_dir(tmp_path, "received")
+    _pointing_at(received, theirs, "elsewhere")
+    err = _clean(_report(received, "--reanalyze", timeout=120))
+    assert "was recorded on 'elsewhere': no file of this machine is read for its source lines" in err
+    assert "private-7781" not in (received / "findings.json").read_text()
+    assert "private-7781" not in (received / "report.html").read_text()
+    local = _run_dir(tmp_path, "local")  # the same run recorded here: its line is quoted
+    _pointing_at(local, theirs, socket.gethostname())
+    _clean(_report(local, "--reanalyze", timeout=120))
+    assert "private-7781" in (local / "findings.json").read_text()
+    told = _run_dir(tmp_path, "told")  # or received, with the user's word that the files are theirs
+    _pointing_at(told, theirs, "elsewhere")
+    monkeypatch.setenv(untrusted.LOCAL_ENV, "1")
+    err = _clean(_report(told, "--reanalyze", timeout=120))
+    assert "its source lines are read from this machine's files (TRAINDX_LOCAL_SOURCES=1)" in err
+    assert "private-7781" in (told / "findings.json").read_text()
+
+
+def test_a_frame_naming_dev_zero_or_a_fifo_is_never_read():
+    for path in ("/dev/zero", "/dev/stdin"):
+        with pytest.raises(OSError):
+            untrusted.local_text(path)

@@ -20,6 +20,7 @@ import io
 import json
 import os
 import re
+import socket
 import stat
 import zlib
 from collections.abc import Iterator
@@ -219,3 +220,60 @@ def folder_links(root: str, skip: tuple[str, ...] = ()) -> list[str]:
         if folder == root:
             dirs[:] = [d for d in dirs if d not in skip]
     return sorted(found)
+
+
+# -- this machine's files named by a run's frames ----------------------------------------------
+# A run's frames name source files of the machine that recorded it. A folder recorded elsewhere
+# (its manifest names another host, or none) makes this process read none of this machine's
+# files for it: the same path here may be anything (a key, another user's file). The user who
+# copied their own run along with its code says so with LOCAL_ENV=1; diagnose then says so too.
+LOCAL_ENV = "TRAINDX_LOCAL_SOURCES"
+MAX_SOURCE_BYTES = 64 * MiB
+_received: list[str] = []  # run folders recorded on another machine that this process loaded
+
+
+def recorded_here(manifest: dict[str, Any]) -> bool:
+    host = manifest.get("host")
+    return isinstance(host, dict) and host.get("hostname") == socket.gethostname()
+
+
+def note_folder(path: str, manifest: dict[str, Any]) -> str | None:
+    """Note a run folder this process analyses: None when it was recorded on this machine, else
+    the line that says whether this machine's files are read for its source lines."""
+    if recorded_here(manifest):
+        return None
+    host = manifest.get("host")
+    where = host.get("hostname") if isinstance(host, dict) and isinstance(host.get("hostname"), str) else None
+    where = f"on {where!r}" if where else "on an unknown machine"
+    if os.environ.get(LOCAL_ENV) == "1":
+        return f"{path} was recorded {where}: its source lines are read from this machine's files ({LOCAL_ENV}=1)"
+    _received.append(path)
+    return (
+        f"{path} was recorded {where}: no file of this machine is read for its source lines "
+        f"({LOCAL_ENV}=1 reads them, for a copy of your own run and code)"
+    )
+
+
+def open_local(path: str) -> io.BufferedReader:
+    """A source file of this machine named by a run's frames, opened for reading: only while no
+    folder recorded elsewhere was loaded (note_folder; Refused otherwise), only a regular file
+    (a frame naming /dev/zero or a FIFO is never read) of at most MAX_SOURCE_BYTES. Links are
+    followed: a source tree's own links (an editable install) are the user's."""
+    if _received and os.environ.get(LOCAL_ENV) != "1":
+        raise Refused(errno.EPERM, "the run was recorded on another machine: not read here", path)
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_SOURCE_BYTES:
+            raise Refused(errno.EINVAL, "not a source file", path)
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def local_text(path: str) -> str:
+    """The text of a source file of this machine (open_local's checks; invalid UTF-8 replaced)."""
+    with open_local(path) as f:
+        return f.read().decode("utf-8", errors="replace")

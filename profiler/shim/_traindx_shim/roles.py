@@ -187,7 +187,9 @@ def read_announcements(run_dir: str) -> list[dict[str, Any]]:
         try:  # a folder read after the fact may be received: no link followed, no FIFO waited on
             fd = os.open(os.path.join(folder, name), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
             with open(fd, encoding="utf-8", closefd=True) as f:
-                entry = json.loads(f.read(ANNOUNCE_BYTES)) if stat.S_ISREG(os.fstat(fd).st_mode) else None
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    continue
+                entry = json.loads(f.read(ANNOUNCE_BYTES))
             int(entry["pid"])
         except (OSError, ValueError, KeyError, TypeError, RecursionError):
             continue
