@@ -350,9 +350,7 @@ def load_run(
             stacklevel=2,
         )
         manifest = {"traindx_run": 1, "command": [], "status": "unknown", "missing": {"manifest": problem}}
-    received = untrusted.note_folder(path, manifest)
-    if received and so_far is None:  # said once (a live folder is loaded at every poll)
-        warnings.warn(received, stacklevel=2)
+    untrusted.note_folder(path, manifest)  # recorded elsewhere: this machine's files not read
     tables, processes, labels = load_tables(path, cache, manifest, so_far=so_far)
     columns = PROCESS_COLUMNS + (["node"] if manifest.get("nodes") else [])
     return RunRecord(

@@ -255,17 +255,17 @@ def test_a_folder_recorded_elsewhere_never_quotes_this_machines_files(tmp_path, 
     _pointing_at(received, theirs, "elsewhere")
     err = _clean(_report(received, "--reanalyze", timeout=120))
     assert "was recorded on 'elsewhere': no file of this machine is read for its source lines" in err
+    assert err.count("no file of this machine is read") == 1
     assert "private-7781" not in (received / "findings.json").read_text()
     assert "private-7781" not in (received / "report.html").read_text()
     local = _run_dir(tmp_path, "local")  # the same run recorded here: its line is quoted
     _pointing_at(local, theirs, socket.gethostname())
     _clean(_report(local, "--reanalyze", timeout=120))
     assert "private-7781" in (local / "findings.json").read_text()
-    told = _run_dir(tmp_path, "told")  # or received, with the user's word that the files are theirs
+    told = _run_dir(tmp_path, "told")  # received, with the user's word that the files are theirs
     _pointing_at(told, theirs, "elsewhere")
     monkeypatch.setenv(untrusted.LOCAL_ENV, "1")
-    err = _clean(_report(told, "--reanalyze", timeout=120))
-    assert "its source lines are read from this machine's files (TRAINDX_LOCAL_SOURCES=1)" in err
+    _clean(_report(told, "--reanalyze", timeout=120))
     assert "private-7781" in (told / "findings.json").read_text()
 
 

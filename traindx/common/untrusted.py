@@ -22,6 +22,7 @@ import os
 import re
 import socket
 import stat
+import warnings
 import zlib
 from collections.abc import Iterator
 from typing import Any
@@ -226,7 +227,7 @@ def folder_links(root: str, skip: tuple[str, ...] = ()) -> list[str]:
 # A run's frames name source files of the machine that recorded it. A folder recorded elsewhere
 # (its manifest names another host, or none) makes this process read none of this machine's
 # files for it: the same path here may be anything (a key, another user's file). The user who
-# copied their own run along with its code says so with LOCAL_ENV=1; diagnose then says so too.
+# copied their own run along with its code says so with LOCAL_ENV=1 (their word: not repeated).
 LOCAL_ENV = "TRAINDX_LOCAL_SOURCES"
 MAX_SOURCE_BYTES = 64 * MiB
 _received: list[str] = []  # run folders recorded on another machine that this process loaded
@@ -237,21 +238,30 @@ def recorded_here(manifest: dict[str, Any]) -> bool:
     return isinstance(host, dict) and host.get("hostname") == socket.gethostname()
 
 
-def note_folder(path: str, manifest: dict[str, Any]) -> str | None:
-    """Note a run folder this process analyses: None when it was recorded on this machine, else
-    the line that says whether this machine's files are read for its source lines."""
-    if recorded_here(manifest):
-        return None
-    host = manifest.get("host")
-    where = host.get("hostname") if isinstance(host, dict) and isinstance(host.get("hostname"), str) else None
-    where = f"on {where!r}" if where else "on an unknown machine"
-    if os.environ.get(LOCAL_ENV) == "1":
-        return f"{path} was recorded {where}: its source lines are read from this machine's files ({LOCAL_ENV}=1)"
-    _received.append(path)
-    return (
-        f"{path} was recorded {where}: no file of this machine is read for its source lines "
-        f"({LOCAL_ENV}=1 reads them, for a copy of your own run and code)"
-    )
+def note_folder(path: str, manifest: dict[str, Any]) -> None:
+    """Note a run folder this process analyses: one recorded on another machine (or on an
+    unknown one) turns this machine's source files off for the process (open_local)."""
+    if not recorded_here(manifest):
+        host = manifest.get("host")
+        name = host.get("hostname") if isinstance(host, dict) else None
+        _received.append(
+            f"{path} was recorded on {name!r}" if isinstance(name, str) else f"{path} names no host"
+        )
+
+
+def _refuse_local(path: str) -> None:
+    if _received and os.environ.get(LOCAL_ENV) != "1":
+        if not _told:  # said once, where it matters: the first source line not read
+            _told.append(True)
+            warnings.warn(
+                f"{_received[0]}: no file of this machine is read for its source lines "
+                f"({LOCAL_ENV}=1 reads them, for a copy of your own run and code)",
+                stacklevel=4,
+            )
+        raise Refused(errno.EPERM, "the run was recorded on another machine: not read here", path)
+
+
+_told: list[bool] = []
 
 
 def open_local(path: str) -> io.BufferedReader:
@@ -259,8 +269,7 @@ def open_local(path: str) -> io.BufferedReader:
     folder recorded elsewhere was loaded (note_folder; Refused otherwise), only a regular file
     (a frame naming /dev/zero or a FIFO is never read) of at most MAX_SOURCE_BYTES. Links are
     followed: a source tree's own links (an editable install) are the user's."""
-    if _received and os.environ.get(LOCAL_ENV) != "1":
-        raise Refused(errno.EPERM, "the run was recorded on another machine: not read here", path)
+    _refuse_local(path)
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     try:
         st = os.fstat(fd)
