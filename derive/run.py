@@ -172,6 +172,14 @@ class RunRecord:
             return sorted(int(t) for t in step_end["t"]) if len(step_end) else []
 
         pattern = (self.manifest.get("options") or {}).get("log_regex")
+        pattern = pattern if isinstance(pattern, str) else None
+        if pattern and not untrusted.trusted(self.manifest):  # the sender's pattern is code
+            warnings.warn(
+                f"{self.path}: its --log-regex {str(pattern)[:80]!r} is not run: the run was recorded on "
+                f"another machine ({untrusted.TRUST_ENV}=1 runs it, for a copy of your own run)",
+                stacklevel=2,
+            )
+            pattern = None
         return record_tables.log_steps_table(self.log, pattern, step_end_times)
 
     @cached_property

@@ -245,7 +245,7 @@ def _pointing_at(run_dir, theirs, hostname):
 
 
 def test_a_folder_recorded_elsewhere_never_quotes_this_machines_files(tmp_path, monkeypatch):
-    monkeypatch.delenv(untrusted.LOCAL_ENV, raising=False)  # tests/conftest.py sets it
+    monkeypatch.delenv(untrusted.TRUST_ENV, raising=False)  # tests/conftest.py sets it
     theirs = tmp_path / "theirs"
     os.makedirs(theirs / "tests" / "jobs")
     lines = [f"# line {n}\n" for n in range(1, 40)]
@@ -264,7 +264,7 @@ def test_a_folder_recorded_elsewhere_never_quotes_this_machines_files(tmp_path, 
     assert "private-7781" in (local / "findings.json").read_text()
     told = _run_dir(tmp_path, "told")  # received, with the user's word that the files are theirs
     _pointing_at(told, theirs, "elsewhere")
-    monkeypatch.setenv(untrusted.LOCAL_ENV, "1")
+    monkeypatch.setenv(untrusted.TRUST_ENV, "1")
     _clean(_report(told, "--reanalyze", timeout=120))
     assert "private-7781" in (told / "findings.json").read_text()
 
@@ -273,3 +273,18 @@ def test_a_frame_naming_dev_zero_or_a_fifo_is_never_read():
     for path in ("/dev/zero", "/dev/stdin"):
         with pytest.raises(OSError):
             untrusted.local_text(path)
+
+
+def test_a_received_folders_log_regex_that_backtracks_for_ever_is_not_run(tmp_path, monkeypatch):
+    monkeypatch.delenv(untrusted.TRUST_ENV, raising=False)
+    run_dir = _run_dir(tmp_path)
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    manifest["options"]["log_regex"] = "step (?P<step>(a+)+)$"  # catastrophic on 'aaa...b'
+    manifest["host"]["hostname"] = "elsewhere"
+    (run_dir / "manifest.json").write_text(json.dumps(manifest))
+    with open(run_dir / "log.txt", "a") as f:
+        f.write(f"1796139335000000000 o step {'a' * 40}b\n")
+    err = _clean(_report(run_dir, "--reanalyze", timeout=120))
+    assert (
+        "its --log-regex 'step (?P<step>(a+)+)$' is not run: the run was recorded on another machine" in err
+    )

@@ -223,12 +223,13 @@ def folder_links(root: str, skip: tuple[str, ...] = ()) -> list[str]:
     return sorted(found)
 
 
-# -- this machine's files named by a run's frames ----------------------------------------------
+# -- a folder recorded elsewhere: this machine's files, and the folder's own code -------------
 # A run's frames name source files of the machine that recorded it. A folder recorded elsewhere
 # (its manifest names another host, or none) makes this process read none of this machine's
-# files for it: the same path here may be anything (a key, another user's file). The user who
-# copied their own run along with its code says so with LOCAL_ENV=1 (their word: not repeated).
-LOCAL_ENV = "TRAINDX_LOCAL_SOURCES"
+# files for it (the same path here may be anything: a key, another user's file), and its
+# recorded --log-regex is not run (a pattern can backtrack for ever). The user who copied their
+# own run along with its code says so with TRUST_ENV=1 (their word: not repeated).
+TRUST_ENV = "TRAINDX_TRUST_RUN"
 MAX_SOURCE_BYTES = 64 * MiB
 _received: list[str] = []  # run folders recorded on another machine that this process loaded
 
@@ -236,6 +237,11 @@ _received: list[str] = []  # run folders recorded on another machine that this p
 def recorded_here(manifest: dict[str, Any]) -> bool:
     host = manifest.get("host")
     return isinstance(host, dict) and host.get("hostname") == socket.gethostname()
+
+
+def trusted(manifest: dict[str, Any]) -> bool:
+    """The run was recorded on this machine, or the user says it is theirs (TRUST_ENV=1)."""
+    return recorded_here(manifest) or os.environ.get(TRUST_ENV) == "1"
 
 
 def note_folder(path: str, manifest: dict[str, Any]) -> None:
@@ -250,12 +256,12 @@ def note_folder(path: str, manifest: dict[str, Any]) -> None:
 
 
 def _refuse_local(path: str) -> None:
-    if _received and os.environ.get(LOCAL_ENV) != "1":
+    if _received and os.environ.get(TRUST_ENV) != "1":
         if not _told:  # said once, where it matters: the first source line not read
             _told.append(True)
             warnings.warn(
                 f"{_received[0]}: no file of this machine is read for its source lines "
-                f"({LOCAL_ENV}=1 reads them, for a copy of your own run and code)",
+                f"({TRUST_ENV}=1 reads them, for a copy of your own run and code)",
                 stacklevel=4,
             )
         raise Refused(errno.EPERM, "the run was recorded on another machine: not read here", path)
