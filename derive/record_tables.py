@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import bisect
 import glob
-import json
 import os
 import re
 import warnings
@@ -18,6 +17,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from traindx.common import untrusted
 from traindx.profiler.columnar import CorruptEvidenceWarning, TruncatedEvidenceWarning
 from traindx.profiler.logparse import compile_custom, parse_line
 from traindx.profiler.rolling import read_text
@@ -142,13 +142,26 @@ def compiles_table(compile_events: pd.DataFrame) -> pd.DataFrame:
     return df
 
 
+def _read_lines(path: str, what: str, stacklevel: int = 4) -> list[str]:
+    """The lines of a rolling line file read as untrusted input (profiler/rolling.read_text); a
+    file or segment not read (a link, a FIFO, a decompression bomb) left out with one warning."""
+    notes: list[str] = []
+    try:
+        text = read_text(path, notes)
+    except OSError as exc:
+        notes, text = [f"{path}: not read ({exc.strerror}); {what} left out"], ""
+    for note in notes:
+        warnings.warn(note, CorruptEvidenceWarning, stacklevel=stacklevel)
+    return text.split("\n")
+
+
 # -- the job's log ---------------------------------------------------------------------------
 def log_table(path: str) -> pd.DataFrame:
     """The job's output (log.txt): t (ns), stream ('o'|'e'), text."""
-    rows = []
-    if os.path.exists(path):
+    rows: list[tuple[int, str, str]] = []
+    if os.path.lexists(path):
         skipped = 0
-        for line in read_text(path).split("\n"):  # a long run's segments too
+        for line in _read_lines(path, "the job's log"):  # a long run's segments too
             t, _, rest = line.partition(" ")
             stream, _, text = rest.partition(" ")
             if t.isdigit() and stream in ("o", "e"):
@@ -268,7 +281,7 @@ def read_jsonl(
     cut-off last line; a disk or copy fault can leave one anywhere) is skipped with a warning
     naming the file and the line: the rest of the evidence is still good."""
     events = []
-    lines = read_text(path).split("\n")  # a long run's segments too (profiler/rolling.py)
+    lines = _read_lines(path, "its lines", stacklevel)  # a long run's segments too (profiler/rolling.py)
     last = len(lines) - 1
     while last >= 0 and not lines[last].strip():
         last -= 1
@@ -277,7 +290,7 @@ def read_jsonl(
         if not line.strip():
             continue
         try:
-            event = json.loads(line)
+            event = untrusted.loads(line)  # nesting bounded
         except ValueError:
             event = None
         if isinstance(event, dict) and (valid is None or valid(event)):
@@ -356,9 +369,9 @@ def fault_stacks(folder: str, labels: Mapping[Any, str]) -> dict[str, str]:
         return found
     for name in sorted(os.listdir(folder)):
         pid = name[1:-4] if name.startswith("p") and name.endswith(".txt") else ""
-        try:
-            with open(os.path.join(folder, name), encoding="utf-8", errors="replace") as f:
-                text = f.read(200_000)
+        try:  # a run folder's file: no link, FIFO or device (untrusted); a long one cut
+            with untrusted.open_file(os.path.join(folder, name)) as f:
+                text = f.read(200_000).decode("utf-8", errors="replace")
         except OSError:
             continue
         if text.strip() and pid.isdigit():

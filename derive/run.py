@@ -9,7 +9,6 @@ change it.
 
 from __future__ import annotations
 
-import json
 import os
 import warnings
 from collections.abc import Callable, Hashable, Iterable
@@ -19,6 +18,7 @@ from typing import Any, TypeVar, cast
 
 import pandas as pd
 
+from traindx.common import untrusted
 from traindx.common.errors import UserError
 from traindx.derive import record_tables
 from traindx.derive.ledger import compute, host_code, measured_forward, spans_table
@@ -31,6 +31,7 @@ from traindx.derive.so_far import EventsSoFar as EventsSoFar  # the live loads' 
 from traindx.profiler import columnar
 from traindx.profiler.columnar import CorruptEvidenceWarning as CorruptEvidenceWarning  # re-exported
 from traindx.profiler.columnar import TruncatedEvidenceWarning as TruncatedEvidenceWarning  # re-exported
+from traindx.profiler.manifest import CAPTURED, read_manifest
 from traindx.profiler.nodes import load_traces
 from traindx.profiler.nvml import COLUMNS as NVML_COLUMNS
 from traindx.profiler.nvml import load_csv as load_nvml_csv
@@ -171,6 +172,14 @@ class RunRecord:
             return sorted(int(t) for t in step_end["t"]) if len(step_end) else []
 
         pattern = (self.manifest.get("options") or {}).get("log_regex")
+        pattern = pattern if isinstance(pattern, str) else None
+        if pattern and not untrusted.trusted(self.manifest):  # the sender's pattern is code
+            warnings.warn(
+                f"{self.path}: its --log-regex {str(pattern)[:80]!r} is not run: the run was recorded on "
+                f"another machine ({untrusted.TRUST_ENV}=1 runs it, for a copy of your own run)",
+                stacklevel=2,
+            )
+            pattern = None
         return record_tables.log_steps_table(self.log, pattern, step_end_times)
 
     @cached_property
@@ -301,63 +310,18 @@ def _evidence_present(path: str) -> list[str]:
     ]
 
 
-# the manifest's fields and their JSON types (launcher, attach, merge write them)
-MANIFEST_SHAPES: dict[str, type | tuple[type, ...]] = {
-    "command": list,
-    "gpus": list,
-    "signals_forwarded": list,
-    "host": dict,
-    "packages": dict,
-    "env": dict,
-    "options": dict,
-    "ranks": dict,
-    "missing": dict,
-    "nvml": dict,
-    "budget": dict,
-    "start_ns": (int, float),
-    "end_ns": (int, float),
-    "exit_code": int,
-    "pid": int,
-    "cwd": str,
-    "status": str,
-}
-
-
-def _read_manifest(manifest_path: str) -> tuple[dict[str, Any] | None, str | None]:
-    """(manifest dict, None), or (None, why it is not one): missing, unreadable, not JSON."""
-    try:
-        with open(manifest_path, "rb") as f:
-            raw = f.read()
-    except FileNotFoundError:
-        return None, "no manifest.json"
-    except OSError as exc:
-        return None, f"manifest.json unreadable ({exc.strerror})"
-    try:
-        manifest = json.loads(raw.decode("utf-8"))
-    except (ValueError, RecursionError):
-        return None, "manifest.json is corrupt (not JSON)"
-    if not isinstance(manifest, dict) or "command" not in manifest:
-        return None, "manifest.json is not a traindx manifest"
-    if isinstance(manifest["command"], str):
-        manifest["command"] = [manifest["command"]]
-    wrong = []
-    for key, kind in MANIFEST_SHAPES.items():  # the shapes every reader relies on
-        value = manifest.get(key)
-        if value is None and key in manifest and kind in (list, dict):
-            manifest[key] = kind()  # readers take a missing one as empty; null is the same
-            continue
-        if value is None or (isinstance(value, kind) and not isinstance(value, bool)):
-            continue
-        wrong.append(key)
-        manifest[key] = [] if kind is list else {} if kind is dict else None
-    if wrong:
-        warnings.warn(
-            f"{manifest_path}: field{'s' if len(wrong) > 1 else ''} of the wrong type "
-            f"ignored: {', '.join(wrong)}",
-            CorruptEvidenceWarning,
-            stacklevel=3,
+def refuse_links(path: str) -> None:
+    """A run folder is read only as it is: one that holds a symbolic link (a py-spy file linked
+    to /dev/zero, an events folder linked to someone else's files) is refused in one line. Its
+    readers never follow a link either (traindx.common.untrusted), should one appear later."""
+    links = untrusted.folder_links(path, skip=(CAPTURED,))  # --fix's copies of the job's folders
+    if links:
+        first = os.path.join(path, links[0])
+        more = f" and {len(links) - 1} more" if len(links) > 1 else ""
+        raise UserError(
+            f"{path} holds a symbolic link ({links[0]} -> {os.readlink(first)}){more}: a run folder "
+            "is read as it is, never through a link; copy it without its links"
         )
-    return manifest, None
 
 
 def is_run_dir(path: str) -> bool:
@@ -374,13 +338,14 @@ def load_run(
     path = os.path.abspath(os.fspath(path))
     if not os.path.isdir(path):
         raise UserError(f"no such run folder: {path}")
+    refuse_links(path)
     manifest_path = os.path.join(path, "manifest.json")
     if not os.path.isfile(manifest_path) and os.path.isdir(os.path.join(path, "nodes")):
         raise UserError(
             f"{path} is a multi-node run not merged yet: run `diagnose merge "
             f"{path}` once every node has finished"
         )
-    manifest, problem = _read_manifest(manifest_path)
+    manifest, problem = read_manifest(manifest_path)
     if manifest is None:  # problem says why
         evidence = _evidence_present(path)
         if not evidence:
@@ -394,6 +359,7 @@ def load_run(
             stacklevel=2,
         )
         manifest = {"traindx_run": 1, "command": [], "status": "unknown", "missing": {"manifest": problem}}
+    untrusted.note_folder(path, manifest)  # recorded elsewhere: this machine's files not read
     tables, processes, labels = load_tables(path, cache, manifest, so_far=so_far)
     columns = PROCESS_COLUMNS + (["node"] if manifest.get("nodes") else [])
     return RunRecord(

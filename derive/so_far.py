@@ -20,6 +20,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from traindx.common import untrusted
 from traindx.profiler import columnar
 from traindx.profiler.columnar import FileParse
 from traindx.profiler.shim._traindx_shim import schema
@@ -84,7 +85,7 @@ class EventsSoFar:
             if old is not None:  # the frames kept were of rows that are no longer the file's
                 self.frames = columnar.FramesKept()
             done, lines, old = 0, 0, None  # shrank, rolled, or another file index: whole
-        with open(path, "rb") as f:
+        with untrusted.open_file(path) as f:  # a run folder's file: no link, FIFO or device
             f.seek(done)
             data = f.read(size - done)
         data = data[: data.rfind(b"\n") + 1]  # complete lines only: the rest comes next time

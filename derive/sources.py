@@ -1,12 +1,15 @@
 """The job's own source files, as the record names them (a frame's file and line, a script of the
 command): the one reader of them for the judge. Each file is read once per version (its mtime and
 size): a live judgement reads the same script at every pass. A file that cannot be read here (gone,
-another machine's path, not text) reads as None or empty, never as an error."""
+another machine's path, not text, not a regular file, or any file of this machine while a folder
+recorded elsewhere is loaded: common/untrusted.py) reads as None or empty, never as an error."""
 
 from __future__ import annotations
 
 import functools
 import os
+
+from traindx.common import untrusted
 
 
 def _version(path: str) -> tuple[int, int] | None:
@@ -19,9 +22,8 @@ def _version(path: str) -> tuple[int, int] | None:
 
 @functools.lru_cache(maxsize=128)
 def _read(path: str, mtime_ns: int, size: int) -> str | None:
-    try:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            return f.read()
+    try:  # a regular file of at most 64 MiB: a frame naming /dev/zero or a FIFO is never read
+        return untrusted.local_text(path)
     except (OSError, ValueError):
         return None
 
@@ -32,6 +34,10 @@ def source_text(path: str | None, cwd: str | None = None) -> str | None:
     if not path:
         return None
     for candidate in (path, os.path.join(cwd, path)) if cwd else (path,):
+        try:  # asked before the cache: a folder recorded elsewhere may have been loaded since
+            untrusted.refuse_local(candidate)
+        except OSError:
+            return None
         version = _version(candidate)
         if version is not None and os.path.isfile(candidate):
             text = _read(candidate, *version)

@@ -3,13 +3,13 @@ steady window between them, per rank. Derived from the run record; no judgement.
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Sequence
 
 import numpy as np
 import pandas as pd
 
+from traindx.common import untrusted
 from traindx.derive.runview import RunView
 from traindx.profiler.proctree import STOPPED_FILE
 from traindx.profiler.shim._traindx_shim import schema
@@ -36,9 +36,8 @@ def stopped_intervals(run: RunView) -> list[tuple[int, int, int]]:
     stops so far); unreadable entries skipped."""
     stops = run.manifest.get("stopped") if isinstance(run.manifest, dict) else None
     if stops is None:  # the job still runs: the launcher's file of the stops so far
-        try:
-            with open(os.path.join(run.path, STOPPED_FILE), encoding="utf-8") as f:
-                stops = json.load(f)
+        try:  # a run folder's file: no link, FIFO or device (untrusted)
+            stops = untrusted.load_json(os.path.join(run.path, STOPPED_FILE))
         except (OSError, ValueError, TypeError):
             stops = []
     out = []

@@ -16,6 +16,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from traindx.common import untrusted
 from traindx.profiler.eventparse import FILE, EventFile
 from traindx.profiler.shim._traindx_shim.segments import segments
 
@@ -46,10 +47,9 @@ def fingerprint(files: Sequence[EventFile]) -> str:
 def read_cache(run_path: str, fp: str | None) -> tuple[dict[str, Any], CachedPaths] | None:
     """(index dict, {type: (parquet path, json columns)}) when the cache matches, else None."""
     folder = os.path.join(run_path, CACHE_DIR)
-    try:
-        with open(os.path.join(folder, "index.json"), encoding="utf-8") as fh:
-            index = json.load(fh)
-    except (OSError, ValueError, RecursionError):
+    try:  # a received folder's tables are untrusted input too: no link, FIFO or device
+        index = untrusted.load_json(os.path.join(folder, "index.json"), bounded=False)
+    except (OSError, ValueError):
         return None
     # a derived copy: anything wrong with it (garbage, a cut write) and the raw events are parsed
     if not isinstance(index, dict) or index.get("fingerprint") != fp:
@@ -66,7 +66,8 @@ def read_cache(run_path: str, fp: str | None) -> tuple[dict[str, Any], CachedPat
     pq = _parquet()
     for p, _ in paths.values():
         try:
-            pq.read_metadata(p)  # the footer only: a garbage or cut file fails here
+            with untrusted.open_file(p) as f:
+                pq.read_metadata(f)  # the footer only: a garbage or cut file fails here
         except (OSError, ValueError, pa.ArrowException):
             return None
     return index, paths
@@ -107,7 +108,7 @@ def encode(df: pd.DataFrame) -> tuple[pd.DataFrame, list[str]]:
 def decode(df: pd.DataFrame, encoded: list[str]) -> pd.DataFrame:
     """The JSON-text columns of a frame read back as values (NaN where there was none)."""
     for col in encoded:
-        df[col] = df[col].map(lambda v: json.loads(v) if isinstance(v, str) else np.nan)
+        df[col] = df[col].map(lambda v: untrusted.loads(v) if isinstance(v, str) else np.nan)
     return df
 
 
@@ -116,7 +117,8 @@ def write_table(df: pd.DataFrame, path: str) -> None:
 
 
 def read_frame(path: str, encoded: list[str]) -> pd.DataFrame:
-    return decode(_parquet().read_table(path).to_pandas(), encoded)
+    with untrusted.open_file(path) as f:  # checked again: the folder may have changed since
+        return decode(_parquet().read_table(f).to_pandas(), encoded)
 
 
 def node_parts(node_tables: list[tuple[int, CachedPaths]], typ: str) -> list[pd.DataFrame]:

@@ -10,7 +10,6 @@ decides exactly which lines to skip.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -20,6 +19,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.json as pa_json
 
+from traindx.common import untrusted
 from traindx.profiler.rolling import read_bytes
 from traindx.profiler.shim._traindx_shim import schema
 
@@ -69,7 +69,8 @@ def valid_event(event: dict[str, Any]) -> bool:
     if event.get("start") is not None and not _is_time(event["start"]):
         return False
     if event["type"] in (schema.STEP_BEGIN, schema.STEP_END):
-        return isinstance(event.get("step"), int)
+        step = event.get("step")  # an int64 (10**23 is no step number any table can hold)
+        return isinstance(step, int) and not isinstance(step, bool) and -MAX_NS - 1 <= step <= MAX_NS
     return True
 
 
@@ -190,7 +191,7 @@ def _read_slow(
         if not text.strip():
             continue
         try:
-            event = json.loads(text)
+            event = untrusted.loads(text)  # nesting bounded: a line 200,000 deep is corrupt
         except ValueError:
             event = None
         if isinstance(event, dict) and valid_event(event):
@@ -272,12 +273,18 @@ def parse_file(index: int, path: str, data: bytes | None = None, whole_lines: bo
     Every row carries FILE (index) and SEQ (line number) for `_place`. data: these bytes
     instead of the file's (the part appended since the last read: traindx.derive.so_far.EventsSoFar);
     whole_lines: they end on a whole line, so the last one is not told apart as a cut-off one."""
+    read_notes: list[str] = []
     if data is None:
-        data = read_bytes(path)  # the head and a long run's segments (profiler/rolling.py)
+        try:  # the head and a long run's segments (profiler/rolling.py), as untrusted input
+            data = read_bytes(path, read_notes)
+        except OSError as exc:
+            note = (CorruptEvidenceWarning, f"{path}: not read ({exc.strerror}); its events are left out")
+            return {}, {}, [note], _identity(None, {}, {}, np.zeros(0, np.int64))
     buf = np.frombuffer(data, dtype=np.uint8)
     lines = _Lines.of(buf, whole_lines)
     table = _read_flat(buf, len(data), lines) if lines.flat.any() else None
     flat_lines = np.flatnonzero(lines.flat)
     nested, notes = _read_slow(data, lines, index, path)
+    notes += [(CorruptEvidenceWarning, note) for note in read_notes]
     flat_tables = _split_types(table, index, flat_lines) if table is not None and table.num_rows else {}
     return flat_tables, nested, notes, _identity(table, flat_tables, nested, flat_lines)

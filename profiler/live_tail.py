@@ -11,7 +11,6 @@ decides what runs when.
 from __future__ import annotations
 
 import glob
-import json
 import math
 import os
 import re
@@ -20,6 +19,9 @@ import time
 from collections import deque
 from collections.abc import Collection
 from typing import Any
+
+from traindx.common import untrusted
+from traindx.profiler.eventparse import valid_event
 
 # deep capture: a step this many times the running median (of the last ANOMALY_WINDOW steady
 # steps, once ANOMALY_MIN_STEPS are known) or a kernel compiled again is an anomaly
@@ -43,6 +45,7 @@ FILES_EVERY_S = 2.0  # new events files (a rank that started late) and py-spy
 # recordings looked for
 RECORDING_SETTLE_S = 1.0  # a recording's file unchanged this long is whole
 KEYS_KEPT = 4096  # compile keys remembered per kernel (a long run's memory)
+READ_BYTES = 256 << 20  # read per file per poll (the rest next poll): a live run's tail is small
 # a span line of the shim: '{"cat": "data", "start": <ns>, "t": <ns>, ...' (read without a JSON
 # parse: the cheap stage runs at every step end)
 _SPAN = re.compile(rb'^\{"cat": "(\w+)", "start": (\d+), "t": (\d+)', re.MULTILINE)
@@ -236,10 +239,10 @@ class EventTail:
         """True when a step ended since the last poll."""
         before = self.step_ends
         for path in self._files():
-            try:
-                with open(path, "rb") as f:
+            try:  # a run folder's file: no link, FIFO or device; a poll reads at most READ_BYTES
+                with untrusted.open_file(path) as f:
                     f.seek(self.offsets.get(path, 0))
-                    chunk = f.read()
+                    chunk = f.read(READ_BYTES)
             except OSError:
                 continue
             complete = chunk[: chunk.rfind(b"\n") + 1]
@@ -267,22 +270,27 @@ class EventTail:
             if b'"step_end"' not in line and b'"compile"' not in line:
                 continue  # most lines are spans: skip their JSON parse
             try:
-                e = json.loads(line)
-            except ValueError:
+                e = untrusted.loads(line)
+                if isinstance(e, dict) and valid_event(e):
+                    self._on_event(path, e)
+            except (ValueError, TypeError):  # a line of the wrong types is corrupt: skipped
                 continue
-            if e.get("type") == "step_end":
-                self.step_ends += 1
-                self.step = max(self.step, int(e.get("step", -1)) + 1)
-                self.last_step_s = e.get("duration_s")
-                self._on_step(path, e)
-            elif e.get("type") == "compile":
-                self.compiles += 1
-                self._on_compile(e)
-                start, end = e.get("start"), e.get("t")
-                if isinstance(start, (int, float)) and isinstance(end, (int, float)) and end > start:
-                    # a compile pauses the step as a span does: its time is the line's `compile`
-                    spans = self._span_s.setdefault(path, {})
-                    spans["compile"] = spans.get("compile", 0.0) + (end - start) / 1e9
+
+    def _on_event(self, path: str, e: dict[str, Any]) -> None:
+        if e.get("type") == "step_end":
+            self.step_ends += 1
+            self.step = max(self.step, int(e.get("step", -1)) + 1)
+            d = e.get("duration_s")
+            self.last_step_s = d if isinstance(d, (int, float)) and math.isfinite(d) else None
+            self._on_step(path, e)
+        elif e.get("type") == "compile":
+            self.compiles += 1
+            self._on_compile(e)
+            start, end = e.get("start"), e.get("t")
+            if isinstance(start, (int, float)) and isinstance(end, (int, float)) and end > start:
+                # a compile pauses the step as a span does: its time is the line's `compile`
+                spans = self._span_s.setdefault(path, {})
+                spans["compile"] = spans.get("compile", 0.0) + (end - start) / 1e9
 
 
 def _line_of(spans: dict[str, float], duration_s: float) -> dict[str, float]:

@@ -6,16 +6,18 @@ from __future__ import annotations
 import fcntl
 import getpass
 import importlib.metadata
-import json
 import os
 import platform
+import re
 import socket
 import sys
 import time
-from collections.abc import Mapping, Sequence
+import warnings
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from traindx.common import atomic, redact
+from traindx.common import atomic, redact, untrusted
+from traindx.profiler.eventparse import CorruptEvidenceWarning
 from traindx.profiler.shim._traindx_shim.roles import announced_ranks
 
 TRACKED_PACKAGES = (
@@ -73,6 +75,91 @@ def host_info() -> dict[str, Any]:
         "cpus": os.cpu_count(),
         "user": user,
     }
+
+
+# -- reading a manifest (a received folder's too: untrusted input) ----------------------------
+MAX_NS = 2**63 - 1  # a time every reader can hold as int64 ns
+MAX_MANIFEST_BYTES = 64 * untrusted.MiB  # the env, packages and a merged run's ranks: ~10 KB
+_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.@+=-]{0,127}")  # a node's name: a folder under nodes/
+
+
+def _time_ns(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v <= MAX_NS  # NaN fails too
+
+
+def _whole(lo: int, hi: int) -> Callable[[Any], bool]:
+    return lambda v: isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi
+
+
+def _texts(v: Any) -> bool:
+    return isinstance(v, list) and all(isinstance(x, str) for x in v)
+
+
+# the manifest's fields and what every reader relies on them to be (launcher, attach, merge
+# write them): a field that is not is dropped with one warning, the rest of the run analysed
+MANIFEST_FIELDS: dict[str, Callable[[Any], bool]] = {
+    "command": _texts,
+    "gpus": lambda v: isinstance(v, list),
+    "signals_forwarded": lambda v: isinstance(v, list),
+    "host": lambda v: isinstance(v, dict),
+    "packages": lambda v: isinstance(v, dict),
+    "env": lambda v: isinstance(v, dict) and all(isinstance(x, str) for x in v.values()),
+    "options": lambda v: isinstance(v, dict),
+    "ranks": lambda v: isinstance(v, dict),
+    "missing": lambda v: isinstance(v, dict),
+    "nvml": lambda v: isinstance(v, dict),
+    "budget": lambda v: isinstance(v, dict),
+    "start_ns": _time_ns,
+    "end_ns": _time_ns,
+    "exit_code": _whole(-(2**31), 2**31 - 1),
+    "pid": _whole(1, 2**31 - 1),
+    "cwd": lambda v: isinstance(v, str),
+    "status": lambda v: isinstance(v, str),
+    # a merged run's nodes name folders under nodes/: a name that is a path ("../x") never is one
+    "nodes": lambda v: _texts(v) and all(_NAME.fullmatch(x) and x not in (".", "..") for x in v),
+}
+_SCALARS = ("start_ns", "end_ns", "exit_code", "pid", "cwd", "status")  # dropped: None
+_LISTS = ("command", "gpus", "signals_forwarded", "nodes")  # dropped: [] (the rest: {})
+
+
+def read_manifest(path: str, stacklevel: int = 2) -> tuple[dict[str, Any] | None, str | None]:
+    """(manifest, None), or (None, why it is not one: missing, unreadable, not JSON, not a
+    traindx manifest). Read as untrusted input (traindx.common.untrusted: no link, FIFO or
+    device; nesting bounded); a field of the wrong type or out of range (a start time NaN,
+    Infinity or 1e308, a node named "../x") is dropped with one warning."""
+    try:
+        raw = untrusted.read_bytes(path, MAX_MANIFEST_BYTES)
+    except FileNotFoundError:
+        return None, "no manifest.json"
+    except OSError as exc:
+        return None, f"manifest.json unreadable ({exc.strerror})"
+    try:
+        manifest = untrusted.loads(raw.decode("utf-8"))
+    except ValueError:  # UnicodeDecodeError too
+        return None, "manifest.json is corrupt (not JSON)"
+    if not isinstance(manifest, dict) or "command" not in manifest:
+        return None, "manifest.json is not a traindx manifest"
+    if isinstance(manifest["command"], str):
+        manifest["command"] = [manifest["command"]]
+    wrong = []
+    for key, ok in MANIFEST_FIELDS.items():  # the shapes every reader relies on
+        if key not in manifest:
+            continue
+        value = manifest[key]
+        empty = None if key in _SCALARS else [] if key in _LISTS else {}
+        if value is None:
+            manifest[key] = empty  # readers take a missing one as empty; null is the same
+        elif not ok(value):
+            wrong.append(key)
+            manifest[key] = empty
+    if wrong:
+        warnings.warn(
+            f"{path}: field{'s' if len(wrong) > 1 else ''} of the wrong type or out of range "
+            f"ignored: {', '.join(wrong)}",
+            CorruptEvidenceWarning,
+            stacklevel=stacklevel + 1,
+        )
+    return manifest, None
 
 
 # -- one run per folder ----------------------------------------------------------------------
@@ -188,8 +275,8 @@ def _read_holder(fd: int) -> str:
 
 def recorder_alive(run_dir: str) -> str | None:
     """' (pid N on HOST)' when a diagnose holds RUN's lock now, else None."""
-    try:
-        fd = os.open(_lock_path(run_dir), os.O_RDONLY)
+    try:  # a received folder's lock may be a FIFO or a link: never waited on, never followed
+        fd = os.open(_lock_path(run_dir), os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError:
         return None
     try:
@@ -201,11 +288,41 @@ def recorder_alive(run_dir: str) -> str | None:
     return None
 
 
+STALE_S = 120.0  # a recorder on another host: gone once the folder has not changed this long
+
+
+def recorder_gone(run_dir: str, stale_s: float = STALE_S) -> str | None:
+    """Why RUN, whose manifest says `running`, has no recorder any more (SIGKILL, OOM, a lost
+    machine: the kernel dropped its lock), or None while one records into it (or may: a lock
+    taken on another host, which a shared filesystem may not show here, counts until the folder
+    has not changed for stale_s)."""
+    try:
+        manifest = untrusted.load_json(os.path.join(run_dir, "manifest.json"), MAX_MANIFEST_BYTES)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(manifest, dict) or manifest.get("status") != "running":
+        return None
+    if recorder_alive(run_dir) is not None:
+        return None
+    try:
+        fd = os.open(_lock_path(run_dir), os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        host = ""
+    else:
+        host = _read_holder(fd).rstrip(")").rpartition(" on ")[2]
+        os.close(fd)
+    if host and host != socket.gethostname():
+        newest = _newest_evidence_ns(run_dir) or 0
+        if time.time_ns() - newest < stale_s * 1e9:
+            return None
+        return f"{run_dir} says `running`, but its recorder on {host} has written nothing for {stale_s:.0f} s"
+    return f"{run_dir} says `running`, but no diagnose records into it any more (killed?)"
+
+
 def describe_run(run_dir: str) -> str:
     """'finished, exit code 0, 2026-12-01 10:33' or 'running' ... for a one-line message."""
     try:
-        with open(os.path.join(run_dir, "manifest.json"), encoding="utf-8") as f:
-            m = json.load(f)
+        m = untrusted.load_json(os.path.join(run_dir, "manifest.json"), MAX_MANIFEST_BYTES)
         status: str = m.get("status") or "unknown status"
         if status == "running" and recorder_alive(run_dir) is None:
             status = "interrupted: its diagnose is gone"
@@ -213,7 +330,7 @@ def describe_run(run_dir: str) -> str:
         parts = [status]
         if m.get("exit_code") is not None:
             parts.append(f"exit code {m['exit_code']}")
-        if isinstance(when, int):
+        if isinstance(when, int) and 0 <= when <= MAX_NS:
             parts.append("started " + time.strftime("%Y-%m-%d %H:%M", time.localtime(when / 1e9)))
         return ", ".join(parts)
     except (OSError, ValueError, AttributeError, TypeError):
@@ -227,8 +344,7 @@ def finish_interrupted(run_dir: str) -> str | None:
     or None when there was nothing to finish. The evidence itself is not touched."""
     path = os.path.join(run_dir, "manifest.json")
     try:
-        with open(path, encoding="utf-8") as f:
-            manifest = json.load(f)
+        manifest = untrusted.load_json(path, MAX_MANIFEST_BYTES)
     except (OSError, ValueError):
         return None
     if not isinstance(manifest, dict) or manifest.get("status") != "running":

@@ -21,19 +21,22 @@ raylet (its child), so they inherit the shim from it like any other child of the
 """
 
 import functools
+import io
 import json
 import os
 import re
 import shutil
 import socket
 import stat
+import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import pandas as pd
 
-from traindx.common import atomic
+from traindx.common import atomic, untrusted
 from traindx.common.errors import UserError
+from traindx.profiler import manifest as manifest_file
 from traindx.profiler.clocks import METHOD
 from traindx.profiler.shim._traindx_shim.roles import parse_process_file, safe_label
 from traindx.profiler.torchtrace import load_traces as load_folder
@@ -188,8 +191,7 @@ def read_clock(run_dir: str) -> dict[str, int]:
     """{node: offset_ns} from RUN/clock.json (an unknown offset counts as 0)."""
     path = os.path.join(run_dir, CLOCK_FILE)
     try:
-        with open(path, encoding="utf-8") as f:
-            clock = json.load(f)
+        clock = untrusted.load_json(path)  # a run folder's file: no link, FIFO or device
         return {n: int(v.get("offset_ns") or 0) for n, v in clock["nodes"].items()}
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         raise UserError(f"{path} is missing or corrupt: run `diagnose merge {run_dir}`") from None
@@ -288,14 +290,12 @@ def load_traces(run_dir: str, manifest: Mapping[str, Any]) -> tuple[Any, dict[st
 
 # -- merging the node parts (diagnose merge) ---------------------------------------------------------
 def read_manifest(folder: str) -> dict[str, Any]:
+    """A node's manifest, read as untrusted input (profiler/manifest.read_manifest: its fields
+    checked); one that is not a manifest is a UserError."""
     path = os.path.join(folder, "manifest.json")
-    try:
-        with open(path, encoding="utf-8") as f:
-            manifest = json.load(f)
-    except (OSError, ValueError):
-        raise UserError(f"{path} is unreadable or not JSON") from None
-    if not isinstance(manifest, dict) or "command" not in manifest:
-        raise UserError(f"{path} is not a traindx manifest")
+    manifest, problem = manifest_file.read_manifest(path, stacklevel=3)
+    if manifest is None:
+        raise UserError(f"{path}: {problem}")
     return manifest
 
 
@@ -433,9 +433,14 @@ def merge_log(parts: list[Part], out_path: str) -> None:
         path = os.path.join(folder, "log.txt")
         if not _regular(path):
             continue
-        with open(path, encoding="utf-8", errors="replace") as f:
-            for line in f:
-                t, _, rest = line.rstrip("\n").partition(" ")
+        try:  # untrusted input: no link, FIFO or device
+            text = untrusted.read_text(path)
+        except OSError as exc:
+            warnings.warn(f"{path}: not read ({exc.strerror}); its log lines left out", stacklevel=2)
+            continue
+        for line in text.split("\n"):
+            if line:
+                t, _, rest = line.partition(" ")
                 if t.isdigit():
                     lines.append((int(t) + offset, rest))
     lines.sort(key=lambda x: x[0])
@@ -465,7 +470,7 @@ def merge_pyspy(parts: list[Part], labels: Mapping[tuple[Any, Any], str], out_di
                 continue
             target = os.path.join(out_dir, safe_label(f"{label}-{flavour}{dot}{ext}"))
             if name.endswith("-dump.jsonl"):
-                with open(os.path.join(src, name), encoding="utf-8", errors="replace") as f:
+                with io.TextIOWrapper(untrusted.open_file(os.path.join(src, name)), "utf-8", "replace") as f:
                     atomic.write_lines(target, _shifted_snapshots(f, node, offset), root=out_dir)
             else:
                 atomic.replace_with(

@@ -15,6 +15,8 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from traindx.common import untrusted
+
 COLUMNS = ["t", "gpu", "util", "mem_util", "sm_clock_mhz", "mem_used_bytes", "power_w", "clock_event_reasons"]
 
 
@@ -242,8 +244,7 @@ def load_csv(path: str) -> tuple[Any, str | None]:
 
     empty = pd.DataFrame(columns=COLUMNS)
     try:
-        with open(path, "rb") as f:
-            raw = f.read()
+        raw = untrusted.read_bytes(path)  # a run folder's file: no link, FIFO or device
     except OSError as exc:
         return empty, f"{path}: unreadable ({exc.strerror}); GPU metrics skipped"
     if not raw.strip():

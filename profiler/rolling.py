@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import IO, Any
 
-from traindx.common import atomic
+from traindx.common import atomic, untrusted
 from traindx.common.errors import UserError
 from traindx.profiler.diskfloor import FLOOR_CHECK_S, folder_bytes, under_floor
 from traindx.profiler.logparse import compile_custom, parse_line
@@ -131,42 +131,27 @@ class RollingLines:
         return self.head
 
 
-def read_text(head: str) -> str:
+def read_text(head: str, notes: list[str] | None = None) -> str:
     """The whole text of a rolling line file, segments in order (gzipped ones decompressed);
-    the head alone for a short run."""
-    parts = []
-    # newline="\n": a carriage return inside a line (a progress bar's updates, one record line)
-    # stays in that line; universal newlines would cut it into lines without a time stamp
-    with open(head, encoding="utf-8", errors="replace", newline="\n") as f:
-        parts.append(f.read())
-    for _, path, gz in segments(head):
-        try:
-            if gz:
-                with gzip.open(path, "rt", encoding="utf-8", errors="replace", newline="\n") as f:
-                    parts.append(f.read())
-            else:
-                with open(path, encoding="utf-8", errors="replace", newline="\n") as f:
-                    parts.append(f.read())
-        except (OSError, EOFError):  # a segment removed while we read: rolled into a .gz
-            continue
-    for i in range(len(parts) - 1):  # segments end on whole lines; a cut head must not glue
-        if parts[i] and not parts[i].endswith("\n"):
-            parts[i] += "\n"
-    return "".join(parts)
+    the head alone for a short run. Line ends are kept as written: a carriage return inside a
+    line (a progress bar's updates, one record line) stays in that line. notes: read_bytes'."""
+    return read_bytes(head, notes).decode("utf-8", errors="replace")
 
 
-def read_bytes(head: str) -> bytes:
-    """read_text's bytes: the head and its segments in order, each ending on a whole line."""
-    parts = []
-    with open(head, "rb") as f:
-        parts.append(f.read())
+def read_bytes(head: str, notes: list[str] | None = None) -> bytes:
+    """The head and its segments in order, each ending on a whole line, read as untrusted input
+    (traindx.common.untrusted: no link, FIFO or device, a gzipped segment's inflated size capped).
+    The head not read is an OSError; a segment not read is left out, and why is appended to
+    `notes` (a segment removed while we read, rolled into a .gz meanwhile, is not worth one)."""
+    parts = [untrusted.read_bytes(head)]
     for _, path, gz in segments(head):
         try:
-            opener = gzip.open if gz else open
-            with opener(path, "rb") as f:
-                parts.append(f.read())
-        except (OSError, EOFError):  # a segment removed while we read: rolled into a .gz
+            parts.append(untrusted.read_gzip(path) if gz else untrusted.read_bytes(path))
+        except FileNotFoundError:
             continue
+        except OSError as exc:
+            if notes is not None:
+                notes.append(f"{path}: not read ({exc.strerror}): its lines are left out")
     if len(parts) == 1:
         return parts[0]
     for i in range(len(parts) - 1):
@@ -189,8 +174,7 @@ def _size(path: str) -> int:
 
 def _read_summary(head: str) -> dict[str, Any]:
     try:
-        with open(summary_path(head), encoding="utf-8") as f:
-            data = json.load(f)
+        data = untrusted.load_json(summary_path(head))
         return data if isinstance(data, dict) else {}
     except (OSError, ValueError):
         return {}
@@ -436,8 +420,7 @@ def fold_windows(out_dir: str, stem_flavour: str, through: int, first: int = 1) 
 
 
 def _read_json(path: str) -> Any:
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
+    return untrusted.load_json(path, bounded=False)  # a speedscope document: its known fields read
 
 
 def _add(totals: Totals, threads: dict[str, ThreadSamples]) -> None:

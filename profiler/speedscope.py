@@ -1,10 +1,11 @@
 """Reading py-spy recordings: speedscope JSON, and py-spy's raw (collapsed) format."""
 
-import json
+import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from traindx.common import untrusted
 from traindx.common.errors import UserError
 
 # -- py-spy's thread labels, parsed here and nowhere else -----------------------------------------
@@ -53,10 +54,10 @@ Recording = dict[str, ThreadSamples]
 
 
 def load(path: str) -> Recording:
-    """{thread name: ThreadSamples} from a speedscope or raw py-spy file."""
+    """{thread name: ThreadSamples} from a speedscope or raw py-spy file, read as a run folder's
+    file is (traindx.common.untrusted: a link, a FIFO, a device or a file of any size is not)."""
     try:
-        with open(path, "rb") as f:
-            raw = f.read()
+        raw = untrusted.read_bytes(path)
     except OSError as exc:
         raise UserError(f"cannot read py-spy file {path}: {exc.strerror}") from None
     try:
@@ -72,23 +73,37 @@ def load(path: str) -> Recording:
 
 def _from_speedscope(path: str, text: str) -> Recording:
     try:
-        doc = json.loads(text)
+        doc = untrusted.loads(text, bounded=False)  # large: only its known fields are read
         frames = [
-            Frame(f.get("name", "?"), f.get("file") or "", int(f.get("line") or 0))
+            Frame(str(f.get("name", "?")), str(f.get("file") or ""), int(f.get("line") or 0))
             for f in doc["shared"]["frames"]
         ]
         threads: Recording = {}
         for profile in doc["profiles"]:
-            name = profile.get("name", "thread")
+            name = str(profile.get("name", "thread"))
             ts = threads.setdefault(name, ThreadSamples(name))
             weights = profile.get("weights") or [1] * len(profile["samples"])
             for sample, weight in zip(profile["samples"], weights):
-                stack = tuple(frames[i] for i in sample)
+                stack = tuple(frames[_index(i)] for i in sample)
                 ts.stacks.append(_strip_thread_root(stack))
-                ts.weights.append(weight)
+                ts.weights.append(_weight(weight))
         return threads
     except (ValueError, KeyError, IndexError, TypeError, AttributeError, RecursionError) as exc:
         raise UserError(f"{path} is not a valid speedscope file ({type(exc).__name__}: {exc})") from None
+
+
+def _index(i: object) -> int:
+    """A frame index of a sample: a whole number >= 0 (frames[-1] would be another frame)."""
+    if not isinstance(i, int) or isinstance(i, bool) or i < 0:
+        raise ValueError(f"frame index {i!r}")
+    return i
+
+
+def _weight(w: object) -> float:
+    """A sample's weight: a finite number >= 0 (NaN, a string or -1 would skew every share)."""
+    if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or w < 0:
+        raise ValueError(f"sample weight {w!r}")
+    return w
 
 
 def _strip_thread_root(stack: tuple[Frame, ...]) -> tuple[Frame, ...]:

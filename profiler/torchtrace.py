@@ -14,7 +14,7 @@ arrays, repeated strings — names, categories, pids — kept once). Memory is t
 """
 
 import glob
-import gzip
+import io
 import json
 import math
 import os
@@ -25,6 +25,7 @@ import numpy as np
 import numpy.typing as npt
 import pandas as pd
 
+from traindx.common import untrusted
 from traindx.common.errors import UserError
 
 TRACE_COLUMNS = [
@@ -413,15 +414,20 @@ def _kineto_frame(columns: dict[str, Any], rank: str, base: int) -> pd.DataFrame
 def load_trace(path: str, rank: str, fast: bool = True) -> pd.DataFrame:
     """The complete ('X') events of one trace file as a DataFrame of TRACE_COLUMNS (fast=False:
     always the general streaming reader)."""
+
+    def opened() -> io.TextIOWrapper:
+        # a run folder's file: no link, FIFO or device; inflated size capped (untrusted)
+        raw = untrusted.open_gzip(path) if path.endswith(".gz") else untrusted.open_file(path)
+        return io.TextIOWrapper(raw, encoding="utf-8")
+
     try:
-        opener = gzip.open if path.endswith(".gz") else open
         if fast:
             try:
-                with opener(path, "rt", encoding="utf-8") as f:
+                with opened() as f:
                     return _read_kineto(f, rank)[0]
             except _NotKineto:
                 pass  # the general reader below decides, and names any error
-        with opener(path, "rt", encoding="utf-8") as f:
+        with opened() as f:
             return _read(f, rank)
     except (
         OSError,

@@ -277,7 +277,8 @@ def _model_name(args: CardOptions, config: dict[str, Any] | None, run: RunRecord
     if not model_name and config is not None:
         model_name = config.get("_name_or_path") or config.get("model_type")
     if not model_name:
-        script = next((t for t in run.command if t.endswith(".py")), run.command[0])
+        # a run without its manifest has no command: the folder's name stands for it
+        script = next((t for t in run.command if t.endswith(".py")), (run.command or [run.path])[0])
         model_name = f"the model of {os.path.basename(script)}"
     return str(model_name)
 

@@ -3,13 +3,13 @@ is judged once (traindx.judgement.judge_run) and every output renders that Judge
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from traindx.analyzers.core.findings import Finding
+from traindx.common import untrusted
 from traindx.common.atomic import replace_with, write_json
 from traindx.common.errors import UserError
 from traindx.judgement import Judgement, judge_run
@@ -49,8 +49,8 @@ def write_ledger(run: RunRecord) -> str:
 
 def read_findings(run_path: str) -> list[Finding]:
     path = os.path.join(run_path, "findings.json")
-    with open(path, encoding="utf-8") as f:
-        return [Finding.from_dict(d) for d in json.load(f)]
+    # a received folder's findings are untrusted input: no link, FIFO or device; nesting bounded
+    return [Finding.from_dict(d) for d in untrusted.load_json(path, bounded=False)]
 
 
 def _attempt(problems: list[str], what: str, write: Callable[[], T]) -> T | None:

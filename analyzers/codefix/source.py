@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from traindx.analyzers.codefix.edit import parses
+from traindx.common import untrusted
 
 R = TypeVar("R")
 N = TypeVar("N", bound=ast.stmt | ast.expr)  # a node with a place in the file
@@ -30,9 +31,8 @@ def source_tree(path: str) -> tuple[ast.Module | None, list[str]]:
 
 @functools.lru_cache(maxsize=64)
 def _parsed(path: str, mtime_ns: int, size: int) -> tuple[ast.Module | None, list[str]]:
-    try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
+    try:  # this machine's file: never for a folder recorded elsewhere (untrusted)
+        text = untrusted.local_text(path)
         return ast.parse(text), text.splitlines()
     except (OSError, SyntaxError, ValueError):
         return None, []

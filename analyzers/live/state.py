@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import errno
 import glob
-import json
 import os
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from traindx.analyzers.core.findings import SEVERITIES, Finding
+from traindx.common import untrusted
 from traindx.common.atomic import write_json
 from traindx.derive.ledger import CATEGORIES, LABELS
 
@@ -102,10 +102,9 @@ def run_is_live(run_dir: str) -> bool:
     paths += glob.glob(os.path.join(run_dir, "nodes", "*", "manifest.json"))
     seen = False
     for p in paths:
-        try:
-            with open(p, encoding="utf-8") as f:
-                status = json.load(f).get("status")
-        except (OSError, ValueError):
+        try:  # a run folder's file: no link, FIFO or device (untrusted)
+            status = untrusted.load_json(p).get("status")
+        except (OSError, ValueError, AttributeError):
             continue
         seen = True
         if status == "running":

@@ -16,7 +16,8 @@ def analyze_file(path: str, rate_hz: float) -> list[Finding]:
     which counts samples instead of seconds."""
     if os.path.getsize(path) == 0:
         raise UserError(f"{path} is empty: not a py-spy recording")
-    recording = speedscope.load(path)
+    # a file the user names may be a link of theirs (a run folder's own never is)
+    recording = speedscope.load(os.path.realpath(path))
     if not recording or not any(s.stacks for s in recording.values()):
         raise UserError(f"{path} holds no py-spy samples")
     with open(path, encoding="utf-8", errors="replace") as f:

@@ -7,7 +7,6 @@ imports this module and needs none of them."""
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -16,6 +15,7 @@ import webbrowser
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from traindx.common import untrusted
 from traindx.common.errors import UserError
 
 if TYPE_CHECKING:
@@ -41,11 +41,16 @@ def read_comparison(comparison: str | None, run_path: str) -> dict[str, Any] | N
         if comparison:
             raise UserError(f"no such comparison file: {path}")
         return None
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
+    try:  # RUN/comparison.json is a run folder's file: no link, FIFO or device (untrusted)
+        data = untrusted.load_json(os.path.realpath(path) if comparison else path, bounded=False)
     except (OSError, ValueError) as exc:
-        raise UserError(f"{path} is not readable JSON ({type(exc).__name__})") from None
+        if not comparison:  # the run folder's own copy: the report goes on without it
+            why = getattr(exc, "strerror", None) or type(exc).__name__
+            warnings.warn(f"{path} is not readable JSON ({why}): no 'before and after'", stacklevel=2)
+            return None
+        raise UserError(
+            f"{path} is not readable JSON ({getattr(exc, 'strerror', None) or type(exc).__name__})"
+        ) from None
     if not isinstance(data, dict):
         raise UserError(f"{path} must hold a JSON object")
     if isinstance(data.get("baseline"), dict) and "median_step_s" in data["baseline"]:
@@ -72,7 +77,7 @@ def _stored_findings(record: RunRecord, reanalyze: bool) -> list[Finding] | None
         return read_findings(record.path)
     except (OSError, ValueError, TypeError, KeyError, AttributeError, RecursionError) as exc:
         warnings.warn(
-            f"{findings_path} is unreadable ({type(exc).__name__}): the findings "
+            f"{findings_path} is unreadable ({getattr(exc, 'strerror', None) or type(exc).__name__}): the findings "
             "were analysed again from the run",
             stacklevel=3,
         )
@@ -135,6 +140,7 @@ def watch(run_dir: str, poll_s: float) -> int:
     """The live status and each stable finding of a run folder being written elsewhere, until
     the run ends."""
     from traindx.analyzers.live.live import LiveJudge, LiveOptions, run_is_live  # lazy: pandas
+    from traindx.derive.run import refuse_links
     from traindx.report.live_view import LiveView
 
     shown = run_dir
@@ -148,14 +154,23 @@ def watch(run_dir: str, poll_s: float) -> int:
         raise UserError(f"{shown} is not a traindx run (no manifest.json, no nodes/)")
     if not poll_s > 0:
         raise UserError("--poll must be > 0 seconds")
+    refuse_links(run_dir)  # read as it is, never through a link (traindx.derive.run)
     view = LiveView()
     judge = LiveJudge(run_dir, LiveOptions(poll_s=poll_s), on_finding=view.on_finding, on_state=view.on_state)
+    gone = None
     with view:
-        while run_is_live(run_dir):
+        while run_is_live(run_dir) and not (gone := _recorders_gone(run_dir)):
             judge.step_once()
             time.sleep(poll_s)
         judge.step_once(force=True)  # the finished record, once
     state = judge.state
+    if gone:  # a recorder killed (SIGKILL, OOM, a lost machine) leaves `running` for ever
+        print(
+            f"diagnose: {gone}: watched as far as it was recorded ({state.step} steps); "
+            f"`diagnose report {shown} --reanalyze` marks it interrupted and reports it",
+            file=sys.stderr,
+        )
+        return 1
     print(
         f"diagnose watch: the run ended after {state.step} steps; "
         f"{len(state.stable)} finding(s) shown; report: {os.path.join(run_dir, 'report.html')}"
@@ -163,15 +178,38 @@ def watch(run_dir: str, poll_s: float) -> int:
     return 0
 
 
+def _recorders_gone(run_dir: str) -> str | None:
+    """Why nothing records into a run that says `running` any more (its own recorder, or every
+    node part's that says so), else None (profiler/manifest.recorder_gone)."""
+    from traindx.profiler.manifest import recorder_gone
+    from traindx.profiler.nodes import NODES_DIR  # lazy, as the rest of this module
+
+    nodes_dir = os.path.join(run_dir, NODES_DIR)
+    parts = [run_dir] + sorted(
+        os.path.join(nodes_dir, n) for n in (os.listdir(nodes_dir) if os.path.isdir(nodes_dir) else [])
+    )
+    running = [p for p in parts if _says_running(p)]
+    gone = [why for why in map(recorder_gone, running) if why]
+    return gone[0] if running and len(gone) == len(running) else None
+
+
+def _says_running(folder: str) -> bool:
+    try:
+        manifest = untrusted.load_json(os.path.join(folder, "manifest.json"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(manifest, dict) and manifest.get("status") == "running"
+
+
 def kept_arm(path: str) -> str:
     """The run folder a card is made of: a `diagnose --fix` folder stands for its kept arm."""
     if os.path.isfile(os.path.join(path, "manifest.json")):
         return path
-    try:
-        with open(os.path.join(path, "fix.json"), encoding="utf-8") as f:
-            kept = json.load(f).get("best")
-    except (OSError, ValueError):
+    try:  # a --fix folder's file: no link, FIFO or device (untrusted)
+        kept = untrusted.load_json(os.path.join(path, "fix.json"), bounded=False).get("best")
+    except (OSError, ValueError, AttributeError):
         kept = None
+    kept = kept if isinstance(kept, str) else None
     for folder in (kept, os.path.join(path, "candidate")):
         if folder and os.path.isfile(os.path.join(folder, "manifest.json")):
             return str(folder)

@@ -17,6 +17,7 @@ import fcntl
 import json
 import os
 import re
+import stat  # loaded by os already: no cost in the job
 from collections.abc import Mapping, Sequence  # already loaded by the interpreter: no cost
 
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing into the job (mypy knows the name)
@@ -28,6 +29,7 @@ if TYPE_CHECKING:
 RANK_ENV = ("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")
 EVENTS_DIR = "events"
 ANNOUNCE_DIR = "procs"  # procs/<pid>.json: a training process says so, for the py-spy manager
+ANNOUNCE_BYTES = 1 << 20  # one announcement: ~200 bytes
 
 
 SMALL_STACK_BYTES = 512 * 1024  # the shim's threads never recurse deeply
@@ -197,11 +199,14 @@ def read_announcements(run_dir: str) -> list[dict[str, Any]]:
     for name in names:
         if not name.endswith(".json"):
             continue
-        try:
-            with open(os.path.join(folder, name), encoding="utf-8") as f:
-                entry = json.load(f)
+        try:  # a folder read after the fact may be received: no link followed, no FIFO waited on
+            fd = os.open(os.path.join(folder, name), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+            with open(fd, encoding="utf-8", closefd=True) as f:
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    continue
+                entry = json.loads(f.read(ANNOUNCE_BYTES))
             int(entry["pid"])
-        except (OSError, ValueError, KeyError, TypeError):
+        except (OSError, ValueError, KeyError, TypeError, RecursionError):
             continue
         out.append(entry)
     return out
