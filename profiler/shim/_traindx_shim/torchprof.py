@@ -125,6 +125,22 @@ def _trace_path() -> str:
     return os.path.join(folder, f"{rank}.json.gz")
 
 
+def _teardown_cupti_after(torch: Any) -> None:
+    """Ask kineto to finalize CUPTI when the window stops. Without TEARDOWN_CUPTI=1 kineto leaves
+    CUPTI's callbacks subscribed after the profiler stops (pytorch/pytorch#144455), and every kernel
+    launch of the rest of the job pays for them: on a launch-bound 10 ms H100 step the default
+    window made every later step 30-50 % slower (BENCHMARKS.md). Teardown crashes a CUDA graph's
+    re-init before CUDA 12.6 (torch's own note): there, and where the job or torch set it, left alone."""
+    if "TEARDOWN_CUPTI" in os.environ:
+        return
+    try:
+        major, minor = (int(x) for x in str(torch.version.cuda).split(".")[:2])
+    except (TypeError, ValueError):
+        return
+    if (major, minor) >= (12, 6):
+        os.environ["TEARDOWN_CUPTI"] = "1"
+
+
 def _start(step: int) -> None:
     torch = _state["torch"]
     memwatch.ours_from(step)  # the profiler's buffers grow the process: not the job's memory
@@ -134,6 +150,7 @@ def _start(step: int) -> None:
     activities = [ProfilerActivity.CPU]
     if torch.cuda.is_available():
         activities.append(ProfilerActivity.CUDA)
+        _teardown_cupti_after(torch)
     # with_stack records every Python call: most of a launch-bound step's profiling cost
     stacks = not _state["lite"]
     # with_flops: torch counts the FLOPs of matmuls and convolutions from their sizes (no
