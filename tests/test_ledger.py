@@ -312,7 +312,13 @@ def test_predicted_step_time_of_the_workers_fix_comes_from_the_cpu_evidence(geti
     )
     # the per-group reading: the job held to the share its thread got (or the CPU it used)
     # plus the idle cores
-    held = min(cores, max(proc / wall, share) + cpu["sys_idle_s"].mean() / wall)
+    # idle cores as a rate: each /proc/stat reading states the wall seconds it spans (a shed
+    # shim reads it every 10th step)
+    read = cpu.dropna(subset=["sys_idle_s", "sys_span_s"]) if "sys_span_s" in cpu else cpu.iloc[:0]
+    idle = (
+        read["sys_idle_s"].sum() / read["sys_span_s"].sum() if len(read) else cpu["sys_idle_s"].mean() / wall
+    )
+    held = min(cores, max(proc / wall, share) + idle)
     per_group = S.workers_step_capped(
         data_cpu, rest_cpu, rest_wall, workers, held, load_wait=load_wait, rest_wait=rest_wait
     )
