@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from traindx.analyzers.core import savings
+from traindx.analyzers.core import savings, severity
 from traindx.analyzers.core.declaration import catalog
 from traindx.analyzers.core.findings import Prescription
 from traindx.derive import ledger as ledger_mod
@@ -459,8 +459,9 @@ def _edit_key(p: Prescription) -> tuple[str, Any, Any] | None:
 def apply_savings(findings: list[Finding], run: RunRecord) -> list[Finding]:
     """Prescriptions' expected gains from the ledger lines each root removes; the cumulative
     gain of the roots (ranked) never exceeds the steady step time of their rank; no
-    prescription is left that expects a gain <= 0."""
-    return [without_losing_prescriptions(f) for f in _priced(findings, run)]
+    prescription is left that expects a gain <= 0; no severity above what its price is worth
+    (severity.bounded_by_price)."""
+    return severity.bounded_by_price([without_losing_prescriptions(f) for f in _priced(findings, run)], run)
 
 
 def _priced(findings: list[Finding], run: RunRecord | None) -> list[Finding]:
