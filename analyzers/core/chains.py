@@ -126,6 +126,8 @@ def _root_for(f: Finding, roots: Sequence[Finding]) -> Finding | None:
         return _launch_bound_cause(f, roots)
     if f.id in ("steps.periodic_slow", "steps.instability"):
         return _slow_steps_cause(f, roots)
+    if f.id in STEADY_JIT and f.id not in FRESH_GRAPH_CALLS:
+        return _graph_recompile_cause(f, roots)
     if f.id == "sync.host_device":
         # syncs that are cuDNN's algorithm search or a large device-to-host copy: that is the cause
         gpu = [r for r in roots if r.id in ("gpu.cudnn_retune", "gpu.dtoh_copy") and _same_rank(r, f)]
@@ -138,6 +140,25 @@ def _root_for(f: Finding, roots: Sequence[Finding]) -> Finding | None:
     if root is None and f.id in ("host_work.code", "host_work.periodic_line"):
         root = _host_code_cause(f, roots)
     return root
+
+
+def _graph_recompile_cause(f: Finding, roots: Sequence[Finding]) -> Finding | None:
+    """Kernels compiled or tuned again only in steps where torch.compile recompiled a graph of
+    the same rank are that recompile's: a new shape fails the graph's guard, and the compiler
+    then builds (under max-autotune: benchmarks) that graph's kernels anew. One root, the shape
+    that changes; its fix (a dynamic dimension, padded or bucketed sizes) removes both."""
+    steps = {int(s) for s in f.steps_affected}
+    if not steps:
+        return None
+    graphs = [
+        r
+        for r in roots
+        if r is not f
+        and r.id in FRESH_GRAPH_CALLS
+        and _same_rank(r, f)
+        and steps <= {int(s) for s in r.steps_affected}
+    ]
+    return max(graphs, key=_lost, default=None)
 
 
 def _compile_holding_the_gil(f: Finding, roots: Sequence[Finding]) -> Finding | None:
@@ -309,6 +330,23 @@ def _with_ledger_lines(f: Finding, run: RunRecord) -> Finding:
     return replace(f, removes=removes)
 
 
+def _with_recompile_symptoms(findings: list[Finding]) -> list[Finding]:
+    """A root whose symptoms are compiles or autotunes paid again in its steps (a graph
+    recompile's kernels) removes their ledger lines too: its fix takes them away with it."""
+    under: dict[str, list[Finding]] = {}
+    for f in findings:
+        if f.cause is not None and f.id in STEADY_JIT and f.removes:
+            under.setdefault(f.cause, []).append(f)
+    out = []
+    for f in findings:
+        mine = [s for s in under.get(f.id, ()) if _same_rank(s, f)]
+        if f.cause is None and f.removes and mine:
+            lines = [*f.removes.get("categories", ()), *(c for s in mine for c in s.removes["categories"])]
+            f = replace(f, removes={**f.removes, "categories": list(dict.fromkeys(lines))})
+        out.append(f)
+    return out
+
+
 SAVING_SHORTFALL = 0.8  # a saving under this share of the time lost is explained with it
 
 
@@ -467,7 +505,7 @@ def apply_savings(findings: list[Finding], run: RunRecord) -> list[Finding]:
 def _priced(findings: list[Finding], run: RunRecord | None) -> list[Finding]:
     if run is None or not len(run.ledger):
         return findings
-    findings = [_with_ledger_lines(f, run) for f in findings]
+    findings = _with_recompile_symptoms([_with_ledger_lines(f, run) for f in findings])
     out = []
     for f in findings:
         if f.cause is None and f.removes and _measured(run, f.removes.get("categories", ())):
