@@ -26,6 +26,7 @@ CATEGORIES = (
     "sync",
     "collective",
     "data",
+    "eval",
     "forward_backward",
     "optimizer",
     "gpu",
@@ -42,6 +43,7 @@ _SWEEP = (
     "collective",
     "data",
     "hook",
+    "eval",
     "forward_backward",
     "closure",
     "optimizer",
@@ -61,12 +63,23 @@ LABELS = {
     "data": "data",
     "optimizer": "optimizer",
     "forward_backward": "fwd/bwd",
+    "eval": "eval/inference",
     "gpu": "waits for GPU",
     "host": "host",
     "unexplained": "unexplained",
 }
 # spans that count only on the thread(s) that drive the steps; compiles and GC pause every thread
-TRAINING_THREAD_ONLY = ("data", "backward", "forward", "closure", "optimizer", "io", "sync", "collective")
+TRAINING_THREAD_ONLY = (
+    "data",
+    "backward",
+    "forward",
+    "eval",
+    "closure",
+    "optimizer",
+    "io",
+    "sync",
+    "collective",
+)
 # the shim's span category -> the ledger's
 SPAN_CATEGORY = {"backward": "forward_backward", "forward": "forward_backward"}
 STARTUP_STEP = -1
@@ -97,6 +110,11 @@ def spans_table(events: pd.DataFrame) -> pd.DataFrame:
             "call": objects("call"),
         }
     )
+    if "grad" in df:
+        # a forward without grad (no_grad, inference_mode: an evaluation, a generate() loop) is
+        # no part of the training step's forward and backward: the `eval` line
+        no_grad = (out["cat"].to_numpy(object) == "forward") & (df["grad"].to_numpy(object) == False)  # noqa: E712
+        out.loc[no_grad, "cat"] = "eval"
     for col in ("cpu", "runq"):  # the calling thread's CPU and run-queue wait in a rare span
         if col in df:
             out[col] = pd.to_numeric(pd.Series(df[col].to_numpy(object)), errors="coerce")
@@ -275,7 +293,7 @@ def split_windows(spans: pd.DataFrame, compiles: pd.DataFrame, win_start: Array,
     priorities; the last column is unexplained. spans/compiles: that rank's run.spans/compiles."""
     win_start = np.asarray(win_start, np.int64)
     win_end = np.asarray(win_end, np.int64)
-    residual = not len(spans) or not (spans["cat"] == "forward").any()
+    residual = not len(spans) or not spans["cat"].isin(("forward", "eval")).any()
     return _fold(_sweep(win_start, win_end, _rank_intervals(spans, compiles, win_start, win_end, residual)))
 
 
@@ -307,7 +325,7 @@ def _rank_intervals(
 def measured_forward(spans: pd.DataFrame, host_samples: pd.DataFrame | None = None) -> bool:
     """Whether the run's shim measured the forward (forward spans, or host samples: a job
     whose model is no nn.Module has none of the first); False: an older run, read the old way."""
-    if len(spans) and (spans["cat"].to_numpy(object) == "forward").any():
+    if len(spans) and np.isin(spans["cat"].to_numpy(object), ("forward", "eval")).any():
         return True
     return host_samples is not None and len(host_samples) > 0
 
@@ -490,7 +508,7 @@ def compute(
     per_chunk = max(1, min((1 << 62) // width, LEDGER_CHUNK_RANKS))
     ns = np.zeros((len(w.start), len(CATEGORIES) + 1), np.int64)
     if forward_measured is None:  # from the spans of the ledger's ranks
-        forward_measured = bool((measured.span_cat == "forward").any())
+        forward_measured = bool(np.isin(measured.span_cat, ("forward", "eval")).any())
     residual = not forward_measured
     busy = _busy_of(gpu_busy, rank_index, base, base + width)
     for lo in range(0, len(ranks), per_chunk):
