@@ -137,6 +137,8 @@ def _root_for(f: Finding, roots: Sequence[Finding]) -> Finding | None:
     # line of a specific finding on its rank (a pageable copy, a host sync, a GC call) is that
     # finding's symptom: one cause, one finding, the specific prescription
     root = _same_line_root(f, roots) if f.id in GENERIC_AT_A_LINE else None
+    if root is None and f.id == "host_work.periodic_line":
+        root = _evaluation_cause(f, roots)
     if root is None and f.id in ("host_work.code", "host_work.periodic_line"):
         root = _host_code_cause(f, roots)
     return root
@@ -242,8 +244,32 @@ def _host_code_cause(f: Finding, roots: Sequence[Finding]) -> Finding | None:
     return max(gil, key=_lost) if gil else None
 
 
+# of a periodic finding's slow steps, the share an evaluation must run in to be their cause
+EVAL_COVERS = 0.75
+
+
+def _evaluation_cause(f: Finding, roots: Sequence[Finding]) -> Finding | None:
+    """Periodic slow steps (or a periodically longer host line) that hold an evaluation
+    (forward calls without grad) are that evaluation: its price, not a cause of their own."""
+    slow = {int(s) for s in f.steps_affected}
+    if not slow or f.evidence.get("io_in_slow_steps"):
+        return None
+    evals = [
+        r
+        for r in roots
+        if r.id == "evaluation.in_loop"
+        and _same_rank(r, f)
+        and len(slow & {int(s) for s in r.steps_affected}) >= EVAL_COVERS * len(slow)
+    ]
+    return max(evals, key=_lost, default=None)
+
+
 def _slow_steps_cause(f: Finding, roots: Sequence[Finding]) -> Finding | None:
-    """Slow steps that hold full garbage collections (and no I/O) are the GC."""
+    """Slow steps that hold full garbage collections (and no I/O) are the GC; slow steps that
+    hold an evaluation are that evaluation (_evaluation_cause)."""
+    found = _evaluation_cause(f, roots)
+    if found is not None:
+        return found
     if not f.evidence.get("gen2_gc_in_slow_steps") or f.evidence.get("io_in_slow_steps"):
         return None
     gcs = [r for r in roots if r.id == "gc.gen2_in_step" and _same_rank(r, f)]
