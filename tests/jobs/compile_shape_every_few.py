@@ -21,7 +21,7 @@ torch.manual_seed(0)
 device = "cuda" if torch.cuda.is_available() else "cpu"
 torch.set_num_threads(1)
 model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 8)).to(device)
-compiled = torch.compile(model, mode="max-autotune", dynamic=True if args.dynamic else False)
+compiled = torch.compile(model, mode="max-autotune", dynamic=bool(args.dynamic))
 opt = torch.optim.SGD(model.parameters(), lr=0.01)
 for step in range(args.steps):
     batch = 8 + 4 * (step // args.every)

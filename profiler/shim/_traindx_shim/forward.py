@@ -22,6 +22,7 @@ TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing into the 
 if TYPE_CHECKING:
     import weakref
     from collections.abc import Callable
+    from types import FrameType
     from typing import Any
 
 # "activity": steps' activity (step 0's begin, a pending stop), called while "active"; steps sets it
@@ -230,7 +231,7 @@ def _forward_done(start: int, end: int, tid: int, grad: bool) -> None:
 def _job_frame() -> dict[str, Any] | None:
     """The innermost frame of the job's own code (not installed code: a framework's generate()
     or evaluation loop is called from the job's line), else the innermost non-library one."""
-    frame = sys._getframe(2)
+    frame: FrameType | None = sys._getframe(2)
     fallback = None
     while frame is not None:
         name = frame.f_code.co_filename
