@@ -30,7 +30,7 @@ DECLARATION = Declaration(
     order=105,
     ids=("evaluation.in_loop",),
     # the steps an evaluation runs in are slow: that is its price, not a cause of its own
-    explains=("steps.periodic_slow", "host_work.periodic_line", "host_work.code"),
+    explains=("steps.periodic_slow", "host_work.periodic_line", "host_work.code", "gpu_idle.host_starved"),
 )
 MIN_SHARE = 0.01  # of the step time: below it an evaluation is a note
 MAX_SEVERITY = "low"
