@@ -201,7 +201,8 @@ def host_code(run: RunView) -> pd.DataFrame:
             mine, t, w = mine[inside], t[inside], w[inside]
             if not len(mine):
                 continue
-            cat = categories_at(spans, comp, ws, we, t, residual=not forward)
+            busy = _busy_of_rank(run, rank)
+            cat = categories_at(spans, comp, ws, we, t, residual=not forward, busy=busy)
             host = (cat == SWEEP_HOST) | (cat == SWEEP_CLOSURE) | (cat == SWEEP_HOOK)
             kept.append(
                 mine[host].assign(
@@ -233,6 +234,15 @@ def host_code(run: RunView) -> pd.DataFrame:
         return g.reset_index(drop=True)[HOST_CODE_COLUMNS]
 
     return run.cached("host_code", build).copy(deep=False)
+
+
+def _busy_of_rank(run: RunView, rank: object) -> tuple[Array, Array] | None:
+    """(starts, ends) where the rank's GPU still ran earlier work (RunRecord.gpu_busy), or None."""
+    busy = getattr(run, "gpu_busy", None)
+    if busy is None or not len(busy):
+        return None
+    mine = busy[busy["rank"].astype(str) == str(rank)]
+    return mine["start_ns"].to_numpy(np.int64), mine["end_ns"].to_numpy(np.int64)
 
 
 def _legacy(run: RunView) -> bool:

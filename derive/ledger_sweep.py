@@ -27,8 +27,10 @@ CATEGORIES = (
     "sync",
     "collective",
     "data",
+    "eval",
     "forward_backward",
     "optimizer",
+    "gpu",
     "host",
 )
 # the sweep's own order: an optimizer step's closure is host time, and beats the optimizer line;
@@ -43,9 +45,11 @@ _SWEEP = (
     "collective",
     "data",
     "hook",
+    "eval",
     "forward_backward",
     "closure",
     "optimizer",
+    "gpu",
     "host",
 )
 COLUMNS = (
@@ -62,6 +66,8 @@ LABELS = {
     "data": "data",
     "optimizer": "optimizer",
     "forward_backward": "fwd/bwd",
+    "eval": "eval/inference",
+    "gpu": "waits for GPU",
     "host": "host",
     "unexplained": "unexplained",
 }
@@ -70,6 +76,7 @@ TRAINING_THREAD_ONLY = (
     "data",
     "backward",
     "forward",
+    "eval",
     "closure",
     "optimizer",
     "io",
@@ -107,6 +114,11 @@ def spans_table(events: pd.DataFrame) -> pd.DataFrame:
             "call": objects("call"),
         }
     )
+    if "grad" in df:
+        # a forward without grad (no_grad, inference_mode: an evaluation, a generate() loop) is
+        # no part of the training step's forward and backward: the `eval` line
+        no_grad = (out["cat"].to_numpy(object) == "forward") & (df["grad"].to_numpy(object) == False)  # noqa: E712
+        out.loc[no_grad, "cat"] = "eval"
     for col in ("cpu", "runq"):  # the calling thread's CPU and run-queue wait in a rare span
         if col in df:
             out[col] = pd.to_numeric(pd.Series(df[col].to_numpy(object)), errors="coerce")
@@ -114,9 +126,12 @@ def spans_table(events: pd.DataFrame) -> pd.DataFrame:
     return out.take(order).reset_index(drop=True)
 
 
-def _sweep(win_start: Array, win_end: Array, intervals: Intervals) -> Array:
+def _sweep(
+    win_start: Array, win_end: Array, intervals: Intervals, busy: tuple[Array, Array] | None = None
+) -> Array:
     """ns per (window, category) with priority resolution; the last column is unexplained.
-    win_*: sorted, non-overlapping windows; intervals: {category index: (starts, ends)}.
+    win_*: sorted, non-overlapping windows; intervals: {category index: (starts, ends)};
+    busy: (starts, ends) where the GPU still runs work queued before them (see _gpu_owned).
 
     One argsort of every boundary gives each boundary its index among the distinct points
     (no binary search per boundary: millions of random look-ups cost more than the sort)."""
@@ -127,7 +142,8 @@ def _sweep(win_start: Array, win_end: Array, intervals: Intervals) -> Array:
     lo, hi = int(win_start.min()), int(win_end.max())
     bounds = [win_start, win_end]
     cats = []
-    for c, (s, e) in intervals.items():
+    busy_i = len(_SWEEP) + 1  # the busy intervals' place among the interval lists
+    for c, (s, e) in [*intervals.items(), *([(busy_i, busy)] if busy is not None else [])]:
         s = np.clip(np.asarray(s, np.int64), lo, hi)
         e = np.clip(np.asarray(e, np.int64), lo, hi)
         keep = e > s
@@ -155,11 +171,17 @@ def _sweep(win_start: Array, win_end: Array, intervals: Intervals) -> Array:
         c: (where[offs[2 + 2 * i] : offs[3 + 2 * i]], where[offs[3 + 2 * i] : offs[4 + 2 * i]])
         for i, c in enumerate(cats)
     }
-    for c in sorted(pieces, reverse=True):  # lowest priority first, higher overwrite
+
+    def active(c: int) -> Array:
         si, ei = pieces[c]
         delta = np.bincount(si, minlength=n + 1) - np.bincount(ei, minlength=n + 1)
-        active = np.cumsum(delta)[:-2] > 0
-        winner[active] = c
+        on: Array = np.cumsum(delta)[:-2] > 0
+        return on
+
+    for c in sorted((c for c in pieces if c != busy_i), reverse=True):  # lowest first, higher overwrite
+        winner[active(c)] = c
+    if busy_i in pieces:
+        winner[active(busy_i) & np.isin(winner, _GPU_OWNED)] = _SWEEP.index("gpu")
     # the window a segment starts in: the last window start at or before it
     ws_i, we_i = where[offs[0] : offs[1]], where[offs[1] : offs[2]]
     mark = np.full(n, -1, np.int64)
@@ -176,6 +198,11 @@ def _sweep(win_start: Array, win_end: Array, intervals: Intervals) -> Array:
 
 
 SWEEP_CLOSURE, SWEEP_HOST = _SWEEP.index("closure"), _SWEEP.index("host")
+# the lines whose time is the GPU's where the GPU still runs work queued before it: the host's
+# own loop time and its sync waits (a blocking copy, an .item(), a synchronize) wait for that
+# work to finish, or hide behind it; the step's time there is the GPU's. The measured calls
+# (forward, backward, optimizer, data, ...) keep theirs: they are work the host does.
+_GPU_OWNED = np.array([_SWEEP.index("sync"), SWEEP_HOST], np.int64)
 SWEEP_HOOK = _SWEEP.index("hook")
 _TO_PUBLIC = [i for i, c in enumerate(_SWEEP) if c not in ("closure", "hook")] + [len(_SWEEP)]
 
@@ -270,7 +297,7 @@ def split_windows(spans: pd.DataFrame, compiles: pd.DataFrame, win_start: Array,
     priorities; the last column is unexplained. spans/compiles: that rank's run.spans/compiles."""
     win_start = np.asarray(win_start, np.int64)
     win_end = np.asarray(win_end, np.int64)
-    residual = not len(spans) or not (spans["cat"] == "forward").any()
+    residual = not len(spans) or not spans["cat"].isin(("forward", "eval")).any()
     return _fold(_sweep(win_start, win_end, _rank_intervals(spans, compiles, win_start, win_end, residual)))
 
 
@@ -302,7 +329,7 @@ def _rank_intervals(
 def measured_forward(spans: pd.DataFrame, host_samples: pd.DataFrame | None = None) -> bool:
     """Whether the run's shim measured the forward (forward spans, or host samples: a job
     whose model is no nn.Module has none of the first); False: an older run, read the old way."""
-    if len(spans) and (spans["cat"].to_numpy(object) == "forward").any():
+    if len(spans) and np.isin(spans["cat"].to_numpy(object), ("forward", "eval")).any():
         return True
     return host_samples is not None and len(host_samples) > 0
 
@@ -409,7 +436,9 @@ class _Axis:
         return shifted
 
 
-def _chunk_ns(w: _Windows, m: _Measured, axis: _Axis, end: int, residual: bool) -> tuple[Array, Array]:
+def _chunk_ns(
+    w: _Windows, m: _Measured, axis: _Axis, end: int, residual: bool, busy: tuple[Array, Array, Array] | None
+) -> tuple[Array, Array]:
     """(which windows, their ns per category) of the ranks axis.first <= rank id < end."""
     lo = axis.first
     wsel = (w.rid >= lo) & (w.rid < end)
@@ -431,7 +460,11 @@ def _chunk_ns(w: _Windows, m: _Measured, axis: _Axis, end: int, residual: bool) 
     intervals = _intervals(
         spans, m.span_rid[ssel], compiles, win_s, win_e, w.rid[wsel], w_host, residual=residual
     )
-    return wsel, _fold(_sweep(win_s, win_e, intervals))
+    owned = None
+    if busy is not None:
+        bsel = (busy[0] >= lo) & (busy[0] < end)
+        owned = (axis.shift(busy[1][bsel], busy[0][bsel]), axis.shift(busy[2][bsel], busy[0][bsel]))
+    return wsel, _fold(_sweep(win_s, win_e, intervals, owned))
 
 
 def _tables(ns: Array, w: _Windows, ranks: Array) -> tuple[pd.DataFrame, pd.DataFrame]:
@@ -457,8 +490,11 @@ def compute(
     events: pd.DataFrame,
     forward_measured: bool | None = None,
     cpu: pd.DataFrame | None = None,
+    gpu_busy: pd.DataFrame | None = None,
 ) -> tuple[pd.DataFrame, pd.DataFrame]:
     """(ledger of the steps, start-up ledger): one row per rank-step / per rank, COLUMNS.
+    gpu_busy (rank, start_ns, end_ns): where each rank's GPU still ran work queued before
+    (traindx.profiler.gputime.busy_before); the host and sync lines there are the `gpu` line.
 
     Every rank at once: each rank's times move to a block of their own on one axis (rank id x
     the run's time span), so one sort and sweep serves all ranks and no interval can reach
@@ -478,10 +514,11 @@ def compute(
     per_chunk = max(1, min((1 << 62) // width, LEDGER_CHUNK_RANKS))
     ns = np.zeros((len(w.start), len(CATEGORIES) + 1), np.int64)
     if forward_measured is None:  # from the spans of the ledger's ranks
-        forward_measured = bool((measured.span_cat == "forward").any())
+        forward_measured = bool(np.isin(measured.span_cat, ("forward", "eval")).any())
     residual = not forward_measured
+    busy = _busy_of(gpu_busy, rank_index, base, base + width)
     for lo in range(0, len(ranks), per_chunk):
-        wsel, chunk = _chunk_ns(w, measured, _Axis(base, width, lo), lo + per_chunk, residual)
+        wsel, chunk = _chunk_ns(w, measured, _Axis(base, width, lo), lo + per_chunk, residual, busy)
         ns[wsel] = chunk
     ledger, startup = _tables(ns, w, ranks)
     return _own_wrappers(ledger, cpu), startup
@@ -510,6 +547,20 @@ def _own_wrappers(ledger: pd.DataFrame, cpu: pd.DataFrame | None) -> pd.DataFram
     return out
 
 
+def _busy_of(
+    gpu_busy: pd.DataFrame | None, rank_index: pd.Index, low: int, high: int
+) -> tuple[Array, Array, Array] | None:
+    """(rank id, start, end) of the GPU-busy intervals of the ledger's ranks, clipped to the
+    time the ledger covers; None without any."""
+    if gpu_busy is None or not len(gpu_busy):
+        return None
+    df, rid = _of_ranks(gpu_busy, rank_index)
+    s = np.clip(df["start_ns"].to_numpy(np.int64), low, high - 1)
+    e = np.clip(df["end_ns"].to_numpy(np.int64), low, high - 1)
+    keep = e > s
+    return (rid[keep], s[keep], e[keep]) if keep.any() else None
+
+
 def _covered(times: Array, starts: Array, ends: Array) -> Array:
     """Whether each of the sorted `times` lies in the union of the intervals [starts, ends)."""
     if not len(starts):
@@ -527,9 +578,11 @@ def categories_at(
     win_end: Array,
     times: Array,
     residual: bool = False,
+    busy: tuple[Array, Array] | None = None,
 ) -> Array:
     """The sweep category (_SWEEP index; len(_SWEEP): unexplained) that wins at each sorted time
-    of ONE rank, with the ledger's intervals and priorities."""
+    of ONE rank, with the ledger's intervals and priorities (busy: that rank's GPU-busy
+    (starts, ends), as compute's gpu_busy)."""
     intervals = _rank_intervals(spans, compiles, win_start, win_end, residual)
     out = np.full(len(times), len(_SWEEP), np.int64)
     open_ = np.ones(len(times), bool)
@@ -538,4 +591,7 @@ def categories_at(
         hit = open_ & _covered(times, np.asarray(s, np.int64), np.asarray(e, np.int64))
         out[hit] = c
         open_ &= ~hit
+    if busy is not None and len(busy[0]):
+        gpu = _covered(times, np.asarray(busy[0], np.int64), np.asarray(busy[1], np.int64))
+        out[gpu & np.isin(out, _GPU_OWNED)] = _SWEEP.index("gpu")
     return out

@@ -28,7 +28,7 @@ from traindx.derive.record_tables import COMPILE_COLUMNS as COMPILE_COLUMNS  # r
 from traindx.derive.record_tables import STEP_COLUMNS as STEP_COLUMNS  # re-exported
 from traindx.derive.record_tables import spread_coalesced as _spread_coalesced  # noqa: F401  (re-exported)
 from traindx.derive.so_far import EventsSoFar as EventsSoFar  # the live loads' state, re-exported
-from traindx.profiler import columnar
+from traindx.profiler import columnar, gputime
 from traindx.profiler.columnar import CorruptEvidenceWarning as CorruptEvidenceWarning  # re-exported
 from traindx.profiler.columnar import TruncatedEvidenceWarning as TruncatedEvidenceWarning  # re-exported
 from traindx.profiler.manifest import CAPTURED, read_manifest
@@ -226,7 +226,14 @@ class RunRecord:
             self.of_type(schema.PROCESS_START),
             forward_measured=measured_forward(self.spans, self.of_type(schema.HOST_SAMPLES)),
             cpu=self.of_type(schema.CPU),
+            gpu_busy=self.gpu_busy,
         )
+
+    @property
+    def gpu_busy(self) -> pd.DataFrame:
+        """Where each rank's GPU still ran work queued before (rank, start_ns, end_ns on the
+        host's clock; traindx.profiler.gputime.busy_before), empty without GPU time marks."""
+        return self.cached("gpu_busy", lambda: gputime.busy_before(gputime.for_run(self)[0]))
 
     @property
     def ledger(self) -> pd.DataFrame:

@@ -232,6 +232,28 @@ def steps_table(stretch_rows: pd.DataFrame) -> pd.DataFrame:
     return out[STEP_COLUMNS]
 
 
+BUSY_COLUMNS = ["rank", "start_ns", "end_ns"]
+
+
+def busy_before(stretch_rows: pd.DataFrame) -> pd.DataFrame:
+    """Per rank, the host-clock intervals in which the GPU still ran work the host had queued
+    before them (BUSY_COLUMNS): over stretch [h0, h1] the GPU finishes the earlier work at g0,
+    so it is busy with it over [h0, min(h1, g0)]. g0 is placed at or before the true finish
+    (the placement is tight only where the GPU caught up), so these intervals never overstate
+    it. Whatever the host does then - waits in a sync or a blocking copy, or runs loop code
+    that the GPU's queue hides - does not set the step's time: the GPU does."""
+    if not len(stretch_rows):
+        return pd.DataFrame(columns=BUSY_COLUMNS)
+    start = stretch_rows["host_start_ns"].to_numpy(np.int64)
+    end = np.minimum(
+        stretch_rows["host_end_ns"].to_numpy(np.int64), stretch_rows["gpu_start_ns"].to_numpy(np.int64)
+    )
+    keep = end > start
+    return pd.DataFrame(
+        {"rank": stretch_rows["rank"].to_numpy(object)[keep], "start_ns": start[keep], "end_ns": end[keep]}
+    )
+
+
 def for_run(run: Any) -> tuple[pd.DataFrame, pd.DataFrame]:
     """(stretches, steps) of a run, derived once and shared (run.cached)."""
 

@@ -54,6 +54,8 @@ LEDGER_COLOURS = {
     "data": "#f08a24",
     "optimizer": "#6f42c1",
     "forward_backward": "#5b8def",
+    "eval": "#a3c4f3",
+    "gpu": "#1f4e9c",
     "host": "#7a8b99",
     "unexplained": "#c5cbd3",
 }

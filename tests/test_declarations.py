@@ -62,6 +62,7 @@ def test_every_analyzer_module_declares_itself_and_the_registry_keeps_its_order(
         "gpu_places",
         "ranks",
         "whatif_run",
+        "evaluation",
         "stability",
         "hooks",
         "param_use",

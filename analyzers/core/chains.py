@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from traindx.analyzers.core import savings
+from traindx.analyzers.core import savings, severity
 from traindx.analyzers.core.declaration import catalog
 from traindx.analyzers.core.findings import Prescription
 from traindx.derive import ledger as ledger_mod
@@ -126,6 +126,8 @@ def _root_for(f: Finding, roots: Sequence[Finding]) -> Finding | None:
         return _launch_bound_cause(f, roots)
     if f.id in ("steps.periodic_slow", "steps.instability"):
         return _slow_steps_cause(f, roots)
+    if f.id in STEADY_JIT and f.id not in FRESH_GRAPH_CALLS:
+        return _graph_recompile_cause(f, roots)
     if f.id == "sync.host_device":
         # syncs that are cuDNN's algorithm search or a large device-to-host copy: that is the cause
         gpu = [r for r in roots if r.id in ("gpu.cudnn_retune", "gpu.dtoh_copy") and _same_rank(r, f)]
@@ -135,9 +137,30 @@ def _root_for(f: Finding, roots: Sequence[Finding]) -> Finding | None:
     # line of a specific finding on its rank (a pageable copy, a host sync, a GC call) is that
     # finding's symptom: one cause, one finding, the specific prescription
     root = _same_line_root(f, roots) if f.id in GENERIC_AT_A_LINE else None
+    if root is None and f.id == "host_work.periodic_line":
+        root = _evaluation_cause(f, roots)
     if root is None and f.id in ("host_work.code", "host_work.periodic_line"):
         root = _host_code_cause(f, roots)
     return root
+
+
+def _graph_recompile_cause(f: Finding, roots: Sequence[Finding]) -> Finding | None:
+    """Kernels compiled or tuned again only in steps where torch.compile recompiled a graph of
+    the same rank are that recompile's: a new shape fails the graph's guard, and the compiler
+    then builds (under max-autotune: benchmarks) that graph's kernels anew. One root, the shape
+    that changes; its fix (a dynamic dimension, padded or bucketed sizes) removes both."""
+    steps = {int(s) for s in f.steps_affected}
+    if not steps:
+        return None
+    graphs = [
+        r
+        for r in roots
+        if r is not f
+        and r.id in FRESH_GRAPH_CALLS
+        and _same_rank(r, f)
+        and steps <= {int(s) for s in r.steps_affected}
+    ]
+    return max(graphs, key=_lost, default=None)
 
 
 def _compile_holding_the_gil(f: Finding, roots: Sequence[Finding]) -> Finding | None:
@@ -221,8 +244,32 @@ def _host_code_cause(f: Finding, roots: Sequence[Finding]) -> Finding | None:
     return max(gil, key=_lost) if gil else None
 
 
+# of a periodic finding's slow steps, the share an evaluation must run in to be their cause
+EVAL_COVERS = 0.75
+
+
+def _evaluation_cause(f: Finding, roots: Sequence[Finding]) -> Finding | None:
+    """Periodic slow steps (or a periodically longer host line) that hold an evaluation
+    (forward calls without grad) are that evaluation: its price, not a cause of their own."""
+    slow = {int(s) for s in f.steps_affected}
+    if not slow or f.evidence.get("io_in_slow_steps"):
+        return None
+    evals = [
+        r
+        for r in roots
+        if r.id == "evaluation.in_loop"
+        and _same_rank(r, f)
+        and len(slow & {int(s) for s in r.steps_affected}) >= EVAL_COVERS * len(slow)
+    ]
+    return max(evals, key=_lost, default=None)
+
+
 def _slow_steps_cause(f: Finding, roots: Sequence[Finding]) -> Finding | None:
-    """Slow steps that hold full garbage collections (and no I/O) are the GC."""
+    """Slow steps that hold full garbage collections (and no I/O) are the GC; slow steps that
+    hold an evaluation are that evaluation (_evaluation_cause)."""
+    found = _evaluation_cause(f, roots)
+    if found is not None:
+        return found
     if not f.evidence.get("gen2_gc_in_slow_steps") or f.evidence.get("io_in_slow_steps"):
         return None
     gcs = [r for r in roots if r.id == "gc.gen2_in_step" and _same_rank(r, f)]
@@ -307,6 +354,23 @@ def _with_ledger_lines(f: Finding, run: RunRecord) -> Finding:
         if f.id in FRESH_GRAPH_CALLS:
             removes["fresh_graph_calls"] = True
     return replace(f, removes=removes)
+
+
+def _with_recompile_symptoms(findings: list[Finding]) -> list[Finding]:
+    """A root whose symptoms are compiles or autotunes paid again in its steps (a graph
+    recompile's kernels) removes their ledger lines too: its fix takes them away with it."""
+    under: dict[str, list[Finding]] = {}
+    for f in findings:
+        if f.cause is not None and f.id in STEADY_JIT and f.removes:
+            under.setdefault(f.cause, []).append(f)
+    out = []
+    for f in findings:
+        mine = [s for s in under.get(f.id, ()) if _same_rank(s, f)]
+        if f.cause is None and f.removes and mine:
+            lines = [*f.removes.get("categories", ()), *(c for s in mine for c in s.removes["categories"])]
+            f = replace(f, removes={**f.removes, "categories": list(dict.fromkeys(lines))})
+        out.append(f)
+    return out
 
 
 SAVING_SHORTFALL = 0.8  # a saving under this share of the time lost is explained with it
@@ -459,14 +523,15 @@ def _edit_key(p: Prescription) -> tuple[str, Any, Any] | None:
 def apply_savings(findings: list[Finding], run: RunRecord) -> list[Finding]:
     """Prescriptions' expected gains from the ledger lines each root removes; the cumulative
     gain of the roots (ranked) never exceeds the steady step time of their rank; no
-    prescription is left that expects a gain <= 0."""
-    return [without_losing_prescriptions(f) for f in _priced(findings, run)]
+    prescription is left that expects a gain <= 0; no severity above what its price is worth
+    (severity.bounded_by_price)."""
+    return severity.bounded_by_price([without_losing_prescriptions(f) for f in _priced(findings, run)], run)
 
 
 def _priced(findings: list[Finding], run: RunRecord | None) -> list[Finding]:
     if run is None or not len(run.ledger):
         return findings
-    findings = [_with_ledger_lines(f, run) for f in findings]
+    findings = _with_recompile_symptoms([_with_ledger_lines(f, run) for f in findings])
     out = []
     for f in findings:
         if f.cause is None and f.removes and _measured(run, f.removes.get("categories", ())):

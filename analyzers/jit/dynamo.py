@@ -138,7 +138,9 @@ def _guard_prescription(
             summary=f"mark dimension {dim} of {short} dynamic before the compiled call"
             f"{at}: torch._dynamo.mark_dynamic({arg or short}, {dim}){passed}; "
             "or compile with torch.compile(..., dynamic=None) (automatic "
-            "dynamic shapes: one recompile, then symbolic) or dynamic=True",
+            "dynamic shapes: one recompile, then symbolic) or dynamic=True; or pad or bucket "
+            f"dimension {dim} of {short} to a few fixed sizes (one compile each). Not a cache "
+            "directory: a compile cache is read across runs, and each new size is a new graph",
             change={"code": change} if change else {},
             expected_gain_s_per_step=lost,
         )

@@ -48,7 +48,11 @@ DECLARATION = Declaration(
     ids=(*_STEADY, *_BY_KIND, "jit.dynamo_recompile", "jit.autotune", "jit.cold_start"),
     live_triggers=("compile",),
     live_categories=("compile",),
+    # a kernel compiled or tuned again in the steps where a graph recompiled: that recompile's
     explains=(
+        *_STEADY,
+        *_BY_KIND,
+        "jit.autotune",
         "gil.contention",
         "ranks.straggler",
         "gpu.launch_bound",

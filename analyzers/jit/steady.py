@@ -12,7 +12,6 @@ import pandas as pd
 
 from traindx.analyzers.core.findings import Finding, Prescription
 from traindx.analyzers.jit import pyspy_signatures as sig
-from traindx.analyzers.jit.autotune import beside_runs
 from traindx.analyzers.jit.common import (
     SINGLE_BLOCK_FIELDS,
     col,
@@ -351,15 +350,8 @@ def _generic_recompile_prescriptions(
             )
         )
     else:
-        out.append(
-            Prescription(
-                kind="env",
-                summary="keep Triton's compiled kernels across runs (TRITON_CACHE_DIR on a persistent disk)",
-                change={"env": {"TRITON_CACHE_DIR": beside_runs(run, "triton-cache")}},
-                expected_gain_s_per_step=gain,
-                automatic=True,
-            )
-        )
+        # no cache directory: a compile cache is read across runs (the first step's compiles),
+        # and a kernel compiled again after warm-up has a key the run had not seen
         out.append(
             Prescription(
                 kind="code",

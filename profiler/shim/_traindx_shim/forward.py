@@ -15,12 +15,14 @@ import time
 import weakref
 
 from . import emit, report_error, selfcost
+from .frames import describe, is_library_file, is_library_path
 from .stepstate import _state
 
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing into the job (mypy knows the name)
 if TYPE_CHECKING:
     import weakref
     from collections.abc import Callable
+    from types import FrameType
     from typing import Any
 
 # "activity": steps' activity (step 0's begin, a pending stop), called while "active"; steps sets it
@@ -214,13 +216,35 @@ def _module_post(module: Any, args: object, output: object) -> None:
 def _forward_done(start: int, end: int, tid: int, grad: bool) -> None:
     try:
         if grad:
+            _forward["last_grad"] = True
             emit("span", cat="forward", start=start, t=end, tid=tid)
-        else:  # an evaluation's forward (no_grad): the same line, told apart for the judge
-            emit("span", cat="forward", start=start, t=end, tid=tid, grad=False)
+        else:  # an evaluation's forward (no_grad, inference_mode): told apart for the ledger
+            extra = {}
+            if _forward.get("last_grad", True):
+                # the first of a run of them (an evaluation, a generate() loop) names the job's
+                # line that called it; the others of the run are its (one stack walk per run)
+                _forward["last_grad"] = False
+                extra["caller"] = _job_frame()
+            emit("span", cat="forward", start=start, t=end, tid=tid, grad=False, **extra)
         for hook in forward_hooks:
             hook(start, end)
     except Exception as exc:
         report_error("forward span", exc)
+
+
+def _job_frame() -> dict[str, Any] | None:
+    """The innermost frame of the job's own code (not installed code: a framework's generate()
+    or evaluation loop is called from the job's line), else the innermost non-library one."""
+    frame: FrameType | None = sys._getframe(2)
+    fallback = None
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if not is_library_path(name):
+            return describe(frame)
+        if fallback is None and not is_library_file(name):
+            fallback = describe(frame)
+        frame = frame.f_back
+    return fallback
 
 
 def _skip_in_dynamo(eval_frame: Any) -> None:

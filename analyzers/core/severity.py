@@ -1,0 +1,59 @@
+"""A finding's severity follows its price: once the savings model has priced every root's fix
+(chains.apply_savings), a severity above what that price is worth comes down to it.
+
+Analyzers set severities from their own measure (a share of GPU idle in the profiled window, a
+count of events), independently of what their fix is expected to save; the savings model then
+caps each gain at the time left in the step after the findings ranked above it, or finds the
+fix saves nothing on this machine. A fix priced at a few milliseconds of a long step is not a
+high-severity problem, whatever its analyzer measured: the bound is the severity of the share of
+the steady step the best prescription saves (evidence.severity_for_share), never below "low"
+(a fix is still prescribed). Critical findings (the run will stop) and notes are left alone,
+and so are findings whose fix has no price (unknown is not nothing).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+from traindx.analyzers.core.evidence import severity_for_share
+from traindx.analyzers.core.findings import NOTE, severity_index
+from traindx.derive import ledger as ledger_mod
+
+if TYPE_CHECKING:  # annotations only
+    from traindx.analyzers.core.findings import Finding
+    from traindx.derive.run import RunRecord
+
+FLOOR = "low"  # a prescribed fix, however cheap, is more than a note
+
+
+def bounded_by_price(findings: list[Finding], run: RunRecord | None) -> list[Finding]:
+    """Findings whose severity exceeds their price's brought down to it (see the module's
+    docstring); evidence["severity_by_price"] says what it was and why."""
+    if run is None or not len(run.ledger):
+        return findings
+    steady = ledger_mod.steady_rows(run)
+    if not len(steady):
+        return findings
+    step_s = {str(r): float(v) for r, v in steady.groupby("rank")["wall_s"].mean().items()}
+    return [_bounded(f, step_s) for f in findings]
+
+
+def _bounded(f: Finding, step_s: dict[str, float]) -> Finding:
+    if f.cause is not None or f.severity in (NOTE, "critical") or not f.prescriptions:
+        return f
+    gains = [p.expected_gain_s_per_step for p in f.prescriptions if p.expected_gain_s_per_step is not None]
+    ranks = [str(r) for r in f.ranks if str(r) in step_s] or list(step_s)
+    step = max(step_s[r] for r in ranks)
+    if gains and step > 0:
+        gain = max(0.0, max(gains))
+    elif f.evidence.get("unpriced"):  # every fix priced at or below zero here
+        gain = 0.0
+    else:
+        return f
+    share = gain / step if step > 0 else 0.0
+    bound = max(severity_for_share(share), FLOOR, key=severity_index)
+    if severity_index(f.severity) <= severity_index(bound):
+        return f
+    note = {"was": f.severity, "expected_gain_s_per_step": round(gain, 6), "share_of_step": round(share, 4)}
+    return replace(f, severity=bound, evidence={**f.evidence, "severity_by_price": note})

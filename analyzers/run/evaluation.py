@@ -1,0 +1,164 @@
+"""Evaluation is not the training step: forward calls without grad (torch.no_grad,
+inference_mode, a generate() loop) on the training thread are evaluation or inference work. The
+ledger books them on their own line (`eval`); here each is named at the job's line that called
+it (the shim's caller of the first forward of each run of them), with its period in steps and
+its mean price each time it runs, so that neither the training step's forward/backward nor the
+optimizer step's line takes its time.
+
+It is work the job asked for: the finding names it and its price; its severity is at most low.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import pandas as pd
+
+from traindx.analyzers.core import evidence as ev
+from traindx.analyzers.core.declaration import Declaration
+from traindx.analyzers.core.findings import Finding, Prescription, severity_index
+from traindx.common.units import ordinal
+from traindx.derive import sources
+
+if TYPE_CHECKING:  # annotations only
+    from traindx.derive.run import RunRecord
+
+DECLARATION = Declaration(
+    name="evaluation",
+    order=105,
+    ids=("evaluation.in_loop",),
+    # the steps an evaluation runs in are slow: that is its price, not a cause of its own
+    explains=("steps.periodic_slow", "host_work.periodic_line", "host_work.code", "gpu_idle.host_starved"),
+)
+MIN_SHARE = 0.01  # of the step time: below it an evaluation is a note
+MAX_SEVERITY = "low"
+
+
+def analyze(run: RunRecord) -> list[Finding]:
+    spans = run.spans
+    if not len(spans) or not (spans["cat"] == "eval").any():
+        return []
+    out = []
+    for rank in sorted({str(r) for r in spans.loc[spans["cat"] == "eval", "rank"]}):
+        out.extend(_analyze_rank(run, rank))
+    return out
+
+
+def _sites(evals: pd.DataFrame) -> pd.Series:
+    """Each eval span's call site "file:line" (a span without a caller belongs to the run of
+    them its named first one opened)."""
+    names = [
+        f"{c['file']}:{c['line']}" if isinstance(c, dict) and c.get("file") else None for c in evals["caller"]
+    ]
+    return pd.Series(names, index=evals.index, dtype=object).ffill()
+
+
+def _analyze_rank(run: RunRecord, rank: str) -> list[Finding]:
+    spans = run.rank_rows("spans", rank)
+    evals = spans[spans["cat"] == "eval"].sort_values("start_ns")
+    led = run.rank_rows("ledger", rank).sort_values("start_ns")
+    if not len(evals) or not len(led):
+        return []
+    begin, end = led["start_ns"].to_numpy(np.int64), led["end_ns"].to_numpy(np.int64)
+    s = evals["start_ns"].to_numpy(np.int64)
+    i = np.searchsorted(begin, s, side="right") - 1
+    inside = (i >= 0) & (s < end[np.maximum(i, 0)])
+    evals = evals.assign(step=led["step"].to_numpy(np.int64)[np.maximum(i, 0)], site=_sites(evals))[inside]
+    evals = evals.dropna(subset=["site"])
+    step_s = float(led["wall_s"].mean())
+    findings = []
+    for site, rows in evals.groupby("site", sort=False):
+        found = _site_finding(run, rank, str(site), rows, len(led), step_s)
+        if found is not None:
+            findings.append(found)
+    return findings
+
+
+def _site_finding(
+    run: RunRecord, rank: str, site: str, rows: pd.DataFrame, n_steps: int, step_s: float
+) -> Finding | None:
+    # each time it runs: from its first forward to its last in that step (a generate() loop's
+    # own code between its forwards is the evaluation's too)
+    per_step = rows.groupby("step").agg(
+        first=("start_ns", "min"), last=("end_ns", "max"), calls=("cat", "size")
+    )
+    each = (per_step["last"] - per_step["first"]).to_numpy(float) / 1e9
+    steps = [int(x) for x in per_step.index]
+    period = int(np.median(np.diff(steps))) if len(steps) > 1 else None
+    mean_s = float(each.mean())
+    per_run_step = float(each.sum()) / max(1, n_steps)
+    share = per_run_step / step_s if step_s else 0.0
+    caller = next(c for c in rows["caller"] if isinstance(c, dict) and c.get("file"))
+    file, line = str(caller["file"]), int(caller["line"])
+    function = caller.get("function")
+    source = _source_line(run, file, line)
+    where = f"{os.path.basename(file)}:{line}"
+    every = f"every {ordinal(period)} step" if period else f"in step {steps[0]}"
+    severity = ev.severity_for_share(share) if share >= MIN_SHARE else "info"
+    if severity_index(severity) > severity_index(MAX_SEVERITY):
+        severity = MAX_SEVERITY
+    calls = int(per_step["calls"].sum())
+    summary = (
+        f"{calls} forward call(s) without grad (an evaluation, a generate() loop) run from "
+        f"{where}{f' ({function})' if function else ''}"
+        f"{f': `{source}`' if source else ''} {every} ({len(steps)} time(s)), "
+        f"{mean_s * 1e3:.1f} ms each time, {per_run_step * 1e3:.1f} ms a step over the run "
+        f"({share:.0%}). Booked as evaluation, not as the training step's forward/backward."
+    )
+    prescriptions: tuple[Prescription, ...] = ()
+    if severity != "info" and period:
+        prescriptions = (
+            Prescription(
+                kind="code",
+                summary=f"evaluate less often (every {2 * period} steps instead of every {period} "
+                f"halves its {per_run_step * 1e3:.1f} ms a step), on fewer samples, or off the "
+                f"training loop (a separate process on a saved checkpoint), at {where}",
+                expected_gain_s_per_step=per_run_step / 2,
+            ),
+        )
+    return Finding(
+        id="evaluation.in_loop",
+        title=f"Evaluation at {where} {every}: {mean_s * 1e3:.0f} ms each time",
+        severity=severity,
+        analyzer="evaluation",
+        summary=summary,
+        steps_affected=tuple(steps),
+        seconds_lost_per_step=per_run_step,
+        share_of_step=share,
+        evidence=_evidence(rank, caller, source, steps, period, mean_s, calls, per_run_step),
+        prescriptions=prescriptions,
+        ranks=(rank,),
+    )
+
+
+def _evidence(
+    rank: str,
+    caller: dict[str, Any],
+    source: str | None,
+    steps: list[int],
+    period: int | None,
+    mean_s: float,
+    calls: int,
+    per_run_step: float,
+) -> dict[str, Any]:
+    return {
+        "rank": rank,
+        "file": caller["file"],
+        "line": int(caller["line"]),
+        "function": caller.get("function"),
+        "source": source,
+        "steps": steps,
+        "period": period,
+        "mean_s_each": round(mean_s, 6),
+        "forward_calls": calls,
+        "seconds_per_step": round(per_run_step, 6),
+        "grad": False,
+    }
+
+
+def _source_line(run: RunRecord, file: str, line: int) -> str | None:
+    """The job's source line, or None where it cannot be read."""
+    text = sources.source_line(file, line, run.manifest.get("cwd"))
+    return text.strip() if text and text.strip() else None
