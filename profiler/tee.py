@@ -51,6 +51,7 @@ MAX_LINE_BYTES = 1 << 20
 # endian), the payload: b"o" / b"e" (the job's bytes as read), b"!" (a problem, UTF-8 text),
 # b"=" (every writer has closed the job's pipes: no daemon holds them)
 FRAME = struct.Struct(">cI")
+SAFE_PATH = ["-P"] if sys.version_info >= (3, 11) else []
 PROBLEM = b"!"
 CLOSED = b"="
 DONE = b"done\n"  # diagnose -> tee: recording is over, print straight to the terminal from now
@@ -383,7 +384,9 @@ class OutputRelay:
         mine, theirs = socket.socketpair()
         try:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", self.module, str(out_r), str(err_r), str(theirs.fileno())],
+                # -P: not the job's folder first on sys.path (its token.py or json.py is the
+                # job's, never the relay's); Python 3.10 has no -P
+                [sys.executable, *SAFE_PATH, "-m", self.module, str(out_r), str(err_r), str(theirs.fileno())],
                 pass_fds=tuple({out_r, err_r, theirs.fileno()}),
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,

@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 import sys
 
+_BEFORE = set(sys.modules)  # what the interpreter loaded before the shim (see shadowing.py)
+
 
 def _chain_shadowed_sitecustomize() -> None:
     # Python imports the first sitecustomize on sys.path; ours shadows any later one.
@@ -35,5 +37,8 @@ if os.environ.get("TRAINDX_RUN_DIR"):
         import _traindx_shim
 
         _traindx_shim.activate()
+        from _traindx_shim import shadowing
+
+        shadowing.unshadow(_BEFORE)
     except Exception as exc:
         print(f"traindx: shim disabled: {exc!r}", file=sys.stderr)

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import json
 import os
+import stat
+import tempfile
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -24,9 +26,51 @@ def _temporary_path(path: str) -> str:
     return os.path.join(folder, f".{name}.{os.getpid()}.{threading.get_ident()}.tmp")
 
 
-def replace_with(path: str | os.PathLike[str], write: Callable[[str], object]) -> None:
-    """Call write(temporary_path), then rename the temporary file onto `path`."""
+def _written_through(target: str) -> bool:
+    """A path the user named that is not a regular file (a link such as /dev/stdout, a device
+    such as /dev/null, a FIFO) is written through, as a shell's `>` would: renamed onto, it
+    would be replaced (as root, /dev/null itself). A block device is never an output."""
+    try:
+        st = os.lstat(target)
+    except OSError:
+        return False
+    if stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode):
+        return False
+    try:
+        if stat.S_ISBLK(os.stat(target).st_mode):
+            raise IsADirectoryError(f"{target} is a block device, not an output file")
+    except FileNotFoundError:  # a link to nothing yet: created through it, as `>` does
+        pass
+    return True
+
+
+def _write_through(target: str, write: Callable[[str], object]) -> None:
+    """write() into a private temporary file, then its bytes into target (opened as `>` does):
+    a failure while making the content leaves the target as it was."""
+    fd, tmp = tempfile.mkstemp(prefix=".traindx-out-")
+    os.close(fd)
+    try:
+        write(tmp)
+        with open(tmp, "rb") as src, open(target, "wb") as dst:
+            while chunk := src.read(1 << 20):
+                dst.write(chunk)
+    finally:
+        try:
+            os.remove(tmp)
+        except OSError:
+            pass
+
+
+def replace_with(
+    path: str | os.PathLike[str], write: Callable[[str], object], user_path: bool = False
+) -> None:
+    """Call write(temporary_path), then rename the temporary file onto `path`. user_path: a
+    path the user named (-o, --json): a link, device or FIFO there is written through instead
+    (never a link planted in a run folder: those are refused, not followed)."""
     target = os.fspath(path)
+    if user_path and _written_through(target):
+        _write_through(target, write)
+        return
     tmp = _temporary_path(target)
     try:
         write(tmp)
@@ -39,25 +83,27 @@ def replace_with(path: str | os.PathLike[str], write: Callable[[str], object]) -
         raise
 
 
-def write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
+def write_bytes(path: str | os.PathLike[str], data: bytes, user_path: bool = False) -> None:
     def write(tmp: str) -> None:
         with open(tmp, "wb") as f:
             f.write(data)
 
-    replace_with(path, write)
+    replace_with(path, write, user_path)
 
 
-def write_text(path: str | os.PathLike[str], text: str, encoding: str = "utf-8") -> None:
+def write_text(
+    path: str | os.PathLike[str], text: str, encoding: str = "utf-8", user_path: bool = False
+) -> None:
     # a file name read under a non-UTF-8 locale (LC_ALL=C) holds its bytes as surrogates:
     # written back as those bytes, not an error
     def write(tmp: str) -> None:
         with open(tmp, "w", encoding=encoding, errors="surrogateescape") as f:
             f.write(text)
 
-    replace_with(path, write)
+    replace_with(path, write, user_path)
 
 
-def write_json(path: str | os.PathLike[str], obj: Any, **dump_options: Any) -> None:
+def write_json(path: str | os.PathLike[str], obj: Any, user_path: bool = False, **dump_options: Any) -> None:
     """json.dump(obj) atomically; `dump_options` go to json.dump (indent, default, ...). The text
     is made before the file is opened, so an object that cannot be serialised touches nothing."""
-    write_text(path, json.dumps(obj, **dump_options))
+    write_text(path, json.dumps(obj, **dump_options), user_path=user_path)
