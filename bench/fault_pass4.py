@@ -4,6 +4,8 @@ held/failed per row.
     .venv/bin/python bench/fault_pass4.py            # every row (about 5 minutes on 2 cores)
     .venv/bin/python bench/fault_pass4.py A03 C07    # some rows
     .venv/bin/python bench/fault_pass4.py --list     # the table's rows, run nothing
+    FAULT_BASE=DIR .venv/bin/python bench/fault_pass4.py   # another checkout's code, laid out
+        as an installed package in DIR/traindx (how docs/faults.md's "on main" column was made)
 
 Each row runs for real in a scratch folder: the job bare, then the same job under `diagnose`
 (the job's exit code, stdout bytes, stderr as a prefix of ours, its files), or a command given

@@ -67,6 +67,8 @@ class Ctx:
             PYTHONPATH="",
         )
         env.pop("PYTHONPATH")
+        if os.environ.get("FAULT_BASE"):  # replay another checkout's code (see fault_pass4.py)
+            env["PYTHONPATH"] = os.environ["FAULT_BASE"]
         env.update(extra or {})
         return env
 
