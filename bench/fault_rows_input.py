@@ -9,8 +9,9 @@ import stat
 import tarfile
 import time
 
-from fault_rows import SYSTEM_PY, Ctx, row, tree
+from fault_rows import ROOT, SYSTEM_PY, Ctx, row, tree
 
+CARD_RUN = os.path.join(ROOT, "tests", "data", "cpu-gc-hook", "run")  # a run with steps (read only)
 JOB = "import sys\nprint('ran')\nsys.exit(3)\n"
 
 
@@ -97,7 +98,7 @@ def b05(ctx: Ctx):
 def _outputs(ctx: Ctx, run: str, target: str) -> list[tuple[str, str]]:
     """Every option of a subcommand that writes a file the user names, aimed at target."""
     return [
-        ("card", f"$DX card {run} --active-params 1e6 --tokens-per-step 64 -o {target}"),
+        ("card", f"$DX card {CARD_RUN} --active-params 1e6 --tokens-per-step 64 -o {target}"),
         ("analyze -o", f"$DX analyze {run} -o {target}"),
         ("compare --json", f"$DX compare {run} {run}2 --json {target}"),
         ("report -o", f"$DX report {run} --quiet -o {target}"),
@@ -269,7 +270,7 @@ _bad(
     "kernel-cache pack empty/ (a folder as the pack file)",
     "$PY -m traindx.kernel_cache.cli.main pack --cache-dir empty empty",
 )
-_bad("C20", "diagnose card RUN (no --active-params, no model)", "$DX card done -o c.yaml", needs_run=True)
+_bad("C20", "diagnose card RUN (no --active-params, no model)", f"$DX card {CARD_RUN} -o c.yaml")
 
 
 @row("C21", "input", "diagnose watch RUN (a finished run)", "exits at once, exit 0, no traceback")
@@ -312,11 +313,10 @@ def c23(ctx: Ctx):
 
 @row("C24", "input", "diagnose card RUN -o full/c.yaml on a full disk", "one line, non-zero, no .tmp left")
 def c24(ctx: Ctx):
-    run = ctx.run_dir()
     script = (
         f"unshare -rm bash -c 'mount -t tmpfs -o size=4k none {ctx.path('empty')} && "
         f"head -c 3000 /dev/zero > {ctx.path('empty', 'fill')}; "
-        f"$DX card {run} --active-params 1e6 --tokens-per-step 64 -o {ctx.path('empty', 'c.yaml')}; s=$?; "
+        f"$DX card {CARD_RUN} --active-params 1e6 --tokens-per-step 64 -o {ctx.path('empty', 'c.yaml')}; s=$?; "
         f"ls -a {ctx.path('empty')} 1>&2; exit $s'"
     )
     os.makedirs(ctx.path("empty"), exist_ok=True)

@@ -372,7 +372,9 @@ def load_run(
     between loads of a folder still being written (only what was appended is parsed)."""
     path = os.path.abspath(os.fspath(path))
     if not os.path.isdir(path):
-        raise UserError(f"no such run folder: {path}")
+        raise UserError(
+            f"{path} is a file, not a run folder" if os.path.lexists(path) else f"no such run folder: {path}"
+        )
     manifest_path = os.path.join(path, "manifest.json")
     if not os.path.isfile(manifest_path) and os.path.isdir(os.path.join(path, "nodes")):
         raise UserError(

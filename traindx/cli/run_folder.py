@@ -136,7 +136,11 @@ def watch(run_dir: str, poll_s: float) -> int:
     shown = run_dir
     run_dir = os.path.abspath(run_dir)
     if not os.path.isdir(run_dir):
-        raise UserError(f"no such run folder: {shown}")
+        raise UserError(
+            f"{shown} is a file, not a run folder"
+            if os.path.lexists(run_dir)
+            else f"no such run folder: {shown}"
+        )
     if not (
         os.path.isfile(os.path.join(run_dir, "manifest.json"))
         or os.path.isdir(os.path.join(run_dir, "nodes"))

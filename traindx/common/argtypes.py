@@ -218,6 +218,8 @@ def output_folder(text: str) -> str:
             fail(f"{text} is a file, not a folder")
         _writable_folder(path, text)
         return text
+    if os.path.islink(path):
+        fail(f"{text} is a link to nothing ({os.readlink(path)})")
     ancestor = _existing_ancestor(path)
     if not os.path.isdir(ancestor):
         fail(f"{text}: {ancestor} is a file, not a folder")
