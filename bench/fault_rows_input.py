@@ -170,6 +170,21 @@ def b08(ctx: Ctx):
     )
 
 
+@row(
+    "B12",
+    "files",
+    "report -o private.html where private.html exists with mode 0600",
+    "the report written, mode 0600 kept",
+)
+def b12(ctx: Ctx):
+    run = ctx.run_dir()
+    ctx.write("private.html", "old\n", 0o600)
+    p = ctx.sh(f"$DX report {run} --quiet -o private.html")
+    mode = oct(stat.S_IMODE(os.stat(ctx.path("private.html")).st_mode))
+    ok = p.returncode == 0 and mode == "0o600" and os.path.getsize(ctx.path("private.html")) > 100
+    return ok, f"exit {p.returncode}, mode {mode}"
+
+
 def _ro(ctx: Ctx, folder: str, script: str) -> str:
     """script in a private mount namespace where folder is read-only (root bypasses modes)."""
     q = ctx.path(folder)

@@ -53,6 +53,19 @@ def test_an_output_through_a_link_keeps_the_link_and_writes_its_target(tmp_path)
     assert not [n for n in os.listdir(tmp_path) if n.endswith(".tmp")]
 
 
+def test_an_output_over_a_hard_linked_or_a_private_file_keeps_its_other_name_and_mode(tmp_path):
+    mine = tmp_path / "mine.json"
+    mine.write_text("old")
+    os.link(mine, tmp_path / "shared.json")
+    outputs.write_json_file(str(tmp_path / "shared.json"), {"a": 1})
+    assert '"a": 1' in mine.read_text()  # renamed onto, the other name kept the old text
+    private = tmp_path / "private.json"
+    private.write_text("old")
+    private.chmod(0o600)
+    outputs.write_json_file(str(private), {"b": 2})
+    assert '"b": 2' in private.read_text() and oct(private.stat().st_mode & 0o777) == "0o600"
+
+
 def test_an_output_into_a_fifo_reaches_its_reader_and_the_fifo_stays(tmp_path):
     fifo = tmp_path / "pipe"
     os.mkfifo(fifo)

@@ -34,6 +34,8 @@ def _written_through(target: str) -> bool:
         st = os.lstat(target)
     except OSError:
         return False
+    if stat.S_ISREG(st.st_mode) and st.st_nlink > 1:
+        return True  # another name shares its content: a rename would leave that one behind
     if stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode):
         return False
     try:
@@ -61,6 +63,19 @@ def _write_through(target: str, write: Callable[[str], object]) -> None:
             pass
 
 
+def _keep_mode_and_owner(target: str, tmp: str) -> None:
+    """The new file takes the old one's mode (a private 0600 report stays private) and owner."""
+    try:
+        st = os.stat(target)
+    except OSError:
+        return
+    os.chmod(tmp, stat.S_IMODE(st.st_mode))
+    try:
+        os.chown(tmp, st.st_uid, st.st_gid)
+    except OSError:
+        pass  # not ours to give away: the file is the writer's, as any new one would be
+
+
 def replace_with(
     path: str | os.PathLike[str], write: Callable[[str], object], user_path: bool = False
 ) -> None:
@@ -74,6 +89,8 @@ def replace_with(
     tmp = _temporary_path(target)
     try:
         write(tmp)
+        if user_path:
+            _keep_mode_and_owner(target, tmp)
         os.replace(tmp, target)
     except BaseException:
         try:
