@@ -242,11 +242,14 @@ BAD_INPUT = [
     (cli, ["attach", "--pid", "4000000", "--duration", "1"], "no process with pid 4000000"),  # C13
     (cli, ["--log-regex", "(", "--", "true"], "--log-regex"),  # C14
     (cli, ["--out", "NOTES", "--", "true"], "is a file, not a folder"),  # B03
-    (kernel_cache_cli.main, ["unpack", "--cache-dir", "EMPTY", "NOTES"], ""),  # C18
+    (kernel_cache_cli.main, ["unpack", "--cache-dir", "EMPTY", "NOTES"], "is not a tarball"),  # C18
+    (kernel_cache_cli.main, [], "a command is needed: warm"),  # C17 (was: the help alone)
 ]
 
 
-@pytest.mark.parametrize("main,argv,said", BAD_INPUT, ids=[" ".join(a[:2]) for _, a, _ in BAD_INPUT])
+@pytest.mark.parametrize(
+    "main,argv,said", BAD_INPUT, ids=[" ".join(a[:2]) or "kernel-cache" for _, a, _ in BAD_INPUT]
+)
 def test_bad_input_is_one_line_and_a_non_zero_exit(tmp_path, monkeypatch, main, argv, said):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "notes.txt").write_text("text\n")
