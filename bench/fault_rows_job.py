@@ -28,19 +28,29 @@ def a02(ctx: Ctx):
     return ctx.same("sh -c 'printf \"a\\0b\"; echo e >&2; exit 9'")
 
 
-@row("A03", "job", "a job that SIGKILLs itself", "the shell sees 137, as bare")
+@row("A03", "job", "a job that SIGKILLs itself", "diagnose ends by SIGKILL, as the job bare (not exit 137)")
 def a03(ctx: Ctx):
     job(ctx, "import os, signal\nprint('x', flush=True)\nos.kill(os.getpid(), signal.SIGKILL)\n")
     return ctx.same(J)
 
 
-@row("A04", "job", "a job that segfaults (ctypes.string_at(0))", "139 and the job's stderr as bare")
+@row(
+    "A04",
+    "job",
+    "a job that segfaults (ctypes.string_at(0))",
+    "ends by SIGSEGV and the job's stderr, as bare",
+)
 def a04(ctx: Ctx):
     job(ctx, "import ctypes\nprint('before', flush=True)\nctypes.string_at(0)\n")
     return ctx.same(J)
 
 
-@row("A05", "job", "a job that raises KeyboardInterrupt itself", "130 and its traceback as bare")
+@row(
+    "A05",
+    "job",
+    "a job that raises KeyboardInterrupt itself",
+    "ends by SIGINT (a shell loop stops) and its traceback, as bare",
+)
 def a05(ctx: Ctx):
     job(ctx, "raise KeyboardInterrupt\n")
     return ctx.same(J)
@@ -364,3 +374,16 @@ def a38(ctx: Ctx):
     runs = sorted(os.listdir(ctx.path("runs"))) if os.path.isdir(ctx.path("runs")) else []
     ok = p.stdout.split()[-2:] == [b"3", b"4"] and len(runs) == 2 and b"Traceback" not in p.stderr
     return ok, f"exits {p.stdout.split()[-2:]}, run folders {len(runs)}"
+
+
+@row("A39", "job", "diagnose -- job > /dev/full (200 prints)", "the job's write fails, exit 1, as bare")
+def a39(ctx: Ctx):
+    job(
+        ctx,
+        "import time\nfor i in range(200):\n    print('x' * 100)\n    time.sleep(0.01)\nprint('done-all', file=__import__('sys').stderr)\n",
+    )
+    bare = ctx.sh(f"{J} > /dev/full")
+    dx = ctx.sh(f"$DX --quiet --run-dir run -- {J} > /dev/full")
+    ran_on = b"done-all" in dx.stderr
+    ok = dx.returncode == bare.returncode == 1 and not ran_on
+    return ok, f"exit {dx.returncode}, bare {bare.returncode}{'; the job ran to its end' if ran_on else ''}"
