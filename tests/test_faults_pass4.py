@@ -259,3 +259,24 @@ def test_bad_input_is_one_line_and_a_non_zero_exit(tmp_path, monkeypatch, main, 
     assert code != 0 and err.count("\n") == 1 and said in err, (argv, code, err)
     assert "Traceback" not in out + err and "internal error" not in err
     assert sorted(os.listdir(tmp_path)) == ["empty", "notes.txt"]  # nothing made, nothing changed
+
+
+# -- A39: a full stream is the job's write error ----------------------------------------------
+@pytest.mark.slow
+def test_a_job_printing_into_dev_full_fails_as_bare(tmp_path):
+    (tmp_path / "job.py").write_text(
+        "import sys, time\nfor i in range(200):\n    print('x' * 100)\n    time.sleep(0.01)\n"
+        "print('ran to the end', file=sys.stderr)\n"
+    )
+    with open("/dev/full", "wb") as full:
+        bare = subprocess.run([PY, "job.py"], cwd=tmp_path, stdout=full, stderr=subprocess.PIPE, timeout=60)
+        done = subprocess.run(
+            [PY, "-m", "traindx", "--quiet", "--no-pyspy", "--run-dir", "run", "--", PY, "job.py"],
+            cwd=tmp_path,
+            env=_env(),
+            stdout=full,
+            stderr=subprocess.PIPE,
+            timeout=120,
+        )
+    assert bare.returncode == done.returncode == 1
+    assert b"ran to the end" not in done.stderr  # (its error reads EPIPE where bare reads ENOSPC)
