@@ -160,8 +160,9 @@ def refuse_a_foreign_folder(run_dir: str) -> None:
     if not names or any(n in ours or _is_a_run(os.path.join(run_dir, n)) for n in names):
         return
     raise RunDirRefused(
-        f"{run_dir} is not empty and holds no run ({len(names)} entries of yours, such as "
-        f"{sorted(names)[0]!r}): a run folder is traindx's alone; give a new or empty --run-dir"
+        f"{run_dir} is not empty and holds no run (it holds {sorted(names)[0]!r}"
+        f"{f' and {len(names) - 1} more' if len(names) > 1 else ''}): a run folder is traindx's "
+        "alone; give a new or empty --run-dir"
     )
 
 
