@@ -8,6 +8,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import resource
+import signal
 import sys
 import warnings
 from types import ModuleType
@@ -75,8 +77,6 @@ def _end_as_the_job(code: int) -> None:
     """A job killed by a signal ends diagnose by the same signal, once the report is out: the
     caller sees what it would see bare (a shell loop stops at a Ctrl-C'd job, a scheduler reads
     a signal death, not exit 128+N). Without a core of diagnose's own (the job's is the job's)."""
-    import signal
-
     recording = sys.modules.get("traindx.cli.recording")
     sig = getattr(recording, "JOB_SIGNAL", None)
     if not sig or code != 128 + sig[0]:
@@ -87,8 +87,6 @@ def _end_as_the_job(code: int) -> None:
                 stream.flush()
         except (OSError, ValueError):
             pass
-    import resource
-
     for step in (
         lambda: resource.setrlimit(resource.RLIMIT_CORE, (0, resource.getrlimit(resource.RLIMIT_CORE)[1])),
         lambda: signal.signal(sig[0], signal.SIG_DFL),  # (SIGKILL has no handler to reset)
