@@ -280,3 +280,17 @@ def test_a_job_printing_into_dev_full_fails_as_bare(tmp_path):
         )
     assert bare.returncode == done.returncode == 1
     assert b"ran to the end" not in done.stderr  # (its error reads EPIPE where bare reads ENOSPC)
+
+
+# -- C24: an output on a full disk is one line ------------------------------------------------
+def test_an_output_into_a_full_device_is_one_line_and_leaves_it_a_device():
+    import stat
+
+    for argv in (
+        ["card", RUN, "--active-params", "1e6", "--tokens-per-step", "64", "-o", "/dev/full"],
+        ["analyze", RUN, "-o", "/dev/full"],
+    ):
+        code, _, err = _in_process(cli, argv)
+        assert code == 2 and err.count("\n") == 1, (argv, err)
+        assert "cannot write /dev/full: No space left on device" in err, err
+        assert stat.S_ISCHR(os.lstat("/dev/full").st_mode)

@@ -114,7 +114,10 @@ def rerender(options: ReportOptions) -> int:
     if path is None:
         return 1
     if options.perfetto:
-        trace_path = export_trace(record, options.perfetto)
+        try:
+            trace_path = export_trace(record, options.perfetto)
+        except OSError as exc:  # a full disk: one line, the report above is kept
+            raise UserError(f"cannot write {options.perfetto}: {exc.strerror or exc}") from None
         print(
             f"perfetto trace: {trace_path} (open it in ui.perfetto.dev or chrome://tracing)", file=sys.stderr
         )
