@@ -294,3 +294,26 @@ def test_an_output_into_a_full_device_is_one_line_and_leaves_it_a_device():
         assert code == 2 and "Traceback" not in err and "internal error" not in err, (argv, err)
         assert err.splitlines()[-1] == "diagnose: error: cannot write /dev/full: No space left on device", err
         assert stat.S_ISCHR(os.lstat("/dev/full").st_mode)
+
+
+# -- D07: the shim's import hook is not in the job's traceback ---------------------------------
+def test_a_hooked_module_that_raises_shows_the_jobs_traceback_only(tmp_path, monkeypatch):
+    import traceback
+
+    from traindx.profiler.shim._traindx_shim import importhooks
+
+    (tmp_path / "fp4_hooked.py").write_text("x = 1\nraise ValueError('its own error')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    called = []
+    importhooks.on_import("fp4_hooked", called.append)
+    monkeypatch.setattr(sys, "meta_path", [importhooks._finder, *sys.meta_path])
+    try:
+        import fp4_hooked  # noqa: F401
+    except ValueError:
+        shown = traceback.format_exc()
+    finally:
+        sys.modules.pop("fp4_hooked", None)
+        importhooks._callbacks.pop("fp4_hooked", None)
+    assert "its own error" in shown and "fp4_hooked.py" in shown
+    assert "importhooks" not in shown and "_traindx_shim" not in shown, shown
+    assert called == []  # the module never loaded: no hook ran on half a module
