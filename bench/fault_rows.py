@@ -108,7 +108,7 @@ class Ctx:
                 with open(self.path(out_file), "rb") as f:
                     out = f.read()
             if not digits:
-                out = re.sub(rb"[0-9]", b"0", out)
+                out = re.sub(rb"[0-9][0-9.:-]*", b"0", out)
             seen.append((proc.returncode, out, proc.stderr, check() if check else ""))
         (rc0, out0, err0, files0), (rc1, out1, err1, files1) = seen
         problems = []

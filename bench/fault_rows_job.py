@@ -1,4 +1,4 @@
-"""Fault pass four, class "job": never harm the job (rows A01-A38 of docs/faults.md)."""
+"""Fault pass four, class "job": never harm the job (rows A01-A39 of docs/faults.md)."""
 
 from __future__ import annotations
 
@@ -368,8 +368,8 @@ def a37(ctx: Ctx):
 def a38(ctx: Ctx):
     job(ctx, "import sys, time\ntime.sleep(0.5)\nsys.exit(int(sys.argv[1]))\n")
     p = ctx.sh(
-        "$DX --quiet --no-pyspy -- $PY job.py 3 & $DX --quiet --no-pyspy -- $PY job.py 4 & "
-        "wait %1; a=$?; wait %2; echo $a $?"
+        "$DX --quiet --no-pyspy -- $PY job.py 3 & p1=$!; $DX --quiet --no-pyspy -- $PY job.py 4 & p2=$!; "
+        "wait $p1; a=$?; wait $p2; echo $a $?"
     )
     runs = sorted(os.listdir(ctx.path("runs"))) if os.path.isdir(ctx.path("runs")) else []
     ok = p.stdout.split()[-2:] == [b"3", b"4"] and len(runs) == 2 and not OURS.search(p.stderr)
