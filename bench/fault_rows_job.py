@@ -192,7 +192,7 @@ def a19(ctx: Ctx):
 @row(
     "A20",
     "job",
-    "the job's folder holds numbers.py, random.py, token.py; the job imports them",
+    "the job's folder holds numbers.py, random.py, token.py, copy.py, json.py; the job imports them",
     "the job gets its own modules, as bare",
 )
 def a20(ctx: Ctx):
@@ -216,7 +216,7 @@ def a21(ctx: Ctx):
     return ctx.same(f"{J} >> f", pre="echo old > f; ", out_file="f")
 
 
-@row("A22", "job", "diagnose -- job > /dev/full", "the job's write error and exit 120, as bare")
+@row("A22", "job", "diagnose -- job > /dev/full", "the job's write error (ENOSPC) and exit 1, as bare")
 def a22(ctx: Ctx):
     job(ctx, "print('x' * 10)\n")
     return ctx.same(f"{J} > /dev/full")
