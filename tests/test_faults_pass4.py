@@ -37,6 +37,13 @@ def _in_process(main, argv):
     return code, out.getvalue(), err.getvalue()
 
 
+def _copy_of_the_run(tmp_path):
+    import shutil
+
+    shutil.copytree(RUN, tmp_path / "run")
+    return str(tmp_path / "run")
+
+
 def _env():
     return {k: v for k, v in os.environ.items() if not k.startswith("TRAINDX_")}
 
@@ -107,12 +114,13 @@ def test_a_run_folders_own_files_are_never_written_through_a_link(tmp_path):
 def test_every_output_option_into_a_null_device_leaves_it_a_device(tmp_path):
     import stat
 
+    run = _copy_of_the_run(tmp_path)  # analyze and report also write into the run folder
     null = tmp_path / "null"
     os.mknod(null, 0o666 | stat.S_IFCHR, os.makedev(1, 3))
     for argv in (
-        ["analyze", RUN, "-o", null],
-        ["compare", RUN, os.path.join(ROOT, "tests", "data", "h200-seed-b17-tensor"), "--json", null],
-        ["report", RUN, "--quiet", "-o", null],
+        ["analyze", run, "-o", null],
+        ["compare", run, os.path.join(ROOT, "tests", "data", "h200-seed-b17-tensor"), "--json", null],
+        ["report", run, "--quiet", "-o", null],
     ):
         code, _, err = _in_process(cli, argv)
         assert code == 0, (argv, err)
@@ -283,12 +291,13 @@ def test_a_job_printing_into_dev_full_fails_as_bare(tmp_path):
 
 
 # -- C24: an output on a full disk is one line ------------------------------------------------
-def test_an_output_into_a_full_device_is_one_line_and_leaves_it_a_device():
+def test_an_output_into_a_full_device_is_one_line_and_leaves_it_a_device(tmp_path):
     import stat
 
+    run = _copy_of_the_run(tmp_path)
     for argv in (
-        ["card", RUN, "--active-params", "1e6", "--tokens-per-step", "64", "-o", "/dev/full"],
-        ["analyze", RUN, "-o", "/dev/full"],
+        ["card", run, "--active-params", "1e6", "--tokens-per-step", "64", "-o", "/dev/full"],
+        ["analyze", run, "-o", "/dev/full"],
     ):
         code, _, err = _in_process(cli, argv)  # (analyze prints its verdict first)
         assert code == 2 and "Traceback" not in err and "internal error" not in err, (argv, err)
