@@ -156,6 +156,13 @@ def refuse_a_foreign_folder(run_dir: str) -> None:
         return
     except OSError as exc:
         raise RunDirRefused(f"cannot read the run folder {run_dir}: {_reason(exc)}") from None
+    for name in names:  # a planted link is named as such (as claim_run_dir's walk would)
+        path = os.path.join(run_dir, name)
+        if os.path.islink(path):
+            raise RunDirRefused(
+                f"{run_dir} holds a symbolic link ({name} -> {os.readlink(path)}): a run folder "
+                "is traindx's alone; give a new --run-dir"
+            )
     ours = {LOCK_NAME, CAPTURED, "nodes", *RUN_EVIDENCE}
     if not names or any(n in ours or _is_a_run(os.path.join(run_dir, n)) for n in names):
         return
