@@ -344,9 +344,15 @@ def load_run(
     between loads of a folder still being written (only what was appended is parsed)."""
     path = os.path.abspath(os.fspath(path))
     if not os.path.isdir(path):
-        raise UserError(f"no such run folder: {path}")
-    refuse_links(path)
+        raise UserError(
+            f"{path} is a file, not a run folder" if os.path.lexists(path) else f"no such run folder: {path}"
+        )
     manifest_path = os.path.join(path, "manifest.json")
+    nodes = os.path.isdir(os.path.join(path, "nodes"))
+    # any other folder (/etc) is not ours, whatever links it holds
+    if not os.path.lexists(manifest_path) and not nodes and not _evidence_present(path):
+        raise UserError(f"{path} is not a traindx run (no manifest.json)")
+    refuse_links(path)
     if not os.path.isfile(manifest_path) and os.path.isdir(os.path.join(path, "nodes")):
         raise UserError(
             f"{path} is a multi-node run not merged yet: run `diagnose merge "

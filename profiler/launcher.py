@@ -40,6 +40,8 @@ class CommandNotFound(Exception):
 
 def resolve_command(command: Sequence[str]) -> None:
     exe = command[0]
+    if not exe.strip():
+        raise CommandNotFound(f"the command is an empty word ({exe!r}): give the program to run after --")
     if os.sep in exe:
         if not os.path.exists(exe):
             raise CommandNotFound(f"command not found: {exe}")

@@ -233,6 +233,39 @@ def claim_run_dir(run_dir: str) -> RunLock:
     return RunLock(fd)
 
 
+def refuse_a_foreign_folder(run_dir: str) -> None:
+    """A --run-dir the user names must be new, empty or traindx's (a run, a --fix root of arms,
+    a multi-node run's nodes/): an existing folder of theirs (a project, $HOME, ".") would get a
+    run's files among its own, and its report.html or log.txt overwritten."""
+    try:
+        names = os.listdir(run_dir)
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise RunDirRefused(f"cannot read the run folder {run_dir}: {_reason(exc)}") from None
+    for name in names:  # a planted link is named as such (as claim_run_dir's walk would)
+        path = os.path.join(run_dir, name)
+        if os.path.islink(path):
+            raise RunDirRefused(
+                f"{run_dir} holds a symbolic link ({name} -> {os.readlink(path)}): a run folder "
+                "is traindx's alone; give a new --run-dir"
+            )
+    ours = {LOCK_NAME, CAPTURED, "nodes", *RUN_EVIDENCE}
+    if not names or any(n in ours or _is_a_run(os.path.join(run_dir, n)) for n in names):
+        return
+    raise RunDirRefused(
+        f"{run_dir} is not empty and holds no run (it holds {sorted(names)[0]!r}"
+        f"{f' and {len(names) - 1} more' if len(names) > 1 else ''}): a run folder is traindx's "
+        "alone; give a new or empty --run-dir"
+    )
+
+
+def _is_a_run(path: str) -> bool:
+    return not os.path.islink(path) and any(
+        os.path.lexists(os.path.join(path, n)) for n in (LOCK_NAME, "manifest.json")
+    )
+
+
 def _refuse_links(run_dir: str) -> None:
     """A run folder is traindx's alone: one that holds a symbolic link (to a file or a folder
     elsewhere, which a write of ours would go through) is refused. --fix's own CAPTURED folder is

@@ -20,6 +20,12 @@ _BOOT = (
 )
 
 
+# -P: not the working folder first on sys.path (a job's token.py or json.py there is the job's,
+# never ours); Python 3.10 has no -P
+SAFE_PATH = ["-P"] if sys.version_info >= (3, 11) else []
+
+
 def module_command(module: str, *args: str) -> list[str]:
-    """`python -m module args` as a process of traindx's own (no customize module of the job's)."""
-    return [sys.executable, "-S", "-c", _BOOT, module, *args]
+    """`python -m module args` as a process of traindx's own (no customize module of the job's,
+    no module of the job's folder)."""
+    return [sys.executable, "-S", *SAFE_PATH, "-c", _BOOT, module, *args]

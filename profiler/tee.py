@@ -24,6 +24,7 @@ usage (by the launcher only): python -m traindx.profiler.tee OUT_FD ERR_FD SOCKE
 then one JSON line on the socket: {"log": path, "segment_bytes": n, "cap_bytes": n}
 """
 
+import errno
 import fcntl
 import json
 import os
@@ -113,6 +114,12 @@ def same_sink(a: int, b: int) -> bool:
     if kind not in (stat.S_IFIFO, stat.S_IFREG):
         return False
     return (sa.st_dev, sa.st_ino, kind) == (sb.st_dev, sb.st_ino, stat.S_IFMT(sb.st_mode))
+
+
+def refused(exc: OSError) -> bool:
+    """A write error that the job's own write would have met bare: the reader went away
+    (EPIPE), or the file or device is full (ENOSPC, EDQUOT, EFBIG)."""
+    return exc.errno in (errno.EPIPE, errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
 def _write_all(fd: int, data: bytes) -> None:
@@ -222,10 +229,10 @@ class Tee:
         if not self._send(tag.encode(), chunk):
             try:
                 _write_all(self.terminal[tag], chunk)
-            except BrokenPipeError:
-                self.gone.add(tag)  # its reader is gone: the job's next write fails, as bare
-            except OSError:
-                pass  # no terminal any more (hung up): the log still gets the lines
+            except OSError as exc:
+                if refused(exc):  # its reader is gone, or its disk full: the job's next write fails, as bare
+                    self.gone.add(tag)
+                # else no terminal any more (hung up): the log still gets the lines
 
     def _drop(self, fd: int, sel: selectors.BaseSelector, t: int) -> None:
         """Stop reading one of the job's pipes (its end, or its reader's): close our end."""
@@ -467,7 +474,12 @@ class OutputRelay:
     def _pass(self, tag: str, data: bytes) -> None:
         try:
             self.on_output(tag, data)
-        except BrokenPipeError:  # whoever read this stream is gone: the job hears it as bare
+        except OSError as exc:
+            if not refused(exc):
+                self._write_elsewhere(tag, data)
+                return
+            # whoever read this stream is gone, or it cannot take more (/dev/full, a full
+            # disk): the job hears it as bare, at its next write (as EPIPE)
             if tag not in self._gone:
                 self._gone.add(tag)
                 try:
@@ -476,10 +488,14 @@ class OutputRelay:
                 except (OSError, AssertionError, KeyError):
                     pass
         except Exception:
-            try:
-                _write_all(1 if tag == "o" else 2, data)
-            except OSError:
-                pass
+            self._write_elsewhere(tag, data)
+
+    @staticmethod
+    def _write_elsewhere(tag: str, data: bytes) -> None:
+        try:
+            _write_all(1 if tag == "o" else 2, data)
+        except OSError:
+            pass
 
     def finish(self) -> None:
         """The job has ended: its last lines are printed, then the tee goes on by itself."""

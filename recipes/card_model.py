@@ -233,7 +233,7 @@ class RecipeCard:
         return stream.getvalue()
 
     def save(self, path: str) -> str:
-        write_text(path, self.to_yaml())
+        write_text(path, self.to_yaml(), user_path=True)
         return path
 
     # -- conveniences --------------------------------------------------------------------------

@@ -94,6 +94,6 @@ def write_report(
     whatever keys it has are shown in a 'Before and after' section."""
     data = build_report_data(run, judgement, comparison=comparison)
     html = render_html(data)
+    write_text(path or os.path.join(run.path, "report.html"), html, user_path=path is not None)
     path = path or os.path.join(run.path, "report.html")
-    write_text(path, html)
     return path

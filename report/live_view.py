@@ -4,6 +4,7 @@ and each stable finding printed once, with its first prescription. It only rende
 
 from __future__ import annotations
 
+import errno
 import os
 import sys
 import time
@@ -148,5 +149,7 @@ def _write_all(fd: int, data: bytes) -> None:
             data = data[os.write(fd, data) :]
     except BrokenPipeError:
         raise  # the reader of this stream is gone: the relay closes the job's end (as bare)
-    except OSError:
-        pass  # the terminal is gone (hung up)
+    except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+            raise  # full (/dev/full, a full disk): the job's next write fails, as bare
+        # else the terminal is gone (hung up)

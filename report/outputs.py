@@ -116,7 +116,7 @@ def write_json_file(path: str, data: Any) -> str:
     """Write `data` as JSON to a file the user named, atomically: a failure (full disk, a folder
     that went away) is one UserError naming the file, and leaves neither a half file nor a .tmp."""
     try:
-        write_json(path, data, indent=2, default=str)
+        write_json(path, data, user_path=True, indent=2, default=str)
     except OSError as exc:
         raise UserError(f"cannot write {path}: {exc.strerror or exc}") from None
     return path

@@ -327,5 +327,5 @@ def export_trace(run: RunRecord, path: str) -> str:
         with opener(tmp, "wt", encoding="utf-8") as f:
             json.dump(trace, f, separators=(",", ":"), default=str)
 
-    replace_with(path, write)
+    replace_with(path, write, user_path=True)
     return path

@@ -72,6 +72,7 @@ from traindx.fixing.run.prepare import (  # noqa: F401  (re-exported)
 from traindx.fixing.run.runner import run_loop
 from traindx.fixing.run.scrub import scrub_copies
 from traindx.profiler.launcher import CommandNotFound, Job, Options, new_run_dir, resolve_command
+from traindx.profiler.manifest import RunDirRefused, refuse_a_foreign_folder
 
 
 def fix(command: list[str], options: FixOptions | None = None) -> FixResult:
@@ -96,6 +97,10 @@ def fix(command: list[str], options: FixOptions | None = None) -> FixResult:
     except CommandNotFound as exc:
         raise UserError(str(exc)) from None
     root = os.path.abspath(options.run_dir or new_run_dir(options.out))
+    try:
+        refuse_a_foreign_folder(root)  # the arms go into it: never a folder of the user's
+    except RunDirRefused as exc:
+        raise UserError(str(exc)) from None
     os.makedirs(root, exist_ok=True)
     say("info", f"evidence goes to {root} (the baseline's and each arm's run folders)")
     base_dir = os.path.join(root, "baseline")

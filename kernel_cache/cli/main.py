@@ -191,8 +191,9 @@ def main(argv: list[str] | None = None) -> int | None:
 def _main(argv: list[str] | None) -> int | None:
     parser = build_parser()
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    if not args.command:
+    if not args.command:  # the help on stdout, and the one line that says what was wrong
         parser.print_help()
+        print(f"{PROG}: error: a command is needed: {', '.join(COMMANDS)}", file=sys.stderr)
         return 2
     try:
         return COMMANDS[args.command][1](args)

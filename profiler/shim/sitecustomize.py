@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 import sys
 
+_BEFORE = set(sys.modules)  # what the interpreter loaded before the shim (see shadowing.py)
+
 
 def _chain_shadowed_sitecustomize() -> None:
     # Python imports the first sitecustomize on sys.path; ours shadows any later one.
@@ -46,6 +48,9 @@ if os.environ.get("TRAINDX_RUN_DIR"):
         import _traindx_shim
 
         _traindx_shim.activate()
+        from _traindx_shim import shadowing
+
+        shadowing.unshadow(_BEFORE)
     except KeyboardInterrupt:
         _interrupted_at_start()
     except Exception as exc:

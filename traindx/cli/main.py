@@ -8,6 +8,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import resource
+import signal
 import sys
 import warnings
 from types import ModuleType
@@ -67,7 +69,37 @@ def _show_warning(
 
 def main(argv: list[str] | None = None) -> int:
     with safe_std_streams():  # no control sequence of the job reaches the terminal (termsafe)
-        return _main(argv)
+        code = _main(argv)
+    if argv is None:  # diagnose is the program (not a call in another's process)
+        _end_as_the_job(code)
+    return code
+
+
+def _end_as_the_job(code: int) -> None:
+    """A job killed by a signal ends diagnose by the same signal, once the report is out: the
+    caller sees what it would see bare (a shell loop stops at a Ctrl-C'd job, a scheduler reads
+    a signal death, not exit 128+N). Without a core of diagnose's own (the job's is the job's)."""
+    recording = sys.modules.get("traindx.cli.recording")
+    sig = getattr(recording, "JOB_SIGNAL", None)
+    if not sig or code != 128 + sig[0]:
+        return
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            if stream is not None:
+                stream.flush()
+        except (OSError, ValueError):
+            pass
+    for step in (
+        lambda: resource.setrlimit(resource.RLIMIT_CORE, (0, resource.getrlimit(resource.RLIMIT_CORE)[1])),
+        lambda: signal.signal(sig[0], signal.SIG_DFL),  # (SIGKILL has no handler to reset)
+        lambda: signal.pthread_sigmask(signal.SIG_UNBLOCK, [sig[0]]),
+        lambda: os.kill(os.getpid(), sig[0]),
+    ):
+        try:
+            step()
+        except (OSError, ValueError):
+            pass
+    # still here: a signal whose default is not to end a process; exit 128+N stays
 
 
 def _main(argv: list[str] | None) -> int:

@@ -145,12 +145,18 @@ def say_where(run_dir: str) -> None:
     )
 
 
+# the signal that killed the job this process recorded (a plain run, not --fix's arms)
+JOB_SIGNAL: list[int] = []
+
+
 def diagnose(command: list[str], request: JobRequest) -> int:
     """Record the job, analyse and report the record; the exit code: the job's, else
     ANALYSIS_FAILED_EXIT when the job succeeded and its analysis or report did not."""
     from traindx.profiler.launcher import exit_status, new_run_dir
 
     node = node_part(command, request)
+    if request.run_dir and not node:
+        _refuse_a_foreign_folder(request.run_dir)
     try:
         run_dir = node["dir"] if node else (request.run_dir or new_run_dir(request.out))
     except OSError as exc:
@@ -167,6 +173,8 @@ def diagnose(command: list[str], request: JobRequest) -> int:
             shutil.rmtree(run_dir, ignore_errors=True)
         raise
     status: int = exit_status(returncode)
+    if returncode is not None and returncode < 0:
+        JOB_SIGNAL[:] = [-returncode]  # traindx.cli.main ends by it after the report
     if not os.path.isfile(os.path.join(run_dir, "manifest.json")):  # deleted while the job ran
         return status  # (record_job said so in one line)
     if node:
@@ -189,6 +197,15 @@ def diagnose(command: list[str], request: JobRequest) -> int:
         )
         return status or ANALYSIS_FAILED_EXIT
     return status
+
+
+def _refuse_a_foreign_folder(run_dir: str) -> None:
+    from traindx.profiler.manifest import RunDirRefused, refuse_a_foreign_folder
+
+    try:
+        refuse_a_foreign_folder(run_dir)
+    except RunDirRefused as exc:
+        raise UserError(str(exc)) from None
 
 
 def _analyse_and_report(run_dir: str, node: dict[str, str] | None) -> bool:

@@ -123,7 +123,10 @@ def rerender(options: ReportOptions) -> int:
     if path is None:
         return 1
     if options.perfetto:
-        trace_path = export_trace(record, options.perfetto)
+        try:
+            trace_path = export_trace(record, options.perfetto)
+        except OSError as exc:  # a full disk: one line, the report above is kept
+            raise UserError(f"cannot write {options.perfetto}: {exc.strerror or exc}") from None
         print(
             f"perfetto trace: {trace_path} (open it in ui.perfetto.dev or chrome://tracing)", file=sys.stderr
         )
@@ -146,7 +149,11 @@ def watch(run_dir: str, poll_s: float) -> int:
     shown = run_dir
     run_dir = os.path.abspath(run_dir)
     if not os.path.isdir(run_dir):
-        raise UserError(f"no such run folder: {shown}")
+        raise UserError(
+            f"{shown} is a file, not a run folder"
+            if os.path.lexists(run_dir)
+            else f"no such run folder: {shown}"
+        )
     if not (
         os.path.isfile(os.path.join(run_dir, "manifest.json"))
         or os.path.isdir(os.path.join(run_dir, "nodes"))

@@ -15,6 +15,7 @@ import math
 import os
 import pathlib
 import re
+import stat
 from collections.abc import Callable, Mapping
 from typing import Any, NoReturn
 
@@ -218,6 +219,8 @@ def output_folder(text: str) -> str:
             fail(f"{text} is a file, not a folder")
         _writable_folder(path, text)
         return text
+    if os.path.islink(path):
+        fail(f"{text} is a link to nothing ({os.readlink(path)})")
     ancestor = _existing_ancestor(path)
     if not os.path.isdir(ancestor):
         fail(f"{text}: {ancestor} is a file, not a folder")
@@ -243,6 +246,10 @@ def output_file(text: str) -> str:
     path = _path(text)
     if os.path.isdir(path):
         fail(f"{text} is a folder; give a file path")
+    if _written_through(path):  # /dev/stdout, /dev/null, a FIFO: written into as `>` would
+        if not os.access(path, os.W_OK):
+            fail(f"{text}: no permission to write it")
+        return text
     folder = os.path.dirname(path)
     if not os.path.isdir(folder):
         fail(
@@ -254,6 +261,15 @@ def output_file(text: str) -> str:
         fail(f"{text}: no permission to write it")
     _writable_folder(folder, text)
     return text
+
+
+def _written_through(path: str) -> bool:
+    """An existing link, character device or FIFO (traindx.common.atomic writes through it)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return False
+    return os.path.islink(path) or stat.S_ISCHR(st.st_mode) or stat.S_ISFIFO(st.st_mode)
 
 
 def existing_folder(text: str) -> str:

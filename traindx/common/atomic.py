@@ -27,6 +27,8 @@ from __future__ import annotations
 import errno
 import json
 import os
+import stat
+import tempfile
 import threading
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -75,6 +77,56 @@ def _temporary_path(path: str) -> str:
     return os.path.join(folder, f".{name}.{os.getpid()}.{threading.get_ident()}.tmp")
 
 
+def _written_through(target: str) -> bool:
+    """A path the user named that is not a regular file (a link such as /dev/stdout, a device
+    such as /dev/null, a FIFO) is written through, as a shell's `>` would: renamed onto, it
+    would be replaced (as root, /dev/null itself). A block device is never an output."""
+    try:
+        st = os.lstat(target)
+    except OSError:
+        return False
+    if stat.S_ISREG(st.st_mode) and st.st_nlink > 1:
+        return True  # another name shares its content: a rename would leave that one behind
+    if stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode):
+        return False
+    try:
+        if stat.S_ISBLK(os.stat(target).st_mode):
+            raise IsADirectoryError(f"{target} is a block device, not an output file")
+    except FileNotFoundError:  # a link to nothing yet: created through it, as `>` does
+        pass
+    return True
+
+
+def _write_through(target: str, write: Callable[[str], object]) -> None:
+    """write() into a private temporary file, then its bytes into target (opened as `>` does):
+    a failure while making the content leaves the target as it was."""
+    fd, tmp = tempfile.mkstemp(prefix=".traindx-out-")
+    os.close(fd)
+    try:
+        write(tmp)
+        with open(tmp, "rb") as src, open(target, "wb") as dst:
+            while chunk := src.read(1 << 20):
+                dst.write(chunk)
+    finally:
+        try:
+            os.remove(tmp)
+        except OSError:
+            pass
+
+
+def _keep_mode_and_owner(target: str, tmp: str) -> None:
+    """The new file takes the old one's mode (a private 0600 report stays private) and owner."""
+    try:
+        st = os.stat(target)
+    except OSError:
+        return
+    os.chmod(tmp, stat.S_IMODE(st.st_mode))
+    try:
+        os.chown(tmp, st.st_uid, st.st_gid)
+    except OSError:
+        pass  # not ours to give away: the file is the writer's, as any new one would be
+
+
 def _create_exclusively(tmp: str) -> None:
     """An empty temporary file of our own: a stale one (a killed writer's) or a planted link in
     its place is removed first, never written through."""
@@ -87,14 +139,23 @@ def _create_exclusively(tmp: str) -> None:
     os.close(fd)
 
 
-def replace_with(path: str | os.PathLike[str], write: Callable[[str], object], root: Root = None) -> None:
+def replace_with(
+    path: str | os.PathLike[str], write: Callable[[str], object], root: Root = None, user_path: bool = False
+) -> None:
     """Call write(temporary_path), then rename the temporary file onto `path` (see refuse_links
-    for `root`)."""
+    for `root`). user_path: a path the user named (-o, --json): a link, device or FIFO there is
+    written through instead, as a shell's `>` would (never a link planted in a run folder: those
+    are refused, not followed)."""
+    if user_path and _written_through(os.fspath(path)):
+        _write_through(os.fspath(path), write)
+        return
     target = refuse_links(path, root)
     tmp = _temporary_path(target)
     _create_exclusively(tmp)
     try:
         write(tmp)
+        if user_path:
+            _keep_mode_and_owner(target, tmp)
         os.replace(tmp, target)
     except BaseException:
         try:
@@ -104,16 +165,23 @@ def replace_with(path: str | os.PathLike[str], write: Callable[[str], object], r
         raise
 
 
-def write_bytes(path: str | os.PathLike[str], data: bytes, root: Root = None) -> None:
+def write_bytes(
+    path: str | os.PathLike[str], data: bytes, root: Root = None, user_path: bool = False
+) -> None:
     def write(tmp: str) -> None:
         with open(tmp, "wb") as f:
             f.write(data)
 
-    replace_with(path, write, root)
+    replace_with(path, write, root, user_path)
 
 
 def write_text(
-    path: str | os.PathLike[str], text: str, encoding: str = "utf-8", root: Root = None, redact: bool = True
+    path: str | os.PathLike[str],
+    text: str,
+    encoding: str = "utf-8",
+    root: Root = None,
+    redact: bool = True,
+    user_path: bool = False,
 ) -> None:
     if redact:
         text = redaction.redact_text(text)
@@ -124,7 +192,7 @@ def write_text(
         with open(tmp, "w", encoding=encoding, errors="surrogateescape") as f:
             f.write(text)
 
-    replace_with(path, write, root)
+    replace_with(path, write, root, user_path)
 
 
 def write_lines(path: str | os.PathLike[str], lines: Iterable[str], root: Root = None) -> None:
@@ -138,11 +206,13 @@ def write_lines(path: str | os.PathLike[str], lines: Iterable[str], root: Root =
     replace_with(path, write, root)
 
 
-def write_json(path: str | os.PathLike[str], obj: Any, root: Root = None, **dump_options: Any) -> None:
+def write_json(
+    path: str | os.PathLike[str], obj: Any, root: Root = None, user_path: bool = False, **dump_options: Any
+) -> None:
     """json.dump(obj) atomically, every string value redacted; `dump_options` go to json.dump
     (indent, default, ...). The text is made before the file is opened, so an object that
     cannot be serialised touches nothing."""
-    write_text(path, json.dumps(redacted(obj), **dump_options), root=root, redact=False)
+    write_text(path, json.dumps(redacted(obj), **dump_options), root=root, redact=False, user_path=user_path)
 
 
 def redacted(obj: Any) -> Any:

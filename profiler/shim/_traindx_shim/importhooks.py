@@ -57,18 +57,37 @@ class _Finder(importlib.abc.MetaPathFinder):
         loader = spec.loader
         if loader is None or not hasattr(loader, "exec_module"):
             return spec
-        original = loader.exec_module
-
-        def exec_module(module: ModuleType) -> None:
-            original(module)
-            for callback in _callbacks.pop(name, []):
-                _run(name, callback, module)
-
+        exec_module = _wrapped(loader.exec_module, name)
         try:
-            loader.exec_module = exec_module  # type: ignore[method-assign]
+            loader.exec_module = exec_module  # type: ignore[method-assign,assignment]
         except Exception:
             return spec
         return spec
+
+
+# The wrapper around a loader's exec_module is compiled as importlib's own code: when the
+# job's module raises while it loads, Python trims importlib's frames from the traceback it
+# prints, and so ours, which would otherwise show up in the job's own traceback as the shim's.
+_WRAPPER = compile(
+    "def wrapped(original, name, after):\n"
+    "    def exec_module(module):\n"
+    "        original(module)\n"
+    "        after(name, module)\n"
+    "    return exec_module\n",
+    "<frozen importlib._bootstrap_external>",
+    "exec",
+)
+_namespace: dict[str, Any] = {}
+exec(_WRAPPER, _namespace)
+
+
+def _after(name: str, module: ModuleType) -> None:
+    for callback in _callbacks.pop(name, []):
+        _run(name, callback, module)
+
+
+def _wrapped(original: Callable[[ModuleType], None], name: str) -> Callable[[ModuleType], None]:
+    return _namespace["wrapped"](original, name, _after)
 
 
 _finder = _Finder()

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from traindx.cli import argtypes
 from traindx.cli.run_folder import kept_arm
+from traindx.common.errors import UserError
 from traindx.recipes.card import CardOptions, RecipeCard, card
 
 if TYPE_CHECKING:
@@ -116,7 +117,10 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     record = load_run(fix_arm(args.run_dir))
     result = card(record, options_from(args))
     if args.output:
-        result.save(args.output)
+        try:
+            result.save(args.output)
+        except OSError as exc:  # a full disk, a folder gone: the card is not written, one line
+            raise UserError(f"cannot write {args.output}: {exc.strerror or exc}") from None
         print(f"card: {args.output}", file=sys.stderr)
     else:
         sys.stdout.write(result.to_yaml())
