@@ -287,8 +287,8 @@ def test_fix_applies_the_host_read_and_pinned_copy_edits_and_parity_holds(tmp_pa
         judged, report = real(record, *args, **kwargs)
         if os.path.basename(record.path) != "baseline":
             return judged, report
-        site = dataloader._starving_site(frameworks.data_sites(record, "0"), "DataLoader")
-        pin = dataloader._site_change(site, "DataLoader", {"pin_memory": "True"})
+        site = dataloader.starving_site(frameworks.data_sites(record, "0"), "DataLoader")
+        pin = dataloader.loader_site_change(site, "DataLoader", {"pin_memory": "True"})
         assert pin and "DataLoader(data, batch_size=16, shuffle=False, pin_memory=True)" in pin["after"]
         added = [
             _host_starved(HOST_READS, copy_line, 0.03),

@@ -563,6 +563,8 @@ def _priced(findings: list[Finding], run: RunRecord | None) -> list[Finding]:
         if max(gains) > room:
             out[i] = replace(
                 f,
+                # severity.py: a price capped by the roots above is that small, not unknown
+                evidence={**f.evidence, "capped_by_roots_above_s": round(room, 6)},
                 prescriptions=tuple(
                     replace(p, expected_gain_s_per_step=min(p.expected_gain_s_per_step, room))
                     if p.expected_gain_s_per_step is not None

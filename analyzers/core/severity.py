@@ -8,7 +8,8 @@ fix saves nothing on this machine. A fix priced at a few milliseconds of a long 
 high-severity problem, whatever its analyzer measured: the bound is the severity of the share of
 the steady step the best prescription saves (evidence.severity_for_share), never below "low"
 (a fix is still prescribed). Critical findings (the run will stop) and notes are left alone,
-and so are findings whose fix has no price (unknown is not nothing).
+and so are findings whose fix has no price (unknown is not nothing) or a price that depends on
+the machine's passing load (more DataLoader workers on the cores other work left free).
 """
 
 from __future__ import annotations
@@ -42,12 +43,19 @@ def bounded_by_price(findings: list[Finding], run: RunRecord | None) -> list[Fin
 def _bounded(f: Finding, step_s: dict[str, float]) -> Finding:
     if f.cause is not None or f.severity in (NOTE, "critical") or not f.prescriptions:
         return f
+    if isinstance(f.removes, dict) and f.removes.get("workers"):
+        # priced by the workers model on the cores the machine's other work left free at the
+        # time (savings_workers.py): a load that comes and goes, so not what the problem is worth
+        return f
     gains = [p.expected_gain_s_per_step for p in f.prescriptions if p.expected_gain_s_per_step is not None]
     ranks = [str(r) for r in f.ranks if str(r) in step_s] or list(step_s)
     step = max(step_s[r] for r in ranks)
     if gains and step > 0:
         gain = max(0.0, max(gains))
-    elif f.evidence.get("unpriced"):  # every fix priced at or below zero here
+    elif f.evidence.get("unpriced") and "capped_by_roots_above_s" in f.evidence:
+        # the roots ranked above already claim the time it loses: it saves nothing more. A fix
+        # the model priced at or below zero on its own (more workers on cores the machine's
+        # load fills: that load comes and goes) is unknown, not nothing, and left alone.
         gain = 0.0
     else:
         return f
