@@ -7,7 +7,8 @@ caps each gain at the time left in the step after the findings ranked above it, 
 fix saves nothing on this machine. A fix priced at a few milliseconds of a long step is not a
 high-severity problem, whatever its analyzer measured: the bound is the severity of the share of
 the steady step the best prescription saves (evidence.severity_for_share), never below "low"
-(a fix is still prescribed). Critical findings (the run will stop) and notes are left alone,
+(a fix is still prescribed), applied only where that share is under PRICED_AT_NOTHING: nearer the
+thresholds between severities a share moves with the machine's load, and a severity must not. Critical findings (the run will stop) and notes are left alone,
 and so are findings whose fix has no price (unknown is not nothing) or a price that depends on
 the machine's passing load (more DataLoader workers on the cores other work left free).
 """
@@ -26,6 +27,7 @@ if TYPE_CHECKING:  # annotations only
     from traindx.derive.run import RunRecord
 
 FLOOR = "low"  # a prescribed fix, however cheap, is more than a note
+PRICED_AT_NOTHING = 0.02  # a fix that saves under 2 % of the step is priced at nothing
 
 
 def bounded_by_price(findings: list[Finding], run: RunRecord | None) -> list[Finding]:
@@ -60,6 +62,11 @@ def _bounded(f: Finding, step_s: dict[str, float]) -> Finding:
     else:
         return f
     share = gain / step if step > 0 else 0.0
+    if share >= PRICED_AT_NOTHING:
+        # between "nothing" and the whole step the analyzer's own measure stands: a bound by the
+        # price's share would move a finding across severities with the machine's load (a GIL
+        # finding priced at 12 % of a quiet step and 20 % of a loaded one)
+        return f
     bound = max(severity_for_share(share), FLOOR, key=severity_index)
     if severity_index(f.severity) <= severity_index(bound):
         return f
