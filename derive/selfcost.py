@@ -189,7 +189,11 @@ def cost_line(cost: dict[str, Any] | None) -> str | None:
             f"; {cost['perturbed_s']:.2f} s on purpose for {' and '.join(what) or 'a closer look'} ({where}"
         )
         share = cost.get("perturbed_pct")
-        line += f": {share:.1f} % of this run's steps)" if share is not None and math.isfinite(share) else ")"
+        line += (
+            f": {share:.1f} % of the time this run's steps took)"
+            if share is not None and math.isfinite(share)
+            else ")"
+        )
     if cost.get("shed"):
         line += "; over its budget it shed: " + ", ".join(s["what"] for s in cost["shed"])
     return line
