@@ -217,10 +217,6 @@ class EventTables:
         ]
         return min(ts) if ts else None
 
-    def order_keys(self, typ: str) -> OrderKeys | None:
-        self.frame(typ)
-        return self._order.get(typ)
-
     def all_events(self) -> pd.DataFrame:
         """Every type in one wide frame (the old `events` table): t order, ties in file order.
         Wide and mostly empty: only for callers that need every type at once."""

@@ -111,10 +111,6 @@ def _unshare_mapped_by_helper() -> None:
         raise SetupError("could not map the user ids")
 
 
-def _escape(path: str) -> str:
-    return path.replace("\\", "\\\\").replace(":", "\\:").replace(",", "\\,")
-
-
 def _overlay(lower: int, upper: int, work: int, target: str) -> None:
     opts = f"lowerdir=/proc/self/fd/{lower},upperdir=/proc/self/fd/{upper},workdir=/proc/self/fd/{work}"
     try:

@@ -183,10 +183,6 @@ def node_dirs(run_dir: str) -> dict[str, str]:
     return {n: os.path.join(root, n) for n in names if os.path.isfile(os.path.join(root, n, "manifest.json"))}
 
 
-def is_multinode(run_dir: str) -> bool:
-    return bool(node_dirs(run_dir))
-
-
 def read_clock(run_dir: str) -> dict[str, int]:
     """{node: offset_ns} from RUN/clock.json (an unknown offset counts as 0)."""
     path = os.path.join(run_dir, CLOCK_FILE)

@@ -464,7 +464,6 @@ def load_traces(run_path: str) -> tuple[pd.DataFrame, dict[str, str]]:
 
 # -- the GPU's view of the window: busy time by kind, top kernels ------------------------------
 GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
-COMM_KERNEL_PREFIXES = ("nccl", "ncclDevKernel", "ncclKernel")  # NCCL's kernels: communication
 COMM_KERNEL_WORDS = (
     "allreduce",
     "all_reduce",
@@ -569,13 +568,3 @@ def top_kernels(trace: pd.DataFrame, limit: int = 10) -> pd.DataFrame:
         }
     )
     return out.head(limit).reset_index(drop=True)
-
-
-def pageable_copies(trace: pd.DataFrame) -> pd.DataFrame:
-    """Host-to-device copies from pageable memory in the window (Kineto names them 'Memcpy HtoD
-    (Pageable -> Device)'), each with its bytes and seconds."""
-    copies = trace[
-        (trace["cat"].to_numpy() == "gpu_memcpy")
-        & trace["name"].str.contains("HtoD (Pageable", regex=False).to_numpy()
-    ]
-    return copies[["rank", "name", "start_ns", "end_ns", "dur_s", "bytes", "stream"]]

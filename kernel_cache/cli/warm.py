@@ -11,7 +11,6 @@ from __future__ import annotations
 import multiprocessing
 import os
 import shutil
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -74,41 +73,30 @@ def run_warm(
     log_dir = tempfile.mkdtemp(prefix="kernel-cache-")
     report = WarmReport(jobs=jobs, log_dir=log_dir)
     start = time.perf_counter()
-    ctx = multiprocessing.get_context("spawn")
-    pending = list(items)
-    pools: list[ProcessPoolExecutor] = []
+    pool = ProcessPoolExecutor(
+        max_workers=jobs,
+        mp_context=multiprocessing.get_context("spawn"),
+        initializer=worker.init,
+        initargs=(env, os.path.join(log_dir, "workers.log"), fake),
+    )
     try:
-        pool = ProcessPoolExecutor(
-            max_workers=jobs,
-            mp_context=ctx,
-            initializer=worker.init,
-            initargs=(env, os.path.join(log_dir, "workers.log"), fake),
-        )
-        pools.append(pool)
-        futures = {pool.submit(worker.run_item, item): item for item in pending}
+        futures = {pool.submit(worker.run_item, item): item for item in items}
         for future in as_completed(futures):
             item = futures[future]
             try:
                 result = future.result()
-            except BrokenProcessPool:
+            except Exception as exc:  # a dead pool, or a worker-side bug: keep the other items
+                error = (
+                    f"the compiler process died (out of memory or a crash; see {log_dir}/workers.log)"
+                    if isinstance(exc, BrokenProcessPool)
+                    else f"{type(exc).__name__}: {exc}"
+                )
                 result = {
                     "label": item["label"],
                     "ok": False,
                     "rejected": False,
                     "kernels": [],
-                    "error": "the compiler process died (out of memory or a crash; see "
-                    f"{log_dir}/workers.log)",
-                    "key_match": None,
-                    "key_diff": [],
-                    "seconds": 0.0,
-                }
-            except Exception as exc:  # a worker-side bug: keep the other items
-                result = {
-                    "label": item["label"],
-                    "ok": False,
-                    "rejected": False,
-                    "kernels": [],
-                    "error": f"{type(exc).__name__}: {exc}",
+                    "error": error,
                     "key_match": None,
                     "key_diff": [],
                     "seconds": 0.0,
@@ -118,8 +106,7 @@ def run_warm(
             if progress is not None:
                 progress(result)
     finally:
-        for pool in pools:
-            pool.shutdown(wait=True, cancel_futures=True)
+        pool.shutdown(wait=True, cancel_futures=True)
     order = {item["label"]: i for i, item in enumerate(items)}
     report.results.sort(key=lambda r: order.get(r["label"], 0))
     report.seconds = time.perf_counter() - start
@@ -144,7 +131,3 @@ def gpu_arch() -> tuple[int, int] | None:
         return major * 10 + minor, torch.cuda.get_device_properties(0).multi_processor_count
     except Exception:
         return None
-
-
-def stderr_is_tty() -> bool:
-    return sys.stderr.isatty()

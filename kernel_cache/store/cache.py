@@ -199,10 +199,6 @@ class Entry:
     family: str  # fwd, bwd, bwd_pre, bwd_post, ... (FA4's get_jit_cache name)
     size: int
 
-    @property
-    def key_hash(self) -> str:
-        return self.path.name[: -len(ENTRY_SUFFIX)]
-
 
 @dataclass
 class CacheFolder:
@@ -386,11 +382,6 @@ def foreign_files(folder: str | os.PathLike[str]) -> list[str]:
         elif not (child.is_file() and child.name.lstrip(".").startswith(METADATA_FILE)):
             foreign.append(child.name)
     return foreign
-
-
-def current_folder(cache_dir: str | os.PathLike[str]) -> Path:
-    env = require_fa4()
-    return Path(cache_dir) / (env.fingerprint or "")
 
 
 def entry_paths(cache_dir: str | os.PathLike[str]) -> dict[tuple[str, str], int]:

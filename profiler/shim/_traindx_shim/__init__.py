@@ -75,6 +75,18 @@ def guarded(where: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     return wrap
 
 
+def passes_for(wrapper: Callable[..., Any], fn: Any) -> Callable[..., Any]:
+    """`wrapper` shows `fn`'s name, doc and module; inspect.signature (Lightning, accelerate)
+    follows __wrapped__ to the original."""
+    wrapper.__wrapped__ = fn  # type: ignore[attr-defined]
+    for attr in ("__name__", "__qualname__", "__doc__", "__module__"):
+        try:
+            setattr(wrapper, attr, getattr(fn, attr))
+        except Exception:
+            pass
+    return wrapper
+
+
 def is_training() -> bool:
     return _state["training_pid"] == os.getpid()
 

@@ -32,7 +32,7 @@ import os
 import threading
 import time
 
-from . import emit, importhooks, report_error, schema, steps
+from . import emit, importhooks, passes_for, report_error, schema, steps
 
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing into the job (mypy knows the name)
 if TYPE_CHECKING:
@@ -217,13 +217,7 @@ def _around(fn: Callable[..., Any], start: str, end: str) -> Callable[..., Any]:
         finally:
             mark(end)
 
-    wrapper.__wrapped__ = fn  # type: ignore[attr-defined]
-    for attr in ("__name__", "__qualname__", "__doc__", "__module__"):
-        try:
-            setattr(wrapper, attr, getattr(fn, attr))
-        except Exception:
-            pass
-    return wrapper
+    return passes_for(wrapper, fn)
 
 
 def _on_dataloader(module: ModuleType) -> None:

@@ -21,7 +21,6 @@ if TYPE_CHECKING:
 
 FP32_MATMUL_HIGH = "fp32_matmul_high"
 CUDNN_BENCHMARK_OFF = "cudnn_benchmark_off"
-PATCHES = (FP32_MATMUL_HIGH, CUDNN_BENCHMARK_OFF)
 
 
 def _fp32_high(torch: Any) -> None:

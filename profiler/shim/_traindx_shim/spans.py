@@ -47,7 +47,7 @@ import threading
 import time
 import weakref
 
-from . import cpustat, emit, importhooks, report_error, selfcost
+from . import cpustat, emit, importhooks, passes_for, report_error, selfcost
 from .frames import first_user_frame
 
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing into the job (mypy knows the name)
@@ -111,13 +111,7 @@ def _timed(
             except Exception as exc:
                 report_error(f"span {cat}", exc)
 
-    wrapper.__wrapped__ = fn  # type: ignore[attr-defined]
-    for attr in ("__name__", "__qualname__", "__doc__", "__module__"):
-        try:
-            setattr(wrapper, attr, getattr(fn, attr))
-        except Exception:
-            pass
-    return wrapper
+    return passes_for(wrapper, fn)
 
 
 def _timed_backward(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -139,13 +133,7 @@ def _timed_backward(fn: Callable[..., Any]) -> Callable[..., Any]:
             except Exception as exc:
                 report_error("span backward", exc)
 
-    backward.__wrapped__ = fn  # type: ignore[attr-defined]
-    for attr in ("__name__", "__qualname__", "__doc__", "__module__"):
-        try:
-            setattr(backward, attr, getattr(fn, attr))
-        except Exception:
-            pass
-    return backward
+    return passes_for(backward, fn)
 
 
 _grads = [0]  # the clock at the last parameter gradient accumulated (DDP models only)
@@ -533,10 +521,7 @@ def _on_ddp(module: ModuleType) -> None:
         except Exception as exc:
             report_error("ddp event", exc)
 
-    for attr in ("__name__", "__qualname__", "__doc__", "__module__"):
-        setattr(__init__, attr, getattr(original, attr, None))
-    __init__.__wrapped__ = original  # type: ignore[attr-defined]  # inspect.signature (Lightning, accelerate) sees the original
-    cls.__init__ = __init__
+    cls.__init__ = passes_for(__init__, original)
 
 
 # -- GC ------------------------------------------------------------------------------------------
