@@ -1,12 +1,5 @@
 """One events file parsed into per-type Arrow tables without a Python loop per event
-(traindx.profiler.columnar's parse; its docstring tells the whole design).
-
-Per file, the lines are classified with numpy over the file's bytes (one '{', no '[', starts
-with '{' and ends with '}'); the flat ones go to Arrow's C++ NDJSON reader as one buffer, and
-only the rare nested lines and a file's last line (it may be cut off) go through json.loads.
-A file whose flat lines Arrow cannot read or type is read line by line with json.loads, which
-decides exactly which lines to skip.
-"""
+(traindx.profiler.columnar's parse; its docstring tells the whole design)."""
 
 from __future__ import annotations
 

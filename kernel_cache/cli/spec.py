@@ -70,6 +70,21 @@ SPEC_HELP = """\
   tensor_maxseqlen  varlen with max_seqlen passed as a 0-dim tensor (as some frameworks do)
 example: --spec hd=128,hq=16,hkv=4,dtype=bf16,causal,varlen --seqlens 2048,4096"""
 
+SPEC_DEFAULTS: dict[str, Any] = {
+    "hd": None,
+    "hdv": None,
+    "hq": 16,
+    "hkv": None,
+    "dtype": "bf16",
+    "causal": False,
+    "window": None,
+    "varlen": False,
+    "batch": DEFAULT_BATCH,
+    "deterministic": False,
+    "softcap": 0.0,
+    "fwd": False,
+    "tensor_maxseqlen": False,
+}
 _FLAGS = {"causal", "varlen", "deterministic", "fwd", "tensor_maxseqlen"}
 _INTS = {"hd", "hdv", "hq", "hkv", "batch"}
 
@@ -100,21 +115,7 @@ def arch_env(arch: str | int, num_sms: int | None = None) -> dict[str, str]:
 
 # -- --spec ----------------------------------------------------------------------------------------
 def parse_spec(text: str) -> dict[str, Any]:
-    spec: dict[str, Any] = {
-        "hd": None,
-        "hdv": None,
-        "hq": 16,
-        "hkv": None,
-        "dtype": "bf16",
-        "causal": False,
-        "window": None,
-        "varlen": False,
-        "batch": DEFAULT_BATCH,
-        "deterministic": False,
-        "softcap": 0.0,
-        "fwd": False,
-        "tensor_maxseqlen": False,
-    }
+    spec = dict(SPEC_DEFAULTS)
     for raw in (p.strip() for p in text.split(",")):
         if not raw:
             continue
@@ -354,19 +355,16 @@ def model_specs(
                 raise UserError(f"--tp {tp} does not divide the {hq} query heads")
             hq, hkv = hq // tp, max(1, hkv // tp)
         spec = {
-            "hd": attn["hd"],
-            "hdv": attn["hdv"],
+            **SPEC_DEFAULTS,
+            **attn,
             "hq": hq,
             "hkv": hkv,
             "dtype": dtype,
             "causal": causal,
-            "window": attn["window"],
             "varlen": varlen,
             "batch": batch or DEFAULT_BATCH,
             "deterministic": deterministic,
-            "softcap": 0.0,
             "fwd": fwd_only,
-            "tensor_maxseqlen": False,
         }
         specs.append(spec)
         notes.append(desc)
