@@ -133,15 +133,11 @@ def _read_edit(stmt: ast.stmt, lines: Sequence[str], path: str) -> dict[str, Any
 
 
 def device_accumulations(path: str, line: int, widen: bool = True) -> list[dict[str, Any]]:
-    """Edits that keep a per-step value on the device instead of reading it to the host each
-    step (a host read waits for every queued kernel): `total += <expr>.item()` (or `.cpu()`,
-    `.tolist()`, `float(<expr>)`) becomes `total += <expr>.detach()`, `losses.append(x.item())`
-    becomes `losses.append(x.detach())`; the value is read once, where it is printed or logged.
-    The statement at `line` when it is one; else those in the innermost loop holding `line`,
-    else in its function (a profiler names a function by its first line), else in the file (a
-    script's module-level loop); widen=False: the statement at `line` only (a finding that
-    measured that very line). Only statements in a loop (per step). [code change dicts]; []
-    when there is none."""
+    """Edits that keep a per-step value on the device instead of reading it to the host each step (a
+    host read waits for every queued kernel): `total += x.item()` becomes `total += x.detach()`,
+    `losses.append(x.item())` becomes `losses.append(x.detach())`. The statement at `line`, else
+    those in loops of its innermost loop, function or file (a profiler names a function by its first
+    line); widen=False: the statement at `line` only. [] when there is none."""
     tree, lines = source_tree(path)
     if tree is None:
         return []
@@ -365,16 +361,10 @@ def _assigned_once_before(tree: ast.AST, name: str, line: int) -> ast.Assign | N
 
 
 def async_copy_edits(path: str, line: int, pinned_by_loader: bool = False) -> list[list[dict[str, Any]]]:
-    """Ways to make the host-to-device copy at path:line asynchronous, best first; each one a
-    list of code changes made together:
-    - the batch comes from a DataLoader whose pin_memory=True is set with it: only
-      `.to(dev, non_blocking=True)` here;
-    - the copied tensor is a slice of a host tensor made once before the loop: pin that tensor
-      once where it is made (`data = <value>.pin_memory()`, a list of tensors each), and copy
-      with non_blocking=True;
-    - else `x.pin_memory().to(dev, non_blocking=True)` at the line (a pinned staging copy on the
-      host, the transfer asynchronous).
-    [] when the statement holds no device copy."""
+    """Ways to make the host-to-device copy at path:line asynchronous, best first, each a list of
+    changes made together: non_blocking=True alone where the batch comes from a pinned DataLoader;
+    the host tensor pinned once where it is made when the copy takes a slice of it; else
+    `x.pin_memory().to(dev, non_blocking=True)` at the line. [] when it holds no device copy."""
     tree, lines = source_tree(path)
     if tree is None:
         return []

@@ -1,13 +1,8 @@
 """The A/B verdict: whether a candidate arm beat its baseline, and which arm `--fix` keeps.
 
-The one place these are decided. recipes/ab.py measures two runs and asks `ab_verdict` for the
-comparison's outcome; the --fix runner (fixing/run/loop.py and its parts) runs arms and asks
-`judge_arm`, `worth_repeating`, `settles_search` and `keep`. Decisions match on `Outcome`, never
-on its prose: the text a user reads is rendered from it (`ABVerdict.text`).
-
-The statistics (bootstrap intervals, a loss curve's trend and noise) are derive/stats.py's; the
-thresholds that turn them into a verdict are here, and loss parity's in analyzers/core/parity.py.
-"""
+The one place these are decided (recipes/ab.py and the --fix runner ask it). Decisions match on
+`Outcome`, never on its prose (`ABVerdict.text` renders it). The statistics are derive/stats.py's;
+the thresholds are here, and loss parity's in analyzers/core/parity.py."""
 
 from __future__ import annotations
 
@@ -491,13 +486,10 @@ def quicker(first: _T, second: _T, first_s: float, second_s: float) -> _T:
 
 
 def demoted_by_arms(findings: Sequence[Finding], arms: Sequence[Arm]) -> list[Finding]:
-    """The baseline's findings with what --fix measured: a finding whose every measured arm was
-    slower than the baseline (judged speed-up under 1, its interval too where it has one; the arm
-    ran) is at most low, its
-    measurement in evidence["fix_measured"]: a prescription measured to slow the job down is
-    never a problem to act on. Where the finding has another concrete fix not measured yet, it
-    keeps its severity and the slower fix goes last. An arm is the finding's when it names the finding's id and one of
-    its prescriptions' summaries."""
+    """The baseline's findings with what --fix measured: a finding whose every measured arm (one naming
+    its id and a prescription's summary) was slower than the baseline is at most low, the measure in
+    evidence["fix_measured"]: a fix measured to slow the job is never a problem to act on. With
+    another concrete fix not measured yet, it keeps its severity and the slower fix goes last."""
     slower: dict[tuple[str, str], float] = {}
     faster: set[tuple[str, str]] = set()
     for arm in arms:

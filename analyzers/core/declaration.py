@@ -1,20 +1,10 @@
-"""What each analyzer says about itself, once: the one place of truth for the registry, the
-cause chains and the live judgement.
+"""What each analyzer says about itself, once: the one place of truth for the registry, the cause
+chains and the live judgement.
 
-An analyzer is a module of a family folder (analyzers/jit/, analyzers/gpu/, ...) with a top-level
-`DECLARATION = Declaration(...)`: its
-finding ids, when it runs (order; a judge runs last, over the others' findings), whether it reads
-every rank, which live triggers and ledger categories route to it, what its findings explain
-(the symptoms the cause chains link under them) and the roles some of its ids play in the chains
-(the ledger lines a fix removes, a straggler's own cause, the explicit calls a finding takes).
-
-`discover()` finds the declarations (it imports the modules of the package's folders, sub-folders
-included, whose source assigns DECLARATION at top level, no other; each declaration then carries its
-module's dotted path) and `Catalog` derives every table from them:
-`traindx.analyzers` (REGISTRY, JUDGES, CROSS_RANK), `chains` (LEDGER_LINES, STRAGGLER_ROOTS,
-LINE_OWNERS, ...) and `live` (CATEGORY_ANALYZERS, TRIGGER_ANALYZERS, NOT_CAUSES, ...) read them.
-This module imports no other of traindx: every analyzer imports it.
-"""
+An analyzer is a module of a family folder with a top-level `DECLARATION = Declaration(...)`.
+`discover()` imports the package's modules whose source assigns DECLARATION at top level, no
+other, and `Catalog` derives every table from the declarations (`traindx.analyzers`, `chains`,
+`live` read them). This module imports no other of traindx: every analyzer imports it."""
 
 from __future__ import annotations
 

@@ -86,20 +86,6 @@ def packages_in_stacks(run: RunRecord) -> dict[str, float]:
     return seen
 
 
-def shows_library(run: RunRecord, package: str) -> bool:
-    """True when the run's evidence shows `package`'s own code running (py-spy frames, compile
-    events' files): the condition for prescribing that library's environment variables."""
-    if packages_in_stacks(run).get(package):
-        return True
-    compiles = run.compiles
-    for column in ("caller", "detail"):
-        if column in compiles:
-            for value in compiles[column].dropna():
-                if re.search(rf"[/\\]{re.escape(package)}[/\\]", str(value)):
-                    return True
-    return False
-
-
 def data_sites(run: RunRecord, rank: str | None = None) -> list[dict[str, Any]]:
     """The shim's data_site events (DataLoader and TrainingArguments constructions), as dicts."""
     rows = ev.events_of_type(run, "data_site")

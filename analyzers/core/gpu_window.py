@@ -31,10 +31,6 @@ ALLOCATOR_CALLS = re.compile(
     r"^(?:cudaMalloc|cudaFree|cuMemAlloc|cuMemFree|cuMemCreate|"
     r"cuMemRelease|cuMemMap|cuMemUnmap)"
 )
-WAIT_CALLS = re.compile(
-    r"^(?:cudaStreamSynchronize|cudaDeviceSynchronize|cudaEventSynchronize|"
-    r"cuStreamSynchronize|cuCtxSynchronize|cudaMemcpy$|cudaMemcpy2D$)"
-)
 
 
 def merged(starts: Any, ends: Any) -> np.ndarray:

@@ -1,28 +1,12 @@
 """Loss parity: whether a candidate arm's loss curve says its numerics are the baseline's.
 
-The thresholds are Megatron-Bridge's `validate_convergence` (reference/FACTS.md §6): Pearson
-correlation >= 0.95; pointwise relative tolerance 10 % where the golden loss > 2.0, 5 % where
-> 0.5, else 2 %, failing when more than 10 % of the points fail; final-loss relative difference
-<= 5 %; the first 20 % of the points skipped.
-
-Which of them decides depends on what the curve can show (the comparison names the rule):
-- `trend`: a curve of at least MIN_TREND_POINTS points whose trend stands TREND_OVER_NOISE times
-  above its noise. Its shape means something, so the correlation decides with the pointwise
-  tolerance and the final loss (Megatron-Bridge applies it to long curves).
-- `pointwise`: few points, or a flat curve (its trend within its noise). The correlation of noise
-  with noise says nothing (five points of a flat curve correlate at -0.34 as easily as at +0.9):
-  it is reported, not used; the pointwise tolerance and the final-loss difference decide.
-- `level`: a flat curve whose step-to-step noise is as large as the tolerance, where the points or
-  the last one are outside it: a change of data order (workers seeding a random dataset
-  differently, another shuffle) moves each point within that noise and is no change of numerics.
-  Then the two curves' levels decide: their means agree within the tolerance or within twice
-  their standard error, and the candidate is not noisier than twice the baseline.
-- `updates`: the arms update the weights at different rates (gradient accumulation put right:
-  one update per N micro-batches where the baseline updated after each; recipes/ab_unit.py). The
-  loss at a step then differs by design, so no per-step rule checks the numerics: the candidate
-  passes when its losses are finite and it does not diverge (its last point not above the
-  baseline's highest by more than the pointwise tolerance). The other rules' figures are reported.
-"""
+The thresholds are Megatron-Bridge's `validate_convergence` (reference/FACTS.md §6). Which rule
+decides depends on what the curve can show, and the comparison names it (docs/fix.md): `trend`
+(a long curve whose trend stands above its noise: the correlation counts), `pointwise` (few
+points or a flat curve, where the correlation of noise with noise says nothing), `level` (a flat
+curve as noisy as the tolerance: a change of data order moves each point within that noise, so
+the curves' levels decide) and `updates` (arms that update the weights at different rates differ
+per step by design: finite and not diverging passes)."""
 
 from __future__ import annotations
 

@@ -1,14 +1,9 @@
 """Which ranks the per-rank analyzers read on a large job.
 
-Per-rank analyzers (stability, GC, allocator, compiles, data loading...) write one finding per
-rank and cost a few tens of milliseconds per rank in pandas; on a thousand-rank job that is
-minutes of analysis and a thousand near-identical findings. Past MAX_ANALYZED_RANKS ranks they
-read a sample instead, chosen from every rank's numbers at once (vectorised, O(rank-steps)):
-the first and last rank, and for each measure the ranks at both of its extremes - median, p90
-and max step time, and the mean of every time-ledger line (compile, GC, data, I/O, sync,
-collective, optimizer, fwd/bwd, unexplained) - so any rank that differs from the others in
-what the ledger measures is read. Cross-rank analyzers (the straggler) read every rank.
-"""
+Per-rank analyzers cost tens of milliseconds per rank and write a finding per rank: minutes and a
+thousand near-identical findings on a thousand ranks. Past MAX_ANALYZED_RANKS they read the first
+and last rank and the ranks at both extremes of every step-time and ledger measure (vectorised),
+so any rank that differs in what the ledger measures is read. Cross-rank analyzers read all."""
 
 from __future__ import annotations
 

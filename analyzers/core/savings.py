@@ -55,22 +55,15 @@ def _freezes_the_heap(finding: Finding) -> bool:
 
 
 def gc_freeze_residual(run: RunRecord, rank: str, steps: Iterable[int]) -> float | None:
-    """Seconds per step of the gc line that gc.freeze() leaves, from the baseline's own GC
-    records on `rank` over `steps` (its steady steps); None when they cannot tell.
+    """Seconds per step of the gc line that gc.freeze() leaves, from the baseline's own GC records on
+    `rank` over `steps`; None when they cannot tell.
 
-    What freeze removes: the objects alive at the freeze leave the collector's view, so a full
-    (gen-2) collection stops walking them. What it leaves (measured: bench/ledger_predictions.py
-    case gc, and tests/test_ledger.py): (1) the young collections (gen 0/1 pauses >= 1 ms in the
-    gc line): they walk new objects, frozen or not; (2) the garbage the steps make that only a
-    full collection frees (reference cycles that survived the young generations): the same
-    amount per step is still found and freed, by more frequent and shorter full collections
-    (the frozen heap no longer counts towards the 25 % rule that spaces them out). A baseline
-    full collection costs a + b * collected (a: walking the surviving heap, which freeze
-    removes; b: per object freed, which stays): b is the slope of the shortest pause against
-    the objects freed, over the steady gen-2 collections of each haul size (the shim's per-step
-    gcstats; the shortest, because CPU contention only lengthens a pause), and the residual is
-    b * (objects freed by full collections per step). It needs collections that freed
-    different numbers of objects; with one haul size only it is None."""
+    Freeze takes the objects alive at the freeze out of the collector's view; what stays (measured:
+    bench/ledger_predictions.py case gc) is the young collections and the garbage only a full
+    collection frees. A full collection costs a + b * collected (a: walking the heap, which freeze
+    removes; b: per object freed, which stays); b is the slope of the shortest pause (contention only
+    lengthens one) against the objects freed over each haul size, so it needs collections that freed
+    different numbers of objects. The residual is b * (objects freed by full collections per step)."""
     steps = {int(s) for s in steps}
     g = run.gc
     if not steps or not len(g) or "collected" not in g or "generation" not in g:
@@ -130,18 +123,12 @@ def _gc_freeze_removed(run: RunRecord, led: pd.DataFrame) -> float | None:
 
 
 def io_after_effect(led: pd.DataFrame) -> float | None:
-    """Seconds per step that the steps holding an I/O span (a save) and the step right after
-    each lose beyond the span itself: their time outside the io line, less the mean of the
-    other steps' (per rank, the slowest rank's; never below zero). None when every step or no
-    step holds I/O (nothing to compare with).
+    """Seconds per step that the steps holding an I/O span (a save) and the step right after each
+    lose beyond the span itself, against the other steps; None when every step or none holds I/O.
 
-    Why (measured: bench/ledger_predictions.py case checkpoint, tests/test_ledger.py): a
-    torch.save of a large state dict leaves work behind it - the kernel writes the dirty pages
-    back and the save's buffers have pushed the model out of the CPU caches - so the rest of
-    the saving step and the next step are slower than the other steps, and removing the save
-    removes that too. On a quiet 16-core host it is a few per cent of the save; on a loaded
-    2-core machine, where the writeback competes with the job for the cores, the measured
-    saving exceeded the io line by 30-35 %."""
+    Why (measured: bench/ledger_predictions.py case checkpoint): a large torch.save leaves dirty
+    pages to write back and has pushed the model out of the CPU caches, so removing the save removes
+    that too (on a loaded 2-core machine the saving exceeded the io line by 30-35 %)."""
     out = []
     for _, rl in led.sort_values("step").groupby("rank"):
         io = rl["io_s"].to_numpy() > 0
@@ -193,22 +180,14 @@ def _covered(start: ArrayLike, end: ArrayLike, s: ArrayLike, e: ArrayLike) -> ND
 
 
 def fresh_graph_calls(run: RunRecord, rank: str, steps: Iterable[int]) -> dict[int, float]:
-    """{step: seconds} the recompiling steps of `rank` lose in their model calls beyond the
-    compile events, from the shim's spans and compile events; {} without forward spans.
+    """{step: seconds} the recompiling steps of `rank` lose in their model calls beyond the compile
+    events; {} without forward spans.
 
-    Why (measured: docs/fix.md, the steady-recompile rows): a model call that holds a compile
-    is the first call of a fresh graph. Outside the compile event it still pays for the guard
-    check that failed and the cache lookup before it, and after it for the graph's first call
-    (torch.fx generates the graph's Python code lazily, AOTAutograd checks the first call's
-    inputs and outputs; likewise the first call of a backward graph compiled at the first
-    backward), on a tiny model 5-40 ms against a steady call of 0.5-1 ms. A fix that stops the recompiles
-    removes that too; what stays of the call is its steady cost: the same call's mean where
-    it holds no compile (the steps that did not recompile), else, for a forward, half of a
-    backward that holds none (the 1 : 2 forward : backward work of a training step), and for a
-    backward twice such a forward; nothing where every call compiles (then the calls'
-    steady cost is not in the record; on the models measured it was a tenth of the first call
-    or less). GC pauses inside the call are their own
-    ledger line and are left to it."""
+    Why (measured: docs/fix.md, the steady-recompile rows): a model call that holds a compile is the
+    first call of a fresh graph and pays, outside the compile event, for the failed guard, the cache
+    lookup and the graph's lazy first call (5-40 ms against a steady 0.5-1 ms on a tiny model). What
+    stays is the call's steady cost: its mean where it holds no compile, else half a backward for a
+    forward (1 : 2 work) or twice a forward for a backward; nothing where every call compiles."""
     calls_df = run.cached(
         f"model_calls_outside_compile:{rank}", lambda: _model_calls_outside_compile(run, rank)
     )
@@ -293,15 +272,10 @@ def _fresh_graph_removed(run: RunRecord, led: pd.DataFrame, chosen: set[int]) ->
 
 
 def removed_seconds(run: RunRecord, finding: Finding) -> float | None:
-    """Seconds per steady step the finding's fix removes: the ledger lines in finding.removes
-    ({"categories": [...], "steps": [...] optional, "fresh_graph_calls": true optional: the
-    model calls of those steps that hold a compile lose their time beyond a steady call too
-    (fresh_graph_calls), "workers": N optional: the lines move to N
-    processes beside the step, on "cpus": C cores per rank, "fraction": x optional}), over its
-    ranks' steady steps (the slowest rank's mean); None when the finding names no ledger line.
-    Lines that move into N worker processes: the CPU model of workers_prediction where the shim
-    recorded CPU evidence (a step can then also get slower than before: a negative saving),
-    else the overlap bound below."""
+    """Seconds per steady step the finding's fix removes: the ledger lines of finding.removes over its
+    ranks' steady steps (the slowest rank's mean); None when it names no ledger line. Lines that move
+    into N worker processes take workers_prediction where the shim recorded CPU evidence (a step can
+    then get slower: a negative saving), else the overlap bound below."""
     removes = getattr(finding, "removes", None) or {}
     cats = [c for c in removes.get("categories", ()) if c in CATEGORIES]
     if not cats or not len(run.ledger):
@@ -404,14 +378,10 @@ def _ledger_method(run: RunRecord, finding: Finding, led: pd.DataFrame) -> tuple
 
 
 def predicted_step_time(run: RunRecord, finding: Finding, gain: float | None = None) -> dict[str, Any]:
-    """What the --fix loop writes beside the measured candidate: {"baseline_step_s": mean steady
-    step, "removed_s": ledger seconds per step the fix removes, "predicted_step_s": baseline -
-    removed, "categories": ..., "method": ...}; removed/predicted are None when the finding names
-    no ledger line (then fall back to the prescription's expected_gain_s_per_step). A fix that
-    moves the data line into DataLoader workers adds "predicted_range_s": [fast, slow] and the
-    "cpu_evidence" it came from (workers_prediction): its result depends on how many cores
-    the job really gets beside the machine's other work, which one baseline run bounds but does
-    not fix. `gain`: the candidate's own predicted saving, used where no ledger line prices it."""
+    """What the --fix loop writes beside the measured candidate: baseline, removed and predicted step
+    seconds (None without a ledger line: `gain`, the prescription's own saving, stands in). A fix
+    moving the data line into workers adds "predicted_range_s" and its "cpu_evidence": one baseline
+    bounds, but does not fix, the cores the job gets beside the machine's other work."""
     led = steady_rows(run)
     ranks = [r for r in (finding.ranks or ()) if r in set(led["rank"])]
     if ranks:

@@ -29,37 +29,17 @@ def workers_step_model(
     load_wait: float = 0.0,
     rest_wait: float = 0.0,
 ) -> float:
-    """The step time once `workers` DataLoader processes make the batches (num_workers=0 before).
-
-    The loading work splits in two (measured on the training thread inside __next__ before the
-    fix): `load_wait` seconds per batch off the CPU (a sleep, a blocking read: the thread was
-    neither running nor runnable) and `load_cpu` seconds of CPU work. Moved into worker
-    processes, each worker spends the wait and then the CPU work on a batch, and `workers` of
-    them work on different batches at once: the wait part parallelises over all of them (each
-    worker has at least one batch in flight, prefetch_factor >= 1), the CPU part only as far as
-    the cores give each task a share. The rest of the step is `rest_cpu` CPU seconds per step
-    on the training process, spread over a = max(1, rest_cpu / rest_wall) threads (its intra-op
-    threads, as measured before the fix), plus `rest_wait` off-CPU seconds of the training
-    thread. The share (per-task fair share, which is what Linux's CFS gives runnable tasks of
-    equal weight): `others` runnable tasks of other processes compete for the `cores`; with the
-    training process runnable a fraction u_m of the time and each worker u_w, every runnable
-    task gets
+    """The step time once `workers` DataLoader processes make the batches (num_workers=0 before),
+    from CPU seconds: each stage's runnable tasks get a per-task fair share of the cores (what CFS
+    gives tasks of equal weight), the stages' runnable fractions solved by fixed-point iteration:
 
         share = min(1, cores / (others + a * u_m + workers * u_w))
-
-    and the steady step is the slower of the two stages of the pipeline,
-
         step = max((load_wait + load_cpu / share) / workers,  rest_wait + rest_cpu / (a * share))
 
-    u_m and u_w are the stages' runnable fractions, solved by fixed-point iteration. What it
-    leaves out, and why: the batch transfer from a worker (a tensor batch goes through shared
-    memory: ~1 ms for 256 x 256 floats on the training thread; measured 0.1 ms per batch of
-    8 x 32 floats, inside the noise of these steps); schedulers that weight groups of tasks
-    (cgroups, autogroup, nice), which workers_step_capped and the range in predicted_step_time
-    cover; and an intra-op thread pool (torch's default, a thread per core) that spins at its
-    barriers: once the workers oversubscribe the cores its parallel regions wait for
-    descheduled threads, and a step can end up slower than before - measured, not modelled
-    (bench/ledger_predictions.py, case getitem-cpu)."""
+    a: the rest of the step's threads (rest_cpu / rest_wall). Left out: the batch transfer from a
+    worker (measured 0.1 ms a batch, inside the noise), schedulers that weight groups of tasks
+    (workers_step_capped covers them) and an intra-op pool that spins at its barriers once the
+    workers oversubscribe the cores (measured, not modelled: bench/ledger_predictions.py getitem-cpu)."""
     a = max(1.0, rest_cpu / rest_wall) if rest_wall > 0 else 1.0
     u_m = u_w = 1.0
     step = 0.0
@@ -85,13 +65,9 @@ def workers_step_capped(
     load_wait: float = 0.0,
     rest_wait: float = 0.0,
 ) -> float:
-    """The step time once `workers` processes make the batches when the job cannot get more
-    cores than `job_cores` (what its training thread got while runnable, or what it used,
-    plus the machine's idle cores): a scheduler that shares the cores between groups of tasks
-    (cgroups, one per container; autogroup, one per session) gives a group the same share
-    however many tasks it runs. All the CPU work of a step then has those cores, neither stage
-    can go faster than one core per task, and the off-CPU waits (`load_wait` per batch,
-    parallel over the workers; `rest_wait` on the training thread) take no core:
+    """The step time with the workers when the job cannot get more than `job_cores` cores: a scheduler
+    that shares the cores between groups of tasks (cgroups, autogroup) gives a group the same share
+    however many tasks it runs. Off-CPU waits take no core:
 
         step = max((load_cpu + rest_cpu) / job_cores,  (load_wait + load_cpu) / workers,
                    rest_wait + rest_cpu / a)"""
@@ -110,28 +86,11 @@ def workers_step_measured(
     others: float,
     threads: float = 1.0,
 ) -> float:
-    """The step time once `workers` DataLoader processes make the batches, from the baseline's
-    measured stage times: per batch `load_wait` seconds off the CPU and `load_run` seconds
-    runnable (CPU time plus run-queue wait) inside __next__ on the training thread, and per
-    step `rest_wait` off-CPU and `rest_run` runnable seconds of the rest of the step. Those
-    runnable times were measured with the training process (`threads` runnable threads)
-    sharing the `cores` with `others` runnable tasks (what its run-queue wait says:
-    core_share_seen), a share of min(1, cores / (others + threads)) per task; after the fix
-    each stage's runnable time grows by the contention its own workers add (per-task fair
-    share, as CFS/EEVDF give runnable tasks of equal weight):
-
-        main stage     rest_wait + rest_run * before / min(1, cores / (others + threads + N u_w))
-        loader stage   (load_wait + load_run * before / min(1, cores / (others + 1 + threads u_m
-                        + (N - 1) u_w))) / N
-        step           max(main stage, loader stage)
-
-    The wait part parallelises over the N workers (each has at least one batch in flight,
-    prefetch_factor >= 1); the CPU part only as far as each worker's share of the cores goes
-    (never more than a core each: with no other load and 2 cores, 4 CPU-bound workers beside a
-    busy main thread get 0.4 of a core each). u_m and u_w are the stages' runnable fractions,
-    by fixed-point iteration. Measured times keep what a formula of CPU seconds and shares
-    misses: the run-queue wait at every wake-up of a thread that sleeps between short bursts
-    (a storage wait per sample), which its CPU time alone does not show."""
+    """The step time with the workers from the baseline's measured stage times (off-CPU wait and
+    runnable time, per batch inside __next__ and per step for the rest), each runnable time grown by
+    the contention the workers add under a per-task fair share (the `threads` of the process shared
+    the `cores` with `others` before). Measured times keep what CPU seconds miss: the run-queue wait
+    at every wake-up of a thread that sleeps between short bursts (a storage wait per sample)."""
     before = min(1.0, cores / max(1e-9, others + threads))
     u_m = u_w = 1.0
     step = 0.0
@@ -178,36 +137,16 @@ def core_share_seen(evd: Mapping[str, Any]) -> float | None:
 def workers_prediction(
     run: RunRecord, finding: Finding, removes: Mapping[str, Any]
 ) -> tuple[float, tuple[float, float], Evidence] | None:
-    """(predicted step, (low, high), cpu evidence) for a fix that moves the data line into
-    `workers` DataLoader processes, from the shim's CPU evidence; None without it.
+    """(predicted step, (low, high), cpu evidence) for a fix that moves the data line into `workers`
+    DataLoader processes; None without the shim's CPU evidence.
 
-    The data line splits into its off-CPU wait and its runnable part, CPU work plus run-queue
-    wait (loader_time_split): only the runnable part competes for cores once it moves. How many
-    cores the job gets comes from the training thread's run-queue wait (core_share_seen: a
-    thread that got a fraction f of a core while runnable shared the cores with cores / f - 1
-    other runnable tasks, its own threads included), capped by the runnable tasks counted on
-    the machine at the step ends. One baseline still allows two readings of the cores the job
-    gets once it runs more processes, and the truth depends on how the kernel groups tasks
-    (Linux autogroup shares the cores between sessions first, containers and Slurm between
-    cgroups, and other users' load comes and goes):
-      per task   workers_step_measured: every task takes its share of the cores, the stages
-                 keep their measured times and grow by the contention the workers add;
-      per group  workers_step_capped with the job held to the cores it had (the share its
-                 training thread got, or the CPU it used if more, plus the idle cores): its
-                 group's share does not grow with its task count.
-    The range is [fastest, slowest] of these. For a loader that computes, the prediction is the
-    middle of the range (one run cannot tell which regime the kernel applies). The more of the
-    data line is off-CPU wait, the closer it moves to the per-task reading,
-
-        predicted = per_task + (1 - wait / data) / 2 * (per_group - per_task)
-
-    because a thread that sleeps between short bursts waits in the run queue at every wake-up:
-    the share it shows is then mostly wake-up latency, below what the job gets once it blocks
-    less often, and the group cap priced from it overshoots (measured: +70 % on one
-    storage-wait job where the blend was +17 %; BENCHMARKS.md "--fix per fix class"). Without
-    the run-queue wait (an older shim) the per-task reading is the CPU model
-    (workers_step_model) with the other tasks counted at the step ends. Other ranks on the
-    host add their own workers."""
+    One baseline allows two readings of the cores the job gets once it runs more processes, and
+    which holds depends on how the kernel groups tasks: per task (workers_step_measured, or the CPU
+    model without a run-queue record) and per group (workers_step_capped, the job held to the cores
+    it had). The range spans both; the point is their middle for a loader that computes and moves to
+    the per-task reading as the data line's off-CPU wait grows, because a thread that sleeps between
+    short bursts waits in the run queue at every wake-up and the group cap priced from that share
+    overshoots (measured: +70 % against +17 % for the blend; docs/fix.md)."""
     evd = cpu_evidence(run, finding.ranks)
     if evd is None or evd["data"] <= 0 or not evd.get("cores") or evd["wall"] <= 0:
         return None

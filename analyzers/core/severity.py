@@ -1,17 +1,11 @@
-"""A finding's severity follows its price: once the savings model has priced every root's fix
-(chains.apply_savings), a severity above what that price is worth comes down to it.
+"""A finding's severity follows its price: once chains.apply_savings has priced every root's fix,
+a severity above what that price is worth comes down to it (never below "low").
 
-Analyzers set severities from their own measure (a share of GPU idle in the profiled window, a
-count of events), independently of what their fix is expected to save; the savings model then
-caps each gain at the time left in the step after the findings ranked above it, or finds the
-fix saves nothing on this machine. A fix priced at a few milliseconds of a long step is not a
-high-severity problem, whatever its analyzer measured: the bound is the severity of the share of
-the steady step the best prescription saves (evidence.severity_for_share), never below "low"
-(a fix is still prescribed), applied only where that share is under PRICED_AT_NOTHING: nearer the
-thresholds between severities a share moves with the machine's load, and a severity must not. Critical findings (the run will stop) and notes are left alone,
-and so are findings whose fix has no price (unknown is not nothing) or a price that depends on
-the machine's passing load (more DataLoader workers on the cores other work left free).
-"""
+Analyzers set severities from their own measure, independently of what their fix saves; a fix
+priced at a few milliseconds of a long step is not a high-severity problem. Applied only where
+the share is under PRICED_AT_NOTHING: nearer the thresholds a share moves with the machine's
+load, and a severity must not. Critical findings, notes, unpriced fixes (unknown is not nothing)
+and prices that depend on the passing load are left alone."""
 
 from __future__ import annotations
 

@@ -1,16 +1,10 @@
 """What each step spent its time in, and the run-level finding when no analyzer named it.
 
-Per step (the report colours its step chart from this; no renderer re-judges it): a step is
-slow above SLOW_FACTOR x the median (the one threshold, defined here and read by analyzers/model/stability.py); its cause is the
-recorded event (compile, autotune, torch.compile recompile, GC) covering CAUSE_SHARE of the step,
-or most of a slow step's excess; a slow step with none is the first step (warm-up) or
-"unexplained".
-
-Judged after the other analyzers (analyzers/__init__.py JUDGES): when no root finding above info
-exists yet events still cover EVIDENCE_SHARE of the steady steps' time (warm-up left out), that
-is a finding of its own
-(`steps.time_in_events`), so the verdict, findings.json, --fix and compare all see it.
-"""
+Per step (the report colours its step chart from this; no renderer re-judges it): a step is slow
+above SLOW_FACTOR x the median (the one threshold, read by analyzers/model/stability.py), caused
+by the recorded event covering CAUSE_SHARE of it or most of its excess. Judged after the other
+analyzers: events covering EVIDENCE_SHARE of the steady time with no root above info are a
+finding of their own (`steps.time_in_events`), so the verdict, --fix and compare all see it."""
 
 from __future__ import annotations
 
@@ -122,10 +116,6 @@ def _mark_stopped(run: RunRecord, table: pd.DataFrame) -> None:
     table.loc[hit, "cause"] = "stopped"
 
 
-def _seconds_text(seconds: float) -> str:
-    return f"{seconds:.1f} s" if seconds >= 1 else f"{seconds * 1e3:.0f} ms"
-
-
 def analyze(run: RunRecord, findings: list[Finding] | None = None) -> list[Finding]:
     """[steps.time_in_events] when no root finding above info exists and one kind of event
     holds a real share of the steady steps' time (not a cold start); else []."""
@@ -192,12 +182,12 @@ def _time_in_events(
     """One kind of event holds a real share of the steady steps' time and no finding names it."""
     n_steps = int(len(table[["rank", "step"]].drop_duplicates())) or 1
     mine = table[table["cause"] == kind]
-    share = float(by_cause[kind]) / total_s
+    share, seconds = float(by_cause[kind]) / total_s, float(by_cause[kind])
     return Finding(
         id="steps.time_in_events",
         title=(
             f"{int(counts[kind])} of {n_steps} steps spent most of their time in {CAUSES[kind]} "
-            f"({_seconds_text(float(by_cause[kind]))} in all)"
+            f"({f'{seconds:.1f} s' if seconds >= 1 else f'{seconds * 1e3:.0f} ms'} in all)"
         ),
         severity=ev.severity_for_share(share),
         analyzer="step_causes",

@@ -1,14 +1,6 @@
-"""The run's verdict: one finding, judged after every analyzer and the cause/symptom linking ran.
-
-Exactly one of
-  verdict.cause    a root finding above info exists: evidence["top"] is the id of the one to act
-                   on first (the first, in reading order, with a prescription; else the first),
-                   with its title, seconds per step, and the saving its first prescription expects
-  verdict.healthy  the run has steps and no finding above info: it says so, with the steps and
-                   the median step
-  verdict.no_steps the job exited before any step finished
-The report and the terminal render this finding; they never decide the headline themselves.
-"""
+"""The run's verdict: one finding, judged after every analyzer and the cause/symptom linking ran:
+`verdict.cause` (the root to act on first), `verdict.healthy` or `verdict.no_steps`. The report
+and the terminal render it; they never decide the headline themselves."""
 
 from __future__ import annotations
 

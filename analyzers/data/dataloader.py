@@ -1,12 +1,9 @@
 """DataLoader starvation: the step waits for the next batch.
 
-Evidence, best first: py-spy (share of the main thread's samples inside DataLoader.__next__, the
-whole run, unperturbed); the torch.profiler window (DataLoader's own record_function
-`enumerate(DataLoader)#...__next__`, exact per step, slowed by the profiler's Python tracing).
-The shim's `dataloader` event gives the loader's settings; its `data_site` events give the
-job's own line that builds it (or its TrainingArguments), where the prescription is written in the
-terms of the framework that drives the run (analyzers/core/frameworks.py).
-"""
+Evidence, best first: py-spy (the main thread's samples inside DataLoader.__next__, unperturbed),
+the torch.profiler window (DataLoader's own record_function, slowed by the profiler's tracing).
+The prescription is written at the job's own line that builds the loader, in the terms of the
+framework that drives the run (analyzers/core/frameworks.py)."""
 
 from __future__ import annotations
 
@@ -21,10 +18,7 @@ from traindx.analyzers.host import threads
 from traindx.derive import ledger
 
 if TYPE_CHECKING:  # annotations only
-    from collections.abc import Sequence
-
     from traindx.derive.run import RunRecord
-    from traindx.profiler.speedscope import Frame
 
 DECLARATION = Declaration(
     name="dataloader",
@@ -48,10 +42,6 @@ MIN_LOST_S = 0.001
 WORKER_BATCH_S = 0.001
 DATALOADER_FILE = "torch/utils/data/dataloader.py"
 TRACE_PREFIX = "enumerate(DataLoader)#"
-
-
-def _in_next(stack: Sequence[Frame]) -> Any:
-    return any(f.file.endswith(DATALOADER_FILE) and f.name.endswith("__next__") for f in stack)
 
 
 def _hottest_inside_next(samples: Any, limit: Any = 5) -> Any:
@@ -86,7 +76,12 @@ def _from_pyspy(run: RunRecord, rank: str) -> Any:
     if main not in threads:
         return None
     samples = threads[main][1]
-    waiting = ev.training_weight(samples, keep=_in_next)
+    waiting = ev.training_weight(
+        samples,
+        keep=lambda stack: any(
+            f.file.endswith(DATALOADER_FILE) and f.name.endswith("__next__") for f in stack
+        ),
+    )
     total, method = ev.steps_seconds(run, rank), "/ the rank's step time (shim)"
     if not total:
         total, method = ev.training_weight(samples), "/ all its samples (imports excluded)"

@@ -1,18 +1,10 @@
 """Host-device syncs inside the step, from the torch.profiler window.
 
-A sync makes Python wait until the GPU has run every kernel queued before it (`.item()`,
-`float(t)`, `if t:`, `.tolist()`, `.cpu()`, `nonzero`, `torch.cuda.synchronize`), so the CPU
-cannot run ahead and queue the next kernels: the GPU idles from the sync until the CPU has queued
-the next kernel. With CUDA in the trace each sync call (cudaStreamSynchronize,
-cudaDeviceSynchronize, cudaEventSynchronize, synchronous cudaMemcpy) costs what a step saves
-without it: the GPU's idle after it (bounded by how long the call held the CPU back) and the
-GPU's idle while the host runs the statement that ends in it (the tensor ops that compute the
-value read, back to the model's previous module call: in a host-bound loop they, not the wait,
-are the cost). A sync inside the model's forward also keeps it from a CUDA graph (chains.py
-makes launch_bound its symptom).
-On a CPU-only run there is no queue to wait for: the syncs and their call sites are counted, the
-cost cannot be measured.
-"""
+A sync makes Python wait until the GPU has run every kernel queued before it, so the GPU idles
+until the CPU has queued the next kernel. Each sync call costs what a step saves without it: the
+GPU's idle after it (bounded by how long the call held the CPU back) and the GPU's idle while the
+host runs the statement that ends in it (in a host-bound loop those ops, not the wait, are the
+cost). On a CPU-only run there is no queue: the syncs are counted, the cost cannot be measured."""
 
 from __future__ import annotations
 

@@ -1,25 +1,11 @@
-"""The GPU idles while the host works: from the GPU's own clock on every step (CUDA events at
-the measured boundaries, traindx.profiler.gputime) and, in the torch.profiler window, from the
-exact kernel timeline (traindx.profiler.torchtrace.gpu_window).
+"""The GPU idles while the host works: from the GPU's own clock on every step (CUDA events at the
+measured boundaries) and, in the torch.profiler window, from the exact kernel timeline.
 
-Findings:
-  gpu_idle.host_starved     the GPU waits for host work in the loop between the measured calls
-                            (a batch built on the CPU, a transform, a Python loop): the window's
-                            idle gaps are tied to the code the training thread ran in them
-                            (the user's function, the library call it ends in, the line from
-                            py-spy); its idle seconds on every step are the saving.
-  gpu_idle.pageable_copy    host-to-device copies from pageable memory (the host waits for
-                            each, staged through a driver buffer at a fraction of the link's
-                            speed): pin the source and copy with non_blocking=True. Priced as
-                            the copies' share of the window's step applied to the steady step,
-                            less the same bytes from pinned memory, never below the GPU work
-                            that stays.
-  gpu_idle.exposed_communication  collectives' kernels that no compute kernel overlaps.
-  gpu_idle.between_steps    on some steps the GPU idles after the optimizer until the next
-                            step's work (logging, evaluation, checkpoints).
-Host-device syncs and empty_cache() have their own analyzers (host_sync, allocator): idle time
-ending in those calls is left to them.
-"""
+Findings: `gpu_idle.host_starved` (host work between the measured calls, tied to the code the
+training thread ran in the idle gaps), `gpu_idle.pageable_copy` (host-to-device copies from
+pageable memory, priced never below the GPU work that stays), `gpu_idle.exposed_communication`
+and `gpu_idle.between_steps`. Idle ending in a sync or empty_cache() is left to host_sync and
+allocator."""
 
 from __future__ import annotations
 

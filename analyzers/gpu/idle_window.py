@@ -27,7 +27,6 @@ MIN_HOST_GAP_NS = 250_000
 SHIM_FRAME = "_traindx_shim/"  # how the profiler names the shim's frames
 OWN_CATEGORY = "traindx"
 MAX_POINTS = 2000  # points sampled over a window's idle time, at most
-SYNC_LABELS = ("sync<",)
 # the host blocked inside the driver (allocating, freeing, waiting for the GPU, a synchronous
 # copy) is not the host's own work: those calls have their findings (allocator, host_sync,
 # pageable copies)

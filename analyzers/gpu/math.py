@@ -2,12 +2,8 @@
 device-to-host copies that move too much inside the step, cuDNN benchmark mode searching again
 for new shapes, and how far the busy GPU is from the device's peak (the verdict's "efficient").
 
-Reads derive/gpu_efficiency.py (the kernel-class table of each rank's torch.profiler window, the
-syncs priced by what the host waited for, MFU) and derive/device_peaks.py (the device's dense
-rate per precision). A GPU second saved turns into a step second only where the GPU is the
-bottleneck: each saving is the GPU time removed less the GPU's idle in the step (the host, not
-the GPU, sets the pace of the idle part).
-"""
+A GPU second saved turns into a step second only where the GPU is the bottleneck: each saving is
+the GPU time removed less the GPU's idle in the step (the host sets the pace of that part)."""
 
 from __future__ import annotations
 
@@ -59,14 +55,6 @@ ODD_SHARE = 0.25  # the unaligned kernels' share of the matmul time that names o
 REACHABLE = 0.6  # of the peak a well-shaped GEMM reaches (H200 bf16 8192^3: ~0.8, FACTS.md §6)
 EFFICIENT_MFU = 0.35  # model FLOP/s over the BF16 peak a well-fed training step reaches
 EFFICIENT_MATH_SHARE = 0.6  # without an MFU: tensor-core math's share of the step
-
-
-def _views(run: RunRecord) -> dict[str, G.RankGpu]:
-    return G.cached_rank_views(run)
-
-
-def _slowest(views: dict[str, G.RankGpu]) -> G.RankGpu | None:
-    return max(views.values(), key=lambda v: v.wall_s, default=None)
 
 
 def _severity(share: float) -> str:
@@ -576,8 +564,8 @@ def _efficiency_finding(run: RunRecord, view: G.RankGpu, mfu: dict[str, Any] | N
 
 
 def analyze(run: RunRecord) -> list[Finding]:
-    views = _views(run)
-    view = _slowest(views)
+    views = G.cached_rank_views(run)
+    view = max(views.values(), key=lambda v: v.wall_s, default=None)
     if view is None:
         return []
     device = device_peaks.device_name(run.manifest)

@@ -1,13 +1,9 @@
-"""The job's code that torch runs inside the model's work: module forward and backward hooks,
-global module hooks and tensor hooks whose function is the job's (or a framework's) code.
+"""The job's code that torch runs inside the model's work: module forward/backward hooks, global
+module hooks and tensor hooks whose function is the job's (or a framework's) code.
 
-The shim times each such hook (a `hook` span per call worth one, `hook_site` naming the hook
-once); the ledger books those spans as host time, never as fwd/bwd. A hook whose calls cost
-MIN_SHARE of the steady step or more is a finding of its own: the hook's function and file:line,
-the line inside it that costs most and the call that line ends in (the shim's host samples), its
-seconds per step. `--fix` measures the step without it (a candidate arm in which the shim does not
-call that hook: a hook that only observes changes no numerics, and loss parity checks that).
-"""
+The ledger books the shim's hook spans as host time, never as fwd/bwd; a hook costing MIN_SHARE
+of the steady step is a finding of its own. `--fix` measures the step without it: a hook that
+only observes changes no numerics, and loss parity checks that."""
 
 from __future__ import annotations
 

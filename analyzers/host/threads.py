@@ -3,24 +3,9 @@
 torch's intra-op pool spins at its barriers; with more runnable threads than cores the spinning
 threads take the cores the working ones need (seen on a 2-core machine: 16 intra-op threads made
 a job 3x slower; torch's default of 2 threads on a loaded 2-core machine made a healthy job 30x
-slower). Three judgements, per rank, over the steady steps:
-
-  threads.oversubscribed  the job's threads (intra-op threads x processes on the host +
-                          DataLoader workers x their one thread each) exceed the cores the
-                          process may use (affinity; a cgroup quota where recorded);
-  threads.contention      info: the job's threads fit the cores, but with the other runnable
-                          tasks of the machine they do not, and the job runs more than one
-                          intra-op thread (fewer threads then help; the load is not the job's);
-  threads.machine_loaded  info: other processes kept the cores busy (the step times are slower
-                          than on a quiet machine; nothing in the job to change).
-
-Facts read from the record: the shim's `cpu` events (cores, running, sys_idle_s, proc_cpu_s,
-thread_cpu_s; intra_op_threads / inter_op_threads / cpu_quota where the shim records them),
-the DataLoader events (num_workers), the manifest's environment (OMP_NUM_THREADS,
-MKL_NUM_THREADS) and host. The measured cost: the CPU seconds per step the process's other
-threads burned beside the training thread, and how much of the step the training thread itself
-was on a core.
-"""
+slower). Per rank over the steady steps: `threads.oversubscribed` (the job's own threads exceed
+its cores), `threads.contention` and `threads.machine_loaded` (info: the load is not the job's).
+The cost is measured: the other threads' CPU per step and the training thread's time on a core."""
 
 from __future__ import annotations
 

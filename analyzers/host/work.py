@@ -1,27 +1,11 @@
 """A cause for any slow line: code the training thread runs between its measured calls.
 
-Whatever the loop does outside the model's forward/backward, the optimizer step, the data wait
-and the other measured calls is host work; no specialised analyzer knows it (a blocking read,
-CPU work every other step, an image encoded per step, a numpy transform of each batch). Each
-code line of it that costs >= MIN_SHARE of the steady step becomes a finding of its own: the
-function, the user's file:line leading into it, the library call it ends in, its seconds per
-step, and the generic fixes that fit (DataLoader workers, less often or asynchronously, cache,
-the GPU), with a concrete edit where one exists.
-
-Where the code comes from:
-  1. `traindx.derive.ledger.host_code(run)` (rank, step, function, file, line, call, seconds): what ran
-     inside the ledger's `host` intervals, per step (the derive layer; preferred when present);
-  2. else py-spy's recording of the training thread: a sample belongs to a measured call when a
-     frame of one is on its stack (a module call, backward, the DataLoader's __next__, a save, a
-     compile; the optimizer step owns its own frames only, so a closure's user code under it -
-     Lightning's training_step - is the job's code again); the rest is host work, grouped by its
-     innermost user frame. Its seconds per step are its share of the loop's samples (between the
-     first and the last sample in a measured call) times the mean step, capped by the ledger
-     lines host work is booked in until the ledger measures it (fwd/bwd, unexplained).
-
-Steps that differ from each other are compared line by line (stability.line_periods): a host
-line that is dear every k-th step (k = 2 included) is named with its period.
-"""
+No specialised analyzer knows this work (a blocking read, an image encoded per step, a numpy
+transform), so each code line of it costing >= MIN_SHARE of the steady step is a finding of its
+own, with the generic fixes that fit and a concrete edit where one exists. The code comes from
+the ledger's host intervals (`traindx.derive.ledger.host_code`), else from py-spy's samples
+outside every measured call; a line dear every k-th step is named with its period
+(stability.line_periods). docs/analyzers.md (`host_work.*`) gives the rules."""
 
 from __future__ import annotations
 
@@ -105,10 +89,6 @@ def _severity(kind: str | None, share: float, has_gpu: bool) -> str:
     if kind in COMPUTE_KINDS and not has_gpu and share < COMPUTE_MIN_SHARE:
         return "info"
     return ev.severity_for_share(share)
-
-
-def _steady(run: RunRecord, rank: str) -> pd.DataFrame:
-    return ledger.steady_rows(run, rank)
 
 
 def _call_site_note(
@@ -214,7 +194,7 @@ def _gpu_idle_s(run: RunRecord, rank: str) -> float | None:
 
 
 def _analyze_rank(run: RunRecord, rank: str) -> list[Finding]:
-    led = _steady(run, rank)
+    led = ledger.steady_rows(run, rank)
     if not len(led):
         return []
     step_s = float(led["wall_s"].mean())

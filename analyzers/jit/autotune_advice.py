@@ -1,25 +1,11 @@
 """Prescriptions for Triton autotuning (plain Triton kernels and flash-linear-attention's), in the
 installed versions' own terms.
 
-Pure: `advise(events, packages, env, ...)` takes the `triton_autotune` compile events of one rank
-(as the shim records them: kernel, module, key_names, key_fields, key_dtypes, bench_s, step,
-cache_results, disk_cache_hit, ...), the manifest's package versions and environment, and returns
-what the tuning cost, which key fields made it tune again, and what to change. Every switch it
-names was read in the source of the release named beside it (docs/autotune.md, with file:line):
-
-- Triton 3.6 `Autotuner` keeps the chosen config per key in memory (`self.cache`); it writes the
-  timings to `<TRITON_CACHE_DIR>/<hash>/<kernel>.autotune.json` and reads them back only when
-  `cache_results` is on: the decorator argument or `TRITON_CACHE_AUTOTUNING=1`, never under
-  `TRITON_INTERPRET=1`. The hash holds the exact key values, so the disk serves a key seen before
-  and nothing else. `TRITON_CACHE_DIR` (default ~/.triton/cache) also holds the compiled binaries.
-- flash-linear-attention 0.6.0 passes `cache_results=FLA_CACHE_RESULTS` to its autotuners, and
-  `FLA_CACHE_RESULTS` defaults to "1": its choices already land in TRITON_CACHE_DIR; a cold start
-  means that directory was empty or thrown away. Its `fla_cache_autotune` kernels also read
-  `$FLA_CONFIG_DIR/<kernel>.json` when `FLA_CACHE_MODE` is not "disabled" (the default); in
-  "fuzzy" mode a numeric key field may differ from the file's entry, so a length in the key stops
-  causing new tunings.
-A version not listed in VERIFIED gets the upgrade to one that is, never a variable it may ignore.
-"""
+Pure: `advise(events, packages, env, ...)` takes one rank's `triton_autotune` compile events, the
+manifest's package versions and environment, and returns what the tuning cost, which key fields
+made it tune again, and what to change. Every switch it names was read in the source of the
+release named beside it (docs/autotune.md, with file:line); a version not listed in VERIFIED gets
+the upgrade to one that is, never a variable it may ignore."""
 
 from __future__ import annotations
 

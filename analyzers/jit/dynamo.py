@@ -57,12 +57,6 @@ def dynamo_compile_kind(row: Any) -> str:
     return "recompile"
 
 
-def is_dynamo_recompile(row: Any) -> Any:
-    """A dynamo compile of a frame it compiled before because a guard on the data failed (not a
-    backward graph, not a graph for another grad/train mode)."""
-    return dynamo_compile_kind(row) == "recompile"
-
-
 def _strip_compile_id(reason: Any) -> Any:
     """ "0/1: tensor 'x' size mismatch ..." -> "tensor 'x' size mismatch ..." (first line)."""
     return re.sub(r"^\s*\[?[\d/!]+\]?:\s*", "", str(reason).strip().splitlines()[0])

@@ -1,44 +1,13 @@
 """Live judgement: the analyzers run on the run record while it grows, within a CPU budget.
 
-Two stages. The *cheap stage* runs at every poll (every step end on fast steps): it reads only
-the bytes appended to each events file since the last poll (`traindx.profiler.live_tail.EventTail`) and
-keeps per-step signals: the step time against its running median, every kernel's compile keys,
-and a per-step line of measured span shares. It costs tens of microseconds a step and makes no
-judgement: it only says when the record holds something new worth judging (a *trigger*): enough
-steps for a first judgement, a step at least 2x the running median, a kernel compiled again (a
-new key) once that step has ended, a span line that moved by LINE_SHIFT since the last
-judgement; and which span category stands out in it (compile, data, gc, io, ..., `other`: time
-no span covers).
-The *full stage* is the same loader and the same analyzers as the end-of-run analysis (one
-definition of every judgement). It runs on a trigger, or on the slow cadence (CADENCE_S) when the
-budget has room for it and a trigger's analysis besides, and only while the CPU spent by both
-stages stays within a bounded share of one core over the run so far (`LiveOptions.cpu_share`).
-The budget banks while nothing happens, so an onset finds it full: what the cheap stage buys;
-a job's first seconds start with START_PASSES full passes banked (what judging needs at least).
-A trigger whose full pass would take SHOW_WITHIN_STEPS of the job's steps or more (the job runs
-on meanwhile: fast steps), or that the budget has no room to judge with every analyzer, is judged
-first by the analyzers that read the category standing out in it (CATEGORY_ANALYZERS: a GC pause by the GC analyzer, a
-compile by the compile analyzer; a compile-only trigger always so): a fraction of a full pass's
-cost, so on screen before the budget refills; the full pass confirms what it showed, on the same
-record, before any other routed pass. A pass reads each process's last `window_steps` steps
-(traindx.derive.so_far: a rolling window; a days-long run's live memory and pass cost bounded), the
-batch analysis of those rows.
-
-A finding of severity high or critical is *stable* once it has been seen in two steady steps: the
-analysis that found it covered at least STABLE_AFTER_STEPS steps (step 0, the warm-up, and two
-steady ones), or two analyses at different step counts found it; a recompile or a re-autotune is
-stable as soon as the analyzer reports it (it needs two compiles of one kernel with a changed key
-to exist at all). Stable findings are handed to `on_finding` once each.
-
-The budget is measured with the process's CPU time during each analysis (the Arrow loader parses
-in threads of its own, so the analysing thread's time alone would under-count) and the polling
-thread's own CPU time for the cheap stage.
-
-With `until_diagnosed`, the judge asks the job to stop cleanly (as `--steps` does) once the top
-root finding is stable and no unstable finding of its severity or above is pending (a generic top,
-one a specific finding may still make its symptom, once it held while the record doubled): it writes
-`control/stop.json` with the step at which every rank stops; the shim reads it at step ends.
-"""
+A cheap stage at every poll reads only the appended bytes and raises triggers (a slow step, a new
+compile key, a moved span line); a full stage runs the same loader and analyzers as the end-of-run
+analysis (one definition of every judgement) on a trigger, routed first to the analyzers of the
+category standing out when a full pass would come too late. Both stay within a share of one core
+(`LiveOptions.cpu_share`), counted as process CPU because the Arrow loader parses in threads of its
+own. A high finding is handed on once stable (seen in two steady steps; a recompile at once), and
+`until_diagnosed` writes `control/stop.json` once the top root is stable. docs/live.md says why
+each rule and what it costs."""
 
 from __future__ import annotations
 

@@ -233,14 +233,10 @@ class ShownFindings:
         self._grow_at = max(covered + 1, math.ceil(GROW_FACTOR * covered)) if near else 0
 
     def _top_held(self, top: Finding, covered: int) -> bool:
-        """Whether the top root finding can be the diagnosis. A generic finding - one at a line
-        (host code at a line, a GPU starved by host work: chains.GENERIC_AT_A_LINE, the
-        symptom of a specific finding at that line once one is found) or the per-step judge's
-        finding made only while no specialised analyzer made one (step_causes) - can be
-        superseded by a specific analyzer that needs more steps (GC pauses made by that line's
-        garbage, a checkpoint every 5th step): it is the diagnosis only once it stayed the top
-        while the record grew to TOP_HOLD_FACTOR times the steps it became the top at. Until
-        then a pass is due once the record has grown that far. Specific findings hold at once."""
+        """Whether the top root finding can be the diagnosis. A generic one (at a line:
+        chains.GENERIC_AT_A_LINE, or step_causes') can be superseded by a specific analyzer that needs
+        more steps, so it holds only once it stayed the top while the record grew TOP_HOLD_FACTOR times;
+        until then a pass is due at that size. Specific findings hold at once."""
         if top.id not in GENERIC_AT_A_LINE and top.analyzer != "step_causes":
             return True
         need = max(self._top[1] * TOP_HOLD_FACTOR, self._top[1] + 1)

@@ -1,14 +1,9 @@
 """CUDA caching-allocator retries and fragmentation (GPU only).
 
-When a cudaMalloc fails, the allocator frees every cached block (a device-wide sync) and tries
-again: `num_alloc_retries` in torch.cuda.memory_stats() counts those. The shim samples the
-stats at every step end (`alloc` events); retries that keep growing in the steady window cost a
-sync and a free/malloc storm each. Fragmentation shows as reserved memory far above allocated
-memory with large inactive split blocks. Explicit torch.cuda.empty_cache() calls (shim
-`empty_cache` events, with their line) throw the cache away and cause the same storm. Its cost
-with a GPU trace: the GPU's idle while the host is inside cudaMalloc/cudaFree (the rest of
-those calls overlaps kernels queued before them).
-"""
+A failed cudaMalloc makes the allocator free every cached block (a device-wide sync) and retry;
+retries growing in the steady window, and explicit torch.cuda.empty_cache() calls, cost a sync
+and a free/malloc storm each. With a GPU trace the cost is the GPU's idle while the host is inside
+cudaMalloc/cudaFree (the rest of those calls overlaps kernels queued before them)."""
 
 from __future__ import annotations
 

@@ -1,21 +1,12 @@
 """Memory that grows step after step and does not level off.
 
-The shim records the process's resident memory (and, on a GPU, the caching allocator's allocated
-and reserved bytes) at every step end, and what is left (MemAvailable, the cgroup's limit, the
-device's total): traindx.derive.memory. A healthy job's memory grows during its warm-up (the
-allocator's cache, the optimizer's state, the first batches) and then levels off. A leak keeps
-growing at about the same rate: its finding gives that rate (MB per step), the step at which the
-host's or the device's memory runs out at that rate, and where it is held: when the shim saw the
-growth it took a census of the tensors that hold an autograd graph twice, a few steps apart, and
-named the containers that gained some (a list a loss is appended to, with its graph: every
-activation of the step stays alive) and the variable that holds each; this module finds the line
-that adds to it and prescribes `.item()` (a scalar; `.detach()` on a GPU run) or `.detach()`; a
-running sum (`total += loss`: one tensor, its graph growing) is found by the variable whose graph
-gained nodes between the censuses. The edit is automatic: `--fix` judges its arm by the memory's
-slope (`steady_rate`, ab_verdict.judge_leak_arm). Without such a holder, the
-Python allocation sites that grew (tracemalloc) or, on a GPU, the lines whose allocator blocks
-survive (the allocator's history) are named instead.
-"""
+A healthy job's memory grows during its warm-up (the allocator's cache, the optimizer's state)
+and then levels off; a leak keeps growing at about the same rate. Its finding gives that rate,
+the step at which the host's or the device's memory runs out at it, and where it is held: the
+shim's census of graph-holding tensors names the container that gained some and this module
+finds the line that adds to it and prescribes `.item()` or `.detach()` (automatic: `--fix`
+judges the arm by the memory's slope). Without such a holder, tracemalloc's or the allocator's
+surviving sites are named instead."""
 
 from __future__ import annotations
 

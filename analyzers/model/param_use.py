@@ -1,19 +1,7 @@
-"""Work nobody uses: gradients no optimizer applies, and an optimizer stepping every micro-batch
-where the loss is scaled for accumulation.
-
-- `param_use.unused_grads`: parameters that receive gradients (requires_grad left on) but that no
-  optimizer updates with a non-zero learning rate (in a param group with lr 0, or in none) - the
-  shim's `param_use` event, grouped by the largest module made only of them and the line that
-  built it. Their backward is work nobody uses: the finding prices it as their share of the
-  gradients times the backward, `--fix` measures it (a candidate arm freezing them at the line
-  that builds the module, else the shim freezing them after its check), parity checked.
-- `param_use.step_per_microbatch`: the loss reaches backward divided by N (or multiplied by 1/N)
-  while the optimizer steps (and clips) after every backward: the gradients of one micro-batch,
-  scaled for N, make a whole update. Named when N is the job's own accumulation setting (the
-  divisor names it, or a flag of the command line sets it to N), with the lines of the step and
-  clip calls and, where the loop has a counter, the edit that steps every N-th micro-batch
-  (`--fix` applies it; the A/B compares seconds per micro-batch, as the step boundary moves).
-"""
+"""Work nobody uses: gradients no optimizer applies (`param_use.unused_grads`), and an optimizer
+stepping every micro-batch where the loss is scaled for accumulation
+(`param_use.step_per_microbatch`: one micro-batch's gradients, scaled for N, make a whole
+update). docs/analyzers.md gives the evidence and the edits."""
 
 from __future__ import annotations
 

@@ -62,15 +62,11 @@ def find_period(steps: Sequence[int], durations: Sequence[float]) -> tuple[int, 
     """(period, residue, slow step numbers) of the best periodic pattern, or None.
 
     A pattern (period p, residue r) covers the steps with step % p == r; it is kept when at least
-    MIN_PRECISION of the slow steps fall on it and MIN_RECALL of its steps are slow; the best has
-    the highest F1, then the shortest period. O(N log N) in steps: because more than half of the
-    slow steps must share the residue, only the median residue of each period can qualify, and a
-    period longer than span / (needed hits - 1) cannot hold enough slow steps; so one vectorised
-    pass over (slow step, period) finds the few candidates, and each candidate's steps are counted
-    by striding a per-step count array (N/p work for period p). Slow means SLOW_FACTOR x the
-    median first, then each of RAISED_FACTORS: a period among the largest steps stands even where
-    the machine's noise makes other steps 2x slow.
-    """
+    MIN_PRECISION of the slow steps fall on it and MIN_RECALL of its steps are slow; the best has the
+    highest F1, then the shortest period. O(N log N): more than half of the slow steps must share the
+    residue, so only each period's median residue can qualify. Slow means SLOW_FACTOR x the median,
+    then each of RAISED_FACTORS: a period among the largest steps stands where the machine's noise
+    makes other steps 2x slow."""
     median = float(pd.Series(durations).median())
     for factor in (SLOW_FACTOR, *RAISED_FACTORS):
         slow = {s for s, d in zip(steps, durations) if d > factor * median and d - median > MIN_EXCESS_S}

@@ -19,10 +19,6 @@ if TYPE_CHECKING:  # annotations only
     from traindx.derive.run import RunRecord
 
 
-def _normalise(text: Any) -> Any:
-    return re.sub(r"\d+", "N", text.strip())[:160]
-
-
 _LOG_INDEX: list[Any] = [None, None]  # (the log DataFrame, its index): every rank asks about the same log
 
 
@@ -31,7 +27,9 @@ def _log_index(log: pd.DataFrame) -> Any:
     if _LOG_INDEX[0] is not log:
         keep = [bool(text.strip()) and not parse_line(text) for text in log["text"]]
         kept = log[keep].sort_values("t", kind="stable")
-        codes, names = pd.factorize(pd.Series([_normalise(t) for t in kept["text"]], dtype=object))
+        codes, names = pd.factorize(
+            pd.Series([re.sub(r"\d+", "N", t.strip())[:160] for t in kept["text"]], dtype=object)
+        )
         _LOG_INDEX[:] = [log, (kept["t"].to_numpy(), (np.asarray(codes, np.int64), list(names)))]
     return _LOG_INDEX[1]
 

@@ -1,19 +1,11 @@
 """Switches that tax every op: process-wide settings left on that slow every operation or step.
 
-The shim records each one at torch's import and whenever the job changes it (`switch` events, with
-the job's line: profiler/shim/_traindx_shim/switches.py): autograd anomaly detection,
-deterministic algorithms, a float64 default dtype, an intra-op thread count far from the cores,
-a profiler, tracer or tracemalloc the job started itself, CUDA memory-history recording, Python's
-development mode and the debug variables of torch, dynamo, NCCL and the distributed package.
-
-A switch that is on during the steady steps and costs time on this job (a CUDA variable costs
-nothing on a CPU-only run, a dynamo variable nothing where nothing compiles) is a finding naming
-the line or the variable that set it. Its cost is predicted as a share of the ledger lines it
-slows (anomaly mode: half of forward, backward and optimizer: a tiny transformer ran 48 %
-slower with it on one machine; public scripts 1.6-2.7x slower on this one: its cost is per op) and measured by `--fix`: an edit of the job's line that turns it off, and the
-shim's runtime patch `switch_off:<name>` (the setter called with the switch off, the variable
-unset) where the line is not the job's.
-"""
+The shim records each one at torch's import and whenever the job changes it (`switch` events with
+the job's line: profiler/shim/_traindx_shim/switches.py). A switch on during the steady steps that
+costs time on this job (a CUDA variable costs nothing on a CPU-only run) is a finding naming the
+line or variable that set it, priced as a share of the ledger lines it slows (its cost is per
+op) and measured by `--fix`: an edit of the job's line, else the shim's runtime patch
+`switch_off:<name>`."""
 
 from __future__ import annotations
 

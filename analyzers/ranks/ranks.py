@@ -1,23 +1,10 @@
 """Multi-rank: the straggler - the rank the others wait for - and pipeline bubbles.
 
 In a synchronous job every rank's step takes as long as the slowest rank's, so step times alone
-do not show the straggler. Evidence, best first:
-
-1. The shim's collective spans matched across ranks by (process group, seq), and each backward
-   of a DDP job (analyzers/ranks/sync_points.py): at every meeting point the rank that waited least
-   arrived last, the gap to the next-latest arrival is what it cost, and its own time ledger
-   over the stretch before its arrival says why it was late (compiling, GC, data, I/O, a host
-   sync, compute - with the GPU's clock beside it). Durations only: no clock has to agree
-   across ranks or hosts. A rank that was late because it was itself waiting in send/recv is a
-   pipeline dependency, not a straggler.
-2. The torch.profiler window (gloo/NCCL record_functions, c10d ops, NCCL kernels) and py-spy
-   (main-thread samples inside torch.distributed) for runs without spans (attach mode, older
-   runs): the rank with the smallest wait, point-to-point ops left out.
-3. Per-rank step times, for ranks that do not wait for each other at all.
-
-Blocking send/recv waits are the pipeline's bubbles (a stage waiting for its neighbour), reported
-as their share of the step (`ranks.pipeline_bubble`), never as stragglers.
-"""
+do not show the straggler. Evidence, best first: the meeting points (analyzers/ranks/sync_points.py),
+the smallest wait in the torch.profiler window or py-spy for runs without spans (attach mode,
+older runs), and per-rank step times for ranks that do not wait for each other. Blocking
+send/recv waits are the pipeline's bubbles (`ranks.pipeline_bubble`), never stragglers."""
 
 from __future__ import annotations
 

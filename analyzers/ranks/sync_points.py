@@ -1,23 +1,13 @@
 """Where the ranks meet, and who came last: the dependency reading of a multi-rank run.
 
-A meeting point is one collective seen on every rank of its group: the shim's blocking
-collective spans, matched by (process group, seq) - seq counts the group's calls in each process,
-so it names the same collective on every rank with no clock at all (PyTorch's Flight Recorder
-matches the same way). DDP's gradient all-reduces run in C++ inside backward, where no Python
-wrapper sees them; in a job that built a DistributedDataParallel model (the shim's `ddp` event)
-each backward is a meeting point too, matched by step and its order in the step.
-
-For one meeting point every rank leaves at about the same moment (the collective completes for
-all), so the rank that waited least arrived last: its lateness is what the others waited for it.
-Waits are durations on each rank's own clock, so no clock needs to agree across hosts. The cost
-the last arrival caused is the gap to the next-latest arrival (the second-smallest wait minus
-the smallest): had it come as early as that one, the collective would have completed that much
-sooner. The work that made it late lies in its `segment`, the stretch of its own timeline since
-its previous meeting point (or its step's start), whose ledger says why (derive/ledger.py).
-
-Point-to-point send/recv are not meeting points: in a pipeline a stage waiting in recv for its
-upstream stage is the schedule's bubble, not a straggler's victim.
-"""
+A meeting point is one collective seen on every rank of its group, matched by (process group,
+seq) with no clock at all (as PyTorch's Flight Recorder matches); in a DDP job each backward is
+one too (its all-reduces run in C++, where no Python wrapper sees them). Every rank leaves a
+meeting point at about the same moment, so the rank that waited least arrived last, and the gap
+to the next-latest arrival is what it cost; durations on each rank's own clock, so no clock has
+to agree across hosts. Why it was late lies in its `segment` since its previous meeting point
+(derive/ledger.py). Point-to-point send/recv are not meeting points: a pipeline stage waiting for
+its upstream stage is the schedule's bubble, not a straggler's victim."""
 
 from __future__ import annotations
 

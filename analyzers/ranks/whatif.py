@@ -1,22 +1,8 @@
-"""Judge a what-if analysis across ranks (`traindx.derive.whatif.WhatIf`): how much the
-stragglers cost the job, which kind of problem it is, and what to change.
-
-Categories, first that holds:
-- one worker: fixing the worst 3 % of workers removes at least half the slowdown (M_W);
-- sequence lengths: making compute even inside each stage removes at least half (M_Q), the
-  micro-batches of one worker-step differ (spread) and a micro-batch's forward and backward
-  move together (a long sequence is long on both: data, not hardware);
-- a stage: fixing one stage removes at least half (M_S for the last one);
-- an op type: fixing one op type removes at least half, more than 1.3 x its part of the work, and
-  its tail (mean / median - 1) is twice any other type's, and those others are steady (tail
-  under 25 %: on a noisy host every type varies, and none is at fault);
-- spread: none of these alone (noise-like variation: at most a low finding, nothing to fix);
-  also an op type's straggling, a worker that alone costs under 20 %, or a stage that computes
-  less than 10 % more than the others, on a host whose training threads waited for a CPU 5 % of
-  the step or more (a run folder's run-queue record): the host, not the op, the worker or the
-  split, varies.
-The op table's own timer names are the only vocabulary: no job, file or flag of ours is keyed on.
-"""
+"""Judge a what-if analysis across ranks (`traindx.derive.whatif.WhatIf`): how much the stragglers
+cost the job, which kind of problem it is (one worker, sequence lengths, a stage, an op type,
+else spread: the first that holds, docs/what-if.md gives the thresholds), and what to change. On a
+host whose training threads waited for a CPU, the host, not the op or the worker, varies. The op
+table's own timer names are the only vocabulary: no job, file or flag of ours is keyed on."""
 
 from __future__ import annotations
 

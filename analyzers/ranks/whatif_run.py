@@ -1,17 +1,8 @@
-"""The what-if across ranks on every run of several ranks (`diagnose -- cmd`, `diagnose report`):
-the run folder's op table (`traindx.derive.optable_runs`), the replay (`traindx.derive.whatif`),
-judged by `traindx.analyzers.ranks.whatif`. What `diagnose analyze RUN --what-if` prints in full, kept
-here only where it matters:
-
-- a stage, sequence lengths or an op type at fault: at the judged severity (no per-rank analyzer
-  sees those);
-- one worker: a note (info: the ranks analyzer names the late rank and why, and judges it; the
-  what-if adds what fixing it gives the job, and never changes the verdict);
-- spread, a healthy job, the replay's fit: nothing (the full analysis says them).
-
-A run of one rank, or whose ops cannot be replayed (no common steps, a schedule the model does
-not know), gets nothing.
-"""
+"""The what-if across ranks on every run of several ranks: the run folder's op table
+(`traindx.derive.optable_runs`), the replay (`traindx.derive.whatif`), judged by
+`traindx.analyzers.ranks.whatif`, kept only where it matters: a stage, sequence lengths or an op
+type at fault at the judged severity (no per-rank analyzer sees those), one worker as a note (the
+ranks analyzer judges the late rank), nothing else (`--what-if` prints it in full)."""
 
 from __future__ import annotations
 
