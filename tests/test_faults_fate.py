@@ -161,7 +161,9 @@ def test_traindx_own_processes_run_no_sitecustomize_of_the_jobs(tmp_path):
     assert dx.returncode == 0, dx.stderr[-2000:]
     ran = (tmp_path / "site" / "ran.txt").read_text().split()
     job_pid = dx.stdout.split("job pid ")[1].split()[0]
-    # the job's, and diagnose's own (Python runs it before any code of traindx's); not the relay's
+    # the job's, and diagnose's own: `python -m traindx` is the user's own interpreter command, its
+    # site runs before any code of traindx's (the installed `diagnose` runs none: test_faults_round3);
+    # not the relay's
     assert job_pid in ran and len(ran) == 2, ran
     assert dx.stdout.count("the job site ran") == 2
 

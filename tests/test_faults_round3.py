@@ -4,11 +4,16 @@ sitecustomize of the job's (the job runs it once); a job in a non-ASCII folder u
 gets the findings it gets under UTF-8; a job whose stdout is a regular file writes into that file
 itself, as bare, while log.txt still gets its lines."""
 
+import glob
 import os
+import shutil
 import subprocess
+import sys
+import sysconfig
 import textwrap
 
-from helpers import PY
+import pytest
+from helpers import PY, ROOT
 
 from traindx.profiler import logparse, rolling
 
@@ -72,3 +77,65 @@ def test_the_rollers_log_thinning_gives_up_a_backtracking_regex_once():
     kept = list(thin(iter(lines), note))
     assert kept == ["2 o step 7 loss 0.5"]  # the built-in formats still keep the step lines
     assert len(said) == 1 and "took over" in note["log_regex"]
+
+
+# -- the installed commands run no sitecustomize of the job's -------------------------------------
+SITE_JOB = (
+    "import os\nwith open(os.path.join(os.path.dirname(__file__), 'ran.txt'), 'a') as f:\n"
+    "    f.write(f'{os.getpid()}\\n')\nprint('the job site ran', flush=True)\n"
+)
+
+
+def _installed(tmp_path):
+    """A fresh venv laid out as `pip install -e .` leaves it: the editable finder (copied from the
+    test venv), the commands as installed (bin/ of the source tree: an installer copies a
+    "#!/bin/sh" script as it is), the test venv's packages borrowed through a .pth line."""
+    venv = tmp_path / "venv"
+    subprocess.run([PY, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    vpy = str(venv / "bin" / "python")
+    site = subprocess.run(
+        [vpy, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    here = sysconfig.get_paths()["purelib"]
+    for finder in glob.glob(os.path.join(here, "__editable__*traindx*")):
+        shutil.copy(finder, site)
+    with open(os.path.join(site, "borrowed.pth"), "w") as f:
+        f.write("\n".join(p for p in sys.path if p.endswith("site-packages")) + "\n")
+    for name in ("diagnose", "kernel-cache"):
+        shutil.copy(os.path.join(ROOT, "bin", name), venv / "bin" / name)
+    return venv
+
+
+def test_the_installed_commands_run_no_sitecustomize_of_the_jobs(tmp_path):
+    if not glob.glob(os.path.join(sysconfig.get_paths()["purelib"], "__editable__*traindx*")):
+        pytest.skip("traindx is not installed editable in this venv (its finder is copied)")
+    venv = _installed(tmp_path)
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(SITE_JOB)
+    (tmp_path / "job.py").write_text("import os\nprint('job pid', os.getpid())\n")
+    env = _env(PYTHONPATH=str(tmp_path / "site"))
+    dx = subprocess.run(
+        [str(venv / "bin" / "diagnose"), "--quiet", "--no-pyspy", "--run-dir", "run", "--", PY, "job.py"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert dx.returncode == 0 and "report:" in dx.stderr, dx.stderr[-2000:]
+    job_pid = dx.stdout.split("job pid ")[1].split()[0]
+    # the job's, once, as bare; none of diagnose's own nor its relay's
+    assert (tmp_path / "site" / "ran.txt").read_text().split() == [job_pid]
+    assert dx.stdout.count("the job site ran") == 1
+    kc = subprocess.run(
+        [str(venv / "bin" / "kernel-cache"), "ls", "--help"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert kc.returncode == 0 and "the job site ran" not in kc.stdout, kc.stderr[-2000:]
+    assert (tmp_path / "site" / "ran.txt").read_text().split() == [job_pid]
