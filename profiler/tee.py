@@ -57,6 +57,7 @@ FRAME = struct.Struct(">cI")
 PROBLEM = b"!"
 CLOSED = b"="
 DONE = b"done\n"  # diagnose -> tee: recording is over, print straight to the terminal from now
+ENDED = b"ended\n"  # diagnose -> tee: the job has ended: read the files it wrote to one last time
 READY = b"+\n"  # tee -> diagnose, once: reading the pipes from now
 # diagnose -> tee: the reader of diagnose's stdout ("o") or stderr ("e") is gone (EPIPE): the
 # job's end of that pipe is closed, so its next write fails as it would bare (a `| head`)
@@ -69,6 +70,8 @@ LOG_QUEUE_BATCHES = 4096  # each at most one 64 KiB read
 
 
 PIPE_BYTES = 1 << 20  # the job's pipe: a relay held up for a moment never blocks its prints
+TAIL_S = 0.02  # how often the relay reads a file the job writes to itself (tail_from): the
+# log lines' times (a step time read from the log) within 20 ms of the job's writes
 
 
 def _pipe() -> tuple[int, int]:
@@ -101,6 +104,32 @@ def channel_for(fd: int) -> tuple[int, int]:
             pass  # the defaults: still a terminal
         return master, slave
     return _pipe()
+
+
+def tail_from(fd: int) -> tuple[int, int] | None:
+    """(a descriptor reading the same file, the offset the job's bytes start at) where diagnose's
+    fd is a regular file, else None. The job is then given that file itself, as bare: seekable,
+    appending where the caller appends (`>> log`), its write errors its own (a full disk fails its
+    own write); the relay reads back what it wrote for log.txt and the live judgement. A terminal
+    keeps its pseudo-terminal and a pipe, socket or device its pipe: what is written there cannot
+    be read back, so those bytes must pass through the relay."""
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return None
+        appends = fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_APPEND
+        offset = st.st_size if appends else os.lseek(fd, 0, os.SEEK_CUR)
+        reader = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)  # a write-only file: no
+    except OSError:
+        return None
+    try:
+        again = os.fstat(reader)
+    except OSError:
+        again = None
+    if again is None or (again.st_dev, again.st_ino) != (st.st_dev, st.st_ino):
+        os.close(reader)
+        return None
+    return reader, offset
 
 
 def same_sink(a: int, b: int) -> bool:
@@ -173,6 +202,9 @@ class Tee:
     def __init__(self, out_fd: int, err_fd: int, sock: socket.socket | None, config: dict[str, Any]) -> None:
         self.streams = {err_fd: "e", out_fd: "o"}  # one pipe for both (2>&1): "o"
         self.partial = {out_fd: b"", err_fd: b""}
+        # files the job writes to itself (tail_from): read fd -> the offset read up to
+        tails = config.get("tail") if isinstance(config.get("tail"), dict) else {}
+        self.files = {int(fd): int(offset) for fd, offset in tails.items() if int(fd) in self.streams}
         self.terminal = {"o": 1, "e": 2}
         self.sock = sock
         self.redact = redactor(config)
@@ -239,7 +271,8 @@ class Tee:
         if self.partial[fd] and self.log is not None:
             self._queue.put((t, self.streams[fd], [self.partial[fd]]))
         self.partial[fd] = b""
-        sel.unregister(fd)
+        if self.files.pop(fd, None) is None:
+            sel.unregister(fd)
         os.close(fd)
         del self.streams[fd]
 
@@ -289,6 +322,29 @@ class Tee:
         self.output(tag, chunk)
         if tag in self.gone:
             self._drop(fd, sel, t)
+        self._log_chunk(fd, tag, chunk, t)
+
+    def _tail(self) -> None:
+        """What the job wrote to its files since the last read: to the log (not to the terminal:
+        the bytes are where the job put them)."""
+        for fd in list(self.files):
+            while True:
+                try:
+                    chunk = os.pread(fd, 65536, self.files[fd])
+                except OSError:
+                    chunk = b""
+                if not chunk:
+                    break
+                self.files[fd] += len(chunk)
+                self._log_chunk(fd, self.streams[fd], chunk, time.time_ns())
+
+    def _end_tails(self, sel: selectors.BaseSelector) -> None:
+        """The job has ended (or diagnose is gone): the files read one last time, then let go."""
+        self._tail()
+        for fd in list(self.files):
+            self._drop(fd, sel, time.time_ns())
+
+    def _log_chunk(self, fd: int, tag: str, chunk: bytes, t: int) -> None:
         if self.log is None or fd not in self.streams:
             return
         pending = self.partial[fd] + chunk
@@ -313,6 +369,8 @@ class Tee:
                 self.gone.add(tag)
                 for fd in [fd for fd, name in self.streams.items() if name == tag]:
                     self._drop(fd, sel, time.time_ns())
+        if ENDED in data or DONE in data or not data:
+            self._end_tails(sel)
         if not data or DONE in data:  # gone (killed) or done: the terminal directly from now
             sel.unregister(sock)
             self._detach()
@@ -326,11 +384,12 @@ class Tee:
             self._writer.start()
         sel = selectors.DefaultSelector()
         for fd in self.streams:
-            sel.register(fd, selectors.EVENT_READ)
+            if fd not in self.files:
+                sel.register(fd, selectors.EVENT_READ)
         if self.sock is not None:
             sel.register(self.sock, selectors.EVENT_READ)
         while self.streams:
-            for key, _ in sel.select():
+            for key, _ in sel.select(TAIL_S if self.files else None):
                 try:
                     if self.sock is not None and key.fileobj is self.sock:
                         self._control(sel)
@@ -338,6 +397,10 @@ class Tee:
                         self._read(key.fd, sel)
                 except Exception as exc:  # never stop reading the job's pipes
                     self.problem(f"output relay: {_reason(exc)}")
+            try:
+                self._tail()
+            except Exception as exc:
+                self.problem(f"output relay: {_reason(exc)}")
         self._send(CLOSED, b"")
         if self._writer is not None:
             self._queue.put(None)
@@ -400,10 +463,26 @@ class OutputRelay:
 
     def start(self) -> tuple[int, int]:
         """(stdout fd, stderr fd) for the job; raises OSError when no tee could start."""
-        out_r, out_w = channel_for(1)
-        # stdout and stderr into one file or pipe (`2>&1 | tee`): one pipe for the job's both,
-        # so that their order is the job's own (two pipes read side by side reorder them)
-        err_r, err_w = (out_r, out_w) if same_sink(1, 2) else channel_for(2)
+        tails: dict[str, int] = {}
+        out_tail = tail_from(1)
+        if out_tail is not None:  # a file: the job writes into it itself (tail_from says why)
+            out_r, out_w = out_tail[0], os.dup(1)
+            tails[str(out_r)] = out_tail[1]
+        else:
+            out_r, out_w = channel_for(1)
+        if same_sink(1, 2):
+            # stdout and stderr into one file or pipe (`2>&1 | tee`): one pipe for the job's both,
+            # so that their order is the job's own (two pipes read side by side reorder them); one
+            # file: each its own descriptor, as bare, read back once
+            err_r, err_w = (out_r, os.dup(2)) if out_tail is not None else (out_r, out_w)
+        else:
+            err_tail = tail_from(2)
+            if err_tail is not None:
+                err_r, err_w = err_tail[0], os.dup(2)
+                tails[str(err_r)] = err_tail[1]
+            else:
+                err_r, err_w = channel_for(2)
+        self.config["tail"] = tails
         mine, theirs = socket.socketpair()
         for end, opt in ((theirs, socket.SO_SNDBUF), (mine, socket.SO_RCVBUF)):
             try:  # room for the job's output while diagnose is busy (its live judge)
@@ -501,6 +580,10 @@ class OutputRelay:
         """The job has ended: its last lines are printed, then the tee goes on by itself."""
         if self._thread is None or self._sock is None:
             return
+        try:  # the files the job wrote to itself are read to their end now
+            self._sock.sendall(ENDED)
+        except OSError:
+            pass
         self._pipes_closed.wait(self.DRAIN_S)
         if self._pipes_closed.is_set():  # no one else holds them: log.txt is complete soon
             self._thread.join(self.LOG_DRAIN_S)

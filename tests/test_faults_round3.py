@@ -139,3 +139,37 @@ def test_the_installed_commands_run_no_sitecustomize_of_the_jobs(tmp_path):
     )
     assert kc.returncode == 0 and "the job site ran" not in kc.stdout, kc.stderr[-2000:]
     assert (tmp_path / "site" / "ran.txt").read_text().split() == [job_pid]
+
+
+# -- a job whose stdout is a regular file writes into it itself (A21) -----------------------------
+FILE_JOB = textwrap.dedent("""
+    import os, stat, sys
+    print("regular", stat.S_ISREG(os.fstat(1).st_mode), "seekable", sys.stdout.seekable(), flush=True)
+    for i in range(3):
+        print(f"step {i} loss {1 / (i + 1):.3f}", flush=True)
+    print("to stderr", file=sys.stderr, flush=True)
+""")
+
+
+@pytest.mark.parametrize("redirect", [">> out.txt", "> out.txt 2>&1", "> out.txt 2> err.txt"])
+def test_a_job_whose_stdout_is_a_file_writes_it_itself_and_log_txt_still_has_its_lines(tmp_path, redirect):
+    (tmp_path / "job.py").write_text(FILE_JOB)
+    seen = []
+    for arm in ("bare", "dx"):
+        (tmp_path / "out.txt").write_text("old\n")
+        wrap = "" if arm == "bare" else f"{PY} -m traindx --quiet --no-pyspy --run-dir run -- "
+        proc = subprocess.run(
+            f"{wrap}{PY} job.py {redirect}",
+            shell=True,
+            cwd=tmp_path,
+            env=_env(),
+            capture_output=True,
+            timeout=120,
+        )
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        text = (tmp_path / "out.txt").read_text()
+        seen.append(text.split("──")[0].split("----")[0])  # ours after the job's, with 2>&1
+    assert seen[0] == seen[1], seen
+    assert seen[1].startswith(("old\n" if ">>" in redirect else "") + "regular True seekable True\n")
+    log = (tmp_path / "run" / "log.txt").read_text()
+    assert " o step 2 loss 0.333" in log and "to stderr" in log and "old" not in log, log
