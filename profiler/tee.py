@@ -43,7 +43,8 @@ import tty
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
-from traindx.profiler import ownpython
+from traindx.profiler import filetail, ownpython
+from traindx.profiler.filetail import TAIL_S
 
 if TYPE_CHECKING:  # annotations only: imported where the log opens
     from traindx.profiler.rolling import RollingLines
@@ -70,8 +71,6 @@ LOG_QUEUE_BATCHES = 4096  # each at most one 64 KiB read
 
 
 PIPE_BYTES = 1 << 20  # the job's pipe: a relay held up for a moment never blocks its prints
-TAIL_S = 0.02  # how often the relay reads a file the job writes to itself (tail_from): the
-# log lines' times (a step time read from the log) within 20 ms of the job's writes
 
 
 def _pipe() -> tuple[int, int]:
@@ -104,32 +103,6 @@ def channel_for(fd: int) -> tuple[int, int]:
             pass  # the defaults: still a terminal
         return master, slave
     return _pipe()
-
-
-def tail_from(fd: int) -> tuple[int, int] | None:
-    """(a descriptor reading the same file, the offset the job's bytes start at) where diagnose's
-    fd is a regular file, else None. The job is then given that file itself, as bare: seekable,
-    appending where the caller appends (`>> log`), its write errors its own (a full disk fails its
-    own write); the relay reads back what it wrote for log.txt and the live judgement. A terminal
-    keeps its pseudo-terminal and a pipe, socket or device its pipe: what is written there cannot
-    be read back, so those bytes must pass through the relay."""
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            return None
-        appends = fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_APPEND
-        offset = st.st_size if appends else os.lseek(fd, 0, os.SEEK_CUR)
-        reader = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)  # a write-only file: no
-    except OSError:
-        return None
-    try:
-        again = os.fstat(reader)
-    except OSError:
-        again = None
-    if again is None or (again.st_dev, again.st_ino) != (st.st_dev, st.st_ino):
-        os.close(reader)
-        return None
-    return reader, offset
 
 
 def same_sink(a: int, b: int) -> bool:
@@ -203,7 +176,8 @@ class Tee:
         self.streams = {err_fd: "e", out_fd: "o"}  # one pipe for both (2>&1): "o"
         self.partial = {out_fd: b"", err_fd: b""}
         # files the job writes to itself (tail_from): read fd -> the offset read up to
-        tails = config.get("tail") if isinstance(config.get("tail"), dict) else {}
+        tails = config.get("tail")
+        tails = tails if isinstance(tails, dict) else {}
         self.files = {int(fd): int(offset) for fd, offset in tails.items() if int(fd) in self.streams}
         self.terminal = {"o": 1, "e": 2}
         self.sock = sock
@@ -463,25 +437,14 @@ class OutputRelay:
 
     def start(self) -> tuple[int, int]:
         """(stdout fd, stderr fd) for the job; raises OSError when no tee could start."""
-        tails: dict[str, int] = {}
-        out_tail = tail_from(1)
-        if out_tail is not None:  # a file: the job writes into it itself (tail_from says why)
-            out_r, out_w = out_tail[0], os.dup(1)
-            tails[str(out_r)] = out_tail[1]
-        else:
-            out_r, out_w = channel_for(1)
+        tails: dict[str, int] = {}  # a file's read end -> where the job's bytes start (filetail)
+        out_r, out_w = filetail.channel(1, tails, channel_for)
+        # stdout and stderr into one file or pipe (`2>&1 | tee`): one pipe for the job's both, so
+        # that their order is the job's own; into one file: each its own descriptor, read once
         if same_sink(1, 2):
-            # stdout and stderr into one file or pipe (`2>&1 | tee`): one pipe for the job's both,
-            # so that their order is the job's own (two pipes read side by side reorder them); one
-            # file: each its own descriptor, as bare, read back once
-            err_r, err_w = (out_r, os.dup(2)) if out_tail is not None else (out_r, out_w)
+            err_r, err_w = (out_r, os.dup(2)) if tails else (out_r, out_w)
         else:
-            err_tail = tail_from(2)
-            if err_tail is not None:
-                err_r, err_w = err_tail[0], os.dup(2)
-                tails[str(err_r)] = err_tail[1]
-            else:
-                err_r, err_w = channel_for(2)
+            err_r, err_w = filetail.channel(2, tails, channel_for)
         self.config["tail"] = tails
         mine, theirs = socket.socketpair()
         for end, opt in ((theirs, socket.SO_SNDBUF), (mine, socket.SO_RCVBUF)):

@@ -411,12 +411,12 @@ def test_reanalysis_on_a_full_disk_writes_elsewhere_only_and_loses_nothing(tmp_p
 def test_a_relay_that_cannot_start_says_so_and_a_running_one_relays_and_logs_both_streams(
     tmp_path, monkeypatch
 ):
-    from traindx.profiler import tee
+    from traindx.profiler import filetail
     from traindx.profiler.tee import OutputRelay
 
     # pytest's capture makes fds 1 and 2 files, which the job would get itself (tail_from,
     # test_faults_round3): the pipes are what this test is about
-    monkeypatch.setattr(tee, "tail_from", lambda fd: None)
+    monkeypatch.setattr(filetail, "tail_from", lambda fd: None)
 
     relay = OutputRelay(str(tmp_path / "log.txt"), 0, 0, lambda tag, text: None)
     relay.module = "traindx_no_such_module"  # the relay process dies at start
