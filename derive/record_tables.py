@@ -19,7 +19,7 @@ import pandas as pd
 
 from traindx.common import untrusted
 from traindx.profiler.columnar import CorruptEvidenceWarning, TruncatedEvidenceWarning
-from traindx.profiler.logparse import compile_custom, parse_line
+from traindx.profiler.logparse import CustomRegexTimeout, compile_custom, parse_line
 from traindx.profiler.rolling import read_text
 
 STEP_COLUMNS = ["rank", "step", "start_ns", "end_ns", "duration_s"]
@@ -201,7 +201,12 @@ def log_steps_table(
             # its stream (a stderr line can land between the two): the metric's value is that
             # line's last number (after the times it pushed down)
             text = text.rstrip() + " " + texts[j].split()[-1]
-        parsed = parse_line(text, custom)
+        try:
+            parsed = parse_line(text, custom)
+        except CustomRegexTimeout as exc:  # the note, then the built-in formats for the rest
+            warnings.warn(str(exc), TruncatedEvidenceWarning, stacklevel=3)
+            custom = None
+            parsed = parse_line(text)
         if parsed:
             parsed["t"] = t
             rows.append(parsed)

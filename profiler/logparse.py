@@ -14,6 +14,8 @@ import ast
 import re
 from typing import Any
 
+import regex as bounded_re  # the user's --log-regex: the `regex` package's matches take a timeout
+
 # CSI sequences (colours, cursor moves) and the OSC / lone-escape leftovers of progress bars
 _ANSI = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)|\x1b[@-Z\\-_]")
 _NUM = r"[-+]?(?:\d+\.?\d*(?:[eE][-+]?\d+)?|\.\d+(?:[eE][-+]?\d+)?|nan|inf)"
@@ -81,23 +83,40 @@ def _row(
     }
 
 
-def compile_custom(pattern: str) -> re.Pattern[str]:
-    """The user's --log-regex, compiled; raises ValueError with a sentence when it cannot work."""
+# Python's re has no timeout: a pattern that backtracks (`(a+)+$` on a long line of a's) would
+# hang the recorder's roller and every later `report`. One search may take this long; a pattern
+# that needs more is given up for the rest of the log (CustomRegexTimeout, said once by callers).
+CUSTOM_TIMEOUT_S = 1.0
+
+
+class CustomRegexTimeout(ValueError):
+    """The user's --log-regex ran past CUSTOM_TIMEOUT_S on one line."""
+
+
+def compile_custom(pattern: str) -> Any:
+    """The user's --log-regex, compiled (a `regex` pattern: its searches are bounded); raises
+    ValueError with a sentence when it cannot work."""
     try:
-        regex = re.compile(pattern)
-    except re.error as exc:
+        compiled = bounded_re.compile(pattern)
+    except (bounded_re.error, re.error) as exc:
         raise ValueError(f"--log-regex {pattern!r} is not a Python regex: {exc}") from None
-    names = set(regex.groupindex)
+    names = set(compiled.groupindex)
     if not names & {"step", "loss", "time_ms", "step_time_s"}:
         raise ValueError(
             f"--log-regex {pattern!r} names none of the groups step, loss, time_ms, "
             "step_time_s (write them as (?P<step>\\d+))"
         )
-    return regex
+    return compiled
 
 
-def _custom(regex: re.Pattern[str], text: str) -> dict[str, Any] | None:
-    m = regex.search(text)
+def _custom(regex: Any, text: str) -> dict[str, Any] | None:
+    try:
+        m = regex.search(text, timeout=CUSTOM_TIMEOUT_S)
+    except TimeoutError:
+        raise CustomRegexTimeout(
+            f"--log-regex {regex.pattern[:80]!r} took over {CUSTOM_TIMEOUT_S:g} s on one line of the "
+            "job's output (it backtracks): not run on the rest of the log"
+        ) from None
     if not m:
         return None
     groups = m.groupdict()
@@ -140,9 +159,10 @@ def _lightning(text: str) -> dict[str, Any] | None:
     return None
 
 
-def parse_line(text: str, custom: re.Pattern[str] | None = None) -> dict[str, Any] | None:
+def parse_line(text: str, custom: Any = None) -> dict[str, Any] | None:
     """{'step', 'loss', 'step_time_s', 'format', 'tokens'} for a line that reports a step, else
-    None. `custom`: a compiled --log-regex, tried first."""
+    None. `custom`: a compiled --log-regex (compile_custom), tried first; CustomRegexTimeout when
+    it runs past its bound on this line."""
     if not text:
         return None
     text = strip_ansi(text)

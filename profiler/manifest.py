@@ -19,6 +19,7 @@ from typing import Any
 from traindx.common import atomic, redact, untrusted
 from traindx.profiler.eventparse import CorruptEvidenceWarning
 from traindx.profiler.shim._traindx_shim.roles import announced_ranks
+from traindx.profiler.shim._traindx_shim.writer import utf8_paths
 
 TRACKED_PACKAGES = (
     "torch",
@@ -36,7 +37,8 @@ REDACTED = redact.REDACTED
 def write_json_atomic(path: str, data: Any) -> None:
     """Written beside and renamed into place (traindx.common.atomic): a failure (a full disk)
     leaves the previous file whole and no stray temporary; the OSError is the caller's to report."""
-    atomic.write_json(path, data, indent=2, default=str)
+    # a C locale's undecoded paths (cwd, argv) written as the UTF-8 text the shim's events use
+    atomic.write_json(path, utf8_paths(data), indent=2, default=str)
 
 
 def redact_env(env: Mapping[str, str]) -> dict[str, str]:

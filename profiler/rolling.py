@@ -28,7 +28,7 @@ from typing import IO, Any
 from traindx.common import atomic, untrusted
 from traindx.common.errors import UserError
 from traindx.profiler.diskfloor import FLOOR_CHECK_S, folder_bytes, under_floor
-from traindx.profiler.logparse import compile_custom, parse_line
+from traindx.profiler.logparse import CustomRegexTimeout, compile_custom, parse_line
 from traindx.profiler.shim._traindx_shim.segments import segment_path, segments, summary_path
 from traindx.profiler.speedscope import ThreadSamples, load
 
@@ -343,14 +343,25 @@ def thin_events(lines: Iterable[str], note: dict[str, Any]) -> Iterator[str]:
     yield from merged_spans()
 
 
-def thin_log(custom: re.Pattern[str] | None = None) -> Thin:
-    """The job's step/loss lines (profiler/logparse.py's formats, `--log-regex`) and nothing else."""
+def thin_log(custom: Any = None, gave_up: Callable[[str], None] | None = None) -> Thin:
+    """The job's step/loss lines (profiler/logparse.py's formats, `--log-regex`) and nothing else.
+    A --log-regex that runs past its bound is dropped for the rest (said in the note, and to
+    `gave_up`)."""
+    state = {"custom": custom}
 
     def thin(lines: Iterable[str], note: dict[str, Any]) -> Iterator[str]:
         note["lines_dropped"] = 0
         for line in lines:
             text = line.split(" ", 2)[2] if line.count(" ") >= 2 else ""
-            if parse_line(text, custom):
+            try:
+                parsed = parse_line(text, state["custom"])
+            except CustomRegexTimeout as exc:
+                note["log_regex"] = str(exc)
+                state["custom"] = None
+                if gave_up is not None:
+                    gave_up(str(exc))
+                parsed = parse_line(text)
+            if parsed:
                 yield line
             else:
                 note["lines_dropped"] += 1
@@ -567,13 +578,19 @@ class Roller:
         ]
         log = os.path.join(self.run_dir, "log.txt")
         if os.path.exists(log):
-            families.append((log, b.cap(LOG_SHARE), thin_log(custom)))
+            families.append((log, b.cap(LOG_SHARE), thin_log(custom, self._regex_gave_up)))
         for head, cap, thin in families:
             try:
                 settle(head, b.keep, int(cap * caps_scale), None if caps_scale == 0 else thin, live=live)
             except Exception as exc:  # rolling must never stop the run; the loss is said
                 if len(self.errors) < 20:
                     self.errors.append(f"rolling {os.path.basename(head)}: {type(exc).__name__}: {exc}")
+
+    def _regex_gave_up(self, message: str) -> None:
+        """A --log-regex past its bound: not tried again in this run (each try costs the bound)."""
+        self.log_regex = None
+        if message not in self.errors:
+            self.errors.append(message)
 
     def stop(self) -> None:
         self._stop.set()

@@ -43,7 +43,8 @@ import tty
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
-from traindx.profiler import ownpython
+from traindx.profiler import filetail, ownpython
+from traindx.profiler.filetail import TAIL_S
 
 if TYPE_CHECKING:  # annotations only: imported where the log opens
     from traindx.profiler.rolling import RollingLines
@@ -57,6 +58,7 @@ FRAME = struct.Struct(">cI")
 PROBLEM = b"!"
 CLOSED = b"="
 DONE = b"done\n"  # diagnose -> tee: recording is over, print straight to the terminal from now
+ENDED = b"ended\n"  # diagnose -> tee: the job has ended: read the files it wrote to one last time
 READY = b"+\n"  # tee -> diagnose, once: reading the pipes from now
 # diagnose -> tee: the reader of diagnose's stdout ("o") or stderr ("e") is gone (EPIPE): the
 # job's end of that pipe is closed, so its next write fails as it would bare (a `| head`)
@@ -173,6 +175,10 @@ class Tee:
     def __init__(self, out_fd: int, err_fd: int, sock: socket.socket | None, config: dict[str, Any]) -> None:
         self.streams = {err_fd: "e", out_fd: "o"}  # one pipe for both (2>&1): "o"
         self.partial = {out_fd: b"", err_fd: b""}
+        # files the job writes to itself (tail_from): read fd -> the offset read up to
+        tails = config.get("tail")
+        tails = tails if isinstance(tails, dict) else {}
+        self.files = {int(fd): int(offset) for fd, offset in tails.items() if int(fd) in self.streams}
         self.terminal = {"o": 1, "e": 2}
         self.sock = sock
         self.redact = redactor(config)
@@ -239,7 +245,8 @@ class Tee:
         if self.partial[fd] and self.log is not None:
             self._queue.put((t, self.streams[fd], [self.partial[fd]]))
         self.partial[fd] = b""
-        sel.unregister(fd)
+        if self.files.pop(fd, None) is None:
+            sel.unregister(fd)
         os.close(fd)
         del self.streams[fd]
 
@@ -289,6 +296,29 @@ class Tee:
         self.output(tag, chunk)
         if tag in self.gone:
             self._drop(fd, sel, t)
+        self._log_chunk(fd, tag, chunk, t)
+
+    def _tail(self) -> None:
+        """What the job wrote to its files since the last read: to the log (not to the terminal:
+        the bytes are where the job put them)."""
+        for fd in list(self.files):
+            while True:
+                try:
+                    chunk = os.pread(fd, 65536, self.files[fd])
+                except OSError:
+                    chunk = b""
+                if not chunk:
+                    break
+                self.files[fd] += len(chunk)
+                self._log_chunk(fd, self.streams[fd], chunk, time.time_ns())
+
+    def _end_tails(self, sel: selectors.BaseSelector) -> None:
+        """The job has ended (or diagnose is gone): the files read one last time, then let go."""
+        self._tail()
+        for fd in list(self.files):
+            self._drop(fd, sel, time.time_ns())
+
+    def _log_chunk(self, fd: int, tag: str, chunk: bytes, t: int) -> None:
         if self.log is None or fd not in self.streams:
             return
         pending = self.partial[fd] + chunk
@@ -313,6 +343,8 @@ class Tee:
                 self.gone.add(tag)
                 for fd in [fd for fd, name in self.streams.items() if name == tag]:
                     self._drop(fd, sel, time.time_ns())
+        if ENDED in data or DONE in data or not data:
+            self._end_tails(sel)
         if not data or DONE in data:  # gone (killed) or done: the terminal directly from now
             sel.unregister(sock)
             self._detach()
@@ -326,11 +358,12 @@ class Tee:
             self._writer.start()
         sel = selectors.DefaultSelector()
         for fd in self.streams:
-            sel.register(fd, selectors.EVENT_READ)
+            if fd not in self.files:
+                sel.register(fd, selectors.EVENT_READ)
         if self.sock is not None:
             sel.register(self.sock, selectors.EVENT_READ)
         while self.streams:
-            for key, _ in sel.select():
+            for key, _ in sel.select(TAIL_S if self.files else None):
                 try:
                     if self.sock is not None and key.fileobj is self.sock:
                         self._control(sel)
@@ -338,6 +371,10 @@ class Tee:
                         self._read(key.fd, sel)
                 except Exception as exc:  # never stop reading the job's pipes
                     self.problem(f"output relay: {_reason(exc)}")
+            try:
+                self._tail()
+            except Exception as exc:
+                self.problem(f"output relay: {_reason(exc)}")
         self._send(CLOSED, b"")
         if self._writer is not None:
             self._queue.put(None)
@@ -400,10 +437,15 @@ class OutputRelay:
 
     def start(self) -> tuple[int, int]:
         """(stdout fd, stderr fd) for the job; raises OSError when no tee could start."""
-        out_r, out_w = channel_for(1)
-        # stdout and stderr into one file or pipe (`2>&1 | tee`): one pipe for the job's both,
-        # so that their order is the job's own (two pipes read side by side reorder them)
-        err_r, err_w = (out_r, out_w) if same_sink(1, 2) else channel_for(2)
+        tails: dict[str, int] = {}  # a file's read end -> where the job's bytes start (filetail)
+        out_r, out_w = filetail.channel(1, tails, channel_for)
+        # stdout and stderr into one file or pipe (`2>&1 | tee`): one pipe for the job's both, so
+        # that their order is the job's own; into one file: each its own descriptor, read once
+        if same_sink(1, 2):
+            err_r, err_w = (out_r, os.dup(2)) if tails else (out_r, out_w)
+        else:
+            err_r, err_w = filetail.channel(2, tails, channel_for)
+        self.config["tail"] = tails
         mine, theirs = socket.socketpair()
         for end, opt in ((theirs, socket.SO_SNDBUF), (mine, socket.SO_RCVBUF)):
             try:  # room for the job's output while diagnose is busy (its live judge)
@@ -501,6 +543,10 @@ class OutputRelay:
         """The job has ended: its last lines are printed, then the tee goes on by itself."""
         if self._thread is None or self._sock is None:
             return
+        try:  # the files the job wrote to itself are read to their end now
+            self._sock.sendall(ENDED)
+        except OSError:
+            pass
         self._pipes_closed.wait(self.DRAIN_S)
         if self._pipes_closed.is_set():  # no one else holds them: log.txt is complete soon
             self._thread.join(self.LOG_DRAIN_S)

@@ -161,7 +161,9 @@ def test_traindx_own_processes_run_no_sitecustomize_of_the_jobs(tmp_path):
     assert dx.returncode == 0, dx.stderr[-2000:]
     ran = (tmp_path / "site" / "ran.txt").read_text().split()
     job_pid = dx.stdout.split("job pid ")[1].split()[0]
-    # the job's, and diagnose's own (Python runs it before any code of traindx's); not the relay's
+    # the job's, and diagnose's own: `python -m traindx` is the user's own interpreter command, its
+    # site runs before any code of traindx's (the installed `diagnose` runs none: test_faults_round3);
+    # not the relay's
     assert job_pid in ran and len(ran) == 2, ran
     assert dx.stdout.count("the job site ran") == 2
 
@@ -246,21 +248,41 @@ def test_an_isolated_interpreter_is_stated_not_taken_for_a_job_without_steps(tmp
     assert "the shim could not be loaded" in dx.stderr
 
 
-def test_a_non_ascii_folder_under_the_c_locale_is_stated_not_called_healthy(tmp_path):
-    # the job's interpreter keeps its path undecoded (no UTF-8 mode): py-spy cannot read its file
-    # names, so its host work by source line cannot be found; "Healthy" was the misjudgement
-    folder = tmp_path / "j\u00f6b"
+def test_a_non_ascii_folder_under_the_c_locale_gets_the_findings_of_utf8(tmp_path):
+    # the job's interpreter keeps its path undecoded (no UTF-8 mode): the shim writes it as UTF-8
+    # text (as py-spy names it) and diagnose reads it in UTF-8 mode; "Healthy" was the misjudgement
+    folder = tmp_path / "\u043f\u0440\u043e\u0435\u043a\u0442"  # "проект"
     folder.mkdir()
     (folder / "train.py").write_text(open(os.path.join(JOBS, "host_loop.py")).read())
     c_locale = {"LC_ALL": "C", "LANG": "C", "PYTHONUTF8": "0", "PYTHONCOERCECLOCALE": "0"}
-    dx = _diagnose(
-        ["--run-dir", str(tmp_path / "run"), "--", PY, "train.py", "--steps", "12", "--read-seconds", "0.08"],
-        folder,
-        **c_locale,
-    )
-    assert dx.returncode == 0, dx.stderr[-2000:]
-    assert "Healthy" not in dx.stderr
-    assert "source lines could not be read" in " ".join(dx.stderr.split())
+    utf8 = {"LC_ALL": "C.UTF-8", "LANG": "C.UTF-8"}
+    verdicts = []
+    for name, env in (("c", c_locale), ("utf8", utf8)):
+        dx = _diagnose(
+            [
+                "--run-dir",
+                str(tmp_path / name),
+                "--",
+                PY,
+                "train.py",
+                "--steps",
+                "12",
+                "--read-seconds",
+                "0.08",
+            ],
+            folder,
+            **env,
+        )
+        assert dx.returncode == 0, dx.stderr[-2000:]
+        findings = json.loads((tmp_path / name / "findings.json").read_text())
+        titles = " ".join(f["title"] for f in findings)
+        assert "Host work in the training loop: main() at train.py:49" in titles, (name, titles)
+        verdicts.append(dx.stderr.split("Verdict: ")[1].split(":")[0])
+    assert verdicts[0] == verdicts[1] == "Run it asynchronously, off the training thread", verdicts
+    # the job itself still ran without UTF-8 mode, as bare
+    (folder / "mode.py").write_text("import sys\nprint(sys.flags.utf8_mode, sys.getfilesystemencoding())\n")
+    dx = _diagnose(["--run-dir", str(tmp_path / "mode"), "--", PY, "mode.py"], folder, **c_locale)
+    assert dx.stdout == "0 ascii\n", dx.stdout
 
 
 # 5 MB of output (the run folder keeps a copy of the log), then a 16 MB checkpoint: bare, it

@@ -408,8 +408,15 @@ def test_reanalysis_on_a_full_disk_writes_elsewhere_only_and_loses_nothing(tmp_p
     assert ("Read-only file system" in line or "no permission to write" in line) and "runs" in line
 
 
-def test_a_relay_that_cannot_start_says_so_and_a_running_one_relays_and_logs_both_streams(tmp_path):
+def test_a_relay_that_cannot_start_says_so_and_a_running_one_relays_and_logs_both_streams(
+    tmp_path, monkeypatch
+):
+    from traindx.profiler import filetail
     from traindx.profiler.tee import OutputRelay
+
+    # pytest's capture makes fds 1 and 2 files, which the job would get itself (tail_from,
+    # test_faults_round3): the pipes are what this test is about
+    monkeypatch.setattr(filetail, "tail_from", lambda fd: None)
 
     relay = OutputRelay(str(tmp_path / "log.txt"), 0, 0, lambda tag, text: None)
     relay.module = "traindx_no_such_module"  # the relay process dies at start

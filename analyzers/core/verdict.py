@@ -142,8 +142,8 @@ def _no_shim_verdict(run: RunRecord, counts: dict[str, Any]) -> Finding:
 
 
 def _unreadable_files(run: RunRecord) -> bool:
-    """A process of the job kept its paths undecoded (the shim's process_start says): py-spy
-    could not read its file names, so no finding by source line was possible."""
+    """A process of the job has paths whose bytes are not UTF-8 (the shim's process_start says):
+    py-spy could not read its file names, so no finding by source line was possible."""
     starts = run.of_type("process_start")
     return "undecodable_paths" in starts and bool(
         starts["undecodable_paths"].fillna(False).astype(bool).any()
@@ -159,10 +159,9 @@ def _unreadable_verdict(n_steps: int, median: float | None, counts: dict[str, An
         analyzer="verdict",
         summary=(
             f"Median step {fmt_s(median) if median is not None else '?'}. The job's interpreter "
-            "could not decode its file paths (a folder name that is not ASCII under a C/POSIX "
-            "locale without UTF-8 mode), so py-spy's stacks lost the job's file names and the "
-            "causes found by source line (host work in the loop, say) could not be looked for. "
-            "Run it under a UTF-8 locale (LC_ALL=C.UTF-8) or with PYTHONUTF8=1 to have them."
+            "has file paths whose bytes are not UTF-8 (a folder named in another encoding), so "
+            "py-spy's stacks lost the job's file names and the causes found by source line (host "
+            "work in the loop, say) could not be looked for. Rename the folder in UTF-8 to have them."
         ),
         evidence={**counts, "undecodable_paths": True},
     )

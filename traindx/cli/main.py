@@ -68,11 +68,30 @@ def _show_warning(
 
 
 def main(argv: list[str] | None = None) -> int:
+    if argv is None:  # diagnose is the program: its own file names in UTF-8 (see below)
+        _in_utf8_mode()
     with safe_std_streams():  # no control sequence of the job reaches the terminal (termsafe)
         code = _main(argv)
     if argv is None:  # diagnose is the program (not a call in another's process)
         _end_as_the_job(code)
     return code
+
+
+def _in_utf8_mode() -> None:
+    """Under a C/POSIX locale with UTF-8 mode turned off (PYTHONUTF8=0), this process could
+    neither encode the UTF-8 file names a run holds (py-spy's frames, the shim's events) nor
+    decode a non-ASCII working folder: the job's files would be unreadable and its findings lost.
+    diagnose starts itself again in UTF-8 mode, as Python does by itself under a C locale unless
+    told otherwise; the job keeps its own environment (PYTHONUTF8=0 included), bytes unchanged."""
+    if sys.flags.utf8_mode or sys.getfilesystemencoding().lower().replace("-", "") == "utf8":
+        return
+    orig = getattr(sys, "orig_argv", None)
+    if not orig or not sys.executable:
+        return
+    try:
+        os.execv(sys.executable, [sys.executable, "-X", "utf8", *orig[1:]])
+    except OSError:  # left as it is: the paths' findings may be missing, nothing else
+        pass
 
 
 def _end_as_the_job(code: int) -> None:

@@ -22,6 +22,7 @@ import os
 import re
 import socket
 import stat
+import sys
 import warnings
 import zlib
 from collections.abc import Iterator
@@ -271,13 +272,24 @@ def refuse_local(path: str) -> None:
 _told: list[bool] = []
 
 
+def fs_path(path: str) -> str | bytes:
+    """`path` as this process's file system calls take it. A run names its files in UTF-8 text
+    (the shim's writer); under a C/POSIX locale without UTF-8 mode this process cannot encode
+    such a name, so it is given as its UTF-8 bytes (what the folder's name is on disk)."""
+    try:
+        path.encode(sys.getfilesystemencoding(), "surrogateescape")
+        return path
+    except UnicodeEncodeError:
+        return path.encode("utf-8", "surrogateescape")
+
+
 def open_local(path: str) -> io.BufferedReader:
     """A source file of this machine named by a run's frames, opened for reading: only while no
     folder recorded elsewhere was loaded (note_folder; Refused otherwise), only a regular file
     (a frame naming /dev/zero or a FIFO is never read) of at most MAX_SOURCE_BYTES. Links are
     followed: a source tree's own links (an editable install) are the user's."""
     refuse_local(path)
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    fd = os.open(fs_path(path), os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_SOURCE_BYTES:

@@ -92,17 +92,18 @@ def is_training() -> bool:
 
 
 def _undecodable_paths() -> bool:
-    """The interpreter kept some of this process's paths as lone surrogates: bytes it could not
-    decode (a non-ASCII folder under a C locale without UTF-8 mode). py-spy cannot read such a
-    file name, so its stacks lose the job's own files; the report says so (analyzers/verdict)."""
+    """Some of this process's paths are bytes that are not UTF-8 (kept by the interpreter as
+    lone surrogates). A UTF-8 path undecoded under a C locale is written as its UTF-8 text
+    (writer.utf8_paths) and found as under UTF-8; these are not: py-spy cannot read such a file
+    name, so its stacks lose the job's own files, and the report says so (analyzers/verdict)."""
     try:
         paths = [os.getcwd(), *sys.argv[:1], *sys.path]
     except OSError:
         paths = [*sys.argv[:1], *sys.path]
     for path in paths:
         try:
-            str(path).encode("utf-8")
-        except UnicodeEncodeError:
+            str(path).encode("utf-8", "surrogateescape").decode("utf-8")
+        except UnicodeError:
             return True
     return False
 

@@ -63,6 +63,24 @@ REDACT_CANDIDATES = (
 )
 
 
+def utf8_paths(value: Any) -> Any:
+    """`value` with every string's undecoded bytes decoded as UTF-8. Under a C/POSIX locale
+    without UTF-8 mode the interpreter keeps a non-ASCII path's bytes as lone surrogates
+    ('/tmp/\\udcd0\\udcbf...'), while py-spy and a UTF-8 reader name the same file '/tmp/п...':
+    written as UTF-8 text, the run's files name one file one way (bytes that are not UTF-8 stay
+    as they were)."""
+    if isinstance(value, str):
+        try:
+            return value.encode("utf-8", "surrogateescape").decode("utf-8", "surrogateescape")
+        except UnicodeError:  # a surrogate that is no escaped byte
+            return value
+    if isinstance(value, dict):
+        return {utf8_paths(k): utf8_paths(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [utf8_paths(v) for v in value]
+    return value
+
+
 def load_redactor(env: Mapping[str, str], argv: list[str]) -> Any:
     """traindx.common.redact.Redactor of this process's secrets (its environment and arguments), loaded
     from its file (the job's interpreter need not be able to import traindx); None if it cannot
@@ -173,7 +191,10 @@ class EventWriter:
             while self._queue:
                 event = self._queue.popleft()
                 try:
-                    lines.append(json.dumps(event, default=repr))
+                    line = json.dumps(event, default=repr)
+                    if "\\udc" in line:  # a path the interpreter could not decode (rare)
+                        line = json.dumps(utf8_paths(json.loads(line)))
+                    lines.append(line)
                 except Exception as exc:  # an unserialisable field: keep the event, say why
                     lines.append(
                         json.dumps(
