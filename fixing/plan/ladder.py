@@ -241,6 +241,11 @@ def wants(finding: Finding) -> bool:
     return finding.id == SLOW_PLACE or any(finding.id in r.explains for r in RUNGS)
 
 
+def ladder_switch(patch: str) -> str | None:
+    """What a user flips in their own code for a shim patch a rung applies (None: no rung's)."""
+    return next((r.switch for r in RUNGS if getattr(r.change, "patch", None) == patch), None)
+
+
 def rung_summary(rung: Rung) -> str:
     return f"ladder rung {rung.name}: {rung.switch}"
 
