@@ -20,8 +20,7 @@ from traindx.analyzers.core.findings import JSON, VERDICT_PREFIX, Finding, readi
 from traindx.analyzers.core.step_causes import CAUSES, judge_steps
 from traindx.analyzers.core.step_causes import StepCauses as StepCauses  # the document's type, re-exported
 from traindx.derive.steptables import compile_spans, run_t0
-from traindx.fixing.plan import ladder
-from traindx.fixing.plan.planner import candidate_plans
+from traindx.fixing.plan.planner import candidate_plans, ladder_wants
 
 if TYPE_CHECKING:  # annotations only
     from traindx.derive.run import RunRecord
@@ -153,7 +152,7 @@ def fix_plans(
             return {}
         candidates, listing = candidate_plans(
             command,
-            [f for f in findings if f.prescriptions or ladder.wants(f)],
+            [f for f in findings if f.prescriptions or ladder_wants(f)],
             run.path,
             environ={},
             cwd=m.get("cwd") or None,

@@ -47,6 +47,7 @@ from traindx.analyzers.core.findings import (
 from traindx.fixing.plan import source as fix_source
 from traindx.fixing.plan.derived import derived_edit_options
 from traindx.fixing.plan.ladder import plan_ladder
+from traindx.fixing.plan.ladder import wants as ladder_wants
 from traindx.fixing.plan.options import (
     is_concrete,
     less_often_options,
@@ -69,6 +70,7 @@ __all__ = [
     "is_concrete",
     "is_precompile",
     "is_shell_script",
+    "ladder_wants",
     "less_often_options",
     "mechanism",
     "own_flag_option",
