@@ -27,6 +27,7 @@ FIX_MARK = {
     "next": "--fix tries this next",
     "alternative": "alternative, not applied by --fix",
     "by_hand": "by hand",
+    "skipped": "not tried by --fix's ladder",
 }
 
 

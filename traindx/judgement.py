@@ -20,7 +20,7 @@ from traindx.analyzers.core.findings import JSON, VERDICT_PREFIX, Finding, readi
 from traindx.analyzers.core.step_causes import CAUSES, judge_steps
 from traindx.analyzers.core.step_causes import StepCauses as StepCauses  # the document's type, re-exported
 from traindx.derive.steptables import compile_spans, run_t0
-from traindx.fixing.plan.planner import candidate_plans
+from traindx.fixing.plan.planner import candidate_plans, ladder_wants
 
 if TYPE_CHECKING:  # annotations only
     from traindx.derive.run import RunRecord
@@ -29,7 +29,8 @@ __all__ = ["FixMark", "FixPlan", "Judgement", "PlannedFix", "StepCauses", "fix_p
 
 # what --fix does with a prescription: the first candidate it measures, one it tries next (within
 # --fix-tries), one it leaves as an alternative, or one only a person can make
-FixMark = Literal["applied", "next", "alternative", "by_hand"]
+# (a rung of --fix's ladder of global switches it weighed and did not try: "skipped", with why)
+FixMark = Literal["applied", "next", "alternative", "by_hand", "skipped"]
 FIX_TRIES_DEFAULT = 3  # diagnose --fix-tries' default: the candidates measured in turn
 
 
@@ -149,8 +150,12 @@ def fix_plans(
         command = m.get("command") or []
         if not isinstance(command, list) or not command:
             return {}
-        candidates, _ = candidate_plans(
-            command, [f for f in findings if f.prescriptions], run.path, environ={}, cwd=m.get("cwd") or None
+        candidates, listing = candidate_plans(
+            command,
+            [f for f in findings if f.prescriptions or ladder_wants(f)],
+            run.path,
+            environ={},
+            cwd=m.get("cwd") or None,
         )
     except Exception:  # a planner that cannot plan here: no plans, the report still renders
         return {}
@@ -176,6 +181,12 @@ def fix_plans(
             PlannedFix(c.summary, c.mechanism, mark(i))
             for i, c in enumerate(candidates)
             if c.finding == f.id and c.summary not in own
+        ) + tuple(
+            PlannedFix(
+                f"{row['summary'] or 'the ladder of global switches'}: {row['why']}", "ladder", "skipped"
+            )
+            for row in listing.ladder
+            if row["finding"] == f.id and row["status"] == "skipped"
         )
         plans[f.id] = FixPlan(tuple(marks), planned)
     return plans

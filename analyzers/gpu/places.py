@@ -32,7 +32,7 @@ from traindx.analyzers.core.findings import NOTE, Finding, Prescription
 from traindx.common.units import fmt_s
 from traindx.derive import device_peaks
 from traindx.derive import places as P
-from traindx.derive.memory import memory_table
+from traindx.derive.memory import host_headroom, memory_table
 
 if TYPE_CHECKING:  # annotations only
     from traindx.derive.run import RunRecord
@@ -183,6 +183,23 @@ def _headroom(run: RunRecord, rank: str) -> tuple[float, float] | None:
     return float(peak), float(total)
 
 
+def _host_room(run: RunRecord, rank: str) -> tuple[float, float] | None:
+    """(peak resident bytes, that peak plus the least the host had free) of a CPU job."""
+    try:
+        table = memory_table(run)
+    except Exception:  # an older record
+        return None
+    mine = table[(table["rank"] == str(rank)).to_numpy()] if len(table) else table
+    if not len(mine):
+        return None
+    peak = pd.to_numeric(mine["rss_bytes"], errors="coerce").max()
+    free = [host_headroom(row)[0] for _, row in mine.iterrows()]
+    known = [f for f in free if f is not None]
+    if not (peak == peak and peak > 0 and known):
+        return None
+    return float(peak), float(peak) + min(known)
+
+
 def _recompute(run: RunRecord, view: P.RankPlaces) -> Finding | None:
     rows = view.table[(view.table["phase"] == "recompute").to_numpy()]
     gpu = bool(len(view.events))  # a CPU job's window: the host's time is its price
@@ -197,9 +214,10 @@ def _recompute(run: RunRecord, view: P.RankPlaces) -> Finding | None:
     top = rows.iloc[0]
     share = gpu_s / view.wall_s
     saving = _step_saving(view, gpu_s) if gpu else gpu_s
-    room = _headroom(run, view.rank)
+    room = _headroom(run, view.rank) if gpu else _host_room(run, view.rank)
     room_text = (
-        f"; the device's allocator peaked at {room[0] / 2**30:.1f} of {room[1] / 2**30:.1f} GiB "
+        f"; the {'device' if gpu else 'host'}'s memory peaked at {room[0] / 2**30:.1f} of "
+        f"{room[1] / 2**30:.1f} GiB "
         f"({(room[1] - room[0]) / 2**30:.1f} GiB free)"
         if room
         else ""
@@ -230,6 +248,8 @@ def _recompute(run: RunRecord, view: P.RankPlaces) -> Finding | None:
             "top_kernels": top["top_kernels"],
             "memory_peak_bytes": room[0] if room else None,
             "memory_total_bytes": room[1] if room else None,
+            "memory_space": "device" if gpu else "host",
+            "device_kind": "cuda" if gpu else "cpu",
             "wall_s_per_step": view.wall_s,
         },
         prescriptions=(
@@ -400,7 +420,9 @@ def _explained(view: P.RankPlaces, ids: set[str]) -> pd.Series:
     return mask
 
 
-def _slow_places(view: P.RankPlaces, explained: pd.Series) -> list[Finding]:
+def _slow_places(
+    view: P.RankPlaces, explained: pd.Series, room: tuple[float, float] | None = None
+) -> list[Finding]:
     """Places ≥ MIN_PLACE_SHARE of the step and ≥ MIN_NEED_RATIO × their roofline time, the
     deepest such module of each branch, per phase (kernels a mechanism named left out)."""
     e = view.events
@@ -423,7 +445,7 @@ def _slow_places(view: P.RankPlaces, explained: pd.Series) -> list[Finding]:
             if any(p.startswith(place + ".") or p == place for _, p, ph, _ in hits if ph == phase):
                 continue  # a deeper place of this branch is already named
             hits.append((d, str(place), str(phase), g))
-    return [_slow_place(view, place, phase, g) for _, place, phase, g in hits[:3]]
+    return [_slow_place(view, place, phase, g, room) for _, place, phase, g in hits[:3]]
 
 
 def _need_of(g: pd.DataFrame) -> float:
@@ -438,7 +460,9 @@ def _need_of(g: pd.DataFrame) -> float:
     return float(need[known].sum()) * total / covered
 
 
-def _slow_place(view: P.RankPlaces, place: str, phase: str, g: pd.DataFrame) -> Finding:
+def _slow_place(
+    view: P.RankPlaces, place: str, phase: str, g: pd.DataFrame, room: tuple[float, float] | None = None
+) -> Finding:
     gpu_s = float(g["seconds"].sum()) / view.steps
     need_s = _need_of(g) / view.steps
     kernels = P._top_kernels(g)
@@ -474,8 +498,21 @@ def _slow_place(view: P.RankPlaces, place: str, phase: str, g: pd.DataFrame) -> 
             "flops_per_step": float(g["flops"].sum()) / view.steps,
             "bytes_per_step": float(g["bytes"].sum()) / view.steps,
             "top_kernels": kernels,
+            # what --fix's ladder of global switches reads (fixing/plan/ladder.py)
+            "families": _seconds_by(g, "family", view.steps),
+            "precisions": _seconds_by(g, "precision", view.steps),
+            "device_kind": "cuda",
+            "memory_space": "device",
+            "memory_peak_bytes": room[0] if room else None,
+            "memory_total_bytes": room[1] if room else None,
         },
     )
+
+
+def _seconds_by(g: pd.DataFrame, column: str, steps: int) -> dict[str, float]:
+    """GPU seconds a step of a place's events by a column's value (kernel family, precision)."""
+    sums = g.groupby(g[column].fillna("?").astype(str))["seconds"].sum().sort_values(ascending=False)
+    return {str(k): float(v) / max(steps, 1) for k, v in sums.items()}
 
 
 def analyze(run: RunRecord) -> list[Finding]:
@@ -493,7 +530,8 @@ def analyze(run: RunRecord) -> list[Finding]:
         )
         mechanisms = [f for f in made if f]
         out.extend(mechanisms)
-        out.extend(_slow_places(view, _explained(view, {f.id for f in mechanisms})) if gpu else [])
+        explained = _explained(view, {f.id for f in mechanisms})
+        out.extend(_slow_places(view, explained, _headroom(run, view.rank)) if gpu else [])
     slowest = _slowest(views)
     if slowest is not None and len(slowest.table):
         out.append(_note(slowest))

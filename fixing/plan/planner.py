@@ -46,6 +46,8 @@ from traindx.analyzers.core.findings import (
 )
 from traindx.fixing.plan import source as fix_source
 from traindx.fixing.plan.derived import derived_edit_options
+from traindx.fixing.plan.ladder import plan_ladder
+from traindx.fixing.plan.ladder import wants as ladder_wants
 from traindx.fixing.plan.options import (
     is_concrete,
     less_often_options,
@@ -68,6 +70,7 @@ __all__ = [
     "is_concrete",
     "is_precompile",
     "is_shell_script",
+    "ladder_wants",
     "less_often_options",
     "mechanism",
     "own_flag_option",
@@ -103,6 +106,7 @@ class Plan:
     runtime_patches: list[str] = field(default_factory=list)  # names the shim applies (candidate only)
     overlays: list[str] = field(default_factory=list)  # requirements installed into an overlay
     changes: list[dict[str, Any]] = field(default_factory=list)  # per applied prescription
+    ladder: list[dict[str, Any]] = field(default_factory=list)  # rungs weighed (fixing/plan/ladder.py)
     fallbacks: dict[str, Prescription] = field(default_factory=dict)  # finding id -> next one
 
     @property
@@ -130,6 +134,7 @@ class Plan:
             "runtime_patches": self.runtime_patches,
             "overlays": self.overlays,
             "changes": self.changes,
+            "ladder": self.ladder,
         }
 
 
@@ -499,6 +504,11 @@ def candidate_plans(
     listing = plan_fixes(command, findings, baseline_path, environ=environ, prefer=prefer, cwd=cwd)
     options = [
         o for rank, finding in enumerate(findings) for o in _options(rank, finding, command, cwd, prefer)
+    ]
+    ladder = plan_ladder(findings, command, cwd)  # global switches for places no rule explains
+    listing.ladder = ladder.rows
+    options += [
+        ((-a.gain, a.rank, 300 + i), a.finding, [a.prescription], a.gain) for i, a in enumerate(ladder.arms)
     ]
     options.sort(key=lambda o: o[0])
     out: list[Candidate] = []

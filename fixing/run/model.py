@@ -85,6 +85,9 @@ class FixResult:
     warm_up: str | None = None
     # how the arms' writes were confined, and where the kept arm's are (fix_confine.finish)
     confinement: dict[str, Any] | None = None
+    # the ladder's rungs (fixing/plan/ladder.py): each offered one with what its arm measured and
+    # whether it was kept, each skipped one with why
+    ladder: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def fix_json(self) -> str:

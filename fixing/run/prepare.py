@@ -13,6 +13,7 @@ from typing import Any
 
 from traindx.common.atomic import write_text
 from traindx.fixing.plan import source as fix_source
+from traindx.fixing.plan.ladder import ladder_switch
 from traindx.fixing.plan.planner import RUNTIME_PATCH_VAR, Plan, mechanism
 from traindx.fixing.run import overlay as fix_overlay
 from traindx.fixing.run.model import Say
@@ -212,7 +213,13 @@ def apply_commands(plan: Plan, records: dict[str, Any], command: list[str]) -> l
         out.append(records["source_patch"]["apply"])
     if records.get("overlay"):
         out.append("pip install -U " + " ".join(f"'{r}'" for r in plan.overlays))
-    if plan.runtime_patches and not records.get("source_patch"):
+    switches = [ladder_switch(name) for name in plan.runtime_patches]
+    out.extend(
+        f"# in your code: {switch} (the switch --fix flipped with {RUNTIME_PATCH_VAR}={name})"
+        for name, switch in zip(plan.runtime_patches, switches)
+        if switch
+    )
+    if plan.runtime_patches and not records.get("source_patch") and not all(switches):
         out.append(
             f"# a runtime patch proves the diagnosis; keep the fix with the source patch "
             f"or upgrade listed above ({RUNTIME_PATCH_VAR}={','.join(plan.runtime_patches)})"

@@ -70,6 +70,9 @@ def run_loop(
     _fix_patch(ctx.root, kept, result)
     for arm in search.arms:
         say("info", _outcome_line(arm, kept, result.warm_up))
+    result.ladder = ladder_rows(result.ladder, search.arms, kept)
+    for row in result.ladder:
+        say("info", ladder_line(row))
     result.status = "done"
 
 
@@ -128,6 +131,10 @@ def _candidates(ctx: FixContext, cwd: str, result: FixResult) -> tuple[list[Cand
         ctx.command, ctx.findings, ctx.baseline.path, prefer=prefer, cwd=cwd
     )
     result.plan = dict(listing.to_dict(), candidates=[c.to_dict() for c in candidates])
+    result.ladder = [dict(row) for row in listing.ladder]
+    for row in result.ladder:
+        if row["status"] == "skipped":
+            say("plan", ladder_line(row))
     say("stage", "prescriptions")
     for i, c in enumerate(candidates):
         tried = "" if i < options.tries else " (beyond --fix-tries: not measured)"
@@ -268,3 +275,54 @@ def _outcome_line(arm: Arm, kept: Arm | None, warm_up: str | None) -> str:
         else ""
     )
     return f"{mark}: {arm.name} [{arm.finding}] ({arm.mechanism}) {speed}, {arm.verdict}{pm}"
+
+
+def ladder_rows(rows: list[dict[str, Any]], arms: list[Arm], kept: Arm | None) -> list[dict[str, Any]]:
+    """The ladder's rows with what each offered rung's arm measured (its judged speedup, the
+    interval, the verdict, loss parity) and whether it was kept; a rung the search did not
+    reach says so."""
+    out = []
+    for row in rows:
+        row = dict(row)
+        arm = next(
+            (a for a in arms if a.finding == row["finding"] and a.summary == row["summary"] and not a.after),
+            None,
+        )
+        if row["status"] == "offered" and arm is None:
+            row.update(
+                status="not measured", why="an arm before it settled the search, or beyond --fix-tries"
+            )
+        elif row["status"] == "offered" and arm is not None:
+            row.update(
+                status="measured",
+                arm=arm.name,
+                dir=arm.dir,
+                judged_by=arm.judged_by.value,
+                speedup=arm.judged_speedup,
+                interval=arm.interval(),
+                verdict=arm.verdict,
+                loss_parity=arm.loss_parity,
+                significant=arm.significant,
+                kept=kept is not None and arm.dir == kept.dir,
+            )
+        out.append(row)
+    return out
+
+
+def ladder_line(row: dict[str, Any]) -> str:
+    """'ladder: [gpu.place_slow] bf16_autocast (torch.autocast ...): measured 1.42x (95 % CI
+    1.30-1.55x), faster and numerically equivalent, loss parity passed: kept'."""
+    head = f"ladder: [{row['finding']}] {row.get('rung') or 'no rung'}"
+    if row.get("switch"):
+        head += f" ({row['switch']})"
+    if row["status"] != "measured":
+        return f"{head}: {row['status']}: {row['why']}"
+    speed = f"{row['speedup']:.2f}x" if row.get("speedup") is not None else "n/a"
+    ci = row.get("interval")
+    if ci and len(ci) == 2:
+        speed += f" (95 % CI {ci[0]:.2f}-{ci[1]:.2f}x)"
+    parity = {True: "loss parity passed", False: "loss parity failed", None: "loss parity not checked"}
+    return (
+        f"{head}: measured {speed} by the {row['judged_by']}, {row.get('verdict')}, "
+        f"{parity[row.get('loss_parity')]}: {'kept' if row.get('kept') else 'not kept'}"
+    )

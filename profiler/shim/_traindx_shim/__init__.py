@@ -289,6 +289,9 @@ def activate() -> None:
     gputime.register()  # GPU busy/idle per step (CUDA events at the measured boundaries)
     runtime_patches.register()  # --fix runtime patches, max_seqlen origin tracer
     math_patches.register()  # --fix math patches (fp32 matmul precision, cuDNN benchmark)
+    from . import ladder_patches
+
+    ladder_patches.register()  # --fix's ladder of global switches (fixing/plan/ladder.py)
     from . import switches
 
     switches.register()  # settings that tax every op (anomaly mode, debug variables, ...)
