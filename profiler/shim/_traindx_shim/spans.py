@@ -7,7 +7,9 @@ ident} and, for rare calls (checkpoints, file writes), the caller in the job's c
   backward    torch.autograd.backward (Tensor.backward goes through it); under DDP with
               grads_ready: when the last of the model's parameter gradients was accumulated on
               this rank (its own backward compute ended; the rest of the span waits for the
-              gradients' all-reduce, i.e. for the other ranks)
+              gradients' all-reduce, i.e. for the other ranks) and grad_sync: whether a DDP
+              forward before it asked for the gradients' all-reduce (DDP decides at its forward:
+              one under no_sync() or without grad skips the reducer's buckets in this backward)
   optimizer   torch's global optimizer pre/post hooks (every torch optimizer)
   closure     the closure an optimizer step calls (Lightning's training_step, LBFGS): the
               ledger books the forward and backward inside it as fwd/bwd, the rest as host
@@ -128,7 +130,11 @@ def _timed_backward(fn: Callable[..., Any]) -> Callable[..., Any]:
             end = _now()
             try:
                 ready = _grads[0]
-                _span("backward", start, end, **({"grads_ready": ready} if start <= ready <= end else {}))
+                extra: dict[str, Any] = {"grads_ready": ready} if start <= ready <= end else {}
+                if _sync[0] is not None:  # a DDP model was built: did this backward all-reduce?
+                    extra["grad_sync"] = _sync[0]
+                    _sync[0] = False
+                _span("backward", start, end, **extra)
                 selfcost.add("backward", _now() - end)
             except Exception as exc:
                 report_error("span backward", exc)
@@ -137,6 +143,9 @@ def _timed_backward(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 _grads = [0]  # the clock at the last parameter gradient accumulated (DDP models only)
+# None until a DDP model is built; then whether a DDP forward since the last backward prepared
+# its reducer (the gradients' all-reduce runs in the next backward)
+_sync: list[bool | None] = [None]
 
 
 def _grad_ready(_param: Any) -> None:
@@ -522,6 +531,24 @@ def _on_ddp(module: ModuleType) -> None:
             report_error("ddp event", exc)
 
     cls.__init__ = passes_for(__init__, original)
+    _watch_ddp_forward(cls, getattr(module, "torch", None) or _state["torch"])
+
+
+def _watch_ddp_forward(cls: Any, torch: Any) -> None:
+    """Whether each DDP forward asks for its gradients' all-reduce: the reducer is prepared at the
+    forward when grad is enabled and no no_sync() holds (require_backward_grad_sync), and then
+    all-reduces every bucket in the backward that follows. One attribute read a forward."""
+    original = cls.forward
+
+    def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            if torch is not None and torch.is_grad_enabled() and not _compiling():
+                _sync[0] = bool(_sync[0]) or bool(getattr(self, "require_backward_grad_sync", True))
+        except Exception as exc:
+            report_error("ddp forward", exc)
+        return original(self, *args, **kwargs)
+
+    cls.forward = passes_for(forward, original)
 
 
 # -- GC ------------------------------------------------------------------------------------------
