@@ -257,7 +257,7 @@ def _evaluation_cause(f: Finding, roots: Sequence[Finding]) -> Finding | None:
     evals = [
         r
         for r in roots
-        if r.id == "evaluation.in_loop"
+        if r.id in ("evaluation.in_loop", "evaluation.rollout")
         and _same_rank(r, f)
         and len(slow & {int(s) for s in r.steps_affected}) >= EVAL_COVERS * len(slow)
     ]
