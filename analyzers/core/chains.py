@@ -296,7 +296,9 @@ def _straggler_root(f: Finding, roots: Sequence[Finding]) -> Finding | None:
 
 def _as_symptom(f: Finding, root: Finding) -> Finding:
     note = f" Symptom of: {root.title}."
-    return replace(f, cause=root.id, prescriptions=(), summary=(f.summary or "") + note)
+    # a root judged a note (work the job asked for: a rollout) makes its symptoms notes too
+    severity = "info" if root.severity == "info" else f.severity
+    return replace(f, cause=root.id, prescriptions=(), summary=(f.summary or "") + note, severity=severity)
 
 
 def link(findings: Sequence[Finding]) -> list[Finding]:
