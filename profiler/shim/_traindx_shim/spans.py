@@ -50,7 +50,7 @@ import time
 import weakref
 
 from . import cpustat, emit, importhooks, passes_for, report_error, selfcost
-from .frames import first_user_frame
+from .frames import first_user_frame, framework_chain, is_library_path
 
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing into the job (mypy knows the name)
 if TYPE_CHECKING:
@@ -102,6 +102,13 @@ def _timed(
                     _state["callers"] += 1
                     extra["caller"] = first_user_frame()
                     extra["call"] = label
+                    chain = (
+                        framework_chain()
+                        if extra["caller"] and is_library_path(extra["caller"]["file"])
+                        else None
+                    )
+                    if chain:  # a framework's callback wrote it: the job's line and the objects between
+                        extra["via"] = chain
                     # the calling thread's CPU seconds in it: a write that waits on the disk
                     # can move to a thread, the serialization (CPU, the GIL) cannot
                     extra["cpu"] = (_thread_cpu() - cpu) / 1e9
