@@ -119,6 +119,8 @@ def spans_table(events: pd.DataFrame) -> pd.DataFrame:
         # no part of the training step's forward and backward: the `eval` line
         no_grad = (out["cat"].to_numpy(object) == "forward") & (df["grad"].to_numpy(object) == False)  # noqa: E712
         out.loc[no_grad, "cat"] = "eval"
+    if "via" in df:  # a rare call a framework made: the job's frame and the objects between
+        out["via"] = objects("via")
     for col in ("cpu", "runq"):  # the calling thread's CPU and run-queue wait in a rare span
         if col in df:
             out[col] = pd.to_numeric(pd.Series(df[col].to_numpy(object)), errors="coerce")

@@ -62,6 +62,7 @@ def test_every_analyzer_module_declares_itself_and_the_registry_keeps_its_order(
         "gpu_places",
         "ranks",
         "whatif_run",
+        "grad_sync",
         "evaluation",
         "stability",
         "hooks",
@@ -73,7 +74,7 @@ def test_every_analyzer_module_declares_itself_and_the_registry_keeps_its_order(
         "stopped",
     ]
     assert analyzers.JUDGES == ["step_causes", "verdict"]
-    assert {"steps", "ranks", "gpu_clocks", "whatif_run"} == analyzers.CROSS_RANK
+    assert {"steps", "ranks", "gpu_clocks", "whatif_run", "grad_sync"} == analyzers.CROSS_RANK
 
 
 @pytest.fixture(scope="module")

@@ -257,7 +257,7 @@ def _evaluation_cause(f: Finding, roots: Sequence[Finding]) -> Finding | None:
     evals = [
         r
         for r in roots
-        if r.id == "evaluation.in_loop"
+        if r.id in ("evaluation.in_loop", "evaluation.rollout")
         and _same_rank(r, f)
         and len(slow & {int(s) for s in r.steps_affected}) >= EVAL_COVERS * len(slow)
     ]
@@ -296,7 +296,9 @@ def _straggler_root(f: Finding, roots: Sequence[Finding]) -> Finding | None:
 
 def _as_symptom(f: Finding, root: Finding) -> Finding:
     note = f" Symptom of: {root.title}."
-    return replace(f, cause=root.id, prescriptions=(), summary=(f.summary or "") + note)
+    # a root judged a note (work the job asked for: a rollout) makes its symptoms notes too
+    severity = "info" if root.severity == "info" else f.severity
+    return replace(f, cause=root.id, prescriptions=(), summary=(f.summary or "") + note, severity=severity)
 
 
 def link(findings: Sequence[Finding]) -> list[Finding]:

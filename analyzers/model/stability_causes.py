@@ -4,6 +4,8 @@ job's checkpoint writers in py-spy's samples - and the training thread's wait fo
 
 from __future__ import annotations
 
+import ast
+import functools
 import re
 from collections import Counter
 from typing import TYPE_CHECKING, Any
@@ -90,6 +92,9 @@ def _io_in_steps(run: RunRecord, rank: str, step_rows: pd.DataFrame) -> Any:
         g = groups.setdefault(
             key, {"call": key[0], "caller": caller, "steps": set(), "ns": 0, "cpu": 0.0, "timed_cpu": True}
         )
+        via = getattr(row, "via", None)
+        if isinstance(via, dict) and "built" not in g:
+            g["built"] = built_site(via)
         g["steps"].add(int(step_i))
         g["ns"] += int(row.end_ns) - int(row.start_ns)
         cpu, runq = getattr(row, "cpu", None), getattr(row, "runq", None)
@@ -108,6 +113,8 @@ def _io_in_steps(run: RunRecord, rank: str, step_rows: pd.DataFrame) -> Any:
             "steps": len(g["steps"]),
             "seconds_per_step": round(g["ns"] / 1e9 / len(g["steps"]), 4),
         }
+        if g.get("built"):
+            item["built"] = g["built"]
         if g["timed_cpu"]:  # the thread's own CPU and run-queue wait (the rest: the disk)
             item["cpu_seconds_per_step"] = round(g["cpu"] / len(g["steps"]), 4)
         out.append(item)
@@ -115,9 +122,58 @@ def _io_in_steps(run: RunRecord, rank: str, step_rows: pd.DataFrame) -> Any:
 
 
 def call_text(io: Any) -> str:
+    built = io.get("built")
+    if built:  # a framework object the job built made the call: the job's line leads
+        args = ", ".join(f"{k}={v}" for k, v in built["keywords"].items())
+        return f"{io['call']} from its {built['class']} built at {built['file']}:{built['line']}" + (
+            f" ({args})" if args else ""
+        )
     caller = io.get("caller") or {}
     where = f" at {caller.get('file')}:{caller.get('line')}" if caller.get("file") else ""
     return f"{io['call']}{where}"
+
+
+def built_site(via: dict[str, Any]) -> dict[str, Any] | None:
+    """The job's line that built the framework object that made a call (the shim's `via`: the
+    job's frame and the classes whose methods ran between it and the call, innermost first):
+    the innermost of those classes the job's file constructs, other than the object whose
+    method the job called itself (its trainer, its loop), with that construction's keyword
+    arguments as written (a checkpoint callback's frequency)."""
+    job, objects, called = via.get("job") or {}, via.get("objects") or [], via.get("called") or ["", ""]
+    names = [str(o[1]).rsplit(".", 1)[-1] for o in objects if isinstance(o, (list, tuple)) and len(o) == 2]
+    own_call = str(called[-1]).rsplit(".", 1)[-1]  # the job's own call: its trainer, its loop
+    if not job.get("file") or not names:
+        return None
+    built = _constructions(str(job["file"]))
+    for name in names:
+        if name in built and name != own_call:
+            line, keywords = built[name]
+            return {"class": name, "file": job["file"], "line": line, "keywords": keywords}
+    return None
+
+
+@functools.lru_cache(maxsize=64)
+def _constructions(path: str) -> dict[str, tuple[int, dict[str, str]]]:
+    """{class name: (line, {keyword: source})} of the calls `Name(...)` / `x.Name(...)` of a
+    file (the first of each name), or {} where it cannot be read."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+        tree = ast.parse(text)
+    except (OSError, SyntaxError, ValueError):
+        return {}
+    out: dict[str, tuple[int, dict[str, str]]] = {}
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        func = node.func
+        name = (
+            func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else None
+        )
+        if name and name[:1].isupper() and (name not in out or node.lineno < out[name][0]):
+            kw = {k.arg: ast.get_source_segment(text, k.value) or "" for k in node.keywords if k.arg}
+            out[name] = (node.lineno, kw)
+    return out
 
 
 # a checkpoint write: torch.save, torch.distributed.checkpoint, safetensors, HF save_pretrained

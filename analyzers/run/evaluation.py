@@ -6,10 +6,14 @@ its mean price each time it runs, so that neither the training step's forward/ba
 optimizer step's line takes its time.
 
 It is work the job asked for: the finding names it and its price; its severity is at most low.
+A run of them whose rows the optimizer steps after it train on, new rows each run (the shim's
+`nograd_phase` events: fed, fresh), is the training algorithm's own data collection (an RL
+rollout, a pseudo-labelling pass), not an evaluation: `evaluation.rollout`, a note.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import TYPE_CHECKING, Any
 
@@ -28,7 +32,8 @@ if TYPE_CHECKING:  # annotations only
 DECLARATION = Declaration(
     name="evaluation",
     order=105,
-    ids=("evaluation.in_loop",),
+    ids=("evaluation.in_loop", "evaluation.rollout"),
+    not_causes=("evaluation.rollout",),
     # the steps an evaluation runs in are slow: that is its price, not a cause of its own
     explains=("steps.periodic_slow", "host_work.periodic_line", "host_work.code", "gpu_idle.host_starved"),
 )
@@ -68,12 +73,59 @@ def _analyze_rank(run: RunRecord, rank: str) -> list[Finding]:
     evals = evals.assign(step=led["step"].to_numpy(np.int64)[np.maximum(i, 0)], site=_sites(evals))[inside]
     evals = evals.dropna(subset=["site"])
     step_s = float(led["wall_s"].mean())
+    phases = _phases_by_site(run, rank, spans[spans["cat"] == "eval"].sort_values("end_ns"))
     findings = []
     for site, rows in evals.groupby("site", sort=False):
         found = _site_finding(run, rank, str(site), rows, len(led), step_s)
+        if found is not None and _collects_training_data(phases.get(str(site), [])):
+            found = _as_rollout(found)
         if found is not None:
             findings.append(found)
     return findings
+
+
+def _phases_by_site(run: RunRecord, rank: str, evals: pd.DataFrame) -> dict[str, list[dict[str, Any]]]:
+    """The shim's nograd_phase checks, each under the site of the last no-grad forward before it
+    (it is made at the grad forward that ends that run)."""
+    events = run.of_type("nograd_phase")
+    if not len(events) or not len(evals):
+        return {}
+    events = events[events["rank"].astype(str) == rank]
+    ends = evals["end_ns"].to_numpy(np.int64)
+    sites = _sites(evals).to_numpy(object)
+    out: dict[str, list[dict[str, Any]]] = {}
+    for _, e in events.iterrows():
+        i = int(np.searchsorted(ends, int(e["t"]), side="right")) - 1
+        if i >= 0 and sites[i] is not None:
+            out.setdefault(str(sites[i]), []).append({"fed": e.get("fed"), "fresh": e.get("fresh")})
+    return out
+
+
+def _collects_training_data(phases: list[dict[str, Any]]) -> bool:
+    """Every run checked fed the optimizer steps after it, and every run after the first brought
+    rows the one before had not (a fixed data set's metric brings the same rows each time)."""
+    if not phases or not all(p.get("fed") is True for p in phases):
+        return False
+    later = [p.get("fresh") for p in phases[1:]]
+    return bool(later) and all(f is True for f in later)
+
+
+def _as_rollout(f: Finding) -> Finding:
+    where = f.title.split(" at ", 1)[1].split(":", 2)
+    return dataclasses.replace(
+        f,
+        id="evaluation.rollout",
+        title=f"Data collection at {where[0]}:{where[1]}: the optimizer steps after it train on its rows",
+        severity="info",
+        summary=f.summary.replace(
+            "Booked as evaluation, not as the training step's forward/backward.",
+            "The optimizer steps after each run train on rows it produced, new each run: the "
+            "training algorithm's own data collection (an RL rollout, a pseudo-labelling pass), "
+            "work the job asked for, not an evaluation. Booked on the eval/inference line.",
+        ),
+        prescriptions=(),
+        evidence={**f.evidence, "feeds_training": True},
+    )
 
 
 def _site_finding(

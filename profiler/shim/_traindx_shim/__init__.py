@@ -279,11 +279,12 @@ def activate() -> None:
     compiles.register()
     torchcalls.register()
     torchprof.register()
-    from . import hooktime, math_patches, paramuse, runtime_patches, spans
+    from . import hooktime, math_patches, nograd_feeds, paramuse, runtime_patches, spans
 
     spans.register()  # time ledger spans
     paramuse.register()  # gradients nobody updates, optimizer steps per backward
     hooktime.register()  # the job's hooks and callbacks inside the step
+    nograd_feeds.register()  # does training read a no-grad phase's rows (a rollout)
     from . import gputime
 
     gputime.register()  # GPU busy/idle per step (CUDA events at the measured boundaries)

@@ -43,6 +43,9 @@ _hook_start: dict[int, int] = {}  # id(module) -> start ns of its running outerm
 DISCOVER_STEPS = 2  # steps 0 and 1 find the outermost modules; then their hooks time them
 # called with (start_ns, end_ns) after each outermost module call of the training thread
 forward_hooks: list[Callable[[int, int], object]] = []
+# called with (args, grad) after each outermost call of the training thread: its positional
+# inputs and whether grad was enabled (nograd_feeds.py: does training read a no-grad phase's rows)
+input_hooks: list[Callable[[Any, bool], object]] = []
 # called with (module, output) after an outermost call of a module in eval mode with grad enabled
 # (hooked modules, after discovery): an evaluation that builds a graph (switches.py)
 eval_grad_hooks: list[Callable[[Any, Any], object]] = []
@@ -112,7 +115,7 @@ def _install_wrapper(torch: Any) -> None:
             return original(self, *args, **kwargs)
         finally:
             depth[0] = 0
-            _forward_done(start, now(), tid, grad_enabled())
+            _forward_done(start, now(), tid, grad_enabled(), args)
 
     _forward["wrapper"], _forward["original"] = __call__, original
     module_cls.__call__ = __call__
@@ -201,7 +204,7 @@ def _module_post(module: Any, args: object, output: object) -> None:
         end = time.time_ns()
         torch = _state["torch"]
         grad = torch.is_grad_enabled() if torch is not None else True
-        _forward_done(start, end, threading.get_ident(), grad)
+        _forward_done(start, end, threading.get_ident(), grad, args)
         evaluating = not getattr(module, "training", True)
         if grad and eval_grad_hooks and evaluating:
             for hook in eval_grad_hooks:
@@ -213,7 +216,7 @@ def _module_post(module: Any, args: object, output: object) -> None:
     return None
 
 
-def _forward_done(start: int, end: int, tid: int, grad: bool) -> None:
+def _forward_done(start: int, end: int, tid: int, grad: bool, args: Any = ()) -> None:
     try:
         if grad:
             _forward["last_grad"] = True
@@ -228,6 +231,8 @@ def _forward_done(start: int, end: int, tid: int, grad: bool) -> None:
             emit("span", cat="forward", start=start, t=end, tid=tid, grad=False, **extra)
         for hook in forward_hooks:
             hook(start, end)
+        for input_hook in input_hooks:
+            input_hook(args, grad)
     except Exception as exc:
         report_error("forward span", exc)
 

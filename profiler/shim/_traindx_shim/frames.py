@@ -192,3 +192,28 @@ def first_user_frame(depth: int = 1) -> dict[str, Any] | None:
             return describe(frame)
         frame = frame.f_back
     return None
+
+
+def framework_chain(depth: int = 1, limit: int = 64) -> dict[str, Any] | None:
+    """Where installed code (a framework's callback, handler or loop) made a call the job never
+    wrote: the job's own innermost frame (its file outside installed packages) and the classes
+    of the objects whose methods ran between it and the call, innermost first ([module, name];
+    the job built some of them: its callback, its trainer) and `called`: the outermost of them,
+    whose method the job called itself. None when the caller is the job's."""
+    frame: FrameType | None = sys._getframe(depth + 1)
+    objects: list[list[str]] = []
+    called: list[str] | None = None
+    while frame is not None and limit > 0:
+        name = frame.f_code.co_filename
+        if not is_library_path(name):
+            return {"job": describe(frame), "objects": objects, "called": called} if objects else None
+        owner = frame.f_locals.get("self") if frame.f_code.co_varnames[:1] == ("self",) else None
+        if owner is not None:
+            cls = type(owner)
+            item = [str(getattr(cls, "__module__", "")), str(getattr(cls, "__qualname__", cls.__name__))]
+            called = item
+            if item not in objects:
+                objects.append(item)
+        frame = frame.f_back
+        limit -= 1
+    return None

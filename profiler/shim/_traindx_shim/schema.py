@@ -51,6 +51,9 @@ TENSOR_ORIGIN = "tensor_origin"  # the line that made a tensor argument (max_seq
 SWITCH = "switch"  # a process-wide setting that taxes every op (name, value, on, via, caller, step)
 PARAM_USE = "param_use"  # parameters with a gradient that no optimizer updates (paramuse.py)
 GRAD_ACCUM = "grad_accum"  # backward, optimizer steps and clips per step, the loss scale
+# a run of no-grad forwards of the training thread, checked at the next grad forward: whether
+# that forward trains on rows the run saw (fed) and whether the run's rows were new (fresh)
+NOGRAD_PHASE = "nograd_phase"
 HOOK_SITE = "hook_site"  # a hook or callback of the job timed in the step (id, kind, function, file, line)
 
 # -- torch.profiler window ----------------------------------------------------------------------
@@ -102,6 +105,7 @@ EVENT_TYPES = frozenset(
         SWITCH,
         PARAM_USE,
         GRAD_ACCUM,
+        NOGRAD_PHASE,
         HOOK_SITE,
         TORCH_PROFILE_START,
         TORCH_PROFILE,

@@ -7,7 +7,9 @@ ident} and, for rare calls (checkpoints, file writes), the caller in the job's c
   backward    torch.autograd.backward (Tensor.backward goes through it); under DDP with
               grads_ready: when the last of the model's parameter gradients was accumulated on
               this rank (its own backward compute ended; the rest of the span waits for the
-              gradients' all-reduce, i.e. for the other ranks)
+              gradients' all-reduce, i.e. for the other ranks) and grad_sync: whether a DDP
+              forward before it asked for the gradients' all-reduce (DDP decides at its forward:
+              one under no_sync() or without grad skips the reducer's buckets in this backward)
   optimizer   torch's global optimizer pre/post hooks (every torch optimizer)
   closure     the closure an optimizer step calls (Lightning's training_step, LBFGS): the
               ledger books the forward and backward inside it as fwd/bwd, the rest as host
@@ -48,7 +50,7 @@ import time
 import weakref
 
 from . import cpustat, emit, importhooks, passes_for, report_error, selfcost
-from .frames import first_user_frame
+from .frames import first_user_frame, framework_chain, is_library_path
 
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing into the job (mypy knows the name)
 if TYPE_CHECKING:
@@ -100,6 +102,13 @@ def _timed(
                     _state["callers"] += 1
                     extra["caller"] = first_user_frame()
                     extra["call"] = label
+                    chain = (
+                        framework_chain()
+                        if extra["caller"] and is_library_path(extra["caller"]["file"])
+                        else None
+                    )
+                    if chain:  # a framework's callback wrote it: the job's line and the objects between
+                        extra["via"] = chain
                     # the calling thread's CPU seconds in it: a write that waits on the disk
                     # can move to a thread, the serialization (CPU, the GIL) cannot
                     extra["cpu"] = (_thread_cpu() - cpu) / 1e9
@@ -128,7 +137,11 @@ def _timed_backward(fn: Callable[..., Any]) -> Callable[..., Any]:
             end = _now()
             try:
                 ready = _grads[0]
-                _span("backward", start, end, **({"grads_ready": ready} if start <= ready <= end else {}))
+                extra: dict[str, Any] = {"grads_ready": ready} if start <= ready <= end else {}
+                if _sync[0] is not None:  # a DDP model was built: did this backward all-reduce?
+                    extra["grad_sync"] = _sync[0]
+                    _sync[0] = False
+                _span("backward", start, end, **extra)
                 selfcost.add("backward", _now() - end)
             except Exception as exc:
                 report_error("span backward", exc)
@@ -137,6 +150,9 @@ def _timed_backward(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 _grads = [0]  # the clock at the last parameter gradient accumulated (DDP models only)
+# None until a DDP model is built; then whether a DDP forward since the last backward prepared
+# its reducer (the gradients' all-reduce runs in the next backward)
+_sync: list[bool | None] = [None]
 
 
 def _grad_ready(_param: Any) -> None:
@@ -522,6 +538,24 @@ def _on_ddp(module: ModuleType) -> None:
             report_error("ddp event", exc)
 
     cls.__init__ = passes_for(__init__, original)
+    _watch_ddp_forward(cls, getattr(module, "torch", None) or _state["torch"])
+
+
+def _watch_ddp_forward(cls: Any, torch: Any) -> None:
+    """Whether each DDP forward asks for its gradients' all-reduce: the reducer is prepared at the
+    forward when grad is enabled and no no_sync() holds (require_backward_grad_sync), and then
+    all-reduces every bucket in the backward that follows. One attribute read a forward."""
+    original = cls.forward
+
+    def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            if torch is not None and torch.is_grad_enabled() and not _compiling():
+                _sync[0] = bool(_sync[0]) or bool(getattr(self, "require_backward_grad_sync", True))
+        except Exception as exc:
+            report_error("ddp forward", exc)
+        return original(self, *args, **kwargs)
+
+    cls.forward = passes_for(forward, original)
 
 
 # -- GC ------------------------------------------------------------------------------------------
