@@ -20,6 +20,7 @@ from helpers import PY, diagnose, example, only_run_dir
 import traindx
 from traindx.analyzers import analyze
 from traindx.profiler.nvml import COLUMNS as NVML_COLUMNS
+from traindx.report.outputs import read_findings
 
 TINY = example("train_tiny.py")
 MY_ANALYZERS = {
@@ -76,6 +77,13 @@ def test_healthy_example_is_silent(healthy):
     assert ("0", "gil") in healthy.pyspy or "pyspy" in healthy.missing
     assert len(healthy.torch_trace), "the default torch.profiler window recorded nothing"
     assert _above_info(analyze(healthy)) == []
+
+
+def test_healthy_example_has_no_jit_finding(healthy):
+    # what diagnose wrote (findings.json): the jit analyzer says nothing, not even info
+    # (moved here from tests/test_jit.py, which recorded a healthy run of its own for it)
+    findings = read_findings(healthy.path)
+    assert findings and [(f.id, f.severity) for f in findings if f.analyzer == "jit"] == []
 
 
 def test_default_torch_profile_window_is_stored_for_perfetto_and_left_out_of_the_statistics(healthy):
