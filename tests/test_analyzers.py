@@ -13,6 +13,7 @@ import os
 import re
 import shutil
 
+import pandas as pd
 import pytest
 from analyzer_helpers import LOADED_LIGHTNING, _h200, _one, _record
 from helpers import PY, diagnose, example, only_run_dir
@@ -72,6 +73,7 @@ def test_default_torch_profile_window_stands_down_on_a_cpu_job(tmp_path):
     assert not len(run.events[run.events["type"] == "torch_profile"])
 
 
+@pytest.mark.slow  # the module's healthy run: one diagnose run with py-spy and a profiler window
 def test_healthy_example_is_silent(healthy):
     assert len(healthy.steps) == 14
     assert ("0", "gil") in healthy.pyspy or "pyspy" in healthy.missing
@@ -79,6 +81,7 @@ def test_healthy_example_is_silent(healthy):
     assert _above_info(analyze(healthy)) == []
 
 
+@pytest.mark.slow  # the module's healthy run: one diagnose run with py-spy and a profiler window
 def test_healthy_example_has_no_jit_finding(healthy):
     # what diagnose wrote (findings.json): the jit analyzer says nothing, not even info
     # (moved here from tests/test_jit.py, which recorded a healthy run of its own for it)
@@ -86,6 +89,7 @@ def test_healthy_example_has_no_jit_finding(healthy):
     assert findings and [(f.id, f.severity) for f in findings if f.analyzer == "jit"] == []
 
 
+@pytest.mark.slow  # the module's healthy run: one diagnose run with py-spy and a profiler window
 def test_default_torch_profile_window_is_stored_for_perfetto_and_left_out_of_the_statistics(healthy):
     path = os.path.join(healthy.path, "trace", "0.json.gz")
     with gzip.open(path, "rt") as f:
@@ -93,6 +97,12 @@ def test_default_torch_profile_window_is_stored_for_perfetto_and_left_out_of_the
     assert doc["traceEvents"] and doc["baseTimeNanoseconds"] > 0
     windows = healthy.events[healthy.events["type"] == "torch_profile"]
     assert list(windows["first_step"]) == [3] and list(windows["last_step"]) == [4]
+    # within its budgets (moved here from tests/test_shim_safety.py): a bounded trace, written
+    window = windows.iloc[0]
+    assert pd.isna(window.get("stood_down")) and window["ended_by"] == "window end"
+    assert 0 < window["bytes"] <= window["max_bytes"] == 20_000_000
+    assert window["cost_s"] <= window["budget_s"]
+    assert (healthy.torch_trace["cat"] == "cpu_op").any()
     from traindx.analyzers.core.evidence import steady_steps
 
     assert not steady_steps(healthy)["step"].isin([3, 4]).any()
@@ -103,6 +113,7 @@ def test_default_torch_profile_window_is_stored_for_perfetto_and_left_out_of_the
     assert ops["end_ns"].max() <= steps.loc[4, "end_ns"] + 50_000_000
 
 
+@pytest.mark.slow  # the module's healthy run: one diagnose run with py-spy and a profiler window
 def test_profiler_window_leaves_the_job_output_alone(healthy):
     # kineto's "USDT: ... profiler_start" lines would land in the job's stderr
     assert not healthy.log["text"].str.contains("profiler_start|profiler_stop").any()
@@ -187,6 +198,7 @@ def test_default_window_stands_down_on_long_steps(tmp_path_factory):
     assert not os.path.exists(os.path.join(run.path, "trace"))
 
 
+@pytest.mark.slow  # four recorded H200 runs with their CUDA traces analysed
 def test_real_h200_runs_launch_bound_and_syncs_found_healthy_silent():
     """Runs of examples/gpu_pathologies.py recorded on the H200 (real kineto CUDA traces, NVML,
     memory_stats): the GPU paths of launch_bound and host_sync, and silence where nothing is
@@ -271,6 +283,7 @@ def test_synthetic_gpu_evidence_thermal_throttle_is_found_power_cap_is_only_info
     assert list(_above_info_of(analyze(traindx.load_run(dest)), "gpu_clocks")) == []
 
 
+@pytest.mark.slow  # the module's healthy run: one diagnose run with py-spy and a profiler window
 def test_synthetic_gpu_evidence_allocator_retries_prescribe_expandable_segments(healthy, tmp_path):
     dest = _copy_run(healthy, tmp_path)
     retries = 0
@@ -361,6 +374,7 @@ def _kineto_trace(path, base_ns, steps, kernel_us, gap_us, per_step):
         json.dump({"schemaVersion": 1, "baseTimeNanoseconds": base_ns, "traceEvents": events}, f)
 
 
+@pytest.mark.slow  # the module's healthy run: one diagnose run with py-spy and a profiler window
 def test_synthetic_gpu_evidence_launch_bound_steps(healthy, tmp_path):
     dest = _copy_run(healthy, tmp_path)
     profiled = healthy.steps[healthy.steps["step"].isin([3, 4])]
@@ -380,6 +394,7 @@ def test_synthetic_gpu_evidence_launch_bound_steps(healthy, tmp_path):
     assert not [f for f in analyze(traindx.load_run(dest)) if f.id == "gpu.launch_bound"]
 
 
+@pytest.mark.slow  # the module's healthy run: one diagnose run with py-spy and a profiler window
 def test_synthetic_gpu_evidence_syncs_cost_the_gpu_idle_after_them(healthy, tmp_path):
     """kineto shape on a GPU: the job's forward (a python_function) calls .item() per layer; each
     cudaStreamSynchronize holds the CPU 1.5 gaps and is followed by one gap (5 % of the step)

@@ -57,6 +57,7 @@ def test_records_the_steps_of_the_example(example_run):
     assert "6 steps recorded" in proc.stderr
 
 
+@pytest.mark.slow  # a real job under diagnose
 def test_job_exit_code_passes_through(tmp_path):
     proc = diagnose(
         ["--out", "runs", "--no-pyspy", "--", PY, TINY, "--steps", "2", "--exit-code", "3"], cwd=tmp_path
@@ -197,6 +198,7 @@ def test_missing_evidence_is_recorded_not_fatal(tmp_path):
         assert "nvml" in run.missing
 
 
+@pytest.mark.slow  # a job under diagnose
 def test_a_failing_shim_hook_does_not_harm_the_job(tmp_path):
     # a job whose import of a hooked module makes our hook fail: the job runs on and the
     # failure lands in the events as a shim_error

@@ -226,6 +226,7 @@ def test_newest_fa4_tensor_no_steady_recompile(tmp_path_factory):
 
 
 # -- py-spy alone: the H200 recording --------------------------------------------------------------
+@pytest.mark.slow  # `diagnose analyze` of the whole H200 py-spy recording
 def test_h200_pyspy_file_alone_finds_backward_recompiling_on_autograd_thread(tmp_path):
     out = tmp_path / "findings.json"
     proc = diagnose(["analyze", FIXTURE, "-o", str(out)], cwd=tmp_path)
@@ -362,6 +363,7 @@ def test_backend_switch_is_recognised_from_the_command(tmp_path, command, env, e
     assert expected in [p.change for p in backend_switches(run)]
 
 
+@pytest.mark.slow  # `diagnose analyze` of the whole H200 py-spy recording
 def test_raw_collapsed_pyspy_file_gives_the_same_finding(tmp_path):
     """py-spy's raw format (collapsed stacks with sample counts) read with its sampling rate."""
     doc = json.loads(open(FIXTURE, encoding="utf-8").read())
