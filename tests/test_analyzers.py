@@ -60,17 +60,9 @@ def healthy(tmp_path_factory):
     )
 
 
-@pytest.mark.slow
-def test_default_torch_profile_window_stands_down_on_a_cpu_job(tmp_path):
-    proc = diagnose(
-        ["--out", "runs", "--quiet", "--no-pyspy", "--steps", "6", "--", PY, TINY, "--threads", "1"],
-        cwd=tmp_path,
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    run = traindx.load_run(only_run_dir(tmp_path / "runs"))
-    skipped = run.events[run.events["type"] == "torch_profile_skipped"]
-    assert "no CUDA" in skipped["reason"].iloc[0]
-    assert not len(run.events[run.events["type"] == "torch_profile"])
+# the default window stands down on a CPU job (no CUDA): tests/test_diagnose.py
+# (test_default_torch_profile_window_stands_down_on_a_cpu_job, on its run of the example with
+# diagnose's default options)
 
 
 @pytest.mark.slow  # the module's healthy run: one diagnose run with py-spy and a profiler window

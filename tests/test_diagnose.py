@@ -148,6 +148,15 @@ def test_sigterm_leaves_a_loadable_partial_run(tmp_path):
 
 
 @pytest.mark.slow
+def test_default_torch_profile_window_stands_down_on_a_cpu_job(example_run):
+    # (moved here from tests/test_analyzers.py: this run has diagnose's default options)
+    run = traindx.load_run(example_run[1])
+    skipped = run.events[run.events["type"] == "torch_profile_skipped"]
+    assert "no CUDA" in skipped["reason"].iloc[0]
+    assert not len(run.events[run.events["type"] == "torch_profile"])
+
+
+@pytest.mark.slow
 def test_existing_sitecustomize_still_runs(example_run):
     _, run_dir, marker = example_run  # the user's sitecustomize was first on PYTHONPATH
     assert marker.read_text() == "ran"
