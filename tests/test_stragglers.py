@@ -13,12 +13,13 @@ and the tests that needed the machine to themselves (two CPU burners beside the 
 import os
 
 import pytest
-from helpers import PY, diagnose, only_run_dir, recorded_runs
+from helpers import PY, diagnose, only_run_dir, recorded_runs_here
 
 import traindx
 
 JOB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "jobs", "straggler_train.py")
 TORCHRUN = os.path.join(os.path.dirname(PY), "torchrun")
+RECORDED_IN = "/work/wt-testsa"  # the checkout tests/data/cpu-stragglers was recorded in
 
 
 # a rank that dies by a signal (a teardown SIGABRT was seen twice beside other tests) prints
@@ -73,7 +74,8 @@ def _ranks(findings):
 @pytest.fixture(scope="module")
 def recorded(tmp_path_factory):
     """{name: (run, findings)} of the recorded runs, each loaded and judged when first asked."""
-    folder = recorded_runs("cpu-stragglers", tmp_path_factory.mktemp("stragglers")) / "cpu-stragglers"
+    folder = recorded_runs_here("cpu-stragglers", tmp_path_factory.mktemp("stragglers"), RECORDED_IN)
+    folder = folder / "cpu-stragglers"
     loaded = {}
 
     def get(name):

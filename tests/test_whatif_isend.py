@@ -10,7 +10,7 @@ import os
 import textwrap
 
 import pytest
-from helpers import PY, diagnose, only_run_dir, recorded_runs
+from helpers import PY, diagnose, only_run_dir, recorded_runs_here
 
 import traindx
 from traindx.derive.optable import OpType
@@ -35,7 +35,7 @@ def runs(tmp_path_factory):
     proc = diagnose(_args(tmp / "slow", "6,2"), cwd=tmp, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     # the balanced twin (--split 4,4): recorded, judged by the test
-    twins = recorded_runs("cpu-whatif-twins", tmp) / "cpu-whatif-twins"
+    twins = recorded_runs_here("cpu-whatif-twins", tmp, "/work/wt-testsa") / "cpu-whatif-twins"
     return {"slow": only_run_dir(tmp / "slow"), "even": str(twins / "whatif_pipelining-even")}
 
 

@@ -11,7 +11,7 @@ import os
 import subprocess
 
 import pytest
-from helpers import PY, diagnose, only_run_dir, recorded_runs
+from helpers import PY, diagnose, only_run_dir, recorded_runs_here
 
 import traindx
 from traindx.analyzers.ranks import whatif_run
@@ -101,7 +101,11 @@ def test_diagnose_runs_the_what_if_itself_on_several_ranks(runs):
 
 def test_the_balanced_twin_stays_at_most_low(tmp_path):
     # the same job with --split 4,4, recorded (tests/data/cpu-whatif-twins), judged now
-    twin = recorded_runs("cpu-whatif-twins", tmp_path) / "cpu-whatif-twins" / "whatif_pipeline-even"
+    twin = (
+        recorded_runs_here("cpu-whatif-twins", tmp_path, "/work/wt-testsa")
+        / "cpu-whatif-twins"
+        / "whatif_pipeline-even"
+    )
     found = [f for f in traindx.analyze(traindx.load_run(twin)) if f.id.startswith("whatif.")]
     assert all(f.severity in ("info", "low") for f in found), [(f.id, f.severity) for f in found]
 
