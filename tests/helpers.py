@@ -72,6 +72,23 @@ def recorded_runs(name, folder):
     return folder
 
 
+def recorded_runs_here(name, folder, recorded_root):
+    """recorded_runs, then the paths of the checkout the runs were recorded in (recorded_root,
+    their READMEs name it) pointed at this one in every text file, so that the jobs' files they
+    name (frames, callers, the command) are this checkout's and their lines can be read."""
+    recorded_runs(name, folder)
+    for dirpath, _, files in os.walk(os.path.join(folder, name)):
+        for file in files:
+            if file.endswith((".json", ".jsonl", ".txt", ".csv")):
+                path = os.path.join(dirpath, file)
+                with open(path, encoding="utf-8", errors="surrogateescape") as f:
+                    text = f.read()
+                if recorded_root in text:
+                    with open(path, "w", encoding="utf-8", errors="surrogateescape") as f:
+                        f.write(text.replace(recorded_root, ROOT))
+    return folder
+
+
 def only_run_dir(out_dir):
     runs = [os.path.join(out_dir, d) for d in os.listdir(out_dir)]
     assert len(runs) == 1, runs

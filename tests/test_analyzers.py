@@ -13,6 +13,7 @@ import os
 import re
 import shutil
 
+import pandas as pd
 import pytest
 from analyzer_helpers import LOADED_LIGHTNING, _h200, _one, _record
 from helpers import PY, diagnose, example, only_run_dir
@@ -20,6 +21,7 @@ from helpers import PY, diagnose, example, only_run_dir
 import traindx
 from traindx.analyzers import analyze
 from traindx.profiler.nvml import COLUMNS as NVML_COLUMNS
+from traindx.report.outputs import read_findings
 
 TINY = example("train_tiny.py")
 MY_ANALYZERS = {
@@ -58,19 +60,12 @@ def healthy(tmp_path_factory):
     )
 
 
-@pytest.mark.slow
-def test_default_torch_profile_window_stands_down_on_a_cpu_job(tmp_path):
-    proc = diagnose(
-        ["--out", "runs", "--quiet", "--no-pyspy", "--steps", "6", "--", PY, TINY, "--threads", "1"],
-        cwd=tmp_path,
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    run = traindx.load_run(only_run_dir(tmp_path / "runs"))
-    skipped = run.events[run.events["type"] == "torch_profile_skipped"]
-    assert "no CUDA" in skipped["reason"].iloc[0]
-    assert not len(run.events[run.events["type"] == "torch_profile"])
+# the default window stands down on a CPU job (no CUDA): tests/test_diagnose.py
+# (test_default_torch_profile_window_stands_down_on_a_cpu_job, on its run of the example with
+# diagnose's default options)
 
 
+@pytest.mark.slow  # the module's healthy run: one diagnose run with py-spy and a profiler window
 def test_healthy_example_is_silent(healthy):
     assert len(healthy.steps) == 14
     assert ("0", "gil") in healthy.pyspy or "pyspy" in healthy.missing
@@ -78,6 +73,15 @@ def test_healthy_example_is_silent(healthy):
     assert _above_info(analyze(healthy)) == []
 
 
+@pytest.mark.slow  # the module's healthy run: one diagnose run with py-spy and a profiler window
+def test_healthy_example_has_no_jit_finding(healthy):
+    # what diagnose wrote (findings.json): the jit analyzer says nothing, not even info
+    # (moved here from tests/test_jit.py, which recorded a healthy run of its own for it)
+    findings = read_findings(healthy.path)
+    assert findings and [(f.id, f.severity) for f in findings if f.analyzer == "jit"] == []
+
+
+@pytest.mark.slow  # the module's healthy run: one diagnose run with py-spy and a profiler window
 def test_default_torch_profile_window_is_stored_for_perfetto_and_left_out_of_the_statistics(healthy):
     path = os.path.join(healthy.path, "trace", "0.json.gz")
     with gzip.open(path, "rt") as f:
@@ -85,6 +89,12 @@ def test_default_torch_profile_window_is_stored_for_perfetto_and_left_out_of_the
     assert doc["traceEvents"] and doc["baseTimeNanoseconds"] > 0
     windows = healthy.events[healthy.events["type"] == "torch_profile"]
     assert list(windows["first_step"]) == [3] and list(windows["last_step"]) == [4]
+    # within its budgets (moved here from tests/test_shim_safety.py): a bounded trace, written
+    window = windows.iloc[0]
+    assert pd.isna(window.get("stood_down")) and window["ended_by"] == "window end"
+    assert 0 < window["bytes"] <= window["max_bytes"] == 20_000_000
+    assert window["cost_s"] <= window["budget_s"]
+    assert (healthy.torch_trace["cat"] == "cpu_op").any()
     from traindx.analyzers.core.evidence import steady_steps
 
     assert not steady_steps(healthy)["step"].isin([3, 4]).any()
@@ -95,6 +105,7 @@ def test_default_torch_profile_window_is_stored_for_perfetto_and_left_out_of_the
     assert ops["end_ns"].max() <= steps.loc[4, "end_ns"] + 50_000_000
 
 
+@pytest.mark.slow  # the module's healthy run: one diagnose run with py-spy and a profiler window
 def test_profiler_window_leaves_the_job_output_alone(healthy):
     # kineto's "USDT: ... profiler_start" lines would land in the job's stderr
     assert not healthy.log["text"].str.contains("profiler_start|profiler_stop").any()
@@ -179,6 +190,7 @@ def test_default_window_stands_down_on_long_steps(tmp_path_factory):
     assert not os.path.exists(os.path.join(run.path, "trace"))
 
 
+@pytest.mark.slow  # four recorded H200 runs with their CUDA traces analysed
 def test_real_h200_runs_launch_bound_and_syncs_found_healthy_silent():
     """Runs of examples/gpu_pathologies.py recorded on the H200 (real kineto CUDA traces, NVML,
     memory_stats): the GPU paths of launch_bound and host_sync, and silence where nothing is
@@ -263,6 +275,7 @@ def test_synthetic_gpu_evidence_thermal_throttle_is_found_power_cap_is_only_info
     assert list(_above_info_of(analyze(traindx.load_run(dest)), "gpu_clocks")) == []
 
 
+@pytest.mark.slow  # the module's healthy run: one diagnose run with py-spy and a profiler window
 def test_synthetic_gpu_evidence_allocator_retries_prescribe_expandable_segments(healthy, tmp_path):
     dest = _copy_run(healthy, tmp_path)
     retries = 0
@@ -353,6 +366,7 @@ def _kineto_trace(path, base_ns, steps, kernel_us, gap_us, per_step):
         json.dump({"schemaVersion": 1, "baseTimeNanoseconds": base_ns, "traceEvents": events}, f)
 
 
+@pytest.mark.slow  # the module's healthy run: one diagnose run with py-spy and a profiler window
 def test_synthetic_gpu_evidence_launch_bound_steps(healthy, tmp_path):
     dest = _copy_run(healthy, tmp_path)
     profiled = healthy.steps[healthy.steps["step"].isin([3, 4])]
@@ -372,6 +386,7 @@ def test_synthetic_gpu_evidence_launch_bound_steps(healthy, tmp_path):
     assert not [f for f in analyze(traindx.load_run(dest)) if f.id == "gpu.launch_bound"]
 
 
+@pytest.mark.slow  # the module's healthy run: one diagnose run with py-spy and a profiler window
 def test_synthetic_gpu_evidence_syncs_cost_the_gpu_idle_after_them(healthy, tmp_path):
     """kineto shape on a GPU: the job's forward (a python_function) calls .item() per layer; each
     cudaStreamSynchronize holds the CPU 1.5 gaps and is followed by one gap (5 % of the step)

@@ -1,20 +1,31 @@
 """The analyzers of the usual suspects (GIL, DataLoader, GC, host-device syncs, periodic slow
-steps, ranks), each on a real job that has the problem (examples/pathologies.py) or a recorded
-run of one."""
+steps, ranks), each on a run of a job that has the problem (examples/pathologies.py). The
+host-device sync runs for real here; the others are judged on runs of the same commands recorded
+on the 2-core CPU machine (tests/data/cpu-pathologies.README), so that their verdicts are the
+analyzers' and not the load's. Those capabilities on real jobs: the GIL, the DataLoader and a
+periodic checkpoint in tests/test_frameworks.py (accelerate, HF Trainer, Lightning, torchtitan),
+the DataLoader live in tests/test_live.py, GC in its --fix test, a straggler in
+tests/test_stragglers.py."""
 
 import os
 import re
 
 import pytest
 from analyzer_helpers import _h200, _line_of, _one, _record
-from helpers import PY, example
+from helpers import PY, example, recorded_runs_here
 
 import traindx
 from traindx.analyzers import analyze
 from traindx.analyzers.core import evidence as ev
 
 PATHOLOGIES = example("pathologies.py")
-TORCHRUN = os.path.join(os.path.dirname(PY), "torchrun")
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory):
+    """A recorded run of examples/pathologies.py by name (tests/data/cpu-pathologies.README)."""
+    folder = recorded_runs_here("cpu-pathologies", tmp_path_factory.mktemp("pathologies"), "/work/wt-testsa")
+    return lambda name: traindx.load_run(str(folder / "cpu-pathologies" / name))
 
 
 def _pathology(tmp_path_factory, pathology, diagnose_args=("--no-pyspy",), *job_args):
@@ -27,11 +38,8 @@ def _pathology(tmp_path_factory, pathology, diagnose_args=("--no-pyspy",), *job_
 
 
 # -- GIL --------------------------------------------------------------------------------------
-@pytest.mark.slow
-def test_gil_burning_thread_is_named_with_its_function(tmp_path_factory):
-    run = _pathology(
-        tmp_path_factory, "gil", ("--pyspy-rate", "100", "--torch-profile", "off"), "--steps", "40"
-    )
+def test_gil_burning_thread_is_named_with_its_function(recorded):
+    run = recorded("gil")  # --pyspy-rate 100 --torch-profile off; --pathology gil --steps 40
     finding = _one(analyze(run), "gil.contention")
     assert finding.evidence["thread"] == "word-counter"
     assert finding.evidence["hottest_frames"][0]["function"] == "count_words_in_python"
@@ -111,14 +119,13 @@ def test_real_h200_allocator_retries_and_power_cap():
     assert not [f for f in findings if f.id == "gpu.throttle"]
 
 
-@pytest.mark.slow
 # -- DataLoader -------------------------------------------------------------------------------
-def test_dataloader_starvation_prescribes_workers_at_the_construction_line(tmp_path_factory):
+@pytest.mark.slow  # py-spy's samples of the whole run and a profiler window analysed
+def test_dataloader_starvation_prescribes_workers_at_the_construction_line(recorded):
     # py-spy (the whole run) and the torch.profiler window (steps 3-4) both see it
-    run = _pathology(
-        tmp_path_factory, "dataloader", ("--pyspy-rate", "50", "--torch-profile", "3-4"), "--steps", "16"
-    )
-    finding = _one(analyze(run), "dataloader.starvation")
+    run = recorded("dataloader")  # --pyspy-rate 50 --torch-profile 3-4; --pathology dataloader --steps 16
+    findings = analyze(run)
+    finding = _one(findings, "dataloader.starvation")
     # how much: the time ledger (shim-timed DataLoader.__next__), whatever py-spy managed to
     # sample; the torch.profiler window agrees
     assert finding.evidence["source"] == "time ledger"
@@ -133,16 +140,15 @@ def test_dataloader_starvation_prescribes_workers_at_the_construction_line(tmp_p
     workers = int(re.search(r"num_workers=(\d+)", code["after"])[1])
     assert workers >= 2 and "persistent_workers=True" in code["after"]
     # its scalar reads are CPU data in a collate, not host-device syncs
-    assert not [f for f in analyze(run) if f.id == "sync.host_device"]
+    assert not [f for f in findings if f.id == "sync.host_device"]
 
 
 # -- GC ---------------------------------------------------------------------------------------
-@pytest.mark.slow
-def test_gen2_collections_in_steps_and_gc_freeze_cuts_them(tmp_path_factory):
+def test_gen2_collections_in_steps_and_gc_freeze_cuts_them(recorded):
     # a full collection every ~7 steps; 32 steps leave some after a warm-up that takes half of
     # them on a loaded machine (16 steps left it only the collections at steps 4 and 11: a CI
     # pass beside two burners called the run healthy)
-    run = _pathology(tmp_path_factory, "gc", ("--no-pyspy", "--torch-profile", "off"), "--steps", "32")
+    run = recorded("gc")  # --no-pyspy --torch-profile off; --pathology gc --steps 32
     finding = _one(analyze(run), "gc.gen2_in_step")
     assert finding.evidence["gen2_collections"] >= 1 and finding.steps_affected
     assert finding.evidence["longest_gen2_pause_s"] > 0.05
@@ -150,9 +156,7 @@ def test_gen2_collections_in_steps_and_gc_freeze_cuts_them(tmp_path_factory):
     assert any("gc.freeze()" in p.summary for p in finding.prescriptions)
     # the prescription applied (examples/pathologies.py --gc-freeze): the long-lived index leaves
     # the collector's view; what is left is the per-step churn of the example, far cheaper
-    fixed = _pathology(
-        tmp_path_factory, "gc", ("--no-pyspy", "--torch-profile", "off"), "--steps", "32", "--gc-freeze"
-    )
+    fixed = recorded("gc-freeze")  # the same, --gc-freeze
     after = [f for f in analyze(fixed) if f.id == "gc.gen2_in_step"]
     if after:
         assert after[0].evidence["longest_gen2_pause_s"] < 0.5 * finding.evidence["longest_gen2_pause_s"]
@@ -173,21 +177,11 @@ def test_item_inside_the_forward_is_found_in_the_profiler_window(tmp_path_factor
 
 
 # -- periodic slow steps ----------------------------------------------------------------------
-@pytest.mark.slow
-def test_periodic_checkpoint_is_found_with_its_period(tmp_path_factory):
+def test_periodic_checkpoint_is_found_with_its_period(recorded):
     # 34 steps: on a loaded machine the warm-up can take up to half the steps (steady.warmup_count)
     # and the period needs its repeats in what is left
-    run = _pathology(
-        tmp_path_factory,
-        "periodic",
-        ("--no-pyspy", "--torch-profile", "off"),
-        "--steps",
-        "34",
-        "--every",
-        "4",
-        "--checkpoint-seconds",
-        "0.25",
-    )
+    # (--no-pyspy --torch-profile off; --pathology periodic --steps 34 --every 4 --checkpoint-seconds 0.25)
+    run = recorded("periodic")
     findings = analyze(run)
     steady = ev.steady_steps(run, "0")
     assert any(f.id == "steps.periodic_slow" for f in findings), (
@@ -256,25 +250,10 @@ def test_period_detection_ignores_noise_without_a_period():
 
 
 # -- ranks ------------------------------------------------------------------------------------
-@pytest.mark.slow
-def test_two_rank_gloo_job_names_the_rank_that_stalls_the_other(tmp_path_factory):
-    run = _record(
-        tmp_path_factory,
-        "straggler",
-        ["--no-pyspy", "--torch-profile", "3-4"],
-        [
-            TORCHRUN,
-            "--nproc-per-node",
-            "2",
-            PATHOLOGIES,
-            "--pathology",
-            "straggler",
-            "--steps",
-            "10",
-            "--slow-seconds",
-            "0.2",
-        ],
-    )
+def test_two_rank_gloo_job_names_the_rank_that_stalls_the_other(recorded):
+    # --no-pyspy --torch-profile 3-4; torchrun --nproc-per-node 2 ... --pathology straggler
+    # --steps 10 --slow-seconds 0.2
+    run = recorded("straggler")
     assert set(run.steps["rank"]) == {"0", "1"}
     finding = _one(analyze(run), "ranks.straggler")
     assert finding.evidence["straggler"] == "1"

@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import textwrap
@@ -15,12 +16,29 @@ from traindx.common.errors import UserError
 from traindx.derive.run import CorruptEvidenceWarning, TruncatedEvidenceWarning
 
 TINY = example("train_tiny.py")
+SECRETS = {"HF_TOKEN": "hf_abc123", "MY_API_KEY": "k-999", "DB_PASSWORD": "pw", "PLAIN_SETTING": "visible"}
 
 
-def test_records_the_steps_of_the_example(tmp_path):
-    proc = diagnose(["--out", "runs", "--steps", "6", "--", PY, TINY, "--steps", "50"], cwd=tmp_path)
+@pytest.fixture(scope="module")
+def example_run(tmp_path_factory):
+    """The example under diagnose as a user runs it (py-spy on), once for the checks below: its
+    environment also holds secrets (for the manifest's redaction) and a sitecustomize of the
+    user's own on PYTHONPATH (which must still run beside the shim)."""
+    tmp = tmp_path_factory.mktemp("example")
+    site = tmp / "site"
+    site.mkdir()
+    marker = tmp / "marker"
+    (site / "sitecustomize.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\n")
+    env = {"PYTHONPATH": str(site), **SECRETS}
+    proc = diagnose(["--out", "runs", "--steps", "6", "--", PY, TINY, "--steps", "50"], cwd=tmp, env=env)
     assert proc.returncode == 0, proc.stderr
-    run = traindx.load_run(only_run_dir(tmp_path / "runs"))
+    return proc, only_run_dir(tmp / "runs"), marker
+
+
+@pytest.mark.slow
+def test_records_the_steps_of_the_example(example_run):
+    proc, run_dir, _ = example_run
+    run = traindx.load_run(run_dir)
     steps = run.steps
     # --steps 6 stops the job cleanly after six optimizer steps
     assert list(steps["step"]) == [0, 1, 2, 3, 4, 5]
@@ -39,6 +57,7 @@ def test_records_the_steps_of_the_example(tmp_path):
     assert "6 steps recorded" in proc.stderr
 
 
+@pytest.mark.slow  # a real job under diagnose
 def test_job_exit_code_passes_through(tmp_path):
     proc = diagnose(
         ["--out", "runs", "--no-pyspy", "--", PY, TINY, "--steps", "2", "--exit-code", "3"], cwd=tmp_path
@@ -129,36 +148,24 @@ def test_sigterm_leaves_a_loadable_partial_run(tmp_path):
 
 
 @pytest.mark.slow
-def test_existing_sitecustomize_still_runs(tmp_path):
-    site = tmp_path / "site"
-    site.mkdir()
-    marker = tmp_path / "marker"
-    (site / "sitecustomize.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\n")
-    proc = diagnose(
-        ["--out", "runs", "--no-pyspy", "--", PY, TINY, "--steps", "2"],
-        cwd=tmp_path,
-        env={"PYTHONPATH": str(site)},
-    )
-    assert proc.returncode == 0, proc.stderr
-    assert marker.read_text() == "ran"
-    run = traindx.load_run(only_run_dir(tmp_path / "runs"))
-    assert len(run.steps) == 2  # and the shim ran too
+def test_default_torch_profile_window_stands_down_on_a_cpu_job(example_run):
+    # (moved here from tests/test_analyzers.py: this run has diagnose's default options)
+    run = traindx.load_run(example_run[1])
+    skipped = run.events[run.events["type"] == "torch_profile_skipped"]
+    assert "no CUDA" in skipped["reason"].iloc[0]
+    assert not len(run.events[run.events["type"] == "torch_profile"])
 
 
 @pytest.mark.slow
-def test_torchrun_two_ranks_yield_events_for_both(tmp_path):
-    torchrun = os.path.join(os.path.dirname(PY), "torchrun")
-    proc = diagnose(
-        ["--out", "runs", "--", torchrun, "--nproc-per-node", "2", TINY, "--steps", "4"],
-        cwd=tmp_path,
-        env={"OMP_NUM_THREADS": "1"},
-    )
-    assert proc.returncode == 0, proc.stderr
-    run = traindx.load_run(only_run_dir(tmp_path / "runs"))
-    assert sorted(run.steps["rank"].unique()) == ["0", "1"]
-    assert (run.steps.groupby("rank").size() == 4).all()
-    if "pyspy" not in run.missing:
-        assert sorted(run.manifest["ranks"]) == ["0", "1"]  # one sampler per worker, none for torchrun
+def test_existing_sitecustomize_still_runs(example_run):
+    _, run_dir, marker = example_run  # the user's sitecustomize was first on PYTHONPATH
+    assert marker.read_text() == "ran"
+    assert len(traindx.load_run(run_dir).steps) == 6  # and the shim ran too
+
+
+# torchrun's two ranks each with their own events and steps, one py-spy sampler per worker and
+# none for the agent: tests/test_launchers.py (test_torchrun_with_spawned_dataloader_workers,
+# assert_two_ranks), which checks that and more on a torchrun job of its own
 
 
 def test_unknown_command_is_a_one_line_error(tmp_path):
@@ -175,14 +182,8 @@ def test_no_command_is_a_one_line_error(tmp_path):
 
 
 @pytest.mark.slow
-def test_secrets_are_redacted_in_the_manifest(tmp_path):
-    proc = diagnose(
-        ["--out", "runs", "--no-pyspy", "--", PY, TINY, "--steps", "1"],
-        cwd=tmp_path,
-        env={"HF_TOKEN": "hf_abc123", "MY_API_KEY": "k-999", "DB_PASSWORD": "pw", "PLAIN_SETTING": "visible"},
-    )
-    assert proc.returncode == 0, proc.stderr
-    run_dir = only_run_dir(tmp_path / "runs")
+def test_secrets_are_redacted_in_the_manifest(example_run):
+    _, run_dir, _ = example_run  # SECRETS were in the job's environment
     text = open(os.path.join(run_dir, "manifest.json")).read()
     for secret in ("hf_abc123", "k-999", '"pw"'):
         assert secret not in text
@@ -206,6 +207,7 @@ def test_missing_evidence_is_recorded_not_fatal(tmp_path):
         assert "nvml" in run.missing
 
 
+@pytest.mark.slow  # a job under diagnose
 def test_a_failing_shim_hook_does_not_harm_the_job(tmp_path):
     # a job whose import of a hooked module makes our hook fail: the job runs on and the
     # failure lands in the events as a shim_error
@@ -236,15 +238,16 @@ def test_load_run_rejects_a_folder_that_is_not_a_run(tmp_path):
 
 
 @pytest.mark.slow
-def test_truncated_and_corrupt_event_lines_are_skipped_with_a_warning(tmp_path):
-    proc = diagnose(["--out", "runs", "--no-pyspy", "--", PY, TINY, "--steps", "3"], cwd=tmp_path)
-    run_dir = only_run_dir(tmp_path / "runs")
+def test_truncated_and_corrupt_event_lines_are_skipped_with_a_warning(tmp_path, example_run):
+    # a copy of the example's run (any cached tables left behind: the events are read again)
+    run_dir = str(tmp_path / "run")
+    shutil.copytree(example_run[1], run_dir, ignore=shutil.ignore_patterns("tables"))
     (events,) = [os.path.join(run_dir, "events", n) for n in os.listdir(os.path.join(run_dir, "events"))]
     with open(events, "a") as f:
-        f.write('{"type": "step_end", "step": 3, "t": 17')  # what a killed job leaves
+        f.write('{"type": "step_end", "step": 6, "t": 17')  # what a killed job leaves
     with pytest.warns(TruncatedEvidenceWarning, match="last line is truncated"):
         run = traindx.load_run(run_dir)
-    assert len(run.steps) == 3
+    assert len(run.steps) == 6
     # a corrupt line anywhere (a disk fault, a bad copy): skipped, the file and line named
     with open(events) as f:
         lines = f.read().splitlines()[:-1]
@@ -254,7 +257,7 @@ def test_truncated_and_corrupt_event_lines_are_skipped_with_a_warning(tmp_path):
     with pytest.warns(CorruptEvidenceWarning) as caught:
         run = traindx.load_run(run_dir)
     assert f"{events}: corrupt lines 4, 5, 6 skipped" in str(caught[0].message)
-    assert len(run.steps) == 3
+    assert len(run.steps) == 6
     # the commands on the run work, and say what they skipped in one line
     for command in (["report", run_dir], ["analyze", run_dir]):
         proc = diagnose(command, cwd=tmp_path)

@@ -13,6 +13,8 @@ from helpers import PY
 from traindx.analyzers.core.findings import reading_order
 from traindx.derive import ledger as L
 
+pytestmark = pytest.mark.slow  # each test one real job under diagnose (a tiny GPT-2, 15 steps)
+
 JOB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "jobs", "eval_every_few.py")
 LINES = {"generate": "model.generate(prompt", "no_grad": "loss = model(held_out"}
 

@@ -42,6 +42,12 @@ PATHOLOGY = {
     "nanogpt": ["--vary_block_size=True", "--max_iters=6"],
     "examples": ["--save-every", "3", "--batches", "18"],
 }
+# the accelerate job's own step line, read with the user's --log-regex (test_log_regex_...)
+LOG_REGEX = r"step (?P<step>\d+)/\d+ \| train_loss (?P<loss>[\d.]+)"
+# diagnose's options of a sick run, the same for every test that reads it (one run each): the
+# accelerate one samples at 50 Hz (test_accelerate_gil_holding_logger_thread) and reads its log
+# lines with the user's regex
+SICK_OPTIONS = {"accelerate": ("--pyspy-rate", "50", "--log-regex", LOG_REGEX)}
 _runs = {}
 # the corpus runs are made once per process (record() below) and shared with test_ledger.py:
 # under pytest -n, every test that reads them runs on one worker
@@ -54,7 +60,8 @@ def job(name):
 
 def record(tmp_path_factory, name, sick=False, extra=()):
     """Run the corpus job under diagnose once per session; (run, findings, the process)."""
-    key = (name, sick, tuple(extra))
+    extra = tuple(extra) or (SICK_OPTIONS.get(name, ()) if sick else ())
+    key = (name, sick, extra)
     if key not in _runs:
         script, args, _ = CORPUS[name]
         out = tmp_path_factory.mktemp(f"{name}-{'sick' if sick else 'ok'}")
@@ -294,7 +301,7 @@ def test_lightning_slow_getitem_prescribes_its_own_dataloader_line(tmp_path_fact
 
 @pytest.mark.slow
 def test_accelerate_gil_holding_logger_thread(tmp_path_factory):
-    run, findings, _ = record(tmp_path_factory, "accelerate", sick=True, extra=("--pyspy-rate", "50"))
+    run, findings, _ = record(tmp_path_factory, "accelerate", sick=True)  # py-spy at 50 Hz
     assert frameworks.detect(run)["name"] == "accelerate"
     gil = [f for f in findings if f.id == "gil.contention"]
     assert gil, above_info(findings)
@@ -364,12 +371,13 @@ def test_every_code_prescription_of_the_corpus_applies(tmp_path_factory):
 # -- the user's own log format -----------------------------------------------------------------
 @pytest.mark.slow
 def test_log_regex_is_used_and_kept_for_reanalysis(tmp_path_factory):
-    regex = r"step (?P<step>\d+)/\d+ \| train_loss (?P<loss>[\d.]+)"
-    run, _, _ = record(tmp_path_factory, "accelerate", extra=("--log-regex", regex))
-    assert run.manifest["options"]["log_regex"] == regex
-    assert set(run.log_steps["format"]) == {"custom"} and len(run.log_steps) == 10
+    # the sick accelerate run (its 48 steps) was recorded with --log-regex LOG_REGEX
+    run, _, _ = record(tmp_path_factory, "accelerate", sick=True)
+    steps = int(PATHOLOGY["accelerate"][PATHOLOGY["accelerate"].index("--steps") + 1])
+    assert run.manifest["options"]["log_regex"] == LOG_REGEX
+    assert set(run.log_steps["format"]) == {"custom"} and len(run.log_steps) == steps
     again = traindx.load_run(run.path)
-    assert list(again.log_steps["step"]) == list(range(1, 11))
+    assert list(again.log_steps["step"]) == list(range(1, steps + 1))
 
 
 def test_bad_log_regex_is_one_clear_line(tmp_path):

@@ -11,6 +11,7 @@ import re
 import pytest
 from conftest import fa4_available
 from helpers import PY, ROOT, diagnose, example
+from records import RunBuilder
 
 import traindx
 from traindx.report.outputs import read_findings
@@ -225,6 +226,7 @@ def test_newest_fa4_tensor_no_steady_recompile(tmp_path_factory):
 
 
 # -- py-spy alone: the H200 recording --------------------------------------------------------------
+@pytest.mark.slow  # `diagnose analyze` of the whole H200 py-spy recording
 def test_h200_pyspy_file_alone_finds_backward_recompiling_on_autograd_thread(tmp_path):
     out = tmp_path / "findings.json"
     proc = diagnose(["analyze", FIXTURE, "-o", str(out)], cwd=tmp_path)
@@ -283,56 +285,27 @@ def test_dynamo_recompiles_on_changing_shapes_with_reason(tmp_path_factory):
     assert os.path.exists(os.path.join(run.path, "findings.json"))
 
 
-# -- the healthy example: nothing --------------------------------------------------------------------
-@pytest.mark.slow
-def test_healthy_example_has_no_jit_finding(tmp_path_factory):
-    _, findings, _ = _record(
-        tmp_path_factory, "healthy", [PY, example("train_tiny.py"), "--steps", "4", "--threads", "1"], steps=4
-    )
-    assert [(f.id, f.severity) for f in findings if f.analyzer == "jit"] == []
-    assert [(f.id, f.severity) for f in findings if f.analyzer == "jit" and f.severity != "info"] == []
+# -- the healthy example: no jit finding at any severity: tests/test_analyzers.py
+# (test_healthy_example_has_no_jit_finding, on that module's recorded healthy run)
 
 
 # -- what cannot run on a CPU: Triton autotuning, other frameworks' commands ------------------------
 def _synthetic_run(path, command, compiles, step_s=1.0, steps=4, packages=None, caller_file="/job/model.py"):
-    """A run folder as the shim writes it (Triton cannot run without a GPU): steps of step_s
-    seconds and the given compile events (kind, kernel, step, seconds, key_fields)."""
-    os.makedirs(path / "events")
-    t0 = 1_700_000_000_000_000_000
-    events = [{"type": "process_start", "t": t0, "pid": 1, "rank": "0", "main_thread": 1}]
-    for s in range(steps):
-        begin, end = t0 + int(s * step_s * 1e9), t0 + int((s + 1) * step_s * 1e9)
-        events += [
-            {"type": "step_begin", "step": s, "t": begin},
-            {"type": "step_end", "step": s, "t": end, "duration_s": step_s},
-        ]
-    offset = {}
+    """A run folder as the shim writes it (Triton cannot run without a GPU), built in code
+    (tests/records.py): steps of step_s seconds and the given compile events (kind, kernel,
+    step, seconds, key_fields), those of one step one after the other as a job makes them."""
+    built = RunBuilder(path, command=command, packages=packages)
+    for _ in range(steps):
+        built.step(step_s)
+    into = {}  # seconds into each step taken by its compiles so far
     for kind, kernel, step, seconds, fields, *extra in compiles:
-        # events of one step one after the other, as a job makes them
-        start = t0 + int(step * step_s * 1e9) + 1000 + offset.get(step, 0)
-        offset[step] = offset.get(step, 0) + int(seconds * 1e9) + 1000
-        events.append(
-            {
-                "type": "compile",
-                "kind": kind,
-                "kernel": kernel,
-                "step": step,
-                "start": start,
-                "t": start + int(seconds * 1e9),
-                "duration_s": seconds,
-                "thread": "MainThread",
-                "is_main_thread": True,
-                "key_fields": fields,
-                "key": repr(fields),
-                "caller": {"file": caller_file, "line": 7, "function": "forward"},
-                **(extra[0] if extra else {}),
-            }
+        at = into.get(step, 0.0) + 1e-6
+        into[step] = at + seconds
+        caller = {"file": caller_file, "line": 7, "function": "forward"}
+        built.compile(
+            step, seconds, kernel, kind, fields, at_s=at, caller=caller, **(extra[0] if extra else {})
         )
-    with open(path / "events" / "0.jsonl", "w") as f:
-        f.write("\n".join(json.dumps(e) for e in sorted(events, key=lambda e: e["t"])) + "\n")
-    with open(path / "manifest.json", "w") as f:
-        json.dump({"command": command, "cwd": "/job", "packages": packages or {}}, f)
-    return traindx.load_run(path)
+    return built.load()
 
 
 def test_autotune_again_after_warmup_names_the_changing_key(tmp_path):
@@ -390,6 +363,7 @@ def test_backend_switch_is_recognised_from_the_command(tmp_path, command, env, e
     assert expected in [p.change for p in backend_switches(run)]
 
 
+@pytest.mark.slow  # `diagnose analyze` of the whole H200 py-spy recording
 def test_raw_collapsed_pyspy_file_gives_the_same_finding(tmp_path):
     """py-spy's raw format (collapsed stacks with sample counts) read with its sampling rate."""
     doc = json.loads(open(FIXTURE, encoding="utf-8").read())

@@ -7,6 +7,7 @@ import os
 
 import pandas as pd
 import pytest
+from records import FakeClock
 
 from traindx.analyzers import analyze
 from traindx.derive.run import load_run
@@ -241,14 +242,14 @@ def test_the_budget_starts_with_three_full_passes_at_their_measured_cost(tmp_pat
     long run the share of one core decides."""
     from traindx.analyzers.live.live import START_PASSES, LiveJudge, LiveOptions
 
-    now = [0.0]
-    judge = LiveJudge(str(tmp_path), LiveOptions(cpu_share=0.02), clock=lambda: now[0])
+    clock = FakeClock(0)  # the judge's seconds since the job started: the test moves them
+    judge = LiveJudge(str(tmp_path), LiveOptions(cpu_share=0.02), clock=clock)
     judge._cost[None] = 0.4
     assert START_PASSES == 3
     assert judge._room(1.2) and not judge._room(1.25)
     judge.state.analysis_cpu_s = 0.8  # two passes spent: one left
     assert judge._room(0.4) and not judge._room(0.45)
-    now[0] = 200.0  # 2 % of 200 s: 4 s
+    clock.advance(200.0)  # 2 % of 200 s: 4 s
     assert judge._room(3.2) and not judge._room(3.25)
 
 

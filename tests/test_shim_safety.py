@@ -419,10 +419,6 @@ def test_window_over_its_byte_limit_stands_down(tmp_path):
     assert pd.isna(window.get("path")) and _traces(run) <= _retry_traces(run)
 
 
-@pytest.mark.slow
-def test_window_within_its_budget_writes_a_bounded_trace(tmp_path):
-    run, window = _window_run(tmp_path, {}, window="3-4", ops=300)
-    assert pd.isna(window.get("stood_down")) and window["ended_by"] == "window end"
-    assert 0 < window["bytes"] <= window["max_bytes"] == 20_000_000
-    assert window["cost_s"] <= window["budget_s"]
-    assert len(run.torch_trace) and (run.torch_trace["cat"] == "cpu_op").any()
+# a window within its budget writes a bounded trace: tests/test_analyzers.py
+# (test_default_torch_profile_window_is_stored_for_perfetto_and_left_out_of_the_statistics, on
+# that module's recorded healthy run with its 3-4 window)

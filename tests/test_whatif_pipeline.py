@@ -2,21 +2,23 @@
 send/recv) whose first stage carries 3x the layers of the second, and its balanced twin, each
 under `diagnose`. The stages are found from the send/recv peers, the what-if names stage
 imbalance (not one worker), `diagnose -- cmd` wrote that finding itself, and the twin stays quiet;
-a run of one rank gets no what-if."""
+a run of one rank gets no what-if. The balanced twin is a run of the same job recorded on the
+2-core CPU machine (tests/data/cpu-whatif-twins.README), judged here: its verdict is the
+judge's, not the load's, and the job itself runs once (the 6,2 split) instead of twice."""
 
 import json
 import os
 import subprocess
 
 import pytest
-from helpers import PY, diagnose, only_run_dir
+from helpers import PY, diagnose, only_run_dir, recorded_runs_here
 
 import traindx
 from traindx.analyzers.ranks import whatif_run
 from traindx.derive.optable import OpType
 from traindx.derive.optable_runs import from_run
 
-# two 2-rank torchrun jobs side by side under diagnose: ~20 s CPU together
+# a 2-rank torchrun job under diagnose: ~10 s CPU
 pytestmark = pytest.mark.slow
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -56,7 +58,7 @@ def _launch(tmp, name, split):
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("pipe")
     found = {}
-    for name, split in (("slow", "6,2"), ("even", "4,4")):
+    for name, split in (("slow", "6,2"),):
         out, proc = _launch(tmp, name, split)
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
         found[name] = only_run_dir(out)
@@ -95,8 +97,17 @@ def test_diagnose_runs_the_what_if_itself_on_several_ranks(runs):
     auto = _auto(runs["slow"])
     assert [f["id"] for f in auto] == ["whatif.stage"]
     assert auto[0]["analyzer"] == "whatif_run" and auto[0]["severity"] in ("medium", "high")
-    # the balanced twin: nothing above low
-    assert all(f["severity"] in ("info", "low") for f in _auto(runs["even"]))
+
+
+def test_the_balanced_twin_stays_at_most_low(tmp_path):
+    # the same job with --split 4,4, recorded (tests/data/cpu-whatif-twins), judged now
+    twin = (
+        recorded_runs_here("cpu-whatif-twins", tmp_path, "/work/wt-testsa")
+        / "cpu-whatif-twins"
+        / "whatif_pipeline-even"
+    )
+    found = [f for f in traindx.analyze(traindx.load_run(twin)) if f.id.startswith("whatif.")]
+    assert all(f.severity in ("info", "low") for f in found), [(f.id, f.severity) for f in found]
 
 
 def test_one_rank_gets_no_what_if():
