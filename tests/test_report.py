@@ -111,6 +111,16 @@ def _jit_findings(run):
 
 
 # -- report data ---------------------------------------------------------------------------------
+def test_a_cpu_job_records_no_gpu_time(tiny_run):
+    """The shim's CPU path (issue 20 item 4, with test_gpu_view.py): a CPU job runs unchanged
+    under the GPU-time bookkeeping, which records nothing and fails nothing, and no gpu_idle
+    finding is made of it. (Was a diagnose run of train_tiny.py of its own in test_gpu_view.py.)"""
+    assert len(tiny_run.steps) == 6
+    assert not len(tiny_run.of_type("gpu_time")) and not len(tiny_run.of_type("shim_error"))
+    # the findings diagnose wrote for it (findings.json)
+    assert not [f for f in read_findings(tiny_run.path) if f.analyzer == "gpu_idle"]
+
+
 def test_report_data_of_a_real_run_matches_its_record(tiny_run):
     findings = read_findings(tiny_run.path)
     data = build_report_data(tiny_run, judge_run(tiny_run, findings))
