@@ -7,7 +7,7 @@ import os
 
 import numpy as np
 import pytest
-from fix_helpers import _finding
+from fix_helpers import _cli, _finding
 from helpers import PY, diagnose, diagnose_side_by_side, example
 from report_helpers import _chromium_check
 
@@ -203,7 +203,7 @@ def _tiny_runs(tmp_path, arms):
 def test_compare_calls_a_learning_rate_change_not_equivalent(tmp_path):
     base, same, high_lr = _tiny_runs(tmp_path, {"base": [], "same": [], "high-lr": ["--lr", "0.1"]})
 
-    proc = diagnose(["compare", str(base), str(high_lr), "--json", str(tmp_path / "c.json")], cwd=tmp_path)
+    proc = _cli("compare", base, high_lr, "--json", tmp_path / "c.json")
     assert proc.returncode == 0, proc.stderr
     comparison = json.loads((tmp_path / "c.json").read_text())
     parity = comparison["loss_parity"]
@@ -216,7 +216,7 @@ def test_compare_calls_a_learning_rate_change_not_equivalent(tmp_path):
     # machine's drift between two runs (±20 % on a shared 2-core VM, BENCHMARKS.md), which the
     # within-run bootstrap interval cannot see, so only a gross speed-up would be a defect here
     # (the arms ran side by side: a load that comes and goes slows both alike)
-    proc = diagnose(["compare", str(base), str(same), "--json", str(tmp_path / "s.json")], cwd=tmp_path)
+    proc = _cli("compare", base, same, "--json", tmp_path / "s.json")
     assert proc.returncode == 0, proc.stderr
     comparison = json.loads((tmp_path / "s.json").read_text())
     assert comparison["loss_parity"]["passed"] is True
@@ -232,7 +232,7 @@ def test_compare_calls_a_learning_rate_change_not_equivalent(tmp_path):
     assert comparison["change"]["command"]["same"] is True
 
     # a folder that is not a run: one line, no traceback
-    proc = diagnose(["compare", str(base), str(tmp_path)], cwd=tmp_path)
+    proc = _cli("compare", base, tmp_path)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
 
 
@@ -358,7 +358,7 @@ def test_fix_turns_the_recompiling_seed_job_into_the_int_path(tmp_path, fa4_b17_
     assert "export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1" in fix["apply"]
     assert "then kept: warm-up" in proc.stderr
     # a card of the fix folder carries the convergence check
-    proc = diagnose(["card", str(fix_dir), "--gpu", "H200", "--active-params", "1e6"], cwd=tmp_path)
+    proc = _cli("card", fix_dir, "--gpu", "H200", "--active-params", "1e6")
     assert proc.returncode == 0, proc.stderr
     card = RecipeCard.from_yaml(proc.stdout)
     assert card.convergence["result"] == "pass" and card.correctness["result"] == "pass"

@@ -10,6 +10,7 @@ import os
 import numpy as np
 import pytest
 import yaml
+from fix_helpers import _cli
 from helpers import PY, diagnose, example
 
 from traindx.analyzers.core import ab_verdict, parity
@@ -263,22 +264,19 @@ def test_card_from_a_measured_run(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr
     out = tmp_path / "card.yaml"
-    proc = diagnose(
-        [
-            "card",
-            str(run_dir),
-            "--active-params",
-            "1.5e6",
-            "--gpu",
-            "H200",
-            "--price-per-gpu-hour",
-            "3.5",
-            "--window",
-            "2:7",
-            "-o",
-            str(out),
-        ],
-        cwd=tmp_path,
+    proc = _cli(
+        "card",
+        run_dir,
+        "--active-params",
+        "1.5e6",
+        "--gpu",
+        "H200",
+        "--price-per-gpu-hour",
+        "3.5",
+        "--window",
+        "2:7",
+        "-o",
+        out,
     )
     assert proc.returncode == 0, proc.stderr
     card = RecipeCard.load(str(out))
@@ -311,7 +309,7 @@ def test_card_from_a_measured_run(tmp_path):
     assert card.correctness["result"] == "not run"
     assert "train_tiny.py" in card.run
     # a folder that is not a run: a one-line error, no traceback
-    proc = diagnose(["card", str(tmp_path)], cwd=tmp_path)
+    proc = _cli("card", tmp_path)
     assert proc.returncode != 0 and "not a traindx run" in proc.stderr
 
 
