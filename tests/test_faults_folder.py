@@ -170,6 +170,7 @@ def test_an_events_line_nested_200000_deep_is_one_corrupt_line(tmp_path):
     assert "Full garbage collections" in (run_dir / "findings.json").read_text()  # the rest analysed
 
 
+@pytest.mark.slow  # writes and reads a gigabyte
 def test_a_gzip_segment_that_inflates_to_a_gigabyte_is_refused_early(tmp_path):
     run_dir = _run_dir(tmp_path)
     segment = run_dir / "events" / f"{PID}.jsonl.s000001.gz"
@@ -256,6 +257,7 @@ def test_event_values_no_table_can_hold_are_corrupt_lines(tmp_path):
     assert f"events/{PID}.jsonl: corrupt lines" in err
 
 
+@pytest.mark.slow  # writes and reads a gigabyte
 def test_a_torch_trace_that_inflates_to_a_gigabyte_is_refused(tmp_path):
     run_dir = _run_dir(tmp_path)
     os.makedirs(run_dir / "trace")
