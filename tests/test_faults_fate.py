@@ -45,6 +45,7 @@ def _steps(stdout):
     return sum(1 for line in stdout.splitlines() if line.startswith("step "))
 
 
+@pytest.mark.slow  # a real diagnose run of a gc-heavy job
 def test_a_sigterm_handlers_exit_during_garbage_collection_ends_the_job(tmp_path):
     job = os.path.join(JOBS, "gc_heavy_signal.py")
     dx = _diagnose(["--run-dir", "run", "--", PY, job], tmp_path)
@@ -53,6 +54,7 @@ def test_a_sigterm_handlers_exit_during_garbage_collection_ends_the_job(tmp_path
     assert "Exception ignored" not in dx.stderr
 
 
+@pytest.mark.slow  # a real diagnose run of a gc-heavy job
 def test_a_ctrl_c_during_garbage_collection_ends_the_job(tmp_path):
     job = os.path.join(JOBS, "gc_heavy_signal.py")
     dx = _diagnose(["--run-dir", "run", "--", PY, job, "--int"], tmp_path)
@@ -248,6 +250,7 @@ def test_an_isolated_interpreter_is_stated_not_taken_for_a_job_without_steps(tmp
     assert "the shim could not be loaded" in dx.stderr
 
 
+@pytest.mark.slow  # a real diagnose run of a torch job
 def test_a_non_ascii_folder_under_the_c_locale_gets_the_findings_of_utf8(tmp_path):
     # the job's interpreter keeps its path undecoded (no UTF-8 mode): the shim writes it as UTF-8
     # text (as py-spy names it) and diagnose reads it in UTF-8 mode; "Healthy" was the misjudgement
@@ -316,6 +319,7 @@ def small_disk(tmp_path):
         subprocess.run(["umount", "-l", str(disk)], capture_output=True)
 
 
+@pytest.mark.slow  # the job runs twice, 3.5 s of it sleeps
 def test_the_evidence_leaves_a_small_disk_to_the_jobs_checkpoint(small_disk):
     (small_disk / "job.py").write_text(DISK_JOB)
     bare = subprocess.run([PY, "job.py"], cwd=small_disk, capture_output=True, text=True, timeout=120)

@@ -54,6 +54,47 @@ def _clean(proc, code=0):
     return proc.stderr
 
 
+# several commands in one child process (a Python start and traindx's imports once, not per
+# command), each with its own exit code and stderr; stdin closed and a timeout, as _diagnose
+_MANY = """
+import contextlib, io, json, sys
+from traindx.cli.main import main
+out = []
+for argv in json.loads(sys.argv[1]):
+    err = io.StringIO()
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+        try:
+            code = main(argv)
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
+    out.append([code, err.getvalue()])
+print(json.dumps(out))
+"""
+
+
+def _diagnose_each(*commands, timeout=300):
+    """[CompletedProcess-like (returncode, stderr)] of `diagnose ARGS` for each ARGS, run one
+    after the other in one child process: for rows that read a folder and do not interfere."""
+    proc = _diagnose_python(_MANY, [[str(a) for a in args] for args in commands], timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [
+        subprocess.CompletedProcess(args, code, "", err)
+        for args, (code, err) in zip(commands, json.loads(proc.stdout))
+    ]
+
+
+def _diagnose_python(code, argvs, timeout):
+    env = {k: v for k, v in os.environ.items() if k not in ("TRAINDX_RUN_DIR", "TRAINDX_DEBUG")}
+    return subprocess.run(
+        [PY, "-c", code, json.dumps(argvs)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        stdin=subprocess.DEVNULL,
+    )
+
+
 def _set_manifest(run_dir, old, new):
     path = run_dir / "manifest.json"
     text = path.read_text()
@@ -94,15 +135,18 @@ def test_a_start_time_that_is_no_time_is_dropped_in_every_command(tmp_path, valu
     nodes = tmp_path / "multi" / "nodes"
     shutil.copytree(run_dir, nodes / "a")
     said = "manifest.json: field of the wrong type or out of range ignored: start_ns"
-    for args in (
+    commands = (
         ["report", run_dir, "--quiet"],
         ["card", run_dir, "--tokens-per-step", "100", "-o", tmp_path / "card.yaml"],
         ["compare", _run_dir(tmp_path, "other"), run_dir],
         ["merge", tmp_path / "multi", "--quiet"],
         ["watch", run_dir],
         ["analyze", run_dir],
-    ):
-        err = _clean(_diagnose(*args, timeout=120))
+    )
+    # the six commands in one child process (each reads the folder; none writes what another
+    # reads but report's findings, which analyze and watch re-derive from the damaged manifest)
+    for args, proc in zip(commands, _diagnose_each(*commands)):
+        err = _clean(proc)
         assert said in err, (args[0], err)
 
 
@@ -126,6 +170,7 @@ def test_an_events_line_nested_200000_deep_is_one_corrupt_line(tmp_path):
     assert "Full garbage collections" in (run_dir / "findings.json").read_text()  # the rest analysed
 
 
+@pytest.mark.slow  # writes and reads a gigabyte
 def test_a_gzip_segment_that_inflates_to_a_gigabyte_is_refused_early(tmp_path):
     run_dir = _run_dir(tmp_path)
     segment = run_dir / "events" / f"{PID}.jsonl.s000001.gz"
@@ -212,6 +257,7 @@ def test_event_values_no_table_can_hold_are_corrupt_lines(tmp_path):
     assert f"events/{PID}.jsonl: corrupt lines" in err
 
 
+@pytest.mark.slow  # writes and reads a gigabyte
 def test_a_torch_trace_that_inflates_to_a_gigabyte_is_refused(tmp_path):
     run_dir = _run_dir(tmp_path)
     os.makedirs(run_dir / "trace")

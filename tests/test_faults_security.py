@@ -258,6 +258,7 @@ def _file_texts(folder):
                 yield os.path.join(root, name), f.read()
 
 
+@pytest.mark.slow  # a real diagnose run of a job in a terminal, with py-spy
 def test_the_jobs_control_sequences_and_token_reach_no_terminal_and_no_file(tmp_path):
     """Issue 48: OSC 52 / OSC 0 / CSI 2J in the hot function's name reached the live finding,
     the status, the verdict and the table raw; the token on the hot line stayed verbatim in

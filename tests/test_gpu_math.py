@@ -351,6 +351,7 @@ def test_mfu_with_no_flags_in_the_verdict_line_report_and_card(tmp_path):
     assert c.result.mfu == pytest.approx(expected, rel=0.05) and "trained parameters" in c.result.mfu_note
 
 
+@pytest.mark.slow  # a torch process with the profiler
 def test_shim_counts_flops_and_applies_the_math_patches():
     """The window's FLOP counts (torch.profiler's with_flops, summed per op at the stop) and the
     two math patches a --fix candidate arm asks for, in a real torch process."""

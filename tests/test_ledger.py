@@ -32,6 +32,7 @@ def getitem_run(tmp_path_factory):
     )
 
 
+@pytest.mark.slow  # a real diagnose run (the module's getitem run)
 def test_ledger_sums_to_wall_time_and_busy_getitem_is_data(getitem_run):
     run, proc = getitem_run
     led = run.ledger
@@ -63,6 +64,7 @@ def test_ledger_sums_to_wall_time_and_busy_getitem_is_data(getitem_run):
     assert html.count('data-cat="data"') >= 12 + 1
 
 
+@pytest.mark.slow  # a real diagnose run (the module's getitem run)
 def test_startup_is_its_own_row(getitem_run):
     run, _ = getitem_run
     start = run.startup_ledger
@@ -237,6 +239,7 @@ def _steady_data_cpu(run, steady, field="cpu"):
     return total / len(steady)
 
 
+@pytest.mark.slow  # a real diagnose run (the module's getitem run)
 def test_shim_records_cpu_evidence_per_step(getitem_run):
     run, _ = getitem_run
     steady = L.steady_rows(run)
@@ -273,6 +276,7 @@ def test_workers_step_model_documented_cases():
     assert S.workers_step_capped(0.030, 0.006, 0.006, 1, 2.0) == pytest.approx(0.030)
 
 
+@pytest.mark.slow  # a real diagnose run (the module's getitem run)
 def test_predicted_step_time_of_the_workers_fix_comes_from_the_cpu_evidence(getitem_run):
     run, _ = getitem_run
     found = [f for f in traindx.analyze(run) if f.id == "dataloader.starvation"]
@@ -344,6 +348,7 @@ def test_predicted_step_time_of_the_workers_fix_comes_from_the_cpu_evidence(geti
         assert f.evidence["unpriced"][0]["expected_gain_s_per_step"] == pytest.approx(pred["removed_s"])
 
 
+@pytest.mark.slow  # a real diagnose run (the module's getitem run)
 def test_workers_prediction_of_a_run_without_cpu_evidence(getitem_run, tmp_path):
     """A run recorded by an older shim (no `cpu` events, no CPU on the data spans) keeps the
     overlap bound: what stays is max(0, data / min(N, cpus - 1) - rest), and the step cannot

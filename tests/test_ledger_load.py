@@ -240,6 +240,7 @@ def host_read_run(tmp_path_factory):
     )
 
 
+@pytest.mark.slow  # a real diagnose run (the module's host-read run)
 def test_blocking_read_is_host_time_at_its_line(host_read_run):
     run, proc = host_read_run
     with open(os.path.join(JOBS, "host_read.py"), encoding="utf-8") as f:
@@ -271,6 +272,7 @@ def test_blocking_read_is_host_time_at_its_line(host_read_run):
         assert cpu[cpu["step"].isin(set(led["step"]))]["thread_runq_s"].notna().all()
 
 
+@pytest.mark.slow  # a real diagnose run (the module's host-read run)
 def test_cpu_threads_are_recorded(host_read_run):
     run, _ = host_read_run
     pictures = run.cpu_threads

@@ -111,6 +111,18 @@ def _jit_findings(run):
 
 
 # -- report data ---------------------------------------------------------------------------------
+@pytest.mark.slow  # a real diagnose run (the module's tiny or markup run)
+def test_a_cpu_job_records_no_gpu_time(tiny_run):
+    """The shim's CPU path (issue 20 item 4, with test_gpu_view.py): a CPU job runs unchanged
+    under the GPU-time bookkeeping, which records nothing and fails nothing, and no gpu_idle
+    finding is made of it. (Was a diagnose run of train_tiny.py of its own in test_gpu_view.py.)"""
+    assert len(tiny_run.steps) == 6
+    assert not len(tiny_run.of_type("gpu_time")) and not len(tiny_run.of_type("shim_error"))
+    # the findings diagnose wrote for it (findings.json)
+    assert not [f for f in read_findings(tiny_run.path) if f.analyzer == "gpu_idle"]
+
+
+@pytest.mark.slow  # a real diagnose run (the module's tiny or markup run)
 def test_report_data_of_a_real_run_matches_its_record(tiny_run):
     findings = read_findings(tiny_run.path)
     data = build_report_data(tiny_run, judge_run(tiny_run, findings))
@@ -149,6 +161,7 @@ def test_report_data_of_a_real_run_matches_its_record(tiny_run):
     json.dumps(data)  # plain data, ready for any renderer
 
 
+@pytest.mark.slow  # a real diagnose run (the module's tiny or markup run)
 def test_findings_ranked_by_seconds_lost_and_verdict_is_the_top_change(tiny_run):
     findings = _jit_findings(tiny_run)
     data = build_report_data(tiny_run, judge_run(tiny_run, findings))
@@ -195,6 +208,7 @@ def _tags(html):
     return parser.tags
 
 
+@pytest.mark.slow  # a real diagnose run (the module's tiny or markup run)
 def test_markup_from_the_job_is_escaped_everywhere(escaping_run):
     run = escaping_run
     # the markup really is in the evidence: py-spy saw the frame and file, the log has the line
@@ -234,6 +248,7 @@ def test_markup_from_the_job_is_escaped_everywhere(escaping_run):
     _chromium_check(path, "report-escaping.png", expect_text=[MARKUP[0], MARKUP[3]])
 
 
+@pytest.mark.slow  # a real diagnose run (the module's tiny or markup run)
 def test_secrets_in_the_environment_stay_out(tiny_run, tmp_path):
     run_dir = tmp_path / "run"
     shutil.copytree(tiny_run.path, run_dir)
@@ -260,6 +275,7 @@ def test_secrets_in_the_environment_stay_out(tiny_run, tmp_path):
 
 
 # -- Perfetto, size, command ----------------------------------------------------------------------
+@pytest.mark.slow  # a real diagnose run (the module's tiny or markup run)
 def test_perfetto_export_holds_the_merged_timeline(tiny_run, tmp_path):
     out = tmp_path / "trace.json.gz"
     proc = subprocess.run(
@@ -317,6 +333,7 @@ def test_report_command_errors_are_one_line(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow  # a real diagnose run (the module's tiny or markup run)
 def test_a_ten_minute_run_renders_under_five_megabytes(tiny_run, tmp_path):
     """The tiny run's real evidence stretched to a 10-minute run: its steps repeated at 0.1 s
     per step (6000 steps), py-spy snapshots every 0.5 s, 12000 py-spy samples, and 8 GPUs of
@@ -411,6 +428,7 @@ def test_report_in_chromium(tiny_run):
     _chromium_check(path, "report.png", checks=checks)
 
 
+@pytest.mark.slow  # a real diagnose run (the module's tiny or markup run)
 def test_report_command_shows_a_fix_comparison_from_the_run_folder(tiny_run, h200_run, tmp_path):
     """A --fix candidate folder holds comparison.json (recipes.ab.compare_runs); re-rendering it
     shows the arms side by side."""
@@ -435,6 +453,7 @@ def test_report_command_shows_a_fix_comparison_from_the_run_folder(tiny_run, h20
     assert "loss parity" in section
 
 
+@pytest.mark.slow  # a real diagnose run (the module's tiny or markup run)
 def test_terminal_summary_says_what_the_html_verdict_says(tiny_run):
     import io
 
@@ -456,6 +475,7 @@ def test_terminal_summary_says_what_the_html_verdict_says(tiny_run):
     assert text.index("FA4 recompiles") < text.index("Generation-2 GC") < text.index("note: a note")
 
 
+@pytest.mark.slow  # a real diagnose run (the module's tiny or markup run)
 def test_the_report_marks_what_fix_applies_and_what_are_alternatives(tiny_run):
     """--fix's planner (traindx.fixing.run.loop) decides; the report and the terminal mark each
     prescription as the one applied, an alternative, or by hand."""

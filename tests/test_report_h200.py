@@ -1,10 +1,10 @@
-"""The report of a real GPU run (the seed case recorded on an H200, tests/data/h200-seed-b17-tensor)
-and of the FA4 seed example on the CPU (real flash_attn.cute compiling in fake mode)."""
+"""The report of a real GPU run (the seed case recorded on an H200, tests/data/h200-seed-b17-tensor);
+the FA4 seed example's cold start on the CPU: test_fix.py's test_report_of_the_cold_start_baseline."""
 
 import json
 
 import pytest
-from report_helpers import PYTHON, _chromium_check, diagnose
+from report_helpers import _chromium_check
 
 from traindx.analyzers.core.findings import Finding
 from traindx.judgement import judge_run
@@ -73,49 +73,9 @@ def test_perfetto_export_of_the_h200_run_has_compiles_on_their_thread_and_gpu_co
     assert {"GPU 0 util %", "GPU 0 SM clock MHz", "GPU 0 power W"} <= counters
 
 
-# -- the FA4 seed example on the CPU (real flash_attn.cute compiling in fake mode) -----------------
-def _have_fa4():
-    import importlib.util
-
-    return all(importlib.util.find_spec(m) is not None for m in ("flash_attn", "cutlass"))
-
-
-@pytest.mark.fa4
-@pytest.mark.skipif(not _have_fa4(), reason="flash-attn-4 / nvidia-cutlass-dsl not installed")
-@pytest.mark.slow
-def test_report_of_the_fa4_seed_cold_start(tmp_path):
-    run, _ = diagnose(
-        tmp_path / "seed",
-        PYTHON,
-        "examples/fa4_seed.py",
-        "--steps",
-        "2",
-        env={"TRAINDX_TORCH_PROFILE": "off"},
-    )
-    from traindx.analyzers import analyze
-
-    findings = analyze(run)
-    data = build_report_data(run, judge_run(run, findings))
-    first = data["timeline"]["ranks"]["0"][0]
-    assert first["cause"] == "compile" and first["compile_s"] > 0.5 * first["duration_s"]
-    kernels = {c["kernel"].split(":")[0] for c in data["compiles"]}
-    assert {"_flash_attn_fwd", "_flash_attn_bwd"} <= kernels
-    assert all(c["first"] and c["step"] == 0 for c in data["compiles"])
-    backward = next(c for c in data["compiles"] if c["kernel"].startswith("_flash_attn_bwd"))
-    assert backward["is_main_thread"] is False and backward["call_site"].endswith(")")
-    # the lanes draw the autograd thread that compiles (whether one of py-spy's 2 s snapshots
-    # falls inside its compile depends on timing: not asserted)
-    lanes = {t["name"]: t for t in data["lanes"]["threads"]}
-    assert backward["thread"] in lanes
-    assert any(c["thread"] == backward["thread"] for c in data["lanes"]["compiles"])
-    path = write_report(run, judge_run(run, findings))
-
-    def checks(page):
-        assert page.locator("#step-chart rect.compile-mark").count() == len(data["compiles"])
-        assert page.locator("#lanes svg rect.lane-compile").count() >= 1
-        assert "_flash_attn_bwd" in page.inner_text("#compiles")
-
-    _chromium_check(path, "report-fa4-seed.png", checks=checks)
+# (the report of the FA4 seed example's cold start on the CPU, real flash_attn.cute compiling in
+# fake mode: test_fix.py's test_report_of_the_cold_start_baseline, over the baseline arm of its
+# cold-start --fix run, which made the same cold run a second time here)
 
 
 def test_time_in_events_no_analyzer_named_is_a_finding_the_verdict_points_at(h200_run):
