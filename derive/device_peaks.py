@@ -23,8 +23,6 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-PRECISIONS = ("fp32", "tf32", "bf16", "fp16", "fp8")
-
 
 @dataclass(frozen=True)
 class DevicePeak:
@@ -112,15 +110,6 @@ def peak_flops(name: str | None, precision: str) -> float | None:
     if peak is None or precision not in peak.tflops:
         return None
     return peak.tflops[precision] * 1e12
-
-
-def fastest_precision(name: str | None) -> str | None:
-    """The precision with the highest dense rate among fp32/tf32/bf16/fp16 (not fp8: a training
-    precision that needs scaling recipes)."""
-    peak = match_device(name)
-    if peak is None:
-        return None
-    return max(("tf32", "bf16", "fp16", "fp32"), key=lambda p: peak.tflops.get(p, 0.0))
 
 
 def device_name(manifest: dict[str, object] | None) -> str | None:

@@ -58,10 +58,6 @@ def analyze_run(path: str) -> tuple[whatif.WhatIf, list[Finding]]:
     return result, judge(result, source=os.path.basename(os.path.normpath(path)))
 
 
-def is_megatron_log(path: str) -> bool:
-    return megatron_timers.looks_like(path)
-
-
 def analyze_megatron_log(path: str, tp: int, pp: int) -> tuple[whatif.WhatIf, list[Finding]]:
     """The what-if analysis of Megatron's per-rank timers in a training log."""
     log = megatron_timers.read(path)

@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING
 from traindx.cli import argtypes
 from traindx.cli.run_folder import kept_arm
 from traindx.common.errors import UserError
-from traindx.recipes.card import CardOptions, RecipeCard, card
+from traindx.recipes.card import CardOptions, card
 
 if TYPE_CHECKING:
-    from traindx.derive.run import RunRecord
+    pass
 
 
 def prepare_parser(parser: argparse.ArgumentParser) -> None:
@@ -99,11 +99,6 @@ def options_from(args: argparse.Namespace) -> CardOptions:
         tokens_per_step=args.tokens_per_step,
         author=args.author,
     )
-
-
-def build_card(run: RunRecord, args: argparse.Namespace) -> RecipeCard:
-    """(kept for callers of the old name) the card of a run from `diagnose card` arguments."""
-    return card(run, options_from(args))
 
 
 def fix_arm(path: str) -> str:
