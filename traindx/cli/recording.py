@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, cast
 
+from traindx.common.argtypes import one_line
 from traindx.common.atomic import write_json
 from traindx.common.errors import UserError
 
@@ -52,11 +53,6 @@ class FixRequest:
     until_diagnosed: bool = False
     warm_up_after_fix: bool = True
     keep_outputs: bool = False
-
-
-def one_line(text: object, limit: int = 400) -> str:
-    text = " ".join(str(text).split())
-    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 def runnable(command: list[str]) -> list[str]:
@@ -129,7 +125,7 @@ def record_job(
         if job.folder_gone:
             print(f"diagnose: warning: {job.folder_gone}", file=sys.stderr)
         for line in job.not_written:
-            print(f"diagnose: not written: {one_line(line)}", file=sys.stderr)
+            print(f"diagnose: not written: {one_line(line, 400)}", file=sys.stderr)
 
 
 def say_where(run_dir: str) -> None:
@@ -185,13 +181,13 @@ def diagnose(command: list[str], request: JobRequest) -> int:
             return status or ANALYSIS_FAILED_EXIT
     except UserError as exc:
         print(
-            f"diagnose: analysis failed: {one_line(exc)} (the raw evidence is kept in {run_dir})",
+            f"diagnose: analysis failed: {one_line(exc, 400)} (the raw evidence is kept in {run_dir})",
             file=sys.stderr,
         )
         return status or ANALYSIS_FAILED_EXIT
     except Exception as exc:  # traindx's own bug: one line, and never hide the job's exit code
         print(
-            f"diagnose: internal error during analysis: {type(exc).__name__}: {one_line(exc)} "
+            f"diagnose: internal error during analysis: {type(exc).__name__}: {one_line(exc, 400)} "
             f"(the raw evidence is kept in {run_dir})",
             file=sys.stderr,
         )
@@ -325,9 +321,9 @@ def write_node_tables(run_dir: str) -> None:
     try:
         problem = write_tables(run_dir)
     except UserError as exc:
-        problem = one_line(exc)
+        problem = one_line(exc, 400)
     except Exception as exc:  # never fail the node's run over an optional copy of its events
-        problem = f"{type(exc).__name__}: {one_line(exc)}"
+        problem = f"{type(exc).__name__}: {one_line(exc, 400)}"
     if problem:
         print(
             f"diagnose: warning: the node's event tables were not written ({problem}); the "
