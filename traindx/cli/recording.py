@@ -179,16 +179,11 @@ def diagnose(command: list[str], request: JobRequest) -> int:
     try:
         if not _analyse_and_report(run_dir, node):
             return status or ANALYSIS_FAILED_EXIT
-    except UserError as exc:
+    except Exception as exc:  # a UserError, or traindx's own bug: one line, never hiding the job's exit code
+        what = "analysis failed" if isinstance(exc, UserError) else "internal error during analysis"
+        bug = "" if isinstance(exc, UserError) else f"{type(exc).__name__}: "
         print(
-            f"diagnose: analysis failed: {one_line(exc, 400)} (the raw evidence is kept in {run_dir})",
-            file=sys.stderr,
-        )
-        return status or ANALYSIS_FAILED_EXIT
-    except Exception as exc:  # traindx's own bug: one line, and never hide the job's exit code
-        print(
-            f"diagnose: internal error during analysis: {type(exc).__name__}: {one_line(exc, 400)} "
-            f"(the raw evidence is kept in {run_dir})",
+            f"diagnose: {what}: {bug}{one_line(exc, 400)} (the raw evidence is kept in {run_dir})",
             file=sys.stderr,
         )
         return status or ANALYSIS_FAILED_EXIT
@@ -246,11 +241,8 @@ def diagnose_with_fix(
     live = request.live
 
     def run_arm(cmd: list[str], run_dir: str, opts: Options, until_diagnosed: bool = False) -> int | None:
-        arm_live = live
-        if until_diagnosed and live is not False:  # the baseline arm of --fix --until-diagnosed
-            arm_live = dataclasses.replace(live, until_diagnosed=True)
-        elif live is not False:
-            arm_live = dataclasses.replace(live, until_diagnosed=False)  # a candidate: N steps
+        # the baseline arm of --fix --until-diagnosed stops so; a candidate runs N steps
+        arm_live = live if live is False else dataclasses.replace(live, until_diagnosed=until_diagnosed)
         return record_job(cmd, run_dir, opts, quiet=request.quiet, live=arm_live)
 
     options = FixOptions(
