@@ -15,10 +15,6 @@ from traindx.derive.optable_megatron import from_timers
 from traindx.profiler import megatron_timers, straggler_trace
 
 
-def is_trace(path: str) -> bool:
-    return straggler_trace.is_trace(path)
-
-
 def analyze_trace(path: str) -> tuple[whatif.WhatIf, list[Finding]]:
     trace = straggler_trace.read(path)
     meta = trace.meta
