@@ -109,7 +109,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         if not args.json:
             whatif_view.print_summary(args.path, result, findings)
     else:
-        from traindx.cli.pyspy_file import analyze_file  # lazy: the analyzers (pandas)
+        from traindx.cli.trace_file import analyze_file  # lazy: the analyzers (pandas)
         from traindx.report.terminal import print_file_summary
 
         findings = analyze_file(path, args.rate)
