@@ -22,9 +22,9 @@ from traindx.common.errors import UserError
 
 if TYPE_CHECKING:
     from traindx.analyzers.live.live import LiveOptions
+    from traindx.common.console import Console
     from traindx.fixing.run.model import FixEvent
     from traindx.profiler.launcher import Options
-    from traindx.report.console import Console
 
 # the job succeeded but traindx could not analyse or report it: a pipeline must notice
 ANALYSIS_FAILED_EXIT = 3
@@ -264,7 +264,7 @@ class _FixReporter:
     """The --fix runner's events on stderr: stage rules, the arms' summaries, the comparison."""
 
     def __init__(self, print_comparison: PrintComparison) -> None:
-        from traindx.report.console import Console
+        from traindx.common.console import Console
 
         self.console = Console(file=sys.stderr)
         self.print_comparison = print_comparison

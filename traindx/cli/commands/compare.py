@@ -23,7 +23,7 @@ from traindx.common.errors import UserError
 if TYPE_CHECKING:  # annotations only (rich is imported when a comparison is printed)
     from rich.table import Table
 
-    from traindx.report.console import Console
+    from traindx.common.console import Console
 
 
 def prepare_parser(parser: argparse.ArgumentParser) -> None:
@@ -54,10 +54,10 @@ def resolve_arms(run_a: str, run_b: str | None) -> tuple[str, str]:
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from traindx.common.console import Console
     from traindx.derive.run import load_run
     from traindx.derive.stats import parse_window
     from traindx.recipes.ab import compare_runs
-    from traindx.report.console import Console
     from traindx.report.outputs import write_json_file
 
     window = parse_window(args.window) if args.window else None  # valid: argtypes.step_window
@@ -125,7 +125,7 @@ def print_comparison(comparison: dict[str, Any], console: Console | None = None)
     """The comparison as a user reads it in the terminal (rich)."""
     from rich.text import Text
 
-    from traindx.report.console import Console
+    from traindx.common.console import Console
 
     console = console or Console(file=sys.stderr)
     console.rule("traindx: A/B comparison")
