@@ -2,16 +2,9 @@
 name NVML records in the manifest ("NVIDIA H200", "NVIDIA H100 80GB HBM3", "NVIDIA H100 PCIe").
 
 Figures are NVIDIA's datasheet rates at the boost clock, in TFLOP/s, dense (the datasheets print
-the 2:4-sparse rate for tensor cores; dense is half of it). Sources (read, not measured here):
-
-- A100 SXM4: NVIDIA A100 Tensor Core GPU datasheet (FP32 19.5, TF32 156, BF16/FP16 312; no FP8).
-- H100 SXM5 and H100 PCIe: NVIDIA H100 Tensor Core GPU datasheet (SXM: FP32 67, TF32 494.5,
-  BF16/FP16 989.5, FP8 1979; PCIe: FP32 51, TF32 378, BF16/FP16 756, FP8 1513).
-- H200 SXM: NVIDIA H200 Tensor Core GPU datasheet (the H100 SXM rates: FP32 67, TF32 494.5,
-  BF16/FP16 989.5, FP8 1979); H200 NVL: FP32 60, TF32 417, BF16 835, FP8 1671.
-- B200 and B300: NVIDIA HGX B200 / HGX B300 datasheets, 8-GPU totals divided by 8 and the sparse
-  tensor-core rates by 2 (FP32 75, TF32 1100, BF16/FP16 2250, FP8 4500); torchtitan's
-  `get_peak_flops` uses the same BF16 figure (reference/FACTS.md §6).
+the 2:4-sparse rate for tensor cores; dense is half of it); each entry names its datasheet. B200
+and B300: the HGX datasheets' 8-GPU totals divided by 8; torchtitan's `get_peak_flops` uses the
+same BF16 figure (reference/FACTS.md §6).
 
 The clock matters: the rates are at the maximum boost clock; a GPU held at a lower SM clock
 (power cap, thermal) peaks lower. NVML's sm_clock_mhz is recorded beside them (nvml.csv).
@@ -22,8 +15,6 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-
-PRECISIONS = ("fp32", "tf32", "bf16", "fp16", "fp8")
 
 
 @dataclass(frozen=True)
@@ -112,15 +103,6 @@ def peak_flops(name: str | None, precision: str) -> float | None:
     if peak is None or precision not in peak.tflops:
         return None
     return peak.tflops[precision] * 1e12
-
-
-def fastest_precision(name: str | None) -> str | None:
-    """The precision with the highest dense rate among fp32/tf32/bf16/fp16 (not fp8: a training
-    precision that needs scaling recipes)."""
-    peak = match_device(name)
-    if peak is None:
-        return None
-    return max(("tf32", "bf16", "fp16", "fp32"), key=lambda p: peak.tflops.get(p, 0.0))
 
 
 def device_name(manifest: dict[str, object] | None) -> str | None:

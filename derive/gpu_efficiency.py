@@ -201,29 +201,25 @@ def rank_views(run: RunView) -> dict[str, RankGpu]:
     return out
 
 
+def _numbers(table: pd.DataFrame, column: str) -> pd.Series | None:
+    """A column's numbers (None when it has none)."""
+    if not len(table) or column not in table:
+        return None
+    values = pd.to_numeric(table[column], errors="coerce").dropna()
+    return values if len(values) else None
+
+
 def trained_parameters(run: RunView) -> float | None:
     """Parameters the optimizer trains (the shim's optimizer_created `params`), None if unknown."""
-    ev = events_of_type(run, "optimizer_created")
-    if len(ev) and "params" in ev.columns:
-        values = pd.to_numeric(ev["params"], errors="coerce").dropna()
-        if len(values):
-            return float(values.max())
-    return None
+    values = _numbers(events_of_type(run, "optimizer_created"), "params")
+    return float(values.max()) if values is not None else None
 
 
 def tokens_per_step(run: RunView) -> float | None:
     """Tokens of one step: the shim's step_end `tokens`, else the job's 'tokens per step: N'."""
-    ev = events_of_type(run, "step_end")
-    if len(ev) and "tokens" in ev.columns:
-        ends = pd.to_numeric(ev["tokens"], errors="coerce").dropna()
-        if len(ends):
-            return float(ends.median())
-    log = run.log_steps
-    if len(log) and "tokens" in log.columns:
-        tokens = pd.to_numeric(log["tokens"], errors="coerce").dropna()
-        if len(tokens):
-            return float(tokens.median())
-    return None
+    values = _numbers(events_of_type(run, "step_end"), "tokens")
+    values = values if values is not None else _numbers(run.log_steps, "tokens")
+    return float(values.median()) if values is not None else None
 
 
 def model_flops_utilisation(run: RunView, views: dict[str, RankGpu] | None = None) -> dict[str, Any] | None:

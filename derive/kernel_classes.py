@@ -35,19 +35,6 @@ import numpy as np
 import pandas as pd
 
 GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
-FAMILIES = (
-    "matmul",
-    "conv",
-    "attention",
-    "communication",
-    "copy",
-    "memset",
-    "elementwise",
-    "reduction",
-    "autotune",
-    "other",
-)
-TENSOR_PRECISIONS = ("tf32", "bf16", "fp16", "fp8")
 SDPA_MATH_OP = "aten::_scaled_dot_product_attention_math"
 SDPA_MATH_LABEL = "SDPA math path (bmm + softmax, unfused)"
 CONV_OPS = ("aten::cudnn_convolution", "aten::convolution_backward", "aten::cudnn_convolution_transpose")

@@ -331,10 +331,6 @@ def refuse_links(path: str) -> None:
         )
 
 
-def is_run_dir(path: str) -> bool:
-    return os.path.isfile(os.path.join(path, "manifest.json"))
-
-
 def load_run(
     path: str | os.PathLike[str], cache: bool | None = None, so_far: EventsSoFar | None = None
 ) -> RunRecord:

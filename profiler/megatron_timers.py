@@ -11,7 +11,7 @@ normalised per iteration::
 (`minmax` / `max`, the default, print only the extremes over ranks: no rank to attribute a
 straggler to, so those blocks are counted and skipped.) The iteration is the last
 `iteration N/ M |` line before the block. Record layer: the rows are returned as read, one per
-(interval, timer, rank), in milliseconds; `traindx.derive.optable_megatron` makes the op table.
+(interval, timer, rank), in milliseconds; `traindx.derive.optable.from_timers` makes the op table.
 """
 
 from __future__ import annotations

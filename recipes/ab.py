@@ -20,8 +20,9 @@ from traindx.analyzers.core import parity as loss_parity_rules
 from traindx.analyzers.core.ab_verdict import MIN_SPEEDUP, ABVerdict, ab_verdict
 from traindx.analyzers.memory import memory as memory_rules
 from traindx.derive import stats
+from traindx.derive.gpu_efficiency import tokens_per_step
 from traindx.derive.periods import series_period
-from traindx.derive.steady import events_of_type, perturbed_causes, profiled_steps
+from traindx.derive.steady import perturbed_causes, profiled_steps
 from traindx.derive.steptables import SHIM_SOURCES, progress_step_seconds
 from traindx.recipes.ab_unit import per_micro_batch
 
@@ -86,22 +87,6 @@ def losses(run: RunRecord) -> dict[int, float]:
         return {}
     log = log.dropna(subset=["loss", "step"])
     return {int(s): float(v) for s, v in log.groupby("step")["loss"].last().items()}
-
-
-def tokens_per_step(run: RunRecord) -> float | None:
-    """Tokens of one optimizer step, as the job reports them ('tokens per step: N' in its
-    log line, or a `tokens` field on the shim's step_end events); None when unknown."""
-    ev = events_of_type(run, "step_end")
-    if len(ev) and "tokens" in ev.columns:
-        ends = ev["tokens"].dropna()
-        if len(ends):
-            return float(ends.median())
-    log = run.log_steps
-    if len(log) and "tokens" in log.columns:
-        tokens = log["tokens"].dropna()
-        if len(tokens):
-            return float(tokens.median())
-    return None
 
 
 def compile_counts(run: RunRecord, window: tuple[int, int] | None = None) -> tuple[int, int | None]:

@@ -140,9 +140,10 @@ def _convergence(run: RunRecord) -> dict[str, Any]:
 def _throughput(run: RunRecord, args: CardOptions) -> _Throughput:
     # lazy: pandas and numpy, not for `diagnose card --help`
     from traindx.derive import throughput
+    from traindx.derive.gpu_efficiency import tokens_per_step
     from traindx.derive.stats import parse_window, window_positions
     from traindx.derive.steptables import SHIM_SOURCES
-    from traindx.recipes.ab import left_out_steps, step_times, tokens_per_step
+    from traindx.recipes.ab import left_out_steps, step_times
 
     series, source = step_times(run)
     times = series.to_numpy(dtype=float)

@@ -24,7 +24,7 @@ S = TypeVar("S", bound="_Section")
 # -- the model ---------------------------------------------------------------------------------
 def _split(data: dict[str, Any], cls: type) -> tuple[dict[str, Any], dict[str, Any], list[str]]:
     """Known fields of a dataclass from a mapping, and the rest (kept, in order)."""
-    names = [f.name for f in fields(cls) if f.name not in ("extra", "present")]
+    names = [f.name for f in fields(cls) if f.name not in ("extra", "present", "header")]
     known = {k: data[k] for k in names if k in data}
     extra = {k: v for k, v in data.items() if k not in names}
     return known, extra, list(data)
@@ -175,13 +175,10 @@ class RecipeCard:
         problems = validate(data)
         if problems:
             raise CardError(problems, source)
-        names = [f.name for f in fields(cls) if f.name not in ("extra", "present", "header")]
-        known = {k: data[k] for k in names if k in data}
-        known["gpu"] = Gpu.from_dict(data["gpu"])
-        known["author"] = Author.from_dict(data["author"])
+        known, extra, order = _split(data, cls)
+        known.update(gpu=Gpu.from_dict(data["gpu"]), author=Author.from_dict(data["author"]))
         known["result"] = Result.from_dict(data["result"])
-        extra = {k: v for k, v in data.items() if k not in names}
-        return cls(**known, extra=extra, present=list(data), header=header)
+        return cls(**known, extra=extra, present=order, header=header)
 
     @classmethod
     def from_yaml(cls, text: str, source: str | None = None) -> RecipeCard:

@@ -13,7 +13,6 @@ from typing import Any
 
 from markupsafe import Markup, escape
 
-from traindx.report.step_chart import step_chart
 from traindx.report.svg import (
     CAUSE_COLOURS,
     FRAME_COLOURS,
@@ -31,21 +30,6 @@ from traindx.report.svg import (
     time_axis,
     y_grid,
 )
-
-# html.py draws charts.* and colours its legends from the palettes here
-__all__ = [
-    "CAUSE_COLOURS",
-    "FRAME_COLOURS",
-    "LEDGER_COLOURS",
-    "STATE_COLOURS",
-    "fmt_s",
-    "gpu_charts",
-    "icicle",
-    "ledger_chart",
-    "rank_heatmap",
-    "step_chart",
-    "thread_lanes",
-]
 
 
 def gpu_charts(gpu: Mapping[str, Any] | None, timeline: Mapping[str, Any]) -> list[Markup]:

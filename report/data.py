@@ -269,14 +269,7 @@ def _step_stats(
         "unexplained_steps": drawn["cause_counts"].get("unexplained", 0),
         "compiles": len(compiles),
         "compile_s": sum(c["duration_s"] for c in compiles),
-        "worst_step": {
-            "rank": worst["rank"],
-            "step": worst["step"],
-            "duration_s": worst["duration_s"],
-            "cause": worst["cause"],
-        }
-        if worst
-        else None,
+        "worst_step": {k: worst[k] for k in ("rank", "step", "duration_s", "cause")} if worst else None,
         "final_loss": losses[max(losses)] if losses else None,
         "startup_s": float(st["start_s"].iloc[0]) if len(st) else None,
         "gpu_util_in_steps": gpu_util_in_windows(

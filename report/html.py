@@ -16,8 +16,9 @@ from jinja2 import Environment, FileSystemLoader, StrictUndefined, select_autoes
 from markupsafe import Markup
 
 from traindx.common.atomic import write_text
-from traindx.report import charts
+from traindx.report import charts, svg
 from traindx.report.data import build_report_data
+from traindx.report.step_chart import step_chart
 
 if TYPE_CHECKING:
     from traindx.derive.run import RunRecord
@@ -35,7 +36,7 @@ def _environment() -> Environment:
         trim_blocks=False,
         lstrip_blocks=False,
     )
-    env.filters["fmt_s"] = charts.fmt_s
+    env.filters["fmt_s"] = svg.fmt_s
     return env
 
 
@@ -56,8 +57,8 @@ def render_html(data: Mapping[str, Any]) -> str:
     js = _asset("report.js")
     script_hash = "sha256-" + base64.b64encode(hashlib.sha256(js.encode("utf-8")).digest()).decode()
     drawn = {
-        "steps": charts.step_chart(data["timeline"], data["compiles"], data["stats"], data["causes"]),
-        "steps_by_step": charts.step_chart(
+        "steps": step_chart(data["timeline"], data["compiles"], data["stats"], data["causes"]),
+        "steps_by_step": step_chart(
             data["timeline"], data["compiles"], data["stats"], data["causes"], by="step"
         ),
         "icicles": [charts.icicle(g["tree"]) for g in data["gil"]],
@@ -74,10 +75,10 @@ def render_html(data: Mapping[str, Any]) -> str:
         css=Markup(_asset("report.css")),
         js=Markup(js),
         script_hash=script_hash,
-        colours=charts.CAUSE_COLOURS,
-        frame_colours=charts.FRAME_COLOURS,
-        state_colours=charts.STATE_COLOURS,
-        ledger_colours=charts.LEDGER_COLOURS,
+        colours=svg.CAUSE_COLOURS,
+        frame_colours=svg.FRAME_COLOURS,
+        state_colours=svg.STATE_COLOURS,
+        ledger_colours=svg.LEDGER_COLOURS,
         version=_version(),
     )
 

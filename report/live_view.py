@@ -16,9 +16,9 @@ from rich.text import Text
 
 from traindx.analyzers.core.findings import Finding
 from traindx.analyzers.live.live import LiveState
-from traindx.report.console import Console
+from traindx.common.console import Console
+from traindx.report.terminal import SEVERITY_STYLE
 
-SEVERITY_STYLE = {"critical": "bold red", "high": "red", "medium": "yellow", "low": "cyan", "info": "dim"}
 PLAIN_STATUS_EVERY_S = 30.0  # a log file gets a status line this often, not at every refresh
 
 

@@ -15,8 +15,6 @@ from traindx.common.errors import UserError
 from traindx.judgement import Judgement, judge_run
 
 if TYPE_CHECKING:
-    from rich.console import Console
-
     from traindx.derive.run import RunRecord
 
 T = TypeVar("T")
@@ -92,7 +90,7 @@ def write_outputs(
     return judged, written, problems
 
 
-def analyze_and_write(run: RunRecord, console: Console | None = None) -> tuple[Judgement, str | None]:
+def analyze_and_write(run: RunRecord) -> tuple[Judgement, str | None]:
     """Judge a loaded run, write findings.json and report.html; returns (the judgement, report
     path or None). What could not be written is one line each on stderr."""
     judgement, report_path, problems = write_outputs(run)

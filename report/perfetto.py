@@ -33,22 +33,15 @@ def _us(ns: float, t0: int) -> float:
     return (int(ns) - t0) / 1000.0
 
 
-def _meta(
-    pid: int, name: str, tid: int | None = None, thread_name: str | None = None, sort: int | None = None
-) -> list[Event]:
-    events: list[Event] = [{"ph": "M", "pid": pid, "tid": 0, "name": "process_name", "args": {"name": name}}]
+def _meta(pid: int, name: str, sort: int | None = None, tid: int = 0) -> list[Event]:
+    """The name and sort index of a process (tid 0) or of one of its threads."""
+    what = "thread" if tid else "process"
+    events: list[Event] = [
+        {"ph": "M", "pid": pid, "tid": tid, "name": f"{what}_name", "args": {"name": name}}
+    ]
     if sort is not None:
         events.append(
-            {"ph": "M", "pid": pid, "tid": 0, "name": "process_sort_index", "args": {"sort_index": sort}}
-        )
-    return events
-
-
-def _thread_meta(pid: int, tid: int, name: str, sort: int | None = None) -> list[Event]:
-    events: list[Event] = [{"ph": "M", "pid": pid, "tid": tid, "name": "thread_name", "args": {"name": name}}]
-    if sort is not None:
-        events.append(
-            {"ph": "M", "pid": pid, "tid": tid, "name": "thread_sort_index", "args": {"sort_index": sort}}
+            {"ph": "M", "pid": pid, "tid": tid, "name": f"{what}_sort_index", "args": {"sort_index": sort}}
         )
     return events
 
@@ -77,13 +70,27 @@ class _Trace:
     def us(self, ns: float) -> float:
         return _us(ns, self.t0)
 
+    def span(self, pid: int, tid: int, name: str, cat: str, ts: float, dur: float, args: Event) -> None:
+        """A complete event ("X"): ts and dur in µs."""
+        event = {
+            "ph": "X",
+            "pid": pid,
+            "tid": tid,
+            "name": name,
+            "cat": cat,
+            "ts": ts,
+            "dur": dur,
+            "args": args,
+        }
+        self.events.append(event)
+
     def rank_pid(self, rank: object) -> int:
         pid = RANK_PID_BASE + _rank_index(self.ranks, str(rank))
         if pid not in self.thread_tids:
             self.thread_tids[pid] = {}
             self.events.extend(_meta(pid, f"rank {rank} (traindx)", sort=_rank_index(self.ranks, str(rank))))
-            self.events.extend(_thread_meta(pid, STEPS_TID, "optimizer steps", sort=0))
-            self.events.extend(_thread_meta(pid, GC_TID, "garbage collection", sort=2))
+            self.events.extend(_meta(pid, "optimizer steps", sort=0, tid=STEPS_TID))
+            self.events.extend(_meta(pid, "garbage collection", sort=2, tid=GC_TID))
         return pid
 
     def thread_tid(self, pid: int, name: str) -> int:
@@ -91,7 +98,7 @@ class _Trace:
         tids = self.thread_tids[pid]
         if name not in tids:
             tids[name] = 10 + len(tids)
-            self.events.extend(_thread_meta(pid, tids[name], f"thread {name}", sort=10 + len(tids)))
+            self.events.extend(_meta(pid, f"thread {name}", sort=10 + len(tids), tid=tids[name]))
         return tids[name]
 
 
@@ -123,19 +130,9 @@ def _add_steps(trace: _Trace, steps: Any) -> None:
     for s in steps.itertuples() if len(steps) else []:
         if _missing(s.start_ns):
             continue
-        pid = trace.rank_pid(s.rank)
-        trace.events.append(
-            {
-                "ph": "X",
-                "pid": pid,
-                "tid": STEPS_TID,
-                "name": f"step {int(s.step)}",
-                "cat": "step",
-                "ts": trace.us(s.start_ns),
-                "dur": float(s.duration_s) * 1e6,
-                "args": {"step": int(s.step), "duration_s": float(s.duration_s)},
-            }
-        )
+        args = {"step": int(s.step), "duration_s": float(s.duration_s)}
+        pid, dur = trace.rank_pid(s.rank), float(s.duration_s) * 1e6
+        trace.span(pid, STEPS_TID, f"step {int(s.step)}", "step", trace.us(s.start_ns), dur, args)
 
 
 def _add_compiles(trace: _Trace, compiles: Any) -> None:
@@ -153,18 +150,8 @@ def _add_compiles(trace: _Trace, compiles: Any) -> None:
         }
         if isinstance(c.key_fields, dict):
             args["key_fields"] = c.key_fields
-        trace.events.append(
-            {
-                "ph": "X",
-                "pid": pid,
-                "tid": trace.thread_tid(pid, thread),
-                "name": f"compile {c.kernel}",
-                "cat": f"compile,{c.kind}",
-                "ts": trace.us(start),
-                "dur": (int(end) - int(start)) / 1000.0,
-                "args": args,
-            }
-        )
+        tid, dur = trace.thread_tid(pid, thread), (int(end) - int(start)) / 1000.0
+        trace.span(pid, tid, f"compile {c.kernel}", f"compile,{c.kind}", trace.us(start), dur, args)
 
 
 def _add_gc(trace: _Trace, gc: Any, steps: Any) -> None:
@@ -178,25 +165,15 @@ def _add_gc(trace: _Trace, gc: Any, steps: Any) -> None:
         end = ends.get((str(g.rank), int(g.step)))
         if end is None:
             continue
-        pid = trace.rank_pid(g.rank)
-        trace.events.append(
-            {
-                "ph": "X",
-                "pid": pid,
-                "tid": GC_TID,
-                "cat": "gc",
-                "name": f"gc gen {int(g.generation)} ×{int(g.count)}",
-                "ts": trace.us(end) - float(g.total_s) * 1e6,
-                "dur": float(g.total_s) * 1e6,
-                "args": {
-                    "step": int(g.step),
-                    "generation": int(g.generation),
-                    "collections": int(g.count),
-                    "total_s": float(g.total_s),
-                    "note": "per-step total, drawn at the step's end",
-                },
-            }
-        )
+        args = {
+            "step": int(g.step),
+            "generation": int(g.generation),
+            "collections": int(g.count),
+            "total_s": float(g.total_s),
+            "note": "per-step total, drawn at the step's end",
+        }
+        name, dur = f"gc gen {int(g.generation)} ×{int(g.count)}", float(g.total_s) * 1e6
+        trace.span(trace.rank_pid(g.rank), GC_TID, name, "gc", trace.us(end) - dur, dur, args)
 
 
 def _add_pyspy_snapshots(trace: _Trace, dumps: Any) -> None:
@@ -216,23 +193,13 @@ def _add_pyspy_snapshots(trace: _Trace, dumps: Any) -> None:
             state = "holds GIL" if r.owns_gil else ("running" if r.active else "idle")
             top = frames[0].get("name", "?") if frames else "?"
             dur = (nxt.get(int(r.t), int(r.t) + gap) - int(r.t)) / 1000.0
-            trace.events.append(
-                {
-                    "ph": "X",
-                    "pid": pid,
-                    "tid": trace.thread_tid(pid, name),
-                    "cat": "py-spy",
-                    "name": f"{state}: {top}",
-                    "ts": trace.us(r.t),
-                    "dur": dur,
-                    "args": {
-                        "owns_gil": bool(r.owns_gil),
-                        "active": bool(r.active),
-                        "stack": [
-                            f"{f.get('name')} ({f.get('filename')}:{f.get('line')})" for f in frames[:30]
-                        ],
-                    },
-                }
+            args = {
+                "owns_gil": bool(r.owns_gil),
+                "active": bool(r.active),
+                "stack": [f"{f.get('name')} ({f.get('filename')}:{f.get('line')})" for f in frames[:30]],
+            }
+            trace.span(
+                pid, trace.thread_tid(pid, name), f"{state}: {top}", "py-spy", trace.us(r.t), dur, args
             )
 
 

@@ -59,25 +59,14 @@ def flame_tree(
 ) -> dict[str, Any]:
     """{thread: ThreadSamples} -> a tree {name, file, line, kind, value, children}, threads at the
     first level; nodes under min_share of all samples are dropped (their weight stays in the parent)."""
-    root: dict[str, Any] = {
-        "name": "all samples",
-        "file": "",
-        "line": 0,
-        "kind": "root",
-        "value": 0,
-        "children": {},
-    }
+
+    def new_node(name: str, kind: str, file: str = "", line: int = 0) -> dict[str, Any]:
+        return {"name": name, "file": file, "line": line, "kind": kind, "value": 0, "children": {}}
+
+    root = new_node("all samples", "root")
     for thread, ts in threads.items():
         tnode = root["children"].setdefault(
-            ("thread", thread),
-            {
-                "name": thread_label(thread, names),
-                "file": "",
-                "line": 0,
-                "kind": "thread",
-                "value": 0,
-                "children": {},
-            },
+            ("thread", thread), new_node(thread_label(thread, names), "thread")
         )
         for stack, weight in zip(ts.stacks, ts.weights):
             root["value"] += weight
@@ -100,14 +89,7 @@ def flame_tree(
                     kind = _frame_kind(frame.file, cwd)
                 child = node["children"].get(key)
                 if child is None:
-                    child = node["children"][key] = {
-                        "name": key[0],
-                        "file": key[1],
-                        "line": key[2],
-                        "kind": kind,
-                        "value": 0,
-                        "children": {},
-                    }
+                    child = node["children"][key] = new_node(key[0], kind, key[1], key[2])
                 child["value"] += weight
                 node = child
     total = root["value"]

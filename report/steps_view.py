@@ -40,20 +40,8 @@ def rows_of(st: Any, ranks: list[str]) -> dict[str, list[dict[str, Any]]]:
     out: dict[str, list[dict[str, Any]]] = {r: [] for r in ranks}
     cols = ["step", "start_s", "end_s", "duration_s", "compile_s", "gc_s", "slow", "cause"]
     for rank, group in sub.groupby("rank", sort=False):
-        values = {c: group[c].tolist() for c in cols}
-        out[rank] = [
-            {
-                "step": int(values["step"][i]),
-                "start_s": values["start_s"][i],
-                "end_s": values["end_s"][i],
-                "duration_s": values["duration_s"][i],
-                "compile_s": values["compile_s"][i],
-                "gc_s": values["gc_s"][i],
-                "slow": bool(values["slow"][i]),
-                "cause": values["cause"][i],
-            }
-            for i in range(len(group))
-        ]
+        rows = zip(*(group[c].tolist() for c in cols))
+        out[rank] = [{**dict(zip(cols, row)), "step": int(row[0]), "slow": bool(row[6])} for row in rows]
     return {r: rows for r, rows in out.items() if rows}
 
 

@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING, Any
 from rich.table import Table
 from rich.text import Text
 
+from traindx.common.console import Console
 from traindx.common.units import fmt_s
-from traindx.report.console import Console
 
 if TYPE_CHECKING:
     from traindx.analyzers.core.findings import Finding

@@ -13,8 +13,8 @@ import numpy as np
 from rich.text import Text
 
 from traindx.analyzers.core.findings import Finding
+from traindx.common.console import Console
 from traindx.derive.whatif import WhatIf
-from traindx.report.console import Console
 from traindx.report.terminal import findings_table
 
 SHADES = " .:-=+*#%@"

@@ -4,62 +4,8 @@ that a command reads every type from one module."""
 
 from __future__ import annotations
 
-from traindx.common.argtypes import (  # re-exported (__all__)
-    DEFAULT_RUNS,
-    NAME,
-    PSEUDO_FILESYSTEMS,
-    ArgumentParser,
-    checked_by,
-    existing_file,
-    existing_folder,
-    fail,
-    folder_path,
-    name,
-    non_negative,
-    non_negative_int,
-    one_line,
-    output_file,
-    output_folder,
-    pid,
-    positive,
-    positive_int,
-    pyspy_rate,
-    real,
-    step_marker,
-    subcommand_list,
-    torch_profile,
-    whole,
-)
-
-__all__ = [
-    "ArgumentParser",
-    "DEFAULT_RUNS",
-    "NAME",
-    "PSEUDO_FILESYSTEMS",
-    "checked_by",
-    "existing_file",
-    "existing_folder",
-    "fail",
-    "folder_path",
-    "gpu_type",
-    "log_regex",
-    "name",
-    "non_negative",
-    "non_negative_int",
-    "one_line",
-    "output_file",
-    "output_folder",
-    "pid",
-    "positive",
-    "positive_int",
-    "pyspy_rate",
-    "real",
-    "step_marker",
-    "step_window",
-    "subcommand_list",
-    "torch_profile",
-    "whole",
-]
+from traindx.common.argtypes import *  # noqa: F403  (one module for every command's types)
+from traindx.common.argtypes import checked_by, fail
 
 
 def step_window(text: str) -> str:

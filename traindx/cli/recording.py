@@ -16,14 +16,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, cast
 
+from traindx.common.argtypes import one_line
 from traindx.common.atomic import write_json
 from traindx.common.errors import UserError
 
 if TYPE_CHECKING:
     from traindx.analyzers.live.live import LiveOptions
+    from traindx.common.console import Console
     from traindx.fixing.run.model import FixEvent
     from traindx.profiler.launcher import Options
-    from traindx.report.console import Console
 
 # the job succeeded but traindx could not analyse or report it: a pipeline must notice
 ANALYSIS_FAILED_EXIT = 3
@@ -52,11 +53,6 @@ class FixRequest:
     until_diagnosed: bool = False
     warm_up_after_fix: bool = True
     keep_outputs: bool = False
-
-
-def one_line(text: object, limit: int = 400) -> str:
-    text = " ".join(str(text).split())
-    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 def runnable(command: list[str]) -> list[str]:
@@ -129,7 +125,7 @@ def record_job(
         if job.folder_gone:
             print(f"diagnose: warning: {job.folder_gone}", file=sys.stderr)
         for line in job.not_written:
-            print(f"diagnose: not written: {one_line(line)}", file=sys.stderr)
+            print(f"diagnose: not written: {one_line(line, 400)}", file=sys.stderr)
 
 
 def say_where(run_dir: str) -> None:
@@ -183,16 +179,11 @@ def diagnose(command: list[str], request: JobRequest) -> int:
     try:
         if not _analyse_and_report(run_dir, node):
             return status or ANALYSIS_FAILED_EXIT
-    except UserError as exc:
+    except Exception as exc:  # a UserError, or traindx's own bug: one line, never hiding the job's exit code
+        what = "analysis failed" if isinstance(exc, UserError) else "internal error during analysis"
+        bug = "" if isinstance(exc, UserError) else f"{type(exc).__name__}: "
         print(
-            f"diagnose: analysis failed: {one_line(exc)} (the raw evidence is kept in {run_dir})",
-            file=sys.stderr,
-        )
-        return status or ANALYSIS_FAILED_EXIT
-    except Exception as exc:  # traindx's own bug: one line, and never hide the job's exit code
-        print(
-            f"diagnose: internal error during analysis: {type(exc).__name__}: {one_line(exc)} "
-            f"(the raw evidence is kept in {run_dir})",
+            f"diagnose: {what}: {bug}{one_line(exc, 400)} (the raw evidence is kept in {run_dir})",
             file=sys.stderr,
         )
         return status or ANALYSIS_FAILED_EXIT
@@ -250,11 +241,8 @@ def diagnose_with_fix(
     live = request.live
 
     def run_arm(cmd: list[str], run_dir: str, opts: Options, until_diagnosed: bool = False) -> int | None:
-        arm_live = live
-        if until_diagnosed and live is not False:  # the baseline arm of --fix --until-diagnosed
-            arm_live = dataclasses.replace(live, until_diagnosed=True)
-        elif live is not False:
-            arm_live = dataclasses.replace(live, until_diagnosed=False)  # a candidate: N steps
+        # the baseline arm of --fix --until-diagnosed stops so; a candidate runs N steps
+        arm_live = live if live is False else dataclasses.replace(live, until_diagnosed=until_diagnosed)
         return record_job(cmd, run_dir, opts, quiet=request.quiet, live=arm_live)
 
     options = FixOptions(
@@ -276,7 +264,7 @@ class _FixReporter:
     """The --fix runner's events on stderr: stage rules, the arms' summaries, the comparison."""
 
     def __init__(self, print_comparison: PrintComparison) -> None:
-        from traindx.report.console import Console
+        from traindx.common.console import Console
 
         self.console = Console(file=sys.stderr)
         self.print_comparison = print_comparison
@@ -325,9 +313,9 @@ def write_node_tables(run_dir: str) -> None:
     try:
         problem = write_tables(run_dir)
     except UserError as exc:
-        problem = one_line(exc)
+        problem = one_line(exc, 400)
     except Exception as exc:  # never fail the node's run over an optional copy of its events
-        problem = f"{type(exc).__name__}: {one_line(exc)}"
+        problem = f"{type(exc).__name__}: {one_line(exc, 400)}"
     if problem:
         print(
             f"diagnose: warning: the node's event tables were not written ({problem}); the "

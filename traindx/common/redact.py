@@ -197,11 +197,6 @@ def secret_name_strength(name: str) -> str | None:
     return None
 
 
-def is_secret_name(name: str) -> bool:
-    """A name that says its value may be a secret."""
-    return secret_name_strength(name) is not None
-
-
 def is_harmless(value: object) -> bool:
     """A flag or a small number: no secret, whatever its name (TOKENIZERS_PARALLELISM=false)."""
     return bool(_HARMLESS.match(str(value).strip()))

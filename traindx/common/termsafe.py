@@ -9,7 +9,7 @@ redact: a token on the hot source line is hidden on the terminal as in every fil
 escapes), their one-byte C1 forms, and every other C0/C1 control but newline and tab. It is
 applied at the two places diagnose's own text is written: `SafeStream` wraps sys.stdout and
 sys.stderr for every print() of the commands (traindx.cli.main, kernel-cache's main), and
-traindx.report.console.Console strips each segment's text before rich adds its own styles
+traindx.common.console.Console strips each segment's text before rich adds its own styles
 (writing to the raw stream, so those styles survive). The job's own output is relayed as bytes
 to the file descriptors (profiler.launcher.write_output) and never passes here.
 """

@@ -25,7 +25,6 @@ import stat
 import sys
 import warnings
 import zlib
-from collections.abc import Iterator
 from typing import Any
 
 MiB = 1 << 20
@@ -156,23 +155,6 @@ def read_gzip(path: str) -> bytes:
 def read_text(path: str, limit: int = MAX_FILE_BYTES) -> str:
     """read_bytes as UTF-8 text (invalid bytes shown as U+FFFD; line ends kept as they are)."""
     return read_bytes(path, limit).decode("utf-8", errors="replace")
-
-
-def iter_lines(path: str, gz: bool = False) -> Iterator[str]:
-    """The lines of a (gzipped) file of the run folder, '\\n' kept, invalid UTF-8 replaced."""
-    data = read_gzip(path) if gz else read_bytes(path)
-    text = data.decode("utf-8", errors="replace")
-    del data
-    yield from text.splitlines(keepends=True) if "\r" not in text else _split_on_newline(text)
-
-
-def _split_on_newline(text: str) -> Iterator[str]:
-    start = 0
-    while start < len(text):
-        end = text.find("\n", start)
-        end = len(text) if end < 0 else end + 1
-        yield text[start:end]
-        start = end
 
 
 _STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')  # a JSON string, escapes included

@@ -19,14 +19,10 @@ import argparse
 import json
 import os
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from traindx.cli import argtypes
 from traindx.common.errors import UserError
-
-if TYPE_CHECKING:
-    from traindx.derive.run import RunRecord
-    from traindx.judgement import Judgement
 
 
 def prepare_parser(parser: argparse.ArgumentParser) -> None:
@@ -58,7 +54,6 @@ def prepare_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--timelines",
         metavar="DIR",
-        default=None,
         help="an op trace: write the recorded, replayed and ideal timelines here (Perfetto JSON)",
     )
     parser.add_argument(
@@ -66,7 +61,6 @@ def prepare_parser(parser: argparse.ArgumentParser) -> None:
         "--output",
         type=argtypes.output_file,
         metavar="PATH",
-        default=None,
         help="also write the findings as JSON here (a py-spy file's findings are "
         "written only where this says)",
     )
@@ -83,63 +77,39 @@ def prepare_parser(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _analyze_run(path: str) -> tuple[RunRecord, Judgement, str | None]:
-    from traindx.derive.run import load_run
-    from traindx.report.outputs import analyze_and_write  # lazy: the analyzers (pandas)
-
-    record = load_run(path)
-    judgement, report_path = analyze_and_write(record)
-    return record, judgement, report_path
-
-
-def _is_megatron_log(path: str) -> bool:
-    from traindx.profiler.megatron_timers import looks_like  # lazy: pandas
-
-    return looks_like(path)
-
-
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     path = os.path.abspath(args.path)
     if not os.path.exists(path):
         raise UserError(f"no such run folder or file: {args.path}")
     payload: list[Any] | None = None
-    if os.path.isdir(path) and args.what_if:
-        from traindx.cli.trace_file import analyze_run  # lazy: pandas, the replay
-        from traindx.report import whatif_view
+    if os.path.isdir(path) and not args.what_if:
+        from traindx.derive.run import load_run
+        from traindx.report.outputs import analyze_and_write  # lazy: the analyzers (pandas)
+        from traindx.report.terminal import print_summary  # lazy: rich, pandas
 
-        result, findings = analyze_run(path)
-        if args.timelines:
-            for written in whatif_view.write_timelines(result, args.timelines):
-                print(f"diagnose: timeline {written}", file=sys.stderr)
-        if not args.json:
-            whatif_view.print_summary(args.path, result, findings)
-    elif os.path.isdir(path):
-        record, judgement, report_path = _analyze_run(path)
+        record = load_run(path)
+        judgement, report_path = analyze_and_write(record)
         findings = list(judgement.findings)
         payload = judgement.findings_json()  # as its findings.json holds them (with --fix plans)
         if not args.json:
-            from traindx.report.terminal import print_summary  # lazy: rich, pandas
-
             print_summary(record, judgement, report_path)
-    elif path.endswith(".parquet"):
-        from traindx.cli.trace_file import analyze_trace  # lazy: pandas, the replay
+    elif os.path.isdir(path) or path.endswith(".parquet") or _is_megatron_log(path):
+        from traindx.cli import trace_file  # lazy: pandas, the replay
         from traindx.report import whatif_view
 
-        result, findings = analyze_trace(path)
-        if args.timelines:
+        if os.path.isdir(path):
+            result, findings = trace_file.analyze_run(path)
+        elif path.endswith(".parquet"):
+            result, findings = trace_file.analyze_trace(path)
+        else:
+            result, findings = trace_file.analyze_megatron_log(path, args.tp, args.pp)
+        if args.timelines and (os.path.isdir(path) or path.endswith(".parquet")):
             for written in whatif_view.write_timelines(result, args.timelines):
                 print(f"diagnose: timeline {written}", file=sys.stderr)
         if not args.json:
             whatif_view.print_summary(args.path, result, findings)
-    elif _is_megatron_log(path):
-        from traindx.cli.trace_file import analyze_megatron_log  # lazy: pandas, the replay
-        from traindx.report import whatif_view
-
-        result, findings = analyze_megatron_log(path, args.tp, args.pp)
-        if not args.json:
-            whatif_view.print_summary(args.path, result, findings)
     else:
-        from traindx.cli.pyspy_file import analyze_file  # lazy: the analyzers (pandas)
+        from traindx.cli.trace_file import analyze_file  # lazy: the analyzers (pandas)
         from traindx.report.terminal import print_file_summary
 
         findings = analyze_file(path, args.rate)
@@ -155,3 +125,9 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         json.dump(payload, sys.stdout, indent=2, default=str)
         sys.stdout.write("\n")
     return 0
+
+
+def _is_megatron_log(path: str) -> bool:
+    from traindx.profiler.megatron_timers import looks_like  # lazy: pandas
+
+    return looks_like(path)

@@ -16,26 +16,16 @@ def prepare_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pid", type=argtypes.pid, required=True, help="the training process to sample")
     parser.add_argument(
         "--duration",
+        dest="duration_s",
         type=argtypes.positive,
         default=30.0,
         metavar="S",
         help="seconds to sample (default 30; stops early if the job ends)",
     )
-    parser.add_argument(
-        "--rank", type=argtypes.name, default=None, help="rank label (default: RANK of the process, or 0)"
-    )
+    parser.add_argument("--rank", type=argtypes.name, help="rank label (default: RANK of the process, or 0)")
     options.add_out(parser)
     options.add_sampling(parser)
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    return attach(
-        AttachOptions(
-            pid=args.pid,
-            duration_s=args.duration,
-            rank=args.rank,
-            out=args.out,
-            pyspy_rate_hz=args.pyspy_rate,
-            dump_interval_s=args.dump_interval,
-        )
-    )
+    return attach(options.from_args(AttachOptions, args))

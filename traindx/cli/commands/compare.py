@@ -17,38 +17,21 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from traindx.cli import argtypes
+from traindx.cli.commands import options
 from traindx.common.errors import UserError
 
 if TYPE_CHECKING:  # annotations only (rich is imported when a comparison is printed)
     from rich.table import Table
 
-    from traindx.report.console import Console
+    from traindx.common.console import Console
 
 
 def prepare_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("run_a", metavar="RUN_A", help="baseline run folder (or a --fix folder)")
     parser.add_argument("run_b", metavar="RUN_B", nargs="?", help="candidate run folder")
+    options.add_measured_steps(parser, "to compare")
     parser.add_argument(
-        "--window",
-        type=argtypes.step_window,
-        default=None,
-        metavar="FIRST:LAST",
-        help="steps to compare, inclusive, 0-based (default: skip the first "
-        "quarter of the steps, the warm-up)",
-    )
-    parser.add_argument(
-        "--tokens-per-step",
-        type=argtypes.positive,
-        default=None,
-        metavar="N",
-        help="tokens of one optimizer step, when the job's log does not say",
-    )
-    parser.add_argument(
-        "--json",
-        type=argtypes.output_file,
-        default=None,
-        metavar="PATH",
-        help="also write the comparison as JSON to PATH",
+        "--json", type=argtypes.output_file, metavar="PATH", help="also write the comparison as JSON to PATH"
     )
 
 
@@ -71,10 +54,11 @@ def resolve_arms(run_a: str, run_b: str | None) -> tuple[str, str]:
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from traindx.common.console import Console
     from traindx.derive.run import load_run
     from traindx.derive.stats import parse_window
     from traindx.recipes.ab import compare_runs
-    from traindx.report.console import Console
+    from traindx.report.outputs import write_json_file
 
     window = parse_window(args.window) if args.window else None  # valid: argtypes.step_window
     path_a, path_b = resolve_arms(args.run_a, args.run_b)
@@ -95,7 +79,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         raise UserError(str(exc)) from None
     print_comparison(comparison, Console(file=sys.stdout))
     if args.json:
-        write_comparison(comparison, args.json)
+        write_json_file(args.json, comparison)
     return 0
 
 
@@ -106,12 +90,6 @@ def _same_recording(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
         and a.get("command") == b.get("command")
         and a.get("pid") == b.get("pid")
     )
-
-
-def write_comparison(comparison: dict[str, Any], path: str) -> Any:
-    from traindx.report.outputs import write_json_file
-
-    return write_json_file(path, comparison)
 
 
 # -- rendering ---------------------------------------------------------------------------------
@@ -147,7 +125,7 @@ def print_comparison(comparison: dict[str, Any], console: Console | None = None)
     """The comparison as a user reads it in the terminal (rich)."""
     from rich.text import Text
 
-    from traindx.report.console import Console
+    from traindx.common.console import Console
 
     console = console or Console(file=sys.stderr)
     console.rule("traindx: A/B comparison")

@@ -18,13 +18,11 @@ Running it again re-estimates and rewrites these (e.g. after a late node's folde
 from __future__ import annotations
 
 import argparse
-import sys
 from typing import Any
 
 from traindx.cli import argtypes
 from traindx.cli.run_folder import merge_nodes
-from traindx.derive.multinode import merge_parts  # noqa: F401  (the engine)
-from traindx.profiler.nodes import merged_manifest  # noqa: F401
+from traindx.derive.multinode import merge_parts
 
 
 def prepare_parser(parser: argparse.ArgumentParser) -> None:
@@ -33,7 +31,6 @@ def prepare_parser(parser: argparse.ArgumentParser) -> None:
         "--reference",
         type=argtypes.name,
         metavar="NODE",
-        default=None,
         help="the node whose clock is the run's (default: the node with the most matched collectives)",
     )
     parser.add_argument(
@@ -49,9 +46,3 @@ def merge(run_dir: str, reference: str | None = None) -> tuple[dict[str, Any], d
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     return merge_nodes(args.run_dir, reference=args.reference, report=not args.no_report, quiet=args.quiet)
-
-
-def main(argv: list[str] | None = None) -> int | None:
-    from traindx.cli.main import main as cli_main  # lazy: traindx.cli.main imports this module
-
-    return cli_main(["merge", *(sys.argv[1:] if argv is None else argv)])

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 
 from traindx.cli import argtypes
+from traindx.cli.commands import options
 from traindx.cli.run_folder import ReportOptions, rerender
 
 
@@ -21,7 +22,6 @@ def prepare_parser(parser: argparse.ArgumentParser) -> None:
         "--output",
         type=argtypes.output_file,
         metavar="PATH",
-        default=None,
         help="write the HTML here (default: RUN/report.html)",
     )
     parser.add_argument("--open", action="store_true", help="open the report in a web browser")
@@ -29,7 +29,6 @@ def prepare_parser(parser: argparse.ArgumentParser) -> None:
         "--perfetto",
         type=argtypes.output_file,
         metavar="OUT",
-        default=None,
         help="also write the merged timeline as Chrome/Perfetto trace JSON (.json or .json.gz)",
     )
     parser.add_argument(
@@ -39,21 +38,10 @@ def prepare_parser(parser: argparse.ArgumentParser) -> None:
         "--comparison",
         type=argtypes.existing_file,
         metavar="FILE",
-        default=None,
         help="a JSON mapping to show as 'before and after' (default: RUN/comparison.json when present)",
     )
     parser.add_argument("--quiet", action="store_true", help="print only the report's path")
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    return rerender(
-        ReportOptions(
-            run_dir=args.run_dir,
-            output=args.output,
-            open=args.open,
-            perfetto=args.perfetto,
-            reanalyze=args.reanalyze,
-            comparison=args.comparison,
-            quiet=args.quiet,
-        )
-    )
+    return rerender(options.from_args(ReportOptions, args))

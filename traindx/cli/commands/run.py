@@ -47,7 +47,6 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--step-marker",
         type=argtypes.step_marker,
-        default=None,
         metavar="MODULE:FUNCTION",
         help="each return of this function of the job ends a step (instead of "
         "optimizer steps); __main__:FUNCTION for the script itself",
@@ -56,14 +55,12 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--run-dir",
         type=argtypes.output_folder,
-        default=None,
         metavar="DIR",
         help="write the run into exactly this folder",
     )
     parser.add_argument(
         "--node",
         type=argtypes.name,
-        default=None,
         metavar="NAME",
         help="this is one node of a multi-node run: write RUN/nodes/NAME/ "
         "(found by itself under srun, torchrun --nnodes N, accelerate "
@@ -80,7 +77,6 @@ def _add_evidence_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--torch-profile",
         type=argtypes.torch_profile,
-        default=None,
         metavar="STEPS",
         help="torch.profiler window stored as trace/<rank>.json.gz: N steps from "
         "step 3, or A-B, or off, or anomaly (default: steps 3-4 of a CUDA "
@@ -90,7 +86,6 @@ def _add_evidence_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--log-regex",
         type=argtypes.log_regex,
-        default=None,
         metavar="REGEX",
         help="the job's own step line: a Python regex with named groups step, loss, time_ms or step_time_s",
     )
@@ -135,6 +130,7 @@ def _add_fix_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--fix-tries",
+        dest="tries",
         type=argtypes.positive_int,
         default=3,
         metavar="K",
@@ -158,7 +154,6 @@ def _add_fix_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--wheels",
         type=argtypes.existing_folder,
-        default=None,
         metavar="DIR",
         help="with --fix: install fixed releases from the wheels in DIR into an "
         "overlay for the candidate (instead of the package index)",
@@ -189,7 +184,6 @@ def _add_live_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--cost-budget",
         type=float,
-        default=None,
         metavar="PCT",
         help="the share of step time traindx may cost the job before it sheds work (lower "
         "sampling rates, fewer reads; it says so); default 1, 0.5 with --always-on, 0: never shed",
@@ -206,7 +200,7 @@ def _command(args: argparse.Namespace) -> list[str]:
     return runnable(command)
 
 
-def options_from(args: argparse.Namespace, extra_env: dict[str, str] | None = None) -> Options:
+def options_from(args: argparse.Namespace) -> Options:
     from traindx.profiler.launcher import Options  # lazy: the collectors, not for `diagnose --help`
 
     return Options(
@@ -214,26 +208,24 @@ def options_from(args: argparse.Namespace, extra_env: dict[str, str] | None = No
         pyspy=not args.no_pyspy,
         shim=not args.no_shim,
         nvml=not args.no_nvml,
-        pyspy_rate_hz=args.pyspy_rate,
-        dump_interval_s=args.dump_interval,
-        extra_env=extra_env,
-        torch_profile=getattr(args, "torch_profile", None)
-        or ("anomaly" if getattr(args, "always_on", False) else None),
-        step_marker=getattr(args, "step_marker", None),
-        log_regex=getattr(args, "log_regex", None),
-        disk_budget_mb=getattr(args, "disk_budget", 2048),
-        window_s=getattr(args, "window", 600),
-        keep_windows=getattr(args, "keep_windows", 3),
-        pyspy_record=not getattr(args, "always_on", False),
+        pyspy_rate_hz=args.pyspy_rate_hz,
+        dump_interval_s=args.dump_interval_s,
+        torch_profile=args.torch_profile or ("anomaly" if args.always_on else None),
+        step_marker=args.step_marker,
+        log_regex=args.log_regex,
+        disk_budget_mb=args.disk_budget,
+        window_s=args.window,
+        keep_windows=args.keep_windows,
+        pyspy_record=not args.always_on,
         cost_budget_pct=_cost_budget(args),
     )
 
 
 def _cost_budget(args: argparse.Namespace) -> float | None:
-    budget = getattr(args, "cost_budget", None)
+    budget: float | None = args.cost_budget
     if budget is not None and budget < 0:
         raise UserError(f"--cost-budget {budget:g}: a share of step time is 0 or more (0: never shed)")
-    if budget is None and getattr(args, "always_on", False):
+    if budget is None and args.always_on:
         return 0.5  # always-on runs for days: half the default's cost
     return budget
 
@@ -242,30 +234,17 @@ def live_options_from(args: argparse.Namespace) -> LiveOptions | Literal[False]:
     """The live judgement the run's flags ask for (False: none)."""
     from traindx.analyzers.live.live import LiveOptions  # lazy: pandas, not for `diagnose --help`
 
-    if getattr(args, "no_live", False):
-        if getattr(args, "until_diagnosed", False) or getattr(args, "always_on", False):
+    if args.no_live:
+        if args.until_diagnosed or args.always_on:
             raise UserError("--until-diagnosed and --always-on need the live judgement: drop --no-live")
         return False
-    return LiveOptions(until_diagnosed=getattr(args, "until_diagnosed", False))
+    return LiveOptions(until_diagnosed=args.until_diagnosed)
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int | None:
     command = _command(args)
-    request = JobRequest(
-        record=options_from(args),
-        live=live_options_from(args),
-        quiet=args.quiet,
-        run_dir=args.run_dir,
-        out=args.out,
-        node=getattr(args, "node", None),
-    )
+    request = options.from_args(JobRequest, args, record=options_from(args), live=live_options_from(args))
     if args.fix:
-        fix_request = FixRequest(
-            tries=getattr(args, "fix_tries", 3),
-            wheels=getattr(args, "wheels", None),
-            until_diagnosed=getattr(args, "until_diagnosed", False),
-            warm_up_after_fix=getattr(args, "warm_up_after_fix", True),
-            keep_outputs=getattr(args, "keep_outputs", False),
-        )
+        fix_request = options.from_args(FixRequest, args)
         return diagnose_with_fix(command, request, fix_request, print_comparison)
     return diagnose(command, request)
