@@ -42,7 +42,7 @@ import os
 import re
 import sys
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -70,6 +70,9 @@ PLACE_COLUMNS = [
     "need_s",
     "top_kernels",
 ]
+# one row per outermost host op: its place, own seconds, seconds waiting for the GPU, and where
+# it ran (thread, start, end: consecutive ops of one place make a run, the Python between them too)
+HOST_COLUMNS = ["module", "phase", "line", "host_s", "wait_s", "tid", "start_ns", "end_ns"]
 MODULE_PREFIX = "nn.Module: "
 # a kernel launch takes a few µs; one this long waited for room in the GPU's full launch queue
 LAUNCH_BLOCKED_NS = 50_000
@@ -380,8 +383,8 @@ def gpu_events(
 
 
 def host_ops(rows: pd.DataFrame, contexts: dict[int, Context], spans: list[tuple[int, int]]) -> pd.DataFrame:
-    """The outermost host ops of the profiled steps with their place, seconds and the seconds
-    their sync calls held them (waiting for the GPU)."""
+    """The outermost host ops of the profiled steps with their place, seconds, the seconds
+    their sync calls held them (waiting for the GPU), and their thread, start and end."""
     rows = rows.reset_index(drop=True)
     names = rows["name"].astype(str)
     cat = rows["cat"].to_numpy()
@@ -406,13 +409,25 @@ def host_ops(rows: pd.DataFrame, contexts: dict[int, Context], spans: list[tuple
         if ctx.redo_root and ctx.root >= 0:
             redone[ctx.root] += int(round(dur[pos] * 1e9))
     inside = _in_spans(t, spans)
+    tids, ends = rows["tid"].to_numpy(object), rows["end_ns"].to_numpy(np.int64)
     out = []
     for pos, ctx in contexts.items():
         if (ctx.outermost or ctx.redo_root) and cat[pos] == "cpu_op" and inside[pos]:
             own = float(dur[pos]) - (redone.get(pos, 0) / 1e9 if ctx.outermost else 0.0)
             wait = min(own, waits.get(pos, 0) / 1e9) if ctx.outermost else 0.0
-            out.append((ctx.module, ctx.phase, ctx.line, max(0.0, own - wait), wait))
-    return pd.DataFrame(out, columns=["module", "phase", "line", "host_s", "wait_s"])
+            out.append(
+                (
+                    ctx.module,
+                    ctx.phase,
+                    ctx.line,
+                    max(0.0, own - wait),
+                    wait,
+                    tids[pos],
+                    int(t[pos]),
+                    int(ends[pos]),
+                )
+            )
+    return pd.DataFrame(out, columns=HOST_COLUMNS)
 
 
 def _top_kernels(events: pd.DataFrame, limit: int = 3) -> list[dict[str, Any]]:
@@ -485,6 +500,7 @@ class RankPlaces:
     events: pd.DataFrame  # gpu_events
     modules: bool  # the window recorded module calls (a window without stacks did not)
     sizes: bool  # the window recorded op sizes (FLOPs and bytes known)
+    host: pd.DataFrame = field(default_factory=lambda: pd.DataFrame(columns=HOST_COLUMNS))  # host_ops
 
 
 def _rank_args(run_path: str, rank: str) -> pd.DataFrame | None:
@@ -527,6 +543,7 @@ def rank_places(
         events=events,
         modules=bool(names.str.startswith(MODULE_PREFIX).any()),
         sizes=bool(work),
+        host=host,
     )
 
 

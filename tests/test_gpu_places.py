@@ -329,3 +329,52 @@ def test_a_double_backward_is_not_a_recompute(tmp_path):
     p.export_chrome_trace(path)
     phases = {ctx.phase for ctx in P.attribute(load_trace(path, "0")).values()}
     assert "backward" in phases and "recompute" not in phases
+
+
+def _ema_loop(shadow, params):
+    for e, p in zip(shadow, params):
+        e.mul_(0.99).add_(p, alpha=0.01)
+
+
+def _ema_foreach(shadow, params):
+    torch._foreach_lerp_(shadow, params, 0.01)
+
+
+def test_a_loop_of_small_ops_the_gpu_waits_for_is_named_at_its_line(tmp_path):
+    """A weight average updated tensor by tensor in a Python loop (a training step, then the
+    loop over 300 tensors), its kernels 1 µs each: the host's time there is several times the
+    GPU's and the GPU idles, so the loop's line is named, priced at most at the GPU's idle and
+    the loop's kernels; the same update as one foreach op is not."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    model = Net(checkpointed=False)
+    params = [torch.randn(64) for _ in range(300)]
+    found, idle = {}, {}
+    model(torch.randn(32, 64)).square().mean().backward()  # autograd's first call, out of the window
+    for update in (_ema_loop, _ema_foreach):
+        shadow = [p.clone() for p in params]
+        with profile(activities=[ProfilerActivity.CPU], with_stack=True, with_flops=True) as prof:
+            model(torch.randn(32, 64)).square().mean().backward()
+            update(shadow, params)
+        path = os.path.join(str(tmp_path), f"{update.__name__}.json")
+        prof.export_chrome_trace(path)
+        rows = load_trace(path, "0")
+        small = [("elementwise_kernel", 1e-6)]
+        rows = with_kernels(
+            rows, None, gemm_s=1e-6, other_s=1e-6, extra={"aten::mul_": small, "aten::add_": small}
+        )
+        view = P.rank_places(rows, spans_of(rows), read_op_args(path), H100)
+        found[update.__name__] = [
+            f for f in gpu_places._host_places(view) if f.evidence.get("bound") == "host"
+        ]
+        idle[update.__name__] = view.wall_s - view.busy_s
+    loop = found["_ema_loop"]
+    assert loop and "_ema_loop" in str(loop[0].evidence["line"])
+    f = loop[0]
+    assert f.evidence["host_s_per_step"] >= 2 * f.evidence["gpu_s_per_step"]
+    assert f.evidence["ops_per_step"] >= 600  # a mul_ and an add_ per tensor
+    assert f.evidence["gpu_s_per_step"] > 0  # the loop's own kernels, placed at its line
+    assert 0 < f.seconds_lost_per_step <= idle["_ema_loop"] + f.evidence["gpu_s_per_step"]
+    assert found["_ema_foreach"] == []
