@@ -137,6 +137,9 @@ class Context:
     outermost: bool  # a cpu_op with no cpu_op around it
     root: int = -1  # row position of the outermost cpu_op around it (-1: none)
     redo_root: bool = False  # the outermost op of a forward re-run inside an autograd node
+    call: int = (
+        -1
+    )  # row position of the innermost module call around it (-1: none); a backward op's: its forward's
 
 
 def _containers(rows: pd.DataFrame) -> pd.DataFrame:
@@ -208,6 +211,7 @@ def _context(
     line = frames[-1] if frames else None
     node_seq = float("nan")
     redo_root = False
+    calls = stack
     if optimizer:
         phase = "optimizer"
     elif node is not None:
@@ -222,13 +226,15 @@ def _context(
         redo_root = redo and _first_redone_op(after) == row_index
         modules = [n[len(MODULE_PREFIX) :] for k, n, _, _ in after if k == 2]
         line = next((n for k, n, _, _ in reversed(after) if k == 3), None)
+        calls = after  # the module call a forward re-run is in
     elif modules:
         phase = "module?"  # forward or evaluation: decided by the module call's ops
     else:
         phase = "forward" if any(s == s for _, s, _ in ops) else "other"
     root = index_pos.get(stack[ops[0][0]][3], -1) if ops else -1
     module = ".".join(modules) if modules else NO_MODULE
-    return Context(module, phase, line, op, outermost, root, redo_root), node_seq
+    call = next((index_pos.get(item[3], -1) for item in reversed(calls) if item[0] == 2), -1)
+    return Context(module, phase, line, op, outermost, root, redo_root, call), node_seq
 
 
 def attribute(rows: pd.DataFrame) -> dict[int, Context]:
@@ -265,7 +271,7 @@ def attribute(rows: pd.DataFrame) -> dict[int, Context]:
         if fwd is None:
             continue
         if ctx.phase == "backward" or ctx.module == NO_MODULE:
-            ctx.module = fwd.module
+            ctx.module, ctx.call = fwd.module, fwd.call
         if ctx.line is None:
             ctx.line = fwd.line
     return out
@@ -327,8 +333,9 @@ def gpu_events(
     work: dict[int, tuple[float, float, str | None]],
     device: str | None,
 ) -> pd.DataFrame:
-    """One row per GPU event the profiled steps launched: its place, line, class, seconds, and
-    its share of its op's FLOPs, bytes and roofline time."""
+    """One row per GPU event the profiled steps launched: its place, line, class, seconds, the
+    module call that launched it (`call`), its start on the GPU, and its share of its op's
+    FLOPs, bytes and roofline time."""
     rows = rows.reset_index(drop=True)
     cat = rows["cat"].to_numpy()
     launch = np.flatnonzero(
@@ -342,9 +349,8 @@ def gpu_events(
     math_ops = K.op_spans(rows, (K.SDPA_MATH_OP,))
     in_math = K.launched_inside(gpu, rows, math_ops + K.backward_spans(rows, math_ops))
     out = []
-    for name, gcat, dur, corr, m in zip(
-        gpu["name"], gpu["cat"], gpu["dur_s"], gpu["correlation"].to_numpy(float), in_math
-    ):
+    corrs, starts = gpu["correlation"].to_numpy(float), gpu["start_ns"].to_numpy(np.int64)
+    for name, gcat, dur, corr, m, start in zip(gpu["name"], gpu["cat"], gpu["dur_s"], corrs, in_math, starts):
         pos = by_corr.get(int(corr))
         if pos is None:
             continue
@@ -365,9 +371,12 @@ def gpu_events(
                 kc.precision,
                 float(dur),
                 ctx.op,
+                ctx.call,
+                int(start),
             )
         )
-    cols = ["module", "phase", "line", "name", "family", "label", "precision", "seconds", "op"]
+    cols = ["module", "phase", "line", "name", "family", "label", "precision", "seconds", "op", "call"]
+    cols.append("start_ns")
     events = pd.DataFrame(out, columns=cols)
     # an op's work split over its GPU events by their time (a GEMM and its bias kernel)
     op_time = events.groupby("op")["seconds"].transform("sum").replace(0.0, np.nan)
