@@ -73,16 +73,19 @@ def host_places(view: P.RankPlaces, severity_of: Callable[[float], str]) -> list
     out = []
     for r in host_runs(view).itertuples(index=False):
         span, gpu_s, ops, need = float(r.span_s), float(r.gpu_s), float(r.ops), float(r.need_s)
+        # autograd's own nodes (AccumulateGrad per parameter) run at no line of the job's: no
+        # loop of the user's to name
         if (
-            ops < MIN_LOOP_OPS
+            not r.line
+            or ops < MIN_LOOP_OPS
             or span / view.wall_s < MIN_PLACE_SHARE
             or span < HOST_BOUND * gpu_s
             or span < MIN_NEED_RATIO * need
         ):
             continue
         saving = max(0.0, min(span - need / REACHABLE, idle + gpu_s))
-        line = P.frame_text(str(r.line)) if r.line else None
-        place = f"{r.module} {r.phase}" + (f" at {line}" if line else "")
+        line = P.frame_text(str(r.line))
+        place = f"{r.module} {r.phase} at {line}"
         out.append(
             Finding(
                 id="gpu.place_slow",

@@ -238,7 +238,9 @@ class Stepper(nn.Module):
 
 
 def per_sample_loss(out, y):
-    losses = [F.cross_entropy(out[i : i + 1], y[i : i + 1]) for i in range(out.shape[0])]
+    losses = []
+    for i in range(out.shape[0]):
+        losses.append(F.cross_entropy(out[i : i + 1], y[i : i + 1]))
     return torch.stack(losses).mean()
 
 
