@@ -240,7 +240,7 @@ class Stepper(nn.Module):
 def per_sample_loss(out, y):
     losses = []
     for i in range(out.shape[0]):
-        losses.append(F.cross_entropy(out[i : i + 1], y[i : i + 1]))
+        losses.append(F.cross_entropy(out[i : i + 1], y[i : i + 1]))  # noqa: PERF401 (the case: a loop over samples)
     return torch.stack(losses).mean()
 
 
