@@ -321,8 +321,8 @@ def main(argv=None):
     a = p.parse_args(argv)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(0)
-    model, make = build(a, dev)
-    model = model.to(dev)
+    with torch.device(dev):  # parameters made on the device: a 4M-row table initialised there
+        model, make = build(a, dev)
     opts = optimizers(a, model, dev)
     ema = EMA(model) if a.case == "ema_loop" else None
     params = [q for q in model.parameters() if q.requires_grad]
