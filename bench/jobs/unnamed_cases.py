@@ -275,7 +275,7 @@ def build(a, dev):
         return LM(vocab, width, heads, depth, **kw), _tokens(dev, vocab, batch, seq)
     if a.case == "mha_weights":
         width, heads, depth, classes, batch, seq = (
-            (64, 4, 2, 10, 4, 64) if s else (768, 12, 6, 1000, 32, 1024)
+            (64, 4, 2, 10, 4, 64) if s else (768, 12, 6, 1000, 16, 1024)
         )
         return Encoder(width, heads, depth, classes, need_weights=bad), _vectors(
             dev, (batch, seq, width), classes
