@@ -9,7 +9,10 @@
 # usage (repo root, on the device machine, the bundle installed as in bench/gpu_view.sh's header):
 #   bash .gpu-bundle/b/install.sh | tail -1; export PYTHONPATH=/opt/gpu-boot
 #   python3 -m pip install -q --no-deps --no-build-isolation -e . ; bash bench/gpu_unnamed_cases.sh
-# About 5-7 minutes on one H100 (16 runs of 30 steps). A subset: bash bench/gpu_unnamed_cases.sh rmsnorm
+# 16 runs of 30 steps: at the mechanism cases' 30-50 s a run, 8-13 minutes on one H100, past one
+# device command's 10 minutes: run it in two halves, e.g.
+#   bash bench/gpu_unnamed_cases.sh ema_loop clip_loop attn_manual mha_weights
+#   bash bench/gpu_unnamed_cases.sh rmsnorm embed_dense sample_loss cat_loop
 # Without CUDA: tiny sizes on the CPU (--small) with an explicit window (steps 3-4).
 source "$(dirname "$0")/gpu_env.sh"
 CASES=${*:-ema_loop clip_loop attn_manual mha_weights rmsnorm embed_dense sample_loss cat_loop}

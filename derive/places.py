@@ -42,7 +42,7 @@ import os
 import re
 import sys
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -70,6 +70,9 @@ PLACE_COLUMNS = [
     "need_s",
     "top_kernels",
 ]
+# one row per outermost host op: its place, own seconds, seconds waiting for the GPU, and where
+# it ran (thread, start, end: consecutive ops of one place make a run, the Python between them too)
+HOST_COLUMNS = ["module", "phase", "line", "host_s", "wait_s", "tid", "start_ns", "end_ns"]
 MODULE_PREFIX = "nn.Module: "
 # a kernel launch takes a few µs; one this long waited for room in the GPU's full launch queue
 LAUNCH_BLOCKED_NS = 50_000
@@ -134,6 +137,9 @@ class Context:
     outermost: bool  # a cpu_op with no cpu_op around it
     root: int = -1  # row position of the outermost cpu_op around it (-1: none)
     redo_root: bool = False  # the outermost op of a forward re-run inside an autograd node
+    call: int = (
+        -1
+    )  # row position of the innermost module call around it (-1: none); a backward op's: its forward's
 
 
 def _containers(rows: pd.DataFrame) -> pd.DataFrame:
@@ -205,6 +211,7 @@ def _context(
     line = frames[-1] if frames else None
     node_seq = float("nan")
     redo_root = False
+    calls = stack
     if optimizer:
         phase = "optimizer"
     elif node is not None:
@@ -219,13 +226,15 @@ def _context(
         redo_root = redo and _first_redone_op(after) == row_index
         modules = [n[len(MODULE_PREFIX) :] for k, n, _, _ in after if k == 2]
         line = next((n for k, n, _, _ in reversed(after) if k == 3), None)
+        calls = after  # the module call a forward re-run is in
     elif modules:
         phase = "module?"  # forward or evaluation: decided by the module call's ops
     else:
         phase = "forward" if any(s == s for _, s, _ in ops) else "other"
     root = index_pos.get(stack[ops[0][0]][3], -1) if ops else -1
     module = ".".join(modules) if modules else NO_MODULE
-    return Context(module, phase, line, op, outermost, root, redo_root), node_seq
+    call = next((index_pos.get(item[3], -1) for item in reversed(calls) if item[0] == 2), -1)
+    return Context(module, phase, line, op, outermost, root, redo_root, call), node_seq
 
 
 def attribute(rows: pd.DataFrame) -> dict[int, Context]:
@@ -262,7 +271,7 @@ def attribute(rows: pd.DataFrame) -> dict[int, Context]:
         if fwd is None:
             continue
         if ctx.phase == "backward" or ctx.module == NO_MODULE:
-            ctx.module = fwd.module
+            ctx.module, ctx.call = fwd.module, fwd.call
         if ctx.line is None:
             ctx.line = fwd.line
     return out
@@ -324,8 +333,9 @@ def gpu_events(
     work: dict[int, tuple[float, float, str | None]],
     device: str | None,
 ) -> pd.DataFrame:
-    """One row per GPU event the profiled steps launched: its place, line, class, seconds, and
-    its share of its op's FLOPs, bytes and roofline time."""
+    """One row per GPU event the profiled steps launched: its place, line, class, seconds, the
+    module call that launched it (`call`), its start on the GPU, and its share of its op's
+    FLOPs, bytes and roofline time."""
     rows = rows.reset_index(drop=True)
     cat = rows["cat"].to_numpy()
     launch = np.flatnonzero(
@@ -339,9 +349,8 @@ def gpu_events(
     math_ops = K.op_spans(rows, (K.SDPA_MATH_OP,))
     in_math = K.launched_inside(gpu, rows, math_ops + K.backward_spans(rows, math_ops))
     out = []
-    for name, gcat, dur, corr, m in zip(
-        gpu["name"], gpu["cat"], gpu["dur_s"], gpu["correlation"].to_numpy(float), in_math
-    ):
+    corrs, starts = gpu["correlation"].to_numpy(float), gpu["start_ns"].to_numpy(np.int64)
+    for name, gcat, dur, corr, m, start in zip(gpu["name"], gpu["cat"], gpu["dur_s"], corrs, in_math, starts):
         pos = by_corr.get(int(corr))
         if pos is None:
             continue
@@ -362,9 +371,12 @@ def gpu_events(
                 kc.precision,
                 float(dur),
                 ctx.op,
+                ctx.call,
+                int(start),
             )
         )
-    cols = ["module", "phase", "line", "name", "family", "label", "precision", "seconds", "op"]
+    cols = ["module", "phase", "line", "name", "family", "label", "precision", "seconds", "op", "call"]
+    cols.append("start_ns")
     events = pd.DataFrame(out, columns=cols)
     # an op's work split over its GPU events by their time (a GEMM and its bias kernel)
     op_time = events.groupby("op")["seconds"].transform("sum").replace(0.0, np.nan)
@@ -380,8 +392,8 @@ def gpu_events(
 
 
 def host_ops(rows: pd.DataFrame, contexts: dict[int, Context], spans: list[tuple[int, int]]) -> pd.DataFrame:
-    """The outermost host ops of the profiled steps with their place, seconds and the seconds
-    their sync calls held them (waiting for the GPU)."""
+    """The outermost host ops of the profiled steps with their place, seconds, the seconds
+    their sync calls held them (waiting for the GPU), and their thread, start and end."""
     rows = rows.reset_index(drop=True)
     names = rows["name"].astype(str)
     cat = rows["cat"].to_numpy()
@@ -406,13 +418,25 @@ def host_ops(rows: pd.DataFrame, contexts: dict[int, Context], spans: list[tuple
         if ctx.redo_root and ctx.root >= 0:
             redone[ctx.root] += int(round(dur[pos] * 1e9))
     inside = _in_spans(t, spans)
+    tids, ends = rows["tid"].to_numpy(object), rows["end_ns"].to_numpy(np.int64)
     out = []
     for pos, ctx in contexts.items():
         if (ctx.outermost or ctx.redo_root) and cat[pos] == "cpu_op" and inside[pos]:
             own = float(dur[pos]) - (redone.get(pos, 0) / 1e9 if ctx.outermost else 0.0)
             wait = min(own, waits.get(pos, 0) / 1e9) if ctx.outermost else 0.0
-            out.append((ctx.module, ctx.phase, ctx.line, max(0.0, own - wait), wait))
-    return pd.DataFrame(out, columns=["module", "phase", "line", "host_s", "wait_s"])
+            out.append(
+                (
+                    ctx.module,
+                    ctx.phase,
+                    ctx.line,
+                    max(0.0, own - wait),
+                    wait,
+                    tids[pos],
+                    int(t[pos]),
+                    int(ends[pos]),
+                )
+            )
+    return pd.DataFrame(out, columns=HOST_COLUMNS)
 
 
 def _top_kernels(events: pd.DataFrame, limit: int = 3) -> list[dict[str, Any]]:
@@ -485,6 +509,7 @@ class RankPlaces:
     events: pd.DataFrame  # gpu_events
     modules: bool  # the window recorded module calls (a window without stacks did not)
     sizes: bool  # the window recorded op sizes (FLOPs and bytes known)
+    host: pd.DataFrame = field(default_factory=lambda: pd.DataFrame(columns=HOST_COLUMNS))  # host_ops
 
 
 def _rank_args(run_path: str, rank: str) -> pd.DataFrame | None:
@@ -527,6 +552,7 @@ def rank_places(
         events=events,
         modules=bool(names.str.startswith(MODULE_PREFIX).any()),
         sizes=bool(work),
+        host=host,
     )
 
 

@@ -15,6 +15,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from traindx.analyzers.gpu import place_host  # noqa: E402
 from traindx.analyzers.gpu import places as gpu_places  # noqa: E402
 from traindx.derive import opwork as W  # noqa: E402
 from traindx.derive import places as P  # noqa: E402
@@ -329,3 +330,129 @@ def test_a_double_backward_is_not_a_recompute(tmp_path):
     p.export_chrome_trace(path)
     phases = {ctx.phase for ctx in P.attribute(load_trace(path, "0")).values()}
     assert "backward" in phases and "recompute" not in phases
+
+
+def _ema_loop(shadow, params):
+    for e, p in zip(shadow, params):
+        e.mul_(0.99).add_(p, alpha=0.01)
+
+
+def _ema_foreach(shadow, params):
+    torch._foreach_lerp_(shadow, params, 0.01)
+
+
+def test_a_loop_of_small_ops_the_gpu_waits_for_is_named_at_its_line(tmp_path):
+    """A weight average updated tensor by tensor in a Python loop (a training step, then the
+    loop over 300 tensors), its kernels 1 µs each: the host's time there is several times the
+    GPU's and the GPU idles, so the loop's line is named, priced at most at the GPU's idle and
+    the loop's kernels; the same update as one foreach op is not."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    model = Net(checkpointed=False)
+    params = [torch.randn(64) for _ in range(300)]
+    found, idle = {}, {}
+    model(torch.randn(32, 64)).square().mean().backward()  # autograd's first call, out of the window
+    for update in (_ema_loop, _ema_foreach):
+        shadow = [p.clone() for p in params]
+        with profile(activities=[ProfilerActivity.CPU], with_stack=True, with_flops=True) as prof:
+            model(torch.randn(32, 64)).square().mean().backward()
+            update(shadow, params)
+        path = os.path.join(str(tmp_path), f"{update.__name__}.json")
+        prof.export_chrome_trace(path)
+        rows = load_trace(path, "0")
+        small = [("elementwise_kernel", 1e-6)]
+        rows = with_kernels(
+            rows, None, gemm_s=1e-6, other_s=1e-6, extra={"aten::mul_": small, "aten::add_": small}
+        )
+        view = P.rank_places(rows, spans_of(rows), read_op_args(path), H100)
+        found[update.__name__] = [
+            f for f in place_host.host_places(view, lambda share: "low") if f.evidence.get("bound") == "host"
+        ]
+        idle[update.__name__] = view.wall_s - view.busy_s
+    loop = found["_ema_loop"]
+    assert loop and "_ema_loop" in str(loop[0].evidence["line"])
+    f = loop[0]
+    assert f.evidence["host_s_per_step"] >= 2 * f.evidence["gpu_s_per_step"]
+    assert f.evidence["ops_per_step"] >= 600  # a mul_ and an add_ per tensor
+    assert f.evidence["gpu_s_per_step"] > 0  # the loop's own kernels, placed at its line
+    assert 0 < f.seconds_lost_per_step <= idle["_ema_loop"] + f.evidence["gpu_s_per_step"]
+    assert found["_ema_foreach"] == []
+
+
+class _Norm(torch.nn.Module):
+    """An RMS norm spelled out in tensor ops (upcast, pow, mean, add, rsqrt, mul, downcast,
+    weight), or the same job done by one op (layer_norm: one kernel, as a fused norm is)."""
+
+    def __init__(self, fused):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(256))
+        self.fused = fused
+
+    def forward(self, x):
+        if self.fused:
+            return torch.nn.functional.layer_norm(x, (256,))
+        y = x.float()
+        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return self.weight * y.to(x.dtype)
+
+
+class _Normed(torch.nn.Module):
+    def __init__(self, fused):
+        super().__init__()
+        self.norms = torch.nn.ModuleList([_Norm(fused) for _ in range(2)])
+        self.fc = torch.nn.Linear(256, 256)
+
+    def forward(self, x):
+        return self.norms[1](self.fc(self.norms[0](x)))
+
+
+CHAIN_OPS = (
+    "aten::copy_",
+    "aten::pow",
+    "aten::mean",
+    "aten::rsqrt",
+    "aten::mul",
+    "aten::native_layer_norm",
+    "aten::native_layer_norm_backward",
+    "aten::pow_backward",
+    "aten::div",
+    "aten::sum",
+)
+
+
+def test_a_chain_of_elementwise_ops_is_named_by_its_passes_over_the_data(tmp_path):
+    """The norm's ops one kernel each, back to back, every kernel at its roofline: the chain moves
+    several times the bytes of its largest op, so its class path and phase are named with that
+    many passes and priced at the time above one pass; the norm done by one op is not named."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from traindx.analyzers.gpu import place_passes
+
+    torch.manual_seed(0)
+    found = {}
+    for fused in (False, True):
+        model = _Normed(fused)
+        x = torch.randn(64, 256, dtype=torch.bfloat16)
+        model(x.float()).sum().backward()  # autograd's first call, out of the window
+        with profile(activities=[ProfilerActivity.CPU], with_stack=True, with_flops=True) as prof:
+            model(x.float() if fused else x).float().sum().backward()
+        path = os.path.join(str(tmp_path), f"norm-{int(fused)}.json")
+        prof.export_chrome_trace(path)
+        rows = with_kernels(load_trace(path, "0"), None, extra={name: [] for name in CHAIN_OPS})
+        view = P.rank_places(rows, spans_of(rows), read_op_args(path), H100)
+        known = np.isfinite(view.events["need_s"].to_numpy(float))
+        view.events = view.events[known].assign(seconds=lambda e: e["need_s"] * 1.2)  # at the roofline
+        view.wall_s = view.busy_s = float(view.events["seconds"].sum()) / view.steps
+        found[fused] = place_passes.passes_places(
+            view, pd.Series(False, index=view.events.index), lambda s: s, lambda share: "low"
+        )
+    named = {(f.evidence["place"].split(".")[-1], f.evidence["phase"]) for f in found[False]}
+    assert ("_Norm", "forward") in named
+    f = next(f for f in found[False] if f.evidence["phase"] == "forward")
+    assert f.evidence["passes"] >= 3 and f.evidence["calls_per_step"] == 2
+    assert f.seconds_lost_per_step == pytest.approx(
+        f.evidence["gpu_s_per_step"] * (1 - 1 / f.evidence["passes"])
+    )
+    assert found[True] == []

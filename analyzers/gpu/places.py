@@ -12,7 +12,9 @@
   bf16/fp16 (a cast or a region that undoes autocast) ≥ 5 % of the step;
 - `gpu.place_slow`: any place that takes ≥ 10 % of the step and ≥ 3× what its FLOPs and bytes
   need at the device's roofline, at its module and line with its dominant kernels, whether or
-  not a mechanism above knows why.
+  not a mechanism above knows why; or a place (module, phase, line) whose host time is ≥ 10 %
+  of the step and ≥ 3× the GPU time its launches make while the GPU idles (evidence
+  `bound: host`: a loop of small ops per tensor or per sample).
 
 Every saving is GPU time removed less the GPU's idle in the step (a GPU second is a step second
 only where the GPU sets the pace), as gpu_math prices its own.
@@ -29,6 +31,11 @@ import pandas as pd
 from traindx.analyzers.core import evidence as ev
 from traindx.analyzers.core.declaration import Declaration
 from traindx.analyzers.core.findings import NOTE, Finding, Prescription
+
+# the place tests' thresholds: a place ≥ MIN_PLACE_SHARE of the step and ≥ MIN_NEED_RATIO × its
+# roofline time (GPU or host); REACHABLE of the roofline a well-made kernel reaches
+from traindx.analyzers.gpu.place_host import MIN_NEED_RATIO, MIN_PLACE_SHARE, REACHABLE, host_places
+from traindx.analyzers.gpu.place_passes import passes_places
 from traindx.common.units import fmt_s
 from traindx.derive import device_peaks
 from traindx.derive import places as P
@@ -47,9 +54,6 @@ DECLARATION = Declaration(
 MIN_RECOMPUTE_SHARE = 0.05  # of the step: forward work re-run inside backward
 MIN_LAYOUT_SHARE = 0.10  # of the step: transposes and NCHW normalisation around convolutions
 MIN_CAST_SHARE = 0.05  # of the step: fp32 math in a step that otherwise multiplies in 16 bits
-MIN_PLACE_SHARE = 0.10  # of the step: a place worth judging against its need
-MIN_NEED_RATIO = 3.0  # a place this many times slower than its roofline time
-REACHABLE = 0.6  # of the roofline a well-made kernel reaches (gpu_math.REACHABLE, FACTS.md §6)
 TOP_PLACES = 8
 _TRANSPOSE = re.compile(r"nchwtonhwc|nhwctonchw", re.I)
 _NORM = re.compile(r"batch_norm|batchnorm|bn_fw|bn_bw|instance_norm|group_norm|layer_norm", re.I)
@@ -530,8 +534,12 @@ def analyze(run: RunRecord) -> list[Finding]:
         )
         mechanisms = [f for f in made if f]
         out.extend(mechanisms)
-        explained = _explained(view, {f.id for f in mechanisms})
-        out.extend(_slow_places(view, explained, _headroom(run, view.rank)) if gpu else [])
+        explained = _explained(view, {f.id for f in mechanisms}) if gpu else None
+        if explained is not None:
+            out.extend(_slow_places(view, explained, _headroom(run, view.rank)))
+            saving_of = lambda gpu_saved, v=view: _step_saving(v, gpu_saved)  # noqa: E731
+            out.extend(passes_places(view, explained, saving_of, _severity))
+        out.extend(host_places(view, _severity))
     slowest = _slowest(views)
     if slowest is not None and len(slowest.table):
         out.append(_note(slowest))

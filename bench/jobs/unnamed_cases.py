@@ -238,7 +238,9 @@ class Stepper(nn.Module):
 
 
 def per_sample_loss(out, y):
-    losses = [F.cross_entropy(out[i : i + 1], y[i : i + 1]) for i in range(out.shape[0])]
+    losses = []
+    for i in range(out.shape[0]):
+        losses.append(F.cross_entropy(out[i : i + 1], y[i : i + 1]))  # noqa: PERF401 (the case: a loop over samples)
     return torch.stack(losses).mean()
 
 
@@ -273,7 +275,7 @@ def build(a, dev):
         return LM(vocab, width, heads, depth, **kw), _tokens(dev, vocab, batch, seq)
     if a.case == "mha_weights":
         width, heads, depth, classes, batch, seq = (
-            (64, 4, 2, 10, 4, 64) if s else (768, 12, 6, 1000, 32, 1024)
+            (64, 4, 2, 10, 4, 64) if s else (768, 12, 6, 1000, 16, 1024)
         )
         return Encoder(width, heads, depth, classes, need_weights=bad), _vectors(
             dev, (batch, seq, width), classes
@@ -319,8 +321,8 @@ def main(argv=None):
     a = p.parse_args(argv)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(0)
-    model, make = build(a, dev)
-    model = model.to(dev)
+    with torch.device(dev):  # parameters made on the device: a 4M-row table initialised there
+        model, make = build(a, dev)
     opts = optimizers(a, model, dev)
     ema = EMA(model) if a.case == "ema_loop" else None
     params = [q for q in model.parameters() if q.requires_grad]
