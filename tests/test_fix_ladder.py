@@ -268,3 +268,20 @@ def test_fix_measures_the_checkpointing_rung_of_a_real_cpu_job(tmp_path):
     if row["kept"]:  # kept: significantly faster, or the fastest arm with parity not slower
         assert arm["judged_speedup"] >= 1.0
     assert "ladder: [gpu.recompute] checkpoint_off" in proc.stdout + proc.stderr
+
+
+def test_a_named_mechanism_s_own_rung_is_predicted_at_the_mechanism_s_price(tmp_path):
+    # the NCHW mechanism priced its transposes and NCHW kernels at 13.4 ms a step (an H100 run
+    # measured 12.5 ms saved by channels_last); the rung's rule of thumb over convolution time
+    # alone said 2.2 ms
+    nchw = Finding(
+        id="gpu.layout_nchw",
+        title="convolutions in the NCHW layout",
+        severity="high",
+        analyzer="gpu_places",
+        seconds_lost_per_step=0.0134,
+        evidence={"families": {"conv": 0.0073, "norm": 0.0127}, "device_kind": "cuda"},
+    )
+    ladder = L.plan_ladder([nchw], ["python", "train.py"], str(tmp_path))
+    (arm,) = [a for a in ladder.arms if a.rung.name == "channels_last"]
+    assert arm.gain == pytest.approx(0.0134)

@@ -341,6 +341,10 @@ def weigh(finding: Finding, rung: Rung, ev: PlaceEvidence) -> Gain:
     if rung.cuda_only and ev.device != "cuda":
         return None, f"CUDA only (this place ran on {ev.device or 'an unknown device'})"
     gain, why = rung.gain(ev)
+    if finding.id in rung.explains and gain is not None and finding.seconds_lost_per_step:
+        # the mechanism priced its own fix from what it found (the NCHW transposes and kernels
+        # channels_last removes): that beats a rung's rule of thumb over kernel families
+        gain = finding.seconds_lost_per_step
     if gain is not None and ev.saving_cap is not None:
         gain = min(gain, ev.saving_cap)
     if gain is not None and gain <= 0:
