@@ -69,8 +69,9 @@ def source_line(path: str | None, line: int | None, cwd: str | None = None) -> s
     return lines[line - 1] if line <= len(lines) else None
 
 
-def _paths_of(run: RunView) -> list[str]:
-    paths: list[str] = []
+def _paths_of(run: RunView) -> list[object]:
+    """The file names the record holds, as recorded (not checked: a record is untrusted input)."""
+    paths: list[object] = []
     for type_ in CALLER_EVENTS:
         ev = run.of_type(type_)
         if len(ev) and "caller" in ev:
