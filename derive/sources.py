@@ -8,8 +8,17 @@ from __future__ import annotations
 
 import functools
 import os
+from typing import TYPE_CHECKING
 
 from traindx.common import untrusted
+from traindx.profiler.code_paths import is_library_path
+
+if TYPE_CHECKING:  # annotations only
+    from traindx.derive.runview import RunView
+
+# events whose `caller` is the job's frame that made the call ({file, line, function}): a setter
+# it called (switch), a DataLoader it built, a compile it triggered, a cache it emptied
+CALLER_EVENTS = ("switch", "dataloader", "compile", "empty_cache")
 
 
 def _version(path: str) -> tuple[int, int] | None:
@@ -58,3 +67,37 @@ def source_line(path: str | None, line: int | None, cwd: str | None = None) -> s
         return None
     lines = source_lines(path, cwd)
     return lines[line - 1] if line <= len(lines) else None
+
+
+def _paths_of(run: RunView) -> list[object]:
+    """The file names the record holds, as recorded (not checked: a record is untrusted input)."""
+    paths: list[object] = []
+    for type_ in CALLER_EVENTS:
+        ev = run.of_type(type_)
+        if len(ev) and "caller" in ev:
+            paths += [c.get("file") for c in ev["caller"] if isinstance(c, dict)]
+    frames = run.of_type("host_frame")  # the shim's samples of the training thread
+    if len(frames) and "file" in frames:
+        paths += list(frames["file"].dropna().unique())
+    for threads in (getattr(run, "pyspy", None) or {}).values():  # py-spy's stacks
+        for samples in threads.values():
+            paths += list({f.file for stack in samples.stacks for f in stack})
+    return paths
+
+
+def named_files(run: RunView) -> list[str]:
+    """The job's own files that its record shows ran, first named first: the callers the shim
+    recorded, the frames of its samples of the training thread and of py-spy's stacks (absolute;
+    relative ones under the job's cwd). Installed code is left out; no folder is listed, so a
+    script beside the job that it never ran is not among them."""
+
+    def build() -> list[str]:
+        cwd = run.manifest.get("cwd") or ""
+        out: dict[str, None] = {}
+        for path in _paths_of(run):
+            if not isinstance(path, str) or not path or is_library_path(path):
+                continue
+            out.setdefault(os.path.normpath(os.path.join(cwd, path)), None)
+        return list(out)
+
+    return run.cached("sources.named_files", build)

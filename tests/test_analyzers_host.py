@@ -192,6 +192,71 @@ def test_threads_set_by_a_literal_in_the_job_prescribe_that_line_not_the_env(tmp
     assert "set_num_threads(" in codefix.apply(change, script.read_text()).splitlines()[3]
 
 
+def _oversubscribed_run(tmp_path, job, record_names=None):
+    """A built record of `train.py` in folder `job` on 2 cores whose shim saw 8 intra-op threads
+    the job set itself; record_names: 'switch' (the shim's record of the setter's caller) or
+    'frame' (a sampled frame of the training thread) naming job/threadcfg.py, or None."""
+    from records import RunBuilder
+
+    b = RunBuilder(
+        tmp_path / "run", command=["python", "train.py"], cwd=str(job), manifest={"host": {"cpus": 2}}
+    )
+    for s in range(8):
+        b.step(0.2)
+        b.event("cpu", step=s, proc_cpu_s=0.38, thread_cpu_s=0.1, running=2.5)
+    b.event("cpu_threads", intra_op_threads=8, affinity_cores=2, cpu_count=2, step=7)
+    cfg = str(job / "threadcfg.py")
+    if record_names == "switch":
+        b.event(
+            "switch",
+            name="num_threads",
+            value=8,
+            on=True,
+            via="setter",
+            caller={"file": cfg, "line": 3, "function": "<module>"},
+            source="torch.set_num_threads(8)",
+            step=0,
+            changes=1,
+        )
+    elif record_names == "frame":
+        b.event("host_frame", id=0, function="setup", file=cfg, line=3)
+    return b.load()
+
+
+@pytest.mark.parametrize("record_names", [None, "switch", "frame"])
+def test_threads_set_in_a_file_the_job_ran_are_named_and_a_script_beside_it_never(tmp_path, record_names):
+    """The job's own set_num_threads is looked for in the files the run shows it ran: its script
+    and the modules its record names (the setter's caller, a sampled frame). A script of another
+    job in the same folder, with the same literal count, is never named."""
+    job = tmp_path / "job"
+    job.mkdir()
+    (job / "train.py").write_text(
+        "import torch\nimport threadcfg\n\nmodel = torch.nn.Linear(4, 4)\nopt = torch.optim.SGD(model.parameters())\n"
+        "for _ in range(8):\n    model(torch.randn(2, 4)).sum().backward()\n    opt.step()\n"
+    )
+    (job / "threadcfg.py").write_text("import torch\n\ntorch.set_num_threads(8)\n")
+    (job / "checkpoint_every.py").write_text("import torch\n\ntorch.set_num_threads(8)\n")
+    f = _one(analyze(_oversubscribed_run(tmp_path, job, record_names)), "threads.oversubscribed")
+    assert f.evidence["intra_op_threads"] == 8 and f.evidence["job_sets_threads"]
+    text = " ".join(
+        [f.title, f.summary, str(f.evidence)] + [p.summary + str(p.change) for p in f.prescriptions]
+    )
+    assert "checkpoint_every.py" not in text
+    if record_names is None:  # the job set it somewhere the record does not show: its script after set-up
+        assert f.evidence["thread_call"] is None
+        (code,) = f.prescriptions
+        assert code.change["code"]["file"] == str(job / "train.py")
+    else:
+        assert f.evidence["thread_call"] == {
+            "file": str(job / "threadcfg.py"),
+            "line": 3,
+            "source": "torch.set_num_threads(8)",
+        }
+        (code,) = f.prescriptions
+        assert (code.change["code"]["file"], code.change["code"]["line"]) == (str(job / "threadcfg.py"), 3)
+        assert f"{job / 'threadcfg.py'}:3" in f.evidence["threads_from"]
+
+
 def test_a_prescription_priced_at_no_gain_promises_nothing():
     """The savings model can price a fix below zero (more DataLoader workers on cores the step
     already fills): the prescription keeps its change but promises no gain, and says why."""

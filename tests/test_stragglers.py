@@ -215,3 +215,15 @@ def test_straggler_under_cpu_load_is_the_same_rank_and_cause(recorded):
     f = _ranks(findings)["ranks.straggler"]
     assert (f.evidence["straggler"], f.evidence["cause"]) == ("0", "gc")
     assert f.cause == "gc.gen2_in_step"
+
+
+def test_the_loaded_machine_names_no_thread_call_of_another_job_in_the_same_folder(recorded):
+    """tests/jobs/ holds other jobs' scripts beside straggler_train.py (checkpoint_every.py sets
+    torch.set_num_threads(1)): the threads finding reads only the files the run shows it ran."""
+    run, findings = recorded("pipeline")
+    threads = [f for f in findings if f.analyzer == "threads"]
+    assert threads, [f.id for f in findings]  # the machine was loaded (load average 15-22)
+    for f in threads:
+        call = f.evidence.get("thread_call")
+        assert call is None or call["file"].endswith("straggler_train.py"), call
+        assert "checkpoint_every.py" not in f.summary + str(f.evidence["threads_from"])

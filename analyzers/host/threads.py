@@ -19,6 +19,7 @@ from traindx.analyzers import codefix
 from traindx.analyzers.core import evidence as ev
 from traindx.analyzers.core.declaration import Declaration
 from traindx.analyzers.core.findings import Finding, Prescription
+from traindx.derive import sources
 
 if TYPE_CHECKING:  # annotations only
     from traindx.derive.run import RunRecord
@@ -189,14 +190,17 @@ def _job_set_threads(run: RunRecord, f: Any) -> Any:
 
 
 def _job_files(run: RunRecord) -> Any:
-    """The job's scripts, then the other Python files of its own folder (a few hundred)."""
+    """The job's files that the run shows it ran: its scripts, then the files of its tree (under a
+    script's folder or its cwd) that the record's frames name (derive.sources.named_files). A
+    script that merely sits beside the job is not one of them."""
     scripts = ev.job_scripts(run)
-    rest = []
-    for folder in {os.path.dirname(p) for p in scripts}:
-        rest += [
-            p for p in ev.python_files(folder, limit=300) if p not in scripts and not ev.is_library_path(p)
-        ]
-    return scripts + sorted(rest)
+    roots = {os.path.dirname(p) for p in scripts} | {os.path.abspath(run.manifest.get("cwd") or os.getcwd())}
+    rest = [
+        p
+        for p in sources.named_files(run)
+        if p not in scripts and any(p.startswith(os.path.join(r, "")) for r in roots)
+    ]
+    return scripts + rest
 
 
 def own_thread_call(run: RunRecord, f: Any) -> Any:
