@@ -39,42 +39,42 @@ def sample_frames(samples: pd.DataFrame, cwd: str | None) -> pd.DataFrame:
     return out.sort_values("t_ns", kind="stable").reset_index(drop=True)
 
 
-def _runs(ops: pd.DataFrame) -> list[tuple[int, int]]:
-    """(start, end) of each run of consecutive ops of one place on a thread (`ops`: every
-    host op of the window, `mine` marking the place's)."""
+def _runs(ops: pd.DataFrame) -> list[tuple[int, int, np.ndarray[Any, Any]]]:
+    """(start, end, row labels) of each run of consecutive ops of one place on a thread (`ops`:
+    every host op of the window, `mine` marking the place's)."""
     out = []
     for _, g in ops.groupby("tid", sort=False):
         g = g.sort_values("start_ns", kind="stable")
         mine = g["mine"].to_numpy(bool)
         run = np.cumsum(np.r_[True, mine[1:] != mine[:-1]])
         for _, r in g[mine].groupby(run[mine]):
-            out.append((int(r["start_ns"].min()), int(r["end_ns"].max())))
+            out.append((int(r["start_ns"].min()), int(r["end_ns"].max()), r.index.to_numpy()))
     return out
-
-
-def _counts(t: np.ndarray[Any, Any], frames: np.ndarray[Any, Any], runs: list[tuple[int, int]]) -> pd.Series:
-    picked = [frames[np.searchsorted(t, a, "left") : np.searchsorted(t, b, "right")] for a, b in runs]
-    kept = np.concatenate(picked) if picked else np.array([], dtype=object)
-    return pd.Series(kept, dtype=object).value_counts()
 
 
 def name_lines(
     host: pd.DataFrame, events: pd.DataFrame, frames: pd.DataFrame
 ) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """host ops and GPU events with the sampled line of each line-less place outside backward."""
+    """host ops and GPU events with the sampled line of each line-less place outside backward:
+    each run of the place's ops takes the frame its samples saw most (a loop after the model's
+    forward, in the same phase, is a run of its own), a run no sample saw the place's; the GPU
+    events, whose launches hold no time here, the place's."""
     if not len(host) or not len(frames) or host["line"].notna().any():
         return host, events
     t, names = frames["t_ns"].to_numpy(np.int64), frames["frame"].to_numpy(object)
     host, events = host.copy(), events.copy()
-    for (module, phase), g in host.groupby(["module", "phase"], sort=False):
+    for (module, phase), _ in host.groupby(["module", "phase"], sort=False):
         if phase in NO_LINE_PHASES:
             continue
         mine = ((host["module"] == module) & (host["phase"] == phase)).to_numpy()
-        counts = _counts(t, names, _runs(host.assign(mine=mine)))
+        runs = _runs(host.assign(mine=mine))
+        seen = [names[np.searchsorted(t, a, "left") : np.searchsorted(t, b, "right")] for a, b, _ in runs]
+        counts = pd.Series(np.concatenate(seen) if seen else [], dtype=object).value_counts()
         if counts.sum() < MIN_SAMPLES:
             continue
         line = str(counts.index[0])
-        host.loc[mine, "line"] = line
+        for (_, _, rows), frames_in in zip(runs, seen):
+            host.loc[rows, "line"] = pd.Series(frames_in).value_counts().index[0] if len(frames_in) else line
         if len(events):
             at = (
                 (events["module"] == module) & (events["phase"] == phase) & events["line"].isna()
