@@ -3,7 +3,8 @@ places, the findings (id, severity, saving) and the job's step median (as
 bench/gpu_mechanism_table.py prints them); per case, which finding points at the cause's place
 (its module path or its line, as the case's docstring names it), by which mechanism (the generic
 place finding or a named one), its predicted saving against the twin's measured difference
-(±30 %), and whether the twin stayed quiet (no finding above low).
+(±30 %), and whether the twin stayed quiet (no root finding above low: a symptom shows under
+its root).
 
 usage: python bench/gpu_unnamed_table.py RUNS_DIR [CASE ...]
 """
@@ -52,6 +53,8 @@ def judge(case, bad, bad_ms, good, good_ms):
         for f in good
         if f.get("id") not in SKIP
         and f.get("severity") not in QUIET
+        # a symptom shows under its root (analyzers/core/chains.py): not a finding of its own
+        and not f.get("cause")
         and not str(f.get("id")).startswith("verdict.")
     ]
     kind = "-" if pick is None else ("place" if pick.get("id") in PLACES else "other analyzer")

@@ -45,11 +45,16 @@ class RankGpu:
 
 
 def _window_bounds(run: RunView, rank: str, mine: pd.DataFrame) -> list[tuple[int, int]] | None:
-    """The profiled steps' own intervals (a window may skip a step and leaves out the profiler's
-    start and stop between steps: spanning them would count their seconds as GPU idle), else
-    the GPU events' extent as one step."""
+    """The profiled steps' own intervals that the trace covers (a window may skip a step and
+    leaves out the profiler's start and stop between steps: spanning them would count their
+    seconds as GPU idle), else the GPU events' extent as one step."""
     steps = run.rank_steps(rank)
     inside = steps[steps["step"].isin(profiled_steps(run).get(rank, set()))] if len(steps) else steps
+    if len(inside) and len(mine):
+        # a window that stood down for its cost wrote no trace: its steps hold none of these
+        # events (counting them would divide one traced step's time by three)
+        lo, hi = int(mine["start_ns"].min()), int(mine["end_ns"].max())
+        inside = inside[((inside["end_ns"] > lo) & (inside["start_ns"] < hi)).to_numpy()]
     if len(inside):
         return [(int(a), int(b)) for a, b in zip(inside["start_ns"], inside["end_ns"]) if b > a] or None
     gpu = mine[mine["cat"].isin(GPU_CATS).to_numpy()]

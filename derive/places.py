@@ -53,6 +53,8 @@ from traindx.derive import device_peaks
 from traindx.derive import gpu_efficiency as G
 from traindx.derive import kernel_classes as K
 from traindx.derive import opwork as W
+from traindx.derive import place_lines as L
+from traindx.derive.ledger import host_samples
 from traindx.derive.steady import median_step_s
 from traindx.profiler.opargs import read_op_args
 
@@ -533,8 +535,10 @@ def rank_places(
     rank: str = "0",
     wall_s: float | None = None,
     busy_s: float | None = None,
+    frames: pd.DataFrame | None = None,
 ) -> RankPlaces:
-    """The places of one rank's window rows inside the profiled steps' spans."""
+    """The places of one rank's window rows inside the profiled steps' spans (`frames`: the
+    shim's samples of the training thread, which name the lines of a window without stacks)."""
     rows = rows.reset_index(drop=True)
     contexts = attribute(rows)
     work = _op_need(rows, args, device)
@@ -543,6 +547,9 @@ def rank_places(
     n = max(len(spans), 1)
     window_s = sum(b - a for a, b in spans) / 1e9 / n
     names = rows["name"].astype(str)
+    stacks = bool(names.str.startswith(MODULE_PREFIX).any())
+    if not stacks and frames is not None:
+        host, events = L.name_lines(host, events, frames)
     return RankPlaces(
         rank=str(rank),
         steps=n,
@@ -550,7 +557,7 @@ def rank_places(
         busy_s=busy_s if busy_s is not None else float(events["seconds"].sum()) / n,
         table=place_table(events, host, n),
         events=events,
-        modules=bool(names.str.startswith(MODULE_PREFIX).any()),
+        modules=stacks,
         sizes=bool(work),
         host=host,
     )
@@ -568,6 +575,7 @@ def _run_places(run: Any) -> dict[str, RankPlaces]:
         return {}
     views = G.cached_rank_views(run)
     device = device_peaks.device_name(run.manifest)
+    samples = host_samples(run)
     out = {}
     for rank in sorted(set(trace["rank"]), key=lambda r: (len(str(r)), str(r))):
         mine = trace[(trace["rank"] == rank).to_numpy()]
@@ -583,5 +591,8 @@ def _run_places(run: Any) -> dict[str, RankPlaces]:
             str(rank),
             wall_s=median_step_s(run, str(rank)),
             busy_s=view.busy_s if view is not None else None,
+            frames=L.sample_frames(
+                samples[(samples["rank"].astype(str) == str(rank)).to_numpy()], L.cwd_of(run.manifest)
+            ),
         )
     return out

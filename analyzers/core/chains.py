@@ -124,6 +124,13 @@ def _root_for(f: Finding, roots: Sequence[Finding]) -> Finding | None:
         return _slow_stage_cause(f, roots)
     if f.id == "gpu.launch_bound":
         return _launch_bound_cause(f, roots)
+    if f.id == "gpu.place_slow":
+        # a place where the host, not the GPU, takes the time, on a launch-bound rank: where the
+        # launch-bound finding's seconds go (its location, not a second price for them)
+        if (f.evidence or {}).get("bound") != "host":
+            return None
+        bound = [r for r in roots if r.id == "gpu.launch_bound" and _same_rank(r, f)]
+        return max(bound, key=_lost, default=None)
     if f.id in ("steps.periodic_slow", "steps.instability"):
         return _slow_steps_cause(f, roots)
     if f.id in STEADY_JIT and f.id not in FRESH_GRAPH_CALLS:

@@ -19,7 +19,11 @@ from traindx.derive.steady import events_of_type
 if TYPE_CHECKING:  # annotations only
     from traindx.derive.run import RunRecord
 
-DECLARATION = Declaration(name="launch_bound", order=70, ids=("gpu.launch_bound",))
+# a place whose host time is the GPU's wait (gpu_places, evidence bound: host) is where a
+# launch-bound step's time goes: the same seconds, located
+DECLARATION = Declaration(
+    name="launch_bound", order=70, ids=("gpu.launch_bound",), explains=("gpu.place_slow",)
+)
 
 MIN_IDLE_SHARE = 0.30
 MAX_MEDIAN_KERNEL_S = 20e-6

@@ -477,7 +477,9 @@ def _slow_place(
     return Finding(
         id="gpu.place_slow",
         title=(
-            f"{place} {phase}: {fmt_s(gpu_s)} of GPU a step ({share:.0%} of the step), "
+            # outside any module the line is the place's only name (a window without stacks)
+            f"{place} {phase}{f' at {line}' if line and place == P.NO_MODULE else ''}: "
+            f"{fmt_s(gpu_s)} of GPU a step ({share:.0%} of the step), "
             f"{gpu_s / need_s:.0f}× what its work needs ({fmt_s(need_s)} at the roofline); "
             f"mostly {dominant['label']}"
         ),
