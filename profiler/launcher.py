@@ -377,6 +377,7 @@ class Job:
             for fd in {job_out, job_err}:  # the job holds them now (one for both: 2>&1)
                 if fd is not None:
                     os.close(fd)
+        relay.job_started(self.proc.pid)
         for s in self._ignored:
             signal.signal(s, self._forward)
         usage = resource.getrusage(resource.RUSAGE_SELF)

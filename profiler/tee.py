@@ -25,21 +25,18 @@ then one JSON line on the socket: {"log": path, "segment_bytes": n, "cap_bytes":
 """
 
 import errno
-import fcntl
 import json
 import os
 import queue
+import re
 import selectors
 import signal
 import socket
-import stat
 import struct
 import subprocess
 import sys
-import termios
 import threading
 import time
-import tty
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -59,6 +56,8 @@ PROBLEM = b"!"
 CLOSED = b"="
 DONE = b"done\n"  # diagnose -> tee: recording is over, print straight to the terminal from now
 ENDED = b"ended\n"  # diagnose -> tee: the job has ended: read the files it wrote to one last time
+JOB = re.compile(rb"job (\d+)\n")  # diagnose -> tee: the job's pid (files it writes itself are
+# read until it ends, even when diagnose is gone: there is no end of pipe to tell)
 READY = b"+\n"  # tee -> diagnose, once: reading the pipes from now
 # diagnose -> tee: the reader of diagnose's stdout ("o") or stderr ("e") is gone (EPIPE): the
 # job's end of that pipe is closed, so its next write fails as it would bare (a `| head`)
@@ -68,54 +67,6 @@ BINARY_SHARE = 0.5
 # lines waiting for the log (redaction costs ~40 us a line): a burst of output is not slowed
 # by it; past this many batches (256 MiB at most), reading the pipes waits for the log
 LOG_QUEUE_BATCHES = 4096  # each at most one 64 KiB read
-
-
-PIPE_BYTES = 1 << 20  # the job's pipe: a relay held up for a moment never blocks its prints
-
-
-def _pipe() -> tuple[int, int]:
-    """A pipe of PIPE_BYTES where the system allows it (Linux's default is 64 KiB: a job that
-    prints fast would wait in its print whenever the relay or diagnose is briefly busy, a wait
-    that is traindx's, not the job's)."""
-    r, w = os.pipe()
-    try:
-        fcntl.fcntl(w, getattr(fcntl, "F_SETPIPE_SZ", 1031), PIPE_BYTES)
-    except OSError:
-        pass  # over /proc/sys/fs/pipe-max-size: the default size stays
-    return r, w
-
-
-def channel_for(fd: int) -> tuple[int, int]:
-    """(read end, the job's end) for what the job writes to fd: a pipe, or where diagnose's fd
-    is a terminal, a pseudo-terminal of its size in raw mode. The job then sees a terminal as it
-    would bare (isatty: colours, progress bars, line-buffered prints) and its bytes come through
-    unchanged (raw: no newline turned into CR LF)."""
-    if os.isatty(fd):
-        try:
-            master, slave = os.openpty()
-        except OSError:
-            return _pipe()
-        try:
-            tty.setraw(slave)
-            size = fcntl.ioctl(fd, termios.TIOCGWINSZ, b"\0" * 8)
-            fcntl.ioctl(slave, termios.TIOCSWINSZ, size)
-        except (OSError, termios.error):
-            pass  # the defaults: still a terminal
-        return master, slave
-    return _pipe()
-
-
-def same_sink(a: int, b: int) -> bool:
-    """Whether descriptors a and b write into the same pipe or file (a caller's `2>&1` into a
-    pipe or a file; a terminal is left out: there stderr stays told apart for the notes)."""
-    try:
-        sa, sb = os.fstat(a), os.fstat(b)
-    except OSError:
-        return False
-    kind = stat.S_IFMT(sa.st_mode)
-    if kind not in (stat.S_IFIFO, stat.S_IFREG):
-        return False
-    return (sa.st_dev, sa.st_ino, kind) == (sb.st_dev, sb.st_ino, stat.S_IFMT(sb.st_mode))
 
 
 def refused(exc: OSError) -> bool:
@@ -179,6 +130,7 @@ class Tee:
         tails = config.get("tail")
         tails = tails if isinstance(tails, dict) else {}
         self.files = {int(fd): int(offset) for fd, offset in tails.items() if int(fd) in self.streams}
+        self.job: int | None = None  # a pidfd of the job, while files are read (_watch_job)
         self.terminal = {"o": 1, "e": 2}
         self.sock = sock
         self.redact = redactor(config)
@@ -330,6 +282,24 @@ class Tee:
             self._queue.put((t, tag, complete))
         self.partial[fd] = rest
 
+    def _watch_job(self, pid: int, sel: selectors.BaseSelector) -> None:
+        """Files the job writes itself: its end is seen here (a pidfd turns readable), so that
+        they are read to the end though diagnose is killed before the job."""
+        if not self.files or self.job is not None:
+            return
+        try:
+            self.job = os.pidfd_open(pid)
+        except (OSError, AttributeError):  # an old kernel: diagnose's word (or its end) only
+            return
+        sel.register(self.job, selectors.EVENT_READ)
+
+    def _job_ended(self, sel: selectors.BaseSelector) -> None:
+        assert self.job is not None
+        sel.unregister(self.job)
+        os.close(self.job)
+        self.job = None
+        self._end_tails(sel)
+
     def _control(self, sel: selectors.BaseSelector) -> None:
         sock = self.sock
         if sock is None:
@@ -343,7 +313,9 @@ class Tee:
                 self.gone.add(tag)
                 for fd in [fd for fd, name in self.streams.items() if name == tag]:
                     self._drop(fd, sel, time.time_ns())
-        if ENDED in data or DONE in data or not data:
+        for pid in JOB.findall(data):
+            self._watch_job(int(pid), sel)
+        if ENDED in data or DONE in data or (not data and self.job is None):
             self._end_tails(sel)
         if not data or DONE in data:  # gone (killed) or done: the terminal directly from now
             sel.unregister(sock)
@@ -367,6 +339,8 @@ class Tee:
                 try:
                     if self.sock is not None and key.fileobj is self.sock:
                         self._control(sel)
+                    elif self.job is not None and key.fileobj == self.job:
+                        self._job_ended(sel)
                     elif key.fd in self.streams:
                         self._read(key.fd, sel)
                 except Exception as exc:  # never stop reading the job's pipes
@@ -438,18 +412,18 @@ class OutputRelay:
     def start(self) -> tuple[int, int]:
         """(stdout fd, stderr fd) for the job; raises OSError when no tee could start."""
         tails: dict[str, int] = {}  # a file's read end -> where the job's bytes start (filetail)
-        out_r, out_w = filetail.channel(1, tails, channel_for)
+        out_r, out_w = filetail.channel(1, tails, filetail.channel_for)
         # stdout and stderr into one file or pipe (`2>&1 | tee`): one pipe for the job's both, so
         # that their order is the job's own; into one file: each its own descriptor, read once
-        if same_sink(1, 2):
+        if filetail.same_sink(1, 2):
             err_r, err_w = (out_r, os.dup(2)) if tails else (out_r, out_w)
         else:
-            err_r, err_w = filetail.channel(2, tails, channel_for)
+            err_r, err_w = filetail.channel(2, tails, filetail.channel_for)
         self.config["tail"] = tails
         mine, theirs = socket.socketpair()
         for end, opt in ((theirs, socket.SO_SNDBUF), (mine, socket.SO_RCVBUF)):
             try:  # room for the job's output while diagnose is busy (its live judge)
-                end.setsockopt(socket.SOL_SOCKET, opt, 4 * PIPE_BYTES)
+                end.setsockopt(socket.SOL_SOCKET, opt, 4 * filetail.PIPE_BYTES)
             except OSError:
                 pass
         try:
@@ -538,6 +512,14 @@ class OutputRelay:
             _write_all(1 if tag == "o" else 2, data)
         except OSError:
             pass
+
+    def job_started(self, pid: int) -> None:
+        """The job's pid, for the tee to see its end by itself (files the job writes itself)."""
+        if self._sock is not None and self.config.get("tail"):
+            try:
+                self._sock.sendall(b"job %d\n" % pid)
+            except OSError:
+                pass
 
     def finish(self) -> None:
         """The job has ended: its last lines are printed, then the tee goes on by itself."""
