@@ -55,7 +55,6 @@ def test_a_sigterm_handlers_exit_during_garbage_collection_ends_the_job(tmp_path
 
 
 @pytest.mark.slow  # a real diagnose run of a gc-heavy job
-@pytest.mark.serial  # lost its Ctrl-C once beside two other workers on CI's 2 cores (passes alone)
 def test_a_ctrl_c_during_garbage_collection_ends_the_job(tmp_path):
     job = os.path.join(JOBS, "gc_heavy_signal.py")
     dx = _diagnose(["--run-dir", "run", "--", PY, job, "--int"], tmp_path)
@@ -80,7 +79,6 @@ CTRL_C_AT_SHIM_START = textwrap.dedent("""
 """)
 
 
-@pytest.mark.serial  # ran to its end once beside two other workers on CI's 2 cores (passes alone)
 def test_a_ctrl_c_while_the_shim_starts_ends_the_process_as_ctrl_c(tmp_path):
     (tmp_path / "site").mkdir()
     (tmp_path / "site" / "sitecustomize.py").write_text(CTRL_C_AT_SHIM_START)

@@ -114,7 +114,6 @@ def test_a_running_sum_of_losses_is_named_at_its_line(kept_and_twin):
 
 
 @pytest.mark.slow
-@pytest.mark.serial  # kept no arm once beside two other workers on CI's 2 cores (passes alone)
 def test_fix_applies_the_edit_and_judges_it_by_the_memory_slope(kept_and_twin, tmp_path):
     folder, _ = kept_and_twin
     fix_dir = str(tmp_path / "fix")
