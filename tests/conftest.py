@@ -9,6 +9,7 @@ import importlib.util
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -23,6 +24,12 @@ TESTS = os.path.dirname(os.path.abspath(__file__))
 # diagnose process, its samplers and the other test's job, and its steps slow down unevenly.
 # A test about threads sets its own.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# a suite started in the background of a non-interactive shell (`pytest ... &`, nohup) inherits
+# SIGINT ignored, and so would every job a test starts (Python keeps an inherited SIG_IGN): the
+# Ctrl-C rows would test the caller's shell, not traindx. A handler of ours becomes the default
+# in each child at exec.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 # the recorded runs under tests/data name this checkout's files in their frames (their READMEs)
 # but were recorded on another machine: their source lines are read here as the user who copied
 # their own run says so (traindx.common.untrusted.TRUST_ENV; test_faults_folder.py unsets it)
