@@ -277,6 +277,20 @@ def _slow_steps_cause(f: Finding, roots: Sequence[Finding]) -> Finding | None:
     found = _evaluation_cause(f, roots)
     if found is not None:
         return found
+    if f.id == "steps.instability":
+        # a step time that varies, every evaluating step among its slow ones: the variation is
+        # the evaluation's (on a loaded machine other steps join the slow ones by chance)
+        slow = {int(s) for s in f.steps_affected}
+        evals = [
+            r
+            for r in roots
+            if r.id in ("evaluation.in_loop", "evaluation.rollout")
+            and _same_rank(r, f)
+            and r.steps_affected
+            and {int(s) for s in r.steps_affected} <= slow
+        ]
+        if evals:
+            return max(evals, key=_lost)
     if not f.evidence.get("gen2_gc_in_slow_steps") or f.evidence.get("io_in_slow_steps"):
         return None
     gcs = [r for r in roots if r.id == "gc.gen2_in_step" and _same_rank(r, f)]

@@ -35,7 +35,13 @@ DECLARATION = Declaration(
     ids=("evaluation.in_loop", "evaluation.rollout"),
     not_causes=("evaluation.rollout",),
     # the steps an evaluation runs in are slow: that is its price, not a cause of its own
-    explains=("steps.periodic_slow", "host_work.periodic_line", "host_work.code", "gpu_idle.host_starved"),
+    explains=(
+        "steps.periodic_slow",
+        "steps.instability",
+        "host_work.periodic_line",
+        "host_work.code",
+        "gpu_idle.host_starved",
+    ),
 )
 MIN_SHARE = 0.01  # of the step time: below it an evaluation is a note
 MAX_SEVERITY = "low"
