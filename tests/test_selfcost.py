@@ -205,21 +205,32 @@ def test_a_real_run_states_what_it_cost_the_job(tmp_path):
     assert (led["traindx_s"] > 0).any()
 
 
-def test_shed_machine_reads_span_the_steps_between_them(shim_cost, monkeypatch):
-    """/proc/stat read every 3rd step: the steps between carry no machine fields, and each
-    reading says how many wall seconds it covers (sys_span_s), so idle cores stay a rate."""
+def test_machine_reads_come_on_a_clock_and_span_the_steps_between_them(shim_cost, monkeypatch):
+    """/proc/stat is read at most every STAT_INTERVAL_NS (40 ms steps, 100 ms: every 3rd step),
+    and STAT_EVERY times less often once shed: the steps between carry no machine fields, and
+    each reading says how many wall seconds it covers (sys_span_s), so idle cores stay a rate."""
     from _traindx_shim import cpustat
 
     events = []
+    clock = [0]
     monkeypatch.setattr(cpustat, "emit", lambda type_, **f: events.append(f))
-    monkeypatch.setattr(cpustat, "_prev", {})
-    monkeypatch.setattr(cpustat, "_machine", {"stat": None, "t": None})
-    selfcost.shed_state["stat_every"] = 3
-    for step in range(1, 8):
-        cpustat.emit_step(step)
-    read = [e["step"] for e in events if "sys_total_s" in e]
-    assert read == [3, 6] and all(e["sys_span_s"] > 0 for e in events if "sys_total_s" in e)
-    assert [e["step"] for e in events] == [2, 3, 4, 5, 6, 7]  # every step keeps its own CPU fields
+    monkeypatch.setattr(cpustat, "_clock", lambda: clock[0])
+    monkeypatch.setattr(cpustat, "STAT_INTERVAL_NS", 100_000_000)
+
+    def run(steps):
+        events.clear()
+        monkeypatch.setattr(cpustat, "_prev", {})
+        monkeypatch.setattr(cpustat, "_machine", {"stat": None, "t": None, "read_ns": 0})
+        for step in range(1, steps + 1):
+            clock[0] = step * 40_000_000
+            cpustat.emit_step(step)
+        return [e["step"] for e in events if "sys_total_s" in e]
+
+    assert run(8) == [4, 7]
+    assert all(abs(e["sys_span_s"] - 0.12) < 1e-6 for e in events if "sys_total_s" in e)
+    assert [e["step"] for e in events] == [2, 3, 4, 5, 6, 7, 8]  # every step keeps its own CPU fields
+    selfcost.shed_state["stat_every"] = 3  # shed: every 300 ms
+    assert run(17) == [9, 17]
 
 
 def test_allocator_stats_read_from_the_nested_dict_match_torchs_flat_form(monkeypatch):

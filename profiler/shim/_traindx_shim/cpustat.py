@@ -8,6 +8,9 @@ One `cpu` event at each step end (the training thread), with the deltas since th
                 machine added to the step that no code of the job spent
   sys_idle_s    core-seconds the whole machine was idle (/proc/stat idle + iowait), Linux only
   sys_total_s   core-seconds the machine had (/proc/stat, all states)
+  sys_span_s    the wall seconds those cover: the machine is read at most every
+                STAT_INTERVAL_NS, so on short steps a reading spans the steps since the last one
+                (the steps between carry no sys_* fields)
   running       runnable tasks on the machine at the step end (/proc/loadavg; the training
                 thread that reads it is one of them)
   cores         cores this process may run on (sched_getaffinity), once, on the first event
@@ -22,7 +25,9 @@ quota), cpu_count, thread_env (OMP/MKL/OpenBLAS/... *_NUM_THREADS as set), datal
 ([{pid, threads}] of the live DataLoader iterators' worker processes), children ([{pid, name,
 threads}] of every child process: compile workers too) and load1 (/proc/loadavg). Together they say how many
 cores were really free to the job (a prediction that adds worker processes needs that); a
-read of /proc/stat is ~30 µs, so one per step costs nothing a step would notice.
+read of /proc/stat and /proc/loadavg is 15-50 µs, so sys_* and running come at most every
+STAT_INTERVAL_NS (every step of steps longer than that), each reading spanning the steps since
+the last one (sys_span_s: the wall seconds it covers).
 """
 
 from __future__ import annotations
@@ -97,7 +102,9 @@ def _snapshot(machine: bool = True) -> dict[str, Any]:
     }
 
 
-_machine: dict[str, Any] = {"stat": None, "t": None}  # the last machine-wide reading and its time
+_machine: dict[str, Any] = {"stat": None, "t": None, "read_ns": 0}  # the last machine-wide reading, its time
+STAT_INTERVAL_NS = 100_000_000  # machine-wide reads: at most 10 a second (every step of longer steps)
+_clock = time.monotonic_ns
 
 
 _schedstat: dict[
@@ -125,16 +132,20 @@ def emit_step(step: int, own: dict[str, Any] | None = None) -> None:
     """The CPU evidence of the step that just ended; the first call only takes the snapshot the
     next one is measured from (so a step's deltas never include start-up). own: the shim's own
     cost in the step (selfcost.step_fields)."""
-    # machine-wide reads (/proc/stat: the costliest part, ~30 µs) on every step, or on every
-    # stat_every-th one once the shim sheds work (selfcost.py): a reading then spans those steps
-    every = selfcost.shed_state["stat_every"]
-    now = _snapshot(machine=every <= 1 or step % every == 0 or _machine["stat"] is None)
+    # the machine-wide reads (/proc/stat and /proc/loadavg: the costliest part, 15-50 µs) at
+    # most every STAT_INTERVAL_NS (x stat_every once the shim sheds work, selfcost.py): a
+    # reading then spans the steps since the last one (sys_span_s), and their cost is bounded
+    # per second, not paid per step
+    mono = _clock()
+    interval = STAT_INTERVAL_NS * selfcost.shed_state["stat_every"]
+    due = _machine["stat"] is None or mono - _machine["read_ns"] >= interval
+    now = _snapshot(machine=due)
     prev = dict(_prev)
     _prev.clear()
     _prev.update(now)
     last, last_t = _machine["stat"], _machine["t"]
     if now["stat"]:
-        _machine.update(stat=now["stat"], t=time.monotonic())
+        _machine.update(stat=now["stat"], t=mono / 1e9, read_ns=mono)
     if not prev:
         return
     fields = {"proc_cpu_s": now["proc"] - prev["proc"], **(own or {})}

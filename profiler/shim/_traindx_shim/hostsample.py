@@ -131,7 +131,9 @@ def _loop() -> None:
     frames = sys._current_frames
     now = time.time_ns
     shed = selfcost.shed_state  # above the budget the shim samples less (selfcost.py)
+    ident = threading.get_ident()
     while not _state.get("stop"):
+        roles.report_cpu(ident, "traindx-hostsample")  # the last round's CPU (selfcost.py)
         scale = shed["sample_scale"]
         time.sleep(period / scale if scale > 0 else max(period, 1.0 / selfcost.MIN_SAMPLE_HZ))
         tid = _state["tid"]

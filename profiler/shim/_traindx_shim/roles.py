@@ -60,7 +60,19 @@ def _address_space_limited() -> bool:
     return _limited[0]
 
 
-OWN_THREADS: list[Any] = []  # the shim's own threads (selfcost.py reads their CPU clocks)
+OWN_THREADS: list[Any] = []  # the shim's own threads
+# ident -> (name, CPU ns so far) of each of the shim's threads, written by the thread itself after
+# each round of its work (report_cpu): the step end reads a dict instead of a clock per thread
+OWN_CPU: dict[int, tuple[str, int]] = {}
+if hasattr(os, "register_at_fork"):  # a forked child's threads are its own: none of these
+    os.register_at_fork(after_in_child=OWN_CPU.clear)
+
+
+def report_cpu(ident: int, name: str) -> None:
+    """Called by one of the shim's threads on itself: its CPU time so far (one clock read)."""
+    import time  # loaded by the interpreter already: no cost
+
+    OWN_CPU[ident] = (name, time.thread_time_ns())
 
 
 def start_thread(thread: Any) -> None:

@@ -120,14 +120,18 @@ def in_step_since() -> int | None:
     return _state["begin"]
 
 
-# called at each step boundary with the step about to begin (the torch.profiler window)
+# called at each step boundary with the step about to begin (the torch.profiler window, the GPU
+# clock's marks); a hook returns True when it looked closer on purpose there (a window's start,
+# stop or export): its time is then stated once, not as a per-step cost
 boundary_hooks: list[Callable[[int], object]] = []
+_on_purpose = [False]  # a hook of this boundary returned True
 
 
 def _call_boundary_hooks(step: int) -> None:
     for hook in boundary_hooks:
         try:
-            hook(step)
+            if hook(step) is True:
+                _on_purpose[0] = True
         except Exception as exc:
             report_error("step boundary hook", exc)
 
@@ -211,11 +215,15 @@ def _end(source: str, t: int | None = None, retro: bool = False) -> None:
         )
         _sync_forward_hook()
     mark = time.time_ns()
+    _on_purpose[0] = False
     _begin(t, retro=retro)
     done = time.time_ns()
     parts["step.begin"] = done - mark  # the boundary hooks: a torch.profiler window's export
-    # the work after the boundary is the next step's time, and traindx's line of its ledger
-    purpose = parts["step.begin"] + (parts["step.mem"] if parts.pop("hunting", 0) else 0)
+    # the work after the boundary is the next step's time, and traindx's line of its ledger; the
+    # hooks' every-step work (the anomaly check, the GPU clock's marks) is a per-step cost
+    purpose = (parts["step.begin"] if _on_purpose[0] else 0) + (
+        parts["step.mem"] if parts.pop("hunting", 0) else 0
+    )
     selfcost.step_end_work(done - work0, parts, purpose)
     emit("span", cat="traindx", start=max(t, work0), t=done, tid=threading.get_ident())
 

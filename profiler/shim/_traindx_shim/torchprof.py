@@ -400,16 +400,19 @@ def _compiled_since_last_boundary() -> bool:
     return now > seen
 
 
-def on_boundary(step: int) -> None:
-    """Called as `step` begins (so the previous one has just ended)."""
+def on_boundary(step: int) -> bool:
+    """Called as `step` begins (so the previous one has just ended). True when a window ran,
+    started or stopped here (on purpose: its cost is stated once, not per step)."""
     now = time.time_ns()
     previous = _state["last_boundary_ns"]
     last_s = (now - previous) / 1e9 if previous is not None else None
+    was = _state["profiler"] is not None
     try:
         _boundary(step, now, previous, last_s)
     finally:
         # the next step starts after this hook: what it cost (a stop, an export) is in no step
         _state["last_boundary_ns"] = time.time_ns()
+    return was or _state["profiler"] is not None
 
 
 def _emit_after(step: int, last_s: float, after: dict[str, Any]) -> None:

@@ -28,7 +28,7 @@ import os
 import threading
 import time
 
-from .roles import events_file, open_exclusive_text, start_thread
+from .roles import events_file, open_exclusive_text, report_cpu, start_thread
 from .segments import segment_bytes_from_env, segment_path
 
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing into the job (mypy knows the name)
@@ -161,6 +161,7 @@ class EventWriter:
             self.flush()
 
     def _loop(self) -> None:
+        ident = threading.get_ident()
         while not self._wake.wait(FLUSH_INTERVAL_S):
             for hook in self.tick_hooks:
                 try:
@@ -168,6 +169,7 @@ class EventWriter:
                 except Exception:
                     pass
             self.flush()
+            report_cpu(ident, "traindx-writer")  # its CPU for the shim's own cost (selfcost.py)
 
     def close(self) -> None:
         """At exit (atexit: after the handlers registered later, which may still emit): end the
