@@ -89,6 +89,7 @@ def step_end(torch, calls):
     shim._state["run_dir"] = os.environ["TRAINDX_RUN_DIR"]
     shim._start_writer(False)  # a real writer: its thread flushes to disk as in a run
     memwatch._state["hunted"] = True  # this loop's queued events grow the heap: no memory hunt
+    selfcost.BUDGET_PCT = 0  # the default path, never shed (the loop's own cost would shed it)
     step = [10]
 
     def whole():

@@ -198,6 +198,9 @@ def emit_step(step: int, torch: Any, dev: dict[str, Any] | None) -> None:
             _finish(step, torch, hunt)
     elif not _state["hunted"] and step >= HUNT_FROM_STEP and len(history) > GROW_STEPS:
         for column in (1, 2):
+            # most steps grew by less than either test's least: no lists built for them
+            if history[-1][column] - history[0][column] < GROW_STEADY_MIN_BYTES:
+                continue
             if _keeps_growing([h[column] for h in history]):
                 _begin(step, torch, device=column == 2)
                 break
