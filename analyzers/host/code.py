@@ -5,7 +5,7 @@ steady step, and the job's source line a group names."""
 from __future__ import annotations
 
 import re
-from collections import defaultdict
+from collections import Counter, defaultdict
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -141,20 +141,33 @@ def host_capacity(led: pd.DataFrame) -> Any:
 
 
 # -- framework between its own calls -------------------------------------------------------------
+# a line leads into the framework's measured calls in at least this many samples, and in this
+# share of the samples where it runs work of its own (a torn sample is one in ~70 there)
+ANCESTOR_MIN_SAMPLES = 2
+ANCESTOR_MIN_SHARE = 0.05
+
+
 def ancestor_lines(run: RunRecord, rank: str) -> Any:
     """(file, line) of the user frames that lead into the optimizer step or backward from
     above (a framework's fit() call, the script's train() call): code at those lines is the
-    framework's loop between its measured calls, not a line of the user's loop body."""
+    framework's loop between its measured calls, not a line of the user's loop body. A line
+    counts only where its samples say so more than by chance: py-spy reads a running stack
+    without stopping it, and a sample taken as a call returns can show the caller already on
+    its next line above the callee's frames (one such sample made a 150 ms blocking read the
+    line after `optimizer.step()` look like a framework's loop)."""
     rec = run.pyspy.get((rank, "all"))
-    out = set()
+    leads: Counter[tuple[str, int]] = Counter()  # samples where the line leads into a measured call
+    own: Counter[tuple[str, int]] = Counter()  # samples where it is the innermost user line
     for _, samples in ev.merge_threads(rec).values():
         for stack in samples.stacks:
+            users = [f for f in stack if not ev.is_library_path(f.file)]
+            if users:
+                own[(users[-1].file, users[-1].line)] += 1
             if classify_stack(stack)[0] not in ("optimizer", "backward", "data"):
                 continue
-            users = [f for f in stack if not ev.is_library_path(f.file)]
             # every user frame above the measured call but the innermost
             for f in users[:-1]:
-                out.add((f.file, f.line))
+                leads[(f.file, f.line)] += 1
             lib_after = False
             for f in stack:
                 if not ev.is_library_path(f.file):
@@ -165,8 +178,12 @@ def ancestor_lines(run: RunRecord, rank: str) -> Any:
                 else:
                     lib_after = True
             if users and lib_after:
-                out.add((last_user.file, last_user.line))  # fit() -> library -> optimizer
-    return out
+                leads[(last_user.file, last_user.line)] += 1  # fit() -> library -> optimizer
+    return {
+        line
+        for line, n in leads.items()
+        if n >= ANCESTOR_MIN_SAMPLES and n >= ANCESTOR_MIN_SHARE * (own[line] - n)
+    }
 
 
 # -- per-line groups of host code --------------------------------------------------------------
