@@ -3,42 +3,36 @@
 MFU follows PaLM (nanoGPT, torchtitan): 6N + 12·L·H·Q·T FLOPs per token, N the active
 parameters per token, L layers, H attention heads, Q head dimension, T sequence length; the
 attention term is left out when the model's shape is not known (the reference cards do so too:
-their MFU is 6N only). Peak dense BF16 FLOP/s per GPU from torchtitan's `get_peak_flops`
-(reference/FACTS.md §6).
+their MFU is 6N only). Peak dense BF16 FLOP/s per GPU: the datasheets' (derive/device_peaks.py,
+the table the GPU judgement reads too); torchtitan's `get_peak_flops` (reference/FACTS.md §6)
+rounds H100/H200's 989.5 to 989.
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from typing import Any
 
+from traindx.derive import device_peaks
+
+# the datasheets' dense BF16 rate of each device (derive/device_peaks.py: the one table; its
+# names are the ones a card's gpu.type holds)
 PEAK_BF16_TFLOPS = {
-    "A100": 312.0,
-    "H100": 989.0,  # SXM
-    "H200": 989.0,
-    "B200": 2250.0,
-    "B300": 2250.0,
-    "GB200": 2500.0,
+    key: peak.tflops["bf16"] for key, peak in device_peaks.PEAKS.items() if "bf16" in peak.tflops
 }
 
 
 def normalize_gpu(name: str | None) -> str | None:
-    """'NVIDIA H200', 'h200', 'NVIDIA B200 180GB' -> 'H200' / 'B200'; None when unknown."""
-    if not name:
-        return None
-    upper = str(name).upper()
-    for key in sorted(PEAK_BF16_TFLOPS, key=len, reverse=True):  # GB200 before B200
-        if re.search(rf"(?<![A-Z0-9]){key}(?![0-9])", upper):
-            return key
-    return None
+    """'NVIDIA H200', 'h200', 'NVIDIA H100 PCIe' -> 'H200' / 'H100 PCIe'; None when unknown."""
+    peak = device_peaks.match_device(name)
+    return peak.key if peak is not None and peak.key in PEAK_BF16_TFLOPS else None
 
 
 def peak_flops(gpu: str) -> float:
-    key = normalize_gpu(gpu)
-    if key is None:
+    flops = device_peaks.peak_flops(gpu, "bf16")
+    if flops is None:
         raise ValueError(f"no peak FLOP/s known for GPU {gpu!r}; known: {', '.join(PEAK_BF16_TFLOPS)}")
-    return PEAK_BF16_TFLOPS[key] * 1e12
+    return flops
 
 
 def flops_per_token(

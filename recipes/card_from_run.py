@@ -85,14 +85,12 @@ def _significant(x: float, digits: int = 4) -> float:
 
 def _gpu_of(run: RunRecord, override: str | None) -> tuple[str | None, str | None]:
     """(the GPU type for the peak FLOP/s, the name the run's manifest gives)."""
-    from traindx.derive.throughput import normalize_gpu  # lazy: numpy, not for `card --help`
+    from traindx.derive.throughput import PEAK_BF16_TFLOPS, normalize_gpu  # lazy: not for `card --help`
 
     if override:
         gpu = normalize_gpu(override)
         if gpu is None:
-            raise UserError(
-                f"--gpu {override}: unknown GPU type (known: A100, H100, H200, B200, B300, GB200)"
-            )
+            raise UserError(f"--gpu {override}: unknown GPU type (known: {', '.join(PEAK_BF16_TFLOPS)})")
         return gpu, None
     names = [g.get("name") for g in run.manifest.get("gpus") or [] if isinstance(g, dict)]
     if names:

@@ -334,3 +334,38 @@ def test_a_received_folders_log_regex_that_backtracks_for_ever_is_not_run(tmp_pa
     assert (
         "its --log-regex 'step (?P<step>(a+)+)$' is not run: the run was recorded on another machine" in err
     )
+
+
+def _switch_run(path, step_of_switch):
+    """A built record of 12 even steps whose job turned autograd anomaly detection on before its
+    first step and off in step 6, inside the steady window; step_of_switch(step) is what each
+    switch event's `step` field holds (the shim's step, None or absent in a damaged folder)."""
+    from records import RunBuilder
+
+    b = RunBuilder(path)
+    caller = {"file": "/job/train.py", "line": 3, "function": "<module>"}
+    for on, at in ((True, 0), (False, 6)):
+        while b.next_step.get("0", 0) < at:
+            b.step(0.1, spans=[("forward_backward", 0.06), ("optimizer", 0.02)])
+        fields = {} if step_of_switch(at) is ... else {"step": step_of_switch(at)}
+        b.event("switch", name="anomaly", value=on, on=on, via="setter", caller=caller, changes=1, **fields)
+    while b.next_step["0"] < 12:
+        b.step(0.1, spans=[("forward_backward", 0.06), ("optimizer", 0.02)])
+    return b.load()
+
+
+def test_switch_events_without_a_step_are_dated_by_their_time(tmp_path):
+    """A damaged folder whose every switch event has a null step (or none at all): `switches`
+    judged it from the event's time as from the step the shim writes, never failed (KeyError
+    'step') nor took a switch turned off inside the steady window for one left on before it."""
+    from traindx.analyzers import analyze
+
+    def judged(name, step_of_switch):
+        found = analyze(_switch_run(tmp_path / name, step_of_switch))
+        assert not [f.id for f in found if f.title.startswith("analyzer ")], [f.title for f in found]
+        return [(f.id, f.title, f.evidence["step"]) for f in found if f.id.startswith("switches.")]
+
+    intact = judged("intact", lambda step: step)
+    assert [(i, s) for i, _, s in intact] == [("switches.anomaly", 0)]
+    assert judged("null", lambda step: None) == intact
+    assert judged("absent", lambda step: ...) == intact

@@ -291,6 +291,46 @@ def test_a_job_printing_into_dev_full_fails_as_bare(tmp_path):
     assert b"ran to the end" not in done.stderr  # (its error reads EPIPE where bare reads ENOSPC)
 
 
+# -- C27: a reader that went away (`diagnose analyze --json RUN | head -1`) -------------------
+def test_a_reader_that_went_away_ends_every_command_quietly_with_its_own_exit(tmp_path):
+    """stdout a pipe whose reader is gone before the first write (EPIPE, deterministic): every
+    command that prints there ends with its own exit, as ripgrep does (the job's 3 passes through;
+    the run's report is still written), without a traceback, an internal error or the
+    interpreter's "Exception ignored" at its exit flush."""
+    import shutil
+
+    for name in ("base", "fix"):
+        shutil.copytree(os.path.join(ROOT, "tests", "data", "cpu-gc-freeze-pair", name), tmp_path / name)
+    base, fix = tmp_path / "base", tmp_path / "fix"
+    rows = {
+        "analyze --json": ([PY, "-m", "traindx", "analyze", "--json", base], 0),
+        "report --quiet": ([PY, "-m", "traindx", "report", "--quiet", fix], 0),
+        "card": ([PY, "-m", "traindx", "card", base, "--tokens-per-step", "64"], 0),
+        "compare": ([PY, "-m", "traindx", "compare", base, fix], 0),
+        "kernel-cache env": ([PY, "-m", "traindx.kernel_cache.cli", "env"], 0),
+        "a job": (
+            [PY, "-m", "traindx", "--quiet", "--no-pyspy", "--run-dir", tmp_path / "run", "--"]
+            + [PY, "-c", "import sys; sys.exit(3)"],
+            3,
+        ),
+    }
+    read, write = os.pipe()
+    os.close(read)
+    procs = {
+        row: subprocess.Popen(
+            list(map(str, argv)), stdout=write, stderr=subprocess.PIPE, env=_env(), cwd=tmp_path
+        )
+        for row, (argv, _) in rows.items()
+    }
+    os.close(write)
+    for row, proc in procs.items():
+        err = proc.communicate(timeout=180)[1].decode()
+        assert proc.returncode == rows[row][1], (row, err[-2000:])
+        for said in ("Traceback", "internal error", "Exception ignored", "Broken pipe"):
+            assert said not in err, (row, err[-2000:])
+    assert os.path.getsize(tmp_path / "run" / "report.html") > 0
+
+
 # -- C24: an output on a full disk is one line ------------------------------------------------
 def test_an_output_into_a_full_device_is_one_line_and_leaves_it_a_device(tmp_path):
     import stat

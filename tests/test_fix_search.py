@@ -366,3 +366,87 @@ def test_fix_moves_unneeded_host_work_of_a_lightning_step_to_a_thread(tmp_path):
     clean = _git_apply_to_clean_copy(tmp_path, [path], fix_dir / "fix.patch")
     ast_ok = compile((clean / "fw_lightning.py").read_text(), "fw_lightning.py", "exec")
     assert ast_ok is not None
+
+
+# -- an arm whose only change failed to apply is not run ------------------------------------------
+def test_a_plan_whose_only_change_failed_has_nothing_left_to_measure():
+    """The planner's decision: a source patch (or an overlay) that failed, with nothing else in
+    the plan, leaves nothing to measure; a fallback, an env, a precompile still do."""
+    from traindx.fixing.plan.planner import Plan
+
+    row = {"finding": "f", "mechanism": "source", "summary": "edit", "failed": True}
+    edit = [{"file": "train.py", "line": 1, "before": "a", "after": "b"}]
+    assert not Plan(command=["python", "train.py"], source_edits=edit, changes=[row]).changes_left
+    assert Plan(
+        command=["python", "train.py"], source_edits=edit, changes=[dict(row, failed=False)]
+    ).changes_left
+    fallback = {"finding": "f", "mechanism": "runtime", "summary": "patch", "instead_of": "source"}
+    assert Plan(command=["python"], runtime_patches=["p"], changes=[row, fallback]).changes_left
+    assert Plan(command=["python"], env={"X": "1"}, changes=[row]).changes_left
+    assert Plan(command=["python"], precompile=["run"], changes=[row]).changes_left
+
+
+def test_an_arm_whose_only_change_failed_is_recorded_not_run_and_the_search_goes_on(tmp_path, monkeypatch):
+    """The first candidate's source edit does not parse (its patch fails at the arm's preparation)
+    and nothing else is in its plan: it is not run (no job started for it), fix.json's arm and the
+    next arm's search say why, the terminal too; the next candidate is measured. Each job here is
+    a recorded run copied into the arm's folder."""
+    from traindx.fixing.plan.planner import Candidate, Plan
+    from traindx.fixing.run import runner
+    from traindx.fixing.run.loop import FixOptions, FixResult
+    from traindx.profiler.launcher import Options
+
+    recorded = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "cpu-gc-hook", "run")
+    script = tmp_path / "train.py"
+    script.write_text("x = 1\nprint(x)\n")
+    command = [PY, str(script)]
+    broken = Plan(
+        command=command,
+        source_edits=[{"file": str(script), "line": 1, "before": "x = 1", "after": "x = (", "finding": "f"}],
+        changes=[
+            {"finding": "f", "mechanism": "source", "summary": "edit x", "predicted_saving_s_per_step": 0.1}
+        ],
+    )
+    env_plan = Plan(
+        command=command,
+        env={"X_FLAG": "1"},
+        changes=[
+            {
+                "finding": "g",
+                "mechanism": "config",
+                "summary": "X_FLAG=1",
+                "predicted_saving_s_per_step": 0.05,
+            }
+        ],
+    )
+    candidates = [
+        Candidate(broken, "f", "source", "edit x", 0.1),
+        Candidate(env_plan, "g", "config", "X_FLAG=1", 0.05),
+    ]
+    monkeypatch.setattr(runner, "candidate_plans", lambda *a, **k: (candidates, Plan(command=command)))
+    ran, events = [], []
+
+    def run_job(command, run_dir, options):
+        ran.append(os.path.basename(run_dir))
+        shutil.rmtree(run_dir)
+        shutil.copytree(recorded, run_dir, ignore=shutil.ignore_patterns("findings.json", "report.html"))
+        return 0
+
+    root = tmp_path / "fix"
+    root.mkdir()
+    options = FixOptions(run_dir=str(root), repeat_inconclusive=False, warm_up_after_fix=False)
+    result = FixResult(root=str(root), status="baseline", exit_code=0, baseline=str(root / "baseline"))
+    say = lambda kind, text="", **data: events.append((kind, text))  # noqa: E731
+    runner.run_loop(command, options, Options(cwd=str(tmp_path)), str(tmp_path), run_job, say, result, None)
+
+    assert ran == ["baseline", "candidate-2"], ran
+    first, second = result.arms
+    assert first["exit_code"] is None and not first["significant"] and first["speedup"] is None
+    assert "source patch failed" in first["not_run"] and "does not parse" in first["not_run"], first
+    assert first["verdict"].startswith("not run: ") and second.get("not_run") is None
+    assert result.exit_code == 0 and result.best != first["dir"]
+    search = json.loads((root / "candidate-2" / "comparison.json").read_text())["search"]
+    assert search[0]["arm"] == "candidate" and search[0]["not_run"] == first["not_run"]
+    said = [text for _, text in events]
+    assert any(t.startswith("candidate: not run: source patch failed") for t in said), said
+    assert not any("the candidate runs with no source change" in t for t in said), said

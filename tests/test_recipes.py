@@ -113,7 +113,20 @@ def test_one_price_explains_both_cards():
 
 
 def test_peak_table_and_gpu_names():
-    assert throughput.peak_flops("NVIDIA H200") == 989e12
+    from traindx.derive import device_peaks
+
+    # one table: the card's MFU and the GPU judgement read the same peak for every device NVML names
+    for name in (
+        "NVIDIA H200",
+        "NVIDIA H100 80GB HBM3",
+        "NVIDIA H100 PCIe",
+        "NVIDIA H200 NVL",
+        "NVIDIA B200",
+    ):
+        assert throughput.peak_flops(name) == device_peaks.peak_flops(name, "bf16"), name
+    assert throughput.peak_flops("NVIDIA H200") == 989.5e12
+    assert throughput.peak_flops("NVIDIA H100 PCIe") == 756e12  # not the SXM part's
+    assert throughput.normalize_gpu("NVIDIA H100 PCIe") == "H100 PCIe"
     assert throughput.normalize_gpu("NVIDIA GB200") == "GB200"
     assert throughput.normalize_gpu("NVIDIA B200") == "B200"
     assert throughput.normalize_gpu("NVIDIA H100 80GB HBM3") == "H100"
@@ -304,7 +317,7 @@ def test_card_from_a_measured_run(tmp_path):
     tps = len(measured) * 1024 / sum(durations[s] for s in measured)
     assert card.result.tokens_per_s_per_gpu == pytest.approx(tps, rel=1e-3)
     assert card.result.window == [2, 7] and card.result.window_tokens == len(measured) * 1024
-    assert card.result.mfu == pytest.approx(tps * 6 * 1.5e6 / 989e12, rel=1e-3)
+    assert card.result.mfu == pytest.approx(tps * 6 * 1.5e6 / 989.5e12, rel=1e-3)
     assert card.result.usd_per_million_tokens == pytest.approx(3.5 / (tps * 3600) * 1e6, rel=1e-3)
     assert card.correctness["result"] == "not run"
     assert "train_tiny.py" in card.run

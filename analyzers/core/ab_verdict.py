@@ -43,6 +43,7 @@ class Outcome(enum.Enum):
     NO_GAIN = "no gain"
     CRASHED = "candidate failed"  # the candidate's job exited non-zero
     INTERRUPTED = "interrupted"  # a signal to diagnose (Ctrl-C, SIGTERM) ended the arm: not judged
+    NOT_RUN = "not run"  # its only change failed to apply: the job as it is, no test of the change
 
 
 class Measure(enum.Enum):
@@ -84,6 +85,7 @@ class ABVerdict:
     first_step_speedup: float | None = None  # FASTER_START*: step 0's speedup
     exit_code: int | None = None  # CRASHED: the candidate's exit status
     signals: tuple[str, ...] = ()  # INTERRUPTED: the signals diagnose forwarded to the arm's job
+    reason: str = ""  # NOT_RUN: why
 
     @property
     def is_win(self) -> bool:
@@ -98,6 +100,8 @@ class ABVerdict:
             )
         if self.outcome is Outcome.INTERRUPTED:
             return f"interrupted ({', '.join(self.signals)} to the arm's job): not judged"
+        if self.outcome is Outcome.NOT_RUN:
+            return f"not run: {self.reason}"
         if self.outcome is Outcome.CRASHED:
             return f"candidate failed (exit {self.exit_code}): the change does not work as applied"
         return str(self.outcome.value)
@@ -140,6 +144,12 @@ def interrupted(signals: Sequence[str]) -> ABVerdict:
     """An arm the user stopped (the signals diagnose forwarded to its job) says nothing of the
     change: its exit status is the signal's, not the change's."""
     return ABVerdict(Outcome.INTERRUPTED, signals=tuple(signals))
+
+
+def not_run(reason: str) -> ABVerdict:
+    """An arm whose only change could not be applied (fixing/plan: Plan.changes_left): run, it
+    would measure the job unchanged against itself and credit the change with the noise."""
+    return ABVerdict(Outcome.NOT_RUN, reason=reason)
 
 
 def verdict(speedup: float | None, ci_low: float | None, parity_passed: bool | None) -> str:
@@ -272,6 +282,7 @@ class Arm:
     patch: str | None = None
     repeat: dict[str, Any] | None = None  # measured again (A B B A): the first pair, the runs
     after: str | None = None  # a warm-up arm: the kept arm it follows
+    not_run: str | None = None  # why the arm was not run (not_run: its only change failed)
 
     @property
     def significant(self) -> bool:
@@ -321,6 +332,8 @@ class Arm:
             row["repeat"] = self.repeat
         if self.after is not None:
             row["after"] = self.after
+        if self.not_run is not None:
+            row["not_run"] = self.not_run
         return row
 
     @classmethod
@@ -339,11 +352,12 @@ class Arm:
             finding=row.get("finding"),
             mechanism=row.get("mechanism"),
             summary=row.get("summary"),
-            exit_code=int(row.get("exit_code") or 0),
+            exit_code=None if row.get("not_run") else int(row.get("exit_code") or 0),
             judgement=judgement,
             **{k: row.get(k) for k in _ROW_NUMBERS},
             repeat=row.get("repeat"),
             after=row.get("after"),
+            not_run=row.get("not_run"),
         )
 
 
@@ -434,6 +448,8 @@ def _speedup(arm: Arm) -> float:
 
 def why_not_settled(arm: Arm) -> str:
     """Why an arm did not end the search, in words (the runner's note before the next arm)."""
+    if arm.not_run:
+        return "it was not run"
     if arm.loss_parity is False:
         return "its numerics differ from the baseline's"
     if arm.exit_code != 0:

@@ -218,19 +218,19 @@ def _steady_hold(
     return severity, lost, share_lost, warmup_only
 
 
+def _precompile(label: str, lost: float | None = None) -> Prescription:
+    return Prescription(
+        kind="precompile",
+        summary=f"{label} holds the GIL while compiling kernels: precompile them before "
+        "training or fix the recompile (see the jit finding)",
+        expected_gain_s_per_step=lost,
+    )
+
+
 def _gil_prescriptions(
     label: str, where: str, compiling: bool, lost: float | None
 ) -> tuple[Prescription, ...]:
-    prescriptions = []
-    if compiling:
-        prescriptions.append(
-            Prescription(
-                kind="precompile",
-                summary=f"{label} holds the GIL while compiling kernels: precompile them before "
-                "training or fix the recompile (see the jit finding)",
-                expected_gain_s_per_step=lost,
-            )
-        )
+    prescriptions = [_precompile(label, lost)] if compiling else []
     prescriptions.append(
         Prescription(
             kind="code",
@@ -283,15 +283,7 @@ def analyze_recording(recording: Recording, source: str = "py-spy file") -> list
         label = name or f"thread {tid} (entered at {_entry(samples)})"
         compiling = any(m in f.file for s in samples.stacks[:500] for f in s for m in COMPILER_MARKERS)
         where = ev.frame_label(hot[0][0]) if hot else "?"
-        prescriptions = []
-        if compiling:
-            prescriptions.append(
-                Prescription(
-                    kind="precompile",
-                    summary=f"{label} holds the GIL while compiling kernels: precompile them before "
-                    "training or fix the recompile (see the jit finding)",
-                )
-            )
+        prescriptions = [_precompile(label)] if compiling else []
         prescriptions.append(
             Prescription(
                 kind="code",

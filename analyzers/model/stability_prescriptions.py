@@ -21,6 +21,15 @@ if TYPE_CHECKING:  # annotations only
 LESS_OFTEN = 10  # a periodic cost made this many times rarer (fixplan's flag arms too)
 
 
+def _megatron_async_save(lost: float | None) -> Prescription:
+    return Prescription(
+        kind="arg",
+        summary="Megatron: --async-save (with --ckpt-format torch_dist) writes checkpoints in the background",
+        change={"arg": {"framework": "megatron", "set": {"--async-save": True}}},
+        expected_gain_s_per_step=lost,
+    )
+
+
 def periodic_prescriptions(
     run: RunRecord, causes: dict[str, Any], lost: float | None, period: int | None
 ) -> Any:
@@ -45,15 +54,7 @@ def periodic_prescriptions(
         out.extend(checkpoint_prescriptions(run, saves, lost, period))
     elif "checkpoint" in text or "saving" in text or "save" in text:
         if runs_megatron(run.command):
-            out.append(
-                Prescription(
-                    kind="arg",
-                    summary="Megatron: --async-save (with --ckpt-format torch_dist) writes "
-                    "checkpoints in the background",
-                    change={"arg": {"framework": "megatron", "set": {"--async-save": True}}},
-                    expected_gain_s_per_step=lost,
-                )
-            )
+            out.append(_megatron_async_save(lost))
         out.append(
             Prescription(
                 kind="code",
@@ -111,15 +112,7 @@ def checkpoint_prescriptions(
             )
         )
     elif framework == "megatron":
-        out.append(
-            Prescription(
-                kind="arg",
-                summary="Megatron: --async-save (with --ckpt-format torch_dist) writes "
-                "checkpoints in the background",
-                change={"arg": {"framework": "megatron", "set": {"--async-save": True}}},
-                expected_gain_s_per_step=lost,
-            )
-        )
+        out.append(_megatron_async_save(lost))
     elif framework == "hf_trainer":
         edit = _trainer_save_edit(run, period)
         if edit:

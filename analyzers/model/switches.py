@@ -14,6 +14,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import pandas as pd
 
 from traindx.analyzers import codefix
@@ -270,11 +271,23 @@ def _line_seconds(run: RunRecord, rank: str, lines: Sequence[str]) -> tuple[floa
     return float(rows[cols].sum(axis=1).mean()), float(rows["wall_s"].mean())
 
 
+def _dated(run: RunRecord, rank: str, rows: pd.DataFrame) -> pd.DataFrame:
+    """The rows with a step each: the one the shim wrote, else (a damaged record: no step, or a
+    null one) the step its time falls in, or the next to begin (one past the last after it)."""
+    step = rows["step"] if "step" in rows else pd.Series(np.nan, index=rows.index)
+    if not step.isna().any() or "t" not in rows:
+        return rows.assign(step=step)
+    steps = run.rank_steps(rank).dropna(subset=["end_ns"]).sort_values("end_ns", kind="stable")
+    ids = np.append(steps["step"].to_numpy(np.int64), int(steps["step"].max()) + 1 if len(steps) else 0)
+    at = np.searchsorted(steps["end_ns"].to_numpy(np.int64), rows["t"].to_numpy(np.int64), side="left")
+    return rows.assign(step=step.fillna(pd.Series(ids[at], index=rows.index)))
+
+
 def _on_in_steps(rows: pd.DataFrame, first_steady: int) -> pd.Series | None:
     """The event that shows the switch on in the steady steps (the job's own, not turned off by a
     --fix arm), or None: the last change before the window is on, or one inside it is."""
     rows = rows.sort_values("step", kind="stable")
-    on = rows["on"].fillna(False).astype(bool)
+    on = rows["on"].fillna(False).astype(bool) if "on" in rows else pd.Series(False, index=rows.index)
     if "forced_off" in rows:
         on = on & ~rows["forced_off"].fillna(False).astype(bool)
     before = rows[rows["step"].fillna(-1) < first_steady]
@@ -574,7 +587,7 @@ def analyze(run: RunRecord) -> list[Finding]:
         first_steady = int(steady["step"].min())
         mine = events[events["rank"].astype(str) == rank]
         for name, rows in mine.groupby("name", sort=True):
-            row = _on_in_steps(rows, first_steady)
+            row = _on_in_steps(_dated(run, rank, rows), first_steady)
             if row is None:
                 continue
             finding = _finding(run, rank, str(name), row, first_steady, context)

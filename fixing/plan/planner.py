@@ -48,11 +48,7 @@ from traindx.fixing.plan import source as fix_source
 from traindx.fixing.plan.derived import derived_edit_options
 from traindx.fixing.plan.ladder import plan_ladder
 from traindx.fixing.plan.ladder import wants as ladder_wants
-from traindx.fixing.plan.options import (
-    is_concrete,
-    less_often_options,
-    own_flag_option,
-)
+from traindx.fixing.plan.options import is_concrete, less_often_options, own_flag_option
 from traindx.kernel_cache.store.cache import DIR_VAR, ENABLE_VAR, default_cache_dir
 
 # the names read here by other modules (some defined in the modules imported above)
@@ -119,6 +115,13 @@ class Plan:
             or self.runtime_patches
             or self.overlays
         )
+
+    @property
+    def changes_left(self) -> bool:
+        """Whether the arm still changes anything once the steps that failed to apply (a source
+        patch, an overlay: prepare marks their rows failed, and adds a fallback's) are dropped."""
+        live = any(not c.get("failed") for c in self.changes)
+        return live or bool(self.env or self.precompile or self.command_changed or self.runtime_patches)
 
     def to_dict(self) -> dict[str, Any]:
         return {

@@ -90,6 +90,8 @@ def run_arm(
     """Prepare, record, compare and analyze one candidate arm (`searched`: the arms measured
     before it, listed in its comparison)."""
     prep = _prepare(ctx, name, cand)
+    if not prep.plan.changes_left:  # its only change failed to apply (the planner's Plan says)
+        return _not_run(ctx, prep, alternatives, searched)
     prep.code = ctx.run_job(prep.command, prep.dir, _arm_options(ctx, prep))
     candidate = load_run(prep.dir)
     prep.change = _change(prep, alternatives)
@@ -104,6 +106,37 @@ def run_arm(
     ctx.say("summary", name, record=record, judgement=judged, report=cand_report)
     ctx.say("comparison", name, comparison=comparison, arm=prep.dir)
     return ArmRun(arm, comparison, prep.code, list(judged.findings))
+
+
+def _not_run(
+    ctx: FixContext, prep: _Prepared, alternatives: Sequence[str], searched: Sequence[Arm]
+) -> ArmRun:
+    """An arm whose only change failed to apply, recorded as not run (its comparison.json, the
+    search's rows, the terminal): run, it would measure the job unchanged as the change."""
+    failed = [f"{s['step']} failed: {s.get('error')}" for s in prep.records["steps"] if not s.get("ok")]
+    reason = "; ".join(failed) + "; nothing else is left in its plan to measure"
+    cand = prep.candidate
+    arm = Arm(
+        name=prep.name,
+        dir=prep.dir,
+        finding=cand.finding,
+        mechanism=cand.mechanism,
+        summary=cand.summary,
+        exit_code=None,
+        judgement=judge.Judgement(judge.Measure.MEDIAN, None, False),
+        predicted_saving_s_per_step=cand.predicted_saving_s_per_step,
+        verdict=judge.not_run(reason).text(),
+        not_run=reason,
+    )
+    comparison = {
+        "verdict": arm.verdict,
+        "not_run": reason,
+        "change": _change(prep, alternatives),
+        "search": [search_row(a) for a in searched] + [search_row(arm)],
+    }
+    write_fix_json(os.path.join(prep.dir, "comparison.json"), comparison)
+    ctx.say("warning", f"{prep.name}: not run: {reason}")
+    return ArmRun(arm, comparison, None, [])
 
 
 def _prepare(ctx: FixContext, name: str, cand: Candidate) -> _Prepared:
@@ -401,6 +434,8 @@ def search_row(arm: Arm, kept: str | None = None) -> dict[str, Any]:
     }
     out["speedup"] = arm.judged_speedup
     out["kept"] = kept is not None and arm.dir == kept
+    if arm.not_run is not None:
+        out["not_run"] = arm.not_run
     return out
 
 

@@ -102,10 +102,8 @@ def _install_overlay(
         result = fix_overlay.install(target, plan.overlays, wheels=wheels)
     except fix_overlay.OverlayError as exc:
         instead = _fall_back(plan, env, "overlay")
-        msg = (
-            f"overlay install failed: {exc.line}; last lines: {last_lines(exc.tail)}; "
-            f"the candidate runs with {instead}"
-        )
+        runs = _runs_with(plan, instead)
+        msg = f"overlay install failed: {exc.line}; last lines: {last_lines(exc.tail)}; {runs}"
         plan.warnings.append(msg)
         records["steps"].append(
             {"step": "overlay", "ok": False, "error": exc.line, "output_tail": exc.tail, "instead": instead}
@@ -148,7 +146,7 @@ def _patch_source(
         write_text(patch_path, diff)
     except (OSError, fix_source.PatchError) as exc:
         instead = _fall_back(plan, env, "source")
-        msg = f"source patch failed: {exc}; the candidate runs with {instead}"
+        msg = f"source patch failed: {exc}; {_runs_with(plan, instead)}"
         plan.warnings.append(msg)
         records["steps"].append({"step": "source patch", "ok": False, "error": str(exc), "instead": instead})
         say("warning", msg)
@@ -204,6 +202,14 @@ def _fall_back(plan: Plan, env: dict[str, str], failed: str) -> str:
             }
         )
     return ", ".join(used) if used else f"no {failed} change (the rest of the plan only)"
+
+
+def _runs_with(plan: Plan, instead: str) -> str:
+    """What the candidate runs with after a failed step, or that it is not run (run_arm: an arm
+    with nothing left of its plan measures the job against itself)."""
+    if plan.changes_left:
+        return f"the candidate runs with {instead}"
+    return "nothing else is left in its plan: the candidate is not run"
 
 
 def apply_commands(plan: Plan, records: dict[str, Any], command: list[str]) -> list[str]:

@@ -58,8 +58,11 @@ def run_loop(
     _baseline_measured(ctx, search.arms)
     kept = judge.keep(search.arms)
     result.best = kept.dir if kept else None
-    # the job's exit code passes through: the kept arm's, else the last arm's
-    result.exit_code = (kept or search.arms[-1]).exit_code
+    # the job's exit code passes through: the kept arm's, else the last arm's that ran (else the
+    # baseline's: no arm ran)
+    ran = [a for a in search.arms if a.not_run is None]
+    if kept or ran:
+        result.exit_code = (kept or ran[-1]).exit_code
     result.comparison = search.comparisons.get(kept.dir) if kept else None
     if kept:
         _redraw_kept(ctx, search, kept)
@@ -254,6 +257,8 @@ def _fix_patch(root: str, kept: Arm | None, result: FixResult) -> None:
 
 def _outcome_line(arm: Arm, kept: Arm | None, warm_up: str | None) -> str:
     """'kept: candidate-2 [finding] (config) 1.42x, faster and numerically equivalent; predicted ...'"""
+    if arm.not_run is not None:
+        return f"not run: {arm.name} [{arm.finding}] ({arm.mechanism}): {arm.not_run}"
     mark = "kept" if kept and arm.dir == kept.dir else "then kept" if arm.dir == warm_up else "tried"
     by = arm.judged_by
     if by is judge.Measure.MEMORY:
@@ -288,7 +293,9 @@ def ladder_rows(rows: list[dict[str, Any]], arms: list[Arm], kept: Arm | None) -
             (a for a in arms if a.finding == row["finding"] and a.summary == row["summary"] and not a.after),
             None,
         )
-        if row["status"] == "offered" and arm is None:
+        if row["status"] == "offered" and arm is not None and arm.not_run is not None:
+            row.update(status="not run", why=arm.not_run)
+        elif row["status"] == "offered" and arm is None:
             row.update(
                 status="not measured", why="an arm before it settled the search, or beyond --fix-tries"
             )

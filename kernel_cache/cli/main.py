@@ -18,7 +18,7 @@ import os
 import sys
 from collections.abc import Callable
 
-from traindx.common import argtypes
+from traindx.common import argtypes, stdfds
 from traindx.common.errors import UserError
 from traindx.common.termsafe import safe_std_streams
 from traindx.kernel_cache.cli import manage, triton_warm
@@ -185,7 +185,10 @@ def build_parser() -> argtypes.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int | None:
     with safe_std_streams():  # no control sequence from a run or a pack reaches the terminal
-        return _main(argv)
+        code = _main(argv)
+    if argv is None:  # kernel-cache is the program: a reader that left ends it quietly
+        stdfds.quiet_if_reader_left()
+    return code
 
 
 def _main(argv: list[str] | None) -> int | None:

@@ -73,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     with safe_std_streams():  # no control sequence of the job reaches the terminal (termsafe)
         code = _main(argv)
     if argv is None:  # diagnose is the program (not a call in another's process)
+        stdfds.quiet_if_reader_left()
         _end_as_the_job(code)
     return code
 

@@ -3,11 +3,14 @@
 A closed one would be the number the next file diagnose opens takes (the run folder's lock, a
 log): the job's bytes meant for stdout would land there. The first thing diagnose does is to
 put /dev/null on each closed one (CLOSED remembers which), and the job starts with them closed
-again, as it would bare."""
+again, as it would bare.
+
+A reader that went away (`diagnose ... | head -1`) is met by quiet_if_reader_left at the end."""
 
 from __future__ import annotations
 
 import os
+import sys
 
 CLOSED: list[int] = []
 
@@ -43,3 +46,24 @@ def null_on(fds: tuple[int, ...]) -> None:
             os.dup2(null, fd)
     if null not in fds:
         os.close(null)
+
+
+def quiet_if_reader_left() -> None:
+    """At a command's end, when diagnose is the program: /dev/null on stdout or stderr if its
+    reader went away (EPIPE), so the interpreter's exit flush of what is still buffered neither
+    prints "Exception ignored ... BrokenPipeError" nor exits 120. The command keeps its own exit
+    code (the job's, passed through; 0 for a made analysis), as ripgrep does, not a SIGPIPE
+    death as git's: the run folder and its files are complete, only the reader stopped reading.
+    Done at the end, never at the failed write: the relay still needs EPIPE on fd 1 to end the
+    job's writes as they would end bare."""
+    for fd, stream in ((1, sys.stdout), (2, sys.stderr)):
+        raw = getattr(stream, "raw", stream)  # under termsafe.SafeStream, the buffered stream
+        try:
+            if raw is not None:
+                raw.flush()
+        except BrokenPipeError:
+            null = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(null, fd)
+            os.close(null)
+        except (OSError, ValueError):
+            pass

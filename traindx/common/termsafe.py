@@ -49,14 +49,29 @@ def for_terminal(text: str) -> str:
 
 
 class SafeStream:
-    """A text stream whose writes go through for_terminal; everything else is the stream's."""
+    """A text stream whose writes go through for_terminal; everything else is the stream's.
+    A reader that went away (`diagnose analyze --json RUN | head -1`) silences it, as it does
+    traindx.common.console: the command goes on to its end (its files written, the job's exit
+    code its own) and stdfds.quiet_if_reader_left keeps the interpreter's exit flush quiet."""
 
     def __init__(self, raw: TextIO) -> None:
         self.raw = raw
+        self.reader_left = False
 
     def write(self, text: str) -> int:
-        self.raw.write(for_terminal(text))
+        if not self.reader_left:
+            try:
+                self.raw.write(for_terminal(text))
+            except BrokenPipeError:
+                self.reader_left = True
         return len(text)
+
+    def flush(self) -> None:
+        if not self.reader_left:
+            try:
+                self.raw.flush()
+            except BrokenPipeError:
+                self.reader_left = True
 
     def writelines(self, lines: Any) -> None:
         for line in lines:

@@ -16,6 +16,7 @@ from traindx.cli import argtypes
 from traindx.cli.commands import options
 from traindx.cli.run_folder import kept_arm
 from traindx.common.errors import UserError
+from traindx.derive.device_peaks import PEAKS
 from traindx.recipes.card import CardOptions, card
 
 
@@ -42,7 +43,7 @@ def prepare_parser(parser: argparse.ArgumentParser) -> None:
         "--gpu",
         type=argtypes.gpu_type,
         metavar="TYPE",
-        help="GPU type for the peak FLOP/s (default: the run's GPUs); A100, H100, H200, B200, B300, GB200",
+        help=f"GPU type for the peak FLOP/s (default: the run's GPUs); {', '.join(sorted(PEAKS))}",
     )
     parser.add_argument(
         "--price-per-gpu-hour",
