@@ -189,6 +189,7 @@ def _site_finding(
     )
     first, last = per_step["first"].to_numpy(np.int64), per_step["last"].to_numpy(np.int64)
     each = ((last - first) - _traindx_ns(spans, first, last)) / 1e9
+    forwards_s = float((rows.groupby("step")["end_ns"].max().to_numpy(np.int64) - first).mean()) / 1e9
     steps = [int(x) for x in per_step.index]
     period = int(np.median(np.diff(steps))) if len(steps) > 1 else None
     mean_s = float(each.mean())
@@ -236,6 +237,7 @@ def _site_finding(
         evidence={
             **_evidence(rank, caller, source, steps, period, mean_s, calls, per_run_step),
             "forward_at": {k: forward_at.get(k) for k in ("file", "line", "function")},
+            "forward_s_each": round(forwards_s, 6),  # its forwards alone, first to last
         },
         prescriptions=prescriptions,
         ranks=(rank,),
