@@ -13,6 +13,7 @@ from traindx.analyzers.core import evidence as ev
 from traindx.profiler.code_paths import installed_package
 
 if TYPE_CHECKING:  # annotations only
+    from traindx.analyzers.core.findings import Finding
     from traindx.profiler.speedscope import Frame
 
 
@@ -107,11 +108,11 @@ def loop_window(stacks: Any) -> Any:
     return (idx[0], idx[-1]) if idx else None
 
 
-def _at(f: Any) -> tuple[Any, Any]:
+def _at(f: Finding) -> tuple[Any, Any]:
     return ((f.evidence or {}).get("file"), (f.evidence or {}).get("line"))
 
 
-def hands_work_to(host_line: Any, gil_holder: Any, roots: Sequence[Any] = ()) -> bool:
+def hands_work_to(host_line: Finding, gil_holder: Finding, roots: Sequence[Finding] = ()) -> bool:
     """A thread holding the GIL that runs the code of an installed library the training thread's
     line calls (a logger's writer thread: the line queues the records it encodes) does that line's
     work: both are the line's price, the line is what to change. host_line: a host_work finding at
@@ -126,7 +127,7 @@ def hands_work_to(host_line: Any, gil_holder: Any, roots: Sequence[Any] = ()) ->
     return bool(package) and package in calls
 
 
-def line_it_works_for(gil_holder: Any, roots: Sequence[Any]) -> Any:
+def line_it_works_for(gil_holder: Finding, roots: Sequence[Finding]) -> Finding | None:
     """The costliest job's line (of gil_holder's rank) whose work that GIL-holding thread does."""
     fed = [r for r in roots if set(r.ranks) == set(gil_holder.ranks) and hands_work_to(r, gil_holder, roots)]
     return max(fed, key=lambda r: r.seconds_lost_per_step or 0.0, default=None)

@@ -10,8 +10,8 @@ import argparse
 
 import numpy as np
 import torch
+import transformers
 from torch.utils.data import Dataset
-from transformers import BertConfig, BertForSequenceClassification, Trainer, TrainerCallback, TrainingArguments
 
 
 class Rows(Dataset):
@@ -39,7 +39,7 @@ def rank_auc(scores, labels):
     return (rank_sum - pos * (pos + 1) / 2) / max(1, pos * neg)
 
 
-class WholeSetMetric(TrainerCallback):
+class WholeSetMetric(transformers.TrainerCallback):
     def __init__(self, rows, every):
         self.rows, self.every = rows, every
 
@@ -72,15 +72,15 @@ def main():
     args = p.parse_args()
     torch.manual_seed(0)
     torch.set_num_threads(1)
-    config = BertConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    config = transformers.BertConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                         num_attention_heads=2, max_position_embeddings=32, num_labels=2)
-    model = BertForSequenceClassification(config)
+    model = transformers.BertForSequenceClassification(config)
     rows = Rows(args.rows, 16, config.vocab_size)
-    training_args = TrainingArguments(output_dir=args.output_dir, max_steps=args.max_steps,
+    training_args = transformers.TrainingArguments(output_dir=args.output_dir, max_steps=args.max_steps,
                                       per_device_train_batch_size=16, logging_steps=10,
                                       learning_rate=1e-3, report_to=[], use_cpu=True,
                                       save_strategy="no", disable_tqdm=True)
-    trainer = Trainer(model=model, args=training_args, train_dataset=rows,
+    trainer = transformers.Trainer(model=model, args=training_args, train_dataset=rows,
                       callbacks=[WholeSetMetric(rows, args.every)])
     trainer.train()
 
