@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from traindx.analyzers.core import savings, severity
+from traindx.analyzers.core import savings, severity, stacks
 from traindx.analyzers.core.declaration import catalog
 from traindx.analyzers.core.findings import Prescription
 from traindx.derive import ledger as ledger_mod
@@ -174,7 +174,7 @@ def _compile_holding_the_gil(f: Finding, roots: Sequence[Finding]) -> Finding | 
     """A thread holding the GIL because it compiles is the compile (of its thread, steady first)."""
     thread = _compiling_thread(f)
     if thread is None:
-        return None
+        return stacks.line_it_works_for(f, roots)  # a logger's writer thread: the line that feeds it
     jits = [r for r in roots if _is_jit(r, steady_only=False) and _same_rank(r, f)]
     by_thread = [
         r
@@ -248,7 +248,7 @@ def _host_code_cause(f: Finding, roots: Sequence[Finding]) -> Finding | None:
     # the training thread's own code looks slow where another thread holds the GIL: its
     # samples at the line are waits for the GIL (a sleep elapses without it)
     gil = [r for r in roots if r.id == "gil.contention" and _same_rank(r, f) and _compiling_thread(r) is None]
-    return max(gil, key=_lost) if gil else None
+    return max((r for r in gil if not stacks.hands_work_to(f, r, roots)), key=_lost, default=None)
 
 
 # of a periodic finding's slow steps, the share an evaluation must run in to be their cause

@@ -10,8 +10,10 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from traindx.analyzers.core import evidence as ev
+from traindx.profiler.code_paths import installed_package
 
 if TYPE_CHECKING:  # annotations only
+    from traindx.analyzers.core.findings import Finding
     from traindx.profiler.speedscope import Frame
 
 
@@ -104,3 +106,28 @@ def loop_window(stacks: Any) -> Any:
             i for i, (k, st) in enumerate(zip(kinds, stacks)) if k is not None and not ev.is_import_sample(st)
         ]
     return (idx[0], idx[-1]) if idx else None
+
+
+def _at(f: Finding) -> tuple[Any, Any]:
+    return ((f.evidence or {}).get("file"), (f.evidence or {}).get("line"))
+
+
+def hands_work_to(host_line: Finding, gil_holder: Finding, roots: Sequence[Finding] = ()) -> bool:
+    """A thread holding the GIL that runs the code of an installed library the training thread's
+    line calls (a logger's writer thread: the line queues the records it encodes) does that line's
+    work: both are the line's price, the line is what to change. host_line: a host_work finding at
+    the job's line (roots: the others at that line, each ending in another call); gil_holder: a
+    gil.contention finding (evidence: the thread's hottest frames)."""
+    if host_line.id != "host_work.code" or gil_holder.id != "gil.contention":
+        return False
+    same = [r for r in (host_line, *roots) if r.id == "host_work.code" and _at(r) == _at(host_line)]
+    calls = {str((r.evidence or {}).get("call") or "").split(".", 1)[0] for r in same}
+    hot = (gil_holder.evidence or {}).get("hottest_frames") or []
+    package = installed_package(str(hot[0].get("file") or "")) if hot else None
+    return bool(package) and package in calls
+
+
+def line_it_works_for(gil_holder: Finding, roots: Sequence[Finding]) -> Finding | None:
+    """The costliest job's line (of gil_holder's rank) whose work that GIL-holding thread does."""
+    fed = [r for r in roots if set(r.ranks) == set(gil_holder.ranks) and hands_work_to(r, gil_holder, roots)]
+    return max(fed, key=lambda r: r.seconds_lost_per_step or 0.0, default=None)

@@ -57,12 +57,19 @@ def analyze(run: RunRecord) -> list[Finding]:
     return out
 
 
+def _site(caller: Any) -> dict[str, Any] | None:
+    """The job's line an evaluation is named at: the framework-called frame of the job (its
+    callback's line, `hook`) where one ran it, else the job's line that called the forward."""
+    if not isinstance(caller, dict) or not caller.get("file"):
+        return None
+    hook = caller.get("hook")
+    return hook if isinstance(hook, dict) and hook.get("file") else caller
+
+
 def _sites(evals: pd.DataFrame) -> pd.Series:
     """Each eval span's call site "file:line" (a span without a caller belongs to the run of
     them its named first one opened)."""
-    names = [
-        f"{c['file']}:{c['line']}" if isinstance(c, dict) and c.get("file") else None for c in evals["caller"]
-    ]
+    names = [f"{s['file']}:{s['line']}" if (s := _site(c)) else None for c in evals["caller"]]
     return pd.Series(names, index=evals.index, dtype=object).ffill()
 
 
@@ -76,18 +83,55 @@ def _analyze_rank(run: RunRecord, rank: str) -> list[Finding]:
     s = evals["start_ns"].to_numpy(np.int64)
     i = np.searchsorted(begin, s, side="right") - 1
     inside = (i >= 0) & (s < end[np.maximum(i, 0)])
-    evals = evals.assign(step=led["step"].to_numpy(np.int64)[np.maximum(i, 0)], site=_sites(evals))[inside]
+    evals = evals.assign(
+        step=led["step"].to_numpy(np.int64)[np.maximum(i, 0)],
+        site=_sites(evals),
+        window_end=end[np.maximum(i, 0)],
+    )[inside]
     evals = evals.dropna(subset=["site"])
     step_s = float(led["wall_s"].mean())
+    evals = _with_run_ends(spans, evals)
     phases = _phases_by_site(run, rank, spans[spans["cat"] == "eval"].sort_values("end_ns"))
     findings = []
     for site, rows in evals.groupby("site", sort=False):
-        found = _site_finding(run, rank, str(site), rows, len(led), step_s)
+        found = _site_finding(run, rank, str(site), rows, spans, len(led), step_s)
         if found is not None and _collects_training_data(phases.get(str(site), [])):
             found = _as_rollout(found)
         if found is not None:
             findings.append(found)
     return findings
+
+
+# spans that are no part of the training step's own work: an evaluation's host code (a metric
+# over its predictions) runs on until the step's next one of the others (a batch, a forward)
+_NOT_THE_STEPS = ("eval", "gc", "traindx")
+
+
+def _with_run_ends(spans: pd.DataFrame, evals: pd.DataFrame) -> pd.DataFrame:
+    """Each eval span with `run_end_ns`: where the work it belongs to ends, the start of the
+    training step's next span on its thread (a batch, a forward with grad, an optimizer step),
+    at most the step's end."""
+    own = spans[~spans["cat"].isin(_NOT_THE_STEPS)]
+    run_end = evals["window_end"].to_numpy(np.int64).copy()
+    for tid, rows in evals.groupby("tid", sort=False):
+        starts = np.sort(own.loc[own["tid"] == tid, "start_ns"].to_numpy(np.int64))
+        e = rows["end_ns"].to_numpy(np.int64)
+        j = np.searchsorted(starts, e, side="left")
+        nxt = np.where(
+            j < len(starts), starts[np.minimum(j, max(0, len(starts) - 1))], np.iinfo(np.int64).max
+        )
+        where = evals.index.get_indexer(rows.index)
+        run_end[where] = np.minimum(run_end[where], np.maximum(nxt, e))
+    return evals.assign(run_end_ns=run_end)
+
+
+def _traindx_ns(spans: pd.DataFrame, first: np.ndarray, last: np.ndarray) -> np.ndarray:
+    """traindx's own time (its spans on the job's threads) inside each [first, last): not the job's."""
+    ours = spans[spans["cat"] == "traindx"]
+    s, e = ours["start_ns"].to_numpy(np.int64), ours["end_ns"].to_numpy(np.int64)
+    return np.array(
+        [float(np.clip(np.minimum(e, b) - np.maximum(s, a), 0, None).sum()) for a, b in zip(first, last)]
+    )
 
 
 def _phases_by_site(run: RunRecord, rank: str, evals: pd.DataFrame) -> dict[str, list[dict[str, Any]]]:
@@ -135,20 +179,24 @@ def _as_rollout(f: Finding) -> Finding:
 
 
 def _site_finding(
-    run: RunRecord, rank: str, site: str, rows: pd.DataFrame, n_steps: int, step_s: float
+    run: RunRecord, rank: str, site: str, rows: pd.DataFrame, spans: pd.DataFrame, n_steps: int, step_s: float
 ) -> Finding | None:
-    # each time it runs: from its first forward to its last in that step (a generate() loop's
-    # own code between its forwards is the evaluation's too)
+    # each time it runs: from its first forward until the training step's work goes on (a
+    # generate() loop's own code between its forwards, a metric computed over its predictions
+    # after them, are the evaluation's too), less traindx's own time in it
     per_step = rows.groupby("step").agg(
-        first=("start_ns", "min"), last=("end_ns", "max"), calls=("cat", "size")
+        first=("start_ns", "min"), last=("run_end_ns", "max"), calls=("cat", "size")
     )
-    each = (per_step["last"] - per_step["first"]).to_numpy(float) / 1e9
+    first, last = per_step["first"].to_numpy(np.int64), per_step["last"].to_numpy(np.int64)
+    each = ((last - first) - _traindx_ns(spans, first, last)) / 1e9
+    forwards_s = float((rows.groupby("step")["end_ns"].max().to_numpy(np.int64) - first).mean()) / 1e9
     steps = [int(x) for x in per_step.index]
     period = int(np.median(np.diff(steps))) if len(steps) > 1 else None
     mean_s = float(each.mean())
     per_run_step = float(each.sum()) / max(1, n_steps)
     share = per_run_step / step_s if step_s else 0.0
-    caller = next(c for c in rows["caller"] if isinstance(c, dict) and c.get("file"))
+    forward_at = next(c for c in rows["caller"] if isinstance(c, dict) and c.get("file"))
+    caller = _site(forward_at) or forward_at
     file, line = str(caller["file"]), int(caller["line"])
     function = caller.get("function")
     source = _source_line(run, file, line)
@@ -161,8 +209,9 @@ def _site_finding(
     summary = (
         f"{calls} forward call(s) without grad (an evaluation, a generate() loop) run from "
         f"{where}{f' ({function})' if function else ''}"
-        f"{f': `{source}`' if source else ''} {every} ({len(steps)} time(s)), "
-        f"{mean_s * 1e3:.1f} ms each time, {per_run_step * 1e3:.1f} ms a step over the run "
+        f"{f': `{source}`' if source else ''}{_inner(forward_at, caller)} {every} ({len(steps)} time(s)), "
+        f"{mean_s * 1e3:.1f} ms each time (its forwards and the job's code after them until the "
+        f"training step goes on), {per_run_step * 1e3:.1f} ms a step over the run "
         f"({share:.0%}). Booked as evaluation, not as the training step's forward/backward."
     )
     prescriptions: tuple[Prescription, ...] = ()
@@ -185,10 +234,21 @@ def _site_finding(
         steps_affected=tuple(steps),
         seconds_lost_per_step=per_run_step,
         share_of_step=share,
-        evidence=_evidence(rank, caller, source, steps, period, mean_s, calls, per_run_step),
+        evidence={
+            **_evidence(rank, caller, source, steps, period, mean_s, calls, per_run_step),
+            "forward_at": {k: forward_at.get(k) for k in ("file", "line", "function")},
+            "forward_s_each": round(forwards_s, 6),  # its forwards alone, first to last
+        },
         prescriptions=prescriptions,
         ranks=(rank,),
     )
+
+
+def _inner(forward_at: dict[str, Any], site: dict[str, Any]) -> str:
+    """Where the forwards themselves are called, when the site is the framework-called line above."""
+    if forward_at is site:
+        return ""
+    return f", its forwards at {os.path.basename(str(forward_at['file']))}:{forward_at['line']}"
 
 
 def _evidence(

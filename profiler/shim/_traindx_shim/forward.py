@@ -239,17 +239,39 @@ def _forward_done(start: int, end: int, tid: int, grad: bool, args: Any = ()) ->
 
 def _job_frame() -> dict[str, Any] | None:
     """The innermost frame of the job's own code (not installed code: a framework's generate()
-    or evaluation loop is called from the job's line), else the innermost non-library one."""
+    or evaluation loop is called from the job's line), else the innermost non-library one.
+    Where installed code called that run of the job's frames and was itself called by the job (a
+    framework's hook dispatch: a callback, a handler), `hook` is the outermost frame of the run:
+    the job's line the framework ran (the callback's own work is the evaluation, not only its
+    forward)."""
     frame: FrameType | None = sys._getframe(2)
     fallback = None
     while frame is not None:
         name = frame.f_code.co_filename
         if not is_library_path(name):
-            return describe(frame)
+            found = describe(frame)
+            hook = _hook_frame(frame)
+            if hook is not None and hook is not frame:
+                found["hook"] = describe(hook)
+            return found
         if fallback is None and not is_library_file(name):
             fallback = describe(frame)
         frame = frame.f_back
     return fallback
+
+
+def _hook_frame(frame: FrameType, limit: int = 256) -> FrameType | None:
+    """The outermost job frame of the run that holds `frame`, when installed code called it and
+    the job's code is further out (the job called the framework that called it back); else None
+    (a plain loop: the job's frames reach the script's top)."""
+    while frame.f_back is not None and not is_library_path(frame.f_back.f_code.co_filename):
+        frame = frame.f_back
+    outer = frame.f_back
+    while outer is not None and limit > 0:
+        if not is_library_path(outer.f_code.co_filename):
+            return frame
+        outer, limit = outer.f_back, limit - 1
+    return None
 
 
 def _skip_in_dynamo(eval_frame: Any) -> None:

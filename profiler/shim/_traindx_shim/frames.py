@@ -181,7 +181,8 @@ def code_kind(path: str, cwd: str = "") -> str:
 
 def describe(frame: FrameType) -> dict[str, Any]:
     code = frame.f_code
-    return {"file": code.co_filename, "line": frame.f_lineno, "function": code.co_name}
+    # f_lineno is None at an instruction of no line (Python 3.11): the function's first line
+    return {"file": code.co_filename, "line": frame.f_lineno or code.co_firstlineno, "function": code.co_name}
 
 
 def first_user_frame(depth: int = 1) -> dict[str, Any] | None:

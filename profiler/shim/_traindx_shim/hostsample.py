@@ -191,7 +191,13 @@ def _key_id(leaf: FrameType) -> int:
     own = user or leaf
     code = own.f_code
     call = _call_of(leaf)
-    key = (getattr(code, "co_qualname", code.co_name), code.co_filename, own.f_lineno, call, _via(user))
+    key = (
+        getattr(code, "co_qualname", code.co_name),
+        code.co_filename,
+        own.f_lineno or code.co_firstlineno,
+        call,
+        _via(user),
+    )
     got = _keys.get(key)
     if got is None:
         if len(_keys) >= MAX_KEYS:
