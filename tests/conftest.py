@@ -277,3 +277,28 @@ def h200_run(tmp_path_factory):
     from traindx.derive.run import load_run  # lazy: conftest is imported before every test module
 
     return load_run(dest)
+
+
+# -- the seed case under --fix: FA4 4.0.0b17 with a tensor max_seqlen, recompiling every step ----
+@pytest.fixture(scope="session")
+def seed_fix(tmp_path_factory, fa4_b17_path):
+    """`diagnose --fix` of examples/fa4_seed.py on 4.0.0b17 with a tensor max_seqlen, py-spy on:
+    (root, fix folder, the kept arm's comparison, the process). Its baseline arm is also the
+    plain recording test_jit.py's b17 tests judge (that was a diagnose run of its own, the same
+    job): one seed run for both modules, whose tests carry xdist_group("fa4_seed_fix") so that
+    one worker makes it."""
+    from helpers import PY, diagnose, example  # lazy: conftest is imported before every test module
+
+    root = tmp_path_factory.mktemp("seed-fix")
+    fix_dir = root / "fix"
+    env = {"PYTHONPATH": fa4_b17_path, "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR": str(root / "fa4-cache")}
+    job = [example("fa4_seed.py"), "--steps", "20", "--max-seqlen-as", "tensor", "--threads", "1"]
+    proc = diagnose(
+        ["--fix", "--quiet", "--steps", "3", "--run-dir", str(fix_dir), "--", PY, *job],
+        cwd=root,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    kept = json.loads((fix_dir / "fix.json").read_text())["best"]  # the arm --fix kept
+    comparison = json.loads((fix_dir / os.path.basename(kept) / "comparison.json").read_text())
+    return root, fix_dir, comparison, proc

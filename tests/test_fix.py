@@ -290,22 +290,11 @@ def _fix(tmp_path, env, *job, pyspy=False):
 
 @pytest.mark.fa4
 @pytest.mark.slow
-def test_fix_turns_the_recompiling_seed_job_into_the_int_path(tmp_path, fa4_b17_path):
-    env = {"PYTHONPATH": fa4_b17_path, "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR": str(tmp_path / "fa4-cache")}
-    fix_dir, comparison, proc = _fix(
-        tmp_path,
-        env,
-        "--steps",
-        "3",
-        PY,
-        FA4_SEED,
-        "--steps",
-        "20",
-        "--max-seqlen-as",
-        "tensor",
-        "--threads",
-        "1",
-    )
+@pytest.mark.xdist_group("fa4_seed_fix")  # conftest's seed_fix, shared with test_jit.py's b17 tests
+def test_fix_turns_the_recompiling_seed_job_into_the_int_path(seed_fix):
+    """The seed job under --fix (conftest.seed_fix, py-spy on as a user runs it: its baseline arm
+    is the recording test_jit.py's b17 tests judge)."""
+    tmp_path, fix_dir, comparison, proc = seed_fix
     # the change kept: a source patch of the script (an int max_seqlen, run from a scratch copy)
     # or the runtime patch at FA4's boundary (the search goes on to it when the call-site cast
     # leaves the recompiles); the command's flags stay as the user typed them: traindx knows

@@ -57,21 +57,20 @@ def _jit(findings):
 
 # -- the seed case: 4.0.0b17, max_seqlen as a tensor -----------------------------------------------
 @pytest.fixture(scope="module")
-def b17_tensor(tmp_path_factory, fa4_b17_path):
-    # py-spy on: the compiling thread's hold on the GIL is part of the finding
-    return _record(
-        tmp_path_factory,
-        "b17-tensor",
-        [PY, FA4_SEED, "--max-seqlen-as", "tensor", *SEED_ARGS],
-        env={"PYTHONPATH": fa4_b17_path},
-        steps=3,
-        pyspy=True,
-    )
+def b17_tensor(seed_fix):
+    """The baseline arm of conftest's seed_fix (`diagnose --fix` of the seed job, py-spy on: the
+    compiling thread's hold on the GIL is part of the finding), a plain recording of the job
+    before any change; the process's stderr opens with its summary. This was a diagnose run of
+    its own, of the same job with shorter sequences: test_fix.py's seed test runs it anyway."""
+    _, fix_dir, _, proc = seed_fix
+    run_dir = fix_dir / "baseline"
+    return traindx.load_run(run_dir), read_findings(str(run_dir)), proc
 
 
 @pytest.mark.fa4
 @requires_fa4
 @pytest.mark.slow
+@pytest.mark.xdist_group("fa4_seed_fix")  # conftest's seed_fix, shared with test_fix.py
 def test_b17_tensor_backward_recompiles_every_step_names_field_and_line(b17_tensor):
     run, findings, proc = b17_tensor
     assert run.manifest["packages"]["flash-attn-4"] == "4.0.0b17"
@@ -131,6 +130,7 @@ def test_b17_tensor_backward_recompiles_every_step_names_field_and_line(b17_tens
 @pytest.mark.fa4
 @requires_fa4
 @pytest.mark.slow
+@pytest.mark.xdist_group("fa4_seed_fix")  # conftest's seed_fix, shared with test_fix.py
 def test_b17_tensor_shim_compile_events(b17_tensor):
     run, _, _ = b17_tensor
     compiles = run.compiles
@@ -153,6 +153,7 @@ def test_b17_tensor_shim_compile_events(b17_tensor):
 @pytest.mark.fa4
 @requires_fa4
 @pytest.mark.slow
+@pytest.mark.xdist_group("fa4_seed_fix")  # conftest's seed_fix, shared with test_fix.py
 def test_b17_tensor_gil_evidence_from_pyspy(b17_tensor):
     run, findings, _ = b17_tensor
     if "pyspy" in run.missing:
@@ -164,6 +165,7 @@ def test_b17_tensor_gil_evidence_from_pyspy(b17_tensor):
 @pytest.mark.fa4
 @requires_fa4
 @pytest.mark.slow
+@pytest.mark.xdist_group("fa4_seed_fix")  # conftest's seed_fix, shared with test_fix.py
 def test_b17_tensor_pyspy_alone_counts_the_same_recompiles(b17_tensor):
     """What `diagnose attach` would have: the same run's py-spy recording without the shim."""
     from traindx.analyzers.jit.jit import analyze_recording
