@@ -77,7 +77,7 @@ def recorded_runs_here(name, folder, recorded_root):
     their READMEs name it) pointed at this one in every text file, so that the jobs' files they
     name (frames, callers, the command) are this checkout's and their lines can be read."""
     recorded_runs(name, folder)
-    for dirpath, _, files in os.walk(os.path.join(folder, name)):
+    for dirpath, _, files in os.walk(folder):  # the archive's top folders need not be its name
         for file in files:
             if file.endswith((".json", ".jsonl", ".txt", ".csv")):
                 path = os.path.join(dirpath, file)
