@@ -75,13 +75,25 @@ def whole_tables(
         if root not in W.GATHERS:  # an op inside a gather is the gather's own
             for shape in set(mine) & set(tables):
                 tables[shape]["whole_read"] = True
-    out = []
+    out: list[tuple[Any, ...]] = []
     for shape, t in tables.items():
         if t.get("whole_read"):
             continue
         seconds, phases = _whole_work(shape, shapes, names, events)
-        out.append((t["module"], t["line"], t["call"], shape, t["item_bytes"], t["rows"], t["read"] / n))
-        out[-1] += (seconds / n, {p: s / n for p, s in phases.items()})
+        per_step = {p: s / n for p, s in phases.items()}
+        out.append(
+            (
+                t["module"],
+                t["line"],
+                t["call"],
+                shape,
+                t["item_bytes"],
+                t["rows"],
+                t["read"] / n,
+                seconds / n,
+                per_step,
+            )
+        )
     return pd.DataFrame(out, columns=TABLE_COLUMNS)
 
 
