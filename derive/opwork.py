@@ -35,6 +35,42 @@ _DTYPE_PRECISION = {
 }
 
 
+# ops that read the rows of their first input (a table) their second input (indices) names
+GATHERS = frozenset({"aten::embedding", "aten::embedding_bag", "aten::_embedding_bag"})
+# ops that write the rows of their first input an index names (a sparse update, a scatter)
+SCATTERS = frozenset(
+    f"aten::{n}"
+    for n in [
+        "index_add_",
+        "index_add",
+        "index_put_",
+        "_index_put_impl_",
+        "index_copy_",
+        "index_fill_",
+        "scatter_",
+        "scatter_add_",
+    ]
+)
+
+
+def item_bytes(dtype: Any) -> int:
+    """Bytes of one element of a profiler's dtype name (4 when unknown)."""
+    return _ITEM_BYTES.get(str(dtype), 4)
+
+
+def gathered(name: str, dims: Any, types: Any) -> tuple[tuple[int, ...], int, int] | None:
+    """(table shape, bytes per element, rows named) of a gather op (an embedding lookup): it
+    reads at most as many rows of its table as its indices have elements."""
+    if name not in GATHERS or not dims or len(dims) < 2:
+        return None
+    table, idx = dims[0], dims[1]
+    if not (isinstance(table, list) and len(table) >= 2 and isinstance(idx, list)):
+        return None
+    if not all(isinstance(x, int) for x in table + idx):
+        return None
+    return tuple(table), item_bytes(types[0] if types else None), math.prod(idx)
+
+
 def op_work(name: str, dims: Any, types: Any) -> tuple[float, float, str | None]:
     """(FLOPs, bytes, precision from the dtype) of one op from its input sizes; an estimate:
     bytes are the inputs and an output the size of the largest input (a matmul's its own)."""
@@ -71,6 +107,10 @@ def op_work(name: str, dims: Any, types: Any) -> tuple[float, float, str | None]
     except (ValueError, TypeError, IndexError):
         flops = 0.0
     moved = float(sum(sizes) + out_bytes)
+    lookup = gathered(name, dims, types)
+    if lookup is not None:  # the rows read and written out, and the indices; not the table
+        shape, item, rows = lookup
+        moved = float(2 * rows * math.prod(shape[1:]) * item + sum(sizes[1:]))
     if ("norm" in name and "batch" in name) or "group_norm" in name or "instance_norm" in name:
         # training normalisation reads its input twice (statistics, then normalisation): 3
         # passes forward, 5 backward (grad and input for the reductions, again for grad_input)

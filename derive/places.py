@@ -53,7 +53,9 @@ from traindx.derive import device_peaks
 from traindx.derive import gpu_efficiency as G
 from traindx.derive import kernel_classes as K
 from traindx.derive import opwork as W
+from traindx.derive import place_cost as C
 from traindx.derive import place_lines as L
+from traindx.derive import place_params as T
 from traindx.derive.ledger import host_samples
 from traindx.derive.steady import median_step_s
 from traindx.profiler.opargs import read_op_args
@@ -81,34 +83,15 @@ LAUNCH_BLOCKED_NS = 50_000
 NODE_PREFIX = "autograd::engine::evaluate_function:"
 OPTIMIZER_PREFIXES = ("Optimizer.step#", "Optimizer.zero_grad#")
 NO_MODULE = "(no module)"
-# frames that are not the job's own: the standard library, torch and the frameworks' packages
-# (the tracer names a frame by its path under sys.path: "torch/nn/modules/linear.py(125): forward")
+# frames not the job's own (the tracer names a frame by its path under sys.path: "torch/nn/modules/linear.py(125): forward")
 LIBRARIES = frozenset(
-    {
-        "torch",
-        "torchvision",
-        "torchaudio",
-        "triton",
-        "numpy",
-        "transformers",
-        "accelerate",
-        "lightning",
-        "pytorch_lightning",
-        "lightning_fabric",
-        "timm",
-        "deepspeed",
-        "apex",
-        "flash_attn",
-        "megatron",
-        "peft",
-        "diffusers",
-        "_traindx_shim",
-        "traindx",
-        "site-packages",
-        "dist-packages",
-    }
-    | set(getattr(sys, "stdlib_module_names", ()))
+    (  # noqa: SIM905 (one line of names, not one line each)
+        "torch torchvision torchaudio triton numpy transformers accelerate lightning pytorch_lightning "
+        "lightning_fabric timm deepspeed apex flash_attn megatron peft diffusers _traindx_shim traindx "
+        "site-packages dist-packages"
+    ).split()
 )
+LIBRARIES |= frozenset(getattr(sys, "stdlib_module_names", ()))
 _FRAME = re.compile(r"^(?P<path>[^<(][^(]*)\((?P<line>\d+)\): (?P<func>.+)$")
 
 
@@ -139,9 +122,7 @@ class Context:
     outermost: bool  # a cpu_op with no cpu_op around it
     root: int = -1  # row position of the outermost cpu_op around it (-1: none)
     redo_root: bool = False  # the outermost op of a forward re-run inside an autograd node
-    call: int = (
-        -1
-    )  # row position of the innermost module call around it (-1: none); a backward op's: its forward's
+    call: int = -1  # row position of the innermost module call around it; a backward op's: its forward's
 
 
 def _containers(rows: pd.DataFrame) -> pd.DataFrame:
@@ -257,7 +238,7 @@ def attribute(rows: pd.DataFrame) -> dict[int, Context]:
     bounds = (tids, starts, rows["end_ns"].to_numpy(np.int64))
     out: dict[int, Context] = {}
     nodes: dict[int, float] = {}
-    forward_of: dict[float, Context] = {}
+    forward_of: dict[float, tuple[int, Context]] = {}
     for pos in queries:
         stack = contexts_at.get(int(pos), [])
         ctx, node_seq = _context(stack, pos, index_pos, stacks)
@@ -266,12 +247,20 @@ def attribute(rows: pd.DataFrame) -> dict[int, Context]:
         out[int(pos)] = ctx
         if node_seq == node_seq:
             nodes[int(pos)] = node_seq
-        elif cat[pos] == "cpu_op" and seq[pos] == seq[pos] and ctx.phase in ("forward", "other"):
-            forward_of.setdefault(float(seq[pos]), ctx)
+        elif (
+            cat[pos] == "cpu_op"
+            and seq[pos] == seq[pos]
+            and ctx.phase in ("forward", "other")
+            # every op records the counter's value; the op that made the node is the last to
+            # record it (an op before it that made no node, a `.item()`, recorded it too)
+            and starts[pos] >= forward_of.get(float(seq[pos]), (-1, None))[0]
+        ):
+            forward_of[float(seq[pos])] = (int(starts[pos]), ctx)
     for inside, node_seq in nodes.items():
-        ctx, fwd = out[inside], forward_of.get(node_seq)
-        if fwd is None:
+        ctx, made_by = out[inside], forward_of.get(node_seq)
+        if made_by is None:
             continue
+        fwd = made_by[1]
         if ctx.phase == "backward" or ctx.module == NO_MODULE:
             ctx.module, ctx.call = fwd.module, fwd.call
         if ctx.line is None:
@@ -512,6 +501,11 @@ class RankPlaces:
     modules: bool  # the window recorded module calls (a window without stacks did not)
     sizes: bool  # the window recorded op sizes (FLOPs and bytes known)
     host: pd.DataFrame = field(default_factory=lambda: pd.DataFrame(columns=HOST_COLUMNS))  # host_ops
+    tables: pd.DataFrame = field(
+        default_factory=lambda: pd.DataFrame(columns=T.TABLE_COLUMNS)
+    )  # T.whole_tables
+    window_s: float = 0.0  # a profiled step's wall time (the profiler's cost per event makes it longer)
+    profiler_s_per_event: float = 0.0  # place_cost: what each recorded host event added to it
 
 
 def _rank_args(run_path: str, rank: str) -> pd.DataFrame | None:
@@ -550,6 +544,8 @@ def rank_places(
     stacks = bool(names.str.startswith(MODULE_PREFIX).any())
     if not stacks and frames is not None:
         host, events = L.name_lines(host, events, frames)
+    counts, per_step = C.event_counts(rows, host, spans)
+    host = host.assign(events=counts)
     return RankPlaces(
         rank=str(rank),
         steps=n,
@@ -560,6 +556,9 @@ def rank_places(
         modules=stacks,
         sizes=bool(work),
         host=host,
+        tables=T.whole_tables(T.op_inputs(rows, args), contexts, events, n),
+        window_s=window_s,
+        profiler_s_per_event=C.cost_per_event(window_s, wall_s or window_s, per_step),
     )
 
 

@@ -30,17 +30,24 @@ def host_runs(view: P.RankPlaces) -> pd.DataFrame:
     seconds its launches made and their work needs at the roofline."""
     h = view.host
     if not len(h):
-        return pd.DataFrame(columns=["module", "phase", "line", "span_s", "ops", "gpu_s", "need_s"])
-    h = h.assign(line=h["line"].fillna("")).sort_values(["tid", "start_ns"], kind="stable")
+        return pd.DataFrame(columns=["module", "phase", "line", "span_s", "ops", "events", "gpu_s", "need_s"])
+    h = h.assign(line=h["line"].fillna(""), events=h.get("events", 1))
+    h = h.sort_values(["tid", "start_ns"], kind="stable")
     key = h["module"].astype(str) + "\0" + h["phase"].astype(str) + "\0" + h["line"].astype(str)
     run = (key != key.shift()) | (h["tid"] != h["tid"].shift())
     g = h.assign(run=run.cumsum()).groupby(["module", "phase", "line", "run"], sort=False)
     runs = g.agg(
-        start=("start_ns", "min"), end=("end_ns", "max"), ops=("host_s", "size"), wait=("wait_s", "sum")
+        start=("start_ns", "min"),
+        end=("end_ns", "max"),
+        ops=("host_s", "size"),
+        wait=("wait_s", "sum"),
+        events=("events", "sum"),
     ).reset_index()
     # time blocked on the GPU inside the run (a sync, a full launch queue) is the GPU's
     runs["span_s"] = ((runs["end"] - runs["start"]) / 1e9 - runs["wait"]).clip(lower=0.0)
-    out = runs.groupby(["module", "phase", "line"], sort=False)[["span_s", "ops"]].sum() / view.steps
+    out = (
+        runs.groupby(["module", "phase", "line"], sort=False)[["span_s", "ops", "events"]].sum() / view.steps
+    )
     e = view.events
     gpu = (
         e.assign(line=e["line"].fillna("")).groupby(["module", "phase", "line"])["seconds"].sum() / view.steps
@@ -71,7 +78,8 @@ def host_places(view: P.RankPlaces, severity_of: Callable[[float], str]) -> list
     if not len(view.events) or not view.wall_s or idle / view.wall_s < MIN_PLACE_SHARE:
         return []
     out = []
-    for r in host_runs(view).itertuples(index=False):
+    runs = host_runs(view)
+    for r in runs.itertuples(index=False):
         span, gpu_s, ops, need = float(r.span_s), float(r.gpu_s), float(r.ops), float(r.need_s)
         # autograd's own nodes (AccumulateGrad per parameter) run at no line of the job's: no
         # loop of the user's to name
@@ -83,7 +91,10 @@ def host_places(view: P.RankPlaces, severity_of: Callable[[float], str]) -> list
             or span < MIN_NEED_RATIO * need
         ):
             continue
-        saving = max(0.0, min(span - need / REACHABLE, idle + gpu_s))
+        # priced on a steady step: the profiled step's host time less the profiler's cost of
+        # recording its events (place_cost)
+        steady = max(0.0, span - view.profiler_s_per_event * float(r.events))
+        saving = max(0.0, min(steady - need / REACHABLE, idle + gpu_s))
         line = P.frame_text(str(r.line))
         place = f"{r.module} {r.phase} at {line}"
         out.append(
@@ -117,6 +128,8 @@ def host_places(view: P.RankPlaces, severity_of: Callable[[float], str]) -> list
                     "need_s_per_step": need,
                     "ops_per_step": ops,
                     "gpu_idle_s_per_step": idle,
+                    "host_s_per_steady_step": steady,
+                    "profiler_s_per_event": view.profiler_s_per_event,
                 },
             )
         )

@@ -24,8 +24,10 @@ from traindx.common.units import fmt_s
 from traindx.derive import places as P
 
 MEMORY_FAMILIES = ("elementwise", "reduction", "other")
+DEVICE_COPY = "copy DtoD"  # kernel_classes' label of a copy within the device's memory
 MIN_SHARE = 0.10  # of the step: the place's memory-bound kernels
 MIN_PASSES = 3.0  # bytes moved over the runs' floors
+MODULE_PHASES = ("forward", "backward", "recompute")  # the phases a module's own code runs in
 _INDEX = re.compile(r"_\d+$")
 
 
@@ -40,8 +42,11 @@ def runs(events: pd.DataFrame) -> pd.DataFrame:
     if not len(events) or "call" not in events:
         return events.iloc[0:0].assign(run=[], floor=[])
     e = events.sort_values("start_ns", kind="stable").reset_index(drop=True)
-    # a kernel of an op without recorded sizes (a scalar's) stays in the run, its bytes unknown
-    mem = pd.Series(e["family"].isin(MEMORY_FAMILIES).to_numpy() & (e["call"].to_numpy() >= 0))
+    # a kernel of an op without recorded sizes (a scalar's) stays in the run, its bytes unknown;
+    # a memset (a reduction's zero fill, part of its op) and a device-to-device copy move bytes
+    # through the same memory as an elementwise kernel: they are passes of the chain, not its ends
+    through_memory = e["family"].isin(MEMORY_FAMILIES) | (e["family"] == "memset")
+    mem = pd.Series(through_memory.to_numpy() & (e["call"].to_numpy() >= 0))
     key = e["call"].astype(str) + "\0" + e["phase"].astype(str)
     start = ~mem | ~mem.shift(fill_value=False) | (key != key.shift())
     m = e[mem.to_numpy()].assign(run=start.cumsum()[mem].to_numpy())
@@ -64,13 +69,25 @@ def passes_places(
         return []
     out = []
     m = m.assign(place=[class_path(x) for x in m["module"]])
+    above: dict[str, dict[str, float]] = {}  # per place, per phase: GPU seconds above one pass
+    judged = []
     for (place, phase), g in m.groupby(["place", "phase"], sort=False):
         gpu_s = float(g["seconds"].sum()) / view.steps
         moved = float(g["bytes"].sum())
         floor = float(g.drop_duplicates("run")["floor"].sum())
-        if gpu_s / view.wall_s < MIN_SHARE or not floor > 0 or moved < MIN_PASSES * floor:
-            continue
-        out.append(_finding(view, str(place), str(phase), g, gpu_s, moved / floor, saving_of, severity_of))
+        passes = moved / floor if floor > 0 else 1.0
+        above.setdefault(str(place), {})[str(phase)] = gpu_s * max(0.0, 1.0 - 1.0 / passes)
+        if gpu_s / view.wall_s >= MIN_SHARE and floor > 0 and moved >= MIN_PASSES * floor:
+            judged.append((str(place), str(phase), g, gpu_s, passes))
+    named: set[str] = set()
+    for place, phase, g, gpu_s, passes in sorted(judged, key=lambda j: -j[3]):
+        if place in named:
+            continue  # its larger phase's finding holds this phase's bytes above one pass
+        named.add(place)
+        # the fused op that replaces the module's chain replaces it in each phase (a fused
+        # forward has a fused backward): the other phases' bytes above one pass go too
+        others = {p: s for p, s in above[place].items() if p != phase and p in MODULE_PHASES and s > 0}
+        out.append(_finding(view, place, phase, g, gpu_s, passes, others, saving_of, severity_of))
     return sorted(out, key=lambda f: -(f.seconds_lost_per_step or 0.0))[:3]
 
 
@@ -81,6 +98,7 @@ def _finding(
     g: pd.DataFrame,
     gpu_s: float,
     passes: float,
+    others: dict[str, float],
     saving_of: Callable[[float], float],
     severity_of: Callable[[float], str],
 ) -> Finding:
@@ -89,7 +107,8 @@ def _finding(
     line_text = P.frame_text(str(line)) if line else None
     calls = g["call"].nunique() / view.steps
     ops = g["op"].nunique() / max(g["run"].nunique(), 1)
-    saving = saving_of(gpu_s * (1.0 - 1.0 / passes))
+    saving = saving_of(gpu_s * (1.0 - 1.0 / passes) + sum(others.values()))
+    also = "".join(f", and {fmt_s(s)} of its {p}'s" for p, s in others.items())
     share = gpu_s / view.wall_s
     kernels: list[dict[str, Any]] = P._top_kernels(g)
     dominant = kernels[0]["label"] if kernels else "?"
@@ -108,7 +127,7 @@ def _finding(
             f"moves {passes:.1f}× the bytes of its largest op, where one fused kernel reads the inputs "
             "and writes the outputs once. A fused op for what the chain computes (an attention, norm or "
             "loss function of torch or of a kernel library) or torch.compile over the module makes it "
-            "one pass. Saving: the time of the bytes above one pass, less the GPU's idle."
+            f"one pass. Saving: the time of the bytes above one pass{also}, less the GPU's idle."
         ),
         seconds_lost_per_step=saving,
         share_of_step=share,
@@ -123,6 +142,7 @@ def _finding(
             "passes": passes,
             "ops_per_chain": ops,
             "calls_per_step": calls,
+            "other_phases_above_one_pass_s": others,
             "bytes_per_step": float(g["bytes"].sum()) / view.steps,
             "top_kernels": kernels,
         },

@@ -34,6 +34,7 @@ from traindx.analyzers.core.findings import NOTE, Finding, Prescription
 
 # the place tests' thresholds: a place ≥ MIN_PLACE_SHARE of the step and ≥ MIN_NEED_RATIO × its
 # roofline time (GPU or host); REACHABLE of the roofline a well-made kernel reaches
+from traindx.analyzers.gpu.place_dense import dense_places
 from traindx.analyzers.gpu.place_host import MIN_NEED_RATIO, MIN_PLACE_SHARE, REACHABLE, host_places
 from traindx.analyzers.gpu.place_passes import passes_places
 from traindx.common.units import fmt_s
@@ -541,6 +542,7 @@ def analyze(run: RunRecord) -> list[Finding]:
             out.extend(_slow_places(view, explained, _headroom(run, view.rank)))
             saving_of = lambda gpu_saved, v=view: _step_saving(v, gpu_saved)  # noqa: E731
             out.extend(passes_places(view, explained, saving_of, _severity))
+            out.extend(dense_places(view, saving_of, _severity))
         out.extend(host_places(view, _severity))
     slowest = _slowest(views)
     if slowest is not None and len(slowest.table):
