@@ -12,7 +12,7 @@ its own, and a bare job sharing the bench's would get a smaller share of a loade
 What it cannot see: the helpers' CPU taxes the bare job beside them too (by its share of the
 machine), so a helper's cost is underestimated by that share; the shim's in-job cost is not.
 
-usage: python bench/overhead_side.py [--reps 5] [--skip 10] [--json out.json]
+usage: python bench/overhead_side.py [--reps 5] [--skip 10] [--json out.json] [--keep DIR]
                                      [--variant 'NAME=DIAGNOSE ARGS' ...] -- <job command>
 """
 
@@ -93,6 +93,7 @@ def main(argv=None):
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--skip", type=int, default=10)
     p.add_argument("--json")
+    p.add_argument("--keep", help="keep each diagnosed run's folder under this folder")
     p.add_argument("--variant", action="append", default=[], help="NAME=ARGS: a diagnose arm")
     p.add_argument("command", nargs=argparse.REMAINDER)
     a = p.parse_args(argv)
@@ -102,7 +103,8 @@ def main(argv=None):
         name, _, args = v.partition("=")
         arms[name] = args.split()
     out = {arm: {"pairs": [], "steps": [], "stated": []} for arm in arms}
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as scratch:
+        tmp = a.keep or scratch
         for rep in range(a.reps):
             for arm, args in arms.items():
                 run_dir = os.path.join(tmp, f"{arm}-{rep}")
