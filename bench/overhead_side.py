@@ -12,7 +12,7 @@ its own, and a bare job sharing the bench's would get a smaller share of a loade
 What it cannot see: the helpers' CPU taxes the bare job beside them too (by its share of the
 machine), so a helper's cost is underestimated by that share; the shim's in-job cost is not.
 
-usage: python bench/overhead_side.py [--reps 5] [--skip 10] [--json out.json]
+usage: python bench/overhead_side.py [--reps 5] [--skip 10] [--json out.json] [--keep DIR]
                                      [--variant 'NAME=DIAGNOSE ARGS' ...] -- <job command>
 """
 
@@ -79,6 +79,15 @@ def run_pair(command, diagnose_args, run_dir, bare_first):
     return bare, arm
 
 
+def _in_job_pct(cost):
+    """The stated cost's in-job part (the shim's time and its threads'), % of the bare step."""
+    try:
+        part = cost["shim_s_per_step"] + cost["threads_s_per_step"]
+        return 100.0 * part / (cost["step_s"] - cost["per_step_s"])
+    except (TypeError, KeyError, ZeroDivisionError):
+        return None
+
+
 def common_window(bare, arm, skip):
     bare, arm = bare[skip:], arm[skip:]
     if not bare or not arm:
@@ -93,6 +102,7 @@ def main(argv=None):
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--skip", type=int, default=10)
     p.add_argument("--json")
+    p.add_argument("--keep", help="keep each diagnosed run's folder under this folder")
     p.add_argument("--variant", action="append", default=[], help="NAME=ARGS: a diagnose arm")
     p.add_argument("command", nargs=argparse.REMAINDER)
     a = p.parse_args(argv)
@@ -102,7 +112,8 @@ def main(argv=None):
         name, _, args = v.partition("=")
         arms[name] = args.split()
     out = {arm: {"pairs": [], "steps": [], "stated": []} for arm in arms}
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as scratch:
+        tmp = a.keep or scratch
         for rep in range(a.reps):
             for arm, args in arms.items():
                 run_dir = os.path.join(tmp, f"{arm}-{rep}")
@@ -117,10 +128,15 @@ def main(argv=None):
                     [statistics.median(bare), statistics.median(diag), len(bare), len(diag)]
                 )
                 out[arm]["stated"].append(cost.get("pct") if cost else None)
+                # the part the bench can see: on a saturated machine the helpers' CPU slows the
+                # bare job beside too, so the pair ratio shows only the in-job part
+                in_job = _in_job_pct(cost)
+                out[arm].setdefault("stated_in_job", []).append(in_job)
                 print(
                     f"rep {rep} {arm:10s}: bare {statistics.median(bare) * 1e3:.2f} ms ({len(bare)} steps), "
                     f"diagnosed {statistics.median(diag) * 1e3:.2f} ms ({len(diag)}): {ratio:.3f}"
-                    + (f", states {cost['pct']:.2f} %" if cost and cost.get("pct") is not None else ""),
+                    + (f", states {cost['pct']:.2f} %" if cost and cost.get("pct") is not None else "")
+                    + (f" (in the job {in_job:.2f} %)" if in_job is not None else ""),
                     flush=True,
                 )
     for arm, r in out.items():

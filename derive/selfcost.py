@@ -2,14 +2,16 @@
 
 Three parts, each measured (profiler/shim/_traindx_shim/selfcost.py, the launcher's helper
 accounting in profiler/helpercpu.py):
-  in the job     the shim's own time on the job's threads (its wrappers, its step-end work) and
-                 its threads' CPU (they take the GIL): the `cpu` events' shim_ns and
+  in the job     the shim's own time on the job's threads (its step-end work: the thread's CPU
+                 time, mean; its wrappers: wall time, the median step's, see _in_job_s) and its
+                 threads' CPU (they take the GIL): the `cpu` events' shim_end_ns, shim_ns and
                  shim_threads_cpu_s over the steady steps, per step
   helpers        py-spy's recorders and snapshots, the output relay, NVML and diagnose's live
-                 judge run beside the job: they cost it only where it waited for a core, so
-                 their CPU seconds are priced at the training thread's run-queue wait, in
-                 proportion to their share of the CPU that other tasks took meanwhile
-                 (sys busy - the job's own): on a host with idle cores that wait is ~0
+                 judge run beside the job: they cost it only where it waited for a core, and
+                 only with the CPU the machine had no idle core for (their CPU less its idle
+                 core-seconds meanwhile): that part is priced at the training thread's
+                 run-queue wait, in proportion to its share of the CPU that other tasks took
+                 meanwhile (sys busy - the job's own): on a host with idle cores it is 0
   on purpose     the steps traindx perturbed to look closer (a torch.profiler window's excess
                  over the median step): once, not per step
 
@@ -60,13 +62,19 @@ def _helpers(run: RunView, cpu: pd.DataFrame, steps: int) -> dict[str, Any]:
     if not total or not steps or not wall:
         return out
     runq = float(_num(cpu, "thread_runq_s").sum())
-    busy = float((_num(cpu, "sys_total_s") - _num(cpu, "sys_idle_s")).sum())
-    own = float(_num(cpu, "proc_cpu_s").sum())
+    idle = float(_num(cpu, "sys_idle_s").sum())
     span = float(_num(cpu, "sys_total_s").sum())
+    busy = span - idle
+    own = float(_num(cpu, "proc_cpu_s").sum())
     # the helpers' CPU in the judged steps (their CPU over the run, spread evenly over its wall)
     judged = total * min(1.0, (span / max(1, _cores(cpu))) / wall) if span else 0.0
-    others = max(busy - own, judged, 1e-9)
-    out["helpers_s_per_step"] = runq * min(1.0, judged / others) / steps
+    # they compete with the job for cores only with the CPU the machine had no idle core for:
+    # on a host with idle cores (a 16-core GPU host, a job on 1-2) they cost it nothing, on a
+    # saturated 2-core box all of it
+    competing = max(0.0, judged - idle)
+    others = max(busy - own, competing, 1e-9)
+    out["helpers_s_per_step"] = runq * min(1.0, competing / others) / steps
+    out["helpers_competing_cpu_s"] = competing
     out["helpers_cpu_pct_of_core"] = 100.0 * total / wall
     return out
 
@@ -112,7 +120,7 @@ def _build(run: RunView) -> dict[str, Any] | None:
         return None
     steps = len(cpu)
     step_s = _period(run)
-    shim = float(_num(cpu, "shim_ns").sum()) / 1e9 / steps
+    shim = _in_job_s(run, cpu)
     threads = float(_num(cpu, "shim_threads_cpu_s").sum()) / steps
     out: dict[str, Any] = {
         "steps": steps,
@@ -133,6 +141,20 @@ def _build(run: RunView) -> dict[str, Any] | None:
     out["pct"] = 100.0 * per_step / bare if bare > 0 else math.nan
     out.update(_shed(run))
     return out
+
+
+def _in_job_s(run: RunView, cpu: pd.DataFrame) -> float:
+    """The shim's own seconds a step on the job's thread. The step end's is the thread's CPU
+    time (a shim that says so: its `self_cost` events' end_clock) and its mean counts (the
+    machine read every 100 ms is part of it). The wrappers' is wall time, less the wrapped
+    calls': a step that was preempted inside a wrapper carries the wait for a core as well, so
+    their typical step counts (the median: the same calls run every step). An older shim's
+    step end was wall time too: its median."""
+    end = _num(cpu, "shim_end_ns")
+    wrap = (_num(cpu, "shim_ns") - end).clip(lower=0)
+    summary = run.of_type(schema.SELF_COST)
+    on_cpu = len(summary) and "end_clock" in summary and (summary["end_clock"] == "thread").any()
+    return (float(end.mean() if on_cpu else end.median()) + float(wrap.median())) / 1e9
 
 
 def _period(run: RunView) -> float:

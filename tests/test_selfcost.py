@@ -56,6 +56,19 @@ def test_a_step_states_its_wrappers_and_the_previous_step_ends_work(shim_cost):
     assert summary["parts"]["wrap.forward"] == 2_000 and summary["parts"]["step.cpu"] == 40_000
 
 
+def test_a_step_end_preempted_by_other_work_counts_only_its_own_cpu(shim_cost):
+    """A step end that took 900 µs of wall on a loaded machine but 60 µs of the thread's CPU:
+    the step states 60 µs (the job waited for a core meanwhile, as it would without the shim);
+    its CPU never counts above its wall less what was on purpose."""
+    selfcost.step_end_work(900_000, {"step.cpu": 850_000}, cpu_ns=60_000)
+    assert selfcost.step_fields(7, 10_000_000)["shim_end_ns"] == 60_000
+    selfcost.step_end_work(500_000, {"step.begin": 400_000}, purpose_ns=400_000, cpu_ns=480_000)
+    fields = selfcost.step_fields(8, 10_000_000)
+    assert fields["shim_end_ns"] == 100_000 and fields["shim_purpose_ns"] == 400_000
+    selfcost.summary()
+    assert shim_cost[-1][1]["end_clock"] == "thread"
+
+
 def test_over_its_budget_the_shim_sheds_work_and_says_so(shim_cost):
     """1 ms of its own in each 10 ms step (11 % > the 1 % budget): after a window of steps the
     host sampler halves its rate, then the data spans' run-queue reads go and the machine's
@@ -108,9 +121,12 @@ def test_the_ledger_books_traindx_own_time_as_its_line_never_as_host_work():
     assert round(without.iloc[0]["traindx_s"] * 1e9) == 100 and round(without.iloc[0]["host_s"] * 1e9) == 100
 
 
-def _write_run(path, steps=40, step_ns=10_000_000, shim_ns=50_000, helpers=None, runq_s=0.0):
+def _write_run(
+    path, steps=40, step_ns=10_000_000, shim_ns=50_000, helpers=None, runq_s=0.0, idle_s=0.0, cpu_of=None
+):
     """A run folder as diagnose writes it: the manifest (with the helpers' CPU) and one process's
-    events: steps of step_ns, each with the shim's own cost in its `cpu` event."""
+    events: steps of step_ns, each with the shim's own cost in its `cpu` event (cpu_of(step):
+    fields that replace a step's), the machine idle idle_s core-seconds a step."""
     os.makedirs(path / "events")
     pid, t0 = 4242, 1_700_000_000_000_000_000
     ev = [{"type": "process_start", "pid": pid, "rank": "0", "t": t0 - 1_000_000}]
@@ -130,8 +146,11 @@ def _write_run(path, steps=40, step_ns=10_000_000, shim_ns=50_000, helpers=None,
         cpu = {"type": "cpu", "step": s, "t": end, "proc_cpu_s": step_ns / 1e9, "thread_runq_s": runq_s}
         if shim_ns is not None:  # an older shim wrote no accounting of its own
             cpu.update(shim_ns=shim_ns, shim_end_ns=shim_ns // 2, shim_threads_cpu_s=0.0)
-        cpu.update(sys_idle_s=0.0, sys_total_s=2 * step_ns / 1e9, cores=2)
+        cpu.update(sys_idle_s=idle_s, sys_total_s=2 * step_ns / 1e9, cores=2)
+        cpu.update(cpu_of(s) if cpu_of else {})
         ev.append(cpu)
+    if cpu_of:  # a shim whose step end is timed by the thread's CPU clock says so
+        ev.append({"type": "self_cost", "t": t0 + steps * step_ns, "steps": steps, "end_clock": "thread"})
     with open(path / "events" / f"p{pid}.jsonl", "w") as f:
         f.write("\n".join(json.dumps(e) for e in ev) + "\n")
     manifest = {
@@ -174,6 +193,34 @@ def test_helpers_cost_the_job_only_where_it_waited_for_a_core(tmp_path):
     others = 40 * 0.02 - 40 * 0.01  # busy core-seconds less the job's own
     assert cost["helpers_s_per_step"] == pytest.approx(0.001 * 0.1 / others, rel=0.05)
     assert np.isfinite(cost["pct"]) and cost["pct"] > 100 * 50e-6 / 0.01
+
+
+def test_helpers_cost_nothing_where_the_machine_had_idle_cores_for_them(tmp_path):
+    """The same wait for a core, but the machine sat idle 5 ms a step (0.2 core-s over the
+    steps, twice the helpers' 0.1 CPU-s): they ran on cores nobody wanted, the job's wait is
+    not theirs. With 1 ms idle a step (0.04 core-s) the 0.06 left competed, and only that."""
+    idle = _write_run(tmp_path / "idle", helpers={"pyspy": 0.1}, runq_s=0.001, idle_s=0.005)
+    assert self_cost(idle)["helpers_s_per_step"] == 0
+    some = _write_run(tmp_path / "some", helpers={"pyspy": 0.1}, runq_s=0.001, idle_s=0.001)
+    competing = 0.1 * 39 / 40 - 39 * 0.001  # the judged steps' share of the helpers' CPU, less idle
+    others = 39 * (0.02 - 0.001) - 39 * 0.01
+    assert self_cost(some)["helpers_s_per_step"] == pytest.approx(0.001 * competing / others, rel=0.05)
+
+
+def test_a_few_steps_preempted_inside_the_shim_do_not_move_the_stated_cost(tmp_path):
+    """Every step: wrappers 30 µs (wall), step end 20 µs (thread CPU); every 10th step the
+    machine-wide read adds 100 µs of the step end's CPU; four steps were preempted inside a
+    wrapper for 5 ms. The statement: the step end's mean (30 µs) and the wrappers' typical step
+    (30 µs), not the 5 ms waits (a mean would say ~550 µs)."""
+
+    def cpu_of(s):
+        end = 20_000 + (100_000 if s % 10 == 0 else 0)
+        wrap = 30_000 + (5_000_000 if s in (7, 13, 21, 33) else 0)
+        return {"shim_ns": end + wrap, "shim_end_ns": end}
+
+    run = _write_run(tmp_path / "run", cpu_of=cpu_of)
+    ends = [20_000 + (100_000 if s % 10 == 0 else 0) for s in range(1, 40)]
+    assert self_cost(run)["shim_s_per_step"] == pytest.approx((np.mean(ends) + 30_000) / 1e9)
 
 
 def test_a_run_without_the_shims_accounting_states_nothing(tmp_path):

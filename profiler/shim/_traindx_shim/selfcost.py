@@ -3,10 +3,11 @@
 Three parts, added up at each step end into the step's `cpu` event (cpustat.py) and, every
 SUMMARY_EVERY steps and at exit, one `self_cost` event with the run so far:
   shim_ns          ns the job's threads spent in the shim's code in the step: the wrappers'
-                   own time (a wrapper adds its time less the wrapped call's: add()) and the
-                   previous step end's work (step events, CPU and memory evidence, the host
-                   samples' flush, a torch.profiler export), which runs after the boundary and
-                   so inside this step; that work is also a `traindx` span (the ledger's line)
+                   own time (a wrapper adds its time less the wrapped call's: add(); wall
+                   clock) and the previous step end's work (step events, CPU and memory
+                   evidence, the host samples' flush), which runs after the boundary and so
+                   inside this step: its thread CPU time (shim_end_ns; the wall also holds
+                   waits for a core); that work is also a `traindx` span (the ledger's line)
   shim_threads_cpu_s  CPU seconds of the shim's own threads (the event writer, the host
                    sampler) in the step: they hold the GIL while they run Python, so a job
                    thread that needs it waits; counted whole (an upper bound)
@@ -69,11 +70,15 @@ def add(kind: str, ns: int) -> None:
         _pending[kind] = _pending.get(kind, 0) + ns
 
 
-def step_end_work(ns: int, parts: dict[str, int], purpose_ns: int = 0) -> None:
+def step_end_work(ns: int, parts: dict[str, int], purpose_ns: int = 0, cpu_ns: int | None = None) -> None:
     """The step end's own work (steps._end), booked to the step it ran in: the next one.
-    purpose_ns: the part of it spent looking closer on purpose (a torch.profiler window's start,
-    stop and export; a memory hunt's census): stated once, never judged as a per-step cost."""
-    _state["carry_ns"] += max(0, ns - purpose_ns)
+    ns: its wall time; cpu_ns: the thread's CPU time in it, what the per-step cost counts (the
+    wall also holds the job's wait for a core on a loaded machine, a wait it has without the
+    shim too). purpose_ns: the part of it spent looking closer on purpose (a torch.profiler
+    window's start, stop and export; a memory hunt's census): stated once, never judged as a
+    per-step cost."""
+    per_step = max(0, ns - purpose_ns)
+    _state["carry_ns"] += per_step if cpu_ns is None else min(per_step, max(0, cpu_ns))
     _state["purpose_ns"] += purpose_ns
     for k, v in parts.items():
         _parts[k] = _parts.get(k, 0) + v
@@ -148,6 +153,7 @@ def summary(step: int | None = None) -> None:
         wall_ns=_state["wall_ns"],
         shim_ns=_state["shim_ns"],
         threads_ns=_state["threads_ns"],
+        end_clock="thread",  # shim_end_ns is the thread's CPU time (older shims: wall)
         level=_state["level"],
         budget_pct=BUDGET_PCT,
         parts=dict(_parts),

@@ -176,6 +176,9 @@ def kernel_compile_started(t: int) -> None:
 
 def _end(source: str, t: int | None = None, retro: bool = False) -> None:
     work0 = time.time_ns()
+    # the thread's own CPU clock times the step end's work (~1 us a read): under load the wall
+    # clock also counts the time the job waited for a core meanwhile, which is not the shim's
+    cpu0 = time.thread_time_ns()
     t = work0 if t is None else t
     step = _state["step"]
     if _state["begin"] is None and step == 0:
@@ -218,13 +221,14 @@ def _end(source: str, t: int | None = None, retro: bool = False) -> None:
     _on_purpose[0] = False
     _begin(t, retro=retro)
     done = time.time_ns()
+    cpu = time.thread_time_ns() - cpu0
     parts["step.begin"] = done - mark  # the boundary hooks: a torch.profiler window's export
     # the work after the boundary is the next step's time, and traindx's line of its ledger; the
     # hooks' every-step work (the anomaly check, the GPU clock's marks) is a per-step cost
     purpose = (parts["step.begin"] if _on_purpose[0] else 0) + (
         parts["step.mem"] if parts.pop("hunting", 0) else 0
     )
-    selfcost.step_end_work(done - work0, parts, purpose)
+    selfcost.step_end_work(done - work0, parts, purpose, cpu)
     emit("span", cat="traindx", start=max(t, work0), t=done, tid=threading.get_ident())
 
 
