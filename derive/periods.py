@@ -23,6 +23,8 @@ LINE_HALF_AGREEMENT = 0.8  # ...in each half of the window on its own
 LINE_PERMUTATIONS = 199  # shuffles of a line's values for the chance level of its best period
 LINE_PERMUTATION_SEED = 0  # fixed: the same run always gives the same findings
 LINE_MAX_P = 0.01  # family-wise, over every period tried
+LINE_REFINE_P = 0.05  # a p-value between LINE_MAX_P and this is measured again, finer:
+LINE_PERMUTATIONS_REFINED = 1999  # ...with this many shuffles
 LINE_MAX_STEPS = 512  # the last steps of the window are enough to see a period
 LINE_MIN_REPEATS = 4  # steps of each residue in the window
 
@@ -64,6 +66,17 @@ def _best_auc_per_period(
     return out
 
 
+def _null_of_best(
+    ranks: Array, res: list[Array], counts: list[Array], permutations: int
+) -> tuple[Array, Array]:
+    """The observed best AUC per period, and the best over every period of each of
+    `permutations` seeded shuffles (the family-wise null)."""
+    rng = np.random.default_rng(LINE_PERMUTATION_SEED)
+    shuffled = np.stack([ranks] + [rng.permutation(ranks) for _ in range(permutations)])
+    best = _best_auc_per_period(shuffled, res, counts)
+    return best[0], best[1:].max(axis=1)
+
+
 def period_of(steps: Array, values: Array, step_s: float) -> dict[str, Any] | None:
     """The shortest period whose dearest residue is larger than the other steps nearly always
     (rank AUC), beyond what any period reaches on the same values shuffled (a family-wise
@@ -81,16 +94,20 @@ def period_of(steps: Array, values: Array, step_s: float) -> dict[str, Any] | No
     order = values.argsort(kind="stable")
     ranks = np.empty(len(values))
     ranks[order] = np.arange(1, len(values) + 1)
-    rng = np.random.default_rng(LINE_PERMUTATION_SEED)
-    shuffled = np.stack([ranks] + [rng.permutation(ranks) for _ in range(LINE_PERMUTATIONS)])
     res = [steps % p for p in periods]
     counts = [np.bincount(r, minlength=p).astype(float) for r, p in zip(res, periods)]
-    best = _best_auc_per_period(shuffled, res, counts)
-    null_max = best[1:].max(axis=1)
+    observed_auc, null_max = _null_of_best(ranks, res, counts, LINE_PERMUTATIONS)
     half = len(steps) // 2
+    refined = None
     for j, period in enumerate(periods):
-        observed = best[0, j]
+        observed = observed_auc[j]
         p_value = (1 + int((null_max >= observed).sum())) / (1 + LINE_PERMUTATIONS)
+        if observed >= LINE_MIN_AGREEMENT and LINE_MAX_P < p_value <= LINE_REFINE_P:
+            # near the threshold 199 shuffles cannot tell: a perfect alternation in 24 steps
+            # was missed in 2 % of value orders, two shuffles by chance as perfect (p = 3/200)
+            if refined is None:
+                refined = _null_of_best(ranks, res, counts, LINE_PERMUTATIONS_REFINED)[1]
+            p_value = (1 + int((refined >= observed).sum())) / (1 + LINE_PERMUTATIONS_REFINED)
         if observed < LINE_MIN_AGREEMENT or p_value > LINE_MAX_P:
             continue
         residues = res[j]
