@@ -6,11 +6,14 @@ import os
 import shutil
 import subprocess
 
+import numpy as np
 import pytest
 from fix_helpers import _line_of
 from helpers import PY, diagnose
+from records import RunBuilder
 
 import traindx
+from traindx.analyzers.codefix.flags import flag_value
 from traindx.analyzers.core.findings import Prescription
 from traindx.fixing.run.loop import set_flags
 
@@ -163,50 +166,56 @@ def test_fix_engine_searches_past_a_broken_candidate_to_the_train_loader(tmp_pat
     assert card.result.tokens_per_s_per_gpu > 0 and card.correctness["result"] == "pass"
 
 
-@pytest.mark.slow
-@pytest.mark.serial  # the checkpoint job's period-2 cost, judged by its mean: alone, as below
+def _checkpoint_record(command, run_dir, steps, slowed=1.0, seed=0):
+    """The run folder tests/jobs/checkpoint_every.py's command leaves, built on a fake clock:
+    each step ~60 ms of compute, and on every --save-every-th step its two torch.save calls
+    (line 58 of the job, 180 ms each), every step `slowed` times as long (a neighbour on its
+    core); the loss it prints in log.txt. What the loop reads of an arm, and nothing a load on
+    this machine can move."""
+    job = command[1]
+    every = int(flag_value(command, "--save-every"))
+    save = {"caller": {"file": job, "line": _line_of(job, "torch.save("), "function": "<module>"}}
+    rng = np.random.default_rng(seed)
+    b = RunBuilder(run_dir, command=command, cwd=os.path.dirname(run_dir))
+    log = []
+    for step in range(steps):
+        spans = [("backward", 0.04 * rng.uniform(0.95, 1.05)), ("optimizer", 0.02 * rng.uniform(0.95, 1.05))]
+        if step % every == every - 1:
+            spans += [("io", 0.18 * rng.uniform(0.95, 1.05), {**save, "call": "torch.save"})] * 2
+        b.step(sum(s[1] for s in spans) * slowed, spans=spans)
+        log.append(f"{b.clock().ns} o step {step} loss {0.5 / (step + 1):.4f}\n")
+    b.manifest.update(exit_code=0, status="finished")
+    b.write()
+    with open(os.path.join(run_dir, "log.txt"), "w") as f:
+        f.writelines(log)
+    return 0
+
+
 def test_an_arm_slowed_by_a_neighbour_is_measured_again_and_judged_by_its_quicker_run(tmp_path):
     """During the first candidate arm only, a neighbour takes the job's core: each of that run's
-    steps waits 7 times as long as it ran (the job's --pause-file, by construction: 8x slower
-    whatever the machine's own load, so the arm misses its predicted gain). The loop measures it
+    steps takes 8 times as long (so the arm misses its predicted gain). The loop measures it
     again, the candidate then the baseline (A B B A), judges each side by its quicker run, and
-    keeps the change with a significant gain."""
-    from traindx.fixing.run.loop import FixOptions, _default_job, fix
+    keeps the change with a significant gain. Each arm's run is the record the checkpoint job's
+    command leaves (_checkpoint_record), built, so no load decides the judgement; the same loop
+    over real runs of that job: test_fix_measures_a_slowed_arm_again_with_real_runs_of_the_job."""
+    from traindx.fixing.run.loop import FixOptions, fix
     from traindx.profiler.launcher import Options
 
     order = []
-    pause = tmp_path / "neighbour"
     work = tmp_path / "work"
     work.mkdir()
 
     def run_job(command, run_dir, options):
-        order.append(os.path.basename(run_dir))
-        if os.path.basename(run_dir) == "candidate":
-            pause.write_text("7")
-        try:
-            return _default_job(command, run_dir, options)
-        finally:
-            pause.unlink(missing_ok=True)
+        name = os.path.basename(run_dir)
+        order.append(name)
+        slowed = 8.0 if name == "candidate" else 1.0
+        return _checkpoint_record(command, run_dir, options.steps, slowed, seed=len(order))
 
     events = []
     result = fix(
-        [
-            PY,
-            _job("checkpoint_every.py"),
-            "--save-every",
-            "2",
-            "--steps",
-            "60",
-            # a checkpoint ~4x the step's compute: the change wins ~3x, well clear of the noise
-            # of a loaded machine in a period-2 cost's mean (2x measured 1.48x, interval from 0.99)
-            "--vocab",
-            "400000",
-            "--pause-file",
-            str(pause),
-            *SAVE_IN_MEMORY,
-        ],
+        [PY, _job("checkpoint_every.py"), "--save-every", "2", "--steps", "60", "--vocab", "400000"],
         FixOptions(
-            record=Options(steps=32, pyspy=False, extra_env={"OMP_NUM_THREADS": "1"}),
+            record=Options(steps=36, pyspy=False),
             run_dir=str(tmp_path / "fix"),
             cwd=str(work),
             tries=1,
@@ -215,29 +224,82 @@ def test_an_arm_slowed_by_a_neighbour_is_measured_again_and_judged_by_its_quicke
         ),
     )
     assert order == ["baseline", "candidate", "candidate-again", "baseline-again"], (order, result.arms)
+    _assert_measured_again_and_kept(tmp_path / "fix", result, events)
+
+
+@pytest.mark.slow
+@pytest.mark.serial  # the checkpoint job's period-2 cost, judged by its mean: alone
+def test_fix_measures_a_slowed_arm_again_with_real_runs_of_the_job(tmp_path):
+    """The loop of the test above over real runs of tests/jobs/checkpoint_every.py (the one test
+    of a real repeat: the repeated arms started as processes and loaded): the baseline, the
+    candidate's second run and the baseline's second run are the job's, recorded. The first
+    candidate run is the one a neighbour slowed, built from the baseline's own record with every
+    step 3 times as long (a real slowed run was 8x the candidate's steps, ~20 s of the test).
+    Then the prescribed edit, and it pays (the checkpoint_every row of test_fix_applies_the_
+    prescribed_edit_and_it_pays, checked here): --save-every raised, >= 1.5x by the means."""
+    from traindx.fixing.run.loop import FixOptions, _default_job, fix
+    from traindx.profiler.launcher import Options
+
+    order = []
+    work = tmp_path / "work"
+    work.mkdir()
+
+    def run_job(command, run_dir, options):
+        order.append(os.path.basename(run_dir))
+        if os.path.basename(run_dir) != "candidate":
+            return _default_job(command, run_dir, options)
+        baseline = traindx.load_run(str(tmp_path / "fix" / "baseline"))
+        b = RunBuilder(run_dir, command=command, cwd=str(work))
+        for d in baseline.steps["duration_s"]:
+            b.step(3 * float(d))
+        b.manifest.update(exit_code=0, status="finished")
+        b.write()
+        return 0
+
+    events = []
+    result = fix(
+        # a checkpoint ~4x the step's compute: the change wins ~3x, well clear of the noise
+        # of a loaded machine in a period-2 cost's mean (2x measured 1.48x, interval from 0.99)
+        [PY, _job("checkpoint_every.py"), "--save-every", "2", "--steps", "60", "--vocab", "400000"]
+        + list(SAVE_IN_MEMORY),
+        FixOptions(
+            record=Options(steps=36, pyspy=False, extra_env={"OMP_NUM_THREADS": "1"}),
+            run_dir=str(tmp_path / "fix"),
+            cwd=str(work),
+            tries=1,
+            reporter=events.append,
+            run_job=run_job,
+        ),
+    )
+    assert order == ["baseline", "candidate", "candidate-again", "baseline-again"], (order, result.arms)
+    for name in ("candidate-again", "baseline-again"):  # the job's own runs, as the baseline's
+        manifest = json.loads((tmp_path / "fix" / name / "manifest.json").read_text())
+        assert manifest["status"] == "finished" and manifest["pid"], manifest
+    _assert_measured_again_and_kept(tmp_path / "fix", result, events)
+
+
+def _assert_measured_again_and_kept(root, result, events):
+    """The first pair lost (the disturbed run is never the one judged), the repeat judged on the
+    quicker runs, and the prescribed edit kept: the job's own --save-every raised, judged by the
+    means (a period-2 cost: the median sits in one mode), no patch of the job's source."""
     arm = result.arms[0]
     first = arm["repeat"]["first"]
-    # the disturbed run lost (it ran at an eighth of its own pace): never the one judged
     assert first["judged_speedup"] < 1, first
     assert first["judged_speedup"] < arm["judged_speedup"], arm
-    assert arm["repeat"]["judged_on"][1] == str(tmp_path / "fix" / "candidate-again"), arm
+    assert arm["repeat"]["judged_on"][1] == str(root / "candidate-again"), arm
     assert arm["mechanism"] == "config" and result.best == arm["dir"], arm
     assert arm["significant"], arm
     assert any("measured again" in e.text for e in events)
-    comparison = json.loads((tmp_path / "fix" / "candidate" / "comparison.json").read_text())
+    comparison = json.loads((root / "candidate" / "comparison.json").read_text())
     assert any(p.startswith("measured twice") for p in comparison["problems"])
-    # the prescribed edit, and it pays (this job was a row of test_fix_applies_the_prescribed_
-    # edit_and_it_pays, a second serial --fix of the same job; its claims are checked here): a
-    # checkpoint every 2 steps set by the job's own --save-every, raised, judged by the means
-    # (a period-2 cost: the median sits in one mode), with no patch of the job's source
-    kept = json.loads((tmp_path / "fix" / "fix.json").read_text())["kept"]
+    fix_json = json.loads((root / "fix.json").read_text())
+    kept = fix_json["kept"]
     assert kept["dir"] == arm["dir"] and kept["judged_speedup"] >= 1.5, kept
     assert kept["loss_parity"] is not False
     assert kept["predicted_step_time_s"] is not None and kept["measured_step_time_s"] is not None
     assert comparison["speedup_statistic"] == "mean", comparison["step_periods"]
-    fix_json = json.loads((tmp_path / "fix" / "fix.json").read_text())
     assert "--save-every 20" in " ".join(fix_json["apply"]), fix_json["apply"]
-    assert not (tmp_path / "fix" / "fix.patch").exists()
+    assert not (root / "fix.patch").exists()
 
 
 def test_merge_engine_returns_the_merged_run(tmp_path):
@@ -278,7 +340,7 @@ SAVE_IN_MEMORY = (
         ("fix_gc_every_step.py", ["--index-size", "150000"], 16, "source", "-    gc.collect()"),
         # (the checkpoint every 2 steps raised by the job's own --save-every, a period-2 cost
         # judged by its mean: checked on the serial --fix of that job above,
-        # test_an_arm_slowed_by_a_neighbour_is_measured_again_and_judged_by_its_quicker_run)
+        # test_fix_measures_a_slowed_arm_again_with_real_runs_of_the_job)
         ("fix_hf_workers.py", [], 16, "config", "--workers 2"),
     ],
 )

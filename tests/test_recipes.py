@@ -334,7 +334,7 @@ def test_a_periodic_cost_is_judged_by_the_means(tmp_path):
     loop does. The two runs are built in code on a fake clock (tests/jobs/host_loop.py's
     --odd-seconds 0.5 --every 3, as its steps would be timed on a quiet machine), so no load can
     move the judgement. A real periodic cost judged by its means end to end: test_fix_search.py's
-    test_an_arm_slowed_by_a_neighbour_is_measured_again_and_judged_by_its_quicker_run."""
+    test_fix_measures_a_slowed_arm_again_with_real_runs_of_the_job."""
     from traindx.cli import main as cli
 
     rng = np.random.default_rng(3)
