@@ -302,6 +302,7 @@ def test_allocator_stats_read_from_the_nested_dict_match_torchs_flat_form(monkey
     flat = torch.cuda.memory_stats()
     emitted = []
     monkeypatch.setattr(stepwork, "emit", lambda type_, **f: emitted.append(f))
+    monkeypatch.setattr(stepwork, "_alloc", {"read_ns": None, "step": None})  # the first reading
     fields = stepwork.emit_alloc(3, torch)
     assert fields == {k.replace(".", "_"): flat.get(k) for k in stepwork.ALLOC_KEYS}
     assert fields["allocated_bytes_all_current"] == 5 << 20 and fields["num_sync_all_streams"] is None
