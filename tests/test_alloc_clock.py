@@ -72,7 +72,7 @@ def test_the_allocator_is_read_on_a_clock_each_reading_spanning_its_steps(monkey
 
 
 def test_a_readings_retries_fall_in_its_slowest_steady_steps():
-    durations = pd.Series({s: 0.010 for s in range(3, 13)})
+    durations = pd.Series(dict.fromkeys(range(3, 13), 0.01))
     durations[6] = 0.030  # the slow step of the reading at step 8
     durations[11] = 0.025
     durations[12] = 0.020  # the reading at step 12 had two: its two slowest steps
