@@ -87,3 +87,31 @@ def test_a_readings_retries_fall_in_its_slowest_steady_steps():
     # a reading whose steps are all outside the steady window counts none
     warm = pd.DataFrame({"step": [2], "num_alloc_retries": [5], "span_steps": [2]})
     assert _retry_steps(warm, steady, durations) == (0, set())
+
+
+def test_device_growth_read_every_third_step_is_judged_at_its_readings(tmp_path):
+    """A device leak of 64 MiB a step, the allocator read every 3rd step (the clock on ~35 ms
+    steps): found at 64 MiB a step (the change per step between readings), and the device runs
+    out counted from its last reading, not from a step without one."""
+    from records import RunBuilder
+
+    from traindx.analyzers.memory import memory
+
+    b = RunBuilder(tmp_path / "run")
+    mib = 1 << 20
+    for _ in range(60):
+        step = b.step(0.035)
+        dev = {}
+        if step % 3 == 0:
+            dev = {
+                "dev_alloc_bytes": (1024 + 64 * step) * mib,
+                "dev_reserved_bytes": (2048 + 64 * step) * mib,
+            }
+            if step == 0:
+                dev["dev_total_bytes"] = 80 * 1024 * mib
+        b.event("mem", step=step, rss_bytes=900 * mib, heap_bytes=300 * mib, **dev)
+    (found,) = [f for f in memory.analyze(b.load()) if f.evidence.get("series") == "dev_alloc_bytes"]
+    assert round(found.evidence["rate_mb_per_step"]) == 64
+    # 80 GiB less 2048 + 64 x 57 MiB reserved at the last reading (step 57), at 64 MiB a step
+    expected = 57 + (80 * 1024 - 2048 - 64 * 57) / 64  # (the fitted rate's last bits: +-1 step)
+    assert abs(found.evidence["runs_out_at_step"] - expected) <= 1
