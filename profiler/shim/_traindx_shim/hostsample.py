@@ -63,6 +63,7 @@ MAX_BUFFERED = 100_000  # samples between two step ends (a long evaluation): lat
 # hostsample_cost.py; ~90 us on an H100 host), most of it the wake and the GIL's hand-offs,
 # not the walk: at 50 Hz that was 0.3-0.7 % of the job's time
 CPU_SHARE = 0.002
+ROUNDS_KEPT = 9  # the rounds whose median cost sets the rate
 MAX_KEYS = 5000  # distinct (function, line, call) keys; later ones share one
 _STDLIB = tuple(
     os.path.realpath(p) + os.sep
@@ -150,7 +151,8 @@ def _loop() -> None:
     now = time.time_ns
     shed = selfcost.shed_state  # above the budget the shim samples less (selfcost.py)
     ident = threading.get_ident()
-    cost = 0.0  # a round's CPU ns, smoothed: the wake, the GIL, the sample
+    cost = 0.0  # a round's CPU ns: the wake, the GIL, the sample (the median of the last rounds)
+    rounds: list[int] = []
     last = roles.report_cpu(ident, "traindx-hostsample")
     while not _state.get("stop"):
         time.sleep(period_s(cost, shed["sample_scale"]))
@@ -168,8 +170,11 @@ def _loop() -> None:
             report_error("host sampler", exc)
             return
         cpu = roles.report_cpu(ident, "traindx-hostsample")  # the round's CPU (selfcost.py)
-        cost = cpu - last if not cost else 0.8 * cost + 0.2 * (cpu - last)
-        last = cpu
+        # the median: a round that met new code (its first key: a disassembly, ~0.5 ms) is
+        # once per line, not the rate's steady cost
+        rounds.append(cpu - last)
+        del rounds[:-ROUNDS_KEPT]
+        cost, last = sorted(rounds)[len(rounds) // 2], cpu
 
 
 def _library_file(filename: str) -> tuple[bool, str | None]:
