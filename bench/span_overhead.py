@@ -109,6 +109,15 @@ def step_end(torch, calls):
         "one event emitted": lambda: shim.emit("span", cat="forward", start=1, t=2, tid=3),
         "the whole step end (stepwork.evidence)": whole,
     }
+    if torch.cuda.is_available():  # the GPU path: what the allocator's stats cost a step
+        torch.cuda.init()
+        rows["allocator stats, the nested dict (read every step before)"] = (
+            torch.cuda.memory_stats_as_nested_dict
+        )
+        rows["torch.cuda.memory_allocated() (flattens the same dict)"] = torch.cuda.memory_allocated
+        rows["allocator stats on the clock (stepwork.emit_alloc)"] = lambda: stepwork.emit_alloc(
+            step[0], torch
+        )
     for name, fn in rows.items():
         print(f"{name:40s} {best_of(fn, calls) / 1000:9.1f} µs")
 

@@ -76,7 +76,7 @@ def growth(steps: Sequence[int], values: Sequence[float]) -> dict[str, Any] | No
     """How a series grows over steps: {rate (per step, least squares over all points),
     first_rate / last_rate (each half's own), grew (last - first), rises / last_rises (share of
     step-to-step increases, over all points and over the second half), median_step (the median
-    step-to-step change: one freed transient does not move it), falls (step-to-step decreases), rank_corr (Spearman's between
+    change per step between points: one freed transient does not move it), falls (step-to-step decreases), rank_corr (Spearman's between
     step and value), first_step, last_step, last}; None with fewer than 6 finite points."""
     s = np.asarray(steps, dtype=float)
     v = np.asarray(values, dtype=float)
@@ -98,7 +98,8 @@ def growth(steps: Sequence[int], values: Sequence[float]) -> dict[str, Any] | No
         "grew": float(v[-1] - v[0]),
         "rises": float((diffs > 0).mean()),
         "last_rises": float((diffs[half:] > 0).mean()),
-        "median_step": float(np.median(diffs)),
+        # a change per step: a series read on a clock (the device's) has gaps between its points
+        "median_step": float(np.median(diffs / np.diff(s))),
         "falls": int((diffs < 0).sum()),
         "rank_corr": corr,
         "first_step": int(s[0]),

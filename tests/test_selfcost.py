@@ -30,7 +30,7 @@ def shim_cost(monkeypatch):
     monkeypatch.setattr(selfcost, "_pending", {})
     monkeypatch.setattr(selfcost, "_parts", {})
     fresh = dict(selfcost._state, carry_ns=0, purpose_ns=0, threads_cpu=None, window_cost=0, window_wall=0)
-    fresh.update(window_steps=0, level=0, steps=0, wall_ns=0, shim_ns=0, threads_ns=0)
+    fresh.update(window_steps=0, level=0, steps=0, wall_ns=0, shim_ns=0, threads_ns=0, judged=True)
     monkeypatch.setattr(selfcost, "_state", fresh)
     monkeypatch.setattr(selfcost, "shed_state", {"sample_scale": 1.0, "data_runq": True, "stat_every": 1})
     monkeypatch.setattr(selfcost, "BUDGET_PCT", 1.0)
@@ -54,6 +54,20 @@ def test_a_step_states_its_wrappers_and_the_previous_step_ends_work(shim_cost):
     kind, summary = shim_cost[-1]
     assert kind == "self_cost" and summary["steps"] == 2 and summary["shim_ns"] == 25_000
     assert summary["parts"]["wrap.forward"] == 2_000 and summary["parts"]["step.cpu"] == 40_000
+
+
+def test_the_summarys_parts_are_its_judged_steps(shim_cost):
+    """Start-up steps' work (the thread census at steps 0-1, the first device reads) stays out of
+    the parts, as out of `steps`: parts over steps is a steady step's cost."""
+    selfcost.add("forward", 9_000)
+    selfcost.step_fields(1, 10_000_000)  # step 1 ends: a start-up step
+    selfcost.step_end_work(3_000_000, {"step.cpu": 3_000_000})
+    selfcost.add("forward", 2_000)
+    selfcost.step_fields(5, 10_000_000)  # the first judged step
+    selfcost.step_end_work(50_000, {"step.cpu": 40_000})
+    selfcost.summary()
+    summary = shim_cost[-1][1]
+    assert summary["steps"] == 1 and summary["parts"] == {"wrap.forward": 2_000, "step.cpu": 40_000}
 
 
 def test_a_step_end_preempted_by_other_work_counts_only_its_own_cpu(shim_cost):
@@ -302,6 +316,7 @@ def test_allocator_stats_read_from_the_nested_dict_match_torchs_flat_form(monkey
     flat = torch.cuda.memory_stats()
     emitted = []
     monkeypatch.setattr(stepwork, "emit", lambda type_, **f: emitted.append(f))
+    monkeypatch.setattr(stepwork, "_alloc", {"read_ns": None, "step": None})  # the first reading
     fields = stepwork.emit_alloc(3, torch)
     assert fields == {k.replace(".", "_"): flat.get(k) for k in stepwork.ALLOC_KEYS}
     assert fields["allocated_bytes_all_current"] == 5 << 20 and fields["num_sync_all_streams"] is None

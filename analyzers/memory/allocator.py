@@ -174,6 +174,31 @@ def _alloc_prescriptions(
     return prescriptions
 
 
+def _retry_steps(rows: pd.DataFrame, steady_ids: set[int], durations: pd.Series) -> tuple[int, set[int]]:
+    """(retries in the steady steps, the steady steps that had one). The counter is cumulative;
+    a reading spans the steps since the last one (`span_steps`: the shim reads the allocator on
+    a 100 ms clock; 1 in records read every step): its new retries are the steady steps'
+    when any of its steps is steady, and fell in its slowest steady steps (a retry frees the
+    cache and synchronizes the device: its step is the slow one), one a retry."""
+    retries = pd.to_numeric(rows["num_alloc_retries"], errors="coerce").fillna(0)
+    new = retries.diff().fillna(retries.iloc[0]).to_numpy()
+    spans = (
+        pd.to_numeric(rows["span_steps"], errors="coerce").fillna(1).clip(lower=1).astype(int).to_numpy()
+        if "span_steps" in rows
+        else [1] * len(rows)
+    )
+    total, hits = 0, set()
+    for step, k, n in zip(rows["step"].astype(int), spans, new):
+        covered = [s for s in range(step - k + 1, step + 1) if s in steady_ids]
+        if not covered:
+            continue
+        total += int(n)
+        if n > 0:
+            slowest = sorted(covered, key=lambda s: -float(durations.get(s, 0.0)))
+            hits.update(slowest[: int(n)])
+    return total, hits
+
+
 def _analyze_rank(run: RunRecord, rank: str, rows: pd.DataFrame) -> list[Finding]:
     """rows: this rank's alloc events."""
     steady = ev.steady_steps(run, rank)
@@ -181,17 +206,13 @@ def _analyze_rank(run: RunRecord, rank: str, rows: pd.DataFrame) -> list[Finding
     rows = rows.sort_values("step")
     if not len(rows) or "num_alloc_retries" not in rows:
         return []
-    retries = pd.to_numeric(rows["num_alloc_retries"], errors="coerce").fillna(0)
-    grew = rows.assign(new_retries=retries.diff().fillna(retries.iloc[0]))
-    in_window = grew[grew["step"].isin(steady_ids)]
-    new_retries = int(in_window["new_retries"].sum())
+    durations = steady.set_index("step")["duration_s"]
+    new_retries, hit_ids = _retry_steps(rows, steady_ids, durations)
     empty_cache = _empty_cache_sites(run, rank, steady_ids)
     empties_in_steps = sum(s["in_steady_steps"] for s in empty_cache)
     if new_retries <= 0 and not empties_in_steps:
         return []
     # cost: how much slower the steps with a retry are than the steps without
-    hit_ids = {int(s) for s in in_window[in_window["new_retries"] > 0]["step"]}
-    durations = steady.set_index("step")["duration_s"]
     with_retry = durations[durations.index.isin(hit_ids)]
     without = durations[~durations.index.isin(hit_ids)]
     lost, cost_method, malloc, idle = _retry_cost(run, rank, with_retry, without, durations)

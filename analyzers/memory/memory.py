@@ -314,7 +314,8 @@ def _finding(
     held: pd.DataFrame,
     gpu: bool = False,
 ) -> Finding:
-    last = table.iloc[-1]
+    read = table.dropna(subset=[column])  # the device's series is read on a clock: its last reading
+    last = read.iloc[-1] if len(read) else table.iloc[-1]
     runway, bound = _runway(last, where, g["rate"])
     loc = _location(held[held["grew"] == where] if len(held) else held, gpu) or _location(held, gpu)
     if runway is not None and runway < CRITICAL_RUNWAY:

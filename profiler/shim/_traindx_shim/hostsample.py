@@ -2,8 +2,8 @@
 line (traindx.derive.ledger.host_code): py-spy's recordings carry no sample times, so they cannot say
 which samples fall between the training thread's measured calls; these can.
 
-A daemon thread (`traindx-hostsample`) wakes TRAINDX_HOST_SAMPLE_HZ times a second (default
-50; 0: off) while a step is in progress, takes the training thread's current frame
+A daemon thread (`traindx-hostsample`) wakes up to TRAINDX_HOST_SAMPLE_HZ times a second (default
+50; 0: off; slower where a sample costs more than CPU_SHARE of a core, below) while a step is in progress, takes the training thread's current frame
 (sys._current_frames) and reduces it to one key, interned once:
 
   function, file, line  the innermost frame of the job's own code (outside site-packages and
@@ -25,8 +25,11 @@ after t0), k (key ids), runq_us (where readable), tid, pid; new keys first, as `
 file, line, call} (ids are per process).
 The derive layer keeps the samples that fall inside the ledger's host intervals.
 
-Cost: one GIL acquisition per wake (~10-30 µs with a stack walk): ~0.1 % of the job's time at
-50 Hz. A C call that holds the GIL delays the sample to its end (then the sample names what
+Cost: a round (the wake, taking the GIL from the training thread, the walk, the run-queue read)
+costs 50-150 µs of CPU beside a busy training thread, most of it the wake and the GIL's
+hand-offs: the sampler measures its rounds on its own thread clock and sleeps long enough that
+they take at most CPU_SHARE of a core (0.2 %: ~20 µs of a 10 ms step), never less often than
+selfcost.MIN_SAMPLE_HZ. A repeated stack costs one dict look-up for its key (`_fast`). A C call that holds the GIL delays the sample to its end (then the sample names what
 runs next): such time is under-sampled, never misattributed to a measured line. The job's
 frames are only read (no f_locals).
 """
@@ -54,6 +57,13 @@ HOST_FRAME = schema.HOST_FRAME
 HOST_SAMPLES = schema.HOST_SAMPLES
 RATE_HZ = float(os.environ.get("TRAINDX_HOST_SAMPLE_HZ") or 50)
 MAX_BUFFERED = 100_000  # samples between two step ends (a long evaluation): later ones dropped
+# the sampler's own CPU (its wake, taking the GIL, the stack walk, the run-queue read; it holds
+# the GIL, so a job's thread that needs it waits): at most this share of a core, ~20 us of a
+# 10 ms step. A round costs 50-150 us of CPU beside a busy training thread (bench/
+# hostsample_cost.py; ~90 us on an H100 host), most of it the wake and the GIL's hand-offs,
+# not the walk: at 50 Hz that was 0.3-0.7 % of the job's time
+CPU_SHARE = 0.002
+ROUNDS_KEPT = 9  # the rounds whose median cost sets the rate
 MAX_KEYS = 5000  # distinct (function, line, call) keys; later ones share one
 _STDLIB = tuple(
     os.path.realpath(p) + os.sep
@@ -72,6 +82,8 @@ _callee: dict[
     tuple[Any, int], tuple[str | None, bool]
 ] = {}  # (code, lasti) -> (callee name or None, resolved)
 _instructions: dict[Any, Any] = {}  # code -> its instructions
+_code_lib: dict[Any, bool] = {}  # code -> whether it is a library's
+_fast: dict[tuple[Any, ...], int] = {}  # (leaf code, its lasti, own code, its lasti, via code) -> key id
 
 
 def start(tid: int) -> None:
@@ -126,16 +138,24 @@ def _runqueue_ns() -> int | None:
         return None
 
 
+def period_s(cost_ns: float, scale: float) -> float:
+    """Seconds between samples: RATE_HZ (x the budget's scale), or slower where a sample costs
+    more than CPU_SHARE of a core at that rate (cost_ns: a round's CPU, smoothed); never slower
+    than MIN_SAMPLE_HZ, whatever a sample costs."""
+    base = 1.0 / RATE_HZ / scale if scale > 0 else 1.0 / selfcost.MIN_SAMPLE_HZ
+    return min(max(base, cost_ns / 1e9 / CPU_SHARE), max(base, 1.0 / selfcost.MIN_SAMPLE_HZ))
+
+
 def _loop() -> None:
-    period = 1.0 / RATE_HZ
     frames = sys._current_frames
     now = time.time_ns
     shed = selfcost.shed_state  # above the budget the shim samples less (selfcost.py)
     ident = threading.get_ident()
+    cost = 0.0  # a round's CPU ns: the wake, the GIL, the sample (the median of the last rounds)
+    rounds: list[int] = []
+    last = roles.report_cpu(ident, "traindx-hostsample")
     while not _state.get("stop"):
-        roles.report_cpu(ident, "traindx-hostsample")  # the last round's CPU (selfcost.py)
-        scale = shed["sample_scale"]
-        time.sleep(period / scale if scale > 0 else max(period, 1.0 / selfcost.MIN_SAMPLE_HZ))
+        time.sleep(period_s(cost, shed["sample_scale"]))
         tid = _state["tid"]
         if not _state["running"] or tid is None or len(_buf) >= MAX_BUFFERED:
             continue
@@ -149,6 +169,12 @@ def _loop() -> None:
         except Exception as exc:  # never again: one error, then the sampler stops
             report_error("host sampler", exc)
             return
+        cpu = roles.report_cpu(ident, "traindx-hostsample")  # the round's CPU (selfcost.py)
+        # the median: a round that met new code (its first key: a disassembly, ~0.5 ms) is
+        # once per line, not the rate's steady cost
+        rounds.append(cpu - last)
+        del rounds[:-ROUNDS_KEPT]
+        cost, last = sorted(rounds)[len(rounds) // 2], cpu
 
 
 def _library_file(filename: str) -> tuple[bool, str | None]:
@@ -180,23 +206,38 @@ def _library_file(filename: str) -> tuple[bool, str | None]:
     return got
 
 
+def _is_library(code: Any) -> bool:
+    """Whether a code object is a library's (_library_file), cached by the code object: a
+    sample asks this of every frame it walks."""
+    got = _code_lib.get(code)
+    if got is None:
+        got = _code_lib[code] = _library_file(code.co_filename)[0]
+    return got
+
+
 def _key_id(leaf: FrameType) -> int:
     user = None
     frame: FrameType | None = leaf
     while frame is not None:
-        if not _library_file(frame.f_code.co_filename)[0]:
+        if not _is_library(frame.f_code):
             user = frame
             break
         frame = frame.f_back
     own = user or leaf
+    caller = _via_caller(user)
+    # the same leaf instruction, the same line of the job's frame and the same callback
+    # dispatch give the same key: one dict look-up, no line-table decode, no name built
+    fast = (leaf.f_code, leaf.f_lasti, own.f_code, own.f_lasti, caller)
+    got = _fast.get(fast)
+    if got is not None:
+        return got
     code = own.f_code
-    call = _call_of(leaf)
     key = (
         getattr(code, "co_qualname", code.co_name),
         code.co_filename,
         own.f_lineno or code.co_firstlineno,
-        call,
-        _via(user),
+        _call_of(leaf),
+        _via_name(caller),
     )
     got = _keys.get(key)
     if got is None:
@@ -206,6 +247,8 @@ def _key_id(leaf: FrameType) -> int:
         if got is None:
             got = _keys[key] = len(_keys)
             _new_keys.append(got)
+    if len(_fast) < MAX_KEYS * 4:
+        _fast[fast] = got
     return got
 
 
@@ -213,21 +256,31 @@ def _via(user: FrameType | None) -> str | None:
     """The library function that called the job's frame back, when the job's code is further up
     the stack too (a framework's callback or event dispatch calling the job's handler): its
     module.qualname; None for code the job's own loop calls."""
+    return _via_name(_via_caller(user))
+
+
+def _via_caller(user: FrameType | None) -> Any:
+    """The code of the library frame that called the job's frame back (see _via), or None."""
     if user is None:
         return None
     caller = user.f_back
-    while caller is not None and not _library_file(caller.f_code.co_filename)[0]:
+    while caller is not None and not _is_library(caller.f_code):
         caller = caller.f_back  # up through the job's own frames (a helper the callback calls)
     if caller is None:
         return None
     frame = caller.f_back
     while frame is not None:
-        if not _library_file(frame.f_code.co_filename)[0]:
-            module = _library_file(caller.f_code.co_filename)[1]
-            code = caller.f_code
-            return f"{module}.{getattr(code, 'co_qualname', code.co_name)}" if module else None
+        if not _is_library(frame.f_code):
+            return caller.f_code
         frame = frame.f_back
     return None
+
+
+def _via_name(code: Any) -> str | None:
+    if code is None:
+        return None
+    module = _library_file(code.co_filename)[1]
+    return f"{module}.{getattr(code, 'co_qualname', code.co_name)}" if module else None
 
 
 def _call_of(leaf: FrameType) -> str | None:

@@ -4,8 +4,8 @@ it keeps growing.
 One `mem` event at each step end of the training process:
   rss_bytes        resident set size (/proc/self/statm: one read of a few bytes)
   heap_bytes       bytes malloc has handed out (glibc's mallinfo2), the host's growth signal
-  dev_alloc_bytes  torch.cuda.memory_allocated() (from the step's `alloc` stats, GPU only)
-  dev_reserved_bytes
+  dev_alloc_bytes  torch.cuda.memory_allocated() (from the `alloc` stats, GPU only: on steps
+  dev_reserved_bytes  with an allocator reading, at most every stepwork.ALLOC_INTERVAL_NS)
 and, on the first step end and every LIMIT_EVERY steps after, what memory is left:
   host_available_bytes  MemAvailable (/proc/meminfo)
   cgroup_limit_bytes / cgroup_usage_bytes  memory.max / memory.current (cgroup v2; v1's
@@ -57,7 +57,8 @@ _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 _state: dict[str, Any] = {
     "statm": None,
-    "history": [],  # (step, rss, dev_alloc) of the last GROW_STEPS + 1 step ends
+    "history": [],  # (step, heap or rss) of the last GROW_STEPS + 1 step ends
+    "dev_history": [],  # (step, dev_alloc) of the last GROW_STEPS + 1 allocator readings
     "hunt": None,  # {"step": n, "census": {...}, "t": cost so far, "device": bool}
     "hunted": False,
     "dev_total": None,
@@ -178,31 +179,35 @@ def emit_step(step: int, torch: Any, dev: dict[str, Any] | None) -> None:
     first = not _state["history"]
     if first or step % LIMIT_EVERY == 0:
         fields.update(host_limits())
-        if dev and _state["dev_total"] is None:
-            try:
-                _state["dev_total"] = int(torch.cuda.mem_get_info()[1])
-                fields["dev_total_bytes"] = _state["dev_total"]
-            except Exception:
-                _state["dev_total"] = 0
+    if dev and _state["dev_total"] is None:  # once, at the first allocator reading
+        try:
+            _state["dev_total"] = int(torch.cuda.mem_get_info()[1])
+            fields["dev_total_bytes"] = _state["dev_total"]
+        except Exception:
+            _state["dev_total"] = 0
     emit(schema.MEM, step=step, **fields)
-    history = _state["history"]
+    history, readings = _state["history"], _state["dev_history"]
     ours = _state["ours"]
     if ours is not None and ours[0] <= step <= ours[1]:
         history.clear()  # the growth check starts again after the steps our profiler grew
+        readings.clear()
         return
-    history.append((step, fields["heap_bytes"] or fields["rss_bytes"] or 0, dev_alloc or 0))
+    history.append((step, fields["heap_bytes"] or fields["rss_bytes"] or 0))
     del history[: -(GROW_STEPS + 1)]
+    if dev_alloc is not None:  # the allocator is read on a clock (stepwork.emit_alloc)
+        readings.append((step, dev_alloc))
+        del readings[: -(GROW_STEPS + 1)]
     hunt = _state["hunt"]
     if hunt is not None:
         if step >= hunt["step"] + HUNT_GAP:
             _finish(step, torch, hunt)
-    elif not _state["hunted"] and step >= HUNT_FROM_STEP and len(history) > GROW_STEPS:
-        for column in (1, 2):
+    elif not _state["hunted"] and step >= HUNT_FROM_STEP:
+        for series, device in ((history, False), (readings, True)):
             # most steps grew by less than either test's least: no lists built for them
-            if history[-1][column] - history[0][column] < GROW_STEADY_MIN_BYTES:
+            if len(series) <= GROW_STEPS or series[-1][1] - series[0][1] < GROW_STEADY_MIN_BYTES:
                 continue
-            if _keeps_growing([h[column] for h in history]):
-                _begin(step, torch, device=column == 2)
+            if _keeps_growing([h[1] for h in series]):
+                _begin(step, torch, device=device)
                 break
 
 

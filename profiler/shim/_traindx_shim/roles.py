@@ -68,11 +68,14 @@ if hasattr(os, "register_at_fork"):  # a forked child's threads are its own: non
     os.register_at_fork(after_in_child=OWN_CPU.clear)
 
 
-def report_cpu(ident: int, name: str) -> None:
-    """Called by one of the shim's threads on itself: its CPU time so far (one clock read)."""
+def report_cpu(ident: int, name: str) -> int:
+    """Called by one of the shim's threads on itself: its CPU time so far (one clock read),
+    also returned."""
     import time  # loaded by the interpreter already: no cost
 
-    OWN_CPU[ident] = (name, time.thread_time_ns())
+    ns = time.thread_time_ns()
+    OWN_CPU[ident] = (name, ns)
+    return ns
 
 
 def start_thread(thread: Any) -> None:

@@ -11,8 +11,9 @@ SUMMARY_EVERY steps and at exit, one `self_cost` event with the run so far:
   shim_threads_cpu_s  CPU seconds of the shim's own threads (the event writer, the host
                    sampler) in the step: they hold the GIL while they run Python, so a job
                    thread that needs it waits; counted whole (an upper bound)
-  parts            (self_cost event only) ns per component over the run: the wrappers by
-                   kind, each piece of the step-end work, the threads
+  parts            (self_cost event only) ns per component over the judged steps (`steps`:
+                   from FIRST_JUDGED_STEP; the work on purpose left out):
+                   the wrappers by kind, each piece of the step-end work (wall), the threads
 
 Budget (TRAINDX_BUDGET_PCT, default 1; 0: never shed): when the shim's cost over the last
 WINDOW steps exceeds it, the shim sheds work, cheapest evidence first, one level per window,
@@ -59,6 +60,7 @@ _state: dict[str, Any] = {
     "wall_ns": 0,
     "shim_ns": 0,
     "threads_ns": 0,
+    "judged": True,  # the step that just ended is judged: its step end's parts are booked
 }
 # what a shed level turns down: read by the code that does the work (hostsample, spans)
 shed_state: dict[str, Any] = {"sample_scale": 1.0, "data_runq": True, "stat_every": 1}
@@ -80,8 +82,9 @@ def step_end_work(ns: int, parts: dict[str, int], purpose_ns: int = 0, cpu_ns: i
     per_step = max(0, ns - purpose_ns)
     _state["carry_ns"] += per_step if cpu_ns is None else min(per_step, max(0, cpu_ns))
     _state["purpose_ns"] += purpose_ns
-    for k, v in parts.items():
-        _parts[k] = _parts.get(k, 0) + v
+    if _state["judged"]:  # the summary's parts are the judged steps' (as its `steps` count)
+        for k, v in parts.items():
+            _parts[k] = _parts.get(k, 0) + v
 
 
 def _threads_cpu_ns() -> dict[tuple[int, str], int]:
@@ -94,7 +97,11 @@ def step_fields(step: int, wall_ns: int | None) -> dict[str, Any]:
     """The step's own cost (fields of its `cpu` event); judges the budget."""
     carried, purpose = _state["carry_ns"], _state["purpose_ns"]
     own = sum(_pending.values()) + carried
-    for k, v in _pending.items():
+    # start-up steps (the first steps' thread census, the first allocator and device reads) and
+    # the work on purpose (a profiler window, a hunt) are not the steady cost: the parts count
+    # the judged steps, as the summary's `steps` does
+    judged = _state["judged"] = bool(wall_ns) and step >= FIRST_JUDGED_STEP
+    for k, v in _pending.items() if judged else ():
         _parts["wrap." + k] = _parts.get("wrap." + k, 0) + v
     _pending.clear()
     _state["carry_ns"] = _state["purpose_ns"] = 0
@@ -105,7 +112,8 @@ def step_fields(step: int, wall_ns: int | None) -> dict[str, Any]:
     for thread, ns in now.items() if prev is not None else ():
         used = max(0, ns - prev.get(thread, ns))
         threads += used
-        _parts["thread." + thread[1]] = _parts.get("thread." + thread[1], 0) + used
+        if judged:
+            _parts["thread." + thread[1]] = _parts.get("thread." + thread[1], 0) + used
     fields: dict[str, Any] = {"shim_ns": own, "shim_end_ns": carried, "shim_threads_cpu_s": threads / 1e9}
     if purpose:
         fields["shim_purpose_ns"] = purpose

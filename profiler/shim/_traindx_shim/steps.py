@@ -225,9 +225,14 @@ def _end(source: str, t: int | None = None, retro: bool = False) -> None:
     parts["step.begin"] = done - mark  # the boundary hooks: a torch.profiler window's export
     # the work after the boundary is the next step's time, and traindx's line of its ledger; the
     # hooks' every-step work (the anomaly check, the GPU clock's marks) is a per-step cost
-    purpose = (parts["step.begin"] if _on_purpose[0] else 0) + (
-        parts["step.mem"] if parts.pop("hunting", 0) else 0
-    )
+    hunting = parts.pop("hunting", 0)
+    purpose = (parts["step.begin"] if _on_purpose[0] else 0) + (parts["step.mem"] if hunting else 0)
+    if purpose:  # the parts on purpose are stated once, never in the per-step parts
+        parts = {
+            k: v
+            for k, v in parts.items()
+            if not (k == "step.begin" and _on_purpose[0]) and not (k == "step.mem" and hunting)
+        }
     selfcost.step_end_work(done - work0, parts, purpose, cpu)
     emit("span", cat="traindx", start=max(t, work0), t=done, tid=threading.get_ident())
 
